@@ -1,0 +1,42 @@
+"""The bug zoo: real KV-lifecycle bugs that can be switched back on by name.
+
+Each switch re-creates the faulty *behaviour* of a bug that shipped in a public serving engine
+and was fixed there; the faulty branch lives at the spot it concerns and names its source.
+See ``shared/reference/bug-zoo.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnknownBugError(ValueError):
+    """Raised for a bug name that is not in :data:`BUGS`."""
+
+    def __init__(self, name: str):
+        super().__init__(f"unknown bug {name!r}; valid bugs: {', '.join(BUGS)}")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class BugInfo:
+    name: str
+    source: str
+    preset: str
+    finding: str
+    description: str
+
+
+BUGS: dict[str, BugInfo] = {
+    b.name: b
+    for b in [
+        BugInfo(
+            "hisparse-prebuilt-skip-finish",
+            "sglang PR #22882",
+            "pd-decode-hisparse",
+            "leak",
+            "a request that finishes in the PD prebuilt step (a health check, max_new_tokens=1) is "
+            "released without HiSparseCoordinator.request_finished: its device buffer and host slots leak",
+        ),
+    ]
+}

@@ -1,0 +1,144 @@
+"""Engine configuration and named presets.
+
+Modelled on the server arguments of SGLang 0.5.x (``srt/server_args.py``) that shape memory:
+pool size, page size, batch limits, disaggregation mode and HiSparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine_under_test.bugs import BUGS, UnknownBugError
+
+
+class UnknownPresetError(ValueError):
+    """Raised for a preset name that is not in :data:`PRESETS`."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides how the engine allocates and releases memory.
+
+    Sizes are in tokens unless the name says otherwise. ``num_slots`` is the device KV pool
+    (``max_total_num_tokens`` in SGLang); with ``page_size > 1`` it is rounded down to whole pages.
+
+    Raises ``ValueError`` from ``__post_init__`` for inconsistent values and
+    :class:`UnknownBugError` for a bug name that is not in the zoo.
+    """
+
+    num_slots: int = 512
+    page_size: int = 1
+    max_running_requests: int = 8
+    max_req_rows: int = 16
+    context_len: int = 128
+    disaggregation_mode: str | None = None  # None | "decode"
+    pd_pre_alloc_rows: int = 4
+    transfer_latency_steps: int = 1
+    enable_hisparse: bool = False
+    hisparse_device_buffer_size: int = 16
+    hisparse_host_ratio: int = 2
+    disable_radix_cache: bool = False
+    model: str = "none"  # "tiny" | "none"
+    device: str = "cpu"
+    vocab_size: int = 128
+    bugs: frozenset[str] = field(default_factory=frozenset)
+    seed: int = 0
+    preset: str = "custom"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+        unknown = sorted(self.bugs - set(BUGS))
+        if unknown:
+            raise UnknownBugError(unknown[0])
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_slots < self.page_size * 2:
+            raise ValueError(f"num_slots={self.num_slots} is smaller than two pages of {self.page_size}")
+        if self.disaggregation_mode not in (None, "decode"):
+            raise ValueError(f"disaggregation_mode must be None or 'decode', got {self.disaggregation_mode!r}")
+        if self.enable_hisparse and self.disaggregation_mode != "decode":
+            raise ValueError("enable_hisparse needs disaggregation_mode='decode' in this version")
+        if self.model not in ("tiny", "none"):
+            raise ValueError(f"model must be 'tiny' or 'none', got {self.model!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.max_running_requests < 1 or self.max_req_rows < 1:
+            raise ValueError("max_running_requests and max_req_rows must be >= 1")
+        if self.hisparse_device_buffer_size % self.page_size:
+            raise ValueError("hisparse_device_buffer_size must be a multiple of page_size")
+        if self.context_len < 2:
+            raise ValueError("context_len must be >= 2")
+
+    @property
+    def num_pages(self) -> int:
+        """Device KV pages, excluding the reserved page 0."""
+        return self.num_slots // self.page_size
+
+    @property
+    def total_tokens(self) -> int:
+        """Usable device KV slots (``max_total_num_tokens``), whole pages only."""
+        return self.num_pages * self.page_size
+
+    @property
+    def is_pd_decode(self) -> bool:
+        return self.disaggregation_mode == "decode"
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["bugs"] = sorted(self.bugs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        """Build a config from :meth:`to_dict` output. Raises ``TypeError``/``ValueError`` on bad keys."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown config key {unknown[0]!r}")
+        d = dict(d)
+        if "bugs" in d:
+            d["bugs"] = frozenset(d["bugs"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    overrides: dict
+
+    def config(self, **changes) -> EngineConfig:
+        return EngineConfig(preset=self.name, **{**self.overrides, **changes})
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("default", "aggregated serving, page 1, radix cache on", {}),
+        Preset(
+            "pd-decode",
+            "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off",
+            {"disaggregation_mode": "decode", "disable_radix_cache": True},
+        ),
+        Preset(
+            "pd-decode-hisparse",
+            "PD decode with HiSparse: logical ids, per-request device buffer and host pool",
+            {"disaggregation_mode": "decode", "disable_radix_cache": True, "enable_hisparse": True,
+             "num_slots": 256},
+        ),
+    ]
+}
+
+
+def get_preset(name: str) -> Preset:
+    """Return the preset called ``name``. Raises :class:`UnknownPresetError`."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UnknownPresetError(
+            f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}"
+        ) from None

@@ -1,0 +1,204 @@
+"""Radix prefix cache over token ids, with lock references.
+
+Modelled on SGLang 0.5.x ``srt/mem_cache/radix_cache.py`` (``RadixCache``, ``TreeNode``): keys are
+token ids, values are KV slot indices (``[n] int64``); with ``page_size > 1`` keys and values are
+page-aligned, so a request's partial last page always stays private to it. A node with
+``lock_ref > 0`` (or below one) is *protected*; the other tree tokens are *evictable*.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from engine_under_test.memory import INDEX_DTYPE, PoolIntegrityError, TokenToKVPoolAllocator
+
+
+class TreeNode:
+    _ids = itertools.count()
+
+    def __init__(self, parent: "TreeNode | None" = None):
+        self.id = next(TreeNode._ids)
+        self.parent = parent
+        self.children: dict[tuple, TreeNode] = {}
+        self.key: tuple[int, ...] = ()
+        self.value: torch.Tensor | None = None
+        self.lock_ref = 0
+        self.last_access_time = 0
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class MatchResult(NamedTuple):
+    device_indices: torch.Tensor  # [matched_len] int64
+    last_node: TreeNode
+
+
+class RadixCache:
+    """Prefix tree of KV slots. ``disable=True`` keeps the interface but caches nothing."""
+
+    def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int = 1, disable: bool = False):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.device = allocator.device
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every node (SGLang ``reset``; the caller clears the allocator)."""
+        self.root_node = TreeNode()
+        self.root_node.lock_ref = 1
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+        self._clock = 0
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, key) -> tuple:
+        return tuple(key[: self.page_size])
+
+    def _match_len(self, a, b) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n // self.page_size * self.page_size
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=INDEX_DTYPE, device=self.device)
+
+    # -- lookup / insert ------------------------------------------------------------------
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key``. May split a node; does not lock."""
+        if self.disable:
+            return MatchResult(self._empty(), self.root_node)
+        key = key[: len(key) // self.page_size * self.page_size]
+        node, values, now = self.root_node, [], self._tick()
+        while key and self._child_key(key) in node.children:
+            child = node.children[self._child_key(key)]
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split_node(child, n)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node, key = child, key[n:]
+        return MatchResult(torch.cat(values) if values else self._empty(), node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert ``key`` -> ``value`` (``[len(key)] int64``, page-aligned length).
+
+        Returns the length of the prefix that was already cached: the caller owns the
+        duplicate slots ``value[:returned]`` and must free the ones the tree did not take.
+        """
+        if self.disable:
+            return 0
+        node, done, now = self.root_node, 0, self._tick()
+        key = list(key)
+        while key and self._child_key(key) in node.children:
+            child = node.children[self._child_key(key)]
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            done += n
+            key, value = key[n:], value[n:]
+            node = self._split_node(child, n) if n < len(child.key) else child
+        if key:
+            leaf = TreeNode(node)
+            leaf.key, leaf.value, leaf.last_access_time = tuple(key), value.clone(), now
+            node.children[self._child_key(key)] = leaf
+            self.evictable_size_ += len(key)
+        return done
+
+    def _split_node(self, child: TreeNode, n: int) -> TreeNode:
+        new = TreeNode(child.parent)
+        new.key, new.value = child.key[:n], child.value[:n]
+        new.lock_ref, new.last_access_time = child.lock_ref, child.last_access_time
+        new.children = {self._child_key(child.key[n:]): child}
+        child.parent.children[self._child_key(new.key)] = new
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], new
+        return new
+
+    # -- locks ----------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock the path root..node; a node going 0 -> 1 moves its tokens evictable -> protected."""
+        if self.disable:
+            return
+        while node is not self.root_node:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        if self.disable:
+            return
+        while node is not self.root_node:
+            if node.lock_ref == 1:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    # -- eviction -------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` evictable tokens, least recently used leaves first.
+
+        Returns the number of tokens freed (may be less if not enough are evictable).
+        """
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.id, n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            self.allocator.free(node.value)
+            freed += len(node.key)
+            self.evictable_size_ -= len(node.key)
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        return freed
+
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    # -- walking --------------------------------------------------------------------------
+    def nodes(self):
+        """Every node except the root, parents before children."""
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _leaves(self):
+        return [n for n in self.nodes() if not n.children]
+
+    def total_size(self) -> int:
+        return sum(len(n.key) for n in self.nodes())
+
+    def check_integrity(self) -> None:
+        """Recount evictable/protected from the nodes; raise :class:`PoolIntegrityError` on a mismatch."""
+        ev = sum(len(n.key) for n in self.nodes() if n.lock_ref == 0)
+        pr = sum(len(n.key) for n in self.nodes() if n.lock_ref > 0)
+        if (ev, pr) != (self.evictable_size_, self.protected_size_):
+            raise PoolIntegrityError(
+                f"[radix] counters evictable={self.evictable_size_} protected={self.protected_size_}"
+                f" but nodes hold evictable={ev} protected={pr}")
+        for n in self.nodes():
+            if n.lock_ref < 0 or len(n.key) != n.value.numel() or len(n.key) % self.page_size:
+                raise PoolIntegrityError(f"[radix] bad node {n!r}")

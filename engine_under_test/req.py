@@ -1,0 +1,91 @@
+"""Requests and their KV record.
+
+Modelled on SGLang 0.5.x ``srt/managers/schedule_batch.py`` (``Req``, ``ReqKvInfo``).
+
+Position ranges of one request's row (all in tokens)::
+
+    [0, cache_protected_len)                 owned by the radix tree (matched or inserted prefix)
+    [cache_protected_len, kv_allocated_len)  owned privately by the request (whole pages)
+    [0, kv_committed_len)                    positions whose KV is written; committed <= allocated
+    [prefix_len, extend_end)                 what the current prefill round computes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+@dataclass
+class ReqKvInfo:
+    """The request's KV record: its row and the lengths over it (see the module table)."""
+
+    req_pool_idx: int | None = None
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+    cache_protected_len: int = 0
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.req_pool_idx is not None
+
+    def mark_kv_released(self) -> None:
+        self.req_pool_idx = None
+        self.kv_allocated_len = 0
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request. ``origin_input_ids`` and ``output_ids`` are token ids."""
+
+    rid: str
+    origin_input_ids: list[int]
+    max_new_tokens: int
+    stop_at: int | None = None  # output position that samples EOS (models a stop token)
+    output_ids: list[int] = field(default_factory=list)
+    kv: ReqKvInfo = field(default_factory=ReqKvInfo)
+    prefix_len: int = 0
+    extend_end: int = 0
+    last_node: object = None
+    lock: object = None  # the tree node this request holds a lock on, or None
+    finished_reason: FinishReason | None = None
+    to_finish: FinishReason | None = None
+    transfer_ready_step: int = -1  # PD decode: poll step at which the KV transfer completes
+    hisparse_admitted: bool = False
+
+    @property
+    def is_health_check(self) -> bool:
+        return self.rid.startswith(HEALTH_CHECK_RID_PREFIX)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def owned_kv_len(self) -> int:
+        return self.kv.kv_committed_len
+
+    def update_finish_state(self, eos_sampled: bool) -> None:
+        """Set ``finished_reason`` (``to_finish`` wins, then EOS, then length), as SGLang does."""
+        if self.finished():
+            return
+        if self.to_finish is not None:
+            self.finished_reason = self.to_finish
+        elif eos_sampled:
+            self.finished_reason = FinishReason.STOP
+        elif len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = FinishReason.LENGTH

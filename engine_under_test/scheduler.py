@@ -1,0 +1,612 @@
+"""The scheduler: SGLang's event loop over the memory pools.
+
+Modelled on SGLang 0.5.x ``srt/managers/scheduler.py`` (``event_loop_normal``,
+``get_next_batch_to_run``, ``process_input_requests``, ``abort_request``, ``on_idle``),
+``srt/managers/scheduler_components/batch_result_processor.py``, ``srt/mem_cache/common.py``
+(``release_kv_cache``, ``checkpoint_kv_cache``), ``srt/mem_cache/allocation.py``
+(``alloc_for_extend``, ``alloc_for_decode``) and, for PD decode, ``srt/disaggregation/decode.py``.
+
+One :meth:`Scheduler.step` is one loop iteration::
+
+    ingest -> [PD: prealloc, transfer] -> next batch (prefill | prebuilt + decode) -> run
+           -> process result -> last_batch = batch -> (no batch: on_idle)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from engine_under_test import model as model_mod
+from engine_under_test.config import EngineConfig
+from engine_under_test.hisparse import HiSparseCoordinator
+from engine_under_test.memory import (INDEX_DTYPE, HostKVPool, MHATokenToKVPool, ReqToTokenPool,
+                                      TokenToKVPoolAllocator)
+from engine_under_test.radix_cache import RadixCache
+from engine_under_test.req import HEALTH_CHECK_RID_PREFIX, FinishReason, Req
+
+EXTEND, DECODE, PREBUILT = "extend", "decode", "prebuilt"
+EOS_TOKEN = 1
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    forward_mode: str
+    out_cache_loc: torch.Tensor | None = None  # [n] int64 slots written into the rows
+    model_loc: torch.Tensor | None = None  # HiSparse: [bs] physical buffer slots the model writes
+    host_loc: torch.Tensor | None = None  # HiSparse: [bs] host slots that back the new tokens up
+
+
+class PoolCheck(NamedTuple):
+    """One line of :meth:`Scheduler.check_memory`, in tokens (rows for ``req_to_token_pool``)."""
+
+    pool: str
+    available: int
+    evictable: int
+    protected: int
+    session_held: int
+    uncached: int
+    total: int
+
+    @property
+    def ok(self) -> bool:
+        return self.available + self.evictable + self.protected + self.session_held + self.uncached == self.total
+
+    def message(self) -> str:
+        return (f"[{self.pool}] total={self.total}, available={self.available}, evictable={self.evictable}, "
+                f"protected={self.protected}, session_held={self.session_held}, uncached={self.uncached}")
+
+
+@dataclass
+class _Msg:
+    kind: str  # "generate" | "abort" | "health_check"
+    req: Req | None = None
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@dataclass
+class FinishedOutput:
+    rid: str
+    reason: FinishReason
+    output_ids: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """The engine. Build it from an :class:`EngineConfig`; feed it with :meth:`add_request`,
+    :meth:`health_check` and :meth:`abort_request`; advance it with :meth:`step`.
+
+    Raises ``RuntimeError`` on an allocation that admission should have prevented (SGLang's
+    fail-loud "out of memory" paths) and on a second ``release_kv_cache`` of one request.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = cfg = config
+        ps, dev = cfg.page_size, cfg.device
+        self.page_size = ps
+        logical = cfg.total_tokens * (cfg.hisparse_host_ratio if cfg.enable_hisparse else 1)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(logical, ps, dev, "token_to_kv_pool")
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_req_rows, cfg.context_len, dev,
+                                                cfg.pd_pre_alloc_rows if cfg.is_pd_decode else 0)
+        self.kv_pool = MHATokenToKVPool((cfg.num_pages + 1) * ps, model_mod.NUM_LAYERS, model_mod.NUM_HEADS,
+                                        model_mod.HEAD_DIM, dev)
+        self.tree_cache = RadixCache(self.token_to_kv_pool_allocator, ps, disable=cfg.disable_radix_cache)
+        self.model = (model_mod.TinyModel(cfg.vocab_size, cfg.context_len, cfg.seed, dev)
+                      if cfg.model == "tiny" else None)
+        self.hisparse_coordinator: HiSparseCoordinator | None = None
+        if cfg.enable_hisparse:
+            physical = TokenToKVPoolAllocator(cfg.total_tokens, ps, dev, "hisparse_device")
+            host = HostKVPool(logical, ps, model_mod.NUM_LAYERS, model_mod.NUM_HEADS, model_mod.HEAD_DIM,
+                              "hisparse_host")
+            host.compute_device = torch.device(dev)
+            self.hisparse_coordinator = HiSparseCoordinator(physical, host, cfg.hisparse_device_buffer_size, ps,
+                                                            copy_kv=self.model is not None)
+            self.hisparse_coordinator.kv_pool = self.kv_pool
+        self.recv_queue: list[_Msg] = []
+        self.waiting_queue: list[Req] = []
+        self.running_batch: list[Req] = []
+        self.last_batch: ScheduleBatch | None = None
+        self.disagg_prealloc_queue: list[Req] = []
+        self.disagg_transfer_queue: list[Req] = []
+        self.forward_ct = 0
+        self.pending_health_check_acks = 0
+        self.health_check_acks = 0
+        self.finished_outputs: list[FinishedOutput] = []
+        self.last_idle_check: list[PoolCheck] | None = None
+        self._rids = itertools.count()
+
+    # ------------------------------------------------------------------------------------
+    # Client side
+    # ------------------------------------------------------------------------------------
+    def add_request(self, input_ids: list[int], max_new_tokens: int, stop_at: int | None = None,
+                    rid: str | None = None) -> str:
+        """Queue a generate request; returns its rid. ``stop_at`` is the output length at which EOS
+        is sampled. Raises ``ValueError`` for an empty prompt or one that cannot fit the context."""
+        if not input_ids or max_new_tokens < 1:
+            raise ValueError("a request needs at least one input token and max_new_tokens >= 1")
+        if len(input_ids) + max_new_tokens > self.config.context_len:
+            raise ValueError(f"prompt + max_new_tokens exceeds context_len={self.config.context_len}")
+        rid = rid or f"req-{next(self._rids)}"
+        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at)))
+        return rid
+
+    def health_check(self) -> str:
+        """Queue a health check (SGLang ``/health_generate``: input ``[0]``, ``max_new_tokens=1``)."""
+        rid = f"{HEALTH_CHECK_RID_PREFIX}_{next(self._rids)}"
+        self.recv_queue.append(_Msg("health_check", Req(rid, [0], 1)))
+        return rid
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Queue an abort by rid prefix, or of everything."""
+        self.recv_queue.append(_Msg("abort", rid=rid, abort_all=abort_all))
+
+    # ------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One event-loop iteration. Returns True if a batch ran."""
+        self.forward_ct += 1
+        self.process_input_requests()
+        if self.config.is_pd_decode:
+            self.process_decode_queue()
+            batch = self.get_next_disagg_decode_batch_to_run()
+        else:
+            batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+            self.maybe_send_health_check_signal()
+        self.last_batch = batch
+        if batch is None:
+            self.on_idle()
+        return batch is not None
+
+    def run_until_idle(self, max_steps: int = 10_000) -> int:
+        """Step until fully idle; returns the steps taken. Raises ``RuntimeError`` past ``max_steps``."""
+        for n in range(max_steps):
+            if self.is_fully_idle() and not self.recv_queue:
+                self.step()  # one idle iteration: runs on_idle
+                return n + 1
+            self.step()
+        raise RuntimeError(f"engine did not reach idle within {max_steps} steps")
+
+    def is_fully_idle(self, for_health_check: bool = False) -> bool:
+        busy = self.running_batch or self.last_batch is not None or self.waiting_queue
+        if self.config.is_pd_decode:
+            busy = busy or self.disagg_prealloc_queue or self.disagg_transfer_queue
+        return not busy
+
+    def on_idle(self) -> None:
+        """SGLang ``on_idle``: when fully idle, run the memory checks (recorded, never raised)."""
+        self.maybe_send_health_check_signal()
+        if self.is_fully_idle():
+            self.last_idle_check = self.check_memory(idle=True)
+
+    def maybe_send_health_check_signal(self) -> None:
+        self.health_check_acks += self.pending_health_check_acks
+        self.pending_health_check_acks = 0
+
+    # ------------------------------------------------------------------------------------
+    # Ingest
+    # ------------------------------------------------------------------------------------
+    def process_input_requests(self) -> None:
+        msgs, self.recv_queue = self.recv_queue, []
+        for m in msgs:
+            if m.kind == "abort":
+                self.handle_abort(m.rid, m.abort_all)
+                continue
+            if m.kind == "health_check" and not self.is_fully_idle(for_health_check=True):
+                # Busy: drop it and answer after the next batch, touching no memory.
+                self.pending_health_check_acks += 1
+                continue
+            if self.config.is_pd_decode:
+                self.disagg_prealloc_queue.append(m.req)
+            else:
+                self.waiting_queue.append(m.req)
+
+    def handle_abort(self, rid: str | None, abort_all: bool) -> None:
+        """SGLang ``abort_request``: by rid prefix or all, wherever the request sits."""
+        def hit(r: Req) -> bool:
+            return abort_all or (rid is not None and r.rid.startswith(rid))
+
+        for req in [r for r in self.waiting_queue if hit(r)]:
+            self.waiting_queue.remove(req)
+            req.finished_reason = FinishReason.ABORT
+            if req.kv.holds_kv:  # PD decode: the transferred KV is already allocated
+                self._release_finished(req, checkpoint=True)
+            self._emit(req)
+        for req in [r for r in self.disagg_prealloc_queue if hit(r)]:
+            self.disagg_prealloc_queue.remove(req)
+            req.finished_reason = FinishReason.ABORT
+            self._emit(req)
+        for req in [r for r in self.disagg_transfer_queue if hit(r)]:
+            self.disagg_transfer_queue.remove(req)
+            req.finished_reason = FinishReason.ABORT
+            self._release_finished(req, checkpoint=False)
+            self._emit(req)
+        in_flight = list(self.running_batch) + (self.last_batch.reqs if self.last_batch else [])
+        for req in in_flight:
+            if hit(req) and not req.finished():
+                req.to_finish = FinishReason.ABORT  # released by the next result processing
+
+    # ------------------------------------------------------------------------------------
+    # Aggregated mode: prefill and decode
+    # ------------------------------------------------------------------------------------
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
+            self.running_batch.extend(r for r in self.last_batch.reqs if not r.finished())
+        self.running_batch = [r for r in self.running_batch if not r.finished()]
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        return self.update_running_batch()
+
+    def _reserved_tokens(self, reqs) -> int:
+        """Tokens still promised to admitted requests: remaining decode steps plus a page of slack."""
+        return sum(r.max_new_tokens - len(r.output_ids) + self.page_size for r in reqs)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        """Admit waiting requests while rows, ``max_running_requests`` and the token budget allow.
+
+        Budget = available + evictable - tokens reserved for running requests (a conservative
+        stand-in for SGLang's ``PrefillAdder`` with ``new_token_ratio`` = 1, so decode never OOMs).
+        """
+        if not self.waiting_queue:
+            return None
+        tree, alloc = self.tree_cache, self.token_to_kv_pool_allocator
+        reserved = self._reserved_tokens(self.running_batch)
+        can_run: list[Req] = []
+        for req in list(self.waiting_queue):
+            if len(self.running_batch) + len(can_run) >= self.config.max_running_requests:
+                break
+            if self.req_to_token_pool.available_size() <= len(can_run):
+                break
+            fill = req.fill_ids
+            match = tree.match_prefix(fill[: len(fill) - 1])  # compute at least one token
+            tree.inc_lock_ref(match.last_node)
+            need = len(fill) - match.device_indices.numel() + req.max_new_tokens + 2 * self.page_size
+            if need > alloc.available_size() + tree.evictable_size() - reserved:
+                tree.dec_lock_ref(match.last_node)
+                break
+            req.prefix_indices, req.last_node, req.lock = match.device_indices, match.last_node, match.last_node
+            req.prefix_len, req.extend_end = match.device_indices.numel(), len(fill)
+            reserved += need
+            can_run.append(req)
+            self.waiting_queue.remove(req)
+        if not can_run:
+            return None
+        batch = ScheduleBatch(can_run, EXTEND)
+        self.alloc_for_extend(batch)
+        return batch
+
+    def _evict_for(self, num_tokens: int) -> None:
+        short = num_tokens - self.token_to_kv_pool_allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+
+    def _last_loc(self, reqs: list[Req], lens: list[int]) -> torch.Tensor:
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=INDEX_DTYPE)
+        pos = torch.tensor([n - 1 for n in lens], dtype=INDEX_DTYPE)
+        table = self.req_to_token_pool.req_to_token
+        loc = table[rows.to(table.device), pos.clamp(min=0).to(table.device)]
+        return torch.where(pos.to(table.device) >= 0, loc, torch.full_like(loc, -1))
+
+    def alloc_for_extend(self, batch: ScheduleBatch) -> None:
+        """SGLang ``alloc_for_extend``: rows, then slots for ``[prefix_len, extend_end)``, then the row write."""
+        reqs = batch.reqs
+        rows = self.req_to_token_pool.alloc(len(reqs))
+        if rows is None:
+            raise RuntimeError("alloc_req_slots runs out of memory")
+        for req, row in zip(reqs, rows):
+            req.kv.req_pool_idx = row
+            self.req_to_token_pool.write(row, 0, req.prefix_indices)
+        prefix_lens = [r.prefix_len for r in reqs]
+        seq_lens = [r.extend_end for r in reqs]
+        self._evict_for(sum(s - p for p, s in zip(prefix_lens, seq_lens)) + len(reqs) * self.page_size)
+        out = self.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, self._last_loc(reqs, prefix_lens))
+        if out is None:
+            raise RuntimeError("Prefill out of memory")
+        off = 0
+        for req, p, s in zip(reqs, prefix_lens, seq_lens):
+            self.req_to_token_pool.write(req.kv.req_pool_idx, p, out[off : off + s - p])
+            off += s - p
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = s
+            req.kv.cache_protected_len = p
+        batch.out_cache_loc = out
+
+    def update_running_batch(self) -> ScheduleBatch | None:
+        """A decode batch over the running requests, with one new slot each (``alloc_for_decode``)."""
+        reqs = [r for r in self.running_batch if not r.finished()]
+        if not reqs:
+            return None
+        ps = self.page_size
+        self._evict_for(ps * sum(r.kv.kv_allocated_len % ps == 0 for r in reqs))
+        lens = [r.kv.kv_allocated_len for r in reqs]
+        out = self.token_to_kv_pool_allocator.alloc_decode([n + 1 for n in lens], self._last_loc(reqs, lens))
+        if out is None:
+            raise RuntimeError("Decode out of memory")
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=INDEX_DTYPE, device=out.device)
+        self.req_to_token_pool.req_to_token[rows, torch.tensor(lens, dtype=INDEX_DTYPE, device=out.device)] = out
+        for r in reqs:
+            r.kv.kv_allocated_len += 1
+            r.kv.kv_committed_len += 1
+        batch = ScheduleBatch(reqs, DECODE, out)
+        hs = self.hisparse_coordinator
+        if hs is not None:  # map_last_loc_to_buffer: a buffer slot and a host slot per new token
+            pairs = [hs.map_last_loc_to_buffer(r, n) for r, n in zip(reqs, lens)]
+            batch.model_loc = torch.cat([p[0] for p in pairs])
+            batch.host_loc = torch.cat([p[1] for p in pairs])
+        return batch
+
+    # ------------------------------------------------------------------------------------
+    # Running a batch
+    # ------------------------------------------------------------------------------------
+    def run_batch(self, batch: ScheduleBatch) -> list[int]:
+        """Forward every request of ``batch`` and return one sampled token per request."""
+        if batch.forward_mode == PREBUILT:
+            return [r.output_ids[-1] for r in batch.reqs]
+        toks, off = [], 0
+        for req in batch.reqs:
+            if batch.forward_mode == EXTEND:
+                start, end = req.prefix_len, req.extend_end
+            else:
+                end = req.kv.kv_committed_len
+                start = end - 1
+            locs = batch.out_cache_loc if batch.model_loc is None else batch.model_loc
+            loc = locs[off : off + end - start]
+            off += end - start
+            toks.append(self._forward(req, start, end, loc))
+        if batch.host_loc is not None:
+            self.hisparse_coordinator.backup(batch.model_loc, batch.host_loc)
+        return toks
+
+    def _forward(self, req: Req, start: int, end: int, write_loc: torch.Tensor) -> int:
+        fill = req.fill_ids
+        if self.model is None:
+            return model_mod.pseudo_next_token(fill[end - 1], end - 1, self.config.vocab_size)
+        dev = self.kv_pool.k_buffer.device
+        tokens = torch.tensor(fill[start:end], dtype=INDEX_DTYPE, device=dev)
+        positions = torch.arange(start, end, dtype=INDEX_DTYPE, device=dev)
+        if self.hisparse_coordinator is not None:
+            ctx_loc, ctx_pos = self.hisparse_coordinator.physical_context(req)
+        else:
+            ctx_loc = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end]
+            ctx_pos = torch.arange(end, dtype=INDEX_DTYPE, device=dev)
+        return self.model.forward(self.kv_pool, tokens, positions, write_loc, ctx_loc, ctx_pos)
+
+    def _eos(self, req: Req) -> bool:
+        return req.stop_at is not None and len(req.output_ids) >= req.stop_at
+
+    def _append_token(self, req: Req, tok: int) -> None:
+        req.output_ids.append(tok)
+        if self._eos(req):
+            req.output_ids[-1] = EOS_TOKEN
+        req.update_finish_state(self._eos(req))
+
+    def process_batch_result(self, batch: ScheduleBatch, toks: list[int]) -> None:
+        """SGLang ``process_batch_result_{prefill,decode}``: finish and release, or checkpoint."""
+        if batch.forward_mode == PREBUILT:
+            return  # process_batch_result_prebuilt already ran
+        alloc = self.token_to_kv_pool_allocator
+        alloc.free_group_begin()
+        try:
+            for req, tok in zip(batch.reqs, toks):
+                if req.finished():
+                    continue
+                self._append_token(req, tok)
+                if req.finished():
+                    self._release_finished(req, checkpoint=True)
+                elif batch.forward_mode == EXTEND:
+                    self.checkpoint_kv_cache(req)
+        finally:
+            alloc.free_group_end()
+
+    # ------------------------------------------------------------------------------------
+    # Release and checkpoint (srt/mem_cache/common.py)
+    # ------------------------------------------------------------------------------------
+    def _release_finished(self, req: Req, checkpoint: bool) -> None:
+        """A finish path: tell HiSparse the request is done, then ``release_kv_cache``."""
+        if self.hisparse_coordinator is not None:
+            self.hisparse_coordinator.request_finished(req)
+        self.release_kv_cache(req, checkpoint=checkpoint)
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        self.finished_outputs.append(FinishedOutput(req.rid, req.finished_reason, list(req.output_ids)))
+        if req.is_health_check:
+            self.health_check_acks += 1
+
+    def checkpoint_kv_cache(self, req: Req) -> None:
+        """Publish ``[0, page_floor(kv_committed_len))`` into the tree and move the lock there.
+
+        Slots of positions the tree already held are freed and the row is re-pointed to the
+        tree's (SGLang ``checkpoint`` / legacy ``cache_unfinished_req``).
+        """
+        tree = self.tree_cache
+        if tree.disable:
+            req.prefix_len = req.kv.kv_committed_len
+            return
+        n = req.kv.kv_committed_len // self.page_size * self.page_size
+        row = req.kv.req_pool_idx
+        table = self.req_to_token_pool.req_to_token
+        key = req.fill_ids[:n]
+        already = tree.insert(key, table[row, :n])
+        start = req.kv.cache_protected_len
+        if already > start:
+            self.token_to_kv_pool_allocator.free(table[row, start:already].clone())
+        match = tree.match_prefix(key)
+        table[row, start:n] = match.device_indices[start:n]
+        tree.inc_lock_ref(match.last_node)
+        tree.dec_lock_ref(req.lock)
+        req.lock = req.last_node = match.last_node
+        req.kv.cache_protected_len = n
+        req.prefix_len = max(req.prefix_len, n)
+
+    def release_kv_cache(self, req: Req, checkpoint: bool) -> None:
+        """The single release entry point (SGLang ``release_kv_cache``).
+
+        Optionally checkpoints into the tree, then frees the private span
+        ``[cache_protected_len, kv_allocated_len)`` (whole pages), unlocks, and frees the row.
+        Raises ``RuntimeError`` if the request holds no row (a second release).
+        """
+        kv = req.kv
+        if not kv.holds_kv:
+            raise RuntimeError(f"release_kv_cache: {req.rid} holds no KV (released twice?)")
+        if checkpoint:
+            self.checkpoint_kv_cache(req)
+        table = self.req_to_token_pool.req_to_token
+        self.token_to_kv_pool_allocator.free(table[kv.req_pool_idx, kv.cache_protected_len : kv.kv_allocated_len].clone())
+        if req.lock is not None:
+            self.tree_cache.dec_lock_ref(req.lock)
+            req.lock = None
+        self.req_to_token_pool.free(kv.req_pool_idx)
+        kv.mark_kv_released()
+
+    # ------------------------------------------------------------------------------------
+    # PD disaggregation, decode side (srt/disaggregation/decode.py)
+    # ------------------------------------------------------------------------------------
+    def process_decode_queue(self) -> None:
+        """``pop_preallocated`` then ``pop_transferred``."""
+        alloc, hs = self.token_to_kv_pool_allocator, self.hisparse_coordinator
+        reserved = self._reserved_tokens(self.running_batch + self.waiting_queue + self.disagg_transfer_queue)
+        while self.disagg_prealloc_queue:
+            req = self.disagg_prealloc_queue[0]
+            fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+            need = fill_len + req.max_new_tokens + 2 * self.page_size
+            if self.req_to_token_pool.available_size() == 0 or need > alloc.available_size() - reserved:
+                break
+            self._pre_alloc(req, fill_len)
+            reserved += need
+            self.disagg_prealloc_queue.pop(0)
+            fake = req.is_health_check  # FAKE_BOOTSTRAP_HOST: the transfer completes at once
+            req.transfer_ready_step = self.forward_ct + (0 if fake else self.config.transfer_latency_steps)
+            self.disagg_transfer_queue.append(req)
+        for req in list(self.disagg_transfer_queue):
+            if self.forward_ct < req.transfer_ready_step:
+                continue
+            if not self._commit_transfer_to_req(req):
+                continue  # HiSparse: no device buffer yet; retry next step
+            self.disagg_transfer_queue.remove(req)
+            self.waiting_queue.append(req)
+
+    def _pre_alloc(self, req: Req, fill_len: int) -> None:
+        """A row plus ``fill_len`` slots as the transfer target (HiSparse: logical ids + host slots)."""
+        rows = self.req_to_token_pool.alloc(1)
+        if rows is None:
+            raise RuntimeError("KV cache is full! Bug in memory estimation.")
+        req.kv.req_pool_idx = rows[0]
+        alloc = self.token_to_kv_pool_allocator
+        if self.page_size == 1:
+            out = alloc.alloc(fill_len)
+        else:
+            out = alloc.alloc_extend([0], [fill_len], torch.tensor([-1], dtype=INDEX_DTYPE, device=alloc.device))
+        if out is None:
+            raise RuntimeError("KV cache is full! Bug in memory estimation.")
+        if self.hisparse_coordinator is not None and not self.hisparse_coordinator.alloc_host(rows[0], fill_len):
+            raise RuntimeError("HiSparse host pool is full! Bug in memory estimation.")
+        self.req_to_token_pool.write(rows[0], 0, out)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = fill_len
+        req.prefix_len = req.extend_end = fill_len
+
+    def _commit_transfer_to_req(self, req: Req) -> bool:
+        """The prefill side's KV has landed: compute it (our stand-in for RDMA) and append the
+        hand-off token; HiSparse admits the request straight into its device buffer first.
+        Returns False, changing nothing but the KV content, if HiSparse has no buffer room."""
+        n = req.kv.kv_committed_len
+        row = req.kv.req_pool_idx
+        hs = self.hisparse_coordinator
+        if self.model is None:
+            tok = model_mod.pseudo_next_token(req.fill_ids[n - 1], n - 1, self.config.vocab_size)
+        else:
+            dev = self.kv_pool.k_buffer.device
+            toks = torch.tensor(req.fill_ids[:n], dtype=INDEX_DTYPE, device=dev)
+            pos = torch.arange(n, dtype=INDEX_DTYPE, device=dev)
+            if hs is not None:
+                target, loc = hs.host_pool, hs.req_to_host_pool[row][:n].to(dev)
+            else:
+                target, loc = self.kv_pool, self.req_to_token_pool.req_to_token[row, :n]
+            tok = self.model.forward(target, toks, pos, loc, loc, pos)
+        if hs is not None and not hs.admit_request_direct(req):
+            return False
+        self._append_token(req, tok)
+        return True
+
+    def get_next_disagg_decode_batch_to_run(self) -> ScheduleBatch | None:
+        """Prebuilt batch (processed at once), then the decode batch over the running requests."""
+        self.running_batch = [r for r in self.running_batch if not r.finished()]
+        room = min(self.req_to_token_pool.size, self.config.max_running_requests) - len(self.running_batch)
+        ran_prebuilt = False
+        if room > 0 and self.waiting_queue:
+            reqs, self.waiting_queue = self.waiting_queue[:room], self.waiting_queue[room:]
+            prebuilt = ScheduleBatch(reqs, PREBUILT)
+            for req in reqs:  # process_prebuilt
+                self.checkpoint_kv_cache(req)
+            self.process_batch_result_prebuilt(prebuilt)
+            self.running_batch.extend(r for r in reqs if not r.finished())
+            ran_prebuilt = True
+        batch = self.update_running_batch()
+        if batch is None and ran_prebuilt:
+            return ScheduleBatch([], PREBUILT)  # the prebuilt step counts as work done
+        return batch
+
+    def process_batch_result_prebuilt(self, batch: ScheduleBatch) -> None:
+        """Finish requests on their hand-off token (``max_new_tokens == 1``, EOS, or an abort)."""
+        for req in batch.reqs:
+            req.update_finish_state(self._eos(req))
+            if not req.finished():
+                continue
+            if "hisparse-prebuilt-skip-finish" in self.config.bugs:
+                # BUG (sglang PR #22882): the prebuilt finish path released the KV row without
+                # HiSparseCoordinator.request_finished, so the device buffer and host slots leaked.
+                self.release_kv_cache(req, checkpoint=True)
+                self._emit(req)
+            else:
+                self._release_finished(req, checkpoint=True)
+
+    # ------------------------------------------------------------------------------------
+    # Accounting (srt/managers/scheduler_components/invariant_checker.py)
+    # ------------------------------------------------------------------------------------
+    def requests_owning_rows(self) -> list[Req]:
+        """Every live request that holds a row, deduplicated (SGLang ``_requests_owning_rows``,
+        extended with the PD decode queues, which SGLang keeps out of the busy check)."""
+        seen, out = set(), []
+        groups = [self.running_batch, self.last_batch.reqs if self.last_batch else [], self.waiting_queue,
+                  self.disagg_transfer_queue]
+        for group in groups:
+            for r in group:
+                if id(r) not in seen and r.kv.holds_kv:
+                    seen.add(id(r))
+                    out.append(r)
+        return out
+
+    def check_memory(self, idle: bool | None = None) -> list[PoolCheck]:
+        """SGLang's accounting identities, one :class:`PoolCheck` per pool.
+
+        ``available + evictable + protected + session_held + uncached == total``; at idle
+        ``uncached`` is 0 and the request-pool identity is added. Unlike SGLang, which skips the
+        checks under HiSparse, the HiSparse device buffer and host pool get identities too.
+        """
+        idle = self.is_fully_idle() if idle is None else idle
+        ps = self.page_size
+        owners = [] if idle else self.requests_owning_rows()
+        uncached = sum(-(-r.kv.kv_allocated_len // ps) * ps - r.kv.cache_protected_len for r in owners)
+        alloc = self.token_to_kv_pool_allocator
+        checks = [PoolCheck("token_to_kv_pool", alloc.available_size(), self.tree_cache.evictable_size(),
+                            self.tree_cache.protected_size(), 0, uncached, alloc.size)]
+        hs = self.hisparse_coordinator
+        if hs is not None:
+            rows = [r.kv.req_pool_idx for r in owners]
+            checks.append(PoolCheck("hisparse_device", hs.hisparse_attn_allocator.available_size(), 0, 0, 0,
+                                    sum(hs.buffer_size(x) for x in rows), hs.hisparse_attn_allocator.size))
+            checks.append(PoolCheck("hisparse_host", hs.host_pool.available_size(), 0, 0, 0,
+                                    sum(hs.host_size(x) for x in rows), hs.host_pool.size))
+        if idle:
+            rp = self.req_to_token_pool
+            checks.append(PoolCheck("req_to_token_pool", rp.available_size(), 0, 0, 0, 0,
+                                    rp.size + rp.pre_alloc_size))
+        return checks
+
