@@ -217,8 +217,9 @@ class Scheduler:
             self.waiting_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
             if req.kv.holds_kv:  # PD decode: the transferred KV is already allocated
-                self._release_finished(req, checkpoint=True)
-            self._emit(req)
+                self._release_finished(req, checkpoint=True)  # emits the output
+            else:
+                self._emit(req)
         for req in [r for r in self.disagg_prealloc_queue if hit(r)]:
             self.disagg_prealloc_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
@@ -226,8 +227,7 @@ class Scheduler:
         for req in [r for r in self.disagg_transfer_queue if hit(r)]:
             self.disagg_transfer_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
-            self._release_finished(req, checkpoint=False)
-            self._emit(req)
+            self._release_finished(req, checkpoint=False)  # emits the output
         in_flight = list(self.running_batch) + (self.last_batch.reqs if self.last_batch else [])
         for req in in_flight:
             if hit(req) and not req.finished():

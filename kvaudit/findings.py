@@ -1,0 +1,88 @@
+"""Findings: plain data, rendered elsewhere.
+
+A finding's *signature* (kind + pool + the first frame outside the allocator and kvaudit) is
+what deduplicates it, in the manner of syzkaller's crash titles.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+KINDS = ("leak", "use-after-free", "double-free", "aliasing", "accounting-drift", "crash")
+
+
+@dataclass(frozen=True)
+class Site:
+    file: str
+    line: int
+    function: str
+
+    def short(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line} in {self.function}"
+
+
+@dataclass
+class OwnerChange:
+    """From ``op_index``/``step`` on, the units were held by ``owner`` (``"-"`` = nobody)."""
+
+    op_index: int
+    step: int
+    owner: str
+    event: str = ""
+
+
+@dataclass
+class Finding:
+    kind: str
+    pool: str
+    message: str
+    unit: str = "slot"  # "slot" (tokens), "page" or "row"
+    slots: list[int] = field(default_factory=list)  # token slots, or rows for req_to_token_pool
+    num_units: int = 0  # pages (== slots when page_size is 1) or rows
+    alloc_sites: list[Site] = field(default_factory=list)  # innermost first
+    free_sites: list[Site] = field(default_factory=list)
+    prev_free_sites: list[Site] = field(default_factory=list)  # double free: the earlier free
+    owner_history: list[OwnerChange] = field(default_factory=list)
+    op_index: int = -1
+    step: int = -1
+    engine_check: list[str] = field(default_factory=list)  # the engine's own check_memory() lines
+    traceback: str | None = None
+
+    @property
+    def signature(self) -> str:
+        sites = self.free_sites if self.kind == "double-free" else self.alloc_sites
+        where = f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else "?"
+        if self.kind == "crash":
+            where = self.message.split(":", 1)[0] + "@" + where
+        return f"{self.kind}/{self.pool}/{where}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["signature"] = self.signature
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Finding":
+        d = {k: v for k, v in d.items() if k != "signature"}
+        for key in ("alloc_sites", "free_sites", "prev_free_sites"):
+            d[key] = [Site(**s) for s in d.get(key, [])]
+        d["owner_history"] = [OwnerChange(**o) for o in d.get("owner_history", [])]
+        return cls(**d)
+
+    def summary(self) -> str:
+        """One line in LeakSanitizer's manner."""
+        n = len(self.slots)
+        what = (f"{self.num_units} rows" if self.unit == "row" else
+                f"{n} slots ({self.num_units} pages)" if self.unit == "page" else f"{n} slots")
+        site = self.alloc_sites[0].short() if self.alloc_sites else "unknown site"
+        head = {
+            "leak": f"Direct leak of {what} in pool {self.pool}, allocated at {site}",
+            "use-after-free": f"Use-after-free of {what} in pool {self.pool}, allocated at {site}",
+            "double-free": (f"Double free of {what} in pool {self.pool}, freed again at "
+                            f"{self.free_sites[0].short() if self.free_sites else '?'}"),
+            "aliasing": f"Aliasing: {what} in pool {self.pool} privately owned twice, allocated at {site}",
+            "accounting-drift": f"Accounting drift in pool {self.pool}: {self.message}",
+            "crash": f"Engine crash: {self.message}",
+        }
+        return head.get(self.kind, f"{self.kind} in pool {self.pool}: {self.message}")

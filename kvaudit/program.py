@@ -1,0 +1,117 @@
+"""The program model: an event program is a list of typed ops that any target can run.
+
+Every program is valid by construction: request handles are taken modulo the live set, and
+lengths are clamped by the target to what its context allows. Programs round-trip through JSON
+(the ``program`` key of a replay file) and print as one readable line per op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Union
+
+
+class ProgramError(ValueError):
+    """A program (or one op of it) read from JSON is malformed."""
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A generate request. The prompt is ``prompt_len`` tokens of prefix family ``family``: prompts
+    of one family share their leading tokens, so the radix cache sees real prefix hits."""
+
+    family: int = 0
+    prompt_len: int = 4
+    max_new_tokens: int = 4
+    stop_at: int | None = None  # output length at which EOS is sampled
+    kind: ClassVar[str] = "submit"
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """SGLang's ``/health_generate``: runs as a 1-token request only when the engine is idle."""
+
+    kind: ClassVar[str] = "health_check"
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort live request ``handle`` (modulo the live set), or every request if ``handle`` is None."""
+
+    handle: int | None = 0
+    kind: ClassVar[str] = "abort"
+
+
+@dataclass(frozen=True)
+class Step:
+    """``n`` scheduler iterations."""
+
+    n: int = 1
+    kind: ClassVar[str] = "step"
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Run the engine to quiescence, then the idle checks."""
+
+    kind: ClassVar[str] = "idle"
+
+
+Op = Union[Submit, HealthCheck, Abort, Step, Idle]
+OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, Step, Idle)}
+FORMAT = "kvaudit.program/1"
+
+
+def prompt_tokens(family: int, length: int, vocab_size: int = 128) -> list[int]:
+    """The prompt of ``family`` truncated to ``length`` tokens (ids in ``[2, vocab_size)``)."""
+    span = vocab_size - 2
+    return [2 + ((family + 1) * 131 + i * 17 + (i * i) % 5) % span for i in range(length)]
+
+
+def op_to_dict(op: Op) -> dict:
+    return {"op": op.kind, **dataclasses.asdict(op)}
+
+
+def op_from_dict(d: object) -> Op:
+    """Parse one op. Raises :class:`ProgramError` with a one-line reason."""
+    if not isinstance(d, dict) or "op" not in d:
+        raise ProgramError(f"op must be an object with an 'op' key, got {d!r:.60}")
+    cls = OP_TYPES.get(d["op"])
+    if cls is None:
+        raise ProgramError(f"unknown op {d['op']!r}; valid ops: {', '.join(OP_TYPES)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    args = {k: v for k, v in d.items() if k != "op"}
+    for k, v in args.items():
+        if k not in fields:
+            raise ProgramError(f"op {d['op']!r} has no argument {k!r}")
+        if not (v is None or (isinstance(v, int) and not isinstance(v, bool))):
+            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be an integer or null")
+    op = cls(**args)
+    for k, v in dataclasses.asdict(op).items():
+        if v is not None and v < 0:
+            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be >= 0")
+        if v is None and k not in ("stop_at", "handle"):
+            raise ProgramError(f"argument {k!r} of op {d['op']!r} must not be null")
+    return op
+
+
+def program_to_json(ops: list[Op]) -> list[dict]:
+    return [op_to_dict(op) for op in ops]
+
+
+def program_from_json(data: object) -> list[Op]:
+    if not isinstance(data, list):
+        raise ProgramError("program must be a list of ops")
+    return [op_from_dict(d) for d in data]
+
+
+def format_op(op: Op) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(op).items()
+                     if not (v is None and k == "stop_at"))
+    return f"{op.kind}({args})"
+
+
+def format_program(ops: list[Op]) -> str:
+    """One op per line, numbered from 0 (the op index used in findings)."""
+    return "\n".join(f"{i:>3}  {format_op(op)}" for i, op in enumerate(ops))

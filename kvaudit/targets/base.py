@@ -1,0 +1,74 @@
+"""The target protocol: everything kvaudit knows about an engine comes through one of these.
+
+A target names its pools (objects whose alloc/free methods the hooks wrap), runs program ops,
+and reports its *roots*: for each pool, which units each live owner references. Units are pages
+for KV pools (``page_size`` tokens each) and rows for request pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool the hooks wrap. ``kind`` is ``"kv"`` (token slots, allocator API
+    ``alloc``/``alloc_extend``/``alloc_decode``/``free``/``free_group_*``) or ``"rows"``
+    (``alloc(n) -> list[int]``/``free(rows)``). ``num_units`` excludes the reserved unit 0."""
+
+    name: str
+    obj: object
+    kind: str
+    page_size: int
+    num_units: int
+
+
+@dataclass
+class Root:
+    """``owner`` references ``units`` (``[n] int64`` pages or rows) of ``pool``.
+
+    ``private`` marks exclusive ownership (the aliasing check counts these); ``role`` is ``"req"``
+    for live requests (their private units are SGLang's ``uncached``) or ``"tree"`` for the cache.
+    """
+
+    pool: str
+    owner: str
+    units: torch.Tensor
+    private: bool = True
+    role: str = "req"
+
+
+@dataclass
+class Accounting:
+    """The engine's own counters for one pool, in tokens (rows for a row pool)."""
+
+    available: int
+    evictable: int
+    protected: int
+    session_held: int
+    total: int
+
+
+class Target(Protocol):
+    config: object
+    steps: int
+
+    def pools(self) -> list[PoolSpec]: ...
+
+    def apply(self, op) -> None:
+        """Deliver a non-advancing op (submit, health check, abort) to the engine."""
+
+    def step(self) -> None:
+        """One scheduler iteration."""
+
+    def is_idle(self) -> bool: ...
+
+    def roots(self) -> list[Root]: ...
+
+    def accounting(self) -> dict[str, Accounting]: ...
+
+    def engine_check(self) -> list[str]:
+        """The engine's own verdict (failing identity lines), for the report."""
