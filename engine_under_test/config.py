@@ -101,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"unknown config key {unknown[0]!r}")
         d = dict(d)
         if "bugs" in d:
+            if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
+                raise ValueError("bugs must be a list of bug names")
             d["bugs"] = frozenset(d["bugs"])
         return cls(**d)
 

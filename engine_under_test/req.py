@@ -52,6 +52,7 @@ class Req:
     stop_at: int | None = None  # output position that samples EOS (models a stop token)
     output_ids: list[int] = field(default_factory=list)
     kv: ReqKvInfo = field(default_factory=ReqKvInfo)
+    prefix_indices: object = None  # [prefix_len] int64 slots matched in the tree at admission
     prefix_len: int = 0
     extend_end: int = 0
     last_node: object = None

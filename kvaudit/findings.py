@@ -72,9 +72,12 @@ class Finding:
 
     def summary(self) -> str:
         """One line in LeakSanitizer's manner."""
+        def many(k: int, word: str) -> str:
+            return f"{k} {word}" + ("" if k == 1 else "s")
+
         n = len(self.slots)
-        what = (f"{self.num_units} rows" if self.unit == "row" else
-                f"{n} slots ({self.num_units} pages)" if self.unit == "page" else f"{n} slots")
+        what = (many(self.num_units, "row") if self.unit == "row" else
+                f"{many(n, 'slot')} ({many(self.num_units, 'page')})" if self.unit == "page" else many(n, "slot"))
         site = self.alloc_sites[0].short() if self.alloc_sites else "unknown site"
         head = {
             "leak": f"Direct leak of {what} in pool {self.pool}, allocated at {site}",

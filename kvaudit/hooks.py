@@ -4,8 +4,8 @@ The engine is not modified: the wrappers are instance attributes that shadow the
 Each event records the pool, the units (pages or rows), the op index, the scheduler step and an
 interned call site (the stack from the first frame outside the allocator and kvaudit).
 
-Double frees are caught at free time, from per-unit state (O(units) torch ops, no Python loop
-over slots). An allocation that hands out a unit the ledger holds as allocated is *aliasing*.
+Double frees are caught at free time, from per-unit state (vectorized numpy index ops on the
+host, no Python loop over slots; numpy beats torch by several times on arrays this small). An allocation that hands out a unit the ledger holds as allocated is *aliasing*.
 Frees inside an allocator free group are recorded when the group ends, with their own sites.
 """
 
@@ -16,6 +16,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kvaudit
@@ -24,15 +25,17 @@ from kvaudit.targets.base import PoolSpec
 
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-STACK_DEPTH = 8
+STACK_DEPTH = 4
+SMALL_EVENT = 64  # events up to this many units take the scalar fast path (numpy call overhead dominates)
+OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     id: int
     kind: str  # "alloc" | "free"
     pool: str
-    units: torch.Tensor  # [n] int64, on the CPU
+    units: list[int]  # the units (pages or rows), an owned copy
     op_index: int
     step: int
     site: int
@@ -44,10 +47,12 @@ class PoolLedger:
     def __init__(self, spec: PoolSpec):
         n = spec.num_units + 1
         self.spec = spec
-        self.allocated = torch.zeros(n, dtype=torch.bool)
-        self.last_alloc = torch.full((n,), -1, dtype=torch.int64)
-        self.last_free = torch.full((n,), -1, dtype=torch.int64)
-        self.owner = torch.zeros(n, dtype=torch.int64)  # id into Auditor.owner_names; 0 = nobody
+        self.flags = bytearray(n)  # allocated flags; ``allocated`` is a numpy view of the same bytes
+        self.allocated = np.frombuffer(self.flags, dtype=bool)
+        self.last_alloc = np.full(n, -1, dtype=np.int64)
+        self.last_free = np.full(n, -1, dtype=np.int64)
+        self.owner = np.zeros(n, dtype=np.int64)  # id into Auditor.owner_names; 0 = nobody
+        self.allocated[0] = True  # reserved padding unit: any alloc of it trips the aliasing check
 
 
 class Auditor:
@@ -61,7 +66,7 @@ class Auditor:
         self.target = target
         self.ledgers = {spec.name: PoolLedger(spec) for spec in target.pools()}
         self.events: list[Event] = []
-        self.owner_changes: list[tuple[int, int, str, torch.Tensor, torch.Tensor]] = []
+        self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
         self.owner_names = ["-"]
         self._owner_ids = {"-": 0}
         self.op_index = -1
@@ -69,32 +74,51 @@ class Auditor:
         self.pending: list[Finding] = []
         self._sites: dict[tuple, int] = {}
         self._site_frames: list[tuple] = []
-        self._framework_code: dict = {}
-        self._skip_files = {_KVAUDIT_DIR}
         self._undo: list[tuple[object, str]] = []
+        self._owner_hint = getattr(target, "owner_hint", lambda frame_locals: None)
+        self._hint_vars = tuple(getattr(target, "owner_hint_vars", ()))
+        self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()}
+        self._info = Auditor._code_info_caches.setdefault((frozenset(self._skip_files), self._hint_vars), {})
         for spec in target.pools():
-            self._skip_files.add(os.path.abspath(inspect.getfile(type(spec.obj))))
             self._install(spec)
 
     # -- sites ------------------------------------------------------------------------------
-    def _is_framework(self, code) -> bool:
-        hit = self._framework_code.get(code)
-        if hit is None:
-            fn = os.path.abspath(code.co_filename)
-            hit = fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
-            self._framework_code[code] = hit
-        return hit
+    # Per code object: (is framework, look for owner). Keyed by id(code): hashing a code object
+    # hashes its bytecode, which costs more than the rest of the capture.
+    _code_info_caches: dict[tuple, dict[int, tuple[bool, bool]]] = {}
+    _codes: dict[int, object] = {}  # keeps every seen code object alive, so its id stays unique
+
+    def _code_info(self, code) -> tuple[bool, bool]:
+        fn = os.path.abspath(code.co_filename)
+        fw = fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
+        info = self._info[id(code)] = (fw, any(v in code.co_varnames for v in self._hint_vars))
+        Auditor._codes[id(code)] = code
+        return info
 
     def capture_site(self) -> int:
-        """Intern the current stack, from the first frame outside the allocator and kvaudit."""
+        """Intern the current stack, from the first frame outside the allocator and kvaudit, with the
+        owner the target names from the innermost frames' locals (``owner_hint``), if any.
+
+        Locals are read only in frames whose code has one of the target's ``owner_hint_vars``.
+        """
+        cache, miss = self._info, self._code_info
         f = sys._getframe(2)
-        while f is not None and self._is_framework(f.f_code):
+        frames, owner, looking, depth = [], None, OWNER_FRAMES, 0
+        while f is not None and depth < STACK_DEPTH:
+            code = f.f_code
+            fw, look = cache.get(id(code)) or miss(code)
+            if fw:
+                if depth:
+                    break  # back in the framework (the runner): the engine's part of the stack ends
+            else:
+                if looking and look:
+                    owner = self._owner_hint(f.f_locals)
+                    looking = 0 if owner is not None else looking
+                looking = looking and looking - 1
+                frames.append((id(code), f.f_lineno))
+                depth += 1
             f = f.f_back
-        frames = []
-        while f is not None and len(frames) < STACK_DEPTH and not self._is_framework(f.f_code):
-            frames.append((f.f_code, f.f_lineno))
-            f = f.f_back
-        key = tuple(frames)
+        key = (tuple(frames), owner or None)
         sid = self._sites.get(key)
         if sid is None:
             sid = self._sites[key] = len(self._site_frames)
@@ -105,7 +129,12 @@ class Auditor:
         """The stack of site ``sid``, innermost first."""
         if sid < 0:
             return []
-        return [Site(code.co_filename, line, code.co_name) for code, line in self._site_frames[sid]]
+        codes = Auditor._codes
+        return [Site(codes[c].co_filename, line, codes[c].co_name) for c, line in self._site_frames[sid][0]]
+
+    def site_owner(self, sid: int) -> str | None:
+        """The owner the target recognised in the allocating frames (e.g. ``req:<rid>``), if any."""
+        return self._site_frames[sid][1] if sid >= 0 else None
 
     def owner_id(self, name: str) -> int:
         oid = self._owner_ids.get(name)
@@ -115,45 +144,79 @@ class Auditor:
         return oid
 
     # -- recording --------------------------------------------------------------------------
-    def _event(self, kind: str, pool: str, units: torch.Tensor, sid: int) -> Event:
+    def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
         ev = Event(len(self.events), kind, pool, units, self.op_index, self.step, sid)
         self.events.append(ev)
         return ev
 
-    def on_alloc(self, pool: str, units: torch.Tensor, sid: int, expected_new: int | None = None) -> None:
+    def on_alloc(self, pool: str, units: np.ndarray, sid: int, expected_new: int | None = None) -> None:
+        """Record an allocation of ``units`` (``[n] int64``). Units the ledger already holds as
+        allocated are continuations (a partly filled page) unless fewer than ``expected_new`` fresh
+        units came out of the pool, which means the allocator handed out a unit twice."""
         led = self.ledgers[pool]
-        fresh = units[~led.allocated[units]]
-        if expected_new is None:
-            expected_new = units.numel()
-        if fresh.numel() < expected_new or (units == 0).any():
-            taken = units[led.allocated[units]] if fresh.numel() < expected_new else units[units == 0]
-            self.pending.append(self._unit_finding(
-                "aliasing", pool, taken, f"allocator handed out {taken.numel()} unit(s) already allocated",
-                alloc_sid=sid))
-        ev = self._event("alloc", pool, fresh, sid)
+        ul, flags = units.tolist(), led.flags
+        if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
+            # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
+            ev = self._event("alloc", pool, ul, sid)
+            last = led.last_alloc
+            for x in ul:
+                flags[x] = 1
+                last[x] = ev.id
+            return
+        units = np.asarray(ul, dtype=np.int64)
+        held = led.allocated[units]  # unit 0 always reads as held (see PoolLedger)
+        fresh = units
+        if held.any():
+            fresh = units[~held]
+            if expected_new is None:
+                expected_new = units.size
+            if fresh.size < expected_new or not units.all():
+                taken = units[held] if fresh.size < expected_new else units[units == 0]
+                self.pending.append(self._unit_finding(
+                    "aliasing", pool, taken, f"allocator handed out {taken.size} unit(s) already allocated "
+                    "(or the reserved unit 0)", alloc_sid=sid))
+        ev = self._event("alloc", pool, fresh.tolist(), sid)
         led.allocated[fresh] = True
         led.last_alloc[fresh] = ev.id
 
-    def on_free(self, pool: str, units: torch.Tensor, sid: int) -> None:
+    def on_free(self, pool: str, units: np.ndarray, sid: int) -> None:
+        """Record a free of ``units``; any unit already free, or listed twice, is a double free."""
         led = self.ledgers[pool]
-        uniq, counts = torch.unique(units, return_counts=True)
-        bad = uniq[(~led.allocated[uniq]) | (counts > 1)]
-        ev = self._event("free", pool, uniq, sid)
-        if bad.numel():
-            f = self._unit_finding("double-free", pool, bad, f"{bad.numel()} unit(s) freed while already free")
+        ul, flags = units.tolist(), led.flags
+        if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
+                and len(set(ul)) == len(ul)):
+            ev = self._event("free", pool, ul, sid)  # fast path: every unit allocated, once
+            last = led.last_free
+            for x in ul:
+                flags[x] = 0
+                last[x] = ev.id
+            return
+        units = np.asarray(ul, dtype=np.int64)
+        bad = units[~led.allocated[units]]
+        if not units.all():  # freeing the reserved unit 0 is always wrong
+            bad = np.union1d(bad, [0])
+        if units.size > 1:
+            srt = np.sort(units)
+            dup = srt[1:][srt[1:] == srt[:-1]]
+            if dup.size:
+                bad = np.union1d(bad, dup)
+        ev = self._event("free", pool, ul, sid)
+        if bad.size:
+            f = self._unit_finding("double-free", pool, np.unique(bad), f"{np.unique(bad).size} unit(s) freed while already free")
             f.free_sites = self.site(sid)
             prev = int(led.last_free[bad[0]])
             f.prev_free_sites = self.site(self.events[prev].site) if prev >= 0 else []
             self.pending.append(f)
-        led.allocated[uniq] = False
-        led.last_free[uniq] = ev.id
+        led.allocated[units] = False
+        led.last_free[units] = ev.id
+        led.allocated[0] = True
 
     # -- findings ---------------------------------------------------------------------------
-    def _unit_finding(self, kind: str, pool: str, units: torch.Tensor, message: str,
+    def _unit_finding(self, kind: str, pool: str, units: np.ndarray, message: str,
                       alloc_sid: int | None = None) -> Finding:
         led = self.ledgers[pool]
         spec = led.spec
-        units = units.sort().values
+        units = np.sort(units)
         if alloc_sid is None:
             ev = int(led.last_alloc[units[0]])
             alloc_sid = self.events[ev].site if ev >= 0 else -1
@@ -161,9 +224,8 @@ class Auditor:
             unit, slots = "row", units.tolist()
         else:
             unit = "page" if spec.page_size > 1 else "slot"
-            offs = torch.arange(spec.page_size)
-            slots = (units[:, None] * spec.page_size + offs).reshape(-1).tolist()
-        return Finding(kind=kind, pool=pool, message=message, unit=unit, slots=slots, num_units=units.numel(),
+            slots = (units[:, None] * spec.page_size + np.arange(spec.page_size)).reshape(-1).tolist()
+        return Finding(kind=kind, pool=pool, message=message, unit=unit, slots=slots, num_units=int(units.size),
                        alloc_sites=self.site(alloc_sid), owner_history=self.history(pool, int(units[0])),
                        op_index=self.op_index, step=self.step)
 
@@ -173,14 +235,17 @@ class Auditor:
 
         out = []
         for ev in self.events:
-            if ev.pool == pool and bool((ev.units == unit).any()):
+            if ev.pool == pool and unit in ev.units:
                 site = self.site(ev.site)
-                out.append(OwnerChange(ev.op_index, ev.step, "-", f"{ev.kind} at {site[0].short() if site else '?'}"))
+                who = self.site_owner(ev.site)
+                out.append(OwnerChange(ev.op_index, ev.step, who or "-",
+                                       f"{ev.kind} at {site[0].short() if site else '?'}"
+                                       + (f" for {who}" if who else "")))
         for op_index, step, p, units, owners in self.owner_changes:
             if p == pool:
-                hit = (units == unit).nonzero()
-                if hit.numel():
-                    out.append(OwnerChange(op_index, step, self.owner_names[int(owners[hit[0, 0]])], "owner"))
+                hit = np.flatnonzero(units == unit)
+                if hit.size:
+                    out.append(OwnerChange(op_index, step, self.owner_names[int(owners[hit[0]])], "owner"))
         out.sort(key=lambda o: (o.step, o.op_index, o.event != "owner"))
         return out
 
@@ -198,21 +263,24 @@ class Auditor:
             def alloc_rows(n, *a, **k):
                 out = orig_alloc(n, *a, **k)
                 if out:
-                    self.on_alloc(pool, torch.tensor(out, dtype=torch.int64), self.capture_site())
+                    self.on_alloc(pool, np.asarray(out, dtype=np.int64), self.capture_site())
                 return out
 
             def free_rows(rows, *a, **k):
                 orig_free(rows, *a, **k)
-                self.on_free(pool, torch.tensor([rows] if isinstance(rows, int) else list(rows),
-                                                dtype=torch.int64), self.capture_site())
+                self.on_free(pool, np.asarray([rows] if isinstance(rows, int) else list(rows), dtype=np.int64),
+                             self.capture_site())
 
             self._wrap(obj, "alloc", alloc_rows)
             self._wrap(obj, "free", free_rows)
             return
 
-        def to_units(idx: torch.Tensor) -> torch.Tensor:
-            idx = idx.detach().to("cpu", torch.int64)
-            return idx if ps == 1 else torch.unique(idx // ps)
+        def to_units(idx: torch.Tensor) -> np.ndarray:
+            try:
+                idx = idx.numpy()  # CPU: shares memory with the engine's tensor (on_free copies)
+            except (TypeError, RuntimeError):
+                idx = idx.detach().cpu().numpy()
+            return idx if ps == 1 else np.unique(idx // ps)
 
         depth = [0]  # only the outermost call records: alloc_extend may call alloc internally
 
@@ -238,13 +306,13 @@ class Auditor:
             self._wrap(obj, name, alloc_wrapper)
 
         orig_free = obj.free
-        group: list[tuple[torch.Tensor, int]] = []
+        group: list[tuple[np.ndarray, int]] = []
 
         def free_wrapper(idx, *a, **k):
             if depth[0] or idx.numel() == 0:
                 return orig_free(idx, *a, **k)
             if not getattr(obj, "is_not_in_free_group", True):
-                group.append((to_units(idx), self.capture_site()))
+                group.append((to_units(idx).copy(), self.capture_site()))
                 return orig_free(idx, *a, **k)
             depth[0] += 1
             try:
@@ -264,8 +332,14 @@ class Auditor:
                     depth[0] -= 1
                 pend = list(group)
                 group.clear()
+                # The allocator frees the union of the group's pages once (unique over the
+                # concatenation), so a unit named by two frees of one group is freed once.
+                seen: set[int] = set()
                 for units, sid in pend:
-                    self.on_free(pool, units, sid)
+                    ul = [u for u in units.tolist() if u not in seen] if seen else units.tolist()
+                    seen.update(ul)
+                    if ul:
+                        self.on_free(pool, np.asarray(ul, dtype=np.int64), sid)
 
             self._wrap(obj, "free_group_end", group_end_wrapper)
 

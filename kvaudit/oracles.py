@@ -15,7 +15,7 @@ allocation come from the hooks (:mod:`kvaudit.hooks`).
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from kvaudit.findings import Finding
 from kvaudit.hooks import Auditor
@@ -29,38 +29,37 @@ def check(auditor: Auditor, target) -> list[Finding]:
         by_pool[root.pool].append(root)
     acc = target.accounting()
     for pool, led in auditor.ledgers.items():
-        n = led.allocated.numel()
-        private = torch.zeros(n, dtype=torch.int64)
-        referenced = torch.zeros(n, dtype=torch.bool)
-        req_private = torch.zeros(n, dtype=torch.bool)
-        owner = torch.zeros(n, dtype=torch.int64)
-        for root in by_pool[pool]:
-            u = root.units
-            referenced[u] = True
+        n = led.allocated.size
+        roots = by_pool[pool]
+        referenced = np.zeros(n, dtype=bool)
+        owner = np.zeros(n, dtype=np.int64)
+        private_units, req_units = [], []
+        for root in roots:
+            referenced[root.units] = True
             if root.private:
-                private.index_add_(0, u, torch.ones_like(u))
-                owner[u] = auditor.owner_id(root.owner)
+                private_units.append(root.units)
+                owner[root.units] = auditor.owner_id(root.owner)
                 if root.role == "req":
-                    req_private[u] = True
+                    req_units.append(root.units)
         referenced[0] = False
-        changed = (owner != led.owner).nonzero().squeeze(1)
-        if changed.numel():
+        private = np.bincount(np.concatenate(private_units), minlength=n) if private_units else np.zeros(n, np.int64)
+        changed = np.flatnonzero(owner != led.owner)
+        if changed.size:
             auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
             led.owner = owner
-        leaked = (led.allocated & ~referenced).nonzero().squeeze(1)
-        leaked = leaked[leaked > 0]
-        uaf = (referenced & ~led.allocated).nonzero().squeeze(1)
-        alias = (private > 1).nonzero().squeeze(1)
+        leaked = np.flatnonzero(led.allocated & ~referenced)
+        leaked = leaked[leaked > 0]  # unit 0 is reserved, always "allocated"
+        uaf = np.flatnonzero(referenced & ~led.allocated)
+        alias = np.flatnonzero(private > 1)
         pool_findings = []
         for kind, units, msg in (("leak", leaked, "allocated, unreachable from every root"),
                                  ("use-after-free", uaf, "referenced by a live owner but free in the ledger"),
                                  ("aliasing", alias, "privately owned by more than one root")):
-            if units.numel():
+            if units.size:
                 pool_findings.extend(_group_by_site(auditor, kind, pool, units, msg))
         a = acc.get(pool)
         if a is not None and not pool_findings:
-            unit_tokens = led.spec.page_size
-            uncached = int(req_private.sum()) * unit_tokens
+            uncached = (np.unique(np.concatenate(req_units)).size if req_units else 0) * led.spec.page_size
             lhs = a.available + a.evictable + a.protected + a.session_held + uncached
             if lhs != a.total:
                 pool_findings.append(Finding(
@@ -77,15 +76,10 @@ def check(auditor: Auditor, target) -> list[Finding]:
     return findings
 
 
-def _group_by_site(auditor: Auditor, kind: str, pool: str, units: torch.Tensor, msg: str) -> list[Finding]:
+def _group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str) -> list[Finding]:
     """One finding per allocation site of ``units`` (LeakSanitizer groups by stack the same way)."""
     led = auditor.ledgers[pool]
     ev_ids = led.last_alloc[units]
-    sites = torch.tensor([auditor.events[int(e)].site if e >= 0 else -1 for e in ev_ids.unique().tolist()])
-    ev_site = {int(e): int(s) for e, s in zip(ev_ids.unique().tolist(), sites.tolist())}
-    site_of_unit = torch.tensor([ev_site[int(e)] for e in ev_ids.tolist()]) if units.numel() else sites
-    out = []
-    for sid in site_of_unit.unique().tolist():
-        group = units[site_of_unit == sid]
-        out.append(auditor._unit_finding(kind, pool, group, msg, alloc_sid=int(sid)))
-    return out
+    site_of_unit = np.array([auditor.events[e].site if e >= 0 else -1 for e in ev_ids.tolist()], dtype=np.int64)
+    return [auditor._unit_finding(kind, pool, units[site_of_unit == sid], msg, alloc_sid=int(sid))
+            for sid in np.unique(site_of_unit).tolist()]

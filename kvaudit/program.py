@@ -77,7 +77,7 @@ def op_from_dict(d: object) -> Op:
     """Parse one op. Raises :class:`ProgramError` with a one-line reason."""
     if not isinstance(d, dict) or "op" not in d:
         raise ProgramError(f"op must be an object with an 'op' key, got {d!r:.60}")
-    cls = OP_TYPES.get(d["op"])
+    cls = OP_TYPES.get(d["op"]) if isinstance(d["op"], str) else None
     if cls is None:
         raise ProgramError(f"unknown op {d['op']!r}; valid ops: {', '.join(OP_TYPES)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -115,3 +115,26 @@ def format_op(op: Op) -> str:
 def format_program(ops: list[Op]) -> str:
     """One op per line, numbered from 0 (the op index used in findings)."""
     return "\n".join(f"{i:>3}  {format_op(op)}" for i, op in enumerate(ops))
+
+
+def random_program(rng, length: int, max_prompt: int = 32) -> list[Op]:
+    """A random program of ``length`` ops from ``rng`` (a ``random.Random``), ending in ``idle``.
+
+    The op mix is fixed (no coverage feedback): this is the plain random baseline.
+    """
+    ops: list[Op] = []
+    for _ in range(max(0, length - 1)):
+        r = rng.random()
+        if r < 0.35:
+            ops.append(Submit(rng.randrange(4), rng.randint(1, max_prompt), rng.randint(1, 12),
+                              rng.choice([None, None, rng.randint(1, 12)])))
+        elif r < 0.45:
+            ops.append(HealthCheck())
+        elif r < 0.55:
+            ops.append(Abort(rng.choice([None, rng.randrange(8)])))
+        elif r < 0.9:
+            ops.append(Step(rng.randint(1, 4)))
+        else:
+            ops.append(Idle())
+    ops.append(Idle())
+    return ops

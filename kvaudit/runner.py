@@ -6,6 +6,7 @@ which is what replay, minimization and confirmation rely on.
 
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from kvaudit.program import Idle, Op, Step
 from kvaudit.targets.eut import EutTarget
 
 MAX_IDLE_STEPS = 2000
+_KVAUDIT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -58,6 +60,8 @@ class AuditedRun:
         return found
 
     def _step(self) -> list[Finding]:
+        if self.auditor is not None:
+            self.auditor.step = self.target.steps + 1
         self.target.step()
         return self._check()
 
@@ -87,11 +91,23 @@ class AuditedRun:
         self.findings.extend(found)
         return found
 
+    def close(self) -> None:
+        """Remove the hooks. This also breaks the engine <-> auditor reference cycle, so a finished
+        run is freed at once instead of waiting for the cycle collector."""
+        if self.auditor is not None:
+            self.auditor.uninstall()
+
+    def __enter__(self) -> "AuditedRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _crash_finding(exc: BaseException, op_index: int, step: int) -> Finding:
     tb = traceback.extract_tb(exc.__traceback__)
     frames = [Site(fr.filename, fr.lineno or 0, fr.name) for fr in reversed(tb)
-              if "/kvaudit/" not in fr.filename]
+              if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)]
     return Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
                    op_index=op_index, step=step,
                    traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
@@ -99,9 +115,9 @@ def _crash_finding(exc: BaseException, op_index: int, step: int) -> Finding:
 
 def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding."""
-    run = AuditedRun(config, audit=audit)
-    for op in program:
-        found = run.apply(op)
-        if found and stop_on_finding:
-            break
-    return Execution(run.findings, run.ops_run, run.target.steps)
+    with AuditedRun(config, audit=audit) as run:
+        for op in program:
+            found = run.apply(op)
+            if found and stop_on_finding:
+                break
+        return Execution(run.findings, run.ops_run, run.target.steps)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class PoolSpec:
 
 @dataclass
 class Root:
-    """``owner`` references ``units`` (``[n] int64`` pages or rows) of ``pool``.
+    """``owner`` references ``units`` (``[n] int64`` numpy array of pages or rows) of ``pool``.
 
     ``private`` marks exclusive ownership (the aliasing check counts these); ``role`` is ``"req"``
     for live requests (their private units are SGLang's ``uncached``) or ``"tree"`` for the cache.
@@ -36,7 +36,7 @@ class Root:
 
     pool: str
     owner: str
-    units: torch.Tensor
+    units: np.ndarray
     private: bool = True
     role: str = "req"
 

@@ -9,6 +9,7 @@ live request holds is, by construction, unreachable.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine_under_test import EngineConfig, Scheduler
@@ -79,20 +80,34 @@ class EutTarget:
         return self.engine.is_fully_idle() and not self.engine.recv_queue
 
     # -- observing --------------------------------------------------------------------------
+    owner_hint_vars = ("req", "reqs", "batch")  # frames without these locals are not inspected
+
+    @staticmethod
+    def owner_hint(frame_locals: dict) -> str | None:
+        """Name the request an allocating engine frame works for (its local ``req``).
+
+        Returns ``""`` (owner unknown, stop looking) for a frame that works on a whole batch, where
+        a ``req`` local is only a loop variable, and None when the frame says nothing.
+        """
+        if "reqs" in frame_locals or "batch" in frame_locals:
+            return ""
+        rid = getattr(frame_locals.get("req"), "rid", None)
+        return f"req:{rid}" if isinstance(rid, str) else None
+
     def roots(self) -> list[Root]:
         eng, ps = self.engine, self.config.page_size
         table = eng.req_to_token_pool.req_to_token
         out: list[Root] = []
         hs = eng.hisparse_coordinator
 
-        def pages(slots: torch.Tensor) -> torch.Tensor:
-            slots = slots.cpu()
-            return slots if ps == 1 else torch.unique(slots // ps)
+        def pages(slots: torch.Tensor) -> np.ndarray:
+            slots = slots.cpu().numpy()
+            return slots if ps == 1 else np.unique(slots // ps)
 
         for req in eng.requests_owning_rows():
             kv, owner = req.kv, f"req:{req.rid}"
             row = table[kv.req_pool_idx, : kv.kv_allocated_len]
-            out.append(Root("req_to_token_pool", owner, torch.tensor([kv.req_pool_idx])))
+            out.append(Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64)))
             out.append(Root("token_to_kv_pool", owner, pages(row[kv.cache_protected_len:])))
             if kv.cache_protected_len:
                 out.append(Root("token_to_kv_pool", owner, pages(row[: kv.cache_protected_len]), private=False))

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Throughput of program execution: programs/s and ops/s, bare engine vs hooks vs full audit.
+
+    python benchmarks/throughput.py [--programs N] [--length L] [--preset NAME]
+
+Runs on one core (torch.set_num_threads(1)); each mode reports the best of --repeat runs. "bare" is the engine alone, "hooks" adds the
+ledger (every alloc/free recorded, double free checked), "audit" adds the per-step oracles
+(reachability and accounting). The same seeded programs are used in every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from engine_under_test import get_preset
+from kvaudit.program import random_program
+from kvaudit.runner import AuditedRun
+
+
+def run(config, programs, audit: bool, oracles: bool) -> tuple[float, int, int]:
+    ops = steps = 0
+    t0 = time.perf_counter()
+    for prog in programs:
+        with AuditedRun(config, audit=audit, run_oracles=oracles) as r:
+            for op in prog:
+                r.apply(op)
+        ops += len(prog)
+        steps += r.target.steps
+    return time.perf_counter() - t0, ops, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--programs", type=int, default=200)
+    ap.add_argument("--length", type=int, default=10)
+    ap.add_argument("--preset", default="pd-decode-hisparse")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3, help="best of this many runs per mode")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rng = random.Random(args.seed)
+    programs = [random_program(rng, args.length) for _ in range(args.programs)]
+    print(f"preset={args.preset} programs={args.programs} length={args.length} seed={args.seed} "
+          f"torch={torch.__version__} threads=1")
+    print(f"{'model':6} {'mode':6} {'programs/s':>11} {'ops/s':>9} {'steps/s':>9} {'cost':>6}")
+    for model in ("none", "tiny"):
+        config = get_preset(args.preset).config(model=model)
+        run(config, programs[:5], True, True)  # warm-up
+        base = None
+        for mode, audit, oracles in (("bare", False, False), ("hooks", True, False), ("audit", True, True)):
+            secs, ops, steps = min(run(config, programs, audit, oracles) for _ in range(args.repeat))
+            base = base or secs
+            print(f"{model:6} {mode:6} {len(programs) / secs:11.1f} {ops / secs:9.0f} {steps / secs:9.0f} "
+                  f"{secs / base:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""The ``kvaudit`` command line (click).
+
+Exit codes: 0 clean, 1 findings, 2 usage or input error, 70 internal error, 130 interrupted
+with no finding.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import click
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
+from kvaudit import __version__, replay
+from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, triage
+from kvaudit.report import print_report
+from kvaudit.runner import execute
+
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
+
+
+class InputError(click.ClickException):
+    exit_code = EXIT_USAGE
+
+
+class KvauditGroup(click.Group):
+    """Every error is one line on stderr with a distinct exit code, never a traceback."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:
+            return sys.exit(e.exit_code)
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            click.echo(f"kvaudit: error: {e.format_message()}{hint}", err=True)
+            return sys.exit(EXIT_USAGE)
+        except click.ClickException as e:
+            click.echo(f"kvaudit: error: {e.format_message()}", err=True)
+            return sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("kvaudit: interrupted", err=True)
+            return sys.exit(EXIT_INTERRUPTED)
+        except Exception as e:  # a kvaudit bug: say so in one line, keep the traceback opt-in
+            if os.environ.get("KVAUDIT_DEBUG"):
+                raise
+            click.echo(f"kvaudit: internal error: {type(e).__name__}: {e} (set KVAUDIT_DEBUG=1 for a traceback)",
+                       err=True)
+            return sys.exit(EXIT_INTERNAL)
+        return sys.exit(rv or 0)
+
+
+def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None):
+    try:
+        changes = {"model": model, "device": device, "bugs": frozenset(bugs)}
+        if page_size is not None:
+            changes["page_size"] = page_size
+        return get_preset(preset).config(**changes)
+    except (UnknownPresetError, UnknownBugError) as e:
+        raise InputError(str(e)) from None
+    except ValueError as e:
+        raise InputError(f"bad configuration: {e}") from None
+
+
+class _Progress:
+    """Live status on a terminal; a plain line every ``interval`` seconds otherwise."""
+
+    def __init__(self, console: Console, max_time: float, interval: float = 5.0):
+        self.console, self.max_time, self.interval = console, max_time, interval
+        self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
+        self._last = 0.0
+
+    def line(self, s: FuzzStats) -> str:
+        rate = s.executions / s.elapsed if s.elapsed > 0 else 0.0
+        left = max(0.0, self.max_time - s.elapsed)
+        return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={s.executions} exec/s={rate:.1f} ops={s.ops} "
+                f"findings={s.findings} remaining={left:.0f}s")
+
+    def __enter__(self):
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self, s: FuzzStats, force: bool = False) -> None:
+        if self.live:
+            self.live.update(Text(self.line(s), style="bold blue"), refresh=True)
+        elif force or time.monotonic() - self._last >= self.interval:
+            self._last = time.monotonic()
+            print(self.line(s), flush=True)
+
+
+_common = [
+    click.option("--preset", default="default", show_default=True, metavar="NAME",
+                 help="Engine preset (see 'kvaudit presets')."),
+    click.option("--bug", "bugs", multiple=True, metavar="NAME",
+                 help="Switch a bug-zoo bug on (repeatable; see 'kvaudit bugs')."),
+    click.option("--model", type=click.Choice(["none", "tiny"]), default="none", show_default=True,
+                 help="'tiny' runs the dummy transformer over real KV tensors; 'none' skips compute."),
+    click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
+    click.option("--page-size", type=click.IntRange(min=1), default=None, help="Override the preset's page size (tokens)."),
+]
+
+
+def common_options(f):
+    for opt in reversed(_common):
+        f = opt(f)
+    return f
+
+
+@click.group(cls=KvauditGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvaudit")
+def main():
+    """kvaudit: find KV-cache memory leaks, double frees and use-after-free in LLM serving schedulers."""
+
+
+@main.command()
+@common_options
+@click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              metavar="SECONDS", help="Time budget for the search, in seconds (triage of a finding comes after).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
+              help="Directory for replay files of findings.")
+def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
+    """Fuzz the built-in engine with Hypothesis; minimize, confirm and report what it finds.
+
+    Exits 1 with a replay file in --out when a finding is confirmed, 0 when the budget ends clean.
+    """
+    config = _config(preset, bugs, model, device, page_size)
+    console = Console(highlight=False)
+    stats = FuzzStats()
+    err = Console(stderr=True, highlight=False)
+    err.print(f"kvaudit fuzz: preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
+              f"budget {max_time:g}s, out {out_dir}")
+    progress = _Progress(err, max_time)
+    try:
+        with progress:
+            found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update)
+            if found is not None:
+                stats.phase = "confirming and minimizing"
+                progress.update(stats, force=True)
+                program, findings = found
+                crash = triage(config, program, findings[0])
+    except KeyboardInterrupt:
+        err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding confirmed")
+        return EXIT_INTERRUPTED
+    if found is None:
+        console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
+                      f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)")
+        return EXIT_CLEAN
+    if crash is None:
+        console.print(f"a finding ({findings[0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} times; "
+                      "not reported (flaky)")
+        return EXIT_CLEAN
+    path = os.path.join(out_dir, replay.file_name(crash.finding.signature))
+    replay.write_atomic(path, replay.to_doc(config, crash.program, crash.findings,
+                                            seed=seed, confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}"))
+    print_report(console, config, crash.program, crash.findings)
+    console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
+                  f"{crash.original_length} -> {len(crash.program)} ops; reproduced "
+                  f"{crash.confirmations}/{CONFIRM_RUNS}")
+    console.print(f"replay file: {path}   (kvaudit replay {path})")
+    return EXIT_FINDINGS
+
+
+@main.command("replay")
+@click.argument("file", type=click.Path(dir_okay=False))
+def replay_cmd(file):
+    """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean."""
+    try:
+        config, program, recorded, _ = replay.load(file)
+    except replay.ReplayFormatError as e:
+        raise InputError(str(e)) from None
+    ex = execute(config, program)
+    console = Console(highlight=False)
+    print_report(console, config, program, ex.findings)
+    want = {f.signature for f in recorded}
+    got = set(ex.signatures)
+    if want:
+        same = "yes" if want <= got else "no"
+        console.print(f"recorded signature(s) reproduced: {same}")
+    return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
+
+
+@main.command()
+def presets():
+    """List the engine presets."""
+    t = Table(title="presets")
+    t.add_column("preset", no_wrap=True)
+    t.add_column("description")
+    for p in PRESETS.values():
+        t.add_row(p.name, p.description)
+    Console().print(t)
+
+
+@main.command()
+def bugs():
+    """List the bug-zoo switches with their preset and public source."""
+    t = Table(title="bug zoo")
+    t.add_column("bug", no_wrap=True)  # the name is what --bug takes: never cut it
+    for col in ("preset", "source", "finding", "description"):
+        t.add_column(col)
+    for b in BUGS.values():
+        t.add_row(b.name, b.preset, b.source, b.finding, b.description)
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    main()

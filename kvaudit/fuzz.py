@@ -1,0 +1,155 @@
+"""Fuzzing: a Hypothesis state machine whose rules are program ops, plus the confirm/minimize pipeline.
+
+Each Hypothesis test case builds a fresh audited engine and applies ops as rules fire; a finding
+fails the case and Hypothesis shrinks it. The shrunk program is then confirmed by K-of-K
+deterministic replays, minimized by :mod:`kvaudit.minimize`, and confirmed again before it is
+reported (syzkaller reproduces a crash before reporting it, for the same reason).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hypothesis import HealthCheck as HypHealthCheck
+from hypothesis import Phase, Verbosity, seed, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+
+from engine_under_test import EngineConfig
+from kvaudit.findings import Finding
+from kvaudit.minimize import minimize
+from kvaudit.program import Abort, HealthCheck, Idle, Op, Step, Submit
+from kvaudit.runner import AuditedRun, execute
+
+CONFIRM_RUNS = 3
+
+
+class FindingFound(AssertionError):
+    """Raised inside a test case so that Hypothesis records it as failing and shrinks it."""
+
+
+@dataclass
+class FuzzStats:
+    started: float = field(default_factory=time.monotonic)
+    executions: int = 0
+    ops: int = 0
+    findings: int = 0
+    phase: str = "fuzzing"
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+@dataclass
+class Crash:
+    """A confirmed, minimized finding: the program reproduces ``finding.signature`` K of K times."""
+
+    config: EngineConfig
+    program: list[Op]
+    findings: list[Finding]  # the primary finding first, then others the same op produced
+    original_length: int
+    confirmations: int
+
+    @property
+    def finding(self) -> Finding:
+        return self.findings[0]
+
+
+class _Recorder:
+    def __init__(self, stats: FuzzStats, deadline: float):
+        self.stats = stats
+        self.deadline = deadline
+        self.last_failure: tuple[list[Op], list[Finding]] | None = None
+
+
+def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
+    class ProgramMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.run = AuditedRun(config)
+            self.ops: list[Op] = []
+            rec.stats.executions += 1
+
+        def _do(self, op: Op) -> None:
+            if time.monotonic() > rec.deadline:
+                return  # out of time: let the remaining cases finish as no-ops
+            self.ops.append(op)
+            rec.stats.ops += 1
+            found = self.run.apply(op)
+            if found:
+                rec.last_failure = (list(self.ops), found)
+                raise FindingFound(found[0].signature)
+
+        @rule(family=st.integers(0, 3), prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 12),
+              stop_at=st.none() | st.integers(1, 12))
+        def submit(self, family, prompt_len, max_new_tokens, stop_at):
+            self._do(Submit(family, prompt_len, max_new_tokens, stop_at))
+
+        @rule()
+        def health_check(self):
+            self._do(HealthCheck())
+
+        @rule(handle=st.none() | st.integers(0, 7))
+        def abort(self, handle):
+            self._do(Abort(handle))
+
+        @rule(n=st.integers(1, 4))
+        def step(self, n):
+            self._do(Step(n))
+
+        @rule()
+        def idle(self):
+            self._do(Idle())
+
+        def teardown(self):
+            try:
+                if self.ops and not isinstance(self.ops[-1], Idle):
+                    self._do(Idle())  # every program ends with the strong idle checks
+            finally:
+                self.run.close()
+
+    return ProgramMachine
+
+
+def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS) -> int:
+    """How many of ``runs`` fresh replays yield ``signature``."""
+    return sum(signature in execute(config, program).signatures for _ in range(runs))
+
+
+def triage(config: EngineConfig, program: list[Op], finding: Finding) -> Crash | None:
+    """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K."""
+    sig = finding.signature
+    if confirm(config, program, sig) < CONFIRM_RUNS:
+        return None
+    small = minimize(config, program, sig)
+    final = execute(config, small)
+    primary = next(f for f in final.findings if f.signature == sig)
+    others = [f for f in final.findings if f is not primary]
+    return Crash(config, small, [primary] + others, len(program), confirm(config, small, sig))
+
+
+def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,
+                      on_progress: Callable[[FuzzStats], None] | None = None,
+                      batch_examples: int = 100, max_steps: int = 12) -> tuple[list[Op], list[Finding]] | None:
+    """Run seeded Hypothesis batches until a finding or ``max_time`` seconds. Returns the shrunk
+    failing program and its findings, or None."""
+    deadline = time.monotonic() + max_time
+    rec = _Recorder(stats, deadline)
+    max_prompt = max(2, min(48, config.context_len - 12))
+    hs = settings(max_examples=batch_examples, stateful_step_count=max_steps, deadline=None, database=None,
+                  suppress_health_check=list(HypHealthCheck), verbosity=Verbosity.quiet,
+                  phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)
+    batch = 0
+    while time.monotonic() < deadline:
+        machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt))
+        try:
+            run_state_machine_as_test(machine, settings=hs)
+        except FindingFound:
+            return rec.last_failure
+        batch += 1
+        if on_progress:
+            on_progress(stats)
+    return None

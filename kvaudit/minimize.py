@@ -1,0 +1,101 @@
+"""Minimization: delta debugging over ops, then simplification of op arguments.
+
+The property kept is "the program still yields a finding with this signature". Zeller and
+Hildebrandt's ddmin removes chunks of ops; then each op's arguments are pulled toward simple
+values (small counts, no stop, step n=1) one at a time, keeping each change that still fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from engine_under_test import EngineConfig
+from kvaudit.program import Abort, Op, Step, Submit
+from kvaudit.runner import execute
+
+
+def reproduces(config: EngineConfig, program: list[Op], signature: str) -> bool:
+    return signature in execute(config, program).signatures
+
+
+def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """The classic ddmin: a 1-minimal sublist of ``ops`` for which ``fails`` still holds."""
+    n = 2
+    while len(ops) >= 2:
+        chunk = max(1, len(ops) // n)
+        subsets = [ops[i : i + chunk] for i in range(0, len(ops), chunk)]
+        reduced = False
+        for i in range(len(subsets)):
+            complement = [op for j, s in enumerate(subsets) if j != i for op in s]
+            if fails(subsets[i]):
+                ops, n, reduced = subsets[i], 2, True
+                break
+            if len(subsets) > 2 and fails(complement):
+                ops, n, reduced = complement, max(n - 1, 2), True
+                break
+        if not reduced:
+            if n >= len(ops):
+                break
+            n = min(len(ops), n * 2)
+    if len(ops) == 1 or not ops:
+        return ops
+    # final 1-minimality pass: drop single ops
+    i = 0
+    while i < len(ops) and len(ops) > 1:
+        cand = ops[:i] + ops[i + 1 :]
+        if fails(cand):
+            ops = cand
+        else:
+            i += 1
+    return ops
+
+
+def _simpler(op: Op) -> list[Op]:
+    """Candidate simplifications of one op, simplest first."""
+    out: list[Op] = []
+    if isinstance(op, Submit):
+        if op.stop_at is not None:
+            out.append(dataclasses.replace(op, stop_at=None))
+        for field, floor in (("family", 0), ("prompt_len", 1), ("max_new_tokens", 1)):
+            v = getattr(op, field)
+            for cand in sorted({floor, max(floor, v // 2)}):
+                if cand < v:
+                    out.append(dataclasses.replace(op, **{field: cand}))
+    elif isinstance(op, Step) and op.n > 1:
+        out += [Step(1), Step(op.n // 2)]
+    elif isinstance(op, Abort) and op.handle not in (None, 0):
+        out.append(Abort(0))
+    return out
+
+
+def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool], max_rounds: int = 4) -> list[Op]:
+    for _ in range(max_rounds):
+        changed = False
+        for i in range(len(ops)):
+            for cand in _simpler(ops[i]):
+                trial = ops[:i] + [cand] + ops[i + 1 :]
+                if fails(trial):
+                    ops, changed = trial, True
+                    break
+        if not changed:
+            break
+    return ops
+
+
+def minimize(config: EngineConfig, program: list[Op], signature: str) -> list[Op]:
+    """The smallest program found that still yields ``signature``. Raises ``ValueError`` if the
+    input program does not reproduce it."""
+    cache: dict[tuple, bool] = {}
+
+    def fails(ops: list[Op]) -> bool:
+        key = tuple(ops)
+        if key not in cache:
+            cache[key] = bool(ops) and reproduces(config, ops, signature)
+        return cache[key]
+
+    if not fails(list(program)):
+        raise ValueError(f"program does not reproduce {signature}")
+    ops = ddmin(list(program), fails)
+    ops = simplify_args(ops, fails)
+    return ddmin(ops, fails)

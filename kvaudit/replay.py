@@ -1,0 +1,82 @@
+"""Replay files: the versioned JSON that makes a finding a deterministic reproducer.
+
+Top-level keys: ``format``, ``config`` (the full :class:`EngineConfig`, including ``preset`` and
+``bugs``), ``program`` (ops) and ``findings`` (each with ``kind``, ``pool``, ``signature`` and
+``alloc_sites`` of ``file``/``line``/``function``). Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+
+from engine_under_test import EngineConfig
+from kvaudit.findings import Finding
+from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
+
+FORMAT = "kvaudit.replay/1"
+
+
+class ReplayFormatError(ValueError):
+    """A file that is not a valid kvaudit replay file (message is one line)."""
+
+
+def to_doc(config: EngineConfig, program: list[Op], findings: list[Finding], **extra) -> dict:
+    return {"format": FORMAT, "config": config.to_dict(), "program": program_to_json(program),
+            "findings": [f.to_dict() for f in findings], **extra}
+
+
+def write_atomic(path: str, doc: dict) -> str:
+    """Write ``doc`` as JSON to ``path`` via a temporary file and ``os.replace``."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def file_name(signature: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", signature).strip("_") + ".json"
+
+
+def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
+    """Read and validate a replay file. Raises :class:`ReplayFormatError` with a one-line reason."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except OSError as e:
+        raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReplayFormatError(f"{path} is not JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ReplayFormatError(f"{path} is not a kvaudit replay file (want \"format\": \"{FORMAT}\")")
+    for key in ("config", "program"):
+        if key not in doc:
+            raise ReplayFormatError(f"{path}: missing key {key!r}")
+    try:
+        if not isinstance(doc["config"], dict):
+            raise ValueError("config must be an object")
+        config = EngineConfig.from_dict(doc["config"])
+    except (TypeError, ValueError) as e:
+        raise ReplayFormatError(f"{path}: bad config: {e}") from None
+    try:
+        program = program_from_json(doc["program"])
+    except ProgramError as e:
+        raise ReplayFormatError(f"{path}: bad program: {e}") from None
+    try:
+        findings = [Finding.from_dict(f) for f in doc.get("findings", [])]
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ReplayFormatError(f"{path}: bad findings: {e}") from None
+    return config, program, findings, doc

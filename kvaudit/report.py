@@ -1,0 +1,108 @@
+"""Console reports with rich, in LeakSanitizer's manner but for KV slots.
+
+Findings are plain data (:class:`kvaudit.findings.Finding`); this module only renders them.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+from collections import Counter
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from engine_under_test import EngineConfig
+from kvaudit.findings import Finding, Site
+from kvaudit.program import Op, format_op
+
+
+def _stack(title: str, sites: list[Site]) -> Group:
+    parts: list = [Text(title, style="bold")]
+    for i, s in enumerate(sites):
+        parts.append(Text(f"    #{i} {s.function}  {_rel(s.file)}:{s.line}", style="cyan" if i == 0 else ""))
+        src = linecache.getline(s.file, s.line).strip()
+        if src:
+            parts.append(Syntax("        " + src, "python", theme="ansi_dark", background_color="default"))
+    if not sites:
+        parts.append(Text("    (no stack recorded)", style="dim"))
+    return Group(*parts)
+
+
+def _rel(path: str) -> str:
+    """``engine_under_test/...`` or ``kvaudit/...`` when the path is inside a package we know."""
+    for pkg in ("engine_under_test", "kvaudit"):
+        marker = f"{os.sep}{pkg}{os.sep}"
+        if marker in path:
+            return pkg + os.sep + path.rsplit(marker, 1)[1]
+    return path
+
+
+def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0) -> Panel:
+    parts: list = [
+        Text(f"==ERROR: kvaudit: {f.summary()}", style="bold red"),
+        Text(f"signature: {f.signature}", style="yellow"),
+        Text(f"detected after op #{f.op_index} at scheduler step {f.step}: {f.message}"),
+    ]
+    if f.slots:
+        shown = ", ".join(map(str, f.slots[:16])) + (" ..." if len(f.slots) > 16 else "")
+        parts.append(Text(f"{'rows' if f.unit == 'row' else 'slots'}: [{shown}]"))
+    if f.kind == "double-free":
+        parts.append(_stack("freed again at:", f.free_sites))
+        parts.append(_stack("previously freed at:", f.prev_free_sites))
+    if f.kind == "crash":
+        parts.append(_stack("raised at:", f.alloc_sites))
+    elif f.alloc_sites:
+        parts.append(_stack("allocated at:", f.alloc_sites))
+    if f.owner_history:
+        t = Table(title="lifecycle of the first unit", title_justify="left", show_edge=False, pad_edge=False)
+        t.add_column("op", justify="right")
+        t.add_column("step", justify="right")
+        t.add_column("event")
+        for o in f.owner_history:
+            t.add_row(str(o.op_index), str(o.step), o.event if o.event != "owner" else f"owned by {o.owner}")
+        if f.kind == "leak":
+            owner = next((o.owner for o in reversed(f.owner_history) if o.owner != "-"), None)
+            t.add_row("", "", f"[bold red]never freed[/]; last owner: {owner or 'none seen'}")
+        parts.append(t)
+    if program:
+        t = Table(title="minimized program" if index == 0 else "program", title_justify="left",
+                  show_edge=False, pad_edge=False, show_header=False)
+        t.add_column(justify="right")
+        t.add_column()
+        for i, op in enumerate(program):
+            mark = "  <- detected here" if i == f.op_index else ""
+            t.add_row(str(i), format_op(op) + mark)
+        parts.append(t)
+    if f.engine_check:
+        parts.append(Text("engine check_memory(): ", style="bold").append(
+            "; ".join(f.engine_check), style="" if f.engine_check[0].endswith("ok") else "magenta"))
+    if f.traceback:
+        parts.append(Text(f.traceback.rstrip(), style="dim"))
+    return Panel(Group(*parts), title=f"finding {index + 1}: {f.kind}", title_align="left", border_style="red")
+
+
+def summary_table(findings: list[Finding], deduplicated: int = 0) -> Table:
+    t = Table(title="summary", title_justify="left")
+    t.add_column("kind")
+    t.add_column("count", justify="right")
+    for kind, n in sorted(Counter(f.kind for f in findings).items()):
+        t.add_row(kind, str(n))
+    if not findings:
+        t.add_row("none", "0")
+    if deduplicated:
+        t.add_row("deduplicated", str(deduplicated), style="dim")
+    return t
+
+
+def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
+                 deduplicated: int = 0) -> None:
+    bugs = ", ".join(sorted(config.bugs)) or "none"
+    console.print(Text(f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, "
+                       f"page_size {config.page_size}", style="bold"))
+    for i, f in enumerate(findings):
+        console.print(finding_renderable(f, program, i))
+    console.print(summary_table(findings, deduplicated))

@@ -1,0 +1,323 @@
+"""Tests for the ``kvaudit`` command line: click's CliRunner for most cases, the installed console
+script (a real subprocess) where the process boundary matters (exit status through a pipe, no ANSI)."""
+
+import json
+import shlex
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from engine_under_test import BUGS, PRESETS
+from kvaudit.cli import main
+from kvaudit.replay import FORMAT
+
+BUG = "hisparse-prebuilt-skip-finish"
+FUZZ_BUG = ["fuzz", "--preset", "pd-decode-hisparse", "--bug", BUG, "--max-time", "60", "--seed", "1"]
+
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def one_error_line(result):
+    """The single stderr line of a failed command (fails if there are more, or a traceback)."""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.output
+    assert lines[0].startswith("kvaudit: error: "), lines[0]
+    return lines[0]
+
+
+def replay_files(directory):
+    return sorted(p for p in os.listdir(directory) if p.endswith(".json"))
+
+
+def kvaudit_script():
+    path = shutil.which("kvaudit", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert path, "the kvaudit console script is not installed (pip install -e .[dev])"
+    return path
+
+
+def plain_env():
+    """The environment of a user's shell with a colour terminal type, minus anything forcing colour."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "NO_COLOR")}
+    env["TERM"] = "xterm-256color"
+    return env
+
+
+# -- fuzz finds the zoo bug ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fuzz_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fuzz-out")
+    result = invoke(*FUZZ_BUG, "--out", str(out))
+    return result, out
+
+
+@pytest.fixture(scope="module")
+def replay_doc(fuzz_run):
+    result, out = fuzz_run
+    files = replay_files(out)
+    assert len(files) == 1, (files, result.output)
+    path = out / files[0]
+    return path, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_fuzz_with_the_zoo_bug_exits_1_and_writes_one_replay_file(fuzz_run):
+    result, out = fuzz_run
+    assert result.exit_code == 1, result.output
+    assert os.listdir(out) == replay_files(out), "no temporary files left behind"
+    assert len(replay_files(out)) == 1
+    assert "replay file:" in result.stdout
+
+
+@pytest.mark.slow
+def test_replay_file_has_the_documented_shape(replay_doc):
+    path, doc = replay_doc
+    assert {"format", "config", "program", "findings"} <= set(doc)
+    assert doc["format"] == FORMAT
+    assert doc["config"]["preset"] == "pd-decode-hisparse"
+    assert doc["config"]["bugs"] == [BUG]
+    assert doc["findings"], "a replay file of a finding lists it"
+    for f in doc["findings"]:
+        assert {"kind", "pool", "signature", "alloc_sites"} <= set(f)
+        assert isinstance(f["signature"], str) and f["signature"].startswith(f"{f['kind']}/{f['pool']}/")
+        assert f["alloc_sites"], f
+        for site in f["alloc_sites"]:
+            assert isinstance(site["file"], str) and isinstance(site["line"], int) and site["line"] > 0
+            assert isinstance(site["function"], str) and site["function"]
+
+
+@pytest.mark.slow
+def test_primary_finding_is_the_hisparse_leak_with_a_tiny_health_check_program(replay_doc):
+    path, doc = replay_doc
+    primary = doc["findings"][0]
+    assert primary["kind"] == "leak"
+    assert primary["pool"] in ("hisparse_device", "hisparse_host")
+    assert primary["alloc_sites"][0]["file"].endswith(os.path.join("engine_under_test", "hisparse.py"))
+    program = doc["program"]
+    assert 1 <= len(program) <= 4
+    assert {"op": "health_check"} in program
+    assert path.name.startswith("leak_hisparse_")
+
+
+@pytest.mark.slow
+def test_fuzz_report_names_the_signature(fuzz_run, replay_doc):
+    result, _ = fuzz_run
+    _, doc = replay_doc
+    assert doc["findings"][0]["signature"] in result.stdout
+    assert "minimized" in result.stdout
+
+
+@pytest.mark.slow
+def test_replay_reproduces_the_recorded_signature(replay_doc):
+    path, doc = replay_doc
+    result = invoke("replay", str(path))
+    assert result.exit_code == 1, result.output
+    assert doc["findings"][0]["signature"] in result.stdout
+    assert "reproduced: yes" in result.stdout
+
+
+@pytest.mark.slow
+def test_replay_with_the_bug_switched_off_is_clean(replay_doc, tmp_path):
+    _, doc = replay_doc
+    doc = dict(doc, config=dict(doc["config"], bugs=[]))
+    path = tmp_path / "fixed.json"
+    path.write_text(json.dumps(doc))
+    result = invoke("replay", str(path))
+    assert result.exit_code == 0, result.output
+    assert doc["findings"][0]["signature"] not in result.stdout.split("recorded signature")[0]
+    assert "reproduced: no" in result.stdout
+
+
+@pytest.mark.slow
+def test_fuzz_without_a_bug_exits_0_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    result = invoke("fuzz", "--preset", "pd-decode-hisparse", "--max-time", "3", "--seed", "1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "no findings" in result.stdout
+    assert not out.exists() or replay_files(out) == []
+
+
+@pytest.mark.slow
+def test_fuzz_through_a_pipe_has_no_ansi_codes_and_keeps_exit_status(tmp_path):
+    cmd = shlex.join([kvaudit_script(), *FUZZ_BUG, "--out", str(tmp_path / "out")])
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd} | cat"], capture_output=True, text=True,
+                          env=plain_env(), timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "\x1b[" not in proc.stdout
+    assert "\x1b[" not in proc.stderr
+    assert "signature: leak/hisparse_" in proc.stdout
+    assert len(replay_files(tmp_path / "out")) == 1
+
+
+# -- input errors: exit 2, one line on stderr ------------------------------------------------------
+
+def test_unknown_preset_is_one_line_naming_the_valid_presets():
+    result = invoke("fuzz", "--preset", "nope", "--max-time", "1")
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert "nope" in line
+    for name in PRESETS:
+        assert name in line
+    assert result.stdout == ""
+
+
+def test_unknown_preset_through_the_installed_script():
+    proc = subprocess.run([kvaudit_script(), "fuzz", "--preset", "nope"], capture_output=True, text=True,
+                          env=plain_env(), timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "valid presets" in lines[0] and "pd-decode-hisparse" in lines[0]
+    assert proc.stdout == ""
+
+
+def test_unknown_bug_is_one_line_naming_the_valid_bugs():
+    result = invoke("fuzz", "--bug", "nope", "--max-time", "1")
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert "nope" in line and BUG in line
+
+
+def test_bad_page_size_for_the_preset_is_a_usage_error():
+    result = invoke("fuzz", "--preset", "pd-decode-hisparse", "--page-size", "3", "--max-time", "1")
+    assert result.exit_code == 2
+    assert "page_size" in one_error_line(result)
+
+
+@pytest.mark.parametrize("args", [
+    ["fuzz", "--frob"],
+    ["--frob"],
+    ["replay"],
+    ["fuzz", "--max-time", "0"],
+    ["fuzz", "--max-time", "soon"],
+    ["fuzz", "--page-size", "0"],
+    ["fuzz", "--model", "huge"],
+    ["frobnicate"],
+], ids=["fuzz-flag", "group-flag", "replay-no-file", "zero-time", "text-time", "zero-page", "bad-model", "no-command"])
+def test_usage_errors_exit_2_with_one_line(args):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    one_error_line(result)
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("content, why", [
+    ('{"a": 1}', "not a kvaudit replay file"),
+    ("[1, 2, 3]", "not a kvaudit replay file"),
+    ('"kvaudit.replay/1"', "not a kvaudit replay file"),
+    ('{"format": "kvaudit.replay/0", "config": {}, "program": []}', "not a kvaudit replay file"),
+    ("this is not json\n", "not JSON"),
+    ("", "not JSON"),
+    ('{"format": "kvaudit.replay/1", "program": []}', "config"),
+    ('{"format": "kvaudit.replay/1", "config": {}}', "program"),
+    ('{"format": "kvaudit.replay/1", "config": {"nope": 1}, "program": []}', "bad config"),
+    ('{"format": "kvaudit.replay/1", "config": [], "program": []}', "bad config"),
+    ('{"format": "kvaudit.replay/1", "config": {"bugs": ["nope"]}, "program": []}', "bad config"),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', "bad program"),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": {"op": "idle"}}', "bad program"),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": [{"kind": "leak"}]}', "bad findings"),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": "x"}', "bad findings"),
+], ids=["object", "list", "string", "old-format", "text", "empty", "no-config", "no-program", "config-key",
+        "config-list", "config-bug", "unknown-op", "program-object", "finding-fields", "findings-string"])
+def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
+    result = invoke("replay", _write(tmp_path, "in.json", content))
+    assert result.exit_code == 2, result.output
+    assert why in one_error_line(result)
+    assert result.stdout == ""
+
+
+def test_replay_of_a_missing_file_exits_2(tmp_path):
+    result = invoke("replay", str(tmp_path / "absent.json"))
+    assert result.exit_code == 2
+    assert "absent.json" in one_error_line(result)
+
+
+def test_replay_of_a_directory_exits_2(tmp_path):
+    result = invoke("replay", str(tmp_path))
+    assert result.exit_code == 2
+    one_error_line(result)
+
+
+def test_replay_of_binary_exits_2(tmp_path):
+    p = tmp_path / "bin.json"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    result = invoke("replay", str(p))
+    assert result.exit_code == 2
+    one_error_line(result)
+
+
+def test_replay_with_an_unhashable_op_exits_2(tmp_path):
+    doc = {"format": FORMAT, "config": {}, "program": [{"op": ["submit"]}]}
+    result = invoke("replay", _write(tmp_path, "in.json", json.dumps(doc)))
+    assert result.exit_code == 2, result.output
+    one_error_line(result)
+
+
+def test_replay_of_a_hand_written_clean_program_exits_0(tmp_path):
+    doc = {"format": FORMAT, "config": {"preset": "default"},
+           "program": [{"op": "submit", "prompt_len": 5, "max_new_tokens": 3}, {"op": "idle"}]}
+    result = invoke("replay", _write(tmp_path, "in.json", json.dumps(doc)))
+    assert result.exit_code == 0, result.output
+    assert "none" in result.stdout
+
+
+def test_replay_of_a_hand_written_leaking_program_exits_1(tmp_path):
+    doc = {"format": FORMAT,
+           "config": {"preset": "pd-decode-hisparse", "disaggregation_mode": "decode", "enable_hisparse": True,
+                      "disable_radix_cache": True, "num_slots": 256, "bugs": [BUG]},
+           "program": [{"op": "health_check"}, {"op": "idle"}]}
+    result = invoke("replay", _write(tmp_path, "in.json", json.dumps(doc)))
+    assert result.exit_code == 1, result.output
+    assert "leak/hisparse_" in result.stdout
+
+
+# -- listings --------------------------------------------------------------------------------------
+
+def test_presets_lists_every_preset():
+    result = invoke("presets", env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for p in PRESETS.values():
+        assert p.name in result.stdout
+        assert p.description[:30] in result.stdout
+
+
+def test_bugs_lists_every_bug_on_a_wide_console():
+    result = invoke("bugs", env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for b in BUGS.values():
+        assert b.name in result.stdout
+        assert b.source in result.stdout
+
+
+def test_presets_names_survive_an_80_column_pipe():
+    result = invoke("presets", env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    for name in PRESETS:
+        assert name in result.stdout
+
+
+def test_bug_names_survive_an_80_column_pipe():
+    result = invoke("bugs", env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    for name in BUGS:
+        assert name in result.stdout
+
+
+def test_version_and_help_exit_0():
+    assert invoke("--version").exit_code == 0
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("fuzz", "replay", "presets", "bugs"):
+        assert command in result.stdout

@@ -1,0 +1,130 @@
+"""Tests for kvaudit.minimize: ddmin on pure predicates, then whole-program minimization."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine_under_test import get_preset
+from kvaudit.minimize import ddmin, minimize, reproduces, simplify_args
+from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit
+from kvaudit.runner import execute
+
+BUG = "hisparse-prebuilt-skip-finish"
+
+
+def counting(pred):
+    calls = []
+
+    def fails(xs):
+        calls.append(list(xs))
+        return pred(xs)
+
+    return fails, calls
+
+
+# -- ddmin on pure predicates ----------------------------------------------------------------------
+
+def test_ddmin_finds_the_two_needed_elements():
+    fails, calls = counting(lambda xs: 3 in xs and 7 in xs)
+    assert ddmin(list(range(10)), fails) == [3, 7]
+    assert len(calls) < 60
+
+
+def test_ddmin_result_is_one_minimal():
+    pred = lambda xs: sum(xs) >= 10 and 0 in xs  # noqa: E731  (not monotone in a simple way)
+    out = ddmin([5, 0, 1, 4, 2, 6, 3], pred)
+    assert pred(out)
+    for i in range(len(out)):
+        assert not pred(out[:i] + out[i + 1:]), f"dropping {out[i]} still fails: {out} is not 1-minimal"
+
+
+def test_ddmin_keeps_order_and_single_element():
+    assert ddmin(list("abcdefgh"), lambda xs: "f" in xs) == ["f"]
+    assert ddmin(["x"], lambda xs: True) == ["x"]
+
+
+def test_ddmin_keeps_a_list_where_every_element_is_needed():
+    xs = [1, 2, 3, 4, 5]
+    assert ddmin(xs, lambda ys: ys == [1, 2, 3, 4, 5] or set(ys) >= set(xs)) == xs
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=25, unique=True), st.data())
+def test_ddmin_returns_exactly_the_needed_subset(xs, data):
+    needed = data.draw(st.lists(st.sampled_from(xs), min_size=1, max_size=4, unique=True))
+    out = ddmin(list(xs), lambda ys: set(needed) <= set(ys))
+    assert out == [x for x in xs if x in needed]
+
+
+def test_simplify_args_pulls_arguments_toward_simple_values():
+    ops = [Submit(family=3, prompt_len=20, max_new_tokens=9, stop_at=4), Step(4), Abort(5)]
+    out = simplify_args(ops, lambda p: any(isinstance(o, Submit) for o in p))
+    sub = out[0]
+    assert (sub.family, sub.stop_at) == (0, None)
+    assert sub.prompt_len <= 1
+    assert out[1:] == [Step(1), Abort(0)]
+
+
+def test_simplify_args_keeps_what_the_predicate_needs():
+    ops = [Submit(family=2, prompt_len=20, max_new_tokens=9), Step(4)]
+    out = simplify_args(ops, lambda p: p[0].prompt_len >= 10 and p[1].n >= 2)
+    assert out[0].prompt_len == 10 and out[1].n == 2
+
+
+def test_simplify_args_respects_the_floors():
+    out = simplify_args([Submit(family=3, prompt_len=20, max_new_tokens=9, stop_at=4)], lambda p: True,
+                        max_rounds=20)
+    assert out == [Submit(0, 1, 1, None)]
+
+
+# -- minimize on the engine ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def buggy_config():
+    return get_preset("pd-decode-hisparse").config(bugs={BUG})
+
+
+LONG_PROGRAM = [
+    Submit(0, 12, 5), Step(2), Submit(1, 8, 3, 2), Step(1), Abort(0), Step(3), Submit(2, 20, 6), Step(2),
+    Idle(), Submit(3, 5, 4), Abort(None), Step(1), Idle(), HealthCheck(), Step(2), Submit(1, 9, 2), Step(4),
+    Submit(0, 30, 7), Step(3), Idle(),
+]
+
+
+def test_minimize_shrinks_the_hisparse_health_check_leak(buggy_config):
+    ex = execute(buggy_config, LONG_PROGRAM)
+    assert ex.findings, "the long program should reach the leak"
+    sig = ex.signatures[0]
+    assert sig.startswith("leak/hisparse_")
+
+    small = minimize(buggy_config, LONG_PROGRAM, sig)
+
+    assert 1 <= len(small) <= 4
+    assert any(isinstance(op, HealthCheck) for op in small)
+    assert reproduces(buggy_config, small, sig)
+    assert sig in execute(buggy_config, small).signatures
+    fixed = buggy_config.replace(bugs=frozenset())
+    assert execute(fixed, small).findings == [], "without the bug the minimized program is clean"
+
+
+def test_minimize_is_deterministic(buggy_config):
+    sig = execute(buggy_config, LONG_PROGRAM).signatures[0]
+    assert minimize(buggy_config, LONG_PROGRAM, sig) == minimize(buggy_config, LONG_PROGRAM, sig)
+
+
+def test_minimize_rejects_a_program_that_does_not_reproduce(buggy_config):
+    clean = [Submit(0, 6, 3), Step(2), Idle()]
+    with pytest.raises(ValueError, match="does not reproduce"):
+        minimize(buggy_config, clean, "leak/hisparse_device/admit_request_direct@hisparse.py")
+
+
+def test_minimize_rejects_a_signature_the_program_does_not_yield(buggy_config):
+    sig = execute(buggy_config, LONG_PROGRAM).signatures[0]
+    with pytest.raises(ValueError):
+        minimize(buggy_config, LONG_PROGRAM, sig.replace("leak/", "double-free/"))
+    with pytest.raises(ValueError):
+        minimize(buggy_config.replace(bugs=frozenset()), LONG_PROGRAM, sig)
+
+
+def test_minimize_of_empty_program_raises(buggy_config):
+    with pytest.raises(ValueError):
+        minimize(buggy_config, [], "leak/hisparse_device/admit_request_direct@hisparse.py")

@@ -1,0 +1,340 @@
+"""Tests for kvaudit.oracles (and the runner around them): each oracle on a hand-made fault, and no
+false positives on clean random workloads."""
+
+import random
+
+import numpy as np
+import pytest
+
+from engine_under_test import Scheduler, get_preset
+from kvaudit import oracles
+from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit
+from kvaudit.runner import AuditedRun, execute
+
+PAGE_SIZES = [1, 4]
+PRESETS = ["default", "pd-decode", "pd-decode-hisparse"]
+
+
+@pytest.fixture(params=PAGE_SIZES, ids=lambda ps: f"page{ps}")
+def page_size(request):
+    return request.param
+
+
+@pytest.fixture
+def make_run():
+    """``make_run(preset="default", **config_changes) -> AuditedRun``; hooks removed after the test."""
+    made = []
+
+    def make(preset="default", **kw):
+        run = AuditedRun(get_preset(preset).config(**kw))
+        made.append(run)
+        return run
+
+    yield make
+    for run in made:
+        run.auditor.uninstall()
+
+
+def check(run):
+    return oracles.check(run.auditor, run.target)
+
+
+def kinds(findings):
+    return [f.kind for f in findings]
+
+
+def live_req(run, i=0):
+    return run.target.engine.requests_owning_rows()[i]
+
+
+def row_slots(run, req, end=None):
+    kv = req.kv
+    table = run.target.engine.req_to_token_pool.req_to_token
+    return table[kv.req_pool_idx, : kv.kv_allocated_len if end is None else end].clone()
+
+
+def started(make_run, preset, page_size, n_reqs=1, prompt_len=9, steps=1):
+    """A run with ``n_reqs`` live requests that hold rows and slots, and no finding so far."""
+    run = make_run(preset, page_size=page_size)
+    for i in range(n_reqs):
+        assert run.apply(Submit(family=i, prompt_len=prompt_len, max_new_tokens=8)) == []
+    assert run.apply(Step(steps)) == []
+    assert len(run.target.engine.requests_owning_rows()) == n_reqs
+    return run
+
+
+# -- (a) leak --------------------------------------------------------------------------------------
+
+def _leak_slots(allocator, n):
+    return allocator.alloc(n)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_unreferenced_kv_slots_are_a_leak(make_run, preset, page_size):
+    run = started(make_run, preset, page_size)
+    idx = _leak_slots(run.target.engine.token_to_kv_pool_allocator, 3 * page_size)
+    found = check(run)
+    assert kinds(found) == ["leak"], [f.summary() for f in found]
+    f = found[0]
+    assert f.pool == "token_to_kv_pool"
+    assert f.num_units == 3
+    assert sorted(f.slots) == sorted(idx.tolist())
+    assert f.unit == ("slot" if page_size == 1 else "page")
+    assert f.alloc_sites[0].function == "_leak_slots"
+    assert f.signature == "leak/token_to_kv_pool/_leak_slots@test_oracles.py"
+    assert f.engine_check, "the engine's own verdict is attached"
+
+
+def test_leak_is_reported_through_the_runner_at_the_next_step(make_run):
+    run = started(make_run, "default", 1)
+    _leak_slots(run.target.engine.token_to_kv_pool_allocator, 2)
+    found = run.apply(Step(1))
+    assert kinds(found) == ["leak"]
+    assert found[0].op_index == 2 and found[0].step == run.target.steps
+    assert run.findings == found
+
+
+def test_unreferenced_row_is_a_leak(make_run):
+    run = started(make_run, "default", 1)
+    (row,) = run.target.engine.req_to_token_pool.alloc(1)
+    found = check(run)
+    assert [(f.kind, f.pool, f.unit, f.slots, f.num_units) for f in found] == \
+        [("leak", "req_to_token_pool", "row", [row], 1)]
+
+
+def test_leaks_from_two_sites_are_two_findings(make_run):
+    run = started(make_run, "default", 1)
+    a = run.target.engine.token_to_kv_pool_allocator
+    _leak_slots(a, 2)
+    a.alloc(1)
+    found = check(run)
+    assert kinds(found) == ["leak", "leak"]
+    assert sorted(f.num_units for f in found) == [1, 2]
+    assert {f.alloc_sites[0].function for f in found} == {"_leak_slots", "test_leaks_from_two_sites_are_two_findings"}
+
+
+def test_hisparse_host_slots_without_a_live_owner_are_a_leak(make_run, page_size):
+    run = started(make_run, "pd-decode-hisparse", page_size)
+    hs = run.target.engine.hisparse_coordinator
+    _leak_slots(hs.host_pool, 2 * page_size)
+    (f,) = check(run)
+    assert (f.kind, f.pool, f.num_units) == ("leak", "hisparse_host", 2)
+
+
+# -- (b) use-after-free ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["pd-decode", "pd-decode-hisparse"])
+def test_freeing_a_live_requests_slots_behind_the_engine_is_use_after_free(make_run, preset, page_size):
+    run = started(make_run, preset, page_size, prompt_len=9)
+    req = live_req(run)
+    slots = row_slots(run, req)
+    run.target.engine.token_to_kv_pool_allocator.free(slots)
+    found = check(run)
+    assert kinds(found) == ["use-after-free"], [f.summary() for f in found]
+    f = found[0]
+    assert f.pool == "token_to_kv_pool"
+    assert f.num_units == -(-9 // page_size)
+    assert set(slots.tolist()) <= set(f.slots)
+    assert f.alloc_sites[0].function == "_pre_alloc"
+    assert any(o.owner == f"req:{req.rid}" for o in f.owner_history)
+
+
+def test_freeing_a_running_requests_slots_in_aggregated_mode_is_use_after_free(make_run, page_size):
+    run = started(make_run, "default", page_size, prompt_len=10, steps=2)
+    req = live_req(run)
+    tail = row_slots(run, req)[req.kv.cache_protected_len:]
+    assert tail.numel(), "the request should hold a private tail"
+    run.target.engine.token_to_kv_pool_allocator.free(tail)
+    found = check(run)
+    assert kinds(found) == ["use-after-free"]
+    assert found[0].pool == "token_to_kv_pool"
+
+
+def test_freeing_a_live_requests_hisparse_buffer_is_use_after_free(make_run, page_size):
+    run = started(make_run, "pd-decode-hisparse", page_size, steps=3)
+    req = live_req(run)
+    hs = run.target.engine.hisparse_coordinator
+    buf = hs.req_to_device_buffer[req.kv.req_pool_idx]
+    hs.hisparse_attn_allocator.free(buf)
+    found = check(run)
+    assert found and {(f.kind, f.pool) for f in found} == {("use-after-free", "hisparse_device")}
+    # one finding per allocation site: the admission, then decode growth of the buffer
+    assert "admit_request_direct" in {f.alloc_sites[0].function for f in found}
+    assert sum(f.num_units for f in found) * page_size == buf.numel()
+    assert sorted(s for f in found for s in f.slots) == sorted(buf.tolist())
+
+
+def test_freeing_a_live_requests_row_is_use_after_free(make_run):
+    run = started(make_run, "pd-decode", 1)
+    req = live_req(run)
+    run.target.engine.req_to_token_pool.free(req.kv.req_pool_idx)
+    found = check(run)
+    assert [(f.kind, f.pool, f.slots) for f in found] == [("use-after-free", "req_to_token_pool",
+                                                          [req.kv.req_pool_idx])]
+
+
+# -- (c) aliasing ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["pd-decode", "pd-decode-hisparse"])
+def test_two_live_requests_on_the_same_private_slots_is_aliasing(make_run, preset, page_size):
+    run = started(make_run, preset, page_size, n_reqs=2, prompt_len=8)
+    a_req, b_req = live_req(run, 0), live_req(run, 1)
+    alloc = run.target.engine.token_to_kv_pool_allocator
+    alloc.free(row_slots(run, b_req))  # b's own slots go back, so nothing leaks ...
+    table = run.target.engine.req_to_token_pool.req_to_token
+    table[b_req.kv.req_pool_idx, :8] = table[a_req.kv.req_pool_idx, :8]  # ... and b points at a's
+    found = check(run)
+    assert kinds(found) == ["aliasing"], [f.summary() for f in found]
+    f = found[0]
+    assert f.pool == "token_to_kv_pool"
+    assert f.num_units == -(-8 // page_size)
+    assert set(row_slots(run, a_req, 8).tolist()) <= set(f.slots)
+
+
+def test_aliasing_plus_orphaned_slots_reports_both(make_run):
+    run = started(make_run, "pd-decode", 1, n_reqs=2, prompt_len=6)
+    a_req, b_req = live_req(run, 0), live_req(run, 1)
+    table = run.target.engine.req_to_token_pool.req_to_token
+    table[b_req.kv.req_pool_idx, :6] = table[a_req.kv.req_pool_idx, :6]
+    assert sorted(kinds(check(run))) == ["aliasing", "leak"]
+
+
+def test_shared_tree_prefix_is_not_aliasing(make_run, page_size):
+    """Two requests of one family share cached prefix pages through the tree: that is sharing, not aliasing."""
+    run = make_run("default", page_size=page_size)
+    assert run.apply(Submit(family=0, prompt_len=16, max_new_tokens=2)) == []
+    assert run.apply(Idle()) == []
+    assert run.apply(Submit(family=0, prompt_len=16, max_new_tokens=6)) == []
+    assert run.apply(Submit(family=0, prompt_len=12, max_new_tokens=6)) == []
+    assert run.apply(Step(2)) == []
+    reqs = run.target.engine.requests_owning_rows()
+    assert len(reqs) == 2 and all(r.kv.cache_protected_len > 0 for r in reqs)
+    assert check(run) == []
+
+
+# -- (d) accounting drift --------------------------------------------------------------------------
+
+def test_corrupt_evictable_counter_is_accounting_drift_not_leak(make_run, page_size):
+    run = make_run("default", page_size=page_size)
+    assert run.apply(Submit(family=0, prompt_len=12, max_new_tokens=3)) == []
+    assert run.apply(Idle()) == []
+    tree = run.target.engine.tree_cache
+    assert tree.evictable_size() > 0
+    tree.evictable_size_ += page_size
+    found = check(run)
+    assert kinds(found) == ["accounting-drift"]
+    f = found[0]
+    assert f.pool == "token_to_kv_pool"
+    assert "evictable=" in f.message and "!= total=" in f.message
+    assert f.engine_check and not f.engine_check[0].endswith("ok")
+
+
+def test_accounting_drift_while_requests_are_live(make_run):
+    run = started(make_run, "default", 1, prompt_len=10, steps=2)
+    run.target.engine.tree_cache.protected_size_ -= 1
+    assert kinds(check(run)) == ["accounting-drift"]
+
+
+def test_drift_is_not_reported_on_top_of_a_leak(make_run):
+    run = make_run("default")
+    assert run.apply(Submit(family=0, prompt_len=12, max_new_tokens=3)) == []
+    assert run.apply(Idle()) == []
+    run.target.engine.tree_cache.evictable_size_ += 1
+    _leak_slots(run.target.engine.token_to_kv_pool_allocator, 1)
+    assert kinds(check(run)) == ["leak"]
+
+
+# -- (e) engine crash ------------------------------------------------------------------------------
+
+def _engine_blows_up(*args, **kwargs):
+    raise RuntimeError("boom in the engine")
+
+
+def test_engine_exception_is_a_crash_finding(make_run, monkeypatch):
+    run = make_run("default")
+    assert run.apply(Submit(family=0, prompt_len=5, max_new_tokens=3)) == []
+    monkeypatch.setattr(run.target.engine, "run_batch", _engine_blows_up)
+    found = run.apply(Step(2))
+    assert kinds(found) == ["crash"]
+    f = found[0]
+    assert f.message == "RuntimeError: boom in the engine"
+    assert f.traceback and "boom in the engine" in f.traceback and "Traceback" in f.traceback
+    assert f.alloc_sites[0].function == "_engine_blows_up"
+    assert any(s.function == "step" for s in f.alloc_sites)
+    assert f.op_index == 1
+    assert f.signature == "crash/-/RuntimeError@_engine_blows_up@test_oracles.py"
+
+
+def test_execute_stops_at_the_crashing_op(monkeypatch):
+    monkeypatch.setattr(Scheduler, "process_batch_result", _engine_blows_up)
+    program = [Submit(0, 5, 3), Step(1), Submit(1, 4, 2), Idle()]
+    ex = execute(get_preset("default").config(), program)
+    assert ex.signatures == ["crash/-/RuntimeError@_engine_blows_up@test_oracles.py"]
+    assert ex.ops_run == 2
+    assert ex.findings[0].op_index == 1
+
+
+def test_crash_site_survives_a_checkout_directory_named_kvaudit(make_run, monkeypatch, tmp_path):
+    fake = str(tmp_path / "kvaudit" / "engine_under_test" / "scheduler_patch.py")
+    ns = {}
+    exec(compile("def run_batch(*args, **kwargs):\n    raise RuntimeError('boom')\n", fake, "exec"), ns)
+    run = make_run("default")
+    run.apply(Submit(family=0, prompt_len=5, max_new_tokens=3))
+    monkeypatch.setattr(run.target.engine, "run_batch", ns["run_batch"])
+    (f,) = run.apply(Step(1))
+    assert f.kind == "crash"
+    assert (f.alloc_sites[0].file, f.alloc_sites[0].function) == (fake, "run_batch")
+
+
+def test_exception_while_applying_a_submit_is_a_crash(make_run, monkeypatch):
+    run = make_run("pd-decode")
+    monkeypatch.setattr(run.target.engine, "add_request", _engine_blows_up)
+    found = run.apply(Submit())
+    assert kinds(found) == ["crash"] and found[0].op_index == 0
+
+
+# -- (f) no false positives ------------------------------------------------------------------------
+
+def random_program(rng, length, max_prompt):
+    ops = []
+    for _ in range(length):
+        r = rng.random()
+        if r < 0.35:
+            ops.append(Submit(rng.randrange(4), rng.randint(1, max_prompt), rng.randint(1, 12),
+                              rng.choice([None, None, rng.randint(1, 12)])))
+        elif r < 0.45:
+            ops.append(HealthCheck())
+        elif r < 0.55:
+            ops.append(Abort(rng.choice([None, rng.randrange(8)])))
+        elif r < 0.9:
+            ops.append(Step(rng.randint(1, 4)))
+        else:
+            ops.append(Idle())
+    return ops + [Idle()]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("num_slots", [None, 96], ids=["roomy", "tight"])
+def test_clean_random_workloads_yield_no_findings(preset, page_size, num_slots):
+    changes = {"page_size": page_size}
+    if num_slots is not None:
+        changes["num_slots"] = num_slots
+    config = get_preset(preset).config(**changes)
+    rng = random.Random(f"{preset}/{page_size}/{num_slots}")
+    total_steps = 0
+    for _ in range(12):
+        program = random_program(rng, 40, max_prompt=40)
+        ex = execute(config, program)
+        assert ex.findings == [], "\n".join(f.summary() for f in ex.findings)
+        assert ex.ops_run == len(program)
+        total_steps += ex.steps
+    assert total_steps > 50, "the workload should actually run the engine"
+
+
+def test_clean_run_leaves_the_ledger_empty_at_idle(make_run, page_size):
+    run = make_run("pd-decode-hisparse", page_size=page_size)
+    for op in [Submit(0, 9, 4), Submit(1, 5, 2, 1), Step(2), HealthCheck(), Abort(0), Idle(), HealthCheck(), Idle()]:
+        assert run.apply(op) == []
+    for name, led in run.auditor.ledgers.items():
+        assert not np.asarray(led.allocated)[1:].any(), name
+    assert run.auditor.events, "the run should have allocated something"
