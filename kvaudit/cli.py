@@ -147,6 +147,7 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
             found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update)
             if found is not None:
                 stats.phase = "confirming and minimizing"
+                stats.findings = 1
                 progress.update(stats, force=True)
                 program, findings = found
                 crash = triage(config, program, findings[0])
@@ -205,13 +206,16 @@ def presets():
 @main.command()
 def bugs():
     """List the bug-zoo switches with their preset and public source."""
+    console = Console(highlight=False)
     t = Table(title="bug zoo")
     t.add_column("bug", no_wrap=True)  # the name is what --bug takes: never cut it
-    for col in ("preset", "source", "finding", "description"):
-        t.add_column(col)
+    for col in ("preset", "source", "finding"):
+        t.add_column(col, overflow="fold")
     for b in BUGS.values():
-        t.add_row(b.name, b.preset, b.source, b.finding, b.description)
-    Console().print(t)
+        t.add_row(b.name, b.preset, b.source, b.finding)
+    console.print(t)
+    for b in BUGS.values():
+        console.print(Text.assemble((b.name, "bold"), f": {b.description}"))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,30 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+import engine_under_test
+
 KINDS = ("leak", "use-after-free", "double-free", "aliasing", "accounting-drift", "crash")
+
+
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(engine_under_test.__file__)))
+
+
+def portable_path(path: str) -> str:
+    """``path`` relative to the directory holding ``engine_under_test`` when it lies inside it
+    (so replay files do not carry one machine's checkout path), else unchanged."""
+    ap = os.path.abspath(path)
+    return os.path.relpath(ap, _SOURCE_ROOT) if ap.startswith(_SOURCE_ROOT + os.sep) else path
+
+
+def source_path(path: str) -> str:
+    """The readable file behind a :func:`portable_path`."""
+    return path if os.path.isabs(path) else os.path.join(_SOURCE_ROOT, path)
 
 
 @dataclass(frozen=True)
 class Site:
+    """A stack frame: ``file`` (see :func:`portable_path`), ``line`` (1-based), ``function``."""
+
     file: str
     line: int
     function: str

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import kvaudit
-from kvaudit.findings import Finding, Site
+from kvaudit.findings import Finding, Site, portable_path
 from kvaudit.targets.base import PoolSpec
 
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
@@ -130,7 +130,8 @@ class Auditor:
         if sid < 0:
             return []
         codes = Auditor._codes
-        return [Site(codes[c].co_filename, line, codes[c].co_name) for c, line in self._site_frames[sid][0]]
+        return [Site(portable_path(codes[c].co_filename), line, codes[c].co_name)
+                for c, line in self._site_frames[sid][0]]
 
     def site_owner(self, sid: int) -> str | None:
         """The owner the target recognised in the allocating frames (e.g. ``req:<rid>``), if any."""

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine_under_test import EngineConfig
-from kvaudit.findings import Finding, Site
+from kvaudit.findings import Finding, Site, source_path
 from kvaudit.program import Op, format_op
 
 
@@ -24,7 +24,7 @@ def _stack(title: str, sites: list[Site]) -> Group:
     parts: list = [Text(title, style="bold")]
     for i, s in enumerate(sites):
         parts.append(Text(f"    #{i} {s.function}  {_rel(s.file)}:{s.line}", style="cyan" if i == 0 else ""))
-        src = linecache.getline(s.file, s.line).strip()
+        src = linecache.getline(source_path(s.file), s.line).strip()
         if src:
             parts.append(Syntax("        " + src, "python", theme="ansi_dark", background_color="default"))
     if not sites:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from engine_under_test import EngineConfig
 from kvaudit import oracles
-from kvaudit.findings import Finding, Site
+from kvaudit.findings import Finding, Site, portable_path
 from kvaudit.hooks import Auditor
 from kvaudit.program import Idle, Op, Step
 from kvaudit.targets.eut import EutTarget
@@ -106,7 +106,7 @@ class AuditedRun:
 
 def _crash_finding(exc: BaseException, op_index: int, step: int) -> Finding:
     tb = traceback.extract_tb(exc.__traceback__)
-    frames = [Site(fr.filename, fr.lineno or 0, fr.name) for fr in reversed(tb)
+    frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name) for fr in reversed(tb)
               if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)]
     return Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
                    op_index=op_index, step=step,
