@@ -57,6 +57,11 @@ class KvauditGroup(click.Group):
 
 
 def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None):
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: no CUDA device is available here (torch {torch.__version__})")
     try:
         changes = {"model": model, "device": device, "bugs": frozenset(bugs)}
         if page_size is not None:
@@ -136,12 +141,19 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
     Exits 1 with a replay file in --out when a finding is confirmed, 0 when the budget ends clean.
     """
     config = _config(preset, bugs, model, device, page_size)
+    try:  # fail now, not after the budget, if findings could not be written
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.access(out_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise InputError(f"--out {out_dir}: {e.strerror or e}") from None
     console = Console(highlight=False)
     stats = FuzzStats()
     err = Console(stderr=True, highlight=False)
     err.print(f"kvaudit fuzz: preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
               f"budget {max_time:g}s, out {out_dir}")
     progress = _Progress(err, max_time)
+    found = crash = None
     try:
         with progress:
             found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update)
@@ -149,28 +161,42 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
                 stats.phase = "confirming and minimizing"
                 stats.findings = 1
                 progress.update(stats, force=True)
-                program, findings = found
-                crash = triage(config, program, findings[0])
+                crash = triage(config, found[0], found[1][0])
     except KeyboardInterrupt:
-        err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding confirmed")
-        return EXIT_INTERRUPTED
+        if found is None:
+            err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
+            return EXIT_INTERRUPTED
+        # Interrupted while minimizing: keep what was found, unminimized and unconfirmed.
+        program, findings = found
+        path = _write(out_dir, config, program, findings, seed=seed, confirmations="interrupted before confirmation",
+                      minimized=False)
+        print_report(console, config, program, findings)
+        err.print(f"interrupted while minimizing; the unminimized program is in {path}")
+        return EXIT_FINDINGS
     if found is None:
         console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
                       f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)")
         return EXIT_CLEAN
     if crash is None:
-        console.print(f"a finding ({findings[0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} times; "
+        console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} times; "
                       "not reported (flaky)")
         return EXIT_CLEAN
-    path = os.path.join(out_dir, replay.file_name(crash.finding.signature))
-    replay.write_atomic(path, replay.to_doc(config, crash.program, crash.findings,
-                                            seed=seed, confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}"))
+    path = _write(out_dir, config, crash.program, crash.findings, seed=seed,
+                  confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
     print_report(console, config, crash.program, crash.findings)
     console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
                   f"{crash.original_length} -> {len(crash.program)} ops; reproduced "
                   f"{crash.confirmations}/{CONFIRM_RUNS}")
     console.print(f"replay file: {path}   (kvaudit replay {path})")
     return EXIT_FINDINGS
+
+
+def _write(out_dir, config, program, findings, **extra) -> str:
+    path = os.path.join(out_dir, replay.file_name(findings[0].signature))
+    try:
+        return replay.write_atomic(path, replay.to_doc(config, program, findings, **extra))
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 @main.command("replay")

@@ -41,6 +41,10 @@ class Event:
     site: int
 
 
+def _as_list(units) -> list[int]:
+    return units.tolist() if hasattr(units, "tolist") else list(units)
+
+
 class PoolLedger:
     """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id."""
 
@@ -150,12 +154,12 @@ class Auditor:
         self.events.append(ev)
         return ev
 
-    def on_alloc(self, pool: str, units: np.ndarray, sid: int, expected_new: int | None = None) -> None:
-        """Record an allocation of ``units`` (``[n] int64``). Units the ledger already holds as
-        allocated are continuations (a partly filled page) unless fewer than ``expected_new`` fresh
-        units came out of the pool, which means the allocator handed out a unit twice."""
+    def on_alloc(self, pool: str, units, sid: int, expected_new: int | None = None) -> None:
+        """Record an allocation of ``units`` (a list or ``[n] int64`` array). Units the ledger already
+        holds as allocated are continuations (a partly filled page) unless fewer than
+        ``expected_new`` fresh units came out of the pool: then the allocator handed one out twice."""
         led = self.ledgers[pool]
-        ul, flags = units.tolist(), led.flags
+        ul, flags = _as_list(units), led.flags
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
             # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
             ev = self._event("alloc", pool, ul, sid)
@@ -180,10 +184,11 @@ class Auditor:
         led.allocated[fresh] = True
         led.last_alloc[fresh] = ev.id
 
-    def on_free(self, pool: str, units: np.ndarray, sid: int) -> None:
-        """Record a free of ``units``; any unit already free, or listed twice, is a double free."""
+    def on_free(self, pool: str, units, sid: int) -> None:
+        """Record a free of ``units`` (a list or array); a unit already free, or listed twice, is a
+        double free."""
         led = self.ledgers[pool]
-        ul, flags = units.tolist(), led.flags
+        ul, flags = _as_list(units), led.flags
         if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
                 and len(set(ul)) == len(ul)):
             ev = self._event("free", pool, ul, sid)  # fast path: every unit allocated, once
@@ -264,24 +269,24 @@ class Auditor:
             def alloc_rows(n, *a, **k):
                 out = orig_alloc(n, *a, **k)
                 if out:
-                    self.on_alloc(pool, np.asarray(out, dtype=np.int64), self.capture_site())
+                    self.on_alloc(pool, list(out), self.capture_site())
                 return out
 
             def free_rows(rows, *a, **k):
                 orig_free(rows, *a, **k)
-                self.on_free(pool, np.asarray([rows] if isinstance(rows, int) else list(rows), dtype=np.int64),
-                             self.capture_site())
+                self.on_free(pool, [rows] if isinstance(rows, int) else list(rows), self.capture_site())
 
             self._wrap(obj, "alloc", alloc_rows)
             self._wrap(obj, "free", free_rows)
             return
 
-        def to_units(idx: torch.Tensor) -> np.ndarray:
-            try:
-                idx = idx.numpy()  # CPU: shares memory with the engine's tensor (on_free copies)
-            except (TypeError, RuntimeError):
-                idx = idx.detach().cpu().numpy()
-            return idx if ps == 1 else np.unique(idx // ps)
+        def to_units(idx: torch.Tensor) -> list[int]:
+            """Token slots -> the units they touch: slots when ``page_size`` is 1, else sorted pages."""
+            if ps == 1:
+                return idx.tolist()
+            if idx.numel() <= SMALL_EVENT * ps:
+                return sorted({x // ps for x in idx.tolist()})
+            return torch.unique(idx // ps).tolist()
 
         depth = [0]  # only the outermost call records: alloc_extend may call alloc internally
 
@@ -307,13 +312,13 @@ class Auditor:
             self._wrap(obj, name, alloc_wrapper)
 
         orig_free = obj.free
-        group: list[tuple[np.ndarray, int]] = []
+        group: list[tuple[list[int], int]] = []
 
         def free_wrapper(idx, *a, **k):
             if depth[0] or idx.numel() == 0:
                 return orig_free(idx, *a, **k)
             if not getattr(obj, "is_not_in_free_group", True):
-                group.append((to_units(idx).copy(), self.capture_site()))
+                group.append((to_units(idx), self.capture_site()))
                 return orig_free(idx, *a, **k)
             depth[0] += 1
             try:
@@ -337,10 +342,10 @@ class Auditor:
                 # concatenation), so a unit named by two frees of one group is freed once.
                 seen: set[int] = set()
                 for units, sid in pend:
-                    ul = [u for u in units.tolist() if u not in seen] if seen else units.tolist()
+                    ul = [u for u in units if u not in seen] if seen else units
                     seen.update(ul)
                     if ul:
-                        self.on_free(pool, np.asarray(ul, dtype=np.int64), sid)
+                        self.on_free(pool, ul, sid)
 
             self._wrap(obj, "free_group_end", group_end_wrapper)
 
