@@ -3,9 +3,11 @@
 
     python benchmarks/throughput.py [--programs N] [--length L] [--preset NAME]
 
-Runs on one core (torch.set_num_threads(1)); each mode reports the best of --repeat runs. "bare" is the engine alone, "hooks" adds the
-ledger (every alloc/free recorded, double free checked), "audit" adds the per-step oracles
-(reachability and accounting). The same seeded programs are used in every mode.
+Runs on one core (torch.set_num_threads(1)); each mode reports the best of --repeat runs.
+Modes: "bare" is the engine alone; "hooks" adds the ledger (every alloc/free recorded with the
+innermost engine frame, double free checked), the fuzzers' search mode; "hooks-full" records
+full stacks and owners, as a replay for a report does; "audit" and "audit-full" add the
+per-step oracles (reachability and accounting). The same seeded programs run in every mode.
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ from kvaudit.program import random_program
 from kvaudit.runner import AuditedRun
 
 
-def run(config, programs, audit: bool, oracles: bool) -> tuple[float, int, int]:
+MODES = (  # name, hooks installed, oracles after every step, full stacks
+    ("bare", False, False, False),
+    ("hooks", True, False, False),
+    ("hooks-full", True, False, True),
+    ("audit", True, True, False),
+    ("audit-full", True, True, True),
+)
+
+
+def run(config, programs, audit: bool, oracles: bool, full: bool) -> tuple[float, int, int]:
     ops = steps = 0
     t0 = time.perf_counter()
     for prog in programs:
-        with AuditedRun(config, audit=audit, run_oracles=oracles) as r:
+        with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full) as r:
             for op in prog:
                 r.apply(op)
         ops += len(prog)
@@ -46,15 +57,15 @@ def main() -> None:
     programs = [random_program(rng, args.length) for _ in range(args.programs)]
     print(f"preset={args.preset} programs={args.programs} length={args.length} seed={args.seed} "
           f"torch={torch.__version__} threads=1")
-    print(f"{'model':6} {'mode':6} {'programs/s':>11} {'ops/s':>9} {'steps/s':>9} {'cost':>6}")
+    print(f"{'model':6} {'mode':12} {'programs/s':>11} {'ops/s':>9} {'steps/s':>9} {'cost':>6}")
     for model in ("none", "tiny"):
         config = get_preset(args.preset).config(model=model)
-        run(config, programs[:5], True, True)  # warm-up
+        run(config, programs[:5], True, True, True)  # warm-up
         base = None
-        for mode, audit, oracles in (("bare", False, False), ("hooks", True, False), ("audit", True, True)):
-            secs, ops, steps = min(run(config, programs, audit, oracles) for _ in range(args.repeat))
+        for mode, audit, oracles, full in MODES:
+            secs, ops, steps = min(run(config, programs, audit, oracles, full) for _ in range(args.repeat))
             base = base or secs
-            print(f"{model:6} {mode:6} {len(programs) / secs:11.1f} {ops / secs:9.0f} {steps / secs:9.0f} "
+            print(f"{model:6} {mode:12} {len(programs) / secs:11.1f} {ops / secs:9.0f} {steps / secs:9.0f} "
                   f"{secs / base:5.2f}x")
 
 

@@ -175,6 +175,11 @@ class Scheduler:
         raise RuntimeError(f"engine did not reach idle within {max_steps} steps")
 
     def is_fully_idle(self, for_health_check: bool = False) -> bool:
+        """SGLang ``is_fully_idle``: no batch, no queued request, no PD queue entry.
+
+        ``for_health_check`` selects SGLang's narrower set for health checks; with the queues this
+        engine has (no grammar, PP or HiCache queues yet) the two sets coincide.
+        """
         busy = self.running_batch or self.last_batch is not None or self.waiting_queue
         if self.config.is_pd_decode:
             busy = busy or self.disagg_prealloc_queue or self.disagg_transfer_queue

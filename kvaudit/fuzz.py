@@ -69,7 +69,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.run = AuditedRun(config)
+            self.run = AuditedRun(config, full_stacks=False)
             self.ops: list[Op] = []
             rec.stats.executions += 1
 
@@ -116,7 +116,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
 
 def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS) -> int:
     """How many of ``runs`` fresh replays yield ``signature``."""
-    return sum(signature in execute(config, program).signatures for _ in range(runs))
+    return sum(signature in execute(config, program, full_stacks=False).signatures for _ in range(runs))
 
 
 def triage(config: EngineConfig, program: list[Op], finding: Finding) -> Crash | None:
@@ -125,7 +125,7 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding) -> Crash |
     if confirm(config, program, sig) < CONFIRM_RUNS:
         return None
     small = minimize(config, program, sig)
-    final = execute(config, small)
+    final = execute(config, small)  # full stacks and owners, for the report
     primary = next(f for f in final.findings if f.signature == sig)
     others = [f for f in final.findings if f is not primary]
     return Crash(config, small, [primary] + others, len(program), confirm(config, small, sig))

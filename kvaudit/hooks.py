@@ -62,12 +62,18 @@ class PoolLedger:
 class Auditor:
     """Installs the hooks on ``target``'s pools and keeps the ledger.
 
+    ``full_stacks=False`` records only the innermost engine frame of each site, with no owner
+    hint: the fuzzers search in this mode and re-run a finding with full stacks to report it
+    (execution is deterministic, so the second run sees the same events). Signatures use only the
+    innermost frame, so they are the same in both modes.
+
     ``op_index`` and ``step`` are set by the runner before each op / step. ``pending`` collects
     findings raised inside hooks (double free, aliasing at alloc) until the runner takes them.
     """
 
-    def __init__(self, target):
+    def __init__(self, target, full_stacks: bool = True):
         self.target = target
+        self.full_stacks = full_stacks
         self.ledgers = {spec.name: PoolLedger(spec) for spec in target.pools()}
         self.events: list[Event] = []
         self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
@@ -107,6 +113,19 @@ class Auditor:
         """
         cache, miss = self._info, self._code_info
         f = sys._getframe(2)
+        if not self.full_stacks:  # the innermost engine frame only: enough for the signature
+            while f is not None:
+                if not (cache.get(id(f.f_code)) or miss(f.f_code))[0]:
+                    key = (((id(f.f_code), f.f_lineno),), None)
+                    break
+                f = f.f_back
+            else:
+                key = ((), None)
+            sid = self._sites.get(key)
+            if sid is None:
+                sid = self._sites[key] = len(self._site_frames)
+                self._site_frames.append(key)
+            return sid
         frames, owner, looking, depth = [], None, OWNER_FRAMES, 0
         while f is not None and depth < STACK_DEPTH:
             code = f.f_code

@@ -16,7 +16,7 @@ from kvaudit.runner import execute
 
 
 def reproduces(config: EngineConfig, program: list[Op], signature: str) -> bool:
-    return signature in execute(config, program).signatures
+    return signature in execute(config, program, full_stacks=False).signatures
 
 
 def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:

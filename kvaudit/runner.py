@@ -36,12 +36,14 @@ class AuditedRun:
     """A target plus its auditor, advanced one op at a time (the fuzzers drive this directly).
 
     ``audit=False`` runs the bare engine (for throughput baselines); ``oracles=False`` keeps the
-    hooks' ledger (double free, aliasing at alloc) but skips the per-step reachability scan.
+    hooks' ledger (double free, aliasing at alloc) but skips the per-step reachability scan;
+    ``full_stacks=False`` is the fuzzers' fast mode (see :class:`kvaudit.hooks.Auditor`).
     """
 
-    def __init__(self, config: EngineConfig, audit: bool = True, run_oracles: bool = True):
+    def __init__(self, config: EngineConfig, audit: bool = True, run_oracles: bool = True,
+                 full_stacks: bool = True):
         self.target = EutTarget(config)
-        self.auditor = Auditor(self.target) if audit else None
+        self.auditor = Auditor(self.target, full_stacks=full_stacks) if audit else None
         self.run_oracles = audit and run_oracles
         self.findings: list[Finding] = []
         self.ops_run = 0
@@ -113,9 +115,10 @@ def _crash_finding(exc: BaseException, op_index: int, step: int) -> Finding:
                    traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True) -> Execution:
+def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
+            full_stacks: bool = True) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding."""
-    with AuditedRun(config, audit=audit) as run:
+    with AuditedRun(config, audit=audit, full_stacks=full_stacks) as run:
         for op in program:
             found = run.apply(op)
             if found and stop_on_finding:
