@@ -30,36 +30,43 @@ def check(auditor: Auditor, target) -> list[Finding]:
     acc = target.accounting()
     for pool, led in auditor.ledgers.items():
         n = led.allocated.size
-        roots = by_pool[pool]
         referenced = np.zeros(n, dtype=bool)
+        private = np.zeros(n, dtype=bool)
         owner = np.zeros(n, dtype=np.int64)
         private_units, req_units = [], []
-        for root in roots:
+        for root in by_pool[pool]:
             referenced[root.units] = True
             if root.private:
                 private_units.append(root.units)
                 owner[root.units] = auditor.owner_id(root.owner)
                 if root.role == "req":
                     req_units.append(root.units)
-        referenced[0] = False
-        private = np.bincount(np.concatenate(private_units), minlength=n) if private_units else np.zeros(n, np.int64)
-        changed = np.flatnonzero(owner != led.owner)
-        if changed.size:
+        referenced[0] = True  # the reserved unit reads as allocated in the ledger
+        if (owner != led.owner).any():
+            changed = np.flatnonzero(owner != led.owner)
             auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
             led.owner = owner
-        leaked = np.flatnonzero(led.allocated & ~referenced)
-        leaked = leaked[leaked > 0]  # unit 0 is reserved, always "allocated"
-        uaf = np.flatnonzero(referenced & ~led.allocated)
-        alias = np.flatnonzero(private > 1)
         pool_findings = []
-        for kind, units, msg in (("leak", leaked, "allocated, unreachable from every root"),
-                                 ("use-after-free", uaf, "referenced by a live owner but free in the ledger"),
-                                 ("aliasing", alias, "privately owned by more than one root")):
-            if units.size:
-                pool_findings.extend(_group_by_site(auditor, kind, pool, units, msg))
+        if (led.allocated != referenced).any():
+            for kind, units, msg in (
+                    ("leak", np.flatnonzero(led.allocated & ~referenced), "allocated, unreachable from every root"),
+                    ("use-after-free", np.flatnonzero(referenced & ~led.allocated),
+                     "referenced by a live owner but free in the ledger")):
+                if units.size:
+                    pool_findings.extend(_group_by_site(auditor, kind, pool, units, msg))
+        if private_units:
+            cat = np.concatenate(private_units)
+            private[cat] = True
+            if np.count_nonzero(private) != cat.size:  # some unit is privately owned twice
+                alias = np.flatnonzero(np.bincount(cat, minlength=n) > 1)
+                pool_findings.extend(_group_by_site(auditor, "aliasing", pool, alias,
+                                                    "privately owned by more than one root"))
         a = acc.get(pool)
         if a is not None and not pool_findings:
-            uncached = (np.unique(np.concatenate(req_units)).size if req_units else 0) * led.spec.page_size
+            req_private = np.zeros(n, dtype=bool)
+            for u in req_units:
+                req_private[u] = True
+            uncached = int(np.count_nonzero(req_private)) * led.spec.page_size
             lhs = a.available + a.evictable + a.protected + a.session_held + uncached
             if lhs != a.total:
                 pool_findings.append(Finding(

@@ -48,12 +48,13 @@ class AuditedRun:
         self.findings: list[Finding] = []
         self.ops_run = 0
 
-    def _check(self) -> list[Finding]:
+    def _check(self, scan: bool = True) -> list[Finding]:
+        """Findings the hooks raised, then (``scan``) the oracles' scan of the engine state."""
         if self.auditor is None:
             return []
         self.auditor.step = self.target.steps
         found, self.auditor.pending = self.auditor.pending, []
-        if not found and self.run_oracles:
+        if not found and self.run_oracles and scan:
             found = oracles.check(self.auditor, self.target)
         elif found:
             verdict = self.target.engine_check()
@@ -86,8 +87,8 @@ class AuditedRun:
                     if found or idle:
                         break
             else:
-                self.target.apply(op)
-                found = self._check()
+                self.target.apply(op)  # only queues a message: no memory moves until a step
+                found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps)]
         self.findings.extend(found)
