@@ -33,7 +33,10 @@ def write_atomic(path: str, doc: dict) -> str:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a replay file is an ordinary file
         with os.fdopen(fd, "w") as fh:
             json.dump(doc, fh, indent=2)
             fh.write("\n")
