@@ -15,6 +15,7 @@ from typing import Callable
 from hypothesis import HealthCheck as HypHealthCheck
 from hypothesis import Phase, Verbosity, seed, settings
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
 from engine_under_test import EngineConfig
@@ -74,8 +75,9 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
             rec.stats.executions += 1
 
         def _do(self, op: Op) -> None:
-            if time.monotonic() > rec.deadline:
+            if rec.last_failure is None and time.monotonic() > rec.deadline:
                 return  # out of time: let the remaining cases finish as no-ops
+            # (never once something failed: shrinking replays cases and must see the same ops)
             self.ops.append(op)
             rec.stats.ops += 1
             found = self.run.apply(op)
@@ -147,8 +149,12 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
         machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt))
         try:
             run_state_machine_as_test(machine, settings=hs)
-        except FindingFound:
-            return rec.last_failure
+        except (FindingFound, FlakyFailure):
+            # FlakyFailure cannot come from the engine (it is deterministic) but is kept as a
+            # guard: the program recorded at the failure is still confirmed by replay in triage.
+            if rec.last_failure is not None:
+                return rec.last_failure
+            raise
         batch += 1
         if on_progress:
             on_progress(stats)

@@ -321,3 +321,14 @@ def test_version_and_help_exit_0():
     assert result.exit_code == 0
     for command in ("fuzz", "replay", "presets", "bugs"):
         assert command in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", ["0.05", "0.13", "0.17", "0.25"])
+def test_a_budget_that_ends_mid_shrink_is_not_an_internal_error(tmp_path, budget):
+    # The deadline used to turn ops into no-ops while Hypothesis replayed a failing case,
+    # which made the failure look flaky and crashed the CLI with exit 70.
+    res = CliRunner().invoke(main, ["fuzz", "--preset", "pd-decode-hisparse", "--bug",
+                                    "hisparse-prebuilt-skip-finish", "--max-time", budget,
+                                    "--out", str(tmp_path)])
+    assert res.exit_code in (0, 1), res.output
