@@ -45,6 +45,12 @@ def _as_list(units) -> list[int]:
     return units.tolist() if hasattr(units, "tolist") else list(units)
 
 
+def _mark(flags: bytearray, last: np.ndarray, units: list[int], value: int, event_id: int) -> None:
+    for x in units:
+        flags[x] = value
+        last[x] = event_id
+
+
 class PoolLedger:
     """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id."""
 
@@ -181,11 +187,7 @@ class Auditor:
         ul, flags = _as_list(units), led.flags
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
             # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
-            ev = self._event("alloc", pool, ul, sid)
-            last = led.last_alloc
-            for x in ul:
-                flags[x] = 1
-                last[x] = ev.id
+            _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
             return
         units = np.asarray(ul, dtype=np.int64)
         held = led.allocated[units]  # unit 0 always reads as held (see PoolLedger)
@@ -210,11 +212,8 @@ class Auditor:
         ul, flags = _as_list(units), led.flags
         if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
                 and len(set(ul)) == len(ul)):
-            ev = self._event("free", pool, ul, sid)  # fast path: every unit allocated, once
-            last = led.last_free
-            for x in ul:
-                flags[x] = 0
-                last[x] = ev.id
+            # fast path: every unit allocated, and named once
+            _mark(flags, led.last_free, ul, 0, self._event("free", pool, ul, sid).id)
             return
         units = np.asarray(ul, dtype=np.int64)
         bad = units[~led.allocated[units]]

@@ -8,7 +8,7 @@ import pytest
 
 from engine_under_test import Scheduler, get_preset
 from kvaudit import oracles
-from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit
+from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit, random_program
 from kvaudit.runner import AuditedRun, execute
 
 PAGE_SIZES = [1, 4]
@@ -295,24 +295,6 @@ def test_exception_while_applying_a_submit_is_a_crash(make_run, monkeypatch):
 
 # -- (f) no false positives ------------------------------------------------------------------------
 
-def random_program(rng, length, max_prompt):
-    ops = []
-    for _ in range(length):
-        r = rng.random()
-        if r < 0.35:
-            ops.append(Submit(rng.randrange(4), rng.randint(1, max_prompt), rng.randint(1, 12),
-                              rng.choice([None, None, rng.randint(1, 12)])))
-        elif r < 0.45:
-            ops.append(HealthCheck())
-        elif r < 0.55:
-            ops.append(Abort(rng.choice([None, rng.randrange(8)])))
-        elif r < 0.9:
-            ops.append(Step(rng.randint(1, 4)))
-        else:
-            ops.append(Idle())
-    return ops + [Idle()]
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("num_slots", [None, 96], ids=["roomy", "tight"])
 def test_clean_random_workloads_yield_no_findings(preset, page_size, num_slots):
@@ -323,7 +305,7 @@ def test_clean_random_workloads_yield_no_findings(preset, page_size, num_slots):
     rng = random.Random(f"{preset}/{page_size}/{num_slots}")
     total_steps = 0
     for _ in range(12):
-        program = random_program(rng, 40, max_prompt=40)
+        program = random_program(rng, 41, max_prompt=40)  # 40 random ops, then idle
         ex = execute(config, program)
         assert ex.findings == [], "\n".join(f.summary() for f in ex.findings)
         assert ex.ops_run == len(program)
