@@ -12,6 +12,23 @@ from dataclasses import dataclass, field
 from engine_under_test.bugs import BUGS, UnknownBugError
 
 
+# Inclusive bounds of the integer fields: a typo in a replay file gets a clear error instead of a
+# multi-GB allocation or a division by zero deep in the engine.
+_INT_RANGES = {
+    "num_slots": (2, 1 << 22),
+    "page_size": (1, 256),
+    "max_running_requests": (1, 4096),
+    "max_req_rows": (1, 4096),
+    "context_len": (2, 1 << 15),
+    "pd_pre_alloc_rows": (0, 4096),
+    "transfer_latency_steps": (0, 1000),
+    "hisparse_device_buffer_size": (1, 1 << 16),
+    "hisparse_host_ratio": (1, 16),
+    "vocab_size": (3, 1 << 16),
+    "seed": (-(1 << 63), (1 << 63) - 1),
+}
+
+
 class UnknownPresetError(ValueError):
     """Raised for a preset name that is not in :data:`PRESETS`."""
 
@@ -47,12 +64,22 @@ class EngineConfig:
     preset: str = "custom"
 
     def __post_init__(self) -> None:
+        for name, (lo, hi) in _INT_RANGES.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if not lo <= v <= hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+        for name in ("enable_hisparse", "disable_radix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("model", "device", "preset"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         unknown = sorted(self.bugs - set(BUGS))
         if unknown:
             raise UnknownBugError(unknown[0])
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_slots < self.page_size * 2:
             raise ValueError(f"num_slots={self.num_slots} is smaller than two pages of {self.page_size}")
         if self.disaggregation_mode not in (None, "decode"):

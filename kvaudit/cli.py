@@ -6,6 +6,7 @@ with no finding.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ class KvauditGroup(click.Group):
             rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
         except click.exceptions.Exit as e:
             return sys.exit(e.exit_code)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help())
+            return sys.exit(EXIT_CLEAN)
         except click.UsageError as e:
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
             click.echo(f"kvaudit: error: {e.format_message()}{hint}", err=True)
@@ -56,12 +60,12 @@ class KvauditGroup(click.Group):
         return sys.exit(rv or 0)
 
 
-def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None):
-    if device.startswith("cuda"):
-        import torch
+def _bad(param, msg: str):
+    raise click.BadParameter(msg, param=param)
 
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device}: no CUDA device is available here (torch {torch.__version__})")
+
+def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None):
+    _check_device(device)
     try:
         changes = {"model": model, "device": device, "bugs": frozenset(bugs)}
         if page_size is not None:
@@ -71,6 +75,29 @@ def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_si
         raise InputError(str(e)) from None
     except ValueError as e:
         raise InputError(f"bad configuration: {e}") from None
+
+
+def _console(stderr: bool = False) -> Console:
+    """A rich console; off a terminal it is wide, so that paths in reports are not broken up."""
+    probe = Console(stderr=stderr)
+    width = None if probe.is_terminal else int(os.environ.get("COLUMNS", 0) or 120)
+    return Console(stderr=stderr, highlight=False, width=width)
+
+
+def _check_device(device: str) -> None:
+    if isinstance(device, str) and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"device {device}: no CUDA device is available here (torch {torch.__version__})")
+
+
+def _warn_unreachable_bugs(config, err: Console) -> None:
+    for name in sorted(config.bugs):
+        want = BUGS[name].preset
+        if want != config.preset:
+            err.print(f"warning: bug {name} is reached through preset {want}; with preset {config.preset} "
+                      "it may never trigger", soft_wrap=True)
 
 
 class _Progress:
@@ -101,7 +128,7 @@ class _Progress:
             self.live.update(Text(self.line(s), style="bold blue"), refresh=True)
         elif force or time.monotonic() - self._last >= self.interval:
             self._last = time.monotonic()
-            print(self.line(s), flush=True)
+            print(self.line(s), file=sys.stderr, flush=True)
 
 
 _common = [
@@ -131,6 +158,7 @@ def main():
 @main.command()
 @common_options
 @click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
               metavar="SECONDS", help="Time budget for the search, in seconds (triage of a finding comes after).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
@@ -147,11 +175,14 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
             raise PermissionError(13, "not writable")
     except OSError as e:
         raise InputError(f"--out {out_dir}: {e.strerror or e}") from None
-    console = Console(highlight=False)
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(os.path.join(out_dir, ".hypothesis"))  # not the user's cwd
+    console, err = _console(), _console(stderr=True)
     stats = FuzzStats()
-    err = Console(stderr=True, highlight=False)
     err.print(f"kvaudit fuzz: preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, out {out_dir}")
+              f"budget {max_time:g}s, out {out_dir}", soft_wrap=True)
+    _warn_unreachable_bugs(config, err)
     progress = _Progress(err, max_time)
     found = crash = None
     try:
@@ -187,7 +218,7 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
     console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
                   f"{crash.original_length} -> {len(crash.program)} ops; reproduced "
                   f"{crash.confirmations}/{CONFIRM_RUNS}")
-    console.print(f"replay file: {path}   (kvaudit replay {path})")
+    console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
     return EXIT_FINDINGS
 
 
@@ -207,9 +238,10 @@ def replay_cmd(file):
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:
         raise InputError(str(e)) from None
+    _check_device(config.device)
     ex = execute(config, program)
-    console = Console(highlight=False)
-    print_report(console, config, program, ex.findings)
+    console = _console()
+    print_report(console, config, program, ex.findings, program_title="program")
     want = {f.signature for f in recorded}
     got = set(ex.signatures)
     if want:
@@ -226,13 +258,13 @@ def presets():
     t.add_column("description")
     for p in PRESETS.values():
         t.add_row(p.name, p.description)
-    Console().print(t)
+    _console().print(t)
 
 
 @main.command()
 def bugs():
     """List the bug-zoo switches with their preset and public source."""
-    console = Console(highlight=False)
+    console = _console()
     t = Table(title="bug zoo")
     t.add_column("bug", no_wrap=True)  # the name is what --bug takes: never cut it
     for col in ("preset", "source", "finding"):

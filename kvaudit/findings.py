@@ -11,7 +11,11 @@ from dataclasses import asdict, dataclass, field
 
 import engine_under_test
 
-KINDS = ("leak", "use-after-free", "double-free", "aliasing", "accounting-drift", "crash")
+KINDS = ("leak", "use-after-free", "double-free", "aliasing", "accounting-drift", "lock-imbalance", "hang",
+         "crash")
+# Kinds about a pool's counters or the engine's progress, not about one allocation: their
+# signature names what was checked instead of an allocation site.
+NO_SITE_KINDS = {"accounting-drift": "identity", "lock-imbalance": "lock_ref", "hang": "idle"}
 
 
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(engine_under_test.__file__)))
@@ -72,6 +76,8 @@ class Finding:
     def signature(self) -> str:
         sites = self.free_sites if self.kind == "double-free" else self.alloc_sites
         where = f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else "?"
+        if self.kind in NO_SITE_KINDS:
+            where = NO_SITE_KINDS[self.kind]
         if self.kind == "crash":
             where = self.message.split(":", 1)[0] + "@" + where
         return f"{self.kind}/{self.pool}/{where}"
@@ -105,6 +111,8 @@ class Finding:
                             f"{self.free_sites[0].short() if self.free_sites else '?'}"),
             "aliasing": f"Aliasing: {what} in pool {self.pool} privately owned twice, allocated at {site}",
             "accounting-drift": f"Accounting drift in pool {self.pool}: {self.message}",
+            "lock-imbalance": f"Lock-ref imbalance on {what} of pool {self.pool}: {self.message}",
+            "hang": f"Hang: {self.message}",
             "crash": f"Engine crash: {self.message}",
         }
         return head.get(self.kind, f"{self.kind} in pool {self.pool}: {self.message}")

@@ -72,12 +72,13 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
             super().__init__()
             self.run = AuditedRun(config, full_stacks=False)
             self.ops: list[Op] = []
-            rec.stats.executions += 1
 
         def _do(self, op: Op) -> None:
             if rec.last_failure is None and time.monotonic() > rec.deadline:
                 return  # out of time: let the remaining cases finish as no-ops
             # (never once something failed: shrinking replays cases and must see the same ops)
+            if not self.ops:
+                rec.stats.executions += 1  # count programs that ran, not empty cases past the deadline
             self.ops.append(op)
             rec.stats.ops += 1
             found = self.run.apply(op)
@@ -85,7 +86,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
                 rec.last_failure = (list(self.ops), found)
                 raise FindingFound(found[0].signature)
 
-        @rule(family=st.integers(0, 3), prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 12),
+        @rule(family=st.integers(0, 7), prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 12),
               stop_at=st.none() | st.integers(1, 12))
         def submit(self, family, prompt_len, max_new_tokens, stop_at):
             self._do(Submit(family, prompt_len, max_new_tokens, stop_at))
@@ -135,12 +136,14 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding) -> Crash |
 
 def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,
                       on_progress: Callable[[FuzzStats], None] | None = None,
-                      batch_examples: int = 100, max_steps: int = 12) -> tuple[list[Op], list[Finding]] | None:
+                      batch_examples: int = 100, max_steps: int = 16) -> tuple[list[Op], list[Finding]] | None:
     """Run seeded Hypothesis batches until a finding or ``max_time`` seconds. Returns the shrunk
     failing program and its findings, or None."""
     deadline = time.monotonic() + max_time
     rec = _Recorder(stats, deadline)
-    max_prompt = max(2, min(48, config.context_len - 12))
+    # Long prompts from 8 families fill the default 512-slot pool in a few submits, so eviction
+    # and admission under pressure are reached, not only the roomy paths.
+    max_prompt = max(2, min(96, config.context_len - 12))
     hs = settings(max_examples=batch_examples, stateful_step_count=max_steps, deadline=None, database=None,
                   suppress_health_check=list(HypHealthCheck), verbosity=Verbosity.quiet,
                   phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)

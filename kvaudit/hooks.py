@@ -356,12 +356,14 @@ class Auditor:
                     depth[0] -= 1
                 pend = list(group)
                 group.clear()
-                # The allocator frees the union of the group's pages once (unique over the
-                # concatenation), so a unit named by two frees of one group is freed once.
+                # A paged allocator frees unique(pages) of the whole group once, so a page named
+                # by two frees of one group is freed once. With page_size 1 the slots go back
+                # as they are (duplicates included), so each free is checked on its own.
                 seen: set[int] = set()
                 for units, sid in pend:
-                    ul = [u for u in units if u not in seen] if seen else units
-                    seen.update(ul)
+                    ul = [u for u in units if u not in seen] if ps > 1 and seen else units
+                    if ps > 1:
+                        seen.update(ul)
                     if ul:
                         self.on_free(pool, ul, sid)
 

@@ -76,11 +76,30 @@ def check(auditor: Auditor, target) -> list[Finding]:
                              f"while every allocated unit is reachable"),
                     op_index=auditor.op_index, step=auditor.step))
         findings.extend(pool_findings)
+    findings.extend(_lock_balance(auditor, target))
     if findings:
         verdict = target.engine_check()
         for f in findings:
             f.engine_check = verdict or ["engine check_memory(): ok"]
     return findings
+
+
+def _lock_balance(auditor: Auditor, target) -> list[Finding]:
+    """``lock-imbalance``: a tree node locked more (or less) than its live holders account for.
+
+    A leaked lock keeps tokens ``protected`` forever: the identity still balances and eviction
+    can never reclaim them, so admission eventually stalls (SGLang invariants 13 and 14).
+    """
+    balance = getattr(target, "lock_balance", None)
+    bad = balance() if balance else []
+    if not bad:
+        return []
+    led = auditor.ledgers["token_to_kv_pool"]
+    ps = led.spec.page_size
+    lines = [f"{node}: lock_ref={have} but {want} live holder(s)" for node, _, have, want in bad]
+    units = np.unique(np.concatenate([slots // ps for _, slots, _, _ in bad]))
+    f = auditor._unit_finding("lock-imbalance", "token_to_kv_pool", units, "; ".join(lines))
+    return [f]
 
 
 def _group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str) -> list[Finding]:

@@ -61,6 +61,7 @@ class Idle:
 Op = Union[Submit, HealthCheck, Abort, Step, Idle]
 OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, Step, Idle)}
 FORMAT = "kvaudit.program/1"
+MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return
 
 
 def prompt_tokens(family: int, length: int, vocab_size: int = 128) -> list[int]:
@@ -89,8 +90,8 @@ def op_from_dict(d: object) -> Op:
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must be an integer or null")
     op = cls(**args)
     for k, v in dataclasses.asdict(op).items():
-        if v is not None and v < 0:
-            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be >= 0")
+        if v is not None and not 0 <= v <= MAX_ARG:
+            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be in [0, {MAX_ARG}]")
         if v is None and k not in ("stop_at", "handle"):
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must not be null")
     return op

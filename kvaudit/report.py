@@ -41,7 +41,8 @@ def _rel(path: str) -> str:
     return path
 
 
-def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0) -> Panel:
+def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
+                       program_title: str = "minimized program") -> Panel:
     parts: list = [
         Text(f"==ERROR: kvaudit: {f.summary()}", style="bold red"),
         Text(f"signature: {f.signature}", style="yellow"),
@@ -69,7 +70,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0) -> 
             t.add_row("", "", f"[bold red]never freed[/]; last owner: {owner or 'none seen'}")
         parts.append(t)
     if program:
-        t = Table(title="minimized program" if index == 0 else "program", title_justify="left",
+        t = Table(title=program_title, title_justify="left",
                   show_edge=False, pad_edge=False, show_header=False)
         t.add_column(justify="right")
         t.add_column()
@@ -99,10 +100,10 @@ def summary_table(findings: list[Finding], deduplicated: int = 0) -> Table:
 
 
 def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
-                 deduplicated: int = 0) -> None:
+                 deduplicated: int = 0, program_title: str = "minimized program") -> None:
     bugs = ", ".join(sorted(config.bugs)) or "none"
     console.print(Text(f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, "
                        f"page_size {config.page_size}", style="bold"))
     for i, f in enumerate(findings):
-        console.print(finding_renderable(f, program, i))
+        console.print(finding_renderable(f, program, i, program_title))
     console.print(summary_table(findings, deduplicated))

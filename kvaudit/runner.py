@@ -86,6 +86,8 @@ class AuditedRun:
                     found = self._step()  # when idle, this iteration runs the engine's on_idle
                     if found or idle:
                         break
+                else:
+                    found = [self._hang_finding()]
             else:
                 self.target.apply(op)  # only queues a message: no memory moves until a step
                 found = self._check(scan=False)
@@ -93,6 +95,13 @@ class AuditedRun:
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps)]
         self.findings.extend(found)
         return found
+
+    def _hang_finding(self) -> Finding:
+        busy = getattr(self.target, "describe_busy", lambda: "")()
+        f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps,
+                    message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle(): {busy}")
+        f.engine_check = self.target.engine_check() or ["engine check_memory(): ok"]
+        return f
 
     def close(self) -> None:
         """Remove the hooks. This also breaks the engine <-> auditor reference cycle, so a finished

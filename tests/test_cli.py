@@ -332,3 +332,56 @@ def test_a_budget_that_ends_mid_shrink_is_not_an_internal_error(tmp_path, budget
                                     "hisparse-prebuilt-skip-finish", "--max-time", budget,
                                     "--out", str(tmp_path)])
     assert res.exit_code in (0, 1), res.output
+
+
+@pytest.mark.parametrize("change", [
+    {"device": 5}, {"num_slots": 256.5}, {"num_slots": 10 ** 9}, {"num_slots": None},
+    {"hisparse_host_ratio": -1}, {"hisparse_host_ratio": 0}, {"vocab_size": 2},
+    {"hisparse_device_buffer_size": -16}, {"enable_hisparse": "yes"}, {"transfer_latency_steps": -1},
+    {"pd_pre_alloc_rows": -1},
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_replay_with_a_corrupted_config_value_exits_2(tmp_path, change):
+    doc = {"format": "kvaudit.replay/1", "config": {"preset": "pd-decode-hisparse", "disaggregation_mode": "decode",
+                                                    "enable_hisparse": True, **change},
+           "program": [{"op": "health_check"}, {"op": "idle"}]}
+    result = invoke("replay", _write(tmp_path, "in.json", json.dumps(doc)))
+    assert result.exit_code == 2, result.output
+    assert "bad config" in one_error_line(result)
+
+
+def test_replay_on_a_cuda_device_without_one_exits_2(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    doc = {"format": "kvaudit.replay/1", "config": {"device": "cuda"}, "program": [{"op": "idle"}]}
+    result = invoke("replay", _write(tmp_path, "in.json", json.dumps(doc)))
+    assert result.exit_code == 2
+    assert "no CUDA device" in one_error_line(result)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_budget_exits_2(value):
+    result = invoke("fuzz", "--max-time", value)
+    assert result.exit_code == 2
+    assert "finite" in one_error_line(result)
+
+
+def test_no_arguments_prints_the_help_and_exits_0():
+    result = invoke()
+    assert result.exit_code == 0
+    assert "Commands:" in result.stdout and "fuzz" in result.stdout
+
+
+def test_a_bug_outside_its_preset_is_warned_about(tmp_path):
+    result = invoke("fuzz", "--preset", "default", "--bug", "hisparse-prebuilt-skip-finish", "--max-time", "0.5",
+                    "--out", str(tmp_path))
+    assert result.exit_code == 0
+    assert "warning: bug hisparse-prebuilt-skip-finish is reached through preset pd-decode-hisparse" in result.stderr
+
+
+def test_fuzz_keeps_hypothesis_files_out_of_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("fuzz", "--max-time", "0.5", "--out", "found")
+    assert result.exit_code == 0
+    assert sorted(os.listdir(tmp_path)) == ["found"]

@@ -323,6 +323,21 @@ def test_one_page_freed_in_parts_within_a_free_group_is_not_a_double_free(make_a
     assert held(auditor.ledgers["token_to_kv_pool"]) == []
 
 
+def test_a_slot_freed_twice_within_a_free_group_at_page_size_1_is_a_double_free(make_audited):
+    """With page_size 1 the allocator returns a group's slots as they are, duplicates included."""
+    target, auditor = make_audited("default", page_size=1)
+    a = target.engine.token_to_kv_pool_allocator
+    idx = a.alloc(3)
+    a.free_group_begin()
+    a.free(idx)
+    a.free(idx[:1])
+    _end_group(a)
+    assert a.free_pages.numel() - a.free_pages.unique().numel() == 1  # the engine really did it
+    (f,) = auditor.pending
+    assert f.kind == "double-free" and f.slots == [int(idx[0])]
+    assert f.prev_free_sites and f.free_sites
+
+
 def test_one_page_freed_in_parts_outside_a_group_is_a_double_free(make_audited):
     """Outside a group the allocator really frees the page twice (it lands twice in the free list)."""
     target, auditor = make_audited("default", page_size=4)

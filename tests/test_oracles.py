@@ -320,3 +320,49 @@ def test_clean_run_leaves_the_ledger_empty_at_idle(make_run, page_size):
     for name, led in run.auditor.ledgers.items():
         assert not np.asarray(led.allocated)[1:].any(), name
     assert run.auditor.events, "the run should have allocated something"
+
+
+# -- lock-ref balance and liveness ---------------------------------------------------------------
+
+def test_a_lock_taken_behind_the_engines_back_is_a_lock_imbalance(make_run):
+    run = make_run("default")
+    run.apply(Submit(family=0, prompt_len=9, max_new_tokens=2))
+    assert run.apply(Idle()) == []
+    tree = run.target.engine.tree_cache
+    node = next(iter(tree.nodes()))
+    tree.inc_lock_ref(node)  # nobody holds this lock: its tokens are protected forever
+    (f,) = run.apply(Step(1))
+    assert f.kind == "lock-imbalance" and f.pool == "token_to_kv_pool"
+    assert "lock_ref=1 but 0 live holder(s)" in f.message
+    assert f.signature == "lock-imbalance/token_to_kv_pool/lock_ref"
+
+
+def test_a_forgotten_dec_lock_ref_at_release_is_found(make_run, monkeypatch):
+    run = make_run("default")
+    tree = run.target.engine.tree_cache
+    real = tree.dec_lock_ref
+    monkeypatch.setattr(run.target.engine, "release_kv_cache", _release_without_unlock(run.target.engine, real))
+    run.apply(Submit(family=0, prompt_len=9, max_new_tokens=1))
+    found = run.apply(Idle())
+    assert "lock-imbalance" in kinds(found)
+
+
+def _release_without_unlock(engine, real_dec):
+    original = type(engine).release_kv_cache
+
+    def release(req, checkpoint):
+        engine.tree_cache.dec_lock_ref = lambda node: None
+        try:
+            original(engine, req, checkpoint)
+        finally:
+            engine.tree_cache.dec_lock_ref = real_dec
+    return release
+
+
+def test_an_engine_that_never_goes_idle_is_a_hang(make_run, monkeypatch):
+    run = make_run("default")
+    monkeypatch.setattr(run.target.engine, "get_new_batch_prefill", lambda: None)  # never admits
+    run.apply(Submit(family=0, prompt_len=4, max_new_tokens=2))
+    (f,) = run.apply(Idle())
+    assert f.kind == "hang" and "waiting=1" in f.message
+    assert f.signature == "hang/-/idle"

@@ -123,6 +123,33 @@ class EutTarget:
             out.append(Root("token_to_kv_pool", "tree", pages(torch.cat(values)), role="tree"))
         return out
 
+    def lock_balance(self) -> list[tuple[str, np.ndarray, int, int]]:
+        """Tree nodes whose ``lock_ref`` differs from the live lock holders whose path covers them.
+
+        Returns ``(node, slots, lock_ref, holders)`` per mismatch (SGLang invariant: ``lock_ref``
+        equals the number of live receipts whose anchor path covers the node). Holders are the live
+        requests' ``lock`` nodes; this engine has no other lock holders yet.
+        """
+        eng = self.engine
+        tree = eng.tree_cache
+        if tree.disable:
+            return []
+        want: dict[int, int] = {}
+        for req in eng.requests_owning_rows():
+            node = req.lock
+            while node is not None and node is not tree.root_node:
+                want[id(node)] = want.get(id(node), 0) + 1
+                node = node.parent
+        return [(f"node {n.id} ({len(n.key)} tokens)", n.value.cpu().numpy(), n.lock_ref, want.get(id(n), 0))
+                for n in tree.nodes() if n.lock_ref != want.get(id(n), 0)]
+
+    def describe_busy(self) -> str:
+        eng = self.engine
+        return (f"waiting={len(eng.waiting_queue)} running={len(eng.running_batch)} "
+                f"prealloc={len(eng.disagg_prealloc_queue)} transfer={len(eng.disagg_transfer_queue)} "
+                f"available={eng.token_to_kv_pool_allocator.available_size()} "
+                f"evictable={eng.tree_cache.evictable_size()} protected={eng.tree_cache.protected_size()}")
+
     def accounting(self) -> dict[str, Accounting]:
         eng = self.engine
         a = eng.token_to_kv_pool_allocator
