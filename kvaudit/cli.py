@@ -48,7 +48,7 @@ class KvauditGroup(click.Group):
         except click.ClickException as e:
             click.echo(f"kvaudit: error: {e.format_message()}", err=True)
             return sys.exit(e.exit_code)
-        except click.Abort:
+        except (click.Abort, KeyboardInterrupt):
             click.echo("kvaudit: interrupted", err=True)
             return sys.exit(EXIT_INTERRUPTED)
         except Exception as e:  # a kvaudit bug: say so in one line, keep the traceback opt-in
