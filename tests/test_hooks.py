@@ -11,14 +11,6 @@ from kvaudit.hooks import Auditor
 from kvaudit.program import Submit
 from kvaudit.targets.eut import EutTarget
 
-PAGE_SIZES = [1, 4]
-
-
-@pytest.fixture(params=PAGE_SIZES, ids=lambda ps: f"page{ps}")
-def page_size(request):
-    return request.param
-
-
 @pytest.fixture
 def make_audited():
     """``make_audited(preset="default", **config_changes) -> (target, auditor)``; uninstalls after the test."""

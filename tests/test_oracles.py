@@ -11,13 +11,7 @@ from kvaudit import oracles
 from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit, random_program
 from kvaudit.runner import AuditedRun, execute
 
-PAGE_SIZES = [1, 4]
 PRESETS = ["default", "pd-decode", "pd-decode-hisparse"]
-
-
-@pytest.fixture(params=PAGE_SIZES, ids=lambda ps: f"page{ps}")
-def page_size(request):
-    return request.param
 
 
 @pytest.fixture
