@@ -11,6 +11,7 @@ from kvaudit.hooks import Auditor
 from kvaudit.program import Submit
 from kvaudit.targets.eut import EutTarget
 
+
 @pytest.fixture
 def make_audited():
     """``make_audited(preset="default", **config_changes) -> (target, auditor)``; uninstalls after the test."""
