@@ -27,6 +27,7 @@ _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 STACK_DEPTH = 4
 SMALL_EVENT = 64  # events up to this many units take the scalar fast path (numpy call overhead dominates)
+_STOP, _READ = 1, 2  # owner lookup per code object (see Auditor._code_info)
 OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
 
 
@@ -93,21 +94,28 @@ class Auditor:
         self._undo: list[tuple[object, str]] = []
         self._owner_hint = getattr(target, "owner_hint", lambda frame_locals: None)
         self._hint_vars = tuple(getattr(target, "owner_hint_vars", ()))
+        self._stop_vars = tuple(getattr(target, "owner_stop_vars", ()))
         self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()}
-        self._info = Auditor._code_info_caches.setdefault((frozenset(self._skip_files), self._hint_vars), {})
+        self._info = Auditor._code_info_caches.setdefault(
+            (frozenset(self._skip_files), self._hint_vars, self._stop_vars), {})
         for spec in target.pools():
             self._install(spec)
 
     # -- sites ------------------------------------------------------------------------------
     # Per code object: (is framework, look for owner). Keyed by id(code): hashing a code object
     # hashes its bytecode, which costs more than the rest of the capture.
-    _code_info_caches: dict[tuple, dict[int, tuple[bool, bool]]] = {}
+    _code_info_caches: dict[tuple, dict[int, tuple[bool, int]]] = {}
     _codes: dict[int, object] = {}  # keeps every seen code object alive, so its id stays unique
 
-    def _code_info(self, code) -> tuple[bool, bool]:
+    def _code_info(self, code) -> tuple[bool, int]:
+        """``(is framework, owner lookup)``: lookup is 0 (nothing to see), ``STOP`` (a batch-level
+        function: no single owner) or ``READ`` (read the owner from the frame's locals)."""
         fn = os.path.abspath(code.co_filename)
         fw = fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
-        info = self._info[id(code)] = (fw, any(v in code.co_varnames for v in self._hint_vars))
+        names = code.co_varnames
+        look = (_STOP if any(v in names for v in self._stop_vars)
+                else _READ if any(v in names for v in self._hint_vars) else 0)
+        info = self._info[id(code)] = (fw, look)
         Auditor._codes[id(code)] = code
         return info
 
@@ -141,7 +149,7 @@ class Auditor:
                     break  # back in the framework (the runner): the engine's part of the stack ends
             else:
                 if looking and look:
-                    owner = self._owner_hint(f.f_locals)
+                    owner = "" if look == _STOP else self._owner_hint(f.f_locals)
                     looking = 0 if owner is not None else looking
                 looking = looking and looking - 1
                 frames.append((id(code), f.f_lineno))

@@ -72,3 +72,10 @@ class Target(Protocol):
 
     def engine_check(self) -> list[str]:
         """The engine's own verdict (failing identity lines), for the report."""
+
+    # Optional, used when present:
+    #   owner_hint(frame_locals) -> str | None   name the owner an allocating frame works for;
+    #   owner_hint_vars / owner_stop_vars         locals that make a frame worth reading / a
+    #                                             batch-level frame with no single owner;
+    #   lock_balance() -> [(node, slots, lock_ref, holders)]   mismatched tree locks;
+    #   describe_busy() -> str                    what keeps the engine from idling (hang reports).

@@ -80,17 +80,12 @@ class EutTarget:
         return self.engine.is_fully_idle() and not self.engine.recv_queue
 
     # -- observing --------------------------------------------------------------------------
-    owner_hint_vars = ("req", "reqs", "batch")  # frames without these locals are not inspected
+    owner_hint_vars = ("req",)  # only frames of functions with such a local are inspected
+    owner_stop_vars = ("reqs", "batch")  # a function over a whole batch: ``req`` is a loop variable
 
     @staticmethod
     def owner_hint(frame_locals: dict) -> str | None:
-        """Name the request an allocating engine frame works for (its local ``req``).
-
-        Returns ``""`` (owner unknown, stop looking) for a frame that works on a whole batch, where
-        a ``req`` local is only a loop variable, and None when the frame says nothing.
-        """
-        if "reqs" in frame_locals or "batch" in frame_locals:
-            return ""
+        """Name the request an allocating engine frame works for (its local ``req``), or None."""
         rid = getattr(frame_locals.get("req"), "rid", None)
         return f"req:{rid}" if isinstance(rid, str) else None
 
