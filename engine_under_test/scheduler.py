@@ -63,7 +63,7 @@ class PoolCheck(NamedTuple):
 
 @dataclass
 class _Msg:
-    kind: str  # "generate" | "abort" | "health_check"
+    kind: str  # "generate" | "abort" | "health_check" | "flush_cache"
     req: Req | None = None
     rid: str | None = None
     abort_all: bool = False
@@ -117,6 +117,7 @@ class Scheduler:
         self.health_check_acks = 0
         self.finished_outputs: list[FinishedOutput] = []
         self.last_idle_check: list[PoolCheck] | None = None
+        self.flush_results: list[bool] = []  # one per flush_cache request, in order
         self._rids = itertools.count()
 
     # ------------------------------------------------------------------------------------
@@ -139,6 +140,28 @@ class Scheduler:
         rid = f"{HEALTH_CHECK_RID_PREFIX}_{next(self._rids)}"
         self.recv_queue.append(_Msg("health_check", Req(rid, [0], 1)))
         return rid
+
+    def request_flush_cache(self) -> None:
+        """Queue a cache flush (SGLang ``/flush_cache``); the outcome lands in ``flush_results``."""
+        self.recv_queue.append(_Msg("flush_cache"))
+
+    def flush_cache(self) -> bool:
+        """Drop the radix tree and return every pool to its initial state, only when fully idle.
+
+        Returns False, touching nothing, while any request is queued or running (SGLang
+        ``flush_cache``: "Cache not flushed because there are pending requests").
+        """
+        if not self.is_fully_idle():
+            return False
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        hs = self.hisparse_coordinator
+        if hs is not None:
+            hs.clear()
+            hs.hisparse_attn_allocator.clear()
+            hs.host_pool.clear()
+        return True
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Queue an abort by rid prefix, or of everything."""
@@ -203,6 +226,9 @@ class Scheduler:
         for m in msgs:
             if m.kind == "abort":
                 self.handle_abort(m.rid, m.abort_all)
+                continue
+            if m.kind == "flush_cache":
+                self.flush_results.append(self.flush_cache())
                 continue
             if m.kind == "health_check" and not self.is_fully_idle(for_health_check=True):
                 # Busy: drop it and answer after the next batch, touching no memory.

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from engine_under_test import EngineConfig
 from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
-from kvaudit.program import Abort, HealthCheck, Idle, Op, Step, Submit
+from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, Op, Step, Submit
 from kvaudit.runner import AuditedRun, execute
 
 CONFIRM_RUNS = 3
@@ -98,6 +98,10 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
         @rule(handle=st.none() | st.integers(0, 7))
         def abort(self, handle):
             self._do(Abort(handle))
+
+        @rule()
+        def flush_cache(self):
+            self._do(FlushCache())
 
         @rule(n=st.integers(1, 4))
         def step(self, n):

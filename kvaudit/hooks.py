@@ -289,6 +289,19 @@ class Auditor:
     def _install(self, spec: PoolSpec) -> None:
         obj, pool, ps = spec.obj, spec.name, spec.page_size
 
+        orig_clear = getattr(obj, "clear", None)
+        if orig_clear is not None:
+            def clear_wrapper(*a, **k):
+                """``clear()`` (flush_cache) returns every unit at once: record it as one free of all
+                units the ledger holds, so that a flush under a live owner shows as use-after-free."""
+                orig_clear(*a, **k)
+                held = np.flatnonzero(self.ledgers[pool].allocated)
+                held = held[held > 0]
+                if held.size:
+                    self.on_free(pool, held, self.capture_site())
+
+            self._wrap(obj, "clear", clear_wrapper)
+
         if spec.kind == "rows":
             orig_alloc, orig_free = obj.alloc, obj.free
 

@@ -44,6 +44,13 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class FlushCache:
+    """SGLang's ``/flush_cache``: empties the cache and every pool, but only when the engine is idle."""
+
+    kind: ClassVar[str] = "flush_cache"
+
+
+@dataclass(frozen=True)
 class Step:
     """``n`` scheduler iterations."""
 
@@ -58,8 +65,8 @@ class Idle:
     kind: ClassVar[str] = "idle"
 
 
-Op = Union[Submit, HealthCheck, Abort, Step, Idle]
-OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, Step, Idle)}
+Op = Union[Submit, HealthCheck, Abort, FlushCache, Step, Idle]
+OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, Step, Idle)}
 FORMAT = "kvaudit.program/1"
 MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return
 
@@ -133,6 +140,8 @@ def random_program(rng, length: int, max_prompt: int = 32) -> list[Op]:
             ops.append(HealthCheck())
         elif r < 0.55:
             ops.append(Abort(rng.choice([None, rng.randrange(8)])))
+        elif r < 0.58:
+            ops.append(FlushCache())
         elif r < 0.9:
             ops.append(Step(rng.randint(1, 4)))
         else:

@@ -8,7 +8,7 @@ import pytest
 
 from engine_under_test import Scheduler, get_preset
 from kvaudit import oracles
-from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit, random_program
+from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, Step, Submit, random_program
 from kvaudit.runner import AuditedRun, execute
 
 PRESETS = ["default", "pd-decode", "pd-decode-hisparse"]
@@ -360,3 +360,24 @@ def test_an_engine_that_never_goes_idle_is_a_hang(make_run, monkeypatch):
     (f,) = run.apply(Idle())
     assert f.kind == "hang" and "waiting=1" in f.message
     assert f.signature == "hang/-/idle"
+
+
+# -- flush_cache ----------------------------------------------------------------------------------
+
+def test_flush_at_idle_is_clean_and_the_ledger_follows_it(make_run, page_size):
+    run = make_run("default", page_size=page_size)
+    for op in (Submit(family=1, prompt_len=20, max_new_tokens=3), Idle(), FlushCache(), Step(1),
+               Submit(family=1, prompt_len=20, max_new_tokens=3), Idle()):
+        assert run.apply(op) == [], op
+    assert run.target.engine.flush_results == [True]
+
+
+def test_a_flush_that_ignores_live_requests_is_a_use_after_free(make_run, monkeypatch):
+    run = make_run("default")
+    run.apply(Submit(family=0, prompt_len=12, max_new_tokens=6))
+    assert run.apply(Step(1)) == []
+    eng = run.target.engine
+    monkeypatch.setattr(eng, "is_fully_idle", lambda for_health_check=False: True)  # the planted fault
+    run.apply(FlushCache())
+    found = run.apply(Step(1))
+    assert "use-after-free" in kinds(found)

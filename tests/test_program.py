@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvaudit.program import (OP_TYPES, Abort, HealthCheck, Idle, ProgramError, Step, Submit, format_op,
+from kvaudit.program import (OP_TYPES, Abort, FlushCache, HealthCheck, Idle, ProgramError, Step, Submit, format_op,
                              format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
                              prompt_tokens)
 
@@ -16,6 +16,7 @@ EVERY_KIND = [
     HealthCheck(),
     Abort(handle=3),
     Abort(handle=None),
+    FlushCache(),
     Step(n=4),
     Idle(),
 ]
@@ -24,6 +25,7 @@ ops_strategy = st.one_of(
     st.builds(Submit, st.integers(0, 50), st.integers(0, 200), st.integers(0, 200), st.none() | st.integers(0, 200)),
     st.just(HealthCheck()),
     st.builds(Abort, st.none() | st.integers(0, 50)),
+    st.just(FlushCache()),
     st.builds(Step, st.integers(0, 50)),
     st.just(Idle()),
 )

@@ -524,3 +524,33 @@ def test_busy_identity_holds_after_every_step(make_engine, preset, changes, page
     assert set(rids) <= set(out)
     assert s.health_check_acks == health
     assert_clean_at_idle(s)
+
+
+# -- flush_cache ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["default", "pd-decode-hisparse"])
+def test_flush_cache_when_idle_empties_the_tree_and_refills_every_pool(preset):
+    eng = Scheduler(get_preset(preset).config(page_size=4))
+    eng.add_request(list(range(2, 30)), 3)
+    eng.run_until_idle()
+    if preset == "default":
+        assert eng.tree_cache.total_size() > 0  # something cached to flush
+    eng.request_flush_cache()
+    eng.step()
+    assert eng.flush_results == [True]
+    assert eng.tree_cache.total_size() == 0
+    assert all(c.ok and c.available == c.total for c in eng.check_memory(idle=True))
+
+
+def test_flush_cache_while_busy_fails_and_touches_nothing():
+    eng = Scheduler(get_preset("default").config())
+    eng.add_request(list(range(2, 20)), 8)
+    eng.step()
+    before = (eng.token_to_kv_pool_allocator.available_size(), eng.req_to_token_pool.available_size(),
+              eng.tree_cache.total_size())
+    eng.request_flush_cache()
+    eng.step()  # ingests the flush while the request decodes
+    assert eng.flush_results == [False]
+    eng.run_until_idle()
+    assert all(c.ok for c in eng.last_idle_check)
+    assert before[2] > 0 and eng.tree_cache.total_size() >= before[2]

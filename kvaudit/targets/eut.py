@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine_under_test import EngineConfig, Scheduler
-from kvaudit.program import Abort, HealthCheck, Op, Submit, prompt_tokens
+from kvaudit.program import Abort, FlushCache, HealthCheck, Op, Submit, prompt_tokens
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 
 
@@ -62,6 +62,8 @@ class EutTarget:
             self.submitted.append(eng.add_request(prompt_tokens(op.family, plen, cfg.vocab_size), max_new, stop))
         elif isinstance(op, HealthCheck):
             eng.health_check()
+        elif isinstance(op, FlushCache):
+            eng.request_flush_cache()
         elif isinstance(op, Abort):
             if op.handle is None:
                 eng.abort_request(abort_all=True)
