@@ -38,5 +38,13 @@ BUGS: dict[str, BugInfo] = {
             "a request that finishes in the PD prebuilt step (a health check, max_new_tokens=1) is "
             "released without HiSparseCoordinator.request_finished: its device buffer and host slots leak",
         ),
+        BugInfo(
+            "pd-abort-after-transfer-leak",
+            "sglang PR #9817 (family #8352, #17483)",
+            "pd-decode",
+            "leak",
+            "an abort of a PD request whose KV has been transferred and that waits to join the running "
+            "batch removes it from the waiting queue without releasing its row and KV",
+        ),
     ]
 }

@@ -148,10 +148,12 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset("default", "aggregated serving, page 1, radix cache on", {}),
+        Preset("paged", "aggregated serving with 16-token pages: page-aligned radix keys, private partial pages",
+               {"page_size": 16, "num_slots": 1024}),
         Preset(
             "pd-decode",
-            "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off",
-            {"disaggregation_mode": "decode", "disable_radix_cache": True},
+            "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off; 4 running",
+            {"disaggregation_mode": "decode", "disable_radix_cache": True, "max_running_requests": 4},
         ),
         Preset(
             "pd-decode-hisparse",

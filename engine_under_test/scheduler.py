@@ -247,7 +247,11 @@ class Scheduler:
         for req in [r for r in self.waiting_queue if hit(r)]:
             self.waiting_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
-            if req.kv.holds_kv:  # PD decode: the transferred KV is already allocated
+            if req.kv.holds_kv and "pd-abort-after-transfer-leak" in self.config.bugs:
+                # BUG (sglang PR #9817): an abort of a transferred request waiting to join the
+                # running batch dropped it from the queue with no cleanup: its row and KV leaked.
+                self._emit(req)
+            elif req.kv.holds_kv:  # PD decode: the transferred KV is already allocated
                 self._release_finished(req, checkpoint=True)  # emits the output
             else:
                 self._emit(req)

@@ -554,3 +554,35 @@ def test_flush_cache_while_busy_fails_and_touches_nothing():
     eng.run_until_idle()
     assert all(c.ok for c in eng.last_idle_check)
     assert before[2] > 0 and eng.tree_cache.total_size() >= before[2]
+
+
+# -- zoo switch: pd-abort-after-transfer-leak (sglang PR #9817) -----------------------------------
+
+def _abort_in_pd_waiting_queue(bugs):
+    """A request waits in the PD waiting queue (the running batch is full) and is aborted there."""
+    eng = Scheduler(get_preset("pd-decode").config(max_running_requests=1, bugs=bugs))
+    eng.add_request(list(range(2, 12)), 6)
+    rid = eng.add_request(list(range(2, 9)), 6)
+    for _ in range(10):
+        eng.step()
+        if any(r.rid == rid for r in eng.waiting_queue):
+            break
+    waiting = next(r for r in eng.waiting_queue if r.rid == rid)
+    assert waiting.kv.holds_kv  # transferred: row and KV are allocated
+    row = waiting.kv.req_pool_idx
+    eng.abort_request(rid)
+    eng.run_until_idle()
+    return eng, row
+
+
+def test_pd_abort_after_transfer_leak_switch_leaks_the_row_and_kv():
+    eng, row = _abort_in_pd_waiting_queue({"pd-abort-after-transfer-leak"})
+    bad = {c.pool for c in eng.last_idle_check if not c.ok}
+    assert bad == {"token_to_kv_pool", "req_to_token_pool"}
+    assert row not in eng.req_to_token_pool.free_slots  # the row no structure references
+
+
+def test_pd_abort_in_waiting_queue_is_clean_without_the_switch():
+    eng, row = _abort_in_pd_waiting_queue(set())
+    assert all(c.ok for c in eng.last_idle_check)
+    assert row in eng.req_to_token_pool.free_slots
