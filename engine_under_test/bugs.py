@@ -46,5 +46,13 @@ BUGS: dict[str, BugInfo] = {
             "an abort of a PD request whose KV has been transferred and that waits to join the running "
             "batch removes it from the waiting queue without releasing its row and KV",
         ),
+        BugInfo(
+            "chunked-abort-ignored",
+            "sglang-jax PR #984",
+            "chunked",
+            "leak",
+            "an abort (or abort-all) of a request parked between prefill chunks drops it from scheduling "
+            "without releasing it: its row and KV leak and it never finishes",
+        ),
     ]
 }

@@ -49,6 +49,7 @@ class EngineConfig:
     max_running_requests: int = 8
     max_req_rows: int = 16
     context_len: int = 128
+    chunked_prefill_size: int | None = None  # tokens computed per prefill batch; None = unlimited
     disaggregation_mode: str | None = None  # None | "decode"
     pd_pre_alloc_rows: int = 4
     transfer_latency_steps: int = 1
@@ -76,6 +77,9 @@ class EngineConfig:
         for name in ("model", "device", "preset"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        c = self.chunked_prefill_size
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 1 << 16):
+            raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         unknown = sorted(self.bugs - set(BUGS))
         if unknown:
@@ -148,6 +152,8 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset("default", "aggregated serving, page 1, radix cache on", {}),
+        Preset("chunked", "chunked prefill of 32 tokens: long prompts park between chunks as chunked_req",
+               {"chunked_prefill_size": 32}),
         Preset("paged", "aggregated serving with 16-token pages: page-aligned radix keys, private partial pages",
                {"page_size": 16, "num_slots": 1024}),
         Preset(

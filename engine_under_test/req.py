@@ -61,6 +61,7 @@ class Req:
     to_finish: FinishReason | None = None
     transfer_ready_step: int = -1  # PD decode: poll step at which the KV transfer completes
     hisparse_admitted: bool = False
+    inflight_middle_chunks: int = 0  # scheduled prefill chunks that sample no token
 
     @property
     def is_health_check(self) -> bool:

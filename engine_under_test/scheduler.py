@@ -118,6 +118,8 @@ class Scheduler:
         self.finished_outputs: list[FinishedOutput] = []
         self.last_idle_check: list[PoolCheck] | None = None
         self.flush_results: list[bool] = []  # one per flush_cache request, in order
+        self.chunked_req: Req | None = None  # the one request between prefill chunks
+        self._pending_chunked_abort = False
         self._rids = itertools.count()
 
     # ------------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ class Scheduler:
         ``for_health_check`` selects SGLang's narrower set for health checks; with the queues this
         engine has (no grammar, PP or HiCache queues yet) the two sets coincide.
         """
-        busy = self.running_batch or self.last_batch is not None or self.waiting_queue
+        busy = self.running_batch or self.last_batch is not None or self.waiting_queue or self.chunked_req
         if self.config.is_pd_decode:
             busy = busy or self.disagg_prealloc_queue or self.disagg_transfer_queue
         return not busy
@@ -263,17 +265,35 @@ class Scheduler:
             self.disagg_transfer_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
             self._release_finished(req, checkpoint=False)  # emits the output
+        chunked = self.chunked_req
+        if chunked is not None and hit(chunked):
+            if "chunked-abort-ignored" in self.config.bugs:
+                # BUG (sglang-jax PR #984): the abort path only knew the queues and the running
+                # batch; the parked chunked request was dropped from scheduling, never released.
+                self.chunked_req = None
+            else:  # SGLang records it and releases it at the top of the next scheduling round
+                self._pending_chunked_abort = True
         in_flight = list(self.running_batch) + (self.last_batch.reqs if self.last_batch else [])
         for req in in_flight:
-            if hit(req) and not req.finished():
+            if hit(req) and not req.finished() and req is not chunked:
                 req.to_finish = FinishReason.ABORT  # released by the next result processing
 
     # ------------------------------------------------------------------------------------
     # Aggregated mode: prefill and decode
     # ------------------------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        chunked = self.chunked_req
+        if chunked is not None and self._pending_chunked_abort:  # process_pending_chunked_abort
+            self._pending_chunked_abort = False
+            self.chunked_req = None
+            chunked.finished_reason = FinishReason.ABORT
+            self._release_finished(chunked, checkpoint=False)
+        elif chunked is not None:  # stash_chunked_request: publish the chunks computed so far
+            self.checkpoint_kv_cache(chunked)
         if self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
-            self.running_batch.extend(r for r in self.last_batch.reqs if not r.finished())
+            # A request whose last chunk sampled nothing is mid-prefill: it never joins decode.
+            self.running_batch.extend(r for r in self.last_batch.reqs
+                                      if not r.finished() and r is not self.chunked_req and r.output_ids)
         self.running_batch = [r for r in self.running_batch if not r.finished()]
         batch = self.get_new_batch_prefill()
         if batch is not None:
@@ -290,12 +310,28 @@ class Scheduler:
         Budget = available + evictable - tokens reserved for running requests (a conservative
         stand-in for SGLang's ``PrefillAdder`` with ``new_token_ratio`` = 1, so decode never OOMs).
         """
-        if not self.waiting_queue:
+        if not self.waiting_queue and self.chunked_req is None:
             return None
-        tree, alloc = self.tree_cache, self.token_to_kv_pool_allocator
+        tree, alloc, ps = self.tree_cache, self.token_to_kv_pool_allocator, self.page_size
         reserved = self._reserved_tokens(self.running_batch)
+        budget = self.config.chunked_prefill_size or float("inf")  # tokens computed by this batch
         can_run: list[Req] = []
+        chunked = self.chunked_req
+        if chunked is not None:  # add_chunked_req: its memory was reserved when it was admitted
+            chunked.prefix_len = chunked.kv.kv_committed_len
+            left = len(chunked.fill_ids) - chunked.prefix_len
+            take = left if left <= budget else int(budget) // ps * ps
+            chunked.extend_end = chunked.prefix_len + take
+            if take < left:
+                chunked.inflight_middle_chunks += 1
+            else:
+                self.chunked_req = None  # the final chunk runs as a normal prefill
+            reserved += left - take + chunked.max_new_tokens + 2 * ps
+            budget -= take
+            can_run.append(chunked)
         for req in list(self.waiting_queue):
+            if budget < ps:
+                break
             if len(self.running_batch) + len(can_run) >= self.config.max_running_requests:
                 break
             if self.req_to_token_pool.available_size() <= len(can_run):
@@ -303,12 +339,20 @@ class Scheduler:
             fill = req.fill_ids
             match = tree.match_prefix(fill[: len(fill) - 1])  # compute at least one token
             tree.inc_lock_ref(match.last_node)
-            need = len(fill) - match.device_indices.numel() + req.max_new_tokens + 2 * self.page_size
-            if need > alloc.available_size() + tree.evictable_size() - reserved:
+            prefix = match.device_indices.numel()
+            need = len(fill) - prefix + req.max_new_tokens + 2 * ps
+            chunk_now = len(fill) - prefix > budget
+            if need > alloc.available_size() + tree.evictable_size() - reserved or (
+                    chunk_now and self.chunked_req is not None):  # one chunked request at a time
                 tree.dec_lock_ref(match.last_node)
                 break
             req.prefix_indices, req.last_node, req.lock = match.device_indices, match.last_node, match.last_node
-            req.prefix_len, req.extend_end = match.device_indices.numel(), len(fill)
+            req.prefix_len, req.extend_end = prefix, len(fill)
+            if chunk_now:  # the first chunk: as much as the budget allows, in whole pages
+                req.extend_end = prefix + int(budget) // ps * ps
+                req.inflight_middle_chunks = 1
+                self.chunked_req = req
+            budget -= req.extend_end - prefix
             reserved += need
             can_run.append(req)
             self.waiting_queue.remove(req)
@@ -333,11 +377,13 @@ class Scheduler:
     def alloc_for_extend(self, batch: ScheduleBatch) -> None:
         """SGLang ``alloc_for_extend``: rows, then slots for ``[prefix_len, extend_end)``, then the row write."""
         reqs = batch.reqs
-        rows = self.req_to_token_pool.alloc(len(reqs))
+        fresh = [r for r in reqs if not r.kv.holds_kv]  # a chunk continuation keeps its row
+        rows = self.req_to_token_pool.alloc(len(fresh)) if fresh else []
         if rows is None:
             raise RuntimeError("alloc_req_slots runs out of memory")
-        for req, row in zip(reqs, rows):
+        for req, row in zip(fresh, rows):
             req.kv.req_pool_idx = row
+            req.kv.cache_protected_len = req.prefix_len
             self.req_to_token_pool.write(row, 0, req.prefix_indices)
         prefix_lens = [r.prefix_len for r in reqs]
         seq_lens = [r.extend_end for r in reqs]
@@ -350,7 +396,6 @@ class Scheduler:
             self.req_to_token_pool.write(req.kv.req_pool_idx, p, out[off : off + s - p])
             off += s - p
             req.kv.kv_allocated_len = req.kv.kv_committed_len = s
-            req.kv.cache_protected_len = p
         batch.out_cache_loc = out
 
     def update_running_batch(self) -> ScheduleBatch | None:
@@ -431,6 +476,9 @@ class Scheduler:
         try:
             for req, tok in zip(batch.reqs, toks):
                 if req.finished():
+                    continue
+                if batch.forward_mode == EXTEND and req.inflight_middle_chunks > 0:
+                    req.inflight_middle_chunks -= 1  # a middle chunk samples nothing
                     continue
                 self._append_token(req, tok)
                 if req.finished():
@@ -610,7 +658,7 @@ class Scheduler:
         extended with the PD decode queues, which SGLang keeps out of the busy check)."""
         seen, out = set(), []
         groups = [self.running_batch, self.last_batch.reqs if self.last_batch else [], self.waiting_queue,
-                  self.disagg_transfer_queue]
+                  self.disagg_transfer_queue, [self.chunked_req] if self.chunked_req else []]
         for group in groups:
             for r in group:
                 if id(r) not in seen and r.kv.holds_kv:

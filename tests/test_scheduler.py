@@ -586,3 +586,66 @@ def test_pd_abort_in_waiting_queue_is_clean_without_the_switch():
     eng, row = _abort_in_pd_waiting_queue(set())
     assert all(c.ok for c in eng.last_idle_check)
     assert row in eng.req_to_token_pool.free_slots
+
+
+# -- chunked prefill -------------------------------------------------------------------------------
+
+def _run_to_idle_checking(eng):
+    while not eng.is_fully_idle() or eng.recv_queue:
+        eng.step()
+        assert all(c.ok for c in eng.check_memory(idle=False)), [c.message() for c in eng.check_memory(idle=False)]
+        eng.tree_cache.check_integrity()
+    eng.step()
+    return eng
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_chunked_prefill_gives_the_same_tokens_as_one_prefill(ps):
+    outs = {}
+    for chunk in (None, 8, 32):
+        eng = Scheduler(get_preset("default").config(model="tiny", seed=1, page_size=ps, chunked_prefill_size=chunk))
+        for f in range(3):
+            eng.add_request([2 + (f * 7 + i * 3) % 100 for i in range(40 + f * 13)], 5)
+        _run_to_idle_checking(eng)
+        assert all(c.ok for c in eng.last_idle_check)
+        outs[chunk] = sorted((o.rid, tuple(o.output_ids)) for o in eng.finished_outputs)
+    assert outs[None] == outs[8] == outs[32]
+
+
+def test_a_long_prompt_parks_between_chunks_and_samples_only_at_the_last():
+    eng = Scheduler(get_preset("chunked").config())  # 32-token chunks
+    eng.add_request(list(range(2, 82)), 3)  # 80 tokens: chunks of 32, 32, 16
+    eng.step()
+    req = eng.chunked_req
+    assert req is not None and req.kv.kv_committed_len == 32 and req.output_ids == []
+    assert req in eng.requests_owning_rows() and not eng.is_fully_idle()
+    eng.step()
+    assert eng.chunked_req is req and req.kv.kv_committed_len == 64 and req.output_ids == []
+    eng.step()
+    assert eng.chunked_req is None and req.kv.kv_committed_len == 80 and len(req.output_ids) == 1
+
+
+def _abort_between_chunks(bugs):
+    eng = Scheduler(get_preset("chunked").config(bugs=bugs))
+    rid = eng.add_request(list(range(2, 82)), 3)
+    eng.step()
+    assert eng.chunked_req is not None
+    row = eng.chunked_req.kv.req_pool_idx
+    eng.abort_request(rid)
+    for _ in range(20):
+        eng.step()
+    return eng, rid, row
+
+
+def test_abort_between_chunks_releases_the_parked_request():
+    eng, rid, row = _abort_between_chunks(set())
+    assert [(o.rid, o.reason) for o in eng.finished_outputs] == [(rid, FinishReason.ABORT)]
+    assert all(c.ok for c in eng.last_idle_check) and row in eng.req_to_token_pool.free_slots
+
+
+def test_chunked_abort_ignored_switch_leaks_the_row_and_kv_and_never_finishes():
+    eng, rid, row = _abort_between_chunks({"chunked-abort-ignored"})
+    assert eng.finished_outputs == []  # the request never finishes
+    assert eng.is_fully_idle()
+    assert {c.pool for c in eng.last_idle_check if not c.ok} == {"token_to_kv_pool", "req_to_token_pool"}
+    assert row not in eng.req_to_token_pool.free_slots
