@@ -54,5 +54,13 @@ BUGS: dict[str, BugInfo] = {
             "an abort (or abort-all) of a request parked between prefill chunks drops it from scheduling "
             "without releasing it: its row and KV leak and it never finishes",
         ),
+        BugInfo(
+            "retract-unaligned-page",
+            "sglang PR #4977",
+            "retract",
+            "leak",
+            "a request retracted on decode OOM frees a range whose end is floored to a page boundary, "
+            "skipping the partly filled last page it owns: one page leaks per retraction",
+        ),
     ]
 }

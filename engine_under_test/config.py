@@ -50,6 +50,7 @@ class EngineConfig:
     max_req_rows: int = 16
     context_len: int = 128
     chunked_prefill_size: int | None = None  # tokens computed per prefill batch; None = unlimited
+    new_token_ratio: float = 1.0  # share of remaining decode tokens admission reserves; < 1 may retract
     disaggregation_mode: str | None = None  # None | "decode"
     pd_pre_alloc_rows: int = 4
     transfer_latency_steps: int = 1
@@ -77,6 +78,9 @@ class EngineConfig:
         for name in ("model", "device", "preset"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        r = self.new_token_ratio
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
+            raise ValueError(f"new_token_ratio must be a number in [0, 1], got {r!r}")
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 1 << 16):
             raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
@@ -154,6 +158,8 @@ PRESETS: dict[str, Preset] = {
         Preset("default", "aggregated serving, page 1, radix cache on", {}),
         Preset("chunked", "chunked prefill of 32 tokens: long prompts park between chunks as chunked_req",
                {"chunked_prefill_size": 32}),
+        Preset("retract", "a small paged pool and optimistic admission: decode runs out and retracts",
+               {"page_size": 4, "num_slots": 128, "new_token_ratio": 0.0}),
         Preset("paged", "aggregated serving with 16-token pages: page-aligned radix keys, private partial pages",
                {"page_size": 16, "num_slots": 1024}),
         Preset(

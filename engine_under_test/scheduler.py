@@ -119,6 +119,7 @@ class Scheduler:
         self.last_idle_check: list[PoolCheck] | None = None
         self.flush_results: list[bool] = []  # one per flush_cache request, in order
         self.chunked_req: Req | None = None  # the one request between prefill chunks
+        self.num_retractions = 0
         self._pending_chunked_abort = False
         self._rids = itertools.count()
 
@@ -236,10 +237,19 @@ class Scheduler:
                 # Busy: drop it and answer after the next batch, touching no memory.
                 self.pending_health_check_acks += 1
                 continue
-            if self.config.is_pd_decode:
+            if self._exceeds_kv_capacity(m.req):
+                # Rejected at intake (SGLang _check_if_req_exceed_kv_capacity): it could never be
+                # admitted, even into an empty pool, and would wait forever.
+                m.req.finished_reason = FinishReason.ABORT
+                self._emit(m.req)
+            elif self.config.is_pd_decode:
                 self.disagg_prealloc_queue.append(m.req)
             else:
                 self.waiting_queue.append(m.req)
+
+    def _exceeds_kv_capacity(self, req: Req) -> bool:
+        need = len(req.fill_ids) + req.max_new_tokens + 2 * self.page_size  # admission's own estimate
+        return need > self.token_to_kv_pool_allocator.size
 
     def handle_abort(self, rid: str | None, abort_all: bool) -> None:
         """SGLang ``abort_request``: by rid prefix or all, wherever the request sits."""
@@ -300,9 +310,10 @@ class Scheduler:
             return batch
         return self.update_running_batch()
 
-    def _reserved_tokens(self, reqs) -> int:
-        """Tokens still promised to admitted requests: remaining decode steps plus a page of slack."""
-        return sum(r.max_new_tokens - len(r.output_ids) + self.page_size for r in reqs)
+    def _reserved_tokens(self, reqs, ratio: float = 1.0) -> int:
+        """Tokens still promised to admitted requests: ``ratio`` of their remaining decode steps plus
+        a page of slack (SGLang's ``new_token_ratio``; below 1, decode can run out and retract)."""
+        return sum(int(ratio * (r.max_new_tokens - len(r.output_ids))) + self.page_size for r in reqs)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         """Admit waiting requests while rows, ``max_running_requests`` and the token budget allow.
@@ -313,7 +324,8 @@ class Scheduler:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         tree, alloc, ps = self.tree_cache, self.token_to_kv_pool_allocator, self.page_size
-        reserved = self._reserved_tokens(self.running_batch)
+        ratio = self.config.new_token_ratio
+        reserved = self._reserved_tokens(self.running_batch, ratio)
         budget = self.config.chunked_prefill_size or float("inf")  # tokens computed by this batch
         can_run: list[Req] = []
         chunked = self.chunked_req
@@ -326,7 +338,7 @@ class Scheduler:
                 chunked.inflight_middle_chunks += 1
             else:
                 self.chunked_req = None  # the final chunk runs as a normal prefill
-            reserved += left - take + chunked.max_new_tokens + 2 * ps
+            reserved += left - take + int(ratio * chunked.max_new_tokens) + 2 * ps
             budget -= take
             can_run.append(chunked)
         for req in list(self.waiting_queue):
@@ -340,7 +352,7 @@ class Scheduler:
             match = tree.match_prefix(fill[: len(fill) - 1])  # compute at least one token
             tree.inc_lock_ref(match.last_node)
             prefix = match.device_indices.numel()
-            need = len(fill) - prefix + req.max_new_tokens + 2 * ps
+            need = len(fill) - prefix + int(ratio * (req.max_new_tokens - len(req.output_ids))) + 2 * ps
             chunk_now = len(fill) - prefix > budget
             if need > alloc.available_size() + tree.evictable_size() - reserved or (
                     chunk_now and self.chunked_req is not None):  # one chunked request at a time
@@ -404,7 +416,9 @@ class Scheduler:
         if not reqs:
             return None
         ps = self.page_size
-        self._evict_for(ps * sum(r.kv.kv_allocated_len % ps == 0 for r in reqs))
+        if self._decode_need(reqs) > self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size():
+            reqs = self.retract_decode(reqs)
+        self._evict_for(self._decode_need(reqs))
         lens = [r.kv.kv_allocated_len for r in reqs]
         out = self.token_to_kv_pool_allocator.alloc_decode([n + 1 for n in lens], self._last_loc(reqs, lens))
         if out is None:
@@ -421,6 +435,46 @@ class Scheduler:
             batch.model_loc = torch.cat([p[0] for p in pairs])
             batch.host_loc = torch.cat([p[1] for p in pairs])
         return batch
+
+    def _decode_need(self, reqs: list[Req]) -> int:
+        """Tokens one decode step takes: a fresh page for each request whose next position starts one."""
+        ps = self.page_size
+        return ps * sum(r.kv.kv_allocated_len % ps == 0 for r in reqs)
+
+    def retract_decode(self, reqs: list[Req]) -> list[Req]:
+        """Decode out of memory: retract requests until one step fits (SGLang ``retract_decode``).
+
+        Victims go in SGLang's order: fewest output tokens first, then longest prompt. Each is
+        released without caching (:meth:`release_req`) and re-queued at the front of the waiting
+        queue, to re-prefill prompt + output later. At least one request is kept; if even that one
+        does not fit, it is aborted. Returns the requests that stay.
+        """
+        keep = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        tree, alloc = self.tree_cache, self.token_to_kv_pool_allocator
+        retracted = []
+        while len(keep) > 1 and self._decode_need(keep) > alloc.available_size() + tree.evictable_size():
+            victim = keep.pop()
+            self.release_req(victim)
+            retracted.append(victim)
+        if self._decode_need(keep) > alloc.available_size() + tree.evictable_size():
+            last = keep.pop()
+            last.finished_reason = FinishReason.ABORT  # "Out of memory even after retracting all others"
+            self._release_finished(last, checkpoint=False)
+        self.running_batch = [r for r in self.running_batch if r in keep]
+        self.waiting_queue[:0] = retracted
+        self.num_retractions += len(retracted)
+        return [r for r in reqs if r in keep]
+
+    def release_req(self, req: Req) -> None:
+        """Release a retracted request's KV without caching it, and reset it to re-prefill."""
+        if "retract-unaligned-page" in self.config.bugs:
+            # BUG (sglang PR #4977): the retraction free range was padded to page bounds by
+            # flooring its end, so the partly filled last page the request owned was skipped.
+            req.kv.kv_allocated_len = req.kv.kv_allocated_len // self.page_size * self.page_size
+        self.release_kv_cache(req, checkpoint=False)
+        req.kv.kv_committed_len = req.kv.cache_protected_len = 0  # reset_for_retract
+        req.prefix_len = req.extend_end = 0
+        req.prefix_indices, req.last_node = None, None
 
     # ------------------------------------------------------------------------------------
     # Running a batch

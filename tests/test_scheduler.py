@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from engine_under_test import FinishReason, Scheduler, get_preset
+from engine_under_test import FinishReason, Req, Scheduler, get_preset
 from engine_under_test.req import HEALTH_CHECK_RID_PREFIX
 
 EOS = 1
@@ -649,3 +649,60 @@ def test_chunked_abort_ignored_switch_leaks_the_row_and_kv_and_never_finishes():
     assert eng.is_fully_idle()
     assert {c.pool for c in eng.last_idle_check if not c.ok} == {"token_to_kv_pool", "req_to_token_pool"}
     assert row not in eng.req_to_token_pool.free_slots
+
+
+# -- retraction on decode OOM ----------------------------------------------------------------------
+
+def _retraction_run(ps, bugs=(), tight=True):
+    kw = dict(num_slots=160, new_token_ratio=0.1) if tight else dict(num_slots=2048)
+    eng = Scheduler(get_preset("default").config(model="tiny", seed=1, page_size=ps, bugs=set(bugs), **kw))
+    for f in range(6):
+        eng.add_request([2 + (f * 7 + i * 3) % 100 for i in range(10 + f * 5)], 20)
+    return eng
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_retraction_re_prefills_and_gives_the_same_tokens(ps):
+    roomy = _run_to_idle_checking(_retraction_run(ps, tight=False))
+    tight = _run_to_idle_checking(_retraction_run(ps))
+    assert roomy.num_retractions == 0 and tight.num_retractions > 0
+    assert all(c.ok for c in tight.last_idle_check)
+    same = sorted((o.rid, o.reason, tuple(o.output_ids)) for o in roomy.finished_outputs)
+    assert sorted((o.rid, o.reason, tuple(o.output_ids)) for o in tight.finished_outputs) == same
+
+
+def test_retraction_takes_the_fewest_outputs_then_the_longest_prompt_first():
+    eng = Scheduler(get_preset("default").config())
+    a, b, c = (Req(f"r{i}", [2] * n, 8) for i, n in enumerate((5, 9, 7)))
+    a.output_ids, b.output_ids, c.output_ids = [3, 3], [3], [3]
+    for r in (a, b, c):  # give each a row so that release works
+        r.kv.req_pool_idx = eng.req_to_token_pool.alloc(1)[0]
+    eng.running_batch = [a, b, c]
+    alloc = eng.token_to_kv_pool_allocator
+    alloc.free_pages = alloc.free_pages[:1]  # room for one decode token only
+    kept = eng.retract_decode([a, b, c])
+    # b (1 output, longest prompt) goes first, then c; a (most outputs) stays and fits
+    assert kept == [a] and eng.running_batch == [a] and eng.waiting_queue[:2] == [b, c]
+    assert eng.num_retractions == 2 and not b.kv.holds_kv and not c.kv.holds_kv
+
+
+@pytest.mark.parametrize("bugs", [set(), {"retract-unaligned-page"}], ids=["off", "on"])
+def test_retract_unaligned_page_switch_leaks_the_partial_last_page(bugs):
+    from kvaudit.program import prompt_tokens  # the prompts of the fuzzer's 4-op reproducer
+
+    eng = Scheduler(get_preset("retract").config(bugs=bugs))
+    for family, n in ((1, 33), (0, 1), (0, 66)):
+        eng.add_request(prompt_tokens(family, n), 9)
+    eng.run_until_idle()
+    assert eng.num_retractions > 0
+    (pool,) = [c for c in eng.last_idle_check if c.pool == "token_to_kv_pool"]
+    missing = pool.total - pool.available - pool.evictable - pool.protected
+    assert missing == (4 if bugs else 0)  # one whole page that nothing references
+
+
+def test_a_request_that_can_never_fit_the_pool_is_rejected_at_intake():
+    eng = Scheduler(get_preset("default").config(num_slots=64))
+    rid = eng.add_request(list(range(2, 62)), 8)  # 60 + 8 + slack > 64 slots
+    eng.run_until_idle()
+    assert [(o.rid, o.reason) for o in eng.finished_outputs] == [(rid, FinishReason.ABORT)]
+    assert all(c.ok for c in eng.last_idle_check)
