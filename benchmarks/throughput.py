@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput of program execution: programs/s and ops/s, bare engine vs hooks vs full audit.
 
-    python benchmarks/throughput.py [--programs N] [--length L] [--preset NAME]
+    python benchmarks/throughput.py [--programs N] [--length L] [--preset NAME|all] [--repeat K]
 
 Runs on one core (torch.set_num_threads(1)); each mode reports the best of --repeat runs.
 Modes: "bare" is the engine alone; "hooks" adds the ledger (every alloc/free recorded with the
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engine_under_test import get_preset
+from engine_under_test import PRESETS, get_preset
 from kvaudit.program import random_program
 from kvaudit.runner import AuditedRun
 
@@ -48,24 +48,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--programs", type=int, default=200)
     ap.add_argument("--length", type=int, default=10)
-    ap.add_argument("--preset", default="pd-decode-hisparse")
+    ap.add_argument("--preset", default="pd-decode-hisparse", help="a preset name, or 'all'")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3, help="best of this many runs per mode")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     programs = [random_program(rng, args.length) for _ in range(args.programs)]
-    print(f"preset={args.preset} programs={args.programs} length={args.length} seed={args.seed} "
-          f"torch={torch.__version__} threads=1")
-    print(f"{'model':6} {'mode':12} {'programs/s':>11} {'ops/s':>9} {'steps/s':>9} {'cost':>6}")
-    for model in ("none", "tiny"):
-        config = get_preset(args.preset).config(model=model)
+    print(f"programs={args.programs} length={args.length} seed={args.seed} torch={torch.__version__} threads=1")
+    print(f"{'preset':19} {'model':6} {'mode':12} {'programs/s':>11} {'ops/s':>9} {'steps/s':>9} {'cost':>6}")
+    presets = list(PRESETS) if args.preset == "all" else [args.preset]
+    for preset, model in ((p, m) for p in presets for m in ("none", "tiny")):
+        config = get_preset(preset).config(model=model)
         run(config, programs[:5], True, True, True)  # warm-up
         base = None
         for mode, audit, oracles, full in MODES:
             secs, ops, steps = min(run(config, programs, audit, oracles, full) for _ in range(args.repeat))
             base = base or secs
-            print(f"{model:6} {mode:12} {len(programs) / secs:11.1f} {ops / secs:9.0f} {steps / secs:9.0f} "
+            print(f"{preset:19} {model:6} {mode:12} {len(programs) / secs:11.1f} {ops / secs:9.0f} {steps / secs:9.0f} "
                   f"{secs / base:5.2f}x")
 
 
