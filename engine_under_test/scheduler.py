@@ -23,8 +23,8 @@ import torch
 from engine_under_test import model as model_mod
 from engine_under_test.config import EngineConfig
 from engine_under_test.hisparse import HiSparseCoordinator
-from engine_under_test.memory import (INDEX_DTYPE, HostKVPool, MHATokenToKVPool, ReqToTokenPool,
-                                      TokenToKVPoolAllocator)
+from engine_under_test.memory import (INDEX_DTYPE, HostKVPool, MHATokenToKVPool, PoolIntegrityError,
+                                      ReqToTokenPool, TokenToKVPoolAllocator)
 from engine_under_test.radix_cache import RadixCache
 from engine_under_test.req import HEALTH_CHECK_RID_PREFIX, FinishReason, Req
 
@@ -719,6 +719,33 @@ class Scheduler:
                     seen.add(id(r))
                     out.append(r)
         return out
+
+    def check_integrity(self) -> None:
+        """Engine facts of SGLang's invariants (reference 7.1, items 6-12): each pool's own
+        bookkeeping, ``0 <= committed <= allocated <= context_len``, a page-aligned protected
+        prefix, and rows owned by one live request each and absent from the free list.
+        Raises :class:`PoolIntegrityError` with the numbers."""
+        self.token_to_kv_pool_allocator.check_integrity()
+        self.req_to_token_pool.check_integrity()
+        self.tree_cache.check_integrity()
+        hs = self.hisparse_coordinator
+        if hs is not None:
+            hs.hisparse_attn_allocator.check_integrity()
+            hs.host_pool.check_integrity()
+        ps, rows = self.page_size, {}
+        free_rows = set(self.req_to_token_pool.free_slots)
+        for req in self.requests_owning_rows():
+            kv = req.kv
+            if not 0 <= kv.kv_committed_len <= kv.kv_allocated_len <= self.config.context_len:
+                raise PoolIntegrityError(f"{req.rid}: committed={kv.kv_committed_len} allocated={kv.kv_allocated_len}"
+                                         f" context_len={self.config.context_len}")
+            if kv.cache_protected_len % ps or kv.cache_protected_len > -(-kv.kv_allocated_len // ps) * ps:
+                raise PoolIntegrityError(f"{req.rid}: cache_protected_len={kv.cache_protected_len} is not a page-aligned"
+                                         f" prefix of allocated={kv.kv_allocated_len}")
+            if kv.req_pool_idx in rows or kv.req_pool_idx in free_rows:
+                other = rows.get(kv.req_pool_idx, "the free list")
+                raise PoolIntegrityError(f"row {kv.req_pool_idx} of {req.rid} is also held by {other}")
+            rows[kv.req_pool_idx] = req.rid
 
     def check_memory(self, idle: bool | None = None) -> list[PoolCheck]:
         """SGLang's accounting identities, one :class:`PoolCheck` per pool.

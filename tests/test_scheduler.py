@@ -706,3 +706,44 @@ def test_a_request_that_can_never_fit_the_pool_is_rejected_at_intake():
     eng.run_until_idle()
     assert [(o.rid, o.reason) for o in eng.finished_outputs] == [(rid, FinishReason.ABORT)]
     assert all(c.ok for c in eng.last_idle_check)
+
+
+# -- Scheduler.check_integrity ---------------------------------------------------------------------
+
+def _busy_engine():
+    eng = Scheduler(get_preset("default").config(page_size=4))
+    eng.add_request(list(range(2, 30)), 8)
+    eng.add_request(list(range(40, 50)), 8)
+    eng.step()
+    eng.step()
+    eng.check_integrity()  # clean so far
+    return eng
+
+
+def test_check_integrity_catches_committed_beyond_allocated():
+    from engine_under_test import PoolIntegrityError
+
+    eng = _busy_engine()
+    req = eng.requests_owning_rows()[0]
+    req.kv.kv_committed_len = req.kv.kv_allocated_len + 1
+    with pytest.raises(PoolIntegrityError, match="committed="):
+        eng.check_integrity()
+
+
+def test_check_integrity_catches_a_row_owned_twice():
+    from engine_under_test import PoolIntegrityError
+
+    eng = _busy_engine()
+    a, b = eng.requests_owning_rows()[:2]
+    b.kv.req_pool_idx = a.kv.req_pool_idx
+    with pytest.raises(PoolIntegrityError, match="also held by"):
+        eng.check_integrity()
+
+
+def test_check_integrity_catches_an_unaligned_protected_prefix():
+    from engine_under_test import PoolIntegrityError
+
+    eng = _busy_engine()
+    eng.requests_owning_rows()[0].kv.cache_protected_len = 3
+    with pytest.raises(PoolIntegrityError, match="page-aligned"):
+        eng.check_integrity()
