@@ -62,5 +62,13 @@ BUGS: dict[str, BugInfo] = {
             "a request retracted on decode OOM frees a range whose end is floored to a page boundary, "
             "skipping the partly filled last page it owns: one page leaks per retraction",
         ),
+        BugInfo(
+            "prefill-finish-leaks-row",
+            "sglang PR #10871",
+            "mixed-chunk",
+            "leak",
+            "with mixed chunk, a request that finishes in its first prefill (max_new_tokens=1) has only "
+            "that step's token slots freed: its req_to_token row leaks",
+        ),
     ]
 }

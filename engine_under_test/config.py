@@ -50,6 +50,7 @@ class EngineConfig:
     max_req_rows: int = 16
     context_len: int = 128
     chunked_prefill_size: int | None = None  # tokens computed per prefill batch; None = unlimited
+    enable_mixed_chunk: bool = False  # running requests decode in the same forward as a prefill
     new_token_ratio: float = 1.0  # share of remaining decode tokens admission reserves; < 1 may retract
     disaggregation_mode: str | None = None  # None | "decode"
     pd_pre_alloc_rows: int = 4
@@ -72,7 +73,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
             if not lo <= v <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
-        for name in ("enable_hisparse", "disable_radix_cache"):
+        for name in ("enable_hisparse", "disable_radix_cache", "enable_mixed_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("model", "device", "preset"):
@@ -158,6 +159,8 @@ PRESETS: dict[str, Preset] = {
         Preset("default", "aggregated serving, page 1, radix cache on", {}),
         Preset("chunked", "chunked prefill of 32 tokens: long prompts park between chunks as chunked_req",
                {"chunked_prefill_size": 32}),
+        Preset("mixed-chunk", "chunked prefill with mixed chunk: prefill and decode rows in one batch",
+               {"chunked_prefill_size": 64, "enable_mixed_chunk": True}),
         Preset("retract", "a small paged pool and optimistic admission: decode runs out and retracts",
                {"page_size": 4, "num_slots": 128, "new_token_ratio": 0.0}),
         Preset("paged", "aggregated serving with 16-token pages: page-aligned radix keys, private partial pages",

@@ -37,6 +37,7 @@ class ScheduleBatch:
     reqs: list[Req]
     forward_mode: str
     out_cache_loc: torch.Tensor | None = None  # [n] int64 slots written into the rows
+    decode_ids: frozenset = frozenset()  # mixed chunk: ids of the decoding rows of an extend batch
     model_loc: torch.Tensor | None = None  # HiSparse: [bs] physical buffer slots the model writes
     host_loc: torch.Tensor | None = None  # HiSparse: [bs] host slots that back the new tokens up
 
@@ -303,10 +304,18 @@ class Scheduler:
         if self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
             # A request whose last chunk sampled nothing is mid-prefill: it never joins decode.
             self.running_batch.extend(r for r in self.last_batch.reqs
-                                      if not r.finished() and r is not self.chunked_req and r.output_ids)
+                                      if not r.finished() and r is not self.chunked_req and r.output_ids
+                                      and id(r) not in self.last_batch.decode_ids)
         self.running_batch = [r for r in self.running_batch if not r.finished()]
         batch = self.get_new_batch_prefill()
         if batch is not None:
+            if self.config.enable_mixed_chunk and self.running_batch:
+                # Mixed chunk: the running requests decode in the same forward as the prefill.
+                dec = self.update_running_batch()
+                if dec is not None:
+                    batch.reqs = batch.reqs + dec.reqs
+                    batch.out_cache_loc = torch.cat((batch.out_cache_loc, dec.out_cache_loc))
+                    batch.decode_ids = frozenset(id(r) for r in dec.reqs)
             return batch
         return self.update_running_batch()
 
@@ -485,7 +494,7 @@ class Scheduler:
             return [r.output_ids[-1] for r in batch.reqs]
         toks, off = [], 0
         for req in batch.reqs:
-            if batch.forward_mode == EXTEND:
+            if batch.forward_mode == EXTEND and id(req) not in batch.decode_ids:
                 start, end = req.prefix_len, req.extend_end
             else:
                 end = req.kv.kv_committed_len
@@ -531,13 +540,24 @@ class Scheduler:
             for req, tok in zip(batch.reqs, toks):
                 if req.finished():
                     continue
-                if batch.forward_mode == EXTEND and req.inflight_middle_chunks > 0:
+                prefill_row = batch.forward_mode == EXTEND and id(req) not in batch.decode_ids
+                if prefill_row and req.inflight_middle_chunks > 0:
                     req.inflight_middle_chunks -= 1  # a middle chunk samples nothing
                     continue
                 self._append_token(req, tok)
-                if req.finished():
+                if req.finished() and prefill_row and "prefill-finish-leaks-row" in self.config.bugs \
+                        and self.config.enable_mixed_chunk:
+                    # BUG (sglang PR #10871): with mixed chunk, a request finishing in its first
+                    # prefill only had this step's token slots freed; its row was never released.
+                    row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+                    self.token_to_kv_pool_allocator.free(row[req.kv.cache_protected_len : req.extend_end].clone())
+                    self.tree_cache.dec_lock_ref(req.lock)
+                    req.lock = None
+                    req.kv.mark_kv_released()
+                    self._emit(req)
+                elif req.finished():
                     self._release_finished(req, checkpoint=True)
-                elif batch.forward_mode == EXTEND:
+                elif prefill_row:
                     self.checkpoint_kv_cache(req)
         finally:
             alloc.free_group_end()

@@ -747,3 +747,33 @@ def test_check_integrity_catches_an_unaligned_protected_prefix():
     eng.requests_owning_rows()[0].kv.cache_protected_len = 3
     with pytest.raises(PoolIntegrityError, match="page-aligned"):
         eng.check_integrity()
+
+
+# -- mixed chunk -----------------------------------------------------------------------------------
+
+def test_mixed_chunk_decodes_running_rows_in_the_prefill_batch_with_the_same_tokens():
+    outs = {}
+    for mixed in (False, True):
+        eng = Scheduler(get_preset("mixed-chunk").config(model="tiny", seed=1, enable_mixed_chunk=mixed))
+        eng.add_request(list(range(2, 20)), 10)
+        eng.step()
+        eng.step()
+        eng.add_request(list(range(30, 60)), 5)
+        eng.step()
+        batch = eng.last_batch
+        assert bool(batch.decode_ids) == mixed  # the running request decoded inside the prefill batch
+        _run_to_idle_checking(eng)
+        assert all(c.ok for c in eng.last_idle_check)
+        outs[mixed] = sorted((o.rid, tuple(o.output_ids)) for o in eng.finished_outputs)
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.parametrize("bugs", [set(), {"prefill-finish-leaks-row"}], ids=["off", "on"])
+def test_prefill_finish_leaks_row_switch(bugs):
+    eng = Scheduler(get_preset("mixed-chunk").config(bugs=bugs))
+    eng.add_request(list(range(2, 12)), 1)  # finishes in its first prefill
+    eng.run_until_idle()
+    bad = {c.pool for c in eng.last_idle_check if not c.ok}
+    assert bad == ({"req_to_token_pool"} if bugs else set())
+    assert eng.token_to_kv_pool_allocator.available_size() + eng.tree_cache.evictable_size() \
+        == eng.token_to_kv_pool_allocator.size  # only the row leaks: the KV slots came back
