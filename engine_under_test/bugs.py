@@ -70,5 +70,13 @@ BUGS: dict[str, BugInfo] = {
             "with mixed chunk, a request that finishes in its first prefill (max_new_tokens=1) has only "
             "that step's token slots freed: its req_to_token row leaks",
         ),
+        BugInfo(
+            "radix-lock-skips-matched-node",
+            "mini-sglang PR #52",
+            "retract",
+            "use-after-free",
+            "locking a matched prefix starts at the node's parent, so the node a request reads stays "
+            "evictable; memory pressure evicts it while the request still uses its slots",
+        ),
     ]
 }

@@ -41,10 +41,12 @@ class MatchResult(NamedTuple):
 class RadixCache:
     """Prefix tree of KV slots. ``disable=True`` keeps the interface but caches nothing."""
 
-    def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int = 1, disable: bool = False):
+    def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int = 1, disable: bool = False,
+                 bugs: frozenset[str] = frozenset()):
         self.allocator = allocator
         self.page_size = page_size
         self.disable = disable
+        self.bugs = bugs
         self.device = allocator.device
         self.reset()
 
@@ -127,10 +129,18 @@ class RadixCache:
         return new
 
     # -- locks ----------------------------------------------------------------------------
+    def _lock_start(self, node: TreeNode) -> TreeNode:
+        if "radix-lock-skips-matched-node" in self.bugs and node is not self.root_node:
+            # BUG (mini-sglang PR #52): locking started at the matched node's parent, so the node
+            # a request reads stayed evictable and memory pressure could free it under the request.
+            return node.parent
+        return node
+
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock the path root..node; a node going 0 -> 1 moves its tokens evictable -> protected."""
         if self.disable:
             return
+        node = self._lock_start(node)
         while node is not self.root_node:
             if node.lock_ref == 0:
                 self.evictable_size_ -= len(node.key)
@@ -141,6 +151,7 @@ class RadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         if self.disable:
             return
+        node = self._lock_start(node)
         while node is not self.root_node:
             if node.lock_ref == 1:
                 self.evictable_size_ += len(node.key)

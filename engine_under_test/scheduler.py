@@ -95,7 +95,8 @@ class Scheduler:
                                                 cfg.pd_pre_alloc_rows if cfg.is_pd_decode else 0)
         self.kv_pool = MHATokenToKVPool((cfg.num_pages + 1) * ps, model_mod.NUM_LAYERS, model_mod.NUM_HEADS,
                                         model_mod.HEAD_DIM, dev)
-        self.tree_cache = RadixCache(self.token_to_kv_pool_allocator, ps, disable=cfg.disable_radix_cache)
+        self.tree_cache = RadixCache(self.token_to_kv_pool_allocator, ps, disable=cfg.disable_radix_cache,
+                                     bugs=cfg.bugs)
         self.model = (model_mod.TinyModel(cfg.vocab_size, cfg.context_len, cfg.seed, dev)
                       if cfg.model == "tiny" else None)
         self.hisparse_coordinator: HiSparseCoordinator | None = None

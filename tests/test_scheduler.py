@@ -777,3 +777,20 @@ def test_prefill_finish_leaks_row_switch(bugs):
     assert bad == ({"req_to_token_pool"} if bugs else set())
     assert eng.token_to_kv_pool_allocator.available_size() + eng.tree_cache.evictable_size() \
         == eng.token_to_kv_pool_allocator.size  # only the row leaks: the KV slots came back
+
+
+# -- zoo switch: radix-lock-skips-matched-node (mini-sglang PR #52) --------------------------------
+
+@pytest.mark.parametrize("bugs", [set(), {"radix-lock-skips-matched-node"}], ids=["off", "on"])
+def test_radix_lock_skips_matched_node_lets_eviction_free_slots_a_request_reads(bugs):
+    eng = Scheduler(get_preset("default").config(num_slots=64, bugs=bugs))
+    eng.add_request(list(range(2, 22)), 30)  # 20-token prompt, then a long decode
+    eng.step()
+    eng.step()
+    (a,) = eng.requests_owning_rows()
+    assert a.kv.cache_protected_len == 20  # its prompt lives in the tree now
+    shared = eng.req_to_token_pool.req_to_token[a.kv.req_pool_idx, :20].clone()
+    eng.tree_cache.evict(64)  # memory pressure: evict everything evictable
+    free = set(eng.token_to_kv_pool_allocator.free_pages.tolist())
+    freed_under_a = [s for s in shared.tolist() if s in free]
+    assert bool(freed_under_a) == bool(bugs)  # with the bug, a's row points at free slots
