@@ -328,8 +328,11 @@ class Scheduler:
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         """Admit waiting requests while rows, ``max_running_requests`` and the token budget allow.
 
-        Budget = available + evictable - tokens reserved for running requests (a conservative
-        stand-in for SGLang's ``PrefillAdder`` with ``new_token_ratio`` = 1, so decode never OOMs).
+        Budget = available + evictable - tokens reserved for running requests: ``new_token_ratio``
+        of their remaining decode steps (a stand-in for SGLang's ``PrefillAdder``). At the default
+        ratio 1 decode never runs out; below it, decode may run out and retract. With
+        ``chunked_prefill_size`` the batch computes at most that many tokens, and a longer prompt
+        becomes the one parked ``chunked_req``.
         """
         if not self.waiting_queue and self.chunked_req is None:
             return None
@@ -425,8 +428,7 @@ class Scheduler:
         reqs = [r for r in self.running_batch if not r.finished()]
         if not reqs:
             return None
-        ps = self.page_size
-        if self._decode_need(reqs) > self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size():
+        if not self._decode_fits(reqs):
             reqs = self.retract_decode(reqs)
         self._evict_for(self._decode_need(reqs))
         lens = [r.kv.kv_allocated_len for r in reqs]
@@ -451,6 +453,10 @@ class Scheduler:
         ps = self.page_size
         return ps * sum(r.kv.kv_allocated_len % ps == 0 for r in reqs)
 
+    def _decode_fits(self, reqs: list[Req]) -> bool:
+        """SGLang ``check_decode_mem``: one decode step fits in free plus evictable tokens."""
+        return self._decode_need(reqs) <= self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+
     def retract_decode(self, reqs: list[Req]) -> list[Req]:
         """Decode out of memory: retract requests until one step fits (SGLang ``retract_decode``).
 
@@ -460,13 +466,12 @@ class Scheduler:
         does not fit, it is aborted. Returns the requests that stay.
         """
         keep = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
-        tree, alloc = self.tree_cache, self.token_to_kv_pool_allocator
         retracted = []
-        while len(keep) > 1 and self._decode_need(keep) > alloc.available_size() + tree.evictable_size():
+        while len(keep) > 1 and not self._decode_fits(keep):
             victim = keep.pop()
             self.release_req(victim)
             retracted.append(victim)
-        if self._decode_need(keep) > alloc.available_size() + tree.evictable_size():
+        if not self._decode_fits(keep):
             last = keep.pop()
             last.finished_reason = FinishReason.ABORT  # "Out of memory even after retracting all others"
             self._release_finished(last, checkpoint=False)
@@ -629,7 +634,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------
     def process_decode_queue(self) -> None:
         """``pop_preallocated`` then ``pop_transferred``."""
-        alloc, hs = self.token_to_kv_pool_allocator, self.hisparse_coordinator
+        alloc = self.token_to_kv_pool_allocator
         reserved = self._reserved_tokens(self.running_batch + self.waiting_queue + self.disagg_transfer_queue)
         while self.disagg_prealloc_queue:
             req = self.disagg_prealloc_queue[0]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import kvaudit
-from kvaudit.findings import Finding, Site, portable_path
+from kvaudit.findings import Finding, OwnerChange, Site, portable_path
 from kvaudit.targets.base import PoolSpec
 
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
@@ -263,8 +263,6 @@ class Auditor:
 
     def history(self, pool: str, unit: int):
         """Alloc, owner changes and free of ``unit``, in order, as :class:`OwnerChange` records."""
-        from kvaudit.findings import OwnerChange
-
         out = []
         for ev in self.events:
             if ev.pool == pool and unit in ev.units:
