@@ -77,10 +77,15 @@ def check(auditor: Auditor, target) -> list[Finding]:
                     op_index=auditor.op_index, step=auditor.step))
         findings.extend(pool_findings)
     findings.extend(_lock_balance(auditor, target))
+    return attach_engine_verdict(target, findings)
+
+
+def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
+    """Put the engine's own ``check_memory()`` verdict beside each finding; returns ``findings``."""
     if findings:
-        verdict = target.engine_check()
+        verdict = target.engine_check() or ["engine check_memory(): ok"]
         for f in findings:
-            f.engine_check = verdict or ["engine check_memory(): ok"]
+            f.engine_check = verdict
     return findings
 
 

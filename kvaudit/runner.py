@@ -55,12 +55,8 @@ class AuditedRun:
         self.auditor.step = self.target.steps
         found, self.auditor.pending = self.auditor.pending, []
         if not found and self.run_oracles and scan:
-            found = oracles.check(self.auditor, self.target)
-        elif found:
-            verdict = self.target.engine_check()
-            for f in found:
-                f.engine_check = verdict or ["engine check_memory(): ok"]
-        return found
+            return oracles.check(self.auditor, self.target)
+        return oracles.attach_engine_verdict(self.target, found)
 
     def _step(self) -> list[Finding]:
         if self.auditor is not None:
@@ -100,8 +96,7 @@ class AuditedRun:
         busy = getattr(self.target, "describe_busy", lambda: "")()
         f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps,
                     message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle(): {busy}")
-        f.engine_check = self.target.engine_check() or ["engine check_memory(): ok"]
-        return f
+        return oracles.attach_engine_verdict(self.target, [f])[0]
 
     def close(self) -> None:
         """Remove the hooks. This also breaks the engine <-> auditor reference cycle, so a finished
