@@ -46,8 +46,8 @@ def soak(preset: str, programs: int, length: int, seed: int) -> tuple[int, int]:
                             raise AssertionError("idle() did not reach idle")
                 else:
                     target.apply(op)
-        except AssertionError as e:
-            print(f"{preset}: program {i} failed: {e}\n{format_program(prog)}")
+        except Exception as e:  # a failed check or an engine crash
+            print(f"{preset}: program {i} failed: {type(e).__name__}: {e}\n{format_program(prog)}")
             sys.exit(1)
         steps += target.steps
     return programs, steps

@@ -78,5 +78,69 @@ BUGS: dict[str, BugInfo] = {
             "locking a matched prefix starts at the node's parent, so the node a request reads stays "
             "evictable; memory pressure evicts it while the request still uses its slots",
         ),
+        BugInfo(
+            "overlap-abort-double-free",
+            "mini-sglang PR #111",
+            "overlap",
+            "double-free",
+            "with overlap scheduling, an abort frees the KV and row of a request whose batch is still in "
+            "flight; the delayed result then finishes the request and frees them again",
+        ),
+        BugInfo(
+            "aborted-kv-inserted",
+            "sglang PR #28374",
+            "overlap",
+            "stale-kv",
+            "a request aborted part-way is cached into the radix tree like a finished one, including the "
+            "positions its skipped last forward never wrote; a later request sharing the prefix reads them",
+        ),
+        BugInfo(
+            "evictable-size-uses-key-len",
+            "sglang PR #10637",
+            "paged",
+            "accounting-drift",
+            "the tree's evictable counter grows by the unaligned key length instead of the page-aligned "
+            "value length when a leaf is added: the counters drift while memory is intact",
+        ),
+        BugInfo(
+            "session-close-while-running",
+            "sglang PR #21875 (race)",
+            "streaming-session",
+            "use-after-free",
+            "closing a streaming session frees its slot at once although a turn still runs on the borrowed "
+            "record: the turn's row points at free slots, and they are freed again when the turn ends",
+        ),
+        BugInfo(
+            "session-tail-not-trimmed",
+            "sglang PR #21875 (tail leak)",
+            "streaming-session",
+            "leak",
+            "a turn that finishes with allocated > owned (the overlap extra slot after a stop) hands its "
+            "record to the session without freeing the over-allocated tail: the tail slots leak",
+        ),
+        BugInfo(
+            "session-abort-borrows-slot",
+            "sglang PR #22273",
+            "streaming-session",
+            "leak",
+            "a session turn rejected at intake for exceeding the context still borrows the session record, "
+            "overwrites its row and writes committed=1 back: the earlier turns' KV leaks, session_held < 0",
+        ),
+        BugInfo(
+            "session-borrow-double-count",
+            "sglang PRs #22213, #22753",
+            "streaming-session",
+            "accounting-drift",
+            "the busy check counts a turn running on a borrowed session record both as session_held and "
+            "as the turn's uncached KV: the identity reports a leak while memory is intact",
+        ),
+        BugInfo(
+            "hicache-abort-loadback-leak",
+            "sglang PR #9874 (same class as #9927, #15439)",
+            "hicache",
+            "lock-imbalance",
+            "a waiting request aborted while its host load-back is in flight drops the load-back record "
+            "without releasing it: the loaded nodes stay locked (protected) and their host copies pinned",
+        ),
     ]
 }

@@ -25,6 +25,8 @@ _INT_RANGES = {
     "hisparse_device_buffer_size": (1, 1 << 16),
     "hisparse_host_ratio": (1, 16),
     "vocab_size": (3, 1 << 16),
+    "hicache_ratio": (1, 16),
+    "host_ack_latency_steps": (0, 1000),
     "seed": (-(1 << 63), (1 << 63) - 1),
 }
 
@@ -59,6 +61,12 @@ class EngineConfig:
     hisparse_device_buffer_size: int = 16
     hisparse_host_ratio: int = 2
     disable_radix_cache: bool = False
+    enable_overlap: bool = False  # overlap scheduling: a batch's result is processed one step later
+    enable_streaming_session: bool = False  # streaming sessions hold a turn's KV for the next turn
+    enable_hicache: bool = False  # a host tier under the radix tree
+    hicache_ratio: int = 2  # host pool size as a multiple of the device pool
+    hicache_write_policy: str = "write_through"  # "write_through" | "write_back"
+    host_ack_latency_steps: int = 2  # steps until a device<->host copy is acknowledged
     model: str = "none"  # "tiny" | "none"
     device: str = "cpu"
     vocab_size: int = 128
@@ -73,10 +81,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
             if not lo <= v <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
-        for name in ("enable_hisparse", "disable_radix_cache", "enable_mixed_chunk"):
+        for name in ("enable_hisparse", "disable_radix_cache", "enable_mixed_chunk", "enable_overlap",
+                     "enable_streaming_session", "enable_hicache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("model", "device", "preset"):
+        for name in ("model", "device", "preset", "hicache_write_policy"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         r = self.new_token_ratio
@@ -93,8 +102,17 @@ class EngineConfig:
             raise ValueError(f"num_slots={self.num_slots} is smaller than two pages of {self.page_size}")
         if self.disaggregation_mode not in (None, "decode"):
             raise ValueError(f"disaggregation_mode must be None or 'decode', got {self.disaggregation_mode!r}")
-        if self.enable_hisparse and self.disaggregation_mode != "decode":
-            raise ValueError("enable_hisparse needs disaggregation_mode='decode' in this version")
+        if self.enable_hisparse and not self.disable_radix_cache:
+            raise ValueError("enable_hisparse needs disable_radix_cache=true (HiSparse requests bypass the tree here)")
+        if self.enable_hisparse and self.chunked_prefill_size is not None:
+            raise ValueError("enable_hisparse does not support chunked_prefill_size in this version")
+        if self.enable_overlap and (self.is_pd_decode or self.enable_mixed_chunk or self.enable_hisparse):
+            raise ValueError("enable_overlap is modelled for aggregated serving without mixed chunk or HiSparse")
+        for name in ("enable_streaming_session", "enable_hicache"):
+            if getattr(self, name) and (self.is_pd_decode or self.disable_radix_cache):
+                raise ValueError(f"{name} needs aggregated serving with the radix cache on")
+        if self.hicache_write_policy not in ("write_through", "write_back"):
+            raise ValueError(f"hicache_write_policy must be write_through or write_back, got {self.hicache_write_policy!r}")
         if self.model not in ("tiny", "none"):
             raise ValueError(f"model must be 'tiny' or 'none', got {self.model!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -163,6 +181,8 @@ PRESETS: dict[str, Preset] = {
                {"chunked_prefill_size": 64, "enable_mixed_chunk": True}),
         Preset("retract", "a small paged pool and optimistic admission: decode runs out and retracts",
                {"page_size": 4, "num_slots": 128, "new_token_ratio": 0.0}),
+        Preset("overlap", "overlap scheduling: each batch's result is processed one step after it ran",
+               {"enable_overlap": True}),
         Preset("paged", "aggregated serving with 16-token pages: page-aligned radix keys, private partial pages",
                {"page_size": 16, "num_slots": 1024}),
         Preset(
@@ -176,6 +196,12 @@ PRESETS: dict[str, Preset] = {
             {"disaggregation_mode": "decode", "disable_radix_cache": True, "enable_hisparse": True,
              "num_slots": 256},
         ),
+        Preset("hisparse", "aggregated HiSparse: prefill, staging to host, per-request device buffer; tree off",
+               {"enable_hisparse": True, "disable_radix_cache": True, "num_slots": 256}),
+        Preset("streaming-session", "streaming sessions with overlap: a session slot keeps each turn's KV; context 64",
+               {"enable_streaming_session": True, "enable_overlap": True, "context_len": 64}),
+        Preset("hicache", "HiCache write-through host tier under a small device pool: demote, load back, acks",
+               {"enable_hicache": True, "num_slots": 128}),
     ]
 }
 

@@ -4,6 +4,10 @@ Modelled on SGLang 0.5.x ``srt/mem_cache/radix_cache.py`` (``RadixCache``, ``Tre
 token ids, values are KV slot indices (``[n] int64``); with ``page_size > 1`` keys and values are
 page-aligned, so a request's partial last page always stays private to it. A node with
 ``lock_ref > 0`` (or below one) is *protected*; the other tree tokens are *evictable*.
+
+A node whose ``value`` is None is *host-only* (its KV lives only in ``host_value``, see
+:mod:`engine_under_test.hicache`); the base tree never makes one, but its match, insert, split and
+integrity paths accept them. The device counters count only device-resident nodes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class TreeNode:
         self.value: torch.Tensor | None = None
         self.lock_ref = 0
         self.last_access_time = 0
+        self.host_value: torch.Tensor | None = None  # [len(key)] int64 host slots (HiCache backup)
+        self.host_ref = 0  # pins host_value against evict_host (HiCache load-back in flight)
+        self.hit_count = 0  # inserts that passed this node (HiCache write-through threshold)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -35,7 +42,17 @@ class TreeNode:
 
 class MatchResult(NamedTuple):
     device_indices: torch.Tensor  # [matched_len] int64
-    last_node: TreeNode
+    last_node: TreeNode  # deepest matched device-resident node (root if none)
+    host_hit_length: int = 0  # tokens matched on host-only nodes beyond last_node (page-aligned)
+    host_node: TreeNode | None = None  # deepest matched host-only node, None if none
+
+
+def _head(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if t is None else t[:n]
+
+
+def _tail(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if t is None else t[n:]
 
 
 class RadixCache:
@@ -78,54 +95,89 @@ class RadixCache:
 
     # -- lookup / insert ------------------------------------------------------------------
     def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of ``key``. May split a node; does not lock."""
+        """Longest cached page-aligned prefix of ``key``. May split a node; does not lock.
+
+        ``device_indices``/``last_node`` cover the device-resident prefix; host-only nodes matched
+        beyond it are reported as ``host_hit_length`` tokens ending at ``host_node``.
+        """
         if self.disable:
             return MatchResult(self._empty(), self.root_node)
         key = key[: len(key) // self.page_size * self.page_size]
-        node, values, now = self.root_node, [], self._tick()
+        node = dev_node = self.root_node
+        values, host_len, now = [], 0, self._tick()
         while key and self._child_key(key) in node.children:
             child = node.children[self._child_key(key)]
             child.last_access_time = now
             n = self._match_len(child.key, key)
-            if n < len(child.key):
-                node = self._split_node(child, n)
-                values.append(node.value)
-                break
-            values.append(child.value)
+            split = n < len(child.key)
+            if split:
+                child = self._split_node(child, n)
+            if child.value is None:  # host-only; its descendants are host-only too
+                host_len += n
+            else:
+                values.append(child.value)
+                dev_node = child
             node, key = child, key[n:]
-        return MatchResult(torch.cat(values) if values else self._empty(), node)
+            if split:
+                break
+        return MatchResult(torch.cat(values) if values else self._empty(), dev_node, host_len,
+                           node if host_len else None)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert ``key`` -> ``value`` (``[len(key)] int64``, page-aligned length).
+        """Insert ``key`` -> ``value`` (``[m] int64``, ``m`` page-aligned, ``m <= len(key)``).
 
-        Returns the length of the prefix that was already cached: the caller owns the
-        duplicate slots ``value[:returned]`` and must free the ones the tree did not take.
+        ``key`` may be longer than ``value`` (a request's whole committed token list); it is cut to
+        ``value.numel()`` tokens. A host-only node on the path adopts the caller's slots for its span.
+        Returns the length of the device-resident prefix that was already cached: the caller owns
+        the duplicate slots ``value[:returned]`` and must free the ones the tree did not take.
         """
         if self.disable:
             return 0
-        node, done, now = self.root_node, 0, self._tick()
-        key = list(key)
+        untruncated = len(key)
+        key = list(key[: value.numel()])
+        value, cut = value[: len(key)], len(key)
+        node, done, now, path = self.root_node, 0, self._tick(), []
         while key and self._child_key(key) in node.children:
             child = node.children[self._child_key(key)]
             child.last_access_time = now
             n = self._match_len(child.key, key)
-            done += n
-            key, value = key[n:], value[n:]
             node = self._split_node(child, n) if n < len(child.key) else child
+            if node.value is None:  # host-only (lock_ref 0, and so is all below): adopt the caller's slots
+                node.value = value[:n].clone()
+                self.evictable_size_ += n
+            else:
+                done += n
+            key, value = key[n:], value[n:]
+            path.append(node)
         if key:
             leaf = TreeNode(node)
             leaf.key, leaf.value, leaf.last_access_time = tuple(key), value.clone(), now
             node.children[self._child_key(key)] = leaf
-            self.evictable_size_ += len(key)
+            if "evictable-size-uses-key-len" in self.bugs:
+                # BUG (sglang PR #10637): evictable size was updated with the key length instead of
+                # the value length
+                self.evictable_size_ += len(key) + untruncated - cut  # the leaf's untruncated key
+            else:
+                self.evictable_size_ += len(key)
+            path.append(leaf)
+        for n in path:
+            n.hit_count += 1
+        self._inserted(path)
         return done
 
+    def _inserted(self, path: list[TreeNode]) -> None:
+        """Hook: ``path`` is every node the last insert walked or created, root side first."""
+
     def _split_node(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut ``child`` after ``n`` tokens; returns the new parent holding the first ``n``."""
         new = TreeNode(child.parent)
-        new.key, new.value = child.key[:n], child.value[:n]
-        new.lock_ref, new.last_access_time = child.lock_ref, child.last_access_time
+        new.key, new.value, new.host_value = child.key[:n], _head(child.value, n), _head(child.host_value, n)
+        new.lock_ref, new.host_ref, new.hit_count = child.lock_ref, child.host_ref, child.hit_count
+        new.last_access_time = child.last_access_time
         new.children = {self._child_key(child.key[n:]): child}
         child.parent.children[self._child_key(new.key)] = new
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], new
+        child.key, child.parent = child.key[n:], new
+        child.value, child.host_value = _tail(child.value, n), _tail(child.host_value, n)
         return new
 
     # -- locks ----------------------------------------------------------------------------
@@ -188,9 +240,9 @@ class RadixCache:
         return self.protected_size_
 
     # -- walking --------------------------------------------------------------------------
-    def nodes(self):
-        """Every node except the root, parents before children."""
-        stack = list(self.root_node.children.values())
+    def nodes(self, start: TreeNode | None = None):
+        """Every node below ``start`` (default: the root), parents before children."""
+        stack = list((start or self.root_node).children.values())
         while stack:
             node = stack.pop()
             yield node
@@ -200,16 +252,21 @@ class RadixCache:
         return [n for n in self.nodes() if not n.children]
 
     def total_size(self) -> int:
-        return sum(len(n.key) for n in self.nodes())
+        """Device-resident tree tokens (host-only nodes are not counted)."""
+        return sum(len(n.key) for n in self.nodes() if n.value is not None)
 
     def check_integrity(self) -> None:
-        """Recount evictable/protected from the nodes; raise :class:`PoolIntegrityError` on a mismatch."""
-        ev = sum(len(n.key) for n in self.nodes() if n.lock_ref == 0)
-        pr = sum(len(n.key) for n in self.nodes() if n.lock_ref > 0)
+        """Recount evictable/protected from the device-resident nodes; raise :class:`PoolIntegrityError`
+        on a mismatch or on a node with a negative lock, a misaligned key, a value of the wrong
+        length, or no KV anywhere (neither ``value`` nor ``host_value``)."""
+        dev = [n for n in self.nodes() if n.value is not None]
+        ev = sum(len(n.key) for n in dev if n.lock_ref == 0)
+        pr = sum(len(n.key) for n in dev if n.lock_ref > 0)
         if (ev, pr) != (self.evictable_size_, self.protected_size_):
             raise PoolIntegrityError(
                 f"[radix] counters evictable={self.evictable_size_} protected={self.protected_size_}"
                 f" but nodes hold evictable={ev} protected={pr}")
         for n in self.nodes():
-            if n.lock_ref < 0 or len(n.key) != n.value.numel() or len(n.key) % self.page_size:
+            held = n.value if n.value is not None else n.host_value
+            if n.lock_ref < 0 or held is None or held.numel() != len(n.key) or len(n.key) % self.page_size:
                 raise PoolIntegrityError(f"[radix] bad node {n!r}")

@@ -61,7 +61,14 @@ class Req:
     to_finish: FinishReason | None = None
     transfer_ready_step: int = -1  # PD decode: poll step at which the KV transfer completes
     hisparse_admitted: bool = False
+    hisparse_staging: bool = False  # HiSparse: prefill done, host backup in flight (staging queue)
     inflight_middle_chunks: int = 0  # scheduled prefill chunks that sample no token
+    future_ids: list[int] = field(default_factory=list)  # overlap: sampled, result not yet processed
+    finished_len: int | None = None  # output tokens kept once finished (a stop token is not kept)
+    session: object = None  # streaming session this turn belongs to
+    borrowed_slot: object = None  # the session slot whose KV record this turn borrows (req.kv is slot.kv)
+    intake_aborted: bool = False  # set_finish_with_abort at intake: runs one 1-token prefill, then ends
+    load_back: object = None  # HiCache: the load-back this waiting request waits for
 
     @property
     def is_health_check(self) -> bool:
@@ -79,7 +86,17 @@ class Req:
         return self.finished_reason is not None
 
     def owned_kv_len(self) -> int:
-        return self.kv.kv_committed_len
+        """KV positions the request owns: ``kv_committed_len``, capped once finished at the prompt
+        plus ``finished_len`` (SGLang ``Req.owned_kv_len``); the rest of the row is over-allocation."""
+        if self.finished_len is None:
+            return self.kv.kv_committed_len
+        return min(self.kv.kv_committed_len, len(self.origin_input_ids) + self.finished_len)
+
+    def detach_kv(self) -> ReqKvInfo:
+        """Hand the KV record to another holder; the request gets a fresh, empty one."""
+        kv, self.kv = self.kv, ReqKvInfo()
+        self.borrowed_slot = None
+        return kv
 
     def update_finish_state(self, eos_sampled: bool) -> None:
         """Set ``finished_reason`` (``to_finish`` wins, then EOS, then length), as SGLang does."""
@@ -89,5 +106,8 @@ class Req:
             self.finished_reason = self.to_finish
         elif eos_sampled:
             self.finished_reason = FinishReason.STOP
+            self.finished_len = len(self.output_ids) - 1  # the stop token itself is not kept
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = FinishReason.LENGTH
+        if self.finished_len is None and self.finished():
+            self.finished_len = len(self.output_ids)

@@ -22,11 +22,13 @@ import torch
 
 from engine_under_test import model as model_mod
 from engine_under_test.config import EngineConfig
+from engine_under_test.hicache import HiRadixCache
 from engine_under_test.hisparse import HiSparseCoordinator
 from engine_under_test.memory import (INDEX_DTYPE, HostKVPool, MHATokenToKVPool, PoolIntegrityError,
                                       ReqToTokenPool, TokenToKVPoolAllocator)
 from engine_under_test.radix_cache import RadixCache
-from engine_under_test.req import HEALTH_CHECK_RID_PREFIX, FinishReason, Req
+from engine_under_test.req import HEALTH_CHECK_RID_PREFIX, FinishReason, Req, ReqKvInfo
+from engine_under_test.session import SessionController
 
 EXTEND, DECODE, PREBUILT = "extend", "decode", "prebuilt"
 EOS_TOKEN = 1
@@ -38,6 +40,7 @@ class ScheduleBatch:
     forward_mode: str
     out_cache_loc: torch.Tensor | None = None  # [n] int64 slots written into the rows
     decode_ids: frozenset = frozenset()  # mixed chunk: ids of the decoding rows of an extend batch
+    sampled: list[bool] = field(default_factory=list)  # per row: did the forward sample a token
     model_loc: torch.Tensor | None = None  # HiSparse: [bs] physical buffer slots the model writes
     host_loc: torch.Tensor | None = None  # HiSparse: [bs] host slots that back the new tokens up
 
@@ -64,10 +67,11 @@ class PoolCheck(NamedTuple):
 
 @dataclass
 class _Msg:
-    kind: str  # "generate" | "abort" | "health_check" | "flush_cache"
+    kind: str  # "generate" | "abort" | "health_check" | "flush_cache" | "open_session" | "close_session"
     req: Req | None = None
     rid: str | None = None
     abort_all: bool = False
+    session_id: str | None = None
 
 
 @dataclass
@@ -95,10 +99,19 @@ class Scheduler:
                                                 cfg.pd_pre_alloc_rows if cfg.is_pd_decode else 0)
         self.kv_pool = MHATokenToKVPool((cfg.num_pages + 1) * ps, model_mod.NUM_LAYERS, model_mod.NUM_HEADS,
                                         model_mod.HEAD_DIM, dev)
-        self.tree_cache = RadixCache(self.token_to_kv_pool_allocator, ps, disable=cfg.disable_radix_cache,
-                                     bugs=cfg.bugs)
         self.model = (model_mod.TinyModel(cfg.vocab_size, cfg.context_len, cfg.seed, dev)
                       if cfg.model == "tiny" else None)
+        self.hicache_host_pool: HostKVPool | None = None
+        if cfg.enable_hicache:
+            self.hicache_host_pool = HostKVPool(cfg.total_tokens * cfg.hicache_ratio, ps, model_mod.NUM_LAYERS,
+                                                model_mod.NUM_HEADS, model_mod.HEAD_DIM, "hicache_host")
+            self.tree_cache: RadixCache = HiRadixCache(
+                self.token_to_kv_pool_allocator, ps, self.hicache_host_pool, cfg.hicache_write_policy,
+                cfg.host_ack_latency_steps, cfg.bugs, self.kv_pool if self.model is not None else None)
+        else:
+            self.tree_cache = RadixCache(self.token_to_kv_pool_allocator, ps, disable=cfg.disable_radix_cache,
+                                         bugs=cfg.bugs)
+        self.orphan_load_backs: list = []  # HiCache: load-backs whose request is gone, released at their ack
         self.hisparse_coordinator: HiSparseCoordinator | None = None
         if cfg.enable_hisparse:
             physical = TokenToKVPoolAllocator(cfg.total_tokens, ps, dev, "hisparse_device")
@@ -123,22 +136,69 @@ class Scheduler:
         self.chunked_req: Req | None = None  # the one request between prefill chunks
         self.num_retractions = 0
         self._pending_chunked_abort = False
+        self._force_retract = False
         self._rids = itertools.count()
+        self.session_controller = SessionController(self) if cfg.enable_streaming_session else None
 
     # ------------------------------------------------------------------------------------
     # Client side
     # ------------------------------------------------------------------------------------
     def add_request(self, input_ids: list[int], max_new_tokens: int, stop_at: int | None = None,
-                    rid: str | None = None) -> str:
+                    rid: str | None = None, session_id: str | None = None) -> str:
         """Queue a generate request; returns its rid. ``stop_at`` is the output length at which EOS
-        is sampled. Raises ``ValueError`` for an empty prompt or one that cannot fit the context."""
+        is sampled. With ``session_id`` it is the next turn of that streaming session: its prompt is
+        appended to the session's history at intake (a turn over the context is aborted there).
+        Raises ``ValueError`` for an empty prompt, one that cannot fit the context, or a session id
+        without ``enable_streaming_session``."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a request needs at least one input token and max_new_tokens >= 1")
         if len(input_ids) + max_new_tokens > self.config.context_len:
             raise ValueError(f"prompt + max_new_tokens exceeds context_len={self.config.context_len}")
+        if session_id is not None and self.session_controller is None:
+            raise ValueError("session turns need enable_streaming_session")
         rid = rid or f"req-{next(self._rids)}"
-        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at)))
+        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at),
+                                    session_id=session_id))
         return rid
+
+    def open_session(self, session_id: str | None = None) -> str:
+        """Queue the opening of a streaming session; returns its id. Raises ``ValueError`` without
+        ``enable_streaming_session``."""
+        if self.session_controller is None:
+            raise ValueError("sessions need enable_streaming_session")
+        session_id = session_id or f"session-{next(self._rids)}"
+        self.recv_queue.append(_Msg("open_session", session_id=session_id))
+        return session_id
+
+    def close_session(self, session_id: str) -> None:
+        """Queue a close; it is deferred while a turn of the session is in flight."""
+        if self.session_controller is None:
+            raise ValueError("sessions need enable_streaming_session")
+        self.recv_queue.append(_Msg("close_session", session_id=session_id))
+
+    def memory_pressure(self) -> None:
+        """Queue a memory-pressure event: the tree's evictable KV is evicted at intake and the next
+        decode step retracts every running request but one (SGLang's forced retraction for tests,
+        ``SGLANG_TEST_RETRACT``, and ``pause_generation(mode="retract")`` followed by a resume)."""
+        self.recv_queue.append(_Msg("memory_pressure"))
+
+    def set_finish_with_abort(self, req: Req) -> Req:
+        """Reject ``req`` at intake the SGLang way: it still runs one cheap prefill of a single
+        token, then finishes with an abort."""
+        req.origin_input_ids = req.origin_input_ids[:1]
+        req.max_new_tokens, req.stop_at = 1, None
+        req.to_finish, req.intake_aborted = FinishReason.ABORT, True
+        return req
+
+    def metrics(self) -> dict[str, int]:
+        """SGLang's streaming-session gauges: ``num_streaming_sessions`` (open sessions, holding KV
+        or not) and ``streaming_session_held_tokens`` (tokens, see :meth:`session_held_tokens`)."""
+        sc = self.session_controller
+        return {"num_streaming_sessions": 0 if sc is None else len(sc.sessions),
+                "streaming_session_held_tokens": self.session_held_tokens()}
+
+    def session_held_tokens(self) -> int:
+        return 0 if self.session_controller is None else self.session_controller.held_tokens()
 
     def health_check(self) -> str:
         """Queue a health check (SGLang ``/health_generate``: input ``[0]``, ``max_new_tokens=1``)."""
@@ -159,6 +219,11 @@ class Scheduler:
         if not self.is_fully_idle():
             return False
         self.tree_cache.reset()
+        if self.hicache_host_pool is not None:
+            self.hicache_host_pool.clear()
+            self.orphan_load_backs.clear()
+        if self.session_controller is not None:
+            self.session_controller.clear_slots()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
         hs = self.hisparse_coordinator
@@ -176,8 +241,16 @@ class Scheduler:
     # The loop
     # ------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """One event-loop iteration. Returns True if a batch ran."""
+        """One event-loop iteration. Returns True if a batch ran.
+
+        Normal mode runs a batch and processes its result at once. With ``enable_overlap``
+        (SGLang ``event_loop_overlap``) the next batch is scheduled and launched *before* the
+        previous batch's result is processed: finishes and releases lag one step, so a request
+        that has in fact finished can still be given one more decode slot.
+        """
         self.forward_ct += 1
+        if self.hicache_host_pool is not None:
+            self.check_hicache_events()
         self.process_input_requests()
         if self.config.is_pd_decode:
             self.process_decode_queue()
@@ -185,11 +258,14 @@ class Scheduler:
         else:
             batch = self.get_next_batch_to_run()
         if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
+            self.run_batch(batch)
+        done = self.last_batch if self.config.enable_overlap else batch
+        if done is not None:
+            self.process_batch_result(done)
             self.maybe_send_health_check_signal()
+        idle = batch is None and (self.last_batch is None or not self.config.enable_overlap)
         self.last_batch = batch
-        if batch is None:
+        if idle:
             self.on_idle()
         return batch is not None
 
@@ -211,7 +287,22 @@ class Scheduler:
         busy = self.running_batch or self.last_batch is not None or self.waiting_queue or self.chunked_req
         if self.config.is_pd_decode:
             busy = busy or self.disagg_prealloc_queue or self.disagg_transfer_queue
-        return not busy
+        hs = self.hisparse_coordinator
+        return not (busy or (hs is not None and hs.has_ongoing_staging()) or self._hicache_in_flight())
+
+    def _hicache_in_flight(self) -> bool:
+        """A device<->host copy not yet acknowledged (SGLang's idle check waits for them)."""
+        tree = self.tree_cache
+        return isinstance(tree, HiRadixCache) and (bool(tree.ongoing_write_through) or any(
+            not tree.load_back_ready(r) for r in tree.ongoing_load_back.values()))
+
+    def check_hicache_events(self) -> None:
+        """Acks: write-throughs unlock; load-backs whose request was aborted are released."""
+        tree = self.tree_cache
+        tree.check_hicache_events(self.forward_ct)
+        for rec in [r for r in self.orphan_load_backs if tree.load_back_ready(r)]:
+            self.orphan_load_backs.remove(rec)
+            tree.release_load_back(rec)
 
     def on_idle(self) -> None:
         """SGLang ``on_idle``: when fully idle, run the memory checks (recorded, never raised)."""
@@ -228,12 +319,27 @@ class Scheduler:
     # ------------------------------------------------------------------------------------
     def process_input_requests(self) -> None:
         msgs, self.recv_queue = self.recv_queue, []
+        sc = self.session_controller
+        if sc is not None:
+            sc.reap()
         for m in msgs:
+            if m.kind == "open_session":
+                sc.open(m.session_id)
+                continue
+            if m.kind == "close_session":
+                sc.close(m.session_id)
+                continue
+            if m.session_id is not None:
+                sc.create_req(m.session_id, m.req)
             if m.kind == "abort":
                 self.handle_abort(m.rid, m.abort_all)
                 continue
             if m.kind == "flush_cache":
                 self.flush_results.append(self.flush_cache())
+                continue
+            if m.kind == "memory_pressure":
+                self.tree_cache.evict(self.tree_cache.evictable_size())
+                self._force_retract = not self.config.is_pd_decode  # PD decode has no re-prefill path
                 continue
             if m.kind == "health_check" and not self.is_fully_idle(for_health_check=True):
                 # Busy: drop it and answer after the next batch, touching no memory.
@@ -243,11 +349,16 @@ class Scheduler:
                 # Rejected at intake (SGLang _check_if_req_exceed_kv_capacity): it could never be
                 # admitted, even into an empty pool, and would wait forever.
                 m.req.finished_reason = FinishReason.ABORT
+                self._end_session_turn(m.req)
                 self._emit(m.req)
             elif self.config.is_pd_decode:
                 self.disagg_prealloc_queue.append(m.req)
             else:
                 self.waiting_queue.append(m.req)
+
+    def _end_session_turn(self, req: Req) -> None:
+        if self.session_controller is not None:
+            self.session_controller.abort_req(req)
 
     def _exceeds_kv_capacity(self, req: Req) -> bool:
         need = len(req.fill_ids) + req.max_new_tokens + 2 * self.page_size  # admission's own estimate
@@ -261,6 +372,12 @@ class Scheduler:
         for req in [r for r in self.waiting_queue if hit(r)]:
             self.waiting_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
+            self._end_session_turn(req)
+            if req.load_back is not None and "hicache-abort-loadback-leak" not in self.config.bugs:
+                self.orphan_load_backs.append(req.load_back)  # tree_cache.finish(ABORT): released at its ack
+            # BUG (sglang PR #9874): with the switch on, the abort dropped the request's in-flight
+            # load-back record, so nothing ever released its device lock and host pin.
+            req.load_back = None
             if req.kv.holds_kv and "pd-abort-after-transfer-leak" in self.config.bugs:
                 # BUG (sglang PR #9817): an abort of a transferred request waiting to join the
                 # running batch dropped it from the queue with no cleanup: its row and KV leaked.
@@ -269,6 +386,11 @@ class Scheduler:
                 self._release_finished(req, checkpoint=True)  # emits the output
             else:
                 self._emit(req)
+        hs = self.hisparse_coordinator
+        for req in [r for r in (hs.staging_reqs() if hs is not None else []) if hit(r)]:
+            hs.abort_staging_request(req)  # HiSparse staging: the host backup is still in flight
+            req.finished_reason = FinishReason.ABORT
+            self._release_finished(req, checkpoint=False)
         for req in [r for r in self.disagg_prealloc_queue if hit(r)]:
             self.disagg_prealloc_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
@@ -287,13 +409,28 @@ class Scheduler:
                 self._pending_chunked_abort = True
         in_flight = list(self.running_batch) + (self.last_batch.reqs if self.last_batch else [])
         for req in in_flight:
-            if hit(req) and not req.finished() and req is not chunked:
-                req.to_finish = FinishReason.ABORT  # released by the next result processing
+            if not hit(req) or req.finished() or req is chunked or not req.kv.holds_kv:
+                continue
+            req.to_finish = FinishReason.ABORT  # released by the next result processing
+            if "overlap-abort-double-free" in self.config.bugs and self.config.enable_overlap \
+                    and self.last_batch is not None and req in self.last_batch.reqs:
+                # BUG (mini-sglang PR #111): the abort freed the KV and the row of a request whose
+                # batch was still in flight; the delayed result then finished it and freed them again.
+                kv = req.kv
+                row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+                self.token_to_kv_pool_allocator.free(row[kv.cache_protected_len : kv.kv_allocated_len].clone())
+                self.tree_cache.dec_lock_ref(req.lock)
+                req.lock = None
+                self.req_to_token_pool.free(kv.req_pool_idx)
+                self.running_batch = [r for r in self.running_batch if r is not req]
 
     # ------------------------------------------------------------------------------------
     # Aggregated mode: prefill and decode
     # ------------------------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        hs = self.hisparse_coordinator
+        if hs is not None:  # collect_ready_reqs: staged requests with a device buffer join decode
+            self.running_batch.extend(hs.collect_ready_reqs(self.forward_ct))
         chunked = self.chunked_req
         if chunked is not None and self._pending_chunked_abort:  # process_pending_chunked_abort
             self._pending_chunked_abort = False
@@ -305,8 +442,8 @@ class Scheduler:
         if self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
             # A request whose last chunk sampled nothing is mid-prefill: it never joins decode.
             self.running_batch.extend(r for r in self.last_batch.reqs
-                                      if not r.finished() and r is not self.chunked_req and r.output_ids
-                                      and id(r) not in self.last_batch.decode_ids)
+                                      if not r.finished() and r is not self.chunked_req and r.kv.holds_kv
+                                      and not r.hisparse_staging                                      and (r.output_ids or r.future_ids) and id(r) not in self.last_batch.decode_ids)
         self.running_batch = [r for r in self.running_batch if not r.finished()]
         batch = self.get_new_batch_prefill()
         if batch is not None:
@@ -337,10 +474,15 @@ class Scheduler:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         tree, alloc, ps = self.tree_cache, self.token_to_kv_pool_allocator, self.page_size
+        hs = self.hisparse_coordinator
         ratio = self.config.new_token_ratio
         reserved = self._reserved_tokens(self.running_batch, ratio)
         budget = self.config.chunked_prefill_size or float("inf")  # tokens computed by this batch
         can_run: list[Req] = []
+        for req in self.waiting_queue:  # HiCache loading_check: an acked load-back drops its locks
+            if req.load_back is not None and tree.load_back_ready(req.load_back):
+                tree.release_load_back(req.load_back)
+                req.load_back = None
         chunked = self.chunked_req
         if chunked is not None:  # add_chunked_req: its memory was reserved when it was admitted
             chunked.prefix_len = chunked.kv.kv_committed_len
@@ -359,19 +501,40 @@ class Scheduler:
                 break
             if len(self.running_batch) + len(can_run) >= self.config.max_running_requests:
                 break
+            if hs is not None and self.ceil_page(len(req.fill_ids)) + sum(
+                    self.ceil_page(r.extend_end) for r in can_run) > hs.hisparse_attn_allocator.available_size():
+                break  # HiSparse prefill KV lives in physical slots (request_slot_reserve)
             if self.req_to_token_pool.available_size() <= len(can_run):
                 break
             fill = req.fill_ids
-            match = tree.match_prefix(fill[: len(fill) - 1])  # compute at least one token
-            tree.inc_lock_ref(match.last_node)
-            prefix = match.device_indices.numel()
+            if req.load_back is not None:  # HiCache: the load-back's ack has not arrived yet
+                continue
+            sc = self.session_controller
+            borrow = None if sc is None else sc.match(req, len(fill) - 1, commit=False)
+            if borrow is None:
+                match = tree.match_prefix(fill[: len(fill) - 1])  # compute at least one token
+                if match.host_hit_length and isinstance(tree, HiRadixCache) and \
+                        match.host_hit_length + match.device_indices.numel() <= \
+                        alloc.available_size() + tree.evictable_size() - reserved:  # the load locks its whole path
+                    req.load_back = tree.load_back(match.host_node)  # init_load_back; None: no room
+                    if req.load_back is not None:
+                        continue
+                tree.inc_lock_ref(match.last_node)
+                prefix = match.device_indices.numel()
+            else:
+                prefix = borrow
             need = len(fill) - prefix + int(ratio * (req.max_new_tokens - len(req.output_ids))) + 2 * ps
             chunk_now = len(fill) - prefix > budget
             if need > alloc.available_size() + tree.evictable_size() - reserved or (
                     chunk_now and self.chunked_req is not None):  # one chunked request at a time
-                tree.dec_lock_ref(match.last_node)
+                if borrow is None:
+                    tree.dec_lock_ref(match.last_node)
                 break
-            req.prefix_indices, req.last_node, req.lock = match.device_indices, match.last_node, match.last_node
+            if borrow is None:
+                req.prefix_indices, req.last_node, req.lock = match.device_indices, match.last_node, match.last_node
+            else:  # the turn continues on its session's record; the slot keeps the tree lock
+                sc.match(req, len(fill) - 1, commit=True)
+                req.prefix_indices = req.last_node = req.lock = None
             req.prefix_len, req.extend_end = prefix, len(fill)
             if chunk_now:  # the first chunk: as much as the budget allows, in whole pages
                 req.extend_end = prefix + int(budget) // ps * ps
@@ -421,15 +584,26 @@ class Scheduler:
             self.req_to_token_pool.write(req.kv.req_pool_idx, p, out[off : off + s - p])
             off += s - p
             req.kv.kv_allocated_len = req.kv.kv_committed_len = s
+            if self.session_controller is not None:
+                self.session_controller.take(req)  # maybe_hand_to_session
         batch.out_cache_loc = out
+        hs = self.hisparse_coordinator
+        if hs is not None:  # the prefill's KV is written into physical slots
+            phys = [hs.alloc_prefill(r.kv.req_pool_idx, s) for r, s in zip(reqs, seq_lens)]
+            if any(x is None for x in phys):
+                raise RuntimeError("HiSparse prefill out of physical slots")
+            batch.model_loc = torch.cat([x[p:] for x, p in zip(phys, prefix_lens)])
 
     def update_running_batch(self) -> ScheduleBatch | None:
         """A decode batch over the running requests, with one new slot each (``alloc_for_decode``)."""
         reqs = [r for r in self.running_batch if not r.finished()]
+        if self.config.enable_overlap:  # _reqs_finishing_inflight: the lagged result ends them by length
+            reqs = [r for r in reqs if len(r.output_ids) + len(r.future_ids) < r.max_new_tokens]
         if not reqs:
             return None
-        if not self._decode_fits(reqs):
-            reqs = self.retract_decode(reqs)
+        if self._force_retract or not self._decode_fits(reqs):
+            reqs = self.retract_decode(reqs, force=self._force_retract)
+            self._force_retract = False
         self._evict_for(self._decode_need(reqs))
         lens = [r.kv.kv_allocated_len for r in reqs]
         out = self.token_to_kv_pool_allocator.alloc_decode([n + 1 for n in lens], self._last_loc(reqs, lens))
@@ -457,17 +631,18 @@ class Scheduler:
         """SGLang ``check_decode_mem``: one decode step fits in free plus evictable tokens."""
         return self._decode_need(reqs) <= self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
 
-    def retract_decode(self, reqs: list[Req]) -> list[Req]:
+    def retract_decode(self, reqs: list[Req], force: bool = False) -> list[Req]:
         """Decode out of memory: retract requests until one step fits (SGLang ``retract_decode``).
 
         Victims go in SGLang's order: fewest output tokens first, then longest prompt. Each is
         released without caching (:meth:`release_req`) and re-queued at the front of the waiting
         queue, to re-prefill prompt + output later. At least one request is kept; if even that one
-        does not fit, it is aborted. Returns the requests that stay.
+        does not fit, it is aborted. ``force`` (memory pressure) retracts all but one. Returns the
+        requests that stay.
         """
         keep = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         retracted = []
-        while len(keep) > 1 and not self._decode_fits(keep):
+        while len(keep) > 1 and (force or not self._decode_fits(keep)):
             victim = keep.pop()
             self.release_req(victim)
             retracted.append(victim)
@@ -486,7 +661,10 @@ class Scheduler:
             # BUG (sglang PR #4977): the retraction free range was padded to page bounds by
             # flooring its end, so the partly filled last page the request owned was skipped.
             req.kv.kv_allocated_len = req.kv.kv_allocated_len // self.page_size * self.page_size
+        if self.hisparse_coordinator is not None:
+            self.hisparse_coordinator.retract_req(req)
         self.release_kv_cache(req, checkpoint=False)
+        req.future_ids.clear()  # overlap: the in-flight token is dropped and sampled again
         req.kv.kv_committed_len = req.kv.cache_protected_len = 0  # reset_for_retract
         req.prefix_len = req.extend_end = 0
         req.prefix_indices, req.last_node = None, None
@@ -494,34 +672,49 @@ class Scheduler:
     # ------------------------------------------------------------------------------------
     # Running a batch
     # ------------------------------------------------------------------------------------
-    def run_batch(self, batch: ScheduleBatch) -> list[int]:
-        """Forward every request of ``batch`` and return one sampled token per request."""
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        """Forward every row of ``batch``: write its KV and sample one token per sampling row.
+
+        Sampled tokens go to ``req.future_ids`` (SGLang's future token map) until the result is
+        processed. A middle prefill chunk samples nothing. A row already marked ``to_finish``
+        (aborted while in flight) computes nothing: SGLang would discard its token anyway, and the
+        KV of its new positions is never written (the state sglang PR #28374 is about).
+        """
         if batch.forward_mode == PREBUILT:
-            return [r.output_ids[-1] for r in batch.reqs]
-        toks, off = [], 0
+            return
+        off = 0
         for req in batch.reqs:
             if batch.forward_mode == EXTEND and id(req) not in batch.decode_ids:
                 start, end = req.prefix_len, req.extend_end
+                sampled = end >= len(req.fill_ids)
             else:
                 end = req.kv.kv_committed_len
-                start = end - 1
+                start, sampled = end - 1, True
             locs = batch.out_cache_loc if batch.model_loc is None else batch.model_loc
             loc = locs[off : off + end - start]
             off += end - start
-            toks.append(self._forward(req, start, end, loc))
+            batch.sampled.append(sampled)
+            if req.to_finish is not None:
+                tok = EOS_TOKEN
+            else:
+                tok = self._forward(req, start, end, loc)
+            if sampled:
+                req.future_ids.append(tok)
         if batch.host_loc is not None:
             self.hisparse_coordinator.backup(batch.model_loc, batch.host_loc)
-        return toks
 
     def _forward(self, req: Req, start: int, end: int, write_loc: torch.Tensor) -> int:
-        fill = req.fill_ids
+        fill = req.fill_ids + req.future_ids
         if self.model is None:
             return model_mod.pseudo_next_token(fill[end - 1], end - 1, self.config.vocab_size)
         dev = self.kv_pool.k_buffer.device
         tokens = torch.tensor(fill[start:end], dtype=INDEX_DTYPE, device=dev)
         positions = torch.arange(start, end, dtype=INDEX_DTYPE, device=dev)
-        if self.hisparse_coordinator is not None:
-            ctx_loc, ctx_pos = self.hisparse_coordinator.physical_context(req)
+        hs = self.hisparse_coordinator
+        if hs is not None and req.hisparse_admitted:
+            ctx_loc, ctx_pos = hs.physical_context(req)
+        elif hs is not None:
+            ctx_loc, ctx_pos = hs.prefill_context(req.kv.req_pool_idx, end)
         else:
             ctx_loc = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end]
             ctx_pos = torch.arange(end, dtype=INDEX_DTYPE, device=dev)
@@ -536,15 +729,20 @@ class Scheduler:
             req.output_ids[-1] = EOS_TOKEN
         req.update_finish_state(self._eos(req))
 
-    def process_batch_result(self, batch: ScheduleBatch, toks: list[int]) -> None:
-        """SGLang ``process_batch_result_{prefill,decode}``: finish and release, or checkpoint."""
+    def process_batch_result(self, batch: ScheduleBatch) -> None:
+        """SGLang ``process_batch_result_{prefill,decode}``: finish and release, or checkpoint.
+
+        Rows already finished (an overlap overshoot) or retracted since the batch ran are skipped;
+        their sampled token is dropped.
+        """
         if batch.forward_mode == PREBUILT:
             return  # process_batch_result_prebuilt already ran
         alloc = self.token_to_kv_pool_allocator
         alloc.free_group_begin()
         try:
-            for req, tok in zip(batch.reqs, toks):
-                if req.finished():
+            for req, sampled in zip(batch.reqs, batch.sampled):
+                tok = req.future_ids.pop(0) if sampled and req.future_ids else None
+                if req.finished() or not req.kv.holds_kv:
                     continue
                 prefill_row = batch.forward_mode == EXTEND and id(req) not in batch.decode_ids
                 if prefill_row and req.inflight_middle_chunks > 0:
@@ -562,15 +760,35 @@ class Scheduler:
                     req.kv.mark_kv_released()
                     self._emit(req)
                 elif req.finished():
-                    self._release_finished(req, checkpoint=True)
+                    self._release_finished(req, checkpoint=self._caches_on_release(req))
                 elif prefill_row:
                     self.checkpoint_kv_cache(req)
+                    hs = self.hisparse_coordinator
+                    if hs is not None and not hs.admit_request_into_staging(req, self.forward_ct,
+                                                                            self.config.host_ack_latency_steps):
+                        raise RuntimeError("HiSparse host pool is full! Bug in memory estimation.")
         finally:
             alloc.free_group_end()
+
+    def _caches_on_release(self, req: Req) -> bool:
+        """Whether a finished request's KV is inserted into the tree: not for an abort (its KV may
+        be incomplete; sglang PR #28374), unless the ``aborted-kv-inserted`` switch is on."""
+        if req.finished_reason != FinishReason.ABORT:
+            return True
+        # BUG (sglang PR #28374): an aborted request was cached like a finished one, including
+        # positions whose KV its skipped last forward never wrote.
+        return "aborted-kv-inserted" in self.config.bugs
 
     # ------------------------------------------------------------------------------------
     # Release and checkpoint (srt/mem_cache/common.py)
     # ------------------------------------------------------------------------------------
+    def ceil_page(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def row_slots(self, kv: ReqKvInfo, start: int, end: int) -> torch.Tensor:
+        """A copy of the slots (``[max(0, end - start)] int64``) at positions ``[start, end)`` of ``kv``'s row."""
+        return self.req_to_token_pool.req_to_token[kv.req_pool_idx, start:max(start, end)].clone()
+
     def _release_finished(self, req: Req, checkpoint: bool) -> None:
         """A finish path: tell HiSparse the request is done, then ``release_kv_cache``."""
         if self.hisparse_coordinator is not None:
@@ -583,28 +801,42 @@ class Scheduler:
         if req.is_health_check:
             self.health_check_acks += 1
 
-    def checkpoint_kv_cache(self, req: Req) -> None:
-        """Publish ``[0, page_floor(kv_committed_len))`` into the tree and move the lock there.
+    def checkpoint_kv_cache(self, req: Req, up_to: int | None = None) -> None:
+        """Publish ``[0, page_floor(up_to))`` into the tree (default ``kv_committed_len``) and move
+        the lock there.
 
         Slots of positions the tree already held are freed and the row is re-pointed to the
-        tree's (SGLang ``checkpoint`` / legacy ``cache_unfinished_req``).
+        tree's (SGLang ``checkpoint`` / legacy ``cache_unfinished_req``). A session turn publishes
+        only its session's first prompt, under the slot's lock (``try_checkpoint``).
         """
         tree = self.tree_cache
-        if tree.disable:
-            req.prefix_len = req.kv.kv_committed_len
+        up_to = req.kv.kv_committed_len if up_to is None else up_to
+        slot = req.borrowed_slot
+        if tree.disable or (slot is not None and not slot.publishes_prompt):
+            req.prefix_len = max(req.prefix_len, up_to)
             return
-        n = req.kv.kv_committed_len // self.page_size * self.page_size
+        if slot is not None:  # the slot's lock moves to the request for the insert, then back
+            req.lock, slot.lock = slot.lock, None
+            self.checkpoint_kv_cache_into_tree(req, up_to)
+            slot.lock, req.lock = req.lock, None
+        else:
+            self.checkpoint_kv_cache_into_tree(req, up_to)
+
+    def checkpoint_kv_cache_into_tree(self, req: Req, up_to: int) -> None:
+        tree = self.tree_cache
+        n = up_to // self.page_size * self.page_size
         row = req.kv.req_pool_idx
         table = self.req_to_token_pool.req_to_token
         key = req.fill_ids[:n]
-        already = tree.insert(key, table[row, :n])
+        already = tree.insert(req.fill_ids[:up_to], table[row, :n])  # the tree keeps whole pages only
         start = req.kv.cache_protected_len
         if already > start:
             self.token_to_kv_pool_allocator.free(table[row, start:already].clone())
         match = tree.match_prefix(key)
         table[row, start:n] = match.device_indices[start:n]
         tree.inc_lock_ref(match.last_node)
-        tree.dec_lock_ref(req.lock)
+        if req.lock is not None:
+            tree.dec_lock_ref(req.lock)
         req.lock = req.last_node = match.last_node
         req.kv.cache_protected_len = n
         req.prefix_len = max(req.prefix_len, n)
@@ -619,10 +851,11 @@ class Scheduler:
         kv = req.kv
         if not kv.holds_kv:
             raise RuntimeError(f"release_kv_cache: {req.rid} holds no KV (released twice?)")
+        if self.session_controller is not None and self.session_controller.claim_kv_row(req):
+            return  # the session slot keeps the record
         if checkpoint:
-            self.checkpoint_kv_cache(req)
-        table = self.req_to_token_pool.req_to_token
-        self.token_to_kv_pool_allocator.free(table[kv.req_pool_idx, kv.cache_protected_len : kv.kv_allocated_len].clone())
+            self.checkpoint_kv_cache(req, up_to=req.owned_kv_len())
+        self.token_to_kv_pool_allocator.free(self.row_slots(kv, kv.cache_protected_len, kv.kv_allocated_len))
         if req.lock is not None:
             self.tree_cache.dec_lock_ref(req.lock)
             req.lock = None
@@ -738,7 +971,8 @@ class Scheduler:
         extended with the PD decode queues, which SGLang keeps out of the busy check)."""
         seen, out = set(), []
         groups = [self.running_batch, self.last_batch.reqs if self.last_batch else [], self.waiting_queue,
-                  self.disagg_transfer_queue, [self.chunked_req] if self.chunked_req else []]
+                  self.disagg_transfer_queue, [self.chunked_req] if self.chunked_req else [],
+                  self.hisparse_coordinator.staging_reqs() if self.hisparse_coordinator else []]
         for group in groups:
             for r in group:
                 if id(r) not in seen and r.kv.holds_kv:
@@ -754,14 +988,26 @@ class Scheduler:
         self.token_to_kv_pool_allocator.check_integrity()
         self.req_to_token_pool.check_integrity()
         self.tree_cache.check_integrity()
+        if self.hicache_host_pool is not None:
+            self.hicache_host_pool.check_integrity()
         hs = self.hisparse_coordinator
         if hs is not None:
             hs.hisparse_attn_allocator.check_integrity()
             hs.host_pool.check_integrity()
+            hs.check_integrity({r.kv.req_pool_idx for r in self.requests_owning_rows()})
         ps, rows = self.page_size, {}
         free_rows = set(self.req_to_token_pool.free_slots)
+        slots = [] if self.session_controller is None else self.session_controller.slots()
+        borrowed = {id(slot.kv) for _, slot in slots}
+        for sid, slot in slots:
+            if slot.kv.req_pool_idx in free_rows:
+                raise PoolIntegrityError(f"row {slot.kv.req_pool_idx} of session {sid} is in the free list")
+            rows[slot.kv.req_pool_idx] = f"session {sid}"
         for req in self.requests_owning_rows():
             kv = req.kv
+            if id(kv) in borrowed:  # the one turn running on its session's record
+                borrowed.discard(id(kv))
+                rows.pop(kv.req_pool_idx)
             if not 0 <= kv.kv_committed_len <= kv.kv_allocated_len <= self.config.context_len:
                 raise PoolIntegrityError(f"{req.rid}: committed={kv.kv_committed_len} allocated={kv.kv_allocated_len}"
                                          f" context_len={self.config.context_len}")
@@ -781,22 +1027,31 @@ class Scheduler:
         checks under HiSparse, the HiSparse device buffer and host pool get identities too.
         """
         idle = self.is_fully_idle() if idle is None else idle
-        ps = self.page_size
         owners = [] if idle else self.requests_owning_rows()
-        uncached = sum(-(-r.kv.kv_allocated_len // ps) * ps - r.kv.cache_protected_len for r in owners)
+        # A turn running on its session's borrowed record is counted once, as session_held.
+        double = "session-borrow-double-count" in self.config.bugs
+        # BUG (sglang PRs #22213, #22753): with the switch on, the busy check also counts the
+        # borrowed record as the turn's uncached KV: the identity reports a leak that is not there.
+        uncached = sum(self.ceil_page(r.kv.kv_allocated_len) - r.kv.cache_protected_len for r in owners
+                       if r.borrowed_slot is None or double)
         alloc = self.token_to_kv_pool_allocator
         checks = [PoolCheck("token_to_kv_pool", alloc.available_size(), self.tree_cache.evictable_size(),
-                            self.tree_cache.protected_size(), 0, uncached, alloc.size)]
+                            self.tree_cache.protected_size(), self.session_held_tokens(), uncached, alloc.size)]
+        if self.hicache_host_pool is not None:
+            hp, tree = self.hicache_host_pool, self.tree_cache
+            checks.append(PoolCheck("hicache_host", hp.available_size(), tree.host_evictable_size(),
+                                    tree.host_protected_size(), 0, 0, hp.size))
         hs = self.hisparse_coordinator
         if hs is not None:
             rows = [r.kv.req_pool_idx for r in owners]
             checks.append(PoolCheck("hisparse_device", hs.hisparse_attn_allocator.available_size(), 0, 0, 0,
-                                    sum(hs.buffer_size(x) for x in rows), hs.hisparse_attn_allocator.size))
+                                    sum(hs.device_size(x) for x in rows), hs.hisparse_attn_allocator.size))
             checks.append(PoolCheck("hisparse_host", hs.host_pool.available_size(), 0, 0, 0,
                                     sum(hs.host_size(x) for x in rows), hs.host_pool.size))
         if idle:
             rp = self.req_to_token_pool
-            checks.append(PoolCheck("req_to_token_pool", rp.available_size(), 0, 0, 0, 0,
+            session_rows = 0 if self.session_controller is None else len(self.session_controller.slots())
+            checks.append(PoolCheck("req_to_token_pool", rp.available_size(), 0, 0, session_rows, 0,
                                     rp.size + rp.pre_alloc_size))
         return checks
 

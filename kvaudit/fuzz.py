@@ -21,7 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from engine_under_test import EngineConfig
 from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
-from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, Op, Step, Submit
+from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, Op, OpenSession, Step,
+                             Submit)
 from kvaudit.runner import AuditedRun, execute
 
 CONFIRM_RUNS = 3
@@ -90,6 +91,30 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
               stop_at=st.none() | st.integers(1, 12))
         def submit(self, family, prompt_len, max_new_tokens, stop_at):
             self._do(Submit(family, prompt_len, max_new_tokens, stop_at))
+
+        if not config.disable_radix_cache:  # a chat client resending its history: shared prefixes
+            @rule(extends=st.integers(0, 7), family=st.integers(0, 7), prompt_len=st.integers(1, 16),
+                  max_new_tokens=st.integers(1, 12), stop_at=st.none() | st.integers(1, 12))
+            def submit_extending(self, extends, family, prompt_len, max_new_tokens, stop_at):
+                self._do(Submit(family, prompt_len, max_new_tokens, stop_at, extends=extends))
+
+            @rule()
+            def memory_pressure(self):
+                self._do(MemoryPressure())
+
+        if config.enable_streaming_session:
+            @rule()
+            def open_session(self):
+                self._do(OpenSession())
+
+            @rule(session=st.integers(0, 3), family=st.integers(0, 7), prompt_len=st.integers(1, 24),
+                  max_new_tokens=st.integers(1, 12), stop_at=st.none() | st.integers(1, 12))
+            def submit_turn(self, session, family, prompt_len, max_new_tokens, stop_at):
+                self._do(Submit(family, prompt_len, max_new_tokens, stop_at, session=session))
+
+            @rule(handle=st.integers(0, 3))
+            def close_session(self, handle):
+                self._do(CloseSession(handle))
 
         @rule()
         def health_check(self):

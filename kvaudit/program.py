@@ -19,12 +19,19 @@ class ProgramError(ValueError):
 @dataclass(frozen=True)
 class Submit:
     """A generate request. The prompt is ``prompt_len`` tokens of prefix family ``family``: prompts
-    of one family share their leading tokens, so the radix cache sees real prefix hits."""
+    of one family share their leading tokens, so the radix cache sees real prefix hits.
+
+    ``session``: the next turn of open session ``session`` (modulo the open ones; a plain request
+    when none is open). ``extends``: the prompt continues the text (prompt + output so far) of
+    submitted request ``extends`` (modulo all submitted), as a chat client resending its history.
+    """
 
     family: int = 0
     prompt_len: int = 4
     max_new_tokens: int = 4
     stop_at: int | None = None  # output length at which EOS is sampled
+    session: int | None = None
+    extends: int | None = None
     kind: ClassVar[str] = "submit"
 
 
@@ -51,6 +58,29 @@ class FlushCache:
 
 
 @dataclass(frozen=True)
+class OpenSession:
+    """Open a streaming session (a no-op on an engine without them)."""
+
+    kind: ClassVar[str] = "open_session"
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """Close open session ``handle`` (modulo the open ones); deferred while its turn is in flight."""
+
+    handle: int = 0
+    kind: ClassVar[str] = "close_session"
+
+
+@dataclass(frozen=True)
+class MemoryPressure:
+    """Another tenant needs device memory: the tree's evictable KV is evicted and the next decode
+    step retracts every running request but one."""
+
+    kind: ClassVar[str] = "memory_pressure"
+
+
+@dataclass(frozen=True)
 class Step:
     """``n`` scheduler iterations."""
 
@@ -65,8 +95,10 @@ class Idle:
     kind: ClassVar[str] = "idle"
 
 
-Op = Union[Submit, HealthCheck, Abort, FlushCache, Step, Idle]
-OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, Step, Idle)}
+Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, MemoryPressure, Step, Idle]
+OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession,
+                                                 MemoryPressure, Step, Idle)}
+NULLABLE = ("stop_at", "handle", "session", "extends")
 FORMAT = "kvaudit.program/1"
 MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return
 
@@ -99,7 +131,7 @@ def op_from_dict(d: object) -> Op:
     for k, v in dataclasses.asdict(op).items():
         if v is not None and not 0 <= v <= MAX_ARG:
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must be in [0, {MAX_ARG}]")
-        if v is None and k not in ("stop_at", "handle"):
+        if v is None and k not in NULLABLE:
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must not be null")
     return op
 
@@ -116,7 +148,7 @@ def program_from_json(data: object) -> list[Op]:
 
 def format_op(op: Op) -> str:
     args = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(op).items()
-                     if not (v is None and k == "stop_at"))
+                     if not (v is None and k in NULLABLE and k != "handle"))
     return f"{op.kind}({args})"
 
 
@@ -133,15 +165,22 @@ def random_program(rng, length: int, max_prompt: int = 32) -> list[Op]:
     ops: list[Op] = []
     for _ in range(max(0, length - 1)):
         r = rng.random()
-        if r < 0.35:
+        if r < 0.33:
             ops.append(Submit(rng.randrange(4), rng.randint(1, max_prompt), rng.randint(1, 12),
-                              rng.choice([None, None, rng.randint(1, 12)])))
-        elif r < 0.45:
+                              rng.choice([None, None, rng.randint(1, 12)]),
+                              rng.choice([None, None, rng.randrange(4)]), rng.choice([None] * 5 + [rng.randrange(8)])))
+        elif r < 0.41:
             ops.append(HealthCheck())
-        elif r < 0.55:
+        elif r < 0.5:
             ops.append(Abort(rng.choice([None, rng.randrange(8)])))
-        elif r < 0.58:
+        elif r < 0.53:
             ops.append(FlushCache())
+        elif r < 0.57:
+            ops.append(OpenSession())
+        elif r < 0.6:
+            ops.append(CloseSession(rng.randrange(4)))
+        elif r < 0.62:
+            ops.append(MemoryPressure())
         elif r < 0.9:
             ops.append(Step(rng.randint(1, 4)))
         else:

@@ -6,23 +6,31 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvaudit.program import (OP_TYPES, Abort, FlushCache, HealthCheck, Idle, ProgramError, Step, Submit, format_op,
-                             format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
+from kvaudit.program import (OP_TYPES, Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure,
+                             OpenSession, ProgramError, Step, Submit, format_op, format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
                              prompt_tokens)
 
 EVERY_KIND = [
     Submit(family=2, prompt_len=9, max_new_tokens=5, stop_at=3),
     Submit(),
+    Submit(family=1, prompt_len=3, session=2, extends=5),
     HealthCheck(),
     Abort(handle=3),
     Abort(handle=None),
     FlushCache(),
+    OpenSession(),
+    CloseSession(handle=1),
+    MemoryPressure(),
     Step(n=4),
     Idle(),
 ]
 
 ops_strategy = st.one_of(
-    st.builds(Submit, st.integers(0, 50), st.integers(0, 200), st.integers(0, 200), st.none() | st.integers(0, 200)),
+    st.builds(Submit, st.integers(0, 50), st.integers(0, 200), st.integers(0, 200), st.none() | st.integers(0, 200),
+              st.none() | st.integers(0, 9), st.none() | st.integers(0, 9)),
+    st.just(OpenSession()),
+    st.builds(CloseSession, st.integers(0, 9)),
+    st.just(MemoryPressure()),
     st.just(HealthCheck()),
     st.builds(Abort, st.none() | st.integers(0, 50)),
     st.just(FlushCache()),
@@ -57,7 +65,9 @@ def test_any_program_round_trips(ops):
 
 def test_ops_are_written_with_all_their_arguments():
     assert op_to_dict(Submit(1, 2, 3, None)) == {"op": "submit", "family": 1, "prompt_len": 2,
-                                                 "max_new_tokens": 3, "stop_at": None}
+                                                 "max_new_tokens": 3, "stop_at": None, "session": None,
+                                                 "extends": None}
+    assert op_to_dict(CloseSession(2)) == {"op": "close_session", "handle": 2}
     assert op_to_dict(HealthCheck()) == {"op": "health_check"}
     assert op_to_dict(Abort(None)) == {"op": "abort", "handle": None}
     assert op_to_dict(Step(2)) == {"op": "step", "n": 2}

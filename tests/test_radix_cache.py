@@ -286,3 +286,39 @@ def test_reset_drops_every_node(make_tree):
     tree.reset()
     assert tree.total_size() == 0 and tree.evictable_size() == 0
     assert tree.match_prefix([1, 2, 3]).device_indices.numel() == 0
+
+
+# -- key longer than value (zoo switch evictable-size-uses-key-len, sglang PR #10637) --------------
+
+@pytest.mark.parametrize("bugs, drift", [(frozenset(), 0), (frozenset({"evictable-size-uses-key-len"}), 2)],
+                         ids=["clean", "bug"])
+def test_insert_cuts_a_long_key_to_the_value(bugs, drift):
+    alloc = TokenToKVPoolAllocator(32, 4)
+    tree = RadixCache(alloc, 4, bugs=bugs)
+    value = alloc.alloc(8)
+    assert tree.insert(list(range(10)), value) == 0  # 10 committed tokens, 2 whole pages of slots
+    (node,) = tree.root_node.children.values()
+    assert node.key == tuple(range(8)) and node.value.tolist() == value.tolist()
+    assert tree.total_size() == 8 and tree.evictable_size() == 8 + drift
+    if drift:
+        with pytest.raises(PoolIntegrityError, match="evictable=10 protected=0 but nodes hold evictable=8"):
+            tree.check_integrity()
+    else:
+        check_counters(tree)
+    assert tree.evict(100) == 8
+    assert alloc.available_size() == 32  # memory itself is intact either way
+    assert tree.evictable_size() == drift  # the counter drift outlives the nodes
+    if not drift:
+        check_counters(tree)
+
+
+def test_insert_long_key_into_a_cached_prefix():
+    alloc = TokenToKVPoolAllocator(32, 4)
+    tree = RadixCache(alloc, 4)
+    tree.insert(list(range(8)), alloc.alloc(8))
+    value = alloc.alloc(12)
+    assert tree.insert(list(range(14)), value) == 8
+    alloc.free(value[:8])
+    assert tree.match_prefix(list(range(14))).device_indices.numel() == 12
+    assert alloc.available_size() == 32 - 12
+    check_counters(tree)
