@@ -67,6 +67,7 @@ class Req:
     finished_len: int | None = None  # output tokens kept once finished (a stop token is not kept)
     session: object = None  # streaming session this turn belongs to
     borrowed_slot: object = None  # the session slot whose KV record this turn borrows (req.kv is slot.kv)
+    retracted_in_session: bool = False  # retracted after writing into its session's record
     intake_aborted: bool = False  # set_finish_with_abort at intake: runs one 1-token prefill, then ends
     load_back: object = None  # HiCache: the load-back this waiting request waits for
 

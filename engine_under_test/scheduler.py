@@ -8,8 +8,13 @@ Modelled on SGLang 0.5.x ``srt/managers/scheduler.py`` (``event_loop_normal``,
 
 One :meth:`Scheduler.step` is one loop iteration::
 
-    ingest -> [PD: prealloc, transfer] -> next batch (prefill | prebuilt + decode) -> run
-           -> process result -> last_batch = batch -> (no batch: on_idle)
+    [HiCache acks] -> ingest (+ session reap) -> [PD: prealloc, transfer] -> [HiSparse: staged reqs join]
+        -> next batch (prefill | prebuilt + decode) -> run (KV written, tokens to future_ids)
+        -> process result (this batch; with overlap the previous one) -> last_batch = batch
+        -> (nothing ran or in flight: on_idle)
+
+Streaming sessions live in ``session.py``, the HiCache host tier in ``hicache.py`` (the tree),
+HiSparse in ``hisparse.py``.
 """
 
 from __future__ import annotations
@@ -997,6 +1002,9 @@ class Scheduler:
             hs.check_integrity({r.kv.req_pool_idx for r in self.requests_owning_rows()})
         ps, rows = self.page_size, {}
         free_rows = set(self.req_to_token_pool.free_slots)
+        live = self.requests_owning_rows() + self.waiting_queue
+        if self.session_controller is not None:
+            self.session_controller.check_integrity(list({id(r): r for r in live}.values()))
         slots = [] if self.session_controller is None else self.session_controller.slots()
         borrowed = {id(slot.kv) for _, slot in slots}
         for sid, slot in slots:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_under_test.memory import PoolIntegrityError
 from engine_under_test.req import FinishReason, Req, ReqKvInfo
 
 
@@ -100,10 +101,14 @@ class SessionController:
             self.close(s.session_id)
 
     def abort_req(self, req: Req) -> None:
-        """A turn ended without reaching its slot (waiting-queue abort, intake rejection)."""
+        """A turn ended outside its slot (waiting-queue abort, intake rejection). A turn that was
+        retracted already wrote into the slot's record: like any aborted turn it destroys the slot,
+        so the next turn does not continue on this turn's KV."""
         s, req.session = req.session, None
         if s is not None:
             s.inflight = False
+            if req.retracted_in_session:
+                self.release_session(s)
 
     # -- slot operations (called by the scheduler) -----------------------------------------
     def match(self, req: Req, key_len: int, commit: bool) -> int | None:
@@ -120,7 +125,7 @@ class SessionController:
         if slot is None or not slot.kv.holds_kv:
             return None
         if not commit:
-            return 0 if req.intake_aborted else min(slot.kv.kv_committed_len, key_len)
+            return 0 if req.intake_aborted else self._prefix(slot.kv, key_len)
         kv = req.kv = slot.kv
         req.borrowed_slot = slot
         if req.intake_aborted:
@@ -129,9 +134,21 @@ class SessionController:
             # back into the record, so the earlier turns' KV is no longer referenced.
             prefix = 0
         else:
-            prefix = min(kv.kv_committed_len, key_len)
-            self.sched.token_to_kv_pool_allocator.free(self.sched.row_slots(kv, self.sched.ceil_page(prefix), kv.kv_allocated_len))  # _free_tail
+            prefix = self._prefix(kv, key_len)
+            start = max(self.sched.ceil_page(prefix), kv.cache_protected_len)  # _free_tail, never tree slots
+            self.sched.token_to_kv_pool_allocator.free(self.sched.row_slots(kv, start, kv.kv_allocated_len))
+            # A retracted first turn may have published past the positions it recomputes now: the
+            # tree keeps those slots (under the slot's lock) and the row takes fresh private ones.
+            kv.cache_protected_len = min(kv.cache_protected_len, prefix)
         kv.kv_allocated_len = kv.kv_committed_len = prefix
+        return prefix
+
+    def _prefix(self, kv: ReqKvInfo, key_len: int) -> int:
+        """``min(kv_committed_len, key_len)``, floored to a page when it falls inside the
+        tree-owned prefix (so the turn's new slots never share a page with the tree's)."""
+        prefix = min(kv.kv_committed_len, key_len)
+        if prefix < kv.cache_protected_len:
+            prefix = prefix // self.sched.page_size * self.sched.page_size
         return prefix
 
     def take(self, req: Req) -> None:
@@ -168,6 +185,8 @@ class SessionController:
         req.detach_kv()
         if req.finished():  # a retracted turn stays in flight and borrows the record again
             s.inflight, s.last_req = False, req
+        else:
+            req.retracted_in_session = True
         return True
 
     def release_session(self, s: Session, in_use: bool = False) -> None:
@@ -189,6 +208,23 @@ class SessionController:
         """``flush_cache``: every slot loses its KV (the pools are cleared by the caller)."""
         for s in self.sessions.values():
             s.slot = None
+
+    def check_integrity(self, live: list[Req]) -> None:
+        """Reference 7.1 items 20-22: a slot always holds a row; a record is borrowed only by its
+        own session's one turn; at most one turn of a session is live. Raises PoolIntegrityError."""
+        for sid, s in self.sessions.items():
+            if s.slot is not None and not s.slot.kv.holds_kv:
+                raise PoolIntegrityError(f"session {sid}: slot without a row")
+        turns: dict[str, str] = {}
+        for req in live:
+            if req.session is None:
+                continue
+            sid = req.session.session_id
+            if sid in turns:
+                raise PoolIntegrityError(f"session {sid}: turns {turns[sid]} and {req.rid} both in flight")
+            turns[sid] = req.rid
+            if req.borrowed_slot is not None and req.borrowed_slot is not req.session.slot:
+                raise PoolIntegrityError(f"{req.rid} borrows a record that is not its session's slot")
 
     # -- accounting ----------------------------------------------------------------------------
     def slots(self) -> list[tuple[str, SessionSlot]]:
