@@ -23,8 +23,9 @@ class BugInfo:
     name: str
     source: str
     preset: str
-    finding: str
+    finding: str  # the finding kind kvaudit must report
     description: str
+    min_ops: int = 0  # length of the shortest known reproducer (bug-zoo.md's "min")
 
 
 BUGS: dict[str, BugInfo] = {
@@ -37,6 +38,7 @@ BUGS: dict[str, BugInfo] = {
             "leak",
             "a request that finishes in the PD prebuilt step (a health check, max_new_tokens=1) is "
             "released without HiSparseCoordinator.request_finished: its device buffer and host slots leak",
+            min_ops=3,
         ),
         BugInfo(
             "pd-abort-after-transfer-leak",
@@ -45,6 +47,7 @@ BUGS: dict[str, BugInfo] = {
             "leak",
             "an abort of a PD request whose KV has been transferred and that waits to join the running "
             "batch removes it from the waiting queue without releasing its row and KV",
+            min_ops=4,
         ),
         BugInfo(
             "chunked-abort-ignored",
@@ -53,6 +56,7 @@ BUGS: dict[str, BugInfo] = {
             "leak",
             "an abort (or abort-all) of a request parked between prefill chunks drops it from scheduling "
             "without releasing it: its row and KV leak and it never finishes",
+            min_ops=4,
         ),
         BugInfo(
             "retract-unaligned-page",
@@ -61,6 +65,7 @@ BUGS: dict[str, BugInfo] = {
             "leak",
             "a request retracted on decode OOM frees a range whose end is floored to a page boundary, "
             "skipping the partly filled last page it owns: one page leaks per retraction",
+            min_ops=5,
         ),
         BugInfo(
             "prefill-finish-leaks-row",
@@ -69,6 +74,7 @@ BUGS: dict[str, BugInfo] = {
             "leak",
             "with mixed chunk, a request that finishes in its first prefill (max_new_tokens=1) has only "
             "that step's token slots freed: its req_to_token row leaks",
+            min_ops=3,
         ),
         BugInfo(
             "radix-lock-skips-matched-node",
@@ -77,6 +83,7 @@ BUGS: dict[str, BugInfo] = {
             "use-after-free",
             "locking a matched prefix starts at the node's parent, so the node a request reads stays "
             "evictable; memory pressure evicts it while the request still uses its slots",
+            min_ops=5,
         ),
         BugInfo(
             "overlap-abort-double-free",
@@ -85,6 +92,7 @@ BUGS: dict[str, BugInfo] = {
             "double-free",
             "with overlap scheduling, an abort frees the KV and row of a request whose batch is still in "
             "flight; the delayed result then finishes the request and frees them again",
+            min_ops=4,
         ),
         BugInfo(
             "aborted-kv-inserted",
@@ -93,6 +101,7 @@ BUGS: dict[str, BugInfo] = {
             "stale-kv",
             "a request aborted part-way is cached into the radix tree like a finished one, including the "
             "positions its skipped last forward never wrote; a later request sharing the prefix reads them",
+            min_ops=5,
         ),
         BugInfo(
             "evictable-size-uses-key-len",
@@ -101,6 +110,7 @@ BUGS: dict[str, BugInfo] = {
             "accounting-drift",
             "the tree's evictable counter grows by the unaligned key length instead of the page-aligned "
             "value length when a leaf is added: the counters drift while memory is intact",
+            min_ops=4,
         ),
         BugInfo(
             "session-close-while-running",
@@ -109,6 +119,7 @@ BUGS: dict[str, BugInfo] = {
             "use-after-free",
             "closing a streaming session frees its slot at once although a turn still runs on the borrowed "
             "record: the turn's row points at free slots, and they are freed again when the turn ends",
+            min_ops=5,
         ),
         BugInfo(
             "session-tail-not-trimmed",
@@ -117,6 +128,7 @@ BUGS: dict[str, BugInfo] = {
             "leak",
             "a turn that finishes with allocated > owned (the overlap extra slot after a stop) hands its "
             "record to the session without freeing the over-allocated tail: the tail slots leak",
+            min_ops=5,
         ),
         BugInfo(
             "session-abort-borrows-slot",
@@ -125,6 +137,7 @@ BUGS: dict[str, BugInfo] = {
             "leak",
             "a session turn rejected at intake for exceeding the context still borrows the session record, "
             "overwrites its row and writes committed=1 back: the earlier turns' KV leaks, session_held < 0",
+            min_ops=6,
         ),
         BugInfo(
             "session-borrow-double-count",
@@ -133,6 +146,7 @@ BUGS: dict[str, BugInfo] = {
             "accounting-drift",
             "the busy check counts a turn running on a borrowed session record both as session_held and "
             "as the turn's uncached KV: the identity reports a leak while memory is intact",
+            min_ops=3,
         ),
         BugInfo(
             "hicache-abort-loadback-leak",
@@ -141,6 +155,7 @@ BUGS: dict[str, BugInfo] = {
             "lock-imbalance",
             "a waiting request aborted while its host load-back is in flight drops the load-back record "
             "without releasing it: the loaded nodes stay locked (protected) and their host copies pinned",
+            min_ops=5,
         ),
     ]
 }

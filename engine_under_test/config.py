@@ -187,8 +187,8 @@ PRESETS: dict[str, Preset] = {
                {"page_size": 16, "num_slots": 1024}),
         Preset(
             "pd-decode",
-            "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off; 4 running",
-            {"disaggregation_mode": "decode", "disable_radix_cache": True, "max_running_requests": 4},
+            "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off; 1 running",
+            {"disaggregation_mode": "decode", "disable_radix_cache": True, "max_running_requests": 1},
         ),
         Preset(
             "pd-decode-hisparse",

@@ -187,7 +187,7 @@ class HiSparseCoordinator:
         k = min(n, cap)
         pos[:k] = torch.arange(n - k, n, dtype=INDEX_DTYPE, device=slots.device)
         self.req_to_device_buffer[row], self.req_device_buffer_pos[row] = slots, pos
-        if self.copy_kv and k:
+        if k:
             self._load(slots[:k], self.req_to_host_pool[row][n - k : n])
         req.hisparse_admitted = True
         return True
@@ -221,6 +221,9 @@ class HiSparseCoordinator:
             self.host_pool.v_buffer[:, host_loc] = self.kv_pool.v_buffer[:, device_loc].cpu()
 
     def _load(self, device_loc: torch.Tensor, host_loc: torch.Tensor) -> None:
+        """Copy K/V of host slots to device slots (both ``[n] int64``)."""
+        if not self.copy_kv:
+            return
         dev = self.kv_pool.k_buffer.device
         self.kv_pool.k_buffer[:, device_loc] = self.host_pool.k_buffer[:, host_loc.cpu()].to(dev)
         self.kv_pool.v_buffer[:, device_loc] = self.host_pool.v_buffer[:, host_loc.cpu()].to(dev)

@@ -360,6 +360,10 @@ class Scheduler:
                 self.disagg_prealloc_queue.append(m.req)
             else:
                 self.waiting_queue.append(m.req)
+                if self.hicache_host_pool is not None and m.req.session is None:  # prefetch at intake
+                    fill = m.req.fill_ids
+                    self._start_load_back(m.req, self.tree_cache.match_prefix(fill[: len(fill) - 1]),
+                                          self._reserved_tokens(self.running_batch, self.config.new_token_ratio))
 
     def _end_session_turn(self, req: Req) -> None:
         if self.session_controller is not None:
@@ -518,12 +522,8 @@ class Scheduler:
             borrow = None if sc is None else sc.match(req, len(fill) - 1, commit=False)
             if borrow is None:
                 match = tree.match_prefix(fill[: len(fill) - 1])  # compute at least one token
-                if match.host_hit_length and isinstance(tree, HiRadixCache) and \
-                        match.host_hit_length + match.device_indices.numel() <= \
-                        alloc.available_size() + tree.evictable_size() - reserved:  # the load locks its whole path
-                    req.load_back = tree.load_back(match.host_node)  # init_load_back; None: no room
-                    if req.load_back is not None:
-                        continue
+                if self._start_load_back(req, match, reserved):
+                    continue
                 tree.inc_lock_ref(match.last_node)
                 prefix = match.device_indices.numel()
             else:
@@ -554,6 +554,19 @@ class Scheduler:
         batch = ScheduleBatch(can_run, EXTEND)
         self.alloc_for_extend(batch)
         return batch
+
+    def _start_load_back(self, req: Req, match, reserved: int) -> bool:
+        """HiCache: start loading the host-only part of ``req``'s match back to the device, if the
+        budget allows (the load locks its whole path). The request then waits for the ack
+        (SGLang ``init_load_back``, and the storage prefetch that starts at intake)."""
+        tree = self.tree_cache
+        if not (match.host_hit_length and isinstance(tree, HiRadixCache)) or req.load_back is not None:
+            return False
+        if match.host_hit_length + match.device_indices.numel() > \
+                self.token_to_kv_pool_allocator.available_size() + tree.evictable_size() - reserved:
+            return False
+        req.load_back = tree.load_back(match.host_node)  # None: no room
+        return req.load_back is not None
 
     def _evict_for(self, num_tokens: int) -> None:
         short = num_tokens - self.token_to_kv_pool_allocator.available_size()

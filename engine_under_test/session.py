@@ -41,6 +41,7 @@ class Session:
     session_id: str
     slot: SessionSlot | None = None
     inflight: bool = False  # a turn is queued or running (at most one)
+    turn: Req | None = None  # that turn
     close_on_finish: bool = False
     last_req: Req | None = None  # the last turn that finished normally
 
@@ -76,7 +77,7 @@ class SessionController:
         if s is None or s.close_on_finish or s.inflight:
             return self.sched.set_finish_with_abort(req)
         req.origin_input_ids = s.history() + req.origin_input_ids
-        req.session, s.inflight = s, True
+        req.session, s.inflight, s.turn = s, True, req
         if len(req.origin_input_ids) + req.max_new_tokens > self.sched.config.context_len:
             self.sched.set_finish_with_abort(req)
         return req
@@ -86,12 +87,13 @@ class SessionController:
         s = self.sessions.get(session_id)
         if s is None:
             return
-        if s.inflight and "session-close-while-running" not in self.sched.config.bugs:
+        running = s.slot is not None and s.slot.kv.holds_kv and s.slot.kv is getattr(s.turn, "kv", None)
+        if s.inflight and not (running and "session-close-while-running" in self.sched.config.bugs):
             s.close_on_finish = True
             return
-        # BUG (sglang PR #21875, race): with the switch on, the close does not wait for the turn in
-        # flight; the slot is released while the turn still runs on the borrowed record.
-        self.release_session(s, in_use=s.inflight)
+        # BUG (sglang PR #21875, race): with the switch on, the close does not wait for a turn that
+        # is decoding on the borrowed record; the slot is released under the running turn.
+        self.release_session(s, in_use=running)
         del self.sessions[session_id]
 
     def reap(self) -> None:

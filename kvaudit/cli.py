@@ -20,8 +20,9 @@ from rich.text import Text
 from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
 from kvaudit import __version__, replay
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, triage
-from kvaudit.report import print_report
+from kvaudit.report import print_report, print_suppressions
 from kvaudit.runner import execute
+from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 
@@ -77,6 +78,21 @@ def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_si
         raise InputError(f"bad configuration: {e}") from None
 
 
+def _suppressions(path: str | None) -> SuppressionSet | None:
+    """The rules of ``--suppress FILE``, or None without the flag; a bad file is an input error."""
+    if path is None:
+        return None
+    try:
+        return SuppressionSet.load(path)
+    except SuppressionError as e:
+        raise InputError(str(e)) from None
+
+
+_suppress_option = click.option(
+    "--suppress", "suppress_file", type=click.Path(exists=False), default=None, metavar="FILE",
+    help="TOML suppression file: findings its [[suppress]] rules match are not findings (see README).")
+
+
 def _console(stderr: bool = False) -> Console:
     """A rich console; off a terminal it is wide, so that paths in reports are not broken up."""
     probe = Console(stderr=stderr)
@@ -103,16 +119,20 @@ def _warn_unreachable_bugs(config, err: Console) -> None:
 class _Progress:
     """Live status on a terminal; a plain line every ``interval`` seconds otherwise."""
 
-    def __init__(self, console: Console, max_time: float, interval: float = 5.0):
+    def __init__(self, console: Console, max_time: float, interval: float = 5.0,
+                 suppressions: SuppressionSet | None = None):
         self.console, self.max_time, self.interval = console, max_time, interval
+        self.suppressions = suppressions
         self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
         self._last = 0.0
 
     def line(self, s: FuzzStats) -> str:
         rate = s.executions / s.elapsed if s.elapsed > 0 else 0.0
         left = max(0.0, self.max_time - s.elapsed)
+        suppressed = ("" if self.suppressions is None else
+                      f" suppressed={sum(r.hits for r in self.suppressions)}")
         return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={s.executions} exec/s={rate:.1f} ops={s.ops} "
-                f"findings={s.findings} remaining={left:.0f}s")
+                f"findings={s.findings}{suppressed} remaining={left:.0f}s")
 
     def __enter__(self):
         if self.live:
@@ -163,12 +183,15 @@ def main():
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings.")
-def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
+@_suppress_option
+def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppress_file):
     """Fuzz the built-in engine with Hypothesis; minimize, confirm and report what it finds.
 
-    Exits 1 with a replay file in --out when a finding is confirmed, 0 when the budget ends clean.
+    Exits 1 with a replay file in --out when a finding is confirmed, 0 when the budget ends clean
+    (findings that --suppress rules match do not count: the search goes on past them).
     """
     config = _config(preset, bugs, model, device, page_size)
+    sset = _suppressions(suppress_file)
     try:  # fail now, not after the budget, if findings could not be written
         os.makedirs(out_dir, exist_ok=True)
         if not os.access(out_dir, os.W_OK):
@@ -181,18 +204,20 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
     console, err = _console(), _console(stderr=True)
     stats = FuzzStats()
     err.print(f"kvaudit fuzz: preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, out {out_dir}", soft_wrap=True)
+              f"budget {max_time:g}s, out {out_dir}"
+              + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     _warn_unreachable_bugs(config, err)
-    progress = _Progress(err, max_time)
+    progress = _Progress(err, max_time, suppressions=sset)
     found = crash = None
     try:
         with progress:
-            found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update)
+            found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update, suppressions=sset)
             if found is not None:
                 stats.phase = "confirming and minimizing"
                 stats.findings = 1
                 progress.update(stats, force=True)
-                crash = triage(config, found[0], found[1][0])
+                # the report's hit counts are the search's: triage's many reruns count apart
+                crash = triage(config, found[0], found[1][0], suppressions=sset.fresh() if sset is not None else None)
     except KeyboardInterrupt:
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
@@ -201,20 +226,24 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir):
         program, findings = found
         path = _write(out_dir, config, program, findings, seed=seed, confirmations="interrupted before confirmation",
                       minimized=False)
-        print_report(console, config, program, findings)
+        print_report(console, config, program, findings, suppressions=sset)
         err.print(f"interrupted while minimizing; the unminimized program is in {path}")
         return EXIT_FINDINGS
     if found is None:
+        if sset is not None:
+            print_suppressions(console, sset)
         console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
                       f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)")
         return EXIT_CLEAN
     if crash is None:
+        if sset is not None:
+            print_suppressions(console, sset)
         console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} times; "
                       "not reported (flaky)")
         return EXIT_CLEAN
     path = _write(out_dir, config, crash.program, crash.findings, seed=seed,
                   confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
-    print_report(console, config, crash.program, crash.findings)
+    print_report(console, config, crash.program, crash.findings, suppressions=sset)
     console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
                   f"{crash.original_length} -> {len(crash.program)} ops; reproduced "
                   f"{crash.confirmations}/{CONFIRM_RUNS}")
@@ -232,21 +261,26 @@ def _write(out_dir, config, program, findings, **extra) -> str:
 
 @main.command("replay")
 @click.argument("file", type=click.Path(dir_okay=False))
-def replay_cmd(file):
-    """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean."""
+@_suppress_option
+def replay_cmd(file, suppress_file):
+    """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
+    (or if --suppress rules match every finding)."""
     try:
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:
         raise InputError(str(e)) from None
+    sset = _suppressions(suppress_file)
     _check_device(config.device)
-    ex = execute(config, program)
+    ex = execute(config, program, suppressions=sset)
     console = _console()
-    print_report(console, config, program, ex.findings, program_title="program")
+    print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
     want = {f.signature for f in recorded}
     got = set(ex.signatures)
+    hidden = sorted(want & sset.suppressed_signatures()) if sset is not None else []
     if want:
-        same = "yes" if want <= got else "no"
-        console.print(f"recorded signature(s) reproduced: {same}")
+        same = "yes" if want <= got | set(hidden) else "no"
+        console.print(f"recorded signature(s) reproduced: {same}"
+                      + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
 
 

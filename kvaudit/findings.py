@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass, field
 
 import engine_under_test
 
-KINDS = ("leak", "use-after-free", "double-free", "aliasing", "accounting-drift", "lock-imbalance", "hang",
-         "crash")
+KINDS = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv", "accounting-drift", "lock-imbalance",
+         "liveness", "hang", "crash")
 # Kinds about a pool's counters or the engine's progress, not about one allocation: their
 # signature names what was checked instead of an allocation site.
-NO_SITE_KINDS = {"accounting-drift": "identity", "lock-imbalance": "lock_ref", "hang": "idle"}
+NO_SITE_KINDS = {"accounting-drift": "identity", "lock-imbalance": "lock_ref", "hang": "idle", "liveness": "progress"}
 
 
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(engine_under_test.__file__)))
@@ -66,6 +66,8 @@ class Finding:
     alloc_sites: list[Site] = field(default_factory=list)  # innermost first
     free_sites: list[Site] = field(default_factory=list)
     prev_free_sites: list[Site] = field(default_factory=list)  # double free: the earlier free
+    read_sites: list[Site] = field(default_factory=list)  # stale KV: where the stale slots were read
+    indirect: bool = False  # leak reachable only from a leaked owner (LeakSanitizer's indirect leak)
     owner_history: list[OwnerChange] = field(default_factory=list)
     op_index: int = -1
     step: int = -1
@@ -90,7 +92,7 @@ class Finding:
     @classmethod
     def from_dict(cls, d: dict) -> "Finding":
         d = {k: v for k, v in d.items() if k != "signature"}
-        for key in ("alloc_sites", "free_sites", "prev_free_sites"):
+        for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites"):
             d[key] = [Site(**s) for s in d.get(key, [])]
         d["owner_history"] = [OwnerChange(**o) for o in d.get("owner_history", [])]
         return cls(**d)
@@ -105,7 +107,10 @@ class Finding:
                 f"{many(n, 'slot')} ({many(self.num_units, 'page')})" if self.unit == "page" else many(n, "slot"))
         site = self.alloc_sites[0].short() if self.alloc_sites else "unknown site"
         head = {
-            "leak": f"Direct leak of {what} in pool {self.pool}, allocated at {site}",
+            "leak": f"{'Indirect' if self.indirect else 'Direct'} leak of {what} in pool {self.pool}, allocated at {site}",
+            "stale-kv": (f"Stale KV: {what} in pool {self.pool} read at "
+                         f"{self.read_sites[0].short() if self.read_sites else '?'}: {self.message}"),
+            "liveness": f"Liveness: {self.message}",
             "use-after-free": f"Use-after-free of {what} in pool {self.pool}, allocated at {site}",
             "double-free": (f"Double free of {what} in pool {self.pool}, freed again at "
                             f"{self.free_sites[0].short() if self.free_sites else '?'}"),

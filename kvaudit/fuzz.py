@@ -32,6 +32,17 @@ class FindingFound(AssertionError):
     """Raised inside a test case so that Hypothesis records it as failing and shrinks it."""
 
 
+_KIND_ERRORS: dict[str, type] = {}
+
+
+def _finding_error(kind: str) -> type:
+    """A FindingFound subclass per finding kind: Hypothesis tells failures apart by exception type,
+    so a shrink never trades a use-after-free for the double free it leads to."""
+    if kind not in _KIND_ERRORS:
+        _KIND_ERRORS[kind] = type(f"FindingFound_{kind.replace('-', '_')}", (FindingFound,), {})
+    return _KIND_ERRORS[kind]
+
+
 @dataclass
 class FuzzStats:
     started: float = field(default_factory=time.monotonic)
@@ -67,11 +78,11 @@ class _Recorder:
         self.last_failure: tuple[list[Op], list[Finding]] | None = None
 
 
-def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
+def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions=None):
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.run = AuditedRun(config, full_stacks=False)
+            self.run = AuditedRun(config, full_stacks=False, suppressions=suppressions)
             self.ops: list[Op] = []
 
         def _do(self, op: Op) -> None:
@@ -85,7 +96,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
             found = self.run.apply(op)
             if found:
                 rec.last_failure = (list(self.ops), found)
-                raise FindingFound(found[0].signature)
+                raise _finding_error(found[0].kind)(found[0].signature)
 
         @rule(family=st.integers(0, 7), prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 12),
               stop_at=st.none() | st.integers(1, 12))
@@ -107,7 +118,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
             def open_session(self):
                 self._do(OpenSession())
 
-            @rule(session=st.integers(0, 3), family=st.integers(0, 7), prompt_len=st.integers(1, 24),
+            @rule(session=st.integers(0, 3), family=st.integers(0, 7), prompt_len=st.integers(1, 48),
                   max_new_tokens=st.integers(1, 12), stop_at=st.none() | st.integers(1, 12))
             def submit_turn(self, session, family, prompt_len, max_new_tokens, stop_at):
                 self._do(Submit(family, prompt_len, max_new_tokens, stop_at, session=session))
@@ -146,28 +157,37 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int):
     return ProgramMachine
 
 
-def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS) -> int:
-    """How many of ``runs`` fresh replays yield ``signature``."""
-    return sum(signature in execute(config, program, full_stacks=False).signatures for _ in range(runs))
+def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS,
+            suppressions=None) -> int:
+    """How many of ``runs`` fresh replays yield ``signature`` (with ``suppressions``, a
+    :class:`kvaudit.suppress.SuppressionSet`, left out of each)."""
+    return sum(signature in execute(config, program, full_stacks=False, suppressions=suppressions).signatures
+               for _ in range(runs))
 
 
-def triage(config: EngineConfig, program: list[Op], finding: Finding) -> Crash | None:
-    """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K."""
+def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressions=None) -> Crash | None:
+    """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K.
+    ``suppressions`` applies to every run, so the crash keeps an unsuppressed signature and lists
+    no suppressed findings."""
     sig = finding.signature
-    if confirm(config, program, sig) < CONFIRM_RUNS:
+    if confirm(config, program, sig, suppressions=suppressions) < CONFIRM_RUNS:
         return None
-    small = minimize(config, program, sig)
-    final = execute(config, small)  # full stacks and owners, for the report
+    small = minimize(config, program, sig, suppressions)
+    final = execute(config, small, suppressions=suppressions)  # full stacks and owners, for the report
     primary = next(f for f in final.findings if f.signature == sig)
     others = [f for f in final.findings if f is not primary]
-    return Crash(config, small, [primary] + others, len(program), confirm(config, small, sig))
+    return Crash(config, small, [primary] + others, len(program),
+                 confirm(config, small, sig, suppressions=suppressions))
 
 
 def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,
                       on_progress: Callable[[FuzzStats], None] | None = None,
-                      batch_examples: int = 100, max_steps: int = 16) -> tuple[list[Op], list[Finding]] | None:
+                      batch_examples: int = 100, max_steps: int = 16,
+                      suppressions=None) -> tuple[list[Op], list[Finding]] | None:
     """Run seeded Hypothesis batches until a finding or ``max_time`` seconds. Returns the shrunk
-    failing program and its findings, or None."""
+    failing program and its findings, or None. Findings that ``suppressions`` (a
+    :class:`kvaudit.suppress.SuppressionSet`) covers are not findings: the search goes on past them
+    (they count as hits of the set)."""
     deadline = time.monotonic() + max_time
     rec = _Recorder(stats, deadline)
     # Long prompts from 8 families fill the default 512-slot pool in a few submits, so eviction
@@ -178,7 +198,7 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
                   phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)
     batch = 0
     while time.monotonic() < deadline:
-        machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt))
+        machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt, suppressions))
         try:
             run_state_machine_as_test(machine, settings=hs)
         except (FindingFound, FlakyFailure):

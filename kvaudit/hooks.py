@@ -21,6 +21,7 @@ import torch
 
 import kvaudit
 from kvaudit.findings import Finding, OwnerChange, Site, portable_path
+from kvaudit.shadow import ShadowKV
 from kvaudit.targets.base import PoolSpec
 
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
@@ -78,7 +79,7 @@ class Auditor:
     findings raised inside hooks (double free, aliasing at alloc) until the runner takes them.
     """
 
-    def __init__(self, target, full_stacks: bool = True):
+    def __init__(self, target, full_stacks: bool = True, shadow: bool = True):
         self.target = target
         self.full_stacks = full_stacks
         self.ledgers = {spec.name: PoolLedger(spec) for spec in target.pools()}
@@ -100,6 +101,10 @@ class Auditor:
             (frozenset(self._skip_files), self._hint_vars, self._stop_vars), {})
         for spec in target.pools():
             self._install(spec)
+        self.shadow: ShadowKV | None = None
+        if shadow and hasattr(target, "install_shadow"):
+            self.shadow = ShadowKV(target.kv_pools())
+            target.install_shadow(self.shadow, self._wrap, self._stale_kv)
 
     # -- sites ------------------------------------------------------------------------------
     # Per code object: (is framework, look for owner). Keyed by id(code): hashing a code object
@@ -242,6 +247,14 @@ class Auditor:
         led.allocated[units] = False
         led.last_free[units] = ev.id
         led.allocated[0] = True
+
+    def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
+        """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.shadow`)."""
+        ps = self.ledgers[pool].spec.page_size
+        f = self._unit_finding("stale-kv", pool, np.unique(slots // ps), message)
+        f.slots = sorted(set(slots.tolist()))
+        f.read_sites = self.site(self.capture_site())
+        self.pending.append(f)
 
     # -- findings ---------------------------------------------------------------------------
     def _unit_finding(self, kind: str, pool: str, units: np.ndarray, message: str,

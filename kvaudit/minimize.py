@@ -15,8 +15,8 @@ from kvaudit.program import Abort, Op, Step, Submit
 from kvaudit.runner import execute
 
 
-def reproduces(config: EngineConfig, program: list[Op], signature: str) -> bool:
-    return signature in execute(config, program, full_stacks=False).signatures
+def reproduces(config: EngineConfig, program: list[Op], signature: str, suppressions=None) -> bool:
+    return signature in execute(config, program, full_stacks=False, suppressions=suppressions).signatures
 
 
 def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
@@ -66,7 +66,23 @@ def _simpler(op: Op) -> list[Op]:
         out += [Step(1), Step(op.n // 2)]
     elif isinstance(op, Abort) and op.handle not in (None, 0):
         out.append(Abort(0))
+    if isinstance(op, Submit):
+        out += [dataclasses.replace(op, **{f: None}) for f in ("session", "extends") if getattr(op, f) is not None]
     return out
+
+
+def merge_steps(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """Fold each run of adjacent ``step`` ops into one ``step(n=sum)`` when the program still fails
+    (the same scheduler iterations, written as one op)."""
+    i = 0
+    while i + 1 < len(ops):
+        if isinstance(ops[i], Step) and isinstance(ops[i + 1], Step):
+            trial = ops[:i] + [Step(ops[i].n + ops[i + 1].n)] + ops[i + 2 :]
+            if fails(trial):
+                ops = trial
+                continue
+        i += 1
+    return ops
 
 
 def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool], max_rounds: int = 4) -> list[Op]:
@@ -83,19 +99,21 @@ def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool], max_rounds: 
     return ops
 
 
-def minimize(config: EngineConfig, program: list[Op], signature: str) -> list[Op]:
+def minimize(config: EngineConfig, program: list[Op], signature: str, suppressions=None) -> list[Op]:
     """The smallest program found that still yields ``signature``. Raises ``ValueError`` if the
-    input program does not reproduce it."""
+    input program does not reproduce it. With ``suppressions`` (a
+    :class:`kvaudit.suppress.SuppressionSet`) every run leaves the findings it covers out, so a
+    suppressed finding earlier in the program neither stops a run nor counts."""
     cache: dict[tuple, bool] = {}
 
     def fails(ops: list[Op]) -> bool:
         key = tuple(ops)
         if key not in cache:
-            cache[key] = bool(ops) and reproduces(config, ops, signature)
+            cache[key] = bool(ops) and reproduces(config, ops, signature, suppressions)
         return cache[key]
 
     if not fails(list(program)):
         raise ValueError(f"program does not reproduce {signature}")
     ops = ddmin(list(program), fails)
     ops = simplify_args(ops, fails)
-    return ddmin(ops, fails)
+    return merge_steps(ddmin(ops, fails), fails)

@@ -6,11 +6,15 @@ Reachability is a mark and sweep over the target's roots, per pool, against the 
 * reachable but free in the ledger     -> ``use-after-free``
 * privately owned by two roots         -> ``aliasing``
 
+Leaks are *direct* or *indirect* (reachable only from a leaked request row), as in LeakSanitizer.
+
 The accounting identity is SGLang's ``available + evictable + protected + session_held + uncached
-== total`` (``invariant_checker.py``), with ``uncached`` taken from kvaudit's own marks of live
-requests, never from the engine. When it fails while reachability is clean, the finding is
-``accounting-drift``: a counter is wrong, memory is intact. Double frees and aliasing at
-allocation come from the hooks (:mod:`kvaudit.hooks`).
+== total`` (``invariant_checker.py``), with ``uncached`` and ``session_held`` taken from kvaudit's
+own marks of live requests and session slots, never from the engine. When it fails while
+reachability is clean -- or the engine's own ``check_memory()`` or metrics fail while every
+kvaudit oracle is clean -- the finding is ``accounting-drift``: a counter is wrong, memory is
+intact. Lock balance is checked at idle. Double frees, aliasing at allocation and stale KV come
+from the hooks (:mod:`kvaudit.hooks`, :mod:`kvaudit.shadow`).
 """
 
 from __future__ import annotations
@@ -21,19 +25,31 @@ from kvaudit.findings import Finding
 from kvaudit.hooks import Auditor
 
 
-def check(auditor: Auditor, target) -> list[Finding]:
-    """Run every oracle once; returns the findings (also records owner changes in the ledger)."""
+KIND_ORDER = ("use-after-free", "double-free", "stale-kv", "aliasing", "leak", "lock-imbalance", "accounting-drift",
+              "liveness", "hang", "crash")
+
+
+def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False) -> list[Finding]:
+    """Run every oracle once; returns the findings, root causes first (a use-after-free before the
+    leak it leaves behind). Also records owner changes in the ledger.
+
+    ``idle``: the engine is quiescent, so lock balance is checked too (a leaked lock shows only
+    once its holder is gone). ``scan_only``: use-after-free only, by requests not being aborted
+    (the mid-step scan after intake; an aborted request's in-flight result releases it next).
+    """
     findings: list[Finding] = []
     by_pool: dict[str, list] = {name: [] for name in auditor.ledgers}
-    for root in target.roots():
+    for root in (target.roots(aborting=False) if scan_only else target.roots()):
         by_pool[root.pool].append(root)
-    acc = target.accounting()
+    acc = {} if scan_only else target.accounting()
+    leaked: dict[str, np.ndarray] = {}
+    drift: list[Finding] = []
     for pool, led in auditor.ledgers.items():
         n = led.allocated.size
         referenced = np.zeros(n, dtype=bool)
         private = np.zeros(n, dtype=bool)
         owner = np.zeros(n, dtype=np.int64)
-        private_units, req_units = [], []
+        private_units, req_units, session_units = [], [], []
         for root in by_pool[pool]:
             referenced[root.units] = True
             if root.private:
@@ -41,20 +57,23 @@ def check(auditor: Auditor, target) -> list[Finding]:
                 owner[root.units] = auditor.owner_id(root.owner)
                 if root.role == "req":
                     req_units.append(root.units)
+                elif root.role == "session":
+                    session_units.append(root.units)
         referenced[0] = True  # the reserved unit reads as allocated in the ledger
-        if (owner != led.owner).any():
+        if not scan_only and (owner != led.owner).any():
             changed = np.flatnonzero(owner != led.owner)
             auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
             led.owner = owner
         pool_findings = []
         if (led.allocated != referenced).any():
-            for kind, units, msg in (
-                    ("leak", np.flatnonzero(led.allocated & ~referenced), "allocated, unreachable from every root"),
-                    ("use-after-free", np.flatnonzero(referenced & ~led.allocated),
-                     "referenced by a live owner but free in the ledger")):
-                if units.size:
-                    pool_findings.extend(_group_by_site(auditor, kind, pool, units, msg))
-        if private_units:
+            uaf = np.flatnonzero(referenced & ~led.allocated)
+            if uaf.size:
+                pool_findings.extend(_group_by_site(auditor, "use-after-free", pool, uaf,
+                                                    "referenced by a live owner but free in the ledger"))
+            lost = np.flatnonzero(led.allocated & ~referenced)
+            if lost.size and not scan_only:
+                leaked[pool] = lost
+        if private_units and not scan_only:
             cat = np.concatenate(private_units)
             private[cat] = True
             if np.count_nonzero(private) != cat.size:  # some unit is privately owned twice
@@ -62,22 +81,82 @@ def check(auditor: Auditor, target) -> list[Finding]:
                 pool_findings.extend(_group_by_site(auditor, "aliasing", pool, alias,
                                                     "privately owned by more than one root"))
         a = acc.get(pool)
-        if a is not None and not pool_findings:
-            req_private = np.zeros(n, dtype=bool)
-            for u in req_units:
-                req_private[u] = True
-            uncached = int(np.count_nonzero(req_private)) * led.spec.page_size
-            lhs = a.available + a.evictable + a.protected + a.session_held + uncached
-            if lhs != a.total:
-                pool_findings.append(Finding(
-                    kind="accounting-drift", pool=pool, unit="slot",
-                    message=(f"available={a.available} + evictable={a.evictable} + protected={a.protected} + "
-                             f"session_held={a.session_held} + uncached={uncached} = {lhs} != total={a.total}, "
-                             f"while every allocated unit is reachable"),
-                    op_index=auditor.op_index, step=auditor.step))
+        if a is not None and not pool_findings and pool not in leaked:
+            drift.extend(_identity(auditor, pool, led, a, req_units, session_units))
         findings.extend(pool_findings)
-    findings.extend(_lock_balance(auditor, target))
+    findings.extend(_leaks(auditor, target, leaked))
+    if not scan_only:
+        if not findings:
+            findings.extend(drift or _engine_disagrees(auditor, target))
+        if idle:
+            findings.extend(_lock_balance(auditor, target))
+    findings.sort(key=lambda f: KIND_ORDER.index(f.kind) if f.kind in KIND_ORDER else len(KIND_ORDER))
     return attach_engine_verdict(target, findings)
+
+
+def _units_count(units: list[np.ndarray], n: int) -> int:
+    mark = np.zeros(n, dtype=bool)
+    for u in units:
+        mark[u] = True
+    return int(np.count_nonzero(mark))
+
+
+def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units) -> list[Finding]:
+    """The accounting identity with kvaudit's own ``uncached`` and ``session_held``, and the engine's
+    counters against the ledger: ``available`` must equal the units the ledger holds as free, and
+    the engine's ``session_held`` the units session slots hold privately."""
+    ps, n = led.spec.page_size, led.allocated.size
+    uncached = _units_count(req_units, n) * ps
+    held = _units_count(session_units, n) * ps
+    out = []
+
+    def drift(msg: str) -> None:
+        out.append(Finding(kind="accounting-drift", pool=pool, unit="slot", message=msg,
+                           op_index=auditor.op_index, step=auditor.step))
+
+    free_units = (n - 1) - int(np.count_nonzero(led.allocated[1:]))
+    if led.spec.kind == "kv" and a.available != free_units * ps:
+        drift(f"the engine reports available={a.available} but the ledger holds {free_units * ps} slots free")
+    if a.session_held != held:
+        drift(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
+    lhs = a.available + a.evictable + a.protected + held + uncached
+    if lhs != a.total:
+        drift(f"available={a.available} + evictable={a.evictable} + protected={a.protected} + "
+              f"session_held={held} + uncached={uncached} = {lhs} != total={a.total}, "
+              f"while every allocated unit is reachable")
+    return out[:1]
+
+
+def _engine_disagrees(auditor: Auditor, target) -> list[Finding]:
+    """The engine's own ``check_memory()`` (and its metrics) fail while every kvaudit oracle is
+    clean: the checker or a counter is wrong, memory is intact (``accounting-drift``)."""
+    out = []
+    for line in target.engine_check() + getattr(target, "metrics_check", lambda: [])():
+        pool = line[1:line.index("]")] if line.startswith("[") else "-"
+        out.append(Finding(kind="accounting-drift", pool=pool, unit="slot",
+                           message=f"the engine's own check fails while memory is intact: {line}",
+                           op_index=auditor.op_index, step=auditor.step))
+    return out[:1]
+
+
+def _leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray]) -> list[Finding]:
+    """Leaks, classified as LeakSanitizer does: units reachable only from a leaked row (the
+    request's KV, buffers and host copies) are *indirect*; the rest are *direct*."""
+    rows = leaked.get("req_to_token_pool")
+    via_rows = target.units_of_rows(rows) if rows is not None and hasattr(target, "units_of_rows") else {}
+    out = []
+    for pool, units in leaked.items():
+        held = via_rows.get(pool)
+        indirect = units[np.isin(units, held)] if held is not None and held.size else units[:0]
+        direct = np.setdiff1d(units, indirect)
+        if direct.size:
+            out.extend(_group_by_site(auditor, "leak", pool, direct, "allocated, unreachable from every root"))
+        for f in (_group_by_site(auditor, "leak", pool, indirect, "reachable only from a leaked request row")
+                  if indirect.size else []):
+            f.indirect = True
+            out.append(f)
+    out.sort(key=lambda f: f.indirect)
+    return out
 
 
 def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:

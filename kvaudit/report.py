@@ -18,6 +18,7 @@ from rich.text import Text
 from engine_under_test import EngineConfig
 from kvaudit.findings import Finding, Site, source_path
 from kvaudit.program import Op, format_op
+from kvaudit.suppress import SuppressionSet
 
 
 def _stack(title: str, sites: list[Site]) -> Group:
@@ -99,11 +100,49 @@ def summary_table(findings: list[Finding], deduplicated: int = 0) -> Table:
     return t
 
 
+def suppressions_table(suppressions: SuppressionSet) -> Table:
+    """Each rule with its hit count (findings it suppressed); a rule that matched nothing is flagged."""
+    t = Table(title="suppressions used", title_justify="left",
+              caption=suppressions.path, caption_justify="left")
+    t.add_column("#", justify="right")
+    t.add_column("kind", no_wrap=True)
+    for col in ("pool", "site", "reason"):
+        t.add_column(col, overflow="fold")
+    t.add_column("hits", justify="right", no_wrap=True)
+    for s in suppressions:
+        any_ = Text("*", style="dim")
+        cells = [s.kind or any_, s.pool or any_, s.site or any_, s.reason or Text("-", style="dim")]
+        if s.hits:
+            t.add_row(str(s.index), *cells, str(s.hits))
+        else:
+            t.add_row(str(s.index), *cells, "0 (matched nothing)", style="yellow")
+    return t
+
+
+def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
+    """The "suppressions used" table and a line counting the rules that matched nothing."""
+    if not len(suppressions):
+        console.print(Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
+                           style="dim"), soft_wrap=True)
+        return
+    console.print(suppressions_table(suppressions))
+    unused = suppressions.unused()
+    if unused:
+        console.print(Text(f"{len(unused)} suppression(s) matched nothing: "
+                           + ", ".join(f"#{s.index} ({s.describe()})" for s in unused), style="yellow"),
+                      soft_wrap=True)
+
+
 def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
-                 deduplicated: int = 0, program_title: str = "minimized program") -> None:
+                 deduplicated: int = 0, program_title: str = "minimized program",
+                 suppressions: SuppressionSet | None = None) -> None:
+    """The report: a header, one panel per finding, the summary and, with ``suppressions``, the
+    suppressions used (``findings`` are the unsuppressed ones)."""
     bugs = ", ".join(sorted(config.bugs)) or "none"
     console.print(Text(f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, "
                        f"page_size {config.page_size}", style="bold"))
     for i, f in enumerate(findings):
         console.print(finding_renderable(f, program, i, program_title))
     console.print(summary_table(findings, deduplicated))
+    if suppressions is not None:
+        print_suppressions(console, suppressions)

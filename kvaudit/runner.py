@@ -18,6 +18,8 @@ from kvaudit.program import Idle, Op, Step
 from kvaudit.targets.eut import EutTarget
 
 MAX_IDLE_STEPS = 2000
+LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
+STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -38,14 +40,22 @@ class AuditedRun:
     ``audit=False`` runs the bare engine (for throughput baselines); ``oracles=False`` keeps the
     hooks' ledger (double free, aliasing at alloc) but skips the per-step reachability scan;
     ``full_stacks=False`` is the fuzzers' fast mode (see :class:`kvaudit.hooks.Auditor`).
+    ``suppressions`` (a :class:`kvaudit.suppress.SuppressionSet`) moves the findings it covers to
+    ``self.suppressed``: they are never returned or kept in ``self.findings``.
     """
 
     def __init__(self, config: EngineConfig, audit: bool = True, run_oracles: bool = True,
-                 full_stacks: bool = True):
+                 full_stacks: bool = True, suppressions=None):
+        self.suppressions, self.suppressed = suppressions, []
+        # a site glob may name any frame: record whole stacks, so fast and full runs match alike
+        full_stacks = full_stacks or (suppressions is not None and suppressions.needs_full_stacks)
         self.target = EutTarget(config)
         self.auditor = Auditor(self.target, full_stacks=full_stacks) if audit else None
         self.run_oracles = audit and run_oracles
+        if self.run_oracles and hasattr(self.target, "on_intake"):
+            self.target.on_intake(self._intake_scan)
         self.findings: list[Finding] = []
+        self._progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
         self.ops_run = 0
 
     def _check(self, scan: bool = True) -> list[Finding]:
@@ -55,32 +65,65 @@ class AuditedRun:
         self.auditor.step = self.target.steps
         found, self.auditor.pending = self.auditor.pending, []
         if not found and self.run_oracles and scan:
-            return oracles.check(self.auditor, self.target)
+            return oracles.check(self.auditor, self.target, idle=self.target.is_idle())
         return oracles.attach_engine_verdict(self.target, found)
+
+    def _intake_scan(self) -> None:
+        """Reachability right after the engine took its messages, before it schedules: a close or an
+        abort that frees memory still in use shows as use-after-free here, before the release that
+        follows in the same step turns it into a double free."""
+        if not self.auditor.pending:
+            self.auditor.pending.extend(oracles.check(self.auditor, self.target, scan_only=True))
 
     def _step(self) -> list[Finding]:
         if self.auditor is not None:
             self.auditor.step = self.target.steps + 1
         self.target.step()
-        return self._check()
+        found = self._check()
+        if not found and self.run_oracles and hasattr(self.target, "progress"):
+            found = self._liveness()
+        return found
+
+    def _liveness(self) -> list[Finding]:
+        """``liveness``: a request that holds KV, or was aborted, and makes no progress for
+        LIVENESS_STEPS steps (a parked request nobody schedules, an abort that never ends it)."""
+        now, seen = self.target.steps, {}
+        for rid, value in self.target.progress().items():
+            last = self._progress.get(rid)
+            seen[rid] = last if last is not None and last[0] == value else (value, now)
+        self._progress = seen
+        stuck = sorted(rid for rid, (_, since) in seen.items() if now - since >= LIVENESS_STEPS)
+        if not stuck:
+            return []
+        self._progress = {}
+        what = "aborted, never finished" if seen[stuck[0]][0] < 0 else "holds KV"
+        f = Finding(kind="liveness", pool="-", op_index=self.ops_run - 1, step=now,
+                    message=f"req:{stuck[0]} ({what}) made no progress for {LIVENESS_STEPS} steps"
+                            + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
+        return oracles.attach_engine_verdict(self.target, [f])
 
     def apply(self, op: Op) -> list[Finding]:
         """Run one op; returns the findings it produced (also kept in ``self.findings``)."""
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
         self.ops_run += 1
+        # suppressed findings are sifted out as they come, so that they do not end a step loop either
+        sets = self.suppressions
+        sift = (lambda fs: fs) if sets is None else (lambda fs: sets.sift(fs, self.suppressed))
         try:
             found: list[Finding] = []
             if isinstance(op, Step):
                 for _ in range(max(1, op.n)):
-                    found = self._step()
+                    found = sift(self._step())
                     if found:
                         break
             elif isinstance(op, Idle):
+                stalled = 0
                 for _ in range(MAX_IDLE_STEPS):
                     idle = self.target.is_idle()
-                    found = self._step()  # when idle, this iteration runs the engine's on_idle
-                    if found or idle:
+                    found = sift(self._step())  # when idle, this iteration runs the engine's on_idle
+                    stalled = stalled + 1 if getattr(self.target, "stalled", lambda: False)() else 0
+                    if found or idle or stalled > STALL_STEPS:
                         break
                 else:
                     found = [self._hang_finding()]
@@ -89,6 +132,7 @@ class AuditedRun:
                 found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps)]
+        found = sift(found)
         self.findings.extend(found)
         return found
 
@@ -121,9 +165,10 @@ def _crash_finding(exc: BaseException, op_index: int, step: int) -> Finding:
 
 
 def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
-            full_stacks: bool = True) -> Execution:
-    """Run ``program`` from a fresh engine; stop at the first op that produced a finding."""
-    with AuditedRun(config, audit=audit, full_stacks=full_stacks) as run:
+            full_stacks: bool = True, suppressions=None) -> Execution:
+    """Run ``program`` from a fresh engine; stop at the first op that produced a finding (one that
+    ``suppressions``, a :class:`kvaudit.suppress.SuppressionSet`, does not cover)."""
+    with AuditedRun(config, audit=audit, full_stacks=full_stacks, suppressions=suppressions) as run:
         for op in program:
             found = run.apply(op)
             if found and stop_on_finding:

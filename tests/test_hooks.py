@@ -99,7 +99,7 @@ def test_pd_decode_records_pre_alloc_site(make_audited, page_size):
 
 def test_batch_allocation_is_not_attributed_to_one_request(make_audited):
     """A decode step allocates for the whole batch: no single request owns that allocation."""
-    target, auditor = make_audited("pd-decode", page_size=1)
+    target, auditor = make_audited("pd-decode", page_size=1, max_running_requests=4)
     target.apply(Submit(family=0, prompt_len=4, max_new_tokens=6))
     target.apply(Submit(family=1, prompt_len=5, max_new_tokens=6))
     run_steps(target, auditor, 4)

@@ -128,3 +128,15 @@ def test_minimize_rejects_a_signature_the_program_does_not_yield(buggy_config):
 def test_minimize_of_empty_program_raises(buggy_config):
     with pytest.raises(ValueError):
         minimize(buggy_config, [], "leak/hisparse_device/admit_request_direct@hisparse.py")
+
+
+def test_adjacent_steps_are_folded_when_the_program_still_fails():
+    from kvaudit.minimize import merge_steps
+    from kvaudit.program import Idle, Step, Submit
+
+    def fails(ops):  # fails while at least 3 scheduler steps run before the idle
+        return sum(op.n for op in ops if isinstance(op, Step)) >= 3 and isinstance(ops[-1], Idle)
+
+    ops = [Submit(), Step(1), Step(1), Step(2), Idle()]
+    assert merge_steps(ops, fails) == [Submit(), Step(4), Idle()]
+    assert merge_steps([Submit(), Step(1), Idle()], fails) == [Submit(), Step(1), Idle()]

@@ -381,3 +381,123 @@ def test_a_flush_that_ignores_live_requests_is_a_use_after_free(make_run, monkey
     run.apply(FlushCache())
     found = run.apply(Step(1))
     assert "use-after-free" in kinds(found)
+
+
+# -- (g) the oracles added with the full zoo -------------------------------------------------------
+
+def test_a_leaked_row_makes_its_kv_an_indirect_leak(make_run, monkeypatch):
+    """LeakSanitizer's classes: the row nobody holds is a direct leak; the KV slots only that row
+    references are indirect."""
+    run = started(make_run, "default", 1, steps=3)  # a prompt in the tree, then private decode KV
+    eng = run.target.engine
+    req = live_req(run)
+    eng.running_batch = [r for r in eng.running_batch if r is not req]  # the engine forgets it:
+    eng.last_batch = None  # its row and KV are lost
+    found = check(run)
+    leaks = [f for f in found if f.kind == "leak"]
+    direct = [f for f in leaks if not f.indirect]
+    indirect = [f for f in leaks if f.indirect]
+    assert [f.pool for f in direct] == ["req_to_token_pool"]
+    assert indirect and {f.pool for f in indirect} == {"token_to_kv_pool"}
+    assert indirect[0].summary().startswith("Indirect leak of")
+    assert set(indirect[0].slots) == set(row_slots(run, req).tolist()) - set(
+        torch_cat_tree(eng).tolist())
+
+
+def torch_cat_tree(eng):
+    import torch
+    vals = [n.value for n in eng.tree_cache.nodes() if n.value is not None]
+    return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("bugs", [(), ("aborted-kv-inserted",)], ids=["off", "on"])
+def test_stale_kv_reads_of_positions_an_aborted_request_never_wrote(make_run, bugs):
+    """aborted-kv-inserted: the aborted request's unwritten last position goes into the tree; a
+    request continuing its text reads it. The shadow tags say so; without the switch: clean."""
+    run = make_run("overlap", bugs=frozenset(bugs))
+    program = [Submit(family=0, prompt_len=6, max_new_tokens=8), Step(3), Abort(None), Idle(),
+               Submit(family=1, prompt_len=2, max_new_tokens=1, extends=0), Idle()]
+    found = []
+    for op in program:
+        found += run.apply(op)
+        if found:
+            break
+    if not bugs:
+        assert found == []
+        return
+    assert kinds(found)[:1] == ["stale-kv"]
+    f = found[0]
+    assert "never written" in f.message and f.read_sites and f.read_sites[0].function == "run_batch"
+    assert f.op_index == 5
+
+
+def test_stale_kv_tags_follow_hicache_copies_without_false_alarms(make_run):
+    """Demoted to host and loaded back: the tags travel with the copies, so no stale read."""
+    run = make_run("hicache")
+    for op in [Submit(family=0, prompt_len=40, max_new_tokens=2), Idle(), Submit(family=0, prompt_len=3), Idle()]:
+        assert run.apply(op) == []
+    eng = run.target.engine
+    assert run.apply(Submit(family=0, prompt_len=40, max_new_tokens=2)) == []
+    assert run.apply(Idle()) == []
+    run.target.engine.memory_pressure()
+    assert run.apply(Step(1)) == [] and eng.tree_cache.host_size() > 0
+    assert run.apply(Submit(family=0, prompt_len=44, max_new_tokens=2)) == []
+    assert run.apply(Idle()) == []
+    assert eng.tree_cache.evictable_size() >= 40  # loaded back and read by the last request
+
+
+def test_a_request_that_stops_making_progress_is_a_liveness_finding(make_run, monkeypatch):
+    run = started(make_run, "default", 1)
+    eng = run.target.engine
+    monkeypatch.setattr(eng, "update_running_batch", lambda: None)  # decode never scheduled again
+    found = run.apply(Step(400))
+    assert kinds(found) == ["liveness"]
+    assert "made no progress" in found[0].message and found[0].signature == "liveness/-/progress"
+
+
+def test_lock_balance_is_checked_at_idle_only(make_run):
+    """A lock taken and held by a live request balances; an unbalanced lock shows once idle."""
+    run = started(make_run, "default", 1)
+    eng = run.target.engine
+    node = live_req(run).lock
+    eng.tree_cache.inc_lock_ref(node)  # an extra lock nobody holds
+    assert check(run) == []  # busy: not checked
+    assert run.apply(Idle()) and kinds(run.findings)[-1:] == ["lock-imbalance"]
+
+
+def test_engine_identity_failing_while_memory_is_intact_is_accounting_drift(make_run):
+    """session-borrow-double-count: kvaudit's own identity holds, the engine's busy check fails."""
+    run = make_run("streaming-session", bugs=frozenset({"session-borrow-double-count"}))
+    from kvaudit.program import OpenSession
+    assert run.apply(OpenSession()) == []
+    assert run.apply(Submit(family=0, prompt_len=8, max_new_tokens=4, session=0)) == []
+    found = run.apply(Step(1))
+    assert kinds(found) == ["accounting-drift"]
+    assert "engine's own check fails" in found[0].message and found[0].pool == "token_to_kv_pool"
+
+
+def test_a_premature_free_is_use_after_free_before_it_becomes_a_double_free(make_run):
+    """session-close-while-running: the close frees the record under the running turn; the scan
+    right after intake names it use-after-free, although the turn's release that follows in the
+    same step frees the row a second time."""
+    from kvaudit.program import CloseSession, OpenSession
+    run = make_run("streaming-session", bugs=frozenset({"session-close-while-running"}))
+    for op in [OpenSession(), Submit(family=0, prompt_len=1, max_new_tokens=1, session=0), Step(1)]:
+        assert run.apply(op) == []
+    assert run.apply(CloseSession(0)) == []
+    found = run.apply(Idle())
+    assert kinds(found)[0] == "use-after-free"
+    assert "double-free" in kinds(found)
+
+
+def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):
+    """A request that cannot fit beside the KV open sessions hold waits, as in SGLang: not a hang."""
+    from kvaudit.program import OpenSession
+    run = make_run("streaming-session", page_size=4, num_slots=128)
+    assert run.apply(OpenSession()) == []
+    assert run.apply(Submit(family=2, prompt_len=60, max_new_tokens=1, session=0)) == []
+    assert run.apply(Idle()) == []
+    assert run.target.engine.session_held_tokens() > 0
+    assert run.apply(Submit(family=3, prompt_len=60, max_new_tokens=3)) == []
+    assert run.apply(Idle()) == []
+    assert run.target.engine.waiting_queue  # still waiting: stalled, and reported as nothing

@@ -31,3 +31,16 @@ def test_regression_reproduces_with_switch_and_is_clean_without(path):
         assert want <= set(execute(config, program).signatures)
     clean = execute(dataclasses.replace(config, bugs=frozenset()), program)
     assert clean.findings == []
+
+
+def test_every_zoo_bug_has_a_minimized_regression_of_its_finding_kind():
+    """The bug-zoo contract: each switch has a reproducer found by kvaudit, whose first finding has
+    the kind the zoo table gives, no longer than the table's shortest known program plus one op."""
+    from engine_under_test import BUGS
+
+    have = {os.path.basename(f)[: -len(".json")]: f for f in FILES}
+    assert sorted(have) == sorted(BUGS)
+    for name, bug in BUGS.items():
+        config, program, recorded, _ = replay.load(have[name])
+        assert recorded[0].kind == bug.finding, name
+        assert len(program) <= bug.min_ops + 1, f"{name}: {len(program)} ops, zoo min {bug.min_ops}"

@@ -27,6 +27,7 @@ class EutTarget:
         self.steps = 0
         self.submitted: list[str] = []  # rids in submission order (handles index the live ones)
         self.prompts: dict[str, list[int]] = {}
+        self.aborted: set[str] = set()  # rids an abort was sent for
         self.sessions: list[str] = []  # open session ids, in opening order
         self._finished: set[str] = set()
         self._seen_outputs = 0
@@ -85,12 +86,14 @@ class EutTarget:
         elif isinstance(op, FlushCache):
             eng.request_flush_cache()
         elif isinstance(op, Abort):
+            live = self.live_rids()
             if op.handle is None:
                 eng.abort_request(abort_all=True)
-            else:
-                live = self.live_rids()
-                if live:
-                    eng.abort_request(live[op.handle % len(live)])
+                self.aborted.update(live)
+            elif live:
+                rid = live[op.handle % len(live)]
+                eng.abort_request(rid)
+                self.aborted.add(rid)
         else:
             raise TypeError(f"op {op!r} does not go through apply()")
 
@@ -104,12 +107,136 @@ class EutTarget:
         out = next((o.output_ids for o in eng.finished_outputs if o.rid == rid), [])
         return self.prompts[rid] + out
 
+    def on_intake(self, callback) -> None:
+        """Call ``callback()`` each time the engine has taken a batch of messages, before it schedules."""
+        eng = self.engine
+        intake = eng.process_input_requests
+
+        def wrapper():
+            busy = bool(eng.recv_queue)
+            intake()
+            if busy:
+                callback()
+
+        eng.process_input_requests = wrapper
+
+    def progress(self) -> dict[str, int]:
+        """Per live request that holds KV or was aborted: a number that grows while it makes progress
+        (KV positions committed plus tokens sampled; -1 for an aborted request that holds nothing)."""
+        eng = self.engine
+        out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) + len(r.future_ids) for r in eng.requests_owning_rows()}
+        for rid in self.aborted.intersection(self.live_rids()):
+            out.setdefault(rid, -1)
+        return out
+
+    def stalled(self) -> bool:
+        """Only waiting requests are left and memory that open sessions hold keeps them out: SGLang
+        waits too (until the sessions close or time out). Not a hang."""
+        eng = self.engine
+        return (bool(eng.waiting_queue) and eng.session_held_tokens() > 0 and not eng.running_batch
+                and eng.last_batch is None and eng.chunked_req is None and not eng._hicache_in_flight()
+                and all(r.load_back is None for r in eng.waiting_queue))
+
+    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
+        """Units referenced by request rows ``rows`` (``[n] int64``): their KV slots, as units of each pool."""
+        eng, ps = self.engine, self.config.page_size
+        slots = eng.req_to_token_pool.req_to_token[torch.as_tensor(rows, dtype=torch.int64)].reshape(-1).cpu().numpy()
+        out = {"token_to_kv_pool": np.unique(slots // ps)}
+        hs = eng.hisparse_coordinator
+        if hs is not None:
+            for pool, held in (("hisparse_device", hs.req_to_device_buffer), ("hisparse_device", hs.req_prefill_physical),
+                               ("hisparse_host", hs.req_to_host_pool)):
+                mine = [held[int(r)].cpu().numpy() // ps for r in rows if int(r) in held]
+                if mine:
+                    out[pool] = np.unique(np.concatenate([out.get(pool, np.empty(0, np.int64))] + mine))
+        return out
+
+    def metrics_check(self) -> list[str]:
+        """The engine's session gauges against what kvaudit sees: every session holding KV is counted."""
+        eng = self.engine
+        m = eng.metrics()
+        holders = 0 if eng.session_controller is None else len(eng.session_controller.slots())
+        if m["num_streaming_sessions"] < holders:
+            return [f"[sessions] num_streaming_sessions={m['num_streaming_sessions']} but {holders} sessions hold KV"]
+        return []
+
     def step(self) -> None:
         self.steps += 1
         self.engine.step()
 
     def is_idle(self) -> bool:
         return self.engine.is_fully_idle() and not self.engine.recv_queue
+
+    # -- KV content (shadow tags) ------------------------------------------------------------
+    def kv_pools(self) -> dict[str, int]:
+        """Every pool whose slots hold KV content, with its size in token slots."""
+        return {spec.name: (spec.num_units + 1) * spec.page_size for spec in self._pools if spec.kind == "kv"}
+
+    def install_shadow(self, shadow, wrap, report) -> None:
+        """Report the engine's KV writes, copies and reads to ``shadow`` (:class:`kvaudit.shadow.ShadowKV`)
+        by wrapping, with ``wrap(obj, name, fn)``, the functions that move KV: the forward, the PD
+        transfer, and the HiSparse/HiCache device<->host copies. A read whose tags do not match the
+        reader's prefix calls ``report(pool, slots, message)``."""
+        eng = self.engine
+        hs, tree = eng.hisparse_coordinator, eng.tree_cache
+        table = eng.req_to_token_pool.req_to_token
+        main = "token_to_kv_pool"
+        forward, transfer = eng._forward, eng._commit_transfer_to_req
+
+        def context(req, start: int, end: int):
+            """(pool, slots, positions) the forward of ``[start, end)`` reads, positions < start only."""
+            if hs is None:
+                return main, table[req.kv.req_pool_idx, :start], None
+            if req.hisparse_admitted:
+                slots, pos = hs.physical_context(req)
+            else:
+                slots, pos = hs.prefill_context(req.kv.req_pool_idx, end)
+            keep = pos < start
+            return "hisparse_device", slots[keep], pos[keep]
+
+        def forward_wrapper(req, start, end, write_loc):
+            tags = shadow.prefix_tags(req, req.fill_ids + req.future_ids)
+            pool, slots, pos = context(req, start, end)
+            want = tags[:start] if pos is None else tags[pos.cpu().numpy()]
+            bad = shadow.read(pool, slots, want)
+            if bad.size:
+                got = shadow.tags[pool][shadow._idx(slots)[bad]]
+                what = "never written" if (got == 0).all() else "written for another token prefix"
+                at = bad if pos is None else pos.cpu().numpy()[bad]
+                report(pool, shadow._idx(slots)[bad],
+                       f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}")
+            out = forward(req, start, end, write_loc)
+            shadow.write("hisparse_device" if hs is not None else main, write_loc, tags[start:end])
+            return out
+
+        def transfer_wrapper(req):
+            n = req.kv.kv_committed_len  # the prefill side's KV of positions [0, n) lands now
+            tags = shadow.prefix_tags(req, req.fill_ids)[:n]
+            if hs is not None:
+                shadow.write("hisparse_host", hs.req_to_host_pool[req.kv.req_pool_idx][:n], tags)
+            else:
+                shadow.write(main, table[req.kv.req_pool_idx, :n], tags)
+            return transfer(req)
+
+        wrap(eng, "_forward", forward_wrapper)
+        wrap(eng, "_commit_transfer_to_req", transfer_wrapper)
+        if hs is not None:
+            backup, load = hs.backup, hs._load
+            wrap(hs, "backup", lambda dev, host: (shadow.copy("hisparse_host", host, "hisparse_device", dev),
+                                                  backup(dev, host))[1])
+            wrap(hs, "_load", lambda dev, host: (shadow.copy("hisparse_device", dev, "hisparse_host", host),
+                                                 load(dev, host))[1])
+        if eng.hicache_host_pool is not None:
+            tree_copy = tree._copy
+
+            def hicache_copy(dst, dst_idx, src, src_idx):
+                if dst is tree.host_pool:
+                    shadow.copy("hicache_host", dst_idx, main, src_idx)
+                else:
+                    shadow.copy(main, dst_idx, "hicache_host", src_idx)
+                return tree_copy(dst, dst_idx, src, src_idx)
+
+            wrap(tree, "_copy", hicache_copy)
 
     # -- observing --------------------------------------------------------------------------
     owner_hint_vars = ("req",)  # only frames of functions with such a local are inspected
@@ -121,7 +248,9 @@ class EutTarget:
         rid = getattr(frame_locals.get("req"), "rid", None)
         return f"req:{rid}" if isinstance(rid, str) else None
 
-    def roots(self) -> list[Root]:
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """Every reference into the pools. ``aborting=False`` leaves out requests already marked to
+        finish with an abort (their in-flight result is about to release them)."""
         eng, ps = self.engine, self.config.page_size
         table = eng.req_to_token_pool.req_to_token
         out: list[Root] = []
@@ -145,6 +274,8 @@ class EutTarget:
             record(slot.kv, f"session:{sid}", "session")
         held = {id(slot.kv) for _, slot in slots}
         for req in eng.requests_owning_rows():
+            if not aborting and req.to_finish is not None:
+                continue
             kv, owner = req.kv, f"req:{req.rid}"
             if id(kv) not in held:  # a turn on its session's record: the session root covers it
                 record(kv, owner, "req")
@@ -219,3 +350,14 @@ class EutTarget:
 
     def engine_check(self) -> list[str]:
         return [c.message() for c in self.engine.check_memory() if not c.ok]
+
+
+def _ranges(pos) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"`` (at most four ranges)."""
+    pos = sorted(int(p) for p in pos)
+    out, start = [], pos[0]
+    for a, b in zip(pos, pos[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out[:4]) + (", ..." if len(out) > 4 else "")

@@ -1,0 +1,222 @@
+"""Suppressions: known findings to leave out of a run, in the manner of LeakSanitizer's suppression files.
+
+A suppression file is TOML with one ``[[suppress]]`` table per rule::
+
+    [[suppress]]
+    kind = "leak"                                   # a finding kind (findings.KINDS) or "*"
+    pool = "hisparse_*"                             # fnmatch glob on the pool name
+    site = "*hisparse.py:*admit_request_direct*"    # fnmatch glob on any frame of the finding's stacks
+    reason = "known: sglang PR #22882, fixed upstream"
+
+Every key is optional, but a rule needs at least one of ``kind``, ``pool`` and ``site``; a rule
+matches a finding when every key it gives matches. ``site`` is matched against each frame of the
+finding's allocation, free, earlier-free (and stale-KV read) stacks, rendered both as ``hisparse.py:70 in
+admit_request_direct`` (:meth:`Site.short`) and as ``engine_under_test/hisparse.py:70 in
+admit_request_direct`` (the portable path); one matching frame is enough. Globs are
+case-sensitive (:func:`fnmatch.fnmatchcase`).
+
+A suppressed finding is not a finding: :class:`kvaudit.runner.AuditedRun` keeps it out of its
+findings, so the fuzzer keeps searching, and ``replay`` and ``fuzz`` exit 0 when every finding
+was suppressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Iterable, Iterator
+
+from kvaudit.findings import KINDS, Finding, Site
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API, when installed
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        tomllib = None  # type: ignore[assignment]
+
+KEYS = ("kind", "pool", "site", "reason")
+_PATTERN_KEYS = ("kind", "pool", "site")
+
+
+class SuppressionError(ValueError):
+    """A suppression file that cannot be used. The message is one line and names the file (and,
+    for a bad rule, its 1-based ``[[suppress]]`` entry number)."""
+
+
+@dataclass
+class Suppression:
+    """One ``[[suppress]]`` rule. ``None`` in ``kind``/``pool``/``site`` means "any".
+
+    ``index`` is the rule's 1-based position in its file; ``hits`` counts the findings it
+    suppressed (:meth:`SuppressionSet.match` increments it) and ``signatures`` collects their
+    signatures.
+    """
+
+    kind: str | None = None
+    pool: str | None = None
+    site: str | None = None
+    reason: str = ""
+    index: int = 0
+    hits: int = dataclasses.field(default=0, compare=False)
+    signatures: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
+
+    def matches(self, finding: Finding) -> bool:
+        """Whether this rule covers ``finding`` (pure: no hit is counted)."""
+        if self.kind is not None and self.kind != "*" and self.kind != finding.kind:
+            return False
+        if self.pool is not None and not fnmatchcase(finding.pool, self.pool):
+            return False
+        if self.site is not None:
+            return any(fnmatchcase(text, self.site) for text in _site_texts(finding))
+        return True
+
+    def describe(self) -> str:
+        """``kind=leak pool=hisparse_*``: the keys this rule gives, for one-line messages."""
+        return " ".join(f"{k}={getattr(self, k)}" for k in _PATTERN_KEYS if getattr(self, k) is not None)
+
+
+def _site_texts(finding: Finding) -> Iterator[str]:
+    for site in (*finding.alloc_sites, *finding.free_sites, *finding.prev_free_sites,
+                 *getattr(finding, "read_sites", ())):
+        yield site.short()
+        yield _full(site)
+
+
+def _full(site: Site) -> str:
+    return f"{site.file.replace(os.sep, '/')}:{site.line} in {site.function}"
+
+
+def _key(finding: Finding) -> tuple:
+    """What makes two reports in one run the same finding: a leak is re-reported after every step
+    while it lasts (with more slots when it grows), and must be counted once."""
+    return (finding.signature, tuple(finding.alloc_sites), tuple(finding.free_sites))
+
+
+def load_suppressions(path: str) -> list[Suppression]:
+    """Read and validate the TOML suppression file at ``path``.
+
+    Returns the rules in file order (an empty list for a file with no ``[[suppress]]`` entries).
+    Raises :class:`SuppressionError` (one line, naming ``path`` and the entry) for a missing or
+    unreadable file, a file that is not TOML (or not UTF-8), a top-level key other than
+    ``suppress``, an entry that is not a table, an unknown key, a value that is not a non-empty
+    string (``reason`` may be empty), an unknown ``kind``, or an entry with none of ``kind``,
+    ``pool`` and ``site``.
+    """
+    if tomllib is None:
+        raise SuppressionError(f"cannot read {path}: suppression files need Python 3.11 (tomllib) or the "
+                               "tomli package")
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except OSError as e:
+        raise SuppressionError(f"cannot read suppression file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SuppressionError(f"{path} is not a TOML suppression file: {_one_line(e)}") from None
+    except UnicodeDecodeError as e:
+        raise SuppressionError(f"{path} is not a TOML suppression file: not UTF-8 ({e.reason} at byte "
+                               f"{e.start})") from None
+    extra = sorted(set(doc) - {"suppress"})
+    if extra:
+        raise SuppressionError(f"{path}: unknown top-level key {extra[0]!r} (want [[suppress]] tables)")
+    entries = doc.get("suppress", [])
+    if not isinstance(entries, list):
+        raise SuppressionError(f"{path}: 'suppress' must be an array of tables ([[suppress]]), "
+                               f"not {_type(entries)}")
+    return [_entry(path, i, e) for i, e in enumerate(entries, start=1)]
+
+
+def _entry(path: str, index: int, entry) -> Suppression:
+    where = f"{path}: [[suppress]] entry {index}"
+    if not isinstance(entry, dict):
+        raise SuppressionError(f"{where}: must be a table, not {_type(entry)}")
+    unknown = [k for k in entry if k not in KEYS]
+    if unknown:
+        raise SuppressionError(f"{where}: unknown key {unknown[0]!r} (valid keys: {', '.join(KEYS)})")
+    for k, v in entry.items():
+        if not isinstance(v, str):
+            raise SuppressionError(f"{where}: {k} must be a string, not {_type(v)}")
+        if k != "reason" and not v:
+            raise SuppressionError(f"{where}: {k} must not be empty (leave the key out to match any {k})")
+    if not any(k in entry for k in _PATTERN_KEYS):
+        raise SuppressionError(f"{where}: give at least one of kind, pool, site")
+    kind = entry.get("kind")
+    if kind is not None and kind != "*" and kind not in KINDS:
+        raise SuppressionError(f"{where}: unknown kind {kind!r} (valid kinds: {', '.join(KINDS)}, or \"*\")")
+    return Suppression(kind=kind, pool=entry.get("pool"), site=entry.get("site"), reason=entry.get("reason", ""),
+                       index=index)
+
+
+def _type(v) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a float"}.get(type(v), type(v).__name__)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+class SuppressionSet:
+    """The rules of one suppression file, matched in order, with their hit counts."""
+
+    def __init__(self, suppressions: Iterable[Suppression], path: str | None = None):
+        self.suppressions = list(suppressions)
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str) -> "SuppressionSet":
+        """:func:`load_suppressions` as a set (raises :class:`SuppressionError` the same way)."""
+        return cls(load_suppressions(path), path)
+
+    def __iter__(self) -> Iterator[Suppression]:
+        return iter(self.suppressions)
+
+    def __len__(self) -> int:
+        return len(self.suppressions)
+
+    @property
+    def needs_full_stacks(self) -> bool:
+        """True when some rule has a ``site`` glob: it may name any frame, not only the innermost one
+        that the fuzzers' fast mode records, so runs must record whole stacks to match alike."""
+        return any(s.site is not None for s in self.suppressions)
+
+    def match(self, finding: Finding) -> Suppression | None:
+        """The first rule that covers ``finding``, with its ``hits`` incremented; None if no rule does."""
+        for s in self.suppressions:
+            if s.matches(finding):
+                s.hits += 1
+                s.signatures.add(finding.signature)
+                return s
+        return None
+
+    def sift(self, findings: list[Finding], suppressed: list[Finding]) -> list[Finding]:
+        """The findings no rule covers. Covered ones are appended to ``suppressed`` (one run's list);
+        one already there (the same signature and stacks: a leak re-reported on a later step) is
+        neither appended nor counted again, so ``hits`` counts distinct findings per run."""
+        kept = []
+        seen = {_key(g) for g in suppressed} if findings else set()
+        for f in findings:
+            rule = next((s for s in self.suppressions if s.matches(f)), None)
+            if rule is None:
+                kept.append(f)
+            elif _key(f) not in seen:
+                rule.hits += 1
+                rule.signatures.add(f.signature)
+                suppressed.append(f)
+                seen.add(_key(f))
+        return kept
+
+    def unused(self) -> list[Suppression]:
+        """The rules that have matched nothing so far (``hits == 0``), in file order."""
+        return [s for s in self.suppressions if s.hits == 0]
+
+    def fresh(self) -> "SuppressionSet":
+        """The same rules with every hit count at zero (for runs whose hits should not be reported)."""
+        return SuppressionSet([dataclasses.replace(s, hits=0, signatures=set()) for s in self.suppressions], self.path)
+
+    def suppressed_signatures(self) -> set[str]:
+        """The signatures of every finding suppressed so far."""
+        return set().union(*(s.signatures for s in self.suppressions))

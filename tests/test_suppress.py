@@ -1,0 +1,400 @@
+"""Suppression files: parsing, matching, the runner/fuzzer plumbing and the CLI's --suppress."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from kvaudit import replay
+from kvaudit.cli import main
+from kvaudit.findings import Finding, Site
+from kvaudit.fuzz import FuzzStats, hypothesis_search, triage
+from kvaudit.program import HealthCheck
+from kvaudit.runner import AuditedRun, execute
+from kvaudit.suppress import Suppression, SuppressionError, SuppressionSet, load_suppressions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REGRESSIONS = os.path.join(ROOT, "corpora", "regressions")
+HISPARSE = os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json")
+PD_ABORT = os.path.join(REGRESSIONS, "pd-abort-after-transfer-leak.json")
+BUG = "hisparse-prebuilt-skip-finish"
+DEVICE_LEAK = "leak/hisparse_device/admit_request_direct@hisparse.py"
+HOST_LEAK = "leak/hisparse_host/alloc_host@hisparse.py"
+
+
+def write(tmp_path, text, name="supp.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def one_error_line(result):
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.output
+    assert lines[0].startswith("kvaudit: error: "), lines[0]
+    return lines[0]
+
+
+def finding(kind="leak", pool="token_to_kv_pool", alloc=(), free=(), prev=()):
+    return Finding(kind=kind, pool=pool, message="m", alloc_sites=list(alloc), free_sites=list(free),
+                   prev_free_sites=list(prev))
+
+
+ADMIT = Site("engine_under_test/hisparse.py", 70, "admit_request_direct")
+COMMIT = Site("engine_under_test/scheduler.py", 538, "_commit_transfer_to_req")
+RELEASE = Site("engine_under_test/scheduler.py", 900, "release_kv_cache")
+ABORT = Site("engine_under_test/scheduler.py", 950, "abort_request")
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+def test_a_valid_file_loads_in_order(tmp_path):
+    path = write(tmp_path, '''
+# known problems
+[[suppress]]
+kind = "leak"
+pool = "hisparse_*"
+site = "*hisparse.py:*admit_request_direct*"
+reason = "known: sglang PR #22882, fixed upstream"
+
+[[suppress]]
+kind = "*"
+
+[[suppress]]
+pool = "req_to_token_pool"
+''')
+    rules = load_suppressions(path)
+    assert [r.index for r in rules] == [1, 2, 3]
+    assert rules[0] == Suppression(kind="leak", pool="hisparse_*", site="*hisparse.py:*admit_request_direct*",
+                                   reason="known: sglang PR #22882, fixed upstream", index=1)
+    assert (rules[1].kind, rules[1].pool, rules[1].site, rules[1].reason) == ("*", None, None, "")
+    assert (rules[2].kind, rules[2].pool) == (None, "req_to_token_pool")
+    assert all(r.hits == 0 for r in rules)
+    assert SuppressionSet.load(path).path == path
+
+
+def test_a_file_without_entries_is_no_rules(tmp_path):
+    assert load_suppressions(write(tmp_path, "# nothing suppressed yet\n")) == []
+
+
+@pytest.mark.parametrize("text, entry, why", [
+    ('[[suppress]]\nkind = "leak"\nfunction = "x"\n', 1, "unknown key 'function'"),
+    ('[[suppress]]\nkind = "leak"\n[[suppress]]\npool = "a"\nsites = "b"\n', 2, "unknown key 'sites'"),
+    ('[[suppress]]\nkind = 3\n', 1, "kind must be a string, not an integer"),
+    ('[[suppress]]\npool = ["a", "b"]\n', 1, "pool must be a string, not an array"),
+    ('[[suppress]]\nsite = true\n', 1, "site must be a string, not a boolean"),
+    ('[[suppress]]\nkind = "leak"\nreason = 1\n', 1, "reason must be a string"),
+    ('[[suppress]]\nkind = "leak"\n[[suppress]]\nkind = "laek"\n', 2, "unknown kind 'laek'"),
+    ('[[suppress]]\nreason = "no pattern"\n', 1, "at least one of kind, pool, site"),
+    ('[[suppress]]\n', 1, "at least one of kind, pool, site"),
+    ('[[suppress]]\nsite = ""\n', 1, "site must not be empty"),
+    ('suppress = [1]\n', 1, "must be a table"),
+], ids=["unknown-key", "unknown-key-entry-2", "kind-int", "pool-array", "site-bool", "reason-int", "unknown-kind",
+        "reason-only", "empty-entry", "empty-site", "entry-not-table"])
+def test_a_bad_entry_names_the_file_and_the_entry(tmp_path, text, entry, why):
+    path = write(tmp_path, text)
+    with pytest.raises(SuppressionError) as e:
+        load_suppressions(path)
+    msg = str(e.value)
+    assert path in msg and f"entry {entry}" in msg and why in msg, msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("text, why", [
+    ('[[suppress]\nkind = "leak"\n', "is not a TOML suppression file"),
+    ('kind = \n', "is not a TOML suppression file"),
+    ('{"suppress": []}\n', "is not a TOML suppression file"),
+    ('kind = "leak"\n', "unknown top-level key 'kind'"),
+    ('[[supress]]\nkind = "leak"\n', "unknown top-level key 'supress'"),
+    ('suppress = "leak"\n', "array of tables"),
+    ('[suppress]\nkind = "leak"\n', "array of tables"),
+], ids=["bad-header", "no-value", "json", "top-level-key", "typo-table", "suppress-string", "single-table"])
+def test_a_bad_file_names_the_file(tmp_path, text, why):
+    path = write(tmp_path, text)
+    with pytest.raises(SuppressionError) as e:
+        load_suppressions(path)
+    msg = str(e.value)
+    assert path in msg and why in msg, msg
+    assert "\n" not in msg
+
+
+def test_missing_directory_and_binary_files_are_suppression_errors(tmp_path):
+    for path in (str(tmp_path / "absent.toml"), str(tmp_path)):
+        with pytest.raises(SuppressionError, match="cannot read suppression file"):
+            load_suppressions(path)
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b'kind = "\xff\xfe"\n')
+    with pytest.raises(SuppressionError, match="not UTF-8") as e:
+        load_suppressions(str(binary))
+    assert str(binary) in str(e.value)
+
+
+# -- matching --------------------------------------------------------------------------------------
+
+def test_match_by_kind_and_any_kind():
+    leak, df = finding("leak"), finding("double-free")
+    assert Suppression(kind="leak").matches(leak)
+    assert not Suppression(kind="leak").matches(df)
+    assert Suppression(kind="*").matches(leak) and Suppression(kind="*").matches(df)
+
+
+def test_match_by_pool_glob():
+    rule = Suppression(pool="hisparse_*")
+    assert rule.matches(finding(pool="hisparse_device")) and rule.matches(finding(pool="hisparse_host"))
+    assert not rule.matches(finding(pool="token_to_kv_pool"))
+    assert not Suppression(pool="HISPARSE_*").matches(finding(pool="hisparse_device")), "globs are case-sensitive"
+
+
+def test_kind_and_pool_must_both_match():
+    rule = Suppression(kind="leak", pool="req_*")
+    assert rule.matches(finding("leak", "req_to_token_pool"))
+    assert not rule.matches(finding("leak", "token_to_kv_pool"))
+    assert not rule.matches(finding("use-after-free", "req_to_token_pool"))
+
+
+@pytest.mark.parametrize("glob", [
+    "*hisparse.py:*admit_request_direct*",     # the short form
+    "hisparse.py:70 in admit_request_direct",  # the short form, exactly
+    "engine_under_test/hisparse.py:70 in *",   # the full portable path
+    "*_commit_transfer_to_req",                # a deeper frame
+    "*scheduler.py:538 *",
+])
+def test_match_by_site_glob_on_any_alloc_frame(glob):
+    assert Suppression(site=glob).matches(finding(alloc=[ADMIT, COMMIT]))
+
+
+@pytest.mark.parametrize("glob", ["*admit_request", "hisparse.py:71 *", "*release_kv_cache*", "hisparse.py",
+                                  "engine_under_test/hisparse.py:70"])
+def test_a_site_glob_that_names_no_frame_does_not_match(glob):
+    assert not Suppression(site=glob).matches(finding(alloc=[ADMIT]))
+
+
+def test_site_globs_see_free_stacks_and_findings_without_sites_match_no_site_glob():
+    df = finding("double-free", alloc=[ADMIT], free=[RELEASE], prev=[ABORT])
+    assert Suppression(site="*release_kv_cache").matches(df)
+    assert Suppression(site="*abort_request").matches(df)
+    drift = finding("accounting-drift")
+    assert not Suppression(site="*").matches(drift)
+    assert Suppression(kind="accounting-drift").matches(drift)
+
+
+def test_first_match_wins_and_counts_its_hit():
+    first, second = Suppression(pool="hisparse_*", index=1), Suppression(kind="leak", index=2)
+    sset = SuppressionSet([first, second])
+    assert sset.match(finding("leak", "hisparse_device")) is first
+    assert sset.match(finding("leak", "hisparse_host")) is first
+    assert sset.match(finding("leak", "token_to_kv_pool")) is second
+    assert sset.match(finding("double-free", "token_to_kv_pool")) is None
+    assert (first.hits, second.hits) == (2, 1)
+    assert first.signatures == {"leak/hisparse_device/?", "leak/hisparse_host/?"}
+
+
+def test_unused_lists_the_rules_that_matched_nothing_in_order():
+    rules = [Suppression(kind="leak", index=1), Suppression(kind="hang", index=2), Suppression(kind="crash", index=3)]
+    sset = SuppressionSet(rules)
+    assert sset.unused() == rules
+    sset.match(finding("leak"))
+    assert [r.index for r in sset.unused()] == [2, 3]
+    assert [r.hits for r in sset] == [1, 0, 0]
+    assert [r.hits for r in sset.fresh()] == [0, 0, 0] and [r.hits for r in sset] == [1, 0, 0]
+
+
+def test_sift_keeps_the_rest_and_counts_a_re_reported_finding_once_per_run():
+    sset = SuppressionSet([Suppression(pool="hisparse_*", index=1)])
+    suppressed: list[Finding] = []
+    leak = finding("leak", "hisparse_device", alloc=[ADMIT])
+    other = finding("leak", "token_to_kv_pool", alloc=[ADMIT])
+    assert sset.sift([leak, other], suppressed) == [other]
+    regrown = dataclasses.replace(leak, slots=[1, 2])  # the same leak, reported again one step later
+    assert sset.sift([regrown], suppressed) == []
+    assert suppressed == [leak] and sset.suppressions[0].hits == 1
+    assert sset.sift([finding("leak", "hisparse_host", alloc=[ADMIT])], []) == []  # another run's list
+    assert sset.suppressions[0].hits == 2
+
+
+def test_only_site_globs_need_full_stacks():
+    assert not SuppressionSet([Suppression(kind="leak"), Suppression(pool="x")]).needs_full_stacks
+    assert SuppressionSet([Suppression(kind="leak"), Suppression(site="*x*")]).needs_full_stacks
+
+
+# -- the runner and the fuzzer ---------------------------------------------------------------------
+
+def test_a_suppressed_finding_is_not_a_finding_and_the_run_goes_on():
+    config, program, _, _ = replay.load(HISPARSE)
+    with AuditedRun(config) as plain:
+        assert [plain.apply(op) != [] for op in program] == [False, True]
+        assert not plain.target.is_idle(), "without suppressions idle() stops at the finding"
+    sset = SuppressionSet([Suppression(pool="hisparse_*", index=1)])
+    with AuditedRun(config, suppressions=sset) as run:
+        assert [run.apply(op) for op in program] == [[], []]
+        assert run.findings == []
+        assert sorted(f.signature for f in run.suppressed) == [DEVICE_LEAK, HOST_LEAK]
+        assert run.target.is_idle(), "idle() ran on to quiescence past the suppressed leak"
+        assert run.apply(HealthCheck()) == [] and run.findings == []
+    assert sset.suppressions[0].hits == 2, "a leak re-reported at later steps counts once"
+
+
+def test_execute_without_suppressions_is_unchanged():
+    config, program, recorded, _ = replay.load(HISPARSE)
+    assert execute(config, program, suppressions=None).signatures == execute(config, program).signatures
+    sset = SuppressionSet([Suppression(site="*admit_request_direct*", index=1)])
+    assert execute(config, program, suppressions=sset).signatures == [HOST_LEAK]
+
+
+def test_a_site_glob_on_a_deep_frame_matches_in_the_fuzzers_fast_mode_too():
+    config, program, _, _ = replay.load(HISPARSE)
+    for full in (True, False):
+        sset = SuppressionSet([Suppression(site="*_commit_transfer_to_req", index=1)])
+        assert execute(config, program, full_stacks=full, suppressions=sset).signatures == [HOST_LEAK]
+        assert sset.suppressions[0].hits == 1
+
+
+def _two_bugs():
+    """PD decode with HiSparse and both zoo bugs: the pd-abort program shows the HiSparse leak first,
+    then the pd-abort leak of token_to_kv_pool."""
+    hs_config = replay.load(HISPARSE)[0]
+    config, program, recorded, _ = replay.load(PD_ABORT)
+    config = dataclasses.replace(config, enable_hisparse=True, bugs=config.bugs | hs_config.bugs)
+    return config, replay.load(HISPARSE)[1] + program, {f.signature for f in recorded}
+
+
+def test_triage_minimizes_to_the_unsuppressed_signature():
+    config, program, pd_sigs = _two_bugs()
+    assert execute(config, program).signatures[0].startswith("leak/hisparse_")
+    sset = SuppressionSet([Suppression(pool="hisparse_*", index=1)])
+    ex = execute(config, program, suppressions=sset)
+    assert ex.findings and set(ex.signatures) <= pd_sigs
+    crash = triage(config, program, ex.findings[0], suppressions=sset.fresh())
+    assert crash is not None and crash.confirmations == 3
+    assert crash.finding.signature == ex.findings[0].signature
+    assert not any(f.pool.startswith("hisparse_") for f in crash.findings)
+    assert HealthCheck() not in crash.program, "the suppressed health-check leak was minimized away"
+    assert len(crash.program) < len(program)
+
+
+@pytest.mark.slow
+def test_the_search_goes_on_past_suppressed_findings():
+    config = replay.load(HISPARSE)[0]
+    # the leak, and the out-of-memory crash it leads to once it is allowed to go on
+    sset = SuppressionSet([Suppression(pool="hisparse_*", index=1), Suppression(kind="crash", index=2)])
+    stats = FuzzStats()
+    found = hypothesis_search(config, 2.0, 1, stats, suppressions=sset)
+    assert found is None, found and found[1][0].signature
+    assert sset.suppressions[0].hits > 1
+    assert stats.executions > 10
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def _rows(stdout: str) -> list[str]:
+    """The body rows of the "suppressions used" table."""
+    table = stdout.split("suppressions used", 1)[1]
+    return [line for line in table.splitlines() if re.match(r"^│\s*\d+\s*│", line)]
+
+
+def test_replay_with_every_finding_suppressed_exits_0_and_shows_the_hits(tmp_path):
+    path = write(tmp_path, '''
+[[suppress]]
+kind = "leak"
+site = "*hisparse.py:*admit_request_direct*"
+reason = "known: sglang PR #22882, fixed upstream"
+
+[[suppress]]
+pool = "hisparse_host"
+''')
+    result = invoke("replay", HISPARSE, "--suppress", path)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "suppressions used" in out and "known: sglang PR #22882, fixed upstream" in out
+    rows = _rows(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert re.search(r"│\s+1\s+│$", row.rstrip()), row
+    assert "matched nothing" not in out
+    assert "signature:" not in out, "no finding is reported"
+    assert "reproduced: yes (suppressed:" in out and DEVICE_LEAK in out
+
+
+def test_replay_with_a_rule_that_matches_nothing_exits_1_and_flags_it(tmp_path):
+    path = write(tmp_path, '[[suppress]]\nkind = "double-free"\nreason = "not this one"\n')
+    result = invoke("replay", HISPARSE, "--suppress", path)
+    assert result.exit_code == 1, result.output
+    out = result.stdout
+    assert DEVICE_LEAK in out and HOST_LEAK in out
+    (row,) = _rows(out)
+    assert "double-free" in row and "matched nothing" in row
+    assert "1 suppression(s) matched nothing" in out
+
+
+def test_replay_with_one_finding_suppressed_reports_the_other(tmp_path):
+    path = write(tmp_path, '[[suppress]]\npool = "hisparse_device"\n[[suppress]]\nkind = "hang"\n')
+    result = invoke("replay", HISPARSE, "--suppress", path)
+    assert result.exit_code == 1, result.output
+    assert f"signature: {HOST_LEAK}" in result.stdout and f"signature: {DEVICE_LEAK}" not in result.stdout
+    first, second = _rows(result.stdout)
+    assert re.search(r"│\s+1\s+│$", first.rstrip()) and "matched nothing" in second
+
+
+def test_replay_without_suppress_prints_nothing_extra():
+    result = invoke("replay", HISPARSE)
+    assert result.exit_code == 1
+    assert "suppressions used" not in result.stdout and "matched nothing" not in result.stdout
+
+
+@pytest.mark.parametrize("command", [["replay", HISPARSE], ["fuzz", "--max-time", "60"]], ids=["replay", "fuzz"])
+def test_a_malformed_suppression_file_exits_2_with_one_line(tmp_path, command):
+    path = write(tmp_path, '[[suppress]]\nkind = "leak"\n\n[[suppress]]\npool = 7\n', name="bad.toml")
+    result = invoke(*command, "--suppress", path)
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result)
+    assert "bad.toml" in line and "entry 2" in line and "pool must be a string" in line
+    assert result.stdout == ""
+
+
+def test_a_missing_or_non_toml_suppression_file_exits_2(tmp_path):
+    result = invoke("replay", HISPARSE, "--suppress", str(tmp_path / "absent.toml"))
+    assert result.exit_code == 2
+    assert "absent.toml" in one_error_line(result)
+    result = invoke("replay", HISPARSE, "--suppress", write(tmp_path, "this is not toml\n"))
+    assert result.exit_code == 2
+    assert "is not a TOML suppression file" in one_error_line(result)
+
+
+@pytest.mark.slow
+def test_fuzz_with_the_zoo_bug_suppressed_exits_0(tmp_path):
+    path = write(tmp_path, '[[suppress]]\npool = "hisparse_*"\nreason = "PR #22882"\n'
+                           '[[suppress]]\nkind = "crash"\nreason = "the pool it leaks runs out"\n'
+                           '[[suppress]]\nkind = "aliasing"\n')
+    out = tmp_path / "out"
+    result = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", BUG, "--max-time", "3", "--seed", "1",
+                    "--out", str(out), "--suppress", path)
+    assert result.exit_code == 0, result.output
+    assert "no findings" in result.stdout
+    first, _, third = _rows(result.stdout)
+    assert int(first.rstrip().rstrip("│").split("│")[-1]) > 0
+    assert "matched nothing" in third
+    assert [p for p in os.listdir(out) if p.endswith(".json")] == []
+
+
+@pytest.mark.slow
+def test_fuzz_replay_file_leaves_suppressed_findings_out(tmp_path):
+    path = write(tmp_path, '[[suppress]]\nsite = "*_commit_transfer_to_req"\n')
+    out = tmp_path / "out"
+    result = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", BUG, "--max-time", "60", "--seed", "1",
+                    "--out", str(out), "--suppress", path)
+    assert result.exit_code == 1, result.output
+    (name,) = [p for p in os.listdir(out) if p.endswith(".json")]
+    doc = json.loads((out / name).read_text())
+    sigs = [f["signature"] for f in doc["findings"]]
+    assert sigs and DEVICE_LEAK not in sigs, sigs
+    assert "suppressions used" in result.stdout
