@@ -31,9 +31,9 @@ def build(slots: int, requests: int, prompt: int, max_new: int) -> tuple[EutTarg
     auditor = Auditor(target, full_stacks=False)
     eng = target.engine
     for i in range(requests):
-        # 16 families: prompts share their leading tokens, so the tree holds real shared prefixes
-        toks = prompt_tokens(i % 16, prompt, cfg.vocab_size)
-        toks[-8:] = [2 + (i * 7 + k) % (cfg.vocab_size - 2) for k in range(8)]  # a private tail each
+        # 16 families share a 64-token prefix (real shared tree nodes); the rest is the request's own
+        head = prompt_tokens(i % 16, min(64, prompt), cfg.vocab_size)
+        toks = head + [2 + (i * 131 + k * 17 + (k * k) % 7) % (cfg.vocab_size - 2) for k in range(prompt - len(head))]
         eng.add_request(toks, max_new)
     while len(eng.running_batch) < requests:
         target.step()

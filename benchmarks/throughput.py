@@ -4,10 +4,11 @@
     python benchmarks/throughput.py [--programs N] [--length L] [--preset NAME|all] [--repeat K]
 
 Runs on one core (torch.set_num_threads(1)); each mode reports the best of --repeat runs.
-Modes: "bare" is the engine alone; "hooks" adds the ledger (every alloc/free recorded with the
-innermost engine frame, double free checked), the fuzzers' search mode; "hooks-full" records
-full stacks and owners, as a replay for a report does; "audit" and "audit-full" add the
-per-step oracles (reachability and accounting). The same seeded programs run in every mode.
+Modes: "bare" is the engine alone; "ledger" adds the hooks' ledger (every alloc/free recorded
+with the innermost engine frame, double free checked); "hooks" adds the shadow KV content tags
+(stale-KV reads), the fuzzers' search mode; "hooks-full" records full stacks and owners, as a
+replay for a report does; "audit" and "audit-full" add the per-step oracles (reachability,
+accounting, liveness). The same seeded programs run in every mode.
 """
 
 from __future__ import annotations
@@ -23,20 +24,21 @@ from kvaudit.program import random_program
 from kvaudit.runner import AuditedRun
 
 
-MODES = (  # name, hooks installed, oracles after every step, full stacks
-    ("bare", False, False, False),
-    ("hooks", True, False, False),
-    ("hooks-full", True, False, True),
-    ("audit", True, True, False),
-    ("audit-full", True, True, True),
+MODES = (  # name, hooks installed, oracles after every step, full stacks, shadow KV tags
+    ("bare", False, False, False, False),
+    ("ledger", True, False, False, False),
+    ("hooks", True, False, False, True),
+    ("hooks-full", True, False, True, True),
+    ("audit", True, True, False, True),
+    ("audit-full", True, True, True, True),
 )
 
 
-def run(config, programs, audit: bool, oracles: bool, full: bool) -> tuple[float, int, int]:
+def run(config, programs, audit: bool, oracles: bool, full: bool, shadow: bool) -> tuple[float, int, int]:
     ops = steps = 0
     t0 = time.perf_counter()
     for prog in programs:
-        with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full) as r:
+        with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full, shadow=shadow) as r:
             for op in prog:
                 r.apply(op)
         ops += len(prog)
@@ -60,10 +62,10 @@ def main() -> None:
     presets = list(PRESETS) if args.preset == "all" else [args.preset]
     for preset, model in ((p, m) for p in presets for m in ("none", "tiny")):
         config = get_preset(preset).config(model=model)
-        run(config, programs[:5], True, True, True)  # warm-up
+        run(config, programs[:5], True, True, True, True)  # warm-up
         base = None
-        for mode, audit, oracles, full in MODES:
-            secs, ops, steps = min(run(config, programs, audit, oracles, full) for _ in range(args.repeat))
+        for mode, audit, oracles, full, shadow in MODES:
+            secs, ops, steps = min(run(config, programs, audit, oracles, full, shadow) for _ in range(args.repeat))
             base = base or secs
             print(f"{preset:19} {model:6} {mode:12} {len(programs) / secs:11.1f} {ops / secs:9.0f} {steps / secs:9.0f} "
                   f"{secs / base:5.2f}x")

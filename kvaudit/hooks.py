@@ -101,6 +101,9 @@ class Auditor:
             (frozenset(self._skip_files), self._hint_vars, self._stop_vars), {})
         for spec in target.pools():
             self._install(spec)
+        self.lock_events: list[tuple[int, int, int, int, int]] = []  # (node id, +1/-1, site, op, step)
+        if hasattr(target, "install_lock_ledger"):
+            target.install_lock_ledger(self._wrap, self._lock_event)
         self.shadow: ShadowKV | None = None
         if shadow and hasattr(target, "install_shadow"):
             self.shadow = ShadowKV(target.kv_pools())
@@ -247,6 +250,9 @@ class Auditor:
         led.allocated[units] = False
         led.last_free[units] = ev.id
         led.allocated[0] = True
+
+    def _lock_event(self, node_id: int, delta: int) -> None:
+        self.lock_events.append((node_id, delta, self.capture_site(), self.op_index, self.step))
 
     def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
         """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.shadow`)."""

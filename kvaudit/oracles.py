@@ -180,9 +180,23 @@ def _lock_balance(auditor: Auditor, target) -> list[Finding]:
         return []
     led = auditor.ledgers["token_to_kv_pool"]
     ps = led.spec.page_size
-    lines = [f"{node}: lock_ref={have} but {want} live holder(s)" for node, _, have, want in bad]
-    units = np.unique(np.concatenate([slots // ps for _, slots, _, _ in bad]))
+    lines = [f"{node}: lock_ref={have} but {want} live holder(s)" for node, _, have, want, _ in bad]
+    units = np.unique(np.concatenate([slots // ps for _, slots, _, _, _ in bad]))
     f = auditor._unit_finding("lock-imbalance", "token_to_kv_pool", units, "; ".join(lines))
+    # the lock-ref ledger: the inc/dec events on the node (or below it: a lock covers the path)
+    ids = bad[0][4]
+    events = [e for e in auditor.lock_events if e[0] in ids]
+    net: dict[int, int] = {}
+    for nid, d, *_ in events:
+        net[nid] = net.get(nid, 0) + d
+    f.message += (f"; lock-ref ledger for it: {sum(e[1] > 0 for e in events)} inc, "
+                  f"{sum(e[1] < 0 for e in events)} dec")
+    # incs and decs pair up per node; the latest inc on a node left with a surplus is the suspect
+    incs = [e for e in events if e[1] > 0 and net[e[0]] > 0]
+    if incs:
+        _, _, sid, op, step = incs[-1]
+        f.alloc_sites = auditor.site(sid)
+        f.message += f"; last unmatched inc at op {op}, step {step}"
     return [f]
 
 

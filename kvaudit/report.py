@@ -55,8 +55,12 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
     if f.kind == "double-free":
         parts.append(_stack("freed again at:", f.free_sites))
         parts.append(_stack("previously freed at:", f.prev_free_sites))
+    if f.read_sites:
+        parts.append(_stack("read at:", f.read_sites))
     if f.kind == "crash":
         parts.append(_stack("raised at:", f.alloc_sites))
+    elif f.kind == "lock-imbalance" and f.alloc_sites:
+        parts.append(_stack("last unmatched lock taken at:", f.alloc_sites))
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites))
     if f.owner_history:
@@ -80,8 +84,9 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
             t.add_row(str(i), format_op(op) + mark)
         parts.append(t)
     if f.engine_check:
+        ok = f.engine_check[0].endswith("ok")
         parts.append(Text("engine check_memory(): ", style="bold").append(
-            "; ".join(f.engine_check), style="" if f.engine_check[0].endswith("ok") else "magenta"))
+            "ok" if ok else "; ".join(f.engine_check), style="" if ok else "magenta"))
     if f.traceback:
         parts.append(Text(f.traceback.rstrip(), style="dim"))
     return Panel(Group(*parts), title=f"finding {index + 1}: {f.kind}", title_align="left", border_style="red")

@@ -45,12 +45,12 @@ class AuditedRun:
     """
 
     def __init__(self, config: EngineConfig, audit: bool = True, run_oracles: bool = True,
-                 full_stacks: bool = True, suppressions=None):
+                 full_stacks: bool = True, suppressions=None, shadow: bool = True):
         self.suppressions, self.suppressed = suppressions, []
         # a site glob may name any frame: record whole stacks, so fast and full runs match alike
         full_stacks = full_stacks or (suppressions is not None and suppressions.needs_full_stacks)
         self.target = EutTarget(config)
-        self.auditor = Auditor(self.target, full_stacks=full_stacks) if audit else None
+        self.auditor = Auditor(self.target, full_stacks=full_stacks, shadow=shadow) if audit else None
         self.run_oracles = audit and run_oracles
         if self.run_oracles and hasattr(self.target, "on_intake"):
             self.target.on_intake(self._intake_scan)

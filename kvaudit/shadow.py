@@ -13,13 +13,25 @@ calls :meth:`ShadowKV.write`, :meth:`copy` and :meth:`read` (see ``EutTarget.ins
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 
-_MOD = (1 << 61) - 1
-_BASE = 1_000_003
+_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible modulo 2**64
+_BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
+_B, _M64 = int(_BASE), (1 << 64) - 1
+
+
+def _powers(base: np.uint64, n: int) -> np.ndarray:
+    out = np.ones(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(1, n):
+            out[i] = out[i - 1] * base
+    return out
+
+
+_MAX_LEN = 1 << 15  # longest token list hashed (EngineConfig caps context_len at 32768)
+_POW = _powers(_BASE, _MAX_LEN)
+_POW_INV = _powers(_BASE_INV, _MAX_LEN)
 
 
 class ShadowKV:
@@ -27,27 +39,59 @@ class ShadowKV:
 
     def __init__(self, sizes: dict[str, int]):
         self.tags = {name: np.zeros(n, dtype=np.int64) for name, n in sizes.items()}
-        self._prefix: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._prefix: dict[int, tuple] = {}  # id(owner) -> (owner, tags, length, last token)
 
     def prefix_tags(self, owner, tokens: list[int]) -> np.ndarray:
-        """``[len(tokens)] int64``: tag ``p`` identifies ``tokens[:p + 1]`` (never 0). Cached per
-        ``owner`` (a request object), extended as its token list grows."""
-        have = self._prefix.get(owner)
-        if have is None or len(have[0]) > len(tokens) or have[0] != tokens[: len(have[0])]:
-            have = ([], [])
-        toks, tags = have
-        h = tags[-1] - 1 if tags else 0
-        for t in tokens[len(toks):]:
-            h = (h * _BASE + t + 1) % _MOD
-            tags.append(h + 1)
-        toks.extend(tokens[len(toks):])
-        self._prefix[owner] = (toks, tags)
-        return np.asarray(tags[: len(tokens)], dtype=np.int64)
+        """``[len(tokens)] int64``: tag ``p`` identifies ``tokens[:p + 1]`` (0 means "never written"). Cached per
+        ``owner`` (a request object), whose token list only grows once its first forward ran; the
+        cache is rebuilt if its last cached token no longer matches.
+
+        The tag is a polynomial hash modulo 2**64, ``h_p = sum_i (t_i + 1) * B**(p - i)``, computed
+        without a Python loop as ``B**p * cumsum((t_i + 1) * B**-i)`` (uint64 arithmetic wraps).
+        """
+        return self.request_tags(owner, tokens, (), ())
+
+    def request_tags(self, owner, origin: list[int], output, future) -> np.ndarray:
+        """:meth:`prefix_tags` of ``origin + output + future`` without building that list (the
+        common call extends a cached request by one decoded token)."""
+        n0, n01 = len(origin), len(origin) + len(output)
+        n = n01 + len(future)
+
+        def tok(i: int) -> int:
+            return origin[i] if i < n0 else output[i - n0] if i < n01 else future[i - n01]
+
+        have = self._prefix.get(id(owner))
+        if have is not None:
+            _, tags, length, last, h = have
+            if length > n or (length and tok(length - 1) != last):
+                have = None  # not an extension of what was cached: start over
+            elif length == n:
+                return tags[:n]
+        if have is None:
+            tags, length, h = np.zeros(max(16, n), dtype=np.int64), 0, 0
+        if n > tags.size:
+            tags = np.concatenate((tags, np.zeros(max(n, 2 * tags.size) - tags.size, dtype=np.int64)))
+        if n - length <= 16:  # a few new tokens (a decode step): plain integers beat numpy calls
+            for p in range(length, n):
+                h = (h * _B + tok(p) + 1) & _M64
+                v = (h + 1) & _M64
+                tags[p] = v - (1 << 64) if v >= 1 << 63 else v
+        else:
+            tokens = (list(origin) + list(output) + list(future))[length:n]
+            with np.errstate(over="ignore"):
+                t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+                seg = np.cumsum(t * _POW_INV[length:n], dtype=np.uint64)
+                if length:
+                    seg += np.uint64(h) * _POW_INV[length - 1]
+                tags[length:n] = (seg * _POW[length:n] + np.uint64(1)).view(np.int64)
+            h = (int(tags[n - 1]) - 1) & _M64
+        self._prefix[id(owner)] = (owner, tags, n, tok(n - 1) if n else None, h)  # owner kept: ids unique
+        return tags[:n]
 
     @staticmethod
     def _idx(slots) -> np.ndarray:
         if isinstance(slots, torch.Tensor):
-            return slots.detach().cpu().numpy()
+            return slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
         return np.asarray(slots, dtype=np.int64)
 
     def write(self, pool: str, slots, tags: np.ndarray) -> None:

@@ -427,7 +427,7 @@ def test_stale_kv_reads_of_positions_an_aborted_request_never_wrote(make_run, bu
         return
     assert kinds(found)[:1] == ["stale-kv"]
     f = found[0]
-    assert "never written" in f.message and f.read_sites and f.read_sites[0].function == "run_batch"
+    assert "never written" in f.message and f.read_sites and f.read_sites[0].function in ("run_batch", "step")
     assert f.op_index == 5
 
 
@@ -501,3 +501,27 @@ def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):
     assert run.apply(Submit(family=3, prompt_len=60, max_new_tokens=3)) == []
     assert run.apply(Idle()) == []
     assert run.target.engine.waiting_queue  # still waiting: stalled, and reported as nothing
+
+
+def test_a_session_record_whose_session_is_gone_is_a_leaked_record(make_run):
+    """kvaudit's own ledger of session records: a slot nobody can close any more leaks."""
+    from kvaudit.program import OpenSession
+    run = make_run("streaming-session")
+    for op in [OpenSession(), Submit(family=0, prompt_len=8, max_new_tokens=2, session=0), Idle()]:
+        assert run.apply(op) == []
+    sc = run.target.engine.session_controller
+    assert len(sc.slots()) == 1
+    sc.sessions.clear()  # the controller forgets the session, its slot stays
+    found = check(run)
+    pools = {f.pool for f in found if f.kind == "leak"}
+    assert "session_records" in pools and "req_to_token_pool" in pools
+
+
+def test_lock_imbalance_names_the_last_unmatched_lock_from_the_lock_ref_ledger(make_run):
+    run = started(make_run, "default", 1)
+    eng = run.target.engine
+    eng.tree_cache.inc_lock_ref(live_req(run).lock)  # taken here (this test), never released
+    found = run.apply(Idle())
+    f = next(x for x in found if x.kind == "lock-imbalance")
+    assert "lock-ref ledger" in f.message and "inc" in f.message
+    assert f.alloc_sites and f.alloc_sites[0].function == "test_lock_imbalance_names_the_last_unmatched_lock_from_the_lock_ref_ledger"

@@ -18,6 +18,76 @@ from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Memor
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 
 
+class SessionRecords:
+    """kvaudit's own ledger of streaming-session KV records (the engine has no allocator for them):
+    one unit per ``SessionSlot``, taken when a session adopts a turn's record and given back when
+    the slot is released or destroyed. A unit whose session is gone is a leaked record."""
+
+    CAPACITY = 4096
+
+    def __init__(self):
+        self.free_units = list(range(1, self.CAPACITY + 1))
+        self.unit_of: dict[int, int] = {}  # id(slot) -> unit
+        self._slots: dict[int, object] = {}  # id(slot) -> slot, keeps ids unique while tracked
+
+    def available_size(self) -> int:
+        return len(self.free_units)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free_units):
+            return None
+        out, self.free_units = self.free_units[:n], self.free_units[n:]
+        return out
+
+    def free(self, rows) -> None:
+        self.free_units.extend([rows] if isinstance(rows, int) else rows)
+
+    def _bind(self, slot) -> None:
+        got = self.alloc(1)
+        if got:
+            self.unit_of[id(slot)], self._slots[id(slot)] = got[0], slot
+
+    def _unbind(self, slot) -> None:
+        unit = self.unit_of.pop(id(slot), None)
+        self._slots.pop(id(slot), None)
+        if unit is not None:
+            self.free(unit)
+
+    def track(self, sc) -> None:
+        """Wrap ``sc`` (the engine's ``SessionController``) so slot creation and release go through here."""
+        take, claim, release, clear = sc.take, sc.claim_kv_row, sc.release_session, sc.clear_slots
+
+        def take_wrapper(req):
+            s = req.session
+            before = None if s is None else s.slot
+            take(req)
+            if s is not None and s.slot is not None and s.slot is not before:
+                self._bind(s.slot)
+
+        def claim_wrapper(req):
+            s = req.session
+            slot = None if s is None else s.slot
+            claimed = claim(req)
+            if slot is not None and s.slot is None:  # an aborted turn destroyed the slot
+                self._unbind(slot)
+            return claimed
+
+        def release_wrapper(s, *a, **k):
+            slot = s.slot
+            release(s, *a, **k)
+            if slot is not None:
+                self._unbind(slot)
+
+        def clear_wrapper():
+            slots = [s.slot for s in sc.sessions.values() if s.slot is not None]
+            clear()
+            for slot in slots:
+                self._unbind(slot)
+
+        sc.take, sc.claim_kv_row, sc.release_session, sc.clear_slots = (
+            take_wrapper, claim_wrapper, release_wrapper, clear_wrapper)
+
+
 class EutTarget:
     name = "eut"
 
@@ -41,6 +111,12 @@ class EutTarget:
         if s.hicache_host_pool is not None:
             hp = s.hicache_host_pool
             self._pools.append(PoolSpec("hicache_host", hp, "kv", config.page_size, hp.num_pages))
+        self.session_records: SessionRecords | None = None
+        if s.session_controller is not None:
+            self.session_records = SessionRecords()
+            self._pools.append(PoolSpec("session_records", self.session_records, "rows", 1,
+                                        SessionRecords.CAPACITY))
+            self.session_records.track(s.session_controller)
         hs = s.hisparse_coordinator
         if hs is not None:
             self._pools += [
@@ -181,6 +257,7 @@ class EutTarget:
         hs, tree = eng.hisparse_coordinator, eng.tree_cache
         table = eng.req_to_token_pool.req_to_token
         main = "token_to_kv_pool"
+        kv_pool = "hisparse_device" if hs is not None else main  # where the forward writes
         forward, transfer = eng._forward, eng._commit_transfer_to_req
 
         def context(req, start: int, end: int):
@@ -194,19 +271,66 @@ class EutTarget:
             keep = pos < start
             return "hisparse_device", slots[keep], pos[keep]
 
+        rows = table.numpy() if table.device.type == "cpu" else None  # a view: no copy per read
+        main_tags = shadow.tags[main]
+
         def forward_wrapper(req, start, end, write_loc):
-            tags = shadow.prefix_tags(req, req.fill_ids + req.future_ids)
-            pool, slots, pos = context(req, start, end)
-            want = tags[:start] if pos is None else tags[pos.cpu().numpy()]
-            bad = shadow.read(pool, slots, want)
-            if bad.size:
-                got = shadow.tags[pool][shadow._idx(slots)[bad]]
-                what = "never written" if (got == 0).all() else "written for another token prefix"
-                at = bad if pos is None else pos.cpu().numpy()[bad]
-                report(pool, shadow._idx(slots)[bad],
-                       f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}")
+            tags = shadow.prefix_tags(req, req.fill_ids + req.future_ids if req.future_ids else req.fill_ids)
+            if start and hs is None and rows is not None:  # the common case, kept cheap
+                idx = rows[req.kv.req_pool_idx, :start]
+                if not (main_tags[idx] != tags[:start]).any():
+                    idx = None
+                pool, pos = main, None
+            elif start:
+                pool, slots, pos = context(req, start, end)
+                idx = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+                want = tags[:start] if pos is None else tags[pos.cpu().numpy()]
+                if not (shadow.tags[pool][idx] != want).any():
+                    idx = None
+            else:
+                idx = None
+            if idx is not None:
+                want = tags[:start] if pos is None else tags[pos.cpu().numpy()]
+                bad = np.flatnonzero(shadow.tags[pool][idx] != want)
+                if bad.size:
+                    got = shadow.tags[pool][idx[bad]]
+                    what = "never written" if (got == 0).all() else "written for another token prefix"
+                    at = bad if pos is None else pos.cpu().numpy()[bad]
+                    report(pool, idx[bad], f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}")
             out = forward(req, start, end, write_loc)
-            shadow.write("hisparse_device" if hs is not None else main, write_loc, tags[start:end])
+            shadow.write(kv_pool, write_loc, tags[start:end])
+            return out
+
+        run_batch, request_tags = eng.run_batch, shadow.request_tags
+
+        def batch_wrapper(batch):
+            """The common case (no HiSparse, KV on the CPU) checked a batch at a time: every row's
+            reads before the forward (compared as bytes: the cheapest exact test), its writes after."""
+            if batch.forward_mode == "prebuilt":
+                return run_batch(batch)
+            spans = []
+            extend = batch.forward_mode == "extend"
+            for req in batch.reqs:
+                if extend and id(req) not in batch.decode_ids:
+                    start, end = req.prefix_len, req.extend_end
+                else:
+                    end = req.kv.kv_committed_len
+                    start = end - 1
+                tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
+                spans.append((req, start, end, tags))
+                if start and req.to_finish is None:
+                    idx = rows[req.kv.req_pool_idx, :start]
+                    if main_tags.take(idx).tobytes() != tags[:start].tobytes():
+                        bad = np.flatnonzero(main_tags[idx] != tags[:start])
+                        got = main_tags[idx[bad]]
+                        what = "never written" if (got == 0).all() else "written for another token prefix"
+                        report(main, idx[bad], f"req:{req.rid} read KV of positions {_ranges(bad)} from slots {what}")
+            out = run_batch(batch)
+            loc, off = batch.out_cache_loc.numpy(), 0
+            for req, start, end, tags in spans:
+                if req.to_finish is None:  # an aborting row computes nothing (see Scheduler.run_batch)
+                    main_tags[loc[off : off + end - start]] = tags[start:end]
+                off += end - start
             return out
 
         def transfer_wrapper(req):
@@ -218,7 +342,10 @@ class EutTarget:
                 shadow.write(main, table[req.kv.req_pool_idx, :n], tags)
             return transfer(req)
 
-        wrap(eng, "_forward", forward_wrapper)
+        if hs is None and rows is not None:
+            wrap(eng, "run_batch", batch_wrapper)
+        else:
+            wrap(eng, "_forward", forward_wrapper)
         wrap(eng, "_commit_transfer_to_req", transfer_wrapper)
         if hs is not None:
             backup, load = hs.backup, hs._load
@@ -272,6 +399,10 @@ class EutTarget:
         slots = [] if sc is None else sc.slots()
         for sid, slot in slots:
             record(slot.kv, f"session:{sid}", "session")
+        if sc is not None:
+            units = [(sid, self.session_records.unit_of.get(id(s.slot))) for sid, s in sc.sessions.items()]
+            out += [Root("session_records", f"session:{sid}", np.array([u], dtype=np.int64), role="session")
+                    for sid, u in units if u is not None]
         held = {id(slot.kv) for _, slot in slots}
         for req in eng.requests_owning_rows():
             if not aborting and req.to_finish is not None:
@@ -298,7 +429,7 @@ class EutTarget:
     def lock_balance(self) -> list[tuple[str, np.ndarray, int, int]]:
         """Tree nodes whose ``lock_ref`` differs from the live lock holders whose path covers them.
 
-        Returns ``(node, slots, lock_ref, holders)`` per mismatch (SGLang invariant: ``lock_ref``
+        Returns ``(node, slots, lock_ref, holders, ids of the node and its descendants)`` per mismatch (SGLang invariant: ``lock_ref``
         equals the number of live receipts whose anchor path covers the node). Holders are the live
         requests' ``lock`` nodes; this engine has no other lock holders yet.
         """
@@ -319,8 +450,27 @@ class EutTarget:
                 want[id(node)] = want.get(id(node), 0) + 1
                 node = node.parent
         return [(f"node {n.id} ({len(n.key)} tokens)",
-                 (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref, want.get(id(n), 0))
+                 (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref, want.get(id(n), 0),
+                 {n.id} | {d.id for d in tree.nodes(n)})
                 for n in tree.nodes() if n.lock_ref != want.get(id(n), 0)]
+
+    def install_lock_ledger(self, wrap, record) -> None:
+        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree to ``record(node_id, delta)``."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return
+        inc, dec = tree.inc_lock_ref, tree.dec_lock_ref
+
+        def inc_wrapper(node):
+            record(node.id, +1)
+            return inc(node)
+
+        def dec_wrapper(node):
+            record(node.id, -1)
+            return dec(node)
+
+        wrap(tree, "inc_lock_ref", inc_wrapper)
+        wrap(tree, "dec_lock_ref", dec_wrapper)
 
     def describe_busy(self) -> str:
         eng = self.engine
