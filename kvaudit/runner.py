@@ -56,6 +56,7 @@ class AuditedRun:
             self.target.on_intake(self._intake_scan)
         self.findings: list[Finding] = []
         self._progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
+        self._flushes = 0  # successful flush_cache requests already checked for quiescence
         self.ops_run = 0
 
     def _check(self, scan: bool = True) -> list[Finding]:
@@ -72,6 +73,8 @@ class AuditedRun:
         """Reachability right after the engine took its messages, before it schedules: a close or an
         abort that frees memory still in use shows as use-after-free here, before the release that
         follows in the same step turns it into a double free."""
+        if not self.auditor.pending and hasattr(self.target, "quiescence"):
+            self.auditor.pending.extend(self._quiescence())
         if not self.auditor.pending:
             self.auditor.pending.extend(oracles.check(self.auditor, self.target, scan_only=True))
 
@@ -83,6 +86,18 @@ class AuditedRun:
         if not found and self.run_oracles and hasattr(self.target, "progress"):
             found = self._liveness()
         return found
+
+    def _quiescence(self) -> list[Finding]:
+        """Right after a successful ``flush_cache`` (at intake, before anything is scheduled): every
+        pool is full again (``leak`` otherwise)."""
+        done = self.target.flushed()
+        if done == self._flushes:
+            return []
+        self._flushes = done
+        bad = self.target.quiescence()
+        found = [Finding(kind="leak", pool=pool, op_index=self.ops_run - 1, step=self.target.steps,
+                         message=f"not quiescent: {problem}") for pool, problem in bad]
+        return oracles.attach_engine_verdict(self.target, found[:1])
 
     def _liveness(self) -> list[Finding]:
         """``liveness``: a request that holds KV, or was aborted, and makes no progress for

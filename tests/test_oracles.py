@@ -525,3 +525,28 @@ def test_lock_imbalance_names_the_last_unmatched_lock_from_the_lock_ref_ledger(m
     f = next(x for x in found if x.kind == "lock-imbalance")
     assert "lock-ref ledger" in f.message and "inc" in f.message
     assert f.alloc_sites and f.alloc_sites[0].function == "test_lock_imbalance_names_the_last_unmatched_lock_from_the_lock_ref_ledger"
+
+
+def test_a_flush_that_leaves_state_behind_is_not_quiescent(make_run, monkeypatch):
+    """Quiescence: right after a successful flush_cache every pool is full, the tree empty. A flush
+    that forgets to reset the tree is reported at once."""
+    run = make_run("default")
+    for op in [Submit(family=0, prompt_len=8, max_new_tokens=2), Idle()]:
+        assert run.apply(op) == []
+    eng = run.target.engine
+    assert eng.tree_cache.total_size() > 0
+    monkeypatch.setattr(eng.tree_cache, "reset", lambda: None)
+    assert run.apply(FlushCache()) == []  # only queued
+    found = run.apply(Idle())
+    assert run.target.flushed() == 1
+    problems = run.target.quiescence()
+    assert any("radix tree still holds" in p for _, p in problems)
+    assert not any("available=" in p for _, p in problems)  # the allocator itself was cleared
+    assert kinds(found)[:1] == ["leak"] and "not quiescent" in found[0].message
+
+
+def test_a_successful_flush_is_quiescent_in_every_preset():
+    for preset in ("default", "hicache", "streaming-session", "hisparse", "pd-decode-hisparse"):
+        ex = execute(get_preset(preset).config(),
+                     [Submit(family=0, prompt_len=20, max_new_tokens=3), Idle(), FlushCache(), Idle()])
+        assert ex.findings == [], (preset, [f.summary() for f in ex.findings])

@@ -205,6 +205,24 @@ class EutTarget:
             out.setdefault(rid, -1)
         return out
 
+    def quiescence(self) -> list[tuple[str, str]]:
+        """After a successful ``flush_cache`` (the engine was idle): every pool is full again, the
+        tree is empty and no session holds KV. Returns ``(pool, problem)`` per violation; checked once
+        per successful flush (see :meth:`flushed`)."""
+        eng, out = self.engine, []
+        for name, a in self.accounting().items():
+            if a.available != a.total:
+                out.append((name, f"available={a.available} of total={a.total} after a successful flush_cache"))
+        if eng.tree_cache.total_size() or (eng.hicache_host_pool is not None and eng.tree_cache.host_size()):
+            out.append(("token_to_kv_pool", "the radix tree still holds tokens after a successful flush_cache"))
+        if eng.session_controller is not None and eng.session_controller.slots():
+            out.append(("req_to_token_pool", "a session still holds KV after a successful flush_cache"))
+        return out
+
+    def flushed(self) -> int:
+        """How many flush_cache requests have succeeded so far."""
+        return sum(self.engine.flush_results)
+
     def stalled(self) -> bool:
         """Only waiting requests are left and memory that open sessions hold keeps them out: SGLang
         waits too (until the sessions close or time out). Not a hang."""
