@@ -550,3 +550,11 @@ def test_a_successful_flush_is_quiescent_in_every_preset():
         ex = execute(get_preset(preset).config(),
                      [Submit(family=0, prompt_len=20, max_new_tokens=3), Idle(), FlushCache(), Idle()])
         assert ex.findings == [], (preset, [f.summary() for f in ex.findings])
+
+
+def test_committed_beyond_allocated_is_reported(make_run):
+    run = started(make_run, "default", 1)
+    req = live_req(run)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len + 1
+    found = check(run)
+    assert kinds(found) == ["accounting-drift"] and "kv_committed_len" in found[0].message

@@ -246,13 +246,19 @@ class EutTarget:
         return out
 
     def metrics_check(self) -> list[str]:
-        """The engine's session gauges against what kvaudit sees: every session holding KV is counted."""
-        eng = self.engine
+        """The engine's session gauges against what kvaudit sees (every session holding KV is
+        counted), and every live KV record's lengths: ``0 <= kv_committed_len <= kv_allocated_len``."""
+        eng, out = self.engine, []
         m = eng.metrics()
         holders = 0 if eng.session_controller is None else len(eng.session_controller.slots())
         if m["num_streaming_sessions"] < holders:
-            return [f"[sessions] num_streaming_sessions={m['num_streaming_sessions']} but {holders} sessions hold KV"]
-        return []
+            out.append(f"[sessions] num_streaming_sessions={m['num_streaming_sessions']} but {holders} sessions hold KV")
+        for req in eng.requests_owning_rows():
+            kv = req.kv
+            if not 0 <= kv.kv_committed_len <= kv.kv_allocated_len:
+                out.append(f"[req_to_token_pool] req:{req.rid} kv_committed_len={kv.kv_committed_len} > "
+                           f"kv_allocated_len={kv.kv_allocated_len}")
+        return out
 
     def step(self) -> None:
         self.steps += 1
