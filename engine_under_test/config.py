@@ -119,7 +119,7 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.max_running_requests < 1 or self.max_req_rows < 1:
             raise ValueError("max_running_requests and max_req_rows must be >= 1")
-        if self.hisparse_device_buffer_size % self.page_size:
+        if self.enable_hisparse and self.hisparse_device_buffer_size % self.page_size:
             raise ValueError("hisparse_device_buffer_size must be a multiple of page_size")
         if self.context_len < 2:
             raise ValueError("context_len must be >= 2")

@@ -6,9 +6,12 @@ with no finding.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import signal
 import sys
+import threading
 import time
 
 import click
@@ -21,7 +24,7 @@ from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError
 from kvaudit import __version__, replay
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, triage
 from kvaudit.report import print_report, print_suppressions
-from kvaudit.runner import execute
+from kvaudit.runner import INTERRUPTED, execute
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
@@ -175,6 +178,34 @@ def main():
     """kvaudit: find KV-cache memory leaks, double frees and use-after-free in LLM serving schedulers."""
 
 
+def _restoring_sigint(fn):
+    """Put the caller's SIGINT handler (and a clear interrupt flag) back when ``fn`` returns, so an
+    in-process caller (a test, a notebook) keeps its Ctrl-C."""
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if main_thread else None
+        try:
+            return fn(*a, **k)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            INTERRUPTED.clear()
+
+    return wrapper
+
+
+def _catch_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual and also sets :data:`runner.INTERRUPTED`, which the
+    next op checks: an interrupt swallowed inside a library callback still stops the run."""
+    def handler(signum, frame):
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+
+
 @main.command()
 @common_options
 @click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
@@ -184,6 +215,7 @@ def main():
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings.")
 @_suppress_option
+@_restoring_sigint
 def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppress_file):
     """Fuzz the built-in engine with Hypothesis; minimize, confirm and report what it finds.
 
@@ -209,6 +241,7 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppre
     _warn_unreachable_bugs(config, err)
     progress = _Progress(err, max_time, suppressions=sset)
     found = crash = None
+    _catch_sigint()
     try:
         with progress:
             found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update, suppressions=sset)
@@ -241,6 +274,8 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppre
         console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} times; "
                       "not reported (flaky)")
         return EXIT_CLEAN
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the finding is complete: write and report it whole
     path = _write(out_dir, config, crash.program, crash.findings, seed=seed,
                   confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
     print_report(console, config, crash.program, crash.findings, suppressions=sset)

@@ -193,10 +193,19 @@ def _lock_balance(auditor: Auditor, target) -> list[Finding]:
                   f"{sum(e[1] < 0 for e in events)} dec")
     # incs and decs pair up per node; the latest inc on a node left with a surplus is the suspect
     incs = [e for e in events if e[1] > 0 and net[e[0]] > 0]
+    decs = [e for e in events if e[1] < 0 and net[e[0]] < 0]
+    f.alloc_sites = []  # the unit's allocation site says nothing about a lock
     if incs:
         _, _, sid, op, step = incs[-1]
         f.alloc_sites = auditor.site(sid)
         f.message += f"; last unmatched inc at op {op}, step {step}"
+    elif decs:
+        _, _, sid, op, step = decs[-1]
+        f.free_sites = auditor.site(sid)
+        f.message += f"; last unmatched dec at op {op}, step {step}"
+    else:
+        f.message += ("; incs and decs pair up per node, so a lock and its release walked different paths "
+                      "(the tree changed shape, or a lock started at the wrong node)")
     return [f]
 
 

@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 
-from engine_under_test import EngineConfig
+from engine_under_test import PRESETS, EngineConfig
 from kvaudit.findings import Finding
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
@@ -78,8 +78,15 @@ def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
         program = program_from_json(doc["program"])
     except ProgramError as e:
         raise ReplayFormatError(f"{path}: bad program: {e}") from None
+    recorded = doc.get("findings", [])
+    if not isinstance(recorded, list) or not all(
+            isinstance(f, dict) and {"kind", "pool", "message"} <= set(f) for f in recorded):
+        raise ReplayFormatError(f"{path}: bad findings: want a list of objects with kind, pool and message")
     try:
-        findings = [Finding.from_dict(f) for f in doc.get("findings", [])]
-    except (TypeError, KeyError, AttributeError) as e:
+        findings = [Finding.from_dict(f) for f in recorded]
+    except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise ReplayFormatError(f"{path}: bad findings: {e}") from None
+    if config.preset not in PRESETS and config.preset != "custom":
+        raise ReplayFormatError(f"{path}: bad config: unknown preset {config.preset!r} "
+                                f"(valid: {', '.join(PRESETS)}, or custom)")
     return config, program, findings, doc

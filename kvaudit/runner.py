@@ -7,6 +7,7 @@ which is what replay, minimization and confirmation rely on.
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from dataclasses import dataclass, field
 
@@ -18,6 +19,10 @@ from kvaudit.program import Idle, Op, Step
 from kvaudit.targets.eut import EutTarget
 
 MAX_IDLE_STEPS = 2000
+# Set by the CLI's SIGINT handler. A KeyboardInterrupt raised inside a garbage-collector callback
+# is swallowed by Python ("Exception ignored in ..."); every op checks this flag, so a Ctrl-C is
+# never lost.
+INTERRUPTED = threading.Event()
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
 STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -118,7 +123,10 @@ class AuditedRun:
         return oracles.attach_engine_verdict(self.target, [f])
 
     def apply(self, op: Op) -> list[Finding]:
-        """Run one op; returns the findings it produced (also kept in ``self.findings``)."""
+        """Run one op; returns the findings it produced (also kept in ``self.findings``).
+        Raises ``KeyboardInterrupt`` once :data:`INTERRUPTED` is set."""
+        if INTERRUPTED.is_set():
+            raise KeyboardInterrupt
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
         self.ops_run += 1
