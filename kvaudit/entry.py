@@ -19,8 +19,9 @@ def main() -> None:
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         from kvaudit.cli import main as cli_main
-    except KeyboardInterrupt:
-        hit.append(signal.SIGINT)
+    except BaseException:  # an interrupt can surface as another error from a half-done import (numpy)
+        if not hit:
+            raise
     if hit:
         sys.stderr.write("kvaudit: interrupted\n")
         sys.exit(130)
