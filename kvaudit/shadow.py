@@ -39,21 +39,19 @@ class ShadowKV:
 
     def __init__(self, sizes: dict[str, int]):
         self.tags = {name: np.zeros(n, dtype=np.int64) for name, n in sizes.items()}
-        self._prefix: dict[int, tuple] = {}  # id(owner) -> (owner, tags, length, last token)
+        # id(owner) -> (owner, tags, length, last token, h of the last token)
+        self._prefix: dict[int, tuple] = {}
 
-    def prefix_tags(self, owner, tokens: list[int]) -> np.ndarray:
-        """``[len(tokens)] int64``: tag ``p`` identifies ``tokens[:p + 1]`` (0 means "never written"). Cached per
-        ``owner`` (a request object), whose token list only grows once its first forward ran; the
-        cache is rebuilt if its last cached token no longer matches.
+    def request_tags(self, owner, origin: list[int], output=(), future=()) -> np.ndarray:
+        """``[n] int64`` for the ``n`` tokens of ``origin + output + future`` (built without joining
+        the lists): tag ``p`` identifies the prefix ``tokens[:p + 1]`` (0 means "never written").
 
-        The tag is a polynomial hash modulo 2**64, ``h_p = sum_i (t_i + 1) * B**(p - i)``, computed
-        without a Python loop as ``B**p * cumsum((t_i + 1) * B**-i)`` (uint64 arithmetic wraps).
+        Cached per ``owner`` (a request object), whose token list only grows once its first forward
+        ran, so the common call extends the cache by one decoded token; the cache is rebuilt if its
+        last cached token no longer matches. The tag is a polynomial hash modulo 2**64,
+        ``h_p = sum_i (t_i + 1) * B**(p - i)``, plus one: a few new tokens are folded in one at a
+        time, a long run without a Python loop as ``B**p * cumsum((t_i + 1) * B**-i)``.
         """
-        return self.request_tags(owner, tokens, (), ())
-
-    def request_tags(self, owner, origin: list[int], output, future) -> np.ndarray:
-        """:meth:`prefix_tags` of ``origin + output + future`` without building that list (the
-        common call extends a cached request by one decoded token)."""
         n0, n01 = len(origin), len(origin) + len(output)
         n = n01 + len(future)
 
@@ -102,6 +100,13 @@ class ShadowKV:
         """KV copied slot for slot from ``src`` (``[n]``) in ``src_pool`` to ``dst`` in ``dst_pool``."""
         self.tags[dst_pool][self._idx(dst)] = self.tags[src_pool][self._idx(src)]
 
-    def read(self, pool: str, slots, expected: np.ndarray) -> np.ndarray:
-        """Indices ``i`` (into ``slots``, ``[n]``) whose tag differs from ``expected[i]``."""
-        return np.flatnonzero(self.tags[pool][self._idx(slots)] != expected)
+    def read(self, pool: str, idx: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, str] | None:
+        """Check a read of slots ``idx`` (``[n] int64``) that should hold the prefixes ``expected``
+        (``[n] int64``). None when every tag matches (one byte compare, the cheapest exact test);
+        else the indices into ``idx`` that do not, and whether those slots were never written or
+        written for another token prefix."""
+        tags = self.tags[pool]
+        if tags.take(idx).tobytes() == expected.tobytes():
+            return None
+        bad = np.flatnonzero(tags[idx] != expected)
+        return bad, "never written" if (tags[idx[bad]] == 0).all() else "written for another token prefix"

@@ -283,53 +283,38 @@ class EutTarget:
         main = "token_to_kv_pool"
         kv_pool = "hisparse_device" if hs is not None else main  # where the forward writes
         forward, transfer = eng._forward, eng._commit_transfer_to_req
-
-        def context(req, start: int, end: int):
-            """(pool, slots, positions) the forward of ``[start, end)`` reads, positions < start only."""
-            if hs is None:
-                return main, table[req.kv.req_pool_idx, :start], None
-            if req.hisparse_admitted:
-                slots, pos = hs.physical_context(req)
-            else:
-                slots, pos = hs.prefill_context(req.kv.req_pool_idx, end)
-            keep = pos < start
-            return "hisparse_device", slots[keep], pos[keep]
-
         rows = table.numpy() if table.device.type == "cpu" else None  # a view: no copy per read
         main_tags = shadow.tags[main]
+        run_batch, request_tags = eng.run_batch, shadow.request_tags
+
+        def check_read(req, pool: str, idx: np.ndarray, want: np.ndarray, pos: np.ndarray | None = None) -> None:
+            """``req`` reads slots ``idx`` for positions ``pos`` (default ``0..n-1``) with prefix tags ``want``."""
+            hit = shadow.read(pool, idx, want)
+            if hit is not None:
+                bad, what = hit
+                at = bad if pos is None else pos[bad]
+                report(pool, idx[bad], f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}")
 
         def forward_wrapper(req, start, end, write_loc):
-            tags = shadow.prefix_tags(req, req.fill_ids + req.future_ids if req.future_ids else req.fill_ids)
-            if start and hs is None and rows is not None:  # the common case, kept cheap
-                idx = rows[req.kv.req_pool_idx, :start]
-                if not (main_tags[idx] != tags[:start]).any():
-                    idx = None
-                pool, pos = main, None
+            """HiSparse (a per-request physical context) or a KV table on the GPU: one forward at a time."""
+            tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
+            if start and hs is None:
+                check_read(req, main, shadow._idx(table[req.kv.req_pool_idx, :start]), tags[:start])
             elif start:
-                pool, slots, pos = context(req, start, end)
-                idx = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
-                want = tags[:start] if pos is None else tags[pos.cpu().numpy()]
-                if not (shadow.tags[pool][idx] != want).any():
-                    idx = None
-            else:
-                idx = None
-            if idx is not None:
-                want = tags[:start] if pos is None else tags[pos.cpu().numpy()]
-                bad = np.flatnonzero(shadow.tags[pool][idx] != want)
-                if bad.size:
-                    got = shadow.tags[pool][idx[bad]]
-                    what = "never written" if (got == 0).all() else "written for another token prefix"
-                    at = bad if pos is None else pos.cpu().numpy()[bad]
-                    report(pool, idx[bad], f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}")
+                if req.hisparse_admitted:
+                    slots, pos = hs.physical_context(req)
+                else:
+                    slots, pos = hs.prefill_context(req.kv.req_pool_idx, end)
+                keep = pos < start
+                pos = shadow._idx(pos[keep])
+                check_read(req, "hisparse_device", shadow._idx(slots[keep]), tags[pos], pos)
             out = forward(req, start, end, write_loc)
             shadow.write(kv_pool, write_loc, tags[start:end])
             return out
 
-        run_batch, request_tags = eng.run_batch, shadow.request_tags
-
         def batch_wrapper(batch):
             """The common case (no HiSparse, KV on the CPU) checked a batch at a time: every row's
-            reads before the forward (compared as bytes: the cheapest exact test), its writes after."""
+            reads before the forward, its writes after."""
             if batch.forward_mode == "prebuilt":
                 return run_batch(batch)
             spans = []
@@ -343,12 +328,7 @@ class EutTarget:
                 tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
                 spans.append((req, start, end, tags))
                 if start and req.to_finish is None:
-                    idx = rows[req.kv.req_pool_idx, :start]
-                    if main_tags.take(idx).tobytes() != tags[:start].tobytes():
-                        bad = np.flatnonzero(main_tags[idx] != tags[:start])
-                        got = main_tags[idx[bad]]
-                        what = "never written" if (got == 0).all() else "written for another token prefix"
-                        report(main, idx[bad], f"req:{req.rid} read KV of positions {_ranges(bad)} from slots {what}")
+                    check_read(req, main, rows[req.kv.req_pool_idx, :start], tags[:start])
             out = run_batch(batch)
             loc, off = batch.out_cache_loc.numpy(), 0
             for req, start, end, tags in spans:
@@ -359,7 +339,7 @@ class EutTarget:
 
         def transfer_wrapper(req):
             n = req.kv.kv_committed_len  # the prefill side's KV of positions [0, n) lands now
-            tags = shadow.prefix_tags(req, req.fill_ids)[:n]
+            tags = request_tags(req, req.origin_input_ids, req.output_ids)[:n]
             if hs is not None:
                 shadow.write("hisparse_host", hs.req_to_host_pool[req.kv.req_pool_idx][:n], tags)
             else:
