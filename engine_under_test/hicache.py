@@ -13,7 +13,6 @@ nodes have only host-only descendants and ``lock_ref == 0``. All sizes are in to
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -126,24 +125,16 @@ class HiRadixCache(RadixCache):
         A leaf with a host copy is demoted to host-only; write_back first backs an uncopied leaf up
         (dropped if the host has no room); write_through drops an uncopied leaf. Returns tokens freed.
         """
-        if num_tokens <= 0:
-            return 0
-        heap = [(n.last_access_time, n.id, n) for n in self.nodes() if self._device_leaf(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        def demote(node: TreeNode) -> None:
             if node.host_value is None and self.write_policy == "write_back":
                 self._backup(node, lock=False)
             self.allocator.free(node.value)
-            freed += len(node.key)
             self.evictable_size_ -= len(node.key)
             node.value = None
             if node.host_value is None:
                 self._drop(node)
-            if self._device_leaf(node.parent):
-                heapq.heappush(heap, (node.parent.last_access_time, node.parent.id, node.parent))
-        return freed
+
+        return self._evict_lru(num_tokens, self._device_leaf, demote)
 
     # -- host eviction ------------------------------------------------------------------------------
     def _host_leaf(self, node: TreeNode) -> bool:
@@ -152,19 +143,11 @@ class HiRadixCache(RadixCache):
     def evict_host(self, num_tokens: int) -> int:
         """Free the host slots of at least ``num_tokens`` tokens of unpinned host-only leaves (LRU),
         deleting those nodes. Returns host tokens freed."""
-        if num_tokens <= 0:
-            return 0
-        heap = [(n.last_access_time, n.id, n) for n in self.nodes() if self._host_leaf(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        def drop(node: TreeNode) -> None:
             self.host_pool.free(node.host_value)
-            freed += len(node.key)
             del node.parent.children[self._child_key(node.key)]
-            if self._host_leaf(node.parent):
-                heapq.heappush(heap, (node.parent.last_access_time, node.parent.id, node.parent))
-        return freed
+
+        return self._evict_lru(num_tokens, self._host_leaf, drop)
 
     # -- load-back ----------------------------------------------------------------------------------
     def _pin_host(self, node: TreeNode, delta: int) -> None:

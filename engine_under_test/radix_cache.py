@@ -217,20 +217,32 @@ class RadixCache:
 
         Returns the number of tokens freed (may be less if not enough are evictable).
         """
-        if self.disable or num_tokens <= 0:
+        if self.disable:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._leaves() if n.lock_ref == 0]
+
+        def release(node: TreeNode) -> None:
+            self.allocator.free(node.value)
+            self.evictable_size_ -= len(node.key)
+            del node.parent.children[self._child_key(node.key)]
+
+        return self._evict_lru(num_tokens, lambda n: n is not self.root_node and not n.children and n.lock_ref == 0,
+                               release)
+
+    def _evict_lru(self, num_tokens: int, candidate, release) -> int:
+        """Release ``candidate`` nodes, least recently used first, until ``num_tokens`` tokens are
+        freed; a parent that becomes a candidate joins the queue. ``release(node)`` frees one node.
+        Returns the tokens freed (fewer if the candidates run out)."""
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.id, n) for n in self.nodes() if candidate(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            self.allocator.free(node.value)
+            release(node)
             freed += len(node.key)
-            self.evictable_size_ -= len(node.key)
-            parent = node.parent
-            del parent.children[self._child_key(node.key)]
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            if candidate(node.parent):
+                heapq.heappush(heap, (node.parent.last_access_time, node.parent.id, node.parent))
         return freed
 
     def evictable_size(self) -> int:
@@ -247,9 +259,6 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    def _leaves(self):
-        return [n for n in self.nodes() if not n.children]
 
     def total_size(self) -> int:
         """Device-resident tree tokens (host-only nodes are not counted)."""
