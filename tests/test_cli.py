@@ -9,27 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import invoke, one_error_line
 
 from engine_under_test import BUGS, PRESETS
-from kvaudit.cli import main
 from kvaudit.replay import FORMAT
 
 BUG = "hisparse-prebuilt-skip-finish"
 FUZZ_BUG = ["fuzz", "--preset", "pd-decode-hisparse", "--bug", BUG, "--max-time", "60", "--seed", "1"]
-
-
-def invoke(*args, env=None):
-    return CliRunner().invoke(main, list(args), env=env)
-
-
-def one_error_line(result):
-    """The single stderr line of a failed command (fails if there are more, or a traceback)."""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.output
-    assert lines[0].startswith("kvaudit: error: "), lines[0]
-    return lines[0]
 
 
 def replay_files(directory):
@@ -329,9 +315,8 @@ def test_version_and_help_exit_0():
 def test_a_budget_that_ends_mid_shrink_is_not_an_internal_error(tmp_path, budget):
     # The deadline used to turn ops into no-ops while Hypothesis replayed a failing case,
     # which made the failure look flaky and crashed the CLI with exit 70.
-    res = CliRunner().invoke(main, ["fuzz", "--preset", "pd-decode-hisparse", "--bug",
-                                    "hisparse-prebuilt-skip-finish", "--max-time", budget,
-                                    "--out", str(tmp_path)])
+    res = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish",
+                 "--max-time", budget, "--out", str(tmp_path))
     assert res.exit_code in (0, 1), res.output
 
 

@@ -8,10 +8,9 @@ import os
 import re
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import invoke, one_error_line
 
 from kvaudit import replay
-from kvaudit.cli import main
 from kvaudit.findings import Finding, Site
 from kvaudit.fuzz import FuzzStats, hypothesis_search, triage
 from kvaudit.program import HealthCheck
@@ -31,18 +30,6 @@ def write(tmp_path, text, name="supp.toml"):
     p = tmp_path / name
     p.write_text(text)
     return str(p)
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, list(args))
-
-
-def one_error_line(result):
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.output
-    assert lines[0].startswith("kvaudit: error: "), lines[0]
-    return lines[0]
 
 
 def finding(kind="leak", pool="token_to_kv_pool", alloc=(), free=(), prev=()):
