@@ -201,8 +201,9 @@ class EutTarget:
         (KV positions committed plus tokens sampled; -1 for an aborted request that holds nothing)."""
         eng = self.engine
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) + len(r.future_ids) for r in eng.requests_owning_rows()}
-        for rid in self.aborted.intersection(self.live_rids()):
-            out.setdefault(rid, -1)
+        if self.aborted:  # live_rids() walks the finished outputs: only when an abort was sent
+            for rid in self.aborted.intersection(self.live_rids()):
+                out.setdefault(rid, -1)
         return out
 
     def quiescence(self) -> list[tuple[str, str]]:
