@@ -3,7 +3,9 @@
 
     python benchmarks/throughput.py [--programs N] [--length L] [--preset NAME|all] [--repeat K]
 
-Runs on one core (torch.set_num_threads(1)); each mode reports the best of --repeat runs.
+Runs on one core (torch.set_num_threads(1)); each mode reports the best of --repeat runs of the
+process's CPU time. The modes take turns (round-robin, --repeat rounds), so that a slow phase of a
+shared machine does not fall on one mode only.
 Modes: "bare" is the engine alone; "ledger" adds the hooks' ledger (every alloc/free recorded
 with the innermost engine frame, double free checked); "hooks" adds the shadow KV content tags
 (stale-KV reads), the fuzzers' search mode; "hooks-full" records full stacks and owners, as a
@@ -36,14 +38,14 @@ MODES = (  # name, hooks installed, oracles after every step, full stacks, shado
 
 def run(config, programs, audit: bool, oracles: bool, full: bool, shadow: bool) -> tuple[float, int, int]:
     ops = steps = 0
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for prog in programs:
         with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full, shadow=shadow) as r:
             for op in prog:
                 r.apply(op)
         ops += len(prog)
         steps += r.target.steps
-    return time.perf_counter() - t0, ops, steps
+    return time.process_time() - t0, ops, steps
 
 
 def main() -> None:
@@ -63,10 +65,14 @@ def main() -> None:
     for preset, model in ((p, m) for p in presets for m in ("none", "tiny")):
         config = get_preset(preset).config(model=model)
         run(config, programs[:5], True, True, True, True)  # warm-up
-        base = None
-        for mode, audit, oracles, full, shadow in MODES:
-            secs, ops, steps = min(run(config, programs, audit, oracles, full, shadow) for _ in range(args.repeat))
-            base = base or secs
+        best: dict[str, tuple[float, int, int]] = {}
+        for _ in range(args.repeat):
+            for mode, *flags in MODES:
+                got = run(config, programs, *flags)
+                best[mode] = min(best.get(mode, got), got)
+        base = best["bare"][0]
+        for mode, *_ in MODES:
+            secs, ops, steps = best[mode]
             print(f"{preset:19} {model:6} {mode:12} {len(programs) / secs:11.1f} {ops / secs:9.0f} {steps / secs:9.0f} "
                   f"{secs / base:5.2f}x")
 

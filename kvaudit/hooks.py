@@ -91,6 +91,7 @@ class Auditor:
         self.step = 0
         self.pending: list[Finding] = []
         self._sites: dict[tuple, int] = {}
+        self._line_sites: dict[tuple[int, int], int] = {}  # (id(code), line) -> site id, fast mode
         self._site_frames: list[tuple] = []
         self._undo: list[tuple[object, str]] = []
         self._owner_hint = getattr(target, "owner_hint", lambda frame_locals: None)
@@ -137,17 +138,15 @@ class Auditor:
         f = sys._getframe(2)
         if not self.full_stacks:  # the innermost engine frame only: enough for the signature
             while f is not None:
-                if not (cache.get(id(f.f_code)) or miss(f.f_code))[0]:
-                    key = (((id(f.f_code), f.f_lineno),), None)
-                    break
+                code = f.f_code
+                if not (cache.get(id(code)) or miss(code))[0]:
+                    line = f.f_lineno
+                    sid = self._line_sites.get((id(code), line))
+                    if sid is None:
+                        sid = self._line_sites[id(code), line] = self._intern((((id(code), line),), None))
+                    return sid
                 f = f.f_back
-            else:
-                key = ((), None)
-            sid = self._sites.get(key)
-            if sid is None:
-                sid = self._sites[key] = len(self._site_frames)
-                self._site_frames.append(key)
-            return sid
+            return self._intern(((), None))
         frames, owner, looking, depth = [], None, OWNER_FRAMES, 0
         while f is not None and depth < STACK_DEPTH:
             code = f.f_code
@@ -163,7 +162,10 @@ class Auditor:
                 frames.append((id(code), f.f_lineno))
                 depth += 1
             f = f.f_back
-        key = (tuple(frames), owner or None)
+        return self._intern((tuple(frames), owner or None))
+
+    def _intern(self, key: tuple) -> int:
+        """The site id of ``key`` (frames, owner), a new one if it was never seen."""
         sid = self._sites.get(key)
         if sid is None:
             sid = self._sites[key] = len(self._site_frames)

@@ -39,7 +39,7 @@ class ShadowKV:
 
     def __init__(self, sizes: dict[str, int]):
         self.tags = {name: np.zeros(n, dtype=np.int64) for name, n in sizes.items()}
-        # id(owner) -> (owner, tags, length, last token, h of the last token)
+        # id(owner) -> [owner, tags, length, last token, h of the last token]
         self._prefix: dict[int, tuple] = {}
 
     def request_tags(self, owner, origin: list[int], output=(), future=()) -> np.ndarray:
@@ -52,26 +52,36 @@ class ShadowKV:
         ``h_p = sum_i (t_i + 1) * B**(p - i)``, plus one: a few new tokens are folded in one at a
         time, a long run without a Python loop as ``B**p * cumsum((t_i + 1) * B**-i)``.
         """
-        n0, n01 = len(origin), len(origin) + len(output)
+        n0 = len(origin)
+        n01 = n0 + len(output)
         n = n01 + len(future)
-
-        def tok(i: int) -> int:
-            return origin[i] if i < n0 else output[i - n0] if i < n01 else future[i - n01]
-
         have = self._prefix.get(id(owner))
         if have is not None:
-            _, tags, length, last, h = have
-            if length > n or (length and tok(length - 1) != last):
+            tags, length, last, h = have[1], have[2], have[3], have[4]
+            if n == length + 1 and length and n <= tags.size:  # the common call: one decoded token
+                p = length - 1
+                if (origin[p] if p < n0 else output[p - n0] if p < n01 else future[p - n01]) == last:
+                    t = origin[length] if length < n0 else output[length - n0] if length < n01 else future[length - n01]
+                    h = (h * _B + t + 1) & _M64
+                    v = (h + 1) & _M64
+                    tags[length] = v - (1 << 64) if v >= 1 << 63 else v
+                    have[2], have[3], have[4] = n, t, h
+                    return tags[:n]
+            p = length - 1
+            if length > n or (length and (origin[p] if p < n0 else output[p - n0] if p < n01
+                                          else future[p - n01]) != last):
                 have = None  # not an extension of what was cached: start over
             elif length == n:
                 return tags[:n]
         if have is None:
             tags, length, h = np.zeros(max(16, n), dtype=np.int64), 0, 0
+            have = self._prefix[id(owner)] = [owner, tags, 0, None, 0]  # owner kept: ids stay unique
         if n > tags.size:
-            tags = np.concatenate((tags, np.zeros(max(n, 2 * tags.size) - tags.size, dtype=np.int64)))
+            tags = have[1] = np.concatenate((tags, np.zeros(max(n, 2 * tags.size) - tags.size, dtype=np.int64)))
         if n - length <= 16:  # a few new tokens (a decode step): plain integers beat numpy calls
             for p in range(length, n):
-                h = (h * _B + tok(p) + 1) & _M64
+                t = origin[p] if p < n0 else output[p - n0] if p < n01 else future[p - n01]
+                h = (h * _B + t + 1) & _M64
                 v = (h + 1) & _M64
                 tags[p] = v - (1 << 64) if v >= 1 << 63 else v
         else:
@@ -83,7 +93,9 @@ class ShadowKV:
                     seg += np.uint64(h) * _POW_INV[length - 1]
                 tags[length:n] = (seg * _POW[length:n] + np.uint64(1)).view(np.int64)
             h = (int(tags[n - 1]) - 1) & _M64
-        self._prefix[id(owner)] = (owner, tags, n, tok(n - 1) if n else None, h)  # owner kept: ids unique
+        p = n - 1
+        have[2], have[4] = n, h
+        have[3] = (origin[p] if p < n0 else output[p - n0] if p < n01 else future[p - n01]) if n else None
         return tags[:n]
 
     @staticmethod
