@@ -35,11 +35,13 @@ def source_path(path: str) -> str:
 
 @dataclass(frozen=True)
 class Site:
-    """A stack frame: ``file`` (see :func:`portable_path`), ``line`` (1-based), ``function``."""
+    """A stack frame: ``file`` (see :func:`portable_path`), ``line`` (1-based), ``function`` and the
+    line's ``source`` text, kept so that a report renders the same on another checkout."""
 
     file: str
     line: int
     function: str
+    source: str = field(default="", compare=False)  # the line's text when recorded ("" if unknown)
 
     def short(self) -> str:
         return f"{os.path.basename(self.file)}:{self.line} in {self.function}"

@@ -1,0 +1,108 @@
+"""JUnit XML output: findings as failed test cases, for CI dashboards (GitLab, Jenkins, ...).
+
+:func:`to_junit` writes the common "Ant JUnit" dialect those dashboards read::
+
+    <testsuites name tests failures errors time>
+      <testsuite name tests failures errors="0" skipped="0" time>
+        <properties><property name value/>...</properties>      (engine config, when given)
+        <testcase classname="kvaudit.<kind>" name="<signature>" time="0">
+          <failure message="<summary>" type="<kind>">details</failure>
+        </testcase>
+      </testsuite>
+    </testsuites>
+
+One test case per distinct :attr:`Finding.signature` (the dedup key), in order of first
+appearance, so a bug found twice is one red test, and the same bug across CI runs keeps the same
+test name. kvaudit does not time findings, so every ``time`` is ``0``.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+from kvaudit.findings import Finding, Site
+from kvaudit.sarif import engine_verdict, finding_stacks, lifecycle
+
+# Characters XML 1.0 does not allow anywhere, even as character references: C0 controls other
+# than tab, newline and carriage return; lone surrogates; U+FFFE and U+FFFF.
+_ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def xml_text(text: object) -> str:
+    """``str(text)`` without the characters XML 1.0 cannot carry (ElementTree escapes the rest)."""
+    return _ILLEGAL_XML.sub("", str(text))
+
+
+def _frame(s: Site, depth: int) -> str:
+    source = getattr(s, "source", "").strip()  # the line's text, when the frame recorded it
+    return f"    #{depth} {s.file}:{s.line} in {s.function}" + (f"\n        {source}" if source else "")
+
+
+def failure_text(f: Finding, count: int = 1) -> str:
+    """The body of a finding's ``<failure>``: summary, signature, what and where, every stack
+    (``file:line in function``, innermost first), lifecycle and the engine's own verdict.
+    ``count`` is how many findings share the signature."""
+    lines = [f.summary(), f"signature: {f.signature}"]
+    if count > 1:
+        lines.append(f"found {count} times with this signature (details of the first)")
+    lines.append(f"kind: {f.kind}, pool: {f.pool}")
+    if f.op_index >= 0 or f.step >= 0:
+        lines.append(f"detected after op #{f.op_index} at scheduler step {f.step}: {f.message}")
+    else:
+        lines.append(f"message: {f.message}")
+    if f.slots:
+        word = "rows" if f.unit == "row" else "slots"
+        shown = ", ".join(map(str, f.slots[:64])) + (f", ... ({len(f.slots)} in all)" if len(f.slots) > 64 else "")
+        lines.append(f"{word}: [{shown}] ({f.num_units} {f.unit}{'' if f.num_units == 1 else 's'})")
+    if f.kind == "leak":
+        lines.append("indirect leak (reachable only from a leaked owner)" if f.indirect else "direct leak")
+    for label, frames in finding_stacks(f):
+        lines.append(f"{label}:")
+        lines.extend(_frame(s, i) for i, s in enumerate(frames))
+    if f.owner_history:
+        lines.append("lifecycle of the first unit:")
+        lines.extend("    " + line for line in lifecycle(f))
+    if f.engine_check:
+        lines.append(engine_verdict(f))
+    if f.traceback:
+        lines.append(f.traceback.rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
+             clean_case: str | None = None) -> str:
+    """JUnit XML (a ``str``, with an XML declaration) for ``findings``: one failing test case per
+    distinct signature (classname ``kvaudit.<kind>``, name the signature). With no findings and
+    a ``clean_case`` name, one passing test case of that name, so that a clean run shows as one
+    green test. ``config`` (an :class:`engine_under_test.EngineConfig`), when given, is written as
+    the suite's ``<properties>`` (``preset``, ``bugs``, ``model``, ``page_size`` and every other
+    config field)."""
+    groups: dict[str, list[Finding]] = {}
+    for f in findings:
+        groups.setdefault(f.signature, []).append(f)
+    cases: list[ET.Element] = []
+    for signature, group in groups.items():
+        first = group[0]
+        case = ET.Element("testcase", classname=xml_text(f"kvaudit.{first.kind}"), name=xml_text(signature),
+                          time="0")
+        failure = ET.SubElement(case, "failure", message=xml_text(first.summary()), type=xml_text(first.kind))
+        failure.text = xml_text(failure_text(first, len(group)))
+        cases.append(case)
+    if not findings and clean_case:
+        cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time="0"))
+
+    counts = {"tests": str(len(cases)), "failures": str(len(groups)), "errors": "0"}
+    root = ET.Element("testsuites", name=xml_text(suite_name), **counts, time="0")
+    suite = ET.SubElement(root, "testsuite", name=xml_text(suite_name), **counts, skipped="0", time="0")
+    if config is not None:
+        props = ET.SubElement(suite, "properties")
+        d = config.to_dict()
+        d["bugs"] = ",".join(sorted(d.get("bugs", [])))
+        head = ("preset", "bugs", "model", "page_size")
+        for key in [k for k in head if k in d] + sorted(k for k in d if k not in head):
+            ET.SubElement(props, "property", name=xml_text(key),
+                          value=xml_text("" if d[key] is None else d[key]))
+    suite.extend(cases)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

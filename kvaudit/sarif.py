@@ -1,0 +1,379 @@
+"""SARIF 2.1.0 output: findings as a static-analysis log that GitHub code scanning can ingest.
+
+:func:`to_sarif` returns the log as a plain ``dict`` (``json.dump`` it). Its shape, in the
+SARIF spec's own terms:
+
+* ``sarifLog`` with one ``run``; the run's ``tool.driver`` (a ``toolComponent``) carries one
+  ``reportingDescriptor`` (rule) per finding kind, in the order of :data:`kvaudit.findings.KINDS`,
+  so that a ``result.ruleIndex`` means the same rule in every log this version writes.
+* One ``result`` per finding, deduplicated by nobody: the caller decides what to pass. Its
+  primary ``location`` is where the finding happened in the engine's source (see
+  :func:`primary_stack`), ``relatedLocations`` are the other frames, linked from the message
+  text with SARIF's embedded links (``[text](id)``, spec "Messages with embedded links"),
+  ``stacks`` hold every recorded stack in full (spec "stack object"/"stackFrame object"), and
+  ``partialFingerprints["kvauditSignature/v1"]`` is :attr:`Finding.signature`, which is what
+  code scanning then uses to track one alert across runs (spec "partialFingerprints property").
+* File locations are ``artifactLocation`` objects whose ``uri`` is repo-relative (forward
+  slashes) with ``uriBaseId`` ``%SRCROOT%``, the convention GitHub resolves against the checkout.
+  The log does not define ``originalUriBaseIds``: that would write one machine's checkout path
+  into an otherwise portable, deterministic file (replay files avoid it for the same reason).
+
+Frames outside the repository (an absolute path, as a crash in a library can have) appear in
+``stacks`` as absolute ``file://`` URIs, and pseudo-files such as ``<string>`` by function name
+only; neither is used as a result's location, since code scanning can show neither.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from urllib.parse import quote
+
+import kvaudit
+from engine_under_test import Scheduler
+from kvaudit.findings import KINDS, Finding, Site, portable_path
+
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+SARIF_VERSION = "2.1.0"
+SRCROOT = "%SRCROOT%"
+FINGERPRINT_KEY = "kvauditSignature/v1"
+MAX_SLOTS = 64  # slots (or rows) listed in a result's properties; the rest are counted
+
+# ----------------------------------------------------------------------------- rules
+
+_MEMORY_SAFETY = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv", "lock-imbalance")
+
+# kind -> (name, shortDescription, fullDescription, level, tags). Kinds about memory safety
+# are errors; accounting drift (memory intact, the counters wrong, sometimes the checker
+# itself), liveness and hang (judged against step budgets) are warnings.
+_RULES: dict[str, tuple[str, str, str, str, tuple[str, ...]]] = {
+    "leak": (
+        "Leak", "KV-cache memory leaked: allocated units that no live owner references",
+        "Token slots, pages or request rows were allocated from a KV-cache pool and are no longer "
+        "reachable from any of the engine's roots (live requests, session slots, the radix tree, "
+        "in-flight copies), yet were never freed. An indirect leak is reachable only from another "
+        "leaked unit, as in LeakSanitizer. Each leak shrinks the pool for good, until the engine "
+        "stalls or rejects requests.",
+        "error", ("memory-safety", "leak")),
+    "use-after-free": (
+        "UseAfterFree", "A live owner references KV-cache units that the pool holds as free",
+        "A live request, session slot or radix-tree node references units that have already been "
+        "returned to the pool. The allocator can hand them to another request, whose KV then "
+        "overwrites the first one's, or the first one's writes corrupt the second's.",
+        "error", ("memory-safety", "use-after-free")),
+    "double-free": (
+        "DoubleFree", "KV-cache units freed while already free",
+        "Units were returned to their pool while they were already free. The free list then holds "
+        "them twice, so two requests can later be given the same slots, and the pool's available "
+        "count exceeds its size.",
+        "error", ("memory-safety", "double-free")),
+    "aliasing": (
+        "Aliasing", "KV-cache units privately owned by two owners at once",
+        "The same units are held privately (not shared through the radix tree) by two owners, so "
+        "one owner's writes or free corrupt the other's KV.",
+        "error", ("memory-safety", "aliasing")),
+    "stale-kv": (
+        "StaleKv", "A request read KV written for another prefix, or never written",
+        "A request attended to KV-cache slots whose content was written for a different token "
+        "prefix, or was never written at all: the model silently computes with wrong keys and "
+        "values. Found by kvaudit's shadow content tags, checked on every KV read.",
+        "error", ("memory-safety", "correctness", "stale-kv")),
+    "accounting-drift": (
+        "AccountingDrift", "A pool's accounting identity or counters disagree with its memory",
+        "SGLang's accounting identity available + evictable + protected + session_held + "
+        "uncached == total, one of the engine's counters, or the engine's own check_memory() fails "
+        "while every allocated unit is reachable: memory is intact, but the numbers the scheduler "
+        "admits and evicts by are wrong (or the check itself is).",
+        "warning", ("correctness", "accounting")),
+    "lock-imbalance": (
+        "LockImbalance", "A radix-tree node's lock_ref does not match its live holders",
+        "At idle, a radix-tree node's lock_ref differs from the number of live holders (requests, "
+        "session slots, in-flight HiCache copies). A leaked lock keeps its tokens protected, and "
+        "so unevictable, forever, while the accounting identity still balances.",
+        "error", ("memory-safety", "leak", "lock-ref")),
+    "liveness": (
+        "Liveness", "A request holding KV, or aborted, made no progress",
+        "A request that holds KV memory, or that was aborted, made no progress for the liveness "
+        "budget of scheduler steps: a parked request nobody schedules, or an abort that never "
+        "ends its request, keeps its memory forever.",
+        "warning", ("liveness",)),
+    "hang": (
+        "Hang", "The engine never became idle",
+        "idle() did not reach quiescence within its step budget: work stays queued with no way "
+        "to finish it. (A wait for memory that open sessions hold is not reported: SGLang waits "
+        "too.)",
+        "warning", ("liveness", "hang")),
+    "crash": (
+        "Crash", "The engine raised an exception",
+        "The engine raised an exception while running the program; the finding carries the "
+        "exception and its traceback.",
+        "error", ("crash",)),
+}
+
+
+def _rule(kind: str) -> dict:
+    """The ``reportingDescriptor`` for ``kind`` (a generic one for a kind this module does not know)."""
+    name, short, full, level, tags = _RULES.get(kind, (
+        "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+", kind) if w) or "Finding",
+        f"kvaudit finding: {kind}", f"A kvaudit finding of kind {kind}.", "error", ()))
+    markdown = (f"**{short}.**\n\n{full}\n\n"
+                "The result's stacks show where the units were allocated, freed or read (innermost "
+                "frame first); its properties list the pool, the units and the op and scheduler step "
+                "after which the finding was detected. Reproduce it deterministically with "
+                "`kvaudit replay <replay file>`, using the replay file that the run wrote.")
+    return {
+        "id": kind,
+        "name": name,
+        "shortDescription": {"text": short},
+        "fullDescription": {"text": full},
+        "help": {"text": f"{short}. {full} Reproduce with: kvaudit replay <replay file>.",
+                 "markdown": markdown},
+        "defaultConfiguration": {"level": level},
+        "properties": {"tags": ["kvaudit", "kv-cache", *tags],
+                       "precision": "high" if kind == "accounting-drift" else "very-high"},
+    }
+
+
+def rules(extra_kinds: list[str] | tuple[str, ...] = ()) -> list[dict]:
+    """One rule per kind of :data:`KINDS`, in that order, then any ``extra_kinds`` not among them."""
+    kinds = list(KINDS) + [k for k in dict.fromkeys(extra_kinds) if k not in KINDS]
+    return [_rule(k) for k in kinds]
+
+
+# ----------------------------------------------------------------------------- stacks and locations
+
+def _labelled_stacks(f: Finding) -> list[tuple[str, str, list[Site]]]:
+    """``(field, label, frames)`` for each non-empty stack of ``f``, in reading order."""
+    if f.kind == "crash":
+        labels = {"alloc_sites": "raised at"}
+    elif f.kind == "lock-imbalance":
+        labels = {"alloc_sites": "last unmatched lock taken at", "free_sites": "last unmatched lock released at"}
+    else:
+        labels = {"alloc_sites": "allocated at",
+                  "free_sites": "freed again at" if f.kind == "double-free" else "freed at"}
+    labels.setdefault("free_sites", "freed at")
+    labels.update(prev_free_sites="previously freed at", read_sites="read at")
+    order = (("free_sites", "prev_free_sites", "alloc_sites", "read_sites") if f.kind == "double-free" else
+             ("read_sites", "alloc_sites", "free_sites", "prev_free_sites") if f.kind == "stale-kv" else
+             ("alloc_sites", "free_sites", "prev_free_sites", "read_sites"))
+    return [(key, labels[key], list(getattr(f, key))) for key in order if getattr(f, key)]
+
+
+def finding_stacks(f: Finding) -> list[tuple[str, list[Site]]]:
+    """The finding's recorded stacks as ``(label, frames)``, innermost frame first, in reading
+    order, empty stacks left out. Labels say what the frames mean for this kind (a crash's
+    ``alloc_sites`` are where it was raised, a lock imbalance's where the lock was taken)."""
+    return [(label, frames) for _, label, frames in _labelled_stacks(f)]
+
+
+def primary_stack(f: Finding) -> str | None:
+    """Which of the finding's stack fields holds its primary location: ``free_sites`` for a
+    double free (the second free is the bug), ``alloc_sites`` when there are any, else
+    ``read_sites`` (stale KV with no allocation recorded), else whichever stack exists; ``None``
+    for a finding with no stack (accounting drift, liveness, hang)."""
+    order = (("free_sites", "alloc_sites") if f.kind == "double-free" else ("alloc_sites", "read_sites")) + (
+        "free_sites", "prev_free_sites", "read_sites")
+    return next((key for key in order if getattr(f, key)), None)
+
+
+_WINDOWS_ABS = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+def _norm(path: str) -> str:
+    return path.replace("\\", "/")
+
+
+def in_repo(site: Site) -> bool:
+    """Whether ``site.file`` is a repo-relative path (see :func:`kvaudit.findings.portable_path`)
+    that code scanning can resolve: not absolute, not a pseudo-file like ``<string>``, not ``../``."""
+    p = _norm(site.file)
+    return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or _WINDOWS_ABS.match(p))
+
+
+def artifact_location(path: str) -> dict | None:
+    """``artifactLocation`` for a recorded path: repo-relative -> ``{"uri", "uriBaseId": "%SRCROOT%"}``;
+    absolute -> a ``file://`` URI; a pseudo-file (``<string>``) -> ``None``."""
+    p = _norm(path)
+    if p.startswith("/"):
+        return {"uri": "file://" + quote(p)}
+    if _WINDOWS_ABS.match(p):
+        return {"uri": "file:///" + p[:2] + quote(p[2:])}
+    if not p or p.startswith("<"):
+        return None
+    return {"uri": quote(p.removeprefix("./")), "uriBaseId": SRCROOT}
+
+
+def _location(site: Site, message: str | None = None, loc_id: int | None = None,
+              region_fallback: bool = False) -> dict:
+    """A ``location`` object for a frame: physical (file, 1-based line and, when the frame
+    recorded it, the line's text as the region's ``snippet``) where the file is addressable, and
+    always a logical location naming the function. ``region_fallback`` puts a
+    line 0 (unknown, as a traceback can give) on line 1 instead of leaving the region out."""
+    loc: dict = {}
+    if loc_id is not None:
+        loc["id"] = loc_id
+    art = artifact_location(site.file)
+    if art is not None:
+        phys: dict = {"artifactLocation": art}
+        if site.line >= 1 or region_fallback:
+            phys["region"] = {"startLine": max(1, int(site.line))}
+            source = getattr(site, "source", "") if site.line >= 1 else ""  # the line's text, when recorded
+            if source:
+                phys["region"]["snippet"] = {"text": source}
+        loc["physicalLocation"] = phys
+    loc["logicalLocations"] = [{"name": site.function or "?", "kind": "function"}]
+    if message:
+        loc["message"] = {"text": message}
+    return loc
+
+
+def _anchor(kind: str) -> Site:
+    """Where a finding without any usable frame is shown. Code scanning rejects a result without
+    a location, and these findings (accounting drift, liveness, hang, a crash with no frame in
+    the repository) are about the engine's state, not one line of it, so they are anchored on
+    the engine code that owns that state: ``Scheduler.check_memory`` (the engine's own statement
+    of the accounting and lock invariants) for accounting drift and lock imbalance, and
+    ``Scheduler.step`` (the loop that failed to make progress, or raised) for everything else.
+    The line is looked up in the current source, so the anchor follows edits; if that fails,
+    line 1 of ``engine_under_test/scheduler.py``. The result says so in its message and in
+    ``properties.locationIsFallback``."""
+    method = "check_memory" if kind in ("accounting-drift", "lock-imbalance") else "step"
+    try:
+        fn = getattr(Scheduler, method)
+        line = inspect.getsourcelines(fn)[1]
+        path = _norm(portable_path(inspect.getsourcefile(fn) or ""))
+        site = Site(path, line, f"Scheduler.{method}")
+        if in_repo(site):
+            return site
+    except (AttributeError, OSError, TypeError):
+        pass
+    return Site("engine_under_test/scheduler.py", 1, "Scheduler")
+
+
+# ----------------------------------------------------------------------------- results
+
+def _escape(text: str) -> str:
+    """Free text for a plain-text SARIF message: literal square brackets are backslash-escaped so
+    that they are not read as embedded links (spec "Messages with embedded links"; SARIF
+    viewers unescape ``\\[``/``\\]`` for display). Lone surrogates, which no UTF-8 reader
+    accepts, are dropped."""
+    return re.sub(r"([\[\]])", r"\\\1", re.sub("[\ud800-\udfff]", "", text))
+
+
+def engine_verdict(f: Finding) -> str:
+    """The engine's own ``check_memory()`` verdict recorded with the finding, as one line."""
+    text = "; ".join(f.engine_check)
+    return text if text.startswith("engine check_memory()") else f"engine check_memory(): {text}"
+
+
+def lifecycle(f: Finding) -> list[str]:
+    """The first unit's owner history, one ``op N step M: event`` line per change."""
+    return [f"op {o.op_index} step {o.step}: " + (o.event if o.event != "owner" else f"owned by {o.owner}")
+            for o in f.owner_history]
+
+
+def _units_line(f: Finding) -> str:
+    if not f.slots:
+        return ""
+    word = "rows" if f.unit == "row" else "slots"
+    shown = ", ".join(map(str, f.slots[:16])) + (f", ... ({len(f.slots)} in all)" if len(f.slots) > 16 else "")
+    return f"{word.capitalize()}: {shown}."
+
+
+def _result(f: Finding, rule_index: int, level: str) -> dict:
+    stacks = _labelled_stacks(f)
+    key = primary_stack(f)
+    primary_label = next((label for k, label, _ in stacks if k == key), None)
+    # the innermost frame of the primary stack that code scanning can show, else of any stack,
+    # else the fallback anchor
+    primary = next((s for s in (getattr(f, key) if key else []) if in_repo(s)), None)
+    if primary is None:
+        primary = next((s for _, _, frames in stacks for s in frames if in_repo(s)), None)
+    fallback = primary is None
+    if fallback:
+        primary = _anchor(f.kind)
+
+    related: list[dict] = []
+    links: list[str] = []
+    for k, label, frames in stacks:
+        for depth, s in enumerate(frames):
+            if s is primary or not in_repo(s):
+                continue
+            loc_id = len(related) + 1  # ids are unique within the result, as embedded links need
+            related.append(_location(s, f"{label} #{depth} {s.function}", loc_id))
+            if depth == 0 and k != key:  # the message links each other stack's innermost frame
+                links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())})")
+
+    summary = f.summary()
+    lines = [_escape(summary)]
+    detail = f": {f.message}" if f.message and f.message not in summary else ""
+    if f.op_index >= 0 or f.step >= 0:
+        lines.append(_escape(f"Detected after op #{f.op_index} at scheduler step {f.step}{detail}."))
+    elif detail:
+        lines.append(_escape(detail[2:]))
+    if f.slots:
+        lines.append(_units_line(f))
+    if links:
+        lines.append("See also: " + "; ".join(links) + ".")
+    if fallback:
+        lines.append(_escape(f"(No source frame recorded: shown at {primary.function}, "
+                             "where the engine keeps the state this finding is about.)"))
+    if f.engine_check:
+        lines.append(_escape(engine_verdict(f)))
+
+    result: dict = {
+        "ruleId": f.kind,
+        "ruleIndex": rule_index,
+        "level": level,
+        "message": {"text": "\n".join(lines)},
+        "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
+                                region_fallback=True)],
+        "partialFingerprints": {FINGERPRINT_KEY: f.signature},
+    }
+    if related:
+        result["relatedLocations"] = related
+    if stacks:
+        result["stacks"] = [{"message": {"text": label},
+                             "frames": [{"location": _location(s)} for s in frames]}
+                            for _, label, frames in stacks]
+    props: dict = {
+        "signature": f.signature,
+        "pool": f.pool,
+        "unit": f.unit,
+        "slots": list(f.slots[:MAX_SLOTS]),
+        "slotsTotal": len(f.slots),
+        "num_units": f.num_units,
+        "op_index": f.op_index,
+        "step": f.step,
+        "engine_check": list(f.engine_check),
+    }
+    if f.kind == "leak":
+        props["indirect"] = f.indirect
+    if f.owner_history:
+        props["lifecycle"] = lifecycle(f)
+    if f.traceback:
+        props["traceback"] = f.traceback
+    if fallback:
+        props["locationIsFallback"] = True
+    result["properties"] = props
+    return result
+
+
+def to_sarif(findings: list[Finding], config=None) -> dict:
+    """A SARIF 2.1.0 log (a JSON-ready ``dict``) with one run holding one result per finding, in
+    order. ``config`` (an :class:`engine_under_test.EngineConfig`), when given, goes into the
+    run's ``properties`` (``preset``, ``bugs``, ``model``, ``page_size`` and the full config as
+    ``engineConfig``), so that an uploaded log says what was audited."""
+    rule_list = rules([f.kind for f in findings])
+    index = {r["id"]: i for i, r in enumerate(rule_list)}
+    run: dict = {
+        "tool": {"driver": {"name": "kvaudit", "version": kvaudit.__version__,
+                            "semanticVersion": kvaudit.__version__, "rules": rule_list}},
+        "results": [_result(f, index[f.kind], rule_list[index[f.kind]]["defaultConfiguration"]["level"])
+                    for f in findings],
+    }
+    if config is not None:
+        d = config.to_dict()
+        run["properties"] = {"preset": getattr(config, "preset", d.get("preset")), "bugs": sorted(d.get("bugs", [])),
+                             "model": d.get("model"), "page_size": d.get("page_size"), "engineConfig": d}
+    return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION, "runs": [run]}

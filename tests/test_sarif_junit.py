@@ -1,0 +1,301 @@
+"""SARIF and JUnit output: schema-valid, one rule per kind, one test case per signature."""
+
+import copy
+import dataclasses
+import glob
+import json
+import os
+import re
+import xml.etree.ElementTree as ET
+
+import jsonschema
+import pytest
+
+from engine_under_test import EngineConfig
+from kvaudit import replay
+from kvaudit.findings import KINDS, Finding, Site, source_path
+from kvaudit.junit import to_junit
+from kvaudit.sarif import FINGERPRINT_KEY, SRCROOT, to_sarif
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEMA_PATH = os.path.join(ROOT, "tests", "data", "sarif-schema-2.1.0.json")
+REGRESSIONS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))
+MEMORY_SAFETY = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv")
+
+
+@pytest.fixture(scope="module")
+def validator():
+    with open(SCHEMA_PATH) as fh:
+        schema = json.load(fh)
+    cls = jsonschema.validators.validator_for(schema)  # the schema says draft-04
+    cls.check_schema(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _errors(validator, log: dict) -> list[str]:
+    # through JSON, as an uploaded file would be: tuples, non-str keys and NaN would not survive
+    doc = json.loads(json.dumps(log, allow_nan=False))
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def _load(path: str):
+    config, _, findings, _ = replay.load(path)
+    return config, findings
+
+
+def _by_kind(kind: str) -> tuple[EngineConfig, Finding]:
+    for path in REGRESSIONS:
+        config, findings = _load(path)
+        for f in findings:
+            if f.kind == kind:
+                return config, f
+    pytest.fail(f"no {kind} finding in corpora/regressions")
+
+
+def _physical(loc: dict) -> tuple[str, int]:
+    phys = loc["physicalLocation"]
+    return phys["artifactLocation"]["uri"], phys["region"]["startLine"]
+
+
+def _uris(obj) -> list[dict]:
+    """Every artifactLocation object anywhere in ``obj``."""
+    if isinstance(obj, dict):
+        found = [obj["artifactLocation"]] if "artifactLocation" in obj else []
+        return found + [a for v in obj.values() for a in _uris(v)]
+    if isinstance(obj, list):
+        return [a for v in obj for a in _uris(v)]
+    return []
+
+
+def test_corpus_is_there():
+    assert len(REGRESSIONS) >= 10
+    kinds = {f.kind for p in REGRESSIONS for f in _load(p)[1]}
+    assert {"leak", "double-free", "stale-kv", "accounting-drift", "use-after-free"} <= kinds
+
+
+# ----------------------------------------------------------------------------- SARIF
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=lambda p: os.path.basename(p)[:-5])
+def test_sarif_for_each_regression_is_schema_valid_and_code_scanning_ready(validator, path):
+    config, findings = _load(path)
+    assert findings, f"{path} records no findings"
+    log = to_sarif(findings, config)
+    assert _errors(validator, log) == []
+
+    assert log["version"] == "2.1.0" and log["$schema"] == "https://json.schemastore.org/sarif-2.1.0.json"
+    (run,) = log["runs"]
+    assert run["tool"]["driver"]["name"] == "kvaudit"
+    assert run["properties"]["preset"] == config.preset
+    assert run["properties"]["bugs"] == sorted(config.bugs)
+    rules = run["tool"]["driver"]["rules"]
+    assert len(run["results"]) == len(findings)
+    for f, r in zip(findings, run["results"]):
+        assert r["ruleId"] == f.kind and rules[r["ruleIndex"]]["id"] == f.kind
+        assert r["partialFingerprints"] == {FINGERPRINT_KEY: f.signature}
+        assert r["message"]["text"].split("\n")[0].replace("\\[", "[").replace("\\]", "]") == f.summary()
+        assert r["level"] == rules[r["ruleIndex"]]["defaultConfiguration"]["level"]
+        # code scanning needs a location with a file and a 1-based line in the repository
+        assert len(r["locations"]) == 1
+        uri, line = _physical(r["locations"][0])
+        assert line >= 1
+        assert r["locations"][0]["physicalLocation"]["artifactLocation"]["uriBaseId"] == SRCROOT
+        assert os.path.isfile(source_path(uri)), uri
+        with open(source_path(uri)) as fh:
+            assert line <= len(fh.readlines())
+        for art in _uris(r):
+            assert not art["uri"].startswith("/") and "\\" not in art["uri"], art
+            assert art.get("uriBaseId") == SRCROOT, art
+        # properties carry the finding's data
+        props = r["properties"]
+        assert (props["pool"], props["op_index"], props["step"]) == (f.pool, f.op_index, f.step)
+        assert props["slots"] == f.slots[:64] and props["num_units"] == f.num_units
+        assert props["engine_check"] == f.engine_check
+        # every embedded link [text](id) names a related location of this result
+        ids = {loc["id"] for loc in r.get("relatedLocations", [])}
+        links = [int(m) for m in re.findall(r"(?<!\\)\[[^\]]*\]\((\d+)\)", r["message"]["text"])]
+        assert set(links) <= ids
+        # stacks hold every recorded frame, innermost first
+        stacks = [f.alloc_sites, f.free_sites, f.prev_free_sites, f.read_sites]
+        assert sorted(len(s["frames"]) for s in r.get("stacks", [])) == sorted(len(s) for s in stacks if s)
+
+
+def test_sarif_of_no_findings_is_valid(validator):
+    log = to_sarif([])
+    assert _errors(validator, log) == []
+    (run,) = log["runs"]
+    assert run["results"] == [] and "properties" not in run
+    assert [r["id"] for r in run["tool"]["driver"]["rules"]] == list(KINDS)
+
+
+def test_the_validator_rejects_a_broken_log(validator):
+    """The schema check must be able to fail: a bad level, a missing message, a bad line."""
+    config, f = _by_kind("leak")
+    good = to_sarif([f], config)
+    for breakage in ("level", "message", "line", "version"):
+        bad = copy.deepcopy(good)
+        r = bad["runs"][0]["results"][0]
+        if breakage == "level":
+            r["level"] = "fatal"
+        elif breakage == "message":
+            del r["message"]
+        elif breakage == "line":
+            r["locations"][0]["physicalLocation"]["region"]["startLine"] = 0
+        else:
+            bad["version"] = "2.0.0"
+        assert _errors(validator, bad), breakage
+
+
+def test_one_rule_per_kind_and_rule_index_points_at_it():
+    findings = [f for p in REGRESSIONS for f in _load(p)[1]]
+    run = to_sarif(findings)["runs"][0]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == list(KINDS)
+    assert len({r["name"] for r in rules}) == len(KINDS)
+    for r in rules:
+        assert re.fullmatch(r"[A-Z][A-Za-z]*", r["name"]), r["name"]
+        assert r["shortDescription"]["text"] and r["fullDescription"]["text"]
+        assert r["help"]["text"] and r["help"]["markdown"]
+        assert "kvaudit" in r["properties"]["tags"]
+        if r["id"] in MEMORY_SAFETY or r["id"] == "crash":
+            assert r["defaultConfiguration"]["level"] == "error", r["id"]
+    for f, res in zip(findings, run["results"]):
+        assert rules[res["ruleIndex"]]["id"] == res["ruleId"] == f.kind
+    # the rule table does not depend on which findings a run had
+    assert to_sarif(findings[:1])["runs"][0]["tool"]["driver"]["rules"] == rules
+
+
+def test_double_free_is_located_at_its_second_free():
+    config, f = _by_kind("double-free")
+    assert f.free_sites and f.alloc_sites and f.free_sites[0] != f.alloc_sites[0]
+    (r,) = to_sarif([f], config)["runs"][0]["results"]
+    assert _physical(r["locations"][0]) == (f.free_sites[0].file, f.free_sites[0].line)
+    related = {(loc["physicalLocation"]["artifactLocation"]["uri"], loc["physicalLocation"]["region"]["startLine"]):
+               loc["id"] for loc in r["relatedLocations"]}
+    prev, alloc = f.prev_free_sites[0], f.alloc_sites[0]
+    assert (prev.file, prev.line) in related and (alloc.file, alloc.line) in related
+    # the message links the earlier free
+    assert f"[{prev.function}]({related[(prev.file, prev.line)]})" in r["message"]["text"]
+    assert [s["message"]["text"] for s in r["stacks"]][:2] == ["freed again at", "previously freed at"]
+
+
+def test_leak_is_located_at_its_allocation():
+    config, f = _by_kind("leak")
+    (r,) = to_sarif([f], config)["runs"][0]["results"]
+    assert _physical(r["locations"][0]) == (f.alloc_sites[0].file, f.alloc_sites[0].line)
+    assert r["partialFingerprints"][FINGERPRINT_KEY] == f.signature
+    assert "properties" in r and "locationIsFallback" not in r["properties"]
+
+
+def test_recorded_source_line_becomes_the_region_snippet(validator):
+    if "source" not in {fld.name for fld in dataclasses.fields(Site)}:
+        pytest.skip("Site records no source line in this tree")
+    site = Site("engine_under_test/scheduler.py", 597, "alloc_for_extend", source="    out = alloc(n)")
+    f = Finding(kind="leak", pool="token_to_kv_pool", message="unreachable", slots=[3], num_units=1,
+                alloc_sites=[site, Site("engine_under_test/scheduler.py", 264, "step")])
+    log = to_sarif([f])
+    assert _errors(validator, log) == []
+    (r,) = log["runs"][0]["results"]
+    assert r["locations"][0]["physicalLocation"]["region"]["snippet"] == {"text": "    out = alloc(n)"}
+    assert "snippet" not in r["relatedLocations"][0]["physicalLocation"]["region"]
+    assert "out = alloc(n)" in ET.fromstring(to_junit([f])).find(".//failure").text
+
+
+def test_stale_kv_without_alloc_site_is_located_where_it_was_read(validator):
+    config, f = _by_kind("stale-kv")
+    f = dataclasses.replace(f, alloc_sites=[])
+    log = to_sarif([f], config)
+    assert _errors(validator, log) == []
+    (r,) = log["runs"][0]["results"]
+    assert _physical(r["locations"][0]) == (f.read_sites[0].file, f.read_sites[0].line)
+
+
+def test_finding_without_any_site_still_has_a_repo_location(validator):
+    config, f = _by_kind("accounting-drift")
+    assert not (f.alloc_sites or f.free_sites or f.read_sites)
+    hang = Finding(kind="hang", pool="-", message="engine not idle after 2000 steps of idle(): 1 waiting",
+                   op_index=3, step=2003)
+    log = to_sarif([f, hang], config)
+    assert _errors(validator, log) == []
+    for r in log["runs"][0]["results"]:
+        uri, line = _physical(r["locations"][0])
+        assert uri.startswith("engine_under_test/") and line >= 1
+        assert os.path.isfile(source_path(uri))
+        assert r["properties"]["locationIsFallback"] is True
+
+
+def test_crash_frames_outside_the_repo_stay_out_of_code_scanning_locations(validator):
+    """A crash's innermost frames can be in a library (absolute path) or a pseudo-file: the
+    location is the innermost frame in the repository; stacks keep the others as file:// URIs."""
+    frames = [Site("/usr/lib/python3.11/json/decoder.py", 355, "raw_decode"), Site("<string>", 1, "<module>"),
+              Site("engine_under_test/scheduler.py", 264, "step"), Site("engine_under_test/scheduler.py", 0, "run")]
+    crash = Finding(kind="crash", pool="-", message="ValueError: [bad] value", alloc_sites=frames,
+                    op_index=2, step=1, traceback="Traceback (most recent call last):\n...")
+    log = to_sarif([crash])
+    assert _errors(validator, log) == []
+    (r,) = log["runs"][0]["results"]
+    assert _physical(r["locations"][0]) == ("engine_under_test/scheduler.py", 264)
+    uris = [fr["location"].get("physicalLocation", {}).get("artifactLocation", {}).get("uri")
+            for fr in r["stacks"][0]["frames"]]
+    assert uris == ["file:///usr/lib/python3.11/json/decoder.py", None, "engine_under_test/scheduler.py",
+                    "engine_under_test/scheduler.py"]
+    assert "region" not in r["stacks"][0]["frames"][3]["location"]["physicalLocation"]  # line 0: unknown
+    assert all(not loc["physicalLocation"]["artifactLocation"]["uri"].startswith("file:")
+               for loc in r["relatedLocations"])
+    # literal brackets in free text are escaped, so they are not read as embedded links
+    assert "\\[bad\\]" in r["message"]["text"]
+
+
+# ----------------------------------------------------------------------------- JUnit
+
+def _suite(xml: str) -> ET.Element:
+    root = ET.fromstring(xml)
+    assert root.tag == "testsuites"
+    (suite,) = root.findall("testsuite")
+    for key in ("tests", "failures", "errors"):
+        assert root.get(key) == suite.get(key)
+    assert suite.get("errors") == "0" and suite.get("skipped") == "0" and suite.get("time") is not None
+    return suite
+
+
+def test_junit_one_testcase_per_distinct_signature():
+    config, findings = _load(os.path.join(ROOT, "corpora", "regressions", "chunked-abort-ignored.json"))
+    a, b = findings[:2]
+    assert a.signature != b.signature
+    again = dataclasses.replace(a, slots=[7, 8], num_units=2, op_index=a.op_index + 1)
+    assert again.signature == a.signature
+    suite = _suite(to_junit([a, b, again], config, suite_name="kvaudit-chunked", clean_case="clean"))
+    assert suite.get("name") == "kvaudit-chunked"
+    assert (suite.get("tests"), suite.get("failures")) == ("2", "2")
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == [a.signature, b.signature]
+    assert [c.get("classname") for c in cases] == [f"kvaudit.{a.kind}", f"kvaudit.{b.kind}"]
+    first = cases[0].find("failure")
+    assert first.get("type") == a.kind and first.get("message") == a.summary()
+    assert "2 times" in first.text and "2 times" not in cases[1].find("failure").text
+    s = a.alloc_sites[0]
+    assert f"{s.file}:{s.line} in {s.function}" in first.text
+    assert a.engine_check[0] in first.text
+    props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert props["preset"] == config.preset and props["bugs"] == ",".join(sorted(config.bugs))
+
+
+def test_junit_clean_run():
+    suite = _suite(to_junit([], clean_case="kvaudit fuzz (overlap)"))
+    (case,) = suite.findall("testcase")
+    assert case.get("name") == "kvaudit fuzz (overlap)"
+    assert case.find("failure") is None and case.find("error") is None
+    assert (suite.get("tests"), suite.get("failures")) == ("1", "0")
+    assert _suite(to_junit([])).findall("testcase") == []
+
+
+def test_junit_strips_characters_xml_cannot_carry():
+    f = Finding(kind="crash", pool="-", message="ValueError: bad \x01byte\x0b <&> \"q\" \ud800end",
+                alloc_sites=[Site("engine_under_test/scheduler.py", 264, "step")], op_index=0, step=0,
+                traceback="Traceback\x00 (most recent call last)\n")
+    xml = to_junit([f])
+    suite = _suite(xml)
+    failure = suite.find("testcase/failure")
+    assert failure.get("message") == "Engine crash: ValueError: bad byte <&> \"q\" end"
+    assert "bad byte <&>" in failure.text and "Traceback (most recent call last)" in failure.text
+    assert not re.search("[\x00-\x08\x0b\x0c\x0e-\x1f]", failure.text)
+    xml.encode("utf-8")  # no lone surrogate left
