@@ -23,7 +23,9 @@ from rich.text import Text
 from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
 from kvaudit import __version__, replay
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, triage
-from kvaudit.report import print_report, print_suppressions
+from kvaudit.outputs import FORMATS, Outputs, ReportData
+from kvaudit.outputs import write as write_outputs
+from kvaudit.report import print_report, print_suppressions, suppressed_by_kind
 from kvaudit.runner import INTERRUPTED, execute
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
@@ -96,6 +98,57 @@ _suppress_option = click.option(
     help="TOML suppression file: findings its [[suppress]] rules match are not findings (see README).")
 
 
+_OUTPUT_HELP = {
+    "html": "Write a self-contained HTML report (with a plot of pool occupancy) to OUT.",
+    "sarif": "Write a SARIF 2.1.0 log (for GitHub code scanning) to OUT.",
+    "junit": "Write JUnit XML, one test case per finding signature, to OUT.",
+    "json": "Write the report as JSON (a replay file plus the occupancy timeline) to OUT.",
+}
+
+
+def output_options(f):
+    """--html/--sarif/--junit/--json OUT, gathered into an ``outputs`` argument."""
+    @functools.wraps(f)
+    def wrapper(*a, **k):
+        k["outputs"] = _outputs(**{fmt: k.pop(f"{fmt}_out") for fmt in FORMATS})
+        return f(*a, **k)
+
+    for fmt in reversed(FORMATS):
+        wrapper = click.option(f"--{fmt}", f"{fmt}_out", type=click.Path(), default=None, metavar="OUT",
+                               help=_OUTPUT_HELP[fmt])(wrapper)
+    return wrapper
+
+
+def _outputs(**paths) -> Outputs:
+    """Check the report paths now, not after a long run: not a directory, not named twice, and in
+    a directory that exists (or can be made) and is writable."""
+    seen: dict[str, str] = {}
+    for fmt, path in paths.items():
+        if path is None:
+            continue
+        if path in seen:
+            raise InputError(f"--{fmt} and --{seen[path]} both name {path}")
+        seen[path] = fmt
+        if os.path.isdir(path):
+            raise InputError(f"--{fmt} {path}: is a directory (want a file name)")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise InputError(f"--{fmt} {path}: cannot write in {parent}")
+    return Outputs(**paths)
+
+
+def _write_outputs(outputs: Outputs, data: ReportData, err: Console) -> None:
+    if not outputs.wanted():
+        return
+    try:
+        written = write_outputs(outputs, data, note=lambda m: err.print(m, soft_wrap=True))
+    except OSError as e:
+        raise InputError(f"cannot write report: {e.strerror or e}: {e.filename or ''}".rstrip(": ")) from None
+    err.print("reports written: " + ", ".join(written), soft_wrap=True)
+
+
 def _console(stderr: bool = False) -> Console:
     """A rich console; off a terminal it is wide, so that paths in reports are not broken up."""
     probe = Console(stderr=stderr)
@@ -120,7 +173,8 @@ def _warn_unreachable_bugs(config, err: Console) -> None:
 
 
 class _Progress:
-    """Live status on a terminal; a plain line every ``interval`` seconds otherwise."""
+    """Live status on a terminal (rich); off a terminal, a plain line every ``interval`` seconds (and
+    at each phase change), with no control codes, for CI logs."""
 
     def __init__(self, console: Console, max_time: float, interval: float = 5.0,
                  suppressions: SuppressionSet | None = None):
@@ -128,14 +182,39 @@ class _Progress:
         self.suppressions = suppressions
         self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
         self._last = 0.0
+        self._phase = None
+
+    @staticmethod
+    def _fields(s: FuzzStats, max_time: float) -> list[tuple[str, str]]:
+        rate = s.executions / s.elapsed if s.elapsed > 0 else 0.0
+        return [("executions", f"{s.executions}"), ("exec/s", f"{rate:.1f}"), ("ops", f"{s.ops}"),
+                ("findings", f"{s.findings}"), ("suppressed", f"{len(s.suppressed)}"),
+                ("coverage", f"{len(s.sites)} alloc/free sites"),
+                ("elapsed", f"{s.elapsed:.1f}s"), ("remaining", f"{max(0.0, max_time - s.elapsed):.0f}s")]
 
     def line(self, s: FuzzStats) -> str:
-        rate = s.executions / s.elapsed if s.elapsed > 0 else 0.0
-        left = max(0.0, self.max_time - s.elapsed)
-        suppressed = ("" if self.suppressions is None else
-                      f" suppressed={sum(r.hits for r in self.suppressions)}")
-        return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={s.executions} exec/s={rate:.1f} ops={s.ops} "
-                f"findings={s.findings}{suppressed} remaining={left:.0f}s")
+        f = dict(self._fields(s, self.max_time))
+        return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={f['executions']} exec/s={f['exec/s']} ops={f['ops']} "
+                f"findings={f['findings']} suppressed={f['suppressed']} sites={len(s.sites)} "
+                f"remaining={f['remaining']}")
+
+    def renderable(self, s: FuzzStats):
+        from rich.progress_bar import ProgressBar
+
+        grid = Table.grid(padding=(0, 2))
+        grid.add_row(Text(f"kvaudit fuzz: {s.phase}", style="bold blue"),
+                     ProgressBar(total=self.max_time, completed=min(s.elapsed, self.max_time), width=40),
+                     Text(f"{min(s.elapsed, self.max_time):.0f}/{self.max_time:g}s"))
+        stats = Table.grid(padding=(0, 3))
+        fields = self._fields(s, self.max_time)
+        for _ in fields:
+            stats.add_column(justify="right")
+        stats.add_row(*[Text(k, style="dim") for k, _ in fields])
+        stats.add_row(*[Text(v, style="bold red" if k == "findings" and v != "0" else "bold") for k, v in fields])
+        outer = Table.grid()
+        outer.add_row(grid)
+        outer.add_row(stats)
+        return outer
 
     def __enter__(self):
         if self.live:
@@ -148,9 +227,9 @@ class _Progress:
 
     def update(self, s: FuzzStats, force: bool = False) -> None:
         if self.live:
-            self.live.update(Text(self.line(s), style="bold blue"), refresh=True)
-        elif force or time.monotonic() - self._last >= self.interval:
-            self._last = time.monotonic()
+            self.live.update(self.renderable(s), refresh=True)
+        elif force or s.phase != self._phase or time.monotonic() - self._last >= self.interval:
+            self._last, self._phase = time.monotonic(), s.phase
             print(self.line(s), file=sys.stderr, flush=True)
 
 
@@ -215,8 +294,9 @@ def _catch_sigint() -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings.")
 @_suppress_option
+@output_options
 @_restoring_sigint
-def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppress_file):
+def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppress_file, outputs):
     """Fuzz the built-in engine with Hypothesis; minimize, confirm and report what it finds.
 
     Exits 1 with a replay file in --out when a finding is confirmed, 0 when the budget ends clean
@@ -244,7 +324,11 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppre
     _catch_sigint()
     try:
         with progress:
+            progress.update(stats)
             found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update, suppressions=sset)
+            if found is None:
+                stats.phase = "done"
+                progress.update(stats, force=True)
             if found is not None:
                 stats.phase = "confirming and minimizing"
                 stats.findings = 1
@@ -252,38 +336,55 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppre
                 # the report's hit counts are the search's: triage's many reruns count apart
                 crash = triage(config, found[0], found[1][0], suppressions=sset.fresh() if sset is not None else None)
     except KeyboardInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
+            _write_outputs(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
             return EXIT_INTERRUPTED
         # Interrupted while minimizing: keep what was found, unminimized and unconfirmed.
         program, findings = found
         path = _write(out_dir, config, program, findings, seed=seed, confirmations="interrupted before confirmation",
                       minimized=False)
-        print_report(console, config, program, findings, suppressions=sset)
+        print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
         err.print(f"interrupted while minimizing; the unminimized program is in {path}")
+        _write_outputs(outputs, _run_data(config, program, findings, sset, stats, seed, interrupted=True,
+                                          program_title="program (unminimized)"), err)
         return EXIT_FINDINGS
-    if found is None:
+    if found is None or crash is None:
         if sset is not None:
             print_suppressions(console, sset)
-        console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
-                      f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)")
-        return EXIT_CLEAN
-    if crash is None:
-        if sset is not None:
-            print_suppressions(console, sset)
-        console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} times; "
-                      "not reported (flaky)")
+        if found is None:
+            console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
+                          f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)")
+        else:
+            console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} "
+                          "times; not reported (flaky)")
+        _write_outputs(outputs, _run_data(config, [], [], sset, stats, seed), err)
         return EXIT_CLEAN
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the finding is complete: write and report it whole
+    data = _run_data(config, crash.program, crash.findings, sset, stats, seed)
+    data.ensure_timeline()
     path = _write(out_dir, config, crash.program, crash.findings, seed=seed,
-                  confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
+                  confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True, timeline=data.timeline)
+    data.extra.update(confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
     print_report(console, config, crash.program, crash.findings, suppressions=sset)
     console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
                   f"{crash.original_length} -> {len(crash.program)} ops; reproduced "
                   f"{crash.confirmations}/{CONFIRM_RUNS}")
     console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
+    _write_outputs(outputs, data, err)
     return EXIT_FINDINGS
+
+
+def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
+              program_title: str = "minimized program") -> ReportData:
+    extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
+    if interrupted:
+        extra["interrupted"] = True
+    return ReportData(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
+                      suppressions=sset)
 
 
 def _write(out_dir, config, program, findings, **extra) -> str:
@@ -297,7 +398,8 @@ def _write(out_dir, config, program, findings, **extra) -> str:
 @main.command("replay")
 @click.argument("file", type=click.Path(dir_okay=False))
 @_suppress_option
-def replay_cmd(file, suppress_file):
+@output_options
+def replay_cmd(file, suppress_file, outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
     (or if --suppress rules match every finding)."""
     try:
@@ -316,7 +418,50 @@ def replay_cmd(file, suppress_file):
         same = "yes" if want <= got | set(hidden) else "no"
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
+    _write_outputs(outputs, ReportData(config, program, ex.findings, suppressed_by_kind(sset), {"replayed": file},
+                                       program_title="program", suppressions=sset), _console(stderr=True))
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
+
+
+@main.command("report")
+@click.argument("file", type=click.Path(dir_okay=False))
+@output_options
+def report_cmd(file, outputs):
+    """Render the findings recorded in a replay or report JSON FILE: the console report, and the
+    files that --html/--sarif/--junit/--json ask for. Runs no search; the program is replayed once
+    only when an occupancy plot (--html, --json) is wanted and FILE has no timeline. Exits 0 once
+    the report is rendered, findings or not."""
+    try:
+        config, program, findings, doc = replay.load(file)
+    except replay.ReplayFormatError as e:
+        raise InputError(str(e)) from None
+    timeline = doc.get("timeline")
+    if timeline is not None and not _timeline_ok(timeline):
+        raise InputError(f"{file}: bad timeline: want steps, ops and pools with series")
+    suppressed = doc.get("suppressed") or {}
+    if not isinstance(suppressed, dict) or not all(isinstance(v, int) for v in suppressed.values()):
+        raise InputError(f"{file}: bad 'suppressed': want an object of kind -> count")
+    if timeline is None and (outputs.html or outputs.json):
+        _check_device(config.device)
+    title = "minimized program" if doc.get("minimized") else "program"
+    print_report(_console(), config, program, findings, program_title=title)
+    if suppressed:
+        _console().print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
+    extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
+                                                           "suppressed")}
+    _write_outputs(outputs, ReportData(config, program, findings, suppressed, extra, timeline=timeline,
+                                       program_title=title), _console(stderr=True))
+    return EXIT_CLEAN
+
+
+def _timeline_ok(t) -> bool:
+    try:
+        n = len(t["steps"])
+        return (len(t["ops"]) == n and isinstance(t["pools"], dict)
+                and all(len(v) == n for p in t["pools"].values() for v in p["series"].values())
+                and all(isinstance(p["total"], int) for p in t["pools"].values()))
+    except (TypeError, KeyError, AttributeError):
+        return False
 
 
 @main.command()

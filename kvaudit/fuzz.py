@@ -48,8 +48,12 @@ class FuzzStats:
     started: float = field(default_factory=time.monotonic)
     executions: int = 0
     ops: int = 0
-    findings: int = 0
+    findings: int = 0  # distinct unsuppressed signatures
     phase: str = "fuzzing"
+    # engine code reached: (code, line) of every alloc/free/lock site seen (the coverage Hypothesis
+    # can give without instrumenting the interpreter)
+    sites: set = field(default_factory=set)
+    suppressed: set = field(default_factory=set)  # distinct suppressed signatures seen
 
     @property
     def elapsed(self) -> float:
@@ -153,6 +157,8 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
                     self._do(Idle())  # every program ends with the strong idle checks
             finally:
                 self.run.close()
+                rec.stats.sites |= self.run.auditor.site_keys()
+                rec.stats.suppressed.update(f.signature for f in self.run.suppressed)
 
     return ProgramMachine
 

@@ -12,6 +12,7 @@ Frees inside an allocator free group are recorded when the group ends, with thei
 from __future__ import annotations
 
 import inspect
+import linecache
 import os
 import sys
 from dataclasses import dataclass
@@ -177,8 +178,14 @@ class Auditor:
         if sid < 0:
             return []
         codes = Auditor._codes
-        return [Site(portable_path(codes[c].co_filename), line, codes[c].co_name)
+        return [Site(portable_path(codes[c].co_filename), line, codes[c].co_name,
+                     linecache.getline(codes[c].co_filename, line).strip())
                 for c, line in self._site_frames[sid][0]]
+
+    def site_keys(self) -> set[tuple[int, int]]:
+        """``(id(code), line)`` of the innermost engine frame of every site recorded so far: the
+        engine code this run reached, for coverage counts across runs of one process."""
+        return {frames[0] for frames, _ in self._site_frames if frames}
 
     def site_owner(self, sid: int) -> str | None:
         """The owner the target recognised in the allocating frames (e.g. ``req:<rid>``), if any."""
@@ -297,7 +304,9 @@ class Auditor:
                 hit = np.flatnonzero(units == unit)
                 if hit.size:
                     out.append(OwnerChange(op_index, step, self.owner_names[int(owners[hit[0]])], "owner"))
-        out.sort(key=lambda o: (o.step, o.op_index, o.event != "owner"))
+        # owners are read at the end of a step, after its allocs and frees (a stable sort keeps
+        # the events in ledger order)
+        out.sort(key=lambda o: (o.step, o.op_index, o.event == "owner"))
         return out
 
     # -- installation -----------------------------------------------------------------------

@@ -30,16 +30,21 @@ def to_doc(config: EngineConfig, program: list[Op], findings: list[Finding], **e
 
 def write_atomic(path: str, doc: dict) -> str:
     """Write ``doc`` as JSON to ``path`` via a temporary file and ``os.replace``."""
+    return write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
+
+
+def write_text_atomic(path: str, text: str) -> str:
+    """Write ``text`` (UTF-8) to ``path`` via a temporary file in the same directory, fsync and
+    ``os.replace``: a reader sees the old file or the whole new one, never a part. Raises OSError."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
     umask = os.umask(0)
     os.umask(umask)
     try:
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a replay file is an ordinary file
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=2)
-            fh.write("\n")
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import linecache
 import os
-from collections import Counter
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -16,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine_under_test import EngineConfig
-from kvaudit.findings import Finding, Site, source_path
+from kvaudit.findings import KINDS, Finding, Site, source_path
 from kvaudit.program import Op, format_op
 from kvaudit.suppress import SuppressionSet
 
@@ -25,7 +24,7 @@ def _stack(title: str, sites: list[Site]) -> Group:
     parts: list = [Text(title, style="bold")]
     for i, s in enumerate(sites):
         parts.append(Text(f"    #{i} {s.function}  {_rel(s.file)}:{s.line}", style="cyan" if i == 0 else ""))
-        src = linecache.getline(source_path(s.file), s.line).strip()
+        src = s.source or linecache.getline(source_path(s.file), s.line).strip()
         if src:
             parts.append(Syntax("        " + src, "python", theme="ansi_dark", background_color="default"))
     if not sites:
@@ -67,16 +66,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites))
     if f.owner_history:
-        t = Table(title="lifecycle of the first unit", title_justify="left", show_edge=False, pad_edge=False)
-        t.add_column("op", justify="right")
-        t.add_column("step", justify="right")
-        t.add_column("event")
-        for o in f.owner_history:
-            t.add_row(str(o.op_index), str(o.step), o.event if o.event != "owner" else f"owned by {o.owner}")
-        if f.kind == "leak":
-            owner = next((o.owner for o in reversed(f.owner_history) if o.owner != "-"), None)
-            t.add_row("", "", f"[bold red]never freed[/]; last owner: {owner or 'none seen'}")
-        parts.append(t)
+        parts.append(lifecycle_table(f))
     if program:
         t = Table(title=program_title, title_justify="left",
                   show_edge=False, pad_edge=False, show_header=False)
@@ -95,16 +85,75 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
     return Panel(Group(*parts), title=f"finding {index + 1}: {f.kind}", title_align="left", border_style="red")
 
 
-def summary_table(findings: list[Finding], deduplicated: int = 0) -> Table:
-    t = Table(title="summary", title_justify="left")
-    t.add_column("kind")
-    t.add_column("count", justify="right")
-    for kind, n in sorted(Counter(f.kind for f in findings).items()):
-        t.add_row(kind, str(n))
-    if not findings:
-        t.add_row("none", "0")
-    if deduplicated:
-        t.add_row("deduplicated", str(deduplicated), style="dim")
+def lifecycle_table(f: Finding) -> Table:
+    """The first unit's timeline: its alloc (op, step, site, for whom), owner changes, the end of its
+    last owner, its frees, and for a leak the verdict "never freed"."""
+    first = f.slots[0] if f.slots else "?"
+    if f.unit == "page" and f.slots and f.num_units:
+        first = f.slots[0] // (len(f.slots) // f.num_units)  # slots list whole pages
+    t = Table(title=f"lifecycle of {f.unit} {first}", title_justify="left", show_edge=False, pad_edge=False)
+    t.add_column("op", justify="right")
+    t.add_column("step", justify="right")
+    t.add_column("event")
+    owner = None
+    for o in f.owner_history:
+        if o.event != "owner":
+            text = o.event
+        elif o.owner == "-":
+            text = f"[yellow]{owner} no longer holds it[/]; no owner since" if owner else "no owner"
+        else:
+            text = f"owned by {o.owner}"
+        if o.event == "owner" and o.owner != "-":
+            owner = o.owner
+        elif o.event == "owner":
+            owner = None
+        t.add_row(str(o.op_index), str(o.step), text)
+    if f.kind == "leak":
+        last = next((o.owner for o in reversed(f.owner_history) if o.owner != "-"), None)
+        t.add_row("", "", f"[bold red]never freed[/]; last owner: {last or 'none seen'}")
+    return t
+
+
+def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = None,
+                 deduplicated: dict[str, int] | None = None) -> list[dict]:
+    """Per kind: distinct findings (by signature), suppressed findings and deduplicated reports
+    (further reports of a signature already counted), in :data:`KINDS` order."""
+    suppressed, deduplicated = dict(suppressed or {}), dict(deduplicated or {})
+    distinct: dict[str, set[str]] = {}
+    for f in findings:
+        sigs = distinct.setdefault(f.kind, set())
+        if f.signature in sigs:
+            deduplicated[f.kind] = deduplicated.get(f.kind, 0) + 1
+        sigs.add(f.signature)
+    kinds = [k for k in KINDS if k in distinct or suppressed.get(k) or deduplicated.get(k)]
+    kinds += sorted((set(distinct) | set(suppressed) | set(deduplicated)) - set(KINDS))
+    return [{"kind": k, "findings": len(distinct.get(k, ())), "suppressed": suppressed.get(k, 0),
+             "deduplicated": deduplicated.get(k, 0)} for k in kinds]
+
+
+def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
+    """Distinct signatures the rules suppressed, per finding kind."""
+    out: dict[str, int] = {}
+    for sig in (suppressions.suppressed_signatures() if suppressions is not None else ()):
+        kind = sig.split("/", 1)[0]
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = None,
+                  deduplicated: dict[str, int] | None = None) -> Table:
+    """Findings by kind, with suppressed and deduplicated counts, and a total row."""
+    rows = summary_rows(findings, suppressed, deduplicated)
+    t = Table(title="summary", title_justify="left", show_footer=bool(rows))
+    totals = [sum(r[c] for r in rows) for c in ("findings", "suppressed", "deduplicated")]
+    t.add_column("kind", footer="total")
+    for col, total in zip(("findings", "suppressed", "deduplicated"), totals):
+        t.add_column(col, justify="right", footer=str(total))
+    for r in rows:
+        t.add_row(r["kind"], str(r["findings"]), str(r["suppressed"]), str(r["deduplicated"]),
+                  style="" if r["findings"] else "dim")
+    if not rows:
+        t.add_row("none", "0", "0", "0")
     return t
 
 
@@ -142,7 +191,7 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
 
 
 def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
-                 deduplicated: int = 0, program_title: str = "minimized program",
+                 deduplicated: dict[str, int] | None = None, program_title: str = "minimized program",
                  suppressions: SuppressionSet | None = None) -> None:
     """The report: a header, one panel per finding, the summary and, with ``suppressions``, the
     suppressions used (``findings`` are the unsuppressed ones)."""
@@ -151,6 +200,6 @@ def print_report(console: Console, config: EngineConfig, program: list[Op], find
                        f"page_size {config.page_size}", style="bold"))
     for i, f in enumerate(findings):
         console.print(finding_renderable(f, program, i, program_title))
-    console.print(summary_table(findings, deduplicated))
+    console.print(summary_table(findings, suppressed_by_kind(suppressions), deduplicated))
     if suppressions is not None:
         print_suppressions(console, suppressions)

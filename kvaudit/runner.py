@@ -63,6 +63,7 @@ class AuditedRun:
         self._progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
         self._flushes = 0  # successful flush_cache requests already checked for quiescence
         self.ops_run = 0
+        self.on_step = None  # called as on_step(self) after every scheduler step (kvaudit.timeline)
 
     def _check(self, scan: bool = True) -> list[Finding]:
         """Findings the hooks raised, then (``scan``) the oracles' scan of the engine state."""
@@ -90,6 +91,8 @@ class AuditedRun:
         found = self._check()
         if not found and self.run_oracles and hasattr(self.target, "progress"):
             found = self._liveness()
+        if self.on_step is not None:
+            self.on_step(self)
         return found
 
     def _quiescence(self) -> list[Finding]:
@@ -180,7 +183,7 @@ class AuditedRun:
 
 def _crash_finding(exc: BaseException, op_index: int, step: int) -> Finding:
     tb = traceback.extract_tb(exc.__traceback__)
-    frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name) for fr in reversed(tb)
+    frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip()) for fr in reversed(tb)
               if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)]
     return Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
                    op_index=op_index, step=step,

@@ -1,4 +1,8 @@
-"""Helpers shared by the CLI tests (test_cli.py, test_suppress.py)."""
+"""Helpers shared by the CLI tests (test_cli.py, test_suppress.py, test_report.py)."""
+
+import os
+import shutil
+import sys
 
 from click.testing import CliRunner
 
@@ -17,3 +21,18 @@ def one_error_line(result):
     assert "Traceback" not in result.output
     assert lines[0].startswith("kvaudit: error: "), lines[0]
     return lines[0]
+
+
+def kvaudit_script():
+    """The installed ``kvaudit`` console script (for tests where the process boundary matters)."""
+    path = shutil.which("kvaudit", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert path, "the kvaudit console script is not installed (pip install -e .[dev])"
+    return path
+
+
+def plain_env():
+    """The environment of a user's shell with a colour terminal type, minus anything forcing colour."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "NO_COLOR")}
+    env["TERM"] = "xterm-256color"
+    return env

@@ -4,12 +4,10 @@ script (a real subprocess) where the process boundary matters (exit status throu
 import json
 import shlex
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
-from cli_helpers import invoke, one_error_line
+from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 
 from engine_under_test import BUGS, PRESETS
 from kvaudit.replay import FORMAT
@@ -20,20 +18,6 @@ FUZZ_BUG = ["fuzz", "--preset", "pd-decode-hisparse", "--bug", BUG, "--max-time"
 
 def replay_files(directory):
     return sorted(p for p in os.listdir(directory) if p.endswith(".json"))
-
-
-def kvaudit_script():
-    path = shutil.which("kvaudit", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    assert path, "the kvaudit console script is not installed (pip install -e .[dev])"
-    return path
-
-
-def plain_env():
-    """The environment of a user's shell with a colour terminal type, minus anything forcing colour."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "NO_COLOR")}
-    env["TERM"] = "xterm-256color"
-    return env
 
 
 # -- fuzz finds the zoo bug ------------------------------------------------------------------------

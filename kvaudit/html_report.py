@@ -1,0 +1,142 @@
+"""The HTML report: one self-contained file (no network resources, no scripts).
+
+Per finding it holds the same sections as the console report (rendered by rich and exported as
+HTML) and an inline SVG plot (matplotlib) of each pool's occupancy over the program's scheduler
+steps -- the terms of SGLang's accounting identity plus leaked units (:mod:`kvaudit.timeline`) --
+with the step where the finding appeared marked.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import re
+
+import jinja2
+from rich.console import Console
+from rich.terminal_theme import MONOKAI
+
+from engine_under_test import EngineConfig
+from kvaudit import __version__
+from kvaudit.findings import Finding
+from kvaudit.program import Op, format_op
+from kvaudit.report import finding_renderable, summary_rows, suppressions_table
+
+# one colour per identity term, in SERIES order; leaked is the one that should catch the eye
+COLOURS = {"available": "#cfd8dc", "evictable": "#81c784", "protected": "#4fc3f7", "session_held": "#ba68c8",
+           "uncached": "#ffb74d", "leaked": "#e53935"}
+
+_env = jinja2.Environment(loader=jinja2.PackageLoader("kvaudit", "templates"),
+                          autoescape=jinja2.select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
+
+
+def _rich_html(renderable, width: int = 110) -> str:
+    """``renderable`` as a ``<pre>`` block with inline styles (rich's own HTML export)."""
+    console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor")
+    console.print(renderable)
+    return console.export_html(theme=MONOKAI, inline_styles=True, code_format='<pre class="rich">{code}</pre>')
+
+
+def _inline_svg(fig) -> str:
+    """``fig`` as an ``<svg>`` element for an HTML5 page: no XML prolog, DOCTYPE, metadata or
+    namespace URLs (the HTML parser knows SVG; the page must name no outside resource)."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg"):]
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
+    return re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
+
+
+IN_USE = ("leaked", "uncached", "session_held", "protected", "evictable")  # stacked bottom-up
+
+
+def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
+    """An SVG plot, one panel per pool (the finding's pool first), over the scheduler steps:
+    the in-use terms of the identity (leaked at the bottom, then uncached, session_held, protected,
+    evictable) stacked on the left axis, with the engine's own in-use count (total - available)
+    dashed -- a gap between the two is accounting drift -- and ``available`` as a grey line on the
+    right axis. Small leaks stay visible because the left axis is scaled to what is in use. The
+    step where ``finding`` was detected is a vertical red line; steps after the program are shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    plt.rcParams["svg.fonttype"] = "none"  # text stays text: searchable, and no glyph paths
+    steps = timeline["steps"]
+    pools = list(timeline["pools"])
+    if finding is not None and finding.pool in pools:
+        pools.remove(finding.pool)
+        pools.insert(0, finding.pool)
+    fig, axes = plt.subplots(len(pools), 1, figsize=(9.5, 1.6 * len(pools) + 0.7), sharex=True, squeeze=False)
+    end = timeline.get("program_end_step")
+    drained = end is not None and bool(steps) and end < steps[-1]
+    for ax, pool in zip(axes[:, 0], pools):
+        p = timeline["pools"][pool]
+        series, total = p["series"], p["total"]
+        ax.stackplot(steps, *[series[t] for t in IN_USE], labels=IN_USE, colors=[COLOURS[t] for t in IN_USE],
+                     step="post", linewidth=0)
+        engine_in_use = [total - a for a in series["available"]]
+        ax.step(steps, engine_in_use, where="post", color="#263238", linestyle="--", linewidth=0.9,
+                label="in use (engine: total - available)")
+        top = max([1, *engine_in_use, *(sum(v) for v in zip(*(series[t] for t in IN_USE)))])
+        ax.set_ylim(0, top * 1.15)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=8)
+        right = ax.twinx()
+        right.step(steps, series["available"], where="post", color="#90a4ae", linewidth=1.2, label="available")
+        right.set_ylim(0, total * 1.05 or 1)
+        right.tick_params(labelsize=7, colors="#78909c")
+        leaked = max(series["leaked"])
+        mark = finding is not None and pool == finding.pool
+        title = f"{pool}: {total} {p['unit']}" + (f", {leaked} leaked at peak" if leaked else "")
+        ax.set_title(title, loc="left", fontsize=9, color="#b71c1c" if mark or leaked else "#263238",
+                     fontweight="bold" if mark else "normal")
+        if drained:
+            ax.axvspan(end, steps[-1], color="#eceff1", alpha=0.7, zorder=0)
+        if finding is not None and finding.step >= 0:
+            ax.axvline(finding.step, color="#d50000", linewidth=1.4)
+    axes[-1, 0].set_xlabel("scheduler step" + (" (shaded: steps after the program)" if drained else ""), fontsize=8)
+    if finding is not None and finding.step >= 0:
+        axes[0, 0].annotate(f"{finding.kind} detected (op #{finding.op_index}, step {finding.step})",
+                            xy=(finding.step, 1.0), xycoords=("data", "axes fraction"), xytext=(4, -12),
+                            textcoords="offset points", fontsize=8, color="#d50000")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    handles.append(plt.Line2D([], [], color="#90a4ae", linewidth=1.2))
+    labels.append("available (right axis)")
+    fig.legend(handles, labels, loc="upper center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    svg = _inline_svg(fig)
+    plt.close(fig)
+    return svg
+
+
+def render_html(config: EngineConfig, program: list[Op], findings: list[Finding], timeline: dict | None,
+                suppressed: dict[str, int] | None = None, suppressions=None, program_title: str = "minimized program",
+                extra: dict | None = None) -> str:
+    """The whole report page. ``timeline`` (from :func:`kvaudit.timeline.record`) may be None: the
+    page then says no plot was recorded. ``suppressions`` is a SuppressionSet or None."""
+    sections = []
+    for i, f in enumerate(findings):
+        sections.append({
+            "title": f"finding {i + 1}: {f.kind}",
+            "summary": f.summary(),
+            "signature": f.signature,
+            "console": _rich_html(finding_renderable(f, program, i, program_title)),
+            "plot": occupancy_svg(timeline, f) if timeline else None,
+        })
+    return _env.get_template("report.html").render(
+        version=__version__,
+        generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        config=config,
+        bugs=", ".join(sorted(config.bugs)) or "none",
+        program=[format_op(op) for op in program],
+        summary=summary_rows(findings, suppressed or {}),
+        sections=sections,
+        clean_plot=occupancy_svg(timeline) if timeline and not findings else None,
+        suppressions=_rich_html(suppressions_table(suppressions)) if suppressions is not None and len(suppressions) else None,
+        extra=extra or {},
+    )

@@ -1,0 +1,97 @@
+"""Pool occupancy over a program's scheduler steps: the data behind the HTML report's plot.
+
+Each sample splits one pool into the terms of SGLang's accounting identity (``available``,
+``evictable``, ``protected`` and ``session_held`` as the engine counts them, ``uncached`` from
+kvaudit's own marks of live requests) plus ``leaked``: units the ledger holds as allocated that no
+root reaches. Units are tokens for KV pools and rows for ``req_to_token_pool``. A pool the engine keeps
+no counters for (HiSparse buffers, session records) takes ``available`` from the ledger and
+``session_held`` from the session slots' roots. When the identity
+holds and nothing leaks, the six terms add up to ``total``; a gap or an excess is accounting drift.
+
+The timeline is plain data (lists of ints), kept in the replay/report JSON under ``"timeline"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_under_test import EngineConfig
+from kvaudit.program import Op, Step
+from kvaudit.runner import AuditedRun
+
+SERIES = ("available", "evictable", "protected", "session_held", "uncached", "leaked")
+
+
+def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
+    """``{pool: {term: count, ..., "total": n}}`` for the run's current state (see module doc)."""
+    auditor, target = run.auditor, run.target
+    acc = target.accounting()
+    roots: dict[str, list] = {name: [] for name in auditor.ledgers}
+    for root in target.roots():
+        roots[root.pool].append(root)
+    out = {}
+    for pool, led in auditor.ledgers.items():
+        n, ps = led.allocated.size, led.spec.page_size
+        referenced = np.zeros(n, dtype=bool)
+        owned = np.zeros(n, dtype=bool)
+        held = np.zeros(n, dtype=bool)  # by session slots: the pool's session_held when the engine has no counter
+        for root in roots[pool]:
+            referenced[root.units] = True
+            if root.private and root.role == "req":
+                owned[root.units] = True
+            elif root.private and root.role == "session":
+                held[root.units] = True
+        referenced[0] = owned[0] = held[0] = False
+        leaked = int(np.count_nonzero(led.allocated[1:] & ~referenced[1:])) * ps
+        a = acc.get(pool)
+        free = (n - 1 - int(np.count_nonzero(led.allocated[1:]))) * ps
+        out[pool] = {
+            "available": a.available if a is not None else free,
+            "evictable": a.evictable if a is not None else 0,
+            "protected": a.protected if a is not None else 0,
+            "session_held": a.session_held if a is not None else int(np.count_nonzero(held)) * ps,
+            "uncached": int(np.count_nonzero(owned)) * ps,
+            "leaked": leaked,
+            "total": a.total if a is not None else (n - 1) * ps,
+        }
+    return out
+
+
+def record(config: EngineConfig, program: list[Op], suppressions=None, drain_steps: int = 8) -> dict:
+    """Run ``program`` from a fresh engine with every oracle on and sample :func:`occupancy` before
+    the first step and after every scheduler step. The whole program runs (past the first finding),
+    then up to ``drain_steps`` more steps (at least one), so the plot shows what the leak does next.
+
+    Returns ``{"steps": [k] int, "ops": [k] int (the op each step ran in, -1 before any),
+    "pools": {pool: {"unit": "tokens"|"rows", "total": int, "series": {term: [k] int}}},
+    "detected": {"step", "op_index", "kind", "pool"} or None, "program_end_step": int}``.
+    """
+    steps: list[int] = []
+    ops: list[int] = []
+    samples: list[dict] = []
+
+    def sample(r: AuditedRun) -> None:
+        steps.append(r.target.steps)
+        ops.append(r.ops_run - 1)
+        samples.append(occupancy(r))
+
+    detected = None
+    with AuditedRun(config, suppressions=suppressions) as run:
+        sample(run)
+        run.on_step = sample
+        for op in program:
+            found = run.apply(op)
+            if found and detected is None:
+                f = found[0]
+                detected = {"step": f.step, "op_index": f.op_index, "kind": f.kind, "pool": f.pool}
+        end = run.target.steps
+        for _ in range(drain_steps):  # the aftermath: does the engine ever get the memory back?
+            if run.target.is_idle() and run.target.steps > end:
+                break
+            run.apply(Step(1))
+        units = {name: ("rows" if led.spec.kind == "rows" else "tokens") for name, led in run.auditor.ledgers.items()}
+    pools = {}
+    for pool, unit in units.items():
+        pools[pool] = {"unit": unit, "total": samples[-1][pool]["total"],
+                       "series": {term: [s[pool][term] for s in samples] for term in SERIES}}
+    return {"steps": steps, "ops": ops, "pools": pools, "detected": detected, "program_end_step": end}

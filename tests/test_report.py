@@ -1,0 +1,231 @@
+"""Reports: the console report (snapshots at a fixed width), the occupancy timeline, the HTML page,
+``kvaudit report`` and the report flags of ``fuzz``/``replay``, and plain progress off a terminal.
+
+The snapshot inputs are report JSON files in tests/data/report/ (written by ``kvaudit replay
+corpora/regressions/<bug>.json --json ...``): plain data with each site's source line embedded, so
+the snapshots do not move when engine code moves. Regenerate with ``pytest --snapshot-update``
+after a deliberate change to the console layout, and read the diff.
+"""
+
+import io
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
+from rich.console import Console
+
+from kvaudit import replay, timeline
+from kvaudit.findings import Finding
+from kvaudit.html_report import render_html
+from kvaudit.report import print_report, summary_rows
+from kvaudit.timeline import SERIES
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "report")
+REGRESSIONS = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions")
+SNAPSHOT_CASES = {  # kind -> a report file whose first finding is of that kind
+    "leak": "hisparse-prebuilt-skip-finish",
+    "double-free": "overlap-abort-double-free",
+    "use-after-free": "radix-lock-skips-matched-node",
+    "stale-kv": "aborted-kv-inserted",
+    "accounting-drift": "session-borrow-double-count",
+}
+
+
+def render(config, program, findings, width=100, **kw) -> str:
+    buf = io.StringIO()
+    print_report(Console(file=buf, width=width, color_system=None, highlight=False), config, program, findings, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kind", list(SNAPSHOT_CASES))
+def test_console_report_snapshot(kind, snapshot):
+    config, program, findings, _ = replay.load(os.path.join(DATA, SNAPSHOT_CASES[kind] + ".json"))
+    assert findings[0].kind == kind
+    text = render(config, program, findings)
+    assert text == snapshot
+    # what a reader needs is there, whatever the layout: the LeakSanitizer-style line, the stack
+    # with its source line, the program and the engine's own verdict
+    f = findings[0]
+    assert "==ERROR: kvaudit: " + f.summary()[:60] in text.replace("\n│ ", " ")
+    for site in f.alloc_sites + f.free_sites + f.read_sites:
+        assert f"{site.function}  {site.file}:{site.line}" in text and site.source[:40] in text
+    assert "engine check_memory():" in text and "summary" in text
+
+
+def test_snapshot_inputs_carry_their_source_lines():
+    for name in SNAPSHOT_CASES.values():
+        _, _, findings, _ = replay.load(os.path.join(DATA, name + ".json"))
+        sites = [s for f in findings for s in f.alloc_sites + f.free_sites + f.read_sites]
+        assert all(s.source for s in sites), name
+        assert sites or findings[0].kind == "accounting-drift"  # drift is about counters: no site
+
+
+def test_leak_lifecycle_shows_alloc_owner_end_and_never_freed():
+    config, program, _, _ = replay.load(os.path.join(REGRESSIONS, "retract-unaligned-page.json"))
+    from kvaudit.runner import execute
+
+    f = execute(config, program).findings[0]
+    text = render(config, program, [f], width=140)
+    life = text[text.index("lifecycle of page"):text.index("minimized program")]
+    rows = [line for line in life.splitlines() if re.search(r"│\s+\S", line)]
+    alloc = next(i for i, r in enumerate(rows) if "alloc at" in r)
+    owned = next(i for i, r in enumerate(rows) if "owned by req:" in r)
+    gone = next(i for i, r in enumerate(rows) if "no longer holds it" in r)
+    assert alloc < owned < gone
+    assert "never freed; last owner: req:" in rows[-1]
+
+
+def test_summary_counts_distinct_signatures_suppressed_and_duplicates():
+    a = Finding(kind="leak", pool="p", message="m")
+    b = Finding(kind="leak", pool="q", message="m")
+    rows = summary_rows([a, a, b], suppressed={"double-free": 2})
+    assert rows == [{"kind": "leak", "findings": 2, "suppressed": 0, "deduplicated": 1},  # in KINDS order
+                    {"kind": "double-free", "findings": 0, "suppressed": 2, "deduplicated": 0}]
+
+
+# -- the occupancy timeline ------------------------------------------------------------------------
+
+def test_timeline_of_a_leak_shows_the_leaked_slot_from_the_detection_step_on():
+    config, program, _, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    t = timeline.record(config, program)
+    assert t["detected"]["kind"] == "leak" and t["detected"]["pool"] == "hisparse_device"
+    leaked = t["pools"]["hisparse_device"]["series"]["leaked"]
+    at = t["steps"].index(t["detected"]["step"])
+    assert leaked[0] == 0 and all(x == 1 for x in leaked[at:])
+    assert len(t["steps"]) > at + 1  # the aftermath after the program is recorded too
+    assert t["program_end_step"] == t["detected"]["step"]
+
+
+def test_timeline_terms_add_up_to_the_total_when_nothing_is_wrong():
+    from kvaudit.program import Abort, Idle, Step, Submit
+    from engine_under_test import get_preset
+
+    config = get_preset("default").config()
+    program = [Submit(0, 40, 6), Submit(1, 30, 8), Step(3), Abort(0), Submit(0, 50, 4, extends=1), Idle()]
+    t = timeline.record(config, program)
+    assert t["detected"] is None
+    used = False
+    for pool, p in t["pools"].items():
+        for i in range(len(t["steps"])):
+            terms = [p["series"][k][i] for k in SERIES]
+            assert sum(terms) == p["total"], (pool, t["steps"][i], dict(zip(SERIES, terms)))
+            assert p["series"]["leaked"][i] == 0
+            used |= p["series"]["uncached"][i] > 0 and p["series"]["evictable"][i] + p["series"]["protected"][i] > 0
+    assert used  # the program really had requests and cached prefixes at once
+
+
+# -- HTML ------------------------------------------------------------------------------------------
+
+def test_html_is_self_contained_and_has_the_plot_and_sections():
+    config, program, findings, doc = replay.load(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json"))
+    page = render_html(config, program, findings, doc["timeline"])
+    assert "http://" not in page and "https://" not in page
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!#)""", page)  # no external file either
+    assert page.count("<svg") == len(findings)  # one plot per finding
+    assert "hisparse_device: 256 tokens, 1 leaked at peak" in page
+    assert "leak detected (op #1, step 1)" in page
+    for f in findings:
+        assert f.signature in page
+    assert "health_check()" in page and "engine check_memory()" in page
+
+
+def test_html_without_findings_says_so():
+    config, _, _, _ = replay.load(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json"))
+    page = render_html(config, [], [], None)
+    assert "No findings." in page and "<svg" not in page
+
+
+# -- kvaudit report / replay / fuzz output flags ----------------------------------------------------
+
+def test_report_writes_every_format_and_its_json_reads_back(tmp_path):
+    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    out = {fmt: str(tmp_path / f"r.{fmt}") for fmt in ("html", "sarif", "junit", "json")}
+    result = invoke("report", src, *[a for fmt, p in out.items() for a in (f"--{fmt}", p)])
+    assert result.exit_code == 0, result.output
+    assert "Use-after-free of" in result.stdout
+    assert "replaying the 5-op program" in result.stderr  # the corpus file has no timeline yet
+    for p in out.values():
+        assert os.path.getsize(p) > 0
+    sarif = json.load(open(out["sarif"]))
+    recorded = replay.load(src)[2]
+    assert [r["ruleId"] for r in sarif["runs"][0]["results"]] == [f.kind for f in recorded]
+    assert recorded[0].kind == "use-after-free"
+    assert "<testcase" in open(out["junit"]).read()
+    config, program, findings, doc = replay.load(out["json"])
+    assert doc["timeline"]["pools"] and [f.signature for f in findings][0].startswith("use-after-free/")
+    # a report of the report: the timeline is reused, nothing is replayed
+    again = invoke("report", out["json"], "--html", str(tmp_path / "again.html"))
+    assert again.exit_code == 0 and "replaying" not in again.stderr
+    assert "<svg" in open(tmp_path / "again.html").read()
+
+
+def test_replay_takes_the_report_flags(tmp_path):
+    src = os.path.join(REGRESSIONS, "overlap-abort-double-free.json")
+    result = invoke("replay", src, "--sarif", str(tmp_path / "r.sarif"), "--junit", str(tmp_path / "r.xml"))
+    assert result.exit_code == 1
+    results = json.load(open(tmp_path / "r.sarif"))["runs"][0]["results"]
+    assert results and all(r["ruleId"] == "double-free" for r in results)
+
+
+@pytest.mark.slow
+def test_fuzz_writes_reports_for_a_finding_and_for_a_clean_run(tmp_path):
+    bug = ["fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--seed", "1",
+           "--max-time", "60", "--out", str(tmp_path / "o")]
+    result = invoke(*bug, "--html", str(tmp_path / "f.html"), "--json", str(tmp_path / "f.json"))
+    assert result.exit_code == 1, result.output
+    page = open(tmp_path / "f.html").read()
+    assert "<svg" in page and "leak/hisparse_device/" in page
+    (replay_file,) = [p for p in os.listdir(tmp_path / "o") if p.endswith(".json")]
+    assert "timeline" in json.load(open(tmp_path / "o" / replay_file))  # the replay file keeps the plot data
+    clean = invoke("fuzz", "--preset", "default", "--max-time", "2", "--out", str(tmp_path / "o2"),
+                   "--junit", str(tmp_path / "c.xml"), "--sarif", str(tmp_path / "c.sarif"))
+    assert clean.exit_code == 0, clean.output
+    assert 'failures="0"' in open(tmp_path / "c.xml").read()
+    assert json.load(open(tmp_path / "c.sarif"))["runs"][0]["results"] == []
+
+
+def test_report_flags_are_checked_before_anything_runs(tmp_path):
+    src = os.path.join(REGRESSIONS, "overlap-abort-double-free.json")
+    r = invoke("report", src, "--html", str(tmp_path))
+    assert r.exit_code == 2 and "is a directory" in one_error_line(r)
+    r = invoke("fuzz", "--max-time", "30", "--html", str(tmp_path / "x"), "--json", str(tmp_path / "x"))
+    assert r.exit_code == 2 and "both name" in one_error_line(r)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = invoke("report", src, "--sarif", str(blocker / "sub" / "r.sarif"))
+    assert r.exit_code == 2 and "cannot write" in one_error_line(r)
+
+
+@pytest.mark.parametrize("doc_change, message", [
+    (lambda d: d.update(timeline={"steps": [0, 1], "ops": [0], "pools": {}}), "bad timeline"),
+    (lambda d: d.update(suppressed=["leak"]), "bad 'suppressed'"),
+    (lambda d: d.update(format="other"), "not a kvaudit replay file"),
+])
+def test_report_of_a_malformed_file_is_one_line(tmp_path, doc_change, message):
+    doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    doc_change(doc)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    r = invoke("report", str(bad))
+    assert r.exit_code == 2 and message in one_error_line(r)
+
+
+# -- progress off a terminal -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_fuzz_piped_to_a_file_prints_plain_progress_lines(tmp_path):
+    log = tmp_path / "fuzz.log"
+    with open(log, "w") as fh:
+        proc = subprocess.run([kvaudit_script(), "fuzz", "--preset", "default", "--max-time", "6", "--seed", "3",
+                               "--out", str(tmp_path / "o")], stdout=fh, stderr=subprocess.STDOUT,
+                              env=plain_env(), timeout=120)
+    assert proc.returncode == 0
+    text = log.read_text()
+    assert "\x1b" not in text and "\r" not in text
+    lines = re.findall(r"^\[\s*[\d.]+s\] (\w+): executions=(\d+) exec/s=[\d.]+ ops=\d+ findings=0 suppressed=0 "
+                       r"sites=\d+ remaining=\d+s$", text, flags=re.M)
+    assert len(lines) >= 3, text  # at the start, every 5 s, at the end
+    assert lines[0] == ("fuzzing", "0") and lines[-1][0] == "done" and int(lines[-1][1]) > 0
