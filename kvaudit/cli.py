@@ -1,7 +1,8 @@
 """The ``kvaudit`` command line (click).
 
-Exit codes: 0 clean, 1 findings, 2 usage or input error, 70 internal error, 130 interrupted
-with no finding.
+Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 a replay is not deterministic
+(``replay --check-determinism``), 4 a recorded finding no longer reproduces (``minimize``),
+70 internal error, 130 interrupted with no finding.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from rich.text import Text
 
 from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
 from kvaudit import __version__, replay
-from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, triage
-from kvaudit.outputs import FORMATS, Outputs, ReportData
+from kvaudit.campaign import FUZZERS, findings_dir, known_signatures, run_campaign
+from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.outputs import FORMATS, Case, Outputs, ReportData
 from kvaudit.outputs import write as write_outputs
-from kvaudit.report import print_report, print_suppressions, suppressed_by_kind
+from kvaudit.report import print_cases, print_report, print_suppressions, suppressed_by_kind
+from kvaudit.timeline import SERIES
 from kvaudit.runner import INTERRUPTED, execute
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
+EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED = 3, 4
 
 
 class InputError(click.ClickException):
@@ -287,49 +291,69 @@ def _catch_sigint() -> None:
 
 @main.command()
 @common_options
+@click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True,
+              help="hypothesis: stateful generation with shrinking and swarm testing; atheris: coverage-guided "
+                   "libFuzzer over a byte encoding of programs; random: the plain random baseline.")
 @click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
               metavar="SECONDS", help="Time budget for the search, in seconds (triage of a finding comes after).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings.")
+@click.option("--workers", type=click.IntRange(min=1, max=256), default=1, show_default=True,
+              help="Worker processes (atheris: libFuzzer -fork=N). More than 1 runs a campaign.")
+@click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Run a resumable campaign over DIR (corpus, example database, findings): search the whole "
+                   "budget, report each new signature once, skip those DIR already holds.")
 @_suppress_option
 @output_options
 @_restoring_sigint
-def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppress_file, outputs):
-    """Fuzz the built-in engine with Hypothesis; minimize, confirm and report what it finds.
+def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir, workers, corpus_dir,
+         suppress_file, outputs):
+    """Fuzz the built-in engine; confirm, minimize and report what it finds.
 
-    Exits 1 with a replay file in --out when a finding is confirmed, 0 when the budget ends clean
-    (findings that --suppress rules match do not count: the search goes on past them).
+    Without --corpus (and one worker) the search stops at the first finding and exits 1 with a
+    replay file in --out, or 0 when the budget ends clean. With --corpus DIR, or --workers N > 1
+    (DIR defaults to --out), it is a campaign: it searches the whole budget, writes one replay file
+    per new signature to DIR/findings/ as soon as it is confirmed, and exits 1 if any is new.
+    Findings that --suppress rules match do not count: the search goes on past them.
     """
     config = _config(preset, bugs, model, device, page_size)
     sset = _suppressions(suppress_file)
+    campaign = corpus_dir is not None or workers > 1
+    target_dir = corpus_dir if corpus_dir is not None else out_dir
     try:  # fail now, not after the budget, if findings could not be written
-        os.makedirs(out_dir, exist_ok=True)
-        if not os.access(out_dir, os.W_OK):
+        os.makedirs(target_dir, exist_ok=True)
+        if not os.access(target_dir, os.W_OK):
             raise PermissionError(13, "not writable")
     except OSError as e:
-        raise InputError(f"--out {out_dir}: {e.strerror or e}") from None
+        raise InputError(f"--{'corpus' if corpus_dir is not None else 'out'} {target_dir}: {e.strerror or e}") from None
+    if fuzzer == "atheris":
+        _check_atheris()
     from hypothesis.configuration import set_hypothesis_home_dir
 
-    set_hypothesis_home_dir(os.path.join(out_dir, ".hypothesis"))  # not the user's cwd
+    set_hypothesis_home_dir(os.path.join(target_dir, ".hypothesis"))  # not the user's cwd
     console, err = _console(), _console(stderr=True)
     stats = FuzzStats()
-    err.print(f"kvaudit fuzz: preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, out {out_dir}"
+    err.print(f"kvaudit fuzz: {fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
+              f"budget {max_time:g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
+                                           else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     _warn_unreachable_bugs(config, err)
+    if campaign:
+        return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
+                         console, err)
     progress = _Progress(err, max_time, suppressions=sset)
     found = crash = None
     _catch_sigint()
     try:
         with progress:
             progress.update(stats)
-            found = hypothesis_search(config, max_time, seed, stats, on_progress=progress.update, suppressions=sset)
+            found = _search(fuzzer, config, max_time, seed, stats, progress.update, sset, suppress_file, out_dir)
             if found is None:
                 stats.phase = "done"
                 progress.update(stats, force=True)
-            if found is not None:
+            else:
                 stats.phase = "confirming and minimizing"
                 stats.findings = 1
                 progress.update(stats, force=True)
@@ -365,9 +389,10 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppre
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the finding is complete: write and report it whole
     data = _run_data(config, crash.program, crash.findings, sset, stats, seed)
-    data.ensure_timeline()
-    path = _write(out_dir, config, crash.program, crash.findings, seed=seed,
-                  confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True, timeline=data.timeline)
+    data.ensure_timelines()
+    path = _write(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
+                  confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True,
+                  timeline=data.cases[0].timeline)
     data.extra.update(confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
     print_report(console, config, crash.program, crash.findings, suppressions=sset)
     console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
@@ -378,13 +403,93 @@ def fuzz(preset, bugs, model, device, page_size, max_time, seed, out_dir, suppre
     return EXIT_FINDINGS
 
 
+def _check_atheris() -> None:
+    try:
+        import atheris
+    except ImportError as e:
+        raise InputError(f"--fuzzer atheris: atheris is not importable here ({e}); pip install atheris") from None
+    del atheris
+
+
+def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir):
+    """One search that stops at the first finding: (program, findings) or None."""
+    if fuzzer == "random":
+        return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+    if fuzzer == "atheris":
+        from kvaudit.atheris_fuzz import atheris_search
+
+        return atheris_search(config, max_time, seed, stats, on_progress=on_progress, corpus_dir=None, workers=1,
+                              suppressions_path=suppress_file, work_dir=os.path.join(out_dir, ".atheris"))
+    return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+
+
+def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err) -> int:
+    """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.campaign`."""
+    progress = _Progress(err, max_time, suppressions=sset)
+    before = known_signatures(corpus)
+    if before:
+        err.print(f"resuming: {len(before)} finding(s) already in {findings_dir(corpus)} are known, not new",
+                  soft_wrap=True)
+
+    def landed(sig: str, path: str) -> None:
+        (progress.live.console if progress.live else err).print(f"new finding: {sig} -> {path}", soft_wrap=True)
+
+    _catch_sigint()
+    try:
+        with progress:
+            progress.update(FuzzStats())
+            result = run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
+                                  on_progress=progress.update, on_finding=landed)
+            progress.update(result.stats, force=True)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the summary and reports are written whole
+    cases = []
+    for sig, path in sorted(result.new.items()):
+        try:
+            _, program, findings, doc = replay.load(path)
+        except replay.ReplayFormatError as e:
+            err.print(f"warning: {e}", soft_wrap=True)
+            continue
+        print_report(console, config, program, findings)
+        cases.append(Case(program, findings, doc.get("timeline"),
+                          doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
+    t = Table(title="campaign", title_justify="left")
+    t.add_column("signature", overflow="fold")
+    t.add_column("status", no_wrap=True)
+    t.add_column("replay file", overflow="fold")
+    for sig, path in sorted(result.new.items()):
+        t.add_row(sig, Text("new", style="bold red"), path)
+    for sig, path in sorted(result.known.items()):
+        t.add_row(sig, Text("known", style="dim"), path)
+    for sig in sorted(result.flaky):
+        t.add_row(sig, Text("flaky (not reproduced 3/3)", style="yellow"), "-")
+    if result.new or result.known or result.flaky:
+        console.print(t)
+    if sset is not None:
+        print_suppressions(console, sset)
+    s = result.stats
+    console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
+                  f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
+                  f"{len(result.new)} new, {len(result.known)} known finding(s); corpus {corpus}", soft_wrap=True)
+    extra = {"fuzzer": fuzzer, "seed": seed, "workers": workers, "executions": s.executions, "ops": s.ops,
+             "seconds": round(s.elapsed, 1), "corpus": corpus}
+    if result.interrupted:
+        extra["interrupted"] = True
+    _write_outputs(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset), extra,
+                                       suppressions=sset), err)
+    if result.new:
+        return EXIT_FINDINGS
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
+
+
 def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
               program_title: str = "minimized program") -> ReportData:
     extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
     if interrupted:
         extra["interrupted"] = True
-    return ReportData(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
-                      suppressions=sset)
+    return ReportData.single(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
+                             suppressions=sset)
 
 
 def _write(out_dir, config, program, findings, **extra) -> str:
@@ -398,10 +503,15 @@ def _write(out_dir, config, program, findings, **extra) -> str:
 @main.command("replay")
 @click.argument("file", type=click.Path(dir_okay=False))
 @_suppress_option
+@click.option("--check-determinism", is_flag=True,
+              help="Run the replay --runs times and compare the ledger digests (every alloc, free and lock "
+                   "event) and findings; exit 3 if any run differs.")
+@click.option("--runs", type=click.IntRange(min=2, max=1000), default=CONFIRM_RUNS, show_default=True,
+              help="Runs for --check-determinism.")
 @output_options
-def replay_cmd(file, suppress_file, outputs):
+def replay_cmd(file, suppress_file, check_determinism, runs, outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
-    (or if --suppress rules match every finding)."""
+    (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ."""
     try:
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:
@@ -418,9 +528,205 @@ def replay_cmd(file, suppress_file, outputs):
         same = "yes" if want <= got | set(hidden) else "no"
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
-    _write_outputs(outputs, ReportData(config, program, ex.findings, suppressed_by_kind(sset), {"replayed": file},
-                                       program_title="program", suppressions=sset), _console(stderr=True))
+    _write_outputs(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
+                                              {"replayed": file}, program_title="program", suppressions=sset),
+                   _console(stderr=True))
+    if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
+        return EXIT_NONDETERMINISTIC
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
+
+
+def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
+    """Run ``program`` ``runs - 1`` more times beside ``first``; print one row per run (ledger
+    digest, findings); True if any run differs."""
+    execs = [first] + [execute(config, program, suppressions=sset.fresh() if sset is not None else None)
+                       for _ in range(runs - 1)]
+
+    def key(ex):
+        return ex.digest, [(f.signature, f.slots, f.step) for f in ex.findings], ex.steps
+
+    t = Table(title=f"determinism: {runs} runs", title_justify="left")
+    for col in ("run", "ledger digest", "steps", "findings"):
+        t.add_column(col, overflow="fold")
+    for i, ex in enumerate(execs):
+        same = key(ex) == key(execs[0])
+        t.add_row(str(i + 1), ex.digest[:16], str(ex.steps), ", ".join(ex.signatures) or "none",
+                  style="" if same else "bold red")
+    console.print(t)
+    differ = any(key(ex) != key(execs[0]) for ex in execs)
+    console.print(Text("NOT deterministic: the runs differ" if differ else f"deterministic: {runs} identical runs",
+                       style="bold red" if differ else "green"))
+    return differ
+
+
+@main.command("minimize")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "out_file", type=click.Path(dir_okay=False), default=None, metavar="OUT",
+              help="Where to write the minimized replay file (default: FILE with .min.json).")
+@click.option("--signature", default=None, metavar="SIG",
+              help="The finding to keep (default: the first finding recorded in FILE).")
+@_suppress_option
+@_restoring_sigint
+def minimize_cmd(file, out_file, signature, suppress_file):
+    """Minimize a replay file: delta debugging over its ops, then simpler op arguments, keeping the
+    finding's signature; the result is confirmed 3 of 3 times and written atomically. Exits 0 when
+    written, 4 if the finding does not reproduce (or not 3 of 3 after minimizing)."""
+    try:
+        config, program, recorded, _ = replay.load(file)
+    except replay.ReplayFormatError as e:
+        raise InputError(str(e)) from None
+    sset = _suppressions(suppress_file)
+    _check_device(config.device)
+    if signature is None:
+        if not recorded:
+            raise InputError(f"{file} records no finding: name one with --signature")
+        signature = recorded[0].signature
+    out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
+    _outputs(json=out_file)  # the same checks as the report flags
+    console, err = _console(), _console(stderr=True)
+    fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
+    err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
+    _catch_sigint()
+    from kvaudit.fuzz import confirm
+    from kvaudit.minimize import minimize
+
+    try:
+        small = minimize(config, program, signature, fresh())
+    except ValueError:
+        err.print(f"{file}: {signature} does not reproduce", soft_wrap=True)
+        return EXIT_NOT_REPRODUCED
+    except KeyboardInterrupt:
+        err.print("interrupted: nothing written")
+        return EXIT_INTERRUPTED
+    confirmations = confirm(config, small, signature, suppressions=fresh())
+    if confirmations < CONFIRM_RUNS:
+        err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
+                  "nothing written", soft_wrap=True)
+        return EXIT_NOT_REPRODUCED
+    final = execute(config, small, suppressions=fresh())
+    findings = [f for f in final.findings if f.signature == signature] + \
+        [f for f in final.findings if f.signature != signature]
+    path = _write_file(out_file, config, small, findings, minimized=True, minimized_from=file,
+                       confirmations=f"{confirmations}/{CONFIRM_RUNS}")
+    print_report(console, config, small, findings)
+    console.print(f"minimized {len(program)} -> {len(small)} ops; reproduced {confirmations}/{CONFIRM_RUNS}; "
+                  f"written to {path}", soft_wrap=True)
+    return EXIT_CLEAN
+
+
+def _write_file(path, config, program, findings, **extra) -> str:
+    try:
+        return replay.write_atomic(path, replay.to_doc(config, program, findings, **extra))
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+@main.command("ci")
+@click.option("--max-time", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
+              callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
+              help="Total fuzz budget, split evenly over the presets (0: replay the regressions only).")
+@click.option("--presets", "presets_value", default="all", show_default=True, metavar="LIST",
+              help="Presets to fuzz: 'all' or a comma-separated list.")
+@click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default="corpora/regressions",
+              show_default=True, metavar="DIR", help="Replay files that must still reproduce (and be clean when "
+                                                     "their switches are off).")
+@click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
+                   "are not new.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
+              help="Directory for the replay files of new findings.")
+@_suppress_option
+@output_options
+@_restoring_sigint
+def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file, outputs):
+    """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
+    identically with its switches on and be clean with them off), fuzz the clean engine over the
+    presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
+    clean, 1 on a failed regression or a new finding, 130 when interrupted."""
+    from kvaudit import ci
+
+    try:
+        preset_names = ci.presets_arg(presets_value)
+    except ValueError as e:
+        raise InputError(f"--presets: {e}") from None
+    sset = _suppressions(suppress_file)
+    if not os.path.isdir(regressions_dir):
+        raise InputError(f"--regressions {regressions_dir}: no such directory")
+    files = ci.regression_files(regressions_dir)
+    for d, flag in ((out_dir, "out"), (corpus_dir, "corpus")):
+        if d is not None:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise InputError(f"--{flag} {d}: {e.strerror or e}") from None
+    if fuzzer == "atheris":
+        _check_atheris()
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(os.path.join(corpus_dir or out_dir, ".hypothesis"))
+    console, err = _console(), _console(stderr=True)
+    result = ci.CiResult()
+    per_preset = max_time / len(preset_names) if max_time > 0 else 0.0
+    err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir}; fuzz {fuzzer} over "
+              f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
+    _catch_sigint()
+    try:
+        for path in files:
+            try:
+                check = ci.check_regression(path)
+            except replay.ReplayFormatError as e:
+                raise InputError(str(e)) from None
+            result.regressions.append(check)
+            err.print(f"regression {check.name}: " + ("ok" if check.ok else f"FAILED: {check.problem}"),
+                      soft_wrap=True)
+        if per_preset > 0:
+            for preset in preset_names:
+                progress = _Progress(err, per_preset, suppressions=sset)
+                with progress:
+                    run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
+                                         on_progress=progress.update)
+                result.fuzz.append(run)
+                err.print(f"fuzz {preset}: {run.executions} executions, "
+                          + (f"{len(run.new)} NEW finding(s)" if run.new else "clean")
+                          + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the summary and reports are written whole
+    for run in result.fuzz:
+        for program, findings, path in run.new:
+            print_report(console, get_preset(run.preset).config(), program, findings)
+    t = Table(title="kvaudit ci", title_justify="left")
+    t.add_column("check", overflow="fold")
+    t.add_column("result", overflow="fold")
+    for r in result.regressions:
+        t.add_row(f"regression {r.name}", Text("ok", style="green") if r.ok else Text(r.problem, style="bold red"))
+    for run in result.fuzz:
+        t.add_row(f"fuzz {run.preset} ({run.seconds:.0f}s, {run.executions} executions)",
+                  Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
+                  if run.new else Text("clean", style="green"))
+    console.print(t)
+    if outputs.junit:
+        try:
+            replay.write_text_atomic(outputs.junit, ci.junit(result))
+        except OSError as e:
+            raise InputError(f"cannot write {outputs.junit}: {e.strerror or e}") from None
+        err.print(f"JUnit written: {outputs.junit}")
+    rest = Outputs(html=outputs.html, sarif=outputs.sarif, json=outputs.json)
+    if rest.wanted():
+        cases = [Case(p, f, doc_extra={"preset": run.preset}) for run in result.fuzz for p, f, _ in run.new]
+        base = get_preset(preset_names[0]).config()
+        _write_outputs(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
+                                        {"job": "kvaudit ci"}, suppressions=sset), err)
+    failed = result.failed
+    console.print(("FAILED" if failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
+                  f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
+                  + (" (interrupted)" if result.interrupted else ""))
+    if failed:
+        return EXIT_FINDINGS
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
 
 
 @main.command("report")
@@ -432,34 +738,49 @@ def report_cmd(file, outputs):
     only when an occupancy plot (--html, --json) is wanted and FILE has no timeline. Exits 0 once
     the report is rendered, findings or not."""
     try:
-        config, program, findings, doc = replay.load(file)
+        config, loaded, doc = replay.load_cases(file)
     except replay.ReplayFormatError as e:
         raise InputError(str(e)) from None
-    timeline = doc.get("timeline")
-    if timeline is not None and not _timeline_ok(timeline):
-        raise InputError(f"{file}: bad timeline: want steps, ops and pools with series")
     suppressed = doc.get("suppressed") or {}
-    if not isinstance(suppressed, dict) or not all(isinstance(v, int) for v in suppressed.values()):
+    if not isinstance(suppressed, dict) or not all(isinstance(v, int) and v >= 0 for v in suppressed.values()):
         raise InputError(f"{file}: bad 'suppressed': want an object of kind -> count")
-    if timeline is None and (outputs.html or outputs.json):
-        _check_device(config.device)
-    title = "minimized program" if doc.get("minimized") else "program"
-    print_report(_console(), config, program, findings, program_title=title)
+    console = _console()
+    cases = []
+    for i, (program, findings, case_doc) in enumerate(loaded):
+        timeline = case_doc.get("timeline")
+        if timeline is not None and not _timeline_ok(timeline):
+            raise InputError(f"{file}: bad timeline{f' in case {i}' if len(loaded) > 1 else ''}: "
+                             "want steps, ops and pools whose series are lists of counts as long as steps")
+        if timeline is None and program and (outputs.html or outputs.json):
+            _check_device(config.device)
+        title = "minimized program" if case_doc.get("minimized") else "program"
+        cases.append(Case(program, findings, timeline, title,
+                          doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
+                                                                                "minimized")}))
+    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases])
     if suppressed:
-        _console().print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
+        console.print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
-                                                           "suppressed")}
-    _write_outputs(outputs, ReportData(config, program, findings, suppressed, extra, timeline=timeline,
-                                       program_title=title), _console(stderr=True))
+                                                           "suppressed", "cases")}
+    _write_outputs(outputs, ReportData(config, cases, suppressed, extra), _console(stderr=True))
     return EXIT_CLEAN
 
 
 def _timeline_ok(t) -> bool:
+    """A timeline (:func:`kvaudit.timeline.record`) the HTML plot can draw: equal-length lists of
+    non-negative integer counts."""
+    def counts(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
     try:
         n = len(t["steps"])
-        return (len(t["ops"]) == n and isinstance(t["pools"], dict)
-                and all(len(v) == n for p in t["pools"].values() for v in p["series"].values())
-                and all(isinstance(p["total"], int) for p in t["pools"].values()))
+        pools = t["pools"]
+        return (n > 0 and counts(t["steps"]) and isinstance(t["ops"], list) and len(t["ops"]) == n
+                and isinstance(pools, dict) and all(
+                    isinstance(p, dict) and isinstance(p.get("total"), int) and p["total"] >= 0
+                    and isinstance(p.get("series"), dict) and set(SERIES) <= set(p["series"])
+                    and all(counts(v) and len(v) == n for v in p["series"].values()) for p in pools.values())
+                and (t.get("program_end_step") is None or isinstance(t["program_end_step"], int)))
     except (TypeError, KeyError, AttributeError):
         return False
 

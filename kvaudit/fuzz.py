@@ -8,6 +8,7 @@ reported (syzkaller reproduces a crash before reporting it, for the same reason)
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,13 +17,13 @@ from hypothesis import HealthCheck as HypHealthCheck
 from hypothesis import Phase, Verbosity, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
-from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from engine_under_test import EngineConfig
 from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, Op, OpenSession, Step,
-                             Submit)
+                             Submit, random_program)
 from kvaudit.runner import AuditedRun, execute
 
 CONFIRM_RUNS = 3
@@ -76,69 +77,111 @@ class Crash:
 
 
 class _Recorder:
-    def __init__(self, stats: FuzzStats, deadline: float):
+    def __init__(self, stats: FuzzStats, deadline: float, known: frozenset[str] = frozenset(),
+                 on_progress: Callable[[FuzzStats], None] | None = None):
         self.stats = stats
         self.deadline = deadline
+        self.known = known  # signatures already reported (a resumed campaign): not failures
         self.last_failure: tuple[list[Op], list[Finding]] | None = None
+        self.on_progress = on_progress
+        self._last_tick = time.monotonic()
+
+    def tick(self) -> None:
+        """A program starts: report progress at most twice a second (a batch can take seconds)."""
+        if self.on_progress is not None and time.monotonic() - self._last_tick >= 0.5:
+            self._last_tick = time.monotonic()
+            self.on_progress(self.stats)
 
 
-def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions=None):
+# Swarm testing (Groce et al., ISSTA 2012): each test case leaves out a random subset of the op
+# kinds, so that programs made of a few kinds only (aborts and idles, say, with no steps to dilute
+# them) are drawn far more often than a fixed mix would draw them. step and idle are always in.
+SWARM_KINDS = ("submit", "health_check", "abort", "flush_cache", "memory_pressure", "sessions")
+
+
+def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
+    def enabled(kind: str):
+        return precondition(lambda self: kind in self.swarm)
+
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
             self.run = AuditedRun(config, full_stacks=False, suppressions=suppressions)
             self.ops: list[Op] = []
+            self.swarm = frozenset(SWARM_KINDS)
+            self.prompt_cap = max_prompt
+            self.dead = False  # a known finding ended this case's program: the rest are no-ops
+
+        @initialize(kinds=st.sets(st.sampled_from(SWARM_KINDS)) if swarm else st.just(frozenset(SWARM_KINDS)),
+                    short=st.booleans() if swarm else st.just(False))
+        def choose_swarm(self, kinds, short):
+            """The case's swarm: the op kinds it may use, and (a preset option) short prompts only."""
+            self.swarm = frozenset(kinds)
+            self.prompt_cap = max(1, max_prompt // 8) if short else max_prompt
 
         def _do(self, op: Op) -> None:
-            if rec.last_failure is None and time.monotonic() > rec.deadline:
+            if self.dead or (rec.last_failure is None and time.monotonic() > rec.deadline):
                 return  # out of time: let the remaining cases finish as no-ops
             # (never once something failed: shrinking replays cases and must see the same ops)
             if not self.ops:
                 rec.stats.executions += 1  # count programs that ran, not empty cases past the deadline
+                rec.tick()
             self.ops.append(op)
             rec.stats.ops += 1
             found = self.run.apply(op)
+            if found and all(f.signature in rec.known for f in found):
+                self.dead = True
+                return
             if found:
                 rec.last_failure = (list(self.ops), found)
                 raise _finding_error(found[0].kind)(found[0].signature)
 
+        @enabled("submit")
         @rule(family=st.integers(0, 7), prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 12),
               stop_at=st.none() | st.integers(1, 12))
         def submit(self, family, prompt_len, max_new_tokens, stop_at):
-            self._do(Submit(family, prompt_len, max_new_tokens, stop_at))
+            self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, stop_at))
 
         if not config.disable_radix_cache:  # a chat client resending its history: shared prefixes
+            @enabled("submit")
             @rule(extends=st.integers(0, 7), family=st.integers(0, 7), prompt_len=st.integers(1, 16),
                   max_new_tokens=st.integers(1, 12), stop_at=st.none() | st.integers(1, 12))
             def submit_extending(self, extends, family, prompt_len, max_new_tokens, stop_at):
                 self._do(Submit(family, prompt_len, max_new_tokens, stop_at, extends=extends))
 
+            @enabled("memory_pressure")
             @rule()
             def memory_pressure(self):
                 self._do(MemoryPressure())
 
         if config.enable_streaming_session:
+            @enabled("sessions")
             @rule()
             def open_session(self):
                 self._do(OpenSession())
 
+            @enabled("sessions")
             @rule(session=st.integers(0, 3), family=st.integers(0, 7), prompt_len=st.integers(1, 48),
                   max_new_tokens=st.integers(1, 12), stop_at=st.none() | st.integers(1, 12))
             def submit_turn(self, session, family, prompt_len, max_new_tokens, stop_at):
-                self._do(Submit(family, prompt_len, max_new_tokens, stop_at, session=session))
+                self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, stop_at, session=session))
 
+            @enabled("sessions")
             @rule(handle=st.integers(0, 3))
             def close_session(self, handle):
                 self._do(CloseSession(handle))
 
+        @enabled("health_check")
         @rule()
         def health_check(self):
             self._do(HealthCheck())
 
+        @enabled("abort")
         @rule(handle=st.none() | st.integers(0, 7))
         def abort(self, handle):
             self._do(Abort(handle))
 
+        @enabled("flush_cache")
         @rule()
         def flush_cache(self):
             self._do(FlushCache())
@@ -189,22 +232,32 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
 def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,
                       on_progress: Callable[[FuzzStats], None] | None = None,
                       batch_examples: int = 100, max_steps: int = 16,
-                      suppressions=None) -> tuple[list[Op], list[Finding]] | None:
+                      suppressions=None, known: frozenset[str] = frozenset(), database: str | None = None,
+                      swarm: bool = True) -> tuple[list[Op], list[Finding]] | None:
     """Run seeded Hypothesis batches until a finding or ``max_time`` seconds. Returns the shrunk
     failing program and its findings, or None. Findings that ``suppressions`` (a
     :class:`kvaudit.suppress.SuppressionSet`) covers are not findings: the search goes on past them
-    (they count as hits of the set)."""
+    (they count as hits of the set); nor are those whose signature is in ``known``.
+
+    ``database``: a directory for Hypothesis's example database (a campaign's corpus), whose saved
+    examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`)."""
     deadline = time.monotonic() + max_time
-    rec = _Recorder(stats, deadline)
+    rec = _Recorder(stats, deadline, frozenset(known), on_progress)
     # Long prompts from 8 families fill the default 512-slot pool in a few submits, so eviction
     # and admission under pressure are reached, not only the roomy paths.
     max_prompt = max(2, min(96, config.context_len - 12))
-    hs = settings(max_examples=batch_examples, stateful_step_count=max_steps, deadline=None, database=None,
+    db = None
+    if database is not None:
+        from hypothesis.database import DirectoryBasedExampleDatabase
+
+        db = DirectoryBasedExampleDatabase(database)
+    hs = settings(max_examples=batch_examples, stateful_step_count=max_steps, deadline=None, database=db,
                   suppress_health_check=list(HypHealthCheck), verbosity=Verbosity.quiet,
-                  phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)
+                  phases=([Phase.reuse] if db is not None else []) + [Phase.generate, Phase.shrink],
+                  report_multiple_bugs=False)
     batch = 0
     while time.monotonic() < deadline:
-        machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt, suppressions))
+        machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt, suppressions, swarm))
         try:
             run_state_machine_as_test(machine, settings=hs)
         except (FindingFound, FlakyFailure):
@@ -215,5 +268,37 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
             raise
         batch += 1
         if on_progress:
+            on_progress(stats)
+    return None
+
+
+def random_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,
+                  on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
+                  known: frozenset[str] = frozenset(), min_ops: int = 4, max_ops: int = 24,
+                  ) -> tuple[list[Op], list[Finding]] | None:
+    """The plain random baseline: fresh random programs (:func:`kvaudit.program.random_program`, a
+    fixed op mix) of ``min_ops..max_ops`` ops, no coverage feedback, no shrinking -- what a load test
+    with an idle check amounts to, but with kvaudit's oracles. Returns the first program that yields
+    a finding (neither suppressed nor ``known``) with its findings, or None after ``max_time`` s."""
+    rng = random.Random(seed_value)
+    deadline = time.monotonic() + max_time
+    max_prompt = max(2, min(96, config.context_len - 12))
+    last = time.monotonic()
+    while time.monotonic() < deadline:
+        program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt)
+        stats.executions += 1
+        with AuditedRun(config, full_stacks=False, suppressions=suppressions) as run:
+            for i, op in enumerate(program):
+                found = run.apply(op)
+                stats.ops += 1
+                if found and not all(f.signature in known for f in found):
+                    stats.sites |= run.auditor.site_keys()
+                    return program[: i + 1], found
+                if found:
+                    break
+            stats.sites |= run.auditor.site_keys()
+            stats.suppressed.update(f.signature for f in run.suppressed)
+        if on_progress and time.monotonic() - last > 0.5:
+            last = time.monotonic()
             on_progress(stats)
     return None

@@ -11,6 +11,7 @@ Frees inside an allocator free group are recorded when the group ends, with thei
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import linecache
 import os
@@ -182,10 +183,26 @@ class Auditor:
                      linecache.getline(codes[c].co_filename, line).strip())
                 for c, line in self._site_frames[sid][0]]
 
-    def site_keys(self) -> set[tuple[int, int]]:
-        """``(id(code), line)`` of the innermost engine frame of every site recorded so far: the
-        engine code this run reached, for coverage counts across runs of one process."""
-        return {frames[0] for frames, _ in self._site_frames if frames}
+    def site_keys(self) -> set[tuple[str, int]]:
+        """``(file, line)`` of the innermost engine frame of every site recorded so far: the engine
+        code this run reached, for coverage counts across runs and worker processes."""
+        codes = Auditor._codes
+        return {(codes[frames[0][0]].co_filename, frames[0][1]) for frames, _ in self._site_frames if frames}
+
+    def digest(self) -> str:
+        """SHA-256 of the ledger so far: every alloc and free (kind, pool, units, op, step, innermost
+        site) and every lock event (node, delta, op, step). Two runs of one program on a
+        deterministic engine give the same digest (``kvaudit replay --check-determinism``)."""
+        h = hashlib.sha256()
+        codes = Auditor._codes
+        for ev in self.events:
+            frames = self._site_frames[ev.site][0] if ev.site >= 0 else ()
+            where = f"{codes[frames[0][0]].co_name}:{frames[0][1]}" if frames else "?"
+            h.update(f"{ev.kind} {ev.pool} {ev.units} {ev.op_index} {ev.step} {where}\n".encode())
+        renumber: dict[int, int] = {}  # node ids come from a process-wide counter: number them by first use
+        for node, delta, _sid, op, step in self.lock_events:
+            h.update(f"lock {renumber.setdefault(node, len(renumber))} {delta} {op} {step}\n".encode())
+        return h.hexdigest()
 
     def site_owner(self, sid: int) -> str | None:
         """The owner the target recognised in the allocating frames (e.g. ``req:<rid>``), if any."""

@@ -19,7 +19,7 @@ from rich.terminal_theme import MONOKAI
 from engine_under_test import EngineConfig
 from kvaudit import __version__
 from kvaudit.findings import Finding
-from kvaudit.program import Op, format_op
+from kvaudit.program import format_op
 from kvaudit.report import finding_renderable, summary_rows, suppressions_table
 
 # one colour per identity term, in SERIES order; leaked is the one that should catch the eye
@@ -114,29 +114,33 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
     return svg
 
 
-def render_html(config: EngineConfig, program: list[Op], findings: list[Finding], timeline: dict | None,
-                suppressed: dict[str, int] | None = None, suppressions=None, program_title: str = "minimized program",
+def render_html(config: EngineConfig, cases: list, suppressed: dict[str, int] | None = None, suppressions=None,
                 extra: dict | None = None) -> str:
-    """The whole report page. ``timeline`` (from :func:`kvaudit.timeline.record`) may be None: the
-    page then says no plot was recorded. ``suppressions`` is a SuppressionSet or None."""
+    """The whole report page for ``cases`` (:class:`kvaudit.outputs.Case`: program, findings,
+    timeline, program_title); a case without a timeline gets no plot. ``suppressions`` is a
+    SuppressionSet or None."""
     sections = []
-    for i, f in enumerate(findings):
-        sections.append({
-            "title": f"finding {i + 1}: {f.kind}",
-            "summary": f.summary(),
-            "signature": f.signature,
-            "console": _rich_html(finding_renderable(f, program, i, program_title)),
-            "plot": occupancy_svg(timeline, f) if timeline else None,
-        })
+    findings = [f for c in cases for f in c.findings]
+    for case in cases:
+        for f in case.findings:
+            i = len(sections)
+            sections.append({
+                "title": f"finding {i + 1}: {f.kind}",
+                "summary": f.summary(),
+                "signature": f.signature,
+                "console": _rich_html(finding_renderable(f, case.program, i, case.program_title)),
+                "plot": occupancy_svg(case.timeline, f) if case.timeline else None,
+            })
+    clean = [c for c in cases if not c.findings]
     return _env.get_template("report.html").render(
         version=__version__,
         generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         config=config,
         bugs=", ".join(sorted(config.bugs)) or "none",
-        program=[format_op(op) for op in program],
+        program=[format_op(op) for op in clean[0].program] if clean else [],
         summary=summary_rows(findings, suppressed or {}),
         sections=sections,
-        clean_plot=occupancy_svg(timeline) if timeline and not findings else None,
+        clean_plot=occupancy_svg(clean[0].timeline) if clean and clean[0].timeline else None,
         suppressions=_rich_html(suppressions_table(suppressions)) if suppressions is not None and len(suppressions) else None,
         extra=extra or {},
     )

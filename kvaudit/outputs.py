@@ -9,7 +9,7 @@ timeline added, so ``kvaudit report`` and ``kvaudit replay`` read it back.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from engine_under_test import EngineConfig
@@ -37,41 +37,63 @@ class Outputs:
 
 
 @dataclass
-class ReportData:
-    """What every renderer draws from. ``timeline`` is computed on demand (it replays ``program``)."""
+class Case:
+    """One program and the findings it yields, with its occupancy timeline (computed on demand)."""
 
-    config: EngineConfig
     program: list[Op]
     findings: list[Finding]
-    suppressed: dict[str, int]  # distinct suppressed signatures per kind
-    extra: dict  # run facts kept in the JSON (seed, executions, confirmations, ...)
     timeline: dict | None = None
     program_title: str = "minimized program"
+    doc_extra: dict = field(default_factory=dict)  # replay-file keys kept in the JSON (seed, ...)
+
+
+@dataclass
+class ReportData:
+    """What every renderer draws from: one engine config and one or more cases (a campaign has a
+    case per finding signature)."""
+
+    config: EngineConfig
+    cases: list[Case]
+    suppressed: dict[str, int]  # distinct suppressed signatures per kind
+    extra: dict  # run facts (seed, executions, ...), shown in the HTML header and kept in the JSON
     suppressions: object | None = None  # a live SuppressionSet, for the HTML's rules table
 
-    def ensure_timeline(self, note: Callable[[str], None] | None = None) -> dict | None:
-        if self.timeline is None and self.program:
-            from kvaudit import timeline
+    @classmethod
+    def single(cls, config: EngineConfig, program: list[Op], findings: list[Finding], suppressed: dict[str, int],
+               extra: dict, timeline: dict | None = None, program_title: str = "minimized program",
+               suppressions=None) -> "ReportData":
+        return cls(config, [Case(program, findings, timeline, program_title)], suppressed, extra, suppressions)
 
-            if note:
-                note(f"recording pool occupancy: replaying the {len(self.program)}-op program")
-            self.timeline = timeline.record(self.config, self.program,
-                                            suppressions=self.suppressions.fresh() if self.suppressions else None)
-        return self.timeline
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for c in self.cases for f in c.findings]
+
+    def ensure_timelines(self, note: Callable[[str], None] | None = None) -> None:
+        from kvaudit import timeline
+
+        for case in self.cases:
+            if case.timeline is None and case.program:
+                if note:
+                    note(f"recording pool occupancy: replaying the {len(case.program)}-op program")
+                case.timeline = timeline.record(self.config, case.program,
+                                                suppressions=self.suppressions.fresh() if self.suppressions else None)
 
     def doc(self) -> dict:
-        extra = dict(self.extra)
-        extra["suppressed"] = self.suppressed
-        if self.timeline is not None:
-            extra["timeline"] = self.timeline
-        return replay.to_doc(self.config, self.program, self.findings, **extra)
+        """One case: a replay file (plus ``timeline``, ``suppressed`` and the run facts). Several: a
+        ``kvaudit.report/1`` document whose ``cases`` are such replay files."""
+        docs = [replay.to_doc(self.config, c.program, c.findings, **c.doc_extra,
+                              **({"timeline": c.timeline} if c.timeline is not None else {})) for c in self.cases]
+        top = {**self.extra, "suppressed": self.suppressed}
+        if len(docs) == 1:
+            return {**docs[0], **top}
+        return {"format": replay.REPORT_FORMAT, "config": self.config.to_dict(), "cases": docs, **top}
 
 
 def write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None = None) -> list[str]:
     """Write every file ``outputs`` names; returns the paths written. Raises OSError."""
     written = []
     if outputs.html or outputs.json:
-        data.ensure_timeline(note)
+        data.ensure_timelines(note)
     if outputs.json:
         written.append(replay.write_atomic(outputs.json, data.doc()))
     if outputs.sarif:
@@ -88,8 +110,7 @@ def write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None
     if outputs.html:
         from kvaudit.html_report import render_html
 
-        html = render_html(data.config, data.program, data.findings, data.timeline, suppressed=data.suppressed,
-                           suppressions=data.suppressions, program_title=data.program_title,
+        html = render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
                            extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})
         written.append(replay.write_text_atomic(outputs.html, html))
     return written

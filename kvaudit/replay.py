@@ -17,6 +17,7 @@ from kvaudit.findings import Finding
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
 FORMAT = "kvaudit.replay/1"
+REPORT_FORMAT = "kvaudit.report/1"  # several replay files in one report (a campaign)
 
 
 class ReplayFormatError(ValueError):
@@ -59,8 +60,7 @@ def file_name(signature: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", signature).strip("_") + ".json"
 
 
-def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
-    """Read and validate a replay file. Raises :class:`ReplayFormatError` with a one-line reason."""
+def _read(path: str) -> dict:
     try:
         with open(path) as fh:
             doc = json.load(fh)
@@ -68,8 +68,41 @@ def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
         raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ReplayFormatError(f"{path} is not JSON: {e}") from None
+    except RecursionError:
+        raise ReplayFormatError(f"{path} is not a kvaudit replay file (nested too deeply)") from None
+    return doc
+
+
+def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
+    """Read and validate a replay file. Raises :class:`ReplayFormatError` with a one-line reason."""
+    doc = _read(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ReplayFormatError(f"{path} is not a kvaudit replay file (want \"format\": \"{FORMAT}\")")
+        hint = " (a report of several cases: use 'kvaudit report')" if isinstance(doc, dict) and \
+            doc.get("format") == REPORT_FORMAT else ""
+        raise ReplayFormatError(f"{path} is not a kvaudit replay file (want \"format\": \"{FORMAT}\"){hint}")
+    return _parse(doc, path)
+
+
+def load_cases(path: str) -> tuple[EngineConfig, list[tuple[list[Op], list[Finding], dict]], dict]:
+    """Read a replay file (one case) or a ``kvaudit.report/1`` document (several): the config, the
+    cases as (program, findings, doc) and the top-level document. Raises :class:`ReplayFormatError`."""
+    doc = _read(path)
+    if isinstance(doc, dict) and doc.get("format") == REPORT_FORMAT:
+        cases = doc.get("cases")
+        if not isinstance(cases, list) or not cases:
+            raise ReplayFormatError(f"{path}: bad cases: want a non-empty list of replay documents")
+        out = []
+        for i, case in enumerate(cases):
+            if not isinstance(case, dict) or case.get("format") != FORMAT:
+                raise ReplayFormatError(f"{path}: case {i} is not a replay document")
+            config, program, findings, _ = _parse(case, f"{path} case {i}")
+            out.append((program, findings, case))
+        return config, out, doc
+    config, program, findings, doc = load(path)
+    return config, [(program, findings, doc)], doc
+
+
+def _parse(doc: dict, path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
     for key in ("config", "program"):
         if key not in doc:
             raise ReplayFormatError(f"{path}: missing key {key!r}")

@@ -190,6 +190,21 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
                       soft_wrap=True)
 
 
+def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[Op], list[Finding], str]],
+                suppressed: dict[str, int] | None = None) -> None:
+    """Like :func:`print_report` for several (program, findings, program title) cases of one config
+    (a campaign's report): every finding with its own program, one summary."""
+    bugs = ", ".join(sorted(config.bugs)) or "none"
+    console.print(Text(f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, "
+                       f"page_size {config.page_size}", style="bold"))
+    i = 0
+    for program, findings, title in cases:
+        for f in findings:
+            console.print(finding_renderable(f, program, i, title))
+            i += 1
+    console.print(summary_table([f for _, fs, _ in cases for f in fs], suppressed))
+
+
 def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
                  deduplicated: dict[str, int] | None = None, program_title: str = "minimized program",
                  suppressions: SuppressionSet | None = None) -> None:

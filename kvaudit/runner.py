@@ -33,6 +33,7 @@ class Execution:
     findings: list[Finding] = field(default_factory=list)
     ops_run: int = 0
     steps: int = 0
+    digest: str = ""  # the ledger's digest (Auditor.digest), "" when not audited
 
     @property
     def signatures(self) -> list[str]:
@@ -199,4 +200,5 @@ def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on
             found = run.apply(op)
             if found and stop_on_finding:
                 break
-        return Execution(run.findings, run.ops_run, run.target.steps)
+        return Execution(run.findings, run.ops_run, run.target.steps,
+                         run.auditor.digest() if run.auditor is not None else "")

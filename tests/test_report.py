@@ -20,6 +20,7 @@ from rich.console import Console
 from kvaudit import replay, timeline
 from kvaudit.findings import Finding
 from kvaudit.html_report import render_html
+from kvaudit.outputs import Case
 from kvaudit.report import print_report, summary_rows
 from kvaudit.timeline import SERIES
 
@@ -121,7 +122,7 @@ def test_timeline_terms_add_up_to_the_total_when_nothing_is_wrong():
 
 def test_html_is_self_contained_and_has_the_plot_and_sections():
     config, program, findings, doc = replay.load(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json"))
-    page = render_html(config, program, findings, doc["timeline"])
+    page = render_html(config, [Case(program, findings, doc["timeline"])])
     assert "http://" not in page and "https://" not in page
     assert not re.search(r"""(src|href)\s*=\s*["'](?!#)""", page)  # no external file either
     assert page.count("<svg") == len(findings)  # one plot per finding
@@ -134,7 +135,7 @@ def test_html_is_self_contained_and_has_the_plot_and_sections():
 
 def test_html_without_findings_says_so():
     config, _, _, _ = replay.load(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json"))
-    page = render_html(config, [], [], None)
+    page = render_html(config, [Case([], [])])
     assert "No findings." in page and "<svg" not in page
 
 

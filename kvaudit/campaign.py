@@ -1,0 +1,264 @@
+"""Campaigns: a time-boxed search that goes on past its findings, in N worker processes, over a
+corpus directory that makes it resumable.
+
+Corpus directory layout (``kvaudit fuzz --corpus DIR``)::
+
+    DIR/findings/<signature>.json   one confirmed, minimized replay file per signature
+    DIR/hypothesis/                 Hypothesis's example database (saved examples replay first)
+    DIR/atheris/                    libFuzzer's corpus of interesting inputs
+    DIR/campaign.json               one record per run of the campaign (time, executions, findings)
+
+Every file is written atomically (temporary file + rename), so a campaign killed at any moment
+(``kill -9`` included) leaves only whole files, and a rerun with the same ``DIR`` resumes: the
+findings already on disk are *known* -- the search treats their signatures as it treats
+suppressed findings (the program stops, the search goes on) and never reports them as new.
+
+Workers share nothing but ``DIR``: each one searches with its own seed, triages (confirms,
+minimizes) what it finds and writes the replay file unless one with that signature exists; the
+parent process counts each signature once. A worker exits when its parent dies.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine_under_test import EngineConfig
+from kvaudit import replay
+from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
+
+FUZZERS = ("hypothesis", "atheris", "random")
+PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
+
+
+def findings_dir(corpus: str) -> str:
+    return os.path.join(corpus, "findings")
+
+
+def known_signatures(corpus: str) -> dict[str, str]:
+    """Signature -> replay file of every finding already in ``corpus`` (unreadable files skipped)."""
+    out: dict[str, str] = {}
+    d = findings_dir(corpus)
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            _, _, findings, _ = replay.load(os.path.join(d, name))
+        except replay.ReplayFormatError:
+            continue
+        if findings:
+            out.setdefault(findings[0].signature, os.path.join(d, name))
+    return out
+
+
+@dataclass
+class CampaignResult:
+    new: dict[str, str] = field(default_factory=dict)  # signature -> replay file, found by this run
+    known: dict[str, str] = field(default_factory=dict)  # signature -> replay file, found before
+    flaky: set[str] = field(default_factory=set)  # found, but not reproduced K of K
+    stats: FuzzStats = field(default_factory=FuzzStats)
+    interrupted: bool = False
+    workers: int = 1
+
+
+@dataclass
+class _Spec:
+    """What a worker needs (picklable: it crosses into a spawned process)."""
+
+    index: int
+    config: dict
+    fuzzer: str
+    seed: int
+    deadline: float  # time.time() when the search ends
+    corpus: str
+    suppress_path: str | None
+    workers: int  # atheris: libFuzzer -fork=N (one driver); others: this worker's share
+    parent: int  # pid of the parent (a worker exits when it dies)
+
+
+def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
+    """Search until the deadline, triaging and writing every new finding; ``emit`` tells the parent
+    ("progress", i, executions, ops, sites, suppressed), ("finding", i, signature, path),
+    ("flaky", i, signature) and finally ("done", i)."""
+    from kvaudit.suppress import SuppressionSet
+
+    config = EngineConfig.from_dict(spec.config)
+    sset = SuppressionSet.load(spec.suppress_path) if spec.suppress_path else None
+    stats = FuzzStats()
+    fdir = findings_dir(spec.corpus)
+    os.makedirs(fdir, exist_ok=True)
+    last = [0.0]
+
+    def progress(s: FuzzStats, force: bool = False) -> None:
+        if spec.parent and os.getppid() != spec.parent:
+            os._exit(0)  # the parent is gone (kill -9): nobody reads our results
+        if force or time.monotonic() - last[0] >= PROGRESS_EVERY:
+            last[0] = time.monotonic()
+            emit(("progress", spec.index, s.executions, s.ops, sorted(s.sites), sorted(s.suppressed),
+                  getattr(s, "coverage", None)))
+
+    known = set(known_signatures(spec.corpus))
+    flaky: set[str] = set()
+    round_ = 0
+    while True:
+        left = spec.deadline - time.time()
+        if left <= 0:
+            break
+        known |= set(known_signatures(spec.corpus))  # other workers' findings
+        skip = frozenset(known | flaky)
+        seed = spec.seed * 1_000_003 + spec.index * 7919 + round_
+        round_ += 1
+        if spec.fuzzer == "hypothesis":
+            found = hypothesis_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
+                                      database=os.path.join(spec.corpus, "hypothesis"))
+        elif spec.fuzzer == "random":
+            found = random_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip)
+        else:
+            from kvaudit.atheris_fuzz import atheris_search
+
+            found = atheris_search(config, left, seed, stats, on_progress=progress,
+                                   corpus_dir=os.path.join(spec.corpus, "atheris"), workers=spec.workers,
+                                   suppressions_path=spec.suppress_path, known=skip,
+                                   work_dir=os.path.join(spec.corpus, ".atheris-work"))
+        progress(stats, force=True)
+        if found is None:
+            break
+        program, findings = found
+        sig = findings[0].signature
+        if sig in known_signatures(spec.corpus):
+            known.add(sig)
+            continue
+        crash = triage(config, program, findings[0], suppressions=sset.fresh() if sset is not None else None)
+        if crash is None:
+            flaky.add(sig)
+            emit(("flaky", spec.index, sig))
+            continue
+        path = os.path.join(fdir, replay.file_name(sig))
+        if not os.path.exists(path):
+            from kvaudit.timeline import record
+
+            replay.write_atomic(path, replay.to_doc(
+                config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
+                confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", original_length=crash.original_length,
+                timeline=record(config, crash.program)))
+        known.add(sig)
+        emit(("finding", spec.index, sig, path))
+    emit(("done", spec.index))
+
+
+def _worker_main(spec: _Spec, q) -> None:
+    """Entry point of a worker process: Ctrl-C is the parent's business; die with the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the getppid() check in the progress callback does the same, later
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        _search_loop(spec, q.put)
+    except Exception as e:  # report, do not hang the parent
+        q.put(("error", spec.index, f"{type(e).__name__}: {e}"))
+        q.put(("done", spec.index))
+
+
+def _append_run_record(corpus: str, record: dict) -> None:
+    path = os.path.join(corpus, "campaign.json")
+    runs = []
+    try:
+        with open(path) as fh:
+            runs = json.load(fh).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        pass
+    replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
+
+
+def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
+                 suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
+                 on_finding: Callable[[str, str], None] | None = None) -> CampaignResult:
+    """Run a campaign for ``max_time`` seconds (see module doc). ``on_finding(signature, path)`` is
+    called once per new signature as it lands. Ctrl-C stops the workers and returns what was
+    found so far (``interrupted`` set). Raises OSError if ``corpus`` cannot be written."""
+    os.makedirs(findings_dir(corpus), exist_ok=True)
+    result = CampaignResult(known=known_signatures(corpus), workers=workers)
+    stats = result.stats
+    deadline = time.time() + max_time
+    per_worker: dict[int, tuple] = {}
+    sites: set = set()
+    suppressed: set = set()
+
+    def handle(msg: tuple) -> None:
+        kind, index = msg[0], msg[1]
+        if kind == "progress":
+            per_worker[index] = msg[2:4]
+            sites.update(map(tuple, msg[4]))
+            suppressed.update(msg[5])
+            stats.executions = sum(v[0] for v in per_worker.values())
+            stats.ops = sum(v[1] for v in per_worker.values())
+            stats.sites, stats.suppressed = sites, suppressed
+            if msg[6] is not None:
+                stats.coverage = msg[6]
+        elif kind == "finding":
+            sig, path = msg[2], msg[3]
+            if sig not in result.new and sig not in result.known:
+                result.new[sig] = path
+                stats.findings = len(result.new)
+                if on_finding:
+                    on_finding(sig, path)
+        elif kind == "flaky":
+            result.flaky.add(msg[2])
+        elif kind == "error":
+            raise RuntimeError(f"worker {index}: {msg[2]}")
+        if on_progress:
+            on_progress(stats)
+
+    # atheris parallelizes inside libFuzzer (-fork=N re-executes the harness), so it has one driver
+    drivers = 1 if fuzzer == "atheris" else workers
+    specs = [_Spec(i, config.to_dict(), fuzzer, seed, deadline, corpus, suppress_path, workers,
+                   os.getpid() if drivers > 1 else 0) for i in range(drivers)]
+    started = time.time()
+    try:
+        if drivers == 1:
+            _search_loop(specs[0], handle)
+        else:
+            ctx = mp.get_context("spawn")  # no fork of a process that has torch's thread pools
+            q = ctx.Queue()
+            procs = [ctx.Process(target=_worker_main, args=(s, q), daemon=True) for s in specs]
+            for p in procs:
+                p.start()
+            try:
+                running = len(procs)
+                while running:
+                    try:
+                        msg = q.get(timeout=0.5)
+                    except queue_mod.Empty:
+                        if not any(p.is_alive() for p in procs):
+                            break
+                        continue
+                    if msg[0] == "done":
+                        running -= 1
+                    handle(msg)
+            finally:
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+                for p in procs:
+                    p.join(timeout=5)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    stats.phase = "interrupted" if result.interrupted else "done"
+    _append_run_record(corpus, {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": round(time.time() - started, 1),
+        "fuzzer": fuzzer, "workers": workers, "seed": seed, "preset": config.preset, "bugs": sorted(config.bugs),
+        "executions": stats.executions, "ops": stats.ops, "new": sorted(result.new), "known": sorted(result.known),
+        "interrupted": result.interrupted})
+    return result

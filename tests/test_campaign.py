@@ -1,0 +1,228 @@
+"""Fuzzers and campaigns: the random baseline, swarm testing, resumable campaigns (kill -9,
+Ctrl-C), determinism checks, ``kvaudit minimize`` and ``kvaudit ci``."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
+
+from engine_under_test import get_preset
+from kvaudit import replay
+from kvaudit.campaign import known_signatures, run_campaign
+from kvaudit.fuzz import SWARM_KINDS, FuzzStats, hypothesis_search, random_search
+from kvaudit.program import FlushCache, Step, Submit
+from kvaudit.runner import AuditedRun, execute
+
+HERE = os.path.dirname(__file__)
+REGRESSIONS = os.path.join(HERE, "..", "corpora", "regressions")
+HISPARSE = ["--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish"]
+
+
+def hisparse_config():
+    return get_preset("pd-decode-hisparse").config(bugs=frozenset(["hisparse-prebuilt-skip-finish"]))
+
+
+# -- the random baseline and swarm testing ---------------------------------------------------------
+
+def test_random_search_finds_the_hisparse_bug_and_is_seeded():
+    a = random_search(hisparse_config(), 30, 1, FuzzStats())
+    b = random_search(hisparse_config(), 30, 1, FuzzStats())
+    assert a is not None and a[1][0].signature.startswith("leak/hisparse_")
+    assert a[0] == b[0]  # the same seed, the same program
+    assert random_search(get_preset("pd-decode-hisparse").config(), 2, 1, FuzzStats()) is None
+
+
+def test_random_search_skips_known_signatures():
+    first = random_search(hisparse_config(), 30, 1, FuzzStats())
+    known = frozenset(f.signature for f in first[1])
+    again = random_search(hisparse_config(), 3, 1, FuzzStats(), known=known)
+    assert again is None or not set(again[1][0].signature) & known
+
+
+def test_swarm_cases_use_different_subsets_of_op_kinds(monkeypatch):
+    kinds_per_run: dict[int, set] = {}
+    real_apply = AuditedRun.apply
+
+    def spy(self, op):
+        kinds_per_run.setdefault(id(self), set()).add("sessions" if op.kind in ("open_session", "close_session")
+                                                       else op.kind)
+        return real_apply(self, op)
+
+    monkeypatch.setattr(AuditedRun, "apply", spy)
+    hypothesis_search(get_preset("streaming-session").config(), 3, 5, FuzzStats())
+    used = [k & set(SWARM_KINDS) for k in kinds_per_run.values()]
+    assert len(used) > 50
+    assert any("submit" not in u for u in used) and any("submit" in u for u in used)
+    assert len({frozenset(u) for u in used}) > 5  # many different mixes, not one fixed one
+
+
+# -- campaigns -------------------------------------------------------------------------------------
+
+def test_campaign_resumes_and_does_not_report_known_findings_again(tmp_path):
+    corpus = str(tmp_path / "c")
+    first = run_campaign(hisparse_config(), "random", 6, 1, 1, corpus)
+    assert first.new and all(s.startswith("leak/hisparse_") for s in first.new)
+    for sig, path in first.new.items():
+        _, program, findings, doc = replay.load(path)
+        assert findings[0].signature == sig and doc["minimized"] and doc["confirmations"] == "3/3"
+    second = run_campaign(hisparse_config(), "random", 4, 2, 1, corpus)
+    assert set(second.known) == set(first.new)
+    assert not set(second.new) & set(first.new)
+    runs = json.load(open(os.path.join(corpus, "campaign.json")))["runs"]
+    assert [sorted(r["new"]) for r in runs][0] == sorted(first.new) and len(runs) == 2
+
+
+def _wait_for(predicate, timeout: float, proc=None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return predicate()
+        time.sleep(0.2)
+    return False
+
+
+def _workers_of(corpus: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "multiprocessing.spawn"], capture_output=True, text=True).stdout.split()
+    alive = []
+    for pid in map(int, out):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:
+            continue
+        if corpus.encode() in env:
+            alive.append(pid)
+    return alive
+
+
+@pytest.mark.slow
+def test_kill_9_keeps_written_findings_and_a_rerun_resumes(tmp_path):
+    corpus = str(tmp_path / "corpus")
+    env = {**plain_env(), "KVAUDIT_TEST_CORPUS": corpus}  # marks this test's worker processes
+    proc = subprocess.Popen([kvaudit_script(), "fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "120",
+                             "--seed", "1", "--workers", "2", "--corpus", corpus],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    found = lambda: known_signatures(corpus)  # noqa: E731
+    try:
+        assert _wait_for(found, 90, proc), "no finding within 90 s"
+    finally:
+        proc.kill()  # kill -9: no handler runs
+        proc.wait()
+    before = found()
+    for sig, path in before.items():  # whole, loadable replay files
+        _, _, findings, _ = replay.load(path)
+        assert findings[0].signature == sig
+    assert not [n for n in os.listdir(os.path.join(corpus, "findings")) if n.startswith(".tmp-")]
+    assert _wait_for(lambda: not _workers_of(corpus), 10), "workers outlived their parent"
+    rerun = subprocess.run([kvaudit_script(), "fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "5",
+                            "--seed", "2", "--corpus", corpus], capture_output=True, text=True, env=plain_env(),
+                           timeout=120)
+    assert rerun.returncode in (0, 1), rerun.stderr
+    assert f"resuming: {len(before)} finding(s)" in rerun.stderr
+    last = json.load(open(os.path.join(corpus, "campaign.json")))["runs"][-1]
+    for sig in before:
+        assert f"new finding: {sig}" not in rerun.stderr  # known, not new
+        assert sig in last["known"] and sig not in last["new"]
+    assert f"{len(before)} known finding(s)" in rerun.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_campaign_with_its_summary_and_report(tmp_path):
+    corpus, report = str(tmp_path / "corpus"), str(tmp_path / "r.json")
+    proc = subprocess.Popen([kvaudit_script(), "fuzz", "--preset", "default", "--max-time", "120", "--workers", "2",
+                             "--corpus", corpus, "--json", report, "--junit", str(tmp_path / "r.xml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
+    time.sleep(12)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted:" in out and "executions" in out
+    assert "Traceback" not in err
+    doc = json.load(open(report))
+    assert doc["interrupted"] is True and doc["executions"] > 0
+    assert 'failures="0"' in open(tmp_path / "r.xml").read()
+
+
+# -- determinism, minimize ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(os.listdir(REGRESSIONS)))
+def test_every_regression_file_replays_identically_3_times(name):
+    result = invoke("replay", os.path.join(REGRESSIONS, name), "--check-determinism", "--runs", "3")
+    assert result.exit_code == 1, result.output  # findings, and deterministic (3 would say otherwise)
+    assert "deterministic: 3 identical runs" in result.stdout
+
+
+def test_check_determinism_catches_a_nondeterministic_engine(monkeypatch):
+    import itertools
+
+    from kvaudit import hooks
+
+    counter = itertools.count()
+    real = hooks.Auditor.digest
+    monkeypatch.setattr(hooks.Auditor, "digest", lambda self: real(self) + str(next(counter)))
+    result = invoke("replay", os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), "--check-determinism")
+    assert result.exit_code == 3 and "NOT deterministic" in result.stdout
+
+
+def test_minimize_shrinks_a_padded_program_and_keeps_the_signature(tmp_path):
+    config, program, findings, doc = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    padded = [Step(2), FlushCache()] + program + [Submit(2, 9, 3), Step(1)]
+    src = tmp_path / "padded.json"
+    replay.write_atomic(str(src), replay.to_doc(config, padded, findings))
+    result = invoke("minimize", str(src))
+    assert result.exit_code == 0, result.output
+    out = str(tmp_path / "padded.min.json")
+    _, small, got, _ = replay.load(out)
+    assert len(small) < len(padded) and got[0].signature == findings[0].signature
+    assert findings[0].signature in execute(config, small).signatures
+
+
+def test_minimize_says_when_the_finding_does_not_reproduce(tmp_path):
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    src = tmp_path / "fixed.json"
+    fixed = get_preset(config.preset).config()  # the switch off: the bug is fixed
+    replay.write_atomic(str(src), replay.to_doc(fixed, program, findings))
+    result = invoke("minimize", str(src))
+    assert result.exit_code == 4 and "does not reproduce" in result.stderr
+    assert not (tmp_path / "fixed.min.json").exists()
+
+
+# -- kvaudit ci ----------------------------------------------------------------------------------------
+
+def test_ci_replays_regressions_and_fails_on_a_broken_one(tmp_path):
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    for name in ("prefill-finish-leaks-row.json", "overlap-abort-double-free.json"):
+        shutil.copy(os.path.join(REGRESSIONS, name), regs / name)
+    ok = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--junit", str(tmp_path / "ok.xml"))
+    assert ok.exit_code == 0, ok.output
+    assert 'tests="2" failures="0"' in open(tmp_path / "ok.xml").read()
+    config, program, findings, _ = replay.load(str(regs / "prefill-finish-leaks-row.json"))
+    replay.write_atomic(str(regs / "prefill-finish-leaks-row.json"),
+                        replay.to_doc(config, program[:1], findings))  # no idle: the leak is never seen
+    bad = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--junit", str(tmp_path / "bad.xml"))
+    assert bad.exit_code == 1
+    xml = open(tmp_path / "bad.xml").read()
+    assert 'failures="1"' in xml and "no longer reproduces" in xml
+
+
+@pytest.mark.slow
+def test_ci_fuzzes_every_preset_and_writes_reports(tmp_path):
+    result = invoke("ci", "--max-time", "11", "--regressions", REGRESSIONS, "--out", str(tmp_path / "o"),
+                    "--junit", str(tmp_path / "ci.xml"), "--sarif", str(tmp_path / "ci.sarif"))
+    assert result.exit_code == 0, result.output
+    xml = open(tmp_path / "ci.xml").read()
+    assert xml.count('classname="kvaudit.regressions"') == len(os.listdir(REGRESSIONS))
+    assert xml.count("no findings") == 11
+    assert json.load(open(tmp_path / "ci.sarif"))["runs"][0]["results"] == []
+
+
+def test_ci_bad_presets_is_one_line():
+    result = invoke("ci", "--presets", "default,nope")
+    assert result.exit_code == 2 and "nope" in one_error_line(result)
