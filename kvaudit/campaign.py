@@ -80,6 +80,7 @@ class _Spec:
     suppress_path: str | None
     workers: int  # atheris: libFuzzer -fork=N (one driver); others: this worker's share
     parent: int  # pid of the parent (a worker exits when it dies)
+    use_seeds: bool = True  # atheris: read corpora/seeds/<preset> too
 
 
 def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
@@ -125,7 +126,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
             found = atheris_search(config, left, seed, stats, on_progress=progress,
                                    corpus_dir=os.path.join(spec.corpus, "atheris"), workers=spec.workers,
                                    suppressions_path=spec.suppress_path, known=skip,
-                                   work_dir=os.path.join(spec.corpus, ".atheris-work"))
+                                   work_dir=os.path.join(spec.corpus, ".atheris-work"), use_seeds=spec.use_seeds)
         progress(stats, force=True)
         if found is None:
             break
@@ -184,7 +185,7 @@ def _append_run_record(corpus: str, record: dict) -> None:
 
 def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
-                 on_finding: Callable[[str, str], None] | None = None) -> CampaignResult:
+                 on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True) -> CampaignResult:
     """Run a campaign for ``max_time`` seconds (see module doc). ``on_finding(signature, path)`` is
     called once per new signature as it lands. Ctrl-C stops the workers and returns what was
     found so far (``interrupted`` set). Raises OSError if ``corpus`` cannot be written."""
@@ -224,7 +225,7 @@ def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, 
     # atheris parallelizes inside libFuzzer (-fork=N re-executes the harness), so it has one driver
     drivers = 1 if fuzzer == "atheris" else workers
     specs = [_Spec(i, config.to_dict(), fuzzer, seed, deadline, corpus, suppress_path, workers,
-                   os.getpid() if drivers > 1 else 0) for i in range(drivers)]
+                   os.getpid() if drivers > 1 else 0, use_seeds) for i in range(drivers)]
     started = time.time()
     try:
         if drivers == 1:

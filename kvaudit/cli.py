@@ -193,14 +193,15 @@ class _Progress:
         rate = s.executions / s.elapsed if s.elapsed > 0 else 0.0
         return [("executions", f"{s.executions}"), ("exec/s", f"{rate:.1f}"), ("ops", f"{s.ops}"),
                 ("findings", f"{s.findings}"), ("suppressed", f"{len(s.suppressed)}"),
-                ("coverage", f"{len(s.sites)} alloc/free sites"),
+                ("coverage", getattr(s, "coverage", None) or f"{len(s.sites)} alloc/free sites"),
                 ("elapsed", f"{s.elapsed:.1f}s"), ("remaining", f"{max(0.0, max_time - s.elapsed):.0f}s")]
 
     def line(self, s: FuzzStats) -> str:
         f = dict(self._fields(s, self.max_time))
+        cov = getattr(s, "coverage", None)
         return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={f['executions']} exec/s={f['exec/s']} ops={f['ops']} "
                 f"findings={f['findings']} suppressed={f['suppressed']} sites={len(s.sites)} "
-                f"remaining={f['remaining']}")
+                + (f"coverage={cov.replace(' ', '_')} " if cov else "") + f"remaining={f['remaining']}")
 
     def renderable(self, s: FuzzStats):
         from rich.progress_bar import ProgressBar
@@ -305,10 +306,13 @@ def _catch_sigint() -> None:
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Run a resumable campaign over DIR (corpus, example database, findings): search the whole "
                    "budget, report each new signature once, skip those DIR already holds.")
+@click.option("--seeds/--no-seeds", "use_seeds", default=True, show_default=True,
+              help="atheris: start from the seed corpus in corpora/seeds/<preset> (it holds the regression "
+                   "reproducers; --no-seeds to measure how the search finds them).")
 @_suppress_option
 @output_options
 @_restoring_sigint
-def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir, workers, corpus_dir,
+def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir, workers, corpus_dir, use_seeds,
          suppress_file, outputs):
     """Fuzz the built-in engine; confirm, minimize and report what it finds.
 
@@ -342,14 +346,15 @@ def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir
     _warn_unreachable_bugs(config, err)
     if campaign:
         return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
-                         console, err)
+                         console, err, use_seeds)
     progress = _Progress(err, max_time, suppressions=sset)
     found = crash = None
     _catch_sigint()
     try:
         with progress:
             progress.update(stats)
-            found = _search(fuzzer, config, max_time, seed, stats, progress.update, sset, suppress_file, out_dir)
+            found = _search(fuzzer, config, max_time, seed, stats, progress.update, sset, suppress_file, out_dir,
+                            use_seeds)
             if found is None:
                 stats.phase = "done"
                 progress.update(stats, force=True)
@@ -409,9 +414,14 @@ def _check_atheris() -> None:
     except ImportError as e:
         raise InputError(f"--fuzzer atheris: atheris is not importable here ({e}); pip install atheris") from None
     del atheris
+    from kvaudit.atheris_fuzz import HARNESS
+
+    if not os.access(HARNESS, os.X_OK):
+        raise InputError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (atheris needs a "
+                         "source checkout of kvaudit: pip install -e .)")
 
 
-def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir):
+def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True):
     """One search that stops at the first finding: (program, findings) or None."""
     if fuzzer == "random":
         return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
@@ -419,11 +429,13 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
         from kvaudit.atheris_fuzz import atheris_search
 
         return atheris_search(config, max_time, seed, stats, on_progress=on_progress, corpus_dir=None, workers=1,
-                              suppressions_path=suppress_file, work_dir=os.path.join(out_dir, ".atheris"))
+                              suppressions_path=suppress_file, work_dir=os.path.join(out_dir, ".atheris"),
+                              use_seeds=use_seeds)
     return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
 
 
-def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err) -> int:
+def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
+              use_seeds: bool = True) -> int:
     """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.campaign`."""
     progress = _Progress(err, max_time, suppressions=sset)
     before = known_signatures(corpus)
@@ -439,7 +451,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         with progress:
             progress.update(FuzzStats())
             result = run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
-                                  on_progress=progress.update, on_finding=landed)
+                                  on_progress=progress.update, on_finding=landed, use_seeds=use_seeds)
             progress.update(result.stats, force=True)
     finally:
         if threading.current_thread() is threading.main_thread():

@@ -55,6 +55,7 @@ class FuzzStats:
     # can give without instrumenting the interpreter)
     sites: set = field(default_factory=set)
     suppressed: set = field(default_factory=set)  # distinct suppressed signatures seen
+    coverage: str | None = None  # the fuzzer's own coverage figure, where it has one ("469 edges")
 
     @property
     def elapsed(self) -> float:

@@ -472,12 +472,15 @@ class EutTarget:
             return
         inc, dec = tree.inc_lock_ref, tree.dec_lock_ref
 
+        # a node of None is the engine's own bug: let the engine's call fail where it would unhooked
         def inc_wrapper(node):
-            record(node.id, +1)
+            if node is not None:
+                record(node.id, +1)
             return inc(node)
 
         def dec_wrapper(node):
-            record(node.id, -1)
+            if node is not None:
+                record(node.id, -1)
             return dec(node)
 
         wrap(tree, "inc_lock_ref", inc_wrapper)

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""atheris (libFuzzer) harness for engine_under_test, audited by kvaudit.
+
+Run it directly; it takes libFuzzer's own flags and corpus directories::
+
+    harnesses/fuzz_engine.py -runs=100 CORPUS_DIR
+    KVAUDIT_CONFIG=pd-decode-hisparse harnesses/fuzz_engine.py -fork=2 -max_total_time=20 CORPUS_DIR
+    harnesses/fuzz_engine.py -minimize_crash=1 -runs=1000 crash-<sha1>
+
+The file is executable with a shebang because libFuzzer's ``-fork``, ``-jobs`` and
+``-minimize_crash`` re-execute ``argv[0]`` with their own arguments. For the same reason the
+configuration comes from the environment, which those child processes inherit:
+
+``KVAUDIT_CONFIG``
+    the engine config: JSON of ``EngineConfig.to_dict()``, or a preset name (default: ``default``)
+``KVAUDIT_BUGS``
+    optional, comma-separated bug-zoo switches added to the config's (handy with a preset name)
+``KVAUDIT_FINDINGS_DIR``
+    where each finding is written as a replay JSON, ``<signature>.json`` (default: ``./kvaudit-findings``)
+``KVAUDIT_SUPPRESS``
+    a suppression TOML file (optional): suppressed findings are not findings, the run goes on
+``KVAUDIT_KNOWN``
+    a file of known signatures, one per line (optional): a program whose first finding has only
+    known signatures is not a crash; its run stops there
+``KVAUDIT_MAX_OPS``
+    ops decoded from one input (default 24; see :mod:`kvaudit.bytes_program`)
+``KVAUDIT_STATS_DIR``
+    optional: every process writes ``<pid>.json`` there (executions, ops, suppressed signatures)
+    at most once a second and at each finding, for :mod:`kvaudit.atheris_fuzz`
+
+Each input is decoded by :func:`kvaudit.bytes_program.program_from_bytes` and run op by op in a
+fresh :class:`kvaudit.runner.AuditedRun` (fast stacks), stopping at the first op with findings.
+A finding with a signature that is not known is written as a replay file (unless one with fewer
+ops, or as many from no more input bytes, is already there) and then raised as :class:`KvauditFinding`,
+whose message is the signature, so libFuzzer records a crash and writes its ``crash-<sha1>``
+artifact (the sha1 is also the replay file's ``input_sha1``).
+
+engine_under_test is imported under ``atheris.instrument_imports`` before anything imports
+kvaudit (kvaudit imports engine_under_test), so libFuzzer's coverage is the engine's branches.
+"""
+
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import sys
+
+import atheris
+
+# This checkout's packages come first: the harness must audit the tree it sits in, not another
+# installed (e.g. editable) copy of kvaudit.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_ROOT, "kvaudit", "__init__.py")) and \
+        os.path.isfile(os.path.join(_ROOT, "engine_under_test", "__init__.py")):
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+with atheris.instrument_imports(include=["engine_under_test"]):
+    import engine_under_test
+
+    for _m in pkgutil.iter_modules(engine_under_test.__path__):
+        importlib.import_module(f"engine_under_test.{_m.name}")
+
+import time  # noqa: E402
+
+from engine_under_test import EngineConfig, UnknownBugError, UnknownPresetError, get_preset  # noqa: E402
+from kvaudit import replay  # noqa: E402
+from kvaudit.bytes_program import program_from_bytes  # noqa: E402
+from kvaudit.runner import AuditedRun  # noqa: E402
+from kvaudit.suppress import SuppressionError, SuppressionSet  # noqa: E402
+
+
+class KvauditFinding(Exception):
+    """A new finding; the message is its signature (raised so that libFuzzer records a crash)."""
+
+
+def _die(msg: str) -> None:
+    sys.stderr.write(f"fuzz_engine.py: {msg}\n")
+    sys.exit(2)
+
+
+def _config() -> EngineConfig:
+    raw = os.environ.get("KVAUDIT_CONFIG", "").strip() or "default"
+    bugs = frozenset(b.strip() for b in os.environ.get("KVAUDIT_BUGS", "").split(",") if b.strip())
+    try:
+        config = EngineConfig.from_dict(json.loads(raw)) if raw.startswith("{") else get_preset(raw).config()
+        return config.replace(bugs=config.bugs | bugs) if bugs else config
+    except (ValueError, TypeError, UnknownBugError, UnknownPresetError) as e:  # JSONDecodeError is a ValueError
+        _die(f"bad KVAUDIT_CONFIG or KVAUDIT_BUGS: {e}")
+
+
+def _known() -> frozenset:
+    path = os.environ.get("KVAUDIT_KNOWN")
+    if not path:
+        return frozenset()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
+    except OSError as e:
+        _die(f"cannot read KVAUDIT_KNOWN file {path}: {e.strerror or e}")
+
+
+def _suppressions():
+    path = os.environ.get("KVAUDIT_SUPPRESS")
+    if not path:
+        return None
+    try:
+        return SuppressionSet.load(path)
+    except SuppressionError as e:
+        _die(str(e))
+
+
+CONFIG = _config()
+KNOWN = _known()
+SUPPRESSIONS = _suppressions()
+FINDINGS_DIR = os.path.abspath(os.environ.get("KVAUDIT_FINDINGS_DIR") or "kvaudit-findings")
+STATS_DIR = os.environ.get("KVAUDIT_STATS_DIR") or None
+try:
+    MAX_OPS = int(os.environ.get("KVAUDIT_MAX_OPS") or 24)
+except ValueError:
+    _die(f"KVAUDIT_MAX_OPS must be an integer, got {os.environ['KVAUDIT_MAX_OPS']!r}")
+
+_counts = {"executions": 0, "ops": 0}
+_suppressed: set = set()
+_last_write = [0.0]
+
+
+def _write_stats(force: bool = False) -> None:
+    now = time.monotonic()
+    if STATS_DIR is None or not (force or now - _last_write[0] >= 1.0):
+        return
+    _last_write[0] = now
+    doc = {"pid": os.getpid(), **_counts, "suppressed": sorted(_suppressed)}
+    try:
+        replay.write_text_atomic(os.path.join(STATS_DIR, f"{os.getpid()}.json"), json.dumps(doc) + "\n")
+    except OSError:
+        pass  # statistics are best effort
+
+
+def _keep_existing(path: str, ops: int, size: int) -> bool:
+    """Whether ``path`` already holds a reproducer at least as small: fewer ops, or as many ops
+    from an input of no more bytes (so ``-minimize_crash`` leaves the smallest one)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return (len(doc["program"]), int(doc.get("input_size", 1 << 30))) <= (ops, size)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def TestOneInput(data: bytes) -> None:
+    program = program_from_bytes(data, CONFIG, MAX_OPS)
+    ran, found = [], []
+    with AuditedRun(CONFIG, full_stacks=False, suppressions=SUPPRESSIONS) as run:
+        for op in program:
+            ran.append(op)
+            found = run.apply(op)
+            if found:
+                break
+        _suppressed.update(f.signature for f in run.suppressed)
+    _counts["executions"] += 1
+    _counts["ops"] += len(ran)
+    new = [f for f in found if f.signature not in KNOWN]
+    if not new:
+        _write_stats()
+        return
+    primary = new[0]
+    findings = [primary] + [f for f in found if f is not primary]
+    path = os.path.join(FINDINGS_DIR, replay.file_name(primary.signature))
+    if not _keep_existing(path, len(ran), len(data)):
+        replay.write_atomic(path, replay.to_doc(CONFIG, ran, findings, fuzzer="atheris",
+                                                input_sha1=hashlib.sha1(data).hexdigest(), input_size=len(data)))
+    _write_stats(force=True)
+    raise KvauditFinding(primary.signature)
+
+
+def main() -> None:
+    atheris.Setup(sys.argv, TestOneInput)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

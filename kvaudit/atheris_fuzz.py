@@ -1,0 +1,330 @@
+"""Coverage-guided search with atheris (libFuzzer): the driver behind ``kvaudit fuzz --fuzzer atheris``.
+
+:func:`atheris_search` runs ``harnesses/fuzz_engine.py`` as a subprocess (libFuzzer needs its own
+process: ``-fork`` and ``-minimize_crash`` re-execute it), configured through the environment
+(``KVAUDIT_CONFIG``, ``KVAUDIT_FINDINGS_DIR``, ``KVAUDIT_SUPPRESS``, ``KVAUDIT_KNOWN``,
+``KVAUDIT_STATS_DIR``, ``KVAUDIT_MAX_OPS``; see the harness). It follows libFuzzer's status lines
+for executions and coverage, stops the whole process group at the deadline or on Ctrl-C, and then
+reads back the replay files the harness wrote for its findings. The result has the shape of
+:func:`kvaudit.fuzz.hypothesis_search`'s, for the same confirm/minimize pipeline (``triage``).
+
+Layout of ``work_dir`` (created; ``findings/`` and ``stats/`` are emptied at the start)::
+
+    corpus/         libFuzzer's corpus when no corpus_dir is given (kept between runs)
+    findings/       replay JSONs written by the harness, <signature>.json
+    crashes/        libFuzzer's crash-<sha1> artifacts (the inputs; the replay's input_sha1)
+    stats/          <pid>.json per harness process: executions, ops, suppressed signatures
+    tmp/            TMPDIR of the harness: libFuzzer's -fork work directories (emptied at the start)
+    known.txt       the known signatures handed to the harness
+    libfuzzer.log   libFuzzer's whole output
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+from engine_under_test import EngineConfig
+from kvaudit import replay
+from kvaudit.bytes_program import RECORD
+from kvaudit.findings import Finding
+from kvaudit.fuzz import FuzzStats
+from kvaudit.program import Op
+from kvaudit.runner import INTERRUPTED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HARNESS = os.path.join(ROOT, "harnesses", "fuzz_engine.py")
+SEEDS_DIR = os.path.join(ROOT, "corpora", "seeds")
+GRACE_S = 20.0  # past max_time: harness start-up (torch import, ~2-3 s) plus libFuzzer's wrap-up
+KILL_WAIT_S = 3.0  # between SIGINT to the process group and SIGKILL
+FOUND_WAIT_S = 2.0  # after the first replay file appears: -fork's parent waits for its other jobs
+
+# "#1234\tNEW    cov: 345 ft: 678 corp: 12/96b lim: 8 exec/s: 567 rss: 300Mb ..." (plain mode) and
+# "#1234: cov: 345 ft: 678 corp: 12 exec/s 567 oom/timeout/crash: 0/0/0 time: 9s job: 2 ..." (-fork)
+_STATUS = re.compile(r"^#(\d+):?\s+(?:(\w+)\s+)?cov: (\d+) ft: (\d+) corp: (\d+)\S*\s+"
+                     r"(?:lim: \d+ )?exec/s:? (\d+)")
+_EXECUTED = re.compile(r"^stat::number_of_executed_units: (\d+)")
+_DONE = re.compile(r"^Done (\d+) runs in")
+
+
+class AtherisError(RuntimeError):
+    """The harness could not run (bad environment, a harness error, a crash that is not a finding);
+    the message ends with the tail of libFuzzer's log."""
+
+
+class _Monitor:
+    """libFuzzer's output, read line by line on a thread: the figures it reports, and the log."""
+
+    def __init__(self, stream, log_path: str):
+        self.executions = 0
+        self.coverage = 0
+        self.features = 0
+        self.corpus = 0
+        self.exec_per_sec = 0
+        self.done = False
+        self.tail: list[str] = []
+        self._stream, self._log_path = stream, log_path
+        self.thread = threading.Thread(target=self._read, name="libfuzzer-output", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        with open(self._log_path, "a", encoding="utf-8", errors="replace") as log:
+            for raw in iter(self._stream.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                log.write(line + "\n")
+                self.tail = (self.tail + [line])[-40:]
+                self.parse(line)
+            log.flush()
+
+    def parse(self, line: str) -> None:
+        m = _STATUS.match(line)
+        if m:
+            self.executions = max(self.executions, int(m.group(1)))
+            cov = int(m.group(3))
+            if cov or not self.coverage:  # -fork reports cov: 0 before its first merge
+                self.coverage, self.features, self.corpus = cov, int(m.group(4)), int(m.group(5))
+            self.exec_per_sec = int(m.group(6))
+            if m.group(2) == "DONE":
+                self.done = True
+            return
+        m = _EXECUTED.match(line) or _DONE.match(line)
+        if m:
+            self.executions = max(self.executions, int(m.group(1)))
+
+
+def libfuzzer_seed(seed: int) -> int:
+    """libFuzzer's ``-seed`` for kvaudit's ``seed``: 1..2**31-1 as is; other values (0 means "random"
+    to libFuzzer) are folded into that range."""
+    return seed if 0 < seed < 2 ** 31 else seed % (2 ** 31 - 2) + 1
+
+
+def harness_command(corpus_dir: str, seed_dir: str | None, max_time: float, seed: int, work_dir: str,
+                    workers: int = 1, max_ops: int = 24, extra: list[str] = ()) -> list[str]:
+    """The harness command line (``argv[0]`` is the harness itself: ``-fork`` re-executes it).
+
+    ``-max_len`` is ``max_ops`` records and ``-len_control=0`` lets inputs be that long from the
+    start: libFuzzer's default grows the length limit from 4 bytes (less than one 6-byte op) so
+    slowly that bugs needing 5-6 ops were found late or not at all (hicache-abort-loadback-leak:
+    not in 30 s with it, 3 s without). ``extra`` comes last, so it can override these."""
+    cmd = [HARNESS, corpus_dir] + ([seed_dir] if seed_dir else []) + [
+        f"-max_total_time={max(1, math.ceil(max_time))}", f"-seed={libfuzzer_seed(seed)}", "-print_final_stats=1",
+        f"-artifact_prefix={os.path.join(work_dir, 'crashes')}{os.sep}", f"-max_len={RECORD * max_ops}",
+        "-len_control=0"]
+    if workers > 1:
+        cmd += [f"-fork={workers}", "-ignore_crashes=0"]
+    return cmd + list(extra)
+
+
+def harness_env(config: EngineConfig, findings_dir: str, stats_dir: str | None = None,
+                suppressions_path: str | None = None, known_path: str | None = None, max_ops: int = 24,
+                base: dict | None = None) -> dict:
+    """The environment of a harness run (``base``: default ``os.environ``). This interpreter's
+    directory goes first on ``PATH``, so the harness's ``#!/usr/bin/env python3`` (and every process
+    libFuzzer re-executes) runs the Python that runs kvaudit."""
+    env = dict(os.environ if base is None else base)
+    env.update(KVAUDIT_CONFIG=json.dumps(config.to_dict()), KVAUDIT_FINDINGS_DIR=os.path.abspath(findings_dir),
+               KVAUDIT_MAX_OPS=str(max_ops), PYTHONUNBUFFERED="1")
+    env.pop("KVAUDIT_BUGS", None)  # the config is complete
+    for key, value in (("KVAUDIT_STATS_DIR", stats_dir), ("KVAUDIT_SUPPRESS", suppressions_path),
+                       ("KVAUDIT_KNOWN", known_path)):
+        if value:
+            env[key] = os.path.abspath(value)
+        else:
+            env.pop(key, None)
+    bindir = os.path.dirname(os.path.abspath(sys.executable))
+    if os.path.exists(os.path.join(bindir, "python3")):
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the harness's process group (libFuzzer prints its final stats and exits, -fork
+    children included), then SIGKILL to the group if it is still there after KILL_WAIT_S."""
+    for sig, wait in ((signal.SIGINT, KILL_WAIT_S), (signal.SIGKILL, KILL_WAIT_S)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            if sig == signal.SIGKILL:
+                return
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader exited; make sure no -fork child outlives it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+
+
+def _read_stats(stats_dir: str) -> tuple[int, int, set]:
+    executions = ops = 0
+    suppressed: set = set()
+    for path in glob.glob(os.path.join(stats_dir, "*.json")):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+            executions += int(doc.get("executions", 0))
+            ops += int(doc.get("ops", 0))
+            suppressed.update(doc.get("suppressed", ()))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # a file being replaced: next time
+    return executions, ops, suppressed
+
+
+def load_findings(findings_dir: str, known=frozenset()) -> list[tuple[str, list[Op], list[Finding]]]:
+    """``(path, program, findings)`` of every readable replay file in ``findings_dir``, oldest first,
+    leaving out those whose primary signature is in ``known``."""
+    out = []
+    paths = sorted(glob.glob(os.path.join(findings_dir, "*.json")), key=lambda p: (os.path.getmtime(p), p))
+    for path in paths:
+        try:
+            _, program, findings, _ = replay.load(path)
+        except replay.ReplayFormatError:
+            continue
+        if findings and findings[0].signature not in known:
+            out.append((path, program, findings))
+    return out
+
+
+def _clear(directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if name.endswith(".json"):
+            os.unlink(os.path.join(directory, name))
+
+
+def atheris_search(config: EngineConfig, max_time: float, seed: int, stats: FuzzStats,
+                   on_progress: Callable[[FuzzStats], None] | None = None, corpus_dir: str | None = None,
+                   workers: int = 1, suppressions_path: str | None = None, known=frozenset(),
+                   work_dir: str | None = None, use_seeds: bool = True, max_ops: int = 24,
+                   libfuzzer_args: list[str] = ()) -> tuple[list[Op], list[Finding]] | None:
+    """Fuzz ``config`` with atheris for ``max_time`` seconds of libFuzzer time; return the first
+    finding's ``(program, findings)`` (the program ends with the op that found it), or None.
+
+    ``workers > 1`` runs libFuzzer's ``-fork=workers``. ``corpus_dir`` (default ``work_dir/corpus``)
+    receives new inputs; ``corpora/seeds/<preset>/`` is read as a second, read-only corpus unless
+    ``use_seeds`` is false (or it does not exist). Findings whose signature is in ``known`` or that
+    the suppression file ``suppressions_path`` covers are not findings: the search goes on past them.
+    ``work_dir`` None: a temporary directory, removed afterwards. ``libfuzzer_args`` go last on
+    libFuzzer's command line (e.g. ``["-len_control=100"]``, libFuzzer's default).
+
+    Updates ``stats.executions`` (libFuzzer's count, or the harness processes' own total when that
+    is ahead), ``stats.ops`` (ops run, summed over harness processes), ``stats.coverage`` (a
+    string, ``"345 edges"``: libFuzzer's ``cov:``, engine_under_test's instrumented edges) and adds
+    suppressed signatures to ``stats.suppressed``; calls ``on_progress(stats)`` at most every
+    0.25 s and once at the end. The harness runs until ``max_time`` plus its start-up and
+    libFuzzer's wrap-up; it is stopped (process group: SIGINT, then SIGKILL) at ``max_time +
+    GRACE_S``, FOUND_WAIT_S after the first finding was written (``-fork`` would let its other
+    jobs run on) and on KeyboardInterrupt (or :data:`kvaudit.runner.INTERRUPTED`), which is re-raised.
+
+    Raises :class:`AtherisError` when the harness fails without writing a finding (e.g. it cannot
+    start, or libFuzzer reports a timeout or an out-of-memory input).
+    """
+    own_dir = work_dir is None
+    work_dir = os.path.abspath(work_dir if work_dir is not None else tempfile.mkdtemp(prefix="kvaudit-atheris-"))
+    try:
+        return _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path,
+                       frozenset(known), work_dir, use_seeds, max_ops, list(libfuzzer_args))
+    finally:
+        if own_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path, known, work_dir,
+            use_seeds, max_ops, libfuzzer_args):
+    findings_dir, stats_dir = os.path.join(work_dir, "findings"), os.path.join(work_dir, "stats")
+    corpus_dir = os.path.abspath(corpus_dir or os.path.join(work_dir, "corpus"))
+    for d in (findings_dir, stats_dir):
+        _clear(d)
+    tmp_dir = os.path.join(work_dir, "tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # what a killed -fork run left
+    for d in (corpus_dir, os.path.join(work_dir, "crashes"), tmp_dir):
+        os.makedirs(d, exist_ok=True)
+    known_path = os.path.join(work_dir, "known.txt")
+    with open(known_path, "w", encoding="utf-8") as fh:
+        fh.writelines(f"{s}\n" for s in sorted(known))
+    seed_dir = os.path.join(SEEDS_DIR, config.preset)
+    seed_dir = seed_dir if use_seeds and os.path.isdir(seed_dir) and os.listdir(seed_dir) else None
+    log_path = os.path.join(work_dir, "libfuzzer.log")
+    open(log_path, "w").close()
+    cmd = harness_command(corpus_dir, seed_dir, max_time, seed, work_dir, workers, max_ops, libfuzzer_args)
+    env = harness_env(config, findings_dir, stats_dir, suppressions_path, known_path, max_ops)
+    env["TMPDIR"] = tmp_dir
+    base_execs, base_ops = stats.executions, stats.ops
+    crashes_before = set(os.listdir(os.path.join(work_dir, "crashes")))
+    proc = subprocess.Popen(cmd, cwd=work_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    mon = _Monitor(proc.stdout, log_path)
+    deadline = time.monotonic() + max_time + GRACE_S
+    last_progress = last_stats = 0.0
+    found_at = None
+
+    def refresh(force: bool = False, report: bool = True) -> None:
+        nonlocal last_progress, last_stats
+        now = time.monotonic()
+        if force or now - last_stats >= 0.5:
+            last_stats = now
+            execs, ops, suppressed = _read_stats(stats_dir)
+            stats.executions = base_execs + max(mon.executions, execs)
+            stats.ops = base_ops + ops
+            stats.suppressed.update(suppressed)
+        stats.coverage = f"{mon.coverage} edges"
+        if report and on_progress is not None and (force or now - last_progress >= 0.25):
+            last_progress = now
+            on_progress(stats)
+
+    stats.coverage = "0 edges"
+    try:
+        while True:
+            if INTERRUPTED.is_set():
+                raise KeyboardInterrupt
+            try:
+                proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() > deadline:
+                _stop(proc)
+                break
+            if found_at is None and any(n.endswith(".json") for n in os.listdir(findings_dir)):
+                found_at = time.monotonic()  # the harness writes only unknown signatures
+            if found_at is not None and time.monotonic() - found_at > FOUND_WAIT_S:
+                _stop(proc)  # let libFuzzer write its artifact, but not finish -fork's other jobs
+                break
+            refresh()
+    except BaseException:
+        _stop(proc)
+        mon.thread.join(timeout=5)
+        refresh(force=True, report=False)  # the figures of an interrupted run, for its message
+        raise
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        mon.thread.join(timeout=5)
+        proc.stdout.close()
+    refresh(force=True)
+    found = load_findings(findings_dir, known)
+    if found:
+        _, program, findings = found[0]
+        return program, findings
+    # -fork goes on past timeouts and out-of-memory inputs (timeout-*, oom-* artifacts); a crash-*
+    # without a replay file is the harness's own failure
+    crashes = {c for c in set(os.listdir(os.path.join(work_dir, "crashes"))) - crashes_before if c.startswith("crash-")}
+    if proc.returncode not in (0, -signal.SIGINT, -signal.SIGKILL, 72) or crashes:
+        tail = "\n".join(mon.tail[-15:])
+        raise AtherisError(f"atheris harness exited with code {proc.returncode} without a kvaudit finding "
+                           f"(log: {log_path}); last lines:\n{tail}")
+    return None

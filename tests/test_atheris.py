@@ -1,0 +1,270 @@
+"""atheris (libFuzzer) support: the byte decoder, the harness, the driver."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import random
+import subprocess
+import time
+
+import pytest
+
+from engine_under_test import PRESETS, get_preset
+from kvaudit import replay
+from kvaudit.atheris_fuzz import HARNESS, SEEDS_DIR, _Monitor, atheris_search, harness_command, harness_env
+from kvaudit.bytes_program import (RECORD, max_prompt, op_kinds, program_from_bytes, program_to_bytes, write_seeds)
+from kvaudit.fuzz import FuzzStats
+from kvaudit.program import (Abort, CloseSession, Idle, MemoryPressure, OpenSession, Step, Submit, program_from_json,
+                             program_to_json)
+from kvaudit.runner import execute
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REGRESSIONS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))
+HISPARSE_BUG = "hisparse-prebuilt-skip-finish"
+
+
+def _random_inputs(n: int = 300, seed: int = 20240611):
+    rng = random.Random(seed)
+    for _ in range(n):
+        yield bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 5, 6, 7, 13, 30, 60, 144, 200])))
+
+
+def _check_op(op, config):
+    mp = max_prompt(config)
+    if isinstance(op, Submit):
+        assert 0 <= op.family <= 7 and 1 <= op.max_new_tokens <= 12
+        assert op.stop_at is None or 1 <= op.stop_at <= 12
+        assert op.session is None or op.extends is None
+        if op.session is not None:
+            assert config.enable_streaming_session and 0 <= op.session <= 3 and 1 <= op.prompt_len <= 48
+        elif op.extends is not None:
+            assert not config.disable_radix_cache and 0 <= op.extends <= 7 and 1 <= op.prompt_len <= 16
+        else:
+            assert 1 <= op.prompt_len <= mp
+    elif isinstance(op, Abort):
+        assert op.handle is None or 0 <= op.handle <= 7
+    elif isinstance(op, Step):
+        assert 1 <= op.n <= 4
+    elif isinstance(op, CloseSession):
+        assert config.enable_streaming_session and 0 <= op.handle <= 3
+    elif isinstance(op, OpenSession):
+        assert config.enable_streaming_session
+    elif isinstance(op, MemoryPressure):
+        assert not config.disable_radix_cache
+
+
+# --- the byte decoder -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_any_bytes_decode_to_a_valid_program(preset):
+    config = get_preset(preset).config()
+    for data in _random_inputs():
+        program = program_from_bytes(data, config)
+        assert program == program_from_bytes(data, config)  # deterministic
+        assert isinstance(program[-1], Idle)
+        records = min(-(-len(data) // RECORD), 24)
+        if len(program) == records + 1:  # an idle was appended: the last decoded op was not one
+            assert records == 0 or not isinstance(program[-2], Idle)
+        else:
+            assert len(program) == records >= 1
+        for op in program:
+            _check_op(op, config)
+        assert program_from_json(json.loads(json.dumps(program_to_json(program)))) == program
+        assert program_from_bytes(program_to_bytes(program, config), config) == program
+
+
+def test_empty_and_short_inputs():
+    config = get_preset("default").config()
+    assert program_from_bytes(b"", config) == [Idle()]
+    assert program_from_bytes(b"\x00", config) == [Submit(0, 1, 1, None), Idle()]
+    kinds = op_kinds(config)
+    assert program_from_bytes(bytes([kinds.index("health_check")]), config)[0].kind == "health_check"
+    assert program_from_bytes(bytes([kinds.index("idle")]), config) == [Idle()]  # no second idle
+    long = bytes([kinds.index("step"), 3] + [0] * 4) * 100
+    assert program_from_bytes(long, config) == [Step(4)] * 24 + [Idle()]
+    assert len(program_from_bytes(long, config, max_ops=5)) == 6
+
+
+def test_one_byte_changes_one_op():
+    config = get_preset("streaming-session").config()
+    rng = random.Random(7)
+    for _ in range(200):
+        data = bytearray(rng.randrange(256) for _ in range(RECORD * 10))
+        before = program_from_bytes(bytes(data), config)[:10]
+        pos = rng.randrange(len(data))
+        data[pos] = rng.randrange(256)
+        after = program_from_bytes(bytes(data), config)[:10]
+        assert [i for i in range(10) if before[i] != after[i]] in ([], [pos // RECORD])
+
+
+def test_ops_follow_the_config():
+    def kinds_seen(preset):
+        config = get_preset(preset).config()
+        seen = set()
+        for data in _random_inputs(400, seed=3):
+            for op in program_from_bytes(data, config):
+                seen.add(op.kind + ("_turn" if getattr(op, "session", None) is not None else "")
+                         + ("_ext" if getattr(op, "extends", None) is not None else ""))
+        return seen
+
+    default, pd, sessions = kinds_seen("default"), kinds_seen("pd-decode"), kinds_seen("streaming-session")
+    assert not default & {"open_session", "close_session", "submit_turn"}
+    assert {"memory_pressure", "submit_ext", "health_check", "abort", "flush_cache", "step", "idle"} <= default
+    assert not pd & {"open_session", "close_session", "submit_turn", "memory_pressure", "submit_ext"}
+    assert {"open_session", "close_session", "submit_turn", "memory_pressure", "submit_ext"} <= sessions
+    with pytest.raises(ValueError):
+        program_to_bytes([OpenSession()], get_preset("default").config())
+    with pytest.raises(ValueError):
+        program_to_bytes([Submit(prompt_len=97)], get_preset("default").config())
+    with pytest.raises(ValueError):
+        program_to_bytes([MemoryPressure()], get_preset("pd-decode").config())
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=lambda p: os.path.basename(p)[:-5])
+def test_regression_programs_round_trip(path):
+    config, program, _, _ = replay.load(path)
+    want = program if isinstance(program[-1], Idle) else program + [Idle()]
+    assert program_from_bytes(program_to_bytes(program, config), config) == want
+    fuzz_config = get_preset(config.preset).config(bugs=config.bugs)  # what the fuzzer decodes with
+    assert program_from_bytes(program_to_bytes(program, config), fuzz_config) == want
+
+
+def test_seed_corpora_are_current(tmp_path):
+    """corpora/seeds is what `python -m kvaudit.bytes_program --write-seeds` writes today."""
+    write_seeds(str(tmp_path), os.path.join(ROOT, "corpora", "regressions"))
+    for preset in PRESETS:
+        want = sorted(p.name for p in (tmp_path / preset).iterdir())
+        assert want and sorted(os.listdir(os.path.join(SEEDS_DIR, preset))) == want, preset
+        for name in want:
+            with open(os.path.join(SEEDS_DIR, preset, name), "rb") as fh:
+                assert fh.read() == (tmp_path / preset / name).read_bytes()
+
+
+# --- the harness ----------------------------------------------------------------------------------
+
+def _hisparse_config():
+    return get_preset("pd-decode-hisparse").config(bugs=frozenset([HISPARSE_BUG]))
+
+
+def _run_harness(args, config, tmp_path, known=None, timeout=120):
+    env = harness_env(config, str(tmp_path / "findings"), known_path=known)
+    return subprocess.run([HARNESS, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_harness_is_an_executable_script():
+    assert os.access(HARNESS, os.X_OK)
+    with open(HARNESS) as fh:
+        assert fh.readline() == "#!/usr/bin/env python3\n"
+
+
+def test_harness_runs_clean_on_default(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    r = _run_harness(["-runs=50", "-seed=3", str(tmp_path / "corpus")], get_preset("default").config(), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Done 50 runs" in r.stderr
+    assert "INFO: Instrumenting engine_under_test.scheduler" in r.stderr
+    assert not os.listdir(tmp_path / "findings") if (tmp_path / "findings").exists() else True
+
+
+def test_harness_crash_writes_a_replay_file(tmp_path):
+    config = _hisparse_config()
+    data = bytes([op_kinds(config).index("health_check")])
+    (tmp_path / "input").write_bytes(data)
+    r = _run_harness([str(tmp_path / "input")], config, tmp_path)
+    assert r.returncode != 0
+    # atheris prints the Python exception on stdout, libFuzzer its report on stderr
+    assert "KvauditFinding: leak/hisparse_device/admit_request_direct@hisparse.py" in r.stdout + r.stderr
+    assert "ERROR: libFuzzer: fuzz target exited" in r.stderr
+    files = os.listdir(tmp_path / "findings")
+    assert files == ["leak_hisparse_device_admit_request_direct_hisparse.py.json"]
+    loaded_config, program, findings, doc = replay.load(str(tmp_path / "findings" / files[0]))
+    assert loaded_config == config and doc["fuzzer"] == "atheris"
+    assert doc["input_sha1"] == hashlib.sha1(data).hexdigest()
+    assert [op.kind for op in program] == ["health_check", "idle"]
+    assert findings[0].signature in execute(config, program).signatures
+
+    known = tmp_path / "known.txt"
+    # the op leaks the device buffer and the host slots: two signatures, both known now
+    assert {f.signature for f in findings} >= {"leak/hisparse_device/admit_request_direct@hisparse.py",
+                                               "leak/hisparse_host/alloc_host@hisparse.py"}
+    known.write_text("".join(f"{f.signature}\n" for f in findings))
+    os.unlink(tmp_path / "findings" / files[0])
+    r = _run_harness([str(tmp_path / "input")], config, tmp_path, known=str(known))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not os.listdir(tmp_path / "findings")
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+def test_libfuzzer_status_lines():
+    mon = _Monitor.__new__(_Monitor)
+    mon.executions = mon.coverage = mon.features = mon.corpus = mon.exec_per_sec = 0
+    mon.done = False
+    mon.parse("#2\tINITED cov: 126 ft: 126 corp: 1/1b exec/s: 0 rss: 251Mb")
+    mon.parse("#4096\tpulse  cov: 396 ft: 876 corp: 13/35b lim: 4 exec/s: 410 rss: 259Mb")
+    assert (mon.executions, mon.coverage, mon.exec_per_sec) == (4096, 396, 410)
+    mon.parse("#5000: cov: 0 ft: 0 corp: 0 exec/s 558 oom/timeout/crash: 0/0/0 time: 7s job: 1 dft_time: 0")
+    assert (mon.executions, mon.coverage) == (5000, 396)  # -fork's first line, before any merge
+    mon.parse("#6000: cov: 455 ft: 1319 corp: 38 exec/s 406 oom/timeout/crash: 0/0/0 time: 18s job: 3")
+    assert (mon.executions, mon.coverage, mon.corpus) == (6000, 455, 38)
+    mon.parse("stat::number_of_executed_units: 7000")
+    assert mon.executions == 7000 and not mon.done
+    mon.parse("#7000\tDONE   cov: 455 ft: 1319 corp: 38/1kb lim: 4 exec/s: 400 rss: 259Mb")
+    assert mon.done
+
+
+def test_harness_command():
+    cmd = harness_command("/c", "/s", 9.2, 0, "/w", workers=3)
+    assert cmd[:3] == [HARNESS, "/c", "/s"]
+    assert {"-max_total_time=10", "-fork=3", "-ignore_crashes=0", "-artifact_prefix=/w/crashes/",
+            "-print_final_stats=1", f"-max_len={RECORD * 24}", "-len_control=0"} <= set(cmd)
+    assert not any(a == "-seed=0" for a in cmd)  # 0 is "random" to libFuzzer
+    assert not any(a.startswith("-fork") for a in harness_command("/c", None, 5, 1, "/w"))
+
+
+def _find_hisparse(tmp_path, workers):
+    config = _hisparse_config()
+    stats, seen = FuzzStats(), []
+    t0 = time.monotonic()
+    # no seed corpus: the seeds hold this very reproducer, and the point is that atheris finds it
+    found = atheris_search(config, max_time=60, seed=1, stats=stats, on_progress=seen.append, workers=workers,
+                           work_dir=str(tmp_path / "work"), use_seeds=False)
+    elapsed = time.monotonic() - t0
+    assert found is not None, open(tmp_path / "work" / "libfuzzer.log").read()[-3000:]
+    program, findings = found
+    assert findings[0].signature.startswith("leak/hisparse_")
+    assert elapsed < 60 and stats.executions > 0 and stats.ops > 0 and stats.coverage.endswith(" edges")
+    assert seen and seen[-1] is stats
+    files = glob.glob(str(tmp_path / "work" / "findings" / "*.json"))
+    assert files
+    loaded_config, loaded_program, loaded_findings, _ = replay.load(files[0])
+    assert loaded_config == config and loaded_program == program
+    assert findings[0].signature in execute(loaded_config, loaded_program).signatures
+    assert glob.glob(str(tmp_path / "work" / "crashes" / "crash-*"))
+    print(f"workers={workers}: found {findings[0].signature} in {elapsed:.1f}s, {stats.executions} executions")
+
+
+@pytest.mark.slow
+def test_atheris_finds_the_hisparse_bug(tmp_path):
+    _find_hisparse(tmp_path, workers=1)
+
+
+@pytest.mark.slow
+def test_atheris_fork_finds_the_hisparse_bug(tmp_path):
+    _find_hisparse(tmp_path, workers=2)
+
+
+@pytest.mark.slow
+def test_atheris_clean_run_and_known_signatures(tmp_path):
+    """A known signature is not a finding: the search goes on and ends clean (or finds another)."""
+    config = _hisparse_config()
+    stats = FuzzStats()
+    known = {"leak/hisparse_device/admit_request_direct@hisparse.py", "leak/hisparse_host/alloc_host@hisparse.py"}
+    found = atheris_search(config, max_time=4, seed=2, stats=stats, known=known, work_dir=str(tmp_path / "w"))
+    assert found is None or found[1][0].signature not in known
+    assert stats.executions > 10
+    config = get_preset("default").config()
+    assert atheris_search(config, max_time=3, seed=2, stats=FuzzStats(), work_dir=str(tmp_path / "d")) is None
