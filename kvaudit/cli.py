@@ -741,6 +741,59 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
     return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
 
 
+@main.command("bench")
+@click.option("--trials", type=click.IntRange(min=1, max=100), default=5, show_default=True,
+              help="Trials per bug and fuzzer (seeds 1..N).")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              metavar="SECONDS", help="Time budget of one trial.")
+@click.option("--fuzzers", "fuzzers_value", default=",".join(FUZZERS), show_default=True, metavar="LIST")
+@click.option("--bugs", "bugs_value", default="all", show_default=True, metavar="LIST",
+              help="Zoo bugs: 'all' or a comma-separated list.")
+@click.option("--fp-seconds", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Clean-engine time per fuzzer for the false-positive run (default: the budget).")
+@click.option("--overhead-presets", default="all", show_default=True, metavar="LIST",
+              help="Presets for the overhead/throughput table ('all', a list, or 'none').")
+@click.option("--out", "out_md", type=click.Path(dir_okay=False), default="docs/benchmarks.md", show_default=True)
+@click.option("--json", "out_json", type=click.Path(dir_okay=False), default="docs/benchmarks.json",
+              show_default=True)
+def bench_cmd(trials, budget, fuzzers_value, bugs_value, fp_seconds, overhead_presets, out_md, out_json):
+    """Benchmark the fuzzers on the bug zoo: each bug x fuzzer for --trials trials of --budget
+    seconds, a false-positive run on the clean engine and the overhead per preset; writes a markdown
+    report and the raw JSON (see kvaudit/bench.py for the method)."""
+    from kvaudit import bench
+
+    fuzzers = [f.strip() for f in fuzzers_value.split(",") if f.strip()]
+    bad = [f for f in fuzzers if f not in FUZZERS]
+    if bad or not fuzzers:
+        raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else fuzzers_value!r} "
+                         f"(valid: {', '.join(FUZZERS)})")
+    bugs = list(BUGS) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
+    bad = [b for b in bugs if b not in BUGS]
+    if bad or not bugs:
+        raise InputError(f"--bugs: unknown bug {bad[0] if bad else bugs_value!r} (see 'kvaudit bugs')")
+    from kvaudit import ci
+
+    try:
+        ov = [] if overhead_presets == "none" else ci.presets_arg(overhead_presets)
+    except ValueError as e:
+        raise InputError(f"--overhead-presets: {e}") from None
+    if "atheris" in fuzzers:
+        _check_atheris()
+    _outputs(html=out_md, json=out_json)  # writable, distinct
+    err = _console(stderr=True)
+    err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
+              f"budget {budget:g}s each", soft_wrap=True)
+    res = bench.run(bugs, fuzzers, trials, budget, budget if fp_seconds is None else fp_seconds, ov,
+                    on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
+    try:
+        replay.write_atomic(out_json, res.to_json())
+        replay.write_text_atomic(out_md, bench.markdown(res))
+    except OSError as e:
+        raise InputError(f"cannot write the report: {e.strerror or e}") from None
+    _console().print(f"bench done in {res.wall / 60:.1f} min: {out_md}, {out_json}")
+    return EXIT_CLEAN
+
+
 @main.command("report")
 @click.argument("file", type=click.Path(dir_okay=False))
 @output_options

@@ -56,6 +56,12 @@ class FuzzStats:
     sites: set = field(default_factory=set)
     suppressed: set = field(default_factory=set)  # distinct suppressed signatures seen
     coverage: str | None = None  # the fuzzer's own coverage figure, where it has one ("469 edges")
+    # (executions, seconds) when the first finding was seen, before any shrinking: time-to-bug
+    first_hit: tuple[int, float] | None = None
+
+    def hit(self) -> None:
+        if self.first_hit is None:
+            self.first_hit = (self.executions, self.elapsed)
 
     @property
     def elapsed(self) -> float:
@@ -134,6 +140,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
                 self.dead = True
                 return
             if found:
+                rec.stats.hit()
                 rec.last_failure = (list(self.ops), found)
                 raise _finding_error(found[0].kind)(found[0].signature)
 
@@ -293,6 +300,7 @@ def random_search(config: EngineConfig, max_time: float, seed_value: int, stats:
                 found = run.apply(op)
                 stats.ops += 1
                 if found and not all(f.signature in known for f in found):
+                    stats.hit()
                     stats.sites |= run.auditor.site_keys()
                     return program[: i + 1], found
                 if found:

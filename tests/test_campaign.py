@@ -226,3 +226,14 @@ def test_ci_fuzzes_every_preset_and_writes_reports(tmp_path):
 def test_ci_bad_presets_is_one_line():
     result = invoke("ci", "--presets", "default,nope")
     assert result.exit_code == 2 and "nope" in one_error_line(result)
+
+
+@pytest.mark.slow
+def test_atheris_with_fork_2_from_the_cli_finds_the_hisparse_bug(tmp_path):
+    corpus = tmp_path / "c"
+    result = invoke("fuzz", *HISPARSE, "--fuzzer", "atheris", "--workers", "2", "--no-seeds", "--seed", "1",
+                    "--max-time", "30", "--corpus", str(corpus))
+    assert result.exit_code == 1, result.output
+    found = known_signatures(str(corpus))
+    assert any(s.startswith("leak/hisparse_") for s in found)
+    assert "coverage=" in result.stderr and "edges" in result.stderr  # libFuzzer's edge coverage shown

@@ -1,0 +1,413 @@
+"""The bug zoo as a fuzzer benchmark (``kvaudit bench``), after Magma and FuzzBench practice.
+
+Each zoo bug is searched for by each fuzzer in N trials (seeds 1..N) of at most T seconds, on the
+bug's preset with only that switch on. A trial records whether the bug was found, the seconds and
+executions to the first detection (the search alone: confirmation and minimization come after),
+the minimized program's length, the kind of the first finding (which oracle caught it), and
+whether SGLang's own idle check (the engine's ``check_memory()`` at idle) fails on the same
+program. A finding counts as the bug only if it is confirmed 3 of 3 times and its program is clean
+with the switch off (the bug, not something else, caused it).
+
+Per bug and fuzzer: success rate, median and IQR of time- and executions-to-bug (over the
+successful trials), and against ``random`` the Mann-Whitney U test (two-sided, scipy) and
+Vargha-Delaney A12 on time-to-bug, a failed trial counting as the budget (a censored value, as
+FuzzBench's bug-based reports treat it). Then a false-positive run of every fuzzer on the clean
+engine, and the instrumentation overhead and throughput per preset.
+
+Atheris runs without the seed corpus: it holds the zoo's reproducers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random as _random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from engine_under_test import BUGS, PRESETS, EngineConfig, get_preset
+from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.runner import AuditedRun, execute
+
+FUZZERS = ("hypothesis", "atheris", "random")
+
+
+@dataclass
+class Trial:
+    bug: str
+    fuzzer: str
+    seed: int
+    budget: float
+    success: bool = False
+    seconds: float | None = None  # to the first detection of the bug
+    executions: int | None = None  # programs run up to and including the detecting one
+    min_len: int | None = None  # ops in the minimized program
+    first_oracle: str | None = None  # kind of the first finding (the oracle that caught it)
+    expected_kind: str = ""
+    engine_idle_check: bool | None = None  # SGLang's idle check alone fails on the same program
+    note: str = ""  # why a trial failed, or another finding it made
+    wall: float = 0.0  # the whole trial, triage included
+
+
+def search(fuzzer: str, config: EngineConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str):
+    if fuzzer == "hypothesis":
+        return hypothesis_search(config, budget, seed, stats)
+    if fuzzer == "random":
+        return random_search(config, budget, seed, stats)
+    from kvaudit.atheris_fuzz import atheris_search
+
+    return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False)
+
+
+def engine_idle_check_fails(config: EngineConfig, program) -> bool:
+    """Whether the engine's own ``check_memory()`` fails at some idle point of ``program`` (SGLang
+    raises only at idle), the engine running bare (see benchmarks/engine_check.py)."""
+    from kvaudit.program import Idle, Step
+    from kvaudit.runner import MAX_IDLE_STEPS
+    from kvaudit.targets.eut import EutTarget
+
+    target = EutTarget(config)
+    eng = target.engine
+    for op in program:
+        if isinstance(op, (Step, Idle)):
+            for _ in range(op.n if isinstance(op, Step) else MAX_IDLE_STEPS):
+                idle = target.is_idle()
+                try:
+                    target.step()
+                except Exception:
+                    return False
+                if eng.is_fully_idle() and any(not c.ok for c in eng.check_memory()):
+                    return True
+                if isinstance(op, Idle) and idle:
+                    break
+        else:
+            target.apply(op)
+    return False
+
+
+def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
+    info = BUGS[bug]
+    config = get_preset(info.preset).config(bugs=frozenset([bug]))
+    trial = Trial(bug, fuzzer, seed, budget, expected_kind=info.finding)
+    stats = FuzzStats()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvaudit-bench-") as work:
+        found = search(fuzzer, config, budget, seed, stats, work)
+        # the first detection, before Hypothesis's shrinking (atheris and random do not shrink)
+        executions, seconds = stats.first_hit or (stats.executions, time.monotonic() - t0)
+        if found is None:
+            trial.note = "not found within the budget"
+        else:
+            program, findings = found
+            crash = triage(config, program, findings[0])
+            clean = get_preset(info.preset).config()
+            if crash is None:
+                trial.note = f"{findings[0].signature} did not reproduce 3/3"
+            elif execute(clean, crash.program, full_stacks=False).findings:
+                trial.note = f"{crash.finding.signature} also fires without the switch: not the bug"
+            else:
+                trial.success = True
+                trial.seconds, trial.executions = seconds, executions
+                trial.min_len = len(crash.program)
+                trial.first_oracle = crash.finding.kind
+                trial.engine_idle_check = engine_idle_check_fails(config, program)
+                if crash.finding.kind != info.finding:
+                    trial.note = f"found as {crash.finding.kind} (the table says {info.finding})"
+    trial.wall = time.monotonic() - t0
+    return trial
+
+
+# -- statistics ------------------------------------------------------------------------------------
+
+def a12(x: list[float], y: list[float]) -> float:
+    """Vargha-Delaney A12: the probability that a value drawn from ``x`` is larger than one drawn
+    from ``y`` (ties count half). For time-to-bug, A12 < 0.5 means ``x`` is faster."""
+    if not x or not y:
+        return math.nan
+    gt = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in x for b in y)
+    return gt / (len(x) * len(y))
+
+
+def mann_whitney_p(x: list[float], y: list[float]) -> float:
+    """Two-sided Mann-Whitney U p-value (scipy); nan when a sample is empty or all values tie."""
+    from scipy.stats import mannwhitneyu
+
+    if not x or not y or len(set(x) | set(y)) == 1:
+        return math.nan
+    return float(mannwhitneyu(x, y, alternative="two-sided").pvalue)
+
+
+def _quantiles(v: list[float]) -> tuple[float, float, float] | None:
+    if not v:
+        return None
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    return float(q1), float(med), float(q3)
+
+
+@dataclass
+class Cell:
+    """One bug x fuzzer: the trials' summary."""
+
+    bug: str
+    fuzzer: str
+    trials: int
+    successes: int
+    time_q: tuple | None  # (q1, median, q3) seconds over successful trials
+    execs_q: tuple | None
+    min_len_median: float | None
+    first_oracles: list[str]
+    engine_idle_check: str  # "yes" / "no" / "some" over the successful trials
+    p_vs_random: float = math.nan
+    a12_vs_random: float = math.nan
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.trials if self.trials else 0.0
+
+    @property
+    def median_time(self) -> float | None:
+        # with half the trials or more failed the median is not reached (a censored value)
+        return self.time_q[1] if self.time_q and self.successes * 2 > self.trials else None
+
+    @property
+    def median_execs(self) -> float | None:
+        return self.execs_q[1] if self.execs_q and self.successes * 2 > self.trials else None
+
+
+def summarize(trials: list[Trial]) -> list[Cell]:
+    cells = []
+    groups: dict[tuple[str, str], list[Trial]] = {}
+    for t in trials:
+        groups.setdefault((t.bug, t.fuzzer), []).append(t)
+
+    def censored_times(ts: list[Trial]) -> list[float]:
+        return [t.seconds if t.success else t.budget for t in ts]
+
+    for (bug, fuzzer), ts in groups.items():
+        ok = [t for t in ts if t.success]
+        checks = {t.engine_idle_check for t in ok}
+        cell = Cell(bug, fuzzer, len(ts), len(ok), _quantiles([t.seconds for t in ok]),
+                    _quantiles([float(t.executions) for t in ok]),
+                    statistics.median([t.min_len for t in ok]) if ok else None,
+                    sorted({t.first_oracle for t in ok}),
+                    "yes" if checks == {True} else "no" if checks == {False} else "some" if checks else "-")
+        rand = groups.get((bug, "random"))
+        if rand is not None and fuzzer != "random":
+            x, y = censored_times(ts), censored_times(rand)
+            cell.p_vs_random, cell.a12_vs_random = mann_whitney_p(x, y), a12(x, y)
+        cells.append(cell)
+    return cells
+
+
+def geomean_exec_ratio(cells: list[Cell], fuzzer: str) -> tuple[float | None, int]:
+    """Geometric mean over the bugs both ``fuzzer`` and random find (median reached) of
+    median executions(random) / median executions(fuzzer); > 1 means fewer executions than random."""
+    by = {(c.bug, c.fuzzer): c for c in cells}
+    ratios = []
+    for (bug, f), c in by.items():
+        r = by.get((bug, "random"))
+        if f == fuzzer and r is not None and c.median_execs and r.median_execs:
+            ratios.append(r.median_execs / c.median_execs)
+    if not ratios:
+        return None, 0
+    return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), len(ratios)
+
+
+# -- false positives, overhead, throughput ---------------------------------------------------------
+
+def false_positive_run(fuzzer: str, seconds: float, seed: int = 1) -> dict:
+    """``fuzzer`` over the clean engine of every preset, ``seconds`` in all: findings must be none."""
+    per = seconds / len(PRESETS)
+    found, executions = [], 0
+    with tempfile.TemporaryDirectory(prefix="kvaudit-bench-fp-") as work:
+        for preset in PRESETS:
+            config = get_preset(preset).config()
+            deadline = time.monotonic() + per
+            stats = FuzzStats()
+            while time.monotonic() < deadline:
+                hit = search(fuzzer, config, deadline - time.monotonic(), seed + len(found), stats, work)
+                if hit is None:
+                    break
+                found.append({"preset": preset, "signature": hit[1][0].signature})
+                if fuzzer == "atheris":
+                    break  # the driver would hit the same input again
+            executions += stats.executions
+    return {"fuzzer": fuzzer, "seconds": seconds, "executions": executions, "findings": found}
+
+
+OVERHEAD_MODES = (  # name, hooks (ledger), oracles after every step, shadow KV tags
+    ("hooks off", False, False, False),
+    ("hooks on", True, False, True),
+    ("full oracles", True, True, True),
+)
+
+
+def overhead(preset: str, model: str, programs: int = 100, length: int = 20, rounds: int = 3,
+             seed: int = 1) -> dict[str, float]:
+    """Programs/s per mode, the modes taking turns (best of ``rounds``, process CPU time, one core)."""
+    import torch
+
+    from kvaudit.program import random_program
+
+    torch.set_num_threads(1)
+    rng = _random.Random(seed)
+    progs = [random_program(rng, length) for _ in range(programs)]
+    config = get_preset(preset).config(model=model)
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, audit, oracles, shadow in OVERHEAD_MODES:
+            t0 = time.process_time()
+            for prog in progs:
+                with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=False, shadow=shadow) as r:
+                    for op in prog:
+                        r.apply(op)
+            best[name] = min(best.get(name, math.inf), time.process_time() - t0)
+    return {name: programs / secs for name, secs in best.items()}
+
+
+@dataclass
+class BenchResult:
+    trials: list[Trial] = field(default_factory=list)
+    false_positives: list[dict] = field(default_factory=list)
+    overhead: list[dict] = field(default_factory=list)  # {"preset", "model", mode: programs/s}
+    wall: float = 0.0
+    settings: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"format": "kvaudit.bench/1", "settings": self.settings, "wall_seconds": round(self.wall, 1),
+                "trials": [asdict(t) for t in self.trials], "false_positives": self.false_positives,
+                "overhead": self.overhead}
+
+
+def run(bugs: list[str], fuzzers: list[str], trials: int, budget: float, fp_seconds: float,
+        overhead_presets: list[str], on_event: Callable[[str], None] = print) -> BenchResult:
+    """The whole benchmark (see module doc); ``on_event`` gets one line per finished step."""
+    res = BenchResult(settings={"bugs": bugs, "fuzzers": fuzzers, "trials": trials, "budget": budget,
+                                "fp_seconds": fp_seconds, "overhead_presets": overhead_presets,
+                                "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    t0 = time.monotonic()
+    for bug in bugs:
+        for fuzzer in fuzzers:
+            for seed in range(1, trials + 1):
+                t = run_trial(bug, fuzzer, seed, budget)
+                res.trials.append(t)
+                on_event(f"{bug:32} {fuzzer:10} seed {seed}: "
+                         + (f"found in {t.seconds:.1f}s, {t.executions} executions, {t.min_len} ops, {t.first_oracle}"
+                            if t.success else "not found") + (f" ({t.note})" if t.note else ""))
+    for fuzzer in fuzzers:
+        fp = false_positive_run(fuzzer, fp_seconds)
+        res.false_positives.append(fp)
+        on_event(f"false positives, {fuzzer}: {len(fp['findings'])} in {fp['executions']} executions")
+    for preset in overhead_presets:
+        for model in ("none", "tiny"):
+            row = {"preset": preset, "model": model, **overhead(preset, model)}
+            res.overhead.append(row)
+            on_event(f"throughput {preset} {model}: " + ", ".join(f"{k} {v:.1f}/s" for k, v in row.items()
+                                                                 if isinstance(v, float)))
+    res.wall = time.monotonic() - t0
+    return res
+
+
+# -- the markdown report ---------------------------------------------------------------------------
+
+def _fmt_q(q: tuple | None, unit: str = "", digits: int = 1) -> str:
+    if q is None:
+        return "-"
+    return f"{q[1]:.{digits}f}{unit} [{q[0]:.{digits}f}-{q[2]:.{digits}f}]"
+
+
+def markdown(res: BenchResult) -> str:
+    cells = summarize(res.trials)
+    s = res.settings
+    fuzzers = s["fuzzers"]
+    lines = [
+        "# kvaudit on the bug zoo",
+        "",
+        f"Generated by `kvaudit bench --trials {s['trials']} --budget {s['budget']:g}` on {s['started']} "
+        f"({s['cpu_count']} CPUs; wall time {res.wall / 60:.1f} min). Raw data: `benchmarks.json`.",
+        f"Each zoo bug x fuzzer: {s['trials']} trials (seeds 1..{s['trials']}), at most {s['budget']:g} s each, one "
+        "core; a trial succeeds when a finding is confirmed 3/3 and its minimized program is clean with the "
+        "switch off. Times and executions are to the first detection (before triage): median [IQR] over "
+        "the successful trials; a median is '-' when half the trials or more failed. p and A12 compare "
+        "time-to-bug with `random` (Mann-Whitney U, two-sided; Vargha-Delaney A12 < 0.5: faster than "
+        "random), failed trials counted as the budget. 'SGLang idle check' says whether the engine's own "
+        "`check_memory()` at idle fails on the same programs.",
+        "",
+        "## Headline",
+        "",
+    ]
+    by = {(c.bug, c.fuzzer): c for c in cells}
+    bugs = s["bugs"]
+    head = ["| target | " + " | ".join(fuzzers) + " |", "|---|" + "---|" * len(fuzzers)]
+    found_all = ["| bugs found (at least once) | " + " | ".join(
+        f"{sum(1 for b in bugs if by.get((b, f)) and by[(b, f)].successes)}/{len(bugs)}" for f in fuzzers) + " |"]
+    rate = ["| success rate over all trials | " + " | ".join(
+        f"{sum(by[(b, f)].successes for b in bugs if (b, f) in by)}/{sum(by[(b, f)].trials for b in bugs if (b, f) in by)}"
+        for f in fuzzers) + " |"]
+    worst = []
+    for f in fuzzers:
+        meds = [by[(b, f)].median_time for b in bugs if (b, f) in by]
+        worst.append("-" if any(m is None for m in meds) or not meds else f"{max(meds):.1f} s")
+    worst_row = ["| slowest median time-to-bug (target <= 60 s for every bug) | " + " | ".join(worst) + " |"]
+    geo = []
+    for f in fuzzers:
+        if f == "random":
+            geo.append("1 (baseline)")
+            continue
+        g, n = geomean_exec_ratio(cells, f)
+        geo.append("-" if g is None else f"{g:.2f}x fewer ({n} bugs)" if g >= 1 else f"{1 / g:.2f}x more ({n} bugs)")
+    geo_row = ["| geometric mean of median executions-to-bug vs random (target >= 5x fewer) | " + " | ".join(geo) + " |"]
+    fp = {d["fuzzer"]: d for d in res.false_positives}
+    fp_row = ["| false positives on the clean engine (target 0) | " + " | ".join(
+        f"{len(fp[f]['findings'])} in {fp[f]['executions']} programs" if f in fp else "-" for f in fuzzers) + " |"]
+    lines += head + found_all + rate + worst_row + geo_row + fp_row
+    if res.overhead:
+        ov = [r for r in res.overhead if r["model"] == "none"]
+        worst_ov = max(r["hooks off"] / r["full oracles"] for r in ov) if ov else math.nan
+        lines += ["", f"Full oracles cost up to {worst_ov:.2f}x over hooks off with `model=none` (target <= 1.5x); "
+                      "see the throughput table."]
+    lines += ["", "## Per bug", "",
+              "| bug | expected | fuzzer | found | time to bug (s) | executions to bug | min ops | oracle | "
+              "SGLang idle check | p vs random | A12 vs random |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in bugs:
+        for f in fuzzers:
+            c = by.get((b, f))
+            if c is None:
+                continue
+            lines.append(
+                f"| {b} | {BUGS[b].finding} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
+                f"{_fmt_q(c.execs_q, digits=0)} | {c.min_len_median if c.min_len_median is not None else '-'} | "
+                f"{', '.join(c.first_oracles) or '-'} | {c.engine_idle_check} | "
+                f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
+                f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
+    notes = [t for t in res.trials if t.note and t.success]
+    fails = [t for t in res.trials if not t.success]
+    if notes or fails:
+        lines += ["", "## Trial notes", ""]
+        for t in fails:
+            lines.append(f"- {t.bug}, {t.fuzzer}, seed {t.seed}: {t.note}")
+        for t in notes:
+            lines.append(f"- {t.bug}, {t.fuzzer}, seed {t.seed}: {t.note}")
+    lines += ["", "## False-positive run", "",
+              "| fuzzer | seconds | programs | findings |", "|---|---|---|---|"]
+    for d in res.false_positives:
+        lines.append(f"| {d['fuzzer']} | {d['seconds']:g} | {d['executions']} | "
+                     f"{', '.join(x['preset'] + ': ' + x['signature'] for x in d['findings']) or 'none'} |")
+    if res.overhead:
+        lines += ["", "## Instrumentation overhead and throughput", "",
+                  "Programs/s on one core (100 random programs of 20 ops, best of 3 rounds, the modes taking "
+                  "turns, process CPU time). 'hooks on' is the fuzzers' search mode (ledger + shadow KV tags); "
+                  "'full oracles' adds reachability, the identities and liveness after every step.", "",
+                  "| preset | model | hooks off | hooks on | full oracles | hooks on cost | full oracles cost |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res.overhead:
+            off, on, full = r["hooks off"], r["hooks on"], r["full oracles"]
+            lines.append(f"| {r['preset']} | {r['model']} | {off:.1f} | {on:.1f} | {full:.1f} | {off / on:.2f}x | "
+                         f"{off / full:.2f}x |")
+    return "\n".join(lines) + "\n"

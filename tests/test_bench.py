@@ -1,0 +1,77 @@
+"""The benchmark's statistics and report (kvaudit/bench.py); one tiny end-to-end run."""
+
+import math
+
+import pytest
+from cli_helpers import invoke, one_error_line
+
+from kvaudit import bench
+from kvaudit.bench import Trial, a12, geomean_exec_ratio, mann_whitney_p, summarize
+
+
+def test_a12_is_the_probability_of_larger_with_ties_half():
+    assert a12([1, 2], [3, 4]) == 0.0
+    assert a12([3, 4], [1, 2]) == 1.0
+    assert a12([1, 2], [1, 2]) == 0.5
+    assert a12([2], [1, 2, 3]) == pytest.approx(0.5)
+    assert math.isnan(a12([], [1]))
+
+
+def test_mann_whitney_separates_clearly_different_samples():
+    assert mann_whitney_p([1, 2, 3, 4, 5], [10, 11, 12, 13, 14]) < 0.05
+    assert mann_whitney_p([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]) > 0.5
+    assert math.isnan(mann_whitney_p([60.0] * 3, [60.0] * 3))  # every trial failed on both sides
+
+
+def _t(bug, fuzzer, seed, seconds, execs, ok=True):
+    return Trial(bug, fuzzer, seed, 60.0, success=ok, seconds=seconds if ok else None,
+                 executions=execs if ok else None, min_len=3 if ok else None, first_oracle="leak" if ok else None,
+                 expected_kind="leak", engine_idle_check=True if ok else None)
+
+
+def test_summary_medians_censoring_and_the_geometric_mean():
+    trials = [_t("a", "hypothesis", s, 1.0 * s, 10 * s) for s in (1, 2, 3)]
+    trials += [_t("a", "random", s, 5.0 * s, 100 * s) for s in (1, 2, 3)]
+    trials += [_t("b", "hypothesis", 1, 2.0, 20), _t("b", "hypothesis", 2, 0, 0, ok=False),
+               _t("b", "hypothesis", 3, 0, 0, ok=False)]
+    trials += [_t("b", "random", s, 1.0, 40) for s in (1, 2, 3)]
+    cells = {(c.bug, c.fuzzer): c for c in summarize(trials)}
+    a = cells[("a", "hypothesis")]
+    assert a.successes == 3 and a.median_time == 2.0 and a.median_execs == 20.0
+    assert a.a12_vs_random < 0.5  # faster than random
+    b = cells[("b", "hypothesis")]
+    assert b.successes == 1 and b.median_time is None  # 2 of 3 failed: the median is not reached
+    assert b.a12_vs_random > 0.5  # the failures count as the budget: slower than random
+    g, n = geomean_exec_ratio(list(cells.values()), "hypothesis")
+    assert n == 1 and g == pytest.approx(10.0)  # only bug a has both medians: 200 / 20
+
+
+def test_markdown_shows_the_targets_and_misses():
+    trials = [_t("hisparse-prebuilt-skip-finish", f, s, 1.0, 5) for f in ("hypothesis", "random") for s in (1, 2)]
+    res = bench.BenchResult(trials=trials, false_positives=[{"fuzzer": "hypothesis", "seconds": 5, "executions": 9,
+                                                             "findings": []}],
+                            settings={"bugs": ["hisparse-prebuilt-skip-finish"], "fuzzers": ["hypothesis", "random"],
+                                      "trials": 2, "budget": 60.0, "cpu_count": 2, "started": "now"})
+    md = bench.markdown(res)
+    assert "| bugs found (at least once) | 1/1 | 1/1 |" in md
+    assert "1.00x fewer (1 bugs)" in md  # same medians: a ratio of 1, shown, not hidden
+    assert "0 in 9 programs" in md
+
+
+@pytest.mark.slow
+def test_bench_runs_end_to_end_on_one_bug(tmp_path):
+    md, js = tmp_path / "b.md", tmp_path / "b.json"
+    result = invoke("bench", "--trials", "1", "--budget", "20", "--fuzzers", "hypothesis,random",
+                    "--bugs", "prefill-finish-leaks-row", "--fp-seconds", "2", "--overhead-presets", "none",
+                    "--out", str(md), "--json", str(js))
+    assert result.exit_code == 0, result.output
+    text = md.read_text()
+    assert "| prefill-finish-leaks-row | leak | hypothesis | 1/1 |" in text
+    assert "| prefill-finish-leaks-row | leak | random | 1/1 |" in text
+
+
+def test_bench_rejects_unknown_fuzzers_and_bugs():
+    r = invoke("bench", "--fuzzers", "afl")
+    assert r.exit_code == 2 and "afl" in one_error_line(r)
+    r = invoke("bench", "--bugs", "nope")
+    assert r.exit_code == 2 and "nope" in one_error_line(r)
