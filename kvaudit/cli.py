@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -123,23 +125,37 @@ def output_options(f):
     return wrapper
 
 
-def _outputs(**paths) -> Outputs:
-    """Check the report paths now, not after a long run: not a directory, not named twice, and in
-    a directory that exists (or can be made) and is writable."""
+def _outputs(inputs: tuple[str, ...] = (), **paths) -> Outputs:
+    """Check the report paths now, not after a long run: a non-empty file name (not ``-``), not a
+    directory or a device, not one of the ``inputs`` and not named twice (however spelled), in a
+    directory where a file can really be created (tried)."""
     seen: dict[str, str] = {}
+    given = {os.path.realpath(p): p for p in inputs if p and os.path.exists(p)}
     for fmt, path in paths.items():
         if path is None:
             continue
-        if path in seen:
-            raise InputError(f"--{fmt} and --{seen[path]} both name {path}")
-        seen[path] = fmt
-        if os.path.isdir(path):
+        if path in ("", "-"):
+            raise InputError(f"--{fmt}: want a file name, not {path!r}")
+        real = os.path.realpath(path)
+        if real in seen:
+            raise InputError(f"--{fmt} and --{seen[real]} both name {path}")
+        seen[real] = fmt
+        if real in given:
+            raise InputError(f"--{fmt} {path}: is the input file {given[real]}; it would be overwritten")
+        if os.path.isdir(real):
             raise InputError(f"--{fmt} {path}: is a directory (want a file name)")
-        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.exists(real) and not os.path.isfile(real):
+            raise InputError(f"--{fmt} {path}: not a regular file (reports are written by renaming a new file "
+                             "over the old one)")
+        parent = os.path.dirname(real)
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise InputError(f"--{fmt} {path}: cannot write in {parent}")
+        if not os.path.isdir(parent):
+            raise InputError(f"--{fmt} {path}: cannot write in {parent} (not a directory)")
+        try:  # os.access says yes to root on read-only mounts and /sys: try it
+            tempfile.TemporaryFile(dir=parent).close()
+        except OSError as e:
+            raise InputError(f"--{fmt} {path}: cannot write in {parent}: {e.strerror or e}") from None
     return Outputs(**paths)
 
 
@@ -269,11 +285,13 @@ def _restoring_sigint(fn):
     def wrapper(*a, **k):
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGINT) if main_thread else None
+        hook = sys.unraisablehook
         try:
             return fn(*a, **k)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+            sys.unraisablehook = hook
             INTERRUPTED.clear()
 
     return wrapper
@@ -288,6 +306,15 @@ def _catch_sigint() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, handler)
+        previous_hook = sys.unraisablehook
+
+        def quiet_interrupts(unraisable):
+            # the handler's KeyboardInterrupt can land in a callback Python cannot raise from (a gc
+            # callback): it prints "Exception ignored". INTERRUPTED is set, so the next op stops.
+            if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+                previous_hook(unraisable)
+
+        sys.unraisablehook = quiet_interrupts
 
 
 @main.command()
@@ -321,6 +348,10 @@ def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir
     (DIR defaults to --out), it is a campaign: it searches the whole budget, writes one replay file
     per new signature to DIR/findings/ as soon as it is confirmed, and exits 1 if any is new.
     Findings that --suppress rules match do not count: the search goes on past them.
+
+    Exit codes: 0 clean, 1 a finding (campaign: a new one), 2 bad input, 130 interrupted with
+    nothing found. Ctrl-C keeps what was found (unminimized if minimizing) and writes the reports
+    asked for.
     """
     config = _config(preset, bugs, model, device, page_size)
     sset = _suppressions(suppress_file)
@@ -364,9 +395,12 @@ def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir
                 progress.update(stats, force=True)
                 # the report's hit counts are the search's: triage's many reruns count apart
                 crash = triage(config, found[0], found[1][0], suppressions=sset.fresh() if sset is not None else None)
+                stats.phase = "done"
+                progress.update(stats, force=True)
     except KeyboardInterrupt:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short
+        INTERRUPTED.clear()  # the reports below replay the program (the timeline)
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
             _write_outputs(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
@@ -376,7 +410,7 @@ def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir
         path = _write(out_dir, config, program, findings, seed=seed, confirmations="interrupted before confirmation",
                       minimized=False)
         print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
-        err.print(f"interrupted while minimizing; the unminimized program is in {path}")
+        err.print(f"interrupted while minimizing; the unminimized program is in {path}", soft_wrap=True)
         _write_outputs(outputs, _run_data(config, program, findings, sset, stats, seed, interrupted=True,
                                           program_title="program (unminimized)"), err)
         return EXIT_FINDINGS
@@ -456,6 +490,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the summary and reports are written whole
+        INTERRUPTED.clear()
     cases = []
     for sig, path in sorted(result.new.items()):
         try:
@@ -523,7 +558,9 @@ def _write(out_dir, config, program, findings, **extra) -> str:
 @output_options
 def replay_cmd(file, suppress_file, check_determinism, runs, outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
-    (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ."""
+    (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
+    With --html or --json the program runs once more, to record the pool occupancy."""
+    _outputs((file, suppress_file), **vars(outputs))
     try:
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:
@@ -594,7 +631,7 @@ def minimize_cmd(file, out_file, signature, suppress_file):
             raise InputError(f"{file} records no finding: name one with --signature")
         signature = recorded[0].signature
     out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
-    _outputs(json=out_file)  # the same checks as the report flags
+    _outputs((file,), json=out_file)  # the same checks as the report flags
     console, err = _console(), _console(stderr=True)
     fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
     err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
@@ -707,6 +744,7 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
         result.interrupted = True
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the summary and reports are written whole
+    INTERRUPTED.clear()
     for run in result.fuzz:
         for program, findings, path in run.new:
             print_report(console, get_preset(run.preset).config(), program, findings)
@@ -728,7 +766,8 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
         err.print(f"JUnit written: {outputs.junit}")
     rest = Outputs(html=outputs.html, sarif=outputs.sarif, json=outputs.json)
     if rest.wanted():
-        cases = [Case(p, f, doc_extra={"preset": run.preset}) for run in result.fuzz for p, f, _ in run.new]
+        cases = [Case(p, f, doc_extra={"preset": run.preset}, config=get_preset(run.preset).config())
+                 for run in result.fuzz for p, f, _ in run.new]
         base = get_preset(preset_names[0]).config()
         _write_outputs(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                         {"job": "kvaudit ci"}, suppressions=sset), err)
@@ -779,7 +818,7 @@ def bench_cmd(trials, budget, fuzzers_value, bugs_value, fp_seconds, overhead_pr
         raise InputError(f"--overhead-presets: {e}") from None
     if "atheris" in fuzzers:
         _check_atheris()
-    _outputs(html=out_md, json=out_json)  # writable, distinct
+    _outputs(html=out_md, json=out_json)  # writable, distinct (--out and --json)
     err = _console(stderr=True)
     err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
               f"budget {budget:g}s each", soft_wrap=True)
@@ -802,6 +841,7 @@ def report_cmd(file, outputs):
     files that --html/--sarif/--junit/--json ask for. Runs no search; the program is replayed once
     only when an occupancy plot (--html, --json) is wanted and FILE has no timeline. Exits 0 once
     the report is rendered, findings or not."""
+    _outputs((file,), **vars(outputs))
     try:
         config, loaded, doc = replay.load_cases(file)
     except replay.ReplayFormatError as e:
@@ -817,35 +857,43 @@ def report_cmd(file, outputs):
             raise InputError(f"{file}: bad timeline{f' in case {i}' if len(loaded) > 1 else ''}: "
                              "want steps, ops and pools whose series are lists of counts as long as steps")
         if timeline is None and program and (outputs.html or outputs.json):
-            _check_device(config.device)
+            _check_device(case_doc["_config"].device)
         title = "minimized program" if case_doc.get("minimized") else "program"
         cases.append(Case(program, findings, timeline, title,
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
-                                                                                "minimized")}))
+                                                                                "minimized", "preset")},
+                          config=case_doc["_config"]))
     print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases])
     if suppressed:
         console.print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
-                                                           "suppressed", "cases")}
+                                                           "suppressed", "cases") and not k.startswith("_")}
     _write_outputs(outputs, ReportData(config, cases, suppressed, extra), _console(stderr=True))
     return EXIT_CLEAN
 
 
 def _timeline_ok(t) -> bool:
-    """A timeline (:func:`kvaudit.timeline.record`) the HTML plot can draw: equal-length lists of
-    non-negative integer counts."""
+    """A timeline (:func:`kvaudit.timeline.record`) the HTML plot can draw: at most MAX_POINTS
+    samples, equal-length lists of non-negative integer counts below 2**53, named pools (letters,
+    digits, ``_.-``) with a unit and every term of the identity."""
+    from kvaudit.timeline import MAX_POINTS
+
     def counts(v) -> bool:
-        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**53
+                                           for x in v)
 
     try:
         n = len(t["steps"])
         pools = t["pools"]
-        return (n > 0 and counts(t["steps"]) and isinstance(t["ops"], list) and len(t["ops"]) == n
-                and isinstance(pools, dict) and all(
-                    isinstance(p, dict) and isinstance(p.get("total"), int) and p["total"] >= 0
+        return (0 < n <= MAX_POINTS and counts(t["steps"]) and isinstance(t["ops"], list) and len(t["ops"]) == n
+                and isinstance(pools, dict) and 0 < len(pools) <= 32 and all(
+                    isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)
+                    and isinstance(p, dict) and p.get("unit") in ("tokens", "rows")
+                    and isinstance(p.get("total"), int) and 0 <= p["total"] < 2**53
                     and isinstance(p.get("series"), dict) and set(SERIES) <= set(p["series"])
-                    and all(counts(v) and len(v) == n for v in p["series"].values()) for p in pools.values())
-                and (t.get("program_end_step") is None or isinstance(t["program_end_step"], int)))
+                    and all(counts(v) and len(v) == n for v in p["series"].values()) for name, p in pools.items())
+                and (t.get("program_end_step") is None or isinstance(t["program_end_step"], int))
+                and (t.get("detected") is None or isinstance(t["detected"], dict)))
     except (TypeError, KeyError, AttributeError):
         return False
 

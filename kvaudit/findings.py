@@ -93,10 +93,44 @@ class Finding:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Finding":
+        """A finding from its JSON form. Raises ``ValueError`` naming the first field whose type or
+        value is wrong (replay files are user input)."""
         d = {k: v for k, v in d.items() if k != "signature"}
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r}")
+        for key in ("kind", "pool", "message"):
+            _want(d, key, str)
+        _want(d, "unit", str, choices=("slot", "page", "row"))
+        _want(d, "slots", list, item=int)
+        _want(d, "num_units", int)
+        _want(d, "indirect", bool)
+        _want(d, "op_index", int, low=-1)
+        _want(d, "step", int, low=-1)
+        _want(d, "engine_check", list, item=str)
+        if d.get("traceback") is not None:
+            _want(d, "traceback", str)
+        if d.get("unit") == "page" and d.get("slots") and not d.get("num_units"):
+            raise ValueError("num_units must be positive for pages")
         for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites"):
-            d[key] = [Site(**s) for s in d.get(key, [])]
-        d["owner_history"] = [OwnerChange(**o) for o in d.get("owner_history", [])]
+            _want(d, key, list, item=dict)
+            sites = []
+            for i, site in enumerate(d.get(key, [])):
+                where = f"{key}[{i}]"
+                if set(site) - {"file", "line", "function", "source"}:
+                    raise ValueError(f"{where}: unknown field {sorted(set(site) - {'file', 'line', 'function', 'source'})[0]!r}")
+                for f, t in (("file", str), ("line", int), ("function", str), ("source", str)):
+                    _want(site, f, t, where=where, required=f != "source")
+                sites.append(Site(**site))
+            d[key] = sites
+        _want(d, "owner_history", list, item=dict)
+        history = []
+        for i, o in enumerate(d.get("owner_history", [])):
+            where = f"owner_history[{i}]"
+            for f, t in (("op_index", int), ("step", int), ("owner", str), ("event", str)):
+                _want(o, f, t, where=where, required=f != "event")
+            history.append(OwnerChange(**o))
+        d["owner_history"] = history
         return cls(**d)
 
     def summary(self) -> str:
@@ -123,3 +157,28 @@ class Finding:
             "crash": f"Engine crash: {self.message}",
         }
         return head.get(self.kind, f"{self.kind} in pool {self.pool}: {self.message}")
+
+
+def _want(d: dict, key: str, typ: type, item: type | None = None, low: int = 0, choices: tuple = (),
+          where: str = "", required: bool = False) -> None:
+    """Check ``d[key]`` (when present, or when ``required``): of type ``typ`` (bools are not ints),
+    ints at least ``low``, one of ``choices``, list items of type ``item``. Raises ValueError."""
+    name = f"{where}.{key}" if where else key
+    if key not in d:
+        if required:
+            raise ValueError(f"{name}: missing")
+        return
+    v = d[key]
+
+    def ok(x, t) -> bool:
+        if t is int:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= low
+        return isinstance(x, t)
+
+    if not ok(v, typ):
+        raise ValueError(f"{name}: want {'a non-negative ' if typ is int and low == 0 else ''}"
+                         f"{typ.__name__}, not {v!r:.40}")
+    if choices and v not in choices:
+        raise ValueError(f"{name}: want one of {', '.join(choices)}, not {v!r:.40}")
+    if item is not None and not all(ok(x, item) for x in v):
+        raise ValueError(f"{name}: want a list of {item.__name__}s")

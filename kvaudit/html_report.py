@@ -82,7 +82,10 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
         ax.step(steps, engine_in_use, where="post", color="#263238", linestyle="--", linewidth=0.9,
                 label="in use (engine: total - available)")
         top = max([1, *engine_in_use, *(sum(v) for v in zip(*(series[t] for t in IN_USE)))])
-        ax.set_ylim(0, top * 1.15)
+        bottom = min(0, *engine_in_use)  # a double free: the engine counts more free than it has
+        ax.set_ylim(bottom - (top - bottom) * 0.05 if bottom < 0 else 0, top * 1.15)
+        if bottom < 0:
+            ax.axhline(0, color="#b71c1c", linewidth=0.6)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=8)
@@ -93,17 +96,16 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
         leaked = max(series["leaked"])
         mark = finding is not None and pool == finding.pool
         title = f"{pool}: {total} {p['unit']}" + (f", {leaked} leaked at peak" if leaked else "")
-        ax.set_title(title, loc="left", fontsize=9, color="#b71c1c" if mark or leaked else "#263238",
-                     fontweight="bold" if mark else "normal")
+        ax.set_title(title.replace("$", r"\$"), loc="left", fontsize=9,
+                     color="#b71c1c" if mark or leaked else "#263238", fontweight="bold" if mark else "normal")
         if drained:
             ax.axvspan(end, steps[-1], color="#eceff1", alpha=0.7, zorder=0)
         if finding is not None and finding.step >= 0:
             ax.axvline(finding.step, color="#d50000", linewidth=1.4)
     axes[-1, 0].set_xlabel("scheduler step" + (" (shaded: steps after the program)" if drained else ""), fontsize=8)
-    if finding is not None and finding.step >= 0:
-        axes[0, 0].annotate(f"{finding.kind} detected (op #{finding.op_index}, step {finding.step})",
-                            xy=(finding.step, 1.0), xycoords=("data", "axes fraction"), xytext=(4, -12),
-                            textcoords="offset points", fontsize=8, color="#d50000")
+    if finding is not None and finding.step >= 0:  # in the title row: never over the data
+        axes[0, 0].set_title(f"red line: {finding.kind} detected (op #{finding.op_index}, step {finding.step})",
+                             loc="right", fontsize=8, color="#d50000")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     handles.append(plt.Line2D([], [], color="#90a4ae", linewidth=1.2))
     labels.append("available (right axis)")
@@ -121,16 +123,23 @@ def render_html(config: EngineConfig, cases: list, suppressed: dict[str, int] | 
     SuppressionSet or None."""
     sections = []
     findings = [f for c in cases for f in c.findings]
+    by_sig: dict[str, dict] = {}
     for case in cases:
         for f in case.findings:
+            if f.signature in by_sig:  # one section per signature, as in the summary and JUnit
+                by_sig[f.signature]["duplicates"] += 1
+                continue
             i = len(sections)
-            sections.append({
+            by_sig[f.signature] = {
                 "title": f"finding {i + 1}: {f.kind}",
                 "summary": f.summary(),
                 "signature": f.signature,
+                "duplicates": 0,
+                "preset": (case.config or config).preset,
                 "console": _rich_html(finding_renderable(f, case.program, i, case.program_title)),
                 "plot": occupancy_svg(case.timeline, f) if case.timeline else None,
-            })
+            }
+            sections.append(by_sig[f.signature])
     clean = [c for c in cases if not c.findings]
     return _env.get_template("report.html").render(
         version=__version__,

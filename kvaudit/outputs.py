@@ -45,6 +45,7 @@ class Case:
     timeline: dict | None = None
     program_title: str = "minimized program"
     doc_extra: dict = field(default_factory=dict)  # replay-file keys kept in the JSON (seed, ...)
+    config: EngineConfig | None = None  # when it differs from the report's (kvaudit ci: one per preset)
 
 
 @dataclass
@@ -75,13 +76,13 @@ class ReportData:
             if case.timeline is None and case.program:
                 if note:
                     note(f"recording pool occupancy: replaying the {len(case.program)}-op program")
-                case.timeline = timeline.record(self.config, case.program,
+                case.timeline = timeline.record(case.config or self.config, case.program,
                                                 suppressions=self.suppressions.fresh() if self.suppressions else None)
 
     def doc(self) -> dict:
         """One case: a replay file (plus ``timeline``, ``suppressed`` and the run facts). Several: a
         ``kvaudit.report/1`` document whose ``cases`` are such replay files."""
-        docs = [replay.to_doc(self.config, c.program, c.findings, **c.doc_extra,
+        docs = [replay.to_doc(c.config or self.config, c.program, c.findings, **c.doc_extra,
                               **({"timeline": c.timeline} if c.timeline is not None else {})) for c in self.cases]
         top = {**self.extra, "suppressed": self.suppressed}
         if len(docs) == 1:
@@ -99,7 +100,9 @@ def write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None
     if outputs.sarif:
         from kvaudit.sarif import to_sarif
 
-        written.append(replay.write_text_atomic(outputs.sarif, json.dumps(to_sarif(data.findings, data.config),
+        # one result per signature: code scanning tracks an alert by its fingerprint
+        unique = list({f.signature: f for f in reversed(data.findings)}.values())[::-1]
+        written.append(replay.write_text_atomic(outputs.sarif, json.dumps(to_sarif(unique, data.config),
                                                                             indent=2) + "\n"))
     if outputs.junit:
         from kvaudit.junit import to_junit

@@ -66,11 +66,32 @@ def _read(path: str) -> dict:
             doc = json.load(fh)
     except OSError as e:
         raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReplayFormatError(f"{path} is not JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints past Python's digit limit
+        raise ReplayFormatError(f"{path} is not JSON: {str(e).splitlines()[0]}") from None
     except RecursionError:
         raise ReplayFormatError(f"{path} is not a kvaudit replay file (nested too deeply)") from None
+    bad = _lone_surrogate(doc)
+    if bad is not None:
+        raise ReplayFormatError(f"{path}: a string holds an unpaired UTF-16 surrogate ({bad!r:.40})")
     return doc
+
+
+def _lone_surrogate(x) -> str | None:
+    """The first string in ``x`` that UTF-8 cannot encode (JSON's "\\ud800" escapes), or None."""
+    stack = [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
 
 
 def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
@@ -84,7 +105,8 @@ def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
 
 
 def load_cases(path: str) -> tuple[EngineConfig, list[tuple[list[Op], list[Finding], dict]], dict]:
-    """Read a replay file (one case) or a ``kvaudit.report/1`` document (several): the config, the
+    """Read a replay file (one case) or a ``kvaudit.report/1`` document (several): the report's
+    config (the top-level one; each case's own config is in its doc, see :func:`case_config`), the
     cases as (program, findings, doc) and the top-level document. Raises :class:`ReplayFormatError`."""
     doc = _read(path)
     if isinstance(doc, dict) and doc.get("format") == REPORT_FORMAT:
@@ -96,9 +118,15 @@ def load_cases(path: str) -> tuple[EngineConfig, list[tuple[list[Op], list[Findi
             if not isinstance(case, dict) or case.get("format") != FORMAT:
                 raise ReplayFormatError(f"{path}: case {i} is not a replay document")
             config, program, findings, _ = _parse(case, f"{path} case {i}")
+            case["_config"] = config
             out.append((program, findings, case))
-        return config, out, doc
+        try:
+            top = EngineConfig.from_dict(doc["config"]) if isinstance(doc.get("config"), dict) else out[0][2]["_config"]
+        except (TypeError, ValueError) as e:
+            raise ReplayFormatError(f"{path}: bad config: {e}") from None
+        return top, out, doc
     config, program, findings, doc = load(path)
+    doc["_config"] = config
     return config, [(program, findings, doc)], doc
 
 

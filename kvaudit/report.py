@@ -9,6 +9,7 @@ import linecache
 import os
 
 from rich.console import Console, Group
+from rich.padding import Padding
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
@@ -26,7 +27,8 @@ def _stack(title: str, sites: list[Site]) -> Group:
         parts.append(Text(f"    #{i} {s.function}  {_rel(s.file)}:{s.line}", style="cyan" if i == 0 else ""))
         src = s.source or linecache.getline(source_path(s.file), s.line).strip()
         if src:
-            parts.append(Syntax("        " + src, "python", theme="ansi_dark", background_color="default"))
+            parts.append(Padding(Syntax(src, "python", theme="ansi_dark", background_color="default",
+                                        word_wrap=True), (0, 0, 0, 8)))  # long lines wrap, indented
     if not sites:
         parts.append(Text("    (no stack recorded)", style="dim"))
     return Group(*parts)

@@ -26,6 +26,7 @@ only; neither is used as a result's location, since code scanning can show neith
 from __future__ import annotations
 
 import inspect
+import posixpath
 import re
 from urllib.parse import quote
 
@@ -180,7 +181,9 @@ _WINDOWS_ABS = re.compile(r"^[A-Za-z]:[\\/]")
 
 
 def _norm(path: str) -> str:
-    return path.replace("\\", "/")
+    """Forward slashes, with ``.`` and ``a/..`` folded (``a/../../x.py`` -> ``../x.py``)."""
+    p = path.replace("\\", "/")
+    return posixpath.normpath(p) if p and not p.startswith("<") else p
 
 
 def in_repo(site: Site) -> bool:

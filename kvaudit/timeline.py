@@ -20,6 +20,8 @@ from kvaudit.program import Op, Step
 from kvaudit.runner import AuditedRun
 
 SERIES = ("available", "evictable", "protected", "session_held", "uncached", "leaked")
+MAX_SAMPLED_STEPS = 20_000  # steps sampled at most (a program of step(n=10000) ops runs on unsampled)
+MAX_POINTS = 1_000  # samples kept: more are thinned evenly (the first, last and detection step kept)
 
 
 def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
@@ -61,6 +63,8 @@ def record(config: EngineConfig, program: list[Op], suppressions=None, drain_ste
     """Run ``program`` from a fresh engine with every oracle on and sample :func:`occupancy` before
     the first step and after every scheduler step. The whole program runs (past the first finding),
     then up to ``drain_steps`` more steps (at least one), so the plot shows what the leak does next.
+    At most :data:`MAX_SAMPLED_STEPS` steps are sampled and :data:`MAX_POINTS` samples kept (thinned
+    evenly, keeping the first, the last and the detection step).
 
     Returns ``{"steps": [k] int, "ops": [k] int (the op each step ran in, -1 before any),
     "pools": {pool: {"unit": "tokens"|"rows", "total": int, "series": {term: [k] int}}},
@@ -71,9 +75,10 @@ def record(config: EngineConfig, program: list[Op], suppressions=None, drain_ste
     samples: list[dict] = []
 
     def sample(r: AuditedRun) -> None:
-        steps.append(r.target.steps)
-        ops.append(r.ops_run - 1)
-        samples.append(occupancy(r))
+        if len(steps) <= MAX_SAMPLED_STEPS:
+            steps.append(r.target.steps)
+            ops.append(r.ops_run - 1)
+            samples.append(occupancy(r))
 
     detected = None
     with AuditedRun(config, suppressions=suppressions) as run:
@@ -90,8 +95,19 @@ def record(config: EngineConfig, program: list[Op], suppressions=None, drain_ste
                 break
             run.apply(Step(1))
         units = {name: ("rows" if led.spec.kind == "rows" else "tokens") for name, led in run.auditor.ledgers.items()}
+    truncated = len(steps) > MAX_SAMPLED_STEPS
+    keep = list(range(len(steps)))
+    if len(keep) > MAX_POINTS:
+        must = {0, len(steps) - 1}
+        if detected is not None and detected["step"] in steps:
+            must.add(steps.index(detected["step"]))
+        keep = sorted(set(np.linspace(0, len(steps) - 1, MAX_POINTS - len(must)).astype(int).tolist()) | must)
+        steps, ops, samples = [steps[i] for i in keep], [ops[i] for i in keep], [samples[i] for i in keep]
     pools = {}
     for pool, unit in units.items():
         pools[pool] = {"unit": unit, "total": samples[-1][pool]["total"],
                        "series": {term: [s[pool][term] for s in samples] for term in SERIES}}
-    return {"steps": steps, "ops": ops, "pools": pools, "detected": detected, "program_end_step": end}
+    out = {"steps": steps, "ops": ops, "pools": pools, "detected": detected, "program_end_step": end}
+    if truncated:
+        out["truncated_after_step"] = steps[-1]
+    return out

@@ -230,3 +230,108 @@ def test_fuzz_piped_to_a_file_prints_plain_progress_lines(tmp_path):
                        r"sites=\d+ remaining=\d+s$", text, flags=re.M)
     assert len(lines) >= 3, text  # at the start, every 5 s, at the end
     assert lines[0] == ("fuzzing", "0") and lines[-1][0] == "done" and int(lines[-1][1]) > 0
+
+
+# -- hardening (from a breaker pass) ------------------------------------------------------------------
+
+def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path):
+    src = tmp_path / "in.json"
+    src.write_text(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")).read())
+    r = invoke("report", str(src), "--html", str(src))
+    assert r.exit_code == 2 and "is the input file" in one_error_line(r)
+    r = invoke("replay", str(src), "--json", str(tmp_path / "." / "in.json"))
+    assert r.exit_code == 2 and "is the input file" in one_error_line(r)
+    r = invoke("report", str(src), "--html", str(tmp_path / "a.html"), "--sarif", str(tmp_path / "x" / ".." / "a.html"))
+    assert r.exit_code == 2 and "both name" in one_error_line(r)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = invoke("report", str(src), "--junit", str(fifo))
+    assert r.exit_code == 2 and "not a regular file" in one_error_line(r)
+    r = invoke("report", str(src), "--html", "")
+    assert r.exit_code == 2 and "want a file name" in one_error_line(r)
+    assert json.load(open(src))["format"] == replay.FORMAT  # untouched
+
+
+def test_ctrl_c_while_minimizing_still_writes_the_reports(tmp_path, monkeypatch):
+    from kvaudit import cli
+    from kvaudit.runner import INTERRUPTED
+
+    def interrupted_triage(*a, **k):
+        INTERRUPTED.set()  # as the SIGINT handler does
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "triage", interrupted_triage)
+    html, js = tmp_path / "r.html", tmp_path / "r.json"
+    r = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--seed", "1",
+               "--max-time", "60", "--out", str(tmp_path / "o"), "--html", str(html), "--json", str(js))
+    assert r.exit_code == 1, r.output
+    assert "interrupted while minimizing" in r.stderr
+    assert "<svg" in html.read_text() and json.load(open(js))["interrupted"] is True
+
+
+@pytest.mark.parametrize("field, value", [
+    ("engine_check", [1, 2]), ("kind", 7), ("message", None), ("op_index", "3"), ("step", 1.5),
+    ("slots", "abc"), ("pool", [1]), ("unit", "bytes"), ("indirect", "yes"), ("num_units", -1),
+    ("alloc_sites", [{"file": 3, "line": 1, "function": "f"}]), ("alloc_sites", [{"file": "a.py", "line": "1",
+                                                                                  "function": "f"}]),
+    ("owner_history", [{"op_index": "x", "step": 1, "owner": "a"}]), ("traceback", 5),
+])
+def test_findings_with_wrong_types_are_input_errors(tmp_path, field, value):
+    doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    doc["findings"][0][field] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    for cmd in ("report", "replay"):
+        r = invoke(cmd, str(bad), "--sarif", str(tmp_path / "o.sarif"))
+        assert r.exit_code == 2 and field in one_error_line(r), (cmd, r.output)
+
+
+def test_lone_surrogates_and_huge_integers_are_input_errors(tmp_path):
+    text = open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")).read()
+    bad = tmp_path / "bad.json"
+    bad.write_text(text.replace('"allocated, unreachable', '"\\ud800allocated, unreachable', 1))
+    r = invoke("report", str(bad))
+    assert r.exit_code == 2 and "surrogate" in one_error_line(r)
+    bad.write_text(text.replace('"step": 1', '"step": 1' + "0" * 5000, 1))
+    r = invoke("report", str(bad))
+    assert r.exit_code == 2 and "not JSON" in one_error_line(r)
+
+
+def test_timelines_are_thinned_to_a_bounded_size(monkeypatch):
+    from engine_under_test import get_preset
+    from kvaudit.program import Idle, Step, Submit
+
+    monkeypatch.setattr(timeline, "MAX_POINTS", 12)
+    monkeypatch.setattr(timeline, "MAX_SAMPLED_STEPS", 40)
+    t = timeline.record(get_preset("default").config(), [Submit(0, 20, 12), Step(30), Step(30), Idle()])
+    assert len(t["steps"]) <= 12 and t["steps"][0] == 0
+    assert t["truncated_after_step"] == t["steps"][-1] <= 41
+    assert all(len(v) == len(t["steps"]) for p in t["pools"].values() for v in p["series"].values())
+
+
+def test_a_multi_case_report_keeps_each_case_config(tmp_path):
+    a = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    b = json.load(open(os.path.join(DATA, "session-borrow-double-count.json")))
+    for d in (a, b):
+        d.pop("timeline")
+    multi = tmp_path / "multi.json"
+    multi.write_text(json.dumps({"format": replay.REPORT_FORMAT, "config": a["config"], "cases": [a, b]}))
+    out = tmp_path / "out.json"
+    r = invoke("report", str(multi), "--json", str(out), "--sarif", str(tmp_path / "o.sarif"))
+    assert r.exit_code == 0, r.output
+    doc = json.load(open(out))
+    assert [c["config"]["preset"] for c in doc["cases"]] == ["pd-decode-hisparse", "streaming-session"]
+    assert "hisparse_device" in doc["cases"][0]["timeline"]["pools"]  # recorded on its own engine
+    assert "session_records" in doc["cases"][1]["timeline"]["pools"]
+
+
+def test_duplicate_signatures_are_one_section_and_one_sarif_result(tmp_path):
+    config, program, findings, doc = replay.load(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json"))
+    twice = tmp_path / "twice.json"
+    replay.write_atomic(str(twice), replay.to_doc(config, program, [findings[0], findings[0]],
+                                                  timeline=doc.get("timeline")))
+    r = invoke("report", str(twice), "--html", str(tmp_path / "t.html"), "--sarif", str(tmp_path / "t.sarif"))
+    assert r.exit_code == 0, r.output
+    page = open(tmp_path / "t.html").read()
+    assert page.count("<svg") == 1 and "reported 2 times (deduplicated)" in page
+    assert len(json.load(open(tmp_path / "t.sarif"))["runs"][0]["results"]) == 1
