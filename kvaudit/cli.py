@@ -678,9 +678,9 @@ def _write_file(path, config, program, findings, **extra) -> str:
               help="Presets to fuzz: 'all' or a comma-separated list.")
 @click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default="corpora/regressions",
-              show_default=True, metavar="DIR", help="Replay files that must still reproduce (and be clean when "
-                                                     "their switches are off).")
+@click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Replay files that must still reproduce (and be clean when their switches are off) "
+                   "[default: ./corpora/regressions, else the one in kvaudit's checkout].")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
                    "are not new.")
@@ -701,6 +701,10 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
     except ValueError as e:
         raise InputError(f"--presets: {e}") from None
     sset = _suppressions(suppress_file)
+    if regressions_dir is None:
+        here = os.path.join("corpora", "regressions")
+        ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions")
+        regressions_dir = here if os.path.isdir(here) else ours
     if not os.path.isdir(regressions_dir):
         raise InputError(f"--regressions {regressions_dir}: no such directory")
     files = ci.regression_files(regressions_dir)
