@@ -16,35 +16,9 @@ import argparse
 import glob
 import os
 
-from kvaudit.program import Idle, Step
 from kvaudit import replay
-from kvaudit.runner import MAX_IDLE_STEPS, execute
-from kvaudit.targets.eut import EutTarget
-
-
-def engine_first_failures(config, program) -> tuple[int | None, int | None]:
-    """(first step whose idle check fails, first step whose busy or idle check fails)."""
-    target = EutTarget(config)
-    eng = target.engine
-    first_idle = first_any = None
-    for op in program:
-        if isinstance(op, (Step, Idle)):
-            for _ in range(op.n if isinstance(op, Step) else MAX_IDLE_STEPS):
-                idle = target.is_idle()
-                try:
-                    target.step()
-                    bad = [c for c in eng.check_memory() if not c.ok]
-                except Exception:  # the engine crashed: its checks never ran again
-                    return first_idle, first_any
-                if bad and first_any is None:
-                    first_any = target.steps
-                if bad and eng.is_fully_idle() and first_idle is None:
-                    first_idle = target.steps
-                if isinstance(op, Idle) and idle:
-                    break
-        else:
-            target.apply(op)
-    return first_idle, first_any
+from kvaudit.bench import engine_first_failures
+from kvaudit.runner import execute
 
 
 def main() -> None:

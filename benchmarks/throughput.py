@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 
 from engine_under_test import PRESETS, get_preset
 from kvaudit.program import random_program
-from kvaudit.runner import AuditedRun
+from kvaudit.bench import run_programs
 
 
 MODES = (  # name, hooks installed, oracles after every step, full stacks, shadow KV tags
@@ -34,18 +33,6 @@ MODES = (  # name, hooks installed, oracles after every step, full stacks, shado
     ("audit", True, True, False, True),
     ("audit-full", True, True, True, True),
 )
-
-
-def run(config, programs, audit: bool, oracles: bool, full: bool, shadow: bool) -> tuple[float, int, int]:
-    ops = steps = 0
-    t0 = time.process_time()
-    for prog in programs:
-        with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full, shadow=shadow) as r:
-            for op in prog:
-                r.apply(op)
-        ops += len(prog)
-        steps += r.target.steps
-    return time.process_time() - t0, ops, steps
 
 
 def main() -> None:
@@ -64,11 +51,11 @@ def main() -> None:
     presets = list(PRESETS) if args.preset == "all" else [args.preset]
     for preset, model in ((p, m) for p in presets for m in ("none", "tiny")):
         config = get_preset(preset).config(model=model)
-        run(config, programs[:5], True, True, True, True)  # warm-up
+        run_programs(config, programs[:5], True, True, True, True)  # warm-up
         best: dict[str, tuple[float, int, int]] = {}
         for _ in range(args.repeat):
             for mode, *flags in MODES:
-                got = run(config, programs, *flags)
+                got = run_programs(config, programs, *flags)
                 best[mode] = min(best.get(mode, got), got)
         base = best["bare"][0]
         for mode, *_ in MODES:

@@ -64,30 +64,35 @@ def search(fuzzer: str, config: EngineConfig, budget: float, seed: int, stats: F
     return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False)
 
 
-def engine_idle_check_fails(config: EngineConfig, program) -> bool:
-    """Whether the engine's own ``check_memory()`` fails at some idle point of ``program`` (SGLang
-    raises only at idle), the engine running bare (see benchmarks/engine_check.py)."""
+def engine_first_failures(config: EngineConfig, program) -> tuple[int | None, int | None]:
+    """The engine's own SGLang-style ``check_memory()`` after every scheduler step of ``program``,
+    the engine running bare: (first step whose idle check fails, first step whose busy or idle check
+    fails), None for never. SGLang raises only at idle (benchmarks/engine_check.py tabulates both)."""
     from kvaudit.program import Idle, Step
     from kvaudit.runner import MAX_IDLE_STEPS
     from kvaudit.targets.eut import EutTarget
 
     target = EutTarget(config)
     eng = target.engine
+    first_idle = first_any = None
     for op in program:
         if isinstance(op, (Step, Idle)):
             for _ in range(op.n if isinstance(op, Step) else MAX_IDLE_STEPS):
                 idle = target.is_idle()
                 try:
                     target.step()
-                except Exception:
-                    return False
-                if eng.is_fully_idle() and any(not c.ok for c in eng.check_memory()):
-                    return True
+                    bad = [c for c in eng.check_memory() if not c.ok]
+                except Exception:  # the engine crashed: its checks never ran again
+                    return first_idle, first_any
+                if bad and first_any is None:
+                    first_any = target.steps
+                if bad and eng.is_fully_idle() and first_idle is None:
+                    first_idle = target.steps
                 if isinstance(op, Idle) and idle:
                     break
         else:
             target.apply(op)
-    return False
+    return first_idle, first_any
 
 
 def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
@@ -115,7 +120,7 @@ def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
                 trial.seconds, trial.executions = seconds, executions
                 trial.min_len = len(crash.program)
                 trial.first_oracle = crash.finding.kind
-                trial.engine_idle_check = engine_idle_check_fails(config, program)
+                trial.engine_idle_check = engine_first_failures(config, program)[0] is not None
                 if crash.finding.kind != info.finding:
                     trial.note = f"found as {crash.finding.kind} (the table says {info.finding})"
     trial.wall = time.monotonic() - t0
@@ -247,6 +252,21 @@ OVERHEAD_MODES = (  # name, hooks (ledger), oracles after every step, shadow KV 
 )
 
 
+def run_programs(config: EngineConfig, programs: list, audit: bool, oracles: bool, full_stacks: bool,
+                 shadow: bool) -> tuple[float, int, int]:
+    """Run every program from a fresh engine in one mode; (process CPU seconds, ops, steps).
+    The timing loop of the overhead table and of benchmarks/throughput.py."""
+    ops = steps = 0
+    t0 = time.process_time()
+    for prog in programs:
+        with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full_stacks, shadow=shadow) as r:
+            for op in prog:
+                r.apply(op)
+        ops += len(prog)
+        steps += r.target.steps
+    return time.process_time() - t0, ops, steps
+
+
 def overhead(preset: str, model: str, programs: int = 100, length: int = 20, rounds: int = 3,
              seed: int = 1) -> dict[str, float]:
     """Programs/s per mode, the modes taking turns (best of ``rounds``, process CPU time, one core)."""
@@ -261,12 +281,8 @@ def overhead(preset: str, model: str, programs: int = 100, length: int = 20, rou
     best: dict[str, float] = {}
     for _ in range(rounds):
         for name, audit, oracles, shadow in OVERHEAD_MODES:
-            t0 = time.process_time()
-            for prog in progs:
-                with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=False, shadow=shadow) as r:
-                    for op in prog:
-                        r.apply(op)
-            best[name] = min(best.get(name, math.inf), time.process_time() - t0)
+            secs = run_programs(config, progs, audit, oracles, False, shadow)[0]
+            best[name] = min(best.get(name, math.inf), secs)
     return {name: programs / secs for name, secs in best.items()}
 
 
