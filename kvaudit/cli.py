@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_sear
 from kvaudit.outputs import FORMATS, Case, Outputs, ReportData
 from kvaudit.outputs import write as write_outputs
 from kvaudit.report import print_cases, print_report, print_suppressions, suppressed_by_kind
-from kvaudit.timeline import SERIES
+from kvaudit.timeline import is_valid as timeline_is_valid
 from kvaudit.runner import INTERRUPTED, execute
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
@@ -540,11 +539,28 @@ def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, inte
 
 
 def _write(out_dir, config, program, findings, **extra) -> str:
-    path = os.path.join(out_dir, replay.file_name(findings[0].signature))
+    """The replay file of ``findings`` in ``out_dir``, named by the first one's signature."""
+    return _write_file(os.path.join(out_dir, replay.file_name(findings[0].signature)), config, program, findings,
+                       **extra)
+
+
+def _write_file(path, config, program, findings, **extra) -> str:
     try:
         return replay.write_atomic(path, replay.to_doc(config, program, findings, **extra))
     except OSError as e:
         raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _load_replay(file: str, suppress_file: str | None):
+    """(config, program, recorded findings, suppressions) of a replay file named on the command
+    line; a bad file, suppression file or device is an input error."""
+    try:
+        config, program, recorded, _ = replay.load(file)
+    except replay.ReplayFormatError as e:
+        raise InputError(str(e)) from None
+    sset = _suppressions(suppress_file)
+    _check_device(config.device)
+    return config, program, recorded, sset
 
 
 @main.command("replay")
@@ -561,12 +577,7 @@ def replay_cmd(file, suppress_file, check_determinism, runs, outputs):
     (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
     With --html or --json the program runs once more, to record the pool occupancy."""
     _outputs((file, suppress_file), **vars(outputs))
-    try:
-        config, program, recorded, _ = replay.load(file)
-    except replay.ReplayFormatError as e:
-        raise InputError(str(e)) from None
-    sset = _suppressions(suppress_file)
-    _check_device(config.device)
+    config, program, recorded, sset = _load_replay(file, suppress_file)
     ex = execute(config, program, suppressions=sset)
     console = _console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
@@ -620,12 +631,7 @@ def minimize_cmd(file, out_file, signature, suppress_file):
     """Minimize a replay file: delta debugging over its ops, then simpler op arguments, keeping the
     finding's signature; the result is confirmed 3 of 3 times and written atomically. Exits 0 when
     written, 4 if the finding does not reproduce (or not 3 of 3 after minimizing)."""
-    try:
-        config, program, recorded, _ = replay.load(file)
-    except replay.ReplayFormatError as e:
-        raise InputError(str(e)) from None
-    sset = _suppressions(suppress_file)
-    _check_device(config.device)
+    config, program, recorded, sset = _load_replay(file, suppress_file)
     if signature is None:
         if not recorded:
             raise InputError(f"{file} records no finding: name one with --signature")
@@ -661,13 +667,6 @@ def minimize_cmd(file, out_file, signature, suppress_file):
     console.print(f"minimized {len(program)} -> {len(small)} ops; reproduced {confirmations}/{CONFIRM_RUNS}; "
                   f"written to {path}", soft_wrap=True)
     return EXIT_CLEAN
-
-
-def _write_file(path, config, program, findings, **extra) -> str:
-    try:
-        return replay.write_atomic(path, replay.to_doc(config, program, findings, **extra))
-    except OSError as e:
-        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 @main.command("ci")
@@ -855,51 +854,25 @@ def report_cmd(file, outputs):
         raise InputError(f"{file}: bad 'suppressed': want an object of kind -> count")
     console = _console()
     cases = []
-    for i, (program, findings, case_doc) in enumerate(loaded):
+    for i, (case_config, program, findings, case_doc) in enumerate(loaded):
         timeline = case_doc.get("timeline")
-        if timeline is not None and not _timeline_ok(timeline):
+        if timeline is not None and not timeline_is_valid(timeline):
             raise InputError(f"{file}: bad timeline{f' in case {i}' if len(loaded) > 1 else ''}: "
                              "want steps, ops and pools whose series are lists of counts as long as steps")
         if timeline is None and program and (outputs.html or outputs.json):
-            _check_device(case_doc["_config"].device)
+            _check_device(case_config.device)
         title = "minimized program" if case_doc.get("minimized") else "program"
         cases.append(Case(program, findings, timeline, title,
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
                                                                                 "minimized", "preset")},
-                          config=case_doc["_config"]))
+                          config=case_config))
     print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases])
     if suppressed:
         console.print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
-                                                           "suppressed", "cases") and not k.startswith("_")}
+                                                           "suppressed", "cases")}
     _write_outputs(outputs, ReportData(config, cases, suppressed, extra), _console(stderr=True))
     return EXIT_CLEAN
-
-
-def _timeline_ok(t) -> bool:
-    """A timeline (:func:`kvaudit.timeline.record`) the HTML plot can draw: at most MAX_POINTS
-    samples, equal-length lists of non-negative integer counts below 2**53, named pools (letters,
-    digits, ``_.-``) with a unit and every term of the identity."""
-    from kvaudit.timeline import MAX_POINTS
-
-    def counts(v) -> bool:
-        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**53
-                                           for x in v)
-
-    try:
-        n = len(t["steps"])
-        pools = t["pools"]
-        return (0 < n <= MAX_POINTS and counts(t["steps"]) and isinstance(t["ops"], list) and len(t["ops"]) == n
-                and isinstance(pools, dict) and 0 < len(pools) <= 32 and all(
-                    isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)
-                    and isinstance(p, dict) and p.get("unit") in ("tokens", "rows")
-                    and isinstance(p.get("total"), int) and 0 <= p["total"] < 2**53
-                    and isinstance(p.get("series"), dict) and set(SERIES) <= set(p["series"])
-                    and all(counts(v) and len(v) == n for v in p["series"].values()) for name, p in pools.items())
-                and (t.get("program_end_step") is None or isinstance(t["program_end_step"], int))
-                and (t.get("detected") is None or isinstance(t["detected"], dict)))
-    except (TypeError, KeyError, AttributeError):
-        return False
 
 
 @main.command()

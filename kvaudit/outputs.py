@@ -100,10 +100,13 @@ def write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None
     if outputs.sarif:
         from kvaudit.sarif import to_sarif
 
-        # one result per signature: code scanning tracks an alert by its fingerprint
-        unique = list({f.signature: f for f in reversed(data.findings)}.values())[::-1]
-        written.append(replay.write_text_atomic(outputs.sarif, json.dumps(to_sarif(unique, data.config),
-                                                                            indent=2) + "\n"))
+        # one result per signature (the first report of each): code scanning tracks an alert by its
+        # fingerprint
+        unique: dict[str, Finding] = {}
+        for f in data.findings:
+            unique.setdefault(f.signature, f)
+        log = to_sarif(list(unique.values()), data.config)
+        written.append(replay.write_text_atomic(outputs.sarif, json.dumps(log, indent=2) + "\n"))
     if outputs.junit:
         from kvaudit.junit import to_junit
 

@@ -96,7 +96,10 @@ def _lone_surrogate(x) -> str | None:
 
 def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
     """Read and validate a replay file. Raises :class:`ReplayFormatError` with a one-line reason."""
-    doc = _read(path)
+    return _parse_replay(_read(path), path)
+
+
+def _parse_replay(doc, path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         hint = " (a report of several cases: use 'kvaudit report')" if isinstance(doc, dict) and \
             doc.get("format") == REPORT_FORMAT else ""
@@ -104,10 +107,10 @@ def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
     return _parse(doc, path)
 
 
-def load_cases(path: str) -> tuple[EngineConfig, list[tuple[list[Op], list[Finding], dict]], dict]:
+def load_cases(path: str) -> tuple[EngineConfig, list[tuple[EngineConfig, list[Op], list[Finding], dict]], dict]:
     """Read a replay file (one case) or a ``kvaudit.report/1`` document (several): the report's
-    config (the top-level one; each case's own config is in its doc, see :func:`case_config`), the
-    cases as (program, findings, doc) and the top-level document. Raises :class:`ReplayFormatError`."""
+    config (the top-level one, else the first case's), the cases as (config, program, findings,
+    doc) and the top-level document. Raises :class:`ReplayFormatError`."""
     doc = _read(path)
     if isinstance(doc, dict) and doc.get("format") == REPORT_FORMAT:
         cases = doc.get("cases")
@@ -117,17 +120,14 @@ def load_cases(path: str) -> tuple[EngineConfig, list[tuple[list[Op], list[Findi
         for i, case in enumerate(cases):
             if not isinstance(case, dict) or case.get("format") != FORMAT:
                 raise ReplayFormatError(f"{path}: case {i} is not a replay document")
-            config, program, findings, _ = _parse(case, f"{path} case {i}")
-            case["_config"] = config
-            out.append((program, findings, case))
+            out.append(_parse(case, f"{path} case {i}"))
         try:
-            top = EngineConfig.from_dict(doc["config"]) if isinstance(doc.get("config"), dict) else out[0][2]["_config"]
+            top = EngineConfig.from_dict(doc["config"]) if isinstance(doc.get("config"), dict) else out[0][0]
         except (TypeError, ValueError) as e:
             raise ReplayFormatError(f"{path}: bad config: {e}") from None
         return top, out, doc
-    config, program, findings, doc = load(path)
-    doc["_config"] = config
-    return config, [(program, findings, doc)], doc
+    case = _parse_replay(doc, path)  # the file is read once
+    return case[0], [case], doc
 
 
 def _parse(doc: dict, path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:

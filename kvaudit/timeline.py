@@ -13,6 +13,8 @@ The timeline is plain data (lists of ints), kept in the replay/report JSON under
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from engine_under_test import EngineConfig
@@ -111,3 +113,27 @@ def record(config: EngineConfig, program: list[Op], suppressions=None, drain_ste
     if truncated:
         out["truncated_after_step"] = steps[-1]
     return out
+
+
+def is_valid(t) -> bool:
+    """Whether ``t`` (read from a file) is a timeline the HTML plot can draw: at most
+    :data:`MAX_POINTS` samples, equal-length lists of non-negative integer counts below 2**53,
+    1 to 32 named pools (letters, digits, ``_.-``) with a unit and every term of :data:`SERIES`."""
+    def counts(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**53
+                                           for x in v)
+
+    try:
+        n = len(t["steps"])
+        pools = t["pools"]
+        return (0 < n <= MAX_POINTS and counts(t["steps"]) and isinstance(t["ops"], list) and len(t["ops"]) == n
+                and isinstance(pools, dict) and 0 < len(pools) <= 32 and all(
+                    isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)
+                    and isinstance(p, dict) and p.get("unit") in ("tokens", "rows")
+                    and isinstance(p.get("total"), int) and 0 <= p["total"] < 2**53
+                    and isinstance(p.get("series"), dict) and set(SERIES) <= set(p["series"])
+                    and all(counts(v) and len(v) == n for v in p["series"].values()) for name, p in pools.items())
+                and (t.get("program_end_step") is None or isinstance(t["program_end_step"], int))
+                and (t.get("detected") is None or isinstance(t["detected"], dict)))
+    except (TypeError, KeyError, AttributeError):
+        return False
