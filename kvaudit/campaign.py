@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine_under_test import EngineConfig
+from kvaudit.targets import config_from_dict
 from kvaudit import replay
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
 
@@ -89,7 +90,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     ("flaky", i, signature) and finally ("done", i)."""
     from kvaudit.suppress import SuppressionSet
 
-    config = EngineConfig.from_dict(spec.config)
+    config = config_from_dict(spec.config)
     sset = SuppressionSet.load(spec.suppress_path) if spec.suppress_path else None
     stats = FuzzStats()
     fdir = findings_dir(spec.corpus)

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine_under_test import PRESETS, EngineConfig, get_preset
+from engine_under_test import PRESETS, get_preset
 from kvaudit import replay
 from kvaudit.findings import Finding
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats
@@ -84,7 +84,7 @@ def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
     check.reproduced = check.signature in execs[0].signatures
     keys = {(ex.digest, tuple(ex.signatures), tuple(tuple(f.slots) for f in ex.findings)) for ex in execs}
     check.deterministic = len(keys) == 1
-    off = execute(EngineConfig.from_dict({**config.to_dict(), "bugs": []}), program, full_stacks=False)
+    off = execute(config.replace(bugs=frozenset()), program, full_stacks=False)
     check.clean_without_switch = not off.findings
     problems = []
     if not check.reproduced:

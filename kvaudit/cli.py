@@ -75,8 +75,46 @@ def _bad(param, msg: str):
     raise click.BadParameter(msg, param=param)
 
 
-def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None):
+def _require_target(config) -> None:
+    """A real-SGLang config needs SGLang importable: say so in one line (exit 2) before any run."""
+    if getattr(config, "target", "eut") == "sglang":
+        from kvaudit.targets.sglang_boot import SglangUnavailable, load
+        try:
+            load()
+        except SglangUnavailable as e:
+            raise InputError(str(e)) from None
+
+
+def _sglang_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
+                   tree_core: str | None):
+    from kvaudit.targets.sglang_config import SGLANG_PRESETS, UnknownFaultError
+    preset = "sglang" if preset == "default" else preset
+    if preset not in SGLANG_PRESETS:
+        raise InputError(f"unknown preset {preset!r} for --target sglang; valid presets: {', '.join(SGLANG_PRESETS)}")
+    if model != "none":
+        raise InputError("--model tiny is for the built-in engine: --target sglang computes no KV")
+    changes = {"device": device, "bugs": frozenset(bugs), "tree_core": tree_core or "rust"}
+    if page_size is not None:
+        changes["page_size"] = page_size
+    try:
+        config = SGLANG_PRESETS[preset].config(**changes)
+    except UnknownFaultError as e:
+        raise InputError(str(e)) from None
+    except ValueError as e:
+        raise InputError(f"bad configuration: {e}") from None
+    _require_target(config)
+    return config
+
+
+def _config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
+            target: str = "eut", tree_core: str | None = None):
     _check_device(device)
+    if target == "sglang":
+        return _sglang_config(preset, bugs, model, device, page_size, tree_core)
+    if tree_core is not None:
+        raise InputError("--tree-core applies to --target sglang only")
+    if preset.startswith("sglang"):
+        raise InputError(f"preset {preset!r} drives real SGLang: add --target sglang")
     try:
         changes = {"model": model, "device": device, "bugs": frozenset(bugs)}
         if page_size is not None:
@@ -184,6 +222,8 @@ def _check_device(device: str) -> None:
 
 
 def _warn_unreachable_bugs(config, err: Console) -> None:
+    if getattr(config, "target", "eut") != "eut":
+        return
     for name in sorted(config.bugs):
         want = BUGS[name].preset
         if want != config.preset:
@@ -262,6 +302,12 @@ _common = [
                  help="'tiny' runs the dummy transformer over real KV tensors; 'none' skips compute."),
     click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
     click.option("--page-size", type=click.IntRange(min=1), default=None, help="Override the preset's page size (tokens)."),
+    click.option("--target", type=click.Choice(["eut", "sglang"]), default="eut", show_default=True,
+                 help="eut: the built-in engine_under_test; sglang: SGLang 0.5.23's own memory manager on CPU "
+                      "(presets sglang, sglang-paged, sglang-pd, sglang-session; --bug takes its injected faults).")
+    ,
+    click.option("--tree-core", type=click.Choice(["rust", "python"]), default=None,
+                 help="--target sglang: the UnifiedRadixCache tree core [default: rust, SGLang's own default]."),
 ]
 
 
@@ -338,8 +384,8 @@ def _catch_sigint() -> None:
 @_suppress_option
 @output_options
 @_restoring_sigint
-def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir, workers, corpus_dir, use_seeds,
-         suppress_file, outputs):
+def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
+         corpus_dir, use_seeds, suppress_file, outputs):
     """Fuzz the built-in engine; confirm, minimize and report what it finds.
 
     Without --corpus (and one worker) the search stops at the first finding and exits 1 with a
@@ -352,7 +398,11 @@ def fuzz(preset, bugs, model, device, page_size, fuzzer, max_time, seed, out_dir
     nothing found. Ctrl-C keeps what was found (unminimized if minimizing) and writes the reports
     asked for.
     """
-    config = _config(preset, bugs, model, device, page_size)
+    config = _config(preset, bugs, model, device, page_size, target, tree_core)
+    preset = config.preset
+    if fuzzer == "atheris" and target != "eut":
+        raise InputError("--fuzzer atheris instruments the built-in engine only; use hypothesis or random with "
+                         "--target sglang")
     sset = _suppressions(suppress_file)
     campaign = corpus_dir is not None or workers > 1
     target_dir = corpus_dir if corpus_dir is not None else out_dir
@@ -560,6 +610,7 @@ def _load_replay(file: str, suppress_file: str | None):
         raise InputError(str(e)) from None
     sset = _suppressions(suppress_file)
     _check_device(config.device)
+    _require_target(config)
     return config, program, recorded, sset
 
 

@@ -100,10 +100,14 @@ class Auditor:
         self._hint_vars = tuple(getattr(target, "owner_hint_vars", ()))
         self._stop_vars = tuple(getattr(target, "owner_stop_vars", ()))
         self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()}
+        self._skip_files |= {os.path.abspath(f) for f in getattr(target, "framework_files", list)()}
         self._info = Auditor._code_info_caches.setdefault(
             (frozenset(self._skip_files), self._hint_vars, self._stop_vars), {})
         for spec in target.pools():
-            self._install(spec)
+            if hasattr(target, "install_pool"):  # a target whose allocator API differs wraps its own
+                target.install_pool(spec, self, self._wrap)
+            else:
+                self._install(spec)
         self.lock_events: list[tuple[int, int, int, int, int]] = []  # (node id, +1/-1, site, op, step)
         if hasattr(target, "install_lock_ledger"):
             target.install_lock_ledger(self._wrap, self._lock_event)

@@ -42,6 +42,7 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     for root in (target.roots(aborting=False) if scan_only else target.roots()):
         by_pool[root.pool].append(root)
     acc = {} if scan_only else target.accounting()
+    free_lists = target.free_lists() if not scan_only and hasattr(target, "free_lists") else {}
     leaked: dict[str, np.ndarray] = {}
     drift: list[Finding] = []
     for pool, led in auditor.ledgers.items():
@@ -83,6 +84,8 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         a = acc.get(pool)
         if a is not None and not pool_findings and pool not in leaked:
             drift.extend(_identity(auditor, pool, led, a, req_units, session_units))
+        if pool in free_lists and not pool_findings:
+            drift.extend(_replay_free_list(auditor, pool, led, free_lists[pool]))
         findings.extend(pool_findings)
     findings.extend(_leaks(auditor, target, leaked))
     if not scan_only:
@@ -125,6 +128,24 @@ def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units) -> 
               f"session_held={held} + uncached={uncached} = {lhs} != total={a.total}, "
               f"while every allocated unit is reachable")
     return out[:1]
+
+
+def _replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list[Finding]:
+    """The engine's free list (``[n] int64`` units) against the replay of kvaudit's event log: a unit
+    free in one and allocated in the other means a free or alloc path that bypasses the hooks (or a
+    unit listed twice: an unrecorded double free)."""
+    n = led.allocated.size
+    listed = np.bincount(free[(free >= 0) & (free < n)], minlength=n)
+    missing = np.flatnonzero(~led.allocated & (listed == 0))
+    extra = np.flatnonzero(led.allocated & (listed > 0))
+    twice = np.flatnonzero(listed > 1)
+    if not (missing.size or extra.size or twice.size):
+        return []
+    return [Finding(kind="accounting-drift", pool=pool, unit="slot",
+                    message=f"the engine's free list disagrees with the replay of the event log: {extra.size} unit(s) "
+                            f"free in the list but allocated in the log, {missing.size} the other way, {twice.size} "
+                            f"listed twice (a path that bypasses kvaudit's wrappers)",
+                    op_index=auditor.op_index, step=auditor.step)]
 
 
 def _engine_disagrees(auditor: Auditor, target) -> list[Finding]:

@@ -13,6 +13,8 @@ import re
 import tempfile
 
 from engine_under_test import PRESETS, EngineConfig
+from kvaudit.targets import config_from_dict
+from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig
 from kvaudit.findings import Finding
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
@@ -122,7 +124,7 @@ def load_cases(path: str) -> tuple[EngineConfig, list[tuple[EngineConfig, list[O
                 raise ReplayFormatError(f"{path}: case {i} is not a replay document")
             out.append(_parse(case, f"{path} case {i}"))
         try:
-            top = EngineConfig.from_dict(doc["config"]) if isinstance(doc.get("config"), dict) else out[0][0]
+            top = config_from_dict(doc["config"]) if isinstance(doc.get("config"), dict) else out[0][0]
         except (TypeError, ValueError) as e:
             raise ReplayFormatError(f"{path}: bad config: {e}") from None
         return top, out, doc
@@ -137,7 +139,7 @@ def _parse(doc: dict, path: str) -> tuple[EngineConfig, list[Op], list[Finding],
     try:
         if not isinstance(doc["config"], dict):
             raise ValueError("config must be an object")
-        config = EngineConfig.from_dict(doc["config"])
+        config = config_from_dict(doc["config"])
     except (TypeError, ValueError) as e:
         raise ReplayFormatError(f"{path}: bad config: {e}") from None
     try:
@@ -152,7 +154,8 @@ def _parse(doc: dict, path: str) -> tuple[EngineConfig, list[Op], list[Finding],
         findings = [Finding.from_dict(f) for f in recorded]
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise ReplayFormatError(f"{path}: bad findings: {e}") from None
-    if config.preset not in PRESETS and config.preset != "custom":
+    presets = SGLANG_PRESETS if isinstance(config, SglangConfig) else PRESETS
+    if config.preset not in presets and config.preset != "custom":
         raise ReplayFormatError(f"{path}: bad config: unknown preset {config.preset!r} "
-                                f"(valid: {', '.join(PRESETS)}, or custom)")
+                                f"(valid: {', '.join(presets)}, or custom)")
     return config, program, findings, doc

@@ -16,7 +16,7 @@ from kvaudit import oracles
 from kvaudit.findings import Finding, Site, portable_path
 from kvaudit.hooks import Auditor
 from kvaudit.program import Idle, Op, Step
-from kvaudit.targets.eut import EutTarget
+from kvaudit.targets import make_target
 
 MAX_IDLE_STEPS = 2000
 # Set by the CLI's SIGINT handler. A KeyboardInterrupt raised inside a garbage-collector callback
@@ -55,7 +55,7 @@ class AuditedRun:
         self.suppressions, self.suppressed = suppressions, []
         # a site glob may name any frame: record whole stacks, so fast and full runs match alike
         full_stacks = full_stacks or (suppressions is not None and suppressions.needs_full_stacks)
-        self.target = EutTarget(config)
+        self.target = make_target(config)
         self.auditor = Auditor(self.target, full_stacks=full_stacks, shadow=shadow) if audit else None
         self.run_oracles = audit and run_oracles
         if self.run_oracles and hasattr(self.target, "on_intake"):

@@ -2,5 +2,24 @@
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target
 from kvaudit.targets.eut import EutTarget
+from kvaudit.targets.sglang_config import SglangConfig, is_sglang_config
 
-__all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget"]
+__all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict"]
+
+
+def make_target(config):
+    """The target for ``config``: real SGLang for a :class:`SglangConfig`, else ``engine_under_test``.
+    Raises :class:`kvaudit.targets.sglang_boot.SglangUnavailable` when SGLang cannot be driven."""
+    if isinstance(config, SglangConfig):
+        from kvaudit.targets.sglang_target import SglangTarget
+        return SglangTarget(config)
+    return EutTarget(config)
+
+
+def config_from_dict(d: dict):
+    """A config from a replay file's ``config`` object: ``"target": "sglang"`` selects
+    :class:`SglangConfig`. Raises ``ValueError``/``TypeError`` on bad keys or values."""
+    from engine_under_test import EngineConfig
+    if is_sglang_config(d):
+        return SglangConfig.from_dict(d)
+    return EngineConfig.from_dict(d)

@@ -1,0 +1,253 @@
+"""Bootstrap of the real-SGLang target: version probe, import stubs, and building SGLang's own
+memory-manager objects on CPU (``docs/../sglang-target-recipe``: construction recipe).
+
+Nothing here copies SGLang code; it calls SGLang's constructors and its tree-cache factory
+(``mem_cache/registry.py::create_tree_cache``) the way the scheduler does at start-up.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import inspect
+import logging
+import os
+import sys
+import types
+import warnings
+from types import SimpleNamespace
+
+SUPPORTED_VERSIONS = ("0.5.23",)
+INSTALL_HINT = "pip install --no-deps -r requirements/sglang-cpu.txt"
+
+
+class SglangUnavailable(RuntimeError):
+    """SGLang is not installed, or its version (or API) is not one this target drives. The message
+    is one line, fit for the CLI's exit-2 error."""
+
+
+def installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def probe_version() -> str:
+    """The installed SGLang version, if supported. Raises :class:`SglangUnavailable`."""
+    v = installed_version()
+    if v is None:
+        raise SglangUnavailable(f"--target sglang needs SGLang {SUPPORTED_VERSIONS[0]}, which is not installed "
+                                f"(install it with: {INSTALL_HINT})")
+    if v not in SUPPORTED_VERSIONS:
+        raise SglangUnavailable(f"SGLang {v} is installed, but --target sglang drives only "
+                                f"{', '.join(SUPPORTED_VERSIONS)}: its scheduler-level API changes between versions")
+    return v
+
+
+# -- import stubs ---------------------------------------------------------------------------
+# SGLang imports two packages at module level that the memory-manager paths never run on CPU:
+#
+# * triton: allocation.py and the kernel modules define @triton.jit kernels at import, and torch's
+#   dynamo inspects ``triton.language`` while SGLang's import-time torch.compile decorators load.
+#   The real package is ~900 MiB of GPU compiler. The stub is a module tree whose attributes are
+#   sub-modules (lower case) or inert classes (upper case), and whose call is a pass-through
+#   decorator, which is what a kernel *definition* needs (SGLang's own macOS stub works the same
+#   way: sglang/_platform_stubs.py).
+# * torchvision: multimodal/internvl_utils.py imports torchvision.transforms at module level. The
+#   only torchvision wheel for torch 2.13 is a CUDA build that fails to import beside CPU torch.
+#   transformers parses ``torchvision.__version__``, hence "0.28.0" (the release paired with 2.13).
+
+
+class _InertMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+
+class _Inert(metaclass=_InertMeta):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__()
+
+
+class _StubLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+class _StubModule(types.ModuleType):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__path__ = []
+        self.__spec__ = importlib.machinery.ModuleSpec(name, _StubLoader(), is_package=True)
+        self.__kvaudit_stub__ = True
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].isupper():
+            value = type(name, (_Inert,), {"__module__": self.__name__})
+        else:
+            full = f"{self.__name__}.{name}"
+            value = sys.modules.get(full) or _StubModule(full)
+            sys.modules[full] = value
+        setattr(self, name, value)
+        return value
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
+
+
+class _StubFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, roots: set[str]):
+        self.roots = roots
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
+        return None
+
+
+STUBS = {"triton": "3.0.0", "torchvision": "0.28.0"}
+
+
+def install_stubs() -> list[str]:
+    """Stub the packages of :data:`STUBS` that cannot be imported for real; returns the ones stubbed.
+    A real, importable package is always preferred."""
+    need = []
+    for name in STUBS:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # absent, or a CUDA build that fails beside CPU torch
+            for k in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                del sys.modules[k]
+            need.append(name)
+    if need:
+        sys.meta_path.insert(0, _StubFinder(set(need)))
+        for name in need:
+            mod = _StubModule(name)
+            mod.__version__ = STUBS[name]
+            sys.modules[name] = mod
+    return need
+
+
+_LOADED: SimpleNamespace | None = None
+
+
+def load() -> SimpleNamespace:
+    """Import SGLang's memory manager once per process; returns the symbols the target uses.
+
+    Raises :class:`SglangUnavailable` for a missing or unsupported SGLang, or an API that differs
+    from the one this target drives (checked by signature, not by version string alone).
+    """
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
+    version = probe_version()
+    if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+        raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
+                                "this target does not need")
+    stubbed = install_stubs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams, \
+                TokenizedGenerateReqInput
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch
+            from sglang.srt.mem_cache import allocation, common
+            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+            from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+            from sglang.srt.model_executor.forward_batch_info import ForwardMode
+            from sglang.srt.runtime_context import get_parallel
+            from sglang.srt.sampling.sampling_params import SamplingParams
+            from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+            from sglang.srt.session.session_controller import SessionController
+            from sglang.srt.session.streaming_session import StreamingSession
+            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        except ImportError as exc:
+            raise SglangUnavailable(f"SGLang {version} is installed but its memory manager does not import: {exc} "
+                                    f"(reinstall with: {INSTALL_HINT})") from None
+    # the API probe: the 0.5.23 shapes the driver relies on (older releases used cache_finished_req,
+    # req.req_pool_idx and SessionSlot(req_pool_idx=...), none of which exist here)
+    rel = inspect.signature(common.release_kv_cache).parameters
+    problems = []
+    if "checkpoint" not in rel or rel["checkpoint"].kind is not inspect.Parameter.KEYWORD_ONLY:
+        problems.append("release_kv_cache(req, cache, *, checkpoint)")
+    if not hasattr(StreamingSession, "take") or not hasattr(ReqKvInfo, "holds_kv"):
+        problems.append("StreamingSession.take / ReqKvInfo.holds_kv")
+    for name in ("alloc_for_extend", "alloc_for_decode"):
+        if not hasattr(allocation, name):
+            problems.append(name)
+    if problems:
+        raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the one this target drives "
+                                f"(missing: {', '.join(problems)})")
+    for name in ("sglang", "transformers", "torch._dynamo"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    _LOADED = SimpleNamespace(
+        version=version, stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
+        OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams,
+        TokenizedGenerateReqInput=TokenizedGenerateReqInput, FINISH_ABORT=FINISH_ABORT, Req=Req,
+        ScheduleBatch=ScheduleBatch, allocation=allocation, common=common,
+        PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        EvictParams=EvictParams, CacheInitParams=CacheInitParams, MHATokenToKVPool=MHATokenToKVPool,
+        ReqToTokenPool=ReqToTokenPool, TreeCacheBuildContext=TreeCacheBuildContext, create_tree_cache=create_tree_cache,
+        ForwardMode=ForwardMode, get_parallel=get_parallel, SamplingParams=SamplingParams, ServerArgs=ServerArgs,
+        set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
+        SessionController=SessionController, SpeculativeAlgorithm=SpeculativeAlgorithm)
+    return _LOADED
+
+
+def build(config) -> SimpleNamespace:
+    """SGLang's pools and tree cache for ``config`` (a :class:`SglangConfig`), built the way the
+    scheduler builds them (``kv_cache_configurator``, then ``create_tree_cache``).
+
+    Publishes ``ServerArgs`` for this process (SGLang keeps it process-global). Raises
+    :class:`SglangUnavailable` if the requested tree core is not the one SGLang picked (Rust falls back to
+    Python silently outside its supported torch range).
+    """
+    S = load()
+    import torch
+
+    ps, size = config.page_size, config.total_tokens
+    server_args = S.ServerArgs(model_path="dummy", page_size=ps)
+    S.set_global_server_args_for_scheduler(server_args)
+    # this process is rank 0 of a 1-GPU tensor-parallel group (Req.set_finish_with_abort reads it)
+    S.get_parallel().override_permanently(tp_rank=0)
+    dev = config.device
+    kvcache = S.MHATokenToKVPool(size, ps, torch.bfloat16, head_num=1, head_dim=8, layer_num=1, device=dev,
+                                 enable_memory_saver=False)
+    if ps == 1:
+        allocator = S.TokenToKVPoolAllocator(size, torch.bfloat16, dev, kvcache, config.need_sort)
+    else:
+        allocator = S.PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, dev, kvcache, config.need_sort)
+    req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
+                                         device=dev, enable_memory_saver=False)
+    params = S.CacheInitParams(disable=False, req_to_token_pool=req_to_token_pool,
+                               token_to_kv_pool_allocator=allocator, page_size=ps, tree_core_backend=config.tree_core)
+    model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None)
+    ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                                  enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+                                  model_config=model_config, tp_size=1, tp_rank=0, tp_group=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tree_cache = S.create_tree_cache(ctx)
+    core = type(getattr(tree_cache, "tree_core", None)).__name__
+    if (config.tree_core == "rust") != core.startswith("Rust"):
+        raise SglangUnavailable(f"asked for the {config.tree_core} tree core but SGLang built {core} "
+                                "(the Rust core needs torch 2.11-2.14 on Linux)")
+    return SimpleNamespace(server_args=server_args, kvcache=kvcache, allocator=allocator,
+                           req_to_token_pool=req_to_token_pool, tree_cache=tree_cache, model_config=model_config,
+                           tree_core=core)

@@ -1,0 +1,155 @@
+"""Configuration and presets of the real-SGLang target (``kvaudit fuzz --target sglang``).
+
+Importing this module does not import SGLang: the CLI validates flags and replay files with it
+on machines where SGLang is not installed, and says so in one line only when a run needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# Faults the target can inject through its wrappers, to show the oracles see them on SGLang's own
+# code (issue 8's "must show"). Each fires once, on the first chance it gets.
+FAULTS: dict[str, tuple[str, str]] = {
+    "skip-release": ("leak", "the first finished request's release_kv_cache(...) call is skipped: its row, its "
+                             "private KV and its tree lock stay allocated with no owner"),
+    "double-free": ("double-free", "right after the first finished request's release_kv_cache, its private KV "
+                                   "slots are freed once more through the allocator (SGLang 0.5.23 accepts this "
+                                   "silently outside SGLANG_DEBUG_MEMORY_POOL)"),
+    "lock-leak": ("lock-imbalance", "the first tree unlock(lock) with a real lock is dropped: the node stays "
+                                    "protected forever"),
+}
+
+TREE_CORES = ("rust", "python")
+
+
+class UnknownFaultError(ValueError):
+    def __init__(self, name: str):
+        super().__init__(f"unknown fault {name!r} for --target sglang; valid faults: {', '.join(FAULTS)}")
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    """How the real SGLang 0.5.23 memory manager is built and driven.
+
+    Sizes are in tokens: ``num_slots`` is the KV pool (``max_total_num_tokens``), rounded down to
+    whole pages. ``need_sort`` is the allocator flag PD-disaggregation servers set. ``tree_core``
+    picks the ``UnifiedRadixCache`` tree core: ``rust`` (SGLang's production default) or
+    ``python``. ``new_token_ratio`` is the share of running requests' remaining decode tokens that
+    admission reserves (SGLang's ``new_token_ratio``); below 1 decode can run out and retract.
+    ``bugs`` names injected faults (:data:`FAULTS`).
+
+    Raises ``ValueError`` for inconsistent values, :class:`UnknownFaultError` for an unknown fault.
+    """
+
+    num_slots: int = 512
+    page_size: int = 1
+    need_sort: bool = False
+    tree_core: str = "rust"
+    max_running_requests: int = 8
+    max_req_rows: int = 16
+    context_len: int = 128
+    new_token_ratio: float = 0.5
+    enable_streaming_session: bool = False
+    vocab_size: int = 128
+    device: str = "cpu"
+    bugs: frozenset[str] = field(default_factory=frozenset)
+    seed: int = 0
+    preset: str = "custom"
+    target: str = "sglang"
+
+    # what the generators and reports read from any config
+    disable_radix_cache = False
+    model = "none"
+    chunked_prefill_size = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
+                     "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        for name in ("need_sort", "enable_streaming_session"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.target != "sglang":
+            raise ValueError(f"target must be 'sglang', got {self.target!r}")
+        if self.tree_core not in TREE_CORES:
+            raise ValueError(f"tree_core must be one of {', '.join(TREE_CORES)}, got {self.tree_core!r}")
+        if self.page_size < 1 or self.num_slots < 4 * self.page_size or self.num_slots > 1 << 20:
+            raise ValueError(f"num_slots={self.num_slots} must hold at least 4 pages of {self.page_size} "
+                             "and at most 1048576 tokens")
+        if not 4 <= self.context_len <= 4096 or not 4 <= self.vocab_size <= 1 << 16:
+            raise ValueError("context_len must be in [4, 4096] and vocab_size in [4, 65536]")
+        if not 1 <= self.max_running_requests <= 256 or not 1 <= self.max_req_rows <= 1024:
+            raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
+        r = self.new_token_ratio
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
+            raise ValueError(f"new_token_ratio must be a number in [0, 1], got {r!r}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if not isinstance(self.preset, str):
+            raise ValueError(f"preset must be a string, got {self.preset!r}")
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+        unknown = sorted(self.bugs - set(FAULTS))
+        if unknown:
+            raise UnknownFaultError(unknown[0])
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_slots // self.page_size
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def replace(self, **changes) -> "SglangConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["bugs"] = sorted(self.bugs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SglangConfig":
+        """Build a config from :meth:`to_dict` output. Raises ``ValueError`` on unknown keys or values."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown config key {unknown[0]!r}")
+        d = dict(d)
+        if "bugs" in d:
+            if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
+                raise ValueError("bugs must be a list of fault names")
+            d["bugs"] = frozenset(d["bugs"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class SglangPreset:
+    name: str
+    description: str
+    overrides: dict
+
+    def config(self, **changes) -> SglangConfig:
+        return SglangConfig(preset=self.name, **{**self.overrides, **changes})
+
+
+SGLANG_PRESETS: dict[str, SglangPreset] = {
+    p.name: p
+    for p in [
+        SglangPreset("sglang", "SGLang's UnifiedRadixCache over TokenToKVPoolAllocator, page 1, 512 slots", {}),
+        SglangPreset("sglang-paged", "PagedTokenToKVPoolAllocator with 16-token pages, 1024 slots",
+                     {"page_size": 16, "num_slots": 1024}),
+        SglangPreset("sglang-pd", "need_sort=True (the allocator flag of PD disaggregation), page 4, small pool",
+                     {"need_sort": True, "page_size": 4, "num_slots": 256}),
+        SglangPreset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
+                     {"enable_streaming_session": True, "context_len": 96}),
+    ]
+}
+
+
+def is_sglang_config(d: dict) -> bool:
+    return isinstance(d, dict) and d.get("target") == "sglang"

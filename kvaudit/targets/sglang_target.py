@@ -1,0 +1,669 @@
+"""The real-SGLang target: kvaudit's programs drive SGLang 0.5.23's own memory manager on CPU.
+
+Three layers (see ``sglang_boot`` for the first):
+
+* **bootstrap** -- version probe, import stubs, objects built by SGLang's tree-cache factory;
+* **driver** (:class:`SglangTarget`) -- kvaudit's ops mapped onto SGLang's scheduler-level functions
+  in the scheduler's own order. The driver plays ``Scheduler`` (``managers/scheduler.py``), including
+  its admission budget (``PrefillBudget``, ``schedule_policy.PrefillAdder``) and decode retraction
+  (``ScheduleBatch.check_decode_mem``/``retract_decode``), so that a driver mistake never reads as an
+  SGLang bug. Each method names the SGLang function whose call order it follows;
+* **observer** -- wrappers on the allocator and request-pool *instances* (never the classes) that
+  feed kvaudit's ledger, plus the roots, counters and lock holders the oracles read.
+
+There is no model: a sampled token is a deterministic function of the request and position, and
+``stop_at`` samples EOS (token 1). No KV content is computed, so there are no shadow tags here.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import torch
+
+from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit, \
+    prompt_tokens
+from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.sglang_boot import build, load
+from kvaudit.targets.sglang_config import SglangConfig
+
+EOS = 1
+
+
+class _NoSampling:
+    """The batch's ``sampling_info`` (penalties, temperatures: model-side, no memory). Only
+    ``retract_decode`` -> ``filter_batch`` touches it here."""
+
+    def filter_batch(self, keep_indices, keep_indices_device) -> None:
+        pass
+
+
+class SglangTarget:
+    """Drives one set of SGLang pools and one ``UnifiedRadixCache`` (see the module docstring)."""
+
+    name = "sglang"
+    owner_hint_vars = ("req",)
+    owner_stop_vars = ("reqs", "batch")
+
+    def __init__(self, config: SglangConfig):
+        S = self.S = load()
+        self.config = config
+        o = build(config)
+        self.allocator, self.req_to_token_pool, self.tree_cache = o.allocator, o.req_to_token_pool, o.tree_cache
+        self.model_config, self.tree_core = o.model_config, o.tree_core
+        self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
+        self.steps = 0
+        self.waiting: list = []  # Scheduler.waiting_queue
+        self.running: list = []  # Scheduler.running_batch.reqs
+        self.submitted: list[str] = []
+        self.finished: set[str] = set()
+        self.sessions: list[str] = []  # open session ids, in opening order
+        self._n = 0
+        self._opened = 0
+        self._force_retract = False
+        self._flushes = 0
+        self._held: dict[str, tuple] = {}
+        self._intake = None
+        self._faults = set(config.bugs)  # each fires once
+        self.lock_net: dict[int, int] = {}  # node id -> incs - decs (the lock-ref ledger, per node)
+        ps = config.page_size
+        self._pools = [
+            PoolSpec("token_to_kv_pool", self.allocator, "kv", ps, config.num_pages),
+            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self.req_to_token_pool.size),
+        ]
+        if "lock-leak" in self._faults:
+            self._inject_lock_leak()
+
+    # -- observer: hooks ---------------------------------------------------------------------
+    def pools(self) -> list[PoolSpec]:
+        return self._pools
+
+    def framework_files(self) -> list[str]:
+        """Allocator-internal files: a site's innermost frame is the first frame outside these."""
+        import sglang.srt.mem_cache.allocator.base as base
+        import sglang.srt.mem_cache.memory_pool as memory_pool
+        return [base.__file__, memory_pool.__file__]
+
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        """Wrap ``spec``'s instance methods so every alloc and free reaches ``auditor``'s ledger.
+
+        * rows: ``ReqToTokenPool.alloc_rows``/``free_rows`` (``alloc``/``free`` bind requests on top);
+        * KV, page 1: ``TokenToKVPoolAllocator.alloc``/``free`` -- every free path (``free_segments``,
+          ``free_page_ids``, ``free_group_end``) ends in ``free``;
+        * KV, paged: ``alloc``/``alloc_extend``/``alloc_decode`` recorded as the pages that left the
+          free set (extend and decode also hand out slots on a request's partly filled page, so
+          ``out // page_size`` would name pages that were never free), and frees at
+          ``_release_page_ids``, the one place every paged free path returns pages;
+        * ``clear()`` as a free of every allocated unit.
+        """
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
+        capture = auditor.capture_site
+        if spec.kind == "rows":
+            alloc_rows, free_rows, clear = obj.alloc_rows, obj.free_rows, obj.clear
+
+            def alloc_rows_wrapper(n):
+                out = alloc_rows(n)
+                if out:
+                    auditor.on_alloc(pool, list(out), capture())
+                return out
+
+            def free_rows_wrapper(indices):
+                free_rows(indices)
+                if len(indices):
+                    auditor.on_free(pool, list(indices), capture())
+
+            wrap(obj, "alloc_rows", alloc_rows_wrapper)
+            wrap(obj, "free_rows", free_rows_wrapper)
+        else:
+            clear = obj.clear
+            # Frees inside a free group (free_group_begin/end: the scheduler's result processing)
+            # reach the free list at free_group_end; they are recorded then, each with the site
+            # of its own call. ``free()`` deduplicates pages over the whole group (one
+            # torch.unique at the end); ``free_page_ids`` does not.
+            pending: list[tuple[list[int], int, bool]] = []
+            ending = [False]
+
+            def grouped(name, to_units, dedup):
+                orig = getattr(obj, name)
+
+                def wrapper(idx, *a, **k):
+                    if obj.free_group is not None and not ending[0] and idx.numel():
+                        pending.append((to_units(idx), capture(), dedup))
+                    return orig(idx, *a, **k)
+
+                wrap(obj, name, wrapper)
+
+            if ps == 1:
+                alloc, free = obj.alloc, obj.free
+
+                def alloc_wrapper(n):
+                    out = alloc(n)
+                    if out is not None and out.numel():
+                        auditor.on_alloc(pool, out.tolist(), capture())
+                    return out
+
+                def free_wrapper(idx):
+                    direct = obj.free_group is None and not ending[0]
+                    if not direct and obj.free_group is not None and not ending[0] and idx.numel():
+                        pending.append((idx.tolist(), capture(), False))
+                    free(idx)
+                    if direct and idx.numel():
+                        auditor.on_free(pool, idx.tolist(), capture())
+
+                wrap(obj, "alloc", alloc_wrapper)
+                wrap(obj, "free", free_wrapper)
+            else:
+                def paged(name):
+                    orig = getattr(obj, name)
+
+                    def alloc_wrapper(*a, **k):
+                        before = obj.get_all_free_pages().cpu().numpy()
+                        out = orig(*a, **k)
+                        if out is not None:
+                            taken = np.setdiff1d(before, obj.get_all_free_pages().cpu().numpy())
+                            if taken.size:
+                                auditor.on_alloc(pool, taken.tolist(), capture())
+                        return out
+                    return alloc_wrapper
+
+                for name in ("alloc", "alloc_extend", "alloc_decode"):
+                    wrap(obj, name, paged(name))
+                grouped("free", lambda idx: torch.unique(idx // ps).tolist(), True)
+                grouped("free_page_ids", lambda ids: ids.tolist(), False)
+                release = obj._release_page_ids
+
+                def release_wrapper(*page_ids):
+                    release(*page_ids)
+                    units = torch.cat([p.reshape(-1) for p in page_ids]).tolist() if page_ids else []
+                    if units and not ending[0]:
+                        auditor.on_free(pool, units, capture())
+
+                wrap(obj, "_release_page_ids", release_wrapper)
+
+            group_end = obj.free_group_end
+
+            def group_end_wrapper():
+                ending[0] = True
+                try:
+                    group_end()
+                finally:
+                    ending[0] = False
+                items = list(pending)
+                pending.clear()
+                seen: set[int] = set()
+                for units, sid, dedup in items:
+                    if dedup:
+                        units = [u for u in units if u not in seen]
+                        seen.update(units)
+                    if units:
+                        auditor.on_free(pool, units, sid)
+
+            wrap(obj, "free_group_end", group_end_wrapper)
+
+        def clear_wrapper():
+            clear()
+            held = np.flatnonzero(auditor.ledgers[pool].allocated)
+            held = held[held > 0]
+            if held.size:
+                auditor.on_free(pool, held, capture())
+
+        wrap(obj, "clear", clear_wrapper)
+
+    def install_lock_ledger(self, wrap, record) -> None:
+        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree (``UnifiedRadixCache``; ``lock``,
+        ``unlock`` and checkpoint's lock moves all go through them) to ``record(node_id, delta)``."""
+        cache = self.tree_cache
+        inc, dec = cache.inc_lock_ref, cache.dec_lock_ref
+        net = self.lock_net
+
+        def inc_wrapper(node_id, *a, **k):
+            out = inc(node_id, *a, **k)
+            net[node_id] = net.get(node_id, 0) + 1
+            record(node_id, +1)
+            return out
+
+        def dec_wrapper(node_id, *a, **k):
+            out = dec(node_id, *a, **k)
+            net[node_id] = net.get(node_id, 0) - 1
+            record(node_id, -1)
+            return out
+
+        wrap(cache, "inc_lock_ref", inc_wrapper)
+        wrap(cache, "dec_lock_ref", dec_wrapper)
+
+    def _inject_lock_leak(self) -> None:
+        cache = self.tree_cache
+        unlock = cache.unlock
+
+        def unlock_dropping_one(lock):
+            if lock is not None and "lock-leak" in self._faults and lock.node != cache.root_node_handle():
+                self._faults.discard("lock-leak")
+                return None
+            return unlock(lock)
+
+        cache.unlock = unlock_dropping_one
+
+    @staticmethod
+    def owner_hint(frame_locals: dict) -> str | None:
+        rid = getattr(frame_locals.get("req"), "rid", None)
+        return f"req:{rid}" if isinstance(rid, str) else None
+
+    # -- driver -------------------------------------------------------------------------------
+    def apply(self, op: Op) -> None:
+        """Deliver a message, as ``Scheduler.process_input_requests`` does at intake."""
+        cfg = self.config
+        if isinstance(op, Submit):
+            max_new = max(1, min(op.max_new_tokens, cfg.context_len // 4))
+            plen = max(1, min(op.prompt_len, cfg.context_len // 2))
+            prompt = prompt_tokens(op.family, plen, cfg.vocab_size)
+            if op.extends is not None and self.submitted:
+                prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
+            sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
+            self._submit(prompt, max_new, op.stop_at, sid)
+        elif isinstance(op, HealthCheck):
+            # /health_generate: a 1-token generate request, run only when the scheduler is idle
+            if self.is_idle():
+                self._submit([2], 1, None, None, rid_prefix="HEALTH_CHECK_")
+        elif isinstance(op, Abort):
+            live = self.live_rids()
+            if op.handle is None:
+                for rid in live:
+                    self._abort(rid)
+            elif live:
+                self._abort(live[op.handle % len(live)])
+        elif isinstance(op, FlushCache):
+            self._flush_cache()
+        elif isinstance(op, OpenSession):
+            if self.session_controller is not None:
+                sid = f"s{self._opened}"
+                self._opened += 1
+                self.session_controller.open(self.S.OpenSessionReqInput(capacity_of_str_len=0, session_id=sid,
+                                                                         streaming=True))
+                self.sessions.append(sid)
+        elif isinstance(op, CloseSession):
+            if self.sessions:  # SessionController.close: immediate when idle, deferred while a turn runs
+                sid = self.sessions.pop(op.handle % len(self.sessions))
+                self.session_controller.close(self.S.CloseSessionReqInput(session_id=sid))
+        elif isinstance(op, MemoryPressure):
+            # another tenant needs memory: evict what the tree can give, retract at the next decode
+            # (SGLANG_TEST_RETRACT's forced retraction)
+            self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
+            self._force_retract = True
+        else:
+            raise TypeError(f"op {op!r} does not go through apply()")
+        if not isinstance(op, (Submit, HealthCheck, OpenSession)):
+            self._after_intake()
+
+    def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
+                rid_prefix: str = "r") -> None:
+        """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
+        turn; a session that is closing or gone gets an aborted request, as there."""
+        S, cfg = self.S, self.config
+        rid = f"{rid_prefix}{self._n}"
+        self._n += 1
+        sp = S.SamplingParams(max_new_tokens=max_new, temperature=0.0)
+        sp.normalize(None)
+        ids = array("q", prompt)
+        sc = self.session_controller
+        if sid is not None and sid in sc and not sc.get(sid).close_on_finish:
+            recv = S.TokenizedGenerateReqInput(
+                input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
+                return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
+                rid=rid, session_params=S.SessionParams(id=sid))
+            req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
+        else:
+            req = S.Req(rid, "", ids, sp, vocab_size=cfg.vocab_size, eos_token_ids={EOS})
+            if sid is not None:
+                req.set_finish_with_abort(f"Invalid request: session {sid} is closing or closed")
+        req.kvaudit_stop_at = stop_at
+        self.submitted.append(rid)
+        self.waiting.append(req)  # Scheduler._add_request_to_queue
+
+    def _abort(self, rid: str) -> None:
+        """``Scheduler.abort_request``: a waiting request is popped (it holds no KV outside PD decode) and
+        its session told (``_release_aborted_request``); a running one gets ``to_finish`` and ends at its
+        next result, through ``release_kv_cache`` like any finish."""
+        for i, req in enumerate(self.waiting):
+            if req.rid == rid:
+                self.waiting.pop(i)
+                if req.session is not None and req.session.streaming:
+                    req.session.abort_req()
+                self.finished.add(rid)
+                return
+        for req in self.running:
+            if req.rid == rid and not req.finished():
+                req.to_finish = self.S.FINISH_ABORT()
+
+    def _flush_cache(self) -> None:
+        """``Scheduler.flush_cache``: only when fully idle (sessions do not count), reset the tree and
+        clear both pools."""
+        if not self.is_idle():
+            return
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+        self._flushes += 1
+
+    def step(self) -> None:
+        """One iteration of ``Scheduler.event_loop_normal``: reap deferred session closes
+        (``SessionController.maybe_reap``), then a prefill batch if one can be admitted
+        (``get_new_batch_prefill``, prefill first), else a decode step (``update_running_batch``),
+        then the batch's result processing."""
+        self.steps += 1
+        if self.session_controller is not None:
+            self.session_controller.maybe_reap(float(self.steps), interval=0.0)
+            if any(not r.kv.holds_kv for r in self.running):
+                return  # a deferred close took a running turn's record: the scan reports it first
+        if not self._prefill():
+            self._decode()
+        # what each running request holds now: if a release elsewhere takes its record away (a
+        # session released under a running turn), the next scan still sees the request reading it
+        table = self.req_to_token_pool.req_to_token
+        self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
+                              r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
+
+    def on_intake(self, callback) -> None:
+        """Call ``callback()`` after each message that can free memory at intake (abort, session close,
+        flush, memory pressure), before the next step schedules: the runner's use-after-free scan."""
+        self._intake = callback
+
+    def _after_intake(self) -> None:
+        if self._intake is not None:
+            self._intake()
+
+    def _ceil(self, n: int) -> int:
+        ps = self.config.page_size
+        return -(-n // ps) * ps
+
+    def _prefill(self) -> bool:
+        """``Scheduler.get_new_batch_prefill`` with FCFS order: ``init_next_round_input`` (match and
+        session borrow), the admission lock (``schedule_policy._commit_prefill_admission``) and
+        ``PrefillBudget`` admission with the running batch's decode reserve; then the batch runs:
+        ``alloc_for_extend``, one sampled token, and ``process_batch_result_prefill``."""
+        S, cfg, cache = self.S, self.config, self.tree_cache
+        if not self.waiting or len(self.running) >= cfg.max_running_requests:
+            return False
+        budget = self.allocator.create_prefill_budget(cache)
+        budget.total_offset += int(cfg.new_token_ratio * sum(
+            max(0, r.sampling_params.max_new_tokens - len(r.output_ids)) for r in self.running))
+        admitted, rows = [], self.req_to_token_pool.available_size()
+        for req in list(self.waiting):
+            if len(self.running) + len(admitted) >= cfg.max_running_requests:
+                break
+            req.init_next_round_input(cache)
+            if not req.kv.holds_kv:
+                if rows == 0:
+                    break
+            req.extend_end = len(req.full_untruncated_fill_ids)
+            ext = req.extend_end - req.prefix_len
+            max_new = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
+            lock = cache.lock(req.last_node)
+            ok, _ = budget.check_prefill(extend_input_len=ext, total_tokens=self._ceil(ext) + max_new,
+                                         max_new_tokens=max_new, input_tokens=req.extend_end, swa_host_hit_length=0,
+                                         chunk_limit=None)
+            if not (ok and budget.can_allocate_prefill(paged_input=self._ceil(ext), extend_input_len=ext,
+                                                       max_new_tokens=max_new, chunk_limit=None)):
+                cache.unlock(lock)
+                break
+            req.lock = lock
+            budget.reserve(ext, max_new)
+            rows -= 0 if req.kv.holds_kv else 1
+            admitted.append(req)
+            self.waiting.remove(req)
+        if not admitted:
+            return False
+        batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
+                                         False, S.SpeculativeAlgorithm.NONE)
+        batch.forward_mode = S.ForwardMode.EXTEND
+        batch.prefix_lens = [r.prefix_len for r in admitted]
+        batch.extend_lens = [r.extend_end - r.prefix_len for r in admitted]
+        batch.seq_lens_cpu = torch.tensor([r.extend_end for r in admitted], dtype=torch.int64)
+        batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
+        batch.orig_seq_lens = batch.seq_lens.clone()
+        batch.extend_num_tokens = sum(batch.extend_lens)
+        S.allocation.alloc_for_extend(batch)
+        self.allocator.free_group_begin()  # process_batch_result_prefill frees inside one free group
+        for req in admitted:
+            req.output_ids.append(self._sample(req))
+            req.update_finish_state()
+            if req.finished():
+                self._release(req, checkpoint=True)
+            else:
+                S.common.checkpoint_kv_cache(req, cache)
+                self.running.append(req)
+        self.allocator.free_group_end()
+        return True
+
+    def _decode(self) -> None:
+        """``Scheduler.update_running_batch``: ``check_decode_mem``, and ``retract_decode`` when it
+        fails (or under memory pressure); then ``alloc_for_decode`` for one token each and
+        ``process_batch_result_decode``."""
+        S = self.S
+        if not self.running:
+            return
+        batch = S.ScheduleBatch.init_new(list(self.running), self.req_to_token_pool, self.allocator, self.tree_cache,
+                                         self.model_config, False, S.SpeculativeAlgorithm.NONE)
+        batch.forward_mode = S.ForwardMode.DECODE
+        rows = [r.kv.req_pool_idx for r in self.running]
+        batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
+        batch.req_pool_indices = batch.req_pool_indices_cpu.to(batch.device)
+        batch.seq_lens_cpu = torch.tensor([r.kv.kv_committed_len for r in self.running], dtype=torch.int64)
+        batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
+        batch.orig_seq_lens = batch.seq_lens.clone()
+        batch.sampling_info = _NoSampling()
+        if self._force_retract or not batch.check_decode_mem():
+            self._force_retract = False
+            retracted, _, aborted = batch.retract_decode()
+            for req in retracted:
+                self.waiting.append(req)  # _add_request_to_queue(req, is_retracted=True)
+            for req in aborted:  # released inside retract_decode; the client gets the abort
+                self.finished.add(req.rid)
+            self.running = list(batch.reqs)
+            if not batch.reqs:
+                return
+        S.allocation.alloc_for_decode(batch, 1)
+        self.allocator.free_group_begin()  # process_batch_result_decode, as above
+        for req in batch.reqs:
+            req.output_ids.append(self._sample(req))
+            req.update_finish_state()
+            if req.finished():
+                self._release(req, checkpoint=True)
+        self.allocator.free_group_end()
+        self.running = [r for r in batch.reqs if not r.finished()]
+
+    def _sample(self, req) -> int:
+        n = len(req.output_ids)
+        if getattr(req, "kvaudit_stop_at", None) is not None and n + 1 >= req.kvaudit_stop_at:
+            return EOS
+        return 2 + ((len(req.origin_input_ids) + n) * 7 + 3) % (self.config.vocab_size - 2)
+
+    def _release(self, req, checkpoint: bool) -> None:
+        """``release_kv_cache(req, tree_cache, checkpoint=...)``, the one release of a finished request
+        (``process_batch_result_*``). Injected faults act here."""
+        self.finished.add(req.rid)
+        if "skip-release" in self._faults:
+            self._faults.discard("skip-release")
+            return
+        mine = None
+        if "double-free" in self._faults and req.kv.holds_kv and req.session is None:
+            kv = req.kv
+            mine = self._pages(self.req_to_token_pool.req_to_token[kv.req_pool_idx,
+                                                                     kv.cache_protected_len:kv.kv_allocated_len])
+        self.S.common.release_kv_cache(req, self.tree_cache, checkpoint=checkpoint)
+        if mine is not None:  # free once more what this release gave back (none: wait for the next)
+            freed = np.setdiff1d(mine, self._pages(self.tree_cache.all_values_flatten()))
+            if freed.size:
+                self._faults.discard("double-free")
+                self.allocator.free(torch.as_tensor(freed, dtype=torch.int64) * self.config.page_size)
+
+    def _text(self, rid: str) -> list[int]:
+        for req in self.waiting + self.running:
+            if req.rid == rid:
+                return list(req.origin_input_ids) + list(req.output_ids)
+        return []
+
+    def live_rids(self) -> list[str]:
+        live = {r.rid for r in self.waiting + self.running if not r.finished()}
+        return [r for r in self.submitted if r in live]
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def stalled(self) -> bool:
+        """Only waiting requests are left and session-held memory keeps them out: SGLang waits too."""
+        return bool(self.waiting) and not self.running and self._session_held_tokens() > 0
+
+    def flushed(self) -> int:
+        return self._flushes
+
+    def quiescence(self) -> list[tuple[str, str]]:
+        """After a successful flush: both pools full again and the tree empty."""
+        out = []
+        for name, a in self.accounting().items():
+            if a.available + a.session_held != a.total:
+                out.append((name, f"available={a.available} of total={a.total} after a successful flush_cache"))
+        if self.tree_cache.evictable_size() + self.tree_cache.protected_size():
+            out.append(("token_to_kv_pool", "the radix tree still holds tokens after a successful flush_cache"))
+        return out
+
+    def progress(self) -> dict[str, int]:
+        out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
+        for r in self.running:
+            if r.to_finish is not None:
+                out[r.rid] = -1
+        return out
+
+    def describe_busy(self) -> str:
+        return (f"waiting={len(self.waiting)} running={len(self.running)} "
+                f"available={self.allocator.available_size()} evictable={self.tree_cache.evictable_size()} "
+                f"protected={self.tree_cache.protected_size()} session_held={self._session_held_tokens()}")
+
+    # -- observer: roots and counters ---------------------------------------------------------
+    def _pages(self, slots: torch.Tensor) -> np.ndarray:
+        s = slots.to(torch.int64).cpu().numpy()
+        ps = self.config.page_size
+        return s if ps == 1 else np.unique(s // ps)
+
+    def _slots(self):
+        return [] if self.session_controller is None else list(self.tree_cache.session.slots.items())
+
+    def _session_held_tokens(self) -> int:
+        """SGLang's ``session_held``: per slot holding KV, ``ceil_align(kv_allocated_len) - cache_protected_len``."""
+        return sum(self._ceil(s.kv.kv_allocated_len) - s.kv.cache_protected_len for _, s in self._slots()
+                   if s.kv.holds_kv)
+
+    def _live(self) -> list:
+        return [r for r in self.running + self.waiting if r.kv.holds_kv]
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """Every reference into the pools (recipe, "Roots for reachability"): the tree's values; each
+        live request's row with its own KV ``[cache_protected_len, kv_allocated_len)`` (private) and
+        its tree-owned prefix (shared); each session slot's record the same way."""
+        table = self.req_to_token_pool.req_to_token
+        out: list[Root] = []
+
+        def record(kv, owner: str, role: str) -> None:
+            row = table[kv.req_pool_idx, : kv.kv_allocated_len]
+            out.append(Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64), role=role))
+            out.append(Root("token_to_kv_pool", owner, self._pages(row[kv.cache_protected_len:]), role=role))
+            if kv.cache_protected_len:
+                out.append(Root("token_to_kv_pool", owner, self._pages(row[: kv.cache_protected_len]),
+                                private=False, role=role))
+
+        held = set()
+        for sid, slot in self._slots():
+            if slot.kv.holds_kv:
+                record(slot.kv, f"session:{sid}", "session")
+                held.add(id(slot.kv))
+        for req in self._live():
+            if not aborting and req.to_finish is not None:
+                continue
+            if id(req.kv) not in held:  # a turn on its session's record: the session root covers it
+                record(req.kv, f"req:{req.rid}", "req")
+        for req in self.running:  # running, yet its record was released under it: it still reads that KV
+            if not req.kv.holds_kv and not req.finished() and req.rid in self._held:
+                row, slots, protected = self._held[req.rid]
+                owner = f"req:{req.rid}"
+                out.append(Root("req_to_token_pool", owner, np.array([row], dtype=np.int64)))
+                out.append(Root("token_to_kv_pool", owner, self._pages(slots[protected:])))
+        values = self.tree_cache.all_values_flatten()
+        if values.numel():
+            out.append(Root("token_to_kv_pool", "tree", self._pages(values), role="tree"))
+        return out
+
+    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
+        table = self.req_to_token_pool.req_to_token
+        slots = table[torch.as_tensor(rows, dtype=torch.int64)].reshape(-1)
+        return {"token_to_kv_pool": self._pages(slots[slots > 0])}
+
+    def accounting(self) -> dict[str, Accounting]:
+        a, cache, rp = self.allocator, self.tree_cache, self.req_to_token_pool
+        rows = sum(1 for _, s in self._slots() if s.kv.holds_kv)
+        return {
+            "token_to_kv_pool": Accounting(a.available_size(), cache.evictable_size(), cache.protected_size(),
+                                           self._session_held_tokens(), a.size),
+            "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, rp.size),
+        }
+
+    def metrics_check(self) -> list[str]:
+        """The free lists against kvaudit's event log (a free path that bypasses the wrappers shows here),
+        and every live record's ``0 <= kv_committed_len <= kv_allocated_len``."""
+        out = []
+        free = self.allocator.get_all_free_pages().cpu().numpy()
+        if np.unique(free).size != free.size:
+            out.append(f"[token_to_kv_pool] the free list names {free.size - np.unique(free).size} page(s) twice")
+        rows = np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)
+        if np.unique(rows).size != rows.size:
+            out.append(f"[req_to_token_pool] the free row list names {rows.size - np.unique(rows).size} row(s) twice")
+        for req in self._live():
+            kv = req.kv
+            if not 0 <= kv.kv_committed_len <= kv.kv_allocated_len:
+                out.append(f"[req_to_token_pool] req:{req.rid} kv_committed_len={kv.kv_committed_len} > "
+                           f"kv_allocated_len={kv.kv_allocated_len}")
+        return out
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        """Each pool's free list as SGLang holds it (``get_all_free_pages``, ``free_slots``), for the
+        event-log replay check."""
+        return {"token_to_kv_pool": self.allocator.get_all_free_pages().cpu().numpy(),
+                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
+
+    def lock_balance(self):
+        """Tree nodes whose net lock count (``inc_lock_ref`` minus ``dec_lock_ref``) differs from the live
+        lock holders on them (requests' ``req.lock``, session slots' ``slot.lock``); and, with every node
+        balanced, ``protected_size()`` against the union of the holders' paths (recipe: orphan locks)."""
+        cache = self.tree_cache
+        want: dict[int, int] = {}
+        holders = [r.lock for r in self._live() + self.waiting if r.lock is not None]
+        holders += [s.lock for _, s in self._slots() if s.lock is not None]
+        for lock in holders:
+            want[lock.node] = want.get(lock.node, 0) + 1
+        bad = []
+        for node, have in self.lock_net.items():
+            if have != want.get(node, 0):
+                try:
+                    slots = cache.path_device_indices(node).cpu().numpy()
+                except Exception:  # the node is gone (evicted or reset)
+                    slots = np.empty(0, np.int64)
+                bad.append((f"node {node}", slots, have, want.get(node, 0), {node}))
+        if not bad:
+            paths = [cache.path_device_indices(lock.node) for lock in holders]
+            covered = np.unique(torch.cat(paths).cpu().numpy()) if paths else np.empty(0, np.int64)
+            if covered.size != cache.protected_size():
+                bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
+        return [b for b in bad if b[1].size] or bad[:0]
+
+    def engine_check(self) -> list[str]:
+        """SGLang's conservation identity (``SchedulerInvariantChecker``'s formula; the checker itself
+        needs a whole Scheduler): ``available + evictable + protected + session_held + uncached == total``,
+        with ``uncached = ceil_align(kv_allocated_len) - cache_protected_len`` per running request."""
+        a = self.accounting()["token_to_kv_pool"]
+        held = {id(s.kv) for _, s in self._slots()}
+        uncached = sum(self._ceil(r.kv.kv_allocated_len) - r.kv.cache_protected_len for r in self._live()
+                       if id(r.kv) not in held)
+        lhs = a.available + a.evictable + a.protected + a.session_held + uncached
+        if lhs != a.total:
+            return [f"[token_to_kv_pool] available={a.available} + evictable={a.evictable} + protected={a.protected}"
+                    f" + session_held={a.session_held} + uncached={uncached} = {lhs} != total={a.total}"]
+        return []
