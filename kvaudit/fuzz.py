@@ -142,6 +142,10 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
             if found:
                 rec.stats.hit()
                 rec.last_failure = (list(self.ops), found)
+                # teardown must not run the closing idle() past a finding: the program would end with
+                # an op that never runs on replay (which stops at the first finding), and a second
+                # finding there (a crash leaves state half-updated) would replace this one
+                self.dead = True
                 raise _finding_error(found[0].kind)(found[0].signature)
 
         @enabled("submit")

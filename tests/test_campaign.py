@@ -61,6 +61,25 @@ def test_swarm_cases_use_different_subsets_of_op_kinds(monkeypatch):
     assert len({frozenset(u) for u in used}) > 5  # many different mixes, not one fixed one
 
 
+def test_a_case_that_fails_mid_program_is_recorded_as_it_ran():
+    """A finding raised by a step op ends the case: teardown's closing idle() must not run after it
+    (it did, and a second finding there replaced the first, with a program that replays differently:
+    reported as flaky)."""
+    from kvaudit.fuzz import _machine, _Recorder
+
+    config, program, _, _ = replay.load(os.path.join(REGRESSIONS, "session-close-while-running.json"))
+    program = program[:-1] + [Step(50)]
+    rec = _Recorder(FuzzStats(), deadline=time.monotonic() + 60)
+    case = _machine(config, rec, max_prompt=32)()
+    with pytest.raises(Exception, match="use-after-free"):
+        for op in program:
+            case._do(op)
+    case.teardown()
+    ops, findings = rec.last_failure
+    assert ops == program
+    assert findings[0].signature in execute(config, ops).signatures
+
+
 # -- campaigns -------------------------------------------------------------------------------------
 
 def test_campaign_resumes_and_does_not_report_known_findings_again(tmp_path):

@@ -64,6 +64,7 @@ class SglangTarget:
         self._force_retract = False
         self._flushes = 0
         self._held: dict[str, tuple] = {}
+        self.retractions = 0  # requests retract_decode took out of the running batch
         self._intake = None
         self._faults = set(config.bugs)  # each fires once
         self.lock_net: dict[int, int] = {}  # node id -> incs - decs (the lock-ref ledger, per node)
@@ -455,6 +456,7 @@ class SglangTarget:
         if self._force_retract or not batch.check_decode_mem():
             self._force_retract = False
             retracted, _, aborted = batch.retract_decode()
+            self.retractions += len(retracted) + len(aborted)
             for req in retracted:
                 self.waiting.append(req)  # _add_request_to_queue(req, is_retracted=True)
             for req in aborted:  # released inside retract_decode; the client gets the abort

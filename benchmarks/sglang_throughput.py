@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Throughput of the real-SGLang target (``--target sglang``): programs/s per preset and tree core.
+
+    python benchmarks/sglang_throughput.py [--programs N] [--length L] [--repeat K]
+
+For each of the four real-target presets and both tree cores, the same seeded random programs
+run in three modes: "bare" (SGLang driven, no hooks), "hooks" (the ledger: every alloc, free and
+lock event recorded) and "audit" (hooks plus the per-step oracles: reachability, the accounting
+identity, the free-list replay check, lock balance at idle), the fuzzers' mode. One core
+(torch.set_num_threads(1)), process CPU time, best of --repeat rounds with the modes taking turns.
+Import and build costs are printed apart (they are paid once per process and once per program).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from kvaudit.bench import run_programs
+from kvaudit.program import random_program
+from kvaudit.targets.sglang_config import SGLANG_PRESETS
+
+MODES = (("bare", False, False), ("hooks", True, False), ("audit", True, True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--programs", type=int, default=100)
+    ap.add_argument("--length", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    from kvaudit.targets.sglang_boot import build, load
+    load()
+    print(f"import of SGLang's memory manager: {time.perf_counter() - t0:.2f} s")
+    rng = random.Random(args.seed)
+    progs = [random_program(rng, args.length, max_prompt=40) for _ in range(args.programs)]
+    print(f"{args.programs} programs of {args.length} ops, best of {args.repeat}, one core\n")
+    print("| preset | tree core | bare programs/s | hooks programs/s | audit programs/s | audit ops/s | "
+          "audit / bare time | build ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, preset in SGLANG_PRESETS.items():
+        for core in ("rust", "python"):
+            config = preset.config(tree_core=core)
+            build(config)  # the first build of a core in a process loads it
+            t = time.perf_counter()
+            for _ in range(10):
+                build(config)
+            build_ms = (time.perf_counter() - t) * 100
+            best: dict[str, float] = {}
+            ops = 0
+            for _ in range(args.repeat):
+                for mode, audit, oracles in MODES:
+                    secs, ops, _ = run_programs(config, progs, audit, oracles, False, False)
+                    best[mode] = min(best.get(mode, float("inf")), secs)
+            rate = {m: args.programs / s for m, s in best.items()}
+            print(f"| {name} | {core} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | "
+                  f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | {build_ms:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The real-SGLang target's configuration, probe and CLI errors: these run with or without SGLang."""
+
+import json
+
+import pytest
+
+from cli_helpers import invoke, one_error_line
+from kvaudit import replay
+from kvaudit.targets import config_from_dict
+from kvaudit.targets import sglang_boot
+from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
+
+
+def test_presets_cover_the_four_configurations():
+    assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session"}
+    assert SGLANG_PRESETS["sglang-paged"].config().page_size == 16
+    assert SGLANG_PRESETS["sglang-pd"].config().need_sort is True
+    assert SGLANG_PRESETS["sglang-session"].config().enable_streaming_session is True
+    assert SGLANG_PRESETS["sglang"].config(tree_core="python").tree_core == "python"
+
+
+def test_config_round_trips_and_dispatches_on_target():
+    cfg = SGLANG_PRESETS["sglang-pd"].config(bugs=frozenset({"lock-leak"}), tree_core="python")
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["target"] == "sglang"
+    assert config_from_dict(d) == cfg
+    assert type(config_from_dict({"preset": "default"})).__name__ == "EngineConfig"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"tree_core": "go"}, "tree_core"),
+    ({"num_slots": 8, "page_size": 16}, "num_slots"),
+    ({"new_token_ratio": 2}, "new_token_ratio"),
+    ({"need_sort": 1}, "need_sort"),
+])
+def test_bad_config_values_are_value_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SglangConfig(**bad)
+
+
+def test_unknown_fault_names_the_valid_ones():
+    with pytest.raises(UnknownFaultError) as e:
+        SglangConfig(bugs=frozenset({"nope"}))
+    for name in FAULTS:
+        assert name in str(e.value)
+
+
+def test_version_probe_refuses_missing_and_other_versions(monkeypatch):
+    monkeypatch.setattr(sglang_boot, "installed_version", lambda: None)
+    with pytest.raises(sglang_boot.SglangUnavailable, match="not installed.*requirements/sglang-cpu.txt"):
+        sglang_boot.probe_version()
+    monkeypatch.setattr(sglang_boot, "installed_version", lambda: "0.4.9")
+    with pytest.raises(sglang_boot.SglangUnavailable, match="SGLang 0.4.9 is installed.*drives only 0.5.23"):
+        sglang_boot.probe_version()
+
+
+def test_cli_says_in_one_line_when_sglang_cannot_be_driven(monkeypatch, tmp_path):
+    monkeypatch.setattr(sglang_boot, "_LOADED", None)
+    monkeypatch.setattr(sglang_boot, "installed_version", lambda: "0.4.9")
+    r = invoke("fuzz", "--target", "sglang", "--max-time", "1", "--out", str(tmp_path))
+    assert r.exit_code == 2
+    assert "drives only 0.5.23" in one_error_line(r)
+    # a replay file of the real target, on the same machine
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(replay.to_doc(SGLANG_PRESETS["sglang"].config(), [], [])))
+    r = invoke("replay", str(path))
+    assert r.exit_code == 2
+    assert "drives only 0.5.23" in one_error_line(r)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--target", "sglang", "--preset", "paged"], "unknown preset 'paged' for --target sglang"),
+    (["--target", "sglang", "--bug", "overlap-abort-double-free"], "unknown fault"),
+    (["--target", "sglang", "--model", "tiny"], "--model tiny is for the built-in engine"),
+    (["--target", "sglang", "--fuzzer", "atheris"], "atheris instruments the built-in engine only"),
+    (["--preset", "sglang-paged"], "add --target sglang"),
+    (["--tree-core", "python"], "--tree-core applies to --target sglang only"),
+])
+def test_cli_rejects_bad_target_flags(args, match, tmp_path, monkeypatch):
+    # the flag checks come before SGLang is imported: pretend it is loaded so they run everywhere
+    monkeypatch.setattr(sglang_boot, "load", lambda: None)
+    r = invoke("fuzz", *args, "--max-time", "1", "--out", str(tmp_path))
+    assert r.exit_code == 2, r.output
+    assert match in one_error_line(r)
+
+
+def test_replay_rejects_an_unknown_sglang_preset(tmp_path):
+    doc = replay.to_doc(SGLANG_PRESETS["sglang"].config(), [], [])
+    doc["config"]["preset"] = "default"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(replay.ReplayFormatError, match="unknown preset 'default'.*sglang-session"):
+        replay.load(str(path))

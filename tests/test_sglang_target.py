@@ -1,0 +1,254 @@
+"""The real-SGLang target: SGLang 0.5.23's own allocators, request pool, UnifiedRadixCache (both tree
+cores) and streaming sessions, driven on CPU (issue 8).
+
+* injected faults through the wrappers are caught on the real code;
+* the event sequences of the memory model's section 7.2 run clean, and take the path they name;
+* the hazards of its Appendix A, as programs, with what kvaudit sees.
+
+Skipped, with the install command, where SGLang is not installed.
+"""
+
+import json
+
+import pytest
+
+from kvaudit.targets.sglang_boot import installed_version
+
+if installed_version() != "0.5.23":
+    pytest.skip("SGLang 0.5.23 is not installed (pip install --no-deps -r requirements/sglang-cpu.txt)",
+                allow_module_level=True)
+
+from cli_helpers import invoke  # noqa: E402
+from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure,  # noqa: E402
+                             OpenSession, Step, Submit)
+from kvaudit.runner import AuditedRun, execute  # noqa: E402
+from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+CORES = ["rust", "python"]
+
+
+def cfg(preset="sglang", core="rust", **kw):
+    return SGLANG_PRESETS[preset].config(tree_core=core, **kw)
+
+
+def run_ops(config, ops):
+    """Run ``ops``; returns (findings, the run) with the run still open for inspection."""
+    run = AuditedRun(config)
+    for op in ops:
+        if run.apply(op):
+            break
+    return run.findings, run
+
+
+def kinds(findings):
+    return {(f.kind, f.pool) for f in findings}
+
+
+# -- bootstrap ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("preset", list(SGLANG_PRESETS))
+def test_objects_come_from_sglangs_own_factory(preset, core):
+    with AuditedRun(cfg(preset, core)) as run:
+        t = run.target
+        assert type(t.tree_cache).__name__ == "UnifiedRadixCache"
+        assert t.tree_core == ("RustUnifiedTreeCore" if core == "rust" else "UnifiedTreeCore")
+        want = "TokenToKVPoolAllocator" if t.config.page_size == 1 else "PagedTokenToKVPoolAllocator"
+        assert type(t.allocator).__name__ == want
+        assert t.allocator.need_sort is t.config.need_sort
+        assert t.allocator.__module__.startswith("sglang.")  # SGLang's code, not a copy
+
+
+# -- injected faults (must show) ------------------------------------------------------------------
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])
+def test_skipped_release_is_a_leak_at_an_sglang_site(preset, core):
+    findings, run = run_ops(cfg(preset, core, bugs=frozenset({"skip-release"})), [Submit(0, 20, 3), Idle()])
+    run.close()
+    assert ("leak", "req_to_token_pool") in kinds(findings)
+    kv = [f for f in findings if f.kind == "leak" and f.pool == "token_to_kv_pool"]
+    assert kv and all(f.indirect for f in kv)  # reachable only from the leaked row
+    row = next(f for f in findings if f.pool == "req_to_token_pool")
+    assert "sglang/srt/mem_cache" in row.alloc_sites[0].file.replace("\\", "/")
+    assert row.alloc_sites[0].function in ("alloc_req_slots", "alloc")
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])
+def test_second_free_is_a_double_free_sglang_accepts_silently(preset, core):
+    # the second request's KV duplicates the tree's, so its release frees slots: the fault frees them again
+    ops = [Submit(0, 20, 2), Idle(), Submit(0, 20, 2), Idle()]
+    findings, run = run_ops(cfg(preset, core, bugs=frozenset({"double-free"})), ops)
+    free = run.target.allocator.get_all_free_pages()
+    run.close()
+    df = [f for f in findings if f.kind == "double-free"]
+    assert df, findings
+    assert df[0].free_sites and df[0].prev_free_sites  # both frees, with their sites
+    assert free.unique().numel() < free.numel()  # SGLang took the page back twice, without a word
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_lock_never_released_is_a_lock_imbalance(core):
+    findings, run = run_ops(cfg("sglang", core, bugs=frozenset({"lock-leak"})), [Submit(0, 20, 3), Idle()])
+    run.close()
+    assert [f.kind for f in findings] == ["lock-imbalance"]
+    assert "0 live holder" in findings[0].message
+
+
+# -- section 7.2 event sequences, clean --------------------------------------------------------------
+SEQUENCES = {
+    "new request": [Submit(0, 20, 4), Idle()],
+    "shared prefix, whole pages": [Submit(1, 40, 2), Idle(), Submit(1, 44, 3), Idle()],
+    "shared prefix, partial page": [Submit(1, 21, 2), Idle(), Submit(1, 27, 3), Idle()],
+    "identical prompt": [Submit(2, 30, 2), Idle(), Submit(2, 30, 2), Submit(2, 30, 2), Idle()],
+    "extends an earlier request": [Submit(0, 20, 4), Step(3), Submit(1, 5, 3, extends=0), Idle()],
+    "max_new_tokens 1 and EOS at the first token": [Submit(0, 9, 1), Submit(1, 9, 8, stop_at=1), Idle()],
+    "health check idle, then busy": [HealthCheck(), Idle(), Submit(0, 20, 8), Step(1), HealthCheck(), Idle()],
+    "abort waiting, running, unknown and all": [Submit(0, 20, 8), Step(2), Submit(1, 20, 8), Abort(1), Abort(0),
+                                               Abort(7), Step(2), Submit(2, 9, 9), Step(2), Abort(None), Idle()],
+    "flush idle, and refused while busy": [Submit(0, 20, 2), Idle(), FlushCache(), Step(1), Submit(0, 20, 9),
+                                          Step(1), FlushCache(), Idle()],
+    "memory pressure retracts": [Submit(0, 20, 20), Submit(1, 20, 20), Step(3), MemoryPressure(), Step(2), Idle()],
+}
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("preset", list(SGLANG_PRESETS))
+@pytest.mark.parametrize("name", list(SEQUENCES))
+def test_event_sequence_runs_clean(name, preset, core):
+    ex = execute(cfg(preset, core), SEQUENCES[name])
+    assert ex.findings == [], [f.message for f in ex.findings]
+
+
+def test_sequences_take_the_paths_they_name():
+    def ran(ops, **kw):
+        findings, run = run_ops(cfg(**kw), ops)
+        assert findings == []
+        return run.target
+
+    t = ran(SEQUENCES["shared prefix, whole pages"], preset="sglang-paged")
+    assert t.tree_cache.evictable_size() >= 32  # both prompts' pages were published and shared
+    t = ran(SEQUENCES["memory pressure retracts"])
+    assert t.retractions == 1
+    t = ran(SEQUENCES["flush idle, and refused while busy"])
+    assert t.flushed() == 1  # the second flush came while busy: refused
+    t = ran(SEQUENCES["health check idle, then busy"])
+    assert [r for r in t.submitted if r.startswith("HEALTH_CHECK_")] == ["HEALTH_CHECK_0"]
+    # a small pool and optimistic admission: decode runs out and SGLang's retract_decode picks victims
+    t = ran([Submit(i, 30, 30) for i in range(6)] + [Idle()], num_slots=160, new_token_ratio=0.0)
+    assert t.retractions >= 1
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_session_turns_close_idle_and_deferred(core):
+    c = cfg("sglang-session", core)
+    # append after the previous turn finished, then close idle: the slot's KV is released at once
+    findings, run = run_ops(c, [OpenSession(), Submit(0, 12, 3, session=0), Idle(), Submit(1, 5, 3, session=0),
+                                Idle()])
+    t = run.target
+    assert findings == [] and len(t._slots()) == 1
+    run.apply(CloseSession(0))
+    assert run.findings == [] and t._slots() == []
+    run.close()
+    # close while the turn runs: deferred until the turn finishes (SessionController.maybe_reap)
+    findings, run = run_ops(c, [OpenSession(), Submit(0, 12, 9, session=0), Step(2), CloseSession(0)])
+    t = run.target
+    assert findings == [] and len(t._slots()) == 1 and t.running
+    run.apply(Idle())
+    assert run.findings == [] and t._slots() == []
+    run.close()
+    # an aborted turn hands the record back and is released like any request
+    ex = execute(c, [OpenSession(), Submit(0, 12, 3, session=0), Idle(), Submit(1, 5, 9, session=0), Step(2),
+                     Abort(0), Idle(), Submit(2, 4, 2, session=0), Idle(), CloseSession(0), Idle()])
+    assert ex.findings == []
+
+
+# -- Appendix A hazards ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("core", CORES)
+def test_hazard_a1_rejected_turn_clears_inflight_then_a_third_turn_shares_the_record(core):
+    """A.1: a turn rejected because one is in flight reaches matching, where find_active_slot calls
+    Session.abort_req() and clears _inflight; a third turn is then accepted and borrows the record the
+    running turn is extending (_free_tail on it): a decode slot of the running turn leaks."""
+    ops = [OpenSession(), Submit(0, 1, 5, session=0), Step(1), Submit(0, 1, 1, session=0), Step(1),
+           Submit(0, 4, 7, session=0), Idle()]
+    ex = execute(cfg("sglang-session", core), ops)
+    assert ("leak", "token_to_kv_pool") in kinds(ex.findings)
+    leak = next(f for f in ex.findings if f.kind == "leak")
+    assert leak.alloc_sites[0].function == "alloc_token_slots"
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_hazard_a1_rejected_turn_in_the_first_turns_batch_crashes_take(core):
+    """A.1, no slot yet: the rejected turn's own 1-token allocation goes through StreamingSession.take in
+    the same prefill batch as the first turn, and take() asserts: the scheduler would crash."""
+    ex = execute(cfg("sglang-session", core), [OpenSession(), Submit(0, 1, 1, session=0),
+                                               Submit(0, 1, 1, session=0), Idle()])
+    assert [f.kind for f in ex.findings] == ["crash"]
+    assert "already has a slot" in ex.findings[0].message
+    assert ex.findings[0].alloc_sites[0].function == "take"
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_hazard_a2_retracted_turn_keeps_the_record_and_a_new_turn_shares_it(core):
+    """A.2: retract_decode -> release_kv_cache -> try_cache_finished_req keeps the retracted turn's
+    record in the slot and clears _inflight; a new turn is accepted while the retracted one is queued,
+    and both run on one record: KV leaks."""
+    ops = [Submit(1, 8, 20), Step(3), OpenSession(), Submit(0, 12, 20, session=0), Step(2), MemoryPressure(),
+           Step(1), Submit(0, 4, 3, session=0), Step(1), Idle()]
+    findings, run = run_ops(cfg("sglang-session", core), ops)
+    assert run.target.retractions == 1
+    run.close()
+    assert ("leak", "token_to_kv_pool") in kinds(findings)
+
+
+def test_hazard_a5_identity_inside_a_free_group_sees_missing_slots():
+    """A.5: inside a free group (result processing) SGLang's identity is short by the frees not yet
+    applied; kvaudit records group frees at free_group_end and checks only at step boundaries."""
+    findings, run = run_ops(cfg(), [Submit(0, 20, 2), Step(2), Submit(0, 24, 8), Step(3)])
+    t = run.target
+    req = t.running[0]
+    t.allocator.free_group_begin()
+    t.S.common.release_kv_cache(req, t.tree_cache, checkpoint=False)
+    t.running.remove(req)
+    t.finished.add(req.rid)
+    inside = t.engine_check()
+    t.allocator.free_group_end()
+    after = t.engine_check()
+    assert findings == []
+    assert inside and "!= total" in inside[0]
+    assert after == []
+    run.apply(Idle())
+    assert run.findings == []
+    run.close()
+
+
+def test_hazard_a7_flush_drops_session_kv_and_the_next_turn_reprefills():
+    """A.7: flush_cache is allowed with a session holding KV (idle ignores sessions): the tree reset
+    drops the slot, and the next turn prefills its whole history again. Memory stays consistent."""
+    findings, run = run_ops(cfg("sglang-session"), [OpenSession(), Submit(0, 8, 2, session=0), Idle(),
+                                                    FlushCache(), Step(1)])
+    t = run.target
+    assert findings == [] and t.flushed() == 1 and t._slots() == []
+    run.apply(Submit(0, 4, 2, session=0))
+    run.apply(Idle())
+    assert run.findings == []
+    (sid, slot), = t._slots()
+    assert slot.kv.cache_protected_len == 14  # 8 prompt + 2 output + 4 new: all prefilled again
+    run.close()
+
+
+# -- CLI -------------------------------------------------------------------------------------------------
+def test_cli_fuzz_finds_an_injected_leak_and_replays_it(tmp_path):
+    out = tmp_path / "out"
+    r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-paged", "--tree-core", "python", "--bug",
+               "skip-release", "--max-time", "30", "--seed", "1", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    assert "leak" in r.stdout
+    files = list(out.glob("*.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    assert doc["config"]["target"] == "sglang" and doc["config"]["tree_core"] == "python"
+    assert "sglang/srt" in json.dumps(doc["findings"][0]["alloc_sites"])
+    r = invoke("replay", str(files[0]), "--check-determinism")
+    assert r.exit_code == 1, r.output
