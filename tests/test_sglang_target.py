@@ -9,6 +9,7 @@ Skipped, with the install command, where SGLang is not installed.
 """
 
 import json
+import os
 
 import pytest
 
@@ -19,6 +20,7 @@ if installed_version() != "0.5.23":
                 allow_module_level=True)
 
 from cli_helpers import invoke  # noqa: E402
+from kvaudit import replay  # noqa: E402
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure,  # noqa: E402
                              OpenSession, Step, Submit)
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
@@ -236,6 +238,28 @@ def test_hazard_a7_flush_drops_session_kv_and_the_next_turn_reprefills():
     (sid, slot), = t._slots()
     assert slot.kv.cache_protected_len == 14  # 8 prompt + 2 output + 4 new: all prefilled again
     run.close()
+
+
+# -- corpora/sglang: every finding kept there still reproduces -------------------------------------------
+CORPUS = os.path.join(os.path.dirname(__file__), "..", "corpora", "sglang")
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(CORPUS) if n.endswith(".json")))
+def test_every_sglang_finding_reproduces(name, core):
+    config, program, recorded, _ = replay.load(os.path.join(CORPUS, name))
+    assert config.target == "sglang"
+    ex = execute(config.replace(tree_core=core), program)
+    assert recorded[0].signature in ex.signatures
+    assert ex.ops_run == len(program)  # minimized: the finding comes at the last op
+
+
+def test_every_sglang_finding_has_a_written_analysis():
+    notes = open(os.path.join(CORPUS, "README.md")).read()
+    names = sorted(n for n in os.listdir(CORPUS) if n.endswith(".json"))
+    assert names
+    for name in names:
+        assert f"`{name}`" in notes, name
 
 
 # -- CLI -------------------------------------------------------------------------------------------------
