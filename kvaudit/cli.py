@@ -85,6 +85,11 @@ def _require_target(config) -> None:
             raise InputError(str(e)) from None
 
 
+def _sglang_version() -> str:
+    from kvaudit.targets.sglang_boot import installed_version
+    return installed_version() or "?"
+
+
 def _sglang_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
                    tree_core: str | None):
     from kvaudit.targets.sglang_config import SGLANG_PRESETS, UnknownFaultError
@@ -386,7 +391,8 @@ def _catch_sigint() -> None:
 @_restoring_sigint
 def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
          corpus_dir, use_seeds, suppress_file, outputs):
-    """Fuzz the built-in engine; confirm, minimize and report what it finds.
+    """Fuzz the built-in engine (or, with --target sglang, SGLang's own memory manager); confirm,
+    minimize and report what it finds.
 
     Without --corpus (and one worker) the search stops at the first finding and exits 1 with a
     replay file in --out, or 0 when the budget ends clean. With --corpus DIR, or --workers N > 1
@@ -419,7 +425,8 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     set_hypothesis_home_dir(os.path.join(target_dir, ".hypothesis"))  # not the user's cwd
     console, err = _console(), _console(stderr=True)
     stats = FuzzStats()
-    err.print(f"kvaudit fuzz: {fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
+    where = (f"target sglang {_sglang_version()} ({config.tree_core} tree core), " if target == "sglang" else "")
+    err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
               f"budget {max_time:g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
@@ -568,6 +575,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
                   f"{len(result.new)} new, {len(result.known)} known finding(s); corpus {corpus}", soft_wrap=True)
+    if s.executions == 0 and not result.interrupted:
+        err.print("warning: no program ran: the workers spent the budget starting up (importing SGLang takes "
+                  "about 6 s per worker); raise --max-time", soft_wrap=True)
     extra = {"fuzzer": fuzzer, "seed": seed, "workers": workers, "executions": s.executions, "ops": s.ops,
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
@@ -932,8 +942,12 @@ def presets():
     t = Table(title="presets")
     t.add_column("preset", no_wrap=True)
     t.add_column("description")
+    t.add_column("target", no_wrap=True)
     for p in PRESETS.values():
-        t.add_row(p.name, p.description)
+        t.add_row(p.name, p.description, "eut")
+    from kvaudit.targets.sglang_config import SGLANG_PRESETS
+    for p in SGLANG_PRESETS.values():
+        t.add_row(p.name, p.description, "sglang (--target sglang)")
     _console().print(t)
 
 
@@ -950,6 +964,14 @@ def bugs():
     console.print(t)
     for b in BUGS.values():
         console.print(Text.assemble((b.name, "bold"), f": {b.description}"))
+    from kvaudit.targets.sglang_config import FAULTS
+    f = Table(title="injected faults (--target sglang)")
+    f.add_column("fault", no_wrap=True)
+    f.add_column("finding")
+    f.add_column("what it does", overflow="fold")
+    for name, (kind, what) in FAULTS.items():
+        f.add_row(name, kind, what)
+    console.print(f)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ class Auditor:
         self.pending: list[Finding] = []
         self._sites: dict[tuple, int] = {}
         self._line_sites: dict[tuple[int, int], int] = {}  # (id(code), line) -> site id, fast mode
+        self._lasti_sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> site id, fast mode
         self._site_frames: list[tuple] = []
         self._undo: list[tuple[object, str]] = []
         self._owner_hint = getattr(target, "owner_hint", lambda frame_locals: None)
@@ -101,8 +102,10 @@ class Auditor:
         self._stop_vars = tuple(getattr(target, "owner_stop_vars", ()))
         self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()}
         self._skip_files |= {os.path.abspath(f) for f in getattr(target, "framework_files", list)()}
+        # files of the target that play the engine's part (a driver): sites, though under kvaudit/
+        self._engine_files = frozenset(os.path.abspath(f) for f in getattr(target, "engine_files", list)())
         self._info = Auditor._code_info_caches.setdefault(
-            (frozenset(self._skip_files), self._hint_vars, self._stop_vars), {})
+            (frozenset(self._skip_files), self._engine_files, self._hint_vars, self._stop_vars), {})
         for spec in target.pools():
             if hasattr(target, "install_pool"):  # a target whose allocator API differs wraps its own
                 target.install_pool(spec, self, self._wrap)
@@ -126,7 +129,8 @@ class Auditor:
         """``(is framework, owner lookup)``: lookup is 0 (nothing to see), ``STOP`` (a batch-level
         function: no single owner) or ``READ`` (read the owner from the frame's locals)."""
         fn = os.path.abspath(code.co_filename)
-        fw = fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
+        fw = (fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)) \
+            and fn not in self._engine_files
         names = code.co_varnames
         look = (_STOP if any(v in names for v in self._stop_vars)
                 else _READ if any(v in names for v in self._hint_vars) else 0)
@@ -140,19 +144,29 @@ class Auditor:
 
         Locals are read only in frames whose code has one of the target's ``owner_hint_vars``.
         """
-        cache, miss = self._info, self._code_info
         f = sys._getframe(2)
         if not self.full_stacks:  # the innermost engine frame only: enough for the signature
+            # keyed by the frame's instruction offset (f_lasti): the line number is computed only
+            # the first time an instruction is seen
+            sites = self._lasti_sites
             while f is not None:
-                code = f.f_code
-                if not (cache.get(id(code)) or miss(code))[0]:
-                    line = f.f_lineno
-                    sid = self._line_sites.get((id(code), line))
-                    if sid is None:
-                        sid = self._line_sites[id(code), line] = self._intern((((id(code), line),), None))
+                key = (id(f.f_code), f.f_lasti)
+                sid = sites.get(key)
+                if sid is None:
+                    code = f.f_code
+                    if (self._info.get(id(code)) or self._code_info(code))[0]:
+                        sid = sites[key] = -2  # a framework frame: look further out
+                    else:
+                        line = f.f_lineno
+                        sid = self._line_sites.get((id(code), line))
+                        if sid is None:
+                            sid = self._line_sites[id(code), line] = self._intern((((id(code), line),), None))
+                        sites[key] = sid
+                if sid != -2:
                     return sid
                 f = f.f_back
             return self._intern(((), None))
+        cache, miss = self._info, self._code_info
         frames, owner, looking, depth = [], None, OWNER_FRAMES, 0
         while f is not None and depth < STACK_DEPTH:
             code = f.f_code
@@ -225,10 +239,11 @@ class Auditor:
         self.events.append(ev)
         return ev
 
-    def on_alloc(self, pool: str, units, sid: int, expected_new: int | None = None) -> None:
+    def on_alloc(self, pool: str, units, sid: int, expected_new: int | tuple | None = None) -> None:
         """Record an allocation of ``units`` (a list or ``[n] int64`` array). Units the ledger already
         holds as allocated are continuations (a partly filled page) unless fewer than
-        ``expected_new`` fresh units came out of the pool: then the allocator handed one out twice."""
+        ``expected_new`` fresh units came out of the pool: then the allocator handed one out twice.
+        ``expected_new`` may be ``(allocator, available_size() before)``, counted only when needed."""
         led = self.ledgers[pool]
         ul, flags = _as_list(units), led.flags
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
@@ -240,6 +255,8 @@ class Auditor:
         fresh = units
         if held.any():
             fresh = units[~held]
+            if isinstance(expected_new, tuple):  # (allocator, its available size before): count now
+                expected_new = (expected_new[1] - expected_new[0].available_size()) // led.spec.page_size
             if expected_new is None:
                 expected_new = units.size
             if fresh.size < expected_new or not units.all():
@@ -393,8 +410,7 @@ class Auditor:
                 finally:
                     depth[0] -= 1
                 if out is not None and out.numel():
-                    self.on_alloc(pool, to_units(out), self.capture_site(),
-                                  expected_new=(before - obj.available_size()) // ps)
+                    self.on_alloc(pool, to_units(out), self.capture_site(), expected_new=(obj, before))
                 return out
 
             self._wrap(obj, name, alloc_wrapper)

@@ -77,7 +77,15 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         if private_units and not scan_only:
             cat = np.concatenate(private_units)
             private[cat] = True
-            if np.count_nonzero(private) != cat.size:  # some unit is privately owned twice
+            if private[0]:  # a row names the reserved unit 0: positions counted as allocated, never filled
+                who = sorted({r.owner for r in by_pool[pool] if r.private and (r.units == 0).any()})
+                last = next((e for e in reversed(auditor.events) if e.pool == pool and e.kind == "alloc"), None)
+                pool_findings.append(auditor._unit_finding(  # located at the pool's latest allocation
+                    "aliasing", pool, np.zeros(1, dtype=np.int64),
+                    f"the reserved unit 0 (padding) is referenced by {', '.join(who[:3])}: positions its record "
+                    "counts as allocated that no allocation filled (or another owner's writes displaced)",
+                    alloc_sid=last.site if last is not None else None))
+            elif np.count_nonzero(private) != cat.size:  # some unit is privately owned twice
                 alias = np.flatnonzero(np.bincount(cat, minlength=n) > 1)
                 pool_findings.extend(_group_by_site(auditor, "aliasing", pool, alias,
                                                     "privately owned by more than one root"))

@@ -158,7 +158,8 @@ class AuditedRun:
                 self.target.apply(op)  # only queues a message: no memory moves until a step
                 found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
-            found = [_crash_finding(exc, self.ops_run - 1, self.target.steps)]
+            found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
+                                    getattr(self.target, "engine_files", list)())]
         found = sift(found)
         self.findings.extend(found)
         return found
@@ -182,10 +183,13 @@ class AuditedRun:
         self.close()
 
 
-def _crash_finding(exc: BaseException, op_index: int, step: int) -> Finding:
+def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()) -> Finding:
+    """The crash as a finding: its stack without kvaudit's frames, except a target's ``engine_files``
+    (a driver that plays the engine's scheduler)."""
     tb = traceback.extract_tb(exc.__traceback__)
+    keep = {os.path.abspath(f) for f in engine_files}
     frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip()) for fr in reversed(tb)
-              if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)]
+              if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
     return Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
                    op_index=op_index, step=step,
                    traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))

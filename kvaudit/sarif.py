@@ -230,7 +230,7 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
     return loc
 
 
-def _anchor(kind: str) -> Site:
+def _anchor(kind: str, target: str = "eut") -> Site:
     """Where a finding without any usable frame is shown. Code scanning rejects a result without
     a location, and these findings (accounting drift, liveness, hang, a crash with no frame in
     the repository) are about the engine's state, not one line of it, so they are anchored on
@@ -240,12 +240,16 @@ def _anchor(kind: str) -> Site:
     The line is looked up in the current source, so the anchor follows edits; if that fails,
     line 1 of ``engine_under_test/scheduler.py``. The result says so in its message and in
     ``properties.locationIsFallback``."""
+    owner = Scheduler
     method = "check_memory" if kind in ("accounting-drift", "lock-imbalance") else "step"
+    if target == "sglang":  # the real-SGLang target: its driver plays the scheduler (SGLang is not in the repo)
+        from kvaudit.targets.sglang_target import SglangTarget as owner
+        method = "engine_check" if method == "check_memory" else method
     try:
-        fn = getattr(Scheduler, method)
+        fn = getattr(owner, method)
         line = inspect.getsourcelines(fn)[1]
         path = _norm(portable_path(inspect.getsourcefile(fn) or ""))
-        site = Site(path, line, f"Scheduler.{method}")
+        site = Site(path, line, f"{owner.__name__}.{method}")
         if in_repo(site):
             return site
     except (AttributeError, OSError, TypeError):
@@ -283,7 +287,7 @@ def _units_line(f: Finding) -> str:
     return f"{word.capitalize()}: {shown}."
 
 
-def _result(f: Finding, rule_index: int, level: str) -> dict:
+def _result(f: Finding, rule_index: int, level: str, target: str = "eut") -> dict:
     stacks = _labelled_stacks(f)
     key = primary_stack(f)
     primary_label = next((label for k, label, _ in stacks if k == key), None)
@@ -294,7 +298,7 @@ def _result(f: Finding, rule_index: int, level: str) -> dict:
         primary = next((s for _, _, frames in stacks for s in frames if in_repo(s)), None)
     fallback = primary is None
     if fallback:
-        primary = _anchor(f.kind)
+        primary = _anchor(f.kind, target)
 
     related: list[dict] = []
     links: list[str] = []
@@ -372,7 +376,8 @@ def to_sarif(findings: list[Finding], config=None) -> dict:
     run: dict = {
         "tool": {"driver": {"name": "kvaudit", "version": kvaudit.__version__,
                             "semanticVersion": kvaudit.__version__, "rules": rule_list}},
-        "results": [_result(f, index[f.kind], rule_list[index[f.kind]]["defaultConfiguration"]["level"])
+        "results": [_result(f, index[f.kind], rule_list[index[f.kind]]["defaultConfiguration"]["level"],
+                            getattr(config, "target", "eut"))
                     for f in findings],
     }
     if config is not None:

@@ -34,6 +34,10 @@ _POW = _powers(_BASE, _MAX_LEN)
 _POW_INV = _powers(_BASE_INV, _MAX_LEN)
 
 
+_PROMPT_TAGS: dict[tuple, tuple[np.ndarray, int]] = {}  # prompt tokens -> (their tags, h of the last)
+_PROMPT_TAGS_MAX = 4096
+
+
 class ShadowKV:
     """Per-pool tag arrays, ``[num_slots] int64`` each, indexed by token slot."""
 
@@ -74,6 +78,15 @@ class ShadowKV:
             elif length == n:
                 return tags[:n]
         if have is None:
+            # a new request: prompts repeat (shared families, resent histories), and a tag is a pure
+            # function of the tokens, so whole prompts are cached process-wide
+            key = tuple(origin) if not output and not future else None
+            hit = _PROMPT_TAGS.get(key) if key is not None else None
+            if hit is not None:
+                tags = np.zeros(max(16, 2 * n), dtype=np.int64)
+                tags[:n] = hit[0]
+                self._prefix[id(owner)] = [owner, tags, n, origin[-1] if n else None, hit[1]]
+                return tags[:n]
             tags, length, h = np.zeros(max(16, n), dtype=np.int64), 0, 0
             have = self._prefix[id(owner)] = [owner, tags, 0, None, 0]  # owner kept: ids stay unique
         if n > tags.size:
@@ -96,6 +109,10 @@ class ShadowKV:
         p = n - 1
         have[2], have[4] = n, h
         have[3] = (origin[p] if p < n0 else output[p - n0] if p < n01 else future[p - n01]) if n else None
+        if length == 0 and n and not output and not future:
+            if len(_PROMPT_TAGS) >= _PROMPT_TAGS_MAX:
+                _PROMPT_TAGS.clear()
+            _PROMPT_TAGS[tuple(origin)] = (tags[:n].copy(), h)
         return tags[:n]
 
     @staticmethod

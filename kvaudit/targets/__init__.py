@@ -22,4 +22,6 @@ def config_from_dict(d: dict):
     from engine_under_test import EngineConfig
     if is_sglang_config(d):
         return SglangConfig.from_dict(d)
-    return EngineConfig.from_dict(d)
+    if isinstance(d, dict) and d.get("target", "eut") != "eut":
+        raise ValueError(f"unknown target {d['target']!r} (valid: eut, sglang)")
+    return EngineConfig.from_dict({k: v for k, v in d.items() if k != "target"} if isinstance(d, dict) else d)

@@ -54,6 +54,9 @@ class SglangTarget:
         self.model_config, self.tree_core = o.model_config, o.tree_core
         self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
         self.steps = 0
+        # TpModelWorker: max_req_len = min(context_len - 1, pool tokens - 1), inputs 5 tokens shorter
+        self.max_req_len = min(config.context_len - 1, config.total_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
         self.waiting: list = []  # Scheduler.waiting_queue
         self.running: list = []  # Scheduler.running_batch.reqs
         self.submitted: list[str] = []
@@ -79,6 +82,11 @@ class SglangTarget:
     # -- observer: hooks ---------------------------------------------------------------------
     def pools(self) -> list[PoolSpec]:
         return self._pools
+
+    def engine_files(self) -> list[str]:
+        """This driver plays SGLang's scheduler: its frames are sites like SGLang's own (a free the
+        driver makes itself, as flush_cache's clear(), is located here, not in kvaudit's runner)."""
+        return [__file__]
 
     def framework_files(self) -> list[str]:
         """Allocator-internal files: a site's innermost frame is the first frame outside these."""
@@ -299,7 +307,7 @@ class SglangTarget:
     def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
                 rid_prefix: str = "r") -> None:
         """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
-        turn; a session that is closing or gone gets an aborted request, as there."""
+        turn; then its length checks."""
         S, cfg = self.S, self.config
         rid = f"{rid_prefix}{self._n}"
         self._n += 1
@@ -307,7 +315,7 @@ class SglangTarget:
         sp.normalize(None)
         ids = array("q", prompt)
         sc = self.session_controller
-        if sid is not None and sid in sc and not sc.get(sid).close_on_finish:
+        if sid is not None:  # an open session (closed ones leave self.sessions at once)
             recv = S.TokenizedGenerateReqInput(
                 input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
@@ -315,8 +323,20 @@ class SglangTarget:
             req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
         else:
             req = S.Req(rid, "", ids, sp, vocab_size=cfg.vocab_size, eos_token_ids={EOS})
-            if sid is not None:
-                req.set_finish_with_abort(f"Invalid request: session {sid} is closing or closed")
+        # Scheduler.init_req_max_new_tokens and validate_input_length: a turn whose history no longer
+        # fits the context is aborted at intake, before it can reach a row
+        input_len = len(req.origin_input_ids)
+        max_new = max(0, min(req.sampling_params.max_new_tokens, self.max_req_len - input_len - 1))
+        max_new = self.allocator.max_new_tokens_for_memory(input_len, max_new, token_capacity=cfg.total_tokens,
+                                                           sliding_window_size=None, chunk_size=None)
+        req.sampling_params.max_new_tokens = max_new or 0
+        error = None  # managers/utils.py::validate_input_length, without auto-truncation (its default)
+        if input_len >= self.max_req_input_len:
+            error = f"Input length ({input_len} tokens) exceeds the maximum allowed length ({self.max_req_input_len} tokens)."
+        elif max_new is None:
+            error = "the prompt cannot fit in the KV pool"
+        if error is not None and req.to_finish is None:
+            req.set_finish_with_abort(error)
         req.kvaudit_stop_at = stop_at
         self.submitted.append(rid)
         self.waiting.append(req)  # Scheduler._add_request_to_queue
@@ -386,30 +406,31 @@ class SglangTarget:
         if not self.waiting or len(self.running) >= cfg.max_running_requests:
             return False
         budget = self.allocator.create_prefill_budget(cache)
-        budget.total_offset += int(cfg.new_token_ratio * sum(
-            max(0, r.sampling_params.max_new_tokens - len(r.output_ids)) for r in self.running))
-        admitted, rows = [], self.req_to_token_pool.available_size()
+        # PrefillAdder: the running requests' remaining decode tokens, scaled by new_token_ratio
+        budget.total_offset += sum(max(0, int(r.sampling_params.max_new_tokens * cfg.new_token_ratio)
+                                          - len(r.output_ids)) for r in self.running)
+        overhead = cfg.page_size  # PrefillAdder.per_req_token_overhead
+        admitted = []
         for req in list(self.waiting):
-            if len(self.running) + len(admitted) >= cfg.max_running_requests:
+            # get_num_allocatable_reqs, before the match: free rows plus rows the admitted ones hold
+            held = sum(r.kv.holds_kv for r in admitted)
+            if len(admitted) >= min(cfg.max_running_requests - len(self.running),
+                                    self.req_to_token_pool.available_size() + held):
                 break
             req.init_next_round_input(cache)
-            if not req.kv.holds_kv:
-                if rows == 0:
-                    break
             req.extend_end = len(req.full_untruncated_fill_ids)
             ext = req.extend_end - req.prefix_len
             max_new = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
             lock = cache.lock(req.last_node)
-            ok, _ = budget.check_prefill(extend_input_len=ext, total_tokens=self._ceil(ext) + max_new,
+            ok, _ = budget.check_prefill(extend_input_len=ext, total_tokens=ext + max_new + overhead,
                                          max_new_tokens=max_new, input_tokens=req.extend_end, swa_host_hit_length=0,
                                          chunk_limit=None)
-            if not (ok and budget.can_allocate_prefill(paged_input=self._ceil(ext), extend_input_len=ext,
+            if not (ok and budget.can_allocate_prefill(paged_input=self._ceil(ext) + overhead, extend_input_len=ext,
                                                        max_new_tokens=max_new, chunk_limit=None)):
                 cache.unlock(lock)
                 break
             req.lock = lock
             budget.reserve(ext, max_new)
-            rows -= 0 if req.kv.holds_kv else 1
             admitted.append(req)
             self.waiting.remove(req)
         if not admitted:
@@ -424,6 +445,8 @@ class SglangTarget:
         batch.orig_seq_lens = batch.seq_lens.clone()
         batch.extend_num_tokens = sum(batch.extend_lens)
         S.allocation.alloc_for_extend(batch)
+        for req in admitted:  # the batch's seq_lens, carried into decode (prepare_for_decode adds 1 a step)
+            req.kvaudit_seq_len = req.extend_end
         self.allocator.free_group_begin()  # process_batch_result_prefill frees inside one free group
         for req in admitted:
             req.output_ids.append(self._sample(req))
@@ -449,7 +472,7 @@ class SglangTarget:
         rows = [r.kv.req_pool_idx for r in self.running]
         batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
         batch.req_pool_indices = batch.req_pool_indices_cpu.to(batch.device)
-        batch.seq_lens_cpu = torch.tensor([r.kv.kv_committed_len for r in self.running], dtype=torch.int64)
+        batch.seq_lens_cpu = torch.tensor([r.kvaudit_seq_len for r in self.running], dtype=torch.int64)
         batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
         batch.orig_seq_lens = batch.seq_lens.clone()
         batch.sampling_info = _NoSampling()
@@ -465,6 +488,8 @@ class SglangTarget:
             if not batch.reqs:
                 return
         S.allocation.alloc_for_decode(batch, 1)
+        for req in batch.reqs:
+            req.kvaudit_seq_len += 1
         self.allocator.free_group_begin()  # process_batch_result_decode, as above
         for req in batch.reqs:
             req.output_ids.append(self._sample(req))
