@@ -61,3 +61,19 @@ def test_read_reports_the_mismatching_positions():
     shadow.write("pool", slots[3:], want[:1])
     bad, what = shadow.read("pool", slots, want)
     assert bad.tolist() == [3] and what == "written for another token prefix"
+
+
+def test_a_repeated_prompt_comes_from_the_cache_and_grows_on_its_own():
+    """Prompts are cached process-wide (a tag is a pure function of the tokens): a second request
+    with the same prompt gets equal tags in its own array, and each grows independently."""
+    prompt = [(5 * i + 1) % 89 for i in range(37)]
+    first, second = ShadowKV({}), ShadowKV({})  # two runs: the cache outlives a run
+    a, b = Owner(), Owner()
+    ta = first.request_tags(a, prompt).copy()
+    tb = second.request_tags(b, prompt)
+    assert tb.tolist() == ta.tolist() == reference(prompt)
+    out_a, out_b = [3], [4, 8]
+    assert first.request_tags(a, prompt, out_a).tolist() == reference(prompt + out_a)
+    assert second.request_tags(b, prompt, out_b[:1]).tolist() == reference(prompt + out_b[:1])
+    assert second.request_tags(b, prompt, out_b).tolist() == reference(prompt + out_b)
+    assert first.request_tags(a, prompt, out_a).tolist() == reference(prompt + out_a)  # untouched by b
