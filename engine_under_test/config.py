@@ -35,8 +35,47 @@ class UnknownPresetError(ValueError):
     """Raised for a preset name that is not in :data:`PRESETS`."""
 
 
+class ConfigBase:
+    """What every target's config shares: a frozen dataclass with ``num_slots``, ``page_size`` and a
+    ``bugs`` set, and its JSON form (a replay file's ``config``). ``BUGS_NOUN`` names the bugs in errors."""
+
+    BUGS_NOUN = "bug names"
+
+    @property
+    def num_pages(self) -> int:
+        """Device KV pages, excluding the reserved page 0."""
+        return self.num_slots // self.page_size
+
+    @property
+    def total_tokens(self) -> int:
+        """Usable device KV slots (``max_total_num_tokens``), whole pages only."""
+        return self.num_pages * self.page_size
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["bugs"] = sorted(self.bugs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """Build a config from :meth:`to_dict` output. Raises ``TypeError``/``ValueError`` on bad keys."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown config key {unknown[0]!r}")
+        d = dict(d)
+        if "bugs" in d:
+            if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
+                raise ValueError(f"bugs must be a list of {cls.BUGS_NOUN}")
+            d["bugs"] = frozenset(d["bugs"])
+        return cls(**d)
+
+
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(ConfigBase):
     """Everything that decides how the engine allocates and releases memory.
 
     Sizes are in tokens unless the name says otherwise. ``num_slots`` is the device KV pool
@@ -125,50 +164,23 @@ class EngineConfig:
             raise ValueError("context_len must be >= 2")
 
     @property
-    def num_pages(self) -> int:
-        """Device KV pages, excluding the reserved page 0."""
-        return self.num_slots // self.page_size
-
-    @property
-    def total_tokens(self) -> int:
-        """Usable device KV slots (``max_total_num_tokens``), whole pages only."""
-        return self.num_pages * self.page_size
-
-    @property
     def is_pd_decode(self) -> bool:
         return self.disaggregation_mode == "decode"
 
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["bugs"] = sorted(self.bugs)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EngineConfig":
-        """Build a config from :meth:`to_dict` output. Raises ``TypeError``/``ValueError`` on bad keys."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown config key {unknown[0]!r}")
-        d = dict(d)
-        if "bugs" in d:
-            if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
-                raise ValueError("bugs must be a list of bug names")
-            d["bugs"] = frozenset(d["bugs"])
-        return cls(**d)
 
 
 @dataclass(frozen=True)
 class Preset:
+    """A named configuration: ``overrides`` on the defaults of ``config_class`` (a frozen dataclass
+    with a ``preset`` field; :class:`EngineConfig` unless a target brings its own)."""
+
     name: str
     description: str
     overrides: dict
+    config_class: type = EngineConfig
 
-    def config(self, **changes) -> EngineConfig:
-        return EngineConfig(preset=self.name, **{**self.overrides, **changes})
+    def config(self, **changes):
+        return self.config_class(preset=self.name, **{**self.overrides, **changes})
 
 
 PRESETS: dict[str, Preset] = {

@@ -611,13 +611,18 @@ def _write_file(path, config, program, findings, **extra) -> str:
         raise InputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _load_replay(file: str, suppress_file: str | None):
+def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = None):
     """(config, program, recorded findings, suppressions) of a replay file named on the command
-    line; a bad file, suppression file or device is an input error."""
+    line; a bad file, suppression file or device is an input error. ``tree_core`` overrides a
+    real-SGLang file's tree core."""
     try:
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:
         raise InputError(str(e)) from None
+    if tree_core is not None:
+        if getattr(config, "target", "eut") != "sglang":
+            raise InputError("--tree-core applies to replay files of --target sglang only")
+        config = config.replace(tree_core=tree_core)
     sset = _suppressions(suppress_file)
     _check_device(config.device)
     _require_target(config)
@@ -632,13 +637,15 @@ def _load_replay(file: str, suppress_file: str | None):
                    "event) and findings; exit 3 if any run differs.")
 @click.option("--runs", type=click.IntRange(min=2, max=1000), default=CONFIRM_RUNS, show_default=True,
               help="Runs for --check-determinism.")
+@click.option("--tree-core", type=click.Choice(["rust", "python"]), default=None,
+              help="A --target sglang file: run it with this UnifiedRadixCache tree core instead of its own.")
 @output_options
-def replay_cmd(file, suppress_file, check_determinism, runs, outputs):
+def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
     (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
     With --html or --json the program runs once more, to record the pool occupancy."""
     _outputs((file, suppress_file), **vars(outputs))
-    config, program, recorded, sset = _load_replay(file, suppress_file)
+    config, program, recorded, sset = _load_replay(file, suppress_file, tree_core)
     ex = execute(config, program, suppressions=sset)
     console = _console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)

@@ -286,3 +286,13 @@ def test_cli_fuzz_finds_an_injected_leak_and_replays_it(tmp_path):
     assert "sglang/srt" in json.dumps(doc["findings"][0]["alloc_sites"])
     r = invoke("replay", str(files[0]), "--check-determinism")
     assert r.exit_code == 1, r.output
+
+
+def test_cli_replays_a_corpus_file_with_the_other_tree_core(tmp_path):
+    path = os.path.join(CORPUS, "uaf-deferred-close-after-rejected-turn.json")
+    r = invoke("replay", path, "--tree-core", "python")
+    assert r.exit_code == 1, r.output
+    assert "use-after-free" in r.stdout
+    bad = invoke("replay", os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions",
+                                        "session-tail-not-trimmed.json"), "--tree-core", "python")
+    assert bad.exit_code == 2 and "--tree-core applies to replay files of --target sglang only" in bad.stderr

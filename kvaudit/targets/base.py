@@ -79,3 +79,11 @@ class Target(Protocol):
     #                                             batch-level frame with no single owner;
     #   lock_balance() -> [(node, slots, lock_ref, holders)]   mismatched tree locks;
     #   describe_busy() -> str                    what keeps the engine from idling (hang reports).
+
+
+def kv_length_problems(reqs) -> list[str]:
+    """SGLang invariant 6 for each live request ``reqs`` (objects with ``rid`` and ``kv``, a
+    ``ReqKvInfo``): ``0 <= kv_committed_len <= kv_allocated_len``; one line per violation."""
+    return [f"[req_to_token_pool] req:{r.rid} kv_committed_len={r.kv.kv_committed_len} > "
+            f"kv_allocated_len={r.kv.kv_allocated_len}"
+            for r in reqs if not 0 <= r.kv.kv_committed_len <= r.kv.kv_allocated_len]

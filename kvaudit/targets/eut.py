@@ -15,7 +15,7 @@ import torch
 from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit,
                              prompt_tokens)
-from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems
 
 
 class SessionRecords:
@@ -254,12 +254,7 @@ class EutTarget:
         holders = 0 if eng.session_controller is None else len(eng.session_controller.slots())
         if m["num_streaming_sessions"] < holders:
             out.append(f"[sessions] num_streaming_sessions={m['num_streaming_sessions']} but {holders} sessions hold KV")
-        for req in eng.requests_owning_rows():
-            kv = req.kv
-            if not 0 <= kv.kv_committed_len <= kv.kv_allocated_len:
-                out.append(f"[req_to_token_pool] req:{req.rid} kv_committed_len={kv.kv_committed_len} > "
-                           f"kv_allocated_len={kv.kv_allocated_len}")
-        return out
+        return out + kv_length_problems(eng.requests_owning_rows())
 
     def step(self) -> None:
         self.steps += 1

@@ -6,8 +6,9 @@ on machines where SGLang is not installed, and says so in one line only when a r
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+
+from engine_under_test.config import ConfigBase, Preset
 
 # Faults the target can inject through its wrappers, to show the oracles see them on SGLang's own
 # code (issue 8's "must show"). Each fires once, on the first chance it gets.
@@ -30,7 +31,7 @@ class UnknownFaultError(ValueError):
 
 
 @dataclass(frozen=True)
-class SglangConfig:
+class SglangConfig(ConfigBase):
     """How the real SGLang 0.5.23 memory manager is built and driven.
 
     Sizes are in tokens: ``num_slots`` is the KV pool (``max_total_num_tokens``), rounded down to
@@ -58,6 +59,8 @@ class SglangConfig:
     seed: int = 0
     preset: str = "custom"
     target: str = "sglang"
+
+    BUGS_NOUN = "fault names"
 
     # what the generators and reports read from any config
     disable_radix_cache = False
@@ -96,56 +99,20 @@ class SglangConfig:
         if unknown:
             raise UnknownFaultError(unknown[0])
 
-    @property
-    def num_pages(self) -> int:
-        return self.num_slots // self.page_size
 
-    @property
-    def total_tokens(self) -> int:
-        return self.num_pages * self.page_size
-
-    def replace(self, **changes) -> "SglangConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["bugs"] = sorted(self.bugs)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SglangConfig":
-        """Build a config from :meth:`to_dict` output. Raises ``ValueError`` on unknown keys or values."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown config key {unknown[0]!r}")
-        d = dict(d)
-        if "bugs" in d:
-            if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
-                raise ValueError("bugs must be a list of fault names")
-            d["bugs"] = frozenset(d["bugs"])
-        return cls(**d)
+def _preset(name: str, description: str, overrides: dict) -> Preset:
+    return Preset(name, description, overrides, config_class=SglangConfig)
 
 
-@dataclass(frozen=True)
-class SglangPreset:
-    name: str
-    description: str
-    overrides: dict
-
-    def config(self, **changes) -> SglangConfig:
-        return SglangConfig(preset=self.name, **{**self.overrides, **changes})
-
-
-SGLANG_PRESETS: dict[str, SglangPreset] = {
+SGLANG_PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
-        SglangPreset("sglang", "SGLang's UnifiedRadixCache over TokenToKVPoolAllocator, page 1, 512 slots", {}),
-        SglangPreset("sglang-paged", "PagedTokenToKVPoolAllocator with 16-token pages, 1024 slots",
+        _preset("sglang", "SGLang's UnifiedRadixCache over TokenToKVPoolAllocator, page 1, 512 slots", {}),
+        _preset("sglang-paged", "PagedTokenToKVPoolAllocator with 16-token pages, 1024 slots",
                      {"page_size": 16, "num_slots": 1024}),
-        SglangPreset("sglang-pd", "need_sort=True (the allocator flag of PD disaggregation), page 4, small pool",
+        _preset("sglang-pd", "need_sort=True (the allocator flag of PD disaggregation), page 4, small pool",
                      {"need_sort": True, "page_size": 4, "num_slots": 256}),
-        SglangPreset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
+        _preset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
                      {"enable_streaming_session": True, "context_len": 96}),
     ]
 }

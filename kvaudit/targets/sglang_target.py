@@ -24,7 +24,7 @@ import torch
 
 from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit, \
     prompt_tokens
-from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems
 from kvaudit.targets.sglang_boot import build, load
 from kvaudit.targets.sglang_config import SglangConfig
 
@@ -634,21 +634,9 @@ class SglangTarget:
         }
 
     def metrics_check(self) -> list[str]:
-        """The free lists against kvaudit's event log (a free path that bypasses the wrappers shows here),
-        and every live record's ``0 <= kv_committed_len <= kv_allocated_len``."""
-        out = []
-        free = self.allocator.get_all_free_pages().cpu().numpy()
-        if np.unique(free).size != free.size:
-            out.append(f"[token_to_kv_pool] the free list names {free.size - np.unique(free).size} page(s) twice")
-        rows = np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)
-        if np.unique(rows).size != rows.size:
-            out.append(f"[req_to_token_pool] the free row list names {rows.size - np.unique(rows).size} row(s) twice")
-        for req in self._live():
-            kv = req.kv
-            if not 0 <= kv.kv_committed_len <= kv.kv_allocated_len:
-                out.append(f"[req_to_token_pool] req:{req.rid} kv_committed_len={kv.kv_committed_len} > "
-                           f"kv_allocated_len={kv.kv_allocated_len}")
-        return out
+        """Every live record's ``0 <= kv_committed_len <= kv_allocated_len`` (the free lists are checked
+        against the event log by the oracles, through :meth:`free_lists`)."""
+        return kv_length_problems(self._live())
 
     def free_lists(self) -> dict[str, np.ndarray]:
         """Each pool's free list as SGLang holds it (``get_all_free_pages``, ``free_slots``), for the
