@@ -11,8 +11,9 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_four_configurations():
-    assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session"}
+def test_presets_cover_the_five_configurations():
+    assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap"}
+    assert SGLANG_PRESETS["sglang-overlap"].config().enable_overlap is True
     assert SGLANG_PRESETS["sglang-paged"].config().page_size == 16
     assert SGLANG_PRESETS["sglang-pd"].config().need_sort is True
     assert SGLANG_PRESETS["sglang-session"].config().enable_streaming_session is True

@@ -214,6 +214,37 @@ def test_hazard_a2_retracted_turn_keeps_the_record_and_a_new_turn_shares_it(core
     assert ("leak", "token_to_kv_pool") in kinds(findings)
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_hazard_a6_overlap_allocates_decode_for_a_finished_request_and_release_frees_it(core, monkeypatch):
+    """A.6, overlap one-step lag: a request that samples EOS in batch N still gets a decode slot in
+    batch N+1 (its result is not in yet), one slot more than without overlap; release_kv_cache counts
+    it in owned_kv_len and frees or caches it with the rest. An abort whose request's result is queued
+    ends the request there. Both clean."""
+    from kvaudit.targets.sglang_boot import load
+
+    common = load().common  # SGLang's mem_cache/common.py (imported behind the stubs)
+    seen = []
+    real = common._release_overallocated_kv_indices
+
+    def spy(req, owned, allocated, tree_cache):
+        seen.append((owned, allocated))
+        return real(req, owned, allocated, tree_cache)
+
+    monkeypatch.setattr(common, "_release_overallocated_kv_indices", spy)
+    ops = [Submit(0, 20, 8, stop_at=2), Submit(1, 9, 8), Idle()]
+    ex = execute(cfg("sglang-overlap", core), ops)
+    assert ex.findings == []
+    overlap_first = seen[0]
+    seen.clear()
+    assert execute(cfg("sglang-overlap", core, enable_overlap=False), ops).findings == []
+    plain_first = seen[0]
+    assert overlap_first[1] == plain_first[1] + 1  # the lag's decode slot for the EOS position
+    assert overlap_first[0] <= overlap_first[1]
+    # an abort that lands while the request's batch is in flight (its result queued)
+    ex = execute(cfg("sglang-overlap", core), [Submit(0, 20, 8), Step(1), Abort(0), Step(1), Abort(None), Idle()])
+    assert ex.findings == []
+
+
 def test_hazard_a5_identity_inside_a_free_group_sees_missing_slots():
     """A.5: inside a free group (result processing) SGLang's identity is short by the frees not yet
     applied; kvaudit records group frees at free_group_end and checks only at step boundaries."""

@@ -53,6 +53,7 @@ class SglangConfig(ConfigBase):
     context_len: int = 128
     new_token_ratio: float = 0.5
     enable_streaming_session: bool = False
+    enable_overlap: bool = False  # event_loop_overlap: a batch's result is processed one step later
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -73,7 +74,7 @@ class SglangConfig(ConfigBase):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("need_sort", "enable_streaming_session"):
+        for name in ("need_sort", "enable_streaming_session", "enable_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -114,6 +115,9 @@ SGLANG_PRESETS: dict[str, Preset] = {
                      {"need_sort": True, "page_size": 4, "num_slots": 256}),
         _preset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
                      {"enable_streaming_session": True, "context_len": 96}),
+        _preset("sglang-overlap", "overlap scheduling (event_loop_overlap): each batch's result is processed "
+                                  "one step after the next batch is allocated; page 4",
+                {"enable_overlap": True, "page_size": 4}),
     ]
 }
 

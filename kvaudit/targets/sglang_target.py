@@ -67,6 +67,7 @@ class SglangTarget:
         self._force_retract = False
         self._flushes = 0
         self._held: dict[str, tuple] = {}
+        self._last: tuple[str, list] | None = None  # overlap: the batch whose result is still to process
         self.retractions = 0  # requests retract_decode took out of the running batch
         self._intake = None
         self._faults = set(config.bugs)  # each fires once
@@ -352,7 +353,7 @@ class SglangTarget:
                     req.session.abort_req()
                 self.finished.add(rid)
                 return
-        for req in self.running:
+        for req in self._active():  # running, or (overlap) in the batch whose result is pending
             if req.rid == rid and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT()
 
@@ -370,19 +371,54 @@ class SglangTarget:
         """One iteration of ``Scheduler.event_loop_normal``: reap deferred session closes
         (``SessionController.maybe_reap``), then a prefill batch if one can be admitted
         (``get_new_batch_prefill``, prefill first), else a decode step (``update_running_batch``),
-        then the batch's result processing."""
+        then the batch's result processing. With ``enable_overlap`` it is ``event_loop_overlap``:
+        the previous batch's result is processed after the next batch is scheduled and allocated,
+        and the previous prefill batch joins the running batch before its result is in
+        (``get_next_batch_to_run``)."""
         self.steps += 1
         if self.session_controller is not None:
             self.session_controller.maybe_reap(float(self.steps), interval=0.0)
             if any(not r.kv.holds_kv for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
-        if not self._prefill():
-            self._decode()
+        overlap = self.config.enable_overlap
+        if overlap and self._last is not None and self._last[0] == "extend":
+            self.running += [r for r in self._last[1] if not r.finished() and not r.is_retracted
+                             and r not in self.running]
+        self.running = [r for r in self.running if not r.finished()]
+        batch = self._prefill() or self._decode()
+        if overlap:
+            last, self._last = self._last, batch
+            if last is not None:
+                self._process(*last)
+        elif batch is not None:
+            self._process(*batch)
         # what each running request holds now: if a release elsewhere takes its record away (a
         # session released under a running turn), the next scan still sees the request reading it
         table = self.req_to_token_pool.req_to_token
         self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
                               r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
+
+    def _process(self, kind: str, reqs: list) -> None:
+        """``process_batch_result_prefill`` / ``_decode``, inside one free group: one sampled token per
+        request, ``update_finish_state``, then ``release_kv_cache(checkpoint=True)`` for a finished
+        request or, after a prefill, ``checkpoint_kv_cache``. Under overlap a request that finished or
+        was retracted since the batch ran is skipped (its over-allocated slot goes back in its release)."""
+        overlap = self.config.enable_overlap
+        self.allocator.free_group_begin()
+        for req in reqs:
+            if req.finished() or req.is_retracted:
+                continue
+            req.output_ids.append(self._sample(req))
+            req.update_finish_state()
+            if req.finished():
+                self._release(req, checkpoint=True)
+            elif kind == "extend":
+                self.S.common.checkpoint_kv_cache(req, self.tree_cache)
+                if not overlap:
+                    self.running.append(req)
+        self.allocator.free_group_end()
+        if kind == "decode":
+            self.running = [r for r in self.running if not r.finished()]
 
     def on_intake(self, callback) -> None:
         """Call ``callback()`` after each message that can free memory at intake (abort, session close,
@@ -397,14 +433,14 @@ class SglangTarget:
         ps = self.config.page_size
         return -(-n // ps) * ps
 
-    def _prefill(self) -> bool:
+    def _prefill(self) -> tuple[str, list] | None:
         """``Scheduler.get_new_batch_prefill`` with FCFS order: ``init_next_round_input`` (match and
         session borrow), the admission lock (``schedule_policy._commit_prefill_admission``) and
-        ``PrefillBudget`` admission with the running batch's decode reserve; then the batch runs:
-        ``alloc_for_extend``, one sampled token, and ``process_batch_result_prefill``."""
+        ``PrefillBudget`` admission with the running batch's decode reserve; then ``alloc_for_extend``.
+        Returns ``("extend", admitted)`` for :meth:`_process`, or None when nothing is admitted."""
         S, cfg, cache = self.S, self.config, self.tree_cache
         if not self.waiting or len(self.running) >= cfg.max_running_requests:
-            return False
+            return None
         budget = self.allocator.create_prefill_budget(cache)
         # PrefillAdder: the running requests' remaining decode tokens, scaled by new_token_ratio
         budget.total_offset += sum(max(0, int(r.sampling_params.max_new_tokens * cfg.new_token_ratio)
@@ -434,7 +470,9 @@ class SglangTarget:
             admitted.append(req)
             self.waiting.remove(req)
         if not admitted:
-            return False
+            return None
+        for req in admitted:
+            req.is_retracted = False  # prepare_for_extend: a retracted request is prefilled afresh
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
                                          False, S.SpeculativeAlgorithm.NONE)
         batch.forward_mode = S.ForwardMode.EXTEND
@@ -447,25 +485,21 @@ class SglangTarget:
         S.allocation.alloc_for_extend(batch)
         for req in admitted:  # the batch's seq_lens, carried into decode (prepare_for_decode adds 1 a step)
             req.kvaudit_seq_len = req.extend_end
-        self.allocator.free_group_begin()  # process_batch_result_prefill frees inside one free group
-        for req in admitted:
-            req.output_ids.append(self._sample(req))
-            req.update_finish_state()
-            if req.finished():
-                self._release(req, checkpoint=True)
-            else:
-                S.common.checkpoint_kv_cache(req, cache)
-                self.running.append(req)
-        self.allocator.free_group_end()
-        return True
+        return "extend", admitted
 
-    def _decode(self) -> None:
-        """``Scheduler.update_running_batch``: ``check_decode_mem``, and ``retract_decode`` when it
-        fails (or under memory pressure); then ``alloc_for_decode`` for one token each and
-        ``process_batch_result_decode``."""
+    def _decode(self) -> tuple[str, list] | None:
+        """``Scheduler.update_running_batch``: under overlap, the requests whose queued result finishes
+        them by length leave the batch first (``_reqs_finishing_inflight``); ``check_decode_mem``, and
+        ``retract_decode`` when it fails (or under memory pressure); then ``alloc_for_decode`` for one
+        token each. Returns ``("decode", reqs)`` for :meth:`_process`, or None."""
         S = self.S
+        finishing = []
+        if self.config.enable_overlap and self._last is not None:
+            queued = set(map(id, self._last[1]))
+            finishing = [r for r in self.running if id(r) in queued and r.next_output_finishes_by_length()]
+            self.running = [r for r in self.running if r not in finishing]
         if not self.running:
-            return
+            return None
         batch = S.ScheduleBatch.init_new(list(self.running), self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, False, S.SpeculativeAlgorithm.NONE)
         batch.forward_mode = S.ForwardMode.DECODE
@@ -476,7 +510,10 @@ class SglangTarget:
         batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
         batch.orig_seq_lens = batch.seq_lens.clone()
         batch.sampling_info = _NoSampling()
-        if self._force_retract or not batch.check_decode_mem():
+        full = not batch.check_decode_mem()
+        if full and finishing:
+            return None  # the queued result frees the finishing requests' KV: decode the rest next step
+        if self._force_retract or full:
             self._force_retract = False
             retracted, _, aborted = batch.retract_decode()
             self.retractions += len(retracted) + len(aborted)
@@ -486,18 +523,11 @@ class SglangTarget:
                 self.finished.add(req.rid)
             self.running = list(batch.reqs)
             if not batch.reqs:
-                return
+                return None
         S.allocation.alloc_for_decode(batch, 1)
         for req in batch.reqs:
             req.kvaudit_seq_len += 1
-        self.allocator.free_group_begin()  # process_batch_result_decode, as above
-        for req in batch.reqs:
-            req.output_ids.append(self._sample(req))
-            req.update_finish_state()
-            if req.finished():
-                self._release(req, checkpoint=True)
-        self.allocator.free_group_end()
-        self.running = [r for r in batch.reqs if not r.finished()]
+        return "decode", list(batch.reqs)
 
     def _sample(self, req) -> int:
         n = len(req.output_ids)
@@ -525,17 +555,17 @@ class SglangTarget:
                 self.allocator.free(torch.as_tensor(freed, dtype=torch.int64) * self.config.page_size)
 
     def _text(self, rid: str) -> list[int]:
-        for req in self.waiting + self.running:
+        for req in self._active():
             if req.rid == rid:
                 return list(req.origin_input_ids) + list(req.output_ids)
         return []
 
     def live_rids(self) -> list[str]:
-        live = {r.rid for r in self.waiting + self.running if not r.finished()}
+        live = {r.rid for r in self._active() if not r.finished()}
         return [r for r in self.submitted if r in live]
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self._last is None
 
     def stalled(self) -> bool:
         """Only waiting requests are left and session-held memory keeps them out: SGLang waits too."""
@@ -580,8 +610,17 @@ class SglangTarget:
         return sum(self._ceil(s.kv.kv_allocated_len) - s.kv.cache_protected_len for _, s in self._slots()
                    if s.kv.holds_kv)
 
+    def _active(self) -> list:
+        """Waiting and running requests, and (overlap) those of the batch whose result is pending."""
+        reqs = self.waiting + self.running
+        if self._last is not None:
+            reqs = reqs + [r for r in self._last[1] if r not in reqs]
+        return reqs
+
     def _live(self) -> list:
-        return [r for r in self.running + self.waiting if r.kv.holds_kv]
+        """Requests that own a row (SGLang's ``_requests_owning_rows``: running batch, last batch,
+        waiting queue)."""
+        return [r for r in self._active() if r.kv.holds_kv]
 
     def roots(self, aborting: bool = True) -> list[Root]:
         """Every reference into the pools (recipe, "Roots for reachability"): the tree's values; each
