@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
+from kvaudit.targets.sglang_config import TREE_CORES
 from kvaudit import __version__, replay
 from kvaudit.campaign import FUZZERS, findings_dir, known_signatures, run_campaign
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
@@ -309,9 +310,9 @@ _common = [
     click.option("--page-size", type=click.IntRange(min=1), default=None, help="Override the preset's page size (tokens)."),
     click.option("--target", type=click.Choice(["eut", "sglang"]), default="eut", show_default=True,
                  help="eut: the built-in engine_under_test; sglang: SGLang 0.5.23's own memory manager on CPU "
-                      "(presets sglang, sglang-paged, sglang-pd, sglang-session; --bug takes its injected faults).")
-    ,
-    click.option("--tree-core", type=click.Choice(["rust", "python"]), default=None,
+                      "(its presets start with 'sglang', see 'kvaudit presets'; --bug takes its injected faults, "
+                      "see 'kvaudit bugs')."),
+    click.option("--tree-core", type=click.Choice(TREE_CORES), default=None,
                  help="--target sglang: the UnifiedRadixCache tree core [default: rust, SGLang's own default]."),
 ]
 
@@ -637,7 +638,7 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
                    "event) and findings; exit 3 if any run differs.")
 @click.option("--runs", type=click.IntRange(min=2, max=1000), default=CONFIRM_RUNS, show_default=True,
               help="Runs for --check-determinism.")
-@click.option("--tree-core", type=click.Choice(["rust", "python"]), default=None,
+@click.option("--tree-core", type=click.Choice(TREE_CORES), default=None,
               help="A --target sglang file: run it with this UnifiedRadixCache tree core instead of its own.")
 @output_options
 def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, outputs):

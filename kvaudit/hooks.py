@@ -352,37 +352,50 @@ class Auditor:
         self._undo.append((obj, name))
         setattr(obj, name, wrapper)
 
+    def wrap_clear(self, spec: PoolSpec) -> None:
+        """Wrap ``spec.obj.clear()`` (flush_cache), if it has one: it returns every unit at once, so it
+        is recorded as one free of all units the ledger holds, and a flush under a live owner shows
+        as use-after-free."""
+        obj, pool = spec.obj, spec.name
+        orig_clear = getattr(obj, "clear", None)
+        if orig_clear is None:
+            return
+
+        def clear_wrapper(*a, **k):
+            orig_clear(*a, **k)
+            held = np.flatnonzero(self.ledgers[pool].allocated)
+            held = held[held > 0]
+            if held.size:
+                self.on_free(pool, held, self.capture_site())
+
+        self._wrap(obj, "clear", clear_wrapper)
+
+    def wrap_rows(self, spec: PoolSpec, alloc: str = "alloc", free: str = "free") -> None:
+        """Wrap a row pool's ``alloc(n) -> list[int] | None`` and ``free(rows)`` (an int or a list),
+        named ``alloc``/``free`` on the pool object."""
+        obj, pool = spec.obj, spec.name
+        orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
+
+        def alloc_rows(n, *a, **k):
+            out = orig_alloc(n, *a, **k)
+            if out:
+                self.on_alloc(pool, list(out), self.capture_site())
+            return out
+
+        def free_rows(rows, *a, **k):
+            orig_free(rows, *a, **k)
+            rows = [rows] if isinstance(rows, int) else list(rows)
+            if rows:
+                self.on_free(pool, rows, self.capture_site())
+
+        self._wrap(obj, alloc, alloc_rows)
+        self._wrap(obj, free, free_rows)
+
     def _install(self, spec: PoolSpec) -> None:
         obj, pool, ps = spec.obj, spec.name, spec.page_size
-
-        orig_clear = getattr(obj, "clear", None)
-        if orig_clear is not None:
-            def clear_wrapper(*a, **k):
-                """``clear()`` (flush_cache) returns every unit at once: record it as one free of all
-                units the ledger holds, so that a flush under a live owner shows as use-after-free."""
-                orig_clear(*a, **k)
-                held = np.flatnonzero(self.ledgers[pool].allocated)
-                held = held[held > 0]
-                if held.size:
-                    self.on_free(pool, held, self.capture_site())
-
-            self._wrap(obj, "clear", clear_wrapper)
-
+        self.wrap_clear(spec)
         if spec.kind == "rows":
-            orig_alloc, orig_free = obj.alloc, obj.free
-
-            def alloc_rows(n, *a, **k):
-                out = orig_alloc(n, *a, **k)
-                if out:
-                    self.on_alloc(pool, list(out), self.capture_site())
-                return out
-
-            def free_rows(rows, *a, **k):
-                orig_free(rows, *a, **k)
-                self.on_free(pool, [rows] if isinstance(rows, int) else list(rows), self.capture_site())
-
-            self._wrap(obj, "alloc", alloc_rows)
-            self._wrap(obj, "free", free_rows)
+            self.wrap_rows(spec)
             return
 
         def to_units(idx: torch.Tensor) -> list[int]:

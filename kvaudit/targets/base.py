@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,14 @@ class Target(Protocol):
     #   owner_hint_vars / owner_stop_vars         locals that make a frame worth reading / a
     #                                             batch-level frame with no single owner;
     #   lock_balance() -> [(node, slots, lock_ref, holders)]   mismatched tree locks;
-    #   describe_busy() -> str                    what keeps the engine from idling (hang reports).
+    #   describe_busy() -> str                    what keeps the engine from idling (hang reports);
+    #   install_pool(spec, auditor, wrap)          wrap a pool whose API differs from the PoolSpec kinds'
+    #                                             (the auditor's wrap_rows/wrap_clear/on_alloc/on_free);
+    #   framework_files() / engine_files()         allocator-internal files no site starts in / files
+    #                                             under kvaudit/ that play the engine (a driver);
+    #   free_lists() -> {pool: [n] int64}          the engine's free lists, checked against the event log;
+    #   on_intake(callback), quiescence(), flushed(), progress(), stalled(), metrics_check(),
+    #   units_of_rows(rows), install_lock_ledger(wrap, record), install_shadow(shadow, wrap, report).
 
 
 def kv_length_problems(reqs) -> list[str]:
@@ -87,3 +95,23 @@ def kv_length_problems(reqs) -> list[str]:
     return [f"[req_to_token_pool] req:{r.rid} kv_committed_len={r.kv.kv_committed_len} > "
             f"kv_allocated_len={r.kv.kv_allocated_len}"
             for r in reqs if not 0 <= r.kv.kv_committed_len <= r.kv.kv_allocated_len]
+
+
+def slot_pages(slots: torch.Tensor, page_size: int) -> np.ndarray:
+    """Token slots (``[n]`` int tensor, any device) as units: the slots themselves with page size 1,
+    else the sorted distinct pages (``[m] int64``)."""
+    s = slots.to(torch.int64).cpu().numpy()
+    return s if page_size == 1 else np.unique(s // page_size)
+
+
+def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int) -> list[Root]:
+    """The roots of one KV record (``ReqKvInfo``: ``req_pool_idx``, ``cache_protected_len``,
+    ``kv_allocated_len``) in ``req_to_token`` ``table``: its row, its own KV
+    ``[cache_protected_len, kv_allocated_len)`` (private) and the tree-owned prefix before it (shared)."""
+    row = table[kv.req_pool_idx, : kv.kv_allocated_len]
+    out = [Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64), role=role),
+           Root("token_to_kv_pool", owner, slot_pages(row[kv.cache_protected_len:], page_size), role=role)]
+    if kv.cache_protected_len:
+        out.append(Root("token_to_kv_pool", owner, slot_pages(row[: kv.cache_protected_len], page_size),
+                        private=False, role=role))
+    return out

@@ -15,7 +15,7 @@ import torch
 from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit,
                              prompt_tokens)
-from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems
+from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
 
 
 class SessionRecords:
@@ -390,16 +390,10 @@ class EutTarget:
         hs = eng.hisparse_coordinator
 
         def pages(slots: torch.Tensor) -> np.ndarray:
-            slots = slots.cpu().numpy()
-            return slots if ps == 1 else np.unique(slots // ps)
+            return slot_pages(slots, ps)
 
         def record(kv, owner: str, role: str) -> None:
-            row = table[kv.req_pool_idx, : kv.kv_allocated_len]
-            out.append(Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64), role=role))
-            out.append(Root("token_to_kv_pool", owner, pages(row[kv.cache_protected_len:]), role=role))
-            if kv.cache_protected_len:
-                out.append(Root("token_to_kv_pool", owner, pages(row[: kv.cache_protected_len]), private=False,
-                                role=role))
+            out.extend(record_roots(table, kv, owner, role, ps))
 
         sc = eng.session_controller
         slots = [] if sc is None else sc.slots()

@@ -24,7 +24,7 @@ import torch
 
 from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit, \
     prompt_tokens
-from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems
+from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
 from kvaudit.targets.sglang_boot import build, load
 from kvaudit.targets.sglang_config import SglangConfig
 
@@ -109,24 +109,10 @@ class SglangTarget:
         """
         obj, pool, ps = spec.obj, spec.name, spec.page_size
         capture = auditor.capture_site
+        auditor.wrap_clear(spec)
         if spec.kind == "rows":
-            alloc_rows, free_rows, clear = obj.alloc_rows, obj.free_rows, obj.clear
-
-            def alloc_rows_wrapper(n):
-                out = alloc_rows(n)
-                if out:
-                    auditor.on_alloc(pool, list(out), capture())
-                return out
-
-            def free_rows_wrapper(indices):
-                free_rows(indices)
-                if len(indices):
-                    auditor.on_free(pool, list(indices), capture())
-
-            wrap(obj, "alloc_rows", alloc_rows_wrapper)
-            wrap(obj, "free_rows", free_rows_wrapper)
+            auditor.wrap_rows(spec, alloc="alloc_rows", free="free_rows")
         else:
-            clear = obj.clear
             # Frees inside a free group (free_group_begin/end: the scheduler's result processing)
             # reach the free list at free_group_end; they are recorded then, each with the site
             # of its own call. ``free()`` deduplicates pages over the whole group (one
@@ -210,15 +196,6 @@ class SglangTarget:
                         auditor.on_free(pool, units, sid)
 
             wrap(obj, "free_group_end", group_end_wrapper)
-
-        def clear_wrapper():
-            clear()
-            held = np.flatnonzero(auditor.ledgers[pool].allocated)
-            held = held[held > 0]
-            if held.size:
-                auditor.on_free(pool, held, capture())
-
-        wrap(obj, "clear", clear_wrapper)
 
     def install_lock_ledger(self, wrap, record) -> None:
         """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree (``UnifiedRadixCache``; ``lock``,
@@ -598,9 +575,7 @@ class SglangTarget:
 
     # -- observer: roots and counters ---------------------------------------------------------
     def _pages(self, slots: torch.Tensor) -> np.ndarray:
-        s = slots.to(torch.int64).cpu().numpy()
-        ps = self.config.page_size
-        return s if ps == 1 else np.unique(s // ps)
+        return slot_pages(slots, self.config.page_size)
 
     def _slots(self):
         return [] if self.session_controller is None else list(self.tree_cache.session.slots.items())
@@ -630,12 +605,7 @@ class SglangTarget:
         out: list[Root] = []
 
         def record(kv, owner: str, role: str) -> None:
-            row = table[kv.req_pool_idx, : kv.kv_allocated_len]
-            out.append(Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64), role=role))
-            out.append(Root("token_to_kv_pool", owner, self._pages(row[kv.cache_protected_len:]), role=role))
-            if kv.cache_protected_len:
-                out.append(Root("token_to_kv_pool", owner, self._pages(row[: kv.cache_protected_len]),
-                                private=False, role=role))
+            out.extend(record_roots(table, kv, owner, role, self.config.page_size))
 
         held = set()
         for sid, slot in self._slots():
