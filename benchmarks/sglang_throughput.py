@@ -3,7 +3,7 @@
 
     python benchmarks/sglang_throughput.py [--programs N] [--length L] [--repeat K]
 
-For each of the four real-target presets and both tree cores, the same seeded random programs
+For each real-target preset and both tree cores, the same seeded random programs
 run in three modes: "bare" (SGLang driven, no hooks), "hooks" (the ledger: every alloc, free and
 lock event recorded) and "audit" (hooks plus the per-step oracles: reachability, the accounting
 identity, the free-list replay check, lock balance at idle), the fuzzers' mode. One core

@@ -11,9 +11,13 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_five_configurations():
-    assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap"}
+def test_presets_cover_the_six_configurations():
+    assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
+                                   "sglang-chunked"}
     assert SGLANG_PRESETS["sglang-overlap"].config().enable_overlap is True
+    chunked = SGLANG_PRESETS["sglang-chunked"].config()
+    assert (chunked.chunked_prefill_size, chunked.enable_overlap) == (16, True)
+    assert SGLANG_PRESETS["sglang"].config().chunked_prefill_size is None
     assert SGLANG_PRESETS["sglang-paged"].config().page_size == 16
     assert SGLANG_PRESETS["sglang-pd"].config().need_sort is True
     assert SGLANG_PRESETS["sglang-session"].config().enable_streaming_session is True
@@ -33,6 +37,8 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"num_slots": 8, "page_size": 16}, "num_slots"),
     ({"new_token_ratio": 2}, "new_token_ratio"),
     ({"need_sort": 1}, "need_sort"),
+    ({"chunked_prefill_size": 2, "page_size": 4}, "chunked_prefill_size"),
+    ({"chunked_prefill_size": True}, "chunked_prefill_size"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -115,6 +115,9 @@ SEQUENCES = {
                                           Step(1), FlushCache(), Idle()],
     "memory pressure retracts": [Submit(0, 20, 20), Submit(1, 20, 20), Step(3), MemoryPressure(), Step(2), Idle()],
     # a session's history outgrows the context: the turn is aborted at intake (validate_input_length)
+    # longer than sglang-chunked's 16-token chunk: PrefillAdder chunks it (the others prefill it whole)
+    "prompt longer than the chunk size": [Submit(0, 60, 4), Submit(1, 20, 3), Step(2), Submit(2, 50, 2), Idle()],
+    "abort a parked chunked prefill": [Submit(0, 60, 8), Step(2), Abort(0), Step(1), Submit(1, 60, 3), Idle()],
     "over-long session turn": [OpenSession(), Submit(0, 48, 12, session=0), Idle(), Submit(1, 48, 1, session=0),
                                Idle(), Submit(2, 40, 3, session=0), Idle()],
 }
@@ -142,6 +145,9 @@ def test_sequences_take_the_paths_they_name():
     assert t.flushed() == 1  # the second flush came while busy: refused
     t = ran(SEQUENCES["health check idle, then busy"])
     assert [r for r in t.submitted if r.startswith("HEALTH_CHECK_")] == ["HEALTH_CHECK_0"]
+    t = ran(SEQUENCES["prompt longer than the chunk size"][:3], preset="sglang-chunked")
+    assert t.chunked_req is not None and t.chunked_req.extend_end == 32  # two 16-token chunks so far
+    assert t.tree_cache.protected_size() == 16  # the first chunk, stashed into the tree and locked
     # a small pool and optimistic admission: decode runs out and SGLang's retract_decode picks victims
     t = ran([Submit(i, 30, 30) for i in range(6)] + [Idle()], num_slots=160, new_token_ratio=0.0)
     assert t.retractions >= 1
@@ -243,6 +249,40 @@ def test_hazard_a6_overlap_allocates_decode_for_a_finished_request_and_release_f
     # an abort that lands while the request's batch is in flight (its result queued)
     ex = execute(cfg("sglang-overlap", core), [Submit(0, 20, 8), Step(1), Abort(0), Step(1), Abort(None), Idle()])
     assert ex.findings == []
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("core", CORES)
+def test_hazard_a6_chunked_abort_while_its_chunk_is_in_flight(core, overlap, monkeypatch):
+    """A.6, chunked: abort_request only marks the chunked request; process_pending_chunked_abort tears
+    it down at the top of the next step (prepare_abort, release_kv_cache(checkpoint=False)). Under
+    overlap its last chunk is still in flight then: that chunk's result comes in after the release and
+    only counts down inflight_middle_chunks. Clean; the stashed first chunk stays in the tree."""
+    from kvaudit.targets.sglang_boot import load
+
+    common = load().common
+    real, seen = common.release_kv_cache, []
+    findings, run = run_ops(cfg("sglang-chunked", core, enable_overlap=overlap), [Submit(0, 60, 8), Step(2)])
+    t = run.target
+    req = t.chunked_req
+    assert findings == [] and req is not None and req.extend_end == 32
+
+    def spy(r, cache, *, checkpoint):
+        seen.append((r.rid, checkpoint, t._last is not None and t._last[2] is r, r.inflight_middle_chunks))
+        return real(r, cache, checkpoint=checkpoint)
+
+    monkeypatch.setattr(common, "release_kv_cache", spy)
+    run.apply(Abort(0))
+    assert t._pending_chunked_abort is req and req.kv.holds_kv  # only marked: torn down at the next step
+    run.apply(Step(1))
+    assert seen == [("r0", False, overlap, int(overlap))]  # released with its chunk in flight (overlap)
+    assert t.chunked_req is None and req.finished() and not req.kv.holds_kv
+    assert req.inflight_middle_chunks == 0 and list(req.output_ids) == []  # the result drained, sampled nothing
+    run.apply(Idle())
+    assert run.findings == []
+    assert t.allocator.available_size() + t.tree_cache.evictable_size() == t.allocator.size
+    assert t.tree_cache.evictable_size() == 16  # the stashed first chunk
+    run.close()
 
 
 def test_hazard_a5_identity_inside_a_free_group_sees_missing_slots():

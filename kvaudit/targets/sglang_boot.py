@@ -163,7 +163,10 @@ def load() -> SimpleNamespace:
         try:
             from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams, \
                 TokenizedGenerateReqInput
+            from sglang.srt.disaggregation.utils import prepare_abort
             from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch
+            from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+            from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
             from sglang.srt.mem_cache import allocation, common
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -206,7 +209,8 @@ def load() -> SimpleNamespace:
         ReqToTokenPool=ReqToTokenPool, TreeCacheBuildContext=TreeCacheBuildContext, create_tree_cache=create_tree_cache,
         ForwardMode=ForwardMode, get_parallel=get_parallel, SamplingParams=SamplingParams, ServerArgs=ServerArgs,
         set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
-        SessionController=SessionController, SpeculativeAlgorithm=SpeculativeAlgorithm)
+        SessionController=SessionController, SpeculativeAlgorithm=SpeculativeAlgorithm, PrefillAdder=PrefillAdder,
+        AddReqResult=AddReqResult, prepare_abort=prepare_abort, CacheRequestOutcome=CacheRequestOutcome)
     return _LOADED
 
 

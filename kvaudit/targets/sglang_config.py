@@ -39,6 +39,8 @@ class SglangConfig(ConfigBase):
     picks the ``UnifiedRadixCache`` tree core: ``rust`` (SGLang's production default) or
     ``python``. ``new_token_ratio`` is the share of running requests' remaining decode tokens that
     admission reserves (SGLang's ``new_token_ratio``); below 1 decode can run out and retract.
+    ``chunked_prefill_size`` (tokens, SGLang's ``--chunked-prefill-size``) splits a longer prefill
+    into chunks, one ``chunked_req`` at a time; None turns chunking off.
     ``bugs`` names injected faults (:data:`FAULTS`).
 
     Raises ``ValueError`` for inconsistent values, :class:`UnknownFaultError` for an unknown fault.
@@ -54,6 +56,7 @@ class SglangConfig(ConfigBase):
     new_token_ratio: float = 0.5
     enable_streaming_session: bool = False
     enable_overlap: bool = False  # event_loop_overlap: a batch's result is processed one step later
+    chunked_prefill_size: int | None = None  # tokens per prefill batch (PrefillAdder's chunk budget); None = off
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -66,7 +69,6 @@ class SglangConfig(ConfigBase):
     # what the generators and reports read from any config
     disable_radix_cache = False
     model = "none"
-    chunked_prefill_size = None
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
@@ -88,6 +90,9 @@ class SglangConfig(ConfigBase):
             raise ValueError("context_len must be in [4, 4096] and vocab_size in [4, 65536]")
         if not 1 <= self.max_running_requests <= 256 or not 1 <= self.max_req_rows <= 1024:
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
+        c = self.chunked_prefill_size
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 65536):
+            raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
         r = self.new_token_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
             raise ValueError(f"new_token_ratio must be a number in [0, 1], got {r!r}")
@@ -118,6 +123,9 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-overlap", "overlap scheduling (event_loop_overlap): each batch's result is processed "
                                   "one step after the next batch is allocated; page 4",
                 {"enable_overlap": True, "page_size": 4}),
+        _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
+                                  "scheduling, page 4",
+                {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4}),
     ]
 }
 

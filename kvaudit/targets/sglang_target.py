@@ -29,6 +29,7 @@ from kvaudit.targets.sglang_boot import build, load
 from kvaudit.targets.sglang_config import SglangConfig
 
 EOS = 1
+MAX_PREFILL_TOKENS = 16384  # ServerArgs.max_prefill_tokens' default: PrefillAdder's rem_input_tokens
 
 
 class _NoSampling:
@@ -67,7 +68,9 @@ class SglangTarget:
         self._force_retract = False
         self._flushes = 0
         self._held: dict[str, tuple] = {}
-        self._last: tuple[str, list] | None = None  # overlap: the batch whose result is still to process
+        self._last: tuple[str, list, object] | None = None  # overlap: the batch whose result is still to process
+        self.chunked_req = None  # Scheduler.chunked_req: the one request between prefill chunks
+        self._pending_chunked_abort = None  # Scheduler._pending_chunked_abort_req
         self.retractions = 0  # requests retract_decode took out of the running batch
         self._intake = None
         self._faults = set(config.bugs)  # each fires once
@@ -320,19 +323,48 @@ class SglangTarget:
         self.waiting.append(req)  # Scheduler._add_request_to_queue
 
     def _abort(self, rid: str) -> None:
-        """``Scheduler.abort_request``: a waiting request is popped (it holds no KV outside PD decode) and
-        its session told (``_release_aborted_request``); a running one gets ``to_finish`` and ends at its
-        next result, through ``release_kv_cache`` like any finish."""
+        """``Scheduler.abort_request``: the chunked request is only marked
+        (``_pending_chunked_abort_req``, torn down at the next step); a waiting request is popped (it
+        holds no KV outside PD decode) and its cache state dropped (``_release_aborted_request``); a
+        running one, or one in the last batch, gets ``to_finish`` and ends at its next result, through
+        ``release_kv_cache`` like any finish."""
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            self._pending_chunked_abort = self.chunked_req
         for i, req in enumerate(self.waiting):
             if req.rid == rid:
                 self.waiting.pop(i)
-                if req.session is not None and req.session.streaming:
-                    req.session.abort_req()
+                self._release_aborted_request(req)
                 self.finished.add(rid)
                 return
-        for req in self._active():  # running, or (overlap) in the batch whose result is pending
+        for req in self._inflight():  # running, or in the last batch
             if req.rid == rid and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT()
+
+    def _release_aborted_request(self, req) -> None:
+        """``Scheduler._release_aborted_request``: the tree's per-request state, and a streaming
+        session's turn bookkeeping (``Session.abort_req``)."""
+        self.tree_cache.finish(req.cache_request_handle, self.S.CacheRequestOutcome.ABORT)
+        if req.session is not None and req.session.streaming:
+            req.session.abort_req()
+
+    def _process_pending_chunked_abort(self) -> None:
+        """``Scheduler.process_pending_chunked_abort`` (top of ``get_next_batch_to_run``): an aborted
+        chunked request is finished (``prepare_abort``) and released with ``checkpoint=False``; its
+        chunk still in flight (overlap) only drains its ``inflight_middle_chunks`` when its result
+        lands. A request no longer chunked is aborted again where it is now."""
+        req, self._pending_chunked_abort = self._pending_chunked_abort, None
+        if req is None:
+            return
+        if self.chunked_req is not req:
+            if not req.finished() and req.kv.holds_kv:
+                self._abort(req.rid)
+            return
+        self.S.prepare_abort(req, "Aborted")
+        req.to_finish = None
+        self._release_aborted_request(req)
+        self.finished.add(req.rid)
+        self.chunked_req = None
+        self._release(req, checkpoint=False)
 
     def _flush_cache(self) -> None:
         """``Scheduler.flush_cache``: only when fully idle (sessions do not count), reset the tree and
@@ -351,16 +383,23 @@ class SglangTarget:
         then the batch's result processing. With ``enable_overlap`` it is ``event_loop_overlap``:
         the previous batch's result is processed after the next batch is scheduled and allocated,
         and the previous prefill batch joins the running batch before its result is in
-        (``get_next_batch_to_run``)."""
+        (``get_next_batch_to_run``). Before scheduling, ``get_next_batch_to_run`` tears down a
+        pending chunked abort and stashes the chunked request (``stash_chunked_request`` ->
+        ``checkpoint_kv_cache``), which never joins the running batch between chunks."""
         self.steps += 1
         if self.session_controller is not None:
             self.session_controller.maybe_reap(float(self.steps), interval=0.0)
             if any(not r.kv.holds_kv for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
         overlap = self.config.enable_overlap
+        self._process_pending_chunked_abort()
+        chunked = self.chunked_req
+        if chunked is not None and chunked.extend_end > chunked.prefix_len:
+            self.S.common.checkpoint_kv_cache(chunked, self.tree_cache)
         if overlap and self._last is not None and self._last[0] == "extend":
+            excluded = (chunked, self._last[2])
             self.running += [r for r in self._last[1] if not r.finished() and not r.is_retracted
-                             and r not in self.running]
+                             and r not in self.running and not any(r is x for x in excluded)]
         self.running = [r for r in self.running if not r.finished()]
         batch = self._prefill() or self._decode()
         if overlap:
@@ -375,15 +414,20 @@ class SglangTarget:
         self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
                               r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
 
-    def _process(self, kind: str, reqs: list) -> None:
+    def _process(self, kind: str, reqs: list, chunked=None) -> None:
         """``process_batch_result_prefill`` / ``_decode``, inside one free group: one sampled token per
         request, ``update_finish_state``, then ``release_kv_cache(checkpoint=True)`` for a finished
-        request or, after a prefill, ``checkpoint_kv_cache``. Under overlap a request that finished or
-        was retracted since the batch ran is skipped (its over-allocated slot goes back in its release)."""
+        request or, after a prefill, ``checkpoint_kv_cache``. A middle chunk samples nothing: its
+        result only counts down ``inflight_middle_chunks``, even when the request was aborted since.
+        Under overlap a request that finished or was retracted since the batch ran is skipped (its
+        over-allocated slot goes back in its release)."""
         overlap = self.config.enable_overlap
         self.allocator.free_group_begin()
         for req in reqs:
-            if req.finished() or req.is_retracted:
+            if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
+                continue
+            if kind == "extend" and req.inflight_middle_chunks > 0:
+                req.inflight_middle_chunks -= 1
                 continue
             req.output_ids.append(self._sample(req))
             req.update_finish_state()
@@ -410,48 +454,51 @@ class SglangTarget:
         ps = self.config.page_size
         return -(-n // ps) * ps
 
-    def _prefill(self) -> tuple[str, list] | None:
-        """``Scheduler.get_new_batch_prefill`` with FCFS order: ``init_next_round_input`` (match and
-        session borrow), the admission lock (``schedule_policy._commit_prefill_admission``) and
-        ``PrefillBudget`` admission with the running batch's decode reserve; then ``alloc_for_extend``.
-        Returns ``("extend", admitted)`` for :meth:`_process`, or None when nothing is admitted."""
+    def _allocatable(self, held: int) -> int:
+        """``Scheduler.get_num_allocatable_reqs``: the running-request budget left, and the free rows plus
+        the rows the counted requests already hold (a continuing chunk, a session borrow)."""
+        return min(self.config.max_running_requests - len(self.running),
+                   self.req_to_token_pool.available_size() + held)
+
+    def _prefill(self) -> tuple[str, list, object] | None:
+        """``Scheduler.get_new_batch_prefill``, FCFS, with SGLang's own ``PrefillAdder``: the chunked
+        request continues first (``add_chunked_req``), then each waiting request is matched
+        (``init_next_round_input``: prefix match and session borrow) and offered to ``add_one_req``
+        (prefill budget with the running batch's decode reserve, chunking, the admission lock), until
+        it refuses; then ``ScheduleBatch.init_new`` and ``alloc_for_extend``. Returns
+        ``("extend", admitted, chunked_req)`` for :meth:`_process`, or None when nothing is admitted."""
         S, cfg, cache = self.S, self.config, self.tree_cache
-        if not self.waiting or len(self.running) >= cfg.max_running_requests:
+        if self.chunked_req is None and (not self.waiting or self._allocatable(0) <= 0):
             return None
-        budget = self.allocator.create_prefill_budget(cache)
-        # PrefillAdder: the running requests' remaining decode tokens, scaled by new_token_ratio
-        budget.total_offset += sum(max(0, int(r.sampling_params.max_new_tokens * cfg.new_token_ratio)
-                                          - len(r.output_ids)) for r in self.running)
-        overhead = cfg.page_size  # PrefillAdder.per_req_token_overhead
-        admitted = []
-        for req in list(self.waiting):
-            # get_num_allocatable_reqs, before the match: free rows plus rows the admitted ones hold
-            held = sum(r.kv.holds_kv for r in admitted)
-            if len(admitted) >= min(cfg.max_running_requests - len(self.running),
-                                    self.req_to_token_pool.available_size() + held):
+        running = S.ScheduleBatch.init_new(list(self.running), self.req_to_token_pool, self.allocator, cache,
+                                           self.model_config, cfg.enable_overlap, S.SpeculativeAlgorithm.NONE)
+        adder = S.PrefillAdder(cfg.page_size, cache, self.allocator, running, cfg.new_token_ratio, MAX_PREFILL_TOKENS,
+                               cfg.chunked_prefill_size, 0, max_running_requests=cfg.max_running_requests)
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting:
+            if adder.budget_state() == S.AddReqResult.OTHER:
+                break
+            if len(adder.can_run_list) >= self._allocatable(sum(r.kv.holds_kv for r in adder.can_run_list)):
                 break
             req.init_next_round_input(cache)
-            req.extend_end = len(req.full_untruncated_fill_ids)
-            ext = req.extend_end - req.prefix_len
-            max_new = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
-            lock = cache.lock(req.last_node)
-            ok, _ = budget.check_prefill(extend_input_len=ext, total_tokens=ext + max_new + overhead,
-                                         max_new_tokens=max_new, input_tokens=req.extend_end, swa_host_hit_length=0,
-                                         chunk_limit=None)
-            if not (ok and budget.can_allocate_prefill(paged_input=self._ceil(ext) + overhead, extend_input_len=ext,
-                                                       max_new_tokens=max_new, chunk_limit=None)):
-                cache.unlock(lock)
+            if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
+                                 truncation_align_size=None) != S.AddReqResult.CONTINUE:
                 break
-            req.lock = lock
-            budget.reserve(ext, max_new)
-            admitted.append(req)
-            self.waiting.remove(req)
+        admitted = list(adder.can_run_list)
         if not admitted:
             return None
+        self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.inflight_middle_chunks += 1
         for req in admitted:
             req.is_retracted = False  # prepare_for_extend: a retracted request is prefilled afresh
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
-                                         False, S.SpeculativeAlgorithm.NONE)
+                                         cfg.enable_overlap, S.SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req)
         batch.forward_mode = S.ForwardMode.EXTEND
         batch.prefix_lens = [r.prefix_len for r in admitted]
         batch.extend_lens = [r.extend_end - r.prefix_len for r in admitted]
@@ -462,9 +509,9 @@ class SglangTarget:
         S.allocation.alloc_for_extend(batch)
         for req in admitted:  # the batch's seq_lens, carried into decode (prepare_for_decode adds 1 a step)
             req.kvaudit_seq_len = req.extend_end
-        return "extend", admitted
+        return "extend", admitted, self.chunked_req
 
-    def _decode(self) -> tuple[str, list] | None:
+    def _decode(self) -> tuple[str, list, None] | None:
         """``Scheduler.update_running_batch``: under overlap, the requests whose queued result finishes
         them by length leave the batch first (``_reqs_finishing_inflight``); ``check_decode_mem``, and
         ``retract_decode`` when it fails (or under memory pressure); then ``alloc_for_decode`` for one
@@ -504,7 +551,7 @@ class SglangTarget:
         S.allocation.alloc_for_decode(batch, 1)
         for req in batch.reqs:
             req.kvaudit_seq_len += 1
-        return "decode", list(batch.reqs)
+        return "decode", list(batch.reqs), None
 
     def _sample(self, req) -> int:
         n = len(req.output_ids)
@@ -542,7 +589,7 @@ class SglangTarget:
         return [r for r in self.submitted if r in live]
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and self._last is None
+        return not self.waiting and not self.running and self._last is None and self.chunked_req is None
 
     def stalled(self) -> bool:
         """Only waiting requests are left and session-held memory keeps them out: SGLang waits too."""
@@ -563,6 +610,8 @@ class SglangTarget:
 
     def progress(self) -> dict[str, int]:
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
+        if self.chunked_req is not None:  # in no batch between chunks; a chunk advances extend_end
+            out[self.chunked_req.rid] = self.chunked_req.extend_end
         for r in self.running:
             if r.to_finish is not None:
                 out[r.rid] = -1
@@ -585,12 +634,20 @@ class SglangTarget:
         return sum(self._ceil(s.kv.kv_allocated_len) - s.kv.cache_protected_len for _, s in self._slots()
                    if s.kv.holds_kv)
 
-    def _active(self) -> list:
-        """Waiting and running requests, and (overlap) those of the batch whose result is pending."""
-        reqs = self.waiting + self.running
+    def _inflight(self) -> list:
+        """``Scheduler.collect_inflight_reqs``: the running batch, and the last batch -- (overlap) the one
+        whose result is pending, and the chunked request, whose last chunk ran last."""
+        reqs = list(self.running)
         if self._last is not None:
-            reqs = reqs + [r for r in self._last[1] if r not in reqs]
+            reqs += [r for r in self._last[1] if not any(r is x for x in reqs)]
+        if self.chunked_req is not None and not any(self.chunked_req is x for x in reqs):
+            reqs.append(self.chunked_req)
         return reqs
+
+    def _active(self) -> list:
+        """Waiting requests, and the in-flight ones (:meth:`_inflight`); the chunked request is in no
+        batch between chunks, and SGLang's invariant checker adds it as this does."""
+        return self.waiting + [r for r in self._inflight() if not any(r is w for w in self.waiting)]
 
     def _live(self) -> list:
         """Requests that own a row (SGLang's ``_requests_owning_rows``: running batch, last batch,
