@@ -11,6 +11,12 @@ def make_target(config):
     """The target for ``config``: real SGLang for a :class:`SglangConfig`, else ``engine_under_test``.
     Raises :class:`kvaudit.targets.sglang_boot.SglangUnavailable` when SGLang cannot be driven."""
     if isinstance(config, SglangConfig):
+        if config.disaggregation_mode == "decode":
+            from kvaudit.targets.sglang_pd import SglangPdDecodeTarget
+            return SglangPdDecodeTarget(config)
+        if config.enable_hisparse:
+            from kvaudit.targets.sglang_hisparse import SglangHiSparseTarget
+            return SglangHiSparseTarget(config)
         from kvaudit.targets.sglang_target import SglangTarget
         return SglangTarget(config)
     return EutTarget(config)

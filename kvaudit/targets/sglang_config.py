@@ -57,6 +57,8 @@ class SglangConfig(ConfigBase):
     enable_streaming_session: bool = False
     enable_overlap: bool = False  # event_loop_overlap: a batch's result is processed one step later
     chunked_prefill_size: int | None = None  # tokens per prefill batch (PrefillAdder's chunk budget); None = off
+    disaggregation_mode: str = "null"  # "decode": the PD decode server's queues (kvaudit/targets/sglang_pd.py)
+    enable_hisparse: bool = False  # HiSparse's two-level allocator and coordinator (kvaudit/targets/sglang_hisparse.py)
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -76,7 +78,7 @@ class SglangConfig(ConfigBase):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("need_sort", "enable_streaming_session", "enable_overlap"):
+        for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -90,6 +92,8 @@ class SglangConfig(ConfigBase):
             raise ValueError("context_len must be in [4, 4096] and vocab_size in [4, 65536]")
         if not 1 <= self.max_running_requests <= 256 or not 1 <= self.max_req_rows <= 1024:
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
+        if self.disaggregation_mode not in ("null", "decode"):
+            raise ValueError(f"disaggregation_mode must be null or decode, got {self.disaggregation_mode!r}")
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 65536):
             raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")

@@ -50,7 +50,7 @@ class SglangTarget:
     def __init__(self, config: SglangConfig):
         S = self.S = load()
         self.config = config
-        o = build(config)
+        o = self._build(config)
         self.allocator, self.req_to_token_pool, self.tree_cache = o.allocator, o.req_to_token_pool, o.tree_cache
         self.model_config, self.tree_core = o.model_config, o.tree_core
         self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
@@ -82,6 +82,10 @@ class SglangTarget:
         ]
         if "lock-leak" in self._faults:
             self._inject_lock_leak()
+
+    def _build(self, config: SglangConfig):
+        """SGLang's objects for ``config`` (``sglang_boot.build``); a mode with more objects extends it."""
+        return build(config)
 
     # -- observer: hooks ---------------------------------------------------------------------
     def pools(self) -> list[PoolSpec]:
@@ -396,10 +400,7 @@ class SglangTarget:
         chunked = self.chunked_req
         if chunked is not None and chunked.extend_end > chunked.prefix_len:
             self.S.common.checkpoint_kv_cache(chunked, self.tree_cache)
-        if overlap and self._last is not None and self._last[0] == "extend":
-            excluded = (chunked, self._last[2])
-            self.running += [r for r in self._last[1] if not r.finished() and not r.is_retracted
-                             and r not in self.running and not any(r is x for x in excluded)]
+        self._join_running()
         self.running = [r for r in self.running if not r.finished()]
         batch = self._prefill() or self._decode()
         if overlap:
@@ -414,6 +415,24 @@ class SglangTarget:
         self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
                               r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
 
+    def _join_running(self) -> None:
+        """``get_next_batch_to_run``'s merge: under overlap the last prefill batch joins the running
+        batch before its result is in, less the chunked request (this step's and the batch's). Without
+        overlap, :meth:`_prefilled` has already added each request when its result came in."""
+        if self.config.enable_overlap and self._last is not None and self._last[0] == "extend":
+            excluded = (self.chunked_req, self._last[2])
+            self.running += [r for r in self._last[1] if not r.finished() and not r.is_retracted
+                             and r not in self.running and not any(r is x for x in excluded)]
+
+    def _prefilled(self, req) -> None:
+        """A prefill result that did not finish its request, after ``checkpoint_kv_cache``: without
+        overlap the request joins the running batch now."""
+        if not self.config.enable_overlap:
+            self.running.append(req)
+
+    def _after_decode_alloc(self, batch) -> None:
+        """After ``alloc_for_decode`` (``prepare_for_decode``): nothing more on this target."""
+
     def _process(self, kind: str, reqs: list, chunked=None) -> None:
         """``process_batch_result_prefill`` / ``_decode``, inside one free group: one sampled token per
         request, ``update_finish_state``, then ``release_kv_cache(checkpoint=True)`` for a finished
@@ -421,7 +440,6 @@ class SglangTarget:
         result only counts down ``inflight_middle_chunks``, even when the request was aborted since.
         Under overlap a request that finished or was retracted since the batch ran is skipped (its
         over-allocated slot goes back in its release)."""
-        overlap = self.config.enable_overlap
         self.allocator.free_group_begin()
         for req in reqs:
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
@@ -435,8 +453,7 @@ class SglangTarget:
                 self._release(req, checkpoint=True)
             elif kind == "extend":
                 self.S.common.checkpoint_kv_cache(req, self.tree_cache)
-                if not overlap:
-                    self.running.append(req)
+                self._prefilled(req)
         self.allocator.free_group_end()
         if kind == "decode":
             self.running = [r for r in self.running if not r.finished()]
@@ -551,6 +568,7 @@ class SglangTarget:
         S.allocation.alloc_for_decode(batch, 1)
         for req in batch.reqs:
             req.kvaudit_seq_len += 1
+        self._after_decode_alloc(batch)
         return "decode", list(batch.reqs), None
 
     def _sample(self, req) -> int:
