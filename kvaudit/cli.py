@@ -82,6 +82,9 @@ def _require_target(config) -> None:
         from kvaudit.targets.sglang_boot import SglangUnavailable, load
         try:
             load()
+            if getattr(config, "disaggregation_mode", "null") == "decode":
+                from kvaudit.targets.sglang_pd import load_pd
+                load_pd()
         except SglangUnavailable as e:
             raise InputError(str(e)) from None
 

@@ -11,9 +11,10 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_six_configurations():
+def test_presets_cover_the_seven_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
-                                   "sglang-chunked"}
+                                   "sglang-chunked", "sglang-pd-decode"}
+    assert SGLANG_PRESETS["sglang-pd-decode"].config().disaggregation_mode == "decode"
     assert SGLANG_PRESETS["sglang-overlap"].config().enable_overlap is True
     chunked = SGLANG_PRESETS["sglang-chunked"].config()
     assert (chunked.chunked_prefill_size, chunked.enable_overlap) == (16, True)
@@ -39,6 +40,10 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"need_sort": 1}, "need_sort"),
     ({"chunked_prefill_size": 2, "page_size": 4}, "chunked_prefill_size"),
     ({"chunked_prefill_size": True}, "chunked_prefill_size"),
+    ({"disaggregation_mode": "prefill"}, "disaggregation_mode"),
+    ({"disaggregation_mode": "decode", "enable_overlap": True}, "enable_overlap"),
+    ({"abort_ack_steps": -1}, "abort_ack_steps"),
+    ({"transfer_latency_steps": 1.5}, "transfer_latency_steps"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):

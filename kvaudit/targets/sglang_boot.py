@@ -214,20 +214,24 @@ def load() -> SimpleNamespace:
     return _LOADED
 
 
-def build(config) -> SimpleNamespace:
+def build(config, *, server_args=None, make_rows=None, disable_radix_cache: bool = False,
+          tp_worker=None) -> SimpleNamespace:
     """SGLang's pools and tree cache for ``config`` (a :class:`SglangConfig`), built the way the
     scheduler builds them (``kv_cache_configurator``, then ``create_tree_cache``).
 
-    Publishes ``ServerArgs`` for this process (SGLang keeps it process-global). Raises
-    :class:`SglangUnavailable` if the requested tree core is not the one SGLang picked (Rust falls back to
-    Python silently outside its supported torch range).
+    Publishes ``ServerArgs`` for this process (SGLang keeps it process-global), unless a mode passes
+    its own, already published ``server_args``; ``make_rows`` (a callable of the device) builds a
+    mode's own request pool (PD decode: ``DecodeReqToTokenPool``). Raises :class:`SglangUnavailable`
+    if the requested tree core is not the one SGLang picked (Rust falls back to Python silently
+    outside its supported torch range).
     """
     S = load()
     import torch
 
     ps, size = config.page_size, config.total_tokens
-    server_args = S.ServerArgs(model_path="dummy", page_size=ps)
-    S.set_global_server_args_for_scheduler(server_args)
+    if server_args is None:
+        server_args = S.ServerArgs(model_path="dummy", page_size=ps)
+        S.set_global_server_args_for_scheduler(server_args)
     # this process is rank 0 of a 1-GPU tensor-parallel group (Req.set_finish_with_abort reads it)
     S.get_parallel().override_permanently(tp_rank=0)
     dev = config.device
@@ -237,13 +241,19 @@ def build(config) -> SimpleNamespace:
         allocator = S.TokenToKVPoolAllocator(size, torch.bfloat16, dev, kvcache, config.need_sort)
     else:
         allocator = S.PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, dev, kvcache, config.need_sort)
-    req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
-                                         device=dev, enable_memory_saver=False)
-    params = S.CacheInitParams(disable=False, req_to_token_pool=req_to_token_pool,
+    if make_rows is not None:
+        req_to_token_pool = make_rows(dev)
+    else:
+        req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
+                                             device=dev, enable_memory_saver=False)
+    params = S.CacheInitParams(disable=disable_radix_cache, req_to_token_pool=req_to_token_pool,
                                token_to_kv_pool_allocator=allocator, page_size=ps, tree_core_backend=config.tree_core)
-    model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None)
+    # what SGLang reads of ModelConfig on these paths (the PD-decode queues: num_hidden_layers, the think ids)
+    model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None,
+                                   num_hidden_layers=1, self_opened_think_start_ids=None, think_end_ids=None)
     ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-                                  enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
+                                  enable_hierarchical_cache=False, disable_radix_cache=disable_radix_cache,
+                                  tp_worker=tp_worker,
                                   model_config=model_config, tp_size=1, tp_rank=0, tp_group=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -59,6 +59,11 @@ class SglangConfig(ConfigBase):
     chunked_prefill_size: int | None = None  # tokens per prefill batch (PrefillAdder's chunk budget); None = off
     disaggregation_mode: str = "null"  # "decode": the PD decode server's queues (kvaudit/targets/sglang_pd.py)
     enable_hisparse: bool = False  # HiSparse's two-level allocator and coordinator (kvaudit/targets/sglang_hisparse.py)
+    # PD decode only: the transfer network kvaudit plays (in scheduler steps) and SGLang's decode reserve
+    transfer_latency_steps: int = 1  # steps from send_metadata to the KV landing
+    abort_ack_steps: int | None = 2  # steps from an abort notification to prefill's drain ack; None: never acked
+    deferred_release_timeout_steps: int = 6  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 1 s a step
+    num_reserved_decode_tokens: int = 8  # SGLang's --num-reserved-decode-tokens (512 by default, for real pools)
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -74,7 +79,7 @@ class SglangConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
-                     "seed"):
+                     "seed", "transfer_latency_steps", "deferred_release_timeout_steps", "num_reserved_decode_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
@@ -94,6 +99,14 @@ class SglangConfig(ConfigBase):
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
         if self.disaggregation_mode not in ("null", "decode"):
             raise ValueError(f"disaggregation_mode must be null or decode, got {self.disaggregation_mode!r}")
+        a = self.abort_ack_steps
+        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
+            raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {a!r}")
+        if self.disaggregation_mode == "decode":
+            clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse") if getattr(self, n)]
+            if clash or self.chunked_prefill_size is not None:
+                raise ValueError("disaggregation_mode decode is driven without "
+                                 f"{', '.join(clash) or 'chunked_prefill_size'} in this version")
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 65536):
             raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
@@ -127,6 +140,9 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-overlap", "overlap scheduling (event_loop_overlap): each batch's result is processed "
                                   "one step after the next batch is allocated; page 4",
                 {"enable_overlap": True, "page_size": 4}),
+        _preset("sglang-pd-decode", "PD disaggregation, decode side: DecodePreallocQueue, DecodeTransferQueue "
+                                    "(deferred releases), prebuilt batches, DecodeReqToTokenPool; tree off; page 4",
+                {"disaggregation_mode": "decode", "need_sort": True, "page_size": 4, "num_slots": 256}),
         _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
                                   "scheduling, page 4",
                 {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4}),

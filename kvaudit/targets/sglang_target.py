@@ -78,7 +78,7 @@ class SglangTarget:
         ps = config.page_size
         self._pools = [
             PoolSpec("token_to_kv_pool", self.allocator, "kv", ps, config.num_pages),
-            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self.req_to_token_pool.size),
+            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self._row_count()),
         ]
         if "lock-leak" in self._faults:
             self._inject_lock_leak()
@@ -307,7 +307,7 @@ class SglangTarget:
                 rid=rid, session_params=S.SessionParams(id=sid))
             req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
         else:
-            req = S.Req(rid, "", ids, sp, vocab_size=cfg.vocab_size, eos_token_ids={EOS})
+            req = self._new_req(rid, ids, sp)
         # Scheduler.init_req_max_new_tokens and validate_input_length: a turn whose history no longer
         # fits the context is aborted at intake, before it can reach a row
         input_len = len(req.origin_input_ids)
@@ -324,7 +324,15 @@ class SglangTarget:
             req.set_finish_with_abort(error)
         req.kvaudit_stop_at = stop_at
         self.submitted.append(rid)
-        self.waiting.append(req)  # Scheduler._add_request_to_queue
+        self._add_request_to_queue(req)
+
+    def _new_req(self, rid: str, ids, sp):
+        """A plain ``Req`` (``handle_generate_request``)."""
+        return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS})
+
+    def _add_request_to_queue(self, req) -> None:
+        """``Scheduler._add_request_to_queue``: the waiting queue."""
+        self.waiting.append(req)
 
     def _abort(self, rid: str) -> None:
         """``Scheduler.abort_request``: the chunked request is only marked
@@ -714,8 +722,13 @@ class SglangTarget:
         return {
             "token_to_kv_pool": Accounting(a.available_size(), cache.evictable_size(), cache.protected_size(),
                                            self._session_held_tokens(), a.size),
-            "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, rp.size),
+            "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, self._row_count()),
         }
+
+    def _row_count(self) -> int:
+        """Usable rows: row 0 is padding (``_alloc_size`` counts it; a PD decode pool adds its
+        ``pre_alloc_size`` rows to ``size``)."""
+        return self.req_to_token_pool._alloc_size - 1
 
     def metrics_check(self) -> list[str]:
         """Every live record's ``0 <= kv_committed_len <= kv_allocated_len`` (the free lists are checked

@@ -1,0 +1,439 @@
+"""PD disaggregation, decode side, on the real SGLang 0.5.23 (``disaggregation_mode="decode"``).
+
+A decode server receives each request's prompt KV from a prefill server. Its memory path is
+``disaggregation/decode.py`` (memory model section 3): ``DecodePreallocQueue`` takes a row of the
+``DecodeReqToTokenPool`` and the prompt's KV slots before the transfer (``_pre_alloc``);
+``DecodeTransferQueue`` polls the transfer, commits the first token (``_commit_transfer_to_req``) or,
+on failure, releases the KV -- at once, or *deferred* until prefill acknowledges the abort or a
+timeout (``_defer_release`` / ``resolve_deferred_releases``: hazard A.8); transferred requests run as
+a prebuilt batch (``process_prebuilt``, ``process_batch_result_prebuilt``) and then decode.
+
+What runs is SGLang's: the pools, the tree cache (disabled, as on a decode server by default), both
+queues, and the scheduler's own decode-mode methods (``SchedulerDisaggregationDecodeMixin``:
+``process_decode_queue``, ``get_next_disagg_decode_batch_to_run``, ``get_new_prebuilt_batch``),
+called on :class:`_DecodeScheduler`, which holds the attributes of ``Scheduler`` they read. The
+driver plays what is not on this machine:
+
+* **the model** -- a deterministic next token, as on the other presets;
+* **the network and the prefill server** -- requests use SGLang's ``fake`` transfer backend (the
+  one it ships for warmup and health checks), with a receiver that takes
+  ``transfer_latency_steps`` scheduler steps to land, and that on abort arms the drain-ack
+  bookkeeping of ``CommonKVReceiver``/``CommonKVManager`` (their own methods, borrowed): the
+  shipped fake receiver never defers a release. Prefill's ack arrives ``abort_ack_steps`` steps
+  later (``None``: never, so the release waits for the timeout);
+* **the clock** -- ``decode.py``'s ``time.monotonic`` advances one second per scheduler step, so
+  deferred-release timeouts are deterministic.
+
+One more package is needed for real: ``einops`` (``decode.py`` -> ``managers/utils.py`` -> eplb),
+pinned in ``requirements/sglang-cpu.txt``. ``managers/scheduler.py`` is never imported (it would pull
+the HTTP server), so ``update_running_batch`` and ``abort_request`` are the driver's, following
+SGLang's decode-mode branches, as on the other presets.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kvaudit.targets.base import PoolSpec
+from kvaudit.targets.sglang_boot import SglangUnavailable, build, load
+from kvaudit.targets.sglang_config import SglangConfig
+from kvaudit.targets.sglang_target import EOS, SglangTarget
+
+_PD = None
+
+
+def load_pd() -> SimpleNamespace:
+    """Import SGLang's PD decode path once (after :func:`load`'s stubs). Raises :class:`SglangUnavailable`
+    when a module it needs does not import (``einops`` missing: the install command says how)."""
+    global _PD
+    if _PD is not None:
+        return _PD
+    load()
+    try:
+        import sglang.srt.disaggregation.decode as decode
+        from sglang.srt.arg_groups.pd_disaggregation_hook import handle_pd_disaggregation
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
+        from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
+        from sglang.srt.disaggregation.utils import (FAKE_BOOTSTRAP_HOST, DisaggregationMode, MetadataBuffers,
+                                                     ReqToMetadataIdxAllocator, TransferBackend)
+        from sglang.srt.managers.overlap_utils import FutureMap
+        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+        from sglang.srt.runtime_context import SpawnRanks, get_disagg, get_memory, publish
+    except ImportError as exc:
+        raise SglangUnavailable(f"SGLang's PD decode path does not import: {exc} "
+                                "(pip install --no-deps -r requirements/sglang-cpu.txt)") from None
+    _PD = SimpleNamespace(
+        decode=decode, handle_pd_disaggregation=handle_pd_disaggregation, KVPoll=KVPoll,
+        CommonKVManager=CommonKVManager, CommonKVReceiver=CommonKVReceiver, FakeKVManager=FakeKVManager,
+        FakeKVReceiver=FakeKVReceiver, FAKE_BOOTSTRAP_HOST=FAKE_BOOTSTRAP_HOST, DisaggregationMode=DisaggregationMode,
+        MetadataBuffers=MetadataBuffers, ReqToMetadataIdxAllocator=ReqToMetadataIdxAllocator,
+        TransferBackend=TransferBackend, FutureMap=FutureMap, SchedulerBatchResultProcessor=SchedulerBatchResultProcessor,
+        SpawnRanks=SpawnRanks, get_disagg=get_disagg, get_memory=get_memory, publish=publish)
+    return _PD
+
+
+def _one_rank_group():
+    """A one-process gloo group (an in-memory store: no files, no sockets). The queues all-reduce their
+    polls over the attention-TP CPU group (``poll_and_all_reduce``, ``all_reduce_flags``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return SimpleNamespace(cpu_group=dist.group.WORLD, world_size=1)
+
+
+class _StepClock:
+    """``decode.py``'s ``time`` module, with ``monotonic()`` = the driver's clock (one second a step)."""
+
+    def __init__(self, real):
+        self._real, self.now = real, 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _Network:
+    """The prefill server and the wire: transfers in flight land after ``latency`` steps; an abort
+    notification is acknowledged (``note_abort_ack``, as ``CommonKVManager`` records a drain ack)
+    after ``ack_steps`` steps, or never."""
+
+    def __init__(self, latency: int, ack_steps: int | None):
+        self.latency, self.ack_steps = latency, ack_steps
+        self.sending: list[tuple[int, object]] = []  # (step due, receiver)
+        self.acks: list[tuple[int, object]] = []
+        self.step = 0
+
+    def tick(self) -> None:
+        self.step += 1
+        for due, rx in [x for x in self.sending if x[0] <= self.step]:
+            self.sending.remove((due, rx))
+            if rx.conclude_state is None:
+                rx.has_sent_metadata = True  # FakeKVReceiver.poll: Success from now on
+        for due, rx in [x for x in self.acks if x[0] <= self.step]:
+            self.acks.remove((due, rx))
+            rx.kv_mgr.note_abort_ack(rx.bootstrap_room, 0, rx._abort_generation)
+
+
+def _backend(P, network: _Network):
+    """kvaudit's transfer backend: SGLang's fake manager and receiver, plus latency and the deferred
+    abort-release protocol (``CommonKVManager``'s ack tracker, ``CommonKVReceiver.ensure_abort_notified``)."""
+
+    class Manager(P.FakeKVManager):
+        enable_deferred_decode_kv_release = True
+        register_deferred_abort_room = P.CommonKVManager.register_deferred_abort_room
+        note_abort_ack = P.CommonKVManager.note_abort_ack
+        is_abort_release_safe = P.CommonKVManager.is_abort_release_safe
+        clear_deferred_abort_state = P.CommonKVManager.clear_deferred_abort_state
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self._deferred_abort_ack_tracker = {}
+            self._deferred_abort_generation = 0
+
+    class Receiver(P.FakeKVReceiver):
+        ensure_abort_notified = P.CommonKVReceiver.ensure_abort_notified
+
+        def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
+            super().__init__(mgr, bootstrap_addr, bootstrap_room)
+            self.bootstrap_room = bootstrap_room
+            self.bootstrap_infos = [{"rank": 0}]  # one prefill rank holds the destinations
+            self.init_time = None
+            self._abort_generation = None
+
+        def send_metadata(self, *a, **k) -> None:
+            """The destinations are published (``_send_kv_metadata``): the transfer starts."""
+            self.init_time = network.step
+            network.sending.append((network.step + network.latency, self))
+
+        def abort(self) -> None:
+            """``CommonKVReceiver.abort``: the room fails, prefill is told (and the ack tracker armed)."""
+            self.conclude_state = P.KVPoll.Failed
+            self.ensure_abort_notified()
+
+        def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+            if self.kv_mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
+                self._abort_generation = self.kv_mgr.register_deferred_abort_room(self.bootstrap_room)
+                if network.ack_steps is not None:
+                    network.acks.append((network.step + network.ack_steps, self))
+
+    return Manager, Receiver
+
+
+class _DecodeScheduler:
+    """The ``Scheduler`` state SGLang's decode-mode methods read, with those methods
+    (``SchedulerDisaggregationDecodeMixin``) mixed in by :func:`_scheduler_class`. Attributes are the
+    scheduler's own names; ``update_running_batch`` and ``_add_request_to_queue`` are the driver's."""
+
+    def __init__(self, target, **attrs):
+        self.__dict__.update(attrs)
+        self._target = target
+
+    def update_running_batch(self, batch):
+        return self._target._update_running_batch(batch)
+
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        """``Scheduler._add_request_to_queue``, decode branch: the prealloc queue (or its retracted queue)."""
+        self.disagg_decode_prealloc_queue.add(req, is_retracted=is_retracted)
+        self._target._swap_receiver(req)
+
+    def retire_unadmitted_request(self, req) -> None:
+        """A request rejected at intake never reaches the queues: it is finished for the client."""
+        self._target.finished.add(req.rid)
+
+
+def _scheduler_class(P):
+    return type("DecodeScheduler", (_DecodeScheduler, P.decode.SchedulerDisaggregationDecodeMixin), {})
+
+
+class _Streamer:
+    """``output_streamer``: what the decode server streams to the client (memory-free)."""
+
+    def stream_output(self, reqs, return_logprob=False, *a, **k) -> None:
+        pass
+
+
+class SglangPdDecodeTarget(SglangTarget):
+    """The decode server of PD disaggregation (see the module docstring)."""
+
+    def _build(self, config: SglangConfig):
+        S, P = load(), load_pd()
+        group = _one_rank_group()
+        sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
+                          disaggregation_transfer_backend="fake", disaggregation_decode_retraction_backup="cpu_tensor",
+                          max_running_requests=config.max_running_requests,
+                          num_reserved_decode_tokens=config.num_reserved_decode_tokens)
+        P.handle_pd_disaggregation(sa)  # the server-args step that turns the decode radix cache off
+        P.publish(sa, role="scheduler", ranks=P.SpawnRanks(world_rank=0, gpu_id=0))
+        S.get_parallel().override_permanently(attn_tp_group=group)
+        disagg = P.get_disagg()
+        tp_worker = SimpleNamespace(is_hybrid_swa=False, model_runner=SimpleNamespace(kv_cache_dtype_str="bfloat16"),
+                                    register_hicache_layer_transfer_counter=lambda *a: None)
+
+        def rows(device):  # kv_cache_configurator: max_running_requests rows, plus the pre-allocation rows
+            return P.decode.DecodeReqToTokenPool(size=config.max_running_requests,
+                                                 max_context_len=config.context_len + 8, device=device,
+                                                 enable_memory_saver=False,
+                                                 pre_alloc_size=disagg.disaggregation_decode_extra_slots)
+
+        o = build(config, server_args=sa, make_rows=rows, disable_radix_cache=P.get_memory().disable_radix_cache,
+                  tp_worker=tp_worker)
+        r2t, alloc, tree = o.req_to_token_pool, o.allocator, o.tree_cache
+        # Scheduler.init_disaggregation, decode branch
+        n_meta = r2t.size * 2
+        self.metadata_allocator = P.ReqToMetadataIdxAllocator(n_meta)
+        buffers = P.MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32,
+                                    max_sampling_mask_tokens=sa.sampling_mask_max_tokens, custom_mem_pool=None,
+                                    output_dsa_topk_indices_dim=0,
+                                    kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
+        self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps)
+        self.clock = _StepClock(getattr(P.decode.time, "_real", P.decode.time))
+        P.decode.time = self.clock
+        manager_cls, self._receiver_cls = _backend(P, self.network)
+        streamer = _Streamer()
+        metrics = SimpleNamespace(enable_metrics=False, current_scheduler_metrics_enabled=False, num_retracted_reqs=0)
+        sched = _scheduler_class(P)(
+            self, spec_algorithm=S.SpeculativeAlgorithm.NONE, server_args=sa, enable_hisparse=False, random_seed=0,
+            tp_worker=tp_worker, model_config=o.model_config, running_batch=S.ScheduleBatch(reqs=[], batch_is_full=False),
+            waiting_queue=[], last_batch=None, enable_priority_scheduling=False, enable_lora=False,
+            enable_decode_hicache=False, output_streamer=streamer, metrics_reporter=metrics,
+            scheduler_stage_metrics=None, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, tree_cache=tree,
+            max_running_requests=config.max_running_requests, enable_overlap=False, chunked_req=None,
+            grammar_manager=SimpleNamespace(has_waiting_grammars=lambda: False),
+            ngram_embedding_manager=SimpleNamespace(prepare_for_forward=lambda b, chunked_req=None: b),
+            future_map=P.FutureMap(config.device, S.SpeculativeAlgorithm.NONE, r2t),
+            dp_attn_adapter=SimpleNamespace(maybe_prepare_mlp_sync_batch=lambda b: b), forward_ct=0,
+            kv_checksum_computer=None, disagg_decode_prealloc_queue=None)
+        sched.batch_result_processor = P.SchedulerBatchResultProcessor(
+            is_generation=True, disaggregation_mode=P.DisaggregationMode.DECODE, enable_overlap=False,
+            enable_overlap_mlx=False, model_config=o.model_config, token_to_kv_pool_allocator=alloc, tree_cache=tree,
+            hisparse_coordinator=None, req_to_token_pool=r2t, decode_offload_manager=None, metrics_collector=None,
+            metrics_reporter=metrics, draft_worker=None, model_worker=None, logprob_result_processor=None,
+            output_streamer=streamer, beam_coordinator=None, abort_request=None)
+        tq = P.decode.DecodeTransferQueue(req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
+                                          metadata_buffers=buffers, scheduler=sched, tree_cache=tree)
+        tq.deferred_kv_release_timeout = float(config.deferred_release_timeout_steps)
+        pq = P.decode.DecodePreallocQueue(
+            req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, draft_token_to_kv_pool=None,
+            req_to_metadata_buffer_idx_allocator=self.metadata_allocator, metadata_buffers=buffers, scheduler=sched,
+            transfer_queue=tq, tree_cache=tree, gpu_id=0, bootstrap_port=disagg.disaggregation_bootstrap_port,
+            max_total_num_tokens=config.total_tokens, num_reserved_decode_tokens=disagg.num_reserved_decode_tokens,
+            transfer_backend=P.TransferBackend.FAKE)
+        pq.kv_manager = manager_cls(pq.kv_manager.kv_args, P.DisaggregationMode.DECODE, sa, False)
+        sched.disagg_decode_transfer_queue, sched.disagg_decode_prealloc_queue = tq, pq
+        self.sched, self.prealloc_queue, self.transfer_queue, self.P = sched, pq, tq, P
+        return o
+
+    # -- observer -----------------------------------------------------------------------------
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        """As on the other presets, but ``DecodeReqToTokenPool`` takes and gives back rows through
+        ``alloc(reqs)`` / ``free(req)`` (no ``alloc_rows``/``free_rows``)."""
+        if spec.kind != "rows":
+            return super().install_pool(spec, auditor, wrap)
+        obj, pool = spec.obj, spec.name
+        auditor.wrap_clear(spec)
+        orig_alloc, orig_free = obj.alloc, obj.free
+
+        def alloc(reqs, *a, **k):
+            held = {id(r) for r in reqs if r.kv.holds_kv}
+            out = orig_alloc(reqs, *a, **k)
+            if out is not None:
+                new = [r.kv.req_pool_idx for r in reqs if id(r) not in held]
+                if new:
+                    auditor.on_alloc(pool, new, auditor.capture_site())
+            return out
+
+        def free(req, *a, **k):
+            row = req.kv.req_pool_idx
+            orig_free(req, *a, **k)
+            auditor.on_free(pool, [row], auditor.capture_site())
+
+        auditor._wrap(obj, "alloc", alloc)
+        auditor._wrap(obj, "free", free)
+
+    def framework_files(self) -> list[str]:
+        return super().framework_files() + [self.P.decode.__file__]
+
+    # -- driver ------------------------------------------------------------------------------------
+    def _new_req(self, rid: str, ids, sp):
+        """A decode-side ``Req``: its prefill runs elsewhere, reached through the fake transfer backend."""
+        P = self.P
+        self._rooms = getattr(self, "_rooms", 0) + 1
+        return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS},
+                          bootstrap_host=P.FAKE_BOOTSTRAP_HOST, bootstrap_port=8998, bootstrap_room=1000 + self._rooms,
+                          disagg_mode=P.DisaggregationMode.DECODE)
+
+    def _add_request_to_queue(self, req) -> None:
+        self.sched._add_request_to_queue(req)
+
+    def _swap_receiver(self, req) -> None:
+        """The transfer backend: the receiver ``DecodePreallocQueue.add`` made for ``req`` (SGLang's fake
+        one) is replaced by kvaudit's (same manager, room and state), which adds latency and aborts."""
+        for dr in self.prealloc_queue.queue:
+            if dr.req is req and not isinstance(dr.kv_receiver, self._receiver_cls):
+                rx = self._receiver_cls(self.prealloc_queue.kv_manager, "kvaudit-prefill", req.bootstrap_room)
+                rx.bootstrap_done = dr.kv_receiver.bootstrap_done
+                dr.kv_receiver = rx
+
+    def _abort(self, rid: str) -> None:
+        """``Scheduler.abort_request``, decode branch: a waiting request holds its transferred KV and is
+        released at once (``release_kv_cache(checkpoint=True)``); a request in the prealloc or transfer
+        queue has its receiver aborted (the queue then fails it); a retracted one drops its backup; a
+        running one gets ``to_finish``."""
+        sched, S = self.sched, self.S
+        for i, req in enumerate(sched.waiting_queue):
+            if req.rid == rid:
+                sched.waiting_queue.pop(i)
+                self._release_aborted_request(req)
+                if req.finished_reason is None:
+                    req.finished_reason = S.FINISH_ABORT()
+                self._release(req, checkpoint=True)
+                return
+        for dr in self.prealloc_queue.queue + self.transfer_queue.queue:
+            if dr.req.rid == rid:
+                dr.kv_receiver.abort()
+        kept = []
+        for req in self.prealloc_queue.retracted_queue:
+            if req.rid == rid:
+                S.common.discard_kv_cache_backup(req, self.tree_cache, "cpu_tensor")
+                self.finished.add(rid)
+            else:
+                kept.append(req)
+        self.prealloc_queue.retracted_queue = kept
+        for req in sched.running_batch.reqs:
+            if req.rid == rid and not req.finished():
+                req.to_finish = S.FINISH_ABORT()
+
+    def step(self) -> None:
+        """One iteration of ``event_loop_normal_disagg_decode``: the network moves (transfers land, acks
+        arrive), ``process_decode_queue`` (deferred releases, resumed retractions, pre-allocation,
+        transfer polling), ``get_next_disagg_decode_batch_to_run`` (prebuilt batch, its result, then
+        :meth:`_update_running_batch`), and the decode batch's result."""
+        self.steps += 1
+        self.clock.now += 1.0
+        self.network.tick()
+        sched = self.sched
+        sched.process_decode_queue()
+        plan = sched.get_next_disagg_decode_batch_to_run(running_batch=sched.running_batch)
+        sched.running_batch = plan.running_batch
+        batch = plan.batch_to_run
+        self.running = [r for r in sched.running_batch.reqs if not r.finished()]
+        if batch is not None:
+            self._process("decode", list(batch.reqs))
+        sched.last_batch = batch
+        sched.forward_ct += 1
+        self.running = [r for r in sched.running_batch.reqs if not r.finished()]
+        for req in plan.running_batch.reqs + list(sched.waiting_queue):
+            if req.finished() and req.kv.holds_kv is False:
+                self.finished.add(req.rid)
+        table = self.req_to_token_pool.req_to_token
+        self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
+                              r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
+
+    def _update_running_batch(self, batch):
+        """``Scheduler.update_running_batch`` (no overlap): drop finished requests; ``check_decode_mem``,
+        and ``retract_decode`` when it fails or under memory pressure -- decode mode backs each victim's
+        KV up (``release_req``, ``cpu_tensor``) and queues it for ``resume_retracted_reqs``; then
+        ``prepare_for_decode`` (``alloc_for_decode``)."""
+        batch.filter_batch()
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return batch
+        full = not batch.check_decode_mem()
+        if full or self._force_retract:
+            self._force_retract = False
+            retracted, _, aborted = batch.retract_decode()
+            self.retractions += len(retracted) + len(aborted)
+            for req in retracted:
+                self.sched._add_request_to_queue(req, is_retracted=True)
+            for req in aborted:
+                self.finished.add(req.rid)
+        if batch.is_empty():
+            return batch
+        batch.prepare_for_decode()
+        return batch
+
+    def _inflight(self) -> list:
+        return [r for r in self.sched.running_batch.reqs]
+
+    def _active(self) -> list:
+        """Every request the decode server knows: prealloc queue, transfer queue, deferred releases,
+        waiting (transferred), running, retracted."""
+        pq, tq = self.prealloc_queue, self.transfer_queue
+        reqs = ([dr.req for dr in pq.queue] + [dr.req for dr in tq.queue]
+                + [entry[0].req for entry in tq._deferred_releases] + list(self.sched.waiting_queue)
+                + list(self.sched.running_batch.reqs) + list(pq.retracted_queue))
+        out = []
+        for r in reqs:
+            if not any(r is x for x in out):
+                out.append(r)
+        return out
+
+    def is_idle(self) -> bool:
+        """``is_fully_idle`` on a decode server: every queue empty and no release deferred."""
+        pq, tq = self.prealloc_queue, self.transfer_queue
+        return not (pq.queue or pq.retracted_queue or tq.queue or tq._deferred_releases or self.sched.waiting_queue
+                    or self.sched.running_batch.reqs)
+
+    def stalled(self) -> bool:
+        return False
+
+    def describe_busy(self) -> str:
+        pq, tq = self.prealloc_queue, self.transfer_queue
+        return (f"prealloc={len(pq.queue)} transfer={len(tq.queue)} deferred={len(tq._deferred_releases)} "
+                f"retracted={len(pq.retracted_queue)} waiting={len(self.sched.waiting_queue)} "
+                f"running={len(self.sched.running_batch.reqs)} available={self.allocator.available_size()}")
+
+    def _flush_cache(self) -> None:
+        """``Scheduler.flush_cache`` on a decode server: only when fully idle."""
+        if not self.is_idle():
+            return
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+        self._flushes += 1

@@ -1,0 +1,218 @@
+"""The real-SGLang target in PD-disaggregation decode mode (preset ``sglang-pd-decode``): SGLang 0.5.23's
+``DecodePreallocQueue``, ``DecodeTransferQueue`` and prebuilt batches, driven on CPU (issue 8).
+
+* a request's path through the decode server, each stage as SGLang holds it;
+* hazard A.8 of the memory model's Appendix A: a release deferred until prefill acknowledges the
+  abort, or a timeout, holds the KV meanwhile; kvaudit counts it as held, not leaked;
+* aborts in every decode queue, and decode-mode retraction with its KV backup, clean.
+
+Skipped, with the install command, where SGLang is not installed.
+"""
+
+import pytest
+
+from kvaudit.targets.sglang_boot import installed_version
+
+if installed_version() != "0.5.23":
+    pytest.skip("SGLang 0.5.23 is not installed (pip install --no-deps -r requirements/sglang-cpu.txt)",
+                allow_module_level=True)
+
+from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit  # noqa: E402
+from kvaudit.runner import AuditedRun, execute  # noqa: E402
+from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+CORES = ["rust", "python"]
+
+
+def cfg(core="rust", **kw):
+    return SGLANG_PRESETS["sglang-pd-decode"].config(tree_core=core, **kw)
+
+
+def stages(t):
+    """Where each request is: the decode server's queues, as SGLang holds them."""
+    pq, tq = t.prealloc_queue, t.transfer_queue
+    out = {dr.req.rid: "prealloc" for dr in pq.queue}
+    out.update({dr.req.rid: "transfer" for dr in tq.queue})
+    out.update({e[0].req.rid: "deferred" for e in tq._deferred_releases})
+    out.update({r.rid: "waiting" for r in t.sched.waiting_queue})
+    out.update({r.rid: "running" for r in t.sched.running_batch.reqs if not r.finished()})
+    out.update({r.rid: "retracted" for r in pq.retracted_queue})
+    return out
+
+
+def full(t):
+    return (t.allocator.available_size() == t.allocator.size and t.req_to_token_pool.available_size() == t._row_count()
+            and t.metadata_allocator.available_size() == t.metadata_allocator.size)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_objects_are_sglangs_decode_server(core):
+    with AuditedRun(cfg(core)) as run:
+        t = run.target
+        assert type(t.req_to_token_pool).__name__ == "DecodeReqToTokenPool"
+        assert t.req_to_token_pool.pre_alloc_size > 0  # rows for requests still receiving their KV
+        assert t._row_count() == t.req_to_token_pool.size + t.req_to_token_pool.pre_alloc_size
+        assert type(t.tree_cache).__name__ == "UnifiedRadixCache" and t.tree_cache.disable  # decode default: off
+        assert type(t.prealloc_queue).__module__ == type(t.transfer_queue).__module__ == \
+            "sglang.srt.disaggregation.decode"
+        assert t.allocator.need_sort is True
+        assert type(t.sched).__mro__[2].__name__ == "SchedulerDisaggregationDecodeMixin"
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_request_goes_prealloc_transfer_prebuilt_decode(core):
+    run = AuditedRun(cfg(core, transfer_latency_steps=2))
+    t = run.target
+    run.apply(Submit(0, 20, 4))
+    seen = [stages(t)["r0"]]
+    held = []
+    while not t.is_idle():
+        run.apply(Step(1))
+        seen.append(stages(t).get("r0", "done"))
+        held.append(t.allocator.available_size())
+    assert run.findings == []
+    # pre-allocated at the first step (row + the prompt's 20 slots: 5 pages), landed two steps later,
+    # then the prebuilt batch joined the running batch in the same step; decoded to its 4 tokens
+    assert seen[:4] == ["prealloc", "transfer", "transfer", "running"], seen
+    assert seen[-1] == "done" and held[0] == t.allocator.size - 20
+    assert full(t)
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_health_check_finishes_at_its_prebuilt_result(core, monkeypatch):
+    """A health check on a decode server: the fake transfer lands, max_new_tokens=1 finishes it in
+    process_batch_result_prebuilt, which releases it; it never reaches a decode batch."""
+    import sys
+
+    run = AuditedRun(cfg(core))
+    t = run.target
+    brp = sys.modules[type(t.sched.batch_result_processor).__module__]  # it imported release_kv_cache by name
+    callers = []
+    real = brp.release_kv_cache
+
+    def spy(req, cache, *, checkpoint):
+        callers.append((req.rid, sys._getframe(1).f_code.co_name))
+        return real(req, cache, checkpoint=checkpoint)
+
+    monkeypatch.setattr(brp, "release_kv_cache", spy)
+    run.apply(HealthCheck())
+    run.apply(Idle())
+    assert run.findings == [] and full(t)
+    assert callers == [("HEALTH_CHECK_0", "process_batch_result_prebuilt")]
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("ack", [2, None])
+def test_hazard_a8_deferred_release_holds_the_kv_until_ack_or_timeout(core, ack):
+    """A.8: an abort while the KV is in transfer fails the transfer; with a backend that notifies
+    prefill, DecodeTransferQueue defers the release (_defer_release) until prefill acknowledges the
+    abort (here after 2 steps) or the deadline passes (6 steps). Meanwhile the row, the KV and the
+    metadata slot stay out of the pools, held only by _deferred_releases; SGLang's idle check is
+    suppressed. kvaudit counts that memory as held by the request: no finding; and it comes back."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=3, abort_ack_steps=ack))
+    t = run.target
+    for op in [Submit(0, 20, 4), Step(2), Abort(0)]:
+        run.apply(op)
+    assert stages(t) == {"r0": "transfer"}
+    run.apply(Step(1))
+    assert stages(t) == {"r0": "deferred"}
+    req = t.transfer_queue._deferred_releases[0][0].req
+    assert req.finished() and req.kv.holds_kv and req.kv.kv_allocated_len == 20
+    assert t.allocator.available_size() == t.allocator.size - 20
+    assert t.metadata_allocator.available_size() == t.metadata_allocator.size - 1
+    assert not t.is_idle()
+    run.apply(FlushCache())  # refused: a deferred release keeps the server busy
+    assert t.flushed() == 0
+    run.apply(Abort(None))  # abort_request cannot reach a deferred release: a no-op
+    steps = 0
+    while stages(t):
+        run.apply(Step(1))
+        steps += 1
+    # the ack (armed at the abort, 2 steps out) lands one step after the deferral; the deadline is
+    # 6 seconds (steps) after it
+    assert steps == (1 if ack == 2 else 6)
+    assert run.findings == [] and full(t)
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_hazard_a8_a_deferred_entry_dropped_is_a_leak_kvaudit_sees(core):
+    """What SGLang's suppressed idle check would miss: if the deferred entry is dropped without its
+    release (DecodeTransferQueue.release_memory_occupation, reachable only while idle in a server),
+    the row and the KV leak; kvaudit's reachability scan reports both at the next step."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=3, abort_ack_steps=None))
+    t = run.target
+    for op in [Submit(0, 20, 4), Step(2), Abort(0), Step(1)]:
+        run.apply(op)
+    assert stages(t) == {"r0": "deferred"} and run.findings == []
+    t.transfer_queue.release_memory_occupation()
+    run.apply(Step(1))
+    leaks = {(f.kind, f.pool) for f in run.findings}
+    run.close()
+    assert ("leak", "req_to_token_pool") in leaks
+
+
+ABORTS = {
+    "in the prealloc queue (no memory yet)": [Submit(0, 60, 40), Submit(1, 60, 40), Submit(2, 60, 40),
+                                              Submit(3, 60, 40), Submit(4, 60, 40), Abort(4), Idle()],
+    "in transfer": [Submit(0, 20, 4), Step(1), Abort(0), Idle()],
+    "waiting (transferred)": [Submit(0, 20, 4), Step(2), Abort(0), Idle()],
+    "running": [Submit(0, 20, 9), Step(4), Abort(0), Idle()],
+    "all, everywhere": [Submit(i, 24, 12) for i in range(6)] + [Step(3), Abort(None), Idle()],
+}
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("name", list(ABORTS))
+def test_aborts_in_every_decode_queue_run_clean(name, core):
+    ex = execute(cfg(core), ABORTS[name])
+    assert ex.findings == [], [f.message for f in ex.findings]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_decode_retraction_backs_up_and_resumes(core):
+    """Decode-mode retraction: release_req backs the victim's KV up (cpu_tensor) and frees it; the
+    request waits in the retracted queue, resume_retracted_reqs pre-allocates it again and restores
+    the KV, and it finishes. Clean."""
+    run = AuditedRun(cfg(core))
+    t = run.target
+    for op in [Submit(0, 30, 12), Submit(1, 20, 12), Step(3), MemoryPressure(), Step(1)]:
+        run.apply(op)
+    assert t.retractions == 1
+    retracted = [r for r in stages(t) if stages(t)[r] == "retracted"]
+    assert len(retracted) == 1
+    req = t.prealloc_queue.retracted_queue[0]
+    assert not req.kv.holds_kv and req.kv.retraction_backup is not None
+    run.apply(Idle())
+    assert run.findings == [] and full(t) and stages(t) == {}
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_skipped_release_on_a_decode_server_is_a_leak(core):
+    findings, run = None, AuditedRun(cfg(core, bugs=frozenset({"skip-release"})))
+    for op in [Submit(0, 20, 3), Idle()]:
+        if run.apply(op):
+            break
+    findings = run.findings
+    run.close()
+    assert ("leak", "req_to_token_pool") in {(f.kind, f.pool) for f in findings}
+
+
+def test_missing_pd_dependency_is_one_line_exit_2(monkeypatch, tmp_path):
+    from cli_helpers import invoke, one_error_line
+    from kvaudit.targets import sglang_pd
+    from kvaudit.targets.sglang_boot import SglangUnavailable
+
+    def unavailable():
+        raise SglangUnavailable("SGLang's PD decode path does not import: No module named 'einops'")
+
+    monkeypatch.setattr(sglang_pd, "load_pd", unavailable)
+    r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--max-time", "5",
+               "--out", str(tmp_path / "out"))
+    assert r.exit_code == 2
+    assert "einops" in one_error_line(r)
