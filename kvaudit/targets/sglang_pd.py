@@ -371,9 +371,7 @@ class SglangPdDecodeTarget(SglangTarget):
         for req in plan.running_batch.reqs + list(sched.waiting_queue):
             if req.finished() and req.kv.holds_kv is False:
                 self.finished.add(req.rid)
-        table = self.req_to_token_pool.req_to_token
-        self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
-                              r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
+        self._snapshot_held()
 
     def _update_running_batch(self, batch):
         """``Scheduler.update_running_batch`` (no overlap): drop finished requests; ``check_decode_mem``,
@@ -428,12 +426,3 @@ class SglangPdDecodeTarget(SglangTarget):
         return (f"prealloc={len(pq.queue)} transfer={len(tq.queue)} deferred={len(tq._deferred_releases)} "
                 f"retracted={len(pq.retracted_queue)} waiting={len(self.sched.waiting_queue)} "
                 f"running={len(self.sched.running_batch.reqs)} available={self.allocator.available_size()}")
-
-    def _flush_cache(self) -> None:
-        """``Scheduler.flush_cache`` on a decode server: only when fully idle."""
-        if not self.is_idle():
-            return
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.allocator.clear()
-        self._flushes += 1

@@ -379,8 +379,8 @@ class SglangTarget:
         self._release(req, checkpoint=False)
 
     def _flush_cache(self) -> None:
-        """``Scheduler.flush_cache``: only when fully idle (sessions do not count), reset the tree and
-        clear both pools."""
+        """``Scheduler.flush_cache``: only when fully idle (:meth:`is_idle`; sessions do not count), reset
+        the tree and clear both pools."""
         if not self.is_idle():
             return
         self.tree_cache.reset()
@@ -417,8 +417,11 @@ class SglangTarget:
                 self._process(*last)
         elif batch is not None:
             self._process(*batch)
-        # what each running request holds now: if a release elsewhere takes its record away (a
-        # session released under a running turn), the next scan still sees the request reading it
+        self._snapshot_held()
+
+    def _snapshot_held(self) -> None:
+        """What each running request holds now: if a release elsewhere takes its record away (a session
+        released under a running turn), the next scan still sees the request reading it."""
         table = self.req_to_token_pool.req_to_token
         self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
                               r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
