@@ -100,12 +100,18 @@ class Auditor:
         self._owner_hint = getattr(target, "owner_hint", lambda frame_locals: None)
         self._hint_vars = tuple(getattr(target, "owner_hint_vars", ()))
         self._stop_vars = tuple(getattr(target, "owner_stop_vars", ()))
-        self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()}
+        # a pool's own code is framework: its whole file, or, for a pool class that shares a big module
+        # with engine code (the target's ``framework_classes``), only that class's methods
+        by_class = tuple(getattr(target, "framework_classes", list)())
+        self._skip_classes = {(os.path.abspath(inspect.getfile(c)), c.__name__) for c in by_class}
+        self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()
+                                             if not isinstance(s.obj, by_class)}
         self._skip_files |= {os.path.abspath(f) for f in getattr(target, "framework_files", list)()}
         # files of the target that play the engine's part (a driver): sites, though under kvaudit/
         self._engine_files = frozenset(os.path.abspath(f) for f in getattr(target, "engine_files", list)())
         self._info = Auditor._code_info_caches.setdefault(
-            (frozenset(self._skip_files), self._engine_files, self._hint_vars, self._stop_vars), {})
+            (frozenset(self._skip_files), frozenset(self._skip_classes), self._engine_files, self._hint_vars,
+             self._stop_vars), {})
         for spec in target.pools():
             if hasattr(target, "install_pool"):  # a target whose allocator API differs wraps its own
                 target.install_pool(spec, self, self._wrap)
@@ -129,8 +135,8 @@ class Auditor:
         """``(is framework, owner lookup)``: lookup is 0 (nothing to see), ``STOP`` (a batch-level
         function: no single owner) or ``READ`` (read the owner from the frame's locals)."""
         fn = os.path.abspath(code.co_filename)
-        fw = (fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)) \
-            and fn not in self._engine_files
+        fw = (fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
+              or (fn, code.co_qualname.split(".")[0]) in self._skip_classes) and fn not in self._engine_files
         names = code.co_varnames
         look = (_STOP if any(v in names for v in self._stop_vars)
                 else _READ if any(v in names for v in self._hint_vars) else 0)

@@ -140,10 +140,23 @@ def test_hazard_a8_deferred_release_holds_the_kv_until_ack_or_timeout(core, ack)
 
 
 @pytest.mark.parametrize("core", CORES)
+def test_transfer_failure_without_deferral_releases_at_once(core):
+    """With SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE off, the failed transfer's KV, row and
+    metadata slot go back at the poll that sees the failure (_release_request)."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=3, deferred_kv_release=False))
+    t = run.target
+    for op in [Submit(0, 20, 4), Step(2), Abort(0), Step(1)]:
+        run.apply(op)
+    assert stages(t) == {} and t.is_idle() and run.findings == [] and full(t)
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
 def test_hazard_a8_a_deferred_entry_dropped_is_a_leak_kvaudit_sees(core):
     """What SGLang's suppressed idle check would miss: if the deferred entry is dropped without its
     release (DecodeTransferQueue.release_memory_occupation, reachable only while idle in a server),
-    the row and the KV leak; kvaudit's reachability scan reports both at the next step."""
+    the row, its KV and the metadata slot leak; kvaudit's reachability scan reports all three at the
+    next step, at the SGLang functions that took them."""
     run = AuditedRun(cfg(core, transfer_latency_steps=3, abort_ack_steps=None))
     t = run.target
     for op in [Submit(0, 20, 4), Step(2), Abort(0), Step(1)]:
@@ -151,9 +164,11 @@ def test_hazard_a8_a_deferred_entry_dropped_is_a_leak_kvaudit_sees(core):
     assert stages(t) == {"r0": "deferred"} and run.findings == []
     t.transfer_queue.release_memory_occupation()
     run.apply(Step(1))
-    leaks = {(f.kind, f.pool) for f in run.findings}
+    sites = {f.pool: (f.kind, f.indirect, f.alloc_sites[0].function) for f in run.findings}
     run.close()
-    assert ("leak", "req_to_token_pool") in leaks
+    assert sites == {"req_to_token_pool": ("leak", False, "_pre_alloc"),
+                     "metadata_buffers": ("leak", False, "_send_kv_metadata"),
+                     "token_to_kv_pool": ("leak", True, "alloc_for_decode_prealloc")}  # via the leaked row
 
 
 ABORTS = {

@@ -62,6 +62,7 @@ class SglangConfig(ConfigBase):
     # PD decode only: the transfer network kvaudit plays (in scheduler steps) and SGLang's decode reserve
     transfer_latency_steps: int = 1  # steps from send_metadata to the KV landing
     abort_ack_steps: int | None = 2  # steps from an abort notification to prefill's drain ack; None: never acked
+    deferred_kv_release: bool = True  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE: else released at once
     deferred_release_timeout_steps: int = 6  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 1 s a step
     num_reserved_decode_tokens: int = 8  # SGLang's --num-reserved-decode-tokens (512 by default, for real pools)
     vocab_size: int = 128
@@ -83,7 +84,8 @@ class SglangConfig(ConfigBase):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse"):
+        for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
+                     "deferred_kv_release"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":

@@ -36,7 +36,9 @@ from types import SimpleNamespace
 
 import torch
 
-from kvaudit.targets.base import PoolSpec
+import numpy as np
+
+from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, load
 from kvaudit.targets.sglang_config import SglangConfig
 from kvaudit.targets.sglang_target import EOS, SglangTarget
@@ -199,7 +201,15 @@ class _Streamer:
 
 
 class SglangPdDecodeTarget(SglangTarget):
-    """The decode server of PD disaggregation (see the module docstring)."""
+    """The decode server of PD disaggregation (see the module docstring). Besides the KV pool and the
+    rows it audits a third pool, ``metadata_buffers``: the ``ReqToMetadataIdxAllocator`` slots a
+    request holds from pre-allocation until its transfer is committed or its release is done (slot
+    ``i`` is kvaudit's unit ``i + 1``: unit 0 is reserved in every pool)."""
+
+    def __init__(self, config: SglangConfig):
+        super().__init__(config)
+        self._pools.append(PoolSpec("metadata_buffers", self.metadata_allocator, "meta", 1,
+                                    self.metadata_allocator.size))
 
     def _build(self, config: SglangConfig):
         S, P = load(), load_pd()
@@ -257,6 +267,8 @@ class SglangPdDecodeTarget(SglangTarget):
             output_streamer=streamer, beam_coordinator=None, abort_request=None)
         tq = P.decode.DecodeTransferQueue(req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
                                           metadata_buffers=buffers, scheduler=sched, tree_cache=tree)
+        # the two environment switches the queue read at construction
+        tq.enable_deferred_kv_release = config.deferred_kv_release
         tq.deferred_kv_release_timeout = float(config.deferred_release_timeout_steps)
         pq = P.decode.DecodePreallocQueue(
             req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, draft_token_to_kv_pool=None,
@@ -270,12 +282,34 @@ class SglangPdDecodeTarget(SglangTarget):
         return o
 
     # -- observer -----------------------------------------------------------------------------
+    def framework_classes(self) -> list[type]:
+        """``DecodeReqToTokenPool`` and ``ReqToMetadataIdxAllocator`` live in modules full of engine
+        code (``decode.py``, ``disaggregation/utils.py``): only their own methods are allocator frames,
+        so a site is the queue method that called them (``_pre_alloc``, ``_send_kv_metadata``)."""
+        return [type(self.req_to_token_pool), type(self.metadata_allocator)]
+
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
         """As on the other presets, but ``DecodeReqToTokenPool`` takes and gives back rows through
         ``alloc(reqs)`` / ``free(req)`` (no ``alloc_rows``/``free_rows``)."""
+        obj, pool = spec.obj, spec.name
+        if spec.kind == "meta":  # ReqToMetadataIdxAllocator: alloc() -> int | None, free(int)
+            orig_take, orig_give = obj.alloc, obj.free
+
+            def take(*a, **k):
+                idx = orig_take(*a, **k)
+                if idx is not None:
+                    auditor.on_alloc(pool, [int(idx) + 1], auditor.capture_site())
+                return idx
+
+            def give(idx, *a, **k):
+                orig_give(idx, *a, **k)
+                auditor.on_free(pool, [int(idx) + 1], auditor.capture_site())
+
+            auditor._wrap(obj, "alloc", take)
+            auditor._wrap(obj, "free", give)
+            return
         if spec.kind != "rows":
             return super().install_pool(spec, auditor, wrap)
-        obj, pool = spec.obj, spec.name
         auditor.wrap_clear(spec)
         orig_alloc, orig_free = obj.alloc, obj.free
 
@@ -295,9 +329,6 @@ class SglangPdDecodeTarget(SglangTarget):
 
         auditor._wrap(obj, "alloc", alloc)
         auditor._wrap(obj, "free", free)
-
-    def framework_files(self) -> list[str]:
-        return super().framework_files() + [self.P.decode.__file__]
 
     # -- driver ------------------------------------------------------------------------------------
     def _new_req(self, rid: str, ids, sp):
@@ -410,6 +441,28 @@ class SglangPdDecodeTarget(SglangTarget):
         for r in reqs:
             if not any(r is x for x in out):
                 out.append(r)
+        return out
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """The other presets' roots, plus each metadata slot's holder: a decode request between
+        pre-allocation and its commit (``DecodeRequest.metadata_buffer_index``), or a deferred release."""
+        out = super().roots(aborting)
+        held = [(dr.req.rid, dr.metadata_buffer_index) for dr in self.prealloc_queue.queue + self.transfer_queue.queue]
+        held += [(e[0].req.rid, e[3]) for e in self.transfer_queue._deferred_releases]
+        for rid, idx in held:
+            if idx is not None and idx >= 0:
+                out.append(Root("metadata_buffers", f"req:{rid}", np.array([idx + 1], dtype=np.int64)))
+        return out
+
+    def accounting(self) -> dict[str, Accounting]:
+        out = super().accounting()
+        m = self.metadata_allocator
+        out["metadata_buffers"] = Accounting(m.available_size(), 0, 0, 0, m.size)
+        return out
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        out = super().free_lists()
+        out["metadata_buffers"] = np.asarray(self.metadata_allocator.free_slots, dtype=np.int64) + 1
         return out
 
     def is_idle(self) -> bool:
