@@ -13,7 +13,8 @@ from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, 
 
 def test_presets_cover_the_six_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
-                                   "sglang-chunked"}
+                                   "sglang-chunked", "sglang-hisparse"}
+    assert SGLANG_PRESETS["sglang-hisparse"].config().enable_hisparse is True
     assert SGLANG_PRESETS["sglang-overlap"].config().enable_overlap is True
     chunked = SGLANG_PRESETS["sglang-chunked"].config()
     assert (chunked.chunked_prefill_size, chunked.enable_overlap) == (16, True)
