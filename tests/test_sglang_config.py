@@ -11,10 +11,11 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_seven_configurations():
+def test_presets_cover_the_eight_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
-                                   "sglang-chunked", "sglang-pd-decode"}
+                                   "sglang-chunked", "sglang-pd-decode", "sglang-hisparse"}
     assert SGLANG_PRESETS["sglang-pd-decode"].config().disaggregation_mode == "decode"
+    assert SGLANG_PRESETS["sglang-hisparse"].config().enable_hisparse is True
     assert SGLANG_PRESETS["sglang-overlap"].config().enable_overlap is True
     chunked = SGLANG_PRESETS["sglang-chunked"].config()
     assert (chunked.chunked_prefill_size, chunked.enable_overlap) == (16, True)

@@ -57,6 +57,8 @@ def test_objects_come_from_sglangs_own_factory(preset, core):
         assert type(t.tree_cache).__name__ == "UnifiedRadixCache"
         assert t.tree_core == ("RustUnifiedTreeCore" if core == "rust" else "UnifiedTreeCore")
         want = "TokenToKVPoolAllocator" if t.config.page_size == 1 else "PagedTokenToKVPoolAllocator"
+        if t.config.enable_hisparse:  # tests/test_sglang_hisparse.py checks its objects
+            want = "HiSparseTokenToKVPoolAllocator"
         assert type(t.allocator).__name__ == want
         assert t.allocator.need_sort is t.config.need_sort
         assert t.allocator.__module__.startswith("sglang.")  # SGLang's code, not a copy

@@ -20,7 +20,12 @@ FAULTS: dict[str, tuple[str, str]] = {
                                    "silently outside SGLANG_DEBUG_MEMORY_POOL)"),
     "lock-leak": ("lock-imbalance", "the first tree unlock(lock) with a real lock is dropped: the node stays "
                                     "protected forever"),
+    "hisparse-skip-finish": ("leak", "HiSparse only: the first finished request's HiSparseCoordinator."
+                                     "request_finished(req) is skipped, its release_kv_cache still runs (the memory "
+                                     "model's hazard A.3): its device buffer and host slots stay allocated"),
 }
+
+HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
 
 TREE_CORES = ("rust", "python")
 
@@ -42,6 +47,13 @@ class SglangConfig(ConfigBase):
     ``chunked_prefill_size`` (tokens, SGLang's ``--chunked-prefill-size``) splits a longer prefill
     into chunks, one ``chunked_req`` at a time; None turns chunking off.
     ``bugs`` names injected faults (:data:`FAULTS`).
+
+    HiSparse (``enable_hisparse``; SGLang's ``--enable-hisparse``, which requires
+    ``--disable-radix-cache``): ``num_slots`` is the physical device pool, the logical pool is
+    ``hisparse_host_to_device_ratio`` times larger, and each decoding request keeps a device buffer of
+    ``hisparse_device_buffer_size`` tokens (SGLang's ``device_buffer_size``; a multiple of the page).
+    ``hisparse_staging_steps`` is how many scheduler steps a request's device-to-host staging copy stays
+    in flight (0: done at the next step, which is what CPU events report; more models a GPU's async copy).
 
     Raises ``ValueError`` for inconsistent values, :class:`UnknownFaultError` for an unknown fault.
     """
@@ -65,6 +77,10 @@ class SglangConfig(ConfigBase):
     deferred_kv_release: bool = True  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE: else released at once
     deferred_release_timeout_steps: int = 6  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 1 s a step
     num_reserved_decode_tokens: int = 8  # SGLang's --num-reserved-decode-tokens (512 by default, for real pools)
+    # HiSparse only
+    hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
+    hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
+    hisparse_staging_steps: int = 0  # steps a staging copy stays in flight (collect_ready_reqs waits for it)
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -75,8 +91,12 @@ class SglangConfig(ConfigBase):
     BUGS_NOUN = "fault names"
 
     # what the generators and reports read from any config
-    disable_radix_cache = False
     model = "none"
+
+    @property
+    def disable_radix_cache(self) -> bool:
+        """HiSparse runs without the radix cache (SGLang's validate_hisparse requires it)."""
+        return self.enable_hisparse
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
@@ -123,6 +143,33 @@ class SglangConfig(ConfigBase):
         unknown = sorted(self.bugs - set(FAULTS))
         if unknown:
             raise UnknownFaultError(unknown[0])
+        self._check_hisparse()
+
+    def _check_hisparse(self) -> None:
+        for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if not self.enable_hisparse:
+            if self.bugs & HISPARSE_ONLY_FAULTS:
+                raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} needs enable_hisparse "
+                                 "(--preset sglang-hisparse)")
+            return
+        if self.enable_streaming_session:
+            raise ValueError("enable_hisparse cannot run with enable_streaming_session: HiSparse requires the radix "
+                             "cache off, streaming sessions keep their KV in it")
+        if self.disaggregation_mode != "null":
+            raise ValueError("enable_hisparse with disaggregation_mode decode (HiSparse's direct-to-host PD path) is "
+                             "not driven by this target")
+        if self.enable_overlap:
+            raise ValueError("enable_hisparse with enable_overlap is not driven by this target yet (normal event "
+                             "loop only)")
+        d, ps = self.hisparse_device_buffer_size, self.page_size
+        if d < ps or d % ps or d + ps > self.num_slots:
+            raise ValueError(f"hisparse_device_buffer_size={d} must be a positive multiple of page_size={ps} with "
+                             f"one more page below num_slots={self.num_slots}")
+        if not 1 <= self.hisparse_host_to_device_ratio <= 8 or self.hisparse_staging_steps > 64:
+            raise ValueError("hisparse_host_to_device_ratio must be in [1, 8] and hisparse_staging_steps in [0, 64]")
 
 
 def _preset(name: str, description: str, overrides: dict) -> Preset:
@@ -148,6 +195,11 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
                                   "scheduling, page 4",
                 {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4}),
+        _preset("sglang-hisparse", "HiSparse (MiniMaxSparseKVPool, HiSparseTokenToKVPoolAllocator, "
+                                   "HiSparseCoordinator) with the radix cache off: 256 device slots, 512 logical, "
+                                   "32-token device buffers, page 1; staging copies in flight for one step",
+                {"enable_hisparse": True, "num_slots": 256, "hisparse_device_buffer_size": 32,
+                 "hisparse_staging_steps": 1}),
     ]
 }
 

@@ -137,7 +137,7 @@ class SglangTarget:
 
                 wrap(obj, name, wrapper)
 
-            if ps == 1:
+            if ps == 1 and not hasattr(obj, "_release_page_ids"):  # TokenToKVPoolAllocator (a paged one may be page 1)
                 alloc, free = obj.alloc, obj.free
 
                 def alloc_wrapper(n):
@@ -441,6 +441,10 @@ class SglangTarget:
         if not self.config.enable_overlap:
             self.running.append(req)
 
+    def _new_batch(self, batch) -> None:
+        """A prefill or decode ``ScheduleBatch`` right after ``init_new``, before any allocation: what the
+        scheduler sets on it besides (nothing more on this target)."""
+
     def _after_decode_alloc(self, batch) -> None:
         """After ``alloc_for_decode`` (``prepare_for_decode``): nothing more on this target."""
 
@@ -527,6 +531,7 @@ class SglangTarget:
             req.is_retracted = False  # prepare_for_extend: a retracted request is prefilled afresh
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
                                          cfg.enable_overlap, S.SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req)
+        self._new_batch(batch)
         batch.forward_mode = S.ForwardMode.EXTEND
         batch.prefix_lens = [r.prefix_len for r in admitted]
         batch.extend_lens = [r.extend_end - r.prefix_len for r in admitted]
@@ -554,6 +559,7 @@ class SglangTarget:
             return None
         batch = S.ScheduleBatch.init_new(list(self.running), self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, False, S.SpeculativeAlgorithm.NONE)
+        self._new_batch(batch)
         batch.forward_mode = S.ForwardMode.DECODE
         rows = [r.kv.req_pool_idx for r in self.running]
         batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
@@ -576,7 +582,7 @@ class SglangTarget:
             self.running = list(batch.reqs)
             if not batch.reqs:
                 return None
-        S.allocation.alloc_for_decode(batch, 1)
+        batch.out_cache_loc = S.allocation.alloc_for_decode(batch, 1)  # as prepare_for_decode keeps it
         for req in batch.reqs:
             req.kvaudit_seq_len += 1
         self._after_decode_alloc(batch)

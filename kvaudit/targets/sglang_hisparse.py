@@ -1,0 +1,446 @@
+"""HiSparse mode of the real-SGLang target: SGLang 0.5.23's two-level device allocator, host pool and
+``HiSparseCoordinator`` (memory model section 4), driven on CPU in the scheduler's order.
+
+What is built (``SglangHiSparseTarget._build``), through SGLang's constructors as the server builds
+them (``kv_cache_configurator``'s ``enable_hisparse`` branch, ``model_runner.maybe_init_hisparse_
+coordinator``, ``create_tree_cache`` with ``--disable-radix-cache``, which ``validate_hisparse``
+requires):
+
+* ``MiniMaxSparseKVPool(enable_hisparse=True)`` -- the MiniMax-M3 HiSparse device pool, which takes
+  any page size (``HiSparseDSATokenToKVPool`` accepts only page 64);
+* ``HiSparseTokenToKVPoolAllocator`` -- ``logical_attn_allocator`` (the ids rows store, ``ratio`` x
+  larger) and ``hisparse_attn_allocator`` (physical device slots), both ``PagedTokenToKVPoolAllocator``;
+* ``HiSparseCoordinator`` with a one-rank gloo group, and its host pool
+  (``HiSparseMHATokenToKVPoolHost``);
+* the tree cache, disabled.
+
+The driver changes four places of :class:`SglangTarget` (each method names the SGLang code it
+follows): a non-finished prefill goes into staging, not into the running batch; the next steps'
+``collect_ready_reqs`` moves finished stagings into the running batch; each decode allocation is
+mapped into the request's device buffer; a finish calls ``request_finished`` before
+``release_kv_cache``. The observer has two more pools: ``hisparse_device_pool`` (physical slots)
+and ``hisparse_host_pool`` (host slots).
+
+CPU shims, installed once per process on module attributes or on instances, never on SGLang's files
+(see :func:`install_module_shims` and :func:`install_instance_shims`): none replaces SGLang memory
+management; they stand in for CUDA plumbing (pinned memory, transfer kernels, streams).
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import numpy as np
+import torch
+
+from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
+from kvaudit.targets.sglang_boot import SglangUnavailable
+from kvaudit.targets.sglang_target import SglangTarget
+
+_SHIMS: list[str] = []
+
+
+def install_module_shims(hc, pool_host_common) -> list[str]:
+    """Module-attribute shims, once per process (idempotent). Returns the names installed.
+
+    * **S1** ``pool_host.common._cuda_host_register`` -> no-op: host pools are built with
+      ``pin_memory=True`` and register their buffer through ``torch.cuda.cudart().cudaHostRegister``,
+      which raises "Torch not compiled with CUDA" on a CPU build.
+    * **S2** ``hisparse_coordinator.torch`` -> a proxy of ``torch`` whose ``tensor()`` drops
+      ``pin_memory``: ``_eager_backup_previous_token`` builds its index tensor with
+      ``pin_memory=True``, which CPU torch refuses ("no pinned memory allocator"). Every other
+      attribute is torch's own.
+    """
+    if _SHIMS:
+        return list(_SHIMS)
+    pool_host_common._cuda_host_register = lambda *a, **k: None
+    real = torch
+
+    class _NoPinTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def tensor(*a, **k):
+            k.pop("pin_memory", None)
+            return real.tensor(*a, **k)
+
+    hc.torch = _NoPinTorch("torch")
+    _SHIMS.extend(["S1 pool_host.common._cuda_host_register no-op", "S2 hisparse_coordinator.torch.tensor w/o pin_memory"])
+    return list(_SHIMS)
+
+
+def install_instance_shims(co) -> None:
+    """Instance shims on one coordinator.
+
+    * **S3** the host pool's ``backup_from_device_all_layer`` / ``load_to_device_per_layer`` -> the same
+      copies as plain torch indexing: the real ones call sgl_kernel / JIT CUDA transfer kernels, which are
+      not defined on CPU (NameError). KV content is irrelevant to the audit; the copy keeps it honest.
+    * **S4** a no-op ``synchronize()`` on the coordinator's two streams: ``device_module`` is
+      ``torch.cpu``, whose ``Stream`` has no ``synchronize`` (AttributeError in ``abort_staging_request``
+      and ``destroy``); CPU work is synchronous anyway.
+    """
+    host = co.mem_pool_host
+
+    def backup_all(device_pool, host_indices, device_indices, io_backend):
+        for layer_id in range(device_pool.start_layer, device_pool.end_layer):
+            hl = layer_id - device_pool.start_layer
+            host.k_buffer[hl][host_indices] = device_pool.get_key_buffer(layer_id)[device_indices]
+            host.v_buffer[hl][host_indices] = device_pool.get_value_buffer(layer_id)[device_indices]
+
+    def load_layer(device_pool, host_indices, device_indices, layer_id, io_backend, **kw):
+        hl = layer_id - device_pool.start_layer
+        device_pool.get_key_buffer(layer_id)[device_indices] = host.k_buffer[hl][host_indices]
+        device_pool.get_value_buffer(layer_id)[device_indices] = host.v_buffer[hl][host_indices]
+
+    host.backup_from_device_all_layer = backup_all
+    host.load_to_device_per_layer = load_layer
+    for stream in (co.write_staging_stream, co.decode_backup_stream):
+        if not hasattr(stream, "synchronize"):
+            stream.synchronize = lambda: None
+
+
+class _StepEvent:
+    """A staging copy's ``finish_event`` that completes at a given scheduler step (config
+    ``hisparse_staging_steps``). On CPU ``torch.cpu.Event.query()`` is always True, so every staging
+    would complete at the very next ``collect_ready_reqs``; on a GPU the device-to-host copy can take
+    longer, and a staged request then outlives the batch it was prefilled in (hazard A.4)."""
+
+    def __init__(self, event, target, ready_at: int):
+        self.event, self.target, self.ready_at = event, target, ready_at
+
+    def query(self) -> bool:
+        return self.target.steps >= self.ready_at and self.event.query()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.event, name)
+
+
+def _process_group():
+    """A one-rank gloo group for the coordinator's ``tp_group`` (an in-memory store: no file, no socket)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
+    """Host slots as ledger units: host page + 1 (SGLang's host pool has no reserved slot 0; kvaudit's
+    unit 0 is the reserved padding unit of every pool)."""
+    s = slots.to(torch.int64).cpu().numpy()
+    s = s[s >= 0]
+    return np.unique(s // page_size) + 1
+
+
+class SglangHiSparseTarget(SglangTarget):
+    """:class:`SglangTarget` with HiSparse (``config.enable_hisparse``); see the module docstring."""
+
+    name = "sglang"
+
+    def __init__(self, config):
+        super().__init__(config)
+        ps = config.page_size
+        a, host = self.allocator, self.coordinator.mem_pool_host
+        self._last_batch: list = []  # Scheduler.last_batch's requests (the batch of the latest step)
+        self._this_batch: list = []
+        self._no_finish_hook = False  # inside process_pending_chunked_abort: SGLang calls no HiSparse method
+        self._pools = [
+            PoolSpec("token_to_kv_pool", a.logical_attn_allocator, "kv", ps, a.logical_attn_allocator.size // ps),
+            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self.req_to_token_pool.size),
+            PoolSpec("hisparse_device_pool", a.hisparse_attn_allocator, "kv", ps, a.hisparse_attn_allocator.size // ps),
+            PoolSpec("hisparse_host_pool", host, "host", ps, -(-host.size // ps)),
+        ]
+
+    def _build(self, config):
+        """SGLang's HiSparse objects (module docstring), then the shims. Sets ``self.coordinator``."""
+        S = self.S
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                import sglang.srt.managers.hisparse_coordinator as hc
+                import sglang.srt.mem_cache.pool_host.common as pool_host_common
+                from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+                from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+            except ImportError as exc:
+                raise SglangUnavailable(f"SGLang {S.version}'s HiSparse modules do not import: {exc}") from None
+        self.shims = install_module_shims(hc, pool_host_common)
+        ps, size, dev = config.page_size, config.total_tokens, config.device
+        ratio, dbs = config.hisparse_host_to_device_ratio, config.hisparse_device_buffer_size
+        server_args = S.ServerArgs(model_path="dummy", page_size=ps, disable_radix_cache=True)
+        S.set_global_server_args_for_scheduler(server_args)
+        S.get_parallel().override_permanently(tp_rank=0)
+        kvcache = MiniMaxSparseKVPool(size, page_size=ps, dtype=torch.bfloat16, head_num=1, head_dim=8, idx_head_dim=8,
+                                      dense_layer_ids=[], sparse_layer_ids=[0], device=dev, start_layer=0, end_layer=1,
+                                      enable_hisparse=True, host_to_device_ratio=ratio)
+        allocator = HiSparseTokenToKVPoolAllocator(size, page_size=ps, dtype=torch.bfloat16, device=dev, kvcache=kvcache,
+                                                   need_sort=config.need_sort, host_to_device_ratio=ratio)
+        req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
+                                             device=dev, enable_memory_saver=False)
+        co = hc.HiSparseCoordinator(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
+                                    top_k=max(1, dbs // 2), device_buffer_size=dbs, device=dev,
+                                    tp_group=_process_group(), host_to_device_ratio=ratio, swap_in_block_size=960,
+                                    shared_index_layers=None, num_draft_tokens=0)
+        install_instance_shims(co)
+        if config.hisparse_staging_steps:
+            admit = co.admit_request_into_staging
+
+            def admit_with_copy_time(req):  # the copy stays in flight for hisparse_staging_steps steps
+                admit(req)
+                act = co.ack_staging_queue[-1]
+                co.ack_staging_queue[-1] = act._replace(finish_event=_StepEvent(
+                    act.finish_event, self, self.steps + 1 + config.hisparse_staging_steps))
+
+            co.admit_request_into_staging = admit_with_copy_time
+        self.coordinator = co
+        params = S.CacheInitParams(disable=True, req_to_token_pool=req_to_token_pool,
+                                   token_to_kv_pool_allocator=allocator, page_size=ps,
+                                   tree_core_backend=config.tree_core)
+        model_config = types.SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False,
+                                             hf_eos_token_id=None)
+        ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                                      enable_hierarchical_cache=False, disable_radix_cache=True, tp_worker=None,
+                                      model_config=model_config, tp_size=1, tp_rank=0, tp_group=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree_cache = S.create_tree_cache(ctx)
+        core = type(getattr(tree_cache, "tree_core", None)).__name__
+        return types.SimpleNamespace(server_args=server_args, kvcache=kvcache, allocator=allocator,
+                                     req_to_token_pool=req_to_token_pool, tree_cache=tree_cache,
+                                     model_config=model_config, tree_core=core)
+
+    # -- observer: hooks ---------------------------------------------------------------------
+    def framework_files(self) -> list[str]:
+        """Also the HiSparse allocator and the host pool's internals: sites start in the coordinator,
+        in ``allocation.py`` or in ``common.py``."""
+        import sglang.srt.mem_cache.allocator.hisparse as alloc_hisparse
+        import sglang.srt.mem_cache.pool_host.base as host_base
+        import sglang.srt.mem_cache.pool_host.hisparse as host_hisparse
+        return super().framework_files() + [alloc_hisparse.__file__, host_base.__file__, host_hisparse.__file__]
+
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        """The logical and physical allocators are paged allocators (even at page 1): the base wrapping.
+        The host pool: ``alloc(n)``/``free(slots)`` (``HostKVCache``; ``alloc_paged_token_slots`` and
+        every free of the coordinator go through them) and ``clear()``, in host pages + 1."""
+        if spec.kind != "host":
+            return super().install_pool(spec, auditor, wrap)
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
+        capture = auditor.capture_site
+        auditor.wrap_clear(spec)
+        alloc, free = obj.alloc, obj.free
+
+        def alloc_wrapper(need_size, *a, **k):
+            out = alloc(need_size, *a, **k)
+            if out is not None and out.numel():
+                auditor.on_alloc(pool, host_units(out, ps).tolist(), capture())
+            return out
+
+        def free_wrapper(indices, *a, **k):
+            out = free(indices, *a, **k)
+            if indices.numel():
+                auditor.on_free(pool, host_units(indices, ps).tolist(), capture())
+            return out
+
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
+
+    # -- driver -------------------------------------------------------------------------------
+    def _new_batch(self, batch) -> None:
+        """``get_new_batch_prefill`` (``new_batch.hisparse_coordinator = ...``) and
+        ``get_next_batch_to_run`` (``running_batch.hisparse_coordinator = ...``): so SGLang's own
+        ``alloc_for_extend`` and ``retract_decode`` -> ``release_req`` -> ``retract_req`` see it."""
+        batch.hisparse_coordinator = self.coordinator
+
+    def _join_running(self) -> None:
+        """``get_next_batch_to_run``'s HiSparse branch, instead of the last-batch merge:
+        ``collect_ready_reqs()`` (``alloc_device_buffer`` for each finished staging) and
+        ``_build_hisparse_decode_batch`` merged into the running batch, with seq len
+        ``len(origin_input_ids) + len(output_ids) - 1``."""
+        for req in self.coordinator.collect_ready_reqs():
+            req.kvaudit_seq_len = len(req.origin_input_ids) + len(req.output_ids) - 1
+            self.running.append(req)
+
+    def _prefilled(self, req) -> None:
+        """``process_batch_result_prefill`` under HiSparse: after ``checkpoint_kv_cache``,
+        ``admit_request_into_staging(req)``; the request joins no batch (HiSparse skips the merge)."""
+        self.coordinator.admit_request_into_staging(req)
+
+    def _after_decode_alloc(self, batch) -> None:
+        """``ScheduleBatch.prepare_for_decode``: after ``alloc_for_decode`` and ``seq_lens += 1``,
+        ``hisparse_coordinator.map_last_loc_to_buffer(seq_lens, out_cache_loc, req_pool_indices,
+        seq_lens_cpu, req_pool_indices_cpu)`` (host backup of the previous token, buffer growth, and the
+        new logical slot mapped to the reserved buffer slot)."""
+        rows = torch.tensor([r.kv.req_pool_idx for r in batch.reqs], dtype=torch.int64)
+        seq_lens = torch.tensor([r.kvaudit_seq_len for r in batch.reqs], dtype=torch.int64)
+        self.coordinator.map_last_loc_to_buffer(seq_lens.to(batch.device), batch.out_cache_loc, rows.to(batch.device),
+                                                seq_lens, rows)
+
+    def _release(self, req, checkpoint: bool) -> None:
+        """``process_batch_result_prefill``/``_decode`` (and the prebuilt and sampling-mask-abort paths):
+        ``hisparse_coordinator.request_finished(req)``, then ``release_kv_cache``. Not inside
+        ``process_pending_chunked_abort``, which calls no HiSparse method in 0.5.23. The fault
+        ``hisparse-skip-finish`` drops the first ``request_finished``."""
+        if not self._no_finish_hook:
+            if "hisparse-skip-finish" in self._faults:
+                self._faults.discard("hisparse-skip-finish")
+            else:
+                self.coordinator.request_finished(req)
+        super()._release(req, checkpoint)
+
+    def _process_pending_chunked_abort(self) -> None:
+        """``Scheduler.process_pending_chunked_abort`` exactly as SGLang has it: ``prepare_abort`` and
+        ``release_kv_cache(checkpoint=False)``, no ``request_finished`` (memory model A.3)."""
+        self._no_finish_hook = True
+        try:
+            super()._process_pending_chunked_abort()
+        finally:
+            self._no_finish_hook = False
+
+    def _process(self, kind: str, reqs: list, chunked=None) -> None:
+        self._this_batch = list(reqs)
+        super()._process(kind, reqs, chunked)
+
+    def step(self) -> None:
+        """:meth:`SglangTarget.step`; the step's batch becomes ``last_batch`` at its end
+        (``event_loop_normal``: ``self.last_batch = batch``, None when no batch ran)."""
+        self._this_batch = []
+        super().step()
+        self._last_batch = self._this_batch
+
+    def staged(self) -> list:
+        """Requests in the coordinator's staging queue (``ack_staging_queue``): in no batch, yet owners
+        of a row, logical and physical KV and host slots."""
+        return [act.req for act in self.coordinator.ack_staging_queue]
+
+    def _inflight(self) -> list:
+        """``Scheduler.collect_inflight_reqs``: the running batch and ``last_batch`` (a staged request is
+        in it for the step after its prefill, and abort_request can reach it only then), and the
+        chunked request."""
+        reqs = super()._inflight()
+        return reqs + [r for r in self._last_batch if not any(r is x for x in reqs)]
+
+    def _active(self) -> list:
+        """Also the staged requests: they own memory though ``abort_request`` cannot reach them (its
+        ``todo hisparse``); they finish normally later."""
+        reqs = super()._active()
+        return reqs + [r for r in self.staged() if not any(r is x for x in reqs)]
+
+    def is_idle(self) -> bool:
+        """``is_fully_idle`` under HiSparse also waits for ``has_ongoing_staging()``."""
+        return super().is_idle() and not self.coordinator.has_ongoing_staging()
+
+    def progress(self) -> dict[str, int]:
+        out = super().progress()
+        for r in self.staged():
+            out.setdefault(r.rid, r.kv.kv_committed_len + len(r.output_ids))
+        return out
+
+    def describe_busy(self) -> str:
+        stats = self.coordinator.get_token_stats()
+        return (super().describe_busy() + f" staged={len(self.staged())} device_tokens={stats.device_tokens} "
+                f"host_tokens={stats.host_tokens}")
+
+    # -- observer: roots and counters ---------------------------------------------------------
+    def _hisparse_units(self, kv) -> tuple[np.ndarray, np.ndarray]:
+        """(physical pages, host units) a record's row owns in the coordinator: its device buffer
+        (``req_device_buffer_token_locs[:, row, :cap]``, the set ``request_finished`` frees, and
+        ``req_to_device_buffer[row, :cap]``), the physical slots its logical slots still map to
+        (``full_to_hisparse_device_index_mapping``: prefill KV before staging completes, decode tokens on
+        the reserved slot), and its host slots ``req_to_host_pool[row, :req_to_host_pool_allocated_len]``."""
+        co, ps = self.coordinator, self.config.page_size
+        row = kv.req_pool_idx
+        cap = int(co.req_device_buffer_size[row])
+        logical = self.req_to_token_pool.req_to_token[row, : kv.kv_allocated_len].to(torch.int64)
+        mapped = self.allocator.full_to_hisparse_device_index_mapping[logical]
+        phys = torch.cat([co.req_device_buffer_token_locs[:, row, :cap].reshape(-1).to(torch.int64),
+                          co.req_to_device_buffer[row, :cap].to(torch.int64), mapped])
+        phys = phys[phys >= ps]  # page 0 is the padding sink, never owned
+        host = co.req_to_host_pool[row, : int(co.req_to_host_pool_allocated_len[row])]
+        return np.unique(slot_pages(phys, ps)), host_units(host, ps)
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """:meth:`SglangTarget.roots` (logical slots in ``token_to_kv_pool``), plus each owner's
+        physical device slots and host slots (:meth:`_hisparse_units`); staged requests are owners."""
+        out = super().roots(aborting)
+        for req in self._live():
+            if not aborting and req.to_finish is not None:
+                continue
+            phys, host = self._hisparse_units(req.kv)
+            out.append(Root("hisparse_device_pool", f"req:{req.rid}", phys))
+            out.append(Root("hisparse_host_pool", f"req:{req.rid}", host))
+        return out
+
+    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
+        co, ps = self.coordinator, self.config.page_size
+        out = super().units_of_rows(rows)
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        phys = co.req_to_device_buffer[rows].reshape(-1).to(torch.int64)
+        out["hisparse_device_pool"] = np.unique(slot_pages(phys[phys >= ps], ps))
+        out["hisparse_host_pool"] = host_units(co.req_to_host_pool[rows].reshape(-1), ps)
+        return out
+
+    def accounting(self) -> dict[str, Accounting]:
+        """The logical pool (what rows store; the tree is disabled, so evictable and protected are 0 or
+        the disabled cache's own), the row pool, and the physical and host pools (the counters
+        ``get_token_stats`` reports)."""
+        a, cache, rp = self.allocator, self.tree_cache, self.req_to_token_pool
+        lo, hi, host = a.logical_attn_allocator, a.hisparse_attn_allocator, self.coordinator.mem_pool_host
+        return {
+            "token_to_kv_pool": Accounting(lo.available_size(), cache.evictable_size(), cache.protected_size(), 0,
+                                           lo.size),
+            "req_to_token_pool": Accounting(rp.available_size(), 0, 0, 0, rp.size),
+            "hisparse_device_pool": Accounting(hi.available_size(), 0, 0, 0, hi.size),
+            "hisparse_host_pool": Accounting(host.available_size(), 0, 0, 0, host.size),
+        }
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        """Each pool's free list as SGLang holds it; host slots as units (one entry per free page)."""
+        a, ps, host = self.allocator, self.config.page_size, self.coordinator.mem_pool_host
+        slots = torch.cat([host.free_slots, *host.release_slots]) if host.release_slots else host.free_slots
+        slots = slots[slots % ps == 0]
+        return {"token_to_kv_pool": a.logical_attn_allocator.get_all_free_pages().cpu().numpy(),
+                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64),
+                "hisparse_device_pool": a.hisparse_attn_allocator.get_all_free_pages().cpu().numpy(),
+                "hisparse_host_pool": (slots // ps + 1).cpu().numpy()}
+
+    def quiescence(self) -> list[tuple[str, str]]:
+        out = []
+        for name, acc in self.accounting().items():
+            if acc.available != acc.total:
+                out.append((name, f"available={acc.available} of total={acc.total} after a successful flush_cache"))
+        return out
+
+    def engine_check(self) -> list[str]:
+        """SGLang's own verdict: none. Under HiSparse the scheduler skips its idle pool, request-pool and
+        byte checks (``if not self.enable_hisparse and not deferred_pending``, memory model 1.9) and the
+        busy check is opt-in (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``); see :meth:`busy_check`."""
+        return []
+
+    def sglang_owners(self) -> list:
+        """``SchedulerInvariantChecker._requests_owning_rows``: ``last_batch``, ``running_batch`` and the
+        chunked request, holding KV -- staged requests are in none of them once their prefill batch is
+        no longer the last batch (memory model A.4)."""
+        out: list = []
+        for r in self._last_batch + self.running + ([self.chunked_req] if self.chunked_req is not None else []):
+            if r.kv.holds_kv and not any(r is x for x in out):
+                out.append(r)
+        return out
+
+    def busy_check(self) -> list[str]:
+        """``self_check_during_busy``'s full-pool identity as SGLang would compute it under HiSparse, on
+        the logical pool (which rows address): ``available + evictable + protected + uncached == total``
+        with ``uncached`` over :meth:`sglang_owners` only. A failing line when staged requests are
+        missed (A.4)."""
+        if not self._last_batch:  # self_check_during_busy returns when last_batch is None
+            return []
+        lo, cache = self.allocator.logical_attn_allocator, self.tree_cache
+        uncached = sum(self._ceil(r.kv.kv_allocated_len) - r.kv.cache_protected_len for r in self.sglang_owners())
+        lhs = lo.available_size() + cache.evictable_size() + cache.protected_size() + uncached
+        if lhs != lo.size:
+            return [f"[token_to_kv_pool] available={lo.available_size()} + evictable={cache.evictable_size()} + "
+                    f"protected={cache.protected_size()} + uncached={uncached} = {lhs} != total={lo.size}"]
+        return []
