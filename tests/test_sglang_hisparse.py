@@ -19,26 +19,18 @@ if installed_version() != "0.5.23":
 
 from cli_helpers import invoke  # noqa: E402
 from kvaudit.program import Abort, HealthCheck, Idle, MemoryPressure, Step, Submit  # noqa: E402
+from sglang_helpers import CORES, run_ops  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-CORES = ["rust", "python"]
 HOST = "hisparse_host_pool"
 DEVICE = "hisparse_device_pool"
 
 
 def cfg(core="rust", **kw):
     return SGLANG_PRESETS["sglang-hisparse"].config(tree_core=core, **kw)
-
-
-def run_ops(config, ops):
-    run = AuditedRun(config)
-    for op in ops:
-        if run.apply(op):
-            break
-    return run.findings, run
 
 
 def free_counts(t):

@@ -18,12 +18,12 @@ if installed_version() != "0.5.23":
                 allow_module_level=True)
 
 from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit  # noqa: E402
+from sglang_helpers import CORES, run_ops  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-CORES = ["rust", "python"]
 
 
 def cfg(core="rust", **kw):
@@ -209,11 +209,7 @@ def test_decode_retraction_backs_up_and_resumes(core):
 
 @pytest.mark.parametrize("core", CORES)
 def test_skipped_release_on_a_decode_server_is_a_leak(core):
-    findings, run = None, AuditedRun(cfg(core, bugs=frozenset({"skip-release"})))
-    for op in [Submit(0, 20, 3), Idle()]:
-        if run.apply(op):
-            break
-    findings = run.findings
+    findings, run = run_ops(cfg(core, bugs=frozenset({"skip-release"})), [Submit(0, 20, 3), Idle()])
     run.close()
     assert ("leak", "req_to_token_pool") in {(f.kind, f.pool) for f in findings}
 

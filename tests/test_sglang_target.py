@@ -23,29 +23,16 @@ from cli_helpers import invoke  # noqa: E402
 from kvaudit import replay  # noqa: E402
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure,  # noqa: E402
                              OpenSession, Step, Submit)
+from sglang_helpers import CORES, kinds, run_ops  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
-CORES = ["rust", "python"]
 
 
 def cfg(preset="sglang", core="rust", **kw):
     return SGLANG_PRESETS[preset].config(tree_core=core, **kw)
-
-
-def run_ops(config, ops):
-    """Run ``ops``; returns (findings, the run) with the run still open for inspection."""
-    run = AuditedRun(config)
-    for op in ops:
-        if run.apply(op):
-            break
-    return run.findings, run
-
-
-def kinds(findings):
-    return {(f.kind, f.pool) for f in findings}
 
 
 # -- bootstrap ------------------------------------------------------------------------------------

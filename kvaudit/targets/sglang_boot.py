@@ -214,6 +214,17 @@ def load() -> SimpleNamespace:
     return _LOADED
 
 
+def one_rank_group():
+    """A one-process gloo group (an in-memory store: no file, no socket), for the parts of SGLang that
+    all-reduce over a tensor-parallel group of one: the PD decode queues' polls, HiSparse's
+    coordinator. Returns ``torch.distributed.group.WORLD``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
 def build(config, *, server_args=None, make_rows=None, disable_radix_cache: bool = False,
           tp_worker=None) -> SimpleNamespace:
     """SGLang's pools and tree cache for ``config`` (a :class:`SglangConfig`), built the way the

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang_boot import SglangUnavailable
+from kvaudit.targets.sglang_boot import SglangUnavailable, one_rank_group
 from kvaudit.targets.sglang_target import SglangTarget
 
 _SHIMS: list[str] = []
@@ -120,15 +120,6 @@ class _StepEvent:
         return getattr(self.event, name)
 
 
-def _process_group():
-    """A one-rank gloo group for the coordinator's ``tp_group`` (an in-memory store: no file, no socket)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return dist.group.WORLD
-
-
 def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
     """Host slots as ledger units: host page + 1 (SGLang's host pool has no reserved slot 0; kvaudit's
     unit 0 is the reserved padding unit of every pool)."""
@@ -151,7 +142,7 @@ class SglangHiSparseTarget(SglangTarget):
         self._no_finish_hook = False  # inside process_pending_chunked_abort: SGLang calls no HiSparse method
         self._pools = [
             PoolSpec("token_to_kv_pool", a.logical_attn_allocator, "kv", ps, a.logical_attn_allocator.size // ps),
-            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self.req_to_token_pool.size),
+            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self._row_count()),
             PoolSpec("hisparse_device_pool", a.hisparse_attn_allocator, "kv", ps, a.hisparse_attn_allocator.size // ps),
             PoolSpec("hisparse_host_pool", host, "host", ps, -(-host.size // ps)),
         ]
@@ -168,7 +159,8 @@ class SglangHiSparseTarget(SglangTarget):
                 from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
             except ImportError as exc:
                 raise SglangUnavailable(f"SGLang {S.version}'s HiSparse modules do not import: {exc}") from None
-        self.shims = install_module_shims(hc, pool_host_common)
+        cpu = torch.device(config.device).type == "cpu"  # the shims stand in for CUDA: none on a GPU
+        self.shims = install_module_shims(hc, pool_host_common) if cpu else []
         ps, size, dev = config.page_size, config.total_tokens, config.device
         ratio, dbs = config.hisparse_host_to_device_ratio, config.hisparse_device_buffer_size
         server_args = S.ServerArgs(model_path="dummy", page_size=ps, disable_radix_cache=True)
@@ -183,9 +175,10 @@ class SglangHiSparseTarget(SglangTarget):
                                              device=dev, enable_memory_saver=False)
         co = hc.HiSparseCoordinator(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
                                     top_k=max(1, dbs // 2), device_buffer_size=dbs, device=dev,
-                                    tp_group=_process_group(), host_to_device_ratio=ratio, swap_in_block_size=960,
+                                    tp_group=one_rank_group(), host_to_device_ratio=ratio, swap_in_block_size=960,
                                     shared_index_layers=None, num_draft_tokens=0)
-        install_instance_shims(co)
+        if cpu:
+            install_instance_shims(co)
         if config.hisparse_staging_steps:
             admit = co.admit_request_into_staging
 

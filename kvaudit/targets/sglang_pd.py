@@ -39,7 +39,7 @@ import torch
 import numpy as np
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root
-from kvaudit.targets.sglang_boot import SglangUnavailable, build, load
+from kvaudit.targets.sglang_boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang_config import SglangConfig
 from kvaudit.targets.sglang_target import EOS, SglangTarget
 
@@ -75,16 +75,6 @@ def load_pd() -> SimpleNamespace:
         TransferBackend=TransferBackend, FutureMap=FutureMap, SchedulerBatchResultProcessor=SchedulerBatchResultProcessor,
         SpawnRanks=SpawnRanks, get_disagg=get_disagg, get_memory=get_memory, publish=publish)
     return _PD
-
-
-def _one_rank_group():
-    """A one-process gloo group (an in-memory store: no files, no sockets). The queues all-reduce their
-    polls over the attention-TP CPU group (``poll_and_all_reduce``, ``all_reduce_flags``)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return SimpleNamespace(cpu_group=dist.group.WORLD, world_size=1)
 
 
 class _StepClock:
@@ -213,7 +203,8 @@ class SglangPdDecodeTarget(SglangTarget):
 
     def _build(self, config: SglangConfig):
         S, P = load(), load_pd()
-        group = _one_rank_group()
+        # the queues all-reduce their polls over the attention-TP CPU group (poll_and_all_reduce)
+        group = SimpleNamespace(cpu_group=one_rank_group(), world_size=1)
         sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
                           disaggregation_transfer_backend="fake", disaggregation_decode_retraction_backup="cpu_tensor",
                           max_running_requests=config.max_running_requests,
