@@ -171,6 +171,34 @@ def test_hazard_a8_a_deferred_entry_dropped_is_a_leak_kvaudit_sees(core):
                      "token_to_kv_pool": ("leak", True, "alloc_for_decode_prealloc")}  # via the leaked row
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_health_check_runs_while_transfers_are_pending(core):
+    """is_fully_idle(for_health_check=True) on a decode server ignores the prealloc and transfer queues
+    and deferred releases; the health check keeps SGLang's fake receiver and lands at once."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=4))
+    t = run.target
+    for op in [Submit(0, 20, 4), Step(1), HealthCheck()]:
+        run.apply(op)
+    assert stages(t) == {"r0": "transfer", "HEALTH_CHECK_1": "prealloc"}
+    run.apply(Step(1))
+    assert stages(t) == {"r0": "transfer"}  # transferred, prebuilt and finished in one step
+    run.apply(Idle())
+    assert run.findings == [] and full(t)
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_no_transfer_latency_lands_within_the_same_queue_pass(core):
+    run = AuditedRun(cfg(core, transfer_latency_steps=0))
+    t = run.target
+    run.apply(Submit(0, 20, 4))
+    run.apply(Step(1))
+    assert stages(t) == {"r0": "running"}  # pre-allocated, landed, prebuilt and decoding in one step
+    run.apply(Idle())
+    assert run.findings == [] and full(t)
+    run.close()
+
+
 ABORTS = {
     "in the prealloc queue (no memory yet)": [Submit(0, 60, 40), Submit(1, 60, 40), Submit(2, 60, 40),
                                               Submit(3, 60, 40), Submit(4, 60, 40), Abort(4), Idle()],
@@ -186,6 +214,39 @@ ABORTS = {
 def test_aborts_in_every_decode_queue_run_clean(name, core):
     ex = execute(cfg(core), ABORTS[name])
     assert ex.findings == [], [f.message for f in ex.findings]
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("stage, ops", [
+    ("prealloc", [Submit(i, 60, 40) for i in range(5)] + [Step(1)]),
+    ("transfer", [Submit(0, 20, 30), Step(1)]),
+    ("waiting", [Submit(0, 20, 30), Step(1)]),
+    ("running", [Submit(0, 20, 30), Step(4)]),
+    ("retracted", [Submit(0, 30, 30), Submit(1, 20, 30), Step(3), MemoryPressure(), Step(1)]),
+])
+def test_an_abort_ends_the_request_in_each_decode_queue(stage, ops, core):
+    """The effect of each branch of abort_request's decode side: the request ends early (FINISH_ABORT,
+    or, retracted, its backup dropped and gone from the retracted queue), and memory comes back."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=2))
+    t = run.target
+    for op in ops:
+        run.apply(op)
+    if stage == "waiting":  # the transfer landed but the prebuilt batch has not taken it yet
+        while t.network.sending:
+            t.network.tick()
+        t.sched.waiting_queue.extend(t.transfer_queue.pop_transferred())
+    victim = next(r for r, where in stages(t).items() if where == stage)
+    req = next(r for r in t._active() if r.rid == victim)
+    handle = t.live_rids().index(victim)
+    produced = len(req.output_ids)
+    run.apply(Abort(handle))
+    run.apply(Idle())
+    assert run.findings == [] and full(t) and stages(t) == {}
+    if stage == "retracted":  # dropped with its backup: never resumed
+        assert req.kv.retraction_backup is None and not req.kv.holds_kv and len(req.output_ids) == produced
+    else:
+        assert type(req.finished_reason).__name__ == "FINISH_ABORT"
+        assert len(req.output_ids) < 30
 
 
 @pytest.mark.parametrize("core", CORES)

@@ -274,6 +274,37 @@ def test_hazard_a6_chunked_abort_while_its_chunk_is_in_flight(core, overlap, mon
     run.close()
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_overlap_keeps_a_request_finished_at_its_prefill_result_out_of_the_session_guard(core):
+    """Under overlap a request that finishes at its prefill result stays in the running list until a
+    decode filters it; with sessions on, the driver's guard for a running turn whose record was
+    released must not take that finished, released request for one (it froze the engine: a false
+    liveness finding, found by a breaker pass)."""
+    ex = execute(cfg("sglang-overlap", core, enable_streaming_session=True),
+                 [Submit(0, 8, 1), Step(1), Submit(1, 8, 4), Idle()])
+    assert ex.findings == []
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_chunked_request_stays_out_of_the_running_batch_between_chunks(core):
+    """get_next_batch_to_run excludes the chunked request from the last batch's merge (overlap): it
+    joins the running batch only after its last chunk."""
+    findings, run = run_ops(cfg("sglang-chunked", core), [Submit(0, 60, 4)])
+    t = run.target
+    chunks = []
+    while t.chunked_req is not None or not chunks:
+        run.apply(Step(1))
+        chunks.append(t.chunked_req is not None)
+        if t.chunked_req is not None:
+            assert all(r is not t.chunked_req for r in t.running)
+    assert chunks.count(True) == 3  # 60 tokens in 16-token chunks: three middle chunks, then the last
+    run.apply(Step(1))
+    assert [r.rid for r in t.running] == ["r0"]
+    run.apply(Idle())
+    assert run.findings == []
+    run.close()
+
+
 def test_hazard_a5_identity_inside_a_free_group_sees_missing_slots():
     """A.5: inside a free group (result processing) SGLang's identity is short by the frees not yet
     applied; kvaudit records group frees at free_group_end and checks only at step boundaries."""

@@ -139,9 +139,13 @@ def _backend(P, network: _Network):
             self._abort_generation = None
 
         def send_metadata(self, *a, **k) -> None:
-            """The destinations are published (``_send_kv_metadata``): the transfer starts."""
+            """The destinations are published (``_send_kv_metadata``): the transfer starts; with no
+            latency it has landed by the poll of the same ``process_decode_queue``, as the fake one."""
             self.init_time = network.step
-            network.sending.append((network.step + network.latency, self))
+            if network.latency:
+                network.sending.append((network.step + network.latency, self))
+            else:
+                self.has_sent_metadata = True
 
         def abort(self) -> None:
             """``CommonKVReceiver.abort``: the room fails, prefill is told (and the ack tracker armed)."""
@@ -175,7 +179,9 @@ class _DecodeScheduler:
         self._target._swap_receiver(req)
 
     def retire_unadmitted_request(self, req) -> None:
-        """A request rejected at intake never reaches the queues: it is finished for the client."""
+        """A request rejected at intake never reaches the queues (``Scheduler.retire_unadmitted_request``):
+        its cache state is dropped and it is finished for the client."""
+        self._target._release_aborted_request(req)
         self._target.finished.add(req.rid)
 
 
@@ -335,7 +341,11 @@ class SglangPdDecodeTarget(SglangTarget):
 
     def _swap_receiver(self, req) -> None:
         """The transfer backend: the receiver ``DecodePreallocQueue.add`` made for ``req`` (SGLang's fake
-        one) is replaced by kvaudit's (same manager, room and state), which adds latency and aborts."""
+        one) is replaced by kvaudit's (same manager, room and state), which adds latency and aborts. A
+        health check keeps SGLang's fake receiver, as on a real server (``FAKE_BOOTSTRAP_HOST``): it
+        lands at once and is never deferred."""
+        if req.rid.startswith("HEALTH_CHECK_"):
+            return
         for dr in self.prealloc_queue.queue:
             if dr.req is req and not isinstance(dr.kv_receiver, self._receiver_cls):
                 rx = self._receiver_cls(self.prealloc_queue.kv_manager, "kvaudit-prefill", req.bootstrap_room)
@@ -461,6 +471,14 @@ class SglangPdDecodeTarget(SglangTarget):
         pq, tq = self.prealloc_queue, self.transfer_queue
         return not (pq.queue or pq.retracted_queue or tq.queue or tq._deferred_releases or self.sched.waiting_queue
                     or self.sched.running_batch.reqs)
+
+    def is_idle_for_health_check(self) -> bool:
+        """``is_fully_idle(for_health_check=True)`` on a decode server: the running batch, the last batch,
+        the waiting queue and the retracted queue empty. The prealloc and transfer queues and deferred
+        releases do not count: they may hold requests nothing is running for."""
+        s = self.sched
+        return (not s.running_batch.reqs and (s.last_batch is None or s.last_batch.is_empty())
+                and not s.waiting_queue and not self.prealloc_queue.retracted_queue)
 
     def stalled(self) -> bool:
         return False

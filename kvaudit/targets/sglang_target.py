@@ -257,7 +257,7 @@ class SglangTarget:
             self._submit(prompt, max_new, op.stop_at, sid)
         elif isinstance(op, HealthCheck):
             # /health_generate: a 1-token generate request, run only when the scheduler is idle
-            if self.is_idle():
+            if self.is_idle_for_health_check():
                 self._submit([2], 1, None, None, rid_prefix="HEALTH_CHECK_")
         elif isinstance(op, Abort):
             live = self.live_rids()
@@ -401,7 +401,7 @@ class SglangTarget:
         self.steps += 1
         if self.session_controller is not None:
             self.session_controller.maybe_reap(float(self.steps), interval=0.0)
-            if any(not r.kv.holds_kv for r in self.running):
+            if any(not r.kv.holds_kv and not r.finished() for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
         overlap = self.config.enable_overlap
         self._process_pending_chunked_abort()
@@ -626,9 +626,17 @@ class SglangTarget:
     def is_idle(self) -> bool:
         return not self.waiting and not self.running and self._last is None and self.chunked_req is None
 
+    def is_idle_for_health_check(self) -> bool:
+        """``is_fully_idle(for_health_check=True)``: a health check runs only when no batch can carry
+        health information (here: the same as :meth:`is_idle`)."""
+        return self.is_idle()
+
     def stalled(self) -> bool:
-        """Only waiting requests are left and session-held memory keeps them out: SGLang waits too."""
-        return bool(self.waiting) and not self.running and self._session_held_tokens() > 0
+        """Only waiting requests are left and memory sessions hold keeps them out -- their own KV
+        (``session_held``) or their slot's tree lock (the history, counted as ``protected``): SGLang
+        waits too."""
+        held = self._session_held_tokens() > 0 or any(s.lock is not None for _, s in self._slots())
+        return bool(self.waiting) and not self.running and held
 
     def flushed(self) -> int:
         return self._flushes
