@@ -13,7 +13,7 @@ from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, 
 
 def test_presets_cover_the_eight_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
-                                   "sglang-chunked", "sglang-pd-decode", "sglang-hisparse"}
+                                   "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache"}
     assert SGLANG_PRESETS["sglang-pd-decode"].config().disaggregation_mode == "decode"
     assert SGLANG_PRESETS["sglang-hisparse"].config().enable_hisparse is True
     assert SGLANG_PRESETS["sglang-overlap"].config().enable_overlap is True

@@ -17,6 +17,9 @@ def make_target(config):
         if config.enable_hisparse:
             from kvaudit.targets.sglang_hisparse import SglangHiSparseTarget
             return SglangHiSparseTarget(config)
+        if config.enable_hierarchical_cache:
+            from kvaudit.targets.sglang_hicache import SglangHiCacheTarget
+            return SglangHiCacheTarget(config)
         from kvaudit.targets.sglang_target import SglangTarget
         return SglangTarget(config)
     return EutTarget(config)

@@ -214,6 +214,22 @@ def load() -> SimpleNamespace:
     return _LOADED
 
 
+def shim_cuda_host_register() -> str:
+    """CPU shim shared by the modes with a host pool (HiSparse, HiCache), idempotent:
+    ``pool_host.common._cuda_host_register`` -> no-op. Host pools are built with ``pin_memory=True`` and
+    register their buffer through ``torch.cuda.cudart().cudaHostRegister``, which raises "Torch not
+    compiled with CUDA" on a CPU build. Returns the shim's name."""
+    import sglang.srt.mem_cache.pool_host.common as pool_host_common
+
+    if not getattr(pool_host_common._cuda_host_register, "__kvaudit_shim__", False):
+        def no_register(*a, **k):
+            return None
+
+        no_register.__kvaudit_shim__ = True
+        pool_host_common._cuda_host_register = no_register
+    return "S1 pool_host.common._cuda_host_register no-op"
+
+
 def one_rank_group():
     """A one-process gloo group (an in-memory store: no file, no socket), for the parts of SGLang that
     all-reduce over a tensor-parallel group of one: the PD decode queues' polls, HiSparse's
@@ -226,12 +242,13 @@ def one_rank_group():
 
 
 def build(config, *, server_args=None, make_rows=None, disable_radix_cache: bool = False,
-          tp_worker=None) -> SimpleNamespace:
+          tp_worker=None, enable_hierarchical_cache: bool = False) -> SimpleNamespace:
     """SGLang's pools and tree cache for ``config`` (a :class:`SglangConfig`), built the way the
     scheduler builds them (``kv_cache_configurator``, then ``create_tree_cache``).
 
     Publishes ``ServerArgs`` for this process (SGLang keeps it process-global), unless a mode passes
-    its own, already published ``server_args``; ``make_rows`` (a callable of the device) builds a
+    its own, already published ``server_args`` (``enable_hierarchical_cache`` passes the factory's flag
+    that runs ``init_hicache``: the server args must enable it too); ``make_rows`` (a callable of the device) builds a
     mode's own request pool (PD decode: ``DecodeReqToTokenPool``). Raises :class:`SglangUnavailable`
     if the requested tree core is not the one SGLang picked (Rust falls back to Python silently
     outside its supported torch range).
@@ -263,7 +280,8 @@ def build(config, *, server_args=None, make_rows=None, disable_radix_cache: bool
     model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None,
                                    num_hidden_layers=1, self_opened_think_start_ids=None, think_end_ids=None)
     ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-                                  enable_hierarchical_cache=False, disable_radix_cache=disable_radix_cache,
+                                  enable_hierarchical_cache=enable_hierarchical_cache,
+                                  disable_radix_cache=disable_radix_cache,
                                   tp_worker=tp_worker,
                                   model_config=model_config, tp_size=1, tp_rank=0, tp_group=None)
     with warnings.catch_warnings():

@@ -28,6 +28,7 @@ FAULTS: dict[str, tuple[str, str]] = {
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
 
 TREE_CORES = ("rust", "python")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class UnknownFaultError(ValueError):
@@ -55,6 +56,12 @@ class SglangConfig(ConfigBase):
     ``hisparse_staging_steps`` is how many scheduler steps a request's device-to-host staging copy stays
     in flight (0: done at the next step, which is what CPU events report; more models a GPU's async copy).
 
+    HiCache (``enable_hierarchical_cache``; SGLang's ``--enable-hierarchical-cache`` with the host tier
+    only, no ``--hicache-storage-backend``): a host pool ``hicache_ratio`` times the device pool backs
+    up tree nodes by ``hicache_write_policy``; ``hicache_ack_steps`` is how many scheduler steps after a
+    device-to-host (write-through) or host-to-device (load-back) copy is submitted the poll
+    (``check_hicache_events``) first sees it done.
+
     Raises ``ValueError`` for inconsistent values, :class:`UnknownFaultError` for an unknown fault.
     """
 
@@ -81,6 +88,11 @@ class SglangConfig(ConfigBase):
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
     hisparse_staging_steps: int = 0  # steps a staging copy stays in flight (collect_ready_reqs waits for it)
+    # HiCache (kvaudit/targets/sglang_hicache.py): SGLang's --enable-hierarchical-cache, host tier only (no L3)
+    enable_hierarchical_cache: bool = False
+    hicache_write_policy: str = "write_through"  # --hicache-write-policy
+    hicache_ratio: float = 2.0  # --hicache-ratio: host pool size over the device pool
+    hicache_ack_steps: int = 1  # steps from a D->H / H->D submission to the poll that sees its ack
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -144,6 +156,27 @@ class SglangConfig(ConfigBase):
         if unknown:
             raise UnknownFaultError(unknown[0])
         self._check_hisparse()
+        self._check_hicache()
+
+    def _check_hicache(self) -> None:
+        if not isinstance(self.enable_hierarchical_cache, bool):
+            raise ValueError(f"enable_hierarchical_cache must be true or false, got {self.enable_hierarchical_cache!r}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+                             f"got {self.hicache_write_policy!r}")
+        r = self.hicache_ratio
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 1 < r <= 8:
+            raise ValueError(f"hicache_ratio must be a number in (1, 8], got {r!r}")
+        a = self.hicache_ack_steps
+        if not isinstance(a, int) or isinstance(a, bool) or not 1 <= a <= 64:
+            raise ValueError(f"hicache_ack_steps must be an integer in [1, 64], got {a!r}")
+        if not self.enable_hierarchical_cache:
+            return
+        clash = [n for n in ("enable_hisparse", "enable_streaming_session", "enable_overlap") if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append("disaggregation_mode decode")
+        if clash:
+            raise ValueError(f"enable_hierarchical_cache is driven without {clash[0]} in this version")
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
@@ -200,6 +233,11 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                    "32-token device buffers, page 1; staging copies in flight for one step",
                 {"enable_hisparse": True, "num_slots": 256, "hisparse_device_buffer_size": 32,
                  "hisparse_staging_steps": 1}),
+        _preset("sglang-hicache", "HiCache host tier (UnifiedRadixCache.init_hicache, HybridCacheController, "
+                                  "MHATokenToKVPoolHost): 128 device slots, host pool 2x, write_through, page 4; "
+                                  "each write-through / load-back ack one step after submission; no L3 storage",
+                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
+                 "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1}),
     ]
 }
 

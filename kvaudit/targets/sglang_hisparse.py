@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang_boot import SglangUnavailable, one_rank_group
+from kvaudit.targets.sglang_boot import SglangUnavailable, one_rank_group, shim_cuda_host_register
 from kvaudit.targets.sglang_target import SglangTarget
 
 _SHIMS: list[str] = []
@@ -54,7 +54,7 @@ def install_module_shims(hc, pool_host_common) -> list[str]:
     """
     if _SHIMS:
         return list(_SHIMS)
-    pool_host_common._cuda_host_register = lambda *a, **k: None
+    shim_cuda_host_register()  # shared with HiCache (sglang_boot)
     real = torch
 
     class _NoPinTorch(types.ModuleType):

@@ -764,10 +764,9 @@ class SglangTarget:
         balanced, ``protected_size()`` against the union of the holders' paths (recipe: orphan locks)."""
         cache = self.tree_cache
         want: dict[int, int] = {}
-        holders = [r.lock for r in self._live() + self.waiting if r.lock is not None]
-        holders += [s.lock for _, s in self._slots() if s.lock is not None]
-        for lock in holders:
-            want[lock.node] = want.get(lock.node, 0) + 1
+        holders = self._lock_holders()
+        for node in holders:
+            want[node] = want.get(node, 0) + 1
         bad = []
         for node, have in self.lock_net.items():
             if have != want.get(node, 0):
@@ -777,11 +776,17 @@ class SglangTarget:
                     slots = np.empty(0, np.int64)
                 bad.append((f"node {node}", slots, have, want.get(node, 0), {node}))
         if not bad:
-            paths = [cache.path_device_indices(lock.node) for lock in holders]
+            paths = [cache.path_device_indices(node) for node in holders]
             covered = np.unique(torch.cat(paths).cpu().numpy()) if paths else np.empty(0, np.int64)
             if covered.size != cache.protected_size():
                 bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
         return [b for b in bad if b[1].size] or bad[:0]
+
+    def _lock_holders(self) -> list:
+        """The node each live lock receipt is on: requests' ``req.lock``, session slots' ``slot.lock``."""
+        locks = [r.lock for r in self._live() + self.waiting if r.lock is not None]
+        locks += [s.lock for _, s in self._slots() if s.lock is not None]
+        return [lock.node for lock in locks]
 
     def engine_check(self) -> list[str]:
         """SGLang's conservation identity (``SchedulerInvariantChecker``'s formula; the checker itself

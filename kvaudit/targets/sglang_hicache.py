@@ -1,0 +1,355 @@
+"""HiCache mode of the real-SGLang target: SGLang 0.5.23's hierarchical cache (memory model section 6)
+-- ``UnifiedRadixCache.init_hicache``, ``HybridCacheController`` and its host pool group -- driven on
+CPU in the scheduler's order, host tier (L2) only.
+
+What is built (``SglangHiCacheTarget._build``): ``sglang_boot.build`` with ``ServerArgs(
+enable_hierarchical_cache=True, hicache_ratio, hicache_write_policy, hicache_io_backend="direct",
+hicache_mem_layout="layer_first", hicache_storage_backend=None)`` and the factory's
+``enable_hierarchical_cache`` flag, so ``create_tree_cache`` runs ``init_hicache``: the tree's
+``cache_controller`` (``HybridCacheController``) and host pool group (``HostPoolGroup``, anchor
+``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. L3 storage
+(prefetch from storage, storage backups) needs a storage backend and is out of scope.
+
+The driver adds to :class:`SglangTarget` (each method names the SGLang code it follows):
+
+* ``get_next_batch_to_run``: ``process_pending_chunked_abort()`` then ``_process_hicache_events()``
+  -> ``tree_cache.check_hicache_events()`` (``flush_pending_backups``, ``writing_check``,
+  ``loading_check``: acks release the write-through and load-back locks), before any admission;
+* ``get_new_batch_prefill``: ``new_batch.hicache_consumer_index = tree_cache.ready_to_load_host_cache()``
+  right after ``ScheduleBatch.init_new`` (starts the H->D copies ``PrefillAdder.add_one_req`` ->
+  ``init_load_back`` queued for requests with ``host_hit_length > 0``);
+* ``process_batch_result``: ``tree_cache.flush_pending_backups()`` at its end (submits the write-throughs
+  the batch's inserts queued);
+* ``is_fully_idle``: also ``ongoing_write_through`` and ``ongoing_load_back`` empty (flush is refused
+  while an ack is pending);
+* memory pressure: device eviction as on the base target (write-through: backed-up leaves are
+  demoted to host-only; write-back: backed up, then demoted), then host eviction pressure:
+  ``evict_host`` of what the host holds beyond half its size (another tenant needs host memory too;
+  a host at most half full keeps its nodes, so a later matching request can still load back).
+
+CPU shims (only on a CPU device; idempotent; none replaces SGLang memory management):
+
+* **S1** (shared with HiSparse, ``sglang_boot.shim_cuda_host_register``) ``_cuda_host_register`` no-op;
+* **H2** the controller's ``l2_transfer_engine.submit_device_to_host``/``submit_host_to_device``
+  return completions whose ``finish_event`` reports done only ``hicache_ack_steps`` steps after
+  submission (HiSparse's ``_StepEvent``): CPU events are always done, a GPU copy is not;
+* **H3** the anchor host pool's ``backup_from_device_all_layer``/``load_to_device_per_layer`` -> plain
+  torch index copies over every layer (the real ones call sgl_kernel transfer kernels, undefined on
+  CPU). They read the raw ``_get_key_buffer``/``_get_value_buffer``: the public getters wait on the
+  load-back layer counter. ``end_layer`` is inclusive, so layers are ``range(layer_num)``;
+* **H4** a no-op ``synchronize()`` on the transfer engine's two ``torch.cpu`` streams (no such method;
+  reached on an error path, where it would mask SGLang's real exception).
+
+The observer adds the pool ``hicache_host_pool`` (host units = host page + 1; the anchor host pool's
+``alloc``/``free``/``clear`` are wrapped on the instance; ``HostPoolGroup`` calls them). Roots of the
+host pool depend on the tree core:
+
+* Python core: every tree node's FULL ``host_value`` (a walk from ``tree_core.root_node``) -- full
+  reachability, leak and aliasing checks, and the identity ``available + tree host tokens == total``;
+* Rust core: its adapter cannot enumerate nodes (``root_node``/``node_by_id`` raise
+  ``NotImplementedError``) and no API of 0.5.23 lists host values, so the host pool's roots are the
+  host units kvaudit's own wrappers saw allocated: the ledger (double frees, frees of never-allocated
+  slots) and the free-list replay still check it, the leak oracle cannot (a host slot the tree lost is
+  invisible there). The device pool is audited in full on both cores.
+
+Lock ledger: the base counts ``inc_lock_ref``/``dec_lock_ref`` against requests' and session slots'
+locks; here write-through (``ongoing_write_through[...].lock_params``) and load-back
+(``ongoing_load_back``) receipts hold device locks until their acks and count as holders, and the
+host locks (``inc_host_lock_ref``/``dec_host_lock_ref``) are counted against the load-back receipts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kvaudit.program import MemoryPressure
+from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.sglang_boot import SglangUnavailable, build, shim_cuda_host_register
+from kvaudit.targets.sglang_hisparse import _StepEvent, host_units
+from kvaudit.targets.sglang_target import SglangTarget
+
+HOST_POOL = "hicache_host_pool"
+
+
+def install_instance_shims(target, cc) -> list[str]:
+    """H2, H3, H4 (module docstring) on one controller; idempotent per controller."""
+    if getattr(cc, "__kvaudit_shimmed__", False):
+        return []
+    eng = cc.l2_transfer_engine
+    host = cc.mem_pool_host.anchor_entry.host_pool
+
+    def backup_all(device_pool, host_indices, device_indices, io_backend):
+        for hl in range(device_pool.layer_num):
+            layer_id = hl + device_pool.start_layer
+            host.k_buffer[hl][host_indices] = device_pool._get_key_buffer(layer_id)[device_indices]
+            host.v_buffer[hl][host_indices] = device_pool._get_value_buffer(layer_id)[device_indices]
+
+    def load_layer(device_pool, host_indices, device_indices, layer_id, io_backend, **kw):
+        # the controller passes stage-local layer ids (0 .. layer_num - 1)
+        device_pool._get_key_buffer(layer_id + device_pool.start_layer)[device_indices] = host.k_buffer[layer_id][host_indices]
+        device_pool._get_value_buffer(layer_id + device_pool.start_layer)[device_indices] = host.v_buffer[layer_id][host_indices]
+
+    host.backup_from_device_all_layer = backup_all
+    host.load_to_device_per_layer = load_layer
+    for stream in (eng.device_to_host_stream, eng.host_to_device_stream):
+        if not hasattr(stream, "synchronize"):
+            stream.synchronize = lambda: None
+    real_d2h, real_h2d = eng.submit_device_to_host, eng.submit_host_to_device
+    delay = target.config.hicache_ack_steps
+
+    def d2h(transfers, *a, **k):
+        c = real_d2h(transfers, *a, **k)
+        target.hicache_log.append(("d2h", target.steps, sum(len(t.host_indices) for t in transfers)))
+        return c._replace(finish_event=_StepEvent(c.finish_event, target, target.steps + delay))
+
+    def h2d(transfers, *a, **k):
+        c = real_h2d(transfers, *a, **k)
+        target.hicache_log.append(("h2d", target.steps, sum(len(t.host_indices) for t in transfers)))
+        return c._replace(finish_event=_StepEvent(c.finish_event, target, target.steps + delay))
+
+    eng.submit_device_to_host, eng.submit_host_to_device = d2h, h2d
+    cc.__kvaudit_shimmed__ = True
+    return ["H2 l2_transfer_engine.submit_* -> step-gated finish_event",
+            "H3 host pool backup_from_device_all_layer / load_to_device_per_layer -> torch index copies",
+            "H4 transfer streams: synchronize() no-op"]
+
+
+class SglangHiCacheTarget(SglangTarget):
+    """:class:`SglangTarget` with HiCache (``config.enable_hierarchical_cache``); see the module docstring."""
+
+    name = "sglang"
+
+    def __init__(self, config):
+        self.hicache_log: list[tuple] = []  # ("d2h"|"h2d"|"load_ready", step, tokens)
+        self._in_prefill = False
+        self.host_lock_net: dict[int, int] = {}
+        self._host_live: set[int] = set()  # host units the wrappers saw allocated (the Rust core's roots)
+        super().__init__(config)
+        cc = self.cache_controller = self.tree_cache.cache_controller
+        self.host_group = cc.mem_pool_host
+        self.host_pool = cc.mem_pool_host.anchor_entry.host_pool
+        self.shims = list(self._module_shims)
+        if self._cpu:
+            self.shims += install_instance_shims(self, cc)
+        hp = self.host_pool
+        self._pools.append(PoolSpec(HOST_POOL, hp, "host", config.page_size, -(-hp.size // config.page_size)))
+
+    def _build(self, config):
+        S = self.S
+        self._cpu = torch.device(config.device).type == "cpu"
+        self._module_shims = [shim_cuda_host_register()] if self._cpu else []
+        sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, enable_hierarchical_cache=True,
+                          hicache_ratio=float(config.hicache_ratio), hicache_write_policy=config.hicache_write_policy,
+                          hicache_io_backend="direct", hicache_mem_layout="layer_first", hicache_storage_backend=None)
+        S.set_global_server_args_for_scheduler(sa)
+        # create_unified_radix_cache registers the load-back layer counter with the worker (no forward here)
+        tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o = build(config, server_args=sa, tp_worker=tp_worker, enable_hierarchical_cache=True)
+        if getattr(o.tree_cache, "cache_controller", None) is None:
+            raise SglangUnavailable(f"SGLang {S.version}'s tree cache did not initialise HiCache (no cache_controller)")
+        return o
+
+    @property
+    def python_core(self) -> bool:
+        return not self.tree_core.startswith("Rust")
+
+    # -- observer: hooks ---------------------------------------------------------------------
+    def framework_files(self) -> list[str]:
+        import sglang.srt.managers.cache_controller as cache_controller
+        import sglang.srt.mem_cache.pool_host.base as host_base
+        import sglang.srt.mem_cache.pool_host.group as host_group
+        return super().framework_files() + [host_base.__file__, host_group.__file__, cache_controller.__file__]
+
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        """Device and row pools: the base wrapping. The host pool: ``HostKVCache.alloc(n)``/``free(slots)``
+        on the anchor instance (``HostPoolGroup.alloc``/``free``, the controller's ``write``/``load`` and
+        the tree's host frees all reach them) and ``clear()`` (``flush_cache`` -> ``reset``), in host
+        pages + 1."""
+        if spec.kind != "host":
+            return super().install_pool(spec, auditor, wrap)
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
+        capture = auditor.capture_site
+        auditor.wrap_clear(spec)
+        alloc, free = obj.alloc, obj.free
+        live = self._host_live
+
+        def alloc_wrapper(need_size, *a, **k):
+            out = alloc(need_size, *a, **k)
+            if out is not None and out.numel():
+                units = host_units(out, ps).tolist()
+                live.update(units)
+                auditor.on_alloc(pool, units, capture())
+            return out
+
+        def free_wrapper(indices, *a, **k):
+            out = free(indices, *a, **k)
+            if indices.numel():
+                units = host_units(indices, ps).tolist()
+                live.difference_update(units)
+                auditor.on_free(pool, units, capture())
+            return out
+
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
+        cleared = obj.clear  # auditor.wrap_clear's wrapper
+
+        def clear_wrapper(*a, **k):
+            live.clear()
+            return cleared(*a, **k)
+
+        wrap(obj, "clear", clear_wrapper)
+
+    def install_lock_ledger(self, wrap, record) -> None:
+        """The base ledger (device locks), and a count of ``inc_host_lock_ref``/``dec_host_lock_ref`` per
+        node (host locks: load-back, and ``add_one_req``'s pin around ``init_load_back``)."""
+        super().install_lock_ledger(wrap, record)
+        cache, net = self.tree_cache, self.host_lock_net
+        inc, dec = cache.inc_host_lock_ref, cache.dec_host_lock_ref
+
+        def inc_wrapper(node_id, *a, **k):
+            out = inc(node_id, *a, **k)
+            net[node_id] = net.get(node_id, 0) + 1
+            return out
+
+        def dec_wrapper(node_id, *a, **k):
+            out = dec(node_id, *a, **k)
+            net[node_id] = net.get(node_id, 0) - 1
+            return out
+
+        wrap(cache, "inc_host_lock_ref", inc_wrapper)
+        wrap(cache, "dec_host_lock_ref", dec_wrapper)
+
+    # -- driver -------------------------------------------------------------------------------
+    def apply(self, op) -> None:
+        """:meth:`SglangTarget.apply`; memory pressure also drives host eviction (module docstring)."""
+        if not isinstance(op, MemoryPressure):
+            return super().apply(op)
+        cache = self.tree_cache
+        cache.evict(self.S.EvictParams(num_tokens=cache.evictable_size()))
+        over = (self.host_pool.size - self.host_group.available_size()) - self.host_pool.size // 2
+        if over > 0:
+            cache.evict_host(over)
+        self._force_retract = True
+        self._after_intake()
+
+    def _process_pending_chunked_abort(self) -> None:
+        """``get_next_batch_to_run``: ``process_pending_chunked_abort()``, then ``_process_hicache_events()``
+        -> ``tree_cache.check_hicache_events()`` (acks due this step release their locks)."""
+        super()._process_pending_chunked_abort()
+        self.tree_cache.check_hicache_events()
+
+    def _prefill(self):
+        self._in_prefill = True
+        try:
+            return super()._prefill()
+        finally:
+            self._in_prefill = False
+
+    def _new_batch(self, batch) -> None:
+        """``get_new_batch_prefill``: ``new_batch.hicache_consumer_index = ready_to_load_host_cache()``
+        after ``init_new``, before ``prepare_for_extend`` (starts the queued load-backs)."""
+        if self._in_prefill:
+            batch.hicache_consumer_index = self.tree_cache.ready_to_load_host_cache()
+            if batch.hicache_consumer_index >= 0:
+                self.hicache_log.append(("load_ready", self.steps, batch.hicache_consumer_index))
+
+    def _process(self, kind: str, reqs: list, chunked=None) -> None:
+        """``process_batch_result``, ending in ``tree_cache.flush_pending_backups()``."""
+        super()._process(kind, reqs, chunked)
+        self.tree_cache.flush_pending_backups()
+
+    def is_idle(self) -> bool:
+        """``is_fully_idle`` under HiCache: no write-through or load-back in flight."""
+        cache = self.tree_cache
+        return super().is_idle() and not cache.ongoing_write_through and not cache.ongoing_load_back
+
+    def describe_busy(self) -> str:
+        cache = self.tree_cache
+        return (super().describe_busy() + f" write_through_inflight={len(cache.ongoing_write_through)} "
+                f"load_back_inflight={len(cache.ongoing_load_back)} host_available={self.host_group.available_size()}")
+
+    # -- observer: roots and counters ---------------------------------------------------------
+    def tree_host_values(self) -> torch.Tensor | None:
+        """Host slots held by tree nodes (FULL ``host_value``), Python core only; None on the Rust core."""
+        if not self.python_core:
+            return None
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        core = self.tree_cache.tree_core
+        vals, stack = [], [core.root_node]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is core.root_node:
+                continue
+            hv = node.component_data[ComponentType.FULL].host_value
+            if hv is not None and hv.numel():
+                vals.append(hv.to(torch.int64))
+        return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """:meth:`SglangTarget.roots`, plus the host pool's: the tree's host values (Python core), or the
+        host units the wrappers hold allocated (Rust core: module docstring). In-flight write-throughs
+        and load-backs hold no host slot outside the tree (``commit_backup`` and ``commit_load_back``
+        run at submission)."""
+        out = super().roots(aborting)
+        hv = self.tree_host_values()
+        if hv is not None:
+            units = host_units(hv, self.config.page_size)
+            if units.size:
+                out.append(Root(HOST_POOL, "tree", units, role="tree"))
+        elif self._host_live:
+            out.append(Root(HOST_POOL, "tree", np.fromiter(self._host_live, dtype=np.int64), role="tree"))
+        return out
+
+    def accounting(self) -> dict[str, Accounting]:
+        """The base pools, and the host pool: ``available`` (``HostPoolGroup.available_size``) and the
+        tree's host tokens as evictable (Python core: the walk; Rust core: total minus available)."""
+        out = super().accounting()
+        total = self.host_pool.size
+        avail = self.host_group.available_size()
+        hv = self.tree_host_values()
+        held = int(hv.numel()) if hv is not None else total - avail
+        out[HOST_POOL] = Accounting(avail, held, 0, 0, total)
+        return out
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        hp, ps = self.host_pool, self.config.page_size
+        slots = torch.cat([hp.free_slots, *hp.release_slots]) if hp.release_slots else hp.free_slots
+        slots = slots[slots % ps == 0]
+        return {**super().free_lists(), HOST_POOL: (slots // ps + 1).cpu().numpy()}
+
+    def _lock_holders(self) -> list:
+        """Also the write-through receipts (``ongoing_write_through``, until ``writing_check`` acks) and
+        the load-back receipts (``ongoing_load_back``, until ``loading_check`` acks)."""
+        cache = self.tree_cache
+        nodes = super()._lock_holders()
+        nodes += [w.node_id for w in cache.ongoing_write_through.values() if w.lock_params is not None]
+        nodes += [lb.node_id for lb in cache.ongoing_load_back.values()]
+        return nodes
+
+    def lock_balance(self):
+        """:meth:`SglangTarget.lock_balance`, then the host locks: each node's net host-lock count against
+        the load-back receipts on it (no other host lock outlives a call)."""
+        bad = super().lock_balance()
+        if bad:
+            return bad
+        want: dict[int, int] = {}
+        for lb in self.tree_cache.ongoing_load_back.values():
+            want[lb.node_id] = want.get(lb.node_id, 0) + 1
+        for node, have in self.host_lock_net.items():
+            if have != want.get(node, 0):
+                try:
+                    slots = self.tree_cache.path_device_indices(node).cpu().numpy()
+                except Exception:
+                    slots = np.empty(0, np.int64)
+                if not slots.size:  # a host-only path: name the node on the padding unit
+                    slots = np.zeros(1, np.int64)
+                bad.append((f"host lock on node {node}", slots, have, want.get(node, 0), {node}))
+        return bad

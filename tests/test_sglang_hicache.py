@@ -1,0 +1,261 @@
+"""HiCache mode of the real-SGLang target (kvaudit/targets/sglang_hicache.py): SGLang 0.5.23's
+UnifiedRadixCache with init_hicache, HybridCacheController and its host pool, driven on CPU.
+
+* objects come from SGLang's factory; settings the target does not drive are refused;
+* the memory model's 7.2 HiCache events as programs, each asserting its path was taken: write-through
+  and its delayed ack, demotion to host and load-back with its ack, host eviction pressure,
+  write_back and write_through_selective, flush refused while an ack is pending;
+* a host-pool leak injected into SGLang's own host free path is caught (the host oracle can fail).
+
+Skipped where SGLang 0.5.23 is not installed. L3 storage (prefetch) needs a storage backend: not driven.
+"""
+
+import pytest
+
+from kvaudit.targets.sglang_boot import installed_version
+
+if installed_version() != "0.5.23":
+    pytest.skip("SGLang 0.5.23 is not installed (pip install --no-deps -r requirements/sglang-cpu.txt)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+from kvaudit.program import FlushCache, Idle, MemoryPressure, Step, Submit, prompt_tokens  # noqa: E402
+from kvaudit.runner import AuditedRun, execute  # noqa: E402
+from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
+from sglang_helpers import CORES, run_ops  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+HOST = "hicache_host_pool"
+
+
+def cfg(core="rust", **kw):
+    return SGLANG_PRESETS["sglang-hicache"].config(tree_core=core, **kw)
+
+
+def state(t):
+    c = t.tree_cache
+    return dict(avail=t.allocator.available_size(), evictable=c.evictable_size(), protected=c.protected_size(),
+                host_avail=t.host_group.available_size(), wt=len(c.ongoing_write_through),
+                lb=len(c.ongoing_load_back))
+
+
+def steps(run, n, trace=None):
+    for _ in range(n):
+        assert run.apply(Step(1)) == []
+        if trace is not None:
+            trace.append(state(run.target))
+
+
+# -- config ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, text", [
+    ({"enable_hisparse": True}, "enable_hisparse"),
+    ({"enable_streaming_session": True}, "enable_streaming_session"),
+    ({"enable_overlap": True}, "enable_overlap"),
+    ({"disaggregation_mode": "decode"}, "disaggregation_mode decode"),
+    ({"hicache_write_policy": "write_around"}, "hicache_write_policy"),
+    ({"hicache_ratio": 1.0}, "hicache_ratio"),
+    ({"hicache_ack_steps": 0}, "hicache_ack_steps"),
+])
+def test_settings_not_driven_are_refused(kw, text):
+    with pytest.raises(ValueError, match=text):
+        cfg(**kw)
+
+
+# -- bootstrap ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("core", CORES)
+def test_objects_come_from_sglangs_factory(core):
+    with AuditedRun(cfg(core)) as run:
+        t = run.target
+        c = t.tree_cache
+        assert type(t).__name__ == "SglangHiCacheTarget"
+        assert type(c).__name__ == "UnifiedRadixCache" and type(c).__module__.startswith("sglang.")
+        assert type(t.cache_controller).__name__ == "HybridCacheController"
+        assert type(t.host_group).__name__ == "HostPoolGroup"
+        assert type(t.host_pool).__name__ == "MHATokenToKVPoolHost"
+        assert t.host_pool.size == 2 * 128 + 4  # hicache_ratio 2, one page more
+        assert (c.write_through_threshold, c.is_write_back) == (1, False)
+        assert [p.name for p in t.pools()] == ["token_to_kv_pool", "req_to_token_pool", HOST]
+        assert [s.split()[0] for s in t.shims] == ["S1", "H2", "H3", "H4"]
+
+
+# -- 7.2 HiCache events ----------------------------------------------------------------------------
+@pytest.mark.parametrize("ack", [1, 3])
+@pytest.mark.parametrize("core", CORES)
+def test_write_through_holds_its_lock_until_the_ack(core, ack):
+    """Insert -> BackupKV: host slots allocated, node locked (protected); ``ack`` steps later
+    writing_check releases it (evictable)."""
+    findings, run = run_ops(cfg(core, hicache_ack_steps=ack), [Submit(0, 40, 1)])
+    trace = []
+    steps(run, ack + 1, trace)
+    t = run.target
+    # step 1: prefill, finish (max_new 1), insert 40 tokens: write-through in flight, node locked
+    assert trace[0] == dict(avail=88, evictable=0, protected=40, host_avail=220, wt=1, lb=0)
+    assert trace[ack - 1]["wt"] == 1 and trace[ack - 1]["protected"] == 40
+    assert trace[ack] == dict(avail=88, evictable=40, protected=0, host_avail=220, wt=0, lb=0)
+    assert t.hicache_log == [("d2h", 1, 40)]
+    assert run.apply(Idle()) == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_flush_is_refused_while_a_write_through_is_in_flight(core):
+    with AuditedRun(cfg(core, hicache_ack_steps=3)) as run:
+        t = run.target
+        for op in [Submit(0, 40, 1), Step(1), FlushCache()]:
+            assert run.apply(op) == []
+        assert not t.is_idle() and t.flushed() == 0 and len(t.tree_cache.ongoing_write_through) == 1
+        for op in [Idle(), FlushCache(), Idle()]:
+            assert run.apply(op) == []
+        assert t.flushed() == 1 and state(t)["host_avail"] == t.host_pool.size
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("core", CORES)
+def test_demote_to_host_then_load_back_and_its_ack(core, page):
+    """After the write ack, device eviction demotes the node to host-only (device slots back, host
+    kept); the same prompt plus 8 tokens then matches on host: add_one_req -> init_load_back
+    allocates device slots and locks the path, ready_to_load_host_cache starts the copy; both locks
+    go at the load ack. The KV content survives the round trip."""
+    ack = 2
+    run = AuditedRun(cfg(core, page_size=page, hicache_ack_steps=ack))
+    t, c = run.target, run.target.tree_cache
+    kv = t.allocator.get_kvcache()
+    kv._get_key_buffer(0)[:] = 7.0  # the "forward" of the first request: its KV is all 7s
+    assert run.apply(Submit(0, 40, 1)) == [] and run.apply(Idle()) == []
+    prompt = prompt_tokens(0, 40, t.config.vocab_size)  # Submit(0, 40, ...)'s prompt
+    c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))  # demote: written through, so host-only now
+    kv._get_key_buffer(0)[:] = 0.0  # the device copy is gone
+    assert state(t) == dict(avail=128, evictable=0, protected=0, host_avail=t.host_pool.size - 40, wt=0, lb=0)
+    t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
+    trace = []
+    steps(run, 1, trace)
+    req = next(r for r in t.running if r.rid == "r1")
+    assert req.host_hit_length == 40 and req.host_loaded_length == 40  # all of it loaded back
+    assert trace[0]["lb"] == 1 and trace[0]["protected"] >= 40  # loaded slots locked until the ack
+    h2d = [e for e in t.hicache_log if e[0] == "h2d"]
+    assert h2d == [("h2d", t.steps, 40)] and ("load_ready", t.steps, 0) in t.hicache_log
+    row = t.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :40].to(torch.int64)
+    assert bool((kv._get_key_buffer(0)[row] == 7.0).all())  # device slots reallocated, content loaded back
+    steps(run, ack, trace)
+    assert trace[ack]["lb"] == 0  # load ack: device and host locks released
+    assert run.apply(Idle()) == [] and state(t)["protected"] == 0
+    assert all(v == 0 for v in t.host_lock_net.values())
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_host_eviction_pressure(core):
+    """Distinct 60-token prompts, device evicted after each (write-through: demoted to host): the
+    260-slot host pool fills; _execute_kv_backup makes room with evict_host, and MemoryPressure
+    evicts host leaves beyond half the host pool."""
+    with AuditedRun(cfg(core)) as run:
+        t, c = run.target, run.target.tree_cache
+        calls = []
+        real = c.evict_host
+
+        def counting(n, *a, **k):
+            out = real(n, *a, **k)
+            calls.append((n, out))
+            return out
+
+        c.evict_host = counting
+        host_seen = []
+        for i in range(6):
+            for op in [Submit(i, 60, 1), Idle()]:
+                assert run.apply(op) == []
+            c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
+            host_seen.append(t.host_group.available_size())
+        assert min(host_seen) < 60 and calls and all(out > 0 for _, out in calls)  # backups evicted host leaves
+        before = len(calls)
+        assert run.apply(MemoryPressure()) == []
+        assert len(calls) == before + 1 and t.host_group.available_size() >= t.host_pool.size // 2
+        assert run.apply(Idle()) == []
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_write_back_backs_up_only_on_eviction(core):
+    with AuditedRun(cfg(core, hicache_write_policy="write_back")) as run:
+        t, c = run.target, run.target.tree_cache
+        for op in [Submit(0, 40, 1), Idle()]:
+            assert run.apply(op) == []
+        assert c.is_write_back and t.hicache_log == [] and state(t)["host_avail"] == t.host_pool.size
+        assert run.apply(MemoryPressure()) == []  # eviction backs up the leaf, then demotes it
+        assert [e[0] for e in t.hicache_log] == ["d2h"] and t.host_group.available_size() == t.host_pool.size - 40
+        assert state(t)["avail"] == 128
+        assert run.apply(Idle()) == []
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_write_through_selective_backs_up_on_the_second_hit(core):
+    with AuditedRun(cfg(core, hicache_write_policy="write_through_selective")) as run:
+        t, c = run.target, run.target.tree_cache
+        assert c.write_through_threshold == 2
+        for op in [Submit(0, 40, 1), Idle()]:
+            assert run.apply(op) == []
+        assert t.hicache_log == []
+        for op in [Submit(0, 40, 1), Idle()]:
+            assert run.apply(op) == []
+        assert [e[0] for e in t.hicache_log] == ["d2h"] and t.host_group.available_size() < t.host_pool.size
+
+
+SEQUENCES = {
+    "reuse after pressure": [Submit(0, 40, 2), Idle(), MemoryPressure(), Submit(0, 44, 3), Idle(), FlushCache(),
+                             Idle()],
+    "fill device and host": [Submit(i, 60, 4) for i in range(8)] + [Idle(), MemoryPressure(), Submit(3, 60, 2),
+                                                                     Idle()],
+}
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("name", list(SEQUENCES))
+def test_sequences_run_clean(name, core, policy):
+    ex = execute(cfg(core, hicache_write_policy=policy), SEQUENCES[name])
+    assert ex.findings == [], [f.message for f in ex.findings]
+
+
+# -- the host-pool oracle can fail --------------------------------------------------------------------
+def test_a_lost_host_free_is_a_host_pool_leak():
+    """SGLang's own host-eviction path drops its host frees once (UnifiedRadixCache._drain_host_frees):
+    the node loses its host value, the slots stay allocated -> leak on hicache_host_pool (Python core:
+    the tree's host values are its roots)."""
+    with AuditedRun(cfg("python")) as run:
+        t, c = run.target, run.target.tree_cache
+        drain = c._drain_host_frees
+        dropped = []
+
+        def dropping(host_frees):
+            if not dropped and host_frees:
+                dropped.append({k: sum(int(v.numel()) for v in vs) for k, vs in host_frees.items()})
+                host_frees.clear()
+                return None
+            return drain(host_frees)
+
+        c._drain_host_frees = dropping
+        for op in [Submit(0, 40, 1), Idle()]:
+            assert run.apply(op) == []
+        c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
+        c.evict_host(t.host_pool.size)
+        findings = run.apply(Step(1))
+        assert dropped and list(dropped[0].values()) == [40]
+        assert [(f.kind, f.pool) for f in findings] == [("leak", HOST)]
+        assert "unreachable" in findings[0].message
+
+
+def test_the_rust_core_audits_the_host_pool_by_ledger_and_free_list():
+    """On the Rust core the host roots are the wrappers' own allocation set (no node walk): a lost host
+    free is not a leak there, but the free-list replay still catches a free that bypasses the wrappers."""
+    with AuditedRun(cfg("rust")) as run:
+        t = run.target
+        for op in [Submit(0, 40, 1), Idle()]:
+            assert run.apply(op) == []
+        assert t.tree_host_values() is None and len(t._host_live) == 10  # 40 tokens, page 4
+        hp = t.host_pool
+        u = min(t._host_live)  # a host page the tree holds, freed behind the wrappers' back
+        type(hp).free(hp, torch.arange((u - 1) * 4, u * 4, dtype=torch.int64))
+        findings = run.apply(Step(1))
+        assert [(f.kind, f.pool) for f in findings] == [("accounting-drift", HOST)]
+        assert "free list disagrees" in findings[0].message
+
