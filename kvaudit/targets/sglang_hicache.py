@@ -69,7 +69,8 @@ import torch
 from kvaudit.program import MemoryPressure
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, shim_cuda_host_register
-from kvaudit.targets.sglang_hisparse import _StepEvent, host_units
+from kvaudit.targets.sglang_hisparse import _StepEvent
+from kvaudit.targets.sglang_target import host_units
 from kvaudit.targets.sglang_target import SglangTarget
 
 HOST_POOL = "hicache_host_pool"
@@ -173,37 +174,7 @@ class SglangHiCacheTarget(SglangTarget):
         pages + 1."""
         if spec.kind != "host":
             return super().install_pool(spec, auditor, wrap)
-        obj, pool, ps = spec.obj, spec.name, spec.page_size
-        capture = auditor.capture_site
-        auditor.wrap_clear(spec)
-        alloc, free = obj.alloc, obj.free
-        live = self._host_live
-
-        def alloc_wrapper(need_size, *a, **k):
-            out = alloc(need_size, *a, **k)
-            if out is not None and out.numel():
-                units = host_units(out, ps).tolist()
-                live.update(units)
-                auditor.on_alloc(pool, units, capture())
-            return out
-
-        def free_wrapper(indices, *a, **k):
-            out = free(indices, *a, **k)
-            if indices.numel():
-                units = host_units(indices, ps).tolist()
-                live.difference_update(units)
-                auditor.on_free(pool, units, capture())
-            return out
-
-        wrap(obj, "alloc", alloc_wrapper)
-        wrap(obj, "free", free_wrapper)
-        cleared = obj.clear  # auditor.wrap_clear's wrapper
-
-        def clear_wrapper(*a, **k):
-            live.clear()
-            return cleared(*a, **k)
-
-        wrap(obj, "clear", clear_wrapper)
+        self._install_host_pool(spec, auditor, wrap, live=self._host_live)
 
     def install_lock_ledger(self, wrap, record) -> None:
         """The base ledger (device locks), and a count of ``inc_host_lock_ref``/``dec_host_lock_ref`` per

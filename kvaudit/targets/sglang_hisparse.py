@@ -36,7 +36,7 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang_boot import SglangUnavailable, one_rank_group, shim_cuda_host_register
-from kvaudit.targets.sglang_target import SglangTarget
+from kvaudit.targets.sglang_target import SglangTarget, host_units
 
 _SHIMS: list[str] = []
 
@@ -118,14 +118,6 @@ class _StepEvent:
 
     def __getattr__(self, name):
         return getattr(self.event, name)
-
-
-def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
-    """Host slots as ledger units: host page + 1 (SGLang's host pool has no reserved slot 0; kvaudit's
-    unit 0 is the reserved padding unit of every pool)."""
-    s = slots.to(torch.int64).cpu().numpy()
-    s = s[s >= 0]
-    return np.unique(s // page_size) + 1
 
 
 class SglangHiSparseTarget(SglangTarget):
@@ -221,25 +213,7 @@ class SglangHiSparseTarget(SglangTarget):
         every free of the coordinator go through them) and ``clear()``, in host pages + 1."""
         if spec.kind != "host":
             return super().install_pool(spec, auditor, wrap)
-        obj, pool, ps = spec.obj, spec.name, spec.page_size
-        capture = auditor.capture_site
-        auditor.wrap_clear(spec)
-        alloc, free = obj.alloc, obj.free
-
-        def alloc_wrapper(need_size, *a, **k):
-            out = alloc(need_size, *a, **k)
-            if out is not None and out.numel():
-                auditor.on_alloc(pool, host_units(out, ps).tolist(), capture())
-            return out
-
-        def free_wrapper(indices, *a, **k):
-            out = free(indices, *a, **k)
-            if indices.numel():
-                auditor.on_free(pool, host_units(indices, ps).tolist(), capture())
-            return out
-
-        wrap(obj, "alloc", alloc_wrapper)
-        wrap(obj, "free", free_wrapper)
+        self._install_host_pool(spec, auditor, wrap)
 
     # -- driver -------------------------------------------------------------------------------
     def _new_batch(self, batch) -> None:

@@ -32,6 +32,14 @@ EOS = 1
 MAX_PREFILL_TOKENS = 16384  # ServerArgs.max_prefill_tokens' default: PrefillAdder's rem_input_tokens
 
 
+def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
+    """Host slots (``[n]`` int64, tokens) as ledger units: host page + 1 (SGLang's host pools have no
+    reserved slot 0; kvaudit's unit 0 is the reserved padding unit of every pool)."""
+    s = slots.to(torch.int64).cpu().numpy()
+    s = s[s >= 0]
+    return np.unique(s // page_size) + 1
+
+
 class _NoSampling:
     """The batch's ``sampling_info`` (penalties, temperatures: model-side, no memory). Only
     ``retract_decode`` -> ``filter_batch`` touches it here."""
@@ -203,6 +211,42 @@ class SglangTarget:
                         auditor.on_free(pool, units, sid)
 
             wrap(obj, "free_group_end", group_end_wrapper)
+
+    def _install_host_pool(self, spec: PoolSpec, auditor, wrap, live: set | None = None) -> None:
+        """A host pool (``HostKVCache``, HiSparse's or HiCache's): ``alloc(n)``/``free(slots)`` on the
+        instance and ``clear()``, in host pages + 1 (:func:`host_units`). ``live``, if given, mirrors
+        the units held."""
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
+        capture = auditor.capture_site
+        auditor.wrap_clear(spec)
+        alloc, free = obj.alloc, obj.free
+        live = set() if live is None else live
+
+        def alloc_wrapper(need_size, *a, **k):
+            out = alloc(need_size, *a, **k)
+            if out is not None and out.numel():
+                units = host_units(out, ps).tolist()
+                live.update(units)
+                auditor.on_alloc(pool, units, capture())
+            return out
+
+        def free_wrapper(indices, *a, **k):
+            out = free(indices, *a, **k)
+            if indices.numel():
+                units = host_units(indices, ps).tolist()
+                live.difference_update(units)
+                auditor.on_free(pool, units, capture())
+            return out
+
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
+        cleared = getattr(obj, "clear", None)  # auditor.wrap_clear's wrapper
+        if cleared is not None:
+            def clear_wrapper(*a, **k):
+                live.clear()
+                return cleared(*a, **k)
+
+            wrap(obj, "clear", clear_wrapper)
 
     def install_lock_ledger(self, wrap, record) -> None:
         """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree (``UnifiedRadixCache``; ``lock``,
