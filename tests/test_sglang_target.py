@@ -166,6 +166,49 @@ def test_session_turns_close_idle_and_deferred(core):
     assert ex.findings == []
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_non_streaming_session_keeps_history_in_the_tree(core):
+    """A non-streaming session (OpenSessionReqInput(streaming=False)): each turn's history is a
+    SessionReqNode and its KV goes through the radix cache, no SessionSlot."""
+    findings, run = run_ops(cfg("sglang-session", core, session_streaming=False),
+                            [OpenSession(), Submit(0, 12, 3, session=0), Idle(), Submit(1, 5, 3, session=0), Idle()])
+    t = run.target
+    session = t.session_controller.get("s0")
+    assert findings == [] and not session.streaming and len(session.req_nodes) == 2 and t._slots() == []
+    assert t.tree_cache.evictable_size() >= 12 + 3 + 5  # both turns' text cached in the tree
+    run.apply(CloseSession(0))
+    run.apply(Idle())
+    assert run.findings == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("streaming", [True, False])
+def test_session_timeout_reaps_the_session_and_a_later_turn_is_refused(core, streaming):
+    """A session idle past its timeout (3 s: three steps) is closed by maybe_reap, its slot released; a
+    turn sent to it afterwards is a plain request aborted at intake (handle_generate_request: "session
+    id ... does not exist"). A streaming turn still running when the timeout passes defers the close
+    (close_on_finish) until it finishes."""
+    c = cfg("sglang-session", core, session_streaming=streaming, session_timeout_steps=3)
+    findings, run = run_ops(c, [OpenSession(), Submit(0, 12, 9, session=0), Step(5)])
+    t = run.target
+    # timed out mid-turn: a streaming session's close is deferred (close_on_finish) while the turn runs on
+    # its record; a non-streaming one closes at once (the running turn owns its KV itself)
+    assert findings == [] and [r.rid for r in t.running] == ["r0"]
+    session = t.session_controller.get("s0")
+    assert session.close_on_finish if streaming else session is None
+    run.apply(Idle())
+    assert findings == [] and "s0" not in t.session_controller  # reaped once idle past the timeout
+    assert t._slots() == []
+    run.apply(Submit(1, 5, 3, session=0))
+    late = t.waiting[-1]
+    assert late.session is None and "does not exist" in late.to_finish.message
+    run.apply(Idle())
+    assert run.findings == []
+    assert t.allocator.available_size() + t.tree_cache.evictable_size() == t.allocator.size
+    run.close()
+
+
 # -- Appendix A hazards ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("core", CORES)
 def test_hazard_a1_rejected_turn_clears_inflight_then_a_third_turn_shares_the_record(core):

@@ -45,6 +45,9 @@ class SglangConfig(ConfigBase):
     picks the ``UnifiedRadixCache`` tree core: ``rust`` (SGLang's production default) or
     ``python``. ``new_token_ratio`` is the share of running requests' remaining decode tokens that
     admission reserves (SGLang's ``new_token_ratio``); below 1 decode can run out and retract.
+    With ``enable_streaming_session``, sessions open as ``session_streaming`` ones (the KV held in a
+    ``SessionSlot``) or not (history through the radix cache), with a ``session_timeout_steps``
+    timeout (scheduler steps; the session controller's clock advances one second a step).
     ``chunked_prefill_size`` (tokens, SGLang's ``--chunked-prefill-size``) splits a longer prefill
     into chunks, one ``chunked_req`` at a time; None turns chunking off.
     ``bugs`` names injected faults (:data:`FAULTS`).
@@ -75,6 +78,8 @@ class SglangConfig(ConfigBase):
     new_token_ratio: float = 0.5
     enable_streaming_session: bool = False
     enable_overlap: bool = False  # event_loop_overlap: a batch's result is processed one step later
+    session_streaming: bool = True  # sessions open as streaming (SessionSlot KV) or not (radix-cache history)
+    session_timeout_steps: int | None = None  # OpenSessionReqInput.timeout, one second a step; None: none
     chunked_prefill_size: int | None = None  # tokens per prefill batch (PrefillAdder's chunk budget); None = off
     disaggregation_mode: str = "null"  # "decode": the PD decode server's queues (kvaudit/targets/sglang_pd.py)
     enable_hisparse: bool = False  # HiSparse's two-level allocator and coordinator (kvaudit/targets/sglang_hisparse.py)
@@ -133,6 +138,11 @@ class SglangConfig(ConfigBase):
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
         if self.disaggregation_mode not in ("null", "decode"):
             raise ValueError(f"disaggregation_mode must be null or decode, got {self.disaggregation_mode!r}")
+        t = self.session_timeout_steps
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+            raise ValueError(f"session_timeout_steps must be null or a positive integer, got {t!r}")
+        if not isinstance(self.session_streaming, bool):
+            raise ValueError(f"session_streaming must be true or false, got {self.session_streaming!r}")
         a = self.abort_ack_steps
         if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
             raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {a!r}")

@@ -41,7 +41,7 @@ import numpy as np
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang_config import SglangConfig
-from kvaudit.targets.sglang_target import EOS, SglangTarget
+from kvaudit.targets.sglang_target import EOS, SglangTarget, StepClock
 
 _PD = None
 
@@ -75,19 +75,6 @@ def load_pd() -> SimpleNamespace:
         TransferBackend=TransferBackend, FutureMap=FutureMap, SchedulerBatchResultProcessor=SchedulerBatchResultProcessor,
         SpawnRanks=SpawnRanks, get_disagg=get_disagg, get_memory=get_memory, publish=publish)
     return _PD
-
-
-class _StepClock:
-    """``decode.py``'s ``time`` module, with ``monotonic()`` = the driver's clock (one second a step)."""
-
-    def __init__(self, real):
-        self._real, self.now = real, 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
 
 
 class _Network:
@@ -239,7 +226,7 @@ class SglangPdDecodeTarget(SglangTarget):
                                     output_dsa_topk_indices_dim=0,
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
         self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps)
-        self.clock = _StepClock(getattr(P.decode.time, "_real", P.decode.time))
+        self.clock = StepClock(getattr(P.decode.time, "_real", P.decode.time))
         P.decode.time = self.clock
         manager_cls, self._receiver_cls = _backend(P, self.network)
         streamer = _Streamer()

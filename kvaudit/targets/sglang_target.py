@@ -40,6 +40,20 @@ def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
     return np.unique(s // page_size) + 1
 
 
+class StepClock:
+    """A module's ``time``, with ``monotonic()`` = a driver's clock (one second a scheduler step), so
+    SGLang's timeouts (session timeouts, PD deferred releases) are deterministic."""
+
+    def __init__(self, real):
+        self._real, self.now = real, 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
 class _NoSampling:
     """The batch's ``sampling_info`` (penalties, temperatures: model-side, no memory). Only
     ``retract_decode`` -> ``filter_batch`` touches it here."""
@@ -62,6 +76,11 @@ class SglangTarget:
         self.allocator, self.req_to_token_pool, self.tree_cache = o.allocator, o.req_to_token_pool, o.tree_cache
         self.model_config, self.tree_core = o.model_config, o.tree_core
         self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
+        if self.session_controller is not None:
+            # the session timeout's clock (Session.is_timed_out: time.monotonic()) is the step count
+            import sglang.srt.session.session_controller as session_controller
+            self.session_clock = StepClock(getattr(session_controller.time, "_real", session_controller.time))
+            session_controller.time = self.session_clock
         self.steps = 0
         # TpModelWorker: max_req_len = min(context_len - 1, pool tokens - 1), inputs 5 tokens shorter
         self.max_req_len = min(config.context_len - 1, config.total_tokens - 1)
@@ -316,8 +335,9 @@ class SglangTarget:
             if self.session_controller is not None:
                 sid = f"s{self._opened}"
                 self._opened += 1
-                self.session_controller.open(self.S.OpenSessionReqInput(capacity_of_str_len=0, session_id=sid,
-                                                                         streaming=True))
+                self.session_controller.open(self.S.OpenSessionReqInput(
+                    capacity_of_str_len=0, session_id=sid, streaming=self.config.session_streaming,
+                    timeout=self.config.session_timeout_steps))
                 self.sessions.append(sid)
         elif isinstance(op, CloseSession):
             if self.sessions:  # SessionController.close: immediate when idle, deferred while a turn runs
@@ -344,6 +364,12 @@ class SglangTarget:
         sp.normalize(None)
         ids = array("q", prompt)
         sc = self.session_controller
+        gone = None
+        if sid is not None and (sid not in sc or sc.get(sid).close_on_finish):
+            # handle_generate_request: a session timed out (reaped) or closing -- a plain request, aborted
+            gone = f"Invalid request: session id {sid} does not exist" if sid not in sc else \
+                f"Invalid request: close was requested for session {sid}"
+            sid = None
         if sid is not None:  # an open session (closed ones leave self.sessions at once)
             recv = S.TokenizedGenerateReqInput(
                 input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
@@ -352,6 +378,8 @@ class SglangTarget:
             req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
         else:
             req = self._new_req(rid, ids, sp)
+            if gone is not None:
+                req.set_finish_with_abort(gone)
         # Scheduler.init_req_max_new_tokens and validate_input_length: a turn whose history no longer
         # fits the context is aborted at intake, before it can reach a row
         input_len = len(req.origin_input_ids)
@@ -444,6 +472,7 @@ class SglangTarget:
         ``checkpoint_kv_cache``), which never joins the running batch between chunks."""
         self.steps += 1
         if self.session_controller is not None:
+            self.session_clock.now += 1.0
             self.session_controller.maybe_reap(float(self.steps), interval=0.0)
             if any(not r.kv.holds_kv and not r.finished() for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
