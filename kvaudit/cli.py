@@ -435,6 +435,10 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     _warn_unreachable_bugs(config, err)
+    if getattr(config, "enable_hierarchical_cache", False) and config.tree_core == "rust":
+        err.print("note: on the rust tree core the hicache_host_pool is checked by its ledger and free-list replay "
+                  "only (the core cannot list host values: no leak check there); --tree-core python checks it fully",
+                  soft_wrap=True)
     if campaign:
         return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
                          console, err, use_seeds)

@@ -214,6 +214,10 @@ def _lock_balance(auditor: Auditor, target) -> list[Finding]:
     f = auditor._unit_finding("lock-imbalance", "token_to_kv_pool", units, "; ".join(lines))
     # the lock-ref ledger: the inc/dec events on the node (or below it: a lock covers the path)
     ids = bad[0][4]
+    if ids is None:  # a lock the device ledger does not record (HiCache's host locks): the target counted it
+        f.alloc_sites = []
+        f.message += "; counted by the target per node (not in the device lock-ref ledger)"
+        return [f]
     events = [e for e in auditor.lock_events if e[0] in ids]
     net: dict[int, int] = {}
     for nid, d, *_ in events:

@@ -20,7 +20,7 @@ if installed_version() != "0.5.23":
 
 import torch  # noqa: E402
 
-from kvaudit.program import FlushCache, Idle, MemoryPressure, Step, Submit, prompt_tokens  # noqa: E402
+from kvaudit.program import FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit, prompt_tokens  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
 from sglang_helpers import CORES, run_ops  # noqa: E402
@@ -259,3 +259,44 @@ def test_the_rust_core_audits_the_host_pool_by_ledger_and_free_list():
         assert [(f.kind, f.pool) for f in findings] == [("accounting-drift", HOST)]
         assert "free list disagrees" in findings[0].message
 
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_dropped_host_lock_release_is_a_lock_imbalance(core):
+    """A load-back takes a host lock on its node until its ack (loading_check -> dec_host_lock_ref); one
+    release dropped leaves host_lock_ref at 1 with no load-back pending: kvaudit reports the imbalance
+    on that node, counted per node by the target (the device lock-ref ledger has no host events)."""
+    run = AuditedRun(cfg(core))
+    t, c = run.target, run.target.tree_cache
+    assert run.apply(Submit(0, 40, 1)) == [] and run.apply(Idle()) == []
+    c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))  # demote to host-only
+    release, dropped = c.dec_host_lock_ref, []
+
+    def drop_first(node, *a, **k):
+        if not dropped:
+            dropped.append(node)
+            return None
+        return release(node, *a, **k)
+
+    c.dec_host_lock_ref = drop_first
+    t._submit(prompt_tokens(0, 40, t.config.vocab_size) + [90 + i for i in range(8)], 4, None, None)  # a host hit
+    found = run.apply(Idle())
+    run.close()
+    assert len(dropped) == 1
+    (f,) = found
+    assert f.kind == "lock-imbalance" and f"host lock on node {dropped[0]}: lock_ref=1 but 0" in f.message
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_health_check_runs_while_a_copy_is_in_flight(core):
+    """is_fully_idle(for_health_check=True) ignores in-flight write-throughs and load-backs (only a flush
+    waits for them): a health check sent while a write-through's ack is pending runs."""
+    run = AuditedRun(cfg(core, hicache_ack_steps=3))
+    t = run.target
+    for op in [Submit(0, 40, 1), Step(1), Step(1)]:
+        assert run.apply(op) == []
+    assert t.tree_cache.ongoing_write_through and not t.is_idle() and t.is_idle_for_health_check()
+    run.apply(HealthCheck())
+    assert t.submitted[-1].startswith("HEALTH_CHECK_")
+    assert run.apply(Idle()) == []
+    run.close()

@@ -245,3 +245,19 @@ def test_cli_fuzz_finds_the_injected_hisparse_leak(tmp_path):
                "--max-time", "30", "--seed", "1", "--out", str(tmp_path / "out"))
     assert r.exit_code == 1, r.output
     assert "leak" in r.stdout and "hisparse_" in r.stdout
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_health_check_runs_while_a_request_is_staged(core):
+    """is_fully_idle(for_health_check=True) ignores HiSparse staging (only a flush waits for it), but not
+    the last batch: once the staged request's prefill batch is no longer the last one, a health check
+    sent while it is still staged runs."""
+    run = AuditedRun(cfg(core, hisparse_staging_steps=3))
+    t = run.target
+    for op in [Submit(0, 10, 5), Step(1), Step(1)]:
+        assert run.apply(op) == []
+    assert t.staged() and not t.is_idle() and t.is_idle_for_health_check()
+    run.apply(HealthCheck())
+    assert t.submitted[-1].startswith("HEALTH_CHECK_")
+    assert run.apply(Idle()) == []
+    run.close()

@@ -245,7 +245,8 @@ SGLANG_PRESETS: dict[str, Preset] = {
                  "hisparse_staging_steps": 1}),
         _preset("sglang-hicache", "HiCache host tier (UnifiedRadixCache.init_hicache, HybridCacheController, "
                                   "MHATokenToKVPoolHost): 128 device slots, host pool 2x, write_through, page 4; "
-                                  "each write-through / load-back ack one step after submission; no L3 storage",
+                                  "each write-through / load-back ack one step after submission; no L3 storage; "
+                                  "the host pool's leak check needs --tree-core python",
                 {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
                  "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1}),
     ]

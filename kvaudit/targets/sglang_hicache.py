@@ -56,6 +56,9 @@ Lock ledger: the base counts ``inc_lock_ref``/``dec_lock_ref`` against requests'
 locks; here write-through (``ongoing_write_through[...].lock_params``) and load-back
 (``ongoing_load_back``) receipts hold device locks until their acks and count as holders, and the
 host locks (``inc_host_lock_ref``/``dec_host_lock_ref``) are counted against the load-back receipts.
+kvaudit checks lock balance at idle, when (``is_fully_idle``) no receipt is pending, so today the
+receipts never count; they make the holder set right for any state. A host-lock imbalance is
+reported from the per-node host count (the device lock-ref ledger records no host events).
 """
 
 from __future__ import annotations
@@ -322,5 +325,6 @@ class SglangHiCacheTarget(SglangTarget):
                     slots = np.empty(0, np.int64)
                 if not slots.size:  # a host-only path: name the node on the padding unit
                     slots = np.zeros(1, np.int64)
-                bad.append((f"host lock on node {node}", slots, have, want.get(node, 0), {node}))
+                # host_lock_ref: inc_host_lock_ref - dec_host_lock_ref (the device ledger has no events for it)
+                bad.append((f"host lock on node {node}", slots, have, want.get(node, 0), None))
         return bad

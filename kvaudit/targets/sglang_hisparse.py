@@ -300,6 +300,10 @@ class SglangHiSparseTarget(SglangTarget):
         """``is_fully_idle`` under HiSparse also waits for ``has_ongoing_staging()``."""
         return super().is_idle() and not self.coordinator.has_ongoing_staging()
 
+    def is_idle_for_health_check(self) -> bool:
+        """``is_fully_idle(for_health_check=True)``: staging does not count, the last batch does."""
+        return super().is_idle_for_health_check() and not self._last_batch
+
     def progress(self) -> dict[str, int]:
         out = super().progress()
         for r in self.staged():

@@ -701,8 +701,10 @@ class SglangTarget:
 
     def is_idle_for_health_check(self) -> bool:
         """``is_fully_idle(for_health_check=True)``: a health check runs only when no batch can carry
-        health information (here: the same as :meth:`is_idle`)."""
-        return self.is_idle()
+        health information -- no waiting, running or chunked request, no batch whose result is
+        pending. Unlike :meth:`is_idle` (flush), a mode's own in-flight work (HiSparse staging,
+        HiCache copies) does not count."""
+        return not self.waiting and not self.running and self._last is None and self.chunked_req is None
 
     def stalled(self) -> bool:
         """Only waiting requests are left and memory sessions hold keeps them out -- their own KV
