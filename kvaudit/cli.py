@@ -304,7 +304,7 @@ class _Progress:
 
 _common = [
     click.option("--preset", default="default", show_default=True, metavar="NAME",
-                 help="Engine preset (see 'kvaudit presets')."),
+                 help="Engine preset (see 'kvaudit presets'); with --target sglang, 'default' means 'sglang'."),
     click.option("--bug", "bugs", multiple=True, metavar="NAME",
                  help="Switch a bug-zoo bug on (repeatable; see 'kvaudit bugs')."),
     click.option("--model", type=click.Choice(["none", "tiny"]), default="none", show_default=True,

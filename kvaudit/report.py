@@ -192,13 +192,30 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
                       soft_wrap=True)
 
 
+def header(config) -> str:
+    """The report's first line. For a real-SGLang config: the tree core, and the fields that differ
+    from its preset (a corpus file may use a smaller pool than the preset it names)."""
+    bugs = ", ".join(sorted(config.bugs)) or "none"
+    if getattr(config, "target", "eut") != "sglang":
+        return f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, page_size {config.page_size}"
+    from kvaudit.targets.sglang_config import SGLANG_PRESETS
+    preset = config.preset
+    if preset in SGLANG_PRESETS:
+        base = SGLANG_PRESETS[preset].config().to_dict()
+        mine = config.to_dict()
+        changed = [f"{k}={mine[k]}" for k in mine
+                   if k not in ("tree_core", "bugs", "seed", "preset") and mine[k] != base.get(k)]
+        if changed:
+            preset += f" (modified: {', '.join(changed)})"
+    return (f"kvaudit report: target sglang, preset {preset}, {config.tree_core} tree core, bugs: {bugs}, "
+            f"page_size {config.page_size}")
+
+
 def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[Op], list[Finding], str]],
                 suppressed: dict[str, int] | None = None) -> None:
     """Like :func:`print_report` for several (program, findings, program title) cases of one config
     (a campaign's report): every finding with its own program, one summary."""
-    bugs = ", ".join(sorted(config.bugs)) or "none"
-    console.print(Text(f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, "
-                       f"page_size {config.page_size}", style="bold"))
+    console.print(Text(header(config), style="bold"))
     i = 0
     for program, findings, title in cases:
         for f in findings:
@@ -212,9 +229,7 @@ def print_report(console: Console, config: EngineConfig, program: list[Op], find
                  suppressions: SuppressionSet | None = None) -> None:
     """The report: a header, one panel per finding, the summary and, with ``suppressions``, the
     suppressions used (``findings`` are the unsuppressed ones)."""
-    bugs = ", ".join(sorted(config.bugs)) or "none"
-    console.print(Text(f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, "
-                       f"page_size {config.page_size}", style="bold"))
+    console.print(Text(header(config), style="bold"))
     for i, f in enumerate(findings):
         console.print(finding_renderable(f, program, i, program_title))
     console.print(summary_table(findings, suppressed_by_kind(suppressions), deduplicated))

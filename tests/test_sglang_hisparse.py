@@ -60,7 +60,7 @@ def test_incompatible_hisparse_settings_are_refused(kw, text):
 
 
 def test_hisparse_fault_needs_hisparse_and_radix_cache_is_off():
-    with pytest.raises(ValueError, match="needs enable_hisparse"):
+    with pytest.raises(ValueError, match="is for --preset sglang-hisparse only"):
         SglangConfig(bugs=frozenset({"hisparse-skip-finish"}))
     assert cfg().disable_radix_cache and not SglangConfig().disable_radix_cache
 

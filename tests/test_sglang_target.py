@@ -430,3 +430,13 @@ def test_cli_replays_a_corpus_file_with_the_other_tree_core(tmp_path):
     bad = invoke("replay", os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions",
                                         "session-tail-not-trimmed.json"), "--tree-core", "python")
     assert bad.exit_code == 2 and "--tree-core applies to replay files of --target sglang only" in bad.stderr
+
+
+def test_report_header_names_the_tree_core_and_what_differs_from_the_preset():
+    from kvaudit.report import header
+
+    plain = cfg("sglang-pd-decode", "python")
+    assert header(plain) == ("kvaudit report: target sglang, preset sglang-pd-decode, python tree core, bugs: none, "
+                             "page_size 4")
+    small = cfg("sglang-pd-decode", "rust", num_slots=32, page_size=1)
+    assert "preset sglang-pd-decode (modified: num_slots=32, page_size=1), rust tree core" in header(small)

@@ -195,8 +195,8 @@ class SglangConfig(ConfigBase):
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         if not self.enable_hisparse:
             if self.bugs & HISPARSE_ONLY_FAULTS:
-                raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} needs enable_hisparse "
-                                 "(--preset sglang-hisparse)")
+                raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} is for --preset sglang-hisparse "
+                                 "only (it needs HiSparse: enable_hisparse)")
             return
         if self.enable_streaming_session:
             raise ValueError("enable_hisparse cannot run with enable_streaming_session: HiSparse requires the radix "
@@ -225,7 +225,7 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang", "SGLang's UnifiedRadixCache over TokenToKVPoolAllocator, page 1, 512 slots", {}),
         _preset("sglang-paged", "PagedTokenToKVPoolAllocator with 16-token pages, 1024 slots",
                      {"page_size": 16, "num_slots": 1024}),
-        _preset("sglang-pd", "need_sort=True (the allocator flag of PD disaggregation), page 4, small pool",
+        _preset("sglang-pd", "need_sort=True (the allocator flag of PD disaggregation), page 4, 256 slots",
                      {"need_sort": True, "page_size": 4, "num_slots": 256}),
         _preset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
                      {"enable_streaming_session": True, "context_len": 96}),
