@@ -440,3 +440,20 @@ def test_report_header_names_the_tree_core_and_what_differs_from_the_preset():
                              "page_size 4")
     small = cfg("sglang-pd-decode", "rust", num_slots=32, page_size=1)
     assert "preset sglang-pd-decode (modified: num_slots=32, page_size=1), rust tree core" in header(small)
+
+
+@pytest.mark.parametrize("preset", ["sglang", "sglang-pd-decode"])
+def test_an_abort_matches_rids_by_prefix_as_sglang_does(preset):
+    """abort_request matches req.rid.startswith(rid): aborting r1 also ends r10 and r11, wherever they
+    are (waiting or running); the others are untouched. Clean."""
+    findings, run = run_ops(cfg(preset), [Submit(i % 3, 10, 20) for i in range(12)] + [Step(2)])
+    t = run.target
+    reqs = {r.rid: r for r in t._active()}
+    assert findings == [] and {"r1", "r10", "r11"} <= set(reqs)
+    run.apply(Abort(t.live_rids().index("r1")))
+    run.apply(Idle())
+    aborted = sorted(rid for rid, r in reqs.items() if type(r.finished_reason).__name__ == "FINISH_ABORT"
+                     or r.rid in t.finished and len(r.output_ids) < 20)
+    assert aborted == ["r1", "r10", "r11"]
+    assert run.findings == []
+    run.close()

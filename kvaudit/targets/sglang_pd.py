@@ -343,29 +343,27 @@ class SglangPdDecodeTarget(SglangTarget):
         """``Scheduler.abort_request``, decode branch: a waiting request holds its transferred KV and is
         released at once (``release_kv_cache(checkpoint=True)``); a request in the prealloc or transfer
         queue has its receiver aborted (the queue then fails it); a retracted one drops its backup; a
-        running one gets ``to_finish``."""
+        running one gets ``to_finish``. Rids match by prefix, as in SGLang (``startswith``)."""
         sched, S = self.sched, self.S
-        for i, req in enumerate(sched.waiting_queue):
-            if req.rid == rid:
-                sched.waiting_queue.pop(i)
-                self._release_aborted_request(req)
-                if req.finished_reason is None:
-                    req.finished_reason = S.FINISH_ABORT()
-                self._release(req, checkpoint=True)
-                return
+        for req in [r for r in sched.waiting_queue if r.rid.startswith(rid)]:
+            sched.waiting_queue.remove(req)
+            self._release_aborted_request(req)
+            if req.finished_reason is None:
+                req.finished_reason = S.FINISH_ABORT()
+            self._release(req, checkpoint=True)
         for dr in self.prealloc_queue.queue + self.transfer_queue.queue:
-            if dr.req.rid == rid:
+            if dr.req.rid.startswith(rid):
                 dr.kv_receiver.abort()
         kept = []
         for req in self.prealloc_queue.retracted_queue:
-            if req.rid == rid:
+            if req.rid.startswith(rid):
                 S.common.discard_kv_cache_backup(req, self.tree_cache, "cpu_tensor")
-                self.finished.add(rid)
+                self.finished.add(req.rid)
             else:
                 kept.append(req)
         self.prealloc_queue.retracted_queue = kept
         for req in sched.running_batch.reqs:
-            if req.rid == rid and not req.finished():
+            if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = S.FINISH_ABORT()
 
     def step(self) -> None:

@@ -407,21 +407,20 @@ class SglangTarget:
         self.waiting.append(req)
 
     def _abort(self, rid: str) -> None:
-        """``Scheduler.abort_request``: the chunked request is only marked
-        (``_pending_chunked_abort_req``, torn down at the next step); a waiting request is popped (it
-        holds no KV outside PD decode) and its cache state dropped (``_release_aborted_request``); a
-        running one, or one in the last batch, gets ``to_finish`` and ends at its next result, through
-        ``release_kv_cache`` like any finish."""
-        if self.chunked_req is not None and self.chunked_req.rid == rid:
+        """``Scheduler.abort_request``, which matches rids by prefix (``req.rid.startswith(rid)``: an
+        abort of ``r1`` also ends ``r10``..``r19``, as SGLang's would): the chunked request is only
+        marked (``_pending_chunked_abort_req``, torn down at the next step); waiting requests are
+        popped (they hold no KV outside PD decode) and their cache state dropped
+        (``_release_aborted_request``); running ones, or ones in the last batch, get ``to_finish`` and
+        end at their next result, through ``release_kv_cache`` like any finish."""
+        if self.chunked_req is not None and self.chunked_req.rid.startswith(rid):
             self._pending_chunked_abort = self.chunked_req
-        for i, req in enumerate(self.waiting):
-            if req.rid == rid:
-                self.waiting.pop(i)
-                self._release_aborted_request(req)
-                self.finished.add(rid)
-                return
+        for req in [r for r in self.waiting if r.rid.startswith(rid)]:
+            self.waiting.remove(req)
+            self._release_aborted_request(req)
+            self.finished.add(req.rid)
         for req in self._inflight():  # running, or in the last batch
-            if req.rid == rid and not req.finished():
+            if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT()
 
     def _release_aborted_request(self, req) -> None:
