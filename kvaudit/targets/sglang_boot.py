@@ -241,15 +241,16 @@ def one_rank_group():
     return dist.group.WORLD
 
 
-def build(config, *, server_args=None, make_rows=None, disable_radix_cache: bool = False,
+def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_radix_cache: bool = False,
           tp_worker=None, enable_hierarchical_cache: bool = False) -> SimpleNamespace:
     """SGLang's pools and tree cache for ``config`` (a :class:`SglangConfig`), built the way the
     scheduler builds them (``kv_cache_configurator``, then ``create_tree_cache``).
 
     Publishes ``ServerArgs`` for this process (SGLang keeps it process-global), unless a mode passes
     its own, already published ``server_args`` (``enable_hierarchical_cache`` passes the factory's flag
-    that runs ``init_hicache``: the server args must enable it too); ``make_rows`` (a callable of the device) builds a
-    mode's own request pool (PD decode: ``DecodeReqToTokenPool``). Raises :class:`SglangUnavailable`
+    that runs ``init_hicache``: the server args must enable it too); ``make_rows`` (a callable of the
+    device) builds a mode's own request pool (PD decode: ``DecodeReqToTokenPool``), ``make_kv`` (the
+    same) its own ``(kvcache, allocator)`` (HiSparse). Raises :class:`SglangUnavailable`
     if the requested tree core is not the one SGLang picked (Rust falls back to Python silently
     outside its supported torch range).
     """
@@ -263,12 +264,15 @@ def build(config, *, server_args=None, make_rows=None, disable_radix_cache: bool
     # this process is rank 0 of a 1-GPU tensor-parallel group (Req.set_finish_with_abort reads it)
     S.get_parallel().override_permanently(tp_rank=0)
     dev = config.device
-    kvcache = S.MHATokenToKVPool(size, ps, torch.bfloat16, head_num=1, head_dim=8, layer_num=1, device=dev,
-                                 enable_memory_saver=False)
-    if ps == 1:
-        allocator = S.TokenToKVPoolAllocator(size, torch.bfloat16, dev, kvcache, config.need_sort)
+    if make_kv is not None:
+        kvcache, allocator = make_kv(dev)
     else:
-        allocator = S.PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, dev, kvcache, config.need_sort)
+        kvcache = S.MHATokenToKVPool(size, ps, torch.bfloat16, head_num=1, head_dim=8, layer_num=1, device=dev,
+                                     enable_memory_saver=False)
+        if ps == 1:
+            allocator = S.TokenToKVPoolAllocator(size, torch.bfloat16, dev, kvcache, config.need_sort)
+        else:
+            allocator = S.PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, dev, kvcache, config.need_sort)
     if make_rows is not None:
         req_to_token_pool = make_rows(dev)
     else:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang_boot import SglangUnavailable, one_rank_group, shim_cuda_host_register
+from kvaudit.targets.sglang_boot import SglangUnavailable, build, one_rank_group, shim_cuda_host_register
 from kvaudit.targets.sglang_target import SglangTarget, host_units
 
 _SHIMS: list[str] = []
@@ -182,21 +182,9 @@ class SglangHiSparseTarget(SglangTarget):
 
             co.admit_request_into_staging = admit_with_copy_time
         self.coordinator = co
-        params = S.CacheInitParams(disable=True, req_to_token_pool=req_to_token_pool,
-                                   token_to_kv_pool_allocator=allocator, page_size=ps,
-                                   tree_core_backend=config.tree_core)
-        model_config = types.SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False,
-                                             hf_eos_token_id=None)
-        ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-                                      enable_hierarchical_cache=False, disable_radix_cache=True, tp_worker=None,
-                                      model_config=model_config, tp_size=1, tp_rank=0, tp_group=None)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tree_cache = S.create_tree_cache(ctx)
-        core = type(getattr(tree_cache, "tree_core", None)).__name__
-        return types.SimpleNamespace(server_args=server_args, kvcache=kvcache, allocator=allocator,
-                                     req_to_token_pool=req_to_token_pool, tree_cache=tree_cache,
-                                     model_config=model_config, tree_core=core)
+        # the tree cache (disabled) through the shared build, which also asserts the tree core
+        return build(config, server_args=server_args, make_kv=lambda dev: (kvcache, allocator),
+                     make_rows=lambda dev: req_to_token_pool, disable_radix_cache=True)
 
     # -- observer: hooks ---------------------------------------------------------------------
     def framework_files(self) -> list[str]:
