@@ -73,8 +73,7 @@ from kvaudit.program import MemoryPressure
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, shim_cuda_host_register
 from kvaudit.targets.sglang_hisparse import _StepEvent
-from kvaudit.targets.sglang_target import host_units
-from kvaudit.targets.sglang_target import SglangTarget
+from kvaudit.targets.sglang_target import SglangTarget, host_units
 
 HOST_POOL = "hicache_host_pool"
 
