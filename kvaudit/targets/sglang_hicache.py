@@ -69,11 +69,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvaudit.program import MemoryPressure
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, shim_cuda_host_register
 from kvaudit.targets.sglang_hisparse import _StepEvent
-from kvaudit.targets.sglang_target import SglangTarget, host_units
+from kvaudit.targets.sglang_target import SglangTarget, host_free_units, host_units
 
 HOST_POOL = "hicache_host_pool"
 
@@ -128,7 +127,6 @@ class SglangHiCacheTarget(SglangTarget):
 
     def __init__(self, config):
         self.hicache_log: list[tuple] = []  # ("d2h"|"h2d"|"load_ready", step, tokens)
-        self._in_prefill = False
         self.host_lock_net: dict[int, int] = {}
         self._host_live: set[int] = set()  # host units the wrappers saw allocated (the Rust core's roots)
         super().__init__(config)
@@ -199,17 +197,13 @@ class SglangHiCacheTarget(SglangTarget):
         wrap(cache, "dec_host_lock_ref", dec_wrapper)
 
     # -- driver -------------------------------------------------------------------------------
-    def apply(self, op) -> None:
-        """:meth:`SglangTarget.apply`; memory pressure also drives host eviction (module docstring)."""
-        if not isinstance(op, MemoryPressure):
-            return super().apply(op)
-        cache = self.tree_cache
-        cache.evict(self.S.EvictParams(num_tokens=cache.evictable_size()))
+    def _memory_pressure(self) -> None:
+        """:meth:`SglangTarget._memory_pressure` (device eviction, forced retraction), then host eviction
+        pressure (module docstring)."""
+        super()._memory_pressure()
         over = (self.host_pool.size - self.host_group.available_size()) - self.host_pool.size // 2
         if over > 0:
-            cache.evict_host(over)
-        self._force_retract = True
-        self._after_intake()
+            self.tree_cache.evict_host(over)
 
     def _process_pending_chunked_abort(self) -> None:
         """``get_next_batch_to_run``: ``process_pending_chunked_abort()``, then ``_process_hicache_events()``
@@ -217,17 +211,10 @@ class SglangHiCacheTarget(SglangTarget):
         super()._process_pending_chunked_abort()
         self.tree_cache.check_hicache_events()
 
-    def _prefill(self):
-        self._in_prefill = True
-        try:
-            return super()._prefill()
-        finally:
-            self._in_prefill = False
-
-    def _new_batch(self, batch) -> None:
+    def _new_batch(self, batch, kind: str) -> None:
         """``get_new_batch_prefill``: ``new_batch.hicache_consumer_index = ready_to_load_host_cache()``
         after ``init_new``, before ``prepare_for_extend`` (starts the queued load-backs)."""
-        if self._in_prefill:
+        if kind == "extend":
             batch.hicache_consumer_index = self.tree_cache.ready_to_load_host_cache()
             if batch.hicache_consumer_index >= 0:
                 self.hicache_log.append(("load_ready", self.steps, batch.hicache_consumer_index))
@@ -293,10 +280,7 @@ class SglangHiCacheTarget(SglangTarget):
         return out
 
     def free_lists(self) -> dict[str, np.ndarray]:
-        hp, ps = self.host_pool, self.config.page_size
-        slots = torch.cat([hp.free_slots, *hp.release_slots]) if hp.release_slots else hp.free_slots
-        slots = slots[slots % ps == 0]
-        return {**super().free_lists(), HOST_POOL: (slots // ps + 1).cpu().numpy()}
+        return {**super().free_lists(), HOST_POOL: host_free_units(self.host_pool, self.config.page_size)}
 
     def _lock_holders(self) -> list:
         """Also the write-through receipts (``ongoing_write_through``, until ``writing_check`` acks) and

@@ -36,7 +36,7 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, one_rank_group, shim_cuda_host_register
-from kvaudit.targets.sglang_target import SglangTarget, host_units
+from kvaudit.targets.sglang_target import SglangTarget, host_free_units, host_units
 
 _SHIMS: list[str] = []
 
@@ -204,7 +204,7 @@ class SglangHiSparseTarget(SglangTarget):
         self._install_host_pool(spec, auditor, wrap)
 
     # -- driver -------------------------------------------------------------------------------
-    def _new_batch(self, batch) -> None:
+    def _new_batch(self, batch, kind: str) -> None:
         """``get_new_batch_prefill`` (``new_batch.hisparse_coordinator = ...``) and
         ``get_next_batch_to_run`` (``running_batch.hisparse_coordinator = ...``): so SGLang's own
         ``alloc_for_extend`` and ``retract_decode`` -> ``release_req`` -> ``retract_req`` see it."""
@@ -346,32 +346,23 @@ class SglangHiSparseTarget(SglangTarget):
         """The logical pool (what rows store; the tree is disabled, so evictable and protected are 0 or
         the disabled cache's own), the row pool, and the physical and host pools (the counters
         ``get_token_stats`` reports)."""
-        a, cache, rp = self.allocator, self.tree_cache, self.req_to_token_pool
+        a, cache = self.allocator, self.tree_cache
         lo, hi, host = a.logical_attn_allocator, a.hisparse_attn_allocator, self.coordinator.mem_pool_host
         return {
+            **super().accounting(),  # the row pool, as on every preset
             "token_to_kv_pool": Accounting(lo.available_size(), cache.evictable_size(), cache.protected_size(), 0,
                                            lo.size),
-            "req_to_token_pool": Accounting(rp.available_size(), 0, 0, 0, rp.size),
             "hisparse_device_pool": Accounting(hi.available_size(), 0, 0, 0, hi.size),
             "hisparse_host_pool": Accounting(host.available_size(), 0, 0, 0, host.size),
         }
 
     def free_lists(self) -> dict[str, np.ndarray]:
         """Each pool's free list as SGLang holds it; host slots as units (one entry per free page)."""
-        a, ps, host = self.allocator, self.config.page_size, self.coordinator.mem_pool_host
-        slots = torch.cat([host.free_slots, *host.release_slots]) if host.release_slots else host.free_slots
-        slots = slots[slots % ps == 0]
+        a = self.allocator
         return {"token_to_kv_pool": a.logical_attn_allocator.get_all_free_pages().cpu().numpy(),
                 "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64),
                 "hisparse_device_pool": a.hisparse_attn_allocator.get_all_free_pages().cpu().numpy(),
-                "hisparse_host_pool": (slots // ps + 1).cpu().numpy()}
-
-    def quiescence(self) -> list[tuple[str, str]]:
-        out = []
-        for name, acc in self.accounting().items():
-            if acc.available != acc.total:
-                out.append((name, f"available={acc.available} of total={acc.total} after a successful flush_cache"))
-        return out
+                "hisparse_host_pool": host_free_units(self.coordinator.mem_pool_host, self.config.page_size)}
 
     def engine_check(self) -> list[str]:
         """SGLang's own verdict: none. Under HiSparse the scheduler skips its idle pool, request-pool and

@@ -381,13 +381,9 @@ class SglangPdDecodeTarget(SglangTarget):
         batch = plan.batch_to_run
         self.running = [r for r in sched.running_batch.reqs if not r.finished()]
         if batch is not None:
-            self._process("decode", list(batch.reqs))
+            self._process("decode", list(batch.reqs))  # ends by filtering self.running of what finished
         sched.last_batch = batch
         sched.forward_ct += 1
-        self.running = [r for r in sched.running_batch.reqs if not r.finished()]
-        for req in plan.running_batch.reqs + list(sched.waiting_queue):
-            if req.finished() and req.kv.holds_kv is False:
-                self.finished.add(req.rid)
         self._snapshot_held()
 
     def _update_running_batch(self, batch):

@@ -40,6 +40,16 @@ def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
     return np.unique(s // page_size) + 1
 
 
+def host_free_units(host_pool, page_size: int) -> np.ndarray:
+    """A host pool's free list (``free_slots`` and the pending ``release_slots``) as ledger units, one
+    entry per free page (the first slot of each), for the event-log replay check."""
+    slots = host_pool.free_slots
+    if host_pool.release_slots:
+        slots = torch.cat([slots, *host_pool.release_slots])
+    slots = slots[slots % page_size == 0]
+    return (slots // page_size + 1).cpu().numpy()
+
+
 class StepClock:
     """A module's ``time``, with ``monotonic()`` = a driver's clock (one second a scheduler step), so
     SGLang's timeouts (session timeouts, PD deferred releases) are deterministic."""
@@ -344,10 +354,7 @@ class SglangTarget:
                 sid = self.sessions.pop(op.handle % len(self.sessions))
                 self.session_controller.close(self.S.CloseSessionReqInput(session_id=sid))
         elif isinstance(op, MemoryPressure):
-            # another tenant needs memory: evict what the tree can give, retract at the next decode
-            # (SGLANG_TEST_RETRACT's forced retraction)
-            self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
-            self._force_retract = True
+            self._memory_pressure()
         else:
             raise TypeError(f"op {op!r} does not go through apply()")
         if not isinstance(op, (Submit, HealthCheck, OpenSession)):
@@ -422,6 +429,12 @@ class SglangTarget:
         for req in self._inflight():  # running, or in the last batch
             if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT()
+
+    def _memory_pressure(self) -> None:
+        """Another tenant needs memory: evict what the tree can give, retract at the next decode
+        (``SGLANG_TEST_RETRACT``'s forced retraction)."""
+        self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
+        self._force_retract = True
 
     def _release_aborted_request(self, req) -> None:
         """``Scheduler._release_aborted_request``: the tree's per-request state, and a streaming
@@ -513,9 +526,10 @@ class SglangTarget:
         if not self.config.enable_overlap:
             self.running.append(req)
 
-    def _new_batch(self, batch) -> None:
-        """A prefill or decode ``ScheduleBatch`` right after ``init_new``, before any allocation: what the
-        scheduler sets on it besides (nothing more on this target)."""
+    def _new_batch(self, batch, kind: str) -> None:
+        """A prefill (``kind`` ``"extend"``) or decode (``"decode"``) ``ScheduleBatch`` right after
+        ``init_new``, before any allocation: what the scheduler sets on it besides (nothing more on
+        this target)."""
 
     def _after_decode_alloc(self, batch) -> None:
         """After ``alloc_for_decode`` (``prepare_for_decode``): nothing more on this target."""
@@ -603,7 +617,7 @@ class SglangTarget:
             req.is_retracted = False  # prepare_for_extend: a retracted request is prefilled afresh
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
                                          cfg.enable_overlap, S.SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req)
-        self._new_batch(batch)
+        self._new_batch(batch, "extend")
         batch.forward_mode = S.ForwardMode.EXTEND
         batch.prefix_lens = [r.prefix_len for r in admitted]
         batch.extend_lens = [r.extend_end - r.prefix_len for r in admitted]
@@ -631,7 +645,7 @@ class SglangTarget:
             return None
         batch = S.ScheduleBatch.init_new(list(self.running), self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, False, S.SpeculativeAlgorithm.NONE)
-        self._new_batch(batch)
+        self._new_batch(batch, "decode")
         batch.forward_mode = S.ForwardMode.DECODE
         rows = [r.kv.req_pool_idx for r in self.running]
         batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
