@@ -11,7 +11,7 @@ import dataclasses
 from typing import Callable
 
 from engine_under_test import EngineConfig
-from kvaudit.program import Abort, Op, Step, Submit
+from kvaudit.program import Abort, Op, PauseGeneration, Step, Submit
 from kvaudit.runner import execute
 
 
@@ -66,8 +66,13 @@ def _simpler(op: Op) -> list[Op]:
         out += [Step(1), Step(op.n // 2)]
     elif isinstance(op, Abort) and op.handle not in (None, 0):
         out.append(Abort(0))
+    elif isinstance(op, PauseGeneration) and op.mode != 1:
+        out.append(PauseGeneration(1))  # in_place: a pause that moves no memory
     if isinstance(op, Submit):
-        out += [dataclasses.replace(op, **{f: None}) for f in ("session", "extends") if getattr(op, f) is not None]
+        out += [dataclasses.replace(op, **{f: None}) for f in ("session", "extends", "priority")
+                if getattr(op, f) is not None]
+        if op.ignore_eos:
+            out.append(dataclasses.replace(op, ignore_eos=0))
     return out
 
 

@@ -24,6 +24,10 @@ class Submit:
     ``session``: the next turn of open session ``session`` (modulo the open ones; a plain request
     when none is open). ``extends``: the prompt continues the text (prompt + output so far) of
     submitted request ``extends`` (modulo all submitted), as a chat client resending its history.
+    ``priority``: the request's scheduling priority (SGLang's ``priority``; larger runs first unless
+    the target schedules low values first). A target without priority scheduling ignores it, as
+    SGLang does by default. ``ignore_eos``: 1 = sampling parameter ``ignore_eos`` (the EOS sampled at
+    ``stop_at`` does not finish the request; it runs to ``max_new_tokens``).
     """
 
     family: int = 0
@@ -32,6 +36,8 @@ class Submit:
     stop_at: int | None = None  # output length at which EOS is sampled
     session: int | None = None
     extends: int | None = None
+    priority: int | None = None
+    ignore_eos: int = 0
     kind: ClassVar[str] = "submit"
 
 
@@ -80,6 +86,31 @@ class MemoryPressure:
     kind: ClassVar[str] = "memory_pressure"
 
 
+PAUSE_MODES = ("abort", "in_place", "retract")  # PauseGenerationReqInput.mode, in SGLang's order
+
+
+@dataclass(frozen=True)
+class PauseGeneration:
+    """SGLang's ``/pause_generation`` (a weight update's first step), ``mode`` indexing
+    :data:`PAUSE_MODES`: 0 ``abort`` -- the tokenizer aborts every request and holds new ones, the
+    scheduler keeps running; 1 ``in_place`` -- the scheduler stops scheduling, its state frozen;
+    2 ``retract`` -- as in_place, after retracting every in-flight request to the waiting queue
+    (``retract_all``), so ``flush_cache`` can succeed. New requests (submits, health checks) are held
+    at the tokenizer until :class:`ContinueGeneration`. Source: ``Scheduler.pause_generation``,
+    ``TokenizerManager.pause_generation``."""
+
+    mode: int = 0
+    kind: ClassVar[str] = "pause_generation"
+
+
+@dataclass(frozen=True)
+class ContinueGeneration:
+    """SGLang's ``/continue_generation``: the scheduler runs again and the held requests are sent.
+    A no-op when not paused."""
+
+    kind: ClassVar[str] = "continue_generation"
+
+
 @dataclass(frozen=True)
 class Step:
     """``n`` scheduler iterations."""
@@ -90,15 +121,21 @@ class Step:
 
 @dataclass(frozen=True)
 class Idle:
-    """Run the engine to quiescence, then the idle checks."""
+    """Run the engine to quiescence, then the idle checks. A paused engine is resumed first
+    (:class:`ContinueGeneration`): an operator ends a pause before draining."""
 
     kind: ClassVar[str] = "idle"
 
 
-Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, MemoryPressure, Step, Idle]
+Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, MemoryPressure, PauseGeneration,
+           ContinueGeneration, Step, Idle]
 OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession,
-                                                 MemoryPressure, Step, Idle)}
-NULLABLE = ("stop_at", "handle", "session", "extends")
+                                                 MemoryPressure, PauseGeneration, ContinueGeneration, Step, Idle)}
+NULLABLE = ("stop_at", "handle", "session", "extends", "priority")
+# arguments added after format 1 was first written: left out of JSON and of printed ops when at
+# their default, so every program written before reads, prints and serializes as it did
+LATE_DEFAULTS = {"priority": None, "ignore_eos": 0}
+MAXIMA = {"ignore_eos": 1, "mode": len(PAUSE_MODES) - 1}  # arguments narrower than [0, MAX_ARG]
 FORMAT = "kvaudit.program/1"
 MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return
 
@@ -109,8 +146,12 @@ def prompt_tokens(family: int, length: int, vocab_size: int = 128) -> list[int]:
     return [2 + ((family + 1) * 131 + i * 17 + (i * i) % 5) % span for i in range(length)]
 
 
+def _args(op: Op) -> dict:
+    return {k: v for k, v in dataclasses.asdict(op).items() if not (k in LATE_DEFAULTS and v == LATE_DEFAULTS[k])}
+
+
 def op_to_dict(op: Op) -> dict:
-    return {"op": op.kind, **dataclasses.asdict(op)}
+    return {"op": op.kind, **_args(op)}
 
 
 def op_from_dict(d: object) -> Op:
@@ -129,8 +170,8 @@ def op_from_dict(d: object) -> Op:
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must be an integer or null")
     op = cls(**args)
     for k, v in dataclasses.asdict(op).items():
-        if v is not None and not 0 <= v <= MAX_ARG:
-            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be in [0, {MAX_ARG}]")
+        if v is not None and not 0 <= v <= MAXIMA.get(k, MAX_ARG):
+            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be in [0, {MAXIMA.get(k, MAX_ARG)}]")
         if v is None and k not in NULLABLE:
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must not be null")
     return op
@@ -147,8 +188,7 @@ def program_from_json(data: object) -> list[Op]:
 
 
 def format_op(op: Op) -> str:
-    args = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(op).items()
-                     if not (v is None and k in NULLABLE and k != "handle"))
+    args = ", ".join(f"{k}={v}" for k, v in _args(op).items() if not (v is None and k in NULLABLE and k != "handle"))
     return f"{op.kind}({args})"
 
 

@@ -15,7 +15,7 @@ from engine_under_test import EngineConfig
 from kvaudit import oracles
 from kvaudit.findings import Finding, Site, portable_path
 from kvaudit.hooks import Auditor
-from kvaudit.program import Idle, Op, Step
+from kvaudit.program import ContinueGeneration, Idle, Op, Step
 from kvaudit.targets import make_target
 
 MAX_IDLE_STEPS = 2000
@@ -145,6 +145,8 @@ class AuditedRun:
                     if found:
                         break
             elif isinstance(op, Idle):
+                if getattr(self.target, "paused", False):
+                    self.target.apply(ContinueGeneration())  # a paused engine never drains
                 stalled = 0
                 for _ in range(MAX_IDLE_STEPS):
                     idle = self.target.is_idle()

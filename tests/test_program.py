@@ -6,14 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvaudit.program import (OP_TYPES, Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure,
-                             OpenSession, ProgramError, Step, Submit, format_op, format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
+from kvaudit.program import (OP_TYPES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
+                             MemoryPressure, OpenSession, PauseGeneration, ProgramError, Step, Submit, format_op, format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
                              prompt_tokens)
 
 EVERY_KIND = [
     Submit(family=2, prompt_len=9, max_new_tokens=5, stop_at=3),
     Submit(),
     Submit(family=1, prompt_len=3, session=2, extends=5),
+    Submit(family=3, priority=7, ignore_eos=1),
+    Submit(priority=0),
     HealthCheck(),
     Abort(handle=3),
     Abort(handle=None),
@@ -21,13 +23,19 @@ EVERY_KIND = [
     OpenSession(),
     CloseSession(handle=1),
     MemoryPressure(),
+    PauseGeneration(mode=2),
+    PauseGeneration(),
+    ContinueGeneration(),
     Step(n=4),
     Idle(),
 ]
 
 ops_strategy = st.one_of(
     st.builds(Submit, st.integers(0, 50), st.integers(0, 200), st.integers(0, 200), st.none() | st.integers(0, 200),
-              st.none() | st.integers(0, 9), st.none() | st.integers(0, 9)),
+              st.none() | st.integers(0, 9), st.none() | st.integers(0, 9), st.none() | st.integers(0, 9),
+              st.integers(0, 1)),
+    st.builds(PauseGeneration, st.integers(0, 2)),
+    st.just(ContinueGeneration()),
     st.just(OpenSession()),
     st.builds(CloseSession, st.integers(0, 9)),
     st.just(MemoryPressure()),
@@ -74,6 +82,25 @@ def test_ops_are_written_with_all_their_arguments():
     assert op_to_dict(Idle()) == {"op": "idle"}
 
 
+def test_arguments_added_later_are_written_only_when_set():
+    """A program written before priority/ignore_eos existed serializes and prints as it did."""
+    assert "priority" not in op_to_dict(Submit()) and "ignore_eos" not in op_to_dict(Submit())
+    assert op_to_dict(Submit(priority=0, ignore_eos=1))["priority"] == 0
+    assert op_to_dict(Submit(ignore_eos=1))["ignore_eos"] == 1
+    assert op_to_dict(PauseGeneration(1)) == {"op": "pause_generation", "mode": 1}
+    assert op_from_dict({"op": "submit", "priority": None}) == Submit()
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"op": "pause_generation", "mode": 3}, r"'mode' .* \[0, 2\]"),
+    ({"op": "submit", "ignore_eos": 2}, r"'ignore_eos' .* \[0, 1\]"),
+    ({"op": "continue_generation", "mode": 1}, "no argument 'mode'"),
+])
+def test_narrow_arguments_are_checked(d, match):
+    with pytest.raises(ProgramError, match=match):
+        op_from_dict(d)
+
+
 def test_missing_arguments_take_the_defaults():
     assert op_from_dict({"op": "submit"}) == Submit()
     assert op_from_dict({"op": "step"}) == Step(1)
@@ -90,6 +117,10 @@ def test_format_op_is_readable():
     assert format_op(Abort(2)) == "abort(handle=2)"
     assert format_op(Step(3)) == "step(n=3)"
     assert format_op(Idle()) == "idle()"
+    assert format_op(Submit(1, 8, 4, priority=0)) == "submit(family=1, prompt_len=8, max_new_tokens=4, priority=0)"
+    assert format_op(Submit(1, 8, 4, ignore_eos=1)) == "submit(family=1, prompt_len=8, max_new_tokens=4, ignore_eos=1)"
+    assert format_op(PauseGeneration(2)) == "pause_generation(mode=2)"
+    assert format_op(ContinueGeneration()) == "continue_generation()"
 
 
 def test_format_program_numbers_one_op_per_line_from_zero():
