@@ -11,9 +11,13 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_eight_configurations():
+def test_presets_cover_the_ten_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
-                                   "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache"}
+                                   "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
+                                   "sglang-priority"}
+    prio = SGLANG_PRESETS["sglang-priority"].config()
+    assert prio.enable_priority_scheduling and prio.max_queued_requests == 4
+    assert (prio.request_waiting_timeout_steps, prio.request_running_timeout_steps) == (12, 24)
     assert SGLANG_PRESETS["sglang-pd-decode"].config().disaggregation_mode == "decode"
     assert SGLANG_PRESETS["sglang-hisparse"].config().enable_hisparse is True
     assert SGLANG_PRESETS["sglang-overlap"].config().enable_overlap is True
@@ -45,6 +49,10 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"disaggregation_mode": "decode", "enable_overlap": True}, "enable_overlap"),
     ({"abort_ack_steps": -1}, "abort_ack_steps"),
     ({"transfer_latency_steps": 1.5}, "transfer_latency_steps"),
+    ({"enable_priority_scheduling": 1}, "enable_priority_scheduling"),
+    ({"max_queued_requests": 0}, "max_queued_requests"),
+    ({"request_running_timeout_steps": True}, "request_running_timeout_steps"),
+    ({"disaggregation_mode": "decode", "enable_priority_scheduling": True}, "enable_priority_scheduling"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):

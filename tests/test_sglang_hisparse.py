@@ -18,7 +18,8 @@ if installed_version() != "0.5.23":
                 allow_module_level=True)
 
 from cli_helpers import invoke  # noqa: E402
-from kvaudit.program import Abort, HealthCheck, Idle, MemoryPressure, Step, Submit  # noqa: E402
+from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,  # noqa: E402
+                             PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, run_ops  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig  # noqa: E402
@@ -245,6 +246,28 @@ def test_cli_fuzz_finds_the_injected_hisparse_leak(tmp_path):
                "--max-time", "30", "--seed", "1", "--out", str(tmp_path / "out"))
     assert r.exit_code == 1, r.output
     assert "leak" in r.stdout and "hisparse_" in r.stdout
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_pause_retract_during_staging_aborts_the_staging_and_frees_every_pool(core):
+    """Retraction during staging (memory model 7.2): the staged request was in the last (prefill)
+    batch, so ``pause_generation(retract)`` retracts it; ``release_req`` -> ``retract_req`` ->
+    ``abort_staging_request`` returns its physical slots and host slots, ``release_kv_cache`` the rest."""
+    findings, run = run_ops(cfg(core), [])
+    t = run.target
+    before = free_counts(t)
+    for op in [Submit(0, 20, 8), Step(1)]:
+        assert run.apply(op) == []
+    assert [r.rid for r in t.staged()] == ["r0"] and t.coordinator.has_ongoing_staging()
+    assert all(a < b for a, b in zip(free_counts(t), before))  # row, logical, physical and host slots held
+    assert run.apply(PauseGeneration(2)) == []
+    assert t.staged() == [] and not t.coordinator.has_ongoing_staging() and t.retractions == 1
+    assert free_counts(t) == before and [r.rid for r in t.waiting] == ["r0"]
+    assert run.apply(FlushCache()) == [] and t.flushed() == 1
+    for op in [ContinueGeneration(), Idle()]:
+        assert run.apply(op) == []
+    assert free_counts(t) == before and t.finished == {"r0"}
+    run.close()
 
 
 @pytest.mark.parametrize("core", CORES)

@@ -17,7 +17,8 @@ if installed_version() != "0.5.23":
     pytest.skip("SGLang 0.5.23 is not installed (pip install --no-deps -r requirements/sglang-cpu.txt)",
                 allow_module_level=True)
 
-from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit  # noqa: E402
+from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,  # noqa: E402
+                             PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, run_ops  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
@@ -265,6 +266,27 @@ def test_decode_retraction_backs_up_and_resumes(core):
     assert not req.kv.holds_kv and req.kv.retraction_backup is not None
     run.apply(Idle())
     assert run.findings == [] and full(t) and stages(t) == {}
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_pause_retract_holds_requests_for_rebootstrap_until_continue(core):
+    """``pause_generation(retract)`` on a decode server: running and transferred-waiting requests are
+    retracted without a host backup and held (``hold_rebootstrap``); the server is then idle, so the
+    weight update's flush succeeds; ``continue_generation`` re-bootstraps them (their KV recomputed by
+    prefill, a new transfer) and they finish."""
+    findings, run = run_ops(cfg(core), [Submit(0, 20, 8), Submit(1, 10, 8), Step(4)])
+    t = run.target
+    assert findings == [] and set(stages(t).values()) == {"running"} and not full(t)
+    assert run.apply(PauseGeneration(2)) == []
+    held = t.prealloc_queue.held_rebootstrap_reqs
+    assert sorted(r.rid for r in held) == ["r0", "r1"] and stages(t) == {} and t.retractions == 2
+    assert all(not r.kv.holds_kv and r.pd_rebootstrap_in_progress and r.kv.retraction_backup is None for r in held)
+    assert full(t) and t.is_idle()
+    assert run.apply(FlushCache()) == [] and t.flushed() == 1
+    assert run.apply(Step(2)) == [] and stages(t) == {}  # paused: nothing moves
+    assert run.apply(ContinueGeneration()) == [] and set(stages(t).values()) == {"prealloc"}
+    assert run.apply(Idle()) == [] and full(t) and sorted(t.finished) == ["r0", "r1"]
     run.close()
 
 

@@ -21,8 +21,8 @@ if installed_version() != "0.5.23":
 
 from cli_helpers import invoke  # noqa: E402
 from kvaudit import replay  # noqa: E402
-from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure,  # noqa: E402
-                             OpenSession, Step, Submit)
+from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,  # noqa: E402
+                             MemoryPressure, OpenSession, PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, kinds, run_ops  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
@@ -109,6 +109,20 @@ SEQUENCES = {
     "abort a parked chunked prefill": [Submit(0, 60, 8), Step(2), Abort(0), Step(1), Submit(1, 60, 3), Idle()],
     "over-long session turn": [OpenSession(), Submit(0, 48, 12, session=0), Idle(), Submit(1, 48, 1, session=0),
                                Idle(), Submit(2, 40, 3, session=0), Idle()],
+    # pause_generation / continue_generation, each mode (a weight update's pause)
+    "pause in place, then continue": [Submit(0, 20, 8), Step(2), PauseGeneration(1), Step(3), Submit(1, 9, 3),
+                                      HealthCheck(), Abort(0), Step(2), ContinueGeneration(), Idle()],
+    "pause retract, flush while paused, continue": [Submit(0, 20, 8), Submit(1, 12, 6), Step(3), PauseGeneration(2),
+                                                    FlushCache(), Submit(2, 5, 3), Step(2), ContinueGeneration(),
+                                                    Idle()],
+    "pause abort mode": [Submit(0, 20, 8), Submit(1, 5, 4), Step(2), PauseGeneration(0), Submit(3, 4, 2), Step(2),
+                         Idle()],
+    "idle resumes a paused engine": [Submit(0, 20, 8), Step(1), PauseGeneration(2), Idle(), Submit(1, 20, 4),
+                                     Step(1), PauseGeneration(1), Idle()],
+    "ignore_eos runs past EOS": [Submit(0, 8, 10, stop_at=2, ignore_eos=1), Submit(0, 8, 10, stop_at=2), Idle()],
+    # ignored without priority scheduling (SGLang's default); sglang-priority orders and preempts by them
+    "priorities": [Submit(0, 20, 30, priority=1), Submit(1, 20, 30, priority=1), Submit(2, 20, 30, priority=1),
+                   Step(3), Submit(3, 10, 4, priority=9), Submit(4, 10, 4, priority=0), Step(3), Idle()],
 }
 
 
@@ -140,6 +154,132 @@ def test_sequences_take_the_paths_they_name():
     # a small pool and optimistic admission: decode runs out and SGLang's retract_decode picks victims
     t = ran([Submit(i, 30, 30) for i in range(6)] + [Idle()], num_slots=160, new_token_ratio=0.0)
     assert t.retractions >= 1
+    t = ran(SEQUENCES["pause retract, flush while paused, continue"])
+    assert t.retractions == 2 and t.flushed() == 1 and t.submitted == ["r0", "r1", "r2"]
+    t = ran(SEQUENCES["idle resumes a paused engine"])
+    assert not t.paused and t.retractions == 1 and t.is_idle()
+
+
+def record_releases(t) -> dict:
+    """rid -> (output tokens, finish reason type, its message, its HTTP status) at each ``release_kv_cache``."""
+    out = {}
+    release = t._release
+
+    def wrapper(req, checkpoint):
+        r = req.finished_reason
+        out[req.rid] = (len(req.output_ids), type(r).__name__, getattr(r, "message", None), getattr(r, "status_code", None))
+        return release(req, checkpoint)
+
+    t._release = wrapper
+    return out
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_pause_in_place_freezes_the_scheduler_and_holds_new_requests(core):
+    findings, run = run_ops(cfg(core=core), [Submit(0, 20, 8), Step(2)])
+    t = run.target
+    free, out = t.allocator.available_size(), len(t.running[0].output_ids)
+    for op in [PauseGeneration(1), Step(3), Submit(1, 9, 3), HealthCheck(), Abort(0), Step(2)]:
+        assert run.apply(op) == []
+    assert t.allocator.available_size() == free and len(t.running[0].output_ids) == out  # nothing ran
+    assert t.running[0].to_finish is not None  # the abort reached the scheduler; it ends at the next result
+    assert [op.kind for op in t.held] == ["submit", "health_check"] and t.submitted == ["r0"]
+    assert run.apply(ContinueGeneration()) == [] and t.held is None and t.submitted == ["r0", "r1"]
+    assert run.apply(Idle()) == [] and set(t.finished) >= {"r0", "r1"}
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("preset", ["sglang", "sglang-overlap", "sglang-chunked"])
+def test_pause_retract_releases_everything_in_flight_so_flush_succeeds(preset, core):
+    findings, run = run_ops(cfg(preset, core), [Submit(0, 40, 8), Submit(1, 12, 6), Step(2)])
+    t = run.target
+    assert t.allocator.available_size() < t.allocator.size
+    inflight = {r.rid for r in t._inflight()}  # chunked: r0 between chunks, r1 still waiting
+    assert inflight >= {"r0"}
+    assert run.apply(PauseGeneration(2)) == []
+    assert t.running == [] and t.chunked_req is None and len(t.waiting) == 2 and t.retractions == len(inflight)
+    assert all(not r.kv.holds_kv and r.lock is None for r in t.waiting)
+    assert t.allocator.available_size() + t.tree_cache.evictable_size() == t.allocator.size
+    assert t.tree_cache.protected_size() == 0
+    assert run.apply(FlushCache()) == [] and t.flushed() == 1  # waiting requests do not count while paused
+    assert t.allocator.available_size() == t.allocator.size
+    out = record_releases(t)
+    for op in [ContinueGeneration(), Idle()]:
+        assert run.apply(op) == []
+    assert {rid: v[0] for rid, v in out.items()} == {"r0": 8, "r1": 6}  # re-prefilled, then finished
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_flush_while_paused_in_place_is_refused(core):
+    findings, run = run_ops(cfg(core=core), [Submit(0, 20, 8), Step(2), PauseGeneration(1), FlushCache()])
+    assert findings == [] and run.target.flushed() == 0  # the running batch still holds its KV
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_pause_abort_mode_aborts_everything_and_runs_what_came_after_continue(core):
+    findings, run = run_ops(cfg(core=core), [Submit(0, 20, 8), Submit(1, 5, 4), Step(2)])
+    t = run.target
+    out = record_releases(t)
+    for op in [PauseGeneration(0), Submit(3, 4, 2), Step(2)]:
+        assert run.apply(op) == []
+    assert t.submitted == ["r0", "r1"] and not t.scheduler_paused  # the scheduler runs; the tokenizer holds
+    assert {rid: v[1] for rid, v in out.items()} == {"r0": "FINISH_ABORT", "r1": "FINISH_ABORT"}
+    assert run.apply(Idle()) == []
+    assert out["r2"][:2] == (2, "FINISH_LENGTH")
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_ignore_eos_runs_to_max_new_tokens(core):
+    findings, run = run_ops(cfg(core=core), [])
+    out = record_releases(run.target)
+    for op in SEQUENCES["ignore_eos runs past EOS"]:
+        assert run.apply(op) == []
+    assert out["r0"][:2] == (10, "FINISH_LENGTH") and out["r1"][:2] == (2, "FINISH_MATCHED_TOKEN")
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_higher_priority_request_preempts_a_running_one(core):
+    findings, run = run_ops(cfg("sglang-priority", core), SEQUENCES["priorities"][:5])
+    t = run.target
+    assert findings == [] and t.retractions == 0 and [r.rid for r in t.running] == ["r0", "r1", "r2"]
+    for op in SEQUENCES["priorities"][5:7]:
+        assert run.apply(op) == []
+    # priority 9 preempted one priority-1 request (preempt_to_schedule -> release_req); priority 0 waits
+    assert t.retractions == 1 and "r3" in [r.rid for r in t.running]
+    assert sorted((r.rid, r.priority) for r in t.waiting)[-1] == ("r4", 0)
+    preempted = [r for r in t.waiting if r.priority == 1]
+    assert len(preempted) == 1 and not preempted[0].kv.holds_kv and preempted[0].output_ids
+    assert run.apply(Idle()) == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_full_queue_aborts_the_least_preferred_request(core):
+    findings, run = run_ops(cfg("sglang-priority", core), [Submit(i, 20, 30, priority=i % 3) for i in range(9)])
+    t = run.target
+    assert findings == [] and len(t.waiting) == 4  # max_queued_requests
+    assert sorted(t.finished) == ["r0", "r3", "r4", "r6", "r7"]  # priorities 0, 0, 1, 0, 1
+    assert run.apply(Idle()) == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_timeout_aborts_carry_a_503_and_release_normally(core):
+    findings, run = run_ops(cfg("sglang-priority", core), [])
+    t = run.target
+    out = record_releases(t)
+    for op in [Submit(i, 20, 40) for i in range(4)] + [Step(14)]:
+        assert run.apply(op) == []
+    assert "r3" in t.finished and "r3" not in out  # waited 13 steps: aborted in the queue, it held nothing
+    assert run.apply(Idle()) == []
+    assert {v[2:] for v in out.values()} == {("Request running timeout reached.", 503)}
+    assert all(v[0] < 40 for v in out.values()) and len(out) == 3
+    run.close()
 
 
 @pytest.mark.parametrize("core", CORES)

@@ -164,8 +164,8 @@ def load() -> SimpleNamespace:
             from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams, \
                 TokenizedGenerateReqInput
             from sglang.srt.disaggregation.utils import prepare_abort
-            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch
-            from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch, retract_all
+            from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
             from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
             from sglang.srt.mem_cache import allocation, common
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -210,7 +210,8 @@ def load() -> SimpleNamespace:
         ForwardMode=ForwardMode, get_parallel=get_parallel, SamplingParams=SamplingParams, ServerArgs=ServerArgs,
         set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
         SessionController=SessionController, SpeculativeAlgorithm=SpeculativeAlgorithm, PrefillAdder=PrefillAdder,
-        AddReqResult=AddReqResult, prepare_abort=prepare_abort, CacheRequestOutcome=CacheRequestOutcome)
+        AddReqResult=AddReqResult, prepare_abort=prepare_abort, CacheRequestOutcome=CacheRequestOutcome,
+        retract_all=retract_all, SchedulePolicy=SchedulePolicy)
     return _LOADED
 
 
@@ -241,6 +242,18 @@ def one_rank_group():
     return dist.group.WORLD
 
 
+def publish_server_args(config, **extra):
+    """``ServerArgs`` for ``config``, published for this process (SGLang keeps it process-global and
+    reads it through ``get_schedule()``, ``get_memory()``...): the page size, the scheduling switches
+    SGLang's own functions read from it (``preempt_to_schedule``: the priority direction), and a mode's
+    ``extra`` fields."""
+    S = load()
+    sa = S.ServerArgs(model_path="dummy", page_size=config.page_size,
+                      schedule_low_priority_values_first=config.schedule_low_priority_values_first, **extra)
+    S.set_global_server_args_for_scheduler(sa)
+    return sa
+
+
 def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_radix_cache: bool = False,
           tp_worker=None, enable_hierarchical_cache: bool = False) -> SimpleNamespace:
     """SGLang's pools and tree cache for ``config`` (a :class:`SglangConfig`), built the way the
@@ -259,8 +272,7 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
 
     ps, size = config.page_size, config.total_tokens
     if server_args is None:
-        server_args = S.ServerArgs(model_path="dummy", page_size=ps)
-        S.set_global_server_args_for_scheduler(server_args)
+        server_args = publish_server_args(config)
     # this process is rank 0 of a 1-GPU tensor-parallel group (Req.set_finish_with_abort reads it)
     S.get_parallel().override_permanently(tp_rank=0)
     dev = config.device

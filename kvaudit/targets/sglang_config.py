@@ -52,6 +52,15 @@ class SglangConfig(ConfigBase):
     into chunks, one ``chunked_req`` at a time; None turns chunking off.
     ``bugs`` names injected faults (:data:`FAULTS`).
 
+    Scheduling (SGLang's ``--enable-priority-scheduling``, ``--schedule-low-priority-values-first``,
+    ``--priority-scheduling-preemption-threshold``, ``--max-queued-requests``): with
+    ``enable_priority_scheduling`` the waiting queue is ordered by ``Submit.priority`` and a
+    higher-priority request may preempt running ones (``PrefillAdder.preempt_to_schedule``);
+    ``max_queued_requests`` caps the waiting queue (``_abort_on_queued_limit``: the newcomer, or with
+    priorities the least preferred waiting request, is aborted with a 503). Timeout aborts (the
+    environment's ``SGLANG_REQ_WAITING_TIMEOUT`` / ``SGLANG_REQ_RUNNING_TIMEOUT``, one second a step):
+    ``request_waiting_timeout_steps`` / ``request_running_timeout_steps``, None for off.
+
     HiSparse (``enable_hisparse``; SGLang's ``--enable-hisparse``, which requires
     ``--disable-radix-cache``): ``num_slots`` is the physical device pool, the logical pool is
     ``hisparse_host_to_device_ratio`` times larger, and each decoding request keeps a device buffer of
@@ -98,6 +107,13 @@ class SglangConfig(ConfigBase):
     hicache_write_policy: str = "write_through"  # --hicache-write-policy
     hicache_ratio: float = 2.0  # --hicache-ratio: host pool size over the device pool
     hicache_ack_steps: int = 1  # steps from a D->H / H->D submission to the poll that sees its ack
+    # scheduling policy and timeout aborts (see the class docstring)
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10  # SGLang's default
+    max_queued_requests: int | None = None
+    request_waiting_timeout_steps: int | None = None
+    request_running_timeout_steps: int | None = None
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -117,12 +133,13 @@ class SglangConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
-                     "seed", "transfer_latency_steps", "deferred_release_timeout_steps", "num_reserved_decode_tokens"):
+                     "seed", "transfer_latency_steps", "deferred_release_timeout_steps", "num_reserved_decode_tokens",
+                     "priority_scheduling_preemption_threshold"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
-                     "deferred_kv_release"):
+                     "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -138,16 +155,20 @@ class SglangConfig(ConfigBase):
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
         if self.disaggregation_mode not in ("null", "decode"):
             raise ValueError(f"disaggregation_mode must be null or decode, got {self.disaggregation_mode!r}")
-        t = self.session_timeout_steps
-        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-            raise ValueError(f"session_timeout_steps must be null or a positive integer, got {t!r}")
+        for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
+                     "request_running_timeout_steps"):
+            t = getattr(self, name)
+            if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+                raise ValueError(f"{name} must be null or a positive integer, got {t!r}")
         if not isinstance(self.session_streaming, bool):
             raise ValueError(f"session_streaming must be true or false, got {self.session_streaming!r}")
         a = self.abort_ack_steps
         if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
             raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {a!r}")
         if self.disaggregation_mode == "decode":
-            clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse") if getattr(self, n)]
+            clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse",
+                                 "enable_priority_scheduling", "max_queued_requests", "request_waiting_timeout_steps",
+                                 "request_running_timeout_steps") if getattr(self, n)]
             if clash or self.chunked_prefill_size is not None:
                 raise ValueError("disaggregation_mode decode is driven without "
                                  f"{', '.join(clash) or 'chunked_prefill_size'} in this version")
@@ -249,6 +270,12 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                   "the host pool's leak check needs --tree-core python",
                 {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
                  "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1}),
+        _preset("sglang-priority", "priority scheduling with preemption (SchedulePolicy, preempt_to_schedule), "
+                                   "at most 4 queued requests and 3 running, waiting / running timeout aborts after "
+                                   "12 / 24 steps, page 1",
+                {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
+                 "max_running_requests": 3, "max_queued_requests": 4, "request_waiting_timeout_steps": 12,
+                 "request_running_timeout_steps": 24}),
     ]
 }
 

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root
-from kvaudit.targets.sglang_boot import SglangUnavailable, build, shim_cuda_host_register
+from kvaudit.targets.sglang_boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
 from kvaudit.targets.sglang_hisparse import _StepEvent
 from kvaudit.targets.sglang_target import SglangTarget, host_free_units, host_units
 
@@ -143,10 +143,9 @@ class SglangHiCacheTarget(SglangTarget):
         S = self.S
         self._cpu = torch.device(config.device).type == "cpu"
         self._module_shims = [shim_cuda_host_register()] if self._cpu else []
-        sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, enable_hierarchical_cache=True,
-                          hicache_ratio=float(config.hicache_ratio), hicache_write_policy=config.hicache_write_policy,
-                          hicache_io_backend="direct", hicache_mem_layout="layer_first", hicache_storage_backend=None)
-        S.set_global_server_args_for_scheduler(sa)
+        sa = publish_server_args(config, enable_hierarchical_cache=True, hicache_ratio=float(config.hicache_ratio),
+                         hicache_write_policy=config.hicache_write_policy, hicache_io_backend="direct",
+                         hicache_mem_layout="layer_first", hicache_storage_backend=None)
         # create_unified_radix_cache registers the load-back layer counter with the worker (no forward here)
         tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None)
         with warnings.catch_warnings():
@@ -224,10 +223,10 @@ class SglangHiCacheTarget(SglangTarget):
         super()._process(kind, reqs, chunked)
         self.tree_cache.flush_pending_backups()
 
-    def is_idle(self) -> bool:
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
         """``is_fully_idle`` under HiCache: no write-through or load-back in flight."""
         cache = self.tree_cache
-        return super().is_idle() and not cache.ongoing_write_through and not cache.ongoing_load_back
+        return super().is_idle(ignore_waiting) and not cache.ongoing_write_through and not cache.ongoing_load_back
 
     def describe_busy(self) -> str:
         cache = self.tree_cache

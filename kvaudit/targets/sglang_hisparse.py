@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang_boot import SglangUnavailable, build, one_rank_group, shim_cuda_host_register
+from kvaudit.targets.sglang_boot import SglangUnavailable, build, one_rank_group, publish_server_args, shim_cuda_host_register
 from kvaudit.targets.sglang_target import SglangTarget, host_free_units, host_units
 
 _SHIMS: list[str] = []
@@ -155,8 +155,7 @@ class SglangHiSparseTarget(SglangTarget):
         self.shims = install_module_shims(hc, pool_host_common) if cpu else []
         ps, size, dev = config.page_size, config.total_tokens, config.device
         ratio, dbs = config.hisparse_host_to_device_ratio, config.hisparse_device_buffer_size
-        server_args = S.ServerArgs(model_path="dummy", page_size=ps, disable_radix_cache=True)
-        S.set_global_server_args_for_scheduler(server_args)
+        sa = publish_server_args(config, disable_radix_cache=True)
         S.get_parallel().override_permanently(tp_rank=0)
         kvcache = MiniMaxSparseKVPool(size, page_size=ps, dtype=torch.bfloat16, head_num=1, head_dim=8, idx_head_dim=8,
                                       dense_layer_ids=[], sparse_layer_ids=[0], device=dev, start_layer=0, end_layer=1,
@@ -183,7 +182,7 @@ class SglangHiSparseTarget(SglangTarget):
             co.admit_request_into_staging = admit_with_copy_time
         self.coordinator = co
         # the tree cache (disabled) through the shared build, which also asserts the tree core
-        return build(config, server_args=server_args, make_kv=lambda dev: (kvcache, allocator),
+        return build(config, server_args=sa, make_kv=lambda dev: (kvcache, allocator),
                      make_rows=lambda dev: req_to_token_pool, disable_radix_cache=True)
 
     # -- observer: hooks ---------------------------------------------------------------------
@@ -209,6 +208,11 @@ class SglangHiSparseTarget(SglangTarget):
         ``get_next_batch_to_run`` (``running_batch.hisparse_coordinator = ...``): so SGLang's own
         ``alloc_for_extend`` and ``retract_decode`` -> ``release_req`` -> ``retract_req`` see it."""
         batch.hisparse_coordinator = self.coordinator
+
+    def _hisparse_coordinator(self):
+        """``pause_generation(retract)``'s ``retract_all`` is given the coordinator: a staged request it
+        retracts goes through ``retract_req`` -> ``abort_staging_request``."""
+        return self.coordinator
 
     def _join_running(self) -> None:
         """``get_next_batch_to_run``'s HiSparse branch, instead of the last-batch merge:
@@ -284,9 +288,9 @@ class SglangHiSparseTarget(SglangTarget):
         reqs = super()._active()
         return reqs + [r for r in self.staged() if not any(r is x for x in reqs)]
 
-    def is_idle(self) -> bool:
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
         """``is_fully_idle`` under HiSparse also waits for ``has_ongoing_staging()``."""
-        return super().is_idle() and not self.coordinator.has_ongoing_staging()
+        return super().is_idle(ignore_waiting) and not self.coordinator.has_ongoing_staging()
 
     def is_idle_for_health_check(self) -> bool:
         """``is_fully_idle(for_health_check=True)``: staging does not count, the last batch does."""
@@ -294,7 +298,7 @@ class SglangHiSparseTarget(SglangTarget):
 
     def progress(self) -> dict[str, int]:
         out = super().progress()
-        for r in self.staged():
+        for r in self.staged() if not self.scheduler_paused else []:
             out.setdefault(r.rid, r.kv.kv_committed_len + len(r.output_ids))
         return out
 

@@ -323,8 +323,8 @@ class SglangPdDecodeTarget(SglangTarget):
                           bootstrap_host=P.FAKE_BOOTSTRAP_HOST, bootstrap_port=8998, bootstrap_room=1000 + self._rooms,
                           disagg_mode=P.DisaggregationMode.DECODE)
 
-    def _add_request_to_queue(self, req) -> None:
-        self.sched._add_request_to_queue(req)
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        self.sched._add_request_to_queue(req, is_retracted=is_retracted)
 
     def _swap_receiver(self, req) -> None:
         """The transfer backend: the receiver ``DecodePreallocQueue.add`` made for ``req`` (SGLang's fake
@@ -339,7 +339,7 @@ class SglangPdDecodeTarget(SglangTarget):
                 rx.bootstrap_done = dr.kv_receiver.bootstrap_done
                 dr.kv_receiver = rx
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, message: str | None = None) -> None:
         """``Scheduler.abort_request``, decode branch: a waiting request holds its transferred KV and is
         released at once (``release_kv_cache(checkpoint=True)``); a request in the prealloc or transfer
         queue has its receiver aborted (the queue then fails it); a retracted one drops its backup; a
@@ -375,6 +375,9 @@ class SglangPdDecodeTarget(SglangTarget):
         self.clock.now += 1.0
         self.network.tick()
         sched = self.sched
+        if self.scheduler_paused:  # the loop ingests, then skips everything while paused
+            self._snapshot_held()
+            return
         sched.process_decode_queue()
         plan = sched.get_next_disagg_decode_batch_to_run(running_batch=sched.running_batch)
         sched.running_batch = plan.running_batch
@@ -385,6 +388,40 @@ class SglangPdDecodeTarget(SglangTarget):
         sched.last_batch = batch
         sched.forward_ct += 1
         self._snapshot_held()
+
+    def _pause_retract(self) -> None:
+        """``Scheduler.pause_generation(mode="retract")`` on a decode server: the unfinished running
+        requests and the transferred ones waiting with their KV go through ``retract_all(...,
+        offload_kv=False)`` (no host backup: they re-bootstrap, their KV recomputed by prefill); each
+        gives back its last output token as ``pd_rebootstrap_forced_output_id`` and is held by the
+        prealloc queue (``hold_rebootstrap``) until ``continue_generation``."""
+        sched, S = self.sched, self.S
+        reqs = [r for r in sched.running_batch.reqs if not r.finished()]
+        staged = [r for r in sched.waiting_queue if r.kv.holds_kv]
+        sched.waiting_queue = [r for r in sched.waiting_queue if not r.kv.holds_kv]
+        reqs += staged
+        sched.last_batch = None
+        if reqs:
+            S.retract_all(reqs=reqs, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                          tree_cache=self.tree_cache, hisparse_coordinator=None, offload_kv=False)
+        self.retractions += len(reqs)
+        sched.running_batch.reqs = []
+        self.running = []
+        for req in reqs:
+            if req.output_ids:
+                req.pd_rebootstrap_forced_output_id = req.output_ids.pop()
+            req.pd_rebootstrap_in_progress = True
+            self.prealloc_queue.hold_rebootstrap(req)
+
+    def _continue_generation(self) -> None:
+        """``continue_generation`` on a decode server: ``enqueue_held_rebootstrap`` (each held request
+        back into the prealloc queue, ``add(req, is_rebootstrap=True)``, with kvaudit's receiver), then
+        the base resume."""
+        held = list(self.prealloc_queue.held_rebootstrap_reqs)
+        self.prealloc_queue.enqueue_held_rebootstrap()
+        for req in held:
+            self._swap_receiver(req)
+        super()._continue_generation()
 
     def _update_running_batch(self, batch):
         """``Scheduler.update_running_batch`` (no overlap): drop finished requests; ``check_decode_mem``,
@@ -447,8 +484,9 @@ class SglangPdDecodeTarget(SglangTarget):
         out["metadata_buffers"] = np.asarray(self.metadata_allocator.free_slots, dtype=np.int64) + 1
         return out
 
-    def is_idle(self) -> bool:
-        """``is_fully_idle`` on a decode server: every queue empty and no release deferred."""
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
+        """``is_fully_idle`` on a decode server: every queue empty and no release deferred (its waiting
+        requests hold their KV, so ``ignore_waiting`` changes nothing)."""
         pq, tq = self.prealloc_queue, self.transfer_queue
         return not (pq.queue or pq.retracted_queue or tq.queue or tq._deferred_releases or self.sched.waiting_queue
                     or self.sched.running_batch.reqs)

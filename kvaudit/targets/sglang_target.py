@@ -22,8 +22,10 @@ from array import array
 import numpy as np
 import torch
 
-from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit, \
-    prompt_tokens
+from http import HTTPStatus
+
+from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
+    MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens
 from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
 from kvaudit.targets.sglang_boot import build, load
 from kvaudit.targets.sglang_config import SglangConfig
@@ -110,6 +112,13 @@ class SglangTarget:
         self._pending_chunked_abort = None  # Scheduler._pending_chunked_abort_req
         self.retractions = 0  # requests retract_decode took out of the running batch
         self._intake = None
+        self._scheduled = None  # Scheduler.last_batch: the batch the latest step ran, (kind, reqs, chunked)
+        self._queued = 0  # requests ever queued: their wait_queue_entry_time (FCFS order among equal priorities)
+        self.scheduler_paused = False  # Scheduler._engine_paused (pause_generation in_place / retract)
+        self.held: list[Op] | None = None  # TokenizerManager.is_pause: generate requests held until continue
+        self.policy = None  # Scheduler.policy (SchedulePolicy), only with priority scheduling
+        if config.enable_priority_scheduling:
+            self.policy = S.SchedulePolicy("fcfs", self.tree_cache, False, True, config.schedule_low_priority_values_first)
         self._faults = set(config.bugs)  # each fires once
         self.lock_net: dict[int, int] = {}  # node id -> incs - decs (the lock-ref ledger, per node)
         ps = config.page_size
@@ -317,9 +326,18 @@ class SglangTarget:
         return f"req:{rid}" if isinstance(rid, str) else None
 
     # -- driver -------------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        """A pause is in force (``pause_generation`` until ``continue_generation``)."""
+        return self.scheduler_paused or self.held is not None
+
     def apply(self, op: Op) -> None:
-        """Deliver a message, as ``Scheduler.process_input_requests`` does at intake."""
+        """Deliver a message, as ``Scheduler.process_input_requests`` does at intake. While paused, the
+        tokenizer holds generate requests (submits, health checks) until ``continue_generation``."""
         cfg = self.config
+        if self.held is not None and isinstance(op, (Submit, HealthCheck)):
+            self.held.append(op)
+            return
         if isinstance(op, Submit):
             max_new = max(1, min(op.max_new_tokens, cfg.context_len // 4))
             plen = max(1, min(op.prompt_len, cfg.context_len // 2))
@@ -327,7 +345,7 @@ class SglangTarget:
             if op.extends is not None and self.submitted:
                 prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
             sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
-            self._submit(prompt, max_new, op.stop_at, sid)
+            self._submit(prompt, max_new, op.stop_at, sid, priority=op.priority, ignore_eos=bool(op.ignore_eos))
         elif isinstance(op, HealthCheck):
             # /health_generate: a 1-token generate request, run only when the scheduler is idle
             if self.is_idle_for_health_check():
@@ -355,19 +373,24 @@ class SglangTarget:
                 self.session_controller.close(self.S.CloseSessionReqInput(session_id=sid))
         elif isinstance(op, MemoryPressure):
             self._memory_pressure()
+        elif isinstance(op, PauseGeneration):
+            self._pause_generation(PAUSE_MODES[op.mode])
+        elif isinstance(op, ContinueGeneration):
+            if self.paused:
+                self._continue_generation()
         else:
             raise TypeError(f"op {op!r} does not go through apply()")
         if not isinstance(op, (Submit, HealthCheck, OpenSession)):
             self._after_intake()
 
     def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
-                rid_prefix: str = "r") -> None:
+                rid_prefix: str = "r", priority: int | None = None, ignore_eos: bool = False) -> None:
         """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
         turn; then its length checks."""
         S, cfg = self.S, self.config
         rid = f"{rid_prefix}{self._n}"
         self._n += 1
-        sp = S.SamplingParams(max_new_tokens=max_new, temperature=0.0)
+        sp = S.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
         sp.normalize(None)
         ids = array("q", prompt)
         sc = self.session_controller
@@ -381,10 +404,11 @@ class SglangTarget:
             recv = S.TokenizedGenerateReqInput(
                 input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
-                rid=rid, session_params=S.SessionParams(id=sid))
+                rid=rid, session_params=S.SessionParams(id=sid), priority=priority)
             req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
         else:
             req = self._new_req(rid, ids, sp)
+            req.priority = priority
             if gone is not None:
                 req.set_finish_with_abort(gone)
         # Scheduler.init_req_max_new_tokens and validate_input_length: a turn whose history no longer
@@ -409,17 +433,65 @@ class SglangTarget:
         """A plain ``Req`` (``handle_generate_request``)."""
         return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS})
 
-    def _add_request_to_queue(self, req) -> None:
-        """``Scheduler._add_request_to_queue``: the waiting queue."""
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        """``Scheduler._add_request_to_queue``: ``_set_or_validate_priority`` (with priority scheduling a
+        request without one gets the lowest), ``_abort_on_queued_limit``, then the waiting queue, stamped
+        with ``wait_queue_entry_time`` (here a count, so FCFS ties are deterministic)."""
+        cfg = self.config
+        if cfg.enable_priority_scheduling and req.priority is None:
+            req.priority = -(1 << 62) if not cfg.schedule_low_priority_values_first else 1 << 62  # +-sys.maxsize
+        if self._abort_on_queued_limit(req):
+            self._release_aborted_request(req)
+            self.finished.add(req.rid)
+            return
         self.waiting.append(req)
+        self._queued += 1
+        req.time_stats.wait_queue_entry_time = float(self._queued)
+        req.kvaudit_queued_at = self.steps
 
-    def _abort(self, rid: str) -> None:
+    def _abort_on_queued_limit(self, req) -> bool:
+        """``Scheduler._abort_on_queued_limit``: with the waiting queue at ``max_queued_requests``, the
+        newcomer is aborted (503); with priority scheduling, the least preferred waiting request is
+        aborted instead if the newcomer is strictly preferred. Returns True if ``req`` was aborted."""
+        cfg = self.config
+        if cfg.max_queued_requests is None or len(self.waiting) + 1 <= cfg.max_queued_requests:
+            return False
+        if cfg.enable_priority_scheduling:
+            d = 1 if cfg.schedule_low_priority_values_first else -1
+            idx, worst = max(enumerate(self.waiting), key=lambda it: (d * it[1].priority,
+                                                                       it[1].time_stats.wait_queue_entry_time))
+            if d * req.priority < d * worst.priority:
+                self.waiting.pop(idx)
+                self._release_aborted_request(worst)
+                self.finished.add(worst.rid)
+                return False
+        return True
+
+    def _poll_timeout_aborts(self) -> None:
+        """``Scheduler._poll_timeout_aborts`` (each ``ingest_requests``): an abort, by rid (so by rid
+        prefix, as every abort), with the message "Request waiting/running timeout reached." and a 503,
+        for each waiting request queued ``request_waiting_timeout_steps`` ago and each in-flight one
+        scheduled ``request_running_timeout_steps`` ago."""
+        cfg = self.config
+        aborts = []
+        if cfg.request_waiting_timeout_steps is not None:
+            aborts += [(r.rid, "Request waiting timeout reached.") for r in self.waiting
+                       if self.steps - r.kvaudit_queued_at > cfg.request_waiting_timeout_steps]
+        if cfg.request_running_timeout_steps is not None:
+            aborts += [(r.rid, "Request running timeout reached.") for r in self._inflight()
+                       if not r.finished() and r.to_finish is None and getattr(r, "kvaudit_forward_at", None) is not None
+                       and self.steps - r.kvaudit_forward_at > cfg.request_running_timeout_steps]
+        for rid, message in aborts:
+            self._abort(rid, message)
+
+    def _abort(self, rid: str, message: str | None = None) -> None:
         """``Scheduler.abort_request``, which matches rids by prefix (``req.rid.startswith(rid)``: an
         abort of ``r1`` also ends ``r10``..``r19``, as SGLang's would): the chunked request is only
         marked (``_pending_chunked_abort_req``, torn down at the next step); waiting requests are
         popped (they hold no KV outside PD decode) and their cache state dropped
         (``_release_aborted_request``); running ones, or ones in the last batch, get ``to_finish`` and
-        end at their next result, through ``release_kv_cache`` like any finish."""
+        end at their next result, through ``release_kv_cache`` like any finish. A timeout abort's
+        ``message`` goes with a 503 (``FINISH_ABORT(message, SERVICE_UNAVAILABLE)``)."""
         if self.chunked_req is not None and self.chunked_req.rid.startswith(rid):
             self._pending_chunked_abort = self.chunked_req
         for req in [r for r in self.waiting if r.rid.startswith(rid)]:
@@ -428,7 +500,63 @@ class SglangTarget:
             self.finished.add(req.rid)
         for req in self._inflight():  # running, or in the last batch
             if req.rid.startswith(rid) and not req.finished():
-                req.to_finish = self.S.FINISH_ABORT()
+                req.to_finish = self.S.FINISH_ABORT() if message is None else \
+                    self.S.FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def _pause_generation(self, mode: str) -> None:
+        """``TokenizerManager.pause_generation``: generate requests are held from now on. ``abort``: the
+        tokenizer aborts every request (``abort_request(abort_all=True)``), the scheduler keeps running.
+        ``in_place`` / ``retract``: ``Scheduler.pause_generation`` -- the scheduler stops scheduling;
+        ``retract`` first retracts every in-flight request (:meth:`_pause_retract`)."""
+        if self.held is None:
+            self.held = []
+        if mode == "abort":
+            for rid in self.live_rids():
+                self._abort(rid)
+            return
+        if mode == "retract":
+            self._pause_retract()
+        self.scheduler_paused = True
+
+    def _pause_retract(self) -> None:
+        """``Scheduler.pause_generation(mode="retract")``: under overlap the pending result is processed
+        first; then the unfinished requests of the running batch, of the last batch if it was a prefill
+        (its requests may not have joined the running batch yet: overlap, HiSparse staging) and the
+        chunked request go through ``retract_all(..., offload_kv=False)`` (``release_req`` each:
+        HiSparse ``retract_req``, ``release_kv_cache(checkpoint=False)``, ``reset_for_retract``) and back
+        to the waiting queue; the running batch, last batch and chunked request are cleared."""
+        S = self.S
+        if self.config.enable_overlap and self._last is not None:
+            last, self._last = self._last, None
+            self._process(*last)
+        reqs = [r for r in self.running if not r.finished()]
+        if self._scheduled is not None and self._scheduled[0] == "extend":
+            reqs += [r for r in self._scheduled[1] if not r.finished() and not any(r is x for x in reqs)]
+        chunked = self.chunked_req
+        if chunked is not None and not chunked.finished() and not any(chunked is x for x in reqs):
+            reqs.append(chunked)
+        self._scheduled = None
+        if reqs:
+            S.retract_all(reqs=reqs, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                          tree_cache=self.tree_cache, hisparse_coordinator=self._hisparse_coordinator(),
+                          offload_kv=False)
+        self.retractions += len(reqs)
+        self.running = []
+        for req in reqs:
+            self._add_request_to_queue(req)
+        self.chunked_req = None
+
+    def _hisparse_coordinator(self):
+        """The ``HiSparseCoordinator`` SGLang's releases are given (none on this target)."""
+        return None
+
+    def _continue_generation(self) -> None:
+        """``Scheduler.continue_generation`` and ``TokenizerManager.continue_generation``: the scheduler
+        runs again, then the held generate requests are sent, in order."""
+        self.scheduler_paused = False
+        held, self.held = self.held or [], None
+        for op in held:
+            self.apply(op)
 
     def _memory_pressure(self) -> None:
         """Another tenant needs memory: evict what the tree can give, retract at the next decode
@@ -463,10 +591,12 @@ class SglangTarget:
         self._release(req, checkpoint=False)
 
     def _flush_cache(self) -> None:
-        """``Scheduler.flush_cache``: only when fully idle (:meth:`is_idle`; sessions do not count), reset
-        the tree and clear both pools."""
-        if not self.is_idle():
+        """``Scheduler.flush_cache``: only when fully idle (:meth:`is_idle`; sessions do not count; while
+        the scheduler is paused, waiting requests that hold no KV do not either), reset the tree and clear
+        both pools."""
+        if not self.is_idle(ignore_waiting=self.scheduler_paused):
             return
+        self._scheduled = None
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
@@ -488,6 +618,10 @@ class SglangTarget:
             self.session_controller.maybe_reap(float(self.steps), interval=0.0)
             if any(not r.kv.holds_kv and not r.finished() for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
+        self._poll_timeout_aborts()
+        if self.scheduler_paused:  # event_loop_*: after ingest_requests, a paused scheduler runs nothing
+            self._snapshot_held()
+            return
         overlap = self.config.enable_overlap
         self._process_pending_chunked_abort()
         chunked = self.chunked_req
@@ -496,6 +630,7 @@ class SglangTarget:
         self._join_running()
         self.running = [r for r in self.running if not r.finished()]
         batch = self._prefill() or self._decode()
+        self._scheduled = batch
         if overlap:
             last, self._last = self._last, batch
             if last is not None:
@@ -527,7 +662,7 @@ class SglangTarget:
             self.running.append(req)
 
     def _new_batch(self, batch, kind: str) -> None:
-        """A prefill (``kind`` ``"extend"``) or decode (``"decode"``) ``ScheduleBatch`` right after
+        """A prefill (``kind`` ``"extend"``) or decode / running (``"decode"``) ``ScheduleBatch`` right after
         ``init_new``, before any allocation: what the scheduler sets on it besides (nothing more on
         this target)."""
 
@@ -586,28 +721,44 @@ class SglangTarget:
         it refuses; then ``ScheduleBatch.init_new`` and ``alloc_for_extend``. Returns
         ``("extend", admitted, chunked_req)`` for :meth:`_process`, or None when nothing is admitted."""
         S, cfg, cache = self.S, self.config, self.tree_cache
-        if self.chunked_req is None and (not self.waiting or self._allocatable(0) <= 0):
+        preemption = cfg.enable_priority_scheduling  # enable_priority_preemption (disable_priority_preemption unset)
+        if self.chunked_req is None and (not self.waiting or (self._allocatable(0) <= 0 and not preemption)):
             return None
-        running = S.ScheduleBatch.init_new(list(self.running), self.req_to_token_pool, self.allocator, cache,
-                                           self.model_config, cfg.enable_overlap, S.SpeculativeAlgorithm.NONE)
+        running = self._running_batch(self.running, cfg.enable_overlap)
+        if self.policy is not None:  # FCFS: by priority, then wait_queue_entry_time
+            self.policy.calc_priority(self.waiting, running)
         adder = S.PrefillAdder(cfg.page_size, cache, self.allocator, running, cfg.new_token_ratio, MAX_PREFILL_TOKENS,
-                               cfg.chunked_prefill_size, 0, max_running_requests=cfg.max_running_requests)
+                               cfg.chunked_prefill_size, 0, cfg.priority_scheduling_preemption_threshold,
+                               max_running_requests=cfg.max_running_requests)
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        full = False  # running_batch.batch_is_full: once set, every later request must preempt
         for req in self.waiting:
             if adder.budget_state() == S.AddReqResult.OTHER:
                 break
-            if len(adder.can_run_list) >= self._allocatable(sum(r.kv.holds_kv for r in adder.can_run_list)):
+            full = full or len(adder.can_run_list) >= min(
+                cfg.max_running_requests - len(running.reqs),
+                self.req_to_token_pool.available_size() + sum(r.kv.holds_kv for r in adder.can_run_list))
+            # a full batch ends admission, unless the request preempts lower-priority running ones
+            # (preempt_to_schedule: release_req each, then filter_batch)
+            if full and (not preemption or not adder.preempt_to_schedule(req)):
                 break
             req.init_next_round_input(cache)
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
                                  truncation_align_size=None) != S.AddReqResult.CONTINUE:
                 break
+        if adder.preempt_list:  # released by preempt_to_schedule: back to the queue (even if nothing is admitted)
+            self.running = list(running.reqs)
+            self.retractions += len(adder.preempt_list)
+            for req in adder.preempt_list:
+                self._add_request_to_queue(req)
         admitted = list(adder.can_run_list)
         if not admitted:
             return None
         self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
+        for req in admitted:  # set_forward_entry_time: the running timeout's start
+            req.kvaudit_forward_at = self.steps
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None
             self.chunked_req = adder.new_chunked_req
@@ -643,17 +794,8 @@ class SglangTarget:
             self.running = [r for r in self.running if r not in finishing]
         if not self.running:
             return None
-        batch = S.ScheduleBatch.init_new(list(self.running), self.req_to_token_pool, self.allocator, self.tree_cache,
-                                         self.model_config, False, S.SpeculativeAlgorithm.NONE)
-        self._new_batch(batch, "decode")
+        batch = self._running_batch(self.running, False)
         batch.forward_mode = S.ForwardMode.DECODE
-        rows = [r.kv.req_pool_idx for r in self.running]
-        batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
-        batch.req_pool_indices = batch.req_pool_indices_cpu.to(batch.device)
-        batch.seq_lens_cpu = torch.tensor([r.kvaudit_seq_len for r in self.running], dtype=torch.int64)
-        batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
-        batch.orig_seq_lens = batch.seq_lens.clone()
-        batch.sampling_info = _NoSampling()
         full = not batch.check_decode_mem()
         if full and finishing:
             return None  # the queued result frees the finishing requests' KV: decode the rest next step
@@ -662,7 +804,7 @@ class SglangTarget:
             retracted, _, aborted = batch.retract_decode()
             self.retractions += len(retracted) + len(aborted)
             for req in retracted:
-                self.waiting.append(req)  # _add_request_to_queue(req, is_retracted=True)
+                self._add_request_to_queue(req, is_retracted=True)
             for req in aborted:  # released inside retract_decode; the client gets the abort
                 self.finished.add(req.rid)
             self.running = list(batch.reqs)
@@ -673,6 +815,21 @@ class SglangTarget:
             req.kvaudit_seq_len += 1
         self._after_decode_alloc(batch)
         return "decode", list(batch.reqs), None
+
+    def _running_batch(self, reqs: list, overlap: bool):
+        """``Scheduler.running_batch`` as a ``ScheduleBatch`` of ``reqs`` with the per-request tensors
+        ``filter_batch`` and ``release_req`` read (rows, seq lens), for decode and for preemption."""
+        S = self.S
+        batch = S.ScheduleBatch.init_new(list(reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
+                                         self.model_config, overlap, S.SpeculativeAlgorithm.NONE)
+        self._new_batch(batch, "decode")
+        batch.req_pool_indices_cpu = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
+        batch.req_pool_indices = batch.req_pool_indices_cpu.to(batch.device)
+        batch.seq_lens_cpu = torch.tensor([r.kvaudit_seq_len for r in reqs], dtype=torch.int64)
+        batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
+        batch.orig_seq_lens = batch.seq_lens.clone()
+        batch.sampling_info = _NoSampling()
+        return batch
 
     def _sample(self, req) -> int:
         n = len(req.output_ids)
@@ -709,8 +866,11 @@ class SglangTarget:
         live = {r.rid for r in self._active() if not r.finished()}
         return [r for r in self.submitted if r in live]
 
-    def is_idle(self) -> bool:
-        return not self.waiting and not self.running and self._last is None and self.chunked_req is None
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
+        """``is_fully_idle``; with ``ignore_waiting`` (flush while paused) waiting requests count only if
+        they hold KV."""
+        waiting = any(r.kv.holds_kv for r in self.waiting) if ignore_waiting else bool(self.waiting)
+        return not waiting and not self.running and self._last is None and self.chunked_req is None
 
     def is_idle_for_health_check(self) -> bool:
         """``is_fully_idle(for_health_check=True)``: a health check runs only when no batch can carry
@@ -740,6 +900,10 @@ class SglangTarget:
         return out
 
     def progress(self) -> dict[str, int]:
+        """Per running (or chunked) request a number that grows while it progresses, -1 once aborted;
+        nothing while the scheduler is paused (nothing is meant to progress then)."""
+        if self.scheduler_paused:
+            return {}
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
         if self.chunked_req is not None:  # in no batch between chunks; a chunk advances extend_end
             out[self.chunked_req.rid] = self.chunked_req.extend_end
