@@ -27,7 +27,10 @@ class Submit:
     ``priority``: the request's scheduling priority (SGLang's ``priority``; larger runs first unless
     the target schedules low values first). A target without priority scheduling ignores it, as
     SGLang does by default. ``ignore_eos``: 1 = sampling parameter ``ignore_eos`` (the EOS sampled at
-    ``stop_at`` does not finish the request; it runs to ``max_new_tokens``).
+    ``stop_at`` does not finish the request; it runs to ``max_new_tokens``). ``grammar``: the request
+    is constrained by a grammar (SGLang's ``regex``/``json_schema``) that compiles ``grammar`` scheduler
+    steps after it arrives; until then it waits in the grammar queue. A target without a grammar
+    manager (the built-in engine, PD decode) runs it unconstrained.
     """
 
     family: int = 0
@@ -38,6 +41,7 @@ class Submit:
     extends: int | None = None
     priority: int | None = None
     ignore_eos: int = 0
+    grammar: int | None = None
     kind: ClassVar[str] = "submit"
 
 
@@ -131,10 +135,10 @@ Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, Me
            ContinueGeneration, Step, Idle]
 OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession,
                                                  MemoryPressure, PauseGeneration, ContinueGeneration, Step, Idle)}
-NULLABLE = ("stop_at", "handle", "session", "extends", "priority")
+NULLABLE = ("stop_at", "handle", "session", "extends", "priority", "grammar")
 # arguments added after format 1 was first written: left out of JSON and of printed ops when at
 # their default, so every program written before reads, prints and serializes as it did
-LATE_DEFAULTS = {"priority": None, "ignore_eos": 0}
+LATE_DEFAULTS = {"priority": None, "ignore_eos": 0, "grammar": None}
 MAXIMA = {"ignore_eos": 1, "mode": len(PAUSE_MODES) - 1}  # arguments narrower than [0, MAX_ARG]
 FORMAT = "kvaudit.program/1"
 MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return

@@ -11,10 +11,12 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_ten_configurations():
+def test_presets_cover_the_eleven_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
-                                   "sglang-priority"}
+                                   "sglang-priority", "sglang-mixed"}
+    mixed = SGLANG_PRESETS["sglang-mixed"].config()
+    assert mixed.enable_mixed_chunk and mixed.chunked_prefill_size == 16 and mixed.enable_overlap
     prio = SGLANG_PRESETS["sglang-priority"].config()
     assert prio.enable_priority_scheduling and prio.max_queued_requests == 4
     assert (prio.request_waiting_timeout_steps, prio.request_running_timeout_steps) == (12, 24)
@@ -53,6 +55,7 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"max_queued_requests": 0}, "max_queued_requests"),
     ({"request_running_timeout_steps": True}, "request_running_timeout_steps"),
     ({"disaggregation_mode": "decode", "enable_priority_scheduling": True}, "enable_priority_scheduling"),
+    ({"enable_mixed_chunk": True}, "enable_mixed_chunk"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):

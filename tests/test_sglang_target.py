@@ -121,6 +121,8 @@ SEQUENCES = {
                                      Step(1), PauseGeneration(1), Idle()],
     "ignore_eos runs past EOS": [Submit(0, 8, 10, stop_at=2, ignore_eos=1), Submit(0, 8, 10, stop_at=2), Idle()],
     # ignored without priority scheduling (SGLang's default); sglang-priority orders and preempts by them
+    "grammar queue, with an abort in it": [Submit(0, 20, 4, grammar=3), Submit(1, 10, 4, grammar=5), Submit(2, 9, 3),
+                                           Step(2), Abort(1), FlushCache(), Step(1), Idle()],
     "priorities": [Submit(0, 20, 30, priority=1), Submit(1, 20, 30, priority=1), Submit(2, 20, 30, priority=1),
                    Step(3), Submit(3, 10, 4, priority=9), Submit(4, 10, 4, priority=0), Step(3), Idle()],
 }
@@ -279,6 +281,61 @@ def test_timeout_aborts_carry_a_503_and_release_normally(core):
     assert run.apply(Idle()) == []
     assert {v[2:] for v in out.values()} == {("Request running timeout reached.", 503)}
     assert all(v[0] < 40 for v in out.values()) and len(out) == 3
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_grammar_queue_holds_requests_until_their_grammar_compiles_and_an_abort_there_costs_one_prefill(core):
+    """SGLang's own ``GrammarManager`` (over kvaudit's step-clock grammar backend): a request with a
+    grammar waits in the grammar queue, holding nothing, until its compile ends; the server is not idle
+    meanwhile (flush refused). An abort there (``abort_requests``: ``set_finish_with_abort`` replaces the
+    prompt by one token and drops the grammar) lets it leave at the next poll; it runs one cheap prefill
+    and is released, as SGLang's comment says."""
+    findings, run = run_ops(cfg(core=core), [])
+    t = run.target
+    out = record_releases(t)
+    for op in SEQUENCES["grammar queue, with an abort in it"][:4]:
+        assert run.apply(op) == []
+    gm = t.grammar_manager
+    assert [r.rid for r in gm.grammar_queue] == ["r0", "r1"] and [r.rid for r in t.running] == ["r2"]
+    assert all(not r.kv.holds_kv for r in gm.grammar_queue) and t.live_rids() == ["r0", "r1", "r2"]
+    assert run.apply(Abort(1)) == [] and gm.grammar_queue[1].to_finish is not None
+    assert run.apply(FlushCache()) == [] and t.flushed() == 0  # the grammar queue is not idle
+    assert run.apply(Step(1)) == [] and gm.grammar_queue == []  # r0 compiled at step 3; r1 left, aborted
+    assert out["r1"][:2] == (1, "FINISH_ABORT")  # its one-token prefill ran and released it
+    assert run.apply(Idle()) == []
+    assert out["r0"][:2] == (4, "FINISH_LENGTH") and out["r2"][:2] == (3, "FINISH_LENGTH")
+    run.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("core", CORES)
+def test_mixed_chunk_decodes_running_requests_inside_prefill_batches(core, overlap):
+    """``--enable-mixed-chunk``: while r1's 40-token prompt is prefilled in 16-token chunks, the running
+    r0 decodes inside those prefill batches (``mix_with_running``: ``decoding_reqs``), is not
+    checkpointed there, and an abort reaching it in a mixed batch ends it like any other."""
+    findings, run = run_ops(cfg("sglang-mixed", core, enable_overlap=overlap), [Submit(0, 20, 30), Step(3)])
+    t = run.target
+    r0 = t.running[0]
+    out = len(r0.output_ids)
+    batches = []
+    process = t._process
+
+    def spy(kind, reqs, chunked=None, decoding=()):
+        batches.append((kind, [r.rid for r in reqs], [r.rid for r in decoding]))
+        return process(kind, reqs, chunked, decoding)
+
+    t._process = spy
+    for op in [Submit(1, 40, 4), Step(3)]:
+        assert run.apply(op) == []
+    mixed = [b for b in batches if b[0] == "extend" and b[2] == ["r0"]]
+    assert len(mixed) >= 2 and all(b[1] == ["r1", "r0"] for b in mixed)
+    assert len(r0.output_ids) >= out + 2  # it decoded while r1 prefilled
+    assert r0.prefix_len <= 20 + 1  # a decode row of a mixed batch is not checkpointed
+    assert run.apply(Abort(0)) == [] and r0.to_finish is not None
+    out = record_releases(t)
+    assert run.apply(Idle()) == []
+    assert out["r0"][1] == "FINISH_ABORT" and out["r1"][:2] == (4, "FINISH_LENGTH")
     run.close()
 
 

@@ -161,6 +161,8 @@ def load() -> SimpleNamespace:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject, register_grammar_backend
+            from sglang.srt.constrained.grammar_manager import GrammarManager
             from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams, \
                 TokenizedGenerateReqInput
             from sglang.srt.disaggregation.utils import prepare_abort
@@ -211,7 +213,8 @@ def load() -> SimpleNamespace:
         set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
         SessionController=SessionController, SpeculativeAlgorithm=SpeculativeAlgorithm, PrefillAdder=PrefillAdder,
         AddReqResult=AddReqResult, prepare_abort=prepare_abort, CacheRequestOutcome=CacheRequestOutcome,
-        retract_all=retract_all, SchedulePolicy=SchedulePolicy)
+        retract_all=retract_all, SchedulePolicy=SchedulePolicy, BaseGrammarObject=BaseGrammarObject,
+        register_grammar_backend=register_grammar_backend, GrammarManager=GrammarManager)
     return _LOADED
 
 
@@ -242,13 +245,16 @@ def one_rank_group():
     return dist.group.WORLD
 
 
+GRAMMAR_BACKEND = "kvaudit-steps"  # registered with SGLang's register_grammar_backend by the driver
+
+
 def publish_server_args(config, **extra):
     """``ServerArgs`` for ``config``, published for this process (SGLang keeps it process-global and
     reads it through ``get_schedule()``, ``get_memory()``...): the page size, the scheduling switches
     SGLang's own functions read from it (``preempt_to_schedule``: the priority direction), and a mode's
     ``extra`` fields."""
     S = load()
-    sa = S.ServerArgs(model_path="dummy", page_size=config.page_size,
+    sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, grammar_backend=GRAMMAR_BACKEND,
                       schedule_low_priority_values_first=config.schedule_low_priority_values_first, **extra)
     S.set_global_server_args_for_scheduler(sa)
     return sa

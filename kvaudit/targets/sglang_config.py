@@ -49,7 +49,9 @@ class SglangConfig(ConfigBase):
     ``SessionSlot``) or not (history through the radix cache), with a ``session_timeout_steps``
     timeout (scheduler steps; the session controller's clock advances one second a step).
     ``chunked_prefill_size`` (tokens, SGLang's ``--chunked-prefill-size``) splits a longer prefill
-    into chunks, one ``chunked_req`` at a time; None turns chunking off.
+    into chunks, one ``chunked_req`` at a time; None turns chunking off. ``enable_mixed_chunk``
+    (SGLang's ``--enable-mixed-chunk``, with chunking only) lets the running requests decode inside a
+    prefill batch (``mix_with_running``) instead of waiting for the next decode step.
     ``bugs`` names injected faults (:data:`FAULTS`).
 
     Scheduling (SGLang's ``--enable-priority-scheduling``, ``--schedule-low-priority-values-first``,
@@ -90,6 +92,7 @@ class SglangConfig(ConfigBase):
     session_streaming: bool = True  # sessions open as streaming (SessionSlot KV) or not (radix-cache history)
     session_timeout_steps: int | None = None  # OpenSessionReqInput.timeout, one second a step; None: none
     chunked_prefill_size: int | None = None  # tokens per prefill batch (PrefillAdder's chunk budget); None = off
+    enable_mixed_chunk: bool = False  # decode rows ride in prefill batches (needs chunked_prefill_size)
     disaggregation_mode: str = "null"  # "decode": the PD decode server's queues (kvaudit/targets/sglang_pd.py)
     enable_hisparse: bool = False  # HiSparse's two-level allocator and coordinator (kvaudit/targets/sglang_hisparse.py)
     # PD decode only: the transfer network kvaudit plays (in scheduler steps) and SGLang's decode reserve
@@ -127,6 +130,12 @@ class SglangConfig(ConfigBase):
     model = "none"
 
     @property
+    def grammar_queue(self) -> bool:
+        """The driver runs SGLang's ``GrammarManager`` (not on a PD decode server): the generators
+        give some submits a grammar."""
+        return self.disaggregation_mode == "null"
+
+    @property
     def disable_radix_cache(self) -> bool:
         """HiSparse runs without the radix cache (SGLang's validate_hisparse requires it)."""
         return self.enable_hisparse
@@ -139,7 +148,8 @@ class SglangConfig(ConfigBase):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
-                     "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first"):
+                     "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
+                     "enable_mixed_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -175,6 +185,9 @@ class SglangConfig(ConfigBase):
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 65536):
             raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
+        if self.enable_mixed_chunk and (c is None or self.enable_hisparse):
+            raise ValueError("enable_mixed_chunk needs chunked_prefill_size (SGLang's is_mixed_chunk) and is not "
+                             "driven with enable_hisparse")
         r = self.new_token_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
             raise ValueError(f"new_token_ratio must be a number in [0, 1], got {r!r}")
@@ -270,6 +283,10 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                   "the host pool's leak check needs --tree-core python",
                 {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
                  "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1}),
+        _preset("sglang-mixed", "mixed-style chunked prefill (--enable-mixed-chunk: running requests decode inside "
+                                "prefill batches, mix_with_running) with 16-token chunks under overlap scheduling, "
+                                "page 1",
+                {"chunked_prefill_size": 16, "enable_mixed_chunk": True, "enable_overlap": True}),
         _preset("sglang-priority", "priority scheduling with preemption (SchedulePolicy, preempt_to_schedule), "
                                    "at most 4 queued requests and 3 running, waiting / running timeout aborts after "
                                    "12 / 24 steps, page 1",

@@ -218,9 +218,9 @@ class SglangHiCacheTarget(SglangTarget):
             if batch.hicache_consumer_index >= 0:
                 self.hicache_log.append(("load_ready", self.steps, batch.hicache_consumer_index))
 
-    def _process(self, kind: str, reqs: list, chunked=None) -> None:
+    def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
         """``process_batch_result``, ending in ``tree_cache.flush_pending_backups()``."""
-        super()._process(kind, reqs, chunked)
+        super()._process(kind, reqs, chunked, decoding)
         self.tree_cache.flush_pending_backups()
 
     def is_idle(self, ignore_waiting: bool = False) -> bool:

@@ -259,9 +259,9 @@ class SglangHiSparseTarget(SglangTarget):
         finally:
             self._no_finish_hook = False
 
-    def _process(self, kind: str, reqs: list, chunked=None) -> None:
+    def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
         self._this_batch = list(reqs)
-        super()._process(kind, reqs, chunked)
+        super()._process(kind, reqs, chunked, decoding)
 
     def step(self) -> None:
         """:meth:`SglangTarget.step`; the step's batch becomes ``last_batch`` at its end

@@ -18,6 +18,8 @@ There is no model: a sampled token is a deterministic function of the request an
 from __future__ import annotations
 
 from array import array
+from concurrent import futures
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -27,7 +29,7 @@ from http import HTTPStatus
 from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
     MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens
 from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
-from kvaudit.targets.sglang_boot import build, load
+from kvaudit.targets.sglang_boot import GRAMMAR_BACKEND, build, load, one_rank_group
 from kvaudit.targets.sglang_config import SglangConfig
 
 EOS = 1
@@ -68,10 +70,70 @@ class StepClock:
 
 class _NoSampling:
     """The batch's ``sampling_info`` (penalties, temperatures: model-side, no memory). Only
-    ``retract_decode`` -> ``filter_batch`` touches it here."""
+    ``filter_batch`` (retraction, preemption) and ``merge_batch`` (a mixed batch) touch it here."""
 
     def filter_batch(self, keep_indices, keep_indices_device) -> None:
         pass
+
+    def merge_batch(self, other) -> None:
+        pass
+
+
+class _StepGrammarBackend:
+    """kvaudit's grammar backend, registered under :data:`GRAMMAR_BACKEND` with SGLang's
+    ``register_grammar_backend`` (its extension point for custom backends): a grammar "compiles" a
+    number of scheduler steps after its request arrived -- the step is in the key the driver sets as
+    the request's ``regex`` -- instead of on a thread pool. The future is running from the start (a
+    free compile worker took it), so an abort's ``cancel()`` fails, as on a real server; the aborted
+    request still leaves the queue at the next poll (``set_finish_with_abort`` drops its grammar).
+    No tokenizer, no vocab masks."""
+
+    enable_strict_thinking = False
+
+    def __init__(self, grammar_cls):
+        self.grammar_cls = grammar_cls
+        self.pending: list[tuple[int, futures.Future]] = []
+
+    def get_request_grammar_key(self, key, input_ids=None, thinking_budget=None):
+        return key
+
+    def get_cached_or_future_value(self, key, require_reasoning):
+        f = futures.Future()
+        f.set_running_or_notify_cancel()
+        self.pending.append((int(key[1].split(":")[1]), f))
+        return f, False
+
+    def tick(self, now: int) -> None:
+        """Complete the compiles due by step ``now``."""
+        due = [f for at, f in self.pending if at <= now]
+        self.pending = [(at, f) for at, f in self.pending if at > now]
+        for f in due:
+            f.set_result(self.grammar_cls())
+
+    def set_cache(self, key, value) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def _grammar_manager(S, server_args, model_config):
+    """SGLang's own ``GrammarManager`` for a one-rank scheduler, over :class:`_StepGrammarBackend`."""
+
+    class StepGrammar(S.BaseGrammarObject):
+        """A compiled grammar that constrains nothing (sampling is the driver's)."""
+
+        def accept_token(self, token: int) -> None:
+            pass
+
+    S.register_grammar_backend(GRAMMAR_BACKEND, lambda *a: _StepGrammarBackend(StepGrammar))
+    S.get_parallel().override_permanently(pp_rank=0, pp_size=1)  # the one stage of a one-stage pipeline
+    group = SimpleNamespace(world_size=1, first_rank=0, is_first_rank=True)
+    stand_in = SimpleNamespace(server_args=server_args, tokenizer=None, model_config=model_config,
+                               dp_tp_cpu_group=one_rank_group(), dp_tp_group=group, pp_group=None)
+    manager = S.GrammarManager(stand_in)
+    manager.SGLANG_GRAMMAR_POLL_INTERVAL = 1e-4  # its poll sleeps up to this long per step (seconds)
+    return manager
 
 
 class SglangTarget:
@@ -87,6 +149,9 @@ class SglangTarget:
         o = self._build(config)
         self.allocator, self.req_to_token_pool, self.tree_cache = o.allocator, o.req_to_token_pool, o.tree_cache
         self.model_config, self.tree_core = o.model_config, o.tree_core
+        # Scheduler.grammar_manager (a PD decode server's stand-in has its own)
+        self.grammar_manager = _grammar_manager(S, o.server_args, o.model_config) \
+            if config.disaggregation_mode == "null" else None
         self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
         if self.session_controller is not None:
             # the session timeout's clock (Session.is_timed_out: time.monotonic()) is the step count
@@ -345,7 +410,8 @@ class SglangTarget:
             if op.extends is not None and self.submitted:
                 prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
             sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
-            self._submit(prompt, max_new, op.stop_at, sid, priority=op.priority, ignore_eos=bool(op.ignore_eos))
+            self._submit(prompt, max_new, op.stop_at, sid, priority=op.priority, ignore_eos=bool(op.ignore_eos),
+                         grammar=op.grammar)
         elif isinstance(op, HealthCheck):
             # /health_generate: a 1-token generate request, run only when the scheduler is idle
             if self.is_idle_for_health_check():
@@ -384,9 +450,12 @@ class SglangTarget:
             self._after_intake()
 
     def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
-                rid_prefix: str = "r", priority: int | None = None, ignore_eos: bool = False) -> None:
+                rid_prefix: str = "r", priority: int | None = None, ignore_eos: bool = False,
+                grammar: int | None = None) -> None:
         """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
-        turn; then its length checks."""
+        turn; then its length checks; then ``process_req_with_grammar`` (a request with a grammar waits
+        in the grammar queue until it compiles, ``grammar`` steps from now) or the waiting queue. A
+        request aborted at intake goes to the waiting queue at once."""
         S, cfg = self.S, self.config
         rid = f"{rid_prefix}{self._n}"
         self._n += 1
@@ -427,7 +496,14 @@ class SglangTarget:
             req.set_finish_with_abort(error)
         req.kvaudit_stop_at = stop_at
         self.submitted.append(rid)
-        self._add_request_to_queue(req)
+        gm = self.grammar_manager
+        if req.to_finish is not None or gm is None:
+            self._add_request_to_queue(req)
+            return
+        if grammar is not None:
+            req.sampling_params.regex = f"kvaudit:{self.steps + grammar}:{rid}"
+        if not gm.process_req_with_grammar(req):
+            self._add_request_to_queue(req)
 
     def _new_req(self, rid: str, ids, sp):
         """A plain ``Req`` (``handle_generate_request``)."""
@@ -498,6 +574,8 @@ class SglangTarget:
             self.waiting.remove(req)
             self._release_aborted_request(req)
             self.finished.add(req.rid)
+        if self.grammar_manager is not None:  # set_finish_with_abort: it still runs one 1-token prefill
+            self.grammar_manager.abort_requests(SimpleNamespace(abort_all=False, rid=rid))
         for req in self._inflight():  # running, or in the last batch
             if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT() if message is None else \
@@ -600,6 +678,8 @@ class SglangTarget:
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
+        if self.grammar_manager is not None:
+            self.grammar_manager.clear()
         self._flushes += 1
 
     def step(self) -> None:
@@ -619,6 +699,8 @@ class SglangTarget:
             if any(not r.kv.holds_kv and not r.finished() for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
         self._poll_timeout_aborts()
+        if self.grammar_manager is not None:  # compiles run beside the scheduler, paused or not
+            self.grammar_manager.grammar_backend.tick(self.steps)
         if self.scheduler_paused:  # event_loop_*: after ingest_requests, a paused scheduler runs nothing
             self._snapshot_held()
             return
@@ -669,13 +751,14 @@ class SglangTarget:
     def _after_decode_alloc(self, batch) -> None:
         """After ``alloc_for_decode`` (``prepare_for_decode``): nothing more on this target."""
 
-    def _process(self, kind: str, reqs: list, chunked=None) -> None:
+    def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
         """``process_batch_result_prefill`` / ``_decode``, inside one free group: one sampled token per
         request, ``update_finish_state``, then ``release_kv_cache(checkpoint=True)`` for a finished
         request or, after a prefill, ``checkpoint_kv_cache``. A middle chunk samples nothing: its
         result only counts down ``inflight_middle_chunks``, even when the request was aborted since.
         Under overlap a request that finished or was retracted since the batch ran is skipped (its
-        over-allocated slot goes back in its release)."""
+        over-allocated slot goes back in its release). ``decoding``: the decode rows of a mixed batch
+        (``batch.decoding_reqs``), which are not checkpointed; they go back to the running batch."""
         self.allocator.free_group_begin()
         for req in reqs:
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
@@ -687,6 +770,9 @@ class SglangTarget:
             req.update_finish_state()
             if req.finished():
                 self._release(req, checkpoint=True)
+            elif any(req is d for d in decoding):
+                if not self.config.enable_overlap:  # (under overlap the last-batch merge brings it back)
+                    self.running.append(req)
             elif kind == "extend":
                 self.S.common.checkpoint_kv_cache(req, self.tree_cache)
                 self._prefilled(req)
@@ -721,15 +807,20 @@ class SglangTarget:
         it refuses; then ``ScheduleBatch.init_new`` and ``alloc_for_extend``. Returns
         ``("extend", admitted, chunked_req)`` for :meth:`_process`, or None when nothing is admitted."""
         S, cfg, cache = self.S, self.config, self.tree_cache
+        gm = self.grammar_manager
+        if gm is not None and gm.has_waiting_grammars():  # _get_new_batch_prefill_raw's first step
+            for req in gm.get_ready_grammar_requests():
+                self._add_request_to_queue(req)
         preemption = cfg.enable_priority_scheduling  # enable_priority_preemption (disable_priority_preemption unset)
         if self.chunked_req is None and (not self.waiting or (self._allocatable(0) <= 0 and not preemption)):
             return None
         running = self._running_batch(self.running, cfg.enable_overlap)
         if self.policy is not None:  # FCFS: by priority, then wait_queue_entry_time
             self.policy.calc_priority(self.waiting, running)
+        mixed = cfg.enable_mixed_chunk  # is_mixed_chunk: the adder leaves one token per decode row
         adder = S.PrefillAdder(cfg.page_size, cache, self.allocator, running, cfg.new_token_ratio, MAX_PREFILL_TOKENS,
-                               cfg.chunked_prefill_size, 0, cfg.priority_scheduling_preemption_threshold,
-                               max_running_requests=cfg.max_running_requests)
+                               cfg.chunked_prefill_size, len(running.reqs) if mixed else 0,
+                               cfg.priority_scheduling_preemption_threshold, max_running_requests=cfg.max_running_requests)
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
@@ -776,10 +867,49 @@ class SglangTarget:
         batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
         batch.orig_seq_lens = batch.seq_lens.clone()
         batch.extend_num_tokens = sum(batch.extend_lens)
-        S.allocation.alloc_for_extend(batch)
+        # prepare_for_extend keeps what alloc_for_extend returns on the batch
+        batch.out_cache_loc, batch.req_pool_indices, batch.req_pool_indices_cpu = S.allocation.alloc_for_extend(batch)
         for req in admitted:  # the batch's seq_lens, carried into decode (prepare_for_decode adds 1 a step)
             req.kvaudit_seq_len = req.extend_end
+        decoding = self._mix_with_running(batch) if mixed and self.running else []
+        if decoding:
+            return "extend", admitted + decoding, self.chunked_req, decoding
         return "extend", admitted, self.chunked_req
+
+    def _mix_with_running(self, batch) -> list:
+        """``get_new_batch_prefill``'s mixed-style chunked prefill (``enable_mixed_chunk``): the running
+        requests whose queued result finishes them by length leave the running batch
+        (``_reqs_finishing_inflight``); if the rest pass ``check_decode_mem``, they get their decode
+        slot (``prepare_for_decode`` -> ``alloc_for_decode``) and ride in the prefill batch
+        (``mix_with_running``, ``decoding_reqs``), and the running batch is emptied; else they sit
+        this step out (a mixed step never retracts). Returns the decode rows mixed in."""
+        self.running = [r for r in self.running if r not in self._finishing_inflight()]
+        if not self.running:
+            return []
+        running = self._running_batch(self.running, False)
+        if not running.check_decode_mem():
+            return []
+        running.forward_mode = self.S.ForwardMode.DECODE
+        running.out_cache_loc = self.S.allocation.alloc_for_decode(running, 1)
+        for req in running.reqs:
+            req.kvaudit_seq_len += 1
+        self._after_decode_alloc(running)
+        running.seq_lens_cpu = running.seq_lens_cpu + 1
+        running.seq_lens = running.seq_lens + 1
+        batch.sampling_info = _NoSampling()
+        batch.extend_logprob_start_lens = [0] * len(batch.reqs)  # (logprobs: model-side; mix_with_running extends it)
+        batch.mix_with_running(running)
+        decoding = list(running.reqs)
+        self.running = []
+        return decoding
+
+    def _finishing_inflight(self) -> list:
+        """``Scheduler._reqs_finishing_inflight`` (overlap): running requests in the batch whose result is
+        still queued that this result finishes by length."""
+        if not self.config.enable_overlap or self._last is None:
+            return []
+        queued = set(map(id, self._last[1]))
+        return [r for r in self.running if id(r) in queued and r.next_output_finishes_by_length()]
 
     def _decode(self) -> tuple[str, list, None] | None:
         """``Scheduler.update_running_batch``: under overlap, the requests whose queued result finishes
@@ -787,11 +917,8 @@ class SglangTarget:
         ``retract_decode`` when it fails (or under memory pressure); then ``alloc_for_decode`` for one
         token each. Returns ``("decode", reqs)`` for :meth:`_process`, or None."""
         S = self.S
-        finishing = []
-        if self.config.enable_overlap and self._last is not None:
-            queued = set(map(id, self._last[1]))
-            finishing = [r for r in self.running if id(r) in queued and r.next_output_finishes_by_length()]
-            self.running = [r for r in self.running if r not in finishing]
+        finishing = self._finishing_inflight()
+        self.running = [r for r in self.running if r not in finishing]
         if not self.running:
             return None
         batch = self._running_batch(self.running, False)
@@ -870,7 +997,8 @@ class SglangTarget:
         """``is_fully_idle``; with ``ignore_waiting`` (flush while paused) waiting requests count only if
         they hold KV."""
         waiting = any(r.kv.holds_kv for r in self.waiting) if ignore_waiting else bool(self.waiting)
-        return not waiting and not self.running and self._last is None and self.chunked_req is None
+        grammars = self.grammar_manager is not None and bool(self.grammar_manager.grammar_queue)
+        return not waiting and not grammars and not self.running and self._last is None and self.chunked_req is None
 
     def is_idle_for_health_check(self) -> bool:
         """``is_fully_idle(for_health_check=True)``: a health check runs only when no batch can carry
@@ -940,9 +1068,11 @@ class SglangTarget:
         return reqs
 
     def _active(self) -> list:
-        """Waiting requests, and the in-flight ones (:meth:`_inflight`); the chunked request is in no
-        batch between chunks, and SGLang's invariant checker adds it as this does."""
-        return self.waiting + [r for r in self._inflight() if not any(r is w for w in self.waiting)]
+        """Waiting requests (and those in the grammar queue), and the in-flight ones (:meth:`_inflight`);
+        the chunked request is in no batch between chunks, and SGLang's invariant checker adds it as this
+        does."""
+        queued = self.waiting + (self.grammar_manager.grammar_queue if self.grammar_manager is not None else [])
+        return queued + [r for r in self._inflight() if not any(r is w for w in queued)]
 
     def _live(self) -> list:
         """Requests that own a row (SGLang's ``_requests_owning_rows``: running batch, last batch,
