@@ -62,8 +62,12 @@ class Abort:
 
 @dataclass(frozen=True)
 class FlushCache:
-    """SGLang's ``/flush_cache``: empties the cache and every pool, but only when the engine is idle."""
+    """SGLang's ``/flush_cache``: empties the cache and every pool, but only when the engine is idle.
+    ``timeout``: a busy engine is waited for up to ``timeout`` scheduler steps (SGLang's ``timeout_s``
+    with one second a step: ``SchedulerFlushWrapper``), then the flush fails. A target without the
+    deferred flush tries once."""
 
+    timeout: int = 0
     kind: ClassVar[str] = "flush_cache"
 
 
@@ -138,7 +142,7 @@ OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, Flu
 NULLABLE = ("stop_at", "handle", "session", "extends", "priority", "grammar")
 # arguments added after format 1 was first written: left out of JSON and of printed ops when at
 # their default, so every program written before reads, prints and serializes as it did
-LATE_DEFAULTS = {"priority": None, "ignore_eos": 0, "grammar": None}
+LATE_DEFAULTS = {"priority": None, "ignore_eos": 0, "grammar": None, "timeout": 0}
 MAXIMA = {"ignore_eos": 1, "mode": len(PAUSE_MODES) - 1}  # arguments narrower than [0, MAX_ARG]
 FORMAT = "kvaudit.program/1"
 MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return

@@ -121,6 +121,8 @@ SEQUENCES = {
                                      Step(1), PauseGeneration(1), Idle()],
     "ignore_eos runs past EOS": [Submit(0, 8, 10, stop_at=2, ignore_eos=1), Submit(0, 8, 10, stop_at=2), Idle()],
     # ignored without priority scheduling (SGLang's default); sglang-priority orders and preempts by them
+    "flush waits for idle, or times out": [Submit(0, 20, 4), Step(1), FlushCache(timeout=10), Step(6),
+                                           Submit(1, 20, 30), Step(1), FlushCache(timeout=2), Step(4), Idle()],
     "grammar queue, with an abort in it": [Submit(0, 20, 4, grammar=3), Submit(1, 10, 4, grammar=5), Submit(2, 9, 3),
                                            Step(2), Abort(1), FlushCache(), Step(1), Idle()],
     "priorities": [Submit(0, 20, 30, priority=1), Submit(1, 20, 30, priority=1), Submit(2, 20, 30, priority=1),
@@ -158,6 +160,10 @@ def test_sequences_take_the_paths_they_name():
     assert t.retractions >= 1
     t = ran(SEQUENCES["pause retract, flush while paused, continue"])
     assert t.retractions == 2 and t.flushed() == 1 and t.submitted == ["r0", "r1", "r2"]
+    t = ran(SEQUENCES["flush waits for idle, or times out"][:4])
+    assert t.flushed() == 1 and t.flush_wrapper._pending is None  # the first waited until r0 finished
+    t = ran(SEQUENCES["flush waits for idle, or times out"][:-1])
+    assert t.flushed() == 1 and t.flush_wrapper._pending is None and t.running  # the second timed out
     t = ran(SEQUENCES["idle resumes a paused engine"])
     assert not t.paused and t.retractions == 1 and t.is_idle()
 

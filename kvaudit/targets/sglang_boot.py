@@ -163,8 +163,9 @@ def load() -> SimpleNamespace:
         try:
             from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject, register_grammar_backend
             from sglang.srt.constrained.grammar_manager import GrammarManager
-            from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams, \
-                TokenizedGenerateReqInput
+            from sglang.srt.managers.io_struct import CloseSessionReqInput, FlushCacheReqInput, OpenSessionReqInput, \
+                SessionParams, TokenizedGenerateReqInput
+            from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
             from sglang.srt.disaggregation.utils import prepare_abort
             from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch, retract_all
             from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
@@ -214,7 +215,8 @@ def load() -> SimpleNamespace:
         SessionController=SessionController, SpeculativeAlgorithm=SpeculativeAlgorithm, PrefillAdder=PrefillAdder,
         AddReqResult=AddReqResult, prepare_abort=prepare_abort, CacheRequestOutcome=CacheRequestOutcome,
         retract_all=retract_all, SchedulePolicy=SchedulePolicy, BaseGrammarObject=BaseGrammarObject,
-        register_grammar_backend=register_grammar_backend, GrammarManager=GrammarManager)
+        register_grammar_backend=register_grammar_backend, GrammarManager=GrammarManager,
+        FlushCacheReqInput=FlushCacheReqInput, SchedulerFlushWrapper=SchedulerFlushWrapper)
     return _LOADED
 
 

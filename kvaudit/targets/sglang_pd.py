@@ -373,8 +373,10 @@ class SglangPdDecodeTarget(SglangTarget):
         :meth:`_update_running_batch`), and the decode batch's result."""
         self.steps += 1
         self.clock.now += 1.0
+        self.flush_clock.now += 1.0
         self.network.tick()
         sched = self.sched
+        self._check_pending_flush()
         if self.scheduler_paused:  # the loop ingests, then skips everything while paused
             self._snapshot_held()
             return

@@ -17,6 +17,7 @@ There is no model: a sampled token is a deterministic function of the request an
 
 from __future__ import annotations
 
+import logging
 from array import array
 from concurrent import futures
 from types import SimpleNamespace
@@ -182,6 +183,13 @@ class SglangTarget:
         self.scheduler_paused = False  # Scheduler._engine_paused (pause_generation in_place / retract)
         self.held: list[Op] | None = None  # TokenizerManager.is_pause: generate requests held until continue
         self.policy = None  # Scheduler.policy (SchedulePolicy), only with priority scheduling
+        # flush_cache with a timeout waits for idle (is_fully_idle, never ignoring waiting requests);
+        # its deadline reads the module's clock: one second a scheduler step
+        import sglang.srt.managers.scheduler_components.flush_wrapper as flush_wrapper
+        self.flush_clock = StepClock(getattr(flush_wrapper.time, "_real", flush_wrapper.time))
+        flush_wrapper.time = self.flush_clock
+        self.flush_wrapper = S.SchedulerFlushWrapper(flush_cache=self._flush_cache, is_fully_idle=self.is_idle,
+                                                     send_output=lambda output, request: None)
         if config.enable_priority_scheduling:
             self.policy = S.SchedulePolicy("fcfs", self.tree_cache, False, True, config.schedule_low_priority_values_first)
         self._faults = set(config.bugs)  # each fires once
@@ -423,8 +431,8 @@ class SglangTarget:
                     self._abort(rid)
             elif live:
                 self._abort(live[op.handle % len(live)])
-        elif isinstance(op, FlushCache):
-            self._flush_cache()
+        elif isinstance(op, FlushCache):  # SchedulerFlushWrapper.handle: now, or deferred up to the timeout
+            self.flush_wrapper.handle(self.S.FlushCacheReqInput(timeout_s=float(op.timeout)))
         elif isinstance(op, OpenSession):
             if self.session_controller is not None:
                 sid = f"s{self._opened}"
@@ -520,10 +528,19 @@ class SglangTarget:
             self._release_aborted_request(req)
             self.finished.add(req.rid)
             return
+        self._prefetch_kvcache(req)
         self.waiting.append(req)
         self._queued += 1
         req.time_stats.wait_queue_entry_time = float(self._queued)
         req.kvaudit_queued_at = self.steps
+
+    def _prefetch_kvcache(self, req) -> None:
+        """``Scheduler._prefetch_kvcache`` as a request is queued: an L3 storage prefetch (none here)."""
+
+    def _prefetch_ready(self, req) -> bool:
+        """Admission's storage gate (``check_prefetch_progress`` on a request's prefetch): a request whose
+        prefetch is still running is skipped this round. Always ready here (no storage tier)."""
+        return True
 
     def _abort_on_queued_limit(self, req) -> bool:
         """``Scheduler._abort_on_queued_limit``: with the waiting queue at ``max_queued_requests``, the
@@ -668,12 +685,12 @@ class SglangTarget:
         self.chunked_req = None
         self._release(req, checkpoint=False)
 
-    def _flush_cache(self) -> None:
+    def _flush_cache(self) -> bool:
         """``Scheduler.flush_cache``: only when fully idle (:meth:`is_idle`; sessions do not count; while
         the scheduler is paused, waiting requests that hold no KV do not either), reset the tree and clear
-        both pools."""
+        both pools. Returns whether it flushed."""
         if not self.is_idle(ignore_waiting=self.scheduler_paused):
-            return
+            return False
         self._scheduled = None
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
@@ -681,6 +698,19 @@ class SglangTarget:
         if self.grammar_manager is not None:
             self.grammar_manager.clear()
         self._flushes += 1
+        return True
+
+    def _check_pending_flush(self) -> None:
+        """``flush_wrapper.check_pending()`` (each ``ingest_requests``): a deferred flush runs once the
+        server is idle, or fails at its deadline; the quiescence check follows a flush at once."""
+        done = self._flushes
+        logging.disable(logging.WARNING)  # its timeout warning goes to the root logger: not the CLI's output
+        try:
+            self.flush_wrapper.check_pending()
+        finally:
+            logging.disable(logging.NOTSET)
+        if self._flushes != done:
+            self._after_intake()
 
     def step(self) -> None:
         """One iteration of ``Scheduler.event_loop_normal``: reap deferred session closes
@@ -693,12 +723,14 @@ class SglangTarget:
         pending chunked abort and stashes the chunked request (``stash_chunked_request`` ->
         ``checkpoint_kv_cache``), which never joins the running batch between chunks."""
         self.steps += 1
+        self.flush_clock.now += 1.0
         if self.session_controller is not None:
             self.session_clock.now += 1.0
             self.session_controller.maybe_reap(float(self.steps), interval=0.0)
             if any(not r.kv.holds_kv and not r.finished() for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
         self._poll_timeout_aborts()
+        self._check_pending_flush()
         if self.grammar_manager is not None:  # compiles run beside the scheduler, paused or not
             self.grammar_manager.grammar_backend.tick(self.steps)
         if self.scheduler_paused:  # event_loop_*: after ingest_requests, a paused scheduler runs nothing
@@ -835,6 +867,8 @@ class SglangTarget:
             # (preempt_to_schedule: release_req each, then filter_batch)
             if full and (not preemption or not adder.preempt_to_schedule(req)):
                 break
+            if not self._prefetch_ready(req):
+                continue
             req.init_next_round_input(cache)
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
                                  truncation_align_size=None) != S.AddReqResult.CONTINUE:
