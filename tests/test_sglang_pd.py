@@ -4,7 +4,8 @@
 * a request's path through the decode server, each stage as SGLang holds it;
 * hazard A.8 of the memory model's Appendix A: a release deferred until prefill acknowledges the
   abort, or a timeout, holds the KV meanwhile; kvaudit counts it as held, not leaked;
-* aborts in every decode queue, and decode-mode retraction with its KV backup, clean.
+* aborts in every decode queue, and decode-mode retraction with its KV backup, clean;
+* the KV checksum: every transfer is verified at its prebuilt batch (``_verify_kv_checksums``).
 
 Skipped, with the install command, where SGLang is not installed.
 """
@@ -196,6 +197,40 @@ def test_no_transfer_latency_lands_within_the_same_queue_pass(core):
     run.apply(Step(1))
     assert stages(t) == {"r0": "running"}  # pre-allocated, landed, prebuilt and decoding in one step
     run.apply(Idle())
+    assert run.findings == [] and full(t)
+    run.close()
+
+
+def spy_verify(t, monkeypatch):
+    """Each prebuilt batch through ``_verify_kv_checksums``: (rid, expected_kv_checksum) of the batch
+    before, and the rids it keeps."""
+    seen = []
+    real = t.sched._verify_kv_checksums
+
+    def verify(batch):
+        before = [(r.rid, r.expected_kv_checksum) for r in batch.reqs]
+        real(batch)
+        seen.append((before, [r.rid for r in batch.reqs]))
+
+    monkeypatch.setattr(t.sched, "_verify_kv_checksums", verify)
+    return seen
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_every_clean_transfer_is_verified_and_none_aborted(core, monkeypatch):
+    """Without corruption every landed transfer is digested once at its prebuilt batch and matches; a
+    health check carries no digest and is not verified. Nothing aborted, no finding."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=2))
+    t = run.target
+    seen = spy_verify(t, monkeypatch)
+    for op in [Submit(0, 20, 4), Step(1), HealthCheck(), Submit(1, 13, 6), Step(3), Submit(2, 30, 3), Idle()]:
+        run.apply(op)
+    assert t.sched.kv_checksum_computer.calls == t.network.landed == 3
+    verified = {rid: expected for before, _ in seen for rid, expected in before}
+    assert sorted(verified) == ["HEALTH_CHECK_1", "r0", "r2", "r3"]
+    assert all(verified[rid] for rid in ("r0", "r2", "r3")) and verified["HEALTH_CHECK_1"] == 0
+    assert all([rid for rid, _ in before] == kept for before, kept in seen)
+    assert sorted(t.finished) == ["r0", "r2", "r3"]  # all by decode (the health check at its prebuilt result)
     assert run.findings == [] and full(t)
     run.close()
 

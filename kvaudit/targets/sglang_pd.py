@@ -21,6 +21,14 @@ driver plays what is not on this machine:
   bookkeeping of ``CommonKVReceiver``/``CommonKVManager`` (their own methods, borrowed): the
   shipped fake receiver never defers a release. Prefill's ack arrives ``abort_ack_steps`` steps
   later (``None``: never, so the release waits for the timeout);
+* **the KV checksum** -- SGLang's ``--disaggregation-enable-kv-checksum`` is on. Prefill writes a
+  digest of the prompt's KV pages into the request's metadata row; ``_commit_transfer_to_req`` keeps
+  it as ``req.expected_kv_checksum`` (the layout signatures match: prefill's layout is this
+  decode's); ``get_new_prebuilt_batch`` runs ``_verify_kv_checksums``, which digests the received
+  pages again (the fake manager's ``should_verify_kv_checksum`` is ``BaseKVManager``'s: True).
+  SGLang's ``KvChecksumComputer`` is an Adler-32 kernel over the GPU pool's bytes (it asserts CUDA)
+  and kvaudit's pools hold no KV data, so :class:`_KvChecksums` stands in for it: the wire writes a
+  word into each destination page and prefill digests what it sent;
 * **the clock** -- ``decode.py``'s ``time.monotonic`` advances one second per scheduler step, so
   deferred-release timeouts are deterministic.
 
@@ -32,6 +40,7 @@ SGLang's decode-mode branches, as on the other presets.
 
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 
 import torch
@@ -77,26 +86,69 @@ def load_pd() -> SimpleNamespace:
     return _PD
 
 
+def _digest(words: list[int]) -> int:
+    """A 32-bit digest of page words, never 0 (which marks "no digest" in a metadata row)."""
+    raw = hashlib.blake2b(repr(words).encode(), digest_size=4).digest()
+    return int.from_bytes(raw, "big") | 1
+
+
+class _KvChecksums:
+    """Stand-in for SGLang's ``KvChecksumComputer`` (``disaggregation/checksum.py``), which digests a
+    request's KV pages with an Adler-32 kernel over the GPU pool's buffers and asserts CUDA. kvaudit's
+    pools hold no KV data, so a page's content is the word the wire last wrote into it (``pages``:
+    page index -> word) and ``compute`` digests the words of the pages it is given, as the real one
+    digests their bytes. ``DecodePreallocQueue.__init__`` builds it in place of the real class (its
+    arguments name the GPU buffers: unused) and sets it as ``scheduler.kv_checksum_computer``;
+    ``calls`` counts the verifications."""
+
+    def __init__(self, **gpu_buffers):
+        self.pages: dict[int, int] = {}
+        self.calls = 0
+
+    def compute(self, kv_page_indices, state_indices=None) -> int:
+        """``[num_pages]`` int64 page indices (``page_indices_for_request``) -> digest; ``state_indices``
+        is None for this pool (no SWA / mamba state)."""
+        self.calls += 1
+        return _digest([self.pages.get(int(p), 0) for p in kv_page_indices.tolist()])
+
+
 class _Network:
     """The prefill server and the wire: transfers in flight land after ``latency`` steps; an abort
     notification is acknowledged (``note_abort_ack``, as ``CommonKVManager`` records a drain ack)
-    after ``ack_steps`` steps, or never."""
+    after ``ack_steps`` steps, or never. A landing writes the prompt's KV into the destination pages
+    and prefill's digest of it, with its layout signature, into the request's metadata row
+    (``send_kv_chunk``'s ``set_kv_checksum``, copied to decode's row)."""
 
-    def __init__(self, latency: int, ack_steps: int | None):
-        self.latency, self.ack_steps = latency, ack_steps
+    def __init__(self, latency: int, ack_steps: int | None, page_size: int):
+        self.latency, self.ack_steps, self.page_size = latency, ack_steps, page_size
         self.sending: list[tuple[int, object]] = []  # (step due, receiver)
         self.acks: list[tuple[int, object]] = []
         self.step = 0
+        self.landed = 0
+        self.checksums = self.metadata_buffers = None  # set once the prealloc queue is built
+        self.signature = 0
 
     def tick(self) -> None:
         self.step += 1
         for due, rx in [x for x in self.sending if x[0] <= self.step]:
             self.sending.remove((due, rx))
             if rx.conclude_state is None:
-                rx.has_sent_metadata = True  # FakeKVReceiver.poll: Success from now on
+                self.land(rx)
         for due, rx in [x for x in self.acks if x[0] <= self.step]:
             self.acks.remove((due, rx))
             rx.kv_mgr.note_abort_ack(rx.bootstrap_room, 0, rx._abort_generation)
+
+    def land(self, rx) -> None:
+        """The transfer to ``rx`` completes (``FakeKVReceiver.poll``: Success from now on). Prefill
+        digests the prompt's pages past the prefix decode holds (``[decode_prefix_len,
+        prompt_len)``); the pages after them (a re-bootstrap's replayed output) are sent, not digested."""
+        self.landed += 1
+        words = [(rx.bootstrap_room << 16) + i + 1 for i in range(len(rx.page_indices))]
+        digested = -(-(rx.prompt_len - rx.decode_prefix_len) // self.page_size)
+        digest = _digest(words[:digested])
+        self.checksums.pages.update(zip(rx.page_indices, words))
+        self.metadata_buffers.kv_checksum[rx.aux_index, :2] = torch.tensor([digest, self.signature])
+        rx.has_sent_metadata = True
 
 
 def _backend(P, network: _Network):
@@ -125,14 +177,17 @@ def _backend(P, network: _Network):
             self.init_time = None
             self._abort_generation = None
 
-        def send_metadata(self, *a, **k) -> None:
-            """The destinations are published (``_send_kv_metadata``): the transfer starts; with no
-            latency it has landed by the poll of the same ``process_decode_queue``, as the fake one."""
+        def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=0, **k) -> None:
+            """The destinations are published (``_send_kv_metadata``: page indices, the metadata row): the
+            transfer starts; with no latency it has landed by the poll of the same
+            ``process_decode_queue``, as the fake one."""
             self.init_time = network.step
+            self.page_indices = [int(p) for p in kv_indices]
+            self.aux_index, self.decode_prefix_len = aux_index, decode_prefix_len or 0
             if network.latency:
                 network.sending.append((network.step + network.latency, self))
             else:
-                self.has_sent_metadata = True
+                network.land(self)
 
         def abort(self) -> None:
             """``CommonKVReceiver.abort``: the room fails, prefill is told (and the ack tracker armed)."""
@@ -200,6 +255,7 @@ class SglangPdDecodeTarget(SglangTarget):
         group = SimpleNamespace(cpu_group=one_rank_group(), world_size=1)
         sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
                           disaggregation_transfer_backend="fake", disaggregation_decode_retraction_backup="cpu_tensor",
+                          disaggregation_enable_kv_checksum=True,
                           max_running_requests=config.max_running_requests,
                           num_reserved_decode_tokens=config.num_reserved_decode_tokens)
         P.handle_pd_disaggregation(sa)  # the server-args step that turns the decode radix cache off
@@ -225,7 +281,7 @@ class SglangPdDecodeTarget(SglangTarget):
                                     max_sampling_mask_tokens=sa.sampling_mask_max_tokens, custom_mem_pool=None,
                                     output_dsa_topk_indices_dim=0,
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
-        self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps)
+        self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps, config.page_size)
         self.clock = StepClock(getattr(P.decode.time, "_real", P.decode.time))
         P.decode.time = self.clock
         manager_cls, self._receiver_cls = _backend(P, self.network)
@@ -242,7 +298,7 @@ class SglangPdDecodeTarget(SglangTarget):
             ngram_embedding_manager=SimpleNamespace(prepare_for_forward=lambda b, chunked_req=None: b),
             future_map=P.FutureMap(config.device, S.SpeculativeAlgorithm.NONE, r2t),
             dp_attn_adapter=SimpleNamespace(maybe_prepare_mlp_sync_batch=lambda b: b), forward_ct=0,
-            kv_checksum_computer=None, disagg_decode_prealloc_queue=None)
+            attn_tp_cpu_group=group.cpu_group, kv_checksum_computer=None, disagg_decode_prealloc_queue=None)
         sched.batch_result_processor = P.SchedulerBatchResultProcessor(
             is_generation=True, disaggregation_mode=P.DisaggregationMode.DECODE, enable_overlap=False,
             enable_overlap_mlx=False, model_config=o.model_config, token_to_kv_pool_allocator=alloc, tree_cache=tree,
@@ -254,13 +310,20 @@ class SglangPdDecodeTarget(SglangTarget):
         # the two environment switches the queue read at construction
         tq.enable_deferred_kv_release = config.deferred_kv_release
         tq.deferred_kv_release_timeout = float(config.deferred_release_timeout_steps)
-        pq = P.decode.DecodePreallocQueue(
-            req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, draft_token_to_kv_pool=None,
-            req_to_metadata_buffer_idx_allocator=self.metadata_allocator, metadata_buffers=buffers, scheduler=sched,
-            transfer_queue=tq, tree_cache=tree, gpu_id=0, bootstrap_port=disagg.disaggregation_bootstrap_port,
-            max_total_num_tokens=config.total_tokens, num_reserved_decode_tokens=disagg.num_reserved_decode_tokens,
-            transfer_backend=P.TransferBackend.FAKE)
+        # its __init__ builds scheduler.kv_checksum_computer: kvaudit's stand-in in place of the CUDA one
+        real_computer, P.decode.KvChecksumComputer = P.decode.KvChecksumComputer, _KvChecksums
+        try:
+            pq = P.decode.DecodePreallocQueue(
+                req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, draft_token_to_kv_pool=None,
+                req_to_metadata_buffer_idx_allocator=self.metadata_allocator, metadata_buffers=buffers,
+                scheduler=sched, transfer_queue=tq, tree_cache=tree, gpu_id=0,
+                bootstrap_port=disagg.disaggregation_bootstrap_port, max_total_num_tokens=config.total_tokens,
+                num_reserved_decode_tokens=disagg.num_reserved_decode_tokens, transfer_backend=P.TransferBackend.FAKE)
+        finally:
+            P.decode.KvChecksumComputer = real_computer
         pq.kv_manager = manager_cls(pq.kv_manager.kv_args, P.DisaggregationMode.DECODE, sa, False)
+        self.network.checksums, self.network.metadata_buffers = sched.kv_checksum_computer, buffers
+        self.network.signature = pq.kv_checksum_signature  # prefill's layout is this decode's
         sched.disagg_decode_transfer_queue, sched.disagg_decode_prealloc_queue = tq, pq
         self.sched, self.prealloc_queue, self.transfer_queue, self.P = sched, pq, tq, P
         return o
@@ -337,6 +400,7 @@ class SglangPdDecodeTarget(SglangTarget):
             if dr.req is req and not isinstance(dr.kv_receiver, self._receiver_cls):
                 rx = self._receiver_cls(self.prealloc_queue.kv_manager, "kvaudit-prefill", req.bootstrap_room)
                 rx.bootstrap_done = dr.kv_receiver.bootstrap_done
+                rx.prompt_len = len(req.origin_input_ids)  # prefill has the prompt: it digests its KV
                 dr.kv_receiver = rx
 
     def _abort(self, rid: str, message: str | None = None) -> None:
