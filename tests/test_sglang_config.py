@@ -56,6 +56,9 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"request_running_timeout_steps": True}, "request_running_timeout_steps"),
     ({"disaggregation_mode": "decode", "enable_priority_scheduling": True}, "enable_priority_scheduling"),
     ({"enable_mixed_chunk": True}, "enable_mixed_chunk"),
+    ({"disaggregation_mode": "decode", "kv_checksum_mismatch_every": 0}, "kv_checksum_mismatch_every"),
+    ({"disaggregation_mode": "decode", "kv_checksum_mismatch_every": True}, "kv_checksum_mismatch_every"),
+    ({"kv_checksum_mismatch_every": 3}, "kv_checksum_mismatch_every .*disaggregation_mode decode"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):

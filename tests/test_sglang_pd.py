@@ -5,7 +5,8 @@
 * hazard A.8 of the memory model's Appendix A: a release deferred until prefill acknowledges the
   abort, or a timeout, holds the KV meanwhile; kvaudit counts it as held, not leaked;
 * aborts in every decode queue, and decode-mode retraction with its KV backup, clean;
-* the KV checksum: every transfer is verified at its prebuilt batch (``_verify_kv_checksums``).
+* the KV checksum (memory model 7.2, "checksum mismatch"): a transfer corrupted on the wire is aborted
+  at its prebuilt batch by ``_verify_kv_checksums``, its memory back, the rest of the batch unharmed.
 
 Skipped, with the install command, where SGLang is not installed.
 """
@@ -217,6 +218,40 @@ def spy_verify(t, monkeypatch):
 
 
 @pytest.mark.parametrize("core", CORES)
+def test_checksum_mismatch_aborts_the_corrupted_transfer_at_its_prebuilt_step(core, monkeypatch):
+    """Three transfers land in the same step, the second corrupted on the wire. _commit_transfer_to_req
+    keeps each prefill digest; the prebuilt batch's _verify_kv_checksums digests the received pages and
+    _handle_kv_checksum_mismatch aborts r1 with a 500 (prepare_abort, release_kv_cache(checkpoint=False))
+    and filters it out: its row and KV are back at once (its metadata slot went back at the commit);
+    r0 and r2 run on and finish. No finding."""
+    run = AuditedRun(cfg(core, kv_checksum_mismatch_every=2))
+    t = run.target
+    seen = spy_verify(t, monkeypatch)
+    assert full(t)
+    for op in [Submit(0, 20, 4), Submit(1, 20, 4), Submit(2, 20, 4), Step(1)]:
+        run.apply(op)
+    assert stages(t) == {"r0": "transfer", "r1": "transfer", "r2": "transfer"} and seen == []
+    reqs = {r.rid: r for r in t._active()}
+    run.apply(Step(1))
+    (before, kept), = seen
+    assert [rid for rid, _ in before] == ["r0", "r1", "r2"] and all(expected for _, expected in before)
+    assert kept == ["r0", "r2"] and stages(t) == {"r0": "running", "r2": "running"}
+    r1 = reqs["r1"]
+    reason = r1.finished_reason
+    assert type(reason).__name__ == "FINISH_ABORT" and reason.message == "KV checksum mismatch"
+    assert reason.status_code == 500 and not r1.kv.holds_kv
+    held = sum(-(-r.kv.kv_allocated_len // 4) * 4 for r in (reqs["r0"], reqs["r2"]))
+    assert t.allocator.available_size() == t.allocator.size - held
+    assert t.req_to_token_pool.available_size() == t._row_count() - 2
+    assert t.metadata_allocator.available_size() == t.metadata_allocator.size
+    run.apply(Idle())
+    assert run.findings == [] and full(t) and t.network.corrupted == 1
+    for rid in ("r0", "r2"):
+        assert type(reqs[rid].finished_reason).__name__ == "FINISH_LENGTH" and len(reqs[rid].output_ids) == 4
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
 def test_every_clean_transfer_is_verified_and_none_aborted(core, monkeypatch):
     """Without corruption every landed transfer is digested once at its prebuilt batch and matches; a
     health check carries no digest and is not verified. Nothing aborted, no finding."""
@@ -225,13 +260,31 @@ def test_every_clean_transfer_is_verified_and_none_aborted(core, monkeypatch):
     seen = spy_verify(t, monkeypatch)
     for op in [Submit(0, 20, 4), Step(1), HealthCheck(), Submit(1, 13, 6), Step(3), Submit(2, 30, 3), Idle()]:
         run.apply(op)
-    assert t.sched.kv_checksum_computer.calls == t.network.landed == 3
+    assert t.sched.kv_checksum_computer.calls == t.network.landed == 3 and t.network.corrupted == 0
     verified = {rid: expected for before, _ in seen for rid, expected in before}
     assert sorted(verified) == ["HEALTH_CHECK_1", "r0", "r2", "r3"]
     assert all(verified[rid] for rid in ("r0", "r2", "r3")) and verified["HEALTH_CHECK_1"] == 0
     assert all([rid for rid, _ in before] == kept for before, kept in seen)
     assert sorted(t.finished) == ["r0", "r2", "r3"]  # all by decode (the health check at its prebuilt result)
     assert run.findings == [] and full(t)
+    run.close()
+
+
+@pytest.mark.parametrize("ci", [False, True])
+def test_mismatch_every_counts_landed_transfers_not_health_checks(ci, monkeypatch):
+    """Every 2nd landed transfer is corrupted: r0 lands first, the health check (SGLang's fake receiver,
+    no digest) does not count, so r2, the second, is aborted and r3, the third, is not (the health
+    check took rid number 1). Under
+    SGLANG_IS_IN_CI SGLang raises on a mismatch unless it was injected: kvaudit's is, so it aborts too."""
+    if ci:
+        monkeypatch.setenv("SGLANG_IS_IN_CI", "true")
+    run = AuditedRun(cfg(kv_checksum_mismatch_every=2))
+    seen = spy_verify(run.target, monkeypatch)
+    for op in [Submit(0, 20, 4), Step(1), HealthCheck(), Step(1), Submit(1, 20, 4), Submit(2, 20, 4), Idle()]:
+        run.apply(op)
+    dropped = [rid for before, kept in seen for rid, _ in before if rid not in kept]
+    assert dropped == ["r2"] and run.target.network.landed == 3
+    assert run.findings == [] and full(run.target)
     run.close()
 
 

@@ -63,6 +63,16 @@ class SglangConfig(ConfigBase):
     environment's ``SGLANG_REQ_WAITING_TIMEOUT`` / ``SGLANG_REQ_RUNNING_TIMEOUT``, one second a step):
     ``request_waiting_timeout_steps`` / ``request_running_timeout_steps``, None for off.
 
+    PD decode (``disaggregation_mode="decode"``): kvaudit plays the prefill server and the wire
+    (``kvaudit/targets/sglang_pd.py``). ``transfer_latency_steps`` is how many scheduler steps a KV
+    transfer takes to land; ``abort_ack_steps`` how many steps after an abort notification prefill
+    acknowledges the drain (None: never, so a deferred release waits for
+    ``deferred_release_timeout_steps``); ``deferred_kv_release`` is
+    ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``. Every transfer carries prefill's KV checksum
+    (SGLang's ``--disaggregation-enable-kv-checksum``); with ``kv_checksum_mismatch_every`` N, every
+    Nth transfer that lands (health checks, which carry none, not counted) arrives corrupted, so
+    decode's ``_verify_kv_checksums`` aborts it at its prebuilt batch (None: none is corrupted).
+
     HiSparse (``enable_hisparse``; SGLang's ``--enable-hisparse``, which requires
     ``--disable-radix-cache``): ``num_slots`` is the physical device pool, the logical pool is
     ``hisparse_host_to_device_ratio`` times larger, and each decoding request keeps a device buffer of
@@ -101,6 +111,7 @@ class SglangConfig(ConfigBase):
     deferred_kv_release: bool = True  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE: else released at once
     deferred_release_timeout_steps: int = 6  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 1 s a step
     num_reserved_decode_tokens: int = 8  # SGLang's --num-reserved-decode-tokens (512 by default, for real pools)
+    kv_checksum_mismatch_every: int | None = None  # every Nth landed transfer arrives corrupted; None: none
     # HiSparse only
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
@@ -166,7 +177,7 @@ class SglangConfig(ConfigBase):
         if self.disaggregation_mode not in ("null", "decode"):
             raise ValueError(f"disaggregation_mode must be null or decode, got {self.disaggregation_mode!r}")
         for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
-                     "request_running_timeout_steps"):
+                     "request_running_timeout_steps", "kv_checksum_mismatch_every"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
                 raise ValueError(f"{name} must be null or a positive integer, got {t!r}")
@@ -175,6 +186,9 @@ class SglangConfig(ConfigBase):
         a = self.abort_ack_steps
         if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
             raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {a!r}")
+        if self.kv_checksum_mismatch_every is not None and self.disaggregation_mode != "decode":
+            raise ValueError("kv_checksum_mismatch_every corrupts PD transfers: it needs disaggregation_mode decode "
+                             "(preset sglang-pd-decode)")
         if self.disaggregation_mode == "decode":
             clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse",
                                  "enable_priority_scheduling", "max_queued_requests", "request_waiting_timeout_steps",

@@ -25,10 +25,16 @@ driver plays what is not on this machine:
   digest of the prompt's KV pages into the request's metadata row; ``_commit_transfer_to_req`` keeps
   it as ``req.expected_kv_checksum`` (the layout signatures match: prefill's layout is this
   decode's); ``get_new_prebuilt_batch`` runs ``_verify_kv_checksums``, which digests the received
-  pages again (the fake manager's ``should_verify_kv_checksum`` is ``BaseKVManager``'s: True).
-  SGLang's ``KvChecksumComputer`` is an Adler-32 kernel over the GPU pool's bytes (it asserts CUDA)
-  and kvaudit's pools hold no KV data, so :class:`_KvChecksums` stands in for it: the wire writes a
-  word into each destination page and prefill digests what it sent;
+  pages again (the fake manager's ``should_verify_kv_checksum`` is ``BaseKVManager``'s: True), and a
+  mismatch goes to ``_handle_kv_checksum_mismatch`` (``prepare_abort`` with a 500,
+  ``release_kv_cache(checkpoint=False)``, filtered out of the batch). SGLang's ``KvChecksumComputer``
+  is an Adler-32 kernel over the GPU pool's bytes (it asserts CUDA) and kvaudit's pools hold no KV
+  data, so :class:`_KvChecksums` stands in for it: the wire writes a word into each destination
+  page, prefill digests what it sent, and ``kv_checksum_mismatch_every`` N corrupts every Nth landed
+  transfer on the wire. SGLang raises instead of aborting when ``is_in_ci()``, unless the mismatch
+  was injected (``SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB``); kvaudit's corruption is an
+  injection too, so with ``kv_checksum_mismatch_every`` set ``decode.py``'s ``is_in_ci`` answers
+  False (unset, it is SGLang's: a mismatch kvaudit did not inject raises under ``SGLANG_IS_IN_CI``);
 * **the clock** -- ``decode.py``'s ``time.monotonic`` advances one second per scheduler step, so
   deferred-release timeouts are deterministic.
 
@@ -73,6 +79,7 @@ def load_pd() -> SimpleNamespace:
         from sglang.srt.managers.overlap_utils import FutureMap
         from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
         from sglang.srt.runtime_context import SpawnRanks, get_disagg, get_memory, publish
+        from sglang.utils import is_in_ci
     except ImportError as exc:
         raise SglangUnavailable(f"SGLang's PD decode path does not import: {exc} "
                                 "(pip install --no-deps -r requirements/sglang-cpu.txt)") from None
@@ -82,7 +89,7 @@ def load_pd() -> SimpleNamespace:
         FakeKVReceiver=FakeKVReceiver, FAKE_BOOTSTRAP_HOST=FAKE_BOOTSTRAP_HOST, DisaggregationMode=DisaggregationMode,
         MetadataBuffers=MetadataBuffers, ReqToMetadataIdxAllocator=ReqToMetadataIdxAllocator,
         TransferBackend=TransferBackend, FutureMap=FutureMap, SchedulerBatchResultProcessor=SchedulerBatchResultProcessor,
-        SpawnRanks=SpawnRanks, get_disagg=get_disagg, get_memory=get_memory, publish=publish)
+        SpawnRanks=SpawnRanks, get_disagg=get_disagg, get_memory=get_memory, publish=publish, is_in_ci=is_in_ci)
     return _PD
 
 
@@ -117,14 +124,16 @@ class _Network:
     notification is acknowledged (``note_abort_ack``, as ``CommonKVManager`` records a drain ack)
     after ``ack_steps`` steps, or never. A landing writes the prompt's KV into the destination pages
     and prefill's digest of it, with its layout signature, into the request's metadata row
-    (``send_kv_chunk``'s ``set_kv_checksum``, copied to decode's row)."""
+    (``send_kv_chunk``'s ``set_kv_checksum``, copied to decode's row); every ``mismatch_every``-th
+    landing (None: none) flips one page word on the wire, after prefill digested it."""
 
-    def __init__(self, latency: int, ack_steps: int | None, page_size: int):
-        self.latency, self.ack_steps, self.page_size = latency, ack_steps, page_size
+    def __init__(self, latency: int, ack_steps: int | None, mismatch_every: int | None, page_size: int):
+        self.latency, self.ack_steps = latency, ack_steps
+        self.mismatch_every, self.page_size = mismatch_every, page_size
         self.sending: list[tuple[int, object]] = []  # (step due, receiver)
         self.acks: list[tuple[int, object]] = []
         self.step = 0
-        self.landed = 0
+        self.landed = self.corrupted = 0
         self.checksums = self.metadata_buffers = None  # set once the prealloc queue is built
         self.signature = 0
 
@@ -146,6 +155,9 @@ class _Network:
         words = [(rx.bootstrap_room << 16) + i + 1 for i in range(len(rx.page_indices))]
         digested = -(-(rx.prompt_len - rx.decode_prefix_len) // self.page_size)
         digest = _digest(words[:digested])
+        if self.mismatch_every and self.landed % self.mismatch_every == 0 and words:
+            words[0] ^= 1
+            self.corrupted += 1
         self.checksums.pages.update(zip(rx.page_indices, words))
         self.metadata_buffers.kv_checksum[rx.aux_index, :2] = torch.tensor([digest, self.signature])
         rx.has_sent_metadata = True
@@ -281,7 +293,8 @@ class SglangPdDecodeTarget(SglangTarget):
                                     max_sampling_mask_tokens=sa.sampling_mask_max_tokens, custom_mem_pool=None,
                                     output_dsa_topk_indices_dim=0,
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
-        self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps, config.page_size)
+        self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps,
+                                config.kv_checksum_mismatch_every, config.page_size)
         self.clock = StepClock(getattr(P.decode.time, "_real", P.decode.time))
         P.decode.time = self.clock
         manager_cls, self._receiver_cls = _backend(P, self.network)
@@ -324,6 +337,8 @@ class SglangPdDecodeTarget(SglangTarget):
         pq.kv_manager = manager_cls(pq.kv_manager.kv_args, P.DisaggregationMode.DECODE, sa, False)
         self.network.checksums, self.network.metadata_buffers = sched.kv_checksum_computer, buffers
         self.network.signature = pq.kv_checksum_signature  # prefill's layout is this decode's
+        # kvaudit's corruption is injected, as SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB's: no CI raise
+        P.decode.is_in_ci = P.is_in_ci if config.kv_checksum_mismatch_every is None else (lambda: False)
         sched.disagg_decode_transfer_queue, sched.disagg_decode_prealloc_queue = tq, pq
         self.sched, self.prealloc_queue, self.transfer_queue, self.P = sched, pq, tq, P
         return o
