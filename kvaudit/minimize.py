@@ -69,10 +69,10 @@ def _simpler(op: Op) -> list[Op]:
     elif isinstance(op, PauseGeneration) and op.mode != 1:
         out.append(PauseGeneration(1))  # in_place: a pause that moves no memory
     if isinstance(op, Submit):
-        out += [dataclasses.replace(op, **{f: None}) for f in ("session", "extends", "priority", "grammar")
-                if getattr(op, f) is not None]
-        if op.ignore_eos:
-            out.append(dataclasses.replace(op, ignore_eos=0))
+        out += [dataclasses.replace(op, **{f: None}) for f in ("session", "extends", "priority", "grammar", "parent",
+                                                                "offset") if getattr(op, f) is not None]
+        out += [dataclasses.replace(op, **{f: 0}) for f in ("ignore_eos", "replace", "drop_previous_output")
+                if getattr(op, f)]
     return out
 
 

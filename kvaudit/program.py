@@ -31,6 +31,13 @@ class Submit:
     is constrained by a grammar (SGLang's ``regex``/``json_schema``) that compiles ``grammar`` scheduler
     steps after it arrives; until then it waits in the grammar queue. A target without a grammar
     manager (the built-in engine, PD decode) runs it unconstrained.
+
+    A session turn's ``SessionParams`` (SGLang's; a streaming session rejects all but a plain append,
+    a non-streaming one rebuilds the prompt from a branch of its history): ``parent`` continues from
+    the session's ``parent``-th turn (modulo its turns; None: the default branch point), ``replace``
+    (0/1) replaces that turn (or, with no parent, clears the history), ``drop_previous_output`` (0/1)
+    leaves the parent's output out, ``offset`` splices the new prompt in at that token of the history.
+    The built-in engine's sessions ignore them.
     """
 
     family: int = 0
@@ -42,6 +49,10 @@ class Submit:
     priority: int | None = None
     ignore_eos: int = 0
     grammar: int | None = None
+    parent: int | None = None
+    replace: int = 0
+    drop_previous_output: int = 0
+    offset: int | None = None
     kind: ClassVar[str] = "submit"
 
 
@@ -139,11 +150,12 @@ Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, Me
            ContinueGeneration, Step, Idle]
 OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession,
                                                  MemoryPressure, PauseGeneration, ContinueGeneration, Step, Idle)}
-NULLABLE = ("stop_at", "handle", "session", "extends", "priority", "grammar")
+NULLABLE = ("stop_at", "handle", "session", "extends", "priority", "grammar", "parent", "offset")
 # arguments added after format 1 was first written: left out of JSON and of printed ops when at
 # their default, so every program written before reads, prints and serializes as it did
-LATE_DEFAULTS = {"priority": None, "ignore_eos": 0, "grammar": None, "timeout": 0}
-MAXIMA = {"ignore_eos": 1, "mode": len(PAUSE_MODES) - 1}  # arguments narrower than [0, MAX_ARG]
+LATE_DEFAULTS = {"priority": None, "ignore_eos": 0, "grammar": None, "timeout": 0, "parent": None, "replace": 0,
+                 "drop_previous_output": 0, "offset": None}
+MAXIMA = {"ignore_eos": 1, "mode": len(PAUSE_MODES) - 1, "replace": 1, "drop_previous_output": 1}  # arguments narrower than [0, MAX_ARG]
 FORMAT = "kvaudit.program/1"
 MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return
 

@@ -11,10 +11,11 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_eleven_configurations():
+def test_presets_cover_the_twelve_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
-                                   "sglang-priority", "sglang-mixed"}
+                                   "sglang-priority", "sglang-mixed", "sglang-session-nonstreaming"}
+    assert SGLANG_PRESETS["sglang-session-nonstreaming"].config().session_streaming is False
     mixed = SGLANG_PRESETS["sglang-mixed"].config()
     assert mixed.enable_mixed_chunk and mixed.chunked_prefill_size == 16 and mixed.enable_overlap
     prio = SGLANG_PRESETS["sglang-priority"].config()

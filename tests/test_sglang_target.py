@@ -169,13 +169,15 @@ def test_sequences_take_the_paths_they_name():
 
 
 def record_releases(t) -> dict:
-    """rid -> (output tokens, finish reason type, its message, its HTTP status) at each ``release_kv_cache``."""
+    """rid -> (output tokens, finish reason type, its message, its HTTP status, prompt tokens) at each
+    ``release_kv_cache``."""
     out = {}
     release = t._release
 
     def wrapper(req, checkpoint):
         r = req.finished_reason
-        out[req.rid] = (len(req.output_ids), type(r).__name__, getattr(r, "message", None), getattr(r, "status_code", None))
+        out[req.rid] = (len(req.output_ids), type(r).__name__, getattr(r, "message", None),
+                        getattr(r, "status_code", None), len(req.origin_input_ids))
         return release(req, checkpoint)
 
     t._release = wrapper
@@ -285,7 +287,7 @@ def test_timeout_aborts_carry_a_503_and_release_normally(core):
         assert run.apply(op) == []
     assert "r3" in t.finished and "r3" not in out  # waited 13 steps: aborted in the queue, it held nothing
     assert run.apply(Idle()) == []
-    assert {v[2:] for v in out.values()} == {("Request running timeout reached.", 503)}
+    assert {v[2:4] for v in out.values()} == {("Request running timeout reached.", 503)}
     assert all(v[0] < 40 for v in out.values()) and len(out) == 3
     run.close()
 
@@ -342,6 +344,39 @@ def test_mixed_chunk_decodes_running_requests_inside_prefill_batches(core, overl
     out = record_releases(t)
     assert run.apply(Idle()) == []
     assert out["r0"][1] == "FINISH_ABORT" and out["r1"][:2] == (4, "FINISH_LENGTH")
+    run.close()
+
+
+SESSION_EDITS = [OpenSession(), Submit(0, 10, 3, session=0), Idle(), Submit(1, 5, 3, session=0), Idle(),
+                 Submit(2, 4, 2, session=0, parent=0, replace=1), Idle(),
+                 Submit(3, 4, 2, session=0, parent=0, drop_previous_output=1), Idle(),
+                 Submit(4, 4, 2, session=0, parent=1, offset=6), Idle()]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_streaming_sessions_reject_every_session_edit(core):
+    findings, run = run_ops(cfg("sglang-session", core), [])
+    out = record_releases(run.target)
+    for op in SESSION_EDITS:
+        assert run.apply(op) == []
+    assert {rid: v[2] for rid, v in out.items() if v[1] == "FINISH_ABORT"} == {
+        "r2": "Streaming sessions do not support replace.",
+        "r3": "Streaming sessions do not support drop_previous_output.",
+        "r4": "Streaming sessions do not support offset."}
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_non_streaming_session_turns_branch_from_the_turn_they_name(core):
+    """``SessionParams.rid`` (``parent``) picks the branch point: no parent, no history; ``replace``
+    continues from the parent's context; ``drop_previous_output`` leaves its output out; ``offset``
+    cuts its context there. Prompt lengths: r0 10 (+3 out), r1 5 (+3), r2 13+4, r3 10+4, r4 6+4."""
+    findings, run = run_ops(cfg("sglang-session", core, session_streaming=False), [])
+    out = record_releases(run.target)
+    for op in SESSION_EDITS:
+        assert run.apply(op) == []
+    assert {rid: v[1] for rid, v in out.items()} == {f"r{i}": "FINISH_LENGTH" for i in range(5)}
+    assert {rid: v[4] for rid, v in out.items()} == {"r0": 10, "r1": 5, "r2": 17, "r3": 14, "r4": 10}
     run.close()
 
 

@@ -141,10 +141,19 @@ class SglangConfig(ConfigBase):
     model = "none"
 
     @property
-    def grammar_queue(self) -> bool:
-        """The driver runs SGLang's ``GrammarManager`` (not on a PD decode server): the generators
-        give some submits a grammar."""
-        return self.disaggregation_mode == "null"
+    def program_features(self) -> frozenset[str]:
+        """Program arguments this target gives meaning to, so the generators draw them
+        (:data:`kvaudit.program.FEATURES`): priorities with priority scheduling, grammars where the
+        driver runs SGLang's ``GrammarManager`` (not on a PD decode server), session parameters with
+        sessions, flush timeouts always."""
+        out = {"flush_timeout"}
+        if self.enable_streaming_session:
+            out.add("session_params")
+        if self.enable_priority_scheduling:
+            out.add("priority")
+        if self.disaggregation_mode == "null":
+            out.add("grammar")
+        return frozenset(out)
 
     @property
     def disable_radix_cache(self) -> bool:
@@ -277,6 +286,9 @@ SGLANG_PRESETS: dict[str, Preset] = {
                      {"need_sort": True, "page_size": 4, "num_slots": 256}),
         _preset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
                      {"enable_streaming_session": True, "context_len": 96}),
+        _preset("sglang-session-nonstreaming", "non-streaming sessions (history through the radix cache; turns "
+                                               "branch, replace, drop output or splice with SessionParams), page 1",
+                {"enable_streaming_session": True, "session_streaming": False, "context_len": 96}),
         _preset("sglang-overlap", "overlap scheduling (event_loop_overlap): each batch's result is processed "
                                   "one step after the next batch is allocated; page 4",
                 {"enable_overlap": True, "page_size": 4}),

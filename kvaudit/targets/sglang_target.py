@@ -168,6 +168,7 @@ class SglangTarget:
         self.submitted: list[str] = []
         self.finished: set[str] = set()
         self.sessions: list[str] = []  # open session ids, in opening order
+        self.session_turns: dict[str, list[str]] = {}  # session id -> its turns' rids (SessionParams.rid)
         self._n = 0
         self._opened = 0
         self._force_retract = False
@@ -419,7 +420,7 @@ class SglangTarget:
                 prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
             sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
             self._submit(prompt, max_new, op.stop_at, sid, priority=op.priority, ignore_eos=bool(op.ignore_eos),
-                         grammar=op.grammar)
+                         grammar=op.grammar, session_edit=op)
         elif isinstance(op, HealthCheck):
             # /health_generate: a 1-token generate request, run only when the scheduler is idle
             if self.is_idle_for_health_check():
@@ -459,11 +460,12 @@ class SglangTarget:
 
     def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
                 rid_prefix: str = "r", priority: int | None = None, ignore_eos: bool = False,
-                grammar: int | None = None) -> None:
+                grammar: int | None = None, session_edit: Submit | None = None) -> None:
         """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
         turn; then its length checks; then ``process_req_with_grammar`` (a request with a grammar waits
         in the grammar queue until it compiles, ``grammar`` steps from now) or the waiting queue. A
-        request aborted at intake goes to the waiting queue at once."""
+        request aborted at intake goes to the waiting queue at once. ``session_edit``: the submit whose
+        ``parent``/``replace``/``drop_previous_output``/``offset`` become the turn's ``SessionParams``."""
         S, cfg = self.S, self.config
         rid = f"{rid_prefix}{self._n}"
         self._n += 1
@@ -478,10 +480,16 @@ class SglangTarget:
                 f"Invalid request: close was requested for session {sid}"
             sid = None
         if sid is not None:  # an open session (closed ones leave self.sessions at once)
+            turns = self.session_turns.setdefault(sid, [])
+            e = session_edit or Submit()
+            params = S.SessionParams(id=sid, rid=turns[e.parent % len(turns)] if e.parent is not None and turns else None,
+                                     offset=e.offset, replace=bool(e.replace),
+                                     drop_previous_output=bool(e.drop_previous_output))
+            turns.append(rid)
             recv = S.TokenizedGenerateReqInput(
                 input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
-                rid=rid, session_params=S.SessionParams(id=sid), priority=priority)
+                rid=rid, session_params=params, priority=priority)
             req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
         else:
             req = self._new_req(rid, ids, sp)
