@@ -149,12 +149,13 @@ class Scheduler:
     # Client side
     # ------------------------------------------------------------------------------------
     def add_request(self, input_ids: list[int], max_new_tokens: int, stop_at: int | None = None,
-                    rid: str | None = None, session_id: str | None = None) -> str:
+                    rid: str | None = None, session_id: str | None = None, ignore_eos: bool = False) -> str:
         """Queue a generate request; returns its rid. ``stop_at`` is the output length at which EOS
-        is sampled. With ``session_id`` it is the next turn of that streaming session: its prompt is
-        appended to the session's history at intake (a turn over the context is aborted there).
-        Raises ``ValueError`` for an empty prompt, one that cannot fit the context, or a session id
-        without ``enable_streaming_session``."""
+        is sampled; with ``ignore_eos`` (SGLang's sampling parameter) that EOS is kept in the output
+        but finishes nothing, and the request runs to ``max_new_tokens``. With ``session_id`` it is
+        the next turn of that streaming session: its prompt is appended to the session's history at
+        intake (a turn over the context is aborted there). Raises ``ValueError`` for an empty prompt,
+        one that cannot fit the context, or a session id without ``enable_streaming_session``."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a request needs at least one input token and max_new_tokens >= 1")
         if len(input_ids) + max_new_tokens > self.config.context_len:
@@ -162,7 +163,7 @@ class Scheduler:
         if session_id is not None and self.session_controller is None:
             raise ValueError("session turns need enable_streaming_session")
         rid = rid or f"req-{next(self._rids)}"
-        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at),
+        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at, ignore_eos),
                                     session_id=session_id))
         return rid
 
@@ -716,8 +717,9 @@ class Scheduler:
                 tok = EOS_TOKEN
             else:
                 tok = self._forward(req, start, end, loc)
-            if sampled:
-                req.future_ids.append(tok)
+            if sampled:  # the sampler emits the EOS, so a forward that runs before the result reads it
+                req.future_ids.append(EOS_TOKEN if self._eos_at(req, len(req.output_ids) + len(req.future_ids) + 1)
+                                      else tok)
         if batch.host_loc is not None:
             self.hisparse_coordinator.backup(batch.model_loc, batch.host_loc)
 
@@ -738,8 +740,14 @@ class Scheduler:
             ctx_pos = torch.arange(end, dtype=INDEX_DTYPE, device=dev)
         return self.model.forward(self.kv_pool, tokens, positions, write_loc, ctx_loc, ctx_pos)
 
+    @staticmethod
+    def _eos_at(req: Req, n: int) -> bool:
+        """Whether the token that makes the output ``n`` long is an EOS: the one sampled at output
+        length ``stop_at``. A request that ignores EOS runs past it, so only that one is."""
+        return req.stop_at is not None and (n == req.stop_at if req.ignore_eos else n >= req.stop_at)
+
     def _eos(self, req: Req) -> bool:
-        return req.stop_at is not None and len(req.output_ids) >= req.stop_at
+        return self._eos_at(req, len(req.output_ids))
 
     def _append_token(self, req: Req, tok: int) -> None:
         req.output_ids.append(tok)

@@ -103,6 +103,24 @@ def test_prefill_and_decode_to_completion(make_engine, page_size):
     assert s.tree_cache.evictable_size() > 0  # finished requests were cached
 
 
+@pytest.mark.parametrize("preset", ["default", "overlap", "chunked", "pd-decode", "pd-decode-hisparse"])
+@pytest.mark.parametrize("model", ["none", "tiny"])
+def test_ignore_eos_keeps_the_eos_and_runs_to_max_new_tokens(make_engine, preset, model):
+    s = make_engine(preset, model=model)
+    a = s.add_request([5, 6, 7], max_new_tokens=6, stop_at=2, ignore_eos=True)
+    b = s.add_request([5, 6, 8], max_new_tokens=6, stop_at=2)
+    s.run_until_idle()
+    out = outputs(s)
+    assert (out[a].reason, len(out[a].output_ids)) == (FinishReason.LENGTH, 6)
+    assert out[a].output_ids[1] == EOS and EOS not in out[a].output_ids[2:]  # sampled once, then run past
+    assert (out[b].reason, out[b].output_ids[-1], len(out[b].output_ids)) == (FinishReason.STOP, EOS, 2)
+    assert_clean_at_idle(s)
+    ref = make_engine("default", model=model)
+    ref.add_request([5, 6, 7], max_new_tokens=6, stop_at=2, ignore_eos=True)
+    ref.run_until_idle()
+    assert out[a].output_ids == ref.finished_outputs[0].output_ids  # later tokens read the EOS in every mode
+
+
 def test_prefix_shared_between_two_requests_is_reused(make_engine):
     s = make_engine(num_slots=64)
     seen = spy_extends(s)
