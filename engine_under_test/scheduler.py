@@ -449,11 +449,13 @@ class Scheduler:
             self._release_finished(chunked, checkpoint=False)
         elif chunked is not None:  # stash_chunked_request: publish the chunks computed so far
             self.checkpoint_kv_cache(chunked)
-        if self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
+        # HiSparse has its own prefill-to-decode transition (staging, collected above): no merge, as in
+        # SGLang; a merge would add a request collected in the same step a second time.
+        if hs is None and self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
             # A request whose last chunk sampled nothing is mid-prefill: it never joins decode.
             self.running_batch.extend(r for r in self.last_batch.reqs
                                       if not r.finished() and r is not self.chunked_req and r.kv.holds_kv
-                                      and not r.hisparse_staging                                      and (r.output_ids or r.future_ids) and id(r) not in self.last_batch.decode_ids)
+                                      and (r.output_ids or r.future_ids) and id(r) not in self.last_batch.decode_ids)
         self.running_batch = [r for r in self.running_batch if not r.finished()]
         batch = self.get_new_batch_prefill()
         if batch is not None:

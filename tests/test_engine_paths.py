@@ -833,6 +833,20 @@ def test_hisparse_prefill_staging_then_running_with_a_device_buffer():
     assert_pools_full(s)
 
 
+def test_hisparse_request_collected_the_step_after_its_prefill_joins_decode_once():
+    """With a zero-latency host ack the staged request is collected in the very step after its
+    prefill, while that prefill is still the last batch: it must join the running batch once."""
+    s = make("hisparse", host_ack_latency_steps=0)
+    rid = s.add_request(list(range(2, 22)), 6)
+    s.step()
+    s.step()
+    assert [r.rid for r in s.running_batch] == [rid]
+    s.run_until_idle()
+    assert (outputs(s)[rid].reason, len(outputs(s)[rid].output_ids)) == (FinishReason.LENGTH, 6)
+    assert_clean_idle(s)
+    assert_pools_full(s)
+
+
 def test_hisparse_abort_while_staging_returns_every_slot():
     """An abort while the request is staging returns every slot of all three pools."""
     s = make("hisparse")
