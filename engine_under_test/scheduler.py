@@ -506,8 +506,8 @@ class Scheduler:
         if self.config.is_pd_decode:
             staged = [r for r in self.waiting_queue if r.kv.holds_kv]
             self.waiting_queue = [r for r in self.waiting_queue if not r.kv.holds_kv]
-        reqs = list({id(r): r for r in self.running_batch + last + [chunked] + staged
-                     if r is not None and not r.finished() and r.kv.holds_kv}.values())
+        reqs = [r for r in self.running_batch + last + [chunked] if r is not None and not r.finished()]
+        reqs = list({id(r): r for r in reqs + staged if r.kv.holds_kv}.values())  # staged: even finished at hand-off
         self.last_batch = self.chunked_req = None
         self.running_batch = []
         for req in reqs:

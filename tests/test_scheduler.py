@@ -950,6 +950,29 @@ def test_pd_retract_pause_rebootstraps_and_an_abort_while_held_ends_the_request(
     assert_clean_at_idle(s)
 
 
+def test_pd_retract_pause_rebootstraps_a_transferred_request_already_finished_at_hand_off():
+    """SGLang retracts every transferred waiting request, finished or not: one that finished on its
+    hand-off token (stop_at=1) is rebuilt and released by the prebuilt step after continue."""
+    s = Scheduler(get_preset("pd-decode").config())  # one running request: the others wait
+    a = s.add_request(list(range(2, 12)), 8)
+    b = s.add_request(list(range(20, 30)), 8, stop_at=1)
+    for _ in range(2):
+        s.step()
+    rb = find(s.waiting_queue, b)
+    assert rb.finished() and rb.kv.holds_kv
+    s.pause_generation("retract")
+    s.step()
+    assert rb in s.held_rebootstrap_reqs and not rb.kv.holds_kv
+    s.request_flush_cache()
+    s.step()
+    assert s.flush_results == [True]
+    s.continue_generation()
+    s.run_until_idle()
+    out = outputs(s)
+    assert (out[b].reason, out[b].output_ids) == (FinishReason.STOP, [EOS]) and len(out[a].output_ids) == 8
+    assert_clean_at_idle(s)
+
+
 def test_pause_generation_mode_abort_is_the_callers_and_unknown_modes_raise(make_engine):
     s = make_engine()
     for mode in ("abort", "drain"):
