@@ -50,6 +50,7 @@ class Req:
     origin_input_ids: list[int]
     max_new_tokens: int
     stop_at: int | None = None  # output position that samples EOS (models a stop token)
+    ignore_eos: bool = False  # sampling_params.ignore_eos: the EOS at stop_at does not finish the request
     output_ids: list[int] = field(default_factory=list)
     kv: ReqKvInfo = field(default_factory=ReqKvInfo)
     prefix_indices: object = None  # [prefix_len] int64 slots matched in the tree at admission
@@ -70,6 +71,8 @@ class Req:
     retracted_in_session: bool = False  # retracted after writing into its session's record
     intake_aborted: bool = False  # set_finish_with_abort at intake: runs one 1-token prefill, then ends
     load_back: object = None  # HiCache: the load-back this waiting request waits for
+    pd_rebootstrap_in_progress: bool = False  # PD decode: retracted by a pause, its KV is transferred again
+    pd_rebootstrap_forced_output_id: int | None = None  # ... and this emitted token is its hand-off token
 
     @property
     def is_health_check(self) -> bool:
@@ -100,12 +103,13 @@ class Req:
         return kv
 
     def update_finish_state(self, eos_sampled: bool) -> None:
-        """Set ``finished_reason`` (``to_finish`` wins, then EOS, then length), as SGLang does."""
+        """Set ``finished_reason`` (``to_finish`` wins, then EOS, then length), as SGLang does; with
+        ``ignore_eos`` an EOS finishes nothing (SGLang ``Req._check_token_based_finish``)."""
         if self.finished():
             return
         if self.to_finish is not None:
             self.finished_reason = self.to_finish
-        elif eos_sampled:
+        elif eos_sampled and not self.ignore_eos:
             self.finished_reason = FinishReason.STOP
             self.finished_len = len(self.output_ids) - 1  # the stop token itself is not kept
         elif len(self.output_ids) >= self.max_new_tokens:

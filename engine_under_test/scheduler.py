@@ -1,14 +1,15 @@
 """The scheduler: SGLang's event loop over the memory pools.
 
 Modelled on SGLang 0.5.x ``srt/managers/scheduler.py`` (``event_loop_normal``,
-``get_next_batch_to_run``, ``process_input_requests``, ``abort_request``, ``on_idle``),
+``get_next_batch_to_run``, ``process_input_requests``, ``abort_request``, ``on_idle``,
+``pause_generation``, ``continue_generation``),
 ``srt/managers/scheduler_components/batch_result_processor.py``, ``srt/mem_cache/common.py``
 (``release_kv_cache``, ``checkpoint_kv_cache``), ``srt/mem_cache/allocation.py``
 (``alloc_for_extend``, ``alloc_for_decode``) and, for PD decode, ``srt/disaggregation/decode.py``.
 
 One :meth:`Scheduler.step` is one loop iteration::
 
-    [HiCache acks] -> ingest (+ session reap) -> [PD: prealloc, transfer] -> [HiSparse: staged reqs join]
+    [HiCache acks] -> ingest (+ session reap) -> [paused: stop here] -> [PD: prealloc, transfer] -> [HiSparse: staged reqs join]
         -> next batch (prefill | prebuilt + decode) -> run (KV written, tokens to future_ids)
         -> process result (this batch; with overlap the previous one) -> last_batch = batch
         -> (nothing ran or in flight: on_idle)
@@ -73,10 +74,12 @@ class PoolCheck(NamedTuple):
 @dataclass
 class _Msg:
     kind: str  # "generate" | "abort" | "health_check" | "flush_cache" | "open_session" | "close_session"
+    #            | "memory_pressure" | "pause_generation" | "continue_generation"
     req: Req | None = None
     rid: str | None = None
     abort_all: bool = False
     session_id: str | None = None
+    mode: str | None = None  # pause_generation: "in_place" | "retract"
 
 
 @dataclass
@@ -131,6 +134,7 @@ class Scheduler:
         self.running_batch: list[Req] = []
         self.last_batch: ScheduleBatch | None = None
         self.disagg_prealloc_queue: list[Req] = []
+        self.held_rebootstrap_reqs: list[Req] = []  # PD decode: retracted by a pause, queued again at continue
         self.disagg_transfer_queue: list[Req] = []
         self.forward_ct = 0
         self.pending_health_check_acks = 0
@@ -142,6 +146,7 @@ class Scheduler:
         self.num_retractions = 0
         self._pending_chunked_abort = False
         self._force_retract = False
+        self._engine_paused = False
         self._rids = itertools.count()
         self.session_controller = SessionController(self) if cfg.enable_streaming_session else None
 
@@ -149,12 +154,13 @@ class Scheduler:
     # Client side
     # ------------------------------------------------------------------------------------
     def add_request(self, input_ids: list[int], max_new_tokens: int, stop_at: int | None = None,
-                    rid: str | None = None, session_id: str | None = None) -> str:
+                    rid: str | None = None, session_id: str | None = None, ignore_eos: bool = False) -> str:
         """Queue a generate request; returns its rid. ``stop_at`` is the output length at which EOS
-        is sampled. With ``session_id`` it is the next turn of that streaming session: its prompt is
-        appended to the session's history at intake (a turn over the context is aborted there).
-        Raises ``ValueError`` for an empty prompt, one that cannot fit the context, or a session id
-        without ``enable_streaming_session``."""
+        is sampled; with ``ignore_eos`` (SGLang's sampling parameter) that EOS is kept in the output
+        but finishes nothing, and the request runs to ``max_new_tokens``. With ``session_id`` it is
+        the next turn of that streaming session: its prompt is appended to the session's history at
+        intake (a turn over the context is aborted there). Raises ``ValueError`` for an empty prompt,
+        one that cannot fit the context, or a session id without ``enable_streaming_session``."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a request needs at least one input token and max_new_tokens >= 1")
         if len(input_ids) + max_new_tokens > self.config.context_len:
@@ -162,7 +168,7 @@ class Scheduler:
         if session_id is not None and self.session_controller is None:
             raise ValueError("session turns need enable_streaming_session")
         rid = rid or f"req-{next(self._rids)}"
-        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at),
+        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at, ignore_eos),
                                     session_id=session_id))
         return rid
 
@@ -211,6 +217,28 @@ class Scheduler:
         self.recv_queue.append(_Msg("health_check", Req(rid, [0], 1)))
         return rid
 
+    def pause_generation(self, mode: str) -> None:
+        """Queue SGLang's ``/pause_generation`` for the scheduler (a weight update's first step).
+
+        ``mode`` is ``"in_place"`` (stop scheduling, state frozen) or ``"retract"`` (first retract
+        every in-flight request to the waiting queue, so ``flush_cache`` can succeed while paused);
+        see :meth:`handle_pause_generation`. The third SGLang mode, ``"abort"``, is the tokenizer's
+        alone (abort every request and hold new ones; the scheduler keeps running): the caller
+        does it with ``abort_request(abort_all=True)``. Raises ``ValueError`` for any other mode.
+        """
+        if mode not in ("in_place", "retract"):
+            raise ValueError(f"the scheduler pauses 'in_place' or 'retract', got {mode!r}")
+        self.recv_queue.append(_Msg("pause_generation", mode=mode))
+
+    def continue_generation(self) -> None:
+        """Queue SGLang's ``/continue_generation``: the scheduler runs again (a no-op when not paused)."""
+        self.recv_queue.append(_Msg("continue_generation"))
+
+    @property
+    def paused(self) -> bool:
+        """SGLang ``_engine_paused``: a step only takes in messages; nothing is scheduled or run."""
+        return self._engine_paused
+
     def request_flush_cache(self) -> None:
         """Queue a cache flush (SGLang ``/flush_cache``); the outcome lands in ``flush_results``."""
         self.recv_queue.append(_Msg("flush_cache"))
@@ -219,9 +247,11 @@ class Scheduler:
         """Drop the radix tree and return every pool to its initial state, only when fully idle.
 
         Returns False, touching nothing, while any request is queued or running (SGLang
-        ``flush_cache``: "Cache not flushed because there are pending requests").
+        ``flush_cache``: "Cache not flushed because there are pending requests"). While paused,
+        waiting requests that hold no memory do not count (``is_fully_idle(ignore_waiting=paused)``):
+        a retract pause followed by a flush is how a weight update drops the old KV.
         """
-        if not self.is_fully_idle():
+        if not self.is_fully_idle(ignore_waiting=self._engine_paused):
             return False
         self.tree_cache.reset()
         if self.hicache_host_pool is not None:
@@ -254,9 +284,11 @@ class Scheduler:
         that has in fact finished can still be given one more decode slot.
         """
         self.forward_ct += 1
-        if self.hicache_host_pool is not None:
-            self.check_hicache_events()
+        if self.hicache_host_pool is not None and not self._engine_paused:
+            self.check_hicache_events()  # SGLang drains HiCache events in get_next_batch_to_run
         self.process_input_requests()
+        if self._engine_paused:  # event_loop_*: a paused engine only ingests
+            return False
         if self.config.is_pd_decode:
             self.process_decode_queue()
             batch = self.get_next_disagg_decode_batch_to_run()
@@ -283,13 +315,19 @@ class Scheduler:
             self.step()
         raise RuntimeError(f"engine did not reach idle within {max_steps} steps")
 
-    def is_fully_idle(self, for_health_check: bool = False) -> bool:
+    def is_fully_idle(self, for_health_check: bool = False, ignore_waiting: bool = False) -> bool:
         """SGLang ``is_fully_idle``: no batch, no queued request, no PD queue entry.
 
         ``for_health_check`` selects SGLang's narrower set for health checks; with the queues this
-        engine has (no grammar, PP or HiCache queues yet) the two sets coincide.
+        engine has (no grammar, PP or HiCache queues yet) the two sets coincide. ``ignore_waiting``
+        (a flush while paused) passes waiting requests that hold no memory: no row, no KV and no
+        HiCache load-back (whose locks a flush would drop under it).
         """
-        busy = self.running_batch or self.last_batch is not None or self.waiting_queue or self.chunked_req
+        if ignore_waiting:
+            waiting = any(r.kv.holds_kv or r.load_back is not None for r in self.waiting_queue)
+        else:
+            waiting = self.waiting_queue or self.held_rebootstrap_reqs
+        busy = self.running_batch or self.last_batch is not None or waiting or self.chunked_req
         if self.config.is_pd_decode:
             busy = busy or self.disagg_prealloc_queue or self.disagg_transfer_queue
         hs = self.hisparse_coordinator
@@ -341,6 +379,12 @@ class Scheduler:
                 continue
             if m.kind == "flush_cache":
                 self.flush_results.append(self.flush_cache())
+                continue
+            if m.kind == "pause_generation":
+                self.handle_pause_generation(m.mode)
+                continue
+            if m.kind == "continue_generation":
+                self.handle_continue_generation()
                 continue
             if m.kind == "memory_pressure":
                 self.tree_cache.evict(self.tree_cache.evictable_size())
@@ -400,10 +444,11 @@ class Scheduler:
             hs.abort_staging_request(req)  # HiSparse staging: the host backup is still in flight
             req.finished_reason = FinishReason.ABORT
             self._release_finished(req, checkpoint=False)
-        for req in [r for r in self.disagg_prealloc_queue if hit(r)]:
-            self.disagg_prealloc_queue.remove(req)
-            req.finished_reason = FinishReason.ABORT
-            self._emit(req)
+        for queue in (self.disagg_prealloc_queue, self.held_rebootstrap_reqs):  # PD decode: nothing held yet
+            for req in [r for r in queue if hit(r)]:
+                queue.remove(req)
+                req.finished_reason = FinishReason.ABORT
+                self._emit(req)
         for req in [r for r in self.disagg_transfer_queue if hit(r)]:
             self.disagg_transfer_queue.remove(req)
             req.finished_reason = FinishReason.ABORT
@@ -433,6 +478,62 @@ class Scheduler:
                 self.req_to_token_pool.free(kv.req_pool_idx)
                 self.running_batch = [r for r in self.running_batch if r is not req]
 
+    def handle_pause_generation(self, mode: str) -> None:
+        """SGLang ``Scheduler.pause_generation`` (``srt/managers/scheduler.py``), at intake.
+
+        ``in_place``: only the flag; running batch, last batch and chunked request stay as they are
+        and the normal loop picks them up at continue. ``retract``: with overlap the pending result
+        is processed first; a chunked request with a recorded abort is released as the next round
+        would (``process_pending_chunked_abort``); then every unfinished request of the running
+        batch, of the last batch when it was a prefill, and the chunked request is retracted
+        (``retract_all``: :meth:`release_req`, the retraction release path) and queued again (PD
+        decode: with the transferred waiting requests, held for a rebootstrap, see
+        :meth:`_hold_rebootstrap`). Last batch and chunked request are cleared.
+        """
+        self._engine_paused = True
+        if mode == "in_place":
+            return
+        if self.config.enable_overlap and self.last_batch is not None:
+            self.process_batch_result(self.last_batch)
+            self.maybe_send_health_check_signal()
+        chunked = self.chunked_req
+        if chunked is not None and self._pending_chunked_abort:
+            self._pending_chunked_abort = False
+            chunked.finished_reason = FinishReason.ABORT
+            self._release_finished(chunked, checkpoint=False)
+        last = self.last_batch.reqs if self.last_batch is not None and self.last_batch.forward_mode == EXTEND else []
+        staged = []  # PD decode: transferred requests waiting to join hold their KV; rebuild it too
+        if self.config.is_pd_decode:
+            staged = [r for r in self.waiting_queue if r.kv.holds_kv]
+            self.waiting_queue = [r for r in self.waiting_queue if not r.kv.holds_kv]
+        reqs = [r for r in self.running_batch + last + [chunked] if r is not None and not r.finished()]
+        reqs = list({id(r): r for r in reqs + staged if r.kv.holds_kv}.values())  # staged: even finished at hand-off
+        self.last_batch = self.chunked_req = None
+        self.running_batch = []
+        for req in reqs:
+            self.release_req(req)
+        self.num_retractions += len(reqs)
+        if self.config.is_pd_decode:
+            self._hold_rebootstrap(reqs)
+        else:
+            self.waiting_queue.extend(reqs)  # _add_request_to_queue
+
+    def _hold_rebootstrap(self, reqs: list[Req]) -> None:
+        """PD decode retraction (SGLang ``hold_rebootstrap``): the last emitted token is popped and
+        kept as the hand-off token of a new transfer of the rest, which is queued at continue."""
+        for req in reqs:
+            if req.output_ids:
+                req.pd_rebootstrap_forced_output_id = req.output_ids.pop()
+            req.pd_rebootstrap_in_progress = True
+        self.held_rebootstrap_reqs.extend(reqs)
+
+    def handle_continue_generation(self) -> None:
+        """SGLang ``Scheduler.continue_generation``: clear the flag; PD decode queues the held
+        rebootstraps for preallocation (``enqueue_held_rebootstrap``)."""
+        self._engine_paused = False
+        self.disagg_prealloc_queue.extend(self.held_rebootstrap_reqs)
+        self.held_rebootstrap_reqs = []
+
     # ------------------------------------------------------------------------------------
     # Aggregated mode: prefill and decode
     # ------------------------------------------------------------------------------------
@@ -448,11 +549,13 @@ class Scheduler:
             self._release_finished(chunked, checkpoint=False)
         elif chunked is not None:  # stash_chunked_request: publish the chunks computed so far
             self.checkpoint_kv_cache(chunked)
-        if self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
+        # HiSparse has its own prefill-to-decode transition (staging, collected above): no merge, as in
+        # SGLang; a merge would add a request collected in the same step a second time.
+        if hs is None and self.last_batch is not None and self.last_batch.forward_mode == EXTEND:
             # A request whose last chunk sampled nothing is mid-prefill: it never joins decode.
             self.running_batch.extend(r for r in self.last_batch.reqs
                                       if not r.finished() and r is not self.chunked_req and r.kv.holds_kv
-                                      and not r.hisparse_staging                                      and (r.output_ids or r.future_ids) and id(r) not in self.last_batch.decode_ids)
+                                      and (r.output_ids or r.future_ids) and id(r) not in self.last_batch.decode_ids)
         self.running_batch = [r for r in self.running_batch if not r.finished()]
         batch = self.get_new_batch_prefill()
         if batch is not None:
@@ -716,8 +819,9 @@ class Scheduler:
                 tok = EOS_TOKEN
             else:
                 tok = self._forward(req, start, end, loc)
-            if sampled:
-                req.future_ids.append(tok)
+            if sampled:  # the sampler emits the EOS, so a forward that runs before the result reads it
+                req.future_ids.append(EOS_TOKEN if self._eos_at(req, len(req.output_ids) + len(req.future_ids) + 1)
+                                      else tok)
         if batch.host_loc is not None:
             self.hisparse_coordinator.backup(batch.model_loc, batch.host_loc)
 
@@ -738,8 +842,14 @@ class Scheduler:
             ctx_pos = torch.arange(end, dtype=INDEX_DTYPE, device=dev)
         return self.model.forward(self.kv_pool, tokens, positions, write_loc, ctx_loc, ctx_pos)
 
+    @staticmethod
+    def _eos_at(req: Req, n: int) -> bool:
+        """Whether the token that makes the output ``n`` long is an EOS: the one sampled at output
+        length ``stop_at``. A request that ignores EOS runs past it, so only that one is."""
+        return req.stop_at is not None and (n == req.stop_at if req.ignore_eos else n >= req.stop_at)
+
     def _eos(self, req: Req) -> bool:
-        return req.stop_at is not None and len(req.output_ids) >= req.stop_at
+        return self._eos_at(req, len(req.output_ids))
 
     def _append_token(self, req: Req, tok: int) -> None:
         req.output_ids.append(tok)
@@ -889,8 +999,8 @@ class Scheduler:
         reserved = self._reserved_tokens(self.running_batch + self.waiting_queue + self.disagg_transfer_queue)
         while self.disagg_prealloc_queue:
             req = self.disagg_prealloc_queue[0]
-            fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-            need = fill_len + req.max_new_tokens + 2 * self.page_size
+            fill_len = self._pre_alloc_fill_len(req)
+            need = fill_len + req.max_new_tokens - len(req.output_ids) + 2 * self.page_size  # a rebootstrap's too
             if self.req_to_token_pool.available_size() == 0 or need > alloc.available_size() - reserved:
                 break
             self._pre_alloc(req, fill_len)
@@ -906,6 +1016,14 @@ class Scheduler:
                 continue  # HiSparse: no device buffer yet; retry next step
             self.disagg_transfer_queue.remove(req)
             self.waiting_queue.append(req)
+
+    @staticmethod
+    def _pre_alloc_fill_len(req: Req) -> int:
+        """Positions the transfer fills (SGLang ``_pre_alloc_fill_len``): a rebootstrap's whole text
+        (its last token was popped to be replayed as the hand-off), else all but the last output."""
+        if req.pd_rebootstrap_in_progress:
+            return len(req.origin_input_ids) + len(req.output_ids)
+        return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
 
     def _pre_alloc(self, req: Req, fill_len: int) -> None:
         """A row plus ``fill_len`` slots as the transfer target (HiSparse: logical ids + host slots)."""
@@ -928,8 +1046,9 @@ class Scheduler:
 
     def _commit_transfer_to_req(self, req: Req) -> bool:
         """The prefill side's KV has landed: compute it (our stand-in for RDMA) and append the
-        hand-off token; HiSparse admits the request straight into its device buffer first.
-        Returns False, changing nothing but the KV content, if HiSparse has no buffer room."""
+        hand-off token (a rebootstrap replays the token it popped); HiSparse admits the request
+        straight into its device buffer first. Returns False, changing nothing but the KV content,
+        if HiSparse has no buffer room."""
         n = req.kv.kv_committed_len
         row = req.kv.req_pool_idx
         hs = self.hisparse_coordinator
@@ -946,6 +1065,9 @@ class Scheduler:
             tok = self.model.forward(target, toks, pos, loc, loc, pos)
         if hs is not None and not hs.admit_request_direct(req):
             return False
+        if req.pd_rebootstrap_forced_output_id is not None:
+            tok, req.pd_rebootstrap_forced_output_id = req.pd_rebootstrap_forced_output_id, None
+        req.pd_rebootstrap_in_progress = False
         self._append_token(req, tok)
         return True
 

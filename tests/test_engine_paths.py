@@ -1,5 +1,7 @@
 """Engine-level tests of the paths the newer zoo switches live on: overlap scheduling, streaming
-sessions, HiCache, HiSparse staging, health checks in every preset and memory pressure.
+sessions, HiCache, HiSparse staging, health checks in every preset and memory pressure; and
+pause/continue generation, driven as program ops through the kvaudit target (which plays SGLang's
+tokenizer: it holds new requests while paused).
 
 Every zoo test runs one hand-written op sequence twice, with its switch on and off: on, the fault
 is an engine fact (a duplicate in a free list, a slot nothing references, a negative counter, a
@@ -13,7 +15,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_under_test import PRESETS, FinishReason, PoolIntegrityError, Scheduler, get_preset
+from engine_under_test import BUGS, PRESETS, FinishReason, PoolIntegrityError, Scheduler, get_preset
+from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, PauseGeneration,
+                             Step, Submit)
+from kvaudit.runner import LIVENESS_STEPS, AuditedRun, execute
 
 EOS = 1
 
@@ -833,6 +838,20 @@ def test_hisparse_prefill_staging_then_running_with_a_device_buffer():
     assert_pools_full(s)
 
 
+def test_hisparse_request_collected_the_step_after_its_prefill_joins_decode_once():
+    """With a zero-latency host ack the staged request is collected in the very step after its
+    prefill, while that prefill is still the last batch: it must join the running batch once."""
+    s = make("hisparse", host_ack_latency_steps=0)
+    rid = s.add_request(list(range(2, 22)), 6)
+    s.step()
+    s.step()
+    assert [r.rid for r in s.running_batch] == [rid]
+    s.run_until_idle()
+    assert (outputs(s)[rid].reason, len(outputs(s)[rid].output_ids)) == (FinishReason.LENGTH, 6)
+    assert_clean_idle(s)
+    assert_pools_full(s)
+
+
 def test_hisparse_abort_while_staging_returns_every_slot():
     """An abort while the request is staging returns every slot of all three pools."""
     s = make("hisparse")
@@ -851,3 +870,83 @@ def test_hisparse_abort_while_staging_returns_every_slot():
     assert not (hs.req_to_host_pool or hs.req_to_device_buffer or hs.req_prefill_physical)
     assert_clean_idle(s)
     assert_pools_full(s)
+
+
+# == G. pause_generation / continue_generation through the target ===============================
+
+ABORT, IN_PLACE, RETRACT = (PAUSE_MODES.index(m) for m in ("abort", "in_place", "retract"))
+
+PAUSE_PROGRAMS = {
+    "in_place": [Submit(0, 20, 8), Submit(1, 40, 6, stop_at=2, ignore_eos=1), Step(2), PauseGeneration(IN_PLACE),
+                 Step(5), Submit(2, 10, 4), HealthCheck(), FlushCache(), Abort(0), Step(3), ContinueGeneration(),
+                 Step(3), Idle()],
+    "retract": [Submit(0, 20, 8), Submit(1, 50, 6, priority=3), Step(2), PauseGeneration(RETRACT), Step(2),
+                FlushCache(), Step(1), Submit(0, 12, 3), Abort(0), Step(2), ContinueGeneration(), Idle(), FlushCache(),
+                Idle()],
+    "abort": [Submit(0, 20, 8), Submit(1, 40, 6), Step(2), PauseGeneration(ABORT), Submit(2, 10, 4, stop_at=1, ignore_eos=1),
+              HealthCheck(), Step(4), ContinueGeneration(), Idle()],
+    "idle resumes": [Submit(0, 20, 8), Step(1), PauseGeneration(RETRACT), Submit(3, 9, 3), Idle(), FlushCache(), Idle()],
+    "stacked": [Submit(0, 50, 8), Submit(2, 30, 8), Step(1), PauseGeneration(IN_PLACE), Abort(None),
+                PauseGeneration(RETRACT), PauseGeneration(ABORT), FlushCache(), Step(2), ContinueGeneration(),
+                ContinueGeneration(), Submit(1, 5, 2), Idle()],
+}
+
+
+@pytest.mark.parametrize("name", PAUSE_PROGRAMS)
+@pytest.mark.parametrize("preset", sorted({"default", "overlap", "chunked"} | {b.preset for b in BUGS.values()}))
+def test_programs_mixing_pause_modes_are_clean(preset, name):
+    program = PAUSE_PROGRAMS[name]
+    ex = execute(get_preset(preset).config(), program)
+    assert ex.findings == [], [f.summary() for f in ex.findings]
+    assert ex.ops_run == len(program) and ex.steps > 0
+
+
+@pytest.mark.parametrize("preset", ["default", "overlap", "chunked", "streaming-session"])
+def test_target_retract_pause_lets_a_flush_succeed_with_requests_waiting(preset):
+    with AuditedRun(get_preset(preset).config()) as run:
+        t = run.target
+        for op in [Submit(0, 20, 8), Submit(1, 50, 6), Step(2), PauseGeneration(RETRACT), Submit(2, 9, 3), Step(1)]:
+            assert run.apply(op) == []
+        assert t.paused and t.engine.paused and len(t.engine.waiting_queue) == 2 and len(t.held) == 1
+        assert run.apply(FlushCache()) == [] and run.apply(Step(1)) == []
+        assert t.flushed() == 1  # the quiescence oracle checked every pool full at that intake
+        assert run.apply(Idle()) == []  # resumes first: the two re-prefill, the held submit runs
+        out = outputs(t.engine)
+        assert len(out) == 3 and all(o.reason == FinishReason.LENGTH for o in out.values())
+
+
+def test_target_abort_mode_ends_every_request_while_new_ones_are_held_until_continue():
+    with AuditedRun(get_preset("default").config()) as run:
+        t = run.target
+        for op in [Submit(0, 20, 30), Submit(1, 12, 30), Step(2)]:
+            assert run.apply(op) == []
+        live = t.live_rids()
+        assert len(live) == 2
+        for op in [PauseGeneration(ABORT), Submit(2, 9, 3, stop_at=1, ignore_eos=1), HealthCheck(), Step(3)]:
+            assert run.apply(op) == []
+        assert t.paused and not t.engine.paused  # the tokenizer holds; the scheduler keeps running
+        out = outputs(t.engine)
+        assert [out[r].reason for r in live] == [FinishReason.ABORT] * 2
+        assert t.submitted == live and [h is None for h in t.held] == [False, True]
+        assert t.engine.is_fully_idle()
+        acks = t.engine.health_check_acks
+        assert run.apply(ContinueGeneration()) == [] and not t.paused and not t.held
+        assert run.apply(ContinueGeneration()) == [] and len(t.engine.recv_queue) == 3  # not paused: a no-op
+        assert run.apply(Idle()) == []
+        new = outputs(t.engine)[t.submitted[2]]
+        assert (new.reason, len(new.output_ids), new.output_ids[0]) == (FinishReason.LENGTH, 3, EOS)  # ignore_eos
+        assert t.engine.health_check_acks == acks + 1
+
+
+def test_target_in_place_pause_outlasts_the_liveness_window_without_a_finding():
+    with AuditedRun(get_preset("default").config()) as run:
+        t = run.target
+        for op in [Submit(0, 20, 8), Step(2), PauseGeneration(IN_PLACE), Abort(0)]:
+            assert run.apply(op) == []
+        frozen = t.engine.token_to_kv_pool_allocator.available_size()
+        for _ in range(LIVENESS_STEPS // 4 + 5):
+            assert run.apply(Step(4)) == []
+        assert t.progress() == {} and t.engine.token_to_kv_pool_allocator.available_size() == frozen
+        assert run.apply(ContinueGeneration()) == [] and t.progress() != {}
+        assert run.apply(Idle()) == []
+        assert outputs(t.engine)[t.submitted[0]].reason == FinishReason.ABORT

@@ -377,7 +377,7 @@ def test_a_flush_that_ignores_live_requests_is_a_use_after_free(make_run, monkey
     run.apply(Submit(family=0, prompt_len=12, max_new_tokens=6))
     assert run.apply(Step(1)) == []
     eng = run.target.engine
-    monkeypatch.setattr(eng, "is_fully_idle", lambda for_health_check=False: True)  # the planted fault
+    monkeypatch.setattr(eng, "is_fully_idle", lambda for_health_check=False, ignore_waiting=False: True)  # the planted fault
     run.apply(FlushCache())
     found = run.apply(Step(1))
     assert "use-after-free" in kinds(found)

@@ -103,6 +103,24 @@ def test_prefill_and_decode_to_completion(make_engine, page_size):
     assert s.tree_cache.evictable_size() > 0  # finished requests were cached
 
 
+@pytest.mark.parametrize("preset", ["default", "overlap", "chunked", "pd-decode", "pd-decode-hisparse"])
+@pytest.mark.parametrize("model", ["none", "tiny"])
+def test_ignore_eos_keeps_the_eos_and_runs_to_max_new_tokens(make_engine, preset, model):
+    s = make_engine(preset, model=model)
+    a = s.add_request([5, 6, 7], max_new_tokens=6, stop_at=2, ignore_eos=True)
+    b = s.add_request([5, 6, 8], max_new_tokens=6, stop_at=2)
+    s.run_until_idle()
+    out = outputs(s)
+    assert (out[a].reason, len(out[a].output_ids)) == (FinishReason.LENGTH, 6)
+    assert out[a].output_ids[1] == EOS and EOS not in out[a].output_ids[2:]  # sampled once, then run past
+    assert (out[b].reason, out[b].output_ids[-1], len(out[b].output_ids)) == (FinishReason.STOP, EOS, 2)
+    assert_clean_at_idle(s)
+    ref = make_engine("default", model=model)
+    ref.add_request([5, 6, 7], max_new_tokens=6, stop_at=2, ignore_eos=True)
+    ref.run_until_idle()
+    assert out[a].output_ids == ref.finished_outputs[0].output_ids  # later tokens read the EOS in every mode
+
+
 def test_prefix_shared_between_two_requests_is_reused(make_engine):
     s = make_engine(num_slots=64)
     seen = spy_extends(s)
@@ -794,3 +812,173 @@ def test_radix_lock_skips_matched_node_lets_eviction_free_slots_a_request_reads(
     free = set(eng.token_to_kv_pool_allocator.free_pages.tolist())
     freed_under_a = [s for s in shared.tolist() if s in free]
     assert bool(freed_under_a) == bool(bugs)  # with the bug, a's row points at free slots
+
+
+# -- pause_generation / continue_generation (SGLang 0.5.23 Scheduler.pause_generation) ------------
+
+PAUSE_PROMPTS = [[2 + (f * 7 + i * 3) % 100 for i in range(n)] for f, n in enumerate((9, 17, 50, 12))]
+
+
+def _pause_run(preset, mode=None, flush=False, at=2, **kw):
+    """Four requests (one 50-token prompt that chunked presets park), ``at`` steps, then (``mode``)
+    a pause, three paused steps, an optional flush while paused, continue, and run to idle.
+    Returns ``(engine, outputs, {name: value observed while paused})``."""
+    s = Scheduler(get_preset(preset).config(model="tiny", **kw))
+    rids = [s.add_request(p, 6, stop_at=3, ignore_eos=i % 2 == 1) for i, p in enumerate(PAUSE_PROMPTS)]
+    for _ in range(at):
+        s.step()
+    seen = {}
+    if mode is not None:
+        live = s.requests_owning_rows()
+        alloc = s.token_to_kv_pool_allocator
+        s.pause_generation(mode)
+        assert not s.step() and s.paused
+        seen.update(live=live, trace=memory_trace(s), outs=len(s.finished_outputs),
+                    committed=[r.kv.kv_committed_len for r in live], waiting=list(s.waiting_queue),
+                    held=list(s.held_rebootstrap_reqs), owners=s.requests_owning_rows(),
+                    token=next(c for c in s.check_memory(idle=False) if c.pool == "token_to_kv_pool"))
+        for _ in range(3):
+            assert not s.step()
+        seen.update(trace_after=memory_trace(s), outs_after=len(s.finished_outputs),
+                    committed_after=[r.kv.kv_committed_len for r in live])
+        if flush:
+            seen["waiting_at_flush"] = len(s.waiting_queue) + len(s.held_rebootstrap_reqs)
+            s.request_flush_cache()
+            s.step()
+            seen["flushed"] = s.flush_results[-1]
+            seen["pools_at_flush"] = (alloc.available_size(), s.tree_cache.total_size(),
+                                      s.req_to_token_pool.available_size())
+        s.continue_generation()
+    s.run_until_idle()
+    out = outputs(s)
+    assert set(out) == set(rids)
+    return s, sorted((o.rid, o.reason, tuple(o.output_ids)) for o in out.values()), seen
+
+
+@pytest.mark.parametrize("preset", ["default", "overlap", "chunked", "mixed-chunk", "pd-decode", "hisparse"])
+@pytest.mark.parametrize("at", [1, 2, 4])
+def test_in_place_pause_freezes_every_pool_and_continue_resumes_to_the_same_tokens(preset, at):
+    _, ref, _ = _pause_run(preset, at=at)
+    s, got, seen = _pause_run(preset, "in_place", flush=True, at=at)
+    assert seen["trace_after"] == seen["trace"] and seen["outs_after"] == seen["outs"]  # nothing ran
+    assert seen["committed_after"] == seen["committed"]
+    assert seen["flushed"] is False or not seen["live"]  # requests still hold KV: the flush is refused
+    assert s.num_retractions == 0 and not s.paused
+    assert got == ref
+    assert_clean_at_idle(s)
+
+
+@pytest.mark.parametrize("preset,at", [(p, at) for p in ("default", "overlap", "chunked", "mixed-chunk", "paged", "retract",
+                                                          "streaming-session", "hicache") for at in (1, 2, 4)]
+                         + [(p, at) for p in ("pd-decode", "pd-decode-hisparse") for at in (2, 4)])  # 1: in transfer
+def test_retract_pause_frees_private_kv_then_flush_succeeds_while_paused_and_continue_finishes(preset, at):
+    _, ref, _ = _pause_run(preset, at=at)
+    s, got, seen = _pause_run(preset, "retract", flush=True, at=at)
+    live, tok = seen["live"], seen["token"]
+    assert live, "the pause should find requests in flight"
+    assert not seen["owners"] and not any(r.kv.holds_kv for r in live)  # retract_all released every record
+    assert tok.uncached == 0 and tok.available + tok.evictable + tok.protected == tok.total  # no private KV
+    assert tok.protected == 0 or preset == "hicache"  # no request lock (HiCache: write-throughs not acked yet)
+    requeued = seen["held"] if s.config.is_pd_decode else seen["waiting"]
+    assert {id(r) for r in live} <= {id(r) for r in requeued}
+    assert seen["trace_after"] == seen["trace"]  # retracted requests wait: nothing re-prefills while paused
+    assert seen["waiting_at_flush"] >= len(live)
+    if preset != "hicache":  # a HiCache write-through may still be in flight: SGLang refuses then too
+        rp = s.req_to_token_pool
+        assert seen["flushed"] is True
+        assert seen["pools_at_flush"] == (tok.total, 0, rp.size + rp.pre_alloc_size)
+    assert s.num_retractions == len(live)
+    assert got == ref  # re-prefilled (or transferred again) KV gives the same tokens
+    assert_clean_at_idle(s)
+
+
+def test_retract_pause_with_overlap_processes_the_pending_result_first():
+    s = Scheduler(get_preset("overlap").config())
+    rid = s.add_request(list(range(2, 12)), 6)
+    s.step()  # prefill launched; its result is processed one step later
+    s.step()
+    req = s.running_batch[0]
+    assert req.future_ids and s.last_batch is not None
+    n = len(req.output_ids)
+    s.pause_generation("retract")
+    s.step()
+    assert len(req.output_ids) == n + 1 and not req.future_ids  # the lagged token landed before the retract
+    assert s.last_batch is None and req in s.waiting_queue and not req.kv.holds_kv
+    s.continue_generation()
+    s.run_until_idle()
+    assert len(outputs(s)[rid].output_ids) == 6
+    assert_clean_at_idle(s)
+
+
+def test_retract_pause_releases_a_chunked_request_with_a_recorded_abort_instead():
+    s = Scheduler(get_preset("chunked").config())
+    rid = s.add_request(list(range(2, 82)), 3)  # parks between chunks
+    s.step()
+    assert s.chunked_req is not None
+    s.abort_request(rid)
+    s.pause_generation("retract")
+    s.step()
+    assert outputs(s)[rid].reason == FinishReason.ABORT and not s.waiting_queue and s.chunked_req is None
+    s.request_flush_cache()
+    s.step()
+    assert s.flush_results == [True]
+    s.continue_generation()
+    s.run_until_idle()
+    assert_clean_at_idle(s)
+
+
+def test_pd_retract_pause_rebootstraps_and_an_abort_while_held_ends_the_request():
+    s = Scheduler(get_preset("pd-decode").config(max_running_requests=2))
+    a = s.add_request(list(range(2, 12)), 8)
+    b = s.add_request(list(range(20, 30)), 8)
+    for _ in range(4):
+        s.step()
+    ra, rb = (find(s.running_batch + s.waiting_queue, r) for r in (a, b))
+    out_a = list(ra.output_ids)
+    s.pause_generation("retract")
+    s.step()
+    assert s.held_rebootstrap_reqs == [ra, rb] and not s.disagg_prealloc_queue  # held until continue
+    assert ra.output_ids == out_a[:-1] and ra.pd_rebootstrap_forced_output_id == out_a[-1]
+    s.abort_request(b)
+    s.step()
+    assert outputs(s)[b].reason == FinishReason.ABORT and s.held_rebootstrap_reqs == [ra]
+    s.continue_generation()
+    s.step()
+    assert s.disagg_prealloc_queue == [] and ra.kv.kv_committed_len == 10 + len(out_a) - 1
+    s.run_until_idle()
+    assert outputs(s)[a].output_ids[: len(out_a)] == out_a and len(outputs(s)[a].output_ids) == 8
+    assert_clean_at_idle(s)
+
+
+def test_pd_retract_pause_rebootstraps_a_transferred_request_already_finished_at_hand_off():
+    """SGLang retracts every transferred waiting request, finished or not: one that finished on its
+    hand-off token (stop_at=1) is rebuilt and released by the prebuilt step after continue."""
+    s = Scheduler(get_preset("pd-decode").config())  # one running request: the others wait
+    a = s.add_request(list(range(2, 12)), 8)
+    b = s.add_request(list(range(20, 30)), 8, stop_at=1)
+    for _ in range(2):
+        s.step()
+    rb = find(s.waiting_queue, b)
+    assert rb.finished() and rb.kv.holds_kv
+    s.pause_generation("retract")
+    s.step()
+    assert rb in s.held_rebootstrap_reqs and not rb.kv.holds_kv
+    s.request_flush_cache()
+    s.step()
+    assert s.flush_results == [True]
+    s.continue_generation()
+    s.run_until_idle()
+    out = outputs(s)
+    assert (out[b].reason, out[b].output_ids) == (FinishReason.STOP, [EOS]) and len(out[a].output_ids) == 8
+    assert_clean_at_idle(s)
+
+
+def test_pause_generation_mode_abort_is_the_callers_and_unknown_modes_raise(make_engine):
+    s = make_engine()
+    for mode in ("abort", "drain"):
+        with pytest.raises(ValueError):
+            s.pause_generation(mode)
+    assert not s.recv_queue
+    s.continue_generation()  # not paused: a no-op
+    s.step()
+    assert not s.paused

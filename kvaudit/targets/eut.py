@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from engine_under_test import EngineConfig, Scheduler
-from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit,
-                             prompt_tokens)
+from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
+                             MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens)
 from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
 
 
@@ -89,6 +89,15 @@ class SessionRecords:
 
 
 class EutTarget:
+    """``engine_under_test`` behind the program model; the target also plays SGLang's tokenizer.
+
+    ``Submit.priority`` is ignored: the engine has no priority scheduling (SGLang's default,
+    ``enable_priority_scheduling=False``). ``PauseGeneration`` follows ``TokenizerManager.pause_generation``:
+    every mode holds new submits and health checks here, at the tokenizer, until ``ContinueGeneration``
+    sends them in order; ``abort`` aborts every request and leaves the scheduler running,
+    ``in_place`` and ``retract`` pause the scheduler (``Scheduler.pause_generation``).
+    """
+
     name = "eut"
 
     def __init__(self, config: EngineConfig):
@@ -99,6 +108,9 @@ class EutTarget:
         self.prompts: dict[str, list[int]] = {}
         self.aborted: set[str] = set()  # rids an abort was sent for
         self.sessions: list[str] = []  # open session ids, in opening order
+        self.held: list[dict | None] = []  # paused: add_request arguments (None: a health check), in order
+        self._holding = False  # the tokenizer's is_pause
+        self._scheduler_paused = False  # a pause_generation(in_place | retract) was sent, no continue yet
         self._finished: set[str] = set()
         self._seen_outputs = 0
         s = self.engine
@@ -136,6 +148,11 @@ class EutTarget:
         self._seen_outputs = len(outs)
         return [r for r in self.submitted if r not in self._finished]
 
+    @property
+    def paused(self) -> bool:
+        """The tokenizer holds new requests (any pause mode, until ``ContinueGeneration``)."""
+        return self._holding
+
     def apply(self, op: Op) -> None:
         cfg, eng = self.config, self.engine
         if isinstance(op, Submit):
@@ -146,9 +163,33 @@ class EutTarget:
             if op.extends is not None and self.submitted:
                 prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len - max_new]
             sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
-            rid = eng.add_request(prompt, max_new, stop, session_id=sid)
-            self.submitted.append(rid)
-            self.prompts[rid] = prompt
+            args = {"input_ids": prompt, "max_new_tokens": max_new, "stop_at": stop, "session_id": sid,
+                    "ignore_eos": bool(op.ignore_eos)}  # op.priority: no priority scheduling
+            if self._holding:  # the client sent it now: its prompt and session are resolved now
+                self.held.append(args)
+            else:
+                self._submit(args)
+        elif isinstance(op, HealthCheck) and self._holding:
+            self.held.append(None)
+        elif isinstance(op, PauseGeneration):
+            mode = PAUSE_MODES[op.mode]
+            self._holding = True
+            if mode == "abort":  # the tokenizer aborts everything; the scheduler keeps running
+                self.aborted.update(self.live_rids())
+                eng.abort_request(abort_all=True)
+            else:
+                eng.pause_generation(mode)
+                self._scheduler_paused = True
+        elif isinstance(op, ContinueGeneration):
+            if self._holding:
+                eng.continue_generation()
+                self._holding = self._scheduler_paused = False
+                held, self.held = self.held, []
+                for args in held:
+                    if args is None:
+                        eng.health_check()
+                    else:
+                        self._submit(args)
         elif isinstance(op, OpenSession):
             if cfg.enable_streaming_session:
                 self.sessions.append(eng.open_session())
@@ -172,6 +213,11 @@ class EutTarget:
                 self.aborted.add(rid)
         else:
             raise TypeError(f"op {op!r} does not go through apply()")
+
+    def _submit(self, args: dict) -> None:
+        rid = self.engine.add_request(**args)
+        self.submitted.append(rid)
+        self.prompts[rid] = args["input_ids"]
 
     def _text(self, rid: str) -> list[int]:
         """The prompt and output so far of submitted request ``rid`` (a session turn: its own input)."""
@@ -198,8 +244,11 @@ class EutTarget:
 
     def progress(self) -> dict[str, int]:
         """Per live request that holds KV or was aborted: a number that grows while it makes progress
-        (KV positions committed plus tokens sampled; -1 for an aborted request that holds nothing)."""
+        (KV positions committed plus tokens sampled; -1 for an aborted request that holds nothing).
+        Empty while the scheduler is paused: nothing is expected to progress."""
         eng = self.engine
+        if self._scheduler_paused:
+            return {}
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) + len(r.future_ids) for r in eng.requests_owning_rows()}
         if self.aborted:  # live_rids() walks the finished outputs: only when an abort was sent
             for rid in self.aborted.intersection(self.live_rids()):
