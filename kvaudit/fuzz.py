@@ -22,8 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from engine_under_test import EngineConfig
 from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
-from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, Op, OpenSession, Step,
-                             Submit, random_program)
+from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
+                             MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, random_program)
 from kvaudit.runner import AuditedRun, execute
 
 CONFIRM_RUNS = 3
@@ -103,10 +103,12 @@ class _Recorder:
 # Swarm testing (Groce et al., ISSTA 2012): each test case leaves out a random subset of the op
 # kinds, so that programs made of a few kinds only (aborts and idles, say, with no steps to dilute
 # them) are drawn far more often than a fixed mix would draw them. step and idle are always in.
-SWARM_KINDS = ("submit", "health_check", "abort", "flush_cache", "memory_pressure", "sessions")
+SWARM_KINDS = ("submit", "health_check", "abort", "flush_cache", "memory_pressure", "sessions", "pause")
 
 
 def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
+    features = getattr(config, "program_features", frozenset())  # arguments the target gives meaning to
+
     def enabled(kind: str):
         return precondition(lambda self: kind in self.swarm)
 
@@ -150,9 +152,24 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
 
         @enabled("submit")
         @rule(family=st.integers(0, 7), prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 12),
-              stop_at=st.none() | st.integers(1, 12))
-        def submit(self, family, prompt_len, max_new_tokens, stop_at):
-            self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, stop_at))
+              stop_at=st.none() | st.integers(1, 12), ignore_eos=st.sampled_from((0, 0, 0, 1)))
+        def submit(self, family, prompt_len, max_new_tokens, stop_at, ignore_eos):
+            self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, stop_at,
+                            ignore_eos=ignore_eos if stop_at is not None else 0))
+
+        if "priority" in features:  # priorities mean nothing without priority scheduling
+            @enabled("submit")
+            @rule(priority=st.none() | st.integers(0, 9), family=st.integers(0, 7),
+                  prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 24))
+            def submit_with_priority(self, priority, family, prompt_len, max_new_tokens):
+                self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, priority=priority))
+
+        if "grammar" in features:  # a target with SGLang's grammar manager
+            @enabled("submit")
+            @rule(grammar=st.integers(0, 6), family=st.integers(0, 7), prompt_len=st.integers(1, max_prompt),
+                  max_new_tokens=st.integers(1, 12))
+            def submit_with_grammar(self, grammar, family, prompt_len, max_new_tokens):
+                self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, grammar=grammar))
 
         if not config.disable_radix_cache:  # a chat client resending its history: shared prefixes
             @enabled("submit")
@@ -178,6 +195,17 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
             def submit_turn(self, session, family, prompt_len, max_new_tokens, stop_at):
                 self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, stop_at, session=session))
 
+            if "session_params" in features:  # SessionParams: branch, replace, drop output, splice
+                @enabled("sessions")
+                @rule(session=st.integers(0, 3), parent=st.none() | st.integers(0, 3), family=st.integers(0, 7),
+                      prompt_len=st.integers(1, 24), max_new_tokens=st.integers(1, 12),
+                      edit=st.sampled_from(("", "replace", "drop_previous_output", "offset")),
+                      offset=st.integers(0, 24))
+                def submit_turn_with_params(self, session, parent, family, prompt_len, max_new_tokens, edit, offset):
+                    kw = {"offset": offset} if edit == "offset" else {edit: 1} if edit else {}
+                    self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, session=session,
+                                    parent=parent, **kw))
+
             @enabled("sessions")
             @rule(handle=st.integers(0, 3))
             def close_session(self, handle):
@@ -194,9 +222,19 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
             self._do(Abort(handle))
 
         @enabled("flush_cache")
+        @rule(timeout=st.sampled_from((0, 0, 3, 8)) if "flush_timeout" in features else st.just(0))
+        def flush_cache(self, timeout):
+            self._do(FlushCache(timeout))
+
+        @enabled("pause")
+        @rule(mode=st.integers(0, len(PAUSE_MODES) - 1))
+        def pause_generation(self, mode):
+            self._do(PauseGeneration(mode))
+
+        @enabled("pause")
         @rule()
-        def flush_cache(self):
-            self._do(FlushCache())
+        def continue_generation(self):
+            self._do(ContinueGeneration())
 
         @rule(n=st.integers(1, 4))
         def step(self, n):
@@ -297,7 +335,8 @@ def random_search(config: EngineConfig, max_time: float, seed_value: int, stats:
     max_prompt = max(2, min(96, config.context_len - 12))
     last = time.monotonic()
     while time.monotonic() < deadline:
-        program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt)
+        program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
+                                 features=getattr(config, "program_features", frozenset()))
         stats.executions += 1
         with AuditedRun(config, full_stacks=False, suppressions=suppressions) as run:
             for i, op in enumerate(program):

@@ -217,30 +217,51 @@ def format_program(ops: list[Op]) -> str:
     return "\n".join(f"{i:>3}  {format_op(op)}" for i, op in enumerate(ops))
 
 
-def random_program(rng, length: int, max_prompt: int = 32) -> list[Op]:
+FEATURES = ("priority", "grammar", "flush_timeout", "session_params")  # arguments only some targets give meaning to
+
+
+def random_program(rng, length: int, max_prompt: int = 32, features: frozenset = frozenset()) -> list[Op]:
     """A random program of ``length`` ops from ``rng`` (a ``random.Random``), ending in ``idle``.
 
-    The op mix is fixed (no coverage feedback): this is the plain random baseline.
+    The op mix is fixed (no coverage feedback): this is the plain random baseline. ``features`` (of
+    :data:`FEATURES`, what the target models -- a config's ``program_features``): ``priority``, submits
+    carry a priority (0..9, or none); ``grammar``, one submit in four has a grammar compiling in 0..6
+    steps; ``flush_timeout``, a flush may wait up to 8 steps for idle; ``session_params``, one session
+    turn in three names a parent turn, and may replace it, drop its output or splice at an offset.
     """
     ops: list[Op] = []
     for _ in range(max(0, length - 1)):
         r = rng.random()
         if r < 0.33:
-            ops.append(Submit(rng.randrange(4), rng.randint(1, max_prompt), rng.randint(1, 12),
-                              rng.choice([None, None, rng.randint(1, 12)]),
-                              rng.choice([None, None, rng.randrange(4)]), rng.choice([None] * 5 + [rng.randrange(8)])))
+            family, plen, new = rng.randrange(4), rng.randint(1, max_prompt), rng.randint(1, 12)
+            stop_at = rng.choice([None, None, rng.randint(1, 12)])
+            session, extends = rng.choice([None, None, rng.randrange(4)]), rng.choice([None] * 5 + [rng.randrange(8)])
+            ignore_eos = int(stop_at is not None and rng.random() < 0.25)
+            priority = rng.choice([None, rng.randrange(10)]) if "priority" in features else None
+            grammar = (rng.randint(0, 6) if rng.random() < 0.25 else None) if "grammar" in features else None
+            edit: dict = {}
+            if "session_params" in features and session is not None and rng.random() < 1 / 3:
+                edit = {"parent": rng.randrange(4), rng.choice(["replace", "drop_previous_output", "offset", "-"]): 1}
+                edit.pop("-", None)
+                if "offset" in edit:
+                    edit["offset"] = rng.randint(0, 24)
+            ops.append(Submit(family, plen, new, stop_at, session, extends, priority, ignore_eos, grammar, **edit))
         elif r < 0.41:
             ops.append(HealthCheck())
         elif r < 0.5:
             ops.append(Abort(rng.choice([None, rng.randrange(8)])))
         elif r < 0.53:
-            ops.append(FlushCache())
+            ops.append(FlushCache(rng.choice([0, 0, rng.randint(1, 8)]) if "flush_timeout" in features else 0))
         elif r < 0.57:
             ops.append(OpenSession())
         elif r < 0.6:
             ops.append(CloseSession(rng.randrange(4)))
         elif r < 0.62:
             ops.append(MemoryPressure())
+        elif r < 0.64:
+            ops.append(PauseGeneration(rng.randrange(len(PAUSE_MODES))))
+        elif r < 0.66:
+            ops.append(ContinueGeneration())
         elif r < 0.9:
             ops.append(Step(rng.randint(1, 4)))
         else:

@@ -1,25 +1,28 @@
 """Tests for kvaudit.program: the op model, its JSON form and its printed form."""
 
 import json
+import random
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvaudit.program import (OP_TYPES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
+from kvaudit.program import (FEATURES, OP_TYPES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
                              MemoryPressure, OpenSession, PauseGeneration, ProgramError, Step, Submit, format_op, format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
-                             prompt_tokens)
+                             prompt_tokens, random_program)
 
 EVERY_KIND = [
     Submit(family=2, prompt_len=9, max_new_tokens=5, stop_at=3),
     Submit(),
     Submit(family=1, prompt_len=3, session=2, extends=5),
     Submit(family=3, priority=7, ignore_eos=1),
-    Submit(priority=0),
+    Submit(priority=0, grammar=2),
+    Submit(session=1, parent=0, replace=1, drop_previous_output=1, offset=5),
     HealthCheck(),
     Abort(handle=3),
     Abort(handle=None),
     FlushCache(),
+    FlushCache(timeout=4),
     OpenSession(),
     CloseSession(handle=1),
     MemoryPressure(),
@@ -33,7 +36,9 @@ EVERY_KIND = [
 ops_strategy = st.one_of(
     st.builds(Submit, st.integers(0, 50), st.integers(0, 200), st.integers(0, 200), st.none() | st.integers(0, 200),
               st.none() | st.integers(0, 9), st.none() | st.integers(0, 9), st.none() | st.integers(0, 9),
-              st.integers(0, 1)),
+              st.integers(0, 1), st.none() | st.integers(0, 9), st.none() | st.integers(0, 9), st.integers(0, 1),
+              st.integers(0, 1), st.none() | st.integers(0, 50)),
+    st.builds(FlushCache, st.integers(0, 20)),
     st.builds(PauseGeneration, st.integers(0, 2)),
     st.just(ContinueGeneration()),
     st.just(OpenSession()),
@@ -41,7 +46,6 @@ ops_strategy = st.one_of(
     st.just(MemoryPressure()),
     st.just(HealthCheck()),
     st.builds(Abort, st.none() | st.integers(0, 50)),
-    st.just(FlushCache()),
     st.builds(Step, st.integers(0, 50)),
     st.just(Idle()),
 )
@@ -84,7 +88,9 @@ def test_ops_are_written_with_all_their_arguments():
 
 def test_arguments_added_later_are_written_only_when_set():
     """A program written before priority/ignore_eos existed serializes and prints as it did."""
-    assert "priority" not in op_to_dict(Submit()) and "ignore_eos" not in op_to_dict(Submit())
+    assert set(op_to_dict(Submit())) == {"op", "family", "prompt_len", "max_new_tokens", "stop_at", "session", "extends"}
+    assert op_to_dict(FlushCache()) == {"op": "flush_cache"} and op_to_dict(FlushCache(3)) == {"op": "flush_cache",
+                                                                                               "timeout": 3}
     assert op_to_dict(Submit(priority=0, ignore_eos=1))["priority"] == 0
     assert op_to_dict(Submit(ignore_eos=1))["ignore_eos"] == 1
     assert op_to_dict(PauseGeneration(1)) == {"op": "pause_generation", "mode": 1}
@@ -215,3 +221,26 @@ def test_prompt_of_length_zero_is_empty():
 def test_unhashable_op_name_is_a_program_error(op_value):
     with pytest.raises(ProgramError, match="unknown op"):
         program_from_json([{"op": op_value}])
+
+
+# -- the random generator ------------------------------------------------------------------------
+
+def _drawn(features, n=60):
+    rng = random.Random(7)
+    ops = [op for _ in range(n) for op in random_program(rng, 24, 40, features)]
+    subs = [op for op in ops if isinstance(op, Submit)]
+    return ops, subs
+
+
+def test_random_programs_draw_target_features_only_when_asked():
+    ops, subs = _drawn(frozenset())
+    assert {op.kind for op in ops} >= {"pause_generation", "continue_generation"}  # every target has them
+    assert any(s.ignore_eos for s in subs)  # likewise (only with a stop_at)
+    assert all(s.priority is None and s.grammar is None and s.parent is None and not s.replace for s in subs)
+    assert all(op.timeout == 0 for op in ops if isinstance(op, FlushCache))
+    ops, subs = _drawn(frozenset(FEATURES))
+    assert any(s.priority is not None for s in subs) and any(s.grammar is not None for s in subs)
+    assert any(s.parent is not None and s.session is not None for s in subs)
+    assert all(s.parent is None for s in subs if s.session is None)  # session params only on turns
+    assert any(op.timeout for op in ops if isinstance(op, FlushCache))
+    assert all(not s.ignore_eos for s in subs if s.stop_at is None)
