@@ -18,7 +18,9 @@ rest of the input is ignored. The decoded ops are followed by one ``idle()`` unl
 already is ``idle``, so a program has at most ``max_ops + 1`` ops and ``b""`` is ``[idle()]``.
 
 The op kinds of a config (:func:`op_kinds`), in opcode order, mirror the Hypothesis rules of
-:func:`kvaudit.fuzz._machine`::
+:func:`kvaudit.fuzz._machine` as they were when this layout was fixed (later ops and arguments --
+``pause_generation``, ``continue_generation``, ``ignore_eos``, priorities, grammars, flush timeouts,
+session parameters -- are not decoded, so every existing byte seed keeps its program)::
 
     submit, health_check, abort, flush_cache, step, idle          always
     submit_extending, memory_pressure                             unless config.disable_radix_cache
