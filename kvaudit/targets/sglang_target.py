@@ -20,12 +20,11 @@ from __future__ import annotations
 import logging
 from array import array
 from concurrent import futures
+from http import HTTPStatus
 from types import SimpleNamespace
 
 import numpy as np
 import torch
-
-from http import HTTPStatus
 
 from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
     MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens
