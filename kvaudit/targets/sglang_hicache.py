@@ -7,8 +7,8 @@ enable_hierarchical_cache=True, hicache_ratio, hicache_write_policy, hicache_io_
 hicache_mem_layout="layer_first", hicache_storage_backend=None)`` and the factory's
 ``enable_hierarchical_cache`` flag, so ``create_tree_cache`` runs ``init_hicache``: the tree's
 ``cache_controller`` (``HybridCacheController``) and host pool group (``HostPoolGroup``, anchor
-``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. L3 storage
-(prefetch from storage, storage backups) needs a storage backend and is out of scope.
+``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. The L3 storage
+tier (prefetch from storage, storage backups) is a mode of its own: ``sglang_hicache_l3``.
 
 The driver adds to :class:`SglangTarget` (each method names the SGLang code it follows):
 
@@ -156,7 +156,7 @@ class SglangHiCacheTarget(SglangTarget):
         return o
 
     def _storage_server_args(self) -> dict:
-        """The ``ServerArgs`` of the L3 tier: none here."""
+        """The ``ServerArgs`` of the L3 tier: none here (``sglang_hicache_l3`` adds a storage backend)."""
         return dict(hicache_storage_backend=None)
 
     @property
