@@ -11,11 +11,16 @@ from kvaudit.targets import sglang_boot
 from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
-def test_presets_cover_the_twelve_configurations():
+def test_presets_cover_the_thirteen_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
-                                   "sglang-priority", "sglang-mixed", "sglang-session-nonstreaming"}
+                                   "sglang-hicache-l3", "sglang-priority", "sglang-mixed",
+                                   "sglang-session-nonstreaming"}
     assert SGLANG_PRESETS["sglang-session-nonstreaming"].config().session_streaming is False
+    l3 = SGLANG_PRESETS["sglang-hicache-l3"].config()
+    assert l3.enable_hierarchical_cache and l3.hicache_storage_backend == "file"
+    assert (l3.hicache_storage_prefetch_policy, l3.hicache_storage_ack_steps) == ("wait_complete", 1)
+    assert SGLANG_PRESETS["sglang-hicache"].config().hicache_storage_backend is None
     mixed = SGLANG_PRESETS["sglang-mixed"].config()
     assert mixed.enable_mixed_chunk and mixed.chunked_prefill_size == 16 and mixed.enable_overlap
     prio = SGLANG_PRESETS["sglang-priority"].config()
@@ -60,6 +65,11 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"disaggregation_mode": "decode", "kv_checksum_mismatch_every": 0}, "kv_checksum_mismatch_every"),
     ({"disaggregation_mode": "decode", "kv_checksum_mismatch_every": True}, "kv_checksum_mismatch_every"),
     ({"kv_checksum_mismatch_every": 3}, "kv_checksum_mismatch_every .*disaggregation_mode decode"),
+    ({"hicache_storage_backend": "file"}, "needs enable_hierarchical_cache"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "hicache_storage_backend"),
+    ({"hicache_storage_ack_steps": 0}, "hicache_storage_ack_steps"),
+    ({"hicache_storage_prefetch_policy": "timeout"}, "wall clock"),
+    ({"hicache_storage_prefetch_threshold": 0}, "hicache_storage_prefetch_threshold"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -5,10 +5,18 @@ UnifiedRadixCache with init_hicache, HybridCacheController and its host pool, dr
 * the memory model's 7.2 HiCache events as programs, each asserting its path was taken: write-through
   and its delayed ack, demotion to host and load-back with its ack, host eviction pressure,
   write_back and write_through_selective, flush refused while an ack is pending;
-* a host-pool leak injected into SGLang's own host free path is caught (the host oracle can fail).
+* a host-pool leak injected into SGLang's own host free path is caught (the host oracle can fail);
+* the L3 mode (``sglang-hicache-l3``, kvaudit/targets/sglang_hicache_l3.py): backups reach storage,
+  a prefix evicted from device and host is prefetched back from storage (its KV intact), an abort
+  or ``best_effort`` admission ends a prefetch in flight and its host buffers come back, a match
+  lost while queued is re-queried, the storage threads never start, and a run replays identically.
 
-Skipped where SGLang 0.5.23 is not installed. L3 storage (prefetch) needs a storage backend: not driven.
+Skipped where SGLang 0.5.23 is not installed.
 """
+
+import gc
+import os
+import threading
 
 import pytest
 
@@ -20,7 +28,8 @@ if installed_version() != "0.5.23":
 
 import torch  # noqa: E402
 
-from kvaudit.program import FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit, prompt_tokens  # noqa: E402
+from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit,  # noqa: E402
+                             prompt_tokens)
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
 from sglang_helpers import CORES, run_ops  # noqa: E402
@@ -300,3 +309,225 @@ def test_a_health_check_runs_while_a_copy_is_in_flight(core):
     assert t.submitted[-1].startswith("HEALTH_CHECK_")
     assert run.apply(Idle()) == []
     run.close()
+
+
+# -- L3: the storage tier (sglang-hicache-l3) ------------------------------------------------------
+def l3(core="rust", **kw):
+    return SGLANG_PRESETS["sglang-hicache-l3"].config(tree_core=core, **kw)
+
+
+def backed_up_then_evicted(run):
+    """Submit(0, 40, 1) with its KV all 7s, run it to idle (written through to host, then backed up to
+    storage), then evict it from device and host and zero both copies: only storage holds it."""
+    t, c = run.target, run.target.tree_cache
+    kv = t.allocator.get_kvcache()
+    kv._get_key_buffer(0)[:] = 7.0
+    for op in [Submit(0, 40, 1), Idle()]:
+        assert run.apply(op) == []
+    assert [e[2] for e in t.storage_log if e[0] == "backup"] == [40] and len(os.listdir(t.storage_dir.name)) == 10
+    c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
+    c.evict_host(t.host_pool.size)
+    kv._get_key_buffer(0)[:] = 0.0
+    t.host_pool.kv_buffer[:] = 0
+    assert state(t) == dict(avail=128, evictable=0, protected=0, host_avail=t.host_pool.size, wt=0, lb=0)
+    return prompt_tokens(0, 40, t.config.vocab_size)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_prefix_evicted_from_device_and_host_is_prefetched_from_storage(core):
+    """The same prompt plus 8 tokens comes back: at queueing, prefetch_from_storage from the root; one
+    step later the worker's hit query finds the 40 stored tokens and check_hicache_events allocates host
+    buffers for them (held by the prefetch: roots, owner prefetch:r1); the next step the page transfer
+    lands, the result is inserted into the tree as host values, admission's check_prefetch_progress
+    passes and pop_prefetch_loaded_span credits 40 tokens, and the host hit loads back to device. The KV
+    read from the files is the first request's."""
+    run = AuditedRun(l3(core))
+    t, c = run.target, run.target.tree_cache
+    prompt = backed_up_then_evicted(run)
+    t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
+    assert t.storage_log[-1] == ("prefetch", 4, "r1", 44) and c.ongoing_prefetch
+    steps(run, 1)
+    assert t.storage_log[-1] == ("query", 5, "r1", 40) and not t.running  # waiting for its prefetch
+    assert [o for o, _ in t.storage_host_slots()] == ["prefetch:r1"]
+    assert t.host_group.available_size() == t.host_pool.size - 40
+    steps(run, 1)
+    assert t.storage_log[-2:] == [("transfer", 6, "r1", 40), ("loaded", 6, "r1", 40)]
+    (req,) = t.running
+    assert (req.rid, req.storage_hit_length, req.host_hit_length) == ("r1", 40, 40)  # reused, not recomputed
+    assert not c.ongoing_prefetch and t.storage_host_slots() == []
+    kv = t.allocator.get_kvcache()
+    row = t.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :40].to(torch.int64)
+    assert bool((kv._get_key_buffer(0)[row] == 7.0).all())  # storage -> host -> device, intact
+    assert run.apply(Idle()) == [] and all(v == 0 for v in t.host_lock_net.values())
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_an_abort_while_the_prefetch_is_in_flight_returns_its_host_buffers(core):
+    """With storage operations 3 steps long, the request is aborted while its page transfer is queued:
+    finish(ABORT) -> release_aborted_request terminates the prefetch and drops it from ongoing_prefetch;
+    the operation still owns its 40-token host buffer (root prefetch:r1) until its completion ack, whose
+    drain queues the buffer for release (root host_mem_release_queue), freed at the next poll. No finding
+    at any step; the host pool is whole at the end."""
+    run = AuditedRun(l3(core, hicache_storage_ack_steps=3))
+    t, c = run.target, run.target.tree_cache
+    prompt = backed_up_then_evicted(run)
+    t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
+    steps(run, 3)  # the hit query (due 3 steps after queueing): buffers allocated, transfer queued
+    handle = next(iter(c.ongoing_prefetch))
+    assert c.ongoing_prefetch[handle].host_indices.numel() == 40 and t.live_rids() == ["r1"]
+    finished = []
+    real_finish = c.finish
+    c.finish = lambda h, outcome: (finished.append((h.rid, outcome.name)), real_finish(h, outcome))
+    assert run.apply(Abort(0)) == []
+    assert finished == [("r1", "ABORT")] and not c.ongoing_prefetch and not t.waiting
+    assert [(o, s.numel()) for o, s in t.storage_host_slots()] == [("prefetch:r1", 40)]  # the queued operation's
+    owners = []
+    for _ in range(5):
+        steps(run, 1)
+        owners.append([o for o, _ in t.storage_host_slots()])
+    # the transfer is due 3 steps after the query: it reads nothing (terminated), its ack queues the release
+    assert owners == [["prefetch:r1"], ["prefetch:r1"], ["host_mem_release_queue"], [], []]
+    assert not any(e[0] == "transfer" for e in t.storage_log)
+    assert run.apply(Idle()) == [] and t.host_group.available_size() == t.host_pool.size
+    assert state(t)["avail"] == 128
+    run.close()
+
+
+def test_a_dropped_prefetch_release_is_a_host_pool_leak():
+    """The oracle can fail on prefetch buffers: the completion ack's release of the aborted prefetch's
+    buffer is dropped (HybridCacheController.append_host_mem_release), so 40 host tokens stay allocated
+    with no owner -- a leak on hicache_host_pool (Python core: the tree's host values and the storage
+    work's buffers are the roots)."""
+    run = AuditedRun(l3("python", hicache_storage_ack_steps=3))
+    t = run.target
+    prompt = backed_up_then_evicted(run)
+    t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
+    steps(run, 3)
+    assert run.apply(Abort(0)) == []
+    cc, dropped = t.cache_controller, []
+    release = cc.append_host_mem_release
+
+    def dropping(host_indices=None, extra_pools=None):
+        if not dropped and host_indices is not None and host_indices.numel():
+            dropped.append(host_indices.numel())
+            return None
+        return release(host_indices, extra_pools)
+
+    cc.append_host_mem_release = dropping
+    findings = []
+    for _ in range(4):
+        findings = run.apply(Step(1))
+        if findings:
+            break
+    assert dropped == [40]
+    assert [(f.kind, f.pool) for f in findings] == [("leak", HOST)]
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_best_effort_admission_ends_a_running_prefetch(core):
+    """hicache_storage_prefetch_policy best_effort, storage operations 2 steps long, one running request at
+    most: r2 waits behind r1 while its hit query lands and host buffers are allocated; at its admission the
+    page transfer is still queued, so check_prefetch_progress terminates the prefetch and keeps what landed
+    (nothing): r2 is prefilled from scratch, and the buffer goes back at the operation's completion ack."""
+    cfg = l3(core, hicache_storage_prefetch_policy="best_effort", hicache_storage_ack_steps=2, max_running_requests=1)
+    run = AuditedRun(cfg)
+    t, c = run.target, run.target.tree_cache
+    prompt = backed_up_then_evicted(run)
+    assert run.apply(Submit(1, 20, 2)) == []  # r1: the one running slot, for two steps
+    t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
+    steps(run, 2)
+    (info,) = c.ongoing_prefetch.values()
+    assert info.host_indices.numel() == 40 and [r.rid for r in t.waiting] == ["r2"]
+    steps(run, 1)
+    (req,) = t.running
+    assert (req.rid, req.storage_hit_length, req.host_hit_length) == ("r2", 0, 0)
+    assert not any(e[0] == "h2d" for e in t.hicache_log)  # nothing loaded back: all 48 tokens prefilled
+    assert not c.ongoing_prefetch and [(o, s.numel()) for o, s in t.storage_host_slots()] == [("prefetch:r2", 40)]
+    assert run.apply(Idle()) == [] and not any(e[0] in ("transfer", "loaded") for e in t.storage_log)
+    assert t.storage_host_slots() == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_match_lost_while_queued_is_queried_again_from_storage(core):
+    """A request queued behind a running one (one running request at most) matches 40 tokens on device;
+    they are evicted from device and host before it is admitted. At admission the match has shrunk, so
+    _prefetch_after_device_hit_loss re-issues the storage query and skips it this round; it then loads
+    the 40 tokens from storage."""
+    run = AuditedRun(l3(core, max_running_requests=1))
+    t, c = run.target, run.target.tree_cache
+    for op in [Submit(0, 40, 1), Idle(), Submit(1, 20, 12), Step(2)]:
+        assert run.apply(op) == []
+    assert [r.rid for r in t.running] == ["r1"]
+    t._submit(prompt_tokens(0, 40, t.config.vocab_size) + [90 + i for i in range(8)], 4, None, None)
+    (req,) = t.waiting
+    assert req.storage_prefetch_last_match_len == 40 and not c.ongoing_prefetch  # 4 new tokens: below threshold
+    c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
+    c.evict_host(t.host_pool.size)
+    assert run.apply(Idle()) == []
+    assert req.storage_prefetch_retry_attempts == 1 and ("loaded", req.kvaudit_forward_at, "r2", 40) in t.storage_log
+    run.close()
+
+
+def test_the_storage_threads_never_start():
+    """H5: attach_storage_backend and reset() (flush_cache) start SGLang's four storage threads; here they
+    are parked, and the worker runs their loops on the scheduler's step."""
+    before = threading.active_count()
+    with AuditedRun(l3()) as run:
+        t = run.target
+        cc = t.cache_controller
+        for op in [Submit(0, 40, 2), Idle(), FlushCache(), Submit(0, 40, 2), Idle()]:
+            assert run.apply(op) == []
+        assert t.flushed() == 1 and ("loaded", 6, "r1", 36) in t.storage_log  # after the flush, from storage
+        threads = [cc.prefetch_thread, cc.prefetch_io_aux_thread, cc.prefetch_sync_thread, cc.backup_thread]
+        assert {type(th).__name__ for th in threads} == {"_ParkedThread"} and not any(th.is_alive() for th in threads)
+        assert threading.active_count() == before
+        assert [s.split()[0] for s in t.shims] == ["S1", "H5", "H2", "H3", "H4", "H6", "H7"]
+
+
+L3_PROGRAM = [Submit(0, 40, 2), Submit(1, 36, 3), Idle(), MemoryPressure(), Submit(2, 60, 2), Submit(3, 60, 2), Idle(),
+              MemoryPressure(), Submit(0, 44, 3), Submit(1, 40, 2), Step(1), Abort(1), Idle(), FlushCache(),
+              Submit(2, 60, 2), Submit(0, 48, 1), Idle()]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_replay_is_identical(core):
+    """Determinism: the same program twice gives the same ledger (every alloc, free and lock event with its
+    site and step) and the same storage and copy logs -- with prefetches loaded from storage in it."""
+    runs = []
+    for _ in range(2):
+        with AuditedRun(l3(core)) as run:
+            for op in L3_PROGRAM:
+                assert run.apply(op) == []
+            t = run.target
+            runs.append((run.auditor.digest(), list(t.storage_log), list(t.hicache_log), t.steps))
+    assert runs[0] == runs[1]
+    assert sum(e[3] for e in runs[0][1] if e[0] == "loaded") > 0
+
+
+def test_the_storage_directory_goes_with_the_target():
+    """HiCacheFile writes into the run's own temporary directory, removed once the target is freed (the
+    process's first target stays referenced by the frame that imported SGLang: a second one is used)."""
+    dirs = []
+    for _ in range(2):
+        with AuditedRun(l3()) as run:
+            for op in [Submit(0, 40, 1), Idle()]:
+                assert run.apply(op) == []
+            dirs.append(run.target.storage_dir.name)
+            assert os.listdir(dirs[-1])
+        del run
+    gc.collect()
+    assert dirs[0] != dirs[1] and not os.path.exists(dirs[1])
+
+
+@pytest.mark.parametrize("write, prefetch", [("write_through", "best_effort"),
+                                             ("write_through_selective", "wait_complete"),
+                                             ("write_back", "wait_complete")])
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("name", list(SEQUENCES) + ["l3"])
+def test_sequences_run_clean_with_storage(name, core, write, prefetch):
+    program = L3_PROGRAM if name == "l3" else SEQUENCES[name]
+    ex = execute(l3(core, hicache_write_policy=write, hicache_storage_prefetch_policy=prefetch), program)
+    assert ex.findings == [], [f.message for f in ex.findings]

@@ -17,6 +17,9 @@ def make_target(config):
         if config.enable_hisparse:
             from kvaudit.targets.sglang_hisparse import SglangHiSparseTarget
             return SglangHiSparseTarget(config)
+        if config.hicache_storage_backend is not None:
+            from kvaudit.targets.sglang_hicache_l3 import SglangHiCacheL3Target
+            return SglangHiCacheL3Target(config)
         if config.enable_hierarchical_cache:
             from kvaudit.targets.sglang_hicache import SglangHiCacheTarget
             return SglangHiCacheTarget(config)

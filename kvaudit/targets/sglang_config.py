@@ -29,6 +29,9 @@ HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
 
 TREE_CORES = ("rust", "python")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file",)
+# SGLang's third policy, "timeout" (its default), ends a prefetch on a wall-clock deadline: not driven
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete")
 
 
 class UnknownFaultError(ValueError):
@@ -80,11 +83,21 @@ class SglangConfig(ConfigBase):
     ``hisparse_staging_steps`` is how many scheduler steps a request's device-to-host staging copy stays
     in flight (0: done at the next step, which is what CPU events report; more models a GPU's async copy).
 
-    HiCache (``enable_hierarchical_cache``; SGLang's ``--enable-hierarchical-cache`` with the host tier
-    only, no ``--hicache-storage-backend``): a host pool ``hicache_ratio`` times the device pool backs
-    up tree nodes by ``hicache_write_policy``; ``hicache_ack_steps`` is how many scheduler steps after a
-    device-to-host (write-through) or host-to-device (load-back) copy is submitted the poll
-    (``check_hicache_events``) first sees it done.
+    HiCache (``enable_hierarchical_cache``; SGLang's ``--enable-hierarchical-cache``): a host pool
+    ``hicache_ratio`` times the device pool backs up tree nodes by ``hicache_write_policy``;
+    ``hicache_ack_steps`` is how many scheduler steps after a device-to-host (write-through) or
+    host-to-device (load-back) copy is submitted the poll (``check_hicache_events``) first sees it done.
+    ``hicache_storage_backend`` adds SGLang's L3 tier (``--hicache-storage-backend``; ``"file"`` only:
+    ``HiCacheFile`` in a temporary directory of the target's own): host copies are backed up to storage
+    after their write-through ack, and a queued request prefetches what storage holds beyond its
+    device and host match. ``hicache_storage_ack_steps`` is how many scheduler steps a storage
+    operation (a prefetch's hit query, its page transfer, a backup's page writes) waits in its queue
+    before the stand-in storage worker runs it; ``hicache_storage_prefetch_policy`` is SGLang's
+    ``--hicache-storage-prefetch-policy`` (``best_effort``: admission ends an unfinished prefetch and
+    keeps what landed; ``wait_complete``: the request waits for it; SGLang's ``timeout`` runs on the
+    wall clock and is not driven); ``hicache_storage_prefetch_threshold`` (tokens) is the backend's
+    ``prefetch_threshold`` extra config (SGLang's default, 256, exceeds every prompt here): a shorter
+    prefetch, or a shorter storage hit, is not fetched.
 
     Raises ``ValueError`` for inconsistent values, :class:`UnknownFaultError` for an unknown fault.
     """
@@ -116,11 +129,15 @@ class SglangConfig(ConfigBase):
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
     hisparse_staging_steps: int = 0  # steps a staging copy stays in flight (collect_ready_reqs waits for it)
-    # HiCache (kvaudit/targets/sglang_hicache.py): SGLang's --enable-hierarchical-cache, host tier only (no L3)
+    # HiCache (kvaudit/targets/sglang_hicache.py): SGLang's --enable-hierarchical-cache
     enable_hierarchical_cache: bool = False
     hicache_write_policy: str = "write_through"  # --hicache-write-policy
     hicache_ratio: float = 2.0  # --hicache-ratio: host pool size over the device pool
     hicache_ack_steps: int = 1  # steps from a D->H / H->D submission to the poll that sees its ack
+    hicache_storage_backend: str | None = None  # --hicache-storage-backend: None (host tier only) or "file"
+    hicache_storage_ack_steps: int = 1  # steps a storage operation waits in its queue for the storage worker
+    hicache_storage_prefetch_policy: str = "wait_complete"  # --hicache-storage-prefetch-policy
+    hicache_storage_prefetch_threshold: int = 8  # tokens: shorter prefetches and storage hits are not fetched
     # scheduling policy and timeout aborts (see the class docstring)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
@@ -237,6 +254,7 @@ class SglangConfig(ConfigBase):
         a = self.hicache_ack_steps
         if not isinstance(a, int) or isinstance(a, bool) or not 1 <= a <= 64:
             raise ValueError(f"hicache_ack_steps must be an integer in [1, 64], got {a!r}")
+        self._check_hicache_storage()
         if not self.enable_hierarchical_cache:
             return
         clash = [n for n in ("enable_hisparse", "enable_streaming_session", "enable_overlap") if getattr(self, n)]
@@ -244,6 +262,26 @@ class SglangConfig(ConfigBase):
             clash.append("disaggregation_mode decode")
         if clash:
             raise ValueError(f"enable_hierarchical_cache is driven without {clash[0]} in this version")
+
+    def _check_hicache_storage(self) -> None:
+        b = self.hicache_storage_backend
+        if b is not None and b not in HICACHE_STORAGE_BACKENDS:
+            raise ValueError(f"hicache_storage_backend must be null or one of {', '.join(HICACHE_STORAGE_BACKENDS)}, "
+                             f"got {b!r}")
+        if b is not None and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_backend needs enable_hierarchical_cache (SGLang's L3 tier sits under "
+                             "the host tier)")
+        a = self.hicache_storage_ack_steps
+        if not isinstance(a, int) or isinstance(a, bool) or not 1 <= a <= 64:
+            raise ValueError(f"hicache_storage_ack_steps must be an integer in [1, 64], got {a!r}")
+        p = self.hicache_storage_prefetch_policy
+        if p not in HICACHE_PREFETCH_POLICIES:
+            hint = " (SGLang's timeout policy reads the wall clock: not driven)" if p == "timeout" else ""
+            raise ValueError(f"hicache_storage_prefetch_policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
+                             f"got {p!r}{hint}")
+        t = self.hicache_storage_prefetch_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= 65536:
+            raise ValueError(f"hicache_storage_prefetch_threshold must be an integer in [1, 65536], got {t!r}")
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
@@ -309,6 +347,18 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                   "the host pool's leak check needs --tree-core python",
                 {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
                  "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1}),
+        _preset("sglang-hicache-l3", "HiCache with the L3 storage tier (--hicache-storage-backend file: HiCacheFile "
+                                     "in a temporary directory per run): 128 device slots, host pool 1.25x (host "
+                                     "eviction is reached, and storage with it), write_through, page 4; "
+                                     "write-through acks back host copies up to storage, a queued request prefetches "
+                                     "what storage holds beyond its device and host match (wait_complete, 8-token "
+                                     "threshold); storage operations run on a step-driven stand-in of the storage "
+                                     "threads one step after they are queued; the host pool's leak check needs "
+                                     "--tree-core python",
+                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
+                 "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
+                 "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
+                 "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8}),
         _preset("sglang-mixed", "mixed-style chunked prefill (--enable-mixed-chunk: running requests decode inside "
                                 "prefill batches, mix_with_running) with 16-token chunks under overlap scheduling, "
                                 "page 1",

@@ -7,8 +7,8 @@ enable_hierarchical_cache=True, hicache_ratio, hicache_write_policy, hicache_io_
 hicache_mem_layout="layer_first", hicache_storage_backend=None)`` and the factory's
 ``enable_hierarchical_cache`` flag, so ``create_tree_cache`` runs ``init_hicache``: the tree's
 ``cache_controller`` (``HybridCacheController``) and host pool group (``HostPoolGroup``, anchor
-``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. L3 storage
-(prefetch from storage, storage backups) needs a storage backend and is out of scope.
+``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. The L3 storage
+tier (prefetch from storage, storage backups) is a mode of its own: ``sglang_hicache_l3``.
 
 The driver adds to :class:`SglangTarget` (each method names the SGLang code it follows):
 
@@ -144,8 +144,8 @@ class SglangHiCacheTarget(SglangTarget):
         self._cpu = torch.device(config.device).type == "cpu"
         self._module_shims = [shim_cuda_host_register()] if self._cpu else []
         sa = publish_server_args(config, enable_hierarchical_cache=True, hicache_ratio=float(config.hicache_ratio),
-                         hicache_write_policy=config.hicache_write_policy, hicache_io_backend="direct",
-                         hicache_mem_layout="layer_first", hicache_storage_backend=None)
+                                 hicache_write_policy=config.hicache_write_policy, hicache_io_backend="direct",
+                                 hicache_mem_layout="layer_first", **self._storage_server_args())
         # create_unified_radix_cache registers the load-back layer counter with the worker (no forward here)
         tp_worker = SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None)
         with warnings.catch_warnings():
@@ -154,6 +154,10 @@ class SglangHiCacheTarget(SglangTarget):
         if getattr(o.tree_cache, "cache_controller", None) is None:
             raise SglangUnavailable(f"SGLang {S.version}'s tree cache did not initialise HiCache (no cache_controller)")
         return o
+
+    def _storage_server_args(self) -> dict:
+        """The ``ServerArgs`` of the L3 tier: none here (``sglang_hicache_l3`` adds a storage backend)."""
+        return dict(hicache_storage_backend=None)
 
     @property
     def python_core(self) -> bool:
@@ -205,9 +209,13 @@ class SglangHiCacheTarget(SglangTarget):
             self.tree_cache.evict_host(over)
 
     def _process_pending_chunked_abort(self) -> None:
-        """``get_next_batch_to_run``: ``process_pending_chunked_abort()``, then ``_process_hicache_events()``
-        -> ``tree_cache.check_hicache_events()`` (acks due this step release their locks)."""
+        """``get_next_batch_to_run``: ``process_pending_chunked_abort()``, then ``_process_hicache_events()``."""
         super()._process_pending_chunked_abort()
+        self._process_hicache_events()
+
+    def _process_hicache_events(self) -> None:
+        """``Scheduler._process_hicache_events``: ``tree_cache.check_hicache_events()`` (acks due this step
+        release their locks)."""
         self.tree_cache.check_hicache_events()
 
     def _new_batch(self, batch, kind: str) -> None:
@@ -253,19 +261,19 @@ class SglangHiCacheTarget(SglangTarget):
         return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        """:meth:`SglangTarget.roots`, plus the host pool's: the tree's host values (Python core), or the
-        host units the wrappers hold allocated (Rust core: module docstring). In-flight write-throughs
-        and load-backs hold no host slot outside the tree (``commit_backup`` and ``commit_load_back``
-        run at submission)."""
-        out = super().roots(aborting)
+        """:meth:`SglangTarget.roots`, plus the host pool's (:meth:`_host_roots`)."""
+        return super().roots(aborting) + self._host_roots()
+
+    def _host_roots(self) -> list[Root]:
+        """The host pool's roots: the tree's host values (Python core), or the host units the wrappers hold
+        allocated (Rust core: module docstring). In-flight write-throughs and load-backs hold no host slot
+        outside the tree (``commit_backup`` and ``commit_load_back`` run at submission)."""
         hv = self.tree_host_values()
         if hv is not None:
             units = host_units(hv, self.config.page_size)
-            if units.size:
-                out.append(Root(HOST_POOL, "tree", units, role="tree"))
-        elif self._host_live:
-            out.append(Root(HOST_POOL, "tree", np.fromiter(self._host_live, dtype=np.int64), role="tree"))
-        return out
+        else:
+            units = np.fromiter(sorted(self._host_live), dtype=np.int64)
+        return [Root(HOST_POOL, "tree", units, role="tree")] if units.size else []
 
     def accounting(self) -> dict[str, Accounting]:
         """The base pools, and the host pool: ``available`` (``HostPoolGroup.available_size``) and the
@@ -290,15 +298,20 @@ class SglangHiCacheTarget(SglangTarget):
         nodes += [lb.node_id for lb in cache.ongoing_load_back.values()]
         return nodes
 
+    def _host_lock_holders(self) -> list:
+        """The node of each pending host-lock receipt: the load-backs' (no other host lock outlives a call
+        without a storage tier)."""
+        return [lb.node_id for lb in self.tree_cache.ongoing_load_back.values()]
+
     def lock_balance(self):
         """:meth:`SglangTarget.lock_balance`, then the host locks: each node's net host-lock count against
-        the load-back receipts on it (no other host lock outlives a call)."""
+        the host-lock receipts on it (:meth:`_host_lock_holders`)."""
         bad = super().lock_balance()
         if bad:
             return bad
         want: dict[int, int] = {}
-        for lb in self.tree_cache.ongoing_load_back.values():
-            want[lb.node_id] = want.get(lb.node_id, 0) + 1
+        for node in self._host_lock_holders():
+            want[node] = want.get(node, 0) + 1
         for node, have in self.host_lock_net.items():
             if have != want.get(node, 0):
                 try:

@@ -549,6 +549,10 @@ class SglangTarget:
         prefetch is still running is skipped this round. Always ready here (no storage tier)."""
         return True
 
+    def _prefetch_after_device_hit_loss(self, req) -> bool:
+        """Admission, after the match: a storage re-query that skips the request this round. Never here."""
+        return False
+
     def _abort_on_queued_limit(self, req) -> bool:
         """``Scheduler._abort_on_queued_limit``: with the waiting queue at ``max_queued_requests``, the
         newcomer is aborted (503); with priority scheduling, the least preferred waiting request is
@@ -877,6 +881,8 @@ class SglangTarget:
             if not self._prefetch_ready(req):
                 continue
             req.init_next_round_input(cache)
+            if self._prefetch_after_device_hit_loss(req):
+                continue
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
                                  truncation_align_size=None) != S.AddReqResult.CONTINUE:
                 break

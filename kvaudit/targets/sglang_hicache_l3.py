@@ -1,0 +1,419 @@
+"""L3 mode of the HiCache target: SGLang 0.5.23's storage tier under the host tier
+(``--hicache-storage-backend file``; memory model 6.4 and the 7.2 event "L3 prefetch completion"),
+driven on CPU in the scheduler's order and deterministically.
+
+What is built (:class:`SglangHiCacheL3Target`): the HiCache target's objects with
+``ServerArgs(hicache_storage_backend="file", hicache_storage_prefetch_policy,
+hicache_storage_backend_extra_config)``, so ``init_hicache`` attaches SGLang's own ``HiCacheFile``
+(``HybridCacheController.attach_storage_backend``), writing into a temporary directory of the
+target's own, removed when the target is freed (``init_hicache``'s exit hook, a storage detach
+that would keep every run's tree alive until exit, is unregistered) or at exit. The extra config
+sets the backend's ``prefetch_threshold`` (``hicache_storage_prefetch_threshold``) and turns the
+file backend's metadata cache (a wall-clock TTL) and its disk-size eviction (clamped to the disk's
+free space) off.
+
+The storage threads. ``attach_storage_backend`` starts four daemon threads on the controller
+(``prefetch_thread_func``, ``prefetch_io_aux_func``, ``prefetch_sync_thread_func``,
+``backup_thread_func``), each looping on a queue with a one-second wall-clock timeout; ``reset()``
+(``flush_cache``) starts them again, inline. Their interleaving with the scheduler is wall-clock
+timing, so none of them runs here:
+
+* **H5** (module shim, idempotent) ``managers/cache_controller.py``'s ``threading`` is a proxy whose
+  ``Thread`` is a parked thread: ``start()`` does nothing, ``is_alive()`` is False, ``join()``
+  returns. Everything else (``Event``, ``Lock``) is the real module. SGLang's own
+  ``_start_storage_threads`` still runs and creates the same queues;
+* **H6** (instance) the four queues those threads take from (``prefetch_queue``, ``prefetch_buffer``,
+  ``prefetch_sync_queue``, ``backup_queue``) are step queues (:class:`_StepQueue`): an item put at
+  step ``s`` is due at step ``s + hicache_storage_ack_steps`` (the sync queue, a collective over a
+  group of one, at once), and ``get`` on a queue with no item due raises :class:`_PassEnd`;
+* the **storage worker** (:meth:`SglangHiCacheL3Target._run_storage_threads`), each scheduler step
+  right before ``check_hicache_events``: it calls each thread's own loop function once, in the
+  order a prefetch's data flows -- hit query (``_storage_hit_query``, ``_sync_prefetch_hit_query``),
+  page transfer (``_page_transfer`` into the host buffers the scheduler allocated), ack reduce
+  (``_reduce_prefetch_ack``), backup writes (``_page_backup``) -- and each loop runs until its
+  queue has no item due: ``_PassEnd`` leaves the loop (the loops catch ``Empty`` only). No SGLang
+  code is copied; the per-item work is SGLang's own loop bodies;
+* **H7** (CPU only, instance) the anchor host pool's ``pin_memory`` is False: the storage read's
+  bounce page (``get_dummy_flat_data_page``) is allocated with it, which CPU torch refuses.
+
+The driver adds to the HiCache target (each method names the scheduler code it follows):
+
+* ``_add_request_to_queue`` -> ``_prefetch_kvcache`` (match, then ``prefetch_from_storage`` from
+  the last host-backed node for the tokens beyond the device and host match); a retracted request's
+  storage bookkeeping is reset first;
+* ``_process_hicache_events``: the storage worker's pass, ``check_hicache_events`` (its storage
+  drain: hit queue -> host buffer allocation, prefetch acks -> insertion into the tree, backup acks
+  -> host unlock, release queue -> host frees), then ``_process_storage_prefetch_retries``;
+* admission (``_get_new_batch_prefill_raw``): ``check_prefetch_progress`` skips a request whose
+  prefetch is not done, ``pop_prefetch_loaded_span`` credits the loaded tokens, and after the
+  match ``_prefetch_after_device_hit_loss`` re-queries storage when the device and host match
+  shrank since queueing; admitted requests' pending retries are cancelled;
+* aborts: the base's ``_release_aborted_request`` (``tree_cache.finish(handle, ABORT)``:
+  ``release_aborted_request`` terminates the prefetch and releases its host buffers);
+* ``is_fully_idle``: also no prefetch (``ongoing_prefetch``) or backup (``ongoing_backup``) pending.
+
+Observer: host slots held by storage work are roots of ``hicache_host_pool`` -- an in-flight
+prefetch's host buffers (``ongoing_prefetch``, owner ``prefetch:<rid>``), the tail a terminated
+prefetch still owns until its completion ack (``host_indices[completed_tokens:]`` of an operation
+queued in the controller), and the pages queued for release (``host_mem_release_queue``, freed at
+the next poll) -- each counted as ``uncached``. Host locks held by a prefetch's anchor and by a
+storage backup count as host-lock holders. :attr:`SglangHiCacheL3Target.storage_log` records the
+worker's work (wrappers on the controller instance: hit queries, page reads, backups) and each
+prefetch issued and credited.
+
+Not driven: the ``timeout`` prefetch policy (SGLang's default; a wall-clock deadline), the
+``buffer_only`` host memory mode, pipeline-parallel prefetch tickets, prefix keys
+(``hicache_storage_pass_prefix_keys``) and the attach / detach / clear admin requests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import tempfile
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from kvaudit.targets.base import Accounting, Root
+from kvaudit.targets.sglang_boot import SglangUnavailable
+from kvaudit.targets.sglang_hicache import HOST_POOL, SglangHiCacheTarget
+from kvaudit.targets.sglang_target import host_units
+
+FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # HiCacheFile prefers it to its configured path
+
+
+class _PassEnd(Exception):
+    """No item is due on a storage queue this step: ends one pass of a storage thread's loop."""
+
+
+class _StepQueue(queue.Queue):
+    """A storage thread's queue on the step clock (H6): an item is due ``delay`` steps after it was
+    put; ``get`` returns a due item or raises :class:`_PassEnd`, never blocks. Items are kept as
+    ``(due step, item)`` in ``queue`` (``reset()`` clears it)."""
+
+    def __init__(self, now, delay: int):
+        super().__init__()
+        self._now, self._delay = now, delay
+
+    def _put(self, item) -> None:
+        self.queue.append((self._now() + self._delay, item))
+
+    def _get(self):
+        return self.queue.popleft()[1]
+
+    def items(self) -> list:
+        return [item for _, item in list(self.queue)]
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        with self.mutex:
+            due = bool(self.queue) and self.queue[0][0] <= self._now()
+        if not due:
+            raise _PassEnd
+        return super().get(block=False)
+
+
+class _ParkedThread:
+    """A storage thread that is never started (H5)."""
+
+    def __init__(self, target=None, daemon=None, **kwargs):
+        self.target, self.daemon = target, daemon
+        self.name = getattr(target, "__name__", "storage-thread")
+
+    def start(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class _NoThreads:
+    """``threading`` for ``managers/cache_controller.py`` (H5): threads are parked, the rest is real."""
+
+    Thread = _ParkedThread
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def shim_storage_threads() -> str:
+    """H5 (module docstring), idempotent. Returns the shim's name."""
+    import sglang.srt.managers.cache_controller as cache_controller
+
+    if not isinstance(cache_controller.threading, _NoThreads):
+        cache_controller.threading = _NoThreads(threading)
+    return "H5 cache_controller.threading.Thread -> parked (the storage threads never start)"
+
+
+def install_storage_shims(target, cc) -> list[str]:
+    """H6 and (on a CPU device) H7 on one controller (module docstring)."""
+    ref = weakref.ref(target)  # the controller outlives the target (init_hicache registers an atexit hook)
+
+    def now() -> int:
+        t = ref()
+        return t.steps if t is not None else 0
+
+    delay = target.config.hicache_storage_ack_steps
+    for name, d in (("prefetch_queue", delay), ("prefetch_buffer", delay), ("prefetch_sync_queue", 0),
+                    ("backup_queue", delay)):
+        assert getattr(cc, name).empty()
+        setattr(cc, name, _StepQueue(now, d))
+    shims = ["H6 storage thread queues -> step queues (due hicache_storage_ack_steps after put; sync at once)"]
+    if target._cpu:
+        cc.mem_pool_host.anchor_entry.host_pool.pin_memory = False
+        shims.append("H7 anchor host pool pin_memory=False (the storage read's bounce page)")
+    return shims
+
+
+class SglangHiCacheL3Target(SglangHiCacheTarget):
+    """:class:`SglangHiCacheTarget` with SGLang's L3 storage tier (``config.hicache_storage_backend``);
+    see the module docstring."""
+
+    def __init__(self, config):
+        if os.environ.get(FILE_DIR_ENV):
+            raise SglangUnavailable(f"unset {FILE_DIR_ENV}: HiCacheFile would write there instead of the run's own "
+                                    "directory, and runs would share what they stored")
+        self.storage_dir = tempfile.TemporaryDirectory(prefix="kvaudit-hicache-l3-")
+        # ("prefetch", step, rid, tokens asked) ("query", step, rid, hit tokens) ("transfer", step, rid, tokens)
+        # ("loaded", step, rid, tokens) ("backup", step, tokens written)
+        self.storage_log: list[tuple] = []
+        super().__init__(config)
+        cc = self.cache_controller
+        if not (cc.enable_storage and self.tree_cache.enable_storage):
+            raise SglangUnavailable(f"SGLang {self.S.version} did not attach the {config.hicache_storage_backend} "
+                                    "storage backend")
+        self.shims += install_storage_shims(self, cc)
+        self._observe_storage(cc)
+        # init_hicache registers the tree's shutdown (a storage detach) to run at exit, which would keep every
+        # run's tree -- and through the driver's wrappers, the target and its directory -- alive until then
+        atexit.unregister(self.tree_cache.shutdown)
+
+    def _storage_server_args(self) -> dict:
+        cfg = self.config
+        extra = {"prefetch_threshold": cfg.hicache_storage_prefetch_threshold,
+                 "file_storage_path": self.storage_dir.name,
+                 "enable_metadata_cache": False, "max_size": 0, "min_free_space": 0}
+        return dict(hicache_storage_backend=cfg.hicache_storage_backend,
+                    hicache_storage_prefetch_policy=cfg.hicache_storage_prefetch_policy,
+                    hicache_storage_backend_extra_config=json.dumps(extra))
+
+    def _build(self, config):
+        h5 = shim_storage_threads()  # before the controller attaches the backend (its threads start there)
+        # the storage config reads this process's place in the pipeline (one stage, rank 0)
+        self.S.get_parallel().override_permanently(pp_rank=0, pp_size=1)
+        o = super()._build(config)
+        self._module_shims.append(h5)
+        return o
+
+    def _observe_storage(self, cc) -> None:
+        """Log the storage worker's work into :attr:`storage_log` (wrappers on the controller instance)."""
+        log, ps = self.storage_log, self.config.page_size
+        query, transfer, backup = cc._storage_hit_query, cc._page_transfer_kv_batch, cc._page_backup
+
+        def query_wrapper(operation):
+            hashes, hit = query(operation)
+            log.append(("query", self.steps, operation.request_id, hit))
+            return hashes, hit
+
+        def transfer_wrapper(operation, *a, **k):
+            pages = transfer(operation, *a, **k)
+            log.append(("transfer", self.steps, operation.request_id, pages * ps))
+            return pages
+
+        def backup_wrapper(operation):
+            out = backup(operation)
+            log.append(("backup", self.steps, operation.completed_tokens))
+            return out
+
+        cc._storage_hit_query, cc._page_transfer_kv_batch, cc._page_backup = query_wrapper, transfer_wrapper, \
+            backup_wrapper
+
+    # -- driver -------------------------------------------------------------------------------
+    def _run_storage_threads(self) -> None:
+        """The storage worker (module docstring): one pass of each storage thread's own loop, in data-flow
+        order; a loop returns when its queue has no item due this step."""
+        cc = self.cache_controller
+        if not cc.enable_storage:
+            return
+        for loop in (cc.prefetch_thread_func, cc.prefetch_io_aux_func, cc.prefetch_sync_thread_func,
+                     cc.backup_thread_func):
+            try:
+                loop()
+            except _PassEnd:
+                pass
+
+    def _process_hicache_events(self) -> None:
+        """``Scheduler._process_hicache_events`` with storage: the storage threads' work since the last
+        poll (the worker's pass), ``check_hicache_events``, then ``_process_storage_prefetch_retries``."""
+        self._run_storage_threads()
+        super()._process_hicache_events()
+        self._process_storage_prefetch_retries()
+
+    def _process_storage_prefetch_retries(self) -> None:
+        """``Scheduler._process_storage_prefetch_retries``: re-issue the storage queries that are due, in
+        waiting-queue order (``StoragePrefetchRetries.pop_ready`` counts passes, not time)."""
+        from sglang.srt.runtime_context import get_memory
+
+        memory = get_memory()
+        for req, storage_hit_end in self.tree_cache.storage_prefetch_retries.pop_ready(
+                self.waiting, memory.hicache_storage_prefetch_retry_poll_interval,
+                memory.hicache_storage_prefetch_retry_max_attempts):
+            self._retry_storage_prefetch(req, storage_hit_end)
+
+    def _retry_storage_prefetch(self, req, storage_hit_end=None) -> None:
+        """``Scheduler._retry_storage_prefetch``."""
+        req.storage_prefetch_retry_attempts += 1
+        self._prefetch_kvcache(req, storage_hit_end)
+
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        """``Scheduler._add_request_to_queue``: a retracted request's storage bookkeeping starts over."""
+        if is_retracted:
+            req.storage_prefetch_retry_attempts = 0
+            req.storage_prefetch_last_match_len = None
+            req.staged_prefetch_plan = None
+        super()._add_request_to_queue(req, is_retracted)
+
+    def _prefetch_kvcache(self, req, storage_hit_end=None) -> None:
+        """``Scheduler._prefetch_kvcache`` (cache mode): match the request (``init_next_round_input``); if
+        its last host-backed node is backed up (or the root), ``prefetch_from_storage`` the tokens beyond
+        the device and host match, from that node's hash chain."""
+        cache = self.tree_cache
+        req.init_next_round_input(cache, cow_mamba=False)
+        last_host_node = req.last_host_node
+        matched_len = req.prefix_len + req.host_hit_length
+        req.storage_prefetch_last_match_len = matched_len
+        if not (cache.is_backuped(last_host_node) or cache.is_root(last_host_node)):
+            return
+        fill = req.full_untruncated_fill_ids
+        new_input_tokens = fill[matched_len:req._compute_max_prefix_len(len(fill))]
+        prefix_keys = cache.get_prefix_hash_values(last_host_node) if cache.hicache_storage_pass_prefix_keys else None
+        handle = req.cache_request_handle
+        cache.prefetch_from_storage(handle, last_host_node, new_input_tokens, cache.get_last_hash_value(last_host_node),
+                                    prefix_keys, matched_prefix_tokens=fill[:matched_len], extra_key=req.extra_key,
+                                    cache_salt=req.cache_salt, storage_hit_end=storage_hit_end)
+        if handle in cache.ongoing_prefetch:
+            self.storage_log.append(("prefetch", self.steps, req.rid, len(cache.ongoing_prefetch[handle].prefetch_key)))
+
+    def _prefetch_ready(self, req) -> bool:
+        """``_get_new_batch_prefill_raw``'s storage gate: ``check_prefetch_progress`` (False: the prefetch
+        is still running, skip the request this round; ``best_effort`` ends it here instead), then
+        ``pop_prefetch_loaded_span``: tokens loaded from storage are the request's ``storage_hit_length``."""
+        cache = self.tree_cache
+        if not cache.check_prefetch_progress(req.cache_request_handle):
+            return False
+        loaded, start = cache.pop_prefetch_loaded_span(req.cache_request_handle)
+        if loaded > 0:
+            req.storage_hit_length, req.storage_hit_start, req.host_hit_is_storage = loaded, start, False
+            self.storage_log.append(("loaded", self.steps, req.rid, loaded))
+        return True
+
+    def _prefetch_after_device_hit_loss(self, req) -> bool:
+        """``Scheduler._prefetch_after_device_hit_loss``: after the admission match, a device and host match
+        shorter than at queueing (evicted meanwhile) re-queries storage and skips the request this round,
+        until the re-issue budget is spent."""
+        from sglang.srt.runtime_context import get_memory
+
+        previous = req.storage_prefetch_last_match_len
+        if not previous:
+            return False
+        current = req.prefix_len + req.host_hit_length
+        if current >= previous:
+            return False
+        if req.storage_prefetch_retry_attempts >= get_memory().hicache_storage_prefetch_retry_max_attempts:
+            req.storage_prefetch_last_match_len = current
+            return False
+        self._retry_storage_prefetch(req)
+        return True
+
+    def _new_batch(self, batch, kind: str) -> None:
+        """A prefill batch's requests leave the retry set (``retries.cancel`` on ``can_run_list``), then the
+        HiCache target's ``ready_to_load_host_cache``."""
+        if kind == "extend":
+            for req in batch.reqs:
+                self.tree_cache.storage_prefetch_retries.cancel(req.rid)
+        super()._new_batch(batch, kind)
+
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
+        """``is_fully_idle`` with storage: also no prefetch or storage backup pending."""
+        cache = self.tree_cache
+        return super().is_idle(ignore_waiting) and not cache.ongoing_prefetch and not cache.ongoing_backup
+
+    def describe_busy(self) -> str:
+        cache = self.tree_cache
+        return (super().describe_busy() + f" prefetch_inflight={len(cache.ongoing_prefetch)} "
+                f"backup_inflight={len(cache.ongoing_backup)}")
+
+    # -- observer -----------------------------------------------------------------------------
+    def _inflight_prefetch_operations(self) -> list:
+        """Prefetch operations the controller's queues still carry, with host buffers (the transfer queue,
+        and the acks not yet drained: each names its operation), once each, in queue order."""
+        cc = self.cache_controller
+        ops, seen = [], set()
+        candidates = cc.prefetch_buffer.items()
+        candidates += [ack.operation for ack in cc.prefetch_sync_queue.items() + list(cc.ack_prefetch_queue.queue)
+                       if ack is not None]
+        for op in candidates:
+            if op is not None and op.host_indices is not None and id(op) not in seen:
+                seen.add(id(op))
+                ops.append(op)
+        return ops
+
+    def storage_host_slots(self) -> list[tuple[str, torch.Tensor]]:
+        """Host slots held by storage work, as ``(owner, [n] int64 slots)``: each in-flight prefetch's host
+        buffers (``ongoing_prefetch``), the tail ``host_indices[completed_tokens:]`` of a prefetch that
+        left ``ongoing_prefetch`` (aborted, ended by ``best_effort``) while its operation is still queued
+        (its completion ack releases it), and the pages queued for release."""
+        cache, cc = self.tree_cache, self.cache_controller
+        out = [(f"prefetch:{h.rid}", info.host_indices) for h, info in cache.ongoing_prefetch.items()
+               if info.host_indices is not None]
+        for op in self._inflight_prefetch_operations():
+            info = cache.ongoing_prefetch.get(op.handle)
+            if info is None or info.operation is not op:
+                out.append((f"prefetch:{op.request_id}", op.host_indices[op.completed_tokens:]))
+        release = [p for p in list(cc.host_mem_release_queue.queue) if p is not None]
+        if release:
+            out.append(("host_mem_release_queue", torch.cat(release)))
+        return [(owner, slots.to(torch.int64)) for owner, slots in out if slots.numel()]
+
+    def _host_roots(self) -> list[Root]:
+        """The HiCache target's host roots, and the host slots storage work holds (role ``req``: counted as
+        ``uncached``). On the Rust core the tree's root is the wrappers' set, less those."""
+        ps = self.config.page_size
+        held = [Root(HOST_POOL, owner, host_units(slots, ps)) for owner, slots in self.storage_host_slots()]
+        tree = super()._host_roots()
+        if held and tree and not self.python_core:
+            taken = np.concatenate([r.units for r in held])
+            tree = [Root(HOST_POOL, r.owner, np.setdiff1d(r.units, taken), role=r.role) for r in tree]
+        return tree + held
+
+    def accounting(self) -> dict[str, Accounting]:
+        """The HiCache target's, less (Rust core, where the tree's host tokens are what is not available)
+        the host tokens storage work holds: the oracle counts those as ``uncached``."""
+        out = super().accounting()
+        if not self.python_core:
+            ps = self.config.page_size
+            held = [host_units(slots, ps) for _, slots in self.storage_host_slots()]
+            tokens = int(np.unique(np.concatenate(held)).size) * ps if held else 0
+            a = out[HOST_POOL]
+            out[HOST_POOL] = Accounting(a.available, a.evictable - tokens, a.protected, a.session_held, a.total)
+        return out
+
+    def _host_lock_holders(self) -> list:
+        """Also each in-flight prefetch's anchor (``prefetch_from_storage`` host-locks it until the result
+        is inserted or the prefetch is dropped) and each storage backup's node (until its ack)."""
+        cache = self.tree_cache
+        nodes = super()._host_lock_holders()
+        nodes += [info.anchor_node_id for info in cache.ongoing_prefetch.values()
+                  if info.anchor_lock_params is not None]
+        nodes += [node for node, _ in cache.ongoing_backup.values()]
+        return nodes
