@@ -63,6 +63,7 @@ reported from the per-node host count (the device lock-ref ledger records no hos
 
 from __future__ import annotations
 
+import atexit
 import warnings
 from types import SimpleNamespace
 
@@ -138,6 +139,9 @@ class SglangHiCacheTarget(SglangTarget):
             self.shims += install_instance_shims(self, cc)
         hp = self.host_pool
         self._pools.append(PoolSpec(HOST_POOL, hp, "host", config.page_size, -(-hp.size // config.page_size)))
+        # init_hicache registers the tree's shutdown (a storage detach) to run at exit, which would keep every
+        # run's tree -- and through the driver's wrappers, the target (and L3's directory) -- alive until then
+        atexit.unregister(self.tree_cache.shutdown)
 
     def _build(self, config):
         S = self.S

@@ -68,7 +68,6 @@ Not driven: the ``timeout`` prefetch policy (SGLang's default; a wall-clock dead
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import queue
@@ -194,9 +193,6 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
                                     "storage backend")
         self.shims += install_storage_shims(self, cc)
         self._observe_storage(cc)
-        # init_hicache registers the tree's shutdown (a storage detach) to run at exit, which would keep every
-        # run's tree -- and through the driver's wrappers, the target and its directory -- alive until then
-        atexit.unregister(self.tree_cache.shutdown)
 
     def _storage_server_args(self) -> dict:
         cfg = self.config
