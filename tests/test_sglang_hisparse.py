@@ -271,6 +271,18 @@ def test_pause_retract_during_staging_aborts_the_staging_and_frees_every_pool(co
 
 
 @pytest.mark.parametrize("core", CORES)
+def test_a_paused_scheduler_keeps_its_last_batch_so_an_abort_still_reaches_a_staged_request(core):
+    """While paused the loop never replaces ``last_batch``: the staged request of the last prefill stays
+    reachable by ``abort_request`` (hazard A.4's window stays as SGLang has it)."""
+    ops = [Submit(0, 20, 8), Step(1), PauseGeneration(1), Step(2), Abort(0)]
+    findings, run = run_ops(cfg(core, hisparse_staging_steps=5), ops)
+    t = run.target
+    assert findings == [] and [(r.rid, r.to_finish is not None) for r in t.staged()] == [("r0", True)]
+    assert run.apply(Idle()) == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
 def test_a_health_check_runs_while_a_request_is_staged(core):
     """is_fully_idle(for_health_check=True) ignores HiSparse staging (only a flush waits for it), but not
     the last batch: once the staged request's prefill batch is no longer the last one, a health check

@@ -362,19 +362,28 @@ def test_pause_retract_holds_requests_for_rebootstrap_until_continue(core):
     """``pause_generation(retract)`` on a decode server: running and transferred-waiting requests are
     retracted without a host backup and held (``hold_rebootstrap``); the server is then idle, so the
     weight update's flush succeeds; ``continue_generation`` re-bootstraps them (their KV recomputed by
-    prefill, a new transfer) and they finish."""
-    findings, run = run_ops(cfg(core), [Submit(0, 20, 8), Submit(1, 10, 8), Step(4)])
+    prefill, a new transfer). The re-bootstrap's prefill digests the prompt and the replayed output,
+    decode verifies the prompt's pages only (``_verify_kv_checksums``): a request whose replay reaches
+    a new page is aborted with a false "KV checksum mismatch" (a 500; corpora/sglang/README.md, "Seen
+    by reading"), the one whose replay stays within its last page finishes. No memory is lost."""
+    findings, run = run_ops(cfg(core), [Submit(0, 20, 8), Submit(1, 10, 8), Submit(2, 5, 8), Step(4)])
     t = run.target
     assert findings == [] and set(stages(t).values()) == {"running"} and not full(t)
     assert run.apply(PauseGeneration(2)) == []
-    held = t.prealloc_queue.held_rebootstrap_reqs
-    assert sorted(r.rid for r in held) == ["r0", "r1"] and stages(t) == {} and t.retractions == 2
+    held = list(t.prealloc_queue.held_rebootstrap_reqs)
+    assert sorted(r.rid for r in held) == ["r0", "r1", "r2"] and stages(t) == {} and t.retractions == 3
     assert all(not r.kv.holds_kv and r.pd_rebootstrap_in_progress and r.kv.retraction_backup is None for r in held)
+    assert [len(r.output_ids) for r in held] == [3, 3, 3]  # the boundary token popped for the replay
     assert full(t) and t.is_idle()
     assert run.apply(FlushCache()) == [] and t.flushed() == 1
     assert run.apply(Step(2)) == [] and stages(t) == {}  # paused: nothing moves
     assert run.apply(ContinueGeneration()) == [] and set(stages(t).values()) == {"prealloc"}
-    assert run.apply(Idle()) == [] and full(t) and sorted(t.finished) == ["r0", "r1"]
+    assert run.apply(Idle()) == [] and full(t)
+    ends = {r.rid: (type(r.finished_reason).__name__, getattr(r.finished_reason, "message", None)) for r in held}
+    # pages of 4: 20 + 3 and 10 + 3 tokens reach a new page, 5 + 3 does not
+    assert ends == {"r0": ("FINISH_ABORT", "KV checksum mismatch"), "r1": ("FINISH_ABORT", "KV checksum mismatch"),
+                    "r2": ("FINISH_LENGTH", None)}
+    assert all(r.finished_reason.status_code == 500 for r in held[:2])
     run.close()
 
 

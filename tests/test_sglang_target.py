@@ -279,6 +279,46 @@ def test_a_full_queue_aborts_the_least_preferred_request(core):
 
 
 @pytest.mark.parametrize("core", CORES)
+def test_preempted_requests_rejoin_the_queue_after_the_admitted_ones_leave_it(core):
+    """``_get_new_batch_prefill_raw`` takes the admitted requests out of the waiting queue, then re-queues
+    the preempted ones: with room for them, the queue limit (4) aborts none of them."""
+    ops = [Submit(i, 20, 30, priority=0) for i in range(3)] + [Step(2)]
+    ops += [Submit(3 + i, 10, 4, priority=9) for i in range(4)] + [Step(1)]
+    findings, run = run_ops(cfg("sglang-priority", core), ops)
+    t = run.target
+    assert findings == [] and t.retractions == 3 and t.finished == set()
+    assert [r.rid for r in t.running] == ["r3", "r4", "r5"]
+    assert sorted(r.rid for r in t.waiting) == ["r0", "r1", "r2", "r6"]
+    assert run.apply(Idle()) == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_the_running_timeout_counts_from_the_first_admission(core):
+    """``forward_entry_time`` is set once: a prompt chunked 8 tokens at a time (a new admission each
+    chunk) is still aborted 3 steps after its first chunk, through ``process_pending_chunked_abort``."""
+    c = cfg("sglang-priority", core, chunked_prefill_size=8, request_running_timeout_steps=3)
+    findings, run = run_ops(c, [Submit(0, 60, 4), Step(6)])
+    t = run.target
+    assert findings == [] and t.finished == {"r0"} and t.chunked_req is None  # 60 tokens need 8 chunks
+    assert run.apply(Idle()) == [] and t.allocator.available_size() + t.tree_cache.evictable_size() == t.allocator.size
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_turn_create_req_rejects_still_goes_through_the_grammar_queue(core):
+    """Only a gone session or a bad length skip the grammar in ``handle_generate_request``: a turn
+    ``create_req`` rejected (a turn in flight) carries ``to_finish`` and waits for its grammar too."""
+    ops = [OpenSession(), Submit(0, 10, 4, session=0), Submit(1, 5, 3, session=0, grammar=3)]
+    findings, run = run_ops(cfg("sglang-session", core), ops)
+    t = run.target
+    assert findings == [] and [r.rid for r in t.waiting] == ["r0"]
+    assert [(r.rid, r.to_finish is not None) for r in t.grammar_manager.grammar_queue] == [("r1", True)]
+    assert run.apply(Idle()) == []
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
 def test_timeout_aborts_carry_a_503_and_release_normally(core):
     findings, run = run_ops(cfg("sglang-priority", core), [])
     t = run.target

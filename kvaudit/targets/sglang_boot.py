@@ -202,6 +202,9 @@ def load() -> SimpleNamespace:
                                 f"(missing: {', '.join(problems)})")
     for name in ("sglang", "transformers", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # a few SGLang modules log through the root logger (logging.warning(...): a session turn appended to
+    # an unfinished one, a deferred flush's timeout); the CLI's output is kvaudit's
+    logging.getLogger().setLevel(logging.CRITICAL)
     _LOADED = SimpleNamespace(
         version=version, stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
         OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams,

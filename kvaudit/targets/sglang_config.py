@@ -224,7 +224,8 @@ class SglangConfig(ConfigBase):
                                  f"{', '.join(clash) or 'chunked_prefill_size'} in this version")
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 65536):
-            raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
+            raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size={self.page_size}, 65536], "
+                             f"got {c!r}")
         if self.enable_mixed_chunk and (c is None or self.enable_hisparse):
             raise ValueError("enable_mixed_chunk needs chunked_prefill_size (SGLang's is_mixed_chunk) and is not "
                              "driven with enable_hisparse")

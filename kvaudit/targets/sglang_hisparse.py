@@ -209,6 +209,11 @@ class SglangHiSparseTarget(SglangTarget):
         ``alloc_for_extend`` and ``retract_decode`` -> ``release_req`` -> ``retract_req`` see it."""
         batch.hisparse_coordinator = self.coordinator
 
+    def _pause_retract(self) -> None:
+        """:meth:`SglangTarget._pause_retract`; ``pause_generation`` also sets ``last_batch = None``."""
+        super()._pause_retract()
+        self._last_batch = []
+
     def _hisparse_coordinator(self):
         """``pause_generation(retract)``'s ``retract_all`` is given the coordinator: a staged request it
         retracts goes through ``retract_req`` -> ``abort_staging_request``."""
@@ -268,7 +273,8 @@ class SglangHiSparseTarget(SglangTarget):
         (``event_loop_normal``: ``self.last_batch = batch``, None when no batch ran)."""
         self._this_batch = []
         super().step()
-        self._last_batch = self._this_batch
+        if not self.scheduler_paused:  # a paused loop keeps last_batch as it was
+            self._last_batch = self._this_batch
 
     def staged(self) -> list:
         """Requests in the coordinator's staging queue (``ack_staging_queue``): in no batch, yet owners

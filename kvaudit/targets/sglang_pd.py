@@ -415,7 +415,10 @@ class SglangPdDecodeTarget(SglangTarget):
             if dr.req is req and not isinstance(dr.kv_receiver, self._receiver_cls):
                 rx = self._receiver_cls(self.prealloc_queue.kv_manager, "kvaudit-prefill", req.bootstrap_room)
                 rx.bootstrap_done = dr.kv_receiver.bootstrap_done
-                rx.prompt_len = len(req.origin_input_ids)  # prefill has the prompt: it digests its KV
+                # prefill digests its prompt's KV; a re-bootstrap's prompt is the request's prompt and outputs
+                # (the prefill request's origin_input_ids; decode verifies its own origin_input_ids only)
+                rx.prompt_len = len(req.origin_input_ids) + (
+                    len(req.output_ids) if getattr(req, "pd_rebootstrap_in_progress", False) else 0)
                 dr.kv_receiver = rx
 
     def _abort(self, rid: str, message: str | None = None) -> None:

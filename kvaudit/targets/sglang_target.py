@@ -17,7 +17,6 @@ There is no model: a sampled token is a deterministic function of the request an
 
 from __future__ import annotations
 
-import logging
 from array import array
 from concurrent import futures
 from http import HTTPStatus
@@ -472,7 +471,7 @@ class SglangTarget:
         sp.normalize(None)
         ids = array("q", prompt)
         sc = self.session_controller
-        gone = None
+        gone = None  # handle_generate_request's early returns (before the grammar): a gone session, a bad length
         if sid is not None and (sid not in sc or sc.get(sid).close_on_finish):
             # handle_generate_request: a session timed out (reaped) or closing -- a plain request, aborted
             gone = f"Invalid request: session id {sid} does not exist" if sid not in sc else \
@@ -512,7 +511,8 @@ class SglangTarget:
         req.kvaudit_stop_at = stop_at
         self.submitted.append(rid)
         gm = self.grammar_manager
-        if req.to_finish is not None or gm is None:
+        # (a turn create_req rejected still goes through the grammar, as in SGLang: only its to_finish is set)
+        if gone is not None or error is not None or gm is None:
             self._add_request_to_queue(req)
             return
         if grammar is not None:
@@ -715,11 +715,7 @@ class SglangTarget:
         """``flush_wrapper.check_pending()`` (each ``ingest_requests``): a deferred flush runs once the
         server is idle, or fails at its deadline; the quiescence check follows a flush at once."""
         done = self._flushes
-        logging.disable(logging.WARNING)  # its timeout warning goes to the root logger: not the CLI's output
-        try:
-            self.flush_wrapper.check_pending()
-        finally:
-            logging.disable(logging.NOTSET)
+        self.flush_wrapper.check_pending()  # (its timeout warning goes to the root logger, silenced by load())
         if self._flushes != done:
             self._after_intake()
 
@@ -886,17 +882,20 @@ class SglangTarget:
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
                                  truncation_align_size=None) != S.AddReqResult.CONTINUE:
                 break
-        if adder.preempt_list:  # released by preempt_to_schedule: back to the queue (even if nothing is admitted)
+        admitted = list(adder.can_run_list)
+        # the admitted leave the queue first, then the preempted come back to it (even if nothing was
+        # admitted), so the queue limit sees the queue SGLang's _add_request_to_queue sees
+        self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
+        if adder.preempt_list:  # released by preempt_to_schedule
             self.running = list(running.reqs)
             self.retractions += len(adder.preempt_list)
             for req in adder.preempt_list:
                 self._add_request_to_queue(req)
-        admitted = list(adder.can_run_list)
         if not admitted:
             return None
-        self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
-        for req in admitted:  # set_forward_entry_time: the running timeout's start
-            req.kvaudit_forward_at = self.steps
+        for req in admitted:  # set_forward_entry_time: the running timeout's start, set once (not on re-admission)
+            if getattr(req, "kvaudit_forward_at", None) is None:
+                req.kvaudit_forward_at = self.steps
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None
             self.chunked_req = adder.new_chunked_req
