@@ -3,8 +3,8 @@
 
     python benchmarks/sglang_throughput.py [--programs N] [--length L] [--repeat K]
 
-For each real-target preset and both tree cores, the same seeded random programs
-run in three modes: "bare" (SGLang driven, no hooks), "hooks" (the ledger: every alloc, free and
+For each real-target preset and both tree cores, the same seeded random programs (with the
+arguments the preset gives meaning to: ``config.program_features``) run in three modes: "bare" (SGLang driven, no hooks), "hooks" (the ledger: every alloc, free and
 lock event recorded) and "audit" (hooks plus the per-step oracles: reachability, the accounting
 identity, the free-list replay check, lock balance at idle), the fuzzers' mode. One core
 (torch.set_num_threads(1)), process CPU time, best of --repeat rounds with the modes taking turns.
@@ -42,8 +42,6 @@ def main() -> None:
     from kvaudit.targets.sglang_boot import load
     load()
     print(f"import of SGLang's memory manager: {time.perf_counter() - t0:.2f} s")
-    rng = random.Random(args.seed)
-    progs = [random_program(rng, args.length, max_prompt=40) for _ in range(args.programs)]
     print(f"{args.programs} programs of {args.length} ops, best of {args.repeat}, one core\n")
     print("| preset | tree core | bare programs/s | hooks programs/s | audit programs/s | audit ops/s | "
           "audit / bare time | build ms |")
@@ -51,6 +49,9 @@ def main() -> None:
     for name, preset in SGLANG_PRESETS.items():
         if args.preset and name not in args.preset:
             continue
+        rng = random.Random(args.seed)
+        features = preset.config().program_features
+        progs = [random_program(rng, args.length, max_prompt=40, features=features) for _ in range(args.programs)]
         for core in ("rust", "python"):
             config = preset.config(tree_core=core)
             make_target(config)  # the first build of a core (and of a mode's modules) in a process loads it
