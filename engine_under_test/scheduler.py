@@ -797,15 +797,18 @@ class Scheduler:
         """Forward every row of ``batch``: write its KV and sample one token per sampling row.
 
         Sampled tokens go to ``req.future_ids`` (SGLang's future token map) until the result is
-        processed. A middle prefill chunk samples nothing. A row already marked ``to_finish``
+        processed. A middle prefill chunk samples nothing. A decode row already marked ``to_finish``
         (aborted while in flight) computes nothing: SGLang would discard its token anyway, and the
-        KV of its new positions is never written (the state sglang PR #28374 is about).
+        KV of its new position is never written (the state sglang PR #28374 is about). A prefill row
+        is computed even when marked (an aborted request prefilled again after a retract pause, or
+        one aborted at intake): its chunk may be checkpointed into the tree before its result ends it.
         """
         if batch.forward_mode == PREBUILT:
             return
         off = 0
         for req in batch.reqs:
-            if batch.forward_mode == EXTEND and id(req) not in batch.decode_ids:
+            prefill_row = batch.forward_mode == EXTEND and id(req) not in batch.decode_ids
+            if prefill_row:
                 start, end = req.prefix_len, req.extend_end
                 sampled = end >= len(req.fill_ids)
             else:
@@ -815,7 +818,7 @@ class Scheduler:
             loc = locs[off : off + end - start]
             off += end - start
             batch.sampled.append(sampled)
-            if req.to_finish is not None:
+            if req.to_finish is not None and not prefill_row:
                 tok = EOS_TOKEN
             else:
                 tok = self._forward(req, start, end, loc)

@@ -889,6 +889,10 @@ PAUSE_PROGRAMS = {
     "stacked": [Submit(0, 50, 8), Submit(2, 30, 8), Step(1), PauseGeneration(IN_PLACE), Abort(None),
                 PauseGeneration(RETRACT), PauseGeneration(ABORT), FlushCache(), Step(2), ContinueGeneration(),
                 ContinueGeneration(), Submit(1, 5, 2), Idle()],
+    # aborted, then retracted with its abort still recorded: its re-prefill (chunked) is computed, so
+    # the chunk checkpointed into the tree holds its KV (a breaker's stale-kv false finding)
+    "abort then retract": [Submit(3, 21, 11), Submit(3, 12, 9, stop_at=3), Step(3), Abort(None),
+                           PauseGeneration(RETRACT), Submit(3, 20, 9, stop_at=5), FlushCache(), Idle()],
 }
 
 

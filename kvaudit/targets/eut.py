@@ -365,22 +365,24 @@ class EutTarget:
             spans = []
             extend = batch.forward_mode == "extend"
             for req in batch.reqs:
-                if extend and id(req) not in batch.decode_ids:
+                prefill_row = extend and id(req) not in batch.decode_ids
+                if prefill_row:
                     start, end = req.prefix_len, req.extend_end
                 else:
                     end = req.kv.kv_committed_len
                     start = end - 1
                 tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
-                spans.append((req, start, end, tags))
-                if start and req.to_finish is None:
+                computed = prefill_row or req.to_finish is None  # an aborting decode row computes nothing
+                spans.append((req, start, end, tags, computed))
+                if start and computed:
                     idx, want = rows[req.kv.req_pool_idx, :start], tags[:start]
                     if main_tags.take(idx).tobytes() != want.tobytes():  # shadow.read's fast path, inlined
                         check_read(req, main, idx, want)
             out = run_batch(batch)
             # tolist, not numpy(): a numpy view of each batch's fresh tensor costs more than the list
             loc, off = batch.out_cache_loc.tolist(), 0
-            for req, start, end, tags in spans:
-                if req.to_finish is None:  # an aborting row computes nothing (see Scheduler.run_batch)
+            for req, start, end, tags, computed in spans:
+                if computed:  # (see Scheduler.run_batch)
                     if end - start == 1:
                         main_tags[loc[off]] = tags[start]
                     else:
