@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -157,6 +158,9 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
 def _worker_main(spec: _Spec, q) -> None:
     """Entry point of a worker process: Ctrl-C is the parent's business; die with the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a terminate() from the parent exits through SystemExit, so exit-time cleanup still runs (a
+    # target's temporary files)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         import ctypes
 
@@ -250,6 +254,9 @@ def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, 
                         running -= 1
                     handle(msg)
             finally:
+                if not running:  # every worker said done: let them exit on their own first
+                    for p in procs:
+                        p.join(timeout=10)
                 for p in procs:
                     if p.is_alive():
                         p.terminate()

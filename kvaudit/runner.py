@@ -174,9 +174,13 @@ class AuditedRun:
 
     def close(self) -> None:
         """Remove the hooks. This also breaks the engine <-> auditor reference cycle, so a finished
-        run is freed at once instead of waiting for the cycle collector."""
+        run is freed at once instead of waiting for the cycle collector. A target that holds outside
+        resources (L3 storage's directory) releases them (its ``close()``)."""
         if self.auditor is not None:
             self.auditor.uninstall()
+        close = getattr(self.target, "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> "AuditedRun":
         return self

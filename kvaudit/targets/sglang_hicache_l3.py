@@ -182,7 +182,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         if os.environ.get(FILE_DIR_ENV):
             raise SglangUnavailable(f"unset {FILE_DIR_ENV}: HiCacheFile would write there instead of the run's own "
                                     "directory, and runs would share what they stored")
-        self.storage_dir = tempfile.TemporaryDirectory(prefix="kvaudit-hicache-l3-")
+        self.storage_dir = tempfile.TemporaryDirectory(prefix="kvaudit-hicache-l3-")  # removed by close()
         # ("prefetch", step, rid, tokens asked) ("query", step, rid, hit tokens) ("transfer", step, rid, tokens)
         # ("loaded", step, rid, tokens) ("backup", step, tokens written)
         self.storage_log: list[tuple] = []
@@ -193,6 +193,11 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
                                     "storage backend")
         self.shims += install_storage_shims(self, cc)
         self._observe_storage(cc)
+
+    def close(self) -> None:
+        """The run is over (``AuditedRun.close``): remove its storage directory now, not when the cycle
+        collector frees the target (a campaign would pile the directories up meanwhile)."""
+        self.storage_dir.cleanup()
 
     def _storage_server_args(self) -> dict:
         cfg = self.config
