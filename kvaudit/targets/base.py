@@ -85,6 +85,8 @@ class Target(Protocol):
     #   framework_files() / engine_files()         allocator-internal files no site starts in / files
     #                                             under kvaudit/ that play the engine (a driver);
     #   free_lists() -> {pool: [n] int64}          the engine's free lists, checked against the event log;
+    #   paused -> bool                            a pause is in force: idle() sends continue_generation first;
+    #   close()                                   the run is over: release outside resources (files);
     #   on_intake(callback), quiescence(), flushed(), progress(), stalled(), metrics_check(),
     #   units_of_rows(rows), install_lock_ledger(wrap, record), install_shadow(shadow, wrap, report).
 
