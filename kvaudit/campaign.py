@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -158,9 +157,6 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
 def _worker_main(spec: _Spec, q) -> None:
     """Entry point of a worker process: Ctrl-C is the parent's business; die with the parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a terminate() from the parent exits through SystemExit, so exit-time cleanup still runs (a
-    # target's temporary files)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         import ctypes
 
