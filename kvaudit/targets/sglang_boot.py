@@ -284,8 +284,9 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     ps, size = config.page_size, config.total_tokens
     if server_args is None:
         server_args = publish_server_args(config)
-    # this process is rank 0 of a 1-GPU tensor-parallel group (Req.set_finish_with_abort reads it)
-    S.get_parallel().override_permanently(tp_rank=0)
+    # this process is rank 0 of a 1-GPU tensor-parallel group (Req.set_finish_with_abort reads it) and
+    # the one stage of a one-stage pipeline (GrammarManager and HiCache's storage config read that)
+    S.get_parallel().override_permanently(tp_rank=0, pp_rank=0, pp_size=1)
     dev = config.device
     if make_kv is not None:
         kvcache, allocator = make_kv(dev)

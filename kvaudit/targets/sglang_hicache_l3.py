@@ -210,9 +210,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
 
     def _build(self, config):
         h5 = shim_storage_threads()  # before the controller attaches the backend (its threads start there)
-        # the storage config reads this process's place in the pipeline (one stage, rank 0)
-        self.S.get_parallel().override_permanently(pp_rank=0, pp_size=1)
-        o = super()._build(config)
+        o = super()._build(config)  # (build() states this process's place in the pipeline: the storage config reads it)
         self._module_shims.append(h5)
         return o
 

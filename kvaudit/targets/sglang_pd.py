@@ -479,16 +479,13 @@ class SglangPdDecodeTarget(SglangTarget):
         offload_kv=False)`` (no host backup: they re-bootstrap, their KV recomputed by prefill); each
         gives back its last output token as ``pd_rebootstrap_forced_output_id`` and is held by the
         prealloc queue (``hold_rebootstrap``) until ``continue_generation``."""
-        sched, S = self.sched, self.S
+        sched = self.sched
         reqs = [r for r in sched.running_batch.reqs if not r.finished()]
         staged = [r for r in sched.waiting_queue if r.kv.holds_kv]
         sched.waiting_queue = [r for r in sched.waiting_queue if not r.kv.holds_kv]
         reqs += staged
         sched.last_batch = None
-        if reqs:
-            S.retract_all(reqs=reqs, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-                          tree_cache=self.tree_cache, hisparse_coordinator=None, offload_kv=False)
-        self.retractions += len(reqs)
+        self._retract_all(reqs)
         sched.running_batch.reqs = []
         self.running = []
         for req in reqs:

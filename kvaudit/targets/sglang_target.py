@@ -126,7 +126,6 @@ def _grammar_manager(S, server_args, model_config):
             pass
 
     S.register_grammar_backend(GRAMMAR_BACKEND, lambda *a: _StepGrammarBackend(StepGrammar))
-    S.get_parallel().override_permanently(pp_rank=0, pp_size=1)  # the one stage of a one-stage pipeline
     group = SimpleNamespace(world_size=1, first_rank=0, is_first_rank=True)
     stand_in = SimpleNamespace(server_args=server_args, tokenizer=None, model_config=model_config,
                                dp_tp_cpu_group=one_rank_group(), dp_tp_group=group, pp_group=None)
@@ -631,7 +630,6 @@ class SglangTarget:
         chunked request go through ``retract_all(..., offload_kv=False)`` (``release_req`` each:
         HiSparse ``retract_req``, ``release_kv_cache(checkpoint=False)``, ``reset_for_retract``) and back
         to the waiting queue; the running batch, last batch and chunked request are cleared."""
-        S = self.S
         if self.config.enable_overlap and self._last is not None:
             last, self._last = self._last, None
             self._process(*last)
@@ -642,15 +640,20 @@ class SglangTarget:
         if chunked is not None and not chunked.finished() and not any(chunked is x for x in reqs):
             reqs.append(chunked)
         self._scheduled = None
-        if reqs:
-            S.retract_all(reqs=reqs, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-                          tree_cache=self.tree_cache, hisparse_coordinator=self._hisparse_coordinator(),
-                          offload_kv=False)
-        self.retractions += len(reqs)
+        self._retract_all(reqs)
         self.running = []
         for req in reqs:
             self._add_request_to_queue(req)
         self.chunked_req = None
+
+    def _retract_all(self, reqs: list) -> None:
+        """``retract_all(reqs, ..., offload_kv=False)``, as ``pause_generation(retract)`` calls it: each
+        request through ``release_req`` (no host backup: a pause rebuilds the KV afterwards)."""
+        if reqs:
+            self.S.retract_all(reqs=reqs, req_to_token_pool=self.req_to_token_pool,
+                               token_to_kv_pool_allocator=self.allocator, tree_cache=self.tree_cache,
+                               hisparse_coordinator=self._hisparse_coordinator(), offload_kv=False)
+        self.retractions += len(reqs)
 
     def _hisparse_coordinator(self):
         """The ``HiSparseCoordinator`` SGLang's releases are given (none on this target)."""
