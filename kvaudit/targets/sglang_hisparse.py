@@ -129,8 +129,6 @@ class SglangHiSparseTarget(SglangTarget):
         super().__init__(config)
         ps = config.page_size
         a, host = self.allocator, self.coordinator.mem_pool_host
-        self._last_batch: list = []  # Scheduler.last_batch's requests (the batch of the latest step)
-        self._this_batch: list = []
         self._no_finish_hook = False  # inside process_pending_chunked_abort: SGLang calls no HiSparse method
         self._pools = [
             PoolSpec("token_to_kv_pool", a.logical_attn_allocator, "kv", ps, a.logical_attn_allocator.size // ps),
@@ -209,11 +207,6 @@ class SglangHiSparseTarget(SglangTarget):
         ``alloc_for_extend`` and ``retract_decode`` -> ``release_req`` -> ``retract_req`` see it."""
         batch.hisparse_coordinator = self.coordinator
 
-    def _pause_retract(self) -> None:
-        """:meth:`SglangTarget._pause_retract`; ``pause_generation`` also sets ``last_batch = None``."""
-        super()._pause_retract()
-        self._last_batch = []
-
     def _hisparse_coordinator(self):
         """``pause_generation(retract)``'s ``retract_all`` is given the coordinator: a staged request it
         retracts goes through ``retract_req`` -> ``abort_staging_request``."""
@@ -264,17 +257,11 @@ class SglangHiSparseTarget(SglangTarget):
         finally:
             self._no_finish_hook = False
 
-    def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
-        self._this_batch = list(reqs)
-        super()._process(kind, reqs, chunked, decoding)
-
-    def step(self) -> None:
-        """:meth:`SglangTarget.step`; the step's batch becomes ``last_batch`` at its end
-        (``event_loop_normal``: ``self.last_batch = batch``, None when no batch ran)."""
-        self._this_batch = []
-        super().step()
-        if not self.scheduler_paused:  # a paused loop keeps last_batch as it was
-            self._last_batch = self._this_batch
+    @property
+    def _last_batch(self) -> list:
+        """``Scheduler.last_batch``'s requests: the batch the latest step ran (the base target's
+        ``_scheduled``: none when no batch ran, kept while paused, cleared by a retract pause or a flush)."""
+        return list(self._scheduled[1]) if self._scheduled is not None else []
 
     def staged(self) -> list:
         """Requests in the coordinator's staging queue (``ack_staging_queue``): in no batch, yet owners
