@@ -11,7 +11,7 @@ import dataclasses
 from typing import Callable
 
 from engine_under_test import EngineConfig
-from kvaudit.program import Abort, Op, PauseGeneration, Step, Submit
+from kvaudit.program import LATE_DEFAULTS, Abort, Op, PauseGeneration, Step, Submit
 from kvaudit.runner import execute
 
 
@@ -68,11 +68,11 @@ def _simpler(op: Op) -> list[Op]:
         out.append(Abort(0))
     elif isinstance(op, PauseGeneration) and op.mode != 1:
         out.append(PauseGeneration(1))  # in_place: a pause that moves no memory
-    if isinstance(op, Submit):
-        out += [dataclasses.replace(op, **{f: None}) for f in ("session", "extends", "priority", "grammar", "parent",
-                                                                "offset") if getattr(op, f) is not None]
-        out += [dataclasses.replace(op, **{f: 0}) for f in ("ignore_eos", "replace", "drop_previous_output")
-                if getattr(op, f)]
+    # optional arguments back to their default, one at a time: a submit's session and history, and
+    # every argument added to an op later (program.LATE_DEFAULTS: priority, grammar, flush timeout...)
+    defaults = {"session": None, "extends": None, **LATE_DEFAULTS}
+    out += [dataclasses.replace(op, **{f.name: defaults[f.name]}) for f in dataclasses.fields(op)
+            if f.name in defaults and getattr(op, f.name) != defaults[f.name]]
     return out
 
 
