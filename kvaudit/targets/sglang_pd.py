@@ -56,7 +56,7 @@ import numpy as np
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang_config import SglangConfig
-from kvaudit.targets.sglang_target import EOS, SglangTarget, StepClock
+from kvaudit.targets.sglang_target import EOS, SglangTarget
 
 _PD = None
 
@@ -295,8 +295,7 @@ class SglangPdDecodeTarget(SglangTarget):
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
         self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps,
                                 config.kv_checksum_mismatch_every, config.page_size)
-        self.clock = StepClock(getattr(P.decode.time, "_real", P.decode.time))
-        P.decode.time = self.clock
+        self.clock.install(P.decode)
         manager_cls, self._receiver_cls = _backend(P, self.network)
         streamer = _Streamer()
         metrics = SimpleNamespace(enable_metrics=False, current_scheduler_metrics_enabled=False, num_retracted_reqs=0)
@@ -455,7 +454,6 @@ class SglangPdDecodeTarget(SglangTarget):
         :meth:`_update_running_batch`), and the decode batch's result."""
         self.steps += 1
         self.clock.now += 1.0
-        self.flush_clock.now += 1.0
         self.network.tick()
         sched = self.sched
         self._check_pending_flush()

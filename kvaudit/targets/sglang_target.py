@@ -17,6 +17,7 @@ There is no model: a sampled token is a deterministic function of the request an
 
 from __future__ import annotations
 
+import time
 from array import array
 from concurrent import futures
 from http import HTTPStatus
@@ -54,17 +55,22 @@ def host_free_units(host_pool, page_size: int) -> np.ndarray:
 
 
 class StepClock:
-    """A module's ``time``, with ``monotonic()`` = a driver's clock (one second a scheduler step), so
-    SGLang's timeouts (session timeouts, PD deferred releases) are deterministic."""
+    """A driver's clock (one second a scheduler step) as the ``time`` of the SGLang modules whose
+    timeouts it drives (session timeouts, deferred flushes, PD deferred releases), so they are
+    deterministic: ``monotonic()`` is the clock, everything else the real ``time``."""
 
-    def __init__(self, real):
-        self._real, self.now = real, 1000.0
+    def __init__(self):
+        self.now = 1000.0
+
+    def install(self, module) -> None:
+        """Be ``module.time`` (replacing whatever clock an earlier target installed there)."""
+        module.time = self
 
     def monotonic(self) -> float:
         return self.now
 
     def __getattr__(self, name):
-        return getattr(self._real, name)
+        return getattr(time, name)
 
 
 class _NoSampling:
@@ -144,6 +150,7 @@ class SglangTarget:
     def __init__(self, config: SglangConfig):
         S = self.S = load()
         self.config = config
+        self.clock = StepClock()  # advanced by step(); a mode's _build may install it too
         o = self._build(config)
         self.allocator, self.req_to_token_pool, self.tree_cache = o.allocator, o.req_to_token_pool, o.tree_cache
         self.model_config, self.tree_core = o.model_config, o.tree_core
@@ -154,8 +161,7 @@ class SglangTarget:
         if self.session_controller is not None:
             # the session timeout's clock (Session.is_timed_out: time.monotonic()) is the step count
             import sglang.srt.session.session_controller as session_controller
-            self.session_clock = StepClock(getattr(session_controller.time, "_real", session_controller.time))
-            session_controller.time = self.session_clock
+            self.clock.install(session_controller)
         self.steps = 0
         # TpModelWorker: max_req_len = min(context_len - 1, pool tokens - 1), inputs 5 tokens shorter
         self.max_req_len = min(config.context_len - 1, config.total_tokens - 1)
@@ -184,8 +190,7 @@ class SglangTarget:
         # flush_cache with a timeout waits for idle (is_fully_idle, never ignoring waiting requests);
         # its deadline reads the module's clock: one second a scheduler step
         import sglang.srt.managers.scheduler_components.flush_wrapper as flush_wrapper
-        self.flush_clock = StepClock(getattr(flush_wrapper.time, "_real", flush_wrapper.time))
-        flush_wrapper.time = self.flush_clock
+        self.clock.install(flush_wrapper)
         self.flush_wrapper = S.SchedulerFlushWrapper(flush_cache=self._flush_cache, is_fully_idle=self.is_idle,
                                                      send_output=lambda output, request: None)
         if config.enable_priority_scheduling:
@@ -733,9 +738,8 @@ class SglangTarget:
         pending chunked abort and stashes the chunked request (``stash_chunked_request`` ->
         ``checkpoint_kv_cache``), which never joins the running batch between chunks."""
         self.steps += 1
-        self.flush_clock.now += 1.0
+        self.clock.now += 1.0
         if self.session_controller is not None:
-            self.session_clock.now += 1.0
             self.session_controller.maybe_reap(float(self.steps), interval=0.0)
             if any(not r.kv.holds_kv and not r.finished() for r in self.running):
                 return  # a deferred close took a running turn's record: the scan reports it first
