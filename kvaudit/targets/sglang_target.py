@@ -421,8 +421,7 @@ class SglangTarget:
             if op.extends is not None and self.submitted:
                 prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
             sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
-            self._submit(prompt, max_new, op.stop_at, sid, priority=op.priority, ignore_eos=bool(op.ignore_eos),
-                         grammar=op.grammar, session_edit=op)
+            self._submit(prompt, max_new, op.stop_at, sid, op=op)
         elif isinstance(op, HealthCheck):
             # /health_generate: a 1-token generate request, run only when the scheduler is idle
             if self.is_idle_for_health_check():
@@ -461,17 +460,18 @@ class SglangTarget:
             self._after_intake()
 
     def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
-                rid_prefix: str = "r", priority: int | None = None, ignore_eos: bool = False,
-                grammar: int | None = None, session_edit: Submit | None = None) -> None:
+                rid_prefix: str = "r", op: Submit | None = None) -> None:
         """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
         turn; then its length checks; then ``process_req_with_grammar`` (a request with a grammar waits
-        in the grammar queue until it compiles, ``grammar`` steps from now) or the waiting queue. A
-        request aborted at intake goes to the waiting queue at once. ``session_edit``: the submit whose
-        ``parent``/``replace``/``drop_previous_output``/``offset`` become the turn's ``SessionParams``."""
+        in the grammar queue until it compiles, ``op.grammar`` steps from now) or the waiting queue. A
+        request aborted at intake goes to the waiting queue at once. ``op``, the submit, gives the rest:
+        ``priority``, ``ignore_eos``, ``grammar``, and the turn's ``SessionParams`` (``parent``,
+        ``replace``, ``drop_previous_output``, ``offset``)."""
         S, cfg = self.S, self.config
+        op = op or Submit()
         rid = f"{rid_prefix}{self._n}"
         self._n += 1
-        sp = S.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
+        sp = S.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=bool(op.ignore_eos))
         sp.normalize(None)
         ids = array("q", prompt)
         sc = self.session_controller
@@ -483,19 +483,18 @@ class SglangTarget:
             sid = None
         if sid is not None:  # an open session (closed ones leave self.sessions at once)
             turns = self.session_turns.setdefault(sid, [])
-            e = session_edit or Submit()
-            params = S.SessionParams(id=sid, rid=turns[e.parent % len(turns)] if e.parent is not None and turns else None,
-                                     offset=e.offset, replace=bool(e.replace),
-                                     drop_previous_output=bool(e.drop_previous_output))
+            params = S.SessionParams(id=sid, rid=turns[op.parent % len(turns)] if op.parent is not None and turns else None,
+                                     offset=op.offset, replace=bool(op.replace),
+                                     drop_previous_output=bool(op.drop_previous_output))
             turns.append(rid)
             recv = S.TokenizedGenerateReqInput(
                 input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
-                rid=rid, session_params=params, priority=priority)
+                rid=rid, session_params=params, priority=op.priority)
             req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
         else:
             req = self._new_req(rid, ids, sp)
-            req.priority = priority
+            req.priority = op.priority
             if gone is not None:
                 req.set_finish_with_abort(gone)
         # Scheduler.init_req_max_new_tokens and validate_input_length: a turn whose history no longer
@@ -519,8 +518,8 @@ class SglangTarget:
         if gone is not None or error is not None or gm is None:
             self._add_request_to_queue(req)
             return
-        if grammar is not None:
-            req.sampling_params.regex = f"kvaudit:{self.steps + grammar}:{rid}"
+        if op.grammar is not None:
+            req.sampling_params.regex = f"kvaudit:{self.steps + op.grammar}:{rid}"
         if not gm.process_req_with_grammar(req):
             self._add_request_to_queue(req)
 
