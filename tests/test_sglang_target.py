@@ -193,7 +193,7 @@ def test_pause_in_place_freezes_the_scheduler_and_holds_new_requests(core):
         assert run.apply(op) == []
     assert t.allocator.available_size() == free and len(t.running[0].output_ids) == out  # nothing ran
     assert t.running[0].to_finish is not None  # the abort reached the scheduler; it ends at the next result
-    assert [op.kind for op in t.held] == ["submit", "health_check"] and t.submitted == ["r0"]
+    assert [kind for kind, _ in t.held] == ["submit", "health_check"] and t.submitted == ["r0"]
     assert run.apply(ContinueGeneration()) == [] and t.held is None and t.submitted == ["r0", "r1"]
     assert run.apply(Idle()) == [] and set(t.finished) >= {"r0", "r1"}
     run.close()
@@ -225,6 +225,16 @@ def test_pause_retract_releases_everything_in_flight_so_flush_succeeds(preset, c
 def test_flush_while_paused_in_place_is_refused(core):
     findings, run = run_ops(cfg(core=core), [Submit(0, 20, 8), Step(2), PauseGeneration(1), FlushCache()])
     assert findings == [] and run.target.flushed() == 0  # the running batch still holds its KV
+    run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_held_submit_keeps_the_prompt_its_client_sent(core):
+    """The client builds an ``extends`` prompt when it sends it: r0's text then (10 prompt + 2 output
+    tokens), not at delivery after continue, when r0 has long been aborted."""
+    ops = [Submit(0, 10, 8), Step(2), PauseGeneration(0), Submit(1, 3, 2, extends=0), Step(3), ContinueGeneration()]
+    findings, run = run_ops(cfg(core=core), ops)
+    assert findings == [] and [(r.rid, len(r.origin_input_ids)) for r in run.target.waiting] == [("r1", 15)]
     run.close()
 
 

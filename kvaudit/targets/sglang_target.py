@@ -185,7 +185,8 @@ class SglangTarget:
         self._scheduled = None  # Scheduler.last_batch: the batch the latest step ran, (kind, reqs, chunked)
         self._queued = 0  # requests ever queued: their wait_queue_entry_time (FCFS order among equal priorities)
         self.scheduler_paused = False  # Scheduler._engine_paused (pause_generation in_place / retract)
-        self.held: list[Op] | None = None  # TokenizerManager.is_pause: generate requests held until continue
+        # TokenizerManager.is_pause: generate requests held until continue, as (op kind, _submit's arguments)
+        self.held: list[tuple[str, tuple]] | None = None
         self.policy = None  # Scheduler.policy (SchedulePolicy), only with priority scheduling
         # flush_cache with a timeout waits for idle (is_fully_idle, never ignoring waiting requests);
         # its deadline reads the module's clock: one second a scheduler step
@@ -409,11 +410,10 @@ class SglangTarget:
 
     def apply(self, op: Op) -> None:
         """Deliver a message, as ``Scheduler.process_input_requests`` does at intake. While paused, the
-        tokenizer holds generate requests (submits, health checks) until ``continue_generation``."""
+        tokenizer holds generate requests (submits, health checks) until ``continue_generation``; a held
+        submit's prompt and session are the client's, resolved when it is sent, as the built-in
+        engine's target does."""
         cfg = self.config
-        if self.held is not None and isinstance(op, (Submit, HealthCheck)):
-            self.held.append(op)
-            return
         if isinstance(op, Submit):
             max_new = max(1, min(op.max_new_tokens, cfg.context_len // 4))
             plen = max(1, min(op.prompt_len, cfg.context_len // 2))
@@ -421,11 +421,9 @@ class SglangTarget:
             if op.extends is not None and self.submitted:
                 prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
             sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
-            self._submit(prompt, max_new, op.stop_at, sid, op=op)
+            self._generate(op.kind, (prompt, max_new, op.stop_at, sid, "r", op))
         elif isinstance(op, HealthCheck):
-            # /health_generate: a 1-token generate request, run only when the scheduler is idle
-            if self.is_idle_for_health_check():
-                self._submit([2], 1, None, None, rid_prefix="HEALTH_CHECK_")
+            self._generate(op.kind, ())
         elif isinstance(op, Abort):
             live = self.live_rids()
             if op.handle is None:
@@ -458,6 +456,17 @@ class SglangTarget:
             raise TypeError(f"op {op!r} does not go through apply()")
         if not isinstance(op, (Submit, HealthCheck, OpenSession)):
             self._after_intake()
+
+    def _generate(self, kind: str, args: tuple) -> None:
+        """A generate request reaches the tokenizer: held while paused, else sent to the scheduler
+        (a submit: :meth:`_submit`; /health_generate: a 1-token request, run only when the scheduler is
+        idle)."""
+        if self.held is not None:
+            self.held.append((kind, args))
+        elif kind == "submit":
+            self._submit(*args)
+        elif self.is_idle_for_health_check():
+            self._submit([2], 1, None, None, rid_prefix="HEALTH_CHECK_")
 
     def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
                 rid_prefix: str = "r", op: Submit | None = None) -> None:
@@ -668,8 +677,8 @@ class SglangTarget:
         runs again, then the held generate requests are sent, in order."""
         self.scheduler_paused = False
         held, self.held = self.held or [], None
-        for op in held:
-            self.apply(op)
+        for kind, args in held:
+            self._generate(kind, args)
 
     def _memory_pressure(self) -> None:
         """Another tenant needs memory: evict what the tree can give, retract at the next decode
