@@ -538,8 +538,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     progress = _Progress(err, max_time, suppressions=sset)
     before = known_signatures(corpus)
     if before:
-        err.print(f"resuming: {len(before)} finding(s) already in {findings_dir(corpus)} are known, not new",
-                  soft_wrap=True)
+        err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
+                  f"{findings_dir(corpus)} are known, not new", soft_wrap=True)
 
     def landed(sig: str, path: str) -> None:
         (progress.live.console if progress.live else err).print(f"new finding: {sig} -> {path}", soft_wrap=True)
@@ -582,7 +582,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     s = result.stats
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
-                  f"{len(result.new)} new, {len(result.known)} known finding(s); corpus {corpus}", soft_wrap=True)
+                  f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
     if s.executions == 0 and not result.interrupted:
         err.print("warning: no program ran: the workers spent the budget starting up (importing SGLang takes "
                   "about 6 s per worker); raise --max-time", soft_wrap=True)

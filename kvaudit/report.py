@@ -56,7 +56,12 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
     if f.kind == "double-free":
         parts.append(_stack("freed again at:", f.free_sites))
         parts.append(_stack("previously freed at:", f.prev_free_sites))
-    if f.read_sites:
+    if f.kind == "use-after-free" and (f.free_sites or f.used_by):  # (files recorded before 2026-12 have neither)
+        parts.append(_stack("freed (too early) at:", f.free_sites))
+        parts.append(Text(f"still used by: {', '.join(f.used_by) or 'a live owner'}"))
+        if f.read_sites:
+            parts.append(_stack("used after the free at:", f.read_sites))
+    if f.kind != "use-after-free" and f.read_sites:
         parts.append(_stack("read at:", f.read_sites))
     if f.kind == "crash":
         parts.append(_stack("raised at:", f.alloc_sites))
@@ -67,6 +72,10 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
             parts.append(_stack("last unmatched lock released at:", f.free_sites))
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites))
+    if f.kind == "leak" and f.lost_sites:
+        parts.append(_stack("its last owner let go of it at (a release that left it out):", f.lost_sites))
+    elif f.kind == "leak" and f.lost_from:
+        parts.append(Text(f"its last owner was dropped from: {f.lost_from} (no release freed anything of it)"))
     if f.owner_history:
         parts.append(lifecycle_table(f))
     if program:

@@ -153,10 +153,14 @@ def _labelled_stacks(f: Finding) -> list[tuple[str, str, list[Site]]]:
         labels = {"alloc_sites": "allocated at",
                   "free_sites": "freed again at" if f.kind == "double-free" else "freed at"}
     labels.setdefault("free_sites", "freed at")
-    labels.update(prev_free_sites="previously freed at", read_sites="read at")
+    labels.update(prev_free_sites="previously freed at", read_sites="read at",
+                  lost_sites="its last owner let go of it at")
+    if f.kind == "use-after-free":
+        labels.update(free_sites="freed (too early) at", read_sites="used after the free at")
     order = (("free_sites", "prev_free_sites", "alloc_sites", "read_sites") if f.kind == "double-free" else
              ("read_sites", "alloc_sites", "free_sites", "prev_free_sites") if f.kind == "stale-kv" else
-             ("alloc_sites", "free_sites", "prev_free_sites", "read_sites"))
+             ("free_sites", "read_sites", "alloc_sites") if f.kind == "use-after-free" else
+             ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"))
     return [(key, labels[key], list(getattr(f, key))) for key in order if getattr(f, key)]
 
 
@@ -169,10 +173,12 @@ def finding_stacks(f: Finding) -> list[tuple[str, list[Site]]]:
 
 def primary_stack(f: Finding) -> str | None:
     """Which of the finding's stack fields holds its primary location: ``free_sites`` for a
-    double free (the second free is the bug), ``alloc_sites`` when there are any, else
+    double free (the second free is the bug) and a use-after-free (the free that came too early),
+    ``alloc_sites`` when there are any, else
     ``read_sites`` (stale KV with no allocation recorded), else whichever stack exists; ``None``
     for a finding with no stack (accounting drift, liveness, hang)."""
-    order = (("free_sites", "alloc_sites") if f.kind == "double-free" else ("alloc_sites", "read_sites")) + (
+    order = (("free_sites", "alloc_sites") if f.kind in ("double-free", "use-after-free")
+             else ("alloc_sites", "read_sites")) + (
         "free_sites", "prev_free_sites", "read_sites")
     return next((key for key in order if getattr(f, key)), None)
 

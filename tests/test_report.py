@@ -168,7 +168,7 @@ def test_replay_takes_the_report_flags(tmp_path):
     result = invoke("replay", src, "--sarif", str(tmp_path / "r.sarif"), "--junit", str(tmp_path / "r.xml"))
     assert result.exit_code == 1
     results = json.load(open(tmp_path / "r.sarif"))["runs"][0]["results"]
-    assert results and all(r["ruleId"] == "double-free" for r in results)
+    assert results and all(r["ruleId"] == "use-after-free" for r in results)
 
 
 @pytest.mark.slow
