@@ -942,9 +942,9 @@ def report_cmd(file, outputs):
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
                                                                                 "minimized", "preset")},
                           config=case_config))
-    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases])
-    if suppressed:
-        console.print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
+    notes = ("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())),) \
+        if suppressed else ()
+    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], notes=notes)
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
                                                            "suppressed", "cases")}
     _write_outputs(outputs, ReportData(config, cases, suppressed, extra), _console(stderr=True))
