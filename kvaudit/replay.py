@@ -58,6 +58,30 @@ def write_text_atomic(path: str, text: str) -> str:
     return path
 
 
+def rerecord(path: str, findings: list[Finding]) -> str:
+    """Write ``findings`` (a fresh replay of the file's program) back into the replay file at
+    ``path``, atomically, keeping its config, program and every other key; a ``timeline`` is
+    recorded again. Findings whose signature the file recorded come first, in its order. Returns
+    one line saying what happened (``updated``, ``unchanged``, or ``not updated: ...`` when the
+    file recorded findings and ``findings`` is empty). Raises :class:`ReplayFormatError`, OSError."""
+    config, program, recorded, doc = load(path)
+    if recorded and not findings:
+        return "not updated: its recorded finding(s) no longer reproduce"
+    order = [f.signature for f in recorded]
+    findings = sorted(findings, key=lambda f: order.index(f.signature) if f.signature in order else len(order))
+    new = {**doc, "findings": [f.to_dict() for f in findings]}
+    if "timeline" in doc:
+        from kvaudit import timeline
+        new["timeline"] = timeline.record(config, program)
+    old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
+    changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \
+        if old_sigs != new_sigs else ""
+    if new == doc:
+        return "unchanged"
+    write_atomic(path, new)
+    return f"updated: {len(findings)} finding(s) re-recorded{changed}"
+
+
 def file_name(signature: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", signature).strip("_") + ".json"
 
