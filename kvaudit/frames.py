@@ -113,4 +113,4 @@ def resolve(site: Site) -> Frame:
     if inside:
         return Frame(site.line, current or "")
     return Frame(site.line, "", f"stale: line {site.line} is outside {site.function} in the current source; "
-                                "the file changed since this was recorded (no source text recorded)")
+                                "the file changed since this was recorded")

@@ -5,6 +5,7 @@ Findings are plain data (:class:`kvaudit.findings.Finding`); this module only re
 
 from __future__ import annotations
 
+import io
 import os
 
 from rich import box
@@ -39,6 +40,13 @@ def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
     if not sites:
         parts.append(Text("    (no stack recorded)", style="dim"))
     return Group(*parts)
+
+
+def _plain_lines(table: Table) -> Group:
+    """``table`` as plain text lines with no trailing blanks (rich pads every cell to its column)."""
+    c = Console(file=io.StringIO(), width=1000, color_system=None, highlight=False)
+    c.print(table)
+    return Group(*(Text(line.rstrip()) for line in c.file.getvalue().splitlines()))
 
 
 def is_plain(console: Console) -> bool:
@@ -84,7 +92,8 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites, plain))
     if f.owner_history:
-        parts.append(lifecycle_table(f, plain))
+        life = lifecycle_table(f, plain)
+        parts.append(_plain_lines(life) if plain else life)
     if program:
         t = Table(title=program_title, title_justify="left",
                   show_edge=False, pad_edge=False, show_header=False, box=None if plain else box.HEAVY_HEAD)
@@ -93,7 +102,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         for i, op in enumerate(program):
             mark = "  <- detected here" if i == f.op_index else ""
             t.add_row(str(i), format_op(op) + mark)
-        parts.append(t)
+        parts.append(_plain_lines(t) if plain else t)
     if f.engine_check:
         ok = f.engine_check[0].endswith("ok")
         parts.append(Text("engine check_memory(): ", style="bold").append(
@@ -262,7 +271,8 @@ def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[O
             console.print(finding_renderable(f, program, i, title, plain), soft_wrap=plain)
             i += 1
     everything = [f for _, fs, _ in cases for f in fs]
-    console.print(summary_table(everything, suppressed, plain=plain))
+    table = summary_table(everything, suppressed, plain=plain)
+    console.print(_plain_lines(table) if plain else table)
     for line in notes:
         console.print(line, soft_wrap=True)
     console.print(Text(summary_line(everything, suppressed), style="bold"), soft_wrap=True)
@@ -279,7 +289,8 @@ def print_report(console: Console, config: EngineConfig, program: list[Op], find
     for i, f in enumerate(findings):
         console.print(finding_renderable(f, program, i, program_title, plain), soft_wrap=plain)
     suppressed = suppressed_by_kind(suppressions)
-    console.print(summary_table(findings, suppressed, deduplicated, plain=plain))
+    table = summary_table(findings, suppressed, deduplicated, plain=plain)
+    console.print(_plain_lines(table) if plain else table)
     if suppressions is not None:
         print_suppressions(console, suppressions)
     console.print(Text(summary_line(findings, suppressed), style="bold"), soft_wrap=True)
