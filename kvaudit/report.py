@@ -42,11 +42,16 @@ def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
     return Group(*parts)
 
 
-def _plain_lines(table: Table) -> Group:
-    """``table`` as plain text lines with no trailing blanks (rich pads every cell to its column)."""
-    c = Console(file=io.StringIO(), width=1000, color_system=None, highlight=False)
-    c.print(table)
-    return Group(*(Text(line.rstrip()) for line in c.file.getvalue().splitlines()))
+def _print(console: Console, renderable, plain: bool, soft_wrap: bool = False) -> None:
+    """Print ``renderable``; with ``plain``, as text with no control codes (even where the console
+    could style it: ``NO_COLOR`` keeps bold), no broken lines and no trailing blanks."""
+    if not plain:
+        console.print(renderable, soft_wrap=soft_wrap)
+        return
+    buf = Console(file=io.StringIO(), width=console.width, color_system=None, highlight=False)
+    buf.print(renderable, soft_wrap=True)
+    text = buf.file.getvalue().removesuffix("\n")
+    console.out("\n".join(line.rstrip() for line in text.split("\n")), highlight=False)
 
 
 def is_plain(console: Console) -> bool:
@@ -92,8 +97,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites, plain))
     if f.owner_history:
-        life = lifecycle_table(f, plain)
-        parts.append(_plain_lines(life) if plain else life)
+        parts.append(lifecycle_table(f, plain))
     if program:
         t = Table(title=program_title, title_justify="left",
                   show_edge=False, pad_edge=False, show_header=False, box=None if plain else box.HEAVY_HEAD)
@@ -102,7 +106,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         for i, op in enumerate(program):
             mark = "  <- detected here" if i == f.op_index else ""
             t.add_row(str(i), format_op(op) + mark)
-        parts.append(_plain_lines(t) if plain else t)
+        parts.append(t)
     if f.engine_check:
         ok = f.engine_check[0].endswith("ok")
         parts.append(Text("engine check_memory(): ", style="bold").append(
@@ -227,16 +231,17 @@ def suppressions_table(suppressions: SuppressionSet) -> Table:
 
 def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
     """The "suppressions used" table and a line counting the rules that matched nothing."""
+    plain = is_plain(console)
     if not len(suppressions):
-        console.print(Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
-                           style="dim"), soft_wrap=True)
+        _print(console, Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
+                           style="dim"), plain, soft_wrap=True)
         return
-    console.print(suppressions_table(suppressions))
+    _print(console, suppressions_table(suppressions), plain)
     unused = suppressions.unused()
     if unused:
-        console.print(Text(f"{len(unused)} suppression(s) matched nothing: "
-                           + ", ".join(f"#{s.index} ({s.describe()})" for s in unused), style="yellow"),
-                      soft_wrap=True)
+        _print(console, Text(f"{len(unused)} suppression(s) matched nothing: "
+                             + ", ".join(f"#{s.index} ({s.describe()})" for s in unused), style="yellow"),
+               plain, soft_wrap=True)
 
 
 def header(config) -> str:
@@ -264,18 +269,17 @@ def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[O
     (a campaign's report): every finding with its own program, one summary, the ``notes`` lines,
     and the closing ``SUMMARY:`` line."""
     plain = is_plain(console)
-    console.print(Text(header(config), style="bold"), soft_wrap=plain)
+    _print(console, Text(header(config), style="bold"), plain)
     i = 0
     for program, findings, title in cases:
         for f in findings:
-            console.print(finding_renderable(f, program, i, title, plain), soft_wrap=plain)
+            _print(console, finding_renderable(f, program, i, title, plain), plain)
             i += 1
     everything = [f for _, fs, _ in cases for f in fs]
-    table = summary_table(everything, suppressed, plain=plain)
-    console.print(_plain_lines(table) if plain else table)
+    _print(console, summary_table(everything, suppressed, plain=plain), plain)
     for line in notes:
-        console.print(line, soft_wrap=True)
-    console.print(Text(summary_line(everything, suppressed), style="bold"), soft_wrap=True)
+        _print(console, Text(line), plain, soft_wrap=True)
+    _print(console, Text(summary_line(everything, suppressed), style="bold"), plain, soft_wrap=True)
 
 
 def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
@@ -285,12 +289,11 @@ def print_report(console: Console, config: EngineConfig, program: list[Op], find
     :func:`is_plain`), the summary, with ``suppressions`` the suppressions used (``findings`` are
     the unsuppressed ones), and the closing ``SUMMARY:`` line."""
     plain = is_plain(console)
-    console.print(Text(header(config), style="bold"), soft_wrap=plain)
+    _print(console, Text(header(config), style="bold"), plain)
     for i, f in enumerate(findings):
-        console.print(finding_renderable(f, program, i, program_title, plain), soft_wrap=plain)
+        _print(console, finding_renderable(f, program, i, program_title, plain), plain)
     suppressed = suppressed_by_kind(suppressions)
-    table = summary_table(findings, suppressed, deduplicated, plain=plain)
-    console.print(_plain_lines(table) if plain else table)
+    _print(console, summary_table(findings, suppressed, deduplicated, plain=plain), plain)
     if suppressions is not None:
         print_suppressions(console, suppressions)
-    console.print(Text(summary_line(findings, suppressed), style="bold"), soft_wrap=True)
+    _print(console, Text(summary_line(findings, suppressed), style="bold"), plain, soft_wrap=True)

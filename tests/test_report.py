@@ -22,7 +22,7 @@ from kvaudit.findings import Finding
 from kvaudit.html_report import render_html
 from kvaudit.outputs import Case
 from kvaudit.frames import Frame
-from kvaudit.report import print_report, summary_line, summary_rows
+from kvaudit.report import is_plain, print_report, summary_line, summary_rows
 from kvaudit.timeline import SERIES
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "report")
@@ -92,9 +92,26 @@ def test_summary_line_counts_findings_kinds_signatures_and_units():
     assert summary_line([]) == "SUMMARY: kvaudit: no findings."
 
 
-@pytest.mark.parametrize("env", [{}, {"NO_COLOR": "1"}, {"TERM": "dumb"}], ids=["pipe", "no-color", "dumb"])
-def test_report_cli_off_a_terminal_prints_greppable_lines(env):
-    result = invoke("report", os.path.join(REGRESSIONS, "session-close-while-running.json"), env=env)
+@pytest.mark.parametrize("env, plain", [({}, False), ({"NO_COLOR": "1"}, True), ({"TERM": "dumb"}, True)],
+                         ids=["colour-terminal", "no-color", "dumb"])
+def test_a_terminal_gets_plain_lines_with_no_color_or_term_dumb(monkeypatch, env, plain):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    console = Console(file=io.StringIO(), force_terminal=True)
+    assert is_plain(console) is plain
+    config, program, findings, _ = replay.load(os.path.join(DATA, "overlap-abort-double-free.json"))
+    print_report(console, config, program, findings)
+    text = console.file.getvalue()
+    assert ("\x1b" not in text) is plain
+    text = re.sub("\x1b\\[[0-9;]*m", "", text)
+    assert ("\n==ERROR: kvaudit: " in text) is plain and ("╭─ finding 1" in text) is not plain
+    assert text.splitlines()[-1].startswith("SUMMARY: kvaudit: 2 finding(s)")
+
+
+def test_report_cli_through_a_pipe_prints_greppable_lines():
+    result = invoke("report", os.path.join(REGRESSIONS, "session-close-while-running.json"))
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert len([line for line in lines if line.startswith("==ERROR: kvaudit: ")]) == 3
