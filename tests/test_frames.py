@@ -122,3 +122,21 @@ def test_shipped_replay_files_match_the_current_source(path):
     for function, file, line in printed:
         assert any(a <= int(line) <= b for a, b in function_ranges(file, function)), (function, file, line)
     assert "stale:" not in result.stdout and "moved:" not in result.stdout
+
+
+def test_sarif_and_junit_show_the_resolved_line_and_the_note():
+    """Every renderer goes through resolve(): a frame recorded before the code moved is shown at
+    the line its text is on now, with the note, in SARIF and JUnit as on the console."""
+    from kvaudit.junit import failure_text
+    from kvaudit.sarif import to_sarif
+
+    _, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "overlap-abort-double-free.json"))
+    f = findings[0]
+    now = f.free_sites[0]
+    f.free_sites[0] = Site(now.file, now.line - 7, now.function, now.source)  # as if recorded 7 lines up
+    loc = to_sarif([f])["runs"][0]["results"][0]["locations"][0]
+    assert loc["physicalLocation"]["region"]["startLine"] == now.line
+    assert loc["physicalLocation"]["region"]["snippet"]["text"] == now.source
+    assert loc["properties"]["frameNote"].startswith(f"moved: recorded as line {now.line - 7}")
+    text = failure_text(f)
+    assert f"{now.file}:{now.line} in {now.function}\n        {now.source}\n        (moved: " in text

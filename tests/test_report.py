@@ -3,7 +3,9 @@
 
 The snapshot inputs are report JSON files in tests/data/report/ (written by ``kvaudit replay
 corpora/regressions/<bug>.json --json ...``): plain data with each site's source line embedded, so
-the snapshots do not move when engine code moves. Regenerate with ``pytest --snapshot-update``
+the snapshots do not move when engine code moves (frames are rendered as recorded there;
+tests/test_frames.py checks them against the current source). Each snapshot exists twice: as a
+terminal shows it (panels) and as a CI log gets it (plain lines). Regenerate with ``pytest --snapshot-update``
 after a deliberate change to the console layout, and read the diff.
 """
 
