@@ -61,9 +61,10 @@ def write_text_atomic(path: str, text: str) -> str:
 def rerecord(path: str, findings: list[Finding]) -> str:
     """Write ``findings`` (a fresh replay of the file's program) back into the replay file at
     ``path``, atomically, keeping its config, program and every other key; a ``timeline`` is
-    recorded again, and tracebacks name the checkout's files by relative path. Findings whose signature the file recorded come first, in its order. Returns
-    one line saying what happened (``updated``, ``unchanged``, or ``not updated: ...`` when the
-    file recorded findings and ``findings`` is empty). Raises :class:`ReplayFormatError`, OSError."""
+    recorded again, and tracebacks name the checkout's files by relative path. Findings whose
+    signature the file recorded come first, in its order. Returns one line saying what happened
+    (``updated``, ``unchanged``, or ``not updated: ...`` when the file recorded findings and
+    ``findings`` is empty). Raises :class:`ReplayFormatError`, OSError."""
     config, program, recorded, doc = load(path)
     if recorded and not findings:
         return "not updated: its recorded finding(s) no longer reproduce"

@@ -197,7 +197,8 @@ def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = N
                   deduplicated: dict[str, int] | None = None, plain: bool = False) -> Table:
     """Findings by kind, with suppressed and deduplicated counts, and a total row."""
     rows = summary_rows(findings, suppressed, deduplicated)
-    t = Table(title="summary", title_justify="left", show_footer=bool(rows), box=box.ASCII2 if plain else box.HEAVY_HEAD)
+    t = Table(title="summary", title_justify="left", show_footer=bool(rows),
+              box=box.ASCII2 if plain else box.HEAVY_HEAD)
     totals = [sum(r[c] for r in rows) for c in ("findings", "suppressed", "deduplicated")]
     t.add_column("kind", footer="total")
     for col, total in zip(("findings", "suppressed", "deduplicated"), totals):
