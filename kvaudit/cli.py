@@ -638,7 +638,7 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
 
 
 @main.command("replay")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
 @_suppress_option
 @click.option("--check-determinism", is_flag=True,
               help="Run the replay --runs times and compare the ledger digests (every alloc, free and lock "
@@ -647,11 +647,26 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
               help="Runs for --check-determinism.")
 @click.option("--tree-core", type=click.Choice(TREE_CORES), default=None,
               help="A --target sglang file: run it with this UnifiedRadixCache tree core instead of its own.")
+@click.option("--update", is_flag=True,
+              help="Re-record each FILE in place (atomically) instead of reporting: replay it and write back "
+                   "its findings with today's stacks, source lines and signatures, keeping the config, program "
+                   "and every other field (a timeline is recorded again). For keeping a corpus fresh after the "
+                   "engine's code moved: kvaudit replay --update corpora/regressions/*.json. Exits 4 if a file "
+                   "that recorded findings yields none (it is left as it was).")
 @output_options
-def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, outputs):
+def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update, outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
     (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
-    With --html or --json the program runs once more, to record the pool occupancy."""
+    With --html or --json the program runs once more, to record the pool occupancy. With --update,
+    re-record one or more files in place (see --update)."""
+    if update:
+        if suppress_file or check_determinism or tree_core or outputs.wanted():
+            raise InputError("--update re-records files as they are: it takes no --suppress, "
+                             "--check-determinism, --tree-core or report flags")
+        return _update_replays(files)
+    if len(files) > 1:
+        raise InputError(f"one FILE at a time ({len(files)} given); several only with --update")
+    file = files[0]
     _outputs((file, suppress_file), **vars(outputs))
     config, program, recorded, sset = _load_replay(file, suppress_file, tree_core)
     ex = execute(config, program, suppressions=sset)
@@ -670,6 +685,23 @@ def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, outputs)
     if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
         return EXIT_NONDETERMINISTIC
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
+
+
+def _update_replays(files: tuple[str, ...]) -> int:
+    """``replay --update``: each file replayed and its findings written back (see
+    :func:`kvaudit.replay.rerecord`), one line per file; EXIT_NOT_REPRODUCED if any file that
+    recorded findings now yields none (that file is not written)."""
+    console = _console()
+    lost = 0
+    for file in files:
+        config, program, recorded, _ = _load_replay(file, None)
+        try:
+            outcome = replay.rerecord(file, execute(config, program).findings)
+        except OSError as e:
+            raise InputError(f"cannot write {file}: {e.strerror or e}") from None
+        lost += outcome.startswith("not updated")
+        console.print(f"{file}: {outcome}", soft_wrap=True)
+    return EXIT_NOT_REPRODUCED if lost else EXIT_CLEAN
 
 
 def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
@@ -942,9 +974,9 @@ def report_cmd(file, outputs):
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
                                                                                 "minimized", "preset")},
                           config=case_config))
-    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases])
-    if suppressed:
-        console.print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
+    notes = ("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())),) \
+        if suppressed else ()
+    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], notes=notes)
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
                                                            "suppressed", "cases")}
     _write_outputs(outputs, ReportData(config, cases, suppressed, extra), _console(stderr=True))

@@ -33,6 +33,7 @@ from urllib.parse import quote
 import kvaudit
 from engine_under_test import Scheduler
 from kvaudit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.frames import Frame, resolve
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_VERSION = "2.1.0"
@@ -214,8 +215,10 @@ def artifact_location(path: str) -> dict | None:
 
 def _location(site: Site, message: str | None = None, loc_id: int | None = None,
               region_fallback: bool = False) -> dict:
-    """A ``location`` object for a frame: physical (file, 1-based line and, when the frame
-    recorded it, the line's text as the region's ``snippet``) where the file is addressable, and
+    """A ``location`` object for a frame: physical (file, 1-based line and the line's text as the
+    region's ``snippet``, both from :func:`kvaudit.frames.resolve`: where the recorded text is now,
+    with ``properties.frameNote`` when the frame no longer matches the current source) where the
+    file is addressable, and
     always a logical location naming the function. ``region_fallback`` puts a
     line 0 (unknown, as a traceback can give) on line 1 instead of leaving the region out."""
     loc: dict = {}
@@ -225,10 +228,12 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
     if art is not None:
         phys: dict = {"artifactLocation": art}
         if site.line >= 1 or region_fallback:
-            phys["region"] = {"startLine": max(1, int(site.line))}
-            source = getattr(site, "source", "") if site.line >= 1 else ""  # the line's text, when recorded
-            if source:
-                phys["region"]["snippet"] = {"text": source}
+            fr = resolve(site) if site.line >= 1 else Frame(1, "")  # checked against the current source
+            phys["region"] = {"startLine": fr.line}
+            if fr.source:
+                phys["region"]["snippet"] = {"text": fr.source}
+            if fr.note:
+                loc["properties"] = {"frameNote": fr.note}
         loc["physicalLocation"] = phys
     loc["logicalLocations"] = [{"name": site.function or "?", "kind": "function"}]
     if message:
