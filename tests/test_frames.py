@@ -17,7 +17,7 @@ from kvaudit.frames import function_ranges, resolve
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CORPUS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))) + \
     sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))
-STACKS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites")
+STACKS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
 SOURCE = '''import os
 
 
