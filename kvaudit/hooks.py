@@ -23,6 +23,7 @@ import torch
 
 import kvaudit
 from kvaudit.findings import Finding, OwnerChange, Site, portable_path
+from kvaudit.locks import LockLedger
 from kvaudit.shadow import ShadowKV
 from kvaudit.targets.base import PoolSpec
 
@@ -89,8 +90,8 @@ class Auditor:
         self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
         self.owner_names = ["-"]
         self._owner_ids = {"-": 0}
-        self.op_index = -1
-        self.step = 0
+        self.locks = LockLedger(getattr(target, "lock_holders", None))
+        self._op_index, self._step = -1, 0
         self.pending: list[Finding] = []
         self._sites: dict[tuple, int] = {}
         self._line_sites: dict[tuple[int, int], int] = {}  # (id(code), line) -> site id, fast mode
@@ -117,13 +118,43 @@ class Auditor:
                 target.install_pool(spec, self, self._wrap)
             else:
                 self._install(spec)
-        self.lock_events: list[tuple[int, int, int, int, int]] = []  # (node id, +1/-1, site, op, step)
+        # (node id, +1/-1, site, op, step, lock): lock is "device" (inc/dec_lock_ref) or "host" (host pins)
+        self.lock_events: list[tuple[int, int, int, int, int, str]] = []
         if hasattr(target, "install_lock_ledger"):
             target.install_lock_ledger(self._wrap, self._lock_event)
         self.shadow: ShadowKV | None = None
         if shadow and hasattr(target, "install_shadow"):
             self.shadow = ShadowKV(target.kv_pools())
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
+
+    # -- op / step clock ---------------------------------------------------------------------
+    # Set by the runner before and after each op and step: each setting closes the lock ledger's
+    # interval (its holders are read between ops and steps, when the engine's state is whole).
+    @property
+    def op_index(self) -> int:
+        return self._op_index
+
+    @op_index.setter
+    def op_index(self, value: int) -> None:
+        self._tick_locks()
+        self._op_index = value
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._tick_locks()
+        self._step = value
+
+    def _tick_locks(self) -> None:
+        if self.locks.busy():
+            self.locks.snapshot(self._op_index, self._step)
+
+    def lock_snapshot(self) -> None:
+        """Pair the lock events so far with the holders live now (the idle check calls this)."""
+        self.locks.snapshot(self._op_index, self._step)
 
     # -- sites ------------------------------------------------------------------------------
     # Per code object: (is framework, look for owner). Keyed by id(code): hashing a code object
@@ -224,8 +255,9 @@ class Auditor:
             where = f"{codes[frames[0][0]].co_name}:{frames[0][1]}" if frames else "?"
             h.update(f"{ev.kind} {ev.pool} {ev.units} {ev.op_index} {ev.step} {where}\n".encode())
         renumber: dict[int, int] = {}  # node ids come from a process-wide counter: number them by first use
-        for node, delta, _sid, op, step in self.lock_events:
-            h.update(f"lock {renumber.setdefault(node, len(renumber))} {delta} {op} {step}\n".encode())
+        for node, delta, _sid, op, step, lock in self.lock_events:
+            h.update(f"{'lock' if lock == 'device' else lock + '-lock'} {renumber.setdefault(node, len(renumber))} "
+                     f"{delta} {op} {step}\n".encode())
         return h.hexdigest()
 
     def site_owner(self, sid: int) -> str | None:
@@ -304,8 +336,12 @@ class Auditor:
         led.last_free[units] = ev.id
         led.allocated[0] = True
 
-    def _lock_event(self, node_id: int, delta: int) -> None:
-        self.lock_events.append((node_id, delta, self.capture_site(), self.op_index, self.step))
+    def _lock_event(self, node_id: int, delta: int, lock: str = "device") -> None:
+        """A lock event from the target's ledger wrappers: ``delta`` +1 (inc) or -1 (dec) on tree node
+        ``node_id``; ``lock`` is ``"device"`` (``inc/dec_lock_ref``) or ``"host"`` (host pins)."""
+        sid = self.capture_site()
+        self.lock_events.append((node_id, delta, sid, self._op_index, self._step, lock))
+        (self.locks.inc if delta > 0 else self.locks.dec)(lock, node_id, sid, self._op_index, self._step)
 
     def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
         """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.shadow`)."""

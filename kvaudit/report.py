@@ -62,9 +62,9 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         parts.append(_stack("raised at:", f.alloc_sites))
     elif f.kind == "lock-imbalance":
         if f.alloc_sites:
-            parts.append(_stack("last unmatched lock taken at:", f.alloc_sites))
+            parts.append(_stack("unreleased lock taken at:", f.alloc_sites))
         if f.free_sites:
-            parts.append(_stack("last unmatched lock released at:", f.free_sites))
+            parts.append(_stack("unmatched release at:", f.free_sites))
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites))
     if f.owner_history:

@@ -1,0 +1,129 @@
+"""The lock-ref ledger: every ``inc_lock_ref``/``dec_lock_ref`` (device) and host pin, paired with
+the holder that took it, so a lock-imbalance finding blames the lock whose holder is gone.
+
+Holders are read from the target (``lock_holders()``: ``[(lock, holder, node id)]``, e.g.
+``("device", "req:7", 12)`` or ``("host", "hicache load-back for req:7", 12)``) between scheduler
+steps and ops, never from the engine's frames, so fast mode and full stacks pair alike. At each
+snapshot, over the events since the previous one:
+
+* a holder that disappeared marks its inc *gone* (a request finished, a load-back was acked);
+* a holder that appeared claims the latest unclaimed inc on its node, or takes over a gone
+  holder's inc when it took no lock of its own (a session slot inheriting its turn's lock);
+* a dec releases, in order: an inc of the same interval not yet claimed (a lock and its release
+  inside one call, e.g. ``load_back`` pinning the device ancestor around its alloc), the inc of the
+  most recently gone holder, an unclaimed older inc, and last a live holder's inc.
+
+At idle, an inc still open whose holder is gone is a leaked lock, named by its holder; an open inc
+that no holder ever claimed was taken behind every holder's back. Sizes: events and records grow
+with lock operations (a few per request), not with tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class LockRecord:
+    """One inc (``lock``: ``"device"`` or ``"host"``) on tree node ``node``, from site ``site``
+    at ``op``/``step``; ``holder`` once a holder claimed it, ``gone`` the ``(op, step)`` at which
+    its holder was first seen gone; ``released`` once a dec paired with it."""
+
+    lock: str
+    node: int
+    site: int
+    op: int
+    step: int
+    holder: str | None = None
+    gone: tuple[int, int] | None = None
+    released: bool = False
+    handed_from: str | None = None  # the holder it was taken over from (no inc of its own)
+
+
+class LockLedger:
+    """Inc/dec events paired with the target's live holders (module docstring).
+
+    ``holders``: a callable returning ``[(lock, holder name, node id)]``, or None (the target names
+    no holders: every inc stays unclaimed and decs pair latest first, as a stack per node).
+    """
+
+    def __init__(self, holders=None):
+        self.holders = holders
+        self.records: list[LockRecord] = []
+        self._open: dict[tuple[str, int], list[LockRecord]] = {}  # unreleased, in inc order
+        self._fresh: dict[tuple[str, int], list[LockRecord]] = {}  # this interval's unpaired incs
+        self._deferred: list[tuple[tuple[str, int], int, int, int]] = []  # (key, site, op, step)
+        self.unmatched_decs: list[tuple[str, int, int, int, int]] = []  # (lock, node, site, op, step)
+        self._live: Counter = Counter()
+
+    def inc(self, lock: str, node: int, site: int, op: int, step: int) -> None:
+        r = LockRecord(lock, node, site, op, step)
+        self.records.append(r)
+        self._open.setdefault((lock, node), []).append(r)
+        self._fresh.setdefault((lock, node), []).append(r)
+
+    def dec(self, lock: str, node: int, site: int, op: int, step: int) -> None:
+        fresh = self._fresh.get((lock, node))
+        if fresh:  # a lock and its release in one interval (a call's own pin)
+            self._release(fresh.pop())
+        else:
+            self._deferred.append(((lock, node), site, op, step))
+
+    def _release(self, r: LockRecord) -> None:
+        r.released = True
+        self._open[(r.lock, r.node)].remove(r)
+
+    def busy(self) -> bool:
+        """Whether a snapshot could change anything (open incs, or decs waiting to pair)."""
+        return bool(self._deferred or self._live or any(self._open.values()))
+
+    def snapshot(self, op: int, step: int) -> None:
+        """Close the interval: read the live holders and pair this interval's events (module
+        docstring). ``op``/``step``: when this snapshot is taken (stamped on gone holders)."""
+        now = Counter(self.holders()) if self.holders is not None else Counter()
+        gone, new = self._live - now, now - self._live
+        for (lock, name, node), k in gone.items():
+            for r in self._open.get((lock, node), []):
+                if k and r.holder == name and r.gone is None:
+                    r.gone, k = (op, step), k - 1
+        for (lock, name, node), k in new.items():
+            key = (lock, node)
+            for _ in range(k):
+                opened = self._open.get(key, [])
+                fresh = [r for r in self._fresh.get(key, []) if r.holder is None and not r.released]
+                just_gone = [r for r in opened if r.gone == (op, step)]
+                older = [r for r in opened if r.holder is None]
+                any_gone = sorted((r for r in opened if r.gone is not None), key=lambda r: r.gone)
+                pick = (fresh or just_gone or older or any_gone or [None])[-1]
+                if pick is None:
+                    break
+                if pick.holder is not None:
+                    pick.handed_from = pick.holder
+                pick.holder, pick.gone = name, None
+        for key, site, dop, dstep in self._deferred:
+            opened = self._open.get(key, [])
+            gone_rs = sorted((r for r in opened if r.gone is not None), key=lambda r: r.gone)
+            unclaimed = [r for r in opened if r.holder is None]
+            if gone_rs:
+                self._release(gone_rs[-1])
+            elif unclaimed:
+                self._release(unclaimed[-1])
+            elif opened:
+                self._release(opened[0])
+            else:
+                self.unmatched_decs.append((key[0], key[1], site, dop, dstep))
+        self._fresh.clear()
+        self._deferred.clear()
+        self._live = now
+
+    def open_records(self, lock: str, nodes) -> list[LockRecord]:
+        """Unreleased incs of ``lock`` on any of ``nodes`` (ids), oldest first."""
+        return [r for (lk, node), rs in self._open.items() if lk == lock and node in nodes for r in rs]
+
+    def culprits(self, lock: str, nodes) -> list[LockRecord]:
+        """The open incs on ``nodes`` to blame, best first: those whose holder is gone (the earliest
+        gone first), then those no holder ever claimed (oldest first)."""
+        rs = self.open_records(lock, nodes)
+        gone = sorted((r for r in rs if r.gone is not None), key=lambda r: (r.gone, r.op, r.step))
+        return gone + [r for r in rs if r.holder is None]
