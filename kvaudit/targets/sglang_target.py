@@ -1225,11 +1225,16 @@ class SglangTarget:
                 bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
         return [b for b in bad if b[1].size] or bad[:0]
 
+    def lock_holders(self) -> list[tuple[str, str, int]]:
+        """Every live lock receipt as ``(lock, holder, node id)`` (the lock-ref ledger pairs incs with
+        them, :mod:`kvaudit.locks`): requests' ``req.lock``, session slots' ``slot.lock``."""
+        out = [("device", f"req:{r.rid}", r.lock.node) for r in self._live() + self.waiting if r.lock is not None]
+        out += [("device", f"session:{sid}", s.lock.node) for sid, s in self._slots() if s.lock is not None]
+        return out
+
     def _lock_holders(self) -> list:
-        """The node each live lock receipt is on: requests' ``req.lock``, session slots' ``slot.lock``."""
-        locks = [r.lock for r in self._live() + self.waiting if r.lock is not None]
-        locks += [s.lock for _, s in self._slots() if s.lock is not None]
-        return [lock.node for lock in locks]
+        """The node each live device lock receipt is on (:meth:`lock_holders`)."""
+        return [node for lock, _, node in self.lock_holders() if lock == "device"]
 
     def engine_check(self) -> list[str]:
         """SGLang's conservation identity (``SchedulerInvariantChecker``'s formula; the checker itself
