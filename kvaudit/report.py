@@ -60,6 +60,9 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         parts.append(_stack("read at:", f.read_sites))
     if f.kind == "crash":
         parts.append(_stack("raised at:", f.alloc_sites))
+        if f.memory_state:
+            parts.append(Text("memory at the crash:", style="bold"))
+            parts.extend(Text(f"  {line}") for line in f.memory_state)
     elif f.kind == "lock-imbalance":
         if f.alloc_sites:
             parts.append(_stack("unreleased lock taken at:", f.alloc_sites))
