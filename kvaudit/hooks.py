@@ -128,15 +128,18 @@ class Auditor:
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
 
     # -- op / step clock ---------------------------------------------------------------------
-    # Set by the runner before and after each op and step: each setting closes the lock ledger's
-    # interval (its holders are read between ops and steps, when the engine's state is whole).
+    # Set by the runner before each op and step, and ``step`` again (to the same value) after each,
+    # when it checks: that re-setting closes the lock ledger's interval, so its holders are read
+    # between ops and steps, when the engine's state is whole. Lock events since the last snapshot
+    # (e.g. a test's own, between ops) close it at the next setting of either.
     @property
     def op_index(self) -> int:
         return self._op_index
 
     @op_index.setter
     def op_index(self, value: int) -> None:
-        self._tick_locks()
+        if self.locks.dirty:
+            self.locks.snapshot(self._op_index, self._step)
         self._op_index = value
 
     @property
@@ -145,12 +148,9 @@ class Auditor:
 
     @step.setter
     def step(self, value: int) -> None:
-        self._tick_locks()
-        self._step = value
-
-    def _tick_locks(self) -> None:
-        if self.locks.busy():
+        if self.locks.dirty or (value == self._step and self.locks.busy()):
             self.locks.snapshot(self._op_index, self._step)
+        self._step = value
 
     def lock_snapshot(self) -> None:
         """Pair the lock events so far with the holders live now (the idle check calls this)."""

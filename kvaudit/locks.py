@@ -56,14 +56,20 @@ class LockLedger:
         self._deferred: list[tuple[tuple[str, int], int, int, int]] = []  # (key, site, op, step)
         self.unmatched_decs: list[tuple[str, int, int, int, int]] = []  # (lock, node, site, op, step)
         self._live: Counter = Counter()
+        self._listed: list = []  # the holders at the last snapshot, sorted
+        self.dirty = False  # lock events since the last snapshot
+        self._n_open = 0
 
     def inc(self, lock: str, node: int, site: int, op: int, step: int) -> None:
         r = LockRecord(lock, node, site, op, step)
+        self.dirty = True
+        self._n_open += 1
         self.records.append(r)
         self._open.setdefault((lock, node), []).append(r)
         self._fresh.setdefault((lock, node), []).append(r)
 
     def dec(self, lock: str, node: int, site: int, op: int, step: int) -> None:
+        self.dirty = True
         fresh = self._fresh.get((lock, node))
         if fresh:  # a lock and its release in one interval (a call's own pin)
             self._release(fresh.pop())
@@ -72,16 +78,21 @@ class LockLedger:
 
     def _release(self, r: LockRecord) -> None:
         r.released = True
+        self._n_open -= 1
         self._open[(r.lock, r.node)].remove(r)
 
     def busy(self) -> bool:
         """Whether a snapshot could change anything (open incs, or decs waiting to pair)."""
-        return bool(self._deferred or self._live or any(self._open.values()))
+        return bool(self._deferred or self._listed or self._n_open)
 
     def snapshot(self, op: int, step: int) -> None:
         """Close the interval: read the live holders and pair this interval's events (module
         docstring). ``op``/``step``: when this snapshot is taken (stamped on gone holders)."""
-        now = Counter(self.holders()) if self.holders is not None else Counter()
+        listed = sorted(self.holders()) if self.holders is not None else []
+        self.dirty = False
+        if listed == self._listed and not self._deferred and not self._fresh:
+            return  # nothing came, went or was released
+        self._listed, now = listed, Counter(listed)
         gone, new = self._live - now, now - self._live
         for (lock, name, node), k in gone.items():
             for r in self._open.get((lock, node), []):

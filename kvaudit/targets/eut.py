@@ -485,16 +485,20 @@ class EutTarget:
         slots' ``slot.lock`` (device), HiCache write-throughs until their ack (device), and load-backs
         (device lock and host pin on the same node) until released, named by the request that started
         them, also once an abort left them to be released at their ack (``orphan_load_backs``)."""
+        return [(lock, name, node.id) for lock, name, node in self._holders()]
+
+    def _holders(self) -> list[tuple[str, str, object]]:
+        """:meth:`lock_holders` with the tree nodes themselves."""
         eng = self.engine
         tree = eng.tree_cache
         if tree.disable:
             return []
-        out = [("device", f"req:{r.rid}", r.lock.id) for r in eng.requests_owning_rows() if r.lock is not None]
+        out = [("device", f"req:{r.rid}", r.lock) for r in eng.requests_owning_rows() if r.lock is not None]
         if eng.session_controller is not None:
-            out += [("device", f"session:{sid}", slot.lock.id) for sid, slot in eng.session_controller.slots()
+            out += [("device", f"session:{sid}", slot.lock) for sid, slot in eng.session_controller.slots()
                     if slot.lock is not None]
         if eng.hicache_host_pool is not None:
-            out += [("device", f"hicache write-through of node {node.id}", node.id)
+            out += [("device", f"hicache write-through of node {node.id}", node)
                     for node, _ in tree.ongoing_write_through.values()]
             names = self._load_back_names
             for r in eng.waiting_queue:
@@ -503,10 +507,11 @@ class EutTarget:
             recs = [r.load_back for r in eng.waiting_queue if r.load_back is not None] + list(eng.orphan_load_backs)
             for rec in recs:
                 name = names.get(id(rec), (None, f"hicache load-back of node {rec.node.id}"))[1]
-                out += [("device", name, rec.node.id), ("host", name, rec.node.id)]
-            live = {id(rec) for rec in tree.ongoing_load_back.values()}
-            for key in [k for k in names if k not in live]:
-                del names[key]
+                out += [("device", name, rec.node), ("host", name, rec.node)]
+            if names:
+                live = {id(rec) for rec in tree.ongoing_load_back.values()}
+                for key in [k for k in names if k not in live]:
+                    del names[key]
         return out
 
     def lock_balance(self) -> list[LockImbalance]:
@@ -519,22 +524,22 @@ class EutTarget:
         if tree.disable:
             return []
         want: dict[tuple[str, int], int] = {}
-        by_id = {n.id: n for n in tree.nodes()}
-        for lock, _, nid in self.lock_holders():
-            node = by_id.get(nid)
+        for lock, _, node in self._holders():
             while node is not None and node is not tree.root_node:
                 want[lock, id(node)] = want.get((lock, id(node)), 0) + 1
                 node = node.parent
-        out = [LockImbalance(f"node {n.id} ({len(n.key)} tokens)",
-                             (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref,
-                             want.get(("device", id(n)), 0), {n.id} | {d.id for d in tree.nodes(n)})
-               for n in tree.nodes() if n.lock_ref != want.get(("device", id(n)), 0)]
-        if self.engine.hicache_host_pool is not None:
-            out += [LockImbalance(f"host pin on node {n.id} ({len(n.key)} tokens)",
-                                  (n.host_value if n.host_value is not None else torch.zeros(1, dtype=torch.int64))
-                                  .cpu().numpy(), n.host_ref, want.get(("host", id(n)), 0),
-                                  {n.id} | {d.id for d in tree.nodes(n)}, "host", "hicache_host")
-                    for n in tree.nodes() if n.host_ref != want.get(("host", id(n)), 0)]
+        host = self.engine.hicache_host_pool is not None
+        out = []
+        for n in tree.nodes():
+            if n.lock_ref != want.get(("device", id(n)), 0):
+                out.append(LockImbalance(f"node {n.id} ({len(n.key)} tokens)",
+                                         (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref,
+                                         want.get(("device", id(n)), 0), {n.id} | {d.id for d in tree.nodes(n)}))
+            if host and n.host_ref != want.get(("host", id(n)), 0):
+                slots = n.host_value if n.host_value is not None else torch.zeros(1, dtype=torch.int64)
+                out.append(LockImbalance(f"host pin on node {n.id} ({len(n.key)} tokens)", slots.cpu().numpy(),
+                                         n.host_ref, want.get(("host", id(n)), 0),
+                                         {n.id} | {d.id for d in tree.nodes(n)}, "host", "hicache_host"))
         return out
 
     def install_lock_ledger(self, wrap, record) -> None:
