@@ -358,6 +358,8 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut") -> dic
         props["indirect"] = f.indirect
     if f.owner_history:
         props["lifecycle"] = lifecycle(f)
+    if f.memory_state:
+        props["memory_state"] = list(f.memory_state)
     if f.traceback:
         props["traceback"] = f.traceback
     if fallback:

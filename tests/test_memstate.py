@@ -44,6 +44,10 @@ def test_a_prefill_out_of_memory_names_the_terms_the_largest_holder_and_the_orph
     assert "memory at the crash:" in text and "largest holders of token_to_kv_pool" in text
     back = Finding.from_dict(f.to_dict())
     assert back.memory_state == f.memory_state
+    from kvaudit.junit import failure_text
+    from kvaudit.sarif import to_sarif
+    assert to_sarif([f])["runs"][0]["results"][0]["properties"]["memory_state"] == f.memory_state
+    assert "memory at the crash:\n    token_to_kv_pool: available=" in failure_text(f)
 
 
 def test_a_decode_out_of_memory_says_what_retraction_freed_and_why_it_stopped():
