@@ -11,7 +11,8 @@ snapshot, over the events since the previous one:
   holder's inc when it took no lock of its own (a session slot inheriting its turn's lock);
 * a dec releases, in order: an inc of the same interval not yet claimed (a lock and its release
   inside one call, e.g. ``load_back`` pinning the device ancestor around its alloc), the inc of the
-  most recently gone holder, an unclaimed older inc, and last a live holder's inc.
+  most recently gone holder, an unclaimed older inc; with only live holders' incs left it is an
+  unmatched dec (a release too many), unless one of those holders leaves at a later snapshot.
 
 At idle, an inc still open whose holder is gone is a leaked lock, named by its holder; an open inc
 that no holder ever claimed was taken behind every holder's back. Sizes: events and records grow
@@ -95,7 +96,7 @@ class LockLedger:
         self._listed, now = listed, Counter(listed)
         gone, new = self._live - now, now - self._live
         for (lock, name, node), k in gone.items():
-            for r in self._open.get((lock, node), []):
+            for r in list(self._open.get((lock, node), [])):
                 if k and r.holder == name and r.gone is None:
                     r.gone, k = (op, step), k - 1
         for (lock, name, node), k in new.items():
@@ -120,10 +121,13 @@ class LockLedger:
                 self._release(gone_rs[-1])
             elif unclaimed:
                 self._release(unclaimed[-1])
-            elif opened:
-                self._release(opened[0])
-            else:
+            else:  # only live holders' locks: one released too often (paired later if its holder leaves)
                 self.unmatched_decs.append((key[0], key[1], site, dop, dstep))
+        for d in list(self.unmatched_decs):  # released before its holder left the target's lists
+            left = [r for r in self._open.get(d[:2], []) if r.gone == (op, step)]
+            if left:
+                self.unmatched_decs.remove(d)
+                self._release(left[0])
         self._fresh.clear()
         self._deferred.clear()
         self._live = now

@@ -244,6 +244,8 @@ def _lock_finding(auditor: Auditor, lock: str, bad: list) -> Finding:
         for nid, d, *_ in events:
             net[nid] = net.get(nid, 0) + d
         decs = [(lock, nid, sid, op, step) for nid, d, sid, op, step, _ in events if d < 0 and net[nid] < 0]
+    if decs and bad[0].lock_ref < bad[0].holders:  # released once too often: the dec is the cause
+        culprits = []
     if culprits:
         r = culprits[0]
         f.alloc_sites = auditor.site(r.site)

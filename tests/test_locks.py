@@ -123,3 +123,16 @@ def test_a_release_with_nothing_to_release_is_an_unmatched_dec():
     led.snapshot(1, 2)
     assert led.unmatched_decs == [("host", 9, 4, 1, 2)]
     assert LockLedger().busy() is False
+
+
+def test_a_release_too_many_is_blamed_on_the_release():
+    """A dec with no lock of its own under a node a request holds: lock_ref drops below its holders."""
+    run = AuditedRun(get_preset("default").config())
+    assert run.apply(Submit(family=0, prompt_len=9, max_new_tokens=8)) == []
+    assert run.apply(Step(1)) == []
+    eng = run.target.engine
+    req = eng.requests_owning_rows()[0]
+    eng.tree_cache.dec_lock_ref(req.lock)  # released here, behind the request's back
+    f = next(x for x in run.apply(Idle()) if x.kind == "lock-imbalance")
+    assert f.free_sites and f.free_sites[0].function == "test_a_release_too_many_is_blamed_on_the_release"
+    assert "unmatched release" in f.message
