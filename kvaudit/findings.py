@@ -97,6 +97,9 @@ class Finding:
     step: int = -1
     engine_check: list[str] = field(default_factory=list)  # the engine's own check_memory() lines
     traceback: str | None = None
+    # crash on out-of-memory: who held the memory at that moment (identity terms, largest holders,
+    # locks with no live holder, the last retraction), one plain line each (kvaudit.memstate)
+    memory_state: list[str] = field(default_factory=list)
 
     @property
     def signature(self) -> str:
@@ -144,6 +147,7 @@ class Finding:
         _want(d, "op_index", int, low=-1)
         _want(d, "step", int, low=-1)
         _want(d, "engine_check", list, item=str)
+        _want(d, "memory_state", list, item=str)
         if d.get("traceback") is not None:
             _want(d, "traceback", str)
         if d.get("unit") == "page" and d.get("slots") and not d.get("num_units"):

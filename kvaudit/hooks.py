@@ -23,6 +23,7 @@ import torch
 
 import kvaudit
 from kvaudit.findings import Finding, OwnerChange, Site, portable_path
+from kvaudit.locks import LockLedger
 from kvaudit.shadow import ShadowKV
 from kvaudit.targets.base import PoolSpec
 
@@ -89,8 +90,8 @@ class Auditor:
         self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
         self.owner_names = ["-"]
         self._owner_ids = {"-": 0}
-        self.op_index = -1
-        self.step = 0
+        self.locks = LockLedger(getattr(target, "lock_holders", None))
+        self._op_index, self._step = -1, 0
         self.pending: list[Finding] = []
         self.checked_upto = 0  # events before this index were seen by the last full oracle check
         self.owner_where: dict[int, str] = {}  # owner id -> Root.where at the last full check
@@ -123,13 +124,43 @@ class Auditor:
                 target.install_pool(spec, self, self._wrap)
             else:
                 self._install(spec)
-        self.lock_events: list[tuple[int, int, int, int, int]] = []  # (node id, +1/-1, site, op, step)
+        # (node id, +1/-1, site, op, step, lock): lock is "device" (inc/dec_lock_ref) or "host" (host pins)
+        self.lock_events: list[tuple[int, int, int, int, int, str]] = []
         if hasattr(target, "install_lock_ledger"):
             target.install_lock_ledger(self._wrap, self._lock_event)
         self.shadow: ShadowKV | None = None
         if shadow and hasattr(target, "install_shadow"):
             self.shadow = ShadowKV(target.kv_pools())
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
+
+    # -- op / step clock ---------------------------------------------------------------------
+    # Set by the runner before each op and step, and ``step`` again (to the same value) after each,
+    # when it checks: that re-setting closes the lock ledger's interval, so its holders are read
+    # between ops and steps, when the engine's state is whole. Lock events since the last snapshot
+    # (e.g. a test's own, between ops) close it at the next setting of either.
+    @property
+    def op_index(self) -> int:
+        return self._op_index
+
+    @op_index.setter
+    def op_index(self, value: int) -> None:
+        if self.locks.dirty:
+            self.locks.snapshot(self._op_index, self._step)
+        self._op_index = value
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if self.locks.dirty or (value == self._step and self.locks.busy()):
+            self.locks.snapshot(self._op_index, self._step)
+        self._step = value
+
+    def lock_snapshot(self) -> None:
+        """Pair the lock events so far with the holders live now (the idle check calls this)."""
+        self.locks.snapshot(self._op_index, self._step)
 
     # -- sites ------------------------------------------------------------------------------
     # Per code object: (is framework, look for owner). Keyed by id(code): hashing a code object
@@ -230,8 +261,9 @@ class Auditor:
             where = f"{codes[frames[0][0]].co_name}:{frames[0][1]}" if frames else "?"
             h.update(f"{ev.kind} {ev.pool} {ev.units} {ev.op_index} {ev.step} {where}\n".encode())
         renumber: dict[int, int] = {}  # node ids come from a process-wide counter: number them by first use
-        for node, delta, _sid, op, step in self.lock_events:
-            h.update(f"lock {renumber.setdefault(node, len(renumber))} {delta} {op} {step}\n".encode())
+        for node, delta, _sid, op, step, lock in self.lock_events:
+            h.update(f"{'lock' if lock == 'device' else lock + '-lock'} {renumber.setdefault(node, len(renumber))} "
+                     f"{delta} {op} {step}\n".encode())
         return h.hexdigest()
 
     def site_owner(self, sid: int) -> str | None:
@@ -350,8 +382,30 @@ class Auditor:
             return sorted(users)
         return sorted(users)
 
-    def _lock_event(self, node_id: int, delta: int) -> None:
-        self.lock_events.append((node_id, delta, self.capture_site(), self.op_index, self.step))
+    def _lock_event(self, node_id: int, delta: int, lock: str = "device") -> None:
+        """A lock event from the target's ledger wrappers: ``delta`` +1 (inc) or -1 (dec) on tree node
+        ``node_id``; ``lock`` is ``"device"`` (``inc/dec_lock_ref``) or ``"host"`` (host pins)."""
+        sid = self.capture_site()
+        self.lock_events.append((node_id, delta, sid, self._op_index, self._step, lock))
+        (self.locks.inc if delta > 0 else self.locks.dec)(lock, node_id, sid, self._op_index, self._step,
+                                                         self._lock_hint())
+
+    def _lock_hint(self) -> str | None:
+        """The owner the innermost engine frames work for (``owner_hint`` on their locals, as for
+        allocations), read in fast mode too: lock events are few, and the ledger pairs by it."""
+        f, looked = sys._getframe(3), 0
+        while f is not None and looked < OWNER_FRAMES:
+            fw, look = self._info.get(id(f.f_code)) or self._code_info(f.f_code)
+            if not fw:
+                if look == _STOP:
+                    return None
+                if look == _READ:
+                    hint = self._owner_hint(f.f_locals)
+                    if hint is not None:
+                        return hint
+                looked += 1
+            f = f.f_back
+        return None
 
     def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
         """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.shadow`)."""

@@ -67,6 +67,9 @@ def failure_text(f: Finding, count: int = 1) -> str:
         lines.extend("    " + line for line in lifecycle(f))
     if f.engine_check:
         lines.append(engine_verdict(f))
+    if f.memory_state:
+        lines.append("memory at the crash:")
+        lines.extend("    " + line for line in f.memory_state)
     if f.traceback:
         lines.append(f.traceback.rstrip())
     return "\n".join(lines) + "\n"

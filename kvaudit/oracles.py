@@ -23,6 +23,7 @@ import numpy as np
 
 from kvaudit.findings import Finding
 from kvaudit.hooks import Auditor
+from kvaudit.targets.base import LockImbalance
 
 
 KIND_ORDER = ("use-after-free", "double-free", "stale-kv", "aliasing", "leak", "lock-imbalance", "accounting-drift",
@@ -290,48 +291,76 @@ def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
 
 
 def _lock_balance(auditor: Auditor, target) -> list[Finding]:
-    """``lock-imbalance``: a tree node locked more (or less) than its live holders account for.
+    """``lock-imbalance``: a tree node locked more (or less) than its live holders account for; one
+    finding per lock kind (device ``lock_ref`` on ``token_to_kv_pool``, host pins on the host pool).
 
     A leaked lock keeps tokens ``protected`` forever: the identity still balances and eviction
-    can never reclaim them, so admission eventually stalls (SGLang invariants 13 and 14).
+    can never reclaim them, so admission eventually stalls (SGLang invariants 13 and 14). The
+    finding blames, from the lock-ref ledger (:mod:`kvaudit.locks`), the open inc whose holder is
+    gone (its stack in ``alloc_sites``), else one no holder ever claimed, else the unmatched dec
+    (``free_sites``).
     """
     balance = getattr(target, "lock_balance", None)
-    bad = balance() if balance else []
+    bad = [LockImbalance(*b) for b in balance()] if balance else []
     if not bad:
         return []
-    led = auditor.ledgers["token_to_kv_pool"]
-    ps = led.spec.page_size
-    lines = [f"{node}: lock_ref={have} but {want} live holder(s)" for node, _, have, want, _ in bad]
-    units = np.unique(np.concatenate([slots // ps for _, slots, _, _, _ in bad]))
-    f = auditor._unit_finding("lock-imbalance", "token_to_kv_pool", units, "; ".join(lines))
+    auditor.lock_snapshot()
+    out = []
+    for lock in ("device", "host"):
+        mine = [b for b in bad if b.lock == lock]
+        if mine and mine[0].pool in auditor.ledgers:
+            out.append(_lock_finding(auditor, lock, mine))
+    return out
+
+
+def _lock_finding(auditor: Auditor, lock: str, bad: list) -> Finding:
+    pool = bad[0].pool
+    ps = auditor.ledgers[pool].spec.page_size
+    what = "lock_ref" if lock == "device" else "host_ref"
+    lines = [f"{b.node}: {what}={b.lock_ref} but {b.holders} live holder(s)" for b in bad]
+    units = np.unique(np.concatenate([b.slots // ps for b in bad]))
+    f = auditor._unit_finding("lock-imbalance", pool, units, "; ".join(lines))
+    f.alloc_sites = []  # the unit's allocation site says nothing about a lock
+    ids = bad[0].ids
+    if ids is None:  # a lock the ledger does not record: the target counted it
+        f.message += "; counted by the target per node (not in the lock-ref ledger)"
+        return f
     # the lock-ref ledger: the inc/dec events on the node (or below it: a lock covers the path)
-    ids = bad[0][4]
-    if ids is None:  # a lock the device ledger does not record (HiCache's host locks): the target counted it
-        f.alloc_sites = []
-        f.message += "; counted by the target per node (not in the device lock-ref ledger)"
-        return [f]
-    events = [e for e in auditor.lock_events if e[0] in ids]
-    net: dict[int, int] = {}
-    for nid, d, *_ in events:
-        net[nid] = net.get(nid, 0) + d
+    events = [e for e in auditor.lock_events if e[0] in ids and e[5] == lock]
     f.message += (f"; lock-ref ledger for it: {sum(e[1] > 0 for e in events)} inc, "
                   f"{sum(e[1] < 0 for e in events)} dec")
-    # incs and decs pair up per node; the latest inc on a node left with a surplus is the suspect
-    incs = [e for e in events if e[1] > 0 and net[e[0]] > 0]
-    decs = [e for e in events if e[1] < 0 and net[e[0]] < 0]
-    f.alloc_sites = []  # the unit's allocation site says nothing about a lock
-    if incs:
-        _, _, sid, op, step = incs[-1]
-        f.alloc_sites = auditor.site(sid)
-        f.message += f"; last unmatched inc at op {op}, step {step}"
+    culprits = auditor.locks.culprits(lock, ids)
+    decs = [d for d in auditor.locks.unmatched_decs if d[0] == lock and d[1] in ids]
+    if not decs:  # a dec that released a live holder's lock before its own release: net below zero
+        net: dict[int, int] = {}
+        for nid, d, *_ in events:
+            net[nid] = net.get(nid, 0) + d
+        decs = [(lock, nid, sid, op, step) for nid, d, sid, op, step, _ in events if d < 0 and net[nid] < 0]
+    if decs and bad[0].lock_ref < bad[0].holders:  # released once too often: the dec is the cause
+        culprits = []
+    if culprits:
+        r = culprits[0]
+        f.alloc_sites = auditor.site(r.site)
+        if r.holder is not None:
+            taken = f"lock taken for {r.handed_from} at op {r.op}, step {r.step}, then held by {r.holder}" \
+                if r.handed_from else f"lock taken for {r.holder} at op {r.op}, step {r.step}"
+            f.message += (f"; {taken}; its holder was gone by op {r.gone[0]}, step {r.gone[1]} "
+                          f"without a release")
+        else:  # its holder, if any, came and went within one step: the inc's frames may still name it
+            who = auditor.site_owner(r.site)
+            f.message += (f"; lock taken{f' for {who}' if who else ''} at op {r.op}, step {r.step}"
+                          f"{f' in {f.alloc_sites[0].function}' if f.alloc_sites else ''}"
+                          " that no live holder was ever seen with")
+        if len(culprits) > 1:
+            f.message += f" (and {len(culprits) - 1} more unreleased)"
     elif decs:
         _, _, sid, op, step = decs[-1]
         f.free_sites = auditor.site(sid)
-        f.message += f"; last unmatched dec at op {op}, step {step}"
+        f.message += f"; unmatched release at op {op}, step {step}"
     else:
         f.message += ("; incs and decs pair up per node, so a lock and its release walked different paths "
                       "(the tree changed shape, or a lock started at the wrong node)")
-    return [f]
+    return f
 
 
 def _group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str,

@@ -94,11 +94,14 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         parts.append(_stack("read at:", f.read_sites, plain))
     if f.kind == "crash":
         parts.append(_stack("raised at:", f.alloc_sites, plain))
+        if f.memory_state:
+            parts.append(Text("memory at the crash:", style="bold"))
+            parts.extend(Text(f"  {line}") for line in f.memory_state)
     elif f.kind == "lock-imbalance":
         if f.alloc_sites:
-            parts.append(_stack("last unmatched lock taken at:", f.alloc_sites, plain))
+            parts.append(_stack("unreleased lock taken at:", f.alloc_sites, plain))
         if f.free_sites:
-            parts.append(_stack("last unmatched lock released at:", f.free_sites, plain))
+            parts.append(_stack("unmatched release at:", f.free_sites, plain))
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites, plain))
     if f.kind == "leak" and f.lost_sites:

@@ -12,7 +12,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from engine_under_test import EngineConfig
-from kvaudit import oracles
+from kvaudit import memstate, oracles
 from kvaudit.findings import Finding, Site, portable_path
 from kvaudit.hooks import Auditor
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
@@ -161,7 +161,7 @@ class AuditedRun:
                 found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
-                                    getattr(self.target, "engine_files", list)())]
+                                    getattr(self.target, "engine_files", list)(), self.target, self.auditor)]
         found = _merge_same_signature(sift(found))
         self.findings.extend(found)
         return found
@@ -204,16 +204,21 @@ def _merge_same_signature(found: list[Finding]) -> list[Finding]:
     return list(out.values())
 
 
-def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()) -> Finding:
+def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=(), target=None,
+                   auditor=None) -> Finding:
     """The crash as a finding: its stack without kvaudit's frames, except a target's ``engine_files``
-    (a driver that plays the engine's scheduler)."""
+    (a driver that plays the engine's scheduler). An out-of-memory crash also carries who held the
+    memory at that moment (``memory_state``, read from ``target`` and ``auditor``: :mod:`kvaudit.memstate`)."""
     tb = traceback.extract_tb(exc.__traceback__)
     keep = {os.path.abspath(f) for f in engine_files}
     frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip()) for fr in reversed(tb)
               if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
-    return Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
-                   op_index=op_index, step=step,
-                   traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    f = Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
+                op_index=op_index, step=step,
+                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    if target is not None and memstate.is_out_of_memory(str(exc)):
+        f.memory_state = memstate.memory_state(target, auditor)
+    return f
 
 
 def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,

@@ -149,7 +149,7 @@ def _labelled_stacks(f: Finding) -> list[tuple[str, str, list[Site]]]:
     if f.kind == "crash":
         labels = {"alloc_sites": "raised at"}
     elif f.kind == "lock-imbalance":
-        labels = {"alloc_sites": "last unmatched lock taken at", "free_sites": "last unmatched lock released at"}
+        labels = {"alloc_sites": "unreleased lock taken at", "free_sites": "unmatched release at"}
     else:
         labels = {"alloc_sites": "allocated at",
                   "free_sites": "freed again at" if f.kind == "double-free" else "freed at"}
@@ -369,6 +369,8 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut") -> dic
         props["indirect"] = f.indirect
     if f.owner_history:
         props["lifecycle"] = lifecycle(f)
+    if f.memory_state:
+        props["memory_state"] = list(f.memory_state)
     if f.traceback:
         props["traceback"] = f.traceback
     if fallback:

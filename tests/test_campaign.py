@@ -111,6 +111,49 @@ def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     assert set(known_signatures(str(corpus))) == sigs
 
 
+def _leak_lock_a(tree, req):  # three lock leaks at three sites: three bugs
+    tree.inc_lock_ref(tree.match_prefix(req.origin_input_ids).last_node)
+
+
+def _leak_lock_b(tree, req):
+    tree.inc_lock_ref(tree.match_prefix(req.origin_input_ids).last_node)
+
+
+def _leak_lock_c(tree, req):
+    tree.inc_lock_ref(tree.match_prefix(req.origin_input_ids).last_node)
+
+
+def _plant_lock_leaks(monkeypatch, leaks):
+    """After a finished request's release, take a lock nobody holds at the site ``leaks`` names by
+    its prompt length modulo 3 (so each program meets some, not all)."""
+    from engine_under_test.scheduler import Scheduler
+    orig = Scheduler.release_kv_cache
+
+    def release_kv_cache(self, req, checkpoint):
+        orig(self, req, checkpoint)
+        leak = leaks[len(req.origin_input_ids) % 3]
+        if leak is not None and checkpoint and not req.is_health_check and not self.tree_cache.disable:
+            leak(self.tree_cache, req)
+
+    monkeypatch.setattr(Scheduler, "release_kv_cache", release_kv_cache)
+
+
+def test_two_lock_leaks_are_two_new_findings_and_a_resumed_campaign_reports_a_third(tmp_path, monkeypatch):
+    """Lock leaks taken at different sites have different signatures (the unmatched inc_lock_ref's
+    frame): before, every lock imbalance was lock-imbalance/token_to_kv_pool/lock_ref, and a campaign
+    reported the first and took every later one as known."""
+    corpus = str(tmp_path / "c")
+    config = get_preset("default").config()
+    _plant_lock_leaks(monkeypatch, (_leak_lock_a, _leak_lock_b, None))
+    first = run_campaign(config, "random", 12, 1, 1, corpus)
+    assert all(s.startswith("lock-imbalance/") for s in first.new)
+    assert {s.rsplit("inc:", 1)[-1] for s in first.new} == {"_leak_lock_a@test_campaign.py",
+                                                            "_leak_lock_b@test_campaign.py"}
+    _plant_lock_leaks(monkeypatch, (_leak_lock_a, _leak_lock_b, _leak_lock_c))
+    second = run_campaign(config, "random", 12, 2, 1, corpus)
+    assert set(second.new) == {"lock-imbalance/token_to_kv_pool/inc:_leak_lock_c@test_campaign.py"}
+
+
 def _wait_for(predicate, timeout: float, proc=None):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -148,6 +148,7 @@ def test_sequences_take_the_paths_they_name():
     assert t.tree_cache.evictable_size() >= 32  # both prompts' pages were published and shared
     t = ran(SEQUENCES["memory pressure retracts"])
     assert t.retractions == 1
+    assert "retracted 1 request(s)" in t.retraction() and "stopped: forced by memory pressure" in t.retraction()
     t = ran(SEQUENCES["flush idle, and refused while busy"])
     assert t.flushed() == 1  # the second flush came while busy: refused
     t = ran(SEQUENCES["health check idle, then busy"])
@@ -158,6 +159,7 @@ def test_sequences_take_the_paths_they_name():
     # a small pool and optimistic admission: decode runs out and SGLang's retract_decode picks victims
     t = ran([Submit(i, 30, 30) for i in range(6)] + [Idle()], num_slots=160, new_token_ratio=0.0)
     assert t.retractions >= 1
+    assert any(w in t.retraction() for w in ("stopped: check_decode_mem passes", "stopped: one request left"))
     t = ran(SEQUENCES["pause retract, flush while paused, continue"])
     assert t.retractions == 2 and t.flushed() == 1 and t.submitted == ["r0", "r1", "r2"]
     t = ran(SEQUENCES["flush waits for idle, or times out"][:4])

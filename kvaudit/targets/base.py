@@ -8,7 +8,7 @@ for KV pools (``page_size`` tokens each) and rows for request pools.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +57,24 @@ class Accounting:
     total: int
 
 
+class LockImbalance(NamedTuple):
+    """A tree node whose lock count differs from its live holders (``lock_balance()``).
+
+    ``slots``: ``[n] int64`` token slots of ``pool`` the lock covers; ``lock_ref``: the count the
+    engine (or the ledger) holds; ``holders``: the live holders on it; ``ids``: the node and its
+    descendants (a lock covers the path), matched against the lock-ref ledger's events, or None when
+    the ledger records none for it; ``lock``: ``"device"`` (``inc/dec_lock_ref``) or ``"host"``
+    (host pins, on the host pool ``pool``)."""
+
+    node: str
+    slots: np.ndarray
+    lock_ref: int
+    holders: int
+    ids: set | None
+    lock: str = "device"
+    pool: str = "token_to_kv_pool"
+
+
 class Target(Protocol):
     config: object
     steps: int
@@ -82,7 +100,10 @@ class Target(Protocol):
     #   owner_hint(frame_locals) -> str | None   name the owner an allocating frame works for;
     #   owner_hint_vars / owner_stop_vars         locals that make a frame worth reading / a
     #                                             batch-level frame with no single owner;
-    #   lock_balance() -> [(node, slots, lock_ref, holders)]   mismatched tree locks;
+    #   lock_balance() -> [LockImbalance]         mismatched tree locks (device and host);
+    #   lock_holders() -> [(lock, holder, node id)]  every live lock receipt, named ("req:7",
+    #                                             "hicache load-back for req:7"): the lock-ref ledger
+    #                                             pairs incs with them (kvaudit.locks);
     #   describe_busy() -> str                    what keeps the engine from idling (hang reports);
     #   install_pool(spec, auditor, wrap)          wrap a pool whose API differs from the PoolSpec kinds'
     #                                             (the auditor's wrap_rows/wrap_clear/on_alloc/on_free);
@@ -92,7 +113,10 @@ class Target(Protocol):
     #   paused -> bool                            a pause is in force: idle() sends continue_generation first;
     #   close()                                   the run is over: release outside resources (files);
     #   on_intake(callback), quiescence(), flushed(), progress(), stalled(), metrics_check(),
-    #   units_of_rows(rows), install_lock_ledger(wrap, record), install_shadow(shadow, wrap, report).
+    #   retraction() -> str | None                what the last decode retraction freed and why it
+    #                                             stopped (an out-of-memory crash report shows it);
+    #   units_of_rows(rows), install_lock_ledger(wrap, record) (record(node id, +1/-1, lock="device"|"host")),
+    #   install_shadow(shadow, wrap, report).
 
 
 def kv_length_problems(reqs) -> list[str]:

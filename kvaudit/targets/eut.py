@@ -15,7 +15,7 @@ import torch
 from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens)
-from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
 
 
 class SessionRecords:
@@ -129,6 +129,9 @@ class EutTarget:
             self._pools.append(PoolSpec("session_records", self.session_records, "rows", 1,
                                         SessionRecords.CAPACITY))
             self.session_records.track(s.session_controller)
+        self._load_back_names: dict[int, tuple[object, str]] = {}  # id(LoadBack) -> (record, holder name)
+        self.last_retraction: str | None = None
+        self._track_retraction()
         hs = s.hisparse_coordinator
         if hs is not None:
             self._pools += [
@@ -493,36 +496,71 @@ class EutTarget:
                 out.setdefault(id(r), name)
         return out
 
-    def lock_balance(self) -> list[tuple[str, np.ndarray, int, int]]:
-        """Tree nodes whose ``lock_ref`` differs from the live lock holders whose path covers them.
+    def lock_holders(self) -> list[tuple[str, str, int]]:
+        """Every live lock receipt as ``(lock, holder, node id)``: requests' ``req.lock`` and session
+        slots' ``slot.lock`` (device), HiCache write-throughs until their ack (device), and load-backs
+        (device lock and host pin on the same node) until released, named by the request that started
+        them, also once an abort left them to be released at their ack (``orphan_load_backs``)."""
+        return [(lock, name, node.id) for lock, name, node in self._holders()]
 
-        Returns ``(node, slots, lock_ref, holders, ids of the node and its descendants)`` per mismatch (SGLang invariant: ``lock_ref``
-        equals the number of live receipts whose anchor path covers the node). Holders are the live
-        requests' ``lock`` nodes; this engine has no other lock holders yet.
-        """
+    def _holders(self) -> list[tuple[str, str, object]]:
+        """:meth:`lock_holders` with the tree nodes themselves."""
         eng = self.engine
         tree = eng.tree_cache
         if tree.disable:
             return []
-        want: dict[int, int] = {}
-        holders = [r.lock for r in eng.requests_owning_rows()]
+        out = [("device", f"req:{r.rid}", r.lock) for r in eng.requests_owning_rows() if r.lock is not None]
         if eng.session_controller is not None:
-            holders += [slot.lock for _, slot in eng.session_controller.slots()]
-        if eng.hicache_host_pool is not None:  # in-flight copies hold locks until their ack
-            holders += [node for node, _ in tree.ongoing_write_through.values()]
-            holders += [r.load_back.node for r in eng.waiting_queue if r.load_back is not None]
-            holders += [rec.node for rec in eng.orphan_load_backs]
-        for node in holders:
+            out += [("device", f"session:{sid}", slot.lock) for sid, slot in eng.session_controller.slots()
+                    if slot.lock is not None]
+        if eng.hicache_host_pool is not None:
+            out += [("device", f"hicache write-through of node {node.id}", node)
+                    for node, _ in tree.ongoing_write_through.values()]
+            names = self._load_back_names
+            for r in eng.waiting_queue:
+                if r.load_back is not None and id(r.load_back) not in names:
+                    names[id(r.load_back)] = (r.load_back, f"hicache load-back for req:{r.rid}")
+            recs = [r.load_back for r in eng.waiting_queue if r.load_back is not None] + list(eng.orphan_load_backs)
+            for rec in recs:
+                name = names.get(id(rec), (None, f"hicache load-back of node {rec.node.id}"))[1]
+                out += [("device", name, rec.node), ("host", name, rec.node)]
+            if names:
+                live = {id(rec) for rec in tree.ongoing_load_back.values()}
+                for key in [k for k in names if k not in live]:
+                    del names[key]
+        return out
+
+    def lock_balance(self) -> list[LockImbalance]:
+        """Tree nodes whose ``lock_ref`` (device) or ``host_ref`` (HiCache host pins) differs from the
+        live holders whose path covers them (SGLang invariant: ``lock_ref`` equals the number of live
+        receipts whose anchor path covers the node). Holders: :meth:`lock_holders`. The device entries
+        name ``token_to_kv_pool`` slots, the host ones ``hicache_host`` slots (a host pin covers the
+        pinned node and its ancestors, as ``HiRadixCache._pin_host`` walks them)."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return []
+        want: dict[tuple[str, int], int] = {}
+        for lock, _, node in self._holders():
             while node is not None and node is not tree.root_node:
-                want[id(node)] = want.get(id(node), 0) + 1
+                want[lock, id(node)] = want.get((lock, id(node)), 0) + 1
                 node = node.parent
-        return [(f"node {n.id} ({len(n.key)} tokens)",
-                 (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref, want.get(id(n), 0),
-                 {n.id} | {d.id for d in tree.nodes(n)})
-                for n in tree.nodes() if n.lock_ref != want.get(id(n), 0)]
+        host = self.engine.hicache_host_pool is not None
+        out = []
+        for n in tree.nodes():
+            if n.lock_ref != want.get(("device", id(n)), 0):
+                out.append(LockImbalance(f"node {n.id} ({len(n.key)} tokens)",
+                                         (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref,
+                                         want.get(("device", id(n)), 0), {n.id} | {d.id for d in tree.nodes(n)}))
+            if host and n.host_ref != want.get(("host", id(n)), 0):
+                slots = n.host_value if n.host_value is not None else torch.zeros(1, dtype=torch.int64)
+                out.append(LockImbalance(f"host pin on node {n.id} ({len(n.key)} tokens)", slots.cpu().numpy(),
+                                         n.host_ref, want.get(("host", id(n)), 0),
+                                         {n.id} | {d.id for d in tree.nodes(n)}, "host", "hicache_host"))
+        return out
 
     def install_lock_ledger(self, wrap, record) -> None:
-        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree to ``record(node_id, delta)``."""
+        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree to ``record(node_id, delta)``, and
+        with HiCache every host pin (``_pin_host(node, delta)``) to ``record(node_id, delta, "host")``."""
         tree = self.engine.tree_cache
         if tree.disable:
             return
@@ -541,6 +579,41 @@ class EutTarget:
 
         wrap(tree, "inc_lock_ref", inc_wrapper)
         wrap(tree, "dec_lock_ref", dec_wrapper)
+        pin = getattr(tree, "_pin_host", None)
+        if pin is not None:
+            def pin_wrapper(node, delta):
+                if node is not None and node is not tree.root_node:
+                    record(node.id, delta, "host")
+                return pin(node, delta)
+
+            wrap(tree, "_pin_host", pin_wrapper)
+
+    def _track_retraction(self) -> None:
+        """Record what each ``retract_decode`` did (``last_retraction``), read from outside the call:
+        requests retracted, tokens freed, and why it stopped (SGLang ``retract_decode``'s loop ends when
+        one decode step fits, at the last request, or aborts that one when even it does not fit)."""
+        eng = self.engine
+        retract = eng.retract_decode
+
+        def retract_wrapper(reqs, force=False):
+            before = eng.token_to_kv_pool_allocator.available_size() + eng.tree_cache.evictable_size()
+            keep = retract(reqs, force=force)
+            after = eng.token_to_kv_pool_allocator.available_size() + eng.tree_cache.evictable_size()
+            gone = [r for r in reqs if r not in keep]
+            aborted = [r for r in gone if r.finished()]
+            why = ("forced by memory pressure (all but one)" if force else
+                   "even the last request did not fit: aborted it" if aborted else
+                   "one decode step fits" if eng._decode_fits(keep) else "only one request left")
+            self.last_retraction = (f"step {self.steps}: retracted {len(gone) - len(aborted)} request(s)"
+                                    + (f", aborted {len(aborted)}" if aborted else "")
+                                    + f", freed {after - before} tokens (available + evictable); "
+                                    f"stopped: {why}; {len(keep)} kept")
+            return keep
+
+        eng.retract_decode = retract_wrapper
+
+    def retraction(self) -> str | None:
+        return self.last_retraction
 
     def describe_busy(self) -> str:
         eng = self.engine

@@ -56,9 +56,10 @@ Lock ledger: the base counts ``inc_lock_ref``/``dec_lock_ref`` against requests'
 locks; here write-through (``ongoing_write_through[...].lock_params``) and load-back
 (``ongoing_load_back``) receipts hold device locks until their acks and count as holders, and the
 host locks (``inc_host_lock_ref``/``dec_host_lock_ref``) are counted against the load-back receipts.
-kvaudit checks lock balance at idle, when (``is_fully_idle``) no receipt is pending, so today the
-receipts never count; they make the holder set right for any state. A host-lock imbalance is
-reported from the per-node host count (the device lock-ref ledger records no host events).
+kvaudit checks lock balance at idle, when (``is_fully_idle``) no receipt is pending; the receipts
+name the holders the lock-ref ledger pairs incs with between steps (:mod:`kvaudit.locks`). Host-lock
+events go to the same ledger (as ``"host"``), so a host-lock imbalance is reported on the host pool
+with the unreleased inc's site.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root
 from kvaudit.targets.sglang_boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
 from kvaudit.targets.sglang_hisparse import _StepEvent
 from kvaudit.targets.sglang_target import SglangTarget, host_free_units, host_units
@@ -193,11 +194,13 @@ class SglangHiCacheTarget(SglangTarget):
         def inc_wrapper(node_id, *a, **k):
             out = inc(node_id, *a, **k)
             net[node_id] = net.get(node_id, 0) + 1
+            record(node_id, +1, "host")
             return out
 
         def dec_wrapper(node_id, *a, **k):
             out = dec(node_id, *a, **k)
             net[node_id] = net.get(node_id, 0) - 1
+            record(node_id, -1, "host")
             return out
 
         wrap(cache, "inc_host_lock_ref", inc_wrapper)
@@ -293,37 +296,35 @@ class SglangHiCacheTarget(SglangTarget):
     def free_lists(self) -> dict[str, np.ndarray]:
         return {**super().free_lists(), HOST_POOL: host_free_units(self.host_pool, self.config.page_size)}
 
-    def _lock_holders(self) -> list:
-        """Also the write-through receipts (``ongoing_write_through``, until ``writing_check`` acks) and
-        the load-back receipts (``ongoing_load_back``, until ``loading_check`` acks)."""
+    def lock_holders(self) -> list[tuple[str, str, int]]:
+        """Also the write-through receipts (``ongoing_write_through``, until ``writing_check`` acks), the
+        load-back receipts (``ongoing_load_back``, until ``loading_check`` acks) and the host-lock
+        receipts (:meth:`_host_lock_holders`)."""
         cache = self.tree_cache
-        nodes = super()._lock_holders()
-        nodes += [w.node_id for w in cache.ongoing_write_through.values() if w.lock_params is not None]
-        nodes += [lb.node_id for lb in cache.ongoing_load_back.values()]
-        return nodes
+        out = super().lock_holders()
+        out += [("device", f"hicache write-through of node {w.node_id}", w.node_id)
+                for w in cache.ongoing_write_through.values() if w.lock_params is not None]
+        out += [("device", f"hicache load-back of node {lb.node_id}", lb.node_id)
+                for lb in cache.ongoing_load_back.values()]
+        return out + [("host", name, node) for name, node in self._host_lock_holders()]
 
-    def _host_lock_holders(self) -> list:
-        """The node of each pending host-lock receipt: the load-backs' (no other host lock outlives a call
-        without a storage tier)."""
-        return [lb.node_id for lb in self.tree_cache.ongoing_load_back.values()]
+    def _host_lock_holders(self) -> list[tuple[str, int]]:
+        """``(holder, node)`` of each pending host-lock receipt: the load-backs' (no other host lock
+        outlives a call without a storage tier)."""
+        return [(f"hicache load-back of node {lb.node_id}", lb.node_id)
+                for lb in self.tree_cache.ongoing_load_back.values()]
 
     def lock_balance(self):
         """:meth:`SglangTarget.lock_balance`, then the host locks: each node's net host-lock count against
         the host-lock receipts on it (:meth:`_host_lock_holders`)."""
         bad = super().lock_balance()
-        if bad:
-            return bad
         want: dict[int, int] = {}
-        for node in self._host_lock_holders():
+        for _, node in self._host_lock_holders():
             want[node] = want.get(node, 0) + 1
         for node, have in self.host_lock_net.items():
             if have != want.get(node, 0):
-                try:
-                    slots = self.tree_cache.path_device_indices(node).cpu().numpy()
-                except Exception:
-                    slots = np.empty(0, np.int64)
-                if not slots.size:  # a host-only path: name the node on the padding unit
-                    slots = np.zeros(1, np.int64)
-                # host_lock_ref: inc_host_lock_ref - dec_host_lock_ref (the device ledger has no events for it)
-                bad.append((f"host lock on node {node}", slots, have, want.get(node, 0), None))
+                # host_lock_ref: inc_host_lock_ref - dec_host_lock_ref; the finding names the host pool's
+                # padding unit (the node's host slots are not looked up by node id here)
+                bad.append(LockImbalance(f"host lock on node {node}", np.zeros(1, np.int64), have, want.get(node, 0),
+                                         {node}, "host", HOST_POOL))
         return bad

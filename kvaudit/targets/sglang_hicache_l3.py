@@ -411,8 +411,8 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         """Also each in-flight prefetch's anchor (``prefetch_from_storage`` host-locks it until the result
         is inserted or the prefetch is dropped) and each storage backup's node (until its ack)."""
         cache = self.tree_cache
-        nodes = super()._host_lock_holders()
-        nodes += [info.anchor_node_id for info in cache.ongoing_prefetch.values()
-                  if info.anchor_lock_params is not None]
-        nodes += [node for node, _ in cache.ongoing_backup.values()]
-        return nodes
+        out = super()._host_lock_holders()
+        out += [(f"hicache prefetch of node {info.anchor_node_id}", info.anchor_node_id)
+                for info in cache.ongoing_prefetch.values() if info.anchor_lock_params is not None]
+        out += [(f"hicache storage backup of node {node}", node) for node, _ in cache.ongoing_backup.values()]
+        return out

@@ -181,6 +181,7 @@ class SglangTarget:
         self.chunked_req = None  # Scheduler.chunked_req: the one request between prefill chunks
         self._pending_chunked_abort = None  # Scheduler._pending_chunked_abort_req
         self.retractions = 0  # requests retract_decode took out of the running batch
+        self.last_retraction: str | None = None  # what the last retract_decode did (retraction())
         self._intake = None
         self._scheduled = None  # Scheduler.last_batch: the batch the latest step ran, (kind, reqs, chunked)
         self._queued = 0  # requests ever queued: their wait_queue_entry_time (FCFS order among equal priorities)
@@ -988,9 +989,17 @@ class SglangTarget:
         if full and finishing:
             return None  # the queued result frees the finishing requests' KV: decode the rest next step
         if self._force_retract or full:
-            self._force_retract = False
+            forced, self._force_retract = self._force_retract, False
+            before = self.allocator.available_size() + self.tree_cache.evictable_size()
             retracted, _, aborted = batch.retract_decode()
             self.retractions += len(retracted) + len(aborted)
+            freed = self.allocator.available_size() + self.tree_cache.evictable_size() - before
+            why = ("forced by memory pressure" if forced else "nothing left to retract" if not batch.reqs
+                   else "one request left" if len(batch.reqs) == 1 else "check_decode_mem passes")
+            self.last_retraction = (f"step {self.steps}: retracted {len(retracted)} request(s)"
+                                    + (f", aborted {len(aborted)}" if aborted else "")
+                                    + f", freed {freed} tokens (available + evictable); stopped: {why}; "
+                                    f"{len(batch.reqs)} kept")
             for req in retracted:
                 self._add_request_to_queue(req, is_retracted=True)
             for req in aborted:  # released inside retract_decode; the client gets the abort
@@ -1239,11 +1248,20 @@ class SglangTarget:
                 bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
         return [b for b in bad if b[1].size] or bad[:0]
 
+    def retraction(self) -> str | None:
+        """What the last ``retract_decode`` retracted and freed, and why it stopped (None: none yet)."""
+        return self.last_retraction
+
+    def lock_holders(self) -> list[tuple[str, str, int]]:
+        """Every live lock receipt as ``(lock, holder, node id)`` (the lock-ref ledger pairs incs with
+        them, :mod:`kvaudit.locks`): requests' ``req.lock``, session slots' ``slot.lock``."""
+        out = [("device", f"req:{r.rid}", r.lock.node) for r in self._live() + self.waiting if r.lock is not None]
+        out += [("device", f"session:{sid}", s.lock.node) for sid, s in self._slots() if s.lock is not None]
+        return out
+
     def _lock_holders(self) -> list:
-        """The node each live lock receipt is on: requests' ``req.lock``, session slots' ``slot.lock``."""
-        locks = [r.lock for r in self._live() + self.waiting if r.lock is not None]
-        locks += [s.lock for _, s in self._slots() if s.lock is not None]
-        return [lock.node for lock in locks]
+        """The node each live device lock receipt is on (:meth:`lock_holders`)."""
+        return [node for lock, _, node in self.lock_holders() if lock == "device"]
 
     def engine_check(self) -> list[str]:
         """SGLang's conservation identity (``SchedulerInvariantChecker``'s formula; the checker itself

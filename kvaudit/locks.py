@@ -1,0 +1,168 @@
+"""The lock-ref ledger: every ``inc_lock_ref``/``dec_lock_ref`` (device) and host pin, paired with
+the holder that took it, so a lock-imbalance finding blames the lock whose holder is gone.
+
+Holders are read from the target (``lock_holders()``: ``[(lock, holder, node id)]``, e.g.
+``("device", "req:7", 12)`` or ``("host", "hicache load-back for req:7", 12)``) between scheduler
+steps and ops, never from the engine's frames, so fast mode and full stacks pair alike. At each
+snapshot, over the events since the previous one:
+
+* a holder that disappeared marks its inc *gone* (a request finished, a load-back was acked);
+* a holder that appeared claims the oldest unclaimed inc of the interval on its node (else the
+  latest older one), or takes over a gone
+  holder's inc when it took no lock of its own (a session slot inheriting its turn's lock);
+* a dec whose frames name their owner (``owner_hint``, read for lock events in every mode)
+  releases that owner's oldest inc on the node that no holder has claimed yet;
+* any other dec releases, in order: an inc of the same interval not yet claimed (a lock and its release
+  inside one call, e.g. ``load_back`` pinning the device ancestor around its alloc), the inc of the
+  most recently gone holder, an unclaimed older inc; with only live holders' incs left it is an
+  unmatched dec (a release too many), unless one of those holders leaves at a later snapshot.
+
+At idle, an inc still open whose holder is gone is a leaked lock, named by its holder; an open inc
+that no holder ever claimed was taken behind every holder's back. Sizes: events and records grow
+with lock operations (a few per request), not with tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)  # records are compared by identity: two incs can be alike in every field
+class LockRecord:
+    """One inc (``lock``: ``"device"`` or ``"host"``) on tree node ``node``, from site ``site``
+    at ``op``/``step``; ``holder`` once a holder claimed it, ``gone`` the ``(op, step)`` at which
+    its holder was first seen gone; ``released`` once a dec paired with it."""
+
+    lock: str
+    node: int
+    site: int
+    op: int
+    step: int
+    holder: str | None = None
+    gone: tuple[int, int] | None = None
+    released: bool = False
+    handed_from: str | None = None  # the holder it was taken over from (no inc of its own)
+    hint: str | None = None  # the owner the taking frames worked for (``req:<rid>``), if they named one
+
+
+class LockLedger:
+    """Inc/dec events paired with the target's live holders (module docstring).
+
+    ``holders``: a callable returning ``[(lock, holder name, node id)]``, or None (the target names
+    no holders: every inc stays unclaimed and decs pair latest first, as a stack per node).
+    """
+
+    def __init__(self, holders=None):
+        self.holders = holders
+        self.records: list[LockRecord] = []
+        self._open: dict[tuple[str, int], list[LockRecord]] = {}  # unreleased, in inc order
+        self._fresh: dict[tuple[str, int], list[LockRecord]] = {}  # this interval's unpaired incs
+        self._deferred: list[tuple[tuple[str, int], int, int, int]] = []  # (key, site, op, step)
+        self.unmatched_decs: list[tuple[str, int, int, int, int]] = []  # (lock, node, site, op, step)
+        self._live: Counter = Counter()
+        self._listed: list = []  # the holders at the last snapshot, sorted
+        self.dirty = False  # lock events since the last snapshot
+        self._n_open = 0
+
+    def inc(self, lock: str, node: int, site: int, op: int, step: int, hint: str | None = None) -> None:
+        r = LockRecord(lock, node, site, op, step, hint=hint)
+        self.dirty = True
+        self._n_open += 1
+        self.records.append(r)
+        self._open.setdefault((lock, node), []).append(r)
+        self._fresh.setdefault((lock, node), []).append(r)
+
+    def dec(self, lock: str, node: int, site: int, op: int, step: int, hint: str | None = None) -> None:
+        self.dirty = True
+        if hint is not None:  # the releasing frames name their owner: its oldest unclaimed lock here
+            mine = [r for r in self._open.get((lock, node), []) if r.holder is None and r.hint == hint]
+            if mine:  # (a claimed lock pairs by its holder's liveness, below)
+                self._release(mine[0])
+                return
+        fresh = [r for r in self._fresh.get((lock, node), []) if hint is None or r.hint in (None, hint)]
+        if fresh:  # a lock and its release in one interval (a call's own pin), not another owner's
+            self._release(fresh[-1])
+        else:
+            self._deferred.append(((lock, node), site, op, step))
+
+    def _release(self, r: LockRecord) -> None:
+        r.released = True
+        self._n_open -= 1
+        self._open[(r.lock, r.node)].remove(r)
+        fresh = self._fresh.get((r.lock, r.node))
+        if fresh and r in fresh:
+            fresh.remove(r)
+
+    def busy(self) -> bool:
+        """Whether a snapshot could change anything (open incs, or decs waiting to pair)."""
+        return bool(self._deferred or self._listed or self._n_open)
+
+    def snapshot(self, op: int, step: int) -> None:
+        """Close the interval: read the live holders and pair this interval's events (module
+        docstring). ``op``/``step``: when this snapshot is taken (stamped on gone holders)."""
+        listed = sorted(self.holders()) if self.holders is not None else []
+        self.dirty = False
+        if listed == self._listed and not self._deferred and not self._fresh:
+            return  # nothing came, went or was released
+        self._listed, now = listed, Counter(listed)
+        gone, new = self._live - now, now - self._live
+        for (lock, name, node), k in gone.items():
+            for r in list(self._open.get((lock, node), [])):
+                if k and r.holder == name and r.gone is None:
+                    r.gone, k = (op, step), k - 1
+        for (lock, name, node), k in new.items():
+            key = (lock, node)
+            for _ in range(k):
+                opened = self._open.get(key, [])
+                fresh = [r for r in self._fresh.get(key, []) if r.holder is None and not r.released]
+                just_gone = [r for r in opened if r.gone == (op, step)]
+                older = [r for r in opened if r.holder is None]
+                any_gone = sorted((r for r in opened if r.gone is not None), key=lambda r: r.gone)
+                # several incs on the node: the one taken for this holder (its frames named it), else
+                # one taken for nobody named, else the latest
+                mine = [r for r in fresh + older if r.hint == name]
+                unnamed = [r for r in fresh if r.hint is None]
+                pick = (mine or unnamed or fresh or just_gone or older or any_gone or [None])[-1]
+                if pick is None:
+                    break
+                if pick.holder is not None:
+                    pick.handed_from = pick.holder
+                pick.holder, pick.gone = name, None
+        for key, site, dop, dstep in self._deferred:
+            opened = self._open.get(key, [])
+            gone_rs = sorted((r for r in opened if r.gone is not None), key=lambda r: r.gone)
+            unclaimed = [r for r in opened if r.holder is None]
+            if gone_rs:
+                self._release(gone_rs[-1])
+            elif unclaimed:
+                self._release(unclaimed[-1])
+            else:  # only live holders' locks: one released too often (paired later if its holder leaves)
+                self.unmatched_decs.append((key[0], key[1], site, dop, dstep))
+        for d in list(self.unmatched_decs):  # released before its holder left the target's lists
+            left = [r for r in self._open.get(d[:2], []) if r.gone == (op, step)]
+            if left:
+                self.unmatched_decs.remove(d)
+                self._release(left[0])
+        # (after the releases above pair with the holders' own locks) an inc taken for a named owner
+        # that holds nothing on its node now: that owner is gone or never kept it, so the lock is its
+        # leak, not an anonymous one
+        names = {name for _, name, _ in listed}
+        for rs in self._fresh.values():
+            for r in rs:
+                if r.holder is None and not r.released and r.hint is not None and r.hint not in names:
+                    r.holder, r.gone = r.hint, (op, step)
+        self._fresh.clear()
+        self._deferred.clear()
+        self._live = now
+
+    def open_records(self, lock: str, nodes) -> list[LockRecord]:
+        """Unreleased incs of ``lock`` on any of ``nodes`` (ids), oldest first."""
+        return [r for (lk, node), rs in self._open.items() if lk == lock and node in nodes for r in rs]
+
+    def culprits(self, lock: str, nodes) -> list[LockRecord]:
+        """The open incs on ``nodes`` to blame, best first: those whose holder is gone (the earliest
+        gone first), then those no holder ever claimed (oldest first)."""
+        rs = self.open_records(lock, nodes)
+        gone = sorted((r for r in rs if r.gone is not None), key=lambda r: (r.gone, r.op, r.step))
+        return gone + [r for r in rs if r.holder is None]
