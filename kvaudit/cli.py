@@ -31,7 +31,7 @@ from kvaudit.outputs import FORMATS, Case, Outputs, ReportData
 from kvaudit.outputs import write as write_outputs
 from kvaudit.report import print_cases, print_report, print_suppressions, suppressed_by_kind
 from kvaudit.timeline import is_valid as timeline_is_valid
-from kvaudit.runner import INTERRUPTED, execute
+from kvaudit.runner import DEFAULT_STEP_TIMEOUT, INTERRUPTED, execute, set_step_timeout
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
@@ -148,6 +148,20 @@ def _suppressions(path: str | None) -> SuppressionSet | None:
 _suppress_option = click.option(
     "--suppress", "suppress_file", type=click.Path(exists=False), default=None, metavar="FILE",
     help="TOML suppression file: findings its [[suppress]] rules match are not findings (see README).")
+
+
+def _set_step_timeout(ctx, param, value):
+    if not math.isfinite(value):
+        _bad(param, "must be a finite number of seconds")
+    set_step_timeout(value)
+    return value
+
+
+_step_timeout_option = click.option(
+    "--step-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_STEP_TIMEOUT, show_default=True,
+    metavar="SECONDS", expose_value=False, callback=_set_step_timeout,
+    help="Watchdog: one engine step that runs longer is a hang finding naming the frames it is stuck in "
+         "(the step is interrupted; a step blocked inside one C call cannot be).")
 
 
 _OUTPUT_HELP = {
@@ -391,6 +405,7 @@ def _catch_sigint() -> None:
               help="atheris: start from the seed corpus in corpora/seeds/<preset> (it holds the regression "
                    "reproducers; --no-seeds to measure how the search finds them).")
 @_suppress_option
+@_step_timeout_option
 @output_options
 @_restoring_sigint
 def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
@@ -493,14 +508,19 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the finding is complete: write and report it whole
     data = _run_data(config, crash.program, crash.findings, sset, stats, seed)
     data.ensure_timelines()
+    minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
     path = _write(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
-                  confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True,
+                  confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
                   timeline=data.cases[0].timeline)
-    data.extra.update(confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
+    data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
     print_report(console, config, crash.program, crash.findings, suppressions=sset)
-    console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
-                  f"{crash.original_length} -> {len(crash.program)} ops; reproduced "
-                  f"{crash.confirmations}/{CONFIRM_RUNS}")
+    hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
+    console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"
+                  + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
+                  + f", {stats.elapsed:.1f}s in all); "
+                  + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
+                     f"{len(crash.program)} ops, not minimized (each replay of a hang costs the step timeout)")
+                  + f"; reproduced {crash.confirmations}/{crash.runs}", soft_wrap=True)
     console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
     _write_outputs(outputs, data, err)
     return EXIT_FINDINGS
@@ -600,6 +620,10 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
 def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
               program_title: str = "minimized program") -> ReportData:
     extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
+    if stats.shrink_executions:
+        extra["shrink_executions"] = stats.shrink_executions
+    if stats.first_hit is not None:
+        extra["first_hit_executions"], extra["first_hit_seconds"] = stats.first_hit[0], round(stats.first_hit[1], 1)
     if interrupted:
         extra["interrupted"] = True
     return ReportData.single(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
@@ -647,6 +671,7 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
               help="Runs for --check-determinism.")
 @click.option("--tree-core", type=click.Choice(TREE_CORES), default=None,
               help="A --target sglang file: run it with this UnifiedRadixCache tree core instead of its own.")
+@_step_timeout_option
 @output_options
 def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
@@ -654,7 +679,7 @@ def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, outputs)
     With --html or --json the program runs once more, to record the pool occupancy."""
     _outputs((file, suppress_file), **vars(outputs))
     config, program, recorded, sset = _load_replay(file, suppress_file, tree_core)
-    ex = execute(config, program, suppressions=sset)
+    ex = execute(config, program, suppressions=sset, drain=True)
     console = _console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
     want = {f.signature for f in recorded}
@@ -702,6 +727,7 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
 @click.option("--signature", default=None, metavar="SIG",
               help="The finding to keep (default: the first finding recorded in FILE).")
 @_suppress_option
+@_step_timeout_option
 @_restoring_sigint
 def minimize_cmd(file, out_file, signature, suppress_file):
     """Minimize a replay file: delta debugging over its ops, then simpler op arguments, keeping the
@@ -734,7 +760,7 @@ def minimize_cmd(file, out_file, signature, suppress_file):
         err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
                   "nothing written", soft_wrap=True)
         return EXIT_NOT_REPRODUCED
-    final = execute(config, small, suppressions=fresh())
+    final = execute(config, small, suppressions=fresh(), drain=True)
     findings = [f for f in final.findings if f.signature == signature] + \
         [f for f in final.findings if f.signature != signature]
     path = _write_file(out_file, config, small, findings, minimized=True, minimized_from=file,
@@ -762,6 +788,7 @@ def minimize_cmd(file, out_file, signature, suppress_file):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
               help="Directory for the replay files of new findings.")
 @_suppress_option
+@_step_timeout_option
 @output_options
 @_restoring_sigint
 def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file, outputs):

@@ -75,6 +75,9 @@ class Finding:
     step: int = -1
     engine_check: list[str] = field(default_factory=list)  # the engine's own check_memory() lines
     traceback: str | None = None
+    # the engine's check_memory() lines once the program was drained to idle after the finding
+    # (SGLang's idle check fires then); [] when not recorded (see kvaudit.runner.execute's drain)
+    engine_check_at_idle: list[str] = field(default_factory=list)
 
     @property
     def signature(self) -> str:
@@ -108,6 +111,7 @@ class Finding:
         _want(d, "op_index", int, low=-1)
         _want(d, "step", int, low=-1)
         _want(d, "engine_check", list, item=str)
+        _want(d, "engine_check_at_idle", list, item=str)
         if d.get("traceback") is not None:
             _want(d, "traceback", str)
         if d.get("unit") == "page" and d.get("slots") and not d.get("num_units"):

@@ -58,8 +58,8 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         parts.append(_stack("previously freed at:", f.prev_free_sites))
     if f.read_sites:
         parts.append(_stack("read at:", f.read_sites))
-    if f.kind == "crash":
-        parts.append(_stack("raised at:", f.alloc_sites))
+    if f.kind == "crash" or (f.kind == "hang" and f.alloc_sites):
+        parts.append(_stack("raised at:" if f.kind == "crash" else "stuck at:", f.alloc_sites))
     elif f.kind == "lock-imbalance":
         if f.alloc_sites:
             parts.append(_stack("last unmatched lock taken at:", f.alloc_sites))
@@ -82,6 +82,10 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         ok = f.engine_check[0].endswith("ok")
         parts.append(Text("engine check_memory(): ", style="bold").append(
             "ok" if ok else "; ".join(f.engine_check), style="" if ok else "magenta"))
+    if f.engine_check_at_idle:
+        ok = f.engine_check_at_idle[0].endswith("ok")
+        parts.append(Text("engine check_memory() once drained to idle: ", style="bold").append(
+            "ok" if ok else "; ".join(f.engine_check_at_idle), style="" if ok else "magenta"))
     if f.traceback:
         parts.append(Text(f.traceback.rstrip(), style="dim"))
     return Panel(Group(*parts), title=f"finding {index + 1}: {f.kind}", title_align="left", border_style="red")
