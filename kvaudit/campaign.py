@@ -152,7 +152,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
             replay.write_atomic(path, replay.to_doc(
                 config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
                 confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
-                timeline=record(config, crash.program)))
+                timeline=crash.timeline or record(config, crash.program)))
         known.add(sig)
         emit(("finding", spec.index, sig, path))
     emit(("done", spec.index))

@@ -32,6 +32,7 @@ from kvaudit.outputs import write as write_outputs
 from kvaudit.report import print_cases, print_report, print_suppressions, suppressed_by_kind
 from kvaudit.timeline import is_valid as timeline_is_valid
 from kvaudit.runner import DEFAULT_STEP_TIMEOUT, INTERRUPTED, execute, set_step_timeout
+from kvaudit.runner import step_timeout as runner_step_timeout
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
@@ -151,17 +152,18 @@ _suppress_option = click.option(
 
 
 def _set_step_timeout(ctx, param, value):
-    if not math.isfinite(value):
+    if value is not None and not math.isfinite(value):
         _bad(param, "must be a finite number of seconds")
-    set_step_timeout(value)
+    set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
     return value
 
 
 _step_timeout_option = click.option(
-    "--step-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_STEP_TIMEOUT, show_default=True,
-    metavar="SECONDS", expose_value=False, callback=_set_step_timeout,
-    help="Watchdog: one engine step that runs longer is a hang finding naming the frames it is stuck in "
-         "(the step is interrupted; a step blocked inside one C call cannot be).")
+    "--step-timeout", type=click.FloatRange(min=0, min_open=True), default=None, callback=_set_step_timeout,
+    metavar="SECONDS",
+    help=f"Watchdog: one engine step that runs longer is a hang finding naming the frames it is stuck in (the "
+         f"step is interrupted; a step blocked inside one C call cannot be). [default: {DEFAULT_STEP_TIMEOUT:g}; "
+         f"fuzz: min({DEFAULT_STEP_TIMEOUT:g}, --max-time / 6), at least 1]")
 
 
 _OUTPUT_HELP = {
@@ -409,7 +411,7 @@ def _catch_sigint() -> None:
 @output_options
 @_restoring_sigint
 def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
-         corpus_dir, use_seeds, suppress_file, outputs):
+         corpus_dir, use_seeds, suppress_file, step_timeout, outputs):
     """Fuzz the built-in engine (or, with --target sglang, SGLang's own memory manager); confirm,
     minimize and report what it finds.
 
@@ -425,6 +427,8 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     """
     config = _config(preset, bugs, model, device, page_size, target, tree_core)
     preset = config.preset
+    if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
+        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
     if fuzzer == "atheris" and target != "eut":
         raise InputError("--fuzzer atheris instruments the built-in engine only; use hypothesis or random with "
                          "--target sglang")
@@ -446,7 +450,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     stats = FuzzStats()
     where = (f"target sglang {_sglang_version()} ({config.tree_core} tree core), " if target == "sglang" else "")
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
+              f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     _warn_unreachable_bugs(config, err)
@@ -506,14 +510,16 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
         return EXIT_CLEAN
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the finding is complete: write and report it whole
-    data = _run_data(config, crash.program, crash.findings, sset, stats, seed)
-    data.ensure_timelines()
     minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
+    title = "minimized program" if minimized else "program (not minimized)"
+    data = _run_data(config, crash.program, crash.findings, sset, stats, seed, program_title=title)
+    data.cases[0].timeline = crash.timeline  # triage recorded it when a replay is costly (a hang)
+    data.ensure_timelines()
     path = _write(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
                   confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
                   timeline=data.cases[0].timeline)
     data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
-    print_report(console, config, crash.program, crash.findings, suppressions=sset)
+    print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
     hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
     console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"
                   + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
@@ -673,7 +679,7 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
               help="A --target sglang file: run it with this UnifiedRadixCache tree core instead of its own.")
 @_step_timeout_option
 @output_options
-def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, outputs):
+def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, step_timeout, outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
     (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
     With --html or --json the program runs once more, to record the pool occupancy."""
@@ -729,7 +735,7 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
 @_suppress_option
 @_step_timeout_option
 @_restoring_sigint
-def minimize_cmd(file, out_file, signature, suppress_file):
+def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
     """Minimize a replay file: delta debugging over its ops, then simpler op arguments, keeping the
     finding's signature; the result is confirmed 3 of 3 times and written atomically. Exits 0 when
     written, 4 if the finding does not reproduce (or not 3 of 3 after minimizing)."""
@@ -791,7 +797,8 @@ def minimize_cmd(file, out_file, signature, suppress_file):
 @_step_timeout_option
 @output_options
 @_restoring_sigint
-def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file, outputs):
+def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file, step_timeout,
+           outputs):
     """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
     identically with its switches on and be clean with them off), fuzz the clean engine over the
     presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when

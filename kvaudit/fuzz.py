@@ -33,11 +33,12 @@ class FindingFound(AssertionError):
     """Raised inside a test case so that Hypothesis records it as failing and shrinks it."""
 
 
-class _BudgetSpent(BaseException):
-    """Raised inside a test case when the search's budget ran out while Hypothesis shrinks a failure:
-    not an Exception, so Hypothesis does not take it for a failure but lets it end the run (its
-    shrinker has no wall-clock limit of its own). The last failing program stands; the minimizer
-    (:func:`triage`) finishes the job."""
+class _BudgetSpent(KeyboardInterrupt):
+    """Raised inside a test case when the search's budget ran out while Hypothesis shrinks a failure
+    (its shrinker has no wall-clock limit of its own). A KeyboardInterrupt, the one exception
+    Hypothesis lets end a run mid-case without taking it for a failure or recording the cut-short
+    case (any other makes its data tree call the case flaky); :func:`hypothesis_search` catches it.
+    The last failing program stands; the minimizer (:func:`triage`) finishes the job."""
 
 
 _KIND_ERRORS: dict[str, type] = {}
@@ -87,6 +88,7 @@ class Crash:
     original_length: int
     confirmations: int
     runs: int = CONFIRM_RUNS  # replays tried: ``confirmations`` of ``runs`` reproduced the signature
+    timeline: dict | None = None  # the pool occupancy (kvaudit.timeline.record), when triage recorded it
 
     @property
     def finding(self) -> Finding:
@@ -293,14 +295,18 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
     sig = finding.signature
     if is_watchdog_hang(finding):
         # Every replay of a hang costs the watchdog's full step limit, and ddmin would need dozens:
-        # one full-stacks replay confirms it (1 of 1), no minimization (Hypothesis already shrank
-        # it within the budget), no drain (the engine is stuck).
-        final = execute(config, program, suppressions=suppressions)
-        primary = next((f for f in final.findings if f.signature == sig), None)
+        # one full-stacks replay confirms it (1 of 1) and records the report's timeline; no
+        # minimization (Hypothesis already shrank it within the budget), no drain (the engine is stuck).
+        from kvaudit.timeline import record
+
+        program = program[:finding.op_index + 1]
+        found: list[Finding] = []
+        timeline = record(config, program, suppressions=suppressions, findings=found)
+        primary = next((f for f in found if f.signature == sig), None)
         if primary is None:
             return None
-        others = [f for f in final.findings if f is not primary]
-        return Crash(config, program, [primary] + others, len(program), 1, runs=1)
+        others = [f for f in found if f is not primary and f.op_index == primary.op_index]
+        return Crash(config, program, [primary] + others, len(program), 1, runs=1, timeline=timeline)
     if confirm(config, program, sig, suppressions=suppressions) < CONFIRM_RUNS:
         return None
     small = minimize(config, program, sig, suppressions)
