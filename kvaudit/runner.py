@@ -122,6 +122,14 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+def _new_watchdog_after_fork() -> None:
+    global _WATCHDOG  # a forked child has no watchdog thread (and maybe a held lock): start afresh
+    _WATCHDOG = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_new_watchdog_after_fork)
+
+
 @dataclass
 class Execution:
     findings: list[Finding] = field(default_factory=list)
