@@ -400,9 +400,10 @@ def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on
             found = run.apply(op)
             if found and stop_on_finding:
                 break
-        if drain and run.findings:
+        ex = Execution(run.findings, run.ops_run, run.target.steps,
+                       run.auditor.digest() if run.auditor is not None else "")
+        if drain and run.findings:  # after the digest and step count: those are the program's alone
             verdict = run.drain_verdict()
             for f in run.findings:
                 f.engine_check_at_idle = list(verdict)
-        return Execution(run.findings, run.ops_run, run.target.steps,
-                         run.auditor.digest() if run.auditor is not None else "")
+        return ex
