@@ -118,3 +118,33 @@ def test_fuzz_on_an_engine_whose_step_sleeps_forever_ends_in_budget_with_a_hang(
     doc = json.loads(path.read_text())
     f = doc["findings"][0]
     assert f["kind"] == "hang" and f["alloc_sites"][0]["function"] == "_spin_forever"
+
+
+def test_bench_counts_executions_to_the_first_hit():
+    """A bench trial's executions and seconds are the search's first hit, not its total with the
+    shrink reruns (bench already read ``first_hit``; this keeps it so)."""
+    from kvaudit import bench
+
+    stats = FuzzStats()
+    hypothesis_search(_config(), 60, SEED, stats)
+    trial = bench.run_trial(BUG, "hypothesis", SEED, 60)
+    assert trial.success, trial.note
+    assert trial.executions == stats.first_hit[0] and stats.shrink_executions > 0
+    assert trial.seconds < trial.wall
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "x"])
+def test_a_bad_step_timeout_is_a_one_line_usage_error(value):
+    from cli_helpers import one_error_line
+
+    res = invoke("fuzz", "--max-time", "1", "--step-timeout", value)
+    assert res.exit_code == 2
+    assert "--step-timeout" in one_error_line(res)
+
+
+def test_fuzz_step_timeout_defaults_to_a_fraction_of_the_budget(tmp_path):
+    res = invoke("fuzz", "--max-time", "0.5", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "step timeout 1s" in res.stderr
+    res = invoke("fuzz", "--max-time", "0.5", "--step-timeout", "3", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "step timeout 3s" in res.stderr
+    assert "--step-timeout" in invoke("replay", "--help").stdout and "--step-timeout" in invoke("ci", "--help").stdout
