@@ -89,7 +89,9 @@ BUGS: dict[str, BugInfo] = {
             "overlap-abort-double-free",
             "mini-sglang PR #111",
             "overlap",
-            "double-free",
+            # reported as a use-after-free named by the abort's free (the request in flight still maps the
+            # units when its delayed result frees them again): until 2026-12, a double free named by the second
+            "use-after-free",
             "with overlap scheduling, an abort frees the KV and row of a request whose batch is still in "
             "flight; the delayed result then finishes the request and frees them again",
             min_ops=4,

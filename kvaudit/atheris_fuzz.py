@@ -186,7 +186,7 @@ def _read_stats(stats_dir: str) -> tuple[int, int, set]:
 
 def load_findings(findings_dir: str, known=frozenset()) -> list[tuple[str, list[Op], list[Finding]]]:
     """``(path, program, findings)`` of every readable replay file in ``findings_dir``, oldest first,
-    leaving out those whose primary signature is in ``known``."""
+    leaving out those whose signatures are all in ``known``."""
     out = []
     paths = sorted(glob.glob(os.path.join(findings_dir, "*.json")), key=lambda p: (os.path.getmtime(p), p))
     for path in paths:
@@ -194,7 +194,7 @@ def load_findings(findings_dir: str, known=frozenset()) -> list[tuple[str, list[
             _, program, findings, _ = replay.load(path)
         except replay.ReplayFormatError:
             continue
-        if findings and findings[0].signature not in known:
+        if findings and not all(f.signature in known for f in findings):
             out.append((path, program, findings))
     return out
 

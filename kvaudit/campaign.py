@@ -43,7 +43,9 @@ def findings_dir(corpus: str) -> str:
 
 
 def known_signatures(corpus: str) -> dict[str, str]:
-    """Signature -> replay file of every finding already in ``corpus`` (unreadable files skipped)."""
+    """Signature -> replay file of every finding already in ``corpus``: every signature a file
+    records, not only its primary one, so that a program producing a known finding together with
+    the secondary finding saved beside it is not a new crash (unreadable files skipped)."""
     out: dict[str, str] = {}
     d = findings_dir(corpus)
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
@@ -53,8 +55,8 @@ def known_signatures(corpus: str) -> dict[str, str]:
             _, _, findings, _ = replay.load(os.path.join(d, name))
         except replay.ReplayFormatError:
             continue
-        if findings:
-            out.setdefault(findings[0].signature, os.path.join(d, name))
+        for f in findings:
+            out.setdefault(f.signature, os.path.join(d, name))
     return out
 
 
@@ -136,11 +138,13 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         if found is None:
             break
         program, findings = found
-        sig = findings[0].signature
+        # the first finding the campaign does not know yet: a known one may come first in the same op
+        primary = next((f for f in findings if f.signature not in skip), findings[0])
+        sig = primary.signature
         if sig in known_signatures(spec.corpus):
             known.add(sig)
             continue
-        crash = triage(config, program, findings[0], suppressions=sset.fresh() if sset is not None else None)
+        crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
         if crash is None:
             flaky.add(sig)
             emit(("flaky", spec.index, sig))

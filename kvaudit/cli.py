@@ -564,8 +564,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     progress = _Progress(err, max_time, suppressions=sset)
     before = known_signatures(corpus)
     if before:
-        err.print(f"resuming: {len(before)} finding(s) already in {findings_dir(corpus)} are known, not new",
-                  soft_wrap=True)
+        err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
+                  f"{findings_dir(corpus)} are known, not new", soft_wrap=True)
 
     def landed(sig: str, path: str) -> None:
         (progress.live.console if progress.live else err).print(f"new finding: {sig} -> {path}", soft_wrap=True)
@@ -608,7 +608,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     s = result.stats
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
-                  f"{len(result.new)} new, {len(result.known)} known finding(s); corpus {corpus}", soft_wrap=True)
+                  f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
     if s.executions == 0 and not result.interrupted:
         err.print("warning: no program ran: the workers spent the budget starting up (importing SGLang takes "
                   "about 6 s per worker); raise --max-time", soft_wrap=True)
@@ -668,7 +668,7 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
 
 
 @main.command("replay")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False), metavar="FILE...")
 @_suppress_option
 @click.option("--check-determinism", is_flag=True,
               help="Run the replay --runs times and compare the ledger digests (every alloc, free and lock "
@@ -677,12 +677,28 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
               help="Runs for --check-determinism.")
 @click.option("--tree-core", type=click.Choice(TREE_CORES), default=None,
               help="A --target sglang file: run it with this UnifiedRadixCache tree core instead of its own.")
+@click.option("--update", is_flag=True,
+              help="Re-record each FILE in place (atomically) instead of reporting: replay it and write back "
+                   "its findings with today's stacks, source lines and signatures, keeping the config, program "
+                   "and every other field (a timeline is recorded again). For keeping a corpus fresh after the "
+                   "engine's code moved: kvaudit replay --update corpora/regressions/*.json. Exits 4 if a file "
+                   "that recorded findings yields none (it is left as it was).")
 @_step_timeout_option
 @output_options
-def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, step_timeout, outputs):
+def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update, step_timeout,
+               outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
     (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
-    With --html or --json the program runs once more, to record the pool occupancy."""
+    With --html or --json the program runs once more, to record the pool occupancy. With --update,
+    re-record one or more files in place (see --update)."""
+    if update:
+        if suppress_file or check_determinism or tree_core or outputs.wanted():
+            raise InputError("--update re-records files as they are: it takes no --suppress, "
+                             "--check-determinism, --tree-core or report flags")
+        return _update_replays(files)
+    if len(files) > 1:
+        raise InputError(f"one FILE at a time ({len(files)} given); several only with --update")
+    file = files[0]
     _outputs((file, suppress_file), **vars(outputs))
     config, program, recorded, sset = _load_replay(file, suppress_file, tree_core)
     ex = execute(config, program, suppressions=sset, drain=True)
@@ -701,6 +717,23 @@ def replay_cmd(file, suppress_file, check_determinism, runs, tree_core, step_tim
     if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
         return EXIT_NONDETERMINISTIC
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
+
+
+def _update_replays(files: tuple[str, ...]) -> int:
+    """``replay --update``: each file replayed and its findings written back (see
+    :func:`kvaudit.replay.rerecord`), one line per file; EXIT_NOT_REPRODUCED if any file that
+    recorded findings now yields none (that file is not written)."""
+    console = _console()
+    lost = 0
+    for file in files:
+        config, program, recorded, _ = _load_replay(file, None)
+        try:
+            outcome = replay.rerecord(file, execute(config, program).findings)
+        except OSError as e:
+            raise InputError(f"cannot write {file}: {e.strerror or e}") from None
+        lost += outcome.startswith("not updated")
+        console.print(f"{file}: {outcome}", soft_wrap=True)
+    return EXIT_NOT_REPRODUCED if lost else EXIT_CLEAN
 
 
 def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
@@ -976,9 +1009,9 @@ def report_cmd(file, outputs):
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
                                                                                 "minimized", "preset")},
                           config=case_config))
-    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases])
-    if suppressed:
-        console.print("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())))
+    notes = ("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())),) \
+        if suppressed else ()
+    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], notes=notes)
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
                                                            "suppressed", "cases")}
     _write_outputs(outputs, ReportData(config, cases, suppressed, extra), _console(stderr=True))

@@ -1,7 +1,24 @@
 """Findings: plain data, rendered elsewhere.
 
-A finding's *signature* (kind + pool + the first frame outside the allocator and kvaudit) is
-what deduplicates it, in the manner of syzkaller's crash titles.
+A finding's *signature* is what deduplicates it, in the manner of syzkaller's crash titles: a
+promise that two findings with one signature are one bug. It is the kind, the pool and up to two
+code sites (each the innermost frame outside the allocator and kvaudit, ``function@file``):
+
+=================  =====================================================================
+kind               sites
+=================  =====================================================================
+leak               allocated at; where the unit lost its last owner: the release that forgot
+                   it (``lost_sites``), else the place the owner was dropped from
+                   (``from:waiting``, ``lost_from``)
+use-after-free     allocated at; where it was freed while an owner still used it
+double-free        freed first at; freed again at
+lock-imbalance     the unmatched ``inc_lock_ref`` (or ``dec_lock_ref``)
+crash              the exception type; the raising frame
+accounting-drift,  what was checked (``identity``, ``idle``, ``progress``)
+hang, liveness
+=================  =====================================================================
+
+Line numbers are left out, so a signature survives edits elsewhere in a file.
 """
 
 from __future__ import annotations
@@ -15,7 +32,7 @@ KINDS = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv", "accou
          "liveness", "hang", "crash")
 # Kinds about a pool's counters or the engine's progress, not about one allocation: their
 # signature names what was checked instead of an allocation site.
-NO_SITE_KINDS = {"accounting-drift": "identity", "lock-imbalance": "lock_ref", "hang": "idle", "liveness": "progress"}
+NO_SITE_KINDS = {"accounting-drift": "identity", "hang": "idle", "liveness": "progress"}
 
 
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(engine_under_test.__file__)))
@@ -68,7 +85,12 @@ class Finding:
     alloc_sites: list[Site] = field(default_factory=list)  # innermost first
     free_sites: list[Site] = field(default_factory=list)
     prev_free_sites: list[Site] = field(default_factory=list)  # double free: the earlier free
-    read_sites: list[Site] = field(default_factory=list)  # stale KV: where the stale slots were read
+    read_sites: list[Site] = field(default_factory=list)  # stale KV: where read; use-after-free: where used
+    # leak: where the unit lost its last owner (the release that let go of the owner's other units,
+    # or the op that dropped it); empty when it had none at any check
+    lost_sites: list[Site] = field(default_factory=list)
+    lost_from: str = ""  # leak: where the target last held the unit's owner (Root.where), if it said
+    used_by: list[str] = field(default_factory=list)  # use-after-free: owners still referencing the units
     indirect: bool = False  # leak reachable only from a leaked owner (LeakSanitizer's indirect leak)
     owner_history: list[OwnerChange] = field(default_factory=list)
     op_index: int = -1
@@ -81,13 +103,27 @@ class Finding:
 
     @property
     def signature(self) -> str:
-        sites = self.free_sites if self.kind == "double-free" else self.alloc_sites
-        where = f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else "?"
+        """``kind/pool/site[/site]`` (see the module doc); stable across programs for one root cause."""
         if self.kind in NO_SITE_KINDS:
-            where = NO_SITE_KINDS[self.kind]
+            return f"{self.kind}/{self.pool}/{NO_SITE_KINDS[self.kind]}"
         if self.kind == "crash":
-            where = self.message.split(":", 1)[0] + "@" + where
-        return f"{self.kind}/{self.pool}/{where}"
+            return f"crash/{self.pool}/{self.message.split(':', 1)[0]}@{_where(self.alloc_sites)}"
+        if self.kind == "lock-imbalance":
+            first = (_where(self.alloc_sites, "") and "inc:" + _where(self.alloc_sites)
+                     or _where(self.free_sites, "") and "dec:" + _where(self.free_sites) or "lock_ref")
+            return f"lock-imbalance/{self.pool}/{first}"
+        if self.kind == "double-free":
+            sites = [self.prev_free_sites, self.free_sites]
+        elif self.kind == "use-after-free":
+            sites = [self.alloc_sites, self.free_sites]
+        elif self.kind == "leak":
+            sites = [self.alloc_sites, self.lost_sites]
+        else:
+            sites = [self.alloc_sites]
+        where = [_where(sites[0])] + [_where(s) for s in sites[1:] if s]
+        if self.kind == "leak" and not self.lost_sites and self.lost_from:
+            where.append(f"from:{self.lost_from}")  # dropped without a release: from where
+        return f"{self.kind}/{self.pool}/" + "/".join(where)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -116,7 +152,9 @@ class Finding:
             _want(d, "traceback", str)
         if d.get("unit") == "page" and d.get("slots") and not d.get("num_units"):
             raise ValueError("num_units must be positive for pages")
-        for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites"):
+        _want(d, "used_by", list, item=str)
+        _want(d, "lost_from", str)
+        for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"):
             _want(d, key, list, item=dict)
             sites = []
             for i, site in enumerate(d.get(key, [])):
@@ -151,7 +189,10 @@ class Finding:
             "stale-kv": (f"Stale KV: {what} in pool {self.pool} read at "
                          f"{self.read_sites[0].short() if self.read_sites else '?'}: {self.message}"),
             "liveness": f"Liveness: {self.message}",
-            "use-after-free": f"Use-after-free of {what} in pool {self.pool}, allocated at {site}",
+            "use-after-free": (f"Use-after-free of {what} in pool {self.pool}, "
+                               + (f"freed at {self.free_sites[0].short()} while still used by "
+                                  f"{', '.join(self.used_by[:3]) or 'a live owner'}; " if self.free_sites else "")
+                               + f"allocated at {site}"),
             "double-free": (f"Double free of {what} in pool {self.pool}, freed again at "
                             f"{self.free_sites[0].short() if self.free_sites else '?'}"),
             "aliasing": f"Aliasing: {what} in pool {self.pool} privately owned twice, allocated at {site}",
@@ -161,6 +202,11 @@ class Finding:
             "crash": f"Engine crash: {self.message}",
         }
         return head.get(self.kind, f"{self.kind} in pool {self.pool}: {self.message}")
+
+
+def _where(sites: list[Site], missing: str = "?") -> str:
+    """``function@file`` of the innermost frame of ``sites`` (``missing`` when there is none)."""
+    return f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else missing
 
 
 def _want(d: dict, key: str, typ: type, item: type | None = None, low: int = 0, choices: tuple = (),

@@ -92,6 +92,12 @@ class Auditor:
         self.op_index = -1
         self.step = 0
         self.pending: list[Finding] = []
+        self.checked_upto = 0  # events before this index were seen by the last full oracle check
+        self.owner_where: dict[int, str] = {}  # owner id -> Root.where at the last full check
+        # pool -> unit -> (its allocation event, (site id, where) it lost its last owner at): see oracles
+        self.lost_memo: dict[str, dict[int, tuple[int, tuple[int, str]]]] = {}
+        # while a free group's frees are recorded: the users of already-free units, read at the call
+        self._group_users: list[str] | None = None
         self._sites: dict[tuple, int] = {}
         self._line_sites: dict[tuple[int, int], int] = {}  # (id(code), line) -> site id, fast mode
         self._lasti_sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> site id, fast mode
@@ -295,14 +301,54 @@ class Auditor:
                 bad = np.union1d(bad, dup)
         ev = self._event("free", pool, ul, sid)
         if bad.size:
-            f = self._unit_finding("double-free", pool, np.unique(bad), f"{np.unique(bad).size} unit(s) freed while already free")
-            f.free_sites = self.site(sid)
-            prev = int(led.last_free[bad[0]])
-            f.prev_free_sites = self.site(self.events[prev].site) if prev >= 0 else []
-            self.pending.append(f)
+            self.pending.append(self._double_free(pool, np.unique(bad), sid))
         led.allocated[units] = False
         led.last_free[units] = ev.id
         led.allocated[0] = True
+
+    def _double_free(self, pool: str, bad: np.ndarray, sid: int) -> Finding:
+        """A second free of ``bad`` (``[n] int64`` units) at site ``sid``. When a live owner still
+        references the units now, the first free came too early and this free is that owner's own
+        release: a ``use-after-free`` named by the first free (the one to fix), so one premature-free
+        bug gets one signature whether or not an oracle scan ran between the two frees. Otherwise a
+        ``double-free``, with both free sites."""
+        prev = int(self.ledgers[pool].last_free[bad[0]])
+        prev_sites = self.site(self.events[prev].site) if prev >= 0 else []
+        again = self.site(sid)
+        # the same line freeing twice is a double free whoever still maps the units
+        users = ([] if prev < 0 or prev_sites[:1] == again[:1] else
+                 self._group_users if self._group_users is not None else self._users(pool, bad))
+        if users:
+            f = self._unit_finding("use-after-free", pool, bad,
+                                   f"{bad.size} unit(s) freed while {', '.join(users[:3])} still referenced them; "
+                                   "its release freed them again")
+            f.free_sites, f.read_sites, f.used_by = prev_sites, again, users
+            return f
+        f = self._unit_finding("double-free", pool, bad, f"{bad.size} unit(s) freed while already free")
+        f.free_sites, f.prev_free_sites = again, prev_sites
+        return f
+
+    def _users(self, pool: str, units: np.ndarray) -> list[str]:
+        """Owners that reference ``units`` of ``pool`` right now: the target's roots, and the owner (at
+        the last check) of each allocated row that maps them -- a request leaving the scheduler's
+        structures to be released is in no root, yet its record still names the units.
+        Read from inside a free: a target whose records are mid-update may fail to list them, which
+        reads as none."""
+        users: set[str] = set()
+        try:
+            roots = self.target.roots()  # aborting requests too: their release is a use of what they map
+            users.update(r.owner for r in roots if r.pool == pool and np.isin(r.units, units).any())
+            rows_led = self.ledgers.get("req_to_token_pool")
+            of_rows = getattr(self.target, "units_of_rows", None)
+            if rows_led is not None and of_rows is not None and pool != "req_to_token_pool":
+                live = rows_led.allocated.copy()
+                live[0] = False
+                for row in np.flatnonzero(live & (rows_led.owner > 0)):
+                    if np.isin(units, of_rows(np.array([row])).get(pool, units[:0])).any():
+                        users.add(self.owner_names[int(rows_led.owner[row])])
+        except Exception:  # noqa: BLE001 -- a half-updated record: no claim either way
+            return sorted(users)
+        return sorted(users)
 
     def _lock_event(self, node_id: int, delta: int) -> None:
         self.lock_events.append((node_id, delta, self.capture_site(), self.op_index, self.step))
@@ -441,7 +487,13 @@ class Auditor:
             if depth[0] or idx.numel() == 0:
                 return orig_free(idx, *a, **k)
             if not getattr(obj, "is_not_in_free_group", True):
-                group.append((to_units(idx), self.capture_site()))
+                units = to_units(idx)
+                # a unit already free is a double free, recorded at the group's end: who still maps
+                # it is read now, while the records are as they were at this call
+                led = self.ledgers[pool]
+                gone = [u for u in units if not led.flags[u]]
+                group.append((units, self.capture_site(), self._users(pool, np.asarray(gone, dtype=np.int64))
+                              if gone else None))
                 return orig_free(idx, *a, **k)
             depth[0] += 1
             try:
@@ -465,12 +517,16 @@ class Auditor:
                 # by two frees of one group is freed once. With page_size 1 the slots go back
                 # as they are (duplicates included), so each free is checked on its own.
                 seen: set[int] = set()
-                for units, sid in pend:
+                for units, sid, users in pend:
                     ul = [u for u in units if u not in seen] if ps > 1 and seen else units
                     if ps > 1:
                         seen.update(ul)
                     if ul:
-                        self.on_free(pool, ul, sid)
+                        self._group_users = users
+                        try:
+                            self.on_free(pool, ul, sid)
+                        finally:
+                            self._group_users = None
 
             self._wrap(obj, "free_group_end", group_end_wrapper)
 

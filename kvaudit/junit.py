@@ -22,6 +22,7 @@ import re
 import xml.etree.ElementTree as ET
 
 from kvaudit.findings import Finding, Site
+from kvaudit.frames import resolve
 from kvaudit.sarif import engine_verdict, finding_stacks, lifecycle
 
 # Characters XML 1.0 does not allow anywhere, even as character references: C0 controls other
@@ -35,8 +36,9 @@ def xml_text(text: object) -> str:
 
 
 def _frame(s: Site, depth: int) -> str:
-    source = getattr(s, "source", "").strip()  # the line's text, when the frame recorded it
-    return f"    #{depth} {s.file}:{s.line} in {s.function}" + (f"\n        {source}" if source else "")
+    fr = resolve(s)  # the line's text, checked against the current source
+    return (f"    #{depth} {s.file}:{fr.line} in {s.function}" + (f"\n        {fr.source}" if fr.source else "")
+            + (f"\n        ({fr.note})" if fr.note else ""))
 
 
 def failure_text(f: Finding, count: int = 1) -> str:

@@ -2,7 +2,8 @@
 
 The property kept is "the program still yields a finding with this signature". Zeller and
 Hildebrandt's ddmin removes chunks of ops; then each op's arguments are pulled toward simple
-values (small counts, no stop, step n=1) one at a time, keeping each change that still fails.
+values (small counts, no stop, step n=1) one at a time, keeping each change that still fails, and
+every optional argument is tried at its default, so that no argument without effect is left.
 """
 
 from __future__ import annotations
@@ -90,6 +91,28 @@ def merge_steps(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
     return ops
 
 
+def reset_defaults(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """Every optional argument back to its default (a submit's ``session`` and ``extends``, and
+    :data:`kvaudit.program.LATE_DEFAULTS`) wherever the program still fails: first all at once
+    (one run; arguments the config gives no meaning, such as ``session`` on a preset without
+    sessions, always go), then one argument at a time. No-op arguments never reach the report."""
+    defaults = {"session": None, "extends": None, **LATE_DEFAULTS}
+
+    def resets(op: Op) -> dict:
+        return {f.name: defaults[f.name] for f in dataclasses.fields(op)
+                if f.name in defaults and getattr(op, f.name) != defaults[f.name]}
+
+    plain = [dataclasses.replace(op, **resets(op)) for op in ops]
+    if plain != ops and fails(plain):
+        return plain
+    for i in range(len(ops)):
+        for name, value in resets(ops[i]).items():
+            trial = ops[:i] + [dataclasses.replace(ops[i], **{name: value})] + ops[i + 1:]
+            if fails(trial):
+                ops = trial
+    return ops
+
+
 def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool], max_rounds: int = 4) -> list[Op]:
     for _ in range(max_rounds):
         changed = False
@@ -120,5 +143,5 @@ def minimize(config: EngineConfig, program: list[Op], signature: str, suppressio
     if not fails(list(program)):
         raise ValueError(f"program does not reproduce {signature}")
     ops = ddmin(list(program), fails)
-    ops = simplify_args(ops, fails)
-    return merge_steps(ddmin(ops, fails), fails)
+    ops = simplify_args(reset_defaults(ops, fails), fails)
+    return merge_steps(reset_defaults(ddmin(ops, fails), fails), fails)

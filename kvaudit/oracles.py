@@ -39,11 +39,15 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     """
     findings: list[Finding] = []
     by_pool: dict[str, list] = {name: [] for name in auditor.ledgers}
+    where: dict[int, str] = {}  # owner id -> where the target holds it (Root.where), for leak sites
     for root in (target.roots(aborting=False) if scan_only else target.roots()):
         by_pool[root.pool].append(root)
+        if root.where:
+            where[auditor.owner_id(root.owner)] = root.where
     acc = {} if scan_only else target.accounting()
     free_lists = target.free_lists() if not scan_only and hasattr(target, "free_lists") else {}
     leaked: dict[str, np.ndarray] = {}
+    prev_owner: dict[str, np.ndarray] = {}  # each pool's owners as of the previous check
     drift: list[Finding] = []
     for pool, led in auditor.ledgers.items():
         n = led.allocated.size
@@ -61,6 +65,7 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
                 elif root.role == "session":
                     session_units.append(root.units)
         referenced[0] = True  # the reserved unit reads as allocated in the ledger
+        prev_owner[pool] = led.owner
         if not scan_only and (owner != led.owner).any():
             changed = np.flatnonzero(owner != led.owner)
             auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
@@ -69,8 +74,7 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         if (led.allocated != referenced).any():
             uaf = np.flatnonzero(referenced & ~led.allocated)
             if uaf.size:
-                pool_findings.extend(_group_by_site(auditor, "use-after-free", pool, uaf,
-                                                    "referenced by a live owner but free in the ledger"))
+                pool_findings.extend(_use_after_free(auditor, pool, uaf, by_pool[pool]))
             lost = np.flatnonzero(led.allocated & ~referenced)
             if lost.size and not scan_only:
                 leaked[pool] = lost
@@ -95,8 +99,9 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         if pool in free_lists and not pool_findings:
             drift.extend(_replay_free_list(auditor, pool, led, free_lists[pool]))
         findings.extend(pool_findings)
-    findings.extend(_leaks(auditor, target, leaked))
+    findings.extend(_leaks(auditor, target, leaked, prev_owner))
     if not scan_only:
+        auditor.checked_upto, auditor.owner_where = len(auditor.events), where
         if not findings:
             findings.extend(drift or _engine_disagrees(auditor, target))
         if idle:
@@ -168,9 +173,11 @@ def _engine_disagrees(auditor: Auditor, target) -> list[Finding]:
     return out[:1]
 
 
-def _leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray]) -> list[Finding]:
+def _leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
+           prev_owner: dict[str, np.ndarray]) -> list[Finding]:
     """Leaks, classified as LeakSanitizer does: units reachable only from a leaked row (the
-    request's KV, buffers and host copies) are *indirect*; the rest are *direct*."""
+    request's KV, buffers and host copies) are *indirect*; the rest are *direct*. Grouped by
+    allocation site and by where the units lost their last owner (:func:`_lost_sites`)."""
     rows = leaked.get("req_to_token_pool")
     via_rows = target.units_of_rows(rows) if rows is not None and hasattr(target, "units_of_rows") else {}
     out = []
@@ -178,13 +185,98 @@ def _leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray]) -> list[Find
         held = via_rows.get(pool)
         indirect = units[np.isin(units, held)] if held is not None and held.size else units[:0]
         direct = np.setdiff1d(units, indirect)
+        lost = _lost_sites(auditor, target, pool, units, prev_owner)
         if direct.size:
-            out.extend(_group_by_site(auditor, "leak", pool, direct, "allocated, unreachable from every root"))
-        for f in (_group_by_site(auditor, "leak", pool, indirect, "reachable only from a leaked request row")
-                  if indirect.size else []):
+            out.extend(_group_by_site(auditor, "leak", pool, direct, "allocated, unreachable from every root",
+                                      second=lost))
+        for f in (_group_by_site(auditor, "leak", pool, indirect, "reachable only from a leaked request row",
+                                 second=lost) if indirect.size else []):
             f.indirect = True
             out.append(f)
     out.sort(key=lambda f: f.indirect)
+    return out
+
+
+def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
+                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
+    """Unit -> ``(site id, where)``: where it lost its last owner, as the leak's second signature part.
+
+    The site is the latest free, since the previous check, of anything else the unit's owner record
+    held: the release that let go of the owner's other units and left this one out. The owner record
+    is the request row that maps the unit (the row itself for a row), read from the row table, so a
+    request born and lost in one step is covered; failing that (a session record, a target with no
+    row table), the unit's owner at the previous check. ``where`` is the place the target last held
+    that owner in (``Root.where``), for an owner that was dropped without freeing anything. Units
+    with neither are left out. Runs only when something leaked, over the events since the last check.
+    """
+    # a leak re-reported at a later check keeps the attribution it had when first seen
+    memo, last = auditor.lost_memo.setdefault(pool, {}), auditor.ledgers[pool].last_alloc
+    out = {u: memo[u][1] for u in units.tolist() if u in memo and memo[u][0] == last[u]}
+    if len(out) < units.size:
+        fresh = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
+        for u, lost in _attribute(auditor, target, pool, fresh, prev_owner).items():
+            memo[u] = (int(last[u]), lost)
+            out[u] = lost
+    return out
+
+
+def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
+               prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
+    """:func:`_lost_sites` for units seen leaked for the first time."""
+    rows_led = auditor.ledgers.get("req_to_token_pool")
+    of_rows = getattr(target, "units_of_rows", None)
+    recent = auditor.events[auditor.checked_upto:]
+    frees = [ev for ev in reversed(recent) if ev.kind == "free"]
+    out: dict[int, tuple[int, str]] = {}
+    if rows_led is not None and of_rows is not None and frees:
+        live = rows_led.allocated | (rows_led.last_free >= auditor.checked_upto)
+        live[0] = False
+        held = {int(r): of_rows(np.array([r])) for r in np.flatnonzero(live)}
+        for r, m in held.items():
+            m.setdefault("req_to_token_pool", np.array([r], dtype=np.int64))
+        leaked = set(units.tolist())
+        for u in units.tolist():
+            mine = [r for r, m in held.items() if (pool == "req_to_token_pool" and r == u) or
+                    (pool != "req_to_token_pool" and u in set(m.get(pool, np.empty(0, np.int64)).tolist()))]
+            for ev in frees:
+                if any(set(ev.units).intersection(held[r].get(ev.pool, ())) - (leaked if ev.pool == pool else set())
+                       for r in mine):
+                    out[u] = (ev.site, "")
+                    break
+    owners = prev_owner[pool][units]
+    wanted = set(owners[owners > 0].tolist())
+    site_of: dict[int, int] = {}  # owner id -> site of its latest free
+    for ev in frees:
+        if not wanted:
+            break
+        if ev.pool in prev_owner:
+            had = prev_owner[ev.pool][np.asarray(ev.units, dtype=np.int64)]
+            for oid in wanted.intersection(had.tolist()):
+                site_of[oid] = ev.site
+                wanted.discard(oid)
+    where = auditor.owner_where
+    for u, oid in zip(units.tolist(), owners.tolist()):
+        if u not in out and oid > 0:
+            out[u] = (site_of.get(oid, -1), where.get(oid, ""))
+    return out
+
+
+def _use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> list[Finding]:
+    """Units a live owner references while the ledger holds them free: one finding per (allocation
+    site, free site), naming the free that came too early and the owners still using the units."""
+    led = auditor.ledgers[pool]
+    free_site = {u: (auditor.events[e].site if e >= 0 else -1, "")
+                 for u, e in zip(units.tolist(), led.last_free[units].tolist())}
+    out = _group_by_site(auditor, "use-after-free", pool, units, "referenced by a live owner but free in the ledger",
+                         second=free_site)
+    for f in out:
+        mine = np.asarray(f.slots if f.unit == "row" else sorted({s // led.spec.page_size for s in f.slots}),
+                          dtype=np.int64)
+        f.used_by = sorted({r.owner for r in roots if np.isin(r.units, mine).any()})
+        f.free_sites = f.lost_sites  # _group_by_site put the second site there
+        f.lost_sites = []
+        if f.used_by:
+            f.message += f" (still used by {', '.join(f.used_by[:3])})"
     return out
 
 
@@ -242,10 +334,20 @@ def _lock_balance(auditor: Auditor, target) -> list[Finding]:
     return [f]
 
 
-def _group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str) -> list[Finding]:
-    """One finding per allocation site of ``units`` (LeakSanitizer groups by stack the same way)."""
+def _group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str,
+                   second: dict[int, tuple[int, str]] | None = None) -> list[Finding]:
+    """One finding per allocation site of ``units`` (LeakSanitizer groups by stack the same way) and,
+    with ``second`` (unit -> (site id, where)), per second site and place too, recorded as the
+    findings' ``lost_sites`` and ``lost_from``."""
     led = auditor.ledgers[pool]
     ev_ids = led.last_alloc[units]
-    site_of_unit = np.array([auditor.events[e].site if e >= 0 else -1 for e in ev_ids.tolist()], dtype=np.int64)
-    return [auditor._unit_finding(kind, pool, units[site_of_unit == sid], msg, alloc_sid=int(sid))
-            for sid in np.unique(site_of_unit).tolist()]
+    site_of_unit = [auditor.events[e].site if e >= 0 else -1 for e in ev_ids.tolist()]
+    second = second or {}
+    keys = [(a, *second.get(u, (-1, ""))) for a, u in zip(site_of_unit, units.tolist())]
+    out = []
+    for key in sorted(set(keys)):
+        mine = units[np.array([k == key for k in keys])]
+        f = auditor._unit_finding(kind, pool, mine, msg, alloc_sid=int(key[0]))
+        f.lost_sites, f.lost_from = auditor.site(int(key[1])), key[2]
+        out.append(f)
+    return out

@@ -15,7 +15,7 @@ import tempfile
 from engine_under_test import PRESETS, EngineConfig
 from kvaudit.targets import config_from_dict
 from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig
-from kvaudit.findings import Finding
+from kvaudit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
 FORMAT = "kvaudit.replay/1"
@@ -56,6 +56,33 @@ def write_text_atomic(path: str, text: str) -> str:
             os.unlink(tmp)
         raise
     return path
+
+
+def rerecord(path: str, findings: list[Finding]) -> str:
+    """Write ``findings`` (a fresh replay of the file's program) back into the replay file at
+    ``path``, atomically, keeping its config, program and every other key; a ``timeline`` is
+    recorded again, and tracebacks name the checkout's files by relative path. Findings whose
+    signature the file recorded come first, in its order. Returns one line saying what happened
+    (``updated``, ``unchanged``, or ``not updated: ...`` when the file recorded findings and
+    ``findings`` is empty). Raises :class:`ReplayFormatError`, OSError."""
+    config, program, recorded, doc = load(path)
+    if recorded and not findings:
+        return "not updated: its recorded finding(s) no longer reproduce"
+    order = [f.signature for f in recorded]
+    findings = sorted(findings, key=lambda f: order.index(f.signature) if f.signature in order else len(order))
+    root = source_path("")  # the checkout: tracebacks name its files relative to it, as sites do
+    new = {**doc, "findings": [{**d, "traceback": d["traceback"].replace(f'File "{root}', 'File "')}
+                               if d.get("traceback") else d for d in (f.to_dict() for f in findings)]}
+    if "timeline" in doc:
+        from kvaudit import timeline
+        new["timeline"] = timeline.record(config, program)
+    old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
+    changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \
+        if old_sigs != new_sigs else ""
+    if new == doc:
+        return "unchanged"
+    write_atomic(path, new)
+    return f"updated: {len(findings)} finding(s) re-recorded{changed}"
 
 
 def file_name(signature: str) -> str:

@@ -5,9 +5,10 @@ Findings are plain data (:class:`kvaudit.findings.Finding`); this module only re
 
 from __future__ import annotations
 
-import linecache
+import io
 import os
 
+from rich import box
 from rich.console import Console, Group
 from rich.padding import Padding
 from rich.panel import Panel
@@ -16,22 +17,48 @@ from rich.table import Table
 from rich.text import Text
 
 from engine_under_test import EngineConfig
-from kvaudit.findings import KINDS, Finding, Site, source_path
+from kvaudit.findings import KINDS, Finding, Site
+from kvaudit.frames import resolve
 from kvaudit.program import Op, format_op
 from kvaudit.suppress import SuppressionSet
 
 
-def _stack(title: str, sites: list[Site]) -> Group:
+def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
+    """A titled stack, innermost frame first, each with its source line (see
+    :func:`kvaudit.frames.resolve`); a frame that no longer matches the current source says so."""
     parts: list = [Text(title, style="bold")]
     for i, s in enumerate(sites):
-        parts.append(Text(f"    #{i} {s.function}  {_rel(s.file)}:{s.line}", style="cyan" if i == 0 else ""))
-        src = s.source or linecache.getline(source_path(s.file), s.line).strip()
-        if src:
-            parts.append(Padding(Syntax(src, "python", theme="ansi_dark", background_color="default",
+        fr = resolve(s)
+        parts.append(Text(f"    #{i} {s.function}  {_rel(s.file)}:{fr.line}", style="cyan" if i == 0 else ""))
+        if fr.source:
+            parts.append(Text("        " + fr.source) if plain else
+                         Padding(Syntax(fr.source, "python", theme="ansi_dark", background_color="default",
                                         word_wrap=True), (0, 0, 0, 8)))  # long lines wrap, indented
+        if fr.note:
+            parts.append(Text(f"        ({fr.note})", style="yellow") if plain else
+                         Padding(Text(f"({fr.note})", style="yellow"), (0, 0, 0, 8)))
     if not sites:
         parts.append(Text("    (no stack recorded)", style="dim"))
     return Group(*parts)
+
+
+def _print(console: Console, renderable, plain: bool, soft_wrap: bool = False) -> None:
+    """Print ``renderable``; with ``plain``, as text with no control codes (even where the console
+    could style it: ``NO_COLOR`` keeps bold), no broken lines and no trailing blanks."""
+    if not plain:
+        console.print(renderable, soft_wrap=soft_wrap)
+        return
+    buf = Console(file=io.StringIO(), width=console.width, color_system=None, highlight=False)
+    buf.print(renderable, soft_wrap=True)
+    text = buf.file.getvalue().removesuffix("\n")
+    console.out("\n".join(line.rstrip() for line in text.split("\n")), highlight=False)
+
+
+def is_plain(console: Console) -> bool:
+    """Whether ``console`` gets plain lines (CI logs): not a terminal, ``TERM=dumb`` or ``NO_COLOR``.
+    Plain reports have no box frames and no control codes; each finding starts with its
+    ``==ERROR: kvaudit:`` line at column 0."""
+    return not console.is_terminal or console.is_dumb_terminal or console.no_color
 
 
 def _rel(path: str) -> str:
@@ -44,7 +71,9 @@ def _rel(path: str) -> str:
 
 
 def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
-                       program_title: str = "minimized program") -> Panel:
+                       program_title: str = "minimized program", plain: bool = False) -> Panel | Group:
+    """One finding: a red panel, or with ``plain`` the same lines unframed, starting at the
+    ``==ERROR: kvaudit:`` line (print it with ``soft_wrap=True`` so that no line is broken)."""
     parts: list = [
         Text(f"==ERROR: kvaudit: {f.summary()}", style="bold red"),
         Text(f"signature: {f.signature}", style="yellow"),
@@ -54,24 +83,33 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         shown = ", ".join(map(str, f.slots[:16])) + (" ..." if len(f.slots) > 16 else "")
         parts.append(Text(f"{'rows' if f.unit == 'row' else 'slots'}: [{shown}]"))
     if f.kind == "double-free":
-        parts.append(_stack("freed again at:", f.free_sites))
-        parts.append(_stack("previously freed at:", f.prev_free_sites))
-    if f.read_sites:
-        parts.append(_stack("read at:", f.read_sites))
+        parts.append(_stack("freed again at:", f.free_sites, plain))
+        parts.append(_stack("previously freed at:", f.prev_free_sites, plain))
+    if f.kind == "use-after-free" and (f.free_sites or f.used_by):  # (files recorded before 2026-12 have neither)
+        parts.append(_stack("freed (too early) at:", f.free_sites, plain))
+        parts.append(Text(f"still used by: {', '.join(f.used_by) or 'a live owner'}"))
+        if f.read_sites:
+            parts.append(_stack("used after the free at:", f.read_sites, plain))
+    if f.kind != "use-after-free" and f.read_sites:
+        parts.append(_stack("read at:", f.read_sites, plain))
     if f.kind == "crash" or (f.kind == "hang" and f.alloc_sites):
-        parts.append(_stack("raised at:" if f.kind == "crash" else "stuck at:", f.alloc_sites))
+        parts.append(_stack("raised at:" if f.kind == "crash" else "stuck at:", f.alloc_sites, plain))
     elif f.kind == "lock-imbalance":
         if f.alloc_sites:
-            parts.append(_stack("last unmatched lock taken at:", f.alloc_sites))
+            parts.append(_stack("last unmatched lock taken at:", f.alloc_sites, plain))
         if f.free_sites:
-            parts.append(_stack("last unmatched lock released at:", f.free_sites))
+            parts.append(_stack("last unmatched lock released at:", f.free_sites, plain))
     elif f.alloc_sites:
-        parts.append(_stack("allocated at:", f.alloc_sites))
+        parts.append(_stack("allocated at:", f.alloc_sites, plain))
+    if f.kind == "leak" and f.lost_sites:
+        parts.append(_stack("its last owner let go of it at (a release that left it out):", f.lost_sites, plain))
+    elif f.kind == "leak" and f.lost_from:
+        parts.append(Text(f"its last owner was dropped from: {f.lost_from} (no release freed anything of it)"))
     if f.owner_history:
-        parts.append(lifecycle_table(f))
+        parts.append(lifecycle_table(f, plain))
     if program:
         t = Table(title=program_title, title_justify="left",
-                  show_edge=False, pad_edge=False, show_header=False)
+                  show_edge=False, pad_edge=False, show_header=False, box=None if plain else box.HEAVY_HEAD)
         t.add_column(justify="right")
         t.add_column()
         for i, op in enumerate(program):
@@ -88,16 +126,19 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
             "ok" if ok else "; ".join(f.engine_check_at_idle), style="" if ok else "magenta"))
     if f.traceback:
         parts.append(Text(f.traceback.rstrip(), style="dim"))
+    if plain:
+        return Group(*parts, Text(""))
     return Panel(Group(*parts), title=f"finding {index + 1}: {f.kind}", title_align="left", border_style="red")
 
 
-def lifecycle_table(f: Finding) -> Table:
+def lifecycle_table(f: Finding, plain: bool = False) -> Table:
     """The first unit's timeline: its alloc (op, step, site, for whom), owner changes, the end of its
     last owner, its frees, and for a leak the verdict "never freed"."""
     first = f.slots[0] if f.slots else "?"
     if f.unit == "page" and f.slots and f.num_units:
         first = f.slots[0] // (len(f.slots) // f.num_units)  # slots list whole pages
-    t = Table(title=f"lifecycle of {f.unit} {first}", title_justify="left", show_edge=False, pad_edge=False)
+    t = Table(title=f"lifecycle of {f.unit} {first}", title_justify="left", show_edge=False, pad_edge=False,
+              box=None if plain else box.HEAVY_HEAD)
     t.add_column("op", justify="right")
     t.add_column("step", justify="right")
     t.add_column("event")
@@ -137,6 +178,25 @@ def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = No
              "deduplicated": deduplicated.get(k, 0)} for k in kinds]
 
 
+def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = None) -> str:
+    """The closing line, in LeakSanitizer's manner and always one line, for ``grep '^SUMMARY:'``:
+    ``SUMMARY: kvaudit: 3 finding(s) (2 leak, 1 double-free) in 2 signature(s); 12 slot(s), 1 row(s)
+    involved.``, ``SUMMARY: kvaudit: no findings.``, with ``; N suppressed`` when rules suppressed
+    findings. Kinds in :data:`KINDS` order; rows count ``req_to_token_pool`` rows, slots everything else."""
+    n_suppressed = sum((suppressed or {}).values())
+    tail = f"; {n_suppressed} suppressed" if n_suppressed else ""
+    if not findings:
+        return f"SUMMARY: kvaudit: no findings{tail}."
+    counts: dict[str, int] = {}
+    for f in findings:
+        counts[f.kind] = counts.get(f.kind, 0) + 1
+    kinds = ", ".join(f"{counts[r['kind']]} {r['kind']}" for r in summary_rows(findings))
+    slots = sum(len(f.slots) for f in findings if f.unit != "row")
+    rows = sum(len(f.slots) for f in findings if f.unit == "row")
+    return (f"SUMMARY: kvaudit: {len(findings)} finding(s) ({kinds}) in {len({f.signature for f in findings})} "
+            f"signature(s); {slots} slot(s), {rows} row(s) involved{tail}.")
+
+
 def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
     """Distinct signatures the rules suppressed, per finding kind."""
     out: dict[str, int] = {}
@@ -147,10 +207,11 @@ def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
 
 
 def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = None,
-                  deduplicated: dict[str, int] | None = None) -> Table:
+                  deduplicated: dict[str, int] | None = None, plain: bool = False) -> Table:
     """Findings by kind, with suppressed and deduplicated counts, and a total row."""
     rows = summary_rows(findings, suppressed, deduplicated)
-    t = Table(title="summary", title_justify="left", show_footer=bool(rows))
+    t = Table(title="summary", title_justify="left", show_footer=bool(rows),
+              box=box.ASCII2 if plain else box.HEAVY_HEAD)
     totals = [sum(r[c] for r in rows) for c in ("findings", "suppressed", "deduplicated")]
     t.add_column("kind", footer="total")
     for col, total in zip(("findings", "suppressed", "deduplicated"), totals):
@@ -184,16 +245,17 @@ def suppressions_table(suppressions: SuppressionSet) -> Table:
 
 def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
     """The "suppressions used" table and a line counting the rules that matched nothing."""
+    plain = is_plain(console)
     if not len(suppressions):
-        console.print(Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
-                           style="dim"), soft_wrap=True)
+        _print(console, Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
+                           style="dim"), plain, soft_wrap=True)
         return
-    console.print(suppressions_table(suppressions))
+    _print(console, suppressions_table(suppressions), plain)
     unused = suppressions.unused()
     if unused:
-        console.print(Text(f"{len(unused)} suppression(s) matched nothing: "
-                           + ", ".join(f"#{s.index} ({s.describe()})" for s in unused), style="yellow"),
-                      soft_wrap=True)
+        _print(console, Text(f"{len(unused)} suppression(s) matched nothing: "
+                             + ", ".join(f"#{s.index} ({s.describe()})" for s in unused), style="yellow"),
+               plain, soft_wrap=True)
 
 
 def header(config) -> str:
@@ -216,26 +278,36 @@ def header(config) -> str:
 
 
 def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[Op], list[Finding], str]],
-                suppressed: dict[str, int] | None = None) -> None:
+                suppressed: dict[str, int] | None = None, notes: tuple[str, ...] = ()) -> None:
     """Like :func:`print_report` for several (program, findings, program title) cases of one config
-    (a campaign's report): every finding with its own program, one summary."""
-    console.print(Text(header(config), style="bold"))
+    (a campaign's report): every finding with its own program, one summary, the ``notes`` lines,
+    and the closing ``SUMMARY:`` line."""
+    plain = is_plain(console)
+    _print(console, Text(header(config), style="bold"), plain)
     i = 0
     for program, findings, title in cases:
         for f in findings:
-            console.print(finding_renderable(f, program, i, title))
+            _print(console, finding_renderable(f, program, i, title, plain), plain)
             i += 1
-    console.print(summary_table([f for _, fs, _ in cases for f in fs], suppressed))
+    everything = [f for _, fs, _ in cases for f in fs]
+    _print(console, summary_table(everything, suppressed, plain=plain), plain)
+    for line in notes:
+        _print(console, Text(line), plain, soft_wrap=True)
+    _print(console, Text(summary_line(everything, suppressed), style="bold"), plain, soft_wrap=True)
 
 
 def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
                  deduplicated: dict[str, int] | None = None, program_title: str = "minimized program",
                  suppressions: SuppressionSet | None = None) -> None:
-    """The report: a header, one panel per finding, the summary and, with ``suppressions``, the
-    suppressions used (``findings`` are the unsuppressed ones)."""
-    console.print(Text(header(config), style="bold"))
+    """The report: a header, one panel per finding (plain lines off a terminal, see
+    :func:`is_plain`), the summary, with ``suppressions`` the suppressions used (``findings`` are
+    the unsuppressed ones), and the closing ``SUMMARY:`` line."""
+    plain = is_plain(console)
+    _print(console, Text(header(config), style="bold"), plain)
     for i, f in enumerate(findings):
-        console.print(finding_renderable(f, program, i, program_title))
-    console.print(summary_table(findings, suppressed_by_kind(suppressions), deduplicated))
+        _print(console, finding_renderable(f, program, i, program_title, plain), plain)
+    suppressed = suppressed_by_kind(suppressions)
+    _print(console, summary_table(findings, suppressed, deduplicated, plain=plain), plain)
     if suppressions is not None:
         print_suppressions(console, suppressions)
+    _print(console, Text(summary_line(findings, suppressed), style="bold"), plain, soft_wrap=True)

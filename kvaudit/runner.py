@@ -320,7 +320,7 @@ class AuditedRun:
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
                                     getattr(self.target, "engine_files", list)())]
-        found = sift(found)
+        found = _merge_same_signature(sift(found))
         self.findings.extend(found)
         return found
 
@@ -375,6 +375,21 @@ class AuditedRun:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _merge_same_signature(found: list[Finding]) -> list[Finding]:
+    """One finding per signature among those one op produced: a premature free seen by the scan
+    after intake and again by the owner's own release in the same step is one use-after-free (the
+    first, given the later one's use site and owners where it has none)."""
+    if len(found) < 2:
+        return found
+    out: dict[str, Finding] = {}
+    for f in found:
+        first = out.setdefault(f.signature, f)
+        if first is not f:
+            first.read_sites = first.read_sites or f.read_sites
+            first.used_by = sorted(set(first.used_by) | set(f.used_by))
+    return list(out.values())
 
 
 def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()) -> Finding:

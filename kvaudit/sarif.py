@@ -33,6 +33,7 @@ from urllib.parse import quote
 import kvaudit
 from engine_under_test import Scheduler
 from kvaudit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.frames import Frame, resolve
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_VERSION = "2.1.0"
@@ -153,10 +154,14 @@ def _labelled_stacks(f: Finding) -> list[tuple[str, str, list[Site]]]:
         labels = {"alloc_sites": "allocated at",
                   "free_sites": "freed again at" if f.kind == "double-free" else "freed at"}
     labels.setdefault("free_sites", "freed at")
-    labels.update(prev_free_sites="previously freed at", read_sites="read at")
+    labels.update(prev_free_sites="previously freed at", read_sites="read at",
+                  lost_sites="its last owner let go of it at")
+    if f.kind == "use-after-free":
+        labels.update(free_sites="freed (too early) at", read_sites="used after the free at")
     order = (("free_sites", "prev_free_sites", "alloc_sites", "read_sites") if f.kind == "double-free" else
              ("read_sites", "alloc_sites", "free_sites", "prev_free_sites") if f.kind == "stale-kv" else
-             ("alloc_sites", "free_sites", "prev_free_sites", "read_sites"))
+             ("free_sites", "read_sites", "alloc_sites") if f.kind == "use-after-free" else
+             ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"))
     return [(key, labels[key], list(getattr(f, key))) for key in order if getattr(f, key)]
 
 
@@ -169,10 +174,12 @@ def finding_stacks(f: Finding) -> list[tuple[str, list[Site]]]:
 
 def primary_stack(f: Finding) -> str | None:
     """Which of the finding's stack fields holds its primary location: ``free_sites`` for a
-    double free (the second free is the bug), ``alloc_sites`` when there are any, else
+    double free (the second free is the bug) and a use-after-free (the free that came too early),
+    ``alloc_sites`` when there are any, else
     ``read_sites`` (stale KV with no allocation recorded), else whichever stack exists; ``None``
     for a finding with no stack (accounting drift, liveness, hang)."""
-    order = (("free_sites", "alloc_sites") if f.kind == "double-free" else ("alloc_sites", "read_sites")) + (
+    order = (("free_sites", "alloc_sites") if f.kind in ("double-free", "use-after-free")
+             else ("alloc_sites", "read_sites")) + (
         "free_sites", "prev_free_sites", "read_sites")
     return next((key for key in order if getattr(f, key)), None)
 
@@ -208,8 +215,10 @@ def artifact_location(path: str) -> dict | None:
 
 def _location(site: Site, message: str | None = None, loc_id: int | None = None,
               region_fallback: bool = False) -> dict:
-    """A ``location`` object for a frame: physical (file, 1-based line and, when the frame
-    recorded it, the line's text as the region's ``snippet``) where the file is addressable, and
+    """A ``location`` object for a frame: physical (file, 1-based line and the line's text as the
+    region's ``snippet``, both from :func:`kvaudit.frames.resolve`: where the recorded text is now,
+    with ``properties.frameNote`` when the frame no longer matches the current source) where the
+    file is addressable, and
     always a logical location naming the function. ``region_fallback`` puts a
     line 0 (unknown, as a traceback can give) on line 1 instead of leaving the region out."""
     loc: dict = {}
@@ -219,10 +228,12 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
     if art is not None:
         phys: dict = {"artifactLocation": art}
         if site.line >= 1 or region_fallback:
-            phys["region"] = {"startLine": max(1, int(site.line))}
-            source = getattr(site, "source", "") if site.line >= 1 else ""  # the line's text, when recorded
-            if source:
-                phys["region"]["snippet"] = {"text": source}
+            fr = resolve(site) if site.line >= 1 else Frame(1, "")  # checked against the current source
+            phys["region"] = {"startLine": fr.line}
+            if fr.source:
+                phys["region"]["snippet"] = {"text": fr.source}
+            if fr.note:
+                loc["properties"] = {"frameNote": fr.note}
         loc["physicalLocation"] = phys
     loc["logicalLocations"] = [{"name": site.function or "?", "kind": "function"}]
     if message:

@@ -410,3 +410,62 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(("kvaudit: interrupted", "interrupted"))
+
+
+# -- replay --update: keeping a corpus fresh ---------------------------------------------------------
+
+REGRESSIONS = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions")
+
+
+def _stale_copy(tmp_path, name):
+    """A shipped replay file as if recorded before the code moved: other line numbers, no source
+    text, plus a key of its own that --update must keep."""
+    doc = json.load(open(os.path.join(REGRESSIONS, name)))
+    for f in doc["findings"]:
+        for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites"):
+            for site in f[key]:
+                site["line"] -= 100
+                site.pop("source", None)
+    doc["note"] = "kept"
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return path, doc
+
+
+def test_replay_update_rerecords_stacks_and_keeps_the_rest(tmp_path):
+    fresh = json.load(open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")))
+    a, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    b, _ = _stale_copy(tmp_path, "retract-unaligned-page.json")
+    result = invoke("replay", "--update", str(a), str(b))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(": updated: ") == 2
+    new = json.loads(a.read_text())
+    assert new["findings"] == fresh["findings"]  # the shipped file is fresh: the same stacks, with source text
+    assert all(s["source"] for f in new["findings"] for s in f["alloc_sites"] + f["free_sites"])
+    assert {k: v for k, v in new.items() if k != "findings"} == {k: v for k, v in doc.items() if k != "findings"}
+    again = invoke("replay", "--update", str(a))
+    assert again.exit_code == 0 and again.stdout.strip().endswith(": unchanged")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_replay_update_leaves_a_file_that_no_longer_reproduces(tmp_path):
+    path, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    doc["config"]["bugs"] = []  # the bug switched off: the program is clean
+    path.write_text(json.dumps(doc))
+    result = invoke("replay", "--update", str(path))
+    assert result.exit_code == 4
+    assert "not updated: its recorded finding(s) no longer reproduce" in result.stdout
+    assert json.loads(path.read_text()) == doc
+
+
+@pytest.mark.parametrize("args", [
+    ["a.json", "b.json"],
+    ["--update", "--json", "out.json", "a.json"],
+    ["--update", "--check-determinism", "a.json"],
+], ids=["two-files-without-update", "update-with-report-flag", "update-with-determinism"])
+def test_replay_update_usage_errors(tmp_path, args):
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text(open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read())
+    result = invoke("replay", *[str(tmp_path / a) if a.endswith(".json") else a for a in args])
+    assert result.exit_code == 2, result.output
+    one_error_line(result)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from engine_under_test import get_preset
 from kvaudit.minimize import ddmin, minimize, reproduces, simplify_args
-from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit
+from kvaudit.program import Abort, HealthCheck, Idle, MemoryPressure, Step, Submit
 from kvaudit.runner import execute
 
 BUG = "hisparse-prebuilt-skip-finish"
@@ -140,3 +140,25 @@ def test_adjacent_steps_are_folded_when_the_program_still_fails():
     ops = [Submit(), Step(1), Step(1), Step(2), Idle()]
     assert merge_steps(ops, fails) == [Submit(), Step(4), Idle()]
     assert merge_steps([Submit(), Step(1), Idle()], fails) == [Submit(), Step(1), Idle()]
+
+
+def test_no_op_arguments_are_dropped_on_a_preset_without_sessions():
+    """``session=1`` means nothing on the retract preset (no streaming sessions, no open session):
+    the minimized program has no session argument left, even when every other argument of its
+    submits needs simplifying too (the halving rounds used to run out before reaching it)."""
+    config = get_preset("retract").config(bugs={"retract-unaligned-page"})
+    assert not config.enable_streaming_session
+    program = [MemoryPressure(), Submit(3, 9, 8, 5, session=1), Submit(2, 7, 9, 6, session=1), Idle()]
+    sig = execute(config, program).signatures[0]
+    small = minimize(config, program, sig)
+    assert sig in execute(config, small).signatures
+    submits = [op for op in small if isinstance(op, Submit)]
+    assert submits and all(op.session is None for op in submits), small
+
+
+def test_reset_defaults_keeps_an_argument_the_failure_needs():
+    from kvaudit.minimize import reset_defaults
+
+    ops = [Submit(0, 4, 4, session=2, priority=3), Submit(0, 4, 4, session=1)]
+    out = reset_defaults(ops, lambda p: p[0].priority == 3)
+    assert out == [Submit(0, 4, 4, priority=3), Submit(0, 4, 4)]

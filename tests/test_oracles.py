@@ -328,7 +328,9 @@ def test_a_lock_taken_behind_the_engines_back_is_a_lock_imbalance(make_run):
     (f,) = run.apply(Step(1))
     assert f.kind == "lock-imbalance" and f.pool == "token_to_kv_pool"
     assert "lock_ref=1 but 0 live holder(s)" in f.message
-    assert f.signature == "lock-imbalance/token_to_kv_pool/lock_ref"
+    # the unmatched inc_lock_ref's frame: another lock leak elsewhere gets another signature
+    assert f.signature == ("lock-imbalance/token_to_kv_pool/"
+                           "inc:test_a_lock_taken_behind_the_engines_back_is_a_lock_imbalance@test_oracles.py")
 
 
 def test_a_forgotten_dec_lock_ref_at_release_is_found(make_run, monkeypatch):
@@ -478,16 +480,63 @@ def test_engine_identity_failing_while_memory_is_intact_is_accounting_drift(make
 
 def test_a_premature_free_is_use_after_free_before_it_becomes_a_double_free(make_run):
     """session-close-while-running: the close frees the record under the running turn; the scan
-    right after intake names it use-after-free, although the turn's release that follows in the
-    same step frees the row a second time."""
+    right after intake names it use-after-free, and the turn's release that follows in the same
+    step, which frees the row a second time, is that owner's use of it: use-after-free too, named
+    by the close's free, not a double free with a signature of its own."""
     from kvaudit.program import CloseSession, OpenSession
     run = make_run("streaming-session", bugs=frozenset({"session-close-while-running"}))
     for op in [OpenSession(), Submit(family=0, prompt_len=1, max_new_tokens=1, session=0), Step(1)]:
         assert run.apply(op) == []
     assert run.apply(CloseSession(0)) == []
     found = run.apply(Idle())
-    assert kinds(found)[0] == "use-after-free"
-    assert "double-free" in kinds(found)
+    assert set(kinds(found)) == {"use-after-free"}
+    assert {f.free_sites[0].function for f in found} == {"release_session"}
+    assert all(f.used_by for f in found)
+    assert len({f.signature for f in found if f.pool == "req_to_token_pool"}) == 1
+
+
+def _premature_free(eng, req):
+    """A planted fault: frees the last KV slot of a request that goes on using it."""
+    kv = req.kv
+    eng.token_to_kv_pool_allocator.free(eng.row_slots(kv, kv.kv_allocated_len - 1, kv.kv_allocated_len))
+
+
+def _plant_premature_free(run):
+    """After the first decode batch runs, ``_premature_free`` frees the request's newest slot."""
+    eng = run.target.engine
+    orig = eng.run_batch
+
+    def run_batch(batch):
+        orig(batch)
+        for req in batch.reqs:
+            if len(req.output_ids) == 1 and req.kv.holds_kv and not getattr(req, "_freed", False):
+                req._freed = True
+                _premature_free(eng, req)
+
+    eng.run_batch = run_batch
+
+
+def test_one_premature_free_has_one_signature_whichever_oracle_sees_it(make_run):
+    """A slot freed while its request goes on: when the request finishes in the same step, its
+    release frees the slot again before any scan (before: a double free named by the release, a
+    signature of its own); when it goes on decoding, the scan at the end of the step sees a live
+    owner on a free slot. Both are one use-after-free, named by the premature free, with the owner
+    that still used it."""
+    seen = {}
+    for max_new_tokens in (2, 6):
+        run = make_run("default", disable_radix_cache=True)  # the release frees every slot again
+        _plant_premature_free(run)
+        run.apply(Submit(family=0, prompt_len=5, max_new_tokens=max_new_tokens))
+        found = run.apply(Idle())
+        assert found, "the planted premature free went unseen"
+        f = seen[max_new_tokens] = found[0]
+        assert f.kind == "use-after-free"
+        assert f.free_sites[0].function == "_premature_free"
+        assert f.used_by
+    assert seen[6].used_by == seen[2].used_by == ["req:req-0"]
+    assert seen[2].read_sites[0].function == "release_kv_cache"  # the owner's release freed it again
+    assert seen[2].signature == seen[6].signature
+    assert f.signature == "use-after-free/token_to_kv_pool/update_running_batch@scheduler.py/_premature_free@test_oracles.py"
 
 
 def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):

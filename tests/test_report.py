@@ -3,7 +3,9 @@
 
 The snapshot inputs are report JSON files in tests/data/report/ (written by ``kvaudit replay
 corpora/regressions/<bug>.json --json ...``): plain data with each site's source line embedded, so
-the snapshots do not move when engine code moves. Regenerate with ``pytest --snapshot-update``
+the snapshots do not move when engine code moves (frames are rendered as recorded there;
+tests/test_frames.py checks them against the current source). Each snapshot exists twice: as a
+terminal shows it (panels) and as a CI log gets it (plain lines). Regenerate with ``pytest --snapshot-update``
 after a deliberate change to the console layout, and read the diff.
 """
 
@@ -21,7 +23,8 @@ from kvaudit import replay, timeline
 from kvaudit.findings import Finding
 from kvaudit.html_report import render_html
 from kvaudit.outputs import Case
-from kvaudit.report import print_report, summary_rows
+from kvaudit.frames import Frame
+from kvaudit.report import is_plain, print_report, summary_line, summary_rows
 from kvaudit.timeline import SERIES
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "report")
@@ -35,14 +38,24 @@ SNAPSHOT_CASES = {  # kind -> a report file whose first finding is of that kind
 }
 
 
-def render(config, program, findings, width=100, **kw) -> str:
+def render(config, program, findings, width=100, terminal=True, **kw) -> str:
+    """The console report as a terminal shows it (rich, no colour codes), or with ``terminal=False``
+    as a CI log gets it (plain lines)."""
     buf = io.StringIO()
-    print_report(Console(file=buf, width=width, color_system=None, highlight=False), config, program, findings, **kw)
+    print_report(Console(file=buf, width=width, color_system=None, highlight=False, force_terminal=terminal),
+                 config, program, findings, **kw)
     return buf.getvalue()
 
 
+@pytest.fixture
+def as_recorded(monkeypatch):
+    """Frames rendered as recorded, not checked against the current source (tests/test_frames.py
+    does that), so that the snapshots do not move when engine code moves."""
+    monkeypatch.setattr("kvaudit.report.resolve", lambda s: Frame(s.line, s.source))
+
+
 @pytest.mark.parametrize("kind", list(SNAPSHOT_CASES))
-def test_console_report_snapshot(kind, snapshot):
+def test_console_report_snapshot(kind, snapshot, as_recorded):
     config, program, findings, _ = replay.load(os.path.join(DATA, SNAPSHOT_CASES[kind] + ".json"))
     assert findings[0].kind == kind
     text = render(config, program, findings)
@@ -54,6 +67,73 @@ def test_console_report_snapshot(kind, snapshot):
     for site in f.alloc_sites + f.free_sites + f.read_sites:
         assert f"{site.function}  {site.file}:{site.line}" in text and site.source[:40] in text
     assert "engine check_memory():" in text and "summary" in text
+    assert text.splitlines()[-1].startswith("SUMMARY: kvaudit: ")
+
+
+@pytest.mark.parametrize("kind", list(SNAPSHOT_CASES))
+def test_plain_report_snapshot(kind, snapshot, as_recorded):
+    """Off a terminal (a CI log): no box frames, no control codes, each finding's ``==ERROR:
+    kvaudit:`` line whole at column 0, and the closing ``SUMMARY: kvaudit:`` line."""
+    config, program, findings, _ = replay.load(os.path.join(DATA, SNAPSHOT_CASES[kind] + ".json"))
+    text = render(config, program, findings, terminal=False)
+    assert text == snapshot
+    lines = text.splitlines()
+    assert [line for line in lines if line.startswith("==ERROR: kvaudit: ")] == \
+        [f"==ERROR: kvaudit: {f.summary()}" for f in findings]
+    assert not re.search("[\x1b╭╰│┃━]", text)
+    assert lines[-1].startswith("SUMMARY: kvaudit: ") and lines[-1] == summary_line(findings)
+
+
+def test_summary_line_counts_findings_kinds_signatures_and_units():
+    config, program, findings, _ = replay.load(os.path.join(DATA, "overlap-abort-double-free.json"))
+    assert summary_line(findings) == ("SUMMARY: kvaudit: 2 finding(s) (2 double-free) in 2 signature(s); "
+                                      "1 slot(s), 1 row(s) involved.")
+    assert summary_line(findings + findings[:1], {"leak": 2}) == (
+        "SUMMARY: kvaudit: 3 finding(s) (3 double-free) in 2 signature(s); 1 slot(s), 2 row(s) involved; "
+        "2 suppressed.")
+    assert summary_line([]) == "SUMMARY: kvaudit: no findings."
+
+
+@pytest.mark.parametrize("env, plain", [({}, False), ({"NO_COLOR": "1"}, True), ({"TERM": "dumb"}, True)],
+                         ids=["colour-terminal", "no-color", "dumb"])
+def test_a_terminal_gets_plain_lines_with_no_color_or_term_dumb(monkeypatch, env, plain):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    console = Console(file=io.StringIO(), force_terminal=True)
+    assert is_plain(console) is plain
+    config, program, findings, _ = replay.load(os.path.join(DATA, "overlap-abort-double-free.json"))
+    print_report(console, config, program, findings)
+    text = console.file.getvalue()
+    assert ("\x1b" not in text) is plain
+    text = re.sub("\x1b\\[[0-9;]*m", "", text)
+    assert ("\n==ERROR: kvaudit: " in text) is plain and ("╭─ finding 1" in text) is not plain
+    assert text.splitlines()[-1].startswith("SUMMARY: kvaudit: 2 finding(s)")
+
+
+def test_report_cli_through_a_pipe_prints_greppable_lines():
+    result = invoke("report", os.path.join(REGRESSIONS, "session-close-while-running.json"))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len([line for line in lines if line.startswith("==ERROR: kvaudit: ")]) == 2
+    assert lines[-1].startswith("SUMMARY: kvaudit: 2 finding(s) (2 use-after-free)")
+    assert not re.search("[\x1b╭╰│]", result.stdout)
+
+
+def test_a_stale_frame_is_flagged_in_the_report(tmp_path):
+    """A frame recorded before the code moved: its line now lies outside its function, so the
+    report says so instead of printing that line's text as the frame's."""
+    doc = json.load(open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")))
+    site = doc["findings"][0]["free_sites"][0]
+    assert site["function"] == "handle_abort"
+    site.update(line=1, source="")
+    path = tmp_path / "stale.json"
+    path.write_text(json.dumps(doc))
+    text = invoke("report", str(path)).stdout
+    assert "    #0 handle_abort  engine_under_test/scheduler.py:1\n" in text
+    assert "(stale: line 1 is outside handle_abort in the current source; the file changed since this " \
+           "was recorded)" in text
 
 
 def test_snapshot_inputs_carry_their_source_lines():
@@ -168,7 +248,7 @@ def test_replay_takes_the_report_flags(tmp_path):
     result = invoke("replay", src, "--sarif", str(tmp_path / "r.sarif"), "--junit", str(tmp_path / "r.xml"))
     assert result.exit_code == 1
     results = json.load(open(tmp_path / "r.sarif"))["runs"][0]["results"]
-    assert results and all(r["ruleId"] == "double-free" for r in results)
+    assert results and all(r["ruleId"] == "use-after-free" for r in results)
 
 
 @pytest.mark.slow

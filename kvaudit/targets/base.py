@@ -33,6 +33,9 @@ class Root:
 
     ``private`` marks exclusive ownership (the aliasing check counts these); ``role`` is ``"req"``
     for live requests (their private units are SGLang's ``uncached``) or ``"tree"`` for the cache.
+    ``where`` (optional) names the place the engine holds the owner in (``waiting``, ``running``,
+    ``chunked``, ``transfer``, ...): a leak whose owner was dropped without a release is told apart
+    by the place it was dropped from (its signature's second part).
     """
 
     pool: str
@@ -40,6 +43,7 @@ class Root:
     units: np.ndarray
     private: bool = True
     role: str = "req"
+    where: str = ""
 
 
 @dataclass
@@ -106,13 +110,14 @@ def slot_pages(slots: torch.Tensor, page_size: int) -> np.ndarray:
     return s if page_size == 1 else np.unique(s // page_size)
 
 
-def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int) -> list[Root]:
+def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int, where: str = "") -> list[Root]:
     """The roots of one KV record (``ReqKvInfo``: ``req_pool_idx``, ``cache_protected_len``,
     ``kv_allocated_len``) in ``req_to_token`` ``table``: its row, its own KV
     ``[cache_protected_len, kv_allocated_len)`` (private) and the tree-owned prefix before it (shared)."""
     row = table[kv.req_pool_idx, : kv.kv_allocated_len]
-    out = [Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64), role=role),
-           Root("token_to_kv_pool", owner, slot_pages(row[kv.cache_protected_len:], page_size), role=role)]
+    out = [Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64), role=role, where=where),
+           Root("token_to_kv_pool", owner, slot_pages(row[kv.cache_protected_len:], page_size), role=role,
+                where=where)]
     if kv.cache_protected_len:
         out.append(Root("token_to_kv_pool", owner, slot_pages(row[: kv.cache_protected_len], page_size),
                         private=False, role=role))

@@ -443,24 +443,25 @@ class EutTarget:
         def pages(slots: torch.Tensor) -> np.ndarray:
             return slot_pages(slots, ps)
 
-        def record(kv, owner: str, role: str) -> None:
-            out.extend(record_roots(table, kv, owner, role, ps))
+        def record(kv, owner: str, role: str, where: str) -> None:
+            out.extend(record_roots(table, kv, owner, role, ps, where))
 
         sc = eng.session_controller
         slots = [] if sc is None else sc.slots()
         for sid, slot in slots:
-            record(slot.kv, f"session:{sid}", "session")
+            record(slot.kv, f"session:{sid}", "session", "session")
         if sc is not None:
             units = [(sid, self.session_records.unit_of.get(id(s.slot))) for sid, s in sc.sessions.items()]
             out += [Root("session_records", f"session:{sid}", np.array([u], dtype=np.int64), role="session")
                     for sid, u in units if u is not None]
         held = {id(slot.kv) for _, slot in slots}
+        places = self._places()
         for req in eng.requests_owning_rows():
             if not aborting and req.to_finish is not None:
                 continue
             kv, owner = req.kv, f"req:{req.rid}"
             if id(kv) not in held:  # a turn on its session's record: the session root covers it
-                record(kv, owner, "req")
+                record(kv, owner, "req", places.get(id(req), ""))
             if hs is not None:
                 row = kv.req_pool_idx
                 for pool, held_slots in (("hisparse_device", hs.req_to_device_buffer.get(row)),
@@ -475,6 +476,21 @@ class EutTarget:
         host = [n.host_value for n in nodes if n.host_value is not None]
         if host and eng.hicache_host_pool is not None:
             out.append(Root("hicache_host", "tree", pages(torch.cat(host)), role="tree"))
+        return out
+
+    def _places(self) -> dict[int, str]:
+        """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one
+        wins (a chunked request is in the last batch too, a decoding one in the running batch)."""
+        eng = self.engine
+        hs = eng.hisparse_coordinator
+        groups = (("chunked", (eng.chunked_req,) if eng.chunked_req else ()),
+                  ("staging", hs.staging_reqs() if hs is not None else ()),
+                  ("transfer", eng.disagg_transfer_queue), ("waiting", eng.waiting_queue),
+                  ("running", eng.running_batch), ("last_batch", eng.last_batch.reqs if eng.last_batch else ()))
+        out: dict[int, str] = {}
+        for name, group in groups:
+            for r in group:
+                out.setdefault(id(r), name)
         return out
 
     def lock_balance(self) -> list[tuple[str, np.ndarray, int, int]]:

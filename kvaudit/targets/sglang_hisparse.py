@@ -275,6 +275,13 @@ class SglangHiSparseTarget(SglangTarget):
         reqs = super()._inflight()
         return reqs + [r for r in self._last_batch if not any(r is x for x in reqs)]
 
+    def _places(self) -> dict[int, str]:
+        """The base places, and ``staging`` for the staged requests."""
+        out = {id(r): "staging" for r in self.staged()}
+        for k, v in super()._places().items():
+            out.setdefault(k, v)
+        return out
+
     def _active(self) -> list:
         """Also the staged requests: they own memory though ``abort_request`` cannot reach them (its
         ``todo hisparse``); they finish normally later."""

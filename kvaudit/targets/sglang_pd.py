@@ -528,6 +528,19 @@ class SglangPdDecodeTarget(SglangTarget):
     def _inflight(self) -> list:
         return [r for r in self.sched.running_batch.reqs]
 
+    def _places(self) -> dict[int, str]:
+        """``Root.where`` of each request the decode server knows (see :meth:`_active`)."""
+        pq, tq = self.prealloc_queue, self.transfer_queue
+        groups = (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
+                  ("deferred_release", [entry[0].req for entry in tq._deferred_releases]),
+                  ("waiting", self.sched.waiting_queue), ("running", self.sched.running_batch.reqs),
+                  ("retracted", pq.retracted_queue))
+        out: dict[int, str] = {}
+        for name, group in groups:
+            for r in group:
+                out.setdefault(id(r), name)
+        return out
+
     def _active(self) -> list:
         """Every request the decode server knows: prealloc queue, transfer queue, deferred releases,
         waiting (transferred), running, retracted."""

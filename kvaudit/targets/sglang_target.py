@@ -1135,6 +1135,19 @@ class SglangTarget:
         queued = self.waiting + (self.grammar_manager.grammar_queue if self.grammar_manager is not None else [])
         return queued + [r for r in self._inflight() if not any(r is w for w in queued)]
 
+    def _places(self) -> dict[int, str]:
+        """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one
+        wins (the chunked request is in the last batch too, a decoding one in the running batch)."""
+        groups = (("chunked", (self.chunked_req,) if self.chunked_req is not None else ()),
+                  ("grammar", self.grammar_manager.grammar_queue if self.grammar_manager is not None else ()),
+                  ("waiting", self.waiting), ("running", self.running),
+                  ("last_batch", self._last[1] if self._last is not None else ()))
+        out: dict[int, str] = {}
+        for name, group in groups:
+            for r in group:
+                out.setdefault(id(r), name)
+        return out
+
     def _live(self) -> list:
         """Requests that own a row (SGLang's ``_requests_owning_rows``: running batch, last batch,
         waiting queue)."""
@@ -1147,19 +1160,20 @@ class SglangTarget:
         table = self.req_to_token_pool.req_to_token
         out: list[Root] = []
 
-        def record(kv, owner: str, role: str) -> None:
-            out.extend(record_roots(table, kv, owner, role, self.config.page_size))
+        def record(kv, owner: str, role: str, where: str) -> None:
+            out.extend(record_roots(table, kv, owner, role, self.config.page_size, where))
 
         held = set()
         for sid, slot in self._slots():
             if slot.kv.holds_kv:
-                record(slot.kv, f"session:{sid}", "session")
+                record(slot.kv, f"session:{sid}", "session", "session")
                 held.add(id(slot.kv))
+        places = self._places()
         for req in self._live():
             if not aborting and req.to_finish is not None:
                 continue
             if id(req.kv) not in held:  # a turn on its session's record: the session root covers it
-                record(req.kv, f"req:{req.rid}", "req")
+                record(req.kv, f"req:{req.rid}", "req", places.get(id(req), ""))
         for req in self.running:  # running, yet its record was released under it: it still reads that KV
             if not req.kv.holds_kv and not req.finished() and req.rid in self._held:
                 row, slots, protected = self._held[req.rid]

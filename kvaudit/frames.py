@@ -1,0 +1,116 @@
+"""Source lines for recorded stack frames, checked against the current source.
+
+A replay file records each frame as file, line, function and the line's text. The engine's code
+moves after a file is recorded, so the recorded line number may now point into another function.
+Every renderer (console, HTML, SARIF) asks :func:`resolve` what to show for a frame: the recorded
+text when there is one, the current line otherwise, and a note when the frame no longer matches
+the current source (its line lies outside its function, or its text moved within the function).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+
+from kvaudit.findings import Site, source_path
+
+# code objects with no ``def`` to look up: the check is skipped for them
+_ANONYMOUS = ("<lambda>", "<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """What to show for a recorded :class:`Site`: ``line`` (1-based; where the recorded text is now
+    when it moved), ``source`` (the line's text, "" when neither recorded nor trustworthy) and
+    ``note`` ("" when the frame matches the current source; else one sentence saying why not)."""
+
+    line: int
+    source: str
+    note: str = ""
+
+    @property
+    def stale(self) -> bool:
+        return bool(self.note)
+
+
+_cache: dict[str, tuple[tuple[int, int], list[str], dict[str, list[tuple[int, int]]]]] = {}
+
+
+def _parsed(path: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | None:
+    """The stripped lines of ``path`` and, per function name, the line ranges of its ``def``s
+    (decorators to last line, inclusive). Cached per file and re-read when its mtime or size
+    changes. None if the file cannot be read or parsed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (st.st_mtime_ns, st.st_size)
+    hit = _cache.get(path)
+    if hit is not None and hit[0] == key:
+        return hit[1], hit[2]
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        tree = ast.parse(text)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return None
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            ranges.setdefault(node.name, []).append((start, node.end_lineno or node.lineno))
+    lines = [line.strip() for line in text.splitlines()]
+    _cache[path] = (key, lines, ranges)
+    return lines, ranges
+
+
+def function_ranges(file: str, function: str) -> list[tuple[int, int]] | None:
+    """The inclusive line ranges of every ``def function`` (or ``class``) in the current ``file`` (a
+    recorded, possibly repo-relative path); ``[(1, len)]`` for ``<module>``; None when the file
+    cannot be read or the function has no ``def`` (a lambda, a comprehension)."""
+    parsed = _parsed(source_path(file))
+    if parsed is None or function in _ANONYMOUS:
+        return None
+    lines, ranges = parsed
+    if function == "<module>":
+        return [(1, len(lines))]
+    return ranges.get(function.rsplit(".", 1)[-1], [])  # a qualified name (Scheduler.step) by its last part
+
+
+def resolve(site: Site) -> Frame:
+    """The line to show for ``site``, checked against the current source file.
+
+    - recorded text equal to the current line, inside the function: shown as is;
+    - recorded text found elsewhere in the function: that line, with a note (the code moved);
+    - otherwise, recorded text: shown, with a note (the line changed or left the function);
+    - no recorded text: the current line if it lies inside the function, else nothing and a note.
+
+    A file that cannot be read (another machine's path) or a function without a ``def`` is not
+    checked: the recorded text is shown as recorded."""
+    parsed = _parsed(source_path(site.file))
+    ranges = function_ranges(site.file, site.function)
+    if parsed is None or ranges is None:
+        return Frame(site.line, site.source)
+    lines = parsed[0]
+    where = os.path.basename(site.file)
+    current = lines[site.line - 1] if 1 <= site.line <= len(lines) else None
+    inside = any(a <= site.line <= b for a, b in ranges)
+    if not ranges:
+        return Frame(site.line, site.source, f"stale: no function {site.function} in the current {where}; "
+                                             "the file changed since this was recorded")
+    if site.source:
+        if inside and current == site.source:
+            return Frame(site.line, site.source)
+        moved = [i + 1 for a, b in ranges for i in range(a - 1, min(b, len(lines))) if lines[i] == site.source]
+        if moved:
+            line = min(moved, key=lambda n: abs(n - site.line))
+            return Frame(line, site.source, f"moved: recorded as line {site.line}; the file changed since "
+                                            "this was recorded")
+        why = "now reads something else" if inside else f"is outside {site.function}"
+        return Frame(site.line, site.source, f"stale: line {site.line} {why} in the current source; "
+                                             "the file changed since this was recorded")
+    if inside:
+        return Frame(site.line, current or "")
+    return Frame(site.line, "", f"stale: line {site.line} is outside {site.function} in the current source; "
+                                "the file changed since this was recorded")

@@ -1,0 +1,142 @@
+"""Recorded frames against the current source (kvaudit.frames), and the freshness of the shipped
+corpus: every frame ``kvaudit report`` prints for a shipped replay file lies inside the function it
+names and carries that line's text. When engine code moves, refresh the corpus with
+``kvaudit replay --update corpora/regressions/*.json corpora/sglang/*.json tests/data/report/*.json``."""
+
+import glob
+import os
+import re
+
+import pytest
+from cli_helpers import invoke
+
+from kvaudit import replay
+from kvaudit.findings import Site
+from kvaudit.frames import function_ranges, resolve
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CORPUS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))) + \
+    sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))
+STACKS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
+SOURCE = '''import os
+
+
+def first(x):
+    a = x + 1
+    return a
+
+
+def second(y):
+    b = y * 2
+    return b
+'''
+
+
+@pytest.fixture
+def mod(tmp_path):
+    p = tmp_path / "mod.py"
+    p.write_text(SOURCE)
+    return str(p)
+
+
+def test_a_current_frame_shows_its_line_without_a_note(mod):
+    assert resolve(Site(mod, 5, "first", "a = x + 1")) == resolve(Site(mod, 5, "first"))
+    fr = resolve(Site(mod, 5, "first"))
+    assert (fr.line, fr.source, fr.note) == (5, "a = x + 1", "")
+
+
+def test_a_line_outside_its_function_is_flagged_and_its_text_not_shown(mod):
+    fr = resolve(Site(mod, 10, "first"))  # line 10 is in second()
+    assert fr.source == "" and fr.stale
+    assert "line 10 is outside first" in fr.note
+
+
+def test_recorded_text_that_moved_within_the_function_is_relocated(mod):
+    fr = resolve(Site(mod, 9, "second", "b = y * 2"))  # recorded before a line was added above
+    assert (fr.line, fr.source) == (10, "b = y * 2")
+    assert fr.note.startswith("moved: recorded as line 9")
+
+
+def test_recorded_text_found_nowhere_is_shown_and_flagged(mod):
+    fr = resolve(Site(mod, 5, "first", "a = x - 1"))
+    assert fr.source == "a = x - 1" and "now reads something else" in fr.note
+    assert "no function gone" in resolve(Site(mod, 5, "gone", "a = x + 1")).note
+
+
+def test_unreadable_files_and_anonymous_code_are_shown_as_recorded(mod):
+    fr = resolve(Site("/nowhere/x.py", 3, "f", "text"))
+    assert (fr.line, fr.source, fr.note) == (3, "text", "")
+    assert resolve(Site(mod, 10, "<lambda>", "b = y * 2")).note == ""
+
+
+def test_ranges_are_reread_when_the_file_changes(mod):
+    assert function_ranges(mod, "second") == [(9, 11)]
+    with open(mod, "w") as fh:
+        fh.write("\n\n" + SOURCE + "# longer now\n")
+    assert function_ranges(mod, "second") == [(11, 13)]
+
+
+def _frames_checked(path):
+    """Every recorded frame of ``path``: (where, problem) for each that does not match the current
+    source (line outside its function, or recorded text not the line's current text)."""
+    _, _, findings, _ = replay.load(path)
+    bad, n = [], 0
+    for i, f in enumerate(findings):
+        for key in STACKS:
+            for depth, s in enumerate(getattr(f, key)):
+                n += 1
+                where = f"finding {i} {key} #{depth} {s.function} {os.path.basename(s.file)}:{s.line}"
+                ranges = function_ranges(s.file, s.function)
+                if ranges is None:
+                    if os.path.isabs(s.file) and not os.path.exists(s.file):
+                        pytest.skip(f"{s.file}: recorded on another installation")
+                    bad.append((where, "file or function not readable"))
+                    continue
+                if not any(a <= s.line <= b for a, b in ranges):
+                    bad.append((where, "line outside the function"))
+                    continue
+                with open(s.file if os.path.isabs(s.file) else os.path.join(ROOT, s.file)) as fh:
+                    current = fh.read().splitlines()[s.line - 1].strip()
+                if s.source != current:
+                    bad.append((where, f"recorded text {s.source!r} is not the line's {current!r}"))
+    return bad, n
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "corpora")))
+def test_shipped_replay_files_match_the_current_source(path):
+    if os.sep + "sglang" + os.sep in path:
+        from kvaudit.targets.sglang_boot import SglangUnavailable, load
+        try:
+            load()
+        except SglangUnavailable as e:
+            pytest.skip(str(e))
+    bad, n = _frames_checked(path)
+    assert not bad, (f"{len(bad)} of {n} frames are stale; refresh with 'kvaudit replay --update "
+                     "corpora/regressions/*.json corpora/sglang/*.json':\n"
+                     + "\n".join(f"  {w}: {why}" for w, why in bad[:12]))
+    # and what `kvaudit report` prints: every frame line inside its function, no frame flagged
+    result = invoke("report", path)
+    assert result.exit_code == 0, result.output
+    printed = re.findall(r"^\s+#\d+ (\S+)  (\S+):(\d+)$", result.stdout, re.M)
+    assert len(printed) == n
+    for function, file, line in printed:
+        assert any(a <= int(line) <= b for a, b in function_ranges(file, function)), (function, file, line)
+    assert "stale:" not in result.stdout and "moved:" not in result.stdout
+
+
+def test_sarif_and_junit_show_the_resolved_line_and_the_note():
+    """Every renderer goes through resolve(): a frame recorded before the code moved is shown at
+    the line its text is on now, with the note, in SARIF and JUnit as on the console."""
+    from kvaudit.junit import failure_text
+    from kvaudit.sarif import to_sarif
+
+    _, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "overlap-abort-double-free.json"))
+    f = findings[0]
+    now = f.free_sites[0]
+    f.free_sites[0] = Site(now.file, now.line - 7, now.function, now.source)  # as if recorded 7 lines up
+    loc = to_sarif([f])["runs"][0]["results"][0]["locations"][0]
+    assert loc["physicalLocation"]["region"]["startLine"] == now.line
+    assert loc["physicalLocation"]["region"]["snippet"]["text"] == now.source
+    assert loc["properties"]["frameNote"].startswith(f"moved: recorded as line {now.line - 7}")
+    text = failure_text(f)
+    assert f"{now.file}:{now.line} in {now.function}\n        {now.source}\n        (moved: " in text
