@@ -127,6 +127,8 @@ class Finding:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if not d["engine_check_at_idle"]:
+            del d["engine_check_at_idle"]  # not recorded: files written without a drain stay as they were
         d["signature"] = self.signature
         return d
 
