@@ -32,7 +32,7 @@ from typing import Callable
 from engine_under_test import EngineConfig
 from kvaudit.targets import config_from_dict
 from kvaudit import replay
-from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search, triage
 
 FUZZERS = ("hypothesis", "atheris", "random")
 PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
@@ -84,14 +84,18 @@ class _Spec:
     workers: int  # atheris: libFuzzer -fork=N (one driver); others: this worker's share
     parent: int  # pid of the parent (a worker exits when it dies)
     use_seeds: bool = True  # atheris: read corpora/seeds/<preset> too
+    step_timeout: float = 0.0  # the watchdog's limit on one engine step (kvaudit.runner); 0: the default
 
 
 def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     """Search until the deadline, triaging and writing every new finding; ``emit`` tells the parent
     ("progress", i, executions, ops, sites, suppressed), ("finding", i, signature, path),
     ("flaky", i, signature) and finally ("done", i)."""
+    from kvaudit.runner import set_step_timeout
     from kvaudit.suppress import SuppressionSet
 
+    if spec.step_timeout > 0:
+        set_step_timeout(spec.step_timeout)  # a spawned worker starts with the default
     config = config_from_dict(spec.config)
     sset = SuppressionSet.load(spec.suppress_path) if spec.suppress_path else None
     stats = FuzzStats()
@@ -151,8 +155,8 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
 
             replay.write_atomic(path, replay.to_doc(
                 config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
-                confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", original_length=crash.original_length,
-                timeline=record(config, crash.program)))
+                confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
+                timeline=crash.timeline or record(config, crash.program)))
         known.add(sig)
         emit(("finding", spec.index, sig, path))
     emit(("done", spec.index))
@@ -229,8 +233,10 @@ def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, 
 
     # atheris parallelizes inside libFuzzer (-fork=N re-executes the harness), so it has one driver
     drivers = 1 if fuzzer == "atheris" else workers
+    from kvaudit.runner import step_timeout
+
     specs = [_Spec(i, config.to_dict(), fuzzer, seed, deadline, corpus, suppress_path, workers,
-                   os.getpid() if drivers > 1 else 0, use_seeds) for i in range(drivers)]
+                   os.getpid() if drivers > 1 else 0, use_seeds, step_timeout()) for i in range(drivers)]
     started = time.time()
     try:
         if drivers == 1:

@@ -31,7 +31,8 @@ from kvaudit.outputs import FORMATS, Case, Outputs, ReportData
 from kvaudit.outputs import write as write_outputs
 from kvaudit.report import print_cases, print_report, print_suppressions, suppressed_by_kind
 from kvaudit.timeline import is_valid as timeline_is_valid
-from kvaudit.runner import INTERRUPTED, execute
+from kvaudit.runner import DEFAULT_STEP_TIMEOUT, INTERRUPTED, execute, set_step_timeout
+from kvaudit.runner import step_timeout as runner_step_timeout
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
@@ -148,6 +149,21 @@ def _suppressions(path: str | None) -> SuppressionSet | None:
 _suppress_option = click.option(
     "--suppress", "suppress_file", type=click.Path(exists=False), default=None, metavar="FILE",
     help="TOML suppression file: findings its [[suppress]] rules match are not findings (see README).")
+
+
+def _set_step_timeout(ctx, param, value):
+    if value is not None and not math.isfinite(value):
+        _bad(param, "must be a finite number of seconds")
+    set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
+    return value
+
+
+_step_timeout_option = click.option(
+    "--step-timeout", type=click.FloatRange(min=0, min_open=True), default=None, callback=_set_step_timeout,
+    metavar="SECONDS",
+    help=f"Watchdog: one engine step that runs longer is a hang finding naming the frames it is stuck in (the "
+         f"step is interrupted; a step blocked inside one C call cannot be). [default: {DEFAULT_STEP_TIMEOUT:g}; "
+         f"fuzz: min({DEFAULT_STEP_TIMEOUT:g}, --max-time / 6), at least 1]")
 
 
 _OUTPUT_HELP = {
@@ -391,10 +407,11 @@ def _catch_sigint() -> None:
               help="atheris: start from the seed corpus in corpora/seeds/<preset> (it holds the regression "
                    "reproducers; --no-seeds to measure how the search finds them).")
 @_suppress_option
+@_step_timeout_option
 @output_options
 @_restoring_sigint
 def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
-         corpus_dir, use_seeds, suppress_file, outputs):
+         corpus_dir, use_seeds, suppress_file, step_timeout, outputs):
     """Fuzz the built-in engine (or, with --target sglang, SGLang's own memory manager); confirm,
     minimize and report what it finds.
 
@@ -410,6 +427,8 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     """
     config = _config(preset, bugs, model, device, page_size, target, tree_core)
     preset = config.preset
+    if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
+        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
     if fuzzer == "atheris" and target != "eut":
         raise InputError("--fuzzer atheris instruments the built-in engine only; use hypothesis or random with "
                          "--target sglang")
@@ -431,7 +450,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     stats = FuzzStats()
     where = (f"target sglang {_sglang_version()} ({config.tree_core} tree core), " if target == "sglang" else "")
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
+              f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     _warn_unreachable_bugs(config, err)
@@ -491,16 +510,23 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
         return EXIT_CLEAN
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the finding is complete: write and report it whole
-    data = _run_data(config, crash.program, crash.findings, sset, stats, seed)
+    minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
+    title = "minimized program" if minimized else "program (not minimized)"
+    data = _run_data(config, crash.program, crash.findings, sset, stats, seed, program_title=title)
+    data.cases[0].timeline = crash.timeline  # triage recorded it when a replay is costly (a hang)
     data.ensure_timelines()
     path = _write(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
-                  confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True,
+                  confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
                   timeline=data.cases[0].timeline)
-    data.extra.update(confirmations=f"{crash.confirmations}/{CONFIRM_RUNS}", minimized=True)
-    print_report(console, config, crash.program, crash.findings, suppressions=sset)
-    console.print(f"found after {stats.executions} executions in {stats.elapsed:.1f}s; minimized "
-                  f"{crash.original_length} -> {len(crash.program)} ops; reproduced "
-                  f"{crash.confirmations}/{CONFIRM_RUNS}")
+    data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
+    print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
+    hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
+    console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"
+                  + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
+                  + f", {stats.elapsed:.1f}s in all); "
+                  + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
+                     f"{len(crash.program)} ops, not minimized (each replay of a hang costs the step timeout)")
+                  + f"; reproduced {crash.confirmations}/{crash.runs}", soft_wrap=True)
     console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
     _write_outputs(outputs, data, err)
     return EXIT_FINDINGS
@@ -600,6 +626,10 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
 def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
               program_title: str = "minimized program") -> ReportData:
     extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
+    if stats.shrink_executions:
+        extra["shrink_executions"] = stats.shrink_executions
+    if stats.first_hit is not None:
+        extra["first_hit_executions"], extra["first_hit_seconds"] = stats.first_hit[0], round(stats.first_hit[1], 1)
     if interrupted:
         extra["interrupted"] = True
     return ReportData.single(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
@@ -653,8 +683,10 @@ def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = N
                    "and every other field (a timeline is recorded again). For keeping a corpus fresh after the "
                    "engine's code moved: kvaudit replay --update corpora/regressions/*.json. Exits 4 if a file "
                    "that recorded findings yields none (it is left as it was).")
+@_step_timeout_option
 @output_options
-def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update, outputs):
+def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update, step_timeout,
+               outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
     (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
     With --html or --json the program runs once more, to record the pool occupancy. With --update,
@@ -669,7 +701,7 @@ def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update,
     file = files[0]
     _outputs((file, suppress_file), **vars(outputs))
     config, program, recorded, sset = _load_replay(file, suppress_file, tree_core)
-    ex = execute(config, program, suppressions=sset)
+    ex = execute(config, program, suppressions=sset, drain=True)
     console = _console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
     want = {f.signature for f in recorded}
@@ -734,8 +766,9 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
 @click.option("--signature", default=None, metavar="SIG",
               help="The finding to keep (default: the first finding recorded in FILE).")
 @_suppress_option
+@_step_timeout_option
 @_restoring_sigint
-def minimize_cmd(file, out_file, signature, suppress_file):
+def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
     """Minimize a replay file: delta debugging over its ops, then simpler op arguments, keeping the
     finding's signature; the result is confirmed 3 of 3 times and written atomically. Exits 0 when
     written, 4 if the finding does not reproduce (or not 3 of 3 after minimizing)."""
@@ -766,7 +799,7 @@ def minimize_cmd(file, out_file, signature, suppress_file):
         err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
                   "nothing written", soft_wrap=True)
         return EXIT_NOT_REPRODUCED
-    final = execute(config, small, suppressions=fresh())
+    final = execute(config, small, suppressions=fresh(), drain=True)
     findings = [f for f in final.findings if f.signature == signature] + \
         [f for f in final.findings if f.signature != signature]
     path = _write_file(out_file, config, small, findings, minimized=True, minimized_from=file,
@@ -794,9 +827,11 @@ def minimize_cmd(file, out_file, signature, suppress_file):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
               help="Directory for the replay files of new findings.")
 @_suppress_option
+@_step_timeout_option
 @output_options
 @_restoring_sigint
-def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file, outputs):
+def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file, step_timeout,
+           outputs):
     """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
     identically with its switches on and be clean with them off), fuzz the clean engine over the
     presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when

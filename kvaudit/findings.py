@@ -100,6 +100,9 @@ class Finding:
     # crash on out-of-memory: who held the memory at that moment (identity terms, largest holders,
     # locks with no live holder, the last retraction), one plain line each (kvaudit.memstate)
     memory_state: list[str] = field(default_factory=list)
+    # the engine's check_memory() lines once the program was drained to idle after the finding
+    # (SGLang's idle check fires then); [] when not recorded (see kvaudit.runner.execute's drain)
+    engine_check_at_idle: list[str] = field(default_factory=list)
 
     @property
     def signature(self) -> str:
@@ -127,6 +130,8 @@ class Finding:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if not d["engine_check_at_idle"]:
+            del d["engine_check_at_idle"]  # not recorded: files written without a drain stay as they were
         d["signature"] = self.signature
         return d
 
@@ -148,6 +153,7 @@ class Finding:
         _want(d, "step", int, low=-1)
         _want(d, "engine_check", list, item=str)
         _want(d, "memory_state", list, item=str)
+        _want(d, "engine_check_at_idle", list, item=str)
         if d.get("traceback") is not None:
             _want(d, "traceback", str)
         if d.get("unit") == "page" and d.get("slots") and not d.get("num_units"):

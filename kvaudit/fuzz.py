@@ -24,13 +24,21 @@ from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, random_program)
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.runner import AuditedRun, execute, is_watchdog_hang
 
 CONFIRM_RUNS = 3
 
 
 class FindingFound(AssertionError):
     """Raised inside a test case so that Hypothesis records it as failing and shrinks it."""
+
+
+class _BudgetSpent(KeyboardInterrupt):
+    """Raised inside a test case when the search's budget ran out while Hypothesis shrinks a failure
+    (its shrinker has no wall-clock limit of its own). A KeyboardInterrupt, the one exception
+    Hypothesis lets end a run mid-case without taking it for a failure or recording the cut-short
+    case (any other makes its data tree call the case flaky); :func:`hypothesis_search` catches it.
+    The last failing program stands; the minimizer (:func:`triage`) finishes the job."""
 
 
 _KIND_ERRORS: dict[str, type] = {}
@@ -47,7 +55,8 @@ def _finding_error(kind: str) -> type:
 @dataclass
 class FuzzStats:
     started: float = field(default_factory=time.monotonic)
-    executions: int = 0
+    executions: int = 0  # programs the search ran (Hypothesis's shrink reruns count apart)
+    shrink_executions: int = 0  # reruns while Hypothesis shrank a failure
     ops: int = 0
     findings: int = 0  # distinct unsuppressed signatures
     phase: str = "fuzzing"
@@ -57,6 +66,7 @@ class FuzzStats:
     suppressed: set = field(default_factory=set)  # distinct suppressed signatures seen
     coverage: str | None = None  # the fuzzer's own coverage figure, where it has one ("469 edges")
     # (executions, seconds) when the first finding was seen, before any shrinking: time-to-bug
+    # ("found after N executions")
     first_hit: tuple[int, float] | None = None
 
     def hit(self) -> None:
@@ -77,6 +87,8 @@ class Crash:
     findings: list[Finding]  # the primary finding first, then others the same op produced
     original_length: int
     confirmations: int
+    runs: int = CONFIRM_RUNS  # replays tried: ``confirmations`` of ``runs`` reproduced the signature
+    timeline: dict | None = None  # the pool occupancy (kvaudit.timeline.record), when triage recorded it
 
     @property
     def finding(self) -> Finding:
@@ -115,7 +127,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.run = AuditedRun(config, full_stacks=False, suppressions=suppressions)
+            self.run = AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=rec.deadline)
             self.ops: list[Op] = []
             self.swarm = frozenset(SWARM_KINDS)
             self.prompt_cap = max_prompt
@@ -129,15 +141,27 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
             self.prompt_cap = max(1, max_prompt // 8) if short else max_prompt
 
         def _do(self, op: Op) -> None:
-            if self.dead or (rec.last_failure is None and time.monotonic() > rec.deadline):
-                return  # out of time: let the remaining cases finish as no-ops
-            # (never once something failed: shrinking replays cases and must see the same ops)
-            if not self.ops:
-                rec.stats.executions += 1  # count programs that ran, not empty cases past the deadline
+            if self.dead:
+                return
+            if time.monotonic() > rec.deadline:
+                if rec.last_failure is None:
+                    return  # out of time: let the remaining cases finish as no-ops
+                self.dead = True
+                raise _BudgetSpent  # shrinking past the budget: stop Hypothesis, keep the last failure
+            if not self.ops:  # count programs that ran, not empty cases past the deadline
+                if rec.last_failure is None:
+                    rec.stats.executions += 1
+                else:  # with report_multiple_bugs off, every case after the first failure is a shrink
+                    rec.stats.shrink_executions += 1
                 rec.tick()
             self.ops.append(op)
             rec.stats.ops += 1
             found = self.run.apply(op)
+            if self.run.out_of_time:  # the deadline fell inside this op (an idle() or a long step)
+                self.dead = True
+                if rec.last_failure is not None:
+                    raise _BudgetSpent
+                return
             if found and all(f.signature in rec.known for f in found):
                 self.dead = True
                 return
@@ -269,10 +293,25 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
     ``suppressions`` applies to every run, so the crash keeps an unsuppressed signature and lists
     no suppressed findings."""
     sig = finding.signature
+    if is_watchdog_hang(finding):
+        # Every replay of a hang costs the watchdog's full step limit, and ddmin would need dozens:
+        # one full-stacks replay confirms it (1 of 1) and records the report's timeline; no
+        # minimization (Hypothesis already shrank it within the budget), no drain (the engine is stuck).
+        from kvaudit.timeline import record
+
+        program = program[:finding.op_index + 1]
+        found: list[Finding] = []
+        timeline = record(config, program, suppressions=suppressions, findings=found)
+        primary = next((f for f in found if f.signature == sig), None)
+        if primary is None:
+            return None
+        others = [f for f in found if f is not primary and f.op_index == primary.op_index]
+        return Crash(config, program, [primary] + others, len(program), 1, runs=1, timeline=timeline)
     if confirm(config, program, sig, suppressions=suppressions) < CONFIRM_RUNS:
         return None
     small = minimize(config, program, sig, suppressions)
-    final = execute(config, small, suppressions=suppressions)  # full stacks and owners, for the report
+    # full stacks and owners for the report; then drained to idle for the engine's verdict there
+    final = execute(config, small, suppressions=suppressions, drain=True)
     primary = next(f for f in final.findings if f.signature == sig)
     others = [f for f in final.findings if f is not primary]
     return Crash(config, small, [primary] + others, len(program),
@@ -285,7 +324,10 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
                       suppressions=None, known: frozenset[str] = frozenset(), database: str | None = None,
                       swarm: bool = True) -> tuple[list[Op], list[Finding]] | None:
     """Run seeded Hypothesis batches until a finding or ``max_time`` seconds. Returns the shrunk
-    failing program and its findings, or None. Findings that ``suppressions`` (a
+    failing program and its findings, or None. The budget bounds the shrinking too: past it, the
+    program of the last failing case is returned as Hypothesis left it (``stats.first_hit`` holds
+    the executions and seconds to the first failure; shrink reruns count in
+    ``stats.shrink_executions``, not ``stats.executions``). Findings that ``suppressions`` (a
     :class:`kvaudit.suppress.SuppressionSet`) covers are not findings: the search goes on past them
     (they count as hits of the set); nor are those whose signature is in ``known``.
 
@@ -310,6 +352,8 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
         machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt, suppressions, swarm))
         try:
             run_state_machine_as_test(machine, settings=hs)
+        except _BudgetSpent:
+            return rec.last_failure
         except (FindingFound, FlakyFailure):
             # FlakyFailure cannot come from the engine (it is deterministic) but is kept as a
             # guard: the program recorded at the failure is still confirmed by replay in triage.
@@ -338,10 +382,12 @@ def random_search(config: EngineConfig, max_time: float, seed_value: int, stats:
         program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
                                  features=getattr(config, "program_features", frozenset()))
         stats.executions += 1
-        with AuditedRun(config, full_stacks=False, suppressions=suppressions) as run:
+        with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run:
             for i, op in enumerate(program):
                 found = run.apply(op)
                 stats.ops += 1
+                if run.out_of_time:
+                    break
                 if found and not all(f.signature in known for f in found):
                     stats.hit()
                     stats.sites |= run.auditor.site_keys()

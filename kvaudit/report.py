@@ -92,8 +92,8 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
             parts.append(_stack("used after the free at:", f.read_sites, plain))
     if f.kind != "use-after-free" and f.read_sites:
         parts.append(_stack("read at:", f.read_sites, plain))
-    if f.kind == "crash":
-        parts.append(_stack("raised at:", f.alloc_sites, plain))
+    if f.kind == "crash" or (f.kind == "hang" and f.alloc_sites):
+        parts.append(_stack("raised at:" if f.kind == "crash" else "stuck at:", f.alloc_sites, plain))
         if f.memory_state:
             parts.append(Text("memory at the crash:", style="bold"))
             parts.extend(Text(f"  {line}") for line in f.memory_state)
@@ -123,6 +123,10 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         ok = f.engine_check[0].endswith("ok")
         parts.append(Text("engine check_memory(): ", style="bold").append(
             "ok" if ok else "; ".join(f.engine_check), style="" if ok else "magenta"))
+    if f.engine_check_at_idle:
+        ok = f.engine_check_at_idle[0].endswith("ok")
+        parts.append(Text("engine check_memory() once drained to idle: ", style="bold").append(
+            "ok" if ok else "; ".join(f.engine_check_at_idle), style="" if ok else "magenta"))
     if f.traceback:
         parts.append(Text(f.traceback.rstrip(), style="dim"))
     if plain:

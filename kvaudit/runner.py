@@ -6,8 +6,11 @@ which is what replay, minimization and confirmation rely on.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -26,6 +29,105 @@ INTERRUPTED = threading.Event()
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
 STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_STEP_TIMEOUT = 10.0  # seconds one engine step may take before the watchdog calls it a hang
+WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
+_step_timeout = DEFAULT_STEP_TIMEOUT
+
+
+def set_step_timeout(seconds: float) -> None:
+    """Set the watchdog's limit on one engine step (seconds, > 0) for every later run in this
+    process (the CLI's ``--step-timeout``). Raises ``ValueError`` for a non-positive limit."""
+    global _step_timeout
+    if not seconds > 0:
+        raise ValueError(f"step timeout must be positive, not {seconds!r}")
+    _step_timeout = float(seconds)
+
+
+def step_timeout() -> float:
+    """The watchdog's limit on one engine step, in seconds (see :func:`set_step_timeout`)."""
+    return _step_timeout
+
+
+def is_watchdog_hang(finding: Finding) -> bool:
+    """A ``hang`` the watchdog raised (a step that never returned), not an idle() that never drained."""
+    return finding.kind == "hang" and finding.message.startswith(WATCHDOG_HANG)
+
+
+class StepTimeout(BaseException):
+    """Raised asynchronously in the engine's thread by the watchdog when one engine call overruns its
+    limit. A BaseException, so that the engine's own ``except Exception`` handlers do not swallow it."""
+
+
+class _Watchdog:
+    """One daemon thread per process that interrupts an engine call running past its limit.
+
+    A thread arms it before each engine call (:meth:`arm`) and disarms it after (:meth:`disarm`);
+    cost per call: one uncontended lock, no wake-up of the watchdog unless the new limit is earlier
+    than the one it sleeps towards. When a call is due, the watchdog records the stuck thread's stack
+    (``sys._current_frames()``) and raises :class:`StepTimeout` in it
+    (``PyThreadState_SetAsyncExc``), which lands at the thread's next Python bytecode: a loop of
+    ``time.sleep`` or of Python code is interrupted; one blocking C call that never returns is not.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, bool]] = {}  # thread id -> (fire at, is the budget's deadline)
+        self._fired: dict[int, tuple[list, bool]] = {}  # thread id -> (stack outermost first, budget)
+        self._wake_at = float("inf")
+        self._thread: threading.Thread | None = None
+
+    def arm(self, limit: float, deadline: float | None) -> None:
+        fire_at, budget = time.monotonic() + limit, False
+        if deadline is not None and deadline < fire_at:
+            fire_at, budget = deadline, True
+        tid = threading.get_ident()
+        with self._cond:
+            self._armed[tid] = (fire_at, budget)
+            self._fired.pop(tid, None)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvaudit-watchdog", daemon=True)
+                self._thread.start()
+            if fire_at < self._wake_at:
+                self._cond.notify()
+
+    def disarm(self) -> None:
+        """Stop watching this thread. A :class:`StepTimeout` sent but not yet raised is withdrawn,
+        so none arrives later."""
+        tid = threading.get_ident()
+        with self._cond:
+            self._armed.pop(tid, None)
+            if tid in self._fired:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+
+    def take(self) -> tuple[list, bool] | None:
+        """(stack outermost first, whether the budget's deadline rather than the limit was due) if
+        the watchdog fired on this thread since it was last armed, else None."""
+        with self._cond:
+            return self._fired.pop(threading.get_ident(), None)
+
+    def _loop(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for tid, (fire_at, budget) in list(self._armed.items()):
+                    if fire_at <= now:
+                        frame = sys._current_frames().get(tid)
+                        self._fired[tid] = (traceback.extract_stack(frame) if frame is not None else [], budget)
+                        del self._armed[tid]
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(StepTimeout))
+                self._wake_at = min((a[0] for a in self._armed.values()), default=float("inf"))
+                self._cond.wait(None if self._wake_at == float("inf") else max(0.0, self._wake_at - now))
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _new_watchdog_after_fork() -> None:
+    global _WATCHDOG  # a forked child has no watchdog thread (and maybe a held lock): start afresh
+    _WATCHDOG = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_new_watchdog_after_fork)
 
 
 @dataclass
@@ -48,10 +150,19 @@ class AuditedRun:
     ``full_stacks=False`` is the fuzzers' fast mode (see :class:`kvaudit.hooks.Auditor`).
     ``suppressions`` (a :class:`kvaudit.suppress.SuppressionSet`) moves the findings it covers to
     ``self.suppressed``: they are never returned or kept in ``self.findings``.
+
+    Every engine call (``target.step()``, ``target.apply(op)``) runs under the watchdog: one that
+    takes more than ``step_limit`` seconds (default :func:`step_timeout`) is a ``hang`` finding
+    naming the frames it was stuck in. ``deadline`` (``time.monotonic()`` seconds; a search's
+    budget) also cuts a call or an ``idle()`` short, but that is no finding: ``out_of_time`` is
+    set, and every later op is a no-op (the engine was interrupted mid-step).
     """
 
     def __init__(self, config: EngineConfig, audit: bool = True, run_oracles: bool = True,
-                 full_stacks: bool = True, suppressions=None, shadow: bool = True):
+                 full_stacks: bool = True, suppressions=None, shadow: bool = True,
+                 deadline: float | None = None, step_limit: float | None = None):
+        self.deadline, self.out_of_time = deadline, False
+        self.step_limit = step_timeout() if step_limit is None else step_limit
         self.suppressions, self.suppressed = suppressions, []
         # a site glob may name any frame: record whole stacks, so fast and full runs match alike
         full_stacks = full_stacks or (suppressions is not None and suppressions.needs_full_stacks)
@@ -85,10 +196,53 @@ class AuditedRun:
         if not self.auditor.pending:
             self.auditor.pending.extend(oracles.check(self.auditor, self.target, scan_only=True))
 
+    def _guarded(self, call, *args) -> list[Finding] | None:
+        """``call(*args)`` under the watchdog: None when it returned in time, else ``[]`` (the
+        deadline was due: ``out_of_time`` is set) or ``[hang finding]``."""
+        _WATCHDOG.arm(self.step_limit, self.deadline)
+        try:
+            try:
+                call(*args)
+            finally:
+                _WATCHDOG.disarm()
+        except StepTimeout:
+            pass  # the engine thread was interrupted: what the watchdog saw is in take()
+        fired = _WATCHDOG.take()
+        if fired is None:
+            return None
+        stack, budget = fired
+        if budget:
+            self.out_of_time = True
+            return []
+        return [self._stuck_finding(stack)]
+
+    def _stuck_finding(self, stack) -> Finding:
+        """The watchdog's ``hang``: the stuck thread's frames below this run (innermost first),
+        without kvaudit's own except a target's ``engine_files``."""
+        keep = {os.path.abspath(f) for f in getattr(self.target, "engine_files", list)()}
+        inner = stack
+        for i, fr in enumerate(stack):
+            if fr.name == "_guarded" and os.path.abspath(fr.filename) == os.path.abspath(__file__):
+                inner = stack[i + 1:]
+        frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip())
+                  for fr in reversed(inner)
+                  if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)
+                  or os.path.abspath(fr.filename) in keep]
+        where = f"; stuck in {frames[0].short()}" if frames else ""
+        f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps, alloc_sites=frames[:8],
+                    message=f"{WATCHDOG_HANG} {self.step_limit:g}s (watchdog){where}")
+        try:  # the step was cut short: the engine's counters may be half-updated, or its check may fail
+            return oracles.attach_engine_verdict(self.target, [f])[0]
+        except Exception as exc:
+            f.engine_check = [f"engine check_memory() raised {type(exc).__name__}: {exc}"]
+            return f
+
     def _step(self) -> list[Finding]:
         if self.auditor is not None:
             self.auditor.step = self.target.steps + 1
-        self.target.step()
+        cut = self._guarded(self.target.step)
+        if cut is not None:
+            return cut
         found = self._check()
         if not found and self.run_oracles and hasattr(self.target, "progress"):
             found = self._liveness()
@@ -131,6 +285,8 @@ class AuditedRun:
         Raises ``KeyboardInterrupt`` once :data:`INTERRUPTED` is set."""
         if INTERRUPTED.is_set():
             raise KeyboardInterrupt
+        if self.out_of_time or any(is_watchdog_hang(f) for f in self.findings):
+            return []  # the engine was interrupted mid-call: nothing more runs on it
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
         self.ops_run += 1
@@ -142,7 +298,7 @@ class AuditedRun:
             if isinstance(op, Step):
                 for _ in range(max(1, op.n)):
                     found = sift(self._step())
-                    if found:
+                    if found or self._out_of_time():
                         break
             elif isinstance(op, Idle):
                 if getattr(self.target, "paused", False):
@@ -152,19 +308,51 @@ class AuditedRun:
                     idle = self.target.is_idle()
                     found = sift(self._step())  # when idle, this iteration runs the engine's on_idle
                     stalled = stalled + 1 if getattr(self.target, "stalled", lambda: False)() else 0
-                    if found or idle or stalled > STALL_STEPS:
-                        break
+                    if found or idle or stalled > STALL_STEPS or self._out_of_time():
+                        break  # out of time: no hang finding, the budget ran out, not the engine
                 else:
                     found = [self._hang_finding()]
             else:
-                self.target.apply(op)  # only queues a message: no memory moves until a step
-                found = self._check(scan=False)
+                # only queues a message: no memory moves until a step
+                found = self._guarded(self.target.apply, op)
+                if found is None:
+                    found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
                                     getattr(self.target, "engine_files", list)(), self.target, self.auditor)]
         found = _merge_same_signature(sift(found))
         self.findings.extend(found)
         return found
+
+    def _out_of_time(self) -> bool:
+        """The run's ``deadline`` has passed (sets ``out_of_time``)."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.out_of_time = True
+        return self.out_of_time
+
+    def drain_verdict(self) -> list[str]:
+        """The engine's own ``check_memory()`` once the engine is drained to idle after the program
+        (what SGLang's idle check would say then): the engine runs bare steps (hooks recording, no
+        oracle) until idle, plus the one idle iteration that runs its ``on_idle``, at most
+        MAX_IDLE_STEPS steps, each under the watchdog. Lines as in ``Finding.engine_check``; a
+        drain that crashes, hangs or never reaches idle says so in the first line."""
+        if self.out_of_time or any(is_watchdog_hang(f) for f in self.findings):
+            return ["not drained: an engine step hung (the watchdog interrupted it)"]
+        try:
+            if getattr(self.target, "paused", False):
+                if self._guarded(self.target.apply, ContinueGeneration()) is not None:
+                    return [f"not drained: continue_generation hung past {self.step_limit:g}s"]
+            for n in range(MAX_IDLE_STEPS):
+                idle = self.target.is_idle()
+                if self._guarded(self.target.step) is not None:
+                    return [f"not drained: a step hung past {self.step_limit:g}s while draining"]
+                if idle:
+                    break
+            else:
+                return [f"not idle after {MAX_IDLE_STEPS} steps of draining"] + self.target.engine_check()
+            return self.target.engine_check() or ["engine check_memory(): ok"]
+        except Exception as exc:
+            return [f"crashed while draining: {type(exc).__name__}: {exc}"]
 
     def _hang_finding(self) -> Finding:
         busy = getattr(self.target, "describe_busy", lambda: "")()
@@ -222,13 +410,20 @@ def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()
 
 
 def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
-            full_stacks: bool = True, suppressions=None) -> Execution:
+            full_stacks: bool = True, suppressions=None, drain: bool = False) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding (one that
-    ``suppressions``, a :class:`kvaudit.suppress.SuppressionSet`, does not cover)."""
+    ``suppressions``, a :class:`kvaudit.suppress.SuppressionSet`, does not cover). With ``drain``,
+    a run with findings then drains the engine to idle and records the engine's own verdict there
+    in each finding's ``engine_check_at_idle`` (:meth:`AuditedRun.drain_verdict`)."""
     with AuditedRun(config, audit=audit, full_stacks=full_stacks, suppressions=suppressions) as run:
         for op in program:
             found = run.apply(op)
             if found and stop_on_finding:
                 break
-        return Execution(run.findings, run.ops_run, run.target.steps,
-                         run.auditor.digest() if run.auditor is not None else "")
+        ex = Execution(run.findings, run.ops_run, run.target.steps,
+                       run.auditor.digest() if run.auditor is not None else "")
+        if drain and run.findings:  # after the digest and step count: those are the program's alone
+            verdict = run.drain_verdict()
+            for f in run.findings:
+                f.engine_check_at_idle = list(verdict)
+        return ex

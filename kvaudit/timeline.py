@@ -61,7 +61,8 @@ def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
     return out
 
 
-def record(config: EngineConfig, program: list[Op], suppressions=None, drain_steps: int = 8) -> dict:
+def record(config: EngineConfig, program: list[Op], suppressions=None, drain_steps: int = 8,
+           findings: list | None = None) -> dict:
     """Run ``program`` from a fresh engine with every oracle on and sample :func:`occupancy` before
     the first step and after every scheduler step. The whole program runs (past the first finding),
     then up to ``drain_steps`` more steps (at least one), so the plot shows what the leak does next.
@@ -71,6 +72,8 @@ def record(config: EngineConfig, program: list[Op], suppressions=None, drain_ste
     Returns ``{"steps": [k] int, "ops": [k] int (the op each step ran in, -1 before any),
     "pools": {pool: {"unit": "tokens"|"rows", "total": int, "series": {term: [k] int}}},
     "detected": {"step", "op_index", "kind", "pool"} or None, "program_end_step": int}``.
+    ``findings``: a list that receives every finding of the run (full stacks), so that one replay
+    serves both the report and the plot (a hang's replay costs the watchdog's step limit).
     """
     steps: list[int] = []
     ops: list[int] = []
@@ -92,6 +95,8 @@ def record(config: EngineConfig, program: list[Op], suppressions=None, drain_ste
                 f = found[0]
                 detected = {"step": f.step, "op_index": f.op_index, "kind": f.kind, "pool": f.pool}
         end = run.target.steps
+        if findings is not None:
+            findings.extend(run.findings)
         for _ in range(drain_steps):  # the aftermath: does the engine ever get the memory back?
             if run.target.is_idle() and run.target.steps > end:
                 break

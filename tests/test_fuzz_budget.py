@@ -1,0 +1,150 @@
+"""The search's budget and counts (issue 16, item 6): Hypothesis's shrinking stops at --max-time,
+"found after N executions" is the first hit, and an engine step that never returns ends the run
+within the budget as a hang finding naming the stuck frame."""
+
+import json
+import re
+import time
+
+import pytest
+
+from engine_under_test import get_preset
+from engine_under_test.scheduler import Scheduler
+from kvaudit import fuzz, runner
+from kvaudit.fuzz import FuzzStats, hypothesis_search
+from kvaudit.runner import execute
+
+from cli_helpers import invoke
+
+BUG, PRESET, SEED = "session-borrow-double-count", "streaming-session", 1  # found in about 1 s, long to shrink
+
+
+def _config():
+    return get_preset(PRESET).config(bugs=frozenset([BUG]))
+
+
+class _ClockJumpsAtFirstHit:
+    """``time`` for kvaudit.fuzz whose clock jumps past any budget once ``stats`` saw its first hit:
+    the budget is spent the moment the finding is made, deterministically."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def monotonic(self):
+        return time.monotonic() + (1e6 if self.stats.first_hit is not None else 0.0)
+
+
+@pytest.fixture(autouse=True)
+def _default_step_timeout():
+    yield
+    runner.set_step_timeout(runner.DEFAULT_STEP_TIMEOUT)  # the CLI's --step-timeout sets it process-wide
+
+
+def test_shrinking_stops_when_the_budget_is_spent(monkeypatch):
+    stats = FuzzStats()
+    monkeypatch.setattr(fuzz, "time", _ClockJumpsAtFirstHit(stats))
+    after_hit = []
+
+    class CountingRun(fuzz.AuditedRun):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            if stats.first_hit is not None:
+                after_hit.append(self)
+    monkeypatch.setattr(fuzz, "AuditedRun", CountingRun)
+    found = hypothesis_search(_config(), 60, SEED, stats)
+    assert found is not None
+    program, findings = found
+    assert len(after_hit) <= 2  # unbounded, Hypothesis reruns it about 350 times
+    assert findings[0].signature in execute(_config(), program, full_stacks=False).signatures  # a valid program
+
+
+def test_a_search_with_a_finding_returns_within_its_budget():
+    budget = 3.0
+    stats = FuzzStats()
+    t0 = time.monotonic()
+    found = hypothesis_search(_config(), budget, SEED, stats)
+    assert time.monotonic() - t0 < budget + 1.5  # the whole shrink takes about 4 s more
+    if found is not None:
+        assert found[1][0].signature in execute(_config(), found[0], full_stacks=False).signatures
+
+
+def test_executions_count_to_the_first_hit_and_shrinks_apart():
+    stats = FuzzStats()
+    found = hypothesis_search(_config(), 60, SEED, stats)
+    assert found is not None and stats.first_hit is not None
+    assert stats.executions == stats.first_hit[0]  # shrink reruns are not search executions
+    assert stats.shrink_executions > 0
+
+
+def test_fuzz_reports_the_first_hit_not_the_shrink_executions(tmp_path):
+    stats = FuzzStats()
+    hypothesis_search(_config(), 60, SEED, stats)
+    first = stats.first_hit[0]
+    res = invoke("fuzz", "--preset", PRESET, "--bug", BUG, "--seed", str(SEED), "--max-time", "60",
+                 "--out", str(tmp_path), "--json", str(tmp_path / "run.json"))
+    assert res.exit_code == 1, res.output
+    m = re.search(r"found after (\d+) executions in [\d.]+s \(search: (\d+) executions, then (\d+) shrinking",
+                  res.stdout)
+    assert m, res.stdout
+    assert int(m.group(1)) == first and int(m.group(2)) == first and int(m.group(3)) > 0
+    extra = json.loads((tmp_path / "run.json").read_text())
+    assert extra.get("first_hit_executions", extra.get("extra", {}).get("first_hit_executions")) == first \
+        or f'"first_hit_executions": {first}' in (tmp_path / "run.json").read_text()
+
+
+def _spin_forever():
+    end = time.monotonic() + 60  # "forever" for a test: without a watchdog the run ends after this
+    while time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def test_fuzz_on_an_engine_whose_step_sleeps_forever_ends_in_budget_with_a_hang(monkeypatch, tmp_path):
+    original = Scheduler.step
+
+    def step(self):
+        if self.forward_ct >= 4:
+            _spin_forever()
+        return original(self)
+    monkeypatch.setattr(Scheduler, "step", step)
+    t0 = time.monotonic()
+    res = invoke("fuzz", "--max-time", "10", "--step-timeout", "2", "--seed", "1", "--out", str(tmp_path))
+    wall = time.monotonic() - t0
+    assert res.exit_code == 1, res.output
+    assert wall < 15, wall
+    assert "Hang: engine step did not return within 2s (watchdog); stuck in test_fuzz_budget.py" in res.stdout
+    assert "#0 _spin_forever" in res.stdout
+    assert "reproduced 1/1" in res.stdout
+    (path,) = tmp_path.glob("*.json")
+    doc = json.loads(path.read_text())
+    f = doc["findings"][0]
+    assert f["kind"] == "hang" and f["alloc_sites"][0]["function"] == "_spin_forever"
+
+
+def test_bench_counts_executions_to_the_first_hit():
+    """A bench trial's executions and seconds are the search's first hit, not its total with the
+    shrink reruns (bench already read ``first_hit``; this keeps it so)."""
+    from kvaudit import bench
+
+    stats = FuzzStats()
+    hypothesis_search(_config(), 60, SEED, stats)
+    trial = bench.run_trial(BUG, "hypothesis", SEED, 60)
+    assert trial.success, trial.note
+    assert trial.executions == stats.first_hit[0] and stats.shrink_executions > 0
+    assert trial.seconds < trial.wall
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "x"])
+def test_a_bad_step_timeout_is_a_one_line_usage_error(value):
+    from cli_helpers import one_error_line
+
+    res = invoke("fuzz", "--max-time", "1", "--step-timeout", value)
+    assert res.exit_code == 2
+    assert "--step-timeout" in one_error_line(res)
+
+
+def test_fuzz_step_timeout_defaults_to_a_fraction_of_the_budget(tmp_path):
+    res = invoke("fuzz", "--max-time", "0.5", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "step timeout 1s" in res.stderr
+    res = invoke("fuzz", "--max-time", "0.5", "--step-timeout", "3", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "step timeout 3s" in res.stderr
+    assert "--step-timeout" in invoke("replay", "--help").stdout and "--step-timeout" in invoke("ci", "--help").stdout

@@ -1,0 +1,154 @@
+"""The runner's watchdog (a step that never returns is a hang finding naming where it is stuck),
+its deadline (idle() stops at the budget without a false finding), and the engine's verdict once
+drained to idle (issue 16, items 6 and 7)."""
+
+import io
+import time
+
+import pytest
+from rich.console import Console
+
+from engine_under_test import get_preset
+from engine_under_test.scheduler import Scheduler
+from kvaudit import replay, runner
+from kvaudit.program import Idle, Step, Submit
+from kvaudit.report import print_report
+from kvaudit.runner import AuditedRun, execute
+
+SPIN_S = 30.0  # "forever" for a test: the old code, with no watchdog, returns after this and fails
+
+
+def _spin_forever():
+    end = time.monotonic() + SPIN_S
+    while time.monotonic() < end:
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def hangs_after(monkeypatch):
+    """Plant a fault from the test: the engine's step sleeps "forever" from its ``n``-th call on."""
+    def plant(n: int):
+        original = Scheduler.step
+
+        def step(self):
+            if self.forward_ct >= n:
+                _spin_forever()
+            return original(self)
+        monkeypatch.setattr(Scheduler, "step", step)
+    return plant
+
+
+PROGRAM = [Submit(0, 8, 4), Step(2), Idle()]
+
+
+def test_a_step_that_never_returns_is_a_hang_naming_the_stuck_frame(hangs_after):
+    hangs_after(3)
+    config = get_preset("default").config()
+    t0 = time.monotonic()
+    with AuditedRun(config, step_limit=0.5) as run:
+        for op in PROGRAM:
+            if run.apply(op):
+                break
+        assert run.apply(Idle()) == []  # nothing more runs on an interrupted engine
+    assert time.monotonic() - t0 < 5
+    (f,) = run.findings
+    assert f.kind == "hang" and runner.is_watchdog_hang(f)
+    assert f.alloc_sites[0].function == "_spin_forever"
+    assert f.alloc_sites[0].file.endswith("test_runner_watchdog.py")
+    assert "time.sleep(0.05)" in f.alloc_sites[0].source
+    assert [s.function for s in f.alloc_sites[:2]] == ["_spin_forever", "step"]
+    assert "stuck in test_runner_watchdog.py" in f.message and "0.5s" in f.message
+
+
+def test_the_hang_replays_and_reports_the_stuck_frame(hangs_after, tmp_path):
+    hangs_after(3)
+    config = get_preset("default").config()
+    runner.set_step_timeout(0.5)
+    try:
+        ex = execute(config, PROGRAM, drain=True)
+    finally:
+        runner.set_step_timeout(runner.DEFAULT_STEP_TIMEOUT)
+    (f,) = ex.findings
+    assert f.signature == "hang/-/idle" and f.alloc_sites[0].function == "_spin_forever"
+    assert f.engine_check_at_idle == ["not drained: an engine step hung (the watchdog interrupted it)"]
+    path = replay.write_atomic(str(tmp_path / "hang.json"), replay.to_doc(config, PROGRAM, ex.findings))
+    _, _, (back,), _ = replay.load(path)
+    assert back.alloc_sites == f.alloc_sites
+    buf = io.StringIO()
+    print_report(Console(file=buf, width=160, color_system=None), config, PROGRAM, [back])
+    text = buf.getvalue()
+    assert "stuck at:" in text and "#0 _spin_forever" in text and "allocated at:" not in text
+
+
+def test_a_fast_engine_never_trips_the_watchdog():
+    config = get_preset("default").config()
+    with AuditedRun(config, step_limit=5.0) as run:
+        for op in [Submit(0, 30, 8), Submit(1, 20, 8), Step(3), Idle()]:
+            assert run.apply(op) == []
+    assert not run.out_of_time
+
+
+def test_idle_stops_at_the_deadline_without_a_false_hang(monkeypatch):
+    """An idle() that would run MAX_IDLE_STEPS slow steps stops when the budget runs out: no
+    finding, ``out_of_time`` set, every later op a no-op."""
+    original = Scheduler.step
+
+    def slow_step(self):
+        time.sleep(0.02)  # 2,000 steps: 40 s
+        return original(self)
+    monkeypatch.setattr(Scheduler, "step", slow_step)
+    monkeypatch.setattr(runner.AuditedRun, "_hang_finding", lambda self: pytest.fail("a false hang"))
+    config = get_preset("default").config()
+    t0 = time.monotonic()
+    with AuditedRun(config, deadline=time.monotonic() + 1.0) as run:
+        run.target.is_idle = lambda: False  # never drains
+        assert run.apply(Submit(0, 8, 4)) == []
+        assert run.apply(Idle()) == []
+        assert run.out_of_time
+        assert run.apply(Step(1)) == [] and run.target.steps < 100
+    assert time.monotonic() - t0 < 3
+    assert run.findings == []
+
+
+def test_the_engine_verdict_once_drained_is_recorded_and_printed():
+    """prefill-finish-leaks-row: the engine's check says ok when kvaudit detects the leak, and fails
+    once the program is drained to idle (the row is still out); session-borrow-double-count is the
+    other way round (the busy check double counts, the idle one balances)."""
+    config, program, _, _ = replay.load("corpora/regressions/prefill-finish-leaks-row.json")
+    (f,) = execute(config, program, drain=True).findings
+    assert f.engine_check == ["engine check_memory(): ok"]
+    assert f.engine_check_at_idle and "[req_to_token_pool]" in f.engine_check_at_idle[0]
+    buf = io.StringIO()
+    print_report(Console(file=buf, width=240, color_system=None), config, program, [f])
+    lines = buf.getvalue().splitlines()
+    assert any("engine check_memory(): ok" in line for line in lines)
+    idle = [line for line in lines if "engine check_memory() once drained to idle: " in line]
+    assert len(idle) == 1 and "[req_to_token_pool] total=16, available=15" in idle[0]
+
+    config, program, _, _ = replay.load("corpora/regressions/session-borrow-double-count.json")
+    f = execute(config, program, drain=True).findings[0]
+    assert "session_held=1, uncached=1" in f.engine_check[0]
+    assert f.engine_check_at_idle == ["engine check_memory(): ok"]
+    assert execute(config, program).findings[0].engine_check_at_idle == []  # only when asked
+
+
+def test_a_crash_while_draining_is_recorded(monkeypatch):
+    config, program, _, _ = replay.load("corpora/regressions/prefill-finish-leaks-row.json")
+    with AuditedRun(config) as run:
+        for op in program:
+            if run.apply(op):
+                break
+
+        def boom(self):
+            raise RuntimeError("boom in step")
+        monkeypatch.setattr(Scheduler, "step", boom)
+        assert run.drain_verdict() == ["crashed while draining: RuntimeError: boom in step"]
+
+
+def test_engine_check_at_idle_round_trips_and_is_validated():
+    from kvaudit.findings import Finding
+
+    f = Finding(kind="leak", pool="p", message="m", engine_check_at_idle=["x"])
+    assert Finding.from_dict(f.to_dict()).engine_check_at_idle == ["x"]
+    with pytest.raises(ValueError, match="engine_check_at_idle"):
+        Finding.from_dict({**f.to_dict(), "engine_check_at_idle": "ok"})
