@@ -65,6 +65,8 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
             parts.append(_stack("last unmatched lock taken at:", f.alloc_sites))
         if f.free_sites:
             parts.append(_stack("last unmatched lock released at:", f.free_sites))
+    elif f.kind == "accounting-drift" and f.alloc_sites:  # the tree insert that cached past kv_committed_len
+        parts.append(_stack("cached into the tree at:", f.alloc_sites))
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites))
     if f.owner_history:

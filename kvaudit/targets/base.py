@@ -7,8 +7,9 @@ for KV pools (``page_size`` tokens each) and rows for request pools.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -53,6 +54,20 @@ class Accounting:
     total: int
 
 
+@dataclass(frozen=True)
+class Recount:
+    """One accounting term recomputed from the structure it describes, for the drift oracle.
+
+    ``tokens``: the term (tokens; rows for a row pool) as counted from the structure; ``counter``:
+    whose counter the engine keeps for it (``"tree"``, ``"host tree"``); ``source``: what was counted,
+    phrased to follow "but" (``"its nodes with lock_ref 0"``).
+    """
+
+    tokens: int
+    counter: str
+    source: str
+
+
 class Target(Protocol):
     config: object
     steps: int
@@ -85,6 +100,13 @@ class Target(Protocol):
     #   framework_files() / engine_files()         allocator-internal files no site starts in / files
     #                                             under kvaudit/ that play the engine (a driver);
     #   free_lists() -> {pool: [n] int64}          the engine's free lists, checked against the event log;
+    #   recount() -> {pool: {term: Recount}}       accounting terms (``evictable``, ``protected``, fields of
+    #                                             :class:`Accounting`) recounted from the structure they
+    #                                             describe (tree nodes and their lock refs, host copies),
+    #                                             compared with the engine's counters after every check;
+    #   install_insert_check(wrap, report)         wrap the tree's insert: for each request KV inserted,
+    #                                             ``report(owner, inserted, committed)`` (tokens), so that
+    #                                             the tree never caches more of a request than it committed;
     #   paused -> bool                            a pause is in force: idle() sends continue_generation first;
     #   close()                                   the run is over: release outside resources (files);
     #   on_intake(callback), quiescence(), flushed(), progress(), stalled(), metrics_check(),
@@ -117,3 +139,30 @@ def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int)
         out.append(Root("token_to_kv_pool", owner, slot_pages(row[: kv.cache_protected_len], page_size),
                         private=False, role=role))
     return out
+
+
+def wrap_insert(wrap, tree, name: str, measure: Callable, report: Callable, depth: int = 4) -> None:
+    """Wrap ``tree.<name>`` (the tree's insert) with ``wrap(obj, name, fn)`` so that each call is checked
+    before it runs: the request being cached is the nearest caller (up to ``depth`` frames out) with a
+    local ``req`` that holds a KV record; ``measure(req, *args, **kwargs)`` returns ``(owner, inserted,
+    committed, slots)`` and ``report`` gets them when ``inserted > committed``. An insert with no
+    such caller (a warm-up, a test) is not checked. Lives here, outside any engine file, so that the
+    insert's site starts at the engine's caller."""
+    insert = getattr(tree, name)
+
+    def insert_wrapper(*a, **k):
+        f, req = sys._getframe(1), None
+        for _ in range(depth):
+            if f is None:
+                break
+            req = f.f_locals.get("req")
+            if getattr(getattr(req, "kv", None), "kv_committed_len", None) is not None:
+                break
+            req, f = None, f.f_back
+        if req is not None:
+            got = measure(req, *a, **k)
+            if got[1] > got[2]:
+                report(*got)
+        return insert(*a, **k)
+
+    wrap(tree, name, insert_wrapper)

@@ -28,7 +28,8 @@ import torch
 
 from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
     MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens
-from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.base import (Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages,
+                                  wrap_insert)
 from kvaudit.targets.sglang_boot import GRAMMAR_BACKEND, build, load, one_rank_group
 from kvaudit.targets.sglang_config import SglangConfig
 
@@ -384,6 +385,33 @@ class SglangTarget:
 
         wrap(cache, "inc_lock_ref", inc_wrapper)
         wrap(cache, "dec_lock_ref", dec_wrapper)
+
+    def install_insert_check(self, wrap, report) -> None:
+        """Check every ``UnifiedRadixCache.insert(params)`` (``checkpoint_into_tree``'s, on the instance):
+        the tree takes ``min(len(params.key), len(params.value))`` tokens of the request being cached
+        (the caller's local ``req``), which must not exceed its ``kv_committed_len``; else
+        ``report(owner, inserted, committed, slots)`` with the slots past ``kv_committed_len``."""
+
+        def measure(req, params, *a, **k):
+            value = params.value
+            inserted = min(len(params.key), int(value.numel())) if value is not None else 0
+            committed = req.kv.kv_committed_len
+            return f"req:{req.rid}", inserted, committed, value[committed:inserted] if value is not None else []
+
+        wrap_insert(wrap, self.tree_cache, "insert", measure, report)
+
+    def recount(self) -> dict[str, dict[str, Recount]]:
+        """The tree's terms recounted from its nodes, for either tree core (SGLang's definition, the
+        Python core's ``sanity_check`` part 4): ``evictable`` = FULL device tokens of nodes whose FULL
+        ``lock_ref`` is 0 (``walk_for_kv_canary(unlocked_only=True)``, which both cores implement),
+        ``protected`` = the other device tokens of the tree (``all_values_flatten``)."""
+        cache = self.tree_cache
+        if cache.disable:
+            return {}
+        unlocked = int(cache.tree_core.walk_for_kv_canary(True, False).slot_indices.numel())
+        total = int(cache.all_values_flatten().numel())
+        return {"token_to_kv_pool": {"evictable": Recount(unlocked, "tree", "its nodes with lock_ref 0"),
+                                     "protected": Recount(total - unlocked, "tree", "its nodes with lock_ref > 0")}}
 
     def _inject_lock_leak(self) -> None:
         cache = self.tree_cache
