@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -54,8 +54,7 @@ class Accounting:
     total: int
 
 
-@dataclass(frozen=True)
-class Recount:
+class Recount(NamedTuple):
     """One accounting term recomputed from the structure it describes, for the drift oracle.
 
     ``tokens``: the term (tokens; rows for a row pool) as counted from the structure; ``counter``:

@@ -401,17 +401,33 @@ class SglangTarget:
         wrap_insert(wrap, self.tree_cache, "insert", measure, report)
 
     def recount(self) -> dict[str, dict[str, Recount]]:
-        """The tree's terms recounted from its nodes, for either tree core (SGLang's definition, the
-        Python core's ``sanity_check`` part 4): ``evictable`` = FULL device tokens of nodes whose FULL
-        ``lock_ref`` is 0 (``walk_for_kv_canary(unlocked_only=True)``, which both cores implement),
-        ``protected`` = the other device tokens of the tree (``all_values_flatten``)."""
+        """The tree's terms recounted from its nodes (SGLang's definition, the Python core's
+        ``sanity_check`` part 4): ``evictable`` = FULL device tokens of nodes whose FULL ``lock_ref`` is 0,
+        ``protected`` = those of nodes with ``lock_ref > 0``. Python core: one walk of its nodes; Rust
+        core (no Python nodes): ``walk_for_kv_canary(unlocked_only=True)`` for the unlocked tokens and
+        ``all_values_flatten`` for all of them."""
         cache = self.tree_cache
         if cache.disable:
             return {}
-        unlocked = int(cache.tree_core.walk_for_kv_canary(True, False).slot_indices.numel())
-        total = int(cache.all_values_flatten().numel())
-        return {"token_to_kv_pool": {"evictable": Recount(unlocked, "tree", "its nodes with lock_ref 0"),
-                                     "protected": Recount(total - unlocked, "tree", "its nodes with lock_ref > 0")}}
+        core = cache.tree_core
+        if self.tree_core.startswith("Rust"):
+            ev = int(core.walk_for_kv_canary(True, False).slot_indices.numel())
+            pr = int(cache.all_values_flatten().numel()) - ev
+        else:
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            full, ev, pr = ComponentType.FULL, 0, 0
+            stack = list(core.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                data = node.component_data[full]
+                if data.value is not None:
+                    if data.lock_ref > 0:
+                        pr += len(data.value)
+                    else:
+                        ev += len(data.value)
+        return {"token_to_kv_pool": {"evictable": Recount(ev, "tree", "its nodes with lock_ref 0"),
+                                     "protected": Recount(pr, "tree", "its nodes with lock_ref > 0")}}
 
     def _inject_lock_leak(self) -> None:
         cache = self.tree_cache
