@@ -144,7 +144,8 @@ def wrap_insert(wrap, tree, name: str, measure: Callable, report: Callable, dept
     """Wrap ``tree.<name>`` (the tree's insert) with ``wrap(obj, name, fn)`` so that each call is checked
     before it runs: the request being cached is the nearest caller (up to ``depth`` frames out) with a
     local ``req`` that holds a KV record; ``measure(req, *args, **kwargs)`` returns ``(owner, inserted,
-    committed, slots)`` and ``report`` gets them when ``inserted > committed``. An insert with no
+    committed, value)`` (``value``: the inserted slots, ``[n]`` int64 tensor) and, when ``inserted >
+    committed``, ``report(owner, inserted, committed, value[committed:inserted])`` is called. An insert with no
     such caller (a warm-up, a test) is not checked. Lives here, outside any engine file, so that the
     insert's site starts at the engine's caller."""
     insert = getattr(tree, name)
@@ -159,9 +160,9 @@ def wrap_insert(wrap, tree, name: str, measure: Callable, report: Callable, dept
                 break
             req, f = None, f.f_back
         if req is not None:
-            got = measure(req, *a, **k)
-            if got[1] > got[2]:
-                report(*got)
+            owner, inserted, committed, value = measure(req, *a, **k)
+            if inserted > committed:
+                report(owner, inserted, committed, value[committed:inserted])
         return insert(*a, **k)
 
     wrap(tree, name, insert_wrapper)

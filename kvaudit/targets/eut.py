@@ -538,7 +538,7 @@ class EutTarget:
 
         def measure(req, key, value, *a, **k):
             inserted, committed = min(len(key), int(value.numel())), req.kv.kv_committed_len
-            return f"req:{req.rid}", inserted, committed, value[committed:inserted]
+            return f"req:{req.rid}", inserted, committed, value
 
         wrap_insert(wrap, tree, "insert", measure, report)
 

@@ -395,8 +395,7 @@ class SglangTarget:
         def measure(req, params, *a, **k):
             value = params.value
             inserted = min(len(params.key), int(value.numel())) if value is not None else 0
-            committed = req.kv.kv_committed_len
-            return f"req:{req.rid}", inserted, committed, value[committed:inserted] if value is not None else []
+            return f"req:{req.rid}", inserted, req.kv.kv_committed_len, value
 
         wrap_insert(wrap, self.tree_cache, "insert", measure, report)
 
