@@ -128,6 +128,8 @@ class Auditor:
         self.lock_events: list[tuple[int, int, int, int, int, str]] = []
         if hasattr(target, "install_lock_ledger"):
             target.install_lock_ledger(self._wrap, self._lock_event)
+        if hasattr(target, "install_insert_check"):
+            target.install_insert_check(self._wrap, self._over_insert)
         self.shadow: ShadowKV | None = None
         if shadow and hasattr(target, "install_shadow"):
             self.shadow = ShadowKV(target.kv_pools())
@@ -406,6 +408,20 @@ class Auditor:
                 looked += 1
             f = f.f_back
         return None
+
+    def _over_insert(self, owner: str, inserted: int, committed: int, slots) -> None:
+        """The tree is caching ``inserted`` tokens of ``owner``'s KV, more than its ``kv_committed_len``
+        ``committed``: the positions past it (``slots``, ``[n]`` token slots) hold no KV of this prefix,
+        and the next request sharing it reads them (``accounting-drift``, located at the insert)."""
+        pool = "token_to_kv_pool"
+        s = np.asarray(slots.cpu() if hasattr(slots, "cpu") else slots, dtype=np.int64).reshape(-1)
+        ps = self.ledgers[pool].spec.page_size
+        f = self._unit_finding(
+            "accounting-drift", pool, np.unique(s // ps) if s.size else np.zeros(1, np.int64),
+            f"the tree caches {inserted} tokens of {owner} but its kv_committed_len={committed}: "
+            f"{inserted - committed} cached position(s) past its committed KV", alloc_sid=self.capture_site())
+        f.slots = s.tolist()
+        self.pending.append(f)
 
     def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
         """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.shadow`)."""

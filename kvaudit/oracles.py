@@ -10,10 +10,13 @@ Leaks are *direct* or *indirect* (reachable only from a leaked request row), as 
 
 The accounting identity is SGLang's ``available + evictable + protected + session_held + uncached
 == total`` (``invariant_checker.py``), with ``uncached`` and ``session_held`` taken from kvaudit's
-own marks of live requests and session slots, never from the engine. When it fails while
-reachability is clean -- or the engine's own ``check_memory()`` or metrics fail while every
-kvaudit oracle is clean -- the finding is ``accounting-drift``: a counter is wrong, memory is
-intact. Lock balance is checked at idle. Double frees, aliasing at allocation and stale KV come
+own marks of live requests and session slots, never from the engine; each of the engine's terms
+is also checked against the structure it describes (``available`` against the ledger,
+``session_held`` against the session roots, and what the target's ``recount()`` gives: the tree's
+``evictable``/``protected`` from its nodes' lock refs, host terms from host copies), since a sum
+hides a counter booked in the wrong term. When one fails while reachability is clean -- or the
+engine's own ``check_memory()`` or metrics fail while every kvaudit oracle is clean -- the finding
+is ``accounting-drift``: a counter is wrong, memory is intact. Lock balance is checked at idle. Double frees, aliasing at allocation and stale KV come
 from the hooks (:mod:`kvaudit.hooks`, :mod:`kvaudit.shadow`).
 """
 
@@ -47,6 +50,7 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
             where[auditor.owner_id(root.owner)] = root.where
     acc = {} if scan_only else target.accounting()
     free_lists = target.free_lists() if not scan_only and hasattr(target, "free_lists") else {}
+    recounts = target.recount() if not scan_only and hasattr(target, "recount") else {}
     leaked: dict[str, np.ndarray] = {}
     prev_owner: dict[str, np.ndarray] = {}  # each pool's owners as of the previous check
     drift: list[Finding] = []
@@ -96,7 +100,7 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
                                                     "privately owned by more than one root"))
         a = acc.get(pool)
         if a is not None and not pool_findings and pool not in leaked:
-            drift.extend(_identity(auditor, pool, led, a, req_units, session_units))
+            drift.extend(_identity(auditor, pool, led, a, req_units, session_units, recounts.get(pool, {})))
         if pool in free_lists and not pool_findings:
             drift.extend(_replay_free_list(auditor, pool, led, free_lists[pool]))
         findings.extend(pool_findings)
@@ -118,30 +122,38 @@ def _units_count(units: list[np.ndarray], n: int) -> int:
     return int(np.count_nonzero(mark))
 
 
-def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units) -> list[Finding]:
-    """The accounting identity with kvaudit's own ``uncached`` and ``session_held``, and the engine's
-    counters against the ledger: ``available`` must equal the units the ledger holds as free, and
-    the engine's ``session_held`` the units session slots hold privately."""
+def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None) -> list[Finding]:
+    """The accounting identity with kvaudit's own ``uncached`` and ``session_held``, and each of the
+    engine's counters against the structure it describes: ``available`` against the units the ledger
+    holds as free, ``session_held`` against the units session slots hold privately, and every term
+    the target recounts (``recount``: ``{term: Recount}``, e.g. ``evictable``/``protected`` from the
+    tree's nodes and lock refs) against its recount -- the identity adds ``evictable`` and
+    ``protected`` together, so a leaf booked in the wrong one balances it. At most one finding, whose
+    message gives every check that fails, the recounted counters first (they name the counter)."""
     ps, n = led.spec.page_size, led.allocated.size
     uncached = _units_count(req_units, n) * ps
     held = _units_count(session_units, n) * ps
-    out = []
-
-    def drift(msg: str) -> None:
-        out.append(Finding(kind="accounting-drift", pool=pool, unit="slot", message=msg,
-                           op_index=auditor.op_index, step=auditor.step))
-
+    lines = []
+    if recount:
+        have = {term: getattr(a, term) for term in recount}
+        if any(have[t] != r.tokens for t, r in recount.items()):
+            lines += [f"{r.counter} counter {t}={have[t]} but {r.source} hold {r.tokens} tokens"
+                      for t, r in recount.items() if have[t] != r.tokens]
+            lines += [f"{t}={have[t]} matches {r.source}" for t, r in recount.items() if have[t] == r.tokens]
     free_units = (n - 1) - int(np.count_nonzero(led.allocated[1:]))
     if led.spec.kind == "kv" and a.available != free_units * ps:
-        drift(f"the engine reports available={a.available} but the ledger holds {free_units * ps} slots free")
+        lines.append(f"the engine reports available={a.available} but the ledger holds {free_units * ps} slots free")
     if a.session_held != held:
-        drift(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
+        lines.append(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
     lhs = a.available + a.evictable + a.protected + held + uncached
     if lhs != a.total:
-        drift(f"available={a.available} + evictable={a.evictable} + protected={a.protected} + "
-              f"session_held={held} + uncached={uncached} = {lhs} != total={a.total}, "
-              f"while every allocated unit is reachable")
-    return out[:1]
+        lines.append(f"available={a.available} + evictable={a.evictable} + protected={a.protected} + "
+                     f"session_held={held} + uncached={uncached} = {lhs} != total={a.total}, "
+                     f"while every allocated unit is reachable")
+    if not lines:
+        return []
+    return [Finding(kind="accounting-drift", pool=pool, unit="slot", message="; ".join(lines),
+                    op_index=auditor.op_index, step=auditor.step)]
 
 
 def _replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list[Finding]:

@@ -229,6 +229,123 @@ def test_accounting_drift_while_requests_are_live(make_run):
     assert kinds(check(run)) == ["accounting-drift"]
 
 
+def _misbook_new_leaves(monkeypatch):
+    """Plant the fault: every token a ``RadixCache.insert`` adds to the tree (a new leaf) is booked as
+    protected instead of evictable. evictable + protected stays right, so the identity balances."""
+    from engine_under_test.radix_cache import RadixCache
+    insert = RadixCache.insert
+
+    def misbooking_insert(self, key, value):
+        before = self.evictable_size_
+        out = insert(self, key, value)
+        grown = self.evictable_size_ - before
+        self.evictable_size_ -= grown
+        self.protected_size_ += grown
+        return out
+
+    monkeypatch.setattr(RadixCache, "insert", misbooking_insert)
+
+
+def _dec_lock_ref_forgets_leaves(monkeypatch):
+    """Plant the fault: ``dec_lock_ref`` unlocking a leaf (a node without children) forgets to move
+    its tokens back from protected to evictable."""
+    from engine_under_test.radix_cache import RadixCache
+
+    def dec_lock_ref(self, node):
+        if self.disable:
+            return
+        node = self._lock_start(node)
+        while node is not self.root_node:
+            if node.lock_ref == 1 and node.children:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    monkeypatch.setattr(RadixCache, "dec_lock_ref", dec_lock_ref)
+
+
+@pytest.mark.parametrize("plant", [_misbook_new_leaves, _dec_lock_ref_forgets_leaves],
+                         ids=["insert-books-protected", "dec-lock-ref-forgets-leaf"])
+def test_a_counter_booked_in_the_wrong_term_is_accounting_drift_naming_the_counter(monkeypatch, plant):
+    """Issue 16 item 1: the identity adds evictable and protected, so a misbooked leaf balances it
+    (and the engine's own check_memory); each term recounted from the tree's nodes catches it."""
+    plant(monkeypatch)
+    config = get_preset("default").config()
+    rng = random.Random("wrong-term")
+    runs = (execute(config, random_program(rng, 41, max_prompt=40)) for _ in range(200))
+    ex = next((ex for ex in runs if ex.findings), None)
+    assert ex is not None, "the misbooked counter went unnoticed for 200 random programs"
+    f = ex.findings[0]
+    assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool"), f.summary()
+    assert "tree counter evictable=" in f.message and "its nodes with lock_ref 0 hold" in f.message
+    assert "tree counter protected=" in f.message and "its nodes with lock_ref > 0 hold" in f.message
+
+
+def test_the_recount_names_both_values_of_each_wrong_counter(make_run, page_size):
+    run = make_run("default", page_size=page_size)
+    assert run.apply(Submit(family=0, prompt_len=12, max_new_tokens=3)) == []
+    assert run.apply(Idle()) == []
+    tree = run.target.engine.tree_cache
+    ev = tree.evictable_size()
+    assert ev > 0 and tree.protected_size() == 0
+    tree.evictable_size_ -= page_size  # booked in the wrong term: the sum is unchanged
+    tree.protected_size_ += page_size
+    (f,) = check(run)
+    assert f.kind == "accounting-drift"
+    assert f.message == (f"tree counter evictable={ev - page_size} but its nodes with lock_ref 0 hold {ev} tokens; "
+                         f"tree counter protected={page_size} but its nodes with lock_ref > 0 hold 0 tokens")
+    assert not run.target.engine_check()  # the engine's own identity balances: it cannot tell
+
+
+def test_hicache_host_terms_are_recounted_from_host_copies(make_run, monkeypatch):
+    """A host counter that forgets the device-resident nodes' host copies (only pinned ones stay
+    protected) moves tokens from protected to evictable: the host identity balances."""
+    from engine_under_test.hicache import HiRadixCache
+    run = make_run("hicache")
+    assert run.apply(Submit(family=0, prompt_len=12, max_new_tokens=3)) == []
+    assert run.apply(Idle()) == []
+    tree = run.target.engine.tree_cache
+    assert tree.host_protected_size() > 0  # write-through: device-resident nodes with host copies
+    monkeypatch.setattr(HiRadixCache, "host_protected_size",
+                        lambda self: sum(len(n.key) for n in self._host_nodes() if n.host_ref > 0))
+    (f,) = check(run)
+    assert (f.kind, f.pool) == ("accounting-drift", "hicache_host")
+    assert "host tree counter protected=0 but host copies of device-resident or pinned nodes hold" in f.message
+
+
+def _cache_one_token_past_committed(monkeypatch):
+    """Plant the off-by-one: the checkpoint caches one position more than the request committed."""
+    checkpoint = Scheduler.checkpoint_kv_cache_into_tree
+    monkeypatch.setattr(Scheduler, "checkpoint_kv_cache_into_tree",
+                        lambda self, req, up_to: checkpoint(self, req, up_to + 1))
+
+
+def test_the_tree_caching_past_kv_committed_len_is_reported_at_the_insert(make_run, monkeypatch):
+    """Issue 16 item 8: the tree never caches more of a request than its committed KV. Without the
+    check the off-by-one surfaced later as aliasing at an unrelated allocation."""
+    _cache_one_token_past_committed(monkeypatch)
+    run = make_run("default")
+    run.apply(Submit(family=0, prompt_len=12, max_new_tokens=3))
+    found = run.apply(Idle())
+    f = found[0]
+    assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool")
+    assert f.message.startswith("the tree caches 13 tokens of req:req-0 but its kv_committed_len=12")  # the prefill checkpoint
+    assert f.alloc_sites[0].function == "checkpoint_kv_cache_into_tree"
+    assert "tree.insert(" in f.alloc_sites[0].source
+
+
+def test_a_clean_insert_never_caches_past_kv_committed_len(monkeypatch):
+    seen = []
+    from kvaudit.hooks import Auditor
+    monkeypatch.setattr(Auditor, "_over_insert", lambda self, *a: seen.append(a))
+    for preset in ("default", "paged", "overlap", "streaming-session", "hicache"):
+        rng = random.Random(preset)
+        for _ in range(5):
+            assert execute(get_preset(preset).config(), random_program(rng, 41, max_prompt=40)).findings == []
+    assert seen == []
+
+
 def test_drift_is_not_reported_on_top_of_a_leak(make_run):
     run = make_run("default")
     assert run.apply(Submit(family=0, prompt_len=12, max_new_tokens=3)) == []

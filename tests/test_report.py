@@ -415,3 +415,19 @@ def test_duplicate_signatures_are_one_section_and_one_sarif_result(tmp_path):
     page = open(tmp_path / "t.html").read()
     assert page.count("<svg") == 1 and "reported 2 times (deduplicated)" in page
     assert len(json.load(open(tmp_path / "t.sarif"))["runs"][0]["results"]) == 1
+
+
+def test_a_tree_insert_past_kv_committed_len_shows_the_insert_stack(monkeypatch):
+    """Issue 16 item 8: the report locates the over-insert at the insert, not at an allocation."""
+    from engine_under_test import Scheduler, get_preset
+    from kvaudit.program import Idle, Submit
+    from kvaudit.runner import execute
+    checkpoint = Scheduler.checkpoint_kv_cache_into_tree
+    monkeypatch.setattr(Scheduler, "checkpoint_kv_cache_into_tree",
+                        lambda self, req, up_to: checkpoint(self, req, up_to + 1))
+    config, program = get_preset("default").config(), [Submit(0, 12, 3), Idle()]
+    f = execute(config, program).findings[0]
+    text = render(config, program, [f], width=160)
+    assert "kv_committed_len=12" in text and "allocated at:" not in text
+    assert "cached into the tree at:" in text and "checkpoint_kv_cache_into_tree" in text
+    assert "tree.insert(req.fill_ids[:up_to]" in text

@@ -89,6 +89,77 @@ def test_lock_never_released_is_a_lock_imbalance(core):
     assert "0 live holder" in findings[0].message
 
 
+def _misbook_new_leaves(core, monkeypatch):
+    """Plant the fault: tokens the tree adds as a new leaf are booked as protected instead of evictable.
+    Python core: in ``UnifiedTreeCore._add_new_node`` itself. Rust core (its counters live in Rust): the
+    adapter's ``evictable_size``/``protected_size`` move every token an insert added and never move it back."""
+    from kvaudit.targets.sglang_boot import load
+    load()
+    if core == "python":
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_TYPE, UnifiedTreeCore
+        add = UnifiedTreeCore._add_new_node
+
+        def misbooking_add(self, *a, **k):
+            node = add(self, *a, **k)
+            n = self.components_by_type[BASE_COMPONENT_TYPE].reclaimable_value_len(node)
+            self.component_evictable_size_[BASE_COMPONENT_TYPE] -= n
+            self.component_protected_size_[BASE_COMPONENT_TYPE] += n
+            return node
+
+        monkeypatch.setattr(UnifiedTreeCore, "_add_new_node", misbooking_add)
+        return
+    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    insert, evictable, protected = UnifiedRadixCache.insert, RustUnifiedTreeCore.evictable_size, \
+        RustUnifiedTreeCore.protected_size
+
+    def misbooking_insert(self, params):
+        before = evictable(self.tree_core)
+        out = insert(self, params)
+        self.tree_core.misbooked = getattr(self.tree_core, "misbooked", 0) + evictable(self.tree_core) - before
+        return out
+
+    monkeypatch.setattr(UnifiedRadixCache, "insert", misbooking_insert)
+    monkeypatch.setattr(RustUnifiedTreeCore, "evictable_size", lambda self: evictable(self) - getattr(self, "misbooked", 0))
+    monkeypatch.setattr(RustUnifiedTreeCore, "protected_size", lambda self: protected(self) + getattr(self, "misbooked", 0))
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_leaf_booked_as_protected_is_accounting_drift_naming_the_counter(core, monkeypatch):
+    """Issue 16 item 1 on real SGLang: the identity balances, each term recounted from the tree does not."""
+    from kvaudit.program import random_program
+    import random
+    _misbook_new_leaves(core, monkeypatch)
+    config, rng = cfg("sglang", core), random.Random("wrong-term")
+    runs = (execute(config, random_program(rng, 41, max_prompt=40)) for _ in range(200))
+    ex = next((ex for ex in runs if ex.findings), None)
+    assert ex is not None, "the misbooked counter went unnoticed for 200 random programs"
+    f = ex.findings[0]
+    assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool"), f.summary()
+    assert "tree counter evictable=" in f.message and "its nodes with lock_ref 0 hold" in f.message
+    assert "tree counter protected=" in f.message and "its nodes with lock_ref > 0 hold" in f.message
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])
+def test_the_tree_caching_past_kv_committed_len_is_reported_at_the_insert(preset, core, monkeypatch):
+    """Issue 16 item 8 on real SGLang: a checkpoint that caches one position past ``kv_committed_len``."""
+    from kvaudit.targets.sglang_boot import load
+    load()
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    checkpoint = UnifiedRadixCache.checkpoint
+    monkeypatch.setattr(UnifiedRadixCache, "checkpoint",
+                        lambda self, req, *, up_to, **k: checkpoint(self, req, up_to=up_to + cfg(preset).page_size, **k))
+    findings, run = run_ops(cfg(preset, core), [Submit(0, 45, 3), Idle()])  # 48 tokens: 3 pages of 16
+    run.close()
+    f = findings[0]
+    assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool"), f.summary()
+    assert "tokens of req:" in f.message and "past its committed KV" in f.message
+    inserted, committed = (int(f.message.split(w)[1].split()[0].rstrip(":")) for w in ("caches ", "kv_committed_len="))
+    assert inserted > committed
+    assert f.alloc_sites[0].function == "checkpoint_into_tree"
+
+
 # -- section 7.2 event sequences, clean --------------------------------------------------------------
 SEQUENCES = {
     "new request": [Submit(0, 20, 4), Idle()],

@@ -7,8 +7,9 @@ for KV pools (``page_size`` tokens each) and rows for request pools.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -75,6 +76,19 @@ class LockImbalance(NamedTuple):
     pool: str = "token_to_kv_pool"
 
 
+class Recount(NamedTuple):
+    """One accounting term recomputed from the structure it describes, for the drift oracle.
+
+    ``tokens``: the term (tokens; rows for a row pool) as counted from the structure; ``counter``:
+    whose counter the engine keeps for it (``"tree"``, ``"host tree"``); ``source``: what was counted,
+    phrased to follow "but" (``"its nodes with lock_ref 0"``).
+    """
+
+    tokens: int
+    counter: str
+    source: str
+
+
 class Target(Protocol):
     config: object
     steps: int
@@ -110,6 +124,13 @@ class Target(Protocol):
     #   framework_files() / engine_files()         allocator-internal files no site starts in / files
     #                                             under kvaudit/ that play the engine (a driver);
     #   free_lists() -> {pool: [n] int64}          the engine's free lists, checked against the event log;
+    #   recount() -> {pool: {term: Recount}}       accounting terms (``evictable``, ``protected``, fields of
+    #                                             :class:`Accounting`) recounted from the structure they
+    #                                             describe (tree nodes and their lock refs, host copies),
+    #                                             compared with the engine's counters after every check;
+    #   install_insert_check(wrap, report)         wrap the tree's insert: for each request KV inserted,
+    #                                             ``report(owner, inserted, committed)`` (tokens), so that
+    #                                             the tree never caches more of a request than it committed;
     #   paused -> bool                            a pause is in force: idle() sends continue_generation first;
     #   close()                                   the run is over: release outside resources (files);
     #   on_intake(callback), quiescence(), flushed(), progress(), stalled(), metrics_check(),
@@ -146,3 +167,31 @@ def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int,
         out.append(Root("token_to_kv_pool", owner, slot_pages(row[: kv.cache_protected_len], page_size),
                         private=False, role=role))
     return out
+
+
+def wrap_insert(wrap, tree, name: str, measure: Callable, report: Callable, depth: int = 4) -> None:
+    """Wrap ``tree.<name>`` (the tree's insert) with ``wrap(obj, name, fn)`` so that each call is checked
+    before it runs: the request being cached is the nearest caller (up to ``depth`` frames out) with a
+    local ``req`` that holds a KV record; ``measure(req, *args, **kwargs)`` returns ``(owner, inserted,
+    committed, value)`` (``value``: the inserted slots, ``[n]`` int64 tensor) and, when ``inserted >
+    committed``, ``report(owner, inserted, committed, value[committed:inserted])`` is called. An insert with no
+    such caller (a warm-up, a test) is not checked. Lives here, outside any engine file, so that the
+    insert's site starts at the engine's caller."""
+    insert = getattr(tree, name)
+
+    def insert_wrapper(*a, **k):
+        f, req = sys._getframe(1), None
+        for _ in range(depth):
+            if f is None:
+                break
+            req = f.f_locals.get("req")
+            if getattr(getattr(req, "kv", None), "kv_committed_len", None) is not None:
+                break
+            req, f = None, f.f_back
+        if req is not None:
+            owner, inserted, committed, value = measure(req, *a, **k)
+            if inserted > committed:
+                report(owner, inserted, committed, value[committed:inserted])
+        return insert(*a, **k)
+
+    wrap(tree, name, insert_wrapper)

@@ -15,7 +15,8 @@ import torch
 from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens)
-from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.base import (Accounting, LockImbalance, PoolSpec, Recount, Root, kv_length_problems, record_roots,
+                                  slot_pages, wrap_insert)
 
 
 class SessionRecords:
@@ -614,6 +615,50 @@ class EutTarget:
 
     def retraction(self) -> str | None:
         return self.last_retraction
+
+    def install_insert_check(self, wrap, report) -> None:
+        """Check every ``RadixCache.insert(key, value)``: the tree takes ``min(len(key), value.numel())``
+        tokens of the request being cached (the caller's local ``req``, as in ``checkpoint_kv_cache_into_tree``),
+        which must not exceed its ``kv_committed_len``; else ``report(owner, inserted, committed, slots)``
+        with the slots (``[n] int64``) of the positions past ``kv_committed_len``."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return
+
+        def measure(req, key, value, *a, **k):
+            inserted, committed = min(len(key), int(value.numel())), req.kv.kv_committed_len
+            return f"req:{req.rid}", inserted, committed, value
+
+        wrap_insert(wrap, tree, "insert", measure, report)
+
+    def recount(self) -> dict[str, dict[str, Recount]]:
+        """The tree's terms recounted from its nodes (SGLang's definition, ``RadixCache.check_integrity``):
+        ``evictable`` = tokens of device-resident nodes with ``lock_ref == 0``, ``protected`` = those with
+        ``lock_ref > 0``; with HiCache, the host pool's ``protected`` = host copies of device-resident or
+        pinned (``host_ref > 0``) nodes and ``evictable`` = the other host copies. One walk of the tree."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return {}
+        ev = pr = hev = hpr = 0
+        for n in tree.nodes():
+            k = len(n.key)
+            if n.value is not None:
+                if n.lock_ref:
+                    pr += k
+                else:
+                    ev += k
+            if n.host_value is not None:
+                if n.value is not None or n.host_ref:
+                    hpr += k
+                else:
+                    hev += k
+        out = {"token_to_kv_pool": {"evictable": Recount(ev, "tree", "its nodes with lock_ref 0"),
+                                    "protected": Recount(pr, "tree", "its nodes with lock_ref > 0")}}
+        if self.engine.hicache_host_pool is not None:
+            out["hicache_host"] = {
+                "evictable": Recount(hev, "host tree", "host copies of unpinned host-only nodes"),
+                "protected": Recount(hpr, "host tree", "host copies of device-resident or pinned nodes")}
+        return out
 
     def describe_busy(self) -> str:
         eng = self.engine

@@ -28,7 +28,8 @@ import torch
 
 from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
     MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens
-from kvaudit.targets.base import Accounting, PoolSpec, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.base import (Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages,
+                                  wrap_insert)
 from kvaudit.targets.sglang_boot import GRAMMAR_BACKEND, build, load, one_rank_group
 from kvaudit.targets.sglang_config import SglangConfig
 
@@ -385,6 +386,48 @@ class SglangTarget:
 
         wrap(cache, "inc_lock_ref", inc_wrapper)
         wrap(cache, "dec_lock_ref", dec_wrapper)
+
+    def install_insert_check(self, wrap, report) -> None:
+        """Check every ``UnifiedRadixCache.insert(params)`` (``checkpoint_into_tree``'s, on the instance):
+        the tree takes ``min(len(params.key), len(params.value))`` tokens of the request being cached
+        (the caller's local ``req``), which must not exceed its ``kv_committed_len``; else
+        ``report(owner, inserted, committed, slots)`` with the slots past ``kv_committed_len``."""
+
+        def measure(req, params, *a, **k):
+            value = params.value
+            inserted = min(len(params.key), int(value.numel())) if value is not None else 0
+            return f"req:{req.rid}", inserted, req.kv.kv_committed_len, value
+
+        wrap_insert(wrap, self.tree_cache, "insert", measure, report)
+
+    def recount(self) -> dict[str, dict[str, Recount]]:
+        """The tree's terms recounted from its nodes (SGLang's definition, the Python core's
+        ``sanity_check`` part 4): ``evictable`` = FULL device tokens of nodes whose FULL ``lock_ref`` is 0,
+        ``protected`` = those of nodes with ``lock_ref > 0``. Python core: one walk of its nodes; Rust
+        core (no Python nodes): ``walk_for_kv_canary(unlocked_only=True)`` for the unlocked tokens and
+        ``all_values_flatten`` for all of them."""
+        cache = self.tree_cache
+        if cache.disable:
+            return {}
+        core = cache.tree_core
+        if self.tree_core.startswith("Rust"):
+            ev = int(core.walk_for_kv_canary(True, False).slot_indices.numel())
+            pr = int(cache.all_values_flatten().numel()) - ev
+        else:
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            full, ev, pr = ComponentType.FULL, 0, 0
+            stack = list(core.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                data = node.component_data[full]
+                if data.value is not None:
+                    if data.lock_ref > 0:
+                        pr += len(data.value)
+                    else:
+                        ev += len(data.value)
+        return {"token_to_kv_pool": {"evictable": Recount(ev, "tree", "its nodes with lock_ref 0"),
+                                     "protected": Recount(pr, "tree", "its nodes with lock_ref > 0")}}
 
     def _inject_lock_leak(self) -> None:
         cache = self.tree_cache
