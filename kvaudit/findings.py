@@ -14,8 +14,11 @@ use-after-free     allocated at; where it was freed while an owner still used it
 double-free        freed first at; freed again at
 lock-imbalance     the unmatched ``inc_lock_ref`` (or ``dec_lock_ref``)
 crash              the exception type; the raising frame
-accounting-drift,  what was checked (``identity``, ``idle``, ``progress``)
-hang, liveness
+accounting-drift   the check that failed: ``identity``, ``counter:evictable,protected`` (a term
+                   against its recount), ``free_list``, ``engine_check``; or the tree insert that
+                   cached past ``kv_committed_len`` (``insert:function@file``)
+hang               the frame a step was stuck in (``stuck:function@file``, the watchdog), else ``idle``
+liveness           ``progress``
 =================  =====================================================================
 
 Line numbers are left out, so a signature survives edits elsewhere in a file.
@@ -90,6 +93,8 @@ class Finding:
     # or the op that dropped it); empty when it had none at any check
     lost_sites: list[Site] = field(default_factory=list)
     lost_from: str = ""  # leak: where the target last held the unit's owner (Root.where), if it said
+    # accounting-drift: which check failed (identity, counter:<terms>, free_list, engine_check); "" = identity
+    check: str = ""
     used_by: list[str] = field(default_factory=list)  # use-after-free: owners still referencing the units
     indirect: bool = False  # leak reachable only from a leaked owner (LeakSanitizer's indirect leak)
     owner_history: list[OwnerChange] = field(default_factory=list)
@@ -107,6 +112,12 @@ class Finding:
     @property
     def signature(self) -> str:
         """``kind/pool/site[/site]`` (see the module doc); stable across programs for one root cause."""
+        if self.kind == "accounting-drift" and self.alloc_sites:  # a tree insert past kv_committed_len
+            return f"accounting-drift/{self.pool}/insert:{_where(self.alloc_sites)}"
+        if self.kind == "accounting-drift" and self.check:
+            return f"accounting-drift/{self.pool}/{self.check}"
+        if self.kind == "hang" and self.alloc_sites:  # the watchdog's: the frame the step was stuck in
+            return f"hang/{self.pool}/stuck:{_where(self.alloc_sites)}"
         if self.kind in NO_SITE_KINDS:
             return f"{self.kind}/{self.pool}/{NO_SITE_KINDS[self.kind]}"
         if self.kind == "crash":
@@ -160,6 +171,7 @@ class Finding:
             raise ValueError("num_units must be positive for pages")
         _want(d, "used_by", list, item=str)
         _want(d, "lost_from", str)
+        _want(d, "check", str)
         for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"):
             _want(d, key, list, item=dict)
             sites = []

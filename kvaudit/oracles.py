@@ -109,7 +109,11 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         auditor.checked_upto, auditor.owner_where = len(auditor.events), where
         if not findings:
             findings.extend(drift or _engine_disagrees(auditor, target))
-        if idle:
+        # lock balance at idle; and whenever the tree's evictable/protected counters disagree with their
+        # recount, since a lock_ref gone wrong (a release too many) shows there first: the lock is the
+        # root cause and sorts before the drift
+        if idle or any(f.kind == "accounting-drift" and f.check.startswith("counter:") and
+                       ("evictable" in f.check or "protected" in f.check) for f in findings):
             findings.extend(_lock_balance(auditor, target))
     findings.sort(key=lambda f: KIND_ORDER.index(f.kind) if f.kind in KIND_ORDER else len(KIND_ORDER))
     return attach_engine_verdict(target, findings)
@@ -133,27 +137,31 @@ def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, rec
     ps, n = led.spec.page_size, led.allocated.size
     uncached = _units_count(req_units, n) * ps
     held = _units_count(session_units, n) * ps
-    lines = []
+    lines, checks = [], []
     if recount:
         have = {term: getattr(a, term) for term in recount}
         if any(have[t] != r.tokens for t, r in recount.items()):
             lines += [f"{r.counter} counter {t}={have[t]} but {r.source} hold {r.tokens} tokens"
                       for t, r in recount.items() if have[t] != r.tokens]
             lines += [f"{t}={have[t]} matches {r.source}" for t, r in recount.items() if have[t] == r.tokens]
+            checks.append("counter:" + ",".join(sorted(t for t, r in recount.items() if have[t] != r.tokens)))
     free_units = (n - 1) - int(np.count_nonzero(led.allocated[1:]))
     if led.spec.kind == "kv" and a.available != free_units * ps:
         lines.append(f"the engine reports available={a.available} but the ledger holds {free_units * ps} slots free")
+        checks.append("counter:available")
     if a.session_held != held:
         lines.append(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
+        checks.append("counter:session_held")
     lhs = a.available + a.evictable + a.protected + held + uncached
     if lhs != a.total:
         lines.append(f"available={a.available} + evictable={a.evictable} + protected={a.protected} + "
                      f"session_held={held} + uncached={uncached} = {lhs} != total={a.total}, "
                      f"while every allocated unit is reachable")
+        checks.append("identity")
     if not lines:
         return []
     return [Finding(kind="accounting-drift", pool=pool, unit="slot", message="; ".join(lines),
-                    op_index=auditor.op_index, step=auditor.step)]
+                    op_index=auditor.op_index, step=auditor.step, check=checks[0])]
 
 
 def _replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list[Finding]:
@@ -171,7 +179,7 @@ def _replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> lis
                     message=f"the engine's free list disagrees with the replay of the event log: {extra.size} unit(s) "
                             f"free in the list but allocated in the log, {missing.size} the other way, {twice.size} "
                             f"listed twice (a path that bypasses kvaudit's wrappers)",
-                    op_index=auditor.op_index, step=auditor.step)]
+                    op_index=auditor.op_index, step=auditor.step, check="free_list")]
 
 
 def _engine_disagrees(auditor: Auditor, target) -> list[Finding]:
@@ -182,7 +190,7 @@ def _engine_disagrees(auditor: Auditor, target) -> list[Finding]:
         pool = line[1:line.index("]")] if line.startswith("[") else "-"
         out.append(Finding(kind="accounting-drift", pool=pool, unit="slot",
                            message=f"the engine's own check fails while memory is intact: {line}",
-                           op_index=auditor.op_index, step=auditor.step))
+                           op_index=auditor.op_index, step=auditor.step, check="engine_check"))
     return out[:1]
 
 

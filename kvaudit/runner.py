@@ -69,8 +69,13 @@ class _Watchdog:
     ``time.sleep`` or of Python code is interrupted; one blocking C call that never returns is not.
     """
 
+    # NOTE: arm/disarm/take run in the engine's thread, where a StepTimeout may land at any bytecode
+    # boundary: they take the raw lock with acquire() and release it in a finally, never through
+    # ``with`` on the Condition, whose Python-level __enter__ could be left by the exception with
+    # the lock held (the watchdog then blocks for ever: a later stuck step ran unwatched).
     def __init__(self):
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._armed: dict[int, tuple[float, bool]] = {}  # thread id -> (fire at, is the budget's deadline)
         self._fired: dict[int, tuple[list, bool]] = {}  # thread id -> (stack outermost first, budget)
         self._wake_at = float("inf")
@@ -81,7 +86,8 @@ class _Watchdog:
         if deadline is not None and deadline < fire_at:
             fire_at, budget = deadline, True
         tid = threading.get_ident()
-        with self._cond:
+        self._lock.acquire()
+        try:
             self._armed[tid] = (fire_at, budget)
             self._fired.pop(tid, None)
             if self._thread is None:
@@ -89,21 +95,29 @@ class _Watchdog:
                 self._thread.start()
             if fire_at < self._wake_at:
                 self._cond.notify()
+        finally:
+            self._lock.release()
 
     def disarm(self) -> None:
         """Stop watching this thread. A :class:`StepTimeout` sent but not yet raised is withdrawn,
         so none arrives later."""
         tid = threading.get_ident()
-        with self._cond:
+        self._lock.acquire()
+        try:
             self._armed.pop(tid, None)
             if tid in self._fired:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+        finally:
+            self._lock.release()
 
     def take(self) -> tuple[list, bool] | None:
         """(stack outermost first, whether the budget's deadline rather than the limit was due) if
         the watchdog fired on this thread since it was last armed, else None."""
-        with self._cond:
+        self._lock.acquire()
+        try:
             return self._fired.pop(threading.get_ident(), None)
+        finally:
+            self._lock.release()
 
     def _loop(self) -> None:
         with self._cond:

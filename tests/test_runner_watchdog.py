@@ -69,7 +69,9 @@ def test_the_hang_replays_and_reports_the_stuck_frame(hangs_after, tmp_path):
     finally:
         runner.set_step_timeout(runner.DEFAULT_STEP_TIMEOUT)
     (f,) = ex.findings
-    assert f.signature == "hang/-/idle" and f.alloc_sites[0].function == "_spin_forever"
+    # a stuck step is named by its frame: another stuck step is another hang, not the idle() one
+    assert f.signature == "hang/-/stuck:_spin_forever@test_runner_watchdog.py"
+    assert f.alloc_sites[0].function == "_spin_forever"
     assert f.engine_check_at_idle == ["not drained: an engine step hung (the watchdog interrupted it)"]
     path = replay.write_atomic(str(tmp_path / "hang.json"), replay.to_doc(config, PROGRAM, ex.findings))
     _, _, (back,), _ = replay.load(path)
