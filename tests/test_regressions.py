@@ -44,3 +44,21 @@ def test_every_zoo_bug_has_a_minimized_regression_of_its_finding_kind():
         config, program, recorded, _ = replay.load(have[name])
         assert recorded[0].kind == bug.finding, name
         assert len(program) <= bug.min_ops + 1, f"{name}: {len(program)} ops, zoo min {bug.min_ops}"
+
+
+def test_no_two_zoo_bugs_share_a_signature():
+    """A signature is a promise that two findings are one bug. Before the leak's second site, the
+    row leaks of chunked-abort-ignored (an abort drops a parked chunked request) and
+    prefill-finish-leaks-row (a release that forgets the row) were one signature,
+    leak/req_to_token_pool/alloc_for_extend@scheduler.py, and so were their KV leaks: a campaign
+    that knew one took the other as known."""
+    owner: dict[str, str] = {}
+    for path in FILES:
+        config, program, _, _ = replay.load(path)
+        for sig in set(execute(config, program).signatures):
+            name = os.path.basename(path)[: -len(".json")]
+            assert owner.setdefault(sig, name) == name, f"{sig}: {owner[sig]} and {name}"
+    chunked, finish = (next(s for s, n in owner.items() if n == b and s.startswith("leak/req_to_token_pool/"))
+                       for b in ("chunked-abort-ignored", "prefill-finish-leaks-row"))
+    assert chunked.endswith("/from:chunked")  # dropped from the chunked slot without a release
+    assert finish.endswith("/process_batch_result@scheduler.py")  # the release that left the row out
