@@ -109,12 +109,12 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         auditor.checked_upto, auditor.owner_where = len(auditor.events), where
         if not findings:
             findings.extend(drift or _engine_disagrees(auditor, target))
-        # lock balance at idle; and whenever the tree's evictable/protected counters disagree with their
-        # recount, since a lock_ref gone wrong (a release too many) shows there first: the lock is the
-        # root cause and sorts before the drift
+        # lock balance at idle; and, for a node locked below its holders, whenever the tree's
+        # evictable/protected counters disagree with their recount, since a release too many shows
+        # there first: the lock is the root cause and sorts before the drift
         if idle or any(f.kind == "accounting-drift" and f.check.startswith("counter:") and
                        ("evictable" in f.check or "protected" in f.check) for f in findings):
-            findings.extend(_lock_balance(auditor, target))
+            findings.extend(_lock_balance(auditor, target, idle))
     findings.sort(key=lambda f: KIND_ORDER.index(f.kind) if f.kind in KIND_ORDER else len(KIND_ORDER))
     return attach_engine_verdict(target, findings)
 
@@ -310,7 +310,7 @@ def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
     return findings
 
 
-def _lock_balance(auditor: Auditor, target) -> list[Finding]:
+def _lock_balance(auditor: Auditor, target, idle: bool = True) -> list[Finding]:
     """``lock-imbalance``: a tree node locked more (or less) than its live holders account for; one
     finding per lock kind (device ``lock_ref`` on ``token_to_kv_pool``, host pins on the host pool).
 
@@ -318,10 +318,13 @@ def _lock_balance(auditor: Auditor, target) -> list[Finding]:
     can never reclaim them, so admission eventually stalls (SGLang invariants 13 and 14). The
     finding blames, from the lock-ref ledger (:mod:`kvaudit.locks`), the open inc whose holder is
     gone (its stack in ``alloc_sites``), else one no holder ever claimed, else the unmatched dec
-    (``free_sites``).
+    (``free_sites``). Busy (``idle`` false), only nodes locked *below* their live holders count: a
+    lock taken ahead of its holder's record is normal mid-flight, a release too many never is.
     """
     balance = getattr(target, "lock_balance", None)
     bad = [LockImbalance(*b) for b in balance()] if balance else []
+    if not idle:
+        bad = [b for b in bad if b.lock_ref < b.holders]
     if not bad:
         return []
     auditor.lock_snapshot()
