@@ -61,76 +61,75 @@ class StepTimeout(BaseException):
 class _Watchdog:
     """One daemon thread per process that interrupts an engine call running past its limit.
 
-    A thread arms it before each engine call (:meth:`arm`) and disarms it after (:meth:`disarm`);
-    cost per call: one uncontended lock, no wake-up of the watchdog unless the new limit is earlier
-    than the one it sleeps towards. When a call is due, the watchdog records the stuck thread's stack
-    (``sys._current_frames()``) and raises :class:`StepTimeout` in it
-    (``PyThreadState_SetAsyncExc``), which lands at the thread's next Python bytecode: a loop of
-    ``time.sleep`` or of Python code is interrupted; one blocking C call that never returns is not.
+    A thread arms it before each engine call (:meth:`arm`) and disarms it after (:meth:`disarm`).
+    When a call is due, the watchdog records the stuck thread's stack (``sys._current_frames()``)
+    and raises :class:`StepTimeout` in it (``PyThreadState_SetAsyncExc``), which lands at the
+    thread's next Python bytecode: a loop of ``time.sleep`` or of Python code is interrupted; one
+    blocking C call that never returns is not. The watchdog polls (every 20 ms while a call is
+    armed, 200 ms otherwise), so a limit is kept to within 20 ms.
+
+    NOTE: a StepTimeout can land in the engine's thread at any bytecode boundary, including inside
+    :meth:`disarm` after the call returned. So the engine thread takes no lock here (a lock taken
+    when the exception lands would stay held: a deadlock), every method it calls is made of atomic
+    dict operations and is safe to repeat, and callers repeat
+    ``disarm``/``take`` until they complete (see ``AuditedRun._guarded``). ``disarm`` waits out a
+    send the watchdog has decided on (``_firing``) and withdraws it if not yet raised, so no
+    StepTimeout arrives once ``disarm`` has returned.
     """
 
-    # NOTE: arm/disarm/take run in the engine's thread, where a StepTimeout may land at any bytecode
-    # boundary: they take the raw lock with acquire() and release it in a finally, never through
-    # ``with`` on the Condition, whose Python-level __enter__ could be left by the exception with
-    # the lock held (the watchdog then blocks for ever: a later stuck step ran unwatched).
     def __init__(self):
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._armed: dict[int, tuple[float, bool]] = {}  # thread id -> (fire at, is the budget's deadline)
         self._fired: dict[int, tuple[list, bool]] = {}  # thread id -> (stack outermost first, budget)
-        self._wake_at = float("inf")
+        self._firing: int | None = None  # the thread id the watchdog is deciding to interrupt
         self._thread: threading.Thread | None = None
+        self._start = threading.Lock()  # only around starting the thread (never held by an armed call)
 
     def arm(self, limit: float, deadline: float | None) -> None:
         fire_at, budget = time.monotonic() + limit, False
         if deadline is not None and deadline < fire_at:
             fire_at, budget = deadline, True
         tid = threading.get_ident()
-        self._lock.acquire()
-        try:
-            self._armed[tid] = (fire_at, budget)
-            self._fired.pop(tid, None)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="kvaudit-watchdog", daemon=True)
-                self._thread.start()
-            if fire_at < self._wake_at:
-                self._cond.notify()
-        finally:
-            self._lock.release()
+        self._fired.pop(tid, None)
+        if self._thread is None:
+            with self._start:  # not armed yet: no StepTimeout can be on its way to this thread
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="kvaudit-watchdog", daemon=True)
+                    self._thread.start()
+        self._armed[tid] = (fire_at, budget)
 
     def disarm(self) -> None:
-        """Stop watching this thread. A :class:`StepTimeout` sent but not yet raised is withdrawn,
-        so none arrives later."""
+        """Stop watching this thread; safe to repeat. Once it returns, no StepTimeout is pending
+        for this thread and none will be sent."""
         tid = threading.get_ident()
-        self._lock.acquire()
-        try:
-            self._armed.pop(tid, None)
-            if tid in self._fired:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
-        finally:
-            self._lock.release()
+        self._armed.pop(tid, None)
+        while self._firing == tid:  # the watchdog is mid-decision on this thread: let it finish
+            time.sleep(0)
+        if tid in self._fired:  # sent: withdraw it if it has not landed yet
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
 
     def take(self) -> tuple[list, bool] | None:
         """(stack outermost first, whether the budget's deadline rather than the limit was due) if
         the watchdog fired on this thread since it was last armed, else None."""
-        self._lock.acquire()
-        try:
-            return self._fired.pop(threading.get_ident(), None)
-        finally:
-            self._lock.release()
+        return self._fired.pop(threading.get_ident(), None)
 
     def _loop(self) -> None:
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                for tid, (fire_at, budget) in list(self._armed.items()):
-                    if fire_at <= now:
-                        frame = sys._current_frames().get(tid)
-                        self._fired[tid] = (traceback.extract_stack(frame) if frame is not None else [], budget)
-                        del self._armed[tid]
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(StepTimeout))
-                self._wake_at = min((a[0] for a in self._armed.values()), default=float("inf"))
-                self._cond.wait(None if self._wake_at == float("inf") else max(0.0, self._wake_at - now))
+        while True:
+            now = time.monotonic()
+            for tid, entry in list(self._armed.items()):
+                if entry[0] <= now:
+                    self._firing = tid
+                    try:
+                        if self._armed.get(tid) is entry:  # still armed: the call has not returned
+                            frame = sys._current_frames().get(tid)
+                            self._fired[tid] = (traceback.extract_stack(frame) if frame is not None else [],
+                                                entry[1])
+                            self._armed.pop(tid, None)
+                            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid),
+                                                                       ctypes.py_object(StepTimeout))
+                    finally:
+                        self._firing = None
+            nxt = min((e[0] for e in self._armed.values()), default=None)
+            time.sleep(0.2 if nxt is None else min(0.02, max(0.0, nxt - time.monotonic())))
 
 
 _WATCHDOG = _Watchdog()
@@ -213,15 +212,18 @@ class AuditedRun:
     def _guarded(self, call, *args) -> list[Finding] | None:
         """``call(*args)`` under the watchdog: None when it returned in time, else ``[]`` (the
         deadline was due: ``out_of_time`` is set) or ``[hang finding]``."""
-        _WATCHDOG.arm(self.step_limit, self.deadline)
         try:
-            try:
-                call(*args)
-            finally:
-                _WATCHDOG.disarm()
+            _WATCHDOG.arm(self.step_limit, self.deadline)  # (inside the try: an overdue deadline fires at once)
+            call(*args)
         except StepTimeout:
             pass  # the engine thread was interrupted: what the watchdog saw is in take()
-        fired = _WATCHDOG.take()
+        while True:  # a StepTimeout sent as the call returned may land in here: repeat until done
+            try:
+                _WATCHDOG.disarm()
+                fired = _WATCHDOG.take()
+                break
+            except StepTimeout:
+                continue
         if fired is None:
             return None
         stack, budget = fired
