@@ -159,6 +159,10 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
                 timeline=crash.timeline or record(config, crash.program)))
         known.add(sig)
         emit(("finding", spec.index, sig, path))
+        for other in dict.fromkeys(f.signature for f in crash.findings[1:]):  # saved with it, so known from
+            if other != sig and other not in known:                          # now on: new to this campaign
+                known.add(other)
+                emit(("finding", spec.index, other, path))
     emit(("done", spec.index))
 
 

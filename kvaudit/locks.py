@@ -7,8 +7,9 @@ steps and ops, never from the engine's frames, so fast mode and full stacks pair
 snapshot, over the events since the previous one:
 
 * a holder that disappeared marks its inc *gone* (a request finished, a load-back was acked);
-* a holder that appeared claims the oldest unclaimed inc of the interval on its node (else the
-  latest older one), or takes over a gone
+* a holder that appeared claims an unclaimed inc on its node: one its frames were named for
+  (``owner_hint``), else the latest unnamed one of the interval, else the latest older one; or takes
+  over a gone
   holder's inc when it took no lock of its own (a session slot inheriting its turn's lock);
 * a dec whose frames name their owner (``owner_hint``, read for lock events in every mode)
   releases that owner's oldest inc on the node that no holder has claimed yet;
@@ -148,7 +149,7 @@ class LockLedger:
         # that holds nothing on its node now: that owner is gone or never kept it, so the lock is its
         # leak, not an anonymous one
         names = {name for _, name, _ in listed}
-        for rs in self._fresh.values():
+        for rs in (self._fresh.values() if self.holders is not None else ()):  # (no holders: no claims)
             for r in rs:
                 if r.holder is None and not r.released and r.hint is not None and r.hint not in names:
                     r.holder, r.gone = r.hint, (op, step)

@@ -259,10 +259,14 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
         for u in units.tolist():
             mine = [r for r, m in held.items() if (pool == "req_to_token_pool" and r == u) or
                     (pool != "req_to_token_pool" and u in set(m.get(pool, np.empty(0, np.int64)).tolist()))]
-            for ev in frees:
-                if any(set(ev.units).intersection(held[r].get(ev.pool, ())) - (leaked if ev.pool == pool else set())
-                       for r in mine):
-                    out[u] = (ev.site, "")
+            # the latest such free in the unit's own pool (the release that freed its neighbours and
+            # left it out), else in any pool (a release that freed the row and forgot a buffer)
+            for same in (True, False):
+                hit = next((ev for ev in frees if (ev.pool == pool) == same and any(
+                    set(ev.units).intersection(held[r].get(ev.pool, ())) - (leaked if ev.pool == pool else set())
+                    for r in mine)), None)
+                if hit is not None:
+                    out[u] = (hit.site, "")
                     break
     owners = prev_owner[pool][units]
     wanted = set(owners[owners > 0].tolist())
