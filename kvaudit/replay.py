@@ -64,11 +64,14 @@ def rerecord(path: str, findings: list[Finding]) -> str:
     recorded again, and tracebacks name the checkout's files by relative path. Findings whose
     signature the file recorded come first, in its order. Returns one line saying what happened
     (``updated``, ``unchanged``, or ``not updated: ...`` when the file recorded findings and
-    ``findings`` is empty). Raises :class:`ReplayFormatError`, OSError."""
+    ``findings`` is empty, or holds none of the kind of the file's first finding: a different bug). Raises :class:`ReplayFormatError`, OSError."""
     config, program, recorded, doc = load(path)
     if recorded and not findings:
         return "not updated: its recorded finding(s) no longer reproduce"
     order = [f.signature for f in recorded]
+    if recorded and not any(f.kind == recorded[0].kind for f in findings):  # another bug, not a re-record
+        return (f"not updated: it recorded a {recorded[0].kind} and now yields "
+                f"{', '.join(dict.fromkeys(f.kind for f in findings))} (another bug? re-record it by hand)")
     findings = sorted(findings, key=lambda f: order.index(f.signature) if f.signature in order else len(order))
     root = source_path("")  # the checkout: tracebacks name its files relative to it, as sites do
     new = {**doc, "findings": [{**d, "traceback": d["traceback"].replace(f'File "{root}', 'File "')}

@@ -458,6 +458,18 @@ def test_replay_update_leaves_a_file_that_no_longer_reproduces(tmp_path):
     assert json.loads(path.read_text()) == doc
 
 
+def test_replay_update_refuses_a_file_whose_finding_changed_kind(tmp_path):
+    """Other bugs switched on under a recorded use-after-free: the program now yields something else.
+    Re-recording would silently turn a reproducer into another bug's (a breaker saw exit 0 here)."""
+    path, doc = _stale_copy(tmp_path, "session-close-while-running.json")
+    doc["config"]["bugs"] = ["session-close-while-running", "session-borrow-double-count"]
+    path.write_text(json.dumps(doc))
+    result = invoke("replay", "--update", str(path))
+    assert result.exit_code == 4, result.output
+    assert "not updated: it recorded a use-after-free and now yields accounting-drift" in result.stdout
+    assert json.loads(path.read_text()) == doc
+
+
 @pytest.mark.parametrize("args", [
     ["a.json", "b.json"],
     ["--update", "--json", "out.json", "a.json"],
