@@ -140,11 +140,12 @@ def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, rec
     lines, checks = [], []
     if recount:
         have = {term: getattr(a, term) for term in recount}
-        if any(have[t] != r.tokens for t, r in recount.items()):
-            lines += [f"{r.counter} counter {t}={have[t]} but {r.source} hold {r.tokens} tokens"
-                      for t, r in recount.items() if have[t] != r.tokens]
-            lines += [f"{t}={have[t]} matches {r.source}" for t, r in recount.items() if have[t] == r.tokens]
-            checks.append("counter:" + ",".join(sorted(t for t, r in recount.items() if have[t] != r.tokens)))
+        wrong = [t for t, r in recount.items() if have[t] != r.tokens]
+        if wrong:
+            lines += [f"{recount[t].counter} counter {t}={have[t]} but {recount[t].source} hold "
+                      f"{recount[t].tokens} tokens" for t in wrong]
+            lines += [f"{t}={have[t]} matches {r.source}" for t, r in recount.items() if t not in wrong]
+            checks.append("counter:" + ",".join(sorted(wrong)))
     free_units = (n - 1) - int(np.count_nonzero(led.allocated[1:]))
     if led.spec.kind == "kv" and a.available != free_units * ps:
         lines.append(f"the engine reports available={a.available} but the ledger holds {free_units * ps} slots free")
@@ -252,18 +253,19 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
     if rows_led is not None and of_rows is not None and frees:
         live = rows_led.allocated | (rows_led.last_free >= auditor.checked_upto)
         live[0] = False
-        held = {int(r): of_rows(np.array([r])) for r in np.flatnonzero(live)}
+        # each live row's units per pool, as sets (the row itself in the row pool)
+        held = {int(r): {p: set(np.asarray(us).tolist()) for p, us in of_rows(np.array([r])).items()}
+                for r in np.flatnonzero(live)}
         for r, m in held.items():
-            m.setdefault("req_to_token_pool", np.array([r], dtype=np.int64))
+            m.setdefault("req_to_token_pool", {r})
         leaked = set(units.tolist())
         for u in units.tolist():
-            mine = [r for r, m in held.items() if (pool == "req_to_token_pool" and r == u) or
-                    (pool != "req_to_token_pool" and u in set(m.get(pool, np.empty(0, np.int64)).tolist()))]
+            mine = [r for r, m in held.items() if u in m.get(pool, ())]
             # the latest such free in the unit's own pool (the release that freed its neighbours and
             # left it out), else in any pool (a release that freed the row and forgot a buffer)
             for same in (True, False):
                 hit = next((ev for ev in frees if (ev.pool == pool) == same and any(
-                    set(ev.units).intersection(held[r].get(ev.pool, ())) - (leaked if ev.pool == pool else set())
+                    held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
                     for r in mine)), None)
                 if hit is not None:
                     out[u] = (hit.site, "")
@@ -293,13 +295,11 @@ def _use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> li
     free_site = {u: (auditor.events[e].site if e >= 0 else -1, "")
                  for u, e in zip(units.tolist(), led.last_free[units].tolist())}
     out = _group_by_site(auditor, "use-after-free", pool, units, "referenced by a live owner but free in the ledger",
-                         second=free_site)
+                         second=free_site, into="free_sites")
     for f in out:
         mine = np.asarray(f.slots if f.unit == "row" else sorted({s // led.spec.page_size for s in f.slots}),
                           dtype=np.int64)
         f.used_by = sorted({r.owner for r in roots if np.isin(r.units, mine).any()})
-        f.free_sites = f.lost_sites  # _group_by_site put the second site there
-        f.lost_sites = []
         if f.used_by:
             f.message += f" (still used by {', '.join(f.used_by[:3])})"
     return out
@@ -391,10 +391,11 @@ def _lock_finding(auditor: Auditor, lock: str, bad: list) -> Finding:
 
 
 def _group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str,
-                   second: dict[int, tuple[int, str]] | None = None) -> list[Finding]:
+                   second: dict[int, tuple[int, str]] | None = None, into: str = "lost_sites") -> list[Finding]:
     """One finding per allocation site of ``units`` (LeakSanitizer groups by stack the same way) and,
     with ``second`` (unit -> (site id, where)), per second site and place too, recorded as the
-    findings' ``lost_sites`` and ``lost_from``."""
+    findings' ``into`` stack (``lost_sites``: where a leak lost its owner; ``free_sites``: a
+    premature free) and ``lost_from``."""
     led = auditor.ledgers[pool]
     ev_ids = led.last_alloc[units]
     site_of_unit = [auditor.events[e].site if e >= 0 else -1 for e in ev_ids.tolist()]
@@ -404,6 +405,7 @@ def _group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, ms
     for key in sorted(set(keys)):
         mine = units[np.array([k == key for k in keys])]
         f = auditor._unit_finding(kind, pool, mine, msg, alloc_sid=int(key[0]))
-        f.lost_sites, f.lost_from = auditor.site(int(key[1])), key[2]
+        setattr(f, into, auditor.site(int(key[1])))
+        f.lost_from = key[2]
         out.append(f)
     return out

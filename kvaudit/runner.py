@@ -235,15 +235,11 @@ class AuditedRun:
     def _stuck_finding(self, stack) -> Finding:
         """The watchdog's ``hang``: the stuck thread's frames below this run (innermost first),
         without kvaudit's own except a target's ``engine_files``."""
-        keep = {os.path.abspath(f) for f in getattr(self.target, "engine_files", list)()}
         inner = stack
         for i, fr in enumerate(stack):
             if fr.name == "_guarded" and os.path.abspath(fr.filename) == os.path.abspath(__file__):
                 inner = stack[i + 1:]
-        frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip())
-                  for fr in reversed(inner)
-                  if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)
-                  or os.path.abspath(fr.filename) in keep]
+        frames = _engine_frames(inner, getattr(self.target, "engine_files", list)())
         where = f"; stuck in {frames[0].short()}" if frames else ""
         f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps, alloc_sites=frames[:8],
                     message=f"{WATCHDOG_HANG} {self.step_limit:g}s (watchdog){where}")
@@ -301,7 +297,7 @@ class AuditedRun:
         Raises ``KeyboardInterrupt`` once :data:`INTERRUPTED` is set."""
         if INTERRUPTED.is_set():
             raise KeyboardInterrupt
-        if self.out_of_time or any(is_watchdog_hang(f) for f in self.findings):
+        if self._cut_short():
             return []  # the engine was interrupted mid-call: nothing more runs on it
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
@@ -340,6 +336,10 @@ class AuditedRun:
         self.findings.extend(found)
         return found
 
+    def _cut_short(self) -> bool:
+        """The watchdog interrupted an engine call of this run (the deadline, or a hang)."""
+        return self.out_of_time or any(is_watchdog_hang(f) for f in self.findings)
+
     def _out_of_time(self) -> bool:
         """The run's ``deadline`` has passed (sets ``out_of_time``)."""
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -352,7 +352,7 @@ class AuditedRun:
         oracle) until idle, plus the one idle iteration that runs its ``on_idle``, at most
         MAX_IDLE_STEPS steps, each under the watchdog. Lines as in ``Finding.engine_check``; a
         drain that crashes, hangs or never reaches idle says so in the first line."""
-        if self.out_of_time or any(is_watchdog_hang(f) for f in self.findings):
+        if self._cut_short():
             return ["not drained: an engine step hung (the watchdog interrupted it)"]
         try:
             if getattr(self.target, "paused", False):
@@ -408,15 +408,20 @@ def _merge_same_signature(found: list[Finding]) -> list[Finding]:
     return list(out.values())
 
 
+def _engine_frames(stack, engine_files=()) -> list[Site]:
+    """``stack`` (``traceback`` FrameSummary list, outermost first) as Sites, innermost first, without
+    kvaudit's own frames except a target's ``engine_files`` (a driver that plays the scheduler)."""
+    keep = {os.path.abspath(f) for f in engine_files}
+    return [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip()) for fr in reversed(stack)
+            if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
+
+
 def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=(), target=None,
                    auditor=None) -> Finding:
     """The crash as a finding: its stack without kvaudit's frames, except a target's ``engine_files``
     (a driver that plays the engine's scheduler). An out-of-memory crash also carries who held the
     memory at that moment (``memory_state``, read from ``target`` and ``auditor``: :mod:`kvaudit.memstate`)."""
-    tb = traceback.extract_tb(exc.__traceback__)
-    keep = {os.path.abspath(f) for f in engine_files}
-    frames = [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip()) for fr in reversed(tb)
-              if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
+    frames = _engine_frames(traceback.extract_tb(exc.__traceback__), engine_files)
     f = Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
                 op_index=op_index, step=step,
                 traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
