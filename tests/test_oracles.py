@@ -10,6 +10,7 @@ from engine_under_test import Scheduler, get_preset
 from kvaudit import oracles
 from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, Step, Submit, random_program
 from kvaudit.runner import AuditedRun, execute
+from fault_helpers import assert_names_both_tree_counters, first_finding_within
 
 PRESETS = ["default", "pd-decode", "pd-decode-hisparse"]
 
@@ -271,15 +272,7 @@ def test_a_counter_booked_in_the_wrong_term_is_accounting_drift_naming_the_count
     """Issue 16 item 1: the identity adds evictable and protected, so a misbooked leaf balances it
     (and the engine's own check_memory); each term recounted from the tree's nodes catches it."""
     plant(monkeypatch)
-    config = get_preset("default").config()
-    rng = random.Random("wrong-term")
-    runs = (execute(config, random_program(rng, 41, max_prompt=40)) for _ in range(200))
-    ex = next((ex for ex in runs if ex.findings), None)
-    assert ex is not None, "the misbooked counter went unnoticed for 200 random programs"
-    f = ex.findings[0]
-    assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool"), f.summary()
-    assert "tree counter evictable=" in f.message and "its nodes with lock_ref 0 hold" in f.message
-    assert "tree counter protected=" in f.message and "its nodes with lock_ref > 0 hold" in f.message
+    assert_names_both_tree_counters(first_finding_within(get_preset("default").config()).findings[0])
 
 
 def test_the_recount_names_both_values_of_each_wrong_counter(make_run, page_size):

@@ -24,6 +24,7 @@ from kvaudit import replay  # noqa: E402
 from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,  # noqa: E402
                              MemoryPressure, OpenSession, PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, kinds, run_ops  # noqa: E402
+from fault_helpers import assert_names_both_tree_counters, first_finding_within  # noqa: E402
 from kvaudit.runner import AuditedRun, execute  # noqa: E402
 from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
 
@@ -127,17 +128,8 @@ def _misbook_new_leaves(core, monkeypatch):
 @pytest.mark.parametrize("core", CORES)
 def test_a_leaf_booked_as_protected_is_accounting_drift_naming_the_counter(core, monkeypatch):
     """Issue 16 item 1 on real SGLang: the identity balances, each term recounted from the tree does not."""
-    from kvaudit.program import random_program
-    import random
     _misbook_new_leaves(core, monkeypatch)
-    config, rng = cfg("sglang", core), random.Random("wrong-term")
-    runs = (execute(config, random_program(rng, 41, max_prompt=40)) for _ in range(200))
-    ex = next((ex for ex in runs if ex.findings), None)
-    assert ex is not None, "the misbooked counter went unnoticed for 200 random programs"
-    f = ex.findings[0]
-    assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool"), f.summary()
-    assert "tree counter evictable=" in f.message and "its nodes with lock_ref 0 hold" in f.message
-    assert "tree counter protected=" in f.message and "its nodes with lock_ref > 0 hold" in f.message
+    assert_names_both_tree_counters(first_finding_within(cfg("sglang", core)).findings[0])
 
 
 @pytest.mark.parametrize("core", CORES)
