@@ -12,7 +12,11 @@ leak               allocated at; where the unit lost its last owner: the release
                    (``from:waiting``, ``lost_from``)
 use-after-free     allocated at; where it was freed while an owner still used it
 double-free        freed first at; freed again at
-lock-imbalance     the unmatched ``inc_lock_ref`` (or ``dec_lock_ref``)
+lock-imbalance     the unmatched ``inc_lock_ref`` (or ``dec_lock_ref``); when incs and decs pair
+                   up per node, the live holder's lock that walked another path (``walk:``)
+stale-kv           content written for another prefix in a slot freed under its reader: that free
+                   (``freed:``); else allocated at, and ``unwritten`` (never written) or
+                   ``overwritten`` (written for another prefix, no free recorded)
 crash              the exception type; the raising frame
 accounting-drift   the check that failed: ``identity``, ``counter:evictable,protected`` (a term
                    against its recount), ``free_list``, ``engine_check``; or the tree insert that
@@ -93,7 +97,8 @@ class Finding:
     # or the op that dropped it); empty when it had none at any check
     lost_sites: list[Site] = field(default_factory=list)
     lost_from: str = ""  # leak: where the target last held the unit's owner (Root.where), if it said
-    # accounting-drift: which check failed (identity, counter:<terms>, free_list, engine_check); "" = identity
+    # accounting-drift: which check failed (identity, counter:<terms>, free_list, engine_check); "" = identity.
+    # stale-kv: the cause (freed, unwritten, overwritten); lock-imbalance: "walk" (incs and decs pair up)
     check: str = ""
     used_by: list[str] = field(default_factory=list)  # use-after-free: owners still referencing the units
     indirect: bool = False  # leak reachable only from a leaked owner (LeakSanitizer's indirect leak)
@@ -122,6 +127,13 @@ class Finding:
             return f"{self.kind}/{self.pool}/{NO_SITE_KINDS[self.kind]}"
         if self.kind == "crash":
             return f"crash/{self.pool}/{self.message.split(':', 1)[0]}@{_where(self.alloc_sites)}"
+        if self.kind == "stale-kv" and self.check == "freed" and self.free_sites:
+            return f"stale-kv/{self.pool}/freed:{_where(self.free_sites)}"
+        if self.kind == "stale-kv" and self.check:
+            return f"stale-kv/{self.pool}/{_where(self.alloc_sites)}/{self.check}"
+        if self.kind == "lock-imbalance" and self.check == "walk":
+            return (f"lock-imbalance/{self.pool}/walk:" + (f"inc:{_where(self.alloc_sites)}" if self.alloc_sites
+                                                           else f"dec:{_where(self.free_sites)}"))
         if self.kind == "lock-imbalance":
             first = (_where(self.alloc_sites, "") and "inc:" + _where(self.alloc_sites)
                      or _where(self.free_sites, "") and "dec:" + _where(self.free_sites) or "lock_ref")

@@ -70,6 +70,13 @@ class PoolLedger:
         self.allocated[0] = True  # reserved padding unit: any alloc of it trips the aliasing check
 
 
+def _is_install_closure(qualname: str) -> bool:
+    """Whether ``qualname`` names a function defined inside a target's ``install_*`` method
+    (``SglangTarget.install_pool.<locals>.grouped.<locals>.wrapper``)."""
+    head, sep, _ = qualname.partition(".<locals>.")
+    return bool(sep) and head.rpartition(".")[2].startswith("install_")
+
+
 class Auditor:
     """Installs the hooks on ``target``'s pools and keeps the ledger.
 
@@ -174,8 +181,11 @@ class Auditor:
         """``(is framework, owner lookup)``: lookup is 0 (nothing to see), ``STOP`` (a batch-level
         function: no single owner) or ``READ`` (read the owner from the frame's locals)."""
         fn = os.path.abspath(code.co_filename)
-        fw = (fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
-              or (fn, code.co_qualname.split(".")[0]) in self._skip_classes) and fn not in self._engine_files
+        fw = ((fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
+               or (fn, code.co_qualname.split(".")[0]) in self._skip_classes) and fn not in self._engine_files
+              # a hook a target's install_* method defines (a driver file among engine_files wraps
+              # the engine's methods there): the wrapper is not a site, its caller is
+              or _is_install_closure(code.co_qualname))
         names = code.co_varnames
         look = (_STOP if any(v in names for v in self._stop_vars)
                 else _READ if any(v in names for v in self._hint_vars) else 0)
@@ -425,10 +435,23 @@ class Auditor:
 
     def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
         """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.shadow`)."""
-        ps = self.ledgers[pool].spec.page_size
+        led = self.ledgers[pool]
+        ps = led.spec.page_size
         f = self._unit_finding("stale-kv", pool, np.unique(slots // ps), message)
         f.slots = sorted(set(slots.tolist()))
         f.read_sites = self.site(self.capture_site())
+        # the cause, for the signature: content written for another prefix in a slot freed and
+        # reused under the reader is a premature free (that free is the site); never-written
+        # content was handed to the reader unwritten (the allocation is the site)
+        slots = np.asarray(slots, dtype=np.int64)
+        written = slots[self.shadow.tags[pool][slots] != 0] if self.shadow is not None else slots[:0]
+        if written.size:
+            ev = int(led.last_free[written[0] // ps])
+            f.check = "freed" if ev >= 0 else "overwritten"
+            if ev >= 0:
+                f.free_sites = self.site(self.events[ev].site)
+        else:
+            f.check = "unwritten"
         self.pending.append(f)
 
     # -- findings ---------------------------------------------------------------------------

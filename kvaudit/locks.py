@@ -161,6 +161,16 @@ class LockLedger:
         """Unreleased incs of ``lock`` on any of ``nodes`` (ids), oldest first."""
         return [r for (lk, node), rs in self._open.items() if lk == lock and node in nodes for r in rs]
 
+    def holder_lock(self, lock: str, nodes) -> LockRecord | None:
+        """The latest inc of ``lock`` (any node) taken by or for a live holder listed on one of
+        ``nodes`` at the last snapshot: when incs and decs pair up per node, the lock that holder
+        took walked another path than the one it holds (None if the ledger has none)."""
+        names = {name for lk, name, node in self._listed if lk == lock and node in nodes}
+        for r in reversed(self.records):
+            if r.lock == lock and (r.holder in names or r.hint in names):
+                return r
+        return None
+
     def culprits(self, lock: str, nodes) -> list[LockRecord]:
         """The open incs on ``nodes`` to blame, best first: those whose holder is gone (the earliest
         gone first), then those no holder ever claimed (oldest first)."""

@@ -387,6 +387,18 @@ def _lock_finding(auditor: Auditor, lock: str, bad: list) -> Finding:
     else:
         f.message += ("; incs and decs pair up per node, so a lock and its release walked different paths "
                       "(the tree changed shape, or a lock started at the wrong node)")
+        f.check = "walk"
+        every = set().union(*(b.ids or () for b in bad))
+        r = auditor.locks.holder_lock(lock, every)
+        if r is not None:  # the live holder's own lock: where the walk that missed this node began
+            f.alloc_sites = auditor.site(r.site)
+            f.message += (f"; {r.holder or r.hint} holds it, its lock taken at op {r.op}, step {r.step}"
+                          f"{f' in {f.alloc_sites[0].function}' if f.alloc_sites else ''}")
+        else:  # no live holder: the latest release that reached these nodes walked past their locks
+            decs = [e for e in auditor.lock_events if e[0] in every and e[5] == lock and e[1] < 0]
+            if decs:
+                f.free_sites = auditor.site(decs[-1][2])
+                f.message += f"; the latest release on them at op {decs[-1][3]}, step {decs[-1][4]}"
     return f
 
 

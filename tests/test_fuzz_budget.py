@@ -68,6 +68,26 @@ def test_a_search_with_a_finding_returns_within_its_budget():
         assert found[1][0].signature in execute(_config(), found[0], full_stacks=False).signatures
 
 
+def test_a_flaky_hypothesis_batch_does_not_end_the_search(monkeypatch):
+    """Hypothesis raised FlakyStrategyDefinition once at a budget's end on sglang-session, and the
+    search died with exit 70 (an internal error). A flaky batch is dropped; the search goes on to its
+    budget."""
+    from hypothesis.errors import FlakyStrategyDefinition
+
+    real, calls = fuzz.run_state_machine_as_test, []
+
+    def flaky_first(machine, settings):
+        calls.append(machine)
+        if len(calls) == 1:
+            raise FlakyStrategyDefinition("Inconsistent data generation! (planted)")
+        return real(machine, settings=settings)
+
+    monkeypatch.setattr(fuzz, "run_state_machine_as_test", flaky_first)
+    clean = get_preset("default").config()
+    assert hypothesis_search(clean, 1.5, SEED, FuzzStats(), batch_examples=5) is None
+    assert len(calls) >= 2  # the search ran the next batch
+
+
 def test_executions_count_to_the_first_hit_and_shrinks_apart():
     stats = FuzzStats()
     found = hypothesis_search(_config(), 60, SEED, stats)

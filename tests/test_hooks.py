@@ -349,3 +349,32 @@ def test_freeing_the_reserved_slot_zero_is_reported_at_free_time(make_audited):
     (f,) = auditor.pending
     assert f.kind == "double-free" and f.slots == [0]
     assert f.free_sites[0].function == "test_freeing_the_reserved_slot_zero_is_reported_at_free_time"
+
+
+class _Driver:
+    """A target-like driver living in an engine file (as kvaudit/targets/sglang_target.py does)."""
+
+    def install_pool(self, auditor):
+        def inner():  # a hook over an allocator method, which records the call's site
+            return auditor.capture_site()
+
+        def wrapper():  # a hook over the engine method that calls it (free_page_ids -> free)
+            return inner()
+        return wrapper
+
+
+def _driver_frees(hook):  # the driver's own call site: the site a report should name
+    return hook()
+
+
+def test_a_hook_defined_in_a_targets_install_method_is_not_a_site(make_audited, monkeypatch):
+    """SGLang's driver file is an engine file (its frames play SGLang's scheduler), and its grouped-free
+    hook, a closure in ``install_pool``, was taken as the free's site: a known leak came back as new
+    under ``.../wrapper@sglang_target.py`` (one hook calling the engine method another hook
+wraps). The hooks' caller is the site."""
+    monkeypatch.setattr(EutTarget, "engine_files", lambda self: [os.path.abspath(__file__)], raising=False)
+    target, auditor = make_audited()
+    for full in (True, False):
+        auditor.full_stacks = full
+        site = auditor.site(_driver_frees(_Driver().install_pool(auditor)))
+        assert site and site[0].function == "_driver_frees", [s.function for s in site]

@@ -1,6 +1,7 @@
 """Tests for kvaudit.oracles (and the runner around them): each oracle on a hand-made fault, and no
 false positives on clean random workloads."""
 
+import os
 import random
 
 import numpy as np
@@ -541,6 +542,49 @@ def test_stale_kv_reads_of_positions_an_aborted_request_never_wrote(make_run, bu
     f = found[0]
     assert "never written" in f.message and f.read_sites and f.read_sites[0].function in ("run_batch", "step")
     assert f.op_index == 5
+    # the cause is in the signature: never-written content, handed out where it was allocated
+    assert f.check == "unwritten" and f.signature.endswith("/unwritten"), f.signature
+
+
+def _first(config, kind, seed=1, programs=300):
+    """The first finding of ``kind`` that opens one of ``programs`` seeded random programs."""
+    rng = random.Random(seed)
+    for _ in range(programs):
+        ex = execute(config, random_program(rng, 41, max_prompt=40))
+        if ex.findings and ex.findings[0].kind == kind:
+            return ex.findings[0]
+    pytest.fail(f"no {kind} opened {programs} random programs")
+
+
+def test_stale_kv_of_two_root_causes_has_two_signatures():
+    """Stale KV was signed by kind, pool and allocation site alone, so radix-lock-skips-matched-node
+    (a matched node evicted under its reader: the slots are freed, reused and rewritten) and
+    aborted-kv-inserted (positions never written, cached anyway) shared
+    ``stale-kv/token_to_kv_pool/update_running_batch@scheduler.py``. The premature free is now the
+    site of the first, and 'unwritten' marks the second."""
+    config = get_preset("retract").config(bugs=frozenset({"radix-lock-skips-matched-node"}))
+    f = _first(config, "stale-kv")
+    assert "written for another token prefix" in f.message
+    assert f.check == "freed" and f.free_sites and f.free_sites[0].file.endswith("radix_cache.py")
+    assert f.signature == f"stale-kv/token_to_kv_pool/freed:{f.free_sites[0].function}@radix_cache.py"
+    aborted = get_preset("overlap").config(bugs=frozenset({"aborted-kv-inserted"}))
+    g = _first(aborted, "stale-kv", programs=400)
+    assert g.signature.endswith("/unwritten") and g.signature != f.signature
+
+
+def test_a_lock_that_walked_another_path_is_signed_by_its_site():
+    """radix-lock-skips-matched-node locks from the matched node's parent: every inc and dec pairs up
+    per node, and the finding had no site at all (``lock-imbalance/token_to_kv_pool/lock_ref``, one
+    signature for every such bug). It now names the live holder's lock, or the release that walked
+    past the nodes' locks, and says which."""
+    config = get_preset("retract").config(bugs=frozenset({"radix-lock-skips-matched-node"}))
+    f = _first(config, "lock-imbalance")
+    assert "pair up per node" in f.message and f.check == "walk"
+    assert f.alloc_sites or f.free_sites
+    head = "inc:" if f.alloc_sites else "dec:"
+    site = (f.alloc_sites or f.free_sites)[0]
+    assert f.signature == f"lock-imbalance/token_to_kv_pool/walk:{head}{site.function}@{os.path.basename(site.file)}"
+    assert ("holds it, its lock taken at" in f.message) == bool(f.alloc_sites)
 
 
 def test_stale_kv_tags_follow_hicache_copies_without_false_alarms(make_run):
