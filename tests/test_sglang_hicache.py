@@ -20,19 +20,14 @@ import threading
 
 import pytest
 
-from kvaudit.targets.sglang_boot import installed_version
 
-if installed_version() != "0.5.23":
-    pytest.skip("SGLang 0.5.23 is not installed (pip install --no-deps -r requirements/sglang-cpu.txt)",
-                allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
-
-from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit,  # noqa: E402
+from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit,
                              prompt_tokens)
-from kvaudit.runner import AuditedRun, execute  # noqa: E402
-from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
-from sglang_helpers import CORES, run_ops  # noqa: E402
+from kvaudit.runner import AuditedRun, execute
+from kvaudit.targets.sglang_config import SGLANG_PRESETS
+from sglang_helpers import CORES, run_ops
 
 pytestmark = pytest.mark.sglang
 

@@ -11,18 +11,13 @@ Skipped where SGLang 0.5.23 is not installed.
 
 import pytest
 
-from kvaudit.targets.sglang_boot import installed_version
 
-if installed_version() != "0.5.23":
-    pytest.skip("SGLang 0.5.23 is not installed (pip install --no-deps -r requirements/sglang-cpu.txt)",
-                allow_module_level=True)
-
-from cli_helpers import invoke  # noqa: E402
-from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,  # noqa: E402
+from cli_helpers import invoke
+from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
                              PauseGeneration, Step, Submit)
-from sglang_helpers import CORES, run_ops  # noqa: E402
-from kvaudit.runner import AuditedRun, execute  # noqa: E402
-from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig  # noqa: E402
+from sglang_helpers import CORES, run_ops
+from kvaudit.runner import AuditedRun, execute
+from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig
 
 pytestmark = pytest.mark.sglang
 

@@ -13,20 +13,15 @@ import os
 
 import pytest
 
-from kvaudit.targets.sglang_boot import installed_version
 
-if installed_version() != "0.5.23":
-    pytest.skip("SGLang 0.5.23 is not installed (pip install --no-deps -r requirements/sglang-cpu.txt)",
-                allow_module_level=True)
-
-from cli_helpers import invoke  # noqa: E402
-from kvaudit import replay  # noqa: E402
-from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,  # noqa: E402
+from cli_helpers import invoke
+from kvaudit import replay
+from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
                              MemoryPressure, OpenSession, PauseGeneration, Step, Submit)
-from sglang_helpers import CORES, kinds, run_ops  # noqa: E402
-from fault_helpers import assert_names_both_tree_counters, first_finding_within  # noqa: E402
-from kvaudit.runner import AuditedRun, execute  # noqa: E402
-from kvaudit.targets.sglang_config import SGLANG_PRESETS  # noqa: E402
+from sglang_helpers import CORES, kinds, run_ops
+from fault_helpers import assert_names_both_tree_counters, first_finding_within
+from kvaudit.runner import AuditedRun, execute
+from kvaudit.targets.sglang_config import SGLANG_PRESETS
 
 pytestmark = pytest.mark.sglang
 
