@@ -6,7 +6,9 @@
 2. A time-boxed fuzz of the clean engine over every preset (the budget split evenly), each
    finding confirmed and minimized; with a corpus directory the search resumes per preset and
    findings already there are known, not new.
-3. JUnit (one suite for the regressions, one for the fuzz) and SARIF (the fuzz's findings).
+3. JUnit (one suite for the regressions, one for the fuzz) and SARIF: every finding of the fuzz
+   still open, new or known (a known one is listed while its corpus file still reproduces it), so
+   that code scanning keeps an unfixed bug's alert open and closes it once the bug is fixed.
 
 The job fails (exit 1) on a regression that no longer reproduces, is not deterministic or is not
 clean without its switch, and on any new finding.
@@ -55,6 +57,7 @@ class FuzzRun:
     executions: int
     new: list[tuple[list, list[Finding], str]] = field(default_factory=list)  # (program, findings, replay file)
     known: list[str] = field(default_factory=list)
+    known_open: list[Finding] = field(default_factory=list)  # known findings that still reproduce
 
 
 @dataclass
@@ -125,7 +128,51 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             run.new.append((program, findings, path))
     if result.interrupted:
         raise KeyboardInterrupt
+    run.known_open = still_open(result.known, suppress_path)
     return run
+
+
+def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[Finding]:
+    """The known findings that are not fixed: ``known`` maps a signature to the corpus file that
+    records it (:func:`kvaudit.campaign.known_signatures`); each file's program is replayed once
+    (with the suppressions of ``suppress_path``), and its recorded findings whose signatures the
+    replay yields again are returned, as recorded (their frames, so their SARIF locations, are the
+    ones the file holds). Files that no longer load are left out."""
+    from kvaudit.suppress import SuppressionSet
+
+    sset = SuppressionSet.load(suppress_path) if suppress_path else None
+    by_file: dict[str, set[str]] = {}
+    for sig, path in known.items():
+        by_file.setdefault(path, set()).add(sig)
+    out: list[Finding] = []
+    for path, sigs in sorted(by_file.items()):
+        try:
+            config, program, recorded, _ = replay.load(path)
+        except replay.ReplayFormatError:
+            continue
+        now = set(execute(config, program, suppressions=sset.fresh() if sset else None).signatures)
+        out += [f for f in recorded if f.signature in sigs & now]
+    return out
+
+
+def sarif(result: CiResult, config) -> dict:
+    """The SARIF log (:func:`kvaudit.sarif.to_sarif`, ``config`` for the run's properties) of every
+    open finding of the fuzz, one result per signature in signature order: ``baselineState``
+    ``"unchanged"`` for a signature some preset's corpus knew before this run, ``"new"`` otherwise;
+    each result's ``properties.preset`` names the first preset (in run order) that has it."""
+    from kvaudit.sarif import to_sarif
+
+    first: dict[str, tuple[Finding, str]] = {}
+    for run in result.fuzz:
+        for f in run.known_open + [f for _, findings, _ in run.new for f in findings]:
+            first.setdefault(f.signature, (f, run.preset))
+    known = {sig for run in result.fuzz for sig in run.known}
+    sigs = sorted(first)
+    log = to_sarif([first[s][0] for s in sigs], config,
+                   baseline={s: "unchanged" if s in known else "new" for s in sigs})
+    for s, r in zip(sigs, log["runs"][0]["results"]):
+        r["properties"]["preset"] = first[s][1]
+    return log
 
 
 def junit(result: CiResult) -> str:

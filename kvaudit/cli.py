@@ -910,7 +910,16 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
         except OSError as e:
             raise InputError(f"cannot write {outputs.junit}: {e.strerror or e}") from None
         err.print(f"JUnit written: {outputs.junit}")
-    rest = Outputs(html=outputs.html, sarif=outputs.sarif, json=outputs.json)
+    if outputs.sarif:  # every open finding, new and known (HTML and JSON: the new ones)
+        import json
+
+        try:
+            replay.write_text_atomic(outputs.sarif, json.dumps(ci.sarif(result, get_preset(preset_names[0]).config()),
+                                                               indent=2) + "\n")
+        except OSError as e:
+            raise InputError(f"cannot write {outputs.sarif}: {e.strerror or e}") from None
+        err.print(f"SARIF written: {outputs.sarif}")
+    rest = Outputs(html=outputs.html, json=outputs.json)
     if rest.wanted():
         cases = [Case(p, f, doc_extra={"preset": run.preset}, config=get_preset(run.preset).config())
                  for run in result.fuzz for p, f, _ in run.new]

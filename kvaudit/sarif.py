@@ -13,12 +13,22 @@ SARIF spec's own terms:
   ``stacks`` hold every recorded stack in full (spec "stack object"/"stackFrame object"), and
   ``partialFingerprints["kvauditSignature/v1"]`` is :attr:`Finding.signature`, which is what
   code scanning then uses to track one alert across runs (spec "partialFingerprints property").
+  With a ``baseline`` (``kvaudit ci``: every open finding, new or already in the corpus), each
+  result says ``baselineState`` ``"new"`` or ``"unchanged"`` (spec "baselineState property").
 * File locations are ``artifactLocation`` objects whose ``uri`` is repo-relative (forward
   slashes) with ``uriBaseId`` ``%SRCROOT%``, the convention GitHub resolves against the checkout.
-  The log does not define ``originalUriBaseIds``: that would write one machine's checkout path
-  into an otherwise portable, deterministic file (replay files avoid it for the same reason).
+  The log does not give ``%SRCROOT%`` an ``originalUriBaseIds`` entry: that would write one
+  machine's checkout path into an otherwise portable, deterministic file (replay files avoid it
+  for the same reason).
+* A target that drives an installed engine (:func:`kvaudit.targets.engine_source`: real SGLang)
+  records the engine's frames as absolute paths of the recording machine. Those frames are
+  written relative to the directory the engine's package lies in (``sglang/srt/mem_cache/...``)
+  with ``uriBaseId`` ``%SGLANG_ROOT%``, described (without a path) in ``originalUriBaseIds``,
+  and a result is anchored at the engine's own frame, the innermost one in its package, before
+  any frame of kvaudit's driver. Results and the run name the engine and its version in
+  ``properties`` (``engine``, ``engineVersion``).
 
-Frames outside the repository (an absolute path, as a crash in a library can have) appear in
+Other frames outside the repository (an absolute path, as a crash in a library can have) appear in
 ``stacks`` as absolute ``file://`` URIs, and pseudo-files such as ``<string>`` by function name
 only; neither is used as a result's location, since code scanning can show neither.
 """
@@ -28,6 +38,7 @@ from __future__ import annotations
 import inspect
 import posixpath
 import re
+from typing import TYPE_CHECKING, Mapping
 from urllib.parse import quote
 
 import kvaudit
@@ -35,11 +46,15 @@ from engine_under_test import Scheduler
 from kvaudit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.frames import Frame, resolve
 
+if TYPE_CHECKING:
+    from kvaudit.targets import EngineSource
+
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 SARIF_VERSION = "2.1.0"
 SRCROOT = "%SRCROOT%"
 FINGERPRINT_KEY = "kvauditSignature/v1"
 MAX_SLOTS = 64  # slots (or rows) listed in a result's properties; the rest are counted
+BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec also has updated, absent)
 
 # ----------------------------------------------------------------------------- rules
 
@@ -200,9 +215,31 @@ def in_repo(site: Site) -> bool:
     return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or _WINDOWS_ABS.match(p))
 
 
-def artifact_location(path: str) -> dict | None:
+def engine_base_id(package: str) -> str:
+    """The ``uriBaseId`` of an installed engine's files: ``%SGLANG_ROOT%`` for ``sglang``."""
+    return f"%{package.upper()}_ROOT%"
+
+
+def engine_path(path: str, package: str) -> str | None:
+    """``path`` relative to the directory holding ``package`` when it is an absolute path inside
+    that package (``/x/site-packages/sglang/srt/a.py`` -> ``sglang/srt/a.py``; the last
+    ``/<package>/`` in the path, so a source checkout's ``.../sglang/python/sglang/srt/a.py`` gives
+    the same); else None (a repo-relative path, another package, a pseudo-file)."""
+    p = _norm(path)
+    if not (p.startswith("/") or _WINDOWS_ABS.match(p)):
+        return None
+    i = p.rfind(f"/{package}/")
+    return p[i + 1:] if i >= 0 else None
+
+
+def artifact_location(path: str, engine: EngineSource | None = None) -> dict | None:
     """``artifactLocation`` for a recorded path: repo-relative -> ``{"uri", "uriBaseId": "%SRCROOT%"}``;
-    absolute -> a ``file://`` URI; a pseudo-file (``<string>``) -> ``None``."""
+    inside ``engine``'s package -> relative to the directory holding it, with the engine's base id
+    (:func:`engine_path`); other absolute paths -> a ``file://`` URI; a pseudo-file (``<string>``)
+    -> ``None``."""
+    rel = engine_path(path, engine.package) if engine is not None else None
+    if rel is not None:
+        return {"uri": quote(rel), "uriBaseId": engine_base_id(engine.package)}
     p = _norm(path)
     if p.startswith("/"):
         return {"uri": "file://" + quote(p)}
@@ -213,8 +250,13 @@ def artifact_location(path: str) -> dict | None:
     return {"uri": quote(p.removeprefix("./")), "uriBaseId": SRCROOT}
 
 
+def _addressable(site: Site, engine: EngineSource | None) -> bool:
+    """In the repository, or in the installed engine's package: a file a reader can open."""
+    return in_repo(site) or (engine is not None and engine_path(site.file, engine.package) is not None)
+
+
 def _location(site: Site, message: str | None = None, loc_id: int | None = None,
-              region_fallback: bool = False) -> dict:
+              region_fallback: bool = False, engine: EngineSource | None = None) -> dict:
     """A ``location`` object for a frame: physical (file, 1-based line and the line's text as the
     region's ``snippet``, both from :func:`kvaudit.frames.resolve`: where the recorded text is now,
     with ``properties.frameNote`` when the frame no longer matches the current source) where the
@@ -224,7 +266,7 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
     loc: dict = {}
     if loc_id is not None:
         loc["id"] = loc_id
-    art = artifact_location(site.file)
+    art = artifact_location(site.file, engine)
     if art is not None:
         phys: dict = {"artifactLocation": art}
         if site.line >= 1 or region_fallback:
@@ -298,15 +340,20 @@ def _units_line(f: Finding) -> str:
     return f"{word.capitalize()}: {shown}."
 
 
-def _result(f: Finding, rule_index: int, level: str, target: str = "eut") -> dict:
+def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
+            engine: EngineSource | None = None) -> dict:
     stacks = _labelled_stacks(f)
     key = primary_stack(f)
     primary_label = next((label for k, label, _ in stacks if k == key), None)
-    # the innermost frame of the primary stack that code scanning can show, else of any stack,
-    # else the fallback anchor
-    primary = next((s for s in (getattr(f, key) if key else []) if in_repo(s)), None)
-    if primary is None:
-        primary = next((s for _, _, frames in stacks for s in frames if in_repo(s)), None)
+    # the innermost frame of the primary stack in the installed engine's package, else of any
+    # stack; then the same for frames in the repository; else the fallback anchor
+    tests = ([lambda s: engine_path(s.file, engine.package) is not None] if engine is not None else []) + [in_repo]
+    primary = None
+    for test in tests:
+        primary = next((s for s in (getattr(f, key) if key else []) if test(s)), None) or \
+            next((s for _, _, frames in stacks for s in frames if test(s)), None)
+        if primary is not None:
+            break
     fallback = primary is None
     if fallback:
         primary = _anchor(f.kind, target)
@@ -315,10 +362,10 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut") -> dic
     links: list[str] = []
     for k, label, frames in stacks:
         for depth, s in enumerate(frames):
-            if s is primary or not in_repo(s):
+            if s is primary or not _addressable(s, engine):
                 continue
             loc_id = len(related) + 1  # ids are unique within the result, as embedded links need
-            related.append(_location(s, f"{label} #{depth} {s.function}", loc_id))
+            related.append(_location(s, f"{label} #{depth} {s.function}", loc_id, engine=engine))
             if depth == 0 and k != key:  # the message links each other stack's innermost frame
                 links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())})")
 
@@ -345,14 +392,14 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut") -> dic
         "level": level,
         "message": {"text": "\n".join(lines)},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
-                                region_fallback=True)],
+                                region_fallback=True, engine=engine)],
         "partialFingerprints": {FINGERPRINT_KEY: f.signature},
     }
     if related:
         result["relatedLocations"] = related
     if stacks:
         result["stacks"] = [{"message": {"text": label},
-                             "frames": [{"location": _location(s)} for s in frames]}
+                             "frames": [{"location": _location(s, engine=engine)} for s in frames]}
                             for _, label, frames in stacks]
     props: dict = {
         "signature": f.signature,
@@ -372,29 +419,55 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut") -> dic
     if f.memory_state:
         props["memory_state"] = list(f.memory_state)
     if f.traceback:
-        props["traceback"] = f.traceback
+        props["traceback"] = f.traceback if engine is None else re.sub(  # the engine's files as its frames are
+            r'File "([^"]+)"', lambda m: f'File "{engine_path(m[1], engine.package) or m[1]}"', f.traceback)
     if fallback:
         props["locationIsFallback"] = True
+    if engine is not None:
+        props["engine"] = engine.package
+        props["engineVersion"] = engine.version
     result["properties"] = props
     return result
 
 
-def to_sarif(findings: list[Finding], config=None) -> dict:
+def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] | None = None) -> dict:
     """A SARIF 2.1.0 log (a JSON-ready ``dict``) with one run holding one result per finding, in
-    order. ``config`` (an :class:`engine_under_test.EngineConfig`), when given, goes into the
-    run's ``properties`` (``preset``, ``bugs``, ``model``, ``page_size`` and the full config as
-    ``engineConfig``), so that an uploaded log says what was audited."""
+    order. ``config`` (an :class:`engine_under_test.EngineConfig` or a target's config), when
+    given, goes into the run's ``properties`` (``preset``, ``bugs``, ``model``, ``page_size`` and
+    the full config as ``engineConfig``; ``engine`` and ``engineVersion`` for an installed engine),
+    so that an uploaded log says what was audited; its ``target`` decides how engine frames are
+    written (see the module doc). ``baseline`` maps a signature to the result's
+    ``baselineState`` (one of :data:`BASELINE_STATES`); findings it does not name get none.
+    Raises ValueError for a state outside :data:`BASELINE_STATES`."""
     rule_list = rules([f.kind for f in findings])
     index = {r["id"]: i for i, r in enumerate(rule_list)}
+    from kvaudit.targets import engine_source
+
+    target = getattr(config, "target", "eut")
+    engine = engine_source(target)
+    results = []
+    for f in findings:
+        r = _result(f, index[f.kind], rule_list[index[f.kind]]["defaultConfiguration"]["level"], target, engine)
+        state = (baseline or {}).get(f.signature)
+        if state is not None:
+            if state not in BASELINE_STATES:
+                raise ValueError(f"baselineState {state!r} (valid: {', '.join(BASELINE_STATES)})")
+            r["baselineState"] = state
+        results.append(r)
     run: dict = {
         "tool": {"driver": {"name": "kvaudit", "version": kvaudit.__version__,
                             "semanticVersion": kvaudit.__version__, "rules": rule_list}},
-        "results": [_result(f, index[f.kind], rule_list[index[f.kind]]["defaultConfiguration"]["level"],
-                            getattr(config, "target", "eut"))
-                    for f in findings],
+        "results": results,
     }
+    if engine is not None:
+        where = (f"The directory the installed {engine.package} package lies in (its site-packages), "
+                 f"so that {engine.package}/... is a file of {engine.package} "
+                 f"{engine.version or '(version unknown)'}.")
+        run["originalUriBaseIds"] = {engine_base_id(engine.package): {"description": {"text": where}}}
     if config is not None:
         d = config.to_dict()
         run["properties"] = {"preset": getattr(config, "preset", d.get("preset")), "bugs": sorted(d.get("bugs", [])),
                              "model": d.get("model"), "page_size": d.get("page_size"), "engineConfig": d}
+        if engine is not None:
+            run["properties"].update(engine=engine.package, engineVersion=engine.version)
     return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION, "runs": [run]}

@@ -15,7 +15,7 @@ from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.findings import KINDS, Finding, Site, source_path
 from kvaudit.junit import to_junit
-from kvaudit.sarif import FINGERPRINT_KEY, SRCROOT, to_sarif
+from kvaudit.sarif import FINGERPRINT_KEY, SRCROOT, engine_path, finding_stacks, primary_stack, to_sarif
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA_PATH = os.path.join(ROOT, "tests", "data", "sarif-schema-2.1.0.json")
@@ -247,6 +247,126 @@ def test_crash_frames_outside_the_repo_stay_out_of_code_scanning_locations(valid
                for loc in r["relatedLocations"])
     # literal brackets in free text are escaped, so they are not read as embedded links
     assert "\\[bad\\]" in r["message"]["text"]
+
+
+# ----------------------------------------------------------------------------- SARIF: real SGLang's frames
+
+SGLANG_FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))
+
+
+@pytest.mark.parametrize("path", SGLANG_FILES, ids=lambda p: os.path.basename(p)[:-5])
+def test_sglang_findings_are_anchored_at_sglang_s_own_frame_relative_to_its_package(validator, path):
+    """SGLang's frames are recorded as the recording machine's absolute paths: a result is anchored
+    at the innermost SGLang frame (not kvaudit's driver), as a path under the package
+    (``%SGLANG_ROOT%``), with the SGLang version; no file:// path of the recording machine is left."""
+    config, findings = _load(path)
+    log = to_sarif(findings, config)
+    assert _errors(validator, log) == []
+    (run,) = log["runs"]
+    assert run["properties"]["engine"] == "sglang" and run["properties"]["engineVersion"] == "0.5.23"
+    assert "%SGLANG_ROOT%" in run["originalUriBaseIds"]
+    text = json.dumps(log)
+    assert "file://" not in text and "/site-packages/" not in text
+    for f, r in zip(findings, run["results"]):
+        assert (r["properties"]["engine"], r["properties"]["engineVersion"]) == ("sglang", "0.5.23")
+        stacks = [s for _, s in finding_stacks(f)]
+        ours = [s for st in stacks for s in st if "/sglang/" in s.file and os.path.isabs(s.file)]
+        art = r["locations"][0]["physicalLocation"]["artifactLocation"]
+        if not ours:  # nothing of SGLang recorded (a hang): anchored on kvaudit's driver, in the repo
+            assert art["uriBaseId"] == SRCROOT and r["properties"].get("locationIsFallback")
+            continue
+        primary = next((s for s in getattr(f, primary_stack(f)) if s in ours), ours[0])
+        assert art == {"uri": primary.file[primary.file.rindex("/sglang/") + 1:], "uriBaseId": "%SGLANG_ROOT%"}
+        assert art["uri"].startswith("sglang/srt/")
+        assert r["locations"][0]["physicalLocation"]["region"]["startLine"] == primary.line
+        for a in _uris(r):  # every frame: in the repository or under SGLang's package
+            assert a.get("uriBaseId") in (SRCROOT, "%SGLANG_ROOT%") and not a["uri"].startswith("/"), a
+
+
+def test_engine_path_takes_the_last_package_directory_and_nothing_in_the_repository():
+    assert engine_path("/opt/venv/lib/python3.11/site-packages/sglang/srt/a.py", "sglang") == "sglang/srt/a.py"
+    assert engine_path("/home/u/sglang/python/sglang/srt/a.py", "sglang") == "sglang/srt/a.py"  # a checkout
+    assert engine_path("C:\\py\\Lib\\site-packages\\sglang\\srt\\a.py", "sglang") == "sglang/srt/a.py"
+    assert engine_path("kvaudit/targets/sglang_target.py", "sglang") is None  # kvaudit's driver
+    assert engine_path("/usr/lib/python3.11/json/decoder.py", "sglang") is None
+    assert engine_path("<string>", "sglang") is None
+
+
+def test_a_built_in_engine_log_names_no_installed_engine():
+    config, f = _by_kind("leak")
+    (run,) = to_sarif([f], config)["runs"]
+    assert "originalUriBaseIds" not in run and "engine" not in run["properties"]
+    assert "engine" not in run["results"][0]["properties"]
+
+
+def test_baseline_states_are_written_per_signature_and_checked():
+    config, f = _by_kind("leak")
+    _, g = _by_kind("double-free")
+    results = to_sarif([f, g], config, baseline={f.signature: "unchanged", g.signature: "new"})["runs"][0]["results"]
+    assert [r["baselineState"] for r in results] == ["unchanged", "new"]
+    assert "baselineState" not in to_sarif([f], config)["runs"][0]["results"][0]
+    with pytest.raises(ValueError, match="absent"):
+        to_sarif([f], config, baseline={f.signature: "absent"})
+
+
+# ----------------------------------------------------------------------------- SARIF from kvaudit ci
+
+def _leak_a_lock(tree, req):  # the planted, unfixed bug: a lock nobody holds, at every finish
+    tree.inc_lock_ref(tree.match_prefix(req.origin_input_ids).last_node)
+
+
+def _plant_lock_leak(monkeypatch):
+    from engine_under_test.scheduler import Scheduler
+    orig = Scheduler.release_kv_cache
+
+    def release_kv_cache(self, req, checkpoint):
+        orig(self, req, checkpoint)
+        if checkpoint and not req.is_health_check and not self.tree_cache.disable:
+            _leak_a_lock(self.tree_cache, req)
+
+    monkeypatch.setattr(Scheduler, "release_kv_cache", release_kv_cache)
+
+
+@pytest.mark.slow
+def test_ci_sarif_lists_an_unfixed_bug_every_night_with_the_same_fingerprint_and_location(
+        tmp_path, monkeypatch, validator):
+    """Nightly ``kvaudit ci`` over one corpus: the first night finds the planted bug (new), the second
+    knows it (the job passes) and must still list it, identically but for ``baselineState``, or code
+    scanning closes its alert; once the bug is fixed, the next night lists nothing (the alert closes)."""
+    from cli_helpers import invoke
+
+    regressions = tmp_path / "regressions"
+    regressions.mkdir()
+
+    def night(n: int, budget: str):
+        out = tmp_path / f"night{n}.sarif"
+        result = invoke("ci", "--max-time", budget, "--presets", "default", "--fuzzer", "random",
+                        "--regressions", str(regressions), "--corpus", str(tmp_path / "corpus"),
+                        "--out", str(tmp_path / "out"), "--sarif", str(out))
+        log = json.load(open(out))
+        assert _errors(validator, log) == []
+        return result, {r["partialFingerprints"][FINGERPRINT_KEY]: r for r in log["runs"][0]["results"]}
+
+    _plant_lock_leak(monkeypatch)
+    first, night1 = night(1, "10")
+    assert first.exit_code == 1, first.output  # a new finding fails the job
+    second, night2 = night(2, "3")
+    assert second.exit_code == 0, second.output  # known: the job passes...
+    assert night1 and set(night2) == set(night1)  # ...and the SARIF still lists it, same fingerprint
+    ours = [sig for sig in night1 if sig.endswith(f"inc:_leak_a_lock@{os.path.basename(__file__)}")]
+    assert len(ours) == 1, list(night1)
+    for sig in night1:
+        r1, r2 = night1[sig], night2[sig]
+        assert (r1["baselineState"], r2["baselineState"]) == ("new", "unchanged")
+        assert {k: v for k, v in r1.items() if k != "baselineState"} == \
+               {k: v for k, v in r2.items() if k != "baselineState"}  # same location, message, stacks
+    uri, line = _physical(night1[ours[0]]["locations"][0])
+    assert (uri, line) == ("tests/test_sarif_junit.py", _leak_a_lock.__code__.co_firstlineno + 1)
+    assert night1[ours[0]]["properties"]["preset"] == "default"
+
+    monkeypatch.undo()  # the bug is fixed
+    third, night3 = night(3, "3")
+    assert third.exit_code == 0 and night3 == {}, third.output
 
 
 # ----------------------------------------------------------------------------- JUnit

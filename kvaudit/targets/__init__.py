@@ -1,10 +1,13 @@
 """Targets: adapters between kvaudit and an engine."""
 
+from typing import NamedTuple
+
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target
 from kvaudit.targets.eut import EutTarget
 from kvaudit.targets.sglang_config import SglangConfig, is_sglang_config
 
-__all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict"]
+__all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict",
+           "EngineSource", "engine_source"]
 
 
 def make_target(config):
@@ -37,3 +40,26 @@ def config_from_dict(d: dict):
     if isinstance(d, dict) and d.get("target", "eut") != "eut":
         raise ValueError(f"unknown target {d['target']!r} (valid: eut, sglang)")
     return EngineConfig.from_dict({k: v for k, v in d.items() if k != "target"} if isinstance(d, dict) else d)
+
+
+class EngineSource(NamedTuple):
+    """An engine installed as a package, outside this repository: ``package`` is its top-level
+    import name (the frames of a finding under a ``<package>/`` directory are the engine's own),
+    ``version`` the release whose frames a recorded finding holds (None when unknown)."""
+
+    package: str
+    version: str | None
+
+
+def engine_source(target: str) -> EngineSource | None:
+    """Where the engine of the target named ``target`` (a config's ``target``) keeps its source, for
+    reports that anchor a finding at the engine's own frame (``kvaudit/sarif.py``); None for
+    ``eut``, whose source is in this repository. SGLang's version is the installed one when this
+    target drives it; else, while the target drives a single release, that release (the only one
+    that can have recorded the frames). Imports nothing of the engine."""
+    if target == "sglang":
+        from kvaudit.targets.sglang_boot import SUPPORTED_VERSIONS, installed_version
+        v = installed_version()
+        return EngineSource("sglang", v if v in SUPPORTED_VERSIONS else
+                            SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)
+    return None
