@@ -48,7 +48,10 @@ HARNESS = os.path.join(ROOT, "harnesses", "fuzz_engine.py")
 SEEDS_DIR = os.path.join(ROOT, "corpora", "seeds")
 GRACE_S = 20.0  # past max_time: harness start-up (torch import, ~2-3 s) plus libFuzzer's wrap-up
 KILL_WAIT_S = 3.0  # between SIGINT to the process group and SIGKILL
-FOUND_WAIT_S = 2.0  # after the first replay file appears: -fork's parent waits for its other jobs
+# after the first replay file appears, libFuzzer is stopped once its crash-* artifact (the input) is
+# in crashes/ (-fork's parent copies it there when the crashed job ends, and would then wait for its
+# other jobs), or after FOUND_WAIT_S at most: a fixed wait lost the input now and then under load
+FOUND_WAIT_S = 30.0
 
 # "#1234\tNEW    cov: 345 ft: 678 corp: 12/96b lim: 8 exec/s: 567 rss: 300Mb ..." (plain mode) and
 # "#1234: cov: 345 ft: 678 corp: 12 exec/s 567 oom/timeout/crash: 0/0/0 time: 9s job: 2 ..." (-fork)
@@ -148,6 +151,11 @@ def harness_env(config: EngineConfig, findings_dir: str, stats_dir: str | None =
     return env
 
 
+def _new_crash(crashes_dir: str, before: set[str]) -> bool:
+    """Whether libFuzzer wrote a ``crash-*`` artifact into ``crashes_dir`` not in ``before``."""
+    return any(c.startswith("crash-") and c not in before for c in os.listdir(crashes_dir))
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """SIGINT to the harness's process group (libFuzzer prints its final stats and exits, -fork
     children included), then SIGKILL to the group if it is still there after KILL_WAIT_S."""
@@ -227,8 +235,8 @@ def atheris_search(config: EngineConfig, max_time: float, seed: int, stats: Fuzz
     suppressed signatures to ``stats.suppressed``; calls ``on_progress(stats)`` at most every
     0.25 s and once at the end. The harness runs until ``max_time`` plus its start-up and
     libFuzzer's wrap-up; it is stopped (process group: SIGINT, then SIGKILL) at ``max_time +
-    GRACE_S``, FOUND_WAIT_S after the first finding was written (``-fork`` would let its other
-    jobs run on) and on KeyboardInterrupt (or :data:`kvaudit.runner.INTERRUPTED`), which is re-raised.
+    GRACE_S``, once the first finding's crash input is in ``crashes/`` (at most FOUND_WAIT_S after
+    its replay file was written; ``-fork`` would let its other jobs run on) and on KeyboardInterrupt (or :data:`kvaudit.runner.INTERRUPTED`), which is re-raised.
 
     Raises :class:`AtherisError` when the harness fails without writing a finding (e.g. it cannot
     start, or libFuzzer reports a timeout or an out-of-memory input).
@@ -264,7 +272,8 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
     env = harness_env(config, findings_dir, stats_dir, suppressions_path, known_path, max_ops)
     env["TMPDIR"] = tmp_dir
     base_execs, base_ops = stats.executions, stats.ops
-    crashes_before = set(os.listdir(os.path.join(work_dir, "crashes")))
+    crashes_dir = os.path.join(work_dir, "crashes")
+    crashes_before = set(os.listdir(crashes_dir))
     proc = subprocess.Popen(cmd, cwd=work_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     mon = _Monitor(proc.stdout, log_path)
@@ -301,8 +310,9 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
                 break
             if found_at is None and any(n.endswith(".json") for n in os.listdir(findings_dir)):
                 found_at = time.monotonic()  # the harness writes only unknown signatures
-            if found_at is not None and time.monotonic() - found_at > FOUND_WAIT_S:
-                _stop(proc)  # let libFuzzer write its artifact, but not finish -fork's other jobs
+            if found_at is not None and (_new_crash(crashes_dir, crashes_before)
+                                         or time.monotonic() - found_at > FOUND_WAIT_S):
+                _stop(proc)  # libFuzzer wrote its artifact: do not let -fork finish its other jobs
                 break
             refresh()
     except BaseException:

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import time
 
 import pytest
@@ -269,3 +270,32 @@ def test_atheris_clean_run_and_known_signatures(tmp_path):
     assert stats.executions > 10
     config = get_preset("default").config()
     assert atheris_search(config, max_time=3, seed=2, stats=FuzzStats(), work_dir=str(tmp_path / "d")) is None
+
+
+_LATE_ARTIFACT = r"""
+import os, shutil, sys, time
+# a -fork parent: the job's replay file first, its crash input only when the parent copies it
+shutil.copy(sys.argv[1], os.path.join(os.environ["KVAUDIT_FINDINGS_DIR"], "found.json"))
+time.sleep(3.5)
+open(os.path.join("crashes", "crash-0123abcd"), "wb").write(b"input")
+time.sleep(120)  # then its other jobs run on until stopped
+"""
+
+
+def test_the_search_stops_once_the_crash_input_is_written_not_after_a_fixed_wait(tmp_path, monkeypatch):
+    """libFuzzer was stopped a fixed 2 s after the replay file appeared, which under load came before
+    the -fork parent had copied the crash input: the input was lost now and then. The stop waits for
+    the artifact (a stand-in harness writes it 3.5 s late)."""
+    from kvaudit import atheris_fuzz
+
+    regression = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions",
+                              "hisparse-prebuilt-skip-finish.json")
+    monkeypatch.setattr(atheris_fuzz, "harness_command",
+                        lambda *a, **k: [sys.executable, "-c", _LATE_ARTIFACT, os.path.abspath(regression)])
+    config, _, _, _ = replay.load(regression)
+    t0 = time.monotonic()
+    found = atheris_search(config, max_time=60, seed=1, stats=FuzzStats(), work_dir=str(tmp_path / "w"),
+                           use_seeds=False)
+    assert found is not None
+    assert os.listdir(tmp_path / "w" / "crashes") == ["crash-0123abcd"]
+    assert time.monotonic() - t0 < 30  # stopped at the artifact, not at the budget

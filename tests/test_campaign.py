@@ -3,6 +3,7 @@ Ctrl-C), determinism checks, ``kvaudit minimize`` and ``kvaudit ci``."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -215,9 +216,18 @@ def test_ctrl_c_stops_a_campaign_with_its_summary_and_report(tmp_path):
     proc = subprocess.Popen([kvaudit_script(), "fuzz", "--preset", "default", "--max-time", "120", "--workers", "2",
                              "--corpus", corpus, "--json", report, "--junit", str(tmp_path / "r.xml")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
-    time.sleep(12)
+    # the signal goes once the workers ran programs (a progress line counts them), not after a fixed
+    # sleep: under load the workers were still importing when it came
+    err_lines = []
+    for line in proc.stderr:
+        err_lines.append(line)
+        if re.search(r"executions=[1-9]", line):
+            break
+    else:
+        pytest.fail("the campaign ended without counting an execution: " + "".join(err_lines)[-2000:])
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, rest = proc.communicate(timeout=60)
+    err = "".join(err_lines) + rest
     assert proc.returncode == 130, err
     assert "interrupted:" in out and "executions" in out
     assert "Traceback" not in err
