@@ -29,7 +29,8 @@ from kvaudit.campaign import FUZZERS, findings_dir, known_signatures, run_campai
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
 from kvaudit.outputs import FORMATS, Case, Outputs, ReportData
 from kvaudit.outputs import write as write_outputs
-from kvaudit.report import print_cases, print_report, print_suppressions, suppressed_by_kind
+from kvaudit.report import (print_cases, print_report, print_suppressions, print_table, summary_line,
+                            suppressed_by_kind)
 from kvaudit.timeline import is_valid as timeline_is_valid
 from kvaudit.runner import DEFAULT_STEP_TIMEOUT, INTERRUPTED, execute, set_step_timeout
 from kvaudit.runner import step_timeout as runner_step_timeout
@@ -506,6 +507,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
         else:
             console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} "
                           "times; not reported (flaky)")
+        console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
         _write_outputs(outputs, _run_data(config, [], [], sset, stats, seed), err)
         return EXIT_CLEAN
     if threading.current_thread() is threading.main_thread():
@@ -519,7 +521,6 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
                   confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
                   timeline=data.cases[0].timeline)
     data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
-    print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
     hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
     console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"
                   + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
@@ -528,6 +529,8 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
                      f"{len(crash.program)} ops, not minimized (each replay of a hang costs the step timeout)")
                   + f"; reproduced {crash.confirmations}/{crash.runs}", soft_wrap=True)
     console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
+    # the report last: its closing SUMMARY: line is the last line on stdout, as LeakSanitizer's
+    print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
     _write_outputs(outputs, data, err)
     return EXIT_FINDINGS
 
@@ -602,13 +605,19 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     for sig in sorted(result.flaky):
         t.add_row(sig, Text("flaky (not reproduced 3/3)", style="yellow"), "-")
     if result.new or result.known or result.flaky:
-        console.print(t)
+        print_table(console, t)
     if sset is not None:
         print_suppressions(console, sset)
     s = result.stats
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
+    # the closing line: the new findings (a campaign reports each signature once)
+    line = summary_line([f for c in cases for f in c.findings], suppressed_by_kind(sset))
+    line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
+    if result.known:
+        line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
+    console.print(line, soft_wrap=True)
     if s.executions == 0 and not result.interrupted:
         err.print("warning: no program ran: the workers spent the budget starting up (importing SGLang takes "
                   "about 6 s per worker); raise --max-time", soft_wrap=True)
@@ -752,7 +761,7 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
         same = key(ex) == key(execs[0])
         t.add_row(str(i + 1), ex.digest[:16], str(ex.steps), ", ".join(ex.signatures) or "none",
                   style="" if same else "bold red")
-    console.print(t)
+    print_table(console, t)
     differ = any(key(ex) != key(execs[0]) for ex in execs)
     console.print(Text("NOT deterministic: the runs differ" if differ else f"deterministic: {runs} identical runs",
                        style="bold red" if differ else "green"))
@@ -804,9 +813,9 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
         [f for f in final.findings if f.signature != signature]
     path = _write_file(out_file, config, small, findings, minimized=True, minimized_from=file,
                        confirmations=f"{confirmations}/{CONFIRM_RUNS}")
-    print_report(console, config, small, findings)
     console.print(f"minimized {len(program)} -> {len(small)} ops; reproduced {confirmations}/{CONFIRM_RUNS}; "
                   f"written to {path}", soft_wrap=True)
+    print_report(console, config, small, findings)  # last: its SUMMARY: line closes stdout
     return EXIT_CLEAN
 
 
@@ -903,7 +912,7 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
         t.add_row(f"fuzz {run.preset} ({run.seconds:.0f}s, {run.executions} executions)",
                   Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
                   if run.new else Text("clean", style="green"))
-    console.print(t)
+    print_table(console, t)
     if outputs.junit:
         try:
             replay.write_text_atomic(outputs.junit, ci.junit(result))

@@ -61,6 +61,21 @@ def is_plain(console: Console) -> bool:
     return not console.is_terminal or console.is_dumb_terminal or console.no_color
 
 
+def print_table(console: Console, table: Table) -> None:
+    """``table`` as rich draws it on a terminal; on a plain console (:func:`is_plain`), its title
+    and then one line per row, the cells joined by two spaces and never folded, so that a CI log
+    has each row (a signature and its replay file, a check and its result) whole on one line."""
+    if not is_plain(console):
+        console.print(table)
+        return
+    if table.title:
+        console.print(f"{table.title}:", soft_wrap=True, markup=False, highlight=False)
+    columns = [list(c.cells) for c in table.columns]
+    for row in zip(*columns):
+        cells = [c.plain if isinstance(c, Text) else str(c) for c in row]
+        console.print("  " + "  ".join(cells), soft_wrap=True, markup=False, highlight=False)
+
+
 def _rel(path: str) -> str:
     """``engine_under_test/...`` or ``kvaudit/...`` when the path is inside a package we know."""
     for pkg in ("engine_under_test", "kvaudit"):
