@@ -55,6 +55,7 @@ class FuzzRun:
     executions: int
     new: list[tuple[list, list[Finding], str]] = field(default_factory=list)  # (program, findings, replay file)
     known: list[str] = field(default_factory=list)
+    interrupted: bool = False  # Ctrl-C or SIGTERM cut the campaign short (what it found is in ``new``)
 
 
 @dataclass
@@ -108,7 +109,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
     """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign (it goes on past
     each finding). With ``corpus``, over ``corpus/<preset>``: resumable, findings already there are
     known, not new. Without, over a fresh temporary corpus; new findings' replay files are copied to
-    ``out_dir``. Raises KeyboardInterrupt after an interrupted campaign (what it found is kept)."""
+    ``out_dir``. An interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
     from kvaudit.campaign import run_campaign
 
     config = get_preset(preset).config()
@@ -123,8 +124,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             if corpus is None:
                 path = replay.write_atomic(os.path.join(out_dir, os.path.basename(path)), doc)
             run.new.append((program, findings, path))
-    if result.interrupted:
-        raise KeyboardInterrupt
+    run.interrupted = result.interrupted
     return run
 
 
