@@ -9,7 +9,8 @@
 3. JUnit (one suite for the regressions, one for the fuzz) and SARIF (the fuzz's findings).
 
 The job fails (exit 1) on a regression that no longer reproduces, is not deterministic or is not
-clean without its switch, and on any new finding.
+clean without its switch, on a regression file that cannot be read (a JUnit error; the job goes
+on with the rest), and on any new finding.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class RegressionCheck:
     clean_without_switch: bool = False
     problem: str = ""
     seconds: float = 0.0
+    malformed: bool = False  # not a readable replay file: ``problem`` says why
 
     @property
     def ok(self) -> bool:
@@ -73,10 +75,15 @@ class CiResult:
 
 
 def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
-    """Replay ``path`` ``runs`` times with its switches on and once with them off."""
+    """Replay ``path`` ``runs`` times with its switches on and once with them off. A file that is
+    not a readable replay file is a failed check (``malformed``), not an exception."""
     t0 = time.monotonic()
-    config, program, recorded, _ = replay.load(path)
     name = os.path.splitext(os.path.basename(path))[0]
+    try:
+        config, program, recorded, _ = replay.load(path)
+    except replay.ReplayFormatError as e:
+        return RegressionCheck(name, path, "", problem=f"malformed: {e}", malformed=True,
+                               seconds=time.monotonic() - t0)
     check = RegressionCheck(name, path, recorded[0].signature if recorded else "")
     if not recorded:
         check.problem = "records no finding"
@@ -136,7 +143,10 @@ def junit(result: CiResult) -> str:
     for r in result.regressions:
         case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions", name=xml_text(r.name),
                              time=f"{r.seconds:.2f}")
-        if not r.ok:
+        if r.malformed:  # the case could not run: an error, not a failure
+            ET.SubElement(case, "error", message=xml_text(r.problem), type="malformed").text = xml_text(
+                f"{r.path}\n{r.problem}\n")
+        elif not r.ok:
             fail = ET.SubElement(case, "failure", message=xml_text(r.problem), type="regression")
             fail.text = xml_text(f"{r.path}\nsignature: {r.signature}\n{r.problem}\n")
     fz = ET.SubElement(root, "testsuite", name="kvaudit.fuzz")
@@ -150,19 +160,21 @@ def junit(result: CiResult) -> str:
                                  time="0")
             fail = ET.SubElement(case, "failure", message=xml_text(f.summary()), type=xml_text(f.kind))
             fail.text = xml_text(f"replay file: {path}\n" + failure_text(f))
-    total_t = tot_f = 0
+    total_t = tot_f = tot_e = 0
     for suite in (reg, fz):
         cases = suite.findall("testcase")
         fails = sum(1 for c in cases if c.find("failure") is not None)
+        errors = sum(1 for c in cases if c.find("error") is not None)
         suite.set("tests", str(len(cases)))
         suite.set("failures", str(fails))
-        suite.set("errors", "0")
+        suite.set("errors", str(errors))
         suite.set("skipped", "0")
         total_t += len(cases)
         tot_f += fails
+        tot_e += errors
     root.set("tests", str(total_t))
     root.set("failures", str(tot_f))
-    root.set("errors", "0")
+    root.set("errors", str(tot_e))
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
