@@ -16,6 +16,10 @@ suppressed findings (the program stops, the search goes on) and never reports th
 Workers share nothing but ``DIR``: each one searches with its own seed, triages (confirms,
 minimizes) what it finds and writes the replay file unless one with that signature exists; the
 parent process counts each signature once. A worker exits when its parent dies.
+
+Ctrl-C or SIGTERM (the parent sends its workers SIGTERM when it is interrupted) while a finding
+is being confirmed or minimized writes it unminimized (``"minimized": false``) before stopping;
+the parent counts every file that landed while its workers stopped.
 """
 
 from __future__ import annotations
@@ -144,7 +148,16 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         if sig in known_signatures(spec.corpus):
             known.add(sig)
             continue
-        crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
+        try:
+            crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
+            path = os.path.join(fdir, replay.file_name(sig))
+            if not os.path.exists(path):
+                replay.write_atomic(path, replay.to_doc(
+                    config, program, [primary] + [f for f in findings if f is not primary], fuzzer=spec.fuzzer,
+                    seed=seed, minimized=False, confirmations="interrupted before confirmation"))
+            emit(("finding", spec.index, sig, path))
+            raise
         if crash is None:
             flaky.add(sig)
             emit(("flaky", spec.index, sig))
@@ -167,21 +180,34 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
 
 
 def _worker_main(spec: _Spec, q) -> None:
-    """Entry point of a worker process: Ctrl-C is the parent's business; die with the parent."""
+    """Entry point of a worker process: Ctrl-C is the parent's business; die with the parent. The
+    first SIGTERM (the parent's, when it is interrupted, or ``timeout``'s to the process group)
+    stops the worker as Ctrl-C stops a search: a finding in triage is written unminimized first."""
+    from kvaudit.runner import INTERRUPTED
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: the next would cut the write short
+        INTERRUPTED.set()  # stops the next op even if a library swallows the KeyboardInterrupt
+        raise KeyboardInterrupt
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the getppid() check in the progress callback does the same, later
-    import torch
-
-    torch.set_num_threads(1)
     try:
+        import torch
+
+        torch.set_num_threads(1)
         _search_loop(spec, q.put)
+    except KeyboardInterrupt:  # SIGTERM: what was found is written
+        q.put(("done", spec.index))
     except Exception as e:  # report, do not hang the parent
-        q.put(("error", spec.index, f"{type(e).__name__}: {e}"))
+        oserror = (e.errno, e.filename) if isinstance(e, OSError) else (None, None)
+        q.put(("error", spec.index, f"{type(e).__name__}: {e}", *oserror))
         q.put(("done", spec.index))
 
 
@@ -231,6 +257,8 @@ def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, 
         elif kind == "flaky":
             result.flaky.add(msg[2])
         elif kind == "error":
+            if msg[3] is not None:  # an OSError (a full disk): the CLI says so in one line
+                raise OSError(msg[3], f"worker {index}: {msg[2]}", msg[4])
             raise RuntimeError(f"worker {index}: {msg[2]}")
         if on_progress:
             on_progress(stats)
@@ -269,11 +297,17 @@ def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, 
                         p.join(timeout=10)
                 for p in procs:
                     if p.is_alive():
-                        p.terminate()
+                        p.terminate()  # SIGTERM: a worker in triage writes its finding first
                 for p in procs:
                     p.join(timeout=5)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(timeout=5)
     except KeyboardInterrupt:
         result.interrupted = True
+    for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)
+        if sig not in result.new and sig not in result.known:
+            handle(("finding", -1, sig, path))
     stats.phase = "interrupted" if result.interrupted else "done"
     _append_run_record(corpus, {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": round(time.time() - started, 1),

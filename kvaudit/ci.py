@@ -11,7 +11,8 @@
    that code scanning keeps an unfixed bug's alert open and closes it once the bug is fixed.
 
 The job fails (exit 1) on a regression that no longer reproduces, is not deterministic or is not
-clean without its switch, and on any new finding.
+clean without its switch, on a regression file that cannot be read (a JUnit error; the job goes
+on with the rest), and on any new finding.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class RegressionCheck:
     clean_without_switch: bool = False
     problem: str = ""
     seconds: float = 0.0
+    malformed: bool = False  # not a readable replay file: ``problem`` says why
 
     @property
     def ok(self) -> bool:
@@ -58,6 +60,7 @@ class FuzzRun:
     new: list[tuple[list, list[Finding], str]] = field(default_factory=list)  # (program, findings, replay file)
     known: list[str] = field(default_factory=list)
     known_open: list[Finding] = field(default_factory=list)  # known findings that still reproduce
+    interrupted: bool = False  # Ctrl-C or SIGTERM cut the campaign short (what it found is in ``new``)
 
 
 @dataclass
@@ -75,10 +78,15 @@ class CiResult:
 
 
 def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
-    """Replay ``path`` ``runs`` times with its switches on and once with them off."""
+    """Replay ``path`` ``runs`` times with its switches on and once with them off. A file that is
+    not a readable replay file is a failed check (``malformed``), not an exception."""
     t0 = time.monotonic()
-    config, program, recorded, _ = replay.load(path)
     name = os.path.splitext(os.path.basename(path))[0]
+    try:
+        config, program, recorded, _ = replay.load(path)
+    except replay.ReplayFormatError as e:
+        return RegressionCheck(name, path, "", problem=f"malformed: {e}", malformed=True,
+                               seconds=time.monotonic() - t0)
     check = RegressionCheck(name, path, recorded[0].signature if recorded else "")
     if not recorded:
         check.problem = "records no finding"
@@ -111,7 +119,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
     """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign (it goes on past
     each finding). With ``corpus``, over ``corpus/<preset>``: resumable, findings already there are
     known, not new. Without, over a fresh temporary corpus; new findings' replay files are copied to
-    ``out_dir``. Raises KeyboardInterrupt after an interrupted campaign (what it found is kept)."""
+    ``out_dir``. An interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
     from kvaudit.campaign import run_campaign
 
     config = get_preset(preset).config()
@@ -126,9 +134,9 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             if corpus is None:
                 path = replay.write_atomic(os.path.join(out_dir, os.path.basename(path)), doc)
             run.new.append((program, findings, path))
-    if result.interrupted:
-        raise KeyboardInterrupt
-    run.known_open = still_open(result.known, suppress_path)
+    run.interrupted = result.interrupted
+    if not result.interrupted:  # (interrupted: no time for replays; its SARIF lists what was found)
+        run.known_open = still_open(result.known, suppress_path)
     return run
 
 
@@ -183,7 +191,10 @@ def junit(result: CiResult) -> str:
     for r in result.regressions:
         case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions", name=xml_text(r.name),
                              time=f"{r.seconds:.2f}")
-        if not r.ok:
+        if r.malformed:  # the case could not run: an error, not a failure
+            ET.SubElement(case, "error", message=xml_text(r.problem), type="malformed").text = xml_text(
+                f"{r.path}\n{r.problem}\n")
+        elif not r.ok:
             fail = ET.SubElement(case, "failure", message=xml_text(r.problem), type="regression")
             fail.text = xml_text(f"{r.path}\nsignature: {r.signature}\n{r.problem}\n")
     fz = ET.SubElement(root, "testsuite", name="kvaudit.fuzz")
@@ -197,19 +208,21 @@ def junit(result: CiResult) -> str:
                                  time="0")
             fail = ET.SubElement(case, "failure", message=xml_text(f.summary()), type=xml_text(f.kind))
             fail.text = xml_text(f"replay file: {path}\n" + failure_text(f))
-    total_t = tot_f = 0
+    total_t = tot_f = tot_e = 0
     for suite in (reg, fz):
         cases = suite.findall("testcase")
         fails = sum(1 for c in cases if c.find("failure") is not None)
+        errors = sum(1 for c in cases if c.find("error") is not None)
         suite.set("tests", str(len(cases)))
         suite.set("failures", str(fails))
-        suite.set("errors", "0")
+        suite.set("errors", str(errors))
         suite.set("skipped", "0")
         total_t += len(cases)
         tot_f += fails
+        tot_e += errors
     root.set("tests", str(total_t))
     root.set("failures", str(tot_f))
-    root.set("errors", "0")
+    root.set("errors", str(tot_e))
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 

@@ -2,7 +2,9 @@
 
 Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 a replay is not deterministic
 (``replay --check-determinism``), 4 a recorded finding no longer reproduces (``minimize``),
-70 internal error, 130 interrupted with no finding.
+70 internal error, 74 disk full (a finding or report could not be written; what was written is
+kept), 130 interrupted with no finding. ``fuzz``, ``minimize`` and ``ci`` take SIGTERM (``timeout``,
+Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, then the reports.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvaudit.targets.sglang_config import TREE_CORES
 from kvaudit import __version__, replay
 from kvaudit.campaign import FUZZERS, findings_dir, known_signatures, run_campaign
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
-from kvaudit.outputs import FORMATS, Case, Outputs, ReportData
+from kvaudit.outputs import FORMATS, Case, Outputs, ReportData, WriteError, disk_full
 from kvaudit.outputs import write as write_outputs
 from kvaudit.report import (print_cases, print_report, print_suppressions, print_table, summary_line,
                             suppressed_by_kind)
@@ -37,11 +39,25 @@ from kvaudit.runner import step_timeout as runner_step_timeout
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
-EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED = 3, 4
+EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, EXIT_DISK_FULL = 3, 4, 74
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # SIGTERM: timeout(1), Kubernetes, the Actions runner
 
 
 class InputError(click.ClickException):
     exit_code = EXIT_USAGE
+
+
+class DiskFull(click.ClickException):
+    exit_code = EXIT_DISK_FULL
+
+
+def _write_error(e: OSError, path: str, kept: list[str] | tuple = ()) -> click.ClickException:
+    """The one-line error for a finding or report that could not be written: disk full (exit 74,
+    naming the files kept), else an input error (exit 2)."""
+    if disk_full(e):
+        return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); "
+                        + (f"kept what was written: {', '.join(kept)}" if kept else "nothing else was written"))
+    return InputError(f"cannot write {path}: {e.strerror or e}")
 
 
 class KvauditGroup(click.Group):
@@ -222,13 +238,14 @@ def _outputs(inputs: tuple[str, ...] = (), **paths) -> Outputs:
     return Outputs(**paths)
 
 
-def _write_outputs(outputs: Outputs, data: ReportData, err: Console) -> None:
+def _write_outputs(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> None:
+    """Write the reports asked for; ``kept``: files this run wrote before (named if the disk is full)."""
     if not outputs.wanted():
         return
     try:
         written = write_outputs(outputs, data, note=lambda m: err.print(m, soft_wrap=True))
-    except OSError as e:
-        raise InputError(f"cannot write report: {e.strerror or e}: {e.filename or ''}".rstrip(": ")) from None
+    except WriteError as e:
+        raise _write_error(e, f"report {e.filename}", [*kept, *e.written]) from None
     err.print("reports written: " + ", ".join(written), soft_wrap=True)
 
 
@@ -350,33 +367,45 @@ def main():
 
 
 def _restoring_sigint(fn):
-    """Put the caller's SIGINT handler (and a clear interrupt flag) back when ``fn`` returns, so an
-    in-process caller (a test, a notebook) keeps its Ctrl-C."""
+    """Put the caller's SIGINT and SIGTERM handlers (and a clear interrupt flag) back when ``fn``
+    returns, so an in-process caller (a test, a notebook) keeps its Ctrl-C."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
         main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.getsignal(signal.SIGINT) if main_thread else None
+        previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
         hook = sys.unraisablehook
         try:
             return fn(*a, **k)
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
             sys.unraisablehook = hook
             INTERRUPTED.clear()
 
     return wrapper
 
 
+def _ignore_interrupts() -> None:
+    """A second Ctrl-C or SIGTERM must not cut the finding file and reports short: ignore both
+    (on the main thread; the command's wrapper puts the caller's handlers back)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in INTERRUPT_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def _catch_sigint() -> None:
-    """Ctrl-C raises KeyboardInterrupt as usual and also sets :data:`runner.INTERRUPTED`, which the
-    next op checks: an interrupt swallowed inside a library callback still stops the run."""
+    """Ctrl-C -- and SIGTERM, which ``timeout``, Kubernetes and the Actions runner send -- raises
+    KeyboardInterrupt as usual and also sets :data:`runner.INTERRUPTED`, which the next op checks:
+    an interrupt swallowed inside a library callback still stops the run. Either signal takes the
+    same path: what was found is written, then the reports, with the same exit code."""
     def handler(signum, frame):
         INTERRUPTED.set()
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, handler)
+        for sig in INTERRUPT_SIGNALS:
+            signal.signal(sig, handler)
         previous_hook = sys.unraisablehook
 
         def quiet_interrupts(unraisable):
@@ -474,30 +503,32 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
                 stats.phase = "done"
                 progress.update(stats, force=True)
             else:
-                stats.phase = "confirming and minimizing"
                 stats.findings = 1
-                progress.update(stats, force=True)
+
+                def phase(name: str) -> None:  # a line per phase off a terminal: confirming, minimizing, ...
+                    stats.phase = name
+                    progress.update(stats, force=True)
+
                 # the report's hit counts are the search's: triage's many reruns count apart
-                crash = triage(config, found[0], found[1][0], suppressions=sset.fresh() if sset is not None else None)
-                stats.phase = "done"
-                progress.update(stats, force=True)
-    except KeyboardInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short
+                crash = triage(config, found[0], found[1][0], suppressions=sset.fresh() if sset is not None else None,
+                               on_phase=phase)
+                phase("done")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
+        _ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
         INTERRUPTED.clear()  # the reports below replay the program (the timeline)
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
             _write_outputs(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
             return EXIT_INTERRUPTED
-        # Interrupted while minimizing: keep what was found, unminimized and unconfirmed.
-        program, findings = found
-        path = _write(out_dir, config, program, findings, seed=seed, confirmations="interrupted before confirmation",
-                      minimized=False)
-        print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
-        err.print(f"interrupted while minimizing; the unminimized program is in {path}", soft_wrap=True)
-        _write_outputs(outputs, _run_data(config, program, findings, sset, stats, seed, interrupted=True,
-                                          program_title="program (unminimized)"), err)
-        return EXIT_FINDINGS
+        if crash is None:  # interrupted while confirming or minimizing: keep it, unminimized and unconfirmed
+            program, findings = found
+            print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
+            path = _write(out_dir, config, program, findings, seed=seed,
+                          confirmations="interrupted before confirmation", minimized=False)
+            err.print(f"interrupted while minimizing; the unminimized program is in {path}", soft_wrap=True)
+            _write_outputs(outputs, _run_data(config, program, findings, sset, stats, seed, interrupted=True,
+                                              program_title="program (unminimized)"), err, kept=(path,))
+            return EXIT_FINDINGS
     if found is None or crash is None:
         if sset is not None:
             print_suppressions(console, sset)
@@ -510,16 +541,12 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
         console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
         _write_outputs(outputs, _run_data(config, [], [], sset, stats, seed), err)
         return EXIT_CLEAN
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the finding is complete: write and report it whole
+    _ignore_interrupts()  # the finding is complete: write and report it whole
     minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
     title = "minimized program" if minimized else "program (not minimized)"
     data = _run_data(config, crash.program, crash.findings, sset, stats, seed, program_title=title)
     data.cases[0].timeline = crash.timeline  # triage recorded it when a replay is costly (a hang)
     data.ensure_timelines()
-    path = _write(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
-                  confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
-                  timeline=data.cases[0].timeline)
     data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
     hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
     console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"
@@ -528,10 +555,17 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
                   + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
                      f"{len(crash.program)} ops, not minimized (each replay of a hang costs the step timeout)")
                   + f"; reproduced {crash.confirmations}/{crash.runs}", soft_wrap=True)
+    try:
+        path = _write(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
+                      confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
+                      timeline=data.cases[0].timeline)
+    except click.ClickException:  # a full disk (_write_error): the finding still reaches the log
+        print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
+        raise
     console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
     # the report last: its closing SUMMARY: line is the last line on stdout, as LeakSanitizer's
     print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
-    _write_outputs(outputs, data, err)
+    _write_outputs(outputs, data, err, kept=(path,))
     return EXIT_FINDINGS
 
 
@@ -580,9 +614,12 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
             result = run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
                                   on_progress=progress.update, on_finding=landed, use_seeds=use_seeds)
             progress.update(result.stats, force=True)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        raise _write_error(e, e.filename or f"in {corpus}", [f"the finding files in {findings_dir(corpus)}"]) from None
     finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the summary and reports are written whole
+        _ignore_interrupts()  # the summary and reports are written whole
         INTERRUPTED.clear()
     cases = []
     for sig, path in sorted(result.new.items()):
@@ -626,7 +663,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     if result.interrupted:
         extra["interrupted"] = True
     _write_outputs(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset), extra,
-                                       suppressions=sset), err)
+                                       suppressions=sset), err, kept=tuple(sorted(set(result.new.values()))))
     if result.new:
         return EXIT_FINDINGS
     return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
@@ -655,7 +692,7 @@ def _write_file(path, config, program, findings, **extra) -> str:
     try:
         return replay.write_atomic(path, replay.to_doc(config, program, findings, **extra))
     except OSError as e:
-        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+        raise _write_error(e, path) from None
 
 
 def _load_replay(file: str, suppress_file: str | None, tree_core: str | None = None):
@@ -739,7 +776,7 @@ def _update_replays(files: tuple[str, ...]) -> int:
         try:
             outcome = replay.rerecord(file, execute(config, program).findings)
         except OSError as e:
-            raise InputError(f"cannot write {file}: {e.strerror or e}") from None
+            raise _write_error(e, file) from None
         lost += outcome.startswith("not updated")
         console.print(f"{file}: {outcome}", soft_wrap=True)
     return EXIT_NOT_REPRODUCED if lost else EXIT_CLEAN
@@ -780,7 +817,8 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
 def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
     """Minimize a replay file: delta debugging over its ops, then simpler op arguments, keeping the
     finding's signature; the result is confirmed 3 of 3 times and written atomically. Exits 0 when
-    written, 4 if the finding does not reproduce (or not 3 of 3 after minimizing)."""
+    written, 4 if the finding does not reproduce (or not 3 of 3 after minimizing). Ctrl-C or
+    SIGTERM writes the smallest program that reproduced so far (unconfirmed) and exits 130."""
     config, program, recorded, sset = _load_replay(file, suppress_file)
     if signature is None:
         if not recorded:
@@ -793,17 +831,19 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
     err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
     _catch_sigint()
     from kvaudit.fuzz import confirm
-    from kvaudit.minimize import minimize
+    from kvaudit.minimize import Interrupted, minimize
 
+    small = None
     try:
         small = minimize(config, program, signature, fresh())
+        confirmations = confirm(config, small, signature, suppressions=fresh())
     except ValueError:
         err.print(f"{file}: {signature} does not reproduce", soft_wrap=True)
         return EXIT_NOT_REPRODUCED
-    except KeyboardInterrupt:
-        err.print("interrupted: nothing written")
-        return EXIT_INTERRUPTED
-    confirmations = confirm(config, small, signature, suppressions=fresh())
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
+        smallest = small if small is not None else e.smallest if isinstance(e, Interrupted) else None
+        return _write_interrupted_minimize(config, program, smallest, signature, file, out_file, fresh(),
+                                           console, err)
     if confirmations < CONFIRM_RUNS:
         err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
                   "nothing written", soft_wrap=True)
@@ -811,12 +851,40 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
     final = execute(config, small, suppressions=fresh(), drain=True)
     findings = [f for f in final.findings if f.signature == signature] + \
         [f for f in final.findings if f.signature != signature]
-    path = _write_file(out_file, config, small, findings, minimized=True, minimized_from=file,
-                       confirmations=f"{confirmations}/{CONFIRM_RUNS}")
+    try:
+        path = _write_file(out_file, config, small, findings, minimized=True, minimized_from=file,
+                           confirmations=f"{confirmations}/{CONFIRM_RUNS}")
+    except click.ClickException:  # a full disk (_write_error): the minimized program still reaches the log
+        print_report(console, config, small, findings)
+        raise
     console.print(f"minimized {len(program)} -> {len(small)} ops; reproduced {confirmations}/{CONFIRM_RUNS}; "
                   f"written to {path}", soft_wrap=True)
     print_report(console, config, small, findings)  # last: its SUMMARY: line closes stdout
     return EXIT_CLEAN
+
+
+def _write_interrupted_minimize(config, program, smallest, signature, file, out_file, suppressions, console,
+                                err) -> int:
+    """``kvaudit minimize`` interrupted: write the smallest program that reproduced so far (replayed
+    once more for its findings' stacks; not confirmed 3/3, ``"minimized": false``); EXIT_INTERRUPTED."""
+    _ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the file short
+    INTERRUPTED.clear()  # the replay below runs ops
+    if smallest is None:
+        err.print("interrupted before the program reproduced: nothing written")
+        return EXIT_INTERRUPTED
+    final = execute(config, smallest, suppressions=suppressions, drain=True)
+    findings = [f for f in final.findings if f.signature == signature] + \
+        [f for f in final.findings if f.signature != signature]
+    if signature not in final.signatures:
+        err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "
+                  "when replayed: nothing written", soft_wrap=True)
+        return EXIT_INTERRUPTED
+    print_report(console, config, smallest, findings)
+    path = _write_file(out_file, config, smallest, findings, minimized=False, minimized_from=file,
+                       confirmations="interrupted before confirmation")
+    err.print(f"interrupted: the smallest program so far ({len(program)} -> {len(smallest)} ops, not confirmed) "
+              f"written to {path}", soft_wrap=True)
+    return EXIT_INTERRUPTED
 
 
 @main.command("ci")
@@ -844,7 +912,8 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
     """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
     identically with its switches on and be clean with them off), fuzz the clean engine over the
     presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
-    clean, 1 on a failed regression or a new finding, 130 when interrupted."""
+    clean, 1 on a failed regression (a malformed file among them: a JUnit error, and the job goes on)
+    or a new finding, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
     from kvaudit import ci
 
     try:
@@ -878,10 +947,7 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
     _catch_sigint()
     try:
         for path in files:
-            try:
-                check = ci.check_regression(path)
-            except replay.ReplayFormatError as e:
-                raise InputError(str(e)) from None
+            check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)
             err.print(f"regression {check.name}: " + ("ok" if check.ok else f"FAILED: {check.problem}"),
                       soft_wrap=True)
@@ -895,10 +961,11 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
                 err.print(f"fuzz {preset}: {run.executions} executions, "
                           + (f"{len(run.new)} NEW finding(s)" if run.new else "clean")
                           + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
+                if run.interrupted:  # its findings are kept above
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         result.interrupted = True
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the summary and reports are written whole
+    _ignore_interrupts()  # the summary and reports are written whole
     INTERRUPTED.clear()
     for run in result.fuzz:
         for program, findings, path in run.new:
@@ -913,12 +980,14 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
                   Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
                   if run.new else Text("clean", style="green"))
     print_table(console, t)
+    kept = [path for run in result.fuzz for _, _, path in run.new]
     if outputs.junit:
         try:
             replay.write_text_atomic(outputs.junit, ci.junit(result))
         except OSError as e:
-            raise InputError(f"cannot write {outputs.junit}: {e.strerror or e}") from None
+            raise _write_error(e, outputs.junit, kept) from None
         err.print(f"JUnit written: {outputs.junit}")
+        kept.append(outputs.junit)
     if outputs.sarif:  # every open finding, new and known (HTML and JSON: the new ones)
         import json
 
@@ -926,15 +995,16 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
             replay.write_text_atomic(outputs.sarif, json.dumps(ci.sarif(result, get_preset(preset_names[0]).config()),
                                                                indent=2) + "\n")
         except OSError as e:
-            raise InputError(f"cannot write {outputs.sarif}: {e.strerror or e}") from None
+            raise _write_error(e, outputs.sarif, kept) from None
         err.print(f"SARIF written: {outputs.sarif}")
+        kept.append(outputs.sarif)
     rest = Outputs(html=outputs.html, json=outputs.json)
     if rest.wanted():
         cases = [Case(p, f, doc_extra={"preset": run.preset}, config=get_preset(run.preset).config())
                  for run in result.fuzz for p, f, _ in run.new]
         base = get_preset(preset_names[0]).config()
         _write_outputs(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
-                                        {"job": "kvaudit ci"}, suppressions=sset), err)
+                                        {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
     failed = result.failed
     console.print(("FAILED" if failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
@@ -988,11 +1058,13 @@ def bench_cmd(trials, budget, fuzzers_value, bugs_value, fp_seconds, overhead_pr
               f"budget {budget:g}s each", soft_wrap=True)
     res = bench.run(bugs, fuzzers, trials, budget, budget if fp_seconds is None else fp_seconds, ov,
                     on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
-    try:
-        replay.write_atomic(out_json, res.to_json())
-        replay.write_text_atomic(out_md, bench.markdown(res))
-    except OSError as e:
-        raise InputError(f"cannot write the report: {e.strerror or e}") from None
+    kept: list[str] = []
+    for path, write in ((out_json, lambda: replay.write_atomic(out_json, res.to_json())),
+                        (out_md, lambda: replay.write_text_atomic(out_md, bench.markdown(res)))):
+        try:
+            kept.append(write())
+        except OSError as e:
+            raise _write_error(e, path, kept) from None
     _console().print(f"bench done in {res.wall / 60:.1f} min: {out_md}, {out_json}")
     return EXIT_CLEAN
 

@@ -288,11 +288,15 @@ def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int =
                for _ in range(runs))
 
 
-def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressions=None) -> Crash | None:
+def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressions=None,
+           on_phase: Callable[[str], None] | None = None) -> Crash | None:
     """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K.
     ``suppressions`` applies to every run, so the crash keeps an unsuppressed signature and lists
-    no suppressed findings."""
+    no suppressed findings. ``on_phase`` is told each phase as it starts: ``"confirming"``,
+    ``"minimizing"``, ``"confirming the minimized program"``."""
     sig = finding.signature
+    phase = on_phase or (lambda name: None)
+    phase("confirming")
     if is_watchdog_hang(finding):
         # Every replay of a hang costs the watchdog's full step limit, and ddmin would need dozens:
         # one full-stacks replay confirms it (1 of 1) and records the report's timeline; no
@@ -309,7 +313,9 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
         return Crash(config, program, [primary] + others, len(program), 1, runs=1, timeline=timeline)
     if confirm(config, program, sig, suppressions=suppressions) < CONFIRM_RUNS:
         return None
+    phase("minimizing")
     small = minimize(config, program, sig, suppressions)
+    phase("confirming the minimized program")
     # full stacks and owners for the report; then drained to idle for the engine's verdict there
     final = execute(config, small, suppressions=suppressions, drain=True)
     primary = next(f for f in final.findings if f.signature == sig)

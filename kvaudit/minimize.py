@@ -127,21 +127,41 @@ def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool], max_rounds: 
     return ops
 
 
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C (or SIGTERM, which the CLI turns into one) during :func:`minimize`. ``smallest``:
+    the smallest program that reproduced the signature so far (fewest ops; the latest of equal
+    length, whose arguments are the simplest), or None if the input had not yet reproduced."""
+
+    def __init__(self, smallest: list[Op] | None):
+        super().__init__()
+        self.smallest = smallest
+
+
 def minimize(config: EngineConfig, program: list[Op], signature: str, suppressions=None) -> list[Op]:
     """The smallest program found that still yields ``signature``. Raises ``ValueError`` if the
-    input program does not reproduce it. With ``suppressions`` (a
+    input program does not reproduce it, and :class:`Interrupted` (a KeyboardInterrupt that carries
+    the smallest program so far) when interrupted. With ``suppressions`` (a
     :class:`kvaudit.suppress.SuppressionSet`) every run leaves the findings it covers out, so a
     suppressed finding earlier in the program neither stops a run nor counts."""
     cache: dict[tuple, bool] = {}
+    smallest: list[Op] | None = None  # every step below moves only to programs that fail: the latest is the best
 
     def fails(ops: list[Op]) -> bool:
+        nonlocal smallest
         key = tuple(ops)
         if key not in cache:
             cache[key] = bool(ops) and reproduces(config, ops, signature, suppressions)
+        if cache[key] and (smallest is None or len(ops) <= len(smallest)):
+            smallest = list(ops)
         return cache[key]
 
-    if not fails(list(program)):
-        raise ValueError(f"program does not reproduce {signature}")
-    ops = ddmin(list(program), fails)
-    ops = simplify_args(reset_defaults(ops, fails), fails)
-    return merge_steps(reset_defaults(ddmin(ops, fails), fails), fails)
+    try:
+        if not fails(list(program)):
+            raise ValueError(f"program does not reproduce {signature}")
+        ops = ddmin(list(program), fails)
+        ops = simplify_args(reset_defaults(ops, fails), fails)
+        return merge_steps(reset_defaults(ddmin(ops, fails), fails), fails)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(smallest) from None

@@ -8,6 +8,7 @@ timeline added, so ``kvaudit report`` and ``kvaudit replay`` read it back.
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,6 +19,24 @@ from kvaudit.findings import Finding
 from kvaudit.program import Op
 
 FORMATS = ("html", "sarif", "junit", "json")
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(error: OSError) -> bool:
+    """True for the errors of a full disk or an exhausted quota (ENOSPC, EDQUOT)."""
+    return error.errno in DISK_FULL
+
+
+class WriteError(OSError):
+    """A report file could not be written: ``filename`` is its path (a failed ``write`` or
+    ``fsync`` names none of its own), ``written`` the files written before it, which are kept
+    (every file is written atomically: a failed one leaves no part behind)."""
+
+    def __init__(self, error: OSError, path: str, written: list[str]):
+        super().__init__(error.errno, error.strerror or str(error), path)
+        self.written = written
 
 
 @dataclass
@@ -91,8 +110,23 @@ class ReportData:
 
 
 def write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None = None) -> list[str]:
-    """Write every file ``outputs`` names; returns the paths written. Raises OSError."""
-    written = []
+    """Write every file ``outputs`` names; returns the paths written. Raises :class:`WriteError`
+    (an OSError) naming the file that failed; those written before it stay."""
+    written: list[str] = []
+    try:
+        _write(outputs, data, note, written)
+    except OSError as e:
+        raise WriteError(e, _failed(outputs, written), written) from None
+    return written
+
+
+def _failed(outputs: Outputs, written: list[str]) -> str:
+    """The first file ``outputs`` names that is not in ``written`` (in the order :func:`_write` writes them)."""
+    order = [outputs.json, outputs.sarif, outputs.junit, outputs.html]
+    return next((p for p in order if p and p not in written), "?")
+
+
+def _write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None, written: list[str]) -> None:
     if outputs.html or outputs.json:
         data.ensure_timelines(note)
     if outputs.json:
@@ -119,4 +153,3 @@ def write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None
         html = render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
                            extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})
         written.append(replay.write_text_atomic(outputs.html, html))
-    return written

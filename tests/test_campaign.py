@@ -299,6 +299,28 @@ def test_ci_replays_regressions_and_fails_on_a_broken_one(tmp_path):
     assert 'failures="1"' in xml and "no longer reproduces" in xml
 
 
+def test_ci_fails_a_malformed_regression_file_and_goes_on_with_the_rest(tmp_path):
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    for name in ("overlap-abort-double-free.json", "prefill-finish-leaks-row.json"):
+        shutil.copy(os.path.join(REGRESSIONS, name), regs / name)
+    (regs / "broken.json").write_text('{"format": "kvaudit.replay/1", "program": [')  # cut short
+    result = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--junit", str(tmp_path / "ci.xml"),
+                    "--sarif", str(tmp_path / "ci.sarif"), "--json", str(tmp_path / "ci.json"))
+    assert result.exit_code == 1, result.output  # as for a failing case, not 2
+    assert "Traceback" not in result.output
+    assert "regression broken: FAILED: malformed:" in result.stderr
+    assert "regression overlap-abort-double-free: ok" in result.stderr  # the ones after it still ran
+    assert "regression prefill-finish-leaks-row: ok" in result.stderr
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(tmp_path / "ci.xml").getroot().find("testsuite[@name='kvaudit.regressions']")
+    assert (suite.get("tests"), suite.get("errors"), suite.get("failures")) == ("3", "1", "0")
+    (broken,) = [c for c in suite.findall("testcase") if c.find("error") is not None]
+    assert broken.get("name") == "broken" and "broken.json" in broken.find("error").text
+    assert json.load(open(tmp_path / "ci.sarif"))["runs"] and json.load(open(tmp_path / "ci.json"))
+
+
 @pytest.mark.slow
 def test_ci_fuzzes_every_preset_and_writes_reports(tmp_path):
     result = invoke("ci", "--max-time", "11", "--regressions", REGRESSIONS, "--out", str(tmp_path / "o"),

@@ -1,0 +1,344 @@
+"""Dying gracefully: SIGTERM (``timeout``, Kubernetes, the Actions runner) takes Ctrl-C's path in
+``kvaudit fuzz`` (single run and campaigns), the minimize phase inside it and ``kvaudit minimize``:
+what was found is written, then the reports, with Ctrl-C's exit code. A full disk is one line and
+exit 74, keeping what was written.
+
+The signal tests drive the installed console script in a subprocess and wait on its output lines,
+never on a fixed time. To be *inside* minimization when the signal lands, whatever the machine's
+speed, a ``sitecustomize`` planted by the test holds the minimizer open after its first ddmin
+pass (it prints a line, then sleeps until a signal ends the sleep): everything else is the real code."""
+
+import errno
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import threading
+
+import pytest
+from cli_helpers import invoke, kvaudit_script, plain_env
+
+from kvaudit import replay
+from kvaudit.program import FlushCache, Step, Submit
+from kvaudit.runner import execute
+
+HERE = os.path.dirname(__file__)
+REGRESSIONS = os.path.join(HERE, "..", "corpora", "regressions")
+BUG = "hisparse-prebuilt-skip-finish"  # found in a handful of executions
+HISPARSE = ["--preset", "pd-decode-hisparse", "--bug", BUG]
+LIMIT_S = 120  # the most any wait below may take on a loaded machine (a limit, not a sleep)
+
+HOLD_MINIMIZER = '''
+import sys
+import time
+
+import kvaudit.minimize as m
+
+
+def held(ops, fails, *a, **k):
+    print(f"TEST-HOLD: minimizer held at {len(ops)} ops", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)  # a signal's KeyboardInterrupt ends it
+
+
+m.simplify_args = held
+'''
+
+
+class Running:
+    """The console script running ``args``: stdout to a file, stderr read line by line on a thread."""
+
+    def __init__(self, tmp_path, args, hold_minimizer=False):
+        env = plain_env()
+        if hold_minimizer:
+            hold = tmp_path / "hold"
+            hold.mkdir()
+            (hold / "sitecustomize.py").write_text(HOLD_MINIMIZER)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hold), env.get("PYTHONPATH")) if p)
+        self.stdout_path = tmp_path / "stdout.txt"
+        self._stdout = open(self.stdout_path, "w")
+        self.proc = subprocess.Popen([kvaudit_script(), *args], stdout=self._stdout, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.lines: list[str] = []
+        self._new: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self._new.put(line)
+        self._new.put(None)
+
+    def wait_for(self, text: str) -> str:
+        """The first stderr line containing ``text``; fails if the process ends or LIMIT_S passes first."""
+        for line in self.lines:
+            if text in line:
+                return line
+        while True:
+            line = self._new.get(timeout=LIMIT_S)
+            assert line is not None, f"exited {self.proc.wait()} before {text!r}:\n{''.join(self.lines)}"
+            self.lines.append(line)
+            if text in line:
+                return line
+
+    def finish(self, sig) -> tuple[int, str, str]:
+        """Send ``sig``; (exit code, stdout, stderr) once the process is done."""
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=LIMIT_S)
+        while (line := self._new.get(timeout=LIMIT_S)) is not None:
+            self.lines.append(line)
+        self._stdout.close()
+        return code, self.stdout_path.read_text(), "".join(self.lines)
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """``launch(args, hold_minimizer=False)`` starts the console script; any still running at the end
+    of the test (a failed wait) is killed."""
+    started: list[Running] = []
+
+    def start(args, hold_minimizer=False) -> Running:
+        started.append(Running(tmp_path, args, hold_minimizer))
+        return started[-1]
+
+    yield start
+    for run in started:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+
+
+def replay_files(directory):
+    return sorted(os.path.join(directory, p) for p in os.listdir(directory) if p.endswith(".json"))
+
+
+def assert_reports(tmp_path, signature, interrupted=True):
+    """The --json and --junit files name ``signature``; the JSON says it was interrupted."""
+    doc = json.load(open(tmp_path / "r.json"))
+    cases = doc.get("cases") or [doc]
+    assert signature in {f["signature"] for c in cases for f in c["findings"]}
+    assert doc.get("interrupted", False) is interrupted
+    xml = open(tmp_path / "r.xml").read()
+    assert 'failures="0"' not in xml and signature in xml
+
+
+# -- SIGTERM in kvaudit fuzz ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_minimizing_writes_the_finding_unminimized_and_the_reports(tmp_path, launch, sig):
+    out = tmp_path / "out"
+    run = launch(["fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "60",
+                  "--out", str(out), "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")],
+                 hold_minimizer=True)
+    run.wait_for("] minimizing:")  # the progress line of the phase
+    run.wait_for("TEST-HOLD")
+    code, stdout, stderr = run.finish(sig)
+    assert code == 1, stderr  # Ctrl-C's code with a finding, for either signal
+    assert "Traceback" not in stderr and "interrupted while minimizing" in stderr
+    (path,) = replay_files(out)
+    config, program, findings, doc = replay.load(path)
+    assert doc["minimized"] is False and doc["confirmations"] == "interrupted before confirmation"
+    assert findings[0].signature in execute(config, program).signatures  # a working reproducer
+    assert_reports(tmp_path, findings[0].signature)
+    assert "program (unminimized)" in stdout
+
+
+def test_sigterm_during_the_search_exits_130_with_the_reports(tmp_path, launch):
+    run = launch(["fuzz", "--preset", "default", "--fuzzer", "random", "--max-time", "600",
+                  "--out", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"),
+                  "--junit", str(tmp_path / "r.xml")])
+    run.wait_for("] fuzzing:")
+    code, stdout, stderr = run.finish(signal.SIGTERM)
+    assert code == 130, stderr  # Ctrl-C's code with nothing found
+    assert "Traceback" not in stderr and "no finding" in stderr
+    assert json.load(open(tmp_path / "r.json"))["interrupted"] is True
+    assert 'failures="0"' in open(tmp_path / "r.xml").read()
+
+
+def test_sigterm_during_a_campaigns_search_keeps_its_findings_and_writes_the_reports(tmp_path, launch):
+    corpus = tmp_path / "corpus"
+    run = launch(["fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "600", "--corpus", str(corpus),
+                  "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml")])
+    line = run.wait_for("new finding: ")  # confirmed, minimized and written; the search goes on
+    code, stdout, stderr = run.finish(signal.SIGTERM)
+    assert code == 1, stderr  # a new finding, as after Ctrl-C
+    assert "Traceback" not in stderr and "interrupted:" in stdout
+    sig, path = line.split("new finding: ")[1].strip().split(" -> ")
+    _, _, findings, doc = replay.load(path)
+    assert findings[0].signature == sig and doc["minimized"] is True
+    assert_reports(tmp_path, sig)
+
+
+@pytest.mark.slow
+def test_sigterm_while_campaign_workers_minimize_keeps_their_finding(tmp_path, launch):
+    """Two worker processes, both holding a finding in minimization: the parent's SIGTERM stops them
+    (it sends them SIGTERM), each writes its finding unminimized, and the parent reports it."""
+    corpus = tmp_path / "corpus"
+    run = launch(["fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "600", "--workers", "2",
+                  "--corpus", str(corpus), "--json", str(tmp_path / "r.json"),
+                  "--junit", str(tmp_path / "r.xml")], hold_minimizer=True)
+    run.wait_for("TEST-HOLD")  # a worker's stderr
+    code, stdout, stderr = run.finish(signal.SIGTERM)
+    assert code == 1, stderr
+    assert "Traceback" not in stderr
+    (path,) = replay_files(corpus / "findings")
+    config, program, findings, doc = replay.load(path)
+    assert doc["minimized"] is False
+    assert findings[0].signature in execute(config, program).signatures
+    assert f"new finding: {findings[0].signature}" in stderr
+    assert_reports(tmp_path, findings[0].signature)
+
+
+# -- kvaudit minimize keeps its progress -----------------------------------------------------------------
+
+def padded_program():
+    """The HiSparse regression with ops around it that minimization removes: (config, ops, findings)."""
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, f"{BUG}.json"))
+    return config, [Step(2), FlushCache()] + program + [Submit(2, 9, 3), Step(1)], findings
+
+
+def test_minimize_interrupted_carries_the_smallest_program_so_far(monkeypatch):
+    from kvaudit import minimize as m
+    from kvaudit.minimize import Interrupted, minimize
+
+    config, padded, findings = padded_program()
+    sig = findings[0].signature
+    runs = []
+    real = m.reproduces
+
+    def interrupted_after_a_reduction(config, ops, signature, suppressions=None):
+        if any(failed and len(ops) < len(padded) for ops, failed in runs):  # after the first reduction
+            raise KeyboardInterrupt
+        runs.append((list(ops), real(config, ops, signature, suppressions)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(m, "reproduces", interrupted_after_a_reduction)
+    with pytest.raises(Interrupted) as caught:
+        minimize(config, padded, sig)
+    smallest = caught.value.smallest
+    assert smallest is not None and len(smallest) < len(padded)
+    assert sig in execute(config, smallest).signatures
+    assert len(smallest) == min(len(ops) for ops, failed in runs if failed)
+
+
+def test_minimize_interrupted_before_the_first_run_has_nothing(monkeypatch):
+    from kvaudit import minimize as m
+    from kvaudit.minimize import Interrupted, minimize
+
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, f"{BUG}.json"))
+    monkeypatch.setattr(m, "reproduces", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(Interrupted) as caught:
+        minimize(config, program, findings[0].signature)
+    assert caught.value.smallest is None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_kvaudit_minimize_writes_the_smallest_program_so_far(tmp_path, launch, sig):
+    config, padded, findings = padded_program()
+    src, signature = str(tmp_path / "padded.json"), findings[0].signature
+    replay.write_atomic(src, replay.to_doc(config, padded, findings))
+    run = launch(["minimize", src], hold_minimizer=True)
+    held = run.wait_for("TEST-HOLD")
+    code, stdout, stderr = run.finish(sig)
+    assert code == 130, stderr
+    assert "Traceback" not in stderr and "the smallest program so far" in stderr
+    config, small, findings, doc = replay.load(str(tmp_path / "padded.min.json"))
+    assert len(small) < len(padded) and f"held at {len(small)} ops" in held
+    assert findings[0].signature == signature and signature in execute(config, small).signatures
+    assert doc["minimized"] is False and doc["minimized_from"] == src
+
+
+# -- a full disk ---------------------------------------------------------------------------------------
+
+def full_disk_for(monkeypatch, *suffixes):
+    """fsync of a file whose name ends with one of ``suffixes`` fails as on a full disk (ENOSPC), as
+    a delayed write does when the disk fills: the atomic writer's temporary file keeps the suffix."""
+    real = os.fsync
+
+    def fsync(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.endswith(suffixes):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def leftovers(directory):
+    return [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+
+
+def test_a_full_disk_while_writing_a_report_is_one_line_and_keeps_what_was_written(tmp_path, monkeypatch):
+    full_disk_for(monkeypatch, ".sarif")
+    out = tmp_path / "out"
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "60", "--out", str(out),
+               "--json", str(tmp_path / "r.json"), "--sarif", str(tmp_path / "r.sarif"),
+               "--html", str(tmp_path / "r.html"))
+    assert r.exit_code == 74, r.output
+    (line,) = r.stderr.strip().splitlines()[-1:]
+    assert line.startswith("kvaudit: error: disk full: cannot write report ") and str(tmp_path / "r.sarif") in line
+    assert "Traceback" not in r.output
+    (path,) = replay_files(out)
+    _, _, findings, _ = replay.load(path)  # the finding, whole
+    assert path in line and str(tmp_path / "r.json") in line  # named as kept
+    assert json.load(open(tmp_path / "r.json"))["findings"][0]["signature"] == findings[0].signature
+    assert not (tmp_path / "r.sarif").exists() and not leftovers(tmp_path) and not leftovers(out)
+
+
+def test_a_full_disk_for_the_finding_still_prints_its_report(tmp_path, monkeypatch):
+    full_disk_for(monkeypatch, ".json")
+    out = tmp_path / "out"
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "60", "--out", str(out))
+    assert r.exit_code == 74, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {out}") and "No space left" in line
+    assert "Traceback" not in r.output and "SUMMARY: kvaudit:" in r.stdout  # the finding is in the log
+    assert not replay_files(out) and not leftovers(out)
+
+
+def test_a_full_disk_in_kvaudit_ci_is_one_line(tmp_path, monkeypatch):
+    full_disk_for(monkeypatch, ".xml")
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 74, r.output
+    assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: disk full: cannot write {tmp_path}")
+    assert not (tmp_path / "ci.xml").exists() and not leftovers(tmp_path)
+
+
+def test_other_write_errors_stay_input_errors(tmp_path, monkeypatch):
+    def fsync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    src = os.path.join(REGRESSIONS, f"{BUG}.json")
+    r = invoke("report", src, "--sarif", str(tmp_path / "r.sarif"))
+    assert r.exit_code == 2 and "cannot write report" in r.stderr and "disk full" not in r.stderr
+
+
+# -- kvaudit ci ------------------------------------------------------------------------------------------
+
+def test_ci_interrupted_in_a_fuzz_campaign_still_reports_what_it_found(tmp_path, monkeypatch):
+    """A campaign cut short by Ctrl-C or SIGTERM returns what it found: ci reports it and fails."""
+    from kvaudit import campaign
+
+    src = os.path.join(REGRESSIONS, f"{BUG}.json")
+    _, _, findings, _ = replay.load(src)
+
+    def interrupted_campaign(config, fuzzer, budget, seed, workers, corpus, *a, **k):
+        path = os.path.join(campaign.findings_dir(corpus), os.path.basename(src))
+        os.makedirs(os.path.dirname(path))
+        shutil.copy(src, path)
+        return campaign.CampaignResult(new={findings[0].signature: path}, interrupted=True)
+
+    monkeypatch.setattr(campaign, "run_campaign", interrupted_campaign)
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "10", "--presets", "default,chunked", "--regressions", str(empty),
+               "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 1, r.output  # a new finding, as after Ctrl-C
+    assert "(interrupted)" in r.stdout and "fuzz chunked" not in r.stderr  # stopped after the first preset
+    assert findings[0].signature in open(tmp_path / "ci.xml").read()
+    assert os.listdir(tmp_path / "out") == [os.path.basename(src)]
