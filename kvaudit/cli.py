@@ -2,7 +2,7 @@
 
 Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 a replay is not deterministic
 (``replay --check-determinism``), 4 a recorded finding no longer reproduces (``minimize``),
-70 internal error, 130 interrupted with no finding.
+69 an optional dependency is missing here (atheris), 70 internal error, 130 interrupted with no finding.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import click
 from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
 from kvaudit.targets.sglang_config import TREE_CORES
 from kvaudit import __version__, replay
-from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, FUZZERS
+from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, EXIT_UNAVAILABLE, FUZZERS
 from kvaudit.outputs import FORMATS, Case, Outputs, ReportData
 from kvaudit.outputs import write as write_outputs
 from kvaudit.suppress import SuppressionError, SuppressionSet
@@ -35,6 +35,10 @@ EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED = 3, 4
 
 class InputError(click.ClickException):
     exit_code = EXIT_USAGE
+
+
+class UnavailableError(click.ClickException):
+    exit_code = EXIT_UNAVAILABLE
 
 
 class KvauditGroup(click.Group):
@@ -546,16 +550,17 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
 
 
 def _check_atheris() -> None:
+    from kvaudit.atheris_fuzz import HARNESS
+    from kvaudit.constants import MISSING_ATHERIS
+
     try:
         import atheris
-    except ImportError as e:
-        raise InputError(f"--fuzzer atheris: atheris is not importable here ({e}); pip install atheris") from None
+    except ImportError:
+        raise UnavailableError(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer hypothesis or random") from None
     del atheris
-    from kvaudit.atheris_fuzz import HARNESS
-
     if not os.access(HARNESS, os.X_OK):
-        raise InputError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (atheris needs a "
-                         "source checkout of kvaudit: pip install -e .)")
+        raise UnavailableError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (reinstall "
+                               "kvaudit: the wheel ships it)")
 
 
 def _budget_left(max_time: float) -> float:
@@ -871,7 +876,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "
-                   "[default: ./corpora/regressions, else the one in kvaudit's checkout].")
+                   "[default: ./corpora/regressions, else the one kvaudit ships].")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
                    "are not new.")
@@ -900,9 +905,10 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
         raise InputError(f"--presets: {e}") from None
     sset = _suppressions(suppress_file)
     if regressions_dir is None:
+        from kvaudit.data import data_path
+
         here = os.path.join("corpora", "regressions")
-        ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions")
-        regressions_dir = here if os.path.isdir(here) else ours
+        regressions_dir = here if os.path.isdir(here) else data_path("corpora", "regressions")
     if not os.path.isdir(regressions_dir):
         raise InputError(f"--regressions {regressions_dir}: no such directory")
     files = ci.regression_files(regressions_dir)
