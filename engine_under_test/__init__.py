@@ -1,19 +1,37 @@
 """engine_under_test: a small, readable SGLang-style decode engine with a switchable bug zoo.
 
 It never imports kvaudit. Start with :class:`Scheduler` and :func:`get_preset`.
+
+The configuration (presets, the bug zoo) imports without torch; the memory pools, the radix cache
+and the scheduler are imported on first use (PEP 562), so that a command line that only lists
+presets or prints its help starts in a fraction of a second.
 """
 
 from engine_under_test.bugs import BUGS, BugInfo, UnknownBugError
 from engine_under_test.config import PRESETS, EngineConfig, Preset, UnknownPresetError, get_preset
-from engine_under_test.memory import (HostKVPool, MHATokenToKVPool, PoolIntegrityError, ReqToTokenPool,
-                                      TokenToKVPoolAllocator)
-from engine_under_test.radix_cache import MatchResult, RadixCache, TreeNode
-from engine_under_test.req import FinishReason, Req, ReqKvInfo
-from engine_under_test.scheduler import PoolCheck, Scheduler
 
-__all__ = [
-    "BUGS", "BugInfo", "UnknownBugError", "PRESETS", "EngineConfig", "Preset", "UnknownPresetError",
-    "get_preset", "HostKVPool", "MHATokenToKVPool", "PoolIntegrityError", "ReqToTokenPool",
-    "TokenToKVPoolAllocator", "MatchResult", "RadixCache", "TreeNode", "FinishReason", "Req", "ReqKvInfo",
-    "PoolCheck", "Scheduler",
-]
+# name -> the submodule that defines it (these import torch)
+_LAZY = {
+    "HostKVPool": "memory", "MHATokenToKVPool": "memory", "PoolIntegrityError": "memory",
+    "ReqToTokenPool": "memory", "TokenToKVPoolAllocator": "memory",
+    "MatchResult": "radix_cache", "RadixCache": "radix_cache", "TreeNode": "radix_cache",
+    "FinishReason": "req", "Req": "req", "ReqKvInfo": "req",
+    "PoolCheck": "scheduler", "Scheduler": "scheduler",
+}
+
+__all__ = ["BUGS", "BugInfo", "UnknownBugError", "PRESETS", "EngineConfig", "Preset", "UnknownPresetError",
+           "get_preset", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"engine_under_test.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'engine_under_test' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -46,15 +46,22 @@ import os
 import pkgutil
 import sys
 
-import atheris
-
 # This checkout's packages come first: the harness must audit the tree it sits in, not another
-# installed (e.g. editable) copy of kvaudit.
+# installed (e.g. editable) copy of kvaudit. (Installed from a wheel, the harness sits in
+# kvaudit/_data/harnesses/ and audits the installed packages.)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isfile(os.path.join(_ROOT, "kvaudit", "__init__.py")) and \
         os.path.isfile(os.path.join(_ROOT, "engine_under_test", "__init__.py")):
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
+
+try:
+    import atheris
+except ImportError:
+    from kvaudit.constants import EXIT_UNAVAILABLE, MISSING_ATHERIS  # neither imports engine_under_test
+
+    sys.stderr.write(f"fuzz_engine.py: {MISSING_ATHERIS}\n")
+    sys.exit(EXIT_UNAVAILABLE)
 
 with atheris.instrument_imports(include=["engine_under_test"]):
     import engine_under_test

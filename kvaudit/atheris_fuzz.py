@@ -38,14 +38,14 @@ from typing import Callable
 from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.bytes_program import RECORD
+from kvaudit.data import data_path
 from kvaudit.findings import Finding
 from kvaudit.fuzz import FuzzStats
 from kvaudit.program import Op
 from kvaudit.runner import INTERRUPTED
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESS = os.path.join(ROOT, "harnesses", "fuzz_engine.py")
-SEEDS_DIR = os.path.join(ROOT, "corpora", "seeds")
+HARNESS = data_path("harnesses", "fuzz_engine.py")
+SEEDS_DIR = data_path("corpora", "seeds")
 GRACE_S = 20.0  # past max_time: harness start-up (torch import, ~2-3 s) plus libFuzzer's wrap-up
 KILL_WAIT_S = 3.0  # between SIGINT to the process group and SIGKILL
 # after the first replay file appears, libFuzzer is stopped once its crash-* artifact (the input) is

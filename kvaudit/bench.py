@@ -31,10 +31,9 @@ from typing import Callable
 import numpy as np
 
 from engine_under_test import BUGS, PRESETS, EngineConfig, get_preset
+from kvaudit.constants import FUZZERS
 from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search, triage
 from kvaudit.runner import AuditedRun, execute
-
-FUZZERS = ("hypothesis", "atheris", "random")
 
 
 @dataclass

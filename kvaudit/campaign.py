@@ -36,9 +36,9 @@ from typing import Callable
 from engine_under_test import EngineConfig
 from kvaudit.targets import config_from_dict
 from kvaudit import replay
+from kvaudit.constants import FUZZERS
 from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search, triage
 
-FUZZERS = ("hypothesis", "atheris", "random")
 PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
 
 

@@ -2,7 +2,7 @@
 
 Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 a replay is not deterministic
 (``replay --check-determinism``), 4 a recorded finding no longer reproduces (``minimize``),
-70 internal error, 74 disk full (a finding or report could not be written; what was written is
+69 an optional dependency is missing here (atheris), 70 internal error, 74 disk full (a finding or report could not be written; what was written is
 kept), 130 interrupted with no finding. ``fuzz``, ``minimize`` and ``ci`` take SIGTERM (``timeout``,
 Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, then the reports.
 """
@@ -19,23 +19,16 @@ import threading
 import time
 
 import click
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
+# NOTE: only modules that import neither torch, Hypothesis nor rich belong up here: `kvaudit --help`
+# must start in a fraction of a second (tests/test_entry.py checks it with -X importtime). The
+# commands import what they run inside their functions.
 from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
 from kvaudit.targets.sglang_config import TREE_CORES
 from kvaudit import __version__, replay
-from kvaudit.campaign import FUZZERS, findings_dir, known_signatures, run_campaign
-from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, EXIT_UNAVAILABLE, FUZZERS
 from kvaudit.outputs import FORMATS, Case, Outputs, ReportData, WriteError, disk_full
 from kvaudit.outputs import write as write_outputs
-from kvaudit.report import (print_cases, print_report, print_suppressions, print_table, summary_line,
-                            suppressed_by_kind)
-from kvaudit.timeline import is_valid as timeline_is_valid
-from kvaudit.runner import DEFAULT_STEP_TIMEOUT, INTERRUPTED, execute, set_step_timeout
-from kvaudit.runner import step_timeout as runner_step_timeout
 from kvaudit.suppress import SuppressionError, SuppressionSet
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
@@ -58,6 +51,10 @@ def _write_error(e: OSError, path: str, kept: list[str] | tuple = ()) -> click.C
         return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); "
                         + (f"kept what was written: {', '.join(kept)}" if kept else "nothing else was written"))
     return InputError(f"cannot write {path}: {e.strerror or e}")
+
+
+class UnavailableError(click.ClickException):
+    exit_code = EXIT_UNAVAILABLE
 
 
 class KvauditGroup(click.Group):
@@ -171,6 +168,8 @@ _suppress_option = click.option(
 def _set_step_timeout(ctx, param, value):
     if value is not None and not math.isfinite(value):
         _bad(param, "must be a finite number of seconds")
+    from kvaudit.runner import set_step_timeout
+
     set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
     return value
 
@@ -251,6 +250,8 @@ def _write_outputs(outputs: Outputs, data: ReportData, err: Console, kept: tuple
 
 def _console(stderr: bool = False) -> Console:
     """A rich console; off a terminal it is wide, so that paths in reports are not broken up."""
+    from rich.console import Console
+
     probe = Console(stderr=stderr)
     width = None if probe.is_terminal else int(os.environ.get("COLUMNS", 0) or 120)
     return Console(stderr=stderr, highlight=False, width=width)
@@ -280,6 +281,8 @@ class _Progress:
 
     def __init__(self, console: Console, max_time: float, interval: float = 5.0,
                  suppressions: SuppressionSet | None = None):
+        from rich.live import Live
+
         self.console, self.max_time, self.interval = console, max_time, interval
         self.suppressions = suppressions
         self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
@@ -303,6 +306,8 @@ class _Progress:
 
     def renderable(self, s: FuzzStats):
         from rich.progress_bar import ProgressBar
+        from rich.table import Table
+        from rich.text import Text
 
         grid = Table.grid(padding=(0, 2))
         grid.add_row(Text(f"kvaudit fuzz: {s.phase}", style="bold blue"),
@@ -371,6 +376,8 @@ def _restoring_sigint(fn):
     returns, so an in-process caller (a test, a notebook) keeps its Ctrl-C."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
+        from kvaudit.runner import INTERRUPTED
+
         main_thread = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
         hook = sys.unraisablehook
@@ -399,6 +406,8 @@ def _catch_sigint() -> None:
     KeyboardInterrupt as usual and also sets :data:`runner.INTERRUPTED`, which the next op checks:
     an interrupt swallowed inside a library callback still stops the run. Either signal takes the
     same path: what was found is written, then the reports, with the same exit code."""
+    from kvaudit.runner import INTERRUPTED
+
     def handler(signum, frame):
         INTERRUPTED.set()
         raise KeyboardInterrupt
@@ -424,7 +433,8 @@ def _catch_sigint() -> None:
                    "libFuzzer over a byte encoding of programs; random: the plain random baseline.")
 @click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
-              metavar="SECONDS", help="Time budget for the search, in seconds (triage of a finding comes after).")
+              metavar="SECONDS", help="Time budget for the search, in seconds, counted from the start of the process "
+                                      "(start-up included; triage of a finding comes after).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings.")
@@ -455,6 +465,11 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     nothing found. Ctrl-C keeps what was found (unminimized if minimizing) and writes the reports
     asked for.
     """
+    from kvaudit.fuzz import FuzzStats, triage
+    from kvaudit.report import print_report, print_suppressions, summary_line, suppressed_by_kind
+    from kvaudit.runner import INTERRUPTED, set_step_timeout
+    from kvaudit.runner import step_timeout as runner_step_timeout
+
     config = _config(preset, bugs, model, device, page_size, target, tree_core)
     preset = config.preset
     if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
@@ -488,6 +503,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
         err.print("note: on the rust tree core the hicache_host_pool is checked by its ledger and free-list replay "
                   "only (the core cannot list host values: no leak check there); --tree-core python checks it fully",
                   soft_wrap=True)
+    max_time = _budget_left(max_time)
     if campaign:
         return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
                          console, err, use_seeds)
@@ -570,20 +586,35 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
 
 
 def _check_atheris() -> None:
+    from kvaudit.atheris_fuzz import HARNESS
+    from kvaudit.constants import MISSING_ATHERIS
+
     try:
         import atheris
-    except ImportError as e:
-        raise InputError(f"--fuzzer atheris: atheris is not importable here ({e}); pip install atheris") from None
+    except ImportError:
+        raise UnavailableError(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer hypothesis or random") from None
     del atheris
-    from kvaudit.atheris_fuzz import HARNESS
-
     if not os.access(HARNESS, os.X_OK):
-        raise InputError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (atheris needs a "
-                         "source checkout of kvaudit: pip install -e .)")
+        raise UnavailableError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (reinstall "
+                               "kvaudit: the wheel ships it)")
+
+
+def _budget_left(max_time: float) -> float:
+    """What is left of ``--max-time`` seconds for the search: the budget counts from the process
+    start (:data:`kvaudit.entry.STARTED`), so start-up (importing torch and Hypothesis, building the
+    target) is part of it; 0 if start-up spent it all. In-process callers (click's test runner)
+    have no start time and get the whole budget."""
+    from kvaudit import entry
+
+    if entry.STARTED is None:
+        return max_time
+    return max(0.0, max_time - (time.monotonic() - entry.STARTED))
 
 
 def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True):
     """One search that stops at the first finding: (program, findings) or None."""
+    from kvaudit.fuzz import hypothesis_search, random_search
+
     if fuzzer == "random":
         return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
     if fuzzer == "atheris":
@@ -598,6 +629,14 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
               use_seeds: bool = True) -> int:
     """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.campaign`."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvaudit.campaign import findings_dir, known_signatures, run_campaign
+    from kvaudit.fuzz import FuzzStats
+    from kvaudit.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+    from kvaudit.runner import INTERRUPTED
+
     progress = _Progress(err, max_time, suppressions=sset)
     before = known_signatures(corpus)
     if before:
@@ -671,6 +710,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
 
 def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
               program_title: str = "minimized program") -> ReportData:
+    from kvaudit.report import suppressed_by_kind
+
     extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
     if stats.shrink_executions:
         extra["shrink_executions"] = stats.shrink_executions
@@ -737,6 +778,9 @@ def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update,
     (or if --suppress rules match every finding); with --check-determinism, 3 if the runs differ.
     With --html or --json the program runs once more, to record the pool occupancy. With --update,
     re-record one or more files in place (see --update)."""
+    from kvaudit.report import print_report, suppressed_by_kind
+    from kvaudit.runner import execute
+
     if update:
         if suppress_file or check_determinism or tree_core or outputs.wanted():
             raise InputError("--update re-records files as they are: it takes no --suppress, "
@@ -769,6 +813,8 @@ def _update_replays(files: tuple[str, ...]) -> int:
     """``replay --update``: each file replayed and its findings written back (see
     :func:`kvaudit.replay.rerecord`), one line per file; EXIT_NOT_REPRODUCED if any file that
     recorded findings now yields none (that file is not written)."""
+    from kvaudit.runner import execute
+
     console = _console()
     lost = 0
     for file in files:
@@ -785,6 +831,12 @@ def _update_replays(files: tuple[str, ...]) -> int:
 def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
     """Run ``program`` ``runs - 1`` more times beside ``first``; print one row per run (ledger
     digest, findings); True if any run differs."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvaudit.report import print_table
+    from kvaudit.runner import execute
+
     execs = [first] + [execute(config, program, suppressions=sset.fresh() if sset is not None else None)
                        for _ in range(runs - 1)]
 
@@ -819,6 +871,9 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
     finding's signature; the result is confirmed 3 of 3 times and written atomically. Exits 0 when
     written, 4 if the finding does not reproduce (or not 3 of 3 after minimizing). Ctrl-C or
     SIGTERM writes the smallest program that reproduced so far (unconfirmed) and exits 130."""
+    from kvaudit.report import print_report
+    from kvaudit.runner import execute
+
     config, program, recorded, sset = _load_replay(file, suppress_file)
     if signature is None:
         if not recorded:
@@ -867,6 +922,9 @@ def _write_interrupted_minimize(config, program, smallest, signature, file, out_
                                 err) -> int:
     """``kvaudit minimize`` interrupted: write the smallest program that reproduced so far (replayed
     once more for its findings' stacks; not confirmed 3/3, ``"minimized": false``); EXIT_INTERRUPTED."""
+    from kvaudit.report import print_report
+    from kvaudit.runner import INTERRUPTED, execute
+
     _ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the file short
     INTERRUPTED.clear()  # the replay below runs ops
     if smallest is None:
@@ -890,14 +948,15 @@ def _write_interrupted_minimize(config, program, smallest, signature, file, out_
 @main.command("ci")
 @click.option("--max-time", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
               callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
-              help="Total fuzz budget, split evenly over the presets (0: replay the regressions only).")
+              help="Total fuzz budget, split evenly over the presets (0: replay the regressions only); "
+                   "start-up and the regression replays are not counted.")
 @click.option("--presets", "presets_value", default="all", show_default=True, metavar="LIST",
               help="Presets to fuzz: 'all' or a comma-separated list.")
 @click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "
-                   "[default: ./corpora/regressions, else the one in kvaudit's checkout].")
+                   "[default: ./corpora/regressions, else the one kvaudit ships].")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
                    "are not new.")
@@ -914,7 +973,12 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
     presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
     clean, 1 on a failed regression (a malformed file among them: a JUnit error, and the job goes on)
     or a new finding, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
+    from rich.table import Table
+    from rich.text import Text
+
     from kvaudit import ci
+    from kvaudit.report import print_report, print_table, suppressed_by_kind
+    from kvaudit.runner import INTERRUPTED
 
     try:
         preset_names = ci.presets_arg(presets_value)
@@ -922,9 +986,10 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
         raise InputError(f"--presets: {e}") from None
     sset = _suppressions(suppress_file)
     if regressions_dir is None:
+        from kvaudit.data import data_path
+
         here = os.path.join("corpora", "regressions")
-        ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "regressions")
-        regressions_dir = here if os.path.isdir(here) else ours
+        regressions_dir = here if os.path.isdir(here) else data_path("corpora", "regressions")
     if not os.path.isdir(regressions_dir):
         raise InputError(f"--regressions {regressions_dir}: no such directory")
     files = ci.regression_files(regressions_dir)
@@ -1077,6 +1142,9 @@ def report_cmd(file, outputs):
     files that --html/--sarif/--junit/--json ask for. Runs no search; the program is replayed once
     only when an occupancy plot (--html, --json) is wanted and FILE has no timeline. Exits 0 once
     the report is rendered, findings or not."""
+    from kvaudit.report import print_cases
+    from kvaudit.timeline import is_valid as timeline_is_valid
+
     _outputs((file,), **vars(outputs))
     try:
         config, loaded, doc = replay.load_cases(file)
@@ -1111,6 +1179,8 @@ def report_cmd(file, outputs):
 @main.command()
 def presets():
     """List the engine presets."""
+    from rich.table import Table
+
     t = Table(title="presets")
     t.add_column("preset", no_wrap=True)
     t.add_column("description")
@@ -1126,6 +1196,9 @@ def presets():
 @main.command()
 def bugs():
     """List the bug-zoo switches with their preset and public source."""
+    from rich.table import Table
+    from rich.text import Text
+
     console = _console()
     t = Table(title="bug zoo")
     t.add_column("bug", no_wrap=True)  # the name is what --bug takes: never cut it

@@ -20,13 +20,12 @@ from hypothesis.errors import Flaky, FlakyFailure
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from engine_under_test import EngineConfig
+from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, random_program)
 from kvaudit.runner import AuditedRun, execute, is_watchdog_hang
-
-CONFIRM_RUNS = 3
 
 
 class FindingFound(AssertionError):

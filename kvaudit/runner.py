@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine_under_test import EngineConfig
 from kvaudit import memstate, oracles
+from kvaudit.constants import DEFAULT_STEP_TIMEOUT
 from kvaudit.findings import Finding, Site, portable_path
 from kvaudit.hooks import Auditor
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
@@ -29,7 +30,6 @@ INTERRUPTED = threading.Event()
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
 STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_STEP_TIMEOUT = 10.0  # seconds one engine step may take before the watchdog calls it a hang
 WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
 _step_timeout = DEFAULT_STEP_TIMEOUT
 

@@ -55,7 +55,17 @@ def test_swarm_cases_use_different_subsets_of_op_kinds(monkeypatch):
         return real_apply(self, op)
 
     monkeypatch.setattr(AuditedRun, "apply", spy)
-    hypothesis_search(get_preset("streaming-session").config(), 3, 5, FuzzStats())
+    # one batch of 80 cases, not a time budget: a 3 s search ran too few cases under load
+    from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvaudit.fuzz import _machine, _Recorder
+
+    rec = _Recorder(FuzzStats(), deadline=time.monotonic() + 3600)
+    machine = seed(5)(_machine(get_preset("streaming-session").config(), rec, max_prompt=40))
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=80, stateful_step_count=16, deadline=None, database=None, phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet))
     used = [k & set(SWARM_KINDS) for k in kinds_per_run.values()]
     assert len(used) > 50
     assert any("submit" not in u for u in used) and any("submit" in u for u in used)

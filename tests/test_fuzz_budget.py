@@ -58,12 +58,21 @@ def test_shrinking_stops_when_the_budget_is_spent(monkeypatch):
     assert findings[0].signature in execute(_config(), program, full_stacks=False).signatures  # a valid program
 
 
-def test_a_search_with_a_finding_returns_within_its_budget():
+def test_a_search_with_a_finding_returns_within_its_budget(monkeypatch):
+    """Past the deadline no new case starts but the one in flight (counted, not timed: a wall-clock
+    margin failed under load; unbounded, the shrink runs about 350 more cases)."""
     budget = 3.0
     stats = FuzzStats()
+    started = []
+
+    class TimedRun(fuzz.AuditedRun):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            started.append(time.monotonic())
+    monkeypatch.setattr(fuzz, "AuditedRun", TimedRun)
     t0 = time.monotonic()
     found = hypothesis_search(_config(), budget, SEED, stats)
-    assert time.monotonic() - t0 < budget + 1.5  # the whole shrink takes about 4 s more
+    assert sum(t > t0 + budget for t in started) <= 2
     if found is not None:
         assert found[1][0].signature in execute(_config(), found[0], full_stacks=False).signatures
 

@@ -300,7 +300,8 @@ def test_report_of_a_malformed_file_is_one_line(tmp_path, doc_change, message):
 def test_fuzz_piped_to_a_file_prints_plain_progress_lines(tmp_path):
     log = tmp_path / "fuzz.log"
     with open(log, "w") as fh:
-        proc = subprocess.run([kvaudit_script(), "fuzz", "--preset", "default", "--max-time", "6", "--seed", "3",
+        # --max-time counts start-up (a few seconds of imports): 14 leaves more than the 5 s between lines
+        proc = subprocess.run([kvaudit_script(), "fuzz", "--preset", "default", "--max-time", "14", "--seed", "3",
                                "--out", str(tmp_path / "o")], stdout=fh, stderr=subprocess.STDOUT,
                               env=plain_env(), timeout=120)
     assert proc.returncode == 0
@@ -333,14 +334,14 @@ def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path)
 
 
 def test_ctrl_c_while_minimizing_still_writes_the_reports(tmp_path, monkeypatch):
-    from kvaudit import cli
+    from kvaudit import fuzz
     from kvaudit.runner import INTERRUPTED
 
     def interrupted_triage(*a, **k):
         INTERRUPTED.set()  # as the SIGINT handler does
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "triage", interrupted_triage)
+    monkeypatch.setattr(fuzz, "triage", interrupted_triage)  # the fuzz command imports it when it runs
     html, js = tmp_path / "r.html", tmp_path / "r.json"
     r = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--seed", "1",
                "--max-time", "60", "--out", str(tmp_path / "o"), "--html", str(html), "--json", str(js))
