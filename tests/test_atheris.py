@@ -170,6 +170,7 @@ def test_harness_runs_clean_on_default(tmp_path):
     assert not os.listdir(tmp_path / "findings") if (tmp_path / "findings").exists() else True
 
 
+@pytest.mark.slow
 def test_harness_crash_writes_a_replay_file(tmp_path):
     config = _hisparse_config()
     data = bytes([op_kinds(config).index("health_check")])

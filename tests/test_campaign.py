@@ -93,6 +93,7 @@ def test_a_case_that_fails_mid_program_is_recorded_as_it_ran():
 
 # -- campaigns -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_campaign_resumes_and_does_not_report_known_findings_again(tmp_path):
     corpus = str(tmp_path / "c")
     first = run_campaign(hisparse_config(), "random", 6, 1, 1, corpus)
@@ -149,6 +150,7 @@ def _plant_lock_leaks(monkeypatch, leaks):
     monkeypatch.setattr(Scheduler, "release_kv_cache", release_kv_cache)
 
 
+@pytest.mark.slow
 def test_two_lock_leaks_are_two_new_findings_and_a_resumed_campaign_reports_a_third(tmp_path, monkeypatch):
     """Lock leaks taken at different sites have different signatures (the unmatched inc_lock_ref's
     frame): before, every lock imbalance was lock-imbalance/token_to_kv_pool/lock_ref, and a campaign

@@ -140,6 +140,7 @@ def test_unknown_preset_is_one_line_naming_the_valid_presets():
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_unknown_preset_through_the_installed_script():
     proc = subprocess.run([kvaudit_script(), "fuzz", "--preset", "nope"], capture_output=True, text=True,
                           env=plain_env(), timeout=60)

@@ -97,6 +97,7 @@ def test_a_flaky_hypothesis_batch_does_not_end_the_search(monkeypatch):
     assert len(calls) >= 2  # the search ran the next batch
 
 
+@pytest.mark.slow
 def test_executions_count_to_the_first_hit_and_shrinks_apart():
     stats = FuzzStats()
     found = hypothesis_search(_config(), 60, SEED, stats)
@@ -105,6 +106,7 @@ def test_executions_count_to_the_first_hit_and_shrinks_apart():
     assert stats.shrink_executions > 0
 
 
+@pytest.mark.slow
 def test_fuzz_reports_the_first_hit_not_the_shrink_executions(tmp_path):
     stats = FuzzStats()
     hypothesis_search(_config(), 60, SEED, stats)
@@ -127,6 +129,7 @@ def _spin_forever():
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_fuzz_on_an_engine_whose_step_sleeps_forever_ends_in_budget_with_a_hang(monkeypatch, tmp_path):
     original = Scheduler.step
 
@@ -149,6 +152,7 @@ def test_fuzz_on_an_engine_whose_step_sleeps_forever_ends_in_budget_with_a_hang(
     assert f["kind"] == "hang" and f["alloc_sites"][0]["function"] == "_spin_forever"
 
 
+@pytest.mark.slow
 def test_bench_counts_executions_to_the_first_hit():
     """A bench trial's executions and seconds are the search's first hit, not its total with the
     shrink reruns (bench already read ``first_hit``; this keeps it so)."""

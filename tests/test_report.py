@@ -333,6 +333,7 @@ def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path)
     assert json.load(open(src))["format"] == replay.FORMAT  # untouched
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_minimizing_still_writes_the_reports(tmp_path, monkeypatch):
     from kvaudit import fuzz
     from kvaudit.runner import INTERRUPTED

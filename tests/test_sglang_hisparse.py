@@ -236,6 +236,7 @@ def test_short_request_finishing_as_its_buffer_reaches_the_padded_size_loses_one
 
 
 # -- CLI -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_fuzz_finds_the_injected_hisparse_leak(tmp_path):
     r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-hisparse", "--bug", "hisparse-skip-finish",
                "--max-time", "30", "--seed", "1", "--out", str(tmp_path / "out"))

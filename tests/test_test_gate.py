@@ -5,9 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_without_sglang_each_sglang_test_is_skipped_on_its_own_with_the_reason():
     """Module-level skips showed the SGLang tests as '4 skipped': each is now skipped by name."""
     env = dict(os.environ, KVAUDIT_TESTS_HIDE_SGLANG="1")
