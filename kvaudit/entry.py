@@ -1,5 +1,6 @@
-"""The ``kvaudit`` console script: a thin entry point that imports the CLI under its own SIGINT
-handler, so a Ctrl-C during the seconds of start-up exits 130 with one line instead of a traceback
+"""The ``kvaudit`` console script: a thin entry point that imports the CLI under its own SIGINT and
+SIGTERM handler, so a Ctrl-C (or a SIGTERM) during the seconds of start-up exits 130 with one line
+instead of a traceback (or, for SIGTERM, a bare 143)
 from the middle of an import -- or, if some library swallowed the KeyboardInterrupt, instead of
 being lost.
 
@@ -38,7 +39,8 @@ def main() -> None:
 
     args = sys.argv[1:]
     runs_engine = bool(args) and args[0] in HEAVY and not {"-h", "--help"} & set(args)
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    # SIGTERM (timeout, Kubernetes, the Actions runner) as Ctrl-C: the commands take both alike
+    previous = {sig: signal.signal(sig, on_sigint) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         from kvaudit.cli import main as cli_main
         if runs_engine:
@@ -50,7 +52,8 @@ def main() -> None:
     if hit:
         sys.stderr.write("kvaudit: interrupted\n")
         sys.exit(130)
-    signal.signal(signal.SIGINT, previous)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     try:
         cli_main()
     except SystemExit as e:
