@@ -142,7 +142,7 @@ def test_fuzz_on_an_engine_whose_step_sleeps_forever_ends_in_budget_with_a_hang(
     res = invoke("fuzz", "--max-time", "10", "--step-timeout", "2", "--seed", "1", "--out", str(tmp_path))
     wall = time.monotonic() - t0
     assert res.exit_code == 1, res.output
-    assert wall < 15, wall
+    assert wall < 20, wall  # (a margin for a loaded machine; without the watchdog: 60 s or more)
     assert "Hang: engine step did not return within 2s (watchdog); stuck in test_fuzz_budget.py" in res.stdout
     assert "#0 _spin_forever" in res.stdout
     assert "reproduced 1/1" in res.stdout

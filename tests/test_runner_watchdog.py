@@ -50,7 +50,7 @@ def test_a_step_that_never_returns_is_a_hang_naming_the_stuck_frame(hangs_after)
             if run.apply(op):
                 break
         assert run.apply(Idle()) == []  # nothing more runs on an interrupted engine
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20  # (load-proof margin; without the watchdog: 60 s)
     (f,) = run.findings
     assert f.kind == "hang" and runner.is_watchdog_hang(f)
     assert f.alloc_sites[0].function == "_spin_forever"
@@ -108,7 +108,7 @@ def test_idle_stops_at_the_deadline_without_a_false_hang(monkeypatch):
         assert run.apply(Idle()) == []
         assert run.out_of_time
         assert run.apply(Step(1)) == [] and run.target.steps < 100
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 10  # (load-proof margin; past its deadline the idle() ran 40 s)
     assert run.findings == []
 
 
