@@ -77,8 +77,11 @@ class _Watchdog:
     StepTimeout arrives once ``disarm`` has returned.
     """
 
+    RESEND_S = 0.2  # a StepTimeout that a library swallowed (a gc callback's) is raised again this often
+
     def __init__(self):
         self._armed: dict[int, tuple[float, bool]] = {}  # thread id -> (fire at, is the budget's deadline)
+        self._resend: dict[int, float] = {}  # thread id -> when to raise it again, while the call runs on
         self._fired: dict[int, tuple[list, bool]] = {}  # thread id -> (stack outermost first, budget)
         self._firing: int | None = None  # the thread id the watchdog is deciding to interrupt
         self._thread: threading.Thread | None = None
@@ -94,6 +97,7 @@ class _Watchdog:
             with self._start:  # not armed yet: no StepTimeout can be on its way to this thread
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="kvaudit-watchdog", daemon=True)
+                    _quiet_unraisable()
                     self._thread.start()
         self._armed[tid] = (fire_at, budget)
 
@@ -102,6 +106,7 @@ class _Watchdog:
         for this thread and none will be sent."""
         tid = threading.get_ident()
         self._armed.pop(tid, None)
+        self._resend.pop(tid, None)
         while self._firing == tid:  # the watchdog is mid-decision on this thread: let it finish
             time.sleep(0)
         if tid in self._fired:  # sent: withdraw it if it has not landed yet
@@ -123,13 +128,41 @@ class _Watchdog:
                             frame = sys._current_frames().get(tid)
                             self._fired[tid] = (traceback.extract_stack(frame) if frame is not None else [],
                                                 entry[1])
+                            self._resend[tid] = now + self.RESEND_S
                             self._armed.pop(tid, None)
                             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid),
                                                                        ctypes.py_object(StepTimeout))
                     finally:
                         self._firing = None
-            nxt = min((e[0] for e in self._armed.values()), default=None)
+            # a StepTimeout that landed where an exception is swallowed (a gc callback prints "Exception
+            # ignored" and goes on; so can a bare except) left the call running: raise it again
+            for tid, at in list(self._resend.items()):
+                if at <= now:
+                    self._firing = tid
+                    try:
+                        if self._resend.get(tid) == at:  # not disarmed: the call is still running
+                            self._resend[tid] = now + self.RESEND_S
+                            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid),
+                                                                       ctypes.py_object(StepTimeout))
+                    finally:
+                        self._firing = None
+            nxt = min([e[0] for e in self._armed.values()] + list(self._resend.values()), default=None)
             time.sleep(0.2 if nxt is None else min(0.02, max(0.0, nxt - time.monotonic())))
+
+
+def _quiet_unraisable() -> None:
+    """Leave out of the log a StepTimeout that landed where Python cannot raise it (a gc callback:
+    "Exception ignored in ... StepTimeout"); the watchdog raises it again (``_Watchdog.RESEND_S``).
+    Any other unraisable exception goes to the hook that was there before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_kvaudit", False):
+        return
+
+    def hook(unraisable):
+        if unraisable.exc_type is not StepTimeout:
+            previous(unraisable)
+    hook._kvaudit = True
+    sys.unraisablehook = hook
 
 
 _WATCHDOG = _Watchdog()
@@ -212,13 +245,16 @@ class AuditedRun:
     def _guarded(self, call, *args) -> list[Finding] | None:
         """``call(*args)`` under the watchdog: None when it returned in time, else ``[]`` (the
         deadline was due: ``out_of_time`` is set) or ``[hang finding]``."""
-        try:
-            _WATCHDOG.arm(self.step_limit, self.deadline)  # (inside the try: an overdue deadline fires at once)
-            call(*args)
-        except StepTimeout:
-            pass  # the engine thread was interrupted: what the watchdog saw is in take()
-        while True:  # a StepTimeout sent as the call returned may land in here: repeat until done
+        called = False
+        while True:
+            # one try around the call and the disarm: the engine thread interrupted (what the
+            # watchdog saw is in take()), or a StepTimeout sent as the call returned (or sent again,
+            # see _Watchdog.RESEND_S) landing in the disarm, lands here and the disarm is repeated
             try:
+                if not called:
+                    called = True
+                    _WATCHDOG.arm(self.step_limit, self.deadline)  # (an overdue deadline fires at once)
+                    call(*args)
                 _WATCHDOG.disarm()
                 fired = _WATCHDOG.take()
                 break
