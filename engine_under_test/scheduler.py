@@ -38,6 +38,7 @@ from engine_under_test.session import SessionController
 
 EXTEND, DECODE, PREBUILT = "extend", "decode", "prebuilt"
 EOS_TOKEN = 1
+CLIP_MAX_NEW_TOKENS = 4096  # SGLang SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: admission caps output estimates here
 
 
 @dataclass
@@ -394,10 +395,9 @@ class Scheduler:
                 # Busy: drop it and answer after the next batch, touching no memory.
                 self.pending_health_check_acks += 1
                 continue
-            if self._exceeds_kv_capacity(m.req):
-                # Rejected at intake (SGLang _check_if_req_exceed_kv_capacity): it could never be
-                # admitted, even into an empty pool, and would wait forever.
-                m.req.finished_reason = FinishReason.ABORT
+            rejected = not m.req.intake_aborted and self.init_req_max_new_tokens(m.req)
+            if rejected and self.config.is_pd_decode:
+                m.req.finished_reason = FinishReason.ABORT  # too long: PD decode answers at once, holding nothing
                 self._end_session_turn(m.req)
                 self._emit(m.req)
             elif self.config.is_pd_decode:
@@ -407,15 +407,27 @@ class Scheduler:
                 if self.hicache_host_pool is not None and m.req.session is None:  # prefetch at intake
                     fill = m.req.fill_ids
                     self._start_load_back(m.req, self.tree_cache.match_prefix(fill[: len(fill) - 1]),
-                                          self._reserved_tokens(self.running_batch, self.config.new_token_ratio))
+                                          self._running_token_offset())
 
     def _end_session_turn(self, req: Req) -> None:
         if self.session_controller is not None:
             self.session_controller.abort_req(req)
 
-    def _exceeds_kv_capacity(self, req: Req) -> bool:
-        need = len(req.fill_ids) + req.max_new_tokens + 2 * self.page_size  # admission's own estimate
-        return need > self.token_to_kv_pool_allocator.size
+    def init_req_max_new_tokens(self, req: Req) -> bool:
+        """Trim ``max_new_tokens`` to what the context and an empty pool leave (tokens; it may become
+        0: one prefill, then a length finish), then validate the input length; returns True, after
+        ``set_finish_with_abort``, for an input of at least ``min(context_len - 1, pool - 1) - 5``
+        tokens (SGLang ``Scheduler.init_req_max_new_tokens``, ``max_new_tokens_for_memory`` of
+        ``mem_cache/allocator/base.py`` and ``managers/utils.py:validate_input_length``, with
+        ``max_req_input_len`` from ``tp_worker.py``). Rejection depends on the input alone."""
+        pool, n = self.token_to_kv_pool_allocator.size, len(req.origin_input_ids)
+        max_req_len = min(self.config.context_len - 1, pool - 1)
+        req.max_new_tokens = max(0, min(req.max_new_tokens, max_req_len - n - 1,
+                                        pool - self.ceil_page(n) - self.page_size - 1))
+        if n < max_req_len - 5:
+            return False
+        self.set_finish_with_abort(req)
+        return True
 
     def handle_abort(self, rid: str | None, abort_all: bool) -> None:
         """SGLang ``abort_request``: by rid prefix or all, wherever the request sits."""
@@ -569,47 +581,77 @@ class Scheduler:
             return batch
         return self.update_running_batch()
 
-    def _reserved_tokens(self, reqs, ratio: float = 1.0) -> int:
-        """Tokens still promised to admitted requests: ``ratio`` of their remaining decode steps plus
-        a page of slack (SGLang's ``new_token_ratio``; below 1, decode can run out and retract)."""
-        return sum(int(ratio * (r.max_new_tokens - len(r.output_ids))) + self.page_size for r in reqs)
+    def _reserved_tokens(self, reqs) -> int:
+        """PD decode pre-allocation: tokens still promised to ``reqs`` (their remaining decode
+        steps plus a page of slack each)."""
+        return sum(r.max_new_tokens - len(r.output_ids) + self.page_size for r in reqs)
+
+    def _running_token_offset(self) -> float:
+        """Tokens admission holds back for the running requests: their remaining output (at most
+        ``CLIP_MAX_NEW_TOKENS``) times ``new_token_ratio`` (1 for ``ignore_eos``), no page each
+        (SGLang ``PrefillAdder._get_running_request_total_token_offset``)."""
+        ratio = self.config.new_token_ratio
+        return sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * (1.0 if r.ignore_eos else ratio)
+                   for r in self.running_batch)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        """Admit waiting requests while rows, ``max_running_requests`` and the token budget allow.
+        """Admit waiting requests as SGLang's ``PrefillAdder`` does (``managers/schedule_policy.py``
+        with ``mem_cache/prefill_budget.py:PrefillBudget``), all in tokens.
 
-        Budget = available + evictable - tokens reserved for running requests: ``new_token_ratio``
-        of their remaining decode steps (a stand-in for SGLang's ``PrefillAdder``). At the default
-        ratio 1 decode never runs out; below it, decode may run out and retract. With
-        ``chunked_prefill_size`` the batch computes at most that many tokens, and a longer prompt
-        becomes the one parked ``chunked_req``.
+        ``rem_total = available + evictable - offset``; ``offset`` starts at
+        :meth:`_running_token_offset` (plus one token per running request with mixed chunk) and
+        grows by ``ceil_page(extend) + page + max_new`` per admitted request (``reserve``; a
+        non-final chunk reserves no output). A new request is admitted while
+        ``extend + min(max_new - output, CLIP) + page < rem_total``, its matched prefix locked
+        (``add_one_req``); rows and ``max_running_requests`` bound the batch. With
+        ``chunked_prefill_size`` the batch computes at most that many (page-ceiled) tokens
+        (``rem_chunk_tokens``, less the mixed decode rows), a longer prompt becomes the one parked
+        ``chunked_req`` (its first chunk page-aligned), and its next chunk is
+        ``min(rem_chunk_tokens, rem_total)`` (``add_chunked_req``, ``available_chunk_tokens``).
+        When ``rem_total <= 0`` SGLang takes the whole ``rem_chunk_tokens`` to make progress;
+        here that chunk is further bounded by what the pool can allocate now (page-aligned) and
+        the request waits a round when that is nothing, where SGLang would raise "Prefill out of
+        memory". Not modelled: the ``ignore_eos`` admission without a tree
+        (``add_one_req_ignore_eos``) and ``max_prefill_tokens``.
         """
         if not self.waiting_queue and self.chunked_req is None:
             return None
         tree, alloc, ps = self.tree_cache, self.token_to_kv_pool_allocator, self.page_size
         hs = self.hisparse_coordinator
-        ratio = self.config.new_token_ratio
-        reserved = self._reserved_tokens(self.running_batch, ratio)
-        budget = self.config.chunked_prefill_size or float("inf")  # tokens computed by this batch
+        mixed = len(self.running_batch) if self.config.enable_mixed_chunk else 0
+        offset = mixed + self._running_token_offset()  # total_offset
+
+        def rem_total() -> float:
+            return alloc.available_size() + tree.evictable_size() - offset
+
+        chunk_size = self.config.chunked_prefill_size
+        rem_chunk = float("inf") if chunk_size is None else chunk_size - mixed  # rem_chunk_tokens
         can_run: list[Req] = []
         for req in self.waiting_queue:  # HiCache loading_check: an acked load-back drops its locks
             if req.load_back is not None and tree.load_back_ready(req.load_back):
                 tree.release_load_back(req.load_back)
                 req.load_back = None
         chunked = self.chunked_req
-        if chunked is not None:  # add_chunked_req: its memory was reserved when it was admitted
-            chunked.prefix_len = chunked.kv.kv_committed_len
-            left = len(chunked.fill_ids) - chunked.prefix_len
-            take = left if left <= budget else int(budget) // ps * ps
-            chunked.extend_end = chunked.prefix_len + take
-            if take < left:
-                chunked.inflight_middle_chunks += 1
-            else:
-                self.chunked_req = None  # the final chunk runs as a normal prefill
-            reserved += left - take + int(ratio * chunked.max_new_tokens) + 2 * ps
-            budget -= take
-            can_run.append(chunked)
+        if chunked is not None:  # add_chunked_req: the next chunk, bounded by what memory is left
+            prefix = chunked.prefix_len = chunked.kv.kv_committed_len
+            left = len(chunked.fill_ids) - prefix
+            take = min(rem_chunk, int(rem_total()))
+            if take <= 0:  # SGLang: a continuation must make progress; here only as far as the pool allows
+                room = (alloc.available_size() + tree.evictable_size()) // ps * ps
+                take = min(rem_chunk, self.ceil_page(prefix) - prefix + room)
+            take = int(min(left, take))
+            if take > 0:
+                chunked.extend_end = prefix + take
+                if take < left:
+                    chunked.inflight_middle_chunks += 1
+                else:
+                    self.chunked_req = None  # the final chunk runs as a normal prefill
+                final_out = 0 if take < left else min(chunked.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+                offset += self.ceil_page(take) + ps + final_out
+                rem_chunk -= self.ceil_page(take)
+                can_run.append(chunked)
         for req in list(self.waiting_queue):
-            if budget < ps:
+            if rem_chunk <= 0 or rem_total() <= 0:  # budget_state: OTHER / NO_TOKEN
                 break
             if len(self.running_batch) + len(can_run) >= self.config.max_running_requests:
                 break
@@ -625,16 +667,19 @@ class Scheduler:
             borrow = None if sc is None else sc.match(req, len(fill) - 1, commit=False)
             if borrow is None:
                 match = tree.match_prefix(fill[: len(fill) - 1])  # compute at least one token
-                if self._start_load_back(req, match, reserved):
+                if self._start_load_back(req, match, int(offset)):
                     continue
-                tree.inc_lock_ref(match.last_node)
+                tree.inc_lock_ref(match.last_node)  # the temporary pin of _lock_node, kept on admission
                 prefix = match.device_indices.numel()
             else:
                 prefix = borrow
-            need = len(fill) - prefix + int(ratio * (req.max_new_tokens - len(req.output_ids))) + 2 * ps
-            chunk_now = len(fill) - prefix > budget
-            if need > alloc.available_size() + tree.evictable_size() - reserved or (
-                    chunk_now and self.chunked_req is not None):  # one chunked request at a time
+            extend = len(fill) - prefix
+            max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+            fits = extend + max_new + ps < rem_total()  # the whole request, as check_prefill sees it
+            chunk_now = self.ceil_page(extend) > rem_chunk
+            if chunk_now:  # the first chunk: as much as the budget allows, ending on a page boundary
+                extend = (prefix + int(rem_chunk) // ps * ps) // ps * ps - prefix
+            if not fits or (chunk_now and (extend <= 0 or self.chunked_req is not None)):
                 if borrow is None:
                     tree.dec_lock_ref(match.last_node)
                 break
@@ -643,13 +688,12 @@ class Scheduler:
             else:  # the turn continues on its session's record; the slot keeps the tree lock
                 sc.match(req, len(fill) - 1, commit=True)
                 req.prefix_indices = req.last_node = req.lock = None
-            req.prefix_len, req.extend_end = prefix, len(fill)
-            if chunk_now:  # the first chunk: as much as the budget allows, in whole pages
-                req.extend_end = prefix + int(budget) // ps * ps
+            req.prefix_len, req.extend_end = prefix, prefix + extend
+            if chunk_now:
                 req.inflight_middle_chunks = 1
                 self.chunked_req = req
-            budget -= req.extend_end - prefix
-            reserved += need
+            offset += self.ceil_page(extend) + ps + (0 if chunk_now else min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS))
+            rem_chunk -= self.ceil_page(extend)
             can_run.append(req)
             self.waiting_queue.remove(req)
         if not can_run:
@@ -684,7 +728,8 @@ class Scheduler:
         return torch.where(pos.to(table.device) >= 0, loc, torch.full_like(loc, -1))
 
     def alloc_for_extend(self, batch: ScheduleBatch) -> None:
-        """SGLang ``alloc_for_extend``: rows, then slots for ``[prefix_len, extend_end)``, then the row write."""
+        """SGLang ``alloc_for_extend`` (``mem_cache/allocation.py``): rows, then slots for
+        ``[prefix_len, extend_end)`` after evicting the shortfall, then the row write."""
         reqs = batch.reqs
         fresh = [r for r in reqs if not r.kv.holds_kv]  # a chunk continuation keeps its row
         rows = self.req_to_token_pool.alloc(len(fresh)) if fresh else []
@@ -696,7 +741,10 @@ class Scheduler:
             self.req_to_token_pool.write(row, 0, req.prefix_indices)
         prefix_lens = [r.prefix_len for r in reqs]
         seq_lens = [r.extend_end for r in reqs]
-        self._evict_for(sum(s - p for p, s in zip(prefix_lens, seq_lens)) + len(reqs) * self.page_size)
+        # Page 1 evicts exactly the shortfall (alloc_token_slots); paged allocation assumes a fresh page
+        # per request (alloc_paged_token_slots_extend).
+        self._evict_for(sum(s - p for p, s in zip(prefix_lens, seq_lens)) + (len(reqs) * self.page_size
+                                                                             if self.page_size > 1 else 0))
         out = self.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, self._last_loc(reqs, prefix_lens))
         if out is None:
             raise RuntimeError("Prefill out of memory")
@@ -716,7 +764,9 @@ class Scheduler:
             batch.model_loc = torch.cat([x[p:] for x, p in zip(phys, prefix_lens)])
 
     def update_running_batch(self) -> ScheduleBatch | None:
-        """A decode batch over the running requests, with one new slot each (``alloc_for_decode``)."""
+        """A decode batch over the running requests, with one new slot each (``alloc_for_decode``);
+        None when retraction leaves no request (SGLang ``Scheduler.update_running_batch`` returns
+        the empty batch, which runs nothing)."""
         reqs = [r for r in self.running_batch if not r.finished()]
         if self.config.enable_overlap:  # _reqs_finishing_inflight: the lagged result ends them by length
             reqs = [r for r in reqs if len(r.output_ids) + len(r.future_ids) < r.max_new_tokens]
@@ -725,6 +775,8 @@ class Scheduler:
         if self._force_retract or not self._decode_fits(reqs):
             reqs = self.retract_decode(reqs, force=self._force_retract)
             self._force_retract = False
+            if not reqs:  # the last request was aborted: no decode batch this step
+                return None
         self._evict_for(self._decode_need(reqs))
         lens = [r.kv.kv_allocated_len for r in reqs]
         out = self.token_to_kv_pool_allocator.alloc_decode([n + 1 for n in lens], self._last_loc(reqs, lens))

@@ -696,12 +696,12 @@ def test_one_premature_free_has_one_signature_whichever_oracle_sees_it(make_run)
 def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):
     """A request that cannot fit beside the KV open sessions hold waits, as in SGLang: not a hang."""
     from kvaudit.program import OpenSession
-    run = make_run("streaming-session", page_size=4, num_slots=128)
+    run = make_run("streaming-session", page_size=4, num_slots=96)  # inputs under max_req_input_len = 58
     assert run.apply(OpenSession()) == []
-    assert run.apply(Submit(family=2, prompt_len=60, max_new_tokens=1, session=0)) == []
+    assert run.apply(Submit(family=2, prompt_len=56, max_new_tokens=1, session=0)) == []
     assert run.apply(Idle()) == []
     assert run.target.engine.session_held_tokens() > 0
-    assert run.apply(Submit(family=3, prompt_len=60, max_new_tokens=3)) == []
+    assert run.apply(Submit(family=3, prompt_len=56, max_new_tokens=3)) == []
     assert run.apply(Idle()) == []
     assert run.target.engine.waiting_queue  # still waiting: stalled, and reported as nothing
 
