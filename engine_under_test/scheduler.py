@@ -167,17 +167,23 @@ class Scheduler:
             raise ValueError(f"prompt + max_new_tokens exceeds context_len={self.config.context_len}")
         if session_id is not None and self.session_controller is None:
             raise ValueError("session turns need enable_streaming_session")
-        rid = rid or f"req-{next(self._rids)}"
+        rid = rid or self._new_id("req-")
         self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at, ignore_eos),
                                     session_id=session_id))
         return rid
+
+    def _new_id(self, prefix: str) -> str:
+        """``prefix`` and a 6-digit serial: ids are prefix-free (for the first million of an engine),
+        since :meth:`abort_request` matches by prefix. SGLang's rids are UUID hex (``uuid4().hex``,
+        ``GenerateReqInput.regenerate_rid``): fixed width as well."""
+        return f"{prefix}{next(self._rids):06d}"
 
     def open_session(self, session_id: str | None = None) -> str:
         """Queue the opening of a streaming session; returns its id. Raises ``ValueError`` without
         ``enable_streaming_session``."""
         if self.session_controller is None:
             raise ValueError("sessions need enable_streaming_session")
-        session_id = session_id or f"session-{next(self._rids)}"
+        session_id = session_id or self._new_id("session-")
         self.recv_queue.append(_Msg("open_session", session_id=session_id))
         return session_id
 
@@ -213,7 +219,7 @@ class Scheduler:
 
     def health_check(self) -> str:
         """Queue a health check (SGLang ``/health_generate``: input ``[0]``, ``max_new_tokens=1``)."""
-        rid = f"{HEALTH_CHECK_RID_PREFIX}_{next(self._rids)}"
+        rid = self._new_id(f"{HEALTH_CHECK_RID_PREFIX}_")
         self.recv_queue.append(_Msg("health_check", Req(rid, [0], 1)))
         return rid
 
