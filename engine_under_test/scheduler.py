@@ -774,13 +774,24 @@ class Scheduler:
             self.release_req(victim)
             retracted.append(victim)
         if not self._decode_fits(keep):
-            last = keep.pop()
-            last.finished_reason = FinishReason.ABORT  # "Out of memory even after retracting all others"
-            self._release_finished(last, checkpoint=False)
+            self.abort_retracted_last(keep.pop())
         self.running_batch = [r for r in self.running_batch if r in keep]
         self.waiting_queue[:0] = retracted
         self.num_retractions += len(retracted)
         return [r for r in reqs if r in keep]
+
+    def abort_retracted_last(self, req: Req) -> None:
+        """"Out of memory even after retracting all other requests": ``req`` gets ``to_finish``
+        and is released as a retraction (:meth:`release_req`) before it finishes, so a session turn's
+        record stays with its session and the turn becomes the session's last one, its output so
+        far kept (SGLang 0.5.23 ``ScheduleBatch.retract_decode``, ``release_req``, then
+        ``StreamingSession.try_cache_finished_req`` and ``Session.finish_req``)."""
+        req.to_finish = FinishReason.ABORT
+        self.release_req(req)
+        req.update_finish_state(False)
+        if self.session_controller is not None:
+            self.session_controller.finish_req(req)
+        self._emit(req)
 
     def release_req(self, req: Req) -> None:
         """Release a retracted request's KV without caching it, and reset it to re-prefill."""
