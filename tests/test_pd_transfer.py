@@ -214,3 +214,11 @@ def test_real_sglang_transfer_failure_in_each_state_aborts_and_releases(stage, o
     assert len(req.output_ids) <= 1
     others = [r for r in t.submitted if r != victim]
     assert all(r not in t.live_rids() for r in others)  # the rest ran to completion
+
+
+@pytest.mark.sglang
+def test_real_sglang_transfer_failure_with_nothing_pending_is_a_no_op():
+    from test_sglang_pd import cfg
+
+    ex = execute(cfg("python"), [TransferFail(0), TransferFail(None), Submit(0, 8, 2), Idle(), TransferFail(3), Idle()])
+    assert ex.findings == []

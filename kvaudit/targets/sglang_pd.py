@@ -459,7 +459,7 @@ class SglangPdDecodeTarget(SglangTarget):
         waiting = {r.rid: r for r in self.sched.waiting_queue if getattr(r, "expected_kv_checksum", 0)}
         pending = [rid for rid in self.live_rids() if (rid in receivers or rid in waiting)
                    and not rid.startswith("HEALTH_CHECK_")]
-        for rid in pending if handle is None else pending[handle % len(pending):][:1]:
+        for rid in pending if handle is None else [pending[handle % len(pending)]] if pending else []:
             if rid in receivers:
                 receivers[rid].conclude_state = self.P.KVPoll.Failed
             else:
