@@ -16,7 +16,8 @@ import sys
 import time
 
 from engine_under_test import PRESETS, get_preset
-from kvaudit.program import Idle, Step, format_program, random_program
+from kvaudit.program import ContinueGeneration, Idle, Step, format_program, random_program
+from kvaudit.targets import program_features
 from kvaudit.targets.eut import EutTarget
 
 MAX_IDLE_STEPS = 2000
@@ -25,12 +26,15 @@ MAX_IDLE_STEPS = 2000
 def soak(preset: str, programs: int, length: int, seed: int) -> tuple[int, int]:
     rng = random.Random(seed)
     steps = 0
+    features = program_features(get_preset(preset).config())  # transfer_fail on PD decode
     for i in range(programs):
-        prog = random_program(rng, length, max_prompt=96)
+        prog = random_program(rng, length, max_prompt=96, features=features)
         target = EutTarget(get_preset(preset).config())
         eng = target.engine
         try:
             for op in prog:
+                if isinstance(op, Idle) and target.paused:  # as the runner: idle() ends a pause first
+                    target.apply(ContinueGeneration())
                 if isinstance(op, (Step, Idle)):
                     for _ in range(op.n if isinstance(op, Step) else MAX_IDLE_STEPS):
                         idle = target.is_idle()

@@ -137,6 +137,7 @@ class Scheduler:
         self.disagg_prealloc_queue: list[Req] = []
         self.held_rebootstrap_reqs: list[Req] = []  # PD decode: retracted by a pause, queued again at continue
         self.disagg_transfer_queue: list[Req] = []
+        self.failed_transfers: set[str] = set()  # PD decode: rids whose KV receiver polls KVPoll.Failed
         self.forward_ct = 0
         self.pending_health_check_acks = 0
         self.health_check_acks = 0
@@ -168,17 +169,23 @@ class Scheduler:
             raise ValueError(f"prompt + max_new_tokens exceeds context_len={self.config.context_len}")
         if session_id is not None and self.session_controller is None:
             raise ValueError("session turns need enable_streaming_session")
-        rid = rid or f"req-{next(self._rids)}"
+        rid = rid or self._new_id("req-")
         self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at, ignore_eos),
                                     session_id=session_id))
         return rid
+
+    def _new_id(self, prefix: str) -> str:
+        """``prefix`` and a 6-digit serial: ids are prefix-free (for the first million of an engine),
+        since :meth:`abort_request` matches by prefix. SGLang's rids are UUID hex (``uuid4().hex``,
+        ``GenerateReqInput.regenerate_rid``): fixed width as well."""
+        return f"{prefix}{next(self._rids):06d}"
 
     def open_session(self, session_id: str | None = None) -> str:
         """Queue the opening of a streaming session; returns its id. Raises ``ValueError`` without
         ``enable_streaming_session``."""
         if self.session_controller is None:
             raise ValueError("sessions need enable_streaming_session")
-        session_id = session_id or f"session-{next(self._rids)}"
+        session_id = session_id or self._new_id("session-")
         self.recv_queue.append(_Msg("open_session", session_id=session_id))
         return session_id
 
@@ -214,7 +221,7 @@ class Scheduler:
 
     def health_check(self) -> str:
         """Queue a health check (SGLang ``/health_generate``: input ``[0]``, ``max_new_tokens=1``)."""
-        rid = f"{HEALTH_CHECK_RID_PREFIX}_{next(self._rids)}"
+        rid = self._new_id(f"{HEALTH_CHECK_RID_PREFIX}_")
         self.recv_queue.append(_Msg("health_check", Req(rid, [0], 1)))
         return rid
 
@@ -268,6 +275,16 @@ class Scheduler:
             hs.hisparse_attn_allocator.clear()
             hs.host_pool.clear()
         return True
+
+    def report_transfer_failure(self, rid: str) -> None:
+        """PD decode: the KV transfer of request ``rid`` (exact rid, as a bootstrap room) failed or
+        timed out on the prefill side or the wire; its receiver polls ``KVPoll.Failed`` from now on,
+        and the next poll aborts the request and releases what was pre-allocated for it
+        (:meth:`poll_transfer_failures`). Ignored once the request has joined the running batch.
+        Raises ``ValueError`` on an aggregated engine."""
+        if not self.config.is_pd_decode:
+            raise ValueError("transfer failures need disaggregation_mode='decode'")
+        self.failed_transfers.add(rid)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Queue an abort by rid prefix, or of everything."""
@@ -820,13 +837,24 @@ class Scheduler:
             self.release_req(victim)
             retracted.append(victim)
         if not self._decode_fits(keep):
-            last = keep.pop()
-            last.finished_reason = FinishReason.ABORT  # "Out of memory even after retracting all others"
-            self._release_finished(last, checkpoint=False)
+            self.abort_retracted_last(keep.pop())
         self.running_batch = [r for r in self.running_batch if r in keep]
         self.waiting_queue[:0] = retracted
         self.num_retractions += len(retracted)
         return [r for r in reqs if r in keep]
+
+    def abort_retracted_last(self, req: Req) -> None:
+        """"Out of memory even after retracting all other requests": ``req`` gets ``to_finish``
+        and is released as a retraction (:meth:`release_req`) before it finishes, so a session turn's
+        record stays with its session and the turn becomes the session's last one, its output so
+        far kept (SGLang 0.5.23 ``ScheduleBatch.retract_decode``, ``release_req``, then
+        ``StreamingSession.try_cache_finished_req`` and ``Session.finish_req``)."""
+        req.to_finish = FinishReason.ABORT
+        self.release_req(req)
+        req.update_finish_state(False)
+        if self.session_controller is not None:
+            self.session_controller.finish_req(req)
+        self._emit(req)
 
     def release_req(self, req: Req) -> None:
         """Release a retracted request's KV without caching it, and reset it to re-prefill."""
@@ -1049,7 +1077,9 @@ class Scheduler:
     # PD disaggregation, decode side (srt/disaggregation/decode.py)
     # ------------------------------------------------------------------------------------
     def process_decode_queue(self) -> None:
-        """``pop_preallocated`` then ``pop_transferred``."""
+        """``pop_preallocated`` then ``pop_transferred``; failed transfers first."""
+        if self.failed_transfers:
+            self.poll_transfer_failures()
         alloc = self.token_to_kv_pool_allocator
         reserved = self._reserved_tokens(self.running_batch + self.waiting_queue + self.disagg_transfer_queue)
         while self.disagg_prealloc_queue:
@@ -1071,6 +1101,26 @@ class Scheduler:
                 continue  # HiSparse: no device buffer yet; retry next step
             self.disagg_transfer_queue.remove(req)
             self.waiting_queue.append(req)
+
+    def poll_transfer_failures(self) -> None:
+        """Abort every queued request whose receiver polls ``KVPoll.Failed`` (SGLang 0.5.23
+        ``srt/disaggregation/decode.py``): in the prealloc queue, nothing is held yet
+        (``DecodePreallocQueue._update_handshake_waiters``, then ``pop_preallocated`` drops it); in the
+        transfer queue, its row and pre-allocated KV (HiSparse: its host slots and any device buffer)
+        are released without caching (``DecodeTransferQueue.pop_transferred``, ``_release_request``).
+        A transferred request waiting to join fails when its prebuilt batch is formed
+        (:meth:`get_next_disagg_decode_batch_to_run`), so its rid is kept; any other is dropped."""
+        failed = self.failed_transfers
+        for req in [r for r in self.disagg_prealloc_queue if r.rid in failed]:
+            self.disagg_prealloc_queue.remove(req)
+            req.finished_reason = FinishReason.ABORT
+            self._emit(req)
+        for req in [r for r in self.disagg_transfer_queue if r.rid in failed]:
+            self.disagg_transfer_queue.remove(req)
+            req.finished_reason = FinishReason.ABORT
+            self._release_finished(req, checkpoint=False)
+        pending = self.waiting_queue + self.held_rebootstrap_reqs + [m.req for m in self.recv_queue if m.req]
+        self.failed_transfers = failed & {r.rid for r in pending}
 
     @staticmethod
     def _pre_alloc_fill_len(req: Req) -> int:
@@ -1127,12 +1177,21 @@ class Scheduler:
         return True
 
     def get_next_disagg_decode_batch_to_run(self) -> ScheduleBatch | None:
-        """Prebuilt batch (processed at once), then the decode batch over the running requests."""
+        """Prebuilt batch (processed at once), then the decode batch over the running requests
+        (SGLang 0.5.23 ``get_next_disagg_decode_batch_to_run``, ``get_new_prebuilt_batch``). A picked
+        request whose transfer was reported failed is aborted and released there, as a KV checksum
+        mismatch is (``_verify_kv_checksums``, ``_handle_kv_checksum_mismatch``)."""
         self.running_batch = [r for r in self.running_batch if not r.finished()]
         room = min(self.req_to_token_pool.size, self.config.max_running_requests) - len(self.running_batch)
         ran_prebuilt = False
         if room > 0 and self.waiting_queue:
             reqs, self.waiting_queue = self.waiting_queue[:room], self.waiting_queue[room:]
+            for req in [r for r in reqs if r.rid in self.failed_transfers]:
+                # _verify_kv_checksums -> _handle_kv_checksum_mismatch: the received KV is bad
+                self.failed_transfers.discard(req.rid)
+                reqs.remove(req)
+                req.finished_reason = FinishReason.ABORT
+                self._release_finished(req, checkpoint=False)
             prebuilt = ScheduleBatch(reqs, PREBUILT)
             for req in reqs:  # process_prebuilt
                 self.checkpoint_kv_cache(req)

@@ -12,7 +12,8 @@ Life of a slot, in SGLang's words:
   committed length; the stale tail past it is freed.
 * **finish** (``claim_kv_row``): a finished or retracted turn trims its over-allocated tail and
   hands the record back to the slot; nothing is freed. An aborted turn destroys the slot instead,
-  and the normal release frees the record.
+  and the normal release frees the record; a turn aborted for lack of memory is released as a
+  retraction first (``to_finish``), so its record stays (``finish_req``).
 * **release** (close): unlock, free ``[cache_protected_len, kv_allocated_len)`` and the row.
 
 A close while a turn is in flight is deferred (``close_on_finish``) and completed by the reap at
@@ -111,6 +112,16 @@ class SessionController:
             s.inflight = False
             if req.retracted_in_session:
                 self.release_session(s)
+
+    def finish_req(self, req: Req) -> None:
+        """A turn ended after a retraction-style release (an out-of-memory abort): if its record went
+        back to the slot it is the session's last turn (SGLang ``Session.finish_req``), else it ends
+        like an abort (:meth:`abort_req`)."""
+        s = req.session
+        if s is None or not req.retracted_in_session:
+            self.abort_req(req)
+            return
+        req.retracted_in_session, s.inflight, s.last_req = False, False, req
 
     # -- slot operations (called by the scheduler) -----------------------------------------
     def match(self, req: Req, key_len: int, commit: bool) -> int | None:

@@ -25,6 +25,9 @@ session parameters -- are not decoded, so every existing byte seed keeps its pro
     submit, health_check, abort, flush_cache, step, idle          always
     submit_extending, memory_pressure                             unless config.disable_radix_cache
     open_session, submit_turn, close_session                      if config.enable_streaming_session
+    transfer_fail                                                 on a PD decode server (added later: a
+                                                                  PD seed's opcodes are below 6, so it
+                                                                  decodes as before)
 
 Argument bytes (``b`` is the byte; ``v = lo + b % (hi - lo + 1)`` for a range ``lo..hi``; a
 nullable argument is ``None`` for an even byte and ``lo + (b >> 1) % (hi - lo + 1)`` for an odd
@@ -37,6 +40,7 @@ one, so a zero byte gives the smallest value or ``None``)::
     submit_turn       a1 session 0..3, a2 family 0..7, a3 prompt_len 1..48, a4 max_new_tokens 1..12,
                       a5 stop_at None|1..12
     abort             a1 handle None|0..7
+    transfer_fail     a1 handle None|0..3
     close_session     a1 handle 0..3
     step              a1 n 1..4
     health_check, flush_cache, idle, memory_pressure, open_session: no arguments
@@ -56,7 +60,8 @@ import sys
 
 from engine_under_test import EngineConfig
 from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, Op, OpenSession,
-                             Step, Submit)
+                             Step, Submit, TransferFail)
+from kvaudit.targets import program_features
 
 RECORD = 6  # bytes per op: 1 opcode + 5 argument bytes
 ARG_BYTES = RECORD - 1
@@ -68,11 +73,13 @@ SESSION_HANDLES = 4
 EXTEND_HANDLES = 8
 EXTEND_PROMPT = 16
 TURN_PROMPT = 48
+TRANSFER_HANDLES = 4
 STEP_N = 4
 
 _BASE = ("submit", "health_check", "abort", "flush_cache", "step", "idle")
 _RADIX = ("submit_extending", "memory_pressure")
 _SESSIONS = ("open_session", "submit_turn", "close_session")
+_PD = ("transfer_fail",)
 
 
 def max_prompt(config: EngineConfig) -> int:
@@ -87,6 +94,8 @@ def op_kinds(config: EngineConfig) -> tuple[str, ...]:
         kinds += _RADIX
     if config.enable_streaming_session:
         kinds += _SESSIONS
+    if "transfer_fail" in program_features(config):
+        kinds += _PD
     return kinds
 
 
@@ -112,6 +121,8 @@ def _decode(kind: str, a: bytes, mp: int) -> Op:
         return Abort(_opt(a[0], 0, ABORT_HANDLES - 1))
     if kind == "close_session":
         return CloseSession(_rng(a[0], 0, SESSION_HANDLES - 1))
+    if kind == "transfer_fail":
+        return TransferFail(_opt(a[0], 0, TRANSFER_HANDLES - 1))
     if kind == "step":
         return Step(_rng(a[0], 1, STEP_N))
     return {"health_check": HealthCheck, "flush_cache": FlushCache, "idle": Idle, "memory_pressure": MemoryPressure,
@@ -166,6 +177,8 @@ def _encode(op: Op, kinds: tuple[str, ...], mp: int) -> bytes:
         kind, args = "abort", [_nin(op.handle, 0, ABORT_HANDLES - 1, "handle")]
     elif isinstance(op, CloseSession):
         kind, args = "close_session", [_in(op.handle, 0, SESSION_HANDLES - 1, "handle")]
+    elif isinstance(op, TransferFail):
+        kind, args = "transfer_fail", [_nin(op.handle, 0, TRANSFER_HANDLES - 1, "handle")]
     elif isinstance(op, Step):
         kind, args = "step", [_in(op.n, 1, STEP_N, "n")]
     else:
@@ -202,6 +215,8 @@ def hand_seeds(config: EngineConfig) -> list[list[Op]]:
         seeds.append([Submit(2, 6, 2), Idle(), Submit(2, 4, 2, extends=0), MemoryPressure(), Idle()])
     if config.enable_streaming_session:
         seeds.append([OpenSession(), Submit(0, 4, 2, session=0), Step(1), CloseSession(0), Idle()])
+    if "transfer_fail" in program_features(config):
+        seeds.append([Submit(0, 8, 3), Submit(1, 6, 2), Step(1), TransferFail(1), Step(1), TransferFail(0), Idle()])
     return seeds
 
 

@@ -24,8 +24,10 @@ from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
-                             MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, random_program)
+                             MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, TransferFail,
+                             random_program)
 from kvaudit.runner import AuditedRun, execute, is_watchdog_hang
+from kvaudit.targets import program_features
 
 
 class FindingFound(AssertionError):
@@ -118,7 +120,7 @@ SWARM_KINDS = ("submit", "health_check", "abort", "flush_cache", "memory_pressur
 
 
 def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
-    features = getattr(config, "program_features", frozenset())  # arguments the target gives meaning to
+    features = program_features(config)  # ops and arguments the target gives meaning to
 
     def enabled(kind: str):
         return precondition(lambda self: kind in self.swarm)
@@ -248,6 +250,12 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
         @rule(timeout=st.sampled_from((0, 0, 3, 8)) if "flush_timeout" in features else st.just(0))
         def flush_cache(self, timeout):
             self._do(FlushCache(timeout))
+
+        if "transfer_fail" in features:  # a PD decode server: a transfer fails in any pre-join state
+            @enabled("abort")
+            @rule(handle=st.none() | st.integers(0, 3))
+            def transfer_fail(self, handle):
+                self._do(TransferFail(handle))
 
         @enabled("pause")
         @rule(mode=st.integers(0, len(PAUSE_MODES) - 1))
@@ -392,7 +400,7 @@ def random_search(config: EngineConfig, max_time: float, seed_value: int, stats:
     last = time.monotonic()
     while time.monotonic() < deadline:
         program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
-                                 features=getattr(config, "program_features", frozenset()))
+                                 features=program_features(config))
         stats.executions += 1
         with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run:
             for i, op in enumerate(program):

@@ -131,6 +131,19 @@ class ContinueGeneration:
 
 
 @dataclass(frozen=True)
+class TransferFail:
+    """PD decode: the KV transfer of request ``handle`` fails (the prefill server dies, the wire errs
+    or times out: its receiver polls ``KVPoll.Failed``), or of every such request if ``handle`` is
+    None. ``handle`` is taken modulo the live requests that have not joined the running batch yet
+    (queued for pre-allocation, transferring, or transferred and waiting to join), in submission
+    order; a no-op when there is none or the target is not a PD decode server. A target whose PD
+    driver does not model failures ignores it."""
+
+    handle: int | None = 0
+    kind: ClassVar[str] = "transfer_fail"
+
+
+@dataclass(frozen=True)
 class Step:
     """``n`` scheduler iterations."""
 
@@ -147,9 +160,10 @@ class Idle:
 
 
 Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, MemoryPressure, PauseGeneration,
-           ContinueGeneration, Step, Idle]
+           ContinueGeneration, TransferFail, Step, Idle]
 OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession,
-                                                 MemoryPressure, PauseGeneration, ContinueGeneration, Step, Idle)}
+                                                 MemoryPressure, PauseGeneration, ContinueGeneration, TransferFail,
+                                                 Step, Idle)}
 NULLABLE = ("stop_at", "handle", "session", "extends", "priority", "grammar", "parent", "offset")
 # arguments added after format 1 was first written: left out of JSON and of printed ops when at
 # their default, so every program written before reads, prints and serializes as it did
@@ -217,7 +231,7 @@ def format_program(ops: list[Op]) -> str:
     return "\n".join(f"{i:>3}  {format_op(op)}" for i, op in enumerate(ops))
 
 
-FEATURES = ("priority", "grammar", "flush_timeout", "session_params")  # arguments only some targets give meaning to
+FEATURES = ("priority", "grammar", "flush_timeout", "session_params", "transfer_fail")  # what only some targets model
 
 
 def random_program(rng, length: int, max_prompt: int = 32, features: frozenset = frozenset()) -> list[Op]:
@@ -227,7 +241,8 @@ def random_program(rng, length: int, max_prompt: int = 32, features: frozenset =
     :data:`FEATURES`, what the target models -- a config's ``program_features``): ``priority``, submits
     carry a priority (0..9, or none); ``grammar``, one submit in four has a grammar compiling in 0..6
     steps; ``flush_timeout``, a flush may wait up to 8 steps for idle; ``session_params``, one session
-    turn in three names a parent turn, and may replace it, drop its output or splice at an offset.
+    turn in three names a parent turn, and may replace it, drop its output or splice at an offset;
+    ``transfer_fail``, about one op in 25 is a :class:`TransferFail` (a PD decode server's transfers).
     """
     ops: list[Op] = []
     for _ in range(max(0, length - 1)):
@@ -262,6 +277,8 @@ def random_program(rng, length: int, max_prompt: int = 32, features: frozenset =
             ops.append(PauseGeneration(rng.randrange(len(PAUSE_MODES))))
         elif r < 0.66:
             ops.append(ContinueGeneration())
+        elif r < 0.7 and "transfer_fail" in features:
+            ops.append(TransferFail(rng.choice([None, rng.randrange(4), rng.randrange(4)])))
         elif r < 0.9:
             ops.append(Step(rng.randint(1, 4)))
         else:

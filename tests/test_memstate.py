@@ -62,7 +62,7 @@ def test_a_decode_out_of_memory_says_what_retraction_freed_and_why_it_stopped():
     (line,) = [x for x in f.memory_state if x.startswith("last retraction:")]
     assert "retracted 1 request(s)" in line and "stopped: one decode step fits" in line
     holders = next(x for x in f.memory_state if x.startswith("largest holders of token_to_kv_pool:"))
-    assert "req:req-0" in holders
+    assert "req:req-000000" in holders
 
 
 def test_other_crashes_carry_no_memory_state(monkeypatch):

@@ -324,7 +324,7 @@ def test_the_tree_caching_past_kv_committed_len_is_reported_at_the_insert(make_r
     found = run.apply(Idle())
     f = found[0]
     assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool")
-    assert f.message.startswith("the tree caches 13 tokens of req:req-0 but its kv_committed_len=12")  # the prefill checkpoint
+    assert f.message.startswith("the tree caches 13 tokens of req:req-000000 but its kv_committed_len=12")  # the prefill checkpoint
     assert f.alloc_sites[0].function == "checkpoint_kv_cache_into_tree"
     assert "tree.insert(" in f.alloc_sites[0].source
 
@@ -687,7 +687,7 @@ def test_one_premature_free_has_one_signature_whichever_oracle_sees_it(make_run)
         assert f.kind == "use-after-free"
         assert f.free_sites[0].function == "_premature_free"
         assert f.used_by
-    assert seen[6].used_by == seen[2].used_by == ["req:req-0"]
+    assert seen[6].used_by == seen[2].used_by == ["req:req-000000"]
     assert seen[2].read_sites[0].function == "release_kv_cache"  # the owner's release freed it again
     assert seen[2].signature == seen[6].signature
     assert f.signature == "use-after-free/token_to_kv_pool/update_running_batch@scheduler.py/_premature_free@test_oracles.py"

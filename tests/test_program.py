@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvaudit.program import (FEATURES, OP_TYPES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
-                             MemoryPressure, OpenSession, PauseGeneration, ProgramError, Step, Submit, format_op, format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
+                             MemoryPressure, OpenSession, PauseGeneration, ProgramError, Step, Submit, TransferFail, format_op, format_program, op_from_dict, op_to_dict, program_from_json, program_to_json,
                              prompt_tokens, random_program)
 
 EVERY_KIND = [
@@ -29,6 +29,8 @@ EVERY_KIND = [
     PauseGeneration(mode=2),
     PauseGeneration(),
     ContinueGeneration(),
+    TransferFail(handle=2),
+    TransferFail(handle=None),
     Step(n=4),
     Idle(),
 ]
@@ -46,6 +48,7 @@ ops_strategy = st.one_of(
     st.just(MemoryPressure()),
     st.just(HealthCheck()),
     st.builds(Abort, st.none() | st.integers(0, 50)),
+    st.builds(TransferFail, st.none() | st.integers(0, 50)),
     st.builds(Step, st.integers(0, 50)),
     st.just(Idle()),
 )

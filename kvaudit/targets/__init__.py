@@ -11,7 +11,7 @@ from kvaudit.targets.sglang_config import SglangConfig, is_sglang_config
 _LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "EutTarget": "eut"}
 
 __all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict",
-           "EngineSource", "engine_source"]
+           "program_features", "EngineSource", "engine_source"]
 
 
 def __getattr__(name: str):
@@ -44,6 +44,16 @@ def make_target(config):
         return SglangTarget(config)
     from kvaudit.targets.eut import EutTarget
     return EutTarget(config)
+
+
+def program_features(config) -> frozenset[str]:
+    """What of :data:`kvaudit.program.FEATURES` the target of ``config`` gives meaning to, so the
+    generators draw it: a target config's own ``program_features`` (:class:`SglangConfig`), else the
+    built-in engine's: ``transfer_fail`` on a PD decode server (``Scheduler.report_transfer_failure``)."""
+    own = getattr(config, "program_features", None)
+    if own is not None:
+        return own
+    return frozenset({"transfer_fail"}) if getattr(config, "is_pd_decode", False) else frozenset()
 
 
 def config_from_dict(d: dict):

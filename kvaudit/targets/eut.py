@@ -14,7 +14,7 @@ import torch
 
 from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
-                             MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens)
+                             MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens)
 from kvaudit.targets.base import (Accounting, LockImbalance, PoolSpec, Recount, Root, kv_length_problems, record_roots,
                                   slot_pages, wrap_insert)
 
@@ -206,6 +206,13 @@ class EutTarget:
             eng.health_check()
         elif isinstance(op, FlushCache):
             eng.request_flush_cache()
+        elif isinstance(op, TransferFail):
+            if cfg.is_pd_decode:
+                pending = self._pre_join_rids()
+                rids = pending if op.handle is None else [pending[op.handle % len(pending)]] if pending else []
+                for rid in rids:
+                    eng.report_transfer_failure(rid)
+                    self.aborted.add(rid)
         elif isinstance(op, Abort):
             live = self.live_rids()
             if op.handle is None:
@@ -217,6 +224,16 @@ class EutTarget:
                 self.aborted.add(rid)
         else:
             raise TypeError(f"op {op!r} does not go through apply()")
+
+    def _pre_join_rids(self) -> list[str]:
+        """PD decode: live submitted rids not yet in the running batch (sent, queued for
+        pre-allocation, transferring, transferred and waiting, or held for a rebootstrap), in
+        submission order: what :class:`TransferFail` handles index."""
+        eng = self.engine
+        queued = [m.req for m in eng.recv_queue if m.req is not None] + eng.disagg_prealloc_queue + \
+            eng.disagg_transfer_queue + eng.waiting_queue + eng.held_rebootstrap_reqs
+        ids = {r.rid for r in queued}
+        return [rid for rid in self.live_rids() if rid in ids]
 
     def _submit(self, args: dict) -> None:
         rid = self.engine.add_request(**args)

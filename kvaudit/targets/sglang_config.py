@@ -162,8 +162,10 @@ class SglangConfig(ConfigBase):
         """Program arguments this target gives meaning to, so the generators draw them
         (:data:`kvaudit.program.FEATURES`): priorities with priority scheduling, grammars where the
         driver runs SGLang's ``GrammarManager`` (not on a PD decode server), session parameters with
-        sessions, flush timeouts always."""
+        sessions, flush timeouts always, transfer failures on a PD decode server."""
         out = {"flush_timeout"}
+        if self.disaggregation_mode == "decode":
+            out.add("transfer_fail")
         if self.enable_streaming_session:
             out.add("session_params")
         if self.enable_priority_scheduling:

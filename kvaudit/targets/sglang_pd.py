@@ -447,6 +447,25 @@ class SglangPdDecodeTarget(SglangTarget):
             if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = S.FINISH_ABORT()
 
+    def _transfer_fail(self, handle: int | None) -> None:
+        """:class:`TransferFail` on the live requests not yet running (submission order; health checks,
+        on SGLang's own fake transfer, never fail): the prefill side or the wire fails the transfer. In
+        the prealloc or transfer queue the receiver concludes ``KVPoll.Failed`` (no abort is sent from
+        here: SGLang's ``_update_handshake_waiters`` or ``pop_transferred`` handles it, with the deferred
+        release's forced notification); a transferred request waiting to join gets a wrong expected KV
+        checksum, so ``_verify_kv_checksums`` drops it at its prebuilt batch (an injection: SGLang's
+        ``is_in_ci`` raise is off from then on, as with ``kv_checksum_mismatch_every``)."""
+        receivers = {dr.req.rid: dr.kv_receiver for dr in self.prealloc_queue.queue + self.transfer_queue.queue}
+        waiting = {r.rid: r for r in self.sched.waiting_queue if getattr(r, "expected_kv_checksum", 0)}
+        pending = [rid for rid in self.live_rids() if (rid in receivers or rid in waiting)
+                   and not rid.startswith("HEALTH_CHECK_")]
+        for rid in pending if handle is None else [pending[handle % len(pending)]] if pending else []:
+            if rid in receivers:
+                receivers[rid].conclude_state = self.P.KVPoll.Failed
+            else:
+                waiting[rid].expected_kv_checksum ^= 2  # digests are odd: still non-zero, now wrong
+                self.P.decode.is_in_ci = lambda: False
+
     def step(self) -> None:
         """One iteration of ``event_loop_normal_disagg_decode``: the network moves (transfers land, acks
         arrive), ``process_decode_queue`` (deferred releases, resumed retractions, pre-allocation,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
-    MemoryPressure, Op, OpenSession, PauseGeneration, Submit, prompt_tokens
+    MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens
 from kvaudit.targets.base import (Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages,
                                   wrap_insert)
 from kvaudit.targets.sglang_boot import GRAMMAR_BACKEND, build, load, one_rank_group
@@ -496,10 +496,16 @@ class SglangTarget:
         elif isinstance(op, ContinueGeneration):
             if self.paused:
                 self._continue_generation()
+        elif isinstance(op, TransferFail):
+            self._transfer_fail(op.handle)
         else:
             raise TypeError(f"op {op!r} does not go through apply()")
         if not isinstance(op, (Submit, HealthCheck, OpenSession)):
             self._after_intake()
+
+    def _transfer_fail(self, handle: int | None) -> None:
+        """:class:`TransferFail`: a no-op here (no transfers on an aggregated server); the PD decode
+        driver overrides it."""
 
     def _generate(self, kind: str, args: tuple) -> None:
         """A generate request reaches the tokenizer: held while paused, else sent to the scheduler
