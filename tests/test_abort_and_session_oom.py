@@ -58,21 +58,28 @@ def _oom_config(**changes):
 
 
 def _oom_session_turn(**changes):
-    """Session ``a`` keeps a 24-token record; then session ``s``'s only turn (12-token prompt, 40
-    new tokens) is admitted with no decode tokens reserved (``new_token_ratio`` 0) and outgrows the
-    40 tokens left: retract_decode has nothing else to retract and aborts it. Returns the engine,
-    the turn's rid and its prompt."""
+    """Session ``a`` keeps a 24-token record; session ``s``'s only turn (12-token prompt, 20 new
+    tokens) is admitted (12 + 20 + 1 < the 40 tokens left, SGLang's PrefillAdder) and decodes; then
+    another tenant takes every free slot (planted from the test: with SGLang's admission budget the
+    turn cannot outgrow the pool on its own), so the turn's next decode finds no room and
+    retract_decode, with nothing else to retract, aborts it. The tenant's slots are given back
+    once the turn finished. Returns the engine, the turn's rid and its prompt."""
     s = Scheduler(_oom_config(**changes))
     s.open_session("a")
     s.add_request(list(range(60, 80)), 4, session_id="a")
     s.run_until_idle()
     sid = s.open_session("s")
     prompt = list(range(2, 14))
-    rid = s.add_request(prompt, 40, session_id=sid)
+    rid = s.add_request(prompt, 20, session_id=sid)
+    for _ in range(3):  # admitted, prefilled, decoding
+        s.step()
+    alloc = s.token_to_kv_pool_allocator
+    tenant = alloc.alloc(alloc.available_size())
     for _ in range(60):
         s.step()
         if rid in outputs(s):
             break
+    alloc.free(tenant)
     return s, rid, prompt
 
 
