@@ -81,6 +81,13 @@ class EngineConfig(ConfigBase):
     Sizes are in tokens unless the name says otherwise. ``num_slots`` is the device KV pool
     (``max_total_num_tokens`` in SGLang); with ``page_size > 1`` it is rounded down to whole pages.
 
+    PD decode (``disaggregation_mode="decode"``) runs without a tree unless
+    ``disaggregation_decode_enable_radix_cache`` (SGLang 0.5.23 ``arg_groups/pd_disaggregation_hook.py``
+    sets ``disable_radix_cache`` from it; here both are given and must agree). HiCache on a PD decode
+    server is rejected: SGLang's decode HiCache (``disaggregation/decode_hicache_mixin.py``) promises the
+    prefill side host hits, restores them after the transfer and keeps pending restores across
+    retraction, a state machine this engine's line budget does not hold.
+
     Raises ``ValueError`` from ``__post_init__`` for inconsistent values and
     :class:`UnknownBugError` for a bug name that is not in the zoo.
     """
@@ -94,6 +101,7 @@ class EngineConfig(ConfigBase):
     enable_mixed_chunk: bool = False  # running requests decode in the same forward as a prefill
     new_token_ratio: float = 1.0  # share of remaining decode tokens admission reserves; < 1 may retract
     disaggregation_mode: str | None = None  # None | "decode"
+    disaggregation_decode_enable_radix_cache: bool = False  # PD decode keeps a tree: a prefix hit is not transferred
     pd_pre_alloc_rows: int = 4
     transfer_latency_steps: int = 1
     enable_hisparse: bool = False
@@ -121,7 +129,7 @@ class EngineConfig(ConfigBase):
             if not lo <= v <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
         for name in ("enable_hisparse", "disable_radix_cache", "enable_mixed_chunk", "enable_overlap",
-                     "enable_streaming_session", "enable_hicache"):
+                     "enable_streaming_session", "enable_hicache", "disaggregation_decode_enable_radix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("model", "device", "preset", "hicache_write_policy"):
@@ -141,6 +149,13 @@ class EngineConfig(ConfigBase):
             raise ValueError(f"num_slots={self.num_slots} is smaller than two pages of {self.page_size}")
         if self.disaggregation_mode not in (None, "decode"):
             raise ValueError(f"disaggregation_mode must be None or 'decode', got {self.disaggregation_mode!r}")
+        if self.disaggregation_decode_enable_radix_cache and (not self.is_pd_decode or self.disable_radix_cache):
+            raise ValueError("disaggregation_decode_enable_radix_cache needs disaggregation_mode='decode' and "
+                             "disable_radix_cache=false")
+        if self.is_pd_decode and not (self.disable_radix_cache or self.disaggregation_decode_enable_radix_cache):
+            raise ValueError("PD decode with the radix cache on needs disaggregation_decode_enable_radix_cache=true")
+        if self.enable_hicache and self.is_pd_decode:
+            raise ValueError("enable_hicache on a PD decode server is not modelled (see EngineConfig)")
         if self.enable_hisparse and not self.disable_radix_cache:
             raise ValueError("enable_hisparse needs disable_radix_cache=true (HiSparse requests bypass the tree here)")
         if self.enable_hisparse and self.chunked_prefill_size is not None:
@@ -202,6 +217,10 @@ PRESETS: dict[str, Preset] = {
             "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off; 1 running",
             {"disaggregation_mode": "decode", "disable_radix_cache": True, "max_running_requests": 1},
         ),
+        Preset("pd-decode-radix", "PD decode with the decode-side radix cache: prefix hits locked, only the suffix "
+               "transferred, the tree evicted for pre-allocation; small pool",
+               {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True, "num_slots": 128,
+                "max_running_requests": 2}),
         Preset(
             "pd-decode-hisparse",
             "PD decode with HiSparse: logical ids, per-request device buffer and host pool",

@@ -1077,17 +1077,35 @@ class Scheduler:
     # PD disaggregation, decode side (srt/disaggregation/decode.py)
     # ------------------------------------------------------------------------------------
     def process_decode_queue(self) -> None:
-        """``pop_preallocated`` then ``pop_transferred``; failed transfers first."""
+        """``pop_preallocated`` then ``pop_transferred``; failed transfers first.
+
+        Pre-allocation takes the queue's head while a row is free and ``fill - prefix + remaining
+        output + 2 pages`` fits the free tokens less those promised to admitted requests. With the
+        decode radix cache (SGLang 0.5.23 ``DecodePreallocQueue.pop_preallocated``,
+        ``_match_prefix_and_lock``, ``_allocatable_token_budgets``) the prompt's cached prefix is
+        matched and locked first (not for a rebootstrap), evictable tokens count as free, and the
+        lock is dropped again when the request does not fit. Unlike SGLang, at least the prompt's
+        last token is transferred: our transfer stand-in computes the hand-off token from it."""
         if self.failed_transfers:
             self.poll_transfer_failures()
-        alloc = self.token_to_kv_pool_allocator
+        alloc, tree = self.token_to_kv_pool_allocator, self.tree_cache
         reserved = self._reserved_tokens(self.running_batch + self.waiting_queue + self.disagg_transfer_queue)
         while self.disagg_prealloc_queue:
             req = self.disagg_prealloc_queue[0]
             fill_len = self._pre_alloc_fill_len(req)
-            need = fill_len + req.max_new_tokens - len(req.output_ids) + 2 * self.page_size  # a rebootstrap's too
-            if self.req_to_token_pool.available_size() == 0 or need > alloc.available_size() - reserved:
+            match = None
+            if not tree.disable and not req.pd_rebootstrap_in_progress:
+                match = tree.match_prefix(req.origin_input_ids[: fill_len - 1])
+                tree.inc_lock_ref(match.last_node)
+            prefix = 0 if match is None else match.device_indices.numel()
+            need = fill_len - prefix + req.max_new_tokens - len(req.output_ids) + 2 * self.page_size
+            if self.req_to_token_pool.available_size() == 0 or \
+                    need > alloc.available_size() + tree.evictable_size() - reserved:
+                if match is not None:
+                    tree.dec_lock_ref(match.last_node)
                 break
+            if match is not None:
+                req.prefix_indices, req.last_node = match.device_indices, match.last_node
             self._pre_alloc(req, fill_len)
             reserved += need
             self.disagg_prealloc_queue.pop(0)
@@ -1131,43 +1149,50 @@ class Scheduler:
         return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
 
     def _pre_alloc(self, req: Req, fill_len: int) -> None:
-        """A row plus ``fill_len`` slots as the transfer target (HiSparse: logical ids + host slots)."""
+        """A row whose ``[0, prefix)`` points at the locked match ``req.prefix_indices`` (ending at
+        ``req.last_node``, now the request's lock; its length becomes ``cache_protected_len``; None
+        without the tree), plus fresh slots for ``[prefix, fill_len)``, the transfer target, after
+        evicting the shortfall from the tree (HiSparse: logical ids + host slots). SGLang 0.5.23
+        ``DecodePreallocQueue._pre_alloc``, ``alloc_for_decode_prealloc``."""
         rows = self.req_to_token_pool.alloc(1)
         if rows is None:
             raise RuntimeError("KV cache is full! Bug in memory estimation.")
         req.kv.req_pool_idx = rows[0]
         alloc = self.token_to_kv_pool_allocator
-        if self.page_size == 1:
-            out = alloc.alloc(fill_len)
-        else:
-            out = alloc.alloc_extend([0], [fill_len], torch.tensor([-1], dtype=INDEX_DTYPE, device=alloc.device))
+        prefix = 0 if req.prefix_indices is None else req.prefix_indices.numel()  # page-aligned
+        self._evict_for(self.ceil_page(fill_len) - prefix)
+        out = alloc.alloc_extend([prefix], [fill_len], torch.tensor([-1], dtype=INDEX_DTYPE, device=alloc.device))
         if out is None:
             raise RuntimeError("KV cache is full! Bug in memory estimation.")
         if self.hisparse_coordinator is not None and not self.hisparse_coordinator.alloc_host(rows[0], fill_len):
             raise RuntimeError("HiSparse host pool is full! Bug in memory estimation.")
-        self.req_to_token_pool.write(rows[0], 0, out)
+        if req.prefix_indices is not None:
+            self.req_to_token_pool.write(rows[0], 0, req.prefix_indices)
+            req.lock, req.kv.cache_protected_len = req.last_node, prefix
+        self.req_to_token_pool.write(rows[0], prefix, out)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = fill_len
         req.prefix_len = req.extend_end = fill_len
 
     def _commit_transfer_to_req(self, req: Req) -> bool:
-        """The prefill side's KV has landed: compute it (our stand-in for RDMA) and append the
+        """The prefill side's KV of ``[cache_protected_len, committed)`` has landed (a decode-radix
+        prefix hit was not sent): compute it (our stand-in for RDMA) and append the
         hand-off token (a rebootstrap replays the token it popped); HiSparse admits the request
         straight into its device buffer first. Returns False, changing nothing but the KV content,
         if HiSparse has no buffer room."""
-        n = req.kv.kv_committed_len
+        n, p = req.kv.kv_committed_len, req.kv.cache_protected_len  # decode radix: [0, p) was not sent
         row = req.kv.req_pool_idx
         hs = self.hisparse_coordinator
         if self.model is None:
             tok = model_mod.pseudo_next_token(req.fill_ids[n - 1], n - 1, self.config.vocab_size)
         else:
             dev = self.kv_pool.k_buffer.device
-            toks = torch.tensor(req.fill_ids[:n], dtype=INDEX_DTYPE, device=dev)
+            toks = torch.tensor(req.fill_ids[p:n], dtype=INDEX_DTYPE, device=dev)
             pos = torch.arange(n, dtype=INDEX_DTYPE, device=dev)
             if hs is not None:
                 target, loc = hs.host_pool, hs.req_to_host_pool[row][:n].to(dev)
             else:
                 target, loc = self.kv_pool, self.req_to_token_pool.req_to_token[row, :n]
-            tok = self.model.forward(target, toks, pos, loc, loc, pos)
+            tok = self.model.forward(target, toks, pos[p:], loc[p:], loc, pos)
         if hs is not None and not hs.admit_request_direct(req):
             return False
         if req.pd_rebootstrap_forced_output_id is not None:

@@ -412,12 +412,12 @@ class EutTarget:
             return out
 
         def transfer_wrapper(req):
-            n = req.kv.kv_committed_len  # the prefill side's KV of positions [0, n) lands now
+            n, p = req.kv.kv_committed_len, req.kv.cache_protected_len  # KV of [p, n) lands now; [0, p) is the tree's
             tags = request_tags(req, req.origin_input_ids, req.output_ids)[:n]
             if hs is not None:
                 shadow.write("hisparse_host", hs.req_to_host_pool[req.kv.req_pool_idx][:n], tags)
             else:
-                shadow.write(main, table[req.kv.req_pool_idx, :n], tags)
+                shadow.write(main, table[req.kv.req_pool_idx, p:n], tags[p:])
             return transfer(req)
 
         if hs is None and rows is not None:
