@@ -12,7 +12,7 @@ import json
 import pytest
 
 from engine_under_test import EngineConfig, FinishReason, Scheduler, get_preset
-from kvaudit.program import Idle, Step, Submit, TransferFail
+from kvaudit.program import Idle, Step, Submit, TransferFail, prompt_tokens
 from kvaudit.runner import AuditedRun
 
 from cli_helpers import invoke, one_error_line
@@ -211,3 +211,25 @@ def test_cli_reports_a_pd_decode_config_with_the_tree_but_no_flag_as_one_usage_l
     result = invoke("replay", str(path))
     assert result.exit_code == 2, result.output
     assert "disaggregation_decode_enable_radix_cache" in one_error_line(result)
+
+
+def test_a_decode_tree_prefix_that_points_at_other_kv_is_reported_as_stale():
+    """A fault planted in the test: pre-allocation points a family-0 hit at family 1's cached slots.
+    The target records only the transferred suffix as written, so the first decode read finds the
+    other prompt's KV under the matched prefix."""
+    cfg = get_preset("pd-decode-radix").config(max_running_requests=1)
+    other = prompt_tokens(1, 24, cfg.vocab_size)
+    with AuditedRun(cfg) as run:
+        for op in [Submit(0, 24, 2), Idle(), Submit(1, 24, 2), Idle()]:
+            assert run.apply(op) == []
+        eng = run.target.engine
+        pre_alloc = eng._pre_alloc
+
+        def wrong_prefix(req, fill_len):
+            if req.prefix_indices is not None:
+                req.prefix_indices = eng.tree_cache.match_prefix(other[: req.prefix_indices.numel()]).device_indices
+            return pre_alloc(req, fill_len)
+
+        eng._pre_alloc = wrong_prefix
+        found = [f for op in [Submit(0, 30, 4), Idle()] for f in run.apply(op)]
+    assert "stale-kv" in {f.kind for f in found}, [f.kind for f in found]
