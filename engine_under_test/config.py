@@ -27,6 +27,7 @@ _INT_RANGES = {
     "vocab_size": (3, 1 << 16),
     "hicache_ratio": (1, 16),
     "host_ack_latency_steps": (0, 1000),
+    "priority_scheduling_preemption_threshold": (0, 1 << 20),
     "seed": (-(1 << 63), (1 << 63) - 1),
 }
 
@@ -114,6 +115,11 @@ class EngineConfig(ConfigBase):
     hicache_ratio: int = 2  # host pool size as a multiple of the device pool
     hicache_write_policy: str = "write_through"  # "write_through" | "write_back"
     host_ack_latency_steps: int = 2  # steps until a device<->host copy is acknowledged
+    # SGLang's --enable-priority-scheduling and its options (server_args.py; defaults are SGLang's)
+    enable_priority_scheduling: bool = False  # order waiting requests by priority; preempt lower ones
+    schedule_low_priority_values_first: bool = False  # default: larger priority values run first
+    priority_scheduling_preemption_threshold: int = 10  # a preemptor's priority must exceed the victim's by more
+    max_queued_requests: int | None = None  # waiting-queue limit; beyond it a request is aborted
     model: str = "none"  # "tiny" | "none"
     device: str = "cpu"
     vocab_size: int = 128
@@ -129,7 +135,8 @@ class EngineConfig(ConfigBase):
             if not lo <= v <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
         for name in ("enable_hisparse", "disable_radix_cache", "enable_mixed_chunk", "enable_overlap",
-                     "enable_streaming_session", "enable_hicache", "disaggregation_decode_enable_radix_cache"):
+                     "enable_streaming_session", "enable_hicache", "disaggregation_decode_enable_radix_cache",
+                     "enable_priority_scheduling", "schedule_low_priority_values_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("model", "device", "preset", "hicache_write_policy"):
@@ -141,6 +148,12 @@ class EngineConfig(ConfigBase):
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 1 << 16):
             raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
+        q = self.max_queued_requests
+        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or not 1 <= q <= 4096):
+            raise ValueError(f"max_queued_requests must be null or an integer in [1, 4096], got {q!r}")
+        if (self.enable_priority_scheduling or q is not None) and (self.is_pd_decode or self.enable_hisparse):
+            raise ValueError("enable_priority_scheduling and max_queued_requests are modelled for aggregated serving "
+                             "without HiSparse")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         unknown = sorted(self.bugs - set(BUGS))
         if unknown:
@@ -233,6 +246,10 @@ PRESETS: dict[str, Preset] = {
                {"enable_streaming_session": True, "enable_overlap": True, "context_len": 64}),
         Preset("hicache", "HiCache write-through host tier under a small device pool: demote, load back, acks",
                {"enable_hicache": True, "num_slots": 128}),
+        Preset("priority", "priority scheduling: queue by priority, preemption past a gap of 1, 3 running, "
+                           "at most 4 waiting",
+               {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
+                "max_running_requests": 3, "max_queued_requests": 4}),
     ]
 }
 

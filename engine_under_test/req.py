@@ -51,6 +51,8 @@ class Req:
     max_new_tokens: int
     stop_at: int | None = None  # output position that samples EOS (models a stop token)
     ignore_eos: bool = False  # sampling_params.ignore_eos: the EOS at stop_at does not finish the request
+    priority: int | None = None  # scheduling priority (only with enable_priority_scheduling)
+    wait_queue_entry: int = 0  # serial of its latest entry into the waiting queue (wait_queue_entry_time)
     output_ids: list[int] = field(default_factory=list)
     kv: ReqKvInfo = field(default_factory=ReqKvInfo)
     prefix_indices: object = None  # [prefix_len] int64 slots matched in the tree at admission

@@ -21,6 +21,7 @@ HiSparse in ``hisparse.py``.
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -150,16 +151,19 @@ class Scheduler:
         self._force_retract = False
         self._engine_paused = False
         self._rids = itertools.count()
+        self._queue_ct = itertools.count(1)  # wait_queue_entry serials
         self.session_controller = SessionController(self) if cfg.enable_streaming_session else None
 
     # ------------------------------------------------------------------------------------
     # Client side
     # ------------------------------------------------------------------------------------
     def add_request(self, input_ids: list[int], max_new_tokens: int, stop_at: int | None = None,
-                    rid: str | None = None, session_id: str | None = None, ignore_eos: bool = False) -> str:
+                    rid: str | None = None, session_id: str | None = None, ignore_eos: bool = False,
+                    priority: int | None = None) -> str:
         """Queue a generate request; returns its rid. ``stop_at`` is the output length at which EOS
         is sampled; with ``ignore_eos`` (SGLang's sampling parameter) that EOS is kept in the output
-        but finishes nothing, and the request runs to ``max_new_tokens``. With ``session_id`` it is
+        but finishes nothing, and the request runs to ``max_new_tokens``. ``priority`` matters only with
+        ``enable_priority_scheduling`` (see :meth:`_add_request_to_queue`). With ``session_id`` it is
         the next turn of that streaming session: its prompt is appended to the session's history at
         intake (a turn over the context is aborted there). Raises ``ValueError`` for an empty prompt,
         one that cannot fit the context, or a session id without ``enable_streaming_session``."""
@@ -170,8 +174,8 @@ class Scheduler:
         if session_id is not None and self.session_controller is None:
             raise ValueError("session turns need enable_streaming_session")
         rid = rid or self._new_id("req-")
-        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at, ignore_eos),
-                                    session_id=session_id))
+        self.recv_queue.append(_Msg("generate", Req(rid, list(input_ids), max_new_tokens, stop_at, ignore_eos,
+                                                    priority), session_id=session_id))
         return rid
 
     def _new_id(self, prefix: str) -> str:
@@ -419,12 +423,48 @@ class Scheduler:
                 self._emit(m.req)
             elif self.config.is_pd_decode:
                 self.disagg_prealloc_queue.append(m.req)
-            else:
-                self.waiting_queue.append(m.req)
-                if self.hicache_host_pool is not None and m.req.session is None:  # prefetch at intake
-                    fill = m.req.fill_ids
-                    self._start_load_back(m.req, self.tree_cache.match_prefix(fill[: len(fill) - 1]),
-                                          self._running_token_offset())
+            elif self._add_request_to_queue(m.req) and self.hicache_host_pool is not None and m.req.session is None:
+                fill = m.req.fill_ids  # prefetch at intake
+                self._start_load_back(m.req, self.tree_cache.match_prefix(fill[: len(fill) - 1]),
+                                      self._running_token_offset())
+
+    def _add_request_to_queue(self, req: Req) -> bool:
+        """Queue ``req`` for prefill; returns False if it was aborted instead (SGLang 0.5.23
+        ``Scheduler._add_request_to_queue``, ``_set_or_validate_priority``, ``_abort_on_queued_limit``).
+
+        With priority scheduling a request without a priority gets the lowest (``sys.maxsize`` on the
+        preferred side's far end). With ``max_queued_requests`` waiting already, the newcomer is
+        aborted; with priority scheduling the least preferred waiting request (the newest on a tie)
+        is aborted instead when the newcomer is strictly preferred. Each entry gets a fresh serial
+        (``wait_queue_entry_time``). Nothing of the aborted one is held: it only gets its output."""
+        cfg = self.config
+        if cfg.enable_priority_scheduling and req.priority is None:
+            req.priority = sys.maxsize if cfg.schedule_low_priority_values_first else -sys.maxsize - 1
+        if cfg.max_queued_requests is not None and len(self.waiting_queue) >= cfg.max_queued_requests:
+            victim = req
+            if cfg.enable_priority_scheduling:
+                worst = max(self.waiting_queue, key=self._priority_key)
+                if self._priority_key(req)[0] < self._priority_key(worst)[0]:
+                    victim = worst
+                    self.waiting_queue.remove(worst)
+            victim.finished_reason = FinishReason.ABORT
+            self._end_session_turn(victim)
+            if victim.load_back is not None:  # tree_cache.finish(ABORT): released at its ack
+                self.orphan_load_backs.append(victim.load_back)
+                victim.load_back = None
+            self._emit(victim)
+            if victim is req:
+                return False
+        req.wait_queue_entry = next(self._queue_ct)
+        self.waiting_queue.append(req)
+        return True
+
+    def _priority_key(self, req: Req) -> tuple[int, int]:
+        """Sort key of the waiting queue with priority scheduling, most preferred first (SGLang
+        ``SchedulePolicy._sort_by_priority_and_fcfs``): priority (larger first unless
+        ``schedule_low_priority_values_first``), then the earliest entry."""
+        sign = 1 if self.config.schedule_low_priority_values_first else -1
+        return sign * req.priority, req.wait_queue_entry
 
     def _end_session_turn(self, req: Req) -> None:
         if self.session_controller is not None:
@@ -545,7 +585,8 @@ class Scheduler:
         if self.config.is_pd_decode:
             self._hold_rebootstrap(reqs)
         else:
-            self.waiting_queue.extend(reqs)  # _add_request_to_queue
+            for req in reqs:
+                self._add_request_to_queue(req)
 
     def _hold_rebootstrap(self, reqs: list[Req]) -> None:
         """PD decode retraction (SGLang ``hold_rebootstrap``): the last emitted token is popped and
@@ -607,9 +648,11 @@ class Scheduler:
         """Tokens admission holds back for the running requests: their remaining output (at most
         ``CLIP_MAX_NEW_TOKENS``) times ``new_token_ratio`` (1 for ``ignore_eos``), no page each
         (SGLang ``PrefillAdder._get_running_request_total_token_offset``)."""
-        ratio = self.config.new_token_ratio
-        return sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * (1.0 if r.ignore_eos else ratio)
-                   for r in self.running_batch)
+        return sum(self._req_token_offset(r) for r in self.running_batch)
+
+    def _req_token_offset(self, r: Req) -> float:
+        ratio = 1.0 if r.ignore_eos else self.config.new_token_ratio
+        return min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * ratio
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         """Admit waiting requests as SGLang's ``PrefillAdder`` does (``managers/schedule_policy.py``
@@ -628,13 +671,18 @@ class Scheduler:
         When ``rem_total <= 0`` SGLang takes the whole ``rem_chunk_tokens`` to make progress;
         here that chunk is further bounded by what the pool can allocate now (page-aligned) and
         the request waits a round when that is nothing, where SGLang would raise "Prefill out of
-        memory". Not modelled: the ``ignore_eos`` admission without a tree
-        (``add_one_req_ignore_eos``) and ``max_prefill_tokens``.
+        memory". With priority scheduling the waiting queue is first sorted by :meth:`_priority_key`
+        (``SchedulePolicy.calc_priority``), and a request that meets a full batch (running requests or
+        rows) may preempt running ones (:meth:`preempt_to_schedule`); the preempted are queued again
+        after the round, even when nothing was admitted. Not modelled: the ``ignore_eos`` admission
+        without a tree (``add_one_req_ignore_eos``) and ``max_prefill_tokens``.
         """
         if not self.waiting_queue and self.chunked_req is None:
             return None
         tree, alloc, ps = self.tree_cache, self.token_to_kv_pool_allocator, self.page_size
         hs = self.hisparse_coordinator
+        if self.config.enable_priority_scheduling:
+            self.waiting_queue.sort(key=self._priority_key)
         mixed = len(self.running_batch) if self.config.enable_mixed_chunk else 0
         offset = mixed + self._running_token_offset()  # total_offset
 
@@ -667,16 +715,24 @@ class Scheduler:
                 offset += self.ceil_page(take) + ps + final_out
                 rem_chunk -= self.ceil_page(take)
                 can_run.append(chunked)
+        preempted: list[Req] = []
+        full = False  # batch_is_full: once set, each later request of the round must preempt to get in
         for req in list(self.waiting_queue):
-            if rem_chunk <= 0 or rem_total() <= 0:  # budget_state: OTHER / NO_TOKEN
+            if rem_chunk <= 0:  # budget_state: OTHER
                 break
-            if len(self.running_batch) + len(can_run) >= self.config.max_running_requests:
+            full = full or len(self.running_batch) + len(can_run) >= self.config.max_running_requests or \
+                self.req_to_token_pool.available_size() <= len(can_run)
+            if full:
+                victims = self.preempt_to_schedule(req, rem_total()) if self.config.enable_priority_scheduling else []
+                if not victims:
+                    break
+                offset -= sum(map(self._req_token_offset, victims))
+                preempted += victims
+            if rem_total() <= 0:  # budget_state: NO_TOKEN; add_one_req refuses
                 break
             if hs is not None and self.ceil_page(len(req.fill_ids)) + sum(
                     self.ceil_page(r.extend_end) for r in can_run) > hs.hisparse_attn_allocator.available_size():
                 break  # HiSparse prefill KV lives in physical slots (request_slot_reserve)
-            if self.req_to_token_pool.available_size() <= len(can_run):
-                break
             fill = req.fill_ids
             if req.load_back is not None:  # HiCache: the load-back's ack has not arrived yet
                 continue
@@ -713,11 +769,42 @@ class Scheduler:
             rem_chunk -= self.ceil_page(extend)
             can_run.append(req)
             self.waiting_queue.remove(req)
+        for req in preempted:
+            self._add_request_to_queue(req)
         if not can_run:
             return None
         batch = ScheduleBatch(can_run, EXTEND)
         self.alloc_for_extend(batch)
         return batch
+
+    def preempt_to_schedule(self, req: Req, rem_total: float) -> list[Req]:
+        """Make room for waiting ``req`` by preempting running requests of lower priority; returns
+        them, released as retractions (:meth:`release_req`) and out of the running batch, or ``[]``
+        touching nothing (SGLang 0.5.23 ``PrefillAdder.preempt_to_schedule``).
+
+        Candidates (unfinished running requests) go least preferred first, the latest queued first
+        on a tie; each must trail ``req`` by more than ``priority_scheduling_preemption_threshold``
+        (the first that does not ends the search). They are taken until their reserved output
+        (:meth:`_req_token_offset`) covers ``extend + min(max_new, CLIP) - rem_total`` (tokens;
+        ``extend`` from a fresh prefix match); if it is never covered, nobody is preempted."""
+        fill = req.fill_ids
+        need = (len(fill) - self.tree_cache.match_prefix(fill[: len(fill) - 1]).device_indices.numel()
+                + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) - rem_total)
+        limit, victims = self.config.priority_scheduling_preemption_threshold, []
+        for r in sorted((r for r in self.running_batch if not r.finished()), key=self._priority_key, reverse=True):
+            if self._priority_key(r)[0] - self._priority_key(req)[0] <= limit:
+                break
+            victims.append(r)
+            need -= self._req_token_offset(r)
+            if need <= 0:
+                break
+        if not victims or need > 0:
+            return []
+        for r in victims:
+            self.release_req(r)
+        self.running_batch = [r for r in self.running_batch if r not in victims]
+        self.num_retractions += len(victims)
+        return victims
 
     def _start_load_back(self, req: Req, match, reserved: int) -> bool:
         """HiCache: start loading the host-only part of ``req``'s match back to the device, if the
@@ -839,6 +926,8 @@ class Scheduler:
         if not self._decode_fits(keep):
             self.abort_retracted_last(keep.pop())
         self.running_batch = [r for r in self.running_batch if r in keep]
+        for r in retracted:  # their wait_queue_entry_time is stamped again (priority scheduling's FCFS tie)
+            r.wait_queue_entry = next(self._queue_ct)
         self.waiting_queue[:0] = retracted
         self.num_retractions += len(retracted)
         return [r for r in reqs if r in keep]

@@ -49,11 +49,13 @@ def make_target(config):
 def program_features(config) -> frozenset[str]:
     """What of :data:`kvaudit.program.FEATURES` the target of ``config`` gives meaning to, so the
     generators draw it: a target config's own ``program_features`` (:class:`SglangConfig`), else the
-    built-in engine's: ``transfer_fail`` on a PD decode server (``Scheduler.report_transfer_failure``)."""
+    built-in engine's: ``transfer_fail`` on a PD decode server (``Scheduler.report_transfer_failure``),
+    ``priority`` with ``enable_priority_scheduling``."""
     own = getattr(config, "program_features", None)
     if own is not None:
         return own
-    return frozenset({"transfer_fail"}) if getattr(config, "is_pd_decode", False) else frozenset()
+    return frozenset({"transfer_fail"} if getattr(config, "is_pd_decode", False) else ()) | frozenset(
+        {"priority"} if getattr(config, "enable_priority_scheduling", False) else ())
 
 
 def config_from_dict(d: dict):

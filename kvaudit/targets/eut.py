@@ -92,8 +92,8 @@ class SessionRecords:
 class EutTarget:
     """``engine_under_test`` behind the program model; the target also plays SGLang's tokenizer.
 
-    ``Submit.priority`` is ignored: the engine has no priority scheduling (SGLang's default,
-    ``enable_priority_scheduling=False``). ``PauseGeneration`` follows ``TokenizerManager.pause_generation``:
+    ``Submit.priority`` is passed on; the engine honours it only with ``enable_priority_scheduling``
+    (off by default, as in SGLang). ``PauseGeneration`` follows ``TokenizerManager.pause_generation``:
     every mode holds new submits and health checks here, at the tokenizer, until ``ContinueGeneration``
     sends them in order; ``abort`` aborts every request and leaves the scheduler running,
     ``in_place`` and ``retract`` pause the scheduler (``Scheduler.pause_generation``).
@@ -168,7 +168,7 @@ class EutTarget:
                 prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len - max_new]
             sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
             args = {"input_ids": prompt, "max_new_tokens": max_new, "stop_at": stop, "session_id": sid,
-                    "ignore_eos": bool(op.ignore_eos)}  # op.priority: no priority scheduling
+                    "ignore_eos": bool(op.ignore_eos), "priority": op.priority}
             if self._holding:  # the client sent it now: its prompt and session are resolved now
                 self.held.append(args)
             else:
