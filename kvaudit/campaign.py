@@ -183,7 +183,9 @@ def _worker_main(spec: _Spec, q) -> None:
     """Entry point of a worker process: Ctrl-C is the parent's business; die with the parent. The
     first SIGTERM (the parent's, when it is interrupted, or ``timeout``'s to the process group)
     stops the worker as Ctrl-C stops a search: a finding in triage is written unminimized first."""
-    from kvaudit.runner import INTERRUPTED
+    from kvaudit.runner import INTERRUPTED, quiet_unraisable
+
+    quiet_unraisable()  # a KeyboardInterrupt a gc callback swallows is not a traceback in the log
 
     def on_sigterm(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: the next would cut the write short

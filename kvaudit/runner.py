@@ -97,7 +97,7 @@ class _Watchdog:
             with self._start:  # not armed yet: no StepTimeout can be on its way to this thread
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="kvaudit-watchdog", daemon=True)
-                    _quiet_unraisable()
+                    quiet_unraisable()
                     self._thread.start()
         self._armed[tid] = (fire_at, budget)
 
@@ -150,17 +150,22 @@ class _Watchdog:
             time.sleep(0.2 if nxt is None else min(0.02, max(0.0, nxt - time.monotonic())))
 
 
-def _quiet_unraisable() -> None:
-    """Leave out of the log a StepTimeout that landed where Python cannot raise it (a gc callback:
-    "Exception ignored in ... StepTimeout"); the watchdog raises it again (``_Watchdog.RESEND_S``).
-    Any other unraisable exception goes to the hook that was there before."""
+def quiet_unraisable() -> None:
+    """Leave out of the log an interrupt that landed where Python cannot raise it (a gc callback,
+    such as Hypothesis's: "Exception ignored in ... Traceback ..."): a StepTimeout (the watchdog
+    raises it again, ``_Watchdog.RESEND_S``) or a KeyboardInterrupt from kvaudit's Ctrl-C/SIGTERM
+    handlers once :data:`INTERRUPTED` is set (the next op stops on it). Any other unraisable
+    exception goes to the hook that was there before. Idempotent."""
     previous = sys.unraisablehook
     if getattr(previous, "_kvaudit", False):
         return
 
     def hook(unraisable):
-        if unraisable.exc_type is not StepTimeout:
-            previous(unraisable)
+        if unraisable.exc_type is StepTimeout:
+            return
+        if unraisable.exc_type is KeyboardInterrupt and INTERRUPTED.is_set():
+            return
+        previous(unraisable)
     hook._kvaudit = True
     sys.unraisablehook = hook
 
