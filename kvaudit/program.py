@@ -241,7 +241,8 @@ def random_program(rng, length: int, max_prompt: int = 32, features: frozenset =
     :data:`FEATURES`, what the target models -- a config's ``program_features``): ``priority``, submits
     carry a priority (0..9, or none); ``grammar``, one submit in four has a grammar compiling in 0..6
     steps; ``flush_timeout``, a flush may wait up to 8 steps for idle; ``session_params``, one session
-    turn in three names a parent turn, and may replace it, drop its output or splice at an offset;
+    turn in three is edited: it names a parent turn (three in four; else none, the default branch
+    point) and may replace it, drop its output or splice at an offset;
     ``transfer_fail``, about one op in 25 is a :class:`TransferFail` (a PD decode server's transfers).
     """
     ops: list[Op] = []
@@ -256,7 +257,11 @@ def random_program(rng, length: int, max_prompt: int = 32, features: frozenset =
             grammar = (rng.randint(0, 6) if rng.random() < 0.25 else None) if "grammar" in features else None
             edit: dict = {}
             if "session_params" in features and session is not None and rng.random() < 1 / 3:
-                edit = {"parent": rng.randrange(4), rng.choice(["replace", "drop_previous_output", "offset", "-"]): 1}
+                # one edit in four names no parent turn (replace: clear the history; SGLang 0.5.23
+                # crashed on it, corpora/sglang #10): always naming one, the random baseline never made it
+                parent = rng.randrange(4)
+                edit = {"parent": None if rng.random() < 0.25 else parent,
+                        rng.choice(["replace", "drop_previous_output", "offset", "-"]): 1}
                 edit.pop("-", None)
                 if "offset" in edit:
                     edit["offset"] = rng.randint(0, 24)
