@@ -10,6 +10,7 @@ something outside the running batch holds (a session, another server's pin), pla
 import pytest
 
 from engine_under_test import FinishReason, Scheduler, get_preset
+from test_engine_paths import assert_clean_idle, outputs
 
 
 def _engine(preset="default", **kw):
@@ -18,16 +19,6 @@ def _engine(preset="default", **kw):
 
 def _prompt(first, n):
     return [first + i for i in range(n)]
-
-
-def _by_rid(eng):
-    return {o.rid: o for o in eng.finished_outputs}
-
-
-def _assert_clean_idle(eng):
-    eng.run_until_idle()
-    bad = [c.message() for c in eng.last_idle_check if not c.ok]
-    assert not bad, bad
 
 
 # -- 1. admission -----------------------------------------------------------------------------------
@@ -42,9 +33,9 @@ def test_admission_charges_the_running_requests_no_page_and_the_new_one_one_page
     b = eng.add_request(_prompt(40, 22), 21)
     eng.step()
     assert not eng.waiting_queue, "B waits although SGLang's PrefillAdder admits it"
-    assert b not in _by_rid(eng)
-    _assert_clean_idle(eng)
-    assert _by_rid(eng)[b].reason == FinishReason.LENGTH
+    assert b not in outputs(eng)
+    assert_clean_idle(eng)
+    assert outputs(eng)[b].reason == FinishReason.LENGTH
 
 
 def test_admission_at_ratio_zero_still_budgets_the_new_requests_own_output():
@@ -56,9 +47,9 @@ def test_admission_at_ratio_zero_still_budgets_the_new_requests_own_output():
     b = eng.add_request(_prompt(40, 20), 30)
     while eng.recv_queue or eng.waiting_queue:  # B is admitted in the first round after A has finished
         eng.step()
-    assert a in _by_rid(eng), "B was admitted before A finished"
-    _assert_clean_idle(eng)
-    assert _by_rid(eng)[b].reason == FinishReason.LENGTH and len(_by_rid(eng)[b].output_ids) == 30
+    assert a in outputs(eng), "B was admitted before A finished"
+    assert_clean_idle(eng)
+    assert outputs(eng)[b].reason == FinishReason.LENGTH and len(outputs(eng)[b].output_ids) == 30
 
 
 # -- 2. intake ------------------------------------------------------------------------------------
@@ -71,8 +62,8 @@ def test_admission_at_ratio_zero_still_budgets_the_new_requests_own_output():
 def test_intake_rejects_only_on_input_length_and_trims_max_new_tokens(prompt_len, max_new, reason, n_out):
     eng = _engine(num_slots=64)
     rid = eng.add_request(_prompt(2, prompt_len), max_new)
-    _assert_clean_idle(eng)
-    out = _by_rid(eng)[rid]
+    assert_clean_idle(eng)
+    out = outputs(eng)[rid]
     assert (out.reason, len(out.output_ids)) == (reason, n_out)
 
 
@@ -100,7 +91,7 @@ def test_prefill_at_page_size_one_evicts_exactly_the_shortfall():
     eng.add_request(_prompt(80, 44), 2)
     eng.step()
     assert tree.evictable_size() == 20
-    _assert_clean_idle(eng)
+    assert_clean_idle(eng)
 
 
 # -- 4. the last decoding request aborted by retraction ------------------------------------------------
@@ -114,9 +105,9 @@ def test_retraction_that_aborts_the_last_request_returns_no_batch():
     eng.step()  # prefill: 8 tokens, the next position starts a page
     tenant = alloc.alloc(alloc.available_size())
     assert eng.step() is False  # no batch ran
-    assert _by_rid(eng)[rid].reason == FinishReason.ABORT and not eng.running_batch
+    assert outputs(eng)[rid].reason == FinishReason.ABORT and not eng.running_batch
     alloc.free(tenant)
-    _assert_clean_idle(eng)
+    assert_clean_idle(eng)
 
 
 # -- 5. the next chunk of a parked chunked request ------------------------------------------------------
@@ -137,8 +128,8 @@ def test_next_chunk_is_bounded_by_what_memory_is_left_and_waits_at_zero():
     eng.step()  # nothing left: it waits, holding what it has
     assert a.kv.kv_committed_len == 12 and eng.chunked_req is a
     alloc.free(tenant)
-    _assert_clean_idle(eng)
-    assert _by_rid(eng)[rid].reason == FinishReason.LENGTH
+    assert_clean_idle(eng)
+    assert outputs(eng)[rid].reason == FinishReason.LENGTH
 
 
 def test_mixed_chunk_program_whose_decodes_shrink_memory_between_chunks_does_not_crash():
@@ -147,5 +138,5 @@ def test_mixed_chunk_program_whose_decodes_shrink_memory_between_chunks_does_not
     eng = _engine("mixed-chunk", num_slots=64, chunked_prefill_size=8, new_token_ratio=0.0)
     for n, max_new in ((36, 15), (30, 13), (22, 39), (7, 39)):  # prompts share their prefixes
         eng.add_request(_prompt(2, n), max_new)
-    _assert_clean_idle(eng)
+    assert_clean_idle(eng)
     assert len(eng.finished_outputs) == 4

@@ -6,6 +6,7 @@ import pytest
 
 from engine_under_test import FinishReason, Scheduler, get_preset
 from kvaudit.targets import program_features
+from test_engine_paths import assert_clean_idle, outputs
 
 
 def _engine(**kw):
@@ -18,17 +19,6 @@ def _prompt(first, n):
 
 def _order(eng):
     return [o.rid for o in eng.finished_outputs]
-
-
-def _by_rid(eng):
-    return {o.rid: o for o in eng.finished_outputs}
-
-
-def _assert_clean_idle(eng):
-    eng.run_until_idle()
-    bad = [c.message() for c in eng.last_idle_check if not c.ok]
-    assert not bad, bad
-    eng.check_integrity()
 
 
 @pytest.mark.parametrize("low_first, expected", [(False, ["c", "e", "b", "d"]), (True, ["b", "e", "c", "d"])])
@@ -44,7 +34,7 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(low_first, expec
             "c": eng.add_request(_prompt(40, 8), 3, priority=5),
             "e": eng.add_request(_prompt(80, 8), 3, priority=3),
             "d": eng.add_request(_prompt(60, 8), 3)}
-    _assert_clean_idle(eng)
+    assert_clean_idle(eng)
     assert _order(eng) == [a] + [rids[k] for k in expected]
     assert eng.num_retractions == 0
 
@@ -74,14 +64,14 @@ def test_a_higher_priority_request_preempts_a_running_one_which_finishes_later_w
             assert eng.tree_cache.evictable_size() >= 12
             assert all(c.ok for c in eng.check_memory(idle=False))
             eng.check_integrity()
-        _assert_clean_idle(eng)
+        assert_clean_idle(eng)
         return eng, a, b
 
     alone, a0, _ = run(False)
     eng, a, b = run(True)
     assert _order(eng) == [b, a]
-    assert _by_rid(eng)[a].reason == FinishReason.LENGTH
-    assert _by_rid(eng)[a].output_ids == _by_rid(alone)[a0].output_ids
+    assert outputs(eng)[a].reason == FinishReason.LENGTH
+    assert outputs(eng)[a].output_ids == outputs(alone)[a0].output_ids
 
 
 @pytest.mark.parametrize("gap, threshold", [(5, 10), (1, 1)])
@@ -93,7 +83,7 @@ def test_no_preemption_within_the_priority_gap_threshold(gap, threshold):
     for _ in range(3):
         eng.step()
     b = eng.add_request(_prompt(50, 6), 4, priority=gap)
-    _assert_clean_idle(eng)
+    assert_clean_idle(eng)
     assert eng.num_retractions == 0 and _order(eng) == [a, b]
 
 
@@ -106,7 +96,7 @@ def test_no_preemption_when_the_victims_output_reserve_cannot_cover_the_newcomer
     b = eng.add_request(_prompt(30, 40), 20, priority=9)
     eng.step()
     assert eng.num_retractions == 0 and eng.running_batch[0].rid == a
-    _assert_clean_idle(eng)
+    assert_clean_idle(eng)
     assert _order(eng) == [a, b]
 
 
@@ -118,8 +108,8 @@ def test_queue_limit_aborts_the_newcomer_without_priority_scheduling():
     d = eng.add_request(_prompt(60, 8), 2, priority=9)  # ignored without priority scheduling
     eng.step()
     assert [r.rid for r in eng.waiting_queue] == [b, c]
-    assert _by_rid(eng)[d].reason == FinishReason.ABORT and _by_rid(eng)[d].output_ids == []
-    _assert_clean_idle(eng)
+    assert outputs(eng)[d].reason == FinishReason.ABORT and outputs(eng)[d].output_ids == []
+    assert_clean_idle(eng)
     assert _order(eng) == [d, a, b, c]
 
 
@@ -133,8 +123,8 @@ def test_queue_limit_with_priority_aborts_the_least_preferred_waiting_request_fo
     d = eng.add_request(_prompt(60, 8), 2, priority=9)
     e = eng.add_request(_prompt(80, 8), 2, priority=1)
     eng.step()
-    assert _by_rid(eng)[c].reason == FinishReason.ABORT and _by_rid(eng)[e].reason == FinishReason.ABORT
-    _assert_clean_idle(eng)
+    assert outputs(eng)[c].reason == FinishReason.ABORT and outputs(eng)[e].reason == FinishReason.ABORT
+    assert_clean_idle(eng)
     assert _order(eng) == [c, e, a, d, b]
 
 

@@ -194,18 +194,10 @@ def test_real_sglang_transfer_failure_in_each_state_aborts_and_releases(stage, o
     """The real-SGLang PD driver models the op: a failed receiver in the prealloc or transfer queue
     (SGLang's own handshake and transfer polls, with its deferred release) and a KV checksum
     mismatch for a request waiting to join (its prebuilt batch drops it); memory all comes back."""
-    from test_sglang_pd import cfg, full, stages
+    from test_sglang_pd import full, run_to_stage, stages
 
-    run = AuditedRun(cfg("python", transfer_latency_steps=2))
-    t = run.target
-    for op in ops:
-        run.apply(op)
-    if stage == "waiting":  # the transfer landed but the prebuilt batch has not taken it yet
-        while t.network.sending:
-            t.network.tick()
-        t.sched.waiting_queue.extend(t.transfer_queue.pop_transferred())
-    victim = next(r for r, where in stages(t).items() if where == stage)
-    req = next(r for r in t._active() if r.rid == victim)
+    run, t, req = run_to_stage("python", ops, stage)
+    victim = req.rid
     pending = [r for r in t.live_rids() if stages(t).get(r) in ("prealloc", "transfer", "waiting")]
     run.apply(TransferFail(pending.index(victim)))
     run.apply(Idle())

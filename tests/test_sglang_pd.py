@@ -300,6 +300,22 @@ def test_aborts_in_every_decode_queue_run_clean(name, core):
     assert ex.findings == [], [f.message for f in ex.findings]
 
 
+def run_to_stage(core: str, ops, stage: str):
+    """An audited decode-server run (transfer latency 2 steps) after ``ops``, and a request now in
+    ``stage`` (see :func:`stages`; ``waiting``: its transfer landed, the prebuilt batch has not taken
+    it yet). Returns (run, target, that request)."""
+    run = AuditedRun(cfg(core, transfer_latency_steps=2))
+    t = run.target
+    for op in ops:
+        run.apply(op)
+    if stage == "waiting":
+        while t.network.sending:
+            t.network.tick()
+        t.sched.waiting_queue.extend(t.transfer_queue.pop_transferred())
+    victim = next(r for r, where in stages(t).items() if where == stage)
+    return run, t, next(r for r in t._active() if r.rid == victim)
+
+
 @pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("stage, ops", [
     ("prealloc", [Submit(i, 60, 40) for i in range(5)] + [Step(1)]),
@@ -311,17 +327,8 @@ def test_aborts_in_every_decode_queue_run_clean(name, core):
 def test_an_abort_ends_the_request_in_each_decode_queue(stage, ops, core):
     """The effect of each branch of abort_request's decode side: the request ends early (FINISH_ABORT,
     or, retracted, its backup dropped and gone from the retracted queue), and memory comes back."""
-    run = AuditedRun(cfg(core, transfer_latency_steps=2))
-    t = run.target
-    for op in ops:
-        run.apply(op)
-    if stage == "waiting":  # the transfer landed but the prebuilt batch has not taken it yet
-        while t.network.sending:
-            t.network.tick()
-        t.sched.waiting_queue.extend(t.transfer_queue.pop_transferred())
-    victim = next(r for r, where in stages(t).items() if where == stage)
-    req = next(r for r in t._active() if r.rid == victim)
-    handle = t.live_rids().index(victim)
+    run, t, req = run_to_stage(core, ops, stage)
+    handle = t.live_rids().index(req.rid)
     produced = len(req.output_ids)
     run.apply(Abort(handle))
     run.apply(Idle())
