@@ -406,7 +406,7 @@ def _catch_sigint() -> None:
     KeyboardInterrupt as usual and also sets :data:`runner.INTERRUPTED`, which the next op checks:
     an interrupt swallowed inside a library callback still stops the run. Either signal takes the
     same path: what was found is written, then the reports, with the same exit code."""
-    from kvaudit.runner import INTERRUPTED
+    from kvaudit.runner import INTERRUPTED, quiet_unraisable
 
     def handler(signum, frame):
         INTERRUPTED.set()
@@ -415,15 +415,9 @@ def _catch_sigint() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in INTERRUPT_SIGNALS:
             signal.signal(sig, handler)
-        previous_hook = sys.unraisablehook
-
-        def quiet_interrupts(unraisable):
-            # the handler's KeyboardInterrupt can land in a callback Python cannot raise from (a gc
-            # callback): it prints "Exception ignored". INTERRUPTED is set, so the next op stops.
-            if not issubclass(unraisable.exc_type, KeyboardInterrupt):
-                previous_hook(unraisable)
-
-        sys.unraisablehook = quiet_interrupts
+        # the handler's KeyboardInterrupt can land in a callback Python cannot raise from (a gc
+        # callback) and print "Exception ignored"; INTERRUPTED is set, so the next op stops
+        quiet_unraisable()
 
 
 @main.command()
@@ -904,8 +898,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
                   "nothing written", soft_wrap=True)
         return EXIT_NOT_REPRODUCED
     final = execute(config, small, suppressions=fresh(), drain=True)
-    findings = [f for f in final.findings if f.signature == signature] + \
-        [f for f in final.findings if f.signature != signature]
+    findings = _signature_first(final.findings, signature)
     try:
         path = _write_file(out_file, config, small, findings, minimized=True, minimized_from=file,
                            confirmations=f"{confirmations}/{CONFIRM_RUNS}")
@@ -916,6 +909,11 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
                   f"written to {path}", soft_wrap=True)
     print_report(console, config, small, findings)  # last: its SUMMARY: line closes stdout
     return EXIT_CLEAN
+
+
+def _signature_first(findings: list, signature: str) -> list:
+    """``findings`` with those of ``signature`` first (a replay file's first finding is the one kept)."""
+    return [f for f in findings if f.signature == signature] + [f for f in findings if f.signature != signature]
 
 
 def _write_interrupted_minimize(config, program, smallest, signature, file, out_file, suppressions, console,
@@ -931,8 +929,7 @@ def _write_interrupted_minimize(config, program, smallest, signature, file, out_
         err.print("interrupted before the program reproduced: nothing written")
         return EXIT_INTERRUPTED
     final = execute(config, smallest, suppressions=suppressions, drain=True)
-    findings = [f for f in final.findings if f.signature == signature] + \
-        [f for f in final.findings if f.signature != signature]
+    findings = _signature_first(final.findings, signature)
     if signature not in final.signatures:
         err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "
                   "when replayed: nothing written", soft_wrap=True)

@@ -163,7 +163,7 @@ def quiet_unraisable() -> None:
     def hook(unraisable):
         if unraisable.exc_type is StepTimeout:
             return
-        if unraisable.exc_type is KeyboardInterrupt and INTERRUPTED.is_set():
+        if issubclass(unraisable.exc_type, KeyboardInterrupt) and INTERRUPTED.is_set():
             return
         previous(unraisable)
     hook._kvaudit = True
