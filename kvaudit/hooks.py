@@ -264,13 +264,15 @@ class Auditor:
 
     def digest(self) -> str:
         """SHA-256 of the ledger so far: every alloc and free (kind, pool, units, op, step, innermost
-        site) and every lock event (node, delta, op, step). Two runs of one program on a
+        site as its function and line within it, so that moving a function unchanged keeps the digest)
+        and every lock event (node, delta, op, step). Two runs of one program on a
         deterministic engine give the same digest (``kvaudit replay --check-determinism``)."""
         h = hashlib.sha256()
         codes = Auditor._codes
         for ev in self.events:
             frames = self._site_frames[ev.site][0] if ev.site >= 0 else ()
-            where = f"{codes[frames[0][0]].co_name}:{frames[0][1]}" if frames else "?"
+            code = codes[frames[0][0]] if frames else None  # the line counted from the function's first:
+            where = f"{code.co_name}:{frames[0][1] - code.co_firstlineno}" if frames else "?"  # moving code keeps it
             h.update(f"{ev.kind} {ev.pool} {ev.units} {ev.op_index} {ev.step} {where}\n".encode())
         renumber: dict[int, int] = {}  # node ids come from a process-wide counter: number them by first use
         for node, delta, _sid, op, step, lock in self.lock_events:
