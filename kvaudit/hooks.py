@@ -57,7 +57,8 @@ def _mark(flags: bytearray, last: np.ndarray, units: list[int], value: int, even
 
 
 class PoolLedger:
-    """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id."""
+    """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id; for a
+    ``"blocks"`` pool also ``refs`` (``[n] int64`` reference counts; allocated means a count above 0)."""
 
     def __init__(self, spec: PoolSpec):
         n = spec.num_units + 1
@@ -68,6 +69,7 @@ class PoolLedger:
         self.last_free = np.full(n, -1, dtype=np.int64)
         self.owner = np.zeros(n, dtype=np.int64)  # id into Auditor.owner_names; 0 = nobody
         self.allocated[0] = True  # reserved padding unit: any alloc of it trips the aliasing check
+        self.refs = np.zeros(n, dtype=np.int64) if spec.kind == "blocks" else None
 
 
 def _is_install_closure(qualname: str) -> bool:
@@ -97,7 +99,7 @@ class Auditor:
         self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
         self.owner_names = ["-"]
         self._owner_ids = {"-": 0}
-        self.locks = LockLedger(getattr(target, "lock_holders", None))
+        self.locks = LockLedger(target.lock_holders)
         self._op_index, self._step = -1, 0
         self.pending: list[Finding] = []
         self.checked_upto = 0  # events before this index were seen by the last full oracle check
@@ -111,35 +113,31 @@ class Auditor:
         self._lasti_sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> site id, fast mode
         self._site_frames: list[tuple] = []
         self._undo: list[tuple[object, str]] = []
-        self._owner_hint = getattr(target, "owner_hint", lambda frame_locals: None)
-        self._hint_vars = tuple(getattr(target, "owner_hint_vars", ()))
-        self._stop_vars = tuple(getattr(target, "owner_stop_vars", ()))
+        self._owner_hint = target.owner_hint
+        self._hint_vars = tuple(target.owner_hint_vars)
+        self._stop_vars = tuple(target.owner_stop_vars)
         # a pool's own code is framework: its whole file, or, for a pool class that shares a big module
         # with engine code (the target's ``framework_classes``), only that class's methods
-        by_class = tuple(getattr(target, "framework_classes", list)())
+        by_class = tuple(target.framework_classes())
         self._skip_classes = {(os.path.abspath(inspect.getfile(c)), c.__name__) for c in by_class}
         self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()
                                              if not isinstance(s.obj, by_class)}
-        self._skip_files |= {os.path.abspath(f) for f in getattr(target, "framework_files", list)()}
+        self._skip_files |= {os.path.abspath(f) for f in target.framework_files()}
         # files of the target that play the engine's part (a driver): sites, though under kvaudit/
-        self._engine_files = frozenset(os.path.abspath(f) for f in getattr(target, "engine_files", list)())
+        self._engine_files = frozenset(os.path.abspath(f) for f in target.engine_files())
         self._info = Auditor._code_info_caches.setdefault(
             (frozenset(self._skip_files), frozenset(self._skip_classes), self._engine_files, self._hint_vars,
              self._stop_vars), {})
         for spec in target.pools():
-            if hasattr(target, "install_pool"):  # a target whose allocator API differs wraps its own
-                target.install_pool(spec, self, self._wrap)
-            else:
-                self._install(spec)
+            target.install_pool(spec, self, self._wrap)  # default: install_standard(spec)
         # (node id, +1/-1, site, op, step, lock): lock is "device" (inc/dec_lock_ref) or "host" (host pins)
         self.lock_events: list[tuple[int, int, int, int, int, str]] = []
-        if hasattr(target, "install_lock_ledger"):
-            target.install_lock_ledger(self._wrap, self._lock_event)
-        if hasattr(target, "install_insert_check"):
-            target.install_insert_check(self._wrap, self._over_insert)
+        target.install_lock_ledger(self._wrap, self._lock_event)
+        target.install_insert_check(self._wrap, self._over_insert)
         self.shadow: ShadowKV | None = None
-        if shadow and hasattr(target, "install_shadow"):
-            self.shadow = ShadowKV(target.kv_pools())
+        kv = target.kv_pools() if shadow else {}
+        if kv:
+            self.shadow = ShadowKV(kv)
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
 
     # -- op / step clock ---------------------------------------------------------------------
@@ -304,6 +302,18 @@ class Auditor:
         ``expected_new`` may be ``(allocator, available_size() before)``, counted only when needed."""
         led = self.ledgers[pool]
         ul, flags = _as_list(units), led.flags
+        if led.refs is not None:  # a reference-counted pool: a fresh block starts at count 1
+            held = [u for u in ul if flags[u]]
+            if held or len(set(ul)) != len(ul):
+                taken = np.unique(np.asarray(held or [u for u in ul if ul.count(u) > 1], dtype=np.int64))
+                self.pending.append(self._unit_finding(
+                    "aliasing", pool, taken, f"allocator handed out {taken.size} block(s) already referenced "
+                    "(or the reserved block 0)", alloc_sid=sid))
+            fresh = np.unique(np.asarray([u for u in ul if not flags[u]], dtype=np.int64))
+            if fresh.size:
+                led.refs[fresh] = 1
+                _mark(flags, led.last_alloc, fresh.tolist(), 1, self._event("alloc", pool, fresh.tolist(), sid).id)
+            return
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
             # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
             _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
@@ -326,11 +336,46 @@ class Auditor:
         led.allocated[fresh] = True
         led.last_alloc[fresh] = ev.id
 
+    def on_ref(self, pool: str, units, sid: int) -> None:
+        """Record one more reference to each of ``units`` (a list or array; a unit named twice gains
+        two) in a ``"blocks"`` pool: a prefix hit sharing a block (vLLM's ``BlockPool.touch``). A
+        block at count 0 (cached but free) comes back to life: recorded as its allocation."""
+        led = self.ledgers[pool]
+        u = np.asarray(_as_list(units), dtype=np.int64)
+        revived = np.unique(u[led.refs[u] == 0])
+        revived = revived[revived > 0]
+        np.add.at(led.refs, u, 1)
+        if revived.size:
+            ev = self._event("alloc", pool, revived.tolist(), sid)
+            led.allocated[revived] = True
+            led.last_alloc[revived] = ev.id
+
+    def _unref(self, pool: str, units: list[int], sid: int) -> None:
+        """``on_free`` for a ``"blocks"`` pool: one reference fewer per unit named (vLLM's
+        ``BlockPool.free_blocks``). A count taken below 0, or a decrement of block 0, is a double free;
+        a block whose count reaches 0 is freed (its free event)."""
+        led = self.ledgers[pool]
+        u = np.asarray(units, dtype=np.int64)
+        np.subtract.at(led.refs, u, 1)
+        bad = np.unique(u[(led.refs[u] < 0) | (u == 0)])
+        zero = np.unique(u[led.refs[u] == 0])
+        zero = zero[led.allocated[zero] & (zero > 0)]
+        if bad.size:
+            led.refs[bad] = np.maximum(led.refs[bad], 0)
+            self.pending.append(self._double_free(pool, bad, sid))
+        if zero.size:
+            ev = self._event("free", pool, zero.tolist(), sid)
+            led.allocated[zero] = False
+            led.last_free[zero] = ev.id
+        led.allocated[0] = True
+
     def on_free(self, pool: str, units, sid: int) -> None:
         """Record a free of ``units`` (a list or array); a unit already free, or listed twice, is a
-        double free."""
+        double free. In a ``"blocks"`` pool, a decrement of each unit's count (:meth:`_unref`)."""
         led = self.ledgers[pool]
         ul, flags = _as_list(units), led.flags
+        if led.refs is not None:
+            return self._unref(pool, ul, sid)
         if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
                 and len(set(ul)) == len(ul)):
             # fast path: every unit allocated, and named once
@@ -385,8 +430,8 @@ class Auditor:
             roots = self.target.roots()  # aborting requests too: their release is a use of what they map
             users.update(r.owner for r in roots if r.pool == pool and np.isin(r.units, units).any())
             rows_led = self.ledgers.get("req_to_token_pool")
-            of_rows = getattr(self.target, "units_of_rows", None)
-            if rows_led is not None and of_rows is not None and pool != "req_to_token_pool":
+            of_rows = self.target.units_of_rows
+            if rows_led is not None and pool != "req_to_token_pool" and of_rows(units[:0]) is not None:
                 live = rows_led.allocated.copy()
                 live[0] = False
                 for row in np.flatnonzero(live & (rows_led.owner > 0)):
@@ -538,7 +583,37 @@ class Auditor:
         self._wrap(obj, alloc, alloc_rows)
         self._wrap(obj, free, free_rows)
 
-    def _install(self, spec: PoolSpec) -> None:
+    def wrap_blocks(self, spec: PoolSpec, ids, alloc: str | None = None, ref: str | None = None,
+                    unref: str | None = None) -> None:
+        """Wrap a ``"blocks"`` pool's methods named ``alloc`` (returns the new blocks, each at count 1),
+        ``ref`` (first argument: blocks gaining a reference) and ``unref`` (first argument: blocks
+        losing one); ``ids(blocks)`` turns what they take or return into a list of block ids (ints).
+        Modelled on vLLM v1's ``BlockPool.get_new_blocks``/``touch``/``free_blocks``."""
+        obj, pool = spec.obj, spec.name
+
+        def wrapped(name, record, result: bool):
+            orig = getattr(obj, name)
+
+            def wrapper(*a, **k):
+                out = orig(*a, **k)
+                units = ids(out if result else a[0] if a else next(iter(k.values())))
+                if units:
+                    record(pool, units, self.capture_site())
+                return out
+
+            self._wrap(obj, name, wrapper)
+
+        for name, record, result in ((alloc, self.on_alloc, True), (ref, self.on_ref, False),
+                                     (unref, self.on_free, False)):
+            if name is not None:
+                wrapped(name, record, result)
+
+    def install_standard(self, spec: PoolSpec) -> None:
+        """Wrap ``spec``'s pool by its kind's standard API (:class:`PoolSpec`): the default of
+        :meth:`kvaudit.targets.base.Target.install_pool`. Raises ``ValueError`` for a ``"blocks"``
+        pool, which has no standard API (the target calls :meth:`wrap_blocks`)."""
+        if spec.kind == "blocks":
+            raise ValueError(f"pool {spec.name!r} of kind 'blocks': install_pool must call wrap_blocks")
         obj, pool, ps = spec.obj, spec.name, spec.page_size
         self.wrap_clear(spec)
         if spec.kind == "rows":

@@ -102,7 +102,8 @@ class LockLedger:
     def snapshot(self, op: int, step: int) -> None:
         """Close the interval: read the live holders and pair this interval's events (module
         docstring). ``op``/``step``: when this snapshot is taken (stamped on gone holders)."""
-        listed = sorted(self.holders()) if self.holders is not None else []
+        named = self.holders() if self.holders is not None else None  # None: the target names none
+        listed = sorted(named) if named is not None else []
         self.dirty = False
         if listed == self._listed and not self._deferred and not self._fresh:
             return  # nothing came, went or was released
@@ -149,7 +150,7 @@ class LockLedger:
         # that holds nothing on its node now: that owner is gone or never kept it, so the lock is its
         # leak, not an anonymous one
         names = {name for _, name, _ in listed}
-        for rs in (self._fresh.values() if self.holders is not None else ()):  # (no holders: no claims)
+        for rs in (self._fresh.values() if named is not None else ()):  # (no holders: no claims)
             for r in rs:
                 if r.holder is None and not r.released and r.hint is not None and r.hint not in names:
                     r.holder, r.gone = r.hint, (op, step)

@@ -98,12 +98,9 @@ def _holders(target, auditor) -> list[str]:
 
 
 def _orphan_locks(target, auditor) -> list[str]:
-    balance = getattr(target, "lock_balance", None)
-    if balance is None:
-        return []
     from kvaudit.targets.base import LockImbalance
 
-    over = [b for b in map(lambda x: LockImbalance(*x), balance()) if b.lock_ref > b.holders]
+    over = [b for b in map(lambda x: LockImbalance(*x), target.lock_balance()) if b.lock_ref > b.holders]
     if not over:
         return []
     out = []
@@ -129,6 +126,5 @@ def _orphan_locks(target, auditor) -> list[str]:
 
 
 def _retraction(target, auditor) -> list[str]:
-    tell = getattr(target, "retraction", None)
-    said = tell() if tell is not None else None
-    return [f"last retraction: {said}"] if said else (["last retraction: none this run"] if tell else [])
+    said = target.retraction()  # None: the target does not model retraction; "": none this run
+    return [f"last retraction: {said}"] if said else (["last retraction: none this run"] if said is not None else [])

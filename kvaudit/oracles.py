@@ -26,7 +26,7 @@ import numpy as np
 
 from kvaudit.findings import Finding
 from kvaudit.hooks import Auditor
-from kvaudit.targets.base import LockImbalance
+from kvaudit.targets.base import SGLANG_IDENTITY, LockImbalance
 
 
 KIND_ORDER = ("use-after-free", "double-free", "stale-kv", "aliasing", "leak", "lock-imbalance", "accounting-drift",
@@ -49,8 +49,8 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         if root.where:
             where[auditor.owner_id(root.owner)] = root.where
     acc = {} if scan_only else target.accounting()
-    free_lists = target.free_lists() if not scan_only and hasattr(target, "free_lists") else {}
-    recounts = target.recount() if not scan_only and hasattr(target, "recount") else {}
+    free_lists = {} if scan_only else target.free_lists()
+    recounts = {} if scan_only else target.recount()
     leaked: dict[str, np.ndarray] = {}
     prev_owner: dict[str, np.ndarray] = {}  # each pool's owners as of the previous check
     drift: list[Finding] = []
@@ -100,12 +100,14 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
                                                     "privately owned by more than one root"))
         a = acc.get(pool)
         if a is not None and not pool_findings and pool not in leaked:
-            drift.extend(_identity(auditor, pool, led, a, req_units, session_units, recounts.get(pool, {})))
+            drift.extend(_identity(auditor, pool, led, a, req_units, session_units, recounts.get(pool, {}),
+                                   terms=target.identity_terms(pool), referenced=referenced))
         if pool in free_lists and not pool_findings:
             drift.extend(_replay_free_list(auditor, pool, led, free_lists[pool]))
         findings.extend(pool_findings)
     findings.extend(_leaks(auditor, target, leaked, prev_owner))
     if not scan_only:
+        findings.extend(_target_findings(auditor, target))
         auditor.checked_upto, auditor.owner_where = len(auditor.events), where
         if not findings:
             findings.extend(drift or _engine_disagrees(auditor, target))
@@ -119,6 +121,18 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     return attach_engine_verdict(target, findings)
 
 
+def _target_findings(auditor: Auditor, target) -> list[Finding]:
+    """The target's own invariant violations (:meth:`kvaudit.targets.base.Target.invariant_findings`)
+    as findings, located at the latest allocation of their first unit."""
+    out = []
+    for t in target.invariant_findings():
+        units = np.asarray(t.units, dtype=np.int64).reshape(-1)
+        f = auditor._unit_finding(t.kind, t.pool, units if units.size else np.zeros(1, np.int64), t.message)
+        f.check = t.check
+        out.append(f)
+    return out
+
+
 def _units_count(units: list[np.ndarray], n: int) -> int:
     mark = np.zeros(n, dtype=bool)
     for u in units:
@@ -126,14 +140,17 @@ def _units_count(units: list[np.ndarray], n: int) -> int:
     return int(np.count_nonzero(mark))
 
 
-def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None) -> list[Finding]:
+def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None,
+              terms: tuple[str, ...] = SGLANG_IDENTITY, referenced: np.ndarray | None = None) -> list[Finding]:
     """The accounting identity with kvaudit's own ``uncached`` and ``session_held``, and each of the
     engine's counters against the structure it describes: ``available`` against the units the ledger
     holds as free, ``session_held`` against the units session slots hold privately, and every term
     the target recounts (``recount``: ``{term: Recount}``, e.g. ``evictable``/``protected`` from the
     tree's nodes and lock refs) against its recount -- the identity adds ``evictable`` and
     ``protected`` together, so a leaf booked in the wrong one balances it. At most one finding, whose
-    message gives every check that fails, the recounted counters first (they name the counter)."""
+    message gives every check that fails, the recounted counters first (they name the counter).
+    ``terms``: the target's identity (:meth:`kvaudit.targets.base.Target.identity_terms`);
+    ``referenced``: ``[n] bool``, the units some root references (the ``referenced`` term)."""
     ps, n = led.spec.page_size, led.allocated.size
     uncached = _units_count(req_units, n) * ps
     held = _units_count(session_units, n) * ps
@@ -153,11 +170,13 @@ def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, rec
     if a.session_held != held:
         lines.append(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
         checks.append("counter:session_held")
-    lhs = a.available + a.evictable + a.protected + held + uncached
+    own = {"session_held": held, "uncached": uncached,
+           "referenced": (int(np.count_nonzero(referenced[1:])) * ps if referenced is not None else 0)}
+    values = [(t, own[t] if t in own else getattr(a, t)) for t in terms]
+    lhs = sum(v for _, v in values)
     if lhs != a.total:
-        lines.append(f"available={a.available} + evictable={a.evictable} + protected={a.protected} + "
-                     f"session_held={held} + uncached={uncached} = {lhs} != total={a.total}, "
-                     f"while every allocated unit is reachable")
+        lines.append(" + ".join(f"{t}={v}" for t, v in values) + f" = {lhs} != total={a.total}, "
+                     "while every allocated unit is reachable")
         checks.append("identity")
     if not lines:
         return []
@@ -187,7 +206,7 @@ def _engine_disagrees(auditor: Auditor, target) -> list[Finding]:
     """The engine's own ``check_memory()`` (and its metrics) fail while every kvaudit oracle is
     clean: the checker or a counter is wrong, memory is intact (``accounting-drift``)."""
     out = []
-    for line in target.engine_check() + getattr(target, "metrics_check", lambda: [])():
+    for line in target.engine_check() + target.metrics_check():
         pool = line[1:line.index("]")] if line.startswith("[") else "-"
         out.append(Finding(kind="accounting-drift", pool=pool, unit="slot",
                            message=f"the engine's own check fails while memory is intact: {line}",
@@ -201,7 +220,7 @@ def _leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
     request's KV, buffers and host copies) are *indirect*; the rest are *direct*. Grouped by
     allocation site and by where the units lost their last owner (:func:`_lost_sites`)."""
     rows = leaked.get("req_to_token_pool")
-    via_rows = target.units_of_rows(rows) if rows is not None and hasattr(target, "units_of_rows") else {}
+    via_rows = (target.units_of_rows(rows) if rows is not None else None) or {}
     out = []
     for pool, units in leaked.items():
         held = via_rows.get(pool)
@@ -246,7 +265,7 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
     """:func:`_lost_sites` for units seen leaked for the first time."""
     rows_led = auditor.ledgers.get("req_to_token_pool")
-    of_rows = getattr(target, "units_of_rows", None)
+    of_rows = target.units_of_rows if target.units_of_rows(np.zeros(0, dtype=np.int64)) is not None else None
     recent = auditor.events[auditor.checked_upto:]
     frees = [ev for ev in reversed(recent) if ev.kind == "free"]
     out: dict[int, tuple[int, str]] = {}
@@ -325,8 +344,7 @@ def _lock_balance(auditor: Auditor, target, idle: bool = True) -> list[Finding]:
     (``free_sites``). Busy (``idle`` false), only nodes locked *below* their live holders count: a
     lock taken ahead of its holder's record is normal mid-flight, a release too many never is.
     """
-    balance = getattr(target, "lock_balance", None)
-    bad = [LockImbalance(*b) for b in balance()] if balance else []
+    bad = [LockImbalance(*b) for b in target.lock_balance()]
     if not idle:
         bad = [b for b in bad if b.lock_ref < b.holders]
     if not bad:

@@ -220,7 +220,7 @@ class AuditedRun:
         self.target = make_target(config)
         self.auditor = Auditor(self.target, full_stacks=full_stacks, shadow=shadow) if audit else None
         self.run_oracles = audit and run_oracles
-        if self.run_oracles and hasattr(self.target, "on_intake"):
+        if self.run_oracles:
             self.target.on_intake(self._intake_scan)
         self.findings: list[Finding] = []
         self._progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
@@ -242,7 +242,7 @@ class AuditedRun:
         """Reachability right after the engine took its messages, before it schedules: a close or an
         abort that frees memory still in use shows as use-after-free here, before the release that
         follows in the same step turns it into a double free."""
-        if not self.auditor.pending and hasattr(self.target, "quiescence"):
+        if not self.auditor.pending:
             self.auditor.pending.extend(self._quiescence())
         if not self.auditor.pending:
             self.auditor.pending.extend(oracles.check(self.auditor, self.target, scan_only=True))
@@ -280,7 +280,7 @@ class AuditedRun:
         for i, fr in enumerate(stack):
             if fr.name == "_guarded" and os.path.abspath(fr.filename) == os.path.abspath(__file__):
                 inner = stack[i + 1:]
-        frames = _engine_frames(inner, getattr(self.target, "engine_files", list)())
+        frames = _engine_frames(inner, self.target.engine_files())
         where = f"; stuck in {frames[0].short()}" if frames else ""
         f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps, alloc_sites=frames[:8],
                     message=f"{WATCHDOG_HANG} {self.step_limit:g}s (watchdog){where}")
@@ -297,7 +297,7 @@ class AuditedRun:
         if cut is not None:
             return cut
         found = self._check()
-        if not found and self.run_oracles and hasattr(self.target, "progress"):
+        if not found and self.run_oracles:
             found = self._liveness()
         if self.on_step is not None:
             self.on_step(self)
@@ -354,13 +354,13 @@ class AuditedRun:
                     if found or self._out_of_time():
                         break
             elif isinstance(op, Idle):
-                if getattr(self.target, "paused", False):
+                if self.target.paused:
                     self.target.apply(ContinueGeneration())  # a paused engine never drains
                 stalled = 0
                 for _ in range(MAX_IDLE_STEPS):
                     idle = self.target.is_idle()
                     found = sift(self._step())  # when idle, this iteration runs the engine's on_idle
-                    stalled = stalled + 1 if getattr(self.target, "stalled", lambda: False)() else 0
+                    stalled = stalled + 1 if self.target.stalled() else 0
                     if found or idle or stalled > STALL_STEPS or self._out_of_time():
                         break  # out of time: no hang finding, the budget ran out, not the engine
                 else:
@@ -372,7 +372,7 @@ class AuditedRun:
                     found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
-                                    getattr(self.target, "engine_files", list)(), self.target, self.auditor)]
+                                    self.target.engine_files(), self.target, self.auditor)]
         found = _merge_same_signature(sift(found))
         self.findings.extend(found)
         return found
@@ -396,7 +396,7 @@ class AuditedRun:
         if self._cut_short():
             return ["not drained: an engine step hung (the watchdog interrupted it)"]
         try:
-            if getattr(self.target, "paused", False):
+            if self.target.paused:
                 if self._guarded(self.target.apply, ContinueGeneration()) is not None:
                     return [f"not drained: continue_generation hung past {self.step_limit:g}s"]
             for n in range(MAX_IDLE_STEPS):
@@ -412,7 +412,7 @@ class AuditedRun:
             return [f"crashed while draining: {type(exc).__name__}: {exc}"]
 
     def _hang_finding(self) -> Finding:
-        busy = getattr(self.target, "describe_busy", lambda: "")()
+        busy = self.target.describe_busy()
         f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps,
                     message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle(): {busy}")
         return oracles.attach_engine_verdict(self.target, [f])[0]
@@ -423,9 +423,7 @@ class AuditedRun:
         resources (L3 storage's directory) releases them (its ``close()``)."""
         if self.auditor is not None:
             self.auditor.uninstall()
-        close = getattr(self.target, "close", None)
-        if close is not None:
-            close()
+        self.target.close()
 
     def __enter__(self) -> "AuditedRun":
         return self

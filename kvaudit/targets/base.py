@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -18,8 +18,11 @@ import torch
 @dataclass(frozen=True)
 class PoolSpec:
     """A pool the hooks wrap. ``kind`` is ``"kv"`` (token slots, allocator API
-    ``alloc``/``alloc_extend``/``alloc_decode``/``free``/``free_group_*``) or ``"rows"``
-    (``alloc(n) -> list[int]``/``free(rows)``). ``num_units`` excludes the reserved unit 0."""
+    ``alloc``/``alloc_extend``/``alloc_decode``/``free``/``free_group_*``), ``"rows"``
+    (``alloc(n) -> list[int]``/``free(rows)``) or ``"blocks"`` (reference-counted pages of
+    ``page_size`` tokens, vLLM's ``BlockPool``: the target wraps them with
+    ``Auditor.wrap_blocks``; a double free is a count taken below zero). ``num_units`` excludes the
+    reserved unit 0."""
 
     name: str
     obj: object
@@ -76,6 +79,19 @@ class LockImbalance(NamedTuple):
     pool: str = "token_to_kv_pool"
 
 
+class TargetFinding(NamedTuple):
+    """A finding a target reports itself (:meth:`Target.invariant_findings`): ``kind`` is one of
+    :data:`kvaudit.findings.KINDS` (``leak``, ``double-free``, ``use-after-free``, ``aliasing``,
+    ``accounting-drift``, ...), ``units`` the ``[n] int64`` units of ``pool`` it concerns (their last
+    allocation is its site), ``check`` (optional) names the invariant in the signature."""
+
+    kind: str
+    pool: str
+    units: np.ndarray
+    message: str
+    check: str = ""
+
+
 class Recount(NamedTuple):
     """One accounting term recomputed from the structure it describes, for the drift oracle.
 
@@ -89,55 +105,179 @@ class Recount(NamedTuple):
     source: str
 
 
-class Target(Protocol):
-    config: object
-    steps: int
+SGLANG_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
+IDENTITY_TERMS = frozenset(SGLANG_IDENTITY) | {"referenced"}
 
-    def pools(self) -> list[PoolSpec]: ...
+
+class Target:
+    """The base of every target: the required methods raise ``NotImplementedError``, and every optional
+    capability is a method with a documented no-op default, so kvaudit calls each one directly (no
+    probing). A subclass overrides what its engine models. "Reads" below means the method must not
+    change the engine's state (the oracles call it after every step); "mutates" means it does.
+
+    Attributes: ``config`` (the target's config, a :class:`kvaudit.config.ConfigBase`), ``steps``
+    (scheduler iterations so far), ``name`` (the registered target kind, :mod:`kvaudit.targets.registry`).
+    """
+
+    name = "?"
+    config: object
+    steps: int = 0
+    #: locals that make an allocating frame worth reading (:meth:`owner_hint`), and locals that mark a
+    #: batch-level frame with no single owner (a loop variable named like the hint is not its owner)
+    owner_hint_vars: tuple[str, ...] = ()
+    owner_stop_vars: tuple[str, ...] = ()
+
+    # -- required ---------------------------------------------------------------------------------
+    def pools(self) -> list[PoolSpec]:
+        """The pools the hooks wrap (reads)."""
+        raise NotImplementedError
 
     def apply(self, op) -> None:
-        """Deliver a non-advancing op (submit, health check, abort) to the engine."""
+        """Deliver a non-advancing op (submit, health check, abort, ...) to the engine (mutates)."""
+        raise NotImplementedError
 
     def step(self) -> None:
-        """One scheduler iteration."""
+        """One scheduler iteration (mutates; increments ``steps``)."""
+        raise NotImplementedError
 
-    def is_idle(self) -> bool: ...
+    def is_idle(self) -> bool:
+        """Nothing queued, running or in flight (reads)."""
+        raise NotImplementedError
 
-    def roots(self) -> list[Root]: ...
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """Every live owner's units, per pool (reads). ``aborting=False`` leaves out requests being
+        aborted (their in-flight result releases them next): the mid-step scan after intake."""
+        raise NotImplementedError
 
-    def accounting(self) -> dict[str, Accounting]: ...
+    def accounting(self) -> dict[str, Accounting]:
+        """The engine's own counters per pool, for the accounting identity (reads)."""
+        raise NotImplementedError
 
     def engine_check(self) -> list[str]:
-        """The engine's own verdict (failing identity lines), for the report."""
+        """The engine's own verdict: its failing identity lines, ``[]`` when it passes (reads)."""
+        raise NotImplementedError
 
-    # Optional, used when present:
-    #   owner_hint(frame_locals) -> str | None   name the owner an allocating frame works for;
-    #   owner_hint_vars / owner_stop_vars         locals that make a frame worth reading / a
-    #                                             batch-level frame with no single owner;
-    #   lock_balance() -> [LockImbalance]         mismatched tree locks (device and host);
-    #   lock_holders() -> [(lock, holder, node id)]  every live lock receipt, named ("req:7",
-    #                                             "hicache load-back for req:7"): the lock-ref ledger
-    #                                             pairs incs with them (kvaudit.locks);
-    #   describe_busy() -> str                    what keeps the engine from idling (hang reports);
-    #   install_pool(spec, auditor, wrap)          wrap a pool whose API differs from the PoolSpec kinds'
-    #                                             (the auditor's wrap_rows/wrap_clear/on_alloc/on_free);
-    #   framework_files() / engine_files()         allocator-internal files no site starts in / files
-    #                                             under kvaudit/ that play the engine (a driver);
-    #   free_lists() -> {pool: [n] int64}          the engine's free lists, checked against the event log;
-    #   recount() -> {pool: {term: Recount}}       accounting terms (``evictable``, ``protected``, fields of
-    #                                             :class:`Accounting`) recounted from the structure they
-    #                                             describe (tree nodes and their lock refs, host copies),
-    #                                             compared with the engine's counters after every check;
-    #   install_insert_check(wrap, report)         wrap the tree's insert: for each request KV inserted,
-    #                                             ``report(owner, inserted, committed)`` (tokens), so that
-    #                                             the tree never caches more of a request than it committed;
-    #   paused -> bool                            a pause is in force: idle() sends continue_generation first;
-    #   close()                                   the run is over: release outside resources (files);
-    #   on_intake(callback), quiescence(), flushed(), progress(), stalled(), metrics_check(),
-    #   retraction() -> str | None                what the last decode retraction freed and why it
-    #                                             stopped (an out-of-memory crash report shows it);
-    #   units_of_rows(rows), install_lock_ledger(wrap, record) (record(node id, +1/-1, lock="device"|"host")),
-    #   install_shadow(shadow, wrap, report).
+    # -- hooks: how kvaudit attaches (each runs once, when the auditor is built; mutates wrappers) ---
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        """Wrap ``spec``'s alloc/free. Default: the standard wrappers of ``spec.kind``
+        (``auditor.install_standard(spec)``); a target whose allocator API differs wraps its own with
+        ``wrap(obj, name, fn)`` and the auditor's ``on_alloc``/``on_free``/``wrap_rows``/``wrap_clear``."""
+        auditor.install_standard(spec)
+
+    def install_lock_ledger(self, wrap, record) -> None:
+        """Wrap the tree's lock inc/dec so that each calls ``record(node id, +1|-1, lock="device"|"host")``.
+        Default: no locks recorded (the lock-ref ledger stays empty)."""
+
+    def install_insert_check(self, wrap, report) -> None:
+        """Wrap the tree's insert: ``report(owner, inserted, committed, slots)`` when a request's insert
+        caches more than it committed (tokens). Default: not checked."""
+
+    def kv_pools(self) -> dict:
+        """The KV tensors the stale-KV shadow covers, ``{pool: (k, v)}``; ``{}`` (default): no shadow."""
+        return {}
+
+    def install_shadow(self, shadow, wrap, report) -> None:
+        """Wrap KV writes and reads for the stale-KV shadow (called only when :meth:`kv_pools` is not
+        empty). Default: nothing."""
+
+    def on_intake(self, callback) -> None:
+        """Call ``callback()`` right after the engine takes its queued messages, before it schedules
+        (the mid-step use-after-free scan). Default: never called."""
+
+    # -- where sites start -------------------------------------------------------------------------
+    def owner_hint(self, frame_locals: dict) -> str | None:
+        """The owner (``req:<rid>``) an allocating frame works for, from its locals (reads); default None."""
+        return None
+
+    def framework_files(self) -> list[str]:
+        """Allocator-internal files: a site's innermost frame is the first frame outside these."""
+        return []
+
+    def framework_classes(self) -> list[type]:
+        """Pool classes sharing a module with engine code: only their methods are skipped."""
+        return []
+
+    def engine_files(self) -> list[str]:
+        """Files under kvaudit/ that play the engine's part (a driver): their frames are sites."""
+        return []
+
+    # -- optional oracle inputs (all read) -----------------------------------------------------------
+    def units_of_rows(self, rows) -> dict | None:
+        """``{pool: [n] int64 units}`` that request rows ``rows`` (``[m] int64``) map; None (default):
+        the target has no row table (leaks are not split direct/indirect through rows)."""
+        return None
+
+    def free_lists(self) -> dict:
+        """``{pool: [n] int64}``: the engine's free lists, checked against the event log; default none."""
+        return {}
+
+    def recount(self) -> dict:
+        """``{pool: {term: Recount}}``: accounting terms recounted from the structures they describe
+        (tree nodes, host copies), compared with the engine's counters; default none."""
+        return {}
+
+    def identity_terms(self, pool: str) -> tuple[str, ...]:
+        """The terms of ``pool``'s accounting identity, which must add up to its ``Accounting.total``.
+        Engine counters: ``available``, ``evictable``, ``protected`` (fields of :class:`Accounting`);
+        kvaudit's own counts from the roots (never the engine's): ``session_held`` (units session
+        roots hold privately), ``uncached`` (units live requests hold privately) and ``referenced``
+        (units any root references, shared ones once). Default: SGLang's identity (its
+        ``invariant_checker.py``), :data:`SGLANG_IDENTITY`. An engine whose cached-but-free blocks count
+        as free (vLLM's ``BlockPool``) states ``("available", "referenced")``."""
+        return SGLANG_IDENTITY
+
+    def invariant_findings(self) -> list[TargetFinding]:
+        """Violations of the engine's own invariants the target detects itself, of any finding kind
+        (:class:`TargetFinding`), checked after every step with the oracles; default none."""
+        return []
+
+    def metrics_check(self) -> list[str]:
+        """Failing lines of the engine's exported metrics (read after ``engine_check``); default none."""
+        return []
+
+    def lock_balance(self) -> list[LockImbalance]:
+        """Tree nodes whose lock count differs from their live holders (device and host); default none."""
+        return []
+
+    def lock_holders(self) -> list[tuple[str, str, int]] | None:
+        """Every live lock receipt as ``(lock, holder, node id)`` (``"req:7"``), paired with the lock
+        ledger's incs (:mod:`kvaudit.locks`); None (default): the target names no holders."""
+        return None
+
+    def retraction(self) -> str | None:
+        """What the last decode retraction freed and why it stopped, for an out-of-memory report;
+        ``""``: none this run; None (default): the target does not model retraction."""
+        return None
+
+    # -- optional liveness inputs (all read) ---------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        """A pause is in force: ``idle()`` sends continue_generation first. Default False."""
+        return False
+
+    def stalled(self) -> bool:
+        """Only waiting requests are left and something legitimately keeps them out (not a hang)."""
+        return False
+
+    def progress(self) -> dict[str, int]:
+        """Per live request, a number that grows while it makes progress (the liveness oracle);
+        ``{}`` (default): not checked."""
+        return {}
+
+    def flushed(self) -> int:
+        """How many flush_cache requests have succeeded so far; default 0 (never checked)."""
+        return 0
+
+    def quiescence(self) -> list[tuple[str, str]]:
+        """``(pool, problem)`` per violation of "every pool is full" right after a successful flush."""
+        return []
+
+    def describe_busy(self) -> str:
+        """What keeps the engine from idling, for a hang report; default ``""``."""
+        return ""
+
+    def close(self) -> None:
+        """The run is over: release outside resources (files, directories). Mutates; default nothing."""
 
 
 def kv_length_problems(reqs) -> list[str]:

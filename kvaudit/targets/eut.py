@@ -15,7 +15,7 @@ import torch
 from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens)
-from kvaudit.targets.base import (Accounting, LockImbalance, PoolSpec, Recount, Root, kv_length_problems, record_roots,
+from kvaudit.targets.base import (Accounting, Target, LockImbalance, PoolSpec, Recount, Root, kv_length_problems, record_roots,
                                   slot_pages, wrap_insert)
 
 
@@ -89,7 +89,7 @@ class SessionRecords:
             take_wrapper, claim_wrapper, release_wrapper, clear_wrapper)
 
 
-class EutTarget:
+class EutTarget(Target):
     """``engine_under_test`` behind the program model; the target also plays SGLang's tokenizer.
 
     ``Submit.priority`` is passed on; the engine honours it only with ``enable_priority_scheduling``
@@ -630,8 +630,8 @@ class EutTarget:
 
         eng.retract_decode = retract_wrapper
 
-    def retraction(self) -> str | None:
-        return self.last_retraction
+    def retraction(self) -> str:
+        return self.last_retraction or ""
 
     def install_insert_check(self, wrap, report) -> None:
         """Check every ``RadixCache.insert(key, value)``: the tree takes ``min(len(key), value.numel())``

@@ -28,7 +28,7 @@ import torch
 
 from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
     MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens
-from kvaudit.targets.base import (Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages,
+from kvaudit.targets.base import (Accounting, Target, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages,
                                   wrap_insert)
 from kvaudit.targets.sglang_boot import GRAMMAR_BACKEND, build, load, one_rank_group
 from kvaudit.targets.sglang_config import SglangConfig
@@ -141,7 +141,7 @@ def _grammar_manager(S, server_args, model_config):
     return manager
 
 
-class SglangTarget:
+class SglangTarget(Target):
     """Drives one set of SGLang pools and one ``UnifiedRadixCache`` (see the module docstring)."""
 
     name = "sglang"
@@ -1297,9 +1297,9 @@ class SglangTarget:
                 bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
         return [b for b in bad if b[1].size] or bad[:0]
 
-    def retraction(self) -> str | None:
-        """What the last ``retract_decode`` retracted and freed, and why it stopped (None: none yet)."""
-        return self.last_retraction
+    def retraction(self) -> str:
+        """What the last ``retract_decode`` retracted and freed, and why it stopped ("": none yet)."""
+        return self.last_retraction or ""
 
     def lock_holders(self) -> list[tuple[str, str, int]]:
         """Every live lock receipt as ``(lock, holder, node id)`` (the lock-ref ledger pairs incs with
