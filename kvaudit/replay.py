@@ -14,7 +14,7 @@ import tempfile
 
 from engine_under_test import PRESETS, EngineConfig
 from kvaudit.targets import config_from_dict
-from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig
+from kvaudit.targets.registry import kind_of
 from kvaudit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
@@ -184,7 +184,7 @@ def _parse(doc: dict, path: str) -> tuple[EngineConfig, list[Op], list[Finding],
         findings = [Finding.from_dict(f) for f in recorded]
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise ReplayFormatError(f"{path}: bad findings: {e}") from None
-    presets = SGLANG_PRESETS if isinstance(config, SglangConfig) else PRESETS
+    presets = kind_of(config).presets()
     if config.preset not in presets and config.preset != "custom":
         raise ReplayFormatError(f"{path}: bad config: unknown preset {config.preset!r} "
                                 f"(valid: {', '.join(presets)}, or custom)")

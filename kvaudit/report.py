@@ -279,22 +279,13 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
 
 
 def header(config) -> str:
-    """The report's first line. For a real-SGLang config: the tree core, and the fields that differ
-    from its preset (a corpus file may use a smaller pool than the preset it names)."""
+    """The report's first line, as the config's target kind writes it (its registered ``header``)."""
+    from kvaudit.targets.registry import kind_of
+    kind = kind_of(config)
+    if kind.header is not None:
+        return kind.header(config)
     bugs = ", ".join(sorted(config.bugs)) or "none"
-    if getattr(config, "target", "eut") != "sglang":
-        return f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, page_size {config.page_size}"
-    from kvaudit.targets.sglang_config import SGLANG_PRESETS
-    preset = config.preset
-    if preset in SGLANG_PRESETS:
-        base = SGLANG_PRESETS[preset].config().to_dict()
-        mine = config.to_dict()
-        changed = [f"{k}={mine[k]}" for k in mine
-                   if k not in ("tree_core", "bugs", "seed", "preset") and mine[k] != base.get(k)]
-        if changed:
-            preset += f" (modified: {', '.join(changed)})"
-    return (f"kvaudit report: target sglang, preset {preset}, {config.tree_core} tree core, bugs: {bugs}, "
-            f"page_size {config.page_size}")
+    return f"kvaudit report: target {kind.name}, preset {config.preset}, bugs: {bugs}"
 
 
 def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[Op], list[Finding], str]],

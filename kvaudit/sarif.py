@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Mapping
 from urllib.parse import quote
 
 import kvaudit
-from engine_under_test import Scheduler
 from kvaudit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.frames import Frame, resolve
 
@@ -287,27 +286,28 @@ def _anchor(kind: str, target: str = "eut") -> Site:
     """Where a finding without any usable frame is shown. Code scanning rejects a result without
     a location, and these findings (accounting drift, liveness, hang, a crash with no frame in
     the repository) are about the engine's state, not one line of it, so they are anchored on
-    the engine code that owns that state: ``Scheduler.check_memory`` (the engine's own statement
-    of the accounting and lock invariants) for accounting drift and lock imbalance, and
-    ``Scheduler.step`` (the loop that failed to make progress, or raised) for everything else.
-    The line is looked up in the current source, so the anchor follows edits; if that fails,
-    line 1 of ``engine_under_test/scheduler.py``. The result says so in its message and in
+    the engine code that owns that state, as the target kind registers it (its ``anchor``: for the
+    built-in engine ``Scheduler.check_memory`` for accounting drift and lock imbalance, and
+    ``Scheduler.step`` for everything else). The line is looked up in the current source, so the
+    anchor follows edits; if that fails, or the kind registers none, line 1 of the file the kind's
+    config class is defined in. The result says so in its message and in
     ``properties.locationIsFallback``."""
-    owner = Scheduler
-    method = "check_memory" if kind in ("accounting-drift", "lock-imbalance") else "step"
-    if target == "sglang":  # the real-SGLang target: its driver plays the scheduler (SGLang is not in the repo)
-        from kvaudit.targets.sglang_target import SglangTarget as owner
-        method = "engine_check" if method == "check_memory" else method
+    from kvaudit.targets.registry import UnknownTargetError, get
     try:
-        fn = getattr(owner, method)
-        line = inspect.getsourcelines(fn)[1]
-        path = _norm(portable_path(inspect.getsourcefile(fn) or ""))
-        site = Site(path, line, f"{owner.__name__}.{method}")
-        if in_repo(site):
-            return site
-    except (AttributeError, OSError, TypeError):
+        k = get(target)
+    except UnknownTargetError:
+        k = get("eut")
+    try:
+        if k.anchor is not None:
+            fn, label = k.anchor(kind)
+            line = inspect.getsourcelines(fn)[1]
+            site = Site(_norm(portable_path(inspect.getsourcefile(fn) or "")), line, label)
+            if in_repo(site):
+                return site
+    except (AttributeError, OSError, TypeError, ImportError):
         pass
-    return Site("engine_under_test/scheduler.py", 1, "Scheduler")
+    cls = k.config_class
+    return Site(_norm(portable_path(inspect.getsourcefile(cls) or "")), 1, cls.__name__)
 
 
 # ----------------------------------------------------------------------------- results

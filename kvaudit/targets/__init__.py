@@ -6,9 +6,9 @@ The configs import without torch; the target classes (which do) are imported on 
 
 from typing import NamedTuple
 
-from kvaudit.targets.sglang_config import SglangConfig, is_sglang_config
+from kvaudit.targets.sglang_config import SglangConfig
 
-_LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "EutTarget": "eut"}
+_LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "EutTarget": "eut", "TargetFinding": "base"}
 
 __all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict",
            "program_features", "EngineSource", "engine_source"]
@@ -25,48 +25,29 @@ def __getattr__(name: str):
 
 
 def make_target(config):
-    """The target for ``config``: real SGLang for a :class:`SglangConfig`, else ``engine_under_test``.
-    Raises :class:`kvaudit.targets.sglang_boot.SglangUnavailable` when SGLang cannot be driven."""
-    if isinstance(config, SglangConfig):
-        if config.disaggregation_mode == "decode":
-            from kvaudit.targets.sglang_pd import SglangPdDecodeTarget
-            return SglangPdDecodeTarget(config)
-        if config.enable_hisparse:
-            from kvaudit.targets.sglang_hisparse import SglangHiSparseTarget
-            return SglangHiSparseTarget(config)
-        if config.hicache_storage_backend is not None:
-            from kvaudit.targets.sglang_hicache_l3 import SglangHiCacheL3Target
-            return SglangHiCacheL3Target(config)
-        if config.enable_hierarchical_cache:
-            from kvaudit.targets.sglang_hicache import SglangHiCacheTarget
-            return SglangHiCacheTarget(config)
-        from kvaudit.targets.sglang_target import SglangTarget
-        return SglangTarget(config)
-    from kvaudit.targets.eut import EutTarget
-    return EutTarget(config)
+    """The target for ``config``, built by the registered kind it belongs to
+    (:func:`kvaudit.targets.registry.kind_of`). Raises
+    :class:`kvaudit.targets.registry.UnknownTargetError` for a config no kind takes; a kind may raise
+    its own error when its engine cannot be driven (real SGLang: ``SglangUnavailable``)."""
+    from kvaudit.targets.registry import kind_of
+    return kind_of(config).make(config)
 
 
 def program_features(config) -> frozenset[str]:
     """What of :data:`kvaudit.program.FEATURES` the target of ``config`` gives meaning to, so the
-    generators draw it: a target config's own ``program_features`` (:class:`SglangConfig`), else the
-    built-in engine's: ``transfer_fail`` on a PD decode server (``Scheduler.report_transfer_failure``),
-    ``priority`` with ``enable_priority_scheduling``."""
-    own = getattr(config, "program_features", None)
-    if own is not None:
-        return own
-    return frozenset({"transfer_fail"} if getattr(config, "is_pd_decode", False) else ()) | frozenset(
-        {"priority"} if getattr(config, "enable_priority_scheduling", False) else ())
+    generators draw it (the registered kind's ``features``)."""
+    from kvaudit.targets.registry import kind_of
+    return kind_of(config).features(config)
 
 
 def config_from_dict(d: dict):
-    """A config from a replay file's ``config`` object: ``"target": "sglang"`` selects
-    :class:`SglangConfig`. Raises ``ValueError``/``TypeError`` on bad keys or values."""
-    from engine_under_test import EngineConfig
-    if is_sglang_config(d):
-        return SglangConfig.from_dict(d)
-    if isinstance(d, dict) and d.get("target", "eut") != "eut":
-        raise ValueError(f"unknown target {d['target']!r} (valid: eut, sglang)")
-    return EngineConfig.from_dict({k: v for k, v in d.items() if k != "target"} if isinstance(d, dict) else d)
+    """A config from a replay file's ``config`` object; its ``target`` (default ``eut``) names the
+    registered kind. Raises ``ValueError``/``TypeError`` on bad keys or values, an unknown target
+    included (:class:`kvaudit.targets.registry.UnknownTargetError` is a ``ValueError``)."""
+    from kvaudit.targets.registry import kind_of_dict
+    if not isinstance(d, dict):
+        raise ValueError(f"config must be an object, got {type(d).__name__}")
+    return kind_of_dict(d).config_from_dict(d)
 
 
 class EngineSource(NamedTuple):
@@ -79,14 +60,11 @@ class EngineSource(NamedTuple):
 
 
 def engine_source(target: str) -> EngineSource | None:
-    """Where the engine of the target named ``target`` (a config's ``target``) keeps its source, for
-    reports that anchor a finding at the engine's own frame (``kvaudit/sarif.py``); None for
-    ``eut``, whose source is in this repository. SGLang's version is the installed one when this
-    target drives it; else, while the target drives a single release, that release (the only one
-    that can have recorded the frames). Imports nothing of the engine."""
-    if target == "sglang":
-        from kvaudit.targets.sglang_boot import SUPPORTED_VERSIONS, installed_version
-        v = installed_version()
-        return EngineSource("sglang", v if v in SUPPORTED_VERSIONS else
-                            SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)
-    return None
+    """Where the engine of the target kind named ``target`` (a config's ``target``) keeps its source,
+    for reports that anchor a finding at the engine's own frame (``kvaudit/sarif.py``); None for a
+    kind whose source is in this repository (``eut``) or that is not registered here."""
+    from kvaudit.targets.registry import UnknownTargetError, get
+    try:
+        return get(target).engine_source()
+    except UnknownTargetError:
+        return None

@@ -1,0 +1,167 @@
+"""The registry of target kinds: everything kvaudit knows about an engine it can drive.
+
+A target kind registers, once, its config class and presets, the bugs or faults ``--bug`` takes,
+how a target is built, its dependency probe with the install hint, its report header, where a
+finding with no stack is anchored in SARIF, the program features it models and where its engine's
+source lives. The CLI's ``--target`` choices and help, ``kvaudit presets``, ``kvaudit bugs``,
+replay files' ``config.target`` and the reports all read it, so adding an engine touches only its
+own folder.
+
+Kinds come from three places, in order: the built-ins (``eut``, ``sglang``), the modules named in
+the ``KVAUDIT_PLUGINS`` environment variable (comma-separated, imported on first use: each calls
+:func:`register`), and installed packages' ``kvaudit.targets`` entry points (each names a module, or
+a callable returning a :class:`TargetKind`). Nothing here imports torch or an engine: a kind's
+callables import what they need when called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+PLUGINS_ENV = "KVAUDIT_PLUGINS"
+ENTRY_POINT_GROUP = "kvaudit.targets"
+
+
+class UnknownTargetError(ValueError):
+    """A target name, or a replay file's ``config.target``, that no registered kind has."""
+
+
+class TargetUnavailable(RuntimeError):
+    """A kind's engine cannot be driven here (not installed, wrong version): the message is one line
+    with the install hint."""
+
+
+def _none(*_a, **_k):
+    return None
+
+
+def _no_features(_config) -> frozenset[str]:
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class TargetKind:
+    """One kind of target.
+
+    ``name``: the ``--target`` choice and a config's ``target`` in replay files. ``summary``: one line
+    for ``--target``'s help. ``config_class``: the kind's config (a frozen dataclass with ``preset``
+    and ``bugs`` fields and ``to_dict``/``from_dict``/``replace``, e.g. :class:`kvaudit.config.ConfigBase`);
+    a config belongs to the first kind whose class it is an instance of. ``presets()``: name ->
+    preset (``.name``, ``.description``, ``.config(**changes)``), in the order ``kvaudit presets``
+    lists them; ``default_preset`` is what ``--preset default`` means. ``bugs()``: name -> one-line
+    description of what ``--bug NAME`` switches on (a zoo bug or an injected fault); ``bugs_title``
+    heads ``kvaudit bugs``' table. ``make(config)``: the :class:`kvaudit.targets.base.Target`.
+
+    Optional: ``from_dict(d)`` builds the config from a replay file's ``config`` (default
+    ``config_class.from_dict`` without the ``target`` key); ``probe(config)`` raises
+    :class:`TargetUnavailable` when the engine cannot be driven here; ``header(config)`` is the
+    report's first line; ``anchor(kind)`` returns ``(callable, label)``: the function whose first line
+    anchors a finding of finding-kind ``kind`` that has no usable frame (SARIF); ``features(config)``
+    the :data:`kvaudit.program.FEATURES` the target models; ``engine_source()`` an
+    :class:`EngineSource` when the engine is an installed package; ``model_choices`` the
+    ``--model`` values it accepts (``("none",)``: it computes no KV); ``options`` names extra CLI
+    options it reads (``"tree_core"``).
+    """
+
+    name: str
+    summary: str
+    config_class: type
+    presets: Callable[[], Mapping]
+    make: Callable
+    bugs: Callable[[], Mapping[str, str]] = dict
+    bugs_title: str = "bugs"
+    default_preset: str = "default"
+    from_dict: Callable | None = None
+    probe: Callable = _none
+    header: Callable | None = None
+    anchor: Callable | None = None
+    features: Callable = _no_features
+    engine_source: Callable = _none
+    model_choices: tuple[str, ...] = ("none",)
+    options: frozenset[str] = field(default_factory=frozenset)
+
+    def config_from_dict(self, d: dict):
+        """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
+        if self.from_dict is not None:
+            return self.from_dict(d)
+        return self.config_class.from_dict({k: v for k, v in d.items() if k != "target"})
+
+    def preset(self, name: str):
+        """The preset called ``name`` (``default`` is :attr:`default_preset`). Raises
+        :class:`kvaudit.config.UnknownPresetError` listing the valid ones."""
+        from kvaudit.config import UnknownPresetError
+
+        presets = self.presets()
+        name = self.default_preset if name == "default" else name
+        if name not in presets:
+            raise UnknownPresetError(f"unknown preset {name!r} for --target {self.name}; "
+                                     f"valid presets: {', '.join(presets)}")
+        return presets[name]
+
+
+_KINDS: dict[str, TargetKind] = {}
+_loaded = False
+
+
+def register(kind: TargetKind) -> TargetKind:
+    """Add ``kind`` (or replace the kind of the same name: a reloaded plugin). Returns it."""
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def _load() -> None:
+    """Register the built-ins, then ``KVAUDIT_PLUGINS`` modules, then entry points (once)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import kvaudit.targets.eut.kind  # noqa: F401  (registers "eut")
+    import kvaudit.targets.sglang_kind  # noqa: F401,F811  (registers "sglang")
+    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            raise UnknownTargetError(f"cannot import target plugin {mod!r} named in {PLUGINS_ENV}: {e}") from None
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        obj = ep.load()
+        if callable(obj) and not isinstance(obj, type):
+            got = obj()
+            if isinstance(got, TargetKind):
+                register(got)
+
+
+def kinds() -> dict[str, TargetKind]:
+    """Every registered kind, by name (built-ins first)."""
+    _load()
+    return dict(_KINDS)
+
+
+def get(name: str) -> TargetKind:
+    """The kind called ``name``. Raises :class:`UnknownTargetError` naming the valid ones."""
+    _load()
+    if name not in _KINDS:
+        raise UnknownTargetError(f"unknown target {name!r} (valid: {', '.join(_KINDS)}; a target from a plugin "
+                                 f"needs {PLUGINS_ENV}=<module> or an installed '{ENTRY_POINT_GROUP}' entry point)")
+    return _KINDS[name]
+
+
+def kind_of(config) -> TargetKind:
+    """The kind whose config class ``config`` is an instance of. Raises :class:`UnknownTargetError`."""
+    _load()
+    for kind in _KINDS.values():
+        if isinstance(config, kind.config_class):
+            return kind
+    raise UnknownTargetError(f"no registered target takes a {type(config).__name__}")
+
+
+def kind_of_dict(d: object) -> TargetKind:
+    """The kind of a replay file's ``config`` object: its ``target`` key, ``eut`` when absent."""
+    name = d.get("target", "eut") if isinstance(d, dict) else "eut"
+    if not isinstance(name, str):
+        raise UnknownTargetError(f"config.target must be a string, got {name!r}")
+    return get(name)

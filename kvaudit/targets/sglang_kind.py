@@ -1,0 +1,88 @@
+"""The ``sglang`` target kind: SGLang 0.5.23's own memory manager on CPU, driven by kvaudit's
+driver (registered with :mod:`kvaudit.targets.registry`). Imports neither SGLang nor torch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
+from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig
+
+
+def _presets():
+    return SGLANG_PRESETS
+
+
+def _bugs():
+    """The injected faults, as rows of ``kvaudit bugs`` (``finding``, ``description``)."""
+    return {name: SimpleNamespace(name=name, finding=kind, description=what) for name, (kind, what) in FAULTS.items()}
+
+
+def _make(config):
+    """The target class for ``config``'s serving mode (PD decode, HiSparse, HiCache with or without
+    L3 storage, else aggregated serving)."""
+    if config.disaggregation_mode == "decode":
+        from kvaudit.targets.sglang_pd import SglangPdDecodeTarget as cls
+    elif config.enable_hisparse:
+        from kvaudit.targets.sglang_hisparse import SglangHiSparseTarget as cls
+    elif config.hicache_storage_backend is not None:
+        from kvaudit.targets.sglang_hicache_l3 import SglangHiCacheL3Target as cls
+    elif config.enable_hierarchical_cache:
+        from kvaudit.targets.sglang_hicache import SglangHiCacheTarget as cls
+    else:
+        from kvaudit.targets.sglang_target import SglangTarget as cls
+    return cls(config)
+
+
+def _probe(config) -> None:
+    """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD
+    decode modules for a PD config, cannot be imported here."""
+    from kvaudit.targets.sglang_boot import SglangUnavailable, load
+    try:
+        load()
+        if config.disaggregation_mode == "decode":
+            from kvaudit.targets.sglang_pd import load_pd
+            load_pd()
+    except SglangUnavailable as e:
+        raise TargetUnavailable(str(e)) from None
+
+
+def _header(config) -> str:
+    """The tree core, and the fields that differ from the preset (a corpus file may use a smaller
+    pool than the preset it names)."""
+    bugs = ", ".join(sorted(config.bugs)) or "none"
+    preset = config.preset
+    if preset in SGLANG_PRESETS:
+        base = SGLANG_PRESETS[preset].config().to_dict()
+        mine = config.to_dict()
+        changed = [f"{k}={mine[k]}" for k in mine
+                   if k not in ("tree_core", "bugs", "seed", "preset") and mine[k] != base.get(k)]
+        if changed:
+            preset += f" (modified: {', '.join(changed)})"
+    return (f"kvaudit report: target sglang, preset {preset}, {config.tree_core} tree core, bugs: {bugs}, "
+            f"page_size {config.page_size}")
+
+
+def _anchor(kind: str):
+    """The driver plays SGLang's scheduler (SGLang's files are not in the repository):
+    ``SglangTarget.engine_check`` for accounting drift and lock imbalance, ``SglangTarget.step`` else."""
+    from kvaudit.targets.sglang_target import SglangTarget
+    method = "engine_check" if kind in ("accounting-drift", "lock-imbalance") else "step"
+    return getattr(SglangTarget, method), f"SglangTarget.{method}"
+
+
+def _engine_source():
+    """SGLang's version is the installed one when this target drives it; else, while the target
+    drives a single release, that release (the only one that can have recorded the frames)."""
+    from kvaudit.targets import EngineSource
+    from kvaudit.targets.sglang_boot import SUPPORTED_VERSIONS, installed_version
+    v = installed_version()
+    return EngineSource("sglang", v if v in SUPPORTED_VERSIONS else
+                        SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)
+
+
+KIND = register(TargetKind(
+    name="sglang", summary="SGLang 0.5.23's own memory manager on CPU (its presets start with 'sglang')",
+    config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
+    default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
+    features=lambda config: config.program_features, engine_source=_engine_source, options=frozenset({"tree_core"})))
