@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 
-from engine_under_test import PRESETS, EngineConfig
+from engine_under_test import EngineConfig
 from kvaudit.targets import config_from_dict
 from kvaudit.targets.registry import kind_of
 from kvaudit.findings import Finding, source_path
