@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_under_test.config import ConfigBase, Preset
+from kvaudit.config import ConfigBase, Preset
 
 # Faults the target can inject through its wrappers, to show the oracles see them on SGLang's own
 # code (issue 8's "must show"). Each fires once, on the first chance it gets.
