@@ -117,10 +117,10 @@ class Finding:
     @property
     def signature(self) -> str:
         """``kind/pool/site[/site]`` (see the module doc); stable across programs for one root cause."""
+        if self.kind == "accounting-drift" and self.check:  # (a target's own invariant names its check)
+            return f"accounting-drift/{self.pool}/{self.check}"
         if self.kind == "accounting-drift" and self.alloc_sites:  # a tree insert past kv_committed_len
             return f"accounting-drift/{self.pool}/insert:{_where(self.alloc_sites)}"
-        if self.kind == "accounting-drift" and self.check:
-            return f"accounting-drift/{self.pool}/{self.check}"
         if self.kind == "hang" and self.alloc_sites:  # the watchdog's: the frame the step was stuck in
             return f"hang/{self.pool}/stuck:{_where(self.alloc_sites)}"
         if self.kind in NO_SITE_KINDS:

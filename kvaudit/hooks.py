@@ -595,6 +595,11 @@ class Auditor:
             orig = getattr(obj, name)
 
             def wrapper(*a, **k):
+                if not result and a:  # the blocks may come as an iterator (reversed(...)): read them once
+                    a = (list(a[0]),) + a[1:]
+                elif not result and k:
+                    key = next(iter(k))
+                    k = {**k, key: list(k[key])}
                 out = orig(*a, **k)
                 units = ids(out if result else a[0] if a else next(iter(k.values())))
                 if units:

@@ -1,0 +1,46 @@
+"""kvaudit's pytest plugin (registered through the ``pytest11`` entry point ``kvaudit``).
+
+The ``kvaudit`` fixture is :mod:`kvaudit.testing` (``kvaudit.fuzz(config, max_time=...)``,
+``kvaudit.replay(path)``, ``kvaudit.corpus(dir)``); a :class:`kvaudit.testing.KvauditFailure` shows
+as its plain report, without pytest's assertion rewriting noise. ``--kvaudit-time SECONDS`` scales
+every fuzz in the session (``max_time`` times it; default 1). Loading the plugin imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kvaudit-time", type=float, default=1.0, metavar="SCALE",
+                     help="kvaudit: multiply every fuzz's max_time by SCALE (nightly runs give more).")
+
+
+class _Kvaudit:
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def fuzz(self, config, max_time: float = 5.0, **kw):
+        from kvaudit.testing import fuzz
+        return fuzz(config, max_time=max_time * self.scale, **kw)
+
+    def replay(self, path: str):
+        from kvaudit.testing import replay
+        return replay(path)
+
+    def corpus(self, directory: str) -> list[str]:
+        from kvaudit.testing import corpus
+        return corpus(directory)
+
+
+@pytest.fixture
+def kvaudit(request):
+    """Fuzz, replay or walk a corpus from a test (see :mod:`kvaudit.testing`)."""
+    return _Kvaudit(request.config.getoption("--kvaudit-time"))
+
+
+def pytest_exception_interact(node, call, report):
+    """Show a :class:`kvaudit.testing.KvauditFailure` as its report alone."""
+    from kvaudit.testing import KvauditFailure
+    if call.excinfo is not None and isinstance(call.excinfo.value, KvauditFailure):
+        report.longrepr = str(call.excinfo.value)
