@@ -1,0 +1,408 @@
+"""The observing half of the built-in engine's target: what kvaudit reads from ``engine_under_test``
+(roots, accounting, locks, recounts) and the wrappers it installs on it (KV shadow, lock ledger,
+tree insert check). :class:`kvaudit.targets.eut.target.EutTarget` adds the driving half.
+
+Roots are read from the scheduler's own structures, the way SGLang's invariant checker finds
+owners (``_requests_owning_rows``): live requests in the running batch, the last batch, the
+waiting queue and the PD transfer queue; the radix tree's nodes; and, for HiSparse, the buffer
+and host slots of *live* requests' rows. State the coordinator still keeps for a row that no
+live request holds is, by construction, unreachable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvaudit.targets.base import (Accounting, LockImbalance, Recount, Root, Target, record_roots,
+                                  slot_pages, wrap_insert)
+
+
+class EutObserver(Target):
+    """Reads ``self.engine`` (a ``Scheduler``), ``self.config`` and the driving half's request
+    records (``submitted``, ``aborted``, ``sessions``, ``_pools``); mutates nothing of the engine
+    except through the wrappers its ``install_*`` methods add."""
+
+    # -- KV content (shadow tags) ------------------------------------------------------------
+    def kv_pools(self) -> dict[str, int]:
+        """Every pool whose slots hold KV content, with its size in token slots."""
+        return {spec.name: (spec.num_units + 1) * spec.page_size for spec in self._pools if spec.kind == "kv"}
+
+    def install_shadow(self, shadow, wrap, report) -> None:
+        """Report the engine's KV writes, copies and reads to ``shadow`` (:class:`kvaudit.shadow.ShadowKV`)
+        by wrapping, with ``wrap(obj, name, fn)``, the functions that move KV: the forward, the PD
+        transfer, and the HiSparse/HiCache device<->host copies. A read whose tags do not match the
+        reader's prefix calls ``report(pool, slots, message)``."""
+        eng = self.engine
+        hs, tree = eng.hisparse_coordinator, eng.tree_cache
+        table = eng.req_to_token_pool.req_to_token
+        main = "token_to_kv_pool"
+        kv_pool = "hisparse_device" if hs is not None else main  # where the forward writes
+        forward, transfer = eng._forward, eng._commit_transfer_to_req
+        rows = table.numpy() if table.device.type == "cpu" else None  # a view: no copy per read
+        main_tags = shadow.tags[main]
+        run_batch, request_tags = eng.run_batch, shadow.request_tags
+
+        def check_read(req, pool: str, idx: np.ndarray, want: np.ndarray, pos: np.ndarray | None = None) -> None:
+            """``req`` reads slots ``idx`` for positions ``pos`` (default ``0..n-1``) with prefix tags ``want``."""
+            hit = shadow.read(pool, idx, want)
+            if hit is not None:
+                bad, what = hit
+                at = bad if pos is None else pos[bad]
+                report(pool, idx[bad], f"req:{req.rid} read KV of positions {_ranges(at)} from slots {what}")
+
+        def forward_wrapper(req, start, end, write_loc):
+            """HiSparse (a per-request physical context) or a KV table on the GPU: one forward at a time."""
+            tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
+            if start and hs is None:
+                check_read(req, main, shadow._idx(table[req.kv.req_pool_idx, :start]), tags[:start])
+            elif start:
+                if req.hisparse_admitted:
+                    slots, pos = hs.physical_context(req)
+                else:
+                    slots, pos = hs.prefill_context(req.kv.req_pool_idx, end)
+                keep = pos < start
+                pos = shadow._idx(pos[keep])
+                check_read(req, "hisparse_device", shadow._idx(slots[keep]), tags[pos], pos)
+            out = forward(req, start, end, write_loc)
+            shadow.write(kv_pool, write_loc, tags[start:end])
+            return out
+
+        def batch_wrapper(batch):
+            """The common case (no HiSparse, KV on the CPU) checked a batch at a time: every row's
+            reads before the forward, its writes after."""
+            if batch.forward_mode == "prebuilt":
+                return run_batch(batch)
+            spans = []
+            extend = batch.forward_mode == "extend"
+            for req in batch.reqs:
+                prefill_row = extend and id(req) not in batch.decode_ids
+                if prefill_row:
+                    start, end = req.prefix_len, req.extend_end
+                else:
+                    end = req.kv.kv_committed_len
+                    start = end - 1
+                tags = request_tags(req, req.origin_input_ids, req.output_ids, req.future_ids)
+                computed = prefill_row or req.to_finish is None  # an aborting decode row computes nothing
+                spans.append((req, start, end, tags, computed))
+                if start and computed:
+                    idx, want = rows[req.kv.req_pool_idx, :start], tags[:start]
+                    if main_tags.take(idx).tobytes() != want.tobytes():  # shadow.read's fast path, inlined
+                        check_read(req, main, idx, want)
+            out = run_batch(batch)
+            # tolist, not numpy(): a numpy view of each batch's fresh tensor costs more than the list
+            loc, off = batch.out_cache_loc.tolist(), 0
+            for req, start, end, tags, computed in spans:
+                if computed:  # (see Scheduler.run_batch)
+                    if end - start == 1:
+                        main_tags[loc[off]] = tags[start]
+                    else:
+                        main_tags[loc[off : off + end - start]] = tags[start:end]
+                off += end - start
+            return out
+
+        def transfer_wrapper(req):
+            n, p = req.kv.kv_committed_len, req.kv.cache_protected_len  # KV of [p, n) lands now; [0, p) is the tree's
+            tags = request_tags(req, req.origin_input_ids, req.output_ids)[:n]
+            if hs is not None:
+                shadow.write("hisparse_host", hs.req_to_host_pool[req.kv.req_pool_idx][:n], tags)
+            else:
+                shadow.write(main, table[req.kv.req_pool_idx, p:n], tags[p:])
+            return transfer(req)
+
+        if hs is None and rows is not None:
+            wrap(eng, "run_batch", batch_wrapper)
+        else:
+            wrap(eng, "_forward", forward_wrapper)
+        wrap(eng, "_commit_transfer_to_req", transfer_wrapper)
+        if hs is not None:
+            backup, load = hs.backup, hs._load
+            wrap(hs, "backup", lambda dev, host: (shadow.copy("hisparse_host", host, "hisparse_device", dev),
+                                                  backup(dev, host))[1])
+            wrap(hs, "_load", lambda dev, host: (shadow.copy("hisparse_device", dev, "hisparse_host", host),
+                                                 load(dev, host))[1])
+        if eng.hicache_host_pool is not None:
+            tree_copy = tree._copy
+
+            def hicache_copy(dst, dst_idx, src, src_idx):
+                if dst is tree.host_pool:
+                    shadow.copy("hicache_host", dst_idx, main, src_idx)
+                else:
+                    shadow.copy(main, dst_idx, "hicache_host", src_idx)
+                return tree_copy(dst, dst_idx, src, src_idx)
+
+            wrap(tree, "_copy", hicache_copy)
+
+    # -- observing --------------------------------------------------------------------------
+    owner_hint_vars = ("req",)  # only frames of functions with such a local are inspected
+    owner_stop_vars = ("reqs", "batch")  # a function over a whole batch: ``req`` is a loop variable
+
+    @staticmethod
+    def owner_hint(frame_locals: dict) -> str | None:
+        """Name the request an allocating engine frame works for (its local ``req``), or None."""
+        rid = getattr(frame_locals.get("req"), "rid", None)
+        return f"req:{rid}" if isinstance(rid, str) else None
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """Every reference into the pools. ``aborting=False`` leaves out requests already marked to
+        finish with an abort (their in-flight result is about to release them)."""
+        eng, ps = self.engine, self.config.page_size
+        table = eng.req_to_token_pool.req_to_token
+        out: list[Root] = []
+        hs = eng.hisparse_coordinator
+
+        def pages(slots: torch.Tensor) -> np.ndarray:
+            return slot_pages(slots, ps)
+
+        def record(kv, owner: str, role: str, where: str) -> None:
+            out.extend(record_roots(table, kv, owner, role, ps, where))
+
+        sc = eng.session_controller
+        slots = [] if sc is None else sc.slots()
+        for sid, slot in slots:
+            record(slot.kv, f"session:{sid}", "session", "session")
+        if sc is not None:
+            units = [(sid, self.session_records.unit_of.get(id(s.slot))) for sid, s in sc.sessions.items()]
+            out += [Root("session_records", f"session:{sid}", np.array([u], dtype=np.int64), role="session")
+                    for sid, u in units if u is not None]
+        held = {id(slot.kv) for _, slot in slots}
+        places = self._places()
+        for req in eng.requests_owning_rows():
+            if not aborting and req.to_finish is not None:
+                continue
+            kv, owner = req.kv, f"req:{req.rid}"
+            if id(kv) not in held:  # a turn on its session's record: the session root covers it
+                record(kv, owner, "req", places.get(id(req), ""))
+            if hs is not None:
+                row = kv.req_pool_idx
+                for pool, held_slots in (("hisparse_device", hs.req_to_device_buffer.get(row)),
+                                         ("hisparse_device", hs.req_prefill_physical.get(row)),
+                                         ("hisparse_host", hs.req_to_host_pool.get(row))):
+                    if held_slots is not None:
+                        out.append(Root(pool, owner, pages(held_slots)))
+        nodes = list(eng.tree_cache.nodes())
+        values = [n.value for n in nodes if n.value is not None]
+        if values:
+            out.append(Root("token_to_kv_pool", "tree", pages(torch.cat(values)), role="tree"))
+        host = [n.host_value for n in nodes if n.host_value is not None]
+        if host and eng.hicache_host_pool is not None:
+            out.append(Root("hicache_host", "tree", pages(torch.cat(host)), role="tree"))
+        return out
+
+    def _places(self) -> dict[int, str]:
+        """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one
+        wins (a chunked request is in the last batch too, a decoding one in the running batch)."""
+        eng = self.engine
+        hs = eng.hisparse_coordinator
+        groups = (("chunked", (eng.chunked_req,) if eng.chunked_req else ()),
+                  ("staging", hs.staging_reqs() if hs is not None else ()),
+                  ("transfer", eng.disagg_transfer_queue), ("waiting", eng.waiting_queue),
+                  ("running", eng.running_batch), ("last_batch", eng.last_batch.reqs if eng.last_batch else ()))
+        out: dict[int, str] = {}
+        for name, group in groups:
+            for r in group:
+                out.setdefault(id(r), name)
+        return out
+
+    def lock_holders(self) -> list[tuple[str, str, int]]:
+        """Every live lock receipt as ``(lock, holder, node id)``: requests' ``req.lock`` and session
+        slots' ``slot.lock`` (device), HiCache write-throughs until their ack (device), and load-backs
+        (device lock and host pin on the same node) until released, named by the request that started
+        them, also once an abort left them to be released at their ack (``orphan_load_backs``)."""
+        return [(lock, name, node.id) for lock, name, node in self._holders()]
+
+    def _holders(self) -> list[tuple[str, str, object]]:
+        """:meth:`lock_holders` with the tree nodes themselves."""
+        eng = self.engine
+        tree = eng.tree_cache
+        if tree.disable:
+            return []
+        out = [("device", f"req:{r.rid}", r.lock) for r in eng.requests_owning_rows() if r.lock is not None]
+        if eng.session_controller is not None:
+            out += [("device", f"session:{sid}", slot.lock) for sid, slot in eng.session_controller.slots()
+                    if slot.lock is not None]
+        if eng.hicache_host_pool is not None:
+            out += [("device", f"hicache write-through of node {node.id}", node)
+                    for node, _ in tree.ongoing_write_through.values()]
+            names = self._load_back_names
+            for r in eng.waiting_queue:
+                if r.load_back is not None and id(r.load_back) not in names:
+                    names[id(r.load_back)] = (r.load_back, f"hicache load-back for req:{r.rid}")
+            recs = [r.load_back for r in eng.waiting_queue if r.load_back is not None] + list(eng.orphan_load_backs)
+            for rec in recs:
+                name = names.get(id(rec), (None, f"hicache load-back of node {rec.node.id}"))[1]
+                out += [("device", name, rec.node), ("host", name, rec.node)]
+            if names:
+                live = {id(rec) for rec in tree.ongoing_load_back.values()}
+                for key in [k for k in names if k not in live]:
+                    del names[key]
+        return out
+
+    def lock_balance(self) -> list[LockImbalance]:
+        """Tree nodes whose ``lock_ref`` (device) or ``host_ref`` (HiCache host pins) differs from the
+        live holders whose path covers them (SGLang invariant: ``lock_ref`` equals the number of live
+        receipts whose anchor path covers the node). Holders: :meth:`lock_holders`. The device entries
+        name ``token_to_kv_pool`` slots, the host ones ``hicache_host`` slots (a host pin covers the
+        pinned node and its ancestors, as ``HiRadixCache._pin_host`` walks them)."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return []
+        want: dict[tuple[str, int], int] = {}
+        for lock, _, node in self._holders():
+            while node is not None and node is not tree.root_node:
+                want[lock, id(node)] = want.get((lock, id(node)), 0) + 1
+                node = node.parent
+        host = self.engine.hicache_host_pool is not None
+        out = []
+        for n in tree.nodes():
+            if n.lock_ref != want.get(("device", id(n)), 0):
+                out.append(LockImbalance(f"node {n.id} ({len(n.key)} tokens)",
+                                         (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref,
+                                         want.get(("device", id(n)), 0), {n.id} | {d.id for d in tree.nodes(n)}))
+            if host and n.host_ref != want.get(("host", id(n)), 0):
+                slots = n.host_value if n.host_value is not None else torch.zeros(1, dtype=torch.int64)
+                out.append(LockImbalance(f"host pin on node {n.id} ({len(n.key)} tokens)", slots.cpu().numpy(),
+                                         n.host_ref, want.get(("host", id(n)), 0),
+                                         {n.id} | {d.id for d in tree.nodes(n)}, "host", "hicache_host"))
+        return out
+
+    def install_lock_ledger(self, wrap, record) -> None:
+        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree to ``record(node_id, delta)``, and
+        with HiCache every host pin (``_pin_host(node, delta)``) to ``record(node_id, delta, "host")``."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return
+        inc, dec = tree.inc_lock_ref, tree.dec_lock_ref
+
+        # a node of None is the engine's own bug: let the engine's call fail where it would unhooked
+        def inc_wrapper(node):
+            if node is not None:
+                record(node.id, +1)
+            return inc(node)
+
+        def dec_wrapper(node):
+            if node is not None:
+                record(node.id, -1)
+            return dec(node)
+
+        wrap(tree, "inc_lock_ref", inc_wrapper)
+        wrap(tree, "dec_lock_ref", dec_wrapper)
+        pin = getattr(tree, "_pin_host", None)
+        if pin is not None:
+            def pin_wrapper(node, delta):
+                if node is not None and node is not tree.root_node:
+                    record(node.id, delta, "host")
+                return pin(node, delta)
+
+            wrap(tree, "_pin_host", pin_wrapper)
+
+    def _track_retraction(self) -> None:
+        """Record what each ``retract_decode`` did (``last_retraction``), read from outside the call:
+        requests retracted, tokens freed, and why it stopped (SGLang ``retract_decode``'s loop ends when
+        one decode step fits, at the last request, or aborts that one when even it does not fit)."""
+        eng = self.engine
+        retract = eng.retract_decode
+
+        def retract_wrapper(reqs, force=False):
+            before = eng.token_to_kv_pool_allocator.available_size() + eng.tree_cache.evictable_size()
+            keep = retract(reqs, force=force)
+            after = eng.token_to_kv_pool_allocator.available_size() + eng.tree_cache.evictable_size()
+            gone = [r for r in reqs if r not in keep]
+            aborted = [r for r in gone if r.finished()]
+            why = ("forced by memory pressure (all but one)" if force else
+                   "even the last request did not fit: aborted it" if aborted else
+                   "one decode step fits" if eng._decode_fits(keep) else "only one request left")
+            self.last_retraction = (f"step {self.steps}: retracted {len(gone) - len(aborted)} request(s)"
+                                    + (f", aborted {len(aborted)}" if aborted else "")
+                                    + f", freed {after - before} tokens (available + evictable); "
+                                    f"stopped: {why}; {len(keep)} kept")
+            return keep
+
+        eng.retract_decode = retract_wrapper
+
+    def retraction(self) -> str:
+        return self.last_retraction or ""
+
+    def install_insert_check(self, wrap, report) -> None:
+        """Check every ``RadixCache.insert(key, value)``: the tree takes ``min(len(key), value.numel())``
+        tokens of the request being cached (the caller's local ``req``, as in ``checkpoint_kv_cache_into_tree``),
+        which must not exceed its ``kv_committed_len``; else ``report(owner, inserted, committed, slots)``
+        with the slots (``[n] int64``) of the positions past ``kv_committed_len``."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return
+
+        def measure(req, key, value, *a, **k):
+            inserted, committed = min(len(key), int(value.numel())), req.kv.kv_committed_len
+            return f"req:{req.rid}", inserted, committed, value
+
+        wrap_insert(wrap, tree, "insert", measure, report)
+
+    def recount(self) -> dict[str, dict[str, Recount]]:
+        """The tree's terms recounted from its nodes (SGLang's definition, ``RadixCache.check_integrity``):
+        ``evictable`` = tokens of device-resident nodes with ``lock_ref == 0``, ``protected`` = those with
+        ``lock_ref > 0``; with HiCache, the host pool's ``protected`` = host copies of device-resident or
+        pinned (``host_ref > 0``) nodes and ``evictable`` = the other host copies. One walk of the tree."""
+        tree = self.engine.tree_cache
+        if tree.disable:
+            return {}
+        ev = pr = hev = hpr = 0
+        for n in tree.nodes():
+            k = len(n.key)
+            if n.value is not None:
+                if n.lock_ref:
+                    pr += k
+                else:
+                    ev += k
+            if n.host_value is not None:
+                if n.value is not None or n.host_ref:
+                    hpr += k
+                else:
+                    hev += k
+        out = {"token_to_kv_pool": {"evictable": Recount(ev, "tree", "its nodes with lock_ref 0"),
+                                    "protected": Recount(pr, "tree", "its nodes with lock_ref > 0")}}
+        if self.engine.hicache_host_pool is not None:
+            out["hicache_host"] = {
+                "evictable": Recount(hev, "host tree", "host copies of unpinned host-only nodes"),
+                "protected": Recount(hpr, "host tree", "host copies of device-resident or pinned nodes")}
+        return out
+
+    def describe_busy(self) -> str:
+        eng = self.engine
+        return (f"waiting={len(eng.waiting_queue)} running={len(eng.running_batch)} "
+                f"prealloc={len(eng.disagg_prealloc_queue)} transfer={len(eng.disagg_transfer_queue)} "
+                f"available={eng.token_to_kv_pool_allocator.available_size()} "
+                f"evictable={eng.tree_cache.evictable_size()} protected={eng.tree_cache.protected_size()}")
+
+    def accounting(self) -> dict[str, Accounting]:
+        eng = self.engine
+        a = eng.token_to_kv_pool_allocator
+        tree = eng.tree_cache
+        acc = {"token_to_kv_pool": Accounting(a.available_size(), tree.evictable_size(), tree.protected_size(),
+                                              eng.session_held_tokens(), a.size)}
+        rp = eng.req_to_token_pool
+        session_rows = 0 if eng.session_controller is None else len(eng.session_controller.slots())
+        acc["req_to_token_pool"] = Accounting(rp.available_size(), 0, 0, session_rows, rp.size + rp.pre_alloc_size)
+        if eng.hicache_host_pool is not None:
+            hp = eng.hicache_host_pool
+            acc["hicache_host"] = Accounting(hp.available_size(), tree.host_evictable_size(),
+                                             tree.host_protected_size(), 0, hp.size)
+        hs = eng.hisparse_coordinator
+        if hs is not None:
+            for name, pool in (("hisparse_device", hs.hisparse_attn_allocator), ("hisparse_host", hs.host_pool)):
+                acc[name] = Accounting(pool.available_size(), 0, 0, 0, pool.size)
+        return acc
+
+    def engine_check(self) -> list[str]:
+        return [c.message() for c in self.engine.check_memory() if not c.ok]
+
+
+def _ranges(pos) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"`` (at most four ranges)."""
+    pos = sorted(int(p) for p in pos)
+    out, start = [], pos[0]
+    for a, b in zip(pos, pos[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out[:4]) + (", ..." if len(out) > 4 else "")
