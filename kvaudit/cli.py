@@ -271,9 +271,9 @@ def bench_cmd(trials, budget, fuzzers_value, bugs_value, fp_seconds, overhead_pr
 @output_options
 def report_cmd(file, outputs):
     """Render the findings recorded in a replay or report JSON FILE: the console report, and the
-    files that --html/--sarif/--junit/--json ask for. Runs no search; the program is replayed once
-    only when an occupancy plot (--html, --json) is wanted and FILE has no timeline. Exits 0 once
-    the report is rendered, findings or not."""
+    files that --html/--sarif/--junit/--json ask for. Runs no search and no engine: the occupancy
+    plot (--html, --json) is the timeline FILE records (a file without one gets no plot). Exits 0
+    once the report is rendered, findings or not."""
     from kvaudit.app import report as job
 
     return job.run(file, outputs)

@@ -111,8 +111,8 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
         kept.append(outputs.sarif)
     rest = Outputs(html=outputs.html, json=outputs.json)
     if rest.wanted():
-        cases = [Case(p, f, doc_extra={"preset": run.preset}, config=get_preset(run.preset).config())
-                 for run in result.fuzz for p, f, _ in run.new]
+        cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
+                      config=get_preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         base = get_preset(preset_names[0]).config()
         write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                        {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
@@ -123,3 +123,11 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     if failed:
         return EXIT_FINDINGS
     return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
+
+
+def _timeline(path: str) -> dict | None:
+    """The occupancy timeline a new finding's replay file records (its confirming replay's), or None."""
+    try:
+        return replay.load(path)[3].get("timeline")
+    except replay.ReplayFormatError:
+        return None

@@ -67,7 +67,7 @@ def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[
     if not outputs.wanted():
         return
     try:
-        written = write_outputs(outputs, data, note=lambda m: err.print(m, soft_wrap=True))
+        written = write_outputs(outputs, data)
     except WriteError as e:
         raise write_error(e, f"report {e.filename}", [*kept, *e.written]) from None
     err.print("reports written: " + ", ".join(written), soft_wrap=True)

@@ -17,6 +17,7 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, Inp
 from kvaudit.app.files import load_suppressions, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
+from kvaudit.app.replay import record_timeline
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
 from kvaudit.outputs import Case, Outputs, ReportData, disk_full
 
@@ -93,7 +94,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
                 phase("done")
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM
         ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
-        INTERRUPTED.clear()  # the reports below replay the program (the timeline)
+        INTERRUPTED.clear()  # the timeline below replays the program
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
             write_reports(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
@@ -104,8 +105,11 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
             path = write_finding(out_dir, config, program, findings, seed=seed,
                                  confirmations="interrupted before confirmation", minimized=False)
             err.print(f"interrupted while minimizing; the unminimized program is in {path}", soft_wrap=True)
-            write_reports(outputs, _run_data(config, program, findings, sset, stats, seed, interrupted=True,
-                                             program_title="program (unminimized)"), err, kept=(path,))
+            data = _run_data(config, program, findings, sset, stats, seed, interrupted=True,
+                             program_title="program (unminimized)")
+            if outputs.html or outputs.json:  # no confirming replay recorded its timeline
+                data.cases[0].timeline = record_timeline(config, program, sset, err)
+            write_reports(outputs, data, err, kept=(path,))
             return EXIT_FINDINGS
     if found is None or crash is None:
         if sset is not None:
@@ -123,8 +127,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
     title = "minimized program" if minimized else "program (not minimized)"
     data = _run_data(config, crash.program, crash.findings, sset, stats, seed, program_title=title)
-    data.cases[0].timeline = crash.timeline  # triage recorded it when a replay is costly (a hang)
-    data.ensure_timelines()
+    data.cases[0].timeline = crash.timeline  # triage's confirming replay recorded it
     data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
     hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
     console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"

@@ -58,12 +58,26 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
         same = "yes" if want <= got | set(hidden) else "no"
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
+    err = make_console(stderr=True)
+    timeline = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
     write_reports(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
-                                             {"replayed": file}, program_title="program", suppressions=sset),
-                  make_console(stderr=True))
+                                             {"replayed": file}, timeline=timeline, program_title="program",
+                                             suppressions=sset), err)
     if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
         return EXIT_NONDETERMINISTIC
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
+
+
+def record_timeline(config, program, sset, err: Console) -> dict | None:
+    """The pool occupancy of ``program`` for the reports' plot (:func:`kvaudit.timeline.record`):
+    one more run, said on ``err``; None for an empty program. Report writers never run the engine:
+    a job that has no recorded timeline calls this before writing them."""
+    if not program:
+        return None
+    from kvaudit import timeline
+
+    err.print(f"recording pool occupancy: replaying the {len(program)}-op program", soft_wrap=True)
+    return timeline.record(config, program, suppressions=sset.fresh() if sset is not None else None)
 
 
 def update_replays(files: tuple[str, ...]) -> int:

@@ -1,10 +1,10 @@
 """``kvaudit report``: render the findings a replay or report JSON file records, to the console and
-to the report files asked for. Runs no search."""
+to the report files asked for. Runs no engine: the occupancy plot is drawn from the timeline the
+file records (a file recorded before timelines were kept gets none)."""
 
 from __future__ import annotations
 
 from kvaudit import replay
-from kvaudit.app.configs import check_device
 from kvaudit.app.errors import EXIT_CLEAN, InputError
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
@@ -32,8 +32,6 @@ def run(file: str, outputs: Outputs) -> int:
         if timeline is not None and not timeline_is_valid(timeline):
             raise InputError(f"{file}: bad timeline{f' in case {i}' if len(loaded) > 1 else ''}: "
                              "want steps, ops and pools whose series are lists of counts as long as steps")
-        if timeline is None and program and (outputs.html or outputs.json):
-            check_device(case_config.device)
         title = "minimized program" if case_doc.get("minimized") else "program"
         cases.append(Case(program, findings, timeline, title,
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
