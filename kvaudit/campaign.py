@@ -164,12 +164,10 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
             continue
         path = os.path.join(fdir, replay.file_name(sig))
         if not os.path.exists(path):
-            from kvaudit.timeline import record
-
             replay.write_atomic(path, replay.to_doc(
                 config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
                 confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
-                timeline=crash.timeline or record(config, crash.program)))
+                timeline=crash.timeline))
         known.add(sig)
         emit(("finding", spec.index, sig, path))
         for other in dict.fromkeys(f.signature for f in crash.findings[1:]):  # saved with it, so known from

@@ -89,7 +89,7 @@ class Crash:
     original_length: int
     confirmations: int
     runs: int = CONFIRM_RUNS  # replays tried: ``confirmations`` of ``runs`` reproduced the signature
-    timeline: dict | None = None  # the pool occupancy (kvaudit.timeline.record), when triage recorded it
+    timeline: dict | None = None  # the pool occupancy of ``program`` (kvaudit.timeline.record), recorded by triage
 
     @property
     def finding(self) -> Finding:
@@ -300,7 +300,8 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
     """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K.
     ``suppressions`` applies to every run, so the crash keeps an unsuppressed signature and lists
     no suppressed findings. ``on_phase`` is told each phase as it starts: ``"confirming"``,
-    ``"minimizing"``, ``"confirming the minimized program"``."""
+    ``"minimizing"``, ``"confirming the minimized program"``. The crash carries the minimized
+    program's occupancy timeline (:func:`kvaudit.timeline.record`), for its replay file and reports."""
     sig = finding.signature
     phase = on_phase or (lambda name: None)
     phase("confirming")
@@ -327,8 +328,13 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
     final = execute(config, small, suppressions=suppressions, drain=True)
     primary = next(f for f in final.findings if f.signature == sig)
     others = [f for f in final.findings if f is not primary]
-    return Crash(config, small, [primary] + others, len(program),
-                 confirm(config, small, sig, suppressions=suppressions))
+    confirmations = confirm(config, small, sig, suppressions=suppressions)
+    # NOTE: the plot's data is recorded here, with the finding, and kept in its replay file: writing a
+    # report never runs the engine (kvaudit.outputs)
+    from kvaudit.timeline import record
+
+    return Crash(config, small, [primary] + others, len(program), confirmations,
+                 timeline=record(config, small, suppressions=suppressions))
 
 
 def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,

@@ -3,7 +3,9 @@
 
 Every renderer takes the same plain data (config, program, findings, the occupancy timeline and
 suppression counts); each file is written atomically. The JSON file is a replay file with the
-timeline added, so ``kvaudit report`` and ``kvaudit replay`` read it back.
+timeline added, so ``kvaudit report`` and ``kvaudit replay`` read it back. Writing runs no engine:
+the timeline is what the job recorded (the confirming replay of a finding keeps it in the replay
+file); a case without one gets no plot (the HTML says none was recorded).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import errno
 import json
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine_under_test import EngineConfig
 from kvaudit import replay
@@ -57,7 +58,7 @@ class Outputs:
 
 @dataclass
 class Case:
-    """One program and the findings it yields, with its occupancy timeline (computed on demand)."""
+    """One program and the findings it yields, with its occupancy timeline (None: not recorded)."""
 
     program: list[Op]
     findings: list[Finding]
@@ -88,16 +89,6 @@ class ReportData:
     def findings(self) -> list[Finding]:
         return [f for c in self.cases for f in c.findings]
 
-    def ensure_timelines(self, note: Callable[[str], None] | None = None) -> None:
-        from kvaudit import timeline
-
-        for case in self.cases:
-            if case.timeline is None and case.program:
-                if note:
-                    note(f"recording pool occupancy: replaying the {len(case.program)}-op program")
-                case.timeline = timeline.record(case.config or self.config, case.program,
-                                                suppressions=self.suppressions.fresh() if self.suppressions else None)
-
     def doc(self) -> dict:
         """One case: a replay file (plus ``timeline``, ``suppressed`` and the run facts). Several: a
         ``kvaudit.report/1`` document whose ``cases`` are such replay files."""
@@ -109,12 +100,12 @@ class ReportData:
         return {"format": replay.REPORT_FORMAT, "config": self.config.to_dict(), "cases": docs, **top}
 
 
-def write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None = None) -> list[str]:
+def write(outputs: Outputs, data: ReportData) -> list[str]:
     """Write every file ``outputs`` names; returns the paths written. Raises :class:`WriteError`
     (an OSError) naming the file that failed; those written before it stay."""
     written: list[str] = []
     try:
-        _write(outputs, data, note, written)
+        _write(outputs, data, written)
     except OSError as e:
         raise WriteError(e, _failed(outputs, written), written) from None
     return written
@@ -126,9 +117,7 @@ def _failed(outputs: Outputs, written: list[str]) -> str:
     return next((p for p in order if p and p not in written), "?")
 
 
-def _write(outputs: Outputs, data: ReportData, note: Callable[[str], None] | None, written: list[str]) -> None:
-    if outputs.html or outputs.json:
-        data.ensure_timelines(note)
+def _write(outputs: Outputs, data: ReportData, written: list[str]) -> None:
     if outputs.json:
         written.append(replay.write_atomic(outputs.json, data.doc()))
     if outputs.sarif:

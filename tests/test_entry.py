@@ -37,13 +37,13 @@ def test_help_imports_neither_torch_nor_hypothesis_nor_rich(args):
 
 
 def test_the_budget_counts_from_the_process_start(monkeypatch):
-    from kvaudit.cli import _budget_left
+    from kvaudit.app.fuzz import budget_left
 
     monkeypatch.setattr(entry, "STARTED", None)
-    assert _budget_left(10.0) == 10.0  # in-process (no console script): the whole budget
+    assert budget_left(10.0) == 10.0  # in-process (no console script): the whole budget
     monkeypatch.setattr(entry, "STARTED", time.monotonic() - 3.0)
-    assert 6.0 < _budget_left(10.0) <= 7.0
-    assert _budget_left(2.0) == 0.0  # start-up spent it all
+    assert 6.0 < budget_left(10.0) <= 7.0
+    assert budget_left(2.0) == 0.0  # start-up spent it all
 
 
 def test_fuzz_searches_only_what_start_up_left_of_the_budget(monkeypatch, tmp_path):

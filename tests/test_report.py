@@ -198,6 +198,18 @@ def test_timeline_terms_add_up_to_the_total_when_nothing_is_wrong():
     assert used  # the program really had requests and cached prefixes at once
 
 
+def test_triage_records_the_timeline_of_the_confirmed_program():
+    """The confirming replay records the plot's data, so that writing the report runs no engine."""
+    from kvaudit.fuzz import triage
+
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    crash = triage(config, program, findings[0])
+    assert crash is not None and crash.runs == crash.confirmations == 3
+    assert timeline.is_valid(crash.timeline)
+    assert crash.timeline == timeline.record(config, crash.program)  # the program as written, deterministic
+    assert crash.timeline["detected"]["kind"] == crash.finding.kind == "leak"
+
+
 # -- HTML ------------------------------------------------------------------------------------------
 
 def test_html_is_self_contained_and_has_the_plot_and_sections():
@@ -227,7 +239,7 @@ def test_report_writes_every_format_and_its_json_reads_back(tmp_path):
     result = invoke("report", src, *[a for fmt, p in out.items() for a in (f"--{fmt}", p)])
     assert result.exit_code == 0, result.output
     assert "Use-after-free of" in result.stdout
-    assert "replaying the 5-op program" in result.stderr  # the corpus file has no timeline yet
+    assert "replaying" not in result.stderr  # the corpus file has no timeline: its report gets no plot
     for p in out.values():
         assert os.path.getsize(p) > 0
     sarif = json.load(open(out["sarif"]))
@@ -236,12 +248,40 @@ def test_report_writes_every_format_and_its_json_reads_back(tmp_path):
     assert recorded[0].kind == "use-after-free"
     assert "<testcase" in open(out["junit"]).read()
     config, program, findings, doc = replay.load(out["json"])
-    assert doc["timeline"]["pools"] and [f.signature for f in findings][0].startswith("use-after-free/")
-    # a report of the report: the timeline is reused, nothing is replayed
-    again = invoke("report", out["json"], "--html", str(tmp_path / "again.html"))
-    assert again.exit_code == 0 and "replaying" not in again.stderr
-    assert "<svg" in open(tmp_path / "again.html").read()
+    assert [f.signature for f in findings] == [f.signature for f in recorded] and "timeline" not in doc
+    assert findings[0].signature.startswith("use-after-free/")
+    # a report of the report: the same findings again
+    again = invoke("report", out["json"], "--json", str(tmp_path / "again.json"))
+    assert again.exit_code == 0, again.output
+    assert [f.to_dict() for f in replay.load(str(tmp_path / "again.json"))[2]] == [f.to_dict() for f in findings]
 
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Any engine run (a :class:`kvaudit.runner.AuditedRun`) fails the test."""
+    from kvaudit.runner import AuditedRun
+
+    def ran(*a, **k):
+        raise AssertionError("an engine ran while writing a report")
+
+    monkeypatch.setattr(AuditedRun, "__init__", ran)
+
+
+def test_writing_a_report_never_runs_an_engine(tmp_path, no_engine):
+    with_timeline = os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")
+    assert replay.load(with_timeline)[3]["timeline"]
+    r = invoke("report", with_timeline, "--html", str(tmp_path / "a.html"), "--json", str(tmp_path / "a.json"))
+    assert r.exit_code == 0, r.output
+    assert "<svg" in open(tmp_path / "a.html").read()  # the plot, from the file's timeline
+    assert replay.load(str(tmp_path / "a.json"))[3]["timeline"] == replay.load(with_timeline)[3]["timeline"]
+    old = os.path.join(REGRESSIONS, "session-close-while-running.json")  # recorded before timelines were kept
+    assert "timeline" not in replay.load(old)[3]
+    r = invoke("report", old, "--html", str(tmp_path / "b.html"), "--json", str(tmp_path / "b.json"))
+    assert r.exit_code == 0, r.output
+    page = open(tmp_path / "b.html").read()
+    assert "<svg" not in page and "No occupancy timeline was recorded" in page
+    assert "timeline" not in json.load(open(tmp_path / "b.json"))
 
 def test_replay_takes_the_report_flags(tmp_path):
     src = os.path.join(REGRESSIONS, "overlap-abort-double-free.json")
@@ -394,8 +434,7 @@ def test_timelines_are_thinned_to_a_bounded_size(monkeypatch):
 def test_a_multi_case_report_keeps_each_case_config(tmp_path):
     a = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
     b = json.load(open(os.path.join(DATA, "session-borrow-double-count.json")))
-    for d in (a, b):
-        d.pop("timeline")
+    b.pop("timeline")  # a case recorded before timelines were kept
     multi = tmp_path / "multi.json"
     multi.write_text(json.dumps({"format": replay.REPORT_FORMAT, "config": a["config"], "cases": [a, b]}))
     out = tmp_path / "out.json"
@@ -403,8 +442,8 @@ def test_a_multi_case_report_keeps_each_case_config(tmp_path):
     assert r.exit_code == 0, r.output
     doc = json.load(open(out))
     assert [c["config"]["preset"] for c in doc["cases"]] == ["pd-decode-hisparse", "streaming-session"]
-    assert "hisparse_device" in doc["cases"][0]["timeline"]["pools"]  # recorded on its own engine
-    assert "session_records" in doc["cases"][1]["timeline"]["pools"]
+    assert doc["cases"][0]["timeline"] == a["timeline"]  # each case keeps its own, as recorded
+    assert "hisparse_device" in doc["cases"][0]["timeline"]["pools"] and "timeline" not in doc["cases"][1]
 
 
 def test_duplicate_signatures_are_one_section_and_one_sarif_result(tmp_path):

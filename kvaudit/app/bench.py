@@ -1,0 +1,52 @@
+"""``kvaudit bench``: check the bug and fuzzer lists, run the benchmark and write its markdown and
+JSON. The method and its statistics are :mod:`kvaudit.bench`."""
+
+from __future__ import annotations
+
+from engine_under_test import BUGS
+from kvaudit import replay
+from kvaudit.app.errors import EXIT_CLEAN, InputError, write_error
+from kvaudit.app.files import check_outputs
+from kvaudit.app.fuzz import check_atheris
+from kvaudit.app.progress import console as make_console
+from kvaudit.constants import FUZZERS
+
+
+def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_seconds: float | None,
+        overhead_presets: str, out_md: str, out_json: str) -> int:
+    """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for an unknown fuzzer,
+    bug or preset, or an unwritable output."""
+    from kvaudit import bench
+
+    fuzzers = [f.strip() for f in fuzzers_value.split(",") if f.strip()]
+    bad = [f for f in fuzzers if f not in FUZZERS]
+    if bad or not fuzzers:
+        raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else fuzzers_value!r} "
+                         f"(valid: {', '.join(FUZZERS)})")
+    bugs = list(BUGS) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
+    bad = [b for b in bugs if b not in BUGS]
+    if bad or not bugs:
+        raise InputError(f"--bugs: unknown bug {bad[0] if bad else bugs_value!r} (see 'kvaudit bugs')")
+    from kvaudit import ci
+
+    try:
+        ov = [] if overhead_presets == "none" else ci.presets_arg(overhead_presets)
+    except ValueError as e:
+        raise InputError(f"--overhead-presets: {e}") from None
+    if "atheris" in fuzzers:
+        check_atheris()
+    check_outputs(html=out_md, json=out_json)  # writable, distinct (--out and --json)
+    err = make_console(stderr=True)
+    err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
+              f"budget {budget:g}s each", soft_wrap=True)
+    res = bench.run(bugs, fuzzers, trials, budget, budget if fp_seconds is None else fp_seconds, ov,
+                    on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
+    kept: list[str] = []
+    for path, write in ((out_json, lambda: replay.write_atomic(out_json, res.to_json())),
+                        (out_md, lambda: replay.write_text_atomic(out_md, bench.markdown(res)))):
+        try:
+            kept.append(write())
+        except OSError as e:
+            raise write_error(e, path, kept) from None
+    make_console().print(f"bench done in {res.wall / 60:.1f} min: {out_md}, {out_json}")
+    return EXIT_CLEAN

@@ -1,0 +1,133 @@
+"""``kvaudit ci``: the nightly / per-PR job's run and its summary and reports. What it checks and
+how (regressions, the per-preset fuzz, JUnit and SARIF) is :mod:`kvaudit.ci`."""
+
+from __future__ import annotations
+
+import os
+
+from engine_under_test import get_preset
+from kvaudit import replay
+from kvaudit.app.errors import EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, write_error
+from kvaudit.app.files import load_suppressions, write_reports
+from kvaudit.app.fuzz import check_atheris
+from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
+from kvaudit.app.progress import Progress, console as make_console
+from kvaudit.outputs import Case, Outputs, ReportData
+
+
+def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
+        corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs) -> int:
+    """``kvaudit ci``; returns the exit code (see the command's help). Raises :class:`InputError`
+    for a bad preset list, directory or suppression file."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvaudit import ci
+    from kvaudit.report import print_report, print_table, suppressed_by_kind
+    from kvaudit.runner import INTERRUPTED
+
+    try:
+        preset_names = ci.presets_arg(presets_value)
+    except ValueError as e:
+        raise InputError(f"--presets: {e}") from None
+    sset = load_suppressions(suppress_file)
+    if regressions_dir is None:
+        from kvaudit.data import data_path
+
+        here = os.path.join("corpora", "regressions")
+        regressions_dir = here if os.path.isdir(here) else data_path("corpora", "regressions")
+    if not os.path.isdir(regressions_dir):
+        raise InputError(f"--regressions {regressions_dir}: no such directory")
+    files = ci.regression_files(regressions_dir)
+    for d, flag in ((out_dir, "out"), (corpus_dir, "corpus")):
+        if d is not None:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise InputError(f"--{flag} {d}: {e.strerror or e}") from None
+    if fuzzer == "atheris":
+        check_atheris()
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(os.path.join(corpus_dir or out_dir, ".hypothesis"))
+    console, err = make_console(), make_console(stderr=True)
+    result = ci.CiResult()
+    per_preset = max_time / len(preset_names) if max_time > 0 else 0.0
+    err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir}; fuzz {fuzzer} over "
+              f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
+    catch_sigint()
+    try:
+        for path in files:
+            check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
+            result.regressions.append(check)
+            err.print(f"regression {check.name}: " + ("ok" if check.ok else f"FAILED: {check.problem}"),
+                      soft_wrap=True)
+        if per_preset > 0:
+            for preset in preset_names:
+                progress = Progress(err, per_preset, suppressions=sset)
+                with progress:
+                    run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
+                                         on_progress=progress.update)
+                result.fuzz.append(run)
+                err.print(f"fuzz {preset}: {run.executions} executions, "
+                          + (f"{len(run.new)} NEW finding(s)" if run.new else "clean")
+                          + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
+                if run.interrupted:  # its findings are kept above
+                    raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        result.interrupted = True
+    ignore_interrupts()  # the summary and reports are written whole
+    INTERRUPTED.clear()
+    for run in result.fuzz:
+        for program, findings, path in run.new:
+            print_report(console, get_preset(run.preset).config(), program, findings)
+    t = Table(title="kvaudit ci", title_justify="left")
+    t.add_column("check", overflow="fold")
+    t.add_column("result", overflow="fold")
+    for r in result.regressions:
+        t.add_row(f"regression {r.name}", Text("ok", style="green") if r.ok else Text(r.problem, style="bold red"))
+    for run in result.fuzz:
+        t.add_row(f"fuzz {run.preset} ({run.seconds:.0f}s, {run.executions} executions)",
+                  Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
+                  if run.new else Text("clean", style="green"))
+    print_table(console, t)
+    kept = [path for run in result.fuzz for _, _, path in run.new]
+    if outputs.junit:
+        try:
+            replay.write_text_atomic(outputs.junit, ci.junit(result))
+        except OSError as e:
+            raise write_error(e, outputs.junit, kept) from None
+        err.print(f"JUnit written: {outputs.junit}")
+        kept.append(outputs.junit)
+    if outputs.sarif:  # every open finding, new and known (HTML and JSON: the new ones)
+        import json
+
+        try:
+            replay.write_text_atomic(outputs.sarif, json.dumps(ci.sarif(result, get_preset(preset_names[0]).config()),
+                                                               indent=2) + "\n")
+        except OSError as e:
+            raise write_error(e, outputs.sarif, kept) from None
+        err.print(f"SARIF written: {outputs.sarif}")
+        kept.append(outputs.sarif)
+    rest = Outputs(html=outputs.html, json=outputs.json)
+    if rest.wanted():
+        cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
+                      config=get_preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
+        base = get_preset(preset_names[0]).config()
+        write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
+                                       {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
+    failed = result.failed
+    console.print(("FAILED" if failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
+                  f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
+                  + (" (interrupted)" if result.interrupted else ""))
+    if failed:
+        return EXIT_FINDINGS
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
+
+
+def _timeline(path: str) -> dict | None:
+    """The occupancy timeline a new finding's replay file records (its confirming replay's), or None."""
+    try:
+        return replay.load(path)[3].get("timeline")
+    except replay.ReplayFormatError:
+        return None

@@ -1,0 +1,32 @@
+"""The errors a command ends with, each a one-line message and an exit code (see :mod:`kvaudit.cli`)."""
+
+from __future__ import annotations
+
+import click
+
+from kvaudit.constants import EXIT_UNAVAILABLE
+from kvaudit.outputs import disk_full
+
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
+EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, EXIT_DISK_FULL = 3, 4, 74
+
+
+class InputError(click.ClickException):
+    exit_code = EXIT_USAGE
+
+
+class DiskFull(click.ClickException):
+    exit_code = EXIT_DISK_FULL
+
+
+class UnavailableError(click.ClickException):
+    exit_code = EXIT_UNAVAILABLE
+
+
+def write_error(e: OSError, path: str, kept: list[str] | tuple = ()) -> click.ClickException:
+    """The one-line error for a finding or report that could not be written: disk full (exit 74,
+    naming the files kept), else an input error (exit 2)."""
+    if disk_full(e):
+        return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); "
+                        + (f"kept what was written: {', '.join(kept)}" if kept else "nothing else was written"))
+    return InputError(f"cannot write {path}: {e.strerror or e}")

@@ -1,0 +1,86 @@
+"""The files a command reads and writes besides the engine's: ``--suppress`` files, replay files
+of findings, and the report files ``--html``/``--sarif``/``--junit``/``--json`` name (checked before a
+long run, written after it)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING
+
+from kvaudit import replay
+from kvaudit.app.errors import InputError, write_error
+from kvaudit.outputs import Outputs, ReportData, WriteError
+from kvaudit.outputs import write as write_outputs
+from kvaudit.suppress import SuppressionError, SuppressionSet
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def load_suppressions(path: str | None) -> SuppressionSet | None:
+    """The rules of ``--suppress FILE``, or None without the flag; a bad file is an input error."""
+    if path is None:
+        return None
+    try:
+        return SuppressionSet.load(path)
+    except SuppressionError as e:
+        raise InputError(str(e)) from None
+
+
+def check_outputs(inputs: tuple[str, ...] = (), **paths) -> Outputs:
+    """Check the report paths now, not after a long run: a non-empty file name (not ``-``), not a
+    directory or a device, not one of the ``inputs`` and not named twice (however spelled), in a
+    directory where a file can really be created (tried)."""
+    seen: dict[str, str] = {}
+    given = {os.path.realpath(p): p for p in inputs if p and os.path.exists(p)}
+    for fmt, path in paths.items():
+        if path is None:
+            continue
+        if path in ("", "-"):
+            raise InputError(f"--{fmt}: want a file name, not {path!r}")
+        real = os.path.realpath(path)
+        if real in seen:
+            raise InputError(f"--{fmt} and --{seen[real]} both name {path}")
+        seen[real] = fmt
+        if real in given:
+            raise InputError(f"--{fmt} {path}: is the input file {given[real]}; it would be overwritten")
+        if os.path.isdir(real):
+            raise InputError(f"--{fmt} {path}: is a directory (want a file name)")
+        if os.path.exists(real) and not os.path.isfile(real):
+            raise InputError(f"--{fmt} {path}: not a regular file (reports are written by renaming a new file "
+                             "over the old one)")
+        parent = os.path.dirname(real)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise InputError(f"--{fmt} {path}: cannot write in {parent} (not a directory)")
+        try:  # os.access says yes to root on read-only mounts and /sys: try it
+            tempfile.TemporaryFile(dir=parent).close()
+        except OSError as e:
+            raise InputError(f"--{fmt} {path}: cannot write in {parent}: {e.strerror or e}") from None
+    return Outputs(**paths)
+
+
+def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> None:
+    """Write the reports asked for; ``kept``: files this run wrote before (named if the disk is full)."""
+    if not outputs.wanted():
+        return
+    try:
+        written = write_outputs(outputs, data)
+    except WriteError as e:
+        raise write_error(e, f"report {e.filename}", [*kept, *e.written]) from None
+    err.print("reports written: " + ", ".join(written), soft_wrap=True)
+
+
+def write_finding(out_dir, config, program, findings, **extra) -> str:
+    """The replay file of ``findings`` in ``out_dir``, named by the first one's signature."""
+    return write_replay(os.path.join(out_dir, replay.file_name(findings[0].signature)), config, program, findings,
+                        **extra)
+
+
+def write_replay(path, config, program, findings, **extra) -> str:
+    try:
+        return replay.write_atomic(path, replay.to_doc(config, program, findings, **extra))
+    except OSError as e:
+        raise write_error(e, path) from None

@@ -1,0 +1,289 @@
+"""``kvaudit fuzz``: a search that stops at its first finding (confirmed, minimized, written,
+reported), or a resumable campaign over a corpus directory (:mod:`kvaudit.campaign`). The search
+itself is :mod:`kvaudit.fuzz` (Hypothesis, random) and :mod:`kvaudit.atheris_fuzz`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import click
+
+from kvaudit import replay
+from kvaudit.app.configs import check_fuzzer, sglang_version, warn_unreachable_bugs
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, UnavailableError,
+                                write_error)
+from kvaudit.app.files import load_suppressions, write_finding, write_reports
+from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
+from kvaudit.app.progress import Progress, console as make_console
+from kvaudit.app.replay import record_timeline
+from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
+from kvaudit.outputs import Case, Outputs, ReportData, disk_full
+
+if TYPE_CHECKING:
+    from kvaudit.fuzz import FuzzStats
+
+
+def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: float, seed: int, out_dir: str,
+        workers: int, corpus_dir: str | None, use_seeds: bool, suppress_file: str | None,
+        step_timeout: float | None, outputs: Outputs) -> int:
+    """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`); returns the
+    exit code (see the command's help). Raises :class:`InputError` for a bad directory, suppression
+    file or fuzzer, :class:`UnavailableError` when atheris is missing."""
+    from kvaudit.fuzz import FuzzStats, triage
+    from kvaudit.report import print_report, print_suppressions, summary_line, suppressed_by_kind
+    from kvaudit.runner import INTERRUPTED, set_step_timeout
+    from kvaudit.runner import step_timeout as runner_step_timeout
+
+    preset = config.preset
+    if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
+        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
+    check_fuzzer(fuzzer, target)
+    sset = load_suppressions(suppress_file)
+    campaign = corpus_dir is not None or workers > 1
+    target_dir = corpus_dir if corpus_dir is not None else out_dir
+    try:  # fail now, not after the budget, if findings could not be written
+        os.makedirs(target_dir, exist_ok=True)
+        if not os.access(target_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise InputError(f"--{'corpus' if corpus_dir is not None else 'out'} {target_dir}: {e.strerror or e}") from None
+    if fuzzer == "atheris":
+        check_atheris()
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(os.path.join(target_dir, ".hypothesis"))  # not the user's cwd
+    console, err = make_console(), make_console(stderr=True)
+    stats = FuzzStats()
+    where = (f"target sglang {sglang_version()} ({config.tree_core} tree core), " if target == "sglang" else "")
+    err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
+              f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
+                                           else f"out {out_dir}")
+              + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
+    warn_unreachable_bugs(config, err)
+    if getattr(config, "enable_hierarchical_cache", False) and config.tree_core == "rust":
+        err.print("note: on the rust tree core the hicache_host_pool is checked by its ledger and free-list replay "
+                  "only (the core cannot list host values: no leak check there); --tree-core python checks it fully",
+                  soft_wrap=True)
+    max_time = budget_left(max_time)
+    if campaign:
+        return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
+                         console, err, use_seeds)
+    progress = Progress(err, max_time, suppressions=sset)
+    found = crash = None
+    catch_sigint()
+    try:
+        with progress:
+            progress.update(stats)
+            found = _search(fuzzer, config, max_time, seed, stats, progress.update, sset, suppress_file, out_dir,
+                            use_seeds)
+            if found is None:
+                stats.phase = "done"
+                progress.update(stats, force=True)
+            else:
+                stats.findings = 1
+
+                def phase(name: str) -> None:  # a line per phase off a terminal: confirming, minimizing, ...
+                    stats.phase = name
+                    progress.update(stats, force=True)
+
+                # the report's hit counts are the search's: triage's many reruns count apart
+                crash = triage(config, found[0], found[1][0], suppressions=sset.fresh() if sset is not None else None,
+                               on_phase=phase)
+                phase("done")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
+        ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
+        INTERRUPTED.clear()  # the timeline below replays the program
+        if found is None:
+            err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
+            write_reports(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
+            return EXIT_INTERRUPTED
+        if crash is None:  # interrupted while confirming or minimizing: keep it, unminimized and unconfirmed
+            program, findings = found
+            print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
+            path = write_finding(out_dir, config, program, findings, seed=seed,
+                                 confirmations="interrupted before confirmation", minimized=False)
+            err.print(f"interrupted while minimizing; the unminimized program is in {path}", soft_wrap=True)
+            data = _run_data(config, program, findings, sset, stats, seed, interrupted=True,
+                             program_title="program (unminimized)")
+            if outputs.html or outputs.json:  # no confirming replay recorded its timeline
+                data.cases[0].timeline = record_timeline(config, program, sset, err)
+            write_reports(outputs, data, err, kept=(path,))
+            return EXIT_FINDINGS
+    if found is None or crash is None:
+        if sset is not None:
+            print_suppressions(console, sset)
+        if found is None:
+            console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
+                          f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)")
+        else:
+            console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} "
+                          "times; not reported (flaky)")
+        console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
+        write_reports(outputs, _run_data(config, [], [], sset, stats, seed), err)
+        return EXIT_CLEAN
+    ignore_interrupts()  # the finding is complete: write and report it whole
+    minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
+    title = "minimized program" if minimized else "program (not minimized)"
+    data = _run_data(config, crash.program, crash.findings, sset, stats, seed, program_title=title)
+    data.cases[0].timeline = crash.timeline  # triage's confirming replay recorded it
+    data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
+    hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
+    console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"
+                  + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
+                  + f", {stats.elapsed:.1f}s in all); "
+                  + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
+                     f"{len(crash.program)} ops, not minimized (each replay of a hang costs the step timeout)")
+                  + f"; reproduced {crash.confirmations}/{crash.runs}", soft_wrap=True)
+    try:
+        path = write_finding(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
+                             confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
+                             timeline=data.cases[0].timeline)
+    except click.ClickException:  # a full disk (write_error): the finding still reaches the log
+        print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
+        raise
+    console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
+    # the report last: its closing SUMMARY: line is the last line on stdout, as LeakSanitizer's
+    print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
+    write_reports(outputs, data, err, kept=(path,))
+    return EXIT_FINDINGS
+
+
+def check_atheris() -> None:
+    """``--fuzzer atheris`` needs atheris and the executable harness: :class:`UnavailableError` (exit 69)."""
+    from kvaudit.atheris_fuzz import HARNESS
+    from kvaudit.constants import MISSING_ATHERIS
+
+    try:
+        import atheris
+    except ImportError:
+        raise UnavailableError(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer hypothesis or random") from None
+    del atheris
+    if not os.access(HARNESS, os.X_OK):
+        raise UnavailableError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (reinstall "
+                               "kvaudit: the wheel ships it)")
+
+
+def budget_left(max_time: float) -> float:
+    """What is left of ``--max-time`` seconds for the search: the budget counts from the process
+    start (:data:`kvaudit.entry.STARTED`), so start-up (importing torch and Hypothesis, building the
+    target) is part of it; 0 if start-up spent it all. In-process callers (click's test runner)
+    have no start time and get the whole budget."""
+    from kvaudit import entry
+
+    if entry.STARTED is None:
+        return max_time
+    return max(0.0, max_time - (time.monotonic() - entry.STARTED))
+
+
+def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True):
+    """One search that stops at the first finding: (program, findings) or None."""
+    from kvaudit.fuzz import hypothesis_search, random_search
+
+    if fuzzer == "random":
+        return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+    if fuzzer == "atheris":
+        from kvaudit.atheris_fuzz import atheris_search
+
+        return atheris_search(config, max_time, seed, stats, on_progress=on_progress, corpus_dir=None, workers=1,
+                              suppressions_path=suppress_file, work_dir=os.path.join(out_dir, ".atheris"),
+                              use_seeds=use_seeds)
+    return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+
+
+def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
+              use_seeds: bool = True) -> int:
+    """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.campaign`."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvaudit.campaign import findings_dir, known_signatures, run_campaign
+    from kvaudit.fuzz import FuzzStats
+    from kvaudit.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+    from kvaudit.runner import INTERRUPTED
+
+    progress = Progress(err, max_time, suppressions=sset)
+    before = known_signatures(corpus)
+    if before:
+        err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
+                  f"{findings_dir(corpus)} are known, not new", soft_wrap=True)
+
+    def landed(sig: str, path: str) -> None:
+        (progress.live.console if progress.live else err).print(f"new finding: {sig} -> {path}", soft_wrap=True)
+
+    catch_sigint()
+    try:
+        with progress:
+            progress.update(FuzzStats())
+            result = run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
+                                  on_progress=progress.update, on_finding=landed, use_seeds=use_seeds)
+            progress.update(result.stats, force=True)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        raise write_error(e, e.filename or f"in {corpus}", [f"the finding files in {findings_dir(corpus)}"]) from None
+    finally:
+        ignore_interrupts()  # the summary and reports are written whole
+        INTERRUPTED.clear()
+    cases = []
+    for sig, path in sorted(result.new.items()):
+        try:
+            _, program, findings, doc = replay.load(path)
+        except replay.ReplayFormatError as e:
+            err.print(f"warning: {e}", soft_wrap=True)
+            continue
+        print_report(console, config, program, findings)
+        cases.append(Case(program, findings, doc.get("timeline"),
+                          doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
+    t = Table(title="campaign", title_justify="left")
+    t.add_column("signature", overflow="fold")
+    t.add_column("status", no_wrap=True)
+    t.add_column("replay file", overflow="fold")
+    for sig, path in sorted(result.new.items()):
+        t.add_row(sig, Text("new", style="bold red"), path)
+    for sig, path in sorted(result.known.items()):
+        t.add_row(sig, Text("known", style="dim"), path)
+    for sig in sorted(result.flaky):
+        t.add_row(sig, Text("flaky (not reproduced 3/3)", style="yellow"), "-")
+    if result.new or result.known or result.flaky:
+        print_table(console, t)
+    if sset is not None:
+        print_suppressions(console, sset)
+    s = result.stats
+    console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
+                  f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
+                  f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
+    # the closing line: the new findings (a campaign reports each signature once)
+    line = summary_line([f for c in cases for f in c.findings], suppressed_by_kind(sset))
+    line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
+    if result.known:
+        line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
+    console.print(line, soft_wrap=True)
+    if s.executions == 0 and not result.interrupted:
+        err.print("warning: no program ran: the workers spent the budget starting up (importing SGLang takes "
+                  "about 6 s per worker); raise --max-time", soft_wrap=True)
+    extra = {"fuzzer": fuzzer, "seed": seed, "workers": workers, "executions": s.executions, "ops": s.ops,
+             "seconds": round(s.elapsed, 1), "corpus": corpus}
+    if result.interrupted:
+        extra["interrupted"] = True
+    write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset), extra,
+                                      suppressions=sset), err, kept=tuple(sorted(set(result.new.values()))))
+    if result.new:
+        return EXIT_FINDINGS
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
+
+
+def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
+              program_title: str = "minimized program") -> ReportData:
+    from kvaudit.report import suppressed_by_kind
+
+    extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
+    if stats.shrink_executions:
+        extra["shrink_executions"] = stats.shrink_executions
+    if stats.first_hit is not None:
+        extra["first_hit_executions"], extra["first_hit_seconds"] = stats.first_hit[0], round(stats.first_hit[1], 1)
+    if interrupted:
+        extra["interrupted"] = True
+    return ReportData.single(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
+                             suppressions=sset)

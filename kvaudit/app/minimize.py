@@ -1,0 +1,91 @@
+"""``kvaudit minimize``: shrink a replay file's program keeping one finding's signature, confirm
+it 3 of 3 times and write it; interrupted, write the smallest program that reproduced so far.
+The reduction itself is :mod:`kvaudit.minimize`."""
+
+from __future__ import annotations
+
+import click
+
+from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, EXIT_NOT_REPRODUCED, InputError
+from kvaudit.app.files import check_outputs, write_replay
+from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
+from kvaudit.app.progress import console as make_console
+from kvaudit.app.replay import load_replay
+from kvaudit.constants import CONFIRM_RUNS
+
+
+def run(file: str, *, out_file: str | None, signature: str | None, suppress_file: str | None) -> int:
+    """``kvaudit minimize FILE``; returns the exit code (see the command's help)."""
+    from kvaudit.report import print_report
+    from kvaudit.runner import execute
+
+    config, program, recorded, sset = load_replay(file, suppress_file)
+    if signature is None:
+        if not recorded:
+            raise InputError(f"{file} records no finding: name one with --signature")
+        signature = recorded[0].signature
+    out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
+    check_outputs((file,), json=out_file)  # the same checks as the report flags
+    console, err = make_console(), make_console(stderr=True)
+    fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
+    err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
+    catch_sigint()
+    from kvaudit.fuzz import confirm
+    from kvaudit.minimize import Interrupted, minimize
+
+    small = None
+    try:
+        small = minimize(config, program, signature, fresh())
+        confirmations = confirm(config, small, signature, suppressions=fresh())
+    except ValueError:
+        err.print(f"{file}: {signature} does not reproduce", soft_wrap=True)
+        return EXIT_NOT_REPRODUCED
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
+        smallest = small if small is not None else e.smallest if isinstance(e, Interrupted) else None
+        return _write_interrupted(config, program, smallest, signature, file, out_file, fresh(), console, err)
+    if confirmations < CONFIRM_RUNS:
+        err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
+                  "nothing written", soft_wrap=True)
+        return EXIT_NOT_REPRODUCED
+    final = execute(config, small, suppressions=fresh(), drain=True)
+    findings = _signature_first(final.findings, signature)
+    try:
+        path = write_replay(out_file, config, small, findings, minimized=True, minimized_from=file,
+                            confirmations=f"{confirmations}/{CONFIRM_RUNS}")
+    except click.ClickException:  # a full disk (write_error): the minimized program still reaches the log
+        print_report(console, config, small, findings)
+        raise
+    console.print(f"minimized {len(program)} -> {len(small)} ops; reproduced {confirmations}/{CONFIRM_RUNS}; "
+                  f"written to {path}", soft_wrap=True)
+    print_report(console, config, small, findings)  # last: its SUMMARY: line closes stdout
+    return EXIT_CLEAN
+
+
+def _signature_first(findings: list, signature: str) -> list:
+    """``findings`` with those of ``signature`` first (a replay file's first finding is the one kept)."""
+    return [f for f in findings if f.signature == signature] + [f for f in findings if f.signature != signature]
+
+
+def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err) -> int:
+    """``kvaudit minimize`` interrupted: write the smallest program that reproduced so far (replayed
+    once more for its findings' stacks; not confirmed 3/3, ``"minimized": false``); EXIT_INTERRUPTED."""
+    from kvaudit.report import print_report
+    from kvaudit.runner import INTERRUPTED, execute
+
+    ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the file short
+    INTERRUPTED.clear()  # the replay below runs ops
+    if smallest is None:
+        err.print("interrupted before the program reproduced: nothing written")
+        return EXIT_INTERRUPTED
+    final = execute(config, smallest, suppressions=suppressions, drain=True)
+    findings = _signature_first(final.findings, signature)
+    if signature not in final.signatures:
+        err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "
+                  "when replayed: nothing written", soft_wrap=True)
+        return EXIT_INTERRUPTED
+    print_report(console, config, smallest, findings)
+    path = write_replay(out_file, config, smallest, findings, minimized=False, minimized_from=file,
+                        confirmations="interrupted before confirmation")
+    err.print(f"interrupted: the smallest program so far ({len(program)} -> {len(smallest)} ops, not confirmed) "
+              f"written to {path}", soft_wrap=True)
+    return EXIT_INTERRUPTED

@@ -1,0 +1,128 @@
+"""``kvaudit replay``: rerun a replay file and report it, check that its runs are deterministic,
+or re-record files in place (``--update``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvaudit import replay
+from kvaudit.app.configs import check_device, require_target, with_tree_core
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, InputError,
+                                write_error)
+from kvaudit.app.files import check_outputs, load_suppressions, write_reports
+from kvaudit.app.progress import console as make_console
+from kvaudit.outputs import Outputs, ReportData
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None):
+    """(config, program, recorded findings, suppressions) of a replay file named on the command
+    line; a bad file, suppression file or device is an input error. ``tree_core`` overrides a
+    real-SGLang file's tree core."""
+    try:
+        config, program, recorded, _ = replay.load(file)
+    except replay.ReplayFormatError as e:
+        raise InputError(str(e)) from None
+    config = with_tree_core(config, tree_core)
+    sset = load_suppressions(suppress_file)
+    check_device(config.device)
+    require_target(config)
+    return config, program, recorded, sset
+
+
+def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism: bool, runs: int,
+        tree_core: str | None, update: bool, outputs: Outputs) -> int:
+    """``kvaudit replay FILE...``; returns the exit code (see the command's help)."""
+    from kvaudit.report import print_report, suppressed_by_kind
+    from kvaudit.runner import execute
+
+    if update:
+        if suppress_file or check_determinism or tree_core or outputs.wanted():
+            raise InputError("--update re-records files as they are: it takes no --suppress, "
+                             "--check-determinism, --tree-core or report flags")
+        return update_replays(files)
+    if len(files) > 1:
+        raise InputError(f"one FILE at a time ({len(files)} given); several only with --update")
+    file = files[0]
+    check_outputs((file, suppress_file), **vars(outputs))
+    config, program, recorded, sset = load_replay(file, suppress_file, tree_core)
+    ex = execute(config, program, suppressions=sset, drain=True)
+    console = make_console()
+    print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
+    want = {f.signature for f in recorded}
+    got = set(ex.signatures)
+    hidden = sorted(want & sset.suppressed_signatures()) if sset is not None else []
+    if want:
+        same = "yes" if want <= got | set(hidden) else "no"
+        console.print(f"recorded signature(s) reproduced: {same}"
+                      + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
+    err = make_console(stderr=True)
+    timeline = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
+    write_reports(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
+                                             {"replayed": file}, timeline=timeline, program_title="program",
+                                             suppressions=sset), err)
+    if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
+        return EXIT_NONDETERMINISTIC
+    return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
+
+
+def record_timeline(config, program, sset, err: Console) -> dict | None:
+    """The pool occupancy of ``program`` for the reports' plot (:func:`kvaudit.timeline.record`):
+    one more run, said on ``err``; None for an empty program. Report writers never run the engine:
+    a job that has no recorded timeline calls this before writing them."""
+    if not program:
+        return None
+    from kvaudit import timeline
+
+    err.print(f"recording pool occupancy: replaying the {len(program)}-op program", soft_wrap=True)
+    return timeline.record(config, program, suppressions=sset.fresh() if sset is not None else None)
+
+
+def update_replays(files: tuple[str, ...]) -> int:
+    """``replay --update``: each file replayed and its findings written back (see
+    :func:`kvaudit.replay.rerecord`), one line per file; EXIT_NOT_REPRODUCED if any file that
+    recorded findings now yields none (that file is not written)."""
+    from kvaudit.runner import execute
+
+    console = make_console()
+    lost = 0
+    for file in files:
+        config, program, recorded, _ = load_replay(file, None)
+        try:
+            outcome = replay.rerecord(file, execute(config, program).findings)
+        except OSError as e:
+            raise write_error(e, file) from None
+        lost += outcome.startswith("not updated")
+        console.print(f"{file}: {outcome}", soft_wrap=True)
+    return EXIT_NOT_REPRODUCED if lost else EXIT_CLEAN
+
+
+def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
+    """Run ``program`` ``runs - 1`` more times beside ``first``; print one row per run (ledger
+    digest, findings); True if any run differs."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvaudit.report import print_table
+    from kvaudit.runner import execute
+
+    execs = [first] + [execute(config, program, suppressions=sset.fresh() if sset is not None else None)
+                       for _ in range(runs - 1)]
+
+    def key(ex):
+        return ex.digest, [(f.signature, f.slots, f.step) for f in ex.findings], ex.steps
+
+    t = Table(title=f"determinism: {runs} runs", title_justify="left")
+    for col in ("run", "ledger digest", "steps", "findings"):
+        t.add_column(col, overflow="fold")
+    for i, ex in enumerate(execs):
+        same = key(ex) == key(execs[0])
+        t.add_row(str(i + 1), ex.digest[:16], str(ex.steps), ", ".join(ex.signatures) or "none",
+                  style="" if same else "bold red")
+    print_table(console, t)
+    differ = any(key(ex) != key(execs[0]) for ex in execs)
+    console.print(Text("NOT deterministic: the runs differ" if differ else f"deterministic: {runs} identical runs",
+                       style="bold red" if differ else "green"))
+    return differ

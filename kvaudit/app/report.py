@@ -1,0 +1,46 @@
+"""``kvaudit report``: render the findings a replay or report JSON file records, to the console and
+to the report files asked for. Runs no engine: the occupancy plot is drawn from the timeline the
+file records (a file recorded before timelines were kept gets none)."""
+
+from __future__ import annotations
+
+from kvaudit import replay
+from kvaudit.app.errors import EXIT_CLEAN, InputError
+from kvaudit.app.files import check_outputs, write_reports
+from kvaudit.app.progress import console as make_console
+from kvaudit.outputs import Case, Outputs, ReportData
+
+
+def run(file: str, outputs: Outputs) -> int:
+    """``kvaudit report FILE``; returns the exit code (0 once rendered). Raises :class:`InputError`
+    for a bad file."""
+    from kvaudit.report import print_cases
+    from kvaudit.timeline import is_valid as timeline_is_valid
+
+    check_outputs((file,), **vars(outputs))
+    try:
+        config, loaded, doc = replay.load_cases(file)
+    except replay.ReplayFormatError as e:
+        raise InputError(str(e)) from None
+    suppressed = doc.get("suppressed") or {}
+    if not isinstance(suppressed, dict) or not all(isinstance(v, int) and v >= 0 for v in suppressed.values()):
+        raise InputError(f"{file}: bad 'suppressed': want an object of kind -> count")
+    console = make_console()
+    cases = []
+    for i, (case_config, program, findings, case_doc) in enumerate(loaded):
+        timeline = case_doc.get("timeline")
+        if timeline is not None and not timeline_is_valid(timeline):
+            raise InputError(f"{file}: bad timeline{f' in case {i}' if len(loaded) > 1 else ''}: "
+                             "want steps, ops and pools whose series are lists of counts as long as steps")
+        title = "minimized program" if case_doc.get("minimized") else "program"
+        cases.append(Case(program, findings, timeline, title,
+                          doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
+                                                                                "minimized", "preset")},
+                          config=case_config))
+    notes = ("suppressed when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())),) \
+        if suppressed else ()
+    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], notes=notes)
+    extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
+                                                           "suppressed", "cases")}
+    write_reports(outputs, ReportData(config, cases, suppressed, extra), make_console(stderr=True))
+    return EXIT_CLEAN
