@@ -25,7 +25,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine_under_test import PRESETS, get_preset
+from kvaudit.targets import registry
 from kvaudit import replay
 from kvaudit.findings import Finding
 from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats
@@ -115,14 +115,15 @@ def regression_files(directory: str) -> list[str]:
 
 
 def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str | None, out_dir: str,
-                suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None) -> FuzzRun:
+                suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
+                target: str = "eut") -> FuzzRun:
     """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign (it goes on past
     each finding). With ``corpus``, over ``corpus/<preset>``: resumable, findings already there are
     known, not new. Without, over a fresh temporary corpus; new findings' replay files are copied to
     ``out_dir``. An interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
     from kvaudit.campaign import run_campaign
 
-    config = get_preset(preset).config()
+    config = registry.get(target).preset(preset).config()
     run = FuzzRun(preset, budget, 0)
     with tempfile.TemporaryDirectory(prefix=f"kvaudit-ci-{preset}-") as tmp:
         where = os.path.join(corpus, preset) if corpus is not None else tmp
@@ -227,12 +228,14 @@ def junit(result: CiResult) -> str:
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def presets_arg(value: str) -> list[str]:
-    """``all`` or a comma-separated list of preset names; raises ValueError naming a bad one."""
+def presets_arg(value: str, target: str = "eut") -> list[str]:
+    """``all`` or a comma-separated list of the ``target`` kind's preset names; raises ValueError
+    naming a bad one."""
+    presets = registry.get(target).presets()
     if value == "all":
-        return list(PRESETS)
+        return list(presets)
     names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in PRESETS]
+    bad = [n for n in names if n not in presets]
     if bad or not names:
-        raise ValueError(f"unknown preset {bad[0] if bad else value!r} (valid: {', '.join(PRESETS)}, or all)")
+        raise ValueError(f"unknown preset {bad[0] if bad else value!r} (valid: {', '.join(presets)}, or all)")
     return names

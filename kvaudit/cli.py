@@ -20,7 +20,7 @@ import click
 # must start in a fraction of a second (tests/test_entry.py checks it with -X importtime). The
 # commands import the jobs (kvaudit.app.*) they run inside their functions.
 from kvaudit import __version__
-from kvaudit.app.configs import common_options, replay_tree_core_option, select_config
+from kvaudit.app.configs import TargetChoice, common_options, replay_tree_core_option, select_config
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import restoring_sigint
@@ -212,7 +212,9 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               help="Total fuzz budget, split evenly over the presets (0: replay the regressions only); "
                    "start-up and the regression replays are not counted.")
 @click.option("--presets", "presets_value", default="all", show_default=True, metavar="LIST",
-              help="Presets to fuzz: 'all' or a comma-separated list.")
+              help="Presets to fuzz: 'all' or a comma-separated list (of --target's presets).")
+@click.option("--target", type=TargetChoice(), default="eut", show_default=True,
+              help="The target kind whose presets are fuzzed (see 'kvaudit presets').")
 @click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
@@ -227,8 +229,8 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @_step_timeout_option
 @output_options
 @restoring_sigint
-def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file, step_timeout,
-           outputs):
+def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file,
+           step_timeout, outputs):
     """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
     identically with its switches on and be clean with them off), fuzz the clean engine over the
     presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
@@ -238,7 +240,7 @@ def ci_cmd(max_time, presets_value, fuzzer, seed, regressions_dir, corpus_dir, o
 
     return job.run(max_time=max_time, presets_value=presets_value, fuzzer=fuzzer, seed=seed,
                    regressions_dir=regressions_dir, corpus_dir=corpus_dir, out_dir=out_dir,
-                   suppress_file=suppress_file, outputs=outputs)
+                   suppress_file=suppress_file, outputs=outputs, target=target)
 
 
 @main.command("bench")

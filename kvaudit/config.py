@@ -21,6 +21,8 @@ class ConfigBase:
     ``BUGS_NOUN`` names the bugs in errors."""
 
     BUGS_NOUN = "bug names"
+    device = "cpu"  # a config with no ``device`` field runs on the CPU
+    model = "none"  # ... and computes no KV
 
     @property
     def num_pages(self) -> int:

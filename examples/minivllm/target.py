@@ -40,7 +40,6 @@ class MiniVllmTargetConfig(ConfigBase):
     seed: int = 0
     preset: str = "custom"
     target: str = "minivllm"
-    model = "none"
 
     def __post_init__(self):
         object.__setattr__(self, "bugs", frozenset(self.bugs))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-from engine_under_test import get_preset
 from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, write_error
 from kvaudit.app.files import load_suppressions, write_reports
@@ -16,7 +15,7 @@ from kvaudit.outputs import Case, Outputs, ReportData
 
 
 def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
-        corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs) -> int:
+        corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut") -> int:
     """``kvaudit ci``; returns the exit code (see the command's help). Raises :class:`InputError`
     for a bad preset list, directory or suppression file."""
     from rich.table import Table
@@ -26,10 +25,18 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     from kvaudit.report import print_report, print_table, suppressed_by_kind
     from kvaudit.runner import INTERRUPTED
 
+    from kvaudit.app.configs import check_fuzzer
+    from kvaudit.targets import registry
+
+    check_fuzzer(fuzzer, target)
     try:
-        preset_names = ci.presets_arg(presets_value)
+        kind = registry.get(target)
+        preset_names = ci.presets_arg(presets_value, target)
+    except registry.UnknownTargetError as e:
+        raise InputError(str(e)) from None
     except ValueError as e:
         raise InputError(f"--presets: {e}") from None
+    get_preset = kind.preset
     sset = load_suppressions(suppress_file)
     if regressions_dir is None:
         from kvaudit.data import data_path
@@ -67,7 +74,7 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
                 progress = Progress(err, per_preset, suppressions=sset)
                 with progress:
                     run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
-                                         on_progress=progress.update)
+                                         on_progress=progress.update, target=target)
                 result.fuzz.append(run)
                 err.print(f"fuzz {preset}: {run.executions} executions, "
                           + (f"{len(run.new)} NEW finding(s)" if run.new else "clean")

@@ -1,10 +1,8 @@
-"""Selecting and validating the target config a command runs: the built-in engine's presets and
-bug-zoo switches, or real SGLang's presets and injected faults (``--target sglang``), the click
-options that choose them, the checks that the target and device are usable here, and the data the
-``presets`` and ``bugs`` commands list.
-
-Everything that knows the target kinds by name lives here, in one place (issue 19: a registry of
-target kinds replaces it)."""
+"""Selecting and validating the target config a command runs, from the registry of target kinds
+(:mod:`kvaudit.targets.registry`): the click options that choose it (``--target`` choices and help
+come from the registered kinds), the checks that the target and device are usable here, and the data
+the ``presets`` and ``bugs`` commands list. Nothing here names a target kind except through options
+a kind declares (``--tree-core``: the kinds whose ``options`` include ``tree_core``)."""
 
 from __future__ import annotations
 
@@ -12,26 +10,50 @@ from typing import TYPE_CHECKING
 
 import click
 
-from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
 from kvaudit.app.errors import InputError
+from kvaudit.targets import registry
 from kvaudit.targets.sglang_config import TREE_CORES
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+
+def _target_help() -> str:
+    return "; ".join(f"{k.name}: {k.summary}" for k in registry.kinds().values()) + (
+        f" ('kvaudit presets' lists each one's presets, 'kvaudit bugs' what --bug takes; more kinds load from "
+        f"{registry.PLUGINS_ENV}=<module>)")
+
+
+class TargetChoice(click.ParamType):
+    """``--target``: a registered kind's name (the registry is read when the value is checked, so a
+    plugin module named in KVAUDIT_PLUGINS adds its kind)."""
+
+    name = "target"
+
+    def get_metavar(self, param, *a, **k):
+        return "[" + "|".join(registry.kinds()) + "]"
+
+    def convert(self, value, param, ctx):
+        try:
+            return registry.get(value).name
+        except registry.UnknownTargetError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _with_option(option: str) -> list[str]:
+    return [k.name for k in registry.kinds().values() if option in k.options]
+
+
 COMMON_OPTIONS = [
     click.option("--preset", default="default", show_default=True, metavar="NAME",
-                 help="Engine preset (see 'kvaudit presets'); with --target sglang, 'default' means 'sglang'."),
+                 help="Engine preset (see 'kvaudit presets'); 'default' means the target's default preset."),
     click.option("--bug", "bugs", multiple=True, metavar="NAME",
-                 help="Switch a bug-zoo bug on (repeatable; see 'kvaudit bugs')."),
+                 help="Switch a bug-zoo bug (or a target's injected fault) on (repeatable; see 'kvaudit bugs')."),
     click.option("--model", type=click.Choice(["none", "tiny"]), default="none", show_default=True,
                  help="'tiny' runs the dummy transformer over real KV tensors; 'none' skips compute."),
     click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
     click.option("--page-size", type=click.IntRange(min=1), default=None, help="Override the preset's page size (tokens)."),
-    click.option("--target", type=click.Choice(["eut", "sglang"]), default="eut", show_default=True,
-                 help="eut: the built-in engine_under_test; sglang: SGLang 0.5.23's own memory manager on CPU "
-                      "(its presets start with 'sglang', see 'kvaudit presets'; --bug takes its injected faults, "
-                      "see 'kvaudit bugs')."),
+    click.option("--target", type=TargetChoice(), default="eut", show_default=True, help=_target_help()),
     click.option("--tree-core", type=click.Choice(TREE_CORES), default=None,
                  help="--target sglang: the UnifiedRadixCache tree core [default: rust, SGLang's own default]."),
 ]
@@ -50,78 +72,73 @@ def common_options(f):
 
 
 def require_target(config) -> None:
-    """A real-SGLang config needs SGLang importable: say so in one line (exit 2) before any run."""
-    if getattr(config, "target", "eut") == "sglang":
-        from kvaudit.targets.sglang_boot import SglangUnavailable, load
-        try:
-            load()
-            if getattr(config, "disaggregation_mode", "null") == "decode":
-                from kvaudit.targets.sglang_pd import load_pd
-                load_pd()
-        except SglangUnavailable as e:
-            raise InputError(str(e)) from None
-
-
-def sglang_version() -> str:
-    from kvaudit.targets.sglang_boot import installed_version
-    return installed_version() or "?"
-
-
-def sglang_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
-                  tree_core: str | None):
-    from kvaudit.targets.sglang_config import SGLANG_PRESETS, UnknownFaultError
-    preset = "sglang" if preset == "default" else preset
-    if preset not in SGLANG_PRESETS:
-        raise InputError(f"unknown preset {preset!r} for --target sglang; valid presets: {', '.join(SGLANG_PRESETS)}")
-    if model != "none":
-        raise InputError("--model tiny is for the built-in engine: --target sglang computes no KV")
-    changes = {"device": device, "bugs": frozenset(bugs), "tree_core": tree_core or "rust"}
-    if page_size is not None:
-        changes["page_size"] = page_size
+    """The config's engine must be drivable here (its kind's ``probe``): else one line (exit 2)
+    before any run."""
     try:
-        config = SGLANG_PRESETS[preset].config(**changes)
-    except UnknownFaultError as e:
+        registry.kind_of(config).probe(config)
+    except registry.TargetUnavailable as e:
         raise InputError(str(e)) from None
-    except ValueError as e:
-        raise InputError(f"bad configuration: {e}") from None
-    require_target(config)
-    return config
+    except registry.UnknownTargetError as e:
+        raise InputError(str(e)) from None
 
 
 def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
                   target: str = "eut", tree_core: str | None = None):
-    """The config the :data:`COMMON_OPTIONS` name; a bad combination is an :class:`InputError`."""
+    """The config the :data:`COMMON_OPTIONS` name, built from the ``target`` kind's preset; a bad
+    combination is an :class:`InputError`."""
     check_device(device)
-    if target == "sglang":
-        return sglang_config(preset, bugs, model, device, page_size, tree_core)
-    if tree_core is not None:
-        raise InputError("--tree-core applies to --target sglang only")
-    if preset.startswith("sglang"):
-        raise InputError(f"preset {preset!r} drives real SGLang: add --target sglang")
     try:
-        changes = {"model": model, "device": device, "bugs": frozenset(bugs)}
-        if page_size is not None:
-            changes["page_size"] = page_size
-        return get_preset(preset).config(**changes)
-    except (UnknownPresetError, UnknownBugError) as e:
+        kind = registry.get(target)
+    except registry.UnknownTargetError as e:
         raise InputError(str(e)) from None
+    if tree_core is not None and "tree_core" not in kind.options:
+        raise InputError(f"--tree-core applies to --target {', '.join(_with_option('tree_core'))} only")
+    presets = kind.presets()
+    name = kind.default_preset if preset == "default" else preset
+    if name not in presets:
+        other = next((k.name for k in registry.kinds().values() if k is not kind and name in k.presets()), None)
+        raise InputError(f"unknown preset {name!r}" + (f" for --target {kind.name}" if kind.name != "eut" else "")
+                         + f"; valid presets: {', '.join(presets)}"
+                         + (f" ({name!r} is a preset of --target {other}: add --target {other})" if other else ""))
+    if model not in kind.model_choices:
+        raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
+    changes = {"bugs": frozenset(bugs)}
+    if len(kind.model_choices) > 1:
+        changes["model"] = model
+    if _has_field(kind.config_class, "device"):
+        changes["device"] = device
+    if "tree_core" in kind.options:
+        changes["tree_core"] = tree_core or "rust"
+    if page_size is not None:
+        changes["page_size"] = page_size
+    try:
+        config = presets[name].config(**changes)
     except ValueError as e:
-        raise InputError(f"bad configuration: {e}") from None
+        msg = str(e)
+        raise InputError(msg if msg.startswith(("unknown bug", "unknown fault")) else f"bad configuration: {msg}") \
+            from None
+    require_target(config)
+    return config
+
+
+def _has_field(cls, name: str) -> bool:
+    import dataclasses
+    return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
 
 
 def with_tree_core(config, tree_core: str | None):
     """A replay file's ``config`` run with another tree core (``replay --tree-core``), or as it is."""
     if tree_core is None:
         return config
-    if getattr(config, "target", "eut") != "sglang":
-        raise InputError("--tree-core applies to replay files of --target sglang only")
+    if "tree_core" not in registry.kind_of(config).options:
+        raise InputError(f"--tree-core applies to replay files of --target {', '.join(_with_option('tree_core'))} only")
     return config.replace(tree_core=tree_core)
 
 
 def check_fuzzer(fuzzer: str, target: str) -> None:
     if fuzzer == "atheris" and target != "eut":
         raise InputError("--fuzzer atheris instruments the built-in engine only; use hypothesis or random with "
-                         "--target sglang")
+                         f"--target {target}")
 
 
 def check_device(device: str) -> None:
@@ -133,52 +150,56 @@ def check_device(device: str) -> None:
 
 
 def warn_unreachable_bugs(config, err: Console) -> None:
-    if getattr(config, "target", "eut") != "eut":
-        return
+    """A zoo bug (a row with a ``preset``) switched on under another preset may never trigger: say so."""
+    rows = registry.kind_of(config).bugs()
     for name in sorted(config.bugs):
-        want = BUGS[name].preset
-        if want != config.preset:
+        want = getattr(rows.get(name), "preset", None)
+        if want is not None and want != config.preset:
             err.print(f"warning: bug {name} is reached through preset {want}; with preset {config.preset} "
                       "it may never trigger", soft_wrap=True)
 
 
 def presets_table():
-    """``kvaudit presets``: every target's presets, as a rich table."""
+    """``kvaudit presets``: every registered kind's presets, as a rich table."""
     from rich.table import Table
 
     t = Table(title="presets")
     t.add_column("preset", no_wrap=True)
     t.add_column("description")
     t.add_column("target", no_wrap=True)
-    for p in PRESETS.values():
-        t.add_row(p.name, p.description, "eut")
-    from kvaudit.targets.sglang_config import SGLANG_PRESETS
-    for p in SGLANG_PRESETS.values():
-        t.add_row(p.name, p.description, "sglang (--target sglang)")
+    for kind in registry.kinds().values():
+        label = kind.name if kind.name == "eut" else f"{kind.name} (--target {kind.name})"
+        for p in kind.presets().values():
+            t.add_row(p.name, p.description, label)
     return t
 
 
 def bugs_renderables() -> list:
-    """``kvaudit bugs``: the bug zoo's table, each bug's description, and real SGLang's injected
-    faults, as rich renderables to print in order."""
+    """``kvaudit bugs``: per registered kind, what ``--bug`` takes: a zoo (rows with a public
+    ``source``: its table, then each bug's description) or injected faults, as rich renderables."""
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(title="bug zoo")
-    t.add_column("bug", no_wrap=True)  # the name is what --bug takes: never cut it
-    for col in ("preset", "source", "finding"):
-        t.add_column(col, overflow="fold")
-    for b in BUGS.values():
-        t.add_row(b.name, b.preset, b.source, b.finding)
-    out = [t]
-    for b in BUGS.values():
-        out.append(Text.assemble((b.name, "bold"), f": {b.description}"))
-    from kvaudit.targets.sglang_config import FAULTS
-    f = Table(title="injected faults (--target sglang)")
-    f.add_column("fault", no_wrap=True)
-    f.add_column("finding")
-    f.add_column("what it does", overflow="fold")
-    for name, (kind, what) in FAULTS.items():
-        f.add_row(name, kind, what)
-    out.append(f)
+    out = []
+    for kind in registry.kinds().values():
+        rows = kind.bugs()
+        if not rows:
+            continue
+        if all(hasattr(b, "source") for b in rows.values()):
+            t = Table(title=kind.bugs_title)
+            t.add_column("bug", no_wrap=True)  # the name is what --bug takes: never cut it
+            for col in ("preset", "source", "finding"):
+                t.add_column(col, overflow="fold")
+            for name, b in rows.items():
+                t.add_row(name, b.preset, b.source, b.finding)
+            out.append(t)
+            out += [Text.assemble((name, "bold"), f": {b.description}") for name, b in rows.items()]
+            continue
+        f = Table(title=kind.bugs_title)
+        f.add_column("fault", no_wrap=True)
+        f.add_column("finding")
+        f.add_column("what it does", overflow="fold")
+        for name, b in rows.items():
+            f.add_row(name, getattr(b, "finding", ""), getattr(b, "description", str(b)))
+        out.append(f)
     return out

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit import replay
-from kvaudit.app.configs import check_fuzzer, sglang_version, warn_unreachable_bugs
+from kvaudit.app.configs import check_fuzzer, warn_unreachable_bugs
+from kvaudit.targets import registry
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, UnavailableError,
                                 write_error)
 from kvaudit.app.files import load_suppressions, write_finding, write_reports
@@ -56,16 +57,15 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     set_hypothesis_home_dir(os.path.join(target_dir, ".hypothesis"))  # not the user's cwd
     console, err = make_console(), make_console(stderr=True)
     stats = FuzzStats()
-    where = (f"target sglang {sglang_version()} ({config.tree_core} tree core), " if target == "sglang" else "")
+    kind = registry.kind_of(config)
+    where = kind.describe(config) + ", " if kind.describe is not None else ""
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
               f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
-    if getattr(config, "enable_hierarchical_cache", False) and config.tree_core == "rust":
-        err.print("note: on the rust tree core the hicache_host_pool is checked by its ledger and free-list replay "
-                  "only (the core cannot list host values: no leak check there); --tree-core python checks it fully",
-                  soft_wrap=True)
+    for note in kind.notes(config):
+        err.print(f"note: {note}", soft_wrap=True)
     max_time = budget_left(max_time)
     if campaign:
         return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,

@@ -61,7 +61,9 @@ class TargetKind:
     report's first line; ``anchor(kind)`` returns ``(callable, label)``: the function whose first line
     anchors a finding of finding-kind ``kind`` that has no usable frame (SARIF); ``features(config)``
     the :data:`kvaudit.program.FEATURES` the target models; ``engine_source()`` an
-    :class:`EngineSource` when the engine is an installed package; ``model_choices`` the
+    :class:`EngineSource` when the engine is an installed package; ``describe(config)`` what a run's
+    first line says of the target (``"target sglang 0.5.23 (rust tree core)"``), ``notes(config)``
+    lines a run prints first about what is checked less there; ``model_choices`` the
     ``--model`` values it accepts (``("none",)``: it computes no KV); ``options`` names extra CLI
     options it reads (``"tree_core"``).
     """
@@ -80,6 +82,8 @@ class TargetKind:
     anchor: Callable | None = None
     features: Callable = _no_features
     engine_source: Callable = _none
+    describe: Callable | None = None
+    notes: Callable = lambda config: []
     model_choices: tuple[str, ...] = ("none",)
     options: frozenset[str] = field(default_factory=frozenset)
 
@@ -104,6 +108,7 @@ class TargetKind:
 
 _KINDS: dict[str, TargetKind] = {}
 _loaded = False
+_plugin_errors: list[str] = []  # plugins that failed to load: named when a target is not found
 
 
 def register(kind: TargetKind) -> TargetKind:
@@ -123,16 +128,19 @@ def _load() -> None:
     for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(mod)
-        except ImportError as e:
-            raise UnknownTargetError(f"cannot import target plugin {mod!r} named in {PLUGINS_ENV}: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- a broken plugin is named, never a traceback
+            _plugin_errors.append(f"cannot import {mod!r} named in {PLUGINS_ENV}: {type(e).__name__}: {e}")
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        obj = ep.load()
-        if callable(obj) and not isinstance(obj, type):
-            got = obj()
-            if isinstance(got, TargetKind):
-                register(got)
+        try:
+            obj = ep.load()
+            if callable(obj) and not isinstance(obj, type):
+                got = obj()
+                if isinstance(got, TargetKind):
+                    register(got)
+        except Exception as e:  # noqa: BLE001
+            _plugin_errors.append(f"cannot load entry point {ep.name!r} ({ep.value}): {type(e).__name__}: {e}")
 
 
 def kinds() -> dict[str, TargetKind]:
@@ -145,8 +153,9 @@ def get(name: str) -> TargetKind:
     """The kind called ``name``. Raises :class:`UnknownTargetError` naming the valid ones."""
     _load()
     if name not in _KINDS:
-        raise UnknownTargetError(f"unknown target {name!r} (valid: {', '.join(_KINDS)}; a target from a plugin "
-                                 f"needs {PLUGINS_ENV}=<module> or an installed '{ENTRY_POINT_GROUP}' entry point)")
+        why = "; ".join(_plugin_errors) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
+                                            f"'{ENTRY_POINT_GROUP}' entry point")
+        raise UnknownTargetError(f"unknown target {name!r} (valid: {', '.join(_KINDS)}; {why})")
     return _KINDS[name]
 
 

@@ -71,6 +71,18 @@ def _anchor(kind: str):
     return getattr(SglangTarget, method), f"SglangTarget.{method}"
 
 
+def _describe(config) -> str:
+    from kvaudit.targets.sglang_boot import installed_version
+    return f"target sglang {installed_version() or '?'} ({config.tree_core} tree core)"
+
+
+def _notes(config) -> list[str]:
+    if config.enable_hierarchical_cache and config.tree_core == "rust":
+        return ["on the rust tree core the hicache_host_pool is checked by its ledger and free-list replay only "
+                "(the core cannot list host values: no leak check there); --tree-core python checks it fully"]
+    return []
+
+
 def _engine_source():
     """SGLang's version is the installed one when this target drives it; else, while the target
     drives a single release, that release (the only one that can have recorded the frames)."""
@@ -85,4 +97,4 @@ KIND = register(TargetKind(
     name="sglang", summary="SGLang 0.5.23's own memory manager on CPU (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
-    features=lambda config: config.program_features, engine_source=_engine_source, options=frozenset({"tree_core"})))
+    features=lambda config: config.program_features, engine_source=_engine_source, describe=_describe, notes=_notes, options=frozenset({"tree_core"})))
