@@ -24,7 +24,7 @@ import click
 # must start in a fraction of a second (tests/test_entry.py checks it with -X importtime). The
 # commands import what they run inside their functions.
 from engine_under_test import BUGS, PRESETS, UnknownBugError, UnknownPresetError, get_preset
-from kvaudit.targets.sglang_config import TREE_CORES
+from kvaudit.targets.sglang.config import TREE_CORES
 from kvaudit import __version__, replay
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, EXIT_UNAVAILABLE, FUZZERS
 from kvaudit.outputs import FORMATS, Case, Outputs, ReportData, WriteError, disk_full
@@ -94,24 +94,24 @@ def _bad(param, msg: str):
 def _require_target(config) -> None:
     """A real-SGLang config needs SGLang importable: say so in one line (exit 2) before any run."""
     if getattr(config, "target", "eut") == "sglang":
-        from kvaudit.targets.sglang_boot import SglangUnavailable, load
+        from kvaudit.targets.sglang.boot import SglangUnavailable, load
         try:
             load()
             if getattr(config, "disaggregation_mode", "null") == "decode":
-                from kvaudit.targets.sglang_pd import load_pd
+                from kvaudit.targets.sglang.pd import load_pd
                 load_pd()
         except SglangUnavailable as e:
             raise InputError(str(e)) from None
 
 
 def _sglang_version() -> str:
-    from kvaudit.targets.sglang_boot import installed_version
+    from kvaudit.targets.sglang.boot import installed_version
     return installed_version() or "?"
 
 
 def _sglang_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
                    tree_core: str | None):
-    from kvaudit.targets.sglang_config import SGLANG_PRESETS, UnknownFaultError
+    from kvaudit.targets.sglang.config import SGLANG_PRESETS, UnknownFaultError
     preset = "sglang" if preset == "default" else preset
     if preset not in SGLANG_PRESETS:
         raise InputError(f"unknown preset {preset!r} for --target sglang; valid presets: {', '.join(SGLANG_PRESETS)}")
@@ -1184,7 +1184,7 @@ def presets():
     t.add_column("target", no_wrap=True)
     for p in PRESETS.values():
         t.add_row(p.name, p.description, "eut")
-    from kvaudit.targets.sglang_config import SGLANG_PRESETS
+    from kvaudit.targets.sglang.config import SGLANG_PRESETS
     for p in SGLANG_PRESETS.values():
         t.add_row(p.name, p.description, "sglang (--target sglang)")
     _console().print(t)
@@ -1206,7 +1206,7 @@ def bugs():
     console.print(t)
     for b in BUGS.values():
         console.print(Text.assemble((b.name, "bold"), f": {b.description}"))
-    from kvaudit.targets.sglang_config import FAULTS
+    from kvaudit.targets.sglang.config import FAULTS
     f = Table(title="injected faults (--target sglang)")
     f.add_column("fault", no_wrap=True)
     f.add_column("finding")

@@ -14,7 +14,7 @@ import tempfile
 
 from engine_under_test import PRESETS, EngineConfig
 from kvaudit.targets import config_from_dict
-from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig
+from kvaudit.targets.sglang.config import SGLANG_PRESETS, SglangConfig
 from kvaudit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 

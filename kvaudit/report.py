@@ -284,7 +284,7 @@ def header(config) -> str:
     bugs = ", ".join(sorted(config.bugs)) or "none"
     if getattr(config, "target", "eut") != "sglang":
         return f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, page_size {config.page_size}"
-    from kvaudit.targets.sglang_config import SGLANG_PRESETS
+    from kvaudit.targets.sglang.config import SGLANG_PRESETS
     preset = config.preset
     if preset in SGLANG_PRESETS:
         base = SGLANG_PRESETS[preset].config().to_dict()

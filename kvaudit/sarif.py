@@ -296,7 +296,7 @@ def _anchor(kind: str, target: str = "eut") -> Site:
     owner = Scheduler
     method = "check_memory" if kind in ("accounting-drift", "lock-imbalance") else "step"
     if target == "sglang":  # the real-SGLang target: its driver plays the scheduler (SGLang is not in the repo)
-        from kvaudit.targets.sglang_target import SglangTarget as owner
+        from kvaudit.targets.sglang.target import SglangTarget as owner
         method = "engine_check" if method == "check_memory" else method
     try:
         fn = getattr(owner, method)

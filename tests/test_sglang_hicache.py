@@ -1,4 +1,4 @@
-"""HiCache mode of the real-SGLang target (kvaudit/targets/sglang_hicache.py): SGLang 0.5.23's
+"""HiCache mode of the real-SGLang target (kvaudit/targets/sglang/hicache.py): SGLang 0.5.23's
 UnifiedRadixCache with init_hicache, HybridCacheController and its host pool, driven on CPU.
 
 * objects come from SGLang's factory; settings the target does not drive are refused;
@@ -6,7 +6,7 @@ UnifiedRadixCache with init_hicache, HybridCacheController and its host pool, dr
   and its delayed ack, demotion to host and load-back with its ack, host eviction pressure,
   write_back and write_through_selective, flush refused while an ack is pending;
 * a host-pool leak injected into SGLang's own host free path is caught (the host oracle can fail);
-* the L3 mode (``sglang-hicache-l3``, kvaudit/targets/sglang_hicache_l3.py): backups reach storage,
+* the L3 mode (``sglang-hicache-l3``, kvaudit/targets/sglang/hicache_l3.py): backups reach storage,
   a prefix evicted from device and host is prefetched back from storage (its KV intact), an abort
   or ``best_effort`` admission ends a prefetch in flight and its host buffers come back, a match
   lost while queued is re-queried, the storage threads never start, and a run replays identically.
@@ -26,7 +26,7 @@ import torch
 from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit,
                              prompt_tokens)
 from kvaudit.runner import AuditedRun, execute
-from kvaudit.targets.sglang_config import SGLANG_PRESETS
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
 from sglang_helpers import CORES, run_ops
 
 pytestmark = pytest.mark.sglang

@@ -21,7 +21,7 @@ from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache
 from sglang_helpers import CORES, kinds, run_ops
 from fault_helpers import assert_names_both_tree_counters, first_finding_within
 from kvaudit.runner import AuditedRun, execute
-from kvaudit.targets.sglang_config import SGLANG_PRESETS
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
 pytestmark = pytest.mark.sglang
 
@@ -89,7 +89,7 @@ def _misbook_new_leaves(core, monkeypatch):
     """Plant the fault: tokens the tree adds as a new leaf are booked as protected instead of evictable.
     Python core: in ``UnifiedTreeCore._add_new_node`` itself. Rust core (its counters live in Rust): the
     adapter's ``evictable_size``/``protected_size`` move every token an insert added and never move it back."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
     load()
     if core == "python":
         from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_TYPE, UnifiedTreeCore
@@ -131,7 +131,7 @@ def test_a_leaf_booked_as_protected_is_accounting_drift_naming_the_counter(core,
 @pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])
 def test_the_tree_caching_past_kv_committed_len_is_reported_at_the_insert(preset, core, monkeypatch):
     """Issue 16 item 8 on real SGLang: a checkpoint that caches one position past ``kv_committed_len``."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
     load()
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     checkpoint = UnifiedRadixCache.checkpoint
@@ -606,7 +606,7 @@ def test_hazard_a6_overlap_allocates_decode_for_a_finished_request_and_release_f
     batch N+1 (its result is not in yet), one slot more than without overlap; release_kv_cache counts
     it in owned_kv_len and frees or caches it with the rest. An abort whose request's result is queued
     ends the request there. Both clean."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
 
     common = load().common  # SGLang's mem_cache/common.py (imported behind the stubs)
     seen = []
@@ -638,7 +638,7 @@ def test_hazard_a6_chunked_abort_while_its_chunk_is_in_flight(core, overlap, mon
     it down at the top of the next step (prepare_abort, release_kv_cache(checkpoint=False)). Under
     overlap its last chunk is still in flight then: that chunk's result comes in after the release and
     only counts down inflight_middle_chunks. Clean; the stashed first chunk stays in the tree."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
 
     common = load().common
     real, seen = common.release_kv_cache, []

@@ -6,7 +6,7 @@ The configs import without torch; the target classes (which do) are imported on 
 
 from typing import NamedTuple
 
-from kvaudit.targets.sglang_config import SglangConfig, is_sglang_config
+from kvaudit.targets.sglang.config import SglangConfig, is_sglang_config
 
 _LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "EutTarget": "eut"}
 
@@ -26,21 +26,21 @@ def __getattr__(name: str):
 
 def make_target(config):
     """The target for ``config``: real SGLang for a :class:`SglangConfig`, else ``engine_under_test``.
-    Raises :class:`kvaudit.targets.sglang_boot.SglangUnavailable` when SGLang cannot be driven."""
+    Raises :class:`kvaudit.targets.sglang.boot.SglangUnavailable` when SGLang cannot be driven."""
     if isinstance(config, SglangConfig):
         if config.disaggregation_mode == "decode":
-            from kvaudit.targets.sglang_pd import SglangPdDecodeTarget
+            from kvaudit.targets.sglang.pd import SglangPdDecodeTarget
             return SglangPdDecodeTarget(config)
         if config.enable_hisparse:
-            from kvaudit.targets.sglang_hisparse import SglangHiSparseTarget
+            from kvaudit.targets.sglang.hisparse import SglangHiSparseTarget
             return SglangHiSparseTarget(config)
         if config.hicache_storage_backend is not None:
-            from kvaudit.targets.sglang_hicache_l3 import SglangHiCacheL3Target
+            from kvaudit.targets.sglang.hicache_l3 import SglangHiCacheL3Target
             return SglangHiCacheL3Target(config)
         if config.enable_hierarchical_cache:
-            from kvaudit.targets.sglang_hicache import SglangHiCacheTarget
+            from kvaudit.targets.sglang.hicache import SglangHiCacheTarget
             return SglangHiCacheTarget(config)
-        from kvaudit.targets.sglang_target import SglangTarget
+        from kvaudit.targets.sglang.target import SglangTarget
         return SglangTarget(config)
     from kvaudit.targets.eut import EutTarget
     return EutTarget(config)
@@ -85,7 +85,7 @@ def engine_source(target: str) -> EngineSource | None:
     target drives it; else, while the target drives a single release, that release (the only one
     that can have recorded the frames). Imports nothing of the engine."""
     if target == "sglang":
-        from kvaudit.targets.sglang_boot import SUPPORTED_VERSIONS, installed_version
+        from kvaudit.targets.sglang.boot import SUPPORTED_VERSIONS, installed_version
         v = installed_version()
         return EngineSource("sglang", v if v in SUPPORTED_VERSIONS else
                             SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)

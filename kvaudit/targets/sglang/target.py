@@ -1,6 +1,6 @@
 """The real-SGLang target: kvaudit's programs drive SGLang 0.5.23's own memory manager on CPU.
 
-Three layers (see ``sglang_boot`` for the first):
+Three layers (see ``boot`` for the first):
 
 * **bootstrap** -- version probe, import stubs, objects built by SGLang's tree-cache factory;
 * **driver** (:class:`SglangTarget`) -- kvaudit's ops mapped onto SGLang's scheduler-level functions
@@ -30,8 +30,8 @@ from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration
     MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens
 from kvaudit.targets.base import (Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages,
                                   wrap_insert)
-from kvaudit.targets.sglang_boot import GRAMMAR_BACKEND, build, load, one_rank_group
-from kvaudit.targets.sglang_config import SglangConfig
+from kvaudit.targets.sglang.boot import GRAMMAR_BACKEND, build, load, one_rank_group
+from kvaudit.targets.sglang.config import SglangConfig
 
 EOS = 1
 MAX_PREFILL_TOKENS = 16384  # ServerArgs.max_prefill_tokens' default: PrefillAdder's rem_input_tokens
@@ -209,7 +209,7 @@ class SglangTarget:
             self._inject_lock_leak()
 
     def _build(self, config: SglangConfig):
-        """SGLang's objects for ``config`` (``sglang_boot.build``); a mode with more objects extends it."""
+        """SGLang's objects for ``config`` (``boot.build``); a mode with more objects extends it."""
         return build(config)
 
     # -- observer: hooks ---------------------------------------------------------------------

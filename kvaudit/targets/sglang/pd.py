@@ -54,9 +54,9 @@ import torch
 import numpy as np
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root
-from kvaudit.targets.sglang_boot import SglangUnavailable, build, load, one_rank_group
-from kvaudit.targets.sglang_config import SglangConfig
-from kvaudit.targets.sglang_target import EOS, SglangTarget
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
+from kvaudit.targets.sglang.config import SglangConfig
+from kvaudit.targets.sglang.target import EOS, SglangTarget
 
 _PD = None
 
