@@ -74,7 +74,8 @@ import torch
 from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
 from kvaudit.targets.sglang.hisparse import _StepEvent
-from kvaudit.targets.sglang.target import SglangTarget, host_free_units, host_units
+from kvaudit.targets.sglang.hooks import host_free_units, host_units
+from kvaudit.targets.sglang.target import SglangTarget
 
 HOST_POOL = "hicache_host_pool"
 

@@ -36,7 +36,8 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, one_rank_group, publish_server_args, shim_cuda_host_register
-from kvaudit.targets.sglang.target import SglangTarget, host_free_units, host_units
+from kvaudit.targets.sglang.hooks import host_free_units, host_units
+from kvaudit.targets.sglang.target import SglangTarget
 
 _SHIMS: list[str] = []
 
