@@ -52,6 +52,19 @@ def steps(run, n, trace=None):
             trace.append(state(run.target))
 
 
+def test_a_flush_frees_the_host_pool_at_the_site_it_had_before_the_target_was_split():
+    """flush_cache clears the host pool through the observer's ``_install_host_pool`` wrapper, whose
+    frame was a site while it shared the driver's file: the split keeps it one (hooks.py among
+    ``engine_files``), so a HiCache run's ledger digest is what it was (issue 19)."""
+    with AuditedRun(cfg("python")) as run:
+        for op in [Submit(0, 20, 3), Idle(), FlushCache(), Idle()]:
+            assert run.apply(op) == []
+        a = run.auditor
+        frees = [a.site(ev.site)[0] for ev in a.events if ev.pool == HOST and ev.kind == "free"]
+    assert frees and {(s.function, s.file.replace("\\", "/")) for s in frees} == \
+        {("clear_wrapper", "kvaudit/targets/sglang/hooks.py")}
+
+
 # -- config ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, text", [
     ({"enable_hisparse": True}, "enable_hisparse"),

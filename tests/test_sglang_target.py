@@ -47,6 +47,22 @@ def test_objects_come_from_sglangs_own_factory(preset, core):
         assert t.allocator.__module__.startswith("sglang.")  # SGLang's code, not a copy
 
 
+def test_engine_files_are_the_driver_modules_and_the_hooks_module():
+    """Frames in ``engine_files`` are sites like SGLang's own: every module that plays SGLang's
+    scheduler, and the hooks' module (it shared the driver's file before the split; see
+    ``SglangTarget.engine_files`` and test_sglang_hicache's flush test)."""
+    import inspect
+    from kvaudit.targets.sglang import driver, hooks, intake, observer, standins, target
+    with AuditedRun(cfg()) as run:
+        files = {os.path.abspath(f) for f in run.target.engine_files()}
+    assert files == {os.path.abspath(m.__file__) for m in (driver, intake, standins, hooks)}
+    for name, member in vars(driver.SglangDriver).items() | vars(intake.SglangIntake).items():
+        fn = getattr(member, "fget", member)
+        if inspect.isfunction(fn):
+            assert os.path.abspath(inspect.getsourcefile(fn)) in files, name
+    assert os.path.abspath(observer.__file__) not in files and os.path.abspath(target.__file__) not in files
+
+
 # -- injected faults (must show) ------------------------------------------------------------------
 @pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])

@@ -26,7 +26,7 @@ There is no model: a sampled token is a deterministic function of the request an
 from __future__ import annotations
 
 from kvaudit.targets.base import PoolSpec
-from kvaudit.targets.sglang import driver, intake, standins
+from kvaudit.targets.sglang import driver, hooks, intake, standins
 from kvaudit.targets.sglang.boot import build, load
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.driver import SglangDriver
@@ -107,5 +107,11 @@ class SglangTarget(SglangDriver, SglangObserver):
 
     def engine_files(self) -> list[str]:
         """The driver's modules play SGLang's scheduler: their frames are sites like SGLang's own (a free
-        the driver makes itself, as flush_cache's clear(), is located there, not in kvaudit's runner)."""
-        return list(DRIVER_FILES)
+        the driver makes itself, as flush_cache's clear(), is located there, not in kvaudit's runner);
+        and the hooks' module, for the reason in the note."""
+        # NOTE: before the split the hooks shared the driver's file, and the host pools' wrappers
+        # (``_install_host_pool``: not an ``install_*`` method, so its closures are not taken for hooks)
+        # were sites: a HiCache flush's host-pool clear() is located at its ``clear_wrapper``. Kept so
+        # that every ledger digest stays (issue 19); without hooks.py here that site moves to SGLang's
+        # caller and HiCache digests change.
+        return [*DRIVER_FILES, hooks.__file__]
