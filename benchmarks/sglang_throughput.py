@@ -22,7 +22,7 @@ import torch
 
 from kvaudit.bench import run_programs
 from kvaudit.program import random_program
-from kvaudit.targets.sglang_config import SGLANG_PRESETS
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
 MODES = (("bare", False, False), ("hooks", True, False), ("audit", True, True))
 
@@ -39,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     from kvaudit.targets import make_target
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
     load()
     print(f"import of SGLang's memory manager: {time.perf_counter() - t0:.2f} s")
     print(f"{args.programs} programs of {args.length} ops, best of {args.repeat}, one core\n")

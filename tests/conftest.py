@@ -23,7 +23,7 @@ def sglang_installed() -> bool:
     test that checks how they are skipped without it)."""
     if os.environ.get("KVAUDIT_TESTS_HIDE_SGLANG") == "1":
         return False
-    from kvaudit.targets.sglang_boot import installed_version
+    from kvaudit.targets.sglang.boot import installed_version
     return installed_version() == SGLANG_VERSION
 
 

@@ -105,7 +105,7 @@ def _frames_checked(path):
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "corpora")))
 def test_shipped_replay_files_match_the_current_source(path):
     if os.sep + "sglang" + os.sep in path:
-        from kvaudit.targets.sglang_boot import SglangUnavailable, load
+        from kvaudit.targets.sglang.boot import SglangUnavailable, load
         try:
             load()
         except SglangUnavailable as e:

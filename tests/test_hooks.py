@@ -352,7 +352,7 @@ def test_freeing_the_reserved_slot_zero_is_reported_at_free_time(make_audited):
 
 
 class _Driver:
-    """A target-like driver living in an engine file (as kvaudit/targets/sglang_target.py does)."""
+    """A target-like driver living in an engine file (as kvaudit/targets/sglang/target.py does)."""
 
     def install_pool(self, auditor):
         def inner():  # a hook over an allocator method, which records the call's site

@@ -7,8 +7,8 @@ import pytest
 from cli_helpers import invoke, one_error_line
 from kvaudit import replay
 from kvaudit.targets import config_from_dict
-from kvaudit.targets import sglang_boot
-from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
+from kvaudit.targets.sglang import boot
+from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
 
 
 def test_presets_cover_the_thirteen_configurations():
@@ -84,17 +84,17 @@ def test_unknown_fault_names_the_valid_ones():
 
 
 def test_version_probe_refuses_missing_and_other_versions(monkeypatch):
-    monkeypatch.setattr(sglang_boot, "installed_version", lambda: None)
-    with pytest.raises(sglang_boot.SglangUnavailable, match="not installed.*requirements/sglang-cpu.txt"):
-        sglang_boot.probe_version()
-    monkeypatch.setattr(sglang_boot, "installed_version", lambda: "0.4.9")
-    with pytest.raises(sglang_boot.SglangUnavailable, match="SGLang 0.4.9 is installed.*drives only 0.5.23"):
-        sglang_boot.probe_version()
+    monkeypatch.setattr(boot, "installed_version", lambda: None)
+    with pytest.raises(boot.SglangUnavailable, match="not installed.*requirements/sglang-cpu.txt"):
+        boot.probe_version()
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.4.9")
+    with pytest.raises(boot.SglangUnavailable, match="SGLang 0.4.9 is installed.*drives only 0.5.23"):
+        boot.probe_version()
 
 
 def test_cli_says_in_one_line_when_sglang_cannot_be_driven(monkeypatch, tmp_path):
-    monkeypatch.setattr(sglang_boot, "_LOADED", None)
-    monkeypatch.setattr(sglang_boot, "installed_version", lambda: "0.4.9")
+    monkeypatch.setattr(boot, "_LOADED", None)
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.4.9")
     r = invoke("fuzz", "--target", "sglang", "--max-time", "1", "--out", str(tmp_path))
     assert r.exit_code == 2
     assert "drives only 0.5.23" in one_error_line(r)
@@ -116,7 +116,7 @@ def test_cli_says_in_one_line_when_sglang_cannot_be_driven(monkeypatch, tmp_path
 ])
 def test_cli_rejects_bad_target_flags(args, match, tmp_path, monkeypatch):
     # the flag checks come before SGLang is imported: pretend it is loaded so they run everywhere
-    monkeypatch.setattr(sglang_boot, "load", lambda: None)
+    monkeypatch.setattr(boot, "load", lambda: None)
     r = invoke("fuzz", *args, "--max-time", "1", "--out", str(tmp_path))
     assert r.exit_code == 2, r.output
     assert match in one_error_line(r)

@@ -1,4 +1,4 @@
-"""HiCache mode of the real-SGLang target (kvaudit/targets/sglang_hicache.py): SGLang 0.5.23's
+"""HiCache mode of the real-SGLang target (kvaudit/targets/sglang/hicache.py): SGLang 0.5.23's
 UnifiedRadixCache with init_hicache, HybridCacheController and its host pool, driven on CPU.
 
 * objects come from SGLang's factory; settings the target does not drive are refused;
@@ -6,7 +6,7 @@ UnifiedRadixCache with init_hicache, HybridCacheController and its host pool, dr
   and its delayed ack, demotion to host and load-back with its ack, host eviction pressure,
   write_back and write_through_selective, flush refused while an ack is pending;
 * a host-pool leak injected into SGLang's own host free path is caught (the host oracle can fail);
-* the L3 mode (``sglang-hicache-l3``, kvaudit/targets/sglang_hicache_l3.py): backups reach storage,
+* the L3 mode (``sglang-hicache-l3``, kvaudit/targets/sglang/hicache_l3.py): backups reach storage,
   a prefix evicted from device and host is prefetched back from storage (its KV intact), an abort
   or ``best_effort`` admission ends a prefetch in flight and its host buffers come back, a match
   lost while queued is re-queried, the storage threads never start, and a run replays identically.
@@ -26,7 +26,7 @@ import torch
 from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit,
                              prompt_tokens)
 from kvaudit.runner import AuditedRun, execute
-from kvaudit.targets.sglang_config import SGLANG_PRESETS
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
 from sglang_helpers import CORES, run_ops
 
 pytestmark = pytest.mark.sglang
@@ -50,6 +50,19 @@ def steps(run, n, trace=None):
         assert run.apply(Step(1)) == []
         if trace is not None:
             trace.append(state(run.target))
+
+
+def test_a_flush_frees_the_host_pool_at_the_site_it_had_before_the_target_was_split():
+    """flush_cache clears the host pool through the observer's ``_install_host_pool`` wrapper, whose
+    frame was a site while it shared the driver's file: the split keeps it one (hooks.py among
+    ``engine_files``), so a HiCache run's ledger digest is what it was (issue 19)."""
+    with AuditedRun(cfg("python")) as run:
+        for op in [Submit(0, 20, 3), Idle(), FlushCache(), Idle()]:
+            assert run.apply(op) == []
+        a = run.auditor
+        frees = [a.site(ev.site)[0] for ev in a.events if ev.pool == HOST and ev.kind == "free"]
+    assert frees and {(s.function, s.file.replace("\\", "/")) for s in frees} == \
+        {("clear_wrapper", "kvaudit/targets/sglang/hooks.py")}
 
 
 # -- config ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""HiSparse mode of the real-SGLang target (kvaudit/targets/sglang_hisparse.py): SGLang 0.5.23's
+"""HiSparse mode of the real-SGLang target (kvaudit/targets/sglang/hisparse.py): SGLang 0.5.23's
 HiSparseTokenToKVPoolAllocator, host pool and HiSparseCoordinator driven on CPU.
 
 * objects come from SGLang's constructors; the 7.2 sequences run clean;
@@ -17,7 +17,7 @@ from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck,
                              PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, run_ops
 from kvaudit.runner import AuditedRun, execute
-from kvaudit.targets.sglang_config import SGLANG_PRESETS, SglangConfig
+from kvaudit.targets.sglang.config import SGLANG_PRESETS, SglangConfig
 
 pytestmark = pytest.mark.sglang
 

@@ -18,7 +18,7 @@ from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck,
                              PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, run_ops
 from kvaudit.runner import AuditedRun, execute
-from kvaudit.targets.sglang_config import SGLANG_PRESETS
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
 pytestmark = pytest.mark.sglang
 
@@ -398,13 +398,13 @@ def test_skipped_release_on_a_decode_server_is_a_leak(core):
 
 def test_missing_pd_dependency_is_one_line_exit_2(monkeypatch, tmp_path):
     from cli_helpers import invoke, one_error_line
-    from kvaudit.targets import sglang_pd
-    from kvaudit.targets.sglang_boot import SglangUnavailable
+    from kvaudit.targets.sglang import pd
+    from kvaudit.targets.sglang.boot import SglangUnavailable
 
     def unavailable():
         raise SglangUnavailable("SGLang's PD decode path does not import: No module named 'einops'")
 
-    monkeypatch.setattr(sglang_pd, "load_pd", unavailable)
+    monkeypatch.setattr(pd, "load_pd", unavailable)
     r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--max-time", "5",
                "--out", str(tmp_path / "out"))
     assert r.exit_code == 2

@@ -21,7 +21,7 @@ from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache
 from sglang_helpers import CORES, kinds, run_ops
 from fault_helpers import assert_names_both_tree_counters, first_finding_within
 from kvaudit.runner import AuditedRun, execute
-from kvaudit.targets.sglang_config import SGLANG_PRESETS
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
 pytestmark = pytest.mark.sglang
 
@@ -45,6 +45,22 @@ def test_objects_come_from_sglangs_own_factory(preset, core):
         assert type(t.allocator).__name__ == want
         assert t.allocator.need_sort is t.config.need_sort
         assert t.allocator.__module__.startswith("sglang.")  # SGLang's code, not a copy
+
+
+def test_engine_files_are_the_driver_modules_and_the_hooks_module():
+    """Frames in ``engine_files`` are sites like SGLang's own: every module that plays SGLang's
+    scheduler, and the hooks' module (it shared the driver's file before the split; see
+    ``SglangTarget.engine_files`` and test_sglang_hicache's flush test)."""
+    import inspect
+    from kvaudit.targets.sglang import driver, hooks, intake, observer, standins, target
+    with AuditedRun(cfg()) as run:
+        files = {os.path.abspath(f) for f in run.target.engine_files()}
+    assert files == {os.path.abspath(m.__file__) for m in (driver, intake, standins, hooks)}
+    for name, member in vars(driver.SglangDriver).items() | vars(intake.SglangIntake).items():
+        fn = getattr(member, "fget", member)
+        if inspect.isfunction(fn):
+            assert os.path.abspath(inspect.getsourcefile(fn)) in files, name
+    assert os.path.abspath(observer.__file__) not in files and os.path.abspath(target.__file__) not in files
 
 
 # -- injected faults (must show) ------------------------------------------------------------------
@@ -73,7 +89,8 @@ def test_second_free_is_a_double_free_sglang_accepts_silently(preset, core):
     assert df, findings
     assert df[0].free_sites and df[0].prev_free_sites  # both frees, with their sites
     # the second free is the driver's (the fault): located in the driver, never in a harness frame
-    assert df[0].free_sites[-1].file.endswith("sglang_target.py") or "sglang" in df[0].free_sites[0].file
+    assert df[0].free_sites[-1].file.replace("\\", "/").endswith("kvaudit/targets/sglang/driver.py") \
+        or "sglang/srt/" in df[0].free_sites[0].file.replace("\\", "/")
     assert free.unique().numel() < free.numel()  # SGLang took the page back twice, without a word
 
 
@@ -89,7 +106,7 @@ def _misbook_new_leaves(core, monkeypatch):
     """Plant the fault: tokens the tree adds as a new leaf are booked as protected instead of evictable.
     Python core: in ``UnifiedTreeCore._add_new_node`` itself. Rust core (its counters live in Rust): the
     adapter's ``evictable_size``/``protected_size`` move every token an insert added and never move it back."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
     load()
     if core == "python":
         from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_TYPE, UnifiedTreeCore
@@ -131,7 +148,7 @@ def test_a_leaf_booked_as_protected_is_accounting_drift_naming_the_counter(core,
 @pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])
 def test_the_tree_caching_past_kv_committed_len_is_reported_at_the_insert(preset, core, monkeypatch):
     """Issue 16 item 8 on real SGLang: a checkpoint that caches one position past ``kv_committed_len``."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
     load()
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     checkpoint = UnifiedRadixCache.checkpoint
@@ -606,7 +623,7 @@ def test_hazard_a6_overlap_allocates_decode_for_a_finished_request_and_release_f
     batch N+1 (its result is not in yet), one slot more than without overlap; release_kv_cache counts
     it in owned_kv_len and frees or caches it with the rest. An abort whose request's result is queued
     ends the request there. Both clean."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
 
     common = load().common  # SGLang's mem_cache/common.py (imported behind the stubs)
     seen = []
@@ -638,7 +655,7 @@ def test_hazard_a6_chunked_abort_while_its_chunk_is_in_flight(core, overlap, mon
     it down at the top of the next step (prepare_abort, release_kv_cache(checkpoint=False)). Under
     overlap its last chunk is still in flight then: that chunk's result comes in after the release and
     only counts down inflight_middle_chunks. Clean; the stashed first chunk stays in the tree."""
-    from kvaudit.targets.sglang_boot import load
+    from kvaudit.targets.sglang.boot import load
 
     common = load().common
     real, seen = common.release_kv_cache, []

@@ -12,7 +12,7 @@ import click
 
 from kvaudit.app.errors import InputError
 from kvaudit.targets import registry
-from kvaudit.targets.sglang_config import TREE_CORES
+from kvaudit.targets.sglang.config import TREE_CORES
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -6,7 +6,7 @@ The configs import without torch; the target classes (which do) are imported on 
 
 from typing import NamedTuple
 
-from kvaudit.targets.sglang_config import SglangConfig
+from kvaudit.targets.sglang.config import SglangConfig
 
 _LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "EutTarget": "eut", "TargetFinding": "base"}
 

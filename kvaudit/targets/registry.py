@@ -124,7 +124,7 @@ def _load() -> None:
         return
     _loaded = True
     import kvaudit.targets.eut.kind  # noqa: F401  (registers "eut")
-    import kvaudit.targets.sglang_kind  # noqa: F401,F811  (registers "sglang")
+    import kvaudit.targets.sglang.kind  # noqa: F401,F811  (registers "sglang")
     for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(mod)

@@ -2,13 +2,13 @@
 -- ``UnifiedRadixCache.init_hicache``, ``HybridCacheController`` and its host pool group -- driven on
 CPU in the scheduler's order, host tier (L2) only.
 
-What is built (``SglangHiCacheTarget._build``): ``sglang_boot.build`` with ``ServerArgs(
+What is built (``SglangHiCacheTarget._build``): ``boot.build`` with ``ServerArgs(
 enable_hierarchical_cache=True, hicache_ratio, hicache_write_policy, hicache_io_backend="direct",
 hicache_mem_layout="layer_first", hicache_storage_backend=None)`` and the factory's
 ``enable_hierarchical_cache`` flag, so ``create_tree_cache`` runs ``init_hicache``: the tree's
 ``cache_controller`` (``HybridCacheController``) and host pool group (``HostPoolGroup``, anchor
 ``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. The L3 storage
-tier (prefetch from storage, storage backups) is a mode of its own: ``sglang_hicache_l3``.
+tier (prefetch from storage, storage backups) is a mode of its own: ``hicache_l3``.
 
 The driver adds to :class:`SglangTarget` (each method names the SGLang code it follows):
 
@@ -29,7 +29,7 @@ The driver adds to :class:`SglangTarget` (each method names the SGLang code it f
 
 CPU shims (only on a CPU device; idempotent; none replaces SGLang memory management):
 
-* **S1** (shared with HiSparse, ``sglang_boot.shim_cuda_host_register``) ``_cuda_host_register`` no-op;
+* **S1** (shared with HiSparse, ``boot.shim_cuda_host_register``) ``_cuda_host_register`` no-op;
 * **H2** the controller's ``l2_transfer_engine.submit_device_to_host``/``submit_host_to_device``
   return completions whose ``finish_event`` reports done only ``hicache_ack_steps`` steps after
   submission (HiSparse's ``_StepEvent``): CPU events are always done, a GPU copy is not;
@@ -72,9 +72,10 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root
-from kvaudit.targets.sglang_boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
-from kvaudit.targets.sglang_hisparse import _StepEvent
-from kvaudit.targets.sglang_target import SglangTarget, host_free_units, host_units
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
+from kvaudit.targets.sglang.hisparse import _StepEvent
+from kvaudit.targets.sglang.hooks import host_free_units, host_units
+from kvaudit.targets.sglang.target import SglangTarget
 
 HOST_POOL = "hicache_host_pool"
 
@@ -161,7 +162,7 @@ class SglangHiCacheTarget(SglangTarget):
         return o
 
     def _storage_server_args(self) -> dict:
-        """The ``ServerArgs`` of the L3 tier: none here (``sglang_hicache_l3`` adds a storage backend)."""
+        """The ``ServerArgs`` of the L3 tier: none here (``hicache_l3`` adds a storage backend)."""
         return dict(hicache_storage_backend=None)
 
     @property

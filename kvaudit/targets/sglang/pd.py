@@ -29,9 +29,9 @@ driver plays what is not on this machine:
   mismatch goes to ``_handle_kv_checksum_mismatch`` (``prepare_abort`` with a 500,
   ``release_kv_cache(checkpoint=False)``, filtered out of the batch). SGLang's ``KvChecksumComputer``
   is an Adler-32 kernel over the GPU pool's bytes (it asserts CUDA) and kvaudit's pools hold no KV
-  data, so :class:`_KvChecksums` stands in for it: the wire writes a word into each destination
-  page, prefill digests what it sent, and ``kv_checksum_mismatch_every`` N corrupts every Nth landed
-  transfer on the wire. SGLang raises instead of aborting when ``is_in_ci()``, unless the mismatch
+  data, so :class:`~kvaudit.targets.sglang.pd_transfer.KvChecksums` stands in for it: the wire
+  writes a word into each destination page, prefill digests what it sent, and
+  ``kv_checksum_mismatch_every`` N corrupts every Nth landed transfer on the wire. SGLang raises instead of aborting when ``is_in_ci()``, unless the mismatch
   was injected (``SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB``); kvaudit's corruption is an
   injection too, so with ``kv_checksum_mismatch_every`` set ``decode.py``'s ``is_in_ci`` answers
   False (unset, it is SGLang's: a mismatch kvaudit did not inject raises under ``SGLANG_IS_IN_CI``);
@@ -46,7 +46,6 @@ SGLang's decode-mode branches, as on the other presets.
 
 from __future__ import annotations
 
-import hashlib
 from types import SimpleNamespace
 
 import torch
@@ -54,9 +53,11 @@ import torch
 import numpy as np
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root
-from kvaudit.targets.sglang_boot import SglangUnavailable, build, load, one_rank_group
-from kvaudit.targets.sglang_config import SglangConfig
-from kvaudit.targets.sglang_target import EOS, SglangTarget
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
+from kvaudit.targets.sglang.config import SglangConfig
+from kvaudit.targets.sglang.pd_transfer import KvChecksums, Network, fake_backend
+from kvaudit.targets.sglang.standins import EOS
+from kvaudit.targets.sglang.target import SglangTarget
 
 _PD = None
 
@@ -91,128 +92,6 @@ def load_pd() -> SimpleNamespace:
         TransferBackend=TransferBackend, FutureMap=FutureMap, SchedulerBatchResultProcessor=SchedulerBatchResultProcessor,
         SpawnRanks=SpawnRanks, get_disagg=get_disagg, get_memory=get_memory, publish=publish, is_in_ci=is_in_ci)
     return _PD
-
-
-def _digest(words: list[int]) -> int:
-    """A 32-bit digest of page words, never 0 (which marks "no digest" in a metadata row)."""
-    raw = hashlib.blake2b(repr(words).encode(), digest_size=4).digest()
-    return int.from_bytes(raw, "big") | 1
-
-
-class _KvChecksums:
-    """Stand-in for SGLang's ``KvChecksumComputer`` (``disaggregation/checksum.py``), which digests a
-    request's KV pages with an Adler-32 kernel over the GPU pool's buffers and asserts CUDA. kvaudit's
-    pools hold no KV data, so a page's content is the word the wire last wrote into it (``pages``:
-    page index -> word) and ``compute`` digests the words of the pages it is given, as the real one
-    digests their bytes. ``DecodePreallocQueue.__init__`` builds it in place of the real class (its
-    arguments name the GPU buffers: unused) and sets it as ``scheduler.kv_checksum_computer``;
-    ``calls`` counts the verifications."""
-
-    def __init__(self, **gpu_buffers):
-        self.pages: dict[int, int] = {}
-        self.calls = 0
-
-    def compute(self, kv_page_indices, state_indices=None) -> int:
-        """``[num_pages]`` int64 page indices (``page_indices_for_request``) -> digest; ``state_indices``
-        is None for this pool (no SWA / mamba state)."""
-        self.calls += 1
-        return _digest([self.pages.get(int(p), 0) for p in kv_page_indices.tolist()])
-
-
-class _Network:
-    """The prefill server and the wire: transfers in flight land after ``latency`` steps; an abort
-    notification is acknowledged (``note_abort_ack``, as ``CommonKVManager`` records a drain ack)
-    after ``ack_steps`` steps, or never. A landing writes the prompt's KV into the destination pages
-    and prefill's digest of it, with its layout signature, into the request's metadata row
-    (``send_kv_chunk``'s ``set_kv_checksum``, copied to decode's row); every ``mismatch_every``-th
-    landing (None: none) flips one page word on the wire, after prefill digested it."""
-
-    def __init__(self, latency: int, ack_steps: int | None, mismatch_every: int | None, page_size: int):
-        self.latency, self.ack_steps = latency, ack_steps
-        self.mismatch_every, self.page_size = mismatch_every, page_size
-        self.sending: list[tuple[int, object]] = []  # (step due, receiver)
-        self.acks: list[tuple[int, object]] = []
-        self.step = 0
-        self.landed = self.corrupted = 0
-        self.checksums = self.metadata_buffers = None  # set once the prealloc queue is built
-        self.signature = 0
-
-    def tick(self) -> None:
-        self.step += 1
-        for due, rx in [x for x in self.sending if x[0] <= self.step]:
-            self.sending.remove((due, rx))
-            if rx.conclude_state is None:
-                self.land(rx)
-        for due, rx in [x for x in self.acks if x[0] <= self.step]:
-            self.acks.remove((due, rx))
-            rx.kv_mgr.note_abort_ack(rx.bootstrap_room, 0, rx._abort_generation)
-
-    def land(self, rx) -> None:
-        """The transfer to ``rx`` completes (``FakeKVReceiver.poll``: Success from now on). Prefill
-        digests the prompt's pages past the prefix decode holds (``[decode_prefix_len,
-        prompt_len)``); the pages after them (a re-bootstrap's replayed output) are sent, not digested."""
-        self.landed += 1
-        words = [(rx.bootstrap_room << 16) + i + 1 for i in range(len(rx.page_indices))]
-        digested = -(-(rx.prompt_len - rx.decode_prefix_len) // self.page_size)
-        digest = _digest(words[:digested])
-        if self.mismatch_every and self.landed % self.mismatch_every == 0 and words:
-            words[0] ^= 1
-            self.corrupted += 1
-        self.checksums.pages.update(zip(rx.page_indices, words))
-        self.metadata_buffers.kv_checksum[rx.aux_index, :2] = torch.tensor([digest, self.signature])
-        rx.has_sent_metadata = True
-
-
-def _backend(P, network: _Network):
-    """kvaudit's transfer backend: SGLang's fake manager and receiver, plus latency and the deferred
-    abort-release protocol (``CommonKVManager``'s ack tracker, ``CommonKVReceiver.ensure_abort_notified``)."""
-
-    class Manager(P.FakeKVManager):
-        enable_deferred_decode_kv_release = True
-        register_deferred_abort_room = P.CommonKVManager.register_deferred_abort_room
-        note_abort_ack = P.CommonKVManager.note_abort_ack
-        is_abort_release_safe = P.CommonKVManager.is_abort_release_safe
-        clear_deferred_abort_state = P.CommonKVManager.clear_deferred_abort_state
-
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self._deferred_abort_ack_tracker = {}
-            self._deferred_abort_generation = 0
-
-    class Receiver(P.FakeKVReceiver):
-        ensure_abort_notified = P.CommonKVReceiver.ensure_abort_notified
-
-        def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
-            super().__init__(mgr, bootstrap_addr, bootstrap_room)
-            self.bootstrap_room = bootstrap_room
-            self.bootstrap_infos = [{"rank": 0}]  # one prefill rank holds the destinations
-            self.init_time = None
-            self._abort_generation = None
-
-        def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=0, **k) -> None:
-            """The destinations are published (``_send_kv_metadata``: page indices, the metadata row): the
-            transfer starts; with no latency it has landed by the poll of the same
-            ``process_decode_queue``, as the fake one."""
-            self.init_time = network.step
-            self.page_indices = [int(p) for p in kv_indices]
-            self.aux_index, self.decode_prefix_len = aux_index, decode_prefix_len or 0
-            if network.latency:
-                network.sending.append((network.step + network.latency, self))
-            else:
-                network.land(self)
-
-        def abort(self) -> None:
-            """``CommonKVReceiver.abort``: the room fails, prefill is told (and the ack tracker armed)."""
-            self.conclude_state = P.KVPoll.Failed
-            self.ensure_abort_notified()
-
-        def _send_abort_notification(self, *, force_arm: bool = False) -> None:
-            if self.kv_mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
-                self._abort_generation = self.kv_mgr.register_deferred_abort_room(self.bootstrap_room)
-                if network.ack_steps is not None:
-                    network.acks.append((network.step + network.ack_steps, self))
-
-    return Manager, Receiver
 
 
 class _DecodeScheduler:
@@ -293,10 +172,10 @@ class SglangPdDecodeTarget(SglangTarget):
                                     max_sampling_mask_tokens=sa.sampling_mask_max_tokens, custom_mem_pool=None,
                                     output_dsa_topk_indices_dim=0,
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
-        self.network = _Network(config.transfer_latency_steps, config.abort_ack_steps,
+        self.network = Network(config.transfer_latency_steps, config.abort_ack_steps,
                                 config.kv_checksum_mismatch_every, config.page_size)
         self.clock.install(P.decode)
-        manager_cls, self._receiver_cls = _backend(P, self.network)
+        manager_cls, self._receiver_cls = fake_backend(P, self.network)
         streamer = _Streamer()
         metrics = SimpleNamespace(enable_metrics=False, current_scheduler_metrics_enabled=False, num_retracted_reqs=0)
         sched = _scheduler_class(P)(
@@ -323,7 +202,7 @@ class SglangPdDecodeTarget(SglangTarget):
         tq.enable_deferred_kv_release = config.deferred_kv_release
         tq.deferred_kv_release_timeout = float(config.deferred_release_timeout_steps)
         # its __init__ builds scheduler.kv_checksum_computer: kvaudit's stand-in in place of the CUDA one
-        real_computer, P.decode.KvChecksumComputer = P.decode.KvChecksumComputer, _KvChecksums
+        real_computer, P.decode.KvChecksumComputer = P.decode.KvChecksumComputer, KvChecksums
         try:
             pq = P.decode.DecodePreallocQueue(
                 req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, draft_token_to_kv_pool=None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
-from kvaudit.targets.sglang_config import FAULTS, SGLANG_PRESETS, SglangConfig
+from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig
 
 
 def _presets():
@@ -22,26 +22,26 @@ def _make(config):
     """The target class for ``config``'s serving mode (PD decode, HiSparse, HiCache with or without
     L3 storage, else aggregated serving)."""
     if config.disaggregation_mode == "decode":
-        from kvaudit.targets.sglang_pd import SglangPdDecodeTarget as cls
+        from kvaudit.targets.sglang.pd import SglangPdDecodeTarget as cls
     elif config.enable_hisparse:
-        from kvaudit.targets.sglang_hisparse import SglangHiSparseTarget as cls
+        from kvaudit.targets.sglang.hisparse import SglangHiSparseTarget as cls
     elif config.hicache_storage_backend is not None:
-        from kvaudit.targets.sglang_hicache_l3 import SglangHiCacheL3Target as cls
+        from kvaudit.targets.sglang.hicache_l3 import SglangHiCacheL3Target as cls
     elif config.enable_hierarchical_cache:
-        from kvaudit.targets.sglang_hicache import SglangHiCacheTarget as cls
+        from kvaudit.targets.sglang.hicache import SglangHiCacheTarget as cls
     else:
-        from kvaudit.targets.sglang_target import SglangTarget as cls
+        from kvaudit.targets.sglang.target import SglangTarget as cls
     return cls(config)
 
 
 def _probe(config) -> None:
     """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD
     decode modules for a PD config, cannot be imported here."""
-    from kvaudit.targets.sglang_boot import SglangUnavailable, load
+    from kvaudit.targets.sglang.boot import SglangUnavailable, load
     try:
         load()
         if config.disaggregation_mode == "decode":
-            from kvaudit.targets.sglang_pd import load_pd
+            from kvaudit.targets.sglang.pd import load_pd
             load_pd()
     except SglangUnavailable as e:
         raise TargetUnavailable(str(e)) from None
@@ -66,13 +66,13 @@ def _header(config) -> str:
 def _anchor(kind: str):
     """The driver plays SGLang's scheduler (SGLang's files are not in the repository):
     ``SglangTarget.engine_check`` for accounting drift and lock imbalance, ``SglangTarget.step`` else."""
-    from kvaudit.targets.sglang_target import SglangTarget
+    from kvaudit.targets.sglang.target import SglangTarget
     method = "engine_check" if kind in ("accounting-drift", "lock-imbalance") else "step"
     return getattr(SglangTarget, method), f"SglangTarget.{method}"
 
 
 def _describe(config) -> str:
-    from kvaudit.targets.sglang_boot import installed_version
+    from kvaudit.targets.sglang.boot import installed_version
     return f"target sglang {installed_version() or '?'} ({config.tree_core} tree core)"
 
 
@@ -87,7 +87,7 @@ def _engine_source():
     """SGLang's version is the installed one when this target drives it; else, while the target
     drives a single release, that release (the only one that can have recorded the frames)."""
     from kvaudit.targets import EngineSource
-    from kvaudit.targets.sglang_boot import SUPPORTED_VERSIONS, installed_version
+    from kvaudit.targets.sglang.boot import SUPPORTED_VERSIONS, installed_version
     v = installed_version()
     return EngineSource("sglang", v if v in SUPPORTED_VERSIONS else
                         SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)

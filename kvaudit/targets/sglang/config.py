@@ -67,7 +67,7 @@ class SglangConfig(ConfigBase):
     ``request_waiting_timeout_steps`` / ``request_running_timeout_steps``, None for off.
 
     PD decode (``disaggregation_mode="decode"``): kvaudit plays the prefill server and the wire
-    (``kvaudit/targets/sglang_pd.py``). ``transfer_latency_steps`` is how many scheduler steps a KV
+    (``kvaudit/targets/sglang/pd.py``). ``transfer_latency_steps`` is how many scheduler steps a KV
     transfer takes to land; ``abort_ack_steps`` how many steps after an abort notification prefill
     acknowledges the drain (None: never, so a deferred release waits for
     ``deferred_release_timeout_steps``); ``deferred_kv_release`` is
@@ -116,8 +116,8 @@ class SglangConfig(ConfigBase):
     session_timeout_steps: int | None = None  # OpenSessionReqInput.timeout, one second a step; None: none
     chunked_prefill_size: int | None = None  # tokens per prefill batch (PrefillAdder's chunk budget); None = off
     enable_mixed_chunk: bool = False  # decode rows ride in prefill batches (needs chunked_prefill_size)
-    disaggregation_mode: str = "null"  # "decode": the PD decode server's queues (kvaudit/targets/sglang_pd.py)
-    enable_hisparse: bool = False  # HiSparse's two-level allocator and coordinator (kvaudit/targets/sglang_hisparse.py)
+    disaggregation_mode: str = "null"  # "decode": the PD decode server's queues (kvaudit/targets/sglang/pd.py)
+    enable_hisparse: bool = False  # HiSparse's two-level allocator and coordinator (kvaudit/targets/sglang/hisparse.py)
     # PD decode only: the transfer network kvaudit plays (in scheduler steps) and SGLang's decode reserve
     transfer_latency_steps: int = 1  # steps from send_metadata to the KV landing
     abort_ack_steps: int | None = 2  # steps from an abort notification to prefill's drain ack; None: never acked
@@ -129,7 +129,7 @@ class SglangConfig(ConfigBase):
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
     hisparse_staging_steps: int = 0  # steps a staging copy stays in flight (collect_ready_reqs waits for it)
-    # HiCache (kvaudit/targets/sglang_hicache.py): SGLang's --enable-hierarchical-cache
+    # HiCache (kvaudit/targets/sglang/hicache.py): SGLang's --enable-hierarchical-cache
     enable_hierarchical_cache: bool = False
     hicache_write_policy: str = "write_through"  # --hicache-write-policy
     hicache_ratio: float = 2.0  # --hicache-ratio: host pool size over the device pool

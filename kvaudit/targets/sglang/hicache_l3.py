@@ -79,9 +79,9 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, Root
-from kvaudit.targets.sglang_boot import SglangUnavailable
-from kvaudit.targets.sglang_hicache import HOST_POOL, SglangHiCacheTarget
-from kvaudit.targets.sglang_target import host_units
+from kvaudit.targets.sglang.boot import SglangUnavailable
+from kvaudit.targets.sglang.hicache import HOST_POOL, SglangHiCacheTarget
+from kvaudit.targets.sglang.hooks import host_units
 
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # HiCacheFile prefers it to its configured path
 

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang_boot import SglangUnavailable, build, one_rank_group, publish_server_args, shim_cuda_host_register
-from kvaudit.targets.sglang_target import SglangTarget, host_free_units, host_units
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, one_rank_group, publish_server_args, shim_cuda_host_register
+from kvaudit.targets.sglang.hooks import host_free_units, host_units
+from kvaudit.targets.sglang.target import SglangTarget
 
 _SHIMS: list[str] = []
 
@@ -54,7 +55,7 @@ def install_module_shims(hc, pool_host_common) -> list[str]:
     """
     if _SHIMS:
         return list(_SHIMS)
-    shim_cuda_host_register()  # shared with HiCache (sglang_boot)
+    shim_cuda_host_register()  # shared with HiCache (boot)
     real = torch
 
     class _NoPinTorch(types.ModuleType):

@@ -1,0 +1,207 @@
+"""The observer's hooks on SGLang's objects: wrappers on the allocator, request-pool and tree-cache
+*instances* (never the classes) that feed kvaudit's ledger every alloc, free, lock-ref change and
+tree insert.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvaudit.targets.base import PoolSpec, Target, wrap_insert
+
+
+def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
+    """Host slots (``[n]`` int64, tokens) as ledger units: host page + 1 (SGLang's host pools have no
+    reserved slot 0; kvaudit's unit 0 is the reserved padding unit of every pool)."""
+    s = slots.to(torch.int64).cpu().numpy()
+    s = s[s >= 0]
+    return np.unique(s // page_size) + 1
+
+
+def host_free_units(host_pool, page_size: int) -> np.ndarray:
+    """A host pool's free list (``free_slots`` and the pending ``release_slots``) as ledger units, one
+    entry per free page (the first slot of each), for the event-log replay check."""
+    slots = host_pool.free_slots
+    if host_pool.release_slots:
+        slots = torch.cat([slots, *host_pool.release_slots])
+    slots = slots[slots % page_size == 0]
+    return (slots // page_size + 1).cpu().numpy()
+
+
+class SglangHooks(Target):
+    """The ``install_*`` hooks of the real-SGLang target (:class:`kvaudit.targets.sglang.target.SglangTarget`
+    combines them): they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
+
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        """Wrap ``spec``'s instance methods so every alloc and free reaches ``auditor``'s ledger.
+
+        * rows: ``ReqToTokenPool.alloc_rows``/``free_rows`` (``alloc``/``free`` bind requests on top);
+        * KV, page 1: ``TokenToKVPoolAllocator.alloc``/``free`` -- every free path (``free_segments``,
+          ``free_page_ids``, ``free_group_end``) ends in ``free``;
+        * KV, paged: ``alloc``/``alloc_extend``/``alloc_decode`` recorded as the pages that left the
+          free set (extend and decode also hand out slots on a request's partly filled page, so
+          ``out // page_size`` would name pages that were never free), and frees at
+          ``_release_page_ids``, the one place every paged free path returns pages;
+        * ``clear()`` as a free of every allocated unit.
+        """
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
+        capture = auditor.capture_site
+        auditor.wrap_clear(spec)
+        if spec.kind == "rows":
+            auditor.wrap_rows(spec, alloc="alloc_rows", free="free_rows")
+        else:
+            # Frees inside a free group (free_group_begin/end: the scheduler's result processing)
+            # reach the free list at free_group_end; they are recorded then, each with the site
+            # of its own call. ``free()`` deduplicates pages over the whole group (one
+            # torch.unique at the end); ``free_page_ids`` does not.
+            pending: list[tuple[list[int], int, bool]] = []
+            ending = [False]
+
+            def grouped(name, to_units, dedup):
+                orig = getattr(obj, name)
+
+                def wrapper(idx, *a, **k):
+                    if obj.free_group is not None and not ending[0] and idx.numel():
+                        pending.append((to_units(idx), capture(), dedup))
+                    return orig(idx, *a, **k)
+
+                wrap(obj, name, wrapper)
+
+            if ps == 1 and not hasattr(obj, "_release_page_ids"):  # TokenToKVPoolAllocator (a paged one may be page 1)
+                alloc, free = obj.alloc, obj.free
+
+                def alloc_wrapper(n):
+                    out = alloc(n)
+                    if out is not None and out.numel():
+                        auditor.on_alloc(pool, out.tolist(), capture())
+                    return out
+
+                def free_wrapper(idx):
+                    direct = obj.free_group is None and not ending[0]
+                    if not direct and obj.free_group is not None and not ending[0] and idx.numel():
+                        pending.append((idx.tolist(), capture(), False))
+                    free(idx)
+                    if direct and idx.numel():
+                        auditor.on_free(pool, idx.tolist(), capture())
+
+                wrap(obj, "alloc", alloc_wrapper)
+                wrap(obj, "free", free_wrapper)
+            else:
+                def paged(name):
+                    orig = getattr(obj, name)
+
+                    def alloc_wrapper(*a, **k):
+                        before = obj.get_all_free_pages().cpu().numpy()
+                        out = orig(*a, **k)
+                        if out is not None:
+                            taken = np.setdiff1d(before, obj.get_all_free_pages().cpu().numpy())
+                            if taken.size:
+                                auditor.on_alloc(pool, taken.tolist(), capture())
+                        return out
+                    return alloc_wrapper
+
+                for name in ("alloc", "alloc_extend", "alloc_decode"):
+                    wrap(obj, name, paged(name))
+                grouped("free", lambda idx: torch.unique(idx // ps).tolist(), True)
+                grouped("free_page_ids", lambda ids: ids.tolist(), False)
+                release = obj._release_page_ids
+
+                def release_wrapper(*page_ids):
+                    release(*page_ids)
+                    units = torch.cat([p.reshape(-1) for p in page_ids]).tolist() if page_ids else []
+                    if units and not ending[0]:
+                        auditor.on_free(pool, units, capture())
+
+                wrap(obj, "_release_page_ids", release_wrapper)
+
+            group_end = obj.free_group_end
+
+            def group_end_wrapper():
+                ending[0] = True
+                try:
+                    group_end()
+                finally:
+                    ending[0] = False
+                items = list(pending)
+                pending.clear()
+                seen: set[int] = set()
+                for units, sid, dedup in items:
+                    if dedup:
+                        units = [u for u in units if u not in seen]
+                        seen.update(units)
+                    if units:
+                        auditor.on_free(pool, units, sid)
+
+            wrap(obj, "free_group_end", group_end_wrapper)
+
+    def _install_host_pool(self, spec: PoolSpec, auditor, wrap, live: set | None = None) -> None:
+        """A host pool (``HostKVCache``, HiSparse's or HiCache's): ``alloc(n)``/``free(slots)`` on the
+        instance and ``clear()``, in host pages + 1 (:func:`host_units`). ``live``, if given, mirrors
+        the units held."""
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
+        capture = auditor.capture_site
+        auditor.wrap_clear(spec)
+        alloc, free = obj.alloc, obj.free
+        live = set() if live is None else live
+
+        def alloc_wrapper(need_size, *a, **k):
+            out = alloc(need_size, *a, **k)
+            if out is not None and out.numel():
+                units = host_units(out, ps).tolist()
+                live.update(units)
+                auditor.on_alloc(pool, units, capture())
+            return out
+
+        def free_wrapper(indices, *a, **k):
+            out = free(indices, *a, **k)
+            if indices.numel():
+                units = host_units(indices, ps).tolist()
+                live.difference_update(units)
+                auditor.on_free(pool, units, capture())
+            return out
+
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
+        cleared = getattr(obj, "clear", None)  # auditor.wrap_clear's wrapper
+        if cleared is not None:
+            def clear_wrapper(*a, **k):
+                live.clear()
+                return cleared(*a, **k)
+
+            wrap(obj, "clear", clear_wrapper)
+
+    def install_lock_ledger(self, wrap, record) -> None:
+        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree (``UnifiedRadixCache``; ``lock``,
+        ``unlock`` and checkpoint's lock moves all go through them) to ``record(node_id, delta)``."""
+        cache = self.tree_cache
+        inc, dec = cache.inc_lock_ref, cache.dec_lock_ref
+        net = self.lock_net
+
+        def inc_wrapper(node_id, *a, **k):
+            out = inc(node_id, *a, **k)
+            net[node_id] = net.get(node_id, 0) + 1
+            record(node_id, +1)
+            return out
+
+        def dec_wrapper(node_id, *a, **k):
+            out = dec(node_id, *a, **k)
+            net[node_id] = net.get(node_id, 0) - 1
+            record(node_id, -1)
+            return out
+
+        wrap(cache, "inc_lock_ref", inc_wrapper)
+        wrap(cache, "dec_lock_ref", dec_wrapper)
+
+    def install_insert_check(self, wrap, report) -> None:
+        """Check every ``UnifiedRadixCache.insert(params)`` (``checkpoint_into_tree``'s, on the instance):
+        the tree takes ``min(len(params.key), len(params.value))`` tokens of the request being cached
+        (the caller's local ``req``), which must not exceed its ``kv_committed_len``; else
+        ``report(owner, inserted, committed, slots)`` with the slots past ``kv_committed_len``."""
+
+        def measure(req, params, *a, **k):
+            value = params.value
+            inserted = min(len(params.key), int(value.numel())) if value is not None else 0
+            return f"req:{req.rid}", inserted, req.kv.kv_committed_len, value
+
+        wrap_insert(wrap, self.tree_cache, "insert", measure, report)

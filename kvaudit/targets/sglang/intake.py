@@ -1,0 +1,371 @@
+"""The driver's intake: kvaudit's ops delivered as the messages SGLang's scheduler receives
+(``Scheduler.process_input_requests``): generate requests through the tokenizer's pause hold,
+session open and close, aborts, flushes, pauses, memory pressure.
+"""
+
+from __future__ import annotations
+
+from array import array
+from http import HTTPStatus
+from types import SimpleNamespace
+from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
+    MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens
+from kvaudit.targets.base import Target
+from kvaudit.targets.sglang.standins import EOS
+
+
+class SglangIntake(Target):
+    """``Scheduler``'s message handling, over the state :class:`kvaudit.targets.sglang.target.SglangTarget`
+    sets up; its batches are :class:`kvaudit.targets.sglang.driver.SglangDriver`'s."""
+
+    @property
+    def paused(self) -> bool:
+        """A pause is in force (``pause_generation`` until ``continue_generation``)."""
+        return self.scheduler_paused or self.held is not None
+
+    def apply(self, op: Op) -> None:
+        """Deliver a message, as ``Scheduler.process_input_requests`` does at intake. While paused, the
+        tokenizer holds generate requests (submits, health checks) until ``continue_generation``; a held
+        submit's prompt and session are the client's, resolved when it is sent, as the built-in
+        engine's target does."""
+        cfg = self.config
+        if isinstance(op, Submit):
+            max_new = max(1, min(op.max_new_tokens, cfg.context_len // 4))
+            plen = max(1, min(op.prompt_len, cfg.context_len // 2))
+            prompt = prompt_tokens(op.family, plen, cfg.vocab_size)
+            if op.extends is not None and self.submitted:
+                prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
+            sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
+            self._generate(op.kind, (prompt, max_new, op.stop_at, sid, "r", op))
+        elif isinstance(op, HealthCheck):
+            self._generate(op.kind, ())
+        elif isinstance(op, Abort):
+            live = self.live_rids()
+            if op.handle is None:
+                for rid in live:
+                    self._abort(rid)
+            elif live:
+                self._abort(live[op.handle % len(live)])
+        elif isinstance(op, FlushCache):  # SchedulerFlushWrapper.handle: now, or deferred up to the timeout
+            self.flush_wrapper.handle(self.S.FlushCacheReqInput(timeout_s=float(op.timeout)))
+        elif isinstance(op, OpenSession):
+            if self.session_controller is not None:
+                sid = f"s{self._opened}"
+                self._opened += 1
+                self.session_controller.open(self.S.OpenSessionReqInput(
+                    capacity_of_str_len=0, session_id=sid, streaming=self.config.session_streaming,
+                    timeout=self.config.session_timeout_steps))
+                self.sessions.append(sid)
+        elif isinstance(op, CloseSession):
+            if self.sessions:  # SessionController.close: immediate when idle, deferred while a turn runs
+                sid = self.sessions.pop(op.handle % len(self.sessions))
+                self.session_controller.close(self.S.CloseSessionReqInput(session_id=sid))
+        elif isinstance(op, MemoryPressure):
+            self._memory_pressure()
+        elif isinstance(op, PauseGeneration):
+            self._pause_generation(PAUSE_MODES[op.mode])
+        elif isinstance(op, ContinueGeneration):
+            if self.paused:
+                self._continue_generation()
+        elif isinstance(op, TransferFail):
+            self._transfer_fail(op.handle)
+        else:
+            raise TypeError(f"op {op!r} does not go through apply()")
+        if not isinstance(op, (Submit, HealthCheck, OpenSession)):
+            self._after_intake()
+
+    def _transfer_fail(self, handle: int | None) -> None:
+        """:class:`TransferFail`: a no-op here (no transfers on an aggregated server); the PD decode
+        driver overrides it."""
+
+    def _generate(self, kind: str, args: tuple) -> None:
+        """A generate request reaches the tokenizer: held while paused, else sent to the scheduler
+        (a submit: :meth:`_submit`; /health_generate: a 1-token request, run only when the scheduler is
+        idle)."""
+        if self.held is not None:
+            self.held.append((kind, args))
+        elif kind == "submit":
+            self._submit(*args)
+        elif self.is_idle_for_health_check():
+            self._submit([2], 1, None, None, rid_prefix="HEALTH_CHECK_")
+
+    def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
+                rid_prefix: str = "r", op: Submit | None = None) -> None:
+        """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
+        turn; then its length checks; then ``process_req_with_grammar`` (a request with a grammar waits
+        in the grammar queue until it compiles, ``op.grammar`` steps from now) or the waiting queue. A
+        request aborted at intake goes to the waiting queue at once. ``op``, the submit, gives the rest:
+        ``priority``, ``ignore_eos``, ``grammar``, and the turn's ``SessionParams`` (``parent``,
+        ``replace``, ``drop_previous_output``, ``offset``)."""
+        S, cfg = self.S, self.config
+        op = op or Submit()
+        rid = f"{rid_prefix}{self._n}"
+        self._n += 1
+        sp = S.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=bool(op.ignore_eos))
+        sp.normalize(None)
+        ids = array("q", prompt)
+        sc = self.session_controller
+        gone = None  # handle_generate_request's early returns (before the grammar): a gone session, a bad length
+        if sid is not None and (sid not in sc or sc.get(sid).close_on_finish):
+            # handle_generate_request: a session timed out (reaped) or closing -- a plain request, aborted
+            gone = f"Invalid request: session id {sid} does not exist" if sid not in sc else \
+                f"Invalid request: close was requested for session {sid}"
+            sid = None
+        if sid is not None:  # an open session (closed ones leave self.sessions at once)
+            turns = self.session_turns.setdefault(sid, [])
+            params = S.SessionParams(id=sid, rid=turns[op.parent % len(turns)] if op.parent is not None and turns else None,
+                                     offset=op.offset, replace=bool(op.replace),
+                                     drop_previous_output=bool(op.drop_previous_output))
+            turns.append(rid)
+            recv = S.TokenizedGenerateReqInput(
+                input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
+                return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
+                rid=rid, session_params=params, priority=op.priority)
+            req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
+        else:
+            req = self._new_req(rid, ids, sp)
+            req.priority = op.priority
+            if gone is not None:
+                req.set_finish_with_abort(gone)
+        # Scheduler.init_req_max_new_tokens and validate_input_length: a turn whose history no longer
+        # fits the context is aborted at intake, before it can reach a row
+        input_len = len(req.origin_input_ids)
+        max_new = max(0, min(req.sampling_params.max_new_tokens, self.max_req_len - input_len - 1))
+        max_new = self.allocator.max_new_tokens_for_memory(input_len, max_new, token_capacity=cfg.total_tokens,
+                                                           sliding_window_size=None, chunk_size=None)
+        req.sampling_params.max_new_tokens = max_new or 0
+        error = None  # managers/utils.py::validate_input_length, without auto-truncation (its default)
+        if input_len >= self.max_req_input_len:
+            error = f"Input length ({input_len} tokens) exceeds the maximum allowed length ({self.max_req_input_len} tokens)."
+        elif max_new is None:
+            error = "the prompt cannot fit in the KV pool"
+        if error is not None and req.to_finish is None:
+            req.set_finish_with_abort(error)
+        req.kvaudit_stop_at = stop_at
+        self.submitted.append(rid)
+        gm = self.grammar_manager
+        # (a turn create_req rejected still goes through the grammar, as in SGLang: only its to_finish is set)
+        if gone is not None or error is not None or gm is None:
+            self._add_request_to_queue(req)
+            return
+        if op.grammar is not None:
+            req.sampling_params.regex = f"kvaudit:{self.steps + op.grammar}:{rid}"
+        if not gm.process_req_with_grammar(req):
+            self._add_request_to_queue(req)
+
+    def _new_req(self, rid: str, ids, sp):
+        """A plain ``Req`` (``handle_generate_request``)."""
+        return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS})
+
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        """``Scheduler._add_request_to_queue``: ``_set_or_validate_priority`` (with priority scheduling a
+        request without one gets the lowest), ``_abort_on_queued_limit``, then the waiting queue, stamped
+        with ``wait_queue_entry_time`` (here a count, so FCFS ties are deterministic)."""
+        cfg = self.config
+        if cfg.enable_priority_scheduling and req.priority is None:
+            req.priority = -(1 << 62) if not cfg.schedule_low_priority_values_first else 1 << 62  # +-sys.maxsize
+        if self._abort_on_queued_limit(req):
+            self._release_aborted_request(req)
+            self.finished.add(req.rid)
+            return
+        self._prefetch_kvcache(req)
+        self.waiting.append(req)
+        self._queued += 1
+        req.time_stats.wait_queue_entry_time = float(self._queued)
+        req.kvaudit_queued_at = self.steps
+
+    def _prefetch_kvcache(self, req) -> None:
+        """``Scheduler._prefetch_kvcache`` as a request is queued: an L3 storage prefetch (none here)."""
+
+    def _prefetch_ready(self, req) -> bool:
+        """Admission's storage gate (``check_prefetch_progress`` on a request's prefetch): a request whose
+        prefetch is still running is skipped this round. Always ready here (no storage tier)."""
+        return True
+
+    def _prefetch_after_device_hit_loss(self, req) -> bool:
+        """Admission, after the match: a storage re-query that skips the request this round. Never here."""
+        return False
+
+    def _abort_on_queued_limit(self, req) -> bool:
+        """``Scheduler._abort_on_queued_limit``: with the waiting queue at ``max_queued_requests``, the
+        newcomer is aborted (503); with priority scheduling, the least preferred waiting request is
+        aborted instead if the newcomer is strictly preferred. Returns True if ``req`` was aborted."""
+        cfg = self.config
+        if cfg.max_queued_requests is None or len(self.waiting) + 1 <= cfg.max_queued_requests:
+            return False
+        if cfg.enable_priority_scheduling:
+            d = 1 if cfg.schedule_low_priority_values_first else -1
+            idx, worst = max(enumerate(self.waiting), key=lambda it: (d * it[1].priority,
+                                                                       it[1].time_stats.wait_queue_entry_time))
+            if d * req.priority < d * worst.priority:
+                self.waiting.pop(idx)
+                self._release_aborted_request(worst)
+                self.finished.add(worst.rid)
+                return False
+        return True
+
+    def _poll_timeout_aborts(self) -> None:
+        """``Scheduler._poll_timeout_aborts`` (each ``ingest_requests``): an abort, by rid (so by rid
+        prefix, as every abort), with the message "Request waiting/running timeout reached." and a 503,
+        for each waiting request queued ``request_waiting_timeout_steps`` ago and each in-flight one
+        scheduled ``request_running_timeout_steps`` ago."""
+        cfg = self.config
+        aborts = []
+        if cfg.request_waiting_timeout_steps is not None:
+            aborts += [(r.rid, "Request waiting timeout reached.") for r in self.waiting
+                       if self.steps - r.kvaudit_queued_at > cfg.request_waiting_timeout_steps]
+        if cfg.request_running_timeout_steps is not None:
+            aborts += [(r.rid, "Request running timeout reached.") for r in self._inflight()
+                       if not r.finished() and r.to_finish is None and getattr(r, "kvaudit_forward_at", None) is not None
+                       and self.steps - r.kvaudit_forward_at > cfg.request_running_timeout_steps]
+        for rid, message in aborts:
+            self._abort(rid, message)
+
+    def _abort(self, rid: str, message: str | None = None) -> None:
+        """``Scheduler.abort_request``, which matches rids by prefix (``req.rid.startswith(rid)``: an
+        abort of ``r1`` also ends ``r10``..``r19``, as SGLang's would): the chunked request is only
+        marked (``_pending_chunked_abort_req``, torn down at the next step); waiting requests are
+        popped (they hold no KV outside PD decode) and their cache state dropped
+        (``_release_aborted_request``); running ones, or ones in the last batch, get ``to_finish`` and
+        end at their next result, through ``release_kv_cache`` like any finish. A timeout abort's
+        ``message`` goes with a 503 (``FINISH_ABORT(message, SERVICE_UNAVAILABLE)``)."""
+        if self.chunked_req is not None and self.chunked_req.rid.startswith(rid):
+            self._pending_chunked_abort = self.chunked_req
+        for req in [r for r in self.waiting if r.rid.startswith(rid)]:
+            self.waiting.remove(req)
+            self._release_aborted_request(req)
+            self.finished.add(req.rid)
+        if self.grammar_manager is not None:  # set_finish_with_abort: it still runs one 1-token prefill
+            self.grammar_manager.abort_requests(SimpleNamespace(abort_all=False, rid=rid))
+        for req in self._inflight():  # running, or in the last batch
+            if req.rid.startswith(rid) and not req.finished():
+                req.to_finish = self.S.FINISH_ABORT() if message is None else \
+                    self.S.FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def _pause_generation(self, mode: str) -> None:
+        """``TokenizerManager.pause_generation``: generate requests are held from now on. ``abort``: the
+        tokenizer aborts every request (``abort_request(abort_all=True)``), the scheduler keeps running.
+        ``in_place`` / ``retract``: ``Scheduler.pause_generation`` -- the scheduler stops scheduling;
+        ``retract`` first retracts every in-flight request (:meth:`_pause_retract`)."""
+        if self.held is None:
+            self.held = []
+        if mode == "abort":
+            for rid in self.live_rids():
+                self._abort(rid)
+            return
+        if mode == "retract":
+            self._pause_retract()
+        self.scheduler_paused = True
+
+    def _pause_retract(self) -> None:
+        """``Scheduler.pause_generation(mode="retract")``: under overlap the pending result is processed
+        first; then the unfinished requests of the running batch, of the last batch if it was a prefill
+        (its requests may not have joined the running batch yet: overlap, HiSparse staging) and the
+        chunked request go through ``retract_all(..., offload_kv=False)`` (``release_req`` each:
+        HiSparse ``retract_req``, ``release_kv_cache(checkpoint=False)``, ``reset_for_retract``) and back
+        to the waiting queue; the running batch, last batch and chunked request are cleared."""
+        if self.config.enable_overlap and self._last is not None:
+            last, self._last = self._last, None
+            self._process(*last)
+        reqs = [r for r in self.running if not r.finished()]
+        if self._scheduled is not None and self._scheduled[0] == "extend":
+            reqs += [r for r in self._scheduled[1] if not r.finished() and not any(r is x for x in reqs)]
+        chunked = self.chunked_req
+        if chunked is not None and not chunked.finished() and not any(chunked is x for x in reqs):
+            reqs.append(chunked)
+        self._scheduled = None
+        self._retract_all(reqs)
+        self.running = []
+        for req in reqs:
+            self._add_request_to_queue(req)
+        self.chunked_req = None
+
+    def _retract_all(self, reqs: list) -> None:
+        """``retract_all(reqs, ..., offload_kv=False)``, as ``pause_generation(retract)`` calls it: each
+        request through ``release_req`` (no host backup: a pause rebuilds the KV afterwards)."""
+        if reqs:
+            self.S.retract_all(reqs=reqs, req_to_token_pool=self.req_to_token_pool,
+                               token_to_kv_pool_allocator=self.allocator, tree_cache=self.tree_cache,
+                               hisparse_coordinator=self._hisparse_coordinator(), offload_kv=False)
+        self.retractions += len(reqs)
+
+    def _hisparse_coordinator(self):
+        """The ``HiSparseCoordinator`` SGLang's releases are given (none on this target)."""
+        return None
+
+    def _continue_generation(self) -> None:
+        """``Scheduler.continue_generation`` and ``TokenizerManager.continue_generation``: the scheduler
+        runs again, then the held generate requests are sent, in order."""
+        self.scheduler_paused = False
+        held, self.held = self.held or [], None
+        for kind, args in held:
+            self._generate(kind, args)
+
+    def _memory_pressure(self) -> None:
+        """Another tenant needs memory: evict what the tree can give, retract at the next decode
+        (``SGLANG_TEST_RETRACT``'s forced retraction)."""
+        self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
+        self._force_retract = True
+
+    def _release_aborted_request(self, req) -> None:
+        """``Scheduler._release_aborted_request``: the tree's per-request state, and a streaming
+        session's turn bookkeeping (``Session.abort_req``)."""
+        self.tree_cache.finish(req.cache_request_handle, self.S.CacheRequestOutcome.ABORT)
+        if req.session is not None and req.session.streaming:
+            req.session.abort_req()
+
+    def _flush_cache(self) -> bool:
+        """``Scheduler.flush_cache``: only when fully idle (:meth:`is_idle`; sessions do not count; while
+        the scheduler is paused, waiting requests that hold no KV do not either), reset the tree and clear
+        both pools. Returns whether it flushed."""
+        if not self.is_idle(ignore_waiting=self.scheduler_paused):
+            return False
+        self._scheduled = None
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+        if self.grammar_manager is not None:
+            self.grammar_manager.clear()
+        self._flushes += 1
+        return True
+
+    def _check_pending_flush(self) -> None:
+        """``flush_wrapper.check_pending()`` (each ``ingest_requests``): a deferred flush runs once the
+        server is idle, or fails at its deadline; the quiescence check follows a flush at once."""
+        done = self._flushes
+        self.flush_wrapper.check_pending()  # (its timeout warning goes to the root logger, silenced by load())
+        if self._flushes != done:
+            self._after_intake()
+
+    def on_intake(self, callback) -> None:
+        """Call ``callback()`` after each message that can free memory at intake (abort, session close,
+        flush, memory pressure), before the next step schedules: the runner's use-after-free scan."""
+        self._intake = callback
+
+    def _after_intake(self) -> None:
+        if self._intake is not None:
+            self._intake()
+
+    def _text(self, rid: str) -> list[int]:
+        for req in self._active():
+            if req.rid == rid:
+                return list(req.origin_input_ids) + list(req.output_ids)
+        return []
+
+    def live_rids(self) -> list[str]:
+        live = {r.rid for r in self._active() if not r.finished()}
+        return [r for r in self.submitted if r in live]
+
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
+        """``is_fully_idle``; with ``ignore_waiting`` (flush while paused) waiting requests count only if
+        they hold KV."""
+        waiting = any(r.kv.holds_kv for r in self.waiting) if ignore_waiting else bool(self.waiting)
+        grammars = self.grammar_manager is not None and bool(self.grammar_manager.grammar_queue)
+        return not waiting and not grammars and not self.running and self._last is None and self.chunked_req is None
+
+    def is_idle_for_health_check(self) -> bool:
+        """``is_fully_idle(for_health_check=True)``: a health check runs only when no batch can carry
+        health information -- no waiting, running or chunked request, no batch whose result is
+        pending. Unlike :meth:`is_idle` (flush), a mode's own in-flight work (HiSparse staging,
+        HiCache copies) does not count."""
+        return not self.waiting and not self.running and self._last is None and self.chunked_req is None

@@ -1,0 +1,251 @@
+"""The observer: what the oracles read of SGLang's pools, tree and requests -- the roots into the
+pools, each pool's accounting and free list, the lock holders, the engine's own conservation
+identity, and the progress and idle state of the scheduler the driver plays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvaudit.targets.base import Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.sglang.hooks import SglangHooks
+
+
+class SglangObserver(SglangHooks):
+    """Reads, never mutates (besides the hooks' own bookkeeping), the state the driver
+    (:class:`kvaudit.targets.sglang.driver.SglangDriver`) keeps under SGLang's names: ``allocator``,
+    ``req_to_token_pool``, ``tree_cache``, ``session_controller``, ``grammar_manager``, the queues
+    (``waiting``, ``running``, ``chunked_req``, ``_last``) and its ``_inflight``/``_active`` requests."""
+
+    owner_hint_vars = ("req",)
+    owner_stop_vars = ("reqs", "batch")
+
+    def pools(self) -> list[PoolSpec]:
+        return self._pools
+
+    def framework_files(self) -> list[str]:
+        """Allocator-internal files: a site's innermost frame is the first frame outside these."""
+        import sglang.srt.mem_cache.allocator.base as base
+        import sglang.srt.mem_cache.memory_pool as memory_pool
+        return [base.__file__, memory_pool.__file__]
+
+    def recount(self) -> dict[str, dict[str, Recount]]:
+        """The tree's terms recounted from its nodes (SGLang's definition, the Python core's
+        ``sanity_check`` part 4): ``evictable`` = FULL device tokens of nodes whose FULL ``lock_ref`` is 0,
+        ``protected`` = those of nodes with ``lock_ref > 0``. Python core: one walk of its nodes; Rust
+        core (no Python nodes): ``walk_for_kv_canary(unlocked_only=True)`` for the unlocked tokens and
+        ``all_values_flatten`` for all of them."""
+        cache = self.tree_cache
+        if cache.disable:
+            return {}
+        core = cache.tree_core
+        if self.tree_core.startswith("Rust"):
+            ev = int(core.walk_for_kv_canary(True, False).slot_indices.numel())
+            pr = int(cache.all_values_flatten().numel()) - ev
+        else:
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            full, ev, pr = ComponentType.FULL, 0, 0
+            stack = list(core.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                data = node.component_data[full]
+                if data.value is not None:
+                    if data.lock_ref > 0:
+                        pr += len(data.value)
+                    else:
+                        ev += len(data.value)
+        return {"token_to_kv_pool": {"evictable": Recount(ev, "tree", "its nodes with lock_ref 0"),
+                                     "protected": Recount(pr, "tree", "its nodes with lock_ref > 0")}}
+
+    @staticmethod
+    def owner_hint(frame_locals: dict) -> str | None:
+        rid = getattr(frame_locals.get("req"), "rid", None)
+        return f"req:{rid}" if isinstance(rid, str) else None
+
+    def stalled(self) -> bool:
+        """Only waiting requests are left and memory sessions hold keeps them out -- their own KV
+        (``session_held``) or their slot's tree lock (the history, counted as ``protected``): SGLang
+        waits too."""
+        held = self._session_held_tokens() > 0 or any(s.lock is not None for _, s in self._slots())
+        return bool(self.waiting) and not self.running and held
+
+    def flushed(self) -> int:
+        return self._flushes
+
+    def quiescence(self) -> list[tuple[str, str]]:
+        """After a successful flush: both pools full again and the tree empty."""
+        out = []
+        for name, a in self.accounting().items():
+            if a.available + a.session_held != a.total:
+                out.append((name, f"available={a.available} of total={a.total} after a successful flush_cache"))
+        if self.tree_cache.evictable_size() + self.tree_cache.protected_size():
+            out.append(("token_to_kv_pool", "the radix tree still holds tokens after a successful flush_cache"))
+        return out
+
+    def progress(self) -> dict[str, int]:
+        """Per running (or chunked) request a number that grows while it progresses, -1 once aborted;
+        nothing while the scheduler is paused (nothing is meant to progress then)."""
+        if self.scheduler_paused:
+            return {}
+        out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
+        if self.chunked_req is not None:  # in no batch between chunks; a chunk advances extend_end
+            out[self.chunked_req.rid] = self.chunked_req.extend_end
+        for r in self.running:
+            if r.to_finish is not None:
+                out[r.rid] = -1
+        return out
+
+    def describe_busy(self) -> str:
+        return (f"waiting={len(self.waiting)} running={len(self.running)} "
+                f"available={self.allocator.available_size()} evictable={self.tree_cache.evictable_size()} "
+                f"protected={self.tree_cache.protected_size()} session_held={self._session_held_tokens()}")
+
+    def retraction(self) -> str:
+        """What the last ``retract_decode`` retracted and freed, and why it stopped ("": none yet)."""
+        return self.last_retraction or ""
+
+    def _ceil(self, n: int) -> int:
+        ps = self.config.page_size
+        return -(-n // ps) * ps
+
+    def _pages(self, slots: torch.Tensor) -> np.ndarray:
+        return slot_pages(slots, self.config.page_size)
+
+    def _slots(self):
+        return [] if self.session_controller is None else list(self.tree_cache.session.slots.items())
+
+    def _session_held_tokens(self) -> int:
+        """SGLang's ``session_held``: per slot holding KV, ``ceil_align(kv_allocated_len) - cache_protected_len``."""
+        return sum(self._ceil(s.kv.kv_allocated_len) - s.kv.cache_protected_len for _, s in self._slots()
+                   if s.kv.holds_kv)
+
+    def _places(self) -> dict[int, str]:
+        """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one
+        wins (the chunked request is in the last batch too, a decoding one in the running batch)."""
+        groups = (("chunked", (self.chunked_req,) if self.chunked_req is not None else ()),
+                  ("grammar", self.grammar_manager.grammar_queue if self.grammar_manager is not None else ()),
+                  ("waiting", self.waiting), ("running", self.running),
+                  ("last_batch", self._last[1] if self._last is not None else ()))
+        out: dict[int, str] = {}
+        for name, group in groups:
+            for r in group:
+                out.setdefault(id(r), name)
+        return out
+
+    def _live(self) -> list:
+        """Requests that own a row (SGLang's ``_requests_owning_rows``: running batch, last batch,
+        waiting queue)."""
+        return [r for r in self._active() if r.kv.holds_kv]
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """Every reference into the pools (recipe, "Roots for reachability"): the tree's values; each
+        live request's row with its own KV ``[cache_protected_len, kv_allocated_len)`` (private) and
+        its tree-owned prefix (shared); each session slot's record the same way."""
+        table = self.req_to_token_pool.req_to_token
+        out: list[Root] = []
+
+        def record(kv, owner: str, role: str, where: str) -> None:
+            out.extend(record_roots(table, kv, owner, role, self.config.page_size, where))
+
+        held = set()
+        for sid, slot in self._slots():
+            if slot.kv.holds_kv:
+                record(slot.kv, f"session:{sid}", "session", "session")
+                held.add(id(slot.kv))
+        places = self._places()
+        for req in self._live():
+            if not aborting and req.to_finish is not None:
+                continue
+            if id(req.kv) not in held:  # a turn on its session's record: the session root covers it
+                record(req.kv, f"req:{req.rid}", "req", places.get(id(req), ""))
+        for req in self.running:  # running, yet its record was released under it: it still reads that KV
+            if not req.kv.holds_kv and not req.finished() and req.rid in self._held:
+                row, slots, protected = self._held[req.rid]
+                owner = f"req:{req.rid}"
+                out.append(Root("req_to_token_pool", owner, np.array([row], dtype=np.int64)))
+                out.append(Root("token_to_kv_pool", owner, self._pages(slots[protected:])))
+        values = self.tree_cache.all_values_flatten()
+        if values.numel():
+            out.append(Root("token_to_kv_pool", "tree", self._pages(values), role="tree"))
+        return out
+
+    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
+        table = self.req_to_token_pool.req_to_token
+        slots = table[torch.as_tensor(rows, dtype=torch.int64)].reshape(-1)
+        return {"token_to_kv_pool": self._pages(slots[slots > 0])}
+
+    def accounting(self) -> dict[str, Accounting]:
+        a, cache, rp = self.allocator, self.tree_cache, self.req_to_token_pool
+        rows = sum(1 for _, s in self._slots() if s.kv.holds_kv)
+        return {
+            "token_to_kv_pool": Accounting(a.available_size(), cache.evictable_size(), cache.protected_size(),
+                                           self._session_held_tokens(), a.size),
+            "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, self._row_count()),
+        }
+
+    def _row_count(self) -> int:
+        """Usable rows: row 0 is padding (``_alloc_size`` counts it; a PD decode pool adds its
+        ``pre_alloc_size`` rows to ``size``)."""
+        return self.req_to_token_pool._alloc_size - 1
+
+    def metrics_check(self) -> list[str]:
+        """Every live record's ``0 <= kv_committed_len <= kv_allocated_len`` (the free lists are checked
+        against the event log by the oracles, through :meth:`free_lists`)."""
+        return kv_length_problems(self._live())
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        """Each pool's free list as SGLang holds it (``get_all_free_pages``, ``free_slots``), for the
+        event-log replay check."""
+        return {"token_to_kv_pool": self.allocator.get_all_free_pages().cpu().numpy(),
+                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
+
+    def lock_balance(self):
+        """Tree nodes whose net lock count (``inc_lock_ref`` minus ``dec_lock_ref``) differs from the live
+        lock holders on them (requests' ``req.lock``, session slots' ``slot.lock``); and, with every node
+        balanced, ``protected_size()`` against the union of the holders' paths (recipe: orphan locks)."""
+        cache = self.tree_cache
+        want: dict[int, int] = {}
+        holders = self._lock_holders()
+        for node in holders:
+            want[node] = want.get(node, 0) + 1
+        bad = []
+        for node, have in self.lock_net.items():
+            if have != want.get(node, 0):
+                try:
+                    slots = cache.path_device_indices(node).cpu().numpy()
+                except Exception:  # the node is gone (evicted or reset)
+                    slots = np.empty(0, np.int64)
+                bad.append((f"node {node}", slots, have, want.get(node, 0), {node}))
+        if not bad:
+            paths = [cache.path_device_indices(node) for node in holders]
+            covered = np.unique(torch.cat(paths).cpu().numpy()) if paths else np.empty(0, np.int64)
+            if covered.size != cache.protected_size():
+                bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
+        return [b for b in bad if b[1].size] or bad[:0]
+
+    def lock_holders(self) -> list[tuple[str, str, int]]:
+        """Every live lock receipt as ``(lock, holder, node id)`` (the lock-ref ledger pairs incs with
+        them, :mod:`kvaudit.locks`): requests' ``req.lock``, session slots' ``slot.lock``."""
+        out = [("device", f"req:{r.rid}", r.lock.node) for r in self._live() + self.waiting if r.lock is not None]
+        out += [("device", f"session:{sid}", s.lock.node) for sid, s in self._slots() if s.lock is not None]
+        return out
+
+    def _lock_holders(self) -> list:
+        """The node each live device lock receipt is on (:meth:`lock_holders`)."""
+        return [node for lock, _, node in self.lock_holders() if lock == "device"]
+
+    def engine_check(self) -> list[str]:
+        """SGLang's conservation identity (``SchedulerInvariantChecker``'s formula; the checker itself
+        needs a whole Scheduler): ``available + evictable + protected + session_held + uncached == total``,
+        with ``uncached = ceil_align(kv_allocated_len) - cache_protected_len`` per running request."""
+        a = self.accounting()["token_to_kv_pool"]
+        held = {id(s.kv) for _, s in self._slots()}
+        uncached = sum(self._ceil(r.kv.kv_allocated_len) - r.kv.cache_protected_len for r in self._live()
+                       if id(r.kv) not in held)
+        lhs = a.available + a.evictable + a.protected + a.session_held + uncached
+        if lhs != a.total:
+            return [f"[token_to_kv_pool] available={a.available} + evictable={a.evictable} + protected={a.protected}"
+                    f" + session_held={a.session_held} + uncached={uncached} = {lhs} != total={a.total}"]
+        return []
