@@ -30,10 +30,16 @@ from typing import Callable
 
 import numpy as np
 
-from engine_under_test import BUGS, PRESETS, EngineConfig, get_preset
+from kvaudit.config import TargetConfig
+from kvaudit.targets import registry
 from kvaudit.constants import FUZZERS
 from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search, triage
 from kvaudit.runner import AuditedRun, execute
+
+
+def _eut():
+    """The built-in engine's kind: its bug zoo is what this benchmark runs."""
+    return registry.get("eut")
 
 
 @dataclass
@@ -53,7 +59,7 @@ class Trial:
     wall: float = 0.0  # the whole trial, triage included
 
 
-def search(fuzzer: str, config: EngineConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str):
+def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str):
     if fuzzer == "hypothesis":
         return hypothesis_search(config, budget, seed, stats)
     if fuzzer == "random":
@@ -63,7 +69,7 @@ def search(fuzzer: str, config: EngineConfig, budget: float, seed: int, stats: F
     return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False)
 
 
-def engine_first_failures(config: EngineConfig, program) -> tuple[int | None, int | None]:
+def engine_first_failures(config: TargetConfig, program) -> tuple[int | None, int | None]:
     """The engine's own SGLang-style ``check_memory()`` after every scheduler step of ``program``,
     the engine running bare: (first step whose idle check fails, first step whose busy or idle check
     fails), None for never. SGLang raises only at idle (benchmarks/engine_check.py tabulates both)."""
@@ -95,8 +101,8 @@ def engine_first_failures(config: EngineConfig, program) -> tuple[int | None, in
 
 
 def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
-    info = BUGS[bug]
-    config = get_preset(info.preset).config(bugs=frozenset([bug]))
+    info = _eut().bugs()[bug]
+    config = _eut().preset(info.preset).config(bugs=frozenset([bug]))
     trial = Trial(bug, fuzzer, seed, budget, expected_kind=info.finding)
     stats = FuzzStats()
     t0 = time.monotonic()
@@ -109,7 +115,7 @@ def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
         else:
             program, findings = found
             crash = triage(config, program, findings[0])
-            clean = get_preset(info.preset).config()
+            clean = _eut().preset(info.preset).config()
             if crash is None:
                 trial.note = f"{findings[0].signature} did not reproduce 3/3"
             elif execute(clean, crash.program, full_stacks=False).findings:
@@ -226,11 +232,11 @@ def geomean_exec_ratio(cells: list[Cell], fuzzer: str) -> tuple[float | None, in
 
 def false_positive_run(fuzzer: str, seconds: float, seed: int = 1) -> dict:
     """``fuzzer`` over the clean engine of every preset, ``seconds`` in all: findings must be none."""
-    per = seconds / len(PRESETS)
+    per = seconds / len(_eut().presets())
     found, executions = [], 0
     with tempfile.TemporaryDirectory(prefix="kvaudit-bench-fp-") as work:
-        for preset in PRESETS:
-            config = get_preset(preset).config()
+        for preset in _eut().presets():
+            config = _eut().preset(preset).config()
             deadline = time.monotonic() + per
             stats = FuzzStats()
             while time.monotonic() < deadline:
@@ -251,7 +257,7 @@ OVERHEAD_MODES = (  # name, hooks (ledger), oracles after every step, shadow KV 
 )
 
 
-def run_programs(config: EngineConfig, programs: list, audit: bool, oracles: bool, full_stacks: bool,
+def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: bool, full_stacks: bool,
                  shadow: bool) -> tuple[float, int, int]:
     """Run every program from a fresh engine in one mode; (process CPU seconds, ops, steps).
     The timing loop of the overhead table and of benchmarks/throughput.py."""
@@ -276,7 +282,7 @@ def overhead(preset: str, model: str, programs: int = 100, length: int = 20, rou
     torch.set_num_threads(1)
     rng = _random.Random(seed)
     progs = [random_program(rng, length) for _ in range(programs)]
-    config = get_preset(preset).config(model=model)
+    config = _eut().preset(preset).config(model=model)
     best: dict[str, float] = {}
     for _ in range(rounds):
         for name, audit, oracles, shadow in OVERHEAD_MODES:
@@ -396,7 +402,7 @@ def markdown(res: BenchResult) -> str:
             if c is None:
                 continue
             lines.append(
-                f"| {b} | {BUGS[b].finding} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
+                f"| {b} | {_eut().bugs()[b].finding} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
                 f"{_fmt_q(c.execs_q, digits=0)} | {c.min_len_median if c.min_len_median is not None else '-'} | "
                 f"{', '.join(c.first_oracles) or '-'} | {c.engine_idle_check} | "
                 f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "

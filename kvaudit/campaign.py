@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict
 from kvaudit import replay
 from kvaudit.constants import FUZZERS
@@ -222,7 +222,7 @@ def _append_run_record(corpus: str, record: dict) -> None:
     replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
 
 
-def run_campaign(config: EngineConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
+def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                  on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True) -> CampaignResult:
     """Run a campaign for ``max_time`` seconds (see module doc). ``on_finding(signature, path)`` is

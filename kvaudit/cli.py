@@ -137,7 +137,7 @@ def main():
 @restoring_sigint
 def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
          corpus_dir, use_seeds, suppress_file, step_timeout, outputs):
-    """Fuzz the built-in engine (or, with --target sglang, SGLang's own memory manager); confirm,
+    """Fuzz a target (the built-in engine, or another registered kind: --target); confirm,
     minimize and report what it finds.
 
     Without --corpus (and one worker) the search stops at the first finding and exits 1 with a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class UnknownPresetError(ValueError):
@@ -72,3 +73,16 @@ class Preset:
     def config(self, **changes):
         """The config, with ``changes`` over the overrides. Raises what the config class raises."""
         return self.config_class(preset=self.name, **{**self.overrides, **changes})
+
+
+class TargetConfig(Protocol):
+    """What kvaudit reads from any target kind's config (for type hints; a registered kind's
+    ``config_class`` provides it): ``preset``, ``bugs``, ``seed``, ``device``, ``model``,
+    ``page_size``/``num_slots``/``context_len`` (tokens), ``to_dict()`` and ``replace(**changes)``."""
+
+    preset: str
+    bugs: frozenset
+
+    def to_dict(self) -> dict: ...
+
+    def replace(self, **changes) -> "TargetConfig": ...

@@ -1,7 +1,7 @@
 """Names, numbers and messages the command line needs to build its options and --help, kept apart
 from the modules that use them (those import torch and Hypothesis), so that ``kvaudit --help``
 imports neither; the modules import them from here under the same names. Nothing here imports
-engine_under_test (the atheris harness reads it before instrumenting the engine)."""
+the built-in engine (the atheris harness reads it before instrumenting the engine)."""
 
 FUZZERS = ("hypothesis", "atheris", "random")  # kvaudit.campaign, kvaudit.bench
 CONFIRM_RUNS = 3  # kvaudit.fuzz: replays that must all reproduce a finding before it is reported

@@ -33,8 +33,6 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-import engine_under_test
-
 KINDS = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv", "accounting-drift", "lock-imbalance",
          "liveness", "hang", "crash")
 # Kinds about a pool's counters or the engine's progress, not about one allocation: their
@@ -42,11 +40,12 @@ KINDS = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv", "accou
 NO_SITE_KINDS = {"accounting-drift": "identity", "hang": "idle", "liveness": "progress"}
 
 
-_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(engine_under_test.__file__)))
+# the directory holding the kvaudit package, and the built-in engine and the examples beside it
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def portable_path(path: str) -> str:
-    """``path`` relative to the directory holding ``engine_under_test`` when it lies inside it
+    """``path`` relative to the directory holding the kvaudit package when it lies inside it
     (so replay files do not carry one machine's checkout path), else unchanged."""
     ap = os.path.abspath(path)
     return os.path.relpath(ap, _SOURCE_ROOT) if ap.startswith(_SOURCE_ROOT + os.sep) else path
@@ -111,7 +110,7 @@ class Finding:
     # locks with no live holder, the last retraction), one plain line each (kvaudit.memstate)
     memory_state: list[str] = field(default_factory=list)
     # the engine's check_memory() lines once the program was drained to idle after the finding
-    # (SGLang's idle check fires then); [] when not recorded (see kvaudit.runner.execute's drain)
+    # (an engine's idle check fires then); [] when not recorded (see kvaudit.runner.execute's drain)
     engine_check_at_idle: list[str] = field(default_factory=list)
 
     @property

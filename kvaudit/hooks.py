@@ -74,7 +74,7 @@ class PoolLedger:
 
 def _is_install_closure(qualname: str) -> bool:
     """Whether ``qualname`` names a function defined inside a target's ``install_*`` method
-    (``SglangTarget.install_pool.<locals>.grouped.<locals>.wrapper``)."""
+    (``MyTarget.install_pool.<locals>.grouped.<locals>.wrapper``)."""
     head, sep, _ = qualname.partition(".<locals>.")
     return bool(sep) and head.rpartition(".")[2].startswith("install_")
 

@@ -16,7 +16,7 @@ import jinja2
 from rich.console import Console
 from rich.terminal_theme import MONOKAI
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit import __version__
 from kvaudit.findings import Finding
 from kvaudit.program import format_op
@@ -116,7 +116,7 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
     return svg
 
 
-def render_html(config: EngineConfig, cases: list, suppressed: dict[str, int] | None = None, suppressions=None,
+def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | None = None, suppressions=None,
                 extra: dict | None = None) -> str:
     """The whole report page for ``cases`` (:class:`kvaudit.outputs.Case`: program, findings,
     timeline, program_title); a case without a timeline gets no plot. ``suppressions`` is a

@@ -80,7 +80,7 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     """JUnit XML (a ``str``, with an XML declaration) for ``findings``: one failing test case per
     distinct signature (classname ``kvaudit.<kind>``, name the signature). With no findings and
     a ``clean_case`` name, one passing test case of that name, so that a clean run shows as one
-    green test. ``config`` (an :class:`engine_under_test.EngineConfig`), when given, is written as
+    green test. ``config`` (a target kind's config), when given, is written as
     the suite's ``<properties>`` (``preset``, ``bugs``, ``model``, ``page_size`` and every other
     config field)."""
     groups: dict[str, list[Finding]] = {}

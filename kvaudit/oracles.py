@@ -26,7 +26,7 @@ import numpy as np
 
 from kvaudit.findings import Finding
 from kvaudit.hooks import Auditor
-from kvaudit.targets.base import SGLANG_IDENTITY, LockImbalance
+from kvaudit.targets.base import DEFAULT_IDENTITY, LockImbalance
 
 
 KIND_ORDER = ("use-after-free", "double-free", "stale-kv", "aliasing", "leak", "lock-imbalance", "accounting-drift",
@@ -141,7 +141,7 @@ def _units_count(units: list[np.ndarray], n: int) -> int:
 
 
 def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None,
-              terms: tuple[str, ...] = SGLANG_IDENTITY, referenced: np.ndarray | None = None) -> list[Finding]:
+              terms: tuple[str, ...] = DEFAULT_IDENTITY, referenced: np.ndarray | None = None) -> list[Finding]:
     """The accounting identity with kvaudit's own ``uncached`` and ``session_held``, and each of the
     engine's counters against the structure it describes: ``available`` against the units the ledger
     holds as free, ``session_held`` against the units session slots hold privately, and every term

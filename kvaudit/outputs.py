@@ -14,7 +14,7 @@ import errno
 import json
 from dataclasses import dataclass, field
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit import replay
 from kvaudit.findings import Finding
 from kvaudit.program import Op
@@ -65,7 +65,7 @@ class Case:
     timeline: dict | None = None
     program_title: str = "minimized program"
     doc_extra: dict = field(default_factory=dict)  # replay-file keys kept in the JSON (seed, ...)
-    config: EngineConfig | None = None  # when it differs from the report's (kvaudit ci: one per preset)
+    config: TargetConfig | None = None  # when it differs from the report's (kvaudit ci: one per preset)
 
 
 @dataclass
@@ -73,14 +73,14 @@ class ReportData:
     """What every renderer draws from: one engine config and one or more cases (a campaign has a
     case per finding signature)."""
 
-    config: EngineConfig
+    config: TargetConfig
     cases: list[Case]
     suppressed: dict[str, int]  # distinct suppressed signatures per kind
     extra: dict  # run facts (seed, executions, ...), shown in the HTML header and kept in the JSON
     suppressions: object | None = None  # a live SuppressionSet, for the HTML's rules table
 
     @classmethod
-    def single(cls, config: EngineConfig, program: list[Op], findings: list[Finding], suppressed: dict[str, int],
+    def single(cls, config: TargetConfig, program: list[Op], findings: list[Finding], suppressed: dict[str, int],
                extra: dict, timeline: dict | None = None, program_title: str = "minimized program",
                suppressions=None) -> "ReportData":
         return cls(config, [Case(program, findings, timeline, program_title)], suppressed, extra, suppressions)

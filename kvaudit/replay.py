@@ -1,6 +1,6 @@
 """Replay files: the versioned JSON that makes a finding a deterministic reproducer.
 
-Top-level keys: ``format``, ``config`` (the full :class:`EngineConfig`, including ``preset`` and
+Top-level keys: ``format``, ``config`` (the full :class:`TargetConfig`, including ``preset`` and
 ``bugs``), ``program`` (ops) and ``findings`` (each with ``kind``, ``pool``, ``signature`` and
 ``alloc_sites`` of ``file``/``line``/``function``). Files are written atomically.
 """
@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict
 from kvaudit.targets.registry import kind_of
 from kvaudit.findings import Finding, source_path
@@ -26,7 +26,7 @@ class ReplayFormatError(ValueError):
     """A file that is not a valid kvaudit replay file (message is one line)."""
 
 
-def to_doc(config: EngineConfig, program: list[Op], findings: list[Finding], **extra) -> dict:
+def to_doc(config: TargetConfig, program: list[Op], findings: list[Finding], **extra) -> dict:
     return {"format": FORMAT, "config": config.to_dict(), "program": program_to_json(program),
             "findings": [f.to_dict() for f in findings], **extra}
 
@@ -126,12 +126,12 @@ def _lone_surrogate(x) -> str | None:
     return None
 
 
-def load(path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
+def load(path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     """Read and validate a replay file. Raises :class:`ReplayFormatError` with a one-line reason."""
     return _parse_replay(_read(path), path)
 
 
-def _parse_replay(doc, path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
+def _parse_replay(doc, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         hint = " (a report of several cases: use 'kvaudit report')" if isinstance(doc, dict) and \
             doc.get("format") == REPORT_FORMAT else ""
@@ -139,7 +139,7 @@ def _parse_replay(doc, path: str) -> tuple[EngineConfig, list[Op], list[Finding]
     return _parse(doc, path)
 
 
-def load_cases(path: str) -> tuple[EngineConfig, list[tuple[EngineConfig, list[Op], list[Finding], dict]], dict]:
+def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[Op], list[Finding], dict]], dict]:
     """Read a replay file (one case) or a ``kvaudit.report/1`` document (several): the report's
     config (the top-level one, else the first case's), the cases as (config, program, findings,
     doc) and the top-level document. Raises :class:`ReplayFormatError`."""
@@ -162,7 +162,7 @@ def load_cases(path: str) -> tuple[EngineConfig, list[tuple[EngineConfig, list[O
     return case[0], [case], doc
 
 
-def _parse(doc: dict, path: str) -> tuple[EngineConfig, list[Op], list[Finding], dict]:
+def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     for key in ("config", "program"):
         if key not in doc:
             raise ReplayFormatError(f"{path}: missing key {key!r}")

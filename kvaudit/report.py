@@ -6,7 +6,6 @@ Findings are plain data (:class:`kvaudit.findings.Finding`); this module only re
 from __future__ import annotations
 
 import io
-import os
 
 from rich import box
 from rich.console import Console, Group
@@ -16,8 +15,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from engine_under_test import EngineConfig
-from kvaudit.findings import KINDS, Finding, Site
+from kvaudit.config import TargetConfig
+from kvaudit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.frames import resolve
 from kvaudit.program import Op, format_op
 from kvaudit.suppress import SuppressionSet
@@ -77,12 +76,8 @@ def print_table(console: Console, table: Table) -> None:
 
 
 def _rel(path: str) -> str:
-    """``engine_under_test/...`` or ``kvaudit/...`` when the path is inside a package we know."""
-    for pkg in ("engine_under_test", "kvaudit"):
-        marker = f"{os.sep}{pkg}{os.sep}"
-        if marker in path:
-            return pkg + os.sep + path.rsplit(marker, 1)[1]
-    return path
+    """``path`` relative to the source root when it lies inside it (:func:`kvaudit.findings.portable_path`)."""
+    return portable_path(path)
 
 
 def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
@@ -288,7 +283,7 @@ def header(config) -> str:
     return f"kvaudit report: target {kind.name}, preset {config.preset}, bugs: {bugs}"
 
 
-def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[Op], list[Finding], str]],
+def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[Op], list[Finding], str]],
                 suppressed: dict[str, int] | None = None, notes: tuple[str, ...] = ()) -> None:
     """Like :func:`print_report` for several (program, findings, program title) cases of one config
     (a campaign's report): every finding with its own program, one summary, the ``notes`` lines,
@@ -307,7 +302,7 @@ def print_cases(console: Console, config: EngineConfig, cases: list[tuple[list[O
     _print(console, Text(summary_line(everything, suppressed), style="bold"), plain, soft_wrap=True)
 
 
-def print_report(console: Console, config: EngineConfig, program: list[Op], findings: list[Finding],
+def print_report(console: Console, config: TargetConfig, program: list[Op], findings: list[Finding],
                  deduplicated: dict[str, int] | None = None, program_title: str = "minimized program",
                  suppressions: SuppressionSet | None = None) -> None:
     """The report: a header, one panel per finding (plain lines off a terminal, see

@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit import memstate, oracles
 from kvaudit.constants import DEFAULT_STEP_TIMEOUT
 from kvaudit.findings import Finding, Site, portable_path
@@ -209,7 +209,7 @@ class AuditedRun:
     set, and every later op is a no-op (the engine was interrupted mid-step).
     """
 
-    def __init__(self, config: EngineConfig, audit: bool = True, run_oracles: bool = True,
+    def __init__(self, config: TargetConfig, audit: bool = True, run_oracles: bool = True,
                  full_stacks: bool = True, suppressions=None, shadow: bool = True,
                  deadline: float | None = None, step_limit: float | None = None):
         self.deadline, self.out_of_time = deadline, False
@@ -389,7 +389,7 @@ class AuditedRun:
 
     def drain_verdict(self) -> list[str]:
         """The engine's own ``check_memory()`` once the engine is drained to idle after the program
-        (what SGLang's idle check would say then): the engine runs bare steps (hooks recording, no
+        (what the engine's own idle check would say then): the engine runs bare steps (hooks recording, no
         oracle) until idle, plus the one idle iteration that runs its ``on_idle``, at most
         MAX_IDLE_STEPS steps, each under the watchdog. Lines as in ``Finding.engine_check``; a
         drain that crashes, hangs or never reaches idle says so in the first line."""
@@ -469,7 +469,7 @@ def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()
     return f
 
 
-def execute(config: EngineConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
+def execute(config: TargetConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
             full_stacks: bool = True, suppressions=None, drain: bool = False) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding (one that
     ``suppressions``, a :class:`kvaudit.suppress.SuppressionSet`, does not cover). With ``drain``,

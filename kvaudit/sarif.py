@@ -432,7 +432,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
 
 def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] | None = None) -> dict:
     """A SARIF 2.1.0 log (a JSON-ready ``dict``) with one run holding one result per finding, in
-    order. ``config`` (an :class:`engine_under_test.EngineConfig` or a target's config), when
+    order. ``config`` (a target kind's config), when
     given, goes into the run's ``properties`` (``preset``, ``bugs``, ``model``, ``page_size`` and
     the full config as ``engineConfig``; ``engine`` and ``engineVersion`` for an installed engine),
     so that an uploaded log says what was audited; its ``target`` decides how engine frames are

@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit.program import Op, Step
 from kvaudit.runner import AuditedRun
 
@@ -61,7 +61,7 @@ def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
     return out
 
 
-def record(config: EngineConfig, program: list[Op], suppressions=None, drain_steps: int = 8,
+def record(config: TargetConfig, program: list[Op], suppressions=None, drain_steps: int = 8,
            findings: list | None = None) -> dict:
     """Run ``program`` from a fresh engine with every oracle on and sample :func:`occupancy` before
     the first step and after every scheduler step. The whole program runs (past the first finding),

@@ -3,7 +3,7 @@ JSON. The method and its statistics are :mod:`kvaudit.bench`."""
 
 from __future__ import annotations
 
-from engine_under_test import BUGS
+from kvaudit.targets import registry
 from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, InputError, write_error
 from kvaudit.app.files import check_outputs
@@ -23,6 +23,7 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     if bad or not fuzzers:
         raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else fuzzers_value!r} "
                          f"(valid: {', '.join(FUZZERS)})")
+    BUGS = registry.get("eut").bugs()  # the built-in engine's zoo
     bugs = list(BUGS) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
     bad = [b for b in bugs if b not in BUGS]
     if bad or not bugs:

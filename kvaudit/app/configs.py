@@ -12,7 +12,6 @@ import click
 
 from kvaudit.app.errors import InputError
 from kvaudit.targets import registry
-from kvaudit.targets.sglang.config import TREE_CORES
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -44,6 +43,16 @@ def _with_option(option: str) -> list[str]:
     return [k.name for k in registry.kinds().values() if option in k.options]
 
 
+def _option_choices(option: str) -> list[str]:
+    """Every value some registered kind's ``option`` takes, in registration order."""
+    return list(dict.fromkeys(c for k in registry.kinds().values() for c in k.options.get(option, ((), ""))[0]))
+
+
+def _option_help(option: str) -> str:
+    return "; ".join(f"--target {k.name}: {k.options[option][1]}" for k in registry.kinds().values()
+                     if option in k.options) + "."
+
+
 COMMON_OPTIONS = [
     click.option("--preset", default="default", show_default=True, metavar="NAME",
                  help="Engine preset (see 'kvaudit presets'); 'default' means the target's default preset."),
@@ -54,13 +63,13 @@ COMMON_OPTIONS = [
     click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
     click.option("--page-size", type=click.IntRange(min=1), default=None, help="Override the preset's page size (tokens)."),
     click.option("--target", type=TargetChoice(), default="eut", show_default=True, help=_target_help()),
-    click.option("--tree-core", type=click.Choice(TREE_CORES), default=None,
-                 help="--target sglang: the UnifiedRadixCache tree core [default: rust, SGLang's own default]."),
+    click.option("--tree-core", type=click.Choice(_option_choices("tree_core")), default=None,
+                 help=_option_help("tree_core")),
 ]
 
 replay_tree_core_option = click.option(
-    "--tree-core", type=click.Choice(TREE_CORES), default=None,
-    help="A --target sglang file: run it with this UnifiedRadixCache tree core instead of its own.")
+    "--tree-core", type=click.Choice(_option_choices("tree_core")), default=None,
+    help=f"A --target {', '.join(_with_option('tree_core'))} file: run it with this tree core instead of its own.")
 
 
 def common_options(f):
@@ -108,7 +117,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     if _has_field(kind.config_class, "device"):
         changes["device"] = device
     if "tree_core" in kind.options:
-        changes["tree_core"] = tree_core or "rust"
+        changes["tree_core"] = tree_core or kind.options["tree_core"][0][0]
     if page_size is not None:
         changes["page_size"] = page_size
     try:

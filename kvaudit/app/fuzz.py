@@ -261,8 +261,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
     console.print(line, soft_wrap=True)
     if s.executions == 0 and not result.interrupted:
-        err.print("warning: no program ran: the workers spent the budget starting up (importing SGLang takes "
-                  "about 6 s per worker); raise --max-time", soft_wrap=True)
+        err.print("warning: no program ran: the workers spent the budget starting up (importing a real engine "
+                  "such as SGLang takes about 6 s per worker); raise --max-time", soft_wrap=True)
     extra = {"fuzzer": fuzzer, "seed": seed, "workers": workers, "executions": s.executions, "ops": s.ops,
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:

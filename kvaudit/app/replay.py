@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None):
     """(config, program, recorded findings, suppressions) of a replay file named on the command
-    line; a bad file, suppression file or device is an input error. ``tree_core`` overrides a
-    real-SGLang file's tree core."""
+    line; a bad file, suppression file or device is an input error. ``tree_core`` overrides the
+    tree core of a file whose target kind has that option."""
     try:
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:

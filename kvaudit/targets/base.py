@@ -105,8 +105,9 @@ class Recount(NamedTuple):
     source: str
 
 
-SGLANG_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
-IDENTITY_TERMS = frozenset(SGLANG_IDENTITY) | {"referenced"}
+#: the default identity: SGLang's (``srt/mem_cache/.../invariant_checker.py``)
+DEFAULT_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
+IDENTITY_TERMS = frozenset(DEFAULT_IDENTITY) | {"referenced"}
 
 
 class Target:
@@ -222,9 +223,9 @@ class Target:
         kvaudit's own counts from the roots (never the engine's): ``session_held`` (units session
         roots hold privately), ``uncached`` (units live requests hold privately) and ``referenced``
         (units any root references, shared ones once). Default: SGLang's identity (its
-        ``invariant_checker.py``), :data:`SGLANG_IDENTITY`. An engine whose cached-but-free blocks count
+        ``invariant_checker.py``), :data:`DEFAULT_IDENTITY`. An engine whose cached-but-free blocks count
         as free (vLLM's ``BlockPool``) states ``("available", "referenced")``."""
-        return SGLANG_IDENTITY
+        return DEFAULT_IDENTITY
 
     def invariant_findings(self) -> list[TargetFinding]:
         """Violations of the engine's own invariants the target detects itself, of any finding kind

@@ -64,8 +64,9 @@ class TargetKind:
     :class:`EngineSource` when the engine is an installed package; ``describe(config)`` what a run's
     first line says of the target (``"target sglang 0.5.23 (rust tree core)"``), ``notes(config)``
     lines a run prints first about what is checked less there; ``model_choices`` the
-    ``--model`` values it accepts (``("none",)``: it computes no KV); ``options`` names extra CLI
-    options it reads (``"tree_core"``).
+    ``--model`` values it accepts (``("none",)``: it computes no KV); ``options``: the extra CLI
+    options it reads, ``{name: (choices, help)}`` (``{"tree_core": (("rust", "python"), "...")}``:
+    ``--tree-core``, whose first choice is the default).
     """
 
     name: str
@@ -85,7 +86,7 @@ class TargetKind:
     describe: Callable | None = None
     notes: Callable = lambda config: []
     model_choices: tuple[str, ...] = ("none",)
-    options: frozenset[str] = field(default_factory=frozenset)
+    options: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""

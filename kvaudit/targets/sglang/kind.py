@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
-from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig
+from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig
 
 
 def _presets():
@@ -97,4 +97,5 @@ KIND = register(TargetKind(
     name="sglang", summary="SGLang 0.5.23's own memory manager on CPU (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
-    features=lambda config: config.program_features, engine_source=_engine_source, describe=_describe, notes=_notes, options=frozenset({"tree_core"})))
+    features=lambda config: config.program_features, engine_source=_engine_source, describe=_describe, notes=_notes,
+    options={"tree_core": (TREE_CORES, "the UnifiedRadixCache tree core [default: rust, SGLang's own default]")}))
