@@ -64,6 +64,11 @@ def _classes(arg, reach) -> set:
     return out
 
 
+def _pair_classes(arg, reach) -> set:
+    """An argument always drawn (``p == 1``) is a value of its range: any value pairs with the others."""
+    return _classes(arg, reach) - ({"default"} if arg.p >= 1.0 else set())
+
+
 def _allowed(spec, a, ca, b, cb) -> bool:
     """Whether classes ``ca`` of ``a`` and ``cb`` of ``b`` can hold together (``requires``)."""
     for x, cx, y, cy in ((a, ca, b, cb), (b, cb, a, ca)):
@@ -80,7 +85,7 @@ def _wanted(reach) -> set:
         for a in spec.args:
             want |= {(kind, a.name, c) for c in _classes(a, reach)}
         for a, b in itertools.combinations(spec.args, 2):
-            want |= {(kind, a.name, ca, b.name, cb) for ca in _classes(a, reach) for cb in _classes(b, reach)
+            want |= {(kind, a.name, ca, b.name, cb) for ca in _pair_classes(a, reach) for cb in _pair_classes(b, reach)
                      if _allowed(spec, a, ca, b, cb)}
     return want
 
