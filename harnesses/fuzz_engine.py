@@ -23,12 +23,12 @@ configuration comes from the environment, which those child processes inherit:
     a file of known signatures, one per line (optional): a program whose first finding has only
     known signatures is not a crash; its run stops there
 ``KVAUDIT_MAX_OPS``
-    ops decoded from one input (default 24; see :mod:`kvaudit.bytes_program`)
+    ops decoded from one input (default 24; see :mod:`kvaudit.program.bytes_program`)
 ``KVAUDIT_STATS_DIR``
     optional: every process writes ``<pid>.json`` there (executions, ops, suppressed signatures)
     at most once a second and at each finding, for :mod:`kvaudit.atheris_fuzz`
 
-Each input is decoded by :func:`kvaudit.bytes_program.program_from_bytes` and run op by op in a
+Each input is decoded by :func:`kvaudit.program.bytes_program.program_from_bytes` and run op by op in a
 fresh :class:`kvaudit.runner.AuditedRun` (fast stacks), stopping at the first op with findings.
 A finding with a signature that is not known is written as a replay file (unless one with fewer
 ops, or as many from no more input bytes, is already there) and then raised as :class:`KvauditFinding`,
@@ -73,7 +73,7 @@ import time  # noqa: E402
 
 from engine_under_test import EngineConfig, UnknownBugError, UnknownPresetError, get_preset  # noqa: E402
 from kvaudit import replay  # noqa: E402
-from kvaudit.bytes_program import program_from_bytes  # noqa: E402
+from kvaudit.program.bytes_program import program_from_bytes  # noqa: E402
 from kvaudit.runner import AuditedRun  # noqa: E402
 from kvaudit.suppress import SuppressionError, SuppressionSet  # noqa: E402
 

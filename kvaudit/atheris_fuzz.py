@@ -37,7 +37,7 @@ from typing import Callable
 
 from engine_under_test import EngineConfig
 from kvaudit import replay
-from kvaudit.bytes_program import RECORD
+from kvaudit.program.bytes_program import V2_MAGIC, max_len
 from kvaudit.data import data_path
 from kvaudit.findings import Finding
 from kvaudit.fuzz import FuzzStats
@@ -116,13 +116,13 @@ def harness_command(corpus_dir: str, seed_dir: str | None, max_time: float, seed
                     workers: int = 1, max_ops: int = 24, extra: list[str] = ()) -> list[str]:
     """The harness command line (``argv[0]`` is the harness itself: ``-fork`` re-executes it).
 
-    ``-max_len`` is ``max_ops`` records and ``-len_control=0`` lets inputs be that long from the
+    ``-max_len`` is ``max_ops`` records of the byte layout's version 2 and ``-len_control=0`` lets inputs be that long from the
     start: libFuzzer's default grows the length limit from 4 bytes (less than one 6-byte op) so
     slowly that bugs needing 5-6 ops were found late or not at all (hicache-abort-loadback-leak:
     not in 30 s with it, 3 s without). ``extra`` comes last, so it can override these."""
     cmd = [HARNESS, corpus_dir] + ([seed_dir] if seed_dir else []) + [
         f"-max_total_time={max(1, math.ceil(max_time))}", f"-seed={libfuzzer_seed(seed)}", "-print_final_stats=1",
-        f"-artifact_prefix={os.path.join(work_dir, 'crashes')}{os.sep}", f"-max_len={RECORD * max_ops}",
+        f"-artifact_prefix={os.path.join(work_dir, 'crashes')}{os.sep}", f"-max_len={max_len(max_ops)}",
         "-len_control=0"]
     if workers > 1:
         cmd += [f"-fork={workers}", "-ignore_crashes=0"]
@@ -223,7 +223,8 @@ def atheris_search(config: EngineConfig, max_time: float, seed: int, stats: Fuzz
     finding's ``(program, findings)`` (the program ends with the op that found it), or None.
 
     ``workers > 1`` runs libFuzzer's ``-fork=workers``. ``corpus_dir`` (default ``work_dir/corpus``)
-    receives new inputs; ``corpora/seeds/<preset>/`` is read as a second, read-only corpus unless
+    receives new inputs (an empty one first gets ``v2-start``, the empty program in byte layout
+    version 2, so that new fuzzing mutates version 2 inputs: :mod:`kvaudit.program.bytes_program`); ``corpora/seeds/<preset>/`` is read as a second, read-only corpus unless
     ``use_seeds`` is false (or it does not exist). Findings whose signature is in ``known`` or that
     the suppression file ``suppressions_path`` covers are not findings: the search goes on past them.
     ``work_dir`` None: a temporary directory, removed afterwards. ``libfuzzer_args`` go last on
@@ -261,6 +262,9 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
     shutil.rmtree(tmp_dir, ignore_errors=True)  # what a killed -fork run left
     for d in (corpus_dir, os.path.join(work_dir, "crashes"), tmp_dir):
         os.makedirs(d, exist_ok=True)
+    if not os.listdir(corpus_dir):  # new fuzzing starts in byte layout version 2 (libFuzzer starts from b"")
+        with open(os.path.join(corpus_dir, "v2-start"), "wb") as fh:
+            fh.write(bytes([V2_MAGIC]))
     known_path = os.path.join(work_dir, "known.txt")
     with open(known_path, "w", encoding="utf-8") as fh:
         fh.writelines(f"{s}\n" for s in sorted(known))

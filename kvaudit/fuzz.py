@@ -8,6 +8,7 @@ reported (syzkaller reproduces a crash before reporting it, for the same reason)
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -23,9 +24,11 @@ from engine_under_test import EngineConfig
 from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.findings import Finding
 from kvaudit.minimize import minimize
-from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
-                             MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, TransferFail,
-                             random_program)
+from kvaudit.program import Idle, Op, make_op, random_program
+from kvaudit.program.schema import kinds
+from kvaudit.program.schema import max_prompt as context_max_prompt
+from kvaudit.program.schema import reach as program_reach
+from kvaudit.program.strategies import arg_strategies
 from kvaudit.runner import AuditedRun, execute, is_watchdog_hang
 from kvaudit.targets import program_features
 
@@ -120,7 +123,7 @@ SWARM_KINDS = ("submit", "health_check", "abort", "flush_cache", "memory_pressur
 
 
 def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
-    features = program_features(config)  # ops and arguments the target gives meaning to
+    reach = program_reach(config)  # ops and arguments the target gives meaning to
 
     def enabled(kind: str):
         return precondition(lambda self: kind in self.swarm)
@@ -175,105 +178,30 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
                 self.dead = True
                 raise _finding_error(found[0].kind)(found[0].signature)
 
+        # One rule per op kind of the schema the target models, every argument drawn from the schema
+        # (kvaudit.program.strategies); submits have two more rules that pin a history or a session,
+        # so about one rule in four sends a request, as when each form had its own rule.
+        def _submit(self, values):
+            """A submit of drawn ``values``, its prompt cut to the case's cap."""
+            op = make_op("submit", values, reach, max_prompt)
+            self._do(dataclasses.replace(op, prompt_len=min(op.prompt_len, self.prompt_cap)))
+
         @enabled("submit")
-        @rule(family=st.integers(0, 7), prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 12),
-              stop_at=st.none() | st.integers(1, 12), ignore_eos=st.sampled_from((0, 0, 0, 1)))
-        def submit(self, family, prompt_len, max_new_tokens, stop_at, ignore_eos):
-            self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, stop_at,
-                            ignore_eos=ignore_eos if stop_at is not None else 0))
+        @rule(**arg_strategies("submit", reach, max_prompt))
+        def submit(self, **values):
+            self._submit(values)
 
-        if "priority" in features:  # priorities mean nothing without priority scheduling
+        if "prefix_cache" in reach:  # a chat client resending its history: shared prefixes
             @enabled("submit")
-            @rule(priority=st.none() | st.integers(0, 9), family=st.integers(0, 7),
-                  prompt_len=st.integers(1, max_prompt), max_new_tokens=st.integers(1, 24))
-            def submit_with_priority(self, priority, family, prompt_len, max_new_tokens):
-                self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, priority=priority))
+            @rule(**arg_strategies("submit", reach, max_prompt, pinned=("extends",)))
+            def submit_extending(self, **values):
+                self._submit(values)
 
-        if "grammar" in features:  # a target with SGLang's grammar manager
-            @enabled("submit")
-            @rule(grammar=st.integers(0, 6), family=st.integers(0, 7), prompt_len=st.integers(1, max_prompt),
-                  max_new_tokens=st.integers(1, 12))
-            def submit_with_grammar(self, grammar, family, prompt_len, max_new_tokens):
-                self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, grammar=grammar))
-
-        if not config.disable_radix_cache:  # a chat client resending its history: shared prefixes
-            @enabled("submit")
-            @rule(extends=st.integers(0, 7), family=st.integers(0, 7), prompt_len=st.integers(1, 16),
-                  max_new_tokens=st.integers(1, 12), stop_at=st.none() | st.integers(1, 12))
-            def submit_extending(self, extends, family, prompt_len, max_new_tokens, stop_at):
-                self._do(Submit(family, prompt_len, max_new_tokens, stop_at, extends=extends))
-
-            @enabled("memory_pressure")
-            @rule()
-            def memory_pressure(self):
-                self._do(MemoryPressure())
-
-        if config.enable_streaming_session:
+        if "sessions" in reach:
             @enabled("sessions")
-            @rule()
-            def open_session(self):
-                self._do(OpenSession())
-
-            @enabled("sessions")
-            @rule(session=st.integers(0, 3), family=st.integers(0, 7), prompt_len=st.integers(1, 48),
-                  max_new_tokens=st.integers(1, 12), stop_at=st.none() | st.integers(1, 12))
-            def submit_turn(self, session, family, prompt_len, max_new_tokens, stop_at):
-                self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, stop_at, session=session))
-
-            if "session_params" in features:  # SessionParams: branch, replace, drop output, splice
-                @enabled("sessions")
-                @rule(session=st.integers(0, 3), parent=st.none() | st.integers(0, 3), family=st.integers(0, 7),
-                      prompt_len=st.integers(1, 24), max_new_tokens=st.integers(1, 12),
-                      edit=st.sampled_from(("", "replace", "drop_previous_output", "offset")),
-                      offset=st.integers(0, 24))
-                def submit_turn_with_params(self, session, parent, family, prompt_len, max_new_tokens, edit, offset):
-                    kw = {"offset": offset} if edit == "offset" else {edit: 1} if edit else {}
-                    self._do(Submit(family, min(prompt_len, self.prompt_cap), max_new_tokens, session=session,
-                                    parent=parent, **kw))
-
-            @enabled("sessions")
-            @rule(handle=st.integers(0, 3))
-            def close_session(self, handle):
-                self._do(CloseSession(handle))
-
-        @enabled("health_check")
-        @rule()
-        def health_check(self):
-            self._do(HealthCheck())
-
-        @enabled("abort")
-        @rule(handle=st.none() | st.integers(0, 7))
-        def abort(self, handle):
-            self._do(Abort(handle))
-
-        @enabled("flush_cache")
-        @rule(timeout=st.sampled_from((0, 0, 3, 8)) if "flush_timeout" in features else st.just(0))
-        def flush_cache(self, timeout):
-            self._do(FlushCache(timeout))
-
-        if "transfer_fail" in features:  # a PD decode server: a transfer fails in any pre-join state
-            @enabled("abort")
-            @rule(handle=st.none() | st.integers(0, 3))
-            def transfer_fail(self, handle):
-                self._do(TransferFail(handle))
-
-        @enabled("pause")
-        @rule(mode=st.integers(0, len(PAUSE_MODES) - 1))
-        def pause_generation(self, mode):
-            self._do(PauseGeneration(mode))
-
-        @enabled("pause")
-        @rule()
-        def continue_generation(self):
-            self._do(ContinueGeneration())
-
-        @rule(n=st.integers(1, 4))
-        def step(self, n):
-            self._do(Step(n))
-
-        @rule()
-        def idle(self):
-            self._do(Idle())
+            @rule(**arg_strategies("submit", reach, max_prompt, pinned=("session",)))
+            def submit_turn(self, **values):
+                self._submit(values)
 
         def teardown(self):
             try:
@@ -284,6 +212,19 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
                 rec.stats.sites |= self.run.auditor.site_keys()
                 rec.stats.suppressed.update(f.signature for f in self.run.suppressed)
 
+    def add_rule(kind: str, swarm_kind: str | None):
+        def apply(self, **values):
+            self._do(make_op(kind, values, reach, max_prompt))
+
+        apply.__name__ = kind
+        r = rule(**arg_strategies(kind, reach, max_prompt))(apply)
+        setattr(ProgramMachine, kind, enabled(swarm_kind)(r) if swarm_kind else r)
+
+    swarm_of = {"open_session": "sessions", "close_session": "sessions", "transfer_fail": "abort",
+                "continue_generation": "pause", "pause_generation": "pause", "step": None, "idle": None}
+    for kind in kinds(reach):  # the other op kinds: one rule each
+        if kind != "submit":
+            add_rule(kind, swarm_of.get(kind, kind))
     return ProgramMachine
 
 
@@ -354,9 +295,7 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
     examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`)."""
     deadline = time.monotonic() + max_time
     rec = _Recorder(stats, deadline, frozenset(known), on_progress)
-    # Long prompts from 8 families fill the default 512-slot pool in a few submits, so eviction
-    # and admission under pressure are reached, not only the roomy paths.
-    max_prompt = max(2, min(96, config.context_len - 12))
+    max_prompt = context_max_prompt(config.context_len)
     db = None
     if database is not None:
         from hypothesis.database import DirectoryBasedExampleDatabase
@@ -402,7 +341,7 @@ def random_search(config: EngineConfig, max_time: float, seed_value: int, stats:
     a finding (neither suppressed nor ``known``) with its findings, or None after ``max_time`` s."""
     rng = random.Random(seed_value)
     deadline = time.monotonic() + max_time
-    max_prompt = max(2, min(96, config.context_len - 12))
+    max_prompt = context_max_prompt(config.context_len)
     last = time.monotonic()
     while time.monotonic() < deadline:
         program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,

@@ -12,7 +12,8 @@ import dataclasses
 from typing import Callable
 
 from engine_under_test import EngineConfig
-from kvaudit.program import LATE_DEFAULTS, Abort, Op, PauseGeneration, Step, Submit
+from kvaudit.program import Op, Step
+from kvaudit.program.schema import OPS, optional_defaults
 from kvaudit.runner import execute
 
 
@@ -53,27 +54,21 @@ def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
 
 
 def _simpler(op: Op) -> list[Op]:
-    """Candidate simplifications of one op, simplest first."""
+    """Candidate simplifications of one op, simplest first, from the schema
+    (:data:`kvaudit.program.schema.OPS`): an argument always drawn goes to the low end of its range
+    and to half its value (``step(4)`` to ``step(1)``, ``step(2)``); any other set argument to
+    :attr:`Arg.toward` (its default, or the value the schema names: an in-place pause, which moves no
+    memory). An argument at None stays None (``abort(None)`` aborts every request: a different op)."""
     out: list[Op] = []
-    if isinstance(op, Submit):
-        if op.stop_at is not None:
-            out.append(dataclasses.replace(op, stop_at=None))
-        for field, floor in (("family", 0), ("prompt_len", 1), ("max_new_tokens", 1)):
-            v = getattr(op, field)
-            for cand in sorted({floor, max(floor, v // 2)}):
-                if cand < v:
-                    out.append(dataclasses.replace(op, **{field: cand}))
-    elif isinstance(op, Step) and op.n > 1:
-        out += [Step(1), Step(op.n // 2)]
-    elif isinstance(op, Abort) and op.handle not in (None, 0):
-        out.append(Abort(0))
-    elif isinstance(op, PauseGeneration) and op.mode != 1:
-        out.append(PauseGeneration(1))  # in_place: a pause that moves no memory
-    # optional arguments back to their default, one at a time: a submit's session and history, and
-    # every argument added to an op later (program.LATE_DEFAULTS: priority, grammar, flush timeout...)
-    defaults = {"session": None, "extends": None, **LATE_DEFAULTS}
-    out += [dataclasses.replace(op, **{f.name: defaults[f.name]}) for f in dataclasses.fields(op)
-            if f.name in defaults and getattr(op, f.name) != defaults[f.name]]
+    for a in OPS[op.kind].args:
+        v = getattr(op, a.name)
+        if v is None:
+            continue
+        if a.p < 1.0 or a.simplest != "default":
+            cands = [a.toward] if v != a.toward else []
+        else:
+            cands = sorted(c for c in {a.lo, max(a.lo, v // 2)} if c < v)
+        out += [dataclasses.replace(op, **{a.name: c}) for c in cands]
     return out
 
 
@@ -92,11 +87,11 @@ def merge_steps(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
 
 
 def reset_defaults(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
-    """Every optional argument back to its default (a submit's ``session`` and ``extends``, and
-    :data:`kvaudit.program.LATE_DEFAULTS`) wherever the program still fails: first all at once
+    """Every optional argument back to its default (a submit's ``session`` and ``extends``, and every
+    argument added later: :func:`kvaudit.program.schema.optional_defaults`) wherever the program still fails: first all at once
     (one run; arguments the config gives no meaning, such as ``session`` on a preset without
     sessions, always go), then one argument at a time. No-op arguments never reach the report."""
-    defaults = {"session": None, "extends": None, **LATE_DEFAULTS}
+    defaults = optional_defaults()
 
     def resets(op: Op) -> dict:
         return {f.name: defaults[f.name] for f in dataclasses.fields(op)

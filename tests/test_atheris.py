@@ -16,7 +16,8 @@ import pytest
 from engine_under_test import PRESETS, get_preset
 from kvaudit import replay
 from kvaudit.atheris_fuzz import HARNESS, SEEDS_DIR, _Monitor, atheris_search, harness_command, harness_env
-from kvaudit.bytes_program import (RECORD, max_prompt, op_kinds, program_from_bytes, program_to_bytes, write_seeds)
+from kvaudit.program.bytes_program import (V2_MAGIC, max_len, program_from_bytes, program_to_bytes, write_seeds)
+from kvaudit.program.bytes_v1 import RECORD, max_prompt, op_kinds
 from kvaudit.fuzz import FuzzStats
 from kvaudit.program import (Abort, CloseSession, Idle, MemoryPressure, OpenSession, Step, Submit, program_from_json,
                              program_to_json)
@@ -28,9 +29,11 @@ HISPARSE_BUG = "hisparse-prebuilt-skip-finish"
 
 
 def _random_inputs(n: int = 300, seed: int = 20240611):
+    """Version 1 inputs (a first byte of V2_MAGIC is moved off it)."""
     rng = random.Random(seed)
     for _ in range(n):
-        yield bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 5, 6, 7, 13, 30, 60, 144, 200])))
+        data = bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 5, 6, 7, 13, 30, 60, 144, 200])))
+        yield bytes([data[0] ^ 1]) + data[1:] if data[:1] == bytes([V2_MAGIC]) else data
 
 
 def _check_op(op, config):
@@ -74,7 +77,8 @@ def test_any_bytes_decode_to_a_valid_program(preset):
         for op in program:
             _check_op(op, config)
         assert program_from_json(json.loads(json.dumps(program_to_json(program)))) == program
-        assert program_from_bytes(program_to_bytes(program, config), config) == program
+        for version in (1, 2):
+            assert program_from_bytes(program_to_bytes(program, config, version), config) == program
 
 
 def test_empty_and_short_inputs():
@@ -116,25 +120,27 @@ def test_ops_follow_the_config():
     assert {"memory_pressure", "submit_ext", "health_check", "abort", "flush_cache", "step", "idle"} <= default
     assert not pd & {"open_session", "close_session", "submit_turn", "memory_pressure", "submit_ext"}
     assert {"open_session", "close_session", "submit_turn", "memory_pressure", "submit_ext"} <= sessions
-    with pytest.raises(ValueError):
-        program_to_bytes([OpenSession()], get_preset("default").config())
-    with pytest.raises(ValueError):
-        program_to_bytes([Submit(prompt_len=97)], get_preset("default").config())
-    with pytest.raises(ValueError):
-        program_to_bytes([MemoryPressure()], get_preset("pd-decode").config())
+    for version in (1, 2):
+        with pytest.raises(ValueError):
+            program_to_bytes([OpenSession()], get_preset("default").config(), version)
+        with pytest.raises(ValueError):
+            program_to_bytes([Submit(prompt_len=97)], get_preset("default").config(), version)
+        with pytest.raises(ValueError):
+            program_to_bytes([MemoryPressure()], get_preset("pd-decode").config(), version)
 
 
 @pytest.mark.parametrize("path", REGRESSIONS, ids=lambda p: os.path.basename(p)[:-5])
 def test_regression_programs_round_trip(path):
     config, program, _, _ = replay.load(path)
     want = program if isinstance(program[-1], Idle) else program + [Idle()]
-    assert program_from_bytes(program_to_bytes(program, config), config) == want
     fuzz_config = get_preset(config.preset).config(bugs=config.bugs)  # what the fuzzer decodes with
-    assert program_from_bytes(program_to_bytes(program, config), fuzz_config) == want
+    for version in (1, 2):
+        assert program_from_bytes(program_to_bytes(program, config, version), config) == want
+        assert program_from_bytes(program_to_bytes(program, config, version), fuzz_config) == want
 
 
 def test_seed_corpora_are_current(tmp_path):
-    """corpora/seeds is what `python -m kvaudit.bytes_program --write-seeds` writes today."""
+    """corpora/seeds is what `python -m kvaudit.program.bytes_program --write-seeds` writes today."""
     write_seeds(str(tmp_path), os.path.join(ROOT, "corpora", "regressions"))
     for preset in PRESETS:
         want = sorted(p.name for p in (tmp_path / preset).iterdir())
@@ -222,7 +228,7 @@ def test_harness_command():
     cmd = harness_command("/c", "/s", 9.2, 0, "/w", workers=3)
     assert cmd[:3] == [HARNESS, "/c", "/s"]
     assert {"-max_total_time=10", "-fork=3", "-ignore_crashes=0", "-artifact_prefix=/w/crashes/",
-            "-print_final_stats=1", f"-max_len={RECORD * 24}", "-len_control=0"} <= set(cmd)
+            "-print_final_stats=1", f"-max_len={max_len(24)}", "-len_control=0"} <= set(cmd)
     assert not any(a == "-seed=0" for a in cmd)  # 0 is "random" to libFuzzer
     assert not any(a.startswith("-fork") for a in harness_command("/c", None, 5, 1, "/w"))
 

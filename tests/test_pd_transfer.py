@@ -13,7 +13,8 @@ import random
 import pytest
 
 from engine_under_test import FinishReason, Scheduler, get_preset
-from kvaudit.bytes_program import op_kinds, program_from_bytes, program_to_bytes
+from kvaudit.program.bytes_program import program_from_bytes, program_to_bytes
+from kvaudit.program.bytes_v1 import op_kinds
 from kvaudit.program import (Idle, Step, Submit, TransferFail, format_program, program_from_json, program_to_json,
                              random_program)
 from kvaudit.runner import AuditedRun, execute
@@ -170,7 +171,8 @@ def test_transfer_fail_round_trips_through_json_text_and_bytes():
     program = [Submit(0, 8, 3), TransferFail(None), TransferFail(3), Idle()]
     assert program_from_json(program_to_json(program)) == program
     assert "transfer_fail(handle=None)" in format_program(program)
-    assert program_from_bytes(program_to_bytes(program, cfg), cfg) == program
+    for version in (1, 2):
+        assert program_from_bytes(program_to_bytes(program, cfg, version), cfg) == program
 
 
 def test_random_pd_programs_with_transfer_failures_are_clean():

@@ -11,9 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
+from kvaudit.program.schema import OPS, late_defaults
+
 
 class ProgramError(ValueError):
     """A program (or one op of it) read from JSON is malformed."""
+
+
+_SUBMIT = OPS["submit"].arg
 
 
 @dataclass(frozen=True)
@@ -40,19 +45,19 @@ class Submit:
     The built-in engine's sessions ignore them.
     """
 
-    family: int = 0
-    prompt_len: int = 4
-    max_new_tokens: int = 4
-    stop_at: int | None = None  # output length at which EOS is sampled
-    session: int | None = None
-    extends: int | None = None
-    priority: int | None = None
-    ignore_eos: int = 0
-    grammar: int | None = None
-    parent: int | None = None
-    replace: int = 0
-    drop_previous_output: int = 0
-    offset: int | None = None
+    family: int = _SUBMIT['family'].default
+    prompt_len: int = _SUBMIT['prompt_len'].default
+    max_new_tokens: int = _SUBMIT['max_new_tokens'].default
+    stop_at: int | None = _SUBMIT['stop_at'].default
+    session: int | None = _SUBMIT['session'].default
+    extends: int | None = _SUBMIT['extends'].default
+    priority: int | None = _SUBMIT['priority'].default
+    ignore_eos: int = _SUBMIT['ignore_eos'].default
+    grammar: int | None = _SUBMIT['grammar'].default
+    parent: int | None = _SUBMIT['parent'].default
+    replace: int = _SUBMIT['replace'].default
+    drop_previous_output: int = _SUBMIT['drop_previous_output'].default
+    offset: int | None = _SUBMIT['offset'].default
     kind: ClassVar[str] = "submit"
 
 
@@ -67,7 +72,7 @@ class HealthCheck:
 class Abort:
     """Abort live request ``handle`` (modulo the live set), or every request if ``handle`` is None."""
 
-    handle: int | None = 0
+    handle: int | None = OPS["abort"].arg["handle"].default
     kind: ClassVar[str] = "abort"
 
 
@@ -78,7 +83,7 @@ class FlushCache:
     with one second a step: ``SchedulerFlushWrapper``), then the flush fails. A target without the
     deferred flush tries once."""
 
-    timeout: int = 0
+    timeout: int = OPS["flush_cache"].arg["timeout"].default
     kind: ClassVar[str] = "flush_cache"
 
 
@@ -93,7 +98,7 @@ class OpenSession:
 class CloseSession:
     """Close open session ``handle`` (modulo the open ones); deferred while its turn is in flight."""
 
-    handle: int = 0
+    handle: int = OPS["close_session"].arg["handle"].default
     kind: ClassVar[str] = "close_session"
 
 
@@ -105,20 +110,17 @@ class MemoryPressure:
     kind: ClassVar[str] = "memory_pressure"
 
 
-PAUSE_MODES = ("abort", "in_place", "retract")  # PauseGenerationReqInput.mode, in SGLang's order
-
-
 @dataclass(frozen=True)
 class PauseGeneration:
     """SGLang's ``/pause_generation`` (a weight update's first step), ``mode`` indexing
-    :data:`PAUSE_MODES`: 0 ``abort`` -- the tokenizer aborts every request and holds new ones, the
+    :data:`kvaudit.program.schema.PAUSE_MODES`: 0 ``abort`` -- the tokenizer aborts every request and holds new ones, the
     scheduler keeps running; 1 ``in_place`` -- the scheduler stops scheduling, its state frozen;
     2 ``retract`` -- as in_place, after retracting every in-flight request to the waiting queue
     (``retract_all``), so ``flush_cache`` can succeed. New requests (submits, health checks) are held
     at the tokenizer until :class:`ContinueGeneration`. Source: ``Scheduler.pause_generation``,
     ``TokenizerManager.pause_generation``."""
 
-    mode: int = 0
+    mode: int = OPS["pause_generation"].arg["mode"].default
     kind: ClassVar[str] = "pause_generation"
 
 
@@ -139,7 +141,7 @@ class TransferFail:
     order; a no-op when there is none or the target is not a PD decode server. A target whose PD
     driver does not model failures ignores it."""
 
-    handle: int | None = 0
+    handle: int | None = OPS["transfer_fail"].arg["handle"].default
     kind: ClassVar[str] = "transfer_fail"
 
 
@@ -147,7 +149,7 @@ class TransferFail:
 class Step:
     """``n`` scheduler iterations."""
 
-    n: int = 1
+    n: int = OPS["step"].arg["n"].default
     kind: ClassVar[str] = "step"
 
 
@@ -164,20 +166,11 @@ Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, Me
 OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession,
                                                  MemoryPressure, PauseGeneration, ContinueGeneration, TransferFail,
                                                  Step, Idle)}
-NULLABLE = ("stop_at", "handle", "session", "extends", "priority", "grammar", "parent", "offset")
-# arguments added after format 1 was first written: left out of JSON and of printed ops when at
-# their default, so every program written before reads, prints and serializes as it did
-LATE_DEFAULTS = {"priority": None, "ignore_eos": 0, "grammar": None, "timeout": 0, "parent": None, "replace": 0,
-                 "drop_previous_output": 0, "offset": None}
-MAXIMA = {"ignore_eos": 1, "mode": len(PAUSE_MODES) - 1, "replace": 1, "drop_previous_output": 1}  # arguments narrower than [0, MAX_ARG]
+# the schema's views: arguments that may be null, and those left out of JSON and printed ops at
+# their default (added after format 1 was first written, so every older program reads as it did)
+NULLABLE = frozenset(a.name for spec in OPS.values() for a in spec.args if a.nullable)
+LATE_DEFAULTS = late_defaults()
 FORMAT = "kvaudit.program/1"
-MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return
-
-
-def prompt_tokens(family: int, length: int, vocab_size: int = 128) -> list[int]:
-    """The prompt of ``family`` truncated to ``length`` tokens (ids in ``[2, vocab_size)``)."""
-    span = vocab_size - 2
-    return [2 + ((family + 1) * 131 + i * 17 + (i * i) % 5) % span for i in range(length)]
 
 
 def _args(op: Op) -> dict:
@@ -203,10 +196,11 @@ def op_from_dict(d: object) -> Op:
         if not (v is None or (isinstance(v, int) and not isinstance(v, bool))):
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must be an integer or null")
     op = cls(**args)
+    spec = OPS[cls.kind].arg
     for k, v in dataclasses.asdict(op).items():
-        if v is not None and not 0 <= v <= MAXIMA.get(k, MAX_ARG):
-            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be in [0, {MAXIMA.get(k, MAX_ARG)}]")
-        if v is None and k not in NULLABLE:
+        if v is not None and not 0 <= v <= spec[k].limit:
+            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be in [0, {spec[k].limit}]")
+        if v is None and not spec[k].nullable:
             raise ProgramError(f"argument {k!r} of op {d['op']!r} must not be null")
     return op
 
@@ -229,64 +223,3 @@ def format_op(op: Op) -> str:
 def format_program(ops: list[Op]) -> str:
     """One op per line, numbered from 0 (the op index used in findings)."""
     return "\n".join(f"{i:>3}  {format_op(op)}" for i, op in enumerate(ops))
-
-
-FEATURES = ("priority", "grammar", "flush_timeout", "session_params", "transfer_fail")  # what only some targets model
-
-
-def random_program(rng, length: int, max_prompt: int = 32, features: frozenset = frozenset()) -> list[Op]:
-    """A random program of ``length`` ops from ``rng`` (a ``random.Random``), ending in ``idle``.
-
-    The op mix is fixed (no coverage feedback): this is the plain random baseline. ``features`` (of
-    :data:`FEATURES`, what the target models -- a config's ``program_features``): ``priority``, submits
-    carry a priority (0..9, or none); ``grammar``, one submit in four has a grammar compiling in 0..6
-    steps; ``flush_timeout``, a flush may wait up to 8 steps for idle; ``session_params``, one session
-    turn in three is edited: it names a parent turn (three in four; else none, the default branch
-    point) and may replace it, drop its output or splice at an offset;
-    ``transfer_fail``, about one op in 25 is a :class:`TransferFail` (a PD decode server's transfers).
-    """
-    ops: list[Op] = []
-    for _ in range(max(0, length - 1)):
-        r = rng.random()
-        if r < 0.33:
-            family, plen, new = rng.randrange(4), rng.randint(1, max_prompt), rng.randint(1, 12)
-            stop_at = rng.choice([None, None, rng.randint(1, 12)])
-            session, extends = rng.choice([None, None, rng.randrange(4)]), rng.choice([None] * 5 + [rng.randrange(8)])
-            ignore_eos = int(stop_at is not None and rng.random() < 0.25)
-            priority = rng.choice([None, rng.randrange(10)]) if "priority" in features else None
-            grammar = (rng.randint(0, 6) if rng.random() < 0.25 else None) if "grammar" in features else None
-            edit: dict = {}
-            if "session_params" in features and session is not None and rng.random() < 1 / 3:
-                # one edit in four names no parent turn (replace: clear the history; SGLang 0.5.23
-                # crashed on it, corpora/sglang #10): always naming one, the random baseline never made it
-                parent = rng.randrange(4)
-                edit = {"parent": None if rng.random() < 0.25 else parent,
-                        rng.choice(["replace", "drop_previous_output", "offset", "-"]): 1}
-                edit.pop("-", None)
-                if "offset" in edit:
-                    edit["offset"] = rng.randint(0, 24)
-            ops.append(Submit(family, plen, new, stop_at, session, extends, priority, ignore_eos, grammar, **edit))
-        elif r < 0.41:
-            ops.append(HealthCheck())
-        elif r < 0.5:
-            ops.append(Abort(rng.choice([None, rng.randrange(8)])))
-        elif r < 0.53:
-            ops.append(FlushCache(rng.choice([0, 0, rng.randint(1, 8)]) if "flush_timeout" in features else 0))
-        elif r < 0.57:
-            ops.append(OpenSession())
-        elif r < 0.6:
-            ops.append(CloseSession(rng.randrange(4)))
-        elif r < 0.62:
-            ops.append(MemoryPressure())
-        elif r < 0.64:
-            ops.append(PauseGeneration(rng.randrange(len(PAUSE_MODES))))
-        elif r < 0.66:
-            ops.append(ContinueGeneration())
-        elif r < 0.7 and "transfer_fail" in features:
-            ops.append(TransferFail(rng.choice([None, rng.randrange(4), rng.randrange(4)])))
-        elif r < 0.9:
-            ops.append(Step(rng.randint(1, 4)))
-        else:
-            ops.append(Idle())
-    ops.append(Idle())
-    return ops

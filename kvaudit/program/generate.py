@@ -1,0 +1,60 @@
+"""The generators' shared part: an op from the schema's arguments, whatever draws them.
+
+Every generator (the random baseline here, the Hypothesis rules of :mod:`kvaudit.fuzz`, the version
+2 byte decoder of :mod:`kvaudit.program.bytes_program`) draws each argument of an op independently
+from its :class:`~kvaudit.program.schema.Arg` range (or leaves it unset) and hands the values to
+:func:`make_op`, which applies the schema's ``requires`` and ``caps``. So every op and argument the
+schema defines for a target's reach comes out of every generator, and no generator keeps a table.
+"""
+
+from __future__ import annotations
+
+from kvaudit.program.ops import OP_TYPES, Idle, Op
+from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, kinds, reachable, resolve
+
+
+def make_op(kind: str, values: dict, reach: frozenset, max_prompt: int) -> Op:
+    """The op ``kind`` with ``values`` (every argument, each a set value in its range or unset)
+    resolved by :func:`kvaudit.program.schema.resolve` for ``reach`` and ``max_prompt`` (tokens)."""
+    return OP_TYPES[kind](**resolve(kind, values, reach, max_prompt))
+
+
+def _draw_value(rng, arg, max_prompt: int):
+    if arg.p < 1.0 and rng.random() >= arg.p:
+        return arg.unset
+    lo, hi = arg_range(arg, max_prompt)
+    return rng.randint(lo, hi)
+
+
+def random_op(rng, reach: frozenset, max_prompt: int, table: tuple[str, ...] | None = None) -> Op:
+    """One op drawn by ``rng`` (a ``random.Random``): its kind by :attr:`OpSpec.weight` among the
+    kinds of ``reach`` (or from ``table``, a weighted list of kinds), each argument set with
+    probability :attr:`Arg.p` (from its range) and otherwise unset."""
+    table = table or weighted_kinds(reach)
+    kind = table[rng.randrange(len(table))]
+    spec = OPS[kind]
+    values = {a.name: _draw_value(rng, a, max_prompt) if reachable(a.gate, reach) else a.unset for a in spec.args}
+    return make_op(kind, values, reach, max_prompt)
+
+
+def weighted_kinds(reach: frozenset) -> tuple[str, ...]:
+    """The op kinds of ``reach``, each repeated :attr:`OpSpec.weight` times (the random mix)."""
+    return tuple(k for k in kinds(reach) for _ in range(OPS[k].weight))
+
+
+def random_program(rng, length: int, max_prompt: int = 32, features: frozenset = frozenset()) -> list[Op]:
+    """A random program of ``length`` ops from ``rng`` (a ``random.Random``), ending in ``idle``.
+
+    The op mix is fixed (no coverage feedback): this is the plain random baseline. Every op kind and
+    argument of :data:`kvaudit.program.schema.OPS` is drawn whose gate is in ``features`` (of
+    :data:`kvaudit.program.schema.FEATURES`, what the target models -- a config's
+    ``program_features``) or is a capability (sessions and extending submits are always drawn; a
+    target without them ignores them). For example ``session_params``: a session turn may name a
+    parent turn (or none: the default branch point) and replace it, drop its output and splice at an
+    offset, in any combination; ``transfer_fail``: a PD decode server's transfers fail.
+    """
+    reach = frozenset(features) | frozenset(CAPABILITIES)
+    table = weighted_kinds(reach)
+    ops: list[Op] = [random_op(rng, reach, max_prompt, table) for _ in range(max(0, length - 1))]
+    ops.append(Idle())
+    return ops
