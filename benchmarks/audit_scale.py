@@ -18,8 +18,8 @@ import time
 import torch
 
 from engine_under_test import EngineConfig
-from kvaudit import oracles
-from kvaudit.hooks import Auditor
+from kvaudit.audit import oracles
+from kvaudit.audit.hooks import Auditor
 from kvaudit.program import prompt_tokens
 from kvaudit.targets.eut import EutTarget
 

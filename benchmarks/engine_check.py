@@ -17,8 +17,8 @@ import glob
 import os
 
 from kvaudit import replay
-from kvaudit.bench import engine_first_failures
-from kvaudit.runner import execute
+from kvaudit.search.bench import engine_first_failures
+from kvaudit.audit.runner import execute
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 
     python benchmarks/fuzzers.py [--preset NAME] [--seconds S] [--fuzzers hypothesis,random,atheris]
 
-Each measurement is a campaign (``kvaudit.campaign.run_campaign``) over a fresh corpus on the clean
+Each measurement is a campaign (``kvaudit.search.campaign.run_campaign``) over a fresh corpus on the clean
 engine (no bug switched on, so no time goes to triage): executions and ops over the wall time of
 the search. With 2 workers, hypothesis and random run two worker processes; atheris runs
 libFuzzer with -fork=2. Worker start-up (a spawned Python importing torch, a few seconds) is part
@@ -19,7 +19,7 @@ import time
 import torch
 
 from engine_under_test import get_preset
-from kvaudit.campaign import FUZZERS, run_campaign
+from kvaudit.search.campaign import FUZZERS, run_campaign
 
 
 def measure(preset: str, fuzzer: str, workers: int, seconds: float, seed: int) -> tuple[float, float, int]:

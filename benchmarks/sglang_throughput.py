@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from kvaudit.bench import run_programs
+from kvaudit.search.bench import run_programs
 from kvaudit.program import random_program
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 

@@ -22,7 +22,7 @@ import torch
 
 from engine_under_test import PRESETS, get_preset
 from kvaudit.program import random_program
-from kvaudit.bench import run_programs
+from kvaudit.search.bench import run_programs
 
 
 MODES = (  # name, hooks installed, oracles after every step, full stacks, shadow KV tags

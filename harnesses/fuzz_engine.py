@@ -26,10 +26,10 @@ configuration comes from the environment, which those child processes inherit:
     ops decoded from one input (default 24; see :mod:`kvaudit.program.bytes_program`)
 ``KVAUDIT_STATS_DIR``
     optional: every process writes ``<pid>.json`` there (executions, ops, suppressed signatures)
-    at most once a second and at each finding, for :mod:`kvaudit.atheris_fuzz`
+    at most once a second and at each finding, for :mod:`kvaudit.search.atheris_fuzz`
 
 Each input is decoded by :func:`kvaudit.program.bytes_program.program_from_bytes` and run op by op in a
-fresh :class:`kvaudit.runner.AuditedRun` (fast stacks), stopping at the first op with findings.
+fresh :class:`kvaudit.audit.runner.AuditedRun` (fast stacks), stopping at the first op with findings.
 A finding with a signature that is not known is written as a replay file (unless one with fewer
 ops, or as many from no more input bytes, is already there) and then raised as :class:`KvauditFinding`,
 whose message is the signature, so libFuzzer records a crash and writes its ``crash-<sha1>``
@@ -74,8 +74,8 @@ import time  # noqa: E402
 from engine_under_test import EngineConfig, UnknownBugError, UnknownPresetError, get_preset  # noqa: E402
 from kvaudit import replay  # noqa: E402
 from kvaudit.program.bytes_program import program_from_bytes  # noqa: E402
-from kvaudit.runner import AuditedRun  # noqa: E402
-from kvaudit.suppress import SuppressionError, SuppressionSet  # noqa: E402
+from kvaudit.audit.runner import AuditedRun  # noqa: E402
+from kvaudit.audit.suppress import SuppressionError, SuppressionSet  # noqa: E402
 
 
 class KvauditFinding(Exception):

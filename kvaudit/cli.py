@@ -25,7 +25,7 @@ from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT
 from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import restoring_sigint
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, FUZZERS
-from kvaudit.outputs import FORMATS
+from kvaudit.reports.outputs import FORMATS
 
 
 class KvauditGroup(click.Group):
@@ -70,7 +70,7 @@ _suppress_option = click.option(
 def _set_step_timeout(ctx, param, value):
     if value is not None and not math.isfinite(value):
         _bad(param, "must be a finite number of seconds")
-    from kvaudit.runner import set_step_timeout
+    from kvaudit.audit.runner import set_step_timeout
 
     set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
     return value
@@ -261,7 +261,7 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
 def bench_cmd(trials, budget, fuzzers_value, bugs_value, fp_seconds, overhead_presets, out_md, out_json):
     """Benchmark the fuzzers on the bug zoo: each bug x fuzzer for --trials trials of --budget
     seconds, a false-positive run on the clean engine and the overhead per preset; writes a markdown
-    report and the raw JSON (see kvaudit/bench.py for the method)."""
+    report and the raw JSON (see kvaudit/search/bench.py for the method)."""
     from kvaudit.app import bench as job
 
     return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,

@@ -25,7 +25,7 @@ import time
 
 STARTED: float | None = None  # time.monotonic() when main() began; None when the CLI runs in-process (tests)
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
-_HEAVY_MODULES = ("kvaudit.fuzz", "kvaudit.targets.eut.target", "kvaudit.report")
+_HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.targets.eut.target", "kvaudit.reports.report")
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import tempfile
 from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict
 from kvaudit.targets.registry import kind_of
-from kvaudit.findings import Finding, source_path
+from kvaudit.audit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
 FORMAT = "kvaudit.replay/1"
@@ -77,7 +77,7 @@ def rerecord(path: str, findings: list[Finding]) -> str:
     new = {**doc, "findings": [{**d, "traceback": d["traceback"].replace(f'File "{root}', 'File "')}
                                if d.get("traceback") else d for d in (f.to_dict() for f in findings)]}
     if "timeline" in doc:
-        from kvaudit import timeline
+        from kvaudit.reports import timeline
         new["timeline"] = timeline.record(config, program)
     old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
     changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \

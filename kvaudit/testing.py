@@ -37,9 +37,9 @@ class Result:
 
     def render(self) -> str:
         """Plain lines: the header, the program, then each finding with its sites."""
-        from kvaudit.junit import failure_text
+        from kvaudit.reports.junit import failure_text
         from kvaudit.program import format_program
-        from kvaudit.report import header
+        from kvaudit.reports.report import header
 
         out = [header(self.config) if self.config is not None else "kvaudit",
                f"{len(self.findings)} finding(s) after {self.executions} execution(s); program:",
@@ -58,8 +58,8 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = "random") -
     """Fuzz ``config``'s target for at most ``max_time`` seconds with ``fuzzer`` (``random`` or
     ``hypothesis``); stops at the first finding, which is re-run with full stacks for the report.
     Raises ``ValueError`` for an unknown fuzzer."""
-    from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search
-    from kvaudit.runner import execute
+    from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search
+    from kvaudit.audit.runner import execute
 
     searches = {"random": random_search, "hypothesis": hypothesis_search}
     if fuzzer not in searches:
@@ -76,7 +76,7 @@ def replay(path: str) -> Result:
     """Replay one replay file (``kvaudit replay``'s format) once, with full stacks. Raises
     :class:`kvaudit.replay.ReplayFormatError` for a malformed file."""
     from kvaudit import replay as replay_file
-    from kvaudit.runner import execute
+    from kvaudit.audit.runner import execute
 
     config, program, _, _ = replay_file.load(path)
     return Result(execute(config, program).findings, program, 1, config)

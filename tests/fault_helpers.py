@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from kvaudit.program import random_program
-from kvaudit.runner import Execution, execute
+from kvaudit.audit.runner import Execution, execute
 
 
 def first_finding_within(config, programs: int = 200, seed: str = "wrong-term") -> Execution:

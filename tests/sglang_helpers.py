@@ -1,7 +1,7 @@
 """Helpers shared by the real-SGLang target's tests (test_sglang_target.py, test_sglang_pd.py,
 test_sglang_hisparse.py)."""
 
-from kvaudit.runner import AuditedRun
+from kvaudit.audit.runner import AuditedRun
 
 CORES = ["rust", "python"]
 

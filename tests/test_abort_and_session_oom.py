@@ -10,7 +10,7 @@ import pytest
 
 from engine_under_test import FinishReason, Scheduler, get_preset
 from kvaudit.program import Abort, CloseSession, Idle, OpenSession, Step, Submit
-from kvaudit.runner import AuditedRun
+from kvaudit.audit.runner import AuditedRun
 
 from test_engine_paths import assert_clean_idle, outputs, token_check
 

@@ -15,13 +15,13 @@ import pytest
 
 from engine_under_test import PRESETS, get_preset
 from kvaudit import replay
-from kvaudit.atheris_fuzz import HARNESS, SEEDS_DIR, _Monitor, atheris_search, harness_command, harness_env
+from kvaudit.search.atheris_fuzz import HARNESS, SEEDS_DIR, _Monitor, atheris_search, harness_command, harness_env
 from kvaudit.program.bytes_program import (V2_MAGIC, max_len, program_from_bytes, program_to_bytes, write_seeds)
 from kvaudit.program.bytes_v1 import RECORD, max_prompt, op_kinds
-from kvaudit.fuzz import FuzzStats
+from kvaudit.search.fuzz import FuzzStats
 from kvaudit.program import (Abort, CloseSession, Idle, MemoryPressure, OpenSession, Step, Submit, program_from_json,
                              program_to_json)
-from kvaudit.runner import execute
+from kvaudit.audit.runner import execute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGRESSIONS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))
@@ -293,7 +293,7 @@ def test_the_search_stops_once_the_crash_input_is_written_not_after_a_fixed_wait
     """libFuzzer was stopped a fixed 2 s after the replay file appeared, which under load came before
     the -fork parent had copied the crash input: the input was lost now and then. The stop waits for
     the artifact (a stand-in harness writes it 3.5 s late)."""
-    from kvaudit import atheris_fuzz
+    from kvaudit.search import atheris_fuzz
 
     regression = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions",
                               "hisparse-prebuilt-skip-finish.json")

@@ -1,12 +1,12 @@
-"""The benchmark's statistics and report (kvaudit/bench.py); one tiny end-to-end run."""
+"""The benchmark's statistics and report (kvaudit/search/bench.py); one tiny end-to-end run."""
 
 import math
 
 import pytest
 from cli_helpers import invoke, one_error_line
 
-from kvaudit import bench
-from kvaudit.bench import Trial, a12, geomean_exec_ratio, mann_whitney_p, summarize
+from kvaudit.search import bench
+from kvaudit.search.bench import Trial, a12, geomean_exec_ratio, mann_whitney_p, summarize
 
 
 def test_a12_is_the_probability_of_larger_with_ties_half():

@@ -14,10 +14,10 @@ from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 
 from engine_under_test import PRESETS, get_preset
 from kvaudit import replay
-from kvaudit.campaign import known_signatures, run_campaign
-from kvaudit.fuzz import SWARM_KINDS, FuzzStats, hypothesis_search, random_search
+from kvaudit.search.campaign import known_signatures, run_campaign
+from kvaudit.search.fuzz import SWARM_KINDS, FuzzStats, hypothesis_search, random_search
 from kvaudit.program import FlushCache, Step, Submit
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.audit.runner import AuditedRun, execute
 
 HERE = os.path.dirname(__file__)
 REGRESSIONS = os.path.join(HERE, "..", "corpora", "regressions")
@@ -59,7 +59,7 @@ def test_swarm_cases_use_different_subsets_of_op_kinds(monkeypatch):
     from hypothesis import HealthCheck, Phase, Verbosity, seed, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from kvaudit.fuzz import _machine, _Recorder
+    from kvaudit.search.fuzz import _machine, _Recorder
 
     rec = _Recorder(FuzzStats(), deadline=time.monotonic() + 3600)
     machine = seed(5)(_machine(get_preset("streaming-session").config(), rec, max_prompt=40))
@@ -76,7 +76,7 @@ def test_a_case_that_fails_mid_program_is_recorded_as_it_ran():
     """A finding raised by a step op ends the case: teardown's closing idle() must not run after it
     (it did, and a second finding there replaced the first, with a program that replays differently:
     reported as flaky)."""
-    from kvaudit.fuzz import _machine, _Recorder
+    from kvaudit.search.fuzz import _machine, _Recorder
 
     config, program, _, _ = replay.load(os.path.join(REGRESSIONS, "session-close-while-running.json"))
     program = program[:-1] + [Step(50)]
@@ -260,7 +260,7 @@ def test_every_regression_file_replays_identically_3_times(name):
 def test_check_determinism_catches_a_nondeterministic_engine(monkeypatch):
     import itertools
 
-    from kvaudit import hooks
+    from kvaudit.audit import hooks
 
     counter = itertools.count()
     real = hooks.Auditor.digest

@@ -386,7 +386,7 @@ def test_an_interrupt_swallowed_by_a_callback_still_stops_the_next_op():
     even if the first one was swallowed (Python ignores exceptions raised in gc callbacks)."""
     from engine_under_test import get_preset
     from kvaudit.program import Submit
-    from kvaudit.runner import INTERRUPTED, AuditedRun
+    from kvaudit.audit.runner import INTERRUPTED, AuditedRun
 
     with AuditedRun(get_preset("default").config()) as run:
         assert run.apply(Submit()) == []

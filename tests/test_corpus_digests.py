@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kvaudit import replay
-from kvaudit.runner import execute
+from kvaudit.audit.runner import execute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, "tests", "data", "corpus_digests.json")

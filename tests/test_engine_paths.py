@@ -18,7 +18,7 @@ import torch
 from engine_under_test import BUGS, PRESETS, FinishReason, PoolIntegrityError, Scheduler, get_preset
 from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, PauseGeneration,
                              Step, Submit)
-from kvaudit.runner import LIVENESS_STEPS, AuditedRun, execute
+from kvaudit.audit.runner import LIVENESS_STEPS, AuditedRun, execute
 
 EOS = 1
 

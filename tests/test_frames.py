@@ -1,4 +1,4 @@
-"""Recorded frames against the current source (kvaudit.frames), and the freshness of the shipped
+"""Recorded frames against the current source (kvaudit.audit.frames), and the freshness of the shipped
 corpus: every frame ``kvaudit report`` prints for a shipped replay file lies inside the function it
 names and carries that line's text. When engine code moves, refresh the corpus with
 ``kvaudit replay --update corpora/regressions/*.json corpora/sglang/*.json tests/data/report/*.json``."""
@@ -11,8 +11,8 @@ import pytest
 from cli_helpers import invoke
 
 from kvaudit import replay
-from kvaudit.findings import Site
-from kvaudit.frames import function_ranges, resolve
+from kvaudit.audit.findings import Site
+from kvaudit.audit.frames import function_ranges, resolve
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CORPUS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))) + \
@@ -127,8 +127,8 @@ def test_shipped_replay_files_match_the_current_source(path):
 def test_sarif_and_junit_show_the_resolved_line_and_the_note():
     """Every renderer goes through resolve(): a frame recorded before the code moved is shown at
     the line its text is on now, with the note, in SARIF and JUnit as on the console."""
-    from kvaudit.junit import failure_text
-    from kvaudit.sarif import to_sarif
+    from kvaudit.reports.junit import failure_text
+    from kvaudit.reports.sarif import to_sarif
 
     _, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "overlap-abort-double-free.json"))
     f = findings[0]

@@ -10,9 +10,10 @@ import pytest
 
 from engine_under_test import get_preset
 from engine_under_test.scheduler import Scheduler
-from kvaudit import fuzz, runner
-from kvaudit.fuzz import FuzzStats, hypothesis_search
-from kvaudit.runner import execute
+from kvaudit.search import fuzz
+from kvaudit.audit import runner
+from kvaudit.search.fuzz import FuzzStats, hypothesis_search
+from kvaudit.audit.runner import execute
 
 from cli_helpers import invoke
 
@@ -24,7 +25,7 @@ def _config():
 
 
 class _ClockJumpsAtFirstHit:
-    """``time`` for kvaudit.fuzz whose clock jumps past any budget once ``stats`` saw its first hit:
+    """``time`` for kvaudit.search.fuzz whose clock jumps past any budget once ``stats`` saw its first hit:
     the budget is spent the moment the finding is made, deterministically."""
 
     def __init__(self, stats):
@@ -156,7 +157,7 @@ def test_fuzz_on_an_engine_whose_step_sleeps_forever_ends_in_budget_with_a_hang(
 def test_bench_counts_executions_to_the_first_hit():
     """A bench trial's executions and seconds are the search's first hit, not its total with the
     shrink reruns (bench already read ``first_hit``; this keeps it so)."""
-    from kvaudit import bench
+    from kvaudit.search import bench
 
     stats = FuzzStats()
     hypothesis_search(_config(), 60, SEED, stats)

@@ -1,4 +1,4 @@
-"""Tests for kvaudit.hooks: the wrappers on the engine's pools and the alloc/free ledger."""
+"""Tests for kvaudit.audit.hooks: the wrappers on the engine's pools and the alloc/free ledger."""
 
 import os
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_under_test import ReqToTokenPool, TokenToKVPoolAllocator, get_preset
-from kvaudit.hooks import Auditor
+from kvaudit.audit.hooks import Auditor
 from kvaudit.program import Submit
 from kvaudit.targets.eut import EutTarget
 

@@ -22,7 +22,7 @@ from cli_helpers import invoke, kvaudit_script, plain_env
 
 from kvaudit import replay
 from kvaudit.program import FlushCache, Step, Submit
-from kvaudit.runner import execute
+from kvaudit.audit.runner import execute
 
 HERE = os.path.dirname(__file__)
 REGRESSIONS = os.path.join(HERE, "..", "corpora", "regressions")
@@ -34,7 +34,7 @@ HOLD_MINIMIZER = '''
 import sys
 import time
 
-import kvaudit.minimize as m
+import kvaudit.search.minimize as m
 
 
 def held(ops, fails, *a, **k):
@@ -199,8 +199,8 @@ def padded_program():
 
 
 def test_minimize_interrupted_carries_the_smallest_program_so_far(monkeypatch):
-    from kvaudit import minimize as m
-    from kvaudit.minimize import Interrupted, minimize
+    from kvaudit.search import minimize as m
+    from kvaudit.search.minimize import Interrupted, minimize
 
     config, padded, findings = padded_program()
     sig = findings[0].signature
@@ -223,8 +223,8 @@ def test_minimize_interrupted_carries_the_smallest_program_so_far(monkeypatch):
 
 
 def test_minimize_interrupted_before_the_first_run_has_nothing(monkeypatch):
-    from kvaudit import minimize as m
-    from kvaudit.minimize import Interrupted, minimize
+    from kvaudit.search import minimize as m
+    from kvaudit.search.minimize import Interrupted, minimize
 
     config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, f"{BUG}.json"))
     monkeypatch.setattr(m, "reproduces", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
@@ -322,7 +322,7 @@ def test_other_write_errors_stay_input_errors(tmp_path, monkeypatch):
 
 def test_ci_interrupted_in_a_fuzz_campaign_still_reports_what_it_found(tmp_path, monkeypatch):
     """A campaign cut short by Ctrl-C or SIGTERM returns what it found: ci reports it and fails."""
-    from kvaudit import campaign
+    from kvaudit.search import campaign
 
     src = os.path.join(REGRESSIONS, f"{BUG}.json")
     _, _, findings, _ = replay.load(src)

@@ -1,12 +1,12 @@
-"""Tests for kvaudit.locks (the lock-ref ledger) and the lock-imbalance finding it feeds: the lock
+"""Tests for kvaudit.audit.locks (the lock-ref ledger) and the lock-imbalance finding it feeds: the lock
 blamed is the one whose holder is gone, device locks and HiCache host pins alike."""
 
 import pytest
 
 from engine_under_test import get_preset
-from kvaudit.locks import LockLedger
+from kvaudit.audit.locks import LockLedger
 from kvaudit.program import Idle, Step, Submit
-from kvaudit.runner import AuditedRun
+from kvaudit.audit.runner import AuditedRun
 
 
 def _load_back_run(full_stacks=True, forget=("dec_lock_ref",)):

@@ -1,13 +1,13 @@
-"""Tests for kvaudit.memstate: an out-of-memory crash reports who held the memory at that moment."""
+"""Tests for kvaudit.audit.memstate: an out-of-memory crash reports who held the memory at that moment."""
 
 import pytest
 from rich.console import Console
 
 from engine_under_test import get_preset
-from kvaudit.findings import Finding
+from kvaudit.audit.findings import Finding
 from kvaudit.program import Idle, Step, Submit
-from kvaudit.report import finding_renderable
-from kvaudit.runner import AuditedRun
+from kvaudit.reports.report import finding_renderable
+from kvaudit.audit.runner import AuditedRun
 
 
 def _render(f) -> str:
@@ -44,8 +44,8 @@ def test_a_prefill_out_of_memory_names_the_terms_the_largest_holder_and_the_orph
     assert "memory at the crash:" in text and "largest holders of token_to_kv_pool" in text
     back = Finding.from_dict(f.to_dict())
     assert back.memory_state == f.memory_state
-    from kvaudit.junit import failure_text
-    from kvaudit.sarif import to_sarif
+    from kvaudit.reports.junit import failure_text
+    from kvaudit.reports.sarif import to_sarif
     assert to_sarif([f])["runs"][0]["results"][0]["properties"]["memory_state"] == f.memory_state
     assert "memory at the crash:\n    token_to_kv_pool: available=" in failure_text(f)
 

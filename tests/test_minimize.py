@@ -1,13 +1,13 @@
-"""Tests for kvaudit.minimize: ddmin on pure predicates, then whole-program minimization."""
+"""Tests for kvaudit.search.minimize: ddmin on pure predicates, then whole-program minimization."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from engine_under_test import get_preset
-from kvaudit.minimize import ddmin, minimize, reproduces, simplify_args
+from kvaudit.search.minimize import ddmin, minimize, reproduces, simplify_args
 from kvaudit.program import Abort, HealthCheck, Idle, MemoryPressure, Step, Submit
-from kvaudit.runner import execute
+from kvaudit.audit.runner import execute
 
 BUG = "hisparse-prebuilt-skip-finish"
 
@@ -131,7 +131,7 @@ def test_minimize_of_empty_program_raises(buggy_config):
 
 
 def test_adjacent_steps_are_folded_when_the_program_still_fails():
-    from kvaudit.minimize import merge_steps
+    from kvaudit.search.minimize import merge_steps
     from kvaudit.program import Idle, Step, Submit
 
     def fails(ops):  # fails while at least 3 scheduler steps run before the idle
@@ -157,7 +157,7 @@ def test_no_op_arguments_are_dropped_on_a_preset_without_sessions():
 
 
 def test_reset_defaults_keeps_an_argument_the_failure_needs():
-    from kvaudit.minimize import reset_defaults
+    from kvaudit.search.minimize import reset_defaults
 
     ops = [Submit(0, 4, 4, session=2, priority=3), Submit(0, 4, 4, session=1)]
     out = reset_defaults(ops, lambda p: p[0].priority == 3)

@@ -1,4 +1,4 @@
-"""Tests for kvaudit.oracles (and the runner around them): each oracle on a hand-made fault, and no
+"""Tests for kvaudit.audit.oracles (and the runner around them): each oracle on a hand-made fault, and no
 false positives on clean random workloads."""
 
 import os
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from engine_under_test import Scheduler, get_preset
-from kvaudit import oracles
+from kvaudit.audit import oracles
 from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, Step, Submit, random_program
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.audit.runner import AuditedRun, execute
 from fault_helpers import assert_names_both_tree_counters, first_finding_within
 
 PRESETS = ["default", "pd-decode", "pd-decode-hisparse"]
@@ -331,7 +331,7 @@ def test_the_tree_caching_past_kv_committed_len_is_reported_at_the_insert(make_r
 
 def test_a_clean_insert_never_caches_past_kv_committed_len(monkeypatch):
     seen = []
-    from kvaudit.hooks import Auditor
+    from kvaudit.audit.hooks import Auditor
     monkeypatch.setattr(Auditor, "_over_insert", lambda self, *a: seen.append(a))
     for preset in ("default", "paged", "overlap", "streaming-session", "hicache"):
         rng = random.Random(preset)

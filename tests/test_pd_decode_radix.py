@@ -13,7 +13,7 @@ import pytest
 
 from engine_under_test import EngineConfig, FinishReason, Scheduler, get_preset
 from kvaudit.program import Idle, Step, Submit, TransferFail, prompt_tokens
-from kvaudit.runner import AuditedRun
+from kvaudit.audit.runner import AuditedRun
 
 from cli_helpers import invoke, one_error_line
 from test_engine_paths import assert_pools_full

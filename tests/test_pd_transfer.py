@@ -17,7 +17,7 @@ from kvaudit.program.bytes_program import program_from_bytes, program_to_bytes
 from kvaudit.program.bytes_v1 import op_kinds
 from kvaudit.program import (Idle, Step, Submit, TransferFail, format_program, program_from_json, program_to_json,
                              random_program)
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.targets import program_features
 
 from test_engine_paths import all_pools, assert_pools_full

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from engine_under_test import get_preset
-from kvaudit import fuzz
+from kvaudit.search import fuzz
 from kvaudit.program import OP_TYPES, Submit, random_program
 from kvaudit.program.bytes_program import V2_MAGIC, program_from_bytes, program_to_bytes, version_of
 from kvaudit.program.schema import (CAPABILITIES, FEATURES, OPS, kinds, pick, resolve, resolve_submit)

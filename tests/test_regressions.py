@@ -10,7 +10,7 @@ import os
 import pytest
 
 from kvaudit import replay
-from kvaudit.runner import execute
+from kvaudit.audit.runner import execute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))

@@ -19,13 +19,15 @@ import pytest
 from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 from rich.console import Console
 
-from kvaudit import replay, timeline
-from kvaudit.findings import Finding
-from kvaudit.html_report import render_html
-from kvaudit.outputs import Case
-from kvaudit.frames import Frame
-from kvaudit.report import is_plain, print_report, summary_line, summary_rows
-from kvaudit.timeline import SERIES
+from kvaudit import replay
+
+from kvaudit.reports import timeline
+from kvaudit.audit.findings import Finding
+from kvaudit.reports.html_report import render_html
+from kvaudit.reports.outputs import Case
+from kvaudit.audit.frames import Frame
+from kvaudit.reports.report import is_plain, print_report, summary_line, summary_rows
+from kvaudit.reports.timeline import SERIES
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "report")
 REGRESSIONS = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions")
@@ -51,7 +53,7 @@ def render(config, program, findings, width=100, terminal=True, **kw) -> str:
 def as_recorded(monkeypatch):
     """Frames rendered as recorded, not checked against the current source (tests/test_frames.py
     does that), so that the snapshots do not move when engine code moves."""
-    monkeypatch.setattr("kvaudit.report.resolve", lambda s: Frame(s.line, s.source))
+    monkeypatch.setattr("kvaudit.reports.report.resolve", lambda s: Frame(s.line, s.source))
 
 
 @pytest.mark.parametrize("kind", list(SNAPSHOT_CASES))
@@ -146,7 +148,7 @@ def test_snapshot_inputs_carry_their_source_lines():
 
 def test_leak_lifecycle_shows_alloc_owner_end_and_never_freed():
     config, program, _, _ = replay.load(os.path.join(REGRESSIONS, "retract-unaligned-page.json"))
-    from kvaudit.runner import execute
+    from kvaudit.audit.runner import execute
 
     f = execute(config, program).findings[0]
     text = render(config, program, [f], width=140)
@@ -200,7 +202,7 @@ def test_timeline_terms_add_up_to_the_total_when_nothing_is_wrong():
 
 def test_triage_records_the_timeline_of_the_confirmed_program():
     """The confirming replay records the plot's data, so that writing the report runs no engine."""
-    from kvaudit.fuzz import triage
+    from kvaudit.search.fuzz import triage
 
     config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
     crash = triage(config, program, findings[0])
@@ -259,8 +261,8 @@ def test_report_writes_every_format_and_its_json_reads_back(tmp_path):
 
 @pytest.fixture
 def no_engine(monkeypatch):
-    """Any engine run (a :class:`kvaudit.runner.AuditedRun`) fails the test."""
-    from kvaudit.runner import AuditedRun
+    """Any engine run (a :class:`kvaudit.audit.runner.AuditedRun`) fails the test."""
+    from kvaudit.audit.runner import AuditedRun
 
     def ran(*a, **k):
         raise AssertionError("an engine ran while writing a report")
@@ -375,8 +377,8 @@ def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path)
 
 @pytest.mark.slow
 def test_ctrl_c_while_minimizing_still_writes_the_reports(tmp_path, monkeypatch):
-    from kvaudit import fuzz
-    from kvaudit.runner import INTERRUPTED
+    from kvaudit.search import fuzz
+    from kvaudit.audit.runner import INTERRUPTED
 
     def interrupted_triage(*a, **k):
         INTERRUPTED.set()  # as the SIGINT handler does
@@ -462,7 +464,7 @@ def test_a_tree_insert_past_kv_committed_len_shows_the_insert_stack(monkeypatch)
     """Issue 16 item 8: the report locates the over-insert at the insert, not at an allocation."""
     from engine_under_test import Scheduler, get_preset
     from kvaudit.program import Idle, Submit
-    from kvaudit.runner import execute
+    from kvaudit.audit.runner import execute
     checkpoint = Scheduler.checkpoint_kv_cache_into_tree
     monkeypatch.setattr(Scheduler, "checkpoint_kv_cache_into_tree",
                         lambda self, req, up_to: checkpoint(self, req, up_to + 1))

@@ -10,10 +10,11 @@ from rich.console import Console
 
 from engine_under_test import get_preset
 from engine_under_test.scheduler import Scheduler
-from kvaudit import replay, runner
+from kvaudit import replay
+from kvaudit.audit import runner
 from kvaudit.program import Idle, Step, Submit
-from kvaudit.report import print_report
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.reports.report import print_report
+from kvaudit.audit.runner import AuditedRun, execute
 
 SPIN_S = 30.0  # "forever" for a test: the old code, with no watchdog, returns after this and fails
 
@@ -148,7 +149,7 @@ def test_a_crash_while_draining_is_recorded(monkeypatch):
 
 
 def test_engine_check_at_idle_round_trips_and_is_validated():
-    from kvaudit.findings import Finding
+    from kvaudit.audit.findings import Finding
 
     f = Finding(kind="leak", pool="p", message="m", engine_check_at_idle=["x"])
     assert Finding.from_dict(f.to_dict()).engine_check_at_idle == ["x"]

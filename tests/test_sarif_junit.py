@@ -13,9 +13,9 @@ import pytest
 
 from engine_under_test import EngineConfig
 from kvaudit import replay
-from kvaudit.findings import KINDS, Finding, Site, source_path
-from kvaudit.junit import to_junit
-from kvaudit.sarif import FINGERPRINT_KEY, SRCROOT, engine_path, finding_stacks, primary_stack, to_sarif
+from kvaudit.audit.findings import KINDS, Finding, Site, source_path
+from kvaudit.reports.junit import to_junit
+from kvaudit.reports.sarif import FINGERPRINT_KEY, SRCROOT, engine_path, finding_stacks, primary_stack, to_sarif
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA_PATH = os.path.join(ROOT, "tests", "data", "sarif-schema-2.1.0.json")
@@ -170,7 +170,7 @@ def test_double_free_is_located_at_its_second_free():
     config, f = _by_kind("double-free")
     assert f.free_sites and f.alloc_sites and f.free_sites[0] != f.alloc_sites[0]
     (r,) = to_sarif([f], config)["runs"][0]["results"]
-    from kvaudit.frames import resolve
+    from kvaudit.audit.frames import resolve
     now = lambda s: resolve(s).line  # noqa: E731 -- frames recorded before the code moved are re-located
     assert _physical(r["locations"][0]) == (f.free_sites[0].file, now(f.free_sites[0]))
     related = {(loc["physicalLocation"]["artifactLocation"]["uri"], loc["physicalLocation"]["region"]["startLine"]):

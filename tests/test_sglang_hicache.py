@@ -25,7 +25,7 @@ import torch
 
 from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, Step, Submit,
                              prompt_tokens)
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 from sglang_helpers import CORES, run_ops
 

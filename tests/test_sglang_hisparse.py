@@ -16,7 +16,7 @@ from cli_helpers import invoke
 from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
                              PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, run_ops
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.targets.sglang.config import SGLANG_PRESETS, SglangConfig
 
 pytestmark = pytest.mark.sglang

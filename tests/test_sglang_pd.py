@@ -17,7 +17,7 @@ import pytest
 from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
                              PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, run_ops
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
 pytestmark = pytest.mark.sglang

@@ -20,7 +20,7 @@ from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache
                              MemoryPressure, OpenSession, PauseGeneration, Step, Submit)
 from sglang_helpers import CORES, kinds, run_ops
 from fault_helpers import assert_names_both_tree_counters, first_finding_within
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
 pytestmark = pytest.mark.sglang
@@ -798,7 +798,7 @@ def test_cli_replays_a_corpus_file_with_the_other_tree_core(tmp_path):
 
 
 def test_report_header_names_the_tree_core_and_what_differs_from_the_preset():
-    from kvaudit.report import header
+    from kvaudit.reports.report import header
 
     plain = cfg("sglang-pd-decode", "python")
     assert header(plain) == ("kvaudit report: target sglang, preset sglang-pd-decode, python tree core, bugs: none, "

@@ -4,7 +4,7 @@ gives the same tags as the definition ``h_p = sum_i (t_i + 1) * B**(p - i) mod 2
 import numpy as np
 import pytest
 
-from kvaudit.shadow import _B, ShadowKV
+from kvaudit.audit.shadow import _B, ShadowKV
 
 
 def reference(tokens: list[int]) -> list[int]:

@@ -11,11 +11,11 @@ import pytest
 from cli_helpers import invoke, one_error_line
 
 from kvaudit import replay
-from kvaudit.findings import Finding, Site
-from kvaudit.fuzz import FuzzStats, hypothesis_search, triage
+from kvaudit.audit.findings import Finding, Site
+from kvaudit.search.fuzz import FuzzStats, hypothesis_search, triage
 from kvaudit.program import HealthCheck
-from kvaudit.runner import AuditedRun, execute
-from kvaudit.suppress import Suppression, SuppressionError, SuppressionSet, load_suppressions
+from kvaudit.audit.runner import AuditedRun, execute
+from kvaudit.audit.suppress import Suppression, SuppressionError, SuppressionSet, load_suppressions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGRESSIONS = os.path.join(ROOT, "corpora", "regressions")

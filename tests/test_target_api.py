@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvaudit import oracles
+from kvaudit.audit import oracles
 from kvaudit.config import ConfigBase, Preset
-from kvaudit.hooks import Auditor
+from kvaudit.audit.hooks import Auditor
 from kvaudit.targets import config_from_dict, make_target, registry
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target, TargetFinding
 

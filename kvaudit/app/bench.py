@@ -1,5 +1,5 @@
 """``kvaudit bench``: check the bug and fuzzer lists, run the benchmark and write its markdown and
-JSON. The method and its statistics are :mod:`kvaudit.bench`."""
+JSON. The method and its statistics are :mod:`kvaudit.search.bench`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
         overhead_presets: str, out_md: str, out_json: str) -> int:
     """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for an unknown fuzzer,
     bug or preset, or an unwritable output."""
-    from kvaudit import bench
+    from kvaudit.search import bench
 
     fuzzers = [f.strip() for f in fuzzers_value.split(",") if f.strip()]
     bad = [f for f in fuzzers if f not in FUZZERS]
@@ -28,7 +28,7 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     bad = [b for b in bugs if b not in BUGS]
     if bad or not bugs:
         raise InputError(f"--bugs: unknown bug {bad[0] if bad else bugs_value!r} (see 'kvaudit bugs')")
-    from kvaudit import ci
+    from kvaudit.search import ci
 
     try:
         ov = [] if overhead_presets == "none" else ci.presets_arg(overhead_presets)

@@ -1,5 +1,5 @@
 """``kvaudit ci``: the nightly / per-PR job's run and its summary and reports. What it checks and
-how (regressions, the per-preset fuzz, JUnit and SARIF) is :mod:`kvaudit.ci`."""
+how (regressions, the per-preset fuzz, JUnit and SARIF) is :mod:`kvaudit.search.ci`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvaudit.app.files import load_suppressions, write_reports
 from kvaudit.app.fuzz import check_atheris
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
-from kvaudit.outputs import Case, Outputs, ReportData
+from kvaudit.reports.outputs import Case, Outputs, ReportData
 
 
 def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
@@ -21,9 +21,9 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     from rich.table import Table
     from rich.text import Text
 
-    from kvaudit import ci
-    from kvaudit.report import print_report, print_table, suppressed_by_kind
-    from kvaudit.runner import INTERRUPTED
+    from kvaudit.search import ci
+    from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
+    from kvaudit.audit.runner import INTERRUPTED
 
     from kvaudit.app.configs import check_fuzzer
     from kvaudit.targets import registry

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from kvaudit.constants import EXIT_UNAVAILABLE
-from kvaudit.outputs import disk_full
+from kvaudit.reports.outputs import disk_full
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, EXIT_DISK_FULL = 3, 4, 74

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from kvaudit import replay
 from kvaudit.app.errors import InputError, write_error
-from kvaudit.outputs import Outputs, ReportData, WriteError
-from kvaudit.outputs import write as write_outputs
-from kvaudit.suppress import SuppressionError, SuppressionSet
+from kvaudit.reports.outputs import Outputs, ReportData, WriteError
+from kvaudit.reports.outputs import write as write_outputs
+from kvaudit.audit.suppress import SuppressionError, SuppressionSet
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -1,6 +1,6 @@
 """``kvaudit fuzz``: a search that stops at its first finding (confirmed, minimized, written,
-reported), or a resumable campaign over a corpus directory (:mod:`kvaudit.campaign`). The search
-itself is :mod:`kvaudit.fuzz` (Hypothesis, random) and :mod:`kvaudit.atheris_fuzz`."""
+reported), or a resumable campaign over a corpus directory (:mod:`kvaudit.search.campaign`). The search
+itself is :mod:`kvaudit.search.fuzz` (Hypothesis, random) and :mod:`kvaudit.search.atheris_fuzz`."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.app.replay import record_timeline
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
-from kvaudit.outputs import Case, Outputs, ReportData, disk_full
+from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
 
 if TYPE_CHECKING:
-    from kvaudit.fuzz import FuzzStats
+    from kvaudit.search.fuzz import FuzzStats
 
 
 def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: float, seed: int, out_dir: str,
@@ -32,10 +32,10 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`); returns the
     exit code (see the command's help). Raises :class:`InputError` for a bad directory, suppression
     file or fuzzer, :class:`UnavailableError` when atheris is missing."""
-    from kvaudit.fuzz import FuzzStats, triage
-    from kvaudit.report import print_report, print_suppressions, summary_line, suppressed_by_kind
-    from kvaudit.runner import INTERRUPTED, set_step_timeout
-    from kvaudit.runner import step_timeout as runner_step_timeout
+    from kvaudit.search.fuzz import FuzzStats, triage
+    from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
+    from kvaudit.audit.runner import INTERRUPTED, set_step_timeout
+    from kvaudit.audit.runner import step_timeout as runner_step_timeout
 
     preset = config.preset
     if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
@@ -152,7 +152,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
 
 def check_atheris() -> None:
     """``--fuzzer atheris`` needs atheris and the executable harness: :class:`UnavailableError` (exit 69)."""
-    from kvaudit.atheris_fuzz import HARNESS
+    from kvaudit.search.atheris_fuzz import HARNESS
     from kvaudit.constants import MISSING_ATHERIS
 
     try:
@@ -179,12 +179,12 @@ def budget_left(max_time: float) -> float:
 
 def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True):
     """One search that stops at the first finding: (program, findings) or None."""
-    from kvaudit.fuzz import hypothesis_search, random_search
+    from kvaudit.search.fuzz import hypothesis_search, random_search
 
     if fuzzer == "random":
         return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
     if fuzzer == "atheris":
-        from kvaudit.atheris_fuzz import atheris_search
+        from kvaudit.search.atheris_fuzz import atheris_search
 
         return atheris_search(config, max_time, seed, stats, on_progress=on_progress, corpus_dir=None, workers=1,
                               suppressions_path=suppress_file, work_dir=os.path.join(out_dir, ".atheris"),
@@ -194,14 +194,14 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
 
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
               use_seeds: bool = True) -> int:
-    """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.campaign`."""
+    """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.search.campaign`."""
     from rich.table import Table
     from rich.text import Text
 
-    from kvaudit.campaign import findings_dir, known_signatures, run_campaign
-    from kvaudit.fuzz import FuzzStats
-    from kvaudit.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
-    from kvaudit.runner import INTERRUPTED
+    from kvaudit.search.campaign import findings_dir, known_signatures, run_campaign
+    from kvaudit.search.fuzz import FuzzStats
+    from kvaudit.reports.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+    from kvaudit.audit.runner import INTERRUPTED
 
     progress = Progress(err, max_time, suppressions=sset)
     before = known_signatures(corpus)
@@ -276,7 +276,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
 
 def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
               program_title: str = "minimized program") -> ReportData:
-    from kvaudit.report import suppressed_by_kind
+    from kvaudit.reports.report import suppressed_by_kind
 
     extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
     if stats.shrink_executions:

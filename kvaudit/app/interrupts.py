@@ -1,5 +1,5 @@
 """Ctrl-C and SIGTERM in the long commands (``fuzz``, ``minimize``, ``ci``): both raise
-KeyboardInterrupt and set :data:`kvaudit.runner.INTERRUPTED`; once a finding is complete, both are
+KeyboardInterrupt and set :data:`kvaudit.audit.runner.INTERRUPTED`; once a finding is complete, both are
 ignored so that its file and the reports are written whole; the caller's handlers come back when
 the command returns."""
 
@@ -18,7 +18,7 @@ def restoring_sigint(fn):
     returns, so an in-process caller (a test, a notebook) keeps its Ctrl-C."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
-        from kvaudit.runner import INTERRUPTED
+        from kvaudit.audit.runner import INTERRUPTED
 
         main_thread = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
@@ -48,7 +48,7 @@ def catch_sigint() -> None:
     KeyboardInterrupt as usual and also sets :data:`runner.INTERRUPTED`, which the next op checks:
     an interrupt swallowed inside a library callback still stops the run. Either signal takes the
     same path: what was found is written, then the reports, with the same exit code."""
-    from kvaudit.runner import INTERRUPTED, quiet_unraisable
+    from kvaudit.audit.runner import INTERRUPTED, quiet_unraisable
 
     def handler(signum, frame):
         INTERRUPTED.set()

@@ -1,6 +1,6 @@
 """``kvaudit minimize``: shrink a replay file's program keeping one finding's signature, confirm
 it 3 of 3 times and write it; interrupted, write the smallest program that reproduced so far.
-The reduction itself is :mod:`kvaudit.minimize`."""
+The reduction itself is :mod:`kvaudit.search.minimize`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from kvaudit.constants import CONFIRM_RUNS
 
 def run(file: str, *, out_file: str | None, signature: str | None, suppress_file: str | None) -> int:
     """``kvaudit minimize FILE``; returns the exit code (see the command's help)."""
-    from kvaudit.report import print_report
-    from kvaudit.runner import execute
+    from kvaudit.reports.report import print_report
+    from kvaudit.audit.runner import execute
 
     config, program, recorded, sset = load_replay(file, suppress_file)
     if signature is None:
@@ -30,8 +30,8 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
     err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
     catch_sigint()
-    from kvaudit.fuzz import confirm
-    from kvaudit.minimize import Interrupted, minimize
+    from kvaudit.search.fuzz import confirm
+    from kvaudit.search.minimize import Interrupted, minimize
 
     small = None
     try:
@@ -69,8 +69,8 @@ def _signature_first(findings: list, signature: str) -> list:
 def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err) -> int:
     """``kvaudit minimize`` interrupted: write the smallest program that reproduced so far (replayed
     once more for its findings' stacks; not confirmed 3/3, ``"minimized": false``); EXIT_INTERRUPTED."""
-    from kvaudit.report import print_report
-    from kvaudit.runner import INTERRUPTED, execute
+    from kvaudit.reports.report import print_report
+    from kvaudit.audit.runner import INTERRUPTED, execute
 
     ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the file short
     INTERRUPTED.clear()  # the replay below runs ops

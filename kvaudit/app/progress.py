@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvaudit.fuzz import FuzzStats
-    from kvaudit.suppress import SuppressionSet
+    from kvaudit.search.fuzz import FuzzStats
+    from kvaudit.audit.suppress import SuppressionSet
 
 
 def console(stderr: bool = False) -> Console:

@@ -11,7 +11,7 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC
                                 write_error)
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import console as make_console
-from kvaudit.outputs import Outputs, ReportData
+from kvaudit.reports.outputs import Outputs, ReportData
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -35,8 +35,8 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
 def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism: bool, runs: int,
         tree_core: str | None, update: bool, outputs: Outputs) -> int:
     """``kvaudit replay FILE...``; returns the exit code (see the command's help)."""
-    from kvaudit.report import print_report, suppressed_by_kind
-    from kvaudit.runner import execute
+    from kvaudit.reports.report import print_report, suppressed_by_kind
+    from kvaudit.audit.runner import execute
 
     if update:
         if suppress_file or check_determinism or tree_core or outputs.wanted():
@@ -69,12 +69,12 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
 
 
 def record_timeline(config, program, sset, err: Console) -> dict | None:
-    """The pool occupancy of ``program`` for the reports' plot (:func:`kvaudit.timeline.record`):
+    """The pool occupancy of ``program`` for the reports' plot (:func:`kvaudit.reports.timeline.record`):
     one more run, said on ``err``; None for an empty program. Report writers never run the engine:
     a job that has no recorded timeline calls this before writing them."""
     if not program:
         return None
-    from kvaudit import timeline
+    from kvaudit.reports import timeline
 
     err.print(f"recording pool occupancy: replaying the {len(program)}-op program", soft_wrap=True)
     return timeline.record(config, program, suppressions=sset.fresh() if sset is not None else None)
@@ -84,7 +84,7 @@ def update_replays(files: tuple[str, ...]) -> int:
     """``replay --update``: each file replayed and its findings written back (see
     :func:`kvaudit.replay.rerecord`), one line per file; EXIT_NOT_REPRODUCED if any file that
     recorded findings now yields none (that file is not written)."""
-    from kvaudit.runner import execute
+    from kvaudit.audit.runner import execute
 
     console = make_console()
     lost = 0
@@ -105,8 +105,8 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
     from rich.table import Table
     from rich.text import Text
 
-    from kvaudit.report import print_table
-    from kvaudit.runner import execute
+    from kvaudit.reports.report import print_table
+    from kvaudit.audit.runner import execute
 
     execs = [first] + [execute(config, program, suppressions=sset.fresh() if sset is not None else None)
                        for _ in range(runs - 1)]

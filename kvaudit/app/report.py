@@ -8,14 +8,14 @@ from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, InputError
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
-from kvaudit.outputs import Case, Outputs, ReportData
+from kvaudit.reports.outputs import Case, Outputs, ReportData
 
 
 def run(file: str, outputs: Outputs) -> int:
     """``kvaudit report FILE``; returns the exit code (0 once rendered). Raises :class:`InputError`
     for a bad file."""
-    from kvaudit.report import print_cases
-    from kvaudit.timeline import is_valid as timeline_is_valid
+    from kvaudit.reports.report import print_cases
+    from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
     check_outputs((file,), **vars(outputs))
     try:

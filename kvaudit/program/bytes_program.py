@@ -13,7 +13,7 @@ from its first byte. Version 1 is frozen: every input written before version 2 (
 bytes_v1_programs.json`` pins it). A version 1 input starting with ``0xf2`` (one in 256 random
 inputs; never a written seed, whose first byte is an opcode index below 12) reads as version 2 now.
 New fuzzing uses version 2 (:data:`DEFAULT_VERSION`): the seeds are written in both versions and
-:func:`kvaudit.atheris_fuzz.atheris_search` starts an empty corpus from ``V2_MAGIC``.
+:func:`kvaudit.search.atheris_fuzz.atheris_search` starts an empty corpus from ``V2_MAGIC``.
 
 Both versions read consecutive fixed-size records, one op per record, so a byte flip changes one
 op (or one argument of one op) and leaves the rest of the program as it was. A short last record
@@ -44,7 +44,7 @@ Records of :data:`RECORD` **= 6 bytes**, one op per record::
     bytes 1..5  arguments a1..a5 of that op, in the order listed below (unused ones ignored)
 
 The op kinds of a config (:func:`op_kinds`), in opcode order, mirror the Hypothesis rules of
-:func:`kvaudit.fuzz._machine` as they were when this layout was fixed (later ops and arguments --
+:func:`kvaudit.search.fuzz._machine` as they were when this layout was fixed (later ops and arguments --
 ``pause_generation``, ``continue_generation``, ``ignore_eos``, priorities, grammars, flush timeouts,
 session parameters -- are not decoded, so every existing byte seed keeps its program)::
 

@@ -1,6 +1,6 @@
 """The generators' shared part: an op from the schema's arguments, whatever draws them.
 
-Every generator (the random baseline here, the Hypothesis rules of :mod:`kvaudit.fuzz`, the version
+Every generator (the random baseline here, the Hypothesis rules of :mod:`kvaudit.search.fuzz`, the version
 2 byte decoder of :mod:`kvaudit.program.bytes_program`) draws each argument of an op independently
 from its :class:`~kvaudit.program.schema.Arg` range (or leaves it unset) and hands the values to
 :func:`make_op`, which applies the schema's ``requires`` and ``caps``. So every op and argument the

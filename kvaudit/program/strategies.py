@@ -1,7 +1,7 @@
 """Hypothesis strategies of op arguments, read from the schema (imports hypothesis: the search only).
 
 :func:`arg_strategies` gives one strategy per argument of an op kind; the rules of
-:func:`kvaudit.fuzz._machine` draw them and build the op with
+:func:`kvaudit.search.fuzz._machine` draw them and build the op with
 :func:`kvaudit.program.generate.make_op`, as the other generators do. An optional argument shrinks
 to unset (its default, or None) first, an always-drawn one to the low end of its range.
 """

@@ -61,7 +61,7 @@ class EngineSource(NamedTuple):
 
 def engine_source(target: str) -> EngineSource | None:
     """Where the engine of the target kind named ``target`` (a config's ``target``) keeps its source,
-    for reports that anchor a finding at the engine's own frame (``kvaudit/sarif.py``); None for a
+    for reports that anchor a finding at the engine's own frame (``kvaudit/reports/sarif.py``); None for a
     kind whose source is in this repository (``eut``) or that is not registered here."""
     from kvaudit.targets.registry import UnknownTargetError, get
     try:

@@ -81,7 +81,7 @@ class LockImbalance(NamedTuple):
 
 class TargetFinding(NamedTuple):
     """A finding a target reports itself (:meth:`Target.invariant_findings`): ``kind`` is one of
-    :data:`kvaudit.findings.KINDS` (``leak``, ``double-free``, ``use-after-free``, ``aliasing``,
+    :data:`kvaudit.audit.findings.KINDS` (``leak``, ``double-free``, ``use-after-free``, ``aliasing``,
     ``accounting-drift``, ...), ``units`` the ``[n] int64`` units of ``pool`` it concerns (their last
     allocation is its site), ``check`` (optional) names the invariant in the signature."""
 
@@ -242,7 +242,7 @@ class Target:
 
     def lock_holders(self) -> list[tuple[str, str, int]] | None:
         """Every live lock receipt as ``(lock, holder, node id)`` (``"req:7"``), paired with the lock
-        ledger's incs (:mod:`kvaudit.locks`); None (default): the target names no holders."""
+        ledger's incs (:mod:`kvaudit.audit.locks`); None (default): the target names no holders."""
         return None
 
     def retraction(self) -> str | None:

@@ -29,7 +29,7 @@ class EutObserver(Target):
         return {spec.name: (spec.num_units + 1) * spec.page_size for spec in self._pools if spec.kind == "kv"}
 
     def install_shadow(self, shadow, wrap, report) -> None:
-        """Report the engine's KV writes, copies and reads to ``shadow`` (:class:`kvaudit.shadow.ShadowKV`)
+        """Report the engine's KV writes, copies and reads to ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`)
         by wrapping, with ``wrap(obj, name, fn)``, the functions that move KV: the forward, the PD
         transfer, and the HiSparse/HiCache device<->host copies. A read whose tags do not match the
         reader's prefix calls ``report(pool, slots, message)``."""

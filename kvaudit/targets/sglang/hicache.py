@@ -57,7 +57,7 @@ locks; here write-through (``ongoing_write_through[...].lock_params``) and load-
 (``ongoing_load_back``) receipts hold device locks until their acks and count as holders, and the
 host locks (``inc_host_lock_ref``/``dec_host_lock_ref``) are counted against the load-back receipts.
 kvaudit checks lock balance at idle, when (``is_fully_idle``) no receipt is pending; the receipts
-name the holders the lock-ref ledger pairs incs with between steps (:mod:`kvaudit.locks`). Host-lock
+name the holders the lock-ref ledger pairs incs with between steps (:mod:`kvaudit.audit.locks`). Host-lock
 events go to the same ledger (as ``"host"``), so a host-lock imbalance is reported on the host pool
 with the unreleased inc's site.
 """

@@ -227,7 +227,7 @@ class SglangObserver(SglangHooks):
 
     def lock_holders(self) -> list[tuple[str, str, int]]:
         """Every live lock receipt as ``(lock, holder, node id)`` (the lock-ref ledger pairs incs with
-        them, :mod:`kvaudit.locks`): requests' ``req.lock``, session slots' ``slot.lock``."""
+        them, :mod:`kvaudit.audit.locks`): requests' ``req.lock``, session slots' ``slot.lock``."""
         out = [("device", f"req:{r.rid}", r.lock.node) for r in self._live() + self.waiting if r.lock is not None]
         out += [("device", f"session:{sid}", s.lock.node) for sid, s in self._slots() if s.lock is not None]
         return out

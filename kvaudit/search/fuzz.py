@@ -2,7 +2,7 @@
 
 Each Hypothesis test case builds a fresh audited engine and applies ops as rules fire; a finding
 fails the case and Hypothesis shrinks it. The shrunk program is then confirmed by K-of-K
-deterministic replays, minimized by :mod:`kvaudit.minimize`, and confirmed again before it is
+deterministic replays, minimized by :mod:`kvaudit.search.minimize`, and confirmed again before it is
 reported (syzkaller reproduces a crash before reporting it, for the same reason).
 """
 
@@ -22,14 +22,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from engine_under_test import EngineConfig
 from kvaudit.constants import CONFIRM_RUNS
-from kvaudit.findings import Finding
-from kvaudit.minimize import minimize
+from kvaudit.audit.findings import Finding
+from kvaudit.search.minimize import minimize
 from kvaudit.program import Idle, Op, make_op, random_program
 from kvaudit.program.schema import kinds
 from kvaudit.program.schema import max_prompt as context_max_prompt
 from kvaudit.program.schema import reach as program_reach
 from kvaudit.program.strategies import arg_strategies
-from kvaudit.runner import AuditedRun, execute, is_watchdog_hang
+from kvaudit.audit.runner import AuditedRun, execute, is_watchdog_hang
 from kvaudit.targets import program_features
 
 
@@ -92,7 +92,7 @@ class Crash:
     original_length: int
     confirmations: int
     runs: int = CONFIRM_RUNS  # replays tried: ``confirmations`` of ``runs`` reproduced the signature
-    timeline: dict | None = None  # the pool occupancy of ``program`` (kvaudit.timeline.record), recorded by triage
+    timeline: dict | None = None  # the pool occupancy of ``program`` (kvaudit.reports.timeline.record), recorded by triage
 
     @property
     def finding(self) -> Finding:
@@ -231,7 +231,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
 def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS,
             suppressions=None) -> int:
     """How many of ``runs`` fresh replays yield ``signature`` (with ``suppressions``, a
-    :class:`kvaudit.suppress.SuppressionSet`, left out of each)."""
+    :class:`kvaudit.audit.suppress.SuppressionSet`, left out of each)."""
     return sum(signature in execute(config, program, full_stacks=False, suppressions=suppressions).signatures
                for _ in range(runs))
 
@@ -242,7 +242,7 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
     ``suppressions`` applies to every run, so the crash keeps an unsuppressed signature and lists
     no suppressed findings. ``on_phase`` is told each phase as it starts: ``"confirming"``,
     ``"minimizing"``, ``"confirming the minimized program"``. The crash carries the minimized
-    program's occupancy timeline (:func:`kvaudit.timeline.record`), for its replay file and reports."""
+    program's occupancy timeline (:func:`kvaudit.reports.timeline.record`), for its replay file and reports."""
     sig = finding.signature
     phase = on_phase or (lambda name: None)
     phase("confirming")
@@ -250,7 +250,7 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
         # Every replay of a hang costs the watchdog's full step limit, and ddmin would need dozens:
         # one full-stacks replay confirms it (1 of 1) and records the report's timeline; no
         # minimization (Hypothesis already shrank it within the budget), no drain (the engine is stuck).
-        from kvaudit.timeline import record
+        from kvaudit.reports.timeline import record
 
         program = program[:finding.op_index + 1]
         found: list[Finding] = []
@@ -271,8 +271,8 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
     others = [f for f in final.findings if f is not primary]
     confirmations = confirm(config, small, sig, suppressions=suppressions)
     # NOTE: the plot's data is recorded here, with the finding, and kept in its replay file: writing a
-    # report never runs the engine (kvaudit.outputs)
-    from kvaudit.timeline import record
+    # report never runs the engine (kvaudit.reports.outputs)
+    from kvaudit.reports.timeline import record
 
     return Crash(config, small, [primary] + others, len(program), confirmations,
                  timeline=record(config, small, suppressions=suppressions))
@@ -288,7 +288,7 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
     program of the last failing case is returned as Hypothesis left it (``stats.first_hit`` holds
     the executions and seconds to the first failure; shrink reruns count in
     ``stats.shrink_executions``, not ``stats.executions``). Findings that ``suppressions`` (a
-    :class:`kvaudit.suppress.SuppressionSet`) covers are not findings: the search goes on past them
+    :class:`kvaudit.audit.suppress.SuppressionSet`) covers are not findings: the search goes on past them
     (they count as hits of the set); nor are those whose signature is in ``known``.
 
     ``database``: a directory for Hypothesis's example database (a campaign's corpus), whose saved

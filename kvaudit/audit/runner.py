@@ -15,10 +15,11 @@ import traceback
 from dataclasses import dataclass, field
 
 from kvaudit.config import TargetConfig
-from kvaudit import memstate, oracles
+from kvaudit.audit import memstate
+from kvaudit.audit import oracles
 from kvaudit.constants import DEFAULT_STEP_TIMEOUT
-from kvaudit.findings import Finding, Site, portable_path
-from kvaudit.hooks import Auditor
+from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.hooks import Auditor
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
 from kvaudit.targets import make_target
 
@@ -29,7 +30,7 @@ MAX_IDLE_STEPS = 2000
 INTERRUPTED = threading.Event()
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
 STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
-_KVAUDIT_DIR = os.path.dirname(os.path.abspath(__file__))
+_KVAUDIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvaudit/
 WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
 _step_timeout = DEFAULT_STEP_TIMEOUT
 
@@ -198,8 +199,8 @@ class AuditedRun:
 
     ``audit=False`` runs the bare engine (for throughput baselines); ``oracles=False`` keeps the
     hooks' ledger (double free, aliasing at alloc) but skips the per-step reachability scan;
-    ``full_stacks=False`` is the fuzzers' fast mode (see :class:`kvaudit.hooks.Auditor`).
-    ``suppressions`` (a :class:`kvaudit.suppress.SuppressionSet`) moves the findings it covers to
+    ``full_stacks=False`` is the fuzzers' fast mode (see :class:`kvaudit.audit.hooks.Auditor`).
+    ``suppressions`` (a :class:`kvaudit.audit.suppress.SuppressionSet`) moves the findings it covers to
     ``self.suppressed``: they are never returned or kept in ``self.findings``.
 
     Every engine call (``target.step()``, ``target.apply(op)``) runs under the watchdog: one that
@@ -226,7 +227,7 @@ class AuditedRun:
         self._progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
         self._flushes = 0  # successful flush_cache requests already checked for quiescence
         self.ops_run = 0
-        self.on_step = None  # called as on_step(self) after every scheduler step (kvaudit.timeline)
+        self.on_step = None  # called as on_step(self) after every scheduler step (kvaudit.reports.timeline)
 
     def _check(self, scan: bool = True) -> list[Finding]:
         """Findings the hooks raised, then (``scan``) the oracles' scan of the engine state."""
@@ -459,7 +460,7 @@ def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()
                    auditor=None) -> Finding:
     """The crash as a finding: its stack without kvaudit's frames, except a target's ``engine_files``
     (a driver that plays the engine's scheduler). An out-of-memory crash also carries who held the
-    memory at that moment (``memory_state``, read from ``target`` and ``auditor``: :mod:`kvaudit.memstate`)."""
+    memory at that moment (``memory_state``, read from ``target`` and ``auditor``: :mod:`kvaudit.audit.memstate`)."""
     frames = _engine_frames(traceback.extract_tb(exc.__traceback__), engine_files)
     f = Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
                 op_index=op_index, step=step,
@@ -472,7 +473,7 @@ def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()
 def execute(config: TargetConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
             full_stacks: bool = True, suppressions=None, drain: bool = False) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding (one that
-    ``suppressions``, a :class:`kvaudit.suppress.SuppressionSet`, does not cover). With ``drain``,
+    ``suppressions``, a :class:`kvaudit.audit.suppress.SuppressionSet`, does not cover). With ``drain``,
     a run with findings then drains the engine to idle and records the engine's own verdict there
     in each finding's ``engine_check_at_idle`` (:meth:`AuditedRun.drain_verdict`)."""
     with AuditedRun(config, audit=audit, full_stacks=full_stacks, suppressions=suppressions) as run:

@@ -41,7 +41,7 @@ NO_SITE_KINDS = {"accounting-drift": "identity", "hang": "idle", "liveness": "pr
 
 
 # the directory holding the kvaudit package, and the built-in engine and the examples beside it
-_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def portable_path(path: str) -> str:
@@ -107,10 +107,10 @@ class Finding:
     engine_check: list[str] = field(default_factory=list)  # the engine's own check_memory() lines
     traceback: str | None = None
     # crash on out-of-memory: who held the memory at that moment (identity terms, largest holders,
-    # locks with no live holder, the last retraction), one plain line each (kvaudit.memstate)
+    # locks with no live holder, the last retraction), one plain line each (kvaudit.audit.memstate)
     memory_state: list[str] = field(default_factory=list)
     # the engine's check_memory() lines once the program was drained to idle after the finding
-    # (an engine's idle check fires then); [] when not recorded (see kvaudit.runner.execute's drain)
+    # (an engine's idle check fires then); [] when not recorded (see kvaudit.audit.runner.execute's drain)
     engine_check_at_idle: list[str] = field(default_factory=list)
 
     @property

@@ -4,7 +4,7 @@
 SARIF spec's own terms:
 
 * ``sarifLog`` with one ``run``; the run's ``tool.driver`` (a ``toolComponent``) carries one
-  ``reportingDescriptor`` (rule) per finding kind, in the order of :data:`kvaudit.findings.KINDS`,
+  ``reportingDescriptor`` (rule) per finding kind, in the order of :data:`kvaudit.audit.findings.KINDS`,
   so that a ``result.ruleIndex`` means the same rule in every log this version writes.
 * One ``result`` per finding, deduplicated by nobody: the caller decides what to pass. Its
   primary ``location`` is where the finding happened in the engine's source (see
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Mapping
 from urllib.parse import quote
 
 import kvaudit
-from kvaudit.findings import KINDS, Finding, Site, portable_path
-from kvaudit.frames import Frame, resolve
+from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.audit.frames import Frame, resolve
 
 if TYPE_CHECKING:
     from kvaudit.targets import EngineSource
@@ -208,7 +208,7 @@ def _norm(path: str) -> str:
 
 
 def in_repo(site: Site) -> bool:
-    """Whether ``site.file`` is a repo-relative path (see :func:`kvaudit.findings.portable_path`)
+    """Whether ``site.file`` is a repo-relative path (see :func:`kvaudit.audit.findings.portable_path`)
     that code scanning can resolve: not absolute, not a pseudo-file like ``<string>``, not ``../``."""
     p = _norm(site.file)
     return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or _WINDOWS_ABS.match(p))
@@ -257,7 +257,7 @@ def _addressable(site: Site, engine: EngineSource | None) -> bool:
 def _location(site: Site, message: str | None = None, loc_id: int | None = None,
               region_fallback: bool = False, engine: EngineSource | None = None) -> dict:
     """A ``location`` object for a frame: physical (file, 1-based line and the line's text as the
-    region's ``snippet``, both from :func:`kvaudit.frames.resolve`: where the recorded text is now,
+    region's ``snippet``, both from :func:`kvaudit.audit.frames.resolve`: where the recorded text is now,
     with ``properties.frameNote`` when the frame no longer matches the current source) where the
     file is addressable, and
     always a logical location naming the function. ``region_fallback`` puts a

@@ -15,7 +15,7 @@ admit_request_direct`` (:meth:`Site.short`) and as ``engine_under_test/hisparse.
 admit_request_direct`` (the portable path); one matching frame is enough. Globs are
 case-sensitive (:func:`fnmatch.fnmatchcase`).
 
-A suppressed finding is not a finding: :class:`kvaudit.runner.AuditedRun` keeps it out of its
+A suppressed finding is not a finding: :class:`kvaudit.audit.runner.AuditedRun` keeps it out of its
 findings, so the fuzzer keeps searching, and ``replay`` and ``fuzz`` exit 0 when every finding
 was suppressed.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, Iterator
 
-from kvaudit.findings import KINDS, Finding, Site
+from kvaudit.audit.findings import KINDS, Finding, Site
 
 try:
     import tomllib

@@ -6,7 +6,7 @@ process: ``-fork`` and ``-minimize_crash`` re-execute it), configured through th
 ``KVAUDIT_STATS_DIR``, ``KVAUDIT_MAX_OPS``; see the harness). It follows libFuzzer's status lines
 for executions and coverage, stops the whole process group at the deadline or on Ctrl-C, and then
 reads back the replay files the harness wrote for its findings. The result has the shape of
-:func:`kvaudit.fuzz.hypothesis_search`'s, for the same confirm/minimize pipeline (``triage``).
+:func:`kvaudit.search.fuzz.hypothesis_search`'s, for the same confirm/minimize pipeline (``triage``).
 
 Layout of ``work_dir`` (created; ``findings/`` and ``stats/`` are emptied at the start)::
 
@@ -39,10 +39,10 @@ from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.program.bytes_program import V2_MAGIC, max_len
 from kvaudit.data import data_path
-from kvaudit.findings import Finding
-from kvaudit.fuzz import FuzzStats
+from kvaudit.audit.findings import Finding
+from kvaudit.search.fuzz import FuzzStats
 from kvaudit.program import Op
-from kvaudit.runner import INTERRUPTED
+from kvaudit.audit.runner import INTERRUPTED
 
 HARNESS = data_path("harnesses", "fuzz_engine.py")
 SEEDS_DIR = data_path("corpora", "seeds")
@@ -237,7 +237,7 @@ def atheris_search(config: EngineConfig, max_time: float, seed: int, stats: Fuzz
     0.25 s and once at the end. The harness runs until ``max_time`` plus its start-up and
     libFuzzer's wrap-up; it is stopped (process group: SIGINT, then SIGKILL) at ``max_time +
     GRACE_S``, once the first finding's crash input is in ``crashes/`` (at most FOUND_WAIT_S after
-    its replay file was written; ``-fork`` would let its other jobs run on) and on KeyboardInterrupt (or :data:`kvaudit.runner.INTERRUPTED`), which is re-raised.
+    its replay file was written; ``-fork`` would let its other jobs run on) and on KeyboardInterrupt (or :data:`kvaudit.audit.runner.INTERRUPTED`), which is re-raised.
 
     Raises :class:`AtherisError` when the harness fails without writing a finding (e.g. it cannot
     start, or libFuzzer reports a timeout or an out-of-memory input).

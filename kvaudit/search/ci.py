@@ -27,10 +27,10 @@ from typing import Callable
 
 from kvaudit.targets import registry
 from kvaudit import replay
-from kvaudit.findings import Finding
-from kvaudit.fuzz import CONFIRM_RUNS, FuzzStats
-from kvaudit.junit import failure_text, xml_text
-from kvaudit.runner import execute
+from kvaudit.audit.findings import Finding
+from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
+from kvaudit.reports.junit import failure_text, xml_text
+from kvaudit.audit.runner import execute
 
 
 @dataclass
@@ -121,7 +121,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
     each finding). With ``corpus``, over ``corpus/<preset>``: resumable, findings already there are
     known, not new. Without, over a fresh temporary corpus; new findings' replay files are copied to
     ``out_dir``. An interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
-    from kvaudit.campaign import run_campaign
+    from kvaudit.search.campaign import run_campaign
 
     config = registry.get(target).preset(preset).config()
     run = FuzzRun(preset, budget, 0)
@@ -143,11 +143,11 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
 
 def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[Finding]:
     """The known findings that are not fixed: ``known`` maps a signature to the corpus file that
-    records it (:func:`kvaudit.campaign.known_signatures`); each file's program is replayed once
+    records it (:func:`kvaudit.search.campaign.known_signatures`); each file's program is replayed once
     (with the suppressions of ``suppress_path``), and its recorded findings whose signatures the
     replay yields again are returned, as recorded (their frames, so their SARIF locations, are the
     ones the file holds). Files that no longer load are left out."""
-    from kvaudit.suppress import SuppressionSet
+    from kvaudit.audit.suppress import SuppressionSet
 
     sset = SuppressionSet.load(suppress_path) if suppress_path else None
     by_file: dict[str, set[str]] = {}
@@ -165,11 +165,11 @@ def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[
 
 
 def sarif(result: CiResult, config) -> dict:
-    """The SARIF log (:func:`kvaudit.sarif.to_sarif`, ``config`` for the run's properties) of every
+    """The SARIF log (:func:`kvaudit.reports.sarif.to_sarif`, ``config`` for the run's properties) of every
     open finding of the fuzz, one result per signature in signature order: ``baselineState``
     ``"unchanged"`` for a signature some preset's corpus knew before this run, ``"new"`` otherwise;
     each result's ``properties.preset`` names the first preset (in run order) that has it."""
-    from kvaudit.sarif import to_sarif
+    from kvaudit.reports.sarif import to_sarif
 
     first: dict[str, tuple[Finding, str]] = {}
     for run in result.fuzz:
@@ -185,7 +185,7 @@ def sarif(result: CiResult, config) -> dict:
 
 
 def junit(result: CiResult) -> str:
-    """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.fuzz`` (a
+    """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.search.fuzz`` (a
     passing case per clean preset, a failing case per new finding signature)."""
     root = ET.Element("testsuites", name="kvaudit ci")
     reg = ET.SubElement(root, "testsuite", name="kvaudit.regressions")

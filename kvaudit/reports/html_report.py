@@ -2,7 +2,7 @@
 
 Per finding it holds the same sections as the console report (rendered by rich and exported as
 HTML) and an inline SVG plot (matplotlib) of each pool's occupancy over the program's scheduler
-steps -- the terms of SGLang's accounting identity plus leaked units (:mod:`kvaudit.timeline`) --
+steps -- the terms of SGLang's accounting identity plus leaked units (:mod:`kvaudit.reports.timeline`) --
 with the step where the finding appeared marked.
 """
 
@@ -18,9 +18,9 @@ from rich.terminal_theme import MONOKAI
 
 from kvaudit.config import TargetConfig
 from kvaudit import __version__
-from kvaudit.findings import Finding
+from kvaudit.audit.findings import Finding
 from kvaudit.program import format_op
-from kvaudit.report import finding_renderable, summary_rows, suppressions_table
+from kvaudit.reports.report import finding_renderable, summary_rows, suppressions_table
 
 # one colour per identity term, in SERIES order; leaked is the one that should catch the eye
 COLOURS = {"available": "#cfd8dc", "evictable": "#81c784", "protected": "#4fc3f7", "session_held": "#ba68c8",
@@ -118,7 +118,7 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
 
 def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | None = None, suppressions=None,
                 extra: dict | None = None) -> str:
-    """The whole report page for ``cases`` (:class:`kvaudit.outputs.Case`: program, findings,
+    """The whole report page for ``cases`` (:class:`kvaudit.reports.outputs.Case`: program, findings,
     timeline, program_title); a case without a timeline gets no plot. ``suppressions`` is a
     SuppressionSet or None."""
     sections = []

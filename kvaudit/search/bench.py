@@ -33,8 +33,8 @@ import numpy as np
 from kvaudit.config import TargetConfig
 from kvaudit.targets import registry
 from kvaudit.constants import FUZZERS
-from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search, triage
-from kvaudit.runner import AuditedRun, execute
+from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.audit.runner import AuditedRun, execute
 
 
 def _eut():
@@ -64,7 +64,7 @@ def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: F
         return hypothesis_search(config, budget, seed, stats)
     if fuzzer == "random":
         return random_search(config, budget, seed, stats)
-    from kvaudit.atheris_fuzz import atheris_search
+    from kvaudit.search.atheris_fuzz import atheris_search
 
     return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False)
 
@@ -74,7 +74,7 @@ def engine_first_failures(config: TargetConfig, program) -> tuple[int | None, in
     the engine running bare: (first step whose idle check fails, first step whose busy or idle check
     fails), None for never. SGLang raises only at idle (benchmarks/engine_check.py tabulates both)."""
     from kvaudit.program import Idle, Step
-    from kvaudit.runner import MAX_IDLE_STEPS
+    from kvaudit.audit.runner import MAX_IDLE_STEPS
     from kvaudit.targets.eut import EutTarget
 
     target = EutTarget(config)

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 import kvaudit
-from kvaudit.findings import Finding, OwnerChange, Site, portable_path
-from kvaudit.locks import LockLedger
-from kvaudit.shadow import ShadowKV
+from kvaudit.audit.findings import Finding, OwnerChange, Site, portable_path
+from kvaudit.audit.locks import LockLedger
+from kvaudit.audit.shadow import ShadowKV
 from kvaudit.targets.base import PoolSpec
 
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
@@ -481,7 +481,7 @@ class Auditor:
         self.pending.append(f)
 
     def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
-        """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.shadow`)."""
+        """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.audit.shadow`)."""
         led = self.ledgers[pool]
         ps = led.spec.page_size
         f = self._unit_finding("stale-kv", pool, np.unique(slots // ps), message)

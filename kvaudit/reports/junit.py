@@ -21,9 +21,9 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from kvaudit.findings import Finding, Site
-from kvaudit.frames import resolve
-from kvaudit.sarif import engine_verdict, finding_stacks, lifecycle
+from kvaudit.audit.findings import Finding, Site
+from kvaudit.audit.frames import resolve
+from kvaudit.reports.sarif import engine_verdict, finding_stacks, lifecycle
 
 # Characters XML 1.0 does not allow anywhere, even as character references: C0 controls other
 # than tab, newline and carriage return; lone surrogates; U+FFFE and U+FFFF.

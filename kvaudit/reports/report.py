@@ -1,6 +1,6 @@
 """Console reports with rich, in LeakSanitizer's manner but for KV slots.
 
-Findings are plain data (:class:`kvaudit.findings.Finding`); this module only renders them.
+Findings are plain data (:class:`kvaudit.audit.findings.Finding`); this module only renders them.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from rich.table import Table
 from rich.text import Text
 
 from kvaudit.config import TargetConfig
-from kvaudit.findings import KINDS, Finding, Site, portable_path
-from kvaudit.frames import resolve
+from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.audit.frames import resolve
 from kvaudit.program import Op, format_op
-from kvaudit.suppress import SuppressionSet
+from kvaudit.audit.suppress import SuppressionSet
 
 
 def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
     """A titled stack, innermost frame first, each with its source line (see
-    :func:`kvaudit.frames.resolve`); a frame that no longer matches the current source says so."""
+    :func:`kvaudit.audit.frames.resolve`); a frame that no longer matches the current source says so."""
     parts: list = [Text(title, style="bold")]
     for i, s in enumerate(sites):
         fr = resolve(s)
@@ -76,7 +76,7 @@ def print_table(console: Console, table: Table) -> None:
 
 
 def _rel(path: str) -> str:
-    """``path`` relative to the source root when it lies inside it (:func:`kvaudit.findings.portable_path`)."""
+    """``path`` relative to the source root when it lies inside it (:func:`kvaudit.audit.findings.portable_path`)."""
     return portable_path(path)
 
 

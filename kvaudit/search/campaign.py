@@ -37,7 +37,7 @@ from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict
 from kvaudit import replay
 from kvaudit.constants import FUZZERS
-from kvaudit.fuzz import FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, triage
 
 PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
 
@@ -88,15 +88,15 @@ class _Spec:
     workers: int  # atheris: libFuzzer -fork=N (one driver); others: this worker's share
     parent: int  # pid of the parent (a worker exits when it dies)
     use_seeds: bool = True  # atheris: read corpora/seeds/<preset> too
-    step_timeout: float = 0.0  # the watchdog's limit on one engine step (kvaudit.runner); 0: the default
+    step_timeout: float = 0.0  # the watchdog's limit on one engine step (kvaudit.audit.runner); 0: the default
 
 
 def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     """Search until the deadline, triaging and writing every new finding; ``emit`` tells the parent
     ("progress", i, executions, ops, sites, suppressed), ("finding", i, signature, path),
     ("flaky", i, signature) and finally ("done", i)."""
-    from kvaudit.runner import set_step_timeout
-    from kvaudit.suppress import SuppressionSet
+    from kvaudit.audit.runner import set_step_timeout
+    from kvaudit.audit.suppress import SuppressionSet
 
     if spec.step_timeout > 0:
         set_step_timeout(spec.step_timeout)  # a spawned worker starts with the default
@@ -132,7 +132,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         elif spec.fuzzer == "random":
             found = random_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip)
         else:
-            from kvaudit.atheris_fuzz import atheris_search
+            from kvaudit.search.atheris_fuzz import atheris_search
 
             found = atheris_search(config, left, seed, stats, on_progress=progress,
                                    corpus_dir=os.path.join(spec.corpus, "atheris"), workers=spec.workers,
@@ -181,7 +181,7 @@ def _worker_main(spec: _Spec, q) -> None:
     """Entry point of a worker process: Ctrl-C is the parent's business; die with the parent. The
     first SIGTERM (the parent's, when it is interrupted, or ``timeout``'s to the process group)
     stops the worker as Ctrl-C stops a search: a finding in triage is written unminimized first."""
-    from kvaudit.runner import INTERRUPTED, quiet_unraisable
+    from kvaudit.audit.runner import INTERRUPTED, quiet_unraisable
 
     quiet_unraisable()  # a KeyboardInterrupt a gc callback swallows is not a traceback in the log
 
@@ -265,7 +265,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
 
     # atheris parallelizes inside libFuzzer (-fork=N re-executes the harness), so it has one driver
     drivers = 1 if fuzzer == "atheris" else workers
-    from kvaudit.runner import step_timeout
+    from kvaudit.audit.runner import step_timeout
 
     specs = [_Spec(i, config.to_dict(), fuzzer, seed, deadline, corpus, suppress_path, workers,
                    os.getpid() if drivers > 1 else 0, use_seeds, step_timeout()) for i in range(drivers)]

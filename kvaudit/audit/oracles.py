@@ -17,15 +17,15 @@ is also checked against the structure it describes (``available`` against the le
 hides a counter booked in the wrong term. When one fails while reachability is clean -- or the
 engine's own ``check_memory()`` or metrics fail while every kvaudit oracle is clean -- the finding
 is ``accounting-drift``: a counter is wrong, memory is intact. Lock balance is checked at idle. Double frees, aliasing at allocation and stale KV come
-from the hooks (:mod:`kvaudit.hooks`, :mod:`kvaudit.shadow`).
+from the hooks (:mod:`kvaudit.audit.hooks`, :mod:`kvaudit.audit.shadow`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvaudit.findings import Finding
-from kvaudit.hooks import Auditor
+from kvaudit.audit.findings import Finding
+from kvaudit.audit.hooks import Auditor
 from kvaudit.targets.base import DEFAULT_IDENTITY, LockImbalance
 
 
@@ -339,7 +339,7 @@ def _lock_balance(auditor: Auditor, target, idle: bool = True) -> list[Finding]:
 
     A leaked lock keeps tokens ``protected`` forever: the identity still balances and eviction
     can never reclaim them, so admission eventually stalls (SGLang invariants 13 and 14). The
-    finding blames, from the lock-ref ledger (:mod:`kvaudit.locks`), the open inc whose holder is
+    finding blames, from the lock-ref ledger (:mod:`kvaudit.audit.locks`), the open inc whose holder is
     gone (its stack in ``alloc_sites``), else one no holder ever claimed, else the unmatched dec
     (``free_sites``). Busy (``idle`` false), only nodes locked *below* their live holders count: a
     lock taken ahead of its holder's record is normal mid-flight, a release too many never is.

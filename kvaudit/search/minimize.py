@@ -14,7 +14,7 @@ from typing import Callable
 from engine_under_test import EngineConfig
 from kvaudit.program import Op, Step
 from kvaudit.program.schema import OPS, optional_defaults
-from kvaudit.runner import execute
+from kvaudit.audit.runner import execute
 
 
 def reproduces(config: EngineConfig, program: list[Op], signature: str, suppressions=None) -> bool:
@@ -136,7 +136,7 @@ def minimize(config: EngineConfig, program: list[Op], signature: str, suppressio
     """The smallest program found that still yields ``signature``. Raises ``ValueError`` if the
     input program does not reproduce it, and :class:`Interrupted` (a KeyboardInterrupt that carries
     the smallest program so far) when interrupted. With ``suppressions`` (a
-    :class:`kvaudit.suppress.SuppressionSet`) every run leaves the findings it covers out, so a
+    :class:`kvaudit.audit.suppress.SuppressionSet`) every run leaves the findings it covers out, so a
     suppressed finding earlier in the program neither stops a run nor counts."""
     cache: dict[tuple, bool] = {}
     smallest: list[Op] | None = None  # every step below moves only to programs that fail: the latest is the best

@@ -9,7 +9,7 @@ retraction that freed too little usually lies behind it. :func:`memory_state` re
   a row pool);
 * the largest holders of each KV pool (owners from ``target.roots()``, top 5, in tokens);
 * the tokens held by locks whose holder is gone (``target.lock_balance()``, with the unreleased
-  inc the lock-ref ledger blames, :mod:`kvaudit.locks`);
+  inc the lock-ref ledger blames, :mod:`kvaudit.audit.locks`);
 * what the last decode retraction freed and why it stopped (``target.retraction()``, if any).
 """
 
@@ -30,7 +30,7 @@ def is_out_of_memory(message: str) -> bool:
 
 def memory_state(target, auditor=None) -> list[str]:
     """Plain lines describing who holds each pool's memory now (module docstring). ``auditor``
-    (a :class:`kvaudit.hooks.Auditor`, or None) supplies page sizes and the lock-ref ledger.
+    (a :class:`kvaudit.audit.hooks.Auditor`, or None) supplies page sizes and the lock-ref ledger.
     Never raises: a part the target cannot tell is left out."""
     lines: list[str] = []
     for part in (_terms, _holders, _orphan_locks, _retraction):

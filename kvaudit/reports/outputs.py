@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvaudit.config import TargetConfig
 from kvaudit import replay
-from kvaudit.findings import Finding
+from kvaudit.audit.findings import Finding
 from kvaudit.program import Op
 
 FORMATS = ("html", "sarif", "junit", "json")
@@ -121,7 +121,7 @@ def _write(outputs: Outputs, data: ReportData, written: list[str]) -> None:
     if outputs.json:
         written.append(replay.write_atomic(outputs.json, data.doc()))
     if outputs.sarif:
-        from kvaudit.sarif import to_sarif
+        from kvaudit.reports.sarif import to_sarif
 
         # one result per signature (the first report of each): code scanning tracks an alert by its
         # fingerprint
@@ -131,13 +131,13 @@ def _write(outputs: Outputs, data: ReportData, written: list[str]) -> None:
         log = to_sarif(list(unique.values()), data.config)
         written.append(replay.write_text_atomic(outputs.sarif, json.dumps(log, indent=2) + "\n"))
     if outputs.junit:
-        from kvaudit.junit import to_junit
+        from kvaudit.reports.junit import to_junit
 
         clean = f"kvaudit {data.config.preset}: no findings"
         written.append(replay.write_text_atomic(outputs.junit, to_junit(data.findings, data.config,
                                                                          clean_case=clean)))
     if outputs.html:
-        from kvaudit.html_report import render_html
+        from kvaudit.reports.html_report import render_html
 
         html = render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
                            extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})

@@ -13,7 +13,7 @@ import ast
 import os
 from dataclasses import dataclass
 
-from kvaudit.findings import Site, source_path
+from kvaudit.audit.findings import Site, source_path
 
 # code objects with no ``def`` to look up: the check is skipped for them
 _ANONYMOUS = ("<lambda>", "<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")

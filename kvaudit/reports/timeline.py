@@ -19,7 +19,7 @@ import numpy as np
 
 from kvaudit.config import TargetConfig
 from kvaudit.program import Op, Step
-from kvaudit.runner import AuditedRun
+from kvaudit.audit.runner import AuditedRun
 
 SERIES = ("available", "evictable", "protected", "session_held", "uncached", "leaked")
 MAX_SAMPLED_STEPS = 20_000  # steps sampled at most (a program of step(n=10000) ops runs on unsampled)
