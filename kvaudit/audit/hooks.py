@@ -1,12 +1,13 @@
 """Hooks: wrap a target's pool methods from the outside and keep a ledger of every alloc and free.
 
-The engine is not modified: the wrappers are instance attributes that shadow the class methods.
-Each event records the pool, the units (pages or rows), the op index, the scheduler step and an
-interned call site (the stack from the first frame outside the allocator and kvaudit).
+The engine is not modified: the wrappers (:mod:`kvaudit.audit.wrappers`) are instance attributes
+that shadow the class methods. Each event (:mod:`kvaudit.audit.ledger`) records the pool, the units
+(pages, rows or blocks), the op index, the scheduler step and an interned call site (the stack from
+the first frame outside the allocator and kvaudit), which this module captures.
 
 Double frees are caught at free time, from per-unit state (vectorized numpy index ops on the
-host, no Python loop over slots; numpy beats torch by several times on arrays this small). An allocation that hands out a unit the ledger holds as allocated is *aliasing*.
-Frees inside an allocator free group are recorded when the group ends, with their own sites.
+host, no Python loop over slots; numpy beats torch by several times on arrays this small). An
+allocation that hands out a unit the ledger holds as allocated is *aliasing*.
 """
 
 from __future__ import annotations
@@ -16,60 +17,22 @@ import inspect
 import linecache
 import os
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import kvaudit
-from kvaudit.audit.findings import Finding, OwnerChange, Site, portable_path
+from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.ledger import Event, Ledger, PoolLedger
 from kvaudit.audit.locks import LockLedger
 from kvaudit.audit.shadow import ShadowKV
-from kvaudit.targets.base import PoolSpec
+from kvaudit.audit.wrappers import PoolWrappers
 
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 STACK_DEPTH = 4
-SMALL_EVENT = 64  # events up to this many units take the scalar fast path (numpy call overhead dominates)
 _STOP, _READ = 1, 2  # owner lookup per code object (see Auditor._code_info)
 OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
-
-
-@dataclass(slots=True)
-class Event:
-    id: int
-    kind: str  # "alloc" | "free"
-    pool: str
-    units: list[int]  # the units (pages or rows), an owned copy
-    op_index: int
-    step: int
-    site: int
-
-
-def _as_list(units) -> list[int]:
-    return units.tolist() if hasattr(units, "tolist") else list(units)
-
-
-def _mark(flags: bytearray, last: np.ndarray, units: list[int], value: int, event_id: int) -> None:
-    for x in units:
-        flags[x] = value
-        last[x] = event_id
-
-
-class PoolLedger:
-    """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id; for a
-    ``"blocks"`` pool also ``refs`` (``[n] int64`` reference counts; allocated means a count above 0)."""
-
-    def __init__(self, spec: PoolSpec):
-        n = spec.num_units + 1
-        self.spec = spec
-        self.flags = bytearray(n)  # allocated flags; ``allocated`` is a numpy view of the same bytes
-        self.allocated = np.frombuffer(self.flags, dtype=bool)
-        self.last_alloc = np.full(n, -1, dtype=np.int64)
-        self.last_free = np.full(n, -1, dtype=np.int64)
-        self.owner = np.zeros(n, dtype=np.int64)  # id into Auditor.owner_names; 0 = nobody
-        self.allocated[0] = True  # reserved padding unit: any alloc of it trips the aliasing check
-        self.refs = np.zeros(n, dtype=np.int64) if spec.kind == "blocks" else None
 
 
 def _is_install_closure(qualname: str) -> bool:
@@ -79,7 +42,7 @@ def _is_install_closure(qualname: str) -> bool:
     return bool(sep) and head.rpartition(".")[2].startswith("install_")
 
 
-class Auditor:
+class Auditor(Ledger, PoolWrappers):
     """Installs the hooks on ``target``'s pools and keeps the ledger.
 
     ``full_stacks=False`` records only the innermost engine frame of each site, with no owner
@@ -289,158 +252,6 @@ class Auditor:
             self.owner_names.append(name)
         return oid
 
-    # -- recording --------------------------------------------------------------------------
-    def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
-        ev = Event(len(self.events), kind, pool, units, self.op_index, self.step, sid)
-        self.events.append(ev)
-        return ev
-
-    def on_alloc(self, pool: str, units, sid: int, expected_new: int | tuple | None = None) -> None:
-        """Record an allocation of ``units`` (a list or ``[n] int64`` array). Units the ledger already
-        holds as allocated are continuations (a partly filled page) unless fewer than
-        ``expected_new`` fresh units came out of the pool: then the allocator handed one out twice.
-        ``expected_new`` may be ``(allocator, available_size() before)``, counted only when needed."""
-        led = self.ledgers[pool]
-        ul, flags = _as_list(units), led.flags
-        if led.refs is not None:  # a reference-counted pool: a fresh block starts at count 1
-            held = [u for u in ul if flags[u]]
-            if held or len(set(ul)) != len(ul):
-                taken = np.unique(np.asarray(held or [u for u in ul if ul.count(u) > 1], dtype=np.int64))
-                self.pending.append(self._unit_finding(
-                    "aliasing", pool, taken, f"allocator handed out {taken.size} block(s) already referenced "
-                    "(or the reserved block 0)", alloc_sid=sid))
-            fresh = np.unique(np.asarray([u for u in ul if not flags[u]], dtype=np.int64))
-            if fresh.size:
-                led.refs[fresh] = 1
-                _mark(flags, led.last_alloc, fresh.tolist(), 1, self._event("alloc", pool, fresh.tolist(), sid).id)
-            return
-        if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
-            # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
-            _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
-            return
-        units = np.asarray(ul, dtype=np.int64)
-        held = led.allocated[units]  # unit 0 always reads as held (see PoolLedger)
-        fresh = units
-        if held.any():
-            fresh = units[~held]
-            if isinstance(expected_new, tuple):  # (allocator, its available size before): count now
-                expected_new = (expected_new[1] - expected_new[0].available_size()) // led.spec.page_size
-            if expected_new is None:
-                expected_new = units.size
-            if fresh.size < expected_new or not units.all():
-                taken = units[held] if fresh.size < expected_new else units[units == 0]
-                self.pending.append(self._unit_finding(
-                    "aliasing", pool, taken, f"allocator handed out {taken.size} unit(s) already allocated "
-                    "(or the reserved unit 0)", alloc_sid=sid))
-        ev = self._event("alloc", pool, fresh.tolist(), sid)
-        led.allocated[fresh] = True
-        led.last_alloc[fresh] = ev.id
-
-    def on_ref(self, pool: str, units, sid: int) -> None:
-        """Record one more reference to each of ``units`` (a list or array; a unit named twice gains
-        two) in a ``"blocks"`` pool: a prefix hit sharing a block (vLLM's ``BlockPool.touch``). A
-        block at count 0 (cached but free) comes back to life: recorded as its allocation."""
-        led = self.ledgers[pool]
-        u = np.asarray(_as_list(units), dtype=np.int64)
-        revived = np.unique(u[led.refs[u] == 0])
-        revived = revived[revived > 0]
-        np.add.at(led.refs, u, 1)
-        if revived.size:
-            ev = self._event("alloc", pool, revived.tolist(), sid)
-            led.allocated[revived] = True
-            led.last_alloc[revived] = ev.id
-
-    def _unref(self, pool: str, units: list[int], sid: int) -> None:
-        """``on_free`` for a ``"blocks"`` pool: one reference fewer per unit named (vLLM's
-        ``BlockPool.free_blocks``). A count taken below 0, or a decrement of block 0, is a double free;
-        a block whose count reaches 0 is freed (its free event)."""
-        led = self.ledgers[pool]
-        u = np.asarray(units, dtype=np.int64)
-        np.subtract.at(led.refs, u, 1)
-        bad = np.unique(u[(led.refs[u] < 0) | (u == 0)])
-        zero = np.unique(u[led.refs[u] == 0])
-        zero = zero[led.allocated[zero] & (zero > 0)]
-        if bad.size:
-            led.refs[bad] = np.maximum(led.refs[bad], 0)
-            self.pending.append(self._double_free(pool, bad, sid))
-        if zero.size:
-            ev = self._event("free", pool, zero.tolist(), sid)
-            led.allocated[zero] = False
-            led.last_free[zero] = ev.id
-        led.allocated[0] = True
-
-    def on_free(self, pool: str, units, sid: int) -> None:
-        """Record a free of ``units`` (a list or array); a unit already free, or listed twice, is a
-        double free. In a ``"blocks"`` pool, a decrement of each unit's count (:meth:`_unref`)."""
-        led = self.ledgers[pool]
-        ul, flags = _as_list(units), led.flags
-        if led.refs is not None:
-            return self._unref(pool, ul, sid)
-        if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
-                and len(set(ul)) == len(ul)):
-            # fast path: every unit allocated, and named once
-            _mark(flags, led.last_free, ul, 0, self._event("free", pool, ul, sid).id)
-            return
-        units = np.asarray(ul, dtype=np.int64)
-        bad = units[~led.allocated[units]]
-        if not units.all():  # freeing the reserved unit 0 is always wrong
-            bad = np.union1d(bad, [0])
-        if units.size > 1:
-            srt = np.sort(units)
-            dup = srt[1:][srt[1:] == srt[:-1]]
-            if dup.size:
-                bad = np.union1d(bad, dup)
-        ev = self._event("free", pool, ul, sid)
-        if bad.size:
-            self.pending.append(self._double_free(pool, np.unique(bad), sid))
-        led.allocated[units] = False
-        led.last_free[units] = ev.id
-        led.allocated[0] = True
-
-    def _double_free(self, pool: str, bad: np.ndarray, sid: int) -> Finding:
-        """A second free of ``bad`` (``[n] int64`` units) at site ``sid``. When a live owner still
-        references the units now, the first free came too early and this free is that owner's own
-        release: a ``use-after-free`` named by the first free (the one to fix), so one premature-free
-        bug gets one signature whether or not an oracle scan ran between the two frees. Otherwise a
-        ``double-free``, with both free sites."""
-        prev = int(self.ledgers[pool].last_free[bad[0]])
-        prev_sites = self.site(self.events[prev].site) if prev >= 0 else []
-        again = self.site(sid)
-        # the same line freeing twice is a double free whoever still maps the units
-        users = ([] if prev < 0 or prev_sites[:1] == again[:1] else
-                 self._group_users if self._group_users is not None else self._users(pool, bad))
-        if users:
-            f = self._unit_finding("use-after-free", pool, bad,
-                                   f"{bad.size} unit(s) freed while {', '.join(users[:3])} still referenced them; "
-                                   "its release freed them again")
-            f.free_sites, f.read_sites, f.used_by = prev_sites, again, users
-            return f
-        f = self._unit_finding("double-free", pool, bad, f"{bad.size} unit(s) freed while already free")
-        f.free_sites, f.prev_free_sites = again, prev_sites
-        return f
-
-    def _users(self, pool: str, units: np.ndarray) -> list[str]:
-        """Owners that reference ``units`` of ``pool`` right now: the target's roots, and the owner (at
-        the last check) of each allocated row that maps them -- a request leaving the scheduler's
-        structures to be released is in no root, yet its record still names the units.
-        Read from inside a free: a target whose records are mid-update may fail to list them, which
-        reads as none."""
-        users: set[str] = set()
-        try:
-            roots = self.target.roots()  # aborting requests too: their release is a use of what they map
-            users.update(r.owner for r in roots if r.pool == pool and np.isin(r.units, units).any())
-            rows_led = self.ledgers.get("req_to_token_pool")
-            of_rows = self.target.units_of_rows
-            if rows_led is not None and pool != "req_to_token_pool" and of_rows(units[:0]) is not None:
-                live = rows_led.allocated.copy()
-                live[0] = False
-                for row in np.flatnonzero(live & (rows_led.owner > 0)):
-                    if np.isin(units, of_rows(np.array([row])).get(pool, units[:0])).any():
-                        users.add(self.owner_names[int(rows_led.owner[row])])
-        except Exception:  # noqa: BLE001 -- a half-updated record: no claim either way
-            pass
-        return sorted(users)
-
     def _lock_event(self, node_id: int, delta: int, lock: str = "device") -> None:
         """A lock event from the target's ledger wrappers: ``delta`` +1 (inc) or -1 (dec) on tree node
         ``node_id``; ``lock`` is ``"device"`` (``inc/dec_lock_ref``) or ``"host"`` (host pins)."""
@@ -500,216 +311,3 @@ class Auditor:
         else:
             f.check = "unwritten"
         self.pending.append(f)
-
-    # -- findings ---------------------------------------------------------------------------
-    def _unit_finding(self, kind: str, pool: str, units: np.ndarray, message: str,
-                      alloc_sid: int | None = None) -> Finding:
-        led = self.ledgers[pool]
-        spec = led.spec
-        units = np.sort(units)
-        if alloc_sid is None:
-            ev = int(led.last_alloc[units[0]])
-            alloc_sid = self.events[ev].site if ev >= 0 else -1
-        if spec.kind == "rows":
-            unit, slots = "row", units.tolist()
-        else:
-            unit = "page" if spec.page_size > 1 else "slot"
-            slots = (units[:, None] * spec.page_size + np.arange(spec.page_size)).reshape(-1).tolist()
-        return Finding(kind=kind, pool=pool, message=message, unit=unit, slots=slots, num_units=int(units.size),
-                       alloc_sites=self.site(alloc_sid), owner_history=self.history(pool, int(units[0])),
-                       op_index=self.op_index, step=self.step)
-
-    def history(self, pool: str, unit: int):
-        """Alloc, owner changes and free of ``unit``, in order, as :class:`OwnerChange` records."""
-        out = []
-        for ev in self.events:
-            if ev.pool == pool and unit in ev.units:
-                site = self.site(ev.site)
-                who = self.site_owner(ev.site)
-                out.append(OwnerChange(ev.op_index, ev.step, who or "-",
-                                       f"{ev.kind} at {site[0].short() if site else '?'}"
-                                       + (f" for {who}" if who else "")))
-        for op_index, step, p, units, owners in self.owner_changes:
-            if p == pool:
-                hit = np.flatnonzero(units == unit)
-                if hit.size:
-                    out.append(OwnerChange(op_index, step, self.owner_names[int(owners[hit[0]])], "owner"))
-        # owners are read at the end of a step, after its allocs and frees (a stable sort keeps
-        # the events in ledger order)
-        out.sort(key=lambda o: (o.step, o.op_index, o.event == "owner"))
-        return out
-
-    # -- installation -----------------------------------------------------------------------
-    def _wrap(self, obj, name: str, wrapper) -> None:
-        self._undo.append((obj, name))
-        setattr(obj, name, wrapper)
-
-    def wrap_clear(self, spec: PoolSpec) -> None:
-        """Wrap ``spec.obj.clear()`` (flush_cache), if it has one: it returns every unit at once, so it
-        is recorded as one free of all units the ledger holds, and a flush under a live owner shows
-        as use-after-free."""
-        obj, pool = spec.obj, spec.name
-        orig_clear = getattr(obj, "clear", None)
-        if orig_clear is None:
-            return
-
-        def clear_wrapper(*a, **k):
-            orig_clear(*a, **k)
-            held = np.flatnonzero(self.ledgers[pool].allocated)
-            held = held[held > 0]
-            if held.size:
-                self.on_free(pool, held, self.capture_site())
-
-        self._wrap(obj, "clear", clear_wrapper)
-
-    def wrap_rows(self, spec: PoolSpec, alloc: str = "alloc", free: str = "free") -> None:
-        """Wrap a row pool's ``alloc(n) -> list[int] | None`` and ``free(rows)`` (an int or a list),
-        named ``alloc``/``free`` on the pool object."""
-        obj, pool = spec.obj, spec.name
-        orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
-
-        def alloc_rows(n, *a, **k):
-            out = orig_alloc(n, *a, **k)
-            if out:
-                self.on_alloc(pool, list(out), self.capture_site())
-            return out
-
-        def free_rows(rows, *a, **k):
-            orig_free(rows, *a, **k)
-            rows = [rows] if isinstance(rows, int) else list(rows)
-            if rows:
-                self.on_free(pool, rows, self.capture_site())
-
-        self._wrap(obj, alloc, alloc_rows)
-        self._wrap(obj, free, free_rows)
-
-    def wrap_blocks(self, spec: PoolSpec, ids, alloc: str | None = None, ref: str | None = None,
-                    unref: str | None = None) -> None:
-        """Wrap a ``"blocks"`` pool's methods named ``alloc`` (returns the new blocks, each at count 1),
-        ``ref`` (first argument: blocks gaining a reference) and ``unref`` (first argument: blocks
-        losing one); ``ids(blocks)`` turns what they take or return into a list of block ids (ints).
-        Modelled on vLLM v1's ``BlockPool.get_new_blocks``/``touch``/``free_blocks``."""
-        obj, pool = spec.obj, spec.name
-
-        def wrapped(name, record, result: bool):
-            orig = getattr(obj, name)
-
-            def wrapper(*a, **k):
-                if not result and a:  # the blocks may come as an iterator (reversed(...)): read them once
-                    a = (list(a[0]),) + a[1:]
-                elif not result and k:
-                    key = next(iter(k))
-                    k = {**k, key: list(k[key])}
-                out = orig(*a, **k)
-                units = ids(out if result else a[0] if a else next(iter(k.values())))
-                if units:
-                    record(pool, units, self.capture_site())
-                return out
-
-            self._wrap(obj, name, wrapper)
-
-        for name, record, result in ((alloc, self.on_alloc, True), (ref, self.on_ref, False),
-                                     (unref, self.on_free, False)):
-            if name is not None:
-                wrapped(name, record, result)
-
-    def install_standard(self, spec: PoolSpec) -> None:
-        """Wrap ``spec``'s pool by its kind's standard API (:class:`PoolSpec`): the default of
-        :meth:`kvaudit.targets.base.Target.install_pool`. Raises ``ValueError`` for a ``"blocks"``
-        pool, which has no standard API (the target calls :meth:`wrap_blocks`)."""
-        if spec.kind == "blocks":
-            raise ValueError(f"pool {spec.name!r} of kind 'blocks': install_pool must call wrap_blocks")
-        obj, pool, ps = spec.obj, spec.name, spec.page_size
-        self.wrap_clear(spec)
-        if spec.kind == "rows":
-            self.wrap_rows(spec)
-            return
-
-        def to_units(idx: torch.Tensor) -> list[int]:
-            """Token slots -> the units they touch: slots when ``page_size`` is 1, else sorted pages."""
-            if ps == 1:
-                return idx.tolist()
-            if idx.numel() <= SMALL_EVENT * ps:
-                return sorted({x // ps for x in idx.tolist()})
-            return torch.unique(idx // ps).tolist()
-
-        depth = [0]  # only the outermost call records: alloc_extend may call alloc internally
-
-        for name in ("alloc", "alloc_extend", "alloc_decode"):
-            orig = getattr(obj, name, None)
-            if orig is None:
-                continue
-
-            def alloc_wrapper(*a, _orig=orig, **k):
-                if depth[0]:
-                    return _orig(*a, **k)
-                before = obj.available_size()
-                depth[0] += 1
-                try:
-                    out = _orig(*a, **k)
-                finally:
-                    depth[0] -= 1
-                if out is not None and out.numel():
-                    self.on_alloc(pool, to_units(out), self.capture_site(), expected_new=(obj, before))
-                return out
-
-            self._wrap(obj, name, alloc_wrapper)
-
-        orig_free = obj.free
-        group: list[tuple[list[int], int]] = []
-
-        def free_wrapper(idx, *a, **k):
-            if depth[0] or idx.numel() == 0:
-                return orig_free(idx, *a, **k)
-            if not getattr(obj, "is_not_in_free_group", True):
-                units = to_units(idx)
-                # a unit already free is a double free, recorded at the group's end: who still maps
-                # it is read now, while the records are as they were at this call
-                flags = self.ledgers[pool].flags
-                users = None
-                if not all(map(flags.__getitem__, units)):  # (on_free's fast test: rarely false)
-                    users = self._users(pool, np.asarray([u for u in units if not flags[u]], dtype=np.int64))
-                group.append((units, self.capture_site(), users))
-                return orig_free(idx, *a, **k)
-            depth[0] += 1
-            try:
-                orig_free(idx, *a, **k)
-            finally:
-                depth[0] -= 1
-            self.on_free(pool, to_units(idx), self.capture_site())
-
-        self._wrap(obj, "free", free_wrapper)
-        orig_end = getattr(obj, "free_group_end", None)
-        if orig_end is not None:
-            def group_end_wrapper(*a, **k):
-                depth[0] += 1
-                try:
-                    orig_end(*a, **k)
-                finally:
-                    depth[0] -= 1
-                pend = list(group)
-                group.clear()
-                # A paged allocator frees unique(pages) of the whole group once, so a page named
-                # by two frees of one group is freed once. With page_size 1 the slots go back
-                # as they are (duplicates included), so each free is checked on its own.
-                seen: set[int] = set()
-                for units, sid, users in pend:
-                    ul = [u for u in units if u not in seen] if ps > 1 and seen else units
-                    if ps > 1:
-                        seen.update(ul)
-                    if ul:
-                        self._group_users = users
-                        try:
-                            self.on_free(pool, ul, sid)
-                        finally:
-                            self._group_users = None
-
-            self._wrap(obj, "free_group_end", group_end_wrapper)
-
-    def uninstall(self) -> None:
-        for obj, name in reversed(self._undo):
-            try:
-                delattr(obj, name)
-            except AttributeError:
-                pass
-        self._undo.clear()

@@ -1,0 +1,250 @@
+"""The ledger: per-unit state of every pool (allocated flag or reference count, last alloc and free
+event, owner) and the recording of allocs, references and frees, with the double frees and aliasing
+caught as they happen (vectorized numpy index ops on the host, no Python loop over slots beyond the
+small-event fast path). :class:`kvaudit.audit.hooks.Auditor` combines it with the sites and the
+wrappers (:mod:`kvaudit.audit.wrappers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvaudit.audit.findings import Finding, OwnerChange
+from kvaudit.targets.base import PoolSpec
+
+SMALL_EVENT = 64  # events up to this many units take the scalar fast path (numpy call overhead dominates)
+
+
+@dataclass(slots=True)
+class Event:
+    id: int
+    kind: str  # "alloc" | "free"
+    pool: str
+    units: list[int]  # the units (pages or rows), an owned copy
+    op_index: int
+    step: int
+    site: int
+
+
+def _as_list(units) -> list[int]:
+    return units.tolist() if hasattr(units, "tolist") else list(units)
+
+
+def _mark(flags: bytearray, last: np.ndarray, units: list[int], value: int, event_id: int) -> None:
+    for x in units:
+        flags[x] = value
+        last[x] = event_id
+
+
+class PoolLedger:
+    """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id; for a
+    ``"blocks"`` pool also ``refs`` (``[n] int64`` reference counts; allocated means a count above 0)."""
+
+    def __init__(self, spec: PoolSpec):
+        n = spec.num_units + 1
+        self.spec = spec
+        self.flags = bytearray(n)  # allocated flags; ``allocated`` is a numpy view of the same bytes
+        self.allocated = np.frombuffer(self.flags, dtype=bool)
+        self.last_alloc = np.full(n, -1, dtype=np.int64)
+        self.last_free = np.full(n, -1, dtype=np.int64)
+        self.owner = np.zeros(n, dtype=np.int64)  # id into Auditor.owner_names; 0 = nobody
+        self.allocated[0] = True  # reserved padding unit: any alloc of it trips the aliasing check
+        self.refs = np.zeros(n, dtype=np.int64) if spec.kind == "blocks" else None
+
+
+class Ledger:
+    """The recording half of :class:`kvaudit.audit.hooks.Auditor`: reads and writes ``self.ledgers``
+    (pool -> :class:`PoolLedger`), ``self.events`` and ``self.pending``; sites come from the auditor
+    (``capture_site``, ``site``, ``site_owner``)."""
+
+    # -- recording --------------------------------------------------------------------------
+    def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
+        ev = Event(len(self.events), kind, pool, units, self.op_index, self.step, sid)
+        self.events.append(ev)
+        return ev
+
+    def on_alloc(self, pool: str, units, sid: int, expected_new: int | tuple | None = None) -> None:
+        """Record an allocation of ``units`` (a list or ``[n] int64`` array). Units the ledger already
+        holds as allocated are continuations (a partly filled page) unless fewer than
+        ``expected_new`` fresh units came out of the pool: then the allocator handed one out twice.
+        ``expected_new`` may be ``(allocator, available_size() before)``, counted only when needed."""
+        led = self.ledgers[pool]
+        ul, flags = _as_list(units), led.flags
+        if led.refs is not None:  # a reference-counted pool: a fresh block starts at count 1
+            held = [u for u in ul if flags[u]]
+            if held or len(set(ul)) != len(ul):
+                taken = np.unique(np.asarray(held or [u for u in ul if ul.count(u) > 1], dtype=np.int64))
+                self.pending.append(self._unit_finding(
+                    "aliasing", pool, taken, f"allocator handed out {taken.size} block(s) already referenced "
+                    "(or the reserved block 0)", alloc_sid=sid))
+            fresh = np.unique(np.asarray([u for u in ul if not flags[u]], dtype=np.int64))
+            if fresh.size:
+                led.refs[fresh] = 1
+                _mark(flags, led.last_alloc, fresh.tolist(), 1, self._event("alloc", pool, fresh.tolist(), sid).id)
+            return
+        if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
+            # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
+            _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
+            return
+        units = np.asarray(ul, dtype=np.int64)
+        held = led.allocated[units]  # unit 0 always reads as held (see PoolLedger)
+        fresh = units
+        if held.any():
+            fresh = units[~held]
+            if isinstance(expected_new, tuple):  # (allocator, its available size before): count now
+                expected_new = (expected_new[1] - expected_new[0].available_size()) // led.spec.page_size
+            if expected_new is None:
+                expected_new = units.size
+            if fresh.size < expected_new or not units.all():
+                taken = units[held] if fresh.size < expected_new else units[units == 0]
+                self.pending.append(self._unit_finding(
+                    "aliasing", pool, taken, f"allocator handed out {taken.size} unit(s) already allocated "
+                    "(or the reserved unit 0)", alloc_sid=sid))
+        ev = self._event("alloc", pool, fresh.tolist(), sid)
+        led.allocated[fresh] = True
+        led.last_alloc[fresh] = ev.id
+
+    def on_ref(self, pool: str, units, sid: int) -> None:
+        """Record one more reference to each of ``units`` (a list or array; a unit named twice gains
+        two) in a ``"blocks"`` pool: a prefix hit sharing a block (vLLM's ``BlockPool.touch``). A
+        block at count 0 (cached but free) comes back to life: recorded as its allocation."""
+        led = self.ledgers[pool]
+        u = np.asarray(_as_list(units), dtype=np.int64)
+        revived = np.unique(u[led.refs[u] == 0])
+        revived = revived[revived > 0]
+        np.add.at(led.refs, u, 1)
+        if revived.size:
+            ev = self._event("alloc", pool, revived.tolist(), sid)
+            led.allocated[revived] = True
+            led.last_alloc[revived] = ev.id
+
+    def _unref(self, pool: str, units: list[int], sid: int) -> None:
+        """``on_free`` for a ``"blocks"`` pool: one reference fewer per unit named (vLLM's
+        ``BlockPool.free_blocks``). A count taken below 0, or a decrement of block 0, is a double free;
+        a block whose count reaches 0 is freed (its free event)."""
+        led = self.ledgers[pool]
+        u = np.asarray(units, dtype=np.int64)
+        np.subtract.at(led.refs, u, 1)
+        bad = np.unique(u[(led.refs[u] < 0) | (u == 0)])
+        zero = np.unique(u[led.refs[u] == 0])
+        zero = zero[led.allocated[zero] & (zero > 0)]
+        if bad.size:
+            led.refs[bad] = np.maximum(led.refs[bad], 0)
+            self.pending.append(self._double_free(pool, bad, sid))
+        if zero.size:
+            ev = self._event("free", pool, zero.tolist(), sid)
+            led.allocated[zero] = False
+            led.last_free[zero] = ev.id
+        led.allocated[0] = True
+
+    def on_free(self, pool: str, units, sid: int) -> None:
+        """Record a free of ``units`` (a list or array); a unit already free, or listed twice, is a
+        double free. In a ``"blocks"`` pool, a decrement of each unit's count (:meth:`_unref`)."""
+        led = self.ledgers[pool]
+        ul, flags = _as_list(units), led.flags
+        if led.refs is not None:
+            return self._unref(pool, ul, sid)
+        if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
+                and len(set(ul)) == len(ul)):
+            # fast path: every unit allocated, and named once
+            _mark(flags, led.last_free, ul, 0, self._event("free", pool, ul, sid).id)
+            return
+        units = np.asarray(ul, dtype=np.int64)
+        bad = units[~led.allocated[units]]
+        if not units.all():  # freeing the reserved unit 0 is always wrong
+            bad = np.union1d(bad, [0])
+        if units.size > 1:
+            srt = np.sort(units)
+            dup = srt[1:][srt[1:] == srt[:-1]]
+            if dup.size:
+                bad = np.union1d(bad, dup)
+        ev = self._event("free", pool, ul, sid)
+        if bad.size:
+            self.pending.append(self._double_free(pool, np.unique(bad), sid))
+        led.allocated[units] = False
+        led.last_free[units] = ev.id
+        led.allocated[0] = True
+
+    def _double_free(self, pool: str, bad: np.ndarray, sid: int) -> Finding:
+        """A second free of ``bad`` (``[n] int64`` units) at site ``sid``. When a live owner still
+        references the units now, the first free came too early and this free is that owner's own
+        release: a ``use-after-free`` named by the first free (the one to fix), so one premature-free
+        bug gets one signature whether or not an oracle scan ran between the two frees. Otherwise a
+        ``double-free``, with both free sites."""
+        prev = int(self.ledgers[pool].last_free[bad[0]])
+        prev_sites = self.site(self.events[prev].site) if prev >= 0 else []
+        again = self.site(sid)
+        # the same line freeing twice is a double free whoever still maps the units
+        users = ([] if prev < 0 or prev_sites[:1] == again[:1] else
+                 self._group_users if self._group_users is not None else self._users(pool, bad))
+        if users:
+            f = self._unit_finding("use-after-free", pool, bad,
+                                   f"{bad.size} unit(s) freed while {', '.join(users[:3])} still referenced them; "
+                                   "its release freed them again")
+            f.free_sites, f.read_sites, f.used_by = prev_sites, again, users
+            return f
+        f = self._unit_finding("double-free", pool, bad, f"{bad.size} unit(s) freed while already free")
+        f.free_sites, f.prev_free_sites = again, prev_sites
+        return f
+
+    def _users(self, pool: str, units: np.ndarray) -> list[str]:
+        """Owners that reference ``units`` of ``pool`` right now: the target's roots, and the owner (at
+        the last check) of each allocated row that maps them -- a request leaving the scheduler's
+        structures to be released is in no root, yet its record still names the units.
+        Read from inside a free: a target whose records are mid-update may fail to list them, which
+        reads as none."""
+        users: set[str] = set()
+        try:
+            roots = self.target.roots()  # aborting requests too: their release is a use of what they map
+            users.update(r.owner for r in roots if r.pool == pool and np.isin(r.units, units).any())
+            rows_led = self.ledgers.get("req_to_token_pool")
+            of_rows = self.target.units_of_rows
+            if rows_led is not None and pool != "req_to_token_pool" and of_rows(units[:0]) is not None:
+                live = rows_led.allocated.copy()
+                live[0] = False
+                for row in np.flatnonzero(live & (rows_led.owner > 0)):
+                    if np.isin(units, of_rows(np.array([row])).get(pool, units[:0])).any():
+                        users.add(self.owner_names[int(rows_led.owner[row])])
+        except Exception:  # noqa: BLE001 -- a half-updated record: no claim either way
+            pass
+        return sorted(users)
+
+    # -- findings ---------------------------------------------------------------------------
+    def _unit_finding(self, kind: str, pool: str, units: np.ndarray, message: str,
+                      alloc_sid: int | None = None) -> Finding:
+        led = self.ledgers[pool]
+        spec = led.spec
+        units = np.sort(units)
+        if alloc_sid is None:
+            ev = int(led.last_alloc[units[0]])
+            alloc_sid = self.events[ev].site if ev >= 0 else -1
+        if spec.kind == "rows":
+            unit, slots = "row", units.tolist()
+        else:
+            unit = "page" if spec.page_size > 1 else "slot"
+            slots = (units[:, None] * spec.page_size + np.arange(spec.page_size)).reshape(-1).tolist()
+        return Finding(kind=kind, pool=pool, message=message, unit=unit, slots=slots, num_units=int(units.size),
+                       alloc_sites=self.site(alloc_sid), owner_history=self.history(pool, int(units[0])),
+                       op_index=self.op_index, step=self.step)
+
+    def history(self, pool: str, unit: int):
+        """Alloc, owner changes and free of ``unit``, in order, as :class:`OwnerChange` records."""
+        out = []
+        for ev in self.events:
+            if ev.pool == pool and unit in ev.units:
+                site = self.site(ev.site)
+                who = self.site_owner(ev.site)
+                out.append(OwnerChange(ev.op_index, ev.step, who or "-",
+                                       f"{ev.kind} at {site[0].short() if site else '?'}"
+                                       + (f" for {who}" if who else "")))
+        for op_index, step, p, units, owners in self.owner_changes:
+            if p == pool:
+                hit = np.flatnonzero(units == unit)
+                if hit.size:
+                    out.append(OwnerChange(op_index, step, self.owner_names[int(owners[hit[0]])], "owner"))
+        # owners are read at the end of a step, after its allocs and frees (a stable sort keeps
+        # the events in ledger order)
+        out.sort(key=lambda o: (o.step, o.op_index, o.event == "owner"))
+        return out

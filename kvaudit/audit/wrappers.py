@@ -1,0 +1,193 @@
+"""The wrappers: how the auditor attaches to a target's pools from the outside. Each wrapper is an
+instance attribute that shadows the pool's class method and records the call in the ledger
+(:mod:`kvaudit.audit.ledger`); ``uninstall`` removes them. The engine is not modified.
+Frees inside an allocator free group are recorded when the group ends, with their own sites.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvaudit.audit.ledger import SMALL_EVENT
+from kvaudit.targets.base import PoolSpec
+
+
+class PoolWrappers:
+    """The installing half of :class:`kvaudit.audit.hooks.Auditor` (standard pool kinds, row pools,
+    reference-counted blocks, ``clear``)."""
+
+    # -- installation -----------------------------------------------------------------------
+    def _wrap(self, obj, name: str, wrapper) -> None:
+        self._undo.append((obj, name))
+        setattr(obj, name, wrapper)
+
+    def wrap_clear(self, spec: PoolSpec) -> None:
+        """Wrap ``spec.obj.clear()`` (flush_cache), if it has one: it returns every unit at once, so it
+        is recorded as one free of all units the ledger holds, and a flush under a live owner shows
+        as use-after-free."""
+        obj, pool = spec.obj, spec.name
+        orig_clear = getattr(obj, "clear", None)
+        if orig_clear is None:
+            return
+
+        def clear_wrapper(*a, **k):
+            orig_clear(*a, **k)
+            held = np.flatnonzero(self.ledgers[pool].allocated)
+            held = held[held > 0]
+            if held.size:
+                self.on_free(pool, held, self.capture_site())
+
+        self._wrap(obj, "clear", clear_wrapper)
+
+    def wrap_rows(self, spec: PoolSpec, alloc: str = "alloc", free: str = "free") -> None:
+        """Wrap a row pool's ``alloc(n) -> list[int] | None`` and ``free(rows)`` (an int or a list),
+        named ``alloc``/``free`` on the pool object."""
+        obj, pool = spec.obj, spec.name
+        orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
+
+        def alloc_rows(n, *a, **k):
+            out = orig_alloc(n, *a, **k)
+            if out:
+                self.on_alloc(pool, list(out), self.capture_site())
+            return out
+
+        def free_rows(rows, *a, **k):
+            orig_free(rows, *a, **k)
+            rows = [rows] if isinstance(rows, int) else list(rows)
+            if rows:
+                self.on_free(pool, rows, self.capture_site())
+
+        self._wrap(obj, alloc, alloc_rows)
+        self._wrap(obj, free, free_rows)
+
+    def wrap_blocks(self, spec: PoolSpec, ids, alloc: str | None = None, ref: str | None = None,
+                    unref: str | None = None) -> None:
+        """Wrap a ``"blocks"`` pool's methods named ``alloc`` (returns the new blocks, each at count 1),
+        ``ref`` (first argument: blocks gaining a reference) and ``unref`` (first argument: blocks
+        losing one); ``ids(blocks)`` turns what they take or return into a list of block ids (ints).
+        Modelled on vLLM v1's ``BlockPool.get_new_blocks``/``touch``/``free_blocks``."""
+        obj, pool = spec.obj, spec.name
+
+        def wrapped(name, record, result: bool):
+            orig = getattr(obj, name)
+
+            def wrapper(*a, **k):
+                if not result and a:  # the blocks may come as an iterator (reversed(...)): read them once
+                    a = (list(a[0]),) + a[1:]
+                elif not result and k:
+                    key = next(iter(k))
+                    k = {**k, key: list(k[key])}
+                out = orig(*a, **k)
+                units = ids(out if result else a[0] if a else next(iter(k.values())))
+                if units:
+                    record(pool, units, self.capture_site())
+                return out
+
+            self._wrap(obj, name, wrapper)
+
+        for name, record, result in ((alloc, self.on_alloc, True), (ref, self.on_ref, False),
+                                     (unref, self.on_free, False)):
+            if name is not None:
+                wrapped(name, record, result)
+
+    def install_standard(self, spec: PoolSpec) -> None:
+        """Wrap ``spec``'s pool by its kind's standard API (:class:`PoolSpec`): the default of
+        :meth:`kvaudit.targets.base.Target.install_pool`. Raises ``ValueError`` for a ``"blocks"``
+        pool, which has no standard API (the target calls :meth:`wrap_blocks`)."""
+        if spec.kind == "blocks":
+            raise ValueError(f"pool {spec.name!r} of kind 'blocks': install_pool must call wrap_blocks")
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
+        self.wrap_clear(spec)
+        if spec.kind == "rows":
+            self.wrap_rows(spec)
+            return
+
+        def to_units(idx: torch.Tensor) -> list[int]:
+            """Token slots -> the units they touch: slots when ``page_size`` is 1, else sorted pages."""
+            if ps == 1:
+                return idx.tolist()
+            if idx.numel() <= SMALL_EVENT * ps:
+                return sorted({x // ps for x in idx.tolist()})
+            return torch.unique(idx // ps).tolist()
+
+        depth = [0]  # only the outermost call records: alloc_extend may call alloc internally
+
+        for name in ("alloc", "alloc_extend", "alloc_decode"):
+            orig = getattr(obj, name, None)
+            if orig is None:
+                continue
+
+            def alloc_wrapper(*a, _orig=orig, **k):
+                if depth[0]:
+                    return _orig(*a, **k)
+                before = obj.available_size()
+                depth[0] += 1
+                try:
+                    out = _orig(*a, **k)
+                finally:
+                    depth[0] -= 1
+                if out is not None and out.numel():
+                    self.on_alloc(pool, to_units(out), self.capture_site(), expected_new=(obj, before))
+                return out
+
+            self._wrap(obj, name, alloc_wrapper)
+
+        orig_free = obj.free
+        group: list[tuple[list[int], int]] = []
+
+        def free_wrapper(idx, *a, **k):
+            if depth[0] or idx.numel() == 0:
+                return orig_free(idx, *a, **k)
+            if not getattr(obj, "is_not_in_free_group", True):
+                units = to_units(idx)
+                # a unit already free is a double free, recorded at the group's end: who still maps
+                # it is read now, while the records are as they were at this call
+                flags = self.ledgers[pool].flags
+                users = None
+                if not all(map(flags.__getitem__, units)):  # (on_free's fast test: rarely false)
+                    users = self._users(pool, np.asarray([u for u in units if not flags[u]], dtype=np.int64))
+                group.append((units, self.capture_site(), users))
+                return orig_free(idx, *a, **k)
+            depth[0] += 1
+            try:
+                orig_free(idx, *a, **k)
+            finally:
+                depth[0] -= 1
+            self.on_free(pool, to_units(idx), self.capture_site())
+
+        self._wrap(obj, "free", free_wrapper)
+        orig_end = getattr(obj, "free_group_end", None)
+        if orig_end is not None:
+            def group_end_wrapper(*a, **k):
+                depth[0] += 1
+                try:
+                    orig_end(*a, **k)
+                finally:
+                    depth[0] -= 1
+                pend = list(group)
+                group.clear()
+                # A paged allocator frees unique(pages) of the whole group once, so a page named
+                # by two frees of one group is freed once. With page_size 1 the slots go back
+                # as they are (duplicates included), so each free is checked on its own.
+                seen: set[int] = set()
+                for units, sid, users in pend:
+                    ul = [u for u in units if u not in seen] if ps > 1 and seen else units
+                    if ps > 1:
+                        seen.update(ul)
+                    if ul:
+                        self._group_users = users
+                        try:
+                            self.on_free(pool, ul, sid)
+                        finally:
+                            self._group_users = None
+
+            self._wrap(obj, "free_group_end", group_end_wrapper)
+
+    def uninstall(self) -> None:
+        for obj, name in reversed(self._undo):
+            try:
+                delattr(obj, name)
+            except AttributeError:
+                pass
+        self._undo.clear()
