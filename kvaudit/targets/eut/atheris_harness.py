@@ -1,0 +1,198 @@
+"""The atheris (libFuzzer) harness for the built-in engine, audited by kvaudit: the logic behind
+``harnesses/fuzz_engine.py``, which is only the ten-line shape atheris documents (instrument the
+engine, then ``Setup`` and ``Fuzz``).
+
+The harness file is run directly; it takes libFuzzer's own flags and corpus directories::
+
+    harnesses/fuzz_engine.py -runs=100 CORPUS_DIR
+    KVAUDIT_CONFIG=pd-decode-hisparse harnesses/fuzz_engine.py -fork=2 -max_total_time=20 CORPUS_DIR
+    harnesses/fuzz_engine.py -minimize_crash=1 -runs=1000 crash-<sha1>
+
+The file is executable with a shebang because libFuzzer's ``-fork``, ``-jobs`` and
+``-minimize_crash`` re-execute ``argv[0]`` with their own arguments. For the same reason the
+configuration comes from the environment, which those child processes inherit:
+
+``KVAUDIT_CONFIG``
+    the engine config: JSON of ``EngineConfig.to_dict()``, or a preset name (default: ``default``)
+``KVAUDIT_BUGS``
+    optional, comma-separated bug-zoo switches added to the config's (handy with a preset name)
+``KVAUDIT_FINDINGS_DIR``
+    where each finding is written as a replay JSON, ``<signature>.json`` (default: ``./kvaudit-findings``)
+``KVAUDIT_SUPPRESS``
+    a suppression TOML file (optional): suppressed findings are not findings, the run goes on
+``KVAUDIT_KNOWN``
+    a file of known signatures, one per line (optional): a program whose first finding has only
+    known signatures is not a crash; its run stops there
+``KVAUDIT_MAX_OPS``
+    ops decoded from one input (default 24; see :mod:`kvaudit.program.bytes_program`)
+``KVAUDIT_STATS_DIR``
+    optional: every process writes ``<pid>.json`` there (executions, ops, suppressed signatures)
+    at most once a second and at each finding, for :mod:`kvaudit.search.atheris_fuzz`
+
+Each input is decoded by :func:`kvaudit.program.bytes_program.program_from_bytes` and run op by op in a
+fresh :class:`kvaudit.audit.runner.AuditedRun` (fast stacks), stopping at the first op with findings.
+A finding with a signature that is not known is written as a replay file (unless one with fewer
+ops, or as many from no more input bytes, is already there) and then raised as :class:`KvauditFinding`,
+whose message is the signature, so libFuzzer records a crash and writes its ``crash-<sha1>``
+artifact (the sha1 is also the replay file's ``input_sha1``).
+
+engine_under_test is imported under ``atheris.instrument_imports`` (:func:`instrument`) before
+kvaudit's audit is imported (it imports engine_under_test), so libFuzzer's coverage is the engine's
+branches; this module imports neither at import time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import time
+
+
+def instrument():
+    """Import atheris and, under ``atheris.instrument_imports``, every module of the built-in engine,
+    before anything imports kvaudit's audit (which imports the engine): libFuzzer's coverage is then
+    the engine's branches. Returns the atheris module; exits 69 (one line on stderr) without it."""
+    try:
+        import atheris
+    except ImportError:
+        from kvaudit.constants import EXIT_UNAVAILABLE, MISSING_ATHERIS  # neither imports the engine
+
+        sys.stderr.write(f"fuzz_engine.py: {MISSING_ATHERIS}\n")
+        sys.exit(EXIT_UNAVAILABLE)
+    with atheris.instrument_imports(include=["engine_under_test"]):
+        import engine_under_test
+
+        for m in pkgutil.iter_modules(engine_under_test.__path__):
+            importlib.import_module(f"engine_under_test.{m.name}")
+    return atheris
+
+
+class KvauditFinding(Exception):
+    """A new finding; the message is its signature (raised so that libFuzzer records a crash)."""
+
+
+def _die(msg: str) -> None:
+    sys.stderr.write(f"fuzz_engine.py: {msg}\n")
+    sys.exit(2)
+
+
+def _config():
+    from engine_under_test import EngineConfig, UnknownBugError, UnknownPresetError, get_preset
+
+    raw = os.environ.get("KVAUDIT_CONFIG", "").strip() or "default"
+    bugs = frozenset(b.strip() for b in os.environ.get("KVAUDIT_BUGS", "").split(",") if b.strip())
+    try:
+        config = EngineConfig.from_dict(json.loads(raw)) if raw.startswith("{") else get_preset(raw).config()
+        return config.replace(bugs=config.bugs | bugs) if bugs else config
+    except (ValueError, TypeError, UnknownBugError, UnknownPresetError) as e:  # JSONDecodeError is a ValueError
+        _die(f"bad KVAUDIT_CONFIG or KVAUDIT_BUGS: {e}")
+
+
+def _known() -> frozenset:
+    path = os.environ.get("KVAUDIT_KNOWN")
+    if not path:
+        return frozenset()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
+    except OSError as e:
+        _die(f"cannot read KVAUDIT_KNOWN file {path}: {e.strerror or e}")
+
+
+def _suppressions():
+    from kvaudit.audit.suppress import SuppressionError, SuppressionSet
+
+    path = os.environ.get("KVAUDIT_SUPPRESS")
+    if not path:
+        return None
+    try:
+        return SuppressionSet.load(path)
+    except SuppressionError as e:
+        _die(str(e))
+
+
+CONFIG = KNOWN = SUPPRESSIONS = FINDINGS_DIR = STATS_DIR = MAX_OPS = None  # set by :func:`main`, from the environment
+
+
+def _setup() -> None:
+    global CONFIG, KNOWN, SUPPRESSIONS, FINDINGS_DIR, STATS_DIR, MAX_OPS
+    CONFIG = _config()
+    KNOWN = _known()
+    SUPPRESSIONS = _suppressions()
+    FINDINGS_DIR = os.path.abspath(os.environ.get("KVAUDIT_FINDINGS_DIR") or "kvaudit-findings")
+    STATS_DIR = os.environ.get("KVAUDIT_STATS_DIR") or None
+    try:
+        MAX_OPS = int(os.environ.get("KVAUDIT_MAX_OPS") or 24)
+    except ValueError:
+        _die(f"KVAUDIT_MAX_OPS must be an integer, got {os.environ['KVAUDIT_MAX_OPS']!r}")
+
+_counts = {"executions": 0, "ops": 0}
+_suppressed: set = set()
+_last_write = [0.0]
+
+
+def _write_stats(force: bool = False) -> None:
+    from kvaudit import replay
+
+    now = time.monotonic()
+    if STATS_DIR is None or not (force or now - _last_write[0] >= 1.0):
+        return
+    _last_write[0] = now
+    doc = {"pid": os.getpid(), **_counts, "suppressed": sorted(_suppressed)}
+    try:
+        replay.write_text_atomic(os.path.join(STATS_DIR, f"{os.getpid()}.json"), json.dumps(doc) + "\n")
+    except OSError:
+        pass  # statistics are best effort
+
+
+def _keep_existing(path: str, ops: int, size: int) -> bool:
+    """Whether ``path`` already holds a reproducer at least as small: fewer ops, or as many ops
+    from an input of no more bytes (so ``-minimize_crash`` leaves the smallest one)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return (len(doc["program"]), int(doc.get("input_size", 1 << 30))) <= (ops, size)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def TestOneInput(data: bytes) -> None:
+    """One libFuzzer input: decode, run audited, write and raise a new finding."""
+    from kvaudit import replay
+    from kvaudit.audit.runner import AuditedRun
+    from kvaudit.program.bytes_program import program_from_bytes
+
+    program = program_from_bytes(data, CONFIG, MAX_OPS)
+    ran, found = [], []
+    with AuditedRun(CONFIG, full_stacks=False, suppressions=SUPPRESSIONS) as run:
+        for op in program:
+            ran.append(op)
+            found = run.apply(op)
+            if found:
+                break
+        _suppressed.update(f.signature for f in run.suppressed)
+    _counts["executions"] += 1
+    _counts["ops"] += len(ran)
+    new = [f for f in found if f.signature not in KNOWN]
+    if not new:
+        _write_stats()
+        return
+    primary = new[0]
+    findings = [primary] + [f for f in found if f is not primary]
+    path = os.path.join(FINDINGS_DIR, replay.file_name(primary.signature))
+    if not _keep_existing(path, len(ran), len(data)):
+        replay.write_atomic(path, replay.to_doc(CONFIG, ran, findings, fuzzer="atheris",
+                                                input_sha1=hashlib.sha1(data).hexdigest(), input_size=len(data)))
+    _write_stats(force=True)
+    raise KvauditFinding(primary.signature)
+
+
+def main(atheris) -> None:
+    """Read the environment (exit 2 on a bad value), then hand the inputs to libFuzzer."""
+    _setup()
+    atheris.Setup(sys.argv, TestOneInput)
+    atheris.Fuzz()
