@@ -8,7 +8,8 @@ import torch
 
 from engine_under_test import EngineConfig, Scheduler
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck,
-                             MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens)
+                             MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail)
+from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.base import PoolSpec, kv_length_problems
 from kvaudit.targets.eut.observer import EutObserver
 
@@ -154,15 +155,11 @@ class EutTarget(EutObserver):
     def apply(self, op: Op) -> None:
         cfg, eng = self.config, self.engine
         if isinstance(op, Submit):
-            max_new = max(1, min(op.max_new_tokens, cfg.context_len // 2))
-            plen = max(1, min(op.prompt_len, cfg.context_len - max_new))
-            stop = None if op.stop_at is None else max(1, op.stop_at)
-            prompt = prompt_tokens(op.family, plen, cfg.vocab_size)
-            if op.extends is not None and self.submitted:
-                prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len - max_new]
-            sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
-            args = {"input_ids": prompt, "max_new_tokens": max_new, "stop_at": stop, "session_id": sid,
-                    "ignore_eos": bool(op.ignore_eos), "priority": op.priority}
+            req = resolve_submit(op, cfg.vocab_size, cfg.context_len // 2, lambda max_new: cfg.context_len - max_new,
+                                 self.submitted, self._text, self.sessions)
+            stop = None if req.stop_at is None else max(1, req.stop_at)
+            args = {"input_ids": req.input_ids, "max_new_tokens": req.max_new_tokens, "stop_at": stop,
+                    "session_id": req.session, "ignore_eos": bool(op.ignore_eos), "priority": op.priority}
             if self._holding:  # the client sent it now: its prompt and session are resolved now
                 self.held.append(args)
             else:
@@ -203,7 +200,7 @@ class EutTarget(EutObserver):
         elif isinstance(op, TransferFail):
             if cfg.is_pd_decode:
                 pending = self._pre_join_rids()
-                rids = pending if op.handle is None else [pending[op.handle % len(pending)]] if pending else []
+                rids = pending if op.handle is None else [pick(op.handle, pending)] if pending else []
                 for rid in rids:
                     eng.report_transfer_failure(rid)
                     self.aborted.add(rid)
@@ -213,7 +210,7 @@ class EutTarget(EutObserver):
                 eng.abort_request(abort_all=True)
                 self.aborted.update(live)
             elif live:
-                rid = live[op.handle % len(live)]
+                rid = pick(op.handle, live)
                 eng.abort_request(rid)
                 self.aborted.add(rid)
         else:
