@@ -16,7 +16,7 @@ _LAZY = {
     "ReqToTokenPool": "memory", "TokenToKVPoolAllocator": "memory",
     "MatchResult": "radix_cache", "RadixCache": "radix_cache", "TreeNode": "radix_cache",
     "FinishReason": "req", "Req": "req", "ReqKvInfo": "req",
-    "PoolCheck": "scheduler", "Scheduler": "scheduler",
+    "PoolCheck": "scheduler_invariant_checker_mixin", "Scheduler": "scheduler",
 }
 
 __all__ = ["BUGS", "BugInfo", "UnknownBugError", "PRESETS", "EngineConfig", "Preset", "UnknownPresetError",

@@ -39,6 +39,23 @@ def test_a_replay_file_replays_to_its_recorded_digest_and_signatures(name):
         "deliberate, refresh with 'python tests/test_corpus_digests.py' and say why in the commit")
 
 
+def test_every_engine_function_a_recorded_signature_names_is_still_defined_in_its_file():
+    """A signature names its sites ``function@basename``: moving such a function to another module
+    changes a shipped signature (a promise to users), so it stays where the record says."""
+    import ast
+    import re
+
+    sites = {s for _, sigs in json.load(open(RECORD)).values() for sig in sigs
+             for s in re.findall(r"(\w+)@(\w+\.py)", sig)}
+    missing = []
+    for fn, base in sorted(sites):
+        path = os.path.join(ROOT, "engine_under_test", base)
+        if os.path.exists(path) and fn not in {n.name for n in ast.walk(ast.parse(open(path).read()))
+                                               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}:
+            missing.append(f"{fn}@{base}")
+    assert sites and not missing, f"no longer defined in their engine file: {missing}"
+
+
 if __name__ == "__main__":  # refresh the record
     with open(RECORD, "w") as fh:
         json.dump({n: replayed(n) for n in FILES}, fh, indent=1, sort_keys=True)

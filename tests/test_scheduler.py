@@ -982,3 +982,30 @@ def test_pause_generation_mode_abort_is_the_callers_and_unknown_modes_raise(make
     s.continue_generation()  # not paused: a no-op
     s.step()
     assert not s.paused
+
+
+# -- layout ----------------------------------------------------------------------------------------
+
+def test_the_engine_keeps_to_its_rooms():
+    """The team's rooms: no module over 600 lines, no class over 400, the engine at most 3,600 lines
+    (``cat engine_under_test/*.py | wc -l``); and the engine never imports kvaudit."""
+    import ast
+    import glob
+    import os
+
+    import engine_under_test
+
+    total, over = 0, []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(engine_under_test.__file__), "*.py"))):
+        text, name = open(path).read(), os.path.basename(path)
+        total += text.count("\n")
+        if text.count("\n") > 600:
+            over.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+                over.append(f"{name}: class {node.name} has {node.end_lineno - node.lineno + 1} lines")
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            over += [f"{name}: imports {m}" for m in mods if m.split(".")[0] == "kvaudit"]
+    assert not over, over
+    assert total <= 3600, f"the engine has {total} lines"
