@@ -170,11 +170,16 @@ def _identity(auditor: Auditor, pool: str, led, a, req_units, session_units, rec
     if a.session_held != held:
         lines.append(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
         checks.append("counter:session_held")
-    own = {"session_held": held, "uncached": uncached,
-           "referenced": (int(np.count_nonzero(referenced[1:])) * ps if referenced is not None else 0)}
-    values = [(t, own[t] if t in own else getattr(a, t)) for t in terms]
-    lhs = sum(v for _, v in values)
+    def term(t: str) -> int:
+        if t == "referenced":
+            return int(np.count_nonzero(referenced[1:])) * ps if referenced is not None else 0
+        return held if t == "session_held" else uncached if t == "uncached" else getattr(a, t)
+
+    # (the default identity summed directly: this runs after every step of every program)
+    lhs = (a.available + a.evictable + a.protected + held + uncached if terms is DEFAULT_IDENTITY
+           else sum(term(t) for t in terms))
     if lhs != a.total:
+        values = [(t, term(t)) for t in terms]
         lines.append(" + ".join(f"{t}={v}" for t, v in values) + f" = {lhs} != total={a.total}, "
                      "while every allocated unit is reachable")
         checks.append("identity")
