@@ -1,7 +1,7 @@
 """Who holds the memory: the lines an out-of-memory crash report shows.
 
-When the engine raises "Prefill out of memory" / "Decode out of memory" (SGLang
-``alloc_for_extend`` / ``alloc_for_decode``; engine_under_test/scheduler.py), a leaked lock or a
+When the engine raises "Prefill out of memory" / "Decode out of memory" (as SGLang's
+``alloc_for_extend`` / ``alloc_for_decode`` do, and the built-in engine after them), a leaked lock or a
 retraction that freed too little usually lies behind it. :func:`memory_state` reads, at the crash:
 
 * the identity terms per pool (``available``, ``evictable``, ``protected``, ``session_held`` from

@@ -85,7 +85,7 @@ import hashlib
 import os
 import sys
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit.program import bytes_v1
 from kvaudit.program.bytes_v1 import RECORD, max_prompt
 from kvaudit.program.generate import make_op, weighted_kinds
@@ -152,7 +152,7 @@ def _encode_v2(op: Op, r: frozenset, table: tuple[str, ...], mp: int) -> bytes:
     return rec
 
 
-def program_from_bytes(data: bytes, config: EngineConfig, max_ops: int = 24) -> list[Op]:
+def program_from_bytes(data: bytes, config: TargetConfig, max_ops: int = 24) -> list[Op]:
     """Decode ``data`` into a valid program for ``config`` (see the module docstring for the layouts;
     the version is read from ``data``: :func:`version_of`).
 
@@ -166,7 +166,7 @@ def program_from_bytes(data: bytes, config: EngineConfig, max_ops: int = 24) -> 
     return ops
 
 
-def program_to_bytes(program: list[Op], config: EngineConfig, version: int = DEFAULT_VERSION) -> bytes:
+def program_to_bytes(program: list[Op], config: TargetConfig, version: int = DEFAULT_VERSION) -> bytes:
     """The bytes that :func:`program_from_bytes` decodes back into ``program`` (with a final ``idle()``
     appended when ``program`` does not end with one), in layout ``version`` (a version 2 input
     starts with :data:`V2_MAGIC`; unused argument bytes are zero). Raises ``ValueError`` for an op
@@ -190,7 +190,7 @@ def program_to_bytes(program: list[Op], config: EngineConfig, version: int = DEF
 
 # --- seed corpora ---------------------------------------------------------------------------------
 
-def hand_seeds(config: EngineConfig, version: int = 1) -> list[list[Op]]:
+def hand_seeds(config: TargetConfig, version: int = 1) -> list[list[Op]]:
     """A few short programs every corpus starts from (each decodable for ``config`` in layout
     ``version``; version 2's add the ops and arguments version 1 cannot write)."""
     seeds = [[Submit(0, 4, 2), Idle()], [HealthCheck(), Idle()], [Submit(0, 4, 4), Step(1), Abort(0), Idle()],
@@ -214,11 +214,13 @@ def hand_seeds(config: EngineConfig, version: int = 1) -> list[list[Op]]:
     return seeds
 
 
-def seed_programs(preset: str, regressions_dir: str, version: int = 1) -> list[tuple[str, list[Op], EngineConfig]]:
+def seed_programs(preset: str, regressions_dir: str, version: int = 1) -> list[tuple[str, list[Op], TargetConfig]]:
     """``(name, program, config)`` of every seed for ``preset``: the programs of the regression
     reproducers in ``regressions_dir`` whose ``config.preset`` is ``preset``, then :func:`hand_seeds`
     of ``version``."""
-    from engine_under_test import get_preset
+    from kvaudit.targets import registry
+
+    get_preset = registry.get("eut").preset  # atheris instruments the built-in engine only
     from kvaudit.replay import load
 
     out = []
@@ -239,7 +241,9 @@ def write_seeds(out_dir: str, regressions_dir: str) -> list[str]:
     ``out_dir/<preset>/v2-<name>-<sha1[:8]>`` (version 2) for every preset (stale files of those
     directories are removed first; an input already written for the preset under another name is
     skipped; a program version 1 cannot write has no version 1 seed); returns the paths written."""
-    from engine_under_test import PRESETS
+    from kvaudit.targets import registry
+
+    PRESETS = registry.get("eut").presets()
 
     written = []
     for preset in PRESETS:

@@ -224,9 +224,9 @@ def resolve_submit(op, vocab_size: int, max_new_cap: int, prompt_cap: int | Call
     (prompt + output so far of ``pick(op.extends, submitted)``) and truncated to ``cap`` tokens, and
     the session ``pick(op.session, sessions)``. ``stop_at`` is passed as the op holds it.
 
-    The targets' limits: the built-in engine (``kvaudit/targets/eut.py``) ``max_new_cap =
-    context_len // 2``, ``prompt_cap = context_len - max_new``; real SGLang
-    (``kvaudit/targets/sglang_target.py``) ``context_len // 4`` and ``context_len // 2``."""
+    The targets' limits: the built-in engine (``kvaudit/targets/eut/target.py``) ``max_new_cap =
+    context_len // 2``, ``prompt_cap = context_len - max_new``; the real-SGLang driver
+    (``kvaudit/targets/sglang/intake.py``) ``context_len // 4`` and ``context_len // 2``."""
     max_new = max(1, min(op.max_new_tokens, max_new_cap))
     cap = prompt_cap(max_new) if callable(prompt_cap) else prompt_cap
     prompt = prompt_tokens(op.family, max(1, min(op.prompt_len, cap)), vocab_size)

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Callable
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit import replay
 from kvaudit.program.bytes_program import V2_MAGIC, max_len
 from kvaudit.data import data_path
@@ -129,7 +129,7 @@ def harness_command(corpus_dir: str, seed_dir: str | None, max_time: float, seed
     return cmd + list(extra)
 
 
-def harness_env(config: EngineConfig, findings_dir: str, stats_dir: str | None = None,
+def harness_env(config: TargetConfig, findings_dir: str, stats_dir: str | None = None,
                 suppressions_path: str | None = None, known_path: str | None = None, max_ops: int = 24,
                 base: dict | None = None) -> dict:
     """The environment of a harness run (``base``: default ``os.environ``). This interpreter's
@@ -214,7 +214,7 @@ def _clear(directory: str) -> None:
             os.unlink(os.path.join(directory, name))
 
 
-def atheris_search(config: EngineConfig, max_time: float, seed: int, stats: FuzzStats,
+def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: FuzzStats,
                    on_progress: Callable[[FuzzStats], None] | None = None, corpus_dir: str | None = None,
                    workers: int = 1, suppressions_path: str | None = None, known=frozenset(),
                    work_dir: str | None = None, use_seeds: bool = True, max_ops: int = 24,
@@ -232,7 +232,7 @@ def atheris_search(config: EngineConfig, max_time: float, seed: int, stats: Fuzz
 
     Updates ``stats.executions`` (libFuzzer's count, or the harness processes' own total when that
     is ahead), ``stats.ops`` (ops run, summed over harness processes), ``stats.coverage`` (a
-    string, ``"345 edges"``: libFuzzer's ``cov:``, engine_under_test's instrumented edges) and adds
+    string, ``"345 edges"``: libFuzzer's ``cov:``, the built-in engine's instrumented edges) and adds
     suppressed signatures to ``stats.suppressed``; calls ``on_progress(stats)`` at most every
     0.25 s and once at the end. The harness runs until ``max_time`` plus its start-up and
     libFuzzer's wrap-up; it is stopped (process group: SIGINT, then SIGKILL) at ``max_time +

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky, FlakyFailure
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.audit.findings import Finding
 from kvaudit.search.minimize import minimize
@@ -86,7 +86,7 @@ class FuzzStats:
 class Crash:
     """A confirmed, minimized finding: the program reproduces ``finding.signature`` K of K times."""
 
-    config: EngineConfig
+    config: TargetConfig
     program: list[Op]
     findings: list[Finding]  # the primary finding first, then others the same op produced
     original_length: int
@@ -122,7 +122,7 @@ class _Recorder:
 SWARM_KINDS = ("submit", "health_check", "abort", "flush_cache", "memory_pressure", "sessions", "pause")
 
 
-def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
+def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
     reach = program_reach(config)  # ops and arguments the target gives meaning to
 
     def enabled(kind: str):
@@ -228,7 +228,7 @@ def _machine(config: EngineConfig, rec: _Recorder, max_prompt: int, suppressions
     return ProgramMachine
 
 
-def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS,
+def confirm(config: TargetConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS,
             suppressions=None) -> int:
     """How many of ``runs`` fresh replays yield ``signature`` (with ``suppressions``, a
     :class:`kvaudit.audit.suppress.SuppressionSet`, left out of each)."""
@@ -236,7 +236,7 @@ def confirm(config: EngineConfig, program: list[Op], signature: str, runs: int =
                for _ in range(runs))
 
 
-def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressions=None,
+def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressions=None,
            on_phase: Callable[[str], None] | None = None) -> Crash | None:
     """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K.
     ``suppressions`` applies to every run, so the crash keeps an unsuppressed signature and lists
@@ -278,7 +278,7 @@ def triage(config: EngineConfig, program: list[Op], finding: Finding, suppressio
                  timeline=record(config, small, suppressions=suppressions))
 
 
-def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,
+def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, stats: FuzzStats,
                       on_progress: Callable[[FuzzStats], None] | None = None,
                       batch_examples: int = 100, max_steps: int = 16,
                       suppressions=None, known: frozenset[str] = frozenset(), database: str | None = None,
@@ -331,7 +331,7 @@ def hypothesis_search(config: EngineConfig, max_time: float, seed_value: int, st
     return None
 
 
-def random_search(config: EngineConfig, max_time: float, seed_value: int, stats: FuzzStats,
+def random_search(config: TargetConfig, max_time: float, seed_value: int, stats: FuzzStats,
                   on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
                   known: frozenset[str] = frozenset(), min_ops: int = 4, max_ops: int = 24,
                   ) -> tuple[list[Op], list[Finding]] | None:

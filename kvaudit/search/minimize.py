@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from engine_under_test import EngineConfig
+from kvaudit.config import TargetConfig
 from kvaudit.program import Op, Step
 from kvaudit.program.schema import OPS, optional_defaults
 from kvaudit.audit.runner import execute
 
 
-def reproduces(config: EngineConfig, program: list[Op], signature: str, suppressions=None) -> bool:
+def reproduces(config: TargetConfig, program: list[Op], signature: str, suppressions=None) -> bool:
     return signature in execute(config, program, full_stacks=False, suppressions=suppressions).signatures
 
 
@@ -132,7 +132,7 @@ class Interrupted(KeyboardInterrupt):
         self.smallest = smallest
 
 
-def minimize(config: EngineConfig, program: list[Op], signature: str, suppressions=None) -> list[Op]:
+def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None) -> list[Op]:
     """The smallest program found that still yields ``signature``. Raises ``ValueError`` if the
     input program does not reproduce it, and :class:`Interrupted` (a KeyboardInterrupt that carries
     the smallest program so far) when interrupted. With ``suppressions`` (a
