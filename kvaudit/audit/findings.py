@@ -33,11 +33,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-KINDS = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv", "accounting-drift", "lock-imbalance",
-         "liveness", "hang", "crash")
-# Kinds about a pool's counters or the engine's progress, not about one allocation: their
-# signature names what was checked instead of an allocation site.
-NO_SITE_KINDS = {"accounting-drift": "identity", "hang": "idle", "liveness": "progress"}
+from kvaudit.audit import kinds as _kinds
+
+KINDS, NO_SITE_KINDS = _kinds.KINDS, _kinds.NO_SITE_KINDS  # the finding kinds' one table
 
 
 # the directory holding the kvaudit package, and the built-in engine and the examples beside it

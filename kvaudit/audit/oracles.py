@@ -25,12 +25,12 @@ from __future__ import annotations
 import numpy as np
 
 from kvaudit.audit.findings import Finding
+from kvaudit.audit.kinds import ORDER
 from kvaudit.audit.hooks import Auditor
 from kvaudit.targets.base import DEFAULT_IDENTITY, LockImbalance
 
 
-KIND_ORDER = ("use-after-free", "double-free", "stale-kv", "aliasing", "leak", "lock-imbalance", "accounting-drift",
-              "liveness", "hang", "crash")
+KIND_ORDER = ORDER  # root causes first (kvaudit.audit.kinds)
 
 
 def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False) -> list[Finding]:

@@ -43,6 +43,7 @@ from urllib.parse import quote
 
 import kvaudit
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.audit.kinds import TABLE as KIND_TABLE
 from kvaudit.audit.frames import Frame, resolve
 
 if TYPE_CHECKING:
@@ -57,74 +58,9 @@ BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec al
 
 # ----------------------------------------------------------------------------- rules
 
-_MEMORY_SAFETY = ("leak", "use-after-free", "double-free", "aliasing", "stale-kv", "lock-imbalance")
-
-# kind -> (name, shortDescription, fullDescription, level, tags). Kinds about memory safety
-# are errors; accounting drift (memory intact, the counters wrong, sometimes the checker
-# itself), liveness and hang (judged against step budgets) are warnings.
+# kind -> (name, shortDescription, fullDescription, level, tags): the finding kinds' own table
 _RULES: dict[str, tuple[str, str, str, str, tuple[str, ...]]] = {
-    "leak": (
-        "Leak", "KV-cache memory leaked: allocated units that no live owner references",
-        "Token slots, pages or request rows were allocated from a KV-cache pool and are no longer "
-        "reachable from any of the engine's roots (live requests, session slots, the radix tree, "
-        "in-flight copies), yet were never freed. An indirect leak is reachable only from another "
-        "leaked unit, as in LeakSanitizer. Each leak shrinks the pool for good, until the engine "
-        "stalls or rejects requests.",
-        "error", ("memory-safety", "leak")),
-    "use-after-free": (
-        "UseAfterFree", "A live owner references KV-cache units that the pool holds as free",
-        "A live request, session slot or radix-tree node references units that have already been "
-        "returned to the pool. The allocator can hand them to another request, whose KV then "
-        "overwrites the first one's, or the first one's writes corrupt the second's.",
-        "error", ("memory-safety", "use-after-free")),
-    "double-free": (
-        "DoubleFree", "KV-cache units freed while already free",
-        "Units were returned to their pool while they were already free. The free list then holds "
-        "them twice, so two requests can later be given the same slots, and the pool's available "
-        "count exceeds its size.",
-        "error", ("memory-safety", "double-free")),
-    "aliasing": (
-        "Aliasing", "KV-cache units privately owned by two owners at once",
-        "The same units are held privately (not shared through the radix tree) by two owners, so "
-        "one owner's writes or free corrupt the other's KV.",
-        "error", ("memory-safety", "aliasing")),
-    "stale-kv": (
-        "StaleKv", "A request read KV written for another prefix, or never written",
-        "A request attended to KV-cache slots whose content was written for a different token "
-        "prefix, or was never written at all: the model silently computes with wrong keys and "
-        "values. Found by kvaudit's shadow content tags, checked on every KV read.",
-        "error", ("memory-safety", "correctness", "stale-kv")),
-    "accounting-drift": (
-        "AccountingDrift", "A pool's accounting identity or counters disagree with its memory",
-        "SGLang's accounting identity available + evictable + protected + session_held + "
-        "uncached == total, one of the engine's counters, or the engine's own check_memory() fails "
-        "while every allocated unit is reachable: memory is intact, but the numbers the scheduler "
-        "admits and evicts by are wrong (or the check itself is).",
-        "warning", ("correctness", "accounting")),
-    "lock-imbalance": (
-        "LockImbalance", "A radix-tree node's lock_ref does not match its live holders",
-        "At idle, a radix-tree node's lock_ref differs from the number of live holders (requests, "
-        "session slots, in-flight HiCache copies). A leaked lock keeps its tokens protected, and "
-        "so unevictable, forever, while the accounting identity still balances.",
-        "error", ("memory-safety", "leak", "lock-ref")),
-    "liveness": (
-        "Liveness", "A request holding KV, or aborted, made no progress",
-        "A request that holds KV memory, or that was aborted, made no progress for the liveness "
-        "budget of scheduler steps: a parked request nobody schedules, or an abort that never "
-        "ends its request, keeps its memory forever.",
-        "warning", ("liveness",)),
-    "hang": (
-        "Hang", "The engine never became idle",
-        "idle() did not reach quiescence within its step budget: work stays queued with no way "
-        "to finish it. (A wait for memory that open sessions hold is not reported: SGLang waits "
-        "too.)",
-        "warning", ("liveness", "hang")),
-    "crash": (
-        "Crash", "The engine raised an exception",
-        "The engine raised an exception while running the program; the finding carries the "
-        "exception and its traceback.",
-        "error", ("crash",)),
-}
+    k.name: (k.rule, k.short, k.full, k.level, k.tags) for k in KIND_TABLE}
 
 
 def _rule(kind: str) -> dict:
