@@ -262,7 +262,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     console.print(line, soft_wrap=True)
     if s.executions == 0 and not result.interrupted:
         err.print("warning: no program ran: the workers spent the budget starting up (importing a real engine "
-                  "such as SGLang takes about 6 s per worker); raise --max-time", soft_wrap=True)
+                  "can take seconds per worker); raise --max-time", soft_wrap=True)
     extra = {"fuzzer": fuzzer, "seed": seed, "workers": workers, "executions": s.executions, "ops": s.ops,
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:

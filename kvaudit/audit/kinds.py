@@ -63,10 +63,10 @@ TABLE: tuple[FindingKind, ...] = (
     FindingKind(
         "accounting-drift", 6, "identity", "AccountingDrift",
         "A pool's accounting identity or counters disagree with its memory",
-        "SGLang's accounting identity available + evictable + protected + session_held + uncached == "
-        "total, one of the engine's counters, or the engine's own check_memory() fails while every "
-        "allocated unit is reachable: memory is intact, but the numbers the scheduler admits and "
-        "evicts by are wrong (or the check itself is).",
+        "The target's accounting identity (by default available + evictable + protected + "
+        "session_held + uncached == total), one of the engine's counters, or the engine's own "
+        "check_memory() fails while every allocated unit is reachable: memory is intact, but the "
+        "numbers the scheduler admits and evicts by are wrong (or the check itself is).",
         "warning", ("correctness", "accounting")),
     FindingKind(
         "lock-imbalance", 5, None, "LockImbalance",
@@ -86,7 +86,7 @@ TABLE: tuple[FindingKind, ...] = (
         "hang", 8, "idle", "Hang",
         "The engine never became idle",
         "idle() did not reach quiescence within its step budget: work stays queued with no way to "
-        "finish it. (A wait for memory that open sessions hold is not reported: SGLang waits too.)",
+        "finish it. (A wait for memory that open sessions hold is not reported: a serving engine waits too.)",
         "warning", ("liveness", "hang")),
     FindingKind(
         "crash", 9, None, "Crash",

@@ -8,8 +8,8 @@ Reachability is a mark and sweep over the target's roots, per pool, against the 
 
 Leaks are *direct* or *indirect* (reachable only from a leaked request row), as in LeakSanitizer.
 
-The accounting identity is SGLang's ``available + evictable + protected + session_held + uncached
-== total`` (``invariant_checker.py``), with ``uncached`` and ``session_held`` taken from kvaudit's
+The accounting identity is the target's own (``Target.identity_terms``), by default SGLang's
+``available + evictable + protected + session_held + uncached == total`` (``invariant_checker.py``), with ``uncached`` and ``session_held`` taken from kvaudit's
 own marks of live requests and session slots, never from the engine; each of the engine's terms
 is also checked against the structure it describes (``available`` against the ledger,
 ``session_held`` against the session roots, and what the target's ``recount()`` gives: the tree's

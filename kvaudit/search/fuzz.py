@@ -321,7 +321,7 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
         except Flaky:
             # FlakyStrategyDefinition and kin: a case that behaved differently on a rerun. The engine
             # is deterministic, the clock is not (the budget's end turns ops into no-ops, and the
-            # watchdog cuts a slow step): seen once at a budget's end on sglang-session, where it
+            # watchdog cuts a slow step): seen once at a budget's end on a real-engine preset, where it
             # ended the search as an internal error. The batch is lost, not the search.
             if rec.last_failure is not None:
                 return rec.last_failure
