@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from engine_under_test import EngineConfig
+from kvaudit.targets.eut.presets import EutConfig
 from kvaudit.audit import oracles
 from kvaudit.audit.hooks import Auditor
 from kvaudit.program import prompt_tokens
@@ -25,7 +25,7 @@ from kvaudit.targets.eut import EutTarget
 
 
 def build(slots: int, requests: int, prompt: int, max_new: int) -> tuple[EutTarget, Auditor]:
-    cfg = EngineConfig(num_slots=slots, max_req_rows=requests, max_running_requests=requests,
+    cfg = EutConfig(num_slots=slots, max_req_rows=requests, max_running_requests=requests,
                        context_len=prompt + max_new + 8, vocab_size=1024, preset="audit-scale")
     target = EutTarget(cfg)
     auditor = Auditor(target, full_stacks=False)

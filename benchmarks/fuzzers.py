@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engine_under_test import get_preset
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.search.campaign import FUZZERS, run_campaign
 
 

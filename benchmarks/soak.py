@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from engine_under_test import PRESETS, get_preset
+from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit.program import ContinueGeneration, Idle, Step, format_program, random_program
 from kvaudit.targets import program_features
 from kvaudit.targets.eut import EutTarget

@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from engine_under_test import PRESETS, get_preset
+from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit.program import random_program
 from kvaudit.search.bench import run_programs
 

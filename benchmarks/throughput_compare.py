@@ -29,7 +29,10 @@ MODES = ("bare", "ledger", "hooks", "hooks-full", "audit", "audit-full")
 MEASURE = r"""
 import json, sys, torch
 torch.set_num_threads(1)
-from engine_under_test import get_preset
+try:  # (the presets moved from the engine to kvaudit in issue 19)
+    from kvaudit.targets.eut.presets import get_preset
+except ImportError:
+    from engine_under_test import get_preset
 from kvaudit.program import program_from_json
 try:
     from kvaudit.search.bench import run_programs

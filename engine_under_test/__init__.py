@@ -1,14 +1,15 @@
 """engine_under_test: a small, readable SGLang-style decode engine with a switchable bug zoo.
 
-It never imports kvaudit. Start with :class:`Scheduler` and :func:`get_preset`.
+It never imports kvaudit. Start with :class:`Scheduler` and :class:`EngineConfig` (kvaudit keeps
+named configurations of it: ``kvaudit/targets/eut/presets.py``).
 
-The configuration (presets, the bug zoo) imports without torch; the memory pools, the radix cache
+The configuration (and the bug zoo) imports without torch; the memory pools, the radix cache
 and the scheduler are imported on first use (PEP 562), so that a command line that only lists
 presets or prints its help starts in a fraction of a second.
 """
 
 from engine_under_test.bugs import BUGS, BugInfo, UnknownBugError
-from engine_under_test.config import PRESETS, EngineConfig, Preset, UnknownPresetError, get_preset
+from engine_under_test.config import EngineConfig
 
 # name -> the submodule that defines it (these import torch)
 _LAZY = {
@@ -19,8 +20,7 @@ _LAZY = {
     "PoolCheck": "scheduler_invariant_checker_mixin", "Scheduler": "scheduler",
 }
 
-__all__ = ["BUGS", "BugInfo", "UnknownBugError", "PRESETS", "EngineConfig", "Preset", "UnknownPresetError",
-           "get_preset", *_LAZY]
+__all__ = ["BUGS", "BugInfo", "UnknownBugError", "EngineConfig", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""Engine configuration and named presets.
+"""Engine configuration.
 
 Modelled on the server arguments of SGLang 0.5.x (``srt/server_args.py``) that shape memory:
 pool size, page size, batch limits, disaggregation mode and HiSparse.
@@ -6,7 +6,6 @@ pool size, page size, batch limits, disaggregation mode and HiSparse.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from engine_under_test.bugs import BUGS, UnknownBugError
@@ -32,51 +31,8 @@ _INT_RANGES = {
 }
 
 
-class UnknownPresetError(ValueError):
-    """Raised for a preset name that is not in :data:`PRESETS`."""
-
-
-class ConfigBase:
-    """What every target's config shares: a frozen dataclass with ``num_slots``, ``page_size`` and a
-    ``bugs`` set, and its JSON form (a replay file's ``config``). ``BUGS_NOUN`` names the bugs in errors."""
-
-    BUGS_NOUN = "bug names"
-
-    @property
-    def num_pages(self) -> int:
-        """Device KV pages, excluding the reserved page 0."""
-        return self.num_slots // self.page_size
-
-    @property
-    def total_tokens(self) -> int:
-        """Usable device KV slots (``max_total_num_tokens``), whole pages only."""
-        return self.num_pages * self.page_size
-
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["bugs"] = sorted(self.bugs)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        """Build a config from :meth:`to_dict` output. Raises ``TypeError``/``ValueError`` on bad keys."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown config key {unknown[0]!r}")
-        d = dict(d)
-        if "bugs" in d:
-            if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
-                raise ValueError(f"bugs must be a list of {cls.BUGS_NOUN}")
-            d["bugs"] = frozenset(d["bugs"])
-        return cls(**d)
-
-
 @dataclass(frozen=True)
-class EngineConfig(ConfigBase):
+class EngineConfig:
     """Everything that decides how the engine allocates and releases memory.
 
     Sizes are in tokens unless the name says otherwise. ``num_slots`` is the device KV pool
@@ -195,70 +151,12 @@ class EngineConfig(ConfigBase):
     def is_pd_decode(self) -> bool:
         return self.disaggregation_mode == "decode"
 
+    @property
+    def num_pages(self) -> int:
+        """Device KV pages, excluding the reserved page 0."""
+        return self.num_slots // self.page_size
 
-
-@dataclass(frozen=True)
-class Preset:
-    """A named configuration: ``overrides`` on the defaults of ``config_class`` (a frozen dataclass
-    with a ``preset`` field; :class:`EngineConfig` unless a target brings its own)."""
-
-    name: str
-    description: str
-    overrides: dict
-    config_class: type = EngineConfig
-
-    def config(self, **changes):
-        return self.config_class(preset=self.name, **{**self.overrides, **changes})
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in [
-        Preset("default", "aggregated serving, page 1, radix cache on", {}),
-        Preset("chunked", "chunked prefill of 32 tokens: long prompts park between chunks as chunked_req",
-               {"chunked_prefill_size": 32}),
-        Preset("mixed-chunk", "chunked prefill with mixed chunk: prefill and decode rows in one batch",
-               {"chunked_prefill_size": 64, "enable_mixed_chunk": True}),
-        Preset("retract", "a small paged pool and optimistic admission: decode runs out and retracts",
-               {"page_size": 4, "num_slots": 128, "new_token_ratio": 0.0}),
-        Preset("overlap", "overlap scheduling: each batch's result is processed one step after it ran",
-               {"enable_overlap": True}),
-        Preset("paged", "aggregated serving with 16-token pages: page-aligned radix keys, private partial pages",
-               {"page_size": 16, "num_slots": 1024}),
-        Preset(
-            "pd-decode",
-            "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off; 1 running",
-            {"disaggregation_mode": "decode", "disable_radix_cache": True, "max_running_requests": 1},
-        ),
-        Preset("pd-decode-radix", "PD decode with the decode-side radix cache: prefix hits locked, only the suffix "
-               "transferred, the tree evicted for pre-allocation; small pool",
-               {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True, "num_slots": 128,
-                "max_running_requests": 2}),
-        Preset(
-            "pd-decode-hisparse",
-            "PD decode with HiSparse: logical ids, per-request device buffer and host pool",
-            {"disaggregation_mode": "decode", "disable_radix_cache": True, "enable_hisparse": True,
-             "num_slots": 256},
-        ),
-        Preset("hisparse", "aggregated HiSparse: prefill, staging to host, per-request device buffer; tree off",
-               {"enable_hisparse": True, "disable_radix_cache": True, "num_slots": 256}),
-        Preset("streaming-session", "streaming sessions with overlap: a session slot keeps each turn's KV; context 64",
-               {"enable_streaming_session": True, "enable_overlap": True, "context_len": 64}),
-        Preset("hicache", "HiCache write-through host tier under a small device pool: demote, load back, acks",
-               {"enable_hicache": True, "num_slots": 128}),
-        Preset("priority", "priority scheduling: queue by priority, preemption past a gap of 1, 3 running, "
-                           "at most 4 waiting",
-               {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
-                "max_running_requests": 3, "max_queued_requests": 4}),
-    ]
-}
-
-
-def get_preset(name: str) -> Preset:
-    """Return the preset called ``name``. Raises :class:`UnknownPresetError`."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise UnknownPresetError(
-            f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}"
-        ) from None
+    @property
+    def total_tokens(self) -> int:
+        """Usable device KV slots (``max_total_num_tokens``), whole pages only."""
+        return self.num_pages * self.page_size

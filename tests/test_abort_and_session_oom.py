@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_under_test import FinishReason, Scheduler, get_preset
+from engine_under_test import FinishReason, Scheduler
+
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.program import Abort, CloseSession, Idle, OpenSession, Step, Submit
 from kvaudit.audit.runner import AuditedRun
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from engine_under_test import PRESETS, get_preset
+from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit import replay
 from kvaudit.search.atheris_fuzz import HARNESS, SEEDS_DIR, _Monitor, atheris_search, harness_command, harness_env
 from kvaudit.program.bytes_program import (V2_MAGIC, max_len, program_from_bytes, program_to_bytes, write_seeds)

@@ -12,7 +12,7 @@ import time
 import pytest
 from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 
-from engine_under_test import PRESETS, get_preset
+from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit import replay
 from kvaudit.search.campaign import known_signatures, run_campaign
 from kvaudit.search.fuzz import SWARM_KINDS, FuzzStats, hypothesis_search, random_search

@@ -9,7 +9,9 @@ import subprocess
 import pytest
 from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 
-from engine_under_test import BUGS, PRESETS
+from engine_under_test import BUGS
+
+from kvaudit.targets.eut.presets import PRESETS
 from kvaudit.replay import FORMAT
 
 BUG = "hisparse-prebuilt-skip-finish"
@@ -384,7 +386,7 @@ def test_a_replay_file_with_bad_fields_is_one_line(tmp_path, edit, words):
 def test_an_interrupt_swallowed_by_a_callback_still_stops_the_next_op():
     """The CLI's SIGINT handler also sets runner.INTERRUPTED: the next op raises KeyboardInterrupt
     even if the first one was swallowed (Python ignores exceptions raised in gc callbacks)."""
-    from engine_under_test import get_preset
+    from kvaudit.targets.eut.presets import get_preset
     from kvaudit.program import Submit
     from kvaudit.audit.runner import INTERRUPTED, AuditedRun
 

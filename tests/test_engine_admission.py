@@ -9,7 +9,9 @@ something outside the running batch holds (a session, another server's pin), pla
 
 import pytest
 
-from engine_under_test import FinishReason, Scheduler, get_preset
+from engine_under_test import FinishReason, Scheduler
+
+from kvaudit.targets.eut.presets import get_preset
 from test_engine_paths import assert_clean_idle, outputs
 
 

@@ -15,7 +15,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_under_test import BUGS, PRESETS, FinishReason, PoolIntegrityError, Scheduler, get_preset
+from engine_under_test import BUGS, FinishReason, PoolIntegrityError, Scheduler
+
+from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit.program import (PAUSE_MODES, Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, PauseGeneration,
                              Step, Submit)
 from kvaudit.audit.runner import LIVENESS_STEPS, AuditedRun, execute

@@ -4,7 +4,9 @@
 
 import pytest
 
-from engine_under_test import FinishReason, Scheduler, get_preset
+from engine_under_test import FinishReason, Scheduler
+
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.targets import program_features
 from test_engine_paths import assert_clean_idle, outputs
 

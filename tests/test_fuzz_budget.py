@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine_under_test import get_preset
+from kvaudit.targets.eut.presets import get_preset
 from engine_under_test.scheduler import Scheduler
 from kvaudit.search import fuzz
 from kvaudit.audit import runner

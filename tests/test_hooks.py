@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine_under_test import ReqToTokenPool, TokenToKVPoolAllocator, get_preset
+from engine_under_test import ReqToTokenPool, TokenToKVPoolAllocator
+
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit.hooks import Auditor
 from kvaudit.program import Submit
 from kvaudit.targets.eut import EutTarget

@@ -3,7 +3,7 @@ blamed is the one whose holder is gone, device locks and HiCache host pins alike
 
 import pytest
 
-from engine_under_test import get_preset
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit.locks import LockLedger
 from kvaudit.program import Idle, Step, Submit
 from kvaudit.audit.runner import AuditedRun

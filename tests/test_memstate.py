@@ -3,7 +3,7 @@
 import pytest
 from rich.console import Console
 
-from engine_under_test import get_preset
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit.findings import Finding
 from kvaudit.program import Idle, Step, Submit
 from kvaudit.reports.report import finding_renderable

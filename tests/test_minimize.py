@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_under_test import get_preset
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.search.minimize import ddmin, minimize, reproduces, simplify_args
 from kvaudit.program import Abort, HealthCheck, Idle, MemoryPressure, Step, Submit
 from kvaudit.audit.runner import execute

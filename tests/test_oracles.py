@@ -7,7 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from engine_under_test import Scheduler, get_preset
+from engine_under_test import Scheduler
+
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.audit import oracles
 from kvaudit.program import Abort, FlushCache, HealthCheck, Idle, Step, Submit, random_program
 from kvaudit.audit.runner import AuditedRun, execute

@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-from engine_under_test import EngineConfig, FinishReason, Scheduler, get_preset
+from engine_under_test import EngineConfig, FinishReason, Scheduler
+
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.program import Idle, Step, Submit, TransferFail, prompt_tokens
 from kvaudit.audit.runner import AuditedRun
 

@@ -12,7 +12,9 @@ import random
 
 import pytest
 
-from engine_under_test import FinishReason, Scheduler, get_preset
+from engine_under_test import FinishReason, Scheduler
+
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.program.bytes_program import program_from_bytes, program_to_bytes
 from kvaudit.program.bytes_v1 import op_kinds
 from kvaudit.program import (Idle, Step, Submit, TransferFail, format_program, program_from_json, program_to_json,

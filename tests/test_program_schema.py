@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from engine_under_test import get_preset
+from kvaudit.targets.eut.presets import get_preset
 from kvaudit.search import fuzz
 from kvaudit.program import OP_TYPES, Submit, random_program
 from kvaudit.program.bytes_program import V2_MAGIC, program_from_bytes, program_to_bytes, version_of
@@ -172,7 +172,7 @@ def test_generators_keep_to_the_target(preset, monkeypatch):
 def test_version_1_decoding_is_unchanged():
     """The programs of every shipped v1 seed and of fixed random inputs, as the decoder wrote them
     before version 2 (recorded from that code into tests/data/bytes_v1_programs.json)."""
-    from engine_under_test import PRESETS
+    from kvaudit.targets.eut.presets import PRESETS
     from kvaudit.program import program_to_json
 
     want = json.load(open(DATA))

@@ -184,7 +184,7 @@ def test_timeline_of_a_leak_shows_the_leaked_slot_from_the_detection_step_on():
 
 def test_timeline_terms_add_up_to_the_total_when_nothing_is_wrong():
     from kvaudit.program import Abort, Idle, Step, Submit
-    from engine_under_test import get_preset
+    from kvaudit.targets.eut.presets import get_preset
 
     config = get_preset("default").config()
     program = [Submit(0, 40, 6), Submit(1, 30, 8), Step(3), Abort(0), Submit(0, 50, 4, extends=1), Idle()]
@@ -422,7 +422,7 @@ def test_lone_surrogates_and_huge_integers_are_input_errors(tmp_path):
 
 
 def test_timelines_are_thinned_to_a_bounded_size(monkeypatch):
-    from engine_under_test import get_preset
+    from kvaudit.targets.eut.presets import get_preset
     from kvaudit.program import Idle, Step, Submit
 
     monkeypatch.setattr(timeline, "MAX_POINTS", 12)
@@ -462,7 +462,8 @@ def test_duplicate_signatures_are_one_section_and_one_sarif_result(tmp_path):
 
 def test_a_tree_insert_past_kv_committed_len_shows_the_insert_stack(monkeypatch):
     """Issue 16 item 8: the report locates the over-insert at the insert, not at an allocation."""
-    from engine_under_test import Scheduler, get_preset
+    from engine_under_test import Scheduler
+    from kvaudit.targets.eut.presets import get_preset
     from kvaudit.program import Idle, Submit
     from kvaudit.audit.runner import execute
     checkpoint = Scheduler.checkpoint_kv_cache_into_tree

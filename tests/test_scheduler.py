@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
-from engine_under_test import FinishReason, Req, Scheduler, get_preset
+from engine_under_test import FinishReason, Req, Scheduler
+
+from kvaudit.targets.eut.presets import get_preset
 from engine_under_test.req import HEALTH_CHECK_RID_PREFIX
 
 EOS = 1

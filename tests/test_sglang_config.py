@@ -43,7 +43,7 @@ def test_config_round_trips_and_dispatches_on_target():
     d = json.loads(json.dumps(cfg.to_dict()))
     assert d["target"] == "sglang"
     assert config_from_dict(d) == cfg
-    assert type(config_from_dict({"preset": "default"})).__name__ == "EngineConfig"
+    assert type(config_from_dict({"preset": "default"})).__name__ == "EutConfig"  # the built-in engine's
 
 
 @pytest.mark.parametrize("bad, match", [

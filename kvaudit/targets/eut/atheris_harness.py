@@ -13,7 +13,7 @@ The file is executable with a shebang because libFuzzer's ``-fork``, ``-jobs`` a
 configuration comes from the environment, which those child processes inherit:
 
 ``KVAUDIT_CONFIG``
-    the engine config: JSON of ``EngineConfig.to_dict()``, or a preset name (default: ``default``)
+    the engine config: JSON of ``EutConfig.to_dict()``, or a preset name (default: ``default``)
 ``KVAUDIT_BUGS``
     optional, comma-separated bug-zoo switches added to the config's (handy with a preset name)
 ``KVAUDIT_FINDINGS_DIR``
@@ -81,12 +81,13 @@ def _die(msg: str) -> None:
 
 
 def _config():
-    from engine_under_test import EngineConfig, UnknownBugError, UnknownPresetError, get_preset
+    from engine_under_test import UnknownBugError
+    from kvaudit.targets.eut.presets import EutConfig, UnknownPresetError, get_preset
 
     raw = os.environ.get("KVAUDIT_CONFIG", "").strip() or "default"
     bugs = frozenset(b.strip() for b in os.environ.get("KVAUDIT_BUGS", "").split(",") if b.strip())
     try:
-        config = EngineConfig.from_dict(json.loads(raw)) if raw.startswith("{") else get_preset(raw).config()
+        config = EutConfig.from_dict(json.loads(raw)) if raw.startswith("{") else get_preset(raw).config()
         return config.replace(bugs=config.bugs | bugs) if bugs else config
     except (ValueError, TypeError, UnknownBugError, UnknownPresetError) as e:  # JSONDecodeError is a ValueError
         _die(f"bad KVAUDIT_CONFIG or KVAUDIT_BUGS: {e}")

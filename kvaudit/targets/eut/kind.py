@@ -1,18 +1,17 @@
 """The ``eut`` target kind: the built-in engine, registered with :mod:`kvaudit.targets.registry`.
 
-Imports the engine's configuration only (no torch): its presets, its bug zoo
-(``engine_under_test/bugs.py``) and ``Scheduler`` are read when the registry asks.
+Imports the engine's configuration only (no torch): its config and presets
+(:mod:`kvaudit.targets.eut.presets`); its bug zoo (``engine_under_test/bugs.py``) and ``Scheduler``
+are read when the registry asks.
 """
 
 from __future__ import annotations
 
-from engine_under_test import EngineConfig
-
+from kvaudit.targets.eut.presets import PRESETS, EutConfig
 from kvaudit.targets.registry import TargetKind, register
 
 
 def _presets():
-    from engine_under_test import PRESETS
     return PRESETS
 
 
@@ -48,6 +47,6 @@ def _anchor(kind: str):
 
 
 KIND = register(TargetKind(
-    name="eut", summary="the built-in engine_under_test", config_class=EngineConfig, presets=_presets, make=_make,
+    name="eut", summary="the built-in engine_under_test", config_class=EutConfig, from_dict=lambda d: EutConfig.from_dict({k: v for k, v in d.items() if k != "target"}), presets=_presets, make=_make,
     bugs=_bugs, bugs_title="bug zoo", header=_header, anchor=_anchor, features=_features,
     model_choices=("none", "tiny")))

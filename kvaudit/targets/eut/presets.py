@@ -1,0 +1,73 @@
+"""The built-in engine's config as kvaudit keeps it (:class:`EutConfig`: the engine's
+``EngineConfig`` with the JSON form of a replay file) and its named presets (:data:`PRESETS`).
+Imports no torch: the CLI lists and validates presets without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_under_test import EngineConfig
+from kvaudit.config import ConfigBase, Preset, UnknownPresetError
+
+
+@dataclass(frozen=True)
+class EutConfig(ConfigBase, EngineConfig):
+    """:class:`engine_under_test.EngineConfig` (its fields, defaults and validation, which raises
+    ``ValueError`` or ``UnknownBugError``) with :class:`kvaudit.config.ConfigBase`'s ``to_dict``,
+    ``from_dict`` and ``replace``."""
+
+
+def _preset(name: str, description: str, overrides: dict) -> Preset:
+    return Preset(name, description, overrides, config_class=EutConfig)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        _preset("default", "aggregated serving, page 1, radix cache on", {}),
+        _preset("chunked", "chunked prefill of 32 tokens: long prompts park between chunks as chunked_req",
+               {"chunked_prefill_size": 32}),
+        _preset("mixed-chunk", "chunked prefill with mixed chunk: prefill and decode rows in one batch",
+               {"chunked_prefill_size": 64, "enable_mixed_chunk": True}),
+        _preset("retract", "a small paged pool and optimistic admission: decode runs out and retracts",
+               {"page_size": 4, "num_slots": 128, "new_token_ratio": 0.0}),
+        _preset("overlap", "overlap scheduling: each batch's result is processed one step after it ran",
+               {"enable_overlap": True}),
+        _preset("paged", "aggregated serving with 16-token pages: page-aligned radix keys, private partial pages",
+               {"page_size": 16, "num_slots": 1024}),
+        _preset(
+            "pd-decode",
+            "PD disaggregation, decode side: prealloc -> transfer -> prebuilt -> running; tree off; 1 running",
+            {"disaggregation_mode": "decode", "disable_radix_cache": True, "max_running_requests": 1},
+        ),
+        _preset("pd-decode-radix", "PD decode with the decode-side radix cache: prefix hits locked, only the suffix "
+               "transferred, the tree evicted for pre-allocation; small pool",
+               {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True, "num_slots": 128,
+                "max_running_requests": 2}),
+        _preset(
+            "pd-decode-hisparse",
+            "PD decode with HiSparse: logical ids, per-request device buffer and host pool",
+            {"disaggregation_mode": "decode", "disable_radix_cache": True, "enable_hisparse": True,
+             "num_slots": 256},
+        ),
+        _preset("hisparse", "aggregated HiSparse: prefill, staging to host, per-request device buffer; tree off",
+               {"enable_hisparse": True, "disable_radix_cache": True, "num_slots": 256}),
+        _preset("streaming-session", "streaming sessions with overlap: a session slot keeps each turn's KV; context 64",
+               {"enable_streaming_session": True, "enable_overlap": True, "context_len": 64}),
+        _preset("hicache", "HiCache write-through host tier under a small device pool: demote, load back, acks",
+               {"enable_hicache": True, "num_slots": 128}),
+        _preset("priority", "priority scheduling: queue by priority, preemption past a gap of 1, 3 running, "
+                           "at most 4 waiting",
+               {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
+                "max_running_requests": 3, "max_queued_requests": 4}),
+    ]
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``. Raises :class:`kvaudit.config.UnknownPresetError` naming the valid ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UnknownPresetError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
