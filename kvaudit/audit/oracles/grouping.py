@@ -1,0 +1,30 @@
+"""Findings per allocation site (and per second site: where a leak lost its owner, the premature
+free of a use-after-free), as LeakSanitizer groups by stack."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvaudit.audit.findings import Finding
+from kvaudit.audit.hooks import Auditor
+
+
+def group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str,
+                   second: dict[int, tuple[int, str]] | None = None, into: str = "lost_sites") -> list[Finding]:
+    """One finding per allocation site of ``units`` (LeakSanitizer groups by stack the same way) and,
+    with ``second`` (unit -> (site id, where)), per second site and place too, recorded as the
+    findings' ``into`` stack (``lost_sites``: where a leak lost its owner; ``free_sites``: a
+    premature free) and ``lost_from``."""
+    led = auditor.ledgers[pool]
+    ev_ids = led.last_alloc[units]
+    site_of_unit = [auditor.events[e].site if e >= 0 else -1 for e in ev_ids.tolist()]
+    second = second or {}
+    keys = [(a, *second.get(u, (-1, ""))) for a, u in zip(site_of_unit, units.tolist())]
+    out = []
+    for key in sorted(set(keys)):
+        mine = units[np.array([k == key for k in keys])]
+        f = auditor._unit_finding(kind, pool, mine, msg, alloc_sid=int(key[0]))
+        setattr(f, into, auditor.site(int(key[1])))
+        f.lost_from = key[2]
+        out.append(f)
+    return out

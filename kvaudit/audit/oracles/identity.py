@@ -1,0 +1,95 @@
+"""The accounting identity oracle: each pool's terms add up to its total (the target's own
+terms, :meth:`kvaudit.targets.base.Target.identity_terms`), each engine counter against the structure
+it describes, the engine's free list against the event log, and the engine's own check while every
+other oracle is clean (``accounting-drift``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvaudit.audit.findings import Finding
+from kvaudit.audit.hooks import Auditor
+from kvaudit.targets.base import DEFAULT_IDENTITY
+
+
+def units_count(units: list[np.ndarray], n: int) -> int:
+    mark = np.zeros(n, dtype=bool)
+    for u in units:
+        mark[u] = True
+    return int(np.count_nonzero(mark))
+
+def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None,
+              terms: tuple[str, ...] = DEFAULT_IDENTITY, referenced: np.ndarray | None = None) -> list[Finding]:
+    """The accounting identity with kvaudit's own ``uncached`` and ``session_held``, and each of the
+    engine's counters against the structure it describes: ``available`` against the units the ledger
+    holds as free, ``session_held`` against the units session slots hold privately, and every term
+    the target recounts (``recount``: ``{term: Recount}``, e.g. ``evictable``/``protected`` from the
+    tree's nodes and lock refs) against its recount -- the identity adds ``evictable`` and
+    ``protected`` together, so a leaf booked in the wrong one balances it. At most one finding, whose
+    message gives every check that fails, the recounted counters first (they name the counter).
+    ``terms``: the target's identity (:meth:`kvaudit.targets.base.Target.identity_terms`);
+    ``referenced``: ``[n] bool``, the units some root references (the ``referenced`` term)."""
+    ps, n = led.spec.page_size, led.allocated.size
+    uncached = units_count(req_units, n) * ps
+    held = units_count(session_units, n) * ps
+    lines, checks = [], []
+    if recount:
+        have = {term: getattr(a, term) for term in recount}
+        wrong = [t for t, r in recount.items() if have[t] != r.tokens]
+        if wrong:
+            lines += [f"{recount[t].counter} counter {t}={have[t]} but {recount[t].source} hold "
+                      f"{recount[t].tokens} tokens" for t in wrong]
+            lines += [f"{t}={have[t]} matches {r.source}" for t, r in recount.items() if t not in wrong]
+            checks.append("counter:" + ",".join(sorted(wrong)))
+    free_units = (n - 1) - int(np.count_nonzero(led.allocated[1:]))
+    if led.spec.kind == "kv" and a.available != free_units * ps:
+        lines.append(f"the engine reports available={a.available} but the ledger holds {free_units * ps} slots free")
+        checks.append("counter:available")
+    if a.session_held != held:
+        lines.append(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
+        checks.append("counter:session_held")
+    def term(t: str) -> int:
+        if t == "referenced":
+            return int(np.count_nonzero(referenced[1:])) * ps if referenced is not None else 0
+        return held if t == "session_held" else uncached if t == "uncached" else getattr(a, t)
+
+    # (the default identity summed directly: this runs after every step of every program)
+    lhs = (a.available + a.evictable + a.protected + held + uncached if terms is DEFAULT_IDENTITY
+           else sum(term(t) for t in terms))
+    if lhs != a.total:
+        values = [(t, term(t)) for t in terms]
+        lines.append(" + ".join(f"{t}={v}" for t, v in values) + f" = {lhs} != total={a.total}, "
+                     "while every allocated unit is reachable")
+        checks.append("identity")
+    if not lines:
+        return []
+    return [Finding(kind="accounting-drift", pool=pool, unit="slot", message="; ".join(lines),
+                    op_index=auditor.op_index, step=auditor.step, check=checks[0])]
+
+def replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list[Finding]:
+    """The engine's free list (``[n] int64`` units) against the replay of kvaudit's event log: a unit
+    free in one and allocated in the other means a free or alloc path that bypasses the hooks (or a
+    unit listed twice: an unrecorded double free)."""
+    n = led.allocated.size
+    listed = np.bincount(free[(free >= 0) & (free < n)], minlength=n)
+    missing = np.flatnonzero(~led.allocated & (listed == 0))
+    extra = np.flatnonzero(led.allocated & (listed > 0))
+    twice = np.flatnonzero(listed > 1)
+    if not (missing.size or extra.size or twice.size):
+        return []
+    return [Finding(kind="accounting-drift", pool=pool, unit="slot",
+                    message=f"the engine's free list disagrees with the replay of the event log: {extra.size} unit(s) "
+                            f"free in the list but allocated in the log, {missing.size} the other way, {twice.size} "
+                            f"listed twice (a path that bypasses kvaudit's wrappers)",
+                    op_index=auditor.op_index, step=auditor.step, check="free_list")]
+
+def engine_disagrees(auditor: Auditor, target) -> list[Finding]:
+    """The engine's own ``check_memory()`` (and its metrics) fail while every kvaudit oracle is
+    clean: the checker or a counter is wrong, memory is intact (``accounting-drift``)."""
+    out = []
+    for line in target.engine_check() + target.metrics_check():
+        pool = line[1:line.index("]")] if line.startswith("[") else "-"
+        out.append(Finding(kind="accounting-drift", pool=pool, unit="slot",
+                           message=f"the engine's own check fails while memory is intact: {line}",
+                           op_index=auditor.op_index, step=auditor.step, check="engine_check"))
+    return out[:1]

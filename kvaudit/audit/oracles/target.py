@@ -1,0 +1,20 @@
+"""The target's own invariants (:meth:`kvaudit.targets.base.Target.invariant_findings`) as findings."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvaudit.audit.findings import Finding
+from kvaudit.audit.hooks import Auditor
+
+
+def target_findings(auditor: Auditor, target) -> list[Finding]:
+    """The target's own invariant violations (:meth:`kvaudit.targets.base.Target.invariant_findings`)
+    as findings, located at the latest allocation of their first unit."""
+    out = []
+    for t in target.invariant_findings():
+        units = np.asarray(t.units, dtype=np.int64).reshape(-1)
+        f = auditor._unit_finding(t.kind, t.pool, units if units.size else np.zeros(1, np.int64), t.message)
+        f.check = t.check
+        out.append(f)
+    return out
