@@ -14,6 +14,7 @@ pool, so ``identity_terms`` is ``("available", "referenced")``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -171,6 +172,13 @@ class MiniVllmTarget(Target):
         return [] if r is None else [sample_token(rid, i) for i in range(len(r.prompt_token_ids), r.num_tokens)]
 
 
+PLANTED = {  # what --bug takes: the engine's planted bugs (examples/minivllm/engine.py), each with its kind
+    "preempt-double-free": ("double-free", "preemption frees the victim's blocks twice (a second ref_cnt decrement)"),
+    "abort-leak": ("leak", "aborting a request drops it from the queues without freeing its blocks"),
+}
+assert set(PLANTED) == set(BUGS)
+
+
 def _preset(name: str, description: str, **overrides) -> Preset:
     return Preset(name, description, overrides, config_class=MiniVllmTargetConfig)
 
@@ -184,5 +192,6 @@ PRESETS = {p.name: p for p in [
 KIND = register(TargetKind(
     name="minivllm", summary="the minivllm example (examples/minivllm): vLLM-style ref-counted blocks",
     config_class=MiniVllmTargetConfig, presets=lambda: PRESETS, make=MiniVllmTarget,
-    bugs=lambda: {b: f"planted bug {b} (examples/minivllm/engine.py)" for b in BUGS},
+    bugs=lambda: {name: SimpleNamespace(finding=finding, description=what) for name, (finding, what) in PLANTED.items()},
+    bugs_title="planted bugs (--target minivllm)",
     default_preset="minivllm"))
