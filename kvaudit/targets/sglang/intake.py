@@ -8,8 +8,10 @@ from __future__ import annotations
 from array import array
 from http import HTTPStatus
 from types import SimpleNamespace
+
 from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, \
-    MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail, prompt_tokens
+    MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail
+from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.base import Target
 from kvaudit.targets.sglang.standins import EOS
 
@@ -30,13 +32,9 @@ class SglangIntake(Target):
         engine's target does."""
         cfg = self.config
         if isinstance(op, Submit):
-            max_new = max(1, min(op.max_new_tokens, cfg.context_len // 4))
-            plen = max(1, min(op.prompt_len, cfg.context_len // 2))
-            prompt = prompt_tokens(op.family, plen, cfg.vocab_size)
-            if op.extends is not None and self.submitted:
-                prompt = (self._text(self.submitted[op.extends % len(self.submitted)]) + prompt)[: cfg.context_len // 2]
-            sid = self.sessions[op.session % len(self.sessions)] if op.session is not None and self.sessions else None
-            self._generate(op.kind, (prompt, max_new, op.stop_at, sid, "r", op))
+            req = resolve_submit(op, cfg.vocab_size, cfg.context_len // 4, cfg.context_len // 2, self.submitted,
+                                 self._text, self.sessions)  # the op schema's client request
+            self._generate(op.kind, (req.input_ids, req.max_new_tokens, req.stop_at, req.session, "r", op))
         elif isinstance(op, HealthCheck):
             self._generate(op.kind, ())
         elif isinstance(op, Abort):
@@ -45,7 +43,7 @@ class SglangIntake(Target):
                 for rid in live:
                     self._abort(rid)
             elif live:
-                self._abort(live[op.handle % len(live)])
+                self._abort(pick(op.handle, live))
         elif isinstance(op, FlushCache):  # SchedulerFlushWrapper.handle: now, or deferred up to the timeout
             self.flush_wrapper.handle(self.S.FlushCacheReqInput(timeout_s=float(op.timeout)))
         elif isinstance(op, OpenSession):
@@ -113,7 +111,7 @@ class SglangIntake(Target):
             sid = None
         if sid is not None:  # an open session (closed ones leave self.sessions at once)
             turns = self.session_turns.setdefault(sid, [])
-            params = S.SessionParams(id=sid, rid=turns[op.parent % len(turns)] if op.parent is not None and turns else None,
+            params = S.SessionParams(id=sid, rid=pick(op.parent, turns),
                                      offset=op.offset, replace=bool(op.replace),
                                      drop_previous_output=bool(op.drop_previous_output))
             turns.append(rid)
