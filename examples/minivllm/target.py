@@ -194,4 +194,5 @@ KIND = register(TargetKind(
     config_class=MiniVllmTargetConfig, presets=lambda: PRESETS, make=MiniVllmTarget,
     bugs=lambda: {name: SimpleNamespace(finding=finding, description=what) for name, (finding, what) in PLANTED.items()},
     bugs_title="planted bugs (--target minivllm)",
-    default_preset="minivllm"))
+    default_preset="minivllm",
+    capabilities=lambda config: {"prefix_cache"} if config.enable_prefix_caching else set()))

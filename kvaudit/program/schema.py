@@ -137,10 +137,12 @@ def reachable(gate: str | None, reach: frozenset) -> bool:
 
 
 def capabilities(config) -> frozenset[str]:
-    """What of :data:`CAPABILITIES` ``config`` has: ``sessions`` (``enable_streaming_session``),
-    ``prefix_cache`` (a radix cache: not ``disable_radix_cache``)."""
-    return frozenset(({"sessions"} if getattr(config, "enable_streaming_session", False) else set())
-                     | ({"prefix_cache"} if not getattr(config, "disable_radix_cache", False) else set()))
+    """What of :data:`CAPABILITIES` the target of ``config`` has (its registered kind's
+    ``capabilities``): ``sessions`` (streaming sessions), ``prefix_cache`` (a prefix cache, so that
+    resent histories share prefixes)."""
+    from kvaudit.targets.registry import kind_of
+
+    return frozenset(kind_of(config).capabilities(config)) & frozenset(CAPABILITIES)
 
 
 def reach(config) -> frozenset[str]:

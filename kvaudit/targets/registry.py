@@ -60,7 +60,9 @@ class TargetKind:
     :class:`TargetUnavailable` when the engine cannot be driven here; ``header(config)`` is the
     report's first line; ``anchor(kind)`` returns ``(callable, label)``: the function whose first line
     anchors a finding of finding-kind ``kind`` that has no usable frame (SARIF); ``features(config)``
-    the :data:`kvaudit.program.FEATURES` the target models; ``engine_source()`` an
+    the :data:`kvaudit.program.FEATURES` the target models; ``capabilities(config)`` which of
+    :data:`kvaudit.program.CAPABILITIES` it has (``sessions``, ``prefix_cache``: the generators draw
+    session turns and history-resending submits only then); ``engine_source()`` an
     :class:`EngineSource` when the engine is an installed package; ``describe(config)`` what a run's
     first line says of the target (``"target sglang 0.5.23 (rust tree core)"``), ``notes(config)``
     lines a run prints first about what is checked less there; ``model_choices`` the
@@ -82,6 +84,7 @@ class TargetKind:
     header: Callable | None = None
     anchor: Callable | None = None
     features: Callable = _no_features
+    capabilities: Callable = _no_features
     engine_source: Callable = _none
     describe: Callable | None = None
     notes: Callable = lambda config: []

@@ -32,6 +32,12 @@ def _features(config) -> frozenset[str]:
             | frozenset({"priority"} if config.enable_priority_scheduling else ()))
 
 
+def _capabilities(config) -> frozenset[str]:
+    """Streaming sessions with ``enable_streaming_session``; a prefix cache unless ``disable_radix_cache``."""
+    return (frozenset({"sessions"} if config.enable_streaming_session else ())
+            | frozenset({"prefix_cache"} if not config.disable_radix_cache else ()))
+
+
 def _header(config) -> str:
     bugs = ", ".join(sorted(config.bugs)) or "none"
     return f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, page_size {config.page_size}"
@@ -47,6 +53,6 @@ def _anchor(kind: str):
 
 
 KIND = register(TargetKind(
-    name="eut", summary="the built-in engine_under_test", config_class=EutConfig, from_dict=lambda d: EutConfig.from_dict({k: v for k, v in d.items() if k != "target"}), presets=_presets, make=_make,
+    name="eut", summary="the built-in engine_under_test", config_class=EutConfig, presets=_presets, make=_make,
     bugs=_bugs, bugs_title="bug zoo", header=_header, anchor=_anchor, features=_features,
-    model_choices=("none", "tiny")))
+    capabilities=_capabilities, model_choices=("none", "tiny")))
