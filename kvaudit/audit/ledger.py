@@ -73,16 +73,20 @@ class Ledger:
         led = self.ledgers[pool]
         ul, flags = _as_list(units), led.flags
         if led.refs is not None:  # a reference-counted pool: a fresh block starts at count 1
-            held = [u for u in ul if flags[u]]
-            if held or len(set(ul)) != len(ul):
-                taken = np.unique(np.asarray(held or [u for u in ul if ul.count(u) > 1], dtype=np.int64))
+            u = np.asarray(ul, dtype=np.int64)
+            held = led.allocated[u]  # (the reserved block 0 always reads as held)
+            names, times = np.unique(u, return_counts=True)
+            taken = np.unique(u[held]) if held.any() else names[times > 1]  # referenced already, or named twice
+            if taken.size:
                 self.pending.append(self._unit_finding(
                     "aliasing", pool, taken, f"allocator handed out {taken.size} block(s) already referenced "
                     "(or the reserved block 0)", alloc_sid=sid))
-            fresh = np.unique(np.asarray([u for u in ul if not flags[u]], dtype=np.int64))
+            fresh = np.unique(u[~held])
             if fresh.size:
+                ev = self._event("alloc", pool, fresh.tolist(), sid)
                 led.refs[fresh] = 1
-                _mark(flags, led.last_alloc, fresh.tolist(), 1, self._event("alloc", pool, fresh.tolist(), sid).id)
+                led.allocated[fresh] = True
+                led.last_alloc[fresh] = ev.id
             return
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
             # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
