@@ -192,7 +192,7 @@ PRESETS = {p.name: p for p in [
 KIND = register(TargetKind(
     name="minivllm", summary="the minivllm example (examples/minivllm): vLLM-style ref-counted blocks",
     config_class=MiniVllmTargetConfig, presets=lambda: PRESETS, make=MiniVllmTarget,
-    bugs=lambda: {name: SimpleNamespace(finding=finding, description=what) for name, (finding, what) in PLANTED.items()},
+    bugs=lambda: {name: SimpleNamespace(finding=kind, description=what) for name, (kind, what) in PLANTED.items()},
     bugs_title="planted bugs (--target minivllm)",
     default_preset="minivllm",
     capabilities=lambda config: {"prefix_cache"} if config.enable_prefix_caching else set()))

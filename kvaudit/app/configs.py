@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit.app.errors import InputError
+from kvaudit.config import UnknownPresetError
 from kvaudit.targets import registry
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ COMMON_OPTIONS = [
                  help="'tiny' runs the dummy transformer over real KV tensors; 'none' skips compute."),
     click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
     click.option("--page-size", type=click.IntRange(min=1), default=None, help="Override the preset's page size (tokens)."),
-    click.option("--target", type=TargetChoice(), default="eut", show_default=True, help=_target_help()),
+    click.option("--target", type=TargetChoice(), default=registry.DEFAULT_KIND, show_default=True,
+                 help=_target_help()),
     click.option("--tree-core", type=click.Choice(_option_choices("tree_core")), default=None,
                  help=_option_help("tree_core")),
 ]
@@ -85,14 +87,12 @@ def require_target(config) -> None:
     before any run."""
     try:
         registry.kind_of(config).probe(config)
-    except registry.TargetUnavailable as e:
-        raise InputError(str(e)) from None
-    except registry.UnknownTargetError as e:
+    except (registry.TargetUnavailable, registry.UnknownTargetError) as e:
         raise InputError(str(e)) from None
 
 
 def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
-                  target: str = "eut", tree_core: str | None = None):
+                  target: str = registry.DEFAULT_KIND, tree_core: str | None = None):
     """The config the :data:`COMMON_OPTIONS` name, built from the ``target`` kind's preset; a bad
     combination is an :class:`InputError`."""
     check_device(device)
@@ -102,13 +102,12 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
         raise InputError(str(e)) from None
     if tree_core is not None and "tree_core" not in kind.options:
         raise InputError(f"--tree-core applies to --target {', '.join(_with_option('tree_core'))} only")
-    presets = kind.presets()
-    name = kind.default_preset if preset == "default" else preset
-    if name not in presets:
-        other = next((k.name for k in registry.kinds().values() if k is not kind and name in k.presets()), None)
-        raise InputError(f"unknown preset {name!r}" + (f" for --target {kind.name}" if kind.name != "eut" else "")
-                         + f"; valid presets: {', '.join(presets)}"
-                         + (f" ({name!r} is a preset of --target {other}: add --target {other})" if other else ""))
+    try:
+        chosen = kind.preset(preset)
+    except UnknownPresetError as e:
+        other = next((k.name for k in registry.kinds().values() if k is not kind and preset in k.presets()), None)
+        raise InputError(str(e) + (f" ({preset!r} is a preset of --target {other}: add --target {other})"
+                                   if other else "")) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
     changes = {"bugs": frozenset(bugs)}
@@ -121,7 +120,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     if page_size is not None:
         changes["page_size"] = page_size
     try:
-        config = presets[name].config(**changes)
+        config = chosen.config(**changes)
     except ValueError as e:
         msg = str(e)
         raise InputError(msg if msg.startswith(("unknown bug", "unknown fault")) else f"bad configuration: {msg}") \

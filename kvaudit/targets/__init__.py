@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 from kvaudit.targets.sglang.config import SglangConfig
 
-_LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "EutTarget": "eut", "TargetFinding": "base"}
+_LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "TargetFinding": "base",
+         "EutTarget": "eut"}
 
 __all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict",
            "program_features", "EngineSource", "engine_source"]

@@ -107,7 +107,6 @@ class Recount(NamedTuple):
 
 #: the default identity: SGLang's (``srt/mem_cache/.../invariant_checker.py``)
 DEFAULT_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
-IDENTITY_TERMS = frozenset(DEFAULT_IDENTITY) | {"referenced"}
 
 
 class Target:

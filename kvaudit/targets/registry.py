@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 PLUGINS_ENV = "KVAUDIT_PLUGINS"
+DEFAULT_KIND = "eut"  # --target's default, and a replay file's when its config names no target
 ENTRY_POINT_GROUP = "kvaudit.targets"
 
 
@@ -40,6 +41,14 @@ def _none(*_a, **_k):
 
 def _no_features(_config) -> frozenset[str]:
     return frozenset()
+
+
+def server_args_capabilities(config) -> frozenset[str]:
+    """``capabilities`` of a config named after SGLang's server arguments (the built-in engine's and
+    real SGLang's): ``sessions`` with ``enable_streaming_session``, ``prefix_cache`` unless
+    ``disable_radix_cache``."""
+    return (frozenset({"sessions"} if config.enable_streaming_session else ())
+            | frozenset({"prefix_cache"} if not config.disable_radix_cache else ()))
 
 
 @dataclass(frozen=True)
@@ -99,14 +108,16 @@ class TargetKind:
 
     def preset(self, name: str):
         """The preset called ``name`` (``default`` is :attr:`default_preset`). Raises
-        :class:`kvaudit.config.UnknownPresetError` listing the valid ones."""
+        :class:`kvaudit.config.UnknownPresetError` listing the valid ones (and naming this kind unless
+        it is :data:`DEFAULT_KIND`)."""
         from kvaudit.config import UnknownPresetError
 
         presets = self.presets()
         name = self.default_preset if name == "default" else name
         if name not in presets:
-            raise UnknownPresetError(f"unknown preset {name!r} for --target {self.name}; "
-                                     f"valid presets: {', '.join(presets)}")
+            raise UnknownPresetError(f"unknown preset {name!r}" + ("" if self.name == DEFAULT_KIND else
+                                                                   f" for --target {self.name}")
+                                     + f"; valid presets: {', '.join(presets)}")
         return presets[name]
 
 
@@ -173,8 +184,8 @@ def kind_of(config) -> TargetKind:
 
 
 def kind_of_dict(d: object) -> TargetKind:
-    """The kind of a replay file's ``config`` object: its ``target`` key, ``eut`` when absent."""
-    name = d.get("target", "eut") if isinstance(d, dict) else "eut"
+    """The kind of a replay file's ``config`` object: its ``target`` key, :data:`DEFAULT_KIND` when absent."""
+    name = d.get("target", DEFAULT_KIND) if isinstance(d, dict) else DEFAULT_KIND
     if not isinstance(name, str):
         raise UnknownTargetError(f"config.target must be a string, got {name!r}")
     return get(name)

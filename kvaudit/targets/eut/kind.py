@@ -8,7 +8,7 @@ are read when the registry asks.
 from __future__ import annotations
 
 from kvaudit.targets.eut.presets import PRESETS, EutConfig
-from kvaudit.targets.registry import TargetKind, register
+from kvaudit.targets.registry import TargetKind, register, server_args_capabilities
 
 
 def _presets():
@@ -32,12 +32,6 @@ def _features(config) -> frozenset[str]:
             | frozenset({"priority"} if config.enable_priority_scheduling else ()))
 
 
-def _capabilities(config) -> frozenset[str]:
-    """Streaming sessions with ``enable_streaming_session``; a prefix cache unless ``disable_radix_cache``."""
-    return (frozenset({"sessions"} if config.enable_streaming_session else ())
-            | frozenset({"prefix_cache"} if not config.disable_radix_cache else ()))
-
-
 def _header(config) -> str:
     bugs = ", ".join(sorted(config.bugs)) or "none"
     return f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, page_size {config.page_size}"
@@ -55,4 +49,4 @@ def _anchor(kind: str):
 KIND = register(TargetKind(
     name="eut", summary="the built-in engine_under_test", config_class=EutConfig, presets=_presets, make=_make,
     bugs=_bugs, bugs_title="bug zoo", header=_header, anchor=_anchor, features=_features,
-    capabilities=_capabilities, model_choices=("none", "tiny")))
+    capabilities=server_args_capabilities, model_choices=("none", "tiny")))

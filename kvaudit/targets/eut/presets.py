@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from engine_under_test import EngineConfig
 from kvaudit.config import ConfigBase, Preset, UnknownPresetError
 
+__all__ = ["EutConfig", "PRESETS", "Preset", "UnknownPresetError", "get_preset"]
+
 
 @dataclass(frozen=True)
 class EutConfig(ConfigBase, EngineConfig):
@@ -66,8 +68,9 @@ PRESETS: dict[str, Preset] = {
 
 
 def get_preset(name: str) -> Preset:
-    """The preset called ``name``. Raises :class:`kvaudit.config.UnknownPresetError` naming the valid ones."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise UnknownPresetError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+    """The preset called ``name`` (the built-in engine's kind looks it up:
+    :meth:`kvaudit.targets.registry.TargetKind.preset`). Raises :class:`kvaudit.config.UnknownPresetError`
+    naming the valid ones."""
+    from kvaudit.targets.registry import get
+
+    return get("eut").preset(name)

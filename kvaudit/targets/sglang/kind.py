@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
+from kvaudit.targets.registry import TargetKind, TargetUnavailable, register, server_args_capabilities
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig
 
 
@@ -71,13 +71,6 @@ def _anchor(kind: str):
     return getattr(SglangTarget, method), f"SglangTarget.{method}"
 
 
-def _capabilities(config) -> frozenset[str]:
-    """Streaming sessions with ``enable_streaming_session``; a prefix cache unless the radix cache is
-    off (HiSparse)."""
-    return (frozenset({"sessions"} if config.enable_streaming_session else ())
-            | frozenset({"prefix_cache"} if not config.disable_radix_cache else ()))
-
-
 def _describe(config) -> str:
     from kvaudit.targets.sglang.boot import installed_version
     return f"target sglang {installed_version() or '?'} ({config.tree_core} tree core)"
@@ -104,6 +97,6 @@ KIND = register(TargetKind(
     name="sglang", summary="SGLang 0.5.23's own memory manager on CPU (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
-    features=lambda config: config.program_features, capabilities=_capabilities, engine_source=_engine_source,
-    describe=_describe, notes=_notes,
+    features=lambda config: config.program_features, capabilities=server_args_capabilities,
+    engine_source=_engine_source, describe=_describe, notes=_notes,
     options={"tree_core": (TREE_CORES, "the UnifiedRadixCache tree core [default: rust, SGLang's own default]")}))
