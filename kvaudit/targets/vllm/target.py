@@ -1,0 +1,308 @@
+"""The real-vLLM targets: kvaudit's programs drive vLLM 0.33.0's own v1 ``Scheduler`` (or
+``AsyncScheduler``) and ``KVCacheManager`` on CPU.
+
+* :class:`VllmSchedulerTarget` calls the scheduler exactly as vLLM's engine core does
+  (``vllm/v1/engine/core.py``: ``EngineCore.step`` and, with async scheduling, ``step_with_batch_queue``
+  with two batches at most): ``add_request``; per step ``schedule()``, a synthetic ``ModelRunnerOutput``
+  (one sampled token per scheduled request, none for a partial prefill chunk), ``update_from_output()``;
+  ``finish_requests(ids, FINISHED_ABORTED)`` for an abort; ``reset_prefix_cache()`` for a flush. Every
+  decision (admission, chunking, preemption, freeing) is the scheduler's own.
+* :class:`VllmManagerTarget` drives the ``KVCacheManager`` alone, the driver playing the scheduler's
+  calls in the scheduler's order (admit: ``get_computed_blocks`` then ``allocate_slots``; decode:
+  ``allocate_slots(request, 1)``; preempt the newest running request when that fails: ``free``; finish and
+  abort: ``free``, also for a request never admitted, as ``Scheduler.finish_requests`` does). Fast.
+
+There is no model: a sampled token is a deterministic function of the request id and position; the last
+token of the vocabulary is EOS (``SamplingParams.update_from_generation_config``, as vLLM's input
+processor sets it), sampled at the program's ``stop_at``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from kvaudit.program import Abort, FlushCache, MemoryPressure, Submit, resolve_submit
+from kvaudit.targets.base import Target
+from kvaudit.targets.vllm.boot import build_manager, build_scheduler, load
+from kvaudit.targets.vllm.config import VllmConfig
+from kvaudit.targets.vllm.observer import VllmObserver
+
+
+class _VllmBase(VllmObserver, Target):
+    """What both levels share: request intake, the synthetic sampler, the faults."""
+
+    name = "vllm"
+
+    def _init_common(self, config: VllmConfig) -> None:
+        self.V = load()
+        self.config, self.steps = config, 0
+        self.eos = config.vocab_size - 1
+        self.hasher = self.V.get_request_block_hasher(config.block_size, self.V.sha256)
+        self.submitted: list[str] = []
+        self.texts: dict[str, list[int]] = {}  # rid -> prompt + sampled tokens (extends read them)
+        self.stop_at: dict[str, int | None] = {}
+        self.prompt_lens: dict[str, int] = {}
+        self._flushes = 0
+        self._faults = set(config.bugs)  # each fires once
+        self._init_observer()
+        self._inject_faults()
+
+    # -- intake --------------------------------------------------------------------------------------
+    def _new_request(self, op: Submit):
+        """A vLLM ``Request`` for submit ``op`` (prompt at most half the context, output a quarter)."""
+        c = self.config
+        req = resolve_submit(op, c.vocab_size - 1, max(1, c.context_len // 4), max(1, c.context_len // 2),
+                             self.submitted, lambda rid: self.texts[rid])
+        rid = f"req-{len(self.submitted) + 1:06d}"
+        sp = self.V.SamplingParams(max_tokens=req.max_new_tokens, ignore_eos=bool(op.ignore_eos),
+                                   temperature=0.0)
+        sp.update_from_generation_config({}, eos_token_id=self.eos)
+        request = self.V.Request(rid, list(req.input_ids), sp, None, arrival_time=float(len(self.submitted)),
+                                 block_hasher=self.hasher)
+        self.submitted.append(rid)
+        self.texts[rid] = list(req.input_ids)
+        self.stop_at[rid] = req.stop_at
+        self.prompt_lens[rid] = len(req.input_ids)
+        return request
+
+    def sample(self, rid: str) -> int:
+        """The next token of ``rid``: EOS at output position ``stop_at``, else a hash of (rid, position)."""
+        text = self.texts[rid]
+        i = len(text) - self.prompt_lens[rid]
+        tok = self.eos if self.stop_at[rid] == i + 1 else zlib.crc32(f"{rid}:{i}".encode()) % self.eos
+        text.append(tok)
+        return tok
+
+    def text(self, rid: str) -> list[int]:
+        return list(self.texts.get(rid, ()))
+
+    def flushed(self) -> int:
+        return self._flushes
+
+    # -- faults --------------------------------------------------------------------------------------
+    def _inject_faults(self) -> None:
+        """Wrap the manager's ``free`` and the pool's ``_insert_block_hash`` (instances only) for the
+        configured faults (:data:`~kvaudit.targets.vllm.config.FAULTS`)."""
+        faults, manager, pool = self._faults, self.manager, self.manager.block_pool
+        if faults & {"skip-free", "double-free-shared-prefix"}:
+            free = manager.free
+
+            def free_with_faults(request):
+                if "skip-free" in faults and request.is_finished():
+                    faults.discard("skip-free")
+                    for mgr in manager.coordinator.single_type_managers:  # the table goes, the refs stay
+                        mgr.req_to_blocks.pop(request.request_id, None)
+                        mgr.num_cached_block.pop(request.request_id, None)
+                    return None
+                blocks = [b for g in manager.coordinator.single_type_managers
+                          for b in g.req_to_blocks.get(request.request_id, ()) if not b.is_null]
+                out = free(request)
+                shared = [b for b in blocks if b.ref_cnt > 0]
+                if "double-free-shared-prefix" in faults and shared:
+                    faults.discard("double-free-shared-prefix")
+                    pool.free_blocks(shared)
+                return out
+
+            manager.free = free_with_faults
+        if "drop-hash-entry" in faults:
+            insert = pool._insert_block_hash
+
+            def insert_dropping(block_hash, block, *a, **k):
+                out = insert(block_hash, block, *a, **k)
+                if "drop-hash-entry" in faults and block.block_hash == block_hash:
+                    faults.discard("drop-hash-entry")
+                    pool.cached_block_hash_to_block.pop(block_hash, block.block_id)
+                return out
+
+            pool._insert_block_hash = insert_dropping
+
+
+class VllmSchedulerTarget(_VllmBase):
+    """vLLM's ``Scheduler`` / ``AsyncScheduler`` (see the module docstring)."""
+
+    def __init__(self, config: VllmConfig):
+        self.scheduler, self.vllm_config = build_scheduler(config)
+        self.manager = self.scheduler.kv_cache_manager
+        self.batch_queue: list[tuple] = []  # (SchedulerOutput, ModelRunnerOutput) in flight, oldest first
+        self.max_in_flight = 2 if config.async_scheduling else 1  # EngineCore's batch queue size
+        self._init_common(config)
+
+    def known(self) -> dict:
+        return {rid: (r, r.status.name.lower()) for rid, r in self.scheduler.requests.items()}
+
+    def deferred(self) -> list:
+        return [blocks for _, blocks in self.scheduler.deferred_frees]
+
+    def apply(self, op) -> None:
+        s = self.scheduler
+        if isinstance(op, Submit):
+            s.add_request(self._new_request(op))
+        elif isinstance(op, Abort) and s.requests:
+            live = list(s.requests)  # handle: modulo the live set; None aborts them all
+            ids = live if op.handle is None else [live[op.handle % len(live)]]
+            s.finish_requests(ids, self.V.RequestStatus.FINISHED_ABORTED)
+        elif isinstance(op, FlushCache):
+            self._flushes += bool(s.reset_prefix_cache())
+        elif isinstance(op, MemoryPressure):
+            _evict_cached(self.manager)
+        # health checks, sessions, pauses: no scheduler path in vLLM (ignored)
+
+    def step(self) -> None:
+        """One engine-core iteration: schedule a batch and queue it; process the oldest batch once the
+        queue is full (one batch in flight with async scheduling) or nothing new was scheduled."""
+        s = self.scheduler
+        out = s.schedule()
+        if out.total_num_scheduled_tokens > 0:
+            self.batch_queue.append((out, self._model_output(out)))
+        elif not self.batch_queue:
+            s.update_from_output(out, self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+        if self.batch_queue and (len(self.batch_queue) >= self.max_in_flight or out.total_num_scheduled_tokens == 0):
+            done, result = self.batch_queue.pop(0)
+            s.update_from_output(done, result)
+        self.steps += 1
+
+    def _model_output(self, out):
+        """One sampled token per scheduled request, none for a request still mid-prefill after this chunk."""
+        ids = list(out.num_scheduled_tokens)
+        reqs = self.scheduler.requests
+        toks = [[] if reqs[r].is_prefill_chunk else [self.sample(r)] for r in ids]
+        return self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                        sampled_token_ids=toks)
+
+    def is_idle(self) -> bool:
+        return not self.scheduler.has_requests() and not self.batch_queue
+
+    def progress(self) -> dict[str, int]:
+        return {r.request_id: r.num_computed_tokens + r.num_output_tokens + 1000 * r.num_preemptions
+                for r in self.scheduler.running}
+
+    def describe_busy(self) -> str:
+        s = self.scheduler
+        return (f"waiting={len(s.waiting)} running={len(s.running)} in_flight={len(self.batch_queue)} "
+                f"free_blocks={self.manager.block_pool.get_num_free_blocks()}")
+
+
+class VllmManagerTarget(_VllmBase):
+    """vLLM's ``KVCacheManager`` alone (see the module docstring). Engine frames are this driver's."""
+
+    def __init__(self, config: VllmConfig):
+        self.manager = build_manager(config)
+        self.requests: dict = {}  # rid -> Request, in arrival order
+        self.waiting: list = []
+        self.running: list = []
+        self._init_common(config)
+
+    def engine_files(self) -> list[str]:
+        return [__file__]
+
+    def known(self) -> dict:
+        return {rid: (r, r.status.name.lower()) for rid, r in self.requests.items()}
+
+    def deferred(self) -> list:
+        return []
+
+    def apply(self, op) -> None:
+        S = self.V.RequestStatus
+        if isinstance(op, Submit):
+            request = self._new_request(op)
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+        elif isinstance(op, Abort) and self.requests:
+            live = list(self.requests)
+            for rid in (live if op.handle is None else [live[op.handle % len(live)]]):
+                self._finish(self.requests[rid], S.FINISHED_ABORTED)
+        elif isinstance(op, FlushCache):
+            self._flushes += bool(self.manager.reset_prefix_cache())
+        elif isinstance(op, MemoryPressure):
+            _evict_cached(self.manager)
+
+    def _finish(self, request, status) -> None:
+        """``Scheduler.finish_requests`` / ``_free_request``: out of the queues, status set, blocks freed."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.manager.free(request)
+        del self.requests[request.request_id]
+
+    def _preempt(self, request) -> None:
+        """``Scheduler._preempt_request``: blocks freed, recomputed from scratch later, first in line."""
+        self.running.remove(request)
+        self.manager.free(request)
+        request.status = self.V.RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.insert(0, request)
+
+    def step(self) -> None:
+        """Decode every running request (preempting the newest when a block cannot be had), then admit
+        waiting requests FCFS while sequences, tokens and blocks allow."""
+        S, m, c = self.V.RequestStatus, self.manager, self.config
+        budget = c.max_num_batched_tokens
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted to make room for an older one
+            while m.allocate_slots(request, 1) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            request.num_computed_tokens += 1
+            budget -= 1
+            self._append(request, S)
+        while self.waiting and len(self.running) < c.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            blocks, hits, _ = m.get_computed_blocks(request)
+            need = request.num_tokens - hits
+            if need > budget and self.running:
+                break
+            if m.allocate_slots(request, need, hits, blocks) is None:
+                break  # FCFS: the head waits (a failed allocate may leave an empty table: still known)
+            self.waiting.pop(0)
+            request.status = S.RUNNING
+            request.num_computed_tokens = request.num_tokens
+            budget -= need
+            self.running.append(request)
+            self._append(request, S)
+        self.take_events()
+        self.steps += 1
+
+    def _append(self, request, S) -> None:
+        """Sample one token; finish the request at EOS, ``max_tokens`` or ``max_model_len`` (``check_stop``)."""
+        tok = self.sample(request.request_id)
+        request.append_output_token_ids(tok)
+        sp = request.sampling_params
+        if tok == sp.eos_token_id:
+            self._finish(request, S.FINISHED_STOPPED)
+        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            self._finish(request, S.FINISHED_LENGTH_CAPPED)
+
+    def take_events(self) -> None:
+        self.manager.take_events()  # teed into the event shadow (observer)
+
+    def is_idle(self) -> bool:
+        return not self.requests
+
+    def progress(self) -> dict[str, int]:
+        return {r.request_id: r.num_computed_tokens + 1000 * r.num_preemptions for r in self.running}
+
+    def describe_busy(self) -> str:
+        return (f"waiting={len(self.waiting)} running={len(self.running)} "
+                f"free_blocks={self.manager.block_pool.get_num_free_blocks()}")
+
+
+def _evict_cached(manager) -> None:
+    """``KVCacheManager.evict_blocks`` of every cached block not in use: the prefix cache's contents
+    dropped, as when a KV connector reports them invalid (``Scheduler._handle_invalid_blocks``)."""
+    pool = manager.block_pool
+    ids = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null}
+    if ids:
+        manager.evict_blocks(ids)
+
+
+def make(config: VllmConfig):
+    """The target for ``config``'s level."""
+    return VllmManagerTarget(config) if config.level == "manager" else VllmSchedulerTarget(config)
