@@ -165,6 +165,13 @@ def test_bad_page_size_for_the_preset_is_a_usage_error():
     assert "page_size" in one_error_line(result)
 
 
+def test_page_size_for_a_kind_without_one_is_a_usage_error_not_a_crash():
+    """vLLM's config has a block size, no page_size field: the flag was an internal error (exit 70)."""
+    result = invoke("fuzz", "--target", "vllm", "--page-size", "8", "--max-time", "1")
+    assert result.exit_code == 2, result.output
+    assert "--page-size does not apply to --target vllm" in one_error_line(result)
+
+
 @pytest.mark.parametrize("args", [
     ["fuzz", "--frob"],
     ["--frob"],

@@ -1,7 +1,7 @@
 """Recorded frames against the current source (kvaudit.audit.frames), and the freshness of the shipped
 corpus: every frame ``kvaudit report`` prints for a shipped replay file lies inside the function it
 names and carries that line's text. When engine code moves, refresh the corpus with
-``kvaudit replay --update corpora/regressions/*.json corpora/sglang/*.json tests/data/report/*.json``."""
+``kvaudit replay --update corpora/regressions/*.json corpora/sglang/*.json corpora/vllm/*.json tests/data/report/*.json``."""
 
 import glob
 import os
@@ -16,7 +16,8 @@ from kvaudit.audit.frames import function_ranges, resolve
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CORPUS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))) + \
-    sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))
+    sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json"))) + \
+    sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")))
 STACKS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
 SOURCE = '''import os
 
@@ -110,9 +111,15 @@ def test_shipped_replay_files_match_the_current_source(path):
             load()
         except SglangUnavailable as e:
             pytest.skip(str(e))
+    if os.sep + "vllm" + os.sep in path:
+        from kvaudit.targets.vllm.boot import VllmUnavailable, load
+        try:
+            load()
+        except VllmUnavailable as e:
+            pytest.skip(str(e))
     bad, n = _frames_checked(path)
     assert not bad, (f"{len(bad)} of {n} frames are stale; refresh with 'kvaudit replay --update "
-                     "corpora/regressions/*.json corpora/sglang/*.json':\n"
+                     "corpora/regressions/*.json corpora/sglang/*.json corpora/vllm/*.json':\n"
                      + "\n".join(f"  {w}: {why}" for w, why in bad[:12]))
     # and what `kvaudit report` prints: every frame line inside its function, no frame flagged
     result = invoke("report", path)

@@ -118,6 +118,9 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     if "tree_core" in kind.options:
         changes["tree_core"] = tree_core or kind.options["tree_core"][0][0]
     if page_size is not None:
+        if not _has_field(kind.config_class, "page_size"):
+            raise InputError(f"--page-size does not apply to --target {kind.name}: its presets set the page "
+                             f"(block) size; see kvaudit presets")
         changes["page_size"] = page_size
     try:
         config = chosen.config(**changes)

@@ -49,10 +49,12 @@ def _level(config) -> str:
 
 
 def _anchor(kind: str):
-    """The engine core's calls are the driver's (vLLM's files are not in the repository)."""
+    """A finding with no usable frame is anchored in this repository (vLLM's files are not): at the
+    observer's ``invariant_findings`` for accounting drift (vLLM's invariants are checked there), else at
+    the driver's ``VllmSchedulerTarget.step`` (the engine core's calls)."""
+    from kvaudit.targets.vllm.observer import VllmObserver
     from kvaudit.targets.vllm.target import VllmSchedulerTarget
-    method = "invariant_findings" if kind == "accounting-drift" else "step"
-    owner = VllmSchedulerTarget if method == "step" else VllmSchedulerTarget.__mro__[2]
+    owner, method = (VllmObserver, "invariant_findings") if kind == "accounting-drift" else (VllmSchedulerTarget, "step")
     return getattr(owner, method), f"{owner.__name__}.{method}"
 
 

@@ -1,0 +1,39 @@
+"""corpora/vllm: every replay file kept there reproduces its recorded finding on vLLM 0.33.0, replays
+deterministically, and is written up in corpora/vllm/README.md."""
+
+import os
+
+import pytest
+
+from kvaudit import replay
+from kvaudit.audit.runner import execute
+
+CORPUS = os.path.join(os.path.dirname(__file__), "..", "corpora", "vllm")
+NAMES = sorted(n for n in os.listdir(CORPUS) if n.endswith(".json"))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", NAMES)
+def test_every_vllm_corpus_file_reproduces_its_finding_twice_alike(name):
+    config, program, recorded, _ = replay.load(os.path.join(CORPUS, name))
+    assert config.target == "vllm"
+    first, second = execute(config, program), execute(config, program)
+    assert recorded[0].signature in first.signatures
+    assert first.ops_run == len(program)  # minimized: the finding comes at the last op
+    assert (first.digest, sorted(first.signatures)) == (second.digest, sorted(second.signatures))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("fault-")])
+def test_an_injected_faults_file_is_clean_without_the_fault(name):
+    """The finding is the fault's: the same program on vLLM as shipped finds nothing."""
+    config, program, _, _ = replay.load(os.path.join(CORPUS, name))
+    assert config.bugs
+    assert execute(config.replace(bugs=frozenset()), program).signatures == []
+
+
+def test_every_vllm_corpus_file_has_a_written_analysis():
+    notes = open(os.path.join(CORPUS, "README.md")).read()
+    assert NAMES
+    for name in NAMES:
+        assert f"`{name}`" in notes, name
