@@ -252,9 +252,8 @@ class VllmObserver:
             add("accounting-drift", [max(null, 1)], "the null block is on the free queue or hashed", "null-block")
         # 5. the prefix-cache map and the blocks' hashes agree both ways
         entries = self._map_entries()
-        seen = set()
+        seen = {(key, b.block_id) for key, b in entries}  # all of them first: a block found missing is missing
         for key, b in entries:
-            seen.add((key, b.block_id))
             if b.block_id == null:
                 add("accounting-drift", [1], "the null block is in the prefix-cache map", "null-block")
             elif b.block_hash != key and key not in self.pool.cached_block_hashes_by_block.get(b.block_id, ()):
