@@ -214,15 +214,17 @@ class VllmObserver:
         def add(kind, units, message, check):
             out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check))
 
-        # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's,
-        #    counts with no holder at all the leak oracle's)
+        # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's
+        #    when the pool's own calls freed the block, so that the ledger has it free; counts with no
+        #    holder at all are the leak oracle's)
         over = np.flatnonzero((counts > refs) & (refs > 0))
         over = over[over > 0]
         if over.size:
             b = int(over[0])
             add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
                               "taken and never dropped", "ref_cnt")
-        under = np.flatnonzero((counts < refs) & (counts > 0))
+        ledgered = self._auditor.ledgers[POOL].allocated if self._auditor is not None else np.zeros(n, dtype=bool)
+        under = np.flatnonzero((counts < refs) & ((counts > 0) | ledgered))  # at 0 behind the ledger's back too
         under = under[under > 0]
         if under.size:
             b = int(under[0])
