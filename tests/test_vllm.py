@@ -17,6 +17,7 @@ import random
 import pytest
 
 from cli_helpers import invoke, one_error_line
+from kvaudit import replay
 from kvaudit.audit import oracles
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.program import Abort, Step, Submit, random_program
@@ -311,7 +312,7 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     ("double-free-shared-prefix", "use-after-free",
      f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map"),
-])
+], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
                                                                                             tmp_path):
     assert FAULTS[bug][0] == kind
@@ -376,3 +377,8 @@ def test_cli_exits_2_in_one_line_when_vllm_cannot_be_driven(version, match, monk
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
     assert match in line and boot.INSTALL_HINT in line
+    path = tmp_path / "r.json"  # a replay file of the vLLM target, on the same machine
+    path.write_text(json.dumps(replay.to_doc(cfg(), [Submit(0, 8, 2)], [])))
+    r = invoke("replay", str(path))
+    assert r.exit_code == 2, r.output
+    assert match in one_error_line(r)
