@@ -99,6 +99,24 @@ def test_ref_cnt_below_the_holders_of_a_shared_block_is_a_double_free(run):
     assert checks(found) == {("double-free", "ref_cnt"), ("accounting-drift", "ref-shadow")}
 
 
+def test_a_shared_block_freed_once_too_often_through_the_pool_names_both_frees(run):
+    """A third holder, then one free too many through ``BlockPool.free_blocks``: the count stays above 0
+    (the ledger sees no free), so ref_cnt finds it, named by the pool's last two frees of the block, and
+    the check is part of the signature (an orphan table at the same site is another bug)."""
+    t = run.target
+    b = table(run, R1)[0]
+    assert run.apply(Submit(0, 12, 20, ignore_eos=1)) == [] and run.apply(Step(1)) == []
+    assert b.ref_cnt == 3
+    t.pool.free_blocks([b])  # the stray free: from this test's frame
+    t.pool.free_blocks([b])
+    (f,) = only(check(run), "double-free", "ref_cnt")
+    assert f"block {b.block_id} has ref_cnt=1 but 3 holder(s)" in f.message
+    assert f.free_sites and f.prev_free_sites
+    here = "test_a_shared_block_freed_once_too_often_through_the_pool_names_both_frees"
+    assert f.free_sites[0].function == f.prev_free_sites[0].function == here
+    assert f.signature.endswith("/check:ref_cnt") and f.signature.count("@") == 2
+
+
 def test_ref_cnt_dropped_to_zero_under_its_holder_is_a_double_free(run):
     """What a stray ``free_blocks`` leaves when it bypasses the pool: a held block at 0, queued. The
     ledger still has it allocated, so the use-after-free oracle cannot see it: ref_cnt must."""

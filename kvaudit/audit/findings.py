@@ -25,6 +25,10 @@ hang               the frame a step was stuck in (``stuck:function@file``, the w
 liveness           ``progress``
 =================  =====================================================================
 
+A finding from a target's own invariant (``Target.invariant_findings``) with a ``check`` adds it as a
+last part (``check:ref_cnt``, ``check:orphan-table``), so that two invariants broken at one site stay
+two bugs; its accounting drift is ``accounting-drift/<pool>/<check>`` as above.
+
 Line numbers are left out, so a signature survives edits elsewhere in a file.
 """
 
@@ -146,6 +150,8 @@ class Finding:
         where = [_where(sites[0])] + [_where(s) for s in sites[1:] if s]
         if self.kind == "leak" and not self.lost_sites and self.lost_from:
             where.append(f"from:{self.lost_from}")  # dropped without a release: from where
+        if self.check:  # a target's own invariant (a ref count, an orphan table): one bug per check
+            where.append(f"check:{self.check}")
         return f"{self.kind}/{self.pool}/" + "/".join(where)
 
     def to_dict(self) -> dict:

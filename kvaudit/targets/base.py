@@ -83,13 +83,16 @@ class TargetFinding(NamedTuple):
     """A finding a target reports itself (:meth:`Target.invariant_findings`): ``kind`` is one of
     :data:`kvaudit.audit.findings.KINDS` (``leak``, ``double-free``, ``use-after-free``, ``aliasing``,
     ``accounting-drift``, ...), ``units`` the ``[n] int64`` units of ``pool`` it concerns (their last
-    allocation is its site), ``check`` (optional) names the invariant in the signature."""
+    allocation is its site), ``check`` (optional) names the invariant in the signature, ``free_sites``
+    (optional) the site ids (``Auditor.capture_site``; -1 for none) of the frees that broke it, oldest
+    first: a ``double-free``'s previous and last free, which its signature names as the ledger's does."""
 
     kind: str
     pool: str
     units: np.ndarray
     message: str
     check: str = ""
+    free_sites: tuple = ()
 
 
 class Recount(NamedTuple):

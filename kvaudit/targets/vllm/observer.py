@@ -74,6 +74,21 @@ class VllmObserver:
         self._auditor = auditor
         auditor.wrap_blocks(spec, block_ids, alloc="get_new_blocks", ref="touch", unref="free_blocks")
         pool = self.pool
+        # each block's previous and last unref site (Auditor.capture_site ids; -1: none): what a ref_cnt
+        # found below its holders names as the two frees
+        self.unref_sites = np.full((self.config.num_gpu_blocks, 2), -1, dtype=np.int64)
+        free = pool.free_blocks
+
+        def free_wrapper(blocks, *a, **k):
+            blocks = list(blocks)  # may be an iterator (reversed(...)): read once
+            ids = block_ids(blocks)
+            if ids:
+                u = np.asarray(ids, dtype=np.int64)
+                self.unref_sites[u, 0] = self.unref_sites[u, 1]
+                self.unref_sites[u, 1] = auditor.capture_site()
+            return free(blocks, *a, **k)
+
+        wrap(pool, "free_blocks", free_wrapper)
         insert, remove = pool._insert_block_hash, pool._remove_cached_block_hashes
 
         def insert_wrapper(block_hash, block, *a, **k):
@@ -211,8 +226,9 @@ class VllmObserver:
             np.add.at(refs, units, 1)
         out: list[TargetFinding] = []
 
-        def add(kind, units, message, check):
-            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check))
+        def add(kind, units, message, check, free_sites=()):
+            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check,
+                                     free_sites=free_sites))
 
         # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's
         #    when the pool's own calls freed the block, so that the ledger has it free; counts with no
@@ -228,8 +244,9 @@ class VllmObserver:
         under = under[under > 0]
         if under.size:
             b = int(under[0])
+            sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
             add("double-free", under, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference "
-                                      "was dropped twice", "ref_cnt")
+                                      "was dropped twice", "ref_cnt", sites)
         if (counts[1:] < 0).any():
             bad = np.flatnonzero(counts < 0)
             add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
