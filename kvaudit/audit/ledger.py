@@ -127,7 +127,8 @@ class Ledger:
     def _unref(self, pool: str, units: list[int], sid: int) -> None:
         """``on_free`` for a ``"blocks"`` pool: one reference fewer per unit named (vLLM's
         ``BlockPool.free_blocks``). A count taken below 0, or a decrement of block 0, is a double free;
-        a block whose count reaches 0 is freed (its free event)."""
+        a block whose count reaches 0 is freed (its free event), and a use-after-free there if a root
+        still references it (the target's roots are read at that free)."""
         led = self.ledgers[pool]
         u = np.asarray(units, dtype=np.int64)
         np.subtract.at(led.refs, u, 1)
@@ -141,6 +142,17 @@ class Ledger:
             ev = self._event("free", pool, zero.tolist(), sid)
             led.allocated[zero] = False
             led.last_free[zero] = ev.id
+            # the last reference dropped while a root still holds the block: this free came too early
+            # (one reference dropped twice, by the holder freeing or by another). Said here, at the free,
+            # so that one premature free is one use-after-free whether or not a scan runs before the
+            # holder's own release takes the count below zero (a double free of the same line then).
+            users = self._users(pool, zero)
+            if users:
+                f = self._unit_finding("use-after-free", pool, zero,
+                                       f"{zero.size} block(s) freed (reference count 0) while "
+                                       f"{', '.join(users[:3])} still referenced them")
+                f.free_sites, f.used_by = self.site(sid), users
+                self.pending.append(f)
         led.allocated[0] = True
 
     def on_free(self, pool: str, units, sid: int) -> None:
