@@ -63,9 +63,12 @@ def test_remote_kv_request_admitted_only_after_its_load_completes(async_scheduli
         assert len(held_blocks(t, rid)) == 3  # blocks allocated for the load: 40 tokens / 16
         due = t.worker.recving[rid]
         assert due > 1
-        while rid in t.worker.recving:
+        for _ in range(10):
+            if rid not in t.worker.recving:
+                break
             assert t.scheduler.requests[rid].status == S.WAITING_FOR_REMOTE_KVS
             run.apply(Step(n=1))
+        assert rid not in t.worker.recving
         assert not run.findings
         run.apply(Idle())
         assert not run.findings
@@ -102,9 +105,12 @@ def test_finished_request_holds_blocks_while_its_save_is_in_flight(async_schedul
         assert len(blocks) == 3 and all(b.ref_cnt >= 1 for b in blocks)
         owners = {r.owner for r in t.roots() if set(r.units.tolist()) & {b.block_id for b in blocks}}
         assert f"req:{rid}" in owners  # the observer's roots cover the finished-but-held request
-        while rid in t.worker.sending:
+        for _ in range(10):
+            if rid not in t.worker.sending:
+                break
             assert rid in t.scheduler.requests and held_blocks(t, rid) == blocks
             run.apply(Step(n=1))
+        assert rid not in t.worker.sending
         run.apply(Step(n=2))  # the output carrying finished_sending is processed (async: one step later)
         assert rid not in t.scheduler.requests and not held_blocks(t, rid)
         assert not run.findings
