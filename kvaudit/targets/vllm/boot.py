@@ -71,7 +71,7 @@ def load() -> SimpleNamespace:
             from torch import nn
 
             from vllm import ModelRegistry
-            from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+            from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig
             from vllm.config import VllmConfig as _VllmConfig
             from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
             from vllm.sampling_params import SamplingParams
@@ -84,7 +84,7 @@ def load() -> SimpleNamespace:
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                                     SlidingWindowSpec)
-            from vllm.v1.outputs import ModelRunnerOutput
+            from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
             from vllm.v1.request import Request, RequestStatus
             from vllm.v1.structured_output import StructuredOutputManager
     except Exception as e:  # a broken or partial install: one line, with the hint
@@ -106,12 +106,14 @@ def load() -> SimpleNamespace:
     init_none_hash(sha256)
     _LOADED = SimpleNamespace(
         version=version, import_s=import_s, torch=torch, CacheConfig=CacheConfig, DeviceConfig=DeviceConfig,
-        ModelConfig=ModelConfig, SchedulerConfig=SchedulerConfig, EngineConfig=_VllmConfig,
+        ModelConfig=ModelConfig, SchedulerConfig=SchedulerConfig, KVTransferConfig=KVTransferConfig,
+        EngineConfig=_VllmConfig,
         AllBlocksCleared=AllBlocksCleared, BlockRemoved=BlockRemoved, BlockStored=BlockStored,
         SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
         get_request_block_hasher=get_request_block_hasher, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
         FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput,
+        KVConnectorOutput=KVConnectorOutput, Request=Request,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
         kv_cache_utils=kv_cache_utils,
         modules=(block_pool, kv_cache_utils, kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager),
@@ -150,7 +152,9 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
-    KV-cache events on. Returns ``(scheduler, vllm_config)``."""
+    KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
+    ``kv_role="kv_both"`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
+    through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
     v = load()
     mc = v.ModelConfig(model=_model_dir(v, config), skip_tokenizer_init=True, dtype="float32",
                        max_model_len=config.max_model_len, seed=config.seed)
@@ -159,8 +163,10 @@ def build_scheduler(config):
                            async_scheduling=config.async_scheduling, is_encoder_decoder=False)
     cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     from vllm.config import KVEventsConfig
+    kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
+        kv_connector=config.kv_connector, kv_role="kv_both", engine_id="kvaudit")
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
-                        device_config=v.DeviceConfig(device="cpu"),
+                        device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
     cc.num_gpu_blocks = config.num_gpu_blocks
     cls = v.AsyncScheduler if config.async_scheduling else v.Scheduler

@@ -26,6 +26,9 @@ FAULTS: dict[str, tuple[str, str]] = {
 }
 
 LEVELS = ("scheduler", "manager")
+# KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
+# driver's stand-in (kvaudit/targets/vllm/connector.py)
+KV_CONNECTORS = ("NixlConnector",)
 
 
 class UnknownFaultError(ValueError):
@@ -46,6 +49,11 @@ class VllmConfig(ConfigBase):
     ``enable_chunked_prefill`` / ``enable_prefix_caching`` are vLLM's engine arguments of those names.
     ``bugs`` names injected faults (:data:`FAULTS`). ``vocab_size``: the synthetic sampler's vocabulary;
     its last token is EOS.
+
+    ``kv_connector``: a KV connector of vLLM's (:data:`KV_CONNECTORS`, by its registered name) built by
+    the Scheduler with ``kv_role="kv_both"``; ``None``: none. Its worker side is kvaudit's stand-in
+    (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
+    ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
     """
 
     level: str = "scheduler"
@@ -59,6 +67,8 @@ class VllmConfig(ConfigBase):
     async_scheduling: bool = False
     sliding_window: int | None = None
     vocab_size: int = 128
+    kv_connector: str | None = None
+    kv_transfer_latency_steps: int = 3
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -110,6 +120,14 @@ class VllmConfig(ConfigBase):
             raise ValueError("async_scheduling needs level scheduler")
         if not 4 <= self.vocab_size <= 1 << 16:
             raise ValueError("vocab_size must be in [4, 65536]")
+        if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be null or one of {', '.join(KV_CONNECTORS)}, "
+                             f"got {self.kv_connector!r}")
+        if self.kv_connector is not None and self.level != "scheduler":
+            raise ValueError("kv_connector needs level scheduler (the connector is the Scheduler's)")
+        n = self.kv_transfer_latency_steps
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
+            raise ValueError(f"kv_transfer_latency_steps must be an integer in [1, 64], got {n!r}")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
         object.__setattr__(self, "bugs", frozenset(self.bugs))
@@ -134,4 +152,8 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, "
                             "preemption by recompute", level="manager", num_gpu_blocks=24, block_size=4,
             max_num_batched_tokens=64),
+    _preset("vllm-kv-connector", "the AsyncScheduler with vLLM's NixlConnector (scheduler side; the worker side "
+                                 "a stand-in): some requests wait for remote KV, finished ones are held while "
+                                 "their KV is sent, transfers complete 1-3 steps later",
+            async_scheduling=True, kv_connector="NixlConnector"),
 ]}

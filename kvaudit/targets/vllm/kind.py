@@ -45,7 +45,8 @@ def _header(config) -> str:
 def _level(config) -> str:
     if config.level == "manager":
         return "KVCacheManager"
-    return "AsyncScheduler" if config.async_scheduling else "Scheduler"
+    sched = "AsyncScheduler" if config.async_scheduling else "Scheduler"
+    return sched if config.kv_connector is None else f"{sched} + {config.kv_connector} (scheduler side)"
 
 
 def _anchor(kind: str):

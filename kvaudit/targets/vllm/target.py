@@ -55,7 +55,7 @@ class _VllmBase(VllmObserver, Target):
                              self.submitted, lambda rid: self.texts[rid])
         rid = f"req-{len(self.submitted) + 1:06d}"
         sp = self.V.SamplingParams(max_tokens=req.max_new_tokens, ignore_eos=bool(op.ignore_eos),
-                                   temperature=0.0)
+                                   temperature=0.0, extra_args=self._extra_args(rid, len(req.input_ids)))
         sp.update_from_generation_config({}, eos_token_id=self.eos)
         request = self.V.Request(rid, list(req.input_ids), sp, None, arrival_time=float(len(self.submitted)),
                                  block_hasher=self.hasher)
@@ -64,6 +64,11 @@ class _VllmBase(VllmObserver, Target):
         self.stop_at[rid] = req.stop_at
         self.prompt_lens[rid] = len(req.input_ids)
         return request
+
+    def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
+        """``SamplingParams.extra_args`` of request ``rid`` (where a client puts ``kv_transfer_params``):
+        none here."""
+        return None
 
     def sample(self, rid: str) -> int:
         """The next token of ``rid``: EOS at output position ``stop_at``, else a hash of (rid, position)."""
@@ -152,14 +157,22 @@ class VllmSchedulerTarget(_VllmBase):
         queue is full (one batch in flight with async scheduling) or nothing new was scheduled."""
         s = self.scheduler
         out = s.schedule()
+        self._on_schedule(out)
         if out.total_num_scheduled_tokens > 0:
             self.batch_queue.append((out, self._model_output(out)))
         elif not self.batch_queue:
-            s.update_from_output(out, self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+            s.update_from_output(out, self._empty_output())
         if self.batch_queue and (len(self.batch_queue) >= self.max_in_flight or out.total_num_scheduled_tokens == 0):
             done, result = self.batch_queue.pop(0)
             s.update_from_output(done, result)
         self.steps += 1
+
+    def _on_schedule(self, out) -> None:
+        """What the workers do with a new ``SchedulerOutput`` besides running it: nothing here."""
+
+    def _empty_output(self):
+        """The model output of a step that scheduled no token."""
+        return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={})
 
     def _model_output(self, out):
         """One sampled token per scheduled request, none for a request still mid-prefill after this chunk."""
@@ -304,5 +317,10 @@ def _evict_cached(manager) -> None:
 
 
 def make(config: VllmConfig):
-    """The target for ``config``'s level."""
-    return VllmManagerTarget(config) if config.level == "manager" else VllmSchedulerTarget(config)
+    """The target for ``config``'s level (and KV connector)."""
+    if config.level == "manager":
+        return VllmManagerTarget(config)
+    if config.kv_connector is not None:
+        from kvaudit.targets.vllm.connector import VllmConnectorTarget
+        return VllmConnectorTarget(config)
+    return VllmSchedulerTarget(config)

@@ -1,0 +1,143 @@
+"""The KV-connector preset (``vllm-kv-connector``): vLLM's Scheduler with vLLM's own ``NixlConnector``,
+whose SCHEDULER role is real and whose WORKER role is kvaudit's stand-in (:class:`NixlWorkerStandIn`).
+
+Why NIXL, a connector that ships with vLLM: its scheduler half (``NixlPullConnectorScheduler``,
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``) is plain Python that needs
+neither the ``nixl`` library nor a device (it starts a thread only in ``set_xfer_handshake_metadata``,
+which the engine calls after the workers' handshake and this driver never does), and it has the whole
+contract the issue asks for:
+
+* a request whose ``kv_transfer_params`` say ``do_remote_prefill`` (a decode instance's request, its
+  prompt's KV prefilled elsewhere) gets ``get_num_new_matched_tokens -> (n, True)``: the Scheduler
+  allocates its blocks and parks it in ``WAITING_FOR_REMOTE_KVS`` until a ``finished_recving``;
+* a request whose params say ``do_remote_decode`` (a prefill instance's request) that finishes normally
+  gets ``request_finished -> delay_free_blocks=True``: it stays in ``Scheduler.requests`` with its
+  blocks until a ``finished_sending`` (the decode instance has read them);
+* an abort of a request in ``WAITING_FOR_REMOTE_KVS`` delays its free too (``Scheduler.finish_requests``)
+  until the load reports done; with async scheduling the ``kv_both`` role (a consumer) turns on
+  ``Scheduler.defer_block_free`` and so ``deferred_frees``.
+
+The other shipped connectors fit less well: ``ExampleConnector`` and ``DecodeBenchConnector`` load
+synchronously (``(n, False)``: no ``WAITING_FOR_REMOTE_KVS``), and the offloading connectors'
+scheduler sides keep a CPU-tier manager fed by their workers' transfer results, so a stand-in would
+have to fake more than completions (not tried).
+
+The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlConnectorMetadata``
+(``start_load_kv``, ``get_finished``), with no memory moved and on the step clock: a read of
+``reqs_to_recv`` that awaits KV completes, a send of ``reqs_to_send`` (requests the worker saw in
+``reqs_in_batch`` and not in ``reqs_not_processed``) is read by the remote side, each
+``1 + crc32(request id) % kv_transfer_latency_steps`` steps after it starts, and is reported once
+through ``ModelRunnerOutput.kv_connector_output`` (``KVConnectorOutput.finished_recving`` /
+``finished_sending``). A load completes even when its request was aborted meanwhile (the Scheduler
+frees it then). NIXL's send lease (``kv_lease_duration``) never expires here: the remote side always
+reads. No transfer fails.
+
+Which submits use the connector: the ``n``-th submit (from 1) with ``n % 3 == 1`` wants remote KV
+(``do_remote_prefill``), ``n % 3 == 2`` has its KV sent on finishing (``do_remote_decode``), the rest
+neither.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from kvaudit.targets.vllm.target import VllmSchedulerTarget
+
+REMOTE_ENGINE = "kvaudit-remote"  # the other instance of the P/D pair (never contacted)
+
+
+def transfer_params(n: int, rid: str, prompt_len: int, block_size: int) -> dict | None:
+    """``kv_transfer_params`` of the ``n``-th submit (request ``rid``, ``prompt_len`` tokens), as a P/D
+    proxy writes them (see the module docstring for which submits get which), or None."""
+    if n % 3 == 1:  # decode instance: the prompt's KV is read from the remote prefill instance
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [list(range(1, 1 + -(-prompt_len // block_size)))],
+                "remote_engine_id": REMOTE_ENGINE, "remote_request_id": f"remote-{rid}",
+                "remote_host": "localhost", "remote_port": 1, "tp_size": 1}
+    if n % 3 == 2:  # prefill instance: the remote decode instance reads this request's KV when it ends
+        return {"do_remote_prefill": False, "do_remote_decode": True}
+    return None
+
+
+class NixlWorkerStandIn:
+    """The worker role of ``NixlConnector`` as the step clock sees it (module docstring). ``recving``
+    and ``sending``: request id -> step at which that transfer completes; ``to_process``: the
+    requests the remote side may read (``NixlPullConnectorWorker._reqs_to_process``)."""
+
+    def __init__(self, latency_steps: int):
+        self.latency_steps = latency_steps
+        self.recving: dict[str, int] = {}
+        self.sending: dict[str, int] = {}
+        self.to_process: set[str] = set()
+
+    def delay(self, rid: str) -> int:
+        """Steps a transfer of ``rid`` takes: ``1..latency_steps``, fixed per request."""
+        return 1 + zlib.crc32(rid.encode()) % self.latency_steps
+
+    def start(self, meta, step: int) -> None:
+        """Take one ``NixlConnectorMetadata`` (``start_load_kv``): reads that await KV start; the
+        requests in a batch become readable, aborted ones stop being; the readable ones in
+        ``reqs_to_send`` start being read."""
+        if meta is None:
+            return
+        for rid, m in meta.reqs_to_recv.items():
+            if m.awaiting_kvs:  # a full local hit or an aborted request's cleanup only notifies
+                self.recving[rid] = step + self.delay(rid)
+        self.to_process |= meta.reqs_in_batch
+        self.to_process -= meta.reqs_not_processed
+        for rid in meta.reqs_to_send:
+            if rid in self.to_process:
+                self.sending[rid] = step + self.delay(rid)
+
+    def finished(self, step: int, output_cls):
+        """The ``KVConnectorOutput`` of the transfers done by ``step`` (each reported once), or None."""
+        recv = {r for r, due in self.recving.items() if due <= step}
+        send = {r for r, due in self.sending.items() if due <= step}
+        if not recv and not send:
+            return None
+        for r in recv:
+            del self.recving[r]
+        for r in send:
+            del self.sending[r]
+            self.to_process.discard(r)
+        return output_cls(finished_sending=send or None, finished_recving=recv or None)
+
+    def __len__(self) -> int:
+        return len(self.recving) + len(self.sending)
+
+
+class VllmConnectorTarget(VllmSchedulerTarget):
+    """:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget` with a KV connector: some submits carry
+    ``kv_transfer_params``, each ``SchedulerOutput``'s connector metadata goes to the worker stand-in,
+    and each model output carries the transfers done (module docstring)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps)
+
+    def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
+        params = transfer_params(len(self.submitted) + 1, rid, prompt_len, self.config.block_size)
+        return None if params is None else {"kv_transfer_params": params}
+
+    def _on_schedule(self, out) -> None:
+        self.worker.start(out.kv_connector_metadata, self.steps)
+
+    def _kv_output(self):
+        return self.worker.finished(self.steps, self.V.KVConnectorOutput)
+
+    def _empty_output(self):
+        output = super()._empty_output()
+        output.kv_connector_output = self._kv_output()
+        return output
+
+    def _model_output(self, out):
+        output = super()._model_output(out)
+        output.kv_connector_output = self._kv_output()
+        return output
+
+    def is_idle(self) -> bool:
+        return super().is_idle() and not len(self.worker)
+
+    def describe_busy(self) -> str:
+        w = self.worker
+        return f"{super().describe_busy()} recving={len(w.recving)} sending={len(w.sending)}"

@@ -1,0 +1,184 @@
+"""The ``vllm-kv-connector`` preset: vLLM's Scheduler with NixlConnector's scheduler side and kvaudit's
+worker stand-in (kvaudit/targets/vllm/connector.py). Loads park a request in WAITING_FOR_REMOTE_KVS
+until their finished_recving; saves hold a finished request's blocks until their finished_sending;
+aborts racing either leave the pool whole."""
+
+import pytest
+
+from kvaudit.audit.runner import AuditedRun
+from kvaudit.program import Abort, Idle, Step, Submit
+from kvaudit.targets.vllm.config import VLLM_PRESETS, VllmConfig
+
+ASYNC = [False, True]
+
+
+def connector_config(async_scheduling: bool, **changes) -> VllmConfig:
+    return VLLM_PRESETS["vllm-kv-connector"].config(async_scheduling=async_scheduling, **changes)
+
+
+class Recorder:
+    """Wraps a connector target's ``_on_schedule``: the request ids each step scheduled tokens for."""
+
+    def __init__(self, target):
+        self.scheduled: list[set[str]] = []
+        on_schedule = target._on_schedule
+
+        def record(out):
+            self.scheduled.append(set(out.num_scheduled_tokens))
+            on_schedule(out)
+
+        target._on_schedule = record
+
+
+def held_blocks(target, rid: str) -> list:
+    return [b for g in target.groups for b in g.req_to_blocks.get(rid, ()) if not b.is_null]
+
+
+def pool_whole(target) -> bool:
+    return target.manager.block_pool.get_num_free_blocks() == target.config.num_gpu_blocks - 1
+
+
+@pytest.mark.parametrize("async_scheduling", ASYNC, ids=["sync", "async"])
+def test_config_and_preset(async_scheduling):
+    c = connector_config(async_scheduling)
+    assert c.kv_connector == "NixlConnector" and c.kv_transfer_latency_steps == 3
+    for bad in (dict(kv_connector="LMCacheConnectorV1"), dict(kv_transfer_latency_steps=0),
+                dict(kv_transfer_latency_steps=True), dict(level="manager", async_scheduling=False)):
+        with pytest.raises(ValueError):
+            c.replace(**bad)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("async_scheduling", ASYNC, ids=["sync", "async"])
+def test_remote_kv_request_admitted_only_after_its_load_completes(async_scheduling):
+    with AuditedRun(connector_config(async_scheduling, kv_transfer_latency_steps=4)) as run:
+        t = run.target
+        rec = Recorder(t)
+        run.apply(Submit(family=1, prompt_len=40, max_new_tokens=3))  # submit 1: wants remote KV
+        rid = t.submitted[0]
+        assert t.scheduler.requests[rid].kv_transfer_params["remote_engine_id"]
+        run.apply(Step(n=1))
+        S = t.V.RequestStatus
+        assert t.scheduler.requests[rid].status == S.WAITING_FOR_REMOTE_KVS
+        assert len(held_blocks(t, rid)) == 3  # blocks allocated for the load: 40 tokens / 16
+        due = t.worker.recving[rid]
+        assert due > 1
+        for _ in range(10):
+            if rid not in t.worker.recving:
+                break
+            assert t.scheduler.requests[rid].status == S.WAITING_FOR_REMOTE_KVS
+            run.apply(Step(n=1))
+        assert rid not in t.worker.recving
+        assert not run.findings
+        run.apply(Idle())
+        assert not run.findings
+        first = next(i for i, ids in enumerate(rec.scheduled) if rid in ids)
+        assert first >= due  # never scheduled before the worker reported the load done
+        assert rid not in t.scheduler.requests and len(t.texts[rid]) == 40 + 3
+        assert pool_whole(t)
+
+
+def _finish_save_request(run):
+    """Submit a plain-sized pair (1: load, 2: save) and step until request 2 has finished but its KV
+    is still being sent. Returns request 2's id."""
+    t = run.target
+    run.apply(Submit(family=1, prompt_len=8, max_new_tokens=2))
+    run.apply(Submit(family=2, prompt_len=36, max_new_tokens=2))
+    rid = t.submitted[1]
+    assert t.scheduler.requests[rid].kv_transfer_params == {"do_remote_prefill": False, "do_remote_decode": True}
+    for _ in range(20):
+        run.apply(Step(n=1))
+        if rid in t.worker.sending:
+            return rid
+    raise AssertionError(f"request 2 never started sending: {t.describe_busy()}")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("async_scheduling", ASYNC, ids=["sync", "async"])
+def test_finished_request_holds_blocks_while_its_save_is_in_flight(async_scheduling):
+    with AuditedRun(connector_config(async_scheduling, kv_transfer_latency_steps=8)) as run:
+        t = run.target
+        rid = _finish_save_request(run)
+        request = t.scheduler.requests[rid]
+        assert request.is_finished()
+        blocks = held_blocks(t, rid)
+        assert len(blocks) == 3 and all(b.ref_cnt >= 1 for b in blocks)
+        owners = {r.owner for r in t.roots() if set(r.units.tolist()) & {b.block_id for b in blocks}}
+        assert f"req:{rid}" in owners  # the observer's roots cover the finished-but-held request
+        for _ in range(10):
+            if rid not in t.worker.sending:
+                break
+            assert rid in t.scheduler.requests and held_blocks(t, rid) == blocks
+            run.apply(Step(n=1))
+        assert rid not in t.worker.sending
+        run.apply(Step(n=2))  # the output carrying finished_sending is processed (async: one step later)
+        assert rid not in t.scheduler.requests and not held_blocks(t, rid)
+        assert not run.findings
+        run.apply(Idle())
+        assert not run.findings and pool_whole(t)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("async_scheduling", ASYNC, ids=["sync", "async"])
+def test_abort_during_load_delays_the_free_until_the_load_reports(async_scheduling):
+    with AuditedRun(connector_config(async_scheduling, kv_transfer_latency_steps=6)) as run:
+        t = run.target
+        run.apply(Submit(family=3, prompt_len=40, max_new_tokens=3))
+        run.apply(Submit(family=4, prompt_len=20, max_new_tokens=6))  # a plain-sized neighbour (save)
+        run.apply(Step(n=1))
+        rid = t.submitted[0]
+        assert rid in t.worker.recving
+        run.apply(Abort(handle=0))
+        request = t.scheduler.requests[rid]  # finished, but held until the load reports (vLLM's rule)
+        assert request.is_finished() and len(held_blocks(t, rid)) == 3
+        assert not run.findings
+        run.apply(Idle())
+        assert not run.findings
+        assert rid not in t.scheduler.requests and not t.worker.recving and pool_whole(t)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("async_scheduling", ASYNC, ids=["sync", "async"])
+def test_abort_all_during_a_save_leaves_the_pool_whole(async_scheduling):
+    with AuditedRun(connector_config(async_scheduling, kv_transfer_latency_steps=8)) as run:
+        t = run.target
+        rid = _finish_save_request(run)
+        run.apply(Submit(family=5, prompt_len=30, max_new_tokens=8))
+        run.apply(Submit(family=6, prompt_len=30, max_new_tokens=8))
+        run.apply(Step(n=1))
+        run.apply(Abort(handle=None))  # the finished request is not aborted again; the others are
+        assert rid in t.scheduler.requests and rid in t.worker.sending
+        assert not run.findings
+        run.apply(Idle())
+        assert not run.findings
+        assert not t.scheduler.requests and not len(t.worker) and pool_whole(t)
+
+
+@pytest.mark.vllm
+def test_deferred_frees_are_roots():
+    """Async scheduling with a consumer connector defers the frees of requests aborted with a step in
+    flight (``Scheduler.deferred_frees``); the observer counts them as holders, so no finding."""
+    with AuditedRun(connector_config(True)) as run:
+        t = run.target
+        seen = 0
+        for i in range(8):
+            run.apply(Submit(family=i, prompt_len=20, max_new_tokens=10))
+        for _ in range(6):
+            run.apply(Step(n=1))
+            run.apply(Abort(handle=2))
+            if t.scheduler.deferred_frees:
+                seen += 1
+                deferred = {int(u) for r in t.roots() if r.where == "deferred" for u in r.units}
+                assert deferred == {b.block_id for _, blocks in t.scheduler.deferred_frees for b in blocks
+                                    if not b.is_null}
+        assert seen and not run.findings
+        run.apply(Idle())
+        assert not run.findings and pool_whole(t)
+
+
+@pytest.mark.vllm
+def test_clean_preset_fuzz_finds_nothing():
+    from kvaudit.testing import fuzz
+    result = fuzz(VLLM_PRESETS["vllm-kv-connector"].config(), max_time=6, seed=3)
+    result.assert_clean()
+    assert result.executions > 10
