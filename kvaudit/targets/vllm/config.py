@@ -87,7 +87,22 @@ class VllmConfig(ConfigBase):
 
     @property
     def context_len(self) -> int:
-        return min(self.max_model_len, self.num_slots)
+        return self.max_model_len
+
+    def blocks_per_request(self) -> int:
+        """The most blocks one request of ``max_model_len`` tokens may hold, over every KV-cache group: what
+        vLLM's start-up check (``kv_cache_utils.check_enough_kv_cache_memory`` over each spec's
+        ``max_memory_usage_bytes``) requires the pool to hold. Full attention: ``cdiv(max_model_len,
+        block_size)``; sliding window (``SlidingWindowSpec.max_admission_blocks_per_request``):
+        ``cdiv(min(sliding_window - 1 + in-flight tokens, max_model_len), block_size) + 1``, the in-flight
+        tokens being ``max_num_batched_tokens`` per concurrent batch (two with async scheduling)."""
+        def cdiv(a, b):
+            return -(-a // b)
+        n = cdiv(self.max_model_len, self.block_size)
+        if self.sliding_window is not None:
+            in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
+            n += cdiv(min(self.sliding_window - 1 + in_flight, self.max_model_len), self.block_size) + 1
+        return n
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -116,6 +131,10 @@ class VllmConfig(ConfigBase):
         w = self.sliding_window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.max_model_len):
             raise ValueError(f"sliding_window must be null or an integer in [1, max_model_len), got {w!r}")
+        if self.blocks_per_request() > self.num_gpu_blocks - 1:
+            raise ValueError(f"a request of max_model_len={self.max_model_len} tokens may need "
+                             f"{self.blocks_per_request()} blocks, more than the pool's {self.num_gpu_blocks - 1}: "
+                             "vLLM refuses to start so (check_enough_kv_cache_memory); lower max_model_len")
         if self.async_scheduling and self.level != "scheduler":
             raise ValueError("async_scheduling needs level scheduler")
         if not 4 <= self.vocab_size <= 1 << 16:
@@ -146,12 +165,12 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-async", "the AsyncScheduler with one batch in flight (vLLM's default scheduling)",
             async_scheduling=True),
     _preset("vllm-small", "the Scheduler on 16 blocks of 4 tokens: decode runs out and preempts by itself",
-            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32),
+            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
     _preset("vllm-hybrid", "the Scheduler over full attention + a 32-token sliding window "
                            "(HybridKVCacheCoordinator), 96 blocks shared", num_gpu_blocks=96, sliding_window=32),
     _preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, "
                             "preemption by recompute", level="manager", num_gpu_blocks=24, block_size=4,
-            max_num_batched_tokens=64),
+            max_num_batched_tokens=64, max_model_len=92),
     _preset("vllm-kv-connector", "the AsyncScheduler with vLLM's NixlConnector (scheduler side; the worker side "
                                  "a stand-in): some requests wait for remote KV, finished ones are held while "
                                  "their KV is sent, transfers complete 1-3 steps later",

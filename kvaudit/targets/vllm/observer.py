@@ -51,7 +51,8 @@ class VllmObserver:
         self.groups = self.manager.coordinator.single_type_managers
         n = self.config.num_gpu_blocks
         self._pools = [PoolSpec(POOL, self.pool, "blocks", self.config.block_size, n - 1)]
-        self.hash_log: list[tuple[int, str, int, str]] = []  # (step, "insert"|"remove", block id, hash hex)
+        # (step, "insert"|"remove", block id, hash hex prefix, site id: Auditor.site(id) is its stack)
+        self.hash_log: list[tuple[int, str, int, str, int]] = []
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
         self.events_seen = 0
         self._auditor = None
@@ -70,7 +71,7 @@ class VllmObserver:
 
     def install_pool(self, spec, auditor, wrap) -> None:
         """``get_new_blocks``/``touch``/``free_blocks`` into the ledger; the map's insert and removal
-        logged (``hash_log``) with the step."""
+        logged (``hash_log``) with the step and the site."""
         self._auditor = auditor
         auditor.wrap_blocks(spec, block_ids, alloc="get_new_blocks", ref="touch", unref="free_blocks")
         pool = self.pool
@@ -93,13 +94,15 @@ class VllmObserver:
 
         def insert_wrapper(block_hash, block, *a, **k):
             out = insert(block_hash, block, *a, **k)
-            self.hash_log.append((self.steps, "insert", block.block_id, bytes(block_hash)[:6].hex()))
+            self.hash_log.append((self.steps, "insert", block.block_id, bytes(block_hash)[:6].hex(),
+                                  auditor.capture_site()))
             return out
 
         def remove_wrapper(block, *a, **k):
             out = remove(block, *a, **k)
-            for h in out:
-                self.hash_log.append((self.steps, "remove", block.block_id, bytes(h)[:6].hex()))
+            if out:
+                sid = auditor.capture_site()
+                self.hash_log.extend((self.steps, "remove", block.block_id, bytes(h)[:6].hex(), sid) for h in out)
             return out
 
         wrap(pool, "_insert_block_hash", insert_wrapper)
