@@ -37,3 +37,21 @@ def test_every_vllm_corpus_file_has_a_written_analysis():
     assert NAMES
     for name in NAMES:
         assert f"`{name}`" in notes, name
+
+
+@pytest.mark.vllm
+def test_replay_update_keeps_the_engines_verdict_after_the_drain(tmp_path):
+    """A file written by fuzz records vLLM's own arithmetic once drained to idle (here: a negative
+    ref_cnt); --update re-recorded it without the drain and lost that line."""
+    import json
+    import shutil
+
+    from cli_helpers import invoke
+
+    path = tmp_path / "f.json"
+    shutil.copy(os.path.join(CORPUS, "fault-double-free-shared-prefix.json"), path)
+    before = json.loads(path.read_text())["findings"][0]["engine_check_at_idle"]
+    assert before and "negative ref_cnt" in before[0]
+    result = invoke("replay", "--update", str(path))
+    assert result.exit_code == 0, result.output
+    assert json.loads(path.read_text())["findings"][0]["engine_check_at_idle"] == before

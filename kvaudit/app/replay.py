@@ -91,7 +91,9 @@ def update_replays(files: tuple[str, ...]) -> int:
     for file in files:
         config, program, recorded, _ = load_replay(file, None)
         try:
-            outcome = replay.rerecord(file, execute(config, program).findings)
+            # drained to idle again where the file recorded the engine's verdict after the drain
+            drain = any(f.engine_check_at_idle for f in recorded)
+            outcome = replay.rerecord(file, execute(config, program, drain=drain).findings)
         except OSError as e:
             raise write_error(e, file) from None
         lost += outcome.startswith("not updated")
