@@ -172,6 +172,15 @@ def test_page_size_for_a_kind_without_one_is_a_usage_error_not_a_crash():
     assert "--page-size does not apply to --target vllm" in one_error_line(result)
 
 
+def test_device_for_a_kind_that_computes_no_kv_is_a_usage_error(monkeypatch):
+    """On a machine with a GPU, --device cuda was dropped without a word for --target vllm."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if a CUDA device were here
+    result = invoke("fuzz", "--target", "vllm", "--device", "cuda", "--max-time", "1")
+    assert result.exit_code == 2, result.output
+    assert "--device cuda does not apply to --target vllm" in one_error_line(result)
+
+
 @pytest.mark.parametrize("args", [
     ["fuzz", "--frob"],
     ["--frob"],

@@ -12,6 +12,7 @@ Skipped, with the install command, where vLLM 0.33.0 is not installed.
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -400,3 +401,42 @@ def test_cli_exits_2_in_one_line_when_vllm_cannot_be_driven(version, match, monk
     r = invoke("replay", str(path))
     assert r.exit_code == 2, r.output
     assert match in one_error_line(r)
+
+
+def test_ci_without_vllm_is_one_line_exit_2_and_a_vllm_regression_elsewhere_a_failed_check(monkeypatch, tmp_path):
+    """ci loaded the target only inside the first preset's fuzz: without vLLM it was an internal error
+    (exit 70), and a vLLM regression file under another target's ci was one too."""
+    monkeypatch.setattr(boot, "_LOADED", None)
+    monkeypatch.setattr(boot, "installed_version", lambda: None)
+    r = invoke("ci", "--target", "vllm", "--max-time", "5", "--out", str(tmp_path / "a"))
+    assert r.exit_code == 2, r.output
+    assert "which is not installed" in one_error_line(r)
+    r = invoke("ci", "--presets", "default", "--max-time", "0", "--out", str(tmp_path / "b"),
+               "--regressions", os.path.join(os.path.dirname(__file__), "..", "corpora", "vllm"))
+    assert r.exit_code == 1, r.output
+    assert "0/3 regressions ok" in r.output and "cannot run here: --target vllm needs vLLM 0.33.0" in r.output
+    assert "internal error" not in r.output
+
+
+def test_ci_for_vllm_checks_vllms_own_regressions(tmp_path):
+    """By default ci replayed the built-in engine's corpus for every target."""
+    r = invoke("ci", "--target", "vllm", "--presets", "vllm-manager", "--max-time", "2", "--out", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert "3 regression file(s) in corpora/vllm" in r.output
+    for name in ("fault-skip-free", "fault-double-free-shared-prefix", "fault-drop-hash-entry"):
+        assert f"regression {name}: ok" in r.output
+
+
+def test_a_fault_at_manager_level_is_located_at_the_driver_not_at_its_wrapper(tmp_path):
+    """The fault wrappers lived in the driver's module, whose frames are sites at manager level."""
+    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-manager", "--bug", "double-free-shared-prefix",
+               "--fuzzer", "random", "--max-time", "60", "--seed", "1", "--out", str(tmp_path))
+    assert r.exit_code == 1, r.output
+    sig = next(line for line in r.stdout.splitlines() if line.startswith("signature: use-after-free"))
+    assert "free_with_faults" not in sig and ("_finish@target.py" in sig or "_preempt@target.py" in sig), sig
+
+
+def test_max_num_seqs_above_the_token_budget_is_a_config_error():
+    """vLLM's SchedulerConfig refuses it with a multi-line pydantic error at build time (exit 70 before)."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(128\) must be at least max_num_seqs \(256\)"):
+        cfg("vllm", max_num_seqs=256)

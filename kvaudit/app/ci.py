@@ -25,7 +25,7 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED
 
-    from kvaudit.app.configs import check_fuzzer
+    from kvaudit.app.configs import check_fuzzer, require_target
     from kvaudit.targets import registry
 
     check_fuzzer(fuzzer, target)
@@ -37,15 +37,18 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     except ValueError as e:
         raise InputError(f"--presets: {e}") from None
     get_preset = kind.preset
+    # the engine must be drivable here, and is loaded now (a real engine's import is not taken from the
+    # first preset's budget)
+    require_target(get_preset(preset_names[0]).config())
     sset = load_suppressions(suppress_file)
-    if regressions_dir is None:
+    if regressions_dir is None and kind.regressions is not None:
         from kvaudit.data import data_path
 
-        here = os.path.join("corpora", "regressions")
-        regressions_dir = here if os.path.isdir(here) else data_path("corpora", "regressions")
-    if not os.path.isdir(regressions_dir):
+        here = kind.regressions
+        regressions_dir = here if os.path.isdir(here) else data_path(*kind.regressions.split("/"))
+    if regressions_dir is not None and not os.path.isdir(regressions_dir):
         raise InputError(f"--regressions {regressions_dir}: no such directory")
-    files = ci.regression_files(regressions_dir)
+    files = ci.regression_files(regressions_dir) if regressions_dir is not None else []
     for d, flag in ((out_dir, "out"), (corpus_dir, "corpus")):
         if d is not None:
             try:
@@ -60,7 +63,8 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult()
     per_preset = max_time / len(preset_names) if max_time > 0 else 0.0
-    err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir}; fuzz {fuzzer} over "
+    err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
+              f"fuzz {fuzzer} over "
               f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
     catch_sigint()
     try:
@@ -96,7 +100,8 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     for run in result.fuzz:
         t.add_row(f"fuzz {run.preset} ({run.seconds:.0f}s, {run.executions} executions)",
                   Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
-                  if run.new else Text("clean", style="green"))
+                  if run.new else Text("clean", style="green") if run.executions
+                  else Text("nothing ran (start-up spent its budget): raise --max-time", style="yellow"))
     print_table(console, t)
     kept = [path for run in result.fuzz for _, _, path in run.new]
     if outputs.junit:

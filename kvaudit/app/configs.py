@@ -115,6 +115,8 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
         changes["model"] = model
     if _has_field(kind.config_class, "device"):
         changes["device"] = device
+    elif device != "cpu":
+        raise InputError(f"--device {device} does not apply to --target {kind.name}: it computes no KV (CPU only)")
     if "tree_core" in kind.options:
         changes["tree_core"] = tree_core or kind.options["tree_core"][0][0]
     if page_size is not None:

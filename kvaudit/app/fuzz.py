@@ -121,6 +121,9 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
             console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} "
                           "times; not reported (flaky)")
         console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
+        if stats.executions == 0:
+            err.print("warning: no program ran: start-up spent the budget (the budget counts from the command's "
+                      "start; importing a real engine takes seconds); raise --max-time", soft_wrap=True)
         write_reports(outputs, _run_data(config, [], [], sset, stats, seed), err)
         return EXIT_CLEAN
     ignore_interrupts()  # the finding is complete: write and report it whole

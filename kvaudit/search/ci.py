@@ -88,6 +88,13 @@ def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
         return RegressionCheck(name, path, "", problem=f"malformed: {e}", malformed=True,
                                seconds=time.monotonic() - t0)
     check = RegressionCheck(name, path, recorded[0].signature if recorded else "")
+    from kvaudit.targets import registry
+    try:  # a real engine's file where that engine is missing: a failed check, in one line
+        registry.kind_of(config).probe(config)
+    except (registry.TargetUnavailable, registry.UnknownTargetError) as e:
+        check.problem = f"cannot run here: {e}"
+        check.seconds = time.monotonic() - t0
+        return check
     if not recorded:
         check.problem = "records no finding"
         return check

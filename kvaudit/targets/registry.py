@@ -77,7 +77,9 @@ class TargetKind:
     lines a run prints first about what is checked less there; ``model_choices`` the
     ``--model`` values it accepts (``("none",)``: it computes no KV); ``options``: the extra CLI
     options it reads, ``{name: (choices, help)}`` (``{"tree_core": (("rust", "python"), "...")}``:
-    ``--tree-core``, whose first choice is the default).
+    ``--tree-core``, whose first choice is the default); ``regressions``: the corpus directory (relative
+    to the repository, shipped in the wheel) whose replay files ``kvaudit ci --target NAME`` checks by
+    default (each reproduces with its bugs on, is deterministic and clean with them off), None: none.
     """
 
     name: str
@@ -99,6 +101,7 @@ class TargetKind:
     notes: Callable = lambda config: []
     model_choices: tuple[str, ...] = ("none",)
     options: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
+    regressions: str | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""

@@ -49,4 +49,4 @@ def _anchor(kind: str):
 KIND = register(TargetKind(
     name="eut", summary="the built-in engine_under_test", config_class=EutConfig, presets=_presets, make=_make,
     bugs=_bugs, bugs_title="bug zoo", header=_header, anchor=_anchor, features=_features,
-    capabilities=server_args_capabilities, model_choices=("none", "tiny")))
+    capabilities=server_args_capabilities, model_choices=("none", "tiny"), regressions="corpora/regressions"))

@@ -125,6 +125,9 @@ class VllmConfig(ConfigBase):
             raise ValueError("max_num_seqs must be in [1, 256] and max_num_batched_tokens in [block_size, 65536]")
         if not 2 * self.block_size <= self.max_model_len <= 1 << 16:
             raise ValueError(f"max_model_len must be in [2 * block_size, 65536], got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}) (vLLM's SchedulerConfig rule)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len "
                              "(vLLM's SchedulerConfig rule)")

@@ -80,4 +80,5 @@ KIND = register(TargetKind(
     name="vllm", summary="vLLM 0.33.0's own v1 Scheduler and KV-cache manager on CPU (its presets start with 'vllm')",
     config_class=VllmConfig, presets=lambda: VLLM_PRESETS, make=_make, bugs=_bugs,
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
-    anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe))
+    anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
+    regressions="corpora/vllm"))

@@ -23,6 +23,7 @@ import zlib
 
 from kvaudit.program import Abort, FlushCache, MemoryPressure, Submit, resolve_submit
 from kvaudit.targets.base import Target
+from kvaudit.targets.vllm import faults
 from kvaudit.targets.vllm.boot import build_manager, build_scheduler, load
 from kvaudit.targets.vllm.config import VllmConfig
 from kvaudit.targets.vllm.observer import VllmObserver
@@ -86,40 +87,8 @@ class _VllmBase(VllmObserver, Target):
 
     # -- faults --------------------------------------------------------------------------------------
     def _inject_faults(self) -> None:
-        """Wrap the manager's ``free`` and the pool's ``_insert_block_hash`` (instances only) for the
-        configured faults (:data:`~kvaudit.targets.vllm.config.FAULTS`)."""
-        faults, manager, pool = self._faults, self.manager, self.manager.block_pool
-        if faults & {"skip-free", "double-free-shared-prefix"}:
-            free = manager.free
-
-            def free_with_faults(request):
-                if "skip-free" in faults and request.is_finished():
-                    faults.discard("skip-free")
-                    for mgr in manager.coordinator.single_type_managers:  # the table goes, the refs stay
-                        mgr.req_to_blocks.pop(request.request_id, None)
-                        mgr.num_cached_block.pop(request.request_id, None)
-                    return None
-                blocks = [b for g in manager.coordinator.single_type_managers
-                          for b in g.req_to_blocks.get(request.request_id, ()) if not b.is_null]
-                out = free(request)
-                shared = [b for b in blocks if b.ref_cnt > 0]
-                if "double-free-shared-prefix" in faults and shared:
-                    faults.discard("double-free-shared-prefix")
-                    pool.free_blocks(shared)
-                return out
-
-            manager.free = free_with_faults
-        if "drop-hash-entry" in faults:
-            insert = pool._insert_block_hash
-
-            def insert_dropping(block_hash, block, *a, **k):
-                out = insert(block_hash, block, *a, **k)
-                if "drop-hash-entry" in faults and block.block_hash == block_hash:
-                    faults.discard("drop-hash-entry")
-                    pool.cached_block_hash_to_block.pop(block_hash, block.block_id)
-                return out
-
-            pool._insert_block_hash = insert_dropping
+        """The configured faults (:data:`~kvaudit.targets.vllm.config.FAULTS`): :func:`faults.inject`."""
+        faults.inject(self.manager, self._faults)
 
 
 class VllmSchedulerTarget(_VllmBase):
@@ -154,8 +123,15 @@ class VllmSchedulerTarget(_VllmBase):
 
     def step(self) -> None:
         """One engine-core iteration: schedule a batch and queue it; process the oldest batch once the
-        queue is full (one batch in flight with async scheduling) or nothing new was scheduled."""
+        queue is full (one batch in flight with async scheduling) or nothing new was scheduled. With no
+        request left (``has_requests``: finished ones still to report count), the engine core schedules
+        nothing; a batch still in flight is processed."""
         s = self.scheduler
+        if not s.has_requests():
+            if self.batch_queue:
+                s.update_from_output(*self.batch_queue.pop(0))
+            self.steps += 1
+            return
         out = s.schedule()
         self._on_schedule(out)
         if out.total_num_scheduled_tokens > 0:

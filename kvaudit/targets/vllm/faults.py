@@ -1,0 +1,45 @@
+"""The injected faults of the vLLM target (``--bug``, :data:`~kvaudit.targets.vllm.config.FAULTS`), as wrappers
+on the ``KVCacheManager``'s and ``BlockPool``'s *instances* (never vLLM's classes or code).
+
+Kept apart from the drivers: kvaudit's own frames are never sites, so a fault's free is located at the
+vLLM function (scheduler level) or the driver method (manager level) that called the wrapped method.
+"""
+
+from __future__ import annotations
+
+
+def inject(manager, faults: set[str]) -> None:
+    """Wrap ``manager.free`` and ``manager.block_pool._insert_block_hash`` for the names in ``faults``
+    (a set the wrappers empty: each fault fires once, on its first chance)."""
+    pool = manager.block_pool
+    if faults & {"skip-free", "double-free-shared-prefix"}:
+        free = manager.free
+
+        def free_with_faults(request):
+            if "skip-free" in faults and request.is_finished():
+                faults.discard("skip-free")
+                for mgr in manager.coordinator.single_type_managers:  # the table goes, the refs stay
+                    mgr.req_to_blocks.pop(request.request_id, None)
+                    mgr.num_cached_block.pop(request.request_id, None)
+                return None
+            blocks = [b for g in manager.coordinator.single_type_managers
+                      for b in g.req_to_blocks.get(request.request_id, ()) if not b.is_null]
+            out = free(request)
+            shared = [b for b in blocks if b.ref_cnt > 0]
+            if "double-free-shared-prefix" in faults and shared:
+                faults.discard("double-free-shared-prefix")
+                pool.free_blocks(shared)
+            return out
+
+        manager.free = free_with_faults
+    if "drop-hash-entry" in faults:
+        insert = pool._insert_block_hash
+
+        def insert_dropping(block_hash, block, *a, **k):
+            out = insert(block_hash, block, *a, **k)
+            if "drop-hash-entry" in faults and block.block_hash == block_hash:
+                faults.discard("drop-hash-entry")
+                pool.cached_block_hash_to_block.pop(block_hash, block.block_id)
+            return out
+
+        pool._insert_block_hash = insert_dropping
