@@ -55,3 +55,12 @@ def test_replay_update_keeps_the_engines_verdict_after_the_drain(tmp_path):
     result = invoke("replay", "--update", str(path))
     assert result.exit_code == 0, result.output
     assert json.loads(path.read_text())["findings"][0]["engine_check_at_idle"] == before
+
+
+def test_a_vllm_hash_map_finding_is_not_said_to_be_cached_into_a_tree():
+    """vLLM has no radix tree: a target invariant's drift names the block's allocation, as any finding."""
+    from cli_helpers import invoke
+
+    result = invoke("report", os.path.join(CORPUS, "fault-drop-hash-entry.json"))
+    assert result.exit_code == 0, result.output
+    assert "cached into the tree" not in result.stdout and "allocated at:" in result.stdout

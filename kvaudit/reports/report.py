@@ -112,7 +112,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
             parts.append(_stack("unreleased lock taken at:", f.alloc_sites, plain))
         if f.free_sites:
             parts.append(_stack("unmatched release at:", f.free_sites, plain))
-    elif f.kind == "accounting-drift" and f.alloc_sites:  # the tree insert that cached past kv_committed_len
+    elif f.kind == "accounting-drift" and f.alloc_sites and not f.check:  # a tree insert past kv_committed_len
         parts.append(_stack("cached into the tree at:", f.alloc_sites, plain))
     elif f.alloc_sites:
         parts.append(_stack("allocated at:", f.alloc_sites, plain))
