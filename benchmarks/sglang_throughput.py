@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from kvaudit.search.bench import run_programs
+from kvaudit.search.bench import best_times, build_ms
 from kvaudit.program import random_program
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
-MODES = (("bare", False, False), ("hooks", True, False), ("audit", True, True))
+MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, False))
 
 
 def main() -> None:
@@ -38,7 +38,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    from kvaudit.targets import make_target
     from kvaudit.targets.sglang.boot import load
     load()
     print(f"import of SGLang's memory manager: {time.perf_counter() - t0:.2f} s")
@@ -54,20 +53,11 @@ def main() -> None:
         progs = [random_program(rng, args.length, max_prompt=40, features=features) for _ in range(args.programs)]
         for core in ("rust", "python"):
             config = preset.config(tree_core=core)
-            make_target(config)  # the first build of a core (and of a mode's modules) in a process loads it
-            t = time.perf_counter()
-            for _ in range(10):
-                make_target(config)  # the preset's objects and driver (a mode builds more than the pools)
-            build_ms = (time.perf_counter() - t) * 100
-            best: dict[str, float] = {}
-            ops = 0
-            for _ in range(args.repeat):
-                for mode, audit, oracles in MODES:
-                    secs, ops, _ = run_programs(config, progs, audit, oracles, False, False)
-                    best[mode] = min(best.get(mode, float("inf")), secs)
+            ms = build_ms(config)  # the preset's objects and driver (a mode builds more than the pools)
+            best, ops = best_times(config, progs, MODES, args.repeat)
             rate = {m: args.programs / s for m, s in best.items()}
             print(f"| {name} | {core} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | "
-                  f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | {build_ms:.1f} |", flush=True)
+                  f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | {ms:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

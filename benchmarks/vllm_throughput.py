@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 
 from kvaudit.program import random_program
 from kvaudit.program.schema import max_prompt
-from kvaudit.search.bench import run_programs
+from kvaudit.search.bench import best_times, build_ms
 from kvaudit.targets.vllm.config import VLLM_PRESETS
 
-MODES = (("bare", False, False), ("hooks", True, False), ("audit", True, True))
+MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, False))
 
 
 def main() -> None:
@@ -38,7 +37,7 @@ def main() -> None:
                     help="only this preset (repeatable; default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from kvaudit.targets import make_target, program_features
+    from kvaudit.targets import program_features
     from kvaudit.targets.vllm.boot import load
     v = load()
     print(f"import of vLLM {v.version}'s v1 scheduler and KV-cache manager: {v.import_s:.2f} s")
@@ -54,20 +53,11 @@ def main() -> None:
         features = program_features(config)
         progs = [random_program(rng, args.length, max_prompt=max_prompt(config.context_len), features=features)
                  for _ in range(args.programs)]
-        make_target(config)
-        t = time.perf_counter()
-        for _ in range(10):
-            make_target(config)
-        build_ms = (time.perf_counter() - t) * 100
-        best: dict[str, float] = {}
-        ops = 0
-        for _ in range(args.repeat):
-            for mode, audit, oracles in MODES:
-                secs, ops, _ = run_programs(config, progs, audit, oracles, False, False)
-                best[mode] = min(best.get(mode, float("inf")), secs)
+        ms = build_ms(config)
+        best, ops = best_times(config, progs, MODES, args.repeat)
         rate = {m: args.programs / s for m, s in best.items()}
         print(f"| {name} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | "
-              f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | {build_ms:.1f} |", flush=True)
+              f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | {ms:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -272,6 +272,31 @@ def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: boo
     return time.process_time() - t0, ops, steps
 
 
+def best_times(config: TargetConfig, programs: list, modes, rounds: int) -> tuple[dict[str, float], int]:
+    """Process CPU seconds per mode over ``programs`` (each from a fresh engine), best of ``rounds`` with the
+    modes taking turns, and the ops one round runs. ``modes``: ``(name, audit, oracles, shadow)`` rows
+    (fast-mode stacks, as the fuzzers run)."""
+    best: dict[str, float] = {}
+    ops = 0
+    for _ in range(rounds):
+        for name, audit, oracles, shadow in modes:
+            secs, ops, _ = run_programs(config, programs, audit, oracles, False, shadow)
+            best[name] = min(best.get(name, math.inf), secs)
+    return best, ops
+
+
+def build_ms(config: TargetConfig, builds: int = 10) -> float:
+    """Milliseconds one target of ``config`` takes to build (``make_target``), after a first build that
+    loads what a process loads once."""
+    from kvaudit.targets import make_target
+
+    make_target(config)
+    t = time.perf_counter()
+    for _ in range(builds):
+        make_target(config)
+    return (time.perf_counter() - t) * 1000 / builds
+
+
 def overhead(preset: str, model: str, programs: int = 100, length: int = 20, rounds: int = 3,
              seed: int = 1) -> dict[str, float]:
     """Programs/s per mode, the modes taking turns (best of ``rounds``, process CPU time, one core)."""
@@ -283,11 +308,7 @@ def overhead(preset: str, model: str, programs: int = 100, length: int = 20, rou
     rng = _random.Random(seed)
     progs = [random_program(rng, length) for _ in range(programs)]
     config = _eut().preset(preset).config(model=model)
-    best: dict[str, float] = {}
-    for _ in range(rounds):
-        for name, audit, oracles, shadow in OVERHEAD_MODES:
-            secs = run_programs(config, progs, audit, oracles, False, shadow)[0]
-            best[name] = min(best.get(name, math.inf), secs)
+    best, _ = best_times(config, progs, OVERHEAD_MODES, rounds)
     return {name: programs / secs for name, secs in best.items()}
 
 
