@@ -16,6 +16,13 @@ class UnknownPresetError(ValueError):
     """A preset name that the target kind does not have."""
 
 
+class UnknownFaultError(ValueError):
+    """An injected-fault name (``--bug``) that a real engine's target kind does not have."""
+
+    def __init__(self, name: str, target: str, valid):
+        super().__init__(f"unknown fault {name!r} for --target {target}; valid faults: {', '.join(valid)}")
+
+
 class ConfigBase:
     """Mixin for a target's frozen dataclass config with a ``bugs`` set, ``num_slots`` and
     ``page_size`` (tokens): its JSON form (a replay file's ``config``) and ``replace``.
@@ -34,6 +41,14 @@ class ConfigBase:
     def total_tokens(self) -> int:
         """Usable device KV slots, whole pages only."""
         return self.num_pages * self.page_size
+
+    def _freeze_faults(self, valid, target: str) -> None:
+        """For a frozen dataclass's ``__post_init__``: ``bugs`` as a frozenset, each a name in ``valid``
+        (the kind's injected faults). Raises :class:`UnknownFaultError` for the first unknown one."""
+        object.__setattr__(self, "bugs", frozenset(self.bugs))
+        unknown = sorted(self.bugs - set(valid))
+        if unknown:
+            raise UnknownFaultError(unknown[0], target, valid)
 
     def replace(self, **changes):
         """A copy with ``changes`` (validated again by the dataclass's ``__post_init__``)."""

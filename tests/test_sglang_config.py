@@ -8,7 +8,8 @@ from cli_helpers import invoke, one_error_line
 from kvaudit import replay
 from kvaudit.targets import config_from_dict
 from kvaudit.targets.sglang import boot
-from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig, UnknownFaultError
+from kvaudit.config import UnknownFaultError
+from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig
 
 
 def test_presets_cover_the_thirteen_configurations():

@@ -34,11 +34,6 @@ HICACHE_STORAGE_BACKENDS = ("file",)
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete")
 
 
-class UnknownFaultError(ValueError):
-    def __init__(self, name: str):
-        super().__init__(f"unknown fault {name!r} for --target sglang; valid faults: {', '.join(FAULTS)}")
-
-
 @dataclass(frozen=True)
 class SglangConfig(ConfigBase):
     """How the real SGLang 0.5.23 memory manager is built and driven.
@@ -99,7 +94,7 @@ class SglangConfig(ConfigBase):
     ``prefetch_threshold`` extra config (SGLang's default, 256, exceeds every prompt here): a shorter
     prefetch, or a shorter storage hit, is not fetched.
 
-    Raises ``ValueError`` for inconsistent values, :class:`UnknownFaultError` for an unknown fault.
+    Raises ``ValueError`` for inconsistent values, :class:`kvaudit.config.UnknownFaultError` for an unknown fault.
     """
 
     num_slots: int = 512
@@ -238,10 +233,7 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
-        object.__setattr__(self, "bugs", frozenset(self.bugs))
-        unknown = sorted(self.bugs - set(FAULTS))
-        if unknown:
-            raise UnknownFaultError(unknown[0])
+        self._freeze_faults(FAULTS, "sglang")
         self._check_hisparse()
         self._check_hicache()
 

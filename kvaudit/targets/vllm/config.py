@@ -31,11 +31,6 @@ LEVELS = ("scheduler", "manager")
 KV_CONNECTORS = ("NixlConnector",)
 
 
-class UnknownFaultError(ValueError):
-    def __init__(self, name: str):
-        super().__init__(f"unknown fault {name!r} for --target vllm; valid faults: {', '.join(FAULTS)}")
-
-
 @dataclass(frozen=True)
 class VllmConfig(ConfigBase):
     """How vLLM 0.33.0's v1 KV-cache stack is built and driven.
@@ -152,10 +147,7 @@ class VllmConfig(ConfigBase):
             raise ValueError(f"kv_transfer_latency_steps must be an integer in [1, 64], got {n!r}")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
-        object.__setattr__(self, "bugs", frozenset(self.bugs))
-        unknown = sorted(self.bugs - set(FAULTS))
-        if unknown:
-            raise UnknownFaultError(unknown[0])
+        self._freeze_faults(FAULTS, "vllm")
 
 
 def _preset(name: str, description: str, **overrides) -> Preset:
