@@ -54,13 +54,12 @@ class VllmObserver:
         # (step, "insert"|"remove", block id, hash hex prefix, site id: Auditor.site(id) is its stack)
         self.hash_log: list[tuple[int, str, int, str, int]] = []
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
-        self.events_seen = 0
         self._auditor = None
         take = self.manager.take_events
 
         def take_events(*a, **k):  # the scheduler's call in update_from_output; the events still go on
             events = take(*a, **k)
-            self._replay_events(events)
+            self._replay_events(events, self.event_map)
             return events
 
         self.manager.take_events = take_events
@@ -120,32 +119,28 @@ class VllmObserver:
         return f"req:{rid}" if isinstance(rid, str) else None
 
     # -- KV-cache events ---------------------------------------------------------------------------
-    def _replay_events(self, events) -> None:
+    def _replay_events(self, events, into: Counter) -> None:
+        """Apply vLLM's KV-cache ``events`` to ``into``, a map (external hash, group) -> blocks."""
         V = self.V
         for ev in events:
-            self.events_seen += 1
             if isinstance(ev, V.BlockStored):
                 for h in ev.block_hashes:
-                    self.event_map[(h, ev.group_idx)] += 1
+                    into[(h, ev.group_idx)] += 1
             elif isinstance(ev, V.BlockRemoved):
                 for h in ev.block_hashes:
                     key = (h, ev.group_idx)
-                    self.event_map[key] -= 1
-                    if self.event_map[key] == 0:
-                        del self.event_map[key]
+                    into[key] -= 1
+                    if into[key] == 0:
+                        del into[key]
             elif isinstance(ev, V.AllBlocksCleared):
-                self.event_map.clear()
+                into.clear()
 
     def _replayed(self) -> Counter:
         """The map the events give: those taken so far plus those still queued in the pool (read, not
         taken: the scheduler takes them at the end of ``update_from_output``)."""
-        taken, seen = self.event_map, self.events_seen
-        self.event_map = Counter(taken)
-        try:
-            self._replay_events(list(self.pool.kv_event_queue))
-            return self.event_map
-        finally:
-            self.event_map, self.events_seen = taken, seen
+        out = Counter(self.event_map)
+        self._replay_events(self.pool.kv_event_queue, out)
+        return out
 
     def _map_entries(self) -> list[tuple[bytes, object]]:
         """``(key, block)`` for every entry of vLLM's prefix-cache map (a key may map several blocks)."""
@@ -156,11 +151,11 @@ class VllmObserver:
         return out
 
     # -- roots -------------------------------------------------------------------------------------
-    def _holders(self) -> list[tuple[str, str, np.ndarray]]:
-        """``(owner, where, [n] int64 block ids)`` for every holder of references: each known request's
-        table in each group, each pending copy-on-write pair, each deferred free."""
+    def _holders(self, known: dict) -> tuple[list[tuple[str, str, np.ndarray]], np.ndarray]:
+        """``(owner, where, [n] int64 block ids)`` for every holder of references -- each ``known``
+        request's table in each group, each pending copy-on-write pair, each deferred free -- and the
+        references they hold per block, ``[num_gpu_blocks] int64``."""
         out = []
-        known = self.known()
         for g, mgr in enumerate(self.groups):
             tables = mgr.req_to_blocks
             for rid, (_, where) in known.items():
@@ -171,17 +166,15 @@ class VllmObserver:
                 out.append((f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64)))
         for i, blocks in enumerate(self.deferred()):
             out.append((f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64)))
-        return out
+        held = np.concatenate([units for _, _, units in out]) if out else np.zeros(0, dtype=np.int64)
+        return out, np.bincount(held, minlength=self.config.num_gpu_blocks).astype(np.int64)
 
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
         return np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        holders = self._holders()
-        refs = np.zeros(self.config.num_gpu_blocks, dtype=np.int64)
-        for _, _, units in holders:
-            np.add.at(refs, units, 1)
+        holders, refs = self._holders(self.known())
         out = []
         for owner, where, units in holders:
             shared = refs[units] > 1
@@ -223,10 +216,8 @@ class VllmObserver:
     def invariant_findings(self) -> list[TargetFinding]:
         n = self.config.num_gpu_blocks
         counts = self._ref_counts()
-        holders = self._holders()
-        refs = np.zeros(n, dtype=np.int64)
-        for _, _, units in holders:
-            np.add.at(refs, units, 1)
+        known = self.known()
+        _, refs = self._holders(known)
         out: list[TargetFinding] = []
 
         def add(kind, units, message, check, free_sites=()):
@@ -293,7 +284,7 @@ class VllmObserver:
                                                       "not hold", "hash-map")
                 break
         # 6. a request's cached blocks carry its own hash chain; num_computed_tokens within its blocks
-        for rid, (req, _) in self.known().items():
+        for rid, (req, _) in known.items():
             for g, mgr in enumerate(self.groups):
                 blocks = mgr.req_to_blocks.get(rid, ())
                 ncached = mgr.num_cached_block.get(rid, 0)
@@ -312,7 +303,6 @@ class VllmObserver:
                     "block(s)", "num_computed_tokens")
         # orphan tables: a table of a request the scheduler no longer knows (its blocks are the leak
         # oracle's; an empty one is a dangling entry)
-        known = self.known()
         for mgr in self.groups:
             for rid, blocks in mgr.req_to_blocks.items():
                 if rid not in known and not block_ids(blocks):
