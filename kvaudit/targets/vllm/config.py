@@ -20,6 +20,11 @@ FAULTS: dict[str, tuple[str, str]] = {
                           "blocks still referenced (a prefix another request shares), those shared blocks are "
                           "freed once more through BlockPool.free_blocks: their ref_cnt reaches 0 while the other "
                           "request still holds them, so the pool can hand them out again (vLLM notices nothing)"),
+    "free-under-inflight-step": (
+        "use-after-free", "vLLM #45357 put back (it shipped in 0.23.0): the Scheduler's defer_block_free is "
+                          "off, so with async scheduling and a KV consumer a finished, aborted or preempted "
+                          "request's blocks go back to the pool while a step in flight still writes them "
+                          "(vLLM >= 0.24.0; on 0.23.0 this is vLLM's own behaviour; scheduler level)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -33,7 +38,7 @@ KV_CONNECTORS = ("NixlConnector",)
 
 @dataclass(frozen=True)
 class VllmConfig(ConfigBase):
-    """How vLLM 0.33.0's v1 KV-cache stack is built and driven.
+    """How vLLM's v1 KV-cache stack is built and driven.
 
     ``level``: ``scheduler`` drives ``vllm.v1.core.sched.Scheduler`` (``AsyncScheduler`` with
     ``async_scheduling``, one batch in flight) with synthetic model outputs; ``manager`` drives the

@@ -64,8 +64,9 @@ class NixlWorkerStandIn:
     and ``sending``: request id -> step at which that transfer completes; ``to_process``: the
     requests the remote side may read (``NixlPullConnectorWorker._reqs_to_process``)."""
 
-    def __init__(self, latency_steps: int):
+    def __init__(self, latency_steps: int, awaiting_field: bool = True):
         self.latency_steps = latency_steps
+        self.awaiting_field = awaiting_field  # ReqMeta.awaiting_kvs exists (vLLM >= 0.30.0)
         self.recving: dict[str, int] = {}
         self.sending: dict[str, int] = {}
         self.to_process: set[str] = set()
@@ -81,7 +82,10 @@ class NixlWorkerStandIn:
         if meta is None:
             return
         for rid, m in meta.reqs_to_recv.items():
-            if m.awaiting_kvs:  # a full local hit or an aborted request's cleanup only notifies
+            # a full local hit or an aborted request's cleanup only notifies: ``awaiting_kvs`` from vLLM
+            # 0.30.0 (compat "nixl-awaiting-kvs"); before, such a read has no local block
+            awaiting = m.awaiting_kvs if self.awaiting_field else any(m.local_block_ids)
+            if awaiting:
                 self.recving[rid] = step + self.delay(rid)
         self.to_process |= meta.reqs_in_batch
         self.to_process -= meta.reqs_not_processed
@@ -113,7 +117,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
 
     def __init__(self, config):
         super().__init__(config)
-        self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps)
+        self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
         params = transfer_params(len(self.submitted) + 1, rid, prompt_len, self.config.block_size)

@@ -33,7 +33,10 @@ def inject(manager, faults: set[str]) -> None:
 
         manager.free = free_with_faults
     if "drop-hash-entry" in faults:
-        insert = pool._insert_block_hash
+        # vLLM >= 0.24.0 inserts through the pool's helper; 0.23.0 through the map's own insert
+        owner = pool if hasattr(pool, "_insert_block_hash") else pool.cached_block_hash_to_block
+        name = "_insert_block_hash" if owner is pool else "insert"
+        insert = getattr(owner, name)
 
         def insert_dropping(block_hash, block, *a, **k):
             out = insert(block_hash, block, *a, **k)
@@ -42,4 +45,4 @@ def inject(manager, faults: set[str]) -> None:
                 pool.cached_block_hash_to_block.pop(block_hash, block.block_id)
             return out
 
-        pool._insert_block_hash = insert_dropping
+        setattr(owner, name, insert_dropping)

@@ -16,9 +16,10 @@
   counts equal vLLM's (no change outside the pool's API); the replayed events equal the map. vLLM has
   no checker of its own (its tests read ``ref_cnt`` and the free queue by hand).
 
-Private names read here are vLLM 0.33.0's (``boot.SUPPORTED_VERSIONS``): ``cached_block_hash_to_block._cache``,
-``cached_block_hashes_by_block``, the free queue's ``fake_free_list_head``/``_tail``, each single-type
-manager's ``req_to_blocks``/``num_cached_block``/``_pending_cow_copies``, ``Scheduler.deferred_frees``.
+Private names read here are those of vLLM 0.23.0 to 0.33.0 (where they changed: :mod:`.compat`):
+``cached_block_hash_to_block._cache``, ``cached_block_hashes_by_block``, the free queue's
+``fake_free_list_head``/``_tail``, each single-type manager's ``req_to_blocks``/``num_cached_block``/
+``_pending_cow_copies``, ``Scheduler.deferred_frees``.
 """
 
 from __future__ import annotations
@@ -89,23 +90,70 @@ class VllmObserver:
             return free(blocks, *a, **k)
 
         wrap(pool, "free_blocks", free_wrapper)
+        if self.V.has("hash-helpers"):
+            self._wrap_hash_helpers(auditor, wrap)
+        else:
+            self._wrap_hash_map(auditor)
+
+    def _log_hashes(self, what: str, block_id: int, hashes, auditor) -> None:
+        sid = auditor.capture_site()
+        self.hash_log.extend((self.steps, what, block_id, bytes(h)[:6].hex(), sid) for h in hashes)
+
+    def _wrap_hash_helpers(self, auditor, wrap) -> None:
+        """vLLM >= 0.24.0 (``compat`` "hash-helpers"): the pool's own insert and removal helpers."""
+        pool = self.pool
         insert, remove = pool._insert_block_hash, pool._remove_cached_block_hashes
 
         def insert_wrapper(block_hash, block, *a, **k):
             out = insert(block_hash, block, *a, **k)
-            self.hash_log.append((self.steps, "insert", block.block_id, bytes(block_hash)[:6].hex(),
-                                  auditor.capture_site()))
+            self._log_hashes("insert", block.block_id, [block_hash], auditor)
             return out
 
         def remove_wrapper(block, *a, **k):
             out = remove(block, *a, **k)
             if out:
-                sid = auditor.capture_site()
-                self.hash_log.extend((self.steps, "remove", block.block_id, bytes(h)[:6].hex(), sid) for h in out)
+                self._log_hashes("remove", block.block_id, out, auditor)
             return out
 
         wrap(pool, "_insert_block_hash", insert_wrapper)
         wrap(pool, "_remove_cached_block_hashes", remove_wrapper)
+
+    def _wrap_hash_map(self, auditor) -> None:
+        """vLLM 0.23.0: ``cache_full_blocks`` and ``_maybe_evict_cached_block`` call the map's own
+        ``insert`` / ``pop``; ``reset_prefix_cache`` replaces the map, so the new one is wrapped again."""
+        pool = self.pool
+
+        def wrap_map(m):
+            insert, pop = m.insert, m.pop
+
+            def insert_wrapper(block_hash, block, *a, **k):
+                out = insert(block_hash, block, *a, **k)
+                self._log_hashes("insert", block.block_id, [block_hash], auditor)
+                return out
+
+            def pop_wrapper(block_hash, block_id, *a, **k):
+                out = pop(block_hash, block_id, *a, **k)
+                if out is not None:
+                    self._log_hashes("remove", block_id, [block_hash], auditor)
+                return out
+
+            m.insert, m.pop = insert_wrapper, pop_wrapper
+
+        wrap_map(pool.cached_block_hash_to_block)
+        reset = pool.reset_prefix_cache
+
+        def reset_wrapper(*a, **k):
+            out = reset(*a, **k)
+            if out:
+                wrap_map(pool.cached_block_hash_to_block)
+            return out
+
+        pool.reset_prefix_cache = reset_wrapper
+
+    def _extra_hashes(self, block_id: int) -> tuple:
+        """The other hashes block ``block_id`` is cached under (``cached_block_hashes_by_block``, vLLM
+        >= 0.24.0; none before)."""
+        return tuple(getattr(self.pool, "cached_block_hashes_by_block", {}).get(block_id, ()))
 
     def framework_files(self) -> list[str]:
         """vLLM's allocator stack (pool, free queue, coordinator, managers): a site is its caller, the
@@ -162,7 +210,7 @@ class VllmObserver:
                 blocks = tables.get(rid)
                 if blocks:
                     out.append((f"req:{rid}", where, np.array(block_ids(blocks), dtype=np.int64)))
-            for i, pair in enumerate(mgr._pending_cow_copies):
+            for i, pair in enumerate(mgr._pending_cow_copies if self.V.has("pending-cow") else ()):
                 out.append((f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64)))
         for i, blocks in enumerate(self.deferred()):
             out.append((f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64)))
@@ -269,15 +317,14 @@ class VllmObserver:
         for key, b in entries:
             if b.block_id == null:
                 add("accounting-drift", [1], "the null block is in the prefix-cache map", "null-block")
-            elif b.block_hash != key and key not in self.pool.cached_block_hashes_by_block.get(b.block_id, ()):
+            elif b.block_hash != key and key not in self._extra_hashes(b.block_id):
                 add("accounting-drift", [b.block_id], f"the prefix-cache map holds block {b.block_id} under a hash "
                                                       "the block does not carry", "hash-map")
                 break
         for b in self.pool.blocks:
             if b.is_null:
                 continue  # a hashed null block is the null-block check's finding, said once
-            keys = ([b.block_hash] if b.block_hash is not None else []) + \
-                list(self.pool.cached_block_hashes_by_block.get(b.block_id, ()))
+            keys = ([b.block_hash] if b.block_hash is not None else []) + list(self._extra_hashes(b.block_id))
             missing = [k for k in keys if (k, b.block_id) not in seen]
             if missing:
                 add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
@@ -331,10 +378,12 @@ class VllmObserver:
 
     def engine_check(self) -> list[str]:
         """vLLM has no checker; its own arithmetic (``reset_prefix_cache``'s "all freed" test): free blocks
-        plus blocks in use plus the null block make the pool, and no ``ref_cnt`` is negative."""
-        counts = self._ref_counts()
+        plus blocks in use plus the null block make the pool, and no ``ref_cnt`` is negative. The null
+        block's own count is left out: vLLM never reads it, and some releases' ``free_blocks`` decrement it
+        below zero."""
+        counts = self._ref_counts()[1:]
         free = self.pool.get_num_free_blocks()
-        used = int(np.count_nonzero(counts[1:] > 0))
+        used = int(np.count_nonzero(counts > 0))
         if (counts < 0).any() or free + used + 1 != self.config.num_gpu_blocks:
             return [f"[{POOL}] free={free} + used={used} + 1 null != {self.config.num_gpu_blocks}"
                     + (" (a negative ref_cnt)" if (counts < 0).any() else "")]

@@ -1,5 +1,5 @@
-"""The real-vLLM targets: kvaudit's programs drive vLLM 0.33.0's own v1 ``Scheduler`` (or
-``AsyncScheduler``) and ``KVCacheManager`` on CPU.
+"""The real-vLLM targets: kvaudit's programs drive vLLM's own v1 ``Scheduler`` (or ``AsyncScheduler``)
+and ``KVCacheManager`` on CPU, releases 0.23.0 to 0.33.0 (the API changes between them: :mod:`.compat`).
 
 * :class:`VllmSchedulerTarget` calls the scheduler exactly as vLLM's engine core does
   (``vllm/v1/engine/core.py``: ``EngineCore.step`` and, with async scheduling, ``step_with_batch_queue``
@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
+
 from kvaudit.program import Abort, FlushCache, MemoryPressure, Submit, resolve_submit
-from kvaudit.targets.base import Target
+from kvaudit.targets.base import Target, TargetFinding
 from kvaudit.targets.vllm import faults
 from kvaudit.targets.vllm.boot import build_manager, build_scheduler, load
 from kvaudit.targets.vllm.config import VllmConfig
-from kvaudit.targets.vllm.observer import VllmObserver
+from kvaudit.targets.vllm.observer import POOL, VllmObserver, block_ids
 
 
 class _VllmBase(VllmObserver, Target):
@@ -97,14 +99,26 @@ class VllmSchedulerTarget(_VllmBase):
     def __init__(self, config: VllmConfig):
         self.scheduler, self.vllm_config = build_scheduler(config)
         self.manager = self.scheduler.kv_cache_manager
-        self.batch_queue: list[tuple] = []  # (SchedulerOutput, ModelRunnerOutput) in flight, oldest first
+        # (SchedulerOutput, ModelRunnerOutput, {rid: [n] int64 blocks the step writes}), oldest first
+        self.batch_queue: list[tuple] = []
         self.max_in_flight = 2 if config.async_scheduling else 1  # EngineCore's batch queue size
+        kv = self.vllm_config.kv_transfer_config
+        # vLLM's own condition for holding back the blocks an in-flight step writes (0.24.0's
+        # Scheduler.__init__, the fix of #45357): more than one batch in flight and a KV consumer, whose
+        # loads into a reused block are not ordered against that step's writes
+        self.guard_inflight_writes = (self.vllm_config.max_concurrent_batches > 1 and kv is not None
+                                      and kv.is_kv_consumer)
         self._init_common(config)
+        if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
+            self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
 
     def known(self) -> dict:
         return {rid: (r, r.status.name.lower()) for rid, r in self.scheduler.requests.items()}
 
     def deferred(self) -> list:
+        """The block lists of ``Scheduler.deferred_frees`` (vLLM >= 0.24.0, ``compat`` "deferred-frees")."""
+        if not self.V.has("deferred-frees"):
+            return []
         return [blocks for _, blocks in self.scheduler.deferred_frees]
 
     def apply(self, op) -> None:
@@ -129,19 +143,64 @@ class VllmSchedulerTarget(_VllmBase):
         s = self.scheduler
         if not s.has_requests():
             if self.batch_queue:
-                s.update_from_output(*self.batch_queue.pop(0))
+                s.update_from_output(*self.batch_queue.pop(0)[:2])
             self.steps += 1
             return
         out = s.schedule()
         self._on_schedule(out)
         if out.total_num_scheduled_tokens > 0:
-            self.batch_queue.append((out, self._model_output(out)))
+            self.batch_queue.append((out, self._model_output(out), self._written_blocks(out)))
         elif not self.batch_queue:
             s.update_from_output(out, self._empty_output())
         if self.batch_queue and (len(self.batch_queue) >= self.max_in_flight or out.total_num_scheduled_tokens == 0):
-            done, result = self.batch_queue.pop(0)
+            done, result, _ = self.batch_queue.pop(0)
             s.update_from_output(done, result)
         self.steps += 1
+
+    def _written_blocks(self, out) -> dict:
+        """The blocks the step ``out`` writes, per request: those of each group's table holding the
+        positions it computes (``schedule()`` has advanced ``num_computed_tokens`` past them)."""
+        bs, reqs = self.config.block_size, self.scheduler.requests
+        written = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            end = reqs[rid].num_computed_tokens
+            lo, hi = max(end - n, 0) // bs, (max(end, 1) - 1) // bs + 1
+            ids = [b.block_id for mgr in self.groups for b in mgr.req_to_blocks.get(rid, ())[lo:hi] if not b.is_null]
+            if ids:
+                written[rid] = np.array(ids, dtype=np.int64)
+        return written
+
+    def invariant_findings(self) -> list:
+        return super().invariant_findings() + self._inflight_write_findings()
+
+    def _inflight_write_findings(self) -> list:
+        """vLLM #45357's invariant, under vLLM's own condition (``guard_inflight_writes``): every block a
+        step still in flight writes is held by that request's table or parked in ``deferred_frees``. A
+        block freed under the step is a use-after-free: the step's write lands in a free block, or in
+        another request's (a KV load's target) once reallocated."""
+        if not self.guard_inflight_writes or not self.batch_queue:
+            return []
+        n = self.config.num_gpu_blocks
+        deferred = [np.array(block_ids(b), dtype=np.int64) for b in self.deferred()]
+        parked = np.zeros(n, dtype=bool)
+        for d in deferred:
+            parked[d] = True
+        counts = self._ref_counts()
+        for _, _, written in self.batch_queue:
+            for rid, blocks in written.items():
+                held = parked.copy()
+                for mgr in self.groups:
+                    held[block_ids(mgr.req_to_blocks.get(rid, ()))] = True
+                lost = blocks[~held[blocks]]
+                if lost.size:
+                    b = int(lost[0])
+                    owners = [o for o, _, units in self._holders(self.known())[0] if (units == b).any()]
+                    now = f"now held by {', '.join(owners)}" if owners else f"ref_cnt={counts[b]}"
+                    sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
+                    return [TargetFinding("use-after-free", POOL, lost,
+                                          f"block {b} was freed while a step in flight still writes it for "
+                                          f"req:{rid} ({now})", check="inflight-write", free_sites=sites)]
+        return []
 
     def _on_schedule(self, out) -> None:
         """What the workers do with a new ``SchedulerOutput`` besides running it: nothing here."""
@@ -244,7 +303,7 @@ class VllmManagerTarget(_VllmBase):
             self._append(request, S)
         while self.waiting and len(self.running) < c.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            blocks, hits, _ = m.get_computed_blocks(request)
+            blocks, hits = m.get_computed_blocks(request)[:2]  # a third value from vLLM 0.26.0 (compat)
             need = request.num_tokens - hits
             if need > budget and self.running:
                 break
