@@ -1,0 +1,89 @@
+"""The history suite's catalogue: known public KV-lifecycle bugs of SGLang and vLLM, each with the last
+release that ships it and the first that does not, and what kvaudit needs to find it there
+(``kvaudit bench --suite history``; the method is :mod:`kvaudit.history.suite`).
+
+Facts (which release ships which bug, what changed in the fixing release) are from the releases' own
+code and the public trackers, collected in ``../shared/reference/history-facts.md``; each entry says
+whether the fixing release is clean because of the fix or because the path was refactored away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HistoryBug:
+    """One known bug. ``buggy``: the last release with the bug (the suite searches there); ``fixed``: the
+    first release without it (the minimized program must replay clean there), None for a bug still in
+    the newest release (a rediscovery: searched, never replayed elsewhere). ``clean_because``: "fix" (the
+    fixing PR is in ``fixed``) or "refactor" (the path is gone). ``preset`` and ``config``: the target's
+    preset and its overrides. A finding is this bug when its kind is ``finding``, its ``check`` (a
+    target invariant, signature suffix ``check:<name>``) matches when given, and ``signature`` (when
+    given) is a substring of its signature. ``reach``: how a real server gets there from client requests."""
+
+    id: str
+    engine: str
+    title: str
+    sources: tuple[str, ...]
+    buggy: str
+    fixed: str | None
+    clean_because: str
+    preset: str
+    finding: str
+    config: dict = field(default_factory=dict)
+    check: str = ""
+    signature: str = ""
+    reach: str = ""
+
+    def matches(self, finding) -> bool:
+        """Whether ``finding`` (:class:`kvaudit.audit.findings.Finding`) is this bug."""
+        return (finding.kind == self.finding and (not self.check or getattr(finding, "check", "") == self.check)
+                and self.signature in finding.signature)
+
+
+@dataclass(frozen=True)
+class Unreached:
+    """A known bug the suite does not rediscover, and why (path not driven, needs a GPU, ...)."""
+
+    id: str
+    engine: str
+    sources: tuple[str, ...]
+    releases: str
+    reason: str
+
+
+VLLM: tuple[HistoryBug, ...] = (
+    HistoryBug(
+        id="vllm-45357", engine="vllm",
+        title="blocks freed while an in-flight async step still writes them, then reused as a KV load's target",
+        sources=("vllm-project/vllm#45357",), buggy="0.23.0", fixed="0.24.0", clean_because="fix",
+        preset="vllm-kv-connector", finding="use-after-free", check="inflight-write",
+        reach="a decode instance (NixlConnector, kv_both or kv_consumer) with async scheduling, the default: "
+              "a request that finishes (EOS) or is aborted while the next batch, which scheduled it again, "
+              "runs; its blocks go back to the pool and a new request's remote KV load can land in them "
+              "before that batch's writes"),
+)
+
+SGLANG: tuple[HistoryBug, ...] = ()
+
+BUGS: dict[str, HistoryBug] = {b.id: b for b in VLLM + SGLANG}
+
+UNREACHED: tuple[Unreached, ...] = (
+    Unreached("vllm-42571", "vllm", ("vllm-project/vllm#42571", "vllm-project/vllm#42615"), "all, to 0.33.0",
+              "no fixing release (the fix PRs are open), and the target does not drive the simple CPU-offload "
+              "connector with sliding-window attention"),
+    Unreached("vllm-44237", "vllm", ("vllm-project/vllm#44237",), "0.23.0 -> 0.24.0 (refactor)",
+              "the PR was closed unmerged; the trigger (the single-block collision branch of the map's pop) "
+              "is unclear"),
+    Unreached("sglang-28374", "sglang", ("sgl-project/sglang#28374",), "all, to 0.5.23",
+              "the PR was closed unmerged: no fixing release"),
+    Unreached("sglang-10871", "sglang", ("sgl-project/sglang#10871",), "0.5.2-0.5.5",
+              "the PR was closed 'DO NOT MERGE' and the path was refactored away in 0.5.5.post3: no "
+              "confirmed bug/fix pair"),
+    Unreached("sglang-9817", "sglang", ("sgl-project/sglang#9817",), "0.5.1 -> 0.5.2",
+              "SGLang 0.5.1's API needs a third driver family (no release_kv_cache, no sessions)"),
+    Unreached("sglang-9874", "sglang", ("sgl-project/sglang#9874",), "0.5.1 -> 0.5.2",
+              "0.5.1's HiCache controller creates torch.cuda.Stream() at construction: needs a GPU or CUDA "
+              "shims, and the 0.5.1 driver family"),
+)

@@ -1,0 +1,91 @@
+"""Engine releases as overlays: one ``pip install --no-deps --target`` folder per release, put in front of
+``PYTHONPATH`` in a child process over this environment (the base: the packages ``requirements/*-cpu.txt``
+installs). ``../shared/reference/history-facts.md`` found this the cheapest way to run many releases: an
+overlay costs seconds and 0.1-1.3 GB, a venv minutes.
+
+The cache is ``$KVAUDIT_RELEASE_CACHE``, else ``~/.cache/kvaudit/releases``; a release is installed once,
+into a temporary folder renamed into place when pip succeeds (an interrupted install leaves nothing that
+looks complete). A release whose version is the one installed in the base needs no overlay.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CACHE_ENV = "KVAUDIT_RELEASE_CACHE"
+ENGINES = ("vllm", "sglang")
+
+# what a release needs beside itself, installed into its overlay with it (--no-deps): the pins of
+# transformers and its hub stack where the base's transformers breaks the release's import
+EXTRA_PINS: dict[tuple[str, str], tuple[str, ...]] = {}
+
+
+class ReleaseError(RuntimeError):
+    """A release could not be installed or is unknown; one line, fit for the CLI's exit-2 error."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvaudit" / "releases")
+
+
+def base_version(engine: str) -> str | None:
+    """The version of ``engine`` installed in this environment (the base), or None."""
+    try:
+        return importlib.metadata.version(engine)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def overlay_path(engine: str, version: str) -> Path:
+    return cache_dir() / f"{engine}-{version}"
+
+
+def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None:
+    """The overlay folder of ``engine==version``, installed into the cache if missing (``pip install
+    --no-deps --no-compile --target``, with :data:`EXTRA_PINS`); None when the base has that version.
+    Raises :class:`ReleaseError` when pip fails (the registry has no such release, no disk)."""
+    if engine not in ENGINES:
+        raise ReleaseError(f"unknown engine {engine!r} (valid: {', '.join(ENGINES)})")
+    if base_version(engine) == version:
+        return None
+    dest = overlay_path(engine, version)
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-{version}-", dir=dest.parent))
+    reqs = [f"{engine}=={version}", *EXTRA_PINS.get((engine, version), ())]
+    on_event(f"installing {' '.join(reqs)} into {dest} (--no-deps --target)")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+           "--disable-pip-version-check", "--target", str(tmp), *reqs]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise ReleaseError(f"could not install {engine} {version}: {last}")
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process installed it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def env(engine: str, version: str, overlay: Path | None) -> dict[str, str]:
+    """The environment of a child process that imports ``engine`` at ``version``: the overlay first on
+    ``PYTHONPATH`` (the child's own import asserts the version)."""
+    out = dict(os.environ)
+    if overlay is not None:
+        out["PYTHONPATH"] = os.pathsep.join([str(overlay), *filter(None, [out.get("PYTHONPATH")])])
+    return out
+
+
+def size_bytes(path: Path | None) -> int:
+    """Bytes on disk under ``path`` (0 for None: the base)."""
+    if path is None:
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
