@@ -244,28 +244,45 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
 
 
 @main.command("bench")
+@click.option("--suite", type=click.Choice(["zoo", "history"]), default="zoo", show_default=True,
+              help="zoo: the built-in engine's planted bugs; history: known SGLang and vLLM bugs in the "
+                   "releases that shipped them (installs each release as a cached overlay).")
 @click.option("--trials", type=click.IntRange(min=1, max=100), default=5, show_default=True,
               help="Trials per bug and fuzzer (seeds 1..N).")
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               metavar="SECONDS", help="Time budget of one trial.")
 @click.option("--fuzzers", "fuzzers_value", default=",".join(FUZZERS), show_default=True, metavar="LIST")
 @click.option("--bugs", "bugs_value", default="all", show_default=True, metavar="LIST",
-              help="Zoo bugs: 'all' or a comma-separated list.")
+              help="The suite's bugs: 'all' or a comma-separated list ('kvaudit bugs'; history: "
+                   "'kvaudit bench --suite history --list').")
+@click.option("--list", "list_bugs", is_flag=True, help="List the suite's bugs and exit (history).")
 @click.option("--fp-seconds", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="Clean-engine time per fuzzer for the false-positive run (default: the budget).")
+              help="Zoo: clean-engine time per fuzzer for the false-positive run (default: the budget).")
 @click.option("--overhead-presets", default="all", show_default=True, metavar="LIST",
-              help="Presets for the overhead/throughput table ('all', a list, or 'none').")
-@click.option("--out", "out_md", type=click.Path(dir_okay=False), default="docs/benchmarks.md", show_default=True)
-@click.option("--json", "out_json", type=click.Path(dir_okay=False), default="docs/benchmarks.json",
-              show_default=True)
-def bench_cmd(trials, budget, fuzzers_value, bugs_value, fp_seconds, overhead_presets, out_md, out_json):
-    """Benchmark the fuzzers on the bug zoo: each bug x fuzzer for --trials trials of --budget
-    seconds, a false-positive run on the clean engine and the overhead per preset; writes a markdown
-    report and the raw JSON (see kvaudit/search/bench.py for the method)."""
+              help="Zoo: presets for the overhead/throughput table ('all', a list, or 'none').")
+@click.option("--out", "out_md", type=click.Path(dir_okay=False), default=None,
+              help="Markdown report  [default: docs/benchmarks.md; history: docs/benchmarks-history.md]")
+@click.option("--json", "out_json", type=click.Path(dir_okay=False), default=None,
+              help="Raw data  [default: docs/benchmarks.json; history: docs/benchmarks-history.json]")
+def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, fp_seconds, overhead_presets, out_md,
+              out_json):
+    """Benchmark the fuzzers. --suite zoo: each bug-zoo bug x fuzzer for --trials trials of --budget
+    seconds, a false-positive run on the clean engine and the overhead per preset. --suite history:
+    each known SGLang/vLLM bug searched for in the release that shipped it, the minimized program
+    replayed on the release that fixed it. Writes a markdown report and the raw JSON (method:
+    kvaudit/search/bench.py, kvaudit/history/suite.py). Exit 0, 2 on bad input, 130 when interrupted
+    (the report so far is written)."""
     from kvaudit.app import bench as job
 
+    if suite == "history":
+        return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
+                               list_bugs=list_bugs, out_md=out_md or "docs/benchmarks-history.md",
+                               out_json=out_json or "docs/benchmarks-history.json")
+    if list_bugs:
+        return job.list_zoo()
     return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
-                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json)
+                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md or "docs/benchmarks.md",
+                   out_json=out_json or "docs/benchmarks.json")
 
 
 @main.command("report")

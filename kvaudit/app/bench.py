@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from kvaudit.targets import registry
 from kvaudit import replay
-from kvaudit.app.errors import EXIT_CLEAN, InputError, write_error
+import click
+
+from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.files import check_outputs
 from kvaudit.app.fuzz import check_atheris
 from kvaudit.app.progress import console as make_console
@@ -51,3 +53,59 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
             raise write_error(e, path, kept) from None
     make_console().print(f"bench done in {res.wall / 60:.1f} min: {out_md}, {out_json}")
     return EXIT_CLEAN
+
+
+def list_zoo() -> int:
+    """``kvaudit bench --list``: the zoo's bugs, one per line (``kvaudit bugs`` describes them)."""
+    for name in registry.get("eut").bugs():
+        click.echo(name)
+    return EXIT_CLEAN
+
+
+def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, list_bugs: bool,
+                out_md: str, out_json: str) -> int:
+    """``kvaudit bench --suite history``; returns the exit code (130 when interrupted, the report so far
+    written). Raises :class:`InputError` for an unknown fuzzer or bug or an unwritable output, and
+    :class:`UnavailableError` when a release cannot be installed or its worker fails."""
+    from kvaudit.history import suite
+    from kvaudit.history.catalogue import all_bugs
+
+    bugs_all = all_bugs()
+    if list_bugs:
+        for b in bugs_all.values():
+            fixed = f" -> {b.fixed}" if b.fixed else ""
+            click.echo(f"{b.id:58} {b.engine} {b.buggy}{fixed}  {b.finding}")
+        return EXIT_CLEAN
+    fuzzers = [f.strip() for f in fuzzers_value.split(",") if f.strip()]
+    bad = [f for f in fuzzers if f not in FUZZERS]
+    if bad or not fuzzers:
+        raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else fuzzers_value!r} "
+                         f"(valid: {', '.join(FUZZERS)})")
+    bugs = list(bugs_all) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
+    bad = [b for b in bugs if b not in bugs_all]
+    if bad or not bugs:
+        raise InputError(f"--bugs: unknown history bug {bad[0] if bad else bugs_value!r} "
+                         "(see 'kvaudit bench --suite history --list')")
+    if "atheris" in fuzzers:
+        check_atheris()
+    check_outputs(html=out_md, json=out_json)
+    err = make_console(stderr=True)
+    err.print(f"kvaudit bench --suite history: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
+              f"budget {budget:g}s each", soft_wrap=True)
+    try:
+        res = suite.run(bugs, fuzzers, trials, budget,
+                        on_event=lambda line: err.print(line, soft_wrap=True, highlight=False, markup=False))
+    except suite.SuiteError as e:
+        raise UnavailableError(str(e)) from None
+    kept: list[str] = []
+    for path, write in ((out_json, lambda: replay.write_atomic(out_json, res.to_json())),
+                        (out_md, lambda: replay.write_text_atomic(out_md, suite.markdown(res)))):
+        try:
+            kept.append(write())
+        except OSError as e:
+            raise write_error(e, path, kept) from None
+    found = sum(suite.rediscovered(res, b) for b in bugs)
+    make_console().print(f"bench --suite history {'INTERRUPTED ' if res.interrupted else ''}done in "
+                         f"{res.wall / 60:.1f} min: {found}/{len(bugs)} bug(s) rediscovered; {out_md}, {out_json}",
+                         soft_wrap=True)
+    return EXIT_INTERRUPTED if res.interrupted else EXIT_CLEAN

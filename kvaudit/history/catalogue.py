@@ -20,7 +20,7 @@ class HistoryBug:
     fixing PR is in ``fixed``) or "refactor" (the path is gone). ``preset`` and ``config``: the target's
     preset and its overrides. A finding is this bug when its kind is ``finding``, its ``check`` (a
     target invariant, signature suffix ``check:<name>``) matches when given, and ``signature`` (when
-    given) is a substring of its signature. ``reach``: how a real server gets there from client requests."""
+    given) is a substring of its signature (a rediscovery, with ``replay_file``: equal to it). ``reach``: how a real server gets there from client requests."""
 
     id: str
     engine: str
@@ -36,8 +36,21 @@ class HistoryBug:
     signature: str = ""
     reach: str = ""
 
+    replay_file: str = ""  # a rediscovery's config is its corpus file's (relative to the data root)
+
+    def target_config(self):
+        """The target config the suite searches (``ValueError`` for a bad override)."""
+        if self.replay_file:
+            from kvaudit import replay
+            from kvaudit.data import data_path
+            return replay.load(data_path(self.replay_file))[0]
+        from kvaudit.targets import registry
+        return registry.get(self.engine).preset(self.preset).config(**self.config)
+
     def matches(self, finding) -> bool:
         """Whether ``finding`` (:class:`kvaudit.audit.findings.Finding`) is this bug."""
+        if self.replay_file:  # a rediscovery: exactly the recorded signature
+            return finding.signature == self.signature
         return (finding.kind == self.finding and (not self.check or getattr(finding, "check", "") == self.check)
                 and self.signature in finding.signature)
 
@@ -68,6 +81,35 @@ VLLM: tuple[HistoryBug, ...] = (
 SGLANG: tuple[HistoryBug, ...] = ()
 
 BUGS: dict[str, HistoryBug] = {b.id: b for b in VLLM + SGLANG}
+
+
+def rediscoveries() -> tuple[HistoryBug, ...]:
+    """The findings kvaudit made in SGLang 0.5.23 (``corpora/sglang/*.json``) as bugs to rediscover from
+    scratch: the file's config, its first finding's exact signature; no fixing release."""
+    import json
+    import os
+
+    from kvaudit.data import data_path
+
+    root = data_path("corpora/sglang")
+    out = []
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(root, name)) as f:
+            doc = json.load(f)
+        first = doc["findings"][0]
+        out.append(HistoryBug(
+            id=f"sglang-0.5.23/{name[:-5]}", engine="sglang", title=f"kvaudit's own finding ({name})",
+            sources=(f"corpora/sglang/{name}",), buggy="0.5.23", fixed=None, clean_because="",
+            preset=doc["config"].get("preset", ""), finding=first["kind"], signature=first["signature"],
+            replay_file=f"corpora/sglang/{name}"))
+    return tuple(out)
+
+
+def all_bugs() -> dict[str, HistoryBug]:
+    """The catalogue's bugs and the SGLang 0.5.23 rediscoveries, by id."""
+    return {**BUGS, **{b.id: b for b in rediscoveries()}}
 
 UNREACHED: tuple[Unreached, ...] = (
     Unreached("vllm-42571", "vllm", ("vllm-project/vllm#42571", "vllm-project/vllm#42615"), "all, to 0.33.0",

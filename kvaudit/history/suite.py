@@ -1,0 +1,269 @@
+"""``kvaudit bench --suite history``: known SGLang and vLLM bugs searched for in the releases that shipped
+them, after Magma's and syzbot's practice (a bug counts when it is found where it shipped and absent
+where it was fixed).
+
+For each bug of the catalogue (:mod:`kvaudit.history.catalogue`), and each SGLang 0.5.23 finding of
+``corpora/sglang`` (rediscovered from scratch):
+
+1. the release that ships it is installed as an overlay (:mod:`kvaudit.history.releases`, cached);
+2. a child process with that overlay (:mod:`kvaudit.history.worker`) runs N trials (seeds 1..N) of each
+   fuzzer with a time budget each: a trial succeeds when a finding that is the bug is found, confirmed
+   3 of 3 and minimized (executions and seconds to its first detection, before triage; other findings
+   met first are searched past and noted);
+3. another child, on the fixing release, replays every minimized program then drains to idle: the bug
+   is rediscovered when the program is clean there.
+
+The statistics are the zoo table's (:mod:`kvaudit.search.bench`): success rate, median [IQR] executions
+and seconds over successful trials, and against ``random`` Mann-Whitney U and Vargha-Delaney A12 on
+time-to-bug, failed trials counted as the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from kvaudit.history import releases
+from kvaudit.history.catalogue import UNREACHED, all_bugs
+from kvaudit.history.trial import HistoryTrial
+
+
+class SuiteError(RuntimeError):
+    """A release could not be installed or its child process failed; one line."""
+
+
+@dataclass
+class ReleaseUse:
+    engine: str
+    version: str
+    overlay: str  # "" for the base environment
+    bytes: int
+    install_seconds: float
+
+
+@dataclass
+class HistoryResult:
+    trials: list[HistoryTrial] = field(default_factory=list)
+    releases: list[ReleaseUse] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+    wall: float = 0.0
+    interrupted: bool = False
+
+    def to_json(self) -> dict:
+        return {"format": "kvaudit.bench-history/1", "settings": self.settings, "wall_seconds": round(self.wall, 1),
+                "interrupted": self.interrupted, "releases": [asdict(r) for r in self.releases],
+                "trials": [asdict(t) for t in self.trials]}
+
+
+def _child(job: dict, engine: str, version: str, overlay, on_event: Callable[[str], None]) -> list[dict]:
+    """Run one worker job under the release's environment; its results (those written so far when
+    interrupted: KeyboardInterrupt still propagates after they are read)."""
+    with tempfile.TemporaryDirectory(prefix="kvaudit-history-job-") as d:
+        job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        env = releases.env(engine, version, overlay)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        proc = subprocess.Popen([sys.executable, "-m", "kvaudit.history.worker", job_path, out_path], env=env,
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        tail: list[str] = []
+        try:
+            for line in proc.stderr:
+                line = line.rstrip("\n")
+                if line.startswith("kvaudit history: "):
+                    on_event(line[len("kvaudit history: "):])
+                tail = (tail + [line])[-5:]
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+            rc = None
+        results = []
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                results = json.load(f)["results"]
+        if rc is None:
+            raise _Interrupted(results)
+        if rc != 0:
+            last = next((t for t in reversed(tail) if t.strip()), f"exit {rc}")
+            raise SuiteError(f"{engine} {version}: the worker failed: {last.strip()}")
+        return results
+
+
+class _Interrupted(KeyboardInterrupt):
+    def __init__(self, results: list[dict]):
+        super().__init__()
+        self.results = results
+
+
+def _release(res: HistoryResult, engine: str, version: str, on_event) -> object:
+    """The overlay of ``engine==version`` (installed when missing), recorded once in ``res``."""
+    t0 = time.monotonic()
+    try:
+        overlay = releases.ensure(engine, version, on_event)
+    except releases.ReleaseError as e:
+        raise SuiteError(str(e)) from None
+    if not any(r.engine == engine and r.version == version for r in res.releases):
+        res.releases.append(ReleaseUse(engine, version, str(overlay or ""), releases.size_bytes(overlay),
+                                       round(time.monotonic() - t0, 1)))
+    return overlay
+
+
+def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
+        on_event: Callable[[str], None] = print) -> HistoryResult:
+    """The suite (module docstring). On Ctrl-C the result holds every finished trial and ``interrupted``."""
+    bugs = all_bugs()
+    res = HistoryResult(settings={"suite": "history", "bugs": bug_ids, "fuzzers": fuzzers, "trials": trials,
+                                  "budget": budget, "cpu_count": os.cpu_count(),
+                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    t0 = time.monotonic()
+    try:
+        for bid in bug_ids:
+            bug = bugs[bid]
+            overlay = _release(res, bug.engine, bug.buggy, on_event)
+            job = {"mode": "search", "bug": bid, "version": bug.buggy, "fuzzers": fuzzers,
+                   "seeds": list(range(1, trials + 1)), "budget": budget}
+            try:
+                found = [HistoryTrial(**d) for d in _child(job, bug.engine, bug.buggy, overlay, on_event)]
+            except _Interrupted as e:
+                res.trials += [HistoryTrial(**d) for d in e.results]
+                raise
+            res.trials += found
+            ok = [t for t in found if t.success]
+            if bug.fixed is None or not ok:
+                continue
+            overlay = _release(res, bug.engine, bug.fixed, on_event)
+            job = {"mode": "replay", "bug": bid, "version": bug.fixed, "programs": [t.program for t in ok]}
+            for t, r in zip(ok, _child(job, bug.engine, bug.fixed, overlay, on_event)):
+                t.fixed_clean, t.fixed_signatures = r["clean"], r["signatures"]
+            clean = sum(bool(t.fixed_clean) for t in ok)
+            on_event(f"{bid}: {clean}/{len(ok)} minimized program(s) clean on {bug.engine} {bug.fixed}")
+    except KeyboardInterrupt:
+        res.interrupted = True
+    res.wall = time.monotonic() - t0
+    return res
+
+
+def rediscovered(res: HistoryResult, bug_id: str) -> bool:
+    """Found (3/3, minimized) on the buggy release by some trial whose program is clean on the fixing one
+    (for a bug with no fixing release: found)."""
+    bug = all_bugs()[bug_id]
+    ok = [t for t in res.trials if t.bug == bug_id and t.success]
+    return any(t.fixed_clean for t in ok) if bug.fixed else bool(ok)
+
+
+# -- the markdown report ---------------------------------------------------------------------------
+
+def markdown(res: HistoryResult) -> str:
+    from kvaudit.search.bench import _fmt_q, geomean_exec_ratio, summarize
+
+    s, bugs = res.settings, all_bugs()
+    fuzzers, ids = s["fuzzers"], s["bugs"]
+    cells = summarize(res.trials)
+    by = {(c.bug, c.fuzzer): c for c in cells}
+    sizes = {(r.engine, r.version): r for r in res.releases}
+    lines = [
+        "# kvaudit on the history suite: known bugs in the releases that shipped them",
+        "",
+        f"Generated by `kvaudit bench --suite history --trials {s['trials']} --budget {s['budget']:g} --fuzzers "
+        f"{','.join(fuzzers)}` on {s['started']} ({s['cpu_count']} CPUs; wall time {res.wall / 60:.1f} min"
+        + (", INTERRUPTED: partial" if res.interrupted else "") + "). Raw data: `benchmarks-history.json`.",
+        "",
+        "Each bug x fuzzer: trials with seeds 1..N, at most the budget each, one core, in a child process "
+        "whose `PYTHONPATH` starts with the release's overlay. A trial succeeds when a finding that is the "
+        "bug (its kind, and its check or signature where the catalogue names one) is confirmed 3/3 and "
+        "minimized on the release that shipped it; other findings met first are searched past. The bug is "
+        "*rediscovered* when a minimized program, replayed and drained to idle on the first release with "
+        "the fix, finds nothing. Times and executions are to the first detection (before triage): median "
+        "[IQR] over successful trials, '-' when half the trials or more failed. p and A12 compare "
+        "time-to-bug with `random` (Mann-Whitney U; A12 < 0.5: faster), failed trials counted as the budget.",
+        "",
+        "## Headline",
+        "",
+        "| | " + " | ".join(fuzzers) + " |",
+        "|---|" + "---|" * len(fuzzers),
+        "| bugs found (at least once) | " + " | ".join(
+            f"{sum(1 for b in ids if by.get((b, f)) and by[(b, f)].successes)}/{len(ids)}" for f in fuzzers) + " |",
+    ]
+    geo = []
+    for f in fuzzers:
+        if f == "random":
+            geo.append("1 (baseline)")
+            continue
+        g, n = geomean_exec_ratio(cells, f)
+        geo.append("-" if g is None else f"{g:.2f}x fewer ({n} bugs)" if g >= 1 else f"{1 / g:.2f}x more ({n} bugs)")
+    lines.append("| geometric mean of median executions-to-bug vs random (target >= 3x fewer) | " + " | ".join(geo) + " |")
+    lines += ["", "## Bugs", "",
+              "| bug | engine | shipped in | fixed in (why clean) | rediscovered | minimized program | signature |",
+              "|---|---|---|---|---|---|---|"]
+    for bid in ids:
+        b = bugs[bid]
+        ok = [t for t in res.trials if t.bug == bid and t.success]
+        best = min(ok, key=lambda t: t.min_len) if ok else None
+        fixed = f"{b.fixed} ({b.clean_because})" if b.fixed else "- (a rediscovery)"
+        verdict = ("yes" if rediscovered(res, bid) else
+                   "found; NOT clean on the fixed release" if ok and b.fixed else "no")
+        if ok and b.fixed:
+            verdict += f" ({sum(bool(t.fixed_clean) for t in ok)}/{len(ok)} programs clean)"
+        lines.append(f"| {bid} | {b.engine} | {b.buggy} | {fixed} | {verdict} | "
+                     f"{best.min_len if best else '-'} ops | `{best.signature if best else b.signature or b.finding}` |")
+    lines += ["", "## Per bug and fuzzer", "",
+              "| bug | fuzzer | found | time to bug (s) | executions to bug | min ops | p vs random | A12 vs random |",
+              "|---|---|---|---|---|---|---|---|"]
+    for bid in ids:
+        for f in fuzzers:
+            c = by.get((bid, f))
+            if c is None:
+                continue
+            lines.append(f"| {bid} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | {_fmt_q(c.execs_q, digits=0)} | "
+                         f"{c.min_len_median if c.min_len_median is not None else '-'} | "
+                         f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
+                         f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
+    shown = [(bid, min((t for t in res.trials if t.bug == bid and t.success), key=lambda t: t.min_len, default=None))
+             for bid in ids]
+    shown = [(bid, t) for bid, t in shown if t is not None]
+    if shown:
+        from kvaudit.program import format_program, program_from_json
+
+        lines += ["", "## Minimized programs", "",
+                  "The shortest per bug, confirmed 3/3 on the release that shipped it; `kvaudit replay` runs it "
+                  "once saved with its config (`benchmarks-history.json` has every trial's)."]
+        for bid, t in shown:
+            fixed = (f"; on {bugs[bid].fixed}: " + ("clean" if t.fixed_clean else
+                                                    ", ".join(t.fixed_signatures) or "not replayed")
+                     if bugs[bid].fixed else "")
+            lines += ["", f"{bid} ({t.fuzzer}, seed {t.seed}; {t.confirmations}/3 confirmations{fixed}):", "", "```",
+                      format_program(program_from_json(t.program)).rstrip("\n"), "```"]
+    lines += ["", "## What each bug is, and how a real server reaches it", ""]
+    for bid in ids:
+        b = bugs[bid]
+        if b.replay_file:
+            continue
+        lines.append(f"- **{bid}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
+                     + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
+                     + f". Reached: {b.reach}")
+    lines += ["", "## Known bugs not in the suite", "", "| bug | sources | releases | why not |", "|---|---|---|---|"]
+    for u in UNREACHED:
+        lines.append(f"| {u.id} | {', '.join(u.sources)} | {u.releases} | {u.reason} |")
+    if res.releases:
+        lines += ["", "## Releases used", "", "| engine | version | overlay | size on disk | install or cache check (s) |",
+                  "|---|---|---|---|---|"]
+        for r in sorted(res.releases, key=lambda r: (r.engine, r.version)):
+            lines.append(f"| {r.engine} | {r.version} | {'base environment' if not r.overlay else 'cached overlay'} | "
+                         f"{r.bytes / 2**20:.0f} MiB | {r.install_seconds:g} |")
+        total = sum(r.bytes for r in sizes.values())
+        lines.append(f"\nOverlays in all: {total / 2**30:.2f} GiB.")
+    notes = [t for t in res.trials if t.note or t.others]
+    if notes:
+        lines += ["", "## Trial notes", ""]
+        for t in notes:
+            extra = f"searched past {', '.join(f'`{o}`' for o in t.others)}" if t.others else ""
+            lines.append(f"- {t.bug}, {t.fuzzer}, seed {t.seed}: " + "; ".join(x for x in (t.note, extra) if x))
+    return "\n".join(lines) + "\n"

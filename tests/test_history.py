@@ -1,0 +1,163 @@
+"""The history suite (issue 21): the catalogue, release overlays, the worker, ``kvaudit bench --suite
+history``. The end-to-end run (a vLLM 0.23.0 and 0.24.0 overlay installed from the package index) is
+marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from cli_helpers import invoke, one_error_line
+from kvaudit.history import catalogue, releases, suite, worker
+from kvaudit.history.catalogue import BUGS, UNREACHED, HistoryBug, all_bugs, rediscoveries
+from kvaudit.history.trial import HistoryTrial
+from kvaudit.targets import registry
+
+
+# -- the catalogue -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bug", list(BUGS.values()), ids=list(BUGS))
+def test_each_entry_is_well_formed_and_its_config_builds(bug):
+    assert bug.engine in releases.ENGINES and bug.id.startswith(bug.engine + "-")
+    assert bug.sources and all("#" in s for s in bug.sources)
+    assert bug.clean_because in ("fix", "refactor") and bug.fixed and bug.fixed != bug.buggy
+    from packaging.version import Version
+    assert Version(bug.fixed) > Version(bug.buggy)
+    kind = registry.get(bug.engine)
+    assert bug.preset in kind.presets()
+    config = bug.target_config()  # the overrides are fields of the kind's config, with valid values
+    assert config.preset == bug.preset and all(getattr(config, k) == v for k, v in bug.config.items())
+    assert bug.reach and bug.title
+
+
+def test_ids_are_unique_and_no_bug_is_both_in_and_left_out():
+    ids = [b.id for b in catalogue.VLLM + catalogue.SGLANG]
+    assert len(ids) == len(set(ids))
+    assert not {u.id for u in UNREACHED} & set(ids)
+    assert all(u.reason for u in UNREACHED)
+
+
+def test_the_rediscoveries_are_the_sglang_corpus_with_its_signatures():
+    from kvaudit.data import data_path
+    files = sorted(f for f in os.listdir(data_path("corpora/sglang")) if f.endswith(".json"))
+    found = rediscoveries()
+    assert [b.replay_file for b in found] == [f"corpora/sglang/{f}" for f in files]
+    for b in found:
+        with open(data_path(b.replay_file)) as f:
+            doc = json.load(f)
+        assert b.signature == doc["findings"][0]["signature"] and b.fixed is None and b.buggy == "0.5.23"
+    assert set(all_bugs()) == set(BUGS) | {b.id for b in found}
+
+
+def _finding(kind, signature, check=""):
+    return SimpleNamespace(kind=kind, signature=signature, check=check)
+
+
+def test_a_finding_is_the_bug_only_by_kind_check_and_signature():
+    b = HistoryBug(id="vllm-1", engine="vllm", title="t", sources=("x#1",), buggy="0.23.0", fixed="0.24.0",
+                   clean_because="fix", preset="vllm", finding="use-after-free", check="inflight-write")
+    sig = "use-after-free/block_pool/schedule@scheduler.py/_free_blocks@scheduler.py/check:inflight-write"
+    assert b.matches(_finding("use-after-free", sig, "inflight-write"))
+    assert not b.matches(_finding("use-after-free", sig.rsplit("/", 1)[0], ""))  # the ledger's, not the check
+    assert not b.matches(_finding("leak", sig, "inflight-write"))
+    narrow = HistoryBug(**{**b.__dict__, "check": "", "signature": "_free_blocks@"})
+    assert narrow.matches(_finding("use-after-free", sig)) and not narrow.matches(_finding("use-after-free", "x"))
+    exact = rediscoveries()[0]
+    assert exact.matches(_finding("other", exact.signature))
+    assert not exact.matches(_finding(exact.finding, exact.signature + "/from:session"))
+
+
+# -- release overlays ----------------------------------------------------------------------------------
+def test_the_base_version_needs_no_overlay_and_an_overlay_goes_first(monkeypatch, tmp_path):
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(releases, "base_version", lambda engine: "9.9.9")
+    assert releases.ensure("vllm", "9.9.9") is None
+    (tmp_path / "vllm-1.0.0").mkdir()
+    assert releases.ensure("vllm", "1.0.0") == tmp_path / "vllm-1.0.0"  # cached: no pip
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = releases.env("vllm", "1.0.0", tmp_path / "vllm-1.0.0")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "vllm-1.0.0"), "/elsewhere"]
+    with pytest.raises(releases.ReleaseError, match="unknown engine 'tgi'"):
+        releases.ensure("tgi", "1.0")
+
+
+def test_a_failed_install_leaves_nothing_that_looks_complete(monkeypatch, tmp_path):
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)
+    calls = []
+
+    def pip(cmd, **kw):
+        calls.append(cmd)
+        target = cmd[cmd.index("--target") + 1]
+        open(os.path.join(target, "half-written"), "w").close()
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for vllm==0.0.1\n")
+
+    monkeypatch.setattr(releases.subprocess, "run", pip)
+    with pytest.raises(releases.ReleaseError, match=r"could not install vllm 0.0.1: ERROR: No matching distribution"):
+        releases.ensure("vllm", "0.0.1")
+    assert "--no-deps" in calls[0] and "vllm==0.0.1" in calls[0]
+    assert os.listdir(tmp_path) == []
+
+
+# -- the worker and the suite ------------------------------------------------------------------------
+def test_the_worker_refuses_a_release_other_than_the_one_asked(tmp_path, capsys):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mode": "replay", "bug": "vllm-45357", "version": "0.0.1", "programs": []}))
+    assert worker.main([str(job), str(tmp_path / "out.json")]) == 2
+    assert "not 0.0.1" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_the_trials_so_far_and_exits_130(monkeypatch, tmp_path):
+    done = HistoryTrial("vllm-45357", "random", 1, 5.0, success=True, seconds=0.1, executions=3, min_len=2,
+                        first_oracle="use-after-free", signature="use-after-free/x", confirmations=3,
+                        program=[{"op": "submit", "family": 0, "prompt_len": 1, "max_new_tokens": 5, "stop_at": 3}])
+    monkeypatch.setattr(suite, "_release", lambda res, engine, version, on_event: None)
+
+    def child(job, *a):
+        raise suite._Interrupted([done.__dict__])
+
+    monkeypatch.setattr(suite, "_child", child)
+    md, js = tmp_path / "h.md", tmp_path / "h.json"
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
+               "--out", str(md), "--json", str(js))
+    assert r.exit_code == 130, r.output
+    doc = json.loads(js.read_text())
+    assert doc["interrupted"] and doc["trials"][0]["executions"] == 3
+    assert "INTERRUPTED: partial" in md.read_text() and "vllm-45357 (random, seed 1; 3/3 confirmations" in md.read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bugs", "vllm-1"], "--bugs: unknown history bug 'vllm-1'"),
+    (["--fuzzers", "afl"], "--fuzzers: unknown fuzzer 'afl'"),
+])
+def test_bad_input_is_one_line_exit_2(args, message, tmp_path):
+    r = invoke("bench", "--suite", "history", *args, "--out", str(tmp_path / "a.md"), "--json", str(tmp_path / "a.json"))
+    assert r.exit_code == 2 and message in one_error_line(r)
+
+
+def test_list_names_every_bug_with_its_releases():
+    r = invoke("bench", "--suite", "history", "--list")
+    assert r.exit_code == 0
+    for b in all_bugs().values():
+        assert any(line.startswith(b.id + " ") and b.buggy in line for line in r.output.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_end_to_end_vllm_45357_found_in_0_23_0_and_clean_in_0_24_0(tmp_path):
+    """Installs (or reuses, from the release cache) vLLM 0.23.0 and 0.24.0 overlays, about 0.6 GB each."""
+    md, js = tmp_path / "h.md", tmp_path / "h.json"
+    r = subprocess.run([sys.executable, "-m", "kvaudit", "bench", "--suite", "history", "--bugs", "vllm-45357",
+                        "--fuzzers", "random", "--trials", "1", "--budget", "30", "--out", str(md), "--json", str(js)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(js.read_text())
+    (t,) = doc["trials"]
+    assert t["success"] and t["confirmations"] == 3 and t["fixed_clean"] is True
+    assert t["signature"].endswith("check:inflight-write")
+    assert {(x["engine"], x["version"]) for x in doc["releases"]} == {("vllm", "0.23.0"), ("vllm", "0.24.0")}
+    assert "1/1 bug(s) rediscovered" in r.stdout
