@@ -333,6 +333,9 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     ("free-under-inflight-step", "use-after-free",
      f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-write",
      "vllm-kv-connector"),
+    ("free-window-under-inflight-step", "use-after-free",
+     f"use-after-free/{POOL}/schedule@scheduler.py/_connector_finished@scheduler.py/check:inflight-read",
+     "vllm-kv-connector-swa"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
@@ -433,9 +436,9 @@ def test_ci_for_vllm_checks_vllms_own_regressions(tmp_path):
     """By default ci replayed the built-in engine's corpus for every target."""
     r = invoke("ci", "--target", "vllm", "--presets", "vllm-manager", "--max-time", "2", "--out", str(tmp_path))
     assert r.exit_code == 0, r.output
-    assert "4 regression file(s) in corpora/vllm" in r.output
+    assert "5 regression file(s) in corpora/vllm" in r.output
     for name in ("fault-skip-free", "fault-double-free-shared-prefix", "fault-drop-hash-entry",
-                 "fault-free-under-inflight-step"):
+                 "fault-free-under-inflight-step", "fault-free-window-under-inflight-step"):
         assert f"regression {name}: ok" in r.output
 
 

@@ -185,7 +185,7 @@ def test_inflight_write_oracle(fault):
     config = connector_config(True, bugs=frozenset({"free-under-inflight-step"} if fault else ()))
     with AuditedRun(config) as run:
         t = run.target
-        assert t.guard_inflight_writes and t.scheduler.defer_block_free is not fault
+        assert t.guard_inflight and t.scheduler.defer_block_free is not fault
         run.apply(Submit(family=0, prompt_len=1, max_new_tokens=5, stop_at=3))
         run.apply(Idle())
         hits = [f for f in run.findings if f.check == "inflight-write"]
@@ -197,12 +197,33 @@ def test_inflight_write_oracle(fault):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "free-window-under-inflight-step"])
+def test_inflight_read_oracle(fault):
+    """vLLM #47282's invariant: the sliding-window blocks a step in flight still reads stay held until
+    that step is processed. With the pre-#47728 count put back (the fault), a finishing request's
+    out-of-window blocks are freed under the step and the oracle names the read, not a write."""
+    config = VLLM_PRESETS["vllm-kv-connector-swa"].config(
+        bugs=frozenset({"free-window-under-inflight-step"} if fault else ()))
+    with AuditedRun(config) as run:
+        t = run.target
+        assert t.guard_inflight and [getattr(m, "sliding_window", None) for m in t.groups] == [None, 32]
+        run.apply(Submit(family=0, prompt_len=41, max_new_tokens=12, stop_at=6))
+        run.apply(Idle())
+        if fault:
+            (hit,) = run.findings
+            assert (hit.kind, hit.check) == ("use-after-free", "inflight-read")
+            assert "still reads it for req:req-000001" in hit.message
+        else:
+            assert not run.findings and pool_whole(t)
+
+
+@pytest.mark.vllm
 def test_inflight_write_oracle_holds_only_under_vllms_condition():
     """Without a KV consumer vLLM frees under an in-flight step by design (nothing loads into the reused
     block unordered): the guard is off, and the fault changes nothing the oracles see."""
     config = VLLM_PRESETS["vllm-async"].config(bugs=frozenset({"free-under-inflight-step"}))
     with AuditedRun(config) as run:
-        assert not run.target.guard_inflight_writes
+        assert not run.target.guard_inflight
         run.apply(Submit(family=0, prompt_len=1, max_new_tokens=5, stop_at=3))
         run.apply(Idle())
         assert not run.findings

@@ -76,6 +76,17 @@ VLLM: tuple[HistoryBug, ...] = (
               "a request that finishes (EOS) or is aborted while the next batch, which scheduled it again, "
               "runs; its blocks go back to the pool and a new request's remote KV load can land in them "
               "before that batch's writes"),
+    HistoryBug(
+        id="vllm-47282", engine="vllm",
+        title="a sliding window's out-of-window blocks freed on the optimistic num_computed_tokens while an "
+              "in-flight async step still reads them",
+        sources=("vllm-project/vllm#47282", "vllm-project/vllm#47728"), buggy="0.25.0", fixed="0.26.0",
+        clean_because="fix", preset="vllm-kv-connector-swa", finding="use-after-free", check="inflight-read",
+        reach="a decode instance of a sliding-window model (hybrid KV-cache manager, a GPU) with a KV-consumer "
+              "connector and async scheduling: remove_skipped_blocks runs with num_computed_tokens already "
+              "advanced past the step in flight (at the next schedule, or at finish in _connector_finished), "
+              "so blocks that step's attention window still reads go back to the pool, where a remote KV "
+              "load can overwrite them mid-read"),
 )
 
 SGLANG: tuple[HistoryBug, ...] = ()

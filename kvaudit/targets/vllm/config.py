@@ -25,6 +25,12 @@ FAULTS: dict[str, tuple[str, str]] = {
                           "off, so with async scheduling and a KV consumer a finished, aborted or preempted "
                           "request's blocks go back to the pool while a step in flight still writes them "
                           "(vLLM >= 0.24.0; on 0.23.0 this is vLLM's own behaviour; scheduler level)"),
+    "free-window-under-inflight-step": (
+        "use-after-free", "vLLM #47282 put back (it shipped until 0.25.0): the coordinator's "
+                          "remove_skipped_blocks is given the request's num_computed_tokens, which async "
+                          "scheduling has advanced past the step in flight, instead of the processed count, "
+                          "so a sliding window's blocks that step still reads are freed (vLLM >= 0.26.0, "
+                          "a sliding-window preset; scheduler level)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -175,4 +181,8 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                  "a stand-in): some requests wait for remote KV, finished ones are held while "
                                  "their KV is sent, transfers complete 1-3 steps later",
             async_scheduling=True, kv_connector="NixlConnector"),
+    _preset("vllm-kv-connector-swa", "vllm-kv-connector over full attention + a 32-token sliding window (96 "
+                                     "blocks shared), as a decode instance of a sliding-window model runs it "
+                                     "on a GPU (the hybrid manager; vLLM turns it off on CPU)",
+            async_scheduling=True, kv_connector="NixlConnector", sliding_window=32, num_gpu_blocks=96),
 ]}

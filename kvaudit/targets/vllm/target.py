@@ -106,11 +106,20 @@ class VllmSchedulerTarget(_VllmBase):
         # vLLM's own condition for holding back the blocks an in-flight step writes (0.24.0's
         # Scheduler.__init__, the fix of #45357): more than one batch in flight and a KV consumer, whose
         # loads into a reused block are not ordered against that step's writes
-        self.guard_inflight_writes = (self.vllm_config.max_concurrent_batches > 1 and kv is not None
+        self.guard_inflight = (self.vllm_config.max_concurrent_batches > 1 and kv is not None
                                       and kv.is_kv_consumer)
         self._init_common(config)
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
+        if "free-window-under-inflight-step" in self._faults:
+            coordinator, requests = self.manager.coordinator, self.scheduler.requests
+            remove = coordinator.remove_skipped_blocks
+
+            def remove_optimistic(request_id, computed, *a, **k):  # the fault: the count before #47728
+                request = requests.get(request_id)
+                return remove(request_id, computed if request is None else request.num_computed_tokens, *a, **k)
+
+            coordinator.remove_skipped_blocks = remove_optimistic
 
     def known(self) -> dict:
         return {rid: (r, r.status.name.lower()) for rid, r in self.scheduler.requests.items()}
@@ -158,49 +167,64 @@ class VllmSchedulerTarget(_VllmBase):
         self.steps += 1
 
     def _written_blocks(self, out) -> dict:
-        """The blocks the step ``out`` writes, per request: those of each group's table holding the
-        positions it computes (``schedule()`` has advanced ``num_computed_tokens`` past them)."""
+        """What the step ``out`` touches, per request: ``(written, read)`` block ids (``[n] int64``), the
+        blocks of each group's table holding the positions it computes, and those its attention reads
+        besides (a sliding-window group: the window before its first position; full attention: every
+        earlier block). ``schedule()`` has advanced ``num_computed_tokens`` past the step's tokens."""
         bs, reqs = self.config.block_size, self.scheduler.requests
-        written = {}
+        touched = {}
         for rid, n in out.num_scheduled_tokens.items():
             end = reqs[rid].num_computed_tokens
-            lo, hi = max(end - n, 0) // bs, (max(end, 1) - 1) // bs + 1
-            ids = [b.block_id for mgr in self.groups for b in mgr.req_to_blocks.get(rid, ())[lo:hi] if not b.is_null]
-            if ids:
-                written[rid] = np.array(ids, dtype=np.int64)
-        return written
+            start = max(end - n, 0)
+            lo, hi = start // bs, (max(end, 1) - 1) // bs + 1
+            written, read = [], []
+            for mgr in self.groups:
+                table = mgr.req_to_blocks.get(rid, ())
+                window = getattr(mgr, "sliding_window", None)
+                first = 0 if window is None else max(start - window + 1, 0) // bs
+                written += [b.block_id for b in table[lo:hi] if not b.is_null]
+                read += [b.block_id for b in table[first:lo] if not b.is_null]
+            if written or read:
+                touched[rid] = (np.array(written, dtype=np.int64), np.array(read, dtype=np.int64))
+        return touched
 
     def invariant_findings(self) -> list:
-        return super().invariant_findings() + self._inflight_write_findings()
+        return super().invariant_findings() + self._inflight_findings()
 
-    def _inflight_write_findings(self) -> list:
-        """vLLM #45357's invariant, under vLLM's own condition (``guard_inflight_writes``): every block a
-        step still in flight writes is held by that request's table or parked in ``deferred_frees``. A
-        block freed under the step is a use-after-free: the step's write lands in a free block, or in
-        another request's (a KV load's target) once reallocated."""
-        if not self.guard_inflight_writes or not self.batch_queue:
+    def _inflight_findings(self) -> list:
+        """Two invariants of a step in flight, under vLLM's own condition for them
+        (``guard_inflight``): every block it writes (vLLM #45357, fixed in 0.24.0) and every
+        block its attention reads (vLLM #47282, fixed in 0.26.0 by #47728: a sliding window's blocks
+        freed on the optimistic ``num_computed_tokens``) is still held by that request's table or parked
+        in ``deferred_frees``. A block freed under the step is a use-after-free: a KV consumer can
+        reallocate it as a load's destination and overwrite it, unordered against the step. Written
+        blocks are checked first (check ``inflight-write``), then read ones (``inflight-read``)."""
+        if not self.guard_inflight or not self.batch_queue:
             return []
-        n = self.config.num_gpu_blocks
-        deferred = [np.array(block_ids(b), dtype=np.int64) for b in self.deferred()]
-        parked = np.zeros(n, dtype=bool)
-        for d in deferred:
-            parked[d] = True
-        counts = self._ref_counts()
-        for _, _, written in self.batch_queue:
-            for rid, blocks in written.items():
-                held = parked.copy()
-                for mgr in self.groups:
-                    held[block_ids(mgr.req_to_blocks.get(rid, ()))] = True
-                lost = blocks[~held[blocks]]
-                if lost.size:
-                    b = int(lost[0])
-                    owners = [o for o, _, units in self._holders(self.known())[0] if (units == b).any()]
-                    now = f"now held by {', '.join(owners)}" if owners else f"ref_cnt={counts[b]}"
-                    sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
-                    return [TargetFinding("use-after-free", POOL, lost,
-                                          f"block {b} was freed while a step in flight still writes it for "
-                                          f"req:{rid} ({now})", check="inflight-write", free_sites=sites)]
+        parked = np.zeros(self.config.num_gpu_blocks, dtype=bool)
+        for blocks in self.deferred():
+            parked[block_ids(blocks)] = True
+        for which, check in ((0, "inflight-write"), (1, "inflight-read")):
+            for _, _, touched in self.batch_queue:
+                for rid, sets in touched.items():
+                    blocks = sets[which]
+                    held = parked.copy()
+                    for mgr in self.groups:
+                        held[block_ids(mgr.req_to_blocks.get(rid, ()))] = True
+                    lost = blocks[~held[blocks]]
+                    if lost.size:
+                        return [self._inflight_finding(rid, lost, check)]
         return []
+
+    def _inflight_finding(self, rid: str, lost: np.ndarray, check: str) -> TargetFinding:
+        b = int(lost[0])
+        owners = [o for o, _, units in self._holders(self.known())[0] if (units == b).any()]
+        now = f"now held by {', '.join(owners)}" if owners else f"ref_cnt={self._ref_counts()[b]}"
+        sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
+        verb = "writes" if check == "inflight-write" else "reads"
+        return TargetFinding("use-after-free", POOL, lost, f"block {b} was freed while a step in flight still "
+                                                           f"{verb} it for req:{rid} ({now})",
+                             check=check, free_sites=sites)
 
     def _on_schedule(self, out) -> None:
         """What the workers do with a new ``SchedulerOutput`` besides running it: nothing here."""
