@@ -256,6 +256,9 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
               help="The suite's bugs: 'all' or a comma-separated list ('kvaudit bugs'; history: "
                    "'kvaudit bench --suite history --list').")
 @click.option("--list", "list_bugs", is_flag=True, help="List the suite's bugs and exit (history).")
+@click.option("--jobs", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+              help="History: bugs searched at a time, a child process each (the trials' time budgets are "
+                   "wall-clock: more jobs than cores slows each).")
 @click.option("--fp-seconds", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Zoo: clean-engine time per fuzzer for the false-positive run (default: the budget).")
 @click.option("--overhead-presets", default="all", show_default=True, metavar="LIST",
@@ -264,8 +267,8 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
               help="Markdown report  [default: docs/benchmarks.md; history: docs/benchmarks-history.md]")
 @click.option("--json", "out_json", type=click.Path(dir_okay=False), default=None,
               help="Raw data  [default: docs/benchmarks.json; history: docs/benchmarks-history.json]")
-def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, fp_seconds, overhead_presets, out_md,
-              out_json):
+def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs, fp_seconds, overhead_presets,
+              out_md, out_json):
     """Benchmark the fuzzers. --suite zoo: each bug-zoo bug x fuzzer for --trials trials of --budget
     seconds, a false-positive run on the clean engine and the overhead per preset. --suite history:
     each known SGLang/vLLM bug searched for in the release that shipped it, the minimized program
@@ -276,7 +279,7 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, fp_se
 
     if suite == "history":
         return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
-                               list_bugs=list_bugs, out_md=out_md or "docs/benchmarks-history.md",
+                               list_bugs=list_bugs, jobs=jobs, out_md=out_md or "docs/benchmarks-history.md",
                                out_json=out_json or "docs/benchmarks-history.json")
     if list_bugs:
         return job.list_zoo()

@@ -112,19 +112,29 @@ def test_the_worker_refuses_a_release_other_than_the_one_asked(tmp_path, capsys)
 
 
 def test_ctrl_c_writes_the_trials_so_far_and_exits_130(monkeypatch, tmp_path):
+    """The child's finished trials survive a Ctrl-C that reaches the parent while it waits."""
     done = HistoryTrial("vllm-45357", "random", 1, 5.0, success=True, seconds=0.1, executions=3, min_len=2,
                         first_oracle="use-after-free", signature="use-after-free/x", confirmations=3,
                         program=[{"op": "submit", "family": 0, "prompt_len": 1, "max_new_tokens": 5, "stop_at": 3}])
     monkeypatch.setattr(suite, "_release", lambda res, engine, version, on_event: None)
+    stopped = []
 
-    def child(job, *a):
-        raise suite._Interrupted([done.__dict__])
+    def child(self, job, *a):
+        self.stopped.wait(10)  # killed by stop(): returns what its worker wrote so far
+        stopped.append(self.stopped.is_set())
+        return [done.__dict__]
 
-    monkeypatch.setattr(suite, "_child", child)
+    def interrupted(futures):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(suite._Runner, "child", child)
+    monkeypatch.setattr(suite, "as_completed", interrupted)
     md, js = tmp_path / "h.md", tmp_path / "h.json"
     r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
                "--out", str(md), "--json", str(js))
     assert r.exit_code == 130, r.output
+    assert stopped == [True]
     doc = json.loads(js.read_text())
     assert doc["interrupted"] and doc["trials"][0]["executions"] == 3
     assert "INTERRUPTED: partial" in md.read_text() and "vllm-45357 (random, seed 1; 3/3 confirmations" in md.read_text()

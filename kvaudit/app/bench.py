@@ -63,7 +63,7 @@ def list_zoo() -> int:
 
 
 def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, list_bugs: bool,
-                out_md: str, out_json: str) -> int:
+                out_md: str, out_json: str, jobs: int = 1) -> int:
     """``kvaudit bench --suite history``; returns the exit code (130 when interrupted, the report so far
     written). Raises :class:`InputError` for an unknown fuzzer or bug or an unwritable output, and
     :class:`UnavailableError` when a release cannot be installed or its worker fails."""
@@ -91,9 +91,9 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
     check_outputs(html=out_md, json=out_json)
     err = make_console(stderr=True)
     err.print(f"kvaudit bench --suite history: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
-              f"budget {budget:g}s each", soft_wrap=True)
+              f"budget {budget:g}s each, {jobs} at a time", soft_wrap=True)
     try:
-        res = suite.run(bugs, fuzzers, trials, budget,
+        res = suite.run(bugs, fuzzers, trials, budget, jobs=jobs,
                         on_event=lambda line: err.print(line, soft_wrap=True, highlight=False, markup=False))
     except suite.SuiteError as e:
         raise UnavailableError(str(e)) from None

@@ -26,7 +26,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -62,91 +64,130 @@ class HistoryResult:
                 "trials": [asdict(t) for t in self.trials]}
 
 
-def _child(job: dict, engine: str, version: str, overlay, on_event: Callable[[str], None]) -> list[dict]:
-    """Run one worker job under the release's environment; its results (those written so far when
-    interrupted: KeyboardInterrupt still propagates after they are read)."""
-    with tempfile.TemporaryDirectory(prefix="kvaudit-history-job-") as d:
-        job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
-        with open(job_path, "w") as f:
-            json.dump(job, f)
-        env = releases.env(engine, version, overlay)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        proc = subprocess.Popen([sys.executable, "-m", "kvaudit.history.worker", job_path, out_path], env=env,
-                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        tail: list[str] = []
-        try:
-            for line in proc.stderr:
-                line = line.rstrip("\n")
-                if line.startswith("kvaudit history: "):
-                    on_event(line[len("kvaudit history: "):])
-                tail = (tail + [line])[-5:]
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.kill()
-            proc.wait()
-            rc = None
-        results = []
-        if os.path.exists(out_path):
-            with open(out_path) as f:
-                results = json.load(f)["results"]
-        if rc is None:
-            raise _Interrupted(results)
-        if rc != 0:
-            last = next((t for t in reversed(tail) if t.strip()), f"exit {rc}")
-            raise SuiteError(f"{engine} {version}: the worker failed: {last.strip()}")
-        return results
+class _Runner:
+    """Child processes of one suite run; ``stop()`` (Ctrl-C) kills them, and each then returns the
+    results its worker wrote so far."""
 
+    def __init__(self, on_event: Callable[[str], None]):
+        self.on_event = on_event
+        self.stopped = threading.Event()
+        self.procs: set = set()
+        self.lock = threading.Lock()
 
-class _Interrupted(KeyboardInterrupt):
-    def __init__(self, results: list[dict]):
-        super().__init__()
-        self.results = results
+    def stop(self) -> None:
+        self.stopped.set()
+        with self.lock:
+            for p in self.procs:
+                p.kill()
+
+    def child(self, job: dict, engine: str, version: str, overlay) -> list[dict]:
+        """Run one worker job under the release's environment and return its results. Raises
+        :class:`SuiteError` when the worker fails (not when stopped: then the results so far)."""
+        with tempfile.TemporaryDirectory(prefix="kvaudit-history-job-") as d:
+            job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
+            with open(job_path, "w") as f:
+                json.dump(job, f)
+            env = releases.env(engine, version, overlay)
+            env["PYTHONUNBUFFERED"] = "1"
+            tail: list[str] = []
+            with self.lock:
+                if self.stopped.is_set():
+                    return []
+                # its own session: a Ctrl-C reaches the parent alone, which stops the children itself
+                proc = subprocess.Popen([sys.executable, "-m", "kvaudit.history.worker", job_path, out_path],
+                                        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                        start_new_session=True)
+                self.procs.add(proc)
+            try:
+                for line in proc.stderr:
+                    line = line.rstrip("\n")
+                    if line.startswith("kvaudit history: "):
+                        self.on_event(line[len("kvaudit history: "):])
+                    tail = (tail + [line])[-5:]
+                rc = proc.wait()
+            finally:
+                with self.lock:
+                    self.procs.discard(proc)
+            results = []
+            if os.path.exists(out_path):
+                with open(out_path) as f:
+                    results = json.load(f)["results"]
+            if rc != 0 and not self.stopped.is_set():
+                last = next((t for t in reversed(tail) if t.strip()), f"exit {rc}")
+                raise SuiteError(f"{engine} {version}: the worker failed: {last.strip()}")
+            return results
 
 
 def _release(res: HistoryResult, engine: str, version: str, on_event) -> object:
     """The overlay of ``engine==version`` (installed when missing), recorded once in ``res``."""
-    t0 = time.monotonic()
-    try:
-        overlay = releases.ensure(engine, version, on_event)
-    except releases.ReleaseError as e:
-        raise SuiteError(str(e)) from None
-    if not any(r.engine == engine and r.version == version for r in res.releases):
-        res.releases.append(ReleaseUse(engine, version, str(overlay or ""), releases.size_bytes(overlay),
-                                       round(time.monotonic() - t0, 1)))
+    with _INSTALL_LOCK:  # one pip at a time; a release asked twice is installed once
+        t0 = time.monotonic()
+        try:
+            overlay = releases.ensure(engine, version, on_event)
+        except releases.ReleaseError as e:
+            raise SuiteError(str(e)) from None
+        if not any(r.engine == engine and r.version == version for r in res.releases):
+            res.releases.append(ReleaseUse(engine, version, str(overlay or ""), releases.size_bytes(overlay),
+                                           round(time.monotonic() - t0, 1)))
     return overlay
 
 
+_INSTALL_LOCK = threading.Lock()
+
+
+def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], trials: int,
+             budget: float) -> list[HistoryTrial]:
+    """Search ``bid`` on its buggy release, then replay what was found on its fixing one."""
+    bug = all_bugs()[bid]
+    overlay = _release(res, bug.engine, bug.buggy, runner.on_event)
+    job = {"mode": "search", "bug": bid, "version": bug.buggy, "fuzzers": fuzzers,
+           "seeds": list(range(1, trials + 1)), "budget": budget}
+    found = [HistoryTrial(**d) for d in runner.child(job, bug.engine, bug.buggy, overlay)]
+    ok = [t for t in found if t.success]
+    if bug.fixed is None or not ok or runner.stopped.is_set():
+        return found
+    overlay = _release(res, bug.engine, bug.fixed, runner.on_event)
+    job = {"mode": "replay", "bug": bid, "version": bug.fixed, "programs": [t.program for t in ok]}
+    for t, r in zip(ok, runner.child(job, bug.engine, bug.fixed, overlay)):
+        t.fixed_clean, t.fixed_signatures = r["clean"], r["signatures"]
+    if not runner.stopped.is_set():
+        clean = sum(bool(t.fixed_clean) for t in ok)
+        runner.on_event(f"{bid}: {clean}/{len(ok)} minimized program(s) clean on {bug.engine} {bug.fixed}")
+    return found
+
+
 def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
-        on_event: Callable[[str], None] = print) -> HistoryResult:
-    """The suite (module docstring). On Ctrl-C the result holds every finished trial and ``interrupted``."""
-    bugs = all_bugs()
+        on_event: Callable[[str], None] = print, jobs: int = 1) -> HistoryResult:
+    """The suite (module docstring), ``jobs`` bugs at a time (a child process each). On Ctrl-C the
+    children are stopped and the result holds every trial they finished, with ``interrupted`` set.
+    Raises :class:`SuiteError` when a release cannot be installed or a worker fails."""
     res = HistoryResult(settings={"suite": "history", "bugs": bug_ids, "fuzzers": fuzzers, "trials": trials,
-                                  "budget": budget, "cpu_count": os.cpu_count(),
+                                  "budget": budget, "jobs": jobs, "cpu_count": os.cpu_count(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")})
     t0 = time.monotonic()
+    runner = _Runner(on_event)
+    done: dict[str, list[HistoryTrial]] = {}
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    futures = {pool.submit(_one_bug, runner, res, bid, fuzzers, trials, budget): bid for bid in bug_ids}
     try:
-        for bid in bug_ids:
-            bug = bugs[bid]
-            overlay = _release(res, bug.engine, bug.buggy, on_event)
-            job = {"mode": "search", "bug": bid, "version": bug.buggy, "fuzzers": fuzzers,
-                   "seeds": list(range(1, trials + 1)), "budget": budget}
-            try:
-                found = [HistoryTrial(**d) for d in _child(job, bug.engine, bug.buggy, overlay, on_event)]
-            except _Interrupted as e:
-                res.trials += [HistoryTrial(**d) for d in e.results]
-                raise
-            res.trials += found
-            ok = [t for t in found if t.success]
-            if bug.fixed is None or not ok:
-                continue
-            overlay = _release(res, bug.engine, bug.fixed, on_event)
-            job = {"mode": "replay", "bug": bid, "version": bug.fixed, "programs": [t.program for t in ok]}
-            for t, r in zip(ok, _child(job, bug.engine, bug.fixed, overlay, on_event)):
-                t.fixed_clean, t.fixed_signatures = r["clean"], r["signatures"]
-            clean = sum(bool(t.fixed_clean) for t in ok)
-            on_event(f"{bid}: {clean}/{len(ok)} minimized program(s) clean on {bug.engine} {bug.fixed}")
+        for fut in as_completed(futures):
+            done[futures[fut]] = fut.result()
     except KeyboardInterrupt:
         res.interrupted = True
+        runner.stop()
+        for fut, bid in futures.items():
+            if not fut.cancel():
+                try:
+                    done[bid] = fut.result()
+                except SuiteError:
+                    pass
+    except SuiteError:
+        runner.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    for bid in bug_ids:  # in the order asked, whatever order they finished in
+        res.trials += done.get(bid, [])
     res.wall = time.monotonic() - t0
     return res
 
