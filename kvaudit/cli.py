@@ -251,7 +251,9 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
               help="Trials per bug and fuzzer (seeds 1..N).")
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               metavar="SECONDS", help="Time budget of one trial.")
-@click.option("--fuzzers", "fuzzers_value", default=",".join(FUZZERS), show_default=True, metavar="LIST")
+@click.option("--fuzzers", "fuzzers_value", default=None, metavar="LIST",
+              help=f"Fuzzers to compare  [default: zoo: {','.join(FUZZERS)}; history: the same but atheris, "
+                   "which instruments the built-in engine only]")
 @click.option("--bugs", "bugs_value", default="all", show_default=True, metavar="LIST",
               help="The suite's bugs: 'all' or a comma-separated list ('kvaudit bugs'; history: "
                    "'kvaudit bench --suite history --list').")
@@ -278,12 +280,14 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     from kvaudit.app import bench as job
 
     if suite == "history":
-        return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
+        return job.run_history(trials=trials, budget=budget,
+                               fuzzers_value=fuzzers_value or ",".join(f for f in FUZZERS if f != "atheris"),
+                               bugs_value=bugs_value,
                                list_bugs=list_bugs, jobs=jobs, out_md=out_md or "docs/benchmarks-history.md",
                                out_json=out_json or "docs/benchmarks-history.json")
     if list_bugs:
         return job.list_zoo()
-    return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
+    return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value or ",".join(FUZZERS), bugs_value=bugs_value,
                    fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md or "docs/benchmarks.md",
                    out_json=out_json or "docs/benchmarks.json")
 

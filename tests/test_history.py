@@ -143,6 +143,7 @@ def test_ctrl_c_writes_the_trials_so_far_and_exits_130(monkeypatch, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--bugs", "vllm-1"], "--bugs: unknown history bug 'vllm-1'"),
     (["--fuzzers", "afl"], "--fuzzers: unknown fuzzer 'afl'"),
+    (["--fuzzers", "random,atheris"], "--fuzzers: atheris instruments the built-in engine only"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, tmp_path):
     r = invoke("bench", "--suite", "history", *args, "--out", str(tmp_path / "a.md"), "--json", str(tmp_path / "a.json"))

@@ -87,7 +87,8 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
         raise InputError(f"--bugs: unknown history bug {bad[0] if bad else bugs_value!r} "
                          "(see 'kvaudit bench --suite history --list')")
     if "atheris" in fuzzers:
-        check_atheris()
+        raise InputError("--fuzzers: atheris instruments the built-in engine only; the history suite drives "
+                         "SGLang and vLLM (use hypothesis and random)")
     check_outputs(html=out_md, json=out_json)
     err = make_console(stderr=True)
     err.print(f"kvaudit bench --suite history: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
