@@ -257,7 +257,7 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
 @click.option("--bugs", "bugs_value", default="all", show_default=True, metavar="LIST",
               help="The suite's bugs: 'all' or a comma-separated list ('kvaudit bugs'; history: "
                    "'kvaudit bench --suite history --list').")
-@click.option("--list", "list_bugs", is_flag=True, help="List the suite's bugs and exit (history).")
+@click.option("--list", "list_bugs", is_flag=True, help="List the suite's bugs and exit.")
 @click.option("--jobs", type=click.IntRange(min=1, max=64), default=1, show_default=True,
               help="History: bugs searched at a time, a child process each (the trials' time budgets are "
                    "wall-clock: more jobs than cores slows each).")
