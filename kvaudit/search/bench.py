@@ -32,7 +32,6 @@ import numpy as np
 
 from kvaudit.config import TargetConfig
 from kvaudit.targets import registry
-from kvaudit.constants import FUZZERS
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, triage
 from kvaudit.audit.runner import AuditedRun, execute
 
@@ -228,6 +227,18 @@ def geomean_exec_ratio(cells: list[Cell], fuzzer: str) -> tuple[float | None, in
     return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), len(ratios)
 
 
+def geomean_cells(cells: list[Cell], fuzzers: list[str]) -> list[str]:
+    """Per fuzzer, :func:`geomean_exec_ratio` as a table cell ("2.50x fewer (4 bugs)"; random: the baseline)."""
+    out = []
+    for f in fuzzers:
+        if f == "random":
+            out.append("1 (baseline)")
+            continue
+        g, n = geomean_exec_ratio(cells, f)
+        out.append("-" if g is None else f"{g:.2f}x fewer ({n} bugs)" if g >= 1 else f"{1 / g:.2f}x more ({n} bugs)")
+    return out
+
+
 # -- false positives, overhead, throughput ---------------------------------------------------------
 
 def false_positive_run(fuzzer: str, seconds: float, seed: int = 1) -> dict:
@@ -396,14 +407,8 @@ def markdown(res: BenchResult) -> str:
         meds = [by[(b, f)].median_time for b in bugs if (b, f) in by]
         worst.append("-" if any(m is None for m in meds) or not meds else f"{max(meds):.1f} s")
     worst_row = ["| slowest median time-to-bug (target <= 60 s for every bug) | " + " | ".join(worst) + " |"]
-    geo = []
-    for f in fuzzers:
-        if f == "random":
-            geo.append("1 (baseline)")
-            continue
-        g, n = geomean_exec_ratio(cells, f)
-        geo.append("-" if g is None else f"{g:.2f}x fewer ({n} bugs)" if g >= 1 else f"{1 / g:.2f}x more ({n} bugs)")
-    geo_row = ["| geometric mean of median executions-to-bug vs random (target >= 5x fewer) | " + " | ".join(geo) + " |"]
+    geo_row = ["| geometric mean of median executions-to-bug vs random (target >= 5x fewer) | "
+               + " | ".join(geomean_cells(cells, fuzzers)) + " |"]
     fp = {d["fuzzer"]: d for d in res.false_positives}
     fp_row = ["| false positives on the clean engine (target 0) | " + " | ".join(
         f"{len(fp[f]['findings'])} in {fp[f]['executions']} programs" if f in fp else "-" for f in fuzzers) + " |"]
