@@ -129,6 +129,17 @@ UNREACHED: tuple[Unreached, ...] = (
     Unreached("vllm-44237", "vllm", ("vllm-project/vllm#44237",), "0.23.0 -> 0.24.0 (refactor)",
               "the PR was closed unmerged; the trigger (the single-block collision branch of the map's pop) "
               "is unclear"),
+    Unreached("vllm-48245", "vllm", ("vllm-project/vllm#48245", "vllm-project/vllm#47900"), "fixed 2026-07-10",
+              "an EngineCore assertion (num_output_placeholders underflow) when KV pressure preempts a request "
+              "with an output in flight; it shows with speculative decoding or pipeline parallelism, which the "
+              "target does not drive (15 s of random programs per seed, 3 seeds, async scheduling on the small "
+              "pool: nothing on 0.25.0)"),
+    Unreached("vllm-46066", "vllm", ("vllm-project/vllm#46066",), "fixed 2026-06-18",
+              "reset_prefix_cache(reset_running_requests=True) with speculative decoding: the target drives "
+              "neither"),
+    Unreached("vllm-49674", "vllm", ("vllm-project/vllm#49674", "vllm-project/vllm#49675"), "0.24.0 and later",
+              "a progress defect (preemption cascades that free nothing while #45357's frees are deferred), not "
+              "a broken memory invariant: kvaudit's oracles check memory and hangs, not throughput"),
     Unreached("sglang-28374", "sglang", ("sgl-project/sglang#28374",), "all, to 0.5.23",
               "the PR was closed unmerged: no fixing release"),
     Unreached("sglang-10871", "sglang", ("sgl-project/sglang#10871",), "0.5.2-0.5.5",
