@@ -103,6 +103,18 @@ def test_a_failed_install_leaves_nothing_that_looks_complete(monkeypatch, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_the_install_command_takes_all_or_pinned_releases(monkeypatch, capsys):
+    assert releases.main(["vllm-0.23.0"]) == 2
+    assert "want ENGINE==VERSION or 'all', not 'vllm-0.23.0'" in capsys.readouterr().err
+    assert releases.main([]) == 2
+    done = []
+    monkeypatch.setattr(releases, "ensure", lambda e, v, on_event: done.append((e, v)))
+    assert releases.main(["all"]) == 0
+    assert done == releases.catalogue_releases()
+    assert ("vllm", "0.23.0") in done and ("vllm", "0.24.0") in done
+    assert all(v is not None for _, v in done)
+
+
 # -- the worker and the suite ------------------------------------------------------------------------
 def test_the_worker_refuses_a_release_other_than_the_one_asked(tmp_path, capsys):
     job = tmp_path / "job.json"

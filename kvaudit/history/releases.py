@@ -89,3 +89,45 @@ def size_bytes(path: Path | None) -> int:
     if path is None:
         return 0
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def catalogue_releases() -> list[tuple[str, str]]:
+    """Every ``(engine, version)`` the history catalogue searches or replays on, in order."""
+    from kvaudit.history.catalogue import all_bugs
+
+    out: list[tuple[str, str]] = []
+    for b in all_bugs().values():
+        for v in (b.buggy, b.fixed):
+            if v is not None and (b.engine, v) not in out:
+                out.append((b.engine, v))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvaudit.history.releases [all | ENGINE==VERSION ...]``: install overlays into the cache
+    (``all``: every release the history catalogue uses; what the base has is skipped). Prints one line
+    per release; exit 2 with one line when one cannot be installed."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args in (["-h"], ["--help"]):
+        print(main.__doc__.split(":", 1)[0].strip("`"))
+        return 0 if args else 2
+    wanted = catalogue_releases() if args == ["all"] else []
+    for a in ([] if args == ["all"] else args):
+        engine, sep, version = a.partition("==")
+        if not sep or not version:
+            print(f"kvaudit releases: want ENGINE==VERSION or 'all', not {a!r}", file=sys.stderr)
+            return 2
+        wanted.append((engine, version))
+    for engine, version in wanted:
+        try:
+            path = ensure(engine, version, lambda line: print(line, flush=True))
+        except ReleaseError as e:
+            print(f"kvaudit releases: {e}", file=sys.stderr)
+            return 2
+        print(f"{engine} {version}: " + ("the base environment" if path is None else
+                                          f"{path} ({size_bytes(path) / 2**20:.0f} MiB)"), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
