@@ -71,6 +71,16 @@ def test_a_finding_is_the_bug_only_by_kind_check_and_signature():
     assert not exact.matches(_finding(exact.finding, exact.signature + "/from:session"))
 
 
+def test_other_findings_are_suppressed_and_noted_the_bugs_kept():
+    bug = BUGS["vllm-45357"]
+    mine = _finding("use-after-free", "use-after-free/block_pool/a@x.py/b@y.py/check:inflight-write", "inflight-write")
+    other = _finding("leak", "leak/block_pool/a@x.py")
+    sup = worker.NotThisBug(bug)
+    suppressed = []
+    assert sup.sift([other, mine], suppressed) == [mine]
+    assert suppressed == [other] and sup.others == {other.signature} and not sup.needs_full_stacks
+
+
 # -- release overlays ----------------------------------------------------------------------------------
 def test_the_base_version_needs_no_overlay_and_an_overlay_goes_first(monkeypatch, tmp_path):
     monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path))

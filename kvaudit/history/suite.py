@@ -9,7 +9,7 @@ For each bug of the catalogue (:mod:`kvaudit.history.catalogue`), and each SGLan
 2. a child process with that overlay (:mod:`kvaudit.history.worker`) runs N trials (seeds 1..N) of each
    fuzzer with a time budget each: a trial succeeds when a finding that is the bug is found, confirmed
    3 of 3 and minimized (executions and seconds to its first detection, before triage; other findings
-   met first are searched past and noted);
+   are suppressed so the program goes on past them, and noted);
 3. another child, on the fixing release, replays every minimized program then drains to idle: the bug
    is rediscovered when the program is clean there.
 
@@ -220,7 +220,8 @@ def markdown(res: HistoryResult) -> str:
         "Each bug x fuzzer: trials with seeds 1..N, at most the budget each, one core, in a child process "
         "whose `PYTHONPATH` starts with the release's overlay. A trial succeeds when a finding that is the "
         "bug (its kind, and its check or signature where the catalogue names one) is confirmed 3/3 and "
-        "minimized on the release that shipped it; other findings met first are searched past. The bug is "
+        "minimized on the release that shipped it; every other finding is suppressed (the program goes on "
+        "past it, as with a campaign's suppression file). The bug is "
         "*rediscovered* when a minimized program, replayed and drained to idle on the first release with "
         "the fix, finds nothing. Times and executions are to the first detection (before triage): median "
         "[IQR] over successful trials, '-' when half the trials or more failed. p and A12 compare "
@@ -304,6 +305,6 @@ def markdown(res: HistoryResult) -> str:
     if notes:
         lines += ["", "## Trial notes", ""]
         for t in notes:
-            extra = f"searched past {', '.join(f'`{o}`' for o in t.others)}" if t.others else ""
+            extra = f"suppressed on the way: {', '.join(f'`{o}`' for o in t.others)}" if t.others else ""
             lines.append(f"- {t.bug}, {t.fuzzer}, seed {t.seed}: " + "; ".join(x for x in (t.note, extra) if x))
     return "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ from kvaudit.search.bench import Trial
 class HistoryTrial(Trial):
     """A search of one bug by one fuzzer with one seed on the release that ships it. Beside the zoo
     trial's fields: the finding's ``signature`` and ``confirmations`` (of 3), the minimized ``program``
-    (op dicts), ``others`` (signatures found first and searched past), and, filled by the parent from the
+    (op dicts), ``others`` (signatures of other findings suppressed on the way), and, filled by the parent from the
     fixing release, ``fixed_clean`` (None: no fixing release, or not replayed) and ``fixed_signatures``."""
 
     signature: str = ""
@@ -27,4 +27,4 @@ class HistoryTrial(Trial):
         if not self.success:
             return head + "not found" + (f" ({self.note})" if self.note else "")
         return (head + f"found in {self.seconds:.1f}s, {self.executions} executions, {self.min_len} ops, "
-                f"{self.signature}" + (f" (searched past {len(self.others)} other finding(s))" if self.others else ""))
+                f"{self.signature}" + (f" ({len(self.others)} other signature(s) suppressed on the way)" if self.others else ""))

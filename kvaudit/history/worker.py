@@ -5,9 +5,10 @@ Jobs (``JOB.json``):
 
 * ``{"mode": "search", "bug": ID, "version": V, "fuzzers": [...], "seeds": [...], "budget": SECONDS}``:
   for each fuzzer and seed, search the bug's config until a finding that *is* the bug
-  (:meth:`HistoryBug.matches`; other findings are noted and searched past, as ``known`` signatures),
-  then confirm it 3 of 3 times and minimize it (:func:`kvaudit.search.fuzz.triage`). Executions and
-  seconds are to the first detection of the bug, before triage.
+  (:meth:`HistoryBug.matches`; every other finding is suppressed, :class:`NotThisBug`, so that the
+  program goes on past it), then confirm it 3 of 3 times and minimize it under the same suppressions
+  (:func:`kvaudit.search.fuzz.triage`). Executions and seconds are to the first detection of the bug,
+  before triage.
 * ``{"mode": "replay", "bug": ID, "version": V, "programs": [[op dict, ...], ...]}``: run each program
   from a fresh engine, then drain it to idle; clean when nothing is found.
 
@@ -38,61 +39,71 @@ def _write(path: str, doc: dict) -> None:
     write_atomic(path, doc)
 
 
+class NotThisBug:
+    """Suppressions (the interface :class:`kvaudit.audit.suppress.SuppressionSet` offers the runner) that
+    cover every finding but ``bug``'s: a program goes on past other bugs, as a campaign's suppression
+    file lets it, so that a later finding of the bug in the same program still counts. The signatures
+    passed over are collected in ``others``."""
+
+    needs_full_stacks = False
+
+    def __init__(self, bug):
+        self.bug = bug
+        self.others: set[str] = set()
+
+    def sift(self, findings: list, suppressed: list) -> list:
+        kept = []
+        for f in findings:
+            if self.bug.matches(f):
+                kept.append(f)
+            else:
+                self.others.add(f.signature)
+                suppressed.append(f)
+        return kept
+
+
 def search_trial(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryTrial:
     """One trial (see the module docstring)."""
     from kvaudit.program import program_to_json
-    from kvaudit.search.bench import search
     from kvaudit.search.fuzz import FuzzStats, triage
 
     trial = HistoryTrial(bug.id, fuzzer, seed, budget, expected_kind=bug.finding)
     stats = FuzzStats()
+    others = NotThisBug(bug)
     t0 = time.monotonic()
-    known: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="kvaudit-history-") as work:
-        while True:
-            left = budget - (time.monotonic() - t0)
-            if left <= 0:
-                trial.note = "not found within the budget"
-                break
-            stats.first_hit = None
-            found = _search(search, fuzzer, config, left, seed + len(known) * 1000, stats, work, frozenset(known))
-            if found is None:
-                trial.note = "not found within the budget"
-                break
-            program, findings = found
-            hits = [f for f in findings if bug.matches(f)]
-            if not hits:  # another finding: noted, then searched past
-                new = sorted({f.signature for f in findings} - known)
-                trial.others.extend(new)
-                known.update(f.signature for f in findings)
-                continue
+        found = _search(fuzzer, config, budget, seed, stats, work, others)
+        trial.others = sorted(others.others)
+        hits = [f for f in (found[1] if found else ()) if bug.matches(f)]
+        if not hits:
+            trial.note = "not found within the budget"
+        else:
             executions, seconds = stats.first_hit or (stats.executions, time.monotonic() - t0)
-            crash = triage(config, program, hits[0])
+            crash = triage(config, found[0], hits[0], suppressions=NotThisBug(bug))
             if crash is None:
                 trial.note = f"{hits[0].signature} did not reproduce 3/3"
-                break
-            trial.success = True
-            trial.seconds, trial.executions = seconds, executions
-            trial.min_len = len(crash.program)
-            trial.first_oracle = crash.finding.kind
-            trial.signature = crash.finding.signature
-            trial.confirmations = crash.confirmations
-            trial.program = program_to_json(crash.program)
-            break
+            else:
+                trial.success = True
+                trial.seconds, trial.executions = seconds, executions
+                trial.min_len = len(crash.program)
+                trial.first_oracle = crash.finding.kind
+                trial.signature = crash.finding.signature
+                trial.confirmations = crash.confirmations
+                trial.program = program_to_json(crash.program)
     trial.wall = time.monotonic() - t0
     return trial
 
 
-def _search(search, fuzzer, config, left, seed, stats, work, known):
-    """``bench.search`` with ``known`` signatures searched past (random and Hypothesis take them; the
-    other fuzzers stop at any finding, which the caller notes and searches past)."""
+def _search(fuzzer, config, budget, seed, stats, work, suppressions):
+    """The fuzzer's search with ``suppressions``, returning at the first finding they leave."""
     from kvaudit.search.fuzz import hypothesis_search, random_search
 
     if fuzzer == "random":
-        return random_search(config, left, seed, stats, known=known)
+        return random_search(config, budget, seed, stats, suppressions=suppressions)
     if fuzzer == "hypothesis":
-        return hypothesis_search(config, left, seed, stats, known=known)
-    return search(fuzzer, config, left, seed, stats, work)
+        return hypothesis_search(config, budget, seed, stats, suppressions=suppressions)
+    from kvaudit.search.bench import search
+    return search(fuzzer, config, budget, seed, stats, work)
 
 
 def replay_program(config, ops: list) -> dict:
