@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvaudit.targets.registry import TargetKind, TargetUnavailable, register, server_args_capabilities
+from kvaudit.targets.sglang.compat import LEGACY
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig
 
 
@@ -21,7 +22,9 @@ def _bugs():
 def _make(config):
     """The target class for ``config``'s serving mode (PD decode, HiSparse, HiCache with or without
     L3 storage, else aggregated serving)."""
-    if config.disaggregation_mode == "decode":
+    if _loaded().version in LEGACY:  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
+        from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
+    elif config.disaggregation_mode == "decode":
         from kvaudit.targets.sglang.pd import SglangPdDecodeTarget as cls
     elif config.enable_hisparse:
         from kvaudit.targets.sglang.hisparse import SglangHiSparseTarget as cls
@@ -34,12 +37,22 @@ def _make(config):
     return cls(config)
 
 
+def _loaded():
+    from kvaudit.targets.sglang.boot import load
+    return load()
+
+
 def _probe(config) -> None:
     """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD
     decode modules for a PD config, cannot be imported here."""
     from kvaudit.targets.sglang.boot import SglangUnavailable, load
     try:
-        load()
+        if load().version in LEGACY:
+            from kvaudit.targets.sglang.legacy import refusal
+            why = refusal(config)
+            if why is not None:
+                raise TargetUnavailable(why)
+            return
         if config.disaggregation_mode == "decode":
             from kvaudit.targets.sglang.pd import load_pd
             load_pd()
