@@ -40,6 +40,9 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("session-held-active", "0.5.11",
            "SessionAwareCache.session_held_tokens(active_pool_idxs): a slot whose row a running turn borrowed "
            "is counted once, as the turn's uncached KV (the fix of SGLang #22213/#22753); before, no argument"),
+    Change("row-zero-padding", "0.5.11",
+           "ReqToTokenPool reserves row 0 (rows 1..size, a size + 1 table); before, every row 0..size-1 is "
+           "usable"),
     Change("session-close-deferral", "0.5.11",
            "Session.close_on_finish: closing a session while its turn runs is deferred to maybe_reap, and a "
            "closing session takes no new turn (the fix of SGLang #21875); before, the slot is released at once"),

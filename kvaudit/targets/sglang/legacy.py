@@ -38,10 +38,9 @@ import torch
 
 from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit
 from kvaudit.program.schema import pick, resolve_submit
-from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.base import Accounting, PoolSpec, Root, Target
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, install_stubs
-from kvaudit.targets.sglang.hooks import SglangHooks
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, StepClock
 
 LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
@@ -106,6 +105,7 @@ def load_legacy(version: str) -> SimpleNamespace:
     for name in ("sglang", "transformers", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger().setLevel(logging.CRITICAL)
+    _shim_tp_rank()
     return SimpleNamespace(
         version=version, family="legacy", stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
         OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams, FINISH_ABORT=FINISH_ABORT, Req=Req,
@@ -116,6 +116,19 @@ def load_legacy(version: str) -> SimpleNamespace:
         set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
         SpeculativeAlgorithm=SpeculativeAlgorithm, SessionAwareCache=SessionAwareCache,
         SessionController=session_module.SessionController, session_module=session_module)
+
+
+def _shim_tp_rank() -> str:
+    """CPU shim: ``schedule_batch.get_tensor_model_parallel_rank`` -> 0. ``Req.set_finish_with_abort`` asks
+    it (to log on rank 0 only), and it asserts that SGLang's tensor-parallel group was initialized, which
+    takes a whole ``ModelRunner``; this process is rank 0 of a one-GPU group. Returns the shim's name."""
+    import sglang.srt.managers.schedule_batch as schedule_batch
+
+    def rank_zero() -> int:
+        return 0
+
+    schedule_batch.get_tensor_model_parallel_rank = rank_zero
+    return "L1 schedule_batch.get_tensor_model_parallel_rank -> 0"
 
 
 class _Penalties:
@@ -145,7 +158,7 @@ class _GenerateInput(SimpleNamespace):
         return None
 
 
-class SglangLegacyTarget(SglangHooks):
+class SglangLegacyTarget(Target):
     """Drives one set of the era's pools and one ``RadixCache`` (wrapped by ``SessionAwareCache`` with
     streaming sessions); see the module docstring."""
 
@@ -197,6 +210,8 @@ class SglangLegacyTarget(SglangHooks):
         self.retractions = 0
         self.last_retraction: str | None = None
         self.lock_net: dict[int, int] = {}
+        # the row pool's ledger units: row + 1 before 0.5.11 (every row usable), the row itself from it
+        self._row_base = 0 if compat.has("row-zero-padding", S.version) else 1
         self._pools = [PoolSpec("token_to_kv_pool", self.allocator, "kv", 1, size),
                        PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, config.max_req_rows)]
 
@@ -415,10 +430,14 @@ class SglangLegacyTarget(SglangHooks):
         return 2 + ((len(req.origin_input_ids) + n) * 7 + 3) % (self.config.vocab_size - 2)
 
     def _process(self, kind: str, batch) -> None:
-        """``process_batch_result_prefill`` / ``_decode`` in one free group: a token per request,
-        ``check_finished``, then ``release_kv_cache(req, cache)`` for a finished request or, after a
-        prefill, ``cache_unfinished_req`` and the running batch."""
-        self.allocator.free_group_begin()
+        """``process_batch_result_prefill`` / ``_decode``: a token per request, ``check_finished``, then
+        ``release_kv_cache(req, cache)`` for a finished request or, after a prefill, ``cache_unfinished_req``
+        and the running batch. Only the decode result runs inside a free group in this era (a prefill's
+        ``cache_unfinished_req`` frees a view of the request's row that it overwrites next, so a deferred
+        free there would free the tree's slots instead)."""
+        group = kind == "decode"
+        if group:
+            self.allocator.free_group_begin()
         for req in batch.reqs:
             if kind == "extend" and (req.finished() or req.is_retracted):
                 continue
@@ -430,7 +449,8 @@ class SglangLegacyTarget(SglangHooks):
             elif kind == "extend":
                 self.tree_cache.cache_unfinished_req(req)
                 self.running.append(req)
-        self.allocator.free_group_end()
+        if group:
+            self.allocator.free_group_end()
         self.running = [r for r in self.running if not r.finished()]
 
     # -- observer ---------------------------------------------------------------------------------
@@ -451,14 +471,15 @@ class SglangLegacyTarget(SglangHooks):
         return f"req:{rid}" if isinstance(rid, str) else None
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """The KV pool as the 0.5.23 target wraps it (page 1: ``alloc``/``free``); the row pool by its free
+        """The KV pool by :meth:`_install_kv_pool`; the row pool by its free
         list: ``alloc(reqs)`` (rows taken; a request that keeps its row takes none), ``free(req)``, and
         ``SessionAwareCache.release_session``, which appends a slot's row to ``free_slots`` itself. Rows are
-        ledger units ``row + 1`` (every row is usable in this era; unit 0 is the ledger's padding)."""
-        if spec.kind != "rows":
-            return super().install_pool(spec, auditor, wrap)
-        pool, obj, capture = spec.name, spec.obj, auditor.capture_site
+        ledger units ``row + 1`` before 0.5.11 (every row usable; unit 0 is the ledger's padding), the row
+        from it (row 0 is padding: ``row-zero-padding``)."""
+        pool, obj, capture, base = spec.name, spec.obj, auditor.capture_site, self._row_base
         auditor.wrap_clear(spec)
+        if spec.kind != "rows":
+            return self._install_kv_pool(pool, obj, auditor, wrap)
 
         def diffing(target, name, taking: bool):
             orig = getattr(target, name)
@@ -470,7 +491,7 @@ class SglangLegacyTarget(SglangHooks):
                 rows = sorted(set(before) - set(after)) if taking else after[len(before):] \
                     if after[: len(before)] == before else sorted(set(after) - set(before))
                 if rows:
-                    (auditor.on_alloc if taking else auditor.on_free)(pool, [r + 1 for r in rows], capture())
+                    (auditor.on_alloc if taking else auditor.on_free)(pool, [r + base for r in rows], capture())
                 return out
 
             wrap(target, name, wrapper)
@@ -479,6 +500,46 @@ class SglangLegacyTarget(SglangHooks):
         diffing(obj, "free", False)
         if self.session_controller is not None:
             diffing(self.tree_cache, "release_session", False)
+
+    @staticmethod
+    def _install_kv_pool(pool: str, obj, auditor, wrap) -> None:
+        """``TokenToKVPoolAllocator.alloc``/``free`` of this era: inside a free group (its flag
+        ``is_not_in_free_group`` is False; ``free_group`` stays a list after the group ends) a free is parked
+        and reaches the free list at ``free_group_end`` (one ``free`` of them all, not deduplicated): it is
+        recorded then, with the site of its own call."""
+        capture = auditor.capture_site
+        alloc, free, group_end = obj.alloc, obj.free, obj.free_group_end
+        pending: list[tuple[list[int], int]] = []
+        ending = [False]
+
+        def alloc_wrapper(n):
+            out = alloc(n)
+            if out is not None and out.numel():
+                auditor.on_alloc(pool, out.tolist(), capture())
+            return out
+
+        def free_wrapper(idx):
+            direct = obj.is_not_in_free_group and not ending[0]
+            if not obj.is_not_in_free_group and idx.numel():
+                pending.append((idx.tolist(), capture()))
+            free(idx)
+            if direct and idx.numel():
+                auditor.on_free(pool, idx.tolist(), capture())
+
+        def group_end_wrapper():
+            ending[0] = True
+            try:
+                group_end()
+            finally:
+                ending[0] = False
+            items = list(pending)
+            pending.clear()
+            for units, site in items:
+                auditor.on_free(pool, units, site)
+
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
+        wrap(obj, "free_group_end", group_end_wrapper)
 
     def _slots(self):
         return list(self.tree_cache.slots.items()) if self.session_controller is not None else []
@@ -529,7 +590,7 @@ class SglangLegacyTarget(SglangHooks):
         return []
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        """The tree's values; each live request's row (unit ``row + 1``), its own KV
+        """The tree's values; each live request's row, its own KV
         ``[cache_protected_len, kv_allocated_len)`` and its tree-owned prefix (shared); each session slot not
         borrowed by a live request the same way."""
         table = self.req_to_token_pool.req_to_token
@@ -537,7 +598,8 @@ class SglangLegacyTarget(SglangHooks):
 
         def record(row, protected, allocated, owner, role, where):
             slots = table[row, :allocated].to(torch.int64).cpu().numpy()
-            out.append(Root("req_to_token_pool", owner, np.array([row + 1], dtype=np.int64), role=role, where=where))
+            out.append(Root("req_to_token_pool", owner, np.array([row + self._row_base], dtype=np.int64), role=role,
+                            where=where))
             out.append(Root("token_to_kv_pool", owner, slots[protected:], role=role, where=where))
             if protected:
                 out.append(Root("token_to_kv_pool", owner, slots[:protected], private=False, role=role))
@@ -553,20 +615,22 @@ class SglangLegacyTarget(SglangHooks):
                 continue
             record(req.req_pool_idx, req.cache_protected_len, req.kv_allocated_len, f"req:{req.rid}", "req",
                    "running" if id(req) in running else "waiting")
-        values = self.tree_cache.all_values_flatten()
+        # (RadixCache.all_values_flatten of this era fails on an empty tree: torch.cat of no tensors)
+        empty = self.tree_cache.evictable_size() + self.tree_cache.protected_size() == 0
+        values = torch.empty(0, dtype=torch.int64) if empty else self.tree_cache.all_values_flatten()
         if values.numel():
             out.append(Root("token_to_kv_pool", "tree", values.to(torch.int64).cpu().numpy(), role="tree"))
         return out
 
     def units_of_rows(self, rows) -> dict[str, np.ndarray]:
         table = self.req_to_token_pool.req_to_token
-        slots = table[torch.as_tensor(np.asarray(rows) - 1, dtype=torch.int64)].reshape(-1)
+        slots = table[torch.as_tensor(np.asarray(rows) - self._row_base, dtype=torch.int64)].reshape(-1)
         return {"token_to_kv_pool": slots[slots > 0].to(torch.int64).cpu().numpy()}
 
     def free_lists(self) -> dict[str, np.ndarray]:
         a = self.allocator
         return {"token_to_kv_pool": torch.cat([a.free_pages, a.release_pages]).cpu().numpy(),
-                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64) + 1}
+                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64) + self._row_base}
 
     def metrics_check(self) -> list[str]:
         return [f"[req_to_token_pool] req:{r.rid} kv_committed_len={r.kv_committed_len} > "
