@@ -1,5 +1,6 @@
-"""The ``sglang`` target kind: SGLang 0.5.23's own memory manager on CPU, driven by kvaudit's
-driver (registered with :mod:`kvaudit.targets.registry`). Imports neither SGLang nor torch."""
+"""The ``sglang`` target kind: SGLang's own memory manager on CPU, driven by kvaudit's driver -- 0.5.23's,
+or for 0.5.10.post1 and 0.5.11 the legacy family's (:mod:`kvaudit.targets.sglang.compat`) -- registered
+with :mod:`kvaudit.targets.registry`. Imports neither SGLang nor torch."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _bugs():
 def _make(config):
     """The target class for ``config``'s serving mode (PD decode, HiSparse, HiCache with or without
     L3 storage, else aggregated serving)."""
-    if _loaded().version in LEGACY:  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
+    if _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
     elif config.disaggregation_mode == "decode":
         from kvaudit.targets.sglang.pd import SglangPdDecodeTarget as cls
@@ -37,17 +38,18 @@ def _make(config):
     return cls(config)
 
 
-def _loaded():
+def _legacy() -> bool:
+    """Whether the installed SGLang is one of the legacy family's releases (``boot.load``'s version)."""
     from kvaudit.targets.sglang.boot import load
-    return load()
+    return getattr(load(), "version", None) in LEGACY
 
 
 def _probe(config) -> None:
     """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD
     decode modules for a PD config, cannot be imported here."""
-    from kvaudit.targets.sglang.boot import SglangUnavailable, load
+    from kvaudit.targets.sglang.boot import SglangUnavailable
     try:
-        if load().version in LEGACY:
+        if _legacy():
             from kvaudit.targets.sglang.legacy import refusal
             why = refusal(config)
             if why is not None:

@@ -17,8 +17,8 @@ Same three layers as the 0.5.23 target (:mod:`kvaudit.targets.sglang.target`), o
   ``validate_input_length``) and ``abort_request`` (a waiting request leaves the queue, a running one gets
   ``to_finish``);
 * **observer** -- roots, accounting and free lists read from the KV fields on ``Req`` and on each
-  ``SessionSlot``; SGLang's conservation identity with SGLang's own ``session_held_tokens`` (its
-  signature is a version adapter: ``session-held-active``).
+  ``SessionSlot``; SGLang's own memory checks (idle, and busy with ``strict_mem_check_during_busy``) with
+  SGLang's own ``session_held_tokens`` (its signature is a version adapter: ``session-held-active``).
 
 No overlap, chunking, priorities, grammars, pauses, timeouts, paged pools or injected faults: the modes
 that need them refuse with one line (:func:`refusal`). The CPU index writer is chosen by
@@ -576,9 +576,14 @@ class SglangLegacyTarget(Target):
                 "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, rp.size)}
 
     def engine_check(self) -> list[str]:
-        """SGLang's conservation identity (``self_check_during_busy``): ``available + evictable + protected +
-        session_held + uncached == total``, ``session_held`` by SGLang's own ``session_held_tokens``,
-        ``uncached = kv_allocated_len - cache_protected_len`` per running request."""
+        """SGLang's own memory checks of the era, with its own ``session_held_tokens``: at idle
+        (``self_check_during_idle``, always) ``available + evictable + protected + session_held == total``;
+        while busy (``self_check_during_busy``, only with ``strict_mem_check_during_busy``: SGLang's
+        ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``) the same plus ``uncached = kv_allocated_len -
+        cache_protected_len`` per running request."""
+        busy = bool(self.running or self.waiting)
+        if busy and not self.config.strict_mem_check_during_busy:
+            return []
         a = self.allocator
         held = self._engine_session_held()
         uncached = sum(r.kv_allocated_len - r.cache_protected_len for r in self.running if r.req_pool_idx is not None)
@@ -586,7 +591,7 @@ class SglangLegacyTarget(Target):
         if lhs != a.size:
             return [f"[token_to_kv_pool] available={a.available_size()} + evictable={self.tree_cache.evictable_size()}"
                     f" + protected={self.tree_cache.protected_size()} + session_held={held} + uncached={uncached} "
-                    f"= {lhs} != total={a.size}"]
+                    f"= {lhs} != total={a.size} ({'busy' if busy else 'idle'} check)"]
         return []
 
     def roots(self, aborting: bool = True) -> list[Root]:
