@@ -212,8 +212,10 @@ class SglangLegacyTarget(Target):
         self.lock_net: dict[int, int] = {}
         # the row pool's ledger units: row + 1 before 0.5.11 (every row usable), the row itself from it
         self._row_base = 0 if compat.has("row-zero-padding", S.version) else 1
-        self._pools = [PoolSpec("token_to_kv_pool", self.allocator, "kv", 1, size),
-                       PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, config.max_req_rows)]
+        # the row pool first: of two findings of one kind the row's is reported first (a row released under a
+        # running turn is the root cause; its KV goes with it)
+        self._pools = [PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, config.max_req_rows),
+                       PoolSpec("token_to_kv_pool", self.allocator, "kv", 1, size)]
 
     # -- intake (Scheduler.process_input_requests) ------------------------------------------------
     def apply(self, op: Op) -> None:
