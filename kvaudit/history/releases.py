@@ -23,7 +23,11 @@ ENGINES = ("vllm", "sglang")
 
 # what a release needs beside itself, installed into its overlay with it (--no-deps): the pins of
 # transformers and its hub stack where the base's transformers breaks the release's import
-EXTRA_PINS: dict[tuple[str, str], tuple[str, ...]] = {}
+EXTRA_PINS: dict[tuple[str, str], tuple[str, ...]] = {
+    # SGLang 0.5.11 registers 'qwen3_asr', which transformers >= 5.7 also does: its own pin, and the hub 1.x stack
+    ("sglang", "0.5.11"): ("transformers==5.6.0", "huggingface_hub==1.33.0", "tokenizers==0.22.2", "httpx==0.28.1",
+                           "httpcore==1.0.9"),
+}
 
 
 class ReleaseError(RuntimeError):

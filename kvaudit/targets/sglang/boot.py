@@ -19,7 +19,9 @@ import types
 import warnings
 from types import SimpleNamespace
 
-SUPPORTED_VERSIONS = ("0.5.23",)
+from kvaudit.targets.sglang import compat
+
+SUPPORTED_VERSIONS = compat.LEGACY + compat.CURRENT  # two driver families (compat.family)
 INSTALL_HINT = "pip install --no-deps -r requirements/sglang-cpu.txt"
 
 
@@ -39,11 +41,11 @@ def probe_version() -> str:
     """The installed SGLang version, if supported. Raises :class:`SglangUnavailable`."""
     v = installed_version()
     if v is None:
-        raise SglangUnavailable(f"--target sglang needs SGLang {SUPPORTED_VERSIONS[0]}, which is not installed "
+        raise SglangUnavailable(f"--target sglang needs SGLang {compat.CURRENT[0]}, which is not installed "
                                 f"(install it with: {INSTALL_HINT})")
     if v not in SUPPORTED_VERSIONS:
-        raise SglangUnavailable(f"SGLang {v} is installed, but --target sglang drives only "
-                                f"{', '.join(SUPPORTED_VERSIONS)}: its scheduler-level API changes between versions")
+        raise SglangUnavailable(f"SGLang {v} is installed, but --target sglang drives only {compat.supported()}: "
+                                "its scheduler-level API changes between versions")
     return v
 
 
@@ -69,6 +71,9 @@ class _InertMeta(type):
 
 
 class _Inert(metaclass=_InertMeta):
+    def __init__(self, *args, **kwargs):  # older releases build triton.Config(...) at import
+        pass
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__()
 
@@ -154,6 +159,10 @@ def load() -> SimpleNamespace:
     if _LOADED is not None:
         return _LOADED
     version = probe_version()
+    if compat.family(version) == "legacy":
+        from kvaudit.targets.sglang.legacy import load_legacy
+        _LOADED = load_legacy(version)
+        return _LOADED
     if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
                                 "this target does not need")

@@ -50,7 +50,10 @@ class SglangConfig(ConfigBase):
     into chunks, one ``chunked_req`` at a time; None turns chunking off. ``enable_mixed_chunk``
     (SGLang's ``--enable-mixed-chunk``, with chunking only) lets the running requests decode inside a
     prefill batch (``mix_with_running``) instead of waiting for the next decode step.
-    ``bugs`` names injected faults (:data:`FAULTS`).
+    ``bugs`` names injected faults (:data:`FAULTS`). ``strict_mem_check_during_busy`` is read by the driver
+    family of SGLang 0.5.10-0.5.11 only (:mod:`kvaudit.targets.sglang.legacy`): that era's busy memory check
+    runs only under ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``, so the engine check is its idle check
+    unless this is set; 0.5.23's engine check (its invariant checker's formula) always runs.
 
     Scheduling (SGLang's ``--enable-priority-scheduling``, ``--schedule-low-priority-values-first``,
     ``--priority-scheduling-preemption-threshold``, ``--max-queued-requests``): with
@@ -140,6 +143,9 @@ class SglangConfig(ConfigBase):
     max_queued_requests: int | None = None
     request_waiting_timeout_steps: int | None = None
     request_running_timeout_steps: int | None = None
+    # SGLang 0.5.10-0.5.11 (kvaudit/targets/sglang/legacy.py): SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY, the busy
+    # memory check its engine check runs after each batch (the idle check always runs); 0.5.23's is always on
+    strict_mem_check_during_busy: bool = False
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -183,7 +189,7 @@ class SglangConfig(ConfigBase):
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
-                     "enable_mixed_chunk"):
+                     "enable_mixed_chunk", "strict_mem_check_during_busy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":

@@ -1,11 +1,13 @@
-"""The ``sglang`` target kind: SGLang 0.5.23's own memory manager on CPU, driven by kvaudit's
-driver (registered with :mod:`kvaudit.targets.registry`). Imports neither SGLang nor torch."""
+"""The ``sglang`` target kind: SGLang's own memory manager on CPU, driven by kvaudit's driver -- 0.5.23's,
+or for 0.5.10.post1 and 0.5.11 the legacy family's (:mod:`kvaudit.targets.sglang.compat`) -- registered
+with :mod:`kvaudit.targets.registry`. Imports neither SGLang nor torch."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from kvaudit.targets.registry import TargetKind, TargetUnavailable, register, server_args_capabilities
+from kvaudit.targets.sglang.compat import LEGACY
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig
 
 
@@ -21,7 +23,9 @@ def _bugs():
 def _make(config):
     """The target class for ``config``'s serving mode (PD decode, HiSparse, HiCache with or without
     L3 storage, else aggregated serving)."""
-    if config.disaggregation_mode == "decode":
+    if _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
+        from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
+    elif config.disaggregation_mode == "decode":
         from kvaudit.targets.sglang.pd import SglangPdDecodeTarget as cls
     elif config.enable_hisparse:
         from kvaudit.targets.sglang.hisparse import SglangHiSparseTarget as cls
@@ -34,12 +38,23 @@ def _make(config):
     return cls(config)
 
 
+def _legacy() -> bool:
+    """Whether the installed SGLang is one of the legacy family's releases (``boot.load``'s version)."""
+    from kvaudit.targets.sglang.boot import load
+    return getattr(load(), "version", None) in LEGACY
+
+
 def _probe(config) -> None:
     """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD
     decode modules for a PD config, cannot be imported here."""
-    from kvaudit.targets.sglang.boot import SglangUnavailable, load
+    from kvaudit.targets.sglang.boot import SglangUnavailable
     try:
-        load()
+        if _legacy():
+            from kvaudit.targets.sglang.legacy import refusal
+            why = refusal(config)
+            if why is not None:
+                raise TargetUnavailable(why)
+            return
         if config.disaggregation_mode == "decode":
             from kvaudit.targets.sglang.pd import load_pd
             load_pd()
@@ -94,7 +109,8 @@ def _engine_source():
 
 
 KIND = register(TargetKind(
-    name="sglang", summary="SGLang 0.5.23's own memory manager on CPU (its presets start with 'sglang')",
+    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 (and 0.5.10.post1, 0.5.11: core pools, "
+                           "radix cache and sessions) (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,

@@ -1,0 +1,69 @@
+"""The SGLang releases the target drives, in two driver families, and the API changes between them.
+
+* **current** (0.5.23): ``ReqKvInfo``, ``release_kv_cache(req, cache, *, checkpoint)``, the tree-cache
+  factory and ``StreamingSession.take`` -- :mod:`kvaudit.targets.sglang.target` and its modes;
+* **legacy** (the ``cache_finished_req`` era, 0.5.10.post1 and 0.5.11): the KV fields sit on ``Req``
+  (``req_pool_idx``, ``kv_committed_len``, ``kv_allocated_len``, ``cache_protected_len``),
+  ``release_kv_cache(req, cache, is_insert)``, a ``RadixCache`` wrapped by ``SessionAwareCache`` built by
+  hand, locks by ``inc_lock_ref``/``dec_lock_ref(node)`` -- :mod:`kvaudit.targets.sglang.legacy`, core
+  pools, radix cache and sessions only.
+
+Each change inside a family is named after the first release with the newer API; the legacy driver asks
+:func:`has` with the installed version. The releases were read in their wheels (``pip install --no-deps
+--target``, then grep and ``inspect.signature``); facts: ``../shared/reference/history-facts.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import Version
+
+CURRENT = ("0.5.23",)
+LEGACY = ("0.5.10.post1", "0.5.11")  # 0.5.10 itself has the same API; only these two are tested
+
+
+@dataclass(frozen=True)
+class Change:
+    """An API change a driver sees: ``release`` is the first release with the newer API."""
+
+    name: str
+    release: str
+    what: str
+
+
+CHANGES: dict[str, Change] = {c.name: c for c in (
+    Change("session-package", "0.5.11",
+           "sessions move to sglang.srt.session (session_controller; the cache wrapper SessionAwareCache is "
+           "renamed StreamingSession in streaming_session); before, managers.session_controller and "
+           "mem_cache.session_aware_cache"),
+    Change("session-held-active", "0.5.11",
+           "SessionAwareCache.session_held_tokens(active_pool_idxs): a slot whose row a running turn borrowed "
+           "is counted once, as the turn's uncached KV (the fix of SGLang #22213/#22753); before, no argument"),
+    Change("row-zero-padding", "0.5.11",
+           "ReqToTokenPool reserves row 0 (rows 1..size, a size + 1 table); before, every row 0..size-1 is "
+           "usable"),
+    Change("session-close-deferral", "0.5.11",
+           "Session.close_on_finish: closing a session while its turn runs is deferred to maybe_reap, and a "
+           "closing session takes no new turn (the fix of SGLang #21875); before, the slot is released at once"),
+)}
+
+
+def family(version: str) -> str | None:
+    """``"current"``, ``"legacy"`` or None (a release this target does not drive)."""
+    if version in CURRENT:
+        return "current"
+    if version in LEGACY:
+        return "legacy"
+    return None
+
+
+def supported() -> str:
+    """The supported releases, by family, for the probe's one-line error."""
+    return f"{', '.join(LEGACY)} (cache_finished_req era) and {', '.join(CURRENT)}"
+
+
+def has(change: str, version: str) -> bool:
+    """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError
+    otherwise)."""
+    return Version(version) >= Version(CHANGES[change].release)

@@ -1,0 +1,671 @@
+"""The legacy driver family: SGLang's ``cache_finished_req`` era (0.5.10.post1 and 0.5.11, see
+:mod:`kvaudit.targets.sglang.compat`), core pools, the radix cache and sessions only.
+
+Same three layers as the 0.5.23 target (:mod:`kvaudit.targets.sglang.target`), over that era's API:
+
+* **bootstrap** (:func:`load_legacy`) -- the imports of the era (sessions in ``managers.session_controller``
+  and ``mem_cache.session_aware_cache`` before 0.5.11, in ``sglang.srt.session`` from it), the import stubs
+  plus ``sgl_kernel`` (``memory_pool_host`` imports it at module level), and an API probe; the default
+  tree cache of the era is ``RadixCache`` (``UnifiedRadixCache`` is behind an environment switch in 0.5.11)
+  and the session wrapper is ``SessionAwareCache`` (0.5.11 renames it ``StreamingSession``);
+* **driver** -- ``Scheduler.event_loop_normal`` of the era with SGLang's own functions: admission by
+  ``Req.init_next_round_input`` and ``PrefillAdder.add_one_req`` (which takes the request's tree lock by
+  ``inc_lock_ref``), ``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode`` (they run
+  ``alloc_for_extend`` / ``alloc_for_decode`` and keep ``req.kv_committed_len``), ``check_decode_mem`` /
+  ``retract_decode(server_args)``, result processing with ``Req.check_finished``, ``cache_unfinished_req``
+  and ``release_kv_cache(req, cache)``; intake as ``handle_generate_request`` (``Session.create_req``,
+  ``validate_input_length``) and ``abort_request`` (a waiting request leaves the queue, a running one gets
+  ``to_finish``);
+* **observer** -- roots, accounting and free lists read from the KV fields on ``Req`` and on each
+  ``SessionSlot``; SGLang's own memory checks (idle, and busy with ``strict_mem_check_during_busy``) with
+  SGLang's own ``session_held_tokens`` (its signature is a version adapter: ``session-held-active``).
+
+No overlap, chunking, priorities, grammars, pauses, timeouts, paged pools or injected faults: the modes
+that need them refuse with one line (:func:`refusal`). The CPU index writer is chosen by
+``ServerArgs(attention_backend="torch_native")`` in this era (the Triton one fails on CPU).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit
+from kvaudit.program.schema import pick, resolve_submit
+from kvaudit.targets.base import Accounting, PoolSpec, Root, Target
+from kvaudit.targets.sglang import compat
+from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, install_stubs
+from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, StepClock
+
+LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
+
+
+def refusal(config) -> str | None:
+    """Why the legacy family cannot drive ``config`` (one line), or None."""
+    off = [name for name, on in (
+        ("PD disaggregation", config.disaggregation_mode != "null"), ("HiSparse", config.enable_hisparse),
+        ("HiCache", config.enable_hierarchical_cache), ("overlap scheduling", config.enable_overlap),
+        ("chunked prefill", config.chunked_prefill_size is not None), ("mixed chunks", config.enable_mixed_chunk),
+        ("priority scheduling", config.enable_priority_scheduling),
+        ("a queue limit", config.max_queued_requests is not None),
+        ("timeout aborts", config.request_waiting_timeout_steps is not None
+         or config.request_running_timeout_steps is not None),
+        ("page_size > 1", config.page_size != 1), ("injected faults", bool(config.bugs))) if on]
+    if off:
+        return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} (the cache_finished_req era) is driven with core "
+                f"pools, the radix cache and sessions only, not {', '.join(off)}")
+    return None
+
+
+def load_legacy(version: str) -> SimpleNamespace:
+    """Import the era's memory manager (once per process, through :func:`kvaudit.targets.sglang.boot.load`).
+    Raises :class:`SglangUnavailable` when it does not import or its API is not the era's."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+        raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
+                                "this target does not need")
+    STUBS.update(LEGACY_STUBS)  # install_stubs reads the module's table
+    stubbed = install_stubs()
+    new_sessions = compat.has("session-package", version)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+            from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+            from sglang.srt.managers.utils import validate_input_length
+            from sglang.srt.mem_cache import common
+            from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+            from sglang.srt.mem_cache.radix_cache import RadixCache
+            from sglang.srt.sampling.sampling_params import SamplingParams
+            from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+            if new_sessions:
+                import sglang.srt.session.session_controller as session_module
+                from sglang.srt.session.streaming_session import StreamingSession as SessionAwareCache
+            else:
+                import sglang.srt.managers.session_controller as session_module
+                from sglang.srt.mem_cache.session_aware_cache import SessionAwareCache
+        except ImportError as exc:
+            raise SglangUnavailable(f"SGLang {version} is installed but its memory manager does not import: {exc} "
+                                    f"(install it with: python -c \"from kvaudit.history import releases; "
+                                    f"releases.ensure('sglang', '{version}', print)\")") from None
+    rel = inspect.signature(common.release_kv_cache).parameters
+    if "is_insert" not in rel or not hasattr(SessionAwareCache, "release_session"):
+        raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the cache_finished_req era "
+                                "(release_kv_cache(req, cache, is_insert), SessionAwareCache.release_session)")
+    for name in ("sglang", "transformers", "torch._dynamo"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger().setLevel(logging.CRITICAL)
+    _shim_tp_rank()
+    return SimpleNamespace(
+        version=version, family="legacy", stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
+        OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams, FINISH_ABORT=FINISH_ABORT, Req=Req,
+        ScheduleBatch=ScheduleBatch, AddReqResult=AddReqResult, PrefillAdder=PrefillAdder,
+        validate_input_length=validate_input_length, common=common, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        EvictParams=EvictParams, CacheInitParams=CacheInitParams, MHATokenToKVPool=MHATokenToKVPool,
+        ReqToTokenPool=ReqToTokenPool, RadixCache=RadixCache, SamplingParams=SamplingParams, ServerArgs=ServerArgs,
+        set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
+        SpeculativeAlgorithm=SpeculativeAlgorithm, SessionAwareCache=SessionAwareCache,
+        SessionController=session_module.SessionController, session_module=session_module)
+
+
+def _shim_tp_rank() -> str:
+    """CPU shim: ``schedule_batch.get_tensor_model_parallel_rank`` -> 0. ``Req.set_finish_with_abort`` asks
+    it (to log on rank 0 only), and it asserts that SGLang's tensor-parallel group was initialized, which
+    takes a whole ``ModelRunner``; this process is rank 0 of a one-GPU group. Returns the shim's name."""
+    import sglang.srt.managers.schedule_batch as schedule_batch
+
+    def rank_zero() -> int:
+        return 0
+
+    schedule_batch.get_tensor_model_parallel_rank = rank_zero
+    return "L1 schedule_batch.get_tensor_model_parallel_rank -> 0"
+
+
+class _Penalties:
+    is_required = False
+
+
+class _Sampling:
+    """A batch's ``sampling_info`` (model-side): ``prepare_for_decode`` asks its penalizer, retraction
+    filters it."""
+
+    penalizer_orchestrator = _Penalties()
+
+    def filter_batch(self, *a, **k) -> None:
+        pass
+
+    def merge_batch(self, other) -> None:
+        pass
+
+
+class _GenerateInput(SimpleNamespace):
+    """The ``TokenizedGenerateReqInput`` that ``Session.create_req`` reads: the fields kvaudit sets, None
+    for the rest (multimodal inputs, LoRA, logprob options, routing)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+class SglangLegacyTarget(Target):
+    """Drives one set of the era's pools and one ``RadixCache`` (wrapped by ``SessionAwareCache`` with
+    streaming sessions); see the module docstring."""
+
+    name = "sglang"
+    owner_hint_vars = ("req",)
+    owner_stop_vars = ("reqs", "batch")
+
+    def __init__(self, config):
+        from kvaudit.targets.sglang.boot import load
+        S = self.S = load()
+        why = refusal(config)
+        if why is not None:
+            raise SglangUnavailable(why)
+        self.config = config
+        self.clock = StepClock()
+        size = config.total_tokens
+        # Scheduler.__init__'s ServerArgs: page 1; torch_native picks the CPU index writer in this era
+        self.server_args = S.ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native",
+                                        max_running_requests=config.max_running_requests)
+        S.set_global_server_args_for_scheduler(self.server_args)
+        dev = config.device
+        kv = S.MHATokenToKVPool(size, 1, torch.bfloat16, head_num=1, head_dim=8, layer_num=1, device=dev,
+                                enable_memory_saver=False)
+        self.allocator = S.TokenToKVPoolAllocator(size, torch.bfloat16, dev, kv, config.need_sort)
+        self.req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
+                                                  device=dev, enable_memory_saver=False)
+        inner = S.RadixCache(S.CacheInitParams(disable=False, req_to_token_pool=self.req_to_token_pool,
+                                               token_to_kv_pool_allocator=self.allocator, page_size=1))
+        self.radix_cache = inner
+        self.tree_cache = S.SessionAwareCache(inner) if config.enable_streaming_session else inner
+        self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
+        if self.session_controller is not None:
+            self.clock.install(S.session_module)  # Session.is_timed_out: one second a step
+        self.model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False,
+                                            hf_eos_token_id=None, is_matryoshka=False, hidden_size=8,
+                                            num_hidden_layers=1)
+        self.max_req_len = min(config.context_len - 1, size - 1)  # TpModelWorker
+        self.max_req_input_len = self.max_req_len - 5
+        self.steps = 0
+        self.waiting: list = []
+        self.running: list = []
+        self.submitted: list[str] = []
+        self.finished: set[str] = set()
+        self.sessions: list[str] = []
+        self.session_turns: dict[str, list[str]] = {}
+        self._n = self._opened = self._flushes = 0
+        self._held: dict[str, tuple] = {}
+        self._intake = None
+        self.retractions = 0
+        self.last_retraction: str | None = None
+        self.lock_net: dict[int, int] = {}
+        # the row pool's ledger units: row + 1 before 0.5.11 (every row usable), the row itself from it
+        self._row_base = 0 if compat.has("row-zero-padding", S.version) else 1
+        # the row pool first: of two findings of one kind the row's is reported first (a row released under a
+        # running turn is the root cause; its KV goes with it)
+        self._pools = [PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, config.max_req_rows),
+                       PoolSpec("token_to_kv_pool", self.allocator, "kv", 1, size)]
+
+    # -- intake (Scheduler.process_input_requests) ------------------------------------------------
+    def apply(self, op: Op) -> None:
+        """Deliver a message as the era's ``process_input_requests`` does; pauses, transfer failures and
+        flush timeouts are not driven here (a pause is a no-op, a flush runs only when idle)."""
+        cfg = self.config
+        if isinstance(op, Submit):
+            req = resolve_submit(op, cfg.vocab_size, cfg.context_len // 4, cfg.context_len // 2, self.submitted,
+                                 self._text, self.sessions)
+            self._submit(req.input_ids, req.max_new_tokens, req.stop_at, req.session, "r", op)
+        elif isinstance(op, HealthCheck):
+            if self.is_idle():
+                self._submit([2], 1, None, None, "HEALTH_CHECK_")
+        elif isinstance(op, Abort):
+            live = self.live_rids()
+            if op.handle is None:
+                for rid in live:
+                    self._abort(rid)
+            elif live:
+                self._abort(pick(op.handle, live))
+        elif isinstance(op, FlushCache):
+            self._flush_cache()
+        elif isinstance(op, OpenSession):
+            if self.session_controller is not None:
+                sid = f"s{self._opened}"
+                self._opened += 1
+                self.session_controller.open(self.S.OpenSessionReqInput(
+                    capacity_of_str_len=0, session_id=sid, streaming=cfg.session_streaming,
+                    timeout=cfg.session_timeout_steps))
+                self.sessions.append(sid)
+        elif isinstance(op, CloseSession):
+            if self.sessions:
+                sid = self.sessions.pop(op.handle % len(self.sessions))
+                self.session_controller.close(self.S.CloseSessionReqInput(session_id=sid))
+        elif isinstance(op, MemoryPressure):
+            self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
+        if not isinstance(op, (Submit, HealthCheck, OpenSession)) and self._intake is not None:
+            self._intake()
+
+    def on_intake(self, callback) -> None:
+        self._intake = callback
+
+    def _submit(self, prompt, max_new: int, stop_at, sid, rid_prefix: str = "r", op: Submit | None = None) -> None:
+        """``handle_generate_request`` of the era: a plain ``Req`` or ``Session.create_req``; a gone (or,
+        from 0.5.11, closing) session makes an aborted plain request; ``init_req_max_new_tokens``, then
+        ``validate_input_length`` (a turn whose history no longer fits is aborted here, before it is
+        queued); every request goes to the waiting queue."""
+        S, cfg = self.S, self.config
+        op = op or Submit()
+        rid = f"{rid_prefix}{self._n}"
+        self._n += 1
+        sp = S.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=bool(op.ignore_eos))
+        sp.normalize(None)
+        ids = list(prompt)
+        sc = self.session_controller
+        closing = sid is not None and sid in sc and compat.has("session-close-deferral", S.version) \
+            and sc.get(sid).close_on_finish
+        self.submitted.append(rid)
+        if sid is not None and (sid not in sc or closing):
+            req = S.Req(rid, "", ids, sp, vocab_size=cfg.vocab_size, eos_token_ids={EOS})
+            req.set_finish_with_abort(f"Invalid request: session id {sid} does not exist")
+            return self._queue(req, stop_at)
+        if sid is not None:
+            turns = self.session_turns.setdefault(sid, [])
+            params = S.SessionParams(id=sid, rid=pick(op.parent, turns), offset=op.offset,
+                                     replace=bool(op.replace), drop_previous_output=bool(op.drop_previous_output))
+            turns.append(rid)
+            recv = _GenerateInput(input_ids=ids, sampling_params=sp, rid=rid, session_params=params, stream=True,
+                                  return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+                                  priority=op.priority)
+            req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
+            if isinstance(req.finished_reason, S.FINISH_ABORT):
+                return self._queue(req, stop_at)
+        else:
+            req = S.Req(rid, "", ids, sp, vocab_size=cfg.vocab_size, eos_token_ids={EOS})
+        error = S.validate_input_length(req, self.max_req_input_len, False)
+        if error:
+            req.set_finish_with_abort(error)
+        self._queue(req, stop_at)
+
+    def _queue(self, req, stop_at) -> None:
+        """``init_req_max_new_tokens``, then the waiting queue."""
+        sp = req.sampling_params
+        sp.max_new_tokens = max(0, min(sp.max_new_tokens, self.max_req_len - len(req.origin_input_ids) - 1))
+        req.kvaudit_stop_at = stop_at
+        self.waiting.append(req)
+
+    def _abort(self, rid: str) -> None:
+        """``abort_request``: a waiting request leaves the queue (nothing released: it holds no row of its
+        own); a running one is finished at its next result (``to_finish``)."""
+        for i, req in enumerate(self.waiting):
+            if req.rid == rid:
+                del self.waiting[i]
+                self.finished.add(rid)
+                return
+        for req in self.running:
+            if req.rid == rid and not req.finished():
+                req.to_finish = self.S.FINISH_ABORT()
+
+    def _flush_cache(self) -> bool:
+        """``Scheduler.flush_cache``: only when idle -- the tree (and the session slots) reset, both pools
+        cleared."""
+        if not self.is_idle():
+            return False
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+        self._flushes += 1
+        return True
+
+    def _text(self, rid: str) -> list[int]:
+        for req in self.waiting + self.running:
+            if req.rid == rid:
+                return list(req.origin_input_ids) + list(req.output_ids)
+        return []
+
+    def live_rids(self) -> list[str]:
+        live = {r.rid for r in self.waiting + self.running if not r.finished()}
+        return [r for r in self.submitted if r in live]
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- batches (Scheduler.event_loop_normal) ---------------------------------------------------
+    def step(self) -> None:
+        """One iteration: ``maybe_reap`` (session timeouts; from 0.5.11 also deferred closes), a prefill
+        batch if one can be admitted, else a decode step, then the batch's result."""
+        self.steps += 1
+        self.clock.now += 1.0
+        if self.session_controller is not None:
+            self.session_controller.maybe_reap(float(self.steps), interval=0.0)
+        batch = self._prefill() or self._decode()
+        if batch is not None:
+            self._process(*batch)
+        table = self.req_to_token_pool.req_to_token
+        self._held = {r.rid: (r.req_pool_idx, table[r.req_pool_idx, : r.kv_allocated_len].clone(),
+                              r.cache_protected_len) for r in self.running if r.req_pool_idx is not None}
+
+    def _allocatable(self, admitted: list) -> int:
+        """Requests admission may still add: ``get_num_allocatable_reqs`` (the running budget), and (kvaudit's
+        bound) the free rows plus the admitted that reuse a borrowed row -- one rank's row pool is sized for
+        its running budget, this target's is smaller."""
+        borrowed = sum(r.req_pool_idx is not None for r in admitted)
+        return min(self.config.max_running_requests - len(self.running),
+                   self.req_to_token_pool.available_size() + borrowed) - len(admitted)
+
+    def _prefill(self):
+        """``get_new_batch_prefill``: FCFS, ``init_next_round_input`` (prefix match, a streaming turn's slot
+        restored) and ``PrefillAdder.add_one_req`` until it refuses; ``ScheduleBatch.init_new`` and
+        ``prepare_for_extend``."""
+        S, cfg, cache = self.S, self.config, self.tree_cache
+        if not self.waiting or self._allocatable([]) <= 0:
+            return None
+        running = self._running_batch(self.running)
+        adder = S.PrefillAdder(1, cache, self.allocator, running, cfg.new_token_ratio, MAX_PREFILL_TOKENS, None, 0,
+                               0, max_running_requests=cfg.max_running_requests)
+        for req in self.waiting:
+            if self._allocatable(adder.can_run_list) <= 0:
+                break
+            req.init_next_round_input(cache)
+            if adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) != S.AddReqResult.CONTINUE:
+                break
+        admitted = list(adder.can_run_list)
+        if not admitted:
+            return None
+        self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
+        batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
+                                         False, S.SpeculativeAlgorithm.NONE)
+        batch.sampling_info = _Sampling()
+        batch.prepare_for_extend()
+        return "extend", batch
+
+    def _running_batch(self, reqs: list):
+        """``Scheduler.running_batch`` as a ``ScheduleBatch`` of ``reqs`` with the tensors decode and
+        retraction read."""
+        S = self.S
+        batch = S.ScheduleBatch.init_new(list(reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
+                                         self.model_config, False, S.SpeculativeAlgorithm.NONE)
+        batch.sampling_info = _Sampling()
+        batch.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        batch.seq_lens = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+        batch.seq_lens_cpu = batch.seq_lens.clone()
+        batch.orig_seq_lens = batch.seq_lens.to(torch.int32)
+        batch.seq_lens_sum = int(batch.seq_lens.sum())
+        batch.output_ids = torch.tensor([r.output_ids[-1] if r.output_ids else 0 for r in reqs], dtype=torch.int64)
+        return batch
+
+    def _decode(self):
+        """``update_running_batch``: ``check_decode_mem``, ``retract_decode(server_args)`` when it fails,
+        then ``prepare_for_decode``."""
+        self.running = [r for r in self.running if not r.finished()]
+        if not self.running:
+            return None
+        batch = self._running_batch(self.running)
+        if not batch.check_decode_mem():
+            retracted, _, *rest = batch.retract_decode(self.server_args)
+            aborted = rest[0] if rest else []
+            self.retractions += len(retracted) + len(aborted)
+            self.last_retraction = f"step {self.steps}: retracted {len(retracted)}, {len(batch.reqs)} kept"
+            for req in retracted:
+                self.waiting.append(req)
+            for req in aborted:
+                self.finished.add(req.rid)
+            self.running = list(batch.reqs)
+            if not batch.reqs:
+                return None
+        batch.prepare_for_decode()
+        return "decode", batch
+
+    def _sample(self, req) -> int:
+        n = len(req.output_ids)
+        if getattr(req, "kvaudit_stop_at", None) is not None and n + 1 >= req.kvaudit_stop_at:
+            return EOS
+        return 2 + ((len(req.origin_input_ids) + n) * 7 + 3) % (self.config.vocab_size - 2)
+
+    def _process(self, kind: str, batch) -> None:
+        """``process_batch_result_prefill`` / ``_decode``: a token per request, ``check_finished``, then
+        ``release_kv_cache(req, cache)`` for a finished request or, after a prefill, ``cache_unfinished_req``
+        and the running batch. Only the decode result runs inside a free group in this era (a prefill's
+        ``cache_unfinished_req`` frees a view of the request's row that it overwrites next, so a deferred
+        free there would free the tree's slots instead)."""
+        group = kind == "decode"
+        if group:
+            self.allocator.free_group_begin()
+        for req in batch.reqs:
+            if kind == "extend" and (req.finished() or req.is_retracted):
+                continue
+            req.output_ids.append(self._sample(req))
+            req.check_finished()
+            if req.finished():
+                self.finished.add(req.rid)
+                self.S.common.release_kv_cache(req, self.tree_cache)
+            elif kind == "extend":
+                self.tree_cache.cache_unfinished_req(req)
+                self.running.append(req)
+        if group:
+            self.allocator.free_group_end()
+        self.running = [r for r in self.running if not r.finished()]
+
+    # -- observer ---------------------------------------------------------------------------------
+    def pools(self) -> list[PoolSpec]:
+        return self._pools
+
+    def engine_files(self) -> list[str]:
+        return [__file__]
+
+    def framework_files(self) -> list[str]:
+        import sglang.srt.mem_cache.allocator as allocator
+        import sglang.srt.mem_cache.memory_pool as memory_pool
+        return [allocator.__file__, memory_pool.__file__]
+
+    @staticmethod
+    def owner_hint(frame_locals: dict) -> str | None:
+        rid = getattr(frame_locals.get("req"), "rid", None)
+        return f"req:{rid}" if isinstance(rid, str) else None
+
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        """The KV pool by :meth:`_install_kv_pool`; the row pool by its free
+        list: ``alloc(reqs)`` (rows taken; a request that keeps its row takes none), ``free(req)``, and
+        ``SessionAwareCache.release_session``, which appends a slot's row to ``free_slots`` itself. Rows are
+        ledger units ``row + 1`` before 0.5.11 (every row usable; unit 0 is the ledger's padding), the row
+        from it (row 0 is padding: ``row-zero-padding``)."""
+        pool, obj, capture, base = spec.name, spec.obj, auditor.capture_site, self._row_base
+        auditor.wrap_clear(spec)
+        if spec.kind != "rows":
+            return self._install_kv_pool(pool, obj, auditor, wrap)
+
+        def diffing(target, name, taking: bool):
+            orig = getattr(target, name)
+
+            def wrapper(*a, **k):
+                before = list(obj.free_slots)
+                out = orig(*a, **k)
+                after = obj.free_slots
+                rows = sorted(set(before) - set(after)) if taking else after[len(before):] \
+                    if after[: len(before)] == before else sorted(set(after) - set(before))
+                if rows:
+                    (auditor.on_alloc if taking else auditor.on_free)(pool, [r + base for r in rows], capture())
+                return out
+
+            wrap(target, name, wrapper)
+
+        diffing(obj, "alloc", True)
+        diffing(obj, "free", False)
+        if self.session_controller is not None:
+            diffing(self.tree_cache, "release_session", False)
+
+    @staticmethod
+    def _install_kv_pool(pool: str, obj, auditor, wrap) -> None:
+        """``TokenToKVPoolAllocator.alloc``/``free`` of this era: inside a free group (its flag
+        ``is_not_in_free_group`` is False; ``free_group`` stays a list after the group ends) a free is parked
+        and reaches the free list at ``free_group_end`` (one ``free`` of them all, not deduplicated): it is
+        recorded then, with the site of its own call."""
+        capture = auditor.capture_site
+        alloc, free, group_end = obj.alloc, obj.free, obj.free_group_end
+        pending: list[tuple[list[int], int]] = []
+        ending = [False]
+
+        def alloc_wrapper(n):
+            out = alloc(n)
+            if out is not None and out.numel():
+                auditor.on_alloc(pool, out.tolist(), capture())
+            return out
+
+        def free_wrapper(idx):
+            direct = obj.is_not_in_free_group and not ending[0]
+            if not obj.is_not_in_free_group and idx.numel():
+                pending.append((idx.tolist(), capture()))
+            free(idx)
+            if direct and idx.numel():
+                auditor.on_free(pool, idx.tolist(), capture())
+
+        def group_end_wrapper():
+            ending[0] = True
+            try:
+                group_end()
+            finally:
+                ending[0] = False
+            items = list(pending)
+            pending.clear()
+            for units, site in items:
+                auditor.on_free(pool, units, site)
+
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
+        wrap(obj, "free_group_end", group_end_wrapper)
+
+    def _slots(self):
+        return list(self.tree_cache.slots.items()) if self.session_controller is not None else []
+
+    def _live(self) -> list:
+        """Requests holding a row: the running batch, and waiting session turns whose slot was restored."""
+        return [r for r in self.running + self.waiting if r.req_pool_idx is not None]
+
+    def _borrowed(self) -> set[int]:
+        return {r.req_pool_idx for r in self._live()}
+
+    def _session_held(self) -> int:
+        """kvaudit's count: the KV of slots no live request borrowed (``kv_allocated_len - cache_protected_len``)."""
+        borrowed = self._borrowed()
+        return sum(s.kv_allocated_len - s.cache_protected_len for _, s in self._slots()
+                   if s.req_pool_idx is not None and s.req_pool_idx not in borrowed)
+
+    def _engine_session_held(self) -> int:
+        """SGLang's own ``session_held_tokens`` as the scheduler calls it: from 0.5.11 with the running
+        batch's rows (``_active_pool_idxs``), before with no argument."""
+        if self.session_controller is None:
+            return 0
+        if compat.has("session-held-active", self.S.version):
+            return self.tree_cache.session_held_tokens({r.req_pool_idx for r in self.running
+                                                        if r.req_pool_idx is not None})
+        return self.tree_cache.session_held_tokens()
+
+    def accounting(self) -> dict[str, Accounting]:
+        a, cache, rp = self.allocator, self.tree_cache, self.req_to_token_pool
+        borrowed = self._borrowed()
+        rows = sum(1 for _, s in self._slots() if s.req_pool_idx is not None and s.req_pool_idx not in borrowed)
+        return {"token_to_kv_pool": Accounting(a.available_size(), cache.evictable_size(), cache.protected_size(),
+                                               self._session_held(), a.size),
+                "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, rp.size)}
+
+    def engine_check(self) -> list[str]:
+        """SGLang's own memory checks of the era, with its own ``session_held_tokens``: at idle
+        (``self_check_during_idle``, always) ``available + evictable + protected + session_held == total``;
+        while busy (``self_check_during_busy``, only with ``strict_mem_check_during_busy``: SGLang's
+        ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``) the same plus ``uncached = kv_allocated_len -
+        cache_protected_len`` per running request."""
+        busy = bool(self.running or self.waiting)
+        if busy and not self.config.strict_mem_check_during_busy:
+            return []
+        a = self.allocator
+        held = self._engine_session_held()
+        uncached = sum(r.kv_allocated_len - r.cache_protected_len for r in self.running if r.req_pool_idx is not None)
+        lhs = a.available_size() + self.tree_cache.evictable_size() + self.tree_cache.protected_size() + held + uncached
+        if lhs != a.size:
+            return [f"[token_to_kv_pool] available={a.available_size()} + evictable={self.tree_cache.evictable_size()}"
+                    f" + protected={self.tree_cache.protected_size()} + session_held={held} + uncached={uncached} "
+                    f"= {lhs} != total={a.size} ({'busy' if busy else 'idle'} check)"]
+        return []
+
+    def roots(self, aborting: bool = True) -> list[Root]:
+        """The tree's values; each live request's row, its own KV
+        ``[cache_protected_len, kv_allocated_len)`` and its tree-owned prefix (shared); each session slot not
+        borrowed by a live request the same way."""
+        table = self.req_to_token_pool.req_to_token
+        out: list[Root] = []
+
+        def record(row, protected, allocated, owner, role, where):
+            slots = table[row, :allocated].to(torch.int64).cpu().numpy()
+            out.append(Root("req_to_token_pool", owner, np.array([row + self._row_base], dtype=np.int64), role=role,
+                            where=where))
+            out.append(Root("token_to_kv_pool", owner, slots[protected:], role=role, where=where))
+            if protected:
+                out.append(Root("token_to_kv_pool", owner, slots[:protected], private=False, role=role))
+
+        borrowed = self._borrowed()
+        for sid, s in self._slots():
+            if s.req_pool_idx is not None and s.req_pool_idx not in borrowed:
+                record(s.req_pool_idx, s.cache_protected_len, s.kv_allocated_len, f"session:{sid}", "session",
+                       "session")
+        running = {id(r) for r in self.running}
+        for req in self._live():
+            if not aborting and req.to_finish is not None:
+                continue
+            record(req.req_pool_idx, req.cache_protected_len, req.kv_allocated_len, f"req:{req.rid}", "req",
+                   "running" if id(req) in running else "waiting")
+        # (RadixCache.all_values_flatten of this era fails on an empty tree: torch.cat of no tensors)
+        empty = self.tree_cache.evictable_size() + self.tree_cache.protected_size() == 0
+        values = torch.empty(0, dtype=torch.int64) if empty else self.tree_cache.all_values_flatten()
+        if values.numel():
+            out.append(Root("token_to_kv_pool", "tree", values.to(torch.int64).cpu().numpy(), role="tree"))
+        return out
+
+    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
+        table = self.req_to_token_pool.req_to_token
+        slots = table[torch.as_tensor(np.asarray(rows) - self._row_base, dtype=torch.int64)].reshape(-1)
+        return {"token_to_kv_pool": slots[slots > 0].to(torch.int64).cpu().numpy()}
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        a = self.allocator
+        return {"token_to_kv_pool": torch.cat([a.free_pages, a.release_pages]).cpu().numpy(),
+                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64) + self._row_base}
+
+    def metrics_check(self) -> list[str]:
+        return [f"[req_to_token_pool] req:{r.rid} kv_committed_len={r.kv_committed_len} > "
+                f"kv_allocated_len={r.kv_allocated_len}" for r in self._live()
+                if not 0 <= r.kv_committed_len <= r.kv_allocated_len]
+
+    def stalled(self) -> bool:
+        return bool(self.waiting) and not self.running and self._session_held() > 0
+
+    def flushed(self) -> int:
+        return self._flushes
+
+    def quiescence(self) -> list[tuple[str, str]]:
+        return [(name, f"available={a.available} of total={a.total} after a successful flush_cache")
+                for name, a in self.accounting().items() if a.available + a.session_held != a.total]
+
+    def progress(self) -> dict[str, int]:
+        out = {r.rid: r.kv_committed_len + len(r.output_ids) for r in self.running}
+        for r in self.running:
+            if r.to_finish is not None:
+                out[r.rid] = -1
+        return out
+
+    def retraction(self) -> str:
+        return self.last_retraction or ""
+
+    def describe_busy(self) -> str:
+        return (f"waiting={len(self.waiting)} running={len(self.running)} available={self.allocator.available_size()} "
+                f"evictable={self.tree_cache.evictable_size()} protected={self.tree_cache.protected_size()} "
+                f"session_held={self._session_held()}")
+
