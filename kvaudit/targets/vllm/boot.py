@@ -187,6 +187,7 @@ def build_scheduler(config):
 def build_manager(config):
     """vLLM's ``KVCacheManager`` alone for ``config``, prefix caching and KV-cache events as configured."""
     v = load()
+    sizes = {"scheduler_block_size": config.block_size} if v.has("scheduler-block-size") else {}
     return v.KVCacheManager(kv_cache_config(v, config), max_model_len=config.max_model_len,
-                            scheduler_block_size=config.block_size, hash_block_size=config.block_size,
+                            hash_block_size=config.block_size, **sizes,
                             enable_caching=config.enable_prefix_caching, enable_kv_cache_events=True, log_stats=True)

@@ -54,6 +54,10 @@ class VllmConfig(ConfigBase):
     the Scheduler with ``kv_role="kv_both"``; ``None``: none. Its worker side is kvaudit's stand-in
     (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
     ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
+    ``wake_for_transfers``: when only finished requests whose KV is still being sent are left, step the
+    engine anyway (an empty schedule that reports the finished transfers, as a later request's step
+    does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
+    arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
     """
 
     level: str = "scheduler"
@@ -69,6 +73,7 @@ class VllmConfig(ConfigBase):
     vocab_size: int = 128
     kv_connector: str | None = None
     kv_transfer_latency_steps: int = 3
+    wake_for_transfers: bool = False
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -110,7 +115,7 @@ class VllmConfig(ConfigBase):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "vllm":

@@ -1,5 +1,5 @@
 """The real-vLLM targets: kvaudit's programs drive vLLM's own v1 ``Scheduler`` (or ``AsyncScheduler``)
-and ``KVCacheManager`` on CPU, releases 0.23.0 to 0.33.0 (the API changes between them: :mod:`.compat`).
+and ``KVCacheManager`` on CPU, releases 0.15.1, 0.16.0 and 0.23.0 to 0.33.0 (the API changes between them: :mod:`.compat`).
 
 * :class:`VllmSchedulerTarget` calls the scheduler exactly as vLLM's engine core does
   (``vllm/v1/engine/core.py``: ``EngineCore.step`` and, with async scheduling, ``step_with_batch_queue``
@@ -59,9 +59,10 @@ class _VllmBase(VllmObserver, Target):
         rid = f"req-{len(self.submitted) + 1:06d}"
         sp = self.V.SamplingParams(max_tokens=req.max_new_tokens, ignore_eos=bool(op.ignore_eos),
                                    temperature=0.0, extra_args=self._extra_args(rid, len(req.input_ids)))
-        sp.update_from_generation_config({}, eos_token_id=self.eos)
+        sp.update_from_generation_config({}, self.eos)  # the keyword is model_eos_token_id before 0.17.0
+        eos = {} if self.V.has("request-eos-from-sampling") else {"eos_token_id": self.eos}
         request = self.V.Request(rid, list(req.input_ids), sp, None, arrival_time=float(len(self.submitted)),
-                                 block_hasher=self.hasher)
+                                 block_hasher=self.hasher, **eos)
         self.submitted.append(rid)
         self.texts[rid] = list(req.input_ids)
         self.stop_at[rid] = req.stop_at
@@ -102,13 +103,14 @@ class VllmSchedulerTarget(_VllmBase):
         # (SchedulerOutput, ModelRunnerOutput, {rid: [n] int64 blocks the step writes}), oldest first
         self.batch_queue: list[tuple] = []
         self.max_in_flight = 2 if config.async_scheduling else 1  # EngineCore's batch queue size
+        if load().has("config-max-concurrent-batches"):  # before 0.23.0 the executor's (the same rule)
+            self.max_in_flight = self.vllm_config.max_concurrent_batches
         kv = self.vllm_config.kv_transfer_config
         # vLLM's own condition for holding back the blocks an in-flight step writes (0.24.0's
         # Scheduler.__init__, the fix of #45357): more than one batch in flight and a KV consumer, whose
         # loads into a reused block are not ordered against that step's writes
-        self.guard_inflight_writes = (self.vllm_config.max_concurrent_batches > 1 and kv is not None
-                                      and kv.is_kv_consumer)
         self._init_common(config)
+        self.guard_inflight_writes = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
 
@@ -213,9 +215,18 @@ class VllmSchedulerTarget(_VllmBase):
         """One sampled token per scheduled request, none for a request still mid-prefill after this chunk."""
         ids = list(out.num_scheduled_tokens)
         reqs = self.scheduler.requests
-        toks = [[] if reqs[r].is_prefill_chunk else [self.sample(r)] for r in ids]
+        toks = [[] if self._is_prefill_chunk(reqs[r]) else [self.sample(r)] for r in ids]
         return self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                         sampled_token_ids=toks)
+
+    def _is_prefill_chunk(self, request) -> bool:
+        """Whether the step just scheduled leaves ``request`` mid-prefill (no token sampled): vLLM's own
+        ``Request.is_prefill_chunk`` from 0.16.0 (``compat`` "is-prefill-chunk"); before, what the model
+        runner tests, computed tokens after the step below the request's tokens (async placeholders are
+        not tokens yet)."""
+        if self.V.has("is-prefill-chunk"):
+            return request.is_prefill_chunk
+        return request.num_computed_tokens < request.num_tokens
 
     def is_idle(self) -> bool:
         return not self.scheduler.has_requests() and not self.batch_queue
@@ -322,8 +333,7 @@ class VllmManagerTarget(_VllmBase):
         """Sample one token; finish the request at EOS, ``max_tokens`` or ``max_model_len`` (``check_stop``)."""
         tok = self.sample(request.request_id)
         request.append_output_token_ids(tok)
-        sp = request.sampling_params
-        if tok == sp.eos_token_id:
+        if tok == self.eos:  # the EOS the request was built with (on SamplingParams from vLLM 0.17.0)
             self._finish(request, S.FINISHED_STOPPED)
         elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             self._finish(request, S.FINISHED_LENGTH_CAPPED)
