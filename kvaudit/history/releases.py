@@ -23,7 +23,12 @@ ENGINES = ("vllm", "sglang")
 
 # what a release needs beside itself, installed into its overlay with it (--no-deps): the pins of
 # transformers and its hub stack where the base's transformers breaks the release's import
-EXTRA_PINS: dict[tuple[str, str], tuple[str, ...]] = {}
+EXTRA_PINS: dict[tuple[str, str], tuple[str, ...]] = {
+    # vLLM 0.15/0.16 import mistral_common (and its tokenizer stack) from the structured-output manager the
+    # Scheduler takes; the base (0.33.0's closure) lacks these
+    **{("vllm", v): ("mistral_common==1.9.0", "pydantic-extra-types==2.11.1", "pycountry==26.2.16",
+                     "tiktoken==0.14.0", "diskcache==5.6.3") for v in ("0.15.1", "0.16.0")},
+}
 
 
 class ReleaseError(RuntimeError):

@@ -162,7 +162,7 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
-    ``kv_role="kv_both"`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
+    ``config.kv_role`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
     through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
     v = load()
     mc = v.ModelConfig(model=_model_dir(v, config), skip_tokenizer_init=True, dtype="float32",
@@ -173,7 +173,7 @@ def build_scheduler(config):
     cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     from vllm.config import KVEventsConfig
     kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
-        kv_connector=config.kv_connector, kv_role="kv_both", engine_id="kvaudit")
+        kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit")
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))

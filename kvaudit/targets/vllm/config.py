@@ -34,6 +34,7 @@ LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
 KV_CONNECTORS = ("NixlConnector",)
+KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class VllmConfig(ConfigBase):
     its last token is EOS.
 
     ``kv_connector``: a KV connector of vLLM's (:data:`KV_CONNECTORS`, by its registered name) built by
-    the Scheduler with ``kv_role="kv_both"``; ``None``: none. Its worker side is kvaudit's stand-in
+    the Scheduler with ``kv_role`` (:data:`KV_ROLES`; ``kv_producer`` is no KV consumer, so vLLM >=
+    0.24.0 defers no block free and the in-flight-write check does not apply); ``None``: none. Its worker side is kvaudit's stand-in
     (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
     ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
     ``wake_for_transfers``: when only finished requests whose KV is still being sent are left, step the
@@ -74,6 +76,7 @@ class VllmConfig(ConfigBase):
     kv_connector: str | None = None
     kv_transfer_latency_steps: int = 3
     wake_for_transfers: bool = False
+    kv_role: str = "kv_both"
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -150,6 +153,8 @@ class VllmConfig(ConfigBase):
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be null or one of {', '.join(KV_CONNECTORS)}, "
                              f"got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_connector is not None and self.level != "scheduler":
             raise ValueError("kv_connector needs level scheduler (the connector is the Scheduler's)")
         n = self.kv_transfer_latency_steps
