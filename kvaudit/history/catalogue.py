@@ -63,6 +63,15 @@ VLLM: tuple[HistoryBug, ...] = (
               "a request that finishes (EOS) or is aborted while the next batch, which scheduled it again, "
               "runs; its blocks go back to the pool and a new request's remote KV load can land in them "
               "before that batch's writes"),
+    HistoryBug(
+        id="vllm-32255", engine="vllm",
+        title="a request aborted while its remote KV load is in flight has its blocks freed at once; the "
+              "load still writes them",
+        sources=("vllm-project/vllm#32255",), buggy="0.15.1", fixed="0.16.0", clean_because="fix",
+        preset="vllm-kv-load", finding="use-after-free", check="inflight-load",
+        reach="a decode instance (NixlConnector, kv_both or kv_consumer): a client disconnects while its "
+              "request waits for the prefill instance's KV (WAITING_FOR_REMOTE_KVS); 0.15.1's "
+              "finish_requests frees the blocks the NIXL read is writing, and the next request can get them"),
 )
 
 SGLANG: tuple[HistoryBug, ...] = ()

@@ -25,6 +25,11 @@ FAULTS: dict[str, tuple[str, str]] = {
                           "off, so with async scheduling and a KV consumer a finished, aborted or preempted "
                           "request's blocks go back to the pool while a step in flight still writes them "
                           "(vLLM >= 0.24.0; on 0.23.0 this is vLLM's own behaviour; scheduler level)"),
+    "free-under-inflight-load": (
+        "use-after-free", "vLLM #32255 put back (it shipped in 0.15.1): the first abort of a request waiting for "
+                          "its remote KV (WAITING_FOR_REMOTE_KVS) frees its blocks at once instead of when the load "
+                          "reports finished_recving, while the KV connector's read still writes them (vLLM >= "
+                          "0.16.0 with a KV connector; scheduler level)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -185,4 +190,8 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                  "a stand-in): some requests wait for remote KV, finished ones are held while "
                                  "their KV is sent, transfers complete 1-3 steps later",
             async_scheduling=True, kv_connector="NixlConnector"),
+    _preset("vllm-kv-load", "the Scheduler (one batch in flight) with vLLM's NixlConnector as vllm-kv-connector, "
+                            "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and "
+                            "aborts during them, without vLLM #45357's async-step window",
+            kv_connector="NixlConnector", wake_for_transfers=True),
 ]}

@@ -127,6 +127,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
     def __init__(self, config):
         super().__init__(config)
         self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
+        self._load_violations: list = []  # inflight-load findings seen as their load reported done
         self.finished_calls: dict[str, list[str]] = {}  # rid -> request status at each request_finished
         self._count_request_finished(self.scheduler.connector)
 
@@ -151,7 +152,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                 setattr(connector, name, counted(getattr(connector, name)))
 
     def invariant_findings(self) -> list:
-        return super().invariant_findings() + self._inflight_load_findings() + self._finished_once_findings()
+        return (super().invariant_findings() + (self._load_violations[:1] or self._inflight_load_findings())
+                + self._finished_once_findings())
 
     def _inflight_load_findings(self) -> list:
         """vLLM's contract for a read in flight (``Scheduler.finish_requests`` delays the free of a request
@@ -213,6 +215,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         self.worker.start(out.kv_connector_metadata, self.steps)
 
     def _kv_output(self):
+        # a load about to report done is checked now: once reported it is no longer outstanding
+        self._load_violations.extend(self._inflight_load_findings())
         return self.worker.finished(self.steps, self.V.KVConnectorOutput)
 
     def _empty_output(self):

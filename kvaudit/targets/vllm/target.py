@@ -111,6 +111,7 @@ class VllmSchedulerTarget(_VllmBase):
         # loads into a reused block are not ordered against that step's writes
         self._init_common(config)
         self.guard_inflight_writes = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
+        faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus.WAITING_FOR_REMOTE_KVS)
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
 
