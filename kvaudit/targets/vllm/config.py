@@ -58,7 +58,8 @@ class VllmConfig(ConfigBase):
 
     ``kv_connector``: a KV connector of vLLM's (:data:`KV_CONNECTORS`, by its registered name) built by
     the Scheduler with ``kv_role`` (:data:`KV_ROLES`; ``kv_producer`` is no KV consumer, so vLLM >=
-    0.24.0 defers no block free and the in-flight-write check does not apply); ``None``: none. Its worker side is kvaudit's stand-in
+    0.24.0 defers no block free and the in-flight-write check does not apply); ``None``: none.
+    Its worker side is kvaudit's stand-in
     (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
     ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
     ``wake_for_transfers``: when only finished requests whose KV is still being sent are left, step the

@@ -20,7 +20,7 @@ def _make(config):
 
 
 def _probe(config) -> None:
-    """Raises :class:`TargetUnavailable` (one line, with the install hint) when vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0 cannot be
+    """Raises :class:`TargetUnavailable` (one line, with the install hint) when vLLM the releases it drives cannot be
     imported here."""
     from kvaudit.targets.vllm.boot import VllmUnavailable, load
     try:
@@ -77,7 +77,7 @@ def _capabilities(config) -> frozenset[str]:
 
 
 KIND = register(TargetKind(
-    name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1, 0.16.0 and 0.23.0 to 0.33.0 (presets 'vllm...')",
+    name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1 to 0.33.0 (presets 'vllm...')",
     config_class=VllmConfig, presets=lambda: VLLM_PRESETS, make=_make, bugs=_bugs,
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,

@@ -1,5 +1,5 @@
 """The real-vLLM targets: kvaudit's programs drive vLLM's own v1 ``Scheduler`` (or ``AsyncScheduler``)
-and ``KVCacheManager`` on CPU, releases 0.15.1, 0.16.0 and 0.23.0 to 0.33.0 (the API changes between them: :mod:`.compat`).
+and ``KVCacheManager`` on CPU, releases 0.15.1 to 0.33.0 (the API changes between them: :mod:`.compat`).
 
 * :class:`VllmSchedulerTarget` calls the scheduler exactly as vLLM's engine core does
   (``vllm/v1/engine/core.py``: ``EngineCore.step`` and, with async scheduling, ``step_with_batch_queue``
