@@ -333,8 +333,11 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     ("free-under-inflight-step", "use-after-free",
      f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-write",
      "vllm-kv-connector"),
+    ("free-under-inflight-load", "use-after-free",
+     f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-load",
+     "vllm-kv-load"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
-], ids=["skip-free", "double-free-shared-prefix", "free-under-inflight-step", "drop-hash-entry"])
+], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
                                                                                             preset, tmp_path):
     assert FAULTS[bug][0] == kind
