@@ -172,6 +172,11 @@ def build_scheduler(config):
                            async_scheduling=config.async_scheduling, is_encoder_decoder=False)
     cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     from vllm.config import KVEventsConfig
+    if config.kv_connector == "KvauditAsyncSaveConnector":
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        if config.kv_connector not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(config.kv_connector, "kvaudit.targets.vllm.save_connector",
+                                                  config.kv_connector)
     kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
         kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit")
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,

@@ -38,7 +38,7 @@ FAULTS: dict[str, tuple[str, str]] = {
 LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
-KV_CONNECTORS = ("NixlConnector",)
+KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector")  # the second: kvaudit/targets/vllm/save_connector.py
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 
 
@@ -195,4 +195,9 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                             "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and "
                             "aborts during them, without vLLM #45357's async-step window",
             kv_connector="NixlConnector", wake_for_transfers=True),
+    _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
+                            "kv_producer): every finished request, aborted ones too, holds its blocks until its "
+                            "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",
+            async_scheduling=True, kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer",
+            wake_for_transfers=True),
 ]}

@@ -119,6 +119,40 @@ class NixlWorkerStandIn:
         return len(self.recving) + len(self.sending)
 
 
+class SaveWorkerStandIn:
+    """The worker side of kvaudit's save connector (:mod:`kvaudit.targets.vllm.save_connector`): each
+    request id in a step's ``reqs_to_send`` is saved ``1 + crc32(id) % latency_steps`` steps later and
+    reported once in ``finished_sending`` (a request saved twice is reported twice). No loads."""
+
+    def __init__(self, latency_steps: int):
+        self.latency_steps = latency_steps
+        self.sending: list[tuple[str, int]] = []  # (rid, step due), in start order
+        self.recving: dict[str, int] = {}
+        self.loading: dict[str, np.ndarray] = {}
+
+    def start(self, meta, step: int) -> None:
+        for rid in getattr(meta, "reqs_to_send", ()):
+            self.sending.append((rid, step + 1 + zlib.crc32(rid.encode()) % self.latency_steps))
+
+    def finished(self, step: int, output_cls):
+        due = [rid for rid, at in self.sending if at <= step]
+        if not due:
+            return None
+        self.sending = [(rid, at) for rid, at in self.sending if at > step]
+        # one report per save: a second save of an id waits for the next step's output
+        send, later = set(), []
+        for rid in due:
+            if rid in send:
+                later.append(rid)
+            else:
+                send.add(rid)
+        self.sending.extend((rid, step + 1) for rid in later)
+        return output_cls(finished_sending=send, finished_recving=None)
+
+    def __len__(self) -> int:
+        return len(self.sending)
+
+
 class VllmConnectorTarget(VllmSchedulerTarget):
     """:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget` with a KV connector: some submits carry
     ``kv_transfer_params``, each ``SchedulerOutput``'s connector metadata goes to the worker stand-in,
@@ -126,7 +160,10 @@ class VllmConnectorTarget(VllmSchedulerTarget):
 
     def __init__(self, config):
         super().__init__(config)
-        self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
+        if config.kv_connector == "NixlConnector":
+            self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
+        else:
+            self.worker = SaveWorkerStandIn(config.kv_transfer_latency_steps)
         self._load_violations: list = []  # inflight-load findings seen as their load reported done
         self.finished_calls: dict[str, list[str]] = {}  # rid -> request status at each request_finished
         self._count_request_finished(self.scheduler.connector)
@@ -195,6 +232,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return []
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
+        if self.config.kv_connector != "NixlConnector":
+            return None
         params = transfer_params(len(self.submitted) + 1, rid, prompt_len, self.config.block_size)
         return None if params is None else {"kv_transfer_params": params}
 
