@@ -47,7 +47,7 @@ def _replay(version: str, name: str) -> list[str]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("bug_id, name", [("vllm-32255", "vllm-32255.json")])
+@pytest.mark.parametrize("bug_id, name", [("vllm-32255", "vllm-32255.json"), ("vllm-33377", "vllm-33377.json")])
 def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(bug_id, name):
     bug = BUGS[bug_id]
     found = _replay(bug.buggy, name)

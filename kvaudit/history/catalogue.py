@@ -72,6 +72,18 @@ VLLM: tuple[HistoryBug, ...] = (
         reach="a decode instance (NixlConnector, kv_both or kv_consumer): a client disconnects while its "
               "request waits for the prefill instance's KV (WAITING_FOR_REMOTE_KVS); 0.15.1's "
               "finish_requests frees the blocks the NIXL read is writing, and the next request can get them"),
+    HistoryBug(
+        id="vllm-33377", engine="vllm",
+        title="with async scheduling, a request already finished (aborted, or stopped) whose KV connector holds "
+              "its blocks is finished again when its in-flight step's output comes back: request_finished "
+              "twice, two sends, a double free",
+        sources=("vllm-project/vllm#33377",), buggy="0.15.1", fixed="0.16.0", clean_because="fix",
+        preset="vllm-kv-save", finding="double-free", check="finished-once",
+        reach="async scheduling (the default) with a KV connector that saves asynchronously and delays the free "
+              "of finished requests, aborted ones included (LMCache, OffloadingConnector with a store in "
+              "flight): a client aborts while the request's step is in flight; 0.15.1's update_from_output "
+              "processes its token, finds it stopped and frees it again; the second finished_sending then "
+              "trips an assertion and kills EngineCore"),
 )
 
 SGLANG: tuple[HistoryBug, ...] = ()

@@ -30,6 +30,11 @@ FAULTS: dict[str, tuple[str, str]] = {
                           "its remote KV (WAITING_FOR_REMOTE_KVS) frees its blocks at once instead of when the load "
                           "reports finished_recving, while the KV connector's read still writes them (vLLM >= "
                           "0.16.0 with a KV connector; scheduler level)"),
+    "refinish-held-request": (
+        "double-free", "vLLM #33377 put back (it shipped in 0.15.1): the first abort of a request whose blocks the "
+                       "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
+                       "so the connector's request_finished runs twice and a second save of the same blocks starts "
+                       "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
