@@ -55,6 +55,40 @@ def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(b
     assert _replay(bug.fixed, name) == []
 
 
+def test_routed_experts_side_table_is_found_on_0_30_0():
+    """vLLM #49684 on the release that ships it. Its fixed twin (0.31.0) moved the feature behind Model
+    Runner V2, which needs Triton: the target refuses to build it there, so only the buggy side runs."""
+    bug = BUGS["vllm-49684"]
+    assert _replay(bug.buggy, "vllm-49684.json") == [
+        "leak/block_pool/schedule@scheduler.py/check:dead-table:_re_block_ids"]
+
+
+def test_a_dead_entry_in_a_scheduler_table_is_found_once_idle():
+    """The dead-table check on this environment's vLLM: a drained run is clean; a request id planted in
+    one of the Scheduler's own tables (``deferred_loads``, a dict vLLM 0.33.0 keys by request id) after
+    the request is gone is a finding naming the table."""
+    pytest.importorskip("vllm")
+    from kvaudit.audit import oracles
+    from kvaudit.audit.runner import AuditedRun
+    from kvaudit.program import Abort, Idle, Step, Submit
+    from kvaudit.targets import registry
+    from kvaudit.targets.vllm.boot import VllmUnavailable, load
+    try:
+        load()
+    except VllmUnavailable as e:
+        pytest.skip(str(e))
+    run = AuditedRun(registry.get("vllm").preset("vllm-async").config())
+    for op in [Submit(0, 8, 4, ignore_eos=1), Step(1), Abort(None), Idle()]:
+        assert run.apply(op) == []
+    s = run.target.scheduler
+    table = getattr(s, "deferred_loads", None)
+    if not isinstance(table, dict):
+        pytest.skip(f"vLLM {load().version}'s Scheduler has no deferred_loads dict")
+    table["req-000001"] = (0, 0, 0, 0)
+    found = [f for f in oracles.check(run.auditor, run.target) if f.signature.endswith("dead-table:deferred_loads")]
+    assert found and "req:req-000001" in found[0].message, [f.signature for f in found]
+
+
 def test_inflight_load_oracle_sees_the_fault_that_puts_32255_back():
     pytest.importorskip("vllm")
     from kvaudit.audit.runner import execute

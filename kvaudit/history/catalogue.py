@@ -84,6 +84,17 @@ VLLM: tuple[HistoryBug, ...] = (
               "flight): a client aborts while the request's step is in flight; 0.15.1's update_from_output "
               "processes its token, finds it stopped and frees it again; the second finished_sending then "
               "trips an assertion and kills EngineCore"),
+    HistoryBug(
+        id="vllm-49684", engine="vllm",
+        title="the routed-experts block-id snapshot (Scheduler._re_block_ids) keeps an entry for every "
+              "request aborted before its step produced a token",
+        sources=("vllm-project/vllm#49684",), buggy="0.30.0", fixed=None, clean_because="refactor",
+        preset="vllm-moe-experts", finding="leak", check="dead-table:_re_block_ids",
+        reach="a mixture-of-experts model served with enable_return_routed_experts and async scheduling: each "
+              "client abort of a request whose step is in flight leaves its entry for good (the server's "
+              "memory grows with aborts). Fixed in 0.31.0 by a refactor (an aux-output connector behind "
+              "Model Runner V2), which needs Triton: the fixed twin is not built on CPU, so fixed is None "
+              "here and the program is not replayed there"),
 )
 
 SGLANG: tuple[HistoryBug, ...] = ()

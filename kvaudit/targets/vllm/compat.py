@@ -56,6 +56,10 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("computed-blocks-triple", "0.26.0",
            "KVCacheManager.get_computed_blocks returns (blocks, hits, ...) instead of (blocks, hits)"),
     Change("pending-cow", "0.26.0", "single-type managers' _pending_cow_copies (copy-on-write pairs)"),
+    Change("routed-experts-aux-output", "0.31.0",
+           "returning routed experts moves from ModelConfig.enable_return_routed_experts (and the Scheduler's "
+           "_re_block_ids side table) to an aux-output connector behind Model Runner V2, which needs Triton: "
+           "not buildable on CPU here"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}

@@ -67,6 +67,9 @@ class VllmConfig(ConfigBase):
     Its worker side is kvaudit's stand-in
     (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
     ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
+    ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0: the model
+    is a mixture of experts, 4 experts, 2 per token, and each step's output carries the routing of its
+    tokens, ``RoutedExpertsLists``; the Scheduler keeps a block-id snapshot per scheduled request).
     ``wake_for_transfers``: when only finished requests whose KV is still being sent are left, step the
     engine anyway (an empty schedule that reports the finished transfers, as a later request's step
     does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
@@ -88,6 +91,7 @@ class VllmConfig(ConfigBase):
     kv_transfer_latency_steps: int = 3
     wake_for_transfers: bool = False
     kv_role: str = "kv_both"
+    return_routed_experts: bool = False
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -129,7 +133,8 @@ class VllmConfig(ConfigBase):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers",
+                     "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "vllm":
@@ -205,4 +210,7 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                             "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",
             async_scheduling=True, kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer",
             wake_for_transfers=True),
+    _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
+                                "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
+            async_scheduling=True, return_routed_experts=True),
 ]}

@@ -20,11 +20,11 @@ def _make(config):
 
 
 def _probe(config) -> None:
-    """Raises :class:`TargetUnavailable` (one line, with the install hint) when vLLM the releases it drives cannot be
-    imported here."""
-    from kvaudit.targets.vllm.boot import VllmUnavailable, load
+    """Raises :class:`TargetUnavailable` (one line, with the install hint) when no vLLM release the target
+    drives imports here, or the one that does cannot build ``config`` (``boot.check_config``)."""
+    from kvaudit.targets.vllm.boot import VllmUnavailable, check_config
     try:
-        load()
+        check_config(config)
     except VllmUnavailable as e:
         raise TargetUnavailable(str(e)) from None
 

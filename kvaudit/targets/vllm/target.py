@@ -174,7 +174,28 @@ class VllmSchedulerTarget(_VllmBase):
         return written
 
     def invariant_findings(self) -> list:
-        return super().invariant_findings() + self._inflight_write_findings()
+        return super().invariant_findings() + self._inflight_write_findings() + self._dead_table_findings()
+
+    def _dead_table_findings(self) -> list:
+        """Once the engine is idle (every request finished and reported, no batch in flight, no transfer
+        outstanding), no table of the Scheduler's (a dict attribute) is keyed by a request id the
+        Scheduler no longer knows: vLLM drops a request's per-request state when it frees it
+        (``Scheduler._free_request`` / ``_free_blocks``). vLLM 0.22.0-0.30.0's routed-experts snapshot
+        ``_re_block_ids`` is popped only for a request that produces a token: an aborted request's entry
+        stays (vLLM #49684). Sets are left out: ``finished_req_ids`` and the like hold ids for a step by
+        design."""
+        if not self.is_idle():
+            return []
+        known = self.scheduler.requests
+        for name, table in sorted(vars(self.scheduler).items()):
+            if isinstance(table, dict) and table:
+                dead = [k for k in table if isinstance(k, str) and k in self.texts and k not in known]
+                if dead:
+                    return [TargetFinding("leak", POOL, np.array([1], dtype=np.int64),
+                                          f"Scheduler.{name} still holds {len(dead)} entr{'y' if len(dead) == 1 else 'ies'} "
+                                          f"of request(s) it no longer knows (first req:{dead[0]}) once idle",
+                                          check=f"dead-table:{name}")]
+        return []
 
     def _inflight_write_findings(self) -> list:
         """vLLM #45357's invariant, under vLLM's own condition (``guard_inflight_writes``): every block a
@@ -217,8 +238,26 @@ class VllmSchedulerTarget(_VllmBase):
         ids = list(out.num_scheduled_tokens)
         reqs = self.scheduler.requests
         toks = [[] if self._is_prefill_chunk(reqs[r]) else [self.sample(r)] for r in ids]
-        return self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                        sampled_token_ids=toks)
+        output = self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                          sampled_token_ids=toks)
+        if self.config.return_routed_experts:
+            output.routed_experts = self._routed_experts(out, ids)
+        return output
+
+    def _routed_experts(self, out, ids):
+        """The step's ``RoutedExpertsLists`` (what the model runner D2Hs): per scheduled token, in ``ids``
+        order, its KV slot (``block_id * block_size + offset``, from the full-attention table) and a
+        routing row ``[1 layer, 2 experts per token]`` (expert ids from the slot)."""
+        from vllm.v1.outputs import RoutedExpertsLists
+        bs, reqs, slots = self.config.block_size, self.scheduler.requests, []
+        for rid in ids:
+            end = reqs[rid].num_computed_tokens
+            pos = np.arange(end - out.num_scheduled_tokens[rid], end, dtype=np.int64)
+            table = np.array([b.block_id for b in self.groups[0].req_to_blocks[rid]], dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        slot_mapping = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        routing = np.stack([slot_mapping % 4, (slot_mapping + 1) % 4], axis=1)[:, None, :].astype(np.int32)
+        return RoutedExpertsLists(routing_data=routing, slot_mapping=slot_mapping)
 
     def _is_prefill_chunk(self, request) -> bool:
         """Whether the step just scheduled leaves ``request`` mid-prefill (no token sampled): vLLM's own
