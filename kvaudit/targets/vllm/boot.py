@@ -168,8 +168,7 @@ def check_config(config) -> None:
     ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0;
     ``compat`` "routed-experts-aux-output")."""
     v = load()
-    if config.return_routed_experts and (v.has("routed-experts-aux-output") or "enable_return_routed_experts"
-                                         not in getattr(v.ModelConfig, "__dataclass_fields__", {})):
+    if config.return_routed_experts and not compat.routed_experts_supported(v.version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
                               f"(ModelConfig.enable_return_routed_experts), not {v.version}")
 

@@ -82,5 +82,14 @@ def has(change: str, version: str) -> bool:
     return Version(version) >= Version(CHANGES[change].release)
 
 
+def routed_experts_supported(version: str | None) -> bool:
+    """Whether release ``version`` has ``ModelConfig.enable_return_routed_experts`` (0.22.0, read in the
+    wheel, up to "routed-experts-aux-output")."""
+    try:
+        return Version("0.22.0") <= Version(version or "") and not has("routed-experts-aux-output", version)
+    except Exception:
+        return False
+
+
 def range_text() -> str:
     return f"{MIN_VERSION}, 0.16.0 and 0.23.0 to {MAX_VERSION}"

@@ -192,8 +192,8 @@ class VllmSchedulerTarget(_VllmBase):
                 dead = [k for k in table if isinstance(k, str) and k in self.texts and k not in known]
                 if dead:
                     return [TargetFinding("leak", POOL, np.array([1], dtype=np.int64),
-                                          f"Scheduler.{name} still holds {len(dead)} entr{'y' if len(dead) == 1 else 'ies'} "
-                                          f"of request(s) it no longer knows (first req:{dead[0]}) once idle",
+                                          f"Scheduler.{name} still holds {len(dead)} entry(ies) of request(s) it "
+                                          f"no longer knows (first req:{dead[0]}) once idle",
                                           check=f"dead-table:{name}")]
         return []
 
