@@ -20,7 +20,9 @@ class HistoryBug:
     fixing PR is in ``fixed``) or "refactor" (the path is gone). ``preset`` and ``config``: the target's
     preset and its overrides. A finding is this bug when its kind is ``finding``, its ``check`` (a
     target invariant, signature suffix ``check:<name>``) matches when given, and ``signature`` (when
-    given) is a substring of its signature (a rediscovery, with ``replay_file``: equal to it). ``reach``: how a real server gets there from client requests."""
+    given) is a substring of its signature (a rediscovery, with ``replay_file``: equal to it).
+    ``replay_blocked``: why the fixing release cannot run the program on this kind of machine (the bug
+    then counts as found, not rediscovered). ``reach``: how a real server gets there from client requests."""
 
     id: str
     engine: str
@@ -37,6 +39,7 @@ class HistoryBug:
     reach: str = ""
 
     replay_file: str = ""  # a rediscovery's config is its corpus file's (relative to the data root)
+    replay_blocked: str = ""  # why the fixing release cannot run the program here (then it is not replayed)
 
     def target_config(self):
         """The target config the suite searches (``ValueError`` for a bad override)."""
@@ -87,6 +90,40 @@ VLLM: tuple[HistoryBug, ...] = (
               "advanced past the step in flight (at the next schedule, or at finish in _connector_finished), "
               "so blocks that step's attention window still reads go back to the pool, where a remote KV "
               "load can overwrite them mid-read"),
+    HistoryBug(
+        id="vllm-32255", engine="vllm",
+        title="a request aborted while its remote KV load is in flight has its blocks freed at once; the "
+              "load still writes them",
+        sources=("vllm-project/vllm#32255",), buggy="0.15.1", fixed="0.16.0", clean_because="fix",
+        preset="vllm-kv-load", finding="use-after-free", check="inflight-load",
+        reach="a decode instance (NixlConnector, kv_both or kv_consumer): a client disconnects while its "
+              "request waits for the prefill instance's KV (WAITING_FOR_REMOTE_KVS); 0.15.1's "
+              "finish_requests frees the blocks the NIXL read is writing, and the next request can get them"),
+    HistoryBug(
+        id="vllm-33377", engine="vllm",
+        title="with async scheduling, a request already finished (aborted, or stopped) whose KV connector holds "
+              "its blocks is finished again when its in-flight step's output comes back: request_finished "
+              "twice, two sends, a double free",
+        sources=("vllm-project/vllm#33377",), buggy="0.15.1", fixed="0.16.0", clean_because="fix",
+        preset="vllm-kv-save", finding="double-free", check="finished-once",
+        reach="async scheduling (the default) with a KV connector that saves asynchronously and delays the free "
+              "of finished requests, aborted ones included (LMCache, OffloadingConnector with a store in "
+              "flight): a client aborts while the request's step is in flight; 0.15.1's update_from_output "
+              "processes its token, finds it stopped and frees it again; the second finished_sending then "
+              "trips an assertion and kills EngineCore"),
+    HistoryBug(
+        id="vllm-49684", engine="vllm",
+        title="the routed-experts block-id snapshot (Scheduler._re_block_ids) keeps an entry for every "
+              "request aborted before its step produced a token",
+        sources=("vllm-project/vllm#49684",), buggy="0.30.0", fixed="0.31.0", clean_because="refactor",
+        replay_blocked="0.31.0 moves the routed experts behind Model Runner V2, whose config needs Triton: "
+                       "vLLM refuses the preset's config on CPU",
+        preset="vllm-moe-experts", finding="leak", check="dead-table:_re_block_ids",
+        reach="a mixture-of-experts model served with enable_return_routed_experts and async scheduling: each "
+              "client abort of a request whose step is in flight leaves its entry for good (the server's "
+              "memory grows with aborts). Fixed in 0.31.0 by a refactor (an aux-output connector behind "
+              "Model Runner V2), which needs Triton: the fixed twin is not built on CPU, so the program is "
+              "not replayed there"),
 )
 
 SGLANG: tuple[HistoryBug, ...] = (

@@ -27,6 +27,10 @@ EXTRA_PINS: dict[tuple[str, str], tuple[str, ...]] = {
     # SGLang 0.5.11 registers 'qwen3_asr', which transformers >= 5.7 also does: its own pin, and the hub 1.x stack
     ("sglang", "0.5.11"): ("transformers==5.6.0", "huggingface_hub==1.33.0", "tokenizers==0.22.2", "httpx==0.28.1",
                            "httpcore==1.0.9"),
+    # vLLM 0.15/0.16 import mistral_common (and its tokenizer stack) from the structured-output manager the
+    # Scheduler takes; the base (0.33.0's closure) lacks these
+    **{("vllm", v): ("mistral_common==1.9.0", "pydantic-extra-types==2.11.1", "pycountry==26.2.16",
+                     "tiktoken==0.14.0", "diskcache==5.6.3") for v in ("0.15.1", "0.16.0")},
 }
 
 
@@ -101,7 +105,7 @@ def catalogue_releases() -> list[tuple[str, str]]:
 
     out: list[tuple[str, str]] = []
     for b in all_bugs().values():
-        for v in (b.buggy, b.fixed):
+        for v in (b.buggy, None if b.replay_blocked else b.fixed):
             if v is not None and (b.engine, v) not in out:
                 out.append((b.engine, v))
     return out

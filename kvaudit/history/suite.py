@@ -144,7 +144,7 @@ def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], 
            "seeds": list(range(1, trials + 1)), "budget": budget}
     found = [HistoryTrial(**d) for d in runner.child(job, bug.engine, bug.buggy, overlay)]
     ok = [t for t in found if t.success]
-    if bug.fixed is None or not ok or runner.stopped.is_set():
+    if bug.fixed is None or bug.replay_blocked or not ok or runner.stopped.is_set():
         return found
     overlay = _release(res, bug.engine, bug.fixed, runner.on_event)
     job = {"mode": "replay", "bug": bid, "version": bug.fixed, "programs": [t.program for t in ok]}
@@ -197,6 +197,8 @@ def rediscovered(res: HistoryResult, bug_id: str) -> bool:
     (for a bug with no fixing release: found)."""
     bug = all_bugs()[bug_id]
     ok = [t for t in res.trials if t.bug == bug_id and t.success]
+    if bug.replay_blocked:
+        return False  # found at most: the fixing release was not run
     return any(t.fixed_clean for t in ok) if bug.fixed else bool(ok)
 
 
@@ -250,8 +252,9 @@ def markdown(res: HistoryResult) -> str:
         best = min(ok, key=lambda t: t.min_len) if ok else None
         fixed = f"{b.fixed} ({b.clean_because})" if b.fixed else "- (a rediscovery)"
         verdict = ("yes" if rediscovered(res, bid) else
+                   f"found; not replayed on the fixed release ({b.replay_blocked})" if ok and b.replay_blocked else
                    "found; NOT clean on the fixed release" if ok and b.fixed else "no")
-        if ok and b.fixed:
+        if ok and b.fixed and not b.replay_blocked:
             verdict += f" ({sum(bool(t.fixed_clean) for t in ok)}/{len(ok)} programs clean)"
         lines.append(f"| {bid} | {b.engine} | {b.buggy} | {fixed} | {verdict} | "
                      f"{best.min_len if best else '-'} ops | `{best.signature if best else b.signature or b.finding}` |")

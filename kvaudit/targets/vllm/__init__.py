@@ -1,2 +1,2 @@
-"""The real-vLLM target (``--target vllm``): vLLM's (0.23.0 to 0.33.0) v1 Scheduler, AsyncScheduler and
+"""The real-vLLM target (``--target vllm``): vLLM's (0.15.1 to 0.33.0) v1 Scheduler, AsyncScheduler and
 KVCacheManager on CPU. See ``README.md`` ("Auditing vLLM itself") and :mod:`.target`."""

@@ -147,33 +147,54 @@ def kv_cache_config(v: SimpleNamespace, config):
 def _model_dir(v: SimpleNamespace, config) -> str:
     """A local model directory whose ``config.json`` names the stub architecture (one per vocabulary
     and length, made once per process)."""
-    key = (config.vocab_size, config.max_model_len)
+    moe = config.return_routed_experts
+    key = (config.vocab_size, config.max_model_len, moe)
     if key not in v.model_dirs:
         d = tempfile.mkdtemp(prefix="kvaudit-vllm-model-")
+        spec = {"architectures": [STUB_ARCH], "model_type": "llama", "hidden_size": 64,
+                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "num_hidden_layers": 1, "vocab_size": config.vocab_size,
+                "max_position_embeddings": config.max_model_len, "torch_dtype": "float32"}
+        if moe:  # a mixture of experts (Mixtral's fields): what routed-experts capture sizes by
+            spec.update(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
         with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({"architectures": [STUB_ARCH], "model_type": "llama", "hidden_size": 64,
-                       "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-                       "num_hidden_layers": 1, "vocab_size": config.vocab_size,
-                       "max_position_embeddings": config.max_model_len, "torch_dtype": "float32"}, f)
+            json.dump(spec, f)
         v.model_dirs[key] = d
     return v.model_dirs[key]
+
+
+def check_config(config) -> None:
+    """Raises :class:`VllmUnavailable` (one line) when the loaded vLLM cannot build ``config``:
+    ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0;
+    ``compat`` "routed-experts-aux-output")."""
+    v = load()
+    if config.return_routed_experts and not compat.routed_experts_supported(v.version):
+        raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
+                              f"(ModelConfig.enable_return_routed_experts), not {v.version}")
 
 
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
-    ``kv_role="kv_both"`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
+    ``config.kv_role`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
     through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
     v = load()
+    check_config(config)
+    moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
     mc = v.ModelConfig(model=_model_dir(v, config), skip_tokenizer_init=True, dtype="float32",
-                       max_model_len=config.max_model_len, seed=config.seed)
+                       max_model_len=config.max_model_len, seed=config.seed, **moe)
     sc = v.SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                            max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                            async_scheduling=config.async_scheduling, is_encoder_decoder=False)
     cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     from vllm.config import KVEventsConfig
+    if config.kv_connector == "KvauditAsyncSaveConnector":
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        if config.kv_connector not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(config.kv_connector, "kvaudit.targets.vllm.save_connector",
+                                                  config.kv_connector)
     kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
-        kv_connector=config.kv_connector, kv_role="kv_both", engine_id="kvaudit")
+        kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit")
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
@@ -187,6 +208,7 @@ def build_scheduler(config):
 def build_manager(config):
     """vLLM's ``KVCacheManager`` alone for ``config``, prefix caching and KV-cache events as configured."""
     v = load()
+    sizes = {"scheduler_block_size": config.block_size} if v.has("scheduler-block-size") else {}
     return v.KVCacheManager(kv_cache_config(v, config), max_model_len=config.max_model_len,
-                            scheduler_block_size=config.block_size, hash_block_size=config.block_size,
+                            hash_block_size=config.block_size, **sizes,
                             enable_caching=config.enable_prefix_caching, enable_kv_cache_events=True, log_stats=True)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-MIN_VERSION = "0.23.0"  # older releases need a second driver family (0.15: no hash_block_size, ...)
+MIN_VERSION = "0.15.1"
 MAX_VERSION = "0.33.0"
-TESTED = ("0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
+# the releases driven; 0.17.0 to 0.22.1 were read for the changes below but never run (refused)
+TESTED = ("0.15.1", "0.16.0", "0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
           "0.32.0", "0.33.0")
 
 
@@ -29,6 +30,22 @@ class Change:
 
 
 CHANGES: dict[str, Change] = {c.name: c for c in (
+    Change("is-prefill-chunk", "0.16.0",
+           "Request.is_prefill_chunk, set by Scheduler._update_after_schedule; before, a step is a partial "
+           "prefill when the request's num_computed_tokens after it is below num_tokens (what the model "
+           "runner tests to discard the sampled token)"),
+    Change("request-eos-from-sampling", "0.17.0",
+           "Request(...) takes no eos_token_id (it reads SamplingParams.eos_token_id) and "
+           "SamplingParams.update_from_generation_config's second argument is eos_token_id; before, a "
+           "required Request argument after pooling_params, and model_eos_token_id"),
+    Change("kv-event-group", "0.20.0",
+           "BlockStored / BlockRemoved carry group_idx; before, a KV-cache event names hashes only (the "
+           "observer's event shadow then keys by hash alone)"),
+    Change("scheduler-block-size", "0.23.0",
+           "KVCacheManager(..., scheduler_block_size, hash_block_size); before, hash_block_size alone"),
+    Change("config-max-concurrent-batches", "0.23.0",
+           "VllmConfig.max_concurrent_batches; before, the executor's property (UniProcExecutor: 2 with "
+           "async scheduling, else 1)"),
     Change("hash-helpers", "0.24.0",
            "BlockPool._insert_block_hash / _remove_cached_block_hashes and cached_block_hashes_by_block "
            "(a block cached under several hashes); before, cache_full_blocks and _maybe_evict_cached_block "
@@ -39,18 +56,24 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("computed-blocks-triple", "0.26.0",
            "KVCacheManager.get_computed_blocks returns (blocks, hits, ...) instead of (blocks, hits)"),
     Change("pending-cow", "0.26.0", "single-type managers' _pending_cow_copies (copy-on-write pairs)"),
+    Change("routed-experts-aux-output", "0.31.0",
+           "returning routed experts moves from ModelConfig.enable_return_routed_experts (and the Scheduler's "
+           "_re_block_ids side table) to an aux-output connector behind Model Runner V2, which needs Triton: "
+           "not buildable on CPU here"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}
 
 
 def in_range(version: str) -> bool:
-    """Whether ``version`` is within ``MIN_VERSION..MAX_VERSION`` (both included)."""
+    """Whether ``version`` is one the target drives: within ``MIN_VERSION..MAX_VERSION`` (both included)
+    and not one of the untested releases between 0.16.0 and 0.23.0 (:data:`TESTED`)."""
     try:
         v = Version(version)
     except Exception:
         return False
-    return Version(MIN_VERSION) <= v <= Version(MAX_VERSION)
+    gap = Version("0.16.0") < v < Version("0.23.0")
+    return Version(MIN_VERSION) <= v <= Version(MAX_VERSION) and not gap
 
 
 def has(change: str, version: str) -> bool:
@@ -59,5 +82,14 @@ def has(change: str, version: str) -> bool:
     return Version(version) >= Version(CHANGES[change].release)
 
 
+def routed_experts_supported(version: str | None) -> bool:
+    """Whether release ``version`` has ``ModelConfig.enable_return_routed_experts`` (0.22.0, read in the
+    wheel, up to "routed-experts-aux-output")."""
+    try:
+        return Version("0.22.0") <= Version(version or "") and not has("routed-experts-aux-output", version)
+    except Exception:
+        return False
+
+
 def range_text() -> str:
-    return f"{MIN_VERSION} to {MAX_VERSION}"
+    return f"{MIN_VERSION}, 0.16.0 and 0.23.0 to {MAX_VERSION}"

@@ -31,6 +31,16 @@ FAULTS: dict[str, tuple[str, str]] = {
                           "scheduling has advanced past the step in flight, instead of the processed count, "
                           "so a sliding window's blocks that step still reads are freed (vLLM >= 0.26.0, "
                           "a sliding-window preset; scheduler level)"),
+    "free-under-inflight-load": (
+        "use-after-free", "vLLM #32255 put back (it shipped in 0.15.1): the first abort of a request waiting for "
+                          "its remote KV (WAITING_FOR_REMOTE_KVS) frees its blocks at once instead of when the load "
+                          "reports finished_recving, while the KV connector's read still writes them (vLLM >= "
+                          "0.16.0 with a KV connector; scheduler level)"),
+    "refinish-held-request": (
+        "double-free", "vLLM #33377 put back (it shipped in 0.15.1): the first abort of a request whose blocks the "
+                       "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
+                       "so the connector's request_finished runs twice and a second save of the same blocks starts "
+                       "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -39,7 +49,8 @@ FAULTS: dict[str, tuple[str, str]] = {
 LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
-KV_CONNECTORS = ("NixlConnector",)
+KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector")  # the second: kvaudit/targets/vllm/save_connector.py
+KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 
 
 @dataclass(frozen=True)
@@ -57,9 +68,18 @@ class VllmConfig(ConfigBase):
     its last token is EOS.
 
     ``kv_connector``: a KV connector of vLLM's (:data:`KV_CONNECTORS`, by its registered name) built by
-    the Scheduler with ``kv_role="kv_both"``; ``None``: none. Its worker side is kvaudit's stand-in
+    the Scheduler with ``kv_role`` (:data:`KV_ROLES`; ``kv_producer`` is no KV consumer, so vLLM >=
+    0.24.0 defers no block free and the in-flight-write check does not apply); ``None``: none.
+    Its worker side is kvaudit's stand-in
     (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
     ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
+    ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0: the model
+    is a mixture of experts, 4 experts, 2 per token, and each step's output carries the routing of its
+    tokens, ``RoutedExpertsLists``; the Scheduler keeps a block-id snapshot per scheduled request).
+    ``wake_for_transfers``: when only finished requests whose KV is still being sent are left, step the
+    engine anyway (an empty schedule that reports the finished transfers, as a later request's step
+    does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
+    arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
     """
 
     level: str = "scheduler"
@@ -75,6 +95,9 @@ class VllmConfig(ConfigBase):
     vocab_size: int = 128
     kv_connector: str | None = None
     kv_transfer_latency_steps: int = 3
+    wake_for_transfers: bool = False
+    kv_role: str = "kv_both"
+    return_routed_experts: bool = False
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -116,7 +139,8 @@ class VllmConfig(ConfigBase):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers",
+                     "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "vllm":
@@ -151,6 +175,8 @@ class VllmConfig(ConfigBase):
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be null or one of {', '.join(KV_CONNECTORS)}, "
                              f"got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_connector is not None and self.level != "scheduler":
             raise ValueError("kv_connector needs level scheduler (the connector is the Scheduler's)")
         n = self.kv_transfer_latency_steps
@@ -185,4 +211,16 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                      "blocks shared), as a decode instance of a sliding-window model runs it "
                                      "on a GPU (the hybrid manager; vLLM turns it off on CPU)",
             async_scheduling=True, kv_connector="NixlConnector", sliding_window=32, num_gpu_blocks=96),
+    _preset("vllm-kv-load", "the Scheduler (one batch in flight) with vLLM's NixlConnector as vllm-kv-connector, "
+                            "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and "
+                            "aborts during them, without vLLM #45357's async-step window",
+            kv_connector="NixlConnector", wake_for_transfers=True),
+    _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
+                            "kv_producer): every finished request, aborted ones too, holds its blocks until its "
+                            "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",
+            async_scheduling=True, kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer",
+            wake_for_transfers=True),
+    _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
+                                "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
+            async_scheduling=True, return_routed_experts=True),
 ]}

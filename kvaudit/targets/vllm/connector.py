@@ -41,6 +41,10 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
+
+from kvaudit.targets.base import TargetFinding
+from kvaudit.targets.vllm.observer import POOL
 from kvaudit.targets.vllm.target import VllmSchedulerTarget
 
 REMOTE_ENGINE = "kvaudit-remote"  # the other instance of the P/D pair (never contacted)
@@ -68,6 +72,7 @@ class NixlWorkerStandIn:
         self.latency_steps = latency_steps
         self.awaiting_field = awaiting_field  # ReqMeta.awaiting_kvs exists (vLLM >= 0.30.0)
         self.recving: dict[str, int] = {}
+        self.loading: dict[str, np.ndarray] = {}  # rid -> [n] int64 local blocks its outstanding read writes
         self.sending: dict[str, int] = {}
         self.to_process: set[str] = set()
 
@@ -87,6 +92,9 @@ class NixlWorkerStandIn:
             awaiting = m.awaiting_kvs if self.awaiting_field else any(m.local_block_ids)
             if awaiting:
                 self.recving[rid] = step + self.delay(rid)
+                # per KV-cache group (a list of lists) in later releases, one flat list in 0.15/0.16
+                ids = [b for g in m.local_block_ids for b in (g if isinstance(g, (list, tuple)) else [g])]
+                self.loading[rid] = np.array(ids, dtype=np.int64)
         self.to_process |= meta.reqs_in_batch
         self.to_process -= meta.reqs_not_processed
         for rid in meta.reqs_to_send:
@@ -101,6 +109,7 @@ class NixlWorkerStandIn:
             return None
         for r in recv:
             del self.recving[r]
+            self.loading.pop(r, None)
         for r in send:
             del self.sending[r]
             self.to_process.discard(r)
@@ -110,6 +119,40 @@ class NixlWorkerStandIn:
         return len(self.recving) + len(self.sending)
 
 
+class SaveWorkerStandIn:
+    """The worker side of kvaudit's save connector (:mod:`kvaudit.targets.vllm.save_connector`): each
+    request id in a step's ``reqs_to_send`` is saved ``1 + crc32(id) % latency_steps`` steps later and
+    reported once in ``finished_sending`` (a request saved twice is reported twice). No loads."""
+
+    def __init__(self, latency_steps: int):
+        self.latency_steps = latency_steps
+        self.sending: list[tuple[str, int]] = []  # (rid, step due), in start order
+        self.recving: dict[str, int] = {}
+        self.loading: dict[str, np.ndarray] = {}
+
+    def start(self, meta, step: int) -> None:
+        for rid in getattr(meta, "reqs_to_send", ()):
+            self.sending.append((rid, step + 1 + zlib.crc32(rid.encode()) % self.latency_steps))
+
+    def finished(self, step: int, output_cls):
+        due = [rid for rid, at in self.sending if at <= step]
+        if not due:
+            return None
+        self.sending = [(rid, at) for rid, at in self.sending if at > step]
+        # one report per save: a second save of an id waits for the next step's output
+        send, later = set(), []
+        for rid in due:
+            if rid in send:
+                later.append(rid)
+            else:
+                send.add(rid)
+        self.sending.extend((rid, step + 1) for rid in later)
+        return output_cls(finished_sending=send, finished_recving=None)
+
+    def __len__(self) -> int:
+        return len(self.sending)
+
+
 class VllmConnectorTarget(VllmSchedulerTarget):
     """:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget` with a KV connector: some submits carry
     ``kv_transfer_params``, each ``SchedulerOutput``'s connector metadata goes to the worker stand-in,
@@ -117,16 +160,102 @@ class VllmConnectorTarget(VllmSchedulerTarget):
 
     def __init__(self, config):
         super().__init__(config)
-        self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
+        if config.kv_connector == "NixlConnector":
+            self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
+        else:
+            self.worker = SaveWorkerStandIn(config.kv_transfer_latency_steps)
+        self._load_violations: list = []  # inflight-load findings seen as their load reported done
+        self.finished_calls: dict[str, list[str]] = {}  # rid -> request status at each request_finished
+        self._count_request_finished(self.scheduler.connector)
+
+    def _count_request_finished(self, connector) -> None:
+        """Record each ``request_finished`` / ``request_finished_all_groups`` the Scheduler makes on the
+        connector *instance* (the outer call only: one may call the other)."""
+        depth = [0]
+
+        def counted(fn):
+            def call(request, *a, **k):
+                depth[0] += 1
+                try:
+                    if depth[0] == 1:
+                        self.finished_calls.setdefault(request.request_id, []).append(request.status.name)
+                    return fn(request, *a, **k)
+                finally:
+                    depth[0] -= 1
+            return call
+
+        for name in ("request_finished", "request_finished_all_groups"):
+            if hasattr(connector, name):
+                setattr(connector, name, counted(getattr(connector, name)))
+
+    def invariant_findings(self) -> list:
+        return (super().invariant_findings() + (self._load_violations[:1] or self._inflight_load_findings())
+                + self._finished_once_findings())
+
+    def _inflight_load_findings(self) -> list:
+        """vLLM's contract for a read in flight (``Scheduler.finish_requests`` delays the free of a request
+        in ``WAITING_FOR_REMOTE_KVS``; the fix of vLLM #32255, in 0.16.0): every local block an
+        outstanding KV load writes stays referenced by its request until the load reports
+        ``finished_recving``. A block freed under it is a use-after-free: the load's write lands in a
+        free block, or in another request's once reallocated."""
+        if not self.worker.loading:
+            return []
+        known = self.known()
+        for rid, blocks in self.worker.loading.items():
+            held = np.zeros(self.config.num_gpu_blocks, dtype=bool)
+            if rid in known:
+                for mgr in self.groups:
+                    held[[b.block_id for b in mgr.req_to_blocks.get(rid, ()) if not b.is_null]] = True
+            lost = blocks[~held[blocks]]
+            if lost.size:
+                b = int(lost[0])
+                counts = self._ref_counts()
+                sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
+                return [TargetFinding("use-after-free", POOL, lost,
+                                      f"block {b} was freed while req:{rid}'s KV load still writes it "
+                                      f"(ref_cnt={counts[b]}, no finished_recving yet)", check="inflight-load",
+                                      free_sites=sites)]
+        return []
+
+    def _finished_once_findings(self) -> list:
+        """The connector API's contract (``KVConnectorBase_V1.request_finished``: called once, when the
+        request finishes; its ``delay_free_blocks`` answer is the connector's promise of one
+        ``finished_sending``): at most one call per request. A second call (vLLM #33377, async
+        scheduling: an aborted request finished again by its in-flight step's output, fixed in 0.16.0)
+        starts a second send of blocks the first one already frees: a double free."""
+        for rid, calls in self.finished_calls.items():
+            if len(calls) > 1:
+                blocks = [b.block_id for mgr in self.groups for b in mgr.req_to_blocks.get(rid, ()) if not b.is_null]
+                return [TargetFinding("double-free", POOL, np.array(blocks or [1], dtype=np.int64),
+                                      f"the connector's request_finished was called {len(calls)} times for "
+                                      f"req:{rid} (statuses {', '.join(calls)})", check="finished-once")]
+        return []
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
+        if self.config.kv_connector != "NixlConnector":
+            return None
         params = transfer_params(len(self.submitted) + 1, rid, prompt_len, self.config.block_size)
         return None if params is None else {"kv_transfer_params": params}
+
+    def step(self) -> None:
+        """:meth:`VllmSchedulerTarget.step`; with ``wake_for_transfers``, an engine that has nothing to
+        schedule but transfers outstanding (vLLM < 0.22.0: ``has_requests()`` is false while finished
+        requests wait for their sends, #43433) still runs an empty schedule whose output reports them."""
+        s = self.scheduler
+        if self.config.wake_for_transfers and not s.has_requests() and not self.batch_queue and len(self.worker):
+            out = s.schedule()
+            self._on_schedule(out)
+            s.update_from_output(out, self._empty_output())
+            self.steps += 1
+            return
+        super().step()
 
     def _on_schedule(self, out) -> None:
         self.worker.start(out.kv_connector_metadata, self.steps)
 
     def _kv_output(self):
+        # a load about to report done is checked now: once reported it is no longer outstanding
+        self._load_violations.extend(self._inflight_load_findings())
         return self.worker.finished(self.steps, self.V.KVConnectorOutput)
 
     def _empty_output(self):

@@ -46,3 +46,52 @@ def inject(manager, faults: set[str]) -> None:
             return out
 
         setattr(owner, name, insert_dropping)
+
+
+def inject_scheduler(scheduler, faults: set[str], waiting_for_remote_kvs) -> None:
+    """Wrap ``scheduler.finish_requests`` (the instance's) for the scheduler-level names in ``faults``:
+    ``refinish-held-request`` finishes the first aborted request whose free the KV connector delayed once
+    more through ``Scheduler._free_request`` (what 0.15.1's ``update_from_output`` did when the aborted
+    request's in-flight step came back, #33377: a second ``request_finished``);
+    ``free-under-inflight-load`` frees, right after the first abort that catches a request in
+    ``waiting_for_remote_kvs`` (vLLM's ``RequestStatus.WAITING_FOR_REMOTE_KVS``) with its free delayed,
+    that request's blocks at once through ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255)."""
+    if "refinish-held-request" in faults:
+        finish_once = scheduler.finish_requests
+
+        def finish_twice(request_ids, finished_status, *a, **k):
+            ids = (request_ids,) if isinstance(request_ids, str) else list(request_ids)
+            out = finish_once(ids, finished_status, *a, **k)
+            for rid in ids:  # still known after its finish: its free is delayed (a KV send in flight)
+                request = scheduler.requests.get(rid)
+                if "refinish-held-request" in faults and request is not None and request.is_finished():
+                    faults.discard("refinish-held-request")
+                    scheduler._free_request(request)
+            return out
+
+        scheduler.finish_requests = finish_twice
+    if "free-under-inflight-load" not in faults:
+        return
+    finish, xfer = scheduler.finish_requests, scheduler._update_from_kv_xfer_finished
+    freed: set[str] = set()
+
+    def xfer_ignoring_freed(output, *a, **k):  # 0.15.1 only records a finished_recving id
+        if output.finished_recving and freed & set(output.finished_recving):
+            output.finished_recving = set(output.finished_recving) - freed
+        return xfer(output, *a, **k)
+
+    scheduler._update_from_kv_xfer_finished = xfer_ignoring_freed
+
+    def finish_freeing_loads(request_ids, finished_status, *a, **k):
+        ids = (request_ids,) if isinstance(request_ids, str) else list(request_ids)
+        loading = [scheduler.requests[r] for r in ids
+                   if r in scheduler.requests and scheduler.requests[r].status == waiting_for_remote_kvs]
+        out = finish(ids, finished_status, *a, **k)
+        for request in loading:
+            if "free-under-inflight-load" in faults and scheduler.requests.get(request.request_id) is request:
+                faults.discard("free-under-inflight-load")
+                freed.add(request.request_id)
+                scheduler._free_blocks(request)
+        return out
+
+    scheduler.finish_requests = finish_freeing_loads

@@ -14,17 +14,26 @@ def _bugs():
     return {name: SimpleNamespace(name=name, finding=kind, description=what) for name, (kind, what) in FAULTS.items()}
 
 
+def _presets():
+    """The presets the installed vLLM can build (by its metadata, no import): ``vllm-moe-experts`` only
+    on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), so that ``ci --presets all`` runs."""
+    from kvaudit.targets.vllm import compat
+    from kvaudit.targets.vllm.boot import installed_version
+    ok = compat.routed_experts_supported(installed_version())
+    return {n: p for n, p in VLLM_PRESETS.items() if ok or not p.overrides.get("return_routed_experts")}
+
+
 def _make(config):
     from kvaudit.targets.vllm.target import make
     return make(config)
 
 
 def _probe(config) -> None:
-    """Raises :class:`TargetUnavailable` (one line, with the install hint) when vLLM 0.23.0 to 0.33.0 cannot be
-    imported here."""
-    from kvaudit.targets.vllm.boot import VllmUnavailable, load
+    """Raises :class:`TargetUnavailable` (one line, with the install hint) when no vLLM release the target
+    drives imports here, or the one that does cannot build ``config`` (``boot.check_config``)."""
+    from kvaudit.targets.vllm.boot import VllmUnavailable, check_config
     try:
-        load()
+        check_config(config)
     except VllmUnavailable as e:
         raise TargetUnavailable(str(e)) from None
 
@@ -77,8 +86,8 @@ def _capabilities(config) -> frozenset[str]:
 
 
 KIND = register(TargetKind(
-    name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.23.0 to 0.33.0 (presets 'vllm...')",
-    config_class=VllmConfig, presets=lambda: VLLM_PRESETS, make=_make, bugs=_bugs,
+    name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1 to 0.33.0 (presets 'vllm...')",
+    config_class=VllmConfig, presets=_presets, make=_make, bugs=_bugs,
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
     regressions="corpora/vllm"))

@@ -16,7 +16,7 @@
   counts equal vLLM's (no change outside the pool's API); the replayed events equal the map. vLLM has
   no checker of its own (its tests read ``ref_cnt`` and the free queue by hand).
 
-Private names read here are those of vLLM 0.23.0 to 0.33.0 (where they changed: :mod:`.compat`):
+Private names read here are those of vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0 (where they changed: :mod:`.compat`):
 ``cached_block_hash_to_block._cache``, ``cached_block_hashes_by_block``, the free queue's
 ``fake_free_list_head``/``_tail``, each single-type manager's ``req_to_blocks``/``num_cached_block``/
 ``_pending_cow_copies``, ``Scheduler.deferred_frees``.
@@ -170,13 +170,14 @@ class VllmObserver:
     def _replay_events(self, events, into: Counter) -> None:
         """Apply vLLM's KV-cache ``events`` to ``into``, a map (external hash, group) -> blocks."""
         V = self.V
+        grouped = V.has("kv-event-group")  # before vLLM 0.20.0 an event names no group: keyed by hash alone
         for ev in events:
             if isinstance(ev, V.BlockStored):
                 for h in ev.block_hashes:
-                    into[(h, ev.group_idx)] += 1
+                    into[(h, ev.group_idx if grouped else None)] += 1
             elif isinstance(ev, V.BlockRemoved):
                 for h in ev.block_hashes:
-                    key = (h, ev.group_idx)
+                    key = (h, ev.group_idx if grouped else None)
                     into[key] -= 1
                     if into[key] == 0:
                         del into[key]
@@ -366,9 +367,9 @@ class VllmObserver:
                 add("accounting-drift", drift, f"block {b}: ref_cnt={counts[b]} but the pool's own calls account for "
                                                f"{led[b]} (changed outside BlockPool's API)", "ref-shadow")
         real, replayed = Counter(), self._replayed()
-        u = self.V.kv_cache_utils
+        u, grouped = self.V.kv_cache_utils, self.V.has("kv-event-group")
         for key, _ in entries:
-            real[(u.maybe_convert_block_hash(u.get_block_hash(key)), u.get_group_id(key))] += 1
+            real[(u.maybe_convert_block_hash(u.get_block_hash(key)), u.get_group_id(key) if grouped else None)] += 1
         if real != replayed:
             diff = (real - replayed) or (replayed - real)
             add("accounting-drift", [1], f"vLLM's KV-cache events replayed give a prefix-cache map of "

@@ -1,5 +1,5 @@
 """The real-vLLM targets: kvaudit's programs drive vLLM's own v1 ``Scheduler`` (or ``AsyncScheduler``)
-and ``KVCacheManager`` on CPU, releases 0.23.0 to 0.33.0 (the API changes between them: :mod:`.compat`).
+and ``KVCacheManager`` on CPU, releases 0.15.1 to 0.33.0 (the API changes between them: :mod:`.compat`).
 
 * :class:`VllmSchedulerTarget` calls the scheduler exactly as vLLM's engine core does
   (``vllm/v1/engine/core.py``: ``EngineCore.step`` and, with async scheduling, ``step_with_batch_queue``
@@ -59,9 +59,10 @@ class _VllmBase(VllmObserver, Target):
         rid = f"req-{len(self.submitted) + 1:06d}"
         sp = self.V.SamplingParams(max_tokens=req.max_new_tokens, ignore_eos=bool(op.ignore_eos),
                                    temperature=0.0, extra_args=self._extra_args(rid, len(req.input_ids)))
-        sp.update_from_generation_config({}, eos_token_id=self.eos)
+        sp.update_from_generation_config({}, self.eos)  # the keyword is model_eos_token_id before 0.17.0
+        eos = {} if self.V.has("request-eos-from-sampling") else {"eos_token_id": self.eos}
         request = self.V.Request(rid, list(req.input_ids), sp, None, arrival_time=float(len(self.submitted)),
-                                 block_hasher=self.hasher)
+                                 block_hasher=self.hasher, **eos)
         self.submitted.append(rid)
         self.texts[rid] = list(req.input_ids)
         self.stop_at[rid] = req.stop_at
@@ -102,13 +103,15 @@ class VllmSchedulerTarget(_VllmBase):
         # (SchedulerOutput, ModelRunnerOutput, {rid: [n] int64 blocks the step writes}), oldest first
         self.batch_queue: list[tuple] = []
         self.max_in_flight = 2 if config.async_scheduling else 1  # EngineCore's batch queue size
+        if load().has("config-max-concurrent-batches"):  # before 0.23.0 the executor's (the same rule)
+            self.max_in_flight = self.vllm_config.max_concurrent_batches
         kv = self.vllm_config.kv_transfer_config
         # vLLM's own condition for holding back the blocks an in-flight step writes (0.24.0's
         # Scheduler.__init__, the fix of #45357): more than one batch in flight and a KV consumer, whose
         # loads into a reused block are not ordered against that step's writes
-        self.guard_inflight = (self.vllm_config.max_concurrent_batches > 1 and kv is not None
-                                      and kv.is_kv_consumer)
         self._init_common(config)
+        self.guard_inflight = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
+        faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus.WAITING_FOR_REMOTE_KVS)
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
         if "free-window-under-inflight-step" in self._faults:
@@ -189,7 +192,28 @@ class VllmSchedulerTarget(_VllmBase):
         return touched
 
     def invariant_findings(self) -> list:
-        return super().invariant_findings() + self._inflight_findings()
+        return super().invariant_findings() + self._inflight_findings() + self._dead_table_findings()
+
+    def _dead_table_findings(self) -> list:
+        """Once the engine is idle (every request finished and reported, no batch in flight, no transfer
+        outstanding), no table of the Scheduler's (a dict attribute) is keyed by a request id the
+        Scheduler no longer knows: vLLM drops a request's per-request state when it frees it
+        (``Scheduler._free_request`` / ``_free_blocks``). vLLM 0.22.0-0.30.0's routed-experts snapshot
+        ``_re_block_ids`` is popped only for a request that produces a token: an aborted request's entry
+        stays (vLLM #49684). Sets are left out: ``finished_req_ids`` and the like hold ids for a step by
+        design."""
+        if not self.is_idle():
+            return []
+        known = self.scheduler.requests
+        for name, table in sorted(vars(self.scheduler).items()):
+            if isinstance(table, dict) and table:
+                dead = [k for k in table if isinstance(k, str) and k in self.texts and k not in known]
+                if dead:
+                    return [TargetFinding("leak", POOL, np.array([1], dtype=np.int64),
+                                          f"Scheduler.{name} still holds {len(dead)} entry(ies) of request(s) it "
+                                          f"no longer knows (first req:{dead[0]}) once idle",
+                                          check=f"dead-table:{name}")]
+        return []
 
     def _inflight_findings(self) -> list:
         """Two invariants of a step in flight, under vLLM's own condition for them
@@ -237,9 +261,36 @@ class VllmSchedulerTarget(_VllmBase):
         """One sampled token per scheduled request, none for a request still mid-prefill after this chunk."""
         ids = list(out.num_scheduled_tokens)
         reqs = self.scheduler.requests
-        toks = [[] if reqs[r].is_prefill_chunk else [self.sample(r)] for r in ids]
-        return self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                        sampled_token_ids=toks)
+        toks = [[] if self._is_prefill_chunk(reqs[r]) else [self.sample(r)] for r in ids]
+        output = self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                          sampled_token_ids=toks)
+        if self.config.return_routed_experts:
+            output.routed_experts = self._routed_experts(out, ids)
+        return output
+
+    def _routed_experts(self, out, ids):
+        """The step's ``RoutedExpertsLists`` (what the model runner D2Hs): per scheduled token, in ``ids``
+        order, its KV slot (``block_id * block_size + offset``, from the full-attention table) and a
+        routing row ``[1 layer, 2 experts per token]`` (expert ids from the slot)."""
+        from vllm.v1.outputs import RoutedExpertsLists
+        bs, reqs, slots = self.config.block_size, self.scheduler.requests, []
+        for rid in ids:
+            end = reqs[rid].num_computed_tokens
+            pos = np.arange(end - out.num_scheduled_tokens[rid], end, dtype=np.int64)
+            table = np.array([b.block_id for b in self.groups[0].req_to_blocks[rid]], dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        slot_mapping = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        routing = np.stack([slot_mapping % 4, (slot_mapping + 1) % 4], axis=1)[:, None, :].astype(np.int32)
+        return RoutedExpertsLists(routing_data=routing, slot_mapping=slot_mapping)
+
+    def _is_prefill_chunk(self, request) -> bool:
+        """Whether the step just scheduled leaves ``request`` mid-prefill (no token sampled): vLLM's own
+        ``Request.is_prefill_chunk`` from 0.16.0 (``compat`` "is-prefill-chunk"); before, what the model
+        runner tests, computed tokens after the step below the request's tokens (async placeholders are
+        not tokens yet)."""
+        if self.V.has("is-prefill-chunk"):
+            return request.is_prefill_chunk
+        return request.num_computed_tokens < request.num_tokens
 
     def is_idle(self) -> bool:
         return not self.scheduler.has_requests() and not self.batch_queue
@@ -346,8 +397,7 @@ class VllmManagerTarget(_VllmBase):
         """Sample one token; finish the request at EOS, ``max_tokens`` or ``max_model_len`` (``check_stop``)."""
         tok = self.sample(request.request_id)
         request.append_output_token_ids(tok)
-        sp = request.sampling_params
-        if tok == sp.eos_token_id:
+        if tok == self.eos:  # the EOS the request was built with (on SamplingParams from vLLM 0.17.0)
             self._finish(request, S.FINISHED_STOPPED)
         elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             self._finish(request, S.FINISHED_LENGTH_CAPPED)

@@ -1,0 +1,70 @@
+"""kvaudit's own KV connector for the ``vllm-kv-save`` preset (imports vLLM: loaded by vLLM's
+``KVConnectorFactory`` under the name ``KvauditAsyncSaveConnector``, registered in ``boot``).
+
+What it models: a connector that saves (offloads) every request's KV asynchronously and so answers
+``request_finished -> delay_free_blocks=True`` for *any* finished request with blocks, an aborted one
+included. vLLM's connector API allows that (``KVConnectorBase_V1.request_finished``: the blocks are
+freed once the request id comes back in ``finished_sending``), and vLLM's own ``OffloadingConnector``
+does it for a request whose store is in flight (``OffloadingConnectorScheduler.request_finished``,
+``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``). The ``NixlConnector``
+preset never reaches this state: NIXL frees an aborted request at once. The OffloadingConnector itself
+is not driven: its CPU tier needs ``kv_cache_tensors`` to size and a worker stand-in for its store jobs.
+
+Scheduler side only; the worker side is :class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn`,
+which reads each step's :class:`KvauditSaveMetadata` (the requests whose save starts) and reports each
+save done in ``finished_sending`` 1 to ``kv_transfer_latency_steps`` steps later. A request finished
+twice is saved twice (vLLM #33377's double free on 0.15.1).
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+NAME = "KvauditAsyncSaveConnector"
+
+
+class KvauditSaveMetadata(KVConnectorMetadata):
+    """``reqs_to_send``: the request ids whose save starts with this step."""
+
+    def __init__(self, reqs_to_send: list[str]):
+        self.reqs_to_send = reqs_to_send
+
+
+class KvauditAsyncSaveConnector(KVConnectorBase_V1):
+    """See the module docstring. The worker-role methods do nothing (no worker runs here)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._to_send: list[str] = []  # finished since the last build_connector_meta
+
+    # -- worker role: never called by the scheduler --------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # -- scheduler role ----------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return 0, False  # nothing is loaded: a save-only connector
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> KvauditSaveMetadata:
+        meta = KvauditSaveMetadata(self._to_send)
+        self._to_send = []
+        return meta
+
+    def request_finished(self, request, block_ids):
+        """Hold the blocks while the request's KV is saved: ``(True, None)`` when it has blocks."""
+        delay = len(block_ids) > 0
+        if delay:
+            self._to_send.append(request.request_id)
+        return delay, None

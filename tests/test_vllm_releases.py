@@ -1,0 +1,107 @@
+"""vLLM releases as overlays (``kvaudit.history.releases``): each known reproducer replayed in its own
+process per release (one process imports one vLLM), found on the release that ships the bug and clean
+on the one that fixed it; and the oracle each bug needs, on this environment's vLLM through the injected
+fault that puts the bug back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvaudit.history import releases
+from kvaudit.history.catalogue import BUGS
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "vllm_releases"
+
+
+def _overlay(version: str) -> Path | None:
+    """The overlay of vLLM ``version`` (None: the base has it); skips with the install command if absent."""
+    if releases.base_version("vllm") == version:
+        return None
+    path = releases.overlay_path("vllm", version)
+    if not path.is_dir():
+        pins = " ".join(releases.EXTRA_PINS.get(("vllm", version), ()))
+        pytest.skip(f"vLLM {version} overlay absent: python -m pip install -q --no-deps --no-compile --target "
+                    f"{path} vllm=={version} {pins}".rstrip())
+    return path
+
+
+def _replay(version: str, name: str) -> list[str]:
+    """The signatures ``kvaudit replay`` finds for ``name`` under vLLM ``version`` (a child process)."""
+    env = releases.env("vllm", version, _overlay(version))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    code = ("import json, sys; from kvaudit import replay; from kvaudit.audit.runner import execute; "
+            "from kvaudit.program import Idle; import vllm; "
+            f"assert vllm.__version__ == {version!r}, vllm.__version__; "
+            f"config, program = replay.load({str(DATA / name)!r})[:2]; "
+            "ex = execute(config, list(program) + [Idle()], full_stacks=False); "
+            "print(json.dumps(sorted({f.signature for f in ex.findings})))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("bug_id, name", [("vllm-32255", "vllm-32255.json"), ("vllm-33377", "vllm-33377.json")])
+def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(bug_id, name):
+    bug = BUGS[bug_id]
+    found = _replay(bug.buggy, name)
+    assert any(s.startswith(bug.finding) and s.endswith(f"check:{bug.check}") for s in found), found
+    assert _replay(bug.fixed, name) == []
+
+
+def test_routed_experts_side_table_is_found_on_0_30_0():
+    """vLLM #49684 on the release that ships it. Its fixed twin (0.31.0) moved the feature behind Model
+    Runner V2, which needs Triton: the target refuses to build it there, so only the buggy side runs."""
+    bug = BUGS["vllm-49684"]
+    assert _replay(bug.buggy, "vllm-49684.json") == [
+        "leak/block_pool/schedule@scheduler.py/check:dead-table:_re_block_ids"]
+
+
+def test_a_dead_entry_in_a_scheduler_table_is_found_once_idle():
+    """The dead-table check on this environment's vLLM: a drained run is clean; a request id planted in
+    one of the Scheduler's own tables (``deferred_loads``, a dict vLLM 0.33.0 keys by request id) after
+    the request is gone is a finding naming the table."""
+    pytest.importorskip("vllm")
+    from kvaudit.audit import oracles
+    from kvaudit.audit.runner import AuditedRun
+    from kvaudit.program import Abort, Idle, Step, Submit
+    from kvaudit.targets import registry
+    from kvaudit.targets.vllm.boot import VllmUnavailable, load
+    try:
+        load()
+    except VllmUnavailable as e:
+        pytest.skip(str(e))
+    run = AuditedRun(registry.get("vllm").preset("vllm-async").config())
+    for op in [Submit(0, 8, 4, ignore_eos=1), Step(1), Abort(None), Idle()]:
+        assert run.apply(op) == []
+    s = run.target.scheduler
+    table = getattr(s, "deferred_loads", None)
+    if not isinstance(table, dict):
+        pytest.skip(f"vLLM {load().version}'s Scheduler has no deferred_loads dict")
+    table["req-000001"] = (0, 0, 0, 0)
+    found = [f for f in oracles.check(run.auditor, run.target) if f.signature.endswith("dead-table:deferred_loads")]
+    assert found and "req:req-000001" in found[0].message, [f.signature for f in found]
+
+
+def test_inflight_load_oracle_sees_the_fault_that_puts_32255_back():
+    pytest.importorskip("vllm")
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Idle, program_from_json
+    from kvaudit.targets import registry
+    from kvaudit.targets.vllm.boot import VllmUnavailable, load
+    try:
+        load()
+    except VllmUnavailable as e:
+        pytest.skip(str(e))
+    program = program_from_json(json.loads((DATA / "vllm-32255.json").read_text())["program"]) + [Idle()]
+    preset = registry.get("vllm").preset("vllm-kv-load")
+    faulty = execute(preset.config(bugs=frozenset({"free-under-inflight-load"})), program, full_stacks=False)
+    assert [f.signature for f in faulty.findings if f.signature.endswith("check:inflight-load")], \
+        [f.signature for f in faulty.findings]
+    assert execute(preset.config(), program, full_stacks=False).findings == []
