@@ -99,6 +99,22 @@ class Crash:
         return self.findings[0]
 
 
+class OnlySignature:
+    """A search's ``known`` that knows every signature but one: the search goes on past every other
+    finding (it ends that program, as a known one does) until it meets ``signature`` (or, with
+    ``substring``, a signature containing it). For measuring executions to one given bug
+    (benchmarks/rediscover_sglang.py); atheris's harness takes a list of signatures, not this."""
+
+    def __init__(self, signature: str, substring: bool = False):
+        self.signature, self.substring = signature, substring
+
+    def wants(self, sig: str) -> bool:
+        return self.signature in sig if self.substring else sig == self.signature
+
+    def __contains__(self, sig: str) -> bool:
+        return not self.wants(sig)
+
+
 class _Recorder:
     def __init__(self, stats: FuzzStats, deadline: float, known: frozenset[str] = frozenset(),
                  on_progress: Callable[[FuzzStats], None] | None = None):
@@ -294,7 +310,7 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
     ``database``: a directory for Hypothesis's example database (a campaign's corpus), whose saved
     examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`)."""
     deadline = time.monotonic() + max_time
-    rec = _Recorder(stats, deadline, frozenset(known), on_progress)
+    rec = _Recorder(stats, deadline, known if isinstance(known, OnlySignature) else frozenset(known), on_progress)
     max_prompt = context_max_prompt(config.context_len)
     db = None
     if database is not None:
