@@ -156,24 +156,32 @@ class Mutator:
 
 def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats: FuzzStats,
                   on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
-                  known=frozenset(), min_ops: int = 4, max_ops: int = 24, fresh_share: float = 0.25,
-                  corpus: Corpus | None = None) -> tuple[list[Op], list[Finding]] | None:
+                  known=frozenset(), min_ops: int = 4, max_ops: int = 24, warmup: int = 64, fresh_share: float = 0.3,
+                  corpus: Corpus | None = None, max_executions: int | None = None,
+                  ) -> tuple[list[Op], list[Finding]] | None:
     """Search ``config`` for ``max_time`` seconds from ``seed_value``. Returns the first program that
     yields a finding (neither suppressed by ``suppressions``, a
     :class:`kvaudit.audit.suppress.SuppressionSet`, nor ``known``: a container of signatures) with its
-    findings, or None. ``fresh_share``: the share of executions that run a fresh program (always
+    findings, or None. The first ``warmup`` executions are the random baseline's programs (the
+    same ones :func:`kvaudit.search.fuzz.random_search` runs for ``seed_value``: shallow bugs are found
+    as fast as random finds them) and seed the corpus; after them, ``fresh_share``: the share of executions that run a fresh program (always
     while the corpus is empty); the rest mutate a corpus program. ``corpus`` (optional) is filled in
     place (its size after a search: programs that reached new states). ``stats.coverage`` reports
-    the features and corpus size."""
-    rng = random.Random(seed_value)
+    the features and corpus size. ``max_executions``: stop after that many programs too (a
+    budget the clock does not touch: the same seed then runs the same programs)."""
+    rng = random.Random(seed_value)  # drawn in random_search's order during the warmup
     deadline = time.monotonic() + max_time
     mp = context_max_prompt(config.context_len)
     reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
     mut = Mutator(rng, reach, mp, max_ops)
     corpus = corpus if corpus is not None else Corpus()
     last = time.monotonic()
-    while time.monotonic() < deadline:
-        if not corpus.entries or rng.random() < fresh_share:
+    executions = 0
+    while time.monotonic() < deadline and (max_executions is None or executions < max_executions):
+        executions += 1
+        if executions <= warmup:
+            program = mut.fresh(min_ops, max_ops, swarm=False)
+        elif not corpus.entries or rng.random() < fresh_share:
             program = mut.fresh(min_ops, max_ops, swarm=rng.random() < 0.5)
         else:
             program = mut.mutate(corpus.pick(rng).program, rng.choice(corpus.entries).program)
