@@ -52,7 +52,12 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float) 
 
     stats = FuzzStats()
     t0 = time.monotonic()
-    found = search(fuzzer, config, budget, seed, stats, work_dir="/tmp", known=wanted)
+    if fuzzer == "corpus-keep":  # a variant: known findings are features (kvaudit.search.corpus_fuzz)
+        from kvaudit.search.corpus_fuzz import corpus_search
+
+        found = corpus_search(config, budget, seed, stats, known=wanted, keep_findings=True)
+    else:
+        found = search(fuzzer, config, budget, seed, stats, work_dir="/tmp", known=wanted)
     hit = found is not None and any(wanted.wants(f.signature) for f in found[1])
     execs, secs = stats.first_hit if hit and stats.first_hit else (stats.executions, time.monotonic() - t0)
     return {"fuzzer": fuzzer, "seed": seed, "hit": hit, "executions": execs, "seconds": round(secs, 2),

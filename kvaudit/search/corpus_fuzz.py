@@ -158,7 +158,7 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                   on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
                   known=frozenset(), min_ops: int = 4, max_ops: int = 24, warmup: int = 64, fresh_share: float = 0.3,
                   corpus: Corpus | None = None, max_executions: int | None = None,
-                  ) -> tuple[list[Op], list[Finding]] | None:
+                  keep_findings: bool = False) -> tuple[list[Op], list[Finding]] | None:
     """Search ``config`` for ``max_time`` seconds from ``seed_value``. Returns the first program that
     yields a finding (neither suppressed by ``suppressions``, a
     :class:`kvaudit.audit.suppress.SuppressionSet`, nor ``known``: a container of signatures) with its
@@ -168,7 +168,9 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     while the corpus is empty); the rest mutate a corpus program. ``corpus`` (optional) is filled in
     place (its size after a search: programs that reached new states). ``stats.coverage`` reports
     the features and corpus size. ``max_executions``: stop after that many programs too (a
-    budget the clock does not touch: the same seed then runs the same programs)."""
+    budget the clock does not touch: the same seed then runs the same programs). ``keep_findings``: a
+    known finding's signature is a feature too, and its program joins the corpus up to and including
+    the op that raised it (else that op is left out)."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup
     deadline = time.monotonic() + max_time
     mp = context_max_prompt(config.context_len)
@@ -212,7 +214,8 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                     stats.sites |= run.auditor.site_keys()
                     return program[:ran], found
                 if found:
-                    broke = True  # a known finding: the op that raised it stays out of the corpus
+                    broke = not keep_findings  # a known finding: the op that raised it stays out of the corpus
+                    features |= {hash(("finding", f.signature)) for f in found} if keep_findings else set()
                     break
             sites = run.auditor.site_keys()
             stats.sites |= sites
