@@ -60,17 +60,18 @@ class Trial:
 
 
 def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str,
-           known=frozenset()):
+           known=frozenset(), max_executions: int | None = None):
     """One search of ``budget`` seconds by ``fuzzer``; ``known``: signatures that are not findings
-    (or a :class:`kvaudit.search.fuzz.OnlySignature`; not for atheris)."""
+    (or a :class:`kvaudit.search.fuzz.OnlySignature`; not for atheris); ``max_executions``: a second
+    budget, in programs (not for atheris)."""
     if fuzzer == "hypothesis":
-        return hypothesis_search(config, budget, seed, stats, known=known)
+        return hypothesis_search(config, budget, seed, stats, known=known, max_executions=max_executions)
     if fuzzer == "random":
-        return random_search(config, budget, seed, stats, known=known)
+        return random_search(config, budget, seed, stats, known=known, max_executions=max_executions)
     if fuzzer == "corpus":
         from kvaudit.search.corpus_fuzz import corpus_search
 
-        return corpus_search(config, budget, seed, stats, known=known)
+        return corpus_search(config, budget, seed, stats, known=known, max_executions=max_executions)
     from kvaudit.search.atheris_fuzz import atheris_search
 
     return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False, known=known)
