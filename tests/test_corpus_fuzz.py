@@ -106,3 +106,19 @@ def test_warmup_runs_the_random_baselines_programs():
         assert r is not None and c is not None
         assert rs.first_hit[0] == cs.first_hit[0]
         assert program_to_json(r[0]) == program_to_json(c[0])
+
+
+@pytest.mark.parametrize("search", ["random", "hypothesis", "corpus"])
+def test_only_signature_searches_past_other_findings_until_the_execution_budget(search):
+    """With every signature but one known, a search that would stop at its first finding goes on
+    until the execution budget is spent; with nothing known it stops at a finding."""
+    from kvaudit.search.bench import search as run_search
+
+    config = _config("chunked-abort-ignored", "chunked")
+    stats = FuzzStats()
+    assert run_search(search, config, 120.0, 1, stats, "/tmp", known=OnlySignature("no such signature"),
+                      max_executions=60) is None
+    assert stats.executions == 60 and stats.first_hit is None
+    stats = FuzzStats()
+    found = run_search(search, config, 120.0, 1, stats, "/tmp", max_executions=2000)
+    assert found is not None and stats.first_hit is not None and stats.first_hit[0] <= stats.executions
