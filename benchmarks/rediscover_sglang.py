@@ -61,6 +61,11 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
 
         found = corpus_search(config, budget, seed, stats, known=wanted, keep_findings=True,
                               max_executions=max_executions)
+    elif fuzzer == "corpus-lines":  # a variant: engine line coverage as features too
+        from kvaudit.search.corpus_fuzz import corpus_search
+
+        found = corpus_search(config, budget, seed, stats, known=wanted, line_coverage=True,
+                              max_executions=max_executions)
     else:
         found = search(fuzzer, config, budget, seed, stats, work_dir="/tmp", known=wanted,
                        max_executions=max_executions)

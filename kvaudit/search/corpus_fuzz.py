@@ -18,8 +18,11 @@ Deterministic per seed up to the clock (the budget's end, the step watchdog).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +36,44 @@ from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
 from kvaudit.program.schema import max_prompt as context_max_prompt
 from kvaudit.search.fuzz import FuzzStats
 from kvaudit.targets import program_features
+
+
+ENGINE_PACKAGES = ("sglang", "vllm", "engine_under_test")  # whose lines ``line_coverage`` records
+
+
+class LineTracer:
+    """Engine line coverage by ``sys.settrace`` (Python 3.11 has no ``sys.monitoring``): the (code,
+    line) pairs run in the modules of :data:`ENGINE_PACKAGES` (kvaudit's own left out), while it is
+    on. Measured at about 2.2x the CPU time of an untraced SGLang program (40 random programs on
+    ``sglang-session``)."""
+
+    def __init__(self):
+        self.lines: set = set()
+        self._engine: dict = {}  # code object -> whether its lines are recorded
+
+    def _is_engine(self, code) -> bool:
+        hit = self._engine.get(code)
+        if hit is None:
+            name = code.co_filename.replace(os.sep, "/")
+            hit = "/kvaudit/" not in name and any(f"/{p}/" in name for p in ENGINE_PACKAGES)
+            self._engine[code] = hit
+        return hit
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines.add((frame.f_code, frame.f_lineno))
+        return self._local
+
+    def _global(self, frame, event, arg):
+        return self._local if self._is_engine(frame.f_code) else None
+
+    def __enter__(self) -> "LineTracer":
+        self.lines = set()
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
 
 
 def _bucket(n: int) -> int:
@@ -158,7 +199,8 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                   on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
                   known=frozenset(), min_ops: int = 4, max_ops: int = 24, warmup: int = 64, fresh_share: float = 0.3,
                   corpus: Corpus | None = None, max_executions: int | None = None,
-                  keep_findings: bool = False) -> tuple[list[Op], list[Finding]] | None:
+                  keep_findings: bool = False, line_coverage: bool = False,
+                  ) -> tuple[list[Op], list[Finding]] | None:
     """Search ``config`` for ``max_time`` seconds from ``seed_value``. Returns the first program that
     yields a finding (neither suppressed by ``suppressions``, a
     :class:`kvaudit.audit.suppress.SuppressionSet`, nor ``known``: a container of signatures) with its
@@ -170,7 +212,8 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     the features and corpus size. ``max_executions``: stop after that many programs too (a
     budget the clock does not touch: the same seed then runs the same programs). ``keep_findings``: a
     known finding's signature is a feature too, and its program joins the corpus up to and including
-    the op that raised it (else that op is left out)."""
+    the op that raised it (else that op is left out). ``line_coverage``: the engine lines each program
+    runs are features too (:class:`LineTracer`; about 2.2x the CPU time per program)."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup
     deadline = time.monotonic() + max_time
     mp = context_max_prompt(config.context_len)
@@ -178,6 +221,7 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     mut = Mutator(rng, reach, mp, max_ops)
     corpus = corpus if corpus is not None else Corpus()
     last = time.monotonic()
+    tracer = LineTracer() if line_coverage else None
     executions = 0
     while time.monotonic() < deadline and (max_executions is None or executions < max_executions):
         executions += 1
@@ -189,7 +233,8 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
             program = mut.mutate(corpus.pick(rng).program, rng.choice(corpus.entries).program)
         stats.executions += 1
         features: set = set()
-        with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run:
+        with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
+                (tracer or contextlib.nullcontext()):
             prev = [None]
             kind = ["-"]
 
@@ -222,6 +267,8 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
             stats.suppressed.update(f.signature for f in run.suppressed)
         if not run.out_of_time:
             features |= {hash(("site", s)) for s in sites}
+            if tracer is not None:
+                features |= tracer.lines
             kept = program[:ran - 1] if broke else program[:ran]
             corpus.add(kept if kept and isinstance(kept[-1], Idle) else kept + [Idle()], features)
         stats.coverage = f"{len(corpus.features)} features, {len(corpus.entries)} programs"
