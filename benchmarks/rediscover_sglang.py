@@ -91,7 +91,20 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sglang", action="store_true", help="leave out the SGLang corpus")
     ap.add_argument("--vllm-45357", action="store_true")
     ap.add_argument("--json", default=None, help="append each trial as a JSON line here")
+    ap.add_argument("--table", nargs="+", default=None, metavar="JSONL",
+                    help="print the table of trials recorded by --json (several files merge) and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        rows: dict[tuple[str, str], list[dict]] = {}
+        for path in args.table:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    t = json.loads(line)
+                    rows.setdefault((t["case"], t["fuzzer"]), []).append(t)
+        fuzzers = list(dict.fromkeys(f for _, f in rows))
+        fuzzers = ["random"] + [f for f in fuzzers if f != "random"] if "random" in fuzzers else fuzzers
+        print_table(rows, fuzzers)
+        return 0
     files = [] if args.no_sglang else sorted(args.files or glob.glob("corpora/sglang/*.json"))
     fuzzers = args.fuzzers.split(",")
     rows: dict[tuple[str, str], list[dict]] = {}
@@ -111,7 +124,7 @@ def main(argv=None) -> int:
 
 
 def print_table(rows, fuzzers) -> None:
-    names = list(dict.fromkeys(n for n, _ in rows))
+    names = sorted(dict.fromkeys(n for n, _ in rows))
     med: dict[tuple[str, str], float | None] = {}
     print("\n| case | " + " | ".join(f"{f} hits | {f} median execs [s]" for f in fuzzers) + " |")
     print("|---|" + "---|---|" * len(fuzzers))
