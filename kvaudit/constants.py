@@ -3,7 +3,7 @@ from the modules that use them (those import torch and Hypothesis), so that ``kv
 imports neither; the modules import them from here under the same names. Nothing here imports
 the built-in engine (the atheris harness reads it before instrumenting the engine)."""
 
-FUZZERS = ("hypothesis", "atheris", "random")  # kvaudit.search.campaign, kvaudit.search.bench
+FUZZERS = ("hypothesis", "atheris", "random", "corpus")  # kvaudit.search.campaign, kvaudit.search.bench
 CONFIRM_RUNS = 3  # kvaudit.search.fuzz: replays that must all reproduce a finding before it is reported
 DEFAULT_STEP_TIMEOUT = 10.0  # kvaudit.audit.runner: seconds one engine step may take before the watchdog calls it a hang
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: a program kvaudit needs (atheris) is not installed here

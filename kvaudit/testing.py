@@ -55,13 +55,15 @@ class Result:
 
 
 def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = "random") -> Result:
-    """Fuzz ``config``'s target for at most ``max_time`` seconds with ``fuzzer`` (``random`` or
-    ``hypothesis``); stops at the first finding, which is re-run with full stacks for the report.
+    """Fuzz ``config``'s target for at most ``max_time`` seconds with ``fuzzer`` (``random``,
+    ``hypothesis`` or ``corpus``); stops at the first finding, which is re-run with full stacks for the report.
     Raises ``ValueError`` for an unknown fuzzer."""
     from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search
     from kvaudit.audit.runner import execute
 
-    searches = {"random": random_search, "hypothesis": hypothesis_search}
+    from kvaudit.search.corpus_fuzz import corpus_search
+
+    searches = {"random": random_search, "hypothesis": hypothesis_search, "corpus": corpus_search}
     if fuzzer not in searches:
         raise ValueError(f"unknown fuzzer {fuzzer!r} (valid: {', '.join(searches)})")
     stats = FuzzStats()

@@ -186,6 +186,10 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
 
     if fuzzer == "random":
         return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+    if fuzzer == "corpus":
+        from kvaudit.search.corpus_fuzz import corpus_search
+
+        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
     if fuzzer == "atheris":
         from kvaudit.search.atheris_fuzz import atheris_search
 

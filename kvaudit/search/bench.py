@@ -58,14 +58,22 @@ class Trial:
     wall: float = 0.0  # the whole trial, triage included
 
 
-def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str):
+def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str,
+           known=frozenset(), max_executions: int | None = None):
+    """One search of ``budget`` seconds by ``fuzzer``; ``known``: signatures that are not findings
+    (or a :class:`kvaudit.search.fuzz.OnlySignature`; not for atheris); ``max_executions``: a second
+    budget, in programs (not for atheris)."""
     if fuzzer == "hypothesis":
-        return hypothesis_search(config, budget, seed, stats)
+        return hypothesis_search(config, budget, seed, stats, known=known, max_executions=max_executions)
     if fuzzer == "random":
-        return random_search(config, budget, seed, stats)
+        return random_search(config, budget, seed, stats, known=known, max_executions=max_executions)
+    if fuzzer == "corpus":
+        from kvaudit.search.corpus_fuzz import corpus_search
+
+        return corpus_search(config, budget, seed, stats, known=known, max_executions=max_executions)
     from kvaudit.search.atheris_fuzz import atheris_search
 
-    return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False)
+    return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False, known=known)
 
 
 def engine_first_failures(config: TargetConfig, program) -> tuple[int | None, int | None]:

@@ -99,6 +99,22 @@ class Crash:
         return self.findings[0]
 
 
+class OnlySignature:
+    """A search's ``known`` that knows every signature but one: the search goes on past every other
+    finding (it ends that program, as a known one does) until it meets ``signature`` (or, with
+    ``substring``, a signature containing it). For measuring executions to one given bug
+    (benchmarks/rediscover_sglang.py); atheris's harness takes a list of signatures, not this."""
+
+    def __init__(self, signature: str, substring: bool = False):
+        self.signature, self.substring = signature, substring
+
+    def wants(self, sig: str) -> bool:
+        return self.signature in sig if self.substring else sig == self.signature
+
+    def __contains__(self, sig: str) -> bool:
+        return not self.wants(sig)
+
+
 class _Recorder:
     def __init__(self, stats: FuzzStats, deadline: float, known: frozenset[str] = frozenset(),
                  on_progress: Callable[[FuzzStats], None] | None = None):
@@ -106,6 +122,7 @@ class _Recorder:
         self.deadline = deadline
         self.known = known  # signatures already reported (a resumed campaign): not failures
         self.last_failure: tuple[list[Op], list[Finding]] | None = None
+        self.cap: int | None = None  # executions after which new cases run nothing
         self.on_progress = on_progress
         self._last_tick = time.monotonic()
 
@@ -153,6 +170,9 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                 self.dead = True
                 raise _BudgetSpent  # shrinking past the budget: stop Hypothesis, keep the last failure
             if not self.ops:  # count programs that ran, not empty cases past the deadline
+                if rec.last_failure is None and rec.cap is not None and rec.stats.executions >= rec.cap:
+                    self.dead = True  # the execution budget is spent: this case runs nothing
+                    return
                 if rec.last_failure is None:
                     rec.stats.executions += 1
                 else:  # with report_multiple_bugs off, every case after the first failure is a shrink
@@ -282,7 +302,7 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
                       on_progress: Callable[[FuzzStats], None] | None = None,
                       batch_examples: int = 100, max_steps: int = 16,
                       suppressions=None, known: frozenset[str] = frozenset(), database: str | None = None,
-                      swarm: bool = True) -> tuple[list[Op], list[Finding]] | None:
+                      swarm: bool = True, max_executions: int | None = None) -> tuple[list[Op], list[Finding]] | None:
     """Run seeded Hypothesis batches until a finding or ``max_time`` seconds. Returns the shrunk
     failing program and its findings, or None. The budget bounds the shrinking too: past it, the
     program of the last failing case is returned as Hypothesis left it (``stats.first_hit`` holds
@@ -292,9 +312,12 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
     (they count as hits of the set); nor are those whose signature is in ``known``.
 
     ``database``: a directory for Hypothesis's example database (a campaign's corpus), whose saved
-    examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`)."""
+    examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`). ``max_executions``:
+    stop after that many programs too (cases past it run nothing; shrinking is not cut by it)."""
     deadline = time.monotonic() + max_time
-    rec = _Recorder(stats, deadline, frozenset(known), on_progress)
+    rec = _Recorder(stats, deadline, known if isinstance(known, OnlySignature) else frozenset(known), on_progress)
+    if max_executions is not None:
+        rec.cap = stats.executions + max_executions
     max_prompt = context_max_prompt(config.context_len)
     db = None
     if database is not None:
@@ -306,7 +329,7 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
                   phases=([Phase.reuse] if db is not None else []) + [Phase.generate, Phase.shrink],
                   report_multiple_bugs=False)
     batch = 0
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (rec.cap is None or stats.executions < rec.cap):
         machine = seed(seed_value * 1_000_003 + batch)(_machine(config, rec, max_prompt, suppressions, swarm))
         try:
             run_state_machine_as_test(machine, settings=hs)
@@ -334,16 +357,18 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
 def random_search(config: TargetConfig, max_time: float, seed_value: int, stats: FuzzStats,
                   on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
                   known: frozenset[str] = frozenset(), min_ops: int = 4, max_ops: int = 24,
-                  ) -> tuple[list[Op], list[Finding]] | None:
+                  max_executions: int | None = None) -> tuple[list[Op], list[Finding]] | None:
     """The plain random baseline: fresh random programs (:func:`kvaudit.program.random_program`, a
     fixed op mix) of ``min_ops..max_ops`` ops, no coverage feedback, no shrinking -- what a load test
     with an idle check amounts to, but with kvaudit's oracles. Returns the first program that yields
-    a finding (neither suppressed nor ``known``) with its findings, or None after ``max_time`` s."""
+    a finding (neither suppressed nor ``known``) with its findings, or None after ``max_time`` s (or
+    ``max_executions`` programs)."""
     rng = random.Random(seed_value)
     deadline = time.monotonic() + max_time
     max_prompt = context_max_prompt(config.context_len)
     last = time.monotonic()
-    while time.monotonic() < deadline:
+    cap = stats.executions + max_executions if max_executions is not None else None
+    while time.monotonic() < deadline and (cap is None or stats.executions < cap):
         program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
                                  features=program_features(config))
         stats.executions += 1

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Executions-to-bug for rediscovering the SGLang 0.5.23 findings of ``corpora/sglang/`` from scratch.
+
+    python benchmarks/rediscover_sglang.py [--fuzzers random,hypothesis] [--seeds 3] [--budget 60]
+        [--max-executions N] [--files GLOB ...] [--vllm-45357] [--json out.json]
+
+For each replay file in ``corpora/sglang/*.json`` its ``config`` (target, preset, overrides; no bug
+switched on: these are bugs of the installed SGLang 0.5.23 itself) is searched by each fuzzer with
+seeds 1..N, ``--budget`` seconds each, no seed programs. A trial's hit is the first finding whose
+signature equals the file's recorded one; any other finding is not a hit, and the search goes on past
+it (:class:`kvaudit.search.fuzz.OnlySignature` as the search's ``known``: such a finding ends its
+program, as a campaign's known findings do). ``--vllm-45357`` adds vLLM #45357 (the
+``vllm-kv-connector`` preset, a finding whose signature contains ``check:inflight-write``); run it
+with ``PYTHONPATH=~/.cache/kvaudit/releases/vllm-0.23.0:$PWD``.
+
+Per case and fuzzer: successes/trials, median executions (and seconds) to the first hit over the
+successful trials (``-`` when half or more failed: a censored median), and the geometric mean over
+the cases both fuzzers find of median executions(random) / median executions(fuzzer) (> 1: fewer
+executions than random). Each config runs one empty program first (imports, first-run set-up) outside
+the trials' budgets. Executions, not seconds, are the figure to compare: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+from kvaudit.audit.runner import execute
+from kvaudit.program import Idle
+from kvaudit.replay import load
+from kvaudit.search.fuzz import FuzzStats, OnlySignature
+
+
+def cases(files: list[str], vllm: bool) -> list[tuple[str, object, OnlySignature]]:
+    out = []
+    for path in files:
+        config, _program, findings, _doc = load(path)
+        out.append((os.path.basename(path)[:-5], config, OnlySignature(findings[0].signature)))
+    if vllm:
+        from kvaudit.targets import registry
+
+        config = registry.get("vllm").preset("vllm-kv-connector").config()
+        out.append(("vllm-45357-inflight-write", config, OnlySignature("check:inflight-write", substring=True)))
+    return out
+
+
+def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
+          max_executions: int | None = None) -> dict:
+    from kvaudit.search.bench import search
+
+    stats = FuzzStats()
+    t0 = time.monotonic()
+    if fuzzer == "corpus-keep":  # a variant: known findings are features (kvaudit.search.corpus_fuzz)
+        from kvaudit.search.corpus_fuzz import corpus_search
+
+        found = corpus_search(config, budget, seed, stats, known=wanted, keep_findings=True,
+                              max_executions=max_executions)
+    elif fuzzer == "corpus-lines":  # a variant: engine line coverage as features too
+        from kvaudit.search.corpus_fuzz import corpus_search
+
+        found = corpus_search(config, budget, seed, stats, known=wanted, line_coverage=True,
+                              max_executions=max_executions)
+    else:
+        found = search(fuzzer, config, budget, seed, stats, work_dir="/tmp", known=wanted,
+                       max_executions=max_executions)
+    hit = found is not None and any(wanted.wants(f.signature) for f in found[1])
+    execs, secs = stats.first_hit if hit and stats.first_hit else (stats.executions, time.monotonic() - t0)
+    return {"fuzzer": fuzzer, "seed": seed, "hit": hit, "executions": execs, "seconds": round(secs, 2),
+            "total_executions": stats.executions}
+
+
+def median(v):
+    return statistics.median(v) if v else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fuzzers", default="random,hypothesis")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=1)
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds per trial")
+    ap.add_argument("--max-executions", type=int, default=None,
+                    help="programs per trial (a budget the shared machine's load does not change)")
+    ap.add_argument("--files", nargs="*", default=None, help="replay files (default corpora/sglang/*.json)")
+    ap.add_argument("--no-sglang", action="store_true", help="leave out the SGLang corpus")
+    ap.add_argument("--vllm-45357", action="store_true")
+    ap.add_argument("--json", default=None, help="append each trial as a JSON line here")
+    ap.add_argument("--table", nargs="+", default=None, metavar="JSONL",
+                    help="print the table of trials recorded by --json (several files merge) and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        rows: dict[tuple[str, str], list[dict]] = {}
+        for path in args.table:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    t = json.loads(line)
+                    rows.setdefault((t["case"], t["fuzzer"]), []).append(t)
+        fuzzers = list(dict.fromkeys(f for _, f in rows))
+        fuzzers = ["random"] + [f for f in fuzzers if f != "random"] if "random" in fuzzers else fuzzers
+        print_table(rows, fuzzers)
+        return 0
+    files = [] if args.no_sglang else sorted(args.files or glob.glob("corpora/sglang/*.json"))
+    fuzzers = args.fuzzers.split(",")
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for name, config, wanted in cases(files, args.vllm_45357):
+        execute(config, [Idle()])  # imports and first-run set-up outside the trials' budgets
+        for fuzzer in fuzzers:
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                t = trial(fuzzer, config, wanted, seed, args.budget, args.max_executions)
+                t["case"] = name
+                rows.setdefault((name, fuzzer), []).append(t)
+                print(json.dumps(t), flush=True)
+                if args.json:
+                    with open(args.json, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps(t) + "\n")
+    print_table(rows, fuzzers)
+    return 0
+
+
+def print_table(rows, fuzzers) -> None:
+    names = sorted(dict.fromkeys(n for n, _ in rows))
+    med: dict[tuple[str, str], float | None] = {}
+    print("\n| case | " + " | ".join(f"{f} hits | {f} median execs [s]" for f in fuzzers) + " |")
+    print("|---|" + "---|---|" * len(fuzzers))
+    for n in names:
+        cells = []
+        for f in fuzzers:
+            ts = rows.get((n, f), [])
+            ok = [t for t in ts if t["hit"]]
+            m = median([t["executions"] for t in ok]) if len(ok) * 2 > len(ts) else None
+            med[(n, f)] = m
+            s = median([t["seconds"] for t in ok]) if m is not None else None
+            cells.append(f"{len(ok)}/{len(ts)} | " + (f"{m:g} [{s:.1f}]" if m is not None else "-"))
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    for f in fuzzers:
+        if f == "random":
+            continue
+        ratios = [med[(n, "random")] / med[(n, f)] for n in names
+                  if med.get((n, "random")) and med.get((n, f))]
+        g = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+        missed = [n for n in names if med.get((n, "random")) and not med.get((n, f))]
+        print(f"\n{f}: geomean execs(random)/execs({f}) = {g and round(g, 3)} over {len(ratios)} cases; "
+              f"random finds but {f} does not (median): {missed}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
