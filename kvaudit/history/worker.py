@@ -94,7 +94,7 @@ def search_trial(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryT
     return trial
 
 
-def _search(fuzzer, config, budget, seed, stats, work, suppressions):
+def _search(fuzzer, config, budget, seed, stats, work, suppressions):  # noqa: ARG001 (work: atheris's)
     """The fuzzer's search with ``suppressions``, returning at the first finding they leave."""
     from kvaudit.search.fuzz import hypothesis_search, random_search
 
@@ -102,8 +102,10 @@ def _search(fuzzer, config, budget, seed, stats, work, suppressions):
         return random_search(config, budget, seed, stats, suppressions=suppressions)
     if fuzzer == "hypothesis":
         return hypothesis_search(config, budget, seed, stats, suppressions=suppressions)
-    from kvaudit.search.bench import search
-    return search(fuzzer, config, budget, seed, stats, work)
+    if fuzzer == "corpus":
+        from kvaudit.search.corpus_fuzz import corpus_search
+        return corpus_search(config, budget, seed, stats, suppressions=suppressions)
+    raise ValueError(f"fuzzer {fuzzer!r} cannot search a real engine")  # atheris: refused by the command
 
 
 def replay_program(config, ops: list) -> dict:
