@@ -115,7 +115,8 @@ def main():
 @common_options
 @click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True,
               help="hypothesis: stateful generation with shrinking and swarm testing; atheris: coverage-guided "
-                   "libFuzzer over a byte encoding of programs; random: the plain random baseline.")
+                   "libFuzzer over a byte encoding of programs (the built-in engine only); random: the plain "
+                   "random baseline; corpus: a mutated program corpus guided by the scheduler states reached.")
 @click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
               metavar="SECONDS", help="Time budget for the search, in seconds, counted from the start of the process "
