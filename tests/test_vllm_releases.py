@@ -47,11 +47,12 @@ def _replay(version: str, name: str) -> list[str]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("bug_id, name", [("vllm-32255", "vllm-32255.json"), ("vllm-33377", "vllm-33377.json")])
-def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(bug_id, name):
-    bug = BUGS[bug_id]
+@pytest.mark.parametrize("bug_id", ["vllm-32255", "vllm-33377", "vllm-43433", "vllm-45357", "vllm-47282"])
+def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(bug_id):
+    bug, name = BUGS[bug_id], f"{bug_id}.json"
     found = _replay(bug.buggy, name)
-    assert any(s.startswith(bug.finding) and s.endswith(f"check:{bug.check}") for s in found), found
+    assert any(s.startswith(bug.finding + "/") and (not bug.check or s.endswith(f"check:{bug.check}"))
+               for s in found), found
     assert _replay(bug.fixed, name) == []
 
 

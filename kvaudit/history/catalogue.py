@@ -91,6 +91,17 @@ VLLM: tuple[HistoryBug, ...] = (
               "so blocks that step's attention window still reads go back to the pool, where a remote KV "
               "load can overwrite them mid-read"),
     HistoryBug(
+        id="vllm-43433", engine="vllm",
+        title="once only finished requests whose KV connector delays their free are left, the engine stops "
+              "stepping: their blocks stay allocated until another request arrives",
+        sources=("vllm-project/vllm#43433",), buggy="0.21.0", fixed="0.22.0", clean_because="fix",
+        preset="vllm-kv-connector", config={"async_scheduling": False}, finding="hang",
+        reach="a prefill instance (NixlConnector, do_remote_decode) or any connector that delays frees: the "
+              "last request finishes while its KV is being sent; Scheduler.has_finished_requests says no work is "
+              "left, the engine core stops calling step(), the connector's finished_sending is never taken, and "
+              "the blocks stay held until the next client request (0.22.0 counts such requests as work). "
+              "Synchronous scheduling here, so that 0.22.0 (before #45357's fix) has nothing else to report"),
+    HistoryBug(
         id="vllm-32255", engine="vllm",
         title="a request aborted while its remote KV load is in flight has its blocks freed at once; the "
               "load still writes them",

@@ -16,7 +16,7 @@
   counts equal vLLM's (no change outside the pool's API); the replayed events equal the map. vLLM has
   no checker of its own (its tests read ``ref_cnt`` and the free queue by hand).
 
-Private names read here are those of vLLM 0.15.1, 0.16.0 and 0.23.0 to 0.33.0 (where they changed: :mod:`.compat`):
+Private names read here are those of vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0 (where they changed: :mod:`.compat`):
 ``cached_block_hash_to_block._cache``, ``cached_block_hashes_by_block``, the free queue's
 ``fake_free_list_head``/``_tail``, each single-type manager's ``req_to_blocks``/``num_cached_block``/
 ``_pending_cow_copies``, ``Scheduler.deferred_frees``.
