@@ -15,21 +15,10 @@ Each change inside a family is named after the first release with the newer API;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from packaging.version import Version
+from kvaudit.targets.compat import Change, release_has
 
 CURRENT = ("0.5.23",)
 LEGACY = ("0.5.10.post1", "0.5.11")  # 0.5.10 itself has the same API; only these two are tested
-
-
-@dataclass(frozen=True)
-class Change:
-    """An API change a driver sees: ``release`` is the first release with the newer API."""
-
-    name: str
-    release: str
-    what: str
 
 
 CHANGES: dict[str, Change] = {c.name: c for c in (
@@ -66,4 +55,4 @@ def supported() -> str:
 def has(change: str, version: str) -> bool:
     """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError
     otherwise)."""
-    return Version(version) >= Version(CHANGES[change].release)
+    return release_has(CHANGES, change, version)

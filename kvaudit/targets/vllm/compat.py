@@ -9,9 +9,9 @@ oracles clean) when it is the installed vLLM. Facts: ``../shared/reference/histo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from packaging.version import Version
+
+from kvaudit.targets.compat import Change, release_has
 
 MIN_VERSION = "0.15.1"
 MAX_VERSION = "0.33.0"
@@ -19,15 +19,6 @@ MAX_VERSION = "0.33.0"
 # also import diskcache, which the base lacks)
 TESTED = ("0.15.1", "0.16.0", "0.20.0", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
           "0.32.0", "0.33.0")
-
-
-@dataclass(frozen=True)
-class Change:
-    """An API change a driver sees: ``release`` is the first release with the newer API."""
-
-    name: str
-    release: str
-    what: str
 
 
 CHANGES: dict[str, Change] = {c.name: c for c in (
@@ -80,7 +71,7 @@ def in_range(version: str) -> bool:
 def has(change: str, version: str) -> bool:
     """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError
     otherwise)."""
-    return Version(version) >= Version(CHANGES[change].release)
+    return release_has(CHANGES, change, version)
 
 
 def routed_experts_supported(version: str | None) -> bool:

@@ -1,0 +1,24 @@
+"""What the real-engine targets share to adapt to API changes between releases: a :class:`Change` names
+one after the first release with the newer API, and :func:`release_has` says whether a release has it.
+Each engine lists its own changes (``kvaudit/targets/sglang/compat.py``, ``kvaudit/targets/vllm/compat.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import Version
+
+
+@dataclass(frozen=True)
+class Change:
+    """An API change a driver sees: ``release`` is the first release with the newer API."""
+
+    name: str
+    release: str
+    what: str
+
+
+def release_has(changes: dict[str, Change], change: str, version: str) -> bool:
+    """Whether release ``version`` has the newer API of ``changes[change]`` (KeyError for an unknown
+    change; ``packaging.version.InvalidVersion`` for a malformed version)."""
+    return Version(version) >= Version(changes[change].release)
