@@ -24,7 +24,7 @@ from kvaudit.app.configs import TargetChoice, common_options, replay_tree_core_o
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import restoring_sigint
-from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, FUZZERS
+from kvaudit.constants import CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, FUZZERS
 from kvaudit.reports.outputs import FORMATS
 
 
@@ -113,10 +113,11 @@ def main():
 
 @main.command()
 @common_options
-@click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True,
-              help="hypothesis: stateful generation with shrinking and swarm testing; atheris: coverage-guided "
-                   "libFuzzer over a byte encoding of programs (the built-in engine only); random: the plain "
-                   "random baseline; corpus: a mutated program corpus guided by the scheduler states reached.")
+@click.option("--fuzzer", type=click.Choice(FUZZERS), default=DEFAULT_FUZZER, show_default=True,
+              help="corpus: a mutated program corpus guided by the scheduler states reached (a campaign keeps it "
+                   "in DIR/programs); hypothesis: stateful generation with shrinking and swarm testing; atheris: "
+                   "coverage-guided libFuzzer over a byte encoding of programs (the built-in engine only); random: "
+                   "the plain random baseline.")
 @click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
               metavar="SECONDS", help="Time budget for the search, in seconds, counted from the start of the process "
@@ -216,7 +217,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               help="Presets to fuzz: 'all' or a comma-separated list (of --target's presets).")
 @click.option("--target", type=TargetChoice(), default="eut", show_default=True,
               help="The target kind whose presets are fuzzed (see 'kvaudit presets').")
-@click.option("--fuzzer", type=click.Choice(FUZZERS), default="hypothesis", show_default=True)
+@click.option("--fuzzer", type=click.Choice(FUZZERS), default=DEFAULT_FUZZER, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "

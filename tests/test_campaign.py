@@ -358,3 +358,16 @@ def test_atheris_with_fork_2_from_the_cli_finds_the_hisparse_bug(tmp_path):
     found = known_signatures(str(corpus))
     assert any(s.startswith("leak/hisparse_") for s in found)
     assert "coverage=" in result.stderr and "edges" in result.stderr  # libFuzzer's edge coverage shown
+
+
+def test_a_corpus_campaign_keeps_its_programs_in_the_corpus_folder_and_a_rerun_keeps_them(tmp_path):
+    corpus = str(tmp_path / "c")
+    run_campaign(hisparse_config(), "corpus", 4, 1, 1, corpus)
+    programs = os.path.join(corpus, "programs")
+    first = set(os.listdir(programs))
+    assert first and all(n.endswith(".json") for n in first)
+    for name in first:
+        doc = json.load(open(os.path.join(programs, name)))
+        assert doc["format"] == "kvaudit.program/1" and doc["program"][-1] == {"op": "idle"}
+    run_campaign(hisparse_config(), "corpus", 3, 2, 1, corpus)
+    assert first <= set(os.listdir(programs))  # nothing lost; the rerun adds what it reaches anew

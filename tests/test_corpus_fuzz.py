@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvaudit.audit.runner import AuditedRun
-from kvaudit.program import Idle, program_from_json, program_to_json
+from kvaudit.program import Idle, OpenSession, Submit, program_from_json, program_to_json
 from kvaudit.program.schema import CAPABILITIES
 from kvaudit.search.corpus_fuzz import Corpus, Mutator, abstract_state, corpus_search
 from kvaudit.search.fuzz import FuzzStats, OnlySignature
@@ -122,3 +122,39 @@ def test_only_signature_searches_past_other_findings_until_the_execution_budget(
     stats = FuzzStats()
     found = run_search(search, config, 120.0, 1, stats, "/tmp", max_executions=2000)
     assert found is not None and stats.first_hit is not None and stats.first_hit[0] <= stats.executions
+
+
+def test_the_store_saves_every_program_that_joins_and_a_second_search_runs_them_first(tmp_path):
+    from kvaudit.search.corpus_fuzz import CorpusStore
+
+    store, corpus = CorpusStore(str(tmp_path / "programs")), Corpus()
+    corpus_search(_config(), 60.0, 3, FuzzStats(), corpus=corpus, store=store, max_executions=30)
+    files = sorted(p.name for p in (tmp_path / "programs").iterdir())
+    assert len(files) == len(corpus.entries) > 1
+    assert set(files) == {CorpusStore.name(e.program) for e in corpus.entries}
+    # a fresh worker (another seed) replays the stored programs before anything else: its corpus
+    # after exactly that many executions reaches every feature the first one had
+    again, stats = Corpus(), FuzzStats()
+    corpus_search(_config(), 60.0, 99, stats, corpus=again, store=CorpusStore(str(tmp_path / "programs")),
+                  max_executions=len(files))
+    assert again.features == corpus.features
+    assert {CorpusStore.name(e.program) for e in again.entries} <= set(files)  # name order: some add nothing new
+
+
+def test_the_store_skips_unreadable_files_and_picks_up_other_workers_programs(tmp_path):
+    from kvaudit.search.corpus_fuzz import CorpusStore
+
+    d = tmp_path / "programs"
+    a, b = CorpusStore(str(d)), CorpusStore(str(d))
+    assert a.load_new() == []  # no folder yet
+    program = [OpenSession(), Submit(session=0), Idle()]
+    a.save(program)
+    a.save(program)  # same contents: one file
+    (d / "broken.json").write_text("{not json")
+    (d / "bad-op.json").write_text('{"program": [{"op": "launch"}]}')
+    assert b.load_new() == [program]
+    assert sorted(b.skipped) == ["bad-op.json", "broken.json"]
+    assert b.load_new() == []  # each file once
+    a.save([Submit(), Idle()])
+    assert b.load_new() == [[Submit(), Idle()]]
+    assert len(list(d.iterdir())) == 4

@@ -150,7 +150,7 @@ def with_tree_core(config, tree_core: str | None):
 
 def check_fuzzer(fuzzer: str, target: str) -> None:
     if fuzzer == "atheris" and target != "eut":
-        raise InputError("--fuzzer atheris instruments the built-in engine only; use hypothesis or random with "
+        raise InputError("--fuzzer atheris instruments the built-in engine only; use corpus, hypothesis or random with "
                          f"--target {target}")
 
 

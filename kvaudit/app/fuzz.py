@@ -161,7 +161,7 @@ def check_atheris() -> None:
     try:
         import atheris
     except ImportError:
-        raise UnavailableError(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer hypothesis or random") from None
+        raise UnavailableError(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer corpus, hypothesis or random") from None
     del atheris
     if not os.access(HARNESS, os.X_OK):
         raise UnavailableError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (reinstall "

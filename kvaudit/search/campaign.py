@@ -118,7 +118,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     known = set(known_signatures(spec.corpus))
     flaky: set[str] = set()
     round_ = 0
-    kept_corpus = None  # the corpus fuzzer's programs, kept across the worker's rounds
+    kept_corpus = store = None  # the corpus fuzzer's programs (and DIR/programs/), kept across the worker's rounds
     while True:
         left = spec.deadline - time.time()
         if left <= 0:
@@ -133,11 +133,12 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         elif spec.fuzzer == "random":
             found = random_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip)
         elif spec.fuzzer == "corpus":
-            from kvaudit.search.corpus_fuzz import Corpus, corpus_search
+            from kvaudit.search.corpus_fuzz import Corpus, CorpusStore, corpus_search
 
-            kept_corpus = kept_corpus or Corpus()
+            if kept_corpus is None:
+                kept_corpus, store = Corpus(), CorpusStore(os.path.join(spec.corpus, "programs"))
             found = corpus_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
-                                  corpus=kept_corpus)
+                                  corpus=kept_corpus, store=store)
         else:
             from kvaudit.search.atheris_fuzz import atheris_search
 

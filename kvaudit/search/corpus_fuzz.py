@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 import random
 import sys
@@ -30,7 +32,7 @@ from typing import Callable
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.config import TargetConfig
-from kvaudit.program import Idle, Op, make_op, random_program
+from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, program_to_json, random_program
 from kvaudit.program.generate import random_op, weighted_kinds
 from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
 from kvaudit.program.schema import max_prompt as context_max_prompt
@@ -128,6 +130,61 @@ class Corpus:
         return e
 
 
+class CorpusStore:
+    """A campaign's program corpus on disk (``DIR/programs/``): one JSON file per program that joined a
+    worker's :class:`Corpus`, named by the digest of its contents (``<16 hex>.json``: a
+    ``{"format": "kvaudit.program/1", "program": [...]}`` document), written atomically. Workers share
+    the folder: each saves its own additions and picks up the others' with :meth:`load_new`, as AFL's
+    parallel instances sync their queues. A file that does not parse is skipped and counted in
+    ``skipped`` (a corpus is never a reason to stop a campaign); nothing is ever deleted."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.seen: set[str] = set()  # file names loaded or written by this store
+        self.skipped: list[str] = []  # files that did not parse
+        self.write_errors: list[str] = []  # programs that could not be saved
+
+    @staticmethod
+    def name(program: list[Op]) -> str:
+        text = json.dumps(program_to_json(program), sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:16] + ".json"
+
+    def save(self, program: list[Op]) -> None:
+        """Write ``program`` unless a file of the same contents is there. A write that fails (a full
+        disk, a read-only folder) is counted in ``write_errors`` and the search goes on."""
+        from kvaudit.replay import write_text_atomic
+
+        name = self.name(program)
+        self.seen.add(name)
+        path = os.path.join(self.path, name)
+        if not os.path.exists(path):
+            try:
+                write_text_atomic(path, json.dumps({"format": "kvaudit.program/1",
+                                                    "program": program_to_json(program)}) + "\n")
+            except OSError as e:
+                self.write_errors.append(f"{name}: {e}")
+
+    def load_new(self) -> list[list[Op]]:
+        """The programs of the files not loaded or written by this store yet, in name order."""
+        try:
+            names = sorted(n for n in os.listdir(self.path) if n.endswith(".json") and n not in self.seen)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            self.seen.add(name)
+            try:
+                with open(os.path.join(self.path, name), encoding="utf-8") as fh:
+                    doc = json.load(fh)
+                program = program_from_json(doc.get("program") if isinstance(doc, dict) else None)
+            except (OSError, ValueError, ProgramError):
+                self.skipped.append(name)
+                continue
+            if program:
+                out.append(program if isinstance(program[-1], Idle) else program + [Idle()])
+        return out
+
+
 class Mutator:
     """Program mutations over the op schema's reach (every op and argument stays valid: arguments are
     redrawn in their ranges and resolved by :func:`kvaudit.program.make_op`)."""
@@ -200,6 +257,7 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                   known=frozenset(), min_ops: int = 4, max_ops: int = 24, warmup: int = 64, fresh_share: float = 0.3,
                   corpus: Corpus | None = None, max_executions: int | None = None,
                   keep_findings: bool = False, line_coverage: bool = False,
+                  store: CorpusStore | None = None, sync_every: int = 256,
                   ) -> tuple[list[Op], list[Finding]] | None:
     """Search ``config`` for ``max_time`` seconds from ``seed_value``. Returns the first program that
     yields a finding (neither suppressed by ``suppressions``, a
@@ -213,7 +271,10 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     budget the clock does not touch: the same seed then runs the same programs). ``keep_findings``: a
     known finding's signature is a feature too, and its program joins the corpus up to and including
     the op that raised it (else that op is left out). ``line_coverage``: the engine lines each program
-    runs are features too (:class:`LineTracer`; about 2.2x the CPU time per program)."""
+    runs are features too (:class:`LineTracer`; about 2.2x the CPU time per program). ``store``: a
+    :class:`CorpusStore` (a campaign's ``DIR/programs/``): its programs run first, before the warmup,
+    and join the corpus by the same rule; every program that joins is saved there; every
+    ``sync_every`` executions the programs other workers saved since are run next."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup
     deadline = time.monotonic() + max_time
     mp = context_max_prompt(config.context_len)
@@ -223,9 +284,16 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     last = time.monotonic()
     tracer = LineTracer() if line_coverage else None
     executions = 0
+    pending: list[list[Op]] = store.load_new() if store is not None else []  # stored programs run first
+    warm = 0  # warmup programs drawn
     while time.monotonic() < deadline and (max_executions is None or executions < max_executions):
         executions += 1
-        if executions <= warmup:
+        if store is not None and executions % sync_every == 0:
+            pending += store.load_new()
+        if pending:
+            program = pending.pop(0)
+        elif warm < warmup:
+            warm += 1
             program = mut.fresh(min_ops, max_ops, swarm=False)
         elif not corpus.entries or rng.random() < fresh_share:
             program = mut.fresh(min_ops, max_ops, swarm=rng.random() < 0.5)
@@ -270,8 +338,13 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
             if tracer is not None:
                 features |= tracer.lines
             kept = program[:ran - 1] if broke else program[:ran]
-            corpus.add(kept if kept and isinstance(kept[-1], Idle) else kept + [Idle()], features)
+            kept = kept if kept and isinstance(kept[-1], Idle) else kept + [Idle()]
+            if corpus.add(kept, features) and store is not None:
+                store.save(kept)
         stats.coverage = f"{len(corpus.features)} features, {len(corpus.entries)} programs"
+        if store is not None and (store.skipped or store.write_errors):
+            stats.coverage += (f" ({len(store.skipped)} unreadable and {len(store.write_errors)} unwritable "
+                               f"files in {store.path})")
         if on_progress and time.monotonic() - last > 0.5:
             last = time.monotonic()
             on_progress(stats)
