@@ -130,6 +130,12 @@ def main():
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Run a resumable campaign over DIR (corpus, example database, findings): search the whole "
                    "budget, report each new signature once, skip those DIR already holds.")
+@click.option("--db", "db_url", default=None, metavar="URL",
+              help="Share the campaign with other hosts through Redis (redis://[:PASSWORD@]HOST:PORT/N or "
+                   "rediss:// for TLS): one corpus, one example database, each signature triaged and reported "
+                   "once across the fleet. Implies a campaign (DIR: --corpus, else --out).")
+@click.option("--campaign", "campaign_name", default="default", show_default=True, metavar="NAME",
+              help="With --db: the campaign's name in Redis (hosts with the same URL and name share it).")
 @click.option("--seeds/--no-seeds", "use_seeds", default=True, show_default=True,
               help="atheris: start from the seed corpus in corpora/seeds/<preset> (it holds the regression "
                    "reproducers; --no-seeds to measure how the search finds them).")
@@ -138,7 +144,7 @@ def main():
 @output_options
 @restoring_sigint
 def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
-         corpus_dir, use_seeds, suppress_file, step_timeout, outputs):
+         corpus_dir, db_url, campaign_name, use_seeds, suppress_file, step_timeout, outputs):
     """Fuzz a target (the built-in engine, or another registered kind: --target); confirm,
     minimize and report what it finds.
 
@@ -148,16 +154,19 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     per new signature to DIR/findings/ as soon as it is confirmed, and exits 1 if any is new.
     Findings that --suppress rules match do not count: the search goes on past them.
 
-    Exit codes: 0 clean, 1 a finding (campaign: a new one), 2 bad input, 130 interrupted with
-    nothing found. Ctrl-C keeps what was found (unminimized if minimizing) and writes the reports
-    asked for.
+    With --db URL the campaign spans hosts: every host's workers share one Redis; findings other
+    hosts made are pulled into DIR/findings/ and are not new here.
+
+    Exit codes: 0 clean, 1 a finding (campaign: a new one), 2 bad input, 69 Redis unreachable at
+    start, 130 interrupted with nothing found. Ctrl-C keeps what was found (unminimized if
+    minimizing) and writes the reports asked for.
     """
     from kvaudit.app import fuzz as job
 
     config = select_config(preset, bugs, model, device, page_size, target, tree_core)
     return job.run(config, target=target, bugs=bugs, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir,
                    workers=workers, corpus_dir=corpus_dir, use_seeds=use_seeds, suppress_file=suppress_file,
-                   step_timeout=step_timeout, outputs=outputs)
+                   step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name)
 
 
 @main.command("replay")
@@ -292,6 +301,44 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value or ",".join(FUZZERS), bugs_value=bugs_value,
                    fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md or "docs/benchmarks.md",
                    out_json=out_json or "docs/benchmarks.json")
+
+
+@main.group("campaign")
+def campaign_group():
+    """A campaign that spans hosts through Redis (kvaudit fuzz --db URL --campaign NAME)."""
+
+
+def _db_options(f):
+    f = click.option("--campaign", "campaign_name", default="default", show_default=True, metavar="NAME",
+                     help="The campaign's name in Redis.")(f)
+    return click.option("--db", "db_url", required=True, metavar="URL",
+                        help="The campaign's Redis (redis://[:PASSWORD@]HOST:PORT/N, rediss:// for TLS).")(f)
+
+
+@campaign_group.command("status")
+@_db_options
+@click.option("--watch", type=click.FloatRange(min=0.5), default=None, metavar="SECONDS",
+              help="Refresh every SECONDS until Ctrl-C (a live table on a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
+def campaign_status_cmd(db_url, campaign_name, watch, as_json):
+    """The campaign's workers across hosts (executions, exec/s, coverage, new/duplicate/flaky
+    signatures, last heartbeat; 'gone' once a heartbeat expired) and its totals. Exit 0, 2 on a bad
+    URL, 69 when Redis cannot be reached."""
+    from kvaudit.app import fleet
+
+    return fleet.status(db_url, campaign_name, watch, as_json)
+
+
+@campaign_group.command("pull")
+@_db_options
+@click.argument("directory", type=click.Path(file_okay=False))
+def campaign_pull_cmd(db_url, campaign_name, directory):
+    """Write the campaign's replay files into DIRECTORY/findings/ and its corpus programs into
+    DIRECTORY/programs/, for 'kvaudit replay' and the reports. Exit 0, 2 on bad input, 69 when
+    Redis cannot be reached."""
+    from kvaudit.app import fleet
+
+    return fleet.pull(db_url, campaign_name, directory)
 
 
 @main.command("report")

@@ -131,6 +131,16 @@ def load(path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     return _parse_replay(_read(path), path)
 
 
+def parse_doc(doc, where: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
+    """Validate ``doc``, a replay document already parsed from JSON (from Redis, say), as
+    :func:`load` validates a file; ``where`` names its origin in the message. Raises
+    :class:`ReplayFormatError` with a one-line reason."""
+    bad = _lone_surrogate(doc)
+    if bad is not None:
+        raise ReplayFormatError(f"{where}: a string holds an unpaired UTF-16 surrogate ({bad!r:.40})")
+    return _parse_replay(doc, where)
+
+
 def _parse_replay(doc, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         hint = " (a report of several cases: use 'kvaudit report')" if isinstance(doc, dict) and \

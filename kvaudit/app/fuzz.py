@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: float, seed: int, out_dir: str,
         workers: int, corpus_dir: str | None, use_seeds: bool, suppress_file: str | None,
-        step_timeout: float | None, outputs: Outputs) -> int:
+        step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`); returns the
     exit code (see the command's help). Raises :class:`InputError` for a bad directory, suppression
     file or fuzzer, :class:`UnavailableError` when atheris is missing."""
@@ -42,7 +42,9 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
         set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
     check_fuzzer(fuzzer, target)
     sset = load_suppressions(suppress_file)
-    campaign = corpus_dir is not None or workers > 1
+    campaign = corpus_dir is not None or workers > 1 or db is not None
+    if db is not None:
+        check_db(db)
     target_dir = corpus_dir if corpus_dir is not None else out_dir
     try:  # fail now, not after the budget, if findings could not be written
         os.makedirs(target_dir, exist_ok=True)
@@ -60,7 +62,8 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     kind = registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" if campaign
+              f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
+                  f", shared as {campaign_name!r} through {hub_safe(db)}" if db else "") if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
@@ -69,7 +72,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     max_time = budget_left(max_time)
     if campaign:
         return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
-                         console, err, use_seeds)
+                         console, err, use_seeds, db=db, campaign_name=campaign_name)
     progress = Progress(err, max_time, suppressions=sset)
     found = crash = None
     catch_sigint()
@@ -199,8 +202,27 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
     return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
 
 
+def hub_safe(url: str) -> str:
+    from kvaudit.search.hub import _safe
+
+    return _safe(url)
+
+
+def check_db(url: str) -> None:
+    """Fail now, in one line, when ``--db`` is not a Redis URL (:class:`InputError`, exit 2) or
+    nothing answers there (:class:`UnavailableError`, exit 69)."""
+    from kvaudit.search.hub import HubError, connect
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise InputError(f"--db {hub_safe(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+    try:
+        connect(url)
+    except HubError as e:
+        raise UnavailableError(str(e)) from None
+
+
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
-              use_seeds: bool = True) -> int:
+              use_seeds: bool = True, db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.search.campaign`."""
     from rich.table import Table
     from rich.text import Text
@@ -224,7 +246,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         with progress:
             progress.update(FuzzStats())
             result = run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
-                                  on_progress=progress.update, on_finding=landed, use_seeds=use_seeds)
+                                  on_progress=progress.update, on_finding=landed, use_seeds=use_seeds, db=db,
+                                  campaign=campaign_name, ttl=float(os.environ.get("KVAUDIT_FLEET_TTL", "30")))
             progress.update(result.stats, force=True)
     except OSError as e:
         if not disk_full(e):
@@ -251,9 +274,13 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         t.add_row(sig, Text("new", style="bold red"), path)
     for sig, path in sorted(result.known.items()):
         t.add_row(sig, Text("known", style="dim"), path)
+    for sig, path in sorted(result.fleet.items()):
+        t.add_row(sig, Text("found by another host", style="dim"), path)
     for sig in sorted(result.flaky):
         t.add_row(sig, Text("flaky (not reproduced 3/3)", style="yellow"), "-")
-    if result.new or result.known or result.flaky:
+    for w in result.warnings:
+        err.print(f"warning: {w}", soft_wrap=True)
+    if result.new or result.known or result.flaky or result.fleet:
         print_table(console, t)
     if sset is not None:
         print_suppressions(console, sset)

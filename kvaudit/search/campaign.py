@@ -72,6 +72,9 @@ class CampaignResult:
     stats: FuzzStats = field(default_factory=FuzzStats)
     interrupted: bool = False
     workers: int = 1
+    fleet: dict[str, str] = field(default_factory=dict)  # signature -> replay file, found by another host meanwhile
+    duplicates: dict[str, int] = field(default_factory=dict)  # signature -> times found while another worker held it
+    warnings: list[str] = field(default_factory=list)  # the workers' (a malformed entry in Redis)
 
 
 @dataclass
@@ -89,6 +92,9 @@ class _Spec:
     parent: int  # pid of the parent (a worker exits when it dies)
     use_seeds: bool = True  # atheris: read corpora/seeds/<preset> too
     step_timeout: float = 0.0  # the watchdog's limit on one engine step (kvaudit.audit.runner); 0: the default
+    db: str | None = None  # a Redis URL: the campaign spans hosts (kvaudit.search.hub)
+    campaign: str = "default"  # its name in Redis
+    ttl: float = 30.0  # seconds a claim or heartbeat lives unrenewed
 
 
 def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
@@ -115,74 +121,163 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
             emit(("progress", spec.index, s.executions, s.ops, sorted(s.sites), sorted(s.suppressed),
                   getattr(s, "coverage", None)))
 
+    hub = None
+    if spec.db:
+        from kvaudit.search import hub as hubs
+
+        hub = hubs.Hub(hubs.connect(spec.db, check=False), spec.campaign, hubs.worker_id(spec.index),
+                       ttl=spec.ttl).start()
+        hub.beat(host=hubs.socket.gethostname(), pid=os.getpid(), fuzzer=spec.fuzzer, started=time.time())
+        inner_progress = progress
+
+        def progress(s: FuzzStats, force: bool = False) -> None:  # noqa: F811 (the heartbeat's figures too)
+            hub.beat(executions=s.executions, ops=s.ops, coverage=getattr(s, "coverage", None) or f"{len(s.sites)} sites")
+            inner_progress(s, force)
+
     known = set(known_signatures(spec.corpus))
     flaky: set[str] = set()
     round_ = 0
-    kept_corpus = store = None  # the corpus fuzzer's programs (and DIR/programs/), kept across the worker's rounds
-    while True:
-        left = spec.deadline - time.time()
-        if left <= 0:
-            break
-        known |= set(known_signatures(spec.corpus))  # other workers' findings
-        skip = frozenset(known | flaky)
-        seed = spec.seed * 1_000_003 + spec.index * 7919 + round_
-        round_ += 1
-        if spec.fuzzer == "hypothesis":
-            found = hypothesis_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
-                                      database=os.path.join(spec.corpus, "hypothesis"))
-        elif spec.fuzzer == "random":
-            found = random_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip)
-        elif spec.fuzzer == "corpus":
-            from kvaudit.search.corpus_fuzz import Corpus, CorpusStore, corpus_search
+    kept: list = [None, None]  # the corpus fuzzer's Corpus and CorpusStore (DIR/programs/), kept across rounds
+    counts = {"new": 0, "duplicates": 0, "flaky": 0}
+    try:
+        while True:
+            left = spec.deadline - time.time()
+            if left <= 0:
+                break
+            if hub is not None:
+                _sync(hub, config, spec, fdir, known, flaky, sset, emit, counts)
+                left = min(spec.deadline - time.time(), max(10.0, 2 * spec.ttl))  # rounds end to re-claim orphans
+                if left <= 0:
+                    break
+            found = _round(spec, config, sset, stats, progress, emit, fdir, known, flaky, round_, hub, counts, left,
+                           kept)
+            round_ += 1
+            if not found and hub is None:  # the budget is spent (a fleet's rounds are shorter: go on)
+                break
+    finally:
+        if hub is not None:
+            hub.beat(**counts)
+            hub.stop()
+            for w in hub.warnings:
+                emit(("warning", spec.index, w))
+    emit(("done", spec.index))
 
-            if kept_corpus is None:
-                kept_corpus, store = Corpus(), CorpusStore(os.path.join(spec.corpus, "programs"))
-            found = corpus_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
-                                  corpus=kept_corpus, store=store)
-        else:
-            from kvaudit.search.atheris_fuzz import atheris_search
 
-            found = atheris_search(config, left, seed, stats, on_progress=progress,
-                                   corpus_dir=os.path.join(spec.corpus, "atheris"), workers=spec.workers,
-                                   suppressions_path=spec.suppress_path, known=skip,
-                                   work_dir=os.path.join(spec.corpus, ".atheris-work"), use_seeds=spec.use_seeds)
-        progress(stats, force=True)
-        if found is None:
-            break
-        program, findings = found
-        # the first finding the campaign does not know yet: a known one may come first in the same op
-        primary = next((f for f in findings if f.signature not in skip), findings[0])
-        sig = primary.signature
-        if sig in known_signatures(spec.corpus):
-            known.add(sig)
-            continue
+def _sync(hub, config, spec: _Spec, fdir: str, known: set, flaky: set, sset, emit, counts: dict) -> None:
+    """Between rounds of a fleet campaign: pull the fleet's replay files (announced as ``pulled``),
+    learn its known signatures, and re-claim and triage any finding whose claimant died."""
+    for path in hub.pull_findings(fdir, have=set(known_signatures(spec.corpus))):
         try:
-            crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
-            path = os.path.join(fdir, replay.file_name(sig))
-            if not os.path.exists(path):
-                replay.write_atomic(path, replay.to_doc(
-                    config, program, [primary] + [f for f in findings if f is not primary], fuzzer=spec.fuzzer,
-                    seed=seed, minimized=False, confirmations="interrupted before confirmation"))
-            emit(("finding", spec.index, sig, path))
-            raise
-        if crash is None:
-            flaky.add(sig)
-            emit(("flaky", spec.index, sig))
+            _, _, findings, _ = replay.load(path)
+        except replay.ReplayFormatError:
             continue
+        for f in findings:
+            if f.signature not in known:
+                known.add(f.signature)
+                emit(("pulled", spec.index, f.signature, path))
+    known |= hub.known()
+    for sig, doc in hub.orphans():
+        if sig in known or sig in flaky or not hub.claim(sig, doc):
+            continue
+        _, program, findings, _ = replay.parse_doc(doc, f"pending {sig}")
+        primary = next((f for f in findings if f.signature == sig), findings[0])
+        _triage_and_write(spec, config, sset, emit, fdir, program, findings, primary, doc.get("seed", 0), known,
+                          flaky, hub, counts)
+
+
+def _triage_and_write(spec: _Spec, config, sset, emit, fdir: str, program, findings, primary, seed, known: set,
+                      flaky: set, hub, counts: dict) -> None:
+    """Confirm and minimize ``primary`` (found by ``program``), write its replay file unless one is
+    there, upload it to ``hub`` (if any) and tell the parent."""
+    sig = primary.signature
+    try:
+        crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
         path = os.path.join(fdir, replay.file_name(sig))
         if not os.path.exists(path):
             replay.write_atomic(path, replay.to_doc(
-                config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
-                confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
-                timeline=crash.timeline))
-        known.add(sig)
+                config, program, [primary] + [f for f in findings if f is not primary], fuzzer=spec.fuzzer,
+                seed=seed, minimized=False, confirmations="interrupted before confirmation"))
         emit(("finding", spec.index, sig, path))
-        for other in dict.fromkeys(f.signature for f in crash.findings[1:]):  # saved with it, so known from
-            if other != sig and other not in known:                          # now on: new to this campaign
-                known.add(other)
-                emit(("finding", spec.index, other, path))
-    emit(("done", spec.index))
+        raise
+    if crash is None:
+        flaky.add(sig)
+        counts["flaky"] += 1
+        if hub is not None:
+            hub.flaky(sig)
+        emit(("flaky", spec.index, sig))
+        return
+    path = os.path.join(fdir, replay.file_name(sig))
+    if not os.path.exists(path):
+        replay.write_atomic(path, replay.to_doc(
+            config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
+            confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
+            timeline=crash.timeline))
+    # the signatures saved with it are known from now on; new to this campaign when no other worker of
+    # the fleet holds them (it may be triaging one as its own primary)
+    others = [o for o in dict.fromkeys(f.signature for f in crash.findings[1:]) if o != sig and o not in known]
+    if hub is not None:
+        doc = replay.to_doc(config, crash.program, crash.findings, minimized=True)
+        others = [o for o in others if hub.claim(o, doc)]
+    if hub is not None:
+        hub.upload(sig, path, [f.signature for f in crash.findings])
+    known.add(sig)
+    known.update(f.signature for f in crash.findings)
+    counts["new"] += 1 + len(others)
+    emit(("finding", spec.index, sig, path))
+    for other in others:
+        emit(("finding", spec.index, other, path))
+
+
+def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: set, flaky: set, round_: int, hub,
+           counts: dict, left: float, kept: list) -> bool:
+    """One search of at most ``left`` seconds and the triage of what it found. ``kept``: the corpus
+    fuzzer's [Corpus, CorpusStore], kept across rounds (filled in place). Returns False when the
+    search found nothing (its budget is spent)."""
+    known |= set(known_signatures(spec.corpus))  # other workers' findings
+    skip = frozenset(known | flaky)
+    seed = spec.seed * 1_000_003 + spec.index * 7919 + round_
+    if spec.fuzzer == "hypothesis":
+        database = os.path.join(spec.corpus, "hypothesis")
+        if hub is not None:
+            database = hub.example_database(database)
+        found = hypothesis_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
+                                  database=database)
+    elif spec.fuzzer == "random":
+        found = random_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip)
+    elif spec.fuzzer == "corpus":
+        from kvaudit.search.corpus_fuzz import Corpus, CorpusStore, corpus_search
+
+        if kept[0] is None:
+            kept[:] = [Corpus(), CorpusStore(os.path.join(spec.corpus, "programs"), mirror=hub)]
+        found = corpus_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
+                              corpus=kept[0], store=kept[1])
+    else:
+        from kvaudit.search.atheris_fuzz import atheris_search
+
+        found = atheris_search(config, left, seed, stats, on_progress=progress,
+                               corpus_dir=os.path.join(spec.corpus, "atheris"), workers=spec.workers,
+                               suppressions_path=spec.suppress_path, known=skip,
+                               work_dir=os.path.join(spec.corpus, ".atheris-work"), use_seeds=spec.use_seeds)
+    progress(stats, force=True)
+    if found is None:
+        return False
+    program, findings = found
+    # the first finding the campaign does not know yet: a known one may come first in the same op
+    primary = next((f for f in findings if f.signature not in skip), findings[0])
+    sig = primary.signature
+    if sig in known_signatures(spec.corpus):
+        known.add(sig)
+        return True
+    if hub is not None and not hub.claim(sig, replay.to_doc(
+            config, program, [primary] + [f for f in findings if f is not primary], fuzzer=spec.fuzzer,
+            seed=seed, minimized=False)):
+        known.add(sig)  # another worker holds it, or the fleet has its file: a duplicate
+        counts["duplicates"] += 1
+        emit(("duplicate", spec.index, sig))
+        return True
+    _triage_and_write(spec, config, sset, emit, fdir, program, findings, primary, seed, known, flaky, hub, counts)
+    return True
 
 
 def _worker_main(spec: _Spec, q) -> None:
@@ -232,11 +327,19 @@ def _append_run_record(corpus: str, record: dict) -> None:
 
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
-                 on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True) -> CampaignResult:
+                 on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True,
+                 db: str | None = None, campaign: str = "default", ttl: float = 30.0) -> CampaignResult:
     """Run a campaign for ``max_time`` seconds (see module doc). ``on_finding(signature, path)`` is
     called once per new signature as it lands. Ctrl-C stops the workers and returns what was
-    found so far (``interrupted`` set). Raises OSError if ``corpus`` cannot be written."""
+    found so far (``interrupted`` set). ``db``: a Redis URL that makes this host's workers part of
+    campaign ``campaign`` across hosts (:mod:`kvaudit.search.hub`; ``ttl``: seconds a claim or
+    heartbeat lives unrenewed); the fleet's findings are pulled into ``corpus`` (``fleet``: those
+    that landed during this run). Raises OSError if ``corpus`` cannot be written."""
     os.makedirs(findings_dir(corpus), exist_ok=True)
+    if db is not None:  # the fleet's findings are known before the first program runs
+        from kvaudit.search import hub as hubs
+
+        hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl).pull_findings(findings_dir(corpus))
     result = CampaignResult(known=known_signatures(corpus), workers=workers)
     stats = result.stats
     deadline = time.time() + max_time
@@ -264,6 +367,14 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
                     on_finding(sig, path)
         elif kind == "flaky":
             result.flaky.add(msg[2])
+        elif kind == "pulled":
+            if msg[2] not in result.new and msg[2] not in result.known:
+                result.fleet.setdefault(msg[2], msg[3])
+        elif kind == "duplicate":
+            result.duplicates[msg[2]] = result.duplicates.get(msg[2], 0) + 1
+        elif kind == "warning":
+            if msg[2] not in result.warnings:
+                result.warnings.append(msg[2])
         elif kind == "error":
             if msg[3] is not None:  # an OSError (a full disk): the CLI says so in one line
                 raise OSError(msg[3], f"worker {index}: {msg[2]}", msg[4])
@@ -276,7 +387,8 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     from kvaudit.audit.runner import step_timeout
 
     specs = [_Spec(i, config.to_dict(), fuzzer, seed, deadline, corpus, suppress_path, workers,
-                   os.getpid() if drivers > 1 else 0, use_seeds, step_timeout()) for i in range(drivers)]
+                   os.getpid() if drivers > 1 else 0, use_seeds, step_timeout(), db, campaign, ttl)
+             for i in range(drivers)]
     started = time.time()
     try:
         if drivers == 1:
@@ -314,7 +426,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     except KeyboardInterrupt:
         result.interrupted = True
     for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)
-        if sig not in result.new and sig not in result.known:
+        if sig not in result.new and sig not in result.known and sig not in result.fleet:
             handle(("finding", -1, sig, path))
     stats.phase = "interrupted" if result.interrupted else "done"
     _append_run_record(corpus, {

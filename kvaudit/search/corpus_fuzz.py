@@ -138,8 +138,9 @@ class CorpusStore:
     parallel instances sync their queues. A file that does not parse is skipped and counted in
     ``skipped`` (a corpus is never a reason to stop a campaign); nothing is ever deleted."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, mirror=None):
         self.path = path
+        self.mirror = mirror  # a kvaudit.search.hub.Hub: programs shared across hosts (``--db``)
         self.seen: set[str] = set()  # file names loaded or written by this store
         self.skipped: list[str] = []  # files that did not parse
         self.write_errors: list[str] = []  # programs that could not be saved
@@ -149,9 +150,10 @@ class CorpusStore:
         text = json.dumps(program_to_json(program), sort_keys=True)
         return hashlib.sha1(text.encode()).hexdigest()[:16] + ".json"
 
-    def save(self, program: list[Op]) -> None:
+    def save(self, program: list[Op], shared: bool = False) -> None:
         """Write ``program`` unless a file of the same contents is there. A write that fails (a full
-        disk, a read-only folder) is counted in ``write_errors`` and the search goes on."""
+        disk, a read-only folder) is counted in ``write_errors`` and the search goes on. A new program
+        goes to the mirror too, unless ``shared`` (it came from there)."""
         from kvaudit.replay import write_text_atomic
 
         name = self.name(program)
@@ -163,14 +165,31 @@ class CorpusStore:
                                                     "program": program_to_json(program)}) + "\n")
             except OSError as e:
                 self.write_errors.append(f"{name}: {e}")
+            if self.mirror is not None and not shared:
+                self.mirror.share_program(name, program_to_json(program))
 
     def load_new(self) -> list[list[Op]]:
-        """The programs of the files not loaded or written by this store yet, in name order."""
+        """The programs of the files not loaded or written by this store yet, in name order, then
+        those the mirror's other workers shared since the last call (written here too)."""
+        out = []
+        if self.mirror is not None:
+            for name, ops in self.mirror.new_programs():
+                if name in self.seen:
+                    continue
+                self.seen.add(name)
+                try:
+                    program = program_from_json(ops)
+                except (ValueError, ProgramError):
+                    self.skipped.append(f"redis:{name}")
+                    continue
+                if program:
+                    program = program if isinstance(program[-1], Idle) else program + [Idle()]
+                    self.save(program, shared=True)
+                    out.append(program)
         try:
             names = sorted(n for n in os.listdir(self.path) if n.endswith(".json") and n not in self.seen)
         except FileNotFoundError:
-            return []
-        out = []
+            return out
         for name in names:
             self.seen.add(name)
             try:

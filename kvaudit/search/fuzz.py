@@ -311,7 +311,8 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
     :class:`kvaudit.audit.suppress.SuppressionSet`) covers are not findings: the search goes on past them
     (they count as hits of the set); nor are those whose signature is in ``known``.
 
-    ``database``: a directory for Hypothesis's example database (a campaign's corpus), whose saved
+    ``database``: a directory for Hypothesis's example database (a campaign's corpus), or an
+    ``ExampleDatabase`` (a fleet's, :meth:`kvaudit.search.hub.Hub.example_database`), whose saved
     examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`). ``max_executions``:
     stop after that many programs too (cases past it run nothing; shrinking is not cut by it)."""
     deadline = time.monotonic() + max_time
@@ -323,7 +324,7 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
     if database is not None:
         from hypothesis.database import DirectoryBasedExampleDatabase
 
-        db = DirectoryBasedExampleDatabase(database)
+        db = DirectoryBasedExampleDatabase(database) if isinstance(database, str) else database
     hs = settings(max_examples=batch_examples, stateful_step_count=max_steps, deadline=None, database=db,
                   suppress_health_check=list(HypHealthCheck), verbosity=Verbosity.quiet,
                   phases=([Phase.reuse] if db is not None else []) + [Phase.generate, Phase.shrink],

@@ -1,0 +1,421 @@
+"""A campaign across machines: workers on many hosts share one Redis (``kvaudit fuzz --db URL``).
+
+Every worker of every host keeps its own local campaign directory, exactly as a one-machine
+campaign does (:mod:`kvaudit.search.campaign`), and mirrors it through Redis, in the spirit of
+syzkaller's hub and ClusterFuzz's shared corpora. Keys, all under ``kvaudit:<campaign>:``:
+
+=====================  ======  ==================================================================
+``findings``           hash    signature -> the confirmed, minimized replay file (JSON text)
+``known``              set     every signature any uploaded replay file records
+``claim:<signature>``  string  the worker triaging it (``host/pid/index``); expires after ``ttl``
+                               seconds unless its worker's heartbeat renews it
+``pending``            hash    signature -> the claimed finding's unminimized replay file, uploaded
+                               at claim time so that another worker can triage it if the claimant dies
+``flaky``              set     signatures that did not reproduce 3/3
+``duplicates``         hash    signature -> how many times a worker found it already claimed
+``programs``           list    the corpus fuzzer's programs (``{"name", "program"}`` JSON), in the
+                               order they joined; each worker keeps a cursor
+``workers``            set     every worker that ever joined
+``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts);
+                               expires after ``ttl`` seconds: a gone worker's key is absent
+``hypothesis:``        prefix  Hypothesis's example database (``hypothesis.extra.redis``)
+=====================  ======  ==================================================================
+
+A signature is triaged once across the fleet: the first worker to ``SET claim:<sig> NX`` confirms
+and minimizes it, writes the replay file locally (atomically), then uploads it; any other worker
+that finds it counts a duplicate and goes on. A claim whose worker stops heartbeating expires, and
+any worker then re-claims the pending finding and triages it from its uploaded program.
+
+Redis going away never stops a host: every call that fails (connection refused, timeout) puts the
+worker offline, the write is queued in an outbox, and the next call after :data:`RETRY_EVERY`
+seconds tries to reconnect and flushes the outbox first. A finding triaged offline is uploaded
+with ``HSETNX`` on reconnection (if another host uploaded the same signature meanwhile, both hosts
+have reported it: the one case in which a signature is reported twice). Nothing read back is
+unpickled or evaluated: replay files are validated JSON (:func:`kvaudit.replay.parse_text`), as
+from disk; a malformed entry is skipped with a warning (:attr:`Hub.warnings`).
+
+Security: ``redis://user:password@host`` and ``rediss://`` (TLS) URLs are what redis-py accepts
+(:meth:`redis.Redis.from_url`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Callable
+
+from kvaudit import replay
+
+RETRY_EVERY = 2.0  # seconds between reconnection attempts while Redis is away
+DEFAULT_TTL = 30.0  # seconds a claim and a heartbeat live without renewal
+
+
+class HubError(Exception):
+    """Redis cannot be reached when the campaign starts, or the URL is not a Redis URL (one line)."""
+
+
+def _redis_errors() -> tuple[type, ...]:
+    import redis
+
+    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+def connect(url: str, timeout: float = 2.0, check: bool = True):
+    """A ``redis.Redis`` client for ``url`` that answered a PING (``check``; else not tried yet: a
+    worker starts offline rather than not at all). Raises :class:`HubError` with a one-line reason
+    (no redis-py, a malformed URL, nothing answering)."""
+    try:
+        import redis
+    except ImportError:
+        raise HubError("--db needs redis-py: pip install redis (or pip install 'kvaudit[fleet]')") from None
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    except ValueError as e:
+        raise HubError(f"--db {url!r}: {e}") from None
+    if not check:
+        return client
+    try:
+        client.ping()
+    except redis.exceptions.AuthenticationError as e:
+        raise HubError(f"--db {_safe(url)}: authentication failed: {e}") from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+        raise HubError(f"--db {_safe(url)}: cannot reach Redis: {e}") from None
+    except redis.exceptions.ResponseError as e:
+        raise HubError(f"--db {_safe(url)}: {e}") from None
+    return client
+
+
+def _safe(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for messages and logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class Hub:
+    """One worker's view of a campaign in Redis (see the module docstring for the keys).
+
+    ``client``: a ``redis.Redis`` (from :func:`connect`); ``campaign``: the campaign's name;
+    ``worker``: this worker's id (``host/pid/index``); ``ttl``: seconds a claim or heartbeat lives
+    unrenewed. Every method returns normally when Redis is away (see :attr:`online`)."""
+
+    def __init__(self, client, campaign: str, worker: str, ttl: float = DEFAULT_TTL):
+        self.r = client
+        self.campaign = campaign
+        self.prefix = f"kvaudit:{campaign}:"
+        self.worker = worker
+        self.ttl = ttl
+        self.online = True
+        self._retry_at = 0.0
+        self._outbox: list[tuple[str, tuple]] = []  # (method name, args) of writes made offline
+        self._claims: set[str] = set()
+        self._cursor = 0  # index into the programs list
+        self._lock = threading.RLock()
+        self._beat: dict = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.warnings: list[str] = []
+        self.uploaded = 0
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def _call(self, fn: Callable, default=None, queue: tuple[str, tuple] | None = None):
+        """Run ``fn(redis)``; on a connection failure go offline, queue ``queue`` (a write to redo)
+        and return ``default``. Offline, a call before the retry time fails at once."""
+        with self._lock:
+            if not self.online and time.monotonic() < self._retry_at:
+                if queue is not None:
+                    self._outbox.append(queue)
+                return default
+            try:
+                if not self.online:
+                    self.r.ping()
+                    self.online = True
+                    self._flush()
+                return fn(self.r)
+            except _redis_errors():
+                self.online = False
+                self._retry_at = time.monotonic() + RETRY_EVERY
+                if queue is not None:
+                    self._outbox.append(queue)
+                return default
+
+    def _flush(self) -> None:
+        """Redo the writes queued while offline (called with the lock held, on reconnection)."""
+        pending, self._outbox = self._outbox, []
+        for i, (name, args) in enumerate(pending):
+            try:
+                getattr(self, "_w_" + name)(self.r, *args)
+            except _redis_errors():
+                self._outbox = pending[i:] + self._outbox
+                raise
+
+    def _warn(self, text: str) -> None:
+        if text not in self.warnings:
+            self.warnings.append(text)
+
+    # -- writes (each also a ``_w_`` method the outbox can redo) -----------------------------------
+
+    @staticmethod
+    def _w_upload(self_r, prefix: str, sig: str, text: str, sigs: list[str], held: list[str]) -> None:
+        self_r.hsetnx(prefix + "findings", sig, text)
+        if sigs:
+            self_r.sadd(prefix + "known", *sigs)
+        for s in held:
+            self_r.hdel(prefix + "pending", s)
+            self_r.delete(prefix + "claim:" + s)
+
+    def upload(self, sig: str, path: str, sigs: list[str]) -> None:
+        """Upload the replay file at ``path`` (already written locally) for ``sig``; ``sigs``: every
+        signature it records. Releases this worker's claims on them (not another worker's: it may be
+        triaging one of them as its own). Queued while offline."""
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        held = sorted({sig, *sigs} & self._claims)
+        self._claims.difference_update(held)
+        args = (self.prefix, sig, text, list(sigs), held)
+        self._call(lambda r: self._w_upload(r, *args), queue=("upload", args))
+        self.uploaded += 1
+
+    @staticmethod
+    def _w_flaky(self_r, prefix: str, sig: str) -> None:
+        self_r.sadd(prefix + "flaky", sig)
+        self_r.hdel(prefix + "pending", sig)
+        self_r.delete(prefix + "claim:" + sig)
+
+    def flaky(self, sig: str) -> None:
+        """``sig`` did not reproduce 3/3: recorded, its claim released."""
+        self._claims.discard(sig)
+        args = (self.prefix, sig)
+        self._call(lambda r: self._w_flaky(r, *args), queue=("flaky", args))
+
+    @staticmethod
+    def _w_program(self_r, prefix: str, text: str) -> None:
+        self_r.rpush(prefix + "programs", text)
+
+    def share_program(self, name: str, program_json: list) -> None:
+        """Append a corpus program (its store file name and JSON ops) to the campaign's list."""
+        args = (self.prefix, json.dumps({"name": name, "program": program_json}))
+        self._call(lambda r: self._w_program(r, *args), queue=("program", args))
+
+    def _w_db_save(self, r, key: bytes, value: bytes) -> None:
+        self.example_db.save(key, value)
+
+    def example_database(self, local_dir: str):
+        """Hypothesis's example database for this worker: the local directory database multiplexed
+        with the campaign's Redis one (``hypothesis.extra.redis.RedisExampleDatabase`` under
+        ``kvaudit:<campaign>:hypothesis:``). Saves reach both; while Redis is away the Redis side
+        reads as empty and its saves are queued, redone on reconnection."""
+        from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase
+        from hypothesis.extra.redis import RedisExampleDatabase
+
+        self.example_db = RedisExampleDatabase(self.r, key_prefix=(self.prefix + "hypothesis:").encode())
+        return MultiplexedDatabase(DirectoryBasedExampleDatabase(local_dir), _ResilientDatabase(self))
+
+    # -- claims -------------------------------------------------------------------------------------
+
+    def claim(self, sig: str, pending_doc: dict) -> bool:
+        """Try to become the worker that triages ``sig``: True when this worker holds the claim
+        (``pending_doc``, the unminimized replay document, is uploaded with it), False when another
+        worker holds it or the fleet already has its file (a duplicate, counted). Offline: True
+        (the host triages on its own and uploads later)."""
+        def go(r):
+            if r.sismember(self.key("known"), sig):
+                r.hincrby(self.key("duplicates"), sig, 1)
+                return False
+            if not r.set(self.key("claim:" + sig), self.worker, nx=True, ex=max(1, int(self.ttl))):
+                if r.get(self.key("claim:" + sig)) in (self.worker, self.worker.encode()):
+                    return True
+                r.hincrby(self.key("duplicates"), sig, 1)
+                return False
+            r.hset(self.key("pending"), sig, json.dumps(pending_doc))
+            return True
+
+        got = self._call(go, default=True)
+        if got:
+            self._claims.add(sig)
+        return got
+
+    def orphans(self) -> list[tuple[str, dict]]:
+        """Pending findings whose claim expired (their worker died mid-triage), each with its
+        validated replay document, not yet known: what another worker should re-claim and triage."""
+        def go(r):
+            out = []
+            for raw_sig, text in r.hgetall(self.key("pending")).items():
+                sig = raw_sig.decode() if isinstance(raw_sig, bytes) else raw_sig
+                if r.exists(self.key("claim:" + sig)) or r.sismember(self.key("known"), sig):
+                    continue
+                try:
+                    doc = json.loads(text)
+                    replay.parse_doc(doc, f"redis {self.key('pending')}[{sig}]")
+                except (TypeError, ValueError, RecursionError, replay.ReplayFormatError) as e:
+                    self._warn(f"skipped a malformed pending finding in Redis ({sig}): {e}")
+                    continue
+                out.append((sig, doc))
+            return out
+
+        return self._call(go, default=[])
+
+    # -- reads --------------------------------------------------------------------------------------
+
+    def known(self) -> set[str]:
+        """Every signature the fleet has a replay file for (empty while offline)."""
+        got = self._call(lambda r: r.smembers(self.key("known")), default=set())
+        return {s.decode() if isinstance(s, bytes) else s for s in got}
+
+    def pull_findings(self, directory: str, have: set[str] | None = None) -> list[str]:
+        """Write the fleet's replay files that ``directory`` lacks into it (atomically, by
+        :func:`kvaudit.replay.file_name`), each validated first; a malformed entry is skipped with a
+        warning. ``have``: signatures already there (skipped without reading). Returns the paths written."""
+        def go(r):
+            names = [n.decode() if isinstance(n, bytes) else n for n in r.hkeys(self.key("findings"))]
+            out = []
+            for sig in names:
+                if have is not None and sig in have:
+                    continue
+                path = os.path.join(directory, replay.file_name(sig))
+                if os.path.exists(path):
+                    continue
+                text = r.hget(self.key("findings"), sig)
+                try:
+                    doc = json.loads(text)
+                    replay.parse_doc(doc, f"redis {self.key('findings')}[{sig}]")
+                except (TypeError, ValueError, RecursionError, replay.ReplayFormatError) as e:
+                    self._warn(f"skipped a malformed finding in Redis ({sig}): {e}")
+                    continue
+                replay.write_atomic(path, doc)
+                out.append(path)
+            return out
+
+        return self._call(go, default=[])
+
+    def new_programs(self) -> list[tuple[str, list]]:
+        """The corpus programs other workers shared since the last call: ``(name, ops JSON)``; a
+        malformed entry is skipped with a warning (its ops are validated by the caller's parser)."""
+        def go(r):
+            items = r.lrange(self.key("programs"), self._cursor, -1)
+            self._cursor += len(items)
+            out = []
+            for text in items:
+                try:
+                    d = json.loads(text)  # RecursionError: a ValueError's kin from nesting
+                    if not (isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("program"), list)):
+                        raise ValueError("not {name, program}")
+                except (TypeError, ValueError, RecursionError) as e:
+                    self._warn(f"skipped a malformed corpus program in Redis: {e}")
+                    continue
+                out.append((d["name"], d["program"]))
+            return out
+
+        return self._call(go, default=[])
+
+    # -- heartbeat ----------------------------------------------------------------------------------
+
+    def beat(self, **fields) -> None:
+        """Record this worker's figures for the next heartbeat (sent every ``ttl``/3 s by the thread
+        :meth:`start` runs, which also renews the claims this worker holds)."""
+        self._beat.update(fields)
+
+    def _send_beat(self) -> None:
+        doc = dict(self._beat, worker=self.worker, time=time.time())
+        ex = max(1, int(self.ttl))
+
+        def go(r):
+            pipe = r.pipeline()
+            pipe.sadd(self.key("workers"), self.worker)
+            pipe.set(self.key("worker:" + self.worker), json.dumps(doc), ex=ex)
+            for sig in list(self._claims):
+                pipe.expire(self.key("claim:" + sig), ex)
+            pipe.execute()
+
+        self._call(go)
+
+    def start(self) -> "Hub":
+        """Start the heartbeat thread (a daemon: it dies with the process, and so does the claim)."""
+        def loop():
+            while not self._stop.wait(max(0.2, self.ttl / 3)):
+                self._send_beat()
+
+        self._send_beat()
+        self._thread = threading.Thread(target=loop, name="kvaudit-hub-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the heartbeat and send a last one (and flush the outbox if Redis is back)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._send_beat()
+
+
+def _resilient_base():
+    from hypothesis.database import ExampleDatabase
+
+    return ExampleDatabase
+
+
+class _ResilientDatabase(_resilient_base()):
+    """The hub's Redis example database behind :meth:`Hub._call`: a failure is an empty read or a
+    queued save, never an exception in Hypothesis's engine."""
+
+    def __init__(self, hub: Hub):
+        super().__init__()
+        self.hub = hub
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.hub._call(lambda r: self.hub.example_db.save(key, value), queue=("db_save", (key, value)))
+
+    def fetch(self, key: bytes):
+        return iter(self.hub._call(lambda r: list(self.hub.example_db.fetch(key)), default=[]))
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.hub._call(lambda r: self.hub.example_db.delete(key, value))
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.hub._call(lambda r: self.hub.example_db.move(src, dest, value))
+
+
+def worker_id(index: int) -> str:
+    """``host/pid/index``: unique per worker process across the fleet."""
+    return f"{socket.gethostname()}/{os.getpid()}/{index}"
+
+
+def campaign_status(client, campaign: str) -> dict:
+    """The campaign's figures: ``workers`` (id -> heartbeat dict, or None when it expired: gone),
+    ``findings`` (signatures with a file), ``known``, ``pending`` (claimed, being triaged),
+    ``flaky``, ``duplicates`` (signature -> count) and ``programs`` (corpus size)."""
+    p = f"kvaudit:{campaign}:"
+
+    def dec(x):
+        return x.decode() if isinstance(x, bytes) else x
+
+    workers = {}
+    for w in sorted(dec(x) for x in client.smembers(p + "workers")):
+        raw = client.get(p + "worker:" + w)
+        try:
+            workers[w] = json.loads(raw) if raw is not None else None
+        except ValueError:
+            workers[w] = None
+    return {
+        "workers": workers,
+        "findings": sorted(dec(x) for x in client.hkeys(p + "findings")),
+        "known": sorted(dec(x) for x in client.smembers(p + "known")),
+        "pending": sorted(dec(x) for x in client.hkeys(p + "pending")),
+        "flaky": sorted(dec(x) for x in client.smembers(p + "flaky")),
+        "duplicates": {dec(k): int(v) for k, v in client.hgetall(p + "duplicates").items()},
+        "programs": int(client.llen(p + "programs")),
+    }

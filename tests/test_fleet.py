@@ -1,0 +1,137 @@
+"""Campaigns across hosts through one real Redis (kvaudit.search.hub, ``kvaudit fuzz --db``,
+``kvaudit campaign status|pull``): claims, orphans, outages, malformed entries, and three "hosts"
+(processes with their own working directories) that report each signature once."""
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+from cli_helpers import invoke, kvaudit_script, plain_env
+from redis_helpers import redis_server  # noqa: F401 (a fixture)
+
+from kvaudit import replay
+from kvaudit.program import Idle, Submit
+from kvaudit.search import hub as hubs
+from kvaudit.targets.eut.presets import get_preset
+
+HISPARSE = ["--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish"]
+
+
+def _doc(sig="leak/x"):
+    from kvaudit.audit.findings import Finding
+
+    config = get_preset("pd-decode-hisparse").config()
+    f = Finding(kind="leak", pool="token_to_kv_pool", slots=[1], message="m", op_index=0, step=1)
+    return replay.to_doc(config, [Submit(), Idle()], [f], minimized=False, note=sig)
+
+
+def _hub(server, name="w", ttl=30.0, campaign="t"):
+    return hubs.Hub(hubs.connect(server.url), campaign, name, ttl=ttl)
+
+
+def test_one_worker_claims_a_signature_the_others_count_duplicates_and_an_upload_makes_it_known(redis_server, tmp_path):
+    a, b = _hub(redis_server, "a"), _hub(redis_server, "b")
+    assert a.claim("leak/x", _doc())
+    assert a.claim("leak/x", _doc())  # its own claim
+    assert not b.claim("leak/x", _doc())
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(_doc()))
+    a.upload("leak/x", str(path), ["leak/x", "leak/y"])
+    assert b.known() == {"leak/x", "leak/y"}
+    assert not b.claim("leak/y", _doc("leak/y"))  # secondary signatures of a file are known too
+    status = hubs.campaign_status(redis_server.client(), "t")
+    assert status["findings"] == ["leak/x"] and status["pending"] == [] and status["duplicates"] == {"leak/x": 1,
+                                                                                                      "leak/y": 1}
+    pulled = b.pull_findings(str(tmp_path / "pulled"))
+    assert [os.path.basename(p) for p in pulled] == [replay.file_name("leak/x")]
+    assert json.load(open(pulled[0])) == _doc()
+
+
+def test_a_claim_whose_worker_stops_heartbeating_expires_and_another_worker_reclaims_it(redis_server):
+    a, b = _hub(redis_server, "a", ttl=1), _hub(redis_server, "b", ttl=1)
+    assert a.claim("leak/x", _doc())
+    assert b.orphans() == []  # claimed and alive
+    a.start()
+    time.sleep(1.6)  # the heartbeat renews the claim past its ttl
+    assert b.orphans() == []
+    a._stop.set()  # the worker dies (kill -9: no release)
+    a._thread.join()
+    time.sleep(1.6)
+    orphans = b.orphans()
+    assert [s for s, _ in orphans] == ["leak/x"] and orphans[0][1]["program"]
+    assert b.claim("leak/x", orphans[0][1])
+
+
+def test_malformed_entries_in_redis_are_skipped_with_a_warning(redis_server, tmp_path):
+    r = redis_server.client()
+    r.hset("kvaudit:t:findings", "leak/bad", "{not json")
+    r.hset("kvaudit:t:findings", "leak/worse", json.dumps({"format": "kvaudit.replay/1", "config": 3}))
+    r.hset("kvaudit:t:findings", "leak/x", json.dumps(_doc()))
+    r.rpush("kvaudit:t:programs", "[1, 2", json.dumps({"name": "p", "program": [{"op": "launch"}]}),
+            json.dumps({"name": "q", "program": [{"op": "submit"}, {"op": "idle"}]}))
+    h = _hub(redis_server)
+    pulled = h.pull_findings(str(tmp_path / "f"))
+    assert [os.path.basename(p) for p in pulled] == [replay.file_name("leak/x")]
+    assert len(h.warnings) == 2 and all("malformed finding" in w for w in h.warnings)
+    from kvaudit.search.corpus_fuzz import CorpusStore
+
+    store = CorpusStore(str(tmp_path / "programs"), mirror=h)
+    assert store.load_new() == [[Submit(), Idle()]]
+    assert store.skipped == ["redis:p"]  # valid JSON, not a program
+    assert len(h.warnings) == 3 and "malformed corpus program" in h.warnings[-1]
+
+
+def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_server, tmp_path):
+    h = _hub(redis_server)
+    assert h.claim("leak/x", _doc())
+    redis_server.stop()
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(_doc()))
+    h.upload("leak/x", str(path), ["leak/x"])  # offline: queued, no exception
+    h.share_program("p.json", [{"op": "idle"}])
+    assert not h.online and h.known() == set()
+    redis_server.start()
+    time.sleep(hubs.RETRY_EVERY + 0.1)
+    assert h.known() == {"leak/x"} and h.online
+    r = redis_server.client()
+    assert r.hexists("kvaudit:t:findings", "leak/x") and r.llen("kvaudit:t:programs") == 1
+
+
+def test_fuzz_db_errors_are_one_line(redis_server, tmp_path):
+    bad = invoke(*["fuzz", *HISPARSE, "--db", "http://example", "--max-time", "2", "--out", str(tmp_path / "o")])
+    assert bad.exit_code == 2 and "want a Redis URL" in bad.output
+    down = invoke(*["fuzz", *HISPARSE, "--db", "redis://127.0.0.1:1/0", "--max-time", "2", "--out", str(tmp_path / "o")])
+    assert down.exit_code == 69 and "cannot reach Redis" in down.output and "Traceback" not in down.output
+
+
+def test_three_hosts_report_each_signature_once_and_pull_brings_both_files(redis_server, tmp_path):
+    """Three processes, each in its own working directory with its own corpus, share only the URL."""
+    procs = []
+    for i in range(3):
+        home = tmp_path / f"host{i}"
+        home.mkdir()
+        env = {**plain_env(), "KVAUDIT_FLEET_TTL": "5"}
+        procs.append(subprocess.Popen(
+            [kvaudit_script(), "fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "25", "--seed", str(i + 1),
+             "--db", redis_server.url, "--campaign", "three", "--corpus", "corpus"],
+            cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    new = [re.findall(r"new finding: (\S+)", err) for _, err in outs]
+    reported = [s for n in new for s in n]
+    status = hubs.campaign_status(redis_server.client(), "three")
+    assert len(status["known"]) >= 2, (status, [e[-2000:] for _, e in outs])  # two signatures (one file may hold both)
+    assert sorted(reported) == sorted(set(reported)), new  # each signature reported once across the hosts
+    assert set(reported) == set(status["known"]), (new, status)
+    assert len(status["workers"]) == 3 and status["pending"] == []
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "three", str(tmp_path / "pulled")])
+    assert pull.exit_code == 0, pull.output
+    files = sorted((tmp_path / "pulled" / "findings").iterdir())
+    assert {f.signature for p in files for f in replay.load(str(p))[2]} == set(status["known"])
+    for f in files:
+        r = invoke(*["replay", str(f)])
+        assert r.exit_code == 1, r.output  # the finding reproduces
+    table = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "three"])
+    assert table.exit_code == 0 and table.output.count("alive") + table.output.count("gone") == 3
