@@ -50,3 +50,17 @@ def pytest_collection_modifyitems(config, items):
             skip = pytest.mark.skip(reason=reason)
             for item in marked:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port (tests/redis_helpers.py; skips where none starts)."""
+    from redis_helpers import RedisServer
+
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = RedisServer(str(d)).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -26,7 +26,7 @@ class RedisServer:
         if self.binary is None:
             pytest.skip("no redis-server here: apt-get install redis-server (.ci/run does)")
         try:
-            import redis  # noqa: F401
+            import redis  # noqa: F401 (only: is it there?)
         except ImportError:
             pytest.skip("redis-py is not installed: pip install redis (the dev extra has it)")
         self.dir, self.port, self.password = directory, _free_port(), password
@@ -63,14 +63,3 @@ class RedisServer:
         import redis
 
         return redis.Redis.from_url(self.url)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    d = tmp_path / "redis"
-    d.mkdir()
-    server = RedisServer(str(d)).start()
-    try:
-        yield server
-    finally:
-        server.stop()

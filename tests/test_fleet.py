@@ -8,9 +8,7 @@ import re
 import subprocess
 import time
 
-import pytest
 from cli_helpers import invoke, kvaudit_script, plain_env
-from redis_helpers import redis_server  # noqa: F401 (a fixture)
 
 from kvaudit import replay
 from kvaudit.program import Idle, Submit
