@@ -234,14 +234,19 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Keep a campaign corpus per preset in DIR/<preset> between runs (nightly): known findings "
                    "are not new.")
+@click.option("--db", "db_url", default=None, metavar="URL",
+              help="Share each preset's campaign with the other CI shards through Redis (as fuzz --db): "
+                   "campaign NAME/<preset>; what another shard found is known here, not new.")
+@click.option("--campaign", "campaign_name", default="default", show_default=True, metavar="NAME",
+              help="With --db: the campaigns' name prefix in Redis.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
               help="Directory for the replay files of new findings.")
 @_suppress_option
 @_step_timeout_option
 @output_options
 @restoring_sigint
-def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpus_dir, out_dir, suppress_file,
-           step_timeout, outputs):
+def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpus_dir, db_url, campaign_name, out_dir,
+           suppress_file, step_timeout, outputs):
     """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
     identically with its switches on and be clean with them off), fuzz the clean engine over the
     presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
@@ -251,7 +256,8 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
 
     return job.run(max_time=max_time, presets_value=presets_value, fuzzer=fuzzer, seed=seed,
                    regressions_dir=regressions_dir, corpus_dir=corpus_dir, out_dir=out_dir,
-                   suppress_file=suppress_file, outputs=outputs, target=target)
+                   suppress_file=suppress_file, outputs=outputs, target=target, db=db_url,
+                   campaign_name=campaign_name)
 
 
 @main.command("bench")

@@ -90,6 +90,7 @@ def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_serv
     path.write_text(json.dumps(_doc()))
     h.upload("leak/x", str(path), ["leak/x"])  # offline: queued, no exception
     h.share_program("p.json", [{"op": "idle"}])
+    h.flush_programs()
     assert not h.online and h.known() == set()
     redis_server.start()
     time.sleep(hubs.RETRY_EVERY + 0.1)
@@ -133,3 +134,114 @@ def test_three_hosts_report_each_signature_once_and_pull_brings_both_files(redis
         assert r.exit_code == 1, r.output  # the finding reproduces
     table = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "three"])
     assert table.exit_code == 0 and table.output.count("alive") + table.output.count("gone") == 3
+
+
+SLOW_TRIAGE = '''
+import os, time
+import kvaudit.search.campaign as _c
+_triage = _c.triage
+def triage(*a, **k):
+    open(os.environ["KVAUDIT_TEST_TRIAGE_MARK"], "w").close()
+    time.sleep(float(os.environ["KVAUDIT_TEST_TRIAGE_SLEEP"]))
+    return _triage(*a, **k)
+_c.triage = triage
+'''
+
+
+def _host(tmp_path, name, url, args, sleep=None, ttl="2"):
+    """A kvaudit fuzz --db process in its own working directory (a "host"); ``sleep``: its triage
+    first sleeps that many seconds (a sitecustomize on its PYTHONPATH), after touching ``mark``."""
+    home = tmp_path / name
+    home.mkdir()
+    env = {**plain_env(), "KVAUDIT_FLEET_TTL": ttl}
+    mark = home / "triaging"
+    if sleep is not None:
+        (home / "site").mkdir()
+        (home / "site" / "sitecustomize.py").write_text(SLOW_TRIAGE)
+        env.update(PYTHONPATH=str(home / "site") + os.pathsep + env.get("PYTHONPATH", ""),
+                   KVAUDIT_TEST_TRIAGE_MARK=str(mark), KVAUDIT_TEST_TRIAGE_SLEEP=str(sleep))
+    proc = subprocess.Popen([kvaudit_script(), "fuzz", *args, "--db", url, "--campaign", "faults", "--corpus", "corpus"],
+                            cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    return proc, mark, home
+
+
+def _wait(predicate, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_host_killed_mid_triage_has_its_signature_reclaimed_and_reported_by_another(redis_server, tmp_path):
+    import signal
+
+    a, mark, _ = _host(tmp_path, "a", redis_server.url, [*HISPARSE, "--fuzzer", "random", "--max-time", "60"],
+                       sleep=60)
+    r = redis_server.client()
+    assert _wait(lambda: mark.exists() and r.hlen("kvaudit:faults:pending") > 0, 60), a.stderr.read() if a.poll() else ""
+    claimed = {k.decode() for k in r.hkeys("kvaudit:faults:pending")}
+    os.killpg(a.pid, signal.SIGKILL)  # kill -9 of the whole host mid-triage
+    a.wait()
+    # host b fuzzes a clean preset: it cannot find the bug itself; it re-claims the dead host's
+    b, _, _ = _host(tmp_path, "b", redis_server.url, ["--preset", "default", "--fuzzer", "random", "--max-time", "15"])
+    _, err = b.communicate(timeout=120)
+    reported = set(re.findall(r"new finding: (\S+)", err))
+    assert claimed <= reported, err[-3000:]
+    status = hubs.campaign_status(r, "faults")
+    assert claimed <= set(status["known"]) and status["pending"] == []
+
+
+def test_redis_stopped_for_10_s_mid_campaign_loses_no_finding(redis_server, tmp_path):
+    a, mark, home = _host(tmp_path, "a", redis_server.url, [*HISPARSE, "--fuzzer", "random", "--max-time", "30"],
+                          sleep=1, ttl="3")
+    r = redis_server.client()
+    assert _wait(lambda: mark.exists(), 60)
+    redis_server.stop()  # mid-triage: the upload happens while Redis is away
+    time.sleep(10)
+    redis_server.start()  # no persistence: an empty Redis comes back
+    _, err = a.communicate(timeout=120)
+    assert a.returncode == 1, err[-3000:]
+    reported = set(re.findall(r"new finding: (\S+)", err))
+    local = {f.signature for p in (home / "corpus" / "findings").iterdir() for f in replay.load(str(p))[2]}
+    assert reported and reported <= local  # each host keeps its local files
+    r = redis_server.client()
+    uploaded = {k.decode() for k in r.smembers("kvaudit:faults:known")}
+    assert reported <= uploaded, (reported, uploaded)  # and uploads them after reconnecting
+
+
+def test_a_malformed_entry_planted_in_redis_is_rejected_with_a_warning_and_the_campaign_goes_on(redis_server, tmp_path):
+    r = redis_server.client()
+    r.hset("kvaudit:faults:findings", "leak/planted", "{not json")
+    r.rpush("kvaudit:faults:programs", "not a program")
+    a, _, _ = _host(tmp_path, "a", redis_server.url, [*HISPARSE, "--fuzzer", "corpus", "--max-time", "12"])
+    _, err = a.communicate(timeout=120)
+    assert a.returncode == 1, err[-3000:]  # it found the bug all the same
+    assert "warning: skipped a malformed finding in Redis (leak/planted)" in err
+    assert "warning: skipped a malformed corpus program in Redis" in err
+    assert "Traceback" not in err
+
+
+def test_ci_shards_share_each_presets_campaign(redis_server, tmp_path):
+    """Two `kvaudit ci --db` shards (a matrix job's) fuzz the same clean preset: both join its campaign
+    ``nightly/<preset>`` in Redis; an unreachable Redis is one line and exit 69."""
+    env = {**plain_env(), "KVAUDIT_FLEET_TTL": "3"}
+    url = redis_server.url
+    outs = []
+    for i in range(2):
+        home = tmp_path / f"shard{i}"
+        home.mkdir()
+        outs.append(subprocess.run(
+            [kvaudit_script(), "ci", "--presets", "pd-decode-hisparse", "--max-time", "8", "--seed", str(i),
+             "--regressions", str(home), "--db", url, "--campaign", "nightly", "--out", "out"],
+            cwd=home, env=env, capture_output=True, text=True, timeout=300))
+    # the clean preset: neither shard finds anything; both ran their campaign in Redis under nightly/<preset>
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    status = hubs.campaign_status(redis_server.client(), "nightly/pd-decode-hisparse")
+    assert len(status["workers"]) == 2
+    bad = subprocess.run([kvaudit_script(), "ci", "--presets", "pd-decode-hisparse", "--max-time", "1",
+                          "--regressions", str(tmp_path), "--db", "redis://127.0.0.1:1/0"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 69 and "cannot reach Redis" in bad.stderr and "Traceback" not in bad.stderr

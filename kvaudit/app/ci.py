@@ -15,7 +15,8 @@ from kvaudit.reports.outputs import Case, Outputs, ReportData
 
 
 def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
-        corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut") -> int:
+        corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut",
+        db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit ci``; returns the exit code (see the command's help). Raises :class:`InputError`
     for a bad preset list, directory or suppression file."""
     from rich.table import Table
@@ -29,6 +30,10 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     from kvaudit.targets import registry
 
     check_fuzzer(fuzzer, target)
+    if db is not None:
+        from kvaudit.app.fuzz import check_db
+
+        check_db(db)
     try:
         kind = registry.get(target)
         preset_names = ci.presets_arg(presets_value, target)
@@ -78,7 +83,8 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
                 progress = Progress(err, per_preset, suppressions=sset)
                 with progress:
                     run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
-                                         on_progress=progress.update, target=target)
+                                         on_progress=progress.update, target=target, db=db,
+                                         campaign=campaign_name)
                 result.fuzz.append(run)
                 err.print(f"fuzz {preset}: {run.executions} executions, "
                           + (f"{len(run.new)} NEW finding(s)" if run.new else "clean")

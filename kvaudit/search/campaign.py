@@ -179,9 +179,9 @@ def _sync(hub, config, spec: _Spec, fdir: str, known: set, flaky: set, sset, emi
     for sig, doc in hub.orphans():
         if sig in known or sig in flaky or not hub.claim(sig, doc):
             continue
-        _, program, findings, _ = replay.parse_doc(doc, f"pending {sig}")
+        found_in, program, findings, _ = replay.parse_doc(doc, f"pending {sig}")  # the config it was found in
         primary = next((f for f in findings if f.signature == sig), findings[0])
-        _triage_and_write(spec, config, sset, emit, fdir, program, findings, primary, doc.get("seed", 0), known,
+        _triage_and_write(spec, found_in, sset, emit, fdir, program, findings, primary, doc.get("seed", 0), known,
                           flaky, hub, counts)
 
 

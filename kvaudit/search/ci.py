@@ -123,20 +123,24 @@ def regression_files(directory: str) -> list[str]:
 
 def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str | None, out_dir: str,
                 suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
-                target: str = "eut") -> FuzzRun:
+                target: str = "eut", db: str | None = None, campaign: str = "default") -> FuzzRun:
     """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign (it goes on past
     each finding). With ``corpus``, over ``corpus/<preset>``: resumable, findings already there are
     known, not new. Without, over a fresh temporary corpus; new findings' replay files are copied to
-    ``out_dir``. An interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
+    ``out_dir``. An interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set.
+    ``db``: a Redis URL; the preset's campaign is ``<campaign>/<preset>`` across every host (CI shard)
+    that names it (:mod:`kvaudit.search.hub`): what another shard found is known here, not new."""
     from kvaudit.search.campaign import run_campaign
 
     config = registry.get(target).preset(preset).config()
     run = FuzzRun(preset, budget, 0)
     with tempfile.TemporaryDirectory(prefix=f"kvaudit-ci-{preset}-") as tmp:
         where = os.path.join(corpus, preset) if corpus is not None else tmp
-        result = run_campaign(config, fuzzer, budget, seed, 1, where, suppress_path, on_progress=on_progress)
+        result = run_campaign(config, fuzzer, budget, seed, 1, where, suppress_path, on_progress=on_progress,
+                              db=db, campaign=f"{campaign}/{preset}",
+                              ttl=float(os.environ.get("KVAUDIT_FLEET_TTL", "30")))
         run.executions = result.stats.executions
-        run.known = sorted(result.known)
+        run.known = sorted({**result.known, **result.fleet})
         for sig, path in sorted(result.new.items()):
             _, program, findings, doc = replay.load(path)
             if corpus is None:

@@ -14,7 +14,8 @@ syzkaller's hub and ClusterFuzz's shared corpora. Keys, all under ``kvaudit:<cam
 ``flaky``              set     signatures that did not reproduce 3/3
 ``duplicates``         hash    signature -> how many times a worker found it already claimed
 ``programs``           list    the corpus fuzzer's programs (``{"name", "program"}`` JSON), in the
-                               order they joined; each worker keeps a cursor
+                               order they were sent (each worker's in batches, with its heartbeat);
+                               each worker reads on from its own cursor
 ``workers``            set     every worker that ever joined
 ``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts);
                                expires after ``ttl`` seconds: a gone worker's key is absent
@@ -119,6 +120,7 @@ class Hub:
         self._retry_at = 0.0
         self._outbox: list[tuple[str, tuple]] = []  # (method name, args) of writes made offline
         self._claims: set[str] = set()
+        self._programs_out: list[str] = []  # corpus programs not sent yet
         self._cursor = 0  # index into the programs list
         self._lock = threading.RLock()
         self._beat: dict = {}
@@ -203,13 +205,23 @@ class Hub:
         self._call(lambda r: self._w_flaky(r, *args), queue=("flaky", args))
 
     @staticmethod
-    def _w_program(self_r, prefix: str, text: str) -> None:
-        self_r.rpush(prefix + "programs", text)
+    def _w_programs(self_r, prefix: str, texts: list[str]) -> None:
+        self_r.rpush(prefix + "programs", *texts)
 
     def share_program(self, name: str, program_json: list) -> None:
-        """Append a corpus program (its store file name and JSON ops) to the campaign's list."""
-        args = (self.prefix, json.dumps({"name": name, "program": program_json}))
-        self._call(lambda r: self._w_program(r, *args), queue=("program", args))
+        """Append a corpus program (its store file name and JSON ops) to the campaign's list: buffered
+        here and sent by the heartbeat (every ``ttl``/3 s) and :meth:`stop`, so the search never waits
+        on Redis for it."""
+        with self._lock:
+            self._programs_out.append(json.dumps({"name": name, "program": program_json}))
+
+    def flush_programs(self) -> None:
+        """Send the buffered corpus programs now (queued while offline)."""
+        with self._lock:
+            texts, self._programs_out = self._programs_out, []
+        if texts:
+            args = (self.prefix, texts)
+            self._call(lambda r: self._w_programs(r, *args), queue=("programs", args))
 
     def _w_db_save(self, r, key: bytes, value: bytes) -> None:
         self.example_db.save(key, value)
@@ -342,6 +354,7 @@ class Hub:
             pipe.execute()
 
         self._call(go)
+        self.flush_programs()
 
     def start(self) -> "Hub":
         """Start the heartbeat thread (a daemon: it dies with the process, and so does the claim)."""
