@@ -36,6 +36,22 @@ def write_atomic(path: str, doc: dict) -> str:
     return write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 
+def write_bytes_atomic(path: str, data: bytes) -> str:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace`` (no
+    fsync: a corpus input, not a finding). Raises OSError."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def write_text_atomic(path: str, text: str) -> str:
     """Write ``text`` (UTF-8) to ``path`` via a temporary file in the same directory, fsync and
     ``os.replace``: a reader sees the old file or the whole new one, never a part. Raises OSError."""

@@ -245,3 +245,20 @@ def test_ci_shards_share_each_presets_campaign(redis_server, tmp_path):
                           "--regressions", str(tmp_path), "--db", "redis://127.0.0.1:1/0"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 69 and "cannot reach Redis" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_libfuzzer_corpora_sync_both_ways_and_bad_names_from_redis_are_refused(redis_server, tmp_path):
+    a, b = _hub(redis_server, "a"), _hub(redis_server, "b")
+    da, db = tmp_path / "a", tmp_path / "b"
+    da.mkdir()
+    (da / "0123abcd").write_bytes(b"\x00\x01program")
+    (da / ".hidden").write_bytes(b"x")  # libFuzzer's temporaries stay local
+    assert a.sync_dir("atheris", str(da)) == (1, 0)
+    r = redis_server.client()
+    r.hset("kvaudit:t:atheris", "../escape", b"x")
+    r.hset("kvaudit:t:atheris", "ffee", b"\xff")
+    assert b.sync_dir("atheris", str(db)) == (0, 2)
+    assert sorted(p.name for p in db.iterdir()) == ["0123abcd", "ffee"]
+    assert (db / "0123abcd").read_bytes() == b"\x00\x01program"
+    assert not (tmp_path / "escape").exists() and any("bad name" in w for w in b.warnings)
+    assert a.sync_dir("atheris", str(da)) == (0, 1)  # b's download is a's too

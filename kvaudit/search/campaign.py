@@ -255,10 +255,15 @@ def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: s
     else:
         from kvaudit.search.atheris_fuzz import atheris_search
 
+        corpus_dir = os.path.join(spec.corpus, "atheris")
+        if hub is not None:
+            hub.sync_dir("atheris", corpus_dir)  # the fleet's inputs in, this host's out (and again below)
         found = atheris_search(config, left, seed, stats, on_progress=progress,
-                               corpus_dir=os.path.join(spec.corpus, "atheris"), workers=spec.workers,
+                               corpus_dir=corpus_dir, workers=spec.workers,
                                suppressions_path=spec.suppress_path, known=skip,
                                work_dir=os.path.join(spec.corpus, ".atheris-work"), use_seeds=spec.use_seeds)
+        if hub is not None:
+            hub.sync_dir("atheris", corpus_dir)
     progress(stats, force=True)
     if found is None:
         return False

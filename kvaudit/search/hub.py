@@ -20,6 +20,7 @@ syzkaller's hub and ClusterFuzz's shared corpora. Keys, all under ``kvaudit:<cam
 ``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts);
                                expires after ``ttl`` seconds: a gone worker's key is absent
 ``hypothesis:``        prefix  Hypothesis's example database (``hypothesis.extra.redis``)
+``atheris``            hash    libFuzzer's corpus: file name -> input bytes (:meth:`Hub.sync_dir`)
 =====================  ======  ==================================================================
 
 A signature is triaged once across the fleet: the first worker to ``SET claim:<sig> NX`` confirms
@@ -334,6 +335,38 @@ class Hub:
 
         return self._call(go, default=[])
 
+    def sync_dir(self, kind: str, directory: str, max_bytes: int = 1 << 20) -> tuple[int, int]:
+        """Two-way sync of a folder of opaque inputs (libFuzzer's corpus: any byte string decodes to a
+        valid program, so nothing in it is trusted or run as code) with the hash ``<kind>``: local
+        files Redis lacks go up (``HSETNX``), Redis's entries the folder lacks come down (written
+        atomically). Names must be plain file names (``[A-Za-z0-9_.-]``, no leading dot, at most 128
+        characters) and contents at most ``max_bytes``; others are skipped with a warning. Returns
+        (uploaded, downloaded); (0, 0) while offline."""
+        os.makedirs(directory, exist_ok=True)
+        local = {n for n in os.listdir(directory) if _plain_name(n) and os.path.isfile(os.path.join(directory, n))}
+
+        def go(r):
+            remote = {n.decode() if isinstance(n, bytes) else n for n in r.hkeys(self.key(kind))}
+            up = down = 0
+            for name in sorted(local - remote):
+                with open(os.path.join(directory, name), "rb") as fh:
+                    data = fh.read(max_bytes + 1)
+                if len(data) <= max_bytes:
+                    up += r.hsetnx(self.key(kind), name, data)
+            for name in sorted(remote - local):
+                if not _plain_name(name):
+                    self._warn(f"skipped a {kind} entry in Redis with a bad name: {name[:60]!r}")
+                    continue
+                data = r.hget(self.key(kind), name)
+                if data is None or len(data) > max_bytes:
+                    self._warn(f"skipped a {kind} entry in Redis larger than {max_bytes} bytes: {name}")
+                    continue
+                replay.write_bytes_atomic(os.path.join(directory, name), data)
+                down += 1
+            return up, down
+
+        return self._call(go, default=(0, 0))
+
     # -- heartbeat ----------------------------------------------------------------------------------
 
     def beat(self, **fields) -> None:
@@ -400,6 +433,13 @@ class _ResilientDatabase(_resilient_base()):
 
     def move(self, src: bytes, dest: bytes, value: bytes) -> None:
         self.hub._call(lambda r: self.hub.example_db.move(src, dest, value))
+
+
+def _plain_name(name: str) -> bool:
+    """A file name safe to create in a folder: no separator, no leading dot, nothing but
+    ``[A-Za-z0-9_.-]``, 1-128 characters."""
+    return 0 < len(name) <= 128 and not name.startswith(".") and all(c.isascii() and (c.isalnum() or c in "_.-")
+                                                                      for c in name)
 
 
 def worker_id(index: int) -> str:
