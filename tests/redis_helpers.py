@@ -3,6 +3,7 @@ installs it). Tests that need one skip, saying why, where none can be started.""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -21,7 +22,7 @@ class RedisServer:
     """One ``redis-server`` process in ``directory`` on a free loopback port; :meth:`stop` and
     :meth:`start` again (same port) simulate an outage."""
 
-    def __init__(self, directory: str, password: str | None = None):
+    def __init__(self, directory: str, password: str | None = None, tls: bool = False):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("no redis-server here: apt-get install redis-server (.ci/run does)")
@@ -29,16 +30,29 @@ class RedisServer:
             import redis  # noqa: F401 (only: is it there?)
         except ImportError:
             pytest.skip("redis-py is not installed: pip install redis (the dev extra has it)")
-        self.dir, self.port, self.password = directory, _free_port(), password
+        self.dir, self.port, self.password, self.tls = directory, _free_port(), password, tls
         self.proc: subprocess.Popen | None = None
+        if tls:  # a self-signed certificate for 127.0.0.1, which the client is told to trust
+            self.cert = os.path.join(directory, "cert.pem")
+            key = os.path.join(directory, "key.pem")
+            made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
+                                   self.cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                                   "subjectAltName=IP:127.0.0.1"], capture_output=True) if shutil.which("openssl") else None
+            if made is None or made.returncode != 0:
+                pytest.skip("no openssl to make a test certificate")
+            self.key = key
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        port = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.cert, "--tls-key-file", self.key,
+                "--tls-auth-clients", "no"] if self.tls else ["--port", str(self.port)]
+        args = [self.binary, *port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", self.dir, "--daemonize", "no"]
         if self.password:
             args += ["--requirepass", self.password]

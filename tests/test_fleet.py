@@ -262,3 +262,26 @@ def test_libfuzzer_corpora_sync_both_ways_and_bad_names_from_redis_are_refused(r
     assert (db / "0123abcd").read_bytes() == b"\x00\x01program"
     assert not (tmp_path / "escape").exists() and any("bad name" in w for w in b.warnings)
     assert a.sync_dir("atheris", str(da)) == (0, 1)  # b's download is a's too
+
+
+def test_a_password_and_tls_url_works_and_a_wrong_password_is_one_masked_line(tmp_path):
+    from redis_helpers import RedisServer
+
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = RedisServer(str(d), password="s3cret-pw", tls=True).start()
+    try:
+        assert server.url.startswith("rediss://:s3cret-pw@")
+        run = subprocess.run([kvaudit_script(), "fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "6",
+                              "--db", server.url, "--campaign", "tls", "--corpus", str(tmp_path / "c")],
+                             env=plain_env(), capture_output=True, text=True, timeout=180)
+        assert run.returncode == 1, run.stderr[-2000:]
+        assert "s3cret-pw" not in run.stderr + run.stdout  # the banner names the URL masked
+        assert hubs.campaign_status(server.client(), "tls")["known"]
+        wrong = server.url.replace("s3cret-pw", "wrong-pw")
+        bad = invoke(*["fuzz", *HISPARSE, "--db", wrong, "--max-time", "2", "--out", str(tmp_path / "o")])
+        assert bad.exit_code == 69 and "wrong-pw" not in bad.output, bad.output
+        assert re.search(r"kvaudit: error: --db rediss://:\*\*\*@127\.0\.0\.1:\d+/0\S*: (authentication failed|cannot reach)",
+                         bad.output), bad.output
+    finally:
+        server.stop()
