@@ -146,8 +146,9 @@ class CorpusStore:
         self.write_errors: list[str] = []  # programs that could not be saved
 
     @staticmethod
-    def name(program: list[Op]) -> str:
-        text = json.dumps(program_to_json(program), sort_keys=True)
+    def name(program: list[Op], ops: list | None = None) -> str:
+        """``<16 hex>.json``: the SHA-1 of the program's JSON ops (``ops``, when the caller has them)."""
+        text = json.dumps(program_to_json(program) if ops is None else ops, sort_keys=True)
         return hashlib.sha1(text.encode()).hexdigest()[:16] + ".json"
 
     def save(self, program: list[Op], shared: bool = False) -> None:
@@ -156,17 +157,18 @@ class CorpusStore:
         goes to the mirror too, unless ``shared`` (it came from there)."""
         from kvaudit.replay import write_text_atomic
 
-        name = self.name(program)
+        ops = program_to_json(program)
+        name = self.name(program, ops)
         self.seen.add(name)
         path = os.path.join(self.path, name)
         if not os.path.exists(path):
             try:
-                write_text_atomic(path, json.dumps({"format": "kvaudit.program/1",
-                                                    "program": program_to_json(program)}) + "\n")
+                write_text_atomic(path, json.dumps({"format": "kvaudit.program/1", "program": ops}) + "\n",
+                                  durable=False)
             except OSError as e:
                 self.write_errors.append(f"{name}: {e}")
             if self.mirror is not None and not shared:
-                self.mirror.share_program(name, program_to_json(program))
+                self.mirror.share_program(name, ops)
 
     def load_new(self) -> list[list[Op]]:
         """The programs of the files not loaded or written by this store yet, in name order, then
