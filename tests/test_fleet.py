@@ -192,6 +192,10 @@ def test_a_host_killed_mid_triage_has_its_signature_reclaimed_and_reported_by_an
     assert claimed <= reported, err[-3000:]
     status = hubs.campaign_status(r, "faults")
     assert claimed <= set(status["known"]) and status["pending"] == []
+    gone = [w for w, beat in status["workers"].items() if beat is None]
+    assert len(gone) == 1 and f"/{a.pid}/" in gone[0], status["workers"]  # the dead host shows as gone
+    table = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "faults"])
+    assert table.exit_code == 0 and "gone" in table.output, table.output
 
 
 def test_redis_stopped_for_10_s_mid_campaign_loses_no_finding(redis_server, tmp_path):
