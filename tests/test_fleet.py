@@ -133,7 +133,8 @@ def test_three_hosts_report_each_signature_once_and_pull_brings_both_files(redis
         r = invoke(*["replay", str(f)])
         assert r.exit_code == 1, r.output  # the finding reproduces
     table = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "three"])
-    assert table.exit_code == 0 and table.output.count("alive") + table.output.count("gone") == 3
+    assert table.exit_code == 0 and table.output.count("state=alive") + table.output.count("state=gone") == 3
+    assert "findings=" in table.output.splitlines()[-1] and "\x1b" not in table.output  # plain lines in a log
 
 
 SLOW_TRIAGE = '''

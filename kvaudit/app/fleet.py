@@ -49,9 +49,30 @@ def status_table(status: dict, campaign: str, now: float | None = None):
     return t
 
 
+def status_lines(status: dict, campaign: str, now: float | None = None) -> list[str]:
+    """The table of :func:`status_table` as plain ``key=value`` lines (for CI logs): one per worker,
+    then the totals."""
+    now = time.time() if now is None else now
+    out = []
+    for w, beat in status["workers"].items():
+        if beat is None:
+            out.append(f"campaign {campaign}: worker={w} state=gone")
+            continue
+        execs = int(beat.get("executions", 0))
+        rate = execs / max(1e-9, beat.get("time", now) - beat.get("started", beat.get("time", now)))
+        out.append(f"campaign {campaign}: worker={w} state=alive fuzzer={beat.get('fuzzer', '-')} executions={execs} "
+                   f"exec/s={rate:.1f} new={beat.get('new', 0)} dup={beat.get('duplicates', 0)} "
+                   f"flaky={beat.get('flaky', 0)} heartbeat={max(0.0, now - beat.get('time', now)):.0f}s "
+                   f"coverage={beat.get('coverage', '-')!r}")
+    out.append(f"campaign {campaign}: findings={len(status['findings'])} known={len(status['known'])} "
+               f"triaging={len(status['pending'])} flaky={len(status['flaky'])} "
+               f"duplicates={sum(status['duplicates'].values())} programs={status['programs']}")
+    return out
+
+
 def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
     """``kvaudit campaign status``: print the table once (or as JSON), or refresh it every ``watch``
-    seconds until Ctrl-C (a live table on a terminal, plain tables off one)."""
+    seconds until Ctrl-C (a live table on a terminal; off one, plain lines: :func:`status_lines`)."""
     from kvaudit.search.hub import campaign_status
 
     client = _client(db)
@@ -59,8 +80,16 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
     if as_json:
         out.print_json(json.dumps({"campaign": campaign, **campaign_status(client, campaign)}))
         return EXIT_CLEAN
+    def show():
+        st = campaign_status(client, campaign)
+        if out.is_terminal:
+            out.print(status_table(st, campaign))
+        else:
+            for line in status_lines(st, campaign):
+                out.print(line, soft_wrap=True)
+
     if watch is None:
-        out.print(status_table(campaign_status(client, campaign), campaign))
+        show()
         return EXIT_CLEAN
     from rich.live import Live
 
@@ -71,7 +100,7 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
                     live.update(status_table(campaign_status(client, campaign), campaign), refresh=True)
                     time.sleep(watch)
         while True:
-            out.print(status_table(campaign_status(client, campaign), campaign))
+            show()
             time.sleep(watch)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

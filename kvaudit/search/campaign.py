@@ -171,10 +171,9 @@ def _sync(hub, config, spec: _Spec, fdir: str, known: set, flaky: set, sset, emi
             _, _, findings, _ = replay.load(path)
         except replay.ReplayFormatError:
             continue
-        for f in findings:
-            if f.signature not in known:
-                known.add(f.signature)
-                emit(("pulled", spec.index, f.signature, path))
+        for f in findings:  # announced even when known here (a duplicate): the parent must not count the file
+            known.add(f.signature)   # as this host's own when it sweeps DIR/findings/ at the end
+            emit(("pulled", spec.index, f.signature, path))
     known |= hub.known()
     for sig, doc in hub.orphans():
         if sig in known or sig in flaky or not hub.claim(sig, doc):
