@@ -36,27 +36,11 @@ def write_atomic(path: str, doc: dict) -> str:
     return write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 
-def write_bytes_atomic(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace`` (no
-    fsync: a corpus input, not a finding). Raises OSError."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
-    """Write ``text`` (UTF-8) to ``path`` via a temporary file in the same directory, fsync and
+def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
+    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync and
     ``os.replace``: a reader sees the old file or the whole new one, never a part (``durable``
     False: no fsync -- still whole after a crash of the process, not of the machine; for corpus
-    programs, written hundreds of times a minute). Raises OSError."""
+    inputs, written hundreds of times a minute). Raises OSError."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
@@ -64,8 +48,8 @@ def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
     os.umask(umask)
     try:
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             if durable:
                 os.fsync(fh.fileno())
@@ -75,6 +59,12 @@ def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
             os.unlink(tmp)
         raise
     return path
+
+
+def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
+    """:func:`write_bytes_atomic` of ``text`` in UTF-8. Raises OSError (UnicodeEncodeError for a
+    lone surrogate)."""
+    return write_bytes_atomic(path, text.encode("utf-8"), durable)
 
 
 def rerecord(path: str, findings: list[Finding]) -> str:

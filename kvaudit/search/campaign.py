@@ -217,7 +217,14 @@ def _triage_and_write(spec: _Spec, config, sset, emit, fdir: str, program, findi
     others = [o for o in dict.fromkeys(f.signature for f in crash.findings[1:]) if o != sig and o not in known]
     if hub is not None:
         doc = replay.to_doc(config, crash.program, crash.findings, minimized=True)
-        others = [o for o in others if hub.claim(o, doc)]
+        mine = []
+        for o in others:
+            if hub.claim(o, doc):
+                mine.append(o)
+            else:  # another host's: its file reports it, this one only holds it as a secondary
+                counts["duplicates"] += 1
+                emit(("duplicate", spec.index, o))
+        others = mine
     if hub is not None:
         hub.upload(sig, path, [f.signature for f in crash.findings])
     known.add(sig)
@@ -430,7 +437,8 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     except KeyboardInterrupt:
         result.interrupted = True
     for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)
-        if sig not in result.new and sig not in result.known and sig not in result.fleet:
+        if sig not in result.new and sig not in result.known and sig not in result.fleet \
+                and sig not in result.duplicates:  # (another host's, saved here as a secondary finding)
             handle(("finding", -1, sig, path))
     stats.phase = "interrupted" if result.interrupted else "done"
     _append_run_record(corpus, {

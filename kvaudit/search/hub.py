@@ -65,7 +65,7 @@ def _redis_errors() -> tuple[type, ...]:
     return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
-def connect(url: str, timeout: float = 2.0, check: bool = True):
+def connect(url: str, timeout: float = 5.0, check: bool = True):
     """A ``redis.Redis`` client for ``url`` that answered a PING (``check``; else not tried yet: a
     worker starts offline rather than not at all). Raises :class:`HubError` with a one-line reason
     (no redis-py, a malformed URL, nothing answering)."""
@@ -271,16 +271,24 @@ class Hub:
                 sig = raw_sig.decode() if isinstance(raw_sig, bytes) else raw_sig
                 if r.exists(self.key("claim:" + sig)) or r.sismember(self.key("known"), sig):
                     continue
-                try:
-                    doc = json.loads(text)
-                    replay.parse_doc(doc, f"redis {self.key('pending')}[{sig}]")
-                except (TypeError, ValueError, RecursionError, replay.ReplayFormatError) as e:
-                    self._warn(f"skipped a malformed pending finding in Redis ({sig}): {e}")
-                    continue
-                out.append((sig, doc))
+                doc = self._replay_doc(text, "pending", sig)
+                if doc is not None:
+                    out.append((sig, doc))
             return out
 
         return self._call(go, default=[])
+
+    def _replay_doc(self, text, where: str, sig: str) -> dict | None:
+        """``text`` (from the hash ``where``, for ``sig``) as a validated replay document, or None
+        with a warning: JSON only, never unpickled or evaluated."""
+        try:
+            doc = json.loads(text)
+            replay.parse_doc(doc, f"redis {self.key(where)}[{sig}]")
+        except (TypeError, ValueError, RecursionError, replay.ReplayFormatError) as e:
+            what = "pending finding" if where == "pending" else "finding"
+            self._warn(f"skipped a malformed {what} in Redis ({sig}): {e}")
+            return None
+        return doc
 
     # -- reads --------------------------------------------------------------------------------------
 
@@ -302,15 +310,10 @@ class Hub:
                 path = os.path.join(directory, replay.file_name(sig))
                 if os.path.exists(path):
                     continue
-                text = r.hget(self.key("findings"), sig)
-                try:
-                    doc = json.loads(text)
-                    replay.parse_doc(doc, f"redis {self.key('findings')}[{sig}]")
-                except (TypeError, ValueError, RecursionError, replay.ReplayFormatError) as e:
-                    self._warn(f"skipped a malformed finding in Redis ({sig}): {e}")
-                    continue
-                replay.write_atomic(path, doc)
-                out.append(path)
+                doc = self._replay_doc(r.hget(self.key("findings"), sig), "findings", sig)
+                if doc is not None:
+                    replay.write_atomic(path, doc)
+                    out.append(path)
             return out
 
         return self._call(go, default=[])
@@ -361,7 +364,7 @@ class Hub:
                 if data is None or len(data) > max_bytes:
                     self._warn(f"skipped a {kind} entry in Redis larger than {max_bytes} bytes: {name}")
                     continue
-                replay.write_bytes_atomic(os.path.join(directory, name), data)
+                replay.write_bytes_atomic(os.path.join(directory, name), data, durable=False)
                 down += 1
             return up, down
 
