@@ -22,7 +22,7 @@ def _config(bug=None, preset="streaming-session"):
 @pytest.mark.parametrize("bug,preset", [("session-close-while-running", "streaming-session"),
                                         ("chunked-abort-ignored", "chunked")])
 def test_finds_a_zoo_bug_within_a_few_hundred_executions(bug, preset):
-    # session-close-while-running: random needs 182-327 executions on seeds 1-3
+    # session-close-while-running: random needs a median 224 [IQR 182-327] executions on seeds 1-3
     # (docs/search/zoo-random-corpus-states.md); the corpus fuzzer 219 (seed 1) and 911 (seed 2; 86
     # with transitions=True, the default before docs/search/README.md "Search variants")
     for seed in (1, 2):
