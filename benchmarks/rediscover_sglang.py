@@ -91,6 +91,7 @@ VARIANTS = {
     "corpus-states": dict(transitions=False),  # features: abstract states and sites only
     "corpus-states-ext": dict(transitions=False, extend_share=0.5),
     "corpus-states-rare": dict(transitions=False, schedule="rare"),
+    "corpus-states-f50": dict(transitions=False, fresh_share=0.5),  # more fresh programs after the warmup
 }
 
 
