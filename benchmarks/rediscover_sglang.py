@@ -2,7 +2,7 @@
 """Executions-to-bug for rediscovering the SGLang 0.5.23 findings of ``corpora/sglang/`` from scratch.
 
     python benchmarks/rediscover_sglang.py [--fuzzers random,hypothesis] [--seeds 3] [--budget 60]
-        [--max-executions N] [--files GLOB ...] [--vllm-45357] [--json out.json]
+        [--max-executions N] [--files GLOB ...] [--vllm-45357] [--history IDS] [--json out.json]
 
 For each replay file in ``corpora/sglang/*.json`` its ``config`` (target, preset, overrides; no bug
 switched on: these are bugs of the installed SGLang 0.5.23 itself) is searched by each fuzzer with
@@ -11,7 +11,11 @@ signature equals the file's recorded one; any other finding is not a hit, and th
 it (:class:`kvaudit.search.fuzz.OnlySignature` as the search's ``known``: such a finding ends its
 program, as a campaign's known findings do). ``--vllm-45357`` adds vLLM #45357 (the
 ``vllm-kv-connector`` preset, a finding whose signature contains ``check:inflight-write``); run it
-with ``PYTHONPATH=~/.cache/kvaudit/releases/vllm-0.23.0:$PWD``.
+with ``PYTHONPATH=~/.cache/kvaudit/releases/vllm-0.23.0:$PWD``. ``--history sglang-21875`` adds
+history-suite bugs (run with the shipping release's overlay first on ``PYTHONPATH``), searched with
+every other finding suppressed and matched by ``HistoryBug.matches``, as the history worker does
+(without its triage). Fuzzers: ``random``, ``hypothesis``, ``corpus``, atheris, and the corpus
+fuzzer's named variants (:data:`VARIANTS`, docs/search/README.md "Search variants").
 
 Per case and fuzzer: successes/trials, median executions (and seconds) to the first hit over the
 successful trials (``-`` when half or more failed: a censored median), and the geometric mean over
