@@ -2,7 +2,7 @@
 """Executions-to-bug for rediscovering the SGLang 0.5.23 findings of ``corpora/sglang/`` from scratch.
 
     python benchmarks/rediscover_sglang.py [--fuzzers random,hypothesis] [--seeds 3] [--budget 60]
-        [--max-executions N] [--files GLOB ...] [--vllm-45357] [--json out.json]
+        [--max-executions N] [--files GLOB ...] [--vllm-45357] [--history IDS] [--json out.json]
 
 For each replay file in ``corpora/sglang/*.json`` its ``config`` (target, preset, overrides; no bug
 switched on: these are bugs of the installed SGLang 0.5.23 itself) is searched by each fuzzer with
@@ -11,7 +11,11 @@ signature equals the file's recorded one; any other finding is not a hit, and th
 it (:class:`kvaudit.search.fuzz.OnlySignature` as the search's ``known``: such a finding ends its
 program, as a campaign's known findings do). ``--vllm-45357`` adds vLLM #45357 (the
 ``vllm-kv-connector`` preset, a finding whose signature contains ``check:inflight-write``); run it
-with ``PYTHONPATH=~/.cache/kvaudit/releases/vllm-0.23.0:$PWD``.
+with ``PYTHONPATH=~/.cache/kvaudit/releases/vllm-0.23.0:$PWD``. ``--history sglang-21875`` adds
+history-suite bugs (run with the shipping release's overlay first on ``PYTHONPATH``), searched with
+every other finding suppressed and matched by ``HistoryBug.matches``, as the history worker does
+(without its triage). Fuzzers: ``random``, ``hypothesis``, ``corpus``, atheris, and the corpus
+fuzzer's named variants (:data:`VARIANTS`, docs/search/README.md "Search variants").
 
 Per case and fuzzer: successes/trials, median executions (and seconds) to the first hit over the
 successful trials (``-`` when half or more failed: a censored median), and the geometric mean over
@@ -37,8 +41,29 @@ from kvaudit.replay import load
 from kvaudit.search.fuzz import FuzzStats, OnlySignature
 
 
-def cases(files: list[str], vllm: bool) -> list[tuple[str, object, OnlySignature]]:
+class _HistoryWanted:
+    """A history-suite bug as a trial's target: the history worker's match (``HistoryBug.matches``)
+    and its suppressions (every other finding suppressed: the program goes on past it)."""
+
+    def __init__(self, bug):
+        self.bug = bug
+
+    def wants_finding(self, f) -> bool:
+        return self.bug.matches(f)
+
+    def suppressions(self):
+        from kvaudit.history.worker import NotThisBug
+
+        return NotThisBug(self.bug)
+
+
+def cases(files: list[str], vllm: bool, history: list[str] = ()) -> list[tuple[str, object, object]]:
     out = []
+    for bid in history:
+        from kvaudit.history.catalogue import all_bugs
+
+        bug = all_bugs()[bid]
+        out.append((bid, bug.target_config(), _HistoryWanted(bug)))
     for path in files:
         config, _program, findings, _doc = load(path)
         out.append((os.path.basename(path)[:-5], config, OnlySignature(findings[0].signature)))
@@ -50,13 +75,55 @@ def cases(files: list[str], vllm: bool) -> list[tuple[str, object, OnlySignature
     return out
 
 
+# corpus fuzzer variants measured against random (docs/search/README.md, "Search variants"):
+# corpus_search's arguments. Measured while transitions=True was corpus_search's default, so each
+# names it (the default is now False, as corpus-states).
+VARIANTS = {
+    "corpus-trans": dict(transitions=True),  # the corpus fuzzer before the variants (state transitions)
+    "corpus-rare": dict(transitions=True, schedule="rare"),  # rare-feature power schedule
+    "corpus-ext": dict(transitions=True, extend_share=0.5),  # half the mutations continue a program from its frontier
+    "corpus-rare-ext": dict(transitions=True, schedule="rare", extend_share=0.5),
+    "corpus-w16": dict(transitions=True, warmup=16),
+    "corpus-w16-rare-ext": dict(transitions=True, warmup=16, schedule="rare", extend_share=0.5),
+    "corpus-aswarm": dict(transitions=True, arg_swarm=True),  # swarm programs also swarm over optional arguments
+    "corpus-aswarm-ext": dict(transitions=True, arg_swarm=True, extend_share=0.5),
+    "corpus-w16-aswarm-ext": dict(transitions=True, warmup=16, arg_swarm=True, extend_share=0.5),
+    "corpus-w0-aswarm-ext": dict(transitions=True, warmup=0, arg_swarm=True, extend_share=0.5, fresh_share=0.5),
+    "corpus-ctx": dict(transitions=True, op_context=True),  # features: the op shapes run since the last step, with the state
+    "corpus-ctx-rare": dict(transitions=True, op_context=True, schedule="rare"),
+    "corpus-ctx-rare-ext": dict(transitions=True, op_context=True, schedule="rare", extend_share=0.5),
+    "corpus-states": dict(transitions=False),  # features: abstract states and sites only
+    "corpus-states-ext": dict(transitions=False, extend_share=0.5),
+    "corpus-states-rare": dict(transitions=False, schedule="rare"),
+    "corpus-states-f50": dict(transitions=False, fresh_share=0.5),  # more fresh programs after the warmup
+}
+
+
 def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
           max_executions: int | None = None) -> dict:
     from kvaudit.search.bench import search
 
     stats = FuzzStats()
     t0 = time.monotonic()
-    if fuzzer == "corpus-keep":  # a variant: known findings are features (kvaudit.search.corpus_fuzz)
+    if isinstance(wanted, _HistoryWanted):  # as kvaudit.history.worker searches (no triage here)
+        from kvaudit.search.corpus_fuzz import corpus_search
+        from kvaudit.search.fuzz import random_search
+
+        kw = dict(suppressions=wanted.suppressions(), max_executions=max_executions)
+        if fuzzer == "random":
+            found = random_search(config, budget, seed, stats, **kw)
+        else:
+            found = corpus_search(config, budget, seed, stats, **kw, **VARIANTS.get(fuzzer, {}))
+        hit = found is not None and any(wanted.wants_finding(f) for f in found[1])
+        execs, secs = stats.first_hit if hit and stats.first_hit else (stats.executions, time.monotonic() - t0)
+        return {"fuzzer": fuzzer, "seed": seed, "hit": hit, "executions": execs, "seconds": round(secs, 2),
+                "total_executions": stats.executions}
+    if fuzzer in VARIANTS:
+        from kvaudit.search.corpus_fuzz import corpus_search
+
+        found = corpus_search(config, budget, seed, stats, known=wanted, max_executions=max_executions,
+                              **VARIANTS[fuzzer])
+    elif fuzzer == "corpus-keep":  # a variant: known findings are features (kvaudit.search.corpus_fuzz)
         from kvaudit.search.corpus_fuzz import corpus_search
 
         found = corpus_search(config, budget, seed, stats, known=wanted, keep_findings=True,
@@ -90,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--files", nargs="*", default=None, help="replay files (default corpora/sglang/*.json)")
     ap.add_argument("--no-sglang", action="store_true", help="leave out the SGLang corpus")
     ap.add_argument("--vllm-45357", action="store_true")
+    ap.add_argument("--history", default="", metavar="IDS",
+                    help="history-suite bugs too (comma-separated ids; run with the shipping release's overlay "
+                         "first on PYTHONPATH), searched and matched as the history worker does")
     ap.add_argument("--json", default=None, help="append each trial as a JSON line here")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSONL",
                     help="print the table of trials recorded by --json (several files merge) and exit")
@@ -106,9 +176,10 @@ def main(argv=None) -> int:
         print_table(rows, fuzzers)
         return 0
     files = [] if args.no_sglang else sorted(args.files or glob.glob("corpora/sglang/*.json"))
+    history = [b for b in args.history.split(",") if b]
     fuzzers = args.fuzzers.split(",")
     rows: dict[tuple[str, str], list[dict]] = {}
-    for name, config, wanted in cases(files, args.vllm_45357):
+    for name, config, wanted in cases(files, args.vllm_45357, history):
         execute(config, [Idle()])  # imports and first-run set-up outside the trials' budgets
         for fuzzer in fuzzers:
             for seed in range(args.first_seed, args.first_seed + args.seeds):

@@ -7,9 +7,13 @@ four stacked mutations -- insert, delete or replace an op, redraw one argument, 
 duplicate a run of ops). After every scheduler step the target's state is abstracted
 (:func:`abstract_state`: which places hold requests and sessions and how many, each pool's free and
 evictable level in eighths, paused/idle), and a program that reaches a *feature* never seen before
-joins the corpus. Features (AFLNet's state-transition feedback, over the target's own view instead
-of a protocol's response codes): an abstract state, a transition between two consecutive states,
-an (op kind, state) pair, and an engine alloc/free/lock site (the auditor's ``site_keys``).
+joins the corpus. Features (AFLNet's state feedback, over the target's own view instead of a
+protocol's response codes): an abstract state and an engine alloc/free/lock site (the auditor's
+``site_keys``); with ``transitions``, also a transition between two consecutive states and an (op
+kind, state) pair. Those two made almost every other program new (292 corpus programs in 600
+executions on ``sglang-session``); without them the search found the deep SGLang bugs as often
+(38 against 37 of 55 trials) and sglang-21875 sooner, so they are off by default
+(docs/search/README.md, "Search variants").
 
 A finding ends its program; the first one neither ``known`` nor suppressed is returned, as
 :func:`kvaudit.search.fuzz.random_search` does (no shrinking here: triage minimizes it).
@@ -100,31 +104,56 @@ def abstract_state(target) -> tuple:
             bool(target.is_idle()))
 
 
+def op_shape(op: Op) -> str:
+    """An op's kind and which of its optional arguments (``Arg.p < 1``) it sets: ``submit+session``
+    for a session turn, ``abort+handle``; values left out."""
+    spec = OPS[op.kind]
+    set_ = [a.name for a in spec.args if a.p < 1.0 and getattr(op, a.name) != a.unset]
+    return "+".join([op.kind] + set_)
+
+
 @dataclass
 class Entry:
     program: list[Op]
     new_features: int  # features this program reached first
     picked: int = 0
+    features: frozenset = frozenset()  # every feature it reached (for the rare-feature schedule)
+    frontier: int | None = None  # index of the last op after which it reached a new feature
 
 
 @dataclass
 class Corpus:
-    """The programs that reached new features, and every feature seen (hashes)."""
+    """The programs that reached new features, every feature seen (hashes), and how many executions
+    reached each feature (``hits``: the rare-feature schedule's counts)."""
 
     entries: list[Entry] = field(default_factory=list)
     features: set = field(default_factory=set)
+    hits: dict = field(default_factory=dict)
 
-    def add(self, program: list[Op], features: set) -> bool:
+    def count(self, features: set) -> None:
+        """One execution reached ``features``."""
+        hits = self.hits
+        for f in features:
+            hits[f] = hits.get(f, 0) + 1
+
+    def add(self, program: list[Op], features: set, frontier: int | None = None) -> bool:
         new = features - self.features
         if not new:
             return False
         self.features |= new
-        self.entries.append(Entry(list(program), len(new)))
+        self.entries.append(Entry(list(program), len(new), features=frozenset(features), frontier=frontier))
         return True
 
-    def pick(self, rng: random.Random) -> Entry:
-        """An entry, favouring those that found many features, are short and were picked rarely."""
-        weights = [(1 + e.new_features) / ((1 + e.picked) * (4 + len(e.program))) for e in self.entries]
+    def pick(self, rng: random.Random, schedule: str = "classic") -> Entry:
+        """An entry. ``classic``: favouring those that found many features, are short and were picked
+        rarely. ``rare``: favouring those that reached features few executions reach (the sum of
+        1/hits over its features, AFLFast's and Entropic's idea), short and rarely picked."""
+        if schedule == "rare":
+            hits = self.hits
+            weights = [sum(1.0 / hits.get(f, 1) for f in e.features) / ((1 + e.picked) * (4 + len(e.program)))
+                       for e in self.entries]
+        else:
+            weights = [(1 + e.new_features) / ((1 + e.picked) * (4 + len(e.program))) for e in self.entries]
         e = rng.choices(self.entries, weights)[0]
         e.picked += 1
         return e
@@ -223,11 +252,39 @@ class Mutator:
         keep = {k for k in kinds if k in ("step", "idle") or self.rng.random() < 0.5}
         return tuple(k for k in self.table if k in keep)
 
-    def fresh(self, min_ops: int, max_ops: int, swarm: bool) -> list[Op]:
+    def swarm_probs(self) -> dict[str, float]:
+        """Swarm over arguments: for each optional argument (``Arg.p < 1``) of the reach, a set
+        probability for one program, drawn from never, its random-mix ``p`` and always (a program
+        whose submits all name a session, or none does)."""
+        out = {}
+        for kind in set(self.table):
+            for a in OPS[kind].args:
+                if a.p < 1.0 and reachable(a.gate, self.reach):
+                    out[(kind, a.name)] = self.rng.choice((0.0, a.p, 1.0))
+        return out
+
+    def swarm_op(self, table, probs: dict) -> Op:
+        """An op of ``table`` whose optional arguments are set with ``probs``' probabilities."""
+        rng = self.rng
+        kind = table[rng.randrange(len(table))]
+        values = {}
+        for a in OPS[kind].args:
+            p = probs.get((kind, a.name), a.p)
+            if not reachable(a.gate, self.reach) or (p < 1.0 and rng.random() >= p):
+                values[a.name] = a.unset
+            else:
+                lo, hi = arg_range(a, self.max_prompt)
+                values[a.name] = rng.randint(lo, hi)
+        return make_op(kind, values, self.reach, self.max_prompt)
+
+    def fresh(self, min_ops: int, max_ops: int, swarm: bool, arg_swarm: bool = False) -> list[Op]:
         if not swarm:
             return random_program(self.rng, self.rng.randint(min_ops, max_ops), max_prompt=self.max_prompt,
                                   features=self.reach - frozenset(CAPABILITIES))
         table = self.swarm_table()
+        if arg_swarm:
+            probs = self.swarm_probs()
+            return [self.swarm_op(table, probs) for _ in range(self.rng.randint(min_ops, max_ops) - 1)] + [Idle()]
         return [self.op(table) for _ in range(self.rng.randint(min_ops, max_ops) - 1)] + [Idle()]
 
     def redraw_arg(self, op: Op) -> Op:
@@ -243,6 +300,17 @@ class Mutator:
             lo, hi = arg_range(a, self.max_prompt)
             values[a.name] = self.rng.randint(lo, hi)
         return make_op(op.kind, values, self.reach, self.max_prompt)
+
+    def extend(self, program: list[Op], frontier: int | None) -> list[Op]:
+        """``program`` cut after op ``frontier`` (where it last reached a new feature; the whole body
+        when None) and continued with one to four fresh ops, then ``idle``: one more step past an
+        interesting state."""
+        body = [op for op in program if not isinstance(op, Idle)] if frontier is None else \
+            [op for op in program[:frontier + 1]]
+        if body and isinstance(body[-1], Idle) and self.rng.random() < 0.5:
+            body.pop()
+        body += [self.op() for _ in range(self.rng.randint(1, 4))]
+        return body[: self.max_ops - 1] + [Idle()]
 
     def mutate(self, program: list[Op], other: list[Op]) -> list[Op]:
         """One to four stacked mutations of ``program`` (``other``: a second corpus program to splice
@@ -279,6 +347,8 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                   corpus: Corpus | None = None, max_executions: int | None = None,
                   keep_findings: bool = False, line_coverage: bool = False,
                   store: CorpusStore | None = None, sync_every: int = 256,
+                  schedule: str = "classic", extend_share: float = 0.0, arg_swarm: bool = False,
+                  op_context: bool = False, transitions: bool = False,
                   ) -> tuple[list[Op], list[Finding]] | None:
     """Search ``config`` for ``max_time`` seconds from ``seed_value``. Returns the first program that
     yields a finding (neither suppressed by ``suppressions``, a
@@ -295,7 +365,15 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     runs are features too (:class:`LineTracer`; about 2.2x the CPU time per program). ``store``: a
     :class:`CorpusStore` (a campaign's ``DIR/programs/``): its programs run first, before the warmup,
     and join the corpus by the same rule; every program that joins is saved there; every
-    ``sync_every`` executions the programs other workers saved since are run next."""
+    ``sync_every`` executions the programs other workers saved since are run next.
+
+    Variants (docs/search/README.md, "Search variants"; the defaults are what measured best):
+    ``schedule``: how a corpus program is picked (:meth:`Corpus.pick`: ``classic`` or ``rare``);
+    ``extend_share``: the share of mutations that continue a program from its frontier
+    (:meth:`Mutator.extend`) instead of havoc; ``arg_swarm``: swarm programs also swarm over the
+    optional arguments (:meth:`Mutator.swarm_probs`); ``op_context``: the op shapes
+    (:func:`op_shape`) run since the last scheduler step, with the state they led to, are features;
+    ``transitions``: state transitions and (op kind, state) pairs are features."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup
     deadline = time.monotonic() + max_time
     mp = context_max_prompt(config.context_len)
@@ -317,27 +395,40 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
             warm += 1
             program = mut.fresh(min_ops, max_ops, swarm=False)
         elif not corpus.entries or rng.random() < fresh_share:
-            program = mut.fresh(min_ops, max_ops, swarm=rng.random() < 0.5)
+            program = mut.fresh(min_ops, max_ops, swarm=rng.random() < 0.5, arg_swarm=arg_swarm)
         else:
-            program = mut.mutate(corpus.pick(rng).program, rng.choice(corpus.entries).program)
+            entry = corpus.pick(rng, schedule)
+            if rng.random() < extend_share:
+                program = mut.extend(entry.program, entry.frontier)
+            else:
+                program = mut.mutate(entry.program, rng.choice(corpus.entries).program)
         stats.executions += 1
         features: set = set()
         with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
                 (tracer or contextlib.nullcontext()):
             prev = [None]
             kind = ["-"]
+            at = [0, None]  # the op running, the last op after which a new feature was reached
+            seen = corpus.features
+            since: list = []  # op shapes applied since the last scheduler step (op_context)
 
             def on_step(r, prev=prev, kind=kind):
                 s = hash(abstract_state(r.target))
-                features.add(s)
-                features.add(hash((prev[0], s)))
-                features.add(hash((kind[0], s)))
+                step = (s, hash((prev[0], s)), hash((kind[0], s))) if transitions else (s,)
+                if op_context:
+                    step += (hash(("ops", tuple(since[-3:]), s)),)
+                    since.clear()
+                features.update(step)
+                if at[1] != at[0] and any(f not in seen for f in step):
+                    at[1] = at[0]
                 prev[0] = s
 
             run.on_step = on_step
             ran, broke = 0, False
-            for op in program:
-                kind[0] = op.kind
+            for i, op in enumerate(program):
+                kind[0], at[0] = op.kind, i
+                if op_context:
+                    since.append(op_shape(op))
                 found = run.apply(op)
                 ran += 1
                 stats.ops += 1
@@ -359,8 +450,11 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
             if tracer is not None:
                 features |= tracer.lines
             kept = program[:ran - 1] if broke else program[:ran]
+            if schedule == "rare":
+                corpus.count(features)
+            frontier = at[1] if at[1] is not None and at[1] < len(kept) else None
             kept = kept if kept and isinstance(kept[-1], Idle) else kept + [Idle()]
-            if corpus.add(kept, features) and store is not None:
+            if corpus.add(kept, features, frontier) and store is not None:
                 store.save(kept)
         stats.coverage = f"{len(corpus.features)} features, {len(corpus.entries)} programs"
         if store is not None and (store.skipped or store.write_errors):
