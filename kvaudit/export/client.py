@@ -87,7 +87,7 @@ class Client:
                     d["meta_info"].get("finish_reason"))) for d in docs)
         except ValueError:
             pass
-        self.say("<- %s: %s %s" % (label, status if status is not None else "NO ANSWER", shown[:300]))
+        self.say("<- %s: %s %s" % (label, status if status is not None else "NO ANSWER", shown.strip()[:300]))
 
     # -- the server's API (SGLang 0.5.23) --------------------------------------------------------------
     def open_session(self, name, streaming, timeout=None, label=""):
@@ -143,6 +143,7 @@ class Client:
 
     def idle(self, label=""):
         """Wait for every request sent so far to answer (--timeout), then for no request to run or queue."""
+        self.say("   %s: wait until every request has answered and none runs" % (label or "idle"))
         deadline = time.time() + self.timeout
         for name, t in self.pending:
             t.join(max(0.0, deadline - time.time()))
@@ -309,8 +310,8 @@ def expected_line(kind: str, server: str) -> str:
     """What a maintainer should see, for the finding ``kind``, in one line."""
     return {"crash": "the server stops answering (the scheduler raised)",
             "hang": "a request never answers while the pool has room"}.get(
-        kind, "the pool does not come back: after closing every session and flushing, kv_available_tokens "
-              "is below its value before the program") + (f" -- {server}" if server else "")
+        kind, "the pool does not come back (after closing every session and flushing, kv_available_tokens "
+              "is below its value before the program, or kv_used_tokens > 0), or the server fails") + (f" -- {server}" if server else "")
 
 
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,

@@ -22,8 +22,8 @@ from kvaudit.program.schema import pick, prompt_tokens
 @dataclass
 class GenItem:
     """One request of a ``/generate`` call: ``op`` index, ``rid`` (the program's id, e.g. ``r1``; the
-    script prefixes a per-run tag), ``input_ids`` (``[n]`` token ids), ``max_new_tokens`` as the program
-    has it (tokens, after the target's clamp), ``hold`` (the request must still run when a later message
+    script prefixes a per-run tag), ``input_ids`` (``[n]`` token ids), ``max_new_tokens`` (tokens: the program's after
+    the target's clamp, or its ``stop_at`` when that comes first), ``hold`` (the request must still run when a later message
     arrives: the script lengthens it), ``stop_at`` (output length at which the program's EOS comes, or
     None)."""
 
@@ -134,6 +134,7 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                 item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "
                                   "resends its output so far, which is the model's on a real server")
             if op.stop_at is not None and op.stop_at < max_new:
+                item.max_new_tokens = op.stop_at
                 item.notes.append(f"the program samples EOS at output length {op.stop_at}: the script asks for "
                                   f"max_new_tokens={op.stop_at} (a length finish, not an EOS one)")
             sid = pick(op.session, sessions)
