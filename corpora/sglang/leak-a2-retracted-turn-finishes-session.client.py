@@ -43,8 +43,9 @@ APPROXIMATIONS = [
 class Client:
     """A thin HTTP client that records every answer: ``failures`` (no answer, connection lost, 5xx)."""
 
-    def __init__(self, url, timeout, step_delay, gap, hold_tokens):
+    def __init__(self, url, timeout, step_delay, gap, hold_tokens, metrics_url=None):
         self.url = url.rstrip("/")
+        self.metrics_url = (metrics_url or url).rstrip("/")
         self.timeout, self.step_delay, self.gap, self.hold_tokens = timeout, step_delay, gap, hold_tokens
         self.tag = "kvaudit-%s-" % uuid.uuid4().hex[:6]  # a fresh prefix per run: rerunning never collides
         self.failures, self.pending = [], []
@@ -54,11 +55,11 @@ class Client:
         with self.lock:
             print(line, flush=True)
 
-    def request(self, method, path, body=None, timeout=None):
+    def request(self, method, path, body=None, timeout=None, base=None):
         """(status, text); status None when there was no HTTP answer (refused, reset, timed out)."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        req = urllib.request.Request((base or self.url) + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
                 return r.status, r.read().decode("utf-8", "replace")
@@ -172,7 +173,7 @@ class Client:
 
     def counters(self):
         """The pool gauges of /metrics (summed over labels), or None without --enable-metrics."""
-        status, text = self.request("GET", "/metrics")
+        status, text = self.request("GET", "/metrics", base=self.metrics_url)
         if status != 200:
             return None
         out = {}
@@ -243,11 +244,13 @@ def main(argv=None):
     ap.add_argument("--hold-tokens", type=int, default=HOLD_TOKENS,
                     help="extra output tokens for a request that must still run when a later call arrives "
                          "(default: %(default)s)")
+    ap.add_argument("--metrics-url", default=None,
+                    help="where to read /metrics (default: --url; behind a PD router: the decode server)")
     args = ap.parse_args(argv)
     if args.timeout <= 0 or args.step_delay < 0 or args.gap < 0 or args.hold_tokens < 0:
         print("error: --timeout must be > 0 and the other numbers >= 0", file=sys.stderr)
         return 2
-    c = Client(args.url, args.timeout, args.step_delay, args.gap, args.hold_tokens)
+    c = Client(args.url, args.timeout, args.step_delay, args.gap, args.hold_tokens, args.metrics_url)
     if not c.alive():
         print("error: no server answers GET %s/health (launch it first: see the top of this file)" % c.url,
               file=sys.stderr)

@@ -79,7 +79,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
         out.append("- HiSparse runs on DSA (DeepSeek Sparse Attention) models only: use one for `--model-path`.")
     if config.disaggregation_mode == "decode":
         out.append("- This is a PD decode server: it needs a prefill server and a router in front "
-                   "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router.")
+                   "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router (`--url`) and read the decode server's counters "
+                   "(`--metrics-url`).")
     out += ["", "## What happens", ""]
     kinds = ", ".join(f"{f.kind} ({f.message.splitlines()[0][:160]})" for f in findings) or "no finding recorded"
     out += [f"kvaudit reports: {kinds}.", ""]
@@ -97,8 +98,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if curls:
         curl_hint = "; or the curl lines below"
     if client_name is not None:
-        out += [f"1. Launch the server as above (any model; {api.engine} {api.version}{curl_hint}).",
-                f"2. `python3 {client_name} --url http://127.0.0.1:30000` (standard library only).", "",
+        out += [f"1. Launch the server as above (any model; {api.engine} {api.version}).",
+                f"2. `python3 {client_name} --url http://127.0.0.1:30000` (standard library only){curl_hint}.", "",
                 f"Expected: {note.server if note is not None else expected}. The script prints every call and answer, the `/metrics` pool counters "
                 "before and after, and `RESULT: REPRODUCED` (exit 1) or `NOT REPRODUCED` (exit 0).", ""]
     else:
@@ -107,9 +108,9 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
         out += ["The same by hand (each call waits for its answer; the last one never gets a normal answer if the "
                 "bug fires):", "", "```sh"] + curls + ["```", ""]
     if plan.exact:
-        out += ["The client reproduces the program exactly: every op maps to one HTTP call, and submits of one "
-                "scheduler step go in one batched `/generate` (SGLang queues a batch's items in one scheduler "
-                "iteration).", ""]
+        out += ["The client reproduces the program exactly: every op maps to one HTTP call and nothing depends on "
+                "timing; submits of one scheduler step go in one batched `/generate` (SGLang queues a batch's items "
+                "in one scheduler iteration).", ""]
     else:
         out += ["The client only approximates the program (a client cannot pace the scheduler step by step or "
                 "force memory pressure):", ""] + [f"- {a}" for a in plan.approximations] + [""]
