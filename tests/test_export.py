@@ -320,3 +320,48 @@ def test_the_deferred_close_arrives_while_the_turn_still_runs(stand_in):
     batch = [c for c in calls if c[2] == "/generate"][1]
     close = next(c for c in calls if c[2] == "/close_session")
     assert len(batch[3]["input_ids"]) == 2 and batch[4] < close[4] < batch[5]
+
+
+@pytest.mark.sglang
+def test_every_request_a_client_sends_is_one_sglang_0_5_23_accepts(stand_in):
+    """The bodies, checked with SGLang's own request types: /generate by its JSON contract
+    (GenerateRequest.from_json_value) and GenerateReqInput's normalization (a batch of n items, each
+    carrying the request's session_params), the session, abort and pause bodies by their dataclasses."""
+    from kvaudit.targets.sglang import boot
+    boot.load()
+    from sglang.api.v1.api_types import GenerateRequest
+    from sglang.srt.managers.io_struct import (AbortReq, CloseSessionReqInput, GenerateReqInput, OpenSessionReqInput,
+                                               PauseGenerationReqInput)
+    types = {"/open_session": OpenSessionReqInput, "/close_session": CloseSessionReqInput, "/abort_request": AbortReq,
+             "/pause_generation": PauseGenerationReqInput}
+    for name in NAMES:
+        assert run_client(os.path.join(ROOT, "corpora", "sglang", name + ".client.py"), stand_in.url).returncode == 0
+    seen = set()
+    for seq, method, path, body, t0, t1 in stand_in.log:
+        path = path.split("?")[0]
+        seen.add(path)
+        if path == "/generate":
+            GenerateRequest.from_json_value(body)  # raises JsonContractError on a body the server refuses (400)
+            req = GenerateReqInput(**body)
+            req.normalize_batch_and_arguments()
+            n = len(body["rid"]) if isinstance(body["rid"], list) else 1
+            assert req.batch_size == n and req.is_single == (n == 1)
+            if n > 1:
+                assert [req[i].rid for i in range(n)] == body["rid"]
+                assert all(req[i].session_params == body.get("session_params") for i in range(n))
+        elif path in types:
+            types[path](**body)
+    assert {"/generate", "/open_session", "/close_session", "/abort_request", "/flush_cache"} <= seen
+
+
+def test_without_the_target_handles_are_resolved_statically(tmp_path):
+    """--no-resolve: the program is not run; sessions and requests are named by the intake's own rule (every
+    submitted request counted live), and no request is held (no trace says which must still run)."""
+    src = os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort.json")
+    r = invoke("export", src, "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    assert "handles resolved statically" in r.output
+    text = (tmp_path / "c.py").read_text()
+    assert "c.abort('r0', label='op 6')" in text
+    assert ", True)," not in text  # nothing held
+    assert "## How sure we are" in (tmp_path / "c.md").read_text()

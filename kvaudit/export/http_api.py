@@ -140,6 +140,9 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
     if c.disaggregation_mode == "decode":
         flags += ["--disaggregation-mode decode", f"--num-reserved-decode-tokens {c.num_reserved_decode_tokens}"]
     if c.enable_hisparse:
+        unmapped.append(f"num_slots={c.num_slots} is HiSparse's physical device pool here (the logical pool is "
+                        f"{c.hisparse_host_to_device_ratio}x); which of the two --max-total-tokens sizes under "
+                        "HiSparse was not checked")
         flags += ["--enable-hisparse", "--disable-radix-cache",
                   "--hisparse-config '{\"device_buffer_size\": %d, \"host_to_device_ratio\": %d}'"
                   % (c.hisparse_device_buffer_size, c.hisparse_host_to_device_ratio)]
