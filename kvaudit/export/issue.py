@@ -128,6 +128,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
                 f"{' + hold' if i.hold else ''})" for i in items)
         elif c.kind == "wait":
             what = f"wait (stands for {c.args['steps']} scheduler step(s))"
+        elif c.kind == "idle":
+            what = "wait until every request has answered and none runs or queues (polls GET /metrics)"
         elif c.args:
             what += " " + ", ".join(f"{k}={v}" for k, v in c.args.items() if k != "op" and v is not None)
         out.append(f"- op {', '.join(map(str, c.ops))}: {what}")
