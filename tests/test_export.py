@@ -29,10 +29,12 @@ HOLD = 30  # --hold-tokens in these runs: a held request lasts ~0.3 s on the sta
 class StandIn:
     """An HTTP server that answers SGLang's endpoints and records each request: ``(seq, method, path,
     body, t_arrived, t_answered)``. A /generate answers after PER_TOKEN s per output token (the largest
-    of its items), like a server decoding; /metrics reports a full, idle pool."""
+    of its items), like a server decoding; /metrics reports a full, idle pool (less ``leak`` tokens once a
+    /generate came)."""
 
     def __init__(self):
         self.log, self.lock = [], threading.Lock()
+        self.leak = 0  # tokens /metrics shows in use for ever once a /generate came (a leaking server)
         stand = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,8 +61,9 @@ class StandIn:
                     out = json.dumps(body["session_id"]).encode()
                 elif path == "/metrics":
                     ctype = "text/plain"
-                    out = ("# HELP x\nsglang:kv_available_tokens{tp_rank=\"0\"} 512.0\n"
-                           "sglang:kv_used_tokens{tp_rank=\"0\"} 0.0\nsglang:num_running_reqs 0.0\n"
+                    lost = stand.leak if any(r[2] == "/generate" for r in stand.log) else 0
+                    out = (f"# HELP x\nsglang:kv_available_tokens{{tp_rank=\"0\"}} {512 - lost}.0\n"
+                           f"sglang:kv_used_tokens{{tp_rank=\"0\"}} {lost}.0\nsglang:num_running_reqs 0.0\n"
                            "sglang:num_queue_reqs 0.0\n").encode()
                 elif path == "/server_info":
                     out = json.dumps({"version": "0.5.23", "enable_streaming_session": True}).encode()
@@ -365,3 +368,17 @@ def test_without_the_target_handles_are_resolved_statically(tmp_path):
     assert "c.abort('r0', label='op 6')" in text
     assert ", True)," not in text  # nothing held
     assert "## How sure we are" in (tmp_path / "c.md").read_text()
+
+
+def test_a_client_says_reproduced_when_the_pool_does_not_come_back(stand_in):
+    """A memory finding: the pool counters after closing the sessions and flushing are short of those
+    before the program (the idle gauges are polled for --settle seconds first), exit 1."""
+    stand_in.leak = 5
+    base = os.path.join(ROOT, "corpora", "sglang", "uaf-deferred-close-after-rejected-turn")
+    done = run_client(base + ".client.py", stand_in.url, "--settle", "1.5")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "kv_available_tokens is 5 below" in done.stdout and "kv_used_tokens=5" in done.stdout
+    assert "RESULT: REPRODUCED" in done.stdout
+    last_flush = max(r[0] for r in stand_in.log if r[2].startswith("/flush_cache"))
+    polls = [r for r in stand_in.log if r[2] == "/metrics" and r[0] > last_flush]
+    assert polls[-1][4] - polls[0][4] >= 1.0  # it waited for the gauges to settle before concluding

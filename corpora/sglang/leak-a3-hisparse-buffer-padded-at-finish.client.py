@@ -37,8 +37,9 @@ APPROXIMATIONS = []
 class Client:
     """A thin HTTP client that records every answer: ``failures`` (no answer, connection lost, 5xx)."""
 
-    def __init__(self, url, timeout, step_delay, gap, hold_tokens, metrics_url=None):
+    def __init__(self, url, timeout, step_delay, gap, hold_tokens, metrics_url=None, settle=35.0):
         self.url = url.rstrip("/")
+        self.settle_s = settle
         self.metrics_url = (metrics_url or url).rstrip("/")
         self.timeout, self.step_delay, self.gap, self.hold_tokens = timeout, step_delay, gap, hold_tokens
         self.tag = "kvaudit-%s-" % uuid.uuid4().hex[:6]  # a fresh prefix per run: rerunning never collides
@@ -182,6 +183,16 @@ class Client:
                     pass
         return out
 
+    def settle(self):
+        """The gauges once the pool is at rest: SGLang refreshes its idle /metrics at most every 30 s, so
+        poll (up to --settle seconds) until no KV is in use."""
+        deadline = time.time() + self.settle_s
+        c = self.counters()
+        while c is not None and c.get("sglang:kv_used_tokens", 0) > 0 and time.time() < deadline:
+            time.sleep(1.0)
+            c = self.counters()
+        return c
+
     def alive(self):
         status, _ = self.request("GET", "/health", timeout=min(self.timeout, 10.0))
         return status == 200
@@ -219,11 +230,13 @@ def main(argv=None):
                          "(default: %(default)s)")
     ap.add_argument("--metrics-url", default=None,
                     help="where to read /metrics (default: --url; behind a PD router: the decode server)")
+    ap.add_argument("--settle", type=float, default=35.0,
+                    help="seconds to wait for the idle /metrics to refresh after a flush (default: 35)")
     args = ap.parse_args(argv)
-    if args.timeout <= 0 or args.step_delay < 0 or args.gap < 0 or args.hold_tokens < 0:
+    if args.timeout <= 0 or min(args.step_delay, args.gap, args.hold_tokens, args.settle) < 0:
         print("error: --timeout must be > 0 and the other numbers >= 0", file=sys.stderr)
         return 2
-    c = Client(args.url, args.timeout, args.step_delay, args.gap, args.hold_tokens, args.metrics_url)
+    c = Client(args.url, args.timeout, args.step_delay, args.gap, args.hold_tokens, args.metrics_url, args.settle)
     if not c.alive():
         print("error: no server answers GET %s/health (launch it first: see the top of this file)" % c.url,
               file=sys.stderr)
@@ -239,7 +252,7 @@ def main(argv=None):
     for line in APPROXIMATIONS:
         print("NOTE (approximation): " + line)
     c.flush_cache(label="flush_cache (before: a full pool to compare with)")
-    before = c.counters()
+    before = c.settle()
     show("counters before", before)
     program(c)
     hung = c.idle(label="end of program")
@@ -249,7 +262,7 @@ def main(argv=None):
         c.close_session(name, label="cleanup: close_session " + name)
     hung += c.idle(label="cleanup")
     flushed = c.flush_cache(label="cleanup: flush_cache")
-    after = c.counters()
+    after = c.settle()
     show("counters after closing the sessions and flushing", after)
     up = c.alive()
     print("EXPECTED: " + EXPECTED)

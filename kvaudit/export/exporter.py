@@ -14,6 +14,7 @@ from kvaudit.export.trace import trace
 from kvaudit.program import format_op
 from kvaudit.replay import ReplayFormatError, load, write_text_atomic
 
+STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
 MODEL_HINT = "--model-path MODEL"  # any model whose vocabulary has the token ids 2..127 (every real one does)
 
 
@@ -53,6 +54,8 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     sigs = [f.signature for f in findings]
     note = note_for(sigs, config.preset)
     kind = findings[0].kind if findings else "leak"
+    if kind not in ("crash", "hang") and not config.enable_hisparse:  # (its idle check is off under HiSparse)
+        env = env + [STRICT_IDLE_CHECK]
     title = title_of(findings, note)
     server = note.server if note is not None else ""
     issue_path = client_path = None

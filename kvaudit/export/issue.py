@@ -75,6 +75,13 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             "- The server launch this preset corresponds to:", "", "```",
             " ".join(env + [launch]), "```", "",
             "- Not set by a flag (kvaudit's driver sets them; a server picks its own): " + "; ".join(unmapped) + "."]
+    if any(e.startswith("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=") for e in env):
+        out.append("- `SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1` makes SGLang's own idle memory check raise "
+                   "instead of log: a leak it sees then stops the server (without it, look for \"memory leak "
+                   "detected\" in the server log).")
+    if any(e.startswith("SGLANG_TEST_RETRACT=") for e in env):
+        out.append("- `SGLANG_TEST_RETRACT=1` makes decode retract periodically: the program's memory pressure, "
+                   "which a client cannot create.")
     if config.enable_hisparse:
         out.append("- HiSparse runs on DSA (DeepSeek Sparse Attention) models only: use one for `--model-path`.")
     if config.disaggregation_mode == "decode":
