@@ -360,6 +360,25 @@ def report_cmd(file, outputs):
     return job.run(file, outputs)
 
 
+@main.command("export")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--issue", "issue_out", type=click.Path(dir_okay=False), default=None, metavar="OUT.md",
+              help="Write a Markdown bug report for the engine's tracker (title, server launch, program, client "
+                   "reproduction, the finding's engine frames, why, fix, what was not verified).")
+@click.option("--client", "client_out", type=click.Path(dir_okay=False), default=None, metavar="OUT.py",
+              help="Write a standalone client script (standard library only) that drives a real server's HTTP "
+                   "API in the program's order and prints what a maintainer should see.")
+@click.option("--resolve/--no-resolve", default=True, show_default=True,
+              help="Run the program on the target once to name the requests and sessions its handles picked "
+                   "(without it, or without the engine installed, handles are resolved statically).")
+def export_cmd(file, issue_out, client_out, resolve):
+    """Export a replay FILE (an SGLang finding) as an issue report and/or a client-level reproducer.
+    Exit 0 once written, 2 on a bad file or flag."""
+    from kvaudit.app import export as job
+
+    return job.run(file, issue_out, client_out, resolve)
+
+
 @main.command()
 def presets():
     """List the engine presets."""

@@ -29,9 +29,15 @@ def load_suppressions(path: str | None) -> SuppressionSet | None:
 
 
 def check_outputs(inputs: tuple[str, ...] = (), **paths) -> Outputs:
-    """Check the report paths now, not after a long run: a non-empty file name (not ``-``), not a
+    """Check the report paths now, not after a long run (:func:`check_paths`); the ``Outputs`` they name."""
+    check_paths(inputs, **paths)
+    return Outputs(**paths)
+
+
+def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
+    """Check output paths (``--FLAG=path`` as keywords): a non-empty file name (not ``-``), not a
     directory or a device, not one of the ``inputs`` and not named twice (however spelled), in a
-    directory where a file can really be created (tried)."""
+    directory where a file can really be created (tried). Raises :class:`InputError`."""
     seen: dict[str, str] = {}
     given = {os.path.realpath(p): p for p in inputs if p and os.path.exists(p)}
     for fmt, path in paths.items():
@@ -59,7 +65,6 @@ def check_outputs(inputs: tuple[str, ...] = (), **paths) -> Outputs:
             tempfile.TemporaryFile(dir=parent).close()
         except OSError as e:
             raise InputError(f"--{fmt} {path}: cannot write in {parent}: {e.strerror or e}") from None
-    return Outputs(**paths)
 
 
 def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> None:

@@ -1,0 +1,30 @@
+"""``kvaudit export``: a replay file as an issue report and a client-level reproducer."""
+
+from __future__ import annotations
+
+import click
+
+from kvaudit.app.errors import EXIT_CLEAN, InputError, write_error
+from kvaudit.app.files import check_paths
+
+
+def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool) -> int:
+    """Returns the exit code (0 once written). Raises :class:`InputError` (exit 2) for a bad file or
+    flag, :class:`kvaudit.app.errors.DiskFull` when an output cannot be written for lack of space."""
+    from kvaudit.export.exporter import ExportError, export
+
+    if issue_out is None and client_out is None:
+        raise InputError("nothing to export: give --issue OUT.md and/or --client OUT.py")
+    check_paths((file,), issue=issue_out, client=client_out)
+    try:
+        done = export(file, issue_out, client_out, resolve=resolve)
+    except ExportError as e:
+        raise InputError(str(e)) from None
+    except OSError as e:
+        raise write_error(e, e.filename or issue_out or client_out) from None
+    for path in (done.issue, done.client):
+        if path is not None:
+            click.echo(f"wrote {path}")
+    click.echo(f"client: {'exact' if done.exact else 'approximate'}; handles resolved "
+               f"{'on the target' if done.traced else 'statically (engine not installed here)'}")
+    return EXIT_CLEAN

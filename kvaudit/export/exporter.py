@@ -1,0 +1,72 @@
+"""Export one replay file: the issue report and/or the client script, written atomically."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+from kvaudit.export.client import expected_line, render_client
+from kvaudit.export.http_api import HTTP_API, flag_line
+from kvaudit.export.issue import render_issue, title_of
+from kvaudit.export.notes import note_for
+from kvaudit.export.plan import plan as make_plan
+from kvaudit.export.trace import trace
+from kvaudit.program import format_op
+from kvaudit.replay import ReplayFormatError, load, write_text_atomic
+
+STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
+MODEL_HINT = "--model-path MODEL"  # any model whose vocabulary has the token ids 2..127 (every real one does)
+
+
+class ExportError(ValueError):
+    """The replay file cannot be exported (one-line message)."""
+
+
+class Exported(NamedTuple):
+    """What :func:`export` wrote (paths, None for an output not asked for) and whether the client is exact."""
+
+    issue: str | None
+    client: str | None
+    exact: bool
+    traced: bool
+
+
+def export(path: str, issue_out: str | None = None, client_out: str | None = None, resolve: bool = True) -> Exported:
+    """Read replay file ``path`` and write the Markdown report to ``issue_out`` and the client script to
+    ``client_out`` (either may be None), each atomically. ``resolve``: run the program on the target to
+    resolve its handles (:func:`kvaudit.export.trace.trace`; skipped when the engine is not installed).
+    Raises :class:`ExportError` for a file that is not a replay file or whose engine has no HTTP API
+    here, OSError when an output cannot be written."""
+    try:
+        config, program, findings, doc = load(path)
+    except ReplayFormatError as e:
+        raise ExportError(str(e)) from None
+    target = getattr(config, "target", "eut")
+    if target != "sglang":
+        known = ", ".join(k for k in HTTP_API if k == "sglang")
+        raise ExportError(f"{path}: target {target!r} has no client export yet (supported: {known})")
+    tr = trace(config, program) if resolve else None
+    plan = make_plan(config, program, tr)
+    flags, env, unmapped = flag_line(config)
+    if any(op.kind == "memory_pressure" for op in program):
+        env = ["SGLANG_TEST_RETRACT=1"] + env
+    launch = "python -m sglang.launch_server " + " ".join([MODEL_HINT] + flags)
+    sigs = [f.signature for f in findings]
+    note = note_for(sigs, config.preset)
+    kind = findings[0].kind if findings else "leak"
+    if kind not in ("crash", "hang") and not config.enable_hisparse:  # (its idle check is off under HiSparse)
+        env = env + [STRICT_IDLE_CHECK]
+    title = title_of(findings, note)
+    server = note.server if note is not None else ""
+    issue_path = client_path = None
+    if client_out is not None:
+        client_path = write_text_atomic(client_out, render_client(
+            plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env))
+        os.chmod(client_path, 0o755)
+    if issue_out is not None:
+        text = render_issue(config=config, program_lines=[format_op(op) for op in program], findings=findings,
+                            doc=doc, plan=plan, note=note, source=path,
+                            client_name=os.path.basename(client_out) if client_out else None, launch=launch,
+                            env=env, unmapped=unmapped, expected=expected_line(kind, server))
+        issue_path = write_text_atomic(issue_out, text)
+    return Exported(issue_path, client_path, plan.exact, plan.traced)

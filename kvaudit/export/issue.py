@@ -1,0 +1,165 @@
+"""``kvaudit export --issue``: a Markdown bug report for an engine's tracker, from a replay file.
+
+Sections (:data:`SECTIONS`, in order): the title (symptom and function), environment (engine version
+and the server launch the preset corresponds to), what happens, the minimized program, the
+client-level reproduction, the kvaudit report (each finding with the engine's own frames, paths
+relative to the package), why it is a defect, a suggested fix, and how sure we are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvaudit.audit.findings import Finding
+from kvaudit.export.client import curl_lines
+from kvaudit.export.http_api import api_for
+from kvaudit.export.notes import Note
+from kvaudit.export.plan import Plan
+from kvaudit.reports.sarif import engine_path, finding_stacks
+
+SECTIONS = ("## Environment", "## What happens", "## Minimized program", "## Reproduce with a client",
+            "## kvaudit report", "## Why this is a defect", "## Suggested fix", "## How sure we are")
+
+
+def _frame(site, package: str) -> str:
+    rel = engine_path(site.file, package)
+    mark = "" if rel is not None else "   [kvaudit's driver, in the scheduler's place]"
+    src = f"\n          {site.source.strip()}" if site.source else ""
+    return f"    {rel or site.file}:{site.line} in {site.function}{mark}{src}"
+
+
+def _finding(f: Finding, package: str) -> list[str]:
+    out = [f"### {f.kind}" + (f" in `{f.pool}`" if f.pool != "-" else ""), "", f"- signature: `{f.signature}`",
+           f"- seen at op {f.op_index}, scheduler step {f.step}: {f.message}"]
+    if f.num_units:
+        out.append(f"- {f.num_units} {f.unit}(s): {', '.join(map(str, f.slots[:16]))}"
+                   + (" ..." if len(f.slots) > 16 else ""))
+    if f.used_by:
+        out.append(f"- still used by: {', '.join(f.used_by)}")
+    if f.engine_check:
+        out.append("- the engine's own memory check said: " + "; ".join(f.engine_check[:3]))
+    for label, frames in finding_stacks(f):
+        out += ["", f"{label} (innermost first):", "", "```"] + [_frame(s, package) for s in frames] + ["```"]
+    return out + [""]
+
+
+def title_of(findings: list[Finding], note: Note | None) -> str:
+    """The report's title: the note's, else kind and innermost engine function of the first finding."""
+    if note is not None:
+        return note.title
+    if not findings:
+        return "kvaudit: a program with no recorded finding"
+    f = findings[0]
+    fn = next((s.function for _, frames in finding_stacks(f) for s in frames), "?")
+    return f"{f.kind} in {f.pool} at {fn}: {f.message[:80]}"
+
+
+def render_issue(*, config, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
+                 note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
+                 unmapped: list[str], expected: str) -> str:
+    """The Markdown text. ``source``: the replay file's path as given; ``client_name``: the client
+    script's file name (None: not exported with it); ``launch``/``env``/``unmapped``: from
+    :func:`kvaudit.export.http_api.flag_line`; ``expected``: the client's expected symptom line."""
+    api = api_for(config.target)
+    package = config.target
+    title = title_of(findings, note)
+    base = os.path.basename(source)
+    out = [f"# {title}", "",
+           f"Found by kvaudit (a memory auditor for KV-cache schedulers) in {api.engine} {api.version}; replay "
+           f"file `{base}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
+           f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
+    out += ["## Environment", "",
+            f"- {api.engine} {api.version} (`pip install sglang=={api.version}`), kvaudit preset "
+            f"`{config.preset}`, page size {config.page_size}, {config.num_slots}-token KV pool.",
+            "- The server launch this preset corresponds to:", "", "```",
+            " ".join(env + [launch]), "```", "",
+            "- Not set by a flag (kvaudit's driver sets them; a server picks its own): " + "; ".join(unmapped) + "."]
+    if any(e.startswith("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=") for e in env):
+        out.append("- `SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1` makes SGLang's own idle memory check raise "
+                   "instead of log: a leak it sees then stops the server (without it, look for \"memory leak "
+                   "detected\" in the server log).")
+    if any(e.startswith("SGLANG_TEST_RETRACT=") for e in env):
+        out.append("- `SGLANG_TEST_RETRACT=1` makes decode retract periodically: the program's memory pressure, "
+                   "which a client cannot create.")
+    if config.enable_hisparse:
+        out.append("- HiSparse runs on DSA (DeepSeek Sparse Attention) models only: use one for `--model-path`.")
+    if config.disaggregation_mode == "decode":
+        out.append("- This is a PD decode server: it needs a prefill server and a router in front "
+                   "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router (`--url`) and read the decode server's counters "
+                   "(`--metrics-url`).")
+    out += ["", "## What happens", ""]
+    kinds = ", ".join(f"{f.kind} ({f.message.splitlines()[0][:160]})" for f in findings) or "no finding recorded"
+    out += [f"kvaudit reports: {kinds}.", ""]
+    if note is not None:
+        out += [f"On a server: {note.server}.", ""]
+    out += ["## Minimized program", "",
+            "kvaudit's ops, numbered as the findings name them (`submit` is a generate request of `prompt_len` "
+            "tokens and `max_new_tokens` output tokens; `session=k` is the next turn of the k-th open session; "
+            "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
+            "taken modulo the live requests or open sessions):", "", "```"]
+    out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
+    out += ["## Reproduce with a client", ""]
+    curl_hint = ""
+    curls = curl_lines(plan)
+    if curls:
+        curl_hint = "; or the curl lines below"
+    if client_name is not None:
+        out += [f"1. Launch the server as above (any model; {api.engine} {api.version}).",
+                f"2. `python3 {client_name} --url http://127.0.0.1:30000` (standard library only){curl_hint}.", "",
+                f"Expected: {note.server if note is not None else expected}. The script prints every call and answer, the `/metrics` pool counters "
+                "before and after, and `RESULT: REPRODUCED` (exit 1) or `NOT REPRODUCED` (exit 0).", ""]
+    else:
+        out += ["(Export with `kvaudit export FILE --client OUT.py` for the script.)", ""]
+    if curls:
+        out += ["The same by hand (each call waits for its answer; the last one never gets a normal answer if the "
+                "bug fires):", "", "```sh"] + curls + ["```", ""]
+    if plan.exact:
+        out += ["The client reproduces the program exactly: every op maps to one HTTP call and nothing depends on "
+                "timing; submits of one scheduler step go in one batched `/generate` (SGLang queues a batch's items "
+                "in one scheduler iteration).", ""]
+    else:
+        out += ["The client only approximates the program (a client cannot pace the scheduler step by step or "
+                "force memory pressure):", ""] + [f"- {a}" for a in plan.approximations] + [""]
+    out += ["The calls, in order:", ""]
+    for c in plan.calls:
+        call = api.calls.get({"generate": "submit", "health": "health_check", "pause": "pause_generation",
+                              "continue": "continue_generation", "wait": "step"}.get(c.kind, c.kind))
+        what = f"{call.method} {call.path}" if call is not None and call.method else "(no HTTP call)"
+        if c.kind == "generate":
+            items = c.args["items"]
+            sp = c.args["session_params"]
+            what += (f" with {len(items)} inputs in one request" if len(items) > 1 else "") + \
+                (f", session_params={json.dumps(sp)}" if sp else "") + ": " + ", ".join(
+                f"{i.rid} ({len(i.input_ids)} prompt tokens, max_new_tokens={i.max_new_tokens}"
+                f"{' + hold' if i.hold else ''})" for i in items)
+        elif c.kind == "wait":
+            what = f"wait (stands for {c.args['steps']} scheduler step(s))"
+        elif c.kind == "idle":
+            what = "wait until every request has answered and none runs or queues (polls GET /metrics)"
+        elif c.args:
+            what += " " + ", ".join(f"{k}={v}" for k, v in c.args.items() if k != "op" and v is not None)
+        out.append(f"- op {', '.join(map(str, c.ops))}: {what}")
+    out += ["", "## kvaudit report", "",
+            f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
+            "frames under `kvaudit/` are kvaudit's driver, which calls SGLang's functions in the scheduler's order.",
+            ""]
+    for f in findings:
+        out += _finding(f, package)
+    out += ["## Why this is a defect", "",
+            note.why if note is not None else "(no analysis recorded for this signature yet)", "",
+            "## Suggested fix", "", (note.fix or "(none known)") if note is not None else "(none recorded)", ""]
+    if note is not None:
+        out += [f"(Full analysis: kvaudit's `corpora/sglang/README.md`, finding {note.readme}.)", ""]
+    out += ["## How sure we are", "",
+            f"- Seen: kvaudit drove {api.engine} {api.version}'s own memory manager and scheduler objects "
+            "(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, which plays the "
+            "scheduler loop in SGLang's call order with a stand-in model; the finding replays deterministically "
+            f"({doc.get('confirmations', 'not recorded')}).",
+            "- Not verified: on a full server with a model and a GPU, and with the client script above (no GPU "
+            "server ran here; the script was checked against a stand-in HTTP server that records the requests).",
+            "- The client " + ("maps every op one to one." if plan.exact else
+                               "approximates step-level timing or memory pressure (listed above): a server "
+                               "run may need a few tries or tuning (--step-delay, --hold-tokens)."),
+            f"- Replay: `kvaudit replay {source}`."]
+    return "\n".join(out) + "\n"

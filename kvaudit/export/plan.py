@@ -1,0 +1,208 @@
+"""A program as the HTTP calls a client makes, in the program's order (:func:`plan`).
+
+Ops between two ``step``/``idle`` ops reach the scheduler at one intake, so consecutive submits there
+with the same session parameters become ONE batched ``/generate`` (SGLang sends a batch of
+pre-tokenized inputs to the scheduler as one message); every other op is its own call, sent after
+the previous one with a short gap so that the server sees them in order. Requests and sessions are
+named, not taken modulo the live set: :mod:`kvaudit.export.trace` resolves the handles on the target
+when it can be built here, else they are resolved statically (every submitted request counted live).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvaudit.export.http_api import api_for
+from kvaudit.export.trace import Trace
+from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
+                             MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, TransferFail, format_op)
+from kvaudit.program.schema import pick, prompt_tokens
+
+
+@dataclass
+class GenItem:
+    """One request of a ``/generate`` call: ``op`` index, ``rid`` (the program's id, e.g. ``r1``; the
+    script prefixes a per-run tag), ``input_ids`` (``[n]`` token ids), ``max_new_tokens`` (tokens: the program's after
+    the target's clamp, or its ``stop_at`` when that comes first), ``hold`` (the request must still run when a later message
+    arrives: the script lengthens it), ``stop_at`` (output length at which the program's EOS comes, or
+    None)."""
+
+    op: int
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    hold: bool = False
+    stop_at: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Call:
+    """One client action: ``kind`` (``open_session``, ``generate``, ``abort``, ``close_session``,
+    ``flush_cache``, ``health``, ``pause``, ``continue``, ``wait``, ``idle``, ``no_api``), the ``ops`` it
+    stands for, and its arguments in ``args`` (``session``/``rid``/``mode``/``timeout``/``steps``/
+    ``session_params``/``items``). ``exact`` is False where a client only approximates the op."""
+
+    kind: str
+    ops: list[int]
+    args: dict
+    exact: bool = True
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """The calls in order, the ops' printed form, whether handles were resolved on the target
+    (``traced``), and the session ids the program opened and did not close (the script closes them
+    before its final flush)."""
+
+    calls: list[Call]
+    op_lines: list[str]
+    traced: bool
+    open_at_end: list[str]
+
+    @property
+    def exact(self) -> bool:
+        """Every call reproduces its op exactly (no held request, no wait standing for steps that
+        matter, no op without an API)."""
+        return all(c.exact for c in self.calls) and not any(i.hold for c in self.calls for i in c.args.get("items", ()))
+
+    @property
+    def approximations(self) -> list[str]:
+        """One line per approximate call, in order."""
+        out = []
+        for c in self.calls:
+            if not c.exact:
+                out.append(f"op {', '.join(map(str, c.ops))} ({c.kind}): {c.note}")
+            for i in c.args.get("items", ()):
+                out += [f"op {i.op} (submit {i.rid}): {n}" for n in i.notes]
+        return out
+
+
+def _session_params(op: Submit, sid: str, turns: list[str]) -> dict:
+    """SGLang's ``session_params`` for a session turn (only the fields the op sets, besides ``id``)."""
+    sp: dict = {"id": sid}
+    parent = pick(op.parent, turns)
+    if parent is not None:
+        sp["rid"] = parent
+    if op.offset is not None:
+        sp["offset"] = op.offset
+    if op.replace:
+        sp["replace"] = True
+    if op.drop_previous_output:
+        sp["drop_previous_output"] = True
+    return sp
+
+
+def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
+    """The client calls for ``program`` on a server launched as ``config`` says. ``tr``: the trace of
+    the program on the target (handles as the target resolved them); None resolves them statically.
+    Request lengths are clamped as the SGLang target clamps them (prompt ``context_len // 2``,
+    output ``context_len // 4``). Raises ``KeyError`` for a target with no HTTP table."""
+    api = api_for(config.target)
+    views = {v.index: v for v in tr.views} if tr is not None else {}
+    calls: list[Call] = []
+    sessions: list[str] = []  # static resolution (the same rule as the target's intake)
+    turns: dict[str, list[str]] = {}
+    submitted: list[str] = []
+    texts: dict[str, list[int]] = {}
+    n = 0  # the target's request counter (health checks use a number too)
+    opened = 0
+    last_generate: Call | None = None  # the open batch of this intake, if the previous op was a submit
+
+    def cut():
+        nonlocal last_generate
+        last_generate = None
+
+    for i, op in enumerate(program):
+        v = views.get(i)
+        if tr is not None and v is None:
+            break  # the engine raised before this op: nothing after it ran
+        live = list(v.live) if v is not None else [r for r in submitted]
+        if v is not None:
+            sessions = list(v.sessions)
+        if isinstance(op, Submit):
+            rid = (v.rid if v is not None and v.rid else f"r{n}")
+            n += 1
+            max_new = max(1, min(op.max_new_tokens, config.context_len // 4))
+            cap = config.context_len // 2
+            ids = prompt_tokens(op.family, max(1, min(op.prompt_len, cap)), config.vocab_size)
+            item = GenItem(i, rid, ids, max_new, stop_at=op.stop_at)
+            base = pick(op.extends, submitted)
+            if base is not None:
+                item.input_ids = (texts.get(base, []) + ids)[:cap]
+                item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "
+                                  "resends its output so far, which is the model's on a real server")
+            if op.stop_at is not None and op.stop_at < max_new:
+                item.max_new_tokens = op.stop_at
+                item.notes.append(f"the program samples EOS at output length {op.stop_at}: the script asks for "
+                                  f"max_new_tokens={op.stop_at} (a length finish, not an EOS one)")
+            sid = pick(op.session, sessions)
+            sp = _session_params(op, sid, turns.setdefault(sid, [])) if sid is not None else None
+            if sid is not None:
+                turns[sid].append(rid)
+            submitted.append(rid)
+            texts[rid] = list(item.input_ids)
+            if last_generate is not None and last_generate.args["session_params"] == sp:
+                last_generate.args["items"].append(item)
+                last_generate.ops.append(i)
+            else:
+                last_generate = Call("generate", [i], {"session_params": sp, "items": [item]})
+                calls.append(last_generate)
+            continue
+        cut()
+        if isinstance(op, OpenSession):
+            sid = f"s{opened}"
+            opened += 1
+            sessions.append(sid)  # (a trace's next view says the same)
+            calls.append(Call("open_session", [i], {"session": sid, "streaming": config.session_streaming,
+                                                    "timeout": config.session_timeout_steps}))
+        elif isinstance(op, CloseSession):
+            if sessions:
+                sid = sessions[op.handle % len(sessions)]
+                sessions.remove(sid)
+                calls.append(Call("close_session", [i], {"session": sid}))
+        elif isinstance(op, Abort):
+            if op.handle is None:
+                calls.append(Call("abort", [i], {"rid": None}))
+            elif live:
+                calls.append(Call("abort", [i], {"rid": pick(op.handle, live)}))
+        elif isinstance(op, HealthCheck):
+            n += 1
+            calls.append(Call("health", [i], {}))
+        elif isinstance(op, FlushCache):
+            calls.append(Call("flush_cache", [i], {"timeout": op.timeout}, exact=op.timeout == 0,
+                              note=api.calls["flush_cache"].note))
+        elif isinstance(op, PauseGeneration):
+            calls.append(Call("pause", [i], {"mode": PAUSE_MODES[op.mode]}))
+        elif isinstance(op, ContinueGeneration):
+            calls.append(Call("continue", [i], {}))
+        elif isinstance(op, (MemoryPressure, TransferFail)):
+            calls.append(Call("no_api", [i], {"op": format_op(op)}, exact=False, note=api.calls[op.kind].note))
+        elif isinstance(op, Step):
+            calls.append(Call("wait", [i], {"steps": op.n}, exact=False, note=api.calls["step"].note))
+        elif isinstance(op, Idle):
+            calls.append(Call("idle", [i], {}))
+    _mark_holds(calls, tr)
+    # a wait matters only where a later message must find the engine at a given step; the last
+    # op of a program ending in step(n) is the step the finding was seen at: waiting is enough
+    for c in calls:
+        if c.kind == "wait" and not any(x.kind not in ("wait", "idle") for x in calls[calls.index(c) + 1:]):
+            c.exact, c.note = True, "the program's last step: the script waits and then looks"
+    return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions))
+
+
+def _mark_holds(calls: list[Call], tr: Trace | None) -> None:
+    """Mark each request that the trace shows still live when a later call of another kind (a message,
+    not a wait) is applied: a client must keep it running until then."""
+    if tr is None:
+        return
+    views = {v.index: v for v in tr.views}
+    for k, c in enumerate(calls):
+        for item in c.args.get("items", ()):
+            later = [x for x in calls[k + 1:] if x.kind not in ("wait", "idle", "no_api")]
+            if any(item.rid in views[x.ops[0]].live for x in later if x.ops[0] in views):
+                item.hold = True
+                item.notes.append(f"still running at a later message in the program (max_new_tokens="
+                                  f"{item.max_new_tokens}): the script asks for --hold-tokens more so that it "
+                                  "is still decoding when that message arrives")

@@ -1,0 +1,384 @@
+"""kvaudit export (issue 23): every corpora/sglang/*.json has its issue report and client script committed
+next to it; each script, run as a subprocess against a small stand-in HTTP server that records every
+request, sends the program's calls in order, batched as the program delivers them, with its parameters."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cli_helpers import invoke, one_error_line
+from kvaudit import replay
+from kvaudit.export.http_api import HTTP_API
+from kvaudit.export.issue import SECTIONS
+from kvaudit.program.schema import pick, prompt_tokens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))
+NAMES = [os.path.basename(f)[:-5] for f in FILES]
+PER_TOKEN = 0.01  # seconds the stand-in takes per output token of a /generate
+HOLD = 30  # --hold-tokens in these runs: a held request lasts ~0.3 s on the stand-in
+
+
+class StandIn:
+    """An HTTP server that answers SGLang's endpoints and records each request: ``(seq, method, path,
+    body, t_arrived, t_answered)``. A /generate answers after PER_TOKEN s per output token (the largest
+    of its items), like a server decoding; /metrics reports a full, idle pool (less ``leak`` tokens once a
+    /generate came)."""
+
+    def __init__(self):
+        self.log, self.lock = [], threading.Lock()
+        self.leak = 0  # tokens /metrics shows in use for ever once a /generate came (a leaking server)
+        stand = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _serve(self, method):
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                body = json.loads(raw) if raw else None
+                with stand.lock:
+                    rec = [len(stand.log), method, self.path, body, time.monotonic(), None]
+                    stand.log.append(rec)
+                status, ctype, out = 200, "application/json", b"{}"
+                path = self.path.split("?")[0]
+                if path == "/generate":
+                    params = body["sampling_params"]
+                    params = params if isinstance(params, list) else [params]
+                    time.sleep(PER_TOKEN * max(p["max_new_tokens"] for p in params))
+                    rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
+                    docs = [{"text": "", "meta_info": {"id": r, "finish_reason": {"type": "length"}}} for r in rids]
+                    out = json.dumps(docs if isinstance(body["rid"], list) else docs[0]).encode()
+                elif path == "/open_session":
+                    out = json.dumps(body["session_id"]).encode()
+                elif path == "/metrics":
+                    ctype = "text/plain"
+                    lost = stand.leak if any(r[2] == "/generate" for r in stand.log) else 0
+                    out = (f"# HELP x\nsglang:kv_available_tokens{{tp_rank=\"0\"}} {512 - lost}.0\n"
+                           f"sglang:kv_used_tokens{{tp_rank=\"0\"}} {lost}.0\nsglang:num_running_reqs 0.0\n"
+                           "sglang:num_queue_reqs 0.0\n").encode()
+                elif path == "/server_info":
+                    out = json.dumps({"version": "0.5.23", "enable_streaming_session": True}).encode()
+                elif path == "/flush_cache":
+                    ctype, out = "text/plain", b"Cache flushed.\n"
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+                rec[5] = time.monotonic()
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stand_in():
+    s = StandIn()
+    yield s
+    s.close()
+
+
+def run_client(script, url, *extra):
+    return subprocess.run([sys.executable, script, "--url", url, "--step-delay", "0.05", "--gap", "0.05",
+                           "--hold-tokens", str(HOLD), "--timeout", "20", *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+def program_calls(log):
+    """The recorded requests between the script's first flush (its baseline) and its last (cleanup),
+    less its polling of /metrics and /health: the program's calls, then the cleanup's session closes."""
+    flushes = [r[0] for r in log if r[2].startswith("/flush_cache")]
+    return [r for r in log if flushes[0] < r[0] < flushes[-1] and r[2] not in ("/metrics", "/health")]
+
+
+def expected_calls(path):
+    """The calls the program asks for, worked out here from the replay file's program alone (not from
+    kvaudit.export): (path, fields) per call; consecutive submits of one intake with one session are one
+    /generate whose fields list every request."""
+    config, program, findings, _ = replay.load(path)
+    if findings and findings[0].kind == "crash":  # nothing runs after the op the engine raised at
+        program = program[:findings[0].op_index + 1]
+    out, sessions, opened, last = [], [], 0, None
+    for op in program:
+        if op.kind == "submit":
+            sid = pick(op.session, sessions)
+            ids = prompt_tokens(op.family, max(1, min(op.prompt_len, config.context_len // 2)), config.vocab_size)
+            max_new = max(1, min(op.max_new_tokens, config.context_len // 4))
+            if op.stop_at is not None:
+                max_new = min(max_new, op.stop_at)
+            key = (sid, bool(op.replace), op.offset, bool(op.drop_previous_output), op.parent)
+            if last is not None and last[0] == key:
+                last[1]["items"].append((ids, max_new))
+            else:
+                last = (key, {"session": sid, "replace": bool(op.replace), "items": [(ids, max_new)]})
+                out.append(("/generate", last[1]))
+            continue
+        last = None
+        if op.kind == "open_session":
+            sid = f"s{opened}"
+            opened += 1
+            sessions.append(sid)
+            out.append(("/open_session", {"session": sid, "streaming": config.session_streaming}))
+        elif op.kind == "close_session":
+            out.append(("/close_session", {"session": sessions.pop(op.handle % len(sessions))}))
+        elif op.kind == "abort":
+            out.append(("/abort_request", {"all": op.handle is None}))
+        elif op.kind == "flush_cache":
+            out.append(("/flush_cache", {}))
+        elif op.kind == "health_check":
+            out.append(("/health_generate", {}))
+        elif op.kind == "pause_generation":
+            out.append(("/pause_generation", {}))
+        elif op.kind == "continue_generation":
+            out.append(("/continue_generation", {}))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_finding_has_its_report_and_client_committed_next_to_it(name):
+    base = os.path.join(ROOT, "corpora", "sglang", name)
+    issue = open(base + ".issue.md").read()
+    for section in SECTIONS:
+        assert f"\n{section}\n" in issue, f"{name}.issue.md lacks {section}"
+    assert issue.startswith("# ") and "python -m sglang.launch_server" in issue
+    assert f"python3 {name}.client.py --url" in issue
+    client = open(base + ".client.py").read()
+    assert "import kvaudit" not in client and "from kvaudit" not in client
+    assert compile(client, name, "exec")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_client_sends_the_program_in_order_batched_with_its_parameters(name, stand_in):
+    base = os.path.join(ROOT, "corpora", "sglang", name)
+    done = run_client(base + ".client.py", stand_in.url)
+    assert done.returncode == 0, done.stdout + done.stderr  # a healthy stand-in: nothing reproduced
+    assert "RESULT: NOT REPRODUCED" in done.stdout
+    recorded = program_calls(stand_in.log)
+    want = expected_calls(base + ".json")
+    calls, cleanup = recorded[:len(want)], recorded[len(want):]
+    assert [c[2].split("?")[0] for c in calls] == [w[0] for w in want]
+    assert all(c[2] == "/close_session" for c in cleanup)  # the script closes what the program left open
+    tag = None
+    opened = {}
+    rids = []
+    for (seq, method, path, body, t0, t1), (wpath, w) in zip(calls, want):
+        if wpath == "/open_session":
+            assert body["streaming"] == w["streaming"] and body["capacity_of_str_len"] > 0
+            tag = tag or body["session_id"][:-len(w["session"])]
+            assert body["session_id"] == tag + w["session"]
+            opened[w["session"]] = body["session_id"]
+        elif wpath == "/close_session":
+            assert body == {"session_id": opened[w["session"]]}
+        elif wpath == "/generate":
+            items = w["items"]
+            batched = isinstance(body["input_ids"][0], list)
+            assert batched == (len(items) > 1)
+            ids = body["input_ids"] if batched else [body["input_ids"]]
+            params = body["sampling_params"] if batched else [body["sampling_params"]]
+            assert ids == [i for i, _ in items]
+            for p, (_, m) in zip(params, items):  # the program's length, or that plus the hold
+                assert p["max_new_tokens"] in (m, m + HOLD) and p["temperature"] == 0 and p["ignore_eos"] is True
+            got = body["rid"] if batched else [body["rid"]]
+            assert len(set(got)) == len(got) and not set(got) & set(rids)
+            rids += got
+            sp = body.get("session_params")
+            assert (sp is None) == (w["session"] is None)
+            if sp is not None:
+                assert sp["id"] == opened[w["session"]] and bool(sp.get("replace")) == w["replace"]
+        elif wpath == "/abort_request":
+            assert ("abort_all" in body) == w["all"]
+            assert w["all"] or body["rid"] in rids  # names a request sent before it
+    # a request held so that a later message finds it running is still being answered when it arrives
+    for k, (seq, method, path, body, t0, t1) in enumerate(calls):
+        if path != "/generate":
+            continue
+        params = body["sampling_params"] if isinstance(body["sampling_params"], list) else [body["sampling_params"]]
+        later = [c for c in calls[k + 1:] if c[2] != "/generate" or c[4] > t0]
+        if any(p["max_new_tokens"] > HOLD for p in params) and later:
+            assert later[0][4] < t1, f"{name}: the held request answered before the next call arrived"
+
+
+def test_the_take_crash_is_one_batched_generate_of_two_turns_of_one_streaming_session(stand_in):
+    base = os.path.join(ROOT, "corpora", "sglang", "crash-take-rejected-turn-in-first-batch")
+    assert run_client(base + ".client.py", stand_in.url).returncode == 0
+    calls = program_calls(stand_in.log)
+    assert [c[2] for c in calls] == ["/open_session", "/generate", "/close_session"]  # (the cleanup closes s0)
+    sid = calls[0][3]["session_id"]
+    assert calls[0][3]["streaming"] is True
+    gen = calls[1][3]
+    assert gen["input_ids"] == [[7], [7]] and gen["session_params"] == {"id": sid}
+    assert [p["max_new_tokens"] for p in gen["sampling_params"]] == [1, 1]
+    issue = open(base + ".issue.md").read()
+    assert "--enable-streaming-session" in issue and "StreamingSession.take" in issue.splitlines()[0]
+    assert "sglang/srt/session/streaming_session.py:215 in take" in issue
+    assert "reproduces the program exactly" in issue
+    curl = [line for line in issue.splitlines() if line.startswith("curl -s") and "/generate" in line]
+    assert len(curl) == 1 and '"input_ids": [[7], [7]]' in curl[0] and '"session_params": {"id": "s0"}' in curl[0]
+
+
+def test_the_abort_names_the_turn_the_program_aborts(stand_in):
+    """abort(handle=0) picks the first live request: turn 1 (r0), not the rejected turn 2 (resolved on the
+    target; a static count would have named the same here, so also check the text says which)."""
+    base = os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort")
+    assert run_client(base + ".client.py", stand_in.url).returncode == 0
+    calls = program_calls(stand_in.log)
+    first_turn = next(c for c in calls if c[2] == "/generate")[3]["rid"]
+    abort = next(c for c in calls if c[2] == "/abort_request")[3]
+    assert abort == {"rid": first_turn}
+
+
+def test_a_client_says_reproduced_when_the_server_stops_answering(stand_in, tmp_path):
+    """The crash case: a server that dies at the batched /generate is reported, exit 1."""
+    base = os.path.join(ROOT, "corpora", "sglang", "crash-take-rejected-turn-in-first-batch")
+    original = stand_in.server.RequestHandlerClass._serve
+
+    def dying(self, method):
+        if self.path == "/generate":
+            threading.Thread(target=stand_in.server.shutdown, daemon=True).start()
+            self.connection.close()
+            return
+        original(self, method)
+
+    stand_in.server.RequestHandlerClass._serve = dying
+    done = run_client(base + ".client.py", stand_in.url, "--timeout", "3")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "RESULT: REPRODUCED" in done.stdout and "no longer answers" in done.stdout
+
+
+def test_a_client_without_a_server_is_one_line_exit_2(tmp_path):
+    base = os.path.join(ROOT, "corpora", "sglang", "crash-take-rejected-turn-in-first-batch")
+    done = subprocess.run([sys.executable, base + ".client.py", "--url", "http://127.0.0.1:9", "--timeout", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("name", NAMES)
+def test_the_committed_exports_are_what_export_writes_today(name, tmp_path):
+    base = os.path.join(ROOT, "corpora", "sglang", name)
+    r = invoke("export", base + ".json", "--issue", str(tmp_path / f"{name}.issue.md"),
+               "--client", str(tmp_path / f"{name}.client.py"))
+    assert r.exit_code == 0, r.output
+    issue = (tmp_path / f"{name}.issue.md").read_text().replace(str(base + ".json"), f"corpora/sglang/{name}.json")
+    assert issue == open(base + ".issue.md").read(), f"regenerate: kvaudit export {base}.json --issue ... --client ..."
+    assert (tmp_path / f"{name}.client.py").read_text() == open(base + ".client.py").read()
+
+
+def test_export_bad_input_is_one_line_exit_2(tmp_path):
+    good = FILES[0]
+    cases = [
+        ("export", str(tmp_path / "missing.json"), "--issue", str(tmp_path / "o.md")),
+        ("export", good),  # nothing asked for
+        ("export", good, "--issue", good),  # would overwrite the input
+        ("export", good, "--client", str(tmp_path)),  # a directory
+        ("export", good, "--bogus", "x"),
+        ("export", os.path.join(ROOT, "corpora", "regressions", sorted(os.listdir(
+            os.path.join(ROOT, "corpora", "regressions")))[0]), "--issue", str(tmp_path / "o.md")),  # not SGLang
+    ]
+    (tmp_path / "bad.json").write_text("{not json")
+    cases.append(("export", str(tmp_path / "bad.json"), "--client", str(tmp_path / "o.py")))
+    for args in cases:
+        r = invoke(*args)
+        assert r.exit_code == 2, (args, r.output)
+        one_error_line(r)
+    assert not (tmp_path / "o.md").exists() and not (tmp_path / "o.py").exists()
+
+
+def test_the_api_table_names_every_op_for_sglang_with_the_version_checked():
+    from kvaudit.program import OPS
+    api = HTTP_API["sglang"]
+    assert api.version == "0.5.23" and set(api.calls) == set(OPS)
+    assert {c.path for c in api.calls.values() if c.path} >= {
+        "/generate", "/open_session", "/close_session", "/abort_request", "/flush_cache", "/pause_generation",
+        "/continue_generation", "/health_generate"}
+
+
+def test_the_deferred_close_arrives_while_the_turn_still_runs(stand_in):
+    """uaf: close_session must find turn 2 in flight (the program's deferred close): the script holds the
+    batch, so the stand-in is still answering it when the close arrives."""
+    base = os.path.join(ROOT, "corpora", "sglang", "uaf-deferred-close-after-rejected-turn")
+    assert run_client(base + ".client.py", stand_in.url).returncode == 0
+    calls = program_calls(stand_in.log)
+    batch = [c for c in calls if c[2] == "/generate"][1]
+    close = next(c for c in calls if c[2] == "/close_session")
+    assert len(batch[3]["input_ids"]) == 2 and batch[4] < close[4] < batch[5]
+
+
+@pytest.mark.sglang
+def test_every_request_a_client_sends_is_one_sglang_0_5_23_accepts(stand_in):
+    """The bodies, checked with SGLang's own request types: /generate by its JSON contract
+    (GenerateRequest.from_json_value) and GenerateReqInput's normalization (a batch of n items, each
+    carrying the request's session_params), the session, abort and pause bodies by their dataclasses."""
+    from kvaudit.targets.sglang import boot
+    boot.load()
+    from sglang.api.v1.api_types import GenerateRequest
+    from sglang.srt.managers.io_struct import (AbortReq, CloseSessionReqInput, GenerateReqInput, OpenSessionReqInput,
+                                               PauseGenerationReqInput)
+    types = {"/open_session": OpenSessionReqInput, "/close_session": CloseSessionReqInput, "/abort_request": AbortReq,
+             "/pause_generation": PauseGenerationReqInput}
+    for name in NAMES:
+        assert run_client(os.path.join(ROOT, "corpora", "sglang", name + ".client.py"), stand_in.url).returncode == 0
+    seen = set()
+    for seq, method, path, body, t0, t1 in stand_in.log:
+        path = path.split("?")[0]
+        seen.add(path)
+        if path == "/generate":
+            GenerateRequest.from_json_value(body)  # raises JsonContractError on a body the server refuses (400)
+            req = GenerateReqInput(**body)
+            req.normalize_batch_and_arguments()
+            n = len(body["rid"]) if isinstance(body["rid"], list) else 1
+            assert req.batch_size == n and req.is_single == (n == 1)
+            if n > 1:
+                assert [req[i].rid for i in range(n)] == body["rid"]
+                assert all(req[i].session_params == body.get("session_params") for i in range(n))
+        elif path in types:
+            types[path](**body)
+    assert {"/generate", "/open_session", "/close_session", "/abort_request", "/flush_cache"} <= seen
+
+
+def test_without_the_target_handles_are_resolved_statically(tmp_path):
+    """--no-resolve: the program is not run; sessions and requests are named by the intake's own rule (every
+    submitted request counted live), and no request is held (no trace says which must still run)."""
+    src = os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort.json")
+    r = invoke("export", src, "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    assert "handles resolved statically" in r.output
+    text = (tmp_path / "c.py").read_text()
+    assert "c.abort('r0', label='op 6')" in text
+    assert ", True)," not in text  # nothing held
+    assert "## How sure we are" in (tmp_path / "c.md").read_text()
+
+
+def test_a_client_says_reproduced_when_the_pool_does_not_come_back(stand_in):
+    """A memory finding: the pool counters after closing the sessions and flushing are short of those
+    before the program (the idle gauges are polled for --settle seconds first), exit 1."""
+    stand_in.leak = 5
+    base = os.path.join(ROOT, "corpora", "sglang", "uaf-deferred-close-after-rejected-turn")
+    done = run_client(base + ".client.py", stand_in.url, "--settle", "1.5")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "kv_available_tokens is 5 below" in done.stdout and "kv_used_tokens=5" in done.stdout
+    assert "RESULT: REPRODUCED" in done.stdout
+    last_flush = max(r[0] for r in stand_in.log if r[2].startswith("/flush_cache"))
+    polls = [r for r in stand_in.log if r[2] == "/metrics" and r[0] > last_flush]
+    assert polls[-1][4] - polls[0][4] >= 1.0  # it waited for the gauges to settle before concluding
