@@ -121,6 +121,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
             emit(("progress", spec.index, s.executions, s.ops, sorted(s.sites), sorted(s.suppressed),
                   getattr(s, "coverage", None)))
 
+    counts = {"new": 0, "duplicates": 0, "flaky": 0}  # this worker's, for the fleet's heartbeat
     hub = None
     if spec.db:
         from kvaudit.search import hub as hubs
@@ -131,14 +132,14 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         inner_progress = progress
 
         def progress(s: FuzzStats, force: bool = False) -> None:  # noqa: F811 (the heartbeat's figures too)
-            hub.beat(executions=s.executions, ops=s.ops, coverage=getattr(s, "coverage", None) or f"{len(s.sites)} sites")
+            hub.beat(executions=s.executions, ops=s.ops, coverage=getattr(s, "coverage", None) or f"{len(s.sites)} sites",
+                     **counts)
             inner_progress(s, force)
 
     known = set(known_signatures(spec.corpus))
     flaky: set[str] = set()
     round_ = 0
     kept: list = [None, None]  # the corpus fuzzer's Corpus and CorpusStore (DIR/programs/), kept across rounds
-    counts = {"new": 0, "duplicates": 0, "flaky": 0}
     try:
         while True:
             left = spec.deadline - time.time()
