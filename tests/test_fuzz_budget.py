@@ -112,8 +112,8 @@ def test_fuzz_reports_the_first_hit_not_the_shrink_executions(tmp_path):
     stats = FuzzStats()
     hypothesis_search(_config(), 60, SEED, stats)
     first = stats.first_hit[0]
-    res = invoke("fuzz", "--preset", PRESET, "--bug", BUG, "--seed", str(SEED), "--max-time", "60",
-                 "--out", str(tmp_path), "--json", str(tmp_path / "run.json"))
+    res = invoke("fuzz", "--preset", PRESET, "--bug", BUG, "--fuzzer", "hypothesis", "--seed", str(SEED),
+                 "--max-time", "60", "--out", str(tmp_path), "--json", str(tmp_path / "run.json"))
     assert res.exit_code == 1, res.output
     m = re.search(r"found after (\d+) executions in [\d.]+s \(search: (\d+) executions, then (\d+) shrinking",
                   res.stdout)
