@@ -44,6 +44,8 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     sset = load_suppressions(suppress_file)
     campaign = corpus_dir is not None or workers > 1 or db is not None
     if db is not None:
+        from kvaudit.search.hub import safe_url
+
         check_db(db)
     target_dir = corpus_dir if corpus_dir is not None else out_dir
     try:  # fail now, not after the budget, if findings could not be written
@@ -63,7 +65,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
               f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
-                  f", shared as {campaign_name!r} through {hub_safe(db)}" if db else "") if campaign
+                  f", shared as {campaign_name!r} through {safe_url(db)}" if db else "") if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
@@ -202,21 +204,16 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
     return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
 
 
-def hub_safe(url: str) -> str:
-    from kvaudit.search.hub import _safe
-
-    return _safe(url)
-
-
-def check_db(url: str) -> None:
-    """Fail now, in one line, when ``--db`` is not a Redis URL (:class:`InputError`, exit 2) or
-    nothing answers there (:class:`UnavailableError`, exit 69)."""
-    from kvaudit.search.hub import HubError, connect
+def check_db(url: str):
+    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Fails now, in one line,
+    when ``url`` is not a Redis URL (:class:`InputError`, exit 2) or nothing answers there
+    (:class:`UnavailableError`, exit 69)."""
+    from kvaudit.search.hub import HubError, connect, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise InputError(f"--db {hub_safe(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+        raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
     try:
-        connect(url)
+        return connect(url)
     except HubError as e:
         raise UnavailableError(str(e)) from None
 

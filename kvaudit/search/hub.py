@@ -49,6 +49,8 @@ import threading
 import time
 from typing import Callable
 
+from hypothesis.database import ExampleDatabase
+
 from kvaudit import replay
 
 RETRY_EVERY = 2.0  # seconds between reconnection attempts while Redis is away
@@ -82,15 +84,15 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
     try:
         client.ping()
     except redis.exceptions.AuthenticationError as e:
-        raise HubError(f"--db {_safe(url)}: authentication failed: {e}") from None
+        raise HubError(f"--db {safe_url(url)}: authentication failed: {e}") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-        raise HubError(f"--db {_safe(url)}: cannot reach Redis: {e}") from None
+        raise HubError(f"--db {safe_url(url)}: cannot reach Redis: {e}") from None
     except redis.exceptions.ResponseError as e:
-        raise HubError(f"--db {_safe(url)}: {e}") from None
+        raise HubError(f"--db {safe_url(url)}: {e}") from None
     return client
 
 
-def _safe(url: str) -> str:
+def safe_url(url: str) -> str:
     """``url`` with its password replaced by ``***`` (for messages and logs)."""
     from urllib.parse import urlsplit, urlunsplit
 
@@ -128,7 +130,6 @@ class Hub:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.warnings: list[str] = []
-        self.uploaded = 0
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -191,7 +192,6 @@ class Hub:
         self._claims.difference_update(held)
         args = (self.prefix, sig, text, list(sigs), held)
         self._call(lambda r: self._w_upload(r, *args), queue=("upload", args))
-        self.uploaded += 1
 
     @staticmethod
     def _w_flaky(self_r, prefix: str, sig: str) -> None:
@@ -411,13 +411,7 @@ class Hub:
         self._send_beat()
 
 
-def _resilient_base():
-    from hypothesis.database import ExampleDatabase
-
-    return ExampleDatabase
-
-
-class _ResilientDatabase(_resilient_base()):
+class _ResilientDatabase(ExampleDatabase):
     """The hub's Redis example database behind :meth:`Hub._call`: a failure is an empty read or a
     queued save, never an exception in Hypothesis's engine."""
 
