@@ -96,6 +96,18 @@ VARIANTS = {
     "corpus-states-ext": dict(transitions=False, extend_share=0.5),
     "corpus-states-rare": dict(transitions=False, schedule="rare"),
     "corpus-states-f50": dict(transitions=False, fresh_share=0.5),  # more fresh programs after the warmup
+    "corpus-48": dict(min_ops=8, max_ops=48),  # longer programs (warmup and fresh: random-48's lengths)
+    "corpus-96": dict(min_ops=16, max_ops=96),
+    "corpus-96-f70": dict(min_ops=16, max_ops=96, fresh_share=0.7),
+    "corpus-96-f100": dict(min_ops=16, max_ops=96, fresh_share=1.0),  # no mutation: random-96 keeping a corpus
+}
+
+
+# random baseline variants: random_search's arguments (program lengths)
+RANDOM_VARIANTS = {
+    "random-48": dict(min_ops=8, max_ops=48),
+    "random-96": dict(min_ops=16, max_ops=96),
+    "random-192": dict(min_ops=32, max_ops=192),
 }
 
 
@@ -110,8 +122,8 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
         from kvaudit.search.fuzz import random_search
 
         kw = dict(suppressions=wanted.suppressions(), max_executions=max_executions)
-        if fuzzer == "random":
-            found = random_search(config, budget, seed, stats, **kw)
+        if fuzzer == "random" or fuzzer in RANDOM_VARIANTS:
+            found = random_search(config, budget, seed, stats, **kw, **RANDOM_VARIANTS.get(fuzzer, {}))
         else:
             found = corpus_search(config, budget, seed, stats, **kw, **VARIANTS.get(fuzzer, {}))
         hit = found is not None and any(wanted.wants_finding(f) for f in found[1])
@@ -123,6 +135,11 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
 
         found = corpus_search(config, budget, seed, stats, known=wanted, max_executions=max_executions,
                               **VARIANTS[fuzzer])
+    elif fuzzer in RANDOM_VARIANTS:
+        from kvaudit.search.fuzz import random_search
+
+        found = random_search(config, budget, seed, stats, known=wanted, max_executions=max_executions,
+                              **RANDOM_VARIANTS[fuzzer])
     elif fuzzer == "corpus-keep":  # a variant: known findings are features (kvaudit.search.corpus_fuzz)
         from kvaudit.search.corpus_fuzz import corpus_search
 
