@@ -9,7 +9,7 @@ import pytest
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.program import Idle, OpenSession, Submit, program_from_json, program_to_json
 from kvaudit.program.schema import CAPABILITIES
-from kvaudit.search.corpus_fuzz import Corpus, Mutator, abstract_state, corpus_search, op_shape
+from kvaudit.search.corpus_fuzz import MAX_OPS, MIN_OPS, Corpus, Mutator, abstract_state, corpus_search, op_shape
 from kvaudit.search.fuzz import FuzzStats, OnlySignature
 from kvaudit.targets import program_features
 from kvaudit.targets.eut.presets import get_preset
@@ -97,14 +97,14 @@ def test_only_signature_skips_every_other_finding():
 
 
 def test_warmup_runs_the_random_baselines_programs():
-    """The first ``warmup`` executions are random_search's programs for the same seed: a bug random
-    finds within them is found at the same execution."""
+    """The first ``warmup`` executions are random_search's programs for the same seed and lengths: a bug
+    random finds within them is found at the same execution."""
     from kvaudit.search.fuzz import random_search
 
     config = _config("chunked-abort-ignored", "chunked")
     for seed in (1, 2, 3):
         rs, cs = FuzzStats(), FuzzStats()
-        r = random_search(config, 60.0, seed, rs)
+        r = random_search(config, 60.0, seed, rs, min_ops=MIN_OPS, max_ops=MAX_OPS)
         c = corpus_search(config, 60.0, seed, cs, warmup=10_000, max_executions=2000)
         assert r is not None and c is not None
         assert rs.first_hit[0] == cs.first_hit[0]
@@ -219,7 +219,7 @@ def test_variants_keep_the_warmup_and_record_frontiers(kw):
 
     config = _config("chunked-abort-ignored", "chunked")
     rs, cs = FuzzStats(), FuzzStats()
-    r = random_search(config, 60.0, 1, rs)
+    r = random_search(config, 60.0, 1, rs, min_ops=MIN_OPS, max_ops=MAX_OPS)
     c = corpus_search(config, 60.0, 1, cs, warmup=10_000, max_executions=2000, **kw)
     assert r is not None and c is not None and rs.first_hit[0] == cs.first_hit[0]
     clean = Corpus()

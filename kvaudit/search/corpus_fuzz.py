@@ -45,6 +45,14 @@ from kvaudit.targets import program_features
 
 
 ENGINE_PACKAGES = ("sglang", "vllm", "engine_under_test")  # whose lines ``line_coverage`` records
+# Program lengths (ops, with the final idle) of the fresh programs: four times the random baseline's
+# 4..24. Longer programs reach the deep states in fewer executions and less time (a 96-op program costs
+# about 2.2x a 24-op one and finds the SGLang 0.5.23 bugs in 4x fewer executions): docs/search/README.md,
+# "Program length".
+MIN_OPS, MAX_OPS = 16, 96
+# Fresh programs before the corpus is mutated: at these lengths fresh programs found every bug measured
+# sooner than mutated ones (a 64-execution warmup lost to plain random 16..96 on the deep SGLang cases).
+WARMUP = 1024
 
 
 class LineTracer:
@@ -343,7 +351,7 @@ class Mutator:
 
 def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats: FuzzStats,
                   on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
-                  known=frozenset(), min_ops: int = 4, max_ops: int = 24, warmup: int = 64, fresh_share: float = 0.3,
+                  known=frozenset(), min_ops: int = MIN_OPS, max_ops: int = MAX_OPS, warmup: int = WARMUP, fresh_share: float = 0.3,
                   corpus: Corpus | None = None, max_executions: int | None = None,
                   keep_findings: bool = False, line_coverage: bool = False,
                   store: CorpusStore | None = None, sync_every: int = 256,
@@ -353,9 +361,9 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     """Search ``config`` for ``max_time`` seconds from ``seed_value``. Returns the first program that
     yields a finding (neither suppressed by ``suppressions``, a
     :class:`kvaudit.audit.suppress.SuppressionSet`, nor ``known``: a container of signatures) with its
-    findings, or None. The first ``warmup`` executions are the random baseline's programs (the
-    same ones :func:`kvaudit.search.fuzz.random_search` runs for ``seed_value``: shallow bugs are found
-    as fast as random finds them) and seed the corpus; after them, ``fresh_share``: the share of executions that run a fresh program (always
+    findings, or None. Fresh programs have ``min_ops..max_ops`` ops. The first ``warmup`` executions
+    are the random baseline's generator's programs (the same ones :func:`kvaudit.search.fuzz.random_search`
+    runs for ``seed_value`` given the same lengths) and seed the corpus; after them, ``fresh_share``: the share of executions that run a fresh program (always
     while the corpus is empty); the rest mutate a corpus program. ``corpus`` (optional) is filled in
     place (its size after a search: programs that reached new states). ``stats.coverage`` reports
     the features and corpus size. ``max_executions``: stop after that many programs too (a
@@ -374,7 +382,7 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     optional arguments (:meth:`Mutator.swarm_probs`); ``op_context``: the op shapes
     (:func:`op_shape`) run since the last scheduler step, with the state they led to, are features;
     ``transitions``: state transitions and (op kind, state) pairs are features."""
-    rng = random.Random(seed_value)  # drawn in random_search's order during the warmup
+    rng = random.Random(seed_value)  # drawn in random_search's order during the warmup (at these lengths)
     deadline = time.monotonic() + max_time
     mp = context_max_prompt(config.context_len)
     reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
