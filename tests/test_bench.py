@@ -52,7 +52,8 @@ def test_markdown_shows_the_targets_and_misses():
                                                              "findings": []}],
                             settings={"bugs": ["hisparse-prebuilt-skip-finish"], "fuzzers": ["hypothesis", "random"],
                                       "trials": 2, "budget": 60.0, "cpu_count": 2, "started": "now"})
-    md = bench.markdown(res)
+    md = bench.markdown(res, raw="zoo.json")
+    assert "--fuzzers hypothesis,random" in md and "Raw data: `zoo.json`" in md  # the command and file it was
     assert "| bugs found (at least once) | 1/1 | 1/1 |" in md
     assert "1.00x fewer (1 bugs)" in md  # same medians: a ratio of 1, shown, not hidden
     assert "0 in 9 programs" in md
@@ -66,6 +67,7 @@ def test_bench_runs_end_to_end_on_one_bug(tmp_path):
                     "--out", str(md), "--json", str(js))
     assert result.exit_code == 0, result.output
     text = md.read_text()
+    assert "Raw data: `b.json`" in text
     assert "| prefill-finish-leaks-row | leak | hypothesis | 1/1 |" in text
     assert "| prefill-finish-leaks-row | leak | random | 1/1 |" in text
 

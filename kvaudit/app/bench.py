@@ -3,6 +3,8 @@ JSON. The method and its statistics are :mod:`kvaudit.search.bench`."""
 
 from __future__ import annotations
 
+import os
+
 from kvaudit.targets import registry
 from kvaudit import replay
 import click
@@ -46,7 +48,7 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
                     on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
     kept: list[str] = []
     for path, write in ((out_json, lambda: replay.write_atomic(out_json, res.to_json())),
-                        (out_md, lambda: replay.write_text_atomic(out_md, bench.markdown(res)))):
+                        (out_md, lambda: replay.write_text_atomic(out_md, bench.markdown(res, os.path.basename(out_json))))):
         try:
             kept.append(write())
         except OSError as e:
@@ -100,7 +102,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
         raise UnavailableError(str(e)) from None
     kept: list[str] = []
     for path, write in ((out_json, lambda: replay.write_atomic(out_json, res.to_json())),
-                        (out_md, lambda: replay.write_text_atomic(out_md, suite.markdown(res)))):
+                        (out_md, lambda: replay.write_text_atomic(out_md, suite.markdown(res, os.path.basename(out_json))))):
         try:
             kept.append(write())
         except OSError as e:
