@@ -114,10 +114,10 @@ def main():
 @main.command()
 @common_options
 @click.option("--fuzzer", type=click.Choice(FUZZERS), default=DEFAULT_FUZZER, show_default=True,
-              help="corpus: a mutated program corpus guided by the scheduler states reached (a campaign keeps it "
-                   "in DIR/programs); hypothesis: stateful generation with shrinking and swarm testing; atheris: "
+              help="corpus: fresh 16-96-op random programs, then a mutated program corpus guided by the "
+                   "scheduler states reached (a campaign keeps it in DIR/programs); hypothesis: stateful generation with shrinking and swarm testing; atheris: "
                    "coverage-guided libFuzzer over a byte encoding of programs (the built-in engine only); random: "
-                   "the plain random baseline.")
+                   "the plain random baseline (4-24-op programs).")
 @click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
               metavar="SECONDS", help="Time budget for the search, in seconds, counted from the start of the process "

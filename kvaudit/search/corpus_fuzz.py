@@ -1,8 +1,10 @@
 """A corpus-and-mutation search guided by the abstract scheduler states a program reaches.
 
-The search keeps a corpus of programs. Each execution either draws a fresh random program (the
-random baseline's generator, :func:`kvaudit.program.random_program`, or a swarm variant that uses a
-random subset of the op kinds, Groce et al., ISSTA 2012) or mutates a corpus program (havoc: one to
+The search keeps a corpus of programs. Its first :data:`WARMUP` executions are fresh random programs
+of :data:`MIN_OPS`..:data:`MAX_OPS` ops (the random baseline's generator,
+:func:`kvaudit.program.random_program`, at four times its lengths: what found every measured bug
+soonest). After them each execution either draws a fresh program (that generator, or a swarm variant
+that uses a random subset of the op kinds, Groce et al., ISSTA 2012) or mutates a corpus program (havoc: one to
 four stacked mutations -- insert, delete or replace an op, redraw one argument, splice two programs,
 duplicate a run of ops). After every scheduler step the target's state is abstracted
 (:func:`abstract_state`: which places hold requests and sessions and how many, each pool's free and
