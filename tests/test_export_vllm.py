@@ -362,3 +362,32 @@ def test_vllm_export_bad_input_is_one_line_exit_2(tmp_path):
         r = invoke(*args)
         assert r.exit_code == 2, (args, r.output)
         one_error_line(r)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("history/")])
+def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name):
+    """corpora/vllm/history/<bug id>.json finds its bug (kvaudit/history/catalogue.py) on the buggy release,
+    in a child process with that release's overlay first on the path; its report names that release."""
+    from kvaudit.history import releases
+    from kvaudit.history.catalogue import BUGS
+    bug = BUGS[os.path.basename(name)]
+    overlay = releases.overlay_path("vllm", bug.buggy)
+    if releases.base_version("vllm") != bug.buggy and not overlay.is_dir():
+        pins = " ".join(releases.EXTRA_PINS.get(("vllm", bug.buggy), ()))
+        pytest.skip(f"vLLM {bug.buggy} overlay absent: python -m pip install -q --no-deps --no-compile --target "
+                    f"{overlay} vllm=={bug.buggy} {pins}".rstrip())
+    env = releases.env("vllm", bug.buggy, None if releases.base_version("vllm") == bug.buggy else overlay)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), ROOT]))
+    path = os.path.join(ROOT, "corpora", "vllm", name + ".json")
+    code = ("import json; from kvaudit import replay; from kvaudit.audit.runner import execute; import vllm; "
+            f"assert vllm.__version__ == {bug.buggy!r}, vllm.__version__; "
+            f"config, program = replay.load({path!r})[:2]; "
+            "print(json.dumps(sorted({f.signature for f in execute(config, program, full_stacks=False).findings})))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    recorded = [f.signature for f in replay.load(path)[2]]
+    assert recorded and set(recorded) <= set(found), (recorded, found)
+    assert any(s.startswith(bug.finding + "/") and (not bug.check or s.endswith("check:" + bug.check)) for s in found)
+    issue = open(os.path.join(ROOT, "corpora", "vllm", name + ".issue.md")).read()
+    assert f"`pip install vllm=={bug.buggy}`" in issue and f"fixed in {bug.fixed}" in issue

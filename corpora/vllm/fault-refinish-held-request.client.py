@@ -10,7 +10,7 @@ Reproduces kvaudit's finding in fault-refinish-held-request.json against a real 
 
 1. Launch the server:
 
-       VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --block-size 16 --num-gpu-blocks-override 64 --max-num-seqs 8 --max-num-batched-tokens 128 --max-model-len 512 --enable-prefix-caching --enable-chunked-prefill --async-scheduling --kv-transfer-config '{"kv_connector": "KvauditAsyncSaveConnector", "kv_role": "kv_producer"}'
+       VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --block-size 16 --num-gpu-blocks-override 64 --max-num-seqs 8 --max-num-batched-tokens 128 --max-model-len 512 --enable-prefix-caching --enable-chunked-prefill --async-scheduling --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"cpu_bytes_to_use": 1073741824}}'
 
 2. Run:  python3 THIS_FILE --url http://127.0.0.1:8000
 
@@ -48,7 +48,6 @@ LEASE_WAIT = 40.0  # s: NIXL's default kv_lease_duration (30 s) and a margin
 POOL_BLOCKS = 63
 MAX_MODEL_LEN = 512
 APPROXIMATIONS = [
-    "op 0 (submit req-000001): the KV-connector preset has a remote decode instance read this request's KV when it ends (do_remote_decode): its blocks are held until then (on a server with no decode instance, until NIXL's abort timeout)",
     'op 0 (submit req-000001): still running at a later message in the program (max_new_tokens=1): the script asks for --hold-tokens more so that it is still decoding when that message arrives',
     'op 1 (wait): a client cannot run the engine core n iterations: it waits --step-delay seconds a step (with async scheduling a step in flight, which the program may race, is not visible to a client either)',
 ]
@@ -305,9 +304,8 @@ class Client:
 def program(c):
     """The program, one call per op (a batch for submits of one intake)."""
     # op 0: submit(family=0, prompt_len=1, max_new_tokens=1)
-    # req-000001: the KV-connector preset has a remote decode instance read this request's KV when it ends (do_remote_decode): its blocks are held until then (on a server with no decode instance, until NIXL's abort timeout)
     # req-000001: still running at a later message in the program (max_new_tokens=1): the script asks for --hold-tokens more so that it is still decoding when that message arrives
-    c.submit('req-000001', [7], 1, True, remote='decode', label='op 0')
+    c.submit('req-000001', [7], 1, True, remote=None, label='op 0')
     # op 1: step(n=1)
     # (approximate: a client cannot run the scheduler step by step)
     c.wait(1, label='op 1')

@@ -576,13 +576,15 @@ def expected_line(kind: str, server: str, engine: str = "sglang") -> str:
 
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,
                   env: list[str], hold_tokens: int = 256, planted: str | None = None,
-                  pool_blocks: int | None = None, max_model_len: int | None = None) -> str:
+                  pool_blocks: int | None = None, max_model_len: int | None = None,
+                  release: str | None = None) -> str:
     """The script's text for ``plan`` (its engine: ``plan.engine``): ``title`` (the report's title),
     ``source`` (the replay file), ``launch`` (the server command), ``kind`` (the first finding's kind),
     ``server`` (what a server shows), ``env`` (environment variables the launch needs), ``planted`` (the
     injected fault's description when the finding is kvaudit's own planted fault, else None),
     ``pool_blocks`` (vLLM: the pool's usable blocks, for the usage gauge in blocks), ``max_model_len``
-    (vLLM: tokens, prompt + output; a held request's output is cut to fit). Raises ``KeyError``
+    (vLLM: tokens, prompt + output; a held request's output is cut to fit), ``release`` (the engine
+    release that ships the bug, when it is not the one the routes were read on). Raises ``KeyError``
     for an engine with no HTTP table."""
     api = api_for(plan.engine)
     part = ENGINE_PARTS[plan.engine]
@@ -596,7 +598,8 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
                 "'s own objects", f"to test itself ({planted}).",
                 f"An unmodified {api.engine} server does not have it: against one, this script should print",
                 "RESULT: NOT REPRODUCED. It shows what `kvaudit export` makes of a finding.", ""]
-    doc += [f"Reproduces kvaudit's finding in {source} against a real {api.engine} {api.version} server, "
+    version = api.version if release is None else f"{release} (the release that ships the bug)"
+    doc += [f"Reproduces kvaudit's finding in {source} against a real {api.engine} {version} server, "
             f"through its HTTP API only ({how}).", "",
             "1. Launch the server:", "", f"       {' '.join(env + [launch])}", "",
             f"2. Run:  python3 THIS_FILE --url {part['url']}", "",

@@ -8,7 +8,7 @@ from typing import NamedTuple
 from kvaudit.export.client import expected_line, render_client
 from kvaudit.export.http_api import HTTP_API, launch_line
 from kvaudit.export.issue import render_issue, title_of
-from kvaudit.export.notes import note_for
+from kvaudit.export.notes import history_note, note_for
 from kvaudit.export.plan import plan as make_plan
 from kvaudit.export.trace import trace
 from kvaudit.program import format_op
@@ -41,6 +41,17 @@ def planted_fault(config) -> str | None:
     return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs)
 
 
+def history_bug(path: str, config):
+    """The :class:`kvaudit.history.catalogue.HistoryBug` a replay file under a ``history/`` folder
+    reproduces, named after its id (``corpora/vllm/history/vllm-33377.json``), or None. Its report and
+    script then name the release that ships the bug, not the release the routes were read on."""
+    if os.path.basename(os.path.dirname(os.path.abspath(path))) != "history":
+        return None
+    from kvaudit.history.catalogue import BUGS
+    bug = BUGS.get(os.path.basename(path)[:-5])
+    return bug if bug is not None and bug.engine == getattr(config, "target", None) else None
+
+
 def export(path: str, issue_out: str | None = None, client_out: str | None = None, resolve: bool = True) -> Exported:
     """Read replay file ``path`` and write the Markdown report to ``issue_out`` and the client script to
     ``client_out`` (either may be None), each atomically. ``resolve``: run the program on the target to
@@ -68,6 +79,11 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
             env = env + [STRICT_IDLE_CHECK]
     else:
         planted = planted_fault(config)
+    bug = history_bug(path, config)
+    release = None
+    if bug is not None:
+        release = (bug.buggy, bug.fixed, bug.sources)
+        note = history_note(bug, note)
     title = title_of(findings, note)
     if planted is not None:
         title = "[planted fault, not a vLLM bug] " + title
@@ -77,7 +93,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     if client_out is not None:
         client_path = write_text_atomic(client_out, render_client(
             plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env,
-            planted=planted, pool_blocks=pool_blocks,
+            planted=planted, pool_blocks=pool_blocks, release=release[0] if release else None,
             max_model_len=config.max_model_len if target == "vllm" else None))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
@@ -85,6 +101,6 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
                             doc=doc, plan=plan, note=note, source=path,
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
                             env=env, unmapped=unmapped, expected=expected_line(kind, server, target),
-                            planted=planted)
+                            planted=planted, release=release)
         issue_path = write_text_atomic(issue_out, text)
     return Exported(issue_path, client_path, plan.exact, plan.traced)

@@ -172,6 +172,16 @@ HTTP_API: dict[str, EngineApi] = {
 }
 
 
+# older vLLM releases whose own sources were read for the routes and fields the client uses (the same as
+# 0.33.0's there): the files, relative to the package
+VLLM_ROUTES_ALSO_CHECKED: dict[str, tuple[str, ...]] = {
+    "0.15.1": ("vllm/entrypoints/openai/completion/api_router.py", "vllm/entrypoints/openai/completion/protocol.py",
+               "vllm/entrypoints/serve/cache/api_router.py", "vllm/entrypoints/serve/instrumentator/health.py",
+               "vllm/v1/engine/async_llm.py", "vllm/v1/metrics/loggers.py", "vllm/engine/arg_utils.py",
+               "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py"),
+}
+
+
 def api_for(target: str) -> EngineApi:
     """The table of ``target`` (a replay config's ``target``). Raises ``KeyError`` for an engine with
     no HTTP mapping (the built-in engine has no server)."""
@@ -195,7 +205,8 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
     unmapped)`` -- ``vllm serve`` flags (``--num-gpu-blocks-override`` for ``num_gpu_blocks``, the
     null block included as vLLM counts it; ``--block-size``, ``--max-num-seqs``,
     ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
-    ``--[no-]enable-chunked-prefill``, ``--[no-]async-scheduling``, ``--kv-transfer-config``),
+    ``--[no-]enable-chunked-prefill``, ``--[no-]async-scheduling``, ``--kv-transfer-config``, kvaudit's
+    save connector as vLLM's ``OffloadingConnector``),
     environment variables (``VLLM_SERVER_DEV_MODE=1`` for ``/reset_prefix_cache``), and config fields
     no flag sets. Flag names from ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args``; a
     ``bool | None`` field gets ``--x`` / ``--no-x``)."""
@@ -219,16 +230,22 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
         unmapped.append(f"sliding_window={c.sliding_window} (a property of the model: serve a model with a "
                         f"{c.sliding_window}-token sliding window beside full attention, e.g. a Gemma or "
                         "Mistral-style hybrid)")
+    if c.kv_connector == "KvauditAsyncSaveConnector":  # kvaudit's stand-in for an offloading connector
+        flags.append("--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"%s\", "
+                     "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 1073741824}}'" % c.kv_role)
+    elif c.kv_connector is not None:
+        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"}'"
+                     % (c.kv_connector, c.kv_role))
     if c.kv_connector is not None:
-        role = c.kv_role
-        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"}'" % (c.kv_connector, role))
         unmapped.append(f"kv_transfer_latency_steps={c.kv_transfer_latency_steps} (kvaudit's worker stand-in "
                         "completes each transfer 1 to that many steps after it starts; a real transfer takes "
                         "what the wire takes)")
         if c.kv_connector == "KvauditAsyncSaveConnector":
             unmapped.append("kv_connector=KvauditAsyncSaveConnector is kvaudit's own scheduler-side connector "
                             "(kvaudit/targets/vllm/save_connector.py), standing for an offloading connector with "
-                            "a store in flight: on a server use an OffloadingConnector")
+                            "a store in flight: the launch names vLLM's OffloadingConnector, whose request_finished "
+                            "delays the free while a store is in flight (cpu_bytes_to_use as "
+                            "vllm/v1/kv_offload reads it; 1 GiB here)")
     if c.wake_for_transfers:
         unmapped.append("wake_for_transfers=true (kvaudit steps the engine while only sends are outstanding; "
                         "vLLM >= 0.22.0 does so itself)")

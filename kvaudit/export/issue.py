@@ -57,12 +57,14 @@ def title_of(findings: list[Finding], note: Note | None) -> str:
 
 def render_issue(*, config, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
                  note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
-                 unmapped: list[str], expected: str, planted: str | None = None) -> str:
+                 unmapped: list[str], expected: str, planted: str | None = None,
+                 release: tuple | None = None) -> str:
     """The Markdown text. ``source``: the replay file's path as given; ``client_name``: the client
     script's file name (None: not exported with it); ``launch``/``env``/``unmapped``: from
     :func:`kvaudit.export.http_api.launch_line`; ``expected``: the client's expected symptom line;
     ``planted``: the injected fault's description when the finding is kvaudit's planted fault (the
-    report then says so at the top), else None."""
+    report then says so at the top), else None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
+    older release (the history suite's), None for a finding on the release the API table was read on."""
     api = api_for(config.target)
     package = config.target
     vllm = config.target == "vllm"
@@ -78,12 +80,15 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
                 f"{api.version} does not have it, and the client script below is expected to print `RESULT: NOT "
                 "REPRODUCED` against a real server. The report is a demonstration of `kvaudit export` on a vLLM "
                 "finding; do not file it.", ""]
-    out += [
-           f"Found by kvaudit (a memory auditor for KV-cache schedulers) in {api.engine} {api.version}; replay "
-           f"file `{base}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
-           f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
+    version = api.version if release is None else release[0]
+    found_on = (f"in {api.engine} {api.version}" if release is None else
+                f"in {api.engine} {release[0]}, the release that ships this bug (fixed in {release[1]}: "
+                f"{', '.join(release[2])})")
+    out += [f"Found by kvaudit (a memory auditor for KV-cache schedulers) {found_on}; replay "
+            f"file `{base}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
+            f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
     out += ["## Environment", "",
-            f"- {api.engine} {api.version} (`pip install {package}=={api.version}`), kvaudit preset "
+            f"- {api.engine} {version} (`pip install {package}=={version}`), kvaudit preset "
             f"`{config.preset}`, " + (f"block size {config.block_size}, {config.num_gpu_blocks} blocks (the null "
                                       f"block included), level {config.level}." if vllm else
                                       f"page size {config.page_size}, {config.num_slots}-token KV pool."),
@@ -97,6 +102,12 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if any(e.startswith("SGLANG_TEST_RETRACT=") for e in env):
         out.append("- `SGLANG_TEST_RETRACT=1` makes decode retract periodically: the program's memory pressure, "
                    "which a client cannot create.")
+    if release is not None:
+        from kvaudit.export.http_api import VLLM_ROUTES_ALSO_CHECKED
+        checked = VLLM_ROUTES_ALSO_CHECKED.get(release[0]) if vllm else None
+        out.append(f"- The client's routes and request fields were read on {api.engine} {api.version}" +
+                   (f" and found the same in {release[0]}'s own sources ({', '.join(f'`{f}`' for f in checked)})."
+                    if checked else f"; {release[0]}'s were not checked."))
     if vllm:
         out.append("- `VLLM_SERVER_DEV_MODE=1` mounts `/reset_prefix_cache` (the program's `flush_cache`, and the "
                    "script's check that no block is held at the end).")
@@ -128,7 +139,7 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if curls:
         curl_hint = "; or the curl lines below"
     if client_name is not None:
-        out += [f"1. Launch the server as above (any model; {api.engine} {api.version}).",
+        out += [f"1. Launch the server as above (any model; {api.engine} {version}).",
                 f"2. `python3 {client_name} --url {url}` (standard library only){curl_hint}.", "",
                 f"Expected: {note.server if note is not None else expected}. The script prints every call and answer, the `/metrics` pool counters "
                 "before and after, and `RESULT: REPRODUCED` (exit 1) or `NOT REPRODUCED` (exit 0).", ""]
@@ -185,13 +196,14 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             note.why if note is not None else "(no analysis recorded for this signature yet)", "",
             "## Suggested fix", "", (note.fix or "(none known)") if note is not None else "(none recorded)", ""]
     if note is not None:
-        out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, finding {note.readme}.)", ""]
+        out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, "
+                f"{'section' if release is not None else 'finding'} {note.readme}.)", ""]
     seen_how = ("(Scheduler or AsyncScheduler, KVCacheManager, BlockPool, prefix-cache map) on CPU, through its "
                 "driver, which calls them as vLLM's engine core does with synthetic model outputs"
                 if vllm else "(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, "
                              "which plays the scheduler loop in SGLang's call order with a stand-in model")
     out += ["## How sure we are", "",
-            f"- Seen: kvaudit drove {api.engine} {api.version}'s own memory manager and scheduler objects "
+            f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
             f"{seen_how}; the finding replays deterministically ({doc.get('confirmations', 'not recorded')}).",
             "- Not verified: on a full server with a model and a GPU, and with the client script above (no GPU "
             "server ran here; the script was checked against a stand-in HTTP server that records the requests).",

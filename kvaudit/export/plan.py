@@ -224,11 +224,10 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
 def _remote_of(config, n: int) -> str | None:
     """Which side of a P/D pair the ``n``-th submit (from 0) is on under a KV-connector ``config``
     (:func:`kvaudit.targets.vllm.connector.transfer_params`'s rule): ``"prefill"``, ``"decode"`` or
-    None. NIXL's; kvaudit's save connector holds every finished request (``"decode"``)."""
-    if config.kv_connector is None:
-        return None
+    None. Only NIXL's requests carry ``kv_transfer_params``; kvaudit's save connector (an offloading
+    connector on a server) needs none: None."""
     if config.kv_connector != "NixlConnector":
-        return "decode"
+        return None
     from kvaudit.targets.vllm.connector import transfer_params
     params = transfer_params(n + 1, "r", 1, config.block_size) or {}
     return "prefill" if params.get("do_remote_prefill") else "decode" if params.get("do_remote_decode") else None
