@@ -556,7 +556,8 @@ def _call_line(c: Call, plan: Plan) -> list[str]:
     if c.kind == "idle":
         return comment + [f"    c.idle(label={label!r})"]
     if c.kind == "ignored":
-        return comment + [f"    # nothing to send: {c.note}", f"    c.ignored({a['op']!r}, {c.note!r}, label={label!r})"]
+        return comment + [f"    # nothing to send: {c.note}",
+                          f"    c.ignored({a['op']!r}, {c.note!r}, label={label!r})"]
     if c.kind == "no_api":
         return comment + [f"    # NOT FORCED BY A CLIENT: {c.note}",
                           f"    c.no_api({a['op']!r}, {c.note!r}, label={label!r})"]
@@ -571,7 +572,8 @@ def expected_line(kind: str, server: str, engine: str = "sglang") -> str:
         ("the pool does not come back (with every stream ended and nothing running, kv_cache_usage_perc > 0 or "
          "/reset_prefix_cache answers success=false), or the server fails")
     return {"crash": "the server stops answering (the scheduler raised)",
-            "hang": "a request never answers while the pool has room"}.get(kind, pool) + (f" -- {server}" if server else "")
+            "hang": "a request never answers while the pool has room"}.get(kind, pool) + \
+        (f" -- {server}" if server else "")
 
 
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,

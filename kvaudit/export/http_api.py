@@ -142,7 +142,8 @@ HTTP_API: dict[str, EngineApi] = {
             "open_session": ApiCall(None, None, "(none)", True,
                                     "vLLM has no kvaudit-style session (CompletionRequest.session_id is a routing "
                                     "label); the vLLM target ignores the op, so the script sends nothing"),
-            "close_session": ApiCall(None, None, "(none)", True, "as open_session: ignored by the target, nothing sent"),
+            "close_session": ApiCall(None, None, "(none)", True,
+                                     "as open_session: ignored by the target, nothing sent"),
             "memory_pressure": ApiCall(None, None, "(no API)", False,
                                        "the target evicts every cached block nobody holds "
                                        "(KVCacheManager.evict_blocks, as Scheduler._handle_invalid_blocks does for "

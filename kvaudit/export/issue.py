@@ -112,7 +112,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
         out.append("- `VLLM_SERVER_DEV_MODE=1` mounts `/reset_prefix_cache` (the program's `flush_cache`, and the "
                    "script's check that no block is held at the end).")
     if vllm and config.kv_connector == "NixlConnector":
-        out.append("- With NIXL: requests the program reads remote KV for need a prefill server (`--kv-transfer-config` "
+        out.append("- With NIXL: requests the program reads remote KV for need a prefill server "
+                   "(`--kv-transfer-config` "
                    "with `\"kv_role\": \"kv_producer\"`) passed as `--prefill-url`; without it they are sent as "
                    "plain requests.")
     if getattr(config, "enable_hisparse", False):
