@@ -6,7 +6,7 @@ to test itself (--bug double-free-shared-prefix: right after the first KVCacheMa
 An unmodified vLLM server does not have it: against one, this script should print
 RESULT: NOT REPRODUCED. It shows what `kvaudit export` makes of a finding.
 
-Reproduces kvaudit's finding in fault-double-free-shared-prefix.json against a real vLLM 0.33.0 server, through its HTTP API only (exactly).
+Reproduces kvaudit's finding in fault-double-free-shared-prefix.json against a real vLLM 0.33.0 server, through its HTTP API only (approximately (see the NOTE lines it prints)).
 
 1. Launch the server:
 
@@ -34,7 +34,7 @@ import urllib.parse
 
 EXPECT = 'memory'
 EXPECTED = 'the pool does not come back (with every stream ended and nothing running, kv_cache_usage_perc > 0 or /reset_prefix_cache answers success=false), or the server fails'
-EXACT = True
+EXACT = False
 HOLD_TOKENS = 256
 OPEN_AT_END = []
 METRICS = ['vllm:kv_cache_usage_perc', 'vllm:num_requests_running', 'vllm:num_requests_waiting', 'vllm:num_preemptions_total', 'vllm:prefix_cache_queries_total', 'vllm:prefix_cache_hits_total']
@@ -47,7 +47,9 @@ DEFAULT_URL = 'http://127.0.0.1:8000'
 LEASE_WAIT = 40.0  # s: NIXL's default kv_lease_duration (30 s) and a margin
 POOL_BLOCKS = 63
 MAX_MODEL_LEN = 512
-APPROXIMATIONS = []
+APPROXIMATIONS = [
+    "op 1 (generate): sent --gap seconds after the previous submit of the same scheduler step: vLLM's engine core takes every queued request before its next step, but a client cannot promise that both land in one step",
+]
 
 
 class Client:

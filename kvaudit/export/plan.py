@@ -167,7 +167,11 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                 last_generate.args["items"].append(item)
                 last_generate.ops.append(i)
             else:
-                last_generate = Call("generate", [i], {"session_params": sp, "items": [item]})
+                same_step = vllm and bool(calls) and calls[-1].kind == "generate" and last_generate is not None
+                last_generate = Call("generate", [i], {"session_params": sp, "items": [item]}, exact=not same_step,
+                                     note="sent --gap seconds after the previous submit of the same scheduler step: "
+                                          "vLLM's engine core takes every queued request before its next step, but "
+                                          "a client cannot promise that both land in one step" if same_step else "")
                 calls.append(last_generate)
             continue
         cut()
