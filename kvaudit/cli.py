@@ -372,7 +372,7 @@ def report_cmd(file, outputs):
               help="Run the program on the target once to name the requests and sessions its handles picked "
                    "(without it, or without the engine installed, handles are resolved statically).")
 def export_cmd(file, issue_out, client_out, resolve):
-    """Export a replay FILE (an SGLang finding) as an issue report and/or a client-level reproducer.
+    """Export a replay FILE (an SGLang or vLLM finding) as an issue report and/or a client-level reproducer.
     Exit 0 once written, 2 on a bad file or flag."""
     from kvaudit.app import export as job
 

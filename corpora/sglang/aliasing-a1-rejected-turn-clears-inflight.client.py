@@ -30,6 +30,12 @@ EXACT = False
 HOLD_TOKENS = 256
 OPEN_AT_END = ['s0']
 METRICS = ['sglang:kv_available_tokens', 'sglang:kv_evictable_tokens', 'sglang:kv_used_tokens', 'sglang:num_used_tokens', 'sglang:num_running_reqs', 'sglang:num_queue_reqs', 'sglang:num_streaming_sessions', 'sglang:streaming_session_held_tokens', 'sglang:num_decode_prealloc_queue_reqs', 'sglang:num_retracted_reqs']
+BUSY = ['sglang:num_running_reqs', 'sglang:num_queue_reqs']
+SETTLE_GAUGE = 'sglang:kv_used_tokens'
+SETTLE_WHY = 'SGLang refreshes its idle /metrics at most every 30 s'
+SETTLE_S = 35.0
+METRICS_HINT = 'launch the server with --enable-metrics'
+DEFAULT_URL = 'http://127.0.0.1:30000'
 SERVER_KEYS = ['enable_streaming_session', 'page_size', 'max_total_tokens', 'disable_overlap_schedule', 'chunked_prefill_size', 'enable_hisparse', 'disaggregation_mode']
 APPROXIMATIONS = [
     'op 1 (submit r0): still running at a later message in the program (max_new_tokens=2): the script asks for --hold-tokens more so that it is still decoding when that message arrives',
@@ -41,11 +47,13 @@ APPROXIMATIONS = [
 class Client:
     """A thin HTTP client that records every answer: ``failures`` (no answer, connection lost, 5xx)."""
 
-    def __init__(self, url, timeout, step_delay, gap, hold_tokens, metrics_url=None, settle=35.0):
-        self.url = url.rstrip("/")
-        self.settle_s = settle
-        self.metrics_url = (metrics_url or url).rstrip("/")
-        self.timeout, self.step_delay, self.gap, self.hold_tokens = timeout, step_delay, gap, hold_tokens
+    def __init__(self, args):
+        self.url = args.url.rstrip("/")
+        self.settle_s = args.settle
+        self.metrics_url = (getattr(args, "metrics_url", None) or args.url).rstrip("/")
+        self.timeout, self.step_delay, self.gap = args.timeout, args.step_delay, args.gap
+        self.hold_tokens = args.hold_tokens
+        self.args = args
         self.tag = "kvaudit-%s-" % uuid.uuid4().hex[:6]  # a fresh prefix per run: rerunning never collides
         self.failures, self.pending = [], []
         self.lock = threading.Lock()
@@ -144,6 +152,10 @@ class Client:
     def resume(self, label=""):
         self.send(label or "continue_generation", "POST", "/continue_generation", {})
 
+    def at_rest(self):
+        """SGLang refreshes its idle /metrics at most every 30 s: poll until no KV is in use."""
+        return self.settle()
+
     def wait(self, steps, label=""):
         """A client cannot run n scheduler iterations: it waits --step-delay seconds a step."""
         self.say("   %s: wait %.2f s (stands for %d scheduler step(s))" % (label or "step", steps * self.step_delay,
@@ -152,6 +164,9 @@ class Client:
 
     def no_api(self, what, how, label=""):
         self.say("   %s: %s has no HTTP call: %s" % (label, what, how))
+
+    def ignored(self, what, why, label=""):
+        self.say("   %s: %s: nothing to send (%s)" % (label, what, why))
 
     def idle(self, label=""):
         """Wait for every request sent so far to answer (--timeout), then for no request to run or queue."""
@@ -165,13 +180,13 @@ class Client:
             self.say("   %s: %s has not answered after %g s" % (label or "idle", name, self.timeout))
         while time.time() < deadline:
             c = self.counters()
-            if c is None or (c.get("sglang:num_running_reqs", 0) + c.get("sglang:num_queue_reqs", 0)) == 0:
+            if c is None or sum(c.get(k, 0) for k in BUSY) == 0:
                 break
             time.sleep(0.2)
         return hung
 
     def counters(self):
-        """The pool gauges of /metrics (summed over labels), or None without --enable-metrics."""
+        """The pool gauges of /metrics (summed over labels), or None when /metrics does not answer."""
         status, text = self.request("GET", "/metrics", base=self.metrics_url)
         if status != 200:
             return None
@@ -188,11 +203,11 @@ class Client:
         return out
 
     def settle(self):
-        """The gauges once the pool is at rest: SGLang refreshes its idle /metrics at most every 30 s, so
-        poll (up to --settle seconds) until no KV is in use."""
+        """The gauges once the pool is at rest: poll (up to --settle seconds) until no KV is in use
+        (the gauges of an idle server may lag: see SETTLE_WHY)."""
         deadline = time.time() + self.settle_s
         c = self.counters()
-        while c is not None and c.get("sglang:kv_used_tokens", 0) > 0 and time.time() < deadline:
+        while c is not None and c.get(SETTLE_GAUGE, 0) > 0 and time.time() < deadline:
             time.sleep(1.0)
             c = self.counters()
         return c
@@ -230,38 +245,12 @@ def program(c):
     c.idle(label='op 6')
 
 
-def show(title, counters):
-    if counters is None:
-        print("%s: /metrics unavailable (launch the server with --enable-metrics)" % title)
-    else:
-        print("%s: %s" % (title, " ".join("%s=%g" % (k.split(":", 1)[1], counters[k]) for k in METRICS
-                                           if k in counters)))
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any answer (default: 60)")
-    ap.add_argument("--step-delay", type=float, default=0.5,
-                    help="seconds that stand for one scheduler step of the program (default: 0.5)")
-    ap.add_argument("--gap", type=float, default=0.05,
-                    help="seconds between two calls, so they arrive in the program's order (default: 0.05)")
-    ap.add_argument("--hold-tokens", type=int, default=HOLD_TOKENS,
-                    help="extra output tokens for a request that must still run when a later call arrives "
-                         "(default: %(default)s)")
+def engine_args(ap):
     ap.add_argument("--metrics-url", default=None,
                     help="where to read /metrics (default: --url; behind a PD router: the decode server)")
-    ap.add_argument("--settle", type=float, default=35.0,
-                    help="seconds to wait for the idle /metrics to refresh after a flush (default: 35)")
-    args = ap.parse_args(argv)
-    if args.timeout <= 0 or min(args.step_delay, args.gap, args.hold_tokens, args.settle) < 0:
-        print("error: --timeout must be > 0 and the other numbers >= 0", file=sys.stderr)
-        return 2
-    c = Client(args.url, args.timeout, args.step_delay, args.gap, args.hold_tokens, args.metrics_url, args.settle)
-    if not c.alive():
-        print("error: no server answers GET %s/health (launch it first: see the top of this file)" % c.url,
-              file=sys.stderr)
-        return 2
+
+
+def server_line(c):
     status, text = c.request("GET", "/server_info")
     if status == 200:
         try:
@@ -270,10 +259,58 @@ def main(argv=None):
                 "%s=%s" % (k, info.get(k)) for k in SERVER_KEYS if k in info)))
         except ValueError:
             pass
+
+
+def pool_findings(before, after, flushed):
+    """What the gauges say once every session is closed and the cache flushed, with nothing running."""
+    seen = []
+    if before is not None and after is not None:
+        lost = before.get("sglang:kv_available_tokens", 0) - after.get("sglang:kv_available_tokens", 0)
+        if lost > 0:
+            seen.append("kv_available_tokens is %g below its value before the program" % lost)
+        if after.get("sglang:kv_used_tokens", 0) > 0:
+            seen.append("kv_used_tokens=%g with no request and no session" % after["sglang:kv_used_tokens"])
+    if flushed is not None and flushed[0] != 200:
+        seen.append("flush_cache refused with nothing running: %s" % flushed[1].strip()[:120])
+    return seen
+
+
+def show(title, counters):
+    if counters is None:
+        print("%s: /metrics unavailable (%s)" % (title, METRICS_HINT))
+    else:
+        print("%s: %s" % (title, " ".join("%s=%g" % (k.split(":", 1)[1], counters[k]) for k in METRICS
+                                           if k in counters)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default=DEFAULT_URL, help="the server (default: %(default)s)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any answer (default: 60)")
+    ap.add_argument("--step-delay", type=float, default=0.5,
+                    help="seconds that stand for one scheduler step of the program (default: 0.5)")
+    ap.add_argument("--gap", type=float, default=0.05,
+                    help="seconds between two calls, so they arrive in the program's order (default: 0.05)")
+    ap.add_argument("--hold-tokens", type=int, default=HOLD_TOKENS,
+                    help="extra output tokens for a request that must still run when a later call arrives "
+                         "(default: %(default)s)")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="seconds to wait for the idle /metrics to show the pool at rest (default: %(default)s)")
+    engine_args(ap)
+    args = ap.parse_args(argv)
+    if args.timeout <= 0 or min(args.step_delay, args.gap, args.hold_tokens, args.settle) < 0:
+        print("error: --timeout must be > 0 and the other numbers >= 0", file=sys.stderr)
+        return 2
+    c = Client(args)
+    if not c.alive():
+        print("error: no server answers GET %s/health (launch it first: see the top of this file)" % c.url,
+              file=sys.stderr)
+        return 2
+    server_line(c)
     for line in APPROXIMATIONS:
         print("NOTE (approximation): " + line)
     c.flush_cache(label="flush_cache (before: a full pool to compare with)")
-    before = c.settle()
+    before = c.at_rest()
     show("counters before", before)
     program(c)
     hung = c.idle(label="end of program")
@@ -283,7 +320,7 @@ def main(argv=None):
         c.close_session(name, label="cleanup: close_session " + name)
     hung += c.idle(label="cleanup")
     flushed = c.flush_cache(label="cleanup: flush_cache")
-    after = c.settle()
+    after = c.at_rest()
     show("counters after closing the sessions and flushing", after)
     up = c.alive()
     print("EXPECTED: " + EXPECTED)
@@ -293,14 +330,8 @@ def main(argv=None):
     seen += ["call failed: " + f for f in c.failures]
     if hung:
         seen.append("no answer from: " + ", ".join(hung))
-    if before is not None and after is not None and up:
-        lost = before.get("sglang:kv_available_tokens", 0) - after.get("sglang:kv_available_tokens", 0)
-        if lost > 0:
-            seen.append("kv_available_tokens is %g below its value before the program" % lost)
-        if after.get("sglang:kv_used_tokens", 0) > 0:
-            seen.append("kv_used_tokens=%g with no request and no session" % after["sglang:kv_used_tokens"])
-    if flushed is not None and flushed[0] != 200 and up:
-        seen.append("flush_cache refused with nothing running: %s" % flushed[1].strip()[:120])
+    if up:
+        seen += pool_findings(before, after, flushed)
     print("OBSERVED: " + ("; ".join(seen) if seen else "nothing abnormal"))
     reproduced = bool(seen) if EXPECT != "hang" else bool(hung)
     print("RESULT: " + ("REPRODUCED" if reproduced else "NOT REPRODUCED") +

@@ -6,16 +6,16 @@ import os
 from typing import NamedTuple
 
 from kvaudit.export.client import expected_line, render_client
-from kvaudit.export.http_api import HTTP_API, flag_line
+from kvaudit.export.http_api import HTTP_API, launch_line
 from kvaudit.export.issue import render_issue, title_of
-from kvaudit.export.notes import note_for
+from kvaudit.export.notes import history_note, note_for
 from kvaudit.export.plan import plan as make_plan
 from kvaudit.export.trace import trace
 from kvaudit.program import format_op
 from kvaudit.replay import ReplayFormatError, load, write_text_atomic
 
 STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
-MODEL_HINT = "--model-path MODEL"  # any model whose vocabulary has the token ids 2..127 (every real one does)
+# MODEL in the launch lines: any model whose vocabulary has the token ids 2..127 (every real one does)
 
 
 class ExportError(ValueError):
@@ -31,6 +31,27 @@ class Exported(NamedTuple):
     traced: bool
 
 
+def planted_fault(config) -> str | None:
+    """The injected faults of a vLLM ``config`` (its ``bugs``), described as ``kvaudit bugs`` lists
+    them, or None when it names none (a finding in vLLM as shipped)."""
+    bugs = sorted(getattr(config, "bugs", ()) or ())
+    if not bugs:
+        return None
+    from kvaudit.targets.vllm.config import FAULTS
+    return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs)
+
+
+def history_bug(path: str, config):
+    """The :class:`kvaudit.history.catalogue.HistoryBug` a replay file under a ``history/`` folder
+    reproduces, named after its id (``corpora/vllm/history/vllm-33377.json``), or None. Its report and
+    script then name the release that ships the bug, not the release the routes were read on."""
+    if os.path.basename(os.path.dirname(os.path.abspath(path))) != "history":
+        return None
+    from kvaudit.history.catalogue import BUGS
+    bug = BUGS.get(os.path.basename(path)[:-5])
+    return bug if bug is not None and bug.engine == getattr(config, "target", None) else None
+
+
 def export(path: str, issue_out: str | None = None, client_out: str | None = None, resolve: bool = True) -> Exported:
     """Read replay file ``path`` and write the Markdown report to ``issue_out`` and the client script to
     ``client_out`` (either may be None), each atomically. ``resolve``: run the program on the target to
@@ -42,31 +63,44 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     except ReplayFormatError as e:
         raise ExportError(str(e)) from None
     target = getattr(config, "target", "eut")
-    if target != "sglang":
-        known = ", ".join(k for k in HTTP_API if k == "sglang")
-        raise ExportError(f"{path}: target {target!r} has no client export yet (supported: {known})")
+    if target not in HTTP_API:
+        raise ExportError(f"{path}: target {target!r} has no client export (supported: {', '.join(HTTP_API)})")
     tr = trace(config, program) if resolve else None
     plan = make_plan(config, program, tr)
-    flags, env, unmapped = flag_line(config)
-    if any(op.kind == "memory_pressure" for op in program):
-        env = ["SGLANG_TEST_RETRACT=1"] + env
-    launch = "python -m sglang.launch_server " + " ".join([MODEL_HINT] + flags)
+    launch, env, unmapped = launch_line(config)
     sigs = [f.signature for f in findings]
     note = note_for(sigs, config.preset)
     kind = findings[0].kind if findings else "leak"
-    if kind not in ("crash", "hang") and not config.enable_hisparse:  # (its idle check is off under HiSparse)
-        env = env + [STRICT_IDLE_CHECK]
+    planted = None
+    if target == "sglang":
+        if any(op.kind == "memory_pressure" for op in program):
+            env = ["SGLANG_TEST_RETRACT=1"] + env
+        if kind not in ("crash", "hang") and not config.enable_hisparse:  # (its idle check is off under HiSparse)
+            env = env + [STRICT_IDLE_CHECK]
+    else:
+        planted = planted_fault(config)
+    bug = history_bug(path, config)
+    release = None
+    if bug is not None:
+        release = (bug.buggy, bug.fixed, bug.sources)
+        note = history_note(bug, note)
     title = title_of(findings, note)
+    if planted is not None:
+        title = "[planted fault, not a vLLM bug] " + title
     server = note.server if note is not None else ""
+    pool_blocks = config.num_gpu_blocks - 1 if target == "vllm" else None
     issue_path = client_path = None
     if client_out is not None:
         client_path = write_text_atomic(client_out, render_client(
-            plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env))
+            plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env,
+            planted=planted, pool_blocks=pool_blocks, release=release[0] if release else None,
+            max_model_len=config.max_model_len if target == "vllm" else None))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
         text = render_issue(config=config, program_lines=[format_op(op) for op in program], findings=findings,
                             doc=doc, plan=plan, note=note, source=path,
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
-                            env=env, unmapped=unmapped, expected=expected_line(kind, server))
+                            env=env, unmapped=unmapped, expected=expected_line(kind, server, target),
+                            planted=planted, release=release)
         issue_path = write_text_atomic(issue_out, text)
     return Exported(issue_path, client_path, plan.exact, plan.traced)

@@ -16,9 +16,22 @@ every item of a batch; ``OpenSessionReqInput``: ``capacity_of_str_len``, ``sessi
 ``_send_batch_request``, so its items are queued in the same scheduler iteration) and
 ``srt/observability/metrics_collector.py`` (the ``/metrics`` gauges, with ``--enable-metrics``).
 
-vLLM 0.33.0 (stretch; the client generator does not emit vLLM scripts yet): the OpenAI-compatible
-``/v1/completions`` takes a prompt as token ids, and a request is aborted when its client
-disconnects (there is no abort endpoint).
+vLLM 0.33.0, read from its installed sources (facts only): ``entrypoints/openai/api_server.py`` and
+``entrypoints/launchers/api_server/routers.py`` (which routers a server mounts; the dev routers,
+``/reset_prefix_cache``, ``/pause``, ``/resume``, ``/abort_requests``, only with
+``VLLM_SERVER_DEV_MODE=1``), ``entrypoints/openai/completion/{api_router,protocol,serving}.py``
+(``/v1/completions``: ``prompt`` a list of token ids, ``max_tokens``, ``min_tokens``, ``temperature``,
+``ignore_eos``, ``stream``, ``request_id`` -- the engine's id is ``cmpl-<request_id>-<i>`` --,
+``kv_transfer_params``), ``entrypoints/serve/utils/api_utils.py`` (``with_cancellation``: a client
+disconnect cancels the handler) and ``v1/engine/async_llm.py`` (``AsyncLLM.generate``: a cancelled or
+closed stream aborts its request, ``abort`` -> ``EngineCore`` -> ``Scheduler.finish_requests(...,
+FINISHED_ABORTED)``, the call kvaudit's driver makes), ``entrypoints/serve/dev/cache/api_router.py``
+(``/reset_prefix_cache``: query ``reset_running_requests``, ``reset_external``, both false by default,
+answers ``{"success": bool}``), ``entrypoints/rl/online/api_router.py`` (``/pause`` with query
+``mode`` abort | wait | keep, ``/resume``), ``entrypoints/serve/instrumentator/health.py`` (``/health``,
+503 once the engine is dead) and ``v1/metrics/loggers.py`` (the gauges; ``vllm:kv_cache_usage_perc``
+is ``BlockPool.get_usage()``, ``1 - free / (num_gpu_blocks - 1)``, cached blocks nobody holds counted
+free).
 """
 
 from __future__ import annotations
@@ -96,17 +109,77 @@ HTTP_API: dict[str, EngineApi] = {
     ),
     "vllm": EngineApi(
         engine="vLLM", version="0.33.0",
-        sources=("vllm/entrypoints/openai/api_server.py",),
+        sources=("vllm/entrypoints/openai/api_server.py", "vllm/entrypoints/launchers/api_server/routers.py",
+                 "vllm/entrypoints/openai/completion/api_router.py", "vllm/entrypoints/openai/completion/protocol.py",
+                 "vllm/entrypoints/openai/completion/serving.py", "vllm/entrypoints/serve/utils/api_utils.py",
+                 "vllm/v1/engine/async_llm.py", "vllm/entrypoints/serve/dev/cache/api_router.py",
+                 "vllm/entrypoints/rl/online/api_router.py", "vllm/entrypoints/serve/instrumentator/health.py",
+                 "vllm/v1/metrics/loggers.py"),
         calls={
-            "submit": ApiCall("POST", "/v1/completions", "model, prompt (token ids), max_tokens, temperature 0, "
-                                                         "ignore_eos", True),
-            "abort": ApiCall(None, None, "(disconnect)", True, "close the submit's connection: vLLM aborts it"),
-            "step": ApiCall(None, None, "(wait)", False, "waits --step-delay seconds a step"),
-            "idle": ApiCall("GET", "/metrics", "(wait, then poll)", True),
+            "submit": ApiCall("POST", "/v1/completions",
+                              "model, prompt (token ids), max_tokens, min_tokens (= max_tokens), temperature 0, "
+                              "ignore_eos, stream true, request_id; kv_transfer_params where the KV-connector "
+                              "preset gives the request some; one streaming request per submit, kept open in a "
+                              "thread", True,
+                              "a submit that must still be running when a later call arrives gets a longer "
+                              "output (--hold-tokens); a stop_at (EOS sampled at that length) becomes max_tokens; "
+                              "an extends prefix resends the base prompt only (its output is the model's); "
+                              "submits of one scheduler step are sent back to back, and vLLM's engine core takes "
+                              "every queued request before its next step, but a client cannot promise they land "
+                              "in one step"),
+            "health_check": ApiCall("GET", "/health", "(none)", True,
+                                    "the vLLM target ignores a health check (no scheduler path); /health only asks "
+                                    "the engine core whether it is alive"),
+            "abort": ApiCall(None, None, "(close the submit's connection)", True,
+                             "vLLM aborts a request whose client disconnects (with_cancellation, AsyncLLM.generate "
+                             "-> abort -> Scheduler.finish_requests(FINISHED_ABORTED)); abort(handle=None) closes "
+                             "every open stream; a request that has already answered (its blocks held by a KV "
+                             "connector's send) has no connection left to close"),
+            "flush_cache": ApiCall("POST", "/reset_prefix_cache", "(no body; reset_running_requests and "
+                                                                  "reset_external false, as the target calls it)",
+                                   True, "needs VLLM_SERVER_DEV_MODE=1; a deferred flush (timeout) does not exist "
+                                         "in vLLM and is sent at once"),
+            "open_session": ApiCall(None, None, "(none)", True,
+                                    "vLLM has no kvaudit-style session (CompletionRequest.session_id is a routing "
+                                    "label); the vLLM target ignores the op, so the script sends nothing"),
+            "close_session": ApiCall(None, None, "(none)", True,
+                                     "as open_session: ignored by the target, nothing sent"),
+            "memory_pressure": ApiCall(None, None, "(no API)", False,
+                                       "the target evicts every cached block nobody holds "
+                                       "(KVCacheManager.evict_blocks, as Scheduler._handle_invalid_blocks does for "
+                                       "blocks a KV connector reports invalid); a client cannot: a later large "
+                                       "prompt of another family evicts some of them"),
+            "pause_generation": ApiCall(None, None, "(none)", True,
+                                        "POST /pause?mode=abort|wait|keep exists (VLLM_SERVER_DEV_MODE=1) but the "
+                                        "vLLM target ignores the op (it does not drive set_pause_state), so the "
+                                        "script sends nothing"),
+            "continue_generation": ApiCall(None, None, "(none)", True,
+                                           "POST /resume exists (VLLM_SERVER_DEV_MODE=1); ignored by the target, "
+                                           "nothing sent"),
+            "transfer_fail": ApiCall(None, None, "(none)", True,
+                                     "the vLLM target's KV connector stand-in never fails a transfer: ignored, "
+                                     "nothing sent"),
+            "step": ApiCall(None, None, "(wait)", False,
+                            "a client cannot run the engine core n iterations: it waits --step-delay seconds a "
+                            "step (with async scheduling a step in flight, which the program may race, is not "
+                            "visible to a client either)"),
+            "idle": ApiCall("GET", "/metrics", "(wait for every stream to end, then poll)", True,
+                            "waits until every stream ended and no request runs or waits"),
         },
-        metrics=("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"),
+        metrics=("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
         metrics_flag="",
     ),
+}
+
+
+# older vLLM releases whose own sources were read for the routes and fields the client uses (the same as
+# 0.33.0's there): the files, relative to the package
+VLLM_ROUTES_ALSO_CHECKED: dict[str, tuple[str, ...]] = {
+    "0.15.1": ("vllm/entrypoints/openai/completion/api_router.py", "vllm/entrypoints/openai/completion/protocol.py",
+               "vllm/entrypoints/serve/cache/api_router.py", "vllm/entrypoints/serve/instrumentator/health.py",
+               "vllm/v1/engine/async_llm.py", "vllm/v1/metrics/loggers.py", "vllm/engine/arg_utils.py",
+               "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py"),
 }
 
 
@@ -114,6 +187,73 @@ def api_for(target: str) -> EngineApi:
     """The table of ``target`` (a replay config's ``target``). Raises ``KeyError`` for an engine with
     no HTTP mapping (the built-in engine has no server)."""
     return HTTP_API[target]
+
+
+def launch_line(config) -> tuple[str, list[str], list[str]]:
+    """The server launch for a replay ``config`` of any engine with a table: ``(command, env,
+    unmapped)`` (see :func:`flag_line` and :func:`vllm_flag_line`). Raises ``KeyError`` for a target
+    with no HTTP table."""
+    if config.target == "vllm":
+        flags, env, unmapped = vllm_flag_line(config)
+        return " ".join(["vllm serve MODEL"] + flags), env, unmapped
+    api_for(config.target)
+    flags, env, unmapped = flag_line(config)
+    return " ".join(["python -m sglang.launch_server --model-path MODEL"] + flags), env, unmapped
+
+
+def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
+    """The vLLM 0.33.0 launch for a :class:`kvaudit.targets.vllm.config.VllmConfig`: ``(flags, env,
+    unmapped)`` -- ``vllm serve`` flags (``--num-gpu-blocks-override`` for ``num_gpu_blocks``, the
+    null block included as vLLM counts it; ``--block-size``, ``--max-num-seqs``,
+    ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
+    ``--[no-]enable-chunked-prefill``, ``--[no-]async-scheduling``, ``--kv-transfer-config``, kvaudit's
+    save connector as vLLM's ``OffloadingConnector``),
+    environment variables (``VLLM_SERVER_DEV_MODE=1`` for ``/reset_prefix_cache``), and config fields
+    no flag sets. Flag names from ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args``; a
+    ``bool | None`` field gets ``--x`` / ``--no-x``)."""
+    c = config
+
+    def onoff(flag: str, on: bool) -> str:
+        return f"--{flag}" if on else f"--no-{flag}"
+
+    flags = [f"--block-size {c.block_size}", f"--num-gpu-blocks-override {c.num_gpu_blocks}",
+             f"--max-num-seqs {c.max_num_seqs}", f"--max-num-batched-tokens {c.max_num_batched_tokens}",
+             f"--max-model-len {c.max_model_len}", onoff("enable-prefix-caching", c.enable_prefix_caching),
+             onoff("enable-chunked-prefill", c.enable_chunked_prefill), onoff("async-scheduling", c.async_scheduling)]
+    env = ["VLLM_SERVER_DEV_MODE=1"]
+    unmapped = [f"vocab_size={c.vocab_size} (the synthetic sampler's; any model's vocabulary holds the prompts' "
+                "token ids 2..127)", f"seed={c.seed} (the target's sampler is a hash of request id and position, "
+                "not a model's)"]
+    if c.level == "manager":
+        unmapped.append("level=manager (kvaudit drove the KVCacheManager alone, playing the scheduler's calls; a "
+                        "server runs the whole Scheduler)")
+    if c.sliding_window is not None:
+        unmapped.append(f"sliding_window={c.sliding_window} (a property of the model: serve a model with a "
+                        f"{c.sliding_window}-token sliding window beside full attention, e.g. a Gemma or "
+                        "Mistral-style hybrid)")
+    if c.kv_connector == "KvauditAsyncSaveConnector":  # kvaudit's stand-in for an offloading connector
+        flags.append("--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"%s\", "
+                     "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 1073741824}}'" % c.kv_role)
+    elif c.kv_connector is not None:
+        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"}'"
+                     % (c.kv_connector, c.kv_role))
+    if c.kv_connector is not None:
+        unmapped.append(f"kv_transfer_latency_steps={c.kv_transfer_latency_steps} (kvaudit's worker stand-in "
+                        "completes each transfer 1 to that many steps after it starts; a real transfer takes "
+                        "what the wire takes)")
+        if c.kv_connector == "KvauditAsyncSaveConnector":
+            unmapped.append("kv_connector=KvauditAsyncSaveConnector is kvaudit's own scheduler-side connector "
+                            "(kvaudit/targets/vllm/save_connector.py), standing for an offloading connector with "
+                            "a store in flight: the launch names vLLM's OffloadingConnector, whose request_finished "
+                            "delays the free while a store is in flight (cpu_bytes_to_use as "
+                            "vllm/v1/kv_offload reads it; 1 GiB here)")
+    if c.wake_for_transfers:
+        unmapped.append("wake_for_transfers=true (kvaudit steps the engine while only sends are outstanding; "
+                        "vLLM >= 0.22.0 does so itself)")
+    if c.return_routed_experts:
+        flags.append("--enable-return-routed-experts")
+        unmapped.append("return_routed_experts needs a mixture-of-experts model and vLLM 0.22.0 to 0.30.0")
+    return flags, env, unmapped
 
 
 def flag_line(config) -> tuple[list[str], list[str], list[str]]:

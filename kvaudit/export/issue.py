@@ -57,21 +57,41 @@ def title_of(findings: list[Finding], note: Note | None) -> str:
 
 def render_issue(*, config, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
                  note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
-                 unmapped: list[str], expected: str) -> str:
+                 unmapped: list[str], expected: str, planted: str | None = None,
+                 release: tuple | None = None) -> str:
     """The Markdown text. ``source``: the replay file's path as given; ``client_name``: the client
     script's file name (None: not exported with it); ``launch``/``env``/``unmapped``: from
-    :func:`kvaudit.export.http_api.flag_line`; ``expected``: the client's expected symptom line."""
+    :func:`kvaudit.export.http_api.launch_line`; ``expected``: the client's expected symptom line;
+    ``planted``: the injected fault's description when the finding is kvaudit's planted fault (the
+    report then says so at the top), else None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
+    older release (the history suite's), None for a finding on the release the API table was read on."""
     api = api_for(config.target)
     package = config.target
+    vllm = config.target == "vllm"
     title = title_of(findings, note)
+    if planted is not None:
+        title = f"[planted fault, not a {api.engine} bug] {title}"
     base = os.path.basename(source)
-    out = [f"# {title}", "",
-           f"Found by kvaudit (a memory auditor for KV-cache schedulers) in {api.engine} {api.version}; replay "
-           f"file `{base}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
-           f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
+    url = "http://127.0.0.1:8000" if vllm else "http://127.0.0.1:30000"
+    out = [f"# {title}", ""]
+    if planted is not None:
+        out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "
+                f"own objects through its wrappers to test itself ({planted}). An unmodified {api.engine} "
+                f"{api.version} does not have it, and the client script below is expected to print `RESULT: NOT "
+                "REPRODUCED` against a real server. The report is a demonstration of `kvaudit export` on a vLLM "
+                "finding; do not file it.", ""]
+    version = api.version if release is None else release[0]
+    found_on = (f"in {api.engine} {api.version}" if release is None else
+                f"in {api.engine} {release[0]}, the release that ships this bug (fixed in {release[1]}: "
+                f"{', '.join(release[2])})")
+    out += [f"Found by kvaudit (a memory auditor for KV-cache schedulers) {found_on}; replay "
+            f"file `{base}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
+            f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
     out += ["## Environment", "",
-            f"- {api.engine} {api.version} (`pip install sglang=={api.version}`), kvaudit preset "
-            f"`{config.preset}`, page size {config.page_size}, {config.num_slots}-token KV pool.",
+            f"- {api.engine} {version} (`pip install {package}=={version}`), kvaudit preset "
+            f"`{config.preset}`, " + (f"block size {config.block_size}, {config.num_gpu_blocks} blocks (the null "
+                                      f"block included), level {config.level}." if vllm else
+                                      f"page size {config.page_size}, {config.num_slots}-token KV pool."),
             "- The server launch this preset corresponds to:", "", "```",
             " ".join(env + [launch]), "```", "",
             "- Not set by a flag (kvaudit's driver sets them; a server picks its own): " + "; ".join(unmapped) + "."]
@@ -82,9 +102,23 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if any(e.startswith("SGLANG_TEST_RETRACT=") for e in env):
         out.append("- `SGLANG_TEST_RETRACT=1` makes decode retract periodically: the program's memory pressure, "
                    "which a client cannot create.")
-    if config.enable_hisparse:
+    if release is not None:
+        from kvaudit.export.http_api import VLLM_ROUTES_ALSO_CHECKED
+        checked = VLLM_ROUTES_ALSO_CHECKED.get(release[0]) if vllm else None
+        out.append(f"- The client's routes and request fields were read on {api.engine} {api.version}" +
+                   (f" and found the same in {release[0]}'s own sources ({', '.join(f'`{f}`' for f in checked)})."
+                    if checked else f"; {release[0]}'s were not checked."))
+    if vllm:
+        out.append("- `VLLM_SERVER_DEV_MODE=1` mounts `/reset_prefix_cache` (the program's `flush_cache`, and the "
+                   "script's check that no block is held at the end).")
+    if vllm and config.kv_connector == "NixlConnector":
+        out.append("- With NIXL: requests the program reads remote KV for need a prefill server "
+                   "(`--kv-transfer-config` "
+                   "with `\"kv_role\": \"kv_producer\"`) passed as `--prefill-url`; without it they are sent as "
+                   "plain requests.")
+    if getattr(config, "enable_hisparse", False):
         out.append("- HiSparse runs on DSA (DeepSeek Sparse Attention) models only: use one for `--model-path`.")
-    if config.disaggregation_mode == "decode":
+    if getattr(config, "disaggregation_mode", None) == "decode":
         out.append("- This is a PD decode server: it needs a prefill server and a router in front "
                    "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router (`--url`) and read the decode server's counters "
                    "(`--metrics-url`).")
@@ -97,7 +131,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             "kvaudit's ops, numbered as the findings name them (`submit` is a generate request of `prompt_len` "
             "tokens and `max_new_tokens` output tokens; `session=k` is the next turn of the k-th open session; "
             "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
-            "taken modulo the live requests or open sessions):", "", "```"]
+            "taken modulo the live requests or open sessions" + ("; `abort(handle=None)` aborts every request the "
+                                                                 "Scheduler holds" if vllm else "") + "):", "", "```"]
     out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
     out += ["## Reproduce with a client", ""]
     curl_hint = ""
@@ -105,8 +140,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if curls:
         curl_hint = "; or the curl lines below"
     if client_name is not None:
-        out += [f"1. Launch the server as above (any model; {api.engine} {api.version}).",
-                f"2. `python3 {client_name} --url http://127.0.0.1:30000` (standard library only){curl_hint}.", "",
+        out += [f"1. Launch the server as above (any model; {api.engine} {version}).",
+                f"2. `python3 {client_name} --url {url}` (standard library only){curl_hint}.", "",
                 f"Expected: {note.server if note is not None else expected}. The script prints every call and answer, the `/metrics` pool counters "
                 "before and after, and `RESULT: REPRODUCED` (exit 1) or `NOT REPRODUCED` (exit 0).", ""]
     else:
@@ -114,17 +149,23 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if curls:
         out += ["The same by hand (each call waits for its answer; the last one never gets a normal answer if the "
                 "bug fires):", "", "```sh"] + curls + ["```", ""]
-    if plan.exact:
+    if plan.exact and vllm:
+        out += ["The client reproduces the program's calls one to one: each submit is one streaming "
+                "`/v1/completions` (kept open in a thread), an abort closes that stream's connection (vLLM aborts a "
+                "request whose client disconnects: `with_cancellation` in `vllm/entrypoints/serve/utils/api_utils.py`,"
+                " `AsyncLLM.generate` in `vllm/v1/engine/async_llm.py`), and nothing waits on step timing.", ""]
+    elif plan.exact:
         out += ["The client reproduces the program exactly: every op maps to one HTTP call and nothing depends on "
                 "timing; submits of one scheduler step go in one batched `/generate` (SGLang queues a batch's items "
                 "in one scheduler iteration).", ""]
     else:
-        out += ["The client only approximates the program (a client cannot pace the scheduler step by step or "
-                "force memory pressure):", ""] + [f"- {a}" for a in plan.approximations] + [""]
+        out += ["The client only approximates the program (a client cannot pace the scheduler step by step" +
+                (", see a step in flight, or drive a KV transfer" if vllm else " or force memory pressure") + "):",
+                ""] + [f"- {a}" for a in plan.approximations] + [""]
     out += ["The calls, in order:", ""]
     for c in plan.calls:
         call = api.calls.get({"generate": "submit", "health": "health_check", "pause": "pause_generation",
-                              "continue": "continue_generation", "wait": "step"}.get(c.kind, c.kind))
+                              "continue": "continue_generation", "wait": "step", "ignored": "-"}.get(c.kind, c.kind))
         what = f"{call.method} {call.path}" if call is not None and call.method else "(no HTTP call)"
         if c.kind == "generate":
             items = c.args["items"]
@@ -135,6 +176,11 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
                 f"{' + hold' if i.hold else ''})" for i in items)
         elif c.kind == "wait":
             what = f"wait (stands for {c.args['steps']} scheduler step(s))"
+        elif c.kind == "ignored":
+            what = f"nothing sent for `{c.args['op']}` ({c.note})"
+        elif c.kind == "abort" and vllm:
+            what = ("close the connection of every open stream" if c.args["rid"] is None else
+                    f"close the connection of {c.args['rid']}'s stream") + " (vLLM aborts on disconnect)"
         elif c.kind == "idle":
             what = "wait until every request has answered and none runs or queues (polls GET /metrics)"
         elif c.args:
@@ -142,7 +188,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
         out.append(f"- op {', '.join(map(str, c.ops))}: {what}")
     out += ["", "## kvaudit report", "",
             f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
-            "frames under `kvaudit/` are kvaudit's driver, which calls SGLang's functions in the scheduler's order.",
+            f"frames under `kvaudit/` are kvaudit's driver, which calls {api.engine}'s functions in the "
+            f"{'engine core' if vllm else 'scheduler'}'s order.",
             ""]
     for f in findings:
         out += _finding(f, package)
@@ -150,16 +197,21 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             note.why if note is not None else "(no analysis recorded for this signature yet)", "",
             "## Suggested fix", "", (note.fix or "(none known)") if note is not None else "(none recorded)", ""]
     if note is not None:
-        out += [f"(Full analysis: kvaudit's `corpora/sglang/README.md`, finding {note.readme}.)", ""]
+        out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, "
+                f"{'section' if release is not None else 'finding'} {note.readme}.)", ""]
+    seen_how = ("(Scheduler or AsyncScheduler, KVCacheManager, BlockPool, prefix-cache map) on CPU, through its "
+                "driver, which calls them as vLLM's engine core does with synthetic model outputs"
+                if vllm else "(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, "
+                             "which plays the scheduler loop in SGLang's call order with a stand-in model")
     out += ["## How sure we are", "",
-            f"- Seen: kvaudit drove {api.engine} {api.version}'s own memory manager and scheduler objects "
-            "(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, which plays the "
-            "scheduler loop in SGLang's call order with a stand-in model; the finding replays deterministically "
-            f"({doc.get('confirmations', 'not recorded')}).",
+            f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
+            f"{seen_how}; the finding replays deterministically ({doc.get('confirmations', 'not recorded')}).",
             "- Not verified: on a full server with a model and a GPU, and with the client script above (no GPU "
             "server ran here; the script was checked against a stand-in HTTP server that records the requests).",
             "- The client " + ("maps every op one to one." if plan.exact else
                                "approximates step-level timing or memory pressure (listed above): a server "
                                "run may need a few tries or tuning (--step-delay, --hold-tokens)."),
+            *(["- Planted: the fault exists only under kvaudit's `--bug` switch; a real server should not show it."]
+              if planted is not None else []),
             f"- Replay: `kvaudit replay {source}`."]
     return "\n".join(out) + "\n"

@@ -150,3 +150,23 @@ def note_for(signatures: list[str], preset: str = "") -> Note | None:
             if key in NOTES:
                 return NOTES[key]
     return None
+
+
+# what a server shows for a vLLM bug of the history suite (kvaudit/history/catalogue.py), by bug id
+HISTORY_SERVER: dict[str, str] = {
+    "vllm-33377": "the aborted request's second finished_sending trips `assert req_id in self.requests` in "
+                  "`Scheduler._update_from_kv_xfer_finished`: EngineCore dies and the server stops answering "
+                  "(/health 503 or no answer)",
+}
+
+
+def history_note(bug, note: Note | None) -> Note:
+    """The note for a replay file of the history suite's ``bug`` (a
+    :class:`kvaudit.history.catalogue.HistoryBug`): its title, how a server reaches it (``reach``), the
+    upstream fix, and what a server shows (:data:`HISTORY_SERVER`; else ``note``'s)."""
+    fix = (f"Fixed upstream in vLLM {bug.fixed} ({', '.join(bug.sources)}); upgrade." if bug.fixed else
+           f"Not fixed upstream as of the history suite ({', '.join(bug.sources)}).")
+    server = HISTORY_SERVER.get(bug.id, note.server if note is not None else "")
+    engine = {"vllm": "vLLM", "sglang": "SGLang"}.get(bug.engine, bug.engine)
+    return Note(f"{bug.title} ({engine} {bug.buggy}, {', '.join(bug.sources)})", bug.reach, fix, server,
+                "\"vLLM's own bugs in old releases\"")

@@ -1,9 +1,12 @@
 """A program as the HTTP calls a client makes, in the program's order (:func:`plan`).
 
-Ops between two ``step``/``idle`` ops reach the scheduler at one intake, so consecutive submits there
-with the same session parameters become ONE batched ``/generate`` (SGLang sends a batch of
-pre-tokenized inputs to the scheduler as one message); every other op is its own call, sent after
-the previous one with a short gap so that the server sees them in order. Requests and sessions are
+SGLang: ops between two ``step``/``idle`` ops reach the scheduler at one intake, so consecutive
+submits there with the same session parameters become ONE batched ``/generate`` (SGLang sends a
+batch of pre-tokenized inputs to the scheduler as one message). vLLM: every submit is its own
+streaming ``/v1/completions`` (an abort closes one request's connection, so requests are never
+batched in one HTTP call); the ops the vLLM target ignores (sessions, pauses, a transfer failure)
+become ``ignored`` calls that send nothing. Every other op is its own call, sent after the previous
+one with a short gap so that the server sees them in order. Requests and sessions are
 named, not taken modulo the live set: :mod:`kvaudit.export.trace` resolves the handles on the target
 when it can be built here, else they are resolved statically (every submitted request counted live).
 """
@@ -34,12 +37,15 @@ class GenItem:
     hold: bool = False
     stop_at: int | None = None
     notes: list[str] = field(default_factory=list)
+    remote: str | None = None  # vLLM KV-connector presets: "prefill" (its prompt's KV is read from a prefill
+    # instance: do_remote_prefill) or "decode" (a decode instance reads its KV when it ends: do_remote_decode)
 
 
 @dataclass
 class Call:
     """One client action: ``kind`` (``open_session``, ``generate``, ``abort``, ``close_session``,
-    ``flush_cache``, ``health``, ``pause``, ``continue``, ``wait``, ``idle``, ``no_api``), the ``ops`` it
+    ``flush_cache``, ``health``, ``pause``, ``continue``, ``wait``, ``idle``, ``no_api``, ``ignored``:
+    an op the target ignores, so nothing is sent), the ``ops`` it
     stands for, and its arguments in ``args`` (``session``/``rid``/``mode``/``timeout``/``steps``/
     ``session_params``/``items``). ``exact`` is False where a client only approximates the op."""
 
@@ -60,12 +66,14 @@ class Plan:
     op_lines: list[str]
     traced: bool
     open_at_end: list[str]
+    engine: str = "sglang"  # the HTTP table's key (a replay config's target)
 
     @property
     def exact(self) -> bool:
         """Every call reproduces its op exactly (no held request, no wait standing for steps that
-        matter, no op without an API)."""
-        return all(c.exact for c in self.calls) and not any(i.hold for c in self.calls for i in c.args.get("items", ()))
+        matter, no op without an API, no request whose KV a client must have a prefill server send)."""
+        return all(c.exact for c in self.calls) and not any(
+            i.hold or i.remote == "prefill" for c in self.calls for i in c.args.get("items", ()))
 
     @property
     def approximations(self) -> list[str]:
@@ -97,9 +105,11 @@ def _session_params(op: Submit, sid: str, turns: list[str]) -> dict:
 def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
     """The client calls for ``program`` on a server launched as ``config`` says. ``tr``: the trace of
     the program on the target (handles as the target resolved them); None resolves them statically.
-    Request lengths are clamped as the SGLang target clamps them (prompt ``context_len // 2``,
+    Request lengths are clamped as the SGLang and vLLM targets clamp them (prompt ``context_len // 2``,
     output ``context_len // 4``). Raises ``KeyError`` for a target with no HTTP table."""
     api = api_for(config.target)
+    vllm = config.target == "vllm"
+    ignored_kinds = (OpenSession, CloseSession, PauseGeneration, ContinueGeneration, TransferFail) if vllm else ()
     views = {v.index: v for v in tr.views} if tr is not None else {}
     calls: list[Call] = []
     sessions: list[str] = []  # static resolution (the same rule as the target's intake)
@@ -133,7 +143,17 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                 item.input_ids = (texts.get(base, []) + ids)[:cap]
                 item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "
                                   "resends its output so far, which is the model's on a real server")
-            if op.stop_at is not None and op.stop_at < max_new:
+            if vllm:
+                item.remote = _remote_of(config, len(submitted))
+                if item.remote == "prefill":
+                    item.notes.append("the KV-connector preset reads this prompt's KV from a remote prefill "
+                                      "instance (do_remote_prefill): the script does so with --prefill-url (a "
+                                      "second server, kv_producer), else sends a plain request")
+                elif item.remote == "decode":
+                    item.notes.append("the KV-connector preset has a remote decode instance read this request's KV "
+                                      "when it ends (do_remote_decode): its blocks are held until then (on a server "
+                                      "with no decode instance, until NIXL's abort timeout)")
+            if op.stop_at is not None and op.stop_at < max_new and not op.ignore_eos:
                 item.max_new_tokens = op.stop_at
                 item.notes.append(f"the program samples EOS at output length {op.stop_at}: the script asks for "
                                   f"max_new_tokens={op.stop_at} (a length finish, not an EOS one)")
@@ -143,15 +163,21 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                 turns[sid].append(rid)
             submitted.append(rid)
             texts[rid] = list(item.input_ids)
-            if last_generate is not None and last_generate.args["session_params"] == sp:
+            if last_generate is not None and last_generate.args["session_params"] == sp and not vllm:
                 last_generate.args["items"].append(item)
                 last_generate.ops.append(i)
             else:
-                last_generate = Call("generate", [i], {"session_params": sp, "items": [item]})
+                same_step = vllm and bool(calls) and calls[-1].kind == "generate" and last_generate is not None
+                last_generate = Call("generate", [i], {"session_params": sp, "items": [item]}, exact=not same_step,
+                                     note="sent --gap seconds after the previous submit of the same scheduler step: "
+                                          "vLLM's engine core takes every queued request before its next step, but "
+                                          "a client cannot promise that both land in one step" if same_step else "")
                 calls.append(last_generate)
             continue
         cut()
-        if isinstance(op, OpenSession):
+        if isinstance(op, ignored_kinds):
+            calls.append(Call("ignored", [i], {"op": format_op(op)}, note=api.calls[op.kind].note))
+        elif isinstance(op, OpenSession):
             sid = f"s{opened}"
             opened += 1
             sessions.append(sid)  # (a trace's next view says the same)
@@ -164,14 +190,21 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                 calls.append(Call("close_session", [i], {"session": sid}))
         elif isinstance(op, Abort):
             if op.handle is None:
-                calls.append(Call("abort", [i], {"rid": None}))
+                done = [r for r in live if v is not None and r in v.answered]
+                calls.append(Call("abort", [i], {"rid": None}, exact=not done,
+                                  note=f"{', '.join(done)} already answered (a KV connector holds the blocks while "
+                                       "the KV is sent): no connection left to close" if done else ""))
             elif live:
-                calls.append(Call("abort", [i], {"rid": pick(op.handle, live)}))
+                rid = pick(op.handle, live)
+                done = v is not None and rid in v.answered
+                calls.append(Call("abort", [i], {"rid": rid}, exact=not done,
+                                  note=f"{rid} has already answered (a KV connector holds its blocks while its KV "
+                                       "is sent): it has no connection left to close" if done else ""))
         elif isinstance(op, HealthCheck):
             n += 1
             calls.append(Call("health", [i], {}))
         elif isinstance(op, FlushCache):
-            calls.append(Call("flush_cache", [i], {"timeout": op.timeout}, exact=op.timeout == 0,
+            calls.append(Call("flush_cache", [i], {"timeout": op.timeout}, exact=op.timeout == 0 or vllm,
                               note=api.calls["flush_cache"].note))
         elif isinstance(op, PauseGeneration):
             calls.append(Call("pause", [i], {"mode": PAUSE_MODES[op.mode]}))
@@ -183,25 +216,47 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
             calls.append(Call("wait", [i], {"steps": op.n}, exact=False, note=api.calls["step"].note))
         elif isinstance(op, Idle):
             calls.append(Call("idle", [i], {}))
-    _mark_holds(calls, tr)
+    _mark_holds(calls, tr, same_intake_submits=not vllm)
     # a wait matters only where a later message must find the engine at a given step; the last
     # op of a program ending in step(n) is the step the finding was seen at: waiting is enough
     for c in calls:
         if c.kind == "wait" and not any(x.kind not in ("wait", "idle") for x in calls[calls.index(c) + 1:]):
             c.exact, c.note = True, "the program's last step: the script waits and then looks"
-    return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions))
+    return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions), config.target)
 
 
-def _mark_holds(calls: list[Call], tr: Trace | None) -> None:
+def _remote_of(config, n: int) -> str | None:
+    """Which side of a P/D pair the ``n``-th submit (from 0) is on under a KV-connector ``config``
+    (:func:`kvaudit.targets.vllm.connector.transfer_params`'s rule): ``"prefill"``, ``"decode"`` or
+    None. Only NIXL's requests carry ``kv_transfer_params``; kvaudit's save connector (an offloading
+    connector on a server) needs none: None."""
+    if config.kv_connector != "NixlConnector":
+        return None
+    from kvaudit.targets.vllm.connector import transfer_params
+    params = transfer_params(n + 1, "r", 1, config.block_size) or {}
+    return "prefill" if params.get("do_remote_prefill") else "decode" if params.get("do_remote_decode") else None
+
+
+def _mark_holds(calls: list[Call], tr: Trace | None, same_intake_submits: bool = True) -> None:
     """Mark each request that the trace shows still live when a later call of another kind (a message,
-    not a wait) is applied: a client must keep it running until then."""
+    not a wait) is applied: a client must keep it running until then. ``same_intake_submits`` False
+    (vLLM, one call per submit): a later submit of the same intake (no wait between) does not count --
+    it is sent right after, and a longer output would change which request finishes first."""
     if tr is None:
         return
     views = {v.index: v for v in tr.views}
     for k, c in enumerate(calls):
         for item in c.args.get("items", ()):
-            later = [x for x in calls[k + 1:] if x.kind not in ("wait", "idle", "no_api")]
-            if any(item.rid in views[x.ops[0]].live for x in later if x.ops[0] in views):
+            later, waited = [], False
+            for x in calls[k + 1:]:
+                waited = waited or x.kind in ("wait", "idle")
+                if x.kind in ("wait", "idle", "no_api", "ignored"):
+                    continue
+                if x.kind == "generate" and not waited and not same_intake_submits:
+                    continue
+                later.append(x)
+            if any(item.rid in views[x.ops[0]].live and item.rid not in views[x.ops[0]].answered
+                   for x in later if x.ops[0] in views):
                 item.hold = True
                 item.notes.append(f"still running at a later message in the program (max_new_tokens="
                                   f"{item.max_new_tokens}): the script asks for --hold-tokens more so that it "

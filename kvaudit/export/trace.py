@@ -21,6 +21,7 @@ class OpView(NamedTuple):
     live: tuple[str, ...]
     sessions: tuple[str, ...]
     rid: str | None
+    answered: tuple[str, ...] = ()  # of ``live``: finished, their blocks held (vLLM: a KV connector's send)
 
 
 class Trace(NamedTuple):
@@ -35,15 +36,35 @@ class Trace(NamedTuple):
 
 def trace(config, program: list[Op]) -> Trace | None:
     """Run ``program`` on a fresh target of ``config`` (SGLang's: its intake's ``live_rids()``,
-    ``sessions`` and ``submitted``). Returns None when the target cannot be built here (the engine is
-    not installed) or does not expose those. An engine exception ends the trace at that op."""
+    ``sessions`` and ``submitted``; vLLM's: ``known()``, the Scheduler's ``requests`` in arrival order,
+    which its aborts pick from, and ``submitted``). Returns None when the target cannot be built here
+    (the engine is not installed) or does not expose those. An engine exception ends the trace at that
+    op."""
     from kvaudit.targets import make_target
 
     try:
         target = make_target(config)
     except Exception:  # noqa: BLE001 -- any reason the engine cannot be built: no trace, a static plan
         return None
-    if not all(hasattr(target, a) for a in ("live_rids", "sessions", "submitted")):
+    if hasattr(target, "known") and hasattr(target, "submitted"):  # vLLM: no sessions
+        def live_of():
+            return tuple(target.known())
+
+        def answered_of():
+            return tuple(rid for rid, (_, status) in target.known().items() if status.startswith("finished"))
+
+        def sessions_of():
+            return ()
+    elif all(hasattr(target, a) for a in ("live_rids", "sessions", "submitted")):
+        def live_of():
+            return tuple(target.live_rids())
+
+        def answered_of():
+            return ()
+
+        def sessions_of():
+            return tuple(target.sessions)
+    else:
         target.close()
         return None
     views: list[OpView] = []
@@ -52,18 +73,18 @@ def trace(config, program: list[Op]) -> Trace | None:
     stopped = None
     try:
         for i, op in enumerate(program):
-            live = tuple(target.live_rids())
+            live, answered = live_of(), answered_of()
             for rid in seen - set(live):
                 finished.setdefault(rid, i)
             seen |= set(live)
-            sessions = tuple(target.sessions)
+            sessions = sessions_of()
             before = len(target.submitted)
             try:
                 if isinstance(op, Step):
                     for _ in range(max(1, op.n)):
                         target.step()
                 elif isinstance(op, Idle):
-                    if target.paused:
+                    if getattr(target, "paused", False):
                         from kvaudit.program import ContinueGeneration
                         target.apply(ContinueGeneration())
                     for _ in range(IDLE_STEP_CAP):
@@ -75,7 +96,7 @@ def trace(config, program: list[Op]) -> Trace | None:
             except Exception:  # noqa: BLE001 -- the finding itself (a crash): the trace ends here
                 stopped = i
             rid = target.submitted[before] if isinstance(op, Submit) and len(target.submitted) > before else None
-            views.append(OpView(i, live, sessions, rid))
+            views.append(OpView(i, live, sessions, rid, answered))
             if stopped is not None:
                 break
     finally:

@@ -1,0 +1,393 @@
+"""kvaudit export for vLLM replay files (issue 23): every corpora/vllm/*.json (planted faults) and
+corpora/vllm/history/*.json (vLLM's own bugs in old releases) has its report and client script next to
+it; each script, run as a subprocess against a stand-in of vLLM's OpenAI-compatible server that streams
+tokens and notices when a client closes a stream, sends the program's submits in order with their
+parameters, and aborts exactly the streams the program aborts by closing their connections."""
+
+import glob
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cli_helpers import invoke, one_error_line
+from kvaudit import replay
+from kvaudit.export.http_api import HTTP_API, vllm_flag_line
+from kvaudit.export.issue import SECTIONS
+from kvaudit.program.schema import prompt_tokens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")) +
+               glob.glob(os.path.join(ROOT, "corpora", "vllm", "history", "*.json")))
+NAMES = [os.path.relpath(f, os.path.join(ROOT, "corpora", "vllm"))[:-5] for f in FILES]
+PER_TOKEN = 0.01  # seconds the stand-in takes per streamed token
+HOLD = 30  # --hold-tokens in these runs: a held request streams for ~0.3 s on the stand-in
+
+
+class VllmStandIn:
+    """An HTTP server that answers vLLM 0.33.0's routes the scripts use and records each request as a
+    dict: ``seq, method, path, body, t0`` (arrived), ``t1`` (answered or given up), ``chunks`` (tokens
+    streamed), ``disconnected`` (the client closed the stream before [DONE]). ``usage``: the
+    kv_cache_usage_perc /metrics reports once a completion came (0: a healthy pool); ``refuse``:
+    /reset_prefix_cache answers success=false once a completion came; ``die_at_completion``: the server
+    goes away at the first completion (a crash)."""
+
+    def __init__(self):
+        self.log, self.lock = [], threading.Lock()
+        self.usage, self.refuse, self.die_at_completion = 0.0, False, False
+        stand = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"  # a stream ends when the server closes it
+
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, status, ctype, out):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def _gone(self):
+                """The client closed its end (EOF readable on the socket)."""
+                r, _, _ = select.select([self.connection], [], [], 0)
+                if not r:
+                    return False
+                try:
+                    return self.connection.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    return True
+
+            def _serve(self, method):
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                body = json.loads(raw) if raw else None
+                rec = {"seq": None, "method": method, "path": self.path, "body": body, "t0": time.monotonic(),
+                       "t1": None, "chunks": 0, "disconnected": False}
+                with stand.lock:
+                    rec["seq"] = len(stand.log)
+                    stand.log.append(rec)
+                    came = any(r["path"] == "/v1/completions" for r in stand.log)
+                path = self.path.split("?")[0]
+                if path == "/v1/completions" and stand.die_at_completion:
+                    threading.Thread(target=stand.server.shutdown, daemon=True).start()
+                    self.connection.close()
+                    return
+                if path == "/v1/completions" and body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    try:
+                        for i in range(body["max_tokens"]):
+                            time.sleep(PER_TOKEN)
+                            if self._gone():
+                                rec["disconnected"] = True
+                                break
+                            last = i == body["max_tokens"] - 1
+                            chunk = {"id": "cmpl-" + body["request_id"], "choices": [
+                                {"index": 0, "text": "x", "finish_reason": "length" if last else None}]}
+                            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                            self.wfile.flush()
+                            rec["chunks"] += 1
+                        else:
+                            self.wfile.write(b"data: [DONE]\n\n")
+                            self.wfile.flush()
+                    except OSError:
+                        rec["disconnected"] = True
+                    rec["t1"] = time.monotonic()
+                    return
+                status, ctype, out = 200, "application/json", b"{}"
+                if path == "/v1/completions":  # a prefill instance's non-streaming answer
+                    out = json.dumps({"id": "cmpl-" + body["request_id"], "choices": [{"text": "x"}],
+                                      "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "p",
+                                                             "remote_block_ids": [[1]]}}).encode()
+                elif path == "/metrics":
+                    ctype = "text/plain"
+                    usage = stand.usage if came else 0.0
+                    out = (f"# HELP x\nvllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {usage}\n"
+                           "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n"
+                           "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0.0\n"
+                           "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 7.0\n").encode()
+                elif path == "/version":
+                    out = b'{"version": "0.33.0"}'
+                elif path == "/v1/models":
+                    out = b'{"object": "list", "data": [{"id": "stand-in-model"}]}'
+                elif path == "/reset_prefix_cache":
+                    out = json.dumps({"success": not (stand.refuse and came)}).encode()
+                elif path != "/health":
+                    status, out = 404, b'{"detail": "Not Found"}'
+                self._reply(status, ctype, out)
+                rec["t1"] = time.monotonic()
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stand_in():
+    s = VllmStandIn()
+    yield s
+    s.close()
+
+
+def run_client(script, url, *extra):
+    return subprocess.run([sys.executable, script, "--url", url, "--step-delay", "0.05", "--gap", "0.05",
+                           "--hold-tokens", str(HOLD), "--timeout", "20", "--settle", "0.5", *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+def program_calls(log):
+    """The program's requests: after the script's baseline (its first /reset_prefix_cache and the gauge
+    refresh after it) and before its cleanup reset, less its polling of /metrics and /health."""
+    resets = [r["seq"] for r in log if r["path"].startswith("/reset_prefix_cache")]
+    return [r for r in log if resets[0] < r["seq"] < resets[-1] and r["path"] not in ("/metrics", "/health")
+            and "refresh" not in ((r["body"] or {}).get("request_id") or "")]
+
+
+def expected_submits(path):
+    """Per submit of the program, worked out here from the replay file alone (not from kvaudit.export):
+    (prompt token ids, max_tokens) with the vLLM target's clamps (prompt context_len // 2, output
+    context_len // 4, cut at stop_at where EOS is sampled)."""
+    config, program, _, _ = replay.load(path)
+    out = []
+    for op in program:
+        if op.kind == "submit":
+            ids = prompt_tokens(op.family, max(1, min(op.prompt_len, config.max_model_len // 2)), config.vocab_size)
+            m = max(1, min(op.max_new_tokens, config.max_model_len // 4))
+            if op.stop_at is not None and not op.ignore_eos:
+                m = min(m, op.stop_at)
+            out.append((ids, m))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_vllm_file_has_its_report_and_client_committed_next_to_it(name):
+    base = os.path.join(ROOT, "corpora", "vllm", name)
+    config = replay.load(base + ".json")[0]
+    issue = open(base + ".issue.md").read()
+    for section in SECTIONS:
+        assert f"\n{section}\n" in issue, f"{name}.issue.md lacks {section}"
+    assert "vllm serve MODEL" in issue and "VLLM_SERVER_DEV_MODE=1" in issue
+    assert f"python3 {os.path.basename(name)}.client.py --url" in issue
+    client = open(base + ".client.py").read()
+    assert "import kvaudit" not in client and "from kvaudit" not in client
+    assert compile(client, name, "exec")
+    planted = bool(config.bugs)
+    head = issue.split("## Environment")[0]
+    assert ("This is a planted fault, not a bug of vLLM" in head) == planted
+    assert issue.startswith("# [planted fault, not a vLLM bug]") == planted
+    assert ("PLANTED FAULT, NOT A BUG OF VLLM" in client.split('"""')[1]) == planted
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_vllm_client_streams_the_submits_in_order_and_aborts_by_disconnecting(name, stand_in):
+    base = os.path.join(ROOT, "corpora", "vllm", name)
+    done = run_client(base + ".client.py", stand_in.url)
+    assert done.returncode == 0, done.stdout + done.stderr  # a healthy stand-in: nothing reproduced
+    assert "RESULT: NOT REPRODUCED" in done.stdout
+    calls = program_calls(stand_in.log)
+    config, program, _, _ = replay.load(base + ".json")
+    want_paths = []
+    for op in program:
+        if op.kind == "submit":
+            want_paths.append("/v1/completions")
+        elif op.kind == "flush_cache":
+            want_paths.append("/reset_prefix_cache")
+    streams = [c for c in calls if c["path"] == "/v1/completions" and c["body"]["stream"]]
+    assert [c["path"].split("?")[0] for c in calls if c["path"] != "/v1/completions" or c["body"]["stream"]] \
+        == want_paths
+    want = expected_submits(base + ".json")
+    assert len(streams) == len(want)
+    for c, (ids, m) in zip(streams, want):
+        b = c["body"]
+        assert b["prompt"] == ids and b["stream"] is True and b["ignore_eos"] is True and b["temperature"] == 0
+        assert b["max_tokens"] in (m, m + HOLD) and b["min_tokens"] == b["max_tokens"]
+        assert b["model"] == "stand-in-model"  # the first of /v1/models
+    assert len({c["body"]["request_id"] for c in streams}) == len(streams)
+    # the aborts: abort(handle=None) closes every stream still open when it comes; nothing else is closed
+    aborts = [i for i, op in enumerate(program) if op.kind == "abort"]
+    if not aborts:
+        assert not any(c["disconnected"] for c in stand_in.log)
+    for c in streams:
+        assert c["disconnected"] == (c["chunks"] < c["body"]["max_tokens"]), c
+    if aborts and all(program[i].handle is None for i in aborts):
+        assert any(c["disconnected"] for c in streams), "the program aborts a running request: a stream is closed"
+
+
+def _write_program(tmp_path, ops, preset_file="fault-skip-free.json", **config):
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", preset_file)))
+    doc["config"].update(bugs=[], **config)
+    doc["program"] = ops
+    doc["findings"] = []
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.vllm
+def test_an_abort_by_handle_closes_the_stream_the_program_picks_and_no_other(stand_in, tmp_path):
+    """abort(handle=1) with two requests running picks the second (the Scheduler's requests in arrival
+    order, resolved on the target): its stream is closed while it still streams; the first runs to
+    [DONE]; the third, submitted after the abort, is untouched."""
+    sub = {"op": "submit", "family": 0, "prompt_len": 4, "max_new_tokens": 20}
+    src = _write_program(tmp_path, [sub, dict(sub, family=1), {"op": "step", "n": 2}, {"op": "abort", "handle": 1},
+                                    dict(sub, family=2), {"op": "idle"}])
+    r = invoke("export", src, "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"))
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "c.py").read_text()
+    assert "c.abort('req-000002', label='op 3')" in text
+    done = run_client(str(tmp_path / "c.py"), stand_in.url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    streams = [c for c in program_calls(stand_in.log) if c["path"] == "/v1/completions"]
+    assert [c["body"]["prompt"][:4] == prompt_tokens(f, 4) for c, f in zip(streams, (0, 1, 2))] == [True] * 3
+    assert [c["disconnected"] for c in streams] == [False, True, False]
+    assert streams[1]["chunks"] < streams[1]["body"]["max_tokens"]
+    issue = (tmp_path / "c.md").read_text()
+    assert "close the connection of req-000002's stream" in issue
+    assert "planted fault" not in issue  # no --bug: a finding in vLLM as shipped would be filed
+
+
+def test_a_vllm_client_says_reproduced_when_blocks_stay_held(stand_in):
+    """A memory finding: with nothing running, kv_cache_usage_perc > 0 (2 of 63 blocks), exit 1."""
+    stand_in.usage = 2 / 63
+    done = run_client(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.client.py"), stand_in.url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "about 2 of 63 blocks held" in done.stdout and "RESULT: REPRODUCED" in done.stdout
+    last = max(r["seq"] for r in stand_in.log if r["path"] == "/reset_prefix_cache")
+    assert any(r["path"] == "/v1/completions" and r["seq"] > last for r in stand_in.log)  # the gauge refresh
+
+
+def test_a_vllm_client_says_reproduced_when_the_prefix_cache_reset_is_refused(stand_in):
+    stand_in.refuse = True
+    done = run_client(os.path.join(ROOT, "corpora", "vllm", "fault-drop-hash-entry.client.py"), stand_in.url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "reset_prefix_cache refused" in done.stdout
+
+
+def test_a_vllm_client_says_reproduced_when_the_server_dies(stand_in):
+    stand_in.die_at_completion = True
+    done = run_client(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.client.py"), stand_in.url,
+                      "--timeout", "3")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no longer answers" in done.stdout
+
+
+def test_a_vllm_client_without_a_server_or_with_bad_arguments_is_one_line_exit_2():
+    script = os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.client.py")
+    for args in (["--url", "http://127.0.0.1:9", "--timeout", "2"], ["--timeout", "0"]):
+        done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", NAMES)
+def test_the_committed_vllm_exports_are_what_export_writes_today(name, tmp_path):
+    base = os.path.join(ROOT, "corpora", "vllm", name)
+    short = os.path.basename(name)
+    r = invoke("export", base + ".json", "--issue", str(tmp_path / f"{short}.issue.md"),
+               "--client", str(tmp_path / f"{short}.client.py"))
+    assert r.exit_code == 0, r.output
+    issue = (tmp_path / f"{short}.issue.md").read_text().replace(base + ".json", f"corpora/vllm/{name}.json")
+    assert issue == open(base + ".issue.md").read(), f"regenerate: kvaudit export {base}.json --issue ... --client ..."
+    assert (tmp_path / f"{short}.client.py").read_text() == open(base + ".client.py").read()
+
+
+@pytest.mark.vllm
+def test_every_completion_a_vllm_client_sends_is_one_vllm_0_33_0_accepts(stand_in):
+    """The bodies, checked with vLLM's own request model (CompletionRequest): a prompt of token ids,
+    max_tokens, min_tokens, ignore_eos, stream, request_id, kv_transfer_params."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    for name in NAMES:
+        assert run_client(os.path.join(ROOT, "corpora", "vllm", name + ".client.py"), stand_in.url).returncode == 0
+    bodies = [r["body"] for r in stand_in.log if r["path"] == "/v1/completions"]
+    assert bodies
+    for body in bodies:
+        req = CompletionRequest(**body)
+        assert req.prompt == body["prompt"] and req.max_tokens == body["max_tokens"]
+        params = req.to_sampling_params(req.max_tokens, {})
+        assert params.ignore_eos and params.min_tokens == params.max_tokens == body["max_tokens"]
+
+
+def test_the_api_table_names_every_op_for_vllm_with_the_version_checked():
+    from kvaudit.program import OPS
+    api = HTTP_API["vllm"]
+    assert api.version == "0.33.0" and set(api.calls) == set(OPS)
+    assert {c.path for c in api.calls.values() if c.path} == {"/v1/completions", "/health", "/reset_prefix_cache",
+                                                             "/metrics"}
+    assert not api.calls["abort"].exact or "disconnect" in api.calls["abort"].note
+    assert not api.calls["step"].exact and not api.calls["memory_pressure"].exact
+    assert "vllm/v1/engine/async_llm.py" in api.sources  # where the abort on disconnect was read
+
+
+def test_the_vllm_launch_line_follows_the_config():
+    from kvaudit.targets.vllm.config import VLLM_PRESETS
+    flags, env, unmapped = vllm_flag_line(VLLM_PRESETS["vllm-async"].config())
+    assert "--async-scheduling" in flags and "--num-gpu-blocks-override 64" in flags and "--block-size 16" in flags
+    assert "--enable-prefix-caching" in flags and env == ["VLLM_SERVER_DEV_MODE=1"]
+    flags = vllm_flag_line(VLLM_PRESETS["vllm-small"].config())[0]
+    assert "--no-async-scheduling" in flags and "--max-model-len 60" in flags and "--block-size 4" in flags
+    flags, _, unmapped = vllm_flag_line(VLLM_PRESETS["vllm-kv-connector-swa"].config())
+    kv = next(f for f in flags if f.startswith("--kv-transfer-config"))
+    assert json.loads(kv.split(" ", 1)[1].strip("'")) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert any(u.startswith("sliding_window=32") for u in unmapped)
+    assert any(u.startswith("level=manager") for u in vllm_flag_line(VLLM_PRESETS["vllm-manager"].config())[2])
+
+
+def test_vllm_export_bad_input_is_one_line_exit_2(tmp_path):
+    good = os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json")
+    for args in (("export", good, "--client", str(tmp_path)), ("export", good, "--issue", good),
+                 ("export", good)):
+        r = invoke(*args)
+        assert r.exit_code == 2, (args, r.output)
+        one_error_line(r)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("history/")])
+def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name):
+    """corpora/vllm/history/<bug id>.json finds its bug (kvaudit/history/catalogue.py) on the buggy release,
+    in a child process with that release's overlay first on the path; its report names that release."""
+    from kvaudit.history import releases
+    from kvaudit.history.catalogue import BUGS
+    bug = BUGS[os.path.basename(name)]
+    overlay = releases.overlay_path("vllm", bug.buggy)
+    if releases.base_version("vllm") != bug.buggy and not overlay.is_dir():
+        pins = " ".join(releases.EXTRA_PINS.get(("vllm", bug.buggy), ()))
+        pytest.skip(f"vLLM {bug.buggy} overlay absent: python -m pip install -q --no-deps --no-compile --target "
+                    f"{overlay} vllm=={bug.buggy} {pins}".rstrip())
+    env = releases.env("vllm", bug.buggy, None if releases.base_version("vllm") == bug.buggy else overlay)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), ROOT]))
+    path = os.path.join(ROOT, "corpora", "vllm", name + ".json")
+    code = ("import json; from kvaudit import replay; from kvaudit.audit.runner import execute; import vllm; "
+            f"assert vllm.__version__ == {bug.buggy!r}, vllm.__version__; "
+            f"config, program = replay.load({path!r})[:2]; "
+            "print(json.dumps(sorted({f.signature for f in execute(config, program, full_stacks=False).findings})))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    recorded = [f.signature for f in replay.load(path)[2]]
+    assert recorded and set(recorded) <= set(found), (recorded, found)
+    assert any(s.startswith(bug.finding + "/") and (not bug.check or s.endswith("check:" + bug.check)) for s in found)
+    issue = open(os.path.join(ROOT, "corpora", "vllm", name + ".issue.md")).read()
+    assert f"`pip install vllm=={bug.buggy}`" in issue and f"fixed in {bug.fixed}" in issue
