@@ -407,7 +407,7 @@ def main(argv=None):
     hung += c.idle(label="cleanup")
     flushed = c.flush_cache(label="cleanup: flush_cache")
     after = c.at_rest()
-    show("counters after closing the sessions and flushing", after)
+    show("counters after the cleanup (sessions closed, cache flushed)", after)
     up = c.alive()
     print("EXPECTED: " + EXPECTED)
     seen = []

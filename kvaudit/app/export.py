@@ -25,6 +25,7 @@ def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool)
     for path in (done.issue, done.client):
         if path is not None:
             click.echo(f"wrote {path}")
-    click.echo(f"client: {'exact' if done.exact else 'approximate'}; handles resolved "
-               f"{'on the target' if done.traced else 'statically (engine not installed here)'}")
+    how = "on the target" if done.traced else "statically (--no-resolve)" if not resolve else \
+        "statically (engine not installed here)"
+    click.echo(f"client: {'exact' if done.exact else 'approximate'}; handles resolved {how}")
     return EXIT_CLEAN
