@@ -292,8 +292,9 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     seconds, a false-positive run on the clean engine and the overhead per preset. --suite history:
     each known SGLang/vLLM bug searched for in the release that shipped it, the minimized program
     replayed on the release that fixed it. Writes a markdown report and the raw JSON (method:
-    kvaudit/search/bench.py, kvaudit/history/suite.py). Exit 0, 2 on bad input, 130 when interrupted
-    (the report so far is written)."""
+    kvaudit/search/bench.py, kvaudit/history/suite.py). Exit 0, 2 on bad input, 69 when a release cannot
+    be installed, 70 when a history worker failed (the suite goes on; the report lists it), 130 when
+    interrupted (the report so far is written)."""
     from kvaudit.app import bench as job
 
     if suite == "history":

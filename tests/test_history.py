@@ -167,6 +167,72 @@ def test_ctrl_c_writes_the_trials_so_far_and_exits_130(monkeypatch, tmp_path):
     assert "INTERRUPTED: partial" in md.read_text() and "vllm-45357 (random, seed 1; 3/3 confirmations" in md.read_text()
 
 
+def test_a_failed_worker_costs_its_bug_only_the_report_lists_it_exit_70(monkeypatch, tmp_path):
+    """A worker that dies (here: after one trial of vllm-45357) is listed in the report and the JSON;
+    its trial so far and the other bug's trials are kept, the other bug is still replayed."""
+    def trial(bug):
+        return HistoryTrial(bug, "random", 1, 5.0, success=True, seconds=0.1, executions=3, min_len=2,
+                            first_oracle="use-after-free", signature="use-after-free/x", confirmations=3,
+                            program=[{"op": "submit", "family": 0, "prompt_len": 1, "max_new_tokens": 5}]).__dict__
+    monkeypatch.setattr(suite, "_release", lambda res, engine, version, on_event: None)
+    jobs = []
+
+    def child(self, job, engine, version, overlay):
+        jobs.append((job["mode"], job["bug"]))
+        if job["mode"] == "replay":
+            return [{"clean": True, "signatures": []} for _ in job["programs"]]
+        if job["bug"] == "vllm-45357":
+            raise suite.WorkerFailed("vllm 0.23.0: the worker failed: StepTimeout", [trial(job["bug"])])
+        return [trial(job["bug"])]
+
+    monkeypatch.setattr(suite._Runner, "child", child)
+    md, js = tmp_path / "h.md", tmp_path / "h.json"
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357,vllm-47282", "--fuzzers", "random",
+               "--trials", "1", "--out", str(md), "--json", str(js))
+    assert r.exit_code == 70, r.output
+    assert "1 worker(s) failed" in r.output and "StepTimeout" in r.output
+    doc = json.loads(js.read_text())
+    assert doc["failures"] == ["vllm-45357: vllm 0.23.0: the worker failed: StepTimeout"]
+    assert sorted(t["bug"] for t in doc["trials"]) == ["vllm-45357", "vllm-47282"]
+    assert ("replay", "vllm-47282") in jobs and ("replay", "vllm-45357") in jobs  # the kept trial is replayed too
+    assert "**Workers that failed**" in md.read_text() and "- vllm-45357: vllm 0.23.0" in md.read_text()
+
+
+def test_a_step_timeout_escaping_a_trial_is_a_lost_trial_not_a_dead_worker(monkeypatch):
+    from kvaudit.audit import runner
+
+    def escaped(*a):
+        raise runner.StepTimeout
+
+    monkeypatch.setattr(worker, "search_trial", escaped)
+    bug = all_bugs()["vllm-45357"]
+    t = worker._contained(bug, None, "random", 1, 5.0)
+    assert not t.success and "StepTimeout escaped" in t.note and "escaped" in t.line()
+    assert threading_ident_is_disarmed(runner)
+
+
+def threading_ident_is_disarmed(runner) -> bool:
+    import threading
+
+    tid = threading.get_ident()
+    return tid not in runner._WATCHDOG._armed and tid not in runner._WATCHDOG._resend
+
+
+def test_a_worker_that_refuses_its_release_still_stops_the_suite(monkeypatch, tmp_path):
+    """Exit 2 of a worker is its own one-line refusal (the wrong release imported): the environment is
+    wrong for every bug of that release, so the suite stops with it (exit 69), as before."""
+    monkeypatch.setattr(suite, "_release", lambda res, engine, version, on_event: None)
+
+    def child(self, job, engine, version, overlay):
+        raise suite.SuiteError(f"{engine} {version}: imports vllm 0.33.0, not {version}")
+
+    monkeypatch.setattr(suite._Runner, "child", child)
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
+               "--out", str(tmp_path / "h.md"), "--json", str(tmp_path / "h.json"))
+    assert r.exit_code == 69, r.output
+    assert "imports vllm 0.33.0" in r.output.strip().splitlines()[-1] and "Traceback" not in r.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bugs", "vllm-1"], "--bugs: unknown history bug 'vllm-1'"),
     (["--fuzzers", "afl"], "--fuzzers: unknown fuzzer 'afl'"),

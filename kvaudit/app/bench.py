@@ -9,7 +9,7 @@ from kvaudit.targets import registry
 from kvaudit import replay
 import click
 
-from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
+from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.files import check_outputs
 from kvaudit.app.fuzz import check_atheris
 from kvaudit.app.progress import console as make_console
@@ -111,4 +111,10 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
     make_console().print(f"bench --suite history {'INTERRUPTED ' if res.interrupted else ''}done in "
                          f"{res.wall / 60:.1f} min: {found}/{len(bugs)} bug(s) rediscovered; {out_md}, {out_json}",
                          soft_wrap=True)
-    return EXIT_INTERRUPTED if res.interrupted else EXIT_CLEAN
+    if res.interrupted:
+        return EXIT_INTERRUPTED
+    if res.failures:
+        err.print(f"kvaudit: {len(res.failures)} worker(s) failed (listed in {out_md}): {res.failures[0]}",
+                  soft_wrap=True, highlight=False, markup=False)
+        return EXIT_INTERNAL
+    return EXIT_CLEAN

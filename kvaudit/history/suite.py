@@ -57,11 +57,20 @@ class HistoryResult:
     settings: dict = field(default_factory=dict)
     wall: float = 0.0
     interrupted: bool = False
+    failures: list[str] = field(default_factory=list)  # "bug: what the worker said" per worker that failed
 
     def to_json(self) -> dict:
         return {"format": "kvaudit.bench-history/1", "settings": self.settings, "wall_seconds": round(self.wall, 1),
-                "interrupted": self.interrupted, "releases": [asdict(r) for r in self.releases],
-                "trials": [asdict(t) for t in self.trials]}
+                "interrupted": self.interrupted, "failures": self.failures,
+                "releases": [asdict(r) for r in self.releases], "trials": [asdict(t) for t in self.trials]}
+
+
+class WorkerFailed(SuiteError):
+    """A worker exited with an error; ``results``: the trials it had written before."""
+
+    def __init__(self, message: str, results: list[dict]):
+        super().__init__(message)
+        self.results = results
 
 
 class _Runner:
@@ -114,7 +123,9 @@ class _Runner:
                     results = json.load(f)["results"]
             if rc != 0 and not self.stopped.is_set():
                 last = next((t for t in reversed(tail) if t.strip()), f"exit {rc}")
-                raise SuiteError(f"{engine} {version}: the worker failed: {last.strip()}")
+                if rc == 2:  # the worker's own refusal: the release is not the one asked for, or no target
+                    raise SuiteError(f"{engine} {version}: {last.strip()}")
+                raise WorkerFailed(f"{engine} {version}: the worker failed: {last.strip()}", results)
             return results
 
 
@@ -142,13 +153,24 @@ def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], 
     overlay = _release(res, bug.engine, bug.buggy, runner.on_event)
     job = {"mode": "search", "bug": bid, "version": bug.buggy, "fuzzers": fuzzers,
            "seeds": list(range(1, trials + 1)), "budget": budget}
-    found = [HistoryTrial(**d) for d in runner.child(job, bug.engine, bug.buggy, overlay)]
+    try:
+        found = [HistoryTrial(**d) for d in runner.child(job, bug.engine, bug.buggy, overlay)]
+    except WorkerFailed as e:  # the bug's other trials are lost, not the suite's: noted in the report
+        res.failures.append(f"{bid}: {e}")
+        runner.on_event(f"{bid}: {e} (its trials so far are kept; the suite goes on)")
+        found = [HistoryTrial(**d) for d in e.results]
     ok = [t for t in found if t.success]
     if bug.fixed is None or bug.replay_blocked or not ok or runner.stopped.is_set():
         return found
     overlay = _release(res, bug.engine, bug.fixed, runner.on_event)
     job = {"mode": "replay", "bug": bid, "version": bug.fixed, "programs": [t.program for t in ok]}
-    for t, r in zip(ok, runner.child(job, bug.engine, bug.fixed, overlay)):
+    try:
+        replayed = runner.child(job, bug.engine, bug.fixed, overlay)
+    except WorkerFailed as e:
+        res.failures.append(f"{bid} (replay): {e}")
+        runner.on_event(f"{bid}: {e} (the suite goes on)")
+        replayed = e.results
+    for t, r in zip(ok, replayed):
         t.fixed_clean, t.fixed_signatures = r["clean"], r["signatures"]
     if not runner.stopped.is_set():
         clean = sum(bool(t.fixed_clean) for t in ok)
@@ -160,7 +182,9 @@ def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
         on_event: Callable[[str], None] = print, jobs: int = 1) -> HistoryResult:
     """The suite (module docstring), ``jobs`` bugs at a time (a child process each). On Ctrl-C the
     children are stopped and the result holds every trial they finished, with ``interrupted`` set.
-    Raises :class:`SuiteError` when a release cannot be installed or a worker fails."""
+    A worker that fails (an error, not a finding) costs its bug's remaining trials only: it is listed
+    in ``failures`` and the suite goes on. Raises :class:`SuiteError` when a release cannot be
+    installed or a worker cannot start on it."""
     res = HistoryResult(settings={"suite": "history", "bugs": bug_ids, "fuzzers": fuzzers, "trials": trials,
                                   "budget": budget, "jobs": jobs, "cpu_count": os.cpu_count(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -247,6 +271,10 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
             "-" if f == "random" else ", ".join(
                 b for b in ids if by.get((b, "random")) and by[(b, "random")].successes
                 and not (by.get((b, f)) and by[(b, f)].successes)) or "none" for f in fuzzers) + " |")
+    if res.failures:  # a worker's error cost its bug's remaining trials: the table is short of them
+        lines += ["", "**Workers that failed** (an error in kvaudit or the engine, not a finding; the bug's "
+                  "trials after it are missing from the tables):", ""]
+        lines += [f"- {f}" for f in res.failures]
     lines += ["", "## Bugs", "",
               "| bug | engine | shipped in | fixed in (why clean) | rediscovered | minimized program | signature |",
               "|---|---|---|---|---|---|---|"]
