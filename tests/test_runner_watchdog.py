@@ -148,6 +148,21 @@ def test_a_crash_while_draining_is_recorded(monkeypatch):
         assert run.drain_verdict() == ["crashed while draining: RuntimeError: boom in step"]
 
 
+def test_a_crash_disarms_the_watchdog(monkeypatch):
+    """An engine step that raises is a crash finding, and the watchdog armed for that step is disarmed
+    with it: no StepTimeout lands, a step limit later, in whatever the thread runs next (a history-suite
+    worker died of that: 'kvaudit.audit.runner.StepTimeout' in the middle of its triage)."""
+    def boom(self):
+        raise RuntimeError("boom in step")
+    monkeypatch.setattr(Scheduler, "step", boom)
+    with AuditedRun(get_preset("default").config(), step_limit=0.3) as run:
+        (f,) = run.apply(Step(1))
+    assert f.kind == "crash" and "boom in step" in f.message
+    assert f.alloc_sites[0].function == "boom"
+    time.sleep(0.8)  # past the limit: with the watchdog still armed, StepTimeout lands in this sleep
+    assert runner._WATCHDOG._armed == {}
+
+
 def test_engine_check_at_idle_round_trips_and_is_validated():
     from kvaudit.audit.findings import Finding
 

@@ -13,7 +13,7 @@ from cli_helpers import invoke, one_error_line
 from kvaudit import replay
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search, triage
-from kvaudit.program import HealthCheck
+from kvaudit.program import HealthCheck, Idle, Step, Submit
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.audit.suppress import Suppression, SuppressionError, SuppressionSet, load_suppressions
 
@@ -229,6 +229,31 @@ def test_a_suppressed_finding_is_not_a_finding_and_the_run_goes_on():
         assert run.target.is_idle(), "idle() ran on to quiescence past the suppressed leak"
         assert run.apply(HealthCheck()) == [] and run.findings == []
     assert sset.suppressions[0].hits == 2, "a leak re-reported at later steps counts once"
+
+
+# the HiSparse host pool runs out (the leak), and _pre_alloc raises after it took a row and slots
+OUT_OF_HOST = [Submit(family=0, prompt_len=88, max_new_tokens=1), Submit(family=0, prompt_len=75, max_new_tokens=7),
+               Submit(family=0, prompt_len=1, max_new_tokens=4, extends=4),
+               Submit(family=0, prompt_len=9, max_new_tokens=5, extends=1),
+               Submit(family=0, prompt_len=79, max_new_tokens=1), Submit(family=0, prompt_len=94, max_new_tokens=1),
+               Idle(), Step(1)]
+
+
+def test_a_suppressed_crash_still_ends_the_run():
+    """A crash is the end of the scheduler process: what the half-done call left (here _pre_alloc's row
+    and slots, taken before alloc_host raised) is no later leak finding, suppressed crash or not."""
+    config = replay.load(HISPARSE)[0]
+    assert execute(dataclasses.replace(config, bugs=frozenset()), OUT_OF_HOST).findings == []
+    sset = SuppressionSet([Suppression(pool="hisparse_*", index=1), Suppression(kind="crash", index=2)])
+    with AuditedRun(config, suppressions=sset) as run:
+        assert [run.apply(op) for op in OUT_OF_HOST] == [[]] * len(OUT_OF_HOST)
+        assert run.crashed and run.findings == []
+        assert [f.kind for f in run.suppressed if f.kind == "crash"] == ["crash"]
+        assert "HiSparse host pool is full" in next(f for f in run.suppressed if f.kind == "crash").message
+        steps = run.target.steps
+        assert run.apply(Step(3)) == [] and run.target.steps == steps, "nothing runs after the crash"
+    only_leaks = SuppressionSet([Suppression(pool="hisparse_*", index=1)])
+    assert [f.kind for f in execute(config, OUT_OF_HOST, suppressions=only_leaks).findings] == ["crash"]
 
 
 def test_execute_without_suppressions_is_unchanged():

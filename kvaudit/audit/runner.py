@@ -207,7 +207,9 @@ class AuditedRun:
     takes more than ``step_limit`` seconds (default :func:`step_timeout`) is a ``hang`` finding
     naming the frames it was stuck in. ``deadline`` (``time.monotonic()`` seconds; a search's
     budget) also cuts a call or an ``idle()`` short, but that is no finding: ``out_of_time`` is
-    set, and every later op is a no-op (the engine was interrupted mid-step).
+    set, and every later op is a no-op (the engine was interrupted mid-step). An op that raises is a
+    ``crash`` finding and ends the run the same way (``crashed``), whether or not a suppression
+    covers it: the real scheduler process would be gone.
     """
 
     def __init__(self, config: TargetConfig, audit: bool = True, run_oracles: bool = True,
@@ -227,6 +229,7 @@ class AuditedRun:
         self._progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
         self._flushes = 0  # successful flush_cache requests already checked for quiescence
         self.ops_run = 0
+        self.crashed = False  # an op raised: the run ends there (apply() is a no-op from then on)
         self.on_step = None  # called as on_step(self) after every scheduler step (kvaudit.reports.timeline)
 
     def _check(self, scan: bool = True) -> list[Finding]:
@@ -251,7 +254,7 @@ class AuditedRun:
     def _guarded(self, call, *args) -> list[Finding] | None:
         """``call(*args)`` under the watchdog: None when it returned in time, else ``[]`` (the
         deadline was due: ``out_of_time`` is set) or ``[hang finding]``."""
-        called = False
+        called, raised = False, None
         while True:
             # one try around the call and the disarm: the engine thread interrupted (what the
             # watchdog saw is in take()), or a StepTimeout sent as the call returned (or sent again,
@@ -260,12 +263,19 @@ class AuditedRun:
                 if not called:
                     called = True
                     _WATCHDOG.arm(self.step_limit, self.deadline)  # (an overdue deadline fires at once)
-                    call(*args)
+                    try:
+                        call(*args)
+                    except StepTimeout:
+                        raise
+                    except BaseException as exc:  # a crash (or Ctrl-C): disarm first, then raise it,
+                        raised = exc  # else the watchdog fires later into whatever runs next
                 _WATCHDOG.disarm()
                 fired = _WATCHDOG.take()
                 break
             except StepTimeout:
                 continue
+        if raised is not None:
+            raise raised  # the engine's own error, raised before any interrupt landed
         if fired is None:
             return None
         stack, budget = fired
@@ -339,8 +349,11 @@ class AuditedRun:
         Raises ``KeyboardInterrupt`` once :data:`INTERRUPTED` is set."""
         if INTERRUPTED.is_set():
             raise KeyboardInterrupt
-        if self._cut_short():
-            return []  # the engine was interrupted mid-call: nothing more runs on it
+        if self._cut_short() or self.crashed:
+            # interrupted mid-call, or crashed (a real scheduler process dies on an uncaught
+            # exception; a crash a suppression covers too): nothing more runs on it, so no later
+            # finding comes from the state a half-done call left behind
+            return []
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
         self.ops_run += 1
@@ -372,6 +385,7 @@ class AuditedRun:
                 if found is None:
                     found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
+            self.crashed = True
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
                                     self.target.engine_files(), self.target, self.auditor)]
         found = _merge_same_signature(sift(found))
