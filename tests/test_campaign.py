@@ -28,6 +28,22 @@ def hisparse_config():
     return get_preset("pd-decode-hisparse").config(bugs=frozenset(["hisparse-prebuilt-skip-finish"]))
 
 
+def test_the_example_database_keeps_a_failure_until_its_finding_is_known(tmp_path):
+    # README, "Campaigns": a failing program is saved and replays first in the next round; once
+    # its signature is known it replays clean and Hypothesis drops it.
+    db = tmp_path / "hypothesis"
+    first = hypothesis_search(hisparse_config(), 20, 1, FuzzStats(), database=str(db))
+    assert first is not None
+    saved = {k: len(v) for k, v in ((k, list(db.glob(k + "/*"))) for k in os.listdir(db))}
+    assert sum(saved.values()) > 0
+    stats = FuzzStats()
+    again = hypothesis_search(hisparse_config(), 20, 2, stats, database=str(db))  # nothing known: replays
+    assert again is not None and stats.first_hit is not None and stats.first_hit[0] <= 2
+    known = frozenset(f.signature for f in first[1] + again[1])
+    hypothesis_search(hisparse_config(), 3, 3, FuzzStats(), database=str(db), known=known)
+    assert sum(len(list(db.glob(k + "/*"))) for k in saved) < sum(saved.values())
+
+
 # -- the random baseline and swarm testing ---------------------------------------------------------
 
 def test_random_search_finds_the_hisparse_bug_and_is_seeded():

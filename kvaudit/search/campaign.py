@@ -4,7 +4,9 @@ corpus directory that makes it resumable.
 Corpus directory layout (``kvaudit fuzz --corpus DIR``)::
 
     DIR/findings/<signature>.json   one confirmed, minimized replay file per signature
-    DIR/hypothesis/                 Hypothesis's example database (saved examples replay first)
+    DIR/hypothesis/                 Hypothesis's example database (saved examples replay first; one
+                                    whose finding is known by then replays clean and Hypothesis drops
+                                    it, so it keeps only failures not yet triaged)
     DIR/atheris/                    libFuzzer's corpus of interesting inputs
     DIR/campaign.json               one record per run of the campaign (time, executions, findings)
 
