@@ -19,7 +19,8 @@ import time
 import torch
 
 from kvaudit.targets.eut.presets import get_preset
-from kvaudit.search.campaign import FUZZERS, run_campaign
+from kvaudit.constants import FUZZERS
+from kvaudit.search.campaign import run_campaign
 
 
 def measure(preset: str, fuzzer: str, workers: int, seconds: float, seed: int) -> tuple[float, float, int]:

@@ -38,7 +38,6 @@ from typing import Callable
 from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict
 from kvaudit import replay
-from kvaudit.constants import FUZZERS
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, triage
 
 PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
