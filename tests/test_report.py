@@ -200,6 +200,32 @@ def test_timeline_terms_add_up_to_the_total_when_nothing_is_wrong():
     assert used  # the program really had requests and cached prefixes at once
 
 
+def test_a_series_a_bug_drives_negative_is_a_valid_timeline_and_plots(tmp_path):
+    """session-abort-borrows-slot's symptom is session_held < 0: the file fuzz writes must be one
+    `kvaudit report` reads back (it was refused as 'bad timeline'), and the plot shows it below 0."""
+    from kvaudit.reports.html_report import occupancy_svg
+
+    with open(os.path.join(REGRESSIONS, "session-abort-borrows-slot.json")) as fh:
+        doc = json.load(fh)
+    doc["program"] = [{"op": "open_session"},  # what `kvaudit fuzz --seed 1` found and wrote
+                      {"op": "submit", "family": 0, "prompt_len": 10, "max_new_tokens": 11, "session": 3},
+                      {"op": "idle"},
+                      {"op": "submit", "family": 0, "prompt_len": 40, "max_new_tokens": 1, "session": 1},
+                      {"op": "step", "n": 1}]
+    config, program, findings, _ = replay.parse_doc(doc, "test")
+    t = timeline.record(config, program)
+    assert min(min(p["series"]["session_held"]) for p in t["pools"].values()) < 0
+    assert timeline.is_valid(t)
+    assert "<svg" in occupancy_svg(t, findings[0])
+    bad = {**t, "steps": [-1] + t["steps"][1:]}
+    assert not timeline.is_valid(bad)  # steps stay non-negative
+    path = tmp_path / "f.json"
+    replay.write_atomic(str(path), replay.to_doc(config, program, findings, timeline=t))
+    r = invoke("report", str(path), "--html", str(tmp_path / "f.html"))
+    assert r.exit_code == 0, r.output
+    assert "<svg" in (tmp_path / "f.html").read_text()
+
+
 def test_triage_records_the_timeline_of_the_confirmed_program():
     """The confirming replay records the plot's data, so that writing the report runs no engine."""
     from kvaudit.search.fuzz import triage

@@ -82,7 +82,9 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
         ax.step(steps, engine_in_use, where="post", color="#263238", linestyle="--", linewidth=0.9,
                 label="in use (engine: total - available)")
         top = max([1, *engine_in_use, *(sum(v) for v in zip(*(series[t] for t in IN_USE)))])
-        bottom = min(0, *engine_in_use)  # a double free: the engine counts more free than it has
+        # below 0: a double free (the engine counts more free than it has), or a term a bug drove
+        # negative (session_held released twice)
+        bottom = min(0, *engine_in_use, *(min(series[t]) for t in IN_USE))
         ax.set_ylim(bottom - (top - bottom) * 0.05 if bottom < 0 else 0, top * 1.15)
         if bottom < 0:
             ax.axhline(0, color="#b71c1c", linewidth=0.6)

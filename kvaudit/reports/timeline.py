@@ -122,10 +122,11 @@ def record(config: TargetConfig, program: list[Op], suppressions=None, drain_ste
 
 def is_valid(t) -> bool:
     """Whether ``t`` (read from a file) is a timeline the HTML plot can draw: at most
-    :data:`MAX_POINTS` samples, equal-length lists of non-negative integer counts below 2**53,
+    :data:`MAX_POINTS` samples, equal-length lists of integer counts below 2**53 in magnitude (steps
+    non-negative; a series may go negative, as ``session_held`` does when a bug releases a hold twice),
     1 to 32 named pools (letters, digits, ``_.-``) with a unit and every term of :data:`SERIES`."""
-    def counts(v) -> bool:
-        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**53
+    def counts(v, low: int = 0) -> bool:
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and low <= x < 2**53
                                            for x in v)
 
     try:
@@ -137,7 +138,8 @@ def is_valid(t) -> bool:
                     and isinstance(p, dict) and p.get("unit") in ("tokens", "rows")
                     and isinstance(p.get("total"), int) and 0 <= p["total"] < 2**53
                     and isinstance(p.get("series"), dict) and set(SERIES) <= set(p["series"])
-                    and all(counts(v) and len(v) == n for v in p["series"].values()) for name, p in pools.items())
+                    and all(counts(v, -2**53 + 1) and len(v) == n for v in p["series"].values())
+                    for name, p in pools.items())
                 and (t.get("program_end_step") is None or isinstance(t["program_end_step"], int))
                 and (t.get("detected") is None or isinstance(t["detected"], dict)))
     except (TypeError, KeyError, AttributeError):
