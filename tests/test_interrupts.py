@@ -46,16 +46,34 @@ def held(ops, fails, *a, **k):
 m.simplify_args = held
 '''
 
+HOLD_START_UP = '''
+import sys
+import time
+
+import kvaudit.app.configs as c
+
+
+def held(*a, **k):  # where a real engine is imported: seconds of start-up
+    print("TEST-HOLD: start-up held", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)  # a signal's KeyboardInterrupt ends it
+
+
+c.select_config = held  # kvaudit fuzz (the CLI builds the config first)
+c.require_target = held  # kvaudit ci
+'''
+
 
 class Running:
     """The console script running ``args``: stdout to a file, stderr read line by line on a thread."""
 
-    def __init__(self, tmp_path, args, hold_minimizer=False):
+    def __init__(self, tmp_path, args, hold_minimizer=False, hold=None):
         env = plain_env()
-        if hold_minimizer:
-            hold = tmp_path / "hold"
-            hold.mkdir()
-            (hold / "sitecustomize.py").write_text(HOLD_MINIMIZER)
+        if hold_minimizer or hold:
+            hold_dir = tmp_path / "hold"
+            hold_dir.mkdir()
+            (hold_dir / "sitecustomize.py").write_text(hold or HOLD_MINIMIZER)
+            hold = hold_dir
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hold), env.get("PYTHONPATH")) if p)
         self.stdout_path = tmp_path / "stdout.txt"
         self._stdout = open(self.stdout_path, "w")
@@ -94,12 +112,13 @@ class Running:
 
 @pytest.fixture
 def launch(tmp_path):
-    """``launch(args, hold_minimizer=False)`` starts the console script; any still running at the end
-    of the test (a failed wait) is killed."""
+    """``launch(args, hold_minimizer=False, hold=None)`` starts the console script (``hold``: the
+    source of a ``sitecustomize`` to plant, as :data:`HOLD_START_UP`); any still running at the end of
+    the test (a failed wait) is killed."""
     started: list[Running] = []
 
-    def start(args, hold_minimizer=False) -> Running:
-        started.append(Running(tmp_path, args, hold_minimizer))
+    def start(args, hold_minimizer=False, hold=None) -> Running:
+        started.append(Running(tmp_path, args, hold_minimizer, hold))
         return started[-1]
 
     yield start
@@ -316,6 +335,32 @@ def test_other_write_errors_stay_input_errors(tmp_path, monkeypatch):
     src = os.path.join(REGRESSIONS, f"{BUG}.json")
     r = invoke("report", src, "--sarif", str(tmp_path / "r.sarif"))
     assert r.exit_code == 2 and "cannot write report" in r.stderr and "disk full" not in r.stderr
+
+
+# -- SIGTERM in start-up ---------------------------------------------------------------------------------
+
+def test_sigterm_while_the_target_loads_exits_130_with_one_line(tmp_path, launch):
+    """SIGTERM in the seconds a real engine's import takes (where a CI ``timeout`` lands) took the
+    default action, a bare 143; now it is Ctrl-C's path: one line and 130 (nothing ran, no report)."""
+    run = launch(["fuzz", "--max-time", "60", "--out", str(tmp_path / "out")], hold=HOLD_START_UP)
+    run.wait_for("TEST-HOLD: start-up held")
+    code, out, err = run.finish(signal.SIGTERM)
+    assert code == 130, err
+    assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
+
+
+def test_ci_interrupted_while_the_target_loads_writes_its_junit(tmp_path, launch):
+    """kvaudit ci writes its JUnit for what ran, also when nothing did: a skipped 'interrupted' case."""
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    run = launch(["ci", "--max-time", "60", "--presets", "default", "--regressions", str(empty),
+                  "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "ci.xml")], hold=HOLD_START_UP)
+    run.wait_for("TEST-HOLD: start-up held")
+    code, out, err = run.finish(signal.SIGTERM)
+    assert code == 130, err
+    assert "(interrupted)" in out
+    xml = (tmp_path / "ci.xml").read_text()
+    assert 'name="interrupted"' in xml and "<skipped" in xml and 'failures="0"' in xml
 
 
 # -- kvaudit ci ------------------------------------------------------------------------------------------

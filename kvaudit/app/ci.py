@@ -42,9 +42,6 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     except ValueError as e:
         raise InputError(f"--presets: {e}") from None
     get_preset = kind.preset
-    # the engine must be drivable here, and is loaded now (a real engine's import is not taken from the
-    # first preset's budget)
-    require_target(get_preset(preset_names[0]).config())
     sset = load_suppressions(suppress_file)
     if regressions_dir is None and kind.regressions is not None:
         from kvaudit.data import data_path
@@ -73,6 +70,9 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
               f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
     catch_sigint()
     try:
+        # the engine must be drivable here, and is loaded now (a real engine's import, seconds, is not
+        # taken from the first preset's budget; an interrupt during it still writes the JUnit)
+        require_target(get_preset(preset_names[0]).config())
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)

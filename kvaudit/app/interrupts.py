@@ -14,8 +14,10 @@ INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # SIGTERM: timeout(1), Kube
 
 
 def restoring_sigint(fn):
-    """Put the caller's SIGINT and SIGTERM handlers (and a clear interrupt flag) back when ``fn``
-    returns, so an in-process caller (a test, a notebook) keeps its Ctrl-C."""
+    """Take Ctrl-C and SIGTERM from the command's first line (:func:`catch_sigint`: a SIGTERM while a
+    real engine is imported, seconds of start-up, exits 130 with one line, not a bare 143), and put
+    the caller's SIGINT and SIGTERM handlers (and a clear interrupt flag) back when ``fn`` returns, so
+    an in-process caller (a test, a notebook) keeps its Ctrl-C."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
         from kvaudit.audit.runner import INTERRUPTED
@@ -24,6 +26,7 @@ def restoring_sigint(fn):
         previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
         hook = sys.unraisablehook
         try:
+            catch_sigint()
             return fn(*a, **k)
         finally:
             for sig, handler in previous.items():
