@@ -124,6 +124,26 @@ def test_fuzz_reports_the_first_hit_not_the_shrink_executions(tmp_path):
         or f'"first_hit_executions": {first}' in (tmp_path / "run.json").read_text()
 
 
+def test_a_flaky_finding_does_not_end_the_search(tmp_path, monkeypatch):
+    """A finding that does not replay is dropped and the search goes on past its signature, with the
+    rest of the budget (it used to end the run: exit 0, "no findings", most of the budget unused)."""
+    real, dropped = fuzz.triage, []
+
+    def first_is_flaky(config, program, finding, **k):
+        if not dropped:
+            dropped.append(finding.signature)
+            return None
+        return real(config, program, finding, **k)
+
+    monkeypatch.setattr(fuzz, "triage", first_is_flaky)
+    res = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish",
+                 "--fuzzer", "random", "--seed", "1", "--max-time", "60", "--out", str(tmp_path))
+    assert res.exit_code == 1, res.output
+    assert f"a finding ({dropped[0]}) did not replay 3 of 3 times" in res.stderr
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert doc["findings"][0]["signature"] != dropped[0]  # the search went on past the flaky signature
+
+
 def _spin_forever():
     end = time.monotonic() + 60  # "forever" for a test: without a watchdog the run ends after this
     while time.monotonic() < end:

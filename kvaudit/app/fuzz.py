@@ -33,6 +33,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     exit code (see the command's help). Raises :class:`InputError` for a bad directory, suppression
     file or fuzzer, :class:`UnavailableError` when atheris is missing."""
     from kvaudit.search.fuzz import FuzzStats, triage
+    from kvaudit.audit.runner import is_watchdog_hang
     from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED, set_step_timeout
     from kvaudit.audit.runner import step_timeout as runner_step_timeout
@@ -77,26 +78,40 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
                          console, err, use_seeds, db=db, campaign_name=campaign_name)
     progress = Progress(err, max_time, suppressions=sset)
     found = crash = None
+    flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
+    deadline = time.monotonic() + max_time
     catch_sigint()
     try:
         with progress:
             progress.update(stats)
-            found = _search(fuzzer, config, max_time, seed, stats, progress.update, sset, suppress_file, out_dir,
-                            use_seeds)
-            if found is None:
-                stats.phase = "done"
+
+            def phase(name: str) -> None:  # a line per phase off a terminal: confirming, minimizing, ...
+                stats.phase = name
                 progress.update(stats, force=True)
-            else:
+
+            while True:
+                # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
+                found = _search(fuzzer, config, max(0.0, deadline - time.monotonic()),
+                                seed if not flaky else seed * 1_000_003 + len(flaky), stats, progress.update, sset,
+                                suppress_file, out_dir, use_seeds, known=frozenset(flaky))
+                if found is None:
+                    phase("done")
+                    break
                 stats.findings = 1
-
-                def phase(name: str) -> None:  # a line per phase off a terminal: confirming, minimizing, ...
-                    stats.phase = name
-                    progress.update(stats, force=True)
-
+                first = next(f for f in found[1] if f.signature not in flaky)
                 # the report's hit counts are the search's: triage's many reruns count apart
-                crash = triage(config, found[0], found[1][0], suppressions=sset.fresh() if sset is not None else None,
+                crash = triage(config, found[0], first, suppressions=sset.fresh() if sset is not None else None,
                                on_phase=phase)
-                phase("done")
+                if crash is not None:
+                    phase("done")
+                    break
+                sig = first.signature
+                runs = 1 if is_watchdog_hang(first) else CONFIRM_RUNS
+                err.print(f"a finding ({sig}) did not replay {runs} of {runs} times: not reported (flaky); the "
+                          f"search goes on past it", soft_wrap=True)
+                flaky.append(sig)
+                found, stats.findings, stats.first_hit = None, 0, None
+                stats.phase = "fuzzing"
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM
         ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
         INTERRUPTED.clear()  # the timeline below replays the program
@@ -119,12 +134,10 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     if found is None or crash is None:
         if sset is not None:
             print_suppressions(console, sset)
-        if found is None:
-            console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
-                          f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)")
-        else:
-            console.print(f"a finding ({found[1][0].signature}) did not replay {CONFIRM_RUNS} of {CONFIRM_RUNS} "
-                          "times; not reported (flaky)")
+        console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
+                      f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)"
+                      + (f"; {len(flaky)} flaky finding(s) not reported: {', '.join(flaky)}" if flaky else ""),
+                      soft_wrap=True)
         console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
         if stats.executions == 0:
             err.print("warning: no program ran: start-up spent the budget (the budget counts from the command's "
@@ -185,23 +198,25 @@ def budget_left(max_time: float) -> float:
     return max(0.0, max_time - (time.monotonic() - entry.STARTED))
 
 
-def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True):
-    """One search that stops at the first finding: (program, findings) or None."""
+def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True,
+            known: frozenset[str] = frozenset()):
+    """One search that stops at the first finding whose signature is not in ``known``: (program,
+    findings) or None."""
     from kvaudit.search.fuzz import hypothesis_search, random_search
 
     if fuzzer == "random":
-        return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+        return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
     if fuzzer == "corpus":
         from kvaudit.search.corpus_fuzz import corpus_search
 
-        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
     if fuzzer == "atheris":
         from kvaudit.search.atheris_fuzz import atheris_search
 
         return atheris_search(config, max_time, seed, stats, on_progress=on_progress, corpus_dir=None, workers=1,
                               suppressions_path=suppress_file, work_dir=os.path.join(out_dir, ".atheris"),
-                              use_seeds=use_seeds)
-    return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset)
+                              use_seeds=use_seeds, known=known)
+    return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
 
 
 def check_db(url: str):
