@@ -171,6 +171,7 @@ def test_sigterm_during_the_search_exits_130_with_the_reports(tmp_path, launch):
     code, stdout, stderr = run.finish(signal.SIGTERM)
     assert code == 130, stderr  # Ctrl-C's code with nothing found
     assert "Traceback" not in stderr and "no finding" in stderr
+    assert stdout.strip().splitlines()[-1] == "SUMMARY: kvaudit: no findings (interrupted)."  # the last line
     assert json.load(open(tmp_path / "r.json"))["interrupted"] is True
     assert 'failures="0"' in open(tmp_path / "r.xml").read()
 

@@ -117,6 +117,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
         INTERRUPTED.clear()  # the timeline below replays the program
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
+            console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
             write_reports(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
             return EXIT_INTERRUPTED
         if crash is None:  # interrupted while confirming or minimizing: keep it, unminimized and unconfirmed
@@ -301,7 +302,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
     # the closing line: the new findings (a campaign reports each signature once)
-    line = summary_line([f for c in cases for f in c.findings], suppressed_by_kind(sset))
+    line = summary_line([f for c in cases for f in c.findings], suppressed_by_kind(sset), interrupted=result.interrupted)
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."

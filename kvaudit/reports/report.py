@@ -193,15 +193,17 @@ def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = No
              "deduplicated": deduplicated.get(k, 0)} for k in kinds]
 
 
-def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = None) -> str:
+def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = None,
+                 interrupted: bool = False) -> str:
     """The closing line, in LeakSanitizer's manner and always one line, for ``grep '^SUMMARY:'``:
     ``SUMMARY: kvaudit: 3 finding(s) (2 leak, 1 double-free) in 2 signature(s); 12 slot(s), 1 row(s)
-    involved.``, ``SUMMARY: kvaudit: no findings.``, with ``; N suppressed`` when rules suppressed
-    findings. Kinds in :data:`KINDS` order; rows count ``req_to_token_pool`` rows, slots everything else."""
+    involved.``, ``SUMMARY: kvaudit: no findings.`` (``no findings (interrupted).`` for a run cut
+    short), with ``; N suppressed`` when rules suppressed findings. Kinds in :data:`KINDS` order; rows
+    count ``req_to_token_pool`` rows, slots everything else."""
     n_suppressed = sum((suppressed or {}).values())
     tail = f"; {n_suppressed} suppressed" if n_suppressed else ""
     if not findings:
-        return f"SUMMARY: kvaudit: no findings{tail}."
+        return f"SUMMARY: kvaudit: no findings{' (interrupted)' if interrupted else ''}{tail}."
     counts: dict[str, int] = {}
     for f in findings:
         counts[f.kind] = counts.get(f.kind, 0) + 1
