@@ -309,9 +309,11 @@ def test_the_search_goes_on_past_suppressed_findings():
 # -- the command line ------------------------------------------------------------------------------
 
 def _rows(stdout: str) -> list[str]:
-    """The body rows of the "suppressions used" table."""
+    """The body rows of the "suppressions used" table, as a CI log gets it (not a terminal): one plain
+    line per rule, no frames, the hit count last."""
     table = stdout.split("suppressions used", 1)[1]
-    return [line for line in table.splitlines() if re.match(r"^│\s*\d+\s*│", line)]
+    assert "│" not in table and "─" not in table.split("SUMMARY:")[0]  # no box frames off a terminal
+    return [line for line in table.splitlines() if re.match(r"^  \d+  ", line)]
 
 
 def test_replay_with_every_finding_suppressed_exits_0_and_shows_the_hits(tmp_path):
@@ -331,7 +333,7 @@ pool = "hisparse_host"
     rows = _rows(out)
     assert len(rows) == 2
     for row in rows:
-        assert re.search(r"│\s+1\s+│$", row.rstrip()), row
+        assert row.rstrip().endswith("  1"), row
     assert "matched nothing" not in out
     assert "signature:" not in out, "no finding is reported"
     assert "reproduced: yes (suppressed:" in out and DEVICE_LEAK in out
@@ -354,7 +356,7 @@ def test_replay_with_one_finding_suppressed_reports_the_other(tmp_path):
     assert result.exit_code == 1, result.output
     assert f"signature: {HOST_LEAK}" in result.stdout and f"signature: {DEVICE_LEAK}" not in result.stdout
     first, second = _rows(result.stdout)
-    assert re.search(r"│\s+1\s+│$", first.rstrip()) and "matched nothing" in second
+    assert first.rstrip().endswith("  1") and "matched nothing" in second
 
 
 def test_replay_without_suppress_prints_nothing_extra():
@@ -393,7 +395,7 @@ def test_fuzz_with_the_zoo_bug_suppressed_exits_0(tmp_path):
     assert result.exit_code == 0, result.output
     assert "no findings" in result.stdout
     first, _, third = _rows(result.stdout)
-    assert int(first.rstrip().rstrip("│").split("│")[-1]) > 0
+    assert int(first.rstrip().split()[-1]) > 0
     assert "matched nothing" in third
     assert [p for p in os.listdir(out) if p.endswith(".json")] == []
 

@@ -267,7 +267,12 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
         _print(console, Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
                            style="dim"), plain, soft_wrap=True)
         return
-    _print(console, suppressions_table(suppressions), plain)
+    table = suppressions_table(suppressions)
+    if plain:  # one line per rule, no frames (a CI log); the file in the title, not a caption line
+        table.title = f"suppressions used ({suppressions.path})" if suppressions.path else table.title
+        print_table(console, table)
+    else:
+        console.print(table)
     unused = suppressions.unused()
     if unused:
         _print(console, Text(f"{len(unused)} suppression(s) matched nothing: "
