@@ -308,6 +308,14 @@ def test_minimize_says_when_the_finding_does_not_reproduce(tmp_path):
     assert not (tmp_path / "fixed.min.json").exists()
 
 
+def test_minimize_names_its_own_flag_for_an_unwritable_output(tmp_path):
+    src = os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json")
+    (tmp_path / "a-file").write_text("")
+    result = invoke("minimize", src, "-o", str(tmp_path / "a-file" / "x.json"))  # its parent is no directory
+    line = one_error_line(result)
+    assert result.exit_code == 2 and line.startswith("kvaudit: error: --output ") and "--json" not in line
+
+
 # -- kvaudit ci ----------------------------------------------------------------------------------------
 
 def test_ci_replays_regressions_and_fails_on_a_broken_one(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, EXIT_NOT_REPRODUCED, InputError
-from kvaudit.app.files import check_outputs, write_replay
+from kvaudit.app.files import check_paths, write_replay
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import console as make_console
 from kvaudit.app.replay import load_replay
@@ -25,7 +25,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
             raise InputError(f"{file} records no finding: name one with --signature")
         signature = recorded[0].signature
     out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
-    check_outputs((file,), json=out_file)  # the same checks as the report flags
+    check_paths((file,), output=out_file)  # the same checks as the report flags, named as the flag
     console, err = make_console(), make_console(stderr=True)
     fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
     err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
