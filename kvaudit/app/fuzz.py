@@ -65,7 +65,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     kind = registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, step timeout {runner_step_timeout():g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
+              f"budget {max_time:g}s, step timeout {runner_step_timeout():.3g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
                   f", shared as {campaign_name!r} through {safe_url(db)}" if db else "") if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
@@ -152,7 +152,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     data.cases[0].timeline = crash.timeline  # triage's confirming replay recorded it
     data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
     hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
-    console.print(f"found after {hit_execs} executions in {hit_s:.1f}s (search: {stats.executions} executions"
+    console.print(f"found after {hit_execs} execution{'' if hit_execs == 1 else 's'} in {hit_s:.1f}s (search: {stats.executions} executions"
                   + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
                   + f", {stats.elapsed:.1f}s in all); "
                   + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
