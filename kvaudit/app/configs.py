@@ -199,7 +199,9 @@ def bugs_renderables() -> list:
         if not rows:
             continue
         if all(hasattr(b, "source") for b in rows.values()):
-            t = Table(title=kind.bugs_title)
+            t = Table(title=kind.bugs_title, caption_justify="left",
+                      caption="finding: the first that `kvaudit fuzz --preset PRESET --bug BUG --seed 1` reports; "
+                              "another seed can meet another symptom of the same bug first (a crash, a drift)")
             t.add_column("bug", no_wrap=True)  # the name is what --bug takes: never cut it
             for col in ("preset", "source", "finding"):
                 t.add_column(col, overflow="fold")
