@@ -294,6 +294,22 @@ def test_triage_minimizes_to_the_unsuppressed_signature():
     assert len(crash.program) < len(program)
 
 
+@pytest.mark.parametrize("fuzzer", ["random", "corpus"])
+def test_the_search_counts_what_it_suppressed_in_the_program_that_found(fuzzer):
+    """The progress line's suppressed=N: a rule that matched in the very program that found the bug
+    counts (it read 0 while the SUMMARY said '1 suppressed')."""
+    from kvaudit.search.corpus_fuzz import corpus_search
+    from kvaudit.search.fuzz import random_search
+
+    config = replay.load(HISPARSE)[0]
+    sset = SuppressionSet([Suppression(pool="hisparse_device", index=1)])
+    stats = FuzzStats()
+    search = random_search if fuzzer == "random" else corpus_search
+    found = search(config, 30, 1, stats, suppressions=sset)
+    assert found is not None and found[1][0].signature == HOST_LEAK
+    assert stats.executions == 1 and DEVICE_LEAK in stats.suppressed  # the same program had both leaks
+
+
 @pytest.mark.slow
 def test_the_search_goes_on_past_suppressed_findings():
     config = replay.load(HISPARSE)[0]

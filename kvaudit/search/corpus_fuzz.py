@@ -447,6 +447,7 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                 if found and not all(f.signature in known for f in found):
                     stats.hit()
                     stats.sites |= run.auditor.site_keys()
+                    stats.suppressed.update(f.signature for f in run.suppressed)  # on the way to it
                     return program[:ran], found
                 if found:
                     broke = not keep_findings  # a known finding: the op that raised it stays out of the corpus

@@ -382,6 +382,7 @@ def random_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                 if found and not all(f.signature in known for f in found):
                     stats.hit()
                     stats.sites |= run.auditor.site_keys()
+                    stats.suppressed.update(f.signature for f in run.suppressed)  # on the way to it
                     return program[: i + 1], found
                 if found:
                     break
