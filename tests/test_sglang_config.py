@@ -110,6 +110,8 @@ def test_cli_says_in_one_line_when_sglang_cannot_be_driven(monkeypatch, tmp_path
 @pytest.mark.parametrize("args, match", [
     (["--target", "sglang", "--preset", "paged"], "unknown preset 'paged' for --target sglang"),
     (["--target", "sglang", "--bug", "overlap-abort-double-free"], "unknown fault"),
+    (["--target", "sglang", "--bug", "overlap-abort-double-free"], "is a bug of --target eut: drop --target sglang"),
+    (["--bug", "skip-release"], "skip-release is a bug of --target sglang: add --target sglang"),
     (["--target", "sglang", "--model", "tiny"], "--model tiny is for the built-in engine"),
     (["--target", "sglang", "--fuzzer", "atheris"], "atheris instruments the built-in engine only"),
     (["--preset", "sglang-paged"], "add --target sglang"),

@@ -128,10 +128,25 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
         config = chosen.config(**changes)
     except ValueError as e:
         msg = str(e)
-        raise InputError(msg if msg.startswith(("unknown bug", "unknown fault")) else f"bad configuration: {msg}") \
-            from None
+        if msg.startswith(("unknown bug", "unknown fault")):
+            others = sorted({k.name for b in bugs for k in registry.kinds().values()
+                             if k is not kind and b not in kind.bugs() and b in _bugs_of(k)})
+            if len(others) == 1:  # as for a preset: the bug is another target kind's
+                fix = (f"drop --target {kind.name}" if others[0] == registry.DEFAULT_KIND
+                       else f"add --target {others[0]}")
+                msg += f" ({', '.join(b for b in bugs if b not in kind.bugs())} is a bug of --target {others[0]}: {fix})"
+            raise InputError(msg) from None
+        raise InputError(f"bad configuration: {msg}") from None
     require_target(config)
     return config
+
+
+def _bugs_of(kind) -> dict:
+    """``kind.bugs()``, or nothing when the kind cannot say (a plugin that fails): only for a hint."""
+    try:
+        return kind.bugs()
+    except Exception:
+        return {}
 
 
 def _has_field(cls, name: str) -> bool:
