@@ -383,21 +383,23 @@ def export_cmd(file, issue_out, client_out, resolve):
 @main.command()
 def presets():
     """List the engine presets."""
-    from kvaudit.app.configs import presets_table
+    from kvaudit.app.configs import presets_table, warn_plugin_errors
     from kvaudit.app.progress import console
 
     console().print(presets_table())
+    warn_plugin_errors(console(stderr=True))
 
 
 @main.command()
 def bugs():
     """List the bug-zoo switches with their preset and public source."""
-    from kvaudit.app.configs import bugs_renderables
+    from kvaudit.app.configs import bugs_renderables, warn_plugin_errors
     from kvaudit.app.progress import console
 
     out = console()
     for renderable in bugs_renderables():
         out.print(renderable)
+    warn_plugin_errors(console(stderr=True))
 
 
 if __name__ == "__main__":

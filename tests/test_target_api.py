@@ -158,3 +158,18 @@ def test_a_registered_kind_builds_targets_and_configs_from_replay_files():
     finally:
         registry._KINDS.pop("toy")
     assert list(registry.kinds())[:2] == ["eut", "sglang"]
+
+
+@pytest.mark.parametrize("command", [["presets"], ["bugs"], ["fuzz", "--max-time", "0.1"]])
+def test_a_plugin_that_fails_to_load_is_a_warning_not_silence(command, tmp_path):
+    """A typo in KVAUDIT_PLUGINS used to be silent unless its target was asked for."""
+    import subprocess
+
+    from cli_helpers import kvaudit_script, plain_env
+
+    env = {**plain_env(), "KVAUDIT_PLUGINS": "examples.minivllm.targt"}
+    r = subprocess.run([kvaudit_script(), *command], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "warning: cannot import 'examples.minivllm.targt' named in KVAUDIT_PLUGINS" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -177,6 +177,13 @@ def check_device(device: str) -> None:
             raise InputError(f"device {device}: no CUDA device is available here (torch {torch.__version__})")
 
 
+def warn_plugin_errors(err: Console) -> None:
+    """A plugin named in ``KVAUDIT_PLUGINS`` (or an entry point) that failed to load: one warning line
+    each, so a typo is not silently a missing target."""
+    for line in registry.plugin_errors():
+        err.print(f"warning: {line}", soft_wrap=True, markup=False, highlight=False)
+
+
 def warn_unreachable_bugs(config, err: Console) -> None:
     """A zoo bug (a row with a ``preset``) switched on under another preset may never trigger: say so."""
     rows = registry.kind_of(config).bugs()

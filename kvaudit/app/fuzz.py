@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit import replay
-from kvaudit.app.configs import check_fuzzer, warn_unreachable_bugs
+from kvaudit.app.configs import check_fuzzer, warn_plugin_errors, warn_unreachable_bugs
 from kvaudit.targets import registry
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, UnavailableError,
                                 write_error)
@@ -70,6 +70,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
+    warn_plugin_errors(err)
     for note in kind.notes(config):
         err.print(f"note: {note}", soft_wrap=True)
     max_time = budget_left(max_time)

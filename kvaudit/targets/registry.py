@@ -162,6 +162,13 @@ def _load() -> None:
             _plugin_errors.append(f"cannot load entry point {ep.name!r} ({ep.value}): {type(e).__name__}: {e}")
 
 
+def plugin_errors() -> list[str]:
+    """One line per plugin (``KVAUDIT_PLUGINS`` module or entry point) that failed to load; empty when
+    every one loaded. Loads the registry first."""
+    _load()
+    return list(_plugin_errors)
+
+
 def kinds() -> dict[str, TargetKind]:
     """Every registered kind, by name (built-ins first)."""
     _load()
