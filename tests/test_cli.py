@@ -517,3 +517,13 @@ def test_replay_update_usage_errors(tmp_path, args):
     result = invoke("replay", *[str(tmp_path / a) if a.endswith(".json") else a for a in args])
     assert result.exit_code == 2, result.output
     one_error_line(result)
+
+
+@pytest.mark.parametrize("flags, warning", [
+    (["--campaign", "nightly"], "warning: --campaign nightly names a campaign shared through --db"),
+    (["--no-seeds"], "warning: --no-seeds applies to --fuzzer atheris"),
+])
+def test_a_flag_that_does_nothing_here_is_a_warning(flags, warning, tmp_path):
+    r = invoke("fuzz", *flags, "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert warning in r.stderr

@@ -71,6 +71,12 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
     warn_plugin_errors(err)
+    if db is None and campaign_name != "default":
+        err.print(f"warning: --campaign {campaign_name} names a campaign shared through --db; without --db it is "
+                  "ignored", soft_wrap=True, markup=False)
+    if not use_seeds and fuzzer != "atheris":
+        err.print(f"warning: --no-seeds applies to --fuzzer atheris (its seed corpus); with --fuzzer {fuzzer} it is "
+                  "ignored", soft_wrap=True, markup=False)
     for note in kind.notes(config):
         err.print(f"note: {note}", soft_wrap=True)
     max_time = budget_left(max_time)
