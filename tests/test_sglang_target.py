@@ -822,3 +822,16 @@ def test_an_abort_matches_rids_by_prefix_as_sglang_does(preset):
     assert aborted == ["r1", "r10", "r11"]
     assert run.findings == []
     run.close()
+
+
+def test_a_run_on_real_sglang_has_no_vllm_import_noise_on_stderr(tmp_path):
+    """SGLang imports vLLM, whose CPU-only platform probe logged 'Failed to import from vllm._C' on
+    every run's stderr; kvaudit quiets that one logger (a level the user set stays)."""
+    import subprocess
+
+    from cli_helpers import kvaudit_script, plain_env
+
+    r = subprocess.run([kvaudit_script(), "fuzz", "--target", "sglang", "--max-time", "0.1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=plain_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("kvaudit fuzz: target sglang") and "vllm._C" not in r.stderr, r.stderr

@@ -167,6 +167,11 @@ def load() -> SimpleNamespace:
         raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
                                 "this target does not need")
     stubbed = install_stubs()
+    # SGLang imports vLLM, whose platform probe logs "Failed to import from vllm._C" on every CPU-only
+    # start: expected here (no kernel runs), and noise on every run's stderr. A level the user set stays.
+    probe_log = logging.getLogger("vllm.platforms.interface")
+    if probe_log.level == logging.NOTSET:
+        probe_log.setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
