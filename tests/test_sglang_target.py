@@ -835,3 +835,5 @@ def test_a_run_on_real_sglang_has_no_vllm_import_noise_on_stderr(tmp_path):
                        capture_output=True, text=True, env=plain_env(), timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith("kvaudit fuzz: target sglang") and "vllm._C" not in r.stderr, r.stderr
+    # the budget counts from the process start: the run says what start-up (the import) took of it
+    assert "s of the 0.1s budget: 0.0s left to search" in r.stderr
