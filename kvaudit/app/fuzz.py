@@ -80,9 +80,12 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     for note in kind.notes(config):
         err.print(f"note: {note}", soft_wrap=True)
     budget, max_time = max_time, budget_left(max_time)
-    if budget - max_time >= 1.0:  # the status clock starts now; the budget started with the process
-        err.print(f"start-up took {budget - max_time:.1f}s of the {budget:g}s budget: {max_time:.1f}s left to "
-                  "search", soft_wrap=True)
+    from kvaudit import entry
+
+    if entry.STARTED is not None and time.monotonic() - entry.STARTED >= 1.0:
+        # the status clock starts now; the budget started with the process
+        err.print(f"start-up took {time.monotonic() - entry.STARTED:.1f}s of the {budget:g}s budget: "
+                  f"{max_time:.1f}s left to search", soft_wrap=True)
     if campaign:
         return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
                          console, err, use_seeds, db=db, campaign_name=campaign_name)
