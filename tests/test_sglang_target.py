@@ -837,3 +837,20 @@ def test_a_run_on_real_sglang_has_no_vllm_import_noise_on_stderr(tmp_path):
     assert r.stderr.startswith("kvaudit fuzz: target sglang") and "vllm._C" not in r.stderr, r.stderr
     # the budget counts from the process start: the run says what start-up (the import) took of it
     assert "s of the 0.1s budget: 0.0s left to search" in r.stderr
+
+
+def test_a_crash_traceback_shows_engine_frames_with_portable_paths():
+    """A crash's stored traceback keeps the engine's frames and the driver's (it plays the scheduler),
+    not kvaudit's runner or hooks, whose line numbers move with kvaudit's code, and no machine's
+    site-packages path: the replay file's text changes only when the engine's code does."""
+    import re as re_
+
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "sglang",
+                        "crash-take-rejected-turn-in-first-batch.json")
+    config, program, _, _ = replay.load(path)
+    (crash,) = [f for f in execute(config, program).findings if f.kind == "crash"]
+    files = re_.findall(r'File "([^"]+)", line \d+', crash.traceback)
+    assert files and files[-1] == "sglang/srt/session/streaming_session.py", files
+    assert not any(os.path.isabs(f) or f.startswith("kvaudit/audit/") for f in files), files
+    assert any(f.startswith("kvaudit/targets/sglang/") for f in files)  # the driver's frames stay
+    assert crash.traceback.rstrip().endswith("AssertionError: session_id='s0' already has a slot")

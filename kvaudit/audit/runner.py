@@ -470,6 +470,39 @@ def _engine_frames(stack, engine_files=()) -> list[Site]:
             if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
 
 
+def _display_path(path: str) -> str:
+    """:func:`portable_path`, and an installed module's path from its import root (``sglang/srt/...``
+    for ``.../site-packages/sglang/srt/...`` or a release overlay's): for text, not for reading."""
+    path = portable_path(path)
+    if not os.path.isabs(path):
+        return path
+    roots = [os.path.abspath(r) for r in sys.path if r and os.path.isabs(r)]
+    root = max((r for r in roots if path.startswith(r + os.sep)), key=len, default=None)
+    return os.path.relpath(path, root) if root else path
+
+
+def _engine_traceback(exc: BaseException, engine_files=()) -> str:
+    """``exc``'s traceback as Python prints it, chained exceptions included, but with the frames
+    :func:`_engine_frames` keeps (no kvaudit runner or hook frames, whose line numbers move with
+    kvaudit's code) and portable paths (``sglang/srt/...``, not this machine's site-packages), so
+    that a replay file's text does not change when only kvaudit or the machine does."""
+    keep = {os.path.abspath(f) for f in engine_files}
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen, todo = set(), [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        frames = [fr for fr in t.stack if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)
+                  or os.path.abspath(fr.filename) in keep]
+        for fr in frames:
+            fr.filename = _display_path(fr.filename)
+        t.stack = traceback.StackSummary.from_list(frames)
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+    return "".join(te.format())
+
+
 def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=(), target=None,
                    auditor=None) -> Finding:
     """The crash as a finding: its stack without kvaudit's frames, except a target's ``engine_files``
@@ -477,8 +510,7 @@ def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()
     memory at that moment (``memory_state``, read from ``target`` and ``auditor``: :mod:`kvaudit.audit.memstate`)."""
     frames = _engine_frames(traceback.extract_tb(exc.__traceback__), engine_files)
     f = Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
-                op_index=op_index, step=step,
-                traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+                op_index=op_index, step=step, traceback=_engine_traceback(exc, engine_files))
     if target is not None and memstate.is_out_of_memory(str(exc)):
         f.memory_state = memstate.memory_state(target, auditor)
     return f
