@@ -65,14 +65,15 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult()
     per_preset = max_time / len(preset_names) if max_time > 0 else 0.0
-    err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
-              f"fuzz {fuzzer} over "
-              f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
     catch_sigint()
     try:
         # the engine must be drivable here, and is loaded now (a real engine's import, seconds, is not
-        # taken from the first preset's budget; an interrupt during it still writes the JUnit)
+        # taken from the first preset's budget; an interrupt during it still writes the JUnit), before
+        # the header line: a target that cannot run is one error line
         require_target(get_preset(preset_names[0]).config())
+        err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
+                  f"fuzz {fuzzer} over "
+                  f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)
