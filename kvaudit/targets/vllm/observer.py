@@ -7,7 +7,8 @@
   (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``) are replayed into a shadow of the map.
 * **Roots.** Each non-null block of each group's ``req_to_blocks[rid]`` for every request the scheduler
   still knows (``Scheduler.requests``: waiting, running, preempted, finished-but-held), each pending
-  copy-on-write pair (``_pending_cow_copies``) and each deferred free (``Scheduler.deferred_frees``).
+  copy-on-write pair (``_pending_cow_copies``), each deferred free (``Scheduler.deferred_frees``) and
+  each GPU block a KV connector's scheduler side holds for a transfer in flight (``connector_holders``).
   A block two holders reference is shared (not private to either).
 * **Invariants** (:meth:`VllmObserver.invariant_findings`): ref counts equal root references; on the
   free queue iff the count is 0; a well-formed free list of ``num_free_blocks``; the null block never
@@ -215,8 +216,14 @@ class VllmObserver:
                 out.append((f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64)))
         for i, blocks in enumerate(self.deferred()):
             out.append((f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64)))
+        out += self.connector_holders()
         held = np.concatenate([units for _, _, units in out]) if out else np.zeros(0, dtype=np.int64)
         return out, np.bincount(held, minlength=self.config.num_gpu_blocks).astype(np.int64)
+
+    def connector_holders(self) -> list[tuple[str, str, np.ndarray]]:
+        """``(owner, where, [n] int64 block ids)`` for each reference a KV connector's scheduler side holds
+        on GPU blocks itself (a transfer in flight), one per id listed: none by default."""
+        return []
 
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
