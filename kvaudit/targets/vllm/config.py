@@ -75,7 +75,7 @@ class VllmConfig(ConfigBase):
     (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
     ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
     ``num_cpu_blocks``: with ``SimpleCPUOffloadConnector``, the CPU tier's blocks (its scheduler side's
-    own ``BlockPool``; the driver sets ``cpu_bytes_to_use`` so that the connector sizes it so). The
+    own ``BlockPool``, block 0 its null block; the driver sets ``cpu_bytes_to_use`` so that the connector sizes it so). The
     connector runs in eager mode (``lazy_offload`` off: each request's computed blocks are stored as
     they are confirmed), vLLM's default and the mode of vLLM #42571.
     ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0: the model
@@ -189,8 +189,9 @@ class VllmConfig(ConfigBase):
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
             raise ValueError(f"kv_transfer_latency_steps must be an integer in [1, 64], got {n!r}")
         n = self.num_cpu_blocks
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1 << 16:
-            raise ValueError(f"num_cpu_blocks must be an integer in [1, 65536], got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= 1 << 16:
+            raise ValueError(f"num_cpu_blocks must be an integer in [2, 65536] (block 0 is the CPU pool's null "
+                             f"block), got {n!r}")
         if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
             raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
                              "off without it)")
