@@ -18,7 +18,7 @@ from kvaudit.program import Abort, Idle, Step, Submit
 from kvaudit.targets.vllm.config import VLLM_PRESETS, VllmConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-REPRO = ROOT / "corpora" / "vllm" / "history" / "vllm-42571.json"
+REPRO = ROOT / "tests" / "data" / "vllm_releases" / "vllm-42571.json"  # corpora/vllm/history/ once catalogued
 QUEUED_TWICE = "double-free/block_pool/_free_blocks@scheduler.py/_process_store_completion@manager.py/check:queued-twice"
 PRESETS = ["vllm-cpu-offload-swa", "vllm-cpu-offload-swa-async"]
 
