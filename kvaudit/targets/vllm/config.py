@@ -235,18 +235,20 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             wake_for_transfers=True),
     _preset("vllm-cpu-offload-swa", "the Scheduler (one batch in flight) with vLLM's SimpleCPUOffloadConnector in "
                                     "eager mode (scheduler side real, worker side a stand-in) over full attention "
-                                    "+ a 32-token sliding window, 32 GPU blocks, a 64-token step budget and 4 CPU "
-                                    "blocks, stores and loads completing 1-12 steps later, in order (the setting "
-                                    "of vLLM #42571: a small CPU tier holds back the window's stores); stepping "
+                                    "+ an 8-token sliding window, 48 GPU blocks of 4 tokens, a 16-token step budget "
+                                    "and 6 CPU blocks, stores and loads completing 1-12 steps later, in order "
+                                    "(the setting of vLLM #42571: the window slides every few tokens and a small "
+                                    "CPU tier holds back its stores); stepping "
                                     "on while a store is outstanding (wake_for_transfers: before 0.30.0 the "
                                     "connector reports no pending push work, so an idle engine stops stepping)",
-            kv_connector="SimpleCPUOffloadConnector", sliding_window=32, num_gpu_blocks=32, max_model_len=256,
-            max_num_batched_tokens=64, num_cpu_blocks=4, kv_transfer_latency_steps=12, wake_for_transfers=True),
+            kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8, num_gpu_blocks=48,
+            max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12,
+            wake_for_transfers=True),
     _preset("vllm-cpu-offload-swa-async", "vllm-cpu-offload-swa on the AsyncScheduler (vLLM's default scheduling; "
                                           "before 0.24.0 vLLM #45357 is found first there)",
-            async_scheduling=True, kv_connector="SimpleCPUOffloadConnector", sliding_window=32, num_gpu_blocks=32,
-            max_model_len=256, max_num_batched_tokens=64, num_cpu_blocks=4, kv_transfer_latency_steps=12,
-            wake_for_transfers=True),
+            async_scheduling=True, kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8,
+            num_gpu_blocks=48, max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6,
+            kv_transfer_latency_steps=12, wake_for_transfers=True),
     _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
                                 "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
             async_scheduling=True, return_routed_experts=True),
