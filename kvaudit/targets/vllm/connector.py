@@ -18,9 +18,12 @@ contract the issue asks for:
   ``Scheduler.defer_block_free`` and so ``deferred_frees``.
 
 The other shipped connectors fit less well: ``ExampleConnector`` and ``DecodeBenchConnector`` load
-synchronously (``(n, False)``: no ``WAITING_FOR_REMOTE_KVS``), and the offloading connectors'
-scheduler sides keep a CPU-tier manager fed by their workers' transfer results, so a stand-in would
-have to fake more than completions (not tried).
+synchronously (``(n, False)``: no ``WAITING_FOR_REMOTE_KVS``). Of the offloading connectors,
+``SimpleCPUOffloadConnector`` is driven too (:class:`OffloadWorkerStandIn`, presets
+``vllm-cpu-offload-swa``): its scheduler side keeps its own CPU ``BlockPool`` and touches GPU blocks
+while a transfer is in flight, and what its worker reports back is only completions (load request ids,
+store event indices), which a stand-in on the step clock can give; ``OffloadingConnector`` was not
+tried.
 
 The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlConnectorMetadata``
 (``start_load_kv``, ``get_finished``), with no memory moved and on the step clock: a read of
