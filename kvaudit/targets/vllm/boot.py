@@ -141,7 +141,40 @@ def kv_cache_config(v: SimpleNamespace, config):
         groups.append(v.KVCacheGroupSpec(["swa"], v.SlidingWindowSpec(
             block_size=config.block_size, num_kv_heads=1, head_size=1, dtype=dtype,
             sliding_window=config.sliding_window)))
-    return v.KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    return v.KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=_kv_cache_tensors(config),
+                           kv_cache_groups=groups)
+
+
+OFFLOAD_PAGE_BYTES = 1024  # the nominal bytes of one block of every layer (no tensor is ever allocated)
+
+
+def _kv_cache_tensors(config) -> list:
+    """``KVCacheConfig.kv_cache_tensors``: none, except for ``SimpleCPUOffloadConnector``, whose scheduler
+    side sizes its CPU tier against the GPU one (``SimpleCPUOffloadScheduler._derive_cpu_config``,
+    ``vllm/v1/simple_kv_offload/manager.py``: it asserts a tensor exists and takes
+    ``num_gpu_blocks * cpu_bytes_to_use // tensor bytes`` CPU blocks): then one nominal tensor of
+    ``num_gpu_blocks * OFFLOAD_PAGE_BYTES`` bytes shared by every layer. Its fields changed in vLLM 0.24.0
+    (``shared_by`` became ``layers`` with strides), so it is built by the fields the release has."""
+    if config.kv_connector != "SimpleCPUOffloadConnector":
+        return []
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+    layers = ["full"] + (["swa"] if config.sliding_window is not None else [])
+    size = config.num_gpu_blocks * OFFLOAD_PAGE_BYTES
+    names = {f.name for f in dataclasses.fields(KVCacheTensor)}
+    if "shared_by" in names:
+        return [KVCacheTensor(size=size, shared_by=layers)]
+    return [KVCacheTensor(size=size, layers=layers, layer_stride=0, block_stride=OFFLOAD_PAGE_BYTES)]
+
+
+def kv_connector_extra_config(config) -> dict:
+    """``KVTransferConfig.kv_connector_extra_config`` for ``config``'s connector: for
+    ``SimpleCPUOffloadConnector``, eager mode and a CPU budget of ``num_cpu_blocks`` nominal pages (so
+    that its CPU ``BlockPool`` has ``num_cpu_blocks`` blocks, vLLM 0.20.0 to 0.33.0 alike); else none."""
+    if config.kv_connector != "SimpleCPUOffloadConnector":
+        return {}
+    return {"cpu_bytes_to_use": config.num_cpu_blocks * OFFLOAD_PAGE_BYTES, "lazy_offload": False}
 
 
 def _model_dir(v: SimpleNamespace, config) -> str:
@@ -165,9 +198,12 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 
 def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when the loaded vLLM cannot build ``config``:
+    ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat`` "simple-cpu-offload");
     ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0;
     ``compat`` "routed-experts-aux-output")."""
     v = load()
+    if config.kv_connector == "SimpleCPUOffloadConnector" and not v.has("simple-cpu-offload"):
+        raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {v.version}")
     if config.return_routed_experts and not compat.routed_experts_supported(v.version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
                               f"(ModelConfig.enable_return_routed_experts), not {v.version}")
@@ -194,7 +230,8 @@ def build_scheduler(config):
             KVConnectorFactory.register_connector(config.kv_connector, "kvaudit.targets.vllm.save_connector",
                                                   config.kv_connector)
     kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
-        kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit")
+        kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit",
+        kv_connector_extra_config=kv_connector_extra_config(config))
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))

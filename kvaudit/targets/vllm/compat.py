@@ -52,6 +52,8 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
            "returning routed experts moves from ModelConfig.enable_return_routed_experts (and the Scheduler's "
            "_re_block_ids side table) to an aux-output connector behind Model Runner V2, which needs Triton: "
            "not buildable on CPU here"),
+    Change("simple-cpu-offload", "0.19.0",
+           "SimpleCPUOffloadConnector (vllm/v1/simple_kv_offload/); absent before"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}

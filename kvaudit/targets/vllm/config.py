@@ -49,7 +49,8 @@ FAULTS: dict[str, tuple[str, str]] = {
 LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
-KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector")  # the second: kvaudit/targets/vllm/save_connector.py
+KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
+                 "SimpleCPUOffloadConnector")  # vLLM >= 0.20.0 (the target's range); eager mode
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 
 
@@ -73,6 +74,10 @@ class VllmConfig(ConfigBase):
     Its worker side is kvaudit's stand-in
     (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
     ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
+    ``num_cpu_blocks``: with ``SimpleCPUOffloadConnector``, the CPU tier's blocks (its scheduler side's
+    own ``BlockPool``, block 0 its null block; the driver sets ``cpu_bytes_to_use`` so that the connector sizes it so). The
+    connector runs in eager mode (``lazy_offload`` off: each request's computed blocks are stored as
+    they are confirmed), vLLM's default and the mode of vLLM #42571.
     ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0: the model
     is a mixture of experts, 4 experts, 2 per token, and each step's output carries the routing of its
     tokens, ``RoutedExpertsLists``; the Scheduler keeps a block-id snapshot per scheduled request).
@@ -97,6 +102,7 @@ class VllmConfig(ConfigBase):
     kv_transfer_latency_steps: int = 3
     wake_for_transfers: bool = False
     kv_role: str = "kv_both"
+    num_cpu_blocks: int = 8
     return_routed_experts: bool = False
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
@@ -182,6 +188,13 @@ class VllmConfig(ConfigBase):
         n = self.kv_transfer_latency_steps
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
             raise ValueError(f"kv_transfer_latency_steps must be an integer in [1, 64], got {n!r}")
+        n = self.num_cpu_blocks
+        if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= 1 << 16:
+            raise ValueError(f"num_cpu_blocks must be an integer in [2, 65536] (block 0 is the CPU pool's null "
+                             f"block), got {n!r}")
+        if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
+            raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
+                             "off without it)")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
         self._freeze_faults(FAULTS, "vllm")
@@ -220,6 +233,22 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                             "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",
             async_scheduling=True, kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer",
             wake_for_transfers=True),
+    _preset("vllm-cpu-offload-swa", "the Scheduler (one batch in flight) with vLLM's SimpleCPUOffloadConnector in "
+                                    "eager mode (scheduler side real, worker side a stand-in) over full attention "
+                                    "+ an 8-token sliding window, 48 GPU blocks of 4 tokens, a 16-token step budget "
+                                    "and 6 CPU blocks, stores and loads completing 1-12 steps later, in order "
+                                    "(the setting of vLLM #42571: the window slides every few tokens and a small "
+                                    "CPU tier holds back its stores); stepping "
+                                    "on while a store is outstanding (wake_for_transfers: before 0.30.0 the "
+                                    "connector reports no pending push work, so an idle engine stops stepping)",
+            kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8, num_gpu_blocks=48,
+            max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12,
+            wake_for_transfers=True),
+    _preset("vllm-cpu-offload-swa-async", "vllm-cpu-offload-swa on the AsyncScheduler (vLLM's default scheduling; "
+                                          "before 0.24.0 vLLM #45357 is found first there)",
+            async_scheduling=True, kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8,
+            num_gpu_blocks=48, max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6,
+            kv_transfer_latency_steps=12, wake_for_transfers=True),
     _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
                                 "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
             async_scheduling=True, return_routed_experts=True),

@@ -18,9 +18,12 @@ contract the issue asks for:
   ``Scheduler.defer_block_free`` and so ``deferred_frees``.
 
 The other shipped connectors fit less well: ``ExampleConnector`` and ``DecodeBenchConnector`` load
-synchronously (``(n, False)``: no ``WAITING_FOR_REMOTE_KVS``), and the offloading connectors'
-scheduler sides keep a CPU-tier manager fed by their workers' transfer results, so a stand-in would
-have to fake more than completions (not tried).
+synchronously (``(n, False)``: no ``WAITING_FOR_REMOTE_KVS``). Of the offloading connectors,
+``SimpleCPUOffloadConnector`` is driven too (:class:`OffloadWorkerStandIn`, presets
+``vllm-cpu-offload-swa``): its scheduler side keeps its own CPU ``BlockPool`` and touches GPU blocks
+while a transfer is in flight, and what its worker reports back is only completions (load request ids,
+store event indices), which a stand-in on the step clock can give; ``OffloadingConnector`` was not
+tried.
 
 The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlConnectorMetadata``
 (``start_load_kv``, ``get_finished``), with no memory moved and on the step clock: a read of
@@ -153,6 +156,94 @@ class SaveWorkerStandIn:
         return len(self.sending)
 
 
+class OffloadWorkerStandIn:
+    """The worker role of vLLM's ``SimpleCPUOffloadConnector`` (``SimpleCPUOffloadWorker``,
+    ``vllm/v1/simple_kv_offload/worker.py``, vLLM 0.20.0 to 0.33.0) as the step clock sees it: no memory is
+    copied. Each step's ``SimpleCPUOffloadMetadata`` carries at most one load event and one store event
+    (monotonic indices); each completes ``1 + crc32(kind, index) % latency_steps`` steps after it starts,
+    never before an earlier event of its kind (the worker polls one CUDA stream per kind up to a
+    watermark). A finished load is reported as the request ids the latest metadata's
+    ``load_event_to_reqs`` gives for it (``KVConnectorOutput.finished_recving``); a finished store as
+    ``{index: 1}`` in ``SimpleCPUOffloadWorkerMetadata.completed_store_events``
+    (``KVConnectorOutput.kv_connector_worker_meta``). A step whose metadata has ``need_flush`` (a request
+    was preempted) first completes every outstanding transfer (``handle_preemptions`` syncs them), then
+    starts its own. No transfer fails.
+
+    ``loads`` / ``stores``: ``(event index, step due)`` in start order."""
+
+    def __init__(self, latency_steps: int):
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+        self.latency_steps = latency_steps
+        self.worker_meta = SimpleCPUOffloadWorkerMetadata
+        self.loads: list[tuple[int, int]] = []
+        self.stores: list[tuple[int, int]] = []
+        self.load_reqs: dict[int, list[str]] = {}  # the latest metadata's load_event_to_reqs
+        self.loading: dict[str, np.ndarray] = {}  # none: the scheduler side pins its loads' blocks itself
+
+    @property
+    def recving(self) -> list:
+        return self.loads
+
+    @property
+    def sending(self) -> list:
+        return self.stores
+
+    def _due(self, queue: list, kind: str, event: int, step: int) -> int:
+        due = step + 1 + zlib.crc32(f"{kind}{event}".encode()) % self.latency_steps
+        return max(due, queue[-1][1]) if queue else due
+
+    def start(self, meta, step: int) -> None:
+        if meta is None:
+            return
+        if meta.need_flush:
+            self.loads = [(e, min(d, step)) for e, d in self.loads]
+            self.stores = [(e, min(d, step)) for e, d in self.stores]
+        self.load_reqs = dict(meta.load_event_to_reqs)
+        if meta.load_event >= 0:
+            self.loads.append((meta.load_event, self._due(self.loads, "load", meta.load_event, step)))
+        if meta.store_event >= 0:
+            self.stores.append((meta.store_event, self._due(self.stores, "store", meta.store_event, step)))
+
+    def finished(self, step: int, output_cls):
+        """The ``KVConnectorOutput`` of the transfers done by ``step`` (each reported once), or None."""
+        loads = [e for e, due in self.loads if due <= step]
+        stores = [e for e, due in self.stores if due <= step]
+        if not loads and not stores:
+            return None
+        self.loads = [(e, d) for e, d in self.loads if d > step]
+        self.stores = [(e, d) for e, d in self.stores if d > step]
+        recv = {rid for e in loads for rid in self.load_reqs.get(e, ())}
+        meta = self.worker_meta(completed_store_events={e: 1 for e in stores}) if stores else None
+        return output_cls(finished_recving=recv or None, kv_connector_worker_meta=meta)
+
+    def __len__(self) -> int:
+        return len(self.loads) + len(self.stores)
+
+
+def offload_holders(manager) -> list[tuple[str, str, np.ndarray]]:
+    """The GPU-block references ``SimpleCPUOffloadScheduler`` (``manager``, the connector's
+    ``scheduler_manager``; ``vllm/v1/simple_kv_offload/manager.py``) holds itself, ``(owner, where, [n]
+    int64 ids)``, one reference per id listed (``BlockPool.touch`` per listed id): each store event in
+    flight (``_store_event_to_blocks``, and from vLLM 0.29.0 ``_abandoned_store_event_to_blocks`` after a
+    reset), each finished request's store queued for the next metadata (``_pending_finished_stores``,
+    0.33.0) and each load, issued or not (``_reqs_to_load``, ``_abandoned_reqs_to_load``). Names missing
+    in a release count as empty."""
+    if manager is None:
+        return []
+    out = []
+    for name in ("_store_event_to_blocks", "_abandoned_store_event_to_blocks"):
+        for event, t in getattr(manager, name, {}).items():
+            out.append((f"offload-store:{event}", "offload", np.asarray(t.gpu_block_ids, dtype=np.int64)))
+    for i, t in enumerate(getattr(manager, "_pending_finished_stores", ())):
+        out.append((f"offload-store:pending{i}", "offload", np.asarray(t.gpu_block_ids, dtype=np.int64)))
+    for name in ("_reqs_to_load", "_abandoned_reqs_to_load"):
+        for rid, state in getattr(manager, name, {}).items():
+            if state.transfer_meta is not None:
+                out.append((f"offload-load:{rid}", "offload",
+                            np.asarray(state.transfer_meta.gpu_block_ids, dtype=np.int64)))
+    return [h for h in out if h[2].size]
+
+
 class VllmConnectorTarget(VllmSchedulerTarget):
     """:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget` with a KV connector: some submits carry
     ``kv_transfer_params``, each ``SchedulerOutput``'s connector metadata goes to the worker stand-in,
@@ -162,6 +253,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         super().__init__(config)
         if config.kv_connector == "NixlConnector":
             self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
+        elif config.kv_connector == "SimpleCPUOffloadConnector":
+            self.worker = OffloadWorkerStandIn(config.kv_transfer_latency_steps)
         else:
             self.worker = SaveWorkerStandIn(config.kv_transfer_latency_steps)
         self._load_violations: list = []  # inflight-load findings seen as their load reported done
@@ -187,6 +280,11 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         for name in ("request_finished", "request_finished_all_groups"):
             if hasattr(connector, name):
                 setattr(connector, name, counted(getattr(connector, name)))
+
+    def connector_holders(self) -> list:
+        if self.config.kv_connector != "SimpleCPUOffloadConnector":
+            return []
+        return offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None))
 
     def invariant_findings(self) -> list:
         return (super().invariant_findings() + (self._load_violations[:1] or self._inflight_load_findings())

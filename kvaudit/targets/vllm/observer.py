@@ -7,7 +7,8 @@
   (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``) are replayed into a shadow of the map.
 * **Roots.** Each non-null block of each group's ``req_to_blocks[rid]`` for every request the scheduler
   still knows (``Scheduler.requests``: waiting, running, preempted, finished-but-held), each pending
-  copy-on-write pair (``_pending_cow_copies``) and each deferred free (``Scheduler.deferred_frees``).
+  copy-on-write pair (``_pending_cow_copies``), each deferred free (``Scheduler.deferred_frees``) and
+  each GPU block a KV connector's scheduler side holds for a transfer in flight (``connector_holders``).
   A block two holders reference is shared (not private to either).
 * **Invariants** (:meth:`VllmObserver.invariant_findings`): ref counts equal root references; on the
   free queue iff the count is 0; a well-formed free list of ``num_free_blocks``; the null block never
@@ -80,20 +81,48 @@ class VllmObserver:
         self.unref_sites = np.full((self.config.num_gpu_blocks, 2), -1, dtype=np.int64)
         free = pool.free_blocks
 
+        queue = pool.free_block_queue
+        self.queued_twice: list[TargetFinding] = []
+
         def free_wrapper(blocks, *a, **k):
             blocks = list(blocks)  # may be an iterator (reversed(...)): read once
             ids = block_ids(blocks)
-            if ids:
-                u = np.asarray(ids, dtype=np.int64)
-                self.unref_sites[u, 0] = self.unref_sites[u, 1]
-                self.unref_sites[u, 1] = auditor.capture_site()
-            return free(blocks, *a, **k)
+            if not ids:
+                return free(blocks, *a, **k)
+            u = np.asarray(ids, dtype=np.int64)
+            self.unref_sites[u, 0] = self.unref_sites[u, 1]
+            self.unref_sites[u, 1] = auditor.capture_site()
+            before = queue.num_free_blocks
+            out = free(blocks, *a, **k)
+            if len(ids) > len(set(ids)):
+                self._check_queued_once(u, queue.num_free_blocks - before)
+            return out
 
         wrap(pool, "free_blocks", free_wrapper)
         if self.V.has("hash-helpers"):
             self._wrap_hash_helpers(auditor, wrap)
         else:
             self._wrap_hash_map(auditor)
+
+    def _check_queued_once(self, ids: np.ndarray, grown: int) -> None:
+        """One ``free_blocks`` call that listed a block more than once (``ids``, ``[n] int64``): each block
+        whose last reference it dropped joins the free queue once, so the queue grows by the number of
+        distinct listed blocks now at ``ref_cnt`` 0. More is a block queued twice, a double free inside
+        the free list (vLLM <= 0.23.0's ``free_blocks`` decrements every listed entry, then queues every
+        entry whose count ended at 0; vLLM #42571, eager ``SimpleCPUOffloadConnector`` + sliding window).
+        Recorded in ``queued_twice`` (reported by :meth:`invariant_findings`)."""
+        uniq, counts = np.unique(ids, return_counts=True)
+        zero = self._ref_counts()[uniq] == 0
+        if grown <= int(zero.sum()):
+            return
+        twice = uniq[zero & (counts > 1)]
+        b = int(twice[0]) if twice.size else int(uniq[0])
+        self.queued_twice.append(TargetFinding(
+            "double-free", POOL, twice if twice.size else uniq[:1],
+            f"one BlockPool.free_blocks call listed block {b} {int(counts[uniq == b][0])} times and its last "
+            f"reference went: the free queue grew by {grown} for {int(zero.sum())} block(s) freed (block {b} "
+            "queued twice)", check="queued-twice",
+            free_sites=tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()))
 
     def _log_hashes(self, what: str, block_id: int, hashes, auditor) -> None:
         sid = auditor.capture_site()
@@ -215,8 +244,14 @@ class VllmObserver:
                 out.append((f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64)))
         for i, blocks in enumerate(self.deferred()):
             out.append((f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64)))
+        out += self.connector_holders()
         held = np.concatenate([units for _, _, units in out]) if out else np.zeros(0, dtype=np.int64)
         return out, np.bincount(held, minlength=self.config.num_gpu_blocks).astype(np.int64)
+
+    def connector_holders(self) -> list[tuple[str, str, np.ndarray]]:
+        """``(owner, where, [n] int64 block ids)`` for each reference a KV connector's scheduler side holds
+        on GPU blocks itself (a transfer in flight), one per id listed: none by default."""
+        return []
 
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
@@ -267,7 +302,7 @@ class VllmObserver:
         counts = self._ref_counts()
         known = self.known()
         _, refs = self._holders(known)
-        out: list[TargetFinding] = []
+        out: list[TargetFinding] = list(getattr(self, "queued_twice", [])[:1])
 
         def add(kind, units, message, check, free_sites=()):
             out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check,
