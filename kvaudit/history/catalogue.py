@@ -91,6 +91,21 @@ VLLM: tuple[HistoryBug, ...] = (
               "so blocks that step's attention window still reads go back to the pool, where a remote KV "
               "load can overwrite them mid-read"),
     HistoryBug(
+        id="vllm-42571", engine="vllm",
+        title="eager SimpleCPUOffloadConnector with a sliding window: one request's store lists a GPU block "
+              "twice, and when the store completes after the request let go, free_blocks queues it twice",
+        sources=("vllm-project/vllm#42571", "vllm-project/vllm#42615", "vllm-project/vllm#42903"),
+        buggy="0.23.0", fixed="0.24.0", clean_because="refactor",
+        preset="vllm-cpu-offload-swa", finding="double-free", check="queued-twice",
+        reach="a sliding-window model with vLLM's SimpleCPUOffloadConnector in eager mode (its default): a "
+              "request's pending store keeps the id of a block the window dropped; the same request is given "
+              "that block back (its full-attention group shares the pool) while a small or busy CPU tier holds "
+              "the store back, so one store event lists the block twice and takes two references; at the "
+              "store's completion, after the request finished, <= 0.23.0's BlockPool.free_blocks queues it "
+              "twice (a corrupt free list, then an assertion in the free queue). The fix PRs are still open: "
+              "0.24.0's rewritten free_blocks queues a block once, and 0.33.0 still lists the duplicate (two "
+              "CPU copies of one block, the pool whole)"),
+    HistoryBug(
         id="vllm-43433", engine="vllm",
         title="once only finished requests whose KV connector delays their free are left, the engine stops "
               "stepping: their blocks stay allocated until another request arrives",
@@ -207,9 +222,6 @@ def all_bugs() -> dict[str, HistoryBug]:
     return {**BUGS, **{b.id: b for b in rediscoveries()}}
 
 UNREACHED: tuple[Unreached, ...] = (
-    Unreached("vllm-42571", "vllm", ("vllm-project/vllm#42571", "vllm-project/vllm#42615"), "all, to 0.33.0",
-              "no fixing release (the fix PRs are open), and the target does not drive the simple CPU-offload "
-              "connector with sliding-window attention"),
     Unreached("vllm-44237", "vllm", ("vllm-project/vllm#44237",), "0.23.0 -> 0.24.0 (refactor)",
               "the PR was closed unmerged; the trigger (the single-block collision branch of the map's pop) "
               "is unclear"),
