@@ -103,6 +103,9 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
                 progress.update(stats, force=True)
 
             while True:
+                if flaky and time.monotonic() >= deadline:  # no budget left for another round
+                    phase("done")
+                    break
                 # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
                 found = _search(fuzzer, config, max(0.0, deadline - time.monotonic()),
                                 seed if not flaky else seed * 1_000_003 + len(flaky), stats, progress.update, sset,
