@@ -403,6 +403,25 @@ def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
         boot.probe_version()
 
 
+def test_the_triton_notice_of_a_cpu_only_run_is_dropped_and_the_loggers_other_records_pass():
+    """The connector presets import vLLM's Triton kernels, and torch logged 'Triton not available' for
+    them on every CPU-only run's stderr. Loading vLLM filters that one message off torch's logger (a
+    handler on the logger itself: torch's loggers do not propagate to the root)."""
+    import logging
+
+    boot.load()
+    log, seen = logging.getLogger("torch._library.triton"), []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    log.addHandler(handler)
+    try:
+        log.warning("Triton not available, find_triton_kernels = []")
+        log.warning("something else")
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["something else"]
+
+
 @pytest.mark.parametrize("version, match", [(None, "which is not installed"),
                                             ("0.34.0", "vLLM 0.34.0 is installed, but --target vllm drives releases")])
 def test_cli_exits_2_in_one_line_when_vllm_cannot_be_driven(version, match, monkeypatch, tmp_path):

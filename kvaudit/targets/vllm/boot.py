@@ -54,6 +54,10 @@ def probe_version() -> str:
 _LOADED: SimpleNamespace | None = None
 
 
+def _no_triton_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Triton not available")
+
+
 def load() -> SimpleNamespace:
     """Import vLLM's v1 KV-cache stack once per process (about 7-10 s) and return its names. Sets
     ``HF_HUB_OFFLINE=1`` and a temporary ``VLLM_CACHE_ROOT`` unless already set, seeds vLLM's
@@ -66,6 +70,10 @@ def load() -> SimpleNamespace:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvaudit-vllm-"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # the connector presets import vLLM's Triton kernels, and torch logs "Triton not available" for each on
+    # a CPU-only run: expected here (no kernel runs), noise on stderr. A filter, not a level: torch resets
+    # its loggers' levels after this import; the logger's other records pass.
+    logging.getLogger("torch._library.triton").addFilter(_no_triton_notice)
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
