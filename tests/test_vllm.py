@@ -422,6 +422,28 @@ def test_the_triton_notice_of_a_cpu_only_run_is_dropped_and_the_loggers_other_re
     assert [r.getMessage() for r in seen] == ["something else"]
 
 
+def test_a_fault_that_puts_back_a_bug_the_installed_release_still_ships_gets_a_note(monkeypatch, tmp_path):
+    """On vLLM 0.15.1 ``--bug free-under-inflight-load`` (#32255, fixed in 0.16.0) was accepted without a
+    word, and what the run found came from vLLM's own code. The run's first lines now say so; a release with
+    the fix, or a fault no release shipped, gets no note."""
+    kind = registry.get("vllm")
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.15.1")
+    both = cfg("vllm-kv-connector", bugs=frozenset({"free-under-inflight-load", "drop-hash-entry"}))
+    assert kind.notes(both) == ["vLLM 0.15.1 still ships the bug that --bug free-under-inflight-load puts back "
+                                "(fixed in 0.16.0): a finding here may come from vLLM's own code, not the fault"]
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.23.0")
+    assert [n.split(" --bug ")[1].split()[0] for n in kind.notes(cfg(bugs=frozenset(FAULTS)))] == [
+        "free-under-inflight-step", "free-window-under-inflight-step"]
+    for v in ("0.26.0", "0.33.0", None):
+        monkeypatch.setattr(boot, "installed_version", lambda: v)
+        assert kind.notes(cfg(bugs=frozenset(FAULTS))) == []
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.15.1")
+    monkeypatch.setattr(boot, "check_config", lambda config: None)  # this process imported 0.33.0
+    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-kv-connector", "--bug", "free-under-inflight-load",
+               "--max-time", "0.1", "--out", str(tmp_path))
+    assert "note: vLLM 0.15.1 still ships the bug that --bug free-under-inflight-load puts back" in r.output
+
+
 @pytest.mark.parametrize("version, match", [(None, "which is not installed"),
                                             ("0.34.0", "vLLM 0.34.0 is installed, but --target vllm drives releases")])
 def test_cli_exits_2_in_one_line_when_vllm_cannot_be_driven(version, match, monkeypatch, tmp_path):

@@ -46,6 +46,15 @@ FAULTS: dict[str, tuple[str, str]] = {
                                             "does not hold"),
 }
 
+# The faults that put back a bug vLLM shipped: the first release with its fix. On an older release the
+# bug is vLLM's own, and a finding need not come from the fault (kind.notes says so on the run's first lines).
+FAULT_FIXED_IN: dict[str, str] = {
+    "free-under-inflight-step": "0.24.0",          # #45357
+    "free-window-under-inflight-step": "0.26.0",   # #47282
+    "free-under-inflight-load": "0.16.0",          # #32255
+    "refinish-held-request": "0.16.0",             # #33377
+}
+
 LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
 # driver's stand-in (kvaudit/targets/vllm/connector.py)

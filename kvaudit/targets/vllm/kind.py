@@ -1,12 +1,12 @@
-"""The ``vllm`` target kind: vLLM's own v1 Scheduler and KV-cache manager on CPU, releases 0.23.0 to
-0.33.0 (registered with :mod:`kvaudit.targets.registry`). Imports neither vLLM nor torch."""
+"""The ``vllm`` target kind: vLLM's own v1 Scheduler and KV-cache manager on CPU, releases 0.15.1, 0.16.0 and
+0.20.0 to 0.33.0 (registered with :mod:`kvaudit.targets.registry`). Imports neither vLLM nor torch."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
-from kvaudit.targets.vllm.config import FAULTS, VLLM_PRESETS, VllmConfig
+from kvaudit.targets.vllm.config import FAULT_FIXED_IN, FAULTS, VLLM_PRESETS, VllmConfig
 
 
 def _bugs():
@@ -21,6 +21,21 @@ def _presets():
     from kvaudit.targets.vllm.boot import installed_version
     ok = compat.routed_experts_supported(installed_version())
     return {n: p for n, p in VLLM_PRESETS.items() if ok or not p.overrides.get("return_routed_experts")}
+
+
+def _notes(config) -> list[str]:
+    """A fault that puts back a bug the installed release still ships (``FAULT_FIXED_IN``): say that a
+    finding there may be vLLM's own bug, not the fault's (by the installed metadata, no import)."""
+    from packaging.version import Version
+
+    from kvaudit.targets.vllm.boot import installed_version
+    v = installed_version()
+    try:
+        older = [n for n in sorted(config.bugs) if n in FAULT_FIXED_IN and Version(v) < Version(FAULT_FIXED_IN[n])]
+    except Exception:  # no vLLM, or a version string packaging cannot read: the probe says so
+        return []
+    return [f"vLLM {v} still ships the bug that --bug {n} puts back (fixed in {FAULT_FIXED_IN[n]}): a finding "
+            "here may come from vLLM's own code, not the fault" for n in older]
 
 
 def _make(config):
@@ -90,4 +105,4 @@ KIND = register(TargetKind(
     config_class=VllmConfig, presets=_presets, make=_make, bugs=_bugs,
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
-    regressions="corpora/vllm"))
+    notes=_notes, regressions="corpora/vllm"))
