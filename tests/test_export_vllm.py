@@ -353,6 +353,14 @@ def test_the_vllm_launch_line_follows_the_config():
     assert json.loads(kv.split(" ", 1)[1].strip("'")) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
     assert any(u.startswith("sliding_window=32") for u in unmapped)
     assert any(u.startswith("level=manager") for u in vllm_flag_line(VLLM_PRESETS["vllm-manager"].config())[2])
+    # the CPU-offload connector is launched eager, with its CPU budget to set (it was launched with none: vLLM's
+    # default budget and lazy offload, another schedule of stores than the one kvaudit drove)
+    flags, _, unmapped = vllm_flag_line(VLLM_PRESETS["vllm-cpu-offload-swa"].config())
+    kv = next(f for f in flags if f.startswith("--kv-transfer-config"))
+    assert json.loads(kv.split(" ", 1)[1].strip("'").replace("CPU_BYTES", "6144")) == {
+        "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 6144, "lazy_offload": False}}
+    assert any(u.startswith("num_cpu_blocks=6 ") and "set CPU_BYTES to 6 blocks' worth" in u for u in unmapped)
 
 
 def test_vllm_export_bad_input_is_one_line_exit_2(tmp_path):

@@ -207,7 +207,8 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
     null block included as vLLM counts it; ``--block-size``, ``--max-num-seqs``,
     ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
     ``--[no-]enable-chunked-prefill``, ``--[no-]async-scheduling``, ``--kv-transfer-config``, kvaudit's
-    save connector as vLLM's ``OffloadingConnector``),
+    save connector as vLLM's ``OffloadingConnector``, ``SimpleCPUOffloadConnector`` eager with a
+    ``CPU_BYTES`` placeholder for its CPU budget),
     environment variables (``VLLM_SERVER_DEV_MODE=1`` for ``/reset_prefix_cache``), and config fields
     no flag sets. Flag names from ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args``; a
     ``bool | None`` field gets ``--x`` / ``--no-x``)."""
@@ -234,6 +235,13 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
     if c.kv_connector == "KvauditAsyncSaveConnector":  # kvaudit's stand-in for an offloading connector
         flags.append("--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"%s\", "
                      "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 1073741824}}'" % c.kv_role)
+    elif c.kv_connector == "SimpleCPUOffloadConnector":  # eager, as the target builds it (boot.kv_connector_extra_config)
+        flags.append("--kv-transfer-config '{\"kv_connector\": \"SimpleCPUOffloadConnector\", \"kv_role\": \"%s\", "
+                     "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": CPU_BYTES, \"lazy_offload\": false}}'"
+                     % c.kv_role)
+        unmapped.append(f"num_cpu_blocks={c.num_cpu_blocks} (the CPU pool kvaudit's connector had; on a server it "
+                        "holds cpu_bytes_to_use / (the model's KV bytes per block, all layers) blocks: set CPU_BYTES "
+                        f"to {c.num_cpu_blocks} blocks' worth, so that the CPU pool evicts as it did here)")
     elif c.kv_connector is not None:
         flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"}'"
                      % (c.kv_connector, c.kv_role))
