@@ -361,6 +361,10 @@ def test_the_vllm_launch_line_follows_the_config():
         "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": 6144, "lazy_offload": False}}
     assert any(u.startswith("num_cpu_blocks=6 ") and "set CPU_BYTES to 6 blocks' worth" in u for u in unmapped)
+    assert any(u.startswith("wake_for_transfers=true") and ">= 0.30.0 does so itself for this connector" in u
+               for u in unmapped)
+    assert any(u.startswith("wake_for_transfers=true") and ">= 0.22.0 does so itself" in u
+               for u in vllm_flag_line(VLLM_PRESETS["vllm-kv-load"].config())[2])
 
 
 def test_vllm_export_bad_input_is_one_line_exit_2(tmp_path):

@@ -255,7 +255,13 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
                             "a store in flight: the launch names vLLM's OffloadingConnector, whose request_finished "
                             "delays the free while a store is in flight (cpu_bytes_to_use as "
                             "vllm/v1/kv_offload reads it; 1 GiB here)")
-    if c.wake_for_transfers:
+    if c.wake_for_transfers and c.kv_connector == "SimpleCPUOffloadConnector":
+        # 0.20.0-0.29.0 define has_pending_transfers, which nothing calls; the Scheduler asks the connector's
+        # has_pending_push_work (0.28.0 on), which this connector defines from 0.30.0
+        unmapped.append("wake_for_transfers=true (kvaudit steps the engine while a store is outstanding; vLLM "
+                        ">= 0.30.0 does so itself for this connector, earlier releases stop stepping and hold the "
+                        "store's blocks until the next request)")
+    elif c.wake_for_transfers:
         unmapped.append("wake_for_transfers=true (kvaudit steps the engine while only sends are outstanding; "
                         "vLLM >= 0.22.0 does so itself)")
     if c.return_routed_experts:
