@@ -57,6 +57,19 @@ def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(b
     assert _replay(bug.fixed, name) == []
 
 
+def test_an_idle_engine_holds_a_cpu_offload_store_before_0_30_0():
+    """Not a catalogued bug (no public issue or PR names it; corpora/vllm/README.md): vLLM 0.20.0 to 0.29.0's
+    SimpleCPUOffloadConnector defines has_pending_transfers, which nothing calls, so when the last request
+    finishes with a store in flight the engine stops stepping and the store's GPU blocks stay held. From
+    0.30.0 the connector answers the Scheduler's has_pending_push_work. The reproducer (one request, then
+    idle, wake_for_transfers off; minimized on 0.29.0) hangs idle on 0.23.0 and 0.26.0, not on 0.30.0."""
+    name = "cpu-offload-idle-store.json"
+    assert json.loads((DATA / name).read_text())["config"]["wake_for_transfers"] is False
+    for buggy in ("0.23.0", "0.26.0"):
+        assert _replay(buggy, name) == ["hang/-/idle"], buggy
+    assert _replay("0.30.0", name) == []
+
+
 def test_routed_experts_side_table_is_found_on_0_30_0():
     """vLLM #49684 on the release that ships it. Its fixed twin (0.31.0) moved the feature behind Model
     Runner V2, which needs Triton: the target refuses to build it there, so only the buggy side runs."""
