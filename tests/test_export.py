@@ -268,9 +268,10 @@ def test_a_client_says_reproduced_when_the_server_stops_answering(stand_in, tmp_
 
 def test_a_client_without_a_server_is_one_line_exit_2(tmp_path):
     base = os.path.join(ROOT, "corpora", "sglang", "crash-take-rejected-turn-in-first-batch")
-    done = subprocess.run([sys.executable, base + ".client.py", "--url", "http://127.0.0.1:9", "--timeout", "2"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    for args in (["--url", "http://127.0.0.1:9", "--timeout", "2"], ["--url", "notaurl"],
+                 ["--metrics-url", "localhost:30000"]):  # not URLs: exit 1 (REPRODUCED) with a traceback before
+        done = subprocess.run([sys.executable, base + ".client.py", *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
 @pytest.mark.sglang

@@ -295,7 +295,9 @@ def test_a_vllm_client_says_reproduced_when_the_server_dies(stand_in):
 
 def test_a_vllm_client_without_a_server_or_with_bad_arguments_is_one_line_exit_2():
     script = os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.client.py")
-    for args in (["--url", "http://127.0.0.1:9", "--timeout", "2"], ["--timeout", "0"]):
+    # a URL that is not one exited 1 (REPRODUCED) with urllib's traceback
+    for args in (["--url", "http://127.0.0.1:9", "--timeout", "2"], ["--timeout", "0"], ["--url", "notaurl"],
+                 ["--prefill-url", "127.0.0.1:8100"]):
         done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert "Traceback" not in done.stderr
@@ -403,3 +405,6 @@ def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name):
     assert any(s.startswith(bug.finding + "/") and (not bug.check or s.endswith("check:" + bug.check)) for s in found)
     issue = open(os.path.join(ROOT, "corpora", "vllm", name + ".issue.md")).read()
     assert f"`pip install vllm=={bug.buggy}`" in issue and f"fixed in {bug.fixed}" in issue
+    # its replay line names the release it needs (on the base release it replays clean)
+    assert (f"`python -m kvaudit.history.releases vllm=={bug.buggy}` installs it as an overlay, then "
+            f"`PYTHONPATH=~/.cache/kvaudit/releases/vllm-{bug.buggy} kvaudit replay corpora/vllm/{name}.json`") in issue

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -301,6 +302,13 @@ def main(argv=None):
     if args.timeout <= 0 or min(args.step_delay, args.gap, args.hold_tokens, args.settle) < 0:
         print("error: --timeout must be > 0 and the other numbers >= 0", file=sys.stderr)
         return 2
+    for flag in ("url", "metrics_url", "prefill_url"):
+        value = getattr(args, flag, None)
+        parts = urllib.parse.urlsplit(value or "http://-")
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            print("error: --%s %s: want a server URL such as %s" % (flag.replace("_", "-"), value, DEFAULT_URL),
+                  file=sys.stderr)
+            return 2
     c = Client(args)
     if not c.alive():
         print("error: no server answers GET %s/health (launch it first: see the top of this file)" % c.url,

@@ -213,5 +213,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
                                "run may need a few tries or tuning (--step-delay, --hold-tokens)."),
             *(["- Planted: the fault exists only under kvaudit's `--bug` switch; a real server should not show it."]
               if planted is not None else []),
-            f"- Replay: `kvaudit replay {source}`."]
+            f"- Replay: `kvaudit replay {source}`." if release is None else
+            f"- Replay on {api.engine} {release[0]} (the file does not name the release; on {release[1]} it replays "
+            f"clean): `python -m kvaudit.history.releases {package}=={release[0]}` installs it as an overlay, then "
+            f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
     return "\n".join(out) + "\n"
