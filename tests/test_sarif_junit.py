@@ -249,6 +249,61 @@ def test_crash_frames_outside_the_repo_stay_out_of_code_scanning_locations(valid
     assert "\\[bad\\]" in r["message"]["text"]
 
 
+def test_a_user_engine_outside_kvaudit_is_located_relative_to_the_current_directory(validator, tmp_path,
+                                                                                    monkeypatch):
+    """A plugin target's engine lies outside kvaudit's directory, so its frames are recorded absolute. They
+    were never a result's location: a leak with its allocation in the user's engine.py was anchored at line 1
+    of the plugin's config file, with a stale-frame note. Run from the user's repository, they are
+    repo-relative now; from elsewhere, the fallback as before; an installed package under it stays out."""
+    engine = tmp_path / "myeng" / "engine.py"
+    engine.parent.mkdir()
+    engine.write_text("class Engine:\n    def step(self):\n        got = self.pool.alloc(4)\n")
+    site = Site(str(engine), 3, "step", source="got = self.pool.alloc(4)")
+    lib = Site(str(tmp_path / "venv" / "lib" / "site-packages" / "numpy" / "core.py"), 7, "alloc")
+    leak = Finding(kind="leak", pool="slots", message="unreachable", slots=[3], num_units=1, alloc_sites=[lib, site])
+    monkeypatch.chdir(tmp_path)
+    log = to_sarif([leak])
+    assert _errors(validator, log) == []
+    (r,) = log["runs"][0]["results"]
+    loc = r["locations"][0]
+    assert loc["physicalLocation"]["artifactLocation"] == {"uri": "myeng/engine.py", "uriBaseId": SRCROOT}
+    assert loc["physicalLocation"]["region"]["startLine"] == 3 and "properties" not in loc
+    assert "locationIsFallback" not in r["properties"]
+    assert r["stacks"][0]["frames"][0]["location"]["physicalLocation"]["artifactLocation"]["uri"].startswith("file://")
+    monkeypatch.chdir(ROOT)
+    (r,) = to_sarif([leak])["runs"][0]["results"]
+    assert r["properties"]["locationIsFallback"] is True
+
+
+def test_a_kind_without_an_anchor_falls_back_to_its_config_class_statement(validator):
+    """A finding with no usable frame, of a target kind that registers no anchor, is shown at its config
+    class. It was shown at line 1 of that file, which resolve() then flagged as a stale frame."""
+    import inspect
+
+    from kvaudit.targets import registry
+    from kvaudit.config import ConfigBase, Preset
+
+    @dataclasses.dataclass(frozen=True)
+    class NoAnchorConfig(ConfigBase):
+        bugs: frozenset = dataclasses.field(default_factory=frozenset)
+        preset: str = "custom"
+        target: str = "noanchor"
+
+    registry.register(registry.TargetKind(
+        "noanchor", "a kind with no anchor", NoAnchorConfig, make=lambda c: None,
+        presets=lambda: {"noanchor": Preset("noanchor", "one", {}, NoAnchorConfig)}, default_preset="noanchor"))
+    try:
+        hang = Finding(kind="hang", pool="-", message="engine not idle", op_index=1, step=3)
+        log = to_sarif([hang], NoAnchorConfig())
+    finally:
+        registry._KINDS.pop("noanchor")
+    assert _errors(validator, log) == []
+    (r,) = log["runs"][0]["results"]
+    loc = r["locations"][0]
+    assert _physical(loc) == ("tests/test_sarif_junit.py", inspect.getsourcelines(NoAnchorConfig)[1])
+    assert "properties" not in loc and r["properties"]["locationIsFallback"] is True
+
+
 # ----------------------------------------------------------------------------- SARIF: real SGLang's frames
 
 SGLANG_FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))

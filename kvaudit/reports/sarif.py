@@ -28,6 +28,9 @@ SARIF spec's own terms:
   any frame of kvaudit's driver. Results and the run name the engine and its version in
   ``properties`` (``engine``, ``engineVersion``).
 
+A user's own engine outside kvaudit's directory (a plugin target) is recorded with absolute paths: a
+frame under the current directory, outside installed packages, is written relative to it with
+``%SRCROOT%`` (:func:`cwd_relative`; run kvaudit from the repository's root).
 Other frames outside the repository (an absolute path, as a crash in a library can have) appear in
 ``stacks`` as absolute ``file://`` URIs, and pseudo-files such as ``<string>`` by function name
 only; neither is used as a result's location, since code scanning can show neither.
@@ -36,6 +39,7 @@ only; neither is used as a result's location, since code scanning can show neith
 from __future__ import annotations
 
 import inspect
+import os
 import posixpath
 import re
 from typing import TYPE_CHECKING, Mapping
@@ -143,10 +147,27 @@ def _norm(path: str) -> str:
     return posixpath.normpath(p) if p and not p.startswith("<") else p
 
 
+def cwd_relative(path: str) -> str | None:
+    """An absolute ``path`` under the current directory, relative to it (forward slashes): a user's
+    own engine outside kvaudit's directory (a plugin target), with kvaudit run from the repository's
+    root as code scanning expects. None for a relative path, a path elsewhere, one inside an installed
+    package (``site-packages``, ``dist-packages``), or when the current directory is a filesystem root."""
+    p = _norm(path)
+    if not (p.startswith("/") or _WINDOWS_ABS.match(p)) or "/site-packages/" in p or "/dist-packages/" in p:
+        return None
+    root = _norm(os.getcwd()).rstrip("/")
+    if not root or _WINDOWS_ABS.match(root) and len(root) <= 2:
+        return None
+    return p[len(root) + 1:] if p.startswith(root + "/") else None
+
+
 def in_repo(site: Site) -> bool:
-    """Whether ``site.file`` is a repo-relative path (see :func:`kvaudit.audit.findings.portable_path`)
-    that code scanning can resolve: not absolute, not a pseudo-file like ``<string>``, not ``../``."""
+    """Whether code scanning can resolve ``site.file`` against the checkout: a repo-relative path (see
+    :func:`kvaudit.audit.findings.portable_path`), not a pseudo-file like ``<string>``, not ``../``; or
+    an absolute path under the current directory (:func:`cwd_relative`)."""
     p = _norm(site.file)
+    if cwd_relative(p) is not None:
+        return True
     return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or _WINDOWS_ABS.match(p))
 
 
@@ -176,6 +197,9 @@ def artifact_location(path: str, engine: EngineSource | None = None) -> dict | N
     if rel is not None:
         return {"uri": quote(rel), "uriBaseId": engine_base_id(engine.package)}
     p = _norm(path)
+    here = cwd_relative(p)
+    if here is not None:
+        return {"uri": quote(here), "uriBaseId": SRCROOT}
     if p.startswith("/"):
         return {"uri": "file://" + quote(p)}
     if _WINDOWS_ABS.match(p):
@@ -243,7 +267,11 @@ def _anchor(kind: str, target: str = "eut") -> Site:
     except (AttributeError, OSError, TypeError, ImportError):
         pass
     cls = k.config_class
-    return Site(_norm(portable_path(inspect.getsourcefile(cls) or "")), 1, cls.__name__)
+    try:
+        line = inspect.getsourcelines(cls)[1]  # the class statement (line 1 is outside it: a stale-frame note)
+    except (OSError, TypeError):
+        line = 1
+    return Site(_norm(portable_path(inspect.getsourcefile(cls) or "")), line, cls.__name__)
 
 
 # ----------------------------------------------------------------------------- results
