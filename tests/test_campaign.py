@@ -126,6 +126,32 @@ def test_campaign_resumes_and_does_not_report_known_findings_again(tmp_path):
     assert [sorted(r["new"]) for r in runs][0] == sorted(first.new) and len(runs) == 2
 
 
+@pytest.mark.parametrize("known", [False, True])
+def test_a_file_with_two_new_signatures_is_reported_once_and_summed_over_new_ones(known, tmp_path, monkeypatch):
+    """One program raised two new signatures, both landing in one file: the campaign printed that file's
+    report once per signature, and the SUMMARY summed over the prints (8 findings in 4 signatures for 2
+    new). A finding of a known signature in a new finding's file is not counted either."""
+    import kvaudit.search.campaign as campaign
+
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "session-close-while-running.json")
+    sigs = sorted({f.signature for f in replay.load(path)[2]})
+    assert len(sigs) == 2
+
+    def fake_run(*a, **k):
+        return campaign.CampaignResult(new={s: path for s in sigs[known:]}, known={s: path for s in sigs[:known]},
+                                       stats=FuzzStats(executions=3, ops=9))
+
+    monkeypatch.setattr(campaign, "run_campaign", fake_run)
+    r = invoke("fuzz", "--corpus", str(tmp_path / "c"), "--max-time", "1")
+    assert r.exit_code == 1, r.output
+    lines = r.output.splitlines()
+    assert sum(ln.startswith("SUMMARY:") for ln in lines) == 2, r.output  # the file's report, then the campaign's
+    want = ("SUMMARY: kvaudit: 1 finding(s) (1 use-after-free) in 1 signature(s)" if known else
+            "SUMMARY: kvaudit: 2 finding(s) (2 use-after-free) in 2 signature(s)")
+    assert lines[-1].startswith(want), lines[-1]
+    assert lines[-1].endswith("; 1 known signature(s) not reported again.") == known
+
+
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     """A file whose program yields a leak of the device buffer and of the host pool: both are known,
     so a program that yields the known pair again is not a new crash (it stopped the search again

@@ -286,7 +286,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         ignore_interrupts()  # the summary and reports are written whole
         INTERRUPTED.clear()
     cases = []
-    for sig, path in sorted(result.new.items()):
+    # one program can raise several new signatures: its file is reported once
+    for path in dict.fromkeys(path for _, path in sorted(result.new.items())):
         try:
             _, program, findings, doc = replay.load(path)
         except replay.ReplayFormatError as e:
@@ -318,7 +319,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
     # the closing line: the new findings (a campaign reports each signature once)
-    line = summary_line([f for c in cases for f in c.findings], suppressed_by_kind(sset), interrupted=result.interrupted)
+    # (a new finding's file can also hold findings of known signatures, raised by the same program: not counted)
+    line = summary_line([f for c in cases for f in c.findings if f.signature in result.new], suppressed_by_kind(sset),
+                        interrupted=result.interrupted)
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
