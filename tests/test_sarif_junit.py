@@ -397,7 +397,7 @@ def test_ci_sarif_lists_an_unfixed_bug_every_night_with_the_same_fingerprint_and
         out = tmp_path / f"night{n}.sarif"
         result = invoke("ci", "--max-time", budget, "--presets", "default", "--fuzzer", "random",
                         "--regressions", str(regressions), "--corpus", str(tmp_path / "corpus"),
-                        "--out", str(tmp_path / "out"), "--sarif", str(out))
+                        "--out", str(tmp_path / "out"), "--sarif", str(out), "--junit", str(tmp_path / f"night{n}.xml"))
         log = json.load(open(out))
         assert _errors(validator, log) == []
         return result, {r["partialFingerprints"][FINGERPRINT_KEY]: r for r in log["runs"][0]["results"]}
@@ -408,6 +408,11 @@ def test_ci_sarif_lists_an_unfixed_bug_every_night_with_the_same_fingerprint_and
     second, night2 = night(2, "3")
     assert second.exit_code == 0, second.output  # known: the job passes...
     assert night1 and set(night2) == set(night1)  # ...and the SARIF still lists it, same fingerprint
+    # the table and the JUnit say so too (they said "clean" and "default: no findings")
+    assert f"no new findings; {len(night1)} known still open" in second.output, second.output
+    (case,) = ET.parse(tmp_path / "night2.xml").getroot().iter("testcase")
+    assert case.get("name") == "default: no new findings" and case.find("failure") is None
+    assert case.find("system-out").text.startswith(f"{len(night1)} known finding(s) still open: ")
     ours = [sig for sig in night1 if sig.endswith(f"inc:_leak_a_lock@{os.path.basename(__file__)}")]
     assert len(ours) == 1, list(night1)
     for sig in night1:
@@ -422,6 +427,7 @@ def test_ci_sarif_lists_an_unfixed_bug_every_night_with_the_same_fingerprint_and
     monkeypatch.undo()  # the bug is fixed
     third, night3 = night(3, "3")
     assert third.exit_code == 0 and night3 == {}, third.output
+    assert "clean" in third.output and "known still open" not in third.output
 
 
 # ----------------------------------------------------------------------------- JUnit

@@ -105,9 +105,12 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     for r in result.regressions:
         t.add_row(f"regression {r.name}", Text("ok", style="green") if r.ok else Text(r.problem, style="bold red"))
     for run in result.fuzz:
-        t.add_row(f"fuzz {run.preset} ({run.seconds:.0f}s, {run.executions} executions)",
+        cut = " (interrupted)" if run.interrupted else ""
+        t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",
                   Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
-                  if run.new else Text("clean", style="green") if run.executions
+                  if run.new else Text(f"no new findings; {len({f.signature for f in run.known_open})} known still "
+                                       "open", style="yellow")
+                  if run.known_open else Text("clean", style="green") if run.executions
                   else Text("nothing ran (start-up spent its budget): raise --max-time", style="yellow"))
     print_table(console, t)
     kept = [path for run in result.fuzz for _, _, path in run.new]

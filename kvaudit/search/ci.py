@@ -197,7 +197,8 @@ def sarif(result: CiResult, config) -> dict:
 
 def junit(result: CiResult) -> str:
     """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.search.fuzz`` (a
-    passing case per clean preset, a failing case per new finding signature, and a skipped case
+    passing case per preset with no new finding, its ``system-out`` listing the known ones still open, a
+    failing case per new finding signature, and a skipped case
     ``interrupted`` when Ctrl-C or SIGTERM stopped the job before it was done)."""
     root = ET.Element("testsuites", name="kvaudit ci")
     reg = ET.SubElement(root, "testsuite", name="kvaudit.regressions")
@@ -212,9 +213,14 @@ def junit(result: CiResult) -> str:
             fail.text = xml_text(f"{r.path}\nsignature: {r.signature}\n{r.problem}\n")
     fz = ET.SubElement(root, "testsuite", name="kvaudit.fuzz")
     for run in result.fuzz:
-        if not run.new:
-            ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=f"{run.preset}: no findings",
-                          time=f"{run.seconds:.2f}")
+        if not run.new:  # known findings (the corpus's, still open) pass: they are listed, not hidden
+            case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}",
+                                 name=f"{run.preset}: no new findings", time=f"{run.seconds:.2f}")
+            still = sorted({f.signature for f in run.known_open})
+            notes = ([f"{len(still)} known finding(s) still open: " + ", ".join(still)] if still else []) + (
+                ["interrupted before its budget was spent"] if run.interrupted else [])
+            if notes:
+                ET.SubElement(case, "system-out").text = xml_text("\n".join(notes) + "\n")
         for program, findings, path in run.new:
             f = findings[0]
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),
