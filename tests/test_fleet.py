@@ -8,7 +8,7 @@ import re
 import subprocess
 import time
 
-from cli_helpers import invoke, kvaudit_script, plain_env
+from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 
 from kvaudit import replay
 from kvaudit.program import Idle, Submit
@@ -104,6 +104,18 @@ def test_fuzz_db_errors_are_one_line(redis_server, tmp_path):
     assert bad.exit_code == 2 and "want a Redis URL" in bad.output
     down = invoke(*["fuzz", *HISPARSE, "--db", "redis://127.0.0.1:1/0", "--max-time", "2", "--out", str(tmp_path / "o")])
     assert down.exit_code == 69 and "cannot reach Redis" in down.output and "Traceback" not in down.output
+
+
+def test_status_of_a_campaign_no_worker_ever_joined_is_one_line_naming_the_ones_there(redis_server):
+    """A typo in --campaign printed an empty campaign's zeros with exit 0."""
+    redis_server.client().sadd("kvaudit:nightly/default:workers", "host/1/0")
+    typo = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "nightly/defualt"])
+    assert typo.exit_code == 2, typo.output
+    assert "no worker ever joined it" in one_error_line(typo) and "campaigns there: nightly/default" in typo.output
+    assert invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "nightly/defualt", "--json"]
+                  ).exit_code == 2
+    ok = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "nightly/default"])
+    assert ok.exit_code == 0 and "state=gone" in ok.output, ok.output
 
 
 def test_three_hosts_report_each_signature_once_and_pull_brings_both_files(redis_server, tmp_path):

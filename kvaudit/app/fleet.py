@@ -76,10 +76,17 @@ def status_lines(status: dict, campaign: str, now: float | None = None) -> list[
 def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
     """``kvaudit campaign status``: print the table once (or as JSON), or refresh it every ``watch``
     seconds until Ctrl-C (a live table on a terminal; off one, plain lines: :func:`status_lines`)."""
-    from kvaudit.search.hub import campaign_status
+    from kvaudit.search.hub import campaign_names, campaign_status, safe_url
 
     client = check_db(db)
     out = make_console()
+    names = campaign_names(client)
+    if campaign not in names:  # a typo read as an empty campaign, exit 0; --watch may wait for one to start
+        there = f"campaigns there: {', '.join(names)}" if names else "no campaign there yet"
+        if watch is None:
+            raise InputError(f"--campaign {campaign}: no worker ever joined it in {safe_url(db)} ({there})")
+        make_console(stderr=True).print(f"warning: --campaign {campaign}: no worker has joined it yet ({there})",
+                                        soft_wrap=True, markup=False)
     if as_json:
         out.print_json(json.dumps({"campaign": campaign, **campaign_status(client, campaign)}))
         return EXIT_CLEAN

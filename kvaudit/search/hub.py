@@ -444,6 +444,15 @@ def worker_id(index: int) -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{index}"
 
 
+def campaign_names(client) -> list[str]:
+    """The campaigns in this Redis that any worker ever joined (their ``workers`` set), sorted."""
+    names = set()
+    for key in client.scan_iter(match="kvaudit:*:workers", count=1000):
+        key = key.decode() if isinstance(key, bytes) else key
+        names.add(key[len("kvaudit:"):-len(":workers")])
+    return sorted(names)
+
+
 def campaign_status(client, campaign: str) -> dict:
     """The campaign's figures: ``workers`` (id -> heartbeat dict, or None when it expired: gone),
     ``findings`` (signatures with a file), ``known``, ``pending`` (claimed, being triaged),
