@@ -527,3 +527,12 @@ def test_a_flag_that_does_nothing_here_is_a_warning(flags, warning, tmp_path):
     r = invoke("fuzz", *flags, "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path))
     assert r.exit_code == 0, r.output
     assert warning in r.stderr
+
+
+def test_ci_campaign_without_db_is_a_warning(tmp_path):
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--campaign", "nightly", "--max-time", "0", "--regressions", str(empty),
+               "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 0, r.output
+    assert "warning: --campaign nightly names the campaigns shared through --db; without --db it is ignored" in r.stderr

@@ -74,6 +74,9 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
         err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   f"fuzz {fuzzer} over "
                   f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
+        if db is None and campaign_name != "default":
+            err.print(f"warning: --campaign {campaign_name} names the campaigns shared through --db; without --db "
+                      "it is ignored", soft_wrap=True, markup=False)
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)
