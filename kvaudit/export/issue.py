@@ -33,8 +33,9 @@ def _finding(f: Finding, package: str) -> list[str]:
     out = [f"### {f.kind}" + (f" in `{f.pool}`" if f.pool != "-" else ""), "", f"- signature: `{f.signature}`",
            f"- seen at op {f.op_index}, scheduler step {f.step}: {f.message}"]
     if f.num_units:
-        out.append(f"- {f.num_units} {f.unit}(s): {', '.join(map(str, f.slots[:16]))}"
-                   + (" ..." if len(f.slots) > 16 else ""))
+        shown = ", ".join(map(str, f.slots[:16])) + (" ..." if len(f.slots) > 16 else "")
+        out.append(f"- {f.num_units} page(s), slots {shown}" if f.unit == "page" and len(f.slots) != f.num_units
+                   else f"- {f.num_units} {f.unit}(s): {shown}")
     if f.used_by:
         out.append(f"- still used by: {', '.join(f.used_by)}")
     if f.engine_check:
@@ -123,7 +124,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
                    "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router (`--url`) and read the decode server's counters "
                    "(`--metrics-url`).")
     out += ["", "## What happens", ""]
-    kinds = ", ".join(f"{f.kind} ({f.message.splitlines()[0][:160]})" for f in findings) or "no finding recorded"
+    kinds = ", ".join(f"{f.kind}" + (f" in {f.pool}" if f.pool != "-" else "") + f" ({f.message.splitlines()[0][:160]})"
+                      for f in findings) or "no finding recorded"
     out += [f"kvaudit reports: {kinds}.", ""]
     if note is not None:
         out += [f"On a server: {note.server}.", ""]
