@@ -255,7 +255,8 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
         "*rediscovered* when a minimized program, replayed and drained to idle on the first release with "
         "the fix, finds nothing. Times and executions are to the first detection (before triage): median "
         "[IQR] over successful trials, '-' when half the trials or more failed. p and A12 compare "
-        "time-to-bug with `random` (Mann-Whitney U; A12 < 0.5: faster), failed trials counted as the budget.",
+        "time-to-bug with `random` (Mann-Whitney U; A12 < 0.5: faster), failed trials counted as the budget; p is '-' with "
+        "fewer than 2 trials.",
         "",
         "## Headline",
         "",

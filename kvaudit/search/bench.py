@@ -151,10 +151,11 @@ def a12(x: list[float], y: list[float]) -> float:
 
 
 def mann_whitney_p(x: list[float], y: list[float]) -> float:
-    """Two-sided Mann-Whitney U p-value (scipy); nan when a sample is empty or all values tie."""
+    """Two-sided Mann-Whitney U p-value (scipy); nan when a sample has fewer than 2 values (one trial
+    against one gives p = 1 whatever the times) or all values tie."""
     from scipy.stats import mannwhitneyu
 
-    if not x or not y or len(set(x) | set(y)) == 1:
+    if len(x) < 2 or len(y) < 2 or len(set(x) | set(y)) == 1:
         return math.nan
     return float(mannwhitneyu(x, y, alternative="two-sided").pvalue)
 
@@ -243,7 +244,8 @@ def geomean_cells(cells: list[Cell], fuzzers: list[str]) -> list[str]:
             out.append("1 (baseline)")
             continue
         g, n = geomean_exec_ratio(cells, f)
-        out.append("-" if g is None else f"{g:.2f}x fewer ({n} bugs)" if g >= 1 else f"{1 / g:.2f}x more ({n} bugs)")
+        bugs = f"{n} bug" + ("s" if n != 1 else "")
+        out.append("-" if g is None else f"{g:.2f}x fewer ({bugs})" if g >= 1 else f"{1 / g:.2f}x more ({bugs})")
     return out
 
 
@@ -399,7 +401,7 @@ def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
         "switch off. Times and executions are to the first detection (before triage): median [IQR] over "
         "the successful trials; a median is '-' when half the trials or more failed. p and A12 compare "
         "time-to-bug with `random` (Mann-Whitney U, two-sided; Vargha-Delaney A12 < 0.5: faster than "
-        "random), failed trials counted as the budget. 'SGLang idle check' says whether the engine's own "
+        "random), failed trials counted as the budget (p is '-' with fewer than 2 trials). 'SGLang idle check' says whether the engine's own "
         "`check_memory()` at idle fails on the same programs.",
         "",
         "## Headline",
