@@ -248,6 +248,9 @@ def test_list_names_every_bug_with_its_releases():
     assert r.exit_code == 0
     for b in all_bugs().values():
         assert any(line.startswith(b.id + " ") and b.buggy in line for line in r.output.splitlines())
+    # one column for the engine, the longest id included (one id ran into it)
+    assert len({line.index(f" {b.engine} ") for b in all_bugs().values() for line in r.output.splitlines()
+                if line.startswith(b.id + " ")}) == 1
 
 
 @pytest.mark.slow

@@ -74,9 +74,10 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
 
     bugs_all = all_bugs()
     if list_bugs:
+        width = max(len(b.id) for b in bugs_all.values())  # the longest id too keeps its column
         for b in bugs_all.values():
             fixed = f" -> {b.fixed}" if b.fixed else ""
-            click.echo(f"{b.id:58} {b.engine} {b.buggy}{fixed}  {b.finding}")
+            click.echo(f"{b.id:{width}}  {b.engine} {b.buggy}{fixed}  {b.finding}")
         return EXIT_CLEAN
     fuzzers = [f.strip() for f in fuzzers_value.split(",") if f.strip()]
     bad = [f for f in fuzzers if f not in FUZZERS]
