@@ -145,3 +145,19 @@ def test_a_plugin_campaign_hands_its_config_to_the_search(tmp_path):
                "--corpus", str(tmp_path / "camp"))
     assert r.exit_code == 0, r.output + r.stderr
     assert "unknown config key" not in r.output + r.stderr
+
+
+# -- 2. --bug adds to the preset's bugs --------------------
+
+def test_fuzz_keeps_the_presets_bugs_and_bug_adds_to_them(tmp_path):
+    """fuzz --preset rowtoy-leaky printed "bugs: none" and ran clean (ci kept the preset's bugs)."""
+    r = invoke("fuzz", "--target", "rowtoy", "--preset", "rowtoy-leaky", "--fuzzer", "random", "--max-time", "20",
+               "--seed", "1", "--out", str(tmp_path / "a"))
+    assert "preset rowtoy-leaky, bugs: abort-leak," in r.stderr
+    assert r.exit_code == 1, r.output + r.stderr
+    assert json.load(open(found(tmp_path / "a")))["config"]["bugs"] == ["abort-leak"]
+    from kvaudit.app.configs import select_config
+    config = select_config("rowtoy-leaky", ("stuck",), "none", "cpu", None, "rowtoy")
+    assert config.bugs == {"abort-leak", "stuck"} and config.preset == "rowtoy-leaky"
+    assert select_config("rowtoy", (), "none", "cpu", None, "rowtoy").bugs == set()
+

@@ -58,7 +58,8 @@ COMMON_OPTIONS = [
     click.option("--preset", default="default", show_default=True, metavar="NAME",
                  help="Engine preset (see 'kvaudit presets'); 'default' means the target's default preset."),
     click.option("--bug", "bugs", multiple=True, metavar="NAME",
-                 help="Switch a bug-zoo bug (or a target's injected fault) on (repeatable; see 'kvaudit bugs')."),
+                 help="Switch a bug-zoo bug (or a target's injected fault) on, in addition to any the preset "
+                      "switches on (repeatable; see 'kvaudit bugs')."),
     click.option("--model", type=click.Choice(["none", "tiny"]), default="none", show_default=True,
                  help="'tiny' runs the dummy transformer over real KV tensors; 'none' skips compute."),
     click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
@@ -110,7 +111,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
                                    if other else "")) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
-    changes = {"bugs": frozenset(bugs)}
+    changes = {}
     if len(kind.model_choices) > 1:
         changes["model"] = model
     if _has_field(kind.config_class, "device"):
@@ -126,6 +127,8 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
         changes["page_size"] = page_size
     try:
         config = chosen.config(**changes)
+        if bugs:  # --bug adds to the preset's own bugs
+            config = config.replace(bugs=frozenset(config.bugs) | frozenset(bugs))
     except ValueError as e:
         msg = str(e)
         if msg.startswith(("unknown bug", "unknown fault")):
