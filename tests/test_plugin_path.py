@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from cli_helpers import invoke
+from cli_helpers import invoke, one_error_line
 
 from kvaudit import replay
 from kvaudit.audit.hooks import Auditor
@@ -147,7 +147,7 @@ def test_a_plugin_campaign_hands_its_config_to_the_search(tmp_path):
     assert "unknown config key" not in r.output + r.stderr
 
 
-# -- 2. --bug adds to the preset's bugs --------------------
+# -- 2, 3. --bug adds to the preset's bugs; unknown names are refused for every kind --------------------
 
 def test_fuzz_keeps_the_presets_bugs_and_bug_adds_to_them(tmp_path):
     """fuzz --preset rowtoy-leaky printed "bugs: none" and ran clean (ci kept the preset's bugs)."""
@@ -161,3 +161,14 @@ def test_fuzz_keeps_the_presets_bugs_and_bug_adds_to_them(tmp_path):
     assert config.bugs == {"abort-leak", "stuck"} and config.preset == "rowtoy-leaky"
     assert select_config("rowtoy", (), "none", "cpu", None, "rowtoy").bugs == set()
 
+
+@pytest.mark.parametrize("target, line", [
+    ("rowtoy", "unknown bug 'nonexistent' for --target rowtoy; valid bugs: abort-leak, stuck"),
+    ("eut", "unknown bug 'nonexistent'; valid bugs: "),
+    ("vllm", "unknown fault 'nonexistent' for --target vllm; valid faults: "),
+])
+def test_an_unknown_bug_is_one_line_exit_2_for_every_kind(tmp_path, target, line):
+    """--target rowtoy --bug nonexistent ran a clean fuzz (exit 0)."""
+    r = invoke("fuzz", "--target", target, "--bug", "nonexistent", "--max-time", "1", "--out", str(tmp_path))
+    assert r.exit_code == 2, r.output + r.stderr
+    assert line in one_error_line(r)
