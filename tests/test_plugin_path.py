@@ -172,3 +172,25 @@ def test_an_unknown_bug_is_one_line_exit_2_for_every_kind(tmp_path, target, line
     r = invoke("fuzz", "--target", target, "--bug", "nonexistent", "--max-time", "1", "--out", str(tmp_path))
     assert r.exit_code == 2, r.output + r.stderr
     assert line in one_error_line(r)
+
+
+# -- 5. a hang of a target without describe_busy ---------------------------------------------------------
+
+def test_a_hang_without_describe_busy_does_not_end_in_a_bare_colon():
+    ex = execute(rowtoy_plugin.PRESETS["rowtoy"].config(bugs={"stuck"}), [Submit(prompt_len=2, max_new_tokens=2),
+                                                                         Idle()])
+    (hang,) = ex.findings
+    assert hang.kind == "hang"
+    assert hang.message == "engine not idle after 2000 steps of idle() (the target's describe_busy() names nothing)"
+
+
+def test_the_writing_a_target_page_names_every_kind_field_and_the_config_needs():
+    """The page left out ``summary`` (required), ``capabilities`` (its example uses it), ``num_slots``
+    (ConfigBase's docstring requires it), ``framework_classes`` and ``describe_busy``."""
+    import dataclasses
+
+    page = open(os.path.join(ROOT, "docs", "writing-a-target.md")).read()
+    missing = [f.name for f in dataclasses.fields(registry.TargetKind) if f"`{f.name}" not in page]
+    assert missing == [], missing
+    for name in ("num_slots", "context_len", "framework_classes", "describe_busy", "SimpleNamespace(finding="):
+        assert f"`{name}" in page, name
