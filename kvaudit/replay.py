@@ -13,7 +13,7 @@ import re
 import tempfile
 
 from kvaudit.config import TargetConfig
-from kvaudit.targets import config_from_dict
+from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit.targets.registry import kind_of
 from kvaudit.audit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
@@ -27,7 +27,9 @@ class ReplayFormatError(ValueError):
 
 
 def to_doc(config: TargetConfig, program: list[Op], findings: list[Finding], **extra) -> dict:
-    return {"format": FORMAT, "config": config.to_dict(), "program": program_to_json(program),
+    """A replay document: ``config`` as :func:`kvaudit.targets.config_to_dict` writes it (with the
+    kind's ``target``, for every kind), the program's ops, the findings, then ``extra`` keys."""
+    return {"format": FORMAT, "config": config_to_dict(config), "program": program_to_json(program),
             "findings": [f.to_dict() for f in findings], **extra}
 
 

@@ -58,7 +58,8 @@ COMMON_OPTIONS = [
     click.option("--preset", default="default", show_default=True, metavar="NAME",
                  help="Engine preset (see 'kvaudit presets'); 'default' means the target's default preset."),
     click.option("--bug", "bugs", multiple=True, metavar="NAME",
-                 help="Switch a bug-zoo bug (or a target's injected fault) on (repeatable; see 'kvaudit bugs')."),
+                 help="Switch a bug-zoo bug (or a target's injected fault) on, in addition to any the preset "
+                      "switches on (repeatable; see 'kvaudit bugs'; an unknown name is an error)."),
     click.option("--model", type=click.Choice(["none", "tiny"]), default="none", show_default=True,
                  help="'tiny' runs the dummy transformer over real KV tensors; 'none' skips compute."),
     click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
@@ -110,7 +111,8 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
                                    if other else "")) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
-    changes = {"bugs": frozenset(bugs)}
+    check_bugs(kind, bugs)
+    changes = {}
     if len(kind.model_choices) > 1:
         changes["model"] = model
     if _has_field(kind.config_class, "device"):
@@ -126,19 +128,31 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
         changes["page_size"] = page_size
     try:
         config = chosen.config(**changes)
+        if bugs:  # --bug adds to the preset's own bugs
+            config = config.replace(bugs=frozenset(config.bugs) | frozenset(bugs))
     except ValueError as e:
-        msg = str(e)
-        if msg.startswith(("unknown bug", "unknown fault")):
-            others = sorted({k.name for b in bugs for k in registry.kinds().values()
-                             if k is not kind and b not in kind.bugs() and b in _bugs_of(k)})
-            if len(others) == 1:  # as for a preset: the bug is another target kind's
-                fix = (f"drop --target {kind.name}" if others[0] == registry.DEFAULT_KIND
-                       else f"add --target {others[0]}")
-                msg += f" ({', '.join(b for b in bugs if b not in kind.bugs())} is a bug of --target {others[0]}: {fix})"
-            raise InputError(msg) from None
-        raise InputError(f"bad configuration: {msg}") from None
+        raise InputError(f"bad configuration: {e}") from None
     require_target(config)
     return config
+
+
+def check_bugs(kind, bugs) -> None:
+    """Every ``--bug`` name must be a key of ``kind.bugs()`` (the check for every kind, built-in or
+    plugin): else an :class:`InputError`, one line naming the first unknown one and the valid names
+    (``unknown bug 'x'; valid bugs: ...``; a kind whose config's ``BUGS_NOUN`` is ``fault names``
+    says fault), and the kind that has it when exactly one other does."""
+    valid = kind.bugs()
+    unknown = [b for b in bugs if b not in valid]
+    if not unknown:
+        return
+    noun = "fault" if getattr(kind.config_class, "BUGS_NOUN", "").startswith("fault") else "bug"
+    msg = (f"unknown {noun} {unknown[0]!r}" + ("" if kind.name == registry.DEFAULT_KIND else f" for --target {kind.name}")
+           + f"; valid {noun}s: {', '.join(valid) or 'none'}")
+    others = sorted({k.name for b in unknown for k in registry.kinds().values() if k is not kind and b in _bugs_of(k)})
+    if len(others) == 1:  # as for a preset: the bug is another target kind's
+        fix = f"drop --target {kind.name}" if others[0] == registry.DEFAULT_KIND else f"add --target {others[0]}"
+        msg += f" ({', '.join(unknown)} is a bug of --target {others[0]}: {fix})"
+    raise InputError(msg)
 
 
 def _bugs_of(kind) -> dict:

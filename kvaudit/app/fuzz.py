@@ -64,7 +64,7 @@ def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: fl
     stats = FuzzStats()
     kind = registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
-    err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(bugs) or 'none'}, seed {seed}, "
+    err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, seed {seed}, "
               f"budget {max_time:g}s, step timeout {runner_step_timeout():.3g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
                   f", shared as {campaign_name!r} through {safe_url(db)}" if db else "") if campaign
                                            else f"out {out_dir}")

@@ -427,9 +427,10 @@ class AuditedRun:
             return [f"crashed while draining: {type(exc).__name__}: {exc}"]
 
     def _hang_finding(self) -> Finding:
-        busy = self.target.describe_busy()
+        busy = self.target.describe_busy()  # "" (the base's default): the target does not say
         f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps,
-                    message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle(): {busy}")
+                    message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle()"
+                    + (f": {busy}" if busy else " (the target's describe_busy() names nothing)"))
         return oracles.attach_engine_verdict(self.target, [f])[0]
 
     def close(self) -> None:

@@ -13,6 +13,26 @@ from kvaudit.audit.ledger import SMALL_EVENT
 from kvaudit.targets.base import PoolSpec
 
 
+def row_ids(rows, what: str = "rows") -> np.ndarray:
+    """Row ids as an ``[n] int64`` numpy array, converted once: ``rows`` is None (no rows), an int
+    (Python, numpy or torch scalar), or a sequence or array of ints (list, tuple, numpy array, torch
+    tensor on any device; flattened). Raises ``TypeError`` (``what`` begins the message) for
+    anything else, floats and bools included."""
+    if rows is None:
+        return np.zeros(0, dtype=np.int64)
+    if isinstance(rows, torch.Tensor):
+        rows = rows.detach().cpu().numpy()
+    try:
+        arr = np.asarray(rows)
+    except (TypeError, ValueError) as e:  # ragged nesting, an object numpy cannot read
+        raise TypeError(f"{what} {type(rows).__name__}, not row ids (a sequence or array of ints): {e}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} {type(rows).__name__} of {arr.dtype}, not row ids (a sequence or array of ints)")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
 class PoolWrappers:
     """The installing half of :class:`kvaudit.audit.hooks.Auditor` (standard pool kinds, row pools,
     reference-counted blocks, ``clear``)."""
@@ -41,22 +61,32 @@ class PoolWrappers:
         self._wrap(obj, "clear", clear_wrapper)
 
     def wrap_rows(self, spec: PoolSpec, alloc: str = "alloc", free: str = "free") -> None:
-        """Wrap a row pool's ``alloc(n) -> list[int] | None`` and ``free(rows)`` (an int or a list),
-        named ``alloc``/``free`` on the pool object."""
+        """Wrap a row pool's ``alloc(n)`` and ``free(rows)``, named ``alloc``/``free`` on the pool object
+        (SGLang's ``ReqToTokenPool``, ``srt/mem_cache/memory_pool.py``).
+
+        ``alloc`` may return None (no rows), or rows as any sequence or array of ints: a list or tuple,
+        a numpy integer array, a torch integer tensor (any device), of any shape (flattened).
+        ``free`` takes the same (an iterator too: it is read into a list first, and the engine gets the
+        list), or one row as a Python, numpy or torch integer scalar. Each is converted
+        once to an ``[n] int64`` array (:func:`row_ids`); the engine's own value is passed on and
+        returned untouched. Rows that are not integers raise ``TypeError`` naming the method."""
         obj, pool = spec.obj, spec.name
         orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
 
         def alloc_rows(n, *a, **k):
             out = orig_alloc(n, *a, **k)
-            if out:
-                self.on_alloc(pool, list(out), self.capture_site())
+            rows = row_ids(out, f"{pool}.{alloc}() returned")
+            if rows.size:
+                self.on_alloc(pool, rows, self.capture_site())
             return out
 
         def free_rows(rows, *a, **k):
+            if hasattr(rows, "__next__"):  # an iterator (a generator): read it once, for both
+                rows = list(rows)
             orig_free(rows, *a, **k)
-            rows = [rows] if isinstance(rows, int) else list(rows)
-            if rows:
-                self.on_free(pool, rows, self.capture_site())
+            ids = row_ids(rows, f"{pool}.{free}() was given")
+            if ids.size:
+                self.on_free(pool, ids, self.capture_site())
 
         self._wrap(obj, alloc, alloc_rows)
         self._wrap(obj, free, free_rows)

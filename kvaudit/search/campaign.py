@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvaudit.config import TargetConfig
-from kvaudit.targets import config_from_dict
+from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit import replay
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, triage
 
@@ -399,7 +399,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     drivers = 1 if fuzzer == "atheris" else workers
     from kvaudit.audit.runner import step_timeout
 
-    specs = [_Spec(i, config.to_dict(), fuzzer, seed, deadline, corpus, suppress_path, workers,
+    specs = [_Spec(i, config_to_dict(config), fuzzer, seed, deadline, corpus, suppress_path, workers,
                    os.getpid() if drivers > 1 else 0, use_seeds, step_timeout(), db, campaign, ttl)
              for i in range(drivers)]
     started = time.time()

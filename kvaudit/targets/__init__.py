@@ -12,7 +12,7 @@ _LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "ba
          "EutTarget": "eut"}
 
 __all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict",
-           "program_features", "EngineSource", "engine_source"]
+           "config_to_dict", "program_features", "EngineSource", "engine_source"]
 
 
 def __getattr__(name: str):
@@ -49,6 +49,18 @@ def config_from_dict(d: dict):
     if not isinstance(d, dict):
         raise ValueError(f"config must be an object, got {type(d).__name__}")
     return kind_of_dict(d).config_from_dict(d)
+
+
+def config_to_dict(config) -> dict:
+    """A replay file's ``config`` object for ``config``: its ``to_dict()`` with ``target`` set to the
+    name of the registered kind it belongs to (:func:`kvaudit.targets.registry.kind_of`), whether or not
+    the config class has a ``target`` field, so that :func:`config_from_dict` reads it back as that kind
+    (a file with no ``target`` is read as ``eut``). A config whose own ``target`` field is set keeps it.
+    Raises :class:`kvaudit.targets.registry.UnknownTargetError` for a config no kind takes."""
+    from kvaudit.targets.registry import kind_of
+    d = config.to_dict()
+    d.setdefault("target", kind_of(config).name)
+    return d
 
 
 class EngineSource(NamedTuple):
