@@ -194,3 +194,35 @@ def test_the_writing_a_target_page_names_every_kind_field_and_the_config_needs()
     assert missing == [], missing
     for name in ("num_slots", "context_len", "framework_classes", "describe_busy", "SimpleNamespace(finding="):
         assert f"`{name}" in page, name
+
+
+# -- reports of a plugin's findings: the kind, not a 'target' field, decides -----------------------
+
+def test_a_report_of_several_cases_names_the_plugins_kind_and_loads_back(tmp_path):
+    """The top-level config of a several-case report was ``config.to_dict()``: read back as eut."""
+    from kvaudit.reports.outputs import Case, ReportData
+
+    config = rowtoy_plugin.PRESETS["rowtoy"].config(bugs={"abort-leak"})
+    program = [Submit(prompt_len=4, max_new_tokens=3), Step(n=1), Abort(handle=0), Idle()]
+    leaky = execute(config, program)
+    data = ReportData(config, [Case(program, leaky.findings), Case([Idle()], [])], {}, {})
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(data.doc()))
+    top, cases, _ = replay.load_cases(str(path))
+    assert top == config and [c[0] for c in cases] == [config, config]
+
+
+def test_sarif_anchors_a_plugins_frameless_finding_at_its_own_config_class():
+    """A finding with no frame (a hang) of a kind with no anchor was anchored in the built-in engine
+    (``engine_under_test/scheduler.py``): to_sarif took the kind from a ``target`` field this config
+    does not have."""
+    import inspect
+
+    from kvaudit.audit.findings import Finding
+    from kvaudit.reports.sarif import to_sarif
+
+    hang = Finding(kind="hang", pool="-", message="engine not idle", op_index=1, step=3)
+    (r,) = to_sarif([hang], rowtoy_plugin.PRESETS["rowtoy"].config())["runs"][0]["results"]
+    phys = r["locations"][0]["physicalLocation"]
+    assert phys["artifactLocation"]["uri"] == "tests/rowtoy_plugin.py"
+    assert phys["region"]["startLine"] == inspect.getsourcelines(rowtoy_plugin.RowToyConfig)[1]

@@ -62,7 +62,8 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
         config, program, findings, doc = load(path)
     except ReplayFormatError as e:
         raise ExportError(str(e)) from None
-    target = getattr(config, "target", "eut")
+    from kvaudit.targets.registry import kind_of
+    target = kind_of(config).name  # (a plugin's config need not have a ``target`` field)
     if target not in HTTP_API:
         raise ExportError(f"{path}: target {target!r} has no client export (supported: {', '.join(HTTP_API)})")
     tr = trace(config, program) if resolve else None

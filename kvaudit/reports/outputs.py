@@ -97,7 +97,8 @@ class ReportData:
         top = {**self.extra, "suppressed": self.suppressed}
         if len(docs) == 1:
             return {**docs[0], **top}
-        return {"format": replay.REPORT_FORMAT, "config": self.config.to_dict(), "cases": docs, **top}
+        from kvaudit.targets import config_to_dict
+        return {"format": replay.REPORT_FORMAT, "config": config_to_dict(self.config), "cases": docs, **top}
 
 
 def write(outputs: Outputs, data: ReportData) -> list[str]:

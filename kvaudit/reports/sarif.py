@@ -394,6 +394,18 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
     return result
 
 
+def _kind_name(config) -> str:
+    """The registered kind ``config`` belongs to (a plugin's config need not have a ``target`` field);
+    ``eut`` for None or a config no kind takes."""
+    from kvaudit.targets.registry import UnknownTargetError, kind_of
+    if config is None:
+        return "eut"
+    try:
+        return kind_of(config).name
+    except UnknownTargetError:
+        return getattr(config, "target", "eut")
+
+
 def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] | None = None) -> dict:
     """A SARIF 2.1.0 log (a JSON-ready ``dict``) with one run holding one result per finding, in
     order. ``config`` (a target kind's config), when
@@ -407,7 +419,7 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
     index = {r["id"]: i for i, r in enumerate(rule_list)}
     from kvaudit.targets import engine_source
 
-    target = getattr(config, "target", "eut")
+    target = _kind_name(config)
     engine = engine_source(target)
     results = []
     for f in findings:
