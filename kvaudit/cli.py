@@ -381,24 +381,35 @@ def export_cmd(file, issue_out, client_out, resolve):
 
 
 @main.command()
-def presets():
-    """List the engine presets."""
+@click.option("--target", type=TargetChoice(), default=None, help="Only this target kind's presets (default: every kind's).")
+def presets(target):
+    """List the engine presets (off a terminal: one plain line each)."""
     from kvaudit.app.configs import presets_table, warn_plugin_errors
     from kvaudit.app.progress import console
+    from kvaudit.reports.report import print_table
 
-    console().print(presets_table())
+    print_table(console(), presets_table(target))
     warn_plugin_errors(console(stderr=True))
 
 
 @main.command()
-def bugs():
-    """List the bug-zoo switches with their preset and public source."""
+@click.option("--target", type=TargetChoice(), default=None,
+              help="Only what this target kind's --bug takes (default: every kind's).")
+def bugs(target):
+    """List the bug-zoo switches with their preset and public source, and each target's injected faults
+    (off a terminal: plain lines)."""
+    from rich.table import Table
+
     from kvaudit.app.configs import bugs_renderables, warn_plugin_errors
     from kvaudit.app.progress import console
+    from kvaudit.reports.report import print_table
 
     out = console()
-    for renderable in bugs_renderables():
-        out.print(renderable)
+    for renderable in bugs_renderables(target):
+        if isinstance(renderable, Table):
+            print_table(out, renderable)
+        else:
+            out.print(renderable, soft_wrap=True)
     warn_plugin_errors(console(stderr=True))
 
 

@@ -305,6 +305,26 @@ def test_bug_names_survive_an_80_column_pipe():
         assert name in result.stdout
 
 
+def test_listings_off_a_terminal_are_plain_lines_and_take_a_target():
+    """Piped, 'presets' and 'bugs' printed box-drawn tables, and could not be narrowed to one target."""
+    import re
+
+    from kvaudit.targets.sglang.config import FAULTS as SGLANG_FAULTS
+
+    for command in ("presets", "bugs"):
+        out = invoke(command, env={"COLUMNS": "80"}).stdout
+        assert not re.search("[\u2500-\u257f]", out), out[:400]  # no box-drawing characters
+    lines = invoke("presets", "--target", "eut").stdout.splitlines()
+    assert lines[0] == "presets:" and len(lines) == 1 + len(PRESETS)
+    assert all(ln.startswith(f"  {name}  ") for ln, name in zip(lines[1:], PRESETS))
+    out = invoke("bugs", "--target", "sglang").stdout
+    assert out.startswith("injected faults (--target sglang):") and all(f"  {n}  " in out for n in SGLANG_FAULTS)
+    assert not any(b in out for b in BUGS)
+    assert "finding: the first that `kvaudit fuzz" in invoke("bugs", "--target", "eut").stdout  # the caption
+    bad = invoke("presets", "--target", "nope")
+    assert bad.exit_code == 2 and "unknown target 'nope'" in one_error_line(bad)
+
+
 def test_version_and_help_exit_0():
     assert invoke("--version").exit_code == 0
     result = invoke("--help")

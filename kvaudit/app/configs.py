@@ -208,8 +208,8 @@ def warn_unreachable_bugs(config, err: Console) -> None:
                       "it may never trigger", soft_wrap=True)
 
 
-def presets_table():
-    """``kvaudit presets``: every registered kind's presets, as a rich table."""
+def presets_table(target: str | None = None):
+    """``kvaudit presets``: every registered kind's presets (``target``: that kind's only), as a rich table."""
     from rich.table import Table
 
     t = Table(title="presets")
@@ -217,20 +217,25 @@ def presets_table():
     t.add_column("description")
     t.add_column("target", no_wrap=True)
     for kind in registry.kinds().values():
+        if target is not None and kind.name != target:
+            continue
         label = kind.name if kind.name == "eut" else f"{kind.name} (--target {kind.name})"
         for p in kind.presets().values():
             t.add_row(p.name, p.description, label)
     return t
 
 
-def bugs_renderables() -> list:
-    """``kvaudit bugs``: per registered kind, what ``--bug`` takes: a zoo (rows with a public
-    ``source``: its table, then each bug's description) or injected faults, as rich renderables."""
+def bugs_renderables(target: str | None = None) -> list:
+    """``kvaudit bugs``: per registered kind (``target``: that one only), what ``--bug`` takes: a zoo
+    (rows with a public ``source``: its table, then each bug's description) or injected faults, as rich
+    renderables."""
     from rich.table import Table
     from rich.text import Text
 
     out = []
     for kind in registry.kinds().values():
+        if target is not None and kind.name != target:
+            continue
         rows = kind.bugs()
         if not rows:
             continue

@@ -61,8 +61,8 @@ def is_plain(console: Console) -> bool:
 
 
 def print_table(console: Console, table: Table) -> None:
-    """``table`` as rich draws it on a terminal; on a plain console (:func:`is_plain`), its title
-    and then one line per row, the cells joined by two spaces and never folded, so that a CI log
+    """``table`` as rich draws it on a terminal; on a plain console (:func:`is_plain`), its title,
+    one line per row, the cells joined by two spaces and never folded, then its caption, so that a CI log
     has each row (a signature and its replay file, a check and its result) whole on one line."""
     if not is_plain(console):
         console.print(table)
@@ -73,6 +73,8 @@ def print_table(console: Console, table: Table) -> None:
     for row in zip(*columns):
         cells = [c.plain if isinstance(c, Text) else str(c) for c in row]
         console.print("  " + "  ".join(cells), soft_wrap=True, markup=False, highlight=False)
+    if table.caption:
+        console.print(str(table.caption), soft_wrap=True, markup=False, highlight=False)
 
 
 def _rel(path: str) -> str:
