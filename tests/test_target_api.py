@@ -160,6 +160,15 @@ def test_a_registered_kind_builds_targets_and_configs_from_replay_files():
     assert list(registry.kinds())[:2] == ["eut", "sglang"]
 
 
+def test_the_built_ins_list_first_even_when_a_plugin_registered_before_them(monkeypatch):
+    """A plugin module imported before the registry first loaded went ahead of eut in every listing."""
+    now = registry.kinds()
+    toy = registry.TargetKind("early", "a plugin imported early", ToyConfig, presets=dict, make=lambda c: None)
+    monkeypatch.setattr(registry, "_KINDS", {"early": toy, **now})
+    assert list(registry.kinds()) == ["eut", "sglang", "vllm", "early"] + [n for n in now if n not in
+                                                                          ("eut", "sglang", "vllm")]
+
+
 @pytest.mark.parametrize("command", [["presets"], ["bugs"], ["fuzz", "--max-time", "0.1"]])
 def test_a_plugin_that_fails_to_load_is_a_warning_not_silence(command, tmp_path):
     """A typo in KVAUDIT_PLUGINS used to be silent unless its target was asked for."""

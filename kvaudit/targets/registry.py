@@ -169,10 +169,15 @@ def plugin_errors() -> list[str]:
     return list(_plugin_errors)
 
 
+BUILTIN_KINDS = ("eut", "sglang", "vllm")
+
+
 def kinds() -> dict[str, TargetKind]:
-    """Every registered kind, by name (built-ins first)."""
+    """Every registered kind, by name: the built-ins first, then the others in registration order (a
+    plugin module imported before the registry first loaded registered ahead of them)."""
     _load()
-    return dict(_KINDS)
+    order = [n for n in BUILTIN_KINDS if n in _KINDS] + [n for n in _KINDS if n not in BUILTIN_KINDS]
+    return {n: _KINDS[n] for n in order}
 
 
 def get(name: str) -> TargetKind:
