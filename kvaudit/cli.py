@@ -164,7 +164,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     from kvaudit.app import fuzz as job
 
     config = select_config(preset, bugs, model, device, page_size, target, tree_core)
-    return job.run(config, target=target, bugs=bugs, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir,
+    return job.run(config, target=target, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir,
                    workers=workers, corpus_dir=corpus_dir, use_seeds=use_seeds, suppress_file=suppress_file,
                    step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name)
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvaudit.search.fuzz import FuzzStats
 
 
-def run(config, *, target: str, bugs: tuple[str, ...], fuzzer: str, max_time: float, seed: int, out_dir: str,
+def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir: str,
         workers: int, corpus_dir: str | None, use_seeds: bool, suppress_file: str | None,
         step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`); returns the
