@@ -463,12 +463,19 @@ def _merge_same_signature(found: list[Finding]) -> list[Finding]:
     return list(out.values())
 
 
+def _kept_frames(stack, engine_files=()) -> list:
+    """The frames of ``stack`` (``traceback`` FrameSummary list) that are not kvaudit's own, except a
+    target's ``engine_files`` (a driver that plays the scheduler), in ``stack``'s order."""
+    keep = {os.path.abspath(f) for f in engine_files}
+    return [fr for fr in stack
+            if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
+
+
 def _engine_frames(stack, engine_files=()) -> list[Site]:
     """``stack`` (``traceback`` FrameSummary list, outermost first) as Sites, innermost first, without
-    kvaudit's own frames except a target's ``engine_files`` (a driver that plays the scheduler)."""
-    keep = {os.path.abspath(f) for f in engine_files}
-    return [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip()) for fr in reversed(stack)
-            if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
+    kvaudit's own frames except a target's ``engine_files`` (:func:`_kept_frames`)."""
+    return [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip())
+            for fr in reversed(_kept_frames(stack, engine_files))]
 
 
 def _display_path(path: str) -> str:
@@ -487,7 +494,6 @@ def _engine_traceback(exc: BaseException, engine_files=()) -> str:
     :func:`_engine_frames` keeps (no kvaudit runner or hook frames, whose line numbers move with
     kvaudit's code) and portable paths (``sglang/srt/...``, not this machine's site-packages), so
     that a replay file's text does not change when only kvaudit or the machine does."""
-    keep = {os.path.abspath(f) for f in engine_files}
     te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
     seen, todo = set(), [te]
     while todo:
@@ -495,8 +501,7 @@ def _engine_traceback(exc: BaseException, engine_files=()) -> str:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        frames = [fr for fr in t.stack if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep)
-                  or os.path.abspath(fr.filename) in keep]
+        frames = _kept_frames(t.stack, engine_files)
         for fr in frames:
             fr.filename = _display_path(fr.filename)
         t.stack = traceback.StackSummary.from_list(frames)
