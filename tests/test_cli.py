@@ -555,4 +555,4 @@ def test_ci_campaign_without_db_is_a_warning(tmp_path):
     r = invoke("ci", "--campaign", "nightly", "--max-time", "0", "--regressions", str(empty),
                "--junit", str(tmp_path / "ci.xml"))
     assert r.exit_code == 0, r.output
-    assert "warning: --campaign nightly names the campaigns shared through --db; without --db it is ignored" in r.stderr
+    assert "warning: --campaign nightly names a campaign shared through --db; without --db it is ignored" in r.stderr

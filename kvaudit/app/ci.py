@@ -26,7 +26,7 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED
 
-    from kvaudit.app.configs import check_fuzzer, require_target
+    from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db
     from kvaudit.targets import registry
 
     check_fuzzer(fuzzer, target)
@@ -74,9 +74,7 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
         err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   f"fuzz {fuzzer} over "
                   f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
-        if db is None and campaign_name != "default":
-            err.print(f"warning: --campaign {campaign_name} names the campaigns shared through --db; without --db "
-                      "it is ignored", soft_wrap=True, markup=False)
+        warn_campaign_without_db(campaign_name, db, err)
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)

@@ -198,6 +198,13 @@ def warn_plugin_errors(err: Console) -> None:
         err.print(f"warning: {line}", soft_wrap=True, markup=False, highlight=False)
 
 
+def warn_campaign_without_db(campaign_name: str, db: str | None, err: Console) -> None:
+    """``--campaign NAME`` names a campaign shared through ``--db``: without ``--db`` it does nothing, say so."""
+    if db is None and campaign_name != "default":
+        err.print(f"warning: --campaign {campaign_name} names a campaign shared through --db; without --db it is "
+                  "ignored", soft_wrap=True, markup=False)
+
+
 def warn_unreachable_bugs(config, err: Console) -> None:
     """A zoo bug (a row with a ``preset``) switched on under another preset may never trigger: say so."""
     rows = registry.kind_of(config).bugs()

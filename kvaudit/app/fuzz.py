@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit import replay
-from kvaudit.app.configs import check_fuzzer, warn_plugin_errors, warn_unreachable_bugs
+from kvaudit.app.configs import check_fuzzer, warn_campaign_without_db, warn_plugin_errors, warn_unreachable_bugs
 from kvaudit.targets import registry
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, UnavailableError,
                                 write_error)
@@ -33,9 +33,8 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
     exit code (see the command's help). Raises :class:`InputError` for a bad directory, suppression
     file or fuzzer, :class:`UnavailableError` when atheris is missing."""
     from kvaudit.search.fuzz import FuzzStats, triage
-    from kvaudit.audit.runner import is_watchdog_hang
     from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
-    from kvaudit.audit.runner import INTERRUPTED, set_step_timeout
+    from kvaudit.audit.runner import INTERRUPTED, is_watchdog_hang, set_step_timeout
     from kvaudit.audit.runner import step_timeout as runner_step_timeout
 
     preset = config.preset
@@ -71,9 +70,7 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
     warn_plugin_errors(err)
-    if db is None and campaign_name != "default":
-        err.print(f"warning: --campaign {campaign_name} names a campaign shared through --db; without --db it is "
-                  "ignored", soft_wrap=True, markup=False)
+    warn_campaign_without_db(campaign_name, db, err)
     if not use_seeds and fuzzer != "atheris":
         err.print(f"warning: --no-seeds applies to --fuzzer atheris (its seed corpus); with --fuzzer {fuzzer} it is "
                   "ignored", soft_wrap=True, markup=False)
