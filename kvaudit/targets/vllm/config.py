@@ -46,14 +46,22 @@ FAULTS: dict[str, tuple[str, str]] = {
                                             "does not hold"),
 }
 
-# The faults that put back a bug vLLM shipped: the first release with its fix. On an older release the
-# bug is vLLM's own, and a finding need not come from the fault (kind.notes says so on the run's first lines).
-FAULT_FIXED_IN: dict[str, str] = {
-    "free-under-inflight-step": "0.24.0",          # #45357
-    "free-window-under-inflight-step": "0.26.0",   # #47282
-    "free-under-inflight-load": "0.16.0",          # #32255
-    "refinish-held-request": "0.16.0",             # #33377
+# The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/history/catalogue.py, which
+# names the first release with the fix). On an older release the bug is vLLM's own, and a finding need not
+# come from the fault (kind.notes says so on the run's first lines).
+FAULT_BUGS: dict[str, str] = {
+    "free-under-inflight-step": "vllm-45357",
+    "free-window-under-inflight-step": "vllm-47282",
+    "free-under-inflight-load": "vllm-32255",
+    "refinish-held-request": "vllm-33377",
 }
+
+
+def fault_fixed_in(fault: str) -> str | None:
+    """The first vLLM release with the fix of the bug ``fault`` puts back (:data:`FAULT_BUGS`), else None."""
+    from kvaudit.history.catalogue import BUGS
+    bug = FAULT_BUGS.get(fault)
+    return BUGS[bug].fixed if bug is not None else None
 
 LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the

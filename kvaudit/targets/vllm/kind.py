@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
-from kvaudit.targets.vllm.config import FAULT_FIXED_IN, FAULTS, VLLM_PRESETS, VllmConfig
+from kvaudit.targets.vllm.config import FAULTS, VLLM_PRESETS, VllmConfig, fault_fixed_in
 
 
 def _bugs():
@@ -24,17 +24,18 @@ def _presets():
 
 
 def _notes(config) -> list[str]:
-    """A fault that puts back a bug the installed release still ships (``FAULT_FIXED_IN``): say that a
-    finding there may be vLLM's own bug, not the fault's (by the installed metadata, no import)."""
+    """A fault that puts back a bug the installed release still ships (``config.fault_fixed_in``): say that
+    a finding there may be vLLM's own bug, not the fault's (by the installed metadata, no import)."""
     from packaging.version import Version
 
     from kvaudit.targets.vllm.boot import installed_version
     v = installed_version()
+    fixed = {n: fault_fixed_in(n) for n in sorted(config.bugs)}
     try:
-        older = [n for n in sorted(config.bugs) if n in FAULT_FIXED_IN and Version(v) < Version(FAULT_FIXED_IN[n])]
+        older = [n for n, f in fixed.items() if f is not None and Version(v) < Version(f)]
     except Exception:  # no vLLM, or a version string packaging cannot read: the probe says so
         return []
-    return [f"vLLM {v} still ships the bug that --bug {n} puts back (fixed in {FAULT_FIXED_IN[n]}): a finding "
+    return [f"vLLM {v} still ships the bug that --bug {n} puts back (fixed in {fixed[n]}): a finding "
             "here may come from vLLM's own code, not the fault" for n in older]
 
 
