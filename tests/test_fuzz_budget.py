@@ -124,6 +124,14 @@ def test_fuzz_reports_the_first_hit_not_the_shrink_executions(tmp_path):
         or f'"first_hit_executions": {first}' in (tmp_path / "run.json").read_text()
 
 
+def test_one_execution_is_said_in_the_singular(tmp_path):
+    """The README's main job finds its bug in the first program: it said "(search: 1 executions"."""
+    res = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--seed", "1",
+                 "--max-time", "60", "--out", str(tmp_path))
+    assert res.exit_code == 1, res.output
+    assert "found after 1 execution in " in res.stdout and "(search: 1 execution, " in res.stdout, res.stdout
+
+
 def test_a_flaky_finding_does_not_end_the_search(tmp_path, monkeypatch):
     """A finding that does not replay is dropped and the search goes on past its signature, with the
     rest of the budget (it used to end the run: exit 0, "no findings", most of the budget unused)."""

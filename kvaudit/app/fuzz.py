@@ -165,7 +165,10 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
     data.cases[0].timeline = crash.timeline  # triage's confirming replay recorded it
     data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
     hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
-    console.print(f"found after {hit_execs} execution{'' if hit_execs == 1 else 's'} in {hit_s:.1f}s (search: {stats.executions} executions"
+    def executions(n: int) -> str:
+        return f"{n} execution" + ("" if n == 1 else "s")
+
+    console.print(f"found after {executions(hit_execs)} in {hit_s:.1f}s (search: {executions(stats.executions)}"
                   + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
                   + f", {stats.elapsed:.1f}s in all); "
                   + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
