@@ -26,6 +26,12 @@ PER_TOKEN = 0.01  # seconds the stand-in takes per output token of a /generate
 HOLD = 30  # --hold-tokens in these runs: a held request lasts ~0.3 s on the stand-in
 
 
+def _die(server) -> None:
+    """Stop ``server`` as a crashed process stops: no more answers, and new connections refused."""
+    server.shutdown()
+    server.server_close()
+
+
 class StandIn:
     """An HTTP server that answers SGLang's endpoints and records each request: ``(seq, method, path,
     body, t_arrived, t_answered)``. A /generate answers after PER_TOKEN s per output token (the largest
@@ -255,7 +261,9 @@ def test_a_client_says_reproduced_when_the_server_stops_answering(stand_in, tmp_
 
     def dying(self, method):
         if self.path == "/generate":
-            threading.Thread(target=stand_in.server.shutdown, daemon=True).start()
+            # a dead server refuses connections (its listening socket is closed too): a socket left
+            # listening made every later request wait out the client's --timeout (21 s in all)
+            threading.Thread(target=_die, args=(stand_in.server,), daemon=True).start()
             self.connection.close()
             return
         original(self, method)

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from cli_helpers import invoke, one_error_line
+from release_helpers import child_env
 from kvaudit import replay
 from kvaudit.export.http_api import HTTP_API, vllm_flag_line
 from kvaudit.export.issue import SECTIONS
@@ -29,6 +30,12 @@ FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")) +
 NAMES = [os.path.relpath(f, os.path.join(ROOT, "corpora", "vllm"))[:-5] for f in FILES]
 PER_TOKEN = 0.01  # seconds the stand-in takes per streamed token
 HOLD = 30  # --hold-tokens in these runs: a held request streams for ~0.3 s on the stand-in
+
+
+def _die(server) -> None:
+    """Stop ``server`` as a crashed process stops: no more answers, and new connections refused."""
+    server.shutdown()
+    server.server_close()
 
 
 class VllmStandIn:
@@ -79,7 +86,9 @@ class VllmStandIn:
                     came = any(r["path"] == "/v1/completions" for r in stand.log)
                 path = self.path.split("?")[0]
                 if path == "/v1/completions" and stand.die_at_completion:
-                    threading.Thread(target=stand.server.shutdown, daemon=True).start()
+                    # gone as a crashed process is: connections refused (a socket left listening made
+                    # every later request wait out the client's --timeout: 36 s in all)
+                    threading.Thread(target=_die, args=(stand.server,), daemon=True).start()
                     self.connection.close()
                     return
                 if path == "/v1/completions" and body.get("stream"):
@@ -378,20 +387,14 @@ def test_vllm_export_bad_input_is_one_line_exit_2(tmp_path):
         one_error_line(r)
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("history/")])
 def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name):
     """corpora/vllm/history/<bug id>.json finds its bug (kvaudit/history/catalogue.py) on the buggy release,
     in a child process with that release's overlay first on the path; its report names that release."""
-    from kvaudit.history import releases
     from kvaudit.history.catalogue import BUGS
     bug = BUGS[os.path.basename(name)]
-    overlay = releases.overlay_path("vllm", bug.buggy)
-    if releases.base_version("vllm") != bug.buggy and not overlay.is_dir():
-        pins = " ".join(releases.EXTRA_PINS.get(("vllm", bug.buggy), ()))
-        pytest.skip(f"vLLM {bug.buggy} overlay absent: python -m pip install -q --no-deps --no-compile --target "
-                    f"{overlay} vllm=={bug.buggy} {pins}".rstrip())
-    env = releases.env("vllm", bug.buggy, None if releases.base_version("vllm") == bug.buggy else overlay)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), ROOT]))
+    env = child_env("vllm", bug.buggy, ROOT)
     path = os.path.join(ROOT, "corpora", "vllm", name + ".json")
     code = ("import json; from kvaudit import replay; from kvaudit.audit.runner import execute; import vllm; "
             f"assert vllm.__version__ == {bug.buggy!r}, vllm.__version__; "
