@@ -389,7 +389,8 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         props["locationIsFallback"] = True
     if engine is not None:
         props["engine"] = engine.package
-        props["engineVersion"] = engine.version
+        if engine.version:  # not installed here (a report rendered from a file): no version to claim
+            props["engineVersion"] = engine.version
     result["properties"] = props
     return result
 
@@ -445,5 +446,7 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
         run["properties"] = {"preset": getattr(config, "preset", d.get("preset")), "bugs": sorted(d.get("bugs", [])),
                              "model": d.get("model"), "page_size": d.get("page_size"), "engineConfig": d}
         if engine is not None:
-            run["properties"].update(engine=engine.package, engineVersion=engine.version)
+            run["properties"]["engine"] = engine.package
+            if engine.version:
+                run["properties"]["engineVersion"] = engine.version
     return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION, "runs": [run]}
