@@ -42,7 +42,12 @@ def vllm_installed() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """Without SGLang (vLLM), each test marked ``sglang`` (``vllm``) is skipped on its own, with the
-    reason and the install command (a module-level skip showed 92 tests as '4 skipped')."""
+    reason and the install command (a module-level skip showed 92 tests as '4 skipped'). A test that
+    starts a real redis-server (the ``redis_server`` fixture) is marked ``redis``, so that
+    ``-m redis`` selects the fleet's tests."""
+    for item in items:
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
     for marker, installed, reason in (("sglang", sglang_installed, SGLANG_MISSING),
                                       ("vllm", vllm_installed, VLLM_MISSING)):
         marked = [item for item in items if item.get_closest_marker(marker)]

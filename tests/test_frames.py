@@ -16,8 +16,8 @@ from kvaudit.audit.frames import function_ranges, resolve
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CORPUS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))) + \
-    sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json"))) + \
-    sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")))
+    [pytest.param(p, marks=pytest.mark.sglang) for p in sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))] + \
+    [pytest.param(p, marks=pytest.mark.vllm) for p in sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")))]
 STACKS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
 SOURCE = '''import os
 

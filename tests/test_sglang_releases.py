@@ -13,8 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from release_helpers import child_env
 
-from kvaudit.history import catalogue, releases
+from kvaudit.history import catalogue
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
@@ -37,17 +38,8 @@ print(json.dumps({"version": installed_version(), "match": any(BUGS[sys.argv[2]]
 """
 
 
-def overlay(version: str):
-    path = releases.overlay_path("sglang", version)
-    if not path.is_dir():
-        pytest.skip(f"needs the SGLang {version} overlay: python -c \"from kvaudit.history import releases; "
-                    f"releases.ensure('sglang', '{version}', print)\"")
-    return path
-
-
 def run_child(args: list[str], version: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = releases.env("sglang", version, overlay(version))
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], ROOT])
+    env = child_env("sglang", version, ROOT)
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
 
@@ -58,6 +50,7 @@ def replayed(bug_id: str, version: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("bug_id", sorted(BUGS))
 def test_the_known_program_finds_the_bug_on_the_release_that_shipped_it(bug_id):
     bug = BUGS[bug_id]
@@ -66,6 +59,7 @@ def test_the_known_program_finds_the_bug_on_the_release_that_shipped_it(bug_id):
     assert out["match"], f"{bug_id} not found on {bug.buggy}: {out['findings']}"
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("bug_id", sorted(BUGS))
 def test_the_known_program_is_clean_on_the_fixing_release(bug_id):
     bug = BUGS[bug_id]
@@ -84,6 +78,7 @@ def test_a_known_program_runs_the_catalogue_entrys_preset_and_config(bug_id):
     assert bug.buggy in compat.LEGACY and bug.fixed in compat.LEGACY
 
 
+@pytest.mark.releases
 def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path):
     r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--fuzzer", "random",
                    "--max-time", "5", "--out", str(tmp_path)], "0.5.10.post1")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from release_helpers import child_env
 
 from kvaudit.program import Abort, Idle, Step, Submit
 from kvaudit.targets.vllm.config import VLLM_PRESETS, VllmConfig
@@ -172,24 +173,10 @@ def test_a_block_listed_twice_is_queued_once_on_this_vllm():
         assert run.target.queued_twice == []
 
 
-def _overlay(version: str) -> Path | None:
-    """The overlay of vLLM ``version`` (None: the base has it); skips with the install command if absent."""
-    from kvaudit.history import releases
-    if releases.base_version("vllm") == version:
-        return None
-    path = releases.overlay_path("vllm", version)
-    if not path.is_dir():
-        pytest.skip(f"vLLM {version} overlay absent: python -m pip install -q --no-deps --no-compile --target "
-                    f"{path} vllm=={version}")
-    return path
-
-
 def _replay_on(version: str, path: Path) -> dict:
     """``path`` replayed under vLLM ``version`` (a child process: one vLLM per process): the signatures
     found, and the store events that listed a GPU block twice with the request each came from."""
-    from kvaudit.history import releases
-    env = releases.env("vllm", version, _overlay(version))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    env = child_env("vllm", version, ROOT)
     code = f"""
 import json, vllm
 from kvaudit import replay
@@ -226,6 +213,7 @@ def _one_request_lists_a_block_twice(out: dict) -> None:
     assert sum(first["listed"][first["reqs"][0]]) >= 2, first
 
 
+@pytest.mark.releases
 def test_42571_reproducer_replays_to_the_double_free_on_0_23_0():
     """vLLM #42571 on 0.23.0 (eager SimpleCPUOffloadConnector, sliding window): one request's
     ``StoreRequestState.block_ids`` names a GPU block twice (a sliding-window position that block left,
@@ -238,7 +226,8 @@ def test_42571_reproducer_replays_to_the_double_free_on_0_23_0():
     _one_request_lists_a_block_twice(out)
 
 
-@pytest.mark.parametrize("version", ["0.24.0", "0.33.0"])
+@pytest.mark.parametrize("version", [pytest.param("0.24.0", marks=pytest.mark.releases),
+                                     pytest.param("0.33.0", marks=pytest.mark.vllm)])
 def test_42571_duplicate_is_still_listed_but_queued_once_from_0_24_0(version):
     """The same program on 0.24.0 and 0.33.0: the connector still lists the block twice for one request
     (no release de-duplicates the eager store; the fix PRs #42615 and #42903 are open), but

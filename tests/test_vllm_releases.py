@@ -12,30 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from release_helpers import child_env
 
-from kvaudit.history import releases
 from kvaudit.history.catalogue import BUGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "vllm_releases"
 
 
-def _overlay(version: str) -> Path | None:
-    """The overlay of vLLM ``version`` (None: the base has it); skips with the install command if absent."""
-    if releases.base_version("vllm") == version:
-        return None
-    path = releases.overlay_path("vllm", version)
-    if not path.is_dir():
-        pins = " ".join(releases.EXTRA_PINS.get(("vllm", version), ()))
-        pytest.skip(f"vLLM {version} overlay absent: python -m pip install -q --no-deps --no-compile --target "
-                    f"{path} vllm=={version} {pins}".rstrip())
-    return path
-
-
 def _replay(version: str, name: str) -> list[str]:
     """The signatures ``kvaudit replay`` finds for ``name`` under vLLM ``version`` (a child process)."""
-    env = releases.env("vllm", version, _overlay(version))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    env = child_env("vllm", version, ROOT)
     code = ("import json, sys; from kvaudit import replay; from kvaudit.audit.runner import execute; "
             "from kvaudit.program import Idle; import vllm; "
             f"assert vllm.__version__ == {version!r}, vllm.__version__; "
@@ -47,6 +34,7 @@ def _replay(version: str, name: str) -> list[str]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("bug_id", ["vllm-32255", "vllm-33377", "vllm-42571", "vllm-43433", "vllm-45357",
                                     "vllm-47282"])
 def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(bug_id):
@@ -57,6 +45,7 @@ def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(b
     assert _replay(bug.fixed, name) == []
 
 
+@pytest.mark.releases
 def test_an_idle_engine_holds_a_cpu_offload_store_before_0_30_0():
     """Not a catalogued bug (no public issue or PR names it; corpora/vllm/README.md): vLLM 0.20.0 to 0.29.0's
     SimpleCPUOffloadConnector defines has_pending_transfers, which nothing calls, so when the last request
@@ -70,6 +59,7 @@ def test_an_idle_engine_holds_a_cpu_offload_store_before_0_30_0():
     assert _replay("0.30.0", name) == []
 
 
+@pytest.mark.releases
 def test_routed_experts_side_table_is_found_on_0_30_0():
     """vLLM #49684 on the release that ships it. Its fixed twin (0.31.0) moved the feature behind Model
     Runner V2, which needs Triton: the target refuses to build it there, so only the buggy side runs."""
@@ -78,11 +68,11 @@ def test_routed_experts_side_table_is_found_on_0_30_0():
         "leak/block_pool/schedule@scheduler.py/check:dead-table:_re_block_ids"]
 
 
+@pytest.mark.vllm
 def test_a_dead_entry_in_a_scheduler_table_is_found_once_idle():
     """The dead-table check on this environment's vLLM: a drained run is clean; a request id planted in
     one of the Scheduler's own tables (``deferred_loads``, a dict vLLM 0.33.0 keys by request id) after
     the request is gone is a finding naming the table."""
-    pytest.importorskip("vllm")
     from kvaudit.audit import oracles
     from kvaudit.audit.runner import AuditedRun
     from kvaudit.program import Abort, Idle, Step, Submit
@@ -104,8 +94,8 @@ def test_a_dead_entry_in_a_scheduler_table_is_found_once_idle():
     assert found and "req:req-000001" in found[0].message, [f.signature for f in found]
 
 
+@pytest.mark.vllm
 def test_inflight_load_oracle_sees_the_fault_that_puts_32255_back():
-    pytest.importorskip("vllm")
     from kvaudit.audit.runner import execute
     from kvaudit.program import Idle, program_from_json
     from kvaudit.targets import registry
