@@ -22,6 +22,7 @@ from kvaudit.audit.findings import Finding, Site, portable_path
 from kvaudit.audit.hooks import Auditor
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
 from kvaudit.targets import make_target
+from kvaudit.targets.registry import TargetDefinitionError
 
 MAX_IDLE_STEPS = 2000
 # Set by the CLI's SIGINT handler. A KeyboardInterrupt raised inside a garbage-collector callback
@@ -384,6 +385,8 @@ class AuditedRun:
                 found = self._guarded(self.target.apply, op)
                 if found is None:
                     found = self._check(scan=False)
+        except TargetDefinitionError:  # the target's own code broke the API: not the engine's crash
+            raise
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             self.crashed = True
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
