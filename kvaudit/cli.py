@@ -118,7 +118,7 @@ def output_options(f):
 
     for fmt in reversed(FORMATS):
         wrapper = click.option(f"--{fmt}", f"{fmt}_out", type=click.Path(), default=None, metavar="OUT",
-                               help=_OUTPUT_HELP[fmt])(wrapper)
+                               help=_OUTPUT_HELP[fmt] + " A missing directory in OUT is created.")(wrapper)
     return wrapper
 
 
@@ -222,7 +222,8 @@ def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update,
 @click.option("-o", "--output", "out_file", type=click.Path(dir_okay=False), default=None, metavar="OUT",
               help="Where to write the minimized replay file (default: FILE with .min.json).")
 @click.option("--signature", default=None, metavar="SIG",
-              help="The finding to keep (default: the first finding recorded in FILE).")
+              help="The finding to keep (default: the first finding recorded in FILE); one of the signatures FILE "
+                   "records (any, for a file that records none).")
 @_suppress_option
 @_step_timeout_option
 @restoring_sigint

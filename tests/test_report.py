@@ -348,6 +348,30 @@ def test_report_flags_are_checked_before_anything_runs(tmp_path):
     assert r.exit_code == 2 and "cannot write" in one_error_line(r)
 
 
+def test_a_missing_directory_of_a_report_path_is_created_where_the_path_names_it(tmp_path, monkeypatch):
+    """``--junit /nonexistent-dir/x.xml`` created /nonexistent-dir (the directory named: at the root
+    because the path is), but ``link/../missing/x.xml`` created ``missing`` beside the link (abspath
+    folded ``link/..`` lexically) and then failed to write where the system resolved the file."""
+    src = os.path.join(REGRESSIONS, "overlap-abort-double-free.json")
+    far = tmp_path / "far" / "deep"
+    far.mkdir(parents=True)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "link").symlink_to(far)
+    monkeypatch.chdir(cwd)
+    paths = {"html": "rel/a/r.html", "sarif": "link/../m1/r.sarif", "junit": str(tmp_path / "abs" / "r.xml"),
+             "json": "link/../m2/sub/r.json"}
+    r = invoke("report", src, *[a for fmt, p in paths.items() for a in (f"--{fmt}", p)])
+    assert r.exit_code == 0, r.output + r.stderr
+    for p in paths.values():
+        assert os.path.isfile(p), p
+    assert (cwd / "rel" / "a" / "r.html").is_file() and (tmp_path / "abs" / "r.xml").is_file()
+    assert (tmp_path / "far" / "m1" / "r.sarif").is_file() and (tmp_path / "far" / "m2" / "sub" / "r.json").is_file()
+    assert sorted(os.listdir(cwd)) == ["link", "rel"]  # nothing created anywhere else
+    r = invoke("minimize", src, "-o", "link/../m3/min.json", "--signature", "nope")  # checked before it runs
+    assert r.exit_code == 2 and not os.path.exists(tmp_path / "far" / "m3") and sorted(os.listdir(cwd)) == ["link", "rel"]
+
+
 @pytest.mark.parametrize("doc_change, message", [
     (lambda d: d.update(timeline={"steps": [0, 1], "ops": [0], "pools": {}}), "bad timeline"),
     (lambda d: d.update(suppressed=["leak"]), "bad 'suppressed'"),
