@@ -282,6 +282,10 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
                    campaign_name=campaign_name)
 
 
+# where `kvaudit bench` writes unless told: the current directory, never a checkout's committed docs/
+BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmarks-history.md", "benchmarks-history.json")}
+
+
 @main.command("bench")
 @click.option("--suite", type=click.Choice(["zoo", "history"]), default="zoo", show_default=True,
               help="zoo: the built-in engine's planted bugs; history: known SGLang and vLLM bugs in the "
@@ -305,31 +309,31 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
 @click.option("--overhead-presets", default="all", show_default=True, metavar="LIST",
               help="Zoo: presets for the overhead/throughput table ('all', a list, or 'none').")
 @click.option("--out", "out_md", type=click.Path(dir_okay=False), default=None,
-              help="Markdown report  [default: docs/benchmarks.md; history: docs/benchmarks-history.md]")
+              help=f"Markdown report  [default: {BENCH_OUT['zoo'][0]}; history: {BENCH_OUT['history'][0]}; in the "
+                   "current directory: the repository's docs/benchmarks*.md are regenerated only by naming them]")
 @click.option("--json", "out_json", type=click.Path(dir_okay=False), default=None,
-              help="Raw data  [default: docs/benchmarks.json; history: docs/benchmarks-history.json]")
+              help=f"Raw data  [default: {BENCH_OUT['zoo'][1]}; history: {BENCH_OUT['history'][1]}; in the current "
+                   "directory]")
 def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs, fp_seconds, overhead_presets,
               out_md, out_json):
     """Benchmark the fuzzers. --suite zoo: each bug-zoo bug x fuzzer for --trials trials of --budget
     seconds, a false-positive run on the clean engine and the overhead per preset. --suite history:
     each known SGLang/vLLM bug searched for in the release that shipped it, the minimized program
     replayed on the release that fixed it. Writes a markdown report and the raw JSON (method:
-    kvaudit/search/bench.py, kvaudit/history/suite.py). Exit 0, 2 on bad input, 69 when a release cannot
+    kvaudit/search/bench.py, kvaudit/history/suite.py), by default into the current directory. Exit 0, 2 on bad input, 69 when a release cannot
     be installed, 70 when a history worker failed (the suite goes on; the report lists it), 130 when
     interrupted (the report so far is written)."""
     from kvaudit.app import bench as job
 
+    out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
     if suite == "history":
         return job.run_history(trials=trials, budget=budget,
                                fuzzers_value=fuzzers_value or ",".join(f for f in FUZZERS if f != "atheris"),
-                               bugs_value=bugs_value,
-                               list_bugs=list_bugs, jobs=jobs, out_md=out_md or "docs/benchmarks-history.md",
-                               out_json=out_json or "docs/benchmarks-history.json")
+                               bugs_value=bugs_value, list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json)
     if list_bugs:
         return job.list_zoo()
     return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value or ",".join(FUZZERS), bugs_value=bugs_value,
-                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md or "docs/benchmarks.md",
-                   out_json=out_json or "docs/benchmarks.json")
+                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json)
 
 
 @main.group("campaign")
