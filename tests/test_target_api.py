@@ -122,6 +122,9 @@ def test_a_count_taken_below_zero_is_a_double_free(toy):
     t.pool.unref(blocks)
     t.pool.unref(blocks)
     assert kinds(a.pending) == ["double-free"]
+    f = a.pending[0]
+    assert f.unit == "block" and f.listed() == ("blocks", blocks)  # the unit the pool declares
+    assert f.summary().startswith("Double free of 1 block in pool blocks")
 
 
 def test_a_block_revived_from_count_zero_is_allocated_again_and_its_holder_keeps_it(toy):
