@@ -325,8 +325,8 @@ def check_target(target, kind: str) -> None:
     own_install = cls.install_pool is not Target.install_pool
     for s in specs:
         where = f"pool {s.name!r}"
-        if not (isinstance(s.page_size, int) and s.page_size >= 1 and isinstance(s.num_units, int)
-                and s.num_units >= 1):
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+                   for x in (s.page_size, s.num_units)):
             bad(f"{where}: page_size and num_units must be positive integers, got {s.page_size!r} and {s.num_units!r}")
         if s.kind not in POOL_KINDS and not own_install:
             bad(f"{where} declares kind {s.kind!r}; the pool kinds are {', '.join(POOL_KINDS)} (a kind of the "
