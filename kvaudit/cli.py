@@ -26,6 +26,7 @@ from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import restoring_sigint
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, FUZZERS
 from kvaudit.reports.outputs import FORMATS
+from kvaudit.targets.registry import TargetDefinitionError
 
 
 class KvauditGroup(click.Group):
@@ -46,6 +47,9 @@ class KvauditGroup(click.Group):
         except click.ClickException as e:
             click.echo(f"kvaudit: error: {e.format_message()}", err=True)
             return sys.exit(e.exit_code)
+        except TargetDefinitionError as e:  # a plugin target's own mistake, met once it ran
+            click.echo(f"kvaudit: error: {e}", err=True)
+            return sys.exit(EXIT_USAGE)
         except (click.Abort, KeyboardInterrupt):
             click.echo("kvaudit: interrupted", err=True)
             return sys.exit(EXIT_INTERRUPTED)
@@ -56,6 +60,19 @@ class KvauditGroup(click.Group):
                        err=True)
             return sys.exit(EXIT_INTERNAL)
         return sys.exit(rv or 0)
+
+
+def needs_targets(f):
+    """A command that reads the registry of target kinds: every ``KVAUDIT_PLUGINS`` module must have
+    imported (else one line, exit 2: :func:`kvaudit.app.configs.require_plugins`) before it runs."""
+    @functools.wraps(f)
+    def wrapper(*a, **k):
+        from kvaudit.app.configs import require_plugins
+
+        require_plugins()
+        return f(*a, **k)
+
+    return wrapper
 
 
 def _bad(param, msg: str):
@@ -101,7 +118,7 @@ def output_options(f):
 
     for fmt in reversed(FORMATS):
         wrapper = click.option(f"--{fmt}", f"{fmt}_out", type=click.Path(), default=None, metavar="OUT",
-                               help=_OUTPUT_HELP[fmt])(wrapper)
+                               help=_OUTPUT_HELP[fmt] + " A missing directory in OUT is created.")(wrapper)
     return wrapper
 
 
@@ -143,6 +160,7 @@ def main():
 @_step_timeout_option
 @output_options
 @restoring_sigint
+@needs_targets
 def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_time, seed, out_dir, workers,
          corpus_dir, db_url, campaign_name, use_seeds, suppress_file, step_timeout, outputs):
     """Fuzz a target (the built-in engine, or another registered kind: --target); confirm,
@@ -186,6 +204,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
                    "that recorded findings yields none (it is left as it was).")
 @_step_timeout_option
 @output_options
+@needs_targets
 def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update, step_timeout,
                outputs):
     """Rerun a replay file and print its report. Exits 1 if it still yields findings, 0 if clean
@@ -203,10 +222,12 @@ def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update,
 @click.option("-o", "--output", "out_file", type=click.Path(dir_okay=False), default=None, metavar="OUT",
               help="Where to write the minimized replay file (default: FILE with .min.json).")
 @click.option("--signature", default=None, metavar="SIG",
-              help="The finding to keep (default: the first finding recorded in FILE).")
+              help="The finding to keep (default: the first finding recorded in FILE); one of the signatures FILE "
+                   "records (any, for a file that records none).")
 @_suppress_option
 @_step_timeout_option
 @restoring_sigint
+@needs_targets
 def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
     """Minimize a replay file: delta debugging over its ops, then simpler op arguments, keeping the
     finding's signature; the result is confirmed 3 of 3 times and written atomically. Exits 0 when
@@ -245,6 +266,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 @_step_timeout_option
 @output_options
 @restoring_sigint
+@needs_targets
 def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpus_dir, db_url, campaign_name, out_dir,
            suppress_file, step_timeout, outputs):
     """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
@@ -258,6 +280,10 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
                    regressions_dir=regressions_dir, corpus_dir=corpus_dir, out_dir=out_dir,
                    suppress_file=suppress_file, outputs=outputs, target=target, db=db_url,
                    campaign_name=campaign_name)
+
+
+# where `kvaudit bench` writes unless told: the current directory, never a checkout's committed docs/
+BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmarks-history.md", "benchmarks-history.json")}
 
 
 @main.command("bench")
@@ -283,31 +309,31 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
 @click.option("--overhead-presets", default="all", show_default=True, metavar="LIST",
               help="Zoo: presets for the overhead/throughput table ('all', a list, or 'none').")
 @click.option("--out", "out_md", type=click.Path(dir_okay=False), default=None,
-              help="Markdown report  [default: docs/benchmarks.md; history: docs/benchmarks-history.md]")
+              help=f"Markdown report  [default: {BENCH_OUT['zoo'][0]}; history: {BENCH_OUT['history'][0]}; in the "
+                   "current directory: the repository's docs/benchmarks*.md are regenerated only by naming them]")
 @click.option("--json", "out_json", type=click.Path(dir_okay=False), default=None,
-              help="Raw data  [default: docs/benchmarks.json; history: docs/benchmarks-history.json]")
+              help=f"Raw data  [default: {BENCH_OUT['zoo'][1]}; history: {BENCH_OUT['history'][1]}; in the current "
+                   "directory]")
 def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs, fp_seconds, overhead_presets,
               out_md, out_json):
     """Benchmark the fuzzers. --suite zoo: each bug-zoo bug x fuzzer for --trials trials of --budget
     seconds, a false-positive run on the clean engine and the overhead per preset. --suite history:
     each known SGLang/vLLM bug searched for in the release that shipped it, the minimized program
     replayed on the release that fixed it. Writes a markdown report and the raw JSON (method:
-    kvaudit/search/bench.py, kvaudit/history/suite.py). Exit 0, 2 on bad input, 69 when a release cannot
+    kvaudit/search/bench.py, kvaudit/history/suite.py), by default into the current directory. Exit 0, 2 on bad input, 69 when a release cannot
     be installed, 70 when a history worker failed (the suite goes on; the report lists it), 130 when
     interrupted (the report so far is written)."""
     from kvaudit.app import bench as job
 
+    out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
     if suite == "history":
         return job.run_history(trials=trials, budget=budget,
                                fuzzers_value=fuzzers_value or ",".join(f for f in FUZZERS if f != "atheris"),
-                               bugs_value=bugs_value,
-                               list_bugs=list_bugs, jobs=jobs, out_md=out_md or "docs/benchmarks-history.md",
-                               out_json=out_json or "docs/benchmarks-history.json")
+                               bugs_value=bugs_value, list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json)
     if list_bugs:
         return job.list_zoo()
     return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value or ",".join(FUZZERS), bugs_value=bugs_value,
-                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md or "docs/benchmarks.md",
-                   out_json=out_json or "docs/benchmarks.json")
+                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json)
 
 
 @main.group("campaign")
@@ -351,6 +377,7 @@ def campaign_pull_cmd(db_url, campaign_name, directory):
 @main.command("report")
 @click.argument("file", type=click.Path(dir_okay=False))
 @output_options
+@needs_targets
 def report_cmd(file, outputs):
     """Render the findings recorded in a replay or report JSON FILE: the console report, and the
     files that --html/--sarif/--junit/--json ask for. Runs no search and no engine: the occupancy
@@ -372,6 +399,7 @@ def report_cmd(file, outputs):
 @click.option("--resolve/--no-resolve", default=True, show_default=True,
               help="Run the program on the target once to name the requests and sessions its handles picked "
                    "(without it, or without the engine installed, handles are resolved statically).")
+@needs_targets
 def export_cmd(file, issue_out, client_out, resolve):
     """Export a replay FILE (an SGLang or vLLM finding) as an issue report and/or a client-level reproducer.
     Exit 0 once written, 2 on a bad file or flag."""
@@ -382,6 +410,7 @@ def export_cmd(file, issue_out, client_out, resolve):
 
 @main.command()
 @click.option("--target", type=TargetChoice(), default=None, help="Only this target kind's presets (default: every kind's).")
+@needs_targets
 def presets(target):
     """List the engine presets (off a terminal: one plain line each)."""
     from kvaudit.app.configs import presets_table, warn_plugin_errors
@@ -395,6 +424,7 @@ def presets(target):
 @main.command()
 @click.option("--target", type=TargetChoice(), default=None,
               help="Only what this target kind's --bug takes (default: every kind's).")
+@needs_targets
 def bugs(target):
     """List the bug-zoo switches with their preset and public source, and each target's injected faults
     (off a terminal: plain lines)."""

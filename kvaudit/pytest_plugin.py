@@ -1,6 +1,7 @@
 """kvaudit's pytest plugin (registered through the ``pytest11`` entry point ``kvaudit``).
 
-The ``kvaudit`` fixture is :mod:`kvaudit.testing` (``kvaudit.fuzz(config, max_time=...)``,
+The ``kvaudit`` fixture is :mod:`kvaudit.testing` (``kvaudit.fuzz(config, max_time=...)``: ``kvaudit
+fuzz``'s default fuzzer, its finding confirmed and minimized as the CLI's,
 ``kvaudit.replay(path)``, ``kvaudit.corpus(dir)``); a :class:`kvaudit.testing.KvauditFailure` shows
 as its plain report, without pytest's assertion rewriting noise. ``--kvaudit-time SECONDS`` scales
 every fuzz in the session (``max_time`` times it; default 1). Loading the plugin imports nothing heavy.

@@ -42,9 +42,12 @@ def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
     """Write ``data`` to ``path`` via a temporary file in the same directory, fsync and
     ``os.replace``: a reader sees the old file or the whole new one, never a part (``durable``
     False: no fsync -- still whole after a crash of the process, not of the machine; for corpus
-    inputs, written hundreds of times a minute). Raises OSError."""
-    d = os.path.dirname(os.path.abspath(path))
+    inputs, written hundreds of times a minute). A missing directory is created as ``path`` names it:
+    resolved by the system, as the file's own path is (``abspath`` would fold ``link/..`` first and
+    create the directory beside the link instead of where the file goes). Raises OSError."""
+    d = os.path.dirname(path) or os.curdir
     os.makedirs(d, exist_ok=True)
+    d = os.path.realpath(d)  # (mkstemp folds its dir lexically too)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
     umask = os.umask(0)
     os.umask(umask)

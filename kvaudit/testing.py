@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from dataclasses import dataclass, field
+
+from kvaudit.constants import DEFAULT_FUZZER
 
 
 class KvauditFailure(AssertionError):
@@ -24,12 +27,16 @@ class KvauditFailure(AssertionError):
 @dataclass
 class Result:
     """What a fuzz or replay found. ``program``: the ops of the first failing program (a fuzz stops at
-    its first finding) or of the replay; ``executions``: programs run."""
+    its first finding, minimized as ``kvaudit fuzz`` minimizes it) or of the replay; ``executions``:
+    programs the search ran; ``original_length``: the failing program's ops before minimizing (0: not
+    minimized); ``flaky``: signatures a fuzz met that did not replay 3 of 3 times (passed over)."""
 
     findings: list = field(default_factory=list)
     program: list = field(default_factory=list)
     executions: int = 0
     config: object = None
+    original_length: int = 0
+    flaky: list = field(default_factory=list)
 
     @property
     def signatures(self) -> list[str]:
@@ -41,8 +48,10 @@ class Result:
         from kvaudit.program import format_program
         from kvaudit.reports.report import header
 
+        title = (f"minimized program ({self.original_length} -> {len(self.program)} ops)"
+                 if self.original_length else "program")
         out = [header(self.config) if self.config is not None else "kvaudit",
-               f"{len(self.findings)} finding(s) after {self.executions} execution(s); program:",
+               f"{len(self.findings)} finding(s) after {self.executions} execution(s); {title}:",
                format_program(self.program)]
         for f in self.findings:
             out += ["", failure_text(f)]
@@ -54,24 +63,34 @@ class Result:
             raise KvauditFailure(self.render())
 
 
-def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = "random") -> Result:
-    """Fuzz ``config``'s target for at most ``max_time`` seconds with ``fuzzer`` (``random``,
-    ``hypothesis`` or ``corpus``); stops at the first finding, which is re-run with full stacks for the report.
-    Raises ``ValueError`` for an unknown fuzzer."""
-    from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search
-    from kvaudit.audit.runner import execute
-
+def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZZER) -> Result:
+    """Fuzz ``config``'s target for at most ``max_time`` seconds with ``fuzzer`` (``corpus``, the
+    default of ``kvaudit fuzz`` too, ``hypothesis`` or ``random``) and triage its first finding as
+    ``kvaudit fuzz`` does (:func:`kvaudit.search.fuzz.triage`): confirmed 3 of 3 times, minimized,
+    re-run with full stacks for the report; one that does not replay is passed over (``flaky``) and
+    the search goes on within the budget. Minimizing comes after the budget. Raises ``ValueError`` for
+    an unknown fuzzer (atheris instruments the built-in engine in a process of its own: not here)."""
     from kvaudit.search.corpus_fuzz import corpus_search
+    from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, retry_seed, triage
 
     searches = {"random": random_search, "hypothesis": hypothesis_search, "corpus": corpus_search}
     if fuzzer not in searches:
         raise ValueError(f"unknown fuzzer {fuzzer!r} (valid: {', '.join(searches)})")
-    stats = FuzzStats()
-    hit = searches[fuzzer](config, max_time, seed, stats)
-    if hit is None:
-        return Result([], [], stats.executions, config)
-    program, _ = hit
-    return Result(execute(config, program).findings, program, stats.executions, config)
+    stats, flaky = FuzzStats(), []
+    deadline = time.monotonic() + max_time
+    while not flaky or time.monotonic() < deadline:
+        hit = searches[fuzzer](config, max(0.0, deadline - time.monotonic()), retry_seed(seed, len(flaky)), stats,
+                               known=frozenset(flaky))
+        if hit is None:
+            break
+        program, findings = hit
+        first = next(f for f in findings if f.signature not in flaky)
+        crash = triage(config, program, first)
+        if crash is not None:
+            minimized = crash.original_length if crash.runs > 1 else 0  # a watchdog hang is not minimized
+            return Result(crash.findings, crash.program, stats.executions, config, minimized, flaky)
+        flaky.append(first.signature)
+    return Result([], [], stats.executions, config, flaky=flaky)
 
 
 def replay(path: str) -> Result:

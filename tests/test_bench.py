@@ -1,6 +1,7 @@
 """The benchmark's statistics and report (kvaudit/search/bench.py); one tiny end-to-end run."""
 
 import math
+import os
 
 import pytest
 from cli_helpers import invoke, one_error_line
@@ -78,3 +79,21 @@ def test_bench_rejects_unknown_fuzzers_and_bugs():
     assert r.exit_code == 2 and "afl" in one_error_line(r)
     r = invoke("bench", "--bugs", "nope")
     assert r.exit_code == 2 and "nope" in one_error_line(r)
+
+
+def test_bench_writes_into_the_current_directory_unless_told(tmp_path, monkeypatch):
+    """It wrote docs/benchmarks.md and .json of whatever checkout it ran in, overwriting the committed ones."""
+    trials = [_t("prefill-finish-leaks-row", "random", 1, 1.0, 5)]
+    res = bench.BenchResult(trials=trials, false_positives=[], settings={
+        "bugs": ["prefill-finish-leaks-row"], "fuzzers": ["random"], "trials": 1, "budget": 1.0, "cpu_count": 2,
+        "started": "now"})
+    monkeypatch.setattr(bench, "run", lambda *a, **k: res)
+    (tmp_path / "docs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    r = invoke("bench", "--trials", "1", "--budget", "1", "--fuzzers", "random", "--bugs", "prefill-finish-leaks-row",
+               "--overhead-presets", "none")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["benchmarks.json", "benchmarks.md", "docs"]
+    assert os.listdir(tmp_path / "docs") == []
+    assert "Raw data: `benchmarks.json`" in (tmp_path / "benchmarks.md").read_text()
+    assert "current directory" in invoke("bench", "--help").output

@@ -342,6 +342,17 @@ def test_minimize_names_its_own_flag_for_an_unwritable_output(tmp_path):
     assert result.exit_code == 2 and line.startswith("kvaudit: error: --output ") and "--json" not in line
 
 
+def test_minimize_of_a_signature_the_file_does_not_record_lists_the_ones_it_does():
+    """It ran the minimizer and said only "does not reproduce" (exit 4)."""
+    src = os.path.join(REGRESSIONS, "overlap-abort-double-free.json")
+    recorded = list(dict.fromkeys(f.signature for f in replay.load(src)[2]))
+    assert len(recorded) == 2
+    result = invoke("minimize", src, "--signature", "leak/nope")
+    assert result.exit_code == 2
+    assert one_error_line(result) == (f"kvaudit: error: --signature leak/nope: {src} records no finding of it; its "
+                                      f"signature(s): {', '.join(recorded)}")
+
+
 # -- kvaudit ci ----------------------------------------------------------------------------------------
 
 def test_ci_replays_regressions_and_fails_on_a_broken_one(tmp_path):

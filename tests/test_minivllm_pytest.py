@@ -1,9 +1,17 @@
 """Audit your own engine from pytest (issue 19): the minivllm example, fuzzed for a few seconds
-through the kvaudit plugin's fixture. Its planted bugs must fail with a readable finding."""
+through the kvaudit plugin's fixture. Its planted bugs must fail with a readable finding, found and
+minimized as ``kvaudit fuzz`` finds and minimizes them."""
+
+import glob
+import inspect
+import json
 
 import pytest
+from cli_helpers import invoke
 
 from examples.minivllm.target import PRESETS
+from kvaudit import testing
+from kvaudit.constants import DEFAULT_FUZZER
 from kvaudit.testing import KvauditFailure
 
 TIGHT = PRESETS["minivllm-tight"]
@@ -22,3 +30,26 @@ def test_a_planted_bug_fails_with_a_readable_finding(kvaudit, bug, kind):
     assert result.findings[0].kind == kind
     assert f"signature: {kind}/block_pool/" in report
     assert "examples/minivllm/engine.py" in report  # the engine's own line, not kvaudit's
+
+
+def test_the_fixture_fuzzes_with_the_clis_default_fuzzer():
+    """It fuzzed with random while the CLI's default is corpus."""
+    from kvaudit.cli import fuzz as fuzz_cmd
+
+    assert inspect.signature(testing.fuzz).parameters["fuzzer"].default == DEFAULT_FUZZER
+    assert next(p.default for p in fuzz_cmd.params if p.name == "fuzzer") == DEFAULT_FUZZER
+
+
+def test_a_failing_test_shows_the_program_the_cli_minimized(kvaudit, tmp_path, monkeypatch):
+    """The fixture did not minimize: a failing test showed 15 ops where the CLI showed 4."""
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "examples.minivllm.target")
+    r = invoke("fuzz", "--target", "minivllm", "--preset", "minivllm-tight", "--bug", "abort-leak", "--max-time", "10",
+               "--out", str(tmp_path))
+    assert r.exit_code == 1, r.output + r.stderr
+    (path,) = glob.glob(str(tmp_path / "*.json"))
+    cli = json.load(open(path))
+    assert cli["minimized"] is True
+    result = kvaudit.fuzz(TIGHT.config(bugs={"abort-leak"}), max_time=10)  # the same fuzzer and seed (0)
+    assert result.signatures[0] == cli["findings"][0]["signature"]
+    assert len(result.program) == len(cli["program"]) < result.original_length
+    assert f"minimized program ({result.original_length} -> {len(cli['program'])} ops):" in result.render()

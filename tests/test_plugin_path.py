@@ -147,6 +147,33 @@ def test_a_plugin_campaign_hands_its_config_to_the_search(tmp_path):
     assert "unknown config key" not in r.output + r.stderr
 
 
+# -- the console script, as a user runs it: plugins from the current directory ----------------------------
+
+def test_the_installed_console_script_loads_a_plugin_module_from_the_current_directory(tmp_path):
+    """``KVAUDIT_PLUGINS=examples.minivllm.target kvaudit fuzz --target minivllm`` exited 2 from the
+    checkout ("No module named 'examples'"): the console script, unlike ``python -m kvaudit``, does not
+    put the current directory on sys.path, and the in-process tests never noticed."""
+    import subprocess
+    import sys
+
+    from cli_helpers import kvaudit_script, plain_env
+
+    (tmp_path / "cwd_rowtoy.py").write_text(open(os.path.join(ROOT, "tests", "rowtoy_plugin.py")).read()
+                                            .replace('name="rowtoy"', 'name="cwdrowtoy"'))
+    # the code under test and nothing else: not the current directory, not tests/ (an empty entry would be it)
+    env = {**plain_env(), "PYTHONPATH": ROOT, "KVAUDIT_PLUGINS": "cwd_rowtoy"}
+    where = subprocess.run([sys.executable, "-c", "import kvaudit; print(kvaudit.__file__)"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert where == os.path.join(ROOT, "kvaudit", "__init__.py")
+    r = subprocess.run([kvaudit_script(), "fuzz", "--target", "cwdrowtoy", "--preset", "rowtoy-leaky", "--fuzzer",
+                        "random", "--max-time", "20", "--seed", "1", "--out", "out"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "cannot import" not in r.stderr
+    doc = json.load(open(found(tmp_path / "out")))
+    assert doc["config"]["target"] == "cwdrowtoy" and doc["findings"][0]["pool"] == "rows"
+
+
 # -- 2, 3. --bug adds to the preset's bugs; unknown names are refused for every kind --------------------
 
 def test_fuzz_keeps_the_presets_bugs_and_bug_adds_to_them(tmp_path):

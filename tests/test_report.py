@@ -146,6 +146,32 @@ def test_snapshot_inputs_carry_their_source_lines():
         assert sites or findings[0].kind == "accounting-drift"  # drift is about counters: no site
 
 
+def test_a_blocks_pool_finding_is_told_in_blocks_in_every_format():
+    """vLLM's pool unit is a block: its findings said "Direct leak of 16 slots (1 page)"."""
+    from kvaudit.audit.findings import OwnerChange, Site
+    from kvaudit.export.issue import _finding
+    from kvaudit.reports.junit import failure_text
+    from kvaudit.reports.report import lifecycle_table
+    from kvaudit.reports.sarif import _units_line
+
+    site = Site("vllm/v1/core/sched/scheduler.py", 1435, "schedule")
+    f = Finding(kind="leak", pool="block_pool", message="allocated, unreachable from every root", unit="block",
+                slots=list(range(16, 32)) + list(range(48, 64)), num_units=2, alloc_sites=[site], op_index=1, step=2,
+                owner_history=[OwnerChange(1, 2, "req:1", "alloc")])
+    assert f.summary().startswith("Direct leak of 2 blocks in pool block_pool")
+    assert f.listed() == ("blocks", [1, 3])
+    buf = io.StringIO()
+    Console(file=buf, width=120, color_system=None).print(lifecycle_table(f, plain=True))
+    assert "lifecycle of block 1" in buf.getvalue()
+    assert summary_line([f]).endswith("; 0 slot(s), 0 row(s), 2 block(s) involved.")
+    assert "blocks: [1, 3] (2 blocks)" in failure_text(f)
+    assert _units_line(f) == "Blocks: 1, 3."
+    assert "- 2 block(s): 1, 3" in _finding(f, "vllm")
+    page = Finding(kind="leak", pool="token_to_kv_pool", message="m", unit="page", slots=[4, 5], num_units=1)
+    assert "2 slots (1 page)" in page.summary() and page.listed() == ("slots", [4, 5])  # a page pool's: unchanged
+    assert Finding.from_dict(json.loads(json.dumps(f.to_dict()))) == f  # a replay file keeps the unit
+
+
 def test_leak_lifecycle_shows_alloc_owner_end_and_never_freed():
     config, program, _, _ = replay.load(os.path.join(REGRESSIONS, "retract-unaligned-page.json"))
     from kvaudit.audit.runner import execute
@@ -346,6 +372,30 @@ def test_report_flags_are_checked_before_anything_runs(tmp_path):
     blocker.write_text("")
     r = invoke("report", src, "--sarif", str(blocker / "sub" / "r.sarif"))
     assert r.exit_code == 2 and "cannot write" in one_error_line(r)
+
+
+def test_a_missing_directory_of_a_report_path_is_created_where_the_path_names_it(tmp_path, monkeypatch):
+    """``--junit /nonexistent-dir/x.xml`` created /nonexistent-dir (the directory named: at the root
+    because the path is), but ``link/../missing/x.xml`` created ``missing`` beside the link (abspath
+    folded ``link/..`` lexically) and then failed to write where the system resolved the file."""
+    src = os.path.join(REGRESSIONS, "overlap-abort-double-free.json")
+    far = tmp_path / "far" / "deep"
+    far.mkdir(parents=True)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "link").symlink_to(far)
+    monkeypatch.chdir(cwd)
+    paths = {"html": "rel/a/r.html", "sarif": "link/../m1/r.sarif", "junit": str(tmp_path / "abs" / "r.xml"),
+             "json": "link/../m2/sub/r.json"}
+    r = invoke("report", src, *[a for fmt, p in paths.items() for a in (f"--{fmt}", p)])
+    assert r.exit_code == 0, r.output + r.stderr
+    for p in paths.values():
+        assert os.path.isfile(p), p
+    assert (cwd / "rel" / "a" / "r.html").is_file() and (tmp_path / "abs" / "r.xml").is_file()
+    assert (tmp_path / "far" / "m1" / "r.sarif").is_file() and (tmp_path / "far" / "m2" / "sub" / "r.json").is_file()
+    assert sorted(os.listdir(cwd)) == ["link", "rel"]  # nothing created anywhere else
+    r = invoke("minimize", src, "-o", "link/../m3/min.json", "--signature", "nope")  # checked before it runs
+    assert r.exit_code == 2 and not os.path.exists(tmp_path / "far" / "m3") and sorted(os.listdir(cwd)) == ["link", "rel"]
 
 
 @pytest.mark.parametrize("doc_change, message", [

@@ -1,16 +1,25 @@
 """The public target API (issue 19): the Target base class's defaults, 'blocks' pools with reference
 counts, per-target identities, typed findings from targets, and the registry of target kinds."""
 
+import os
+import re
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from cli_helpers import invoke, one_error_line
 
 from kvaudit.audit import oracles
 from kvaudit.config import ConfigBase, Preset
 from kvaudit.audit.hooks import Auditor
 from kvaudit.targets import config_from_dict, make_target, registry
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target, TargetFinding
+
+registry.kinds()  # the built-ins register first, as in a command's run
+import rowtoy_plugin  # noqa: E402  (registers the kind "rowtoy" in this process)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Blocks:
@@ -65,6 +74,15 @@ class ToyTarget(Target):
     def engine_check(self):
         return []
 
+    def apply(self, op):
+        pass
+
+    def step(self):
+        self.steps += 1
+
+    def is_idle(self):
+        return True
+
 
 @pytest.fixture
 def toy():
@@ -104,6 +122,9 @@ def test_a_count_taken_below_zero_is_a_double_free(toy):
     t.pool.unref(blocks)
     t.pool.unref(blocks)
     assert kinds(a.pending) == ["double-free"]
+    f = a.pending[0]
+    assert f.unit == "block" and f.listed() == ("blocks", blocks)  # the unit the pool declares
+    assert f.summary().startswith("Double free of 1 block in pool blocks")
 
 
 def test_a_block_revived_from_count_zero_is_allocated_again_and_its_holder_keeps_it(toy):
@@ -169,16 +190,182 @@ def test_the_built_ins_list_first_even_when_a_plugin_registered_before_them(monk
                                                                           ("eut", "sglang", "vllm")]
 
 
-@pytest.mark.parametrize("command", [["presets"], ["bugs"], ["fuzz", "--max-time", "0.1"]])
-def test_a_plugin_that_fails_to_load_is_a_warning_not_silence(command, tmp_path):
-    """A typo in KVAUDIT_PLUGINS used to be silent unless its target was asked for."""
-    import subprocess
+# -- a KVAUDIT_PLUGINS module that does not import is an error --------------------------------------
 
-    from cli_helpers import kvaudit_script, plain_env
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The registry as a new process loads it (the kinds registered so far kept; KVAUDIT_PLUGINS read
+    again), and sys.path restored afterwards."""
+    monkeypatch.setattr(registry, "_KINDS", dict(registry.kinds()))
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_plugin_errors", [])
+    monkeypatch.setattr(registry, "_entry_point_errors", [])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return registry
 
-    env = {**plain_env(), "KVAUDIT_PLUGINS": "examples.minivllm.targt"}
-    r = subprocess.run([kvaudit_script(), *command], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "warning: cannot import 'examples.minivllm.targt' named in KVAUDIT_PLUGINS" in r.stderr
-    assert "Traceback" not in r.stderr
+
+@pytest.mark.parametrize("command", [["presets"], ["bugs"], ["fuzz", "--max-time", "0.1"], ["replay", "x.json"],
+                                     ["report", "x.json"], ["ci", "--max-time", "0"]])
+def test_a_plugin_that_fails_to_import_is_one_line_exit_2(command, tmp_path, monkeypatch, fresh_registry):
+    """A typo in KVAUDIT_PLUGINS was a warning, and the command ran on, exit 0, without the target meant."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "examples.minivllm.targt")
+    r = invoke(*command)
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert "cannot import 'examples.minivllm.targt' named in KVAUDIT_PLUGINS: ModuleNotFoundError" in line
+    assert f"looked on sys.path and in the current directory {tmp_path}" in line
+    assert str(tmp_path) not in sys.path  # not found there either: the path is left as it was
+
+
+def test_a_plugin_module_is_found_in_the_current_directory_after_the_installed_packages(
+        tmp_path, monkeypatch, fresh_registry):
+    """The console script does not put the current directory on sys.path (python -m does, first)."""
+    (tmp_path / "cwd_toy_plugin.py").write_text(open(os.path.join(HERE, "rowtoy_plugin.py")).read()
+                                                .replace('name="rowtoy"', 'name="cwdtoy"'))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "cwd_toy_plugin")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    try:
+        assert "cwdtoy" in registry.kinds() and registry.plugin_errors() == []
+        assert sys.path[-1] == str(tmp_path)  # appended: an installed module of the same name wins
+        r = invoke("presets", "--target", "cwdtoy")
+        assert r.exit_code == 0 and "rowtoy-leaky" in r.output, r.output + r.stderr
+    finally:
+        sys.modules.pop("cwd_toy_plugin", None)
+
+
+def test_a_module_the_plugin_imports_is_not_looked_for_in_the_current_directory(tmp_path, monkeypatch,
+                                                                                 fresh_registry):
+    (tmp_path / "needs_missing.py").write_text("import no_such_dependency_kva\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "needs_missing")
+    try:
+        (line,) = registry.plugin_errors()
+    finally:
+        sys.modules.pop("needs_missing", None)
+    assert "No module named 'no_such_dependency_kva'" in line and "current directory" not in line
+
+
+# -- a target's own mistakes are configuration errors, not engine crashes --------------------------------
+
+@dataclass(frozen=True)
+class BadToyConfig(ConfigBase):
+    """rowtoy's engine (tests/rowtoy_plugin.py) under a target with one mistake, named by ``preset``."""
+
+    size: int = 48
+    bugs: frozenset = field(default_factory=frozenset)
+    preset: str = "kv-kind-on-rows"
+    page_size = 1
+    num_slots = 47
+    context_len = 16
+
+
+class KvKindOnRows(rowtoy_plugin.RowToyTarget):
+    """Declares its row pool as a token-slot allocator: the kv wrapper called available_size() at the
+    first alloc, an AttributeError reported as the engine's crash at the engine's alloc line."""
+
+    def pools(self):
+        return [PoolSpec("rows", self.engine.pool, "kv", 1, self.config.size - 1)]
+
+
+class MisspeltKind(rowtoy_plugin.RowToyTarget):
+    def pools(self):
+        return [PoolSpec("rows", self.engine.pool, "row", 1, self.config.size - 1)]
+
+
+class BlocksWithoutInstall(rowtoy_plugin.RowToyTarget):
+    def pools(self):
+        return [PoolSpec("rows", self.engine.pool, "blocks", 1, self.config.size - 1)]
+
+
+class NoEngineCheck(rowtoy_plugin.RowToyTarget):
+    engine_check = Target.engine_check  # as if the author never wrote it
+
+
+class ListRoots(rowtoy_plugin.RowToyTarget):
+    """Roots whose units are a list of Python ints, of a pool it never declared."""
+
+    def roots(self, aborting=True):
+        return [Root("rowz", f"req:{r.rid}", r.rows) for r in self.engine.running]
+
+
+BAD = {"kv-kind-on-rows": (KvKindOnRows, "pool 'rows' declares kind 'kv', but its RowPool has no available_size()"),
+       "misspelt-kind": (MisspeltKind, "pool 'rows' declares kind 'row'; the pool kinds are kv, rows, blocks"),
+       "blocks-without-install": (BlocksWithoutInstall, "pool 'rows' is a 'blocks' pool, which has no standard "
+                                                        "wrapping: BlocksWithoutInstall.install_pool must call "
+                                                        "auditor.wrap_blocks"),
+       "no-engine-check": (NoEngineCheck, "NoEngineCheck does not define engine_check(), required of every target"),
+       "undeclared-root-pool": (ListRoots, "a root of req:r1 names pool 'rowz', which its pools() does not declare")}
+
+
+@pytest.fixture
+def badtoy():
+    kind = registry.register(registry.TargetKind(
+        "badtoy", "rowtoy's engine behind a target with one mistake", BadToyConfig,
+        presets=lambda: {n: Preset(n, n, {}, BadToyConfig) for n in BAD},
+        make=lambda c: BAD[c.preset][0](c), default_preset="kv-kind-on-rows"))
+    yield kind
+    registry._KINDS.pop("badtoy")
+
+
+@pytest.mark.parametrize("preset", [p for p in BAD if p != "undeclared-root-pool"])
+def test_a_targets_declaration_mistake_is_one_line_exit_2_naming_the_kind(preset, badtoy, tmp_path):
+    """KvKindOnRows was 'Engine crash: AttributeError: 'RowPool' object has no attribute
+    'available_size'', blamed on the engine's own alloc line, exit 1."""
+    r = invoke("fuzz", "--target", "badtoy", "--preset", preset, "--fuzzer", "random", "--max-time", "5",
+               "--out", str(tmp_path))
+    assert r.exit_code == 2, r.output + r.stderr
+    line = one_error_line(r)
+    assert line.startswith(f"kvaudit: error: target badtoy: {BAD[preset][1]}"), line
+    assert os.listdir(tmp_path) == [] or not any(n.endswith(".json") for n in os.listdir(tmp_path))
+
+
+def test_a_root_of_an_undeclared_pool_met_mid_run_is_not_an_engine_crash(badtoy, tmp_path):
+    """The check at build sees no roots (a fresh engine holds none): the oracle meets it at the first
+    step with a live request, and it is the target's error, not a crash finding."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Idle, Submit
+
+    config = badtoy.preset("undeclared-root-pool").config()
+    with pytest.raises(registry.TargetDefinitionError, match=re.escape(BAD["undeclared-root-pool"][1])):
+        execute(config, [Submit(prompt_len=4, max_new_tokens=3), Idle()])
+    r = invoke("fuzz", "--target", "badtoy", "--preset", "undeclared-root-pool", "--fuzzer", "random",
+               "--max-time", "5", "--out", str(tmp_path))
+    assert r.exit_code == 2, r.output + r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # after the run's first lines: it was met running
+    assert last == f"kvaudit: error: target badtoy: {BAD['undeclared-root-pool'][1]} (rows)"
+    assert "Traceback" not in r.output + r.stderr and "crash" not in r.output
+
+
+def test_make_target_checks_every_kind_and_the_built_ins_pass():
+    for name in ("eut", "vllm"):
+        kind = registry.get(name)
+        try:
+            kind.probe(kind.preset("default").config())
+        except registry.TargetUnavailable:
+            continue
+        make_target(kind.preset("default").config()).close()  # raises TargetDefinitionError if not
+    with pytest.raises(registry.TargetDefinitionError, match="target rowtoy: make.config. returned a "
+                                                              "SimpleNamespace, not a kvaudit.targets.base.Target"):
+        from types import SimpleNamespace
+
+        from kvaudit.targets.base import check_target
+        check_target(SimpleNamespace(), "rowtoy")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"name": "my target"}, "a target kind's name must be letters, digits, '-' or '_'"),
+    ({"summary": ""}, "target toy2: summary must be one line of text"),
+    ({"config_class": ToyConfig()}, "target toy2: config_class must be a class"),
+    ({"make": "ToyTarget"}, "target toy2: make must be callable"),
+    ({"header": "kvaudit"}, "target toy2: header must be None or callable"),
+])
+def test_register_refuses_a_malformed_kind(change, message):
+    kind = registry.TargetKind("toy2", "a toy", ToyConfig, presets=dict, make=ToyTarget)
+    import dataclasses
+
+    with pytest.raises(registry.TargetDefinitionError, match=re.escape(message)):
+        registry.register(dataclasses.replace(kind, **change))
+    assert "toy2" not in registry._KINDS

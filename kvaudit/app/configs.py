@@ -84,12 +84,25 @@ def common_options(f):
 
 
 def require_target(config) -> None:
-    """The config's engine must be drivable here (its kind's ``probe``): else one line (exit 2)
-    before any run."""
+    """The config's engine must be drivable here (its kind's ``probe``), and a plugin kind's target
+    must keep the target API (built once now, :func:`kvaudit.targets.base.check_target`; the built-in
+    kinds are held to it by their tests): else one line (exit 2) before any run."""
     try:
-        registry.kind_of(config).probe(config)
+        kind = registry.kind_of(config)
+        kind.probe(config)
     except (registry.TargetUnavailable, registry.UnknownTargetError) as e:
         raise InputError(str(e)) from None
+    if kind.name in registry.BUILTIN_KINDS:
+        return
+    from kvaudit.targets import make_target
+
+    try:
+        make_target(config).close()
+    except registry.TargetDefinitionError as e:
+        raise InputError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 -- the plugin's own code: named in one line, not a kvaudit bug
+        raise InputError(f"target {kind.name}: building its target failed: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from None
 
 
 def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
@@ -191,10 +204,21 @@ def check_device(device: str) -> None:
             raise InputError(f"device {device}: no CUDA device is available here (torch {torch.__version__})")
 
 
+def require_plugins() -> None:
+    """Every module named in ``KVAUDIT_PLUGINS`` imported (:func:`kvaudit.targets.registry.check_plugins`):
+    else an :class:`InputError` (exit 2), one line naming each that did not, so a typo is not silently
+    a missing target. For the commands that read the registry of target kinds."""
+    try:
+        registry.check_plugins()
+    except registry.PluginError as e:
+        raise InputError(str(e)) from None
+
+
 def warn_plugin_errors(err: Console) -> None:
-    """A plugin named in ``KVAUDIT_PLUGINS`` (or an entry point) that failed to load: one warning line
-    each, so a typo is not silently a missing target."""
-    for line in registry.plugin_errors():
+    """An installed ``kvaudit.targets`` entry point that failed to load: one warning line each (the
+    user did not name it, so it does not stop the command; a ``KVAUDIT_PLUGINS`` module does:
+    :func:`require_plugins`)."""
+    for line in registry.entry_point_errors():
         err.print(f"warning: {line}", soft_wrap=True, markup=False, highlight=False)
 
 

@@ -32,7 +32,7 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
     """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`); returns the
     exit code (see the command's help). Raises :class:`InputError` for a bad directory, suppression
     file or fuzzer, :class:`UnavailableError` when atheris is missing."""
-    from kvaudit.search.fuzz import FuzzStats, triage
+    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
     from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED, is_watchdog_hang, set_step_timeout
     from kvaudit.audit.runner import step_timeout as runner_step_timeout
@@ -105,7 +105,7 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
                     break
                 # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
                 found = _search(fuzzer, config, max(0.0, deadline - time.monotonic()),
-                                seed if not flaky else seed * 1_000_003 + len(flaky), stats, progress.update, sset,
+                                retry_seed(seed, len(flaky)), stats, progress.update, sset,
                                 suppress_file, out_dir, use_seeds, known=frozenset(flaky))
                 if found is None:
                     phase("done")

@@ -24,6 +24,9 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
         if not recorded:
             raise InputError(f"{file} records no finding: name one with --signature")
         signature = recorded[0].signature
+    elif recorded and signature not in {f.signature for f in recorded}:
+        raise InputError(f"--signature {signature}: {file} records no finding of it; its signature(s): "
+                         + ", ".join(dict.fromkeys(f.signature for f in recorded)))
     out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
     check_paths((file,), output=out_file)  # the same checks as the report flags, named as the flag
     console, err = make_console(), make_console(stderr=True)

@@ -24,11 +24,20 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, width=width)
 
 
+PROGRESS_INTERVAL = 5.0  # seconds between plain status lines off a terminal (fuzz, replay)
+
+
+def coverage_field(coverage: str) -> str:
+    """A fuzzer's coverage (``"93 features, 6 programs"``, ``"412 edges"``) as one whitespace-free
+    field of a plain status line: ``93features/6programs``, ``412edges``."""
+    return "/".join("".join(part.split()) for part in coverage.split(","))
+
+
 class Progress:
     """Live status on a terminal (rich); off a terminal, a plain line every ``interval`` seconds (and
     at each phase change), with no control codes, for CI logs."""
 
-    def __init__(self, console: Console, max_time: float, interval: float = 5.0,
+    def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL,
                  suppressions: SuppressionSet | None = None):
         from rich.live import Live
 
@@ -51,7 +60,7 @@ class Progress:
         cov = getattr(s, "coverage", None)
         return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={f['executions']} exec/s={f['exec/s']} ops={f['ops']} "
                 f"findings={f['findings']} suppressed={f['suppressed']} sites={len(s.sites)} "
-                + (f"coverage={cov.replace(' ', '_')} " if cov else "") + f"remaining={f['remaining']}")
+                + (f"coverage={coverage_field(cov)} " if cov else "") + f"remaining={f['remaining']}")
 
     def renderable(self, s: FuzzStats):
         from rich.progress_bar import ProgressBar
@@ -88,3 +97,54 @@ class Progress:
         elif force or s.phase != self._phase or time.monotonic() - self._last >= self.interval:
             self._last, self._phase = time.monotonic(), s.phase
             print(self.line(s), file=sys.stderr, flush=True)
+
+
+class OpProgress:
+    """Where a long run of one program is (``replay`` of a 100k-op file takes minutes): called as
+    ``progress(ops run, scheduler steps)`` after each op. Off a terminal, a plain line every
+    ``interval`` seconds (default :data:`PROGRESS_INTERVAL`; none for a run that ends sooner), then one
+    when it ends; on a terminal, a transient live line from the first second on. A context manager."""
+
+    def __init__(self, console: Console, label: str, total: int, interval: float | None = None):
+        self.console, self.label, self.total = console, label, total
+        self.interval = PROGRESS_INTERVAL if interval is None else interval
+        self.start = time.monotonic()
+        self._next = self.start + (min(1.0, self.interval) if console.is_terminal else self.interval)
+        self.live = None
+        self.printed = False
+        self.ops = self.steps = 0
+
+    def line(self, done: bool = False) -> str:
+        el = time.monotonic() - self.start
+        rate = self.ops / el if el > 0 else 0.0
+        left = f"remaining={(self.total - self.ops) / rate:.0f}s" if rate > 0 and not done else ""
+        return (f"[{el:6.1f}s] {self.label}: ops={self.ops}/{self.total} steps={self.steps} ops/s={rate:.0f} "
+                + (left or "done")).rstrip()
+
+    def __call__(self, ops: int, steps: int) -> None:
+        self.ops, self.steps = ops, steps
+        now = time.monotonic()
+        if now < self._next:
+            return
+        if self.console.is_terminal:
+            from rich.live import Live
+            from rich.text import Text
+
+            if self.live is None:
+                self.live = Live(console=self.console, transient=True, auto_refresh=False)
+                self.live.__enter__()
+            self.live.update(Text(self.line()), refresh=True)
+            self._next = now + 0.25
+        else:
+            print(self.line(), file=sys.stderr, flush=True)
+            self.printed = True
+            self._next = now + self.interval
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+        elif self.printed and exc[0] is None:
+            print(self.line(done=True), file=sys.stderr, flush=True)

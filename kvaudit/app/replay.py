@@ -10,7 +10,7 @@ from kvaudit.app.configs import check_device, require_target, with_tree_core
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, InputError,
                                 write_error)
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
-from kvaudit.app.progress import console as make_console
+from kvaudit.app.progress import OpProgress, console as make_console
 from kvaudit.reports.outputs import Outputs, ReportData
 
 if TYPE_CHECKING:
@@ -48,7 +48,9 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
     file = files[0]
     check_outputs((file, suppress_file), **vars(outputs))
     config, program, recorded, sset = load_replay(file, suppress_file, tree_core)
-    ex = execute(config, program, suppressions=sset, drain=True)
+    err = make_console(stderr=True)
+    with OpProgress(err, f"replaying {file}", len(program)) as progress:
+        ex = execute(config, program, suppressions=sset, drain=True, on_op=progress)
     console = make_console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
     want = {f.signature for f in recorded}
@@ -58,7 +60,6 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
         same = "yes" if want <= got | set(hidden) else "no"
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
-    err = make_console(stderr=True)
     timeline = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
     write_reports(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
                                              {"replayed": file}, timeline=timeline, program_title="program",
@@ -77,7 +78,9 @@ def record_timeline(config, program, sset, err: Console) -> dict | None:
     from kvaudit.reports import timeline
 
     err.print(f"recording pool occupancy: replaying the {len(program)}-op program", soft_wrap=True)
-    return timeline.record(config, program, suppressions=sset.fresh() if sset is not None else None)
+    with OpProgress(err, "recording pool occupancy", len(program)) as progress:
+        return timeline.record(config, program, suppressions=sset.fresh() if sset is not None else None,
+                               on_op=progress)
 
 
 def update_replays(files: tuple[str, ...]) -> int:
@@ -93,7 +96,9 @@ def update_replays(files: tuple[str, ...]) -> int:
         try:
             # drained to idle again where the file recorded the engine's verdict after the drain
             drain = any(f.engine_check_at_idle for f in recorded)
-            outcome = replay.rerecord(file, execute(config, program, drain=drain).findings)
+            with OpProgress(make_console(stderr=True), f"replaying {file}", len(program)) as progress:
+                findings = execute(config, program, drain=drain, on_op=progress).findings
+            outcome = replay.rerecord(file, findings)
         except OSError as e:
             raise write_error(e, file) from None
         lost += outcome.startswith("not updated")
@@ -110,8 +115,11 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
     from kvaudit.reports.report import print_table
     from kvaudit.audit.runner import execute
 
-    execs = [first] + [execute(config, program, suppressions=sset.fresh() if sset is not None else None)
-                       for _ in range(runs - 1)]
+    execs = [first]
+    for i in range(2, runs + 1):
+        with OpProgress(make_console(stderr=True), f"determinism run {i}/{runs}", len(program)) as progress:
+            execs.append(execute(config, program, suppressions=sset.fresh() if sset is not None else None,
+                                 on_op=progress))
 
     def key(ex):
         return ex.digest, [(f.signature, f.slots, f.step) for f in ex.findings], ex.steps

@@ -87,9 +87,10 @@ class Finding:
     kind: str
     pool: str
     message: str
-    unit: str = "slot"  # "slot" (tokens), "page" or "row"
-    slots: list[int] = field(default_factory=list)  # token slots, or rows for req_to_token_pool
-    num_units: int = 0  # pages (== slots when page_size is 1) or rows
+    # "slot" (tokens), "page", "row" or "block" (a "blocks" pool's unit: reference-counted blocks, vLLM's)
+    unit: str = "slot"
+    slots: list[int] = field(default_factory=list)  # token slots (whole pages or blocks), or rows for a row pool
+    num_units: int = 0  # pages or blocks (== slots when page_size is 1) or rows
     alloc_sites: list[Site] = field(default_factory=list)  # innermost first
     free_sites: list[Site] = field(default_factory=list)
     prev_free_sites: list[Site] = field(default_factory=list)  # double free: the earlier free
@@ -171,7 +172,7 @@ class Finding:
             raise ValueError(f"unknown field {unknown[0]!r}")
         for key in ("kind", "pool", "message"):
             _want(d, key, str)
-        _want(d, "unit", str, choices=("slot", "page", "row"))
+        _want(d, "unit", str, choices=("slot", "page", "row", "block"))
         _want(d, "slots", list, item=int)
         _want(d, "num_units", int)
         _want(d, "indirect", bool)
@@ -182,8 +183,8 @@ class Finding:
         _want(d, "engine_check_at_idle", list, item=str)
         if d.get("traceback") is not None:
             _want(d, "traceback", str)
-        if d.get("unit") == "page" and d.get("slots") and not d.get("num_units"):
-            raise ValueError("num_units must be positive for pages")
+        if d.get("unit") in ("page", "block") and d.get("slots") and not d.get("num_units"):
+            raise ValueError(f"num_units must be positive for {d['unit']}s")
         _want(d, "used_by", list, item=str)
         _want(d, "lost_from", str)
         _want(d, "check", str)
@@ -208,13 +209,22 @@ class Finding:
         d["owner_history"] = history
         return cls(**d)
 
+    def listed(self) -> tuple[str, list[int]]:
+        """What a report lists of the units: ``("rows", row ids)``, ``("blocks", block ids)`` (a
+        ``"blocks"`` pool counts in blocks, as vLLM does), else ``("slots", token slots)``."""
+        if self.unit == "block" and self.num_units and self.slots:
+            per = max(1, len(self.slots) // self.num_units)  # the slots list whole blocks
+            return "blocks", [s // per for s in self.slots[::per]]
+        return ("rows" if self.unit == "row" else "slots"), list(self.slots)
+
     def summary(self) -> str:
         """One line in LeakSanitizer's manner."""
         def many(k: int, word: str) -> str:
             return f"{k} {word}" + ("" if k == 1 else "s")
 
         n = len(self.slots)
-        what = (many(self.num_units, "row") if self.unit == "row" else
+        what = (many(self.num_units, "row") if self.unit == "row" else many(self.num_units, "block")
+                if self.unit == "block" else
                 f"{many(n, 'slot')} ({many(self.num_units, 'page')})" if self.unit == "page" else many(n, "slot"))
         site = self.alloc_sites[0].short() if self.alloc_sites else "unknown site"
         head = {

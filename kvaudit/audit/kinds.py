@@ -27,7 +27,7 @@ TABLE: tuple[FindingKind, ...] = (
     FindingKind(
         "leak", 4, None, "Leak",
         "KV-cache memory leaked: allocated units that no live owner references",
-        "Token slots, pages or request rows were allocated from a KV-cache pool and are no longer "
+        "Token slots, pages, blocks or request rows were allocated from a KV-cache pool and are no longer "
         "reachable from any of the engine's roots (live requests, session slots, the radix tree, "
         "in-flight copies), yet were never freed. An indirect leak is reachable only from another "
         "leaked unit, as in LeakSanitizer. Each leak shrinks the pool for good, until the engine "

@@ -238,8 +238,8 @@ class Ledger:
             alloc_sid = self.events[ev].site if ev >= 0 else -1
         if spec.kind == "rows":
             unit, slots = "row", units.tolist()
-        else:
-            unit = "page" if spec.page_size > 1 else "slot"
+        else:  # a pool counts in the unit it declares: blocks for a "blocks" pool (vLLM's), whatever their size
+            unit = "block" if spec.kind == "blocks" else "page" if spec.page_size > 1 else "slot"
             slots = (units[:, None] * spec.page_size + np.arange(spec.page_size)).reshape(-1).tolist()
         return Finding(kind=kind, pool=pool, message=message, unit=unit, slots=slots, num_units=int(units.size),
                        alloc_sites=self.site(alloc_sid), owner_history=self.history(pool, int(units[0])),

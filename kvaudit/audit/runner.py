@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvaudit.config import TargetConfig
 from kvaudit.audit import memstate
@@ -22,6 +23,7 @@ from kvaudit.audit.findings import Finding, Site, portable_path
 from kvaudit.audit.hooks import Auditor
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
 from kvaudit.targets import make_target
+from kvaudit.targets.registry import TargetDefinitionError
 
 MAX_IDLE_STEPS = 2000
 # Set by the CLI's SIGINT handler. A KeyboardInterrupt raised inside a garbage-collector callback
@@ -384,6 +386,8 @@ class AuditedRun:
                 found = self._guarded(self.target.apply, op)
                 if found is None:
                     found = self._check(scan=False)
+        except TargetDefinitionError:  # the target's own code broke the API: not the engine's crash
+            raise
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             self.crashed = True
             found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
@@ -523,14 +527,18 @@ def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()
 
 
 def execute(config: TargetConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
-            full_stacks: bool = True, suppressions=None, drain: bool = False) -> Execution:
+            full_stacks: bool = True, suppressions=None, drain: bool = False,
+            on_op: Callable[[int, int], None] | None = None) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding (one that
     ``suppressions``, a :class:`kvaudit.audit.suppress.SuppressionSet`, does not cover). With ``drain``,
     a run with findings then drains the engine to idle and records the engine's own verdict there
-    in each finding's ``engine_check_at_idle`` (:meth:`AuditedRun.drain_verdict`)."""
+    in each finding's ``engine_check_at_idle`` (:meth:`AuditedRun.drain_verdict`). ``on_op(ops run,
+    scheduler steps)`` is called after each op (a long replay's progress)."""
     with AuditedRun(config, audit=audit, full_stacks=full_stacks, suppressions=suppressions) as run:
         for op in program:
             found = run.apply(op)
+            if on_op is not None:
+                on_op(run.ops_run, run.target.steps)
             if found and stop_on_finding:
                 break
         ex = Execution(run.findings, run.ops_run, run.target.steps,

@@ -33,7 +33,8 @@ def _finding(f: Finding, package: str) -> list[str]:
     out = [f"### {f.kind}" + (f" in `{f.pool}`" if f.pool != "-" else ""), "", f"- signature: `{f.signature}`",
            f"- seen at op {f.op_index}, scheduler step {f.step}: {f.message}"]
     if f.num_units:
-        shown = ", ".join(map(str, f.slots[:16])) + (" ..." if len(f.slots) > 16 else "")
+        ids = f.listed()[1]  # rows, blocks (a "blocks" pool's ids) or token slots
+        shown = ", ".join(map(str, ids[:16])) + (" ..." if len(ids) > 16 else "")
         out.append(f"- {f.num_units} page(s), slots {shown}" if f.unit == "page" and len(f.slots) != f.num_units
                    else f"- {f.num_units} {f.unit}(s): {shown}")
     if f.used_by:

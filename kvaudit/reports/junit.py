@@ -54,8 +54,8 @@ def failure_text(f: Finding, count: int = 1) -> str:
     else:
         lines.append(f"message: {f.message}")
     if f.slots:
-        word = "rows" if f.unit == "row" else "slots"
-        shown = ", ".join(map(str, f.slots[:64])) + (f", ... ({len(f.slots)} in all)" if len(f.slots) > 64 else "")
+        word, ids = f.listed()
+        shown = ", ".join(map(str, ids[:64])) + (f", ... ({len(ids)} in all)" if len(ids) > 64 else "")
         lines.append(f"{word}: [{shown}] ({f.num_units} {f.unit}{'' if f.num_units == 1 else 's'})")
     if f.kind == "leak":
         lines.append("indirect leak (reachable only from a leaked owner)" if f.indirect else "direct leak")

@@ -92,8 +92,9 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         Text(f"detected after op #{f.op_index} at scheduler step {f.step}: {f.message}"),
     ]
     if f.slots:
-        shown = ", ".join(map(str, f.slots[:16])) + (" ..." if len(f.slots) > 16 else "")
-        parts.append(Text(f"{'rows' if f.unit == 'row' else 'slots'}: [{shown}]"))
+        word, ids = f.listed()
+        shown = ", ".join(map(str, ids[:16])) + (" ..." if len(ids) > 16 else "")
+        parts.append(Text(f"{word}: [{shown}]"))
     if f.kind == "double-free":
         parts.append(_stack("freed again at:", f.free_sites, plain))
         parts.append(_stack("previously freed at:", f.prev_free_sites, plain))
@@ -152,7 +153,7 @@ def lifecycle_table(f: Finding, plain: bool = False) -> Table:
     """The first unit's timeline: its alloc (op, step, site, for whom), owner changes, the end of its
     last owner, its frees, and for a leak the verdict "never freed"."""
     first = f.slots[0] if f.slots else "?"
-    if f.unit == "page" and f.slots and f.num_units:
+    if f.unit in ("page", "block") and f.slots and f.num_units:
         first = f.slots[0] // (len(f.slots) // f.num_units)  # slots list whole pages
     t = Table(title=f"lifecycle of {f.unit} {first}", title_justify="left", show_edge=False, pad_edge=False,
               box=None if plain else box.HEAVY_HEAD)
@@ -201,7 +202,8 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
     ``SUMMARY: kvaudit: 3 finding(s) (2 leak, 1 double-free) in 2 signature(s); 12 slot(s), 1 row(s)
     involved.``, ``SUMMARY: kvaudit: no findings.`` (``no findings (interrupted).`` for a run cut
     short), with ``; N suppressed`` when rules suppressed findings. Kinds in :data:`KINDS` order; rows
-    count ``req_to_token_pool`` rows, slots everything else."""
+    count ``req_to_token_pool`` rows, blocks a ``"blocks"`` pool's units (``, 2 block(s)`` when there are any),
+    slots everything else."""
     n_suppressed = sum((suppressed or {}).values())
     tail = f"; {n_suppressed} suppressed" if n_suppressed else ""
     if not findings:
@@ -210,10 +212,12 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
     for f in findings:
         counts[f.kind] = counts.get(f.kind, 0) + 1
     kinds = ", ".join(f"{counts[r['kind']]} {r['kind']}" for r in summary_rows(findings))
-    slots = sum(len(f.slots) for f in findings if f.unit != "row")
+    slots = sum(len(f.slots) for f in findings if f.unit not in ("row", "block"))
     rows = sum(len(f.slots) for f in findings if f.unit == "row")
+    blocks = sum(f.num_units for f in findings if f.unit == "block" and f.slots)
     return (f"SUMMARY: kvaudit: {len(findings)} finding(s) ({kinds}) in {len({f.signature for f in findings})} "
-            f"signature(s); {slots} slot(s), {rows} row(s) involved{tail}.")
+            f"signature(s); {slots} slot(s), {rows} row(s)" + (f", {blocks} block(s)" if blocks else "")
+            + f" involved{tail}.")
 
 
 def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:

@@ -299,8 +299,8 @@ def lifecycle(f: Finding) -> list[str]:
 def _units_line(f: Finding) -> str:
     if not f.slots:
         return ""
-    word = "rows" if f.unit == "row" else "slots"
-    shown = ", ".join(map(str, f.slots[:16])) + (f", ... ({len(f.slots)} in all)" if len(f.slots) > 16 else "")
+    word, ids = f.listed()
+    shown = ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)} in all)" if len(ids) > 16 else "")
     return f"{word.capitalize()}: {shown}."
 
 

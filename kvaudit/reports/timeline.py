@@ -62,7 +62,7 @@ def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
 
 
 def record(config: TargetConfig, program: list[Op], suppressions=None, drain_steps: int = 8,
-           findings: list | None = None) -> dict:
+           findings: list | None = None, on_op=None) -> dict:
     """Run ``program`` from a fresh engine with every oracle on and sample :func:`occupancy` before
     the first step and after every scheduler step. The whole program runs (past the first finding),
     then up to ``drain_steps`` more steps (at least one), so the plot shows what the leak does next.
@@ -74,6 +74,7 @@ def record(config: TargetConfig, program: list[Op], suppressions=None, drain_ste
     "detected": {"step", "op_index", "kind", "pool"} or None, "program_end_step": int}``.
     ``findings``: a list that receives every finding of the run (full stacks), so that one replay
     serves both the report and the plot (a hang's replay costs the watchdog's step limit).
+    ``on_op(ops run, scheduler steps)`` is called after each op of ``program`` (a long replay's progress).
     """
     steps: list[int] = []
     ops: list[int] = []
@@ -91,6 +92,8 @@ def record(config: TargetConfig, program: list[Op], suppressions=None, drain_ste
         run.on_step = sample
         for op in program:
             found = run.apply(op)
+            if on_op is not None:
+                on_op(run.ops_run, run.target.steps)
             if found and detected is None:
                 f = found[0]
                 detected = {"step": f.step, "op_index": f.op_index, "kind": f.kind, "pool": f.pool}

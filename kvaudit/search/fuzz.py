@@ -256,6 +256,12 @@ def confirm(config: TargetConfig, program: list[Op], signature: str, runs: int =
                for _ in range(runs))
 
 
+def retry_seed(seed: int, flaky: int) -> int:
+    """The seed of the search after ``flaky`` findings that did not replay (``kvaudit fuzz`` and
+    :func:`kvaudit.testing.fuzz` search on past them): ``seed`` itself first, then a fresh one each."""
+    return seed if not flaky else seed * 1_000_003 + flaky
+
+
 def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressions=None,
            on_phase: Callable[[str], None] | None = None) -> Crash | None:
     """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K.

@@ -27,11 +27,24 @@ def __getattr__(name: str):
 
 def make_target(config):
     """The target for ``config``, built by the registered kind it belongs to
-    (:func:`kvaudit.targets.registry.kind_of`). Raises
-    :class:`kvaudit.targets.registry.UnknownTargetError` for a config no kind takes; a kind may raise
-    its own error when its engine cannot be driven (real SGLang: ``SglangUnavailable``)."""
+    (:func:`kvaudit.targets.registry.kind_of`) and checked (:func:`kvaudit.targets.base.check_target`).
+    Raises :class:`kvaudit.targets.registry.UnknownTargetError` for a config no kind takes,
+    :class:`kvaudit.targets.registry.TargetDefinitionError` for a target that does not keep the target
+    API; a kind may raise its own error when its engine cannot be driven (real SGLang:
+    ``SglangUnavailable``)."""
+    from kvaudit.targets.base import check_target
     from kvaudit.targets.registry import kind_of
-    return kind_of(config).make(config)
+
+    kind = kind_of(config)
+    target = kind.make(config)
+    try:
+        check_target(target, kind.name)
+    except Exception:
+        close = getattr(target, "close", None)
+        if callable(close):
+            close()
+        raise
+    return target
 
 
 def program_features(config) -> frozenset[str]:

@@ -15,14 +15,20 @@ import numpy as np
 import torch
 
 
+#: the pool kinds kvaudit knows (:class:`PoolSpec`), with the API the default ``install_pool`` wraps
+#: (``None``: none; the target's own ``install_pool`` wraps the pool)
+POOL_KINDS = {"kv": ("free", "available_size"), "rows": ("alloc", "free"), "blocks": None}
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     """A pool the hooks wrap. ``kind`` is ``"kv"`` (token slots, allocator API
-    ``alloc``/``alloc_extend``/``alloc_decode``/``free``/``free_group_*``), ``"rows"``
-    (``alloc(n) -> list[int]``/``free(rows)``) or ``"blocks"`` (reference-counted pages of
+    ``alloc``/``alloc_extend``/``alloc_decode``/``free``/``free_group_*`` and ``available_size``),
+    ``"rows"`` (``alloc(n) -> list[int]``/``free(rows)``) or ``"blocks"`` (reference-counted pages of
     ``page_size`` tokens, vLLM's ``BlockPool``: the target wraps them with
-    ``Auditor.wrap_blocks``; a double free is a count taken below zero). ``num_units`` excludes the
-    reserved unit 0."""
+    ``Auditor.wrap_blocks``; a double free is a count taken below zero); a kind of the target's own
+    (SGLang's host pool) only with its own ``install_pool``. ``num_units`` excludes the reserved unit 0.
+    :func:`check_target` checks what a target declares."""
 
     name: str
     obj: object
@@ -281,6 +287,81 @@ class Target:
 
     def close(self) -> None:
         """The run is over: release outside resources (files, directories). Mutates; default nothing."""
+
+
+REQUIRED = ("pools", "apply", "step", "is_idle", "roots", "accounting", "engine_check")
+_checked: set[type] = set()  # target classes whose methods and reads passed check_target (once each)
+
+
+def check_target(target, kind: str) -> None:
+    """That ``target`` (just built by the kind called ``kind``) keeps the target API, so a mistake in
+    the target's own code is named as one instead of surfacing as an engine crash: a :class:`Target`
+    that overrides every method of :data:`REQUIRED`; ``pools()`` a list of :class:`PoolSpec` with
+    distinct names, positive ``page_size`` and ``num_units``, a kind of :data:`POOL_KINDS` whose API the
+    pool object has when the default ``install_pool`` wraps it (``"blocks"`` and a kind of the target's
+    own need its own); on the fresh engine, ``roots()`` a list of :class:`Root` of declared pools with
+    ``[n]`` integer numpy ``units``, ``accounting()`` a dict of declared pool -> :class:`Accounting` and
+    ``engine_check()`` a list of strings (the reads once per target class). Raises
+    :class:`kvaudit.targets.registry.TargetDefinitionError`, one line naming ``kind`` and the problem."""
+    from kvaudit.targets.registry import TargetDefinitionError
+
+    cls = type(target)
+
+    def bad(msg: str):
+        raise TargetDefinitionError(f"target {kind}: {msg}")
+
+    if not isinstance(target, Target):
+        bad(f"make(config) returned a {cls.__name__}, not a kvaudit.targets.base.Target (subclass it)")
+    missing = [m for m in REQUIRED if getattr(cls, m) is getattr(Target, m)]
+    if missing:
+        bad(f"{cls.__name__} does not define {', '.join(m + '()' for m in missing)}, required of every target "
+            "(kvaudit/targets/base.py Target)")
+    specs = target.pools()
+    if not isinstance(specs, (list, tuple)) or not all(isinstance(s, PoolSpec) for s in specs):
+        bad(f"{cls.__name__}.pools() must return a list of PoolSpec, got {specs!r:.80}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        bad(f"{cls.__name__}.pools() must name each pool once with a non-empty string, got {names}")
+    own_install = cls.install_pool is not Target.install_pool
+    for s in specs:
+        where = f"pool {s.name!r}"
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+                   for x in (s.page_size, s.num_units)):
+            bad(f"{where}: page_size and num_units must be positive integers, got {s.page_size!r} and {s.num_units!r}")
+        if s.kind not in POOL_KINDS and not own_install:
+            bad(f"{where} declares kind {s.kind!r}; the pool kinds are {', '.join(POOL_KINDS)} (a kind of the "
+                "target's own needs its own install_pool)")
+        api = POOL_KINDS.get(s.kind)
+        if own_install:
+            continue
+        if api is None:
+            bad(f"{where} is a {s.kind!r} pool, which has no standard wrapping: {cls.__name__}.install_pool must "
+                "call auditor.wrap_blocks(spec, ids, alloc=..., ref=..., unref=...)")
+        lacking = [m for m in api if not callable(getattr(s.obj, m, None))]
+        if s.kind == "kv" and not any(callable(getattr(s.obj, m, None)) for m in ("alloc", "alloc_extend",
+                                                                                   "alloc_decode")):
+            lacking.insert(0, "alloc")
+        if lacking:
+            bad(f"{where} declares kind {s.kind!r}, but its {type(s.obj).__name__} has no {', '.join(lacking)}() "
+                f"(a {s.kind!r} pool's API: {', '.join(api)}" + (", alloc" if s.kind == "kv" else "")
+                + "); declare the kind it is, or wrap it in install_pool")
+    if cls in _checked:
+        return
+    roots, acc, verdict = target.roots(), target.accounting(), target.engine_check()
+    if not isinstance(roots, (list, tuple)) or not all(isinstance(r, Root) for r in roots):
+        bad(f"{cls.__name__}.roots() must return a list of Root, got {roots!r:.80}")
+    for r in roots:
+        if r.pool not in names:
+            bad(f"{cls.__name__}.roots(): a root of {r.owner} names pool {r.pool!r}, which pools() does not declare")
+        if not (isinstance(r.units, np.ndarray) and r.units.ndim == 1 and r.units.dtype.kind in "iu"):
+            bad(f"{cls.__name__}.roots(): {r.owner}'s units must be a [n] integer numpy array, got "
+                f"{type(r.units).__name__}" + (f" of {r.units.dtype}, shape {r.units.shape}"
+                                               if isinstance(r.units, np.ndarray) else ""))
+    if not isinstance(acc, dict) or not all(p in names and isinstance(a, Accounting) for p, a in acc.items()):
+        bad(f"{cls.__name__}.accounting() must return {{declared pool: Accounting}}, got {acc!r:.80}")
+    if not isinstance(verdict, list) or not all(isinstance(x, str) for x in verdict):
+        bad(f"{cls.__name__}.engine_check() must return a list of strings, got {verdict!r:.80}")
+    _checked.add(cls)
 
 
 def kv_length_problems(reqs) -> list[str]:

@@ -10,14 +10,17 @@ own folder.
 Kinds come from three places, in order: the built-ins (``eut``, ``sglang``, ``vllm``), the modules named in
 the ``KVAUDIT_PLUGINS`` environment variable (comma-separated, imported on first use: each calls
 :func:`register`), and installed packages' ``kvaudit.targets`` entry points (each names a module, or
-a callable returning a :class:`TargetKind`). Nothing here imports torch or an engine: a kind's
-callables import what they need when called.
+a callable returning a :class:`TargetKind`). A ``KVAUDIT_PLUGINS`` module that is not on ``sys.path``
+is looked for in the current directory too, as ``python -m kvaudit`` and pytest (its rootdir) find it:
+the directory is appended to ``sys.path``, after the installed packages, which it never shadows.
+Nothing here imports torch or an engine: a kind's callables import what they need when called.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -28,6 +31,17 @@ ENTRY_POINT_GROUP = "kvaudit.targets"
 
 class UnknownTargetError(ValueError):
     """A target name, or a replay file's ``config.target``, that no registered kind has."""
+
+
+class TargetDefinitionError(ValueError):
+    """A mistake in a target's own code, not in its engine: a :class:`TargetKind` or a built target
+    that does not keep the target API (a pool kind kvaudit does not know, a required method left out,
+    ``roots()`` that are not :class:`kvaudit.targets.base.Root` objects). The message is one line naming
+    the target kind and what is wrong (the CLI: exit 2)."""
+
+
+class PluginError(RuntimeError):
+    """A module named in ``KVAUDIT_PLUGINS`` could not be imported: one line per module, ``; ``-joined."""
 
 
 class TargetUnavailable(RuntimeError):
@@ -126,13 +140,68 @@ class TargetKind:
 
 _KINDS: dict[str, TargetKind] = {}
 _loaded = False
-_plugin_errors: list[str] = []  # plugins that failed to load: named when a target is not found
+
+
+_plugin_errors: list[str] = []  # KVAUDIT_PLUGINS modules that failed to import: an error for commands
+_entry_point_errors: list[str] = []  # installed entry points that failed to load: a warning
+
+
+_CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes")
+_OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe")
+
+
+def check_kind(kind: TargetKind) -> None:
+    """What :func:`register` checks of a kind before it lists it: a name that ``--target`` can take
+    (letters, digits, ``-``, ``_``), a one-line ``summary``, a class for ``config_class`` and callables
+    where the fields are called. Raises :class:`TargetDefinitionError`."""
+    name = kind.name
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise TargetDefinitionError(f"a target kind's name must be letters, digits, '-' or '_' (it is what --target "
+                                    f"takes), got {name!r}")
+    bad = None
+    if not isinstance(kind.summary, str) or not kind.summary.strip() or "\n" in kind.summary:
+        bad = f"summary must be one line of text, got {kind.summary!r}"
+    elif not isinstance(kind.config_class, type):
+        bad = f"config_class must be a class (a frozen dataclass), got {kind.config_class!r}"
+    else:
+        bad = next((f"{f} must be callable, got {getattr(kind, f)!r}" for f in _CALLABLES
+                    if not callable(getattr(kind, f))), None) or next(
+            (f"{f} must be None or callable, got {getattr(kind, f)!r}" for f in _OPTIONAL_CALLABLES
+             if getattr(kind, f) is not None and not callable(getattr(kind, f))), None)
+    if bad:
+        raise TargetDefinitionError(f"target {name}: {bad}")
 
 
 def register(kind: TargetKind) -> TargetKind:
-    """Add ``kind`` (or replace the kind of the same name: a reloaded plugin). Returns it."""
+    """Add ``kind`` (or replace the kind of the same name: a reloaded plugin). Returns it. Raises
+    :class:`TargetDefinitionError` for a kind :func:`check_kind` refuses (a plugin module that
+    registers one fails to load)."""
+    check_kind(kind)
     _KINDS[kind.name] = kind
     return kind
+
+
+def _import_plugin(mod: str) -> None:
+    """Import the ``KVAUDIT_PLUGINS`` module ``mod``; one not found on ``sys.path`` is looked for in the
+    current directory (appended to ``sys.path``, so installed packages keep precedence). Raises what
+    the import raises."""
+    try:
+        importlib.import_module(mod)
+        return
+    except ModuleNotFoundError as e:
+        parts = mod.split(".")
+        here = os.getcwd()
+        # only the module itself (or a package above it) missing: not a module the plugin imports
+        if e.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)} or here in sys.path:
+            raise
+    sys.path.append(here)
+    importlib.invalidate_caches()
+    try:
+        importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        sys.path.remove(here)  # not there either: leave the path as it was
+        raise ModuleNotFoundError(f"{e} (looked on sys.path and in the current directory {here})", name=e.name) \
+            from None
 
 
 def _load() -> None:
@@ -146,9 +215,10 @@ def _load() -> None:
     import kvaudit.targets.vllm.kind  # noqa: F401,F811  (registers "vllm")
     for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
-            importlib.import_module(mod)
+            _import_plugin(mod)
         except Exception as e:  # noqa: BLE001 -- a broken plugin is named, never a traceback
-            _plugin_errors.append(f"cannot import {mod!r} named in {PLUGINS_ENV}: {type(e).__name__}: {e}")
+            why = " ".join(str(e).split())  # one line, whatever the module raised
+            _plugin_errors.append(f"cannot import {mod!r} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -159,14 +229,30 @@ def _load() -> None:
                 if isinstance(got, TargetKind):
                     register(got)
         except Exception as e:  # noqa: BLE001
-            _plugin_errors.append(f"cannot load entry point {ep.name!r} ({ep.value}): {type(e).__name__}: {e}")
+            _entry_point_errors.append(f"cannot load entry point {ep.name!r} ({ep.value}): {type(e).__name__}: {e}")
 
 
 def plugin_errors() -> list[str]:
     """One line per plugin (``KVAUDIT_PLUGINS`` module or entry point) that failed to load; empty when
     every one loaded. Loads the registry first."""
     _load()
-    return list(_plugin_errors)
+    return _plugin_errors + _entry_point_errors
+
+
+def entry_point_errors() -> list[str]:
+    """One line per installed ``kvaudit.targets`` entry point that failed to load (a warning: the user
+    did not name it). Loads the registry first."""
+    _load()
+    return list(_entry_point_errors)
+
+
+def check_plugins() -> None:
+    """Every module named in ``KVAUDIT_PLUGINS`` imported: else :class:`PluginError`, one line naming
+    each that did not (a misspelled module is the user's input, not a missing target to shrug at).
+    Loads the registry first."""
+    _load()
+    if _plugin_errors:
+        raise PluginError("; ".join(_plugin_errors))
 
 
 BUILTIN_KINDS = ("eut", "sglang", "vllm")
@@ -184,7 +270,7 @@ def get(name: str) -> TargetKind:
     """The kind called ``name``. Raises :class:`UnknownTargetError` naming the valid ones."""
     _load()
     if name not in _KINDS:
-        why = "; ".join(_plugin_errors) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
+        why = "; ".join(plugin_errors()) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
                                             f"'{ENTRY_POINT_GROUP}' entry point")
         raise UnknownTargetError(f"unknown target {name!r} (valid: {', '.join(_KINDS)}; {why})")
     return _KINDS[name]
@@ -197,6 +283,15 @@ def kind_of(config) -> TargetKind:
         if isinstance(config, kind.config_class):
             return kind
     raise UnknownTargetError(f"no registered target takes a {type(config).__name__}")
+
+
+def kind_name(target) -> str:
+    """The registered kind of a built ``target`` (of its ``config``), for messages; its class name when
+    no kind takes the config."""
+    try:
+        return kind_of(target.config).name
+    except (AttributeError, UnknownTargetError):
+        return type(target).__name__
 
 
 def kind_of_dict(d: object) -> TargetKind:

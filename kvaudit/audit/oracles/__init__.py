@@ -39,6 +39,7 @@ from kvaudit.audit.oracles.leaks import leaks
 from kvaudit.audit.oracles.lock_balance import lock_balance
 from kvaudit.audit.oracles.target import target_findings
 from kvaudit.audit.oracles.use_after_free import use_after_free
+from kvaudit.targets.registry import TargetDefinitionError, kind_name
 
 KIND_ORDER = ORDER  # root causes first (kvaudit.audit.kinds)
 
@@ -55,7 +56,11 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     by_pool: dict[str, list] = {name: [] for name in auditor.ledgers}
     where: dict[int, str] = {}  # owner id -> where the target holds it (Root.where), for leak sites
     for root in (target.roots(aborting=False) if scan_only else target.roots()):
-        by_pool[root.pool].append(root)
+        mine = by_pool.get(root.pool)
+        if mine is None:  # the target's mistake, not the engine's crash
+            raise TargetDefinitionError(f"target {kind_name(target)}: a root of {root.owner} names pool {root.pool!r}, "
+                                        f"which its pools() does not declare ({', '.join(by_pool)})")
+        mine.append(root)
         if root.where:
             where[auditor.owner_id(root.owner)] = root.where
     acc = {} if scan_only else target.accounting()

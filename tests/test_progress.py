@@ -1,0 +1,52 @@
+"""What a command shows while it runs off a terminal (kvaudit.app.progress): the fuzz status line's
+coverage field, and the progress of a long replay."""
+
+import re
+
+from cli_helpers import invoke
+
+from kvaudit import replay
+from kvaudit.app import progress
+from kvaudit.app.progress import Progress, coverage_field
+from kvaudit.program import Idle, Step, Submit
+from kvaudit.search.fuzz import FuzzStats
+from kvaudit.targets.eut.presets import get_preset
+
+
+def test_the_plain_status_line_shows_coverage_as_one_readable_field(capsys):
+    """It printed coverage=93_features,_6_programs."""
+    assert coverage_field("93 features, 6 programs") == "93features/6programs"
+    assert coverage_field("412 edges") == "412edges"
+    stats = FuzzStats()
+    stats.coverage = "93 features, 6 programs"
+
+    class Plain:
+        is_terminal = False
+
+    line = Progress(Plain(), 60.0).line(stats)
+    assert " coverage=93features/6programs remaining=60s" in line
+    fields = line.split("] ", 1)[1].split(" ", 1)[1].split(" ")
+    assert all(re.fullmatch(r"[a-z/]+=\S+", f) for f in fields), fields  # key=value, split on spaces
+
+
+def long_program(n: int) -> list:
+    return [Submit(prompt_len=4 + i % 7, max_new_tokens=2) if i % 2 == 0 else Step(n=1) for i in range(n)] + [Idle()]
+
+
+def test_a_long_replay_shows_its_progress_off_a_terminal(tmp_path, monkeypatch):
+    """A 100k-op replay printed nothing for 150 s. (A small program with a short interval here.)"""
+    path = tmp_path / "long.json"
+    program = long_program(400)
+    replay.write_atomic(str(path), replay.to_doc(get_preset("default").config(), program, []))
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL", 0.0)
+    r = invoke("replay", str(path))
+    assert r.exit_code == 0, r.output + r.stderr
+    lines = re.findall(rf"^\[\s*[\d.]+s\] replaying {re.escape(str(path))}: ops=(\d+)/401 steps=(\d+) ops/s=\d+ "
+                       r"(remaining=\d+s|done)$", r.stderr, flags=re.M)
+    assert len(lines) > 10, r.stderr
+    ops = [int(o) for o, _, _ in lines]
+    assert ops == sorted(ops) and lines[-1][2] == "done" and ops[-1] == 401
+    assert "\x1b" not in r.stderr
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL", 5.0)  # the default: a short replay says nothing
+    r = invoke("replay", str(path))
+    assert r.exit_code == 0 and "ops=" not in r.stderr, r.stderr
