@@ -369,11 +369,57 @@ def test_replay_on_a_cuda_device_without_one_exits_2(tmp_path):
     assert "no CUDA device" in one_error_line(result)
 
 
-@pytest.mark.parametrize("value", ["nan", "inf"])
-def test_a_non_finite_budget_exits_2(value):
-    result = invoke("fuzz", "--max-time", value)
+@pytest.mark.parametrize("command", ["fuzz", "ci"])
+@pytest.mark.parametrize("value, words", [
+    ("nan", "must be a finite number of seconds, not nan"), ("inf", "must be a finite number of seconds, not inf"),
+    ("-5", "must be a number of seconds"), ("1e308", "must be at most 31536000 seconds (365d), not 1e+308")])
+def test_an_absurd_budget_exits_2_in_one_line(command, value, words):
+    """--max-time 1e308 printed a 300-digit 'remaining'; nan, inf and negatives are refused alike."""
+    result = invoke(command, "--max-time", value)
     assert result.exit_code == 2
-    assert "finite" in one_error_line(result)
+    assert words in one_error_line(result)
+
+
+def test_absurd_step_timeouts_and_bench_budgets_exit_2():
+    for args in (["fuzz", "--step-timeout", "1e308"], ["fuzz", "--step-timeout", "-1"],
+                 ["bench", "--budget", "inf"], ["bench", "--fp-seconds", "nan"]):
+        result = invoke(*args)
+        assert result.exit_code == 2, args
+        assert "seconds" in one_error_line(result)
+
+
+def test_durations_read_as_a_person_reads_them():
+    from kvaudit.app.budget import duration
+
+    assert [duration(s) for s in (1e-9, 0.44, 42.4, 725, 12000, 183600, 31536000)] == [
+        "1e-09s", "0.4s", "42s", "12m05s", "3h20m", "2d03h", "365d"]
+
+
+def test_incompatible_options_are_refused_before_an_engine_is_imported(tmp_path):
+    """--fuzzer atheris --target vllm was refused after 24 s of importing vLLM: every check that needs
+    no engine now runs before the target's probe imports one. In a fresh process (this one may have
+    imported them already), each refusal leaves neither vllm nor sglang in sys.modules."""
+    import sys
+
+    cases = [["fuzz", "--fuzzer", "atheris", "--target", "vllm"],
+             ["fuzz", "--fuzzer", "atheris", "--target", "sglang", "--preset", "sglang-hisparse"],
+             ["fuzz", "--target", "vllm", "--suppress", str(tmp_path / "absent.toml")],
+             ["fuzz", "--target", "sglang", "--db", "http://not-redis"],
+             ["fuzz", "--target", "vllm", "--out", "/proc/kvaudit-cannot-write"],
+             ["ci", "--target", "vllm", "--fuzzer", "atheris"],
+             ["ci", "--target", "sglang", "--presets", "nope"]]
+    code = ("import json, sys\nfrom kvaudit.cli import main\nout = []\n"
+            f"for args in {cases!r}:\n"
+            "    try:\n        main(args + ['--max-time', '1'])\n    except SystemExit as e:\n"
+            "        out.append((e.code, sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'sglang'})))\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == [[2, []]] * len(cases), (got, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("kvaudit: error: ")]
+    assert len(errors) == len(cases), r.stderr
+    assert "--fuzzer atheris instruments the built-in engine only" in errors[0] and "--target vllm" in errors[0]
 
 
 def test_no_arguments_prints_the_help_and_exits_0():
