@@ -395,12 +395,29 @@ def test_durations_read_as_a_person_reads_them():
         "1e-09s", "0.4s", "42s", "12m05s", "3h20m", "2d03h", "365d"]
 
 
-def test_incompatible_options_are_refused_before_an_engine_is_imported(tmp_path):
-    """--fuzzer atheris --target vllm was refused after 24 s of importing vLLM: every check that needs
-    no engine now runs before the target's probe imports one. In a fresh process (this one may have
-    imported them already), each refusal leaves neither vllm nor sglang in sys.modules."""
+def _refused_in_a_fresh_process(cases, cwd):
+    """Run ``kvaudit ARGS`` for each ``(setup, args)`` of ``cases`` in one fresh Python process (this
+    one may have imported the engines already), ``setup`` first (a statement, or ""); returns
+    ``[(exit code, the engines in sys.modules after it)]`` and the process's stderr lines that are errors."""
     import sys
 
+    code = ("import json, sys\nfrom kvaudit.cli import main\nout = []\n"
+            f"for setup, args in {cases!r}:\n"
+            "    exec(setup)\n"
+            "    try:\n        main(args)\n    except SystemExit as e:\n"
+            "        out.append((e.code, sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'sglang'})))\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert r.stdout.strip(), r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), [
+        line for line in r.stderr.splitlines() if line.startswith("kvaudit: error: ")]
+
+
+def test_incompatible_options_are_refused_before_an_engine_is_imported(tmp_path):
+    """--fuzzer atheris --target vllm was refused after 24 s of importing vLLM: every check that needs
+    no engine now runs before the target's probe imports one: each refusal leaves neither vllm nor
+    sglang in sys.modules."""
     cases = [["fuzz", "--fuzzer", "atheris", "--target", "vllm"],
              ["fuzz", "--fuzzer", "atheris", "--target", "sglang", "--preset", "sglang-hisparse"],
              ["fuzz", "--target", "vllm", "--suppress", str(tmp_path / "absent.toml")],
@@ -408,18 +425,31 @@ def test_incompatible_options_are_refused_before_an_engine_is_imported(tmp_path)
              ["fuzz", "--target", "vllm", "--out", "/proc/kvaudit-cannot-write"],
              ["ci", "--target", "vllm", "--fuzzer", "atheris"],
              ["ci", "--target", "sglang", "--presets", "nope"]]
-    code = ("import json, sys\nfrom kvaudit.cli import main\nout = []\n"
-            f"for args in {cases!r}:\n"
-            "    try:\n        main(args + ['--max-time', '1'])\n    except SystemExit as e:\n"
-            "        out.append((e.code, sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'sglang'})))\n"
-            "print(json.dumps(out))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got == [[2, []]] * len(cases), (got, r.stderr)
-    errors = [line for line in r.stderr.splitlines() if line.startswith("kvaudit: error: ")]
-    assert len(errors) == len(cases), r.stderr
+    got, errors = _refused_in_a_fresh_process([("", args + ["--max-time", "1"]) for args in cases], tmp_path)
+    assert got == [[2, []]] * len(cases), (got, errors)
+    assert len(errors) == len(cases), errors
     assert "--fuzzer atheris instruments the built-in engine only" in errors[0] and "--target vllm" in errors[0]
+
+
+def test_a_config_the_installed_release_cannot_drive_is_refused_before_its_import(tmp_path):
+    """The release is read from the engine's metadata (here: said to be an older one): vLLM's CPU-offload
+    connector before 0.19.0 and HiSparse on SGLang's legacy family are refused in one line, unimported."""
+    vllm_016 = "from kvaudit.targets.vllm import boot; boot.installed_version = lambda: '0.16.0'"
+    sglang_0511 = "from kvaudit.targets.sglang import boot; boot.installed_version = lambda: '0.5.11'"
+    got, errors = _refused_in_a_fresh_process([
+        (vllm_016, ["fuzz", "--target", "vllm", "--preset", "vllm-cpu-offload-swa", "--max-time", "1"]),
+        (sglang_0511, ["fuzz", "--target", "sglang", "--preset", "sglang-hisparse", "--max-time", "1"])], tmp_path)
+    assert got == [[2, []], [2, []]], (got, errors)
+    assert "SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not 0.16.0" in errors[0]
+    assert "(the cache_finished_req era) is driven with core pools" in errors[1] and "HiSparse" in errors[1]
+
+
+def test_minimize_checks_its_output_before_importing_the_engine(tmp_path):
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"format": FORMAT, "config": {"target": "vllm", "preset": "vllm"},
+                                "program": [{"op": "idle"}], "findings": []}))
+    got, errors = _refused_in_a_fresh_process([("", ["minimize", str(path)])], tmp_path)
+    assert got == [[2, []]] and "records no finding" in errors[0], (got, errors)
 
 
 def test_no_arguments_prints_the_help_and_exits_0():
