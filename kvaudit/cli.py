@@ -2,7 +2,7 @@
 
 Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 a replay is not deterministic
 (``replay --check-determinism``), 4 a recorded finding no longer reproduces (``minimize``),
-69 an optional dependency is missing here (atheris), 70 internal error, 74 disk full (a finding or report could not be written; what was written is
+5 nothing searched (``fuzz``, ``ci``: the search budget ended before one program ran), 69 an optional dependency is missing here (atheris), 70 internal error, 74 disk full (a finding or report could not be written; what was written is
 kept), 130 interrupted with no finding. ``fuzz``, ``minimize`` and ``ci`` take SIGTERM (``timeout``,
 Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, then the reports.
 """
@@ -148,9 +148,9 @@ def main():
                    "coverage-guided libFuzzer over a byte encoding of programs (the built-in engine only); random: "
                    "the plain random baseline (4-24-op programs).")
 @click.option("--max-time", type=float, default=60.0, show_default=True, callback=_seconds(), metavar="SECONDS",
-              help="Search budget, in seconds. Start-up is not counted: the clock starts once the engine is "
-                   "imported and the first one built (SGLang or vLLM: 5-25 s; the run's first lines say how "
-                   "long), and each campaign worker's from its own start-up; triage of a finding comes after.")
+              help="Search budget, in seconds. Start-up is not counted: the clock starts after the imports and "
+                   "the first engine build (SGLang or vLLM: 5-25 s; the run's second line says how long), each "
+                   "campaign worker's after its own; triage of a finding comes after.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings.")
