@@ -214,7 +214,7 @@ def test_fuzz_step_timeout_defaults_to_a_fraction_of_the_budget(tmp_path):
 
 # -- --max-time is search time (issue 34) -----------------------------------------------------------------
 
-def _slow_first_engine(monkeypatch, seconds=1.5):
+def _slow_first_engine(monkeypatch, seconds=0.8):
     """Building the first engine takes ``seconds`` (a real engine's first build, its imports)."""
     real = runner.warm_up
 
@@ -229,23 +229,21 @@ def test_building_the_first_engine_is_not_search_time(monkeypatch, tmp_path, cam
     """A first engine that takes longer than the whole budget still leaves the budget to the search
     (it counted from the process start: --max-time 20 on SGLang searched 1.3 s, or nothing)."""
     _slow_first_engine(monkeypatch)
-    res = invoke("fuzz", "--fuzzer", "random", "--max-time", "1", "--out", str(tmp_path),
+    res = invoke("fuzz", "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path),
                  *(["--corpus", str(tmp_path / "c")] if campaign else []))
     assert res.exit_code == 0, res.output
     m = re.search(r"^(?:no findings|campaign done): (\d+) executions, \d+ ops in ([\d.]+)s", res.stdout, re.M)
-    assert m and int(m.group(1)) > 0 and float(m.group(2)) >= 1.0, res.stdout
+    assert m and int(m.group(1)) > 0 and float(m.group(2)) >= 0.5, res.stdout
 
 
 def test_a_campaign_worker_starts_its_clock_once_its_engine_is_built(monkeypatch, tmp_path):
     from kvaudit.search.campaign import run_campaign
 
     _slow_first_engine(monkeypatch)
-    seen = []
     t0 = time.monotonic()
-    result = run_campaign(get_preset("default").config(), "random", 1.0, 0, 1, str(tmp_path),
-                          on_progress=lambda s: seen.append(s.started))
+    result = run_campaign(get_preset("default").config(), "random", 0.5, 0, 1, str(tmp_path))
     assert result.stats.executions > 0
-    assert result.stats.started >= t0 + 1.5  # the parent's clock too: its figures are the search's
+    assert result.stats.started >= t0 + 0.8  # the parent's clock too: its figures are the search's
     assert json.loads((tmp_path / "campaign.json").read_text())["runs"][-1]["executions"] > 0
 
 
