@@ -2,7 +2,7 @@
 
 Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 a replay is not deterministic
 (``replay --check-determinism``), 4 a recorded finding no longer reproduces (``minimize``),
-69 an optional dependency is missing here (atheris), 70 internal error, 74 disk full (a finding or report could not be written; what was written is
+5 nothing searched (``fuzz``, ``ci``: the search budget ended before one program ran), 69 an optional dependency is missing here (atheris), 70 internal error, 74 disk full (a finding or report could not be written; what was written is
 kept), 130 interrupted with no finding. ``fuzz``, ``minimize`` and ``ci`` take SIGTERM (``timeout``,
 Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, then the reports.
 """
@@ -10,7 +10,6 @@ Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 
@@ -20,6 +19,7 @@ import click
 # must start in a fraction of a second (tests/test_entry.py checks it with -X importtime). The
 # commands import the jobs (kvaudit.app.*) they run inside their functions.
 from kvaudit import __version__
+from kvaudit.app.budget import Budget, check_seconds
 from kvaudit.app.configs import TargetChoice, common_options, replay_tree_core_option, select_config
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
@@ -79,14 +79,26 @@ def _bad(param, msg: str):
     raise click.BadParameter(msg, param=param)
 
 
+def _seconds(allow_zero: bool = False):
+    """A click callback for an option in seconds: nan, inf, negative (or 0 unless ``allow_zero``) and
+    absurd values (past a year: ``1e308``) are a one-line usage error (exit 2)."""
+    def check(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return check_seconds(value, allow_zero)
+        except ValueError as e:
+            _bad(param, str(e))
+    return check
+
+
 _suppress_option = click.option(
     "--suppress", "suppress_file", type=click.Path(exists=False), default=None, metavar="FILE",
     help="TOML suppression file: findings its [[suppress]] rules match are not findings (see README).")
 
 
 def _set_step_timeout(ctx, param, value):
-    if value is not None and not math.isfinite(value):
-        _bad(param, "must be a finite number of seconds")
+    value = _seconds()(ctx, param, value)
     from kvaudit.audit.runner import set_step_timeout
 
     set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
@@ -94,7 +106,7 @@ def _set_step_timeout(ctx, param, value):
 
 
 _step_timeout_option = click.option(
-    "--step-timeout", type=click.FloatRange(min=0, min_open=True), default=None, callback=_set_step_timeout,
+    "--step-timeout", type=float, default=None, callback=_set_step_timeout,
     metavar="SECONDS",
     help=f"Watchdog: one engine step that runs longer is a hang finding naming the frames it is stuck in (the "
          f"step is interrupted; a step blocked inside one C call cannot be). [default: {DEFAULT_STEP_TIMEOUT:g}; "
@@ -135,10 +147,10 @@ def main():
                    "scheduler states reached (a campaign keeps it in DIR/programs); hypothesis: stateful generation with shrinking and swarm testing; atheris: "
                    "coverage-guided libFuzzer over a byte encoding of programs (the built-in engine only); random: "
                    "the plain random baseline (4-24-op programs).")
-@click.option("--max-time", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
-              metavar="SECONDS", help="Time budget for the search, in seconds, counted from the start of the process "
-                                      "(start-up included; triage of a finding comes after).")
+@click.option("--max-time", type=float, default=60.0, show_default=True, callback=_seconds(), metavar="SECONDS",
+              help="Search budget, in seconds. Start-up is not counted: the clock starts after the imports and "
+                   "the first engine build (SGLang or vLLM: 5-25 s; the run's second line says how long), each "
+                   "campaign worker's after its own; triage of a finding comes after.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings.")
@@ -175,14 +187,18 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     With --db URL the campaign spans hosts: every host's workers share one Redis; findings other
     hosts made are pulled into DIR/findings/ and are not new here.
 
-    Exit codes: 0 clean, 1 a finding (campaign: a new one), 2 bad input, 69 Redis unreachable at
-    start, 130 interrupted with nothing found. Ctrl-C keeps what was found (unminimized if
-    minimizing) and writes the reports asked for.
+    Exit codes: 0 clean, 1 a finding (campaign: a new one), 2 bad input (refused before any engine
+    is imported), 5 nothing searched (the budget ended before one program ran), 69 atheris missing
+    or Redis unreachable at start, 130 interrupted with nothing found. Ctrl-C keeps what was found
+    (unminimized if minimizing) and writes the reports asked for.
     """
     from kvaudit.app import fuzz as job
 
-    config = select_config(preset, bugs, model, device, page_size, target, tree_core)
-    return job.run(config, target=target, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir,
+    budget = Budget.for_command(max_time, click.get_current_context().find_root().obj)
+    checked = job.check_options(target=target, fuzzer=fuzzer, out_dir=out_dir, corpus_dir=corpus_dir, workers=workers,
+                                db=db_url, suppress_file=suppress_file)
+    config = select_config(preset, bugs, model, device, page_size, target, tree_core)  # imports the engine
+    return job.run(config, checked, fuzzer=fuzzer, budget=budget, seed=seed, out_dir=out_dir,
                    workers=workers, corpus_dir=corpus_dir, use_seeds=use_seeds, suppress_file=suppress_file,
                    step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name)
 
@@ -239,10 +255,13 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
 
 
 @main.command("ci")
-@click.option("--max-time", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
-              callback=lambda ctx, p, v: v if math.isfinite(v) else _bad(p, "must be a finite number of seconds"),
-              help="Total fuzz budget, split evenly over the presets (0: replay the regressions only); "
-                   "start-up and the regression replays are not counted.")
+@click.option("--max-time", type=float, default=60.0, show_default=True, metavar="SECONDS",
+              callback=_seconds(allow_zero=True),
+              help="Search time in all, split evenly over the presets (0: replay the regressions only); each "
+                   "preset's share starts once its first engine is built. Not counted: start-up, the regression "
+                   "replays, building each preset's engine, triage of new findings; the job's wall time is "
+                   "those plus this, and its bound is the CI job's timeout (SIGTERM: the reports are written, "
+                   "exit 130).")
 @click.option("--presets", "presets_value", default="all", show_default=True, metavar="LIST",
               help="Presets to fuzz: 'all' or a comma-separated list (of --target's presets).")
 @click.option("--target", type=TargetChoice(), default="eut", show_default=True,
@@ -271,12 +290,15 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
            suppress_file, step_timeout, outputs):
     """The nightly / per-PR job: replay every regression file (it must reproduce 3 times
     identically with its switches on and be clean with them off), fuzz the clean engine over the
-    presets for --max-time seconds in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
+    presets for --max-time seconds of search in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
     clean, 1 on a failed regression (a malformed file among them: a JUnit error, and the job goes on)
-    or a new finding, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
+    or a new finding, 2 on bad input (refused before any engine is imported), 5 when a preset's share
+    ended before one program ran (nothing searched there), 130 when interrupted (Ctrl-C or SIGTERM;
+    the reports are written)."""
     from kvaudit.app import ci as job
 
-    return job.run(max_time=max_time, presets_value=presets_value, fuzzer=fuzzer, seed=seed,
+    budget = Budget.for_command(max_time, click.get_current_context().find_root().obj)
+    return job.run(budget=budget, presets_value=presets_value, fuzzer=fuzzer, seed=seed,
                    regressions_dir=regressions_dir, corpus_dir=corpus_dir, out_dir=out_dir,
                    suppress_file=suppress_file, outputs=outputs, target=target, db=db_url,
                    campaign_name=campaign_name)
@@ -292,7 +314,7 @@ BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmark
                    "releases that shipped them (installs each release as a cached overlay).")
 @click.option("--trials", type=click.IntRange(min=1, max=100), default=5, show_default=True,
               help="Trials per bug and fuzzer (seeds 1..N).")
-@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+@click.option("--budget", type=float, default=60.0, show_default=True, callback=_seconds(),
               metavar="SECONDS", help="Time budget of one trial.")
 @click.option("--fuzzers", "fuzzers_value", default=None, metavar="LIST",
               help=f"Fuzzers to compare  [default: zoo: {','.join(FUZZERS)}; history: the same but atheris, "
@@ -304,7 +326,7 @@ BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmark
 @click.option("--jobs", type=click.IntRange(min=1, max=64), default=1, show_default=True,
               help="History: bugs searched at a time, a child process each (the trials' time budgets are "
                    "wall-clock: more jobs than cores slows each).")
-@click.option("--fp-seconds", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+@click.option("--fp-seconds", type=float, default=None, callback=_seconds(allow_zero=True), metavar="SECONDS",
               help="Zoo: clean-engine time per fuzzer for the false-positive run (default: the budget).")
 @click.option("--overhead-presets", default="all", show_default=True, metavar="LIST",
               help="Zoo: presets for the overhead/throughput table ('all', a list, or 'none').")

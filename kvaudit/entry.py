@@ -9,9 +9,11 @@ of a second); the commands that run the engine import them. For those commands (
 unless help is asked for) the entry point imports the engine and the search here, under the same
 handler, so the guard still covers the slow part of start-up.
 
-It also notes when the process started (:data:`STARTED`): ``fuzz --max-time`` counts from there,
-start-up included. And once a command has returned it leaves without tearing torch down (about
-1.5 s on a busy 2-core machine; see :func:`_exit`)."""
+It also notes when the process started and hands it to the CLI (click's ``obj``:
+``{"process_start": time.monotonic()}``): the commands with a ``--max-time`` say what start-up took,
+and start their search clock once it is over (:mod:`kvaudit.app.budget`). And once a command has
+returned it leaves without tearing torch down (about 1.5 s on a busy 2-core machine; see
+:func:`_exit`)."""
 
 from __future__ import annotations
 
@@ -23,14 +25,12 @@ import sys
 import threading
 import time
 
-STARTED: float | None = None  # time.monotonic() when main() began; None when the CLI runs in-process (tests)
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
 _HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.targets.eut.target", "kvaudit.reports.report")
 
 
 def main() -> None:
-    global STARTED
-    STARTED = time.monotonic()
+    started = time.monotonic()
     hit = []
 
     def on_sigint(signum, frame):
@@ -55,7 +55,7 @@ def main() -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     try:
-        cli_main()
+        cli_main(obj={"process_start": started})
     except SystemExit as e:
         _exit(e)
         raise

@@ -369,11 +369,87 @@ def test_replay_on_a_cuda_device_without_one_exits_2(tmp_path):
     assert "no CUDA device" in one_error_line(result)
 
 
-@pytest.mark.parametrize("value", ["nan", "inf"])
-def test_a_non_finite_budget_exits_2(value):
-    result = invoke("fuzz", "--max-time", value)
+@pytest.mark.parametrize("command", ["fuzz", "ci"])
+@pytest.mark.parametrize("value, words", [
+    ("nan", "must be a finite number of seconds, not nan"), ("inf", "must be a finite number of seconds, not inf"),
+    ("-5", "must be a number of seconds"), ("1e308", "must be at most 31536000 seconds (365d), not 1e+308")])
+def test_an_absurd_budget_exits_2_in_one_line(command, value, words):
+    """--max-time 1e308 printed a 300-digit 'remaining'; nan, inf and negatives are refused alike."""
+    result = invoke(command, "--max-time", value)
     assert result.exit_code == 2
-    assert "finite" in one_error_line(result)
+    assert words in one_error_line(result)
+
+
+def test_absurd_step_timeouts_and_bench_budgets_exit_2():
+    for args in (["fuzz", "--step-timeout", "1e308"], ["fuzz", "--step-timeout", "-1"],
+                 ["bench", "--budget", "inf"], ["bench", "--fp-seconds", "nan"]):
+        result = invoke(*args)
+        assert result.exit_code == 2, args
+        assert "seconds" in one_error_line(result)
+
+
+def test_durations_read_as_a_person_reads_them():
+    from kvaudit.app.budget import duration
+
+    assert [duration(s) for s in (1e-9, 0.44, 42.4, 725, 12000, 183600, 31536000)] == [
+        "1e-09s", "0.4s", "42s", "12m05s", "3h20m", "2d03h", "365d"]
+
+
+def _refused_in_a_fresh_process(cases, cwd):
+    """Run ``kvaudit ARGS`` for each ``(setup, args)`` of ``cases`` in one fresh Python process (this
+    one may have imported the engines already), ``setup`` first (a statement, or ""); returns
+    ``[(exit code, the engines in sys.modules after it)]`` and the process's stderr lines that are errors."""
+    import sys
+
+    code = ("import json, sys\nfrom kvaudit.cli import main\nout = []\n"
+            f"for setup, args in {cases!r}:\n"
+            "    exec(setup)\n"
+            "    try:\n        main(args)\n    except SystemExit as e:\n"
+            "        out.append((e.code, sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'sglang'})))\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert r.stdout.strip(), r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), [
+        line for line in r.stderr.splitlines() if line.startswith("kvaudit: error: ")]
+
+
+def test_incompatible_options_are_refused_before_an_engine_is_imported(tmp_path):
+    """--fuzzer atheris --target vllm was refused after 24 s of importing vLLM: every check that needs
+    no engine now runs before the target's probe imports one: each refusal leaves neither vllm nor
+    sglang in sys.modules."""
+    cases = [["fuzz", "--fuzzer", "atheris", "--target", "vllm"],
+             ["fuzz", "--fuzzer", "atheris", "--target", "sglang", "--preset", "sglang-hisparse"],
+             ["fuzz", "--target", "vllm", "--suppress", str(tmp_path / "absent.toml")],
+             ["fuzz", "--target", "sglang", "--db", "http://not-redis"],
+             ["fuzz", "--target", "vllm", "--out", "/proc/kvaudit-cannot-write"],
+             ["ci", "--target", "vllm", "--fuzzer", "atheris"],
+             ["ci", "--target", "sglang", "--presets", "nope"]]
+    got, errors = _refused_in_a_fresh_process([("", args + ["--max-time", "1"]) for args in cases], tmp_path)
+    assert got == [[2, []]] * len(cases), (got, errors)
+    assert len(errors) == len(cases), errors
+    assert "--fuzzer atheris instruments the built-in engine only" in errors[0] and "--target vllm" in errors[0]
+
+
+def test_a_config_the_installed_release_cannot_drive_is_refused_before_its_import(tmp_path):
+    """The release is read from the engine's metadata (here: said to be an older one): vLLM's CPU-offload
+    connector before 0.19.0 and HiSparse on SGLang's legacy family are refused in one line, unimported."""
+    vllm_016 = "from kvaudit.targets.vllm import boot; boot.installed_version = lambda: '0.16.0'"
+    sglang_0511 = "from kvaudit.targets.sglang import boot; boot.installed_version = lambda: '0.5.11'"
+    got, errors = _refused_in_a_fresh_process([
+        (vllm_016, ["fuzz", "--target", "vllm", "--preset", "vllm-cpu-offload-swa", "--max-time", "1"]),
+        (sglang_0511, ["fuzz", "--target", "sglang", "--preset", "sglang-hisparse", "--max-time", "1"])], tmp_path)
+    assert got == [[2, []], [2, []]], (got, errors)
+    assert "SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not 0.16.0" in errors[0]
+    assert "(the cache_finished_req era) is driven with core pools" in errors[1] and "HiSparse" in errors[1]
+
+
+def test_minimize_checks_its_output_before_importing_the_engine(tmp_path):
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"format": FORMAT, "config": {"target": "vllm", "preset": "vllm"},
+                                "program": [{"op": "idle"}], "findings": []}))
+    got, errors = _refused_in_a_fresh_process([("", ["minimize", str(path)])], tmp_path)
+    assert got == [[2, []]] and "records no finding" in errors[0], (got, errors)
 
 
 def test_no_arguments_prints_the_help_and_exits_0():

@@ -210,3 +210,63 @@ def test_fuzz_step_timeout_defaults_to_a_fraction_of_the_budget(tmp_path):
     res = invoke("fuzz", "--max-time", "0.5", "--step-timeout", "3", "--out", str(tmp_path))
     assert res.exit_code == 0 and "step timeout 3s" in res.stderr
     assert "--step-timeout" in invoke("replay", "--help").stdout and "--step-timeout" in invoke("ci", "--help").stdout
+
+
+# -- --max-time is search time (issue 34) -----------------------------------------------------------------
+
+def _slow_first_engine(monkeypatch, seconds=0.8):
+    """Building the first engine takes ``seconds`` (a real engine's first build, its imports)."""
+    real = runner.warm_up
+
+    def slow(config):
+        time.sleep(seconds)
+        real(config)
+    monkeypatch.setattr(runner, "warm_up", slow)
+
+
+@pytest.mark.parametrize("campaign", [False, True], ids=["single", "campaign"])
+def test_building_the_first_engine_is_not_search_time(monkeypatch, tmp_path, campaign):
+    """A first engine that takes longer than the whole budget still leaves the budget to the search
+    (it counted from the process start: --max-time 20 on SGLang searched 1.3 s, or nothing)."""
+    _slow_first_engine(monkeypatch)
+    res = invoke("fuzz", "--fuzzer", "random", "--max-time", "0.5", "--out", str(tmp_path),
+                 *(["--corpus", str(tmp_path / "c")] if campaign else []))
+    assert res.exit_code == 0, res.output
+    m = re.search(r"^(?:no findings|campaign done): (\d+) executions, \d+ ops in ([\d.]+)s", res.stdout, re.M)
+    assert m and int(m.group(1)) > 0 and float(m.group(2)) >= 0.5, res.stdout
+
+
+def test_a_campaign_worker_starts_its_clock_once_its_engine_is_built(monkeypatch, tmp_path):
+    from kvaudit.search.campaign import run_campaign
+
+    _slow_first_engine(monkeypatch)
+    t0 = time.monotonic()
+    result = run_campaign(get_preset("default").config(), "random", 0.5, 0, 1, str(tmp_path))
+    assert result.stats.executions > 0
+    assert result.stats.started >= t0 + 0.8  # the parent's clock too: its figures are the search's
+    assert json.loads((tmp_path / "campaign.json").read_text())["runs"][-1]["executions"] > 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--corpus", "CORPUS"]], ids=["single", "campaign"])
+def test_a_run_that_searched_nothing_says_so_and_exits_5(tmp_path, extra):
+    """A budget that ends before the first program runs is not a clean run (it exited 0 'no findings')."""
+    extra = [str(tmp_path / "c") if a == "CORPUS" else a for a in extra]
+    res = invoke("fuzz", "--fuzzer", "random", "--max-time", "1e-9", "--out", str(tmp_path),
+                 "--json", str(tmp_path / "run.json"), *extra)
+    assert res.exit_code == 5, res.output
+    lines = [line for line in res.stderr.splitlines() if line.startswith("kvaudit: ")]
+    assert lines == ["kvaudit: nothing searched: the 1e-09s search budget ended before the first program ran; "
+                     "raise --max-time"], res.stderr
+    assert "SUMMARY: kvaudit: no findings" not in res.stdout and "no findings:" not in res.stdout
+    assert json.loads((tmp_path / "run.json").read_text())["executions"] == 0
+
+
+def test_ci_with_a_preset_that_searched_nothing_exits_5_and_its_junit_case_is_skipped(tmp_path):
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    res = invoke("ci", "--presets", "default", "--fuzzer", "random", "--max-time", "1e-9", "--regressions",
+                 str(empty), "--out", str(tmp_path / "o"), "--junit", str(tmp_path / "ci.xml"))
+    assert res.exit_code == 5, res.output
+    assert "kvaudit: nothing searched in 1 of 1 preset(s) (default)" in res.stderr
+    xml = (tmp_path / "ci.xml").read_text()
+    assert 'skipped="1"' in xml and "nothing searched" in xml

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 
 from kvaudit import replay
-from kvaudit.app.errors import EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, write_error
+from kvaudit.app.budget import Budget, duration
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
+                                write_error)
 from kvaudit.app.files import load_suppressions, write_reports
 from kvaudit.app.fuzz import check_atheris
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
@@ -14,11 +16,14 @@ from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
 
 
-def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
+def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
         corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut",
         db: str | None = None, campaign_name: str = "default") -> int:
-    """``kvaudit ci``; returns the exit code (see the command's help). Raises :class:`InputError`
-    for a bad preset list, directory or suppression file."""
+    """``kvaudit ci``; returns the exit code (see the command's help). ``budget.seconds`` is search
+    time in all, split evenly over the presets, each share counted from when its preset's first
+    engine is built (:func:`kvaudit.search.campaign.run_campaign`); start-up, the regression replays
+    and triage come on top. Raises :class:`InputError` for a bad preset list, directory or
+    suppression file (before any engine is imported)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -64,6 +69,7 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
     set_hypothesis_home_dir(os.path.join(corpus_dir or out_dir, ".hypothesis"))
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult()
+    max_time = budget.seconds
     per_preset = max_time / len(preset_names) if max_time > 0 else 0.0
     catch_sigint()
     try:
@@ -73,7 +79,8 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
         require_target(get_preset(preset_names[0]).config())
         err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   f"fuzz {fuzzer} over "
-                  f"{len(preset_names)} preset(s), {per_preset:.1f}s each", soft_wrap=True)
+                  f"{len(preset_names)} preset(s), {duration(per_preset)} of search each; start-up "
+                  f"{duration(budget.startup())} (not counted)", soft_wrap=True)
         warn_campaign_without_db(campaign_name, db, err)
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
@@ -89,7 +96,8 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
                                          campaign=campaign_name)
                 result.fuzz.append(run)
                 err.print(f"fuzz {preset}: {run.executions} executions, "
-                          + (f"{len(run.new)} NEW finding(s)" if run.new else "clean")
+                          + (f"{len(run.new)} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
+                             else "clean")
                           + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
                 if run.interrupted:  # its findings are kept above
                     raise KeyboardInterrupt
@@ -111,8 +119,9 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
                   Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
                   if run.new else Text(f"no new findings; {len({f.signature for f in run.known_open})} known still "
                                        "open", style="yellow")
-                  if run.known_open else Text("clean", style="green") if run.executions
-                  else Text("nothing ran (start-up spent its budget): raise --max-time", style="yellow"))
+                  if run.known_open else Text("clean", style="green") if not run.nothing_searched
+                  else Text("nothing searched (its share ended before one program ran): raise --max-time",
+                            style="bold yellow"))
     print_table(console, t)
     kept = [path for run in result.fuzz for _, _, path in run.new]
     if outputs.junit:
@@ -145,7 +154,15 @@ def run(*, max_time: float, presets_value: str, fuzzer: str, seed: int, regressi
                   + (" (interrupted)" if result.interrupted else ""))
     if failed:
         return EXIT_FINDINGS
-    return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    idle = [run.preset for run in result.fuzz if run.nothing_searched]
+    if idle:
+        err.print(f"kvaudit: nothing searched in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)}): "
+                  f"each share ({duration(per_preset)}) ended before one program ran; raise --max-time",
+                  soft_wrap=True, markup=False, highlight=False)
+        return EXIT_NOTHING_SEARCHED
+    return EXIT_CLEAN
 
 
 def _timeline(path: str) -> dict | None:

@@ -9,6 +9,7 @@ from kvaudit.reports.outputs import disk_full
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, EXIT_DISK_FULL = 3, 4, 74
+EXIT_NOTHING_SEARCHED = 5  # fuzz, ci: the search budget ended before one program ran (nothing checked: not clean)
 
 
 class InputError(click.ClickException):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import click
@@ -13,8 +14,9 @@ import click
 from kvaudit import replay
 from kvaudit.app.configs import check_fuzzer, warn_campaign_without_db, warn_plugin_errors, warn_unreachable_bugs
 from kvaudit.targets import registry
-from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, InputError, UnavailableError,
-                                write_error)
+from kvaudit.app.budget import Budget, duration
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
+                                UnavailableError, write_error)
 from kvaudit.app.files import load_suppressions, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -23,29 +25,30 @@ from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
 
 if TYPE_CHECKING:
+    from kvaudit.audit.suppress import SuppressionSet
     from kvaudit.search.fuzz import FuzzStats
 
 
-def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir: str,
-        workers: int, corpus_dir: str | None, use_seeds: bool, suppress_file: str | None,
-        step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default") -> int:
-    """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`); returns the
-    exit code (see the command's help). Raises :class:`InputError` for a bad directory, suppression
-    file or fuzzer, :class:`UnavailableError` when atheris is missing."""
-    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
-    from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
-    from kvaudit.audit.runner import INTERRUPTED, is_watchdog_hang, set_step_timeout
-    from kvaudit.audit.runner import step_timeout as runner_step_timeout
+@dataclass(frozen=True)
+class Checked:
+    """``kvaudit fuzz``'s options, checked by :func:`check_options` before any engine is imported:
+    the suppressions, the directory findings go to, and whether the run is a campaign."""
 
-    preset = config.preset
-    if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
-        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
+    sset: SuppressionSet | None
+    target_dir: str
+    campaign: bool
+
+
+def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | None, workers: int,
+                  db: str | None, suppress_file: str | None) -> Checked:
+    """Every check of ``fuzz``'s options that needs no engine, run before the target's probe imports
+    one (SGLang or vLLM: 5-25 s): a fuzzer the target cannot take, a bad suppression file, ``--db``
+    URL or directory are :class:`InputError` (exit 2), atheris or Redis missing
+    :class:`UnavailableError` (exit 69). Imports no engine."""
     check_fuzzer(fuzzer, target)
     sset = load_suppressions(suppress_file)
     campaign = corpus_dir is not None or workers > 1 or db is not None
     if db is not None:
-        from kvaudit.search.hub import safe_url
-
         check_db(db)
     target_dir = corpus_dir if corpus_dir is not None else out_dir
     try:  # fail now, not after the budget, if findings could not be written
@@ -56,15 +59,34 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
         raise InputError(f"--{'corpus' if corpus_dir is not None else 'out'} {target_dir}: {e.strerror or e}") from None
     if fuzzer == "atheris":
         check_atheris()
+    return Checked(sset, target_dir, campaign)
+
+
+def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out_dir: str,
+        workers: int, corpus_dir: str | None, use_seeds: bool, suppress_file: str | None,
+        step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default") -> int:
+    """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`, after
+    :func:`check_options` gave ``checked``); returns the exit code (see the command's help). The
+    search runs ``budget.seconds`` from when the first engine is built (:mod:`kvaudit.app.budget`)."""
+    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
+    from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
+    from kvaudit.audit.runner import INTERRUPTED, is_watchdog_hang, set_step_timeout, warm_up
+    from kvaudit.audit.runner import step_timeout as runner_step_timeout
+
+    preset, sset, target_dir, campaign = config.preset, checked.sset, checked.target_dir, checked.campaign
+    max_time = budget.seconds
+    if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
+        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
+    if db is not None:
+        from kvaudit.search.hub import safe_url
     from hypothesis.configuration import set_hypothesis_home_dir
 
     set_hypothesis_home_dir(os.path.join(target_dir, ".hypothesis"))  # not the user's cwd
     console, err = make_console(), make_console(stderr=True)
-    stats = FuzzStats()
     kind = registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, seed {seed}, "
-              f"budget {max_time:g}s, step timeout {runner_step_timeout():.3g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
+              f"search budget {duration(max_time)}, step timeout {runner_step_timeout():.3g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
                   f", shared as {campaign_name!r} through {safe_url(db)}" if db else "") if campaign
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
@@ -76,21 +98,19 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
                   "ignored", soft_wrap=True, markup=False)
     for note in kind.notes(config):
         err.print(f"note: {note}", soft_wrap=True)
-    budget, max_time = max_time, budget_left(max_time)
-    from kvaudit import entry
-
-    if entry.STARTED is not None and time.monotonic() - entry.STARTED >= 1.0:
-        # the status clock starts now; the budget started with the process
-        err.print(f"start-up took {time.monotonic() - entry.STARTED:.1f}s of the {budget:g}s budget: "
-                  f"{max_time:.1f}s left to search", soft_wrap=True)
+    catch_sigint()
+    warm_up(config)  # the first engine is start-up too: the search's clock starts after it
+    err.print(f"start-up {duration(budget.startup())} (imports, the first engine; not counted): searching for "
+              f"{duration(max_time)}" + (" per worker, each from its own start-up" if campaign and workers > 1 else ""),
+              soft_wrap=True)
     if campaign:
         return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
                          console, err, use_seeds, db=db, campaign_name=campaign_name)
     progress = Progress(err, max_time, suppressions=sset)
     found = crash = None
     flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
-    deadline = time.monotonic() + max_time
-    catch_sigint()
+    stats = FuzzStats()  # the search's clock starts now
+    deadline = budget.deadline()
     try:
         with progress:
             progress.update(stats)
@@ -146,6 +166,9 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
             write_reports(outputs, data, err, kept=(path,))
             return EXIT_FINDINGS
     if found is None or crash is None:
+        if stats.executions == 0:
+            write_reports(outputs, _run_data(config, [], [], sset, stats, seed), err)
+            return nothing_searched(err, max_time)
         if sset is not None:
             print_suppressions(console, sset)
         console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
@@ -153,9 +176,6 @@ def run(config, *, target: str, fuzzer: str, max_time: float, seed: int, out_dir
                       + (f"; {len(flaky)} flaky finding(s) not reported: {', '.join(flaky)}" if flaky else ""),
                       soft_wrap=True)
         console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
-        if stats.executions == 0:
-            err.print("warning: no program ran: start-up spent the budget (the budget counts from the command's "
-                      "start; importing a real engine takes seconds); raise --max-time", soft_wrap=True)
         write_reports(outputs, _run_data(config, [], [], sset, stats, seed), err)
         return EXIT_CLEAN
     ignore_interrupts()  # the finding is complete: write and report it whole
@@ -203,16 +223,12 @@ def check_atheris() -> None:
                                "kvaudit: the wheel ships it)")
 
 
-def budget_left(max_time: float) -> float:
-    """What is left of ``--max-time`` seconds for the search: the budget counts from the process
-    start (:data:`kvaudit.entry.STARTED`), so start-up (importing torch and Hypothesis, building the
-    target) is part of it; 0 if start-up spent it all. In-process callers (click's test runner)
-    have no start time and get the whole budget."""
-    from kvaudit import entry
-
-    if entry.STARTED is None:
-        return max_time
-    return max(0.0, max_time - (time.monotonic() - entry.STARTED))
+def nothing_searched(err, max_time: float) -> int:
+    """A run whose budget ended before its first program ran: one line, and
+    :data:`EXIT_NOTHING_SEARCHED` (not 0: nothing was checked, so nothing is clean)."""
+    err.print(f"kvaudit: nothing searched: the {duration(max_time)} search budget ended before the first program "
+              "ran; raise --max-time", soft_wrap=True, markup=False, highlight=False)
+    return EXIT_NOTHING_SEARCHED
 
 
 def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True,
@@ -325,10 +341,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
-    console.print(line, soft_wrap=True)
-    if s.executions == 0 and not result.interrupted:
-        err.print("warning: no program ran: the workers spent the budget starting up (importing a real engine "
-                  "can take seconds per worker); raise --max-time", soft_wrap=True)
+    nothing = s.executions == 0 and not result.interrupted and not result.new
+    if not nothing:
+        console.print(line, soft_wrap=True)
     extra = {"fuzzer": fuzzer, "seed": seed, "workers": workers, "executions": s.executions, "ops": s.ops,
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
@@ -337,6 +352,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                                       suppressions=sset), err, kept=tuple(sorted(set(result.new.values()))))
     if result.new:
         return EXIT_FINDINGS
+    if nothing:
+        return nothing_searched(err, max_time)
     return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
 
 

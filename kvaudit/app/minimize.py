@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import click
 
+from kvaudit.app.configs import require_target
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, EXIT_NOT_REPRODUCED, InputError
 from kvaudit.app.files import check_paths, write_replay
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
@@ -19,7 +20,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     from kvaudit.reports.report import print_report
     from kvaudit.audit.runner import execute
 
-    config, program, recorded, sset = load_replay(file, suppress_file)
+    config, program, recorded, sset = load_replay(file, suppress_file, probe=False)
     if signature is None:
         if not recorded:
             raise InputError(f"{file} records no finding: name one with --signature")
@@ -29,6 +30,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
                          + ", ".join(dict.fromkeys(f.signature for f in recorded)))
     out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
     check_paths((file,), output=out_file)  # the same checks as the report flags, named as the flag
+    require_target(config)  # last: a real engine's probe imports it (seconds)
     console, err = make_console(), make_console(stderr=True)
     fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
     err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)

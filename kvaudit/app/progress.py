@@ -8,6 +8,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from kvaudit.app.budget import duration
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -35,7 +37,8 @@ def coverage_field(coverage: str) -> str:
 
 class Progress:
     """Live status on a terminal (rich); off a terminal, a plain line every ``interval`` seconds (and
-    at each phase change), with no control codes, for CI logs."""
+    at each phase change), with no control codes, for CI logs. ``max_time``: the search budget in
+    seconds; times show as :func:`kvaudit.app.budget.duration` writes them (``4.2s``, ``12m05s``)."""
 
     def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL,
                  suppressions: SuppressionSet | None = None):
@@ -53,7 +56,7 @@ class Progress:
         return [("executions", f"{s.executions}"), ("exec/s", f"{rate:.1f}"), ("ops", f"{s.ops}"),
                 ("findings", f"{s.findings}"), ("suppressed", f"{len(s.suppressed)}"),
                 ("coverage", getattr(s, "coverage", None) or f"{len(s.sites)} alloc/free sites"),
-                ("elapsed", f"{s.elapsed:.1f}s"), ("remaining", f"{max(0.0, max_time - s.elapsed):.0f}s")]
+                ("elapsed", duration(s.elapsed)), ("remaining", duration(max(0.0, max_time - s.elapsed)))]
 
     def line(self, s: FuzzStats) -> str:
         f = dict(self._fields(s, self.max_time))
@@ -70,7 +73,7 @@ class Progress:
         grid = Table.grid(padding=(0, 2))
         grid.add_row(Text(f"kvaudit fuzz: {s.phase}", style="bold blue"),
                      ProgressBar(total=self.max_time, completed=min(s.elapsed, self.max_time), width=40),
-                     Text(f"{min(s.elapsed, self.max_time):.0f}/{self.max_time:g}s"))
+                     Text(f"{duration(min(s.elapsed, self.max_time))}/{duration(self.max_time)}"))
         stats = Table.grid(padding=(0, 3))
         fields = self._fields(s, self.max_time)
         for _ in fields:

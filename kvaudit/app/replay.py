@@ -17,10 +17,12 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None):
+def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None, probe: bool = True):
     """(config, program, recorded findings, suppressions) of a replay file named on the command
     line; a bad file, suppression file or device is an input error. ``tree_core`` overrides the
-    tree core of a file whose target kind has that option."""
+    tree core of a file whose target kind has that option. ``probe``: check that the target can run
+    here (its probe imports a real engine: seconds); False leaves that to the caller, which checks
+    its other options first and then calls :func:`require_target`."""
     try:
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:
@@ -28,7 +30,8 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
     config = with_tree_core(config, tree_core)
     sset = load_suppressions(suppress_file)
     check_device(config.device)
-    require_target(config)
+    if probe:
+        require_target(config)
     return config, program, recorded, sset
 
 

@@ -526,6 +526,13 @@ def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=()
     return f
 
 
+def warm_up(config: TargetConfig) -> None:
+    """Build ``config``'s audited target once and drop it, so that what the first build costs (the
+    target's own modules, the engine's one-time set-up) is paid before a search's clock starts
+    (``--max-time`` is search time: :mod:`kvaudit.app.budget`). Raises what building the target raises."""
+    AuditedRun(config, full_stacks=False).close()
+
+
 def execute(config: TargetConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
             full_stacks: bool = True, suppressions=None, drain: bool = False,
             on_op: Callable[[int, int], None] | None = None) -> Execution:

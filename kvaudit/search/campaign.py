@@ -86,7 +86,7 @@ class _Spec:
     config: dict
     fuzzer: str
     seed: int
-    deadline: float  # time.time() when the search ends
+    budget: float  # seconds of search, from when this worker has built its first engine (not its start-up)
     corpus: str
     suppress_path: str | None
     workers: int  # atheris: libFuzzer -fork=N (one driver); others: this worker's share
@@ -99,15 +99,19 @@ class _Spec:
 
 
 def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
-    """Search until the deadline, triaging and writing every new finding; ``emit`` tells the parent
-    ("progress", i, executions, ops, sites, suppressed), ("finding", i, signature, path),
+    """Build the first engine, then search for ``spec.budget`` seconds, triaging and writing every new
+    finding; ``emit`` tells the parent ("ready", i) once the engine is built (the search's clock
+    starts), ("progress", i, executions, ops, sites, suppressed), ("finding", i, signature, path),
     ("flaky", i, signature) and finally ("done", i)."""
-    from kvaudit.audit.runner import set_step_timeout
+    from kvaudit.audit.runner import set_step_timeout, warm_up
     from kvaudit.audit.suppress import SuppressionSet
 
     if spec.step_timeout > 0:
         set_step_timeout(spec.step_timeout)  # a spawned worker starts with the default
     config = config_from_dict(spec.config)
+    warm_up(config)  # a spawned worker imports the engine again: its start-up is not search time
+    deadline = time.time() + spec.budget
+    emit(("ready", spec.index))
     sset = SuppressionSet.load(spec.suppress_path) if spec.suppress_path else None
     stats = FuzzStats()
     fdir = findings_dir(spec.corpus)
@@ -143,12 +147,12 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     kept: list = [None, None]  # the corpus fuzzer's Corpus and CorpusStore (DIR/programs/), kept across rounds
     try:
         while True:
-            left = spec.deadline - time.time()
+            left = deadline - time.time()
             if left <= 0:
                 break
             if hub is not None:
                 _sync(hub, config, spec, fdir, known, flaky, sset, emit, counts)
-                left = min(spec.deadline - time.time(), max(10.0, 2 * spec.ttl))  # rounds end to re-claim orphans
+                left = min(deadline - time.time(), max(10.0, 2 * spec.ttl))  # rounds end to re-claim orphans
                 if left <= 0:
                     break
             found = _round(spec, config, sset, stats, progress, emit, fdir, known, flaky, round_, hub, counts, left,
@@ -342,7 +346,9 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                  on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True,
                  db: str | None = None, campaign: str = "default", ttl: float = 30.0) -> CampaignResult:
-    """Run a campaign for ``max_time`` seconds (see module doc). ``on_finding(signature, path)`` is
+    """Run a campaign for ``max_time`` seconds of search per worker, each worker's counted from when it
+    has built its first engine (a spawned worker's start-up, seconds for a real engine, comes first;
+    ``stats.started`` is when the first worker was ready) (see module doc). ``on_finding(signature, path)`` is
     called once per new signature as it lands. Ctrl-C stops the workers and returns what was
     found so far (``interrupted`` set). ``db``: a Redis URL that makes this host's workers part of
     campaign ``campaign`` across hosts (:mod:`kvaudit.search.hub`; ``ttl``: seconds a claim or
@@ -355,14 +361,18 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl).pull_findings(findings_dir(corpus))
     result = CampaignResult(known=known_signatures(corpus), workers=workers)
     stats = result.stats
-    deadline = time.time() + max_time
+    ready: set[int] = set()
     per_worker: dict[int, tuple] = {}
     sites: set = set()
     suppressed: set = set()
 
     def handle(msg: tuple) -> None:
         kind, index = msg[0], msg[1]
-        if kind == "progress":
+        if kind == "ready":  # a worker built its first engine: the search's clock starts with the first
+            if not ready:
+                stats.started = time.monotonic()
+            ready.add(index)
+        elif kind == "progress":
             per_worker[index] = msg[2:4]
             sites.update(map(tuple, msg[4]))
             suppressed.update(msg[5])
@@ -399,7 +409,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     drivers = 1 if fuzzer == "atheris" else workers
     from kvaudit.audit.runner import step_timeout
 
-    specs = [_Spec(i, config_to_dict(config), fuzzer, seed, deadline, corpus, suppress_path, workers,
+    specs = [_Spec(i, config_to_dict(config), fuzzer, seed, max_time, corpus, suppress_path, workers,
                    os.getpid() if drivers > 1 else 0, use_seeds, step_timeout(), db, campaign, ttl)
              for i in range(drivers)]
     started = time.time()

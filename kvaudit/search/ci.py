@@ -62,6 +62,11 @@ class FuzzRun:
     known_open: list[Finding] = field(default_factory=list)  # known findings that still reproduce
     interrupted: bool = False  # Ctrl-C or SIGTERM cut the campaign short (what it found is in ``new``)
 
+    @property
+    def nothing_searched(self) -> bool:
+        """The preset's share ended before one program ran (not interrupted, nothing found): no pass."""
+        return self.executions == 0 and not self.new and not self.interrupted
+
 
 @dataclass
 class CiResult:
@@ -197,8 +202,8 @@ def sarif(result: CiResult, config) -> dict:
 
 def junit(result: CiResult) -> str:
     """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.search.fuzz`` (a
-    passing case per preset with no new finding, its ``system-out`` listing the known ones still open, a
-    failing case per new finding signature, and a skipped case
+    passing case per preset with no new finding, its ``system-out`` listing the known ones still open
+    (skipped when nothing was searched there), a failing case per new finding signature, and a skipped case
     ``interrupted`` when Ctrl-C or SIGTERM stopped the job before it was done)."""
     root = ET.Element("testsuites", name="kvaudit ci")
     reg = ET.SubElement(root, "testsuite", name="kvaudit.regressions")
@@ -221,6 +226,9 @@ def junit(result: CiResult) -> str:
                 ["interrupted before its budget was spent"] if run.interrupted else [])
             if notes:
                 ET.SubElement(case, "system-out").text = xml_text("\n".join(notes) + "\n")
+            if run.nothing_searched:  # nothing was checked: not a pass
+                ET.SubElement(case, "skipped", message="nothing searched: the preset's share of --max-time ended "
+                                                       "before one program ran")
         for program, findings, path in run.new:
             f = findings[0]
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),

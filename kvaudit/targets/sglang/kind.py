@@ -39,21 +39,25 @@ def _make(config):
 
 
 def _legacy() -> bool:
-    """Whether the installed SGLang is one of the legacy family's releases (``boot.load``'s version)."""
-    from kvaudit.targets.sglang.boot import load
-    return getattr(load(), "version", None) in LEGACY
+    """Whether the installed SGLang is one of the legacy family's releases (by its metadata: no import)."""
+    from kvaudit.targets.sglang.boot import installed_version
+    return installed_version() in LEGACY
 
 
 def _probe(config) -> None:
     """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD
-    decode modules for a PD config, cannot be imported here."""
-    from kvaudit.targets.sglang.boot import SglangUnavailable
+    decode modules for a PD config, cannot be imported here. A config the installed release cannot
+    drive (the legacy family's refusals, by its metadata) is refused before SGLang is imported."""
+    from kvaudit.targets.sglang.boot import SglangUnavailable, load, probe_version
     try:
+        probe_version()  # not installed, or a release this target does not drive: no import needed
         if _legacy():
             from kvaudit.targets.sglang.legacy import refusal
             why = refusal(config)
             if why is not None:
                 raise TargetUnavailable(why)
+        load()
+        if _legacy():
             return
         if config.disaggregation_mode == "decode":
             from kvaudit.targets.sglang.pd import load_pd

@@ -205,16 +205,18 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 
 
 def check_config(config) -> None:
-    """Raises :class:`VllmUnavailable` (one line) when the loaded vLLM cannot build ``config``:
-    ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat`` "simple-cpu-offload");
-    ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0;
-    ``compat`` "routed-experts-aux-output")."""
-    v = load()
-    if config.kv_connector == "SimpleCPUOffloadConnector" and not v.has("simple-cpu-offload"):
-        raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {v.version}")
-    if config.return_routed_experts and not compat.routed_experts_supported(v.version):
+    """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
+    release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
+    "simple-cpu-offload"); ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts``
+    (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"). The release is read from its
+    metadata, so those refusals come before vLLM is imported (seconds); then it is :func:`load` ed."""
+    version = probe_version()
+    if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
+        raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
+    if config.return_routed_experts and not compat.routed_experts_supported(version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
-                              f"(ModelConfig.enable_return_routed_experts), not {v.version}")
+                              f"(ModelConfig.enable_return_routed_experts), not {version}")
+    load()
 
 
 def build_scheduler(config):
