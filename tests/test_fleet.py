@@ -104,6 +104,39 @@ def test_fuzz_db_errors_are_one_line(redis_server, tmp_path):
     assert bad.exit_code == 2 and "want a Redis URL" in bad.output
     down = invoke(*["fuzz", *HISPARSE, "--db", "redis://127.0.0.1:1/0", "--max-time", "2", "--out", str(tmp_path / "o")])
     assert down.exit_code == 69 and "cannot reach Redis" in down.output and "Traceback" not in down.output
+    # bad input, not an unreachable Redis (a non-numeric port exited 69)
+    port = invoke(*["fuzz", *HISPARSE, "--db", "redis://:pw@127.0.0.1:abc/0", "--max-time", "2", "--out", str(tmp_path / "o")])
+    assert port.exit_code == 2 and "Port could not be cast" in one_error_line(port) and "pw" not in port.output
+    index = invoke(*["campaign", "status", "--db", redis_server.url.replace("/0", "/99999")])
+    assert index.exit_code == 2 and "DB index is out of range" in one_error_line(index)
+
+
+def test_an_unusable_campaign_name_is_refused_in_one_line(tmp_path):
+    """--campaign '' was accepted (every key became kvaudit::...)."""
+    for args in (["fuzz", *HISPARSE, "--max-time", "1", "--out", str(tmp_path)],
+                 ["ci", "--max-time", "1", "--out", str(tmp_path)],
+                 ["campaign", "status", "--db", "redis://127.0.0.1:1/0"]):
+        for name, why in (("", "needs a name"), ("night ly", "no whitespace"), ("a\x1b[31m", "control characters"),
+                          ("x" * 201, "at most 200")):
+            r = invoke(*args, "--campaign", name)
+            assert r.exit_code == 2 and why in one_error_line(r), (args, name, r.output)
+    assert hubs.check_campaign_name("nightly/pd-decode") == "nightly/pd-decode"  # ci's NAME/<preset>
+
+
+def test_a_worker_that_stops_says_exited_at_once_and_a_killed_one_ages_out_to_gone(redis_server):
+    """Exited workers showed `alive` until their heartbeat expired (30 s)."""
+    stopped, killed = _hub(redis_server, "host/1/0", ttl=1).start(), _hub(redis_server, "host/2/0", ttl=1).start()
+    stopped.stop()
+    killed._stop.set()  # kill -9: no last heartbeat
+    killed._thread.join()
+    r = redis_server.client()
+    workers = hubs.campaign_status(r, "t")["workers"]
+    assert workers["host/1/0"]["state"] == "exited" and workers["host/2/0"]["state"] == "alive"
+    assert r.ttl("kvaudit:t:worker:host/1/0") == -1  # for good: it does not turn into "gone"
+    assert _wait(lambda: hubs.campaign_status(r, "t")["workers"]["host/2/0"] is None, 5)
+    lines = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "t"]).output.splitlines()
+    assert any("worker=host/1/0 state=exited fuzzer=" in line for line in lines), lines
+    assert "campaign t: worker=host/2/0 state=gone" in lines, lines
 
 
 def test_status_of_a_campaign_no_worker_ever_joined_is_one_line_naming_the_ones_there(redis_server):
@@ -145,7 +178,7 @@ def test_three_hosts_report_each_signature_once_and_pull_brings_both_files(redis
         r = invoke(*["replay", str(f)])
         assert r.exit_code == 1, r.output  # the finding reproduces
     table = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "three"])
-    assert table.exit_code == 0 and table.output.count("state=alive") + table.output.count("state=gone") == 3
+    assert table.exit_code == 0 and table.output.count("state=exited") == 3, table.output  # all stopped cleanly
     assert "findings=" in table.output.splitlines()[-1] and "\x1b" not in table.output  # plain lines in a log
 
 

@@ -254,14 +254,17 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
 
 def check_db(url: str):
     """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Fails now, in one line,
-    when ``url`` is not a Redis URL (:class:`InputError`, exit 2) or nothing answers there
+    when ``url`` is not a Redis URL, redis-py cannot parse it or the server refuses what it asks (a
+    non-numeric port, a DB index out of range: :class:`InputError`, exit 2) or nothing answers there
     (:class:`UnavailableError`, exit 69)."""
-    from kvaudit.search.hub import HubError, connect, safe_url
+    from kvaudit.search.hub import BadURL, HubError, connect, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
     try:
         return connect(url)
+    except BadURL as e:  # redis-py could not parse it (a non-numeric port)
+        raise InputError(str(e)) from None
     except HubError as e:
         raise UnavailableError(str(e)) from None
 

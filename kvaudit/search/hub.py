@@ -17,8 +17,9 @@ syzkaller's hub and ClusterFuzz's shared corpora. Keys, all under ``kvaudit:<cam
                                order they were sent (each worker's in batches, with its heartbeat);
                                each worker reads on from its own cursor
 ``workers``            set     every worker that ever joined
-``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts);
-                               expires after ``ttl`` seconds: a gone worker's key is absent
+``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts,
+                               ``state``); expires after ``ttl`` seconds, so a killed worker's key is
+                               absent (gone); a worker that stops writes ``"state": "exited"`` for good
 ``hypothesis:``        prefix  Hypothesis's example database (``hypothesis.extra.redis``)
 ``atheris``            hash    libFuzzer's corpus: file name -> input bytes (:meth:`Hub.sync_dir`)
 =====================  ======  ==================================================================
@@ -61,6 +62,11 @@ class HubError(Exception):
     """Redis cannot be reached when the campaign starts, or the URL is not a Redis URL (one line)."""
 
 
+class BadURL(HubError):
+    """The URL is bad input: redis-py cannot parse it (a non-numeric port) or the server refuses what
+    it asks (a DB index out of range)."""
+
+
 def _redis_errors() -> tuple[type, ...]:
     import redis
 
@@ -78,7 +84,7 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
     try:
         client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     except ValueError as e:
-        raise HubError(f"--db {url!r}: {e}") from None
+        raise BadURL(f"--db {safe_url(url)!r}: {e}") from None
     if not check:
         return client
     try:
@@ -87,8 +93,8 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
         raise HubError(f"--db {safe_url(url)}: authentication failed: {e}") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
         raise HubError(f"--db {safe_url(url)}: cannot reach Redis: {e}") from None
-    except redis.exceptions.ResponseError as e:
-        raise HubError(f"--db {safe_url(url)}: {e}") from None
+    except redis.exceptions.ResponseError as e:  # the URL asks what the server refuses (a DB index out of range)
+        raise BadURL(f"--db {safe_url(url)}: {e}") from None
     return client
 
 
@@ -377,14 +383,16 @@ class Hub:
         :meth:`start` runs, which also renews the claims this worker holds)."""
         self._beat.update(fields)
 
-    def _send_beat(self) -> None:
-        doc = dict(self._beat, worker=self.worker, time=time.time())
+    def _send_beat(self, final: bool = False) -> None:
+        """Send the heartbeat; ``final``: the worker is stopping, so its key says ``exited`` for good
+        (no expiry) instead of ageing out as a killed worker's does."""
+        doc = dict(self._beat, worker=self.worker, time=time.time(), state="exited" if final else "alive")
         ex = max(1, int(self.ttl))
 
         def go(r):
             pipe = r.pipeline()
             pipe.sadd(self.key("workers"), self.worker)
-            pipe.set(self.key("worker:" + self.worker), json.dumps(doc), ex=ex)
+            pipe.set(self.key("worker:" + self.worker), json.dumps(doc), ex=None if final else ex)
             for sig in list(self._claims):
                 pipe.expire(self.key("claim:" + sig), ex)
             pipe.execute()
@@ -404,11 +412,12 @@ class Hub:
         return self
 
     def stop(self) -> None:
-        """Stop the heartbeat and send a last one (and flush the outbox if Redis is back)."""
+        """Stop the heartbeat and send a last one that says the worker exited (and flush the outbox
+        if Redis is back)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._send_beat()
+        self._send_beat(final=True)
 
 
 class _ResilientDatabase(ExampleDatabase):
@@ -439,6 +448,20 @@ def _plain_name(name: str) -> bool:
                                                                       for c in name)
 
 
+def check_campaign_name(name: str) -> str:
+    """``name`` when it can name a campaign: it is a part of every key (``kvaudit:<name>:...``) and a word
+    of ``campaign status``'s plain lines, so it must be 1-200 characters with no whitespace or control
+    character. Raises ``ValueError`` saying which rule it breaks."""
+    if not name:
+        raise ValueError("a campaign needs a name (it is part of every Redis key)")
+    if len(name) > 200:
+        raise ValueError(f"at most 200 characters ({len(name)} given)")
+    bad = next((c for c in name if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"no whitespace or control characters in a campaign name (it has {bad!r})")
+    return name
+
+
 def worker_id(index: int) -> str:
     """``host/pid/index``: unique per worker process across the fleet."""
     return f"{socket.gethostname()}/{os.getpid()}/{index}"
@@ -454,7 +477,8 @@ def campaign_names(client) -> list[str]:
 
 
 def campaign_status(client, campaign: str) -> dict:
-    """The campaign's figures: ``workers`` (id -> heartbeat dict, or None when it expired: gone),
+    """The campaign's figures: ``workers`` (id -> heartbeat dict, its ``state`` ``alive`` or ``exited``,
+    or None when it expired: gone),
     ``findings`` (signatures with a file), ``known``, ``pending`` (claimed, being triaged),
     ``flaky``, ``duplicates`` (signature -> count) and ``programs`` (corpus size)."""
     p = f"kvaudit:{campaign}:"
