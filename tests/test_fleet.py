@@ -8,6 +8,7 @@ import re
 import subprocess
 import time
 
+import pytest
 from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 
 from kvaudit import replay
@@ -30,27 +31,83 @@ def _hub(server, name="w", ttl=30.0, campaign="t"):
     return hubs.Hub(hubs.connect(server.url), campaign, name, ttl=ttl)
 
 
-def test_one_worker_claims_a_signature_the_others_count_duplicates_and_an_upload_makes_it_known(redis_server, tmp_path):
+def test_one_worker_claims_a_signature_the_others_count_duplicates_and_a_registered_file_makes_it_known(redis_server,
+                                                                                                        tmp_path):
     a, b = _hub(redis_server, "a"), _hub(redis_server, "b")
-    assert a.claim("leak/x", _doc())
-    assert a.claim("leak/x", _doc())  # its own claim
-    assert not b.claim("leak/x", _doc())
-    path = tmp_path / "x.json"
-    path.write_text(json.dumps(_doc()))
-    a.upload("leak/x", str(path), ["leak/x", "leak/y"])
+    assert a.claim(["leak/x"], _doc()) == ["leak/x"]
+    assert a.claim(["leak/x"], _doc()) == ["leak/x"]  # its own claim
+    assert b.claim(["leak/x"], _doc()) == []
+    assert a.register(["leak/x", "leak/y"], json.dumps(_doc())) == ["leak/x", "leak/y"]
     assert b.known() == {"leak/x", "leak/y"}
-    assert not b.claim("leak/y", _doc("leak/y"))  # secondary signatures of a file are known too
+    assert b.claim(["leak/y"], _doc("leak/y")) == []  # secondary signatures of a file are known too
     status = hubs.campaign_status(redis_server.client(), "t")
     assert status["findings"] == ["leak/x"] and status["pending"] == [] and status["duplicates"] == {"leak/x": 1,
                                                                                                       "leak/y": 1}
+    assert a._claims == set() and not redis_server.client().exists("kvaudit:t:claim:leak/x")  # registered: released
     pulled = b.pull_findings(str(tmp_path / "pulled"))
     assert [os.path.basename(p) for p in pulled] == [replay.file_name("leak/x")]
     assert json.load(open(pulled[0])) == _doc()
 
 
+def test_a_program_s_signatures_are_claimed_together_so_racing_workers_never_split_one_bug(redis_server):
+    """A claim per signature (SET NX, one after the other) let two workers that found one bug's two
+    signatures at once, in another order, each take one of them and each write a file."""
+    import random
+    import threading
+
+    sigs = [f"leak/{c}" for c in "xyz"]
+    for attempt in range(20):
+        hubs_ = [_hub(redis_server, f"w{i}", campaign=f"race{attempt}") for i in range(8)]
+        start, got = threading.Barrier(len(hubs_)), {}
+
+        def claim(h):
+            mine = random.sample(sigs, len(sigs))
+            start.wait()
+            got[h.worker] = h.claim(mine, _doc())
+
+        threads = [threading.Thread(target=claim, args=(h,)) for h in hubs_]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [w for w, mine in got.items() if mine]
+        assert len(winners) == 1 and sorted(got[winners[0]]) == sigs, got
+        dup = hubs.campaign_status(redis_server.client(), f"race{attempt}")["duplicates"]
+        assert dup == {s: 7 for s in sigs}
+
+
+def test_the_first_file_registered_reports_the_bug_and_a_later_one_with_nothing_new_is_not_written(redis_server):
+    """Two workers whose programs raised one bug's two signatures in two subsets each claimed one; each
+    minimized program raises both: the first file registered reports both, the other nothing."""
+    a, b, c = _hub(redis_server, "a"), _hub(redis_server, "b"), _hub(redis_server, "c")
+    assert a.claim(["leak/x"], _doc()) == ["leak/x"] and b.claim(["leak/y"], _doc()) == ["leak/y"]
+    assert b.register(["leak/y", "leak/x"], "b's file") == ["leak/y", "leak/x"]  # a still triages x: b's file has it
+    assert a.register(["leak/x", "leak/y"], "a's file") == []  # write nothing: b's file reports both
+    assert c.register(["leak/z", "leak/x"], "c's file") == ["leak/z"]  # a new one too: reported, x as b's
+    r = redis_server.client()
+    assert {k.decode(): v.decode() for k, v in r.hgetall("kvaudit:t:findings").items()} == {
+        "leak/y": "b's file", "leak/z": "c's file"}
+    status = hubs.campaign_status(r, "t")
+    assert status["pending"] == [] and status["duplicates"] == {"leak/x": 1}  # a triaged x in vain
+    assert not r.keys("kvaudit:t:claim:*") and a._claims == b._claims == set()
+
+
+def test_a_released_claim_is_an_orphan_any_worker_triages(redis_server):
+    """A signature claimed with a program whose minimized form no longer raises it goes back to the fleet."""
+    a, b = _hub(redis_server, "a"), _hub(redis_server, "b")
+    assert a.claim(["leak/x", "leak/y"], _doc()) == ["leak/x", "leak/y"]
+    assert b.orphans() == []
+    a.register(["leak/x"], "a's file")
+    a.release(["leak/x", "leak/y"])
+    assert [s for s, _ in b.orphans()] == ["leak/y"] and a._claims == set()
+    assert b.claim(["leak/y"], _doc()) == ["leak/y"]
+    a.release(["leak/y"])  # not a's any more: b's claim stays
+    assert redis_server.client().get("kvaudit:t:claim:leak/y") == b"b"
+
+
 def test_a_claim_whose_worker_stops_heartbeating_expires_and_another_worker_reclaims_it(redis_server):
     a, b = _hub(redis_server, "a", ttl=1), _hub(redis_server, "b", ttl=1)
-    assert a.claim("leak/x", _doc())
+    assert a.claim(["leak/x"], _doc()) == ["leak/x"]
     assert b.orphans() == []  # claimed and alive
     a.start()
     time.sleep(1.6)  # the heartbeat renews the claim past its ttl
@@ -60,7 +117,30 @@ def test_a_claim_whose_worker_stops_heartbeating_expires_and_another_worker_recl
     time.sleep(1.6)
     orphans = b.orphans()
     assert [s for s, _ in orphans] == ["leak/x"] and orphans[0][1]["program"]
-    assert b.claim("leak/x", orphans[0][1])
+    assert b.claim(["leak/x"], orphans[0][1]) == ["leak/x"]
+
+
+def test_a_dead_worker_s_bug_is_triaged_by_a_worker_that_met_it_while_it_was_held(redis_server, tmp_path):
+    """A worker that found a signature already claimed took it as known, so it never re-claimed it when
+    the claimant died (in a fleet of two, nobody did); the orphan's two signatures are one file."""
+    from kvaudit.search import campaign
+    from kvaudit.targets import config_to_dict
+
+    src = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    config, program, findings, _ = replay.load(src)
+    sigs = sorted({f.signature for f in findings})
+    dead, b = _hub(redis_server, "dead"), _hub(redis_server, "b")
+    assert dead.claim(sigs, replay.to_doc(config, program, findings, minimized=False)) == sigs
+    assert b.claim(sigs, _doc()) == []  # b meets them while they are held: known to it, as a duplicate
+    r = redis_server.client()
+    r.delete(*[f"kvaudit:t:claim:{s}" for s in sigs])  # the claimant died: its claims expired
+    corpus, emitted, counts = tmp_path / "c", [], {"new": 0, "duplicates": 0, "flaky": 0}
+    (corpus / "findings").mkdir(parents=True)
+    spec = campaign._Spec(0, config_to_dict(config), "random", 0, 60.0, str(corpus), None, 1, 0)
+    campaign._sync(b, config, spec, str(corpus / "findings"), set(sigs), set(), None, emitted.append, counts)
+    assert sorted(m[2] for m in emitted if m[0] == "finding") == sigs, emitted
+    assert len(os.listdir(corpus / "findings")) == 1 and r.hlen("kvaudit:t:findings") == 1
+    assert hubs.campaign_status(r, "t")["pending"] == [] and counts["new"] == 2
 
 
 def test_malformed_entries_in_redis_are_skipped_with_a_warning(redis_server, tmp_path):
@@ -84,11 +164,10 @@ def test_malformed_entries_in_redis_are_skipped_with_a_warning(redis_server, tmp
 
 def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_server, tmp_path):
     h = _hub(redis_server)
-    assert h.claim("leak/x", _doc())
+    assert h.claim(["leak/x"], _doc()) == ["leak/x"]
     redis_server.stop()
-    path = tmp_path / "x.json"
-    path.write_text(json.dumps(_doc()))
-    h.upload("leak/x", str(path), ["leak/x"])  # offline: queued, no exception
+    assert h.claim(["leak/y"], _doc()) == ["leak/y"]  # offline: the host's own
+    assert h.register(["leak/x"], json.dumps(_doc())) is None  # offline: queued, no exception
     h.share_program("p.json", [{"op": "idle"}])
     h.flush_programs()
     assert not h.online and h.known() == set()
@@ -99,13 +178,74 @@ def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_serv
     assert r.hexists("kvaudit:t:findings", "leak/x") and r.llen("kvaudit:t:programs") == 1
 
 
+def _stop_when(monkeypatch, predicate):
+    """fuzz's campaign stopped as Ctrl-C stops it once ``predicate(stats)`` holds (asked each time a
+    worker reports), instead of by a fixed budget that start-up under load may eat."""
+    import kvaudit.search.campaign as campaign
+
+    real = campaign.run_campaign
+
+    def run(*a, on_progress, **k):
+        def progress(stats):
+            on_progress(stats)
+            if predicate(stats):
+                raise KeyboardInterrupt
+
+        return real(*a, on_progress=progress, **k)
+
+    monkeypatch.setattr(campaign, "run_campaign", run)
+
+
+@pytest.mark.parametrize("workers,db", [(2, True), pytest.param(4, True, marks=pytest.mark.slow),
+                                        pytest.param(2, False, marks=pytest.mark.slow)],
+                         ids=["2-workers", "4-workers", "2-local"])  # (on 2 cores, 4 workers' start-up alone is 20 s)
+def test_workers_that_all_find_one_bug_with_two_signatures_report_it_once(workers, db, redis_server, tmp_path,
+                                                                          monkeypatch):
+    """The bug raises two signatures in one program (the HiSparse device buffer and host pool): two workers
+    that found it each claimed one, each wrote a file holding both, "4 finding(s) in 2 signature(s)"."""
+    r, campaign = redis_server.client(), f"once-{workers}"
+
+    def every_worker_searched_past_the_bug(stats):  # (found it, or learnt it from the fleet meanwhile)
+        st = hubs.campaign_status(r, campaign)
+        beats = [b for b in st["workers"].values() if b]
+        return (len(beats) == workers and len(st["known"]) == 2 and not st["pending"]
+                and all(b.get("executions", 0) >= 100 for b in beats))
+
+    landed = []
+
+    def found_and_searched_on(stats):  # (no Redis to ask: 200 more executions once both signatures landed)
+        if stats.findings >= 2 and not landed:
+            landed.append(stats.executions)
+        return bool(landed) and stats.executions >= landed[0] + 200
+
+    _stop_when(monkeypatch, every_worker_searched_past_the_bug if db else found_and_searched_on)
+    monkeypatch.setenv("KVAUDIT_FLEET_TTL", "3")  # heartbeats every second
+    corpus = tmp_path / "c"
+    res = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--workers", str(workers), "--max-time", "120",
+                 "--corpus", str(corpus),
+                 *(["--db", redis_server.url, "--campaign", campaign] if db else []))
+    assert res.exit_code == 1, res.output
+    status = hubs.campaign_status(r, campaign)
+    assert "interrupted:" in res.output, (status, res.output[-3000:])  # stopped by the event, not the budget
+    (path,) = (corpus / "findings").iterdir()  # one file
+    recorded = [f.signature for f in replay.load(str(path))[2]]
+    assert len(recorded) == len(set(recorded)) == 2, recorded  # its findings once
+    assert sorted(re.findall(r"new finding: (\S+)", res.stderr)) == sorted(recorded), res.stderr
+    summary = [line for line in res.output.splitlines() if line.startswith("SUMMARY:")]
+    assert summary[-1].startswith("SUMMARY: kvaudit: 2 finding(s) (2 leak) in 2 signature(s);"), summary
+    if db:
+        assert status["known"] == sorted(recorded) and r.hlen(f"kvaudit:{campaign}:findings") == 1
+        assert all(b["state"] == "exited" for b in status["workers"].values()), status
+
+
 def test_fuzz_db_errors_are_one_line(redis_server, tmp_path):
     bad = invoke(*["fuzz", *HISPARSE, "--db", "http://example", "--max-time", "2", "--out", str(tmp_path / "o")])
     assert bad.exit_code == 2 and "want a Redis URL" in bad.output
     down = invoke(*["fuzz", *HISPARSE, "--db", "redis://127.0.0.1:1/0", "--max-time", "2", "--out", str(tmp_path / "o")])
     assert down.exit_code == 69 and "cannot reach Redis" in down.output and "Traceback" not in down.output
     # bad input, not an unreachable Redis (a non-numeric port exited 69)
-    port = invoke(*["fuzz", *HISPARSE, "--db", "redis://:pw@127.0.0.1:abc/0", "--max-time", "2", "--out", str(tmp_path / "o")])
+    port = invoke(*["fuzz", *HISPARSE, "--db", "redis://:pw@127.0.0.1:abc/0", "--max-time", "2",
+                    "--out", str(tmp_path / "o")])
     assert port.exit_code == 2 and "Port could not be cast" in one_error_line(port) and "pw" not in port.output
     index = invoke(*["campaign", "status", "--db", redis_server.url.replace("/0", "/99999")])
     assert index.exit_code == 2 and "DB index is out of range" in one_error_line(index)

@@ -304,7 +304,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     finally:
         ignore_interrupts()  # the summary and reports are written whole
         INTERRUPTED.clear()
-    cases = []
+    cases, paths = [], []
     # one program can raise several new signatures: its file is reported once
     for path in dict.fromkeys(path for _, path in sorted(result.new.items())):
         try:
@@ -312,6 +312,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         except replay.ReplayFormatError as e:
             err.print(f"warning: {e}", soft_wrap=True)
             continue
+        paths.append(path)
         print_report(console, config, program, findings)
         cases.append(Case(program, findings, doc.get("timeline"),
                           doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
@@ -339,8 +340,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
     # the closing line: the new findings (a campaign reports each signature once)
     # (a new finding's file can also hold findings of known signatures, raised by the same program: not counted)
-    line = summary_line([f for c in cases for f in c.findings if f.signature in result.new], suppressed_by_kind(sset),
-                        interrupted=result.interrupted)
+    # (and a file counts only the signatures it reports: one it records as another file's is counted there)
+    line = summary_line([f for c, path in zip(cases, paths) for f in c.findings if result.new.get(f.signature) == path],
+                        suppressed_by_kind(sset), interrupted=result.interrupted)
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
