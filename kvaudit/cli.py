@@ -92,6 +92,15 @@ def _seconds(allow_zero: bool = False):
     return check
 
 
+def _campaign_name(ctx, param, value):
+    from kvaudit.search.hub import check_campaign_name
+
+    try:
+        return check_campaign_name(value)
+    except ValueError as e:
+        _bad(param, str(e))
+
+
 _suppress_option = click.option(
     "--suppress", "suppress_file", type=click.Path(exists=False), default=None, metavar="FILE",
     help="TOML suppression file: findings its [[suppress]] rules match are not findings (see README).")
@@ -164,6 +173,7 @@ def main():
                    "rediss:// for TLS): one corpus, one example database, each signature triaged and reported "
                    "once across the fleet. Implies a campaign (DIR: --corpus, else --out).")
 @click.option("--campaign", "campaign_name", default="default", show_default=True, metavar="NAME",
+              callback=_campaign_name,
               help="With --db: the campaign's name in Redis (hosts with the same URL and name share it).")
 @click.option("--seeds/--no-seeds", "use_seeds", default=True, show_default=True,
               help="atheris: start from the seed corpus in corpora/seeds/<preset> (it holds the regression "
@@ -278,6 +288,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               help="Share each preset's campaign with the other CI shards through Redis (as fuzz --db): "
                    "campaign NAME/<preset>; what another shard found is known here, not new.")
 @click.option("--campaign", "campaign_name", default="default", show_default=True, metavar="NAME",
+              callback=_campaign_name,
               help="With --db: the campaigns' name prefix in Redis.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
               help="Directory for the replay files of new findings.")
@@ -365,7 +376,7 @@ def campaign_group():
 
 def _db_options(f):
     f = click.option("--campaign", "campaign_name", default="default", show_default=True, metavar="NAME",
-                     help="The campaign's name in Redis.")(f)
+                     callback=_campaign_name, help="The campaign's name in Redis.")(f)
     return click.option("--db", "db_url", required=True, metavar="URL",
                         help="The campaign's Redis (redis://[:PASSWORD@]HOST:PORT/N, rediss:// for TLS).")(f)
 
@@ -377,7 +388,8 @@ def _db_options(f):
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
 def campaign_status_cmd(db_url, campaign_name, watch, as_json):
     """The campaign's workers across hosts (executions, exec/s, coverage, new/duplicate/flaky
-    signatures, last heartbeat; 'gone' once a heartbeat expired) and its totals. Exit 0, 2 on a bad
+    signatures, last heartbeat; 'exited' once a worker stopped, 'gone' once a heartbeat expired: a
+    killed worker) and its totals. Exit 0, 2 on a bad
     URL, 69 when Redis cannot be reached."""
     from kvaudit.app import fleet
 

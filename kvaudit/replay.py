@@ -33,9 +33,14 @@ def to_doc(config: TargetConfig, program: list[Op], findings: list[Finding], **e
             "findings": [f.to_dict() for f in findings], **extra}
 
 
+def doc_text(doc: dict) -> str:
+    """``doc`` as a replay file's text (indented JSON and a newline), as :func:`write_atomic` writes it."""
+    return json.dumps(doc, indent=2) + "\n"
+
+
 def write_atomic(path: str, doc: dict) -> str:
     """Write ``doc`` as JSON to ``path`` via a temporary file and ``os.replace``."""
-    return write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
+    return write_text_atomic(path, doc_text(doc))
 
 
 def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:

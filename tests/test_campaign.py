@@ -165,6 +165,35 @@ def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     assert set(known_signatures(str(corpus))) == sigs
 
 
+def test_workers_writing_one_bug_s_file_at_once_write_one_file_whichever_primary_they_minimized(tmp_path):
+    """Two workers of one host that triaged one bug from its two signatures (one each) each wrote a file
+    holding both: the check and the write are one step under the corpus's lock now."""
+    import threading
+
+    from kvaudit.search.campaign import _register_and_write
+
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    assert len({f.signature for f in findings}) == 2
+    for attempt in range(5):
+        corpus = tmp_path / f"c{attempt}"
+        (corpus / "findings").mkdir(parents=True)
+        docs = [replay.to_doc(config, program, findings[i % 2:] + findings[:i % 2]) for i in range(6)]
+        start, got = threading.Barrier(len(docs)), []
+
+        def write(doc):
+            start.wait()
+            got.append(_register_and_write(str(corpus), str(corpus / "findings"), None, doc))
+
+        threads = [threading.Thread(target=write, args=(d,)) for d in docs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        written = [(new, path) for new, path in got if new]
+        assert len(written) == 1 and sorted(written[0][0]) == sorted({f.signature for f in findings}), got
+        assert os.listdir(corpus / "findings") == [os.path.basename(written[0][1])]
+
+
 def _leak_lock_a(tree, req):  # three lock leaks at three sites: three bugs
     tree.inc_lock_ref(tree.match_prefix(req.origin_input_ids).last_node)
 

@@ -763,3 +763,43 @@ def test_committed_beyond_allocated_is_reported(make_run):
     req.kv.kv_committed_len = req.kv.kv_allocated_len + 1
     found = check(run)
     assert kinds(found) == ["accounting-drift"] and "kv_committed_len" in found[0].message
+
+
+def test_units_allocated_on_two_lines_of_one_function_are_all_in_the_finding_and_the_summary(tmp_path):
+    """Leaks are grouped per allocation line, and the two lines of one function share a signature: the
+    runner kept one finding per signature and dropped the other line's rows ("Direct leak of 1 row ...
+    rows: [1]", "0 slot(s), 1 row(s)")."""
+    import rowtoy_plugin  # its RowToyEngine.step allocates a request's prompt rows and its decode row on two lines
+    from cli_helpers import invoke
+    from kvaudit import replay
+
+    config = rowtoy_plugin.PRESETS["rowtoy"].config(bugs={"abort-leak"})
+    program = [Submit(prompt_len=1, max_new_tokens=3), Step(n=1), Abort(handle=0), Idle()]
+    (f,) = execute(config, program).findings
+    assert f.kind == "leak" and (f.slots, f.num_units) == ([1, 2], 2), f
+    assert f.alloc_sites[0].function == "step" and "also allocated at rowtoy_plugin.py:" in f.message, f.message
+    assert f"rowtoy_plugin.py:{f.alloc_sites[0].line} " not in f.message, f.message  # the other line
+    path = tmp_path / "two-lines.json"
+    replay.write_atomic(str(path), replay.to_doc(config, program, [f]))
+    r = invoke("replay", str(path))
+    assert r.exit_code == 1, r.output
+    assert "Direct leak of 2 rows in pool rows" in r.output and "rows: [1, 2]" in r.output, r.output
+    summary = [line for line in r.output.splitlines() if line.startswith("SUMMARY:")]
+    assert summary == ["SUMMARY: kvaudit: 1 finding(s) (1 leak) in 1 signature(s); 0 slot(s), 2 row(s) involved."], \
+        r.output
+
+
+def test_findings_of_one_signature_merge_their_pages_and_count_a_page_seen_twice_once():
+    from kvaudit.audit.findings import Finding, Site
+    from kvaudit.audit.runner import _merge_same_signature
+
+    def page_leak(pages, line):
+        return Finding(kind="leak", pool="token_to_kv_pool", message="m", unit="page",
+                       slots=[p * 4 + k for p in pages for k in range(4)], num_units=len(pages),
+                       alloc_sites=[Site("engine.py", line, "alloc_extend")])
+
+    a, b, c = page_leak([2], 10), page_leak([5, 7], 12), page_leak([7], 12)
+    (merged,) = _merge_same_signature([a, b, c])
+    assert merged.num_units == 3 and merged.slots == [s for p in (2, 5, 7) for s in range(p * 4, p * 4 + 4)]
+    assert merged.message == "m; also allocated at engine.py:12 in alloc_extend"  # named once
+    assert merged.summary().startswith("Direct leak of 12 slots (3 pages)")

@@ -15,8 +15,8 @@ COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new
 
 
 def _rows(status: dict, now: float) -> list[dict]:
-    """One dict per worker of ``status``, keyed by :data:`COLUMNS` (a gone worker: its id and
-    state only), for both the table and the plain lines."""
+    """One dict per worker of ``status``, keyed by :data:`COLUMNS` (state ``alive``, ``exited`` or
+    ``gone``; a gone worker: its id and state only), for both the table and the plain lines."""
     out = []
     for w, beat in status["workers"].items():
         if beat is None:
@@ -24,7 +24,8 @@ def _rows(status: dict, now: float) -> list[dict]:
             continue
         execs = int(beat.get("executions", 0))
         t = beat.get("time", now)
-        out.append({"worker": w, "state": "alive", "fuzzer": beat.get("fuzzer", "-"), "executions": execs,
+        out.append({"worker": w, "state": beat.get("state", "alive"), "fuzzer": beat.get("fuzzer", "-"),
+                    "executions": execs,
                     "exec/s": execs / max(1e-9, t - beat.get("started", t)), "coverage": beat.get("coverage", "-"),
                     "new": beat.get("new", 0), "dup": beat.get("duplicates", 0), "flaky": beat.get("flaky", 0),
                     "heartbeat": max(0.0, now - t)})
@@ -34,7 +35,8 @@ def _rows(status: dict, now: float) -> list[dict]:
 def status_table(status: dict, campaign: str, now: float | None = None):
     """A rich table of ``status`` (:func:`kvaudit.search.hub.campaign_status`): one row per worker
     (host, pid, fuzzer, executions, exec/s, coverage, new/duplicate/flaky counts, seconds since its
-    last heartbeat, or ``gone`` once it expired), the campaign's totals in the caption."""
+    last heartbeat; ``exited`` once it stopped, ``gone`` once its heartbeat expired: killed), the
+    campaign's totals in the caption."""
     from rich.table import Table
 
     t = Table(title=f"campaign {campaign}", title_justify="left", caption=_totals(status))
@@ -44,7 +46,7 @@ def status_table(status: dict, campaign: str, now: float | None = None):
         if row["state"] == "gone":
             t.add_row(row["worker"], "gone", "-", "-", "-", "-", "-", "-", "-", "expired")
             continue
-        t.add_row(row["worker"], "alive", str(row["fuzzer"]), f"{row['executions']:,}", f"{row['exec/s']:.1f}",
+        t.add_row(row["worker"], row["state"], str(row["fuzzer"]), f"{row['executions']:,}", f"{row['exec/s']:.1f}",
                   str(row["coverage"]), str(row["new"]), str(row["dup"]), str(row["flaky"]),
                   f"{row['heartbeat']:.0f}s ago")
     return t
@@ -64,7 +66,7 @@ def status_lines(status: dict, campaign: str, now: float | None = None) -> list[
         if row["state"] == "gone":
             out.append(f"campaign {campaign}: worker={row['worker']} state=gone")
             continue
-        out.append(f"campaign {campaign}: worker={row['worker']} state=alive fuzzer={row['fuzzer']} "
+        out.append(f"campaign {campaign}: worker={row['worker']} state={row['state']} fuzzer={row['fuzzer']} "
                    f"executions={row['executions']} exec/s={row['exec/s']:.1f} new={row['new']} dup={row['dup']} "
                    f"flaky={row['flaky']} heartbeat={row['heartbeat']:.0f}s coverage={row['coverage']!r}")
     out.append(f"campaign {campaign}: findings={len(status['findings'])} known={len(status['known'])} "

@@ -254,14 +254,17 @@ def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_f
 
 def check_db(url: str):
     """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Fails now, in one line,
-    when ``url`` is not a Redis URL (:class:`InputError`, exit 2) or nothing answers there
+    when ``url`` is not a Redis URL, redis-py cannot parse it or the server refuses what it asks (a
+    non-numeric port, a DB index out of range: :class:`InputError`, exit 2) or nothing answers there
     (:class:`UnavailableError`, exit 69)."""
-    from kvaudit.search.hub import HubError, connect, safe_url
+    from kvaudit.search.hub import BadURL, HubError, connect, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
     try:
         return connect(url)
+    except BadURL as e:  # redis-py could not parse it (a non-numeric port)
+        raise InputError(str(e)) from None
     except HubError as e:
         raise UnavailableError(str(e)) from None
 
@@ -301,7 +304,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     finally:
         ignore_interrupts()  # the summary and reports are written whole
         INTERRUPTED.clear()
-    cases = []
+    cases, paths = [], []
     # one program can raise several new signatures: its file is reported once
     for path in dict.fromkeys(path for _, path in sorted(result.new.items())):
         try:
@@ -309,6 +312,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         except replay.ReplayFormatError as e:
             err.print(f"warning: {e}", soft_wrap=True)
             continue
+        paths.append(path)
         print_report(console, config, program, findings)
         cases.append(Case(program, findings, doc.get("timeline"),
                           doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
@@ -336,8 +340,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
     # the closing line: the new findings (a campaign reports each signature once)
     # (a new finding's file can also hold findings of known signatures, raised by the same program: not counted)
-    line = summary_line([f for c in cases for f in c.findings if f.signature in result.new], suppressed_by_kind(sset),
-                        interrupted=result.interrupted)
+    # (and a file counts only the signatures it reports: one it records as another file's is counted there)
+    line = summary_line([f for c, path in zip(cases, paths) for f in c.findings if result.new.get(f.signature) == path],
+                        suppressed_by_kind(sset), interrupted=result.interrupted)
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."

@@ -15,6 +15,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from kvaudit.config import TargetConfig
 from kvaudit.audit import memstate
 from kvaudit.audit import oracles
@@ -453,9 +455,11 @@ class AuditedRun:
 
 
 def _merge_same_signature(found: list[Finding]) -> list[Finding]:
-    """One finding per signature among those one op produced: a premature free seen by the scan
-    after intake and again by the owner's own release in the same step is one use-after-free (the
-    first, given the later one's use site and owners where it has none)."""
+    """One finding per signature among those one op produced, holding every unit of them: a
+    premature free seen by the scan after intake and again by the owner's own release in the same
+    step is one use-after-free (the first, given the later one's use site and owners where it has
+    none); units allocated on two lines of one function (grouped per line, one signature) are one
+    leak of all of them, its allocation stack the first line's, the other lines named in its message."""
     if len(found) < 2:
         return found
     out: dict[str, Finding] = {}
@@ -464,7 +468,25 @@ def _merge_same_signature(found: list[Finding]) -> list[Finding]:
         if first is not f:
             first.read_sites = first.read_sites or f.read_sites
             first.used_by = sorted(set(first.used_by) | set(f.used_by))
+            _merge_units(first, f)
     return list(out.values())
+
+
+def _merge_units(into: Finding, other: Finding) -> None:
+    """``into`` takes ``other``'s units (the union: the same unit seen twice counts once; a page or
+    block finding lists whole pages' slots, so its units are counted from the slots) and, for units
+    allocated elsewhere, names ``other``'s allocation line in its message."""
+    if not other.slots:
+        return
+    per = next((len(f.slots) // f.num_units for f in (into, other) if f.unit != "row" and f.num_units and f.slots), 1)
+    slots = np.union1d(np.asarray(into.slots, dtype=np.int64), np.asarray(other.slots, dtype=np.int64))
+    into.slots = slots.tolist()
+    into.num_units = int(np.unique(slots // max(1, per)).size)
+    site = other.alloc_sites[0] if other.alloc_sites else None
+    if site is not None and into.alloc_sites and site != into.alloc_sites[0] and into.kind != "crash":
+        also = f"also allocated at {site.short()}"
+        if also not in into.message:
+            into.message += f"; {also}"
 
 
 def _kept_frames(stack, engine_files=()) -> list:

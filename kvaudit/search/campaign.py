@@ -16,8 +16,12 @@ findings already on disk are *known* -- the search treats their signatures as it
 suppressed findings (the program stops, the search goes on) and never reports them as new.
 
 Workers share nothing but ``DIR``: each one searches with its own seed, triages (confirms,
-minimizes) what it finds and writes the replay file unless one with that signature exists; the
-parent process counts each signature once. A worker exits when its parent dies.
+minimizes) what it finds and writes the replay file for the signatures no file in ``DIR/findings/``
+records yet, checked and written under ``DIR/.findings.lock`` (so two workers that found one bug,
+even from two of its signatures, write one file; the other writes nothing); the parent process
+counts each signature once. A worker exits when its parent dies. With ``--db`` the fleet's files
+count too (:mod:`kvaudit.search.hub`: a program's signatures are claimed together, a file's
+registered together).
 
 Ctrl-C or SIGTERM (the parent sends its workers SIGTERM when it is interrupted) while a finding
 is being confirmed or minimized writes it unminimized (``"minimized": false``) before stopping;
@@ -26,6 +30,8 @@ the parent counts every file that landed while its workers stopped.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import multiprocessing as mp
 import os
@@ -181,64 +187,102 @@ def _sync(hub, config, spec: _Spec, fdir: str, known: set, flaky: set, sset, emi
             known.add(f.signature)   # as this host's own when it sweeps DIR/findings/ at the end
             emit(("pulled", spec.index, f.signature, path))
     known |= hub.known()
-    for sig, doc in hub.orphans():
-        if sig in known or sig in flaky or not hub.claim(sig, doc):
+    orphans = hub.orphans()
+    for sig, doc in orphans:
+        # (one this worker met while another held it is in known, but it has no file: triage it now)
+        if sig in flaky or sig in known_signatures(spec.corpus):
             continue
         found_in, program, findings, _ = replay.parse_doc(doc, f"pending {sig}")  # the config it was found in
+        # with the program's other orphaned signatures: one bug is one worker's
+        mine = hub.claim([sig] + [f.signature for f in findings if f.signature in {s for s, _ in orphans}], doc)
+        if sig not in mine:  # another worker took it first (its other signatures go back: theirs to triage)
+            hub.release(mine)
+            continue
         primary = next((f for f in findings if f.signature == sig), findings[0])
         _triage_and_write(spec, found_in, sset, emit, fdir, program, findings, primary, doc.get("seed", 0), known,
-                          flaky, hub, counts)
+                          flaky, hub, counts, mine)
+
+
+def _signatures(findings) -> list[str]:
+    """The distinct signatures of ``findings``, in order (a replay file's primary first)."""
+    return list(dict.fromkeys(f.signature for f in findings))
+
+
+@contextlib.contextmanager
+def _findings_lock(corpus: str):
+    """Hold ``DIR/.findings.lock`` (``flock``): one worker of this host at a time checks which
+    signatures the files in ``DIR/findings/`` record and writes a file there."""
+    with open(os.path.join(corpus, ".findings.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _register_and_write(corpus: str, fdir: str, hub, doc: dict) -> tuple[list[str], str]:
+    """Write the replay document ``doc`` into ``fdir`` for the signatures it records that no file
+    records yet: this host's files, checked and written under :func:`_findings_lock`, and the fleet's,
+    registered in one atomic step (:meth:`kvaudit.search.hub.Hub.register`; offline, this host's
+    files only). Returns (those new signatures, the file written), or ([], "") when other files
+    record them all (nothing is written: another worker reported this bug first). The file is
+    named after its primary signature, else after the first new one."""
+    sigs = list(dict.fromkeys(f["signature"] for f in doc["findings"]))
+    with _findings_lock(corpus):
+        on_disk = known_signatures(corpus)
+        new = [s for s in sigs if s not in on_disk]
+        if new and hub is not None:
+            got = hub.register(new, replay.doc_text(doc))
+            new = new if got is None else got
+        if not new:
+            return [], ""
+        path = os.path.join(fdir, replay.file_name(sigs[0] if sigs[0] in new else new[0]))
+        replay.write_atomic(path, doc)
+    return new, path
 
 
 def _triage_and_write(spec: _Spec, config, sset, emit, fdir: str, program, findings, primary, seed, known: set,
-                      flaky: set, hub, counts: dict) -> None:
-    """Confirm and minimize ``primary`` (found by ``program``), write its replay file unless one is
-    there, upload it to ``hub`` (if any) and tell the parent."""
+                      flaky: set, hub, counts: dict, claimed=()) -> None:
+    """Confirm and minimize ``primary`` (found by ``program``), then write its replay file for the
+    signatures no other file records (:func:`_register_and_write`) and tell the parent: a finding
+    per signature it reports, a duplicate per signature of it another file reported first.
+    ``claimed``: the signatures this worker claimed for ``program`` in the fleet; those the
+    minimized program no longer raises are released for any worker to triage."""
     sig = primary.signature
     try:
         crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
-        path = os.path.join(fdir, replay.file_name(sig))
-        if not os.path.exists(path):
-            replay.write_atomic(path, replay.to_doc(
-                config, program, [primary] + [f for f in findings if f is not primary], fuzzer=spec.fuzzer,
-                seed=seed, minimized=False, confirmations="interrupted before confirmation"))
-        emit(("finding", spec.index, sig, path))
+        doc = replay.to_doc(config, program, [primary] + [f for f in findings if f is not primary],
+                            fuzzer=spec.fuzzer, seed=seed, minimized=False,
+                            confirmations="interrupted before confirmation")
+        new, path = _register_and_write(spec.corpus, fdir, None, doc)  # this host's files: it is stopping
+        for s in new:
+            emit(("finding", spec.index, s, path))
         raise
     if crash is None:
         flaky.add(sig)
         counts["flaky"] += 1
         if hub is not None:
             hub.flaky(sig)
+            hub.release(claimed)
         emit(("flaky", spec.index, sig))
         return
-    path = os.path.join(fdir, replay.file_name(sig))
-    if not os.path.exists(path):
-        replay.write_atomic(path, replay.to_doc(
-            config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
-            confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
-            timeline=crash.timeline))
-    # the signatures saved with it are known from now on; new to this campaign when no other worker of
-    # the fleet holds them (it may be triaging one as its own primary)
-    others = [o for o in dict.fromkeys(f.signature for f in crash.findings[1:]) if o != sig and o not in known]
-    if hub is not None:
-        doc = replay.to_doc(config, crash.program, crash.findings, minimized=True)
-        mine = []
-        for o in others:
-            if hub.claim(o, doc):
-                mine.append(o)
-            else:  # another host's: its file reports it, this one only holds it as a secondary
-                counts["duplicates"] += 1
-                emit(("duplicate", spec.index, o))
-        others = mine
-    if hub is not None:
-        hub.upload(sig, path, [f.signature for f in crash.findings])
-    known.add(sig)
-    known.update(f.signature for f in crash.findings)
-    counts["new"] += 1 + len(others)
-    emit(("finding", spec.index, sig, path))
-    for other in others:
-        emit(("finding", spec.index, other, path))
+    doc = replay.to_doc(config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
+                        confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
+                        timeline=crash.timeline)
+    before = set(known)
+    new, path = _register_and_write(spec.corpus, fdir, hub, doc)
+    sigs = _signatures(crash.findings)
+    if hub is not None:  # those the minimized program no longer raises: for any worker to triage on their own
+        hub.release(claimed)
+    known.update(sigs)
+    for s in sigs:
+        if s not in new:  # recorded by another worker's file: the parent does not count it as this host's
+            counts["duplicates"] += s not in before
+            emit(("duplicate", spec.index, s))
+    counts["new"] += len(new)
+    for s in new:
+        emit(("finding", spec.index, s, path))
 
 
 def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: set, flaky: set, round_: int, hub,
@@ -280,20 +324,28 @@ def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: s
     if found is None:
         return False
     program, findings = found
-    # the first finding the campaign does not know yet: a known one may come first in the same op
-    primary = next((f for f in findings if f.signature not in skip), findings[0])
-    sig = primary.signature
-    if sig in known_signatures(spec.corpus):
-        known.add(sig)
+    # the findings the campaign does not know yet (a known one may come first in the same op)
+    on_disk = known_signatures(spec.corpus)
+    sigs = [s for s in _signatures(findings) if s not in skip]
+    known.update(s for s in sigs if s in on_disk)
+    sigs = [s for s in sigs if s not in on_disk]
+    if not sigs:
         return True
-    if hub is not None and not hub.claim(sig, replay.to_doc(
-            config, program, [primary] + [f for f in findings if f is not primary], fuzzer=spec.fuzzer,
-            seed=seed, minimized=False)):
-        known.add(sig)  # another worker holds it, or the fleet has its file: a duplicate
-        counts["duplicates"] += 1
-        emit(("duplicate", spec.index, sig))
-        return True
-    _triage_and_write(spec, config, sset, emit, fdir, program, findings, primary, seed, known, flaky, hub, counts)
+    first = next(f for f in findings if f.signature == sigs[0])
+    mine = sigs
+    if hub is not None:  # every signature of the program at once: one bug is one worker's
+        mine = hub.claim(sigs, replay.to_doc(config, program, [first] + [f for f in findings if f is not first],
+                                             fuzzer=spec.fuzzer, seed=seed, minimized=False))
+        for s in sigs:
+            if s not in mine:  # another worker holds it, or the fleet has its file: a duplicate
+                known.add(s)
+                counts["duplicates"] += 1
+                emit(("duplicate", spec.index, s))
+        if not mine:
+            return True
+    primary = next(f for f in findings if f.signature == mine[0])
+    _triage_and_write(spec, config, sset, emit, fdir, program, findings, primary, seed, known, flaky, hub, counts,
+                      mine)
     return True
 
 

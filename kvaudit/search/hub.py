@@ -5,33 +5,43 @@ campaign does (:mod:`kvaudit.search.campaign`), and mirrors it through Redis, in
 syzkaller's hub and ClusterFuzz's shared corpora. Keys, all under ``kvaudit:<campaign>:``:
 
 =====================  ======  ==================================================================
-``findings``           hash    signature -> the confirmed, minimized replay file (JSON text)
-``known``              set     every signature any uploaded replay file records
+``findings``           hash    signature -> a replay file (JSON text): the confirmed, minimized file
+                               that registered it, stored under the first signature it made known
+``known``              set     every signature a registered (or uploaded) replay file records
 ``claim:<signature>``  string  the worker triaging it (``host/pid/index``); expires after ``ttl``
                                seconds unless its worker's heartbeat renews it
 ``pending``            hash    signature -> the claimed finding's unminimized replay file, uploaded
-                               at claim time so that another worker can triage it if the claimant dies
+                               at claim time so that another worker can triage it if the claimant
+                               dies (or lets it go: :meth:`Hub.release`); removed once a file records it
 ``flaky``              set     signatures that did not reproduce 3/3
-``duplicates``         hash    signature -> how many times a worker found it already claimed
+``duplicates``         hash    signature -> how many times a worker found it known or claimed by
+                               another, or triaged it to find another file registered it first
 ``programs``           list    the corpus fuzzer's programs (``{"name", "program"}`` JSON), in the
                                order they were sent (each worker's in batches, with its heartbeat);
                                each worker reads on from its own cursor
 ``workers``            set     every worker that ever joined
-``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts);
-                               expires after ``ttl`` seconds: a gone worker's key is absent
+``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts,
+                               ``state``); expires after ``ttl`` seconds, so a killed worker's key is
+                               absent (gone); a worker that stops writes ``"state": "exited"`` for good
 ``hypothesis:``        prefix  Hypothesis's example database (``hypothesis.extra.redis``)
 ``atheris``            hash    libFuzzer's corpus: file name -> input bytes (:meth:`Hub.sync_dir`)
 =====================  ======  ==================================================================
 
-A signature is triaged once across the fleet: the first worker to ``SET claim:<sig> NX`` confirms
-and minimizes it, writes the replay file locally (atomically), then uploads it; any other worker
-that finds it counts a duplicate and goes on. A claim whose worker stops heartbeating expires, and
-any worker then re-claims the pending finding and triages it from its uploaded program.
+A bug is triaged and reported once across the fleet, though one program may raise several
+signatures: a worker claims every signature its program raised in one atomic step (a Lua script:
+those not known and not held by another worker become its ``claim:<sig>``, with the pending
+program), confirms and minimizes the first it got, then registers the replay file's whole signature
+set in one atomic step (:meth:`Hub.register`) before writing the file: the signatures no file
+records yet become known, the file is stored under the first, and it is written and reported for
+those; a worker whose file records nothing new (another worker's file registered every signature
+first) writes nothing and counts duplicates. Signatures claimed but no longer raised by the
+minimized program are released to be triaged on their own. A claim whose worker stops heartbeating
+expires, and any worker then re-claims the pending finding and triages it from its uploaded program.
 
 Redis going away never stops a host: every call that fails (connection refused, timeout) puts the
 worker offline, the write is queued in an outbox, and the next call after :data:`RETRY_EVERY`
 seconds tries to reconnect and flushes the outbox first. A finding triaged offline is uploaded
-with ``HSETNX`` on reconnection (if another host uploaded the same signature meanwhile, both hosts
+with ``HSETNX`` on reconnection (if another host registered the same signature meanwhile, both hosts
 have reported it: the one case in which a signature is reported twice). Nothing read back is
 unpickled or evaluated: replay files are validated JSON (:func:`kvaudit.replay.parse_text`), as
 from disk; a malformed entry is skipped with a warning (:attr:`Hub.warnings`).
@@ -56,9 +66,65 @@ from kvaudit import replay
 RETRY_EVERY = 2.0  # seconds between reconnection attempts while Redis is away
 DEFAULT_TTL = 30.0  # seconds a claim and a heartbeat live without renewal
 
+# NOTE: the claim and the registration are Lua scripts so that each is one atomic step in Redis: two
+# workers that find one bug's signatures at once (or in another order) cannot split them between them.
+# KEYS: known, pending, duplicates, claim:<s1>..claim:<sn>; ARGV: worker, ttl, pending doc, s1..sn.
+# Returns the signatures this worker holds now (claimed here, or already its own).
+_CLAIM = """
+local got = {}
+for i = 4, #KEYS do
+  local s = ARGV[i]
+  local holder = redis.call('GET', KEYS[i])
+  if redis.call('SISMEMBER', KEYS[1], s) == 1 or (holder and holder ~= ARGV[1]) then
+    redis.call('HINCRBY', KEYS[3], s, 1)
+  else
+    if not holder then
+      redis.call('SET', KEYS[i], ARGV[1], 'EX', ARGV[2])
+      redis.call('HSET', KEYS[2], s, ARGV[3])
+    end
+    table.insert(got, s)
+  end
+end
+return got
+"""
+# KEYS: known, findings, pending, duplicates, claim:<s1>..claim:<sn>; ARGV: worker, file text, s1..sn (the
+# file's signatures, its primary first). The signatures no file recorded yet become known and the file is
+# stored under the first of them; this worker's claims on all of them end. Returns those new ones.
+_REGISTER = """
+local new = {}
+for i = 5, #KEYS do
+  local s = ARGV[i - 2]
+  local mine = redis.call('GET', KEYS[i]) == ARGV[1]
+  if redis.call('SISMEMBER', KEYS[1], s) == 0 then
+    table.insert(new, s)
+  elseif mine then
+    redis.call('HINCRBY', KEYS[4], s, 1)
+  end
+  if mine then redis.call('DEL', KEYS[i]) end
+  redis.call('HDEL', KEYS[3], s)
+end
+if #new > 0 then
+  redis.call('SADD', KEYS[1], unpack(new))
+  redis.call('HSET', KEYS[2], new[1], ARGV[2])
+end
+return new
+"""
+# KEYS: claim:<s1>..; ARGV: worker. Ends this worker's claims (not another's that took over an expired one).
+_RELEASE = """
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('DEL', KEYS[i]) end
+end
+return 0
+"""
+
 
 class HubError(Exception):
     """Redis cannot be reached when the campaign starts, or the URL is not a Redis URL (one line)."""
+
+
+class BadURL(HubError):
+    """The URL is bad input: redis-py cannot parse it (a non-numeric port) or the server refuses what
+    it asks (a DB index out of range)."""
 
 
 def _redis_errors() -> tuple[type, ...]:
@@ -78,7 +144,7 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
     try:
         client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     except ValueError as e:
-        raise HubError(f"--db {url!r}: {e}") from None
+        raise BadURL(f"--db {safe_url(url)!r}: {e}") from None
     if not check:
         return client
     try:
@@ -87,8 +153,8 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
         raise HubError(f"--db {safe_url(url)}: authentication failed: {e}") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
         raise HubError(f"--db {safe_url(url)}: cannot reach Redis: {e}") from None
-    except redis.exceptions.ResponseError as e:
-        raise HubError(f"--db {safe_url(url)}: {e}") from None
+    except redis.exceptions.ResponseError as e:  # the URL asks what the server refuses (a DB index out of range)
+        raise BadURL(f"--db {safe_url(url)}: {e}") from None
     return client
 
 
@@ -130,6 +196,8 @@ class Hub:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.warnings: list[str] = []
+        self._scripts = {name: client.register_script(src)  # (sent on first use, by SHA after that)
+                         for name, src in (("claim", _CLAIM), ("register", _REGISTER), ("release", _RELEASE))}
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -182,16 +250,31 @@ class Hub:
             self_r.hdel(prefix + "pending", s)
             self_r.delete(prefix + "claim:" + s)
 
-    def upload(self, sig: str, path: str, sigs: list[str]) -> None:
-        """Upload the replay file at ``path`` (already written locally) for ``sig``; ``sigs``: every
-        signature it records. Releases this worker's claims on them (not another worker's: it may be
-        triaging one of them as its own). Queued while offline."""
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-        held = sorted({sig, *sigs} & self._claims)
-        self._claims.difference_update(held)
-        args = (self.prefix, sig, text, list(sigs), held)
-        self._call(lambda r: self._w_upload(r, *args), queue=("upload", args))
+    def register(self, sigs: list[str], text: str) -> list[str] | None:
+        """Register a replay file (``text``) that records ``sigs`` (its primary signature first), in one
+        atomic step, before it is written: the signatures no file of the fleet records yet become known
+        and this file is stored under the first of them (``findings``); this worker's claims on all of
+        ``sigs`` end. Returns those new signatures, which this file reports: [] when other files record
+        them all (write nothing: a duplicate), None while offline (the host writes the file and reports
+        ``sigs`` itself; the upload is queued, ``HSETNX`` on reconnection)."""
+        held = sorted(set(sigs) & self._claims)
+        self._claims.difference_update(sigs)
+        keys = [self.key(k) for k in ("known", "findings", "pending", "duplicates")] + [self.key("claim:" + s)
+                                                                                        for s in sigs]
+        args = (self.prefix, sigs[0], text, list(sigs), held)
+        got = self._call(lambda r: self._scripts["register"](keys, [self.worker, text, *sigs], client=r),
+                         queue=("upload", args))
+        return None if got is None else [_text(s) for s in got]
+
+    def release(self, sigs) -> None:
+        """End this worker's claims on ``sigs`` without a file: their pending programs stay, so any worker
+        (this one included) re-claims and triages them as orphans (:meth:`orphans`). For signatures the
+        claimed program raised that its minimized program no longer does."""
+        mine = sorted(set(sigs) & self._claims)
+        self._claims.difference_update(mine)
+        if mine:
+            self._call(lambda r: self._scripts["release"]([self.key("claim:" + s) for s in mine], [self.worker],
+                                                          client=r))
 
     @staticmethod
     def _w_flaky(self_r, prefix: str, sig: str) -> None:
@@ -240,26 +323,17 @@ class Hub:
 
     # -- claims -------------------------------------------------------------------------------------
 
-    def claim(self, sig: str, pending_doc: dict) -> bool:
-        """Try to become the worker that triages ``sig``: True when this worker holds the claim
-        (``pending_doc``, the unminimized replay document, is uploaded with it), False when another
-        worker holds it or the fleet already has its file (a duplicate, counted). Offline: True
-        (the host triages on its own and uploads later)."""
-        def go(r):
-            if r.sismember(self.key("known"), sig):
-                r.hincrby(self.key("duplicates"), sig, 1)
-                return False
-            if not r.set(self.key("claim:" + sig), self.worker, nx=True, ex=max(1, int(self.ttl))):
-                if r.get(self.key("claim:" + sig)) in (self.worker, self.worker.encode()):
-                    return True
-                r.hincrby(self.key("duplicates"), sig, 1)
-                return False
-            r.hset(self.key("pending"), sig, json.dumps(pending_doc))
-            return True
-
-        got = self._call(go, default=True)
-        if got:
-            self._claims.add(sig)
+    def claim(self, sigs: list[str], pending_doc: dict) -> list[str]:
+        """Try to become the worker that triages ``sigs`` (the signatures one program raised), all in one
+        atomic step: returns those this worker holds now (claimed here, each with ``pending_doc``, the
+        unminimized replay document, uploaded, or held already); the others are known to the fleet or
+        held by another worker (a duplicate each, counted). Offline: all of them (the host triages on
+        its own and registers later)."""
+        sigs = list(dict.fromkeys(sigs))
+        keys = [self.key(k) for k in ("known", "pending", "duplicates")] + [self.key("claim:" + s) for s in sigs]
+        argv = [self.worker, max(1, int(self.ttl)), json.dumps(pending_doc), *sigs]
+        got = self._call(lambda r: [_text(s) for s in self._scripts["claim"](keys, argv, client=r)], default=sigs)
+        self._claims.update(got)
         return got
 
     def orphans(self) -> list[tuple[str, dict]]:
@@ -377,14 +451,16 @@ class Hub:
         :meth:`start` runs, which also renews the claims this worker holds)."""
         self._beat.update(fields)
 
-    def _send_beat(self) -> None:
-        doc = dict(self._beat, worker=self.worker, time=time.time())
+    def _send_beat(self, final: bool = False) -> None:
+        """Send the heartbeat; ``final``: the worker is stopping, so its key says ``exited`` for good
+        (no expiry) instead of ageing out as a killed worker's does."""
+        doc = dict(self._beat, worker=self.worker, time=time.time(), state="exited" if final else "alive")
         ex = max(1, int(self.ttl))
 
         def go(r):
             pipe = r.pipeline()
             pipe.sadd(self.key("workers"), self.worker)
-            pipe.set(self.key("worker:" + self.worker), json.dumps(doc), ex=ex)
+            pipe.set(self.key("worker:" + self.worker), json.dumps(doc), ex=None if final else ex)
             for sig in list(self._claims):
                 pipe.expire(self.key("claim:" + sig), ex)
             pipe.execute()
@@ -404,11 +480,12 @@ class Hub:
         return self
 
     def stop(self) -> None:
-        """Stop the heartbeat and send a last one (and flush the outbox if Redis is back)."""
+        """Stop the heartbeat and send a last one that says the worker exited (and flush the outbox
+        if Redis is back)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._send_beat()
+        self._send_beat(final=True)
 
 
 class _ResilientDatabase(ExampleDatabase):
@@ -432,11 +509,29 @@ class _ResilientDatabase(ExampleDatabase):
         self.hub._call(lambda r: self.hub.example_db.move(src, dest, value))
 
 
+def _text(x) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
 def _plain_name(name: str) -> bool:
     """A file name safe to create in a folder: no separator, no leading dot, nothing but
     ``[A-Za-z0-9_.-]``, 1-128 characters."""
     return 0 < len(name) <= 128 and not name.startswith(".") and all(c.isascii() and (c.isalnum() or c in "_.-")
                                                                       for c in name)
+
+
+def check_campaign_name(name: str) -> str:
+    """``name`` when it can name a campaign: it is a part of every key (``kvaudit:<name>:...``) and a word
+    of ``campaign status``'s plain lines, so it must be 1-200 characters with no whitespace or control
+    character. Raises ``ValueError`` saying which rule it breaks."""
+    if not name:
+        raise ValueError("a campaign needs a name (it is part of every Redis key)")
+    if len(name) > 200:
+        raise ValueError(f"at most 200 characters ({len(name)} given)")
+    bad = next((c for c in name if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"no whitespace or control characters in a campaign name (it has {bad!r})")
+    return name
 
 
 def worker_id(index: int) -> str:
@@ -454,7 +549,8 @@ def campaign_names(client) -> list[str]:
 
 
 def campaign_status(client, campaign: str) -> dict:
-    """The campaign's figures: ``workers`` (id -> heartbeat dict, or None when it expired: gone),
+    """The campaign's figures: ``workers`` (id -> heartbeat dict, its ``state`` ``alive`` or ``exited``,
+    or None when it expired: gone),
     ``findings`` (signatures with a file), ``known``, ``pending`` (claimed, being triaged),
     ``flaky``, ``duplicates`` (signature -> count) and ``programs`` (corpus size)."""
     p = f"kvaudit:{campaign}:"
