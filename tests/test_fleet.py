@@ -292,6 +292,7 @@ def test_status_of_a_campaign_no_worker_ever_joined_is_one_line_naming_the_ones_
     assert ok.exit_code == 0 and "state=gone" in ok.output, ok.output
 
 
+@pytest.mark.slow  # an end-to-end campaign of several processes: 10-15 s
 def test_three_hosts_report_each_signature_once_and_pull_brings_both_files(redis_server, tmp_path):
     """Three processes, each in its own working directory with its own corpus, share only the URL."""
     procs = []
@@ -408,6 +409,7 @@ def test_a_host_killed_mid_triage_has_its_signature_reclaimed_and_reported_by_an
     assert table.exit_code == 0 and "gone" in table.output, table.output
 
 
+@pytest.mark.slow  # an end-to-end campaign of several processes: 10-15 s
 def test_redis_stopped_for_10_s_mid_campaign_loses_no_finding(redis_server, tmp_path):
     a, mark, home = _host(tmp_path, "a", redis_server.url, [*HISPARSE, "--fuzzer", "random", "--max-time", "300"],
                           sleep=1, ttl="3")
@@ -437,6 +439,7 @@ def test_a_malformed_entry_planted_in_redis_is_rejected_with_a_warning_and_the_c
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # an end-to-end campaign of several processes: 10-15 s
 def test_ci_shards_share_each_presets_campaign(redis_server, tmp_path):
     """Two `kvaudit ci --db` shards (a matrix job's) fuzz the same clean preset: both join its campaign
     ``nightly/<preset>`` in Redis; an unreachable Redis is one line and exit 69."""
