@@ -37,13 +37,14 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
                 prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
     """Unit -> ``(site id, where)``: where it lost its last owner, as the leak's second signature part.
 
-    The site is the latest free, since the previous check, of anything else the unit's owner record
-    held: the release that let go of the owner's other units and left this one out. The owner record
-    is the request row that maps the unit (the row itself for a row), read from the row table, so a
-    request born and lost in one step is covered; failing that (a session record, a target with no
-    row table), the unit's owner at the previous check. ``where`` is the place the target last held
-    that owner in (``Root.where``), for an owner that was dropped without freeing anything. Units
-    with neither are left out. Runs only when something leaked, over the events since the last check.
+    The site is the latest free, since the previous check, of anything else the unit's owner held:
+    the release that let go of the owner's other units and left this one out, in the unit's own pool
+    first (the release that freed its neighbours), else in any pool (a release that freed the row and
+    forgot a buffer). The owner is the unit's owner at the previous check, whose other units are
+    those it owned then; for a unit born and lost in one step, the request row that maps it (the row
+    itself for a row), read from the row table. ``where`` is the place the target last held that owner
+    in (``Root.where``), for an owner that was dropped without freeing anything. Units with neither
+    are left out. Runs only when something leaked, over the events since the last check.
     """
     # a leak re-reported at a later check keeps the attribution it had when first seen
     memo, last = auditor.lost_memo.setdefault(pool, {}), auditor.ledgers[pool].last_alloc
@@ -57,45 +58,81 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
 
 def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
-    """:func:`_lost_sites` for units seen leaked for the first time."""
-    rows_led = auditor.ledgers.get("req_to_token_pool")
-    of_rows = target.units_of_rows if target.units_of_rows(np.zeros(0, dtype=np.int64)) is not None else None
-    recent = auditor.events[auditor.checked_upto:]
-    frees = [ev for ev in reversed(recent) if ev.kind == "free"]
-    out: dict[int, tuple[int, str]] = {}
-    if rows_led is not None and of_rows is not None and frees:
-        live = rows_led.allocated | (rows_led.last_free >= auditor.checked_upto)
-        live[0] = False
-        # each live row's units per pool, as sets (the row itself in the row pool)
-        held = {int(r): {p: set(np.asarray(us).tolist()) for p, us in of_rows(np.array([r])).items()}
-                for r in np.flatnonzero(live)}
-        for r, m in held.items():
-            m.setdefault("req_to_token_pool", {r})
-        leaked = set(units.tolist())
-        for u in units.tolist():
-            mine = [r for r, m in held.items() if u in m.get(pool, ())]
-            # the latest such free in the unit's own pool (the release that freed its neighbours and
-            # left it out), else in any pool (a release that freed the row and forgot a buffer)
-            for same in (True, False):
-                hit = next((ev for ev in frees if (ev.pool == pool) == same and any(
-                    held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
-                    for r in mine)), None)
-                if hit is not None:
-                    out[u] = (hit.site, "")
-                    break
-    owners = prev_owner[pool][units]
-    wanted = set(owners[owners > 0].tolist())
-    site_of: dict[int, int] = {}  # owner id -> site of its latest free
-    for ev in frees:
-        if not wanted:
-            break
-        if ev.pool in prev_owner:
-            had = prev_owner[ev.pool][np.asarray(ev.units, dtype=np.int64)]
-            for oid in wanted.intersection(had.tolist()):
-                site_of[oid] = ev.site
-                wanted.discard(oid)
-    where = auditor.owner_where
-    for u, oid in zip(units.tolist(), owners.tolist()):
+    """:func:`_lost_sites` for units seen leaked for the first time: by the owner at the previous
+    check of the allocation that leaked; else by the row that maps it; else by the owner at the
+    previous check of an earlier allocation of the unit (a buffer grown past its table after a
+    shrink, its owner unchanged); else, for an owner that freed nothing, the place it was dropped from.
+
+    NOTE: the owner decides before the row table: a freed row keeps stale entries past its last
+    owner's length, and another request's release that frees units those stale entries name would
+    read as this owner's (a retracted request's leak blamed on a finish in the same step)."""
+    frees = [ev for ev in reversed(auditor.events[auditor.checked_upto:]) if ev.kind == "free"]
+    had = prev_owner[pool][units]
+    # the owner at the previous check of the allocation that leaked (0: allocated since)
+    owners = np.where(auditor.ledgers[pool].last_alloc[units] < auditor.checked_upto, had, 0)
+    out = _by_owner(pool, units, owners, frees, prev_owner, first_only=True)
+    rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
+    if rest.size:
+        out.update(_by_row(auditor, target, pool, rest, set(units.tolist()), frees))
+    rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
+    if rest.size:
+        out.update(_by_owner(pool, rest, prev_owner[pool][rest], frees, prev_owner, first_only=False))
+    where = auditor.owner_where  # an owner that freed nothing: the place it was dropped from
+    for u, oid in zip(units.tolist(), had.tolist()):
         if u not in out and oid > 0:
-            out[u] = (site_of.get(oid, -1), where.get(oid, ""))
+            out[u] = (-1, where.get(oid, ""))
+    return out
+
+def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, prev_owner: dict[str, np.ndarray],
+              first_only: bool) -> dict[int, tuple[int, str]]:
+    """Unit -> (site, "") of the latest free (``frees``, latest first) of other units its owner
+    (``owners``, ids at the previous check; 0: none) held then, in ``pool`` first, else in any pool.
+    ``first_only``: only a unit's first free since the check counts (freed, handed to another request
+    and freed again in one step, its second free is that request's)."""
+    out: dict[int, tuple[int, str]] = {}
+    if not frees or not (owners > 0).any():
+        return out
+    freed_from, seen = [], {}
+    for ev in reversed(frees):
+        first = [v for v in ev.units if v not in seen.setdefault(ev.pool, set())] if first_only else ev.units
+        seen.setdefault(ev.pool, set()).update(first)
+        ids = prev_owner[ev.pool][np.asarray(first, dtype=np.int64)] if ev.pool in prev_owner else []
+        freed_from.append((ev, set(np.asarray(ids).tolist())))
+    freed_from.reverse()  # the latest first
+    for u, oid in zip(units.tolist(), owners.tolist()):
+        for same in (True, False):
+            hit = next((ev for ev, ids in freed_from if oid > 0 and (ev.pool == pool) == same and oid in ids), None)
+            if hit is not None:
+                out[u] = (hit.site, "")
+                break
+    return out
+
+def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, leaked: set, frees: list) -> dict[int, tuple[int, str]]:
+    """Unit -> (site, "") of the latest free (``frees``, latest first) of another unit of the request
+    row that maps it (the row itself included), in ``pool`` first, else in any pool: for a unit born
+    and lost since the previous check. A row's units are those allocated since the row was, and its
+    frees come after that: a row keeps stale entries of its earlier tenants, and maps the tree's older
+    prefix units, which an eviction, not the owner's release, frees."""
+    rows_led = auditor.ledgers.get("req_to_token_pool")
+    if rows_led is None or not frees or target.units_of_rows(np.zeros(0, dtype=np.int64)) is None:
+        return {}
+    live = rows_led.allocated | (rows_led.last_free >= auditor.checked_upto)
+    live[0] = False
+    held: dict[int, dict[str, set]] = {}  # row -> pool -> its units
+    for r in np.flatnonzero(live).tolist():
+        since = rows_led.last_alloc[r]
+        held[r] = {p: set(us[auditor.ledgers[p].last_alloc[us] >= since].tolist()) if p in auditor.ledgers else set()
+                   for p, us in ((p, np.asarray(us, dtype=np.int64)) for p, us in target.units_of_rows(np.array([r])).items())}
+        held[r].setdefault("req_to_token_pool", {r})
+    out: dict[int, tuple[int, str]] = {}
+    for u in units.tolist():
+        mine = [r for r, m in held.items() if u in m.get(pool, ())]
+        for same in (True, False):
+            hit = next((ev for ev in frees if (ev.pool == pool) == same and any(
+                ev.id > rows_led.last_alloc[r]
+                and held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
+                for r in mine)), None)
+            if hit is not None:
+                out[u] = (hit.site, "")
+                break
     return out

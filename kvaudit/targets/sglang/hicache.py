@@ -244,6 +244,14 @@ class SglangHiCacheTarget(SglangTarget):
         cache = self.tree_cache
         return super().is_idle(ignore_waiting) and not cache.ongoing_write_through and not cache.ongoing_load_back
 
+    def stuck(self) -> str:
+        """Also ``waiting:load-back`` (a load-back in flight for the waiting requests) and ``hicache:ack``
+        (a write-through or load-back not acked)."""
+        out, cache = super().stuck(), self.tree_cache
+        if out.startswith("waiting:") and cache.ongoing_load_back:
+            return "waiting:load-back"
+        return out or ("hicache:ack" if cache.ongoing_write_through or cache.ongoing_load_back else "")
+
     def describe_busy(self) -> str:
         cache = self.tree_cache
         return (super().describe_busy() + f" write_through_inflight={len(cache.ongoing_write_through)} "
