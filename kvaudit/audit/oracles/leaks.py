@@ -59,9 +59,9 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
 def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
     """:func:`_lost_sites` for units seen leaked for the first time: by the owner at the previous
-    check of the allocation that leaked; else by the row that maps it; else by the owner at the
-    previous check of an earlier allocation of the unit (a buffer grown past its table after a
-    shrink, its owner unchanged); else, for an owner that freed nothing, the place it was dropped from.
+    check of the allocation that leaked; for a unit allocated since, by the row that maps it, else by
+    the owner at the previous check of an earlier allocation of the unit (a buffer grown past its table
+    after a shrink, its owner unchanged); for an owner that freed nothing, the place it was dropped from.
 
     NOTE: the owner decides before the row table: a freed row keeps stale entries past its last
     owner's length, and another request's release that frees units those stale entries name would
@@ -71,10 +71,10 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
     # the owner at the previous check of the allocation that leaked (0: allocated since)
     owners = np.where(auditor.ledgers[pool].last_alloc[units] < auditor.checked_upto, had, 0)
     out = _by_owner(pool, units, owners, frees, prev_owner, first_only=True)
-    rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
-    if rest.size:
-        out.update(_by_row(auditor, target, pool, rest, set(units.tolist()), frees))
-    rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
+    born = units[owners == 0]  # (an owner that freed none of its other units dropped this one: from:<where>)
+    if born.size:
+        out.update(_by_row(auditor, target, pool, born, set(units.tolist()), frees))
+    rest = np.array([u for u in born.tolist() if u not in out], dtype=np.int64)
     if rest.size:
         out.update(_by_owner(pool, rest, prev_owner[pool][rest], frees, prev_owner, first_only=False))
     where = auditor.owner_where  # an owner that freed nothing: the place it was dropped from
@@ -110,9 +110,10 @@ def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, pre
 def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, leaked: set, frees: list) -> dict[int, tuple[int, str]]:
     """Unit -> (site, "") of the latest free (``frees``, latest first) of another unit of the request
     row that maps it (the row itself included), in ``pool`` first, else in any pool: for a unit born
-    and lost since the previous check. A row's units are those allocated since the row was, and its
-    frees come after that: a row keeps stale entries of its earlier tenants, and maps the tree's older
-    prefix units, which an eviction, not the owner's release, frees."""
+    and lost since the previous check. Only frees after the row was allocated, of units allocated since,
+    count (a row keeps stale entries of its earlier tenants, and maps the tree's older prefix units,
+    which an eviction frees); and, when the row was freed meanwhile, only frees on that release's path
+    (a stale entry may name a unit handed to another request after the row was allocated)."""
     rows_led = auditor.ledgers.get("req_to_token_pool")
     if rows_led is None or not frees or target.units_of_rows(np.zeros(0, dtype=np.int64)) is None:
         return {}
@@ -124,14 +125,26 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, leaked: set,
         held[r] = {p: set(us[auditor.ledgers[p].last_alloc[us] >= since].tolist()) if p in auditor.ledgers else set()
                    for p, us in ((p, np.asarray(us, dtype=np.int64)) for p, us in target.units_of_rows(np.array([r])).items())}
         held[r].setdefault("req_to_token_pool", {r})
+    paths: dict[int, tuple] = {}
+
+    def path(sid: int) -> tuple:  # (function, file) of the first frame above the release entries
+        if sid not in paths:
+            sites = auditor.site(sid)
+            s = next((x for x in sites if not x.entry), sites[-1]) if sites else None
+            paths[sid] = (s.function, s.file) if s else ()
+        return paths[sid]
+
+    def of_row(ev, r: int) -> bool:
+        freed = not rows_led.allocated[r] and rows_led.last_free[r] >= auditor.checked_upto
+        return (ev.id > rows_led.last_alloc[r]
+                and bool(held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set()))
+                and (not freed or path(ev.site) == path(auditor.events[rows_led.last_free[r]].site)))
+
     out: dict[int, tuple[int, str]] = {}
     for u in units.tolist():
         mine = [r for r, m in held.items() if u in m.get(pool, ())]
         for same in (True, False):
-            hit = next((ev for ev in frees if (ev.pool == pool) == same and any(
-                ev.id > rows_led.last_alloc[r]
-                and held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
-                for r in mine)), None)
+            hit = next((ev for ev in frees if (ev.pool == pool) == same and any(of_row(ev, r) for r in mine)), None)
             if hit is not None:
                 out[u] = (hit.site, "")
                 break

@@ -380,7 +380,7 @@ class EutObserver(Target):
     def stuck(self) -> str:
         """The first busy structure, from the end of the pipeline back (running, chunked, HiSparse
         staging, waiting, PD transfer, PD prealloc, rebootstrap, HiCache acks), and what its head
-        waits for: ``waiting:load-back`` (a HiCache load-back not acked), ``waiting:rows``, else
+        waits for: ``waiting:load-back`` (a waiting request's HiCache load-back not acked), ``waiting:rows``, else
         ``waiting:memory-locked`` (tree locks hold tokens while nothing runs) or ``waiting:memory``;
         ``transfer:kv-transfer`` (not landed) or ``transfer:hisparse-buffer``; ``prealloc:rows`` or
         ``prealloc:memory``."""
@@ -394,9 +394,9 @@ class EutObserver(Target):
             return "chunked:prefill"
         if hs is not None and hs.has_ongoing_staging():
             return "staging:host-backup"
-        if eng.waiting_queue:
-            head = eng.waiting_queue[0]
-            return "waiting:" + ("load-back" if head.load_back is not None else "rows" if rows else locked)
+        if eng.waiting_queue:  # (a load-back in flight first: its lock may be what keeps the head out)
+            loading = any(r.load_back is not None for r in eng.waiting_queue)
+            return "waiting:" + ("load-back" if loading else "rows" if rows else locked)
         if eng.disagg_transfer_queue:
             landed = eng.forward_ct >= eng.disagg_transfer_queue[0].transfer_ready_step
             return "transfer:" + ("hisparse-buffer" if landed else "kv-transfer")
