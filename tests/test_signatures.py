@@ -191,6 +191,25 @@ def test_the_zoo_hang_names_the_memory_its_leaked_lock_holds(zoo):
     assert "hang/-/idle/waiting:memory-locked" in {f.signature for f in zoo["hicache-abort-loadback-leak"]}
 
 
+def test_a_hang_on_locked_memory_comes_with_the_lock_that_holds_it(monkeypatch):
+    """Two leaked locks, one symptom: a request waits for memory tree locks hold. Before, both were
+    ``hang/-/idle``; the hang now comes with the lock-imbalance that names its cause, the zoo's load-back
+    or an admission rollback that released the matched node's parent (the radix-lock path)."""
+    plant(monkeypatch, Scheduler, "get_new_batch_prefill", "                    tree.dec_lock_ref(match.last_node)\n",
+          "                    tree.dec_lock_ref(match.last_node.parent or match.last_node)\n")
+    program = [Submit(1, 46, 1), Submit(0, 39, 1), Submit(0, 7, 6, extends=7), Submit(0, 9, 12, extends=6),
+               Submit(0, 85, 1), Idle()]
+    found = execute(get_preset("retract").config(), program).findings
+    assert [f.signature for f in found] == [
+        "lock-imbalance/token_to_kv_pool/inc:get_new_batch_prefill@scheduler_prefill_mixin.py",
+        "hang/-/idle/waiting:memory-locked"]
+    name, program = ZOO_HANG
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{name}.json"))
+    assert execute(config, program).signatures == [
+        "lock-imbalance/token_to_kv_pool/inc:load_back@hicache.py", "lock-imbalance/hicache_host/inc:load_back@hicache.py",
+        "hang/-/idle/waiting:memory-locked"]
+
+
 @pytest.mark.parametrize("name", ["retract-skips-hisparse", "load-back-done-keeps-host-pin"])
 def test_the_fuzzers_fast_stacks_name_the_same_release_path(name):
     """The fuzzers record only a site's innermost frame, and the path's frame when that is a release

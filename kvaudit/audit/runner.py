@@ -387,7 +387,7 @@ class AuditedRun:
                     if found or idle or stalled > STALL_STEPS or self._out_of_time():
                         break  # out of time: no hang finding, the budget ran out, not the engine
                 else:
-                    found = [self._hang_finding()]
+                    found = self._hang_findings()
             else:
                 # only queues a message: no memory moves until a step
                 found = self._guarded(self.target.apply, op)
@@ -437,16 +437,20 @@ class AuditedRun:
         except Exception as exc:
             return [f"crashed while draining: {type(exc).__name__}: {exc}"]
 
-    def _hang_finding(self) -> Finding:
+    def _hang_findings(self) -> list[Finding]:
         """idle() never drained: a ``hang`` whose signature names what the target says is stuck
-        (``Target.stuck()``, in ``check``) and whose message gives its ``describe_busy()``."""
+        (``Target.stuck()``, in ``check``) and whose message gives its ``describe_busy()``; before it,
+        the locks no live holder accounts for (the lock-balance oracle as at idle, between steps), which
+        name the lock that holds the memory a ``waiting:memory-locked`` hang waits for: one hang
+        symptom, several causes."""
         busy = self.target.describe_busy()  # "" (the base's default): the target does not say
         stuck = self.target.stuck()
         f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps, check=stuck,
                     message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle()"
                     + (f": {busy}" if busy else " (the target's describe_busy() names nothing)")
                     + (f"; stuck: {stuck}" if stuck else ""))
-        return oracles.attach_engine_verdict(self.target, [f])[0]
+        locks = oracles.lock_balance(self.auditor, self.target, idle=True) if self.run_oracles else []
+        return oracles.attach_engine_verdict(self.target, locks + [f])
 
     def close(self) -> None:
         """Remove the hooks. This also breaks the engine <-> auditor reference cycle, so a finished
