@@ -58,25 +58,21 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
 
 def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
-    """:func:`_lost_sites` for units seen leaked for the first time: by the owner at the previous
-    check of the allocation that leaked; for a unit allocated since, by the row that maps it, else by
-    the owner at the previous check of an earlier allocation of the unit (a buffer grown past its table
-    after a shrink, its owner unchanged); for an owner that freed nothing, the place it was dropped from.
-
-    NOTE: the owner decides before the row table: a freed row keeps stale entries past its last
-    owner's length, and another request's release that frees units those stale entries name would
-    read as this owner's (a retracted request's leak blamed on a finish in the same step)."""
+    """:func:`_lost_sites` for units seen leaked for the first time: by the row that maps the unit
+    (:func:`_by_row`); else by its owner at the previous check (:func:`_by_owner`), for a unit allocated
+    since by the owner of an earlier allocation of it (a buffer grown past its table after a shrink, its
+    owner unchanged); else, for an owner that freed nothing, the place it was dropped from."""
     frees = [ev for ev in reversed(auditor.events[auditor.checked_upto:]) if ev.kind == "free"]
     had = prev_owner[pool][units]
-    # the owner at the previous check of the allocation that leaked (0: allocated since)
-    owners = np.where(auditor.ledgers[pool].last_alloc[units] < auditor.checked_upto, had, 0)
-    out = _by_owner(pool, units, owners, frees, prev_owner, first_only=True)
-    born = units[owners == 0]  # (an owner that freed none of its other units dropped this one: from:<where>)
-    if born.size:
-        out.update(_by_row(auditor, target, pool, born, set(units.tolist()), frees))
-    rest = np.array([u for u in born.tolist() if u not in out], dtype=np.int64)
+    out = _by_row(auditor, target, pool, units, prev_owner, frees)
+    rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
     if rest.size:
-        out.update(_by_owner(pool, rest, prev_owner[pool][rest], frees, prev_owner, first_only=False))
+        # the owner at the previous check of the allocation that leaked (0: allocated since)
+        owners = np.where(auditor.ledgers[pool].last_alloc[rest] < auditor.checked_upto, prev_owner[pool][rest], 0)
+        out.update(_by_owner(pool, rest, owners, frees, prev_owner, first_only=True))
+        born = np.array([u for u, o in zip(rest.tolist(), owners.tolist()) if o == 0 and u not in out], dtype=np.int64)
+        if born.size:
+            out.update(_by_owner(pool, born, prev_owner[pool][born], frees, prev_owner, first_only=False))
     where = auditor.owner_where  # an owner that freed nothing: the place it was dropped from
     for u, oid in zip(units.tolist(), had.tolist()):
         if u not in out and oid > 0:
@@ -107,13 +103,16 @@ def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, pre
                 break
     return out
 
-def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, leaked: set, frees: list) -> dict[int, tuple[int, str]]:
+def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: dict[str, np.ndarray],
+            frees: list) -> dict[int, tuple[int, str]]:
     """Unit -> (site, "") of the latest free (``frees``, latest first) of another unit of the request
-    row that maps it (the row itself included), in ``pool`` first, else in any pool: for a unit born
-    and lost since the previous check. Only frees after the row was allocated, of units allocated since,
-    count (a row keeps stale entries of its earlier tenants, and maps the tree's older prefix units,
-    which an eviction frees); and, when the row was freed meanwhile, only frees on that release's path
-    (a stale entry may name a unit handed to another request after the row was allocated)."""
+    row that maps it (the row itself included), in ``pool`` first, else in any pool.
+
+    NOTE: a row keeps stale entries of its earlier tenants and maps the tree's older prefix units, so
+    only units allocated since the row was count, freed after that, and not another owner's at the
+    previous check (an earlier tenant's unit handed to another request, whose release frees it: a
+    retracted or dropped request's leak was blamed on a finish in the same step); and, when the row was
+    freed meanwhile, only frees on that release's path."""
     rows_led = auditor.ledgers.get("req_to_token_pool")
     if rows_led is None or not frees or target.units_of_rows(np.zeros(0, dtype=np.int64)) is None:
         return {}
@@ -125,6 +124,12 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, leaked: set,
         held[r] = {p: set(us[auditor.ledgers[p].last_alloc[us] >= since].tolist()) if p in auditor.ledgers else set()
                    for p, us in ((p, np.asarray(us, dtype=np.int64)) for p, us in target.units_of_rows(np.array([r])).items())}
         held[r].setdefault("req_to_token_pool", {r})
+    leaked = set(units.tolist())
+    allocs: dict[str, dict[int, list[int]]] = {}  # pool -> unit -> its allocations since the previous check
+    for ev in auditor.events[auditor.checked_upto:]:
+        if ev.kind == "alloc":
+            for v in ev.units:
+                allocs.setdefault(ev.pool, {}).setdefault(v, []).append(ev.id)
     paths: dict[int, tuple] = {}
 
     def path(sid: int) -> tuple:  # (function, file) of the first frame above the release entries
@@ -134,17 +139,26 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, leaked: set,
             paths[sid] = (s.function, s.file) if s else ()
         return paths[sid]
 
+    def owner_of(r: int) -> int:  # the row's owner at the previous check (0: allocated since)
+        return prev_owner["req_to_token_pool"][r] if rows_led.last_alloc[r] < auditor.checked_upto else 0
+
     def of_row(ev, r: int) -> bool:
+        if ev.id <= rows_led.last_alloc[r]:
+            return False
+        mine = held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
+        if ev.pool in prev_owner:  # (a unit allocated again since the check: its owner then held the old one)
+            since = allocs.get(ev.pool, {})
+            mine = {v for v in mine if prev_owner[ev.pool][v] in (0, owner_of(r)) or any(a < ev.id for a in since.get(v, ()))}
         freed = not rows_led.allocated[r] and rows_led.last_free[r] >= auditor.checked_upto
-        return (ev.id > rows_led.last_alloc[r]
-                and bool(held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set()))
-                and (not freed or path(ev.site) == path(auditor.events[rows_led.last_free[r]].site)))
+        return bool(mine) and (not freed or path(ev.site) == path(auditor.events[rows_led.last_free[r]].site))
 
     out: dict[int, tuple[int, str]] = {}
-    for u in units.tolist():
-        mine = [r for r, m in held.items() if u in m.get(pool, ())]
+    fresh = auditor.ledgers[pool].last_alloc[units] >= auditor.checked_upto
+    for u, new in zip(units.tolist(), fresh.tolist()):  # the rows that map it, not through a stale entry
+        rows = [r for r, m in held.items() if u in m.get(pool, ())
+                and (new or pool not in prev_owner or prev_owner[pool][u] in (0, owner_of(r)))]
         for same in (True, False):
-            hit = next((ev for ev in frees if (ev.pool == pool) == same and any(of_row(ev, r) for r in mine)), None)
+            hit = next((ev for ev in frees if (ev.pool == pool) == same and any(of_row(ev, r) for r in rows)), None)
             if hit is not None:
                 out[u] = (hit.site, "")
                 break
