@@ -182,9 +182,18 @@ def test_the_planted_faults_read_as_their_causes(planted):
         "leak/token_to_kv_pool/alloc_for_extend@scheduler.py/process_batch_result@scheduler.py"]
     assert sigs["load-back-done-keeps-host-pin"] == [
         "lock-imbalance/hicache_host/inc:load_back@hicache.py/get_new_batch_prefill@scheduler_prefill_mixin.py"]
-    assert sigs["load-back-never-ready"] == ["hang/-/idle/waiting:load-back"]
+    assert sigs["load-back-never-ready"] == ["hang/-/idle/hicache:load-back"]
     assert sigs["prealloc-never-fits"] == ["hang/-/idle/prealloc:memory"]
     assert sigs["transfer-never-done"] == ["liveness/-/progress/transfer:holds-kv"]
+
+
+def test_a_load_back_that_never_completes_is_one_hang_whether_its_request_waits_or_was_aborted(monkeypatch):
+    """What is stuck is the load-back, not the queue its request happens to be in (its request still
+    waiting for it, or aborted and the load-back orphaned until an ack that never comes)."""
+    plant(monkeypatch, *FAULTS["load-back-never-ready"][1])
+    orphaned = [Submit(7, 1, 1), Idle(), MemoryPressure(), Submit(7, 3, 1), Abort(0), Idle()]
+    assert {s for p in (LOAD_BACK, orphaned) for s in execute(get_preset("hicache").config(), p).signatures} == \
+        {"hang/-/idle/hicache:load-back"}
 
 
 def test_the_zoo_hang_names_the_memory_its_leaked_lock_holds(zoo):

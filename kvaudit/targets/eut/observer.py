@@ -379,13 +379,15 @@ class EutObserver(Target):
 
     def stuck(self) -> str:
         """The first busy structure, from the end of the pipeline back (running, chunked, HiSparse
-        staging, waiting, PD transfer, PD prealloc, rebootstrap, HiCache acks), and what its head
-        waits for: ``waiting:load-back`` (a waiting request's HiCache load-back not acked), ``waiting:rows``, else
-        ``waiting:memory-locked`` (tree locks hold tokens while nothing runs) or ``waiting:memory``;
-        ``transfer:kv-transfer`` (not landed) or ``transfer:hisparse-buffer``; ``prealloc:rows`` or
-        ``prealloc:memory``."""
+        staging, HiCache copies, waiting, PD transfer, PD prealloc, rebootstrap), and what its head
+        waits for: ``hicache:load-back`` (a load-back never acked, for a waiting request or orphaned by
+        an abort: its lock may be what keeps the waiting head out) or ``hicache:write-through``;
+        ``waiting:rows``, else ``waiting:memory-locked`` (tree locks hold tokens while nothing runs) or
+        ``waiting:memory``; ``transfer:kv-transfer`` (not landed) or ``transfer:hisparse-buffer``;
+        ``prealloc:rows`` or ``prealloc:memory``."""
         eng = self.engine
-        locked = "memory-locked" if eng.tree_cache.protected_size() else "memory"
+        tree = eng.tree_cache
+        locked = "memory-locked" if tree.protected_size() else "memory"
         rows = eng.req_to_token_pool.available_size() == 0
         hs = eng.hisparse_coordinator
         if eng.running_batch or eng.last_batch is not None:
@@ -394,17 +396,17 @@ class EutObserver(Target):
             return "chunked:prefill"
         if hs is not None and hs.has_ongoing_staging():
             return "staging:host-backup"
-        if eng.waiting_queue:  # (a load-back in flight first: its lock may be what keeps the head out)
-            loading = any(r.load_back is not None for r in eng.waiting_queue)
-            return "waiting:" + ("load-back" if loading else "rows" if rows else locked)
+        if eng._hicache_in_flight():
+            loading = any(not tree.load_back_ready(r) for r in tree.ongoing_load_back.values())
+            return "hicache:" + ("load-back" if loading else "write-through")
+        if eng.waiting_queue:
+            return "waiting:" + ("rows" if rows else locked)
         if eng.disagg_transfer_queue:
             landed = eng.forward_ct >= eng.disagg_transfer_queue[0].transfer_ready_step
             return "transfer:" + ("hisparse-buffer" if landed else "kv-transfer")
         if eng.disagg_prealloc_queue:
             return "prealloc:" + ("rows" if rows else locked)
-        if eng.held_rebootstrap_reqs:
-            return "rebootstrap:paused"
-        return "hicache:ack" if eng._hicache_in_flight() else ""
+        return "rebootstrap:paused" if eng.held_rebootstrap_reqs else ""
 
     def accounting(self) -> dict[str, Accounting]:
         eng = self.engine

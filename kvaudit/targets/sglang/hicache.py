@@ -245,12 +245,14 @@ class SglangHiCacheTarget(SglangTarget):
         return super().is_idle(ignore_waiting) and not cache.ongoing_write_through and not cache.ongoing_load_back
 
     def stuck(self) -> str:
-        """Also ``waiting:load-back`` (a load-back in flight for the waiting requests) and ``hicache:ack``
-        (a write-through or load-back not acked)."""
+        """Also, before the waiting queue, ``hicache:load-back`` or ``hicache:write-through``: a copy never
+        acked (a load-back's lock may be what keeps the waiting head out)."""
         out, cache = super().stuck(), self.tree_cache
-        if out.startswith("waiting:") and cache.ongoing_load_back:
-            return "waiting:load-back"
-        return out or ("hicache:ack" if cache.ongoing_write_through or cache.ongoing_load_back else "")
+        if out.startswith(("running:", "chunked:", "grammar:")):
+            return out
+        if cache.ongoing_load_back or cache.ongoing_write_through:
+            return "hicache:" + ("load-back" if cache.ongoing_load_back else "write-through")
+        return out
 
     def describe_busy(self) -> str:
         cache = self.tree_cache
