@@ -123,8 +123,8 @@ class Finding:
     # hang: what is stuck (Target.stuck(), e.g. "prealloc:memory"); liveness: where the request that made
     # no progress sits and what it is ("transfer:holds-kv", "waiting:aborted"; Root.where, "-" if unsaid)
     check: str = ""
-    # lock-imbalance: the kind of holder the blamed lock was taken for (kvaudit.audit.locks.holder_kind:
-    # "req", "session", "hicache-load-back", ...); "" when no holder was ever seen with it
+    # lock-imbalance: the kind of the blamed lock's holder when not a request (kvaudit.audit.locks.holder_kind:
+    # "session", "hicache-write-through", ...); "" for a request, or when no holder was ever seen with it
     holder: str = ""
     used_by: list[str] = field(default_factory=list)  # use-after-free: owners still referencing the units
     indirect: bool = False  # leak reachable only from a leaked owner (LeakSanitizer's indirect leak)

@@ -48,7 +48,8 @@ class Auditor(Ledger, PoolWrappers):
     ``full_stacks=False`` records only the innermost engine frame of each site, with no owner
     hint: the fuzzers search in this mode and re-run a finding with full stacks to report it
     (execution is deterministic, so the second run sees the same events). Signatures use only the
-    innermost frame, so they are the same in both modes.
+    innermost frame and, past the target's release entries, the frame above them, which fast mode
+    records too, so they are the same in both modes.
 
     ``op_index`` and ``step`` are set by the runner before each op / step. ``pending`` collects
     findings raised inside hooks (double free, aliasing at alloc) until the runner takes them.

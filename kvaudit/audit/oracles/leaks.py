@@ -40,11 +40,12 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
     The site is the latest free, since the previous check, of anything else the unit's owner held:
     the release that let go of the owner's other units and left this one out, in the unit's own pool
     first (the release that freed its neighbours), else in any pool (a release that freed the row and
-    forgot a buffer). The owner is the unit's owner at the previous check, whose other units are
-    those it owned then; for a unit born and lost in one step, the request row that maps it (the row
-    itself for a row), read from the row table. ``where`` is the place the target last held that owner
-    in (``Root.where``), for an owner that was dropped without freeing anything. Units with neither
-    are left out. Runs only when something leaked, over the events since the last check.
+    forgot a buffer). The owner is the request row that maps the unit (the row itself for a row), read
+    from the row table, else the unit's owner at the previous check (:func:`_attribute`). The site's
+    signature part is its path (:func:`kvaudit.audit.findings._path`). ``where`` is the place the
+    target last held that owner in (``Root.where``), for an owner that was dropped without freeing
+    anything. Units with neither are left out. Runs only when something leaked, over the events since
+    the last check.
     """
     # a leak re-reported at a later check keeps the attribution it had when first seen
     memo, last = auditor.lost_memo.setdefault(pool, {}), auditor.ledgers[pool].last_alloc
