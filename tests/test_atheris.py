@@ -184,7 +184,7 @@ def test_harness_crash_writes_a_replay_file(tmp_path):
     r = _run_harness([str(tmp_path / "input")], config, tmp_path)
     assert r.returncode != 0
     # atheris prints the Python exception on stdout, libFuzzer its report on stderr
-    assert "KvauditFinding: leak/hisparse_device/admit_request_direct@hisparse.py/release_kv_cache@scheduler.py" in r.stdout + r.stderr
+    assert "KvauditFinding: leak/hisparse_device/admit_request_direct@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py" in r.stdout + r.stderr
     assert "ERROR: libFuzzer: fuzz target exited" in r.stderr
     files = os.listdir(tmp_path / "findings")
     assert files == ["leak_hisparse_device_admit_request_direct_hisparse.py_release_kv_cache_scheduler.py.json"]
@@ -196,8 +196,8 @@ def test_harness_crash_writes_a_replay_file(tmp_path):
 
     known = tmp_path / "known.txt"
     # the op leaks the device buffer and the host slots: two signatures, both known now
-    assert {f.signature for f in findings} >= {"leak/hisparse_device/admit_request_direct@hisparse.py/release_kv_cache@scheduler.py",
-                                               "leak/hisparse_host/alloc_host@hisparse.py/release_kv_cache@scheduler.py"}
+    assert {f.signature for f in findings} >= {"leak/hisparse_device/admit_request_direct@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py",
+                                               "leak/hisparse_host/alloc_host@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py"}
     known.write_text("".join(f"{f.signature}\n" for f in findings))
     os.unlink(tmp_path / "findings" / files[0])
     r = _run_harness([str(tmp_path / "input")], config, tmp_path, known=str(known))
@@ -270,8 +270,8 @@ def test_atheris_clean_run_and_known_signatures(tmp_path):
     """A known signature is not a finding: the search goes on and ends clean (or finds another)."""
     config = _hisparse_config()
     stats = FuzzStats()
-    known = {"leak/hisparse_device/admit_request_direct@hisparse.py/release_kv_cache@scheduler.py",
-             "leak/hisparse_host/alloc_host@hisparse.py/release_kv_cache@scheduler.py"}
+    known = {"leak/hisparse_device/admit_request_direct@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py",
+             "leak/hisparse_host/alloc_host@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py"}
     found = atheris_search(config, max_time=4, seed=2, stats=stats, known=known, work_dir=str(tmp_path / "w"))
     assert found is None or found[1][0].signature not in known
     assert stats.executions > 10

@@ -4,7 +4,7 @@ blamed is the one whose holder is gone, device locks and HiCache host pins alike
 import pytest
 
 from kvaudit.targets.eut.presets import get_preset
-from kvaudit.audit.locks import LockLedger
+from kvaudit.audit.locks import LockLedger, holder_kind
 from kvaudit.program import Idle, Step, Submit
 from kvaudit.audit.runner import AuditedRun
 
@@ -61,6 +61,22 @@ def test_a_host_pin_left_by_a_load_back_is_reported_on_the_host_pool_with_its_si
     assert "host_ref=1 but 0 live holder(s)" in f.message and f.unit == "slot" and f.slots
     assert f.alloc_sites and f.alloc_sites[0].function == "load_back"
     assert "hicache load-back for req:" in f.message
+
+
+def test_a_kept_host_pin_is_named_by_the_release_that_let_the_load_back_go_and_a_dropped_one_is_not():
+    """Issue 34: a load-back whose release dropped its device lock but kept its host pin and one whose
+    record was dropped with no release at all (the zoo's hicache-abort-loadback-leak) had one signature,
+    ``lock-imbalance/hicache_host/inc:load_back@hicache.py``. The first now names the release that let
+    its holder go (this test's stand-in for ``release_load_back``); a load-back is a request's, so no
+    holder kind is added."""
+    kept = next(x for x in _load_back_run(forget=("_pin_host",)).apply(Idle()) if x.kind == "lock-imbalance")
+    assert kept.lost_sites and kept.lost_sites[0].function == "release_load_back"
+    assert kept.signature == "lock-imbalance/hicache_host/inc:load_back@hicache.py/release_load_back@test_locks.py"
+    assert "its other lock was released in release_load_back" in kept.message
+    both = [x for x in _load_back_run(forget=("_pin_host", "dec_lock_ref")).apply(Idle()) if x.kind == "lock-imbalance"]
+    assert {x.signature for x in both} == {"lock-imbalance/hicache_host/inc:load_back@hicache.py",
+                                           "lock-imbalance/token_to_kv_pool/inc:load_back@hicache.py"}
+    assert all(not x.lost_sites and not x.holder for x in both)
 
 
 def test_a_clean_load_back_leaves_no_lock_open():
@@ -136,3 +152,48 @@ def test_a_release_too_many_is_blamed_on_the_release():
     f = next(x for x in run.apply(Idle()) if x.kind == "lock-imbalance")
     assert f.free_sites and f.free_sites[0].function == "test_a_release_too_many_is_blamed_on_the_release"
     assert "unmatched release" in f.message
+
+
+def test_a_holder_kind_drops_ids_and_leaves_requests_out():
+    """A signature names a lock's holder by its kind, never by an id; requests (and what works for one)
+    are left out, since whether a request was seen holding a lock depends on timing."""
+    assert [holder_kind(n) for n in ("session:3", "hicache write-through of node 12", "hicache load-back of node 4",
+                                     "hicache prefetch of node 9", "req:7", "hicache load-back for req:7", None)] == \
+        ["session", "hicache-write-through", "hicache-load-back", "hicache-prefetch", "", "", ""]
+
+
+def test_a_session_slot_that_kept_its_turns_lock_is_named_as_the_holder():
+    led, live = _ledger()
+    led.inc("device", 3, site=1, op=0, step=1)
+    live.append(("device", "req:1", 3))
+    led.snapshot(0, 1)
+    live[:] = [("device", "session:0", 3)]
+    led.snapshot(0, 2)
+    live.clear()
+    led.snapshot(0, 3)
+    (r,) = led.culprits("device", {3})
+    assert holder_kind(r.holder) == "session" and led.let_go(r) == -1
+
+
+def test_let_go_is_the_release_of_the_holders_other_lock_on_the_node_in_the_interval_it_went():
+    led, live = _ledger()
+    led.inc("device", 4, site=1, op=0, step=1)
+    led.inc("host", 4, site=2, op=0, step=1)
+    live[:] = [("device", "load-back", 4), ("host", "load-back", 4)]
+    led.snapshot(0, 1)
+    led.dec("device", 4, site=7, op=0, step=2)  # its device lock released, its host pin kept
+    live.clear()
+    led.snapshot(0, 2)
+    (host,) = led.culprits("host", {4})
+    assert led.let_go(host) == 7
+    led.inc("device", 5, site=1, op=0, step=3)  # an earlier release of another lock of a holder ...
+    live[:] = [("device", "req:2", 5)]
+    led.snapshot(0, 3)
+    led.inc("device", 6, site=1, op=0, step=4)
+    led.dec("device", 5, site=8, op=0, step=4)
+    live[:] = [("device", "req:2", 6)]
+    led.snapshot(0, 4)
+    live.clear()  # ... is not the release that let it go
+    led.snapshot(0, 5)
+    (r,) = led.culprits("device", {6})
+    assert r.holder == "req:2" and led.let_go(r) == -1

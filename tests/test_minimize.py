@@ -114,7 +114,7 @@ def test_minimize_is_deterministic(buggy_config):
 def test_minimize_rejects_a_program_that_does_not_reproduce(buggy_config):
     clean = [Submit(0, 6, 3), Step(2), Idle()]
     with pytest.raises(ValueError, match="does not reproduce"):
-        minimize(buggy_config, clean, "leak/hisparse_device/admit_request_direct@hisparse.py/release_kv_cache@scheduler.py")
+        minimize(buggy_config, clean, "leak/hisparse_device/admit_request_direct@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py")
 
 
 def test_minimize_rejects_a_signature_the_program_does_not_yield(buggy_config):
@@ -127,7 +127,7 @@ def test_minimize_rejects_a_signature_the_program_does_not_yield(buggy_config):
 
 def test_minimize_of_empty_program_raises(buggy_config):
     with pytest.raises(ValueError):
-        minimize(buggy_config, [], "leak/hisparse_device/admit_request_direct@hisparse.py/release_kv_cache@scheduler.py")
+        minimize(buggy_config, [], "leak/hisparse_device/admit_request_direct@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py")
 
 
 def test_adjacent_steps_are_folded_when_the_program_still_fails():

@@ -474,7 +474,8 @@ def test_an_engine_that_never_goes_idle_is_a_hang(make_run, monkeypatch):
     run.apply(Submit(family=0, prompt_len=4, max_new_tokens=2))
     (f,) = run.apply(Idle())
     assert f.kind == "hang" and "waiting=1" in f.message
-    assert f.signature == "hang/-/idle"
+    # named by what the target says is stuck (the waiting queue's head, nothing locked), never by a count
+    assert f.signature == "hang/-/idle/waiting:memory" and f.message.endswith("; stuck: waiting:memory")
 
 
 # -- flush_cache ----------------------------------------------------------------------------------
@@ -610,7 +611,8 @@ def test_a_request_that_stops_making_progress_is_a_liveness_finding(make_run, mo
     monkeypatch.setattr(eng, "update_running_batch", lambda: None)  # decode never scheduled again
     found = run.apply(Step(400))
     assert kinds(found) == ["liveness"]
-    assert "made no progress" in found[0].message and found[0].signature == "liveness/-/progress"
+    assert "made no progress" in found[0].message and "in running" in found[0].message
+    assert found[0].signature == "liveness/-/progress/running:holds-kv"  # where it sits, what it is
 
 
 def test_lock_balance_is_checked_at_idle_only(make_run):

@@ -100,7 +100,7 @@ def test_idle_stops_at_the_deadline_without_a_false_hang(monkeypatch):
         time.sleep(0.02)  # 2,000 steps: 40 s
         return original(self)
     monkeypatch.setattr(Scheduler, "step", slow_step)
-    monkeypatch.setattr(runner.AuditedRun, "_hang_finding", lambda self: pytest.fail("a false hang"))
+    monkeypatch.setattr(runner.AuditedRun, "_hang_findings", lambda self: pytest.fail("a false hang"))
     config = get_preset("default").config()
     t0 = time.monotonic()
     with AuditedRun(config, deadline=time.monotonic() + 1.0) as run:

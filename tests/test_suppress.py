@@ -22,8 +22,8 @@ REGRESSIONS = os.path.join(ROOT, "corpora", "regressions")
 HISPARSE = os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json")
 PD_ABORT = os.path.join(REGRESSIONS, "pd-abort-after-transfer-leak.json")
 BUG = "hisparse-prebuilt-skip-finish"
-DEVICE_LEAK = "leak/hisparse_device/admit_request_direct@hisparse.py/release_kv_cache@scheduler.py"
-HOST_LEAK = "leak/hisparse_host/alloc_host@hisparse.py/release_kv_cache@scheduler.py"
+DEVICE_LEAK = "leak/hisparse_device/admit_request_direct@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py"
+HOST_LEAK = "leak/hisparse_host/alloc_host@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py"
 
 
 def write(tmp_path, text, name="supp.toml"):

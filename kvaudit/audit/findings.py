@@ -2,18 +2,26 @@
 
 A finding's *signature* is what deduplicates it, in the manner of syzkaller's crash titles: a
 promise that two findings with one signature are one bug. It is the kind, the pool and up to two
-code sites (each the innermost frame outside the allocator and kvaudit, ``function@file``):
+code sites (each the innermost frame outside the allocator and kvaudit, ``function@file``). The
+release that lost a leaked unit (or let a lock's holder go) is named by its *path* instead: the first
+frame above the release plumbing every path shares (the target's ``release_entries``, e.g.
+``release_kv_cache``), i.e. the caller that chose to finish, abort, retract or close (``Site.entry``,
+:func:`_path`):
 
 =================  =====================================================================
 kind               sites
 =================  =====================================================================
-leak               allocated at; where the unit lost its last owner: the release that forgot
-                   it (``lost_sites``), else the place the owner was dropped from
+leak               allocated at; where the unit lost its last owner: the path of the release
+                   that forgot it (``lost_sites``), else the place the owner was dropped from
                    (``from:waiting``, ``lost_from``)
 use-after-free     allocated at; where it was freed while an owner still used it
 double-free        freed first at; freed again at
-lock-imbalance     the unmatched ``inc_lock_ref`` (or ``dec_lock_ref``); when incs and decs pair
-                   up per node, the live holder's lock that walked another path (``walk:``)
+lock-imbalance     the unmatched ``inc_lock_ref`` (``inc:``), then its holder's kind when not a
+                   request (``holder:session``, ``holder:hicache-write-through``) and the path of
+                   the release that let the holder go without it (its device lock released, its
+                   host pin kept); or the unmatched ``dec_lock_ref`` (``dec:``); when incs and
+                   decs pair up per node, the live holder's lock that walked another path
+                   (``walk:``, with the holder's kind)
 stale-kv           content written for another prefix in a slot freed under its reader: that free
                    (``freed:``); else allocated at, and ``unwritten`` (never written) or
                    ``overwritten`` (written for another prefix, no free recorded)
@@ -21,15 +29,23 @@ crash              the exception type; the raising frame
 accounting-drift   the check that failed: ``identity``, ``counter:evictable,protected`` (a term
                    against its recount), ``free_list``, ``engine_check``; or the tree insert that
                    cached past ``kv_committed_len`` (``insert:function@file``)
-hang               the frame a step was stuck in (``stuck:function@file``, the watchdog), else ``idle``
-liveness           ``progress``
+hang               the frame a step was stuck in (``stuck:function@file``, the watchdog), else
+                   ``idle`` and what the target says is stuck (``Target.stuck()``, e.g.
+                   ``idle/prealloc:memory``, ``idle/transfer:kv-transfer``)
+liveness           ``progress`` and where the request sits and what it is (``Root.where``, e.g.
+                   ``progress/transfer:holds-kv``, ``progress/waiting:aborted``)
 =================  =====================================================================
 
 A finding from a target's own invariant (``Target.invariant_findings``) with a ``check`` adds it as a
 last part (``check:ref_cnt``, ``check:orphan-table``), so that two invariants broken at one site stay
 two bugs; its accounting drift is ``accounting-drift/<pool>/<check>`` as above.
 
-Line numbers are left out, so a signature survives edits elsewhere in a file.
+No part names a request id or a count, and line numbers are left out, so a signature survives edits
+elsewhere in a file and one cause reads the same in every program. A leak from a fault *inside* the
+shared release plumbing shows once per path that reaches it (a release that forgets a page on every
+path): the paths tell two faults in two callers apart, which the plumbing's own frame cannot. A
+premature free (use-after-free, double free) keeps its innermost frame: the free there is often
+another owner's correct release, whose path says nothing about the cause.
 """
 
 from __future__ import annotations
@@ -61,12 +77,15 @@ def source_path(path: str) -> str:
 @dataclass(frozen=True)
 class Site:
     """A stack frame: ``file`` (see :func:`portable_path`), ``line`` (1-based), ``function`` and the
-    line's ``source`` text, kept so that a report renders the same on another checkout."""
+    line's ``source`` text, kept so that a report renders the same on another checkout; ``entry``
+    marks a frame of the target's shared release plumbing (``Target.release_entries``), which a
+    signature looks past to the frame that chose the release path."""
 
     file: str
     line: int
     function: str
     source: str = field(default="", compare=False)  # the line's text when recorded ("" if unknown)
+    entry: bool = field(default=False, compare=False)  # one of the target's release entries
 
     def short(self) -> str:
         return f"{os.path.basename(self.file)}:{self.line} in {self.function}"
@@ -100,8 +119,13 @@ class Finding:
     lost_sites: list[Site] = field(default_factory=list)
     lost_from: str = ""  # leak: where the target last held the unit's owner (Root.where), if it said
     # accounting-drift: which check failed (identity, counter:<terms>, free_list, engine_check); "" = identity.
-    # stale-kv: the cause (freed, unwritten, overwritten); lock-imbalance: "walk" (incs and decs pair up)
+    # stale-kv: the cause (freed, unwritten, overwritten); lock-imbalance: "walk" (incs and decs pair up);
+    # hang: what is stuck (Target.stuck(), e.g. "prealloc:memory"); liveness: where the request that made
+    # no progress sits and what it is ("transfer:holds-kv", "waiting:aborted"; Root.where, "-" if unsaid)
     check: str = ""
+    # lock-imbalance: the kind of the blamed lock's holder when not a request (kvaudit.audit.locks.holder_kind:
+    # "session", "hicache-write-through", ...); "" for a request, or when no holder was ever seen with it
+    holder: str = ""
     used_by: list[str] = field(default_factory=list)  # use-after-free: owners still referencing the units
     indirect: bool = False  # leak reachable only from a leaked owner (LeakSanitizer's indirect leak)
     owner_history: list[OwnerChange] = field(default_factory=list)
@@ -125,6 +149,8 @@ class Finding:
             return f"accounting-drift/{self.pool}/insert:{_where(self.alloc_sites)}"
         if self.kind == "hang" and self.alloc_sites:  # the watchdog's: the frame the step was stuck in
             return f"hang/{self.pool}/stuck:{_where(self.alloc_sites)}"
+        if self.kind in ("hang", "liveness") and self.check:  # what is stuck where (Target.stuck(), Root.where)
+            return f"{self.kind}/{self.pool}/{NO_SITE_KINDS[self.kind]}/{self.check}"
         if self.kind in NO_SITE_KINDS:
             return f"{self.kind}/{self.pool}/{NO_SITE_KINDS[self.kind]}"
         if self.kind == "crash":
@@ -133,13 +159,15 @@ class Finding:
             return f"stale-kv/{self.pool}/freed:{_where(self.free_sites)}"
         if self.kind == "stale-kv" and self.check:
             return f"stale-kv/{self.pool}/{_where(self.alloc_sites)}/{self.check}"
+        held = [f"holder:{self.holder}"] if self.holder else []
         if self.kind == "lock-imbalance" and self.check == "walk":
-            return (f"lock-imbalance/{self.pool}/walk:" + (f"inc:{_where(self.alloc_sites)}" if self.alloc_sites
-                                                           else f"dec:{_where(self.free_sites)}"))
+            return "/".join([f"lock-imbalance/{self.pool}/walk:" + (
+                f"inc:{_where(self.alloc_sites)}" if self.alloc_sites else f"dec:{_where(self.free_sites)}")] + held)
         if self.kind == "lock-imbalance":
-            first = (_where(self.alloc_sites, "") and "inc:" + _where(self.alloc_sites)
-                     or _where(self.free_sites, "") and "dec:" + _where(self.free_sites) or "lock_ref")
-            return f"lock-imbalance/{self.pool}/{first}"
+            if self.alloc_sites:  # the open inc, whose holder, and the release that let that holder go
+                return "/".join([f"lock-imbalance/{self.pool}/inc:{_where(self.alloc_sites)}"] + held
+                                + [_path(self.lost_sites)] * bool(self.lost_sites))
+            return f"lock-imbalance/{self.pool}/" + (f"dec:{_where(self.free_sites)}" if self.free_sites else "lock_ref")
         if self.kind == "double-free":
             sites = [self.prev_free_sites, self.free_sites]
         elif self.kind == "use-after-free":
@@ -148,7 +176,8 @@ class Finding:
             sites = [self.alloc_sites, self.lost_sites]
         else:
             sites = [self.alloc_sites]
-        where = [_where(sites[0])] + [_where(s) for s in sites[1:] if s]
+        # a leak's second site is the path of the release that lost the unit
+        where = [_where(sites[0])] + [_path(s) if self.kind == "leak" else _where(s) for s in sites[1:] if s]
         if self.kind == "leak" and not self.lost_sites and self.lost_from:
             where.append(f"from:{self.lost_from}")  # dropped without a release: from where
         if self.check:  # a target's own invariant (a ref count, an orphan table): one bug per check
@@ -159,6 +188,12 @@ class Finding:
         d = asdict(self)
         if not d["engine_check_at_idle"]:
             del d["engine_check_at_idle"]  # not recorded: files written without a drain stay as they were
+        if not d["holder"]:
+            del d["holder"]  # (only a lock-imbalance names one)
+        for key in _SITE_LISTS:  # a site's entry flag only where set (most frames are not release entries)
+            for site in d[key]:
+                if not site["entry"]:
+                    del site["entry"]
         d["signature"] = self.signature
         return d
 
@@ -188,15 +223,16 @@ class Finding:
         _want(d, "used_by", list, item=str)
         _want(d, "lost_from", str)
         _want(d, "check", str)
-        for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"):
+        _want(d, "holder", str)
+        for key in _SITE_LISTS:
             _want(d, key, list, item=dict)
             sites = []
             for i, site in enumerate(d.get(key, [])):
                 where = f"{key}[{i}]"
-                if set(site) - {"file", "line", "function", "source"}:
-                    raise ValueError(f"{where}: unknown field {sorted(set(site) - {'file', 'line', 'function', 'source'})[0]!r}")
-                for f, t in (("file", str), ("line", int), ("function", str), ("source", str)):
-                    _want(site, f, t, where=where, required=f != "source")
+                if set(site) - _SITE_FIELDS:
+                    raise ValueError(f"{where}: unknown field {sorted(set(site) - _SITE_FIELDS)[0]!r}")
+                for f, t in (("file", str), ("line", int), ("function", str), ("source", str), ("entry", bool)):
+                    _want(site, f, t, where=where, required=f in ("file", "line", "function"))
                 sites.append(Site(**site))
             d[key] = sites
         _want(d, "owner_history", list, item=dict)
@@ -247,9 +283,22 @@ class Finding:
         return head.get(self.kind, f"{self.kind} in pool {self.pool}: {self.message}")
 
 
+_SITE_LISTS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
+_SITE_FIELDS = {"file", "line", "function", "source", "entry"}
+
+
 def _where(sites: list[Site], missing: str = "?") -> str:
     """``function@file`` of the innermost frame of ``sites`` (``missing`` when there is none)."""
     return f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else missing
+
+
+def _path(sites: list[Site], missing: str = "?") -> str:
+    """``function@file`` of the release path of a free's ``sites``: the first frame that is not one
+    of the target's release entries (``Site.entry``), i.e. the caller that chose the release; the
+    outermost entry frame when every frame is one; ``missing`` when there is none."""
+    if not sites:
+        return missing
+    return _where([next((s for s in sites if not s.entry), sites[-1])])
 
 
 def _want(d: dict, key: str, typ: type, item: type | None = None, low: int = 0, choices: tuple = (),

@@ -48,7 +48,8 @@ class Auditor(Ledger, PoolWrappers):
     ``full_stacks=False`` records only the innermost engine frame of each site, with no owner
     hint: the fuzzers search in this mode and re-run a finding with full stacks to report it
     (execution is deterministic, so the second run sees the same events). Signatures use only the
-    innermost frame, so they are the same in both modes.
+    innermost frame and, past the target's release entries, the frame above them, which fast mode
+    records too, so they are the same in both modes.
 
     ``op_index`` and ``step`` are set by the runner before each op / step. ``pending`` collects
     findings raised inside hooks (double free, aliasing at alloc) until the runner takes them.
@@ -88,9 +89,11 @@ class Auditor(Ledger, PoolWrappers):
         self._skip_files |= {os.path.abspath(f) for f in target.framework_files()}
         # files of the target that play the engine's part (a driver): sites, though under kvaudit/
         self._engine_files = frozenset(os.path.abspath(f) for f in target.engine_files())
+        # the release entry point and the plumbing below it: a free's path is the first frame above them
+        self._entries = frozenset(target.release_entries)
         self._info = Auditor._code_info_caches.setdefault(
             (frozenset(self._skip_files), frozenset(self._skip_classes), self._engine_files, self._hint_vars,
-             self._stop_vars), {})
+             self._stop_vars, self._entries), {})
         for spec in target.pools():
             target.install_pool(spec, self, self._wrap)  # default: install_standard(spec)
         # (node id, +1/-1, site, op, step, lock): lock is "device" (inc/dec_lock_ref) or "host" (host pins)
@@ -133,14 +136,15 @@ class Auditor(Ledger, PoolWrappers):
         self.locks.snapshot(self._op_index, self._step)
 
     # -- sites ------------------------------------------------------------------------------
-    # Per code object: (is framework, look for owner). Keyed by id(code): hashing a code object
-    # hashes its bytecode, which costs more than the rest of the capture.
-    _code_info_caches: dict[tuple, dict[int, tuple[bool, int]]] = {}
+    # Per code object: (is framework, look for owner, is a release entry). Keyed by id(code): hashing a
+    # code object hashes its bytecode, which costs more than the rest of the capture.
+    _code_info_caches: dict[tuple, dict[int, tuple[bool, int, bool]]] = {}
     _codes: dict[int, object] = {}  # keeps every seen code object alive, so its id stays unique
 
-    def _code_info(self, code) -> tuple[bool, int]:
-        """``(is framework, owner lookup)``: lookup is 0 (nothing to see), ``STOP`` (a batch-level
-        function: no single owner) or ``READ`` (read the owner from the frame's locals)."""
+    def _code_info(self, code) -> tuple[bool, int, bool]:
+        """``(is framework, owner lookup, is a release entry)``: lookup is 0 (nothing to see), ``STOP``
+        (a batch-level function: no single owner) or ``READ`` (read the owner from the frame's locals);
+        a release entry is one of the target's ``release_entries`` (a site goes on to the frame above)."""
         fn = os.path.abspath(code.co_filename)
         fw = ((fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
                or (fn, code.co_qualname.split(".")[0]) in self._skip_classes) and fn not in self._engine_files
@@ -150,43 +154,53 @@ class Auditor(Ledger, PoolWrappers):
         names = code.co_varnames
         look = (_STOP if any(v in names for v in self._stop_vars)
                 else _READ if any(v in names for v in self._hint_vars) else 0)
-        info = self._info[id(code)] = (fw, look)
+        entry = not fw and bool(self._entries) and (
+            code.co_name in self._entries or f"{code.co_name}@{os.path.basename(fn)}" in self._entries)
+        info = self._info[id(code)] = (fw, look, entry)
         Auditor._codes[id(code)] = code
         return info
 
     def capture_site(self) -> int:
         """Intern the current stack, from the first frame outside the allocator and kvaudit, with the
-        owner the target names from the innermost frames' locals (``owner_hint``), if any.
+        owner the target names from the innermost frames' locals (``owner_hint``), if any. The stack
+        always reaches the first frame above the target's ``release_entries`` (a free's path).
 
         Locals are read only in frames whose code has one of the target's ``owner_hint_vars``.
         """
         f = sys._getframe(2)
-        if not self.full_stacks:  # the innermost engine frame only: enough for the signature
+        if not self.full_stacks:  # the innermost engine frame only (and the path's): enough for the signature
             # keyed by the frame's instruction offset (f_lasti): the line number is computed only
             # the first time an instruction is seen
-            sites = self._lasti_sites
+            sites, lead = self._lasti_sites, ()  # lead: the release entry frames met first
             while f is not None:
                 key = (id(f.f_code), f.f_lasti)
                 sid = sites.get(key)
                 if sid is None:
                     code = f.f_code
-                    if (self._info.get(id(code)) or self._code_info(code))[0]:
+                    fw, _, entry = self._info.get(id(code)) or self._code_info(code)
+                    if fw:
                         sid = sites[key] = -2  # a framework frame: look further out
+                    elif entry:
+                        sid = sites[key] = -3  # a release entry: its caller names the path
                     else:
                         line = f.f_lineno
                         sid = self._line_sites.get((id(code), line))
                         if sid is None:
                             sid = self._line_sites[id(code), line] = self._intern((((id(code), line),), None))
                         sites[key] = sid
-                if sid != -2:
-                    return sid
+                if sid == -3:
+                    lead += ((id(f.f_code), f.f_lineno),)
+                elif sid == -2 and lead:
+                    break  # back in the framework above the entry frames: the engine's part ends
+                elif sid != -2:
+                    return self._intern((lead + self._site_frames[sid][0], None)) if lead else sid
                 f = f.f_back
-            return self._intern(((), None))
+            return self._intern((lead, None))
         cache, miss = self._info, self._code_info
-        frames, owner, looking, depth = [], None, OWNER_FRAMES, 0
-        while f is not None and depth < STACK_DEPTH:
+        frames, owner, looking, depth, entry = [], None, OWNER_FRAMES, 0, False
+        while f is not None and (depth < STACK_DEPTH or entry):  # (past the depth up to the path's frame)
             code = f.f_code
-            fw, look = cache.get(id(code)) or miss(code)
+            fw, look, entry = cache.get(id(code)) or miss(code)
             if fw:
                 if depth:
                     break  # back in the framework (the runner): the engine's part of the stack ends
@@ -212,9 +226,10 @@ class Auditor(Ledger, PoolWrappers):
         """The stack of site ``sid``, innermost first."""
         if sid < 0:
             return []
-        codes = Auditor._codes
+        codes, info = Auditor._codes, self._info
         return [Site(portable_path(codes[c].co_filename), line, codes[c].co_name,
-                     linecache.getline(codes[c].co_filename, line).strip())
+                     linecache.getline(codes[c].co_filename, line).strip(),
+                     (info.get(c) or self._code_info(codes[c]))[2])
                 for c, line in self._site_frames[sid][0]]
 
     def site_keys(self) -> set[tuple[str, int]]:
@@ -265,7 +280,7 @@ class Auditor(Ledger, PoolWrappers):
         allocations), read in fast mode too: lock events are few, and the ledger pairs by it."""
         f, looked = sys._getframe(3), 0
         while f is not None and looked < OWNER_FRAMES:
-            fw, look = self._info.get(id(f.f_code)) or self._code_info(f.f_code)
+            fw, look, _ = self._info.get(id(f.f_code)) or self._code_info(f.f_code)
             if not fw:
                 if look == _STOP:
                     return None

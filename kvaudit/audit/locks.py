@@ -19,14 +19,33 @@ snapshot, over the events since the previous one:
   unmatched dec (a release too many), unless one of those holders leaves at a later snapshot.
 
 At idle, an inc still open whose holder is gone is a leaked lock, named by its holder; an open inc
-that no holder ever claimed was taken behind every holder's back. Sizes: events and records grow
-with lock operations (a few per request), not with tokens.
+that no holder ever claimed was taken behind every holder's back. Its holder's *kind*
+(:func:`holder_kind`, when not a request) and the release that let that holder go while leaving this
+lock out (:meth:`LockLedger.let_go`: a dec of the holder's other lock on the node in the interval it
+went) tell two such leaks apart in a signature. Sizes: events and records grow with lock operations (a few per
+request), not with tokens.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
+
+def holder_kind(name: str | None) -> str:
+    """The kind of the lock holder ``name`` when it is not a request, for a signature: ``"session:3"``
+    -> ``"session"``, ``"hicache write-through of node 12"`` -> ``"hicache-write-through"``; ``""`` for
+    a request (``"req:7"``), for a holder that acts for one (``"hicache load-back for req:7"``) and for
+    None. A request is every lock's default holder and whether the ledger saw it hold the lock depends
+    on timing (a request taken and ended within one step never shows in the target's lists, and its
+    lock is then named by the taking frames' owner), so only the other kinds tell two leaks apart."""
+    if not name:
+        return ""
+    head, sep, owner = name.partition(" for ")
+    if sep:
+        return holder_kind(owner)
+    kind = "-".join(head.split(" of ", 1)[0].split(":", 1)[0].split())
+    return "" if kind == "req" else kind
 
 
 @dataclass(slots=True, eq=False)  # records are compared by identity: two incs can be alike in every field
@@ -45,6 +64,9 @@ class LockRecord:
     released: bool = False
     handed_from: str | None = None  # the holder it was taken over from (no inc of its own)
     hint: str | None = None  # the owner the taking frames worked for (``req:<rid>``), if they named one
+    gone_in: int = -1  # the interval (LockLedger.intervals) in which its holder was first seen gone
+    released_in: int = -1  # the interval of the dec that released it
+    released_site: int = -1  # that dec's site
 
 
 class LockLedger:
@@ -65,6 +87,7 @@ class LockLedger:
         self._listed: list = []  # the holders at the last snapshot, sorted
         self.dirty = False  # lock events since the last snapshot
         self._n_open = 0
+        self.intervals = 0  # snapshots taken: the events since the last one belong to interval ``intervals``
 
     def inc(self, lock: str, node: int, site: int, op: int, step: int, hint: str | None = None) -> None:
         r = LockRecord(lock, node, site, op, step, hint=hint)
@@ -79,16 +102,16 @@ class LockLedger:
         if hint is not None:  # the releasing frames name their owner: its oldest unclaimed lock here
             mine = [r for r in self._open.get((lock, node), []) if r.holder is None and r.hint == hint]
             if mine:  # (a claimed lock pairs by its holder's liveness, below)
-                self._release(mine[0])
+                self._release(mine[0], site)
                 return
         fresh = [r for r in self._fresh.get((lock, node), []) if hint is None or r.hint in (None, hint)]
         if fresh:  # a lock and its release in one interval (a call's own pin), not another owner's
-            self._release(fresh[-1])
+            self._release(fresh[-1], site)
         else:
             self._deferred.append(((lock, node), site, op, step))
 
-    def _release(self, r: LockRecord) -> None:
-        r.released = True
+    def _release(self, r: LockRecord, site: int) -> None:
+        r.released, r.released_in, r.released_site = True, self.intervals, site
         self._n_open -= 1
         self._open[(r.lock, r.node)].remove(r)
         fresh = self._fresh.get((r.lock, r.node))
@@ -112,7 +135,7 @@ class LockLedger:
         for (lock, name, node), k in gone.items():
             for r in list(self._open.get((lock, node), [])):
                 if k and r.holder == name and r.gone is None:
-                    r.gone, k = (op, step), k - 1
+                    r.gone, r.gone_in, k = (op, step), self.intervals, k - 1
         for (lock, name, node), k in new.items():
             key = (lock, node)
             for _ in range(k):
@@ -136,16 +159,16 @@ class LockLedger:
             gone_rs = sorted((r for r in opened if r.gone is not None), key=lambda r: r.gone)
             unclaimed = [r for r in opened if r.holder is None]
             if gone_rs:
-                self._release(gone_rs[-1])
+                self._release(gone_rs[-1], site)
             elif unclaimed:
-                self._release(unclaimed[-1])
+                self._release(unclaimed[-1], site)
             else:  # only live holders' locks: one released too often (paired later if its holder leaves)
                 self.unmatched_decs.append((key[0], key[1], site, dop, dstep))
         for d in list(self.unmatched_decs):  # released before its holder left the target's lists
             left = [r for r in self._open.get(d[:2], []) if r.gone == (op, step)]
             if left:
                 self.unmatched_decs.remove(d)
-                self._release(left[0])
+                self._release(left[0], d[2])
         # (after the releases above pair with the holders' own locks) an inc taken for a named owner
         # that holds nothing on its node now: that owner is gone or never kept it, so the lock is its
         # leak, not an anonymous one
@@ -153,10 +176,11 @@ class LockLedger:
         for rs in (self._fresh.values() if named is not None else ()):  # (no holders: no claims)
             for r in rs:
                 if r.holder is None and not r.released and r.hint is not None and r.hint not in names:
-                    r.holder, r.gone = r.hint, (op, step)
+                    r.holder, r.gone, r.gone_in = r.hint, (op, step), self.intervals
         self._fresh.clear()
         self._deferred.clear()
         self._live = now
+        self.intervals += 1
 
     def open_records(self, lock: str, nodes) -> list[LockRecord]:
         """Unreleased incs of ``lock`` on any of ``nodes`` (ids), oldest first."""
@@ -171,6 +195,20 @@ class LockLedger:
             if r.lock == lock and (r.holder in names or r.hint in names):
                 return r
         return None
+
+    def let_go(self, r: LockRecord) -> int:
+        """The site of the release that let ``r``'s holder go and left ``r`` out: the dec, in the
+        interval the holder was first seen gone, of the holder's other kind of lock on the same node (a
+        load-back released on its device lock but not on its host pin); -1 if the holder went with no
+        release (its record was dropped) or ``r`` has no gone holder. (Only the other lock kind on the
+        same node: which of a request's earlier locks fell in that interval depends on timing.)"""
+        if r.holder is None or r.gone_in < 0:
+            return -1
+        return next((o.released_site for o in reversed(self.records) if o.lock != r.lock and o.node == r.node
+                     and o.released and o.released_in == r.gone_in
+                     # the same holder; or, taken and let go within one interval (never listed), the same owner
+                     and ((o.holder is not None and o.holder == r.holder) or (o.hint is not None and o.hint == r.hint))),
+                    -1)
 
     def culprits(self, lock: str, nodes) -> list[LockRecord]:
         """The open incs on ``nodes`` to blame, best first: those whose holder is gone (the earliest

@@ -342,10 +342,15 @@ class AuditedRun:
         if not stuck:
             return []
         self._progress = {}
-        what = "aborted, never finished" if seen[stuck[0]][0] < 0 else "holds KV"
+        aborted = seen[stuck[0]][0] < 0
+        what = "aborted, never finished" if aborted else "holds KV"
+        # its signature names where the request sits (Root.where: transfer, chunked, running, ...) and
+        # what it is, never its id: one cause reads the same in every program
+        where = next((r.where for r in self.target.roots() if r.owner == f"req:{stuck[0]}" and r.where), "")
         f = Finding(kind="liveness", pool="-", op_index=self.ops_run - 1, step=now,
-                    message=f"req:{stuck[0]} ({what}) made no progress for {LIVENESS_STEPS} steps"
-                            + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
+                    check=f"{where or '-'}:{'aborted' if aborted else 'holds-kv'}",
+                    message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''}) made no progress for "
+                            f"{LIVENESS_STEPS} steps" + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
         return oracles.attach_engine_verdict(self.target, [f])
 
     def apply(self, op: Op) -> list[Finding]:
@@ -382,7 +387,7 @@ class AuditedRun:
                     if found or idle or stalled > STALL_STEPS or self._out_of_time():
                         break  # out of time: no hang finding, the budget ran out, not the engine
                 else:
-                    found = [self._hang_finding()]
+                    found = self._hang_findings()
             else:
                 # only queues a message: no memory moves until a step
                 found = self._guarded(self.target.apply, op)
@@ -432,12 +437,20 @@ class AuditedRun:
         except Exception as exc:
             return [f"crashed while draining: {type(exc).__name__}: {exc}"]
 
-    def _hang_finding(self) -> Finding:
+    def _hang_findings(self) -> list[Finding]:
+        """idle() never drained: a ``hang`` whose signature names what the target says is stuck
+        (``Target.stuck()``, in ``check``) and whose message gives its ``describe_busy()``; before it,
+        the locks no live holder accounts for (the lock-balance oracle as at idle, between steps), which
+        name the lock that holds the memory a ``waiting:memory-locked`` hang waits for: one hang
+        symptom, several causes."""
         busy = self.target.describe_busy()  # "" (the base's default): the target does not say
-        f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps,
+        stuck = self.target.stuck()
+        f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps, check=stuck,
                     message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle()"
-                    + (f": {busy}" if busy else " (the target's describe_busy() names nothing)"))
-        return oracles.attach_engine_verdict(self.target, [f])[0]
+                    + (f": {busy}" if busy else " (the target's describe_busy() names nothing)")
+                    + (f"; stuck: {stuck}" if stuck else ""))
+        locks = oracles.lock_balance(self.auditor, self.target, idle=True) if self.run_oracles else []
+        return oracles.attach_engine_verdict(self.target, locks + [f])
 
     def close(self) -> None:
         """Remove the hooks. This also breaks the engine <-> auditor reference cycle, so a finished

@@ -121,7 +121,7 @@ NOTES: dict[str, Note] = {
         "Count buffer growth in the decode gate (so `retract_decode` makes room), or reserve each request's "
         "padded buffer at admission also without speculation.",
         "the scheduler process dies in a decode step: the server stops answering", "8"),
-    "hang/-/idle|sglang-pd-decode": Note(
+    "hang/-/idle/prealloc:memory|sglang-pd-decode": Note(
         "Hang: a PD decode server accepts a request it can never pre-allocate "
         "(DecodePreallocQueue._check_if_req_exceed_kv_capacity vs _prealloc_required_tokens)",
         "Pre-allocation needs the prompt plus `num_reserved_decode_tokens` free, but the intake check compares "
@@ -144,7 +144,8 @@ NOTES: dict[str, Note] = {
 
 def note_for(signatures: list[str], preset: str = "") -> Note | None:
     """The note of the first signature that has one, else None. A signature that says little on its own
-    (``hang/-/idle``) is keyed ``signature|preset``."""
+    (``hang/-/idle/prealloc:memory``: any PD decode server whose pre-allocation never fits) is keyed
+    ``signature|preset``."""
     for s in signatures:
         for key in (f"{s}|{preset}", s):
             if key in NOTES:

@@ -135,6 +135,12 @@ class Target:
     #: batch-level frame with no single owner (a loop variable named like the hint is not its owner)
     owner_hint_vars: tuple[str, ...] = ()
     owner_stop_vars: tuple[str, ...] = ()
+    #: the functions every release path shares (``"name"``, or ``"name@file"`` by the file's basename):
+    #: the release entry point (SGLang's ``release_kv_cache``) and the plumbing between it and the
+    #: allocator. A free's *path*, which signatures name, is the first frame above them: the caller
+    #: that chose the release (finish, abort, retract, session close, ...); default none: the
+    #: innermost frame (see :mod:`kvaudit.audit.findings`)
+    release_entries: tuple[str, ...] = ()
 
     # -- required ---------------------------------------------------------------------------------
     def pools(self) -> list[PoolSpec]:
@@ -283,6 +289,13 @@ class Target:
 
     def describe_busy(self) -> str:
         """What keeps the engine from idling, for a hang report; default ``""``."""
+        return ""
+
+    def stuck(self) -> str:
+        """What keeps the engine from idling, as a hang's signature names it: ``"<where>:<why>"``, the
+        structure that holds the stuck work and what that work waits for (``"prealloc:memory"``,
+        ``"transfer:kv-transfer"``), with no request id or count, so that one cause reads the same
+        in every program (reads). Default ``""``: not said (the hang is then ``hang/-/idle``)."""
         return ""
 
     def close(self) -> None:

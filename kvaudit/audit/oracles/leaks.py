@@ -37,13 +37,15 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
                 prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
     """Unit -> ``(site id, where)``: where it lost its last owner, as the leak's second signature part.
 
-    The site is the latest free, since the previous check, of anything else the unit's owner record
-    held: the release that let go of the owner's other units and left this one out. The owner record
-    is the request row that maps the unit (the row itself for a row), read from the row table, so a
-    request born and lost in one step is covered; failing that (a session record, a target with no
-    row table), the unit's owner at the previous check. ``where`` is the place the target last held
-    that owner in (``Root.where``), for an owner that was dropped without freeing anything. Units
-    with neither are left out. Runs only when something leaked, over the events since the last check.
+    The site is the latest free, since the previous check, of anything else the unit's owner held:
+    the release that let go of the owner's other units and left this one out, in the unit's own pool
+    first (the release that freed its neighbours), else in any pool (a release that freed the row and
+    forgot a buffer). The owner is the request row that maps the unit (the row itself for a row), read
+    from the row table, else the unit's owner at the previous check (:func:`_attribute`). The site's
+    signature part is its path (:func:`kvaudit.audit.findings._path`). ``where`` is the place the
+    target last held that owner in (``Root.where``), for an owner that was dropped without freeing
+    anything. Units with neither are left out. Runs only when something leaked, over the events since
+    the last check.
     """
     # a leak re-reported at a later check keeps the attribution it had when first seen
     memo, last = auditor.lost_memo.setdefault(pool, {}), auditor.ledgers[pool].last_alloc
@@ -57,45 +59,108 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
 
 def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
-    """:func:`_lost_sites` for units seen leaked for the first time."""
-    rows_led = auditor.ledgers.get("req_to_token_pool")
-    of_rows = target.units_of_rows if target.units_of_rows(np.zeros(0, dtype=np.int64)) is not None else None
-    recent = auditor.events[auditor.checked_upto:]
-    frees = [ev for ev in reversed(recent) if ev.kind == "free"]
-    out: dict[int, tuple[int, str]] = {}
-    if rows_led is not None and of_rows is not None and frees:
-        live = rows_led.allocated | (rows_led.last_free >= auditor.checked_upto)
-        live[0] = False
-        # each live row's units per pool, as sets (the row itself in the row pool)
-        held = {int(r): {p: set(np.asarray(us).tolist()) for p, us in of_rows(np.array([r])).items()}
-                for r in np.flatnonzero(live)}
-        for r, m in held.items():
-            m.setdefault("req_to_token_pool", {r})
-        leaked = set(units.tolist())
-        for u in units.tolist():
-            mine = [r for r, m in held.items() if u in m.get(pool, ())]
-            # the latest such free in the unit's own pool (the release that freed its neighbours and
-            # left it out), else in any pool (a release that freed the row and forgot a buffer)
-            for same in (True, False):
-                hit = next((ev for ev in frees if (ev.pool == pool) == same and any(
-                    held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
-                    for r in mine)), None)
-                if hit is not None:
-                    out[u] = (hit.site, "")
-                    break
-    owners = prev_owner[pool][units]
-    wanted = set(owners[owners > 0].tolist())
-    site_of: dict[int, int] = {}  # owner id -> site of its latest free
-    for ev in frees:
-        if not wanted:
-            break
-        if ev.pool in prev_owner:
-            had = prev_owner[ev.pool][np.asarray(ev.units, dtype=np.int64)]
-            for oid in wanted.intersection(had.tolist()):
-                site_of[oid] = ev.site
-                wanted.discard(oid)
-    where = auditor.owner_where
-    for u, oid in zip(units.tolist(), owners.tolist()):
+    """:func:`_lost_sites` for units seen leaked for the first time: by the row that maps the unit
+    (:func:`_by_row`); else by its owner at the previous check (:func:`_by_owner`), for a unit allocated
+    since by the owner of an earlier allocation of it (a buffer grown past its table after a shrink, its
+    owner unchanged); else, for an owner that freed nothing, the place it was dropped from."""
+    frees = [ev for ev in reversed(auditor.events[auditor.checked_upto:]) if ev.kind == "free"]
+    had = prev_owner[pool][units]
+    out = _by_row(auditor, target, pool, units, prev_owner, frees)
+    rest = np.array([u for u in units.tolist() if u not in out], dtype=np.int64)
+    if rest.size:
+        # the owner at the previous check of the allocation that leaked (0: allocated since)
+        owners = np.where(auditor.ledgers[pool].last_alloc[rest] < auditor.checked_upto, prev_owner[pool][rest], 0)
+        out.update(_by_owner(pool, rest, owners, frees, prev_owner, first_only=True))
+        born = np.array([u for u, o in zip(rest.tolist(), owners.tolist()) if o == 0 and u not in out], dtype=np.int64)
+        if born.size:
+            out.update(_by_owner(pool, born, prev_owner[pool][born], frees, prev_owner, first_only=False))
+    where = auditor.owner_where  # an owner that freed nothing: the place it was dropped from
+    for u, oid in zip(units.tolist(), had.tolist()):
         if u not in out and oid > 0:
-            out[u] = (site_of.get(oid, -1), where.get(oid, ""))
+            out[u] = (-1, where.get(oid, ""))
+    return out
+
+def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, prev_owner: dict[str, np.ndarray],
+              first_only: bool) -> dict[int, tuple[int, str]]:
+    """Unit -> (site, "") of the latest free (``frees``, latest first) of other units its owner
+    (``owners``, ids at the previous check; 0: none) held then, in ``pool`` first, else in any pool.
+    ``first_only``: only a unit's first free since the check counts (freed, handed to another request
+    and freed again in one step, its second free is that request's)."""
+    out: dict[int, tuple[int, str]] = {}
+    if not frees or not (owners > 0).any():
+        return out
+    freed_from, seen = [], {}
+    for ev in reversed(frees):
+        first = [v for v in ev.units if v not in seen.setdefault(ev.pool, set())] if first_only else ev.units
+        seen.setdefault(ev.pool, set()).update(first)
+        ids = prev_owner[ev.pool][np.asarray(first, dtype=np.int64)] if ev.pool in prev_owner else []
+        freed_from.append((ev, set(np.asarray(ids).tolist())))
+    freed_from.reverse()  # the latest first
+    for u, oid in zip(units.tolist(), owners.tolist()):
+        for same in (True, False):
+            hit = next((ev for ev, ids in freed_from if oid > 0 and (ev.pool == pool) == same and oid in ids), None)
+            if hit is not None:
+                out[u] = (hit.site, "")
+                break
+    return out
+
+def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: dict[str, np.ndarray],
+            frees: list) -> dict[int, tuple[int, str]]:
+    """Unit -> (site, "") of the latest free (``frees``, latest first) of another unit of the request
+    row that maps it (the row itself included), in ``pool`` first, else in any pool.
+
+    NOTE: a row keeps stale entries of its earlier tenants and maps the tree's older prefix units, so
+    only units allocated since the row was count, freed after that, and not another owner's at the
+    previous check (an earlier tenant's unit handed to another request, whose release frees it: a
+    retracted or dropped request's leak was blamed on a finish in the same step); and, when the row was
+    freed meanwhile, only frees on that release's path."""
+    rows_led = auditor.ledgers.get("req_to_token_pool")
+    if rows_led is None or not frees or target.units_of_rows(np.zeros(0, dtype=np.int64)) is None:
+        return {}
+    live = rows_led.allocated | (rows_led.last_free >= auditor.checked_upto)
+    live[0] = False
+    held: dict[int, dict[str, set]] = {}  # row -> pool -> its units
+    for r in np.flatnonzero(live).tolist():
+        since = rows_led.last_alloc[r]
+        held[r] = {p: set(us[auditor.ledgers[p].last_alloc[us] >= since].tolist()) if p in auditor.ledgers else set()
+                   for p, us in ((p, np.asarray(us, dtype=np.int64)) for p, us in target.units_of_rows(np.array([r])).items())}
+        held[r].setdefault("req_to_token_pool", {r})
+    leaked = set(units.tolist())
+    allocs: dict[str, dict[int, list[int]]] = {}  # pool -> unit -> its allocations since the previous check
+    for ev in auditor.events[auditor.checked_upto:]:
+        if ev.kind == "alloc":
+            for v in ev.units:
+                allocs.setdefault(ev.pool, {}).setdefault(v, []).append(ev.id)
+    paths: dict[int, tuple] = {}
+
+    def path(sid: int) -> tuple:  # (function, file) of the first frame above the release entries
+        if sid not in paths:
+            sites = auditor.site(sid)
+            s = next((x for x in sites if not x.entry), sites[-1]) if sites else None
+            paths[sid] = (s.function, s.file) if s else ()
+        return paths[sid]
+
+    def owner_of(r: int) -> int:  # the row's owner at the previous check (0: allocated since)
+        return prev_owner["req_to_token_pool"][r] if rows_led.last_alloc[r] < auditor.checked_upto else 0
+
+    def of_row(ev, r: int) -> bool:
+        if ev.id <= rows_led.last_alloc[r]:
+            return False
+        mine = held[r].get(ev.pool, set()).intersection(ev.units) - (leaked if ev.pool == pool else set())
+        if ev.pool in prev_owner:  # (a unit allocated again since the check: its owner then held the old one)
+            since = allocs.get(ev.pool, {})
+            mine = {v for v in mine if prev_owner[ev.pool][v] in (0, owner_of(r)) or any(a < ev.id for a in since.get(v, ()))}
+        freed = not rows_led.allocated[r] and rows_led.last_free[r] >= auditor.checked_upto
+        return bool(mine) and (not freed or path(ev.site) == path(auditor.events[rows_led.last_free[r]].site))
+
+    out: dict[int, tuple[int, str]] = {}
+    fresh = auditor.ledgers[pool].last_alloc[units] >= auditor.checked_upto
+    for u, new in zip(units.tolist(), fresh.tolist()):  # the rows that map it, not through a stale entry
+        rows = [r for r, m in held.items() if u in m.get(pool, ())
+                and (new or pool not in prev_owner or prev_owner[pool][u] in (0, owner_of(r)))]
+        for same in (True, False):
+            hit = next((ev for ev in frees if (ev.pool == pool) == same and any(of_row(ev, r) for r in rows)), None)
+            if hit is not None:
+                out[u] = (hit.site, "")
+                break
     return out

@@ -7,6 +7,7 @@ import numpy as np
 
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.hooks import Auditor
+from kvaudit.audit.locks import holder_kind
 from kvaudit.targets.base import LockImbalance
 
 
@@ -17,7 +18,8 @@ def lock_balance(auditor: Auditor, target, idle: bool = True) -> list[Finding]:
     A leaked lock keeps tokens ``protected`` forever: the identity still balances and eviction
     can never reclaim them, so admission eventually stalls (SGLang invariants 13 and 14). The
     finding blames, from the lock-ref ledger (:mod:`kvaudit.audit.locks`), the open inc whose holder is
-    gone (its stack in ``alloc_sites``), else one no holder ever claimed, else the unmatched dec
+    gone (its stack in ``alloc_sites``, its holder's kind in ``holder``, the release that let that
+    holder go without it in ``lost_sites``), else one no holder ever claimed, else the unmatched dec
     (``free_sites``). Busy (``idle`` false), only nodes locked *below* their live holders count: a
     lock taken ahead of its holder's record is normal mid-flight, a release too many never is.
     """
@@ -62,11 +64,13 @@ def _lock_finding(auditor: Auditor, lock: str, bad: list) -> Finding:
     if culprits:
         r = culprits[0]
         f.alloc_sites = auditor.site(r.site)
+        f.holder, f.lost_sites = holder_kind(r.holder), auditor.site(auditor.locks.let_go(r))
         if r.holder is not None:
             taken = f"lock taken for {r.handed_from} at op {r.op}, step {r.step}, then held by {r.holder}" \
                 if r.handed_from else f"lock taken for {r.holder} at op {r.op}, step {r.step}"
             f.message += (f"; {taken}; its holder was gone by op {r.gone[0]}, step {r.gone[1]} "
-                          f"without a release")
+                          f"without a release" + (f" of it (its other lock was released in {f.lost_sites[0].function})"
+                                                  if f.lost_sites else ""))
         else:  # its holder, if any, came and went within one step: the inc's frames may still name it
             who = auditor.site_owner(r.site)
             f.message += (f"; lock taken{f' for {who}' if who else ''} at op {r.op}, step {r.step}"
@@ -85,7 +89,7 @@ def _lock_finding(auditor: Auditor, lock: str, bad: list) -> Finding:
         every = set().union(*(b.ids or () for b in bad))
         r = auditor.locks.holder_lock(lock, every)
         if r is not None:  # the live holder's own lock: where the walk that missed this node began
-            f.alloc_sites = auditor.site(r.site)
+            f.alloc_sites, f.holder = auditor.site(r.site), holder_kind(r.holder or r.hint)
             f.message += (f"; {r.holder or r.hint} holds it, its lock taken at op {r.op}, step {r.step}"
                           f"{f' in {f.alloc_sites[0].function}' if f.alloc_sites else ''}")
         else:  # no live holder: the latest release that reached these nodes walked past their locks

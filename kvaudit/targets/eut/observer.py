@@ -136,6 +136,9 @@ class EutObserver(Target):
     # -- observing --------------------------------------------------------------------------
     owner_hint_vars = ("req",)  # only frames of functions with such a local are inspected
     owner_stop_vars = ("reqs", "batch")  # a function over a whole batch: ``req`` is a loop variable
+    # every finish, abort, transfer failure and retraction releases through these: a free's path is
+    # their caller (process_batch_result, handle_abort, release_req, ...)
+    release_entries = ("release_kv_cache@scheduler.py", "_release_finished@scheduler_release_mixin.py")
 
     @staticmethod
     def owner_hint(frame_locals: dict) -> str | None:
@@ -373,6 +376,37 @@ class EutObserver(Target):
                 f"prealloc={len(eng.disagg_prealloc_queue)} transfer={len(eng.disagg_transfer_queue)} "
                 f"available={eng.token_to_kv_pool_allocator.available_size()} "
                 f"evictable={eng.tree_cache.evictable_size()} protected={eng.tree_cache.protected_size()}")
+
+    def stuck(self) -> str:
+        """The first busy structure, from the end of the pipeline back (running, chunked, HiSparse
+        staging, HiCache copies, waiting, PD transfer, PD prealloc, rebootstrap), and what its head
+        waits for: ``hicache:load-back`` (a load-back never acked, for a waiting request or orphaned by
+        an abort: its lock may be what keeps the waiting head out) or ``hicache:write-through``;
+        ``waiting:rows``, else ``waiting:memory-locked`` (tree locks hold tokens while nothing runs) or
+        ``waiting:memory``; ``transfer:kv-transfer`` (not landed) or ``transfer:hisparse-buffer``;
+        ``prealloc:rows`` or ``prealloc:memory``."""
+        eng = self.engine
+        tree = eng.tree_cache
+        locked = "memory-locked" if tree.protected_size() else "memory"
+        rows = eng.req_to_token_pool.available_size() == 0
+        hs = eng.hisparse_coordinator
+        if eng.running_batch or eng.last_batch is not None:
+            return "running:decode"
+        if eng.chunked_req is not None:
+            return "chunked:prefill"
+        if hs is not None and hs.has_ongoing_staging():
+            return "staging:host-backup"
+        if eng._hicache_in_flight():
+            loading = any(not tree.load_back_ready(r) for r in tree.ongoing_load_back.values())
+            return "hicache:" + ("load-back" if loading else "write-through")
+        if eng.waiting_queue:
+            return "waiting:" + ("rows" if rows else locked)
+        if eng.disagg_transfer_queue:
+            landed = eng.forward_ct >= eng.disagg_transfer_queue[0].transfer_ready_step
+            return "transfer:" + ("hisparse-buffer" if landed else "kv-transfer")
+        if eng.disagg_prealloc_queue:
+            return "prealloc:" + ("rows" if rows else locked)
+        return "rebootstrap:paused" if eng.held_rebootstrap_reqs else ""
 
     def accounting(self) -> dict[str, Accounting]:
         eng = self.engine

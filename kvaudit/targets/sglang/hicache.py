@@ -244,6 +244,16 @@ class SglangHiCacheTarget(SglangTarget):
         cache = self.tree_cache
         return super().is_idle(ignore_waiting) and not cache.ongoing_write_through and not cache.ongoing_load_back
 
+    def stuck(self) -> str:
+        """Also, before the waiting queue, ``hicache:load-back`` or ``hicache:write-through``: a copy never
+        acked (a load-back's lock may be what keeps the waiting head out)."""
+        out, cache = super().stuck(), self.tree_cache
+        if out.startswith(("running:", "chunked:", "grammar:")):
+            return out
+        if cache.ongoing_load_back or cache.ongoing_write_through:
+            return "hicache:" + ("load-back" if cache.ongoing_load_back else "write-through")
+        return out
+
     def describe_busy(self) -> str:
         cache = self.tree_cache
         return (super().describe_busy() + f" write_through_inflight={len(cache.ongoing_write_through)} "

@@ -347,6 +347,11 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         cache = self.tree_cache
         return super().is_idle(ignore_waiting) and not cache.ongoing_prefetch and not cache.ongoing_backup
 
+    def stuck(self) -> str:
+        """Also ``hicache:storage`` (a prefetch or storage backup pending)."""
+        cache = self.tree_cache
+        return super().stuck() or ("hicache:storage" if cache.ongoing_prefetch or cache.ongoing_backup else "")
+
     def describe_busy(self) -> str:
         cache = self.tree_cache
         return (super().describe_busy() + f" prefetch_inflight={len(cache.ongoing_prefetch)} "

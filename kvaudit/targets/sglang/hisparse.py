@@ -303,6 +303,13 @@ class SglangHiSparseTarget(SglangTarget):
             out.setdefault(r.rid, r.kv.kv_committed_len + len(r.output_ids))
         return out
 
+    def stuck(self) -> str:
+        """Also ``staging:host-backup`` (staged requests waiting for their host backup), before the waiting queue."""
+        out = super().stuck()
+        if not out.startswith(("running:", "chunked:")) and self.coordinator.has_ongoing_staging():
+            return "staging:host-backup"
+        return out
+
     def describe_busy(self) -> str:
         stats = self.coordinator.get_token_stats()
         return (super().describe_busy() + f" staged={len(self.staged())} device_tokens={stats.device_tokens} "

@@ -164,6 +164,7 @@ class SglangLegacyTarget(Target):
 
     name = "sglang"
     owner_hint_vars = ("req",)
+    release_entries = ("release_kv_cache@common.py", "cache_finished_req")  # (the cache_finished_req era's release)
     owner_stop_vars = ("reqs", "batch")
 
     def __init__(self, config):
@@ -663,6 +664,15 @@ class SglangLegacyTarget(Target):
 
     def retraction(self) -> str:
         return self.last_retraction or ""
+
+    def stuck(self) -> str:
+        """``running:decode``, or for the waiting queue ``waiting:memory-locked`` (tree locks hold tokens)
+        or ``waiting:memory``; ``""`` when nothing is busy."""
+        if self.running:
+            return "running:decode"
+        if not self.waiting:
+            return ""
+        return "waiting:memory-locked" if self.tree_cache.protected_size() else "waiting:memory"
 
     def describe_busy(self) -> str:
         return (f"waiting={len(self.waiting)} running={len(self.running)} available={self.allocator.available_size()} "

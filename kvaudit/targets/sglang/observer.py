@@ -20,6 +20,11 @@ class SglangObserver(SglangHooks):
 
     owner_hint_vars = ("req",)
     owner_stop_vars = ("reqs", "batch")
+    # SGLang 0.5.23 srt/mem_cache/common.py: release_kv_cache -> tree_cache.free_kv_row ->
+    # free_kv_row_segments (and _release_overallocated_kv_indices); the driver's _release plays the
+    # result processors' finish: a free's path is the frame above them
+    release_entries = ("release_kv_cache@common.py", "free_kv_row", "free_kv_row_segments@common.py",
+                       "_release_overallocated_kv_indices@common.py", "_release@driver.py", "_release@hisparse.py")
 
     def pools(self) -> list[PoolSpec]:
         return self._pools
@@ -96,6 +101,22 @@ class SglangObserver(SglangHooks):
             if r.to_finish is not None:
                 out[r.rid] = -1
         return out
+
+    def stuck(self) -> str:
+        """``running:decode``, ``chunked:prefill``, ``grammar:compile``, or for the waiting queue's head
+        ``waiting:rows`` (no request row free), ``waiting:memory-locked`` (tree locks hold tokens) or
+        ``waiting:memory``; ``""`` when nothing is busy."""
+        if self.running or self._last is not None:
+            return "running:decode"
+        if self.chunked_req is not None:
+            return "chunked:prefill"
+        if self.grammar_manager is not None and self.grammar_manager.grammar_queue:
+            return "grammar:compile"
+        if not self.waiting:
+            return ""
+        if not self.req_to_token_pool.available_size():
+            return "waiting:rows"
+        return "waiting:memory-locked" if self.tree_cache.protected_size() else "waiting:memory"
 
     def describe_busy(self) -> str:
         return (f"waiting={len(self.waiting)} running={len(self.running)} "

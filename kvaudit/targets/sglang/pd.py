@@ -492,6 +492,25 @@ class SglangPdDecodeTarget(SglangTarget):
     def stalled(self) -> bool:
         return False
 
+    def stuck(self) -> str:
+        """From the end of the decode pipeline back: ``running:decode``, ``waiting:memory`` (transferred,
+        not joined), ``transfer:kv-transfer``, ``transfer:deferred-release``, ``prealloc:retracted``, then
+        ``prealloc:rows`` (no request row free) or ``prealloc:memory`` (the pre-allocation never fits)."""
+        pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
+        if s.running_batch.reqs:
+            return "running:decode"
+        if s.waiting_queue:
+            return "waiting:memory"
+        if tq.queue:
+            return "transfer:kv-transfer"
+        if tq._deferred_releases:
+            return "transfer:deferred-release"
+        if pq.retracted_queue:
+            return "prealloc:retracted"
+        if pq.queue:
+            return "prealloc:rows" if not self.req_to_token_pool.available_size() else "prealloc:memory"
+        return ""
+
     def describe_busy(self) -> str:
         pq, tq = self.prealloc_queue, self.transfer_queue
         return (f"prealloc={len(pq.queue)} transfer={len(tq.queue)} deferred={len(tq._deferred_releases)} "

@@ -369,6 +369,14 @@ class VllmConnectorTarget(VllmSchedulerTarget):
     def is_idle(self) -> bool:
         return super().is_idle() and not len(self.worker)
 
+    def stuck(self) -> str:
+        """Also ``connector:recving`` / ``connector:sending``: a KV transfer of the connector's worker that
+        never completes, with no request left to run (before ``finished:held``, which it explains)."""
+        out, w = super().stuck(), self.worker
+        if out in ("", "finished:held") and (w.recving or w.sending):
+            return "connector:" + ("recving" if w.recving else "sending")
+        return out
+
     def describe_busy(self) -> str:
         w = self.worker
         return f"{super().describe_busy()} recving={len(w.recving)} sending={len(w.sending)}"

@@ -299,6 +299,17 @@ class VllmSchedulerTarget(_VllmBase):
         return {r.request_id: r.num_computed_tokens + r.num_output_tokens + 1000 * r.num_preemptions
                 for r in self.scheduler.running}
 
+    def stuck(self) -> str:
+        """``running:decode`` (running, or a batch in flight), ``waiting:<status>`` (the waiting head's
+        ``RequestStatus``, e.g. ``waiting:waiting-for-remote-kvs``), ``finished:held`` (finished requests
+        not yet freed); ``""`` when nothing is busy."""
+        s = self.scheduler
+        if s.running or self.batch_queue:
+            return "running:decode"
+        for r in s.waiting:
+            return "waiting:" + r.status.name.lower().replace("_", "-")
+        return "finished:held" if s.has_requests() else ""
+
     def describe_busy(self) -> str:
         s = self.scheduler
         return (f"waiting={len(s.waiting)} running={len(s.running)} in_flight={len(self.batch_queue)} "
@@ -410,6 +421,10 @@ class VllmManagerTarget(_VllmBase):
 
     def progress(self) -> dict[str, int]:
         return {r.request_id: r.num_computed_tokens + 1000 * r.num_preemptions for r in self.running}
+
+    def stuck(self) -> str:
+        """``running:decode`` or ``waiting:memory``; ``""`` when nothing is busy."""
+        return "running:decode" if self.running else "waiting:memory" if self.waiting else ""
 
     def describe_busy(self) -> str:
         return (f"waiting={len(self.waiting)} running={len(self.running)} "

@@ -1,0 +1,313 @@
+"""Signatures that separate root causes (issue 34, :mod:`kvaudit.audit.findings`).
+
+A signature is a promise that two findings are one bug. Faults planted here, outside the bug zoo, in
+the built-in engine's retraction, PD transfer-failure, finish and HiCache load-back paths took a zoo
+bug's signature (every leak's lost release read ``release_kv_cache@scheduler.py``, a lock leak was
+named by its inc alone) and every hang was ``hang/-/idle``: a campaign that knew the zoo would have
+taken them as known. Each must now have a signature no zoo bug has and no other planted fault has,
+and the zoo's own signatures must not split across the programs that trigger them.
+
+A fault is planted by editing one method's source text and compiling it under the method's own file
+name (:func:`plant`), so that its frames name the engine's functions as a fault in the engine would.
+"""
+
+from __future__ import annotations
+
+import __future__
+import copy
+import dataclasses
+import glob
+import inspect
+import os
+import random
+import sys
+import textwrap
+
+import pytest
+
+from engine_under_test.hicache import HiRadixCache
+from engine_under_test.scheduler import Scheduler
+from kvaudit import replay
+from kvaudit.audit.findings import Finding
+from kvaudit.audit.runner import execute
+from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, PauseGeneration, Step, Submit,
+                             TransferFail, random_program)
+from kvaudit.targets import program_features
+from kvaudit.targets.eut.presets import get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZOO_FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))
+LOAD_BACK = [Submit(0, 40, 2), Idle(), MemoryPressure(), Step(1), Submit(0, 44, 2), Idle()]  # the prefix comes back
+# a zoo bug's symptom no regression file holds: the load-back's leaked lock keeps a later request out for good
+ZOO_HANG = ("hicache-abort-loadback-leak",
+            [Submit(0, 40, 2), Idle(), MemoryPressure(), Step(1), Submit(0, 44, 2), Abort(None), Submit(1, 100, 2), Idle()])
+
+
+def plant(monkeypatch, cls, method: str, old: str, new: str) -> None:
+    """For this test, ``cls.method`` with ``old`` (its exact text, once) replaced by ``new``: compiled
+    under the method's own file name, at its own first line."""
+    fn = getattr(cls, method)
+    lines, first = inspect.getsourcelines(fn)
+    src = "".join(lines)
+    assert src.count(old) == 1, f"{method}: the text to replace is not there exactly once"
+    code = compile("\n" * (first - 1) + textwrap.dedent(src.replace(old, new)), fn.__code__.co_filename, "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    scope = dict(sys.modules[fn.__module__].__dict__)
+    exec(code, scope)
+    monkeypatch.setattr(cls, method, scope[method])
+
+
+# name -> (preset, (class, method, old text, new text), program, the zoo bug whose signature it took before)
+FAULTS = {
+    # the retraction path forgets HiSparse's retract_req: device buffer and host slots leak, lost in
+    # release_kv_cache like hisparse-prebuilt-skip-finish's (which forgets request_finished in the prebuilt step)
+    "retract-skips-hisparse": (
+        "pd-decode-hisparse",
+        (Scheduler, "release_req", "            self.hisparse_coordinator.retract_req(req)\n", "            pass\n"),
+        [Submit(0, 1, 3, stop_at=6), Step(2), PauseGeneration(mode=2), Step(1)], "hisparse-prebuilt-skip-finish"),
+    # a failed transfer is released without request_finished: its host slots leak
+    "transfer-fail-skips-hisparse": (
+        "pd-decode-hisparse",
+        (Scheduler, "poll_transfer_failures", "            self._release_finished(req, checkpoint=False)\n",
+         "            self.release_kv_cache(req, checkpoint=False)\n            self._emit(req)\n"),
+        [Submit(0, 8, 4), Step(1), TransferFail(None), Idle()], "hisparse-prebuilt-skip-finish"),
+    # the finish path floors the free range to a page, as retract-unaligned-page's retraction does
+    "finish-floors-last-page": (
+        "retract",
+        (Scheduler, "process_batch_result",
+         "                    self._release_finished(req, checkpoint=self._caches_on_release(req))\n",
+         "                    req.kv.kv_allocated_len = req.kv.kv_allocated_len // self.page_size * self.page_size\n"
+         "                    self._release_finished(req, checkpoint=False)\n"),
+        [Submit(0, 6, 2), Idle()], "retract-unaligned-page"),
+    # a load-back acked on completion drops its device lock but keeps its host pin; the zoo's abort
+    # drops the whole record
+    "load-back-done-keeps-host-pin": (
+        "hicache",
+        (Scheduler, "get_new_batch_prefill", "                tree.release_load_back(req.load_back)\n",
+         "                req.load_back.released = True\n                tree.dec_lock_ref(req.load_back.node)\n"
+         "                del tree.ongoing_load_back[req.load_back.node.id]\n"),
+        LOAD_BACK, "hicache-abort-loadback-leak"),
+    # hangs: a load-back that never completes, a PD pre-allocation that never fits (its reserve counted
+    # in pool sizes); and a transfer that never lands, which the liveness oracle reports first
+    "load-back-never-ready": (
+        "hicache", (HiRadixCache, "load_back_ready", "        return self.now >= rec.ready_step\n",
+                    "        return False\n"),
+        LOAD_BACK, "hicache-abort-loadback-leak"),
+    "prealloc-never-fits": (
+        "pd-decode",
+        (Scheduler, "process_decode_queue", "+ 2 * self.page_size\n", "+ 2 * alloc.size\n"),
+        [Submit(0, 8, 4), Idle()], "hicache-abort-loadback-leak"),
+    "transfer-never-done": (
+        "pd-decode",
+        (Scheduler, "process_decode_queue",
+         "(0 if fake else self.config.transfer_latency_steps)", "(0 if fake else 10**9)"),
+        [Submit(0, 8, 4), Idle()], None),
+}
+
+
+def legacy(f: Finding) -> str:
+    """``f``'s signature as kvaudit named it before issue 34: a lost release by its innermost frame
+    (``release_kv_cache``), a lock leak by its inc alone, a hang ``hang/-/idle``, a liveness finding
+    ``liveness/-/progress``."""
+    g = copy.deepcopy(f)
+    for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"):
+        setattr(g, key, [dataclasses.replace(s, entry=False) for s in getattr(g, key)])
+    g.holder = ""
+    if g.kind == "lock-imbalance":
+        g.lost_sites = []
+    if g.kind in ("hang", "liveness"):
+        g.check = ""
+    return g.signature
+
+
+def run_fault(name: str, full_stacks: bool = True) -> list[Finding]:
+    preset, edit, program, _ = FAULTS[name]
+    with pytest.MonkeyPatch.context() as mp:
+        plant(mp, *edit)
+        return execute(get_preset(preset).config(), program, full_stacks=full_stacks).findings
+
+
+@pytest.fixture(scope="module")
+def zoo() -> dict[str, list[Finding]]:
+    """Each zoo bug's findings: its regression file replayed, and the hang one of them leads to."""
+    out = {}
+    for path in ZOO_FILES:
+        config, program, _, _ = replay.load(path)
+        out[os.path.basename(path)[: -len(".json")]] = execute(config, program).findings
+    name, program = ZOO_HANG
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{name}.json"))
+    out[name] = out[name] + execute(config, program).findings
+    return out
+
+
+@pytest.fixture(scope="module")
+def planted() -> dict[str, list[Finding]]:
+    return {name: run_fault(name) for name in FAULTS}
+
+
+def test_each_planted_fault_is_found(planted):
+    assert all(planted.values()), [n for n, fs in planted.items() if not fs]
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAULTS.items() if f[3]])
+def test_a_planted_fault_took_a_zoo_bugs_signature_before(name, planted, zoo):
+    """The reason for the scheme: without the release path, the holder's release and what is stuck,
+    the planted fault reads as the zoo bug."""
+    bug = FAULTS[name][3]
+    assert {legacy(f) for f in planted[name]} & {legacy(f) for f in zoo[bug]}, (name, bug)
+
+
+@pytest.mark.parametrize("name", FAULTS)
+def test_a_planted_fault_has_a_signature_no_zoo_bug_has(name, planted, zoo):
+    mine = {f.signature for f in planted[name]}
+    taken = {f.signature: bug for bug, fs in zoo.items() for f in fs}
+    assert not mine & set(taken), {s: taken[s] for s in mine & set(taken)}
+
+
+def test_no_two_planted_faults_share_a_signature(planted):
+    owner: dict[str, str] = {}
+    for name, fs in planted.items():
+        for sig in {f.signature for f in fs}:
+            assert owner.setdefault(sig, name) == name, f"{sig}: {owner[sig]} and {name}"
+
+
+def test_the_planted_faults_read_as_their_causes(planted):
+    """What each signature now names: the release path that forgot the units, the release that let a
+    load-back go with its host pin, and what each hang or stalled request waits for."""
+    sigs = {name: sorted({f.signature for f in fs}) for name, fs in planted.items()}
+    assert all(s.endswith("/release_req@scheduler_decode_mixin.py") for s in sigs["retract-skips-hisparse"])
+    assert sigs["transfer-fail-skips-hisparse"] == [
+        "leak/hisparse_host/alloc_host@hisparse.py/poll_transfer_failures@scheduler_disagg_decode_mixin.py"]
+    assert sigs["finish-floors-last-page"] == [
+        "leak/token_to_kv_pool/alloc_for_extend@scheduler.py/process_batch_result@scheduler.py"]
+    assert sigs["load-back-done-keeps-host-pin"] == [
+        "lock-imbalance/hicache_host/inc:load_back@hicache.py/get_new_batch_prefill@scheduler_prefill_mixin.py"]
+    assert sigs["load-back-never-ready"] == ["hang/-/idle/hicache:load-back"]
+    assert sigs["prealloc-never-fits"] == ["hang/-/idle/prealloc:memory"]
+    assert sigs["transfer-never-done"] == ["liveness/-/progress/transfer:holds-kv"]
+
+
+def test_a_load_back_that_never_completes_is_one_hang_whether_its_request_waits_or_was_aborted(monkeypatch):
+    """What is stuck is the load-back, not the queue its request happens to be in (its request still
+    waiting for it, or aborted and the load-back orphaned until an ack that never comes)."""
+    plant(monkeypatch, *FAULTS["load-back-never-ready"][1])
+    orphaned = [Submit(7, 1, 1), Idle(), MemoryPressure(), Submit(7, 3, 1), Abort(0), Idle()]
+    assert {s for p in (LOAD_BACK, orphaned) for s in execute(get_preset("hicache").config(), p).signatures} == \
+        {"hang/-/idle/hicache:load-back"}
+
+
+def test_the_zoo_hang_names_the_memory_its_leaked_lock_holds(zoo):
+    assert "hang/-/idle/waiting:memory-locked" in {f.signature for f in zoo["hicache-abort-loadback-leak"]}
+
+
+def test_a_hang_on_locked_memory_comes_with_the_lock_that_holds_it(monkeypatch):
+    """Two leaked locks, one symptom: a request waits for memory tree locks hold. Before, both were
+    ``hang/-/idle``; the hang now comes with the lock-imbalance that names its cause, the zoo's load-back
+    or an admission rollback that released the matched node's parent (the radix-lock path)."""
+    plant(monkeypatch, Scheduler, "get_new_batch_prefill", "                    tree.dec_lock_ref(match.last_node)\n",
+          "                    tree.dec_lock_ref(match.last_node.parent or match.last_node)\n")
+    program = [Submit(1, 46, 1), Submit(0, 39, 1), Submit(0, 7, 6, extends=7), Submit(0, 9, 12, extends=6),
+               Submit(0, 85, 1), Idle()]
+    found = execute(get_preset("retract").config(), program).findings
+    assert [f.signature for f in found] == [
+        "lock-imbalance/token_to_kv_pool/inc:get_new_batch_prefill@scheduler_prefill_mixin.py",
+        "hang/-/idle/waiting:memory-locked"]
+    name, program = ZOO_HANG
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{name}.json"))
+    assert execute(config, program).signatures == [
+        "lock-imbalance/token_to_kv_pool/inc:load_back@hicache.py", "lock-imbalance/hicache_host/inc:load_back@hicache.py",
+        "hang/-/idle/waiting:memory-locked"]
+
+
+@pytest.mark.parametrize("name", ["retract-skips-hisparse", "load-back-done-keeps-host-pin"])
+def test_the_fuzzers_fast_stacks_name_the_same_release_path(name):
+    """The fuzzers record only a site's innermost frame, and the path's frame when that is a release
+    entry: the signatures agree with a full-stack run (minimization compares them)."""
+    assert sorted(f.signature for f in run_fault(name, full_stacks=False)) == \
+        sorted(f.signature for f in run_fault(name))
+
+
+def _no_new_split(zoo_findings: list[Finding], found: list[Finding]) -> list[str]:
+    """The findings of ``found`` that the old scheme took for the zoo bug but the new one names
+    otherwise (one cause split in two): ``[]`` when none."""
+    known = {legacy(f): f.signature for f in zoo_findings}
+    return [f"{f.signature} (was {legacy(f)}, the zoo's {known[legacy(f)]})" for f in found
+            if legacy(f) in known and f.signature != known[legacy(f)]]
+
+
+@pytest.mark.parametrize("path", ZOO_FILES, ids=[os.path.basename(p)[:-5] for p in ZOO_FILES])
+def test_a_zoo_bug_keeps_its_signatures_in_other_programs_that_trigger_it(path, zoo):
+    """Its regression program with a step slipped in before each op, and after an unrelated request:
+    wherever the old scheme saw the zoo bug, the new one names it as the regression file does."""
+    config, program, _, _ = replay.load(path)
+    mine = zoo[os.path.basename(path)[: -len(".json")]]
+    variants = [program[:i] + [Step(1)] + program[i:] for i in range(1, len(program))]
+    variants.append([Submit(3, 5, 1), Step(1)] + list(program))
+    split = [s for v in variants for s in _no_new_split(mine, execute(config, v).findings)]
+    assert not split, split
+
+
+# programs `kvaudit fuzz --bug BUG` found for zoo bugs where a leak's lost release was first blamed on
+# another request's release in the same step (a freed row's stale entry, a unit handed on and freed again)
+FOUND = {
+    "hisparse-prebuilt-skip-finish": [
+        [Submit(0, 9, 1, stop_at=10), Step(1), PauseGeneration(mode=0), Submit(0, 1, 1), Submit(0, 1, 2),
+         FlushCache(timeout=0), Idle()]],
+    "pd-abort-after-transfer-leak": [
+        [Submit(0, 1, 1, stop_at=2), Submit(0, 1, 1), Submit(0, 1, 1, extends=2), Step(5), FlushCache(timeout=0),
+         HealthCheck(), Submit(0, 1, 6), Submit(0, 1, 1), Step(3), Abort(None), Step(1)],
+        [Submit(0, 1, 5), Idle(), FlushCache(timeout=0), Submit(0, 1, 4), Submit(0, 6, 3), Step(2),
+         PauseGeneration(mode=0), Step(1)]],
+}
+
+
+@pytest.mark.parametrize("bug", FOUND)
+def test_a_zoo_bug_found_by_another_program_has_the_regression_files_signatures(bug, zoo):
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{bug}.json"))
+    want = {f.signature for f in zoo[bug]}
+    for program in FOUND[bug]:
+        assert set(execute(config, program).signatures) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ZOO_FILES, ids=[os.path.basename(p)[:-5] for p in ZOO_FILES])
+def test_a_zoo_bug_keeps_its_signatures_in_random_programs(path, zoo):
+    """The same over 150 random programs per zoo bug (its preset and switch, three seeds of 50)."""
+    config, _, _, _ = replay.load(path)
+    mine = zoo[os.path.basename(path)[: -len(".json")]]
+    split = []
+    for seed in range(3):
+        rng = random.Random(f"signatures-{seed}")
+        for _ in range(50):
+            program = random_program(rng, 24, max_prompt=48, features=program_features(config))
+            split += _no_new_split(mine, execute(config, program).findings)
+    assert not split, sorted(set(split))
+
+
+# programs that trigger each fault in different ways: freed, reallocated and lost in one step (a flush,
+# a health check), or retracted in the step another request finishes
+VARIANTS = {
+    "finish-floors-last-page": [
+        [Submit(0, 6, 2), Step(1), PauseGeneration(mode=2), HealthCheck(), FlushCache(timeout=0), Abort(None), Idle()],
+        [Submit(0, 11, 8, stop_at=2), Idle(), PauseGeneration(mode=1), HealthCheck(), FlushCache(timeout=0), Idle()],
+        [Submit(0, 65, 5), Step(3), Abort(None), Idle(), FlushCache(timeout=0), HealthCheck(), Submit(0, 1, 2), Step(1)],
+        [Submit(0, 1, 4), Submit(0, 1, 9), Submit(1, 44, 4), Submit(3, 51, 4), Submit(0, 14, 4), Idle()]],
+    "retract-forgets-tail": [
+        [Submit(0, 6, 2), Step(1), PauseGeneration(mode=2), Step(1), Idle()],
+        [Submit(0, 1, 4), Submit(0, 1, 9), Submit(1, 44, 4), Submit(3, 51, 4), Submit(0, 14, 4), Idle()]],
+}
+# the retraction forgets a request's last slot (not separated from retract-unaligned-page, whose
+# retraction forgets its last page: one function, one pool, one path)
+RETRACT_TAIL = (Scheduler, "release_req", "        self.release_kv_cache(req, checkpoint=False)\n",
+                "        req.kv.kv_allocated_len -= 1\n        self.release_kv_cache(req, checkpoint=False)\n")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_planted_leak_is_named_by_its_own_release_in_every_program(name, monkeypatch):
+    """The release blamed is the leaked unit's owner's, not another request's that freed units a freed
+    row still names (a stale entry) or units the owner held before they were freed and handed on in
+    the same step."""
+    plant(monkeypatch, *(FAULTS[name][1] if name in FAULTS else RETRACT_TAIL))
+    config = get_preset("retract").config()
+    paths = {f.signature.rsplit("/", 1)[1] for p in VARIANTS[name] for f in execute(config, p).findings}
+    assert paths == {"process_batch_result@scheduler.py" if name in FAULTS else "release_req@scheduler_decode_mixin.py"}
