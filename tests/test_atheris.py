@@ -187,7 +187,8 @@ def test_harness_crash_writes_a_replay_file(tmp_path):
     assert "KvauditFinding: leak/hisparse_device/admit_request_direct@hisparse.py/process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py" in r.stdout + r.stderr
     assert "ERROR: libFuzzer: fuzz target exited" in r.stderr
     files = os.listdir(tmp_path / "findings")
-    assert files == ["leak_hisparse_device_admit_request_direct_hisparse.py_release_kv_cache_scheduler.py.json"]
+    assert files == [replay.file_name("leak/hisparse_device/admit_request_direct@hisparse.py/"
+                                      "process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py")]
     loaded_config, program, findings, doc = replay.load(str(tmp_path / "findings" / files[0]))
     assert loaded_config == config and doc["fuzzer"] == "atheris"
     assert doc["input_sha1"] == hashlib.sha1(data).hexdigest()
