@@ -9,6 +9,7 @@ Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -34,7 +35,8 @@ class KvauditGroup(click.Group):
 
     def main(self, args=None, prog_name=None, **extra):
         try:
-            rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+            with _keeping_hypothesis_home():
+                rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
         except click.exceptions.Exit as e:
             return sys.exit(e.exit_code)
         except click.exceptions.NoArgsIsHelpError as e:
@@ -60,6 +62,19 @@ class KvauditGroup(click.Group):
                        err=True)
             return sys.exit(EXIT_INTERNAL)
         return sys.exit(rv or 0)
+
+
+@contextlib.contextmanager
+def _keeping_hypothesis_home():
+    """``fuzz`` and ``ci`` point Hypothesis's files at their output directory; put the caller's back
+    afterwards, so that an in-process caller's own Hypothesis tests (a test suite) do not write there."""
+    conf = sys.modules.get("hypothesis.configuration")
+    before = conf.storage_directory(intent_to_write=False).home_directory if conf is not None else None
+    try:
+        yield
+    finally:
+        if "hypothesis.configuration" in sys.modules:
+            sys.modules["hypothesis.configuration"].set_hypothesis_home_dir(before)
 
 
 def needs_targets(f):

@@ -17,7 +17,7 @@ from kvaudit.targets import registry
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 UnavailableError, write_error)
-from kvaudit.app.files import load_suppressions, write_finding, write_reports
+from kvaudit.app.files import check_dir, load_suppressions, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.app.replay import record_timeline
@@ -51,12 +51,8 @@ def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | N
     if db is not None:
         check_db(db)
     target_dir = corpus_dir if corpus_dir is not None else out_dir
-    try:  # fail now, not after the budget, if findings could not be written
-        os.makedirs(target_dir, exist_ok=True)
-        if not os.access(target_dir, os.W_OK):
-            raise PermissionError(13, "not writable")
-    except OSError as e:
-        raise InputError(f"--{'corpus' if corpus_dir is not None else 'out'} {target_dir}: {e.strerror or e}") from None
+    # fail now, not after the budget, if findings could not be written; the directory is made when they are
+    check_dir(target_dir, "corpus" if corpus_dir is not None else "out")
     if fuzzer == "atheris":
         check_atheris()
     return Checked(sset, target_dir, campaign)
