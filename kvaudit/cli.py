@@ -79,12 +79,14 @@ def _keeping_hypothesis_home():
 
 def needs_targets(f):
     """A command that reads the registry of target kinds: every ``KVAUDIT_PLUGINS`` module must have
-    imported (else one line, exit 2: :func:`kvaudit.app.configs.require_plugins`) before it runs."""
+    imported (else one line, exit 2: :func:`kvaudit.app.configs.require_plugins`) before it runs; what
+    does not stop it (a module that registered no kind, a broken entry point) is a warning line first."""
     @functools.wraps(f)
     def wrapper(*a, **k):
-        from kvaudit.app.configs import require_plugins
+        from kvaudit.app.configs import require_plugins, warn_plugin_errors
 
         require_plugins()
+        warn_plugin_errors()
         return f(*a, **k)
 
     return wrapper
@@ -462,12 +464,11 @@ def export_cmd(file, issue_out, client_out, resolve):
 @needs_targets
 def presets(target):
     """List the engine presets (off a terminal: one plain line each)."""
-    from kvaudit.app.configs import presets_table, warn_plugin_errors
+    from kvaudit.app.configs import presets_table
     from kvaudit.app.progress import console
     from kvaudit.reports.report import print_table
 
     print_table(console(), presets_table(target))
-    warn_plugin_errors(console(stderr=True))
 
 
 @main.command()
@@ -479,7 +480,7 @@ def bugs(target):
     (off a terminal: plain lines)."""
     from rich.table import Table
 
-    from kvaudit.app.configs import bugs_renderables, warn_plugin_errors
+    from kvaudit.app.configs import bugs_renderables
     from kvaudit.app.progress import console
     from kvaudit.reports.report import print_table
 
@@ -489,7 +490,6 @@ def bugs(target):
             print_table(out, renderable)
         else:
             out.print(renderable, soft_wrap=True)
-    warn_plugin_errors(console(stderr=True))
 
 
 if __name__ == "__main__":

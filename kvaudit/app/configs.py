@@ -214,12 +214,13 @@ def require_plugins() -> None:
         raise InputError(str(e)) from None
 
 
-def warn_plugin_errors(err: Console) -> None:
-    """An installed ``kvaudit.targets`` entry point that failed to load: one warning line each (the
-    user did not name it, so it does not stop the command; a ``KVAUDIT_PLUGINS`` module does:
-    :func:`require_plugins`)."""
-    for line in registry.entry_point_errors():
-        err.print(f"warning: {line}", soft_wrap=True, markup=False, highlight=False)
+def warn_plugin_errors() -> None:
+    """An installed ``kvaudit.targets`` entry point that failed to load, or a ``KVAUDIT_PLUGINS`` module
+    that registered no target kind: one warning line each on stderr
+    (:func:`kvaudit.targets.registry.plugin_warnings`; neither stops the command; a ``KVAUDIT_PLUGINS``
+    module that does not import does: :func:`require_plugins`)."""
+    for line in registry.plugin_warnings():
+        click.echo(f"warning: {line}", err=True)
 
 
 def warn_campaign_without_db(campaign_name: str, db: str | None, err: Console) -> None:

@@ -99,6 +99,18 @@ def write_finding(out_dir, config, program, findings, **extra) -> str:
                         **extra)
 
 
+def replay_hint(config, path: str) -> str:
+    """The command that replays the file at ``path`` written for ``config``, as a shell line:
+    ``kvaudit replay PATH``, after ``KVAUDIT_PLUGINS=...`` (this run's value) when ``config``'s kind
+    came from a plugin module (without it the replay cannot find the kind: exit 2, unknown target)."""
+    import shlex
+
+    from kvaudit.targets import registry
+
+    env = registry.plugins_env(registry.kind_of(config).name)
+    return (f"{env} " if env else "") + f"kvaudit replay {shlex.quote(path)}"
+
+
 def write_replay(path, config, program, findings, **extra) -> str:
     try:
         return replay.write_atomic(path, replay.to_doc(config, program, findings, **extra))
