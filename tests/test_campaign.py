@@ -326,6 +326,9 @@ def test_every_regression_file_replays_identically_3_times(name):
     result = invoke("replay", os.path.join(REGRESSIONS, name), "--check-determinism", "--runs", "3")
     assert result.exit_code == 1, result.output  # findings, and deterministic (3 would say otherwise)
     assert "deterministic: 3 identical runs" in result.stdout
+    # off a terminal the table's columns are named (a bare column of step counts was unexplained)
+    table = result.stdout.split("determinism: 3 runs:\n", 1)[1].splitlines()
+    assert table[0] == "  run  ledger digest  scheduler steps  signatures" and table[1].startswith("  1  ")
 
 
 def test_check_determinism_catches_a_nondeterministic_engine(monkeypatch):
