@@ -179,7 +179,7 @@ def main():
                    "campaign worker's after its own; triage of a finding comes after.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
-              help="Directory for replay files of findings.")
+              help="Directory for replay files of findings (made when one is written).")
 @click.option("--workers", type=click.IntRange(min=1, max=256), default=1, show_default=True,
               help="Worker processes (atheris: libFuzzer -fork=N). More than 1 runs a campaign.")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
@@ -308,7 +308,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               callback=_campaign_name,
               help="With --db: the campaigns' name prefix in Redis.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
-              help="Directory for the replay files of new findings.")
+              help="Directory for the replay files of new findings (made when one is written).")
 @_suppress_option
 @_step_timeout_option
 @output_options
