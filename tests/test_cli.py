@@ -477,9 +477,9 @@ def test_a_bug_outside_its_preset_is_warned_about(tmp_path):
 
 def test_fuzz_keeps_hypothesis_files_out_of_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = invoke("fuzz", "--max-time", "0.5", "--out", "found")
+    result = invoke("fuzz", "--fuzzer", "hypothesis", "--max-time", "0.5", "--out", "found")
     assert result.exit_code == 0
-    assert sorted(os.listdir(tmp_path)) == ["found"]
+    assert sorted(os.listdir(tmp_path)) in ([], ["found"])  # (found/ is made when something is written there)
 
 
 def test_a_page_size_is_only_tied_to_the_hisparse_buffer_when_hisparse_is_on(tmp_path):
