@@ -9,6 +9,7 @@ Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -34,7 +35,8 @@ class KvauditGroup(click.Group):
 
     def main(self, args=None, prog_name=None, **extra):
         try:
-            rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+            with _keeping_hypothesis_home():
+                rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
         except click.exceptions.Exit as e:
             return sys.exit(e.exit_code)
         except click.exceptions.NoArgsIsHelpError as e:
@@ -62,14 +64,29 @@ class KvauditGroup(click.Group):
         return sys.exit(rv or 0)
 
 
+@contextlib.contextmanager
+def _keeping_hypothesis_home():
+    """``fuzz`` and ``ci`` point Hypothesis's files at their output directory; put the caller's back
+    afterwards, so that an in-process caller's own Hypothesis tests (a test suite) do not write there."""
+    conf = sys.modules.get("hypothesis.configuration")
+    before = conf.storage_directory(intent_to_write=False).home_directory if conf is not None else None
+    try:
+        yield
+    finally:
+        if "hypothesis.configuration" in sys.modules:
+            sys.modules["hypothesis.configuration"].set_hypothesis_home_dir(before)
+
+
 def needs_targets(f):
     """A command that reads the registry of target kinds: every ``KVAUDIT_PLUGINS`` module must have
-    imported (else one line, exit 2: :func:`kvaudit.app.configs.require_plugins`) before it runs."""
+    imported (else one line, exit 2: :func:`kvaudit.app.configs.require_plugins`) before it runs; what
+    does not stop it (a module that registered no kind, a broken entry point) is a warning line first."""
     @functools.wraps(f)
     def wrapper(*a, **k):
-        from kvaudit.app.configs import require_plugins
+        from kvaudit.app.configs import require_plugins, warn_plugin_errors
 
         require_plugins()
+        warn_plugin_errors()
         return f(*a, **k)
 
     return wrapper
@@ -162,7 +179,7 @@ def main():
                    "campaign worker's after its own; triage of a finding comes after.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
-              help="Directory for replay files of findings.")
+              help="Directory for replay files of findings (made when one is written).")
 @click.option("--workers", type=click.IntRange(min=1, max=256), default=1, show_default=True,
               help="Worker processes (atheris: libFuzzer -fork=N). More than 1 runs a campaign.")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
@@ -291,7 +308,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               callback=_campaign_name,
               help="With --db: the campaigns' name prefix in Redis.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-ci-out", show_default=True,
-              help="Directory for the replay files of new findings.")
+              help="Directory for the replay files of new findings (made when one is written).")
 @_suppress_option
 @_step_timeout_option
 @output_options
@@ -447,12 +464,11 @@ def export_cmd(file, issue_out, client_out, resolve):
 @needs_targets
 def presets(target):
     """List the engine presets (off a terminal: one plain line each)."""
-    from kvaudit.app.configs import presets_table, warn_plugin_errors
+    from kvaudit.app.configs import presets_table
     from kvaudit.app.progress import console
     from kvaudit.reports.report import print_table
 
     print_table(console(), presets_table(target))
-    warn_plugin_errors(console(stderr=True))
 
 
 @main.command()
@@ -464,7 +480,7 @@ def bugs(target):
     (off a terminal: plain lines)."""
     from rich.table import Table
 
-    from kvaudit.app.configs import bugs_renderables, warn_plugin_errors
+    from kvaudit.app.configs import bugs_renderables
     from kvaudit.app.progress import console
     from kvaudit.reports.report import print_table
 
@@ -474,7 +490,6 @@ def bugs(target):
             print_table(out, renderable)
         else:
             out.print(renderable, soft_wrap=True)
-    warn_plugin_errors(console(stderr=True))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,20 @@ import os
 import pytest
 
 PAGE_SIZES = [1, 4]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL_FILES = {".hypothesis", ".pytest_cache", "__pycache__"}  # pytest's and Hypothesis's own (gitignored)
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_checkout_as_it_found_it():
+    """A test that leaves a file or directory in the checkout's root fails, naming it (the suite left
+    kvaudit-ci-out/.hypothesis/ and an empty kvaudit-out/ there: commands run in-process with their
+    default --out in the current directory, and Hypothesis's home left pointing into one)."""
+    before = set(os.listdir(ROOT))
+    yield
+    new = set(os.listdir(ROOT)) - before - TOOL_FILES
+    assert not new, (f"the test left {sorted(new)} in the checkout {ROOT}: give the command an --out (or --corpus) "
+                     "under tmp_path, or run it in tmp_path (monkeypatch.chdir)")
 
 
 @pytest.fixture(params=PAGE_SIZES, ids=lambda ps: f"page{ps}")

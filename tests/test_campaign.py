@@ -326,6 +326,9 @@ def test_every_regression_file_replays_identically_3_times(name):
     result = invoke("replay", os.path.join(REGRESSIONS, name), "--check-determinism", "--runs", "3")
     assert result.exit_code == 1, result.output  # findings, and deterministic (3 would say otherwise)
     assert "deterministic: 3 identical runs" in result.stdout
+    # off a terminal the table's columns are named (a bare column of step counts was unexplained)
+    table = result.stdout.split("determinism: 3 runs:\n", 1)[1].splitlines()
+    assert table[0] == "  run  ledger digest  scheduler steps  signatures" and table[1].startswith("  1  ")
 
 
 def test_check_determinism_catches_a_nondeterministic_engine(monkeypatch):
@@ -432,6 +435,47 @@ def test_ci_fuzzes_every_preset_and_writes_reports(tmp_path):
     assert xml.count('classname="kvaudit.regressions"') == len(os.listdir(REGRESSIONS))
     assert xml.count("no new findings") == len(PRESETS)  # every built-in preset, clean
     assert json.load(open(tmp_path / "ci.sarif"))["runs"][0]["results"] == []
+
+
+def test_ci_max_time_0_replays_the_regressions_only_and_makes_no_directory(tmp_path):
+    """--max-time 0 ("replay the regressions only") printed 'fuzz corpus over 13 preset(s), 0.0s of search
+    each' and made an empty kvaudit-ci-out/, where Hypothesis's home then pointed for the rest of the
+    process (a test suite's own Hypothesis tests wrote kvaudit-ci-out/.hypothesis/ into the checkout)."""
+    from hypothesis.configuration import storage_directory
+
+    home = storage_directory(intent_to_write=False).home_directory
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    header = r.stderr.splitlines()[0]
+    assert header.startswith(f"kvaudit ci: 1 regression file(s) in {regs}; no fuzz (--max-time 0: the regressions "
+                             "only); start-up "), header
+    assert "fuzz" not in r.stdout and not (tmp_path / "out").exists()
+    assert storage_directory(intent_to_write=False).home_directory == home
+
+
+def test_fuzz_puts_hypothesis_s_home_back_for_an_in_process_caller(tmp_path):
+    from hypothesis.configuration import storage_directory
+
+    home = storage_directory(intent_to_write=False).home_directory
+    r = invoke("fuzz", "--fuzzer", "hypothesis", "--max-time", "1", "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    assert storage_directory(intent_to_write=False).home_directory == home != tmp_path / "out" / ".hypothesis"
+
+
+def test_a_refused_fuzz_or_ci_makes_no_directory(tmp_path):
+    """A refused run made its --out directory (fuzz --preset nope left an empty kvaudit-out/ behind)."""
+    for args in (["fuzz", "--preset", "nope"], ["ci", "--presets", "nope", "--max-time", "1"]):
+        r = invoke(*args, "--out", str(tmp_path / "out"))
+        assert r.exit_code == 2 and "nope" in one_error_line(r), r.output
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("")
+    for args in (["fuzz", "--max-time", "1"], ["ci", "--max-time", "1"]):  # checked before the run, made at a write
+        r = invoke(*args, "--out", str(tmp_path / "file" / "out"))
+        assert r.exit_code == 2 and one_error_line(r) == (f"kvaudit: error: --out {tmp_path / 'file' / 'out'}: cannot "
+                                                          f"write in {tmp_path / 'file'} (not a directory)")
 
 
 def test_ci_bad_presets_is_one_line():

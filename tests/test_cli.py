@@ -165,6 +165,16 @@ def test_bad_page_size_for_the_preset_is_a_usage_error():
     assert "page_size" in one_error_line(result)
 
 
+def test_page_size_s_range_in_help_is_the_engine_s():
+    """--help showed [x>=1], and 512 was 'bad configuration: page_size must be in [1, 256]'."""
+    from engine_under_test.config import _INT_RANGES
+
+    lo, hi = _INT_RANGES["page_size"]
+    assert f"[{lo}<=x<={hi}]" in invoke("fuzz", "--help").stdout
+    result = invoke("fuzz", "--page-size", str(hi + 1), "--max-time", "1")
+    assert result.exit_code == 2 and f"{hi + 1} is not in the range {lo}<=x<={hi}" in one_error_line(result)
+
+
 def test_page_size_for_a_kind_without_one_is_a_usage_error_not_a_crash():
     """vLLM's config has a block size, no page_size field: the flag was an internal error (exit 70)."""
     result = invoke("fuzz", "--target", "vllm", "--page-size", "8", "--max-time", "1")
@@ -467,9 +477,9 @@ def test_a_bug_outside_its_preset_is_warned_about(tmp_path):
 
 def test_fuzz_keeps_hypothesis_files_out_of_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = invoke("fuzz", "--max-time", "0.5", "--out", "found")
+    result = invoke("fuzz", "--fuzzer", "hypothesis", "--max-time", "0.5", "--out", "found")
     assert result.exit_code == 0
-    assert sorted(os.listdir(tmp_path)) == ["found"]
+    assert sorted(os.listdir(tmp_path)) in ([], ["found"])  # (found/ is made when something is written there)
 
 
 def test_a_page_size_is_only_tied_to_the_hisparse_buffer_when_hisparse_is_on(tmp_path):

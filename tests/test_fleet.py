@@ -252,6 +252,38 @@ def test_fuzz_db_errors_are_one_line(redis_server, tmp_path):
     assert index.exit_code == 2 and "DB index is out of range" in one_error_line(index)
 
 
+@pytest.mark.parametrize("url, why", [
+    ("redis://127.0.0.1:6399/0?foo=bar", "unknown option 'foo'; the options are db, "),
+    ("redis://127.0.0.1:6399/0?ssl_ca_certs=/x.pem", "unknown option 'ssl_ca_certs' (a TLS option: use rediss://)"),
+    ("redis://127.0.0.1:6399/0?db=1&db=2", "option 'db' is given twice"),
+    ("redis://127.0.0.1:6399/0?client_name=", "option 'client_name' has no value"),
+    ("redis://127.0.0.1:6399/abc", "the database index 'abc' is not a number"),
+    ("redis://127.0.0.1:6399/-1", "the database index '-1' is not a number"),
+    ("redis://127.0.0.1:6399?db=x", "the database index 'x' is not a number"),
+    ("redis://127.0.0.1:0/0", "port 0 is not a port"),
+    ("redis://127.0.0.1:70000/0", "Port out of range"),
+    ("unix://", "a unix:// URL names the socket's path"),
+])
+@pytest.mark.parametrize("command", [["campaign", "status"], ["fuzz", *HISPARSE, "--max-time", "1"]])
+def test_a_bad_redis_url_is_one_line_exit_2_without_a_server(command, url, why, tmp_path):
+    """?foo=bar was an internal error (exit 70: redis-py's TypeError at the first command) and /abc was
+    database 0 (exit 0 with Redis up, 69 with it down): both are the URL's fault, whatever the server's state.
+    No server listens on these ports: the URL is refused before any connection."""
+    r = invoke(*command, "--db", url, "--out", str(tmp_path / "o")) if command[0] == "fuzz" else \
+        invoke(*command, "--db", url)
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert line.startswith(f"kvaudit: error: --db {url!r}: ") and why in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_redis_urls_kvaudit_takes_pass_the_check():
+    for url in ("redis://127.0.0.1:6379/0", "redis://:pw@host:6379/15", "redis://host", "redis://host/",
+                "rediss://:pw@127.0.0.1:6380/0?ssl_ca_certs=/ca.pem&ssl_cert_reqs=required",
+                "redis://127.0.0.1:6379?db=3&socket_timeout=2&client_name=kvaudit", "unix:///run/redis.sock?db=1"):
+        hubs.check_url(url)
+
+
 def test_an_unusable_campaign_name_is_refused_in_one_line(tmp_path):
     """--campaign '' was accepted (every key became kvaudit::...)."""
     for args in (["fuzz", *HISPARSE, "--max-time", "1", "--out", str(tmp_path)],

@@ -118,6 +118,21 @@ def test_a_failed_install_leaves_nothing_that_looks_complete(monkeypatch, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_an_interrupted_install_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
+    """Ctrl-C (or SIGTERM, which the CLI turns into one) during pip left its .vllm-<version>-XXXX folder."""
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)
+
+    def pip(cmd, **kw):
+        open(os.path.join(cmd[cmd.index("--target") + 1], "half-written"), "w").close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(releases.subprocess, "run", pip)
+    with pytest.raises(KeyboardInterrupt):
+        releases.ensure("vllm", "0.0.1")
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_install_command_takes_all_or_pinned_releases(monkeypatch, capsys):
     assert releases.main(["vllm-0.23.0"]) == 2
     assert "want ENGINE==VERSION or 'all', not 'vllm-0.23.0'" in capsys.readouterr().err

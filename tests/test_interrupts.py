@@ -388,3 +388,19 @@ def test_ci_interrupted_in_a_fuzz_campaign_still_reports_what_it_found(tmp_path,
     assert "(interrupted)" in r.stdout and "fuzz chunked" not in r.stderr  # stopped after the first preset
     assert findings[0].signature in open(tmp_path / "ci.xml").read()
     assert os.listdir(tmp_path / "out") == [os.path.basename(src)]
+
+
+def test_ci_interrupted_in_a_clean_fuzz_does_not_call_it_clean(tmp_path, monkeypatch):
+    """An interrupted preset printed 'fuzz default: 0 executions, clean', and its row said clean."""
+    from kvaudit.search import campaign
+
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(interrupted=True))
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "10", "--presets", "default,chunked", "--regressions", str(empty),
+               "--out", str(tmp_path / "out"))
+    assert r.exit_code == 130, r.output
+    assert "fuzz default: 0 executions, interrupted before its share ended" in r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("  fuzz default"))
+    assert "(interrupted)" in row and "interrupted before its share ended" in row and "clean" not in row
+    assert not (tmp_path / "out").exists()  # nothing was written there

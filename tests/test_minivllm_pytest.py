@@ -53,3 +53,29 @@ def test_a_failing_test_shows_the_program_the_cli_minimized(kvaudit, tmp_path, m
     assert result.signatures[0] == cli["findings"][0]["signature"]
     assert len(result.program) == len(cli["program"]) < result.original_length
     assert f"minimized program ({result.original_length} -> {len(cli['program'])} ops):" in result.render()
+
+
+def _doc_snippets() -> dict[str, list[str]]:
+    """The Python code blocks of the README and docs/writing-a-target.md: code -> where it is written."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out: dict[str, list[str]] = {}
+    for name in ("README.md", os.path.join("docs", "writing-a-target.md")):
+        text = open(os.path.join(root, name)).read()
+        for m in re.finditer(r"```python\n(.*?)```", text, re.S):
+            out.setdefault(m.group(1), []).append(f"{name}:{text[:m.start()].count(chr(10)) + 1}")
+    return out
+
+
+@pytest.mark.parametrize("code", list(_doc_snippets()), ids=[" ".join(w) for w in _doc_snippets().values()])
+def test_every_python_snippet_of_the_docs_runs_as_written(code, kvaudit):
+    """The README's snippet lacked its import of PRESETS: copied as written, it failed with NameError."""
+    namespace: dict = {}
+    exec(compile(code, "<snippet>", "exec"), namespace)
+    tests = [f for name, f in namespace.items() if name.startswith("test_") and callable(f)]
+    assert tests
+    for test in tests:
+        assert list(inspect.signature(test).parameters) == ["kvaudit"]
+        test(kvaudit)

@@ -94,6 +94,7 @@ def test_a_plugin_replay_file_names_its_kind_and_replays(tmp_path):
                "--seed", "1", "--out", str(tmp_path))
     assert r.exit_code == 1, r.output
     path = found(tmp_path)
+    assert f"(KVAUDIT_PLUGINS={PLUGIN} kvaudit replay {path})" in r.output  # the hint, runnable as printed
     doc = json.load(open(path))
     assert doc["config"]["target"] == "rowtoy" and doc["config"]["bugs"] == ["abort-leak"]
     r = invoke("replay", path)
@@ -172,6 +173,14 @@ def test_the_installed_console_script_loads_a_plugin_module_from_the_current_dir
     assert "cannot import" not in r.stderr
     doc = json.load(open(found(tmp_path / "out")))
     assert doc["config"]["target"] == "cwdrowtoy" and doc["findings"][0]["pool"] == "rows"
+    # the replay hint runs as printed, in a shell without KVAUDIT_PLUGINS ('kvaudit replay FILE' alone: exit 2,
+    # "unknown target 'cwdrowtoy'")
+    (hint,) = [line.split("   (", 1)[1][:-1] for line in r.stdout.splitlines() if line.startswith("replay file: ")]
+    assert hint.startswith("KVAUDIT_PLUGINS=cwd_rowtoy kvaudit replay "), hint
+    env.pop("KVAUDIT_PLUGINS")
+    env["PATH"] = os.path.dirname(kvaudit_script()) + os.pathsep + env.get("PATH", "")
+    again = subprocess.run(["sh", "-c", hint], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and "Direct leak" in again.stdout, again.stderr
 
 
 # -- 2, 3. --bug adds to the preset's bugs; unknown names are refused for every kind --------------------

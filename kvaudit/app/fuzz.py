@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit import replay
-from kvaudit.app.configs import check_fuzzer, warn_campaign_without_db, warn_plugin_errors, warn_unreachable_bugs
+from kvaudit.app.configs import check_fuzzer, warn_campaign_without_db, warn_unreachable_bugs
 from kvaudit.targets import registry
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 UnavailableError, write_error)
-from kvaudit.app.files import load_suppressions, write_finding, write_reports
+from kvaudit.app.files import check_dir, load_suppressions, replay_hint, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.app.replay import record_timeline
@@ -51,12 +51,8 @@ def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | N
     if db is not None:
         check_db(db)
     target_dir = corpus_dir if corpus_dir is not None else out_dir
-    try:  # fail now, not after the budget, if findings could not be written
-        os.makedirs(target_dir, exist_ok=True)
-        if not os.access(target_dir, os.W_OK):
-            raise PermissionError(13, "not writable")
-    except OSError as e:
-        raise InputError(f"--{'corpus' if corpus_dir is not None else 'out'} {target_dir}: {e.strerror or e}") from None
+    # fail now, not after the budget, if findings could not be written; the directory is made when they are
+    check_dir(target_dir, "corpus" if corpus_dir is not None else "out")
     if fuzzer == "atheris":
         check_atheris()
     return Checked(sset, target_dir, campaign)
@@ -91,7 +87,6 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
                                            else f"out {out_dir}")
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
-    warn_plugin_errors(err)
     warn_campaign_without_db(campaign_name, db, err)
     if not use_seeds and fuzzer != "atheris":
         err.print(f"warning: --no-seeds applies to --fuzzer atheris (its seed corpus); with --fuzzer {fuzzer} it is "
@@ -201,7 +196,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     except click.ClickException:  # a full disk (write_error): the finding still reaches the log
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
         raise
-    console.print(f"replay file: {path}   (kvaudit replay {path})", soft_wrap=True)
+    console.print(f"replay file: {path}   ({replay_hint(config, path)})", soft_wrap=True)
     # the report last: its closing SUMMARY: line is the last line on stdout, as LeakSanitizer's
     print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
     write_reports(outputs, data, err, kept=(path,))

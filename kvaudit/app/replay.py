@@ -128,13 +128,13 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
         return ex.digest, [(f.signature, f.slots, f.step) for f in ex.findings], ex.steps
 
     t = Table(title=f"determinism: {runs} runs", title_justify="left")
-    for col in ("run", "ledger digest", "steps", "findings"):
+    for col in ("run", "ledger digest", "scheduler steps", "signatures"):
         t.add_column(col, overflow="fold")
     for i, ex in enumerate(execs):
         same = key(ex) == key(execs[0])
         t.add_row(str(i + 1), ex.digest[:16], str(ex.steps), ", ".join(ex.signatures) or "none",
                   style="" if same else "bold red")
-    print_table(console, t)
+    print_table(console, t, header=True)
     differ = any(key(ex) != key(execs[0]) for ex in execs)
     console.print(Text("NOT deterministic: the runs differ" if differ else f"deterministic: {runs} identical runs",
                        style="bold red" if differ else "green"))

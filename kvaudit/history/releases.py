@@ -71,7 +71,11 @@ def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None
     on_event(f"installing {' '.join(reqs)} into {dest} (--no-deps --target)")
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
            "--disable-pip-version-check", "--target", str(tmp), *reqs]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    except BaseException:  # Ctrl-C, SIGTERM: no half-installed folder left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if r.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]

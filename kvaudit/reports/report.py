@@ -20,6 +20,7 @@ from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.audit.frames import resolve
 from kvaudit.program import Op, format_op
 from kvaudit.audit.suppress import SuppressionSet
+from kvaudit.reports.sarif import lifecycle_events, verdict_text
 
 
 def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
@@ -60,15 +61,19 @@ def is_plain(console: Console) -> bool:
     return not console.is_terminal or console.is_dumb_terminal or console.no_color
 
 
-def print_table(console: Console, table: Table) -> None:
+def print_table(console: Console, table: Table, header: bool = False) -> None:
     """``table`` as rich draws it on a terminal; on a plain console (:func:`is_plain`), its title,
-    one line per row, the cells joined by two spaces and never folded, then its caption, so that a CI log
-    has each row (a signature and its replay file, a check and its result) whole on one line."""
+    with ``header`` its column names (for columns of bare numbers), one line per row, the cells joined
+    by two spaces and never folded, then its caption, so that a CI log has each row (a signature and
+    its replay file, a check and its result) whole on one line."""
     if not is_plain(console):
         console.print(table)
         return
     if table.title:
         console.print(f"{table.title}:", soft_wrap=True, markup=False, highlight=False)
+    if header:
+        console.print("  " + "  ".join(str(c.header) for c in table.columns), soft_wrap=True, markup=False,
+                      highlight=False)
     columns = [list(c.cells) for c in table.columns]
     for row in zip(*columns):
         cells = [c.plain if isinstance(c, Text) else str(c) for c in row]
@@ -134,14 +139,11 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
             mark = "  <- detected here" if i == f.op_index else ""
             t.add_row(str(i), format_op(op) + mark)
         parts.append(t)
-    if f.engine_check:
-        ok = f.engine_check[0].endswith("ok")
-        parts.append(Text("engine check_memory(): ", style="bold").append(
-            "ok" if ok else "; ".join(f.engine_check), style="" if ok else "magenta"))
-    if f.engine_check_at_idle:
-        ok = f.engine_check_at_idle[0].endswith("ok")
-        parts.append(Text("engine check_memory() once drained to idle: ", style="bold").append(
-            "ok" if ok else "; ".join(f.engine_check_at_idle), style="" if ok else "magenta"))
+    for title, lines in (("engine check_memory(): ", f.engine_check),
+                         ("engine check_memory() once drained to idle: ", f.engine_check_at_idle)):
+        if lines:
+            text = verdict_text(lines)
+            parts.append(Text(title, style="bold").append(text, style="" if text == "ok" else "magenta"))
     if f.traceback:
         parts.append(Text(f.traceback.rstrip(), style="dim"))
     if plain:
@@ -160,22 +162,8 @@ def lifecycle_table(f: Finding, plain: bool = False) -> Table:
     t.add_column("op", justify="right")
     t.add_column("step", justify="right")
     t.add_column("event")
-    owner = None
-    for o in f.owner_history:
-        if o.event != "owner":
-            text = o.event
-        elif o.owner == "-":
-            text = f"[yellow]{owner} no longer holds it[/]; no owner since" if owner else "no owner"
-        else:
-            text = f"owned by {o.owner}"
-        if o.event == "owner" and o.owner != "-":
-            owner = o.owner
-        elif o.event == "owner":
-            owner = None
-        t.add_row(str(o.op_index), str(o.step), text)
-    if f.kind == "leak":
-        last = next((o.owner for o in reversed(f.owner_history) if o.owner != "-"), None)
-        t.add_row("", "", f"[bold red]never freed[/]; last owner: {last or 'none seen'}")
+    for op, step, text, style in lifecycle_events(f):  # (the words the JUnit text and the pytest fixture use)
+        t.add_row(op, step, Text(text, style=style))
     return t
 
 
@@ -250,7 +238,7 @@ def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = N
 def suppressions_table(suppressions: SuppressionSet) -> Table:
     """Each rule with its hit count (findings it suppressed); a rule that matched nothing is flagged."""
     t = Table(title="suppressions used", title_justify="left",
-              caption=suppressions.path, caption_justify="left")
+              caption=f"rules from {suppressions.path}" if suppressions.path else None, caption_justify="left")
     t.add_column("#", justify="right")
     t.add_column("kind", no_wrap=True)
     for col in ("pool", "site", "reason"):
@@ -276,7 +264,8 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
     table = suppressions_table(suppressions)
     if plain:  # one line per rule, no frames (a CI log); the file in the title, not a caption line
         table.title = f"suppressions used ({suppressions.path})" if suppressions.path else table.title
-        print_table(console, table)
+        table.caption = None
+        print_table(console, table, header=True)
     else:
         console.print(table)
     unused = suppressions.unused()

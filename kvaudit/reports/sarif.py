@@ -284,16 +284,47 @@ def _escape(text: str) -> str:
     return re.sub(r"([\[\]])", r"\\\1", re.sub("[\ud800-\udfff]", "", text))
 
 
+def verdict_text(lines: list[str]) -> str:
+    """An engine check's recorded lines (``Finding.engine_check``, ``engine_check_at_idle``) as the text
+    after ``engine check_memory():``: ``ok``, or ``FAILED: `` and the failing lines (in words, off a
+    terminal too: the console's colour is not all that says so)."""
+    if len(lines) == 1 and lines[0].endswith("ok"):
+        return "ok"
+    text = "; ".join(lines)
+    return "FAILED: " + text.removeprefix("engine check_memory() ")
+
+
 def engine_verdict(f: Finding) -> str:
-    """The engine's own ``check_memory()`` verdict recorded with the finding, as one line."""
-    text = "; ".join(f.engine_check)
-    return text if text.startswith("engine check_memory()") else f"engine check_memory(): {text}"
+    """The engine's own ``check_memory()`` verdict recorded with the finding, as one line
+    (``engine check_memory(): FAILED: [pool] available=... = 255 != total=256``)."""
+    return f"engine check_memory(): {verdict_text(f.engine_check)}"
+
+
+def lifecycle_events(f: Finding) -> list[tuple[str, str, str, str]]:
+    """The first unit's timeline as every report words it: ``(op, step, event, style)`` per owner
+    change or event (an owner that let go: ``X no longer holds it; no owner since``), then for a leak
+    ``never freed; last owner: X`` (op and step empty). ``style``: a rich style for the console, ""."""
+    rows, owner = [], None
+    for o in f.owner_history:
+        style = ""
+        if o.event != "owner":
+            text = o.event
+        elif o.owner == "-":
+            text, style = (f"{owner} no longer holds it; no owner since", "yellow") if owner else ("no owner", "")
+        else:
+            text = f"owned by {o.owner}"
+        if o.event == "owner":
+            owner = None if o.owner == "-" else o.owner
+        rows.append((str(o.op_index), str(o.step), text, style))
+    if f.kind == "leak":
+        last = next((o.owner for o in reversed(f.owner_history) if o.owner != "-"), None)
+        rows.append(("", "", f"never freed; last owner: {last or 'none seen'}", "bold red"))
+    return rows
 
 
 def lifecycle(f: Finding) -> list[str]:
-    """The first unit's owner history, one ``op N step M: event`` line per change."""
-    return [f"op {o.op_index} step {o.step}: " + (o.event if o.event != "owner" else f"owned by {o.owner}")
-            for o in f.owner_history]
+    """The first unit's timeline (:func:`lifecycle_events`), one ``op N step M: event`` line each."""
+    return [f"op {op} step {step}: {text}" if op else text for op, step, text, _ in lifecycle_events(f)]
 
 
 def _units_line(f: Finding) -> str:

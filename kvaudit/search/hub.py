@@ -133,10 +133,59 @@ def _redis_errors() -> tuple[type, ...]:
     return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
+# The query options a --db URL may carry: those redis-py reads from a URL that its connections take
+# (redis.connection.parse_url hands any other key to the connection, whose constructor raises TypeError
+# at the first command), and for rediss:// the TLS ones (redis.connection.SSLConnection).
+URL_OPTIONS = ("db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "retry_on_timeout",
+               "health_check_interval", "max_connections", "client_name", "protocol", "username", "password")
+TLS_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_password",
+               "ssl_check_hostname", "ssl_min_version", "ssl_ciphers")
+
+
+def check_url(url: str) -> None:
+    """``url`` as a Redis URL kvaudit can use as written, whatever the server's state: scheme
+    ``redis://``, ``rediss://`` (TLS) or ``unix://`` (with a socket path); a port that is a number in
+    1-65535; a database index (``/N`` or ``?db=N``) that is a number (redis-py reads ``/abc`` as DB 0);
+    only the query options :data:`URL_OPTIONS` (and :data:`TLS_OPTIONS` with ``rediss://``), each once.
+    Raises :class:`BadURL` with one line (the password masked)."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    where = f"--db {safe_url(url)!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # (raises for a port that is not a number, or out of 0-65535)
+    except ValueError as e:
+        raise BadURL(f"{where}: {e}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise BadURL(f"{where}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://PATH)")
+    if port == 0:
+        raise BadURL(f"{where}: port 0 is not a port to connect to (want 1-65535)")
+    if parts.scheme == "unix" and not parts.path:
+        raise BadURL(f"{where}: a unix:// URL names the socket's path (unix:///run/redis.sock?db=N)")
+    allowed = URL_OPTIONS + (TLS_OPTIONS if parts.scheme == "rediss" else ())
+    seen: set[str] = set()
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in allowed:
+            tls = " (a TLS option: use rediss://)" if name in TLS_OPTIONS else ""
+            raise BadURL(f"{where}: unknown option {name!r}{tls}; the options are {', '.join(allowed)}")
+        if name in seen:
+            raise BadURL(f"{where}: option {name!r} is given twice")
+        if not value:
+            raise BadURL(f"{where}: option {name!r} has no value")
+        seen.add(name)
+    index = unquote(parts.path).strip("/") if parts.scheme != "unix" else ""
+    if "db" in seen:
+        index = dict(parse_qsl(parts.query))["db"]
+    if index and not index.isdigit():
+        raise BadURL(f"{where}: the database index {index!r} is not a number (redis://HOST:PORT/N)")
+
+
 def connect(url: str, timeout: float = 5.0, check: bool = True):
     """A ``redis.Redis`` client for ``url`` that answered a PING (``check``; else not tried yet: a
     worker starts offline rather than not at all). Raises :class:`HubError` with a one-line reason
-    (no redis-py, a malformed URL, nothing answering)."""
+    (no redis-py, nothing answering), :class:`BadURL` for a URL that :func:`check_url` refuses or the
+    server refuses what it asks (a DB index out of range)."""
+    check_url(url)
     try:
         import redis
     except ImportError:

@@ -144,6 +144,9 @@ _loaded = False
 
 _plugin_errors: list[str] = []  # KVAUDIT_PLUGINS modules that failed to import: an error for commands
 _entry_point_errors: list[str] = []  # installed entry points that failed to load: a warning
+_plugin_warnings: list[str] = []  # KVAUDIT_PLUGINS modules that imported but registered no kind: a warning
+_origins: dict[str, str] = {}  # kind name -> the module that called register() for it (or the plugin imported then)
+_importing: list[str] = []  # the KVAUDIT_PLUGINS module being imported
 
 
 _CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes")
@@ -178,7 +181,32 @@ def register(kind: TargetKind) -> TargetKind:
     registers one fails to load)."""
     check_kind(kind)
     _KINDS[kind.name] = kind
+    # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
+    _origins[kind.name] = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
     return kind
+
+
+def _plugin_modules() -> list[str]:
+    """The modules named in ``KVAUDIT_PLUGINS``, in order."""
+    return [m for m in (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",")) if m]
+
+
+def _registered_from(mod: str) -> bool:
+    """Whether module ``mod`` (or a module inside it) registered a kind."""
+    return any(o == mod or o.startswith(mod + ".") for o in _origins.values())
+
+
+def plugins_env(name: str) -> str | None:
+    """``KVAUDIT_PLUGINS=<value>`` when the kind called ``name`` was registered by a module this run's
+    ``KVAUDIT_PLUGINS`` names (a command that reads the kind back, ``kvaudit replay FILE``, needs it
+    too), else None (a built-in kind or an installed entry point's). Shell-quoted."""
+    import shlex
+
+    _load()
+    origin = _origins.get(name, "")
+    if name in BUILTIN_KINDS or not any(origin == m or origin.startswith(m + ".") for m in _plugin_modules()):
+        return None
+    return f"{PLUGINS_ENV}={shlex.quote(os.environ[PLUGINS_ENV])}"
 
 
 def _import_plugin(mod: str) -> None:
@@ -213,12 +241,18 @@ def _load() -> None:
     import kvaudit.targets.eut.kind  # noqa: F401  (registers "eut")
     import kvaudit.targets.sglang.kind  # noqa: F401,F811  (registers "sglang")
     import kvaudit.targets.vllm.kind  # noqa: F401,F811  (registers "vllm")
-    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+    for mod in _plugin_modules():
+        _importing.append(mod)
         try:
             _import_plugin(mod)
         except Exception as e:  # noqa: BLE001 -- a broken plugin is named, never a traceback
             why = " ".join(str(e).split())  # one line, whatever the module raised
             _plugin_errors.append(f"cannot import {mod!r} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
+            continue
+        finally:
+            _importing.pop()
+        if not _registered_from(mod):  # (KVAUDIT_PLUGINS=os: imports, and adds nothing)
+            _plugin_warnings.append(f"module {mod!r} named in {PLUGINS_ENV} registered no target kind")
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -244,6 +278,14 @@ def entry_point_errors() -> list[str]:
     did not name it). Loads the registry first."""
     _load()
     return list(_entry_point_errors)
+
+
+def plugin_warnings() -> list[str]:
+    """One line per plugin problem that does not stop a command: an installed ``kvaudit.targets``
+    entry point that failed to load (:func:`entry_point_errors`), a ``KVAUDIT_PLUGINS`` module that
+    imported but registered no target kind (``KVAUDIT_PLUGINS=os``). Loads the registry first."""
+    _load()
+    return _entry_point_errors + _plugin_warnings
 
 
 def check_plugins() -> None:

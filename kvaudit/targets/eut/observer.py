@@ -428,7 +428,12 @@ class EutObserver(Target):
         return acc
 
     def engine_check(self) -> list[str]:
-        return [c.message() for c in self.engine.check_memory() if not c.ok]
+        """The engine's failing ``check_memory()`` identities, each as the sum that fails
+        (``[pool] available=255 + evictable=0 + ... = 255 != total=256``, as the SGLang target writes it)."""
+        return [f"[{c.pool}] available={c.available} + evictable={c.evictable} + protected={c.protected} + "
+                f"session_held={c.session_held} + uncached={c.uncached} = "
+                f"{c.available + c.evictable + c.protected + c.session_held + c.uncached} != total={c.total}"
+                for c in self.engine.check_memory() if not c.ok]
 
 
 def _ranges(pos) -> str:

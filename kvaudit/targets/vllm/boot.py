@@ -43,7 +43,7 @@ def probe_version() -> str:
     front of ``PYTHONPATH`` wins), if within :func:`compat.range_text`. Raises :class:`VllmUnavailable`."""
     v = installed_version()
     if v is None:
-        raise VllmUnavailable(f"--target vllm needs vLLM {compat.range_text()}, which is not installed "
+        raise VllmUnavailable(f"--target vllm needs one of vLLM {compat.range_text()}; none is installed "
                               f"(install {compat.MAX_VERSION} with: {INSTALL_HINT})")
     if not compat.in_range(v):
         raise VllmUnavailable(f"vLLM {v} is installed, but --target vllm drives releases {compat.range_text()}: "
@@ -52,6 +52,22 @@ def probe_version() -> str:
 
 
 _LOADED: SimpleNamespace | None = None
+_SCRATCH: str | None = None  # this process's temporary directory (vLLM's cache root, the model directories)
+
+
+def scratch_dir() -> str:
+    """This process's temporary directory for what vLLM must read from disk, made on first use and
+    removed when the process exits (``atexit``: a command's normal end, Ctrl-C and SIGTERM alike, which
+    the CLI turns into an orderly exit; a test session's end). One per process: a spawned worker makes
+    its own, or uses its parent's through ``VLLM_CACHE_ROOT``."""
+    global _SCRATCH
+    if _SCRATCH is None or not os.path.isdir(_SCRATCH):
+        import atexit
+        import shutil
+
+        _SCRATCH = tempfile.mkdtemp(prefix="kvaudit-vllm-")
+        atexit.register(shutil.rmtree, _SCRATCH, True)
+    return _SCRATCH
 
 
 def _no_triton_notice(record: logging.LogRecord) -> bool:
@@ -60,15 +76,20 @@ def _no_triton_notice(record: logging.LogRecord) -> bool:
 
 def load() -> SimpleNamespace:
     """Import vLLM's v1 KV-cache stack once per process (about 7-10 s) and return its names. Sets
-    ``HF_HUB_OFFLINE=1`` and a temporary ``VLLM_CACHE_ROOT`` unless already set, seeds vLLM's
-    process-global block-hash seed (``init_none_hash``) and registers the stub architecture. Raises
+    ``HF_HUB_OFFLINE=1`` and, in :func:`scratch_dir` (removed when the process exits), ``VLLM_CACHE_ROOT``
+    and ``TORCHINDUCTOR_CACHE_DIR``, each unless already set; seeds vLLM's process-global block-hash seed
+    (``init_none_hash``) and registers the stub architecture. Raises
     :class:`VllmUnavailable` (one line) when vLLM is missing, of another version, or fails to import."""
     global _LOADED
     if _LOADED is not None:
         return _LOADED
     version = probe_version()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvaudit-vllm-"))
+    # vLLM's cache root and torch inductor's (which makes <temp dir>/torchinductor_<user> on import): kvaudit
+    # compiles nothing and caches nothing there, so they go with the run, not into the user's caches
+    for var, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "torchinductor")):
+        if var not in os.environ:
+            os.environ[var] = os.path.join(scratch_dir(), sub)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # the connector presets import vLLM's Triton kernels, and torch logs "Triton not available" for each on
     # a CPU-only run: expected here (no kernel runs), noise on stderr. A filter, not a level: torch resets
@@ -187,11 +208,11 @@ def kv_connector_extra_config(config) -> dict:
 
 def _model_dir(v: SimpleNamespace, config) -> str:
     """A local model directory whose ``config.json`` names the stub architecture (one per vocabulary
-    and length, made once per process)."""
+    and length, made once per process in :func:`scratch_dir`)."""
     moe = config.return_routed_experts
     key = (config.vocab_size, config.max_model_len, moe)
-    if key not in v.model_dirs:
-        d = tempfile.mkdtemp(prefix="kvaudit-vllm-model-")
+    if key not in v.model_dirs or not os.path.isdir(v.model_dirs[key]):
+        d = tempfile.mkdtemp(prefix="model-", dir=scratch_dir())
         spec = {"architectures": [STUB_ARCH], "model_type": "llama", "hidden_size": 64,
                 "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
                 "num_hidden_layers": 1, "vocab_size": config.vocab_size,
