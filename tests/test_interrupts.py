@@ -22,7 +22,9 @@ from cli_helpers import invoke, kvaudit_script, plain_env
 
 from kvaudit import replay
 from kvaudit.program import FlushCache, Step, Submit
-from kvaudit.audit.runner import execute
+from kvaudit.audit.runner import INTERRUPTED, execute
+from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, hypothesis_search
+from kvaudit.targets.eut.presets import get_preset
 
 HERE = os.path.dirname(__file__)
 REGRESSIONS = os.path.join(HERE, "..", "corpora", "regressions")
@@ -208,6 +210,57 @@ def test_sigterm_while_campaign_workers_minimize_keeps_their_finding(tmp_path, l
     assert findings[0].signature in execute(config, program).signatures
     assert f"new finding: {findings[0].signature}" in stderr
     assert_reports(tmp_path, findings[0].signature)
+
+
+# -- an interrupt while Hypothesis shrinks --------------------------------------------------------------
+
+SHRINK_BUG = ["--preset", "streaming-session", "--bug", "session-borrow-double-count"]  # found in ~1 s, long to shrink
+
+
+class InterruptAtFirstHit(FuzzStats):
+    """Search counts whose first hit sets the interrupt flag, as Ctrl-C's handler does: the next op
+    (the first of Hypothesis's shrink cases) stops with a KeyboardInterrupt."""
+
+    def hit(self):
+        super().hit()
+        INTERRUPTED.set()
+
+
+def test_an_interrupt_while_hypothesis_shrinks_carries_the_failing_program():
+    config = get_preset("streaming-session").config(bugs=frozenset(["session-borrow-double-count"]))
+    stats = InterruptAtFirstHit()
+    try:
+        with pytest.raises(SearchInterrupted) as caught:
+            hypothesis_search(config, 60, 1, stats)
+    finally:
+        INTERRUPTED.clear()
+    program, findings = caught.value.found
+    assert stats.first_hit is not None and findings
+    assert findings[0].signature in execute(config, program).signatures  # a working reproducer, unminimized
+
+
+@pytest.mark.parametrize("campaign", [False, True], ids=["single", "campaign"])
+def test_fuzz_interrupted_while_hypothesis_shrinks_writes_the_finding(tmp_path, monkeypatch, campaign):
+    """README: `fuzz` exits 1 with a finding when interrupted, one not yet minimized written unminimized
+    (the first hit was 1,676 executions into a run; the interrupt while Hypothesis shrank it exited 130,
+    'no finding', nothing written)."""
+    from kvaudit.search import campaign as campaigns, fuzz
+
+    monkeypatch.setattr(fuzz, "FuzzStats", InterruptAtFirstHit)
+    monkeypatch.setattr(campaigns, "FuzzStats", InterruptAtFirstHit)
+    out = tmp_path / "out"
+    r = invoke("fuzz", *SHRINK_BUG, "--fuzzer", "hypothesis", "--seed", "1", "--max-time", "60",
+               *(["--corpus"] if campaign else ["--out"]), str(out),
+               "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"))
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output and "no finding" not in r.output
+    (path,) = replay_files(out / "findings" if campaign else out)
+    config, program, findings, doc = replay.load(path)
+    assert doc["minimized"] is False and doc["confirmations"] == "interrupted before confirmation"
+    assert findings[0].signature in execute(config, program).signatures
+    assert_reports(tmp_path, findings[0].signature)
+    if not campaign:
+        assert "interrupted while Hypothesis shrank it" in r.stderr and "program (unminimized)" in r.stdout
 
 
 # -- kvaudit minimize keeps its progress -----------------------------------------------------------------

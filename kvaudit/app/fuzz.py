@@ -68,7 +68,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`, after
     :func:`check_options` gave ``checked``); returns the exit code (see the command's help). The
     search runs ``budget.seconds`` from when the first engine is built (:mod:`kvaudit.app.budget`)."""
-    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
+    from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, retry_seed, triage
     from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED, is_watchdog_hang, set_step_timeout, warm_up
     from kvaudit.audit.runner import step_timeout as runner_step_timeout
@@ -145,9 +145,11 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
                 flaky.append(sig)
                 found, stats.findings, stats.first_hit = None, 0, None
                 stats.phase = "fuzzing"
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
         ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
         INTERRUPTED.clear()  # the timeline below replays the program
+        if found is None and isinstance(e, SearchInterrupted):  # met, not yet returned: Hypothesis was shrinking it
+            found, stats.findings = e.found, 1
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
             console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
@@ -158,7 +160,8 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
             print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
             path = write_finding(out_dir, config, program, findings, seed=seed,
                                  confirmations="interrupted before confirmation", minimized=False)
-            err.print(f"interrupted while minimizing; the unminimized program is in {path}", soft_wrap=True)
+            err.print(f"interrupted while {'minimizing' if stats.phase != 'fuzzing' else 'Hypothesis shrank it'}; "
+                      f"the unminimized program is in {path}", soft_wrap=True)
             data = _run_data(config, program, findings, sset, stats, seed, interrupted=True,
                              program_title="program (unminimized)")
             if outputs.html or outputs.json:  # no confirming replay recorded its timeline
