@@ -6,7 +6,7 @@ exit 74, keeping what was written.
 The signal tests drive the installed console script in a subprocess and wait on its output lines,
 never on a fixed time. To be *inside* minimization when the signal lands, whatever the machine's
 speed, a ``sitecustomize`` planted by the test holds the minimizer open after its first ddmin
-pass (it prints a line, then sleeps until a signal ends the sleep): everything else is the real code."""
+pass, at its first round of argument simplification (it prints a line, then sleeps until a signal ends the sleep): everything else is the real code."""
 
 import errno
 import json
@@ -45,7 +45,7 @@ def held(ops, fails, *a, **k):
         time.sleep(3600)  # a signal's KeyboardInterrupt ends it
 
 
-m.simplify_args = held
+m.simplify_round = held
 '''
 
 HOLD_START_UP = '''
