@@ -316,7 +316,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
             err.print(f"warning: {e}", soft_wrap=True)
             continue
         paths.append(path)
-        print_report(console, config, program, findings)
+        print_report(console, config, program, findings, closing=False)  # the campaign's line closes the run
         cases.append(Case(program, findings, doc.get("timeline"),
                           doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
     t = Table(title="campaign", title_justify="left")
