@@ -109,6 +109,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     progress = Progress(err, max_time, suppressions=sset)
     found = crash = None
     flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
+    kept: list = [None]  # the corpus fuzzer's Corpus: the rounds after a flaky finding go on from its coverage
     stats = FuzzStats()  # the search's clock starts now
     deadline = budget.deadline()
     try:
@@ -126,7 +127,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
                 # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
                 found = _search(fuzzer, config, max(0.0, deadline - time.monotonic()),
                                 retry_seed(seed, len(flaky)), stats, progress.update, sset,
-                                suppress_file, out_dir, use_seeds, known=frozenset(flaky))
+                                suppress_file, out_dir, use_seeds, known=frozenset(flaky), kept=kept)
                 if found is None:
                     phase("done")
                     break
@@ -235,17 +236,23 @@ def nothing_searched(err, max_time: float) -> int:
 
 
 def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True,
-            known: frozenset[str] = frozenset()):
+            known: frozenset[str] = frozenset(), kept: list | None = None):
     """One search that stops at the first finding whose signature is not in ``known``: (program,
-    findings) or None."""
+    findings) or None. ``kept``: ``[Corpus or None]``, the corpus fuzzer's corpus, made and kept there
+    across the rounds of one run (a round after a flaky finding goes on from it, as a campaign's do;
+    atheris keeps its corpus in ``out_dir/.atheris``)."""
     from kvaudit.search.fuzz import hypothesis_search, random_search
 
     if fuzzer == "random":
         return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
     if fuzzer == "corpus":
-        from kvaudit.search.corpus_fuzz import corpus_search
+        from kvaudit.search.corpus_fuzz import Corpus, corpus_search
 
-        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
+        kept = kept if kept is not None else [None]
+        if kept[0] is None:
+            kept[0] = Corpus()
+        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known,
+                             corpus=kept[0])
     if fuzzer == "atheris":
         from kvaudit.search.atheris_fuzz import atheris_search
 
