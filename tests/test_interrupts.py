@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 from cli_helpers import invoke, kvaudit_script, plain_env
@@ -415,6 +416,81 @@ def test_ci_interrupted_while_the_target_loads_writes_its_junit(tmp_path, launch
     assert "(interrupted)" in out
     xml = (tmp_path / "ci.xml").read_text()
     assert 'name="interrupted"' in xml and "<skipped" in xml and 'failures="0"' in xml
+
+
+def signal_caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux: /proc/PID/status, SigCgt)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            mask = next(line for line in fh if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the guard installed")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_ci_interrupted_during_its_imports_writes_its_junit_and_sarif(tmp_path, sig):
+    """A signal in the first second (the entry point importing the engine and the search) exited 130 with
+    'kvaudit: interrupted' and wrote no --junit; from about 1.6 s on it did. The signal is sent as soon
+    as the entry point's guard is installed (it catches SIGTERM; Python alone does not), whatever the load."""
+    junit, sarif = tmp_path / "ci.xml", tmp_path / "ci.sarif"
+    proc = subprocess.Popen([kvaudit_script(), "ci", "--max-time", "60", "--out", str(tmp_path / "out"),
+                             f"--junit={junit}", "--sarif", str(sarif)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while not signal_caught(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.001)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
+    assert "kvaudit ci:" not in err  # stopped before the job began: start-up's own path wrote the files
+    xml = junit.read_text()
+    assert 'name="interrupted"' in xml and "<skipped" in xml and 'failures="0"' in xml and "start-up" in xml
+    (run,) = json.loads(sarif.read_text())["runs"]
+    assert run["results"] == [] and run["invocations"][0]["executionSuccessful"] is False
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_path, monkeypatch):
+    """The same between the command line and the job's own interrupt handling (checking its options)."""
+    import kvaudit.app.configs as configs
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(configs, "check_fuzzer", interrupted)
+    r = invoke("ci", "--max-time", "60", "--junit", str(tmp_path / "ci.xml"), "--sarif", str(tmp_path / "ci.sarif"))
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines()[-1] == "kvaudit: interrupted"
+    assert 'name="interrupted"' in (tmp_path / "ci.xml").read_text()
+    assert json.loads((tmp_path / "ci.sarif").read_text())["runs"][0]["invocations"][0]["executionSuccessful"] is False
+
+
+def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
+    from kvaudit.app.interrupts import ci_report_paths, write_startup_reports
+    from kvaudit.reports import ci_outputs
+    from kvaudit.search import ci
+
+    assert ci_report_paths(["ci", "--junit", "a.xml", "--out", "--sarif", "--sarif=b.sarif"]) == \
+        {"junit": "a.xml", "sarif": "b.sarif"}  # --out's value is '--sarif'; the last --sarif wins
+    assert ci_report_paths(["ci", "--", "--junit", "a.xml"]) == {}
+    assert ci_report_paths(["fuzz", "--junit", "a.xml"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
+    # the same document the job writes when interrupted, but for the reason
+    assert ci_outputs.interrupted_junit() == ci.junit(ci.CiResult(interrupted=True)).replace(
+        ci_outputs.INTERRUPTED, ci_outputs.NOTHING_RAN)
+    (tmp_path / "d").mkdir()
+    same = str(tmp_path / "x.xml")
+    assert write_startup_reports(["ci", "--junit", same, "--sarif", same]) == []  # the job refuses those
+    assert write_startup_reports(["ci", "--junit", str(tmp_path / "d"), "--sarif", "/dev/null"]) == []
+    assert os.path.isdir(tmp_path / "d") and os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
 
 
 # -- kvaudit ci ------------------------------------------------------------------------------------------
