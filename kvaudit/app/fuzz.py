@@ -157,7 +157,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
             write_reports(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
             return EXIT_INTERRUPTED
         if crash is None:  # interrupted while confirming or minimizing: keep it, unminimized and unconfirmed
-            program, findings = found
+            program, findings = found[0], sorted(found[1], key=lambda f: f.signature in flaky)  # a new one first
             print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
             path = write_finding(out_dir, config, program, findings, seed=seed,
                                  confirmations="interrupted before confirmation", minimized=False)
