@@ -240,6 +240,21 @@ def test_an_interrupt_while_hypothesis_shrinks_carries_the_failing_program():
     assert findings[0].signature in execute(config, program).signatures  # a working reproducer, unminimized
 
 
+def test_the_example_database_keeps_the_failure_an_interrupt_cut_short(tmp_path):
+    """A campaign's Hypothesis database (DIR/hypothesis/) holds the case as it failed, before any
+    shrinking: a rerun replays it first (a single run keeps no database: its replay file is the record)."""
+    config = get_preset("streaming-session").config(bugs=frozenset(["session-borrow-double-count"]))
+    try:
+        with pytest.raises(SearchInterrupted):
+            hypothesis_search(config, 60, 1, InterruptAtFirstHit(), database=str(tmp_path))
+    finally:
+        INTERRUPTED.clear()
+    assert any(files for _, _, files in os.walk(tmp_path))
+    stats = FuzzStats()
+    assert hypothesis_search(config, 60, 2, stats, database=str(tmp_path)) is not None
+    assert stats.first_hit[0] == 1
+
+
 @pytest.mark.parametrize("campaign", [False, True], ids=["single", "campaign"])
 def test_fuzz_interrupted_while_hypothesis_shrinks_writes_the_finding(tmp_path, monkeypatch, campaign):
     """README: `fuzz` exits 1 with a finding when interrupted, one not yet minimized written unminimized
