@@ -24,7 +24,7 @@ from kvaudit.app.budget import Budget, check_seconds
 from kvaudit.app.configs import TargetChoice, common_options, replay_tree_core_option, select_config
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
-from kvaudit.app.interrupts import restoring_sigint
+from kvaudit.app.interrupts import restoring_sigint, write_startup_reports
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, FUZZERS
 from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError
@@ -53,6 +53,9 @@ class KvauditGroup(click.Group):
             click.echo(f"kvaudit: error: {e}", err=True)
             return sys.exit(EXIT_USAGE)
         except (click.Abort, KeyboardInterrupt):
+            # only before a job began does an interrupt get here (a job writes its own reports, then
+            # returns): `ci` still writes the JUnit and SARIF asked for
+            write_startup_reports(sys.argv[1:] if args is None else list(args))
             click.echo("kvaudit: interrupted", err=True)
             return sys.exit(EXIT_INTERRUPTED)
         except Exception as e:  # a kvaudit bug: say so in one line, keep the traceback opt-in

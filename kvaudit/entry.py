@@ -7,7 +7,10 @@ being lost.
 The CLI module itself imports neither torch nor Hypothesis (``kvaudit --help`` starts in a fraction
 of a second); the commands that run the engine import them. For those commands (:data:`HEAVY`,
 unless help is asked for) the entry point imports the engine and the search here, under the same
-handler, so the guard still covers the slow part of start-up.
+handler, so the guard still covers the slow part of start-up, and keeps it until the command takes
+Ctrl-C and SIGTERM itself (:func:`kvaudit.app.interrupts.restoring_sigint`). Interrupted there, ``ci``
+still writes the JUnit and SARIF its command line asks for
+(:func:`kvaudit.app.interrupts.write_startup_reports`).
 
 It also notes when the process started and hands it to the CLI (click's ``obj``:
 ``{"process_start": time.monotonic()}``): the commands with a ``--max-time`` say what start-up took,
@@ -25,7 +28,10 @@ import sys
 import threading
 import time
 
+from kvaudit.app.interrupts import write_startup_reports  # standard library only: loaded before the guard
+
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
+GUARDED = ("fuzz", "minimize", "ci")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
 _HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.targets.eut.target", "kvaudit.reports.report")
 
 
@@ -50,10 +56,12 @@ def main() -> None:
         if not hit:
             raise
     if hit:
+        write_startup_reports(args)  # `ci` writes its JUnit and SARIF from the first line
         sys.stderr.write("kvaudit: interrupted\n")
         sys.exit(130)
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    if not (runs_engine and args[0] in GUARDED):  # those keep the guard until they take both themselves
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     try:
         cli_main(obj={"process_start": started})
     except SystemExit as e:

@@ -8,10 +8,9 @@ Top-level keys: ``format``, ``config`` (the full :class:`TargetConfig`, includin
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 
+from kvaudit import atomic
 from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit.targets.registry import kind_of
@@ -20,6 +19,10 @@ from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
 FORMAT = "kvaudit.replay/1"
 REPORT_FORMAT = "kvaudit.report/1"  # several replay files in one report (a campaign)
+
+
+# atomic writes (kvaudit.atomic, standard library only), named here as before
+write_bytes_atomic, write_text_atomic = atomic.write_bytes_atomic, atomic.write_text_atomic
 
 
 class ReplayFormatError(ValueError):
@@ -41,40 +44,6 @@ def doc_text(doc: dict) -> str:
 def write_atomic(path: str, doc: dict) -> str:
     """Write ``doc`` as JSON to ``path`` via a temporary file and ``os.replace``."""
     return write_text_atomic(path, doc_text(doc))
-
-
-def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync and
-    ``os.replace``: a reader sees the old file or the whole new one, never a part (``durable``
-    False: no fsync -- still whole after a crash of the process, not of the machine; for corpus
-    inputs, written hundreds of times a minute). A missing directory is created as ``path`` names it:
-    resolved by the system, as the file's own path is (``abspath`` would fold ``link/..`` first and
-    create the directory beside the link instead of where the file goes). Raises OSError."""
-    d = os.path.dirname(path) or os.curdir
-    os.makedirs(d, exist_ok=True)
-    d = os.path.realpath(d)  # (mkstemp folds its dir lexically too)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
-    """:func:`write_bytes_atomic` of ``text`` in UTF-8. Raises OSError (UnicodeEncodeError for a
-    lone surrogate)."""
-    return write_bytes_atomic(path, text.encode("utf-8"), durable)
 
 
 def rerecord(path: str, findings: list[Finding]) -> str:

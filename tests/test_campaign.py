@@ -145,11 +145,59 @@ def test_a_file_with_two_new_signatures_is_reported_once_and_summed_over_new_one
     r = invoke("fuzz", "--corpus", str(tmp_path / "c"), "--max-time", "1")
     assert r.exit_code == 1, r.output
     lines = r.output.splitlines()
-    assert sum(ln.startswith("SUMMARY:") for ln in lines) == 2, r.output  # the file's report, then the campaign's
+    assert sum(ln.startswith("SUMMARY:") for ln in lines) == 1, r.output  # the campaign's: the file's has none
     want = ("SUMMARY: kvaudit: 1 finding(s) (1 use-after-free) in 1 signature(s)" if known else
             "SUMMARY: kvaudit: 2 finding(s) (2 use-after-free) in 2 signature(s)")
     assert lines[-1].startswith(want), lines[-1]
     assert lines[-1].endswith("; 1 known signature(s) not reported again.") == known
+
+
+def summary_lines(output: str) -> list[str]:
+    return [ln for ln in output.splitlines() if ln.startswith("SUMMARY:")]
+
+
+def test_a_run_that_reports_several_files_prints_one_summary_line_over_them_all(tmp_path, monkeypatch):
+    """Each new file's report ended with its own SUMMARY: line and the campaign added one more, so
+    `grep '^SUMMARY:'` gave 3 lines with different counts for 2 files. Also `kvaudit report` of the
+    campaign's JSON report (2 cases) and `kvaudit replay` of a file with 2 findings: one line each."""
+    import kvaudit.search.campaign as campaign
+
+    files = [os.path.join(REGRESSIONS, n) for n in ("prefill-finish-leaks-row.json", "session-close-while-running.json")]
+    new = {f.signature: path for path in files for f in replay.load(path)[2]}
+    assert len(new) == 3
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new=new, stats=FuzzStats(executions=3, ops=9)))
+    r = invoke("fuzz", "--corpus", str(tmp_path / "c"), "--max-time", "1", "--json", str(tmp_path / "r.json"))
+    assert r.exit_code == 1, r.output
+    assert r.output.count("==ERROR: kvaudit:") == 3  # every section keeps its findings
+    assert summary_lines(r.output) == [r.stdout.splitlines()[-1]], r.output  # one line, the last
+    assert summary_lines(r.output)[0].startswith("SUMMARY: kvaudit: 3 finding(s) (1 leak, 2 use-after-free) in 3 ")
+    rep = invoke("report", str(tmp_path / "r.json"))
+    assert rep.exit_code == 0 and rep.output.count("==ERROR: kvaudit:") == 3, rep.output
+    assert summary_lines(rep.output) == [summary_lines(r.output)[0]]
+    rp = invoke("replay", files[1])
+    assert rp.output.count("==ERROR: kvaudit:") == 2 and len(summary_lines(rp.output)) == 1, rp.output
+
+
+def test_ci_prints_one_summary_line_over_its_new_findings(tmp_path, monkeypatch):
+    from kvaudit.search import ci
+
+    def found(path):
+        _, program, findings, _ = replay.load(path)
+        return program, findings, path
+
+    files = [os.path.join(REGRESSIONS, n) for n in ("prefill-finish-leaks-row.json", "chunked-abort-ignored.json")]
+    monkeypatch.setattr(ci, "fuzz_preset", lambda preset, *a, **k: ci.FuzzRun(
+        preset, 1.0, 5, new=[found(files[preset == "chunked"])]))
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "2", "--presets", "default,chunked", "--regressions", str(empty),
+               "--out", str(tmp_path / "o"))
+    assert r.exit_code == 1, r.output
+    n = sum(len(replay.load(path)[2]) for path in files)
+    assert n == 3 and r.output.count("==ERROR: kvaudit:") == n
+    assert summary_lines(r.output) == [f"SUMMARY: kvaudit: {n} finding(s) ({n} leak) in {n} signature(s); 32 slot(s), "
+                                       "2 row(s) involved."], r.output
 
 
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):

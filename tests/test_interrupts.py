@@ -6,7 +6,7 @@ exit 74, keeping what was written.
 The signal tests drive the installed console script in a subprocess and wait on its output lines,
 never on a fixed time. To be *inside* minimization when the signal lands, whatever the machine's
 speed, a ``sitecustomize`` planted by the test holds the minimizer open after its first ddmin
-pass (it prints a line, then sleeps until a signal ends the sleep): everything else is the real code."""
+pass, at its first round of argument simplification (it prints a line, then sleeps until a signal ends the sleep): everything else is the real code."""
 
 import errno
 import json
@@ -16,13 +16,16 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 from cli_helpers import invoke, kvaudit_script, plain_env
 
 from kvaudit import replay
 from kvaudit.program import FlushCache, Step, Submit
-from kvaudit.audit.runner import execute
+from kvaudit.audit.runner import INTERRUPTED, execute
+from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, hypothesis_search
+from kvaudit.targets.eut.presets import get_preset
 
 HERE = os.path.dirname(__file__)
 REGRESSIONS = os.path.join(HERE, "..", "corpora", "regressions")
@@ -43,7 +46,7 @@ def held(ops, fails, *a, **k):
         time.sleep(3600)  # a signal's KeyboardInterrupt ends it
 
 
-m.simplify_args = held
+m.simplify_round = held
 '''
 
 HOLD_START_UP = '''
@@ -210,6 +213,72 @@ def test_sigterm_while_campaign_workers_minimize_keeps_their_finding(tmp_path, l
     assert_reports(tmp_path, findings[0].signature)
 
 
+# -- an interrupt while Hypothesis shrinks --------------------------------------------------------------
+
+SHRINK_BUG = ["--preset", "streaming-session", "--bug", "session-borrow-double-count"]  # found in ~1 s, long to shrink
+
+
+class InterruptAtFirstHit(FuzzStats):
+    """Search counts whose first hit sets the interrupt flag, as Ctrl-C's handler does: the next op
+    (the first of Hypothesis's shrink cases) stops with a KeyboardInterrupt."""
+
+    def hit(self):
+        super().hit()
+        INTERRUPTED.set()
+
+
+def test_an_interrupt_while_hypothesis_shrinks_carries_the_failing_program():
+    config = get_preset("streaming-session").config(bugs=frozenset(["session-borrow-double-count"]))
+    stats = InterruptAtFirstHit()
+    try:
+        with pytest.raises(SearchInterrupted) as caught:
+            hypothesis_search(config, 60, 1, stats)
+    finally:
+        INTERRUPTED.clear()
+    program, findings = caught.value.found
+    assert stats.first_hit is not None and findings
+    assert findings[0].signature in execute(config, program).signatures  # a working reproducer, unminimized
+
+
+def test_the_example_database_keeps_the_failure_an_interrupt_cut_short(tmp_path):
+    """A campaign's Hypothesis database (DIR/hypothesis/) holds the case as it failed, before any
+    shrinking: a rerun replays it first (a single run keeps no database: its replay file is the record)."""
+    config = get_preset("streaming-session").config(bugs=frozenset(["session-borrow-double-count"]))
+    try:
+        with pytest.raises(SearchInterrupted):
+            hypothesis_search(config, 60, 1, InterruptAtFirstHit(), database=str(tmp_path))
+    finally:
+        INTERRUPTED.clear()
+    assert any(files for _, _, files in os.walk(tmp_path))
+    stats = FuzzStats()
+    assert hypothesis_search(config, 60, 2, stats, database=str(tmp_path)) is not None
+    assert stats.first_hit[0] == 1
+
+
+@pytest.mark.parametrize("campaign", [False, True], ids=["single", "campaign"])
+def test_fuzz_interrupted_while_hypothesis_shrinks_writes_the_finding(tmp_path, monkeypatch, campaign):
+    """README: `fuzz` exits 1 with a finding when interrupted, one not yet minimized written unminimized
+    (the first hit was 1,676 executions into a run; the interrupt while Hypothesis shrank it exited 130,
+    'no finding', nothing written)."""
+    from kvaudit.search import campaign as campaigns, fuzz
+
+    monkeypatch.setattr(fuzz, "FuzzStats", InterruptAtFirstHit)
+    monkeypatch.setattr(campaigns, "FuzzStats", InterruptAtFirstHit)
+    out = tmp_path / "out"
+    r = invoke("fuzz", *SHRINK_BUG, "--fuzzer", "hypothesis", "--seed", "1", "--max-time", "60",
+               *(["--corpus"] if campaign else ["--out"]), str(out),
+               "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"))
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output and "no finding" not in r.output
+    (path,) = replay_files(out / "findings" if campaign else out)
+    config, program, findings, doc = replay.load(path)
+    assert doc["minimized"] is False and doc["confirmations"] == "interrupted before confirmation"
+    assert findings[0].signature in execute(config, program).signatures
+    assert_reports(tmp_path, findings[0].signature)
+    if not campaign:
+        assert "interrupted while Hypothesis shrank it" in r.stderr and "program (unminimized)" in r.stdout
+
+
 # -- kvaudit minimize keeps its progress -----------------------------------------------------------------
 
 def padded_program():
@@ -362,6 +431,81 @@ def test_ci_interrupted_while_the_target_loads_writes_its_junit(tmp_path, launch
     assert "(interrupted)" in out
     xml = (tmp_path / "ci.xml").read_text()
     assert 'name="interrupted"' in xml and "<skipped" in xml and 'failures="0"' in xml
+
+
+def signal_caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux: /proc/PID/status, SigCgt)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            mask = next(line for line in fh if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the guard installed")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_ci_interrupted_during_its_imports_writes_its_junit_and_sarif(tmp_path, sig):
+    """A signal in the first second (the entry point importing the engine and the search) exited 130 with
+    'kvaudit: interrupted' and wrote no --junit; from about 1.6 s on it did. The signal is sent as soon
+    as the entry point's guard is installed (it catches SIGTERM; Python alone does not), whatever the load."""
+    junit, sarif = tmp_path / "ci.xml", tmp_path / "ci.sarif"
+    proc = subprocess.Popen([kvaudit_script(), "ci", "--max-time", "60", "--out", str(tmp_path / "out"),
+                             f"--junit={junit}", "--sarif", str(sarif)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while not signal_caught(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.001)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
+    assert "kvaudit ci:" not in err  # stopped before the job began: start-up's own path wrote the files
+    xml = junit.read_text()
+    assert 'name="interrupted"' in xml and "<skipped" in xml and 'failures="0"' in xml and "start-up" in xml
+    (run,) = json.loads(sarif.read_text())["runs"]
+    assert run["results"] == [] and run["invocations"][0]["executionSuccessful"] is False
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_path, monkeypatch):
+    """The same between the command line and the job's own interrupt handling (checking its options)."""
+    import kvaudit.app.configs as configs
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(configs, "check_fuzzer", interrupted)
+    r = invoke("ci", "--max-time", "60", "--junit", str(tmp_path / "ci.xml"), "--sarif", str(tmp_path / "ci.sarif"))
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines()[-1] == "kvaudit: interrupted"
+    assert 'name="interrupted"' in (tmp_path / "ci.xml").read_text()
+    assert json.loads((tmp_path / "ci.sarif").read_text())["runs"][0]["invocations"][0]["executionSuccessful"] is False
+
+
+def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
+    from kvaudit.app.interrupts import ci_report_paths, write_startup_reports
+    from kvaudit.reports import ci_outputs
+    from kvaudit.search import ci
+
+    assert ci_report_paths(["ci", "--junit", "a.xml", "--out", "--sarif", "--sarif=b.sarif"]) == \
+        {"junit": "a.xml", "sarif": "b.sarif"}  # --out's value is '--sarif'; the last --sarif wins
+    assert ci_report_paths(["ci", "--", "--junit", "a.xml"]) == {}
+    assert ci_report_paths(["fuzz", "--junit", "a.xml"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
+    # the same document the job writes when interrupted, but for the reason
+    assert ci_outputs.interrupted_junit() == ci.junit(ci.CiResult(interrupted=True)).replace(
+        ci_outputs.INTERRUPTED, ci_outputs.NOTHING_RAN)
+    (tmp_path / "d").mkdir()
+    same = str(tmp_path / "x.xml")
+    assert write_startup_reports(["ci", "--junit", same, "--sarif", same]) == []  # the job refuses those
+    assert write_startup_reports(["ci", "--junit", str(tmp_path / "d"), "--sarif", "/dev/null"]) == []
+    assert os.path.isdir(tmp_path / "d") and os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
 
 
 # -- kvaudit ci ------------------------------------------------------------------------------------------

@@ -71,8 +71,7 @@ def test_simplify_args_keeps_what_the_predicate_needs():
 
 
 def test_simplify_args_respects_the_floors():
-    out = simplify_args([Submit(family=3, prompt_len=20, max_new_tokens=9, stop_at=4)], lambda p: True,
-                        max_rounds=20)
+    out = simplify_args([Submit(family=3, prompt_len=20, max_new_tokens=9, stop_at=4)], lambda p: True)
     assert out == [Submit(0, 1, 1, None)]
 
 
@@ -162,3 +161,23 @@ def test_reset_defaults_keeps_an_argument_the_failure_needs():
     ops = [Submit(0, 4, 4, session=2, priority=3), Submit(0, 4, 4, session=1)]
     out = reset_defaults(ops, lambda p: p[0].priority == 3)
     assert out == [Submit(0, 4, 4, priority=3), Submit(0, 4, 4)]
+
+
+def test_minimized_programs_keep_no_argument_a_simpler_value_would_do_and_minimize_again_is_a_no_op():
+    """The corpus fuzzer's program for evictable-size-uses-key-len (seed 1): minimizing it kept
+    ``stop_at=11`` beside ``max_new_tokens=11`` (the argument rounds ran out halving prompt_len first),
+    and `kvaudit minimize` of the result removed it. Every simpler value of every argument left must
+    lose the finding, and a second minimize returns the program unchanged."""
+    from kvaudit.program import Abort, CloseSession
+    from kvaudit.search.minimize import _simpler
+
+    config = get_preset("paged").config(bugs={"evictable-size-uses-key-len"})
+    program = [Step(1), Submit(1, 64, 8), Abort(0), Idle(), CloseSession(2), Idle(), Submit(1, 41, 1, 11),
+               Submit(6, 93, 1), Abort(3), CloseSession(2), Submit(6, 72, 11, 11, ignore_eos=1), Idle()]
+    sig = "accounting-drift/token_to_kv_pool/counter:evictable"
+    small = minimize(config, program, sig)
+    assert reproduces(config, small, sig)
+    for i, op in enumerate(small):
+        for simpler in _simpler(op):
+            assert not reproduces(config, small[:i] + [simpler] + small[i + 1:], sig), (small, simpler)
+    assert minimize(config, small, sig) == small

@@ -130,6 +130,19 @@ def test_sarif_of_no_findings_is_valid(validator):
     assert [r["id"] for r in run["tool"]["driver"]["rules"]] == list(KINDS)
 
 
+def test_an_interrupted_ci_log_says_its_run_did_not_complete(validator):
+    """kvaudit ci interrupted (in its job, or in start-up before it began): a log with no or some results
+    that must not read as a clean run's: an unsuccessful invocation, schema-valid."""
+    from kvaudit.reports.ci_outputs import interrupted_sarif
+    from kvaudit.search import ci
+
+    for log in (interrupted_sarif(), ci.sarif(ci.CiResult(interrupted=True), None)):
+        assert _errors(validator, log) == []
+        (run,) = log["runs"]
+        assert run["results"] == [] and run["invocations"][0]["executionSuccessful"] is False
+    assert "invocations" not in ci.sarif(ci.CiResult(), None)["runs"][0]
+
+
 def test_the_validator_rejects_a_broken_log(validator):
     """The schema check must be able to fail: a bad level, a missing message, a bad line."""
     config, f = _by_kind("leak")

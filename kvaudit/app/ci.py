@@ -28,7 +28,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     from rich.text import Text
 
     from kvaudit.search import ci
-    from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
+    from kvaudit.reports.report import print_report, print_table, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED
 
     from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db
@@ -108,7 +108,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     INTERRUPTED.clear()
     for run in result.fuzz:
         for program, findings, path in run.new:
-            print_report(console, get_preset(run.preset).config(), program, findings)
+            print_report(console, get_preset(run.preset).config(), program, findings, closing=False)
     t = Table(title="kvaudit ci", title_justify="left")
     t.add_column("check", overflow="fold")
     t.add_column("result", overflow="fold")
@@ -151,6 +151,10 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                        {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
     failed = result.failed
+    # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
+    line = summary_line([f for run in result.fuzz for _, findings, _ in run.new for f in findings],
+                        suppressed_by_kind(sset), interrupted=result.interrupted)
+    console.print(line.replace("kvaudit: no findings", "kvaudit: no new findings"), soft_wrap=True)
     console.print(("FAILED" if failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
                   + (" (interrupted)" if result.interrupted else ""))

@@ -64,7 +64,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`, after
     :func:`check_options` gave ``checked``); returns the exit code (see the command's help). The
     search runs ``budget.seconds`` from when the first engine is built (:mod:`kvaudit.app.budget`)."""
-    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
+    from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, retry_seed, triage
     from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED, is_watchdog_hang, set_step_timeout, warm_up
     from kvaudit.audit.runner import step_timeout as runner_step_timeout
@@ -104,6 +104,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     progress = Progress(err, max_time, suppressions=sset)
     found = crash = None
     flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
+    kept: list = [None]  # the corpus fuzzer's Corpus: the rounds after a flaky finding go on from its coverage
     stats = FuzzStats()  # the search's clock starts now
     deadline = budget.deadline()
     try:
@@ -121,7 +122,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
                 # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
                 found = _search(fuzzer, config, max(0.0, deadline - time.monotonic()),
                                 retry_seed(seed, len(flaky)), stats, progress.update, sset,
-                                suppress_file, out_dir, use_seeds, known=frozenset(flaky))
+                                suppress_file, out_dir, use_seeds, known=frozenset(flaky), kept=kept)
                 if found is None:
                     phase("done")
                     break
@@ -140,20 +141,23 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
                 flaky.append(sig)
                 found, stats.findings, stats.first_hit = None, 0, None
                 stats.phase = "fuzzing"
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
         ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
         INTERRUPTED.clear()  # the timeline below replays the program
+        if found is None and isinstance(e, SearchInterrupted):  # met, not yet returned: Hypothesis was shrinking it
+            found, stats.findings = e.found, 1
         if found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
             console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
             write_reports(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
             return EXIT_INTERRUPTED
         if crash is None:  # interrupted while confirming or minimizing: keep it, unminimized and unconfirmed
-            program, findings = found
+            program, findings = found[0], sorted(found[1], key=lambda f: f.signature in flaky)  # a new one first
             print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
             path = write_finding(out_dir, config, program, findings, seed=seed,
                                  confirmations="interrupted before confirmation", minimized=False)
-            err.print(f"interrupted while minimizing; the unminimized program is in {path}", soft_wrap=True)
+            err.print(f"interrupted while {'minimizing' if stats.phase != 'fuzzing' else 'Hypothesis shrank it'}; "
+                      f"the unminimized program is in {path}", soft_wrap=True)
             data = _run_data(config, program, findings, sset, stats, seed, interrupted=True,
                              program_title="program (unminimized)")
             if outputs.html or outputs.json:  # no confirming replay recorded its timeline
@@ -227,17 +231,23 @@ def nothing_searched(err, max_time: float) -> int:
 
 
 def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True,
-            known: frozenset[str] = frozenset()):
+            known: frozenset[str] = frozenset(), kept: list | None = None):
     """One search that stops at the first finding whose signature is not in ``known``: (program,
-    findings) or None."""
+    findings) or None. ``kept``: ``[Corpus or None]``, the corpus fuzzer's corpus, made and kept there
+    across the rounds of one run (a round after a flaky finding goes on from it, as a campaign's do;
+    atheris keeps its corpus in ``out_dir/.atheris``)."""
     from kvaudit.search.fuzz import hypothesis_search, random_search
 
     if fuzzer == "random":
         return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
     if fuzzer == "corpus":
-        from kvaudit.search.corpus_fuzz import corpus_search
+        from kvaudit.search.corpus_fuzz import Corpus, corpus_search
 
-        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
+        kept = kept if kept is not None else [None]
+        if kept[0] is None:
+            kept[0] = Corpus()
+        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known,
+                             corpus=kept[0])
     if fuzzer == "atheris":
         from kvaudit.search.atheris_fuzz import atheris_search
 
@@ -308,7 +318,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
             err.print(f"warning: {e}", soft_wrap=True)
             continue
         paths.append(path)
-        print_report(console, config, program, findings)
+        print_report(console, config, program, findings, closing=False)  # the campaign's line closes the run
         cases.append(Case(program, findings, doc.get("timeline"),
                           doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
     t = Table(title="campaign", title_justify="left")

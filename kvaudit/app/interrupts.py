@@ -63,3 +63,67 @@ def catch_sigint() -> None:
         # the handler's KeyboardInterrupt can land in a callback Python cannot raise from (a gc
         # callback) and print "Exception ignored"; INTERRUPTED is set, so the next op stops
         quiet_unraisable()
+
+
+def ci_report_paths(argv: list[str]) -> dict[str, str]:
+    """``{"junit": PATH, "sarif": PATH}`` as far as the command line ``argv`` (without the program
+    name) asks ``kvaudit ci`` for them, read as click reads it (``--junit PATH`` or ``--junit=PATH``,
+    the last one given; every option of ``ci`` takes a value; ``--`` ends the options); empty for
+    another command. For a job stopped before its options were parsed."""
+    if not argv or argv[0] != "ci" or {"-h", "--help"} & set(argv):
+        return {}
+    paths: dict[str, str] = {}
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg == "--":
+            break
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        if not eq:
+            value = next(rest, None)
+        if name in ("--junit", "--sarif") and value is not None:
+            paths[name[2:]] = value
+    return paths
+
+
+def write_startup_reports(argv: list[str]) -> list[str]:
+    """``kvaudit ci`` stopped by Ctrl-C or SIGTERM before its job began (while the engine and the
+    search are imported, or its options are read): write the ``--junit`` (one skipped ``interrupted``
+    case) and ``--sarif`` (no results, an unsuccessful invocation) that ``argv`` asks for, atomically,
+    as the job itself would once interrupted (README: "from the command's first line"). A path the job
+    would refuse (a directory, a device, ``-``, both flags naming one file) is skipped, as is one that
+    cannot be written. Returns the paths written; one line each on stderr. Standard library only (with
+    :mod:`kvaudit.atomic` and :mod:`kvaudit.reports.ci_outputs`): modules half-imported when the signal
+    came are not touched. Ctrl-C and SIGTERM are ignored while it writes, then handled as before."""
+    import json
+    import os
+
+    from kvaudit.atomic import write_text_atomic
+    from kvaudit.reports import ci_outputs
+
+    paths = ci_report_paths(argv)
+    if len({os.path.realpath(p) for p in paths.values() if p}) < len(paths):
+        return []  # the job refuses two flags naming one file
+    texts = {"junit": ci_outputs.interrupted_junit,
+             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n"}
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
+    ignore_interrupts()
+    written = []
+    try:
+        for fmt, path in paths.items():
+            if path in ("", "-") or os.path.isdir(path) or (os.path.exists(path) and not os.path.isfile(path)):
+                continue
+            try:
+                write_text_atomic(path, texts[fmt]())
+            except OSError as e:
+                sys.stderr.write(f"kvaudit: cannot write {path}: {e.strerror or e}\n")
+                continue
+            sys.stderr.write(f"{'JUnit' if fmt == 'junit' else 'SARIF'} written: {path}\n")
+            written.append(path)
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    return written

@@ -306,10 +306,12 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
 
 def print_report(console: Console, config: TargetConfig, program: list[Op], findings: list[Finding],
                  deduplicated: dict[str, int] | None = None, program_title: str = "minimized program",
-                 suppressions: SuppressionSet | None = None) -> None:
+                 suppressions: SuppressionSet | None = None, closing: bool = True) -> None:
     """The report: a header, one panel per finding (plain lines off a terminal, see
     :func:`is_plain`), the summary, with ``suppressions`` the suppressions used (``findings`` are
-    the unsuppressed ones), and the closing ``SUMMARY:`` line."""
+    the unsuppressed ones), and the closing ``SUMMARY:`` line. ``closing`` False: no ``SUMMARY:`` line,
+    for one section of a run that reports several (a campaign, ``kvaudit ci``) and closes with one
+    line over them all (a run prints one ``SUMMARY:`` line, for ``grep '^SUMMARY:'``)."""
     plain = is_plain(console)
     _print(console, Text(header(config), style="bold"), plain)
     for i, f in enumerate(findings):
@@ -318,4 +320,5 @@ def print_report(console: Console, config: TargetConfig, program: list[Op], find
     _print(console, summary_table(findings, suppressed, deduplicated, plain=plain), plain)
     if suppressions is not None:
         print_suppressions(console, suppressions)
-    _print(console, Text(summary_line(findings, suppressed), style="bold"), plain, soft_wrap=True)
+    if closing:
+        _print(console, Text(summary_line(findings, suppressed), style="bold"), plain, soft_wrap=True)

@@ -49,12 +49,11 @@ import kvaudit
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.audit.kinds import TABLE as KIND_TABLE
 from kvaudit.audit.frames import Frame, resolve
+from kvaudit.reports.ci_outputs import SARIF_SCHEMA, SARIF_VERSION
 
 if TYPE_CHECKING:
     from kvaudit.targets import EngineSource
 
-SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
-SARIF_VERSION = "2.1.0"
 SRCROOT = "%SRCROOT%"
 FINGERPRINT_KEY = "kvauditSignature/v1"
 MAX_SLOTS = 64  # slots (or rows) listed in a result's properties; the rest are counted

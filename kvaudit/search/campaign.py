@@ -44,7 +44,7 @@ from typing import Callable
 from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit import replay
-from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, hypothesis_search, random_search, triage
 
 PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
 
@@ -242,14 +242,18 @@ def _register_and_write(corpus: str, fdir: str, hub, doc: dict) -> tuple[list[st
 
 
 def _triage_and_write(spec: _Spec, config, sset, emit, fdir: str, program, findings, primary, seed, known: set,
-                      flaky: set, hub, counts: dict, claimed=()) -> None:
+                      flaky: set, hub, counts: dict, claimed=(), cut: KeyboardInterrupt | None = None) -> None:
     """Confirm and minimize ``primary`` (found by ``program``), then write its replay file for the
     signatures no other file records (:func:`_register_and_write`) and tell the parent: a finding
     per signature it reports, a duplicate per signature of it another file reported first.
     ``claimed``: the signatures this worker claimed for ``program`` in the fleet; those the
-    minimized program no longer raises are released for any worker to triage."""
+    minimized program no longer raises are released for any worker to triage. ``cut``: the interrupt
+    that stopped the search with this finding (:class:`kvaudit.search.fuzz.SearchInterrupted`): it is
+    written unminimized, then ``cut`` is raised."""
     sig = primary.signature
     try:
+        if cut is not None:
+            raise cut
         crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
         doc = replay.to_doc(config, program, [primary] + [f for f in findings if f is not primary],
@@ -293,12 +297,21 @@ def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: s
     known |= set(known_signatures(spec.corpus))  # other workers' findings
     skip = frozenset(known | flaky)
     seed = spec.seed * 1_000_003 + spec.index * 7919 + round_
+    cut: KeyboardInterrupt | None = None  # an interrupt that came with a finding: it ends the round once written
+
+    def done() -> bool:
+        if cut is not None:
+            raise cut
+        return True
     if spec.fuzzer == "hypothesis":
         database = os.path.join(spec.corpus, "hypothesis")
         if hub is not None:
             database = hub.example_database(database)
-        found = hypothesis_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
-                                  database=database)
+        try:
+            found = hypothesis_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
+                                      database=database)
+        except SearchInterrupted as e:  # stopping while Hypothesis shrank a failure: write it unminimized
+            found, cut = e.found, e
     elif spec.fuzzer == "random":
         found = random_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip)
     elif spec.fuzzer == "corpus":
@@ -330,7 +343,7 @@ def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: s
     known.update(s for s in sigs if s in on_disk)
     sigs = [s for s in sigs if s not in on_disk]
     if not sigs:
-        return True
+        return done()
     first = next(f for f in findings if f.signature == sigs[0])
     mine = sigs
     if hub is not None:  # every signature of the program at once: one bug is one worker's
@@ -342,10 +355,10 @@ def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: s
                 counts["duplicates"] += 1
                 emit(("duplicate", spec.index, s))
         if not mine:
-            return True
+            return done()
     primary = next(f for f in findings if f.signature == mine[0])
     _triage_and_write(spec, config, sset, emit, fdir, program, findings, primary, seed, known, flaky, hub, counts,
-                      mine)
+                      mine, cut=cut)
     return True
 
 

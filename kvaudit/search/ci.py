@@ -29,6 +29,7 @@ from kvaudit.targets import registry
 from kvaudit import replay
 from kvaudit.audit.findings import Finding
 from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
+from kvaudit.reports import ci_outputs
 from kvaudit.reports.junit import failure_text, xml_text
 from kvaudit.audit.runner import execute
 
@@ -184,7 +185,8 @@ def sarif(result: CiResult, config) -> dict:
     """The SARIF log (:func:`kvaudit.reports.sarif.to_sarif`, ``config`` for the run's properties) of every
     open finding of the fuzz, one result per signature in signature order: ``baselineState``
     ``"unchanged"`` for a signature some preset's corpus knew before this run, ``"new"`` otherwise;
-    each result's ``properties.preset`` names the first preset (in run order) that has it."""
+    each result's ``properties.preset`` names the first preset (in run order) that has it; an interrupted
+    job's run has an unsuccessful ``invocation`` (:func:`kvaudit.reports.ci_outputs.invocation`)."""
     from kvaudit.reports.sarif import to_sarif
 
     first: dict[str, tuple[Finding, str]] = {}
@@ -197,6 +199,8 @@ def sarif(result: CiResult, config) -> dict:
                    baseline={s: "unchanged" if s in known else "new" for s in sigs})
     for s, r in zip(sigs, log["runs"][0]["results"]):
         r["properties"]["preset"] = first[s][1]
+    if result.interrupted:  # its results are what ran: say the run did not complete
+        log["runs"][0]["invocations"] = [ci_outputs.invocation(ci_outputs.INTERRUPTED)]
     return log
 
 
@@ -205,8 +209,7 @@ def junit(result: CiResult) -> str:
     passing case per preset with no new finding, its ``system-out`` listing the known ones still open
     (skipped when nothing was searched there), a failing case per new finding signature, and a skipped case
     ``interrupted`` when Ctrl-C or SIGTERM stopped the job before it was done)."""
-    root = ET.Element("testsuites", name="kvaudit ci")
-    reg = ET.SubElement(root, "testsuite", name="kvaudit.regressions")
+    root, reg, fz = ci_outputs.suites()
     for r in result.regressions:
         case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions", name=xml_text(r.name),
                              time=f"{r.seconds:.2f}")
@@ -216,7 +219,6 @@ def junit(result: CiResult) -> str:
         elif not r.ok:
             fail = ET.SubElement(case, "failure", message=xml_text(r.problem), type="regression")
             fail.text = xml_text(f"{r.path}\nsignature: {r.signature}\n{r.problem}\n")
-    fz = ET.SubElement(root, "testsuite", name="kvaudit.fuzz")
     for run in result.fuzz:
         if not run.new:  # known findings (the corpus's, still open) pass: they are listed, not hidden
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}",
@@ -235,26 +237,9 @@ def junit(result: CiResult) -> str:
                                  time="0")
             fail = ET.SubElement(case, "failure", message=xml_text(f.summary()), type=xml_text(f.kind))
             fail.text = xml_text(f"replay file: {path}\n" + failure_text(f))
-    if result.interrupted:  # what did not run is not a pass: a reader of the CI log sees why
-        case = ET.SubElement(fz, "testcase", classname="kvaudit.fuzz", name="interrupted", time="0")
-        ET.SubElement(case, "skipped", message="interrupted (Ctrl-C or SIGTERM): the job stopped before it was done")
-    total_t = tot_f = tot_e = 0
-    for suite in (reg, fz):
-        cases = suite.findall("testcase")
-        fails = sum(1 for c in cases if c.find("failure") is not None)
-        errors = sum(1 for c in cases if c.find("error") is not None)
-        suite.set("tests", str(len(cases)))
-        suite.set("failures", str(fails))
-        suite.set("errors", str(errors))
-        suite.set("skipped", str(sum(1 for c in cases if c.find("skipped") is not None)))
-        total_t += len(cases)
-        tot_f += fails
-        tot_e += errors
-    root.set("tests", str(total_t))
-    root.set("failures", str(tot_f))
-    root.set("errors", str(tot_e))
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+    if result.interrupted:
+        ci_outputs.add_interrupted(fz)
+    return ci_outputs.document(root)
 
 
 def presets_arg(value: str, target: str = "eut") -> list[str]:

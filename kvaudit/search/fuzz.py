@@ -45,6 +45,17 @@ class _BudgetSpent(KeyboardInterrupt):
     The last failing program stands; the minimizer (:func:`triage`) finishes the job."""
 
 
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM (:data:`kvaudit.audit.runner.INTERRUPTED`) during a search that had met a
+    finding it had not returned yet, while Hypothesis shrank it. ``found``: (program, findings) of the
+    latest failing case -- the first one, or a smaller one the shrinking reached since --, neither
+    confirmed nor minimized. Callers that do not know it take it as the KeyboardInterrupt it is."""
+
+    def __init__(self, found: tuple[list[Op], list[Finding]]):
+        super().__init__()
+        self.found = found
+
+
 _KIND_ERRORS: dict[str, type] = {}
 
 
@@ -320,7 +331,11 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
     ``database``: a directory for Hypothesis's example database (a campaign's corpus), or an
     ``ExampleDatabase`` (a fleet's, :meth:`kvaudit.search.hub.Hub.example_database`), whose saved
     examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`). ``max_executions``:
-    stop after that many programs too (cases past it run nothing; shrinking is not cut by it)."""
+    stop after that many programs too (cases past it run nothing; shrinking is not cut by it).
+
+    Raises :class:`SearchInterrupted`, carrying the failing program, when interrupted after the first
+    failure (Hypothesis shrinks it before the run returns: seconds to minutes); KeyboardInterrupt
+    before it. In a campaign the failing case is in ``database`` too (Hypothesis saves it as it fails)."""
     deadline = time.monotonic() + max_time
     rec = _Recorder(stats, deadline, known if isinstance(known, OnlySignature) else frozenset(known), on_progress)
     if max_executions is not None:
@@ -342,6 +357,10 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
             run_state_machine_as_test(machine, settings=hs)
         except _BudgetSpent:
             return rec.last_failure
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM; while shrinking, the failure is not lost with it
+            if rec.last_failure is not None:
+                raise SearchInterrupted(rec.last_failure) from None
+            raise
         except (FindingFound, FlakyFailure):
             # FlakyFailure cannot come from the engine (it is deterministic) but is kept as a
             # guard: the program recorded at the failure is still confirmed by replay in triage.

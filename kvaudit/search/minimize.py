@@ -108,18 +108,28 @@ def reset_defaults(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]
     return ops
 
 
-def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool], max_rounds: int = 4) -> list[Op]:
-    for _ in range(max_rounds):
-        changed = False
-        for i in range(len(ops)):
-            for cand in _simpler(ops[i]):
-                trial = ops[:i] + [cand] + ops[i + 1 :]
-                if fails(trial):
-                    ops, changed = trial, True
-                    break
-        if not changed:
-            break
+def simplify_round(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """One round of argument simplification: each op in turn takes its first simpler form
+    (:func:`_simpler`) after which ``fails`` still holds. An op moves one argument one step a round, so
+    none is pulled all the way down before the others have moved and ddmin has had another look
+    (a prompt cut short can make another op needed)."""
+    for i in range(len(ops)):
+        for cand in _simpler(ops[i]):
+            trial = ops[:i] + [cand] + ops[i + 1 :]
+            if fails(trial):
+                ops = trial
+                break
     return ops
+
+
+def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
+    """:func:`simplify_round` until a round changes nothing: no argument left has a simpler value
+    that still fails. Each kept change moves one argument strictly toward its floor, so it ends."""
+    while True:
+        simpler = simplify_round(ops, fails)
+        if simpler == ops:
+            return ops
+        ops = simpler
 
 
 class Interrupted(KeyboardInterrupt):
@@ -133,8 +143,13 @@ class Interrupted(KeyboardInterrupt):
 
 
 def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None) -> list[Op]:
-    """The smallest program found that still yields ``signature``. Raises ``ValueError`` if the
-    input program does not reproduce it, and :class:`Interrupted` (a KeyboardInterrupt that carries
+    """The smallest program found that still yields ``signature``: ddmin, then passes of optional
+    arguments to their defaults (:func:`reset_defaults`), a round of simpler arguments
+    (:func:`simplify_round`), ddmin again and folded steps (:func:`merge_steps`) until a pass changes
+    nothing (each pass drops ops or moves arguments toward their floors, so the passes end): no
+    argument is left that a simpler value would do, and minimizing the result again returns it
+    unchanged (``kvaudit fuzz``'s triage and ``kvaudit minimize`` both run this). Raises
+    ``ValueError`` if the input program does not reproduce it, and :class:`Interrupted` (a KeyboardInterrupt that carries
     the smallest program so far) when interrupted. With ``suppressions`` (a
     :class:`kvaudit.audit.suppress.SuppressionSet`) every run leaves the findings it covers out, so a
     suppressed finding earlier in the program neither stops a run nor counts."""
@@ -154,8 +169,11 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
         if not fails(list(program)):
             raise ValueError(f"program does not reproduce {signature}")
         ops = ddmin(list(program), fails)
-        ops = simplify_args(reset_defaults(ops, fails), fails)
-        return merge_steps(reset_defaults(ddmin(ops, fails), fails), fails)
+        while True:  # to a fixpoint: minimizing the result again changes nothing
+            before = ops
+            ops = merge_steps(ddmin(simplify_round(reset_defaults(ops, fails), fails), fails), fails)
+            if ops == before:
+                return ops
     except Interrupted:
         raise
     except KeyboardInterrupt:

@@ -1,0 +1,71 @@
+"""The parts of ``kvaudit ci``'s JUnit and SARIF that hold no finding: the suites' totals, the skipped
+``interrupted`` case, the unsuccessful SARIF invocation -- and both files whole for a job that Ctrl-C
+or SIGTERM stopped before it began (:func:`interrupted_junit`, :func:`interrupted_sarif`).
+:func:`kvaudit.search.ci.junit` and :func:`kvaudit.search.ci.sarif` build on these. Standard library
+only: the entry point writes the files while the engine and the search are still being imported
+(:func:`kvaudit.app.interrupts.write_startup_reports`)."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import kvaudit
+
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+SARIF_VERSION = "2.1.0"
+INTERRUPTED = "interrupted (Ctrl-C or SIGTERM): the job stopped before it was done"
+NOTHING_RAN = "interrupted (Ctrl-C or SIGTERM) during start-up: nothing was checked"
+
+
+def suites() -> tuple[ET.Element, ET.Element, ET.Element]:
+    """The JUnit document's root and its two suites, empty: ``kvaudit.regressions``, ``kvaudit.fuzz``."""
+    root = ET.Element("testsuites", name="kvaudit ci")
+    return root, ET.SubElement(root, "testsuite", name="kvaudit.regressions"), ET.SubElement(
+        root, "testsuite", name="kvaudit.fuzz")
+
+
+def add_interrupted(suite: ET.Element, message: str = INTERRUPTED) -> None:
+    """The skipped case ``interrupted``: what did not run is not a pass, and a reader of the CI log sees why."""
+    case = ET.SubElement(suite, "testcase", classname="kvaudit.fuzz", name="interrupted", time="0")
+    ET.SubElement(case, "skipped", message=message)
+
+
+def document(root: ET.Element) -> str:
+    """The JUnit text of ``root``: each suite's and the root's ``tests``, ``failures`` and ``errors``
+    (a suite's ``skipped`` too) counted from its cases."""
+    totals = [0, 0, 0]
+    for suite in root.findall("testsuite"):
+        cases = suite.findall("testcase")
+        counts = [len(cases)] + [sum(1 for c in cases if c.find(tag) is not None) for tag in ("failure", "error")]
+        for name, n in zip(("tests", "failures", "errors"), counts):
+            suite.set(name, str(n))
+        suite.set("skipped", str(sum(1 for c in cases if c.find("skipped") is not None)))
+        totals = [t + n for t, n in zip(totals, counts)]
+    for name, n in zip(("tests", "failures", "errors"), totals):
+        root.set(name, str(n))
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def interrupted_junit() -> str:
+    """The JUnit of a job stopped before it began: no regression case, the skipped ``interrupted`` case."""
+    root, _, fuzz = suites()
+    add_interrupted(fuzz, NOTHING_RAN)
+    return document(root)
+
+
+def invocation(message: str) -> dict:
+    """A SARIF ``invocation`` that did not complete (spec "invocation object": ``executionSuccessful``
+    false, the reason as a tool execution notification), for a log that may lack results."""
+    return {"executionSuccessful": False,
+            "toolExecutionNotifications": [{"level": "warning", "message": {"text": message}}]}
+
+
+def interrupted_sarif() -> dict:
+    """The SARIF log of a job stopped before it began: the tool, no rules, no results, and the
+    unsuccessful invocation that says nothing was checked (a log with no results is otherwise the
+    log of a clean run)."""
+    driver = {"name": "kvaudit", "version": kvaudit.__version__, "semanticVersion": kvaudit.__version__,
+              "rules": []}
+    return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION,
+            "runs": [{"tool": {"driver": driver}, "results": [], "invocations": [invocation(NOTHING_RAN)]}]}
