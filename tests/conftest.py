@@ -2,7 +2,12 @@
 
 import os
 
-import pytest
+# torch on one thread in this process and in every kvaudit the tests start, as the console script runs
+# it (kvaudit.entry.one_torch_thread): with another process on the second core, torch's two spinning
+# threads made the tiny model's tests (test_scheduler.py) take 115 s instead of 3 s
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 PAGE_SIZES = [1, 4]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
