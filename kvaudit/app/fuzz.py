@@ -156,7 +156,8 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
             print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
             path = write_finding(out_dir, config, program, findings, seed=seed,
                                  confirmations="interrupted before confirmation", minimized=False)
-            err.print(f"interrupted while {'minimizing' if stats.phase != 'fuzzing' else 'Hypothesis shrank it'}; "
+            during = "Hypothesis shrank it" if isinstance(e, SearchInterrupted) else "minimizing"
+            err.print(f"interrupted while {during}; "
                       f"the unminimized program is in {path}", soft_wrap=True)
             data = _run_data(config, program, findings, sset, stats, seed, interrupted=True,
                              program_title="program (unminimized)")
