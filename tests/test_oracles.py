@@ -694,7 +694,7 @@ def test_one_premature_free_has_one_signature_whichever_oracle_sees_it(make_run)
     assert seen[6].used_by == seen[2].used_by == ["req:req-000000"]
     assert seen[2].read_sites[0].function == "release_kv_cache"  # the owner's release freed it again
     assert seen[2].signature == seen[6].signature
-    assert f.signature == "use-after-free/token_to_kv_pool/update_running_batch@scheduler.py/_premature_free@test_oracles.py"
+    assert f.signature == "use-after-free/token_to_kv_pool/request-kv/_premature_free@test_oracles.py"
 
 
 def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):
