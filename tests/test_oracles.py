@@ -1,6 +1,7 @@
 """Tests for kvaudit.audit.oracles (and the runner around them): each oracle on a hand-made fault, and no
 false positives on clean random workloads."""
 
+import importlib
 import os
 import random
 
@@ -695,6 +696,26 @@ def test_one_premature_free_has_one_signature_whichever_oracle_sees_it(make_run)
     assert seen[2].read_sites[0].function == "release_kv_cache"  # the owner's release freed it again
     assert seen[2].signature == seen[6].signature
     assert f.signature == "use-after-free/token_to_kv_pool/request-kv/_premature_free@test_oracles.py"
+
+
+def test_a_slot_freed_under_its_reader_reused_and_freed_again_is_named_by_the_first_free(monkeypatch):
+    """radix-lock-skips-matched-node (`kvaudit fuzz --bug ... --seed 1` minimized): an eviction frees the
+    node the first request reads; in the same step the second request is given one of its pages and,
+    finishing at once, frees it. That page's use-after-free was named by the second request's own
+    release (``release_kv_cache``), the rest by the eviction: one bug, two signatures. The free is now
+    the first since the previous check, an owner that uses the page now having used it then."""
+    config = get_preset("retract").config(bugs=frozenset({"radix-lock-skips-matched-node"}))
+    program = [Submit(1, 71, 2), Submit(0, 87, 1), Idle()]
+    found = execute(config, program).findings
+    assert [f.signature for f in found] == ["use-after-free/token_to_kv_pool/request-kv/release@radix_cache.py"]
+    assert found[0].used_by == ["req:req-000000"]
+    uaf = importlib.import_module("kvaudit.audit.oracles.use_after_free")  # (the package's name is the function)
+    monkeypatch.setattr(uaf, "_broken_at", lambda *args: {})  # the latest free, as before
+    before = execute(config, program).findings
+    assert sorted(f.signature for f in before) == [
+        "use-after-free/token_to_kv_pool/request-kv/release@radix_cache.py",
+        "use-after-free/token_to_kv_pool/request-kv/release_kv_cache@scheduler.py"]
+    assert sum(f.num_units for f in before) == found[0].num_units
 
 
 def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):
