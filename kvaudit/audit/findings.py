@@ -18,8 +18,8 @@ leak               allocated at (or ``request-kv``); where the unit lost its las
                    of the release that forgot it (``lost_sites``), else the place the owner was
                    dropped from (``from:waiting``, ``lost_from``)
 use-after-free     allocated at (or ``request-kv``); where it was freed while an owner still used
-                   it (the first free since the previous check when it was freed, handed on and
-                   freed again since by its next holder's own release)
+                   it (a unit freed under a request reading it, handed on and freed again by its
+                   next holder before the next check: the first of those frees)
 double-free        freed first at; freed again at
 lock-imbalance     the unmatched ``inc_lock_ref`` (``inc:``), then its holder's kind when not a
                    request (``holder:session``, ``holder:hicache-write-through``) and the path of
