@@ -80,6 +80,7 @@ def test_prefill_records_row_and_slots_with_op_step_and_engine_site(make_audited
         assert (ev.op_index, ev.step) == (7, 1)
         site = auditor.site(ev.site)
         assert site[0].function == "alloc_for_extend" and in_engine(site[0], "scheduler.py")
+        assert site[0].request_kv and not any(s.request_kv for s in site[1:])  # the target's request_kv_allocs
         assert "step" in functions(auditor, ev)
         assert not any(s.file.endswith("memory.py") for s in site), "allocator frames are skipped"
         assert not any(f"{os.sep}kvaudit{os.sep}" in s.file for s in site), "kvaudit frames are skipped"
@@ -95,6 +96,7 @@ def test_pd_decode_records_pre_alloc_site(make_audited, page_size):
     kv = events(auditor, "alloc", "token_to_kv_pool")
     assert len(kv) == 1
     assert auditor.site(kv[0].site)[0].function == "_pre_alloc"
+    assert not auditor.site(kv[0].site)[0].request_kv  # a PD pre-allocation keeps its function in a signature
     assert len(ids(kv[0].units)) == -(-9 // page_size)
     assert auditor.site_owner(kv[0].site) == f"req:{target.submitted[0]}"
 
@@ -109,6 +111,7 @@ def test_batch_allocation_is_not_attributed_to_one_request(make_audited):
               if auditor.site(e.site)[0].function == "update_running_batch"]
     two = [e for e in decode if len(ids(e.units)) == 2]
     assert two, "expected a decode step over both requests"
+    assert all(auditor.site(e.site)[0].request_kv for e in decode)  # decode grows the request's KV too
     assert all(auditor.site_owner(e.site) is None for e in two)
 
 

@@ -1,6 +1,7 @@
 """Tests for kvaudit.audit.oracles (and the runner around them): each oracle on a hand-made fault, and no
 false positives on clean random workloads."""
 
+import importlib
 import os
 import random
 
@@ -694,7 +695,33 @@ def test_one_premature_free_has_one_signature_whichever_oracle_sees_it(make_run)
     assert seen[6].used_by == seen[2].used_by == ["req:req-000000"]
     assert seen[2].read_sites[0].function == "release_kv_cache"  # the owner's release freed it again
     assert seen[2].signature == seen[6].signature
-    assert f.signature == "use-after-free/token_to_kv_pool/update_running_batch@scheduler.py/_premature_free@test_oracles.py"
+    assert f.signature == "use-after-free/token_to_kv_pool/request-kv/_premature_free@test_oracles.py"
+
+
+# radix-lock-skips-matched-node (`kvaudit fuzz --bug ... --seed 1`, and a campaign's program): an eviction
+# frees the node a request reads; in the same step one of its pages goes to another request, which frees
+# it again (it finishes at once; or it decodes and finishes while the reader, finishing too, caches its
+# row, the freed pages with it, into the tree, the pages' user then)
+REUSED = {"reader": [Submit(1, 71, 2), Submit(0, 87, 1), Idle()],
+          "reader cached into the tree": [Submit(1, 23, 11), Submit(0, 72, 10), Submit(0, 3, 11), Idle()]}
+
+
+@pytest.mark.parametrize("case", REUSED)
+def test_a_slot_freed_under_its_reader_reused_and_freed_again_is_named_by_the_first_free(case, monkeypatch):
+    """That page's use-after-free was named by the other request's own release (``release_kv_cache``),
+    the rest by the eviction: one bug, two signatures. The free is now the first since the previous
+    check when a request that read the page then still held its row at that free."""
+    config = get_preset("retract").config(bugs=frozenset({"radix-lock-skips-matched-node"}))
+    found = execute(config, REUSED[case]).findings
+    assert [f.signature for f in found] == ["use-after-free/token_to_kv_pool/request-kv/release@radix_cache.py"]
+    assert found[0].used_by == (["req:req-000000"] if case == "reader" else ["tree"])
+    uaf = importlib.import_module("kvaudit.audit.oracles.use_after_free")  # (the package's name is the function)
+    monkeypatch.setattr(uaf, "_broken_at", lambda *args: {})  # the latest free, as before
+    before = execute(config, REUSED[case]).findings
+    assert sorted(f.signature for f in before) == [
+        "use-after-free/token_to_kv_pool/request-kv/release@radix_cache.py",
+        "use-after-free/token_to_kv_pool/request-kv/release_kv_cache@scheduler.py"]
+    assert sum(f.num_units for f in before) == found[0].num_units
 
 
 def test_memory_held_by_open_sessions_stalls_idle_without_a_hang(make_run):

@@ -64,6 +64,24 @@ def test_engine_files_are_the_driver_modules_and_the_hooks_module():
     assert os.path.abspath(observer.__file__) not in files and os.path.abspath(target.__file__) not in files
 
 
+@pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])
+def test_prefill_and_decode_allocations_are_the_requests_kv(preset):
+    """SGLang's ``alloc_for_extend`` and ``alloc_for_decode`` allocate through ``alloc_req_slots`` and
+    ``alloc_token_slots`` (page 1) or the paged ``_extend`` / ``_decode`` helpers: every row and slot
+    allocation of a request that prefills and decodes is flagged ``request_kv`` (one role in a
+    signature, ``SglangObserver.request_kv_allocs``), under whichever helper allocated it."""
+    with AuditedRun(cfg(preset)) as run:
+        run.apply(Submit(0, 14, 6))  # decode crosses a 16-token page
+        run.apply(Idle())
+        aud = run.auditor
+        sites = [aud.site(e.site)[0] for e in aud.events if e.kind == "alloc"
+                 and e.pool in ("token_to_kv_pool", "req_to_token_pool")]
+    assert sites and all(s.request_kv for s in sites), {(s.function, s.request_kv) for s in sites}
+    want = ({"alloc_req_slots", "alloc_token_slots"} if preset == "sglang" else
+            {"alloc_req_slots", "alloc_paged_token_slots_extend", "alloc_paged_token_slots_decode"})
+    assert {s.function for s in sites} == want
+
+
 # -- injected faults (must show) ------------------------------------------------------------------
 @pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])

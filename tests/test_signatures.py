@@ -28,10 +28,10 @@ import pytest
 from engine_under_test.hicache import HiRadixCache
 from engine_under_test.scheduler import Scheduler
 from kvaudit import replay
-from kvaudit.audit.findings import Finding
+from kvaudit.audit.findings import Finding, Site
 from kvaudit.audit.runner import execute
-from kvaudit.program import (Abort, FlushCache, HealthCheck, Idle, MemoryPressure, PauseGeneration, Step, Submit,
-                             TransferFail, random_program)
+from kvaudit.program import (Abort, CloseSession, FlushCache, HealthCheck, Idle, MemoryPressure, OpenSession,
+                             PauseGeneration, Step, Submit, TransferFail, random_program)
 from kvaudit.targets import program_features
 from kvaudit.targets.eut.presets import get_preset
 
@@ -111,7 +111,7 @@ def legacy(f: Finding) -> str:
     ``liveness/-/progress``."""
     g = copy.deepcopy(f)
     for key in ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"):
-        setattr(g, key, [dataclasses.replace(s, entry=False) for s in getattr(g, key)])
+        setattr(g, key, [dataclasses.replace(s, entry=False, request_kv=False) for s in getattr(g, key)])
     g.holder = ""
     if g.kind == "lock-imbalance":
         g.lost_sites = []
@@ -178,8 +178,7 @@ def test_the_planted_faults_read_as_their_causes(planted):
     assert all(s.endswith("/release_req@scheduler_decode_mixin.py") for s in sigs["retract-skips-hisparse"])
     assert sigs["transfer-fail-skips-hisparse"] == [
         "leak/hisparse_host/alloc_host@hisparse.py/poll_transfer_failures@scheduler_disagg_decode_mixin.py"]
-    assert sigs["finish-floors-last-page"] == [
-        "leak/token_to_kv_pool/alloc_for_extend@scheduler.py/process_batch_result@scheduler.py"]
+    assert sigs["finish-floors-last-page"] == ["leak/token_to_kv_pool/request-kv/process_batch_result@scheduler.py"]
     assert sigs["load-back-done-keeps-host-pin"] == [
         "lock-imbalance/hicache_host/inc:load_back@hicache.py/get_new_batch_prefill@scheduler_prefill_mixin.py"]
     assert sigs["load-back-never-ready"] == ["hang/-/idle/hicache:load-back"]
@@ -261,12 +260,77 @@ FOUND = {
 }
 
 
+# and (`kvaudit fuzz --bug radix-lock-skips-matched-node --seed 1`) where a node evicted under its reader was
+# handed to another request and freed again by its release in the same step: the use-after-free of those
+# slots was named by that release, release_kv_cache, beside the eviction's release@radix_cache.py
+FOUND["radix-lock-skips-matched-node"] = [[Submit(1, 71, 2), Submit(0, 87, 1), Idle()]]
+
+
 @pytest.mark.parametrize("bug", FOUND)
 def test_a_zoo_bug_found_by_another_program_has_the_regression_files_signatures(bug, zoo):
     config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{bug}.json"))
     want = {f.signature for f in zoo[bug]}
     for program in FOUND[bug]:
         assert set(execute(config, program).signatures) == want
+
+
+# programs `kvaudit fuzz --bug BUG --seed 1..5` (corpus and random) minimized to, where the lost or freed
+# slots were allocated in decode (update_running_batch) where the regression file's were in prefill
+# (alloc_for_extend): one bug, two signatures, a campaign re-reporting it as new (3 to 7 of 8 runs each)
+DECODE = {
+    "session-abort-borrows-slot": [
+        [OpenSession(), Submit(0, 10, 11, session=3), Idle(), Submit(0, 40, 1, session=1), Step(1)],
+        [OpenSession(), Submit(0, 26, 1), Submit(0, 1, 4, session=1, extends=5), Idle(), Submit(0, 27, 1, session=0),
+         Idle()]],
+    "session-close-while-running": [
+        [OpenSession(), Submit(0, 1, 4, session=1), Step(3), CloseSession(0), Step(1)],
+        [OpenSession(), Submit(0, 1, 3, stop_at=4, session=1), Step(3), CloseSession(0), Step(1)]],
+    "retract-unaligned-page": [
+        [Submit(0, 20, 3, stop_at=11), Step(2), PauseGeneration(mode=2), Step(1)],
+        [Submit(0, 1, 7), Submit(0, 11, 4), Step(3), MemoryPressure(), Idle()]],
+}
+
+
+def by_function(f: Finding) -> str:
+    """``f``'s signature with its allocation site named by its function, as before ``request-kv``."""
+    return dataclasses.replace(f, alloc_sites=[dataclasses.replace(s, request_kv=False) for s in f.alloc_sites]).signature
+
+
+@pytest.mark.parametrize("bug", DECODE)
+def test_a_zoo_bug_whose_units_decode_allocated_has_the_regression_files_signatures(bug, zoo):
+    """The request's own KV is one role, ``request-kv``, whether prefill or decode allocated the units the
+    bug lost: named by their function, the programs split the bug in two."""
+    config, _, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{bug}.json"))
+    want = {f.signature for f in zoo[bug]}
+    named = {by_function(f) for f in zoo[bug]}
+    for program in DECODE[bug]:
+        found = execute(config, program).findings
+        assert {f.signature for f in found} == want
+        named |= {by_function(f) for f in found}
+    assert any("/update_running_batch@scheduler.py" in s for s in named) and len(named) > len(want), named
+
+
+
+def test_request_kv_names_allocation_sites_only():
+    """``Site.request_kv`` names an allocation site by its role; a free, a crash's frame and a lock's
+    site in such a function keep the function. The flag is written only where set and read back."""
+    grow = Site("engine_under_test/scheduler.py", 320, "update_running_batch", request_kv=True)
+    other = Site("engine_under_test/scheduler.py", 404, "_pre_alloc")
+    leak = Finding("leak", "token_to_kv_pool", "m", alloc_sites=[grow], lost_from="session")
+    assert leak.signature == "leak/token_to_kv_pool/request-kv/from:session"
+    assert dataclasses.replace(leak, alloc_sites=[other]).signature == \
+        "leak/token_to_kv_pool/_pre_alloc@scheduler.py/from:session"
+    assert Finding("double-free", "p", "m", prev_free_sites=[grow], free_sites=[other]).signature == \
+        "double-free/p/update_running_batch@scheduler.py/_pre_alloc@scheduler.py"
+    assert Finding("crash", "-", "RuntimeError: Decode out of memory", alloc_sites=[grow]).signature == \
+        "crash/-/RuntimeError@update_running_batch@scheduler.py"
+    d = leak.to_dict()
+    assert d["alloc_sites"][0]["request_kv"] is True
+    assert "request_kv" not in Finding("leak", "p", "m", alloc_sites=[other]).to_dict()["alloc_sites"][0]
+    assert Finding.from_dict(d).signature == leak.signature
+    d["alloc_sites"][0]["request_kv"] = "yes"
+    with pytest.raises(ValueError, match="request_kv"):
+        Finding.from_dict(d)
 
 
 @pytest.mark.slow

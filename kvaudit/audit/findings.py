@@ -6,15 +6,20 @@ code sites (each the innermost frame outside the allocator and kvaudit, ``functi
 release that lost a leaked unit (or let a lock's holder go) is named by its *path* instead: the first
 frame above the release plumbing every path shares (the target's ``release_entries``, e.g.
 ``release_kv_cache``), i.e. the caller that chose to finish, abort, retract or close (``Site.entry``,
-:func:`_path`):
+:func:`_path`). An allocation in a function that grows a request's own KV (the target's
+``request_kv_allocs``: its prefill and its decode allocation) is named by that role, ``request-kv``
+(``Site.request_kv``, :func:`_allocated`), since which of them allocated a lost unit depends on the
+program, not on the bug:
 
 =================  =====================================================================
 kind               sites
 =================  =====================================================================
-leak               allocated at; where the unit lost its last owner: the path of the release
-                   that forgot it (``lost_sites``), else the place the owner was dropped from
-                   (``from:waiting``, ``lost_from``)
-use-after-free     allocated at; where it was freed while an owner still used it
+leak               allocated at (or ``request-kv``); where the unit lost its last owner: the path
+                   of the release that forgot it (``lost_sites``), else the place the owner was
+                   dropped from (``from:waiting``, ``lost_from``)
+use-after-free     allocated at (or ``request-kv``); where it was freed while an owner still used
+                   it (a unit freed under a request reading it, handed on and freed again by its
+                   next holder before the next check: the first of those frees)
 double-free        freed first at; freed again at
 lock-imbalance     the unmatched ``inc_lock_ref`` (``inc:``), then its holder's kind when not a
                    request (``holder:session``, ``holder:hicache-write-through``) and the path of
@@ -23,8 +28,8 @@ lock-imbalance     the unmatched ``inc_lock_ref`` (``inc:``), then its holder's 
                    decs pair up per node, the live holder's lock that walked another path
                    (``walk:``, with the holder's kind)
 stale-kv           content written for another prefix in a slot freed under its reader: that free
-                   (``freed:``); else allocated at, and ``unwritten`` (never written) or
-                   ``overwritten`` (written for another prefix, no free recorded)
+                   (``freed:``); else allocated at (or ``request-kv``), and ``unwritten`` (never
+                   written) or ``overwritten`` (written for another prefix, no free recorded)
 crash              the exception type; the raising frame
 accounting-drift   the check that failed: ``identity``, ``counter:evictable,protected`` (a term
                    against its recount), ``free_list``, ``engine_check``; or the tree insert that
@@ -79,13 +84,16 @@ class Site:
     """A stack frame: ``file`` (see :func:`portable_path`), ``line`` (1-based), ``function`` and the
     line's ``source`` text, kept so that a report renders the same on another checkout; ``entry``
     marks a frame of the target's shared release plumbing (``Target.release_entries``), which a
-    signature looks past to the frame that chose the release path."""
+    signature looks past to the frame that chose the release path; ``request_kv`` a function that
+    grows a request's own KV (``Target.request_kv_allocs``: prefill and decode), which a signature
+    names by that role (``request-kv``) as an allocation site."""
 
     file: str
     line: int
     function: str
     source: str = field(default="", compare=False)  # the line's text when recorded ("" if unknown)
     entry: bool = field(default=False, compare=False)  # one of the target's release entries
+    request_kv: bool = field(default=False, compare=False)  # one of the target's request_kv_allocs
 
     def short(self) -> str:
         return f"{os.path.basename(self.file)}:{self.line} in {self.function}"
@@ -158,7 +166,7 @@ class Finding:
         if self.kind == "stale-kv" and self.check == "freed" and self.free_sites:
             return f"stale-kv/{self.pool}/freed:{_where(self.free_sites)}"
         if self.kind == "stale-kv" and self.check:
-            return f"stale-kv/{self.pool}/{_where(self.alloc_sites)}/{self.check}"
+            return f"stale-kv/{self.pool}/{_allocated(self.alloc_sites)}/{self.check}"
         held = [f"holder:{self.holder}"] if self.holder else []
         if self.kind == "lock-imbalance" and self.check == "walk":
             return "/".join([f"lock-imbalance/{self.pool}/walk:" + (
@@ -177,7 +185,8 @@ class Finding:
         else:
             sites = [self.alloc_sites]
         # a leak's second site is the path of the release that lost the unit
-        where = [_where(sites[0])] + [_path(s) if self.kind == "leak" else _where(s) for s in sites[1:] if s]
+        where = [(_where if self.kind == "double-free" else _allocated)(sites[0])]
+        where += [_path(s) if self.kind == "leak" else _where(s) for s in sites[1:] if s]
         if self.kind == "leak" and not self.lost_sites and self.lost_from:
             where.append(f"from:{self.lost_from}")  # dropped without a release: from where
         if self.check:  # a target's own invariant (a ref count, an orphan table): one bug per check
@@ -190,10 +199,11 @@ class Finding:
             del d["engine_check_at_idle"]  # not recorded: files written without a drain stay as they were
         if not d["holder"]:
             del d["holder"]  # (only a lock-imbalance names one)
-        for key in _SITE_LISTS:  # a site's entry flag only where set (most frames are not release entries)
+        for key in _SITE_LISTS:  # a site's flags only where set (most frames are neither)
             for site in d[key]:
-                if not site["entry"]:
-                    del site["entry"]
+                for flag in ("entry", "request_kv"):
+                    if not site[flag]:
+                        del site[flag]
         d["signature"] = self.signature
         return d
 
@@ -231,7 +241,8 @@ class Finding:
                 where = f"{key}[{i}]"
                 if set(site) - _SITE_FIELDS:
                     raise ValueError(f"{where}: unknown field {sorted(set(site) - _SITE_FIELDS)[0]!r}")
-                for f, t in (("file", str), ("line", int), ("function", str), ("source", str), ("entry", bool)):
+                for f, t in (("file", str), ("line", int), ("function", str), ("source", str), ("entry", bool),
+                             ("request_kv", bool)):
                     _want(site, f, t, where=where, required=f in ("file", "line", "function"))
                 sites.append(Site(**site))
             d[key] = sites
@@ -284,12 +295,19 @@ class Finding:
 
 
 _SITE_LISTS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
-_SITE_FIELDS = {"file", "line", "function", "source", "entry"}
+_SITE_FIELDS = {"file", "line", "function", "source", "entry", "request_kv"}
 
 
 def _where(sites: list[Site], missing: str = "?") -> str:
     """``function@file`` of the innermost frame of ``sites`` (``missing`` when there is none)."""
     return f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else missing
+
+
+def _allocated(sites: list[Site]) -> str:
+    """An allocation site's signature part: ``request-kv`` when its innermost frame grows a request's
+    own KV (``Site.request_kv``: prefill or decode, whichever the program reached first), else
+    :func:`_where`."""
+    return "request-kv" if sites and sites[0].request_kv else _where(sites)
 
 
 def _path(sites: list[Site], missing: str = "?") -> str:

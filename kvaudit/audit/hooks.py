@@ -68,6 +68,7 @@ class Auditor(Ledger, PoolWrappers):
         self.pending: list[Finding] = []
         self.checked_upto = 0  # events before this index were seen by the last full oracle check
         self.owner_where: dict[int, str] = {}  # owner id -> Root.where at the last full check
+        self.roots_at_check: dict[str, list] = {}  # pool -> the target's roots at the last full check
         # pool -> unit -> (its allocation event, (site id, where) it lost its last owner at): see oracles
         self.lost_memo: dict[str, dict[int, tuple[int, tuple[int, str]]]] = {}
         # while a free group's frees are recorded: the users of already-free units, read at the call
@@ -91,9 +92,11 @@ class Auditor(Ledger, PoolWrappers):
         self._engine_files = frozenset(os.path.abspath(f) for f in target.engine_files())
         # the release entry point and the plumbing below it: a free's path is the first frame above them
         self._entries = frozenset(target.release_entries)
+        # the functions that grow a request's own KV: a signature names them by that role
+        self._kv_allocs = frozenset(target.request_kv_allocs)
         self._info = Auditor._code_info_caches.setdefault(
             (frozenset(self._skip_files), frozenset(self._skip_classes), self._engine_files, self._hint_vars,
-             self._stop_vars, self._entries), {})
+             self._stop_vars, self._entries, self._kv_allocs), {})
         for spec in target.pools():
             target.install_pool(spec, self, self._wrap)  # default: install_standard(spec)
         # (node id, +1/-1, site, op, step, lock): lock is "device" (inc/dec_lock_ref) or "host" (host pins)
@@ -136,15 +139,16 @@ class Auditor(Ledger, PoolWrappers):
         self.locks.snapshot(self._op_index, self._step)
 
     # -- sites ------------------------------------------------------------------------------
-    # Per code object: (is framework, look for owner, is a release entry). Keyed by id(code): hashing a
-    # code object hashes its bytecode, which costs more than the rest of the capture.
-    _code_info_caches: dict[tuple, dict[int, tuple[bool, int, bool]]] = {}
+    # Per code object: (is framework, look for owner, is a release entry, grows a request's KV). Keyed by
+    # id(code): hashing a code object hashes its bytecode, which costs more than the rest of the capture.
+    _code_info_caches: dict[tuple, dict[int, tuple[bool, int, bool, bool]]] = {}
     _codes: dict[int, object] = {}  # keeps every seen code object alive, so its id stays unique
 
-    def _code_info(self, code) -> tuple[bool, int, bool]:
-        """``(is framework, owner lookup, is a release entry)``: lookup is 0 (nothing to see), ``STOP``
-        (a batch-level function: no single owner) or ``READ`` (read the owner from the frame's locals);
-        a release entry is one of the target's ``release_entries`` (a site goes on to the frame above)."""
+    def _code_info(self, code) -> tuple[bool, int, bool, bool]:
+        """``(is framework, owner lookup, is a release entry, grows a request's KV)``: lookup is 0 (nothing
+        to see), ``STOP`` (a batch-level function: no single owner) or ``READ`` (read the owner from the
+        frame's locals); a release entry is one of the target's ``release_entries`` (a site goes on to the
+        frame above); the last is one of its ``request_kv_allocs`` (:attr:`Site.request_kv`)."""
         fn = os.path.abspath(code.co_filename)
         fw = ((fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
                or (fn, code.co_qualname.split(".")[0]) in self._skip_classes) and fn not in self._engine_files
@@ -154,9 +158,9 @@ class Auditor(Ledger, PoolWrappers):
         names = code.co_varnames
         look = (_STOP if any(v in names for v in self._stop_vars)
                 else _READ if any(v in names for v in self._hint_vars) else 0)
-        entry = not fw and bool(self._entries) and (
-            code.co_name in self._entries or f"{code.co_name}@{os.path.basename(fn)}" in self._entries)
-        info = self._info[id(code)] = (fw, look, entry)
+        entry, kv = (not fw and (code.co_name in declared or f"{code.co_name}@{os.path.basename(fn)}" in declared)
+                     for declared in (self._entries, self._kv_allocs))
+        info = self._info[id(code)] = (fw, look, entry, kv)
         Auditor._codes[id(code)] = code
         return info
 
@@ -177,7 +181,7 @@ class Auditor(Ledger, PoolWrappers):
                 sid = sites.get(key)
                 if sid is None:
                     code = f.f_code
-                    fw, _, entry = self._info.get(id(code)) or self._code_info(code)
+                    fw, _, entry, _ = self._info.get(id(code)) or self._code_info(code)
                     if fw:
                         sid = sites[key] = -2  # a framework frame: look further out
                     elif entry:
@@ -200,7 +204,7 @@ class Auditor(Ledger, PoolWrappers):
         frames, owner, looking, depth, entry = [], None, OWNER_FRAMES, 0, False
         while f is not None and (depth < STACK_DEPTH or entry):  # (past the depth up to the path's frame)
             code = f.f_code
-            fw, look, entry = cache.get(id(code)) or miss(code)
+            fw, look, entry, _ = cache.get(id(code)) or miss(code)
             if fw:
                 if depth:
                     break  # back in the framework (the runner): the engine's part of the stack ends
@@ -229,7 +233,7 @@ class Auditor(Ledger, PoolWrappers):
         codes, info = Auditor._codes, self._info
         return [Site(portable_path(codes[c].co_filename), line, codes[c].co_name,
                      linecache.getline(codes[c].co_filename, line).strip(),
-                     (info.get(c) or self._code_info(codes[c]))[2])
+                     *(info.get(c) or self._code_info(codes[c]))[2:])  # entry, request_kv
                 for c, line in self._site_frames[sid][0]]
 
     def site_keys(self) -> set[tuple[str, int]]:
@@ -280,7 +284,7 @@ class Auditor(Ledger, PoolWrappers):
         allocations), read in fast mode too: lock events are few, and the ledger pairs by it."""
         f, looked = sys._getframe(3), 0
         while f is not None and looked < OWNER_FRAMES:
-            fw, look, _ = self._info.get(id(f.f_code)) or self._code_info(f.f_code)
+            fw, look, _, _ = self._info.get(id(f.f_code)) or self._code_info(f.f_code)
             if not fw:
                 if look == _STOP:
                     return None

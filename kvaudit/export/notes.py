@@ -42,7 +42,7 @@ NOTES: dict[str, Note] = {
         "or make `take()` (and `_is_streaming`) skip requests that have `to_finish` set.",
         "the scheduler process dies on the first prefill: the batched /generate gets no answer or an error, "
         "and the server stops answering", "1"),
-    "aliasing/token_to_kv_pool/alloc_token_slots@allocation.py": Note(
+    "aliasing/token_to_kv_pool/request-kv": Note(
         "Two running turns share one session record after a rejected turn clears Session._inflight "
         "(StreamingSession.find_active_slot -> Session.abort_req)",
         _INFLIGHT + " At admission `try_match_prefix` lends the third turn the record the first turn is "
@@ -51,7 +51,7 @@ NOTES: dict[str, Note] = {
         "leak.", _INFLIGHT_FIX,
         "no error at once: corrupted KV for both turns; after the session is closed and the cache flushed the "
         "pool is short of tokens (kv_available_tokens below the capacity)", "2"),
-    "leak/token_to_kv_pool/alloc_token_slots@allocation.py": Note(
+    "leak/token_to_kv_pool/request-kv": Note(
         "KV leak: a retracted streaming-session turn counts as finished (ScheduleBatch.retract_decode -> "
         "StreamingSession.try_cache_finished_req -> Session.finish_req)",
         "Retraction releases the turn through `release_kv_cache(checkpoint=False)`, whose streaming path calls "
@@ -62,7 +62,7 @@ NOTES: dict[str, Note] = {
         "On retraction keep the session in flight (do not call `finish_req` for an unfinished request), or have "
         "`create_req` reject a turn while the last request is unfinished, as the non-streaming path does.",
         "after the session is closed and the cache flushed, kv_available_tokens stays below the capacity", "3"),
-    "use-after-free/token_to_kv_pool/alloc_token_slots@allocation.py/free_kv_row_segments@common.py": Note(
+    "use-after-free/token_to_kv_pool/request-kv/free_kv_row_segments@common.py": Note(
         "Use-after-free: a deferred session close frees the KV a running turn decodes on "
         "(SessionController._close -> StreamingSession.release_session) after a rejected turn",
         "The close is correctly deferred (`close_on_finish`) because a turn is in flight. " + _INFLIGHT +

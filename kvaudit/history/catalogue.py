@@ -173,7 +173,7 @@ SGLANG: tuple[HistoryBug, ...] = (
               "turn (use-after-free), which then fails at finish on the slot's virtual node",
         sources=("sgl-project/sglang#21875",), buggy="0.5.10.post1", fixed="0.5.11", clean_because="fix",
         preset="sglang-session", config={"tree_core": "python"}, finding="use-after-free",
-        signature="use-after-free/req_to_token_pool/alloc_req_slots@common.py/_close@session_controller.py",
+        signature="use-after-free/req_to_token_pool/request-kv/_close@session_controller.py",
         reach="a client closes a streaming session (/close_session) while that session's latest turn is still "
               "decoding: SessionController._close detaches the turn and release_session frees the row and KV "
               "the turn was restored into; the next decode writes into freed slots"),

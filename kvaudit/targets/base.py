@@ -141,6 +141,14 @@ class Target:
     #: that chose the release (finish, abort, retract, session close, ...); default none: the
     #: innermost frame (see :mod:`kvaudit.audit.findings`)
     release_entries: tuple[str, ...] = ()
+    #: the functions that grow a request's own KV, its row and the slots it prefills and decodes into
+    #: (``"name"`` or ``"name@file"``, as above; the innermost frame outside the allocator: SGLang's
+    #: ``alloc_token_slots`` and the paged pair under ``alloc_for_extend``/``alloc_for_decode``). A
+    #: signature names an allocation there by that one role, ``request-kv``, so that one bug whose units
+    #: a program allocated in prefill and another in decode is one signature; allocations elsewhere (a
+    #: PD pre-allocation, a HiSparse buffer, a host tier) keep their function. Default none: every
+    #: allocation by its function (right for an engine that grows a request's KV in one function)
+    request_kv_allocs: tuple[str, ...] = ()
 
     # -- required ---------------------------------------------------------------------------------
     def pools(self) -> list[PoolSpec]:

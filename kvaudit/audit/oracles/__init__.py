@@ -123,7 +123,7 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     findings.extend(leaks(auditor, target, leaked, prev_owner))
     if not scan_only:
         findings.extend(target_findings(auditor, target))
-        auditor.checked_upto, auditor.owner_where = len(auditor.events), where
+        auditor.checked_upto, auditor.owner_where, auditor.roots_at_check = len(auditor.events), where, by_pool
         if not findings:
             findings.extend(drift or engine_disagrees(auditor, target))
         # lock balance at idle; and, for a node locked below its holders, whenever the tree's

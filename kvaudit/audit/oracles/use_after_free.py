@@ -11,16 +11,72 @@ from kvaudit.audit.oracles.grouping import group_by_site
 
 def use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> list[Finding]:
     """Units a live owner references while the ledger holds them free: one finding per (allocation
-    site, free site), naming the free that came too early and the owners still using the units."""
+    site, free site), naming the free that came too early and the owners still using the units.
+
+    The free that came too early is the unit's latest, unless the unit was freed, allocated again
+    and freed again since the previous check and its first free there came under a request that read
+    it at that check: that free (an eviction under its reader) broke it, and the later one is the next
+    holder's own release (:func:`_broken_at`)."""
     led = auditor.ledgers[pool]
-    free_site = {u: (auditor.events[e].site if e >= 0 else -1, "")
-                 for u, e in zip(units.tolist(), led.last_free[units].tolist())}
+    alloc, free = led.last_alloc[units].copy(), led.last_free[units].copy()
+    for i, (a, f) in _broken_at(auditor, pool, units).items():
+        alloc[i], free[i] = a, f
+    free_site = {u: (auditor.events[e].site if e >= 0 else -1, "") for u, e in zip(units.tolist(), free.tolist())}
     out = group_by_site(auditor, "use-after-free", pool, units, "referenced by a live owner but free in the ledger",
-                         second=free_site, into="free_sites")
+                         second=free_site, into="free_sites", alloc_events=alloc)
     for f in out:
         mine = np.asarray(f.slots if f.unit == "row" else sorted({s // led.spec.page_size for s in f.slots}),
                           dtype=np.int64)
         f.used_by = sorted({r.owner for r in roots if np.isin(r.units, mine).any()})
         if f.used_by:
             f.message += f" (still used by {', '.join(f.used_by[:3])})"
+    return out
+
+
+def _broken_at(auditor: Auditor, pool: str, units: np.ndarray) -> dict[int, tuple[int, int]]:
+    """Index into ``units`` -> (allocation event, free event): for a unit freed, allocated again and
+    freed again since the previous check, its first free there and the allocation it freed, when a
+    request read the unit at that check (``Auditor.roots_at_check``) and still held its row at that
+    free: its row not freed since, or freed later on another release path (a request's own release
+    frees its KV, then its row, on one path). The reader may be gone now: a request that finished in
+    the step caches its row, the freed units too, into the tree, which then is the unit's user.
+    Runs only when such a unit is free now: a few events are scanned."""
+    led, since, evs = auditor.ledgers[pool], auditor.checked_upto, auditor.events
+    again = np.flatnonzero(led.last_alloc[units] >= since)  # allocated since the check, and free now
+    if not again.size:
+        return {}
+    at_check = auditor.roots_at_check
+    readers = [r for r in at_check.get(pool, []) if r.role == "req"]
+    row_of = {r.owner: int(r.units[0]) for r in at_check.get("req_to_token_pool", []) if r.role == "req" and r.units.size}
+    first_free: dict[tuple[str, int], int] = {}  # (pool, unit) -> its first free since the check
+    want = {(pool, u) for u in units[again].tolist()} | {("req_to_token_pool", r) for r in row_of.values()}
+    for ev in evs[since:]:
+        if ev.kind == "free":
+            for u in ev.units:
+                if (ev.pool, u) in want:
+                    first_free.setdefault((ev.pool, u), ev.id)
+    paths: dict[int, tuple] = {}
+
+    def path(e: int) -> tuple:  # (function, file) of the first frame above the release entries
+        if e not in paths:
+            sites = auditor.site(evs[e].site)
+            s = next((x for x in sites if not x.entry), sites[-1]) if sites else None
+            paths[e] = (s.function, s.file) if s else ()
+        return paths[e]
+
+    def held_at(owner: str, f: int) -> bool:  # the request still held its row at event f
+        row = row_of.get(owner)
+        gone = first_free.get(("req_to_token_pool", row), -1) if row is not None else -1
+        return row is not None and (gone < 0 or (gone > f and path(gone) != path(f)))
+
+    out = {}
+    for i in again.tolist():
+        u = int(units[i])
+        f = first_free.get((pool, u), -1)
+        if not 0 <= f < led.last_alloc[u]:
+            continue  # not held at the check (its one allocation since, then its free)
+        if any(held_at(r.owner, f) for r in readers if (r.units == u).any()):
+            a = next((k for k in range(f - 1, -1, -1) if evs[k].kind == "alloc" and evs[k].pool == pool
+                      and u in evs[k].units), -1)
+            out[i] = (a, f)
     return out

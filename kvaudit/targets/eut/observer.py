@@ -139,6 +139,10 @@ class EutObserver(Target):
     # every finish, abort, transfer failure and retraction releases through these: a free's path is
     # their caller (process_batch_result, handle_abort, release_req, ...)
     release_entries = ("release_kv_cache@scheduler.py", "_release_finished@scheduler_release_mixin.py")
+    # a request's row and prefill slots (alloc_for_extend) and its decode slots (update_running_batch, the
+    # engine's alloc_for_decode): one role in a signature. The PD pre-allocation (_pre_alloc), a load-back
+    # (load_back) and HiSparse's buffers and host slots keep their function
+    request_kv_allocs = ("alloc_for_extend@scheduler.py", "update_running_batch@scheduler.py")
 
     @staticmethod
     def owner_hint(frame_locals: dict) -> str | None:

@@ -165,6 +165,9 @@ class SglangLegacyTarget(Target):
     name = "sglang"
     owner_hint_vars = ("req",)
     release_entries = ("release_kv_cache@common.py", "cache_finished_req")  # (the cache_finished_req era's release)
+    # mem_cache/common.py: alloc_for_extend's row and slots, alloc_for_decode's slots (as the observer's)
+    request_kv_allocs = ("alloc_req_slots", "alloc_token_slots", "alloc_paged_token_slots_extend",
+                         "alloc_paged_token_slots_decode")
     owner_stop_vars = ("reqs", "batch")
 
     def __init__(self, config):

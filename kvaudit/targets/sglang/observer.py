@@ -25,6 +25,11 @@ class SglangObserver(SglangHooks):
     # result processors' finish: a free's path is the frame above them
     release_entries = ("release_kv_cache@common.py", "free_kv_row", "free_kv_row_segments@common.py",
                        "_release_overallocated_kv_indices@common.py", "_release@driver.py", "_release@hisparse.py")
+    # srt/mem_cache/allocation.py (common.py before 0.5.23): alloc_for_extend's row (alloc_req_slots) and
+    # slots, alloc_for_decode's slots (page 1: alloc_token_slots for both; paged: the _extend and
+    # _decode helpers), and speculative decoding's draft slots: one role, request-kv, in a signature
+    request_kv_allocs = ("alloc_req_slots", "alloc_token_slots", "alloc_paged_token_slots_extend",
+                         "alloc_paged_token_slots_decode")
 
     def pools(self) -> list[PoolSpec]:
         return self._pools
