@@ -307,3 +307,32 @@ def test_ci_with_a_preset_that_searched_nothing_exits_5_and_its_junit_case_is_sk
     assert "kvaudit: nothing searched in 1 of 1 preset(s) (default)" in res.stderr
     xml = (tmp_path / "ci.xml").read_text()
     assert 'skipped="1"' in xml and "nothing searched" in xml
+
+
+def test_hypothesis_first_run_set_up_is_paid_before_the_search_clock():
+    """Hypothesis's first run in a process registers numpy's PRNG with a full gc.collect() (0.45 s with a
+    test suite's objects alive): paid inside the budget, a 0.5 s search after tests/test_frames.py ran
+    no program. warm_up_hypothesis pays it in start-up: the search then collects nothing."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, numpy\n"
+        "from kvaudit.targets.eut.presets import get_preset\n"
+        "from kvaudit.search.fuzz import FuzzStats, hypothesis_search, warm_up_hypothesis\n"
+        "import sys\n"
+        "if sys.argv[1] == 'warm': warm_up_hypothesis()\n"
+        "calls = []\n"
+        "real = gc.collect\n"
+        "gc.collect = lambda *a: calls.append(1) or real(*a)\n"
+        "stats = FuzzStats()\n"
+        "hypothesis_search(get_preset('default').config(), 30.0, 0, stats, max_executions=3)\n"
+        "print(len(calls), stats.executions)\n"
+    )
+    got = {}
+    for mode in ("warm", "cold"):
+        ran = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        got[mode] = [int(x) for x in ran.stdout.split()[-2:]]
+    assert got["cold"][0] >= 1  # the cost is real without the warm-up (else this test proves nothing)
+    assert got["warm"] == [0, 3], got

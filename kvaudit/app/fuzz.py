@@ -95,6 +95,10 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
         err.print(f"note: {note}", soft_wrap=True)
     catch_sigint()
     warm_up(config)  # the first engine is start-up too: the search's clock starts after it
+    if fuzzer == "hypothesis":
+        from kvaudit.search.fuzz import warm_up_hypothesis
+
+        warm_up_hypothesis()  # and Hypothesis's own first-run set-up
     err.print(f"start-up {duration(budget.startup())} (imports, the first engine; not counted): searching for "
               f"{duration(max_time)}" + (" per worker, each from its own start-up" if campaign and workers > 1 else ""),
               soft_wrap=True)

@@ -116,6 +116,10 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         set_step_timeout(spec.step_timeout)  # a spawned worker starts with the default
     config = config_from_dict(spec.config)
     warm_up(config)  # a spawned worker imports the engine again: its start-up is not search time
+    if spec.fuzzer == "hypothesis":
+        from kvaudit.search.fuzz import warm_up_hypothesis
+
+        warm_up_hypothesis()
     deadline = time.time() + spec.budget
     emit(("ready", spec.index))
     sset = SuppressionSet.load(spec.suppress_path) if spec.suppress_path else None
