@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
 from kvaudit import atomic
 from kvaudit.config import TargetConfig
@@ -46,10 +47,11 @@ def write_atomic(path: str, doc: dict) -> str:
     return write_text_atomic(path, doc_text(doc))
 
 
-def rerecord(path: str, findings: list[Finding]) -> str:
+def rerecord(path: str, findings: list[Finding], timeline: Callable | None = None) -> str:
     """Write ``findings`` (a fresh replay of the file's program) back into the replay file at
     ``path``, atomically, keeping its config, program and every other key; a ``timeline`` is
-    recorded again, and tracebacks name the checkout's files by relative path. Findings whose
+    recorded again by ``timeline(config, program)`` (:func:`kvaudit.reports.timeline.record`, passed down
+    by the command: reports are a layer above replay files), and tracebacks name the checkout's files by relative path. Findings whose
     signature the file recorded come first, in its order. Returns one line saying what happened
     (``updated``, ``unchanged``, or ``not updated: ...`` when the file recorded findings and
     ``findings`` is empty, or holds none of the kind of the file's first finding: a different bug). Raises :class:`ReplayFormatError`, OSError."""
@@ -64,9 +66,8 @@ def rerecord(path: str, findings: list[Finding]) -> str:
     root = source_path("")  # the checkout: tracebacks name its files relative to it, as sites do
     new = {**doc, "findings": [{**d, "traceback": d["traceback"].replace(f'File "{root}', 'File "')}
                                if d.get("traceback") else d for d in (f.to_dict() for f in findings)]}
-    if "timeline" in doc:
-        from kvaudit.reports import timeline
-        new["timeline"] = timeline.record(config, program)
+    if "timeline" in doc and timeline is not None:
+        new["timeline"] = timeline(config, program)
     old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
     changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \
         if old_sigs != new_sigs else ""

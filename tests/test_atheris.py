@@ -16,7 +16,8 @@ import pytest
 from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit import replay
 from kvaudit.search.atheris_fuzz import HARNESS, SEEDS_DIR, _Monitor, atheris_search, harness_command, harness_env
-from kvaudit.program.bytes_program import (V2_MAGIC, max_len, program_from_bytes, program_to_bytes, write_seeds)
+from kvaudit.program.bytes_program import V2_MAGIC, max_len, program_from_bytes, program_to_bytes
+from kvaudit.search.seeds import write_seeds
 from kvaudit.program.bytes_v1 import RECORD, max_prompt, op_kinds
 from kvaudit.search.fuzz import FuzzStats
 from kvaudit.program import (Abort, CloseSession, Idle, MemoryPressure, OpenSession, Step, Submit, program_from_json,
@@ -140,7 +141,7 @@ def test_regression_programs_round_trip(path):
 
 
 def test_seed_corpora_are_current(tmp_path):
-    """corpora/seeds is what `python -m kvaudit.program.bytes_program --write-seeds` writes today."""
+    """corpora/seeds is what `python -m kvaudit.search.seeds --write-seeds` writes today."""
     write_seeds(str(tmp_path), os.path.join(ROOT, "corpora", "regressions"))
     for preset in PRESETS:
         want = sorted(p.name for p in (tmp_path / preset).iterdir())

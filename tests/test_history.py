@@ -17,6 +17,8 @@ from kvaudit.history import catalogue, releases, suite, worker
 from kvaudit.history.catalogue import BUGS, UNREACHED, HistoryBug, all_bugs, rediscoveries
 from kvaudit.history.trial import HistoryTrial
 from kvaudit.targets import registry
+from kvaudit.targets.sglang import catalogue as sglang_catalogue
+from kvaudit.targets.vllm import catalogue as vllm_catalogue
 
 
 # -- the catalogue -------------------------------------------------------------------------------------
@@ -34,13 +36,13 @@ def test_each_entry_is_well_formed_and_its_config_builds(bug):
         assert bug.engine == "vllm" and bug.preset in VLLM_PRESETS
         config = VLLM_PRESETS[bug.preset].config(**bug.config)
     else:
-        config = bug.target_config()  # the overrides are fields of the kind's config, with valid values
+        config = catalogue.target_config(bug)  # the overrides are fields of the kind's config, with valid values
     assert config.preset == bug.preset and all(getattr(config, k) == v for k, v in bug.config.items())
     assert bug.reach and bug.title
 
 
 def test_ids_are_unique_and_no_bug_is_both_in_and_left_out():
-    ids = [b.id for b in catalogue.VLLM + catalogue.SGLANG]
+    ids = [b.id for b in vllm_catalogue.BUGS + sglang_catalogue.BUGS]
     assert len(ids) == len(set(ids))
     assert not {u.id for u in UNREACHED} & set(ids)
     assert all(u.reason for u in UNREACHED)

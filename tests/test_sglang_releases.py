@@ -15,13 +15,13 @@ import sys
 import pytest
 from release_helpers import child_env
 
-from kvaudit.history import catalogue
+from kvaudit.targets.sglang import catalogue
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "sglang_history")
-BUGS = {b.id: b for b in catalogue.SGLANG}
+BUGS = {b.id: b for b in catalogue.BUGS}
 
 # the child: replay one file with the installed SGLang, then print the version and each finding, and
 # whether the catalogue's entry matches one of them

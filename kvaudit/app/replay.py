@@ -91,6 +91,7 @@ def update_replays(files: tuple[str, ...]) -> int:
     :func:`kvaudit.replay.rerecord`), one line per file; EXIT_NOT_REPRODUCED if any file that
     recorded findings now yields none (that file is not written)."""
     from kvaudit.audit.runner import execute
+    from kvaudit.reports.timeline import record as record_timeline
 
     console = make_console()
     lost = 0
@@ -101,7 +102,7 @@ def update_replays(files: tuple[str, ...]) -> int:
             drain = any(f.engine_check_at_idle for f in recorded)
             with OpProgress(make_console(stderr=True), f"replaying {file}", len(program)) as progress:
                 findings = execute(config, program, drain=drain, on_op=progress).findings
-            outcome = replay.rerecord(file, findings)
+            outcome = replay.rerecord(file, findings, timeline=record_timeline)
         except OSError as e:
             raise write_error(e, file) from None
         lost += outcome.startswith("not updated")

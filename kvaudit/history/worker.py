@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import asdict
 
-from kvaudit.history.catalogue import all_bugs
+from kvaudit.history.catalogue import all_bugs, target_config
 from kvaudit.history.trial import HistoryTrial
 
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvaudit.targets import registry
 
     try:
-        config = bug.target_config()
+        config = target_config(bug)
         registry.get(bug.engine).probe(config)
     except (registry.TargetUnavailable, ValueError) as e:
         print(f"kvaudit history: {bug.id} cannot run on {bug.engine} {version}: {e}", file=sys.stderr)

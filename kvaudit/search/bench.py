@@ -82,9 +82,7 @@ def engine_first_failures(config: TargetConfig, program) -> tuple[int | None, in
     fails), None for never. SGLang raises only at idle (benchmarks/engine_check.py tabulates both)."""
     from kvaudit.program import Idle, Step
     from kvaudit.audit.runner import MAX_IDLE_STEPS
-    from kvaudit.targets.eut import EutTarget
-
-    target = EutTarget(config)
+    target = registry.get("eut").make(config)  # the engine bare: no hooks, no audit
     eng = target.engine
     first_idle = first_any = None
     for op in program:

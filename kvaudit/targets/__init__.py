@@ -6,12 +6,9 @@ The configs import without torch; the target classes (which do) are imported on 
 
 from typing import NamedTuple
 
-from kvaudit.targets.sglang.config import SglangConfig
+_LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "TargetFinding": "base"}
 
-_LAZY = {"Accounting": "base", "PoolSpec": "base", "Root": "base", "Target": "base", "TargetFinding": "base",
-         "EutTarget": "eut"}
-
-__all__ = ["Accounting", "PoolSpec", "Root", "Target", "EutTarget", "SglangConfig", "make_target", "config_from_dict",
+__all__ = ["Accounting", "PoolSpec", "Root", "Target", "make_target", "config_from_dict",
            "config_to_dict", "program_features", "EngineSource", "engine_source"]
 
 

@@ -93,7 +93,10 @@ class TargetKind:
     options it reads, ``{name: (choices, help)}`` (``{"tree_core": (("rust", "python"), "...")}``:
     ``--tree-core``, whose first choice is the default); ``regressions``: the corpus directory (relative
     to the repository, shipped in the wheel) whose replay files ``kvaudit ci --target NAME`` checks by
-    default (each reproduces with its bugs on, is deterministic and clean with them off), None: none.
+    default (each reproduces with its bugs on, is deterministic and clean with them off), None: none;
+    ``history()`` the engine's rows of the history suite's catalogue, ``(bugs, unreached)``: the known
+    public bugs of its releases (:class:`kvaudit.targets.catalogue.HistoryBug`) and those the suite does
+    not rediscover (:class:`kvaudit.targets.catalogue.Unreached`), None: none.
     """
 
     name: str
@@ -116,6 +119,7 @@ class TargetKind:
     model_choices: tuple[str, ...] = ("none",)
     options: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     regressions: str | None = None
+    history: Callable[[], tuple[tuple, tuple]] | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
@@ -232,15 +236,18 @@ def _import_plugin(mod: str) -> None:
             from None
 
 
+BUILTIN_MODULES = ("kvaudit.targets.eut.kind", "kvaudit.targets.sglang.kind", "kvaudit.targets.vllm.kind")
+"""The modules that register the built-in kinds (:data:`BUILTIN_KINDS`), imported by name on first use."""
+
+
 def _load() -> None:
     """Register the built-ins, then ``KVAUDIT_PLUGINS`` modules, then entry points (once)."""
     global _loaded
     if _loaded:
         return
     _loaded = True
-    import kvaudit.targets.eut.kind  # noqa: F401  (registers "eut")
-    import kvaudit.targets.sglang.kind  # noqa: F401,F811  (registers "sglang")
-    import kvaudit.targets.vllm.kind  # noqa: F401,F811  (registers "vllm")
+    for mod in BUILTIN_MODULES:  # through the plugins' seam: the registry imports no kind (docs/architecture.md)
+        importlib.import_module(mod)
     for mod in _plugin_modules():
         _importing.append(mod)
         try:

@@ -150,7 +150,8 @@ _LOADED: SimpleNamespace | None = None
 
 
 def load() -> SimpleNamespace:
-    """Import SGLang's memory manager once per process; returns the symbols the target uses.
+    """Import SGLang's memory manager once per process; returns the symbols the target uses. The
+    current API (:data:`compat.CURRENT`); the legacy family's is :func:`kvaudit.targets.sglang.legacy.load_legacy`.
 
     Raises :class:`SglangUnavailable` for a missing or unsupported SGLang, or an API that differs
     from the one this target drives (checked by signature, not by version string alone).
@@ -159,10 +160,9 @@ def load() -> SimpleNamespace:
     if _LOADED is not None:
         return _LOADED
     version = probe_version()
-    if compat.family(version) == "legacy":
-        from kvaudit.targets.sglang.legacy import load_legacy
-        _LOADED = load_legacy(version)
-        return _LOADED
+    if compat.family(version) == "legacy":  # (legacy builds on this module: it is not imported from here)
+        raise SglangUnavailable(f"SGLang {version} is of the legacy family: its memory manager is loaded by "
+                                "kvaudit.targets.sglang.legacy.load_legacy, not boot.load")
     if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
                                 "this target does not need")

@@ -52,13 +52,13 @@ def _probe(config) -> None:
     try:
         probe_version()  # not installed, or a release this target does not drive: no import needed
         if _legacy():
-            from kvaudit.targets.sglang.legacy import refusal
+            from kvaudit.targets.sglang.legacy import load_legacy, refusal
             why = refusal(config)
             if why is not None:
                 raise TargetUnavailable(why)
-        load()
-        if _legacy():
+            load_legacy(probe_version())
             return
+        load()
         if config.disaggregation_mode == "decode":
             from kvaudit.targets.sglang.pd import load_pd
             load_pd()
@@ -112,6 +112,11 @@ def _engine_source():
                         SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)
 
 
+def _history():
+    from kvaudit.targets.sglang.catalogue import BUGS, UNREACHED
+    return BUGS, UNREACHED
+
+
 KIND = register(TargetKind(
     name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 (and 0.5.10.post1, 0.5.11: core pools, "
                            "radix cache and sessions) (its presets start with 'sglang')",
@@ -119,4 +124,4 @@ KIND = register(TargetKind(
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,
     engine_source=_engine_source, describe=_describe, notes=_notes,
-    options={"tree_core": (TREE_CORES, "the UnifiedRadixCache tree core [default: rust, SGLang's own default]")}))
+    options={"tree_core": (TREE_CORES, "the UnifiedRadixCache tree core [default: rust, SGLang's own default]")}, history=_history))

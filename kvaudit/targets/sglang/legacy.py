@@ -40,7 +40,7 @@ from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, Memory
 from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.base import Accounting, PoolSpec, Root, Target
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, install_stubs
+from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, install_stubs, probe_version
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, StepClock
 
 LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
@@ -63,9 +63,19 @@ def refusal(config) -> str | None:
     return None
 
 
+_LOADED: SimpleNamespace | None = None
+
+
 def load_legacy(version: str) -> SimpleNamespace:
-    """Import the era's memory manager (once per process, through :func:`kvaudit.targets.sglang.boot.load`).
+    """Import the era's memory manager, once per process (the legacy family's :func:`kvaudit.targets.sglang.boot.load`).
     Raises :class:`SglangUnavailable` when it does not import or its API is not the era's."""
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = _import_legacy(version)
+    return _LOADED
+
+
+def _import_legacy(version: str) -> SimpleNamespace:
     if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
                                 "this target does not need")
@@ -171,8 +181,7 @@ class SglangLegacyTarget(Target):
     owner_stop_vars = ("reqs", "batch")
 
     def __init__(self, config):
-        from kvaudit.targets.sglang.boot import load
-        S = self.S = load()
+        S = self.S = load_legacy(probe_version())
         why = refusal(config)
         if why is not None:
             raise SglangUnavailable(why)

@@ -46,7 +46,7 @@ FAULTS: dict[str, tuple[str, str]] = {
                                             "does not hold"),
 }
 
-# The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/history/catalogue.py, which
+# The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/targets/vllm/catalogue.py, which
 # names the first release with the fix). On an older release the bug is vLLM's own, and a finding need not
 # come from the fault (kind.notes says so on the run's first lines).
 FAULT_BUGS: dict[str, str] = {
@@ -59,9 +59,9 @@ FAULT_BUGS: dict[str, str] = {
 
 def fault_fixed_in(fault: str) -> str | None:
     """The first vLLM release with the fix of the bug ``fault`` puts back (:data:`FAULT_BUGS`), else None."""
-    from kvaudit.history.catalogue import BUGS
+    from kvaudit.targets.vllm.catalogue import BUGS
     bug = FAULT_BUGS.get(fault)
-    return BUGS[bug].fixed if bug is not None else None
+    return next(b.fixed for b in BUGS if b.id == bug) if bug is not None else None
 
 LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the

@@ -40,8 +40,15 @@ def _notes(config) -> list[str]:
 
 
 def _make(config):
-    from kvaudit.targets.vllm.target import make
-    return make(config)
+    """The target for ``config``'s level (and KV connector)."""
+    if config.level == "manager":
+        from kvaudit.targets.vllm.target import VllmManagerTarget
+        return VllmManagerTarget(config)
+    if config.kv_connector is not None:
+        from kvaudit.targets.vllm.connector import VllmConnectorTarget
+        return VllmConnectorTarget(config)
+    from kvaudit.targets.vllm.target import VllmSchedulerTarget
+    return VllmSchedulerTarget(config)
 
 
 def _probe(config) -> None:
@@ -101,9 +108,14 @@ def _capabilities(config) -> frozenset[str]:
     return frozenset({"prefix_cache"} if config.enable_prefix_caching else ())
 
 
+def _history():
+    from kvaudit.targets.vllm.catalogue import BUGS, UNREACHED
+    return BUGS, UNREACHED
+
+
 KIND = register(TargetKind(
     name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1 to 0.33.0 (presets 'vllm...')",
     config_class=VllmConfig, presets=_presets, make=_make, bugs=_bugs,
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
-    notes=_notes, regressions="corpora/vllm"))
+    notes=_notes, regressions="corpora/vllm", history=_history))

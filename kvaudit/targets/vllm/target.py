@@ -438,13 +438,3 @@ def _evict_cached(manager) -> None:
     ids = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null}
     if ids:
         manager.evict_blocks(ids)
-
-
-def make(config: VllmConfig):
-    """The target for ``config``'s level (and KV connector)."""
-    if config.level == "manager":
-        return VllmManagerTarget(config)
-    if config.kv_connector is not None:
-        from kvaudit.targets.vllm.connector import VllmConnectorTarget
-        return VllmConnectorTarget(config)
-    return VllmSchedulerTarget(config)

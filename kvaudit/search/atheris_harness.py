@@ -82,7 +82,11 @@ def _die(msg: str) -> None:
 
 def _config():
     from engine_under_test import UnknownBugError
-    from kvaudit.targets.eut.presets import EutConfig, UnknownPresetError, get_preset
+    from kvaudit.config import UnknownPresetError
+    from kvaudit.targets import registry
+
+    eut = registry.get("eut")  # the built-in engine, through the registry (no target kind imported here)
+    EutConfig, get_preset = eut.config_class, eut.preset
 
     raw = os.environ.get("KVAUDIT_CONFIG", "").strip() or "default"
     bugs = frozenset(b.strip() for b in os.environ.get("KVAUDIT_BUGS", "").split(",") if b.strip())

@@ -1,0 +1,59 @@
+"""SGLang's rows of the history suite's catalogue (:mod:`kvaudit.history.catalogue`): its known public
+KV-lifecycle bugs, each with the last release that ships it and the first that does not, and the ones the
+suite does not rediscover. Facts from the releases' own code and the public trackers
+(``../shared/reference/history-facts.md``)."""
+
+from __future__ import annotations
+
+from kvaudit.targets.catalogue import HistoryBug, Unreached
+
+BUGS: tuple[HistoryBug, ...] = (
+    # the three run on kvaudit's legacy driver family (kvaudit/targets/sglang/legacy.py); its Python
+    # RadixCache is the era's only tree, so the tree_core override only keeps the reports honest
+    HistoryBug(
+        id="sglang-22273", engine="sglang",
+        title="a streaming-session turn aborted before it runs is still treated as a session turn: it borrows the "
+              "slot, overwrites its row and saves a 1-token KV back (the history is lost, session_held goes "
+              "negative), or, queued beside the session's first turn, becomes the slot that turn then overwrites",
+        sources=("sgl-project/sglang#22273",), buggy="0.5.10.post1", fixed="0.5.11", clean_because="fix",
+        preset="sglang-session", config={"tree_core": "python"}, finding="leak",
+        signature="/from:session",
+        reach="a streaming session whose next turn is rejected at intake (its history no longer fits the context, "
+              "or it asks for replace / offset / drop_previous_output): set_finish_with_abort leaves it queued "
+              "with to_finish, match_prefix restores the slot into it, alloc_for_extend overwrites the row and "
+              "cache_finished_req saves kv_committed_len=1 into the slot; the history's KV is unreachable"),
+    HistoryBug(
+        id="sglang-21875", engine="sglang",
+        title="closing a streaming session while its turn decodes releases the slot's row and KV under the running "
+              "turn (use-after-free), which then fails at finish on the slot's virtual node",
+        sources=("sgl-project/sglang#21875",), buggy="0.5.10.post1", fixed="0.5.11", clean_because="fix",
+        preset="sglang-session", config={"tree_core": "python"}, finding="use-after-free",
+        signature="use-after-free/req_to_token_pool/request-kv/_close@session_controller.py",
+        reach="a client closes a streaming session (/close_session) while that session's latest turn is still "
+              "decoding: SessionController._close detaches the turn and release_session frees the row and KV "
+              "the turn was restored into; the next decode writes into freed slots"),
+    HistoryBug(
+        id="sglang-22213", engine="sglang",
+        title="the busy memory check counts a streaming session's borrowed KV twice (session_held and the running "
+              "turn's uncached): a false 'Mem Leak Detected' while memory is intact",
+        sources=("sgl-project/sglang#22213", "sgl-project/sglang#22753"), buggy="0.5.10.post1", fixed="0.5.11",
+        clean_because="fix", preset="sglang-session", config={"tree_core": "python", "strict_mem_check_during_busy": True},
+        finding="accounting-drift",
+        signature="accounting-drift/token_to_kv_pool/engine_check",
+        reach="a server run with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY (the streaming-session CI does): any "
+              "second turn of a streaming session that decodes while its slot lends it the KV; the assertion "
+              "in self_check_during_busy stops the scheduler"),
+)
+
+UNREACHED: tuple[Unreached, ...] = (
+    Unreached("sglang-28374", "sglang", ("sgl-project/sglang#28374",), "all, to 0.5.23",
+              "the PR was closed unmerged: no fixing release"),
+    Unreached("sglang-10871", "sglang", ("sgl-project/sglang#10871",), "0.5.2-0.5.5",
+              "the PR was closed 'DO NOT MERGE' and the path was refactored away in 0.5.5.post3: no "
+              "confirmed bug/fix pair"),
+    Unreached("sglang-9817", "sglang", ("sgl-project/sglang#9817",), "0.5.1 -> 0.5.2",
+              "SGLang 0.5.1's API needs a third driver family (no release_kv_cache, no sessions)"),
+    Unreached("sglang-9874", "sglang", ("sgl-project/sglang#9874",), "0.5.1 -> 0.5.2",
+              "0.5.1's HiCache controller creates torch.cuda.Stream() at construction: needs a GPU or CUDA "
+              "shims, and the 0.5.1 driver family"),
+)

@@ -1,0 +1,108 @@
+"""vLLM's rows of the history suite's catalogue (:mod:`kvaudit.history.catalogue`): its known public
+KV-lifecycle bugs, each with the last release that ships it and the first that does not, and the ones the
+suite does not rediscover. Facts from the releases' own code and the public trackers
+(``../shared/reference/history-facts.md``)."""
+
+from __future__ import annotations
+
+from kvaudit.targets.catalogue import HistoryBug, Unreached
+
+BUGS: tuple[HistoryBug, ...] = (
+    HistoryBug(
+        id="vllm-45357", engine="vllm",
+        title="blocks freed while an in-flight async step still writes them, then reused as a KV load's target",
+        sources=("vllm-project/vllm#45357",), buggy="0.23.0", fixed="0.24.0", clean_because="fix",
+        preset="vllm-kv-connector", finding="use-after-free", check="inflight-write",
+        reach="a decode instance (NixlConnector, kv_both or kv_consumer) with async scheduling, the default: "
+              "a request that finishes (EOS) or is aborted while the next batch, which scheduled it again, "
+              "runs; its blocks go back to the pool and a new request's remote KV load can land in them "
+              "before that batch's writes"),
+    HistoryBug(
+        id="vllm-47282", engine="vllm",
+        title="a sliding window's out-of-window blocks freed on the optimistic num_computed_tokens while an "
+              "in-flight async step still reads them",
+        sources=("vllm-project/vllm#47282", "vllm-project/vllm#47728"), buggy="0.25.0", fixed="0.26.0",
+        clean_because="fix", preset="vllm-kv-connector-swa", finding="use-after-free", check="inflight-read",
+        reach="a decode instance of a sliding-window model (hybrid KV-cache manager, a GPU) with a KV-consumer "
+              "connector and async scheduling: remove_skipped_blocks runs with num_computed_tokens already "
+              "advanced past the step in flight (at the next schedule, or at finish in _connector_finished), "
+              "so blocks that step's attention window still reads go back to the pool, where a remote KV "
+              "load can overwrite them mid-read"),
+    HistoryBug(
+        id="vllm-42571", engine="vllm",
+        title="eager SimpleCPUOffloadConnector with a sliding window: one request's store lists a GPU block "
+              "twice, and when the store completes after the request let go, free_blocks queues it twice",
+        sources=("vllm-project/vllm#42571", "vllm-project/vllm#42615", "vllm-project/vllm#42903"),
+        buggy="0.23.0", fixed="0.24.0", clean_because="refactor",
+        preset="vllm-cpu-offload-swa", finding="double-free", check="queued-twice",
+        reach="a sliding-window model with vLLM's SimpleCPUOffloadConnector in eager mode (its default): a "
+              "request's pending store keeps the id of a block the window dropped; the same request is given "
+              "that block back (its full-attention group shares the pool) while a small or busy CPU tier holds "
+              "the store back, so one store event lists the block twice and takes two references; at the "
+              "store's completion, after the request finished, <= 0.23.0's BlockPool.free_blocks queues it "
+              "twice (a corrupt free list, then an assertion in the free queue). The fix PRs are still open: "
+              "0.24.0's rewritten free_blocks queues a block once, and 0.33.0 still lists the duplicate (two "
+              "CPU copies of one block, the pool whole)"),
+    HistoryBug(
+        id="vllm-43433", engine="vllm",
+        title="once only finished requests whose KV connector delays their free are left, the engine stops "
+              "stepping: their blocks stay allocated until another request arrives",
+        sources=("vllm-project/vllm#43433",), buggy="0.21.0", fixed="0.22.0", clean_because="fix",
+        preset="vllm-kv-connector", config={"async_scheduling": False}, finding="hang",
+        reach="a prefill instance (NixlConnector, do_remote_decode) or any connector that delays frees: the "
+              "last request finishes while its KV is being sent; Scheduler.has_finished_requests says no work is "
+              "left, the engine core stops calling step(), the connector's finished_sending is never taken, and "
+              "the blocks stay held until the next client request (0.22.0 counts such requests as work). "
+              "Synchronous scheduling here, so that 0.22.0 (before #45357's fix) has nothing else to report"),
+    HistoryBug(
+        id="vllm-32255", engine="vllm",
+        title="a request aborted while its remote KV load is in flight has its blocks freed at once; the "
+              "load still writes them",
+        sources=("vllm-project/vllm#32255",), buggy="0.15.1", fixed="0.16.0", clean_because="fix",
+        preset="vllm-kv-load", finding="use-after-free", check="inflight-load",
+        reach="a decode instance (NixlConnector, kv_both or kv_consumer): a client disconnects while its "
+              "request waits for the prefill instance's KV (WAITING_FOR_REMOTE_KVS); 0.15.1's "
+              "finish_requests frees the blocks the NIXL read is writing, and the next request can get them"),
+    HistoryBug(
+        id="vllm-33377", engine="vllm",
+        title="with async scheduling, a request already finished (aborted, or stopped) whose KV connector holds "
+              "its blocks is finished again when its in-flight step's output comes back: request_finished "
+              "twice, two sends, a double free",
+        sources=("vllm-project/vllm#33377",), buggy="0.15.1", fixed="0.16.0", clean_because="fix",
+        preset="vllm-kv-save", finding="double-free", check="finished-once",
+        reach="async scheduling (the default) with a KV connector that saves asynchronously and delays the free "
+              "of finished requests, aborted ones included (LMCache, OffloadingConnector with a store in "
+              "flight): a client aborts while the request's step is in flight; 0.15.1's update_from_output "
+              "processes its token, finds it stopped and frees it again; the second finished_sending then "
+              "trips an assertion and kills EngineCore"),
+    HistoryBug(
+        id="vllm-49684", engine="vllm",
+        title="the routed-experts block-id snapshot (Scheduler._re_block_ids) keeps an entry for every "
+              "request aborted before its step produced a token",
+        sources=("vllm-project/vllm#49684",), buggy="0.30.0", fixed="0.31.0", clean_because="refactor",
+        replay_blocked="0.31.0 moves the routed experts behind Model Runner V2, whose config needs Triton: "
+                       "vLLM refuses the preset's config on CPU",
+        preset="vllm-moe-experts", finding="leak", check="dead-table:_re_block_ids",
+        reach="a mixture-of-experts model served with enable_return_routed_experts and async scheduling: each "
+              "client abort of a request whose step is in flight leaves its entry for good (the server's "
+              "memory grows with aborts). Fixed in 0.31.0 by a refactor (an aux-output connector behind "
+              "Model Runner V2), which needs Triton: the fixed twin is not built on CPU, so the program is "
+              "not replayed there"),
+)
+
+UNREACHED: tuple[Unreached, ...] = (
+    Unreached("vllm-44237", "vllm", ("vllm-project/vllm#44237",), "0.23.0 -> 0.24.0 (refactor)",
+              "the PR was closed unmerged; the trigger (the single-block collision branch of the map's pop) "
+              "is unclear"),
+    Unreached("vllm-48245", "vllm", ("vllm-project/vllm#48245", "vllm-project/vllm#47900"), "fixed 2026-07-10",
+              "an EngineCore assertion (num_output_placeholders underflow) when KV pressure preempts a request "
+              "with an output in flight; it shows with speculative decoding or pipeline parallelism, which the "
+              "target does not drive (15 s of random programs per seed, 3 seeds, async scheduling on the small "
+              "pool: nothing on 0.25.0)"),
+    Unreached("vllm-46066", "vllm", ("vllm-project/vllm#46066",), "fixed 2026-06-18",
+              "reset_prefix_cache(reset_running_requests=True) with speculative decoding: the target drives "
+              "neither"),
+    Unreached("vllm-49674", "vllm", ("vllm-project/vllm#49674", "vllm-project/vllm#49675"), "0.24.0 and later",
+              "a progress defect (preemption cascades that free nothing while #45357's frees are deferred), not "
+              "a broken memory invariant: kvaudit's oracles check memory and hangs, not throughput"),
+)

@@ -1,0 +1,173 @@
+"""The layers of docs/architecture.md, enforced: the import graph of kvaudit/ (every import, top level and
+inside functions, relative ones resolved) has no cycle and no import that goes up the stated order."""
+
+import ast
+import os
+import re
+import shutil
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("eut", "sglang", "vllm")
+
+
+def stated_order() -> dict[str, int]:
+    """Room -> rank, from the ```layers block of docs/architecture.md (one line per rank)."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        block = re.search(r"```layers\n(.*?)```", f.read(), re.S).group(1)
+    return {room: rank for rank, line in enumerate(block.splitlines()) for room in line.split()}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "kvaudit"
+    if parts[1] == "targets" and len(parts) > 2 and parts[2] in KINDS:
+        return f"targets.{parts[2]}"
+    return parts[1]
+
+
+def import_graph(root: str) -> dict[str, set[str]]:
+    """Module -> the kvaudit modules it imports, for every .py file under ``root``/kvaudit."""
+    files = {}
+    for d, _, names in os.walk(os.path.join(root, "kvaudit")):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(d, name)
+                mod = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                files[mod.removesuffix(".__init__")] = path
+
+    def resolve(name: str) -> str | None:  # the module a dotted name lives in (a package, a module, or its attribute)
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        out = graph.setdefault(mod, set())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name == "kvaudit" or name.startswith("kvaudit."):
+                    target = resolve(name)
+                    if target is not None and target != mod:
+                        out.add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def against_order(graph: dict[str, set[str]], order: dict[str, int]) -> list[str]:
+    """Every import from a room to a higher one, or between two peers of one rank."""
+    bad = []
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            ra, rb = room(a), room(b)
+            if ra != rb and order[rb] >= order[ra]:
+                bad.append(f"{a} -> {b} ({ra} is below {rb})" if order[rb] > order[ra] else
+                           f"{a} -> {b} ({ra} and {rb} are peers)")
+    return bad
+
+
+def test_every_room_of_the_package_is_in_the_stated_order():
+    order = stated_order()
+    rooms = {room(m) for m in import_graph(ROOT)}
+    assert rooms - set(order) == set(), "add the new room to docs/architecture.md's layers"
+    assert len(rooms) > 15  # the graph was built (a wrong root would give an empty set)
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph(ROOT)
+    assert sum(map(len, graph.values())) > 300  # function-level imports included
+    assert cycles(graph) == []
+
+
+def test_no_import_goes_up_the_stated_order():
+    assert against_order(import_graph(ROOT), stated_order()) == []
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """A copy of kvaudit/ to plant imports into."""
+    shutil.copytree(os.path.join(ROOT, "kvaudit"), tmp_path / "kvaudit",
+                    ignore=shutil.ignore_patterns("__pycache__", "templates"))
+    return tmp_path
+
+
+def _plant(copy, rel: str, line: str) -> None:
+    path = copy / "kvaudit" / rel
+    path.write_text(path.read_text() + f"\n\ndef _planted():\n    {line}\n")
+
+
+def test_a_planted_function_level_upward_import_is_caught(copy):
+    _plant(copy, "program/ops.py", "from kvaudit.reports.report import summary_line  # noqa")
+    bad = against_order(import_graph(str(copy)), stated_order())
+    assert bad == ["kvaudit.program.ops -> kvaudit.reports.report (program is below reports)"]
+
+
+def test_a_planted_cycle_is_caught(copy):
+    # audit.runner imports the registry (down); the registry importing the runner back closes a circle
+    _plant(copy, "targets/registry.py", "from kvaudit.audit import runner  # noqa")
+    graph = import_graph(str(copy))
+    found = cycles(graph)
+    assert len(found) == 1 and {"kvaudit.targets.registry", "kvaudit.audit.runner"} <= set(found[0])
+
+
+def test_a_relative_import_between_peers_is_caught(copy):
+    _plant(copy, "targets/vllm/config.py", "from ..sglang import config  # noqa")
+    bad = against_order(import_graph(str(copy)), stated_order())
+    assert bad == [f"kvaudit.targets.vllm.config -> kvaudit.targets.sglang{m} (targets.vllm and targets.sglang are peers)"
+                   for m in ("", ".config")]  # the package, then the module imported from it
