@@ -15,7 +15,7 @@ import pytest
 
 from cli_helpers import invoke, one_error_line
 from kvaudit import replay
-from kvaudit.export.http_api import HTTP_API
+from kvaudit.export.http_api import apis
 from kvaudit.export.issue import SECTIONS
 from kvaudit.program.schema import pick, prompt_tokens
 
@@ -316,7 +316,7 @@ def test_export_bad_input_is_one_line_exit_2(tmp_path):
 
 def test_the_api_table_names_every_op_for_sglang_with_the_version_checked():
     from kvaudit.program import OPS
-    api = HTTP_API["sglang"]
+    api = apis()["sglang"]
     assert api.version == "0.5.23" and set(api.calls) == set(OPS)
     assert {c.path for c in api.calls.values() if c.path} >= {
         "/generate", "/open_session", "/close_session", "/abort_request", "/flush_cache", "/pause_generation",

@@ -20,9 +20,10 @@ import pytest
 from cli_helpers import invoke, one_error_line
 from release_helpers import child_env
 from kvaudit import replay
-from kvaudit.export.http_api import HTTP_API, vllm_flag_line
+from kvaudit.export.http_api import apis
 from kvaudit.export.issue import SECTIONS
 from kvaudit.program.schema import prompt_tokens
+from kvaudit.targets.vllm.export import vllm_flag_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")) +
@@ -343,7 +344,7 @@ def test_every_completion_a_vllm_client_sends_is_one_vllm_0_33_0_accepts(stand_i
 
 def test_the_api_table_names_every_op_for_vllm_with_the_version_checked():
     from kvaudit.program import OPS
-    api = HTTP_API["vllm"]
+    api = apis()["vllm"]
     assert api.version == "0.33.0" and set(api.calls) == set(OPS)
     assert {c.path for c in api.calls.values() if c.path} == {"/v1/completions", "/health", "/reset_prefix_cache",
                                                              "/metrics"}

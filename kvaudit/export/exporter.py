@@ -6,16 +6,14 @@ import os
 from typing import NamedTuple
 
 from kvaudit.export.client import expected_line, render_client
-from kvaudit.export.http_api import HTTP_API, launch_line
+from kvaudit.export.http_api import apis, export_for
 from kvaudit.export.issue import render_issue, title_of
 from kvaudit.export.notes import history_note, note_for
 from kvaudit.export.plan import plan as make_plan
 from kvaudit.export.trace import trace
 from kvaudit.program import format_op
 from kvaudit.replay import ReplayFormatError, load, write_text_atomic
-
-STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
-# MODEL in the launch lines: any model whose vocabulary has the token ids 2..127 (every real one does)
+from kvaudit.targets.registry import kind_of
 
 
 class ExportError(ValueError):
@@ -29,16 +27,6 @@ class Exported(NamedTuple):
     client: str | None
     exact: bool
     traced: bool
-
-
-def planted_fault(config) -> str | None:
-    """The injected faults of a vLLM ``config`` (its ``bugs``), described as ``kvaudit bugs`` lists
-    them, or None when it names none (a finding in vLLM as shipped)."""
-    bugs = sorted(getattr(config, "bugs", ()) or ())
-    if not bugs:
-        return None
-    from kvaudit.targets.vllm.config import FAULTS
-    return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs)
 
 
 def history_bug(path: str, config):
@@ -62,24 +50,20 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
         config, program, findings, doc = load(path)
     except ReplayFormatError as e:
         raise ExportError(str(e)) from None
-    from kvaudit.targets.registry import kind_of
     target = kind_of(config).name  # (a plugin's config need not have a ``target`` field)
-    if target not in HTTP_API:
-        raise ExportError(f"{path}: target {target!r} has no client export (supported: {', '.join(HTTP_API)})")
+    try:
+        ex = export_for(target)
+    except KeyError:
+        raise ExportError(f"{path}: target {target!r} has no client export (supported: {', '.join(apis())})") \
+            from None
     tr = trace(config, program) if resolve else None
     plan = make_plan(config, program, tr)
-    launch, env, unmapped = launch_line(config)
+    launch, env, unmapped = ex.launch(config)
     sigs = [f.signature for f in findings]
     note = note_for(sigs, config.preset)
     kind = findings[0].kind if findings else "leak"
-    planted = None
-    if target == "sglang":
-        if any(op.kind == "memory_pressure" for op in program):
-            env = ["SGLANG_TEST_RETRACT=1"] + env
-        if kind not in ("crash", "hang") and not config.enable_hisparse:  # (its idle check is off under HiSparse)
-            env = env + [STRICT_IDLE_CHECK]
-    else:
-        planted = planted_fault(config)
+    env = ex.launch_env(config, program, kind, env)
+    planted = ex.planted(config)
     bug = history_bug(path, config)
     release = None
     if bug is not None:
@@ -87,15 +71,15 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
         note = history_note(bug, note)
     title = title_of(findings, note)
     if planted is not None:
-        title = "[planted fault, not a vLLM bug] " + title
+        title = f"[planted fault, not a {ex.api.engine} bug] " + title
     server = note.server if note is not None else ""
-    pool_blocks = config.num_gpu_blocks - 1 if target == "vllm" else None
+    pool_blocks, max_model_len = ex.client_sizes(config)
     issue_path = client_path = None
     if client_out is not None:
         client_path = write_text_atomic(client_out, render_client(
             plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env,
             planted=planted, pool_blocks=pool_blocks, release=release[0] if release else None,
-            max_model_len=config.max_model_len if target == "vllm" else None))
+            max_model_len=max_model_len))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
         text = render_issue(config=config, program_lines=[format_op(op) for op in program], findings=findings,

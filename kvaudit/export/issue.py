@@ -13,10 +13,11 @@ import os
 
 from kvaudit.audit.findings import Finding
 from kvaudit.export.client import curl_lines
-from kvaudit.export.http_api import api_for
+from kvaudit.export.http_api import export_for
 from kvaudit.export.notes import Note
 from kvaudit.export.plan import Plan
 from kvaudit.reports.sarif import engine_path, finding_stacks
+from kvaudit.targets.registry import kind_of
 
 SECTIONS = ("## Environment", "## What happens", "## Minimized program", "## Reproduce with a client",
             "## kvaudit report", "## Why this is a defect", "## Suggested fix", "## How sure we are")
@@ -67,21 +68,20 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     ``planted``: the injected fault's description when the finding is kvaudit's planted fault (the
     report then says so at the top), else None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
     older release (the history suite's), None for a finding on the release the API table was read on."""
-    api = api_for(config.target)
-    package = config.target
-    vllm = config.target == "vllm"
+    ex = export_for(kind_of(config).name)
+    api, package, words = ex.api, ex.package, ex.issue
     title = title_of(findings, note)
     if planted is not None:
         title = f"[planted fault, not a {api.engine} bug] {title}"
     base = os.path.basename(source)
-    url = "http://127.0.0.1:8000" if vllm else "http://127.0.0.1:30000"
+    url = ex.client.url
     out = [f"# {title}", ""]
     if planted is not None:
         out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "
                 f"own objects through its wrappers to test itself ({planted}). An unmodified {api.engine} "
                 f"{api.version} does not have it, and the client script below is expected to print `RESULT: NOT "
-                "REPRODUCED` against a real server. The report is a demonstration of `kvaudit export` on a vLLM "
-                "finding; do not file it.", ""]
+                "REPRODUCED` against a real server. The report is a demonstration of `kvaudit export` on a "
+                f"{api.engine} finding; do not file it.", ""]
     version = api.version if release is None else release[0]
     found_on = (f"in {api.engine} {api.version}" if release is None else
                 f"in {api.engine} {release[0]}, the release that ships this bug (fixed in {release[1]}: "
@@ -91,39 +91,17 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
     out += ["## Environment", "",
             f"- {api.engine} {version} (`pip install {package}=={version}`), kvaudit preset "
-            f"`{config.preset}`, " + (f"block size {config.block_size}, {config.num_gpu_blocks} blocks (the null "
-                                      f"block included), level {config.level}." if vllm else
-                                      f"page size {config.page_size}, {config.num_slots}-token KV pool."),
+            f"`{config.preset}`, " + words.environment(config),
             "- The server launch this preset corresponds to:", "", "```",
             " ".join(env + [launch]), "```", "",
             "- Not set by a flag (kvaudit's driver sets them; a server picks its own): " + "; ".join(unmapped) + "."]
-    if any(e.startswith("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=") for e in env):
-        out.append("- `SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1` makes SGLang's own idle memory check raise "
-                   "instead of log: a leak it sees then stops the server (without it, look for \"memory leak "
-                   "detected\" in the server log).")
-    if any(e.startswith("SGLANG_TEST_RETRACT=") for e in env):
-        out.append("- `SGLANG_TEST_RETRACT=1` makes decode retract periodically: the program's memory pressure, "
-                   "which a client cannot create.")
+    out += words.launch_notes(config, env)
     if release is not None:
-        from kvaudit.export.http_api import VLLM_ROUTES_ALSO_CHECKED
-        checked = VLLM_ROUTES_ALSO_CHECKED.get(release[0]) if vllm else None
+        checked = ex.routes_also_checked.get(release[0])
         out.append(f"- The client's routes and request fields were read on {api.engine} {api.version}" +
                    (f" and found the same in {release[0]}'s own sources ({', '.join(f'`{f}`' for f in checked)})."
                     if checked else f"; {release[0]}'s were not checked."))
-    if vllm:
-        out.append("- `VLLM_SERVER_DEV_MODE=1` mounts `/reset_prefix_cache` (the program's `flush_cache`, and the "
-                   "script's check that no block is held at the end).")
-    if vllm and config.kv_connector == "NixlConnector":
-        out.append("- With NIXL: requests the program reads remote KV for need a prefill server "
-                   "(`--kv-transfer-config` "
-                   "with `\"kv_role\": \"kv_producer\"`) passed as `--prefill-url`; without it they are sent as "
-                   "plain requests.")
-    if getattr(config, "enable_hisparse", False):
-        out.append("- HiSparse runs on DSA (DeepSeek Sparse Attention) models only: use one for `--model-path`.")
-    if getattr(config, "disaggregation_mode", None) == "decode":
-        out.append("- This is a PD decode server: it needs a prefill server and a router in front "
-                   "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router (`--url`) and read the decode server's counters "
-                   "(`--metrics-url`).")
+    out += words.server_notes(config)
     out += ["", "## What happens", ""]
     kinds = ", ".join(f"{f.kind}" + (f" in {f.pool}" if f.pool != "-" else "") + f" ({f.message.splitlines()[0][:160]})"
                       for f in findings) or "no finding recorded"
@@ -134,8 +112,7 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             "kvaudit's ops, numbered as the findings name them (`submit` is a generate request of `prompt_len` "
             "tokens and `max_new_tokens` output tokens; `session=k` is the next turn of the k-th open session; "
             "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
-            "taken modulo the live requests or open sessions" + ("; `abort(handle=None)` aborts every request the "
-                                                                 "Scheduler holds" if vllm else "") + "):", "", "```"]
+            "taken modulo the live requests or open sessions" + words.program_note + "):", "", "```"]
     out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
     out += ["## Reproduce with a client", ""]
     curl_hint = ""
@@ -152,19 +129,11 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if curls:
         out += ["The same by hand (each call waits for its answer; the last one never gets a normal answer if the "
                 "bug fires):", "", "```sh"] + curls + ["```", ""]
-    if plan.exact and vllm:
-        out += ["The client reproduces the program's calls one to one: each submit is one streaming "
-                "`/v1/completions` (kept open in a thread), an abort closes that stream's connection (vLLM aborts a "
-                "request whose client disconnects: `with_cancellation` in `vllm/entrypoints/serve/utils/api_utils.py`,"
-                " `AsyncLLM.generate` in `vllm/v1/engine/async_llm.py`), and nothing waits on step timing.", ""]
-    elif plan.exact:
-        out += ["The client reproduces the program exactly: every op maps to one HTTP call and nothing depends on "
-                "timing; submits of one scheduler step go in one batched `/generate` (SGLang queues a batch's items "
-                "in one scheduler iteration).", ""]
+    if plan.exact:
+        out += [words.exact, ""]
     else:
         out += ["The client only approximates the program (a client cannot pace the scheduler step by step" +
-                (", see a step in flight, or drive a KV transfer" if vllm else " or force memory pressure") + "):",
-                ""] + [f"- {a}" for a in plan.approximations] + [""]
+                words.approximates + "):", ""] + [f"- {a}" for a in plan.approximations] + [""]
     out += ["The calls, in order:", ""]
     for c in plan.calls:
         call = api.calls.get({"generate": "submit", "health": "health_check", "pause": "pause_generation",
@@ -181,9 +150,8 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             what = f"wait (stands for {c.args['steps']} scheduler step(s))"
         elif c.kind == "ignored":
             what = f"nothing sent for `{c.args['op']}` ({c.note})"
-        elif c.kind == "abort" and vllm:
-            what = ("close the connection of every open stream" if c.args["rid"] is None else
-                    f"close the connection of {c.args['rid']}'s stream") + " (vLLM aborts on disconnect)"
+        elif words.call_text(c) is not None:
+            what = words.call_text(c)
         elif c.kind == "idle":
             what = "wait until every request has answered and none runs or queues (polls GET /metrics)"
         elif c.args:
@@ -192,7 +160,7 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     out += ["", "## kvaudit report", "",
             f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
             f"frames under `kvaudit/` are kvaudit's driver, which calls {api.engine}'s functions in the "
-            f"{'engine core' if vllm else 'scheduler'}'s order.",
+            f"{words.driver}'s order.",
             ""]
     for f in findings:
         out += _finding(f, package)
@@ -202,10 +170,7 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if note is not None:
         out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, "
                 f"{'section' if release is not None else 'finding'} {note.readme}.)", ""]
-    seen_how = ("(Scheduler or AsyncScheduler, KVCacheManager, BlockPool, prefix-cache map) on CPU, through its "
-                "driver, which calls them as vLLM's engine core does with synthetic model outputs"
-                if vllm else "(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, "
-                             "which plays the scheduler loop in SGLang's call order with a stand-in model")
+    seen_how = words.seen_how
     out += ["## How sure we are", "",
             f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
             f"{seen_how}; the finding replays deterministically ({doc.get('confirmations', 'not recorded')}).",

@@ -161,6 +161,15 @@ HISTORY_SERVER: dict[str, str] = {
 }
 
 
+def _engine_name(kind: str) -> str:
+    """The engine's name as its project spells it (its kind's HTTP table's), else the kind's name."""
+    from kvaudit.export.http_api import export_for
+    try:
+        return export_for(kind).api.engine
+    except KeyError:
+        return kind
+
+
 def history_note(bug, note: Note | None) -> Note:
     """The note for a replay file of the history suite's ``bug`` (a
     :class:`kvaudit.history.catalogue.HistoryBug`): its title, how a server reaches it (``reach``), the
@@ -168,6 +177,6 @@ def history_note(bug, note: Note | None) -> Note:
     fix = (f"Fixed upstream in vLLM {bug.fixed} ({', '.join(bug.sources)}); upgrade." if bug.fixed else
            f"Not fixed upstream as of the history suite ({', '.join(bug.sources)}).")
     server = HISTORY_SERVER.get(bug.id, note.server if note is not None else "")
-    engine = {"vllm": "vLLM", "sglang": "SGLang"}.get(bug.engine, bug.engine)
+    engine = _engine_name(bug.engine)
     return Note(f"{bug.title} ({engine} {bug.buggy}, {', '.join(bug.sources)})", bug.reach, fix, server,
                 "\"vLLM's own bugs in old releases\"")

@@ -1,11 +1,13 @@
 """A program as the HTTP calls a client makes, in the program's order (:func:`plan`).
 
-SGLang: ops between two ``step``/``idle`` ops reach the scheduler at one intake, so consecutive
-submits there with the same session parameters become ONE batched ``/generate`` (SGLang sends a
-batch of pre-tokenized inputs to the scheduler as one message). vLLM: every submit is its own
-streaming ``/v1/completions`` (an abort closes one request's connection, so requests are never
-batched in one HTTP call); the ops the vLLM target ignores (sessions, pauses, a transfer failure)
-become ``ignored`` calls that send nothing. Every other op is its own call, sent after the previous
+The engine's rules come from its target kind (:class:`kvaudit.targets.export_api.EngineExport`). An
+engine that batches (``batch_submits``, SGLang): ops between two ``step``/``idle`` ops reach the
+scheduler at one intake, so consecutive submits there with the same session parameters become ONE
+batched request (SGLang sends a batch of pre-tokenized inputs to the scheduler as one message). One
+that does not (vLLM): every submit is its own streaming request (an abort closes one request's
+connection, so requests are never batched in one HTTP call); the ops its target ignores
+(``ignored_ops``: vLLM's sessions, pauses, a transfer failure) become ``ignored`` calls that send
+nothing. Every other op is its own call, sent after the previous
 one with a short gap so that the server sees them in order. Requests and sessions are
 named, not taken modulo the live set: :mod:`kvaudit.export.trace` resolves the handles on the target
 when it can be built here, else they are resolved statically (every submitted request counted live).
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvaudit.export.http_api import api_for
+from kvaudit.export.http_api import export_for
 from kvaudit.export.trace import Trace
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, TransferFail, format_op)
 from kvaudit.program.schema import pick, prompt_tokens
+from kvaudit.targets.registry import kind_of
 
 
 @dataclass
@@ -66,7 +69,7 @@ class Plan:
     op_lines: list[str]
     traced: bool
     open_at_end: list[str]
-    engine: str = "sglang"  # the HTTP table's key (a replay config's target)
+    engine: str  # the kind whose HTTP table the calls follow (a replay config's target)
 
     @property
     def exact(self) -> bool:
@@ -106,10 +109,12 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
     """The client calls for ``program`` on a server launched as ``config`` says. ``tr``: the trace of
     the program on the target (handles as the target resolved them); None resolves them statically.
     Request lengths are clamped as the SGLang and vLLM targets clamp them (prompt ``context_len // 2``,
-    output ``context_len // 4``). Raises ``KeyError`` for a target with no HTTP table."""
-    api = api_for(config.target)
-    vllm = config.target == "vllm"
-    ignored_kinds = (OpenSession, CloseSession, PauseGeneration, ContinueGeneration, TransferFail) if vllm else ()
+    output ``context_len // 4``). The engine's rules come from its kind's ``export``: whether submits
+    of one intake are batched, the ops its target ignores, whether a flush's timeout is honoured, which
+    submits a P/D pair's other side serves. Raises ``KeyError`` for a target with no HTTP table."""
+    engine = kind_of(config).name
+    ex = export_for(engine)
+    api, batch = ex.api, ex.batch_submits
     views = {v.index: v for v in tr.views} if tr is not None else {}
     calls: list[Call] = []
     sessions: list[str] = []  # static resolution (the same rule as the target's intake)
@@ -143,16 +148,9 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                 item.input_ids = (texts.get(base, []) + ids)[:cap]
                 item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "
                                   "resends its output so far, which is the model's on a real server")
-            if vllm:
-                item.remote = _remote_of(config, len(submitted))
-                if item.remote == "prefill":
-                    item.notes.append("the KV-connector preset reads this prompt's KV from a remote prefill "
-                                      "instance (do_remote_prefill): the script does so with --prefill-url (a "
-                                      "second server, kv_producer), else sends a plain request")
-                elif item.remote == "decode":
-                    item.notes.append("the KV-connector preset has a remote decode instance read this request's KV "
-                                      "when it ends (do_remote_decode): its blocks are held until then (on a server "
-                                      "with no decode instance, until NIXL's abort timeout)")
+            item.remote = ex.remote_of(config, len(submitted))
+            if item.remote is not None:
+                item.notes.append(ex.remote_notes[item.remote])
             if op.stop_at is not None and op.stop_at < max_new and not op.ignore_eos:
                 item.max_new_tokens = op.stop_at
                 item.notes.append(f"the program samples EOS at output length {op.stop_at}: the script asks for "
@@ -163,19 +161,17 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                 turns[sid].append(rid)
             submitted.append(rid)
             texts[rid] = list(item.input_ids)
-            if last_generate is not None and last_generate.args["session_params"] == sp and not vllm:
+            if last_generate is not None and last_generate.args["session_params"] == sp and batch:
                 last_generate.args["items"].append(item)
                 last_generate.ops.append(i)
             else:
-                same_step = vllm and bool(calls) and calls[-1].kind == "generate" and last_generate is not None
+                same_step = not batch and bool(calls) and calls[-1].kind == "generate" and last_generate is not None
                 last_generate = Call("generate", [i], {"session_params": sp, "items": [item]}, exact=not same_step,
-                                     note="sent --gap seconds after the previous submit of the same scheduler step: "
-                                          "vLLM's engine core takes every queued request before its next step, but "
-                                          "a client cannot promise that both land in one step" if same_step else "")
+                                     note=ex.same_step_note if same_step else "")
                 calls.append(last_generate)
             continue
         cut()
-        if isinstance(op, ignored_kinds):
+        if op.kind in ex.ignored_ops:
             calls.append(Call("ignored", [i], {"op": format_op(op)}, note=api.calls[op.kind].note))
         elif isinstance(op, OpenSession):
             sid = f"s{opened}"
@@ -204,7 +200,7 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
             n += 1
             calls.append(Call("health", [i], {}))
         elif isinstance(op, FlushCache):
-            calls.append(Call("flush_cache", [i], {"timeout": op.timeout}, exact=op.timeout == 0 or vllm,
+            calls.append(Call("flush_cache", [i], {"timeout": op.timeout}, exact=op.timeout == 0 or not ex.deferred_flush,
                               note=api.calls["flush_cache"].note))
         elif isinstance(op, PauseGeneration):
             calls.append(Call("pause", [i], {"mode": PAUSE_MODES[op.mode]}))
@@ -216,25 +212,13 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
             calls.append(Call("wait", [i], {"steps": op.n}, exact=False, note=api.calls["step"].note))
         elif isinstance(op, Idle):
             calls.append(Call("idle", [i], {}))
-    _mark_holds(calls, tr, same_intake_submits=not vllm)
+    _mark_holds(calls, tr, same_intake_submits=batch)
     # a wait matters only where a later message must find the engine at a given step; the last
     # op of a program ending in step(n) is the step the finding was seen at: waiting is enough
     for c in calls:
         if c.kind == "wait" and not any(x.kind not in ("wait", "idle") for x in calls[calls.index(c) + 1:]):
             c.exact, c.note = True, "the program's last step: the script waits and then looks"
-    return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions), config.target)
-
-
-def _remote_of(config, n: int) -> str | None:
-    """Which side of a P/D pair the ``n``-th submit (from 0) is on under a KV-connector ``config``
-    (:func:`kvaudit.targets.vllm.connector.transfer_params`'s rule): ``"prefill"``, ``"decode"`` or
-    None. Only NIXL's requests carry ``kv_transfer_params``; kvaudit's save connector (an offloading
-    connector on a server) needs none: None."""
-    if config.kv_connector != "NixlConnector":
-        return None
-    from kvaudit.targets.vllm.connector import transfer_params
-    params = transfer_params(n + 1, "r", 1, config.block_size) or {}
-    return "prefill" if params.get("do_remote_prefill") else "decode" if params.get("do_remote_decode") else None
+    return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions), engine)
 
 
 def _mark_holds(calls: list[Call], tr: Trace | None, same_intake_submits: bool = True) -> None:

@@ -35,10 +35,10 @@ class Trace(NamedTuple):
 
 
 def trace(config, program: list[Op]) -> Trace | None:
-    """Run ``program`` on a fresh target of ``config`` (SGLang's: its intake's ``live_rids()``,
-    ``sessions`` and ``submitted``; vLLM's: ``known()``, the Scheduler's ``requests`` in arrival order,
-    which its aborts pick from, and ``submitted``). Returns None when the target cannot be built here
-    (the engine is not installed) or does not expose those. An engine exception ends the trace at that
+    """Run ``program`` on a fresh target of ``config``, reading its live request ids, those answered
+    with blocks held and its open sessions through its kind's ``export.trace_views`` (and the ids it
+    gave, ``target.submitted``). Returns None when the target cannot be built here (the engine is not
+    installed) or its kind does not expose those. An engine exception ends the trace at that
     op."""
     from kvaudit.targets import make_target
 
@@ -46,27 +46,16 @@ def trace(config, program: list[Op]) -> Trace | None:
         target = make_target(config)
     except Exception:  # noqa: BLE001 -- any reason the engine cannot be built: no trace, a static plan
         return None
-    if hasattr(target, "known") and hasattr(target, "submitted"):  # vLLM: no sessions
-        def live_of():
-            return tuple(target.known())
-
-        def answered_of():
-            return tuple(rid for rid, (_, status) in target.known().items() if status.startswith("finished"))
-
-        def sessions_of():
-            return ()
-    elif all(hasattr(target, a) for a in ("live_rids", "sessions", "submitted")):
-        def live_of():
-            return tuple(target.live_rids())
-
-        def answered_of():
-            return ()
-
-        def sessions_of():
-            return tuple(target.sessions)
-    else:
+    from kvaudit.export.http_api import export_for
+    from kvaudit.targets.registry import kind_of
+    try:
+        got = export_for(kind_of(config).name).trace_views(target)
+    except KeyError:  # a kind with no server: nothing to resolve for a client
+        got = None
+    if got is None:
         target.close()
         return None
+    live_of, answered_of, sessions_of = got
     views: list[OpView] = []
     finished: dict[str, int] = {}
     seen: set[str] = set()

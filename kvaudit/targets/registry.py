@@ -96,7 +96,9 @@ class TargetKind:
     default (each reproduces with its bugs on, is deterministic and clean with them off), None: none;
     ``history()`` the engine's rows of the history suite's catalogue, ``(bugs, unreached)``: the known
     public bugs of its releases (:class:`kvaudit.targets.catalogue.HistoryBug`) and those the suite does
-    not rediscover (:class:`kvaudit.targets.catalogue.Unreached`), None: none.
+    not rediscover (:class:`kvaudit.targets.catalogue.Unreached`), None: none; ``export()`` what
+    ``kvaudit export`` needs of the engine's server (:class:`kvaudit.targets.export_api.EngineExport`: its
+    HTTP API, launch, client script and issue text parts), None: the kind has no server to export to.
     """
 
     name: str
@@ -120,6 +122,7 @@ class TargetKind:
     options: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     regressions: str | None = None
     history: Callable[[], tuple[tuple, tuple]] | None = None
+    export: Callable[[], object] | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
@@ -154,7 +157,7 @@ _importing: list[str] = []  # the KVAUDIT_PLUGINS module being imported
 
 
 _CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes")
-_OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe")
+_OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe", "export")
 
 
 def check_kind(kind: TargetKind) -> None:

@@ -117,6 +117,11 @@ def _history():
     return BUGS, UNREACHED
 
 
+def _export():
+    from kvaudit.targets.sglang.export import EXPORT
+    return EXPORT
+
+
 KIND = register(TargetKind(
     name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 (and 0.5.10.post1, 0.5.11: core pools, "
                            "radix cache and sessions) (its presets start with 'sglang')",
@@ -124,4 +129,5 @@ KIND = register(TargetKind(
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,
     engine_source=_engine_source, describe=_describe, notes=_notes,
-    options={"tree_core": (TREE_CORES, "the UnifiedRadixCache tree core [default: rust, SGLang's own default]")}, history=_history))
+    options={"tree_core": (TREE_CORES, "the UnifiedRadixCache tree core [default: rust, SGLang's own default]")}, history=_history,
+    export=_export))

@@ -113,9 +113,15 @@ def _history():
     return BUGS, UNREACHED
 
 
+def _export():
+    from kvaudit.targets.vllm.export import EXPORT
+    return EXPORT
+
+
 KIND = register(TargetKind(
     name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1 to 0.33.0 (presets 'vllm...')",
     config_class=VllmConfig, presets=_presets, make=_make, bugs=_bugs,
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
-    notes=_notes, regressions="corpora/vllm", history=_history))
+    notes=_notes, regressions="corpora/vllm", history=_history,
+    export=_export))

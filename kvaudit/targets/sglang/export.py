@@ -1,0 +1,302 @@
+"""What ``kvaudit export`` needs of SGLang 0.5.23 (:data:`EXPORT`, handed over by the ``sglang`` kind's
+``export`` field): the HTTP table, the server launch, the engine's part of a client script and of an
+issue text, the curl lines.
+
+The routes and fields, read from SGLang 0.5.23's installed sources (facts only):
+``srt/entrypoints/http_server.py`` (routes), ``srt/managers/io_struct.py`` (``GenerateReqInput``:
+``input_ids`` one list or a list of lists, ``rid`` and ``sampling_params`` a value or a list, one
+``session_params`` dict applied to every item of a batch; ``OpenSessionReqInput``:
+``capacity_of_str_len``, ``session_id``, ``streaming``, ``timeout``; ``CloseSessionReqInput.session_id``;
+``AbortReq``: ``rid``, ``abort_all``; ``PauseGenerationReqInput.mode``),
+``srt/managers/tokenizer_manager.py`` (``_handle_batch_request``: a batch of pre-tokenized inputs is sent
+to the scheduler as one message, ``_send_batch_request``, so its items are queued in the same scheduler
+iteration) and ``srt/observability/metrics_collector.py`` (the ``/metrics`` gauges, with
+``--enable-metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts
+
+STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
+# MODEL in the launch lines: any model whose vocabulary has the token ids 2..127 (every real one does)
+
+API = EngineApi(
+    engine="SGLang", version="0.5.23",
+    sources=("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py",
+             "sglang/srt/managers/tokenizer_manager.py", "sglang/srt/observability/metrics_collector.py"),
+    calls={
+        "submit": ApiCall("POST", "/generate",
+                          "input_ids, rid, sampling_params (max_new_tokens, temperature 0, ignore_eos), "
+                          "session_params (id, rid, offset, replace, drop_previous_output) for a session turn; "
+                          "consecutive submits of one scheduler step with the same session_params: one "
+                          "batched request (lists)", True,
+                          "a submit that must still be running when a later message arrives gets a longer "
+                          "output (--hold-tokens); a stop_at (EOS sampled at that length) becomes "
+                          "max_new_tokens; an extends prefix resends the base prompt only (its output is the "
+                          "model's)"),
+        "health_check": ApiCall("GET", "/health_generate", "(none)", True),
+        "abort": ApiCall("POST", "/abort_request", "rid (matched by prefix, as the scheduler does), or "
+                                                   "abort_all", True),
+        "flush_cache": ApiCall("POST", "/flush_cache", "query timeout (seconds; the program's steps)", True,
+                               "a deferred flush waits seconds, not scheduler steps"),
+        "open_session": ApiCall("POST", "/open_session", "capacity_of_str_len, session_id, streaming, "
+                                                         "timeout", True),
+        "close_session": ApiCall("POST", "/close_session", "session_id", True),
+        "memory_pressure": ApiCall(None, None, "(no API)", False,
+                                   "a client cannot shrink free memory: launch the server with "
+                                   "SGLANG_TEST_RETRACT=1 (decode retracts every "
+                                   "SGLANG_TEST_RETRACT_INTERVAL steps), and/or a small --max-total-tokens"),
+        "pause_generation": ApiCall("POST", "/pause_generation", "mode (abort | in_place | retract)", True),
+        "continue_generation": ApiCall("POST", "/continue_generation", "(none)", True),
+        "transfer_fail": ApiCall(None, None, "(no API)", False,
+                                 "a failed KV transfer needs the prefill server or the wire to fail: stop the "
+                                 "prefill server while the request is transferring"),
+        "step": ApiCall(None, None, "(wait)", False,
+                        "a client cannot run the scheduler n iterations: it waits --step-delay seconds a "
+                        "step"),
+        "idle": ApiCall("GET", "/metrics", "(wait for every request, then poll)", True,
+                        "waits until every request answered and no request runs or queues"),
+    },
+    metrics=("sglang:kv_available_tokens", "sglang:kv_evictable_tokens", "sglang:kv_used_tokens",
+             "sglang:num_used_tokens", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+             "sglang:num_streaming_sessions", "sglang:streaming_session_held_tokens",
+             "sglang:num_decode_prealloc_queue_reqs", "sglang:num_retracted_reqs"),
+    metrics_flag="--enable-metrics",
+)
+
+def flag_line(config) -> tuple[list[str], list[str], list[str]]:
+    """The SGLang 0.5.23 launch for a replay ``config`` (an :class:`kvaudit.targets.sglang.config.SglangConfig`):
+    ``(flags, env, unmapped)`` -- server flags (``--max-total-tokens`` for ``num_slots``, ...; always
+    ``--enable-metrics``), environment variables, and config fields no flag sets (said in the report).
+    Flag names from ``sglang/srt/arg_groups/fields/*.py``."""
+    c = config
+    flags = ["--enable-metrics", f"--max-total-tokens {c.num_slots}", f"--page-size {c.page_size}",
+             f"--max-running-requests {c.max_running_requests}", f"--context-length {c.context_len}"]
+    env: list[str] = []
+    unmapped = [f"max_req_rows={c.max_req_rows} (the request-row pool; SGLang sizes it from "
+                f"--max-running-requests)",
+                f"new_token_ratio={c.new_token_ratio} (admission's decode reserve; SGLang adapts it at run time)",
+                f"tree_core={c.tree_core} (the radix tree core; rust is SGLang's default)"]
+    if c.enable_streaming_session:
+        flags.append("--enable-streaming-session")
+    if not c.enable_overlap:
+        flags.append("--disable-overlap-schedule")
+    flags.append("--chunked-prefill-size -1" if c.chunked_prefill_size is None
+                 else f"--chunked-prefill-size {c.chunked_prefill_size}")
+    if c.enable_mixed_chunk:
+        flags.append("--enable-mixed-chunk")
+    if c.disaggregation_mode == "decode":
+        flags += ["--disaggregation-mode decode", f"--num-reserved-decode-tokens {c.num_reserved_decode_tokens}"]
+    if c.enable_hisparse:
+        unmapped.append(f"num_slots={c.num_slots} is HiSparse's physical device pool here (the logical pool is "
+                        f"{c.hisparse_host_to_device_ratio}x); which of the two --max-total-tokens sizes under "
+                        "HiSparse was not checked")
+        flags += ["--enable-hisparse", "--disable-radix-cache",
+                  "--hisparse-config '{\"device_buffer_size\": %d, \"host_to_device_ratio\": %d}'"
+                  % (c.hisparse_device_buffer_size, c.hisparse_host_to_device_ratio)]
+    if c.enable_hierarchical_cache:
+        flags += ["--enable-hierarchical-cache", f"--hicache-ratio {c.hicache_ratio:g}",
+                  f"--hicache-write-policy {c.hicache_write_policy}"]
+    if c.enable_priority_scheduling:
+        flags.append("--enable-priority-scheduling")
+        if c.schedule_low_priority_values_first:
+            flags.append("--schedule-low-priority-values-first")
+    if c.max_queued_requests is not None:
+        flags.append(f"--max-queued-requests {c.max_queued_requests}")
+    return flags, env, unmapped
+
+
+# -- the client script's part --------------------------------------------------------------------------
+
+SGLANG_API = r'''
+    # -- the server's API (SGLang 0.5.23) --------------------------------------------------------------
+    def open_session(self, name, streaming, timeout=None, label=""):
+        body = {"capacity_of_str_len": 1000, "session_id": self.tag + name, "streaming": streaming}
+        if timeout is not None:
+            body["timeout"] = timeout * self.step_delay  # the program's steps, as seconds
+        self.send(label or "open_session " + name, "POST", "/open_session", body)
+
+    def close_session(self, name, label=""):
+        self.send(label or "close_session " + name, "POST", "/close_session", {"session_id": self.tag + name})
+
+    def generate(self, items, session_params=None, label=""):
+        """items: (rid, input_ids, max_new_tokens, hold); one item is a plain request, several a batch
+        (lists), all sharing ``session_params``."""
+        params = [{"max_new_tokens": m + (self.hold_tokens if hold else 0), "temperature": 0.0, "ignore_eos": True}
+                  for _, _, m, hold in items]
+        rids = [self.tag + rid for rid, _, _, _ in items]
+        ids = [list(x) for _, x, _, _ in items]
+        body = {"input_ids": ids[0], "rid": rids[0], "sampling_params": params[0]} if len(items) == 1 else \
+            {"input_ids": ids, "rid": rids, "sampling_params": params}
+        if session_params is not None:
+            sp = dict(session_params, id=self.tag + session_params["id"])
+            if "rid" in sp:
+                sp["rid"] = self.tag + sp["rid"]
+            body["session_params"] = sp
+        self.send(label or "generate " + ",".join(r for r, _, _, _ in items), "POST", "/generate", body,
+                  background=True)
+
+    def abort(self, rid, label=""):
+        body = {"abort_all": True} if rid is None else {"rid": self.tag + rid}
+        self.send(label or "abort", "POST", "/abort_request", body)
+
+    def flush_cache(self, timeout=0, label=""):
+        return self.send(label or "flush_cache", "POST", "/flush_cache?timeout=%g" % (timeout * self.step_delay))
+
+    def health(self, label=""):
+        self.send(label or "health_generate", "GET", "/health_generate", background=True)
+
+    def pause(self, mode, label=""):
+        self.send(label or "pause_generation", "POST", "/pause_generation", {"mode": mode})
+
+    def resume(self, label=""):
+        self.send(label or "continue_generation", "POST", "/continue_generation", {})
+
+    def at_rest(self):
+        """SGLang refreshes its idle /metrics at most every 30 s: poll until no KV is in use."""
+        return self.settle()
+'''
+
+SGLANG_FUNCS = r'''
+
+def engine_args(ap):
+    ap.add_argument("--metrics-url", default=None,
+                    help="where to read /metrics (default: --url; behind a PD router: the decode server)")
+
+
+def server_line(c):
+    status, text = c.request("GET", "/server_info")
+    if status == 200:
+        try:
+            info = json.loads(text)
+            print("server: version=%s %s" % (info.get("version"), " ".join(
+                "%s=%s" % (k, info.get(k)) for k in SERVER_KEYS if k in info)))
+        except ValueError:
+            pass
+
+
+def pool_findings(before, after, flushed):
+    """What the gauges say once every session is closed and the cache flushed, with nothing running."""
+    seen = []
+    if before is not None and after is not None:
+        lost = before.get("sglang:kv_available_tokens", 0) - after.get("sglang:kv_available_tokens", 0)
+        if lost > 0:
+            seen.append("kv_available_tokens is %g below its value before the program" % lost)
+        if after.get("sglang:kv_used_tokens", 0) > 0:
+            seen.append("kv_used_tokens=%g with no request and no session" % after["sglang:kv_used_tokens"])
+    if flushed is not None and flushed[0] != 200:
+        seen.append("flush_cache refused with nothing running: %s" % flushed[1].strip()[:120])
+    return seen
+'''
+
+def launch(config) -> tuple[str, list[str], list[str]]:
+    """``(command, env, unmapped)``: ``python -m sglang.launch_server`` with :func:`flag_line`'s flags."""
+    flags, env, unmapped = flag_line(config)
+    return " ".join(["python -m sglang.launch_server --model-path MODEL"] + flags), env, unmapped
+
+
+def launch_env(config, program, finding_kind: str, env: list[str]) -> list[str]:
+    """``env`` with ``SGLANG_TEST_RETRACT=1`` first when the program applies memory pressure (decode then
+    retracts periodically), and :data:`STRICT_IDLE_CHECK` last unless the finding is a crash or a hang or
+    HiSparse is on (its idle check is off under HiSparse)."""
+    if any(op.kind == "memory_pressure" for op in program):
+        env = ["SGLANG_TEST_RETRACT=1"] + env
+    if finding_kind not in ("crash", "hang") and not config.enable_hisparse:
+        env = env + [STRICT_IDLE_CHECK]
+    return env
+
+
+def _launch_notes(config, env: list[str]) -> list[str]:
+    out = []
+    if any(e.startswith("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=") for e in env):
+        out.append("- `SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1` makes SGLang's own idle memory check raise "
+                   "instead of log: a leak it sees then stops the server (without it, look for \"memory leak "
+                   "detected\" in the server log).")
+    if any(e.startswith("SGLANG_TEST_RETRACT=") for e in env):
+        out.append("- `SGLANG_TEST_RETRACT=1` makes decode retract periodically: the program's memory pressure, "
+                   "which a client cannot create.")
+    return out
+
+
+def _server_notes(config) -> list[str]:
+    out = []
+    if config.enable_hisparse:
+        out.append("- HiSparse runs on DSA (DeepSeek Sparse Attention) models only: use one for `--model-path`.")
+    if config.disaggregation_mode == "decode":
+        out.append("- This is a PD decode server: it needs a prefill server and a router in front "
+                   "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router (`--url`) and read the decode server's counters "
+                   "(`--metrics-url`).")
+    return out
+
+
+def curl_lines(plan, url: str) -> list[str]:
+    """The calls of ``plan`` (a :class:`kvaudit.export.plan.Plan` that a client runs one call at a time)
+    as ``curl`` commands against ``url``."""
+    out = []
+    for c in plan.calls:
+        a = c.args
+        if c.kind == "open_session":
+            body = {"capacity_of_str_len": 1000, "session_id": a["session"], "streaming": a["streaming"]}
+            out.append(f"curl -s {url}/open_session -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
+        elif c.kind == "generate":
+            items = a["items"]
+            params = [{"max_new_tokens": i.max_new_tokens, "temperature": 0.0, "ignore_eos": True} for i in items]
+            body = {"input_ids": [i.input_ids for i in items], "rid": [i.rid for i in items],
+                    "sampling_params": params} if len(items) > 1 else \
+                {"input_ids": items[0].input_ids, "rid": items[0].rid, "sampling_params": params[0]}
+            if a["session_params"] is not None:
+                body["session_params"] = a["session_params"]
+            out.append(f"curl -s {url}/generate -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
+        elif c.kind == "close_session":
+            out.append(f"curl -s {url}/close_session -H 'Content-Type: application/json' "
+                       f"-d '{json.dumps({'session_id': a['session']})}'")
+        elif c.kind == "abort":
+            body = {"abort_all": True} if a["rid"] is None else {"rid": a["rid"]}
+            out.append(f"curl -s {url}/abort_request -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
+        elif c.kind == "flush_cache":
+            out.append(f"curl -s -X POST '{url}/flush_cache?timeout={a['timeout']}'")
+        elif c.kind == "pause":
+            out.append(f"curl -s {url}/pause_generation -H 'Content-Type: application/json' "
+                       f"-d '{json.dumps({'mode': a['mode']})}'")
+        elif c.kind == "continue":
+            out.append(f"curl -s {url}/continue_generation -H 'Content-Type: application/json' -d '{{}}'")
+        elif c.kind in ("wait", "idle"):
+            out.append(f"curl -s {url}/health   # then: is the server still up?")
+    return out
+
+
+def trace_views(target):
+    """``(live, answered, sessions)`` of a built SGLang-style target (its intake's ``live_rids()`` and
+    ``sessions``; no request stays answered with blocks held), or None when it has no intake."""
+    if not all(hasattr(target, a) for a in ("live_rids", "sessions", "submitted")):
+        return None
+    return (lambda: tuple(target.live_rids())), (lambda: ()), (lambda: tuple(target.sessions))
+
+
+EXPORT = EngineExport(
+    api=API, package="sglang",
+    client=ClientParts(
+        api=SGLANG_API, funcs=SGLANG_FUNCS, url="http://127.0.0.1:30000", settle=35.0,
+        busy=("sglang:num_running_reqs", "sglang:num_queue_reqs"), settle_gauge="sglang:kv_used_tokens",
+        settle_why="SGLang refreshes its idle /metrics at most every 30 s",
+        metrics_hint="launch the server with --enable-metrics",
+        server_keys="SERVER_KEYS = ['enable_streaming_session', 'page_size', 'max_total_tokens', "
+                    "'disable_overlap_schedule', 'chunked_prefill_size', 'enable_hisparse', "
+                    "'disaggregation_mode']"),
+    issue=IssueParts(
+        environment=lambda c: f"page size {c.page_size}, {c.num_slots}-token KV pool.",
+        exact="The client reproduces the program exactly: every op maps to one HTTP call and nothing depends on "
+              "timing; submits of one scheduler step go in one batched `/generate` (SGLang queues a batch's items "
+              "in one scheduler iteration).",
+        approximates=" or force memory pressure", driver="scheduler",
+        seen_how="(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, "
+                 "which plays the scheduler loop in SGLang's call order with a stand-in model",
+        launch_notes=_launch_notes, server_notes=_server_notes),
+    launch=launch, launch_env=launch_env,
+    expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
+                  "is below its value before the program, or kv_used_tokens > 0), or the server fails",
+    batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views,
+)
