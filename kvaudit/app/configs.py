@@ -193,7 +193,7 @@ def with_tree_core(config, tree_core: str | None):
 
 
 def check_fuzzer(fuzzer: str, target: str) -> None:
-    if fuzzer == "atheris" and target != "eut":
+    if fuzzer == "atheris" and target != registry.DEFAULT_KIND:  # atheris instruments the built-in engine
         raise InputError("--fuzzer atheris instruments the built-in engine only; use corpus, hypothesis or random with "
                          f"--target {target}")
 
@@ -253,7 +253,7 @@ def presets_table(target: str | None = None):
     for kind in registry.kinds().values():
         if target is not None and kind.name != target:
             continue
-        label = kind.name if kind.name == "eut" else f"{kind.name} (--target {kind.name})"
+        label = kind.name if kind.name == registry.DEFAULT_KIND else f"{kind.name} (--target {kind.name})"
         for p in kind.presets().values():
             t.add_row(p.name, p.description, label)
     return t
