@@ -171,3 +171,58 @@ def test_a_relative_import_between_peers_is_caught(copy):
     bad = against_order(import_graph(str(copy)), stated_order())
     assert bad == [f"kvaudit.targets.vllm.config -> kvaudit.targets.sglang{m} (targets.vllm and targets.sglang are peers)"
                    for m in ("", ".config")]  # the package, then the module imported from it
+
+
+def _names_a_kind(node) -> bool:
+    """A string constant naming a built-in target kind, or a tuple/list/set literal holding one."""
+    if isinstance(node, ast.Constant):
+        return node.value in KINDS
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_a_kind(e) for e in node.elts)
+
+
+def engine_knowledge_outside_targets(root: str) -> list[str]:
+    """Every module outside kvaudit/targets/ that imports a target kind (its import graph, function-level
+    imports included), compares a value to a target kind's name (``x == "vllm"``, ``x != "eut"``,
+    ``x in ("sglang", ...)``) or keys a dict literal by one (``{"vllm": ...}``): engine knowledge lives
+    under ``kvaudit/targets/<kind>/``, reached through the kind's registry entry (docs/architecture.md)."""
+    bad = [f"{a} imports {b}" for a, targets in sorted(import_graph(root).items()) if not room(a).startswith("targets")
+           for b in sorted(targets) if room(b).startswith("targets.")]
+    base = os.path.join(root, "kvaudit")
+    for d, _, names in sorted(os.walk(base)):
+        rel_dir = os.path.relpath(d, base)
+        if rel_dir == "targets" or rel_dir.startswith("targets" + os.sep):
+            continue
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(d, name)
+            rel = os.path.relpath(path, root)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Compare) and any(_names_a_kind(x) for x in [node.left, *node.comparators]):
+                    bad.append(f"{rel}:{node.lineno} compares to an engine name")
+                elif isinstance(node, ast.Dict) and any(k is not None and _names_a_kind(k) for k in node.keys):
+                    bad.append(f"{rel}:{node.lineno} keys a dict by engine name")
+    return bad
+
+
+# Engine knowledge not moved into its kind yet, named with what moves it (issue 35's history part): the release
+# pins of the history suite's overlays, keyed by (engine, version).
+NOT_YET_MOVED = {"kvaudit/history/releases.py": "EXTRA_PINS, the history suite's release pins (issue 35: history)"}
+
+
+def test_no_module_outside_the_targets_imports_a_target_kind_or_branches_on_an_engine_name():
+    bad = engine_knowledge_outside_targets(ROOT)
+    assert [b for b in bad if b.split(":")[0] not in NOT_YET_MOVED] == []
+    assert {b.split(":")[0] for b in bad} == set(NOT_YET_MOVED)  # an entry whose module was fixed goes
+
+
+def test_a_planted_engine_branch_and_kind_import_are_caught(copy):
+    _plant(copy, "export/plan.py", "from kvaudit.targets.vllm import config  # noqa")
+    _plant(copy, "app/configs.py", "return 1 if registry.DEFAULT_KIND in ('eut', 'x') else {'sglang': 2}")
+    _plant(copy, "reports/sarif.py", "return getattr(object, 'target', '') != \"vllm\"")
+    bad = [re.sub(r":\d+ ", " ", b) for b in engine_knowledge_outside_targets(str(copy))
+           if b.split(":")[0] not in NOT_YET_MOVED]
+    assert bad == ["kvaudit.export.plan imports kvaudit.targets.vllm",
+                   "kvaudit.export.plan imports kvaudit.targets.vllm.config",
+                   "kvaudit/app/configs.py compares to an engine name", "kvaudit/app/configs.py keys a dict by engine name",
+                   "kvaudit/reports/sarif.py compares to an engine name"]
