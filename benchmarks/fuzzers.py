@@ -19,7 +19,7 @@ import time
 import torch
 
 from kvaudit.targets.eut.presets import get_preset
-from kvaudit.constants import FUZZERS
+from kvaudit.search.fuzzers import BUILTIN_FUZZERS as FUZZERS
 from kvaudit.search.campaign import run_campaign
 
 

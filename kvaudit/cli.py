@@ -21,11 +21,12 @@ import click
 # commands import the jobs (kvaudit.app.*) they run inside their functions.
 from kvaudit import __version__
 from kvaudit.app.budget import Budget, check_seconds
-from kvaudit.app.configs import TargetChoice, common_options, replay_tree_core_option, select_config
+from kvaudit.app.configs import FuzzerChoice, TargetChoice, common_options, replay_tree_core_option, select_config
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import restoring_sigint, write_startup_reports
-from kvaudit.constants import CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT, FUZZERS
+from kvaudit.constants import CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT
+from kvaudit.search import fuzzers
 from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError
 
@@ -171,11 +172,8 @@ def main():
 
 @main.command()
 @common_options
-@click.option("--fuzzer", type=click.Choice(FUZZERS), default=DEFAULT_FUZZER, show_default=True,
-              help="corpus: fresh 16-96-op random programs, then a mutated program corpus guided by the "
-                   "scheduler states reached (a campaign keeps it in DIR/programs); hypothesis: stateful generation with shrinking and swarm testing; atheris: "
-                   "coverage-guided libFuzzer over a byte encoding of programs (the built-in engine only); random: "
-                   "the plain random baseline (4-24-op programs).")
+@click.option("--fuzzer", type=FuzzerChoice(), default=DEFAULT_FUZZER, show_default=True,
+              help=fuzzers.help_text(default=DEFAULT_FUZZER))
 @click.option("--max-time", type=float, default=60.0, show_default=True, callback=_seconds(), metavar="SECONDS",
               help="Search budget, in seconds. Start-up is not counted: the clock starts after the imports and "
                    "the first engine build (SGLang or vLLM: 5-25 s; the run's second line says how long), each "
@@ -296,7 +294,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               help="Presets to fuzz: 'all' or a comma-separated list (of --target's presets).")
 @click.option("--target", type=TargetChoice(), default="eut", show_default=True,
               help="The target kind whose presets are fuzzed (see 'kvaudit presets').")
-@click.option("--fuzzer", type=click.Choice(FUZZERS), default=DEFAULT_FUZZER, show_default=True)
+@click.option("--fuzzer", type=FuzzerChoice(), default=DEFAULT_FUZZER, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "
@@ -348,7 +346,7 @@ BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmark
 @click.option("--budget", type=float, default=60.0, show_default=True, callback=_seconds(),
               metavar="SECONDS", help="Time budget of one trial.")
 @click.option("--fuzzers", "fuzzers_value", default=None, metavar="LIST",
-              help=f"Fuzzers to compare  [default: zoo: {','.join(FUZZERS)}; history: the same but atheris, "
+              help=f"Fuzzers to compare  [default: zoo: {','.join(fuzzers.BUILTIN_FUZZERS)}; history: the same but atheris, "
                    "which instruments the built-in engine only]")
 @click.option("--bugs", "bugs_value", default="all", show_default=True, metavar="LIST",
               help="The suite's bugs: 'all' or a comma-separated list ('kvaudit bugs'; history: "
@@ -381,11 +379,11 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
     if suite == "history":
         return job.run_history(trials=trials, budget=budget,
-                               fuzzers_value=fuzzers_value or ",".join(f for f in FUZZERS if f != "atheris"),
+                               fuzzers_value=fuzzers_value or ",".join(job.default_fuzzers(history=True)),
                                bugs_value=bugs_value, list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json)
     if list_bugs:
         return job.list_zoo()
-    return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value or ",".join(FUZZERS), bugs_value=bugs_value,
+    return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value or ",".join(job.default_fuzzers()), bugs_value=bugs_value,
                    fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json)
 
 

@@ -3,7 +3,6 @@ from the modules that use them (those import torch and Hypothesis), so that ``kv
 imports neither; the modules import them from here under the same names. Nothing here imports
 the built-in engine (the atheris harness reads it before instrumenting the engine)."""
 
-FUZZERS = ("hypothesis", "atheris", "random", "corpus")  # kvaudit.search.campaign, kvaudit.search.bench
 # The fuzzer `fuzz` and `ci` use unless told: the one that finds the history suite's and the zoo's bugs in
 # the fewest executions and misses none that random finds (docs/benchmarks-history.md, docs/search/).
 DEFAULT_FUZZER = "corpus"

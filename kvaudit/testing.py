@@ -70,18 +70,19 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZ
     re-run with full stacks for the report; one that does not replay is passed over (``flaky``) and
     the search goes on within the budget. Minimizing comes after the budget. Raises ``ValueError`` for
     an unknown fuzzer (atheris instruments the built-in engine in a process of its own: not here)."""
-    from kvaudit.search.corpus_fuzz import Corpus, corpus_search
-    from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, retry_seed, triage
+    from kvaudit.search import fuzzers
+    from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
 
-    searches = {"random": random_search, "hypothesis": hypothesis_search, "corpus": corpus_search}
-    if fuzzer not in searches:
-        raise ValueError(f"unknown fuzzer {fuzzer!r} (valid: {', '.join(searches)})")
+    valid = [n for n, k in fuzzers.kinds().items() if k.in_process]
+    if fuzzer not in valid:
+        raise ValueError(f"unknown fuzzer {fuzzer!r} (valid: {', '.join(valid)})")
+    kind = fuzzers.get(fuzzer)
     stats, flaky = FuzzStats(), []
-    kept = {"corpus": Corpus()} if fuzzer == "corpus" else {}  # past a flaky finding, the search goes on from it
+    kept: dict = {}  # what the fuzzer keeps (the corpus fuzzer's corpus): past a flaky finding, the search goes on from it
     deadline = time.monotonic() + max_time
     while not flaky or time.monotonic() < deadline:
-        hit = searches[fuzzer](config, max(0.0, deadline - time.monotonic()), retry_seed(seed, len(flaky)), stats,
-                               known=frozenset(flaky), **kept)
+        hit = kind.search(config, max(0.0, deadline - time.monotonic()), retry_seed(seed, len(flaky)), stats,
+                          fuzzers.Search(known=frozenset(flaky), kept=kept))
         if hit is None:
             break
         program, findings = hit

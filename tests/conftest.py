@@ -77,6 +77,27 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def fresh_registry(monkeypatch):
+    """The registries of target kinds and fuzzers as a new process loads them (those registered so far
+    kept; KVAUDIT_PLUGINS read again: set it with monkeypatch), and sys.path restored afterwards."""
+    import sys
+
+    from kvaudit.search import fuzzers
+    from kvaudit.targets import registry
+
+    monkeypatch.setattr(registry, "_KINDS", dict(registry.kinds()))
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_plugin_errors", [])
+    monkeypatch.setattr(registry, "_entry_point_errors", [])
+    monkeypatch.setattr(registry, "_plugin_warnings", [])
+    monkeypatch.setattr(registry, "_origins", dict(registry._origins))
+    monkeypatch.setattr(registry, "_noted", set(registry._noted))
+    monkeypatch.setattr(fuzzers, "_FUZZERS", dict(fuzzers._FUZZERS))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return registry
+
+
+@pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server on a free loopback port (tests/redis_helpers.py; skips where none starts)."""
     from redis_helpers import RedisServer

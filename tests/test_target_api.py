@@ -192,20 +192,6 @@ def test_the_built_ins_list_first_even_when_a_plugin_registered_before_them(monk
 
 # -- a KVAUDIT_PLUGINS module that does not import is an error --------------------------------------
 
-@pytest.fixture
-def fresh_registry(monkeypatch):
-    """The registry as a new process loads it (the kinds registered so far kept; KVAUDIT_PLUGINS read
-    again), and sys.path restored afterwards."""
-    monkeypatch.setattr(registry, "_KINDS", dict(registry.kinds()))
-    monkeypatch.setattr(registry, "_loaded", False)
-    monkeypatch.setattr(registry, "_plugin_errors", [])
-    monkeypatch.setattr(registry, "_entry_point_errors", [])
-    monkeypatch.setattr(registry, "_plugin_warnings", [])
-    monkeypatch.setattr(registry, "_origins", dict(registry._origins))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    return registry
-
-
 @pytest.mark.parametrize("command", [["presets"], ["bugs"], ["fuzz", "--max-time", "0.1"], ["replay", "x.json"],
                                      ["report", "x.json"], ["ci", "--max-time", "0"]])
 def test_a_plugin_that_fails_to_import_is_one_line_exit_2(command, tmp_path, monkeypatch, fresh_registry):

@@ -11,9 +11,32 @@ import click
 
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.files import check_outputs
-from kvaudit.app.fuzz import check_atheris
+from kvaudit.app.fuzz import check_available
 from kvaudit.app.progress import console as make_console
-from kvaudit.constants import FUZZERS
+from kvaudit.search import fuzzers as fuzzer_kinds
+
+
+def default_fuzzers(history: bool = False) -> list[str]:
+    """``--fuzzers``' default: every fuzzer whose :class:`kvaudit.search.fuzzers.FuzzerKind` says ``bench``;
+    for the history suite, those of them that can search every engine its catalogue holds."""
+    engines = _history_engines() if history else ()
+    return [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
+
+
+def _history_engines() -> list[str]:
+    from kvaudit.history.catalogue import all_bugs
+
+    return sorted({b.engine for b in all_bugs().values()})
+
+
+def _fuzzers_arg(value: str) -> list[str]:
+    """``--fuzzers``' names, each a registered fuzzer: else :class:`InputError` listing the valid ones."""
+    names = [f.strip() for f in value.split(",") if f.strip()]
+    valid = fuzzer_kinds.kinds()
+    bad = [f for f in names if f not in valid]
+    if bad or not names:
+        raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else value!r} (valid: {', '.join(valid)})")
+    return names
 
 
 def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_seconds: float | None,
@@ -22,11 +45,7 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     bug or preset, or an unwritable output."""
     from kvaudit.search import bench
 
-    fuzzers = [f.strip() for f in fuzzers_value.split(",") if f.strip()]
-    bad = [f for f in fuzzers if f not in FUZZERS]
-    if bad or not fuzzers:
-        raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else fuzzers_value!r} "
-                         f"(valid: {', '.join(FUZZERS)})")
+    fuzzers = _fuzzers_arg(fuzzers_value)
     BUGS = registry.get("eut").bugs()  # the built-in engine's zoo
     bugs = list(BUGS) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
     bad = [b for b in bugs if b not in BUGS]
@@ -38,8 +57,8 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
         ov = [] if overhead_presets == "none" else ci.presets_arg(overhead_presets)
     except ValueError as e:
         raise InputError(f"--overhead-presets: {e}") from None
-    if "atheris" in fuzzers:
-        check_atheris()
+    for f in fuzzers:
+        check_available(f)
     check_outputs(html=out_md, json=out_json)  # writable, distinct (--out and --json)
     err = make_console(stderr=True)
     err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
@@ -79,19 +98,19 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
             fixed = f" -> {b.fixed}" if b.fixed else ""
             click.echo(f"{b.id:{width}}  {b.engine} {b.buggy}{fixed}  {b.finding}")
         return EXIT_CLEAN
-    fuzzers = [f.strip() for f in fuzzers_value.split(",") if f.strip()]
-    bad = [f for f in fuzzers if f not in FUZZERS]
-    if bad or not fuzzers:
-        raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else fuzzers_value!r} "
-                         f"(valid: {', '.join(FUZZERS)})")
+    fuzzers = _fuzzers_arg(fuzzers_value)
     bugs = list(bugs_all) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
     bad = [b for b in bugs if b not in bugs_all]
     if bad or not bugs:
         raise InputError(f"--bugs: unknown history bug {bad[0] if bad else bugs_value!r} "
                          "(see 'kvaudit bench --suite history --list')")
-    if "atheris" in fuzzers:
-        raise InputError("--fuzzers: atheris instruments the built-in engine only; the history suite drives "
-                         "SGLang and vLLM (use hypothesis and random)")
+    engines = sorted({bugs_all[b].engine for b in bugs})
+    for f in fuzzers:
+        kind = fuzzer_kinds.get(f)
+        if not all(kind.takes(e) for e in engines):
+            ok = sorted(n for n, k in fuzzer_kinds.kinds().items() if all(k.takes(e) for e in engines))
+            raise InputError(f"--fuzzers: {f} {kind.targets_why or 'cannot search these engines'}; the history suite "
+                             f"drives SGLang and vLLM (use {fuzzer_kinds.words(ok, 'and')})")
     check_outputs(html=out_md, json=out_json)
     err = make_console(stderr=True)
     err.print(f"kvaudit bench --suite history: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "

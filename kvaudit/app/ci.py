@@ -10,7 +10,7 @@ from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 write_error)
 from kvaudit.app.files import check_dir, load_suppressions, write_reports
-from kvaudit.app.fuzz import check_atheris
+from kvaudit.app.fuzz import check_available
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
@@ -65,8 +65,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                 os.makedirs(corpus_dir, exist_ok=True)
             except OSError as e:
                 raise InputError(f"--corpus {corpus_dir}: {e.strerror or e}") from None
-        if fuzzer == "atheris":
-            check_atheris()
+        check_available(fuzzer)
         from hypothesis.configuration import set_hypothesis_home_dir
 
         set_hypothesis_home_dir(os.path.abspath(os.path.join(corpus_dir or out_dir, ".hypothesis")))

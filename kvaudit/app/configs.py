@@ -12,6 +12,7 @@ import click
 
 from kvaudit.app.errors import InputError
 from kvaudit.config import UnknownPresetError
+from kvaudit.search import fuzzers
 from kvaudit.targets import registry
 
 if TYPE_CHECKING:
@@ -193,9 +194,29 @@ def with_tree_core(config, tree_core: str | None):
 
 
 def check_fuzzer(fuzzer: str, target: str) -> None:
-    if fuzzer == "atheris" and target != registry.DEFAULT_KIND:  # atheris instruments the built-in engine
-        raise InputError("--fuzzer atheris instruments the built-in engine only; use corpus, hypothesis or random with "
-                         f"--target {target}")
+    """``--fuzzer`` can search ``--target`` (:meth:`kvaudit.search.fuzzers.FuzzerKind.takes`): else
+    :class:`InputError` naming the fuzzers that can."""
+    kind = fuzzers.get(fuzzer)
+    if not kind.takes(target):
+        raise InputError(f"--fuzzer {fuzzer} {kind.targets_why or 'cannot search this target'}; use "
+                         f"{fuzzers.words(fuzzers.alternatives(target, fuzzer))} with --target {target}")
+
+
+class FuzzerChoice(click.Choice):
+    """``--fuzzer``: a registered fuzzer's name (:mod:`kvaudit.search.fuzzers`; the registry is read when
+    the value is checked or the help shown, so a plugin module named in KVAUDIT_PLUGINS adds its fuzzer).
+    An unknown name is click's one-line error listing the valid ones (exit 2)."""
+
+    def __init__(self):
+        super().__init__(())
+
+    @property
+    def choices(self):
+        return tuple(fuzzers.kinds())
+
+    @choices.setter
+    def choices(self, _value):  # click.Choice.__init__ sets it: the registry is the list
+        pass
 
 
 def check_device(device: str) -> None:

@@ -1,6 +1,6 @@
 """``kvaudit fuzz``: a search that stops at its first finding (confirmed, minimized, written,
 reported), or a resumable campaign over a corpus directory (:mod:`kvaudit.search.campaign`). The search
-itself is :mod:`kvaudit.search.fuzz` (Hypothesis, random) and :mod:`kvaudit.search.atheris_fuzz`."""
+itself is the ``--fuzzer``'s :class:`kvaudit.search.fuzzers.FuzzerKind`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import click
 from kvaudit import replay
 from kvaudit.app.configs import check_fuzzer, warn_campaign_without_db, warn_unreachable_bugs
 from kvaudit.targets import registry
+from kvaudit.search import fuzzers
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 UnavailableError, write_error)
@@ -48,13 +49,14 @@ def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | N
     check_fuzzer(fuzzer, target)
     sset = load_suppressions(suppress_file)
     campaign = corpus_dir is not None or workers > 1 or db is not None
+    if campaign and not fuzzers.get(fuzzer).campaign:
+        raise InputError(f"--fuzzer {fuzzer} cannot run a campaign (--corpus, --workers > 1, --db)")
     if db is not None:
         check_db(db)
     target_dir = corpus_dir if corpus_dir is not None else out_dir
     # fail now, not after the budget, if findings could not be written; the directory is made when they are
     check_dir(target_dir, "corpus" if corpus_dir is not None else "out")
-    if fuzzer == "atheris":
-        check_atheris()
+    check_available(fuzzer)
     return Checked(sset, target_dir, campaign)
 
 
@@ -88,17 +90,16 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
     warn_campaign_without_db(campaign_name, db, err)
-    if not use_seeds and fuzzer != "atheris":
-        err.print(f"warning: --no-seeds applies to --fuzzer atheris (its seed corpus); with --fuzzer {fuzzer} it is "
+    kind_f = fuzzers.get(fuzzer)
+    if not use_seeds and not kind_f.uses_seeds:
+        seeded = " or ".join(f"--fuzzer {n}" for n, k in fuzzers.kinds().items() if k.uses_seeds)
+        err.print(f"warning: --no-seeds applies to {seeded} (its seed corpus); with --fuzzer {fuzzer} it is "
                   "ignored", soft_wrap=True, markup=False)
     for note in kind.notes(config):
         err.print(f"note: {note}", soft_wrap=True)
     catch_sigint()
     warm_up(config)  # the first engine is start-up too: the search's clock starts after it
-    if fuzzer == "hypothesis":
-        from kvaudit.search.fuzz import warm_up_hypothesis
-
-        warm_up_hypothesis()  # and Hypothesis's own first-run set-up
+    kind_f.warm_up()  # and the fuzzer's own first-run set-up (Hypothesis's)
     err.print(f"start-up {duration(budget.startup())} (imports, the first engine; not counted): searching for "
               f"{duration(max_time)}" + (" per worker, each from its own start-up" if campaign and workers > 1 else ""),
               soft_wrap=True)
@@ -108,7 +109,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     progress = Progress(err, max_time, suppressions=sset)
     found = crash = None
     flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
-    kept: list = [None]  # the corpus fuzzer's Corpus: the rounds after a flaky finding go on from its coverage
+    kept: dict = {}  # what the fuzzer keeps (the corpus fuzzer's Corpus): the rounds after a flaky finding go on from it
     stats = FuzzStats()  # the search's clock starts now
     deadline = budget.deadline()
     try:
@@ -212,19 +213,13 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     return EXIT_FINDINGS
 
 
-def check_atheris() -> None:
-    """``--fuzzer atheris`` needs atheris and the executable harness: :class:`UnavailableError` (exit 69)."""
-    from kvaudit.search.atheris_fuzz import HARNESS
-    from kvaudit.constants import MISSING_ATHERIS
-
+def check_available(fuzzer: str) -> None:
+    """What ``--fuzzer`` ``fuzzer`` needs is installed here (:attr:`kvaudit.search.fuzzers.FuzzerKind.check`):
+    else :class:`UnavailableError` (exit 69), one line."""
     try:
-        import atheris
-    except ImportError:
-        raise UnavailableError(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer corpus, hypothesis or random") from None
-    del atheris
-    if not os.access(HARNESS, os.X_OK):
-        raise UnavailableError(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (reinstall "
-                               "kvaudit: the wheel ships it)")
+        fuzzers.get(fuzzer).check()
+    except fuzzers.FuzzerUnavailable as e:
+        raise UnavailableError(str(e)) from None
 
 
 def nothing_searched(err, max_time: float) -> int:
@@ -236,30 +231,14 @@ def nothing_searched(err, max_time: float) -> int:
 
 
 def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True,
-            known: frozenset[str] = frozenset(), kept: list | None = None):
+            known: frozenset[str] = frozenset(), kept: dict | None = None):
     """One search that stops at the first finding whose signature is not in ``known``: (program,
-    findings) or None. ``kept``: ``[Corpus or None]``, the corpus fuzzer's corpus, made and kept there
-    across the rounds of one run (a round after a flaky finding goes on from it, as a campaign's do;
-    atheris keeps its corpus in ``out_dir/.atheris``)."""
-    from kvaudit.search.fuzz import hypothesis_search, random_search
-
-    if fuzzer == "random":
-        return random_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
-    if fuzzer == "corpus":
-        from kvaudit.search.corpus_fuzz import Corpus, corpus_search
-
-        kept = kept if kept is not None else [None]
-        if kept[0] is None:
-            kept[0] = Corpus()
-        return corpus_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known,
-                             corpus=kept[0])
-    if fuzzer == "atheris":
-        from kvaudit.search.atheris_fuzz import atheris_search
-
-        return atheris_search(config, max_time, seed, stats, on_progress=on_progress, corpus_dir=None, workers=1,
-                              suppressions_path=suppress_file, work_dir=os.path.join(out_dir, ".atheris"),
-                              use_seeds=use_seeds, known=known)
-    return hypothesis_search(config, max_time, seed, stats, on_progress=on_progress, suppressions=sset, known=known)
+    findings) or None. ``kept``: what the fuzzer keeps across the rounds of one run (the corpus
+    fuzzer's corpus: a round after a flaky finding goes on from it, as a campaign's do; atheris keeps
+    its corpus in ``out_dir/.atheris``)."""
+    return fuzzers.get(fuzzer).search(config, max_time, seed, stats, fuzzers.Search(
+        on_progress=on_progress, suppressions=sset, suppressions_path=suppress_file, known=known, out_dir=out_dir,
+        use_seeds=use_seeds, kept=kept if kept is not None else {}))
 
 
 def check_db(url: str):

@@ -115,18 +115,17 @@ def _contained(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryTri
         return trial
 
 
-def _search(fuzzer, config, budget, seed, stats, work, suppressions):  # noqa: ARG001 (work: atheris's)
-    """The fuzzer's search with ``suppressions``, returning at the first finding they leave."""
-    from kvaudit.search.fuzz import hypothesis_search, random_search
+def _search(fuzzer, config, budget, seed, stats, work, suppressions):
+    """The fuzzer's search (:mod:`kvaudit.search.fuzzers`) with ``suppressions``, returning at the first
+    finding they leave; ``work``: a directory it may keep work files in. A fuzzer that cannot search
+    the config's kind is refused by the command (``bench --suite history``) before a worker starts."""
+    from kvaudit.search import fuzzers
+    from kvaudit.targets import registry
 
-    if fuzzer == "random":
-        return random_search(config, budget, seed, stats, suppressions=suppressions)
-    if fuzzer == "hypothesis":
-        return hypothesis_search(config, budget, seed, stats, suppressions=suppressions)
-    if fuzzer == "corpus":
-        from kvaudit.search.corpus_fuzz import corpus_search
-        return corpus_search(config, budget, seed, stats, suppressions=suppressions)
-    raise ValueError(f"fuzzer {fuzzer!r} cannot search a real engine")  # atheris: refused by the command
+    kind = fuzzers.get(fuzzer)
+    if not kind.takes(registry.kind_of(config).name):
+        raise ValueError(f"fuzzer {fuzzer!r} cannot search a {registry.kind_of(config).name} engine")
+    return kind.search(config, budget, seed, stats, fuzzers.Search(suppressions=suppressions, out_dir=work))
 
 
 def replay_program(config, ops: list) -> dict:

@@ -32,7 +32,8 @@ import numpy as np
 
 from kvaudit.config import TargetConfig
 from kvaudit.targets import registry
-from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search, triage
+from kvaudit.search import fuzzers
+from kvaudit.search.fuzz import FuzzStats, triage
 from kvaudit.audit.runner import AuditedRun, execute
 
 
@@ -60,20 +61,12 @@ class Trial:
 
 def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str,
            known=frozenset(), max_executions: int | None = None):
-    """One search of ``budget`` seconds by ``fuzzer``; ``known``: signatures that are not findings
-    (or a :class:`kvaudit.search.fuzz.OnlySignature`; not for atheris); ``max_executions``: a second
-    budget, in programs (not for atheris)."""
-    if fuzzer == "hypothesis":
-        return hypothesis_search(config, budget, seed, stats, known=known, max_executions=max_executions)
-    if fuzzer == "random":
-        return random_search(config, budget, seed, stats, known=known, max_executions=max_executions)
-    if fuzzer == "corpus":
-        from kvaudit.search.corpus_fuzz import corpus_search
-
-        return corpus_search(config, budget, seed, stats, known=known, max_executions=max_executions)
-    from kvaudit.search.atheris_fuzz import atheris_search
-
-    return atheris_search(config, budget, seed, stats, work_dir=work_dir, use_seeds=False, known=known)
+    """One search of ``budget`` seconds by ``fuzzer`` (:mod:`kvaudit.search.fuzzers`), without the seed
+    corpus; ``known``: signatures that are not findings (or a :class:`kvaudit.search.fuzz.OnlySignature`;
+    not for atheris); ``max_executions``: a second budget, in programs (not for atheris); ``work_dir``: a
+    directory a fuzzer may keep work files in."""
+    return fuzzers.get(fuzzer).search(config, budget, seed, stats, fuzzers.Search(
+        known=known, max_executions=max_executions, out_dir=work_dir, use_seeds=False))
 
 
 def engine_first_failures(config: TargetConfig, program) -> tuple[int | None, int | None]:
@@ -263,8 +256,8 @@ def false_positive_run(fuzzer: str, seconds: float, seed: int = 1) -> dict:
                 if hit is None:
                     break
                 found.append({"preset": preset, "signature": hit[1][0].signature})
-                if fuzzer == "atheris":
-                    break  # the driver would hit the same input again
+                if not fuzzers.get(fuzzer).in_process:
+                    break  # a driver in a process of its own (atheris) would hit the same input again
             executions += stats.executions
     return {"fuzzer": fuzzer, "seconds": seconds, "executions": executions, "findings": found}
 

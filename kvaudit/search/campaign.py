@@ -44,7 +44,8 @@ from typing import Callable
 from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit import replay
-from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, hypothesis_search, random_search, triage
+from kvaudit.search import fuzzers
+from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, triage
 
 PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
 
@@ -116,10 +117,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         set_step_timeout(spec.step_timeout)  # a spawned worker starts with the default
     config = config_from_dict(spec.config)
     warm_up(config)  # a spawned worker imports the engine again: its start-up is not search time
-    if spec.fuzzer == "hypothesis":
-        from kvaudit.search.fuzz import warm_up_hypothesis
-
-        warm_up_hypothesis()
+    fuzzers.get(spec.fuzzer).warm_up()  # (Hypothesis's first-run set-up)
     deadline = time.time() + spec.budget
     emit(("ready", spec.index))
     sset = SuppressionSet.load(spec.suppress_path) if spec.suppress_path else None
@@ -154,7 +152,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     known = set(known_signatures(spec.corpus))
     flaky: set[str] = set()
     round_ = 0
-    kept: list = [None, None]  # the corpus fuzzer's Corpus and CorpusStore (DIR/programs/), kept across rounds
+    kept: dict = {}  # what the fuzzer keeps across rounds (the corpus fuzzer's Corpus and CorpusStore, DIR/programs/)
     try:
         while True:
             left = deadline - time.time()
@@ -294,9 +292,9 @@ def _triage_and_write(spec: _Spec, config, sset, emit, fdir: str, program, findi
 
 
 def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: set, flaky: set, round_: int, hub,
-           counts: dict, left: float, kept: list) -> bool:
-    """One search of at most ``left`` seconds and the triage of what it found. ``kept``: the corpus
-    fuzzer's [Corpus, CorpusStore], kept across rounds (filled in place). Returns False when the
+           counts: dict, left: float, kept: dict) -> bool:
+    """One search of at most ``left`` seconds and the triage of what it found. ``kept``: what the
+    fuzzer keeps across rounds (:attr:`kvaudit.search.fuzzers.Search.kept`, filled in place). Returns False when the
     search found nothing (its budget is spent)."""
     known |= set(known_signatures(spec.corpus))  # other workers' findings
     skip = frozenset(known | flaky)
@@ -307,36 +305,12 @@ def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: s
         if cut is not None:
             raise cut
         return True
-    if spec.fuzzer == "hypothesis":
-        database = os.path.join(spec.corpus, "hypothesis")
-        if hub is not None:
-            database = hub.example_database(database)
-        try:
-            found = hypothesis_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
-                                      database=database)
-        except SearchInterrupted as e:  # stopping while Hypothesis shrank a failure: write it unminimized
-            found, cut = e.found, e
-    elif spec.fuzzer == "random":
-        found = random_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip)
-    elif spec.fuzzer == "corpus":
-        from kvaudit.search.corpus_fuzz import Corpus, CorpusStore, corpus_search
-
-        if kept[0] is None:
-            kept[:] = [Corpus(), CorpusStore(os.path.join(spec.corpus, "programs"), mirror=hub)]
-        found = corpus_search(config, left, seed, stats, on_progress=progress, suppressions=sset, known=skip,
-                              corpus=kept[0], store=kept[1])
-    else:
-        from kvaudit.search.atheris_fuzz import atheris_search
-
-        corpus_dir = os.path.join(spec.corpus, "atheris")
-        if hub is not None:
-            hub.sync_dir("atheris", corpus_dir)  # the fleet's inputs in, this host's out (and again below)
-        found = atheris_search(config, left, seed, stats, on_progress=progress,
-                               corpus_dir=corpus_dir, workers=spec.workers,
-                               suppressions_path=spec.suppress_path, known=skip,
-                               work_dir=os.path.join(spec.corpus, ".atheris-work"), use_seeds=spec.use_seeds)
-        if hub is not None:
-            hub.sync_dir("atheris", corpus_dir)
+    try:
+        found = fuzzers.get(spec.fuzzer).search(config, left, seed, stats, fuzzers.Search(
+            on_progress=progress, suppressions=sset, suppressions_path=spec.suppress_path, known=skip,
+            corpus_dir=spec.corpus, workers=spec.workers, use_seeds=spec.use_seeds, hub=hub, kept=kept))
+    except SearchInterrupted as e:  # stopping while Hypothesis shrank a failure: write it unminimized
+        found, cut = e.found, e
     progress(stats, force=True)
     if found is None:
         return False
@@ -474,8 +448,8 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         if on_progress:
             on_progress(stats)
 
-    # atheris parallelizes inside libFuzzer (-fork=N re-executes the harness), so it has one driver
-    drivers = 1 if fuzzer == "atheris" else workers
+    # a fuzzer that parallelizes inside itself (atheris: libFuzzer -fork=N re-executes the harness) has one driver
+    drivers = 1 if fuzzers.get(fuzzer).one_driver else workers
     from kvaudit.audit.runner import step_timeout
 
     specs = [_Spec(i, config_to_dict(config), fuzzer, seed, max_time, corpus, suppress_path, workers,

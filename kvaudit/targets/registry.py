@@ -154,6 +154,7 @@ _entry_point_errors: list[str] = []  # installed entry points that failed to loa
 _plugin_warnings: list[str] = []  # KVAUDIT_PLUGINS modules that imported but registered no kind: a warning
 _origins: dict[str, str] = {}  # kind name -> the module that called register() for it (or the plugin imported then)
 _importing: list[str] = []  # the KVAUDIT_PLUGINS module being imported
+_noted: set[str] = set()  # KVAUDIT_PLUGINS modules that registered something through another registry (a fuzzer)
 
 
 _CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes")
@@ -199,8 +200,24 @@ def _plugin_modules() -> list[str]:
 
 
 def _registered_from(mod: str) -> bool:
-    """Whether module ``mod`` (or a module inside it) registered a kind."""
-    return any(o == mod or o.startswith(mod + ".") for o in _origins.values())
+    """Whether module ``mod`` (or a module inside it) registered a kind (or, through another registry, a
+    fuzzer: :func:`note_plugin_registration`)."""
+    return mod in _noted or any(o == mod or o.startswith(mod + ".") for o in _origins.values())
+
+
+def note_plugin_registration() -> None:
+    """Called by another registry's ``register`` (:mod:`kvaudit.search.fuzzers`): the ``KVAUDIT_PLUGINS``
+    module being imported now, if any, registered something, so it is not one that "registered no
+    target kind"."""
+    if _importing:
+        _noted.add(_importing[-1])
+
+
+def load_plugins() -> None:
+    """Register the built-in kinds and import the ``KVAUDIT_PLUGINS`` modules and entry points, once (what
+    the other registries that plugins add to call before they are read). Errors are kept for
+    :func:`plugin_errors`, not raised."""
+    _load()
 
 
 def plugins_env(name: str) -> str | None:

@@ -1,0 +1,77 @@
+"""The registry of fuzzers (kvaudit/search/fuzzers.py): a fuzzer a plugin module registers runs
+under ``kvaudit fuzz --fuzzer NAME`` with no other file touched (tests/toyfuzzer_plugin.py); the
+built-ins are listed in ``--help``; a name no fuzzer has is one line listing the valid ones."""
+
+import json
+import sys
+
+import pytest
+
+from cli_helpers import invoke, one_error_line
+from kvaudit.search import fuzzers
+
+PLUGIN = "toyfuzzer_plugin"
+
+
+@pytest.fixture
+def toy(monkeypatch, fresh_registry):
+    """``KVAUDIT_PLUGINS=toyfuzzer_plugin``, imported afresh when a registry is first read."""
+    monkeypatch.setenv("KVAUDIT_PLUGINS", PLUGIN)
+    monkeypatch.delitem(sys.modules, PLUGIN, raising=False)
+    yield
+    sys.modules.pop(PLUGIN, None)
+
+
+def test_a_plugin_fuzzer_finds_a_zoo_bug_under_kvaudit_fuzz(toy, tmp_path):
+    out = tmp_path / "out"
+    r = invoke("fuzz", "--fuzzer", "toy", "--max-time", "1", "--preset", "mixed-chunk",
+               "--bug", "prefill-finish-leaks-row", "--out", str(out))
+    assert r.exit_code == 1, r.output + r.stderr
+    assert r.stderr.startswith("kvaudit fuzz: toy, preset mixed-chunk")
+    (path,) = (out).glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["fuzzer"] == "toy" and doc["findings"][0]["kind"] == "leak", doc["findings"][0]
+    assert r.stdout.strip().splitlines()[-1].startswith("SUMMARY: kvaudit: 1 finding(s) (1 leak)")
+    assert "registered no target kind" not in r.stderr  # it registered a fuzzer
+
+
+def test_a_plugin_fuzzer_reports_a_clean_engine_clean(toy, tmp_path):
+    r = invoke("fuzz", "--fuzzer", "toy", "--max-time", "1", "--preset", "mixed-chunk", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output + r.stderr
+    assert "no findings:" in r.stdout and not (tmp_path / "o").exists()
+
+
+def test_a_plugin_fuzzer_that_cannot_run_a_campaign_is_refused_before_the_engine(toy, tmp_path):
+    r = invoke("fuzz", "--fuzzer", "toy", "--max-time", "1", "--corpus", str(tmp_path / "c"))
+    assert r.exit_code == 2, r.output
+    assert "--fuzzer toy cannot run a campaign" in one_error_line(r)
+
+
+def test_an_unknown_fuzzer_is_one_line_listing_the_valid_ones(toy):
+    r = invoke("fuzz", "--fuzzer", "afl", "--max-time", "1")
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert "'afl' is not one of 'hypothesis', 'atheris', 'random', 'corpus', 'toy'" in line, line
+
+
+def test_the_built_ins_are_listed_in_help():
+    out = invoke("fuzz", "--help").stdout
+    for name in fuzzers.BUILTIN_FUZZERS:
+        assert f"{name}: {fuzzers.kinds()[name].summary.split()[0]}" in " ".join(out.split()), name
+    assert "[hypothesis|atheris|random|corpus]" in out
+
+
+def test_a_fuzzer_that_takes_some_targets_names_the_others():
+    """atheris searches the built-in engine only: the error names the fuzzers that take the target."""
+    kind = fuzzers.get("atheris")
+    assert kind.takes("eut") and not kind.takes("vllm")
+    assert fuzzers.alternatives("vllm", "atheris") == ["corpus", "hypothesis", "random"]
+
+
+@pytest.mark.parametrize("bad, why", [
+    (dict(name="a b"), "letters, digits"), (dict(summary="two\nlines"), "one line"), (dict(search=None), "search")])
+def test_register_refuses_a_kind_that_breaks_the_interface(bad, why, monkeypatch):
+    monkeypatch.setattr(fuzzers, "_FUZZERS", dict(fuzzers._FUZZERS))
+    fields = dict(name="x", summary="one line", search=lambda *a: None) | bad
+    with pytest.raises(fuzzers.FuzzerDefinitionError, match=why):
+        fuzzers.register(fuzzers.FuzzerKind(**fields))
