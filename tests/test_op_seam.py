@@ -1,14 +1,18 @@
 """An op is one row of the schema (kvaudit.program.schema.OPS): a probe op added there, plus the built-in
 engine's application of it, is drawn by the Hypothesis machine with no other file changed -- its rule,
-its swarm group, its op type, its byte decoding and its minimizer's simplifications come from the row."""
+its swarm group, its op type, its byte decoding and its minimizer's simplifications come from the row;
+the export, which needs the engine to say how, refuses it by name."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
 
 import pytest
 
+from cli_helpers import invoke, one_error_line
 from kvaudit.program import Idle, Submit, make_op
 from kvaudit.program.bytes_program import program_from_bytes, program_to_bytes
 from kvaudit.program.ops import op_from_dict, op_to_dict, op_type
@@ -18,6 +22,7 @@ from kvaudit.search.minimize import _simpler
 from kvaudit.targets.eut.presets import get_preset
 from kvaudit.targets.eut.target import EutTarget
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = OpSpec("probe", args=(Arg("n", 0, 0, 3),))
 
 
@@ -59,6 +64,18 @@ def test_a_probe_op_is_a_type_a_json_op_a_byte_record_and_simplifies(probe):
     drawn = {program_from_bytes(bytes([0xF2] + [rng.randrange(256) for _ in range(60)]), config)[0].kind
              for _ in range(400)}
     assert "probe" in drawn  # version 2 opcodes index the schema's kinds
+
+
+def test_the_export_refuses_an_op_it_has_no_mapping_for_by_name(probe, tmp_path):
+    """How an op becomes HTTP calls is the engine's to say: an op with no mapping is a one-line error
+    that names it (it was left out of the client script without a word)."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort.json")))
+    doc["program"].insert(1, {"op": "probe", "n": 1})
+    (tmp_path / "probe.json").write_text(json.dumps(doc))
+    r = invoke("export", str(tmp_path / "probe.json"), "--client", str(tmp_path / "c.py"), "--no-resolve")
+    assert r.exit_code == 2, r.output
+    assert "op 1 (probe)" in one_error_line(r)
+    assert not (tmp_path / "c.py").exists()
 
 
 def test_the_existing_swarm_groups_keep_their_order():
