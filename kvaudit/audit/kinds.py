@@ -236,7 +236,8 @@ TABLE: tuple[FindingKind, ...] = (
         "leaked unit, as in LeakSanitizer. Each leak shrinks the pool for good, until the engine "
         "stalls or rejects requests.",
         "error", ("memory-safety", "leak"),
-        lambda f, what, site: f"{'Indirect' if f.indirect else 'Direct'} leak of {what} in pool {f.pool}, allocated at {site}",
+        lambda f, what, site: (f"{'Indirect' if f.indirect else 'Direct'} leak of {what} in pool {f.pool}, "
+                               f"allocated at {site}"),
         signature=_sig_leak, console=_con_leak,
         facts=lambda f: ["indirect leak (reachable only from a leaked owner)" if f.indirect else "direct leak"],
         props=lambda f: {"indirect": f.indirect}, lifecycle_end=_leak_end),
