@@ -150,48 +150,9 @@ class Finding:
 
     @property
     def signature(self) -> str:
-        """``kind/pool/site[/site]`` (see the module doc); stable across programs for one root cause."""
-        if self.kind == "accounting-drift" and self.check:  # (a target's own invariant names its check)
-            return f"accounting-drift/{self.pool}/{self.check}"
-        if self.kind == "accounting-drift" and self.alloc_sites:  # a tree insert past kv_committed_len
-            return f"accounting-drift/{self.pool}/insert:{_where(self.alloc_sites)}"
-        if self.kind == "hang" and self.alloc_sites:  # the watchdog's: the frame the step was stuck in
-            return f"hang/{self.pool}/stuck:{_where(self.alloc_sites)}"
-        if self.kind in ("hang", "liveness") and self.check:  # what is stuck where (Target.stuck(), Root.where)
-            return f"{self.kind}/{self.pool}/{NO_SITE_KINDS[self.kind]}/{self.check}"
-        if self.kind in NO_SITE_KINDS:
-            return f"{self.kind}/{self.pool}/{NO_SITE_KINDS[self.kind]}"
-        if self.kind == "crash":
-            return f"crash/{self.pool}/{self.message.split(':', 1)[0]}@{_where(self.alloc_sites)}"
-        if self.kind == "stale-kv" and self.check == "freed" and self.free_sites:
-            return f"stale-kv/{self.pool}/freed:{_where(self.free_sites)}"
-        if self.kind == "stale-kv" and self.check:
-            return f"stale-kv/{self.pool}/{_allocated(self.alloc_sites)}/{self.check}"
-        held = [f"holder:{self.holder}"] if self.holder else []
-        if self.kind == "lock-imbalance" and self.check == "walk":
-            return "/".join([f"lock-imbalance/{self.pool}/walk:" + (
-                f"inc:{_where(self.alloc_sites)}" if self.alloc_sites else f"dec:{_where(self.free_sites)}")] + held)
-        if self.kind == "lock-imbalance":
-            if self.alloc_sites:  # the open inc, whose holder, and the release that let that holder go
-                return "/".join([f"lock-imbalance/{self.pool}/inc:{_where(self.alloc_sites)}"] + held
-                                + [_path(self.lost_sites)] * bool(self.lost_sites))
-            return f"lock-imbalance/{self.pool}/" + (f"dec:{_where(self.free_sites)}" if self.free_sites else "lock_ref")
-        if self.kind == "double-free":
-            sites = [self.prev_free_sites, self.free_sites]
-        elif self.kind == "use-after-free":
-            sites = [self.alloc_sites, self.free_sites]
-        elif self.kind == "leak":
-            sites = [self.alloc_sites, self.lost_sites]
-        else:
-            sites = [self.alloc_sites]
-        # a leak's second site is the path of the release that lost the unit
-        where = [(_where if self.kind == "double-free" else _allocated)(sites[0])]
-        where += [_path(s) if self.kind == "leak" else _where(s) for s in sites[1:] if s]
-        if self.kind == "leak" and not self.lost_sites and self.lost_from:
-            where.append(f"from:{self.lost_from}")  # dropped without a release: from where
-        if self.check:  # a target's own invariant (a ref count, an orphan table): one bug per check
-            where.append(f"check:{self.check}")
-        return f"{self.kind}/{self.pool}/" + "/".join(where)
+        """``kind/pool/site[/site]`` (see the module doc; each kind's parts are its row's ``signature`` in
+        :mod:`kvaudit.audit.kinds`); stable across programs for one root cause."""
+        return f"{self.kind}/{self.pool}/{_kinds.lookup(self.kind).signature(self)}"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -265,7 +226,7 @@ class Finding:
         return ("rows" if self.unit == "row" else "slots"), list(self.slots)
 
     def summary(self) -> str:
-        """One line in LeakSanitizer's manner."""
+        """One line in LeakSanitizer's manner: the kind's ``headline`` (:mod:`kvaudit.audit.kinds`)."""
         def many(k: int, word: str) -> str:
             return f"{k} {word}" + ("" if k == 1 else "s")
 
@@ -274,49 +235,14 @@ class Finding:
                 if self.unit == "block" else
                 f"{many(n, 'slot')} ({many(self.num_units, 'page')})" if self.unit == "page" else many(n, "slot"))
         site = self.alloc_sites[0].short() if self.alloc_sites else "unknown site"
-        head = {
-            "leak": f"{'Indirect' if self.indirect else 'Direct'} leak of {what} in pool {self.pool}, allocated at {site}",
-            "stale-kv": (f"Stale KV: {what} in pool {self.pool} read at "
-                         f"{self.read_sites[0].short() if self.read_sites else '?'}: {self.message}"),
-            "liveness": f"Liveness: {self.message}",
-            "use-after-free": (f"Use-after-free of {what} in pool {self.pool}, "
-                               + (f"freed at {self.free_sites[0].short()} while still used by "
-                                  f"{', '.join(self.used_by[:3]) or 'a live owner'}; " if self.free_sites else "")
-                               + f"allocated at {site}"),
-            "double-free": (f"Double free of {what} in pool {self.pool}, freed again at "
-                            f"{self.free_sites[0].short() if self.free_sites else '?'}"),
-            "aliasing": f"Aliasing: {what} in pool {self.pool} privately owned twice, allocated at {site}",
-            "accounting-drift": f"Accounting drift in pool {self.pool}: {self.message}",
-            "lock-imbalance": f"Lock-ref imbalance on {what} of pool {self.pool}: {self.message}",
-            "hang": f"Hang: {self.message}",
-            "crash": f"Engine crash: {self.message}",
-        }
-        return head.get(self.kind, f"{self.kind} in pool {self.pool}: {self.message}")
+        return _kinds.lookup(self.kind).headline(self, what, site)
 
 
 _SITE_LISTS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
 _SITE_FIELDS = {"file", "line", "function", "source", "entry", "request_kv"}
 
 
-def _where(sites: list[Site], missing: str = "?") -> str:
-    """``function@file`` of the innermost frame of ``sites`` (``missing`` when there is none)."""
-    return f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else missing
-
-
-def _allocated(sites: list[Site]) -> str:
-    """An allocation site's signature part: ``request-kv`` when its innermost frame grows a request's
-    own KV (``Site.request_kv``: prefill or decode, whichever the program reached first), else
-    :func:`_where`."""
-    return "request-kv" if sites and sites[0].request_kv else _where(sites)
-
-
-def _path(sites: list[Site], missing: str = "?") -> str:
-    """``function@file`` of the release path of a free's ``sites``: the first frame that is not one
-    of the target's release entries (``Site.entry``), i.e. the caller that chose the release; the
-    outermost entry frame when every frame is one; ``missing`` when there is none."""
-    if not sites:
-        return missing
-    return _where([next((s for s in sites if not s.entry), sites[-1])])
+_where, _allocated, _path = _kinds.where, _kinds.allocated, _kinds.release_path  # (how a signature names sites)
 
 
 def _want(d: dict, key: str, typ: type, item: type | None = None, low: int = 0, choices: tuple = (),

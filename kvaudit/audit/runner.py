@@ -22,6 +22,7 @@ from kvaudit.audit import memstate
 from kvaudit.audit import oracles
 from kvaudit.constants import DEFAULT_STEP_TIMEOUT
 from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.kinds import lookup
 from kvaudit.audit.hooks import Auditor
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
 from kvaudit.targets import make_target
@@ -496,7 +497,7 @@ def _merge_units(into: Finding, other: Finding) -> None:
     into.slots = slots.tolist()
     into.num_units = int(np.unique(slots // max(1, per)).size)
     site = other.alloc_sites[0] if other.alloc_sites else None
-    if site is not None and into.alloc_sites and site != into.alloc_sites[0] and into.kind != "crash":
+    if site is not None and into.alloc_sites and site != into.alloc_sites[0] and lookup(into.kind).allocates:
         also = f"also allocated at {site.short()}"
         if also not in into.message:
             into.message += f"; {also}"

@@ -23,6 +23,7 @@ import xml.etree.ElementTree as ET
 
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.audit.frames import resolve
+from kvaudit.audit.kinds import lookup
 from kvaudit.reports.sarif import engine_verdict, finding_stacks, lifecycle
 
 # Characters XML 1.0 does not allow anywhere, even as character references: C0 controls other
@@ -57,8 +58,7 @@ def failure_text(f: Finding, count: int = 1) -> str:
         word, ids = f.listed()
         shown = ", ".join(map(str, ids[:64])) + (f", ... ({len(ids)} in all)" if len(ids) > 64 else "")
         lines.append(f"{word}: [{shown}] ({f.num_units} {f.unit}{'' if f.num_units == 1 else 's'})")
-    if f.kind == "leak":
-        lines.append("indirect leak (reachable only from a leaked owner)" if f.indirect else "direct leak")
+    lines.extend(lookup(f.kind).facts(f))  # (a leak: direct or indirect)
     for label, frames in finding_stacks(f):
         lines.append(f"{label}:")
         lines.extend(_frame(s, i) for i, s in enumerate(frames))

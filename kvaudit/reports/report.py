@@ -18,6 +18,7 @@ from rich.text import Text
 from kvaudit.config import TargetConfig
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.audit.frames import resolve
+from kvaudit.audit.kinds import lookup
 from kvaudit.program import Op, format_op
 from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.reports.sarif import lifecycle_events, verdict_text
@@ -100,34 +101,8 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         word, ids = f.listed()
         shown = ", ".join(map(str, ids[:16])) + (" ..." if len(ids) > 16 else "")
         parts.append(Text(f"{word}: [{shown}]"))
-    if f.kind == "double-free":
-        parts.append(_stack("freed again at:", f.free_sites, plain))
-        parts.append(_stack("previously freed at:", f.prev_free_sites, plain))
-    if f.kind == "use-after-free" and (f.free_sites or f.used_by):  # (files recorded before 2026-12 have neither)
-        parts.append(_stack("freed (too early) at:", f.free_sites, plain))
-        parts.append(Text(f"still used by: {', '.join(f.used_by) or 'a live owner'}"))
-        if f.read_sites:
-            parts.append(_stack("used after the free at:", f.read_sites, plain))
-    if f.kind != "use-after-free" and f.read_sites:
-        parts.append(_stack("read at:", f.read_sites, plain))
-    if f.kind == "crash" or (f.kind == "hang" and f.alloc_sites):
-        parts.append(_stack("raised at:" if f.kind == "crash" else "stuck at:", f.alloc_sites, plain))
-        if f.memory_state:
-            parts.append(Text("memory at the crash:", style="bold"))
-            parts.extend(Text(f"  {line}") for line in f.memory_state)
-    elif f.kind == "lock-imbalance":
-        if f.alloc_sites:
-            parts.append(_stack("unreleased lock taken at:", f.alloc_sites, plain))
-        if f.free_sites:
-            parts.append(_stack("unmatched release at:", f.free_sites, plain))
-    elif f.kind == "accounting-drift" and f.alloc_sites and not f.check:  # a tree insert past kv_committed_len
-        parts.append(_stack("cached into the tree at:", f.alloc_sites, plain))
-    elif f.alloc_sites:
-        parts.append(_stack("allocated at:", f.alloc_sites, plain))
-    if f.kind == "leak" and f.lost_sites:
-        parts.append(_stack("its last owner let go of it at (a release that left it out):", f.lost_sites, plain))
-    elif f.kind == "leak" and f.lost_from:
-        parts.append(Text(f"its last owner was dropped from: {f.lost_from} (no release freed anything of it)"))
+    for part, title, more in lookup(f.kind).console(f):  # the kind's stacks (kvaudit.audit.kinds)
+        parts.append(_stack(title, more, plain) if part == "stack" else Text(title, style=more))
     if f.owner_history:
         parts.append(lifecycle_table(f, plain))
     if program:

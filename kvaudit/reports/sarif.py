@@ -47,7 +47,7 @@ from urllib.parse import quote
 
 import kvaudit
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
-from kvaudit.audit.kinds import TABLE as KIND_TABLE
+from kvaudit.audit.kinds import lookup
 from kvaudit.audit.frames import Frame, resolve
 from kvaudit.reports.ci_outputs import SARIF_SCHEMA, SARIF_VERSION
 
@@ -61,16 +61,11 @@ BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec al
 
 # ----------------------------------------------------------------------------- rules
 
-# kind -> (name, shortDescription, fullDescription, level, tags): the finding kinds' own table
-_RULES: dict[str, tuple[str, str, str, str, tuple[str, ...]]] = {
-    k.name: (k.rule, k.short, k.full, k.level, k.tags) for k in KIND_TABLE}
-
-
 def _rule(kind: str) -> dict:
-    """The ``reportingDescriptor`` for ``kind`` (a generic one for a kind this module does not know)."""
-    name, short, full, level, tags = _RULES.get(kind, (
-        "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+", kind) if w) or "Finding",
-        f"kvaudit finding: {kind}", f"A kvaudit finding of kind {kind}.", "error", ()))
+    """The ``reportingDescriptor`` for ``kind``: its row of the finding kinds' table
+    (:func:`kvaudit.audit.kinds.lookup`: a generic one for a kind no row describes)."""
+    row = lookup(kind)
+    short, full = row.short, row.full
     markdown = (f"**{short}.**\n\n{full}\n\n"
                 "The result's stacks show where the units were allocated, freed or read (innermost "
                 "frame first); its properties list the pool, the units and the op and scheduler step "
@@ -78,14 +73,13 @@ def _rule(kind: str) -> dict:
                 "`kvaudit replay <replay file>`, using the replay file that the run wrote.")
     return {
         "id": kind,
-        "name": name,
+        "name": row.rule,
         "shortDescription": {"text": short},
         "fullDescription": {"text": full},
         "help": {"text": f"{short}. {full} Reproduce with: kvaudit replay <replay file>.",
                  "markdown": markdown},
-        "defaultConfiguration": {"level": level},
-        "properties": {"tags": ["kvaudit", "kv-cache", *tags],
-                       "precision": "high" if kind == "accounting-drift" else "very-high"},
+        "defaultConfiguration": {"level": row.level},
+        "properties": {"tags": ["kvaudit", "kv-cache", *row.tags], "precision": row.precision},
     }
 
 
@@ -98,24 +92,10 @@ def rules(extra_kinds: list[str] | tuple[str, ...] = ()) -> list[dict]:
 # ----------------------------------------------------------------------------- stacks and locations
 
 def _labelled_stacks(f: Finding) -> list[tuple[str, str, list[Site]]]:
-    """``(field, label, frames)`` for each non-empty stack of ``f``, in reading order."""
-    if f.kind == "crash":
-        labels = {"alloc_sites": "raised at"}
-    elif f.kind == "lock-imbalance":
-        labels = {"alloc_sites": "unreleased lock taken at", "free_sites": "unmatched release at"}
-    else:
-        labels = {"alloc_sites": "allocated at",
-                  "free_sites": "freed again at" if f.kind == "double-free" else "freed at"}
-    labels.setdefault("free_sites", "freed at")
-    labels.update(prev_free_sites="previously freed at", read_sites="read at",
-                  lost_sites="its last owner let go of it at")
-    if f.kind == "use-after-free":
-        labels.update(free_sites="freed (too early) at", read_sites="used after the free at")
-    order = (("free_sites", "prev_free_sites", "alloc_sites", "read_sites") if f.kind == "double-free" else
-             ("read_sites", "alloc_sites", "free_sites", "prev_free_sites") if f.kind == "stale-kv" else
-             ("free_sites", "read_sites", "alloc_sites") if f.kind == "use-after-free" else
-             ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites"))
-    return [(key, labels[key], list(getattr(f, key))) for key in order if getattr(f, key)]
+    """``(field, label, frames)`` for each non-empty stack of ``f``, in reading order (its kind's
+    ``stacks`` and ``labels``, :mod:`kvaudit.audit.kinds`)."""
+    row = lookup(f.kind)
+    return [(key, row.stack_label(key), list(getattr(f, key))) for key in row.stacks if getattr(f, key)]
 
 
 def finding_stacks(f: Finding) -> list[tuple[str, list[Site]]]:
@@ -131,9 +111,7 @@ def primary_stack(f: Finding) -> str | None:
     ``alloc_sites`` when there are any, else
     ``read_sites`` (stale KV with no allocation recorded), else whichever stack exists; ``None``
     for a finding with no stack (accounting drift, liveness, hang)."""
-    order = (("free_sites", "alloc_sites") if f.kind in ("double-free", "use-after-free")
-             else ("alloc_sites", "read_sites")) + (
-        "free_sites", "prev_free_sites", "read_sites")
+    order = lookup(f.kind).primary + ("free_sites", "prev_free_sites", "read_sites")
     return next((key for key in order if getattr(f, key)), None)
 
 
@@ -315,9 +293,9 @@ def lifecycle_events(f: Finding) -> list[tuple[str, str, str, str]]:
         if o.event == "owner":
             owner = None if o.owner == "-" else o.owner
         rows.append((str(o.op_index), str(o.step), text, style))
-    if f.kind == "leak":
-        last = next((o.owner for o in reversed(f.owner_history) if o.owner != "-"), None)
-        rows.append(("", "", f"never freed; last owner: {last or 'none seen'}", "bold red"))
+    end = lookup(f.kind).lifecycle_end(f)  # (a leak's verdict)
+    if end is not None:
+        rows.append(("", "", *end))
     return rows
 
 
@@ -406,8 +384,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         "step": f.step,
         "engine_check": list(f.engine_check),
     }
-    if f.kind == "leak":
-        props["indirect"] = f.indirect
+    props.update(lookup(f.kind).props(f))  # (a leak's indirect)
     if f.owner_history:
         props["lifecycle"] = lifecycle(f)
     if f.memory_state:

@@ -21,18 +21,22 @@ is ``accounting-drift``: a counter is wrong, memory is intact. Lock balance is c
 Double frees, aliasing at allocation and stale KV come from the hooks (:mod:`kvaudit.audit.hooks`,
 :mod:`kvaudit.audit.shadow`).
 
-:func:`check` is the mark and sweep, per pool, and calls each oracle, one per module: ``leaks``,
+:func:`check` is the mark and sweep, per pool; it runs each oracle of :data:`ORACLES` (one list, each
+with the condition under which it runs) whose condition holds, one per module: ``leaks``,
 ``use_after_free``, ``identity`` (and the free list and the engine's own check), ``lock_balance``,
 ``target`` (the target's own invariants); ``grouping`` groups units into findings by site.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
 import numpy as np
 
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.hooks import Auditor
-from kvaudit.audit.kinds import ORDER
+from kvaudit.audit.kinds import KINDS, ORDER, lookup
 from kvaudit.audit.oracles.grouping import group_by_site
 from kvaudit.audit.oracles.identity import engine_disagrees, identity, replay_free_list
 from kvaudit.audit.oracles.leaks import leaks
@@ -44,15 +48,115 @@ from kvaudit.targets.registry import TargetDefinitionError, kind_name
 KIND_ORDER = ORDER  # root causes first (kvaudit.audit.kinds)
 
 
+@dataclass
+class Scan:
+    """What one check knows: the target's roots per pool, its accounting, free lists and recounts, the
+    units each pool lost (``leaked``), each pool's owners as of the previous check (``prev_owner``), the
+    findings so far and the accounting drift held back until no other oracle finds anything."""
+
+    auditor: Auditor
+    target: object
+    idle: bool
+    scan_only: bool
+    by_pool: dict
+    acc: dict
+    free_lists: dict
+    recounts: dict
+    leaked: dict = field(default_factory=dict)
+    prev_owner: dict = field(default_factory=dict)
+    findings: list = field(default_factory=list)
+    drift: list = field(default_factory=list)
+
+
+@dataclass
+class PoolScan:
+    """One pool's mark and sweep: which units the roots reference, which of them they hold privately
+    (``private_units``, and a request's or a session's own: ``req_units``, ``session_units``)."""
+
+    pool: str
+    led: object
+    referenced: np.ndarray
+    private_units: list
+    req_units: list
+    session_units: list
+    found: list = field(default_factory=list)  # this pool's findings so far
+
+
+class Oracle(NamedTuple):
+    """One oracle: ``run`` gives its findings, ``when`` says whether it runs (both take the
+    :class:`Scan`, and a ``"pool"`` oracle the :class:`PoolScan` of each pool in turn); ``into``:
+    ``"findings"``, or ``"drift"`` (kept back, reported only when no other oracle finds anything);
+    ``emits``: the finding kinds it can raise (each a row of :mod:`kvaudit.audit.kinds`)."""
+
+    name: str
+    stage: str  # "pool": once per pool, inside the mark and sweep; "engine": once, after it
+    when: Callable[..., bool]
+    run: Callable[..., list]
+    emits: tuple[str, ...]
+    into: str = "findings"
+
+
+def _aliasing(s: Scan, p: PoolScan) -> list[Finding]:
+    """Units privately owned twice; or the reserved unit 0 named by a private root (positions its
+    record counts as allocated that no allocation filled)."""
+    auditor, pool, roots = s.auditor, p.pool, s.by_pool[p.pool]
+    private = np.zeros(p.referenced.size, dtype=bool)
+    cat = np.concatenate(p.private_units)
+    private[cat] = True
+    if private[0]:  # a row names the reserved unit 0: positions counted as allocated, never filled
+        who = sorted({r.owner for r in roots if r.private and (r.units == 0).any()})
+        last = next((e for e in reversed(auditor.events) if e.pool == pool and e.kind == "alloc"), None)
+        return [auditor._unit_finding(  # located at the pool's latest allocation
+            "aliasing", pool, np.zeros(1, dtype=np.int64),
+            f"the reserved unit 0 (padding) is referenced by {', '.join(who[:3])}: positions its record "
+            "counts as allocated that no allocation filled (or another owner's writes displaced)",
+            alloc_sid=last.site if last is not None else None)]
+    if np.count_nonzero(private) != cat.size:  # some unit is privately owned twice
+        alias = np.flatnonzero(np.bincount(cat, minlength=p.referenced.size) > 1)
+        return group_by_site(auditor, "aliasing", pool, alias, "privately owned by more than one root")
+    return []
+
+
+def _tree_counter_drift(s: Scan) -> bool:
+    """A node locked below its holders shows first as the tree's evictable/protected counters
+    disagreeing with their recount: the lock is the root cause, so lock balance runs then too."""
+    return any(f.kind == "accounting-drift" and f.check.startswith("counter:") and
+               ("evictable" in f.check or "protected" in f.check) for f in s.findings)
+
+
+# Every oracle, in the order they run (the order of findings within a kind); check() reads only this.
+ORACLES: list[Oracle] = [
+    Oracle("use-after-free", "pool", lambda s, p: bool((p.referenced & ~p.led.allocated).any()),
+           lambda s, p: use_after_free(s.auditor, p.pool, np.flatnonzero(p.referenced & ~p.led.allocated),
+                                       s.by_pool[p.pool]), ("use-after-free",)),
+    Oracle("aliasing", "pool", lambda s, p: bool(p.private_units) and not s.scan_only, _aliasing, ("aliasing",)),
+    Oracle("identity", "pool", lambda s, p: s.acc.get(p.pool) is not None and not p.found and p.pool not in s.leaked,
+           lambda s, p: identity(s.auditor, p.pool, p.led, s.acc[p.pool], p.req_units, p.session_units,
+                                 s.recounts.get(p.pool, {}), terms=s.target.identity_terms(p.pool),
+                                 referenced=p.referenced), ("accounting-drift",), into="drift"),
+    Oracle("free-list", "pool", lambda s, p: p.pool in s.free_lists and not p.found,
+           lambda s, p: replay_free_list(s.auditor, p.pool, p.led, s.free_lists[p.pool]), ("accounting-drift",),
+           into="drift"),
+    Oracle("leaks", "engine", lambda s: True, lambda s: leaks(s.auditor, s.target, s.leaked, s.prev_owner),
+           ("leak",)),
+    Oracle("target", "engine", lambda s: not s.scan_only, lambda s: target_findings(s.auditor, s.target),
+           KINDS),  # a target's own invariants may raise any kind
+    Oracle("engine-check", "engine", lambda s: not s.scan_only and not s.findings,
+           lambda s: s.drift or engine_disagrees(s.auditor, s.target), ("accounting-drift",)),
+    Oracle("lock-balance", "engine", lambda s: not s.scan_only and (s.idle or _tree_counter_drift(s)),
+           lambda s: lock_balance(s.auditor, s.target, s.idle), ("lock-imbalance",)),
+]
+
+
 def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False) -> list[Finding]:
-    """Run every oracle once; returns the findings, root causes first (a use-after-free before the
-    leak it leaves behind). Also records owner changes in the ledger.
+    """Run every oracle of :data:`ORACLES` whose condition holds, once; returns the findings, root
+    causes first (a use-after-free before the leak it leaves behind). Also records owner changes in
+    the ledger.
 
     ``idle``: the engine is quiescent, so lock balance is checked too (a leaked lock shows only
     once its holder is gone). ``scan_only``: use-after-free only, by requests not being aborted
     (the mid-step scan after intake; an aborted request's in-flight result releases it next).
     """
-    findings: list[Finding] = []
     by_pool: dict[str, list] = {name: [] for name in auditor.ledgers}
     where: dict[int, str] = {}  # owner id -> where the target holds it (Root.where), for leak sites
     for root in (target.roots(aborting=False) if scan_only else target.roots()):
@@ -63,77 +167,50 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         mine.append(root)
         if root.where:
             where[auditor.owner_id(root.owner)] = root.where
-    acc = {} if scan_only else target.accounting()
-    free_lists = {} if scan_only else target.free_lists()
-    recounts = {} if scan_only else target.recount()
-    leaked: dict[str, np.ndarray] = {}
-    prev_owner: dict[str, np.ndarray] = {}  # each pool's owners as of the previous check
-    drift: list[Finding] = []
+    s = Scan(auditor, target, idle, scan_only, by_pool, {} if scan_only else target.accounting(),
+             {} if scan_only else target.free_lists(), {} if scan_only else target.recount())
     for pool, led in auditor.ledgers.items():
-        n = led.allocated.size
-        referenced = np.zeros(n, dtype=bool)
-        private = np.zeros(n, dtype=bool)
-        owner = np.zeros(n, dtype=np.int64)
-        private_units, req_units, session_units = [], [], []
-        for root in by_pool[pool]:
-            referenced[root.units] = True
-            if root.private:
-                private_units.append(root.units)
-                owner[root.units] = auditor.owner_id(root.owner)
-                if root.role == "req":
-                    req_units.append(root.units)
-                elif root.role == "session":
-                    session_units.append(root.units)
-        referenced[0] = True  # the reserved unit reads as allocated in the ledger
-        prev_owner[pool] = led.owner
-        if not scan_only and (owner != led.owner).any():
-            changed = np.flatnonzero(owner != led.owner)
-            auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
-            led.owner = owner
-        pool_findings = []
-        if (led.allocated != referenced).any():
-            uaf = np.flatnonzero(referenced & ~led.allocated)
-            if uaf.size:
-                pool_findings.extend(use_after_free(auditor, pool, uaf, by_pool[pool]))
-            lost = np.flatnonzero(led.allocated & ~referenced)
-            if lost.size and not scan_only:
-                leaked[pool] = lost
-        if private_units and not scan_only:
-            cat = np.concatenate(private_units)
-            private[cat] = True
-            if private[0]:  # a row names the reserved unit 0: positions counted as allocated, never filled
-                who = sorted({r.owner for r in by_pool[pool] if r.private and (r.units == 0).any()})
-                last = next((e for e in reversed(auditor.events) if e.pool == pool and e.kind == "alloc"), None)
-                pool_findings.append(auditor._unit_finding(  # located at the pool's latest allocation
-                    "aliasing", pool, np.zeros(1, dtype=np.int64),
-                    f"the reserved unit 0 (padding) is referenced by {', '.join(who[:3])}: positions its record "
-                    "counts as allocated that no allocation filled (or another owner's writes displaced)",
-                    alloc_sid=last.site if last is not None else None))
-            elif np.count_nonzero(private) != cat.size:  # some unit is privately owned twice
-                alias = np.flatnonzero(np.bincount(cat, minlength=n) > 1)
-                pool_findings.extend(group_by_site(auditor, "aliasing", pool, alias,
-                                                    "privately owned by more than one root"))
-        a = acc.get(pool)
-        if a is not None and not pool_findings and pool not in leaked:
-            drift.extend(identity(auditor, pool, led, a, req_units, session_units, recounts.get(pool, {}),
-                                   terms=target.identity_terms(pool), referenced=referenced))
-        if pool in free_lists and not pool_findings:
-            drift.extend(replay_free_list(auditor, pool, led, free_lists[pool]))
-        findings.extend(pool_findings)
-    findings.extend(leaks(auditor, target, leaked, prev_owner))
-    if not scan_only:
-        findings.extend(target_findings(auditor, target))
+        p = _sweep(s, pool, led)
+        for oracle in ORACLES:
+            if oracle.stage == "pool" and oracle.when(s, p):
+                found = oracle.run(s, p)
+                (s.drift if oracle.into == "drift" else p.found).extend(found)
+        s.findings.extend(p.found)
+    for oracle in ORACLES:
+        if oracle.stage == "engine" and oracle.when(s):
+            (s.drift if oracle.into == "drift" else s.findings).extend(oracle.run(s))
+    if not scan_only:  # what the next check's leak and use-after-free attribution start from
         auditor.checked_upto, auditor.owner_where, auditor.roots_at_check = len(auditor.events), where, by_pool
-        if not findings:
-            findings.extend(drift or engine_disagrees(auditor, target))
-        # lock balance at idle; and, for a node locked below its holders, whenever the tree's
-        # evictable/protected counters disagree with their recount, since a release too many shows
-        # there first: the lock is the root cause and sorts before the drift
-        if idle or any(f.kind == "accounting-drift" and f.check.startswith("counter:") and
-                       ("evictable" in f.check or "protected" in f.check) for f in findings):
-            findings.extend(lock_balance(auditor, target, idle))
-    findings.sort(key=lambda f: KIND_ORDER.index(f.kind) if f.kind in KIND_ORDER else len(KIND_ORDER))
-    return attach_engine_verdict(target, findings)
+    s.findings.sort(key=lambda f: lookup(f.kind).rank)
+    return attach_engine_verdict(target, s.findings)
+
+
+def _sweep(s: Scan, pool: str, led) -> PoolScan:
+    """Mark ``pool``'s units from the roots; record owner changes; note the units it lost in ``s.leaked``."""
+    auditor = s.auditor
+    n = led.allocated.size
+    referenced = np.zeros(n, dtype=bool)
+    owner = np.zeros(n, dtype=np.int64)
+    private_units, req_units, session_units = [], [], []
+    for root in s.by_pool[pool]:
+        referenced[root.units] = True
+        if root.private:
+            private_units.append(root.units)
+            owner[root.units] = auditor.owner_id(root.owner)
+            if root.role == "req":
+                req_units.append(root.units)
+            elif root.role == "session":
+                session_units.append(root.units)
+    referenced[0] = True  # the reserved unit reads as allocated in the ledger
+    s.prev_owner[pool] = led.owner
+    if not s.scan_only and (owner != led.owner).any():
+        changed = np.flatnonzero(owner != led.owner)
+        auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
+        led.owner = owner
+    lost = np.flatnonzero(led.allocated & ~referenced)
+    if lost.size and not s.scan_only:
+        s.leaked[pool] = lost
+    return PoolScan(pool, led, referenced, private_units, req_units, session_units)
 
 
 def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
