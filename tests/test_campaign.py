@@ -554,3 +554,33 @@ def test_a_corpus_campaign_keeps_its_programs_in_the_corpus_folder_and_a_rerun_k
         assert doc["format"] == "kvaudit.program/1" and doc["program"][-1] == {"op": "idle"}
     run_campaign(hisparse_config(), "corpus", 3, 2, 1, corpus)
     assert first <= set(os.listdir(programs))  # nothing lost; the rerun adds what it reaches anew
+
+
+def test_an_interrupt_during_a_findings_registration_waits_for_its_write_and_announcement():
+    """A SIGTERM between the fleet's registration and this host's write left the bug known in Redis, the
+    file unwritten and the run exiting 130 (tests/test_fleet.py, under load): the block finishes first."""
+    import signal
+
+    from kvaudit.audit.runner import INTERRUPTED
+    from kvaudit.search.campaign import _held_interrupts
+
+    def raising(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, raising)
+    steps = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _held_interrupts():
+                steps.append("registered")
+                os.kill(os.getpid(), signal.SIGTERM)  # delivered at the next bytecode: held
+                steps.append("written")
+        assert steps == ["registered", "written"]
+        assert INTERRUPTED.is_set()
+        assert signal.getsignal(signal.SIGTERM) is raising  # the caller's handler is back
+        with _held_interrupts():  # no signal: nothing raised
+            steps.append("again")
+        assert steps[-1] == "again"
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        INTERRUPTED.clear()

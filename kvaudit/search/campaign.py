@@ -37,6 +37,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -277,18 +278,47 @@ def _triage_and_write(spec: _Spec, config, sset, emit, fdir: str, program, findi
                         confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
                         timeline=crash.timeline)
     before = set(known)
-    new, path = _register_and_write(spec.corpus, fdir, hub, doc)
-    sigs = _signatures(crash.findings)
-    if hub is not None:  # those the minimized program no longer raises: for any worker to triage on their own
-        hub.release(claimed)
-    known.update(sigs)
-    for s in sigs:
-        if s not in new:  # recorded by another worker's file: the parent does not count it as this host's
-            counts["duplicates"] += s not in before
-            emit(("duplicate", spec.index, s))
-    counts["new"] += len(new)
-    for s in new:
-        emit(("finding", spec.index, s, path))
+    with _held_interrupts():  # registered in the fleet, then written and announced here: whole, or not at all
+        new, path = _register_and_write(spec.corpus, fdir, hub, doc)
+        sigs = _signatures(crash.findings)
+        if hub is not None:  # those the minimized program no longer raises: for any worker to triage on their own
+            hub.release(claimed)
+        known.update(sigs)
+        for s in sigs:
+            if s not in new:  # recorded by another worker's file: the parent does not count it as this host's
+                counts["duplicates"] += s not in before
+                emit(("duplicate", spec.index, s))
+        counts["new"] += len(new)
+        for s in new:
+            emit(("finding", spec.index, s, path))
+
+
+@contextlib.contextmanager
+def _held_interrupts():
+    """Ctrl-C and SIGTERM wait for the end of the block, then raise KeyboardInterrupt (and set
+    :data:`kvaudit.audit.runner.INTERRUPTED`) as they would have. Around a finding's registration in the
+    fleet and its write here: a SIGTERM that landed between the two left the bug known in Redis and
+    this host's file unwritten, the run exiting 130 as if it had found nothing (seen in
+    tests/test_fleet.py under load). Signals a process ignores stay ignored; off the main thread, nothing
+    is held (Python runs handlers there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    held = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(s) not in (signal.SIG_IGN, None)}
+    for s in held:
+        signal.signal(s, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
+    if came:
+        from kvaudit.audit.runner import INTERRUPTED
+
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
 
 
 def _round(spec: _Spec, config, sset, stats, progress, emit, fdir: str, known: set, flaky: set, round_: int, hub,
