@@ -124,7 +124,7 @@ def _campaign_name(ctx, param, value):
 
 _suppress_option = click.option(
     "--suppress", "suppress_file", type=click.Path(exists=False), default=None, metavar="FILE",
-    help="TOML suppression file: findings its [[suppress]] rules match are not findings (see README).")
+    help="TOML suppression file: findings its [[suppress]] rules match are not findings (see docs/guides/reports.md).")
 
 
 def _set_step_timeout(ctx, param, value):

@@ -15,7 +15,8 @@ from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
 from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit import replay
 from kvaudit.search.campaign import known_signatures, run_campaign
-from kvaudit.search.fuzz import SWARM_KINDS, FuzzStats, hypothesis_search, random_search
+from kvaudit.program.schema import swarm_groups
+from kvaudit.search.fuzz import FuzzStats, hypothesis_search, random_search
 from kvaudit.program import FlushCache, Step, Submit
 from kvaudit.audit.runner import AuditedRun, execute
 
@@ -82,7 +83,7 @@ def test_swarm_cases_use_different_subsets_of_op_kinds(monkeypatch):
     run_state_machine_as_test(machine, settings=settings(
         max_examples=80, stateful_step_count=16, deadline=None, database=None, phases=[Phase.generate],
         suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet))
-    used = [k & set(SWARM_KINDS) for k in kinds_per_run.values()]
+    used = [k & set(swarm_groups()) for k in kinds_per_run.values()]
     assert len(used) > 50
     assert any("submit" not in u for u in used) and any("submit" in u for u in used)
     assert len({frozenset(u) for u in used}) > 5  # many different mixes, not one fixed one

@@ -56,13 +56,16 @@ def test_a_failing_test_shows_the_program_the_cli_minimized(kvaudit, tmp_path, m
 
 
 def _doc_snippets() -> dict[str, list[str]]:
-    """The Python code blocks of the README and docs/writing-a-target.md: code -> where it is written."""
+    """The Python code blocks of the README and every docs page: code -> where it is written."""
     import os
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out: dict[str, list[str]] = {}
-    for name in ("README.md", os.path.join("docs", "writing-a-target.md")):
+    docs = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(os.path.join(root, "docs"))
+                  for f in fs if f.endswith(".md"))
+    assert os.path.join("docs", "writing-a-target.md") in docs
+    for name in ("README.md", *docs):
         text = open(os.path.join(root, name)).read()
         for m in re.finditer(r"```python\n(.*?)```", text, re.S):
             out.setdefault(m.group(1), []).append(f"{name}:{text[:m.start()].count(chr(10)) + 1}")

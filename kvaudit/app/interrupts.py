@@ -91,7 +91,7 @@ def write_startup_reports(argv: list[str]) -> list[str]:
     """``kvaudit ci`` stopped by Ctrl-C or SIGTERM before its job began (while the engine and the
     search are imported, or its options are read): write the ``--junit`` (one skipped ``interrupted``
     case) and ``--sarif`` (no results, an unsuccessful invocation) that ``argv`` asks for, atomically,
-    as the job itself would once interrupted (README: "from the command's first line"). A path the job
+    as the job itself would once interrupted (docs/reference/exit-codes.md: "from the command's first line"). A path the job
     would refuse (a directory, a device, ``-``, both flags naming one file) is skipped, as is one that
     cannot be written. Returns the paths written; one line each on stderr. Standard library only (with
     :mod:`kvaudit.atomic` and :mod:`kvaudit.reports.ci_outputs`): modules half-imported when the signal

@@ -44,8 +44,8 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     """Read replay file ``path`` and write the Markdown report to ``issue_out`` and the client script to
     ``client_out`` (either may be None), each atomically. ``resolve``: run the program on the target to
     resolve its handles (:func:`kvaudit.export.trace.trace`; skipped when the engine is not installed).
-    Raises :class:`ExportError` for a file that is not a replay file or whose engine has no HTTP API
-    here, OSError when an output cannot be written."""
+    Raises :class:`ExportError` for a file that is not a replay file, whose engine has no HTTP API
+    here or whose program holds an op that API has no call for, OSError when an output cannot be written."""
     try:
         config, program, findings, doc = load(path)
     except ReplayFormatError as e:
@@ -57,7 +57,10 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
         raise ExportError(f"{path}: target {target!r} has no client export (supported: {', '.join(apis())})") \
             from None
     tr = trace(config, program) if resolve else None
-    plan = make_plan(config, program, tr)
+    try:
+        plan = make_plan(config, program, tr)
+    except ValueError as e:  # an op the engine's export has no call for
+        raise ExportError(f"{path}: {e}") from None
     launch, env, unmapped = ex.launch(config)
     sigs = [f.signature for f in findings]
     note = note_for(sigs, config.preset)

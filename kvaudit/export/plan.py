@@ -111,7 +111,8 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
     Request lengths are clamped as the SGLang and vLLM targets clamp them (prompt ``context_len // 2``,
     output ``context_len // 4``). The engine's rules come from its kind's ``export``: whether submits
     of one intake are batched, the ops its target ignores, whether a flush's timeout is honoured, which
-    submits a P/D pair's other side serves. Raises ``KeyError`` for a target with no HTTP table."""
+    submits a P/D pair's other side serves. Raises ``KeyError`` for a target with no HTTP table,
+    ``ValueError`` naming the op for an op kind no call is known for."""
     engine = kind_of(config).name
     ex = export_for(engine)
     api, batch = ex.api, ex.batch_submits
@@ -212,6 +213,9 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
             calls.append(Call("wait", [i], {"steps": op.n}, exact=False, note=api.calls["step"].note))
         elif isinstance(op, Idle):
             calls.append(Call("idle", [i], {}))
+        else:  # a new op of the schema: how a client sends it is the engine's to say, not a silent gap
+            raise ValueError(f"op {i} ({op.kind}): no client call is known for this op on {engine} "
+                             "(add it to kvaudit/export/plan.py and to the engine's HTTP table, or to its ignored_ops)")
     _mark_holds(calls, tr, same_intake_submits=batch)
     # a wait matters only where a later message must find the engine at a given step; the last
     # op of a program ending in step(n) is the step the finding was seen at: waiting is enough

@@ -9,14 +9,14 @@ schema defines for a target's reach comes out of every generator, and no generat
 
 from __future__ import annotations
 
-from kvaudit.program.ops import OP_TYPES, Idle, Op
+from kvaudit.program.ops import Idle, Op, op_type
 from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, kinds, reachable, resolve
 
 
 def make_op(kind: str, values: dict, reach: frozenset, max_prompt: int) -> Op:
     """The op ``kind`` with ``values`` (every argument, each a set value in its range or unset)
     resolved by :func:`kvaudit.program.schema.resolve` for ``reach`` and ``max_prompt`` (tokens)."""
-    return OP_TYPES[kind](**resolve(kind, values, reach, max_prompt))
+    return op_type(kind)(**resolve(kind, values, reach, max_prompt))
 
 
 def _draw_value(rng, arg, max_prompt: int):

@@ -166,6 +166,27 @@ Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, Me
 OP_TYPES: dict[str, type] = {t.kind: t for t in (Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession,
                                                  MemoryPressure, PauseGeneration, ContinueGeneration, TransferFail,
                                                  Step, Idle)}
+_GENERATED: dict[str, tuple] = {}  # kind -> (its OpSpec, the op type made from it)
+
+
+def op_type(kind: str) -> type:
+    """The op type of ``kind``: its class above, else a frozen dataclass made from its
+    :data:`kvaudit.program.schema.OPS` row (its arguments as fields, in order, with their defaults;
+    named after the kind: ``probe_op`` -> ``ProbeOp``), so that a row is a whole op. Raises
+    ``KeyError`` for a kind that is not in :data:`OPS`."""
+    if kind in OP_TYPES:
+        return OP_TYPES[kind]
+    spec = OPS[kind]
+    made = _GENERATED.get(kind)
+    if made is None or made[0] is not spec:
+        name = "".join(w.title() for w in kind.split("_"))
+        cls = dataclasses.make_dataclass(name, [(a.name, "int | None", dataclasses.field(default=a.default))
+                                                for a in spec.args] + [("kind", ClassVar[str], kind)],
+                                         frozen=True, namespace={"__doc__": f"The op {kind!r} (read from its schema row)."})
+        made = _GENERATED[kind] = (spec, cls)
+    return made[1]
+
+
 # the schema's views: arguments that may be null, and those left out of JSON and printed ops at
 # their default (added after format 1 was first written, so every older program reads as it did)
 NULLABLE = frozenset(a.name for spec in OPS.values() for a in spec.args if a.nullable)
@@ -188,9 +209,9 @@ def op_from_dict(d: object) -> Op:
     """Parse one op. Raises :class:`ProgramError` with a one-line reason."""
     if not isinstance(d, dict) or "op" not in d:
         raise ProgramError(f"op must be an object with an 'op' key, got {d!r:.60}")
-    cls = OP_TYPES.get(d["op"]) if isinstance(d["op"], str) else None
+    cls = op_type(d["op"]) if isinstance(d["op"], str) and d["op"] in OPS else None
     if cls is None:
-        raise ProgramError(f"unknown op {d['op']!r}; valid ops: {', '.join(OP_TYPES)}")
+        raise ProgramError(f"unknown op {d['op']!r}; valid ops: {', '.join(OPS)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     args = {k: v for k, v in d.items() if k != "op"}
     for k, v in args.items():

@@ -19,7 +19,12 @@ Each op kind (:data:`OPS`) lists its arguments in field order. An argument (:cla
 - ``simplest``: the value the minimizer pulls a set argument toward (default: ``default``).
 
 An op kind may itself be gated (``OpSpec.gate``) and weighted (``OpSpec.weight``: its share of the
-ops the random generator and the version 2 byte decoder draw). :func:`resolve` applies ``requires``
+ops the random generator and the version 2 byte decoder draw), and belongs to a swarm group
+(``OpSpec.swarm``: the Hypothesis search's swarm testing leaves whole groups out of a case,
+:func:`swarm_groups`). A row is all an op needs besides the targets that apply it: its Hypothesis
+rule, swarm group, op type (:func:`kvaudit.program.ops.op_type`), byte decoding (version 2),
+minimizer simplifications and corpus mutations are read from it; ``kvaudit export`` refuses an op
+its engine has no mapping for, by name. :func:`resolve` applies ``requires``
 and ``caps`` to drawn values, so every generator produces the same set of programs.
 
 The request side: :func:`prompt_tokens`, :func:`pick` and :func:`resolve_submit` build a client's
@@ -69,16 +74,22 @@ class Arg:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op kind: its arguments in field order, its gate and its weight in the random mix."""
+    """One op kind: its arguments in field order, its gate, its weight in the random mix and its swarm
+    group: ``swarm`` names the group a swarm-testing case keeps or leaves out as a whole (the session
+    ops together, pause with continue); left unset, the op is a group of its own (its ``kind``);
+    None, it is in every case (``step``, ``idle``)."""
 
     kind: str
     args: tuple[Arg, ...] = ()
     gate: str | None = None
     weight: int = 1
+    swarm: str | None = ""  # "": the op's own kind (filled in __post_init__)
     arg: dict = field(default=None, compare=False, repr=False)  # name -> Arg, filled in __post_init__
 
     def __post_init__(self):
         object.__setattr__(self, "arg", {a.name: a for a in self.args})
+        if self.swarm == "":
+            object.__setattr__(self, "swarm", self.kind)
 
 
 _SESSION_PARAM = dict(gate="session_params", requires="session", late=True)
@@ -102,17 +113,32 @@ OPS: dict[str, OpSpec] = {s.kind: s for s in (
     OpSpec("health_check", weight=8),
     OpSpec("abort", weight=9, args=(Arg("handle", 0, 0, 7, nullable=True, p=1 / 2),)),  # None: all
     OpSpec("flush_cache", weight=3, args=(Arg("timeout", 0, 1, 8, p=1 / 3, gate="flush_timeout", late=True),)),
-    OpSpec("open_session", weight=4, gate="sessions"),
-    OpSpec("close_session", weight=3, gate="sessions", args=(Arg("handle", 0, 0, 3),)),
+    OpSpec("open_session", weight=4, gate="sessions", swarm="sessions"),
+    OpSpec("close_session", weight=3, gate="sessions", swarm="sessions", args=(Arg("handle", 0, 0, 3),)),
     OpSpec("memory_pressure", weight=2, gate="prefix_cache"),
     # the minimizer pulls a pause toward in_place: a pause that moves no memory
-    OpSpec("pause_generation", weight=2, args=(Arg("mode", 0, 0, len(PAUSE_MODES) - 1, limit=len(PAUSE_MODES) - 1,
-                                                   simplest=1),)),
-    OpSpec("continue_generation", weight=2),
-    OpSpec("transfer_fail", weight=4, gate="transfer_fail", args=(Arg("handle", 0, 0, 3, nullable=True, p=2 / 3),)),
-    OpSpec("step", weight=20, args=(Arg("n", 1, 1, 4),)),  # scheduler iterations
-    OpSpec("idle", weight=10),
+    OpSpec("pause_generation", weight=2, swarm="pause",
+           args=(Arg("mode", 0, 0, len(PAUSE_MODES) - 1, limit=len(PAUSE_MODES) - 1, simplest=1),)),
+    OpSpec("continue_generation", weight=2, swarm="pause"),
+    # a failed transfer ends requests as an abort does
+    OpSpec("transfer_fail", weight=4, gate="transfer_fail", swarm="abort",
+           args=(Arg("handle", 0, 0, 3, nullable=True, p=2 / 3),)),
+    OpSpec("step", weight=20, swarm=None, args=(Arg("n", 1, 1, 4),)),  # scheduler iterations
+    OpSpec("idle", weight=10, swarm=None),
 )}
+
+# NOTE: Hypothesis draws a case's swarm as a set sampled from swarm_groups(), so the groups' order is part
+# of what a seed means: these keep the order they were drawn in before the groups were read from OPS, and
+# a group not named here follows them, in OPS order
+_SWARM_ORDER = ("submit", "health_check", "abort", "flush_cache", "memory_pressure", "sessions", "pause")
+
+
+def swarm_groups() -> tuple[str, ...]:
+    """The swarm groups of :data:`OPS` (every ``OpSpec.swarm`` but None), each once: those of
+    ``_SWARM_ORDER`` first in its order, then the others in :data:`OPS` order. Read when a search
+    starts, so an op added to :data:`OPS` is drawn with no other table changed."""
+    groups = dict.fromkeys(s.swarm for s in OPS.values() if s.swarm is not None)
+    return tuple(g for g in _SWARM_ORDER if g in groups) + tuple(g for g in groups if g not in _SWARM_ORDER)
 
 
 def default(kind: str, name: str) -> int | None:

@@ -257,9 +257,10 @@ class Mutator:
         return random_op(self.rng, self.reach, self.max_prompt, table or self.table)
 
     def swarm_table(self) -> tuple[str, ...]:
-        """A random subset of the op kinds (step and idle always in), weighted as the random mix."""
+        """A random subset of the op kinds (those in every swarm, ``OpSpec.swarm`` None -- step and idle --
+        always in), weighted as the random mix."""
         kinds = sorted(set(self.table))
-        keep = {k for k in kinds if k in ("step", "idle") or self.rng.random() < 0.5}
+        keep = {k for k in kinds if OPS[k].swarm is None or self.rng.random() < 0.5}
         return tuple(k for k in self.table if k in keep)
 
     def swarm_probs(self) -> dict[str, float]:

@@ -25,7 +25,7 @@ from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.audit.findings import Finding
 from kvaudit.search.minimize import minimize
 from kvaudit.program import Idle, Op, make_op, random_program
-from kvaudit.program.schema import kinds
+from kvaudit.program.schema import OPS, kinds, swarm_groups
 from kvaudit.program.schema import max_prompt as context_max_prompt
 from kvaudit.program.schema import reach as program_reach
 from kvaudit.program.strategies import arg_strategies
@@ -145,27 +145,29 @@ class _Recorder:
 
 
 # Swarm testing (Groce et al., ISSTA 2012): each test case leaves out a random subset of the op
-# kinds, so that programs made of a few kinds only (aborts and idles, say, with no steps to dilute
-# them) are drawn far more often than a fixed mix would draw them. step and idle are always in.
-SWARM_KINDS = ("submit", "health_check", "abort", "flush_cache", "memory_pressure", "sessions", "pause")
+# kinds' swarm groups (OpSpec.swarm: kvaudit.program.schema.swarm_groups), so that programs made of a few
+# kinds only (aborts and idles, say, with no steps to dilute them) are drawn far more often than a fixed
+# mix would draw them. step and idle (swarm None) are always in.
 
 
 def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
     reach = program_reach(config)  # ops and arguments the target gives meaning to
+    groups = swarm_groups()
 
-    def enabled(kind: str):
-        return precondition(lambda self: kind in self.swarm)
+    def enabled(group: str | None):
+        """A rule's gate: drawn only in a case whose swarm keeps ``group`` (None: in every case)."""
+        return (lambda r: r) if group is None else precondition(lambda self: group in self.swarm)
 
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
             self.run = AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=rec.deadline)
             self.ops: list[Op] = []
-            self.swarm = frozenset(SWARM_KINDS)
+            self.swarm = frozenset(groups)
             self.prompt_cap = max_prompt
             self.dead = False  # a known finding ended this case's program: the rest are no-ops
 
-        @initialize(kinds=st.sets(st.sampled_from(SWARM_KINDS)) if swarm else st.just(frozenset(SWARM_KINDS)),
+        @initialize(kinds=st.sets(st.sampled_from(groups)) if swarm else st.just(frozenset(groups)),
                     short=st.booleans() if swarm else st.just(False))
         def choose_swarm(self, kinds, short):
             """The case's swarm: the op kinds it may use, and (a preset option) short prompts only."""
@@ -217,19 +219,19 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
             op = make_op("submit", values, reach, max_prompt)
             self._do(dataclasses.replace(op, prompt_len=min(op.prompt_len, self.prompt_cap)))
 
-        @enabled("submit")
+        @enabled(OPS["submit"].swarm)
         @rule(**arg_strategies("submit", reach, max_prompt))
         def submit(self, **values):
             self._submit(values)
 
         if "prefix_cache" in reach:  # a chat client resending its history: shared prefixes
-            @enabled("submit")
+            @enabled(OPS["submit"].swarm)
             @rule(**arg_strategies("submit", reach, max_prompt, pinned=("extends",)))
             def submit_extending(self, **values):
                 self._submit(values)
 
         if "sessions" in reach:
-            @enabled("sessions")
+            @enabled(OPS["open_session"].swarm)  # a turn is drawn with the ops that open and close sessions
             @rule(**arg_strategies("submit", reach, max_prompt, pinned=("session",)))
             def submit_turn(self, **values):
                 self._submit(values)
@@ -243,19 +245,16 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                 rec.stats.sites |= self.run.auditor.site_keys()
                 rec.stats.suppressed.update(f.signature for f in self.run.suppressed)
 
-    def add_rule(kind: str, swarm_kind: str | None):
+    def add_rule(kind: str):
         def apply(self, **values):
             self._do(make_op(kind, values, reach, max_prompt))
 
         apply.__name__ = kind
-        r = rule(**arg_strategies(kind, reach, max_prompt))(apply)
-        setattr(ProgramMachine, kind, enabled(swarm_kind)(r) if swarm_kind else r)
+        setattr(ProgramMachine, kind, enabled(OPS[kind].swarm)(rule(**arg_strategies(kind, reach, max_prompt))(apply)))
 
-    swarm_of = {"open_session": "sessions", "close_session": "sessions", "transfer_fail": "abort",
-                "continue_generation": "pause", "pause_generation": "pause", "step": None, "idle": None}
-    for kind in kinds(reach):  # the other op kinds: one rule each
+    for kind in kinds(reach):  # the other op kinds of the schema: one rule each, gated by the row's swarm group
         if kind != "submit":
-            add_rule(kind, swarm_of.get(kind, kind))
+            add_rule(kind)
     return ProgramMachine
 
 
@@ -347,7 +346,7 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
 
     ``database``: a directory for Hypothesis's example database (a campaign's corpus), or an
     ``ExampleDatabase`` (a fleet's, :meth:`kvaudit.search.hub.Hub.example_database`), whose saved
-    examples are replayed first. ``swarm``: swarm testing (see :data:`SWARM_KINDS`). ``max_executions``:
+    examples are replayed first. ``swarm``: swarm testing (see :func:`kvaudit.program.schema.swarm_groups`). ``max_executions``:
     stop after that many programs too (cases past it run nothing; shrinking is not cut by it).
 
     Raises :class:`SearchInterrupted`, carrying the failing program, when interrupted after the first

@@ -1,0 +1,115 @@
+"""The docs site (mkdocs.yml, docs/) and the README: the command reference is what the click commands
+say now, every page is in the nav, every relative link reaches a file that exists, and the site's copy
+of the two set-up commands is the README's."""
+import os
+import re
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+LINK = re.compile(r"\[[^\]]+\]\(([^)\s]+)\)")
+
+
+def _pages() -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), DOCS) for d, _, fs in os.walk(DOCS) for f in fs if f.endswith(".md"))
+
+
+def _links(path: str) -> list[tuple[int, str]]:
+    """(line, target) of every Markdown link outside code blocks and code spans."""
+    out, fence = [], False
+    for n, line in enumerate(open(path).read().split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if not fence:
+            out += [(n, m.group(1)) for m in LINK.finditer(re.sub(r"`[^`]*`", "", line))]
+    return out
+
+
+def _nav_pages(nav) -> list[str]:
+    out = []
+    for item in nav:
+        value = next(iter(item.values())) if isinstance(item, dict) else item
+        out += _nav_pages(value) if isinstance(value, list) else [value]
+    return out
+
+
+def _broken(path: str) -> list[str]:
+    here = os.path.dirname(path)
+    bad = []
+    for n, target in _links(path):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        file = target.split("#", 1)[0]
+        if not os.path.exists(os.path.normpath(os.path.join(here, file))):
+            bad.append(f"{os.path.relpath(path, ROOT)}:{n}: {target}")
+    return bad
+
+
+def test_the_command_reference_is_what_the_click_commands_say_now():
+    sys.path.insert(0, DOCS)
+    try:
+        import gen_commands
+    finally:
+        sys.path.remove(DOCS)
+    with open(gen_commands.PAGE) as fh:
+        committed = fh.read()
+    assert committed == gen_commands.render(), "docs/reference/commands.md is stale: run python docs/gen_commands.py"
+    # every command and every option of --help is on the page
+    from click.testing import CliRunner
+
+    from kvaudit.cli import main
+
+    help_ = CliRunner().invoke(main, ["fuzz", "--help"]).output
+    for flag in re.findall(r"^\s+(--[a-z][a-z-]*)", help_, re.M):
+        assert f"`{flag}`" in committed, flag
+    for name in main.list_commands(None):
+        assert f"## `kvaudit {name}`" in committed
+
+
+def test_the_generator_tells_a_stale_page(tmp_path):
+    sys.path.insert(0, DOCS)
+    try:
+        import gen_commands
+    finally:
+        sys.path.remove(DOCS)
+    page = tmp_path / "commands.md"
+    assert not gen_commands.is_current(str(page))
+    page.write_text(gen_commands.render())
+    assert gen_commands.is_current(str(page))
+    page.write_text(gen_commands.render().replace("Show this message and exit.", "Show help.", 1))
+    assert not gen_commands.is_current(str(page))
+
+
+def test_every_docs_page_is_in_the_nav_and_every_nav_entry_exists():
+    with open(os.path.join(ROOT, "mkdocs.yml")) as fh:
+        config = yaml.safe_load(fh)
+    assert config["theme"]["name"] == "material"
+    nav = _nav_pages(config["nav"])
+    assert sorted(nav) == _pages()
+
+
+@pytest.mark.parametrize("page", ["README.md", *[os.path.join("docs", p) for p in _pages()]])
+def test_every_link_of_the_readme_and_the_docs_reaches_a_file(page):
+    assert _broken(os.path.join(ROOT, page)) == []
+
+
+def test_a_broken_link_is_caught(tmp_path):
+    (tmp_path / "a.md").write_text("[ok](a.md) [gone](b.md#x) `[code](c.md)` [web](https://x.org)\n")
+    assert _broken(str(tmp_path / "a.md")) == [f"{os.path.relpath(str(tmp_path / 'a.md'), ROOT)}:1: b.md#x"]
+
+
+def test_the_site_shows_the_readmes_two_set_up_commands():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    index = open(os.path.join(DOCS, "index.md")).read()
+    block = readme[readme.index("```bash\n"):readme.index("```\n", readme.index("```bash\n") + 1) + 4]
+    assert block.count("pip install torch==2.13.0") == 2
+    assert block in index
+
+
+def test_the_readme_stays_short():
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        assert len(fh.read().splitlines()) <= 300
