@@ -1,4 +1,4 @@
-"""Helpers shared by the CLI tests (test_cli.py, test_suppress.py, test_report.py)."""
+"""Helpers shared by the CLI tests (test_cli.py, test_suppress.py, test_report.py, test_export*.py)."""
 
 import os
 import shutil
@@ -8,10 +8,34 @@ from click.testing import CliRunner
 
 from kvaudit.cli import main
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def invoke(*args, env=None):
     """Run ``kvaudit ARGS`` in-process; returns click's Result (stdout and stderr apart)."""
     return CliRunner().invoke(main, list(args), env=env)
+
+
+def export_all(files, under, out, root=ROOT):
+    """Run ``kvaudit export FILE --issue --client`` in-process for each replay file, into the directory
+    ``out`` (the exports are generated on demand: only one golden export per engine is committed, under
+    tests/data/export/). Returns {name: base}: ``name`` is the file's path under ``under`` (its engine's
+    corpus folder) less ``.json`` (``history/vllm-33377``), ``base + ".issue.md"`` / ``+ ".client.py"`` its export.
+    The report names the file by its path in the checkout (``corpora/...``), as a user's command from the
+    checkout's root writes it. Fails the test on an export that exits non-zero."""
+    done = {}
+    for path in files:
+        name = os.path.relpath(path, under)[:-5]
+        base = os.path.join(str(out), name)
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        r = invoke("export", path, "--issue", base + ".issue.md", "--client", base + ".client.py")
+        assert r.exit_code == 0, (path, r.output)
+        with open(base + ".issue.md") as f:
+            issue = f.read()
+        with open(base + ".issue.md", "w") as f:
+            f.write(issue.replace(path, os.path.relpath(path, root)))
+        done[name] = base
+    return done
 
 
 def one_error_line(result):

@@ -1,6 +1,9 @@
-"""kvaudit export (issue 23): every corpora/sglang/*.json has its issue report and client script committed
-next to it; each script, run as a subprocess against a small stand-in HTTP server that records every
-request, sends the program's calls in order, batched as the program delivers them, with its parameters."""
+"""kvaudit export (issue 23): every corpora/sglang/*.json exports an issue report and a client script
+(in-process, once per session, into a temporary directory: the exports are generated, not committed);
+each script, run as a subprocess against a small stand-in HTTP server that records every request, sends
+the program's calls in order, batched as the program delivers them, with its parameters. One export is
+kept as the golden one (tests/data/export/sglang/): the tests that need no SGLang run its script, and
+a test checks that ``kvaudit export`` still writes it byte for byte."""
 
 import glob
 import json
@@ -13,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cli_helpers import invoke, one_error_line
+from cli_helpers import export_all, invoke, one_error_line
 from kvaudit import replay
 from kvaudit.export.http_api import apis
 from kvaudit.export.issue import SECTIONS
@@ -22,6 +25,8 @@ from kvaudit.program.schema import pick, prompt_tokens
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))
 NAMES = [os.path.basename(f)[:-5] for f in FILES]
+GOLDEN_NAME = "crash-take-rejected-turn-in-first-batch"
+GOLDEN = os.path.join(ROOT, "tests", "data", "export", "sglang", GOLDEN_NAME)  # + .issue.md / .client.py
 PER_TOKEN = 0.01  # seconds the stand-in takes per output token of a /generate
 HOLD = 30  # --hold-tokens in these runs: a held request lasts ~0.3 s on the stand-in
 
@@ -98,6 +103,13 @@ class StandIn:
         self.server.server_close()
 
 
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """Every corpora/sglang/*.json exported once (resolved on SGLang: use it from tests marked ``sglang``):
+    name -> the path of its export less the suffix (``+ ".issue.md"``, ``+ ".client.py"``)."""
+    return export_all(FILES, os.path.join(ROOT, "corpora", "sglang"), tmp_path_factory.mktemp("sglang-exports"))
+
+
 @pytest.fixture
 def stand_in():
     s = StandIn()
@@ -161,9 +173,10 @@ def expected_calls(path):
     return out
 
 
+@pytest.mark.sglang
 @pytest.mark.parametrize("name", NAMES)
-def test_each_finding_has_its_report_and_client_committed_next_to_it(name):
-    base = os.path.join(ROOT, "corpora", "sglang", name)
+def test_each_finding_exports_its_report_and_client(name, exported):
+    base = exported[name]
     issue = open(base + ".issue.md").read()
     for section in SECTIONS:
         assert f"\n{section}\n" in issue, f"{name}.issue.md lacks {section}"
@@ -174,14 +187,15 @@ def test_each_finding_has_its_report_and_client_committed_next_to_it(name):
     assert compile(client, name, "exec")
 
 
+@pytest.mark.sglang
 @pytest.mark.parametrize("name", NAMES)
-def test_a_client_sends_the_program_in_order_batched_with_its_parameters(name, stand_in):
-    base = os.path.join(ROOT, "corpora", "sglang", name)
+def test_a_client_sends_the_program_in_order_batched_with_its_parameters(name, stand_in, exported):
+    base = exported[name]
     done = run_client(base + ".client.py", stand_in.url)
     assert done.returncode == 0, done.stdout + done.stderr  # a healthy stand-in: nothing reproduced
     assert "RESULT: NOT REPRODUCED" in done.stdout
     recorded = program_calls(stand_in.log)
-    want = expected_calls(base + ".json")
+    want = expected_calls(os.path.join(ROOT, "corpora", "sglang", name + ".json"))
     calls, cleanup = recorded[:len(want)], recorded[len(want):]
     assert [c[2].split("?")[0] for c in calls] == [w[0] for w in want]
     assert all(c[2] == "/close_session" for c in cleanup)  # the script closes what the program left open
@@ -226,7 +240,7 @@ def test_a_client_sends_the_program_in_order_batched_with_its_parameters(name, s
 
 
 def test_the_take_crash_is_one_batched_generate_of_two_turns_of_one_streaming_session(stand_in):
-    base = os.path.join(ROOT, "corpora", "sglang", "crash-take-rejected-turn-in-first-batch")
+    base = GOLDEN
     assert run_client(base + ".client.py", stand_in.url).returncode == 0
     calls = program_calls(stand_in.log)
     assert [c[2] for c in calls] == ["/open_session", "/generate", "/close_session"]  # (the cleanup closes s0)
@@ -243,10 +257,11 @@ def test_the_take_crash_is_one_batched_generate_of_two_turns_of_one_streaming_se
     assert len(curl) == 1 and '"input_ids": [[7], [7]]' in curl[0] and '"session_params": {"id": "s0"}' in curl[0]
 
 
-def test_the_abort_names_the_turn_the_program_aborts(stand_in):
+@pytest.mark.sglang
+def test_the_abort_names_the_turn_the_program_aborts(stand_in, exported):
     """abort(handle=0) picks the first live request: turn 1 (r0), not the rejected turn 2 (resolved on the
     target; a static count would have named the same here, so also check the text says which)."""
-    base = os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort")
+    base = exported["crash-a1-checkpoint-into-tree-after-abort"]
     assert run_client(base + ".client.py", stand_in.url).returncode == 0
     calls = program_calls(stand_in.log)
     first_turn = next(c for c in calls if c[2] == "/generate")[3]["rid"]
@@ -256,7 +271,7 @@ def test_the_abort_names_the_turn_the_program_aborts(stand_in):
 
 def test_a_client_says_reproduced_when_the_server_stops_answering(stand_in, tmp_path):
     """The crash case: a server that dies at the batched /generate is reported, exit 1."""
-    base = os.path.join(ROOT, "corpora", "sglang", "crash-take-rejected-turn-in-first-batch")
+    base = GOLDEN
     original = stand_in.server.RequestHandlerClass._serve
 
     def dying(self, method):
@@ -275,7 +290,7 @@ def test_a_client_says_reproduced_when_the_server_stops_answering(stand_in, tmp_
 
 
 def test_a_client_without_a_server_is_one_line_exit_2(tmp_path):
-    base = os.path.join(ROOT, "corpora", "sglang", "crash-take-rejected-turn-in-first-batch")
+    base = GOLDEN
     for args in (["--url", "http://127.0.0.1:9", "--timeout", "2"], ["--url", "notaurl"],
                  ["--metrics-url", "localhost:30000"]):  # not URLs: exit 1 (REPRODUCED) with a traceback before
         done = subprocess.run([sys.executable, base + ".client.py", *args], capture_output=True, text=True, timeout=60)
@@ -283,15 +298,13 @@ def test_a_client_without_a_server_is_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("name", NAMES)
-def test_the_committed_exports_are_what_export_writes_today(name, tmp_path):
-    base = os.path.join(ROOT, "corpora", "sglang", name)
-    r = invoke("export", base + ".json", "--issue", str(tmp_path / f"{name}.issue.md"),
-               "--client", str(tmp_path / f"{name}.client.py"))
-    assert r.exit_code == 0, r.output
-    issue = (tmp_path / f"{name}.issue.md").read_text().replace(str(base + ".json"), f"corpora/sglang/{name}.json")
-    assert issue == open(base + ".issue.md").read(), f"regenerate: kvaudit export {base}.json --issue ... --client ..."
-    assert (tmp_path / f"{name}.client.py").read_text() == open(base + ".client.py").read()
+def test_the_golden_export_is_what_export_writes_today(exported):
+    """The one committed export (tests/data/export/sglang/) is byte for byte what ``kvaudit export`` writes
+    (the other files' exports are checked by what their scripts send, above)."""
+    base = exported[GOLDEN_NAME]
+    assert open(base + ".issue.md").read() == open(GOLDEN + ".issue.md").read(), \
+        f"regenerate: kvaudit export corpora/sglang/{GOLDEN_NAME}.json --issue {GOLDEN}.issue.md --client ..."
+    assert open(base + ".client.py").read() == open(GOLDEN + ".client.py").read()
 
 
 def test_export_bad_input_is_one_line_exit_2(tmp_path):
@@ -323,10 +336,11 @@ def test_the_api_table_names_every_op_for_sglang_with_the_version_checked():
         "/continue_generation", "/health_generate"}
 
 
-def test_the_deferred_close_arrives_while_the_turn_still_runs(stand_in):
+@pytest.mark.sglang
+def test_the_deferred_close_arrives_while_the_turn_still_runs(stand_in, exported):
     """uaf: close_session must find turn 2 in flight (the program's deferred close): the script holds the
     batch, so the stand-in is still answering it when the close arrives."""
-    base = os.path.join(ROOT, "corpora", "sglang", "uaf-deferred-close-after-rejected-turn")
+    base = exported["uaf-deferred-close-after-rejected-turn"]
     assert run_client(base + ".client.py", stand_in.url).returncode == 0
     calls = program_calls(stand_in.log)
     batch = [c for c in calls if c[2] == "/generate"][1]
@@ -335,7 +349,7 @@ def test_the_deferred_close_arrives_while_the_turn_still_runs(stand_in):
 
 
 @pytest.mark.sglang
-def test_every_request_a_client_sends_is_one_sglang_0_5_23_accepts(stand_in):
+def test_every_request_a_client_sends_is_one_sglang_0_5_23_accepts(stand_in, exported):
     """The bodies, checked with SGLang's own request types: /generate by its JSON contract
     (GenerateRequest.from_json_value) and GenerateReqInput's normalization (a batch of n items, each
     carrying the request's session_params), the session, abort and pause bodies by their dataclasses."""
@@ -347,7 +361,7 @@ def test_every_request_a_client_sends_is_one_sglang_0_5_23_accepts(stand_in):
     types = {"/open_session": OpenSessionReqInput, "/close_session": CloseSessionReqInput, "/abort_request": AbortReq,
              "/pause_generation": PauseGenerationReqInput}
     for name in NAMES:
-        assert run_client(os.path.join(ROOT, "corpora", "sglang", name + ".client.py"), stand_in.url).returncode == 0
+        assert run_client(exported[name] + ".client.py", stand_in.url).returncode == 0
     seen = set()
     for seq, method, path, body, t0, t1 in stand_in.log:
         path = path.split("?")[0]
@@ -379,11 +393,12 @@ def test_without_the_target_handles_are_resolved_statically(tmp_path):
     assert "## How sure we are" in (tmp_path / "c.md").read_text()
 
 
-def test_a_client_says_reproduced_when_the_pool_does_not_come_back(stand_in):
+@pytest.mark.sglang
+def test_a_client_says_reproduced_when_the_pool_does_not_come_back(stand_in, exported):
     """A memory finding: the pool counters after closing the sessions and flushing are short of those
     before the program (the idle gauges are polled for --settle seconds first), exit 1."""
     stand_in.leak = 5
-    base = os.path.join(ROOT, "corpora", "sglang", "uaf-deferred-close-after-rejected-turn")
+    base = exported["uaf-deferred-close-after-rejected-turn"]
     done = run_client(base + ".client.py", stand_in.url, "--settle", "1.5")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "kv_available_tokens is 5 below" in done.stdout and "kv_used_tokens=5" in done.stdout

@@ -1,8 +1,11 @@
 """kvaudit export for vLLM replay files (issue 23): every corpora/vllm/*.json (planted faults) and
-corpora/vllm/history/*.json (vLLM's own bugs in old releases) has its report and client script next to
-it; each script, run as a subprocess against a stand-in of vLLM's OpenAI-compatible server that streams
+corpora/vllm/history/*.json (vLLM's own bugs in old releases) exports its report and client script
+(in-process, once per session, into a temporary directory: the exports are generated, not committed);
+each script, run as a subprocess against a stand-in of vLLM's OpenAI-compatible server that streams
 tokens and notices when a client closes a stream, sends the program's submits in order with their
-parameters, and aborts exactly the streams the program aborts by closing their connections."""
+parameters, and aborts exactly the streams the program aborts by closing their connections. One export
+is kept as the golden one (tests/data/export/vllm/): the tests that need no vLLM run its script, and a
+test checks that ``kvaudit export`` still writes it byte for byte."""
 
 import glob
 import json
@@ -17,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cli_helpers import invoke, one_error_line
+from cli_helpers import export_all, invoke, one_error_line
 from release_helpers import child_env
 from kvaudit import replay
 from kvaudit.export.http_api import apis
@@ -29,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "vllm", "*.json")) +
                glob.glob(os.path.join(ROOT, "corpora", "vllm", "history", "*.json")))
 NAMES = [os.path.relpath(f, os.path.join(ROOT, "corpora", "vllm"))[:-5] for f in FILES]
+GOLDEN_NAME = "fault-skip-free"
+GOLDEN = os.path.join(ROOT, "tests", "data", "export", "vllm", GOLDEN_NAME)  # + .issue.md / .client.py
 PER_TOKEN = 0.01  # seconds the stand-in takes per streamed token
 HOLD = 30  # --hold-tokens in these runs: a held request streams for ~0.3 s on the stand-in
 
@@ -154,6 +159,13 @@ class VllmStandIn:
         self.server.server_close()
 
 
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """Every corpora/vllm/**.json exported once (resolved on vLLM: use it from tests marked ``vllm``):
+    name -> the path of its export less the suffix (``+ ".issue.md"``, ``+ ".client.py"``)."""
+    return export_all(FILES, os.path.join(ROOT, "corpora", "vllm"), tmp_path_factory.mktemp("vllm-exports"))
+
+
 @pytest.fixture
 def stand_in():
     s = VllmStandIn()
@@ -191,10 +203,11 @@ def expected_submits(path):
     return out
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES)
-def test_each_vllm_file_has_its_report_and_client_committed_next_to_it(name):
-    base = os.path.join(ROOT, "corpora", "vllm", name)
-    config = replay.load(base + ".json")[0]
+def test_each_vllm_file_exports_its_report_and_client(name, exported):
+    base = exported[name]
+    config = replay.load(os.path.join(ROOT, "corpora", "vllm", name + ".json"))[0]
     issue = open(base + ".issue.md").read()
     for section in SECTIONS:
         assert f"\n{section}\n" in issue, f"{name}.issue.md lacks {section}"
@@ -210,14 +223,15 @@ def test_each_vllm_file_has_its_report_and_client_committed_next_to_it(name):
     assert ("PLANTED FAULT, NOT A BUG OF VLLM" in client.split('"""')[1]) == planted
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("name", NAMES)
-def test_a_vllm_client_streams_the_submits_in_order_and_aborts_by_disconnecting(name, stand_in):
-    base = os.path.join(ROOT, "corpora", "vllm", name)
-    done = run_client(base + ".client.py", stand_in.url)
+def test_a_vllm_client_streams_the_submits_in_order_and_aborts_by_disconnecting(name, stand_in, exported):
+    done = run_client(exported[name] + ".client.py", stand_in.url)
     assert done.returncode == 0, done.stdout + done.stderr  # a healthy stand-in: nothing reproduced
     assert "RESULT: NOT REPRODUCED" in done.stdout
     calls = program_calls(stand_in.log)
-    config, program, _, _ = replay.load(base + ".json")
+    src = os.path.join(ROOT, "corpora", "vllm", name + ".json")
+    config, program, _, _ = replay.load(src)
     want_paths = []
     for op in program:
         if op.kind == "submit":
@@ -227,7 +241,7 @@ def test_a_vllm_client_streams_the_submits_in_order_and_aborts_by_disconnecting(
     streams = [c for c in calls if c["path"] == "/v1/completions" and c["body"]["stream"]]
     assert [c["path"].split("?")[0] for c in calls if c["path"] != "/v1/completions" or c["body"]["stream"]] \
         == want_paths
-    want = expected_submits(base + ".json")
+    want = expected_submits(src)
     assert len(streams) == len(want)
     for c, (ids, m) in zip(streams, want):
         b = c["body"]
@@ -281,7 +295,7 @@ def test_an_abort_by_handle_closes_the_stream_the_program_picks_and_no_other(sta
 def test_a_vllm_client_says_reproduced_when_blocks_stay_held(stand_in):
     """A memory finding: with nothing running, kv_cache_usage_perc > 0 (2 of 63 blocks), exit 1."""
     stand_in.usage = 2 / 63
-    done = run_client(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.client.py"), stand_in.url)
+    done = run_client(GOLDEN + ".client.py", stand_in.url)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "about 2 of 63 blocks held" in done.stdout and "RESULT: REPRODUCED" in done.stdout
     last = max(r["seq"] for r in stand_in.log if r["path"] == "/reset_prefix_cache")
@@ -290,21 +304,20 @@ def test_a_vllm_client_says_reproduced_when_blocks_stay_held(stand_in):
 
 def test_a_vllm_client_says_reproduced_when_the_prefix_cache_reset_is_refused(stand_in):
     stand_in.refuse = True
-    done = run_client(os.path.join(ROOT, "corpora", "vllm", "fault-drop-hash-entry.client.py"), stand_in.url)
+    done = run_client(GOLDEN + ".client.py", stand_in.url)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "reset_prefix_cache refused" in done.stdout
 
 
 def test_a_vllm_client_says_reproduced_when_the_server_dies(stand_in):
     stand_in.die_at_completion = True
-    done = run_client(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.client.py"), stand_in.url,
-                      "--timeout", "3")
+    done = run_client(GOLDEN + ".client.py", stand_in.url, "--timeout", "3")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "no longer answers" in done.stdout
 
 
 def test_a_vllm_client_without_a_server_or_with_bad_arguments_is_one_line_exit_2():
-    script = os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.client.py")
+    script = GOLDEN + ".client.py"
     # a URL that is not one exited 1 (REPRODUCED) with urllib's traceback
     for args in (["--url", "http://127.0.0.1:9", "--timeout", "2"], ["--timeout", "0"], ["--url", "notaurl"],
                  ["--prefill-url", "127.0.0.1:8100"]):
@@ -314,25 +327,22 @@ def test_a_vllm_client_without_a_server_or_with_bad_arguments_is_one_line_exit_2
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", NAMES)
-def test_the_committed_vllm_exports_are_what_export_writes_today(name, tmp_path):
-    base = os.path.join(ROOT, "corpora", "vllm", name)
-    short = os.path.basename(name)
-    r = invoke("export", base + ".json", "--issue", str(tmp_path / f"{short}.issue.md"),
-               "--client", str(tmp_path / f"{short}.client.py"))
-    assert r.exit_code == 0, r.output
-    issue = (tmp_path / f"{short}.issue.md").read_text().replace(base + ".json", f"corpora/vllm/{name}.json")
-    assert issue == open(base + ".issue.md").read(), f"regenerate: kvaudit export {base}.json --issue ... --client ..."
-    assert (tmp_path / f"{short}.client.py").read_text() == open(base + ".client.py").read()
+def test_the_golden_vllm_export_is_what_export_writes_today(exported):
+    """The one committed export (tests/data/export/vllm/) is byte for byte what ``kvaudit export`` writes
+    (the other files' exports are checked by what their scripts send, above)."""
+    base = exported[GOLDEN_NAME]
+    assert open(base + ".issue.md").read() == open(GOLDEN + ".issue.md").read(), \
+        f"regenerate: kvaudit export corpora/vllm/{GOLDEN_NAME}.json --issue {GOLDEN}.issue.md --client ..."
+    assert open(base + ".client.py").read() == open(GOLDEN + ".client.py").read()
 
 
 @pytest.mark.vllm
-def test_every_completion_a_vllm_client_sends_is_one_vllm_0_33_0_accepts(stand_in):
+def test_every_completion_a_vllm_client_sends_is_one_vllm_0_33_0_accepts(stand_in, exported):
     """The bodies, checked with vLLM's own request model (CompletionRequest): a prompt of token ids,
     max_tokens, min_tokens, ignore_eos, stream, request_id, kv_transfer_params."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     for name in NAMES:
-        assert run_client(os.path.join(ROOT, "corpora", "vllm", name + ".client.py"), stand_in.url).returncode == 0
+        assert run_client(exported[name] + ".client.py", stand_in.url).returncode == 0
     bodies = [r["body"] for r in stand_in.log if r["path"] == "/v1/completions"]
     assert bodies
     for body in bodies:
@@ -390,7 +400,7 @@ def test_vllm_export_bad_input_is_one_line_exit_2(tmp_path):
 
 @pytest.mark.releases
 @pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("history/")])
-def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name):
+def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name, exported):
     """corpora/vllm/history/<bug id>.json finds its bug (kvaudit/history/catalogue.py) on the buggy release,
     in a child process with that release's overlay first on the path; its report names that release."""
     from kvaudit.history.catalogue import BUGS
@@ -407,7 +417,7 @@ def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name):
     recorded = [f.signature for f in replay.load(path)[2]]
     assert recorded and set(recorded) <= set(found), (recorded, found)
     assert any(s.startswith(bug.finding + "/") and (not bug.check or s.endswith("check:" + bug.check)) for s in found)
-    issue = open(os.path.join(ROOT, "corpora", "vllm", name + ".issue.md")).read()
+    issue = open(exported[name] + ".issue.md").read()
     assert f"`pip install vllm=={bug.buggy}`" in issue and f"fixed in {bug.fixed}" in issue
     # its replay line names the release it needs (on the base release it replays clean)
     assert (f"`python -m kvaudit.history.releases vllm=={bug.buggy}` installs it as an overlay, then "

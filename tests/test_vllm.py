@@ -506,11 +506,13 @@ def test_max_num_seqs_above_the_token_budget_is_a_config_error():
 
 
 # -- temporary files ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("stop", ["end", pytest.param("sigterm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stop", ["end", pytest.param("sigterm", marks=pytest.mark.slow),
+                                  pytest.param("sigint", marks=pytest.mark.slow)])
 def test_a_vllm_run_leaves_the_temp_dir_as_it_found_it(stop, tmp_path):
     """Every ``--target vllm`` run left ``kvaudit-vllm-XXXX`` (vLLM's cache root, empty) and
     ``kvaudit-vllm-model-XXXX/config.json`` in the temp dir (mkdtemp, never removed). The run's own
-    directory is there while it runs and gone when it ends, at the end of its budget or on SIGTERM."""
+    directory is there while it runs and gone when it ends, at the end of its budget, on SIGTERM or on
+    SIGINT (Ctrl-C)."""
     import signal
     import subprocess
 
@@ -532,7 +534,7 @@ def test_a_vllm_run_leaves_the_temp_dir_as_it_found_it(stop, tmp_path):
                 if line.startswith("start-up "):
                     break
             assert [p.name[:13] for p in tmp.iterdir()] == ["kvaudit-vllm-"]
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM if stop == "sigterm" else signal.SIGINT)
             assert proc.wait(timeout=120) == 130
         finally:
             if proc.poll() is None:
