@@ -543,3 +543,18 @@ def test_sequences_run_clean_with_storage(name, core, write, prefetch):
     program = L3_PROGRAM if name == "l3" else SEQUENCES[name]
     ex = execute(l3(core, hicache_write_policy=write, hicache_storage_prefetch_policy=prefetch), program)
     assert ex.findings == [], [f.message for f in ex.findings]
+
+
+def test_the_l3_target_loads_sglangs_native_storage_hash_when_it_is_built():
+    """SGLang JIT-compiles the storage hash (ninja) at the first prefetch's hit query, inside an engine
+    step: on a machine that had not built it, the step watchdog reported a hang in subprocess.py (.ci/run,
+    a fresh venv). The target loads it when built, before any step."""
+    from sglang.srt.mem_cache.cpp_utils import native_hash
+
+    native_hash._load_native_hash_module.cache_clear()
+    run = AuditedRun(l3(CORES[0]))
+    try:
+        assert native_hash._load_native_hash_module.cache_info().currsize == 1
+        assert run.target.steps == 0
+    finally:
+        run.close()

@@ -174,6 +174,23 @@ def install_storage_shims(target, cc) -> list[str]:
     return shims
 
 
+def load_storage_hash() -> None:
+    """Load SGLang's native storage hash now (``mem_cache/cpp_utils/native_hash.py``, cached per process).
+    SGLang JIT-compiles it with torch's cpp_extension (ninja) on first use, which is the first prefetch's
+    storage query, inside an engine step: 10 s and more on a machine that has not built it yet, so the
+    step watchdog reported a hang in ``subprocess.py`` (seen in .ci/run on a fresh venv). Built here, with
+    the target, it is start-up. A release without it hashes in Python (nothing to load); a build that
+    fails is left to fail where SGLang uses it, with SGLang's own error."""
+    try:
+        from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
+    except ImportError:
+        return
+    try:
+        _load_native_hash_module()
+    except RuntimeError:
+        pass
+
+
 class SglangHiCacheL3Target(SglangHiCacheTarget):
     """:class:`SglangHiCacheTarget` with SGLang's L3 storage tier (``config.hicache_storage_backend``);
     see the module docstring."""
@@ -187,6 +204,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         # ("loaded", step, rid, tokens) ("backup", step, tokens written)
         self.storage_log: list[tuple] = []
         super().__init__(config)
+        load_storage_hash()  # (after SGLang is loaded: boot.load installs what its imports need)
         cc = self.cache_controller
         if not (cc.enable_storage and self.tree_cache.enable_storage):
             raise SglangUnavailable(f"SGLang {self.S.version} did not attach the {config.hicache_storage_backend} "
