@@ -256,8 +256,6 @@ def _import_plugin(mod: str) -> None:
             from None
 
 
-BUILTIN_MODULES = ("kvaudit.targets.eut.kind", "kvaudit.targets.sglang.kind", "kvaudit.targets.vllm.kind")
-"""The modules that register the built-in kinds (:data:`BUILTIN_KINDS`), imported by name on first use."""
 
 
 def _load() -> None:
@@ -266,8 +264,8 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    for mod in BUILTIN_MODULES:  # through the plugins' seam: the registry imports no kind (docs/architecture.md)
-        importlib.import_module(mod)
+    for name in BUILTIN_KINDS:  # through the plugins' seam: the registry imports no kind (docs/architecture.md)
+        importlib.import_module(f"kvaudit.targets.{name}.kind")
     for mod in _plugin_modules():
         _importing.append(mod)
         try:
@@ -325,6 +323,7 @@ def check_plugins() -> None:
 
 
 BUILTIN_KINDS = ("eut", "sglang", "vllm")
+"""The built-in kinds; each registers itself in ``kvaudit/targets/<name>/kind.py``, imported by name on first use."""
 
 
 def kinds() -> dict[str, TargetKind]:

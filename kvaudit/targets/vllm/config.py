@@ -61,7 +61,8 @@ def fault_fixed_in(fault: str) -> str | None:
     """The first vLLM release with the fix of the bug ``fault`` puts back (:data:`FAULT_BUGS`), else None."""
     from kvaudit.targets.vllm.catalogue import BUGS
     bug = FAULT_BUGS.get(fault)
-    return next(b.fixed for b in BUGS if b.id == bug) if bug is not None else None
+    return {b.id: b for b in BUGS}[bug].fixed if bug is not None else None
+
 
 LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
