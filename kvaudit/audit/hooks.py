@@ -12,6 +12,7 @@ allocation that hands out a unit the ledger holds as allocated is *aliasing*.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import linecache
@@ -30,6 +31,13 @@ from kvaudit.audit.wrappers import PoolWrappers
 
 _KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@functools.cache  # (an engine is built per program: inspect.getfile walks the class's module)
+def _class_file(cls: type) -> str:
+    return os.path.abspath(inspect.getfile(cls))
+
+
 STACK_DEPTH = 4
 _STOP, _READ = 1, 2  # owner lookup per code object (see Auditor._code_info)
 OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocation
@@ -84,8 +92,8 @@ class Auditor(Ledger, PoolWrappers):
         # a pool's own code is framework: its whole file, or, for a pool class that shares a big module
         # with engine code (the target's ``framework_classes``), only that class's methods
         by_class = tuple(target.framework_classes())
-        self._skip_classes = {(os.path.abspath(inspect.getfile(c)), c.__name__) for c in by_class}
-        self._skip_files = {_KVAUDIT_DIR} | {os.path.abspath(inspect.getfile(type(s.obj))) for s in target.pools()
+        self._skip_classes = {(_class_file(c), c.__name__) for c in by_class}
+        self._skip_files = {_KVAUDIT_DIR} | {_class_file(type(s.obj)) for s in target.pools()
                                              if not isinstance(s.obj, by_class)}
         self._skip_files |= {os.path.abspath(f) for f in target.framework_files()}
         # files of the target that play the engine's part (a driver): sites, though under kvaudit/

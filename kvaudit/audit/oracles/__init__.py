@@ -48,7 +48,7 @@ from kvaudit.targets.registry import TargetDefinitionError, kind_name
 KIND_ORDER = ORDER  # root causes first (kvaudit.audit.kinds)
 
 
-@dataclass
+@dataclass(slots=True)
 class Scan:
     """What one check knows: the target's roots per pool, its accounting, free lists and recounts, the
     units each pool lost (``leaked``), each pool's owners as of the previous check (``prev_owner``), the
@@ -68,7 +68,7 @@ class Scan:
     drift: list = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class PoolScan:
     """One pool's mark and sweep: which units the roots reference, which of them they hold privately
     (``private_units``, and a request's or a session's own: ``req_units``, ``session_units``)."""
@@ -79,6 +79,7 @@ class PoolScan:
     private_units: list
     req_units: list
     session_units: list
+    uaf: np.ndarray | None = None  # the units it references that are free in the ledger, if any
     found: list = field(default_factory=list)  # this pool's findings so far
 
 
@@ -126,9 +127,8 @@ def _tree_counter_drift(s: Scan) -> bool:
 
 # Every oracle, in the order they run (the order of findings within a kind); check() reads only this.
 ORACLES: list[Oracle] = [
-    Oracle("use-after-free", "pool", lambda s, p: bool((p.referenced & ~p.led.allocated).any()),
-           lambda s, p: use_after_free(s.auditor, p.pool, np.flatnonzero(p.referenced & ~p.led.allocated),
-                                       s.by_pool[p.pool]), ("use-after-free",)),
+    Oracle("use-after-free", "pool", lambda s, p: p.uaf is not None,
+           lambda s, p: use_after_free(s.auditor, p.pool, p.uaf, s.by_pool[p.pool]), ("use-after-free",)),
     Oracle("aliasing", "pool", lambda s, p: bool(p.private_units) and not s.scan_only, _aliasing, ("aliasing",)),
     Oracle("identity", "pool", lambda s, p: s.acc.get(p.pool) is not None and not p.found and p.pool not in s.leaked,
            lambda s, p: identity(s.auditor, p.pool, p.led, s.acc[p.pool], p.req_units, p.session_units,
@@ -169,15 +169,15 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
             where[auditor.owner_id(root.owner)] = root.where
     s = Scan(auditor, target, idle, scan_only, by_pool, {} if scan_only else target.accounting(),
              {} if scan_only else target.free_lists(), {} if scan_only else target.recount())
+    per_pool = [o for o in ORACLES if o.stage == "pool"]
     for pool, led in auditor.ledgers.items():
         p = _sweep(s, pool, led)
-        for oracle in ORACLES:
-            if oracle.stage == "pool" and oracle.when(s, p):
-                found = oracle.run(s, p)
-                (s.drift if oracle.into == "drift" else p.found).extend(found)
+        for oracle in per_pool:
+            if oracle.when(s, p):
+                (s.drift if oracle.into == "drift" else p.found).extend(oracle.run(s, p))
         s.findings.extend(p.found)
-    for oracle in ORACLES:
-        if oracle.stage == "engine" and oracle.when(s):
+    for oracle in [o for o in ORACLES if o.stage == "engine"]:
+        if oracle.when(s):
             (s.drift if oracle.into == "drift" else s.findings).extend(oracle.run(s))
     if not scan_only:  # what the next check's leak and use-after-free attribution start from
         auditor.checked_upto, auditor.owner_where, auditor.roots_at_check = len(auditor.events), where, by_pool
@@ -203,14 +203,21 @@ def _sweep(s: Scan, pool: str, led) -> PoolScan:
                 session_units.append(root.units)
     referenced[0] = True  # the reserved unit reads as allocated in the ledger
     s.prev_owner[pool] = led.owner
-    if not s.scan_only and (owner != led.owner).any():
-        changed = np.flatnonzero(owner != led.owner)
-        auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
-        led.owner = owner
-    lost = np.flatnonzero(led.allocated & ~referenced)
-    if lost.size and not s.scan_only:
-        s.leaked[pool] = lost
-    return PoolScan(pool, led, referenced, private_units, req_units, session_units)
+    # NOTE: this runs for every pool after every step: np.count_nonzero and .nonzero() cost a
+    # fraction of ndarray.any() and np.flatnonzero (Python-level wrappers)
+    if not s.scan_only:
+        changed = (owner != led.owner).nonzero()[0]
+        if changed.size:
+            auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
+            led.owner = owner
+    uaf = None
+    if np.count_nonzero(led.allocated != referenced):  # (most checks: the roots reach exactly the allocated units)
+        uaf = (referenced & ~led.allocated).nonzero()[0]
+        uaf = uaf if uaf.size else None
+        lost = (led.allocated & ~referenced).nonzero()[0]
+        if lost.size and not s.scan_only:
+            s.leaked[pool] = lost
+    return PoolScan(pool, led, referenced, private_units, req_units, session_units, uaf)
 
 
 def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:

@@ -13,6 +13,8 @@ from kvaudit.targets.base import DEFAULT_IDENTITY
 
 
 def units_count(units: list[np.ndarray], n: int) -> int:
+    if not units:
+        return 0
     mark = np.zeros(n, dtype=bool)
     for u in units:
         mark[u] = True
