@@ -33,6 +33,16 @@ def row_ids(rows, what: str = "rows") -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+def _units(idx: torch.Tensor, ps: int) -> list[int]:
+    """Token slots (``[n]`` int64) -> the units they touch: slots when ``ps`` (page_size) is 1, else
+    sorted pages."""
+    if ps == 1:
+        return idx.tolist()
+    if idx.numel() <= SMALL_EVENT * ps:
+        return sorted({x // ps for x in idx.tolist()})
+    return torch.unique(idx // ps).tolist()
+
+
 class PoolWrappers:
     """The installing half of :class:`kvaudit.audit.hooks.Auditor` (standard pool kinds, row pools,
     reference-counted blocks, ``clear``)."""
@@ -127,22 +137,17 @@ class PoolWrappers:
         pool, which has no standard API (the target calls :meth:`wrap_blocks`)."""
         if spec.kind == "blocks":
             raise ValueError(f"pool {spec.name!r} of kind 'blocks': install_pool must call wrap_blocks")
-        obj, pool, ps = spec.obj, spec.name, spec.page_size
         self.wrap_clear(spec)
         if spec.kind == "rows":
             self.wrap_rows(spec)
             return
-
-        def to_units(idx: torch.Tensor) -> list[int]:
-            """Token slots -> the units they touch: slots when ``page_size`` is 1, else sorted pages."""
-            if ps == 1:
-                return idx.tolist()
-            if idx.numel() <= SMALL_EVENT * ps:
-                return sorted({x // ps for x in idx.tolist()})
-            return torch.unique(idx // ps).tolist()
-
         depth = [0]  # only the outermost call records: alloc_extend may call alloc internally
+        self._wrap_kv_allocs(spec, depth)
+        self._wrap_kv_free(spec, depth)
 
+    def _wrap_kv_allocs(self, spec: PoolSpec, depth: list[int]) -> None:
+        """Wrap a ``"kv"`` pool's ``alloc``/``alloc_extend``/``alloc_decode`` (those it has)."""
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
         for name in ("alloc", "alloc_extend", "alloc_decode"):
             orig = getattr(obj, name, None)
             if orig is None:
@@ -158,19 +163,23 @@ class PoolWrappers:
                 finally:
                     depth[0] -= 1
                 if out is not None and out.numel():
-                    self.on_alloc(pool, to_units(out), self.capture_site(), expected_new=(obj, before))
+                    self.on_alloc(pool, _units(out, ps), self.capture_site(), expected_new=(obj, before))
                 return out
 
             self._wrap(obj, name, alloc_wrapper)
 
+    def _wrap_kv_free(self, spec: PoolSpec, depth: list[int]) -> None:
+        """Wrap a ``"kv"`` pool's ``free`` and, if it has one, ``free_group_end``: a free inside a free
+        group is recorded when the group ends, with its own site."""
+        obj, pool, ps = spec.obj, spec.name, spec.page_size
         orig_free = obj.free
-        group: list[tuple[list[int], int]] = []
+        group: list[tuple[list[int], int, list[str] | None]] = []
 
         def free_wrapper(idx, *a, **k):
             if depth[0] or idx.numel() == 0:
                 return orig_free(idx, *a, **k)
             if not getattr(obj, "is_not_in_free_group", True):
-                units = to_units(idx)
+                units = _units(idx, ps)
                 # a unit already free is a double free, recorded at the group's end: who still maps
                 # it is read now, while the records are as they were at this call
                 flags = self.ledgers[pool].flags
@@ -184,7 +193,7 @@ class PoolWrappers:
                 orig_free(idx, *a, **k)
             finally:
                 depth[0] -= 1
-            self.on_free(pool, to_units(idx), self.capture_site())
+            self.on_free(pool, _units(idx, ps), self.capture_site())
 
         self._wrap(obj, "free", free_wrapper)
         orig_end = getattr(obj, "free_group_end", None)
@@ -197,22 +206,26 @@ class PoolWrappers:
                     depth[0] -= 1
                 pend = list(group)
                 group.clear()
-                # A paged allocator frees unique(pages) of the whole group once, so a page named
-                # by two frees of one group is freed once. With page_size 1 the slots go back
-                # as they are (duplicates included), so each free is checked on its own.
-                seen: set[int] = set()
-                for units, sid, users in pend:
-                    ul = [u for u in units if u not in seen] if ps > 1 and seen else units
-                    if ps > 1:
-                        seen.update(ul)
-                    if ul:
-                        self._group_users = users
-                        try:
-                            self.on_free(pool, ul, sid)
-                        finally:
-                            self._group_users = None
+                self._free_group(pool, ps, pend)
 
             self._wrap(obj, "free_group_end", group_end_wrapper)
+
+    def _free_group(self, pool: str, ps: int, pend: list[tuple[list[int], int, list[str] | None]]) -> None:
+        """Record a free group's frees (``(units, site, users)``, in call order). A paged allocator
+        frees unique(pages) of the whole group once, so a page named by two frees of one group is
+        freed once; with page_size 1 the slots go back as they are (duplicates included), so each
+        free is checked on its own."""
+        seen: set[int] = set()
+        for units, sid, users in pend:
+            ul = [u for u in units if u not in seen] if ps > 1 and seen else units
+            if ps > 1:
+                seen.update(ul)
+            if ul:
+                self._group_users = users
+                try:
+                    self.on_free(pool, ul, sid)
+                finally:
+                    self._group_users = None
 
     def uninstall(self) -> None:
         for obj, name in reversed(self._undo):
