@@ -128,32 +128,29 @@ class _Watchdog:
             now = time.monotonic()
             for tid, entry in list(self._armed.items()):
                 if entry[0] <= now:
-                    self._firing = tid
-                    try:
-                        if self._armed.get(tid) is entry:  # still armed: the call has not returned
-                            frame = sys._current_frames().get(tid)
-                            self._fired[tid] = (traceback.extract_stack(frame) if frame is not None else [],
-                                                entry[1])
-                            self._resend[tid] = now + self.RESEND_S
-                            self._armed.pop(tid, None)
-                            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid),
-                                                                       ctypes.py_object(StepTimeout))
-                    finally:
-                        self._firing = None
+                    self._send(tid, lambda: self._armed.get(tid) is entry, now, entry)  # not returned yet
             # a StepTimeout that landed where an exception is swallowed (a gc callback prints "Exception
             # ignored" and goes on; so can a bare except) left the call running: raise it again
             for tid, at in list(self._resend.items()):
                 if at <= now:
-                    self._firing = tid
-                    try:
-                        if self._resend.get(tid) == at:  # not disarmed: the call is still running
-                            self._resend[tid] = now + self.RESEND_S
-                            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid),
-                                                                       ctypes.py_object(StepTimeout))
-                    finally:
-                        self._firing = None
+                    self._send(tid, lambda: self._resend.get(tid) == at, now)  # not disarmed: still running
             nxt = min([e[0] for e in self._armed.values()] + list(self._resend.values()), default=None)
             time.sleep(0.2 if nxt is None else min(0.02, max(0.0, nxt - time.monotonic())))
+
+    def _send(self, tid: int, still_due: Callable[[], bool], now: float, entry: tuple | None = None) -> None:
+        """Raise StepTimeout in thread ``tid`` if ``still_due()``, under ``_firing`` (see :meth:`disarm`);
+        a first send (``entry``: its arming) records the thread's stack first."""
+        self._firing = tid
+        try:
+            if still_due():
+                if entry is not None:
+                    frame = sys._current_frames().get(tid)
+                    self._fired[tid] = (traceback.extract_stack(frame) if frame is not None else [], entry[1])
+                    self._armed.pop(tid, None)
+                self._resend[tid] = now + self.RESEND_S
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(StepTimeout))
+        finally:
+            self._firing = None
 
 
 def quiet_unraisable() -> None:
