@@ -36,7 +36,7 @@ import numpy as np
 
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.hooks import Auditor
-from kvaudit.audit.kinds import KINDS, ORDER, lookup
+from kvaudit.audit.kinds import KINDS, lookup
 from kvaudit.audit.oracles.grouping import group_by_site
 from kvaudit.audit.oracles.identity import engine_disagrees, identity, replay_free_list
 from kvaudit.audit.oracles.leaks import leaks
@@ -44,8 +44,6 @@ from kvaudit.audit.oracles.lock_balance import lock_balance
 from kvaudit.audit.oracles.target import target_findings
 from kvaudit.audit.oracles.use_after_free import use_after_free
 from kvaudit.targets.registry import TargetDefinitionError, kind_name
-
-KIND_ORDER = ORDER  # root causes first (kvaudit.audit.kinds)
 
 
 @dataclass(slots=True)

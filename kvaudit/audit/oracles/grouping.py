@@ -9,6 +9,16 @@ from kvaudit.audit.findings import Finding
 from kvaudit.audit.hooks import Auditor
 
 
+def release_frame(auditor: Auditor, sid: int, memo: dict[int, tuple]) -> tuple:
+    """``(function, file)`` of site ``sid``'s first frame above the target's release entries (its
+    release path), ``()`` for no site; memoized in ``memo``."""
+    if sid not in memo:
+        sites = auditor.site(sid)
+        s = next((x for x in sites if not x.entry), sites[-1]) if sites else None
+        memo[sid] = (s.function, s.file) if s else ()
+    return memo[sid]
+
+
 def group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str,
                    second: dict[int, tuple[int, str]] | None = None, into: str = "lost_sites",
                    alloc_events: np.ndarray | None = None) -> list[Finding]:

@@ -7,7 +7,7 @@ import numpy as np
 
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.hooks import Auditor
-from kvaudit.audit.oracles.grouping import group_by_site
+from kvaudit.audit.oracles.grouping import group_by_site, release_frame
 
 
 def leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
@@ -133,13 +133,6 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: 
                 allocs.setdefault(ev.pool, {}).setdefault(v, []).append(ev.id)
     paths: dict[int, tuple] = {}
 
-    def path(sid: int) -> tuple:  # (function, file) of the first frame above the release entries
-        if sid not in paths:
-            sites = auditor.site(sid)
-            s = next((x for x in sites if not x.entry), sites[-1]) if sites else None
-            paths[sid] = (s.function, s.file) if s else ()
-        return paths[sid]
-
     def owner_of(r: int) -> int:  # the row's owner at the previous check (0: allocated since)
         return prev_owner["req_to_token_pool"][r] if rows_led.last_alloc[r] < auditor.checked_upto else 0
 
@@ -151,7 +144,8 @@ def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: 
             since = allocs.get(ev.pool, {})
             mine = {v for v in mine if prev_owner[ev.pool][v] in (0, owner_of(r)) or any(a < ev.id for a in since.get(v, ()))}
         freed = not rows_led.allocated[r] and rows_led.last_free[r] >= auditor.checked_upto
-        return bool(mine) and (not freed or path(ev.site) == path(auditor.events[rows_led.last_free[r]].site))
+        return bool(mine) and (not freed or release_frame(auditor, ev.site, paths)
+                                == release_frame(auditor, auditor.events[rows_led.last_free[r]].site, paths))
 
     out: dict[int, tuple[int, str]] = {}
     fresh = auditor.ledgers[pool].last_alloc[units] >= auditor.checked_upto

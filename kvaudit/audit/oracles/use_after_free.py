@@ -6,7 +6,7 @@ import numpy as np
 
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.hooks import Auditor
-from kvaudit.audit.oracles.grouping import group_by_site
+from kvaudit.audit.oracles.grouping import group_by_site, release_frame
 
 
 def use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> list[Finding]:
@@ -57,12 +57,8 @@ def _broken_at(auditor: Auditor, pool: str, units: np.ndarray) -> dict[int, tupl
                     first_free.setdefault((ev.pool, u), ev.id)
     paths: dict[int, tuple] = {}
 
-    def path(e: int) -> tuple:  # (function, file) of the first frame above the release entries
-        if e not in paths:
-            sites = auditor.site(evs[e].site)
-            s = next((x for x in sites if not x.entry), sites[-1]) if sites else None
-            paths[e] = (s.function, s.file) if s else ()
-        return paths[e]
+    def path(e: int) -> tuple:  # event e's release path
+        return release_frame(auditor, evs[e].site, paths)
 
     def held_at(owner: str, f: int) -> bool:  # the request still held its row at event f
         row = row_of.get(owner)
