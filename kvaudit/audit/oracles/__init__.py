@@ -8,18 +8,12 @@ Reachability is a mark and sweep over the target's roots, per pool, against the 
 
 Leaks are *direct* or *indirect* (reachable only from a leaked request row), as in LeakSanitizer.
 
-The accounting identity is the target's own (``Target.identity_terms``), by default SGLang's
-``available + evictable + protected + session_held + uncached == total`` (``invariant_checker.py``),
-with ``uncached`` and ``session_held`` taken from kvaudit's own marks of live requests and session
-slots, never from the engine; each of the engine's terms
-is also checked against the structure it describes (``available`` against the ledger,
-``session_held`` against the session roots, and what the target's ``recount()`` gives: the tree's
-``evictable``/``protected`` from its nodes' lock refs, host terms from host copies), since a sum
-hides a counter booked in the wrong term. When one fails while reachability is clean -- or the
-engine's own ``check_memory()`` or metrics fail while every kvaudit oracle is clean -- the finding
-is ``accounting-drift``: a counter is wrong, memory is intact. Lock balance is checked at idle.
-Double frees, aliasing at allocation and stale KV come from the hooks (:mod:`kvaudit.audit.hooks`,
-:mod:`kvaudit.audit.shadow`).
+The accounting identity (by default SGLang's, ``invariant_checker.py``) and each engine counter
+against the structure it describes (:mod:`kvaudit.audit.oracles.identity`), when one fails while
+reachability is clean, and the engine's own ``check_memory()`` or metrics, when they fail while every
+kvaudit oracle is clean, give ``accounting-drift``: a counter is wrong, memory is intact. Lock balance
+is checked at idle. Double frees, aliasing at allocation and stale KV come from the hooks
+(:mod:`kvaudit.audit.hooks`, :mod:`kvaudit.audit.shadow`).
 
 :func:`check` is the mark and sweep, per pool; it runs each oracle of :data:`ORACLES` (one list, each
 with the condition under which it runs) whose condition holds, one per module: ``leaks``,
