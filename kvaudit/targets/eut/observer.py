@@ -32,13 +32,14 @@ class EutObserver(Target):
         """Report the engine's KV writes, copies and reads to ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`)
         by wrapping, with ``wrap(obj, name, fn)``, the functions that move KV: the forward, the PD
         transfer, and the HiSparse/HiCache device<->host copies. A read whose tags do not match the
-        reader's prefix calls ``report(pool, slots, message)``."""
+        reader's prefix calls ``report(pool, slots, message)``. A transfer's and the tiers'
+        copies: :meth:`_shadow_copies`."""
         eng = self.engine
-        hs, tree = eng.hisparse_coordinator, eng.tree_cache
+        hs = eng.hisparse_coordinator
         table = eng.req_to_token_pool.req_to_token
         main = "token_to_kv_pool"
         kv_pool = "hisparse_device" if hs is not None else main  # where the forward writes
-        forward, transfer = eng._forward, eng._commit_transfer_to_req
+        forward = eng._forward
         rows = table.numpy() if table.device.type == "cpu" else None  # a view: no copy per read
         main_tags = shadow.tags[main]
         run_batch, request_tags = eng.run_batch, shadow.request_tags
@@ -101,6 +102,21 @@ class EutObserver(Target):
                 off += end - start
             return out
 
+        if hs is None and rows is not None:
+            wrap(eng, "run_batch", batch_wrapper)
+        else:
+            wrap(eng, "_forward", forward_wrapper)
+        self._shadow_copies(shadow, wrap)
+
+    def _shadow_copies(self, shadow, wrap) -> None:
+        """The KV that lands without a forward, for :meth:`install_shadow`: a PD transfer's
+        (``_commit_transfer_to_req``), HiSparse's device<->host ``backup``/``_load`` and HiCache's
+        ``_copy`` between the device pool and the host pool (both directions)."""
+        eng, main = self.engine, "token_to_kv_pool"
+        hs, tree = eng.hisparse_coordinator, eng.tree_cache
+        table, transfer = eng.req_to_token_pool.req_to_token, eng._commit_transfer_to_req
+        request_tags = shadow.request_tags
+
         def transfer_wrapper(req):
             n, p = req.kv.kv_committed_len, req.kv.cache_protected_len  # KV of [p, n) lands now; [0, p) is the tree's
             tags = request_tags(req, req.origin_input_ids, req.output_ids)[:n]
@@ -110,10 +126,6 @@ class EutObserver(Target):
                 shadow.write(main, table[req.kv.req_pool_idx, p:n], tags[p:])
             return transfer(req)
 
-        if hs is None and rows is not None:
-            wrap(eng, "run_batch", batch_wrapper)
-        else:
-            wrap(eng, "_forward", forward_wrapper)
         wrap(eng, "_commit_transfer_to_req", transfer_wrapper)
         if hs is not None:
             backup, load = hs.backup, hs._load

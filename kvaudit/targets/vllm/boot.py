@@ -74,6 +74,34 @@ def _no_triton_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Triton not available")
 
 
+def _prepare_environment() -> None:
+    """:func:`load`'s process settings, each unless already set: offline Hugging Face, vLLM's cache root
+    and torch inductor's (which makes <temp dir>/torchinductor_<user> on import) in :func:`scratch_dir`
+    (kvaudit compiles and caches nothing there, so they go with the run, not into the user's caches), and
+    vLLM's log level. The connector presets import vLLM's Triton kernels, and torch logs "Triton not
+    available" for each on a CPU-only run: expected here, noise on stderr. A filter, not a level: torch
+    resets its loggers' levels after this import; the logger's other records pass."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for var, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "torchinductor")):
+        if var not in os.environ:
+            os.environ[var] = os.path.join(scratch_dir(), sub)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("torch._library.triton").addFilter(_no_triton_notice)
+
+
+def _register_stub_architecture(registry, module_base) -> None:
+    """Register ``STUB_ARCH`` with vLLM's ``ModelRegistry``: a model architecture for ``ModelConfig`` only,
+    never built (no weights, no forward)."""
+
+    class KvauditStubForCausalLM(module_base):
+        def forward(self, *a, **k):
+            raise NotImplementedError("kvaudit's stand-in architecture runs no model")
+
+        compute_logits = embed_input_ids = forward
+
+    registry.register_model(STUB_ARCH, KvauditStubForCausalLM)
+
+
 def load() -> SimpleNamespace:
     """Import vLLM's v1 KV-cache stack once per process (about 7-10 s) and return its names. Sets
     ``HF_HUB_OFFLINE=1`` and, in :func:`scratch_dir` (removed when the process exits), ``VLLM_CACHE_ROOT``
@@ -84,17 +112,7 @@ def load() -> SimpleNamespace:
     if _LOADED is not None:
         return _LOADED
     version = probe_version()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # vLLM's cache root and torch inductor's (which makes <temp dir>/torchinductor_<user> on import): kvaudit
-    # compiles nothing and caches nothing there, so they go with the run, not into the user's caches
-    for var, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "torchinductor")):
-        if var not in os.environ:
-            os.environ[var] = os.path.join(scratch_dir(), sub)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    # the connector presets import vLLM's Triton kernels, and torch logs "Triton not available" for each on
-    # a CPU-only run: expected here (no kernel runs), noise on stderr. A filter, not a level: torch resets
-    # its loggers' levels after this import; the logger's other records pass.
-    logging.getLogger("torch._library.triton").addFilter(_no_triton_notice)
+    _prepare_environment()
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
@@ -130,16 +148,7 @@ def load() -> SimpleNamespace:
                               f"({os.path.dirname(vllm.__file__)}): two installs on sys.path")
     for name in ("vllm", "vllm.v1", "vllm.config"):
         logging.getLogger(name).setLevel(logging.ERROR)
-
-    class KvauditStubForCausalLM(nn.Module):
-        """A model architecture for ``ModelConfig`` only: never built (no weights, no forward)."""
-
-        def forward(self, *a, **k):
-            raise NotImplementedError("kvaudit's stand-in architecture runs no model")
-
-        compute_logits = embed_input_ids = forward
-
-    ModelRegistry.register_model(STUB_ARCH, KvauditStubForCausalLM)
+    _register_stub_architecture(ModelRegistry, nn.Module)
     init_none_hash(sha256)
     _LOADED = SimpleNamespace(
         version=version, import_s=import_s, torch=torch, CacheConfig=CacheConfig, DeviceConfig=DeviceConfig,

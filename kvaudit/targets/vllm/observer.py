@@ -298,16 +298,26 @@ class VllmObserver:
 
     # -- invariants --------------------------------------------------------------------------------
     def invariant_findings(self) -> list[TargetFinding]:
-        n = self.config.num_gpu_blocks
         counts = self._ref_counts()
         known = self.known()
-        _, refs = self._holders(known)
         out: list[TargetFinding] = list(getattr(self, "queued_twice", [])[:1])
 
         def add(kind, units, message, check, free_sites=()):
             out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check,
                                      free_sites=free_sites))
 
+        self._check_ref_counts(counts, self._holders(known)[1], add)
+        self._check_free_queue(counts, add)
+        entries = self._map_entries()
+        self._check_hash_map(entries, add)
+        self._check_requests(known, add)
+        self._check_shadow_and_events(counts, entries, add)
+        return out
+
+    def _check_ref_counts(self, counts, refs, add) -> None:
+        """``counts`` (each block's ``ref_cnt``, :meth:`_ref_counts`) against ``refs`` (its references from
+        roots, :meth:`_holders`); each finding through ``add(kind, units, message, check, free_sites)``."""
+        n = self.config.num_gpu_blocks
         # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's
         #    when the pool's own calls freed the block, so that the ledger has it free; counts with no
         #    holder at all are the leak oracle's)
@@ -328,6 +338,10 @@ class VllmObserver:
         if (counts[1:] < 0).any():
             bad = np.flatnonzero(counts < 0)
             add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
+
+    def _check_free_queue(self, counts, add) -> None:
+        """``free_block_queue`` against ``counts``; findings through ``add`` as above."""
+        n = self.config.num_gpu_blocks
         # 2.-4. the free queue: well formed, exactly the blocks at count 0, the null block never in it
         queued, problem = self._free_queue()
         if problem:
@@ -347,8 +361,11 @@ class VllmObserver:
                                            f"{'on' if on_queue[b] else 'off'} the free queue", "free-queue")
         if on_queue[null] or self.pool.null_block.block_hash is not None:
             add("accounting-drift", [max(null, 1)], "the null block is on the free queue or hashed", "null-block")
+
+    def _check_hash_map(self, entries, add) -> None:
+        """The prefix-cache map (``entries``, :meth:`_map_entries`) against the blocks' hashes."""
+        null = self.pool.null_block.block_id
         # 5. the prefix-cache map and the blocks' hashes agree both ways
-        entries = self._map_entries()
         seen = {(key, b.block_id) for key, b in entries}  # all of them first: a block found missing is missing
         for key, b in entries:
             if b.block_id == null:
@@ -366,6 +383,9 @@ class VllmObserver:
                 add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
                                                       "not hold", "hash-map")
                 break
+
+    def _check_requests(self, known, add) -> None:
+        """Each live request (``known``, :meth:`known`) against its block tables."""
         # 6. a request's cached blocks carry its own hash chain; num_computed_tokens within its blocks
         for rid, (req, _) in known.items():
             for g, mgr in enumerate(self.groups):
@@ -392,6 +412,9 @@ class VllmObserver:
                     add("leak", [1], f"an empty block table for req:{rid}, which the scheduler no longer knows",
                         "orphan-table")
                     break
+
+    def _check_shadow_and_events(self, counts, entries, add) -> None:
+        """The ledger's counts and vLLM's replayed KV events against ``counts`` and ``entries``."""
         # 8. no change outside the pool's API (the ledger's counts are vLLM's), and vLLM's events
         #    replayed equal the map
         if self._auditor is not None:
@@ -410,7 +433,6 @@ class VllmObserver:
             add("accounting-drift", [1], f"vLLM's KV-cache events replayed give a prefix-cache map of "
                                          f"{sum(replayed.values())} entries, the real map has "
                                          f"{sum(real.values())} ({len(diff)} differ)", "kv-events")
-        return out
 
     def engine_check(self) -> list[str]:
         """vLLM has no checker; its own arithmetic (``reset_prefix_cache``'s "all freed" test): free blocks
