@@ -137,11 +137,20 @@ class _Recorder:
         self.on_progress = on_progress
         self._last_tick = time.monotonic()
 
-    def tick(self) -> None:
-        """A program starts: report progress at most twice a second (a batch can take seconds)."""
+    def start_program(self) -> bool:
+        """A case's first op: count the program (a shrink rerun apart from the search's executions:
+        with report_multiple_bugs off, every case after the first failure is one) and report progress
+        at most twice a second (a batch can take seconds). False: the execution budget is spent."""
+        if self.last_failure is None:
+            if self.cap is not None and self.stats.executions >= self.cap:
+                return False
+            self.stats.executions += 1
+        else:
+            self.stats.shrink_executions += 1
         if self.on_progress is not None and time.monotonic() - self._last_tick >= 0.5:
             self._last_tick = time.monotonic()
             self.on_progress(self.stats)
+        return True
 
 
 # Swarm testing (Groce et al., ISSTA 2012): each test case leaves out a random subset of the op
@@ -150,13 +159,27 @@ class _Recorder:
 # mix would draw them. step and idle (swarm None) are always in.
 
 
+def _gate(group: str | None):
+    """A rule's gate: drawn only in a case whose swarm keeps ``group`` (None: in every case)."""
+    return (lambda r: r) if group is None else precondition(lambda self: group in self.swarm)
+
+
+def _rules(reach: frozenset) -> list[tuple[str, str, tuple[str, ...], str | None]]:
+    """(rule name, op kind, pinned arguments, swarm group) of each rule: one per op kind of the schema
+    the target models, every argument drawn from the schema (:mod:`kvaudit.program.strategies`); submits
+    have two more that pin a history (shared prefixes, a chat client resending it) or a session (drawn
+    with the ops that open and close sessions), so about one rule in four sends a request."""
+    rules = [(kind, kind, (), OPS[kind].swarm) for kind in kinds(reach)]
+    if "prefix_cache" in reach:
+        rules.append(("submit_extending", "submit", ("extends",), OPS["submit"].swarm))
+    if "sessions" in reach:
+        rules.append(("submit_turn", "submit", ("session",), OPS["open_session"].swarm))
+    return rules
+
+
 def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
     reach = program_reach(config)  # ops and arguments the target gives meaning to
     groups = swarm_groups()
-
-    def enabled(group: str | None):
-        """A rule's gate: drawn only in a case whose swarm keeps ``group`` (None: in every case)."""
-        return (lambda r: r) if group is None else precondition(lambda self: group in self.swarm)
 
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -182,59 +205,24 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                     return  # out of time: let the remaining cases finish as no-ops
                 self.dead = True
                 raise _BudgetSpent  # shrinking past the budget: stop Hypothesis, keep the last failure
-            if not self.ops:  # count programs that ran, not empty cases past the deadline
-                if rec.last_failure is None and rec.cap is not None and rec.stats.executions >= rec.cap:
-                    self.dead = True  # the execution budget is spent: this case runs nothing
-                    return
-                if rec.last_failure is None:
-                    rec.stats.executions += 1
-                else:  # with report_multiple_bugs off, every case after the first failure is a shrink
-                    rec.stats.shrink_executions += 1
-                rec.tick()
+            if not self.ops and not rec.start_program():
+                self.dead = True  # the execution budget is spent: this case runs nothing
+                return
             self.ops.append(op)
             rec.stats.ops += 1
             found = self.run.apply(op)
-            if self.run.out_of_time:  # the deadline fell inside this op (an idle() or a long step)
-                self.dead = True
+            # out of time inside this op (an idle() or a long step), or a known finding: the case ends.
+            # Past a finding teardown must not run the closing idle(): the program would end with an op
+            # that never runs on replay (which stops at the first finding), and a second finding there
+            # (a crash leaves state half-updated) would replace this one
+            self.dead = self.run.out_of_time or bool(found)
+            if self.run.out_of_time:
                 if rec.last_failure is not None:
                     raise _BudgetSpent
-                return
-            if found and all(f.signature in rec.known for f in found):
-                self.dead = True
-                return
-            if found:
+            elif found and not all(f.signature in rec.known for f in found):
                 rec.stats.hit()
                 rec.last_failure = (list(self.ops), found)
-                # teardown must not run the closing idle() past a finding: the program would end with
-                # an op that never runs on replay (which stops at the first finding), and a second
-                # finding there (a crash leaves state half-updated) would replace this one
-                self.dead = True
                 raise _finding_error(found[0].kind)(found[0].signature)
-
-        # One rule per op kind of the schema the target models, every argument drawn from the schema
-        # (kvaudit.program.strategies); submits have two more rules that pin a history or a session,
-        # so about one rule in four sends a request, as when each form had its own rule.
-        def _submit(self, values):
-            """A submit of drawn ``values``, its prompt cut to the case's cap."""
-            op = make_op("submit", values, reach, max_prompt)
-            self._do(dataclasses.replace(op, prompt_len=min(op.prompt_len, self.prompt_cap)))
-
-        @enabled(OPS["submit"].swarm)
-        @rule(**arg_strategies("submit", reach, max_prompt))
-        def submit(self, **values):
-            self._submit(values)
-
-        if "prefix_cache" in reach:  # a chat client resending its history: shared prefixes
-            @enabled(OPS["submit"].swarm)
-            @rule(**arg_strategies("submit", reach, max_prompt, pinned=("extends",)))
-            def submit_extending(self, **values):
-                self._submit(values)
-
-        if "sessions" in reach:
-            @enabled(OPS["open_session"].swarm)  # a turn is drawn with the ops that open and close sessions
-            @rule(**arg_strategies("submit", reach, max_prompt, pinned=("session",)))
-            def submit_turn(self, **values):
-                self._submit(values)
 
         def teardown(self):
             try:
@@ -245,16 +233,18 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                 rec.stats.sites |= self.run.auditor.site_keys()
                 rec.stats.suppressed.update(f.signature for f in self.run.suppressed)
 
-    def add_rule(kind: str):
+    def add_rule(name: str, kind: str, pinned: tuple[str, ...], group: str | None):
         def apply(self, **values):
-            self._do(make_op(kind, values, reach, max_prompt))
+            op = make_op(kind, values, reach, max_prompt)
+            if kind == "submit":  # its prompt cut to the case's cap
+                op = dataclasses.replace(op, prompt_len=min(op.prompt_len, self.prompt_cap))
+            self._do(op)
 
-        apply.__name__ = kind
-        setattr(ProgramMachine, kind, enabled(OPS[kind].swarm)(rule(**arg_strategies(kind, reach, max_prompt))(apply)))
+        apply.__name__ = name
+        setattr(ProgramMachine, name, _gate(group)(rule(**arg_strategies(kind, reach, max_prompt, pinned=pinned))(apply)))
 
-    for kind in kinds(reach):  # the other op kinds of the schema: one rule each, gated by the row's swarm group
-        if kind != "submit":
-            add_rule(kind)
+    for r in _rules(reach):
+        add_rule(*r)
     return ProgramMachine
 
 
