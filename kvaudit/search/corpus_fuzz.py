@@ -24,7 +24,6 @@ Deterministic per seed up to the clock (the budget's end, the step watchdog).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,13 +35,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvaudit.audit.findings import Finding
-from kvaudit.audit.runner import AuditedRun
 from kvaudit.config import TargetConfig
 from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, program_to_json, random_program
 from kvaudit.program.generate import random_op, weighted_kinds
 from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
 from kvaudit.program.schema import max_prompt as context_max_prompt
-from kvaudit.search.fuzz import FuzzStats
+from kvaudit.search.fuzz import FuzzStats, run_program
 from kvaudit.targets import program_features
 
 
@@ -428,32 +426,19 @@ def _run(config: TargetConfig, program: list[Op], steps: "_StepFeatures", stats:
     """Run ``program`` for :func:`corpus_search`, adding its features to ``steps.features``. Returns
     ``(hit, kept)``: ``hit`` the program up to a finding neither known nor suppressed and its findings,
     else None; ``kept`` the ops that may join the corpus, None when the deadline cut the program."""
-    with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
-            (tracer or contextlib.nullcontext()):
-        run.on_step = steps
-        ran, broke, hit = 0, False, None
-        for i, op in enumerate(program):
-            steps.before(i, op)
-            found = run.apply(op)
-            ran += 1
-            stats.ops += 1
-            if run.out_of_time:
-                break
-            if found and not all(f.signature in known for f in found):
-                stats.hit()
-                hit = program[:ran], found
-                break
-            if found:
-                broke = not keep_findings  # a known finding: the op that raised it stays out of the corpus
-                steps.features |= {hash(("finding", f.signature)) for f in found} if keep_findings else set()
-                break
-        sites = run.auditor.site_keys()
-        stats.sites |= sites
-        stats.suppressed.update(f.signature for f in run.suppressed)
-    if hit is not None or run.out_of_time:
-        return hit, None
+    ran, found, out_of_time, sites = run_program(config, program, stats, suppressions, deadline, on_step=steps,
+                                                 before=steps.before, tracer=tracer)
+    if out_of_time:
+        return None, None
+    if found and not all(f.signature in known for f in found):
+        stats.hit()
+        return (program[:ran], found), None
+    if found and keep_findings:  # a known finding's signature is a feature
+        steps.features |= {hash(("finding", f.signature)) for f in found}
+    elif found:  # a known finding: the op that raised it stays out of the corpus
+        ran -= 1
     steps.features |= {hash(("site", s)) for s in sites} | (tracer.lines if tracer else set())
-    return None, program[:ran - 1] if broke else program[:ran]
+    return None, program[:ran]
 
 
 def _programs(rng: random.Random, mut: Mutator, corpus: Corpus, pending: list, min_ops: int, max_ops: int,

@@ -8,6 +8,7 @@ reported (syzkaller reproduces a crash before reporting it, for the same reason)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -404,22 +405,38 @@ def random_search(config: TargetConfig, max_time: float, seed_value: int, stats:
         program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
                                  features=program_features(config))
         stats.executions += 1
-        with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run:
-            for i, op in enumerate(program):
-                found = run.apply(op)
-                stats.ops += 1
-                if run.out_of_time:
-                    break
-                if found and not all(f.signature in known for f in found):
-                    stats.hit()
-                    stats.sites |= run.auditor.site_keys()
-                    stats.suppressed.update(f.signature for f in run.suppressed)  # on the way to it
-                    return program[: i + 1], found
-                if found:
-                    break
-            stats.sites |= run.auditor.site_keys()
-            stats.suppressed.update(f.signature for f in run.suppressed)
+        ran, found, out_of_time, _ = run_program(config, program, stats, suppressions, deadline)
+        if not out_of_time and found and not all(f.signature in known for f in found):
+            stats.hit()
+            return program[:ran], found
         if on_progress and time.monotonic() - last > 0.5:
             last = time.monotonic()
             on_progress(stats)
     return None
+
+
+def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppressions, deadline: float,
+                on_step: Callable | None = None, before: Callable[[int, Op], None] | None = None,
+                tracer=None) -> tuple[int, list[Finding], bool, set]:
+    """Run ``program`` from a fresh audited engine (fast-mode stacks) up to its first finding or
+    ``deadline`` (monotonic seconds), counting its ops and sites and the suppressed signatures met in
+    ``stats``. ``on_step``: the run's step callback; ``before(i, op)``: called before op ``i``;
+    ``tracer``: a context manager held around the ops. Returns (ops run, the last op's findings,
+    whether the deadline cut the program, the auditor's site keys)."""
+    with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
+            (tracer or contextlib.nullcontext()):
+        if on_step is not None:
+            run.on_step = on_step
+        ran, found = 0, []
+        for i, op in enumerate(program):
+            if before is not None:
+                before(i, op)
+            found = run.apply(op)
+            ran += 1
+            stats.ops += 1
+            if run.out_of_time or found:
+                break
+        sites = run.auditor.site_keys()
+        stats.sites |= sites
+        stats.suppressed.update(f.signature for f in run.suppressed)
+    return ran, found, run.out_of_time, sites
