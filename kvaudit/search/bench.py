@@ -69,35 +69,6 @@ def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: F
         known=known, max_executions=max_executions, out_dir=work_dir, use_seeds=False))
 
 
-def engine_first_failures(config: TargetConfig, program) -> tuple[int | None, int | None]:
-    """The engine's own SGLang-style ``check_memory()`` after every scheduler step of ``program``,
-    the engine running bare: (first step whose idle check fails, first step whose busy or idle check
-    fails), None for never. SGLang raises only at idle (benchmarks/engine_check.py tabulates both)."""
-    from kvaudit.program import Idle, Step
-    from kvaudit.audit.runner import MAX_IDLE_STEPS
-    target = registry.get("eut").make(config)  # the engine bare: no hooks, no audit
-    eng = target.engine
-    first_idle = first_any = None
-    for op in program:
-        if isinstance(op, (Step, Idle)):
-            for _ in range(op.n if isinstance(op, Step) else MAX_IDLE_STEPS):
-                idle = target.is_idle()
-                try:
-                    target.step()
-                    bad = [c for c in eng.check_memory() if not c.ok]
-                except Exception:  # the engine crashed: its checks never ran again
-                    return first_idle, first_any
-                if bad and first_any is None:
-                    first_any = target.steps
-                if bad and eng.is_fully_idle() and first_idle is None:
-                    first_idle = target.steps
-                if isinstance(op, Idle) and idle:
-                    break
-        else:
-            target.apply(op)
-    return first_idle, first_any
-
-
 def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
     info = _eut().bugs()[bug]
     config = _eut().preset(info.preset).config(bugs=frozenset([bug]))
@@ -123,7 +94,7 @@ def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
                 trial.seconds, trial.executions = seconds, executions
                 trial.min_len = len(crash.program)
                 trial.first_oracle = crash.finding.kind
-                trial.engine_idle_check = engine_first_failures(config, program)[0] is not None
+                trial.engine_idle_check = _eut().engine_check(config, program)[0] is not None
                 if crash.finding.kind != info.finding:
                     trial.note = f"found as {crash.finding.kind} (the table says {info.finding})"
     trial.wall = time.monotonic() - t0
