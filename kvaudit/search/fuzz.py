@@ -270,6 +270,8 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
     no suppressed findings. ``on_phase`` is told each phase as it starts: ``"confirming"``,
     ``"minimizing"``, ``"confirming the minimized program"``. The crash carries the minimized
     program's occupancy timeline (:func:`kvaudit.reports.timeline.record`), for its replay file and reports."""
+    from kvaudit.reports.timeline import record
+
     sig = finding.signature
     phase = on_phase or (lambda name: None)
     phase("confirming")
@@ -277,8 +279,6 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
         # Every replay of a hang costs the watchdog's full step limit, and ddmin would need dozens:
         # one full-stacks replay confirms it (1 of 1) and records the report's timeline; no
         # minimization (Hypothesis already shrank it within the budget), no drain (the engine is stuck).
-        from kvaudit.reports.timeline import record
-
         program = program[:finding.op_index + 1]
         found: list[Finding] = []
         timeline = record(config, program, suppressions=suppressions, findings=found)
@@ -299,8 +299,6 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
     confirmations = confirm(config, small, sig, suppressions=suppressions)
     # NOTE: the plot's data is recorded here, with the finding, and kept in its replay file: writing a
     # report never runs the engine (kvaudit.reports.outputs)
-    from kvaudit.reports.timeline import record
-
     return Crash(config, small, [primary] + others, len(program), confirmations,
                  timeline=record(config, small, suppressions=suppressions))
 
