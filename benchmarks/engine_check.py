@@ -17,7 +17,7 @@ import glob
 import os
 
 from kvaudit import replay
-from kvaudit.search.bench import engine_first_failures
+from kvaudit.targets import registry
 from kvaudit.audit.runner import execute
 
 
@@ -30,7 +30,7 @@ def main() -> None:
         config, program, _, _ = replay.load(path)
         ex = execute(config, program)
         kv = ex.findings[0] if ex.findings else None
-        idle_step, any_step = engine_first_failures(config, program)
+        idle_step, any_step = registry.get("eut").engine_check(config, program)
         name = os.path.basename(path)[:-5]
         rows.append((name, kv.kind if kv else "-", kv.step if kv else None, idle_step, any_step))
     print("| bug | kvaudit finding | kvaudit step | engine idle check fails at step | engine busy/idle check fails at step |")

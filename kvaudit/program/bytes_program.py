@@ -2,78 +2,11 @@
 
 libFuzzer (through atheris) mutates flat byte strings; :func:`program_from_bytes` maps each one to
 a valid :mod:`kvaudit.program` program for a given target config, and :func:`program_to_bytes` is
-its inverse, used to seed the corpus with known reproducers.
-
-Versions
---------
-A byte string says its layout by its first byte: :data:`V2_MAGIC` (``0xf2``) starts a **version 2**
-input (the records follow it); any other first byte (and ``b""``) is a **version 1** input, read
-from its first byte. Version 1 is frozen: every input written before version 2 (the seeds under
-``corpora/seeds/``, libFuzzer corpora) decodes to the program it always did (``tests/data/
-bytes_v1_programs.json`` pins it). A version 1 input starting with ``0xf2`` (one in 256 random
-inputs; never a written seed, whose first byte is an opcode index below 12) reads as version 2 now.
-New fuzzing uses version 2 (:data:`DEFAULT_VERSION`): the seeds are written in both versions and
-:func:`kvaudit.search.atheris_fuzz.atheris_search` starts an empty corpus from ``V2_MAGIC``.
-
-Both versions read consecutive fixed-size records, one op per record, so a byte flip changes one
-op (or one argument of one op) and leaves the rest of the program as it was. A short last record
-is read as if padded with zero bytes; at most ``max_ops`` records are read and the rest of the input
-is ignored. The decoded ops are followed by one ``idle()`` unless the last one already is ``idle``,
-so a program has at most ``max_ops + 1`` ops and ``b""`` is ``[idle()]``.
-
-Version 2 (reads :data:`kvaudit.program.schema.OPS`)
-----------------------------------------------------
-Records of :data:`RECORD_V2` bytes: an opcode byte, then one byte per argument of the op in field
-order (unused bytes ignored). The opcode indexes the op kinds of the config's reach
-(:func:`kvaudit.program.schema.reach`: its ``program_features`` and capabilities), each kind
-repeated :attr:`OpSpec.weight` times (:func:`kvaudit.program.generate.weighted_kinds`):
-``kind = table[byte % len(table)]``. So every op and argument the schema defines for the target is
-reached: pause and continue, priorities, grammars, flush timeouts, every ``SessionParams``
-combination (``replace`` with or without a parent), transfer failures. An argument byte ``b`` of an
-argument with range ``lo..hi`` (``n = hi - lo + 1``; a prompt's ``hi`` is ``max_prompt``) is
-``lo + b % n`` for an argument always drawn (``Arg.p == 1``) and, for an optional one, unset (its
-default, or None) for an even byte and ``lo + (b >> 1) % n`` for an odd one: a zero byte gives the
-smallest value or unset. The schema's ``requires`` and ``caps`` then apply
-(:func:`kvaudit.program.schema.resolve`).
-
-Version 1 (frozen: its own constants, not the schema)
------------------------------------------------------
-Records of :data:`RECORD` **= 6 bytes**, one op per record::
-
-    byte 0      opcode: OP_KINDS[config][byte % len(OP_KINDS[config])]
-    bytes 1..5  arguments a1..a5 of that op, in the order listed below (unused ones ignored)
-
-The op kinds of a config (:func:`op_kinds`), in opcode order, mirror the Hypothesis rules of
-:func:`kvaudit.search.fuzz._machine` as they were when this layout was fixed (later ops and arguments --
-``pause_generation``, ``continue_generation``, ``ignore_eos``, priorities, grammars, flush timeouts,
-session parameters -- are not decoded, so every existing byte seed keeps its program)::
-
-    submit, health_check, abort, flush_cache, step, idle          always
-    submit_extending, memory_pressure                             unless config.disable_radix_cache
-    open_session, submit_turn, close_session                      if config.enable_streaming_session
-    transfer_fail                                                 on a PD decode server (added later: a
-                                                                  PD seed's opcodes are below 6, so it
-                                                                  decodes as before)
-
-Argument bytes (``b`` is the byte; ``v = lo + b % (hi - lo + 1)`` for a range ``lo..hi``; a
-nullable argument is ``None`` for an even byte and ``lo + (b >> 1) % (hi - lo + 1)`` for an odd
-one, so a zero byte gives the smallest value or ``None``)::
-
-    submit            a1 family 0..7, a2 prompt_len 1..max_prompt, a3 max_new_tokens 1..12,
-                      a4 stop_at None|1..12
-    submit_extending  a1 extends 0..7, a2 family 0..7, a3 prompt_len 1..16, a4 max_new_tokens 1..12,
-                      a5 stop_at None|1..12
-    submit_turn       a1 session 0..3, a2 family 0..7, a3 prompt_len 1..48, a4 max_new_tokens 1..12,
-                      a5 stop_at None|1..12
-    abort             a1 handle None|0..7
-    transfer_fail     a1 handle None|0..3
-    close_session     a1 handle 0..3
-    step              a1 n 1..4
-    health_check, flush_cache, idle, memory_pressure, open_session: no arguments
-
-``max_prompt = max(2, min(96, config.context_len - 12))`` tokens (both versions; :func:`kvaudit.program.schema.max_prompt`).
-Lengths are in tokens; ``step(n)`` is ``n`` scheduler iterations.
-
+its inverse, used to seed the corpus with known reproducers. An input starting with
+:data:`V2_MAGIC` is in layout version 2 (records of :data:`RECORD_V2` bytes: an opcode indexing the
+weighted op kinds of the config's reach, then one byte per argument, read from
+:data:`kvaudit.program.schema.OPS`); any other is in version 1, frozen
+(:mod:`kvaudit.program.bytes_v1`). The layouts, byte by byte: docs/reference/byte-layout.md.
 The seed corpora (``corpora/seeds/<preset>/``, both versions) are written from the regression
 reproducers and :func:`hand_seeds` by ``python -m kvaudit.search.seeds --write-seeds [DIR]``.
 """
@@ -148,7 +81,7 @@ def _encode_v2(op: Op, r: frozenset, table: tuple[str, ...], mp: int) -> bytes:
 
 
 def program_from_bytes(data: bytes, config: TargetConfig, max_ops: int = 24) -> list[Op]:
-    """Decode ``data`` into a valid program for ``config`` (see the module docstring for the layouts;
+    """Decode ``data`` into a valid program for ``config`` (docs/reference/byte-layout.md for the layouts;
     the version is read from ``data``: :func:`version_of`).
 
     Total and deterministic: every byte string, ``b""`` included, gives a program of at most

@@ -1,4 +1,4 @@
-"""Version 1 of the byte decoder, frozen: the layout :mod:`kvaudit.program.bytes_program` documents.
+"""Version 1 of the byte decoder, frozen: the layout docs/reference/byte-layout.md documents.
 
 Its constants and op kinds are its own, not the schema's, so every version 1 input (the shipped
 seeds, libFuzzer corpora written before version 2) keeps its program: ``tests/data/
@@ -80,7 +80,7 @@ def _decode(kind: str, a: bytes, mp: int) -> Op:
 
 
 def decode(data: bytes, config, max_ops: int = 24) -> list[Op]:
-    """Decode ``data`` into a valid program for ``config`` (see the module docstring for the layout).
+    """Decode ``data`` into a valid program for ``config`` (docs/reference/byte-layout.md, version 1).
 
     Total and deterministic: every byte string, ``b""`` included, gives a program of at most
     ``max_ops`` decoded ops plus a final ``idle()`` (added unless the last decoded op is ``idle``).

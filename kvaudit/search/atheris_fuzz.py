@@ -252,38 +252,67 @@ def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: Fuzz
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
-def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path, known, work_dir,
-            use_seeds, max_ops, libfuzzer_args):
-    findings_dir, stats_dir = os.path.join(work_dir, "findings"), os.path.join(work_dir, "stats")
+def _prepare(work_dir: str, corpus_dir: str | None, known: frozenset) -> tuple[str, str]:
+    """Lay out ``work_dir`` (module doc) for a run: ``findings/``, ``stats/`` and ``tmp/`` emptied (what a
+    killed -fork run left), ``known.txt`` written, and an empty corpus seeded with ``v2-start`` (new
+    fuzzing starts in byte layout version 2; libFuzzer starts from b""). Returns (corpus_dir, known.txt)."""
     corpus_dir = os.path.abspath(corpus_dir or os.path.join(work_dir, "corpus"))
-    for d in (findings_dir, stats_dir):
-        _clear(d)
-    tmp_dir = os.path.join(work_dir, "tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # what a killed -fork run left
-    for d in (corpus_dir, os.path.join(work_dir, "crashes"), tmp_dir):
+    for d in ("findings", "stats"):
+        _clear(os.path.join(work_dir, d))
+    shutil.rmtree(os.path.join(work_dir, "tmp"), ignore_errors=True)
+    for d in (corpus_dir, os.path.join(work_dir, "crashes"), os.path.join(work_dir, "tmp")):
         os.makedirs(d, exist_ok=True)
-    if not os.listdir(corpus_dir):  # new fuzzing starts in byte layout version 2 (libFuzzer starts from b"")
+    if not os.listdir(corpus_dir):
         with open(os.path.join(corpus_dir, "v2-start"), "wb") as fh:
             fh.write(bytes([V2_MAGIC]))
     known_path = os.path.join(work_dir, "known.txt")
     with open(known_path, "w", encoding="utf-8") as fh:
         fh.writelines(f"{s}\n" for s in sorted(known))
+    return corpus_dir, known_path
+
+
+def _watch(proc: subprocess.Popen, deadline: float, findings_dir: str, crashes_dir: str, crashes_before: set,
+           refresh: Callable[[], None]) -> None:
+    """Wait for the harness to exit; stop it at ``deadline`` or once a finding's crash input is in
+    ``crashes_dir`` (at most FOUND_WAIT_S after its replay file), calling ``refresh`` between checks.
+    Raises KeyboardInterrupt when :data:`kvaudit.audit.runner.INTERRUPTED` is set."""
+    found_at = None
+    while True:
+        if INTERRUPTED.is_set():
+            raise KeyboardInterrupt
+        try:
+            proc.wait(timeout=0.1)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() > deadline:
+            return _stop(proc)
+        if found_at is None and any(n.endswith(".json") for n in os.listdir(findings_dir)):
+            found_at = time.monotonic()  # the harness writes only unknown signatures
+        if found_at is not None and (_new_crash(crashes_dir, crashes_before)
+                                     or time.monotonic() - found_at > FOUND_WAIT_S):
+            return _stop(proc)  # libFuzzer wrote its artifact: do not let -fork finish its other jobs
+        refresh()
+
+
+def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path, known, work_dir,
+            use_seeds, max_ops, libfuzzer_args):
+    findings_dir, stats_dir = os.path.join(work_dir, "findings"), os.path.join(work_dir, "stats")
+    crashes_dir = os.path.join(work_dir, "crashes")
+    corpus_dir, known_path = _prepare(work_dir, corpus_dir, known)
     seed_dir = os.path.join(SEEDS_DIR, config.preset)
     seed_dir = seed_dir if use_seeds and os.path.isdir(seed_dir) and os.listdir(seed_dir) else None
     log_path = os.path.join(work_dir, "libfuzzer.log")
     open(log_path, "w").close()
     cmd = harness_command(corpus_dir, seed_dir, max_time, seed, work_dir, workers, max_ops, libfuzzer_args)
     env = harness_env(config, findings_dir, stats_dir, suppressions_path, known_path, max_ops)
-    env["TMPDIR"] = tmp_dir
+    env["TMPDIR"] = os.path.join(work_dir, "tmp")
     base_execs, base_ops = stats.executions, stats.ops
-    crashes_dir = os.path.join(work_dir, "crashes")
     crashes_before = set(os.listdir(crashes_dir))
     proc = subprocess.Popen(cmd, cwd=work_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     mon = _Monitor(proc.stdout, log_path)
-    deadline = time.monotonic() + max_time + GRACE_S
     last_progress = last_stats = 0.0
-    found_at = None
 
     def refresh(force: bool = False, report: bool = True) -> None:
         nonlocal last_progress, last_stats
@@ -301,24 +330,7 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
 
     stats.coverage = "0 edges"
     try:
-        while True:
-            if INTERRUPTED.is_set():
-                raise KeyboardInterrupt
-            try:
-                proc.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() > deadline:
-                _stop(proc)
-                break
-            if found_at is None and any(n.endswith(".json") for n in os.listdir(findings_dir)):
-                found_at = time.monotonic()  # the harness writes only unknown signatures
-            if found_at is not None and (_new_crash(crashes_dir, crashes_before)
-                                         or time.monotonic() - found_at > FOUND_WAIT_S):
-                _stop(proc)  # libFuzzer wrote its artifact: do not let -fork finish its other jobs
-                break
-            refresh()
+        _watch(proc, time.monotonic() + max_time + GRACE_S, findings_dir, crashes_dir, crashes_before, refresh)
     except BaseException:
         _stop(proc)
         mon.thread.join(timeout=5)
@@ -336,8 +348,7 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
         return program, findings
     # -fork goes on past timeouts and out-of-memory inputs (timeout-*, oom-* artifacts); a crash-*
     # without a replay file is the harness's own failure
-    crashes = {c for c in set(os.listdir(os.path.join(work_dir, "crashes"))) - crashes_before if c.startswith("crash-")}
-    if proc.returncode not in (0, -signal.SIGINT, -signal.SIGKILL, 72) or crashes:
+    if proc.returncode not in (0, -signal.SIGINT, -signal.SIGKILL, 72) or _new_crash(crashes_dir, crashes_before):
         tail = "\n".join(mon.tail[-15:])
         raise AtherisError(f"atheris harness exited with code {proc.returncode} without a kvaudit finding "
                            f"(log: {log_path}); last lines:\n{tail}")

@@ -69,35 +69,6 @@ def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: F
         known=known, max_executions=max_executions, out_dir=work_dir, use_seeds=False))
 
 
-def engine_first_failures(config: TargetConfig, program) -> tuple[int | None, int | None]:
-    """The engine's own SGLang-style ``check_memory()`` after every scheduler step of ``program``,
-    the engine running bare: (first step whose idle check fails, first step whose busy or idle check
-    fails), None for never. SGLang raises only at idle (benchmarks/engine_check.py tabulates both)."""
-    from kvaudit.program import Idle, Step
-    from kvaudit.audit.runner import MAX_IDLE_STEPS
-    target = registry.get("eut").make(config)  # the engine bare: no hooks, no audit
-    eng = target.engine
-    first_idle = first_any = None
-    for op in program:
-        if isinstance(op, (Step, Idle)):
-            for _ in range(op.n if isinstance(op, Step) else MAX_IDLE_STEPS):
-                idle = target.is_idle()
-                try:
-                    target.step()
-                    bad = [c for c in eng.check_memory() if not c.ok]
-                except Exception:  # the engine crashed: its checks never ran again
-                    return first_idle, first_any
-                if bad and first_any is None:
-                    first_any = target.steps
-                if bad and eng.is_fully_idle() and first_idle is None:
-                    first_idle = target.steps
-                if isinstance(op, Idle) and idle:
-                    break
-        else:
-            target.apply(op)
-    return first_idle, first_any
-
-
 def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
     info = _eut().bugs()[bug]
     config = _eut().preset(info.preset).config(bugs=frozenset([bug]))
@@ -123,7 +94,7 @@ def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
                 trial.seconds, trial.executions = seconds, executions
                 trial.min_len = len(crash.program)
                 trial.first_oracle = crash.finding.kind
-                trial.engine_idle_check = engine_first_failures(config, program)[0] is not None
+                trial.engine_idle_check = _eut().engine_check(config, program)[0] is not None
                 if crash.finding.kind != info.finding:
                     trial.note = f"found as {crash.finding.kind} (the table says {info.finding})"
     trial.wall = time.monotonic() - t0
@@ -399,6 +370,31 @@ def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
         "",
     ]
     by = {(c.bug, c.fuzzer): c for c in cells}
+    lines += _headline(res, cells, by)
+    bugs = s["bugs"]
+    lines += ["", "## Per bug", "",
+              "| bug | expected | fuzzer | found | time to bug (s) | executions to bug | min ops | oracle | "
+              "SGLang idle check | p vs random | A12 vs random |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in bugs:
+        for f in fuzzers:
+            c = by.get((b, f))
+            if c is None:
+                continue
+            lines.append(
+                f"| {b} | {_eut().bugs()[b].finding} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
+                f"{_fmt_q(c.execs_q, digits=0)} | {c.min_len_median if c.min_len_median is not None else '-'} | "
+                f"{', '.join(c.first_oracles) or '-'} | {c.engine_idle_check} | "
+                f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
+                f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
+    lines += _trials_and_runs(res)
+    return "\n".join(lines) + "\n"
+
+
+def _headline(res: BenchResult, cells: list[Cell], by: dict) -> list[str]:
+    """The report's headline table (per fuzzer, over every bug) and the overhead figure under it."""
+    s = res.settings
+    fuzzers = s["fuzzers"]
     bugs = s["bugs"]
     head = ["| target | " + " | ".join(fuzzers) + " |", "|---|" + "---|" * len(fuzzers)]
     found_all = ["| bugs found (at least once) | " + " | ".join(
@@ -416,35 +412,23 @@ def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
     fp = {d["fuzzer"]: d for d in res.false_positives}
     fp_row = ["| false positives on the clean engine (target 0) | " + " | ".join(
         f"{len(fp[f]['findings'])} in {fp[f]['executions']} programs" if f in fp else "-" for f in fuzzers) + " |"]
-    lines += head + found_all + rate + worst_row + geo_row + fp_row
+    lines = head + found_all + rate + worst_row + geo_row + fp_row
     if res.overhead:
         ov = [r for r in res.overhead if r["model"] == "none"]
         worst_ov = max(r["hooks off"] / r["full oracles"] for r in ov) if ov else math.nan
         lines += ["", f"Full oracles cost up to {worst_ov:.2f}x over hooks off with `model=none` (target <= 1.5x); "
                       "see the throughput table."]
-    lines += ["", "## Per bug", "",
-              "| bug | expected | fuzzer | found | time to bug (s) | executions to bug | min ops | oracle | "
-              "SGLang idle check | p vs random | A12 vs random |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for b in bugs:
-        for f in fuzzers:
-            c = by.get((b, f))
-            if c is None:
-                continue
-            lines.append(
-                f"| {b} | {_eut().bugs()[b].finding} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
-                f"{_fmt_q(c.execs_q, digits=0)} | {c.min_len_median if c.min_len_median is not None else '-'} | "
-                f"{', '.join(c.first_oracles) or '-'} | {c.engine_idle_check} | "
-                f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
-                f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
+    return lines
+
+
+def _trials_and_runs(res: BenchResult) -> list[str]:
+    """The report's trial notes, false-positive run and overhead table."""
+    lines: list[str] = []
     notes = [t for t in res.trials if t.note and t.success]
     fails = [t for t in res.trials if not t.success]
     if notes or fails:
         lines += ["", "## Trial notes", ""]
-        for t in fails:
-            lines.append(f"- {t.bug}, {t.fuzzer}, seed {t.seed}: {t.note}")
-        for t in notes:
-            lines.append(f"- {t.bug}, {t.fuzzer}, seed {t.seed}: {t.note}")
+        lines += [f"- {t.bug}, {t.fuzzer}, seed {t.seed}: {t.note}" for t in fails + notes]
     lines += ["", "## False-positive run", "",
               "| fuzzer | seconds | programs | findings |", "|---|---|---|---|"]
     for d in res.false_positives:
@@ -461,4 +445,4 @@ def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
             off, on, full = r["hooks off"], r["hooks on"], r["full oracles"]
             lines.append(f"| {r['preset']} | {r['model']} | {off:.1f} | {on:.1f} | {full:.1f} | {off / on:.2f}x | "
                          f"{off / full:.2f}x |")
-    return "\n".join(lines) + "\n"
+    return lines

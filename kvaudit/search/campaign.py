@@ -415,6 +415,90 @@ def _append_run_record(corpus: str, record: dict) -> None:
     replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
 
 
+class _Tally:
+    """The parent's side of the workers' messages (:func:`_search_loop`): it folds each into the
+    campaign's result and figures, and calls ``on_progress`` and ``on_finding``."""
+
+    def __init__(self, result: CampaignResult, on_progress, on_finding):
+        self.result, self.on_progress, self.on_finding = result, on_progress, on_finding
+        self.ready: set[int] = set()
+        self.per_worker: dict[int, tuple] = {}
+
+    def __call__(self, msg: tuple) -> None:
+        kind, index = msg[0], msg[1]
+        result, stats = self.result, self.result.stats
+        if kind == "ready":  # a worker built its first engine: the search's clock starts with the first
+            if not self.ready:
+                stats.started = time.monotonic()
+            self.ready.add(index)
+        elif kind == "progress":
+            self.per_worker[index] = msg[2:4]
+            stats.sites.update(map(tuple, msg[4]))
+            stats.suppressed.update(msg[5])
+            stats.executions = sum(v[0] for v in self.per_worker.values())
+            stats.ops = sum(v[1] for v in self.per_worker.values())
+            if msg[6] is not None:
+                stats.coverage = msg[6]
+        elif kind == "finding":
+            sig, path = msg[2], msg[3]
+            if sig not in result.new and sig not in result.known:
+                result.new[sig] = path
+                stats.findings = len(result.new)
+                if self.on_finding:
+                    self.on_finding(sig, path)
+        elif kind == "flaky":
+            result.flaky.add(msg[2])
+        elif kind == "pulled":
+            if msg[2] not in result.new and msg[2] not in result.known:
+                result.fleet.setdefault(msg[2], msg[3])
+        elif kind == "duplicate":
+            result.duplicates[msg[2]] = result.duplicates.get(msg[2], 0) + 1
+        elif kind == "warning":
+            if msg[2] not in result.warnings:
+                result.warnings.append(msg[2])
+        elif kind == "error":
+            if msg[3] is not None:  # an OSError (a full disk): the CLI says so in one line
+                raise OSError(msg[3], f"worker {index}: {msg[2]}", msg[4])
+            raise RuntimeError(f"worker {index}: {msg[2]}")
+        if self.on_progress:
+            self.on_progress(stats)
+
+
+def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
+    """One spawned process per spec (no fork of a process that has torch's thread pools), their
+    messages handed to ``handle`` until each says done or all are gone; then they are stopped
+    (SIGTERM: a worker in triage writes its finding first; SIGKILL after 5 s)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(s, q), daemon=True) for s in specs]
+    for p in procs:
+        p.start()
+    try:
+        running = len(procs)
+        while running:
+            try:
+                msg = q.get(timeout=0.5)
+            except queue_mod.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            if msg[0] == "done":
+                running -= 1
+            handle(msg)
+    finally:
+        if not running:  # every worker said done: let them exit on their own first
+            for p in procs:
+                p.join(timeout=10)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                  on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True,
@@ -434,50 +518,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl).pull_findings(findings_dir(corpus))
     result = CampaignResult(known=known_signatures(corpus), workers=workers)
     stats = result.stats
-    ready: set[int] = set()
-    per_worker: dict[int, tuple] = {}
-    sites: set = set()
-    suppressed: set = set()
-
-    def handle(msg: tuple) -> None:
-        kind, index = msg[0], msg[1]
-        if kind == "ready":  # a worker built its first engine: the search's clock starts with the first
-            if not ready:
-                stats.started = time.monotonic()
-            ready.add(index)
-        elif kind == "progress":
-            per_worker[index] = msg[2:4]
-            sites.update(map(tuple, msg[4]))
-            suppressed.update(msg[5])
-            stats.executions = sum(v[0] for v in per_worker.values())
-            stats.ops = sum(v[1] for v in per_worker.values())
-            stats.sites, stats.suppressed = sites, suppressed
-            if msg[6] is not None:
-                stats.coverage = msg[6]
-        elif kind == "finding":
-            sig, path = msg[2], msg[3]
-            if sig not in result.new and sig not in result.known:
-                result.new[sig] = path
-                stats.findings = len(result.new)
-                if on_finding:
-                    on_finding(sig, path)
-        elif kind == "flaky":
-            result.flaky.add(msg[2])
-        elif kind == "pulled":
-            if msg[2] not in result.new and msg[2] not in result.known:
-                result.fleet.setdefault(msg[2], msg[3])
-        elif kind == "duplicate":
-            result.duplicates[msg[2]] = result.duplicates.get(msg[2], 0) + 1
-        elif kind == "warning":
-            if msg[2] not in result.warnings:
-                result.warnings.append(msg[2])
-        elif kind == "error":
-            if msg[3] is not None:  # an OSError (a full disk): the CLI says so in one line
-                raise OSError(msg[3], f"worker {index}: {msg[2]}", msg[4])
-            raise RuntimeError(f"worker {index}: {msg[2]}")
-        if on_progress:
-            on_progress(stats)
-
+    handle = _Tally(result, on_progress, on_finding)
     # a fuzzer that parallelizes inside itself (atheris: libFuzzer -fork=N re-executes the harness) has one driver
     drivers = 1 if fuzzers.get(fuzzer).one_driver else workers
     from kvaudit.audit.runner import step_timeout
@@ -490,35 +531,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         if drivers == 1:
             _search_loop(specs[0], handle)
         else:
-            ctx = mp.get_context("spawn")  # no fork of a process that has torch's thread pools
-            q = ctx.Queue()
-            procs = [ctx.Process(target=_worker_main, args=(s, q), daemon=True) for s in specs]
-            for p in procs:
-                p.start()
-            try:
-                running = len(procs)
-                while running:
-                    try:
-                        msg = q.get(timeout=0.5)
-                    except queue_mod.Empty:
-                        if not any(p.is_alive() for p in procs):
-                            break
-                        continue
-                    if msg[0] == "done":
-                        running -= 1
-                    handle(msg)
-            finally:
-                if not running:  # every worker said done: let them exit on their own first
-                    for p in procs:
-                        p.join(timeout=10)
-                for p in procs:
-                    if p.is_alive():
-                        p.terminate()  # SIGTERM: a worker in triage writes its finding first
-                for p in procs:
-                    p.join(timeout=5)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(timeout=5)
+            _run_workers(specs, handle)
     except KeyboardInterrupt:
         result.interrupted = True
     for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)

@@ -94,7 +94,6 @@ def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
         return RegressionCheck(name, path, "", problem=f"malformed: {e}", malformed=True,
                                seconds=time.monotonic() - t0)
     check = RegressionCheck(name, path, recorded[0].signature if recorded else "")
-    from kvaudit.targets import registry
     try:  # a real engine's file where that engine is missing: a failed check, in one line
         registry.kind_of(config).probe(config)
     except (registry.TargetUnavailable, registry.UnknownTargetError) as e:

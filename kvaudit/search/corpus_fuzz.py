@@ -24,7 +24,6 @@ Deterministic per seed up to the clock (the budget's end, the step watchdog).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,13 +35,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvaudit.audit.findings import Finding
-from kvaudit.audit.runner import AuditedRun
 from kvaudit.config import TargetConfig
 from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, program_to_json, random_program
 from kvaudit.program.generate import random_op, weighted_kinds
 from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
 from kvaudit.program.schema import max_prompt as context_max_prompt
-from kvaudit.search.fuzz import FuzzStats
+from kvaudit.search.fuzz import FuzzStats, run_program
 from kvaudit.targets import program_features
 
 
@@ -387,86 +385,31 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     ``transitions``: state transitions and (op kind, state) pairs are features."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup (at these lengths)
     deadline = time.monotonic() + max_time
-    mp = context_max_prompt(config.context_len)
     reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
-    mut = Mutator(rng, reach, mp, max_ops)
+    mut = Mutator(rng, reach, context_max_prompt(config.context_len), max_ops)
     corpus = corpus if corpus is not None else Corpus()
     last = time.monotonic()
     tracer = LineTracer() if line_coverage else None
     executions = 0
     pending: list[list[Op]] = store.load_new() if store is not None else []  # stored programs run first
-    warm = 0  # warmup programs drawn
+    programs = _programs(rng, mut, corpus, pending, min_ops, max_ops, warmup, fresh_share, schedule, extend_share,
+                         arg_swarm)
     while time.monotonic() < deadline and (max_executions is None or executions < max_executions):
         executions += 1
         if store is not None and executions % sync_every == 0:
             pending += store.load_new()
-        if pending:
-            program = pending.pop(0)
-        elif warm < warmup:
-            warm += 1
-            program = mut.fresh(min_ops, max_ops, swarm=False)
-        elif not corpus.entries or rng.random() < fresh_share:
-            program = mut.fresh(min_ops, max_ops, swarm=rng.random() < 0.5, arg_swarm=arg_swarm)
-        else:
-            entry = corpus.pick(rng, schedule)
-            if rng.random() < extend_share:
-                program = mut.extend(entry.program, entry.frontier)
-            else:
-                program = mut.mutate(entry.program, rng.choice(corpus.entries).program)
+        program = next(programs)
         stats.executions += 1
-        features: set = set()
-        with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
-                (tracer or contextlib.nullcontext()):
-            prev = [None]
-            kind = ["-"]
-            at = [0, None]  # the op running, the last op after which a new feature was reached
-            seen = corpus.features
-            since: list = []  # op shapes applied since the last scheduler step (op_context)
-
-            def on_step(r, prev=prev, kind=kind):
-                s = hash(abstract_state(r.target))
-                step = (s, hash((prev[0], s)), hash((kind[0], s))) if transitions else (s,)
-                if op_context:
-                    step += (hash(("ops", tuple(since[-3:]), s)),)
-                    since.clear()
-                features.update(step)
-                if at[1] != at[0] and any(f not in seen for f in step):
-                    at[1] = at[0]
-                prev[0] = s
-
-            run.on_step = on_step
-            ran, broke = 0, False
-            for i, op in enumerate(program):
-                kind[0], at[0] = op.kind, i
-                if op_context:
-                    since.append(op_shape(op))
-                found = run.apply(op)
-                ran += 1
-                stats.ops += 1
-                if run.out_of_time:
-                    break
-                if found and not all(f.signature in known for f in found):
-                    stats.hit()
-                    stats.sites |= run.auditor.site_keys()
-                    stats.suppressed.update(f.signature for f in run.suppressed)  # on the way to it
-                    return program[:ran], found
-                if found:
-                    broke = not keep_findings  # a known finding: the op that raised it stays out of the corpus
-                    features |= {hash(("finding", f.signature)) for f in found} if keep_findings else set()
-                    break
-            sites = run.auditor.site_keys()
-            stats.sites |= sites
-            stats.suppressed.update(f.signature for f in run.suppressed)
-        if not run.out_of_time:
-            features |= {hash(("site", s)) for s in sites}
-            if tracer is not None:
-                features |= tracer.lines
-            kept = program[:ran - 1] if broke else program[:ran]
+        steps = _StepFeatures(corpus.features, transitions, op_context)
+        hit, kept = _run(config, program, steps, stats, known, keep_findings, suppressions, deadline, tracer)
+        if hit is not None:
+            return hit
+        if kept is not None:
             if schedule == "rare":
-                corpus.count(features)
-            frontier = at[1] if at[1] is not None and at[1] < len(kept) else None
+                corpus.count(steps.features)
+            frontier = steps.frontier if steps.frontier is not None and steps.frontier < len(kept) else None
             kept = kept if kept and isinstance(kept[-1], Idle) else kept + [Idle()]
-            if corpus.add(kept, features, frontier) and store is not None:
+            if corpus.add(kept, steps.features, frontier) and store is not None:
                 store.save(kept)
         stats.coverage = f"{len(corpus.features)} features, {len(corpus.entries)} programs"
         if store is not None and (store.skipped or store.write_errors):
@@ -476,3 +419,74 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
             last = time.monotonic()
             on_progress(stats)
     return None
+
+
+def _run(config: TargetConfig, program: list[Op], steps: "_StepFeatures", stats: FuzzStats, known,
+         keep_findings: bool, suppressions, deadline: float, tracer: LineTracer | None):
+    """Run ``program`` for :func:`corpus_search`, adding its features to ``steps.features``. Returns
+    ``(hit, kept)``: ``hit`` the program up to a finding neither known nor suppressed and its findings,
+    else None; ``kept`` the ops that may join the corpus, None when the deadline cut the program."""
+    ran, found, out_of_time, sites = run_program(config, program, stats, suppressions, deadline, on_step=steps,
+                                                 before=steps.before, tracer=tracer)
+    if out_of_time:
+        return None, None
+    if found and not all(f.signature in known for f in found):
+        stats.hit()
+        return (program[:ran], found), None
+    if found and keep_findings:  # a known finding's signature is a feature
+        steps.features |= {hash(("finding", f.signature)) for f in found}
+    elif found:  # a known finding: the op that raised it stays out of the corpus
+        ran -= 1
+    steps.features |= {hash(("site", s)) for s in sites} | (tracer.lines if tracer else set())
+    return None, program[:ran]
+
+
+def _programs(rng: random.Random, mut: Mutator, corpus: Corpus, pending: list, min_ops: int, max_ops: int,
+              warmup: int, fresh_share: float, schedule: str, extend_share: float, arg_swarm: bool):
+    """:func:`corpus_search`'s programs, one per execution: ``pending`` ones first (stored, filled in place
+    by the caller), then ``warmup`` fresh ones, then fresh or mutated corpus programs."""
+    warm = 0  # warmup programs drawn
+    while True:
+        if pending:
+            yield pending.pop(0)
+        elif warm < warmup:
+            warm += 1
+            yield mut.fresh(min_ops, max_ops, swarm=False)
+        elif not corpus.entries or rng.random() < fresh_share:
+            yield mut.fresh(min_ops, max_ops, swarm=rng.random() < 0.5, arg_swarm=arg_swarm)
+        else:
+            entry = corpus.pick(rng, schedule)
+            if rng.random() < extend_share:
+                yield mut.extend(entry.program, entry.frontier)
+            else:
+                yield mut.mutate(entry.program, rng.choice(corpus.entries).program)
+
+
+class _StepFeatures:
+    """A run's ``on_step``: the features one program reaches at its scheduler steps (its abstract state,
+    with ``transitions`` the transition from the previous one and the (op kind, state) pair, with
+    ``op_context`` the op shapes run since the last step), and ``frontier``: the last op after which a
+    feature not in ``seen`` was reached."""
+
+    def __init__(self, seen: set, transitions: bool, op_context: bool):
+        self.seen, self.transitions, self.op_context = seen, transitions, op_context
+        self.features: set = set()
+        self.prev, self.kind, self.op, self.frontier = None, "-", 0, None
+        self.since: list = []  # op shapes applied since the last scheduler step (op_context)
+
+    def before(self, i: int, op: Op) -> None:
+        """Op ``i`` of the program is applied next."""
+        self.kind, self.op = op.kind, i
+        if self.op_context:
+            self.since.append(op_shape(op))
+
+    def __call__(self, r) -> None:
+        s = hash(abstract_state(r.target))
+        step = (s, hash((self.prev, s)), hash((self.kind, s))) if self.transitions else (s,)
+        if self.op_context:
+            step += (hash(("ops", tuple(self.since[-3:]), s)),)
+            self.since.clear()
+        self.features.update(step)
+        if self.frontier != self.op and any(f not in self.seen for f in step):
+            self.frontier = self.op
+        self.prev = s

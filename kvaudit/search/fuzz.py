@@ -8,6 +8,7 @@ reported (syzkaller reproduces a crash before reporting it, for the same reason)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -137,11 +138,20 @@ class _Recorder:
         self.on_progress = on_progress
         self._last_tick = time.monotonic()
 
-    def tick(self) -> None:
-        """A program starts: report progress at most twice a second (a batch can take seconds)."""
+    def start_program(self) -> bool:
+        """A case's first op: count the program (a shrink rerun apart from the search's executions:
+        with report_multiple_bugs off, every case after the first failure is one) and report progress
+        at most twice a second (a batch can take seconds). False: the execution budget is spent."""
+        if self.last_failure is None:
+            if self.cap is not None and self.stats.executions >= self.cap:
+                return False
+            self.stats.executions += 1
+        else:
+            self.stats.shrink_executions += 1
         if self.on_progress is not None and time.monotonic() - self._last_tick >= 0.5:
             self._last_tick = time.monotonic()
             self.on_progress(self.stats)
+        return True
 
 
 # Swarm testing (Groce et al., ISSTA 2012): each test case leaves out a random subset of the op
@@ -150,13 +160,27 @@ class _Recorder:
 # mix would draw them. step and idle (swarm None) are always in.
 
 
+def _gate(group: str | None):
+    """A rule's gate: drawn only in a case whose swarm keeps ``group`` (None: in every case)."""
+    return (lambda r: r) if group is None else precondition(lambda self: group in self.swarm)
+
+
+def _rules(reach: frozenset) -> list[tuple[str, str, tuple[str, ...], str | None]]:
+    """(rule name, op kind, pinned arguments, swarm group) of each rule: one per op kind of the schema
+    the target models, every argument drawn from the schema (:mod:`kvaudit.program.strategies`); submits
+    have two more that pin a history (shared prefixes, a chat client resending it) or a session (drawn
+    with the ops that open and close sessions), so about one rule in four sends a request."""
+    rules = [(kind, kind, (), OPS[kind].swarm) for kind in kinds(reach)]
+    if "prefix_cache" in reach:
+        rules.append(("submit_extending", "submit", ("extends",), OPS["submit"].swarm))
+    if "sessions" in reach:
+        rules.append(("submit_turn", "submit", ("session",), OPS["open_session"].swarm))
+    return rules
+
+
 def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
     reach = program_reach(config)  # ops and arguments the target gives meaning to
     groups = swarm_groups()
-
-    def enabled(group: str | None):
-        """A rule's gate: drawn only in a case whose swarm keeps ``group`` (None: in every case)."""
-        return (lambda r: r) if group is None else precondition(lambda self: group in self.swarm)
 
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -182,59 +206,24 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                     return  # out of time: let the remaining cases finish as no-ops
                 self.dead = True
                 raise _BudgetSpent  # shrinking past the budget: stop Hypothesis, keep the last failure
-            if not self.ops:  # count programs that ran, not empty cases past the deadline
-                if rec.last_failure is None and rec.cap is not None and rec.stats.executions >= rec.cap:
-                    self.dead = True  # the execution budget is spent: this case runs nothing
-                    return
-                if rec.last_failure is None:
-                    rec.stats.executions += 1
-                else:  # with report_multiple_bugs off, every case after the first failure is a shrink
-                    rec.stats.shrink_executions += 1
-                rec.tick()
+            if not self.ops and not rec.start_program():
+                self.dead = True  # the execution budget is spent: this case runs nothing
+                return
             self.ops.append(op)
             rec.stats.ops += 1
             found = self.run.apply(op)
-            if self.run.out_of_time:  # the deadline fell inside this op (an idle() or a long step)
-                self.dead = True
+            # out of time inside this op (an idle() or a long step), or a known finding: the case ends.
+            # Past a finding teardown must not run the closing idle(): the program would end with an op
+            # that never runs on replay (which stops at the first finding), and a second finding there
+            # (a crash leaves state half-updated) would replace this one
+            self.dead = self.run.out_of_time or bool(found)
+            if self.run.out_of_time:
                 if rec.last_failure is not None:
                     raise _BudgetSpent
-                return
-            if found and all(f.signature in rec.known for f in found):
-                self.dead = True
-                return
-            if found:
+            elif found and not all(f.signature in rec.known for f in found):
                 rec.stats.hit()
                 rec.last_failure = (list(self.ops), found)
-                # teardown must not run the closing idle() past a finding: the program would end with
-                # an op that never runs on replay (which stops at the first finding), and a second
-                # finding there (a crash leaves state half-updated) would replace this one
-                self.dead = True
                 raise _finding_error(found[0].kind)(found[0].signature)
-
-        # One rule per op kind of the schema the target models, every argument drawn from the schema
-        # (kvaudit.program.strategies); submits have two more rules that pin a history or a session,
-        # so about one rule in four sends a request, as when each form had its own rule.
-        def _submit(self, values):
-            """A submit of drawn ``values``, its prompt cut to the case's cap."""
-            op = make_op("submit", values, reach, max_prompt)
-            self._do(dataclasses.replace(op, prompt_len=min(op.prompt_len, self.prompt_cap)))
-
-        @enabled(OPS["submit"].swarm)
-        @rule(**arg_strategies("submit", reach, max_prompt))
-        def submit(self, **values):
-            self._submit(values)
-
-        if "prefix_cache" in reach:  # a chat client resending its history: shared prefixes
-            @enabled(OPS["submit"].swarm)
-            @rule(**arg_strategies("submit", reach, max_prompt, pinned=("extends",)))
-            def submit_extending(self, **values):
-                self._submit(values)
-
-        if "sessions" in reach:
-            @enabled(OPS["open_session"].swarm)  # a turn is drawn with the ops that open and close sessions
-            @rule(**arg_strategies("submit", reach, max_prompt, pinned=("session",)))
-            def submit_turn(self, **values):
-                self._submit(values)
 
         def teardown(self):
             try:
@@ -245,16 +234,18 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                 rec.stats.sites |= self.run.auditor.site_keys()
                 rec.stats.suppressed.update(f.signature for f in self.run.suppressed)
 
-    def add_rule(kind: str):
+    def add_rule(name: str, kind: str, pinned: tuple[str, ...], group: str | None):
         def apply(self, **values):
-            self._do(make_op(kind, values, reach, max_prompt))
+            op = make_op(kind, values, reach, max_prompt)
+            if kind == "submit":  # its prompt cut to the case's cap
+                op = dataclasses.replace(op, prompt_len=min(op.prompt_len, self.prompt_cap))
+            self._do(op)
 
-        apply.__name__ = kind
-        setattr(ProgramMachine, kind, enabled(OPS[kind].swarm)(rule(**arg_strategies(kind, reach, max_prompt))(apply)))
+        apply.__name__ = name
+        setattr(ProgramMachine, name, _gate(group)(rule(**arg_strategies(kind, reach, max_prompt, pinned=pinned))(apply)))
 
-    for kind in kinds(reach):  # the other op kinds of the schema: one rule each, gated by the row's swarm group
-        if kind != "submit":
-            add_rule(kind)
+    for r in _rules(reach):
+        add_rule(*r)
     return ProgramMachine
 
 
@@ -279,6 +270,8 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
     no suppressed findings. ``on_phase`` is told each phase as it starts: ``"confirming"``,
     ``"minimizing"``, ``"confirming the minimized program"``. The crash carries the minimized
     program's occupancy timeline (:func:`kvaudit.reports.timeline.record`), for its replay file and reports."""
+    from kvaudit.reports.timeline import record
+
     sig = finding.signature
     phase = on_phase or (lambda name: None)
     phase("confirming")
@@ -286,8 +279,6 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
         # Every replay of a hang costs the watchdog's full step limit, and ddmin would need dozens:
         # one full-stacks replay confirms it (1 of 1) and records the report's timeline; no
         # minimization (Hypothesis already shrank it within the budget), no drain (the engine is stuck).
-        from kvaudit.reports.timeline import record
-
         program = program[:finding.op_index + 1]
         found: list[Finding] = []
         timeline = record(config, program, suppressions=suppressions, findings=found)
@@ -308,8 +299,6 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
     confirmations = confirm(config, small, sig, suppressions=suppressions)
     # NOTE: the plot's data is recorded here, with the finding, and kept in its replay file: writing a
     # report never runs the engine (kvaudit.reports.outputs)
-    from kvaudit.reports.timeline import record
-
     return Crash(config, small, [primary] + others, len(program), confirmations,
                  timeline=record(config, small, suppressions=suppressions))
 
@@ -414,22 +403,38 @@ def random_search(config: TargetConfig, max_time: float, seed_value: int, stats:
         program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
                                  features=program_features(config))
         stats.executions += 1
-        with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run:
-            for i, op in enumerate(program):
-                found = run.apply(op)
-                stats.ops += 1
-                if run.out_of_time:
-                    break
-                if found and not all(f.signature in known for f in found):
-                    stats.hit()
-                    stats.sites |= run.auditor.site_keys()
-                    stats.suppressed.update(f.signature for f in run.suppressed)  # on the way to it
-                    return program[: i + 1], found
-                if found:
-                    break
-            stats.sites |= run.auditor.site_keys()
-            stats.suppressed.update(f.signature for f in run.suppressed)
+        ran, found, out_of_time, _ = run_program(config, program, stats, suppressions, deadline)
+        if not out_of_time and found and not all(f.signature in known for f in found):
+            stats.hit()
+            return program[:ran], found
         if on_progress and time.monotonic() - last > 0.5:
             last = time.monotonic()
             on_progress(stats)
     return None
+
+
+def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppressions, deadline: float,
+                on_step: Callable | None = None, before: Callable[[int, Op], None] | None = None,
+                tracer=None) -> tuple[int, list[Finding], bool, set]:
+    """Run ``program`` from a fresh audited engine (fast-mode stacks) up to its first finding or
+    ``deadline`` (monotonic seconds), counting its ops and sites and the suppressed signatures met in
+    ``stats``. ``on_step``: the run's step callback; ``before(i, op)``: called before op ``i``;
+    ``tracer``: a context manager held around the ops. Returns (ops run, the last op's findings,
+    whether the deadline cut the program, the auditor's site keys)."""
+    with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
+            (tracer or contextlib.nullcontext()):
+        if on_step is not None:
+            run.on_step = on_step
+        ran, found = 0, []
+        for i, op in enumerate(program):
+            if before is not None:
+                before(i, op)
+            found = run.apply(op)
+            ran += 1
+            stats.ops += 1
+            if run.out_of_time or found:
+                break
+        sites = run.auditor.site_keys()
+        stats.sites |= sites
+        stats.suppressed.update(f.signature for f in run.suppressed)
+    return ran, found, run.out_of_time, sites

@@ -391,7 +391,7 @@ class Hub:
         def go(r):
             out = []
             for raw_sig, text in r.hgetall(self.key("pending")).items():
-                sig = raw_sig.decode() if isinstance(raw_sig, bytes) else raw_sig
+                sig = _text(raw_sig)
                 if r.exists(self.key("claim:" + sig)) or r.sismember(self.key("known"), sig):
                     continue
                 doc = self._replay_doc(text, "pending", sig)
@@ -418,14 +418,14 @@ class Hub:
     def known(self) -> set[str]:
         """Every signature the fleet has a replay file for (empty while offline)."""
         got = self._call(lambda r: r.smembers(self.key("known")), default=set())
-        return {s.decode() if isinstance(s, bytes) else s for s in got}
+        return set(map(_text, got))
 
     def pull_findings(self, directory: str, have: set[str] | None = None) -> list[str]:
         """Write the fleet's replay files that ``directory`` lacks into it (atomically, by
         :func:`kvaudit.replay.file_name`), each validated first; a malformed entry is skipped with a
         warning. ``have``: signatures already there (skipped without reading). Returns the paths written."""
         def go(r):
-            names = [n.decode() if isinstance(n, bytes) else n for n in r.hkeys(self.key("findings"))]
+            names = list(map(_text, r.hkeys(self.key("findings"))))
             out = []
             for sig in names:
                 if have is not None and sig in have:
@@ -472,7 +472,7 @@ class Hub:
         local = {n for n in os.listdir(directory) if _plain_name(n) and os.path.isfile(os.path.join(directory, n))}
 
         def go(r):
-            remote = {n.decode() if isinstance(n, bytes) else n for n in r.hkeys(self.key(kind))}
+            remote = set(map(_text, r.hkeys(self.key(kind))))
             up = down = 0
             for name in sorted(local - remote):
                 with open(os.path.join(directory, name), "rb") as fh:
@@ -590,11 +590,8 @@ def worker_id(index: int) -> str:
 
 def campaign_names(client) -> list[str]:
     """The campaigns in this Redis that any worker ever joined (their ``workers`` set), sorted."""
-    names = set()
-    for key in client.scan_iter(match="kvaudit:*:workers", count=1000):
-        key = key.decode() if isinstance(key, bytes) else key
-        names.add(key[len("kvaudit:"):-len(":workers")])
-    return sorted(names)
+    return sorted({_text(k)[len("kvaudit:"):-len(":workers")]
+                   for k in client.scan_iter(match="kvaudit:*:workers", count=1000)})
 
 
 def campaign_status(client, campaign: str) -> dict:
@@ -603,10 +600,7 @@ def campaign_status(client, campaign: str) -> dict:
     ``findings`` (signatures with a file), ``known``, ``pending`` (claimed, being triaged),
     ``flaky``, ``duplicates`` (signature -> count) and ``programs`` (corpus size)."""
     p = f"kvaudit:{campaign}:"
-
-    def dec(x):
-        return x.decode() if isinstance(x, bytes) else x
-
+    dec = _text
     workers = {}
     for w in sorted(dec(x) for x in client.smembers(p + "workers")):
         raw = client.get(p + "worker:" + w)

@@ -98,7 +98,10 @@ class TargetKind:
     public bugs of its releases (:class:`kvaudit.targets.catalogue.HistoryBug`) and those the suite does
     not rediscover (:class:`kvaudit.targets.catalogue.Unreached`), None: none; ``export()`` what
     ``kvaudit export`` needs of the engine's server (:class:`kvaudit.targets.export_api.EngineExport`: its
-    HTTP API, launch, client script and issue text parts), None: the kind has no server to export to.
+    HTTP API, launch, client script and issue text parts), None: the kind has no server to export to;
+    ``engine_check(config, program)`` the engine's own memory check over ``program``, run bare: (first
+    step whose idle check fails, first step whose busy or idle check fails), None for never
+    (``kvaudit bench``'s "SGLang idle check" column), None: the kind has none.
     """
 
     name: str
@@ -123,6 +126,7 @@ class TargetKind:
     regressions: str | None = None
     history: Callable[[], tuple[tuple, tuple]] | None = None
     export: Callable[[], object] | None = None
+    engine_check: Callable | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""

@@ -32,6 +32,11 @@ def _features(config) -> frozenset[str]:
             | frozenset({"priority"} if config.enable_priority_scheduling else ()))
 
 
+def _engine_check(config, program):
+    from kvaudit.targets.eut.engine_check import first_failures
+    return first_failures(config, program)
+
+
 def _header(config) -> str:
     bugs = ", ".join(sorted(config.bugs)) or "none"
     return f"kvaudit report: preset {config.preset}, bugs: {bugs}, model {config.model}, page_size {config.page_size}"
@@ -49,4 +54,5 @@ def _anchor(kind: str):
 KIND = register(TargetKind(
     name="eut", summary="the built-in engine_under_test", config_class=EutConfig, presets=_presets, make=_make,
     bugs=_bugs, bugs_title="bug zoo", header=_header, anchor=_anchor, features=_features,
-    capabilities=server_args_capabilities, model_choices=("none", "tiny"), regressions="corpora/regressions"))
+    capabilities=server_args_capabilities, model_choices=("none", "tiny"), regressions="corpora/regressions",
+    engine_check=_engine_check))
