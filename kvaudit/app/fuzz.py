@@ -138,7 +138,8 @@ class _Single:
         self.suppress_file, self.sset, self.console, self.err = suppress_file, sset, console, err
         self.found = self.crash = None
         self.flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
-        self.kept: dict = {}  # what the fuzzer keeps (the corpus fuzzer's Corpus): later rounds go on from it
+        # what the fuzzer keeps across rounds (the corpus fuzzer's Corpus; atheris's is in out_dir/.atheris)
+        self.kept: dict = {}
         self.stats = FuzzStats()
 
     def search(self, budget: Budget) -> None:
@@ -158,10 +159,11 @@ class _Single:
 
             while not self.flaky or time.monotonic() < deadline:  # past a flaky finding: while budget is left
                 # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
-                self.found = _search(self.fuzzer, self.config, max(0.0, deadline - time.monotonic()),
-                                     retry_seed(self.seed, len(self.flaky)), stats, progress.update, sset,
-                                     self.suppress_file, self.out_dir, self.use_seeds, known=frozenset(self.flaky),
-                                     kept=self.kept)
+                self.found = fuzzers.get(self.fuzzer).search(
+                    self.config, max(0.0, deadline - time.monotonic()), retry_seed(self.seed, len(self.flaky)), stats,
+                    fuzzers.Search(on_progress=progress.update, suppressions=sset, suppressions_path=self.suppress_file,
+                                   known=frozenset(self.flaky), out_dir=self.out_dir, use_seeds=self.use_seeds,
+                                   kept=self.kept))
                 if self.found is None:
                     break
                 stats.findings = 1
@@ -283,17 +285,6 @@ def nothing_searched(err, max_time: float) -> int:
     err.print(f"kvaudit: nothing searched: the {duration(max_time)} search budget ended before the first program "
               "ran; raise --max-time", soft_wrap=True, markup=False, highlight=False)
     return EXIT_NOTHING_SEARCHED
-
-
-def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True,
-            known: frozenset[str] = frozenset(), kept: dict | None = None):
-    """One search that stops at the first finding whose signature is not in ``known``: (program,
-    findings) or None. ``kept``: what the fuzzer keeps across the rounds of one run (the corpus
-    fuzzer's corpus: a round after a flaky finding goes on from it, as a campaign's do; atheris keeps
-    its corpus in ``out_dir/.atheris``)."""
-    return fuzzers.get(fuzzer).search(config, max_time, seed, stats, fuzzers.Search(
-        on_progress=on_progress, suppressions=sset, suppressions_path=suppress_file, known=known, out_dir=out_dir,
-        use_seeds=use_seeds, kept=kept if kept is not None else {}))
 
 
 def check_db(url: str):
