@@ -82,44 +82,38 @@ def _keeping_hypothesis_home():
 
 
 def needs_targets(f):
-    """A command that reads the registry of target kinds: every ``KVAUDIT_PLUGINS`` module must have
-    imported (else one line, exit 2: :func:`kvaudit.app.configs.require_plugins`) before it runs; what
-    does not stop it (a module that registered no kind, a broken entry point) is a warning line first."""
+    """A command that reads the registry of target kinds: its plugins are checked first
+    (:func:`kvaudit.app.configs.check_plugins`: a module that did not import is one line, exit 2)."""
     @functools.wraps(f)
     def wrapper(*a, **k):
-        from kvaudit.app.configs import require_plugins, warn_plugin_errors
+        from kvaudit.app.configs import check_plugins
 
-        require_plugins()
-        warn_plugin_errors()
+        check_plugins()
         return f(*a, **k)
 
     return wrapper
 
 
-def _bad(param, msg: str):
-    raise click.BadParameter(msg, param=param)
+def _checked(check):
+    """A click callback: ``check(value)`` (None passes), its ``ValueError`` a one-line usage error (exit 2)."""
+    def callback(ctx, param, value):
+        try:
+            return None if value is None else check(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param=param) from None
+    return callback
 
 
 def _seconds(allow_zero: bool = False):
-    """A click callback for an option in seconds: nan, inf, negative (or 0 unless ``allow_zero``) and
-    absurd values (past a year: ``1e308``) are a one-line usage error (exit 2)."""
-    def check(ctx, param, value):
-        if value is None:
-            return None
-        try:
-            return check_seconds(value, allow_zero)
-        except ValueError as e:
-            _bad(param, str(e))
-    return check
+    """An option in seconds: nan, inf, negative (or 0 unless ``allow_zero``) and absurd values (past a
+    year: ``1e308``) are a one-line usage error (exit 2)."""
+    return _checked(lambda value: check_seconds(value, allow_zero))
 
 
 def _campaign_name(ctx, param, value):
     from kvaudit.search.hub import check_campaign_name
 
-    try:
-        return check_campaign_name(value)
-    except ValueError as e:
-        _bad(param, str(e))
+    return _checked(check_campaign_name)(ctx, param, value)
 
 
 _suppress_option = click.option(

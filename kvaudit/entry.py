@@ -1,22 +1,13 @@
 """The ``kvaudit`` console script: a thin entry point that imports the CLI under its own SIGINT and
-SIGTERM handler, so a Ctrl-C (or a SIGTERM) during the seconds of start-up exits 130 with one line
-instead of a traceback (or, for SIGTERM, a bare 143)
-from the middle of an import -- or, if some library swallowed the KeyboardInterrupt, instead of
-being lost.
+SIGTERM handler, so that a Ctrl-C or SIGTERM during start-up exits 130 with one line, not a traceback
+from the middle of an import (or a bare 143, or nothing if a library swallowed the interrupt).
 
-The CLI module itself imports neither torch nor Hypothesis (``kvaudit --help`` starts in a fraction
-of a second); the commands that run the engine import them. For those commands (:data:`HEAVY`,
-unless help is asked for) the entry point imports the engine and the search here, under the same
-handler, so the guard still covers the slow part of start-up, and keeps it until the command takes
-Ctrl-C and SIGTERM itself (:func:`kvaudit.app.interrupts.restoring_sigint`). Interrupted there, ``ci``
-still writes the JUnit and SARIF its command line asks for
-(:func:`kvaudit.app.interrupts.write_startup_reports`).
-
-It also notes when the process started and hands it to the CLI (click's ``obj``:
-``{"process_start": time.monotonic()}``): the commands with a ``--max-time`` say what start-up took,
-and start their search clock once it is over (:mod:`kvaudit.app.budget`). And once a command has
-returned it leaves without tearing torch down (about 1.5 s on a busy 2-core machine; see
-:func:`_exit`)."""
+For the commands that run the engine (:data:`HEAVY`, unless help is asked for) it imports the engine
+and the search here, under that handler, and keeps it until the command takes both signals itself
+(:func:`kvaudit.app.interrupts.restoring_sigint`); interrupted there, ``ci`` still writes the JUnit
+and SARIF its command line asks for (:func:`kvaudit.app.interrupts.write_startup_reports`). It hands
+the CLI the process start time (click's ``obj``: ``{"process_start": time.monotonic()}``, for
+:mod:`kvaudit.app.budget`), and leaves without tearing torch down (:func:`_exit`)."""
 
 from __future__ import annotations
 

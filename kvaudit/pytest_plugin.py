@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvaudit import testing  # light: it imports the search and the engine when called
+
 
 def pytest_addoption(parser):
     parser.addoption("--kvaudit-time", type=float, default=1.0, metavar="SCALE",
@@ -18,20 +20,13 @@ def pytest_addoption(parser):
 
 
 class _Kvaudit:
+    replay, corpus = staticmethod(testing.replay), staticmethod(testing.corpus)
+
     def __init__(self, scale: float):
         self.scale = scale
 
     def fuzz(self, config, max_time: float = 5.0, **kw):
-        from kvaudit.testing import fuzz
-        return fuzz(config, max_time=max_time * self.scale, **kw)
-
-    def replay(self, path: str):
-        from kvaudit.testing import replay
-        return replay(path)
-
-    def corpus(self, directory: str) -> list[str]:
-        from kvaudit.testing import corpus
-        return corpus(directory)
+        return testing.fuzz(config, max_time=max_time * self.scale, **kw)
 
 
 @pytest.fixture
@@ -42,6 +37,5 @@ def kvaudit(request):
 
 def pytest_exception_interact(node, call, report):
     """Show a :class:`kvaudit.testing.KvauditFailure` as its report alone."""
-    from kvaudit.testing import KvauditFailure
-    if call.excinfo is not None and isinstance(call.excinfo.value, KvauditFailure):
+    if call.excinfo is not None and isinstance(call.excinfo.value, testing.KvauditFailure):
         report.longrepr = str(call.excinfo.value)

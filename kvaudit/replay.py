@@ -22,7 +22,6 @@ FORMAT = "kvaudit.replay/1"
 REPORT_FORMAT = "kvaudit.report/1"  # several replay files in one report (a campaign)
 
 
-# atomic writes (kvaudit.atomic, standard library only), named here as before
 write_bytes_atomic, write_text_atomic = atomic.write_bytes_atomic, atomic.write_text_atomic
 
 
@@ -91,14 +90,12 @@ def _read(path: str) -> dict:
         raise ReplayFormatError(f"{path} is not JSON: {str(e).splitlines()[0]}") from None
     except RecursionError:
         raise ReplayFormatError(f"{path} is not a kvaudit replay file (nested too deeply)") from None
-    bad = _lone_surrogate(doc)
-    if bad is not None:
-        raise ReplayFormatError(f"{path}: a string holds an unpaired UTF-16 surrogate ({bad!r:.40})")
-    return doc
+    return _no_lone_surrogate(doc, path)
 
 
-def _lone_surrogate(x) -> str | None:
-    """The first string in ``x`` that UTF-8 cannot encode (JSON's "\\ud800" escapes), or None."""
+def _no_lone_surrogate(x, where: str):
+    """``x``, unless a string in it cannot be encoded in UTF-8 (JSON's "\\ud800" escapes): then
+    :class:`ReplayFormatError` naming ``where``."""
     stack = [x]
     while stack:
         v = stack.pop()
@@ -106,13 +103,13 @@ def _lone_surrogate(x) -> str | None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                return v
+                raise ReplayFormatError(f"{where}: a string holds an unpaired UTF-16 surrogate ({v!r:.40})") from None
         elif isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
-    return None
+    return x
 
 
 def load(path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
@@ -124,10 +121,7 @@ def parse_doc(doc, where: str) -> tuple[TargetConfig, list[Op], list[Finding], d
     """Validate ``doc``, a replay document already parsed from JSON (from Redis, say), as
     :func:`load` validates a file; ``where`` names its origin in the message. Raises
     :class:`ReplayFormatError` with a one-line reason."""
-    bad = _lone_surrogate(doc)
-    if bad is not None:
-        raise ReplayFormatError(f"{where}: a string holds an unpaired UTF-16 surrogate ({bad!r:.40})")
-    return _parse_replay(doc, where)
+    return _parse_replay(_no_lone_surrogate(doc, where), where)
 
 
 def _parse_replay(doc, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:

@@ -29,14 +29,32 @@ def _history_engines() -> list[str]:
     return sorted({b.engine for b in all_bugs().values()})
 
 
+def _names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
+    """A comma-separated list of names (``every``: all of ``valid``), each in ``valid``: else
+    :class:`InputError`, ``{what} {name!r} ({hint})`` naming the first unknown one."""
+    names = list(valid) if value == every else [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise InputError(f"{what} {bad[0] if bad else value!r} ({hint})")
+    return names
+
+
 def _fuzzers_arg(value: str) -> list[str]:
     """``--fuzzers``' names, each a registered fuzzer: else :class:`InputError` listing the valid ones."""
-    names = [f.strip() for f in value.split(",") if f.strip()]
     valid = fuzzer_kinds.kinds()
-    bad = [f for f in names if f not in valid]
-    if bad or not names:
-        raise InputError(f"--fuzzers: unknown fuzzer {bad[0] if bad else value!r} (valid: {', '.join(valid)})")
-    return names
+    return _names_arg(value, valid, "--fuzzers: unknown fuzzer", f"valid: {', '.join(valid)}", every=None)
+
+
+def _write_both(out_json: str, doc: dict, out_md: str, markdown) -> None:
+    """The raw JSON, then the markdown ``markdown(json file name)``, each atomically; a full disk names
+    what was kept."""
+    kept: list[str] = []
+    for path, write in ((out_json, lambda: replay.write_atomic(out_json, doc)),
+                        (out_md, lambda: replay.write_text_atomic(out_md, markdown(os.path.basename(out_json))))):
+        try:
+            kept.append(write())
+        except OSError as e:
+            raise write_error(e, path, kept) from None
 
 
 def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_seconds: float | None,
@@ -46,11 +64,8 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     from kvaudit.search import bench
 
     fuzzers = _fuzzers_arg(fuzzers_value)
-    BUGS = registry.get("eut").bugs()  # the built-in engine's zoo
-    bugs = list(BUGS) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
-    bad = [b for b in bugs if b not in BUGS]
-    if bad or not bugs:
-        raise InputError(f"--bugs: unknown bug {bad[0] if bad else bugs_value!r} (see 'kvaudit bugs')")
+    # the built-in engine's zoo
+    bugs = _names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
     from kvaudit.search import ci
 
     try:
@@ -65,13 +80,7 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
               f"budget {budget:g}s each", soft_wrap=True)
     res = bench.run(bugs, fuzzers, trials, budget, budget if fp_seconds is None else fp_seconds, ov,
                     on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
-    kept: list[str] = []
-    for path, write in ((out_json, lambda: replay.write_atomic(out_json, res.to_json())),
-                        (out_md, lambda: replay.write_text_atomic(out_md, bench.markdown(res, os.path.basename(out_json))))):
-        try:
-            kept.append(write())
-        except OSError as e:
-            raise write_error(e, path, kept) from None
+    _write_both(out_json, res.to_json(), out_md, lambda name: bench.markdown(res, name))
     make_console().print(f"bench done in {res.wall / 60:.1f} min: {out_md}, {out_json}")
     return EXIT_CLEAN
 
@@ -99,11 +108,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
             click.echo(f"{b.id:{width}}  {b.engine} {b.buggy}{fixed}  {b.finding}")
         return EXIT_CLEAN
     fuzzers = _fuzzers_arg(fuzzers_value)
-    bugs = list(bugs_all) if bugs_value == "all" else [b.strip() for b in bugs_value.split(",") if b.strip()]
-    bad = [b for b in bugs if b not in bugs_all]
-    if bad or not bugs:
-        raise InputError(f"--bugs: unknown history bug {bad[0] if bad else bugs_value!r} "
-                         "(see 'kvaudit bench --suite history --list')")
+    bugs = _names_arg(bugs_value, bugs_all, "--bugs: unknown history bug", "see 'kvaudit bench --suite history --list'")
     engines = sorted({bugs_all[b].engine for b in bugs})
     for f in fuzzers:
         kind = fuzzer_kinds.get(f)
@@ -120,13 +125,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
                         on_event=lambda line: err.print(line, soft_wrap=True, highlight=False, markup=False))
     except suite.SuiteError as e:
         raise UnavailableError(str(e)) from None
-    kept: list[str] = []
-    for path, write in ((out_json, lambda: replay.write_atomic(out_json, res.to_json())),
-                        (out_md, lambda: replay.write_text_atomic(out_md, suite.markdown(res, os.path.basename(out_json))))):
-        try:
-            kept.append(write())
-        except OSError as e:
-            raise write_error(e, path, kept) from None
+    _write_both(out_json, res.to_json(), out_md, lambda name: suite.markdown(res, name))
     found = sum(suite.rediscovered(res, b) for b in bugs)
     make_console().print(f"bench --suite history {'INTERRUPTED ' if res.interrupted else ''}done in "
                          f"{res.wall / 60:.1f} min: {found}/{len(bugs)} bug(s) rediscovered; {out_md}, {out_json}",

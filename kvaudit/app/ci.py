@@ -3,6 +3,7 @@ how (regressions, the per-preset fuzz, JUnit and SARIF) is :mod:`kvaudit.search.
 
 from __future__ import annotations
 
+import json
 import os
 
 from kvaudit import replay
@@ -10,7 +11,7 @@ from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 write_error)
 from kvaudit.app.files import check_dir, load_suppressions, write_reports
-from kvaudit.app.fuzz import check_available
+from kvaudit.app.fuzz import check_available, check_db
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
@@ -24,11 +25,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     engine is built (:func:`kvaudit.search.campaign.run_campaign`); start-up, the regression replays
     and triage come on top. Raises :class:`InputError` for a bad preset list, directory or
     suppression file (before any engine is imported)."""
-    from rich.table import Table
-    from rich.text import Text
-
     from kvaudit.search import ci
-    from kvaudit.reports.report import print_report, print_table, summary_line, suppressed_by_kind
+    from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED
 
     from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db
@@ -36,8 +34,6 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
 
     check_fuzzer(fuzzer, target)
     if db is not None:
-        from kvaudit.app.fuzz import check_db
-
         check_db(db)
     try:
         kind = registry.get(target)
@@ -46,29 +42,12 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         raise InputError(str(e)) from None
     except ValueError as e:
         raise InputError(f"--presets: {e}") from None
-    get_preset = kind.preset
     sset = load_suppressions(suppress_file)
-    if regressions_dir is None and kind.regressions is not None:
-        from kvaudit.data import data_path
-
-        here = kind.regressions
-        regressions_dir = here if os.path.isdir(here) else data_path(*kind.regressions.split("/"))
-    if regressions_dir is not None and not os.path.isdir(regressions_dir):
-        raise InputError(f"--regressions {regressions_dir}: no such directory")
+    regressions_dir = _regressions_dir(regressions_dir, kind)
     files = ci.regression_files(regressions_dir) if regressions_dir is not None else []
-    max_time = budget.seconds
-    per_preset = max_time / len(preset_names) if max_time > 0 else 0.0
+    per_preset = budget.seconds / len(preset_names) if budget.seconds > 0 else 0.0
     if per_preset > 0:  # (--max-time 0 replays the regressions only: no directory is made or written)
-        check_dir(out_dir, "out")  # created when a new finding is written there
-        if corpus_dir is not None:
-            try:
-                os.makedirs(corpus_dir, exist_ok=True)
-            except OSError as e:
-                raise InputError(f"--corpus {corpus_dir}: {e.strerror or e}") from None
-        check_available(fuzzer)
-        from hypothesis.configuration import set_hypothesis_home_dir
-
-        set_hypothesis_home_dir(os.path.abspath(os.path.join(corpus_dir or out_dir, ".hypothesis")))
+        _prepare_fuzz(out_dir, corpus_dir, fuzzer)
     console, err = make_console(), make_console(stderr=True)
     result = ci.CiResult()
     catch_sigint()
@@ -76,7 +55,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         # the engine must be drivable here, and is loaded now (a real engine's import, seconds, is not
         # taken from the first preset's budget; an interrupt during it still writes the JUnit), before
         # the header line: a target that cannot run is one error line
-        require_target(get_preset(preset_names[0]).config())
+        require_target(kind.preset(preset_names[0]).config())
         err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
                      if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
@@ -89,25 +68,80 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                       soft_wrap=True)
         if per_preset > 0:
             for preset in preset_names:
-                progress = Progress(err, per_preset, suppressions=sset)
-                with progress:
-                    run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
-                                         on_progress=progress.update, target=target, db=db,
-                                         campaign=campaign_name)
-                result.fuzz.append(run)
-                err.print(f"fuzz {preset}: {run.executions} executions, "
-                          + (f"{len(run.new)} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
-                             else "interrupted before its share ended" if run.interrupted else "clean")
-                          + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
-                if run.interrupted:  # its findings are kept above
-                    raise KeyboardInterrupt
+                _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
+                             sset, target, db, campaign_name)
     except KeyboardInterrupt:
         result.interrupted = True
     ignore_interrupts()  # the summary and reports are written whole
     INTERRUPTED.clear()
     for run in result.fuzz:
         for program, findings, path in run.new:
-            print_report(console, get_preset(run.preset).config(), program, findings, closing=False)
+            print_report(console, kind.preset(run.preset).config(), program, findings, closing=False)
+    _print_table(console, result)
+    _write_outputs(outputs, result, kind, preset_names[0], sset, err)
+    # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
+    line = summary_line([f for run in result.fuzz for _, findings, _ in run.new for f in findings],
+                        suppressed_by_kind(sset), interrupted=result.interrupted)
+    console.print(line.replace("kvaudit: no findings", "kvaudit: no new findings"), soft_wrap=True)
+    console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
+                  f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
+                  + (" (interrupted)" if result.interrupted else ""))
+    return _exit_code(result, err, per_preset)
+
+
+def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
+    """``--regressions``, else the kind's own (./corpora/regressions, else the shipped copy)."""
+    if regressions_dir is None and kind.regressions is not None:
+        from kvaudit.data import data_path
+
+        here = kind.regressions
+        regressions_dir = here if os.path.isdir(here) else data_path(*kind.regressions.split("/"))
+    if regressions_dir is not None and not os.path.isdir(regressions_dir):
+        raise InputError(f"--regressions {regressions_dir}: no such directory")
+    return regressions_dir
+
+
+def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
+    """Before a fuzz: --out writable (made when a new finding is written), --corpus made, the fuzzer
+    installed, Hypothesis's files in the run's directory."""
+    check_dir(out_dir, "out")
+    if corpus_dir is not None:
+        try:
+            os.makedirs(corpus_dir, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"--corpus {corpus_dir}: {e.strerror or e}") from None
+    check_available(fuzzer)
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(os.path.abspath(os.path.join(corpus_dir or out_dir, ".hypothesis")))
+
+
+def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, sset, target,
+                 db, campaign_name) -> None:
+    """One preset's share of the fuzz, appended to ``result`` and said in one line on ``err``;
+    KeyboardInterrupt once it was interrupted (its findings are kept in ``result``)."""
+    from kvaudit.search import ci
+
+    progress = Progress(err, per_preset, suppressions=sset)
+    with progress:
+        run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
+                             on_progress=progress.update, target=target, db=db, campaign=campaign_name)
+    result.fuzz.append(run)
+    err.print(f"fuzz {preset}: {run.executions} executions, "
+              + (f"{len(run.new)} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
+                 else "interrupted before its share ended" if run.interrupted else "clean")
+              + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
+    if run.interrupted:
+        raise KeyboardInterrupt
+
+
+def _print_table(console, result) -> None:
+    """The job's table: one row per regression file and per preset's fuzz."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from kvaudit.reports.report import print_table
+
     t = Table(title="kvaudit ci", title_justify="left")
     t.add_column("check", overflow="fold")
     t.add_column("result", overflow="fold")
@@ -124,40 +158,35 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                   else Text("nothing searched (its share ended before one program ran): raise --max-time",
                             style="bold yellow"))
     print_table(console, t)
-    kept = [path for run in result.fuzz for _, _, path in run.new]
-    if outputs.junit:
-        try:
-            replay.write_text_atomic(outputs.junit, ci.junit(result))
-        except OSError as e:
-            raise write_error(e, outputs.junit, kept) from None
-        err.print(f"JUnit written: {outputs.junit}")
-        kept.append(outputs.junit)
-    if outputs.sarif:  # every open finding, new and known (HTML and JSON: the new ones)
-        import json
 
-        try:
-            replay.write_text_atomic(outputs.sarif, json.dumps(ci.sarif(result, get_preset(preset_names[0]).config()),
-                                                               indent=2) + "\n")
-        except OSError as e:
-            raise write_error(e, outputs.sarif, kept) from None
-        err.print(f"SARIF written: {outputs.sarif}")
-        kept.append(outputs.sarif)
+
+def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err) -> None:
+    """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones)."""
+    from kvaudit.search import ci
+    from kvaudit.reports.report import suppressed_by_kind
+
+    kept = [path for run in result.fuzz for _, _, path in run.new]
+    base = kind.preset(first_preset).config()
+    texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
+    for fmt, label in (("junit", "JUnit"), ("sarif", "SARIF")):
+        path = getattr(outputs, fmt)
+        if path:
+            try:
+                replay.write_text_atomic(path, texts[fmt]())
+            except OSError as e:
+                raise write_error(e, path, kept) from None
+            err.print(f"{label} written: {path}")
+            kept.append(path)
     rest = Outputs(html=outputs.html, json=outputs.json)
     if rest.wanted():
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
-                      config=get_preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
-        base = get_preset(preset_names[0]).config()
+                      config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                        {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
-    failed = result.failed
-    # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
-    line = summary_line([f for run in result.fuzz for _, findings, _ in run.new for f in findings],
-                        suppressed_by_kind(sset), interrupted=result.interrupted)
-    console.print(line.replace("kvaudit: no findings", "kvaudit: no new findings"), soft_wrap=True)
-    console.print(("FAILED" if failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
-                  f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
-                  + (" (interrupted)" if result.interrupted else ""))
-    if failed:
+
+
+def _exit_code(result, err, per_preset: float) -> int:
+    if result.failed:
         return EXIT_FINDINGS
     if result.interrupted:
         return EXIT_INTERRUPTED

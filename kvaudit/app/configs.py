@@ -227,21 +227,16 @@ def check_device(device: str) -> None:
             raise InputError(f"device {device}: no CUDA device is available here (torch {torch.__version__})")
 
 
-def require_plugins() -> None:
-    """Every module named in ``KVAUDIT_PLUGINS`` imported (:func:`kvaudit.targets.registry.check_plugins`):
-    else an :class:`InputError` (exit 2), one line naming each that did not, so a typo is not silently
-    a missing target. For the commands that read the registry of target kinds."""
+def check_plugins() -> None:
+    """For the commands that read the registry of target kinds: every module named in
+    ``KVAUDIT_PLUGINS`` imported (:func:`kvaudit.targets.registry.check_plugins`), else an
+    :class:`InputError` (exit 2) naming each that did not, so a typo is not silently a missing target;
+    then a warning line on stderr for each installed ``kvaudit.targets`` entry point that failed to
+    load and each ``KVAUDIT_PLUGINS`` module that registered no kind (neither stops the command)."""
     try:
         registry.check_plugins()
     except registry.PluginError as e:
         raise InputError(str(e)) from None
-
-
-def warn_plugin_errors() -> None:
-    """An installed ``kvaudit.targets`` entry point that failed to load, or a ``KVAUDIT_PLUGINS`` module
-    that registered no target kind: one warning line each on stderr
-    (:func:`kvaudit.targets.registry.plugin_warnings`; neither stops the command; a ``KVAUDIT_PLUGINS``
-    module that does not import does: :func:`require_plugins`)."""
     for line in registry.plugin_warnings():
         click.echo(f"warning: {line}", err=True)
 

@@ -44,7 +44,7 @@ def status_table(status: dict, campaign: str, now: float | None = None):
         t.add_column(col, no_wrap=col != "coverage", overflow="fold")
     for row in _rows(status, time.time() if now is None else now):
         if row["state"] == "gone":
-            t.add_row(row["worker"], "gone", "-", "-", "-", "-", "-", "-", "-", "expired")
+            t.add_row(row["worker"], "gone", *["-"] * 7, "expired")
             continue
         t.add_row(row["worker"], row["state"], str(row["fuzzer"]), f"{row['executions']:,}", f"{row['exec/s']:.1f}",
                   str(row["coverage"]), str(row["new"]), str(row["dup"]), str(row["flaky"]),

@@ -66,53 +66,90 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`, after
     :func:`check_options` gave ``checked``); returns the exit code (see the command's help). The
     search runs ``budget.seconds`` from when the first engine is built (:mod:`kvaudit.app.budget`)."""
-    from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, retry_seed, triage
-    from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
-    from kvaudit.audit.runner import INTERRUPTED, is_watchdog_hang, set_step_timeout, warm_up
-    from kvaudit.audit.runner import step_timeout as runner_step_timeout
-
-    preset, sset, target_dir, campaign = config.preset, checked.sset, checked.target_dir, checked.campaign
-    max_time = budget.seconds
-    if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
-        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
-    if db is not None:
-        from kvaudit.search.hub import safe_url
     from hypothesis.configuration import set_hypothesis_home_dir
 
-    set_hypothesis_home_dir(os.path.join(target_dir, ".hypothesis"))  # not the user's cwd
+    from kvaudit.audit.runner import set_step_timeout, warm_up
+
+    sset, max_time = checked.sset, budget.seconds
+    if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
+        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
+    set_hypothesis_home_dir(os.path.join(checked.target_dir, ".hypothesis"))  # not the user's cwd
     console, err = make_console(), make_console(stderr=True)
-    kind = registry.kind_of(config)
+    _announce(config, checked, err, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir, workers=workers,
+              use_seeds=use_seeds, suppress_file=suppress_file, db=db, campaign_name=campaign_name)
+    catch_sigint()
+    warm_up(config)  # the first engine is start-up too: the search's clock starts after it
+    fuzzers.get(fuzzer).warm_up()  # and the fuzzer's own first-run set-up (Hypothesis's)
+    err.print(f"start-up {duration(budget.startup())} (imports, the first engine; not counted): searching for "
+              f"{duration(max_time)}" + (" per worker, each from its own start-up" if checked.campaign and workers > 1
+                                         else ""), soft_wrap=True)
+    if checked.campaign:
+        return _campaign(config, fuzzer, max_time, seed, workers, checked.target_dir, suppress_file, sset, outputs,
+                         console, err, use_seeds, db=db, campaign_name=campaign_name)
+    single = _Single(config, fuzzer, seed, out_dir, use_seeds, suppress_file, sset, console, err)
+    try:
+        single.search(budget)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
+        code = single.interrupted(e, outputs)
+        if code is not None:
+            return code
+    if single.crash is None:
+        return single.clean(outputs, max_time)
+    return single.report(outputs)
+
+
+def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir, workers, use_seeds, suppress_file,
+              db, campaign_name) -> None:
+    """The run's first line on ``err`` (target, fuzzer, preset, bugs, budget, where findings go), then
+    the warnings and the target's notes."""
+    from kvaudit.audit.runner import step_timeout as runner_step_timeout
+
+    sset, kind = checked.sset, registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
-    err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, seed {seed}, "
-              f"search budget {duration(max_time)}, step timeout {runner_step_timeout():.3g}s, " + (f"campaign in {target_dir}, {workers} worker(s)" + (
-                  f", shared as {campaign_name!r} through {safe_url(db)}" if db else "") if campaign
-                                           else f"out {out_dir}")
+    if checked.campaign:
+        from kvaudit.search.hub import safe_url
+
+        dest = f"campaign in {checked.target_dir}, {workers} worker(s)" + (
+            f", shared as {campaign_name!r} through {safe_url(db)}" if db else "")
+    else:
+        dest = f"out {out_dir}"
+    err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {config.preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, "
+              f"seed {seed}, search budget {duration(max_time)}, step timeout {runner_step_timeout():.3g}s, {dest}"
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
     warn_campaign_without_db(campaign_name, db, err)
-    kind_f = fuzzers.get(fuzzer)
-    if not use_seeds and not kind_f.uses_seeds:
+    if not use_seeds and not fuzzers.get(fuzzer).uses_seeds:
         seeded = " or ".join(f"--fuzzer {n}" for n, k in fuzzers.kinds().items() if k.uses_seeds)
         err.print(f"warning: --no-seeds applies to {seeded} (its seed corpus); with --fuzzer {fuzzer} it is "
                   "ignored", soft_wrap=True, markup=False)
     for note in kind.notes(config):
         err.print(f"note: {note}", soft_wrap=True)
-    catch_sigint()
-    warm_up(config)  # the first engine is start-up too: the search's clock starts after it
-    kind_f.warm_up()  # and the fuzzer's own first-run set-up (Hypothesis's)
-    err.print(f"start-up {duration(budget.startup())} (imports, the first engine; not counted): searching for "
-              f"{duration(max_time)}" + (" per worker, each from its own start-up" if campaign and workers > 1 else ""),
-              soft_wrap=True)
-    if campaign:
-        return _campaign(config, fuzzer, max_time, seed, workers, target_dir, suppress_file, sset, outputs,
-                         console, err, use_seeds, db=db, campaign_name=campaign_name)
-    progress = Progress(err, max_time, suppressions=sset)
-    found = crash = None
-    flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
-    kept: dict = {}  # what the fuzzer keeps (the corpus fuzzer's Corpus): the rounds after a flaky finding go on from it
-    stats = FuzzStats()  # the search's clock starts now
-    deadline = budget.deadline()
-    try:
+
+
+class _Single:
+    """``kvaudit fuzz`` without a campaign: rounds of search until a finding survives triage (one that
+    does not replay is flaky: the next round, from a fresh seed, goes on past it), then its report.
+    What a round found stays here, so that an interrupt can still write it."""
+
+    def __init__(self, config, fuzzer, seed, out_dir, use_seeds, suppress_file, sset, console, err):
+        from kvaudit.search.fuzz import FuzzStats
+
+        self.config, self.fuzzer, self.seed, self.out_dir, self.use_seeds = config, fuzzer, seed, out_dir, use_seeds
+        self.suppress_file, self.sset, self.console, self.err = suppress_file, sset, console, err
+        self.found = self.crash = None
+        self.flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
+        # what the fuzzer keeps across rounds (the corpus fuzzer's Corpus; atheris's is in out_dir/.atheris)
+        self.kept: dict = {}
+        self.stats = FuzzStats()
+
+    def search(self, budget: Budget) -> None:
+        from kvaudit.audit.runner import is_watchdog_hang
+        from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
+
+        sset = self.sset
+        progress = Progress(self.err, budget.seconds, suppressions=sset)
+        self.stats = stats = FuzzStats()  # the search's clock starts now
+        deadline = budget.deadline()
         with progress:
             progress.update(stats)
 
@@ -120,60 +157,72 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
                 stats.phase = name
                 progress.update(stats, force=True)
 
-            while True:
-                if flaky and time.monotonic() >= deadline:  # no budget left for another round
-                    phase("done")
-                    break
+            while not self.flaky or time.monotonic() < deadline:  # past a flaky finding: while budget is left
                 # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
-                found = _search(fuzzer, config, max(0.0, deadline - time.monotonic()),
-                                retry_seed(seed, len(flaky)), stats, progress.update, sset,
-                                suppress_file, out_dir, use_seeds, known=frozenset(flaky), kept=kept)
-                if found is None:
-                    phase("done")
+                self.found = fuzzers.get(self.fuzzer).search(
+                    self.config, max(0.0, deadline - time.monotonic()), retry_seed(self.seed, len(self.flaky)), stats,
+                    fuzzers.Search(on_progress=progress.update, suppressions=sset, suppressions_path=self.suppress_file,
+                                   known=frozenset(self.flaky), out_dir=self.out_dir, use_seeds=self.use_seeds,
+                                   kept=self.kept))
+                if self.found is None:
                     break
                 stats.findings = 1
-                first = next(f for f in found[1] if f.signature not in flaky)
+                first = next(f for f in self.found[1] if f.signature not in self.flaky)
                 # the report's hit counts are the search's: triage's many reruns count apart
-                crash = triage(config, found[0], first, suppressions=sset.fresh() if sset is not None else None,
-                               on_phase=phase)
-                if crash is not None:
-                    phase("done")
+                self.crash = triage(self.config, self.found[0], first,
+                                    suppressions=sset.fresh() if sset is not None else None, on_phase=phase)
+                if self.crash is not None:
                     break
-                sig = first.signature
                 runs = 1 if is_watchdog_hang(first) else CONFIRM_RUNS
-                err.print(f"a finding ({sig}) did not replay {runs} of {runs} times: not reported (flaky); the "
-                          f"search goes on past it", soft_wrap=True)
-                flaky.append(sig)
-                found, stats.findings, stats.first_hit = None, 0, None
+                self.err.print(f"a finding ({first.signature}) did not replay {runs} of {runs} times: not reported "
+                               f"(flaky); the search goes on past it", soft_wrap=True)
+                self.flaky.append(first.signature)
+                self.found, stats.findings, stats.first_hit = None, 0, None
                 stats.phase = "fuzzing"
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
+            phase("done")
+
+    def interrupted(self, e: KeyboardInterrupt, outputs: Outputs) -> int | None:
+        """Interrupted: the reports with what was found so far (unminimized, unconfirmed); None when
+        the finding was complete (it is reported as usual)."""
+        from kvaudit.audit.runner import INTERRUPTED
+        from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
+        from kvaudit.search.fuzz import SearchInterrupted
+
+        config, sset, stats, err = self.config, self.sset, self.stats, self.err
         ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
         INTERRUPTED.clear()  # the timeline below replays the program
-        if found is None and isinstance(e, SearchInterrupted):  # met, not yet returned: Hypothesis was shrinking it
-            found, stats.findings = e.found, 1
-        if found is None:
+        if self.found is None and isinstance(e, SearchInterrupted):  # met, not yet returned: Hypothesis was shrinking it
+            self.found, stats.findings = e.found, 1
+        if self.found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
-            console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
-            write_reports(outputs, _run_data(config, [], [], sset, stats, seed, interrupted=True), err)
+            self.console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
+            write_reports(outputs, _run_data(config, [], [], sset, stats, self.seed, interrupted=True), err)
             return EXIT_INTERRUPTED
-        if crash is None:  # interrupted while confirming or minimizing: keep it, unminimized and unconfirmed
-            program, findings = found[0], sorted(found[1], key=lambda f: f.signature in flaky)  # a new one first
-            print_report(console, config, program, findings, suppressions=sset, program_title="program (unminimized)")
-            path = write_finding(out_dir, config, program, findings, seed=seed,
-                                 confirmations="interrupted before confirmation", minimized=False)
-            during = "Hypothesis shrank it" if isinstance(e, SearchInterrupted) else "minimizing"
-            err.print(f"interrupted while {during}; "
-                      f"the unminimized program is in {path}", soft_wrap=True)
-            data = _run_data(config, program, findings, sset, stats, seed, interrupted=True,
-                             program_title="program (unminimized)")
-            if outputs.html or outputs.json:  # no confirming replay recorded its timeline
-                data.cases[0].timeline = record_timeline(config, program, sset, err)
-            write_reports(outputs, data, err, kept=(path,))
-            return EXIT_FINDINGS
-    if found is None or crash is None:
+        if self.crash is not None:
+            return None
+        program = self.found[0]
+        findings = sorted(self.found[1], key=lambda f: f.signature in self.flaky)  # a new one first
+        title = "program (unminimized)"
+        print_report(self.console, config, program, findings, suppressions=sset, program_title=title)
+        path = write_finding(self.out_dir, config, program, findings, seed=self.seed,
+                             confirmations="interrupted before confirmation", minimized=False)
+        during = "Hypothesis shrank it" if isinstance(e, SearchInterrupted) else "minimizing"
+        err.print(f"interrupted while {during}; the unminimized program is in {path}", soft_wrap=True)
+        data = _run_data(config, program, findings, sset, stats, self.seed, interrupted=True, program_title=title)
+        if outputs.html or outputs.json:  # no confirming replay recorded its timeline
+            data.cases[0].timeline = record_timeline(config, program, sset, err)
+        write_reports(outputs, data, err, kept=(path,))
+        return EXIT_FINDINGS
+
+    def clean(self, outputs: Outputs, max_time: float) -> int:
+        """The budget ended with no finding reported (0), or before one program ran (5)."""
+        from kvaudit.reports.report import print_suppressions, summary_line, suppressed_by_kind
+
+        stats, sset, console, flaky = self.stats, self.sset, self.console, self.flaky
+        write = lambda: write_reports(outputs, _run_data(self.config, [], [], sset, stats, self.seed), self.err)  # noqa: E731
         if stats.executions == 0:
-            write_reports(outputs, _run_data(config, [], [], sset, stats, seed), err)
-            return nothing_searched(err, max_time)
+            write()
+            return nothing_searched(self.err, max_time)
         if sset is not None:
             print_suppressions(console, sset)
         console.print(f"no findings: {stats.executions} executions, {stats.ops} ops in {stats.elapsed:.1f}s "
@@ -181,36 +230,44 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
                       + (f"; {len(flaky)} flaky finding(s) not reported: {', '.join(flaky)}" if flaky else ""),
                       soft_wrap=True)
         console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
-        write_reports(outputs, _run_data(config, [], [], sset, stats, seed), err)
+        write()
         return EXIT_CLEAN
-    ignore_interrupts()  # the finding is complete: write and report it whole
-    minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
-    title = "minimized program" if minimized else "program (not minimized)"
-    data = _run_data(config, crash.program, crash.findings, sset, stats, seed, program_title=title)
-    data.cases[0].timeline = crash.timeline  # triage's confirming replay recorded it
-    data.extra.update(confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized)
-    hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
-    def executions(n: int) -> str:
-        return f"{n} execution" + ("" if n == 1 else "s")
 
-    console.print(f"found after {executions(hit_execs)} in {hit_s:.1f}s (search: {executions(stats.executions)}"
-                  + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
-                  + f", {stats.elapsed:.1f}s in all); "
-                  + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
-                     f"{len(crash.program)} ops, not minimized (each replay of a hang costs the step timeout)")
-                  + f"; reproduced {crash.confirmations}/{crash.runs}", soft_wrap=True)
-    try:
-        path = write_finding(out_dir, config, crash.program, crash.findings, seed=seed, fuzzer=fuzzer,
-                             confirmations=f"{crash.confirmations}/{crash.runs}", minimized=minimized,
-                             timeline=data.cases[0].timeline)
-    except click.ClickException:  # a full disk (write_error): the finding still reaches the log
+    def report(self, outputs: Outputs) -> int:
+        """The triaged finding: one line of how it was found, its replay file, the report (last: its
+        closing SUMMARY: line ends stdout, as LeakSanitizer's), the report files; exit 1."""
+        from kvaudit.reports.report import print_report
+
+        config, crash, stats, console, sset = self.config, self.crash, self.stats, self.console, self.sset
+        ignore_interrupts()  # the finding is complete: write and report it whole
+        minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
+        title = "minimized program" if minimized else "program (not minimized)"
+        data = _run_data(config, crash.program, crash.findings, sset, stats, self.seed, program_title=title)
+        data.cases[0].timeline = crash.timeline  # triage's confirming replay recorded it
+        confirmations = f"{crash.confirmations}/{crash.runs}"
+        data.extra.update(confirmations=confirmations, minimized=minimized)
+        hit_execs, hit_s = stats.first_hit or (stats.executions, stats.elapsed)
+
+        def executions(n: int) -> str:
+            return f"{n} execution" + ("" if n == 1 else "s")
+
+        console.print(f"found after {executions(hit_execs)} in {hit_s:.1f}s (search: {executions(stats.executions)}"
+                      + (f", then {stats.shrink_executions} shrinking" if stats.shrink_executions else "")
+                      + f", {stats.elapsed:.1f}s in all); "
+                      + (f"minimized {crash.original_length} -> {len(crash.program)} ops" if minimized else
+                         f"{len(crash.program)} ops, not minimized (each replay of a hang costs the step timeout)")
+                      + f"; reproduced {confirmations}", soft_wrap=True)
+        try:
+            path = write_finding(self.out_dir, config, crash.program, crash.findings, seed=self.seed,
+                                 fuzzer=self.fuzzer, confirmations=confirmations, minimized=minimized,
+                                 timeline=data.cases[0].timeline)
+        except click.ClickException:  # a full disk (write_error): the finding still reaches the log
+            print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
+            raise
+        console.print(f"replay file: {path}   ({replay_hint(config, path)})", soft_wrap=True)
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
-        raise
-    console.print(f"replay file: {path}   ({replay_hint(config, path)})", soft_wrap=True)
-    # the report last: its closing SUMMARY: line is the last line on stdout, as LeakSanitizer's
-    print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
-    write_reports(outputs, data, err, kept=(path,))
-    return EXIT_FINDINGS
+        write_reports(outputs, data, self.err, kept=(path,))
+        return EXIT_FINDINGS
 
 
 def check_available(fuzzer: str) -> None:
@@ -228,17 +285,6 @@ def nothing_searched(err, max_time: float) -> int:
     err.print(f"kvaudit: nothing searched: the {duration(max_time)} search budget ended before the first program "
               "ran; raise --max-time", soft_wrap=True, markup=False, highlight=False)
     return EXIT_NOTHING_SEARCHED
-
-
-def _search(fuzzer, config, max_time, seed, stats, on_progress, sset, suppress_file, out_dir, use_seeds=True,
-            known: frozenset[str] = frozenset(), kept: dict | None = None):
-    """One search that stops at the first finding whose signature is not in ``known``: (program,
-    findings) or None. ``kept``: what the fuzzer keeps across the rounds of one run (the corpus
-    fuzzer's corpus: a round after a flaky finding goes on from it, as a campaign's do; atheris keeps
-    its corpus in ``out_dir/.atheris``)."""
-    return fuzzers.get(fuzzer).search(config, max_time, seed, stats, fuzzers.Search(
-        on_progress=on_progress, suppressions=sset, suppressions_path=suppress_file, known=known, out_dir=out_dir,
-        use_seeds=use_seeds, kept=kept if kept is not None else {}))
 
 
 def check_db(url: str):
@@ -261,12 +307,9 @@ def check_db(url: str):
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
               use_seeds: bool = True, db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.search.campaign`."""
-    from rich.table import Table
-    from rich.text import Text
-
     from kvaudit.search.campaign import findings_dir, known_signatures, run_campaign
     from kvaudit.search.fuzz import FuzzStats
-    from kvaudit.reports.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+    from kvaudit.reports.report import print_suppressions, print_table, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED
 
     progress = Progress(err, max_time, suppressions=sset)
@@ -293,34 +336,11 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     finally:
         ignore_interrupts()  # the summary and reports are written whole
         INTERRUPTED.clear()
-    cases, paths = [], []
-    # one program can raise several new signatures: its file is reported once
-    for path in dict.fromkeys(path for _, path in sorted(result.new.items())):
-        try:
-            _, program, findings, doc = replay.load(path)
-        except replay.ReplayFormatError as e:
-            err.print(f"warning: {e}", soft_wrap=True)
-            continue
-        paths.append(path)
-        print_report(console, config, program, findings, closing=False)  # the campaign's line closes the run
-        cases.append(Case(program, findings, doc.get("timeline"),
-                          doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
-    t = Table(title="campaign", title_justify="left")
-    t.add_column("signature", overflow="fold")
-    t.add_column("status", no_wrap=True)
-    t.add_column("replay file", overflow="fold")
-    for sig, path in sorted(result.new.items()):
-        t.add_row(sig, Text("new", style="bold red"), path)
-    for sig, path in sorted(result.known.items()):
-        t.add_row(sig, Text("known", style="dim"), path)
-    for sig, path in sorted(result.fleet.items()):
-        t.add_row(sig, Text("found by another host", style="dim"), path)
-    for sig in sorted(result.flaky):
-        t.add_row(sig, Text("flaky (not reproduced 3/3)", style="yellow"), "-")
+    cases, paths = _campaign_cases(result, config, console, err)
     for w in result.warnings:
         err.print(f"warning: {w}", soft_wrap=True)
     if result.new or result.known or result.flaky or result.fleet:
-        print_table(console, t)
+        print_table(console, _campaign_table(result))
     if sset is not None:
         print_suppressions(console, sset)
     s = result.stats
@@ -349,6 +369,45 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     if nothing:
         return nothing_searched(err, max_time)
     return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
+
+
+def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]]:
+    """The report (without its closing line) of each new finding's replay file, and its case and path;
+    a program that raised several new signatures is reported once."""
+    from kvaudit.reports.report import print_report
+
+    cases, paths = [], []
+    for path in dict.fromkeys(path for _, path in sorted(result.new.items())):
+        try:
+            _, program, findings, doc = replay.load(path)
+        except replay.ReplayFormatError as e:
+            err.print(f"warning: {e}", soft_wrap=True)
+            continue
+        paths.append(path)
+        print_report(console, config, program, findings, closing=False)  # the campaign's line closes the run
+        cases.append(Case(program, findings, doc.get("timeline"),
+                          doc_extra={k: doc[k] for k in ("seed", "fuzzer", "confirmations") if k in doc}))
+    return cases, paths
+
+
+def _campaign_table(result):
+    """The campaign's signatures: new, known, found by another host, flaky."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="campaign", title_justify="left")
+    t.add_column("signature", overflow="fold")
+    t.add_column("status", no_wrap=True)
+    t.add_column("replay file", overflow="fold")
+    for sig, path in sorted(result.new.items()):
+        t.add_row(sig, Text("new", style="bold red"), path)
+    for sig, path in sorted(result.known.items()):
+        t.add_row(sig, Text("known", style="dim"), path)
+    for sig, path in sorted(result.fleet.items()):
+        t.add_row(sig, Text("found by another host", style="dim"), path)
+    for sig in sorted(result.flaky):
+        t.add_row(sig, Text("flaky (not reproduced 3/3)", style="yellow"), "-")
+    return t
 
 
 def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,

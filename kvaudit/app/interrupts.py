@@ -5,6 +5,7 @@ the command returns."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import sys
@@ -22,20 +23,29 @@ def restoring_sigint(fn):
     def wrapper(*a, **k):
         from kvaudit.audit.runner import INTERRUPTED
 
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
         hook = sys.unraisablehook
         try:
-            catch_sigint()
-            return fn(*a, **k)
+            with _restored_handlers():
+                catch_sigint()
+                return fn(*a, **k)
         finally:
-            for sig, handler in previous.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
             sys.unraisablehook = hook
             INTERRUPTED.clear()
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _restored_handlers():
+    """The SIGINT and SIGTERM handlers as they were on entry are put back on exit (main thread only)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def ignore_interrupts() -> None:
@@ -107,11 +117,9 @@ def write_startup_reports(argv: list[str]) -> list[str]:
         return []  # the job refuses two flags naming one file
     texts = {"junit": ci_outputs.interrupted_junit,
              "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n"}
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
-    ignore_interrupts()
     written = []
-    try:
+    with _restored_handlers():
+        ignore_interrupts()
         for fmt, path in paths.items():
             if path in ("", "-") or os.path.isdir(path) or (os.path.exists(path) and not os.path.isfile(path)):
                 continue
@@ -122,8 +130,4 @@ def write_startup_reports(argv: list[str]) -> list[str]:
                 continue
             sys.stderr.write(f"{'JUnit' if fmt == 'junit' else 'SARIF'} written: {path}\n")
             written.append(path)
-    finally:
-        for sig, handler in previous.items():
-            if handler is not None:
-                signal.signal(sig, handler)
     return written
