@@ -45,7 +45,8 @@ def overlay_path(engine: str, version: str) -> Path:
 
 def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None:
     """The overlay folder of ``engine==version``, installed into the cache if missing (``pip install
-    --no-deps --no-compile --target``, with the kind's pins, :data:`kvaudit.history.catalogue.PINS`); None when the base has that version.
+    --no-deps --no-compile --target``, with the kind's pins, :data:`kvaudit.history.catalogue.PINS`); None
+    when the base has that version.
     Raises :class:`ReleaseError` when pip fails (the registry has no such release, no disk)."""
     if engine not in ENGINES:
         raise ReleaseError(f"unknown engine {engine!r} (valid: {', '.join(ENGINES)})")
