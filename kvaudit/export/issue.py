@@ -159,7 +159,7 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
                  release: tuple | None = None) -> str:
     """The Markdown text. ``source``: the replay file's path as given; ``client_name``: the client
     script's file name (None: not exported with it); ``launch``/``env``/``unmapped``: from
-    :func:`kvaudit.export.http_api.launch_line`; ``expected``: the client's expected symptom line;
+    the kind's ``EngineExport.launch``; ``expected``: the client's expected symptom line;
     ``planted``: the injected fault's description when the finding is kvaudit's planted fault (the
     report then says so at the top), else None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
     older release (the history suite's), None for a finding on the release the API table was read on."""
