@@ -406,3 +406,17 @@ def test_a_client_says_reproduced_when_the_pool_does_not_come_back(stand_in, exp
     last_flush = max(r[0] for r in stand_in.log if r[2].startswith("/flush_cache"))
     polls = [r for r in stand_in.log if r[2] == "/metrics" and r[0] > last_flush]
     assert polls[-1][4] - polls[0][4] >= 1.0  # it waited for the gauges to settle before concluding
+
+
+def test_every_sglang_corpus_finding_has_its_note_from_the_corpus_notes_file():
+    """The analyses are data beside the corpus (corpora/sglang/notes.toml): each finding of the corpus has
+    one, with its README section; a shared part is expanded; a kind without a notes file has none."""
+    from kvaudit.export.notes import note_for, notes_of
+    for path in sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json"))):
+        config, _, findings, _ = replay.load(path)
+        note = note_for("sglang", [f.signature for f in findings], config.preset)
+        assert note is not None and note.title and note.why and note.server and note.readme, path
+        assert "{" not in note.why + note.fix, path
+    assert "Streaming session already has an active request" in note_for(
+        "sglang", ["aliasing/token_to_kv_pool/request-kv"]).why
+    assert note_for("eut", ["leak/token_to_kv_pool/request-kv"]) is None and notes_of("eut") == {}

@@ -120,6 +120,21 @@ def test_a_failed_install_leaves_nothing_that_looks_complete(monkeypatch, tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_an_overlay_installs_the_pins_its_kind_gives_for_that_release(monkeypatch, tmp_path):
+    """The pins come from the kind's history entry (``TargetKind.history``), not from a table in history/."""
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)
+    calls = []
+    monkeypatch.setattr(releases.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 1, "", "ERROR: offline\n"))
+    for engine, version in (("vllm", "0.15.1"), ("sglang", "0.5.11"), ("vllm", "0.23.0")):
+        with pytest.raises(releases.ReleaseError):
+            releases.ensure(engine, version)
+    assert set(vllm_catalogue.PINS["0.15.1"]) <= set(calls[0]) and "mistral_common==1.9.0" in calls[0]
+    assert set(sglang_catalogue.PINS["0.5.11"]) <= set(calls[1]) and "transformers==5.6.0" in calls[1]
+    assert calls[2][-1] == "vllm==0.23.0"  # no pins: the release alone
+
+
 def test_an_interrupted_install_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
     """Ctrl-C (or SIGTERM, which the CLI turns into one) during pip left its .vllm-<version>-XXXX folder."""
     monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path))

@@ -57,6 +57,7 @@ def test_the_wheel_ships_the_corpora_and_the_harness_as_they_are_in_the_checkout
     names = set(wheel.namelist())
     shipped = {"corpora/regressions/*.json": _sources("corpora/regressions/*.json"),
                "corpora/vllm/*.json": _sources("corpora/vllm/*.json"),  # kvaudit ci --target vllm replays them
+               "corpora/*/notes.toml": _sources("corpora/*/notes.toml"),  # kvaudit export's analyses
                "corpora/seeds/*/*": _sources("corpora/seeds/*/*"),
                "harnesses/fuzz_engine.py": [HARNESS]}
     for pattern, files in shipped.items():

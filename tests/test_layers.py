@@ -205,23 +205,15 @@ def engine_knowledge_outside_targets(root: str) -> list[str]:
     return bad
 
 
-# Engine knowledge not moved into its kind yet, named with what moves it (issue 35's history part): the release
-# pins of the history suite's overlays, keyed by (engine, version).
-NOT_YET_MOVED = {"kvaudit/history/releases.py": "EXTRA_PINS, the history suite's release pins (issue 35: history)"}
-
-
 def test_no_module_outside_the_targets_imports_a_target_kind_or_branches_on_an_engine_name():
-    bad = engine_knowledge_outside_targets(ROOT)
-    assert [b for b in bad if b.split(":")[0] not in NOT_YET_MOVED] == []
-    assert {b.split(":")[0] for b in bad} == set(NOT_YET_MOVED)  # an entry whose module was fixed goes
+    assert engine_knowledge_outside_targets(ROOT) == []
 
 
 def test_a_planted_engine_branch_and_kind_import_are_caught(copy):
     _plant(copy, "export/plan.py", "from kvaudit.targets.vllm import config  # noqa")
     _plant(copy, "app/configs.py", "return 1 if registry.DEFAULT_KIND in ('eut', 'x') else {'sglang': 2}")
     _plant(copy, "reports/sarif.py", "return getattr(object, 'target', '') != \"vllm\"")
-    bad = [re.sub(r":\d+ ", " ", b) for b in engine_knowledge_outside_targets(str(copy))
-           if b.split(":")[0] not in NOT_YET_MOVED]
+    bad = [re.sub(r":\d+ ", " ", b) for b in engine_knowledge_outside_targets(str(copy))]
     assert bad == ["kvaudit.export.plan imports kvaudit.targets.vllm",
                    "kvaudit.export.plan imports kvaudit.targets.vllm.config",
                    "kvaudit/app/configs.py compares to an engine name", "kvaudit/app/configs.py keys a dict by engine name",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from kvaudit.targets import registry
 from kvaudit.targets.export_api import ApiCall, EngineApi, EngineExport
 
-__all__ = ["ApiCall", "EngineApi", "EngineExport", "apis", "api_for", "export_for", "launch_line"]
+__all__ = ["ApiCall", "EngineApi", "EngineExport", "apis", "export_for"]
 
 
 def apis() -> dict[str, EngineApi]:
@@ -31,14 +31,3 @@ def export_for(target: str) -> EngineExport:
     if kind.export is None:
         raise KeyError(target)
     return kind.export()
-
-
-def api_for(target: str) -> EngineApi:
-    """The table of ``target`` (a replay config's ``target``). Raises ``KeyError`` as :func:`export_for`."""
-    return export_for(target).api
-
-
-def launch_line(config) -> tuple[str, list[str], list[str]]:
-    """The server launch for a replay ``config`` of any engine with a table: ``(command, env,
-    unmapped)`` (the kind's ``launch``). Raises ``KeyError`` for a target with no HTTP table."""
-    return export_for(registry.kind_of(config).name).launch(config)

@@ -58,13 +58,108 @@ def title_of(findings: list[Finding], note: Note | None) -> str:
     return f"{f.kind} in {f.pool} at {fn}: {f.message[:80]}"
 
 
+# a client call's kind -> the op whose HTTP call it makes
+_CALL_OP = {"generate": "submit", "health": "health_check", "pause": "pause_generation",
+            "continue": "continue_generation", "wait": "step", "ignored": "-"}
+
+
+def _call_line(c, api, words) -> str:
+    """One bullet of "The calls, in order": the HTTP call of client call ``c`` and its arguments."""
+    call = api.calls.get(_CALL_OP.get(c.kind, c.kind))
+    what = f"{call.method} {call.path}" if call is not None and call.method else "(no HTTP call)"
+    if c.kind == "generate":
+        items = c.args["items"]
+        sp = c.args["session_params"]
+        what += (f" with {len(items)} inputs in one request" if len(items) > 1 else "") + \
+            (f", session_params={json.dumps(sp)}" if sp else "") + ": " + ", ".join(
+            f"{i.rid} ({len(i.input_ids)} prompt tokens, max_new_tokens={i.max_new_tokens}"
+            f"{' + hold' if i.hold else ''})" for i in items)
+    elif c.kind == "wait":
+        what = f"wait (stands for {c.args['steps']} scheduler step(s))"
+    elif c.kind == "ignored":
+        what = f"nothing sent for `{c.args['op']}` ({c.note})"
+    elif words.call_text(c) is not None:
+        what = words.call_text(c)
+    elif c.kind == "idle":
+        what = "wait until every request has answered and none runs or queues (polls GET /metrics)"
+    elif c.args:
+        what += " " + ", ".join(f"{k}={v}" for k, v in c.args.items() if k != "op" and v is not None)
+    return f"- op {', '.join(map(str, c.ops))}: {what}"
+
+
+def _environment(ex, config, version: str, launch: str, env: list[str], unmapped: list[str],
+                 release: tuple | None) -> list[str]:
+    """The "Environment" section: the release, the server launch, and the kind's notes on both."""
+    api, words = ex.api, ex.issue
+    out = ["## Environment", "",
+           f"- {api.engine} {version} (`pip install {ex.package}=={version}`), kvaudit preset "
+           f"`{config.preset}`, " + words.environment(config),
+           "- The server launch this preset corresponds to:", "", "```",
+           " ".join(env + [launch]), "```", "",
+           "- Not set by a flag (kvaudit's driver sets them; a server picks its own): " + "; ".join(unmapped) + "."]
+    out += words.launch_notes(config, env)
+    if release is not None:
+        checked = ex.routes_also_checked.get(release[0])
+        out.append(f"- The client's routes and request fields were read on {api.engine} {api.version}" +
+                   (f" and found the same in {release[0]}'s own sources ({', '.join(f'`{f}`' for f in checked)})."
+                    if checked else f"; {release[0]}'s were not checked."))
+    return out + words.server_notes(config)
+
+
+def _reproduce(ex, plan: Plan, note: Note | None, client_name: str | None, version: str,
+               expected: str) -> list[str]:
+    """The "Reproduce with a client" section: how to run the script, the curl lines, the calls."""
+    api, words = ex.api, ex.issue
+    out = ["## Reproduce with a client", ""]
+    curls = curl_lines(plan)
+    curl_hint = "; or the curl lines below" if curls else ""
+    if client_name is not None:
+        out += [f"1. Launch the server as above (any model; {api.engine} {version}).",
+                f"2. `python3 {client_name} --url {ex.client.url}` (standard library only){curl_hint}.", "",
+                f"Expected: {note.server if note is not None else expected}. The script prints every call and "
+                "answer, the `/metrics` pool counters before and after, and `RESULT: REPRODUCED` (exit 1) or "
+                "`NOT REPRODUCED` (exit 0).", ""]
+    else:
+        out += ["(Export with `kvaudit export FILE --client OUT.py` for the script.)", ""]
+    if curls:
+        out += ["The same by hand (each call waits for its answer; the last one never gets a normal answer if the "
+                "bug fires):", "", "```sh"] + curls + ["```", ""]
+    if plan.exact:
+        out += [words.exact, ""]
+    else:
+        out += ["The client only approximates the program (a client cannot pace the scheduler step by step" +
+                words.approximates + "):", ""] + [f"- {a}" for a in plan.approximations] + [""]
+    return out + ["The calls, in order:", ""] + [_call_line(c, api, words) for c in plan.calls]
+
+
+def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str | None,
+              release: tuple | None) -> list[str]:
+    """The "How sure we are" section: what was seen, what was not verified, how to replay."""
+    api, package = ex.api, ex.package
+    return ["## How sure we are", "",
+            f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
+            f"{ex.issue.seen_how}; the finding replays deterministically "
+            f"({doc.get('confirmations', 'not recorded')}).",
+            "- Not verified: on a full server with a model and a GPU, and with the client script above (no GPU "
+            "server ran here; the script was checked against a stand-in HTTP server that records the requests).",
+            "- The client " + ("maps every op one to one." if plan.exact else
+                               "approximates step-level timing or memory pressure (listed above): a server "
+                               "run may need a few tries or tuning (--step-delay, --hold-tokens)."),
+            *(["- Planted: the fault exists only under kvaudit's `--bug` switch; a real server should not show it."]
+              if planted is not None else []),
+            f"- Replay: `kvaudit replay {source}`." if release is None else
+            f"- Replay on {api.engine} {release[0]} (the file does not name the release; on {release[1]} it replays "
+            f"clean): `python -m kvaudit.history.releases {package}=={release[0]}` installs it as an overlay, then "
+            f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
+
+
 def render_issue(*, config, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
                  note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
                  unmapped: list[str], expected: str, planted: str | None = None,
                  release: tuple | None = None) -> str:
     """The Markdown text. ``source``: the replay file's path as given; ``client_name``: the client
     script's file name (None: not exported with it); ``launch``/``env``/``unmapped``: from
-    :func:`kvaudit.export.http_api.launch_line`; ``expected``: the client's expected symptom line;
+    the kind's ``EngineExport.launch``; ``expected``: the client's expected symptom line;
     ``planted``: the injected fault's description when the finding is kvaudit's planted fault (the
     report then says so at the top), else None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
     older release (the history suite's), None for a finding on the release the API table was read on."""
@@ -73,8 +168,6 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     title = title_of(findings, note)
     if planted is not None:
         title = f"[planted fault, not a {api.engine} bug] {title}"
-    base = os.path.basename(source)
-    url = ex.client.url
     out = [f"# {title}", ""]
     if planted is not None:
         out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "
@@ -87,25 +180,12 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
                 f"in {api.engine} {release[0]}, the release that ships this bug (fixed in {release[1]}: "
                 f"{', '.join(release[2])})")
     out += [f"Found by kvaudit (a memory auditor for KV-cache schedulers) {found_on}; replay "
-            f"file `{base}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
+            f"file `{os.path.basename(source)}` ({'minimized, ' if doc.get('minimized') else ''}confirmed "
             f"{doc.get('confirmations', '?')} by deterministic replay).", ""]
-    out += ["## Environment", "",
-            f"- {api.engine} {version} (`pip install {package}=={version}`), kvaudit preset "
-            f"`{config.preset}`, " + words.environment(config),
-            "- The server launch this preset corresponds to:", "", "```",
-            " ".join(env + [launch]), "```", "",
-            "- Not set by a flag (kvaudit's driver sets them; a server picks its own): " + "; ".join(unmapped) + "."]
-    out += words.launch_notes(config, env)
-    if release is not None:
-        checked = ex.routes_also_checked.get(release[0])
-        out.append(f"- The client's routes and request fields were read on {api.engine} {api.version}" +
-                   (f" and found the same in {release[0]}'s own sources ({', '.join(f'`{f}`' for f in checked)})."
-                    if checked else f"; {release[0]}'s were not checked."))
-    out += words.server_notes(config)
-    out += ["", "## What happens", ""]
+    out += _environment(ex, config, version, launch, env, unmapped, release)
     kinds = ", ".join(f"{f.kind}" + (f" in {f.pool}" if f.pool != "-" else "") + f" ({f.message.splitlines()[0][:160]})"
                       for f in findings) or "no finding recorded"
-    out += [f"kvaudit reports: {kinds}.", ""]
+    out += ["", "## What happens", "", f"kvaudit reports: {kinds}.", ""]
     if note is not None:
         out += [f"On a server: {note.server}.", ""]
     out += ["## Minimized program", "",
@@ -114,49 +194,7 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
             "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
             "taken modulo the live requests or open sessions" + words.program_note + "):", "", "```"]
     out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
-    out += ["## Reproduce with a client", ""]
-    curl_hint = ""
-    curls = curl_lines(plan)
-    if curls:
-        curl_hint = "; or the curl lines below"
-    if client_name is not None:
-        out += [f"1. Launch the server as above (any model; {api.engine} {version}).",
-                f"2. `python3 {client_name} --url {url}` (standard library only){curl_hint}.", "",
-                f"Expected: {note.server if note is not None else expected}. The script prints every call and answer, the `/metrics` pool counters "
-                "before and after, and `RESULT: REPRODUCED` (exit 1) or `NOT REPRODUCED` (exit 0).", ""]
-    else:
-        out += ["(Export with `kvaudit export FILE --client OUT.py` for the script.)", ""]
-    if curls:
-        out += ["The same by hand (each call waits for its answer; the last one never gets a normal answer if the "
-                "bug fires):", "", "```sh"] + curls + ["```", ""]
-    if plan.exact:
-        out += [words.exact, ""]
-    else:
-        out += ["The client only approximates the program (a client cannot pace the scheduler step by step" +
-                words.approximates + "):", ""] + [f"- {a}" for a in plan.approximations] + [""]
-    out += ["The calls, in order:", ""]
-    for c in plan.calls:
-        call = api.calls.get({"generate": "submit", "health": "health_check", "pause": "pause_generation",
-                              "continue": "continue_generation", "wait": "step", "ignored": "-"}.get(c.kind, c.kind))
-        what = f"{call.method} {call.path}" if call is not None and call.method else "(no HTTP call)"
-        if c.kind == "generate":
-            items = c.args["items"]
-            sp = c.args["session_params"]
-            what += (f" with {len(items)} inputs in one request" if len(items) > 1 else "") + \
-                (f", session_params={json.dumps(sp)}" if sp else "") + ": " + ", ".join(
-                f"{i.rid} ({len(i.input_ids)} prompt tokens, max_new_tokens={i.max_new_tokens}"
-                f"{' + hold' if i.hold else ''})" for i in items)
-        elif c.kind == "wait":
-            what = f"wait (stands for {c.args['steps']} scheduler step(s))"
-        elif c.kind == "ignored":
-            what = f"nothing sent for `{c.args['op']}` ({c.note})"
-        elif words.call_text(c) is not None:
-            what = words.call_text(c)
-        elif c.kind == "idle":
-            what = "wait until every request has answered and none runs or queues (polls GET /metrics)"
-        elif c.args:
-            what += " " + ", ".join(f"{k}={v}" for k, v in c.args.items() if k != "op" and v is not None)
-        out.append(f"- op {', '.join(map(str, c.ops))}: {what}")
+    out += _reproduce(ex, plan, note, client_name, version, expected)
     out += ["", "## kvaudit report", "",
             f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
             f"frames under `kvaudit/` are kvaudit's driver, which calls {api.engine}'s functions in the "
@@ -170,19 +208,5 @@ def render_issue(*, config, program_lines: list[str], findings: list[Finding], d
     if note is not None:
         out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, "
                 f"{'section' if release is not None else 'finding'} {note.readme}.)", ""]
-    seen_how = words.seen_how
-    out += ["## How sure we are", "",
-            f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
-            f"{seen_how}; the finding replays deterministically ({doc.get('confirmations', 'not recorded')}).",
-            "- Not verified: on a full server with a model and a GPU, and with the client script above (no GPU "
-            "server ran here; the script was checked against a stand-in HTTP server that records the requests).",
-            "- The client " + ("maps every op one to one." if plan.exact else
-                               "approximates step-level timing or memory pressure (listed above): a server "
-                               "run may need a few tries or tuning (--step-delay, --hold-tokens)."),
-            *(["- Planted: the fault exists only under kvaudit's `--bug` switch; a real server should not show it."]
-              if planted is not None else []),
-            f"- Replay: `kvaudit replay {source}`." if release is None else
-            f"- Replay on {api.engine} {release[0]} (the file does not name the release; on {release[1]} it replays "
-            f"clean): `python -m kvaudit.history.releases {package}=={release[0]}` installs it as an overlay, then "
-            f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
+    out += _how_sure(ex, doc, plan, version, source, planted, release)
     return "\n".join(out) + "\n"

@@ -105,6 +105,69 @@ def _session_params(op: Submit, sid: str, turns: list[str]) -> dict:
     return sp
 
 
+def _item(config, ex, op: Submit, i: int, rid: str, submitted: list[str], texts: dict) -> GenItem:
+    """The request of submit op ``i``, its lengths clamped as the target clamps them, with the notes on
+    what a client sends differently (a resent prompt, a P/D pair's other side, an EOS as a length)."""
+    max_new = max(1, min(op.max_new_tokens, config.context_len // 4))
+    cap = config.context_len // 2
+    ids = prompt_tokens(op.family, max(1, min(op.prompt_len, cap)), config.vocab_size)
+    item = GenItem(i, rid, ids, max_new, stop_at=op.stop_at)
+    base = pick(op.extends, submitted)
+    if base is not None:
+        item.input_ids = (texts.get(base, []) + ids)[:cap]
+        item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "
+                          "resends its output so far, which is the model's on a real server")
+    item.remote = ex.remote_of(config, len(submitted))
+    if item.remote is not None:
+        item.notes.append(ex.remote_notes[item.remote])
+    if op.stop_at is not None and op.stop_at < max_new and not op.ignore_eos:
+        item.max_new_tokens = op.stop_at
+        item.notes.append(f"the program samples EOS at output length {op.stop_at}: the script asks for "
+                          f"max_new_tokens={op.stop_at} (a length finish, not an EOS one)")
+    return item
+
+
+def _op_calls(ex, engine: str, op: Op, i: int, v, live: list[str], sessions: list[str]) -> list[Call]:
+    """The call of op ``i`` (not a submit, an open session or a health check; none for a close or an
+    abort with nothing to name); ``v``: its trace view or None; a close removes its id from ``sessions``."""
+    api = ex.api
+    if isinstance(op, CloseSession):
+        if not sessions:
+            return []
+        sid = sessions[op.handle % len(sessions)]
+        sessions.remove(sid)
+        return [Call("close_session", [i], {"session": sid})]
+    if isinstance(op, Abort):
+        if op.handle is None:
+            done = [r for r in live if v is not None and r in v.answered]
+            return [Call("abort", [i], {"rid": None}, exact=not done,
+                         note=f"{', '.join(done)} already answered (a KV connector holds the blocks while "
+                              "the KV is sent): no connection left to close" if done else "")]
+        if not live:
+            return []
+        rid = pick(op.handle, live)
+        done = v is not None and rid in v.answered
+        return [Call("abort", [i], {"rid": rid}, exact=not done,
+                     note=f"{rid} has already answered (a KV connector holds its blocks while its KV "
+                          "is sent): it has no connection left to close" if done else "")]
+    if isinstance(op, FlushCache):
+        return [Call("flush_cache", [i], {"timeout": op.timeout}, exact=op.timeout == 0 or not ex.deferred_flush,
+                     note=api.calls["flush_cache"].note)]
+    if isinstance(op, PauseGeneration):
+        return [Call("pause", [i], {"mode": PAUSE_MODES[op.mode]})]
+    if isinstance(op, ContinueGeneration):
+        return [Call("continue", [i], {})]
+    if isinstance(op, (MemoryPressure, TransferFail)):
+        return [Call("no_api", [i], {"op": format_op(op)}, exact=False, note=api.calls[op.kind].note)]
+    if isinstance(op, Step):
+        return [Call("wait", [i], {"steps": op.n}, exact=False, note=api.calls["step"].note)]
+    if isinstance(op, Idle):
+        return [Call("idle", [i], {})]
+    # a new op of the schema: how a client sends it is the engine's to say, not a silent gap
+    raise ValueError(f"op {i} ({op.kind}): no client call is known for this op on {engine} "
+                     "(add it to kvaudit/export/plan.py and to the engine's HTTP table, or to its ignored_ops)")
+
+
 def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
     """The client calls for ``program`` on a server launched as ``config`` says. ``tr``: the trace of
     the program on the target (handles as the target resolved them); None resolves them statically.
@@ -125,37 +188,17 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
     n = 0  # the target's request counter (health checks use a number too)
     opened = 0
     last_generate: Call | None = None  # the open batch of this intake, if the previous op was a submit
-
-    def cut():
-        nonlocal last_generate
-        last_generate = None
-
     for i, op in enumerate(program):
         v = views.get(i)
         if tr is not None and v is None:
             break  # the engine raised before this op: nothing after it ran
-        live = list(v.live) if v is not None else [r for r in submitted]
+        live = list(v.live) if v is not None else list(submitted)
         if v is not None:
             sessions = list(v.sessions)
         if isinstance(op, Submit):
             rid = (v.rid if v is not None and v.rid else f"r{n}")
             n += 1
-            max_new = max(1, min(op.max_new_tokens, config.context_len // 4))
-            cap = config.context_len // 2
-            ids = prompt_tokens(op.family, max(1, min(op.prompt_len, cap)), config.vocab_size)
-            item = GenItem(i, rid, ids, max_new, stop_at=op.stop_at)
-            base = pick(op.extends, submitted)
-            if base is not None:
-                item.input_ids = (texts.get(base, []) + ids)[:cap]
-                item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "
-                                  "resends its output so far, which is the model's on a real server")
-            item.remote = ex.remote_of(config, len(submitted))
-            if item.remote is not None:
-                item.notes.append(ex.remote_notes[item.remote])
-            if op.stop_at is not None and op.stop_at < max_new and not op.ignore_eos:
-                item.max_new_tokens = op.stop_at
-                item.notes.append(f"the program samples EOS at output length {op.stop_at}: the script asks for "
-                                  f"max_new_tokens={op.stop_at} (a length finish, not an EOS one)")
+            item = _item(config, ex, op, i, rid, submitted, texts)
             sid = pick(op.session, sessions)
             sp = _session_params(op, sid, turns.setdefault(sid, [])) if sid is not None else None
             if sid is not None:
@@ -171,7 +214,7 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
                                      note=ex.same_step_note if same_step else "")
                 calls.append(last_generate)
             continue
-        cut()
+        last_generate = None
         if op.kind in ex.ignored_ops:
             calls.append(Call("ignored", [i], {"op": format_op(op)}, note=api.calls[op.kind].note))
         elif isinstance(op, OpenSession):
@@ -180,47 +223,16 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
             sessions.append(sid)  # (a trace's next view says the same)
             calls.append(Call("open_session", [i], {"session": sid, "streaming": config.session_streaming,
                                                     "timeout": config.session_timeout_steps}))
-        elif isinstance(op, CloseSession):
-            if sessions:
-                sid = sessions[op.handle % len(sessions)]
-                sessions.remove(sid)
-                calls.append(Call("close_session", [i], {"session": sid}))
-        elif isinstance(op, Abort):
-            if op.handle is None:
-                done = [r for r in live if v is not None and r in v.answered]
-                calls.append(Call("abort", [i], {"rid": None}, exact=not done,
-                                  note=f"{', '.join(done)} already answered (a KV connector holds the blocks while "
-                                       "the KV is sent): no connection left to close" if done else ""))
-            elif live:
-                rid = pick(op.handle, live)
-                done = v is not None and rid in v.answered
-                calls.append(Call("abort", [i], {"rid": rid}, exact=not done,
-                                  note=f"{rid} has already answered (a KV connector holds its blocks while its KV "
-                                       "is sent): it has no connection left to close" if done else ""))
         elif isinstance(op, HealthCheck):
             n += 1
             calls.append(Call("health", [i], {}))
-        elif isinstance(op, FlushCache):
-            calls.append(Call("flush_cache", [i], {"timeout": op.timeout}, exact=op.timeout == 0 or not ex.deferred_flush,
-                              note=api.calls["flush_cache"].note))
-        elif isinstance(op, PauseGeneration):
-            calls.append(Call("pause", [i], {"mode": PAUSE_MODES[op.mode]}))
-        elif isinstance(op, ContinueGeneration):
-            calls.append(Call("continue", [i], {}))
-        elif isinstance(op, (MemoryPressure, TransferFail)):
-            calls.append(Call("no_api", [i], {"op": format_op(op)}, exact=False, note=api.calls[op.kind].note))
-        elif isinstance(op, Step):
-            calls.append(Call("wait", [i], {"steps": op.n}, exact=False, note=api.calls["step"].note))
-        elif isinstance(op, Idle):
-            calls.append(Call("idle", [i], {}))
-        else:  # a new op of the schema: how a client sends it is the engine's to say, not a silent gap
-            raise ValueError(f"op {i} ({op.kind}): no client call is known for this op on {engine} "
-                             "(add it to kvaudit/export/plan.py and to the engine's HTTP table, or to its ignored_ops)")
+        else:
+            calls += _op_calls(ex, engine, op, i, v, live, sessions)
     _mark_holds(calls, tr, same_intake_submits=batch)
     # a wait matters only where a later message must find the engine at a given step; the last
     # op of a program ending in step(n) is the step the finding was seen at: waiting is enough
-    for c in calls:
-        if c.kind == "wait" and not any(x.kind not in ("wait", "idle") for x in calls[calls.index(c) + 1:]):
+    for k, c in enumerate(calls):
+        if c.kind == "wait" and not any(x.kind not in ("wait", "idle") for x in calls[k + 1:]):
             c.exact, c.note = True, "the program's last step: the script waits and then looks"
     return Plan(calls, [format_op(op) for op in program], tr is not None, list(sessions), engine)
 

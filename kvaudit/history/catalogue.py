@@ -13,19 +13,23 @@ from kvaudit.targets import registry
 from kvaudit.targets.catalogue import HistoryBug, Unreached  # noqa: F401  (the rows' types, for the suite)
 
 
-def _rows() -> tuple[tuple[HistoryBug, ...], tuple[Unreached, ...]]:
-    """Every registered kind's rows (``TargetKind.history``), in the registry's order."""
+def _rows() -> tuple[tuple[HistoryBug, ...], tuple[Unreached, ...], dict[tuple[str, str], tuple[str, ...]]]:
+    """Every registered kind's rows and release pins (``TargetKind.history``), in the registry's order."""
     bugs: list[HistoryBug] = []
     unreached: list[Unreached] = []
+    pins: dict[tuple[str, str], tuple[str, ...]] = {}
     for kind in registry.kinds().values():
         if kind.history is not None:
-            b, u = kind.history()
+            b, u, p = kind.history()
             bugs += b
             unreached += u
-    return tuple(bugs), tuple(unreached)
+            pins.update({(kind.name, version): reqs for version, reqs in p.items()})
+    return tuple(bugs), tuple(unreached), pins
 
 
-_BUGS, UNREACHED = _rows()
+# PINS: (engine, version) -> what the release's overlay installs beside it (``--no-deps``)
+_BUGS, UNREACHED, PINS = _rows()
+ENGINES = tuple(kind.name for kind in registry.kinds().values() if kind.history is not None)
 
 
 BUGS: dict[str, HistoryBug] = {b.id: b for b in _BUGS}

@@ -18,20 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-CACHE_ENV = "KVAUDIT_RELEASE_CACHE"
-ENGINES = ("vllm", "sglang")
+from kvaudit.history.catalogue import ENGINES, PINS, all_bugs
 
-# what a release needs beside itself, installed into its overlay with it (--no-deps): the pins of
-# transformers and its hub stack where the base's transformers breaks the release's import
-EXTRA_PINS: dict[tuple[str, str], tuple[str, ...]] = {
-    # SGLang 0.5.11 registers 'qwen3_asr', which transformers >= 5.7 also does: its own pin, and the hub 1.x stack
-    ("sglang", "0.5.11"): ("transformers==5.6.0", "huggingface_hub==1.33.0", "tokenizers==0.22.2", "httpx==0.28.1",
-                           "httpcore==1.0.9"),
-    # vLLM 0.15/0.16 import mistral_common (and its tokenizer stack) from the structured-output manager the
-    # Scheduler takes; the base (0.33.0's closure) lacks these
-    **{("vllm", v): ("mistral_common==1.9.0", "pydantic-extra-types==2.11.1", "pycountry==26.2.16",
-                     "tiktoken==0.14.0", "diskcache==5.6.3") for v in ("0.15.1", "0.16.0")},
-}
+CACHE_ENV = "KVAUDIT_RELEASE_CACHE"
 
 
 class ReleaseError(RuntimeError):
@@ -56,7 +45,8 @@ def overlay_path(engine: str, version: str) -> Path:
 
 def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None:
     """The overlay folder of ``engine==version``, installed into the cache if missing (``pip install
-    --no-deps --no-compile --target``, with :data:`EXTRA_PINS`); None when the base has that version.
+    --no-deps --no-compile --target``, with the kind's pins, :data:`kvaudit.history.catalogue.PINS`); None
+    when the base has that version.
     Raises :class:`ReleaseError` when pip fails (the registry has no such release, no disk)."""
     if engine not in ENGINES:
         raise ReleaseError(f"unknown engine {engine!r} (valid: {', '.join(ENGINES)})")
@@ -67,7 +57,7 @@ def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-{version}-", dir=dest.parent))
-    reqs = [f"{engine}=={version}", *EXTRA_PINS.get((engine, version), ())]
+    reqs = [f"{engine}=={version}", *PINS.get((engine, version), ())]
     on_event(f"installing {' '.join(reqs)} into {dest} (--no-deps --target)")
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
            "--disable-pip-version-check", "--target", str(tmp), *reqs]
@@ -105,8 +95,6 @@ def size_bytes(path: Path | None) -> int:
 
 def catalogue_releases() -> list[tuple[str, str]]:
     """Every ``(engine, version)`` the history catalogue searches or replays on, in order."""
-    from kvaudit.history.catalogue import all_bugs
-
     out: list[tuple[str, str]] = []
     for b in all_bugs().values():
         for v in (b.buggy, None if b.replay_blocked else b.fixed):

@@ -228,9 +228,66 @@ def rediscovered(res: HistoryResult, bug_id: str) -> bool:
 
 # -- the markdown report ---------------------------------------------------------------------------
 
+def _bugs(res: HistoryResult, ids: list[str], bugs: dict) -> list[str]:
+    """The table of bugs: where each shipped and was fixed, and whether it was rediscovered."""
+    lines = ["", "## Bugs", "",
+             "| bug | engine | shipped in | fixed in (why clean) | rediscovered | minimized program | signature |",
+             "|---|---|---|---|---|---|---|"]
+    for bid in ids:
+        b = bugs[bid]
+        ok = [t for t in res.trials if t.bug == bid and t.success]
+        best = min(ok, key=lambda t: t.min_len) if ok else None
+        fixed = f"{b.fixed} ({b.clean_because})" if b.fixed else "- (a rediscovery)"
+        verdict = ("yes" if rediscovered(res, bid) else
+                   f"found; not replayed on the fixed release ({b.replay_blocked})" if ok and b.replay_blocked else
+                   "found; NOT clean on the fixed release" if ok and b.fixed else "no")
+        if ok and b.fixed and not b.replay_blocked:
+            verdict += f" ({sum(bool(t.fixed_clean) for t in ok)}/{len(ok)} programs clean)"
+        lines.append(f"| {bid} | {b.engine} | {b.buggy} | {fixed} | {verdict} | "
+                     f"{best.min_len if best else '-'} ops | `{best.signature if best else b.signature or b.finding}` |")
+    return lines
+
+
+def _per_fuzzer(ids: list[str], fuzzers: list[str], by: dict) -> list[str]:
+    """The table of each bug x fuzzer cell's statistics."""
+    from kvaudit.search.bench import _fmt_q
+
+    lines = ["", "## Per bug and fuzzer", "",
+             "| bug | fuzzer | found | time to bug (s) | executions to bug | min ops | p vs random | A12 vs random |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in filter(None, (by.get((bid, f)) for bid in ids for f in fuzzers)):
+        lines.append(f"| {c.bug} | {c.fuzzer} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
+                     f"{_fmt_q(c.execs_q, digits=0)} | "
+                     f"{c.min_len_median if c.min_len_median is not None else '-'} | "
+                     f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
+                     f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
+    return lines
+
+
+def _programs(res: HistoryResult, ids: list[str], bugs: dict) -> list[str]:
+    """The shortest minimized program per bug found, with what it did on the fixing release."""
+    from kvaudit.program import format_program, program_from_json
+
+    shown = [(bid, min((t for t in res.trials if t.bug == bid and t.success), key=lambda t: t.min_len, default=None))
+             for bid in ids]
+    shown = [(bid, t) for bid, t in shown if t is not None]
+    if not shown:
+        return []
+    lines = ["", "## Minimized programs", "",
+             "The shortest per bug, confirmed 3/3 on the release that shipped it; `kvaudit replay` runs it "
+             "once saved with its config (`benchmarks-history.json` has every trial's)."]
+    for bid, t in shown:
+        fixed = (f"; on {bugs[bid].fixed}: " + ("clean" if t.fixed_clean else
+                                                ", ".join(t.fixed_signatures) or "not replayed")
+                 if bugs[bid].fixed else "")
+        lines += ["", f"{bid} ({t.fuzzer}, seed {t.seed}; {t.confirmations}/3 confirmations{fixed}):", "", "```",
+                  format_program(program_from_json(t.program)).rstrip("\n"), "```"]
+    return lines
+
+
 def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
     """The history-suite report; ``raw``: the name of the raw-data file written beside it."""
-    from kvaudit.search.bench import _fmt_q, geomean_cells, summarize
+    from kvaudit.search.bench import geomean_cells, summarize
 
     s, bugs = res.settings, all_bugs()
     fuzzers, ids = s["fuzzers"], s["bugs"]
@@ -276,48 +333,7 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
         lines += ["", "**Workers that failed** (an error in kvaudit or the engine, not a finding; the bug's "
                   "trials after it are missing from the tables):", ""]
         lines += [f"- {f}" for f in res.failures]
-    lines += ["", "## Bugs", "",
-              "| bug | engine | shipped in | fixed in (why clean) | rediscovered | minimized program | signature |",
-              "|---|---|---|---|---|---|---|"]
-    for bid in ids:
-        b = bugs[bid]
-        ok = [t for t in res.trials if t.bug == bid and t.success]
-        best = min(ok, key=lambda t: t.min_len) if ok else None
-        fixed = f"{b.fixed} ({b.clean_because})" if b.fixed else "- (a rediscovery)"
-        verdict = ("yes" if rediscovered(res, bid) else
-                   f"found; not replayed on the fixed release ({b.replay_blocked})" if ok and b.replay_blocked else
-                   "found; NOT clean on the fixed release" if ok and b.fixed else "no")
-        if ok and b.fixed and not b.replay_blocked:
-            verdict += f" ({sum(bool(t.fixed_clean) for t in ok)}/{len(ok)} programs clean)"
-        lines.append(f"| {bid} | {b.engine} | {b.buggy} | {fixed} | {verdict} | "
-                     f"{best.min_len if best else '-'} ops | `{best.signature if best else b.signature or b.finding}` |")
-    lines += ["", "## Per bug and fuzzer", "",
-              "| bug | fuzzer | found | time to bug (s) | executions to bug | min ops | p vs random | A12 vs random |",
-              "|---|---|---|---|---|---|---|---|"]
-    for bid in ids:
-        for f in fuzzers:
-            c = by.get((bid, f))
-            if c is None:
-                continue
-            lines.append(f"| {bid} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | {_fmt_q(c.execs_q, digits=0)} | "
-                         f"{c.min_len_median if c.min_len_median is not None else '-'} | "
-                         f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
-                         f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
-    shown = [(bid, min((t for t in res.trials if t.bug == bid and t.success), key=lambda t: t.min_len, default=None))
-             for bid in ids]
-    shown = [(bid, t) for bid, t in shown if t is not None]
-    if shown:
-        from kvaudit.program import format_program, program_from_json
-
-        lines += ["", "## Minimized programs", "",
-                  "The shortest per bug, confirmed 3/3 on the release that shipped it; `kvaudit replay` runs it "
-                  "once saved with its config (`benchmarks-history.json` has every trial's)."]
-        for bid, t in shown:
-            fixed = (f"; on {bugs[bid].fixed}: " + ("clean" if t.fixed_clean else
-                                                    ", ".join(t.fixed_signatures) or "not replayed")
-                     if bugs[bid].fixed else "")
-            lines += ["", f"{bid} ({t.fuzzer}, seed {t.seed}; {t.confirmations}/3 confirmations{fixed}):", "", "```",
-                      format_program(program_from_json(t.program)).rstrip("\n"), "```"]
+    lines += _bugs(res, ids, bugs) + _per_fuzzer(ids, fuzzers, by) + _programs(res, ids, bugs)
     lines += ["", "## What each bug is, and how a real server reaches it", ""]
     for bid in ids:
         b = bugs[bid]

@@ -30,7 +30,7 @@ def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
     parts: list = [Text(title, style="bold")]
     for i, s in enumerate(sites):
         fr = resolve(s)
-        parts.append(Text(f"    #{i} {s.function}  {_rel(s.file)}:{fr.line}", style="cyan" if i == 0 else ""))
+        parts.append(Text(f"    #{i} {s.function}  {portable_path(s.file)}:{fr.line}", style="cyan" if i == 0 else ""))
         if fr.source:
             parts.append(Text("        " + fr.source) if plain else
                          Padding(Syntax(fr.source, "python", theme="ansi_dark", background_color="default",
@@ -81,11 +81,6 @@ def print_table(console: Console, table: Table, header: bool = False) -> None:
         console.print("  " + "  ".join(cells), soft_wrap=True, markup=False, highlight=False)
     if table.caption:
         console.print(str(table.caption), soft_wrap=True, markup=False, highlight=False)
-
-
-def _rel(path: str) -> str:
-    """``path`` relative to the source root when it lies inside it (:func:`kvaudit.audit.findings.portable_path`)."""
-    return portable_path(path)
 
 
 def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,

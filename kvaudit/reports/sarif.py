@@ -312,24 +312,23 @@ def _units_line(f: Finding) -> str:
     return f"{word.capitalize()}: {shown}."
 
 
-def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
-            engine: EngineSource | None = None) -> dict:
-    stacks = _labelled_stacks(f)
-    key = primary_stack(f)
-    primary_label = next((label for k, label, _ in stacks if k == key), None)
-    # the innermost frame of the primary stack in the installed engine's package, else of any
-    # stack; then the same for frames in the repository; else the fallback anchor
+def _primary(f: Finding, stacks: list, key: str | None, target: str,
+             engine: EngineSource | None) -> tuple[Site, bool]:
+    """The result's location and whether it is the fallback anchor: the innermost frame of the primary
+    stack in the installed engine's package, else of any stack; then the same for frames in the
+    repository; else the kind's anchor (:func:`_anchor`)."""
     tests = ([lambda s: engine_path(s.file, engine.package) is not None] if engine is not None else []) + [in_repo]
-    primary = None
     for test in tests:
         primary = next((s for s in (getattr(f, key) if key else []) if test(s)), None) or \
             next((s for _, _, frames in stacks for s in frames if test(s)), None)
         if primary is not None:
-            break
-    fallback = primary is None
-    if fallback:
-        primary = _anchor(f.kind, target)
+            return primary, False
+    return _anchor(f.kind, target), True
 
+
+def _related(stacks: list, primary: Site, key: str | None, engine: EngineSource | None) -> tuple[list, list]:
+    """``relatedLocations`` (every addressable frame but the primary, ids from 1) and the message's
+    embedded links to each other stack's innermost frame."""
     related: list[dict] = []
     links: list[str] = []
     for k, label, frames in stacks:
@@ -338,9 +337,13 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
                 continue
             loc_id = len(related) + 1  # ids are unique within the result, as embedded links need
             related.append(_location(s, f"{label} #{depth} {s.function}", loc_id, engine=engine))
-            if depth == 0 and k != key:  # the message links each other stack's innermost frame
+            if depth == 0 and k != key:
                 links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())})")
+    return related, links
 
+
+def _message(f: Finding, links: list[str], primary: Site, fallback: bool) -> str:
+    """The result's message text: the summary, when it was detected, the units, the links."""
     summary = f.summary()
     lines = [_escape(summary)]
     detail = f": {f.message}" if f.message and f.message not in summary else ""
@@ -357,33 +360,15 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
                              "where the engine keeps the state this finding is about.)"))
     if f.engine_check:
         lines.append(_escape(engine_verdict(f)))
+    return "\n".join(lines)
 
-    result: dict = {
-        "ruleId": f.kind,
-        "ruleIndex": rule_index,
-        "level": level,
-        "message": {"text": "\n".join(lines)},
-        "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
-                                region_fallback=True, engine=engine)],
-        "partialFingerprints": {FINGERPRINT_KEY: f.signature},
-    }
-    if related:
-        result["relatedLocations"] = related
-    if stacks:
-        result["stacks"] = [{"message": {"text": label},
-                             "frames": [{"location": _location(s, engine=engine)} for s in frames]}
-                            for _, label, frames in stacks]
-    props: dict = {
-        "signature": f.signature,
-        "pool": f.pool,
-        "unit": f.unit,
-        "slots": list(f.slots[:MAX_SLOTS]),
-        "slotsTotal": len(f.slots),
-        "num_units": f.num_units,
-        "op_index": f.op_index,
-        "step": f.step,
-        "engine_check": list(f.engine_check),
-    }
+
+def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict:
+    """The result's ``properties``: the finding's data (units capped at :data:`MAX_SLOTS`), its kind's
+    extra properties, and the engine it was found in."""
+    props: dict = {"signature": f.signature, "pool": f.pool, "unit": f.unit, "slots": list(f.slots[:MAX_SLOTS]),
+                   "slotsTotal": len(f.slots), "num_units": f.num_units, "op_index": f.op_index, "step": f.step,
+                   "engine_check": list(f.engine_check)}
     props.update(lookup(f.kind).props(f))  # (a leak's indirect)
     if f.owner_history:
         props["lifecycle"] = lifecycle(f)
@@ -398,7 +383,33 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         props["engine"] = engine.package
         if engine.version:  # not installed here (a report rendered from a file): no version to claim
             props["engineVersion"] = engine.version
-    result["properties"] = props
+    return props
+
+
+def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
+            engine: EngineSource | None = None) -> dict:
+    """One ``result`` (module docstring): located at :func:`_primary`, the other frames related."""
+    stacks = _labelled_stacks(f)
+    key = primary_stack(f)
+    primary_label = next((label for k, label, _ in stacks if k == key), None)
+    primary, fallback = _primary(f, stacks, key, target, engine)
+    related, links = _related(stacks, primary, key, engine)
+    result: dict = {
+        "ruleId": f.kind,
+        "ruleIndex": rule_index,
+        "level": level,
+        "message": {"text": _message(f, links, primary, fallback)},
+        "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
+                                region_fallback=True, engine=engine)],
+        "partialFingerprints": {FINGERPRINT_KEY: f.signature},
+    }
+    if related:
+        result["relatedLocations"] = related
+    if stacks:
+        result["stacks"] = [{"message": {"text": label},
+                             "frames": [{"location": _location(s, engine=engine)} for s in frames]}
+                            for _, label, frames in stacks]
+    result["properties"] = _properties(f, fallback, engine)
     return result
 
 

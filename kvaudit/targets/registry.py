@@ -94,9 +94,10 @@ class TargetKind:
     ``--tree-core``, whose first choice is the default); ``regressions``: the corpus directory (relative
     to the repository, shipped in the wheel) whose replay files ``kvaudit ci --target NAME`` checks by
     default (each reproduces with its bugs on, is deterministic and clean with them off), None: none;
-    ``history()`` the engine's rows of the history suite's catalogue, ``(bugs, unreached)``: the known
-    public bugs of its releases (:class:`kvaudit.targets.catalogue.HistoryBug`) and those the suite does
-    not rediscover (:class:`kvaudit.targets.catalogue.Unreached`), None: none; ``export()`` what
+    ``history()`` the engine's rows of the history suite's catalogue, ``(bugs, unreached, pins)``: the known
+    public bugs of its releases (:class:`kvaudit.targets.catalogue.HistoryBug`), those the suite does
+    not rediscover (:class:`kvaudit.targets.catalogue.Unreached`) and ``{version: requirements}`` a
+    release's overlay installs beside it (``--no-deps``), None: none; ``export()`` what
     ``kvaudit export`` needs of the engine's server (:class:`kvaudit.targets.export_api.EngineExport`: its
     HTTP API, launch, client script and issue text parts), None: the kind has no server to export to;
     ``engine_check(config, program)`` the engine's own memory check over ``program``, run bare: (first
@@ -124,7 +125,7 @@ class TargetKind:
     model_choices: tuple[str, ...] = ("none",)
     options: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     regressions: str | None = None
-    history: Callable[[], tuple[tuple, tuple]] | None = None
+    history: Callable[[], tuple[tuple, tuple, Mapping]] | None = None
     export: Callable[[], object] | None = None
     engine_check: Callable | None = None
 

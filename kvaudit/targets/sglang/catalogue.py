@@ -45,6 +45,13 @@ BUGS: tuple[HistoryBug, ...] = (
               "in self_check_during_busy stops the scheduler"),
 )
 
+# what a release's overlay installs beside it (--no-deps): SGLang 0.5.11 registers 'qwen3_asr', which
+# transformers >= 5.7 also does: its own pin, and the hub 1.x stack
+PINS: dict[str, tuple[str, ...]] = {
+    "0.5.11": ("transformers==5.6.0", "huggingface_hub==1.33.0", "tokenizers==0.22.2", "httpx==0.28.1",
+               "httpcore==1.0.9"),
+}
+
 UNREACHED: tuple[Unreached, ...] = (
     Unreached("sglang-28374", "sglang", ("sgl-project/sglang#28374",), "all, to 0.5.23",
               "the PR was closed unmerged: no fixing release"),

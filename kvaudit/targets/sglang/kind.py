@@ -113,8 +113,8 @@ def _engine_source():
 
 
 def _history():
-    from kvaudit.targets.sglang.catalogue import BUGS, UNREACHED
-    return BUGS, UNREACHED
+    from kvaudit.targets.sglang.catalogue import BUGS, PINS, UNREACHED
+    return BUGS, UNREACHED, PINS
 
 
 def _export():

@@ -106,3 +106,8 @@ UNREACHED: tuple[Unreached, ...] = (
               "a progress defect (preemption cascades that free nothing while #45357's frees are deferred), not "
               "a broken memory invariant: kvaudit's oracles check memory and hangs, not throughput"),
 )
+
+# what a release's overlay installs beside it (--no-deps): vLLM 0.15/0.16 import mistral_common (and its
+# tokenizer stack) from the structured-output manager the Scheduler takes; the base (0.33.0's closure) lacks these
+PINS: dict[str, tuple[str, ...]] = {v: ("mistral_common==1.9.0", "pydantic-extra-types==2.11.1", "pycountry==26.2.16",
+                                        "tiktoken==0.14.0", "diskcache==5.6.3") for v in ("0.15.1", "0.16.0")}

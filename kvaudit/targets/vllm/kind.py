@@ -109,8 +109,8 @@ def _capabilities(config) -> frozenset[str]:
 
 
 def _history():
-    from kvaudit.targets.vllm.catalogue import BUGS, UNREACHED
-    return BUGS, UNREACHED
+    from kvaudit.targets.vllm.catalogue import BUGS, PINS, UNREACHED
+    return BUGS, UNREACHED, PINS
 
 
 def _export():
