@@ -45,95 +45,105 @@ class SglangHooks(Target):
           ``_release_page_ids``, the one place every paged free path returns pages;
         * ``clear()`` as a free of every allocated unit.
         """
-        obj, pool, ps = spec.obj, spec.name, spec.page_size
-        capture = auditor.capture_site
         auditor.wrap_clear(spec)
         if spec.kind == "rows":
             auditor.wrap_rows(spec, alloc="alloc_rows", free="free_rows")
+            return
+        # Frees inside a free group (free_group_begin/end: the scheduler's result processing) reach the
+        # free list at free_group_end; they are recorded then, each with the site of its own call.
+        # ``free()`` deduplicates pages over the whole group (one torch.unique at the end);
+        # ``free_page_ids`` does not.
+        obj, pending, ending = spec.obj, [], [False]
+        if spec.page_size == 1 and not hasattr(obj, "_release_page_ids"):  # (a paged one may be page 1)
+            self.install_token_kv(spec, auditor, wrap, pending, ending)
         else:
-            # Frees inside a free group (free_group_begin/end: the scheduler's result processing)
-            # reach the free list at free_group_end; they are recorded then, each with the site
-            # of its own call. ``free()`` deduplicates pages over the whole group (one
-            # torch.unique at the end); ``free_page_ids`` does not.
-            pending: list[tuple[list[int], int, bool]] = []
-            ending = [False]
+            self.install_paged_kv(spec, auditor, wrap, pending, ending)
+        group_end = obj.free_group_end
 
-            def grouped(name, to_units, dedup):
-                orig = getattr(obj, name)
+        def group_end_wrapper():
+            ending[0] = True
+            try:
+                group_end()
+            finally:
+                ending[0] = False
+            items = list(pending)
+            pending.clear()
+            seen: set[int] = set()
+            for units, sid, dedup in items:
+                if dedup:
+                    units = [u for u in units if u not in seen]
+                    seen.update(units)
+                if units:
+                    auditor.on_free(spec.name, units, sid)
 
-                def wrapper(idx, *a, **k):
-                    if obj.free_group is not None and not ending[0] and idx.numel():
-                        pending.append((to_units(idx), capture(), dedup))
-                    return orig(idx, *a, **k)
+        wrap(obj, "free_group_end", group_end_wrapper)
 
-                wrap(obj, name, wrapper)
+    @staticmethod
+    def install_token_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list) -> None:
+        """:meth:`install_pool`'s ``TokenToKVPoolAllocator``: ``alloc``/``free`` on the instance; a free
+        inside a free group goes to ``pending`` (``ending[0]``: ``free_group_end`` is running)."""
+        obj, pool, capture = spec.obj, spec.name, auditor.capture_site
+        alloc, free = obj.alloc, obj.free
 
-            if ps == 1 and not hasattr(obj, "_release_page_ids"):  # TokenToKVPoolAllocator (a paged one may be page 1)
-                alloc, free = obj.alloc, obj.free
+        def alloc_wrapper(n):
+            out = alloc(n)
+            if out is not None and out.numel():
+                auditor.on_alloc(pool, out.tolist(), capture())
+            return out
 
-                def alloc_wrapper(n):
-                    out = alloc(n)
-                    if out is not None and out.numel():
-                        auditor.on_alloc(pool, out.tolist(), capture())
-                    return out
+        def free_wrapper(idx):
+            direct = obj.free_group is None and not ending[0]
+            if not direct and obj.free_group is not None and not ending[0] and idx.numel():
+                pending.append((idx.tolist(), capture(), False))
+            free(idx)
+            if direct and idx.numel():
+                auditor.on_free(pool, idx.tolist(), capture())
 
-                def free_wrapper(idx):
-                    direct = obj.free_group is None and not ending[0]
-                    if not direct and obj.free_group is not None and not ending[0] and idx.numel():
-                        pending.append((idx.tolist(), capture(), False))
-                    free(idx)
-                    if direct and idx.numel():
-                        auditor.on_free(pool, idx.tolist(), capture())
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
 
-                wrap(obj, "alloc", alloc_wrapper)
-                wrap(obj, "free", free_wrapper)
-            else:
-                def paged(name):
-                    orig = getattr(obj, name)
+    @staticmethod
+    def install_paged_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list) -> None:
+        """:meth:`install_pool`'s ``PagedTokenToKVPoolAllocator``: allocs as the pages that left the free
+        set, frees at ``_release_page_ids`` (or into ``pending`` inside a free group)."""
+        obj, pool, ps, capture = spec.obj, spec.name, spec.page_size, auditor.capture_site
 
-                    def alloc_wrapper(*a, **k):
-                        before = obj.get_all_free_pages().cpu().numpy()
-                        out = orig(*a, **k)
-                        if out is not None:
-                            taken = np.setdiff1d(before, obj.get_all_free_pages().cpu().numpy())
-                            if taken.size:
-                                auditor.on_alloc(pool, taken.tolist(), capture())
-                        return out
-                    return alloc_wrapper
+        def grouped(name, to_units, dedup):
+            orig = getattr(obj, name)
 
-                for name in ("alloc", "alloc_extend", "alloc_decode"):
-                    wrap(obj, name, paged(name))
-                grouped("free", lambda idx: torch.unique(idx // ps).tolist(), True)
-                grouped("free_page_ids", lambda ids: ids.tolist(), False)
-                release = obj._release_page_ids
+            def wrapper(idx, *a, **k):
+                if obj.free_group is not None and not ending[0] and idx.numel():
+                    pending.append((to_units(idx), capture(), dedup))
+                return orig(idx, *a, **k)
 
-                def release_wrapper(*page_ids):
-                    release(*page_ids)
-                    units = torch.cat([p.reshape(-1) for p in page_ids]).tolist() if page_ids else []
-                    if units and not ending[0]:
-                        auditor.on_free(pool, units, capture())
+            wrap(obj, name, wrapper)
 
-                wrap(obj, "_release_page_ids", release_wrapper)
+        def paged(name):
+            orig = getattr(obj, name)
 
-            group_end = obj.free_group_end
+            def alloc_wrapper(*a, **k):
+                before = obj.get_all_free_pages().cpu().numpy()
+                out = orig(*a, **k)
+                if out is not None:
+                    taken = np.setdiff1d(before, obj.get_all_free_pages().cpu().numpy())
+                    if taken.size:
+                        auditor.on_alloc(pool, taken.tolist(), capture())
+                return out
+            return alloc_wrapper
 
-            def group_end_wrapper():
-                ending[0] = True
-                try:
-                    group_end()
-                finally:
-                    ending[0] = False
-                items = list(pending)
-                pending.clear()
-                seen: set[int] = set()
-                for units, sid, dedup in items:
-                    if dedup:
-                        units = [u for u in units if u not in seen]
-                        seen.update(units)
-                    if units:
-                        auditor.on_free(pool, units, sid)
+        for name in ("alloc", "alloc_extend", "alloc_decode"):
+            wrap(obj, name, paged(name))
+        grouped("free", lambda idx: torch.unique(idx // ps).tolist(), True)
+        grouped("free_page_ids", lambda ids: ids.tolist(), False)
+        release = obj._release_page_ids
 
-            wrap(obj, "free_group_end", group_end_wrapper)
+        def release_wrapper(*page_ids):
+            release(*page_ids)
+            units = torch.cat([p.reshape(-1) for p in page_ids]).tolist() if page_ids else []
+            if units and not ending[0]:
+                auditor.on_free(pool, units, capture())
+
+        wrap(obj, "_release_page_ids", release_wrapper)
 
     def _install_host_pool(self, spec: PoolSpec, auditor, wrap, live: set | None = None) -> None:
         """A host pool (``HostKVCache``, HiSparse's or HiCache's): ``alloc(n)``/``free(slots)`` on the
