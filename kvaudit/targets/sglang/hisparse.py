@@ -193,14 +193,6 @@ class SglangHiSparseTarget(SglangTarget):
         import sglang.srt.mem_cache.pool_host.hisparse as host_hisparse
         return super().framework_files() + [alloc_hisparse.__file__, host_base.__file__, host_hisparse.__file__]
 
-    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """The logical and physical allocators are paged allocators (even at page 1): the base wrapping.
-        The host pool: ``alloc(n)``/``free(slots)`` (``HostKVCache``; ``alloc_paged_token_slots`` and
-        every free of the coordinator go through them) and ``clear()``, in host pages + 1."""
-        if spec.kind != "host":
-            return super().install_pool(spec, auditor, wrap)
-        self._install_host_pool(spec, auditor, wrap)
-
     # -- driver -------------------------------------------------------------------------------
     def _new_batch(self, batch, kind: str) -> None:
         """``get_new_batch_prefill`` (``new_batch.hisparse_coordinator = ...``) and
