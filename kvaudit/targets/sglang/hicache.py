@@ -22,7 +22,7 @@ CPU shims (only on a CPU device; idempotent; none replaces SGLang memory managem
 * **S1** (shared with HiSparse, ``boot.shim_cuda_host_register``) ``_cuda_host_register`` no-op;
 * **H2** the controller's ``l2_transfer_engine.submit_device_to_host``/``submit_host_to_device``
   return completions whose ``finish_event`` reports done only ``hicache_ack_steps`` steps after
-  submission (HiSparse's ``_StepEvent``): CPU events are always done, a GPU copy is not;
+  submission (``standins.StepEvent``): CPU events are always done, a GPU copy is not;
 * **H3** the anchor host pool's ``backup_from_device_all_layer``/``load_to_device_per_layer`` -> plain
   torch index copies over every layer (the real ones call sgl_kernel transfer kernels, undefined on
   CPU). They read the raw ``_get_key_buffer``/``_get_value_buffer``: the public getters wait on the
@@ -63,8 +63,8 @@ import torch
 
 from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
-from kvaudit.targets.sglang.hisparse import _StepEvent
 from kvaudit.targets.sglang.hooks import host_free_units, host_units
+from kvaudit.targets.sglang.standins import StepEvent
 from kvaudit.targets.sglang.target import SglangTarget
 
 HOST_POOL = "hicache_host_pool"
@@ -99,12 +99,12 @@ def install_instance_shims(target, cc) -> list[str]:
     def d2h(transfers, *a, **k):
         c = real_d2h(transfers, *a, **k)
         target.hicache_log.append(("d2h", target.steps, sum(len(t.host_indices) for t in transfers)))
-        return c._replace(finish_event=_StepEvent(c.finish_event, target, target.steps + delay))
+        return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
 
     def h2d(transfers, *a, **k):
         c = real_h2d(transfers, *a, **k)
         target.hicache_log.append(("h2d", target.steps, sum(len(t.host_indices) for t in transfers)))
-        return c._replace(finish_event=_StepEvent(c.finish_event, target, target.steps + delay))
+        return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
 
     eng.submit_device_to_host, eng.submit_host_to_device = d2h, h2d
     cc.__kvaudit_shimmed__ = True

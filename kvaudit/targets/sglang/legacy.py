@@ -1,7 +1,8 @@
 """The legacy driver family: SGLang's ``cache_finished_req`` era (0.5.10.post1 and 0.5.11, see
 :mod:`kvaudit.targets.sglang.compat`), core pools, the radix cache and sessions only.
 
-Same three layers as the 0.5.23 target (:mod:`kvaudit.targets.sglang.target`), over that era's API:
+The 0.5.23 driver (:class:`~kvaudit.targets.sglang.driver.SglangDriver`: its intake and sampling, and
+``hooks.install_kv`` for the KV pool), with that era's API where it differs:
 
 * **bootstrap** (:func:`load_legacy`) -- the imports of the era (sessions in ``managers.session_controller``
   and ``mem_cache.session_aware_cache`` before 0.5.11, in ``sglang.srt.session`` from it), the import stubs
@@ -43,7 +44,7 @@ from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, install_stubs, probe_version
 from kvaudit.targets.sglang.driver import SglangDriver
 from kvaudit.targets.sglang.hooks import SglangHooks
-from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, StepClock
+from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
 
 LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
 
@@ -141,23 +142,6 @@ def _shim_tp_rank() -> str:
 
     schedule_batch.get_tensor_model_parallel_rank = rank_zero
     return "L1 schedule_batch.get_tensor_model_parallel_rank -> 0"
-
-
-class _Penalties:
-    is_required = False
-
-
-class _Sampling:
-    """A batch's ``sampling_info`` (model-side): ``prepare_for_decode`` asks its penalizer, retraction
-    filters it."""
-
-    penalizer_orchestrator = _Penalties()
-
-    def filter_batch(self, *a, **k) -> None:
-        pass
-
-    def merge_batch(self, other) -> None:
-        pass
 
 
 class _GenerateInput(SimpleNamespace):
@@ -369,7 +353,7 @@ class SglangLegacyTarget(SglangDriver):
         self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
                                          False, S.SpeculativeAlgorithm.NONE)
-        batch.sampling_info = _Sampling()
+        batch.sampling_info = NoSampling()
         batch.prepare_for_extend()
         return "extend", batch
 
@@ -379,7 +363,7 @@ class SglangLegacyTarget(SglangDriver):
         S = self.S
         batch = S.ScheduleBatch.init_new(list(reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, False, S.SpeculativeAlgorithm.NONE)
-        batch.sampling_info = _Sampling()
+        batch.sampling_info = NoSampling()
         batch.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         batch.seq_lens = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
         batch.seq_lens_cpu = batch.seq_lens.clone()
