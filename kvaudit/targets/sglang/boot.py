@@ -200,20 +200,7 @@ def load() -> SimpleNamespace:
         except ImportError as exc:
             raise SglangUnavailable(f"SGLang {version} is installed but its memory manager does not import: {exc} "
                                     f"(reinstall with: {INSTALL_HINT})") from None
-    # the API probe: the 0.5.23 shapes the driver relies on (older releases used cache_finished_req,
-    # req.req_pool_idx and SessionSlot(req_pool_idx=...), none of which exist here)
-    rel = inspect.signature(common.release_kv_cache).parameters
-    problems = []
-    if "checkpoint" not in rel or rel["checkpoint"].kind is not inspect.Parameter.KEYWORD_ONLY:
-        problems.append("release_kv_cache(req, cache, *, checkpoint)")
-    if not hasattr(StreamingSession, "take") or not hasattr(ReqKvInfo, "holds_kv"):
-        problems.append("StreamingSession.take / ReqKvInfo.holds_kv")
-    for name in ("alloc_for_extend", "alloc_for_decode"):
-        if not hasattr(allocation, name):
-            problems.append(name)
-    if problems:
-        raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the one this target drives "
-                                f"(missing: {', '.join(problems)})")
+    _check_api(version, common, allocation, StreamingSession, ReqKvInfo)
     for name in ("sglang", "transformers", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     # a few SGLang modules log through the root logger (logging.warning(...): a session turn appended to
@@ -235,6 +222,22 @@ def load() -> SimpleNamespace:
         register_grammar_backend=register_grammar_backend, GrammarManager=GrammarManager,
         FlushCacheReqInput=FlushCacheReqInput, SchedulerFlushWrapper=SchedulerFlushWrapper)
     return _LOADED
+
+
+def _check_api(version: str, common, allocation, StreamingSession, ReqKvInfo) -> None:
+    """The API probe: the 0.5.23 shapes the driver relies on (older releases used cache_finished_req,
+    req.req_pool_idx and SessionSlot(req_pool_idx=...), none of which exist here). Raises
+    :class:`SglangUnavailable` naming what is missing."""
+    rel = inspect.signature(common.release_kv_cache).parameters
+    problems = []
+    if "checkpoint" not in rel or rel["checkpoint"].kind is not inspect.Parameter.KEYWORD_ONLY:
+        problems.append("release_kv_cache(req, cache, *, checkpoint)")
+    if not hasattr(StreamingSession, "take") or not hasattr(ReqKvInfo, "holds_kv"):
+        problems.append("StreamingSession.take / ReqKvInfo.holds_kv")
+    problems += [name for name in ("alloc_for_extend", "alloc_for_decode") if not hasattr(allocation, name)]
+    if problems:
+        raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the one this target drives "
+                                f"(missing: {', '.join(problems)})")
 
 
 def shim_cuda_host_register() -> str:

@@ -372,7 +372,3 @@ SGLANG_PRESETS: dict[str, Preset] = {
                  "request_running_timeout_steps": 24}),
     ]
 }
-
-
-def is_sglang_config(d: dict) -> bool:
-    return isinstance(d, dict) and d.get("target") == "sglang"

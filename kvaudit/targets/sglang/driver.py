@@ -208,8 +208,19 @@ class SglangDriver(SglangIntake):
             self.chunked_req.inflight_middle_chunks += 1
         for req in admitted:
             req.is_retracted = False  # prepare_for_extend: a retracted request is prefilled afresh
-        batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
-                                         cfg.enable_overlap, S.SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req)
+        batch = self._extend_batch(admitted)
+        decoding = self._mix_with_running(batch) if mixed and self.running else []
+        if decoding:
+            return "extend", admitted + decoding, self.chunked_req, decoding
+        return "extend", admitted, self.chunked_req
+
+    def _extend_batch(self, admitted: list):
+        """``ScheduleBatch.init_new`` of the admitted requests and ``prepare_for_extend``'s allocation
+        (``alloc_for_extend``, whose results it keeps on the batch)."""
+        S = self.S
+        batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, self.tree_cache,
+                                         self.model_config, self.config.enable_overlap, S.SpeculativeAlgorithm.NONE,
+                                         chunked_req=self.chunked_req)
         self._new_batch(batch, "extend")
         batch.forward_mode = S.ForwardMode.EXTEND
         batch.prefix_lens = [r.prefix_len for r in admitted]
@@ -218,14 +229,10 @@ class SglangDriver(SglangIntake):
         batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
         batch.orig_seq_lens = batch.seq_lens.clone()
         batch.extend_num_tokens = sum(batch.extend_lens)
-        # prepare_for_extend keeps what alloc_for_extend returns on the batch
         batch.out_cache_loc, batch.req_pool_indices, batch.req_pool_indices_cpu = S.allocation.alloc_for_extend(batch)
         for req in admitted:  # the batch's seq_lens, carried into decode (prepare_for_decode adds 1 a step)
             req.kvaudit_seq_len = req.extend_end
-        decoding = self._mix_with_running(batch) if mixed and self.running else []
-        if decoding:
-            return "extend", admitted + decoding, self.chunked_req, decoding
-        return "extend", admitted, self.chunked_req
+        return batch
 
     def _mix_with_running(self, batch) -> list:
         """``get_new_batch_prefill``'s mixed-style chunked prefill (``enable_mixed_chunk``): the running

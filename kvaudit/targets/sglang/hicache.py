@@ -10,29 +10,19 @@ hicache_mem_layout="layer_first", hicache_storage_backend=None)`` and the factor
 ``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. The L3 storage
 tier (prefetch from storage, storage backups) is a mode of its own: ``hicache_l3``.
 
-The driver adds to :class:`SglangTarget` (each method names the SGLang code it follows):
-
-* ``get_next_batch_to_run``: ``process_pending_chunked_abort()`` then ``_process_hicache_events()``
-  -> ``tree_cache.check_hicache_events()`` (``flush_pending_backups``, ``writing_check``,
-  ``loading_check``: acks release the write-through and load-back locks), before any admission;
-* ``get_new_batch_prefill``: ``new_batch.hicache_consumer_index = tree_cache.ready_to_load_host_cache()``
-  right after ``ScheduleBatch.init_new`` (starts the H->D copies ``PrefillAdder.add_one_req`` ->
-  ``init_load_back`` queued for requests with ``host_hit_length > 0``);
-* ``process_batch_result``: ``tree_cache.flush_pending_backups()`` at its end (submits the write-throughs
-  the batch's inserts queued);
-* ``is_fully_idle``: also ``ongoing_write_through`` and ``ongoing_load_back`` empty (flush is refused
-  while an ack is pending);
-* memory pressure: device eviction as on the base target (write-through: backed-up leaves are
-  demoted to host-only; write-back: backed up, then demoted), then host eviction pressure:
-  ``evict_host`` of what the host holds beyond half its size (another tenant needs host memory too;
-  a host at most half full keeps its nodes, so a later matching request can still load back).
+The driver adds to :class:`SglangTarget` (each method names the SGLang code it follows): the
+HiCache events polled before admission (``check_hicache_events``: acks release the write-through and
+load-back locks), the load-backs started after ``ScheduleBatch.init_new``, the write-throughs
+submitted after result processing (``flush_pending_backups``), copies in flight counted by
+``is_fully_idle``, and memory pressure on the host tier too (``evict_host`` of what the host holds
+beyond half its size: a host at most half full keeps its nodes for later load-backs).
 
 CPU shims (only on a CPU device; idempotent; none replaces SGLang memory management):
 
 * **S1** (shared with HiSparse, ``boot.shim_cuda_host_register``) ``_cuda_host_register`` no-op;
 * **H2** the controller's ``l2_transfer_engine.submit_device_to_host``/``submit_host_to_device``
   return completions whose ``finish_event`` reports done only ``hicache_ack_steps`` steps after
-  submission (HiSparse's ``_StepEvent``): CPU events are always done, a GPU copy is not;
+  submission (``standins.StepEvent``): CPU events are always done, a GPU copy is not;
 * **H3** the anchor host pool's ``backup_from_device_all_layer``/``load_to_device_per_layer`` -> plain
   torch index copies over every layer (the real ones call sgl_kernel transfer kernels, undefined on
   CPU). They read the raw ``_get_key_buffer``/``_get_value_buffer``: the public getters wait on the
@@ -73,8 +63,8 @@ import torch
 
 from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
-from kvaudit.targets.sglang.hisparse import _StepEvent
 from kvaudit.targets.sglang.hooks import host_free_units, host_units
+from kvaudit.targets.sglang.standins import StepEvent
 from kvaudit.targets.sglang.target import SglangTarget
 
 HOST_POOL = "hicache_host_pool"
@@ -109,12 +99,12 @@ def install_instance_shims(target, cc) -> list[str]:
     def d2h(transfers, *a, **k):
         c = real_d2h(transfers, *a, **k)
         target.hicache_log.append(("d2h", target.steps, sum(len(t.host_indices) for t in transfers)))
-        return c._replace(finish_event=_StepEvent(c.finish_event, target, target.steps + delay))
+        return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
 
     def h2d(transfers, *a, **k):
         c = real_h2d(transfers, *a, **k)
         target.hicache_log.append(("h2d", target.steps, sum(len(t.host_indices) for t in transfers)))
-        return c._replace(finish_event=_StepEvent(c.finish_event, target, target.steps + delay))
+        return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
 
     eng.submit_device_to_host, eng.submit_host_to_device = d2h, h2d
     cc.__kvaudit_shimmed__ = True
@@ -176,36 +166,14 @@ class SglangHiCacheTarget(SglangTarget):
         import sglang.srt.mem_cache.pool_host.group as host_group
         return super().framework_files() + [host_base.__file__, host_group.__file__, cache_controller.__file__]
 
-    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """Device and row pools: the base wrapping. The host pool: ``HostKVCache.alloc(n)``/``free(slots)``
-        on the anchor instance (``HostPoolGroup.alloc``/``free``, the controller's ``write``/``load`` and
-        the tree's host frees all reach them) and ``clear()`` (``flush_cache`` -> ``reset``), in host
-        pages + 1."""
-        if spec.kind != "host":
-            return super().install_pool(spec, auditor, wrap)
-        self._install_host_pool(spec, auditor, wrap, live=self._host_live)
-
     def install_lock_ledger(self, wrap, record) -> None:
         """The base ledger (device locks), and a count of ``inc_host_lock_ref``/``dec_host_lock_ref`` per
-        node (host locks: load-back, and ``add_one_req``'s pin around ``init_load_back``)."""
+        node (host locks: load-back, and ``add_one_req``'s pin around ``init_load_back``). The host pool's
+        wrappers (the base's): ``HostKVCache.alloc``/``free`` on the anchor instance, which
+        ``HostPoolGroup``, the controller's ``write``/``load`` and the tree's host frees all reach."""
         super().install_lock_ledger(wrap, record)
-        cache, net = self.tree_cache, self.host_lock_net
-        inc, dec = cache.inc_host_lock_ref, cache.dec_host_lock_ref
-
-        def inc_wrapper(node_id, *a, **k):
-            out = inc(node_id, *a, **k)
-            net[node_id] = net.get(node_id, 0) + 1
-            record(node_id, +1, "host")
-            return out
-
-        def dec_wrapper(node_id, *a, **k):
-            out = dec(node_id, *a, **k)
-            net[node_id] = net.get(node_id, 0) - 1
-            record(node_id, -1, "host")
-            return out
-
-        wrap(cache, "inc_host_lock_ref", inc_wrapper)
-        wrap(cache, "dec_host_lock_ref", dec_wrapper)
+        self.install_lock_counter(wrap, record, self.tree_cache, "inc_host_lock_ref", "dec_host_lock_ref",
+                                  self.host_lock_net, "host")
 
     # -- driver -------------------------------------------------------------------------------
     def _memory_pressure(self) -> None:

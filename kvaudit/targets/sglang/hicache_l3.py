@@ -36,21 +36,12 @@ timing, so none of them runs here:
 * **H7** (CPU only, instance) the anchor host pool's ``pin_memory`` is False: the storage read's
   bounce page (``get_dummy_flat_data_page``) is allocated with it, which CPU torch refuses.
 
-The driver adds to the HiCache target (each method names the scheduler code it follows):
-
-* ``_add_request_to_queue`` -> ``_prefetch_kvcache`` (match, then ``prefetch_from_storage`` from
-  the last host-backed node for the tokens beyond the device and host match); a retracted request's
-  storage bookkeeping is reset first;
-* ``_process_hicache_events``: the storage worker's pass, ``check_hicache_events`` (its storage
-  drain: hit queue -> host buffer allocation, prefetch acks -> insertion into the tree, backup acks
-  -> host unlock, release queue -> host frees), then ``_process_storage_prefetch_retries``;
-* admission (``_get_new_batch_prefill_raw``): ``check_prefetch_progress`` skips a request whose
-  prefetch is not done, ``pop_prefetch_loaded_span`` credits the loaded tokens, and after the
-  match ``_prefetch_after_device_hit_loss`` re-queries storage when the device and host match
-  shrank since queueing; admitted requests' pending retries are cancelled;
-* aborts: the base's ``_release_aborted_request`` (``tree_cache.finish(handle, ABORT)``:
-  ``release_aborted_request`` terminates the prefetch and releases its host buffers);
-* ``is_fully_idle``: also no prefetch (``ongoing_prefetch``) or backup (``ongoing_backup``) pending.
+The driver adds to the HiCache target (each method names the scheduler code it follows): a storage
+prefetch as a request is queued (``_prefetch_kvcache``), the storage worker's pass and the prefetch
+retries around ``check_hicache_events``, admission's storage gate (``check_prefetch_progress``,
+``pop_prefetch_loaded_span``, the re-query after a device-hit loss), and prefetches and storage
+backups in flight counted by ``is_fully_idle``. Aborts are the base's (``tree_cache.finish(handle,
+ABORT)`` terminates the prefetch and releases its host buffers).
 
 Observer: host slots held by storage work are roots of ``hicache_host_pool`` -- an in-flight
 prefetch's host buffers (``ongoing_prefetch``, owner ``prefetch:<rid>``), the tail a terminated

@@ -37,6 +37,7 @@ import torch
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, one_rank_group, publish_server_args, shim_cuda_host_register
 from kvaudit.targets.sglang.hooks import host_free_units, host_units
+from kvaudit.targets.sglang.standins import StepEvent
 from kvaudit.targets.sglang.target import SglangTarget
 
 _SHIMS: list[str] = []
@@ -102,25 +103,6 @@ def install_instance_shims(co) -> None:
             stream.synchronize = lambda: None
 
 
-class _StepEvent:
-    """A staging copy's ``finish_event`` that completes at a given scheduler step (config
-    ``hisparse_staging_steps``). On CPU ``torch.cpu.Event.query()`` is always True, so every staging
-    would complete at the very next ``collect_ready_reqs``; on a GPU the device-to-host copy can take
-    longer, and a staged request then outlives the batch it was prefilled in (hazard A.4)."""
-
-    def __init__(self, event, target, ready_at: int):
-        self.event, self.target, self.ready_at = event, target, ready_at
-
-    def query(self) -> bool:
-        return self.target.steps >= self.ready_at and self.event.query()
-
-    def synchronize(self) -> None:
-        pass
-
-    def __getattr__(self, name):
-        return getattr(self.event, name)
-
-
 class SglangHiSparseTarget(SglangTarget):
     """:class:`SglangTarget` with HiSparse (``config.enable_hisparse``); see the module docstring."""
 
@@ -175,7 +157,7 @@ class SglangHiSparseTarget(SglangTarget):
             def admit_with_copy_time(req):  # the copy stays in flight for hisparse_staging_steps steps
                 admit(req)
                 act = co.ack_staging_queue[-1]
-                co.ack_staging_queue[-1] = act._replace(finish_event=_StepEvent(
+                co.ack_staging_queue[-1] = act._replace(finish_event=StepEvent(
                     act.finish_event, self, self.steps + 1 + config.hisparse_staging_steps))
 
             co.admit_request_into_staging = admit_with_copy_time
@@ -192,14 +174,6 @@ class SglangHiSparseTarget(SglangTarget):
         import sglang.srt.mem_cache.pool_host.base as host_base
         import sglang.srt.mem_cache.pool_host.hisparse as host_hisparse
         return super().framework_files() + [alloc_hisparse.__file__, host_base.__file__, host_hisparse.__file__]
-
-    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """The logical and physical allocators are paged allocators (even at page 1): the base wrapping.
-        The host pool: ``alloc(n)``/``free(slots)`` (``HostKVCache``; ``alloc_paged_token_slots`` and
-        every free of the coordinator go through them) and ``clear()``, in host pages + 1."""
-        if spec.kind != "host":
-            return super().install_pool(spec, auditor, wrap)
-        self._install_host_pool(spec, auditor, wrap)
 
     # -- driver -------------------------------------------------------------------------------
     def _new_batch(self, batch, kind: str) -> None:

@@ -33,6 +33,8 @@ class SglangHooks(Target):
     """The ``install_*`` hooks of the real-SGLang target (:class:`kvaudit.targets.sglang.target.SglangTarget`
     combines them): they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
 
+    _host_live: set | None = None  # a host pool's units held, mirrored by its wrappers (HiCache sets one)
+
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
         """Wrap ``spec``'s instance methods so every alloc and free reaches ``auditor``'s ledger.
 
@@ -43,97 +45,116 @@ class SglangHooks(Target):
           free set (extend and decode also hand out slots on a request's partly filled page, so
           ``out // page_size`` would name pages that were never free), and frees at
           ``_release_page_ids``, the one place every paged free path returns pages;
-        * ``clear()`` as a free of every allocated unit.
+        * ``clear()`` as a free of every allocated unit;
+        * a host pool (HiSparse's, HiCache's): :meth:`_install_host_pool`.
         """
-        obj, pool, ps = spec.obj, spec.name, spec.page_size
-        capture = auditor.capture_site
+        if spec.kind == "host":
+            return self._install_host_pool(spec, auditor, wrap, live=self._host_live)
         auditor.wrap_clear(spec)
         if spec.kind == "rows":
             auditor.wrap_rows(spec, alloc="alloc_rows", free="free_rows")
-        else:
-            # Frees inside a free group (free_group_begin/end: the scheduler's result processing)
-            # reach the free list at free_group_end; they are recorded then, each with the site
-            # of its own call. ``free()`` deduplicates pages over the whole group (one
-            # torch.unique at the end); ``free_page_ids`` does not.
-            pending: list[tuple[list[int], int, bool]] = []
-            ending = [False]
+            return
+        obj = spec.obj
+        paged = spec.page_size > 1 or hasattr(obj, "_release_page_ids")  # (a paged one may be page 1)
+        self.install_kv(spec, auditor, wrap, paged, lambda: obj.free_group is not None)
 
-            def grouped(name, to_units, dedup):
-                orig = getattr(obj, name)
+    @staticmethod
+    def install_kv(spec: PoolSpec, auditor, wrap, paged: bool, in_group) -> None:
+        """A KV allocator's wrappers (:meth:`install_token_kv` or :meth:`install_paged_kv`), and its
+        ``free_group_end``: frees inside a free group (``in_group()`` is True between
+        ``free_group_begin`` and ``free_group_end``: the scheduler's result processing) reach the free
+        list at ``free_group_end`` and are recorded then, each with the site of its own call.
+        ``free()`` of a paged allocator deduplicates pages over the whole group (one torch.unique at
+        the end); ``free_page_ids`` does not."""
+        obj, pending, ending = spec.obj, [], [False]
+        install = SglangHooks.install_paged_kv if paged else SglangHooks.install_token_kv
+        install(spec, auditor, wrap, pending, ending, in_group)
+        group_end = obj.free_group_end
 
-                def wrapper(idx, *a, **k):
-                    if obj.free_group is not None and not ending[0] and idx.numel():
-                        pending.append((to_units(idx), capture(), dedup))
-                    return orig(idx, *a, **k)
+        def group_end_wrapper():
+            ending[0] = True
+            try:
+                group_end()
+            finally:
+                ending[0] = False
+            items = list(pending)
+            pending.clear()
+            seen: set[int] = set()
+            for units, sid, dedup in items:
+                if dedup:
+                    units = [u for u in units if u not in seen]
+                    seen.update(units)
+                if units:
+                    auditor.on_free(spec.name, units, sid)
 
-                wrap(obj, name, wrapper)
+        wrap(obj, "free_group_end", group_end_wrapper)
 
-            if ps == 1 and not hasattr(obj, "_release_page_ids"):  # TokenToKVPoolAllocator (a paged one may be page 1)
-                alloc, free = obj.alloc, obj.free
+    @staticmethod
+    def install_token_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list, in_group) -> None:
+        """:meth:`install_kv`'s ``TokenToKVPoolAllocator``: ``alloc``/``free`` on the instance; a free
+        inside a free group goes to ``pending`` (``ending[0]``: ``free_group_end`` is running)."""
+        obj, pool, capture = spec.obj, spec.name, auditor.capture_site
+        alloc, free = obj.alloc, obj.free
 
-                def alloc_wrapper(n):
-                    out = alloc(n)
-                    if out is not None and out.numel():
-                        auditor.on_alloc(pool, out.tolist(), capture())
-                    return out
+        def alloc_wrapper(n):
+            out = alloc(n)
+            if out is not None and out.numel():
+                auditor.on_alloc(pool, out.tolist(), capture())
+            return out
 
-                def free_wrapper(idx):
-                    direct = obj.free_group is None and not ending[0]
-                    if not direct and obj.free_group is not None and not ending[0] and idx.numel():
-                        pending.append((idx.tolist(), capture(), False))
-                    free(idx)
-                    if direct and idx.numel():
-                        auditor.on_free(pool, idx.tolist(), capture())
+        def free_wrapper(idx):
+            grouped = in_group()
+            if grouped and not ending[0] and idx.numel():
+                pending.append((idx.tolist(), capture(), False))
+            free(idx)
+            if not grouped and not ending[0] and idx.numel():
+                auditor.on_free(pool, idx.tolist(), capture())
 
-                wrap(obj, "alloc", alloc_wrapper)
-                wrap(obj, "free", free_wrapper)
-            else:
-                def paged(name):
-                    orig = getattr(obj, name)
+        wrap(obj, "alloc", alloc_wrapper)
+        wrap(obj, "free", free_wrapper)
 
-                    def alloc_wrapper(*a, **k):
-                        before = obj.get_all_free_pages().cpu().numpy()
-                        out = orig(*a, **k)
-                        if out is not None:
-                            taken = np.setdiff1d(before, obj.get_all_free_pages().cpu().numpy())
-                            if taken.size:
-                                auditor.on_alloc(pool, taken.tolist(), capture())
-                        return out
-                    return alloc_wrapper
+    @staticmethod
+    def install_paged_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list, in_group) -> None:
+        """:meth:`install_kv`'s ``PagedTokenToKVPoolAllocator``: allocs as the pages that left the free
+        set, frees at ``_release_page_ids`` (or into ``pending`` inside a free group)."""
+        obj, pool, ps, capture = spec.obj, spec.name, spec.page_size, auditor.capture_site
 
-                for name in ("alloc", "alloc_extend", "alloc_decode"):
-                    wrap(obj, name, paged(name))
-                grouped("free", lambda idx: torch.unique(idx // ps).tolist(), True)
-                grouped("free_page_ids", lambda ids: ids.tolist(), False)
-                release = obj._release_page_ids
+        def grouped(name, to_units, dedup):
+            orig = getattr(obj, name)
 
-                def release_wrapper(*page_ids):
-                    release(*page_ids)
-                    units = torch.cat([p.reshape(-1) for p in page_ids]).tolist() if page_ids else []
-                    if units and not ending[0]:
-                        auditor.on_free(pool, units, capture())
+            def wrapper(idx, *a, **k):
+                if in_group() and not ending[0] and idx.numel():
+                    pending.append((to_units(idx), capture(), dedup))
+                return orig(idx, *a, **k)
 
-                wrap(obj, "_release_page_ids", release_wrapper)
+            wrap(obj, name, wrapper)
 
-            group_end = obj.free_group_end
+        def paged(name):
+            orig = getattr(obj, name)
 
-            def group_end_wrapper():
-                ending[0] = True
-                try:
-                    group_end()
-                finally:
-                    ending[0] = False
-                items = list(pending)
-                pending.clear()
-                seen: set[int] = set()
-                for units, sid, dedup in items:
-                    if dedup:
-                        units = [u for u in units if u not in seen]
-                        seen.update(units)
-                    if units:
-                        auditor.on_free(pool, units, sid)
+            def alloc_wrapper(*a, **k):
+                before = obj.get_all_free_pages().cpu().numpy()
+                out = orig(*a, **k)
+                if out is not None:
+                    taken = np.setdiff1d(before, obj.get_all_free_pages().cpu().numpy())
+                    if taken.size:
+                        auditor.on_alloc(pool, taken.tolist(), capture())
+                return out
+            return alloc_wrapper
 
-            wrap(obj, "free_group_end", group_end_wrapper)
+        for name in ("alloc", "alloc_extend", "alloc_decode"):
+            wrap(obj, name, paged(name))
+        grouped("free", lambda idx: torch.unique(idx // ps).tolist(), True)
+        grouped("free_page_ids", lambda ids: ids.tolist(), False)
+        release = obj._release_page_ids
+
+        def release_wrapper(*page_ids):
+            release(*page_ids)
+            units = torch.cat([p.reshape(-1) for p in page_ids]).tolist() if page_ids else []
+            if units and not ending[0]:
+                auditor.on_free(pool, units, capture())
+
+        wrap(obj, "_release_page_ids", release_wrapper)
 
     def _install_host_pool(self, spec: PoolSpec, auditor, wrap, live: set | None = None) -> None:
         """A host pool (``HostKVCache``, HiSparse's or HiCache's): ``alloc(n)``/``free(slots)`` on the
@@ -174,24 +195,28 @@ class SglangHooks(Target):
     def install_lock_ledger(self, wrap, record) -> None:
         """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree (``UnifiedRadixCache``; ``lock``,
         ``unlock`` and checkpoint's lock moves all go through them) to ``record(node_id, delta)``."""
-        cache = self.tree_cache
-        inc, dec = cache.inc_lock_ref, cache.dec_lock_ref
-        net = self.lock_net
+        self.install_lock_counter(wrap, record, self.tree_cache, "inc_lock_ref", "dec_lock_ref", self.lock_net)
+
+    @staticmethod
+    def install_lock_counter(wrap, record, cache, inc_name: str, dec_name: str, net: dict, *extra) -> None:
+        """Wrap ``cache``'s lock pair ``inc_name``/``dec_name`` (``(node_id, ...)``): each call counts in
+        ``net`` (node id -> incs - decs) and goes to ``record(node_id, +1 or -1, *extra)``."""
+        inc, dec = getattr(cache, inc_name), getattr(cache, dec_name)
 
         def inc_wrapper(node_id, *a, **k):
             out = inc(node_id, *a, **k)
             net[node_id] = net.get(node_id, 0) + 1
-            record(node_id, +1)
+            record(node_id, +1, *extra)
             return out
 
         def dec_wrapper(node_id, *a, **k):
             out = dec(node_id, *a, **k)
             net[node_id] = net.get(node_id, 0) - 1
-            record(node_id, -1)
+            record(node_id, -1, *extra)
             return out
 
-        wrap(cache, "inc_lock_ref", inc_wrapper)
-        wrap(cache, "dec_lock_ref", dec_wrapper)
+        wrap(cache, inc_name, inc_wrapper)
+        wrap(cache, dec_name, dec_wrapper)
 
     def install_insert_check(self, wrap, report) -> None:
         """Check every ``UnifiedRadixCache.insert(params)`` (``checkpoint_into_tree``'s, on the instance):

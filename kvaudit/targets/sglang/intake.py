@@ -44,8 +44,8 @@ class SglangIntake(Target):
                     self._abort(rid)
             elif live:
                 self._abort(pick(op.handle, live))
-        elif isinstance(op, FlushCache):  # SchedulerFlushWrapper.handle: now, or deferred up to the timeout
-            self.flush_wrapper.handle(self.S.FlushCacheReqInput(timeout_s=float(op.timeout)))
+        elif isinstance(op, FlushCache):
+            self._request_flush(float(op.timeout))
         elif isinstance(op, OpenSession):
             if self.session_controller is not None:
                 sid = f"s{self._opened}"
@@ -71,6 +71,10 @@ class SglangIntake(Target):
             raise TypeError(f"op {op!r} does not go through apply()")
         if not isinstance(op, (Submit, HealthCheck, OpenSession)):
             self._after_intake()
+
+    def _request_flush(self, timeout: float) -> None:
+        """``SchedulerFlushWrapper.handle``: flush now, or deferred up to ``timeout`` seconds (steps)."""
+        self.flush_wrapper.handle(self.S.FlushCacheReqInput(timeout_s=timeout))
 
     def _transfer_fail(self, handle: int | None) -> None:
         """:class:`TransferFail`: a no-op here (no transfers on an aggregated server); the PD decode

@@ -1,7 +1,8 @@
 """The legacy driver family: SGLang's ``cache_finished_req`` era (0.5.10.post1 and 0.5.11, see
 :mod:`kvaudit.targets.sglang.compat`), core pools, the radix cache and sessions only.
 
-Same three layers as the 0.5.23 target (:mod:`kvaudit.targets.sglang.target`), over that era's API:
+The 0.5.23 driver (:class:`~kvaudit.targets.sglang.driver.SglangDriver`: its intake and sampling, and
+``hooks.install_kv`` for the KV pool), with that era's API where it differs:
 
 * **bootstrap** (:func:`load_legacy`) -- the imports of the era (sessions in ``managers.session_controller``
   and ``mem_cache.session_aware_cache`` before 0.5.11, in ``sglang.srt.session`` from it), the import stubs
@@ -36,12 +37,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvaudit.program import Abort, CloseSession, FlushCache, HealthCheck, MemoryPressure, Op, OpenSession, Submit
-from kvaudit.program.schema import pick, resolve_submit
-from kvaudit.targets.base import Accounting, PoolSpec, Root, Target
+from kvaudit.program import Submit
+from kvaudit.program.schema import pick
+from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, install_stubs, probe_version
-from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, StepClock
+from kvaudit.targets.sglang.driver import SglangDriver
+from kvaudit.targets.sglang.hooks import SglangHooks
+from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
 
 LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
 
@@ -141,23 +144,6 @@ def _shim_tp_rank() -> str:
     return "L1 schedule_batch.get_tensor_model_parallel_rank -> 0"
 
 
-class _Penalties:
-    is_required = False
-
-
-class _Sampling:
-    """A batch's ``sampling_info`` (model-side): ``prepare_for_decode`` asks its penalizer, retraction
-    filters it."""
-
-    penalizer_orchestrator = _Penalties()
-
-    def filter_batch(self, *a, **k) -> None:
-        pass
-
-    def merge_batch(self, other) -> None:
-        pass
-
-
 class _GenerateInput(SimpleNamespace):
     """The ``TokenizedGenerateReqInput`` that ``Session.create_req`` reads: the fields kvaudit sets, None
     for the rest (multimodal inputs, LoRA, logprob options, routing)."""
@@ -168,9 +154,10 @@ class _GenerateInput(SimpleNamespace):
         return None
 
 
-class SglangLegacyTarget(Target):
+class SglangLegacyTarget(SglangDriver):
     """Drives one set of the era's pools and one ``RadixCache`` (wrapped by ``SessionAwareCache`` with
-    streaming sessions); see the module docstring."""
+    streaming sessions); see the module docstring. :class:`SglangDriver`'s intake and sampling, with the
+    era's API where it differs: the batches, the submit, abort and flush, and the observer."""
 
     name = "sglang"
     owner_hint_vars = ("req",)
@@ -230,46 +217,20 @@ class SglangLegacyTarget(Target):
         self._pools = [PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, config.max_req_rows),
                        PoolSpec("token_to_kv_pool", self.allocator, "kv", 1, size)]
 
-    # -- intake (Scheduler.process_input_requests) ------------------------------------------------
-    def apply(self, op: Op) -> None:
-        """Deliver a message as the era's ``process_input_requests`` does; pauses, transfer failures and
-        flush timeouts are not driven here (a pause is a no-op, a flush runs only when idle)."""
-        cfg = self.config
-        if isinstance(op, Submit):
-            req = resolve_submit(op, cfg.vocab_size, cfg.context_len // 4, cfg.context_len // 2, self.submitted,
-                                 self._text, self.sessions)
-            self._submit(req.input_ids, req.max_new_tokens, req.stop_at, req.session, "r", op)
-        elif isinstance(op, HealthCheck):
-            if self.is_idle():
-                self._submit([2], 1, None, None, "HEALTH_CHECK_")
-        elif isinstance(op, Abort):
-            live = self.live_rids()
-            if op.handle is None:
-                for rid in live:
-                    self._abort(rid)
-            elif live:
-                self._abort(pick(op.handle, live))
-        elif isinstance(op, FlushCache):
-            self._flush_cache()
-        elif isinstance(op, OpenSession):
-            if self.session_controller is not None:
-                sid = f"s{self._opened}"
-                self._opened += 1
-                self.session_controller.open(self.S.OpenSessionReqInput(
-                    capacity_of_str_len=0, session_id=sid, streaming=cfg.session_streaming,
-                    timeout=cfg.session_timeout_steps))
-                self.sessions.append(sid)
-        elif isinstance(op, CloseSession):
-            if self.sessions:
-                sid = self.sessions.pop(op.handle % len(self.sessions))
-                self.session_controller.close(self.S.CloseSessionReqInput(session_id=sid))
-        elif isinstance(op, MemoryPressure):
-            self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
-        if not isinstance(op, (Submit, HealthCheck, OpenSession)) and self._intake is not None:
-            self._intake()
+    # -- intake: SglangIntake.apply, less what the era does not drive ------------------------------
+    held = None  # no pauses: PauseGeneration is a no-op, nothing is held, ContinueGeneration never runs
+    scheduler_paused = False
 
-    def on_intake(self, callback) -> None:
-        self._intake = callback
+    def _pause_generation(self, mode: str) -> None:
+        pass
+
+    def _request_flush(self, timeout: float) -> None:
+        """A flush runs only when idle (no deferral in this family)."""
+        self._flush_cache()
+
+    def _memory_pressure(self) -> None:
+        """Evict what the tree can give (no forced retraction in this family)."""
+        self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
 
     def _submit(self, prompt, max_new: int, stop_at, sid, rid_prefix: str = "r", op: Submit | None = None) -> None:
         """``handle_generate_request`` of the era: a plain ``Req`` or ``Session.create_req``; a gone (or,
@@ -339,18 +300,13 @@ class SglangLegacyTarget(Target):
         self._flushes += 1
         return True
 
-    def _text(self, rid: str) -> list[int]:
-        for req in self.waiting + self.running:
-            if req.rid == rid:
-                return list(req.origin_input_ids) + list(req.output_ids)
-        return []
-
-    def live_rids(self) -> list[str]:
-        live = {r.rid for r in self.waiting + self.running if not r.finished()}
-        return [r for r in self.submitted if r in live]
+    def _active(self) -> list:
+        return self.waiting + self.running
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running
+
+    is_idle_for_health_check = is_idle
 
     # -- batches (Scheduler.event_loop_normal) ---------------------------------------------------
     def step(self) -> None:
@@ -397,7 +353,7 @@ class SglangLegacyTarget(Target):
         self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, cache, self.model_config,
                                          False, S.SpeculativeAlgorithm.NONE)
-        batch.sampling_info = _Sampling()
+        batch.sampling_info = NoSampling()
         batch.prepare_for_extend()
         return "extend", batch
 
@@ -407,7 +363,7 @@ class SglangLegacyTarget(Target):
         S = self.S
         batch = S.ScheduleBatch.init_new(list(reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, False, S.SpeculativeAlgorithm.NONE)
-        batch.sampling_info = _Sampling()
+        batch.sampling_info = NoSampling()
         batch.req_pool_indices = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         batch.seq_lens = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
         batch.seq_lens_cpu = batch.seq_lens.clone()
@@ -437,12 +393,6 @@ class SglangLegacyTarget(Target):
                 return None
         batch.prepare_for_decode()
         return "decode", batch
-
-    def _sample(self, req) -> int:
-        n = len(req.output_ids)
-        if getattr(req, "kvaudit_stop_at", None) is not None and n + 1 >= req.kvaudit_stop_at:
-            return EOS
-        return 2 + ((len(req.origin_input_ids) + n) * 7 + 3) % (self.config.vocab_size - 2)
 
     def _process(self, kind: str, batch) -> None:
         """``process_batch_result_prefill`` / ``_decode``: a token per request, ``check_finished``, then
@@ -486,15 +436,15 @@ class SglangLegacyTarget(Target):
         return f"req:{rid}" if isinstance(rid, str) else None
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """The KV pool by :meth:`_install_kv_pool`; the row pool by its free
+        """The KV pool as on 0.5.23 (:meth:`SglangHooks.install_kv`, page 1); the row pool by its free
         list: ``alloc(reqs)`` (rows taken; a request that keeps its row takes none), ``free(req)``, and
         ``SessionAwareCache.release_session``, which appends a slot's row to ``free_slots`` itself. Rows are
         ledger units ``row + 1`` before 0.5.11 (every row usable; unit 0 is the ledger's padding), the row
         from it (row 0 is padding: ``row-zero-padding``)."""
         pool, obj, capture, base = spec.name, spec.obj, auditor.capture_site, self._row_base
         auditor.wrap_clear(spec)
-        if spec.kind != "rows":
-            return self._install_kv_pool(pool, obj, auditor, wrap)
+        if spec.kind != "rows":  # the era's free group: is_not_in_free_group (free_group stays a list)
+            return SglangHooks.install_kv(spec, auditor, wrap, False, lambda: not obj.is_not_in_free_group)
 
         def diffing(target, name, taking: bool):
             orig = getattr(target, name)
@@ -515,46 +465,6 @@ class SglangLegacyTarget(Target):
         diffing(obj, "free", False)
         if self.session_controller is not None:
             diffing(self.tree_cache, "release_session", False)
-
-    @staticmethod
-    def _install_kv_pool(pool: str, obj, auditor, wrap) -> None:
-        """``TokenToKVPoolAllocator.alloc``/``free`` of this era: inside a free group (its flag
-        ``is_not_in_free_group`` is False; ``free_group`` stays a list after the group ends) a free is parked
-        and reaches the free list at ``free_group_end`` (one ``free`` of them all, not deduplicated): it is
-        recorded then, with the site of its own call."""
-        capture = auditor.capture_site
-        alloc, free, group_end = obj.alloc, obj.free, obj.free_group_end
-        pending: list[tuple[list[int], int]] = []
-        ending = [False]
-
-        def alloc_wrapper(n):
-            out = alloc(n)
-            if out is not None and out.numel():
-                auditor.on_alloc(pool, out.tolist(), capture())
-            return out
-
-        def free_wrapper(idx):
-            direct = obj.is_not_in_free_group and not ending[0]
-            if not obj.is_not_in_free_group and idx.numel():
-                pending.append((idx.tolist(), capture()))
-            free(idx)
-            if direct and idx.numel():
-                auditor.on_free(pool, idx.tolist(), capture())
-
-        def group_end_wrapper():
-            ending[0] = True
-            try:
-                group_end()
-            finally:
-                ending[0] = False
-            items = list(pending)
-            pending.clear()
-            for units, site in items:
-                auditor.on_free(pool, units, site)
-
-        wrap(obj, "alloc", alloc_wrapper)
-        wrap(obj, "free", free_wrapper)
-        wrap(obj, "free_group_end", group_end_wrapper)
 
     def _slots(self):
         return list(self.tree_cache.slots.items()) if self.session_controller is not None else []

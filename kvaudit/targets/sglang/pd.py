@@ -21,20 +21,15 @@ driver plays what is not on this machine:
   bookkeeping of ``CommonKVReceiver``/``CommonKVManager`` (their own methods, borrowed): the
   shipped fake receiver never defers a release. Prefill's ack arrives ``abort_ack_steps`` steps
   later (``None``: never, so the release waits for the timeout);
-* **the KV checksum** -- SGLang's ``--disaggregation-enable-kv-checksum`` is on. Prefill writes a
-  digest of the prompt's KV pages into the request's metadata row; ``_commit_transfer_to_req`` keeps
-  it as ``req.expected_kv_checksum`` (the layout signatures match: prefill's layout is this
-  decode's); ``get_new_prebuilt_batch`` runs ``_verify_kv_checksums``, which digests the received
-  pages again (the fake manager's ``should_verify_kv_checksum`` is ``BaseKVManager``'s: True), and a
-  mismatch goes to ``_handle_kv_checksum_mismatch`` (``prepare_abort`` with a 500,
-  ``release_kv_cache(checkpoint=False)``, filtered out of the batch). SGLang's ``KvChecksumComputer``
-  is an Adler-32 kernel over the GPU pool's bytes (it asserts CUDA) and kvaudit's pools hold no KV
-  data, so :class:`~kvaudit.targets.sglang.pd_transfer.KvChecksums` stands in for it: the wire
-  writes a word into each destination page, prefill digests what it sent, and
-  ``kv_checksum_mismatch_every`` N corrupts every Nth landed transfer on the wire. SGLang raises instead of aborting when ``is_in_ci()``, unless the mismatch
-  was injected (``SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB``); kvaudit's corruption is an
-  injection too, so with ``kv_checksum_mismatch_every`` set ``decode.py``'s ``is_in_ci`` answers
-  False (unset, it is SGLang's: a mismatch kvaudit did not inject raises under ``SGLANG_IS_IN_CI``);
+* **the KV checksum** -- SGLang's ``--disaggregation-enable-kv-checksum`` is on: prefill's digest
+  travels in the request's metadata row, ``get_new_prebuilt_batch`` verifies it
+  (``_verify_kv_checksums``) and a mismatch is aborted and released
+  (``_handle_kv_checksum_mismatch``). SGLang's CUDA ``KvChecksumComputer`` is replaced by
+  :class:`~kvaudit.targets.sglang.pd_transfer.KvChecksums` (kvaudit's pools hold no KV data: the wire
+  writes a word into each page), and ``kv_checksum_mismatch_every`` N corrupts every Nth landed
+  transfer. That corruption is an injection, as SGLang's ``SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB``,
+  so with it set ``decode.py``'s ``is_in_ci`` answers False (unset, a mismatch raises under
+  ``SGLANG_IS_IN_CI``, as in SGLang);
 * **the clock** -- ``decode.py``'s ``time.monotonic`` advances one second per scheduler step, so
   deferred-release timeouts are deterministic.
 

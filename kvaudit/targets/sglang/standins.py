@@ -35,9 +35,31 @@ class StepClock:
         return getattr(time, name)
 
 
+class StepEvent:
+    """A copy's ``finish_event`` that completes at scheduler step ``ready_at`` (a HiSparse staging
+    copy, a HiCache transfer). On CPU ``torch.cpu.Event.query()`` is always True, so every copy would
+    complete at the very next poll; on a GPU the copy can take longer, and a staged request then
+    outlives the batch it was prefilled in (hazard A.4)."""
+
+    def __init__(self, event, target, ready_at: int):
+        self.event, self.target, self.ready_at = event, target, ready_at
+
+    def query(self) -> bool:
+        return self.target.steps >= self.ready_at and self.event.query()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.event, name)
+
+
 class NoSampling:
     """The batch's ``sampling_info`` (penalties, temperatures: model-side, no memory). Only
-    ``filter_batch`` (retraction, preemption) and ``merge_batch`` (a mixed batch) touch it here."""
+    ``filter_batch`` (retraction, preemption), ``merge_batch`` (a mixed batch) and, in the legacy
+    family, ``prepare_for_decode``'s penalizer check touch it here."""
+
+    penalizer_orchestrator = SimpleNamespace(is_required=False)
 
     def filter_batch(self, keep_indices, keep_indices_device) -> None:
         pass

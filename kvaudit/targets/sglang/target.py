@@ -107,11 +107,8 @@ class SglangTarget(SglangDriver, SglangObserver):
 
     def engine_files(self) -> list[str]:
         """The driver's modules play SGLang's scheduler: their frames are sites like SGLang's own (a free
-        the driver makes itself, as flush_cache's clear(), is located there, not in kvaudit's runner);
-        and the hooks' module, for the reason in the note."""
-        # NOTE: before the split the hooks shared the driver's file, and the host pools' wrappers
-        # (``_install_host_pool``: not an ``install_*`` method, so its closures are not taken for hooks)
-        # were sites: a HiCache flush's host-pool clear() is located at its ``clear_wrapper``. Kept so
-        # that every ledger digest stays (issue 19); without hooks.py here that site moves to SGLang's
-        # caller and HiCache digests change.
+        the driver makes itself, as flush_cache's clear(), is located there, not in kvaudit's runner).
+        And the hooks' module: the host pools' wrappers (``_install_host_pool``, not an ``install_*``
+        method, so its closures are not hooks) are sites too, e.g. a HiCache flush's host-pool clear()
+        at ``clear_wrapper``; the recorded ledger digests depend on it."""
         return [*DRIVER_FILES, hooks.__file__]
