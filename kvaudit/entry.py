@@ -23,7 +23,7 @@ from kvaudit.app.interrupts import write_startup_reports  # standard library onl
 
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
 GUARDED = ("fuzz", "minimize", "ci")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
-_HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.targets.eut.target", "kvaudit.reports.report")
+_HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.reports.report")  # and the default target kind's warm_up()
 
 
 def main() -> None:
@@ -43,6 +43,8 @@ def main() -> None:
         if runs_engine:
             for name in _HEAVY_MODULES:
                 importlib.import_module(name)
+            from kvaudit.targets import registry
+            registry.get(registry.DEFAULT_KIND).warm_up()
             one_torch_thread()
     except BaseException:  # an interrupt can surface as another error from a half-done import (numpy)
         if not hit:

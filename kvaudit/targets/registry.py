@@ -102,7 +102,9 @@ class TargetKind:
     HTTP API, launch, client script and issue text parts), None: the kind has no server to export to;
     ``engine_check(config, program)`` the engine's own memory check over ``program``, run bare: (first
     step whose idle check fails, first step whose busy or idle check fails), None for never
-    (``kvaudit bench``'s "SGLang idle check" column), None: the kind has none.
+    (``kvaudit bench``'s "SGLang idle check" column), None: the kind has none; ``warm_up()`` imports
+    what ``make`` needs (the slow part of a first run), for an entry point that imports under its own
+    interrupt guard (:mod:`kvaudit.entry`); by default nothing.
     """
 
     name: str
@@ -128,6 +130,7 @@ class TargetKind:
     history: Callable[[], tuple[tuple, tuple, Mapping]] | None = None
     export: Callable[[], object] | None = None
     engine_check: Callable | None = None
+    warm_up: Callable = _none
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""

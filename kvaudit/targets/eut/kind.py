@@ -25,6 +25,10 @@ def _make(config):
     return EutTarget(config)
 
 
+def _warm_up():
+    import kvaudit.targets.eut.target  # noqa: F401  (torch and the engine)
+
+
 def _features(config) -> frozenset[str]:
     """``transfer_fail`` on a PD decode server (``Scheduler.report_transfer_failure``), ``priority``
     with ``enable_priority_scheduling``."""
@@ -55,4 +59,4 @@ KIND = register(TargetKind(
     name="eut", summary="the built-in engine_under_test", config_class=EutConfig, presets=_presets, make=_make,
     bugs=_bugs, bugs_title="bug zoo", header=_header, anchor=_anchor, features=_features,
     capabilities=server_args_capabilities, model_choices=("none", "tiny"), regressions="corpora/regressions",
-    engine_check=_engine_check))
+    engine_check=_engine_check, warm_up=_warm_up))
