@@ -1,53 +1,9 @@
 """A campaign across machines: workers on many hosts share one Redis (``kvaudit fuzz --db URL``).
 
-Every worker of every host keeps its own local campaign directory, exactly as a one-machine
-campaign does (:mod:`kvaudit.search.campaign`), and mirrors it through Redis, in the spirit of
-syzkaller's hub and ClusterFuzz's shared corpora. Keys, all under ``kvaudit:<campaign>:``:
-
-=====================  ======  ==================================================================
-``findings``           hash    signature -> a replay file (JSON text): the confirmed, minimized file
-                               that registered it, stored under the first signature it made known
-``known``              set     every signature a registered (or uploaded) replay file records
-``claim:<signature>``  string  the worker triaging it (``host/pid/index``); expires after ``ttl``
-                               seconds unless its worker's heartbeat renews it
-``pending``            hash    signature -> the claimed finding's unminimized replay file, uploaded
-                               at claim time so that another worker can triage it if the claimant
-                               dies (or lets it go: :meth:`Hub.release`); removed once a file records it
-``flaky``              set     signatures that did not reproduce 3/3
-``duplicates``         hash    signature -> how many times a worker found it known or claimed by
-                               another, or triaged it to find another file registered it first
-``programs``           list    the corpus fuzzer's programs (``{"name", "program"}`` JSON), in the
-                               order they were sent (each worker's in batches, with its heartbeat);
-                               each worker reads on from its own cursor
-``workers``            set     every worker that ever joined
-``worker:<id>``        string  its heartbeat (JSON: host, pid, executions, exec/s, coverage, counts,
-                               ``state``); expires after ``ttl`` seconds, so a killed worker's key is
-                               absent (gone); a worker that stops writes ``"state": "exited"`` for good
-``hypothesis:``        prefix  Hypothesis's example database (``hypothesis.extra.redis``)
-``atheris``            hash    libFuzzer's corpus: file name -> input bytes (:meth:`Hub.sync_dir`)
-=====================  ======  ==================================================================
-
-A bug is triaged and reported once across the fleet, though one program may raise several
-signatures: a worker claims every signature its program raised in one atomic step (a Lua script:
-those not known and not held by another worker become its ``claim:<sig>``, with the pending
-program), confirms and minimizes the first it got, then registers the replay file's whole signature
-set in one atomic step (:meth:`Hub.register`) before writing the file: the signatures no file
-records yet become known, the file is stored under the first, and it is written and reported for
-those; a worker whose file records nothing new (another worker's file registered every signature
-first) writes nothing and counts duplicates. Signatures claimed but no longer raised by the
-minimized program are released to be triaged on their own. A claim whose worker stops heartbeating
-expires, and any worker then re-claims the pending finding and triages it from its uploaded program.
-
-Redis going away never stops a host: every call that fails (connection refused, timeout) puts the
-worker offline, the write is queued in an outbox, and the next call after :data:`RETRY_EVERY`
-seconds tries to reconnect and flushes the outbox first. A finding triaged offline is uploaded
-with ``HSETNX`` on reconnection (if another host registered the same signature meanwhile, both hosts
-have reported it: the one case in which a signature is reported twice). Nothing read back is
-unpickled or evaluated: replay files are validated JSON (:func:`kvaudit.replay.parse_text`), as
-from disk; a malformed entry is skipped with a warning (:attr:`Hub.warnings`).
-
-Security: ``redis://user:password@host`` and ``rediss://`` (TLS) URLs are what redis-py accepts
-(:meth:`redis.Redis.from_url`).
+Each worker keeps its local campaign directory (:mod:`kvaudit.search.campaign`) and mirrors it through
+the keys ``kvaudit:<campaign>:*``; a bug is claimed, triaged and registered once across the fleet, and a
+worker goes on offline while Redis is away. Design notes (the keys, claims, the outbox):
+docs/internals/search.md.
 """
 
 from __future__ import annotations
@@ -88,8 +44,7 @@ end
 return got
 """
 # KEYS: known, findings, pending, duplicates, claim:<s1>..claim:<sn>; ARGV: worker, file text, s1..sn (the
-# file's signatures, its primary first). The signatures no file recorded yet become known and the file is
-# stored under the first of them; this worker's claims on all of them end. Returns those new ones.
+# file's signatures, its primary first). Returns the signatures no file recorded before.
 _REGISTER = """
 local new = {}
 for i = 5, #KEYS do
@@ -123,8 +78,7 @@ class HubError(Exception):
 
 
 class BadURL(HubError):
-    """The URL is bad input: redis-py cannot parse it (a non-numeric port) or the server refuses what
-    it asks (a DB index out of range)."""
+    """The URL is bad input: unparsable, or asking what the server refuses (a DB index out of range)."""
 
 
 def _redis_errors() -> tuple[type, ...]:
@@ -133,9 +87,8 @@ def _redis_errors() -> tuple[type, ...]:
     return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
-# The query options a --db URL may carry: those redis-py reads from a URL that its connections take
-# (redis.connection.parse_url hands any other key to the connection, whose constructor raises TypeError
-# at the first command), and for rediss:// the TLS ones (redis.connection.SSLConnection).
+# NOTE: redis-py hands any query key it does not know to the connection, whose constructor raises TypeError
+# at the first command; these are the ones it reads (the TLS ones: redis.connection.SSLConnection).
 URL_OPTIONS = ("db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "retry_on_timeout",
                "health_check_interval", "max_connections", "client_name", "protocol", "username", "password")
 TLS_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_password",
@@ -143,11 +96,10 @@ TLS_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "
 
 
 def check_url(url: str) -> None:
-    """``url`` as a Redis URL kvaudit can use as written, whatever the server's state: scheme
-    ``redis://``, ``rediss://`` (TLS) or ``unix://`` (with a socket path); a port that is a number in
-    1-65535; a database index (``/N`` or ``?db=N``) that is a number (redis-py reads ``/abc`` as DB 0);
-    only the query options :data:`URL_OPTIONS` (and :data:`TLS_OPTIONS` with ``rediss://``), each once.
-    Raises :class:`BadURL` with one line (the password masked)."""
+    """Raises :class:`BadURL` (one line, the password masked) unless ``url`` is a ``redis://``,
+    ``rediss://`` (TLS) or ``unix://PATH`` URL with a port in 1-65535, a numeric database index
+    (``/N`` or ``?db=N``; redis-py reads ``/abc`` as DB 0) and only the query options
+    :data:`URL_OPTIONS` (and :data:`TLS_OPTIONS` with ``rediss://``), each once."""
     from urllib.parse import parse_qsl, unquote, urlsplit
 
     where = f"--db {safe_url(url)!r}"
@@ -182,9 +134,8 @@ def check_url(url: str) -> None:
 
 def connect(url: str, timeout: float = 5.0, check: bool = True):
     """A ``redis.Redis`` client for ``url`` that answered a PING (``check``; else not tried yet: a
-    worker starts offline rather than not at all). Raises :class:`HubError` with a one-line reason
-    (no redis-py, nothing answering), :class:`BadURL` for a URL that :func:`check_url` refuses or the
-    server refuses what it asks (a DB index out of range)."""
+    worker starts offline rather than not at all). Raises :class:`HubError` (no redis-py, nothing
+    answering, authentication) and :class:`BadURL`, each one line."""
     check_url(url)
     try:
         import redis
@@ -200,7 +151,7 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
         client.ping()
     except redis.exceptions.AuthenticationError as e:
         raise HubError(f"--db {safe_url(url)}: authentication failed: {e}") from None
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+    except _redis_errors() as e:
         raise HubError(f"--db {safe_url(url)}: cannot reach Redis: {e}") from None
     except redis.exceptions.ResponseError as e:  # the URL asks what the server refuses (a DB index out of range)
         raise BadURL(f"--db {safe_url(url)}: {e}") from None
@@ -222,11 +173,9 @@ def safe_url(url: str) -> str:
 
 
 class Hub:
-    """One worker's view of a campaign in Redis (see the module docstring for the keys).
-
-    ``client``: a ``redis.Redis`` (from :func:`connect`); ``campaign``: the campaign's name;
-    ``worker``: this worker's id (``host/pid/index``); ``ttl``: seconds a claim or heartbeat lives
-    unrenewed. Every method returns normally when Redis is away (see :attr:`online`)."""
+    """One worker's view of campaign ``campaign`` in Redis. ``client``: from :func:`connect`; ``worker``:
+    its id (``host/pid/index``); ``ttl``: seconds a claim or heartbeat lives unrenewed. Every method returns
+    normally while Redis is away (:attr:`online` False): reads give their empty default, writes are queued."""
 
     def __init__(self, client, campaign: str, worker: str, ttl: float = DEFAULT_TTL):
         self.r = client
@@ -236,7 +185,7 @@ class Hub:
         self.ttl = ttl
         self.online = True
         self._retry_at = 0.0
-        self._outbox: list[tuple[str, tuple]] = []  # (method name, args) of writes made offline
+        self._outbox: list[Callable] = []  # writes made offline, each redone as write(redis) on reconnection
         self._claims: set[str] = set()
         self._programs_out: list[str] = []  # corpus programs not sent yet
         self._cursor = 0  # index into the programs list
@@ -253,13 +202,13 @@ class Hub:
     def key(self, name: str) -> str:
         return self.prefix + name
 
-    def _call(self, fn: Callable, default=None, queue: tuple[str, tuple] | None = None):
-        """Run ``fn(redis)``; on a connection failure go offline, queue ``queue`` (a write to redo)
-        and return ``default``. Offline, a call before the retry time fails at once."""
+    def _call(self, fn: Callable, default=None, redo: Callable | None = None):
+        """``fn(redis)``, or ``default`` offline (and ``redo`` queued). Offline, a call before the retry time
+        fails at once."""
         with self._lock:
             if not self.online and time.monotonic() < self._retry_at:
-                if queue is not None:
-                    self._outbox.append(queue)
+                if redo is not None:
+                    self._outbox.append(redo)
                 return default
             try:
                 if not self.online:
@@ -270,16 +219,18 @@ class Hub:
             except _redis_errors():
                 self.online = False
                 self._retry_at = time.monotonic() + RETRY_EVERY
-                if queue is not None:
-                    self._outbox.append(queue)
+                if redo is not None:
+                    self._outbox.append(redo)
                 return default
 
+    def _write(self, fn: Callable) -> None:
+        self._call(fn, redo=fn)
+
     def _flush(self) -> None:
-        """Redo the writes queued while offline (called with the lock held, on reconnection)."""
         pending, self._outbox = self._outbox, []
-        for i, (name, args) in enumerate(pending):
+        for i, redo in enumerate(pending):
             try:
-                getattr(self, "_w_" + name)(self.r, *args)
+                redo(self.r)
             except _redis_errors():
                 self._outbox = pending[i:] + self._outbox
                 raise
@@ -288,63 +239,52 @@ class Hub:
         if text not in self.warnings:
             self.warnings.append(text)
 
-    # -- writes (each also a ``_w_`` method the outbox can redo) -----------------------------------
-
-    @staticmethod
-    def _w_upload(self_r, prefix: str, sig: str, text: str, sigs: list[str], held: list[str]) -> None:
-        self_r.hsetnx(prefix + "findings", sig, text)
-        if sigs:
-            self_r.sadd(prefix + "known", *sigs)
-        for s in held:
-            self_r.hdel(prefix + "pending", s)
-            self_r.delete(prefix + "claim:" + s)
+    # -- writes -------------------------------------------------------------------------------------
 
     def register(self, sigs: list[str], text: str) -> list[str] | None:
-        """Register a replay file (``text``) that records ``sigs`` (its primary signature first), in one
-        atomic step, before it is written: the signatures no file of the fleet records yet become known
-        and this file is stored under the first of them (``findings``); this worker's claims on all of
-        ``sigs`` end. Returns those new signatures, which this file reports: [] when other files record
-        them all (write nothing: a duplicate), None while offline (the host writes the file and reports
-        ``sigs`` itself; the upload is queued, ``HSETNX`` on reconnection)."""
+        """Register the replay file ``text`` recording ``sigs`` (primary first) in one atomic step, before
+        it is written: the signatures no file records yet become known and ``text`` is stored under the
+        first of them; this worker's claims on ``sigs`` end. Returns those new signatures ([]: a duplicate,
+        write nothing), or None offline (the host reports ``sigs`` itself; ``HSETNX`` on reconnection)."""
         held = sorted(set(sigs) & self._claims)
         self._claims.difference_update(sigs)
         keys = [self.key(k) for k in ("known", "findings", "pending", "duplicates")] + [self.key("claim:" + s)
                                                                                         for s in sigs]
-        args = (self.prefix, sigs[0], text, list(sigs), held)
+
+        def upload(r):
+            r.hsetnx(self.key("findings"), sigs[0], text)
+            r.sadd(self.key("known"), *sigs)
+            for s in held:
+                r.hdel(self.key("pending"), s)
+                r.delete(self.key("claim:" + s))
+
         got = self._call(lambda r: self._scripts["register"](keys, [self.worker, text, *sigs], client=r),
-                         queue=("upload", args))
+                         redo=upload)
         return None if got is None else [_text(s) for s in got]
 
     def release(self, sigs) -> None:
-        """End this worker's claims on ``sigs`` without a file: their pending programs stay, so any worker
-        (this one included) re-claims and triages them as orphans (:meth:`orphans`). For signatures the
-        claimed program raised that its minimized program no longer does."""
+        """End this worker's claims on ``sigs`` without a file (its minimized program no longer raises
+        them): their pending programs stay, for any worker to re-claim as :meth:`orphans`."""
         mine = sorted(set(sigs) & self._claims)
         self._claims.difference_update(mine)
         if mine:
             self._call(lambda r: self._scripts["release"]([self.key("claim:" + s) for s in mine], [self.worker],
                                                           client=r))
 
-    @staticmethod
-    def _w_flaky(self_r, prefix: str, sig: str) -> None:
-        self_r.sadd(prefix + "flaky", sig)
-        self_r.hdel(prefix + "pending", sig)
-        self_r.delete(prefix + "claim:" + sig)
-
     def flaky(self, sig: str) -> None:
         """``sig`` did not reproduce 3/3: recorded, its claim released."""
         self._claims.discard(sig)
-        args = (self.prefix, sig)
-        self._call(lambda r: self._w_flaky(r, *args), queue=("flaky", args))
 
-    @staticmethod
-    def _w_programs(self_r, prefix: str, texts: list[str]) -> None:
-        self_r.rpush(prefix + "programs", *texts)
+        def write(r):
+            r.sadd(self.key("flaky"), sig)
+            r.hdel(self.key("pending"), sig)
+            r.delete(self.key("claim:" + sig))
+
+        self._write(write)
 
     def share_program(self, name: str, program_json: list) -> None:
-        """Append a corpus program (its store file name and JSON ops) to the campaign's list: buffered
-        here and sent by the heartbeat (every ``ttl``/3 s) and :meth:`stop`, so the search never waits
-        on Redis for it."""
+        """Append a corpus program (its store file name and JSON ops) to the campaign's list; buffered, sent
+        by the heartbeat and :meth:`stop` so that the search never waits on Redis."""
         with self._lock:
             self._programs_out.append(json.dumps({"name": name, "program": program_json}))
 
@@ -353,17 +293,12 @@ class Hub:
         with self._lock:
             texts, self._programs_out = self._programs_out, []
         if texts:
-            args = (self.prefix, texts)
-            self._call(lambda r: self._w_programs(r, *args), queue=("programs", args))
-
-    def _w_db_save(self, r, key: bytes, value: bytes) -> None:
-        self.example_db.save(key, value)
+            self._write(lambda r: r.rpush(self.key("programs"), *texts))
 
     def example_database(self, local_dir: str):
-        """Hypothesis's example database for this worker: the local directory database multiplexed
-        with the campaign's Redis one (``hypothesis.extra.redis.RedisExampleDatabase`` under
-        ``kvaudit:<campaign>:hypothesis:``). Saves reach both; while Redis is away the Redis side
-        reads as empty and its saves are queued, redone on reconnection."""
+        """Hypothesis's example database: the directory ``local_dir`` multiplexed with the campaign's
+        ``RedisExampleDatabase`` (``kvaudit:<campaign>:hypothesis:``), which reads as empty and queues its
+        saves while Redis is away."""
         from hypothesis.database import DirectoryBasedExampleDatabase, MultiplexedDatabase
         from hypothesis.extra.redis import RedisExampleDatabase
 
@@ -373,11 +308,9 @@ class Hub:
     # -- claims -------------------------------------------------------------------------------------
 
     def claim(self, sigs: list[str], pending_doc: dict) -> list[str]:
-        """Try to become the worker that triages ``sigs`` (the signatures one program raised), all in one
-        atomic step: returns those this worker holds now (claimed here, each with ``pending_doc``, the
-        unminimized replay document, uploaded, or held already); the others are known to the fleet or
-        held by another worker (a duplicate each, counted). Offline: all of them (the host triages on
-        its own and registers later)."""
+        """Claim ``sigs`` (one program's signatures) in one atomic step, uploading ``pending_doc`` (the
+        unminimized replay document) with each claim. Returns those this worker holds now; the others are
+        known or held by another worker (a duplicate each). Offline: all of them."""
         sigs = list(dict.fromkeys(sigs))
         keys = [self.key(k) for k in ("known", "pending", "duplicates")] + [self.key("claim:" + s) for s in sigs]
         argv = [self.worker, max(1, int(self.ttl)), json.dumps(pending_doc), *sigs]
@@ -386,8 +319,8 @@ class Hub:
         return got
 
     def orphans(self) -> list[tuple[str, dict]]:
-        """Pending findings whose claim expired (their worker died mid-triage), each with its
-        validated replay document, not yet known: what another worker should re-claim and triage."""
+        """``(signature, replay document)`` of the pending findings whose claim expired (their worker died
+        mid-triage) and that no file records yet."""
         def go(r):
             out = []
             for raw_sig, text in r.hgetall(self.key("pending")).items():
@@ -402,8 +335,7 @@ class Hub:
         return self._call(go, default=[])
 
     def _replay_doc(self, text, where: str, sig: str) -> dict | None:
-        """``text`` (from the hash ``where``, for ``sig``) as a validated replay document, or None
-        with a warning: JSON only, never unpickled or evaluated."""
+        """Validated JSON, never unpickled or evaluated; None (and a warning) when malformed."""
         try:
             doc = json.loads(text)
             replay.parse_doc(doc, f"redis {self.key(where)}[{sig}]")
@@ -421,9 +353,8 @@ class Hub:
         return set(map(_text, got))
 
     def pull_findings(self, directory: str, have: set[str] | None = None) -> list[str]:
-        """Write the fleet's replay files that ``directory`` lacks into it (atomically, by
-        :func:`kvaudit.replay.file_name`), each validated first; a malformed entry is skipped with a
-        warning. ``have``: signatures already there (skipped without reading). Returns the paths written."""
+        """Write the fleet's replay files that ``directory`` lacks into it, validated, atomically; ``have``:
+        signatures to skip unread. Returns the paths written."""
         def go(r):
             names = list(map(_text, r.hkeys(self.key("findings"))))
             out = []
@@ -442,16 +373,17 @@ class Hub:
         return self._call(go, default=[])
 
     def new_programs(self) -> list[tuple[str, list]]:
-        """The corpus programs other workers shared since the last call: ``(name, ops JSON)``; a
-        malformed entry is skipped with a warning (its ops are validated by the caller's parser)."""
+        """``(name, ops JSON)`` of the corpus programs shared since the last call (the caller validates the
+        ops); a malformed entry is skipped with a warning."""
         def go(r):
             items = r.lrange(self.key("programs"), self._cursor, -1)
             self._cursor += len(items)
             out = []
             for text in items:
                 try:
-                    d = json.loads(text)  # RecursionError: a ValueError's kin from nesting
-                    if not (isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("program"), list)):
+                    d = json.loads(text)
+                    if not (isinstance(d, dict) and isinstance(d.get("name"), str)
+                            and isinstance(d.get("program"), list)):
                         raise ValueError("not {name, program}")
                 except (TypeError, ValueError, RecursionError) as e:
                     self._warn(f"skipped a malformed corpus program in Redis: {e}")
@@ -462,12 +394,10 @@ class Hub:
         return self._call(go, default=[])
 
     def sync_dir(self, kind: str, directory: str, max_bytes: int = 1 << 20) -> tuple[int, int]:
-        """Two-way sync of a folder of opaque inputs (libFuzzer's corpus: any byte string decodes to a
-        valid program, so nothing in it is trusted or run as code) with the hash ``<kind>``: local
-        files Redis lacks go up (``HSETNX``), Redis's entries the folder lacks come down (written
-        atomically). Names must be plain file names (``[A-Za-z0-9_.-]``, no leading dot, at most 128
-        characters) and contents at most ``max_bytes``; others are skipped with a warning. Returns
-        (uploaded, downloaded); (0, 0) while offline."""
+        """Two-way sync of a folder of opaque inputs (libFuzzer's corpus) with the hash ``<kind>``: files
+        Redis lacks go up (``HSETNX``), entries the folder lacks come down (atomically). Only plain names
+        (``[A-Za-z0-9_.-]``, no leading dot, at most 128 characters) and contents of at most ``max_bytes``
+        pass; others are skipped with a warning. Returns (uploaded, downloaded); (0, 0) offline."""
         os.makedirs(directory, exist_ok=True)
         local = {n for n in os.listdir(directory) if _plain_name(n) and os.path.isfile(os.path.join(directory, n))}
 
@@ -496,13 +426,11 @@ class Hub:
     # -- heartbeat ----------------------------------------------------------------------------------
 
     def beat(self, **fields) -> None:
-        """Record this worker's figures for the next heartbeat (sent every ``ttl``/3 s by the thread
-        :meth:`start` runs, which also renews the claims this worker holds)."""
+        """Record this worker's figures for the next heartbeat."""
         self._beat.update(fields)
 
     def _send_beat(self, final: bool = False) -> None:
-        """Send the heartbeat; ``final``: the worker is stopping, so its key says ``exited`` for good
-        (no expiry) instead of ageing out as a killed worker's does."""
+        """``final``: the key says ``exited`` for good instead of expiring as a killed worker's does."""
         doc = dict(self._beat, worker=self.worker, time=time.time(), state="exited" if final else "alive")
         ex = max(1, int(self.ttl))
 
@@ -518,7 +446,8 @@ class Hub:
         self.flush_programs()
 
     def start(self) -> "Hub":
-        """Start the heartbeat thread (a daemon: it dies with the process, and so does the claim)."""
+        """Start the heartbeat thread: every ``ttl``/3 s it sends the heartbeat, renews this worker's claims
+        and sends the shared programs. A daemon: it dies with the process, and so do the claims."""
         def loop():
             while not self._stop.wait(max(0.2, self.ttl / 3)):
                 self._send_beat()
@@ -529,8 +458,7 @@ class Hub:
         return self
 
     def stop(self) -> None:
-        """Stop the heartbeat and send a last one that says the worker exited (and flush the outbox
-        if Redis is back)."""
+        """Stop the heartbeat and send a last one that says the worker exited."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -546,7 +474,7 @@ class _ResilientDatabase(ExampleDatabase):
         self.hub = hub
 
     def save(self, key: bytes, value: bytes) -> None:
-        self.hub._call(lambda r: self.hub.example_db.save(key, value), queue=("db_save", (key, value)))
+        self.hub._write(lambda r: self.hub.example_db.save(key, value))
 
     def fetch(self, key: bytes):
         return iter(self.hub._call(lambda r: list(self.hub.example_db.fetch(key)), default=[]))
@@ -563,16 +491,13 @@ def _text(x) -> str:
 
 
 def _plain_name(name: str) -> bool:
-    """A file name safe to create in a folder: no separator, no leading dot, nothing but
-    ``[A-Za-z0-9_.-]``, 1-128 characters."""
     return 0 < len(name) <= 128 and not name.startswith(".") and all(c.isascii() and (c.isalnum() or c in "_.-")
                                                                       for c in name)
 
 
 def check_campaign_name(name: str) -> str:
-    """``name`` when it can name a campaign: it is a part of every key (``kvaudit:<name>:...``) and a word
-    of ``campaign status``'s plain lines, so it must be 1-200 characters with no whitespace or control
-    character. Raises ``ValueError`` saying which rule it breaks."""
+    """``name``, when it can name a campaign: 1-200 characters, no whitespace or control character (it is
+    part of every key and a word of ``campaign status``'s lines). Raises ``ValueError`` saying why not."""
     if not name:
         raise ValueError("a campaign needs a name (it is part of every Redis key)")
     if len(name) > 200:
@@ -589,20 +514,18 @@ def worker_id(index: int) -> str:
 
 
 def campaign_names(client) -> list[str]:
-    """The campaigns in this Redis that any worker ever joined (their ``workers`` set), sorted."""
+    """The campaigns in this Redis that any worker ever joined, sorted."""
     return sorted({_text(k)[len("kvaudit:"):-len(":workers")]
                    for k in client.scan_iter(match="kvaudit:*:workers", count=1000)})
 
 
 def campaign_status(client, campaign: str) -> dict:
-    """The campaign's figures: ``workers`` (id -> heartbeat dict, its ``state`` ``alive`` or ``exited``,
-    or None when it expired: gone),
-    ``findings`` (signatures with a file), ``known``, ``pending`` (claimed, being triaged),
-    ``flaky``, ``duplicates`` (signature -> count) and ``programs`` (corpus size)."""
+    """The campaign's figures: ``workers`` (id -> heartbeat dict, its ``state`` ``alive`` or ``exited``;
+    None once expired: gone), ``findings``, ``known``, ``pending``, ``flaky`` (sorted signatures),
+    ``duplicates`` (signature -> count) and ``programs`` (corpus size)."""
     p = f"kvaudit:{campaign}:"
-    dec = _text
     workers = {}
-    for w in sorted(dec(x) for x in client.smembers(p + "workers")):
+    for w in sorted(map(_text, client.smembers(p + "workers"))):
         raw = client.get(p + "worker:" + w)
         try:
             workers[w] = json.loads(raw) if raw is not None else None
@@ -610,10 +533,10 @@ def campaign_status(client, campaign: str) -> dict:
             workers[w] = None
     return {
         "workers": workers,
-        "findings": sorted(dec(x) for x in client.hkeys(p + "findings")),
-        "known": sorted(dec(x) for x in client.smembers(p + "known")),
-        "pending": sorted(dec(x) for x in client.hkeys(p + "pending")),
-        "flaky": sorted(dec(x) for x in client.smembers(p + "flaky")),
-        "duplicates": {dec(k): int(v) for k, v in client.hgetall(p + "duplicates").items()},
+        "findings": sorted(map(_text, client.hkeys(p + "findings"))),
+        "known": sorted(map(_text, client.smembers(p + "known"))),
+        "pending": sorted(map(_text, client.hkeys(p + "pending"))),
+        "flaky": sorted(map(_text, client.smembers(p + "flaky"))),
+        "duplicates": {_text(k): int(v) for k, v in client.hgetall(p + "duplicates").items()},
         "programs": int(client.llen(p + "programs")),
     }
