@@ -135,13 +135,14 @@ def test_a_dead_worker_s_bug_is_triaged_by_a_worker_that_met_it_while_it_was_hel
     assert b.claim(sigs, _doc()) == []  # b meets them while they are held: known to it, as a duplicate
     r = redis_server.client()
     r.delete(*[f"kvaudit:t:claim:{s}" for s in sigs])  # the claimant died: its claims expired
-    corpus, emitted, counts = tmp_path / "c", [], {"new": 0, "duplicates": 0, "flaky": 0}
+    corpus, emitted = tmp_path / "c", []
     (corpus / "findings").mkdir(parents=True)
     spec = campaign._Spec(0, config_to_dict(config), "random", 0, 60.0, str(corpus), None, 1, 0)
-    campaign._sync(b, config, spec, str(corpus / "findings"), set(sigs), set(), None, emitted.append, counts)
+    worker = campaign._Worker(spec, emitted.append, config, hub=b, known=sigs)
+    worker.sync()
     assert sorted(m[2] for m in emitted if m[0] == "finding") == sigs, emitted
     assert len(os.listdir(corpus / "findings")) == 1 and r.hlen("kvaudit:t:findings") == 1
-    assert hubs.campaign_status(r, "t")["pending"] == [] and counts["new"] == 2
+    assert hubs.campaign_status(r, "t")["pending"] == [] and worker.counts["new"] == 2
 
 
 def test_malformed_entries_in_redis_are_skipped_with_a_warning(redis_server, tmp_path):
