@@ -1,18 +1,6 @@
-"""``kvaudit ci``: the nightly and per-PR job.
-
-1. Every replay file in the regression corpus must still reproduce its recorded finding with its
-   bug switches on, identically in each of 3 runs (the ledger digest and findings compared), and
-   be clean with the switches off (the fix holds, and the program raises no false alarm).
-2. A time-boxed fuzz of the clean engine over every preset (the budget split evenly), each
-   finding confirmed and minimized; with a corpus directory the search resumes per preset and
-   findings already there are known, not new.
-3. JUnit (one suite for the regressions, one for the fuzz) and SARIF: every finding of the fuzz
-   still open, new or known (a known one is listed while its corpus file still reproduces it), so
-   that code scanning keeps an unfixed bug's alert open and closes it once the bug is fixed.
-
-The job fails (exit 1) on a regression that no longer reproduces, is not deterministic or is not
-clean without its switch, on a regression file that cannot be read (a JUnit error; the job goes
-on with the rest), and on any new finding.
+"""``kvaudit ci``, the nightly and per-PR job: every regression file still reproduces (3 runs, identical)
+and is clean without its bug switches; a time-boxed fuzz campaign per preset; JUnit and SARIF of what is
+still open. Design notes (what fails the job): docs/internals/search.md.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ from kvaudit.audit.runner import execute
 
 @dataclass
 class RegressionCheck:
-    """One regression file: what it must show, and what it showed."""
+    """One regression file: what it must show, and what it showed (``problem``: why not, in words)."""
 
     name: str
     path: str
@@ -46,7 +34,7 @@ class RegressionCheck:
     clean_without_switch: bool = False
     problem: str = ""
     seconds: float = 0.0
-    malformed: bool = False  # not a readable replay file: ``problem`` says why
+    malformed: bool = False  # not a readable replay file
 
     @property
     def ok(self) -> bool:
@@ -84,8 +72,8 @@ class CiResult:
 
 
 def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
-    """Replay ``path`` ``runs`` times with its switches on and once with them off. A file that is
-    not a readable replay file is a failed check (``malformed``), not an exception."""
+    """Replay ``path`` ``runs`` times with its switches on and once with them off. An unreadable file, or one
+    whose target cannot run here, is a failed check, not an exception."""
     t0 = time.monotonic()
     name = os.path.splitext(os.path.basename(path))[0]
     try:
@@ -129,12 +117,10 @@ def regression_files(directory: str) -> list[str]:
 def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str | None, out_dir: str,
                 suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                 target: str = "eut", db: str | None = None, campaign: str = "default") -> FuzzRun:
-    """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign (it goes on past
-    each finding). With ``corpus``, over ``corpus/<preset>``: resumable, findings already there are
-    known, not new. Without, over a fresh temporary corpus; new findings' replay files are copied to
-    ``out_dir``. An interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set.
-    ``db``: a Redis URL; the preset's campaign is ``<campaign>/<preset>`` across every host (CI shard)
-    that names it (:mod:`kvaudit.search.hub`): what another shard found is known here, not new."""
+    """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign: over ``corpus/<preset>``
+    (resumable), else over a temporary corpus whose new replay files are copied to ``out_dir``. ``db``: a
+    Redis URL; the campaign is ``<campaign>/<preset>`` across every host (CI shard) that names it. An
+    interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
     from kvaudit.search.campaign import run_campaign
 
     config = registry.get(target).preset(preset).config()
@@ -158,11 +144,9 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
 
 
 def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[Finding]:
-    """The known findings that are not fixed: ``known`` maps a signature to the corpus file that
-    records it (:func:`kvaudit.search.campaign.known_signatures`); each file's program is replayed once
-    (with the suppressions of ``suppress_path``), and its recorded findings whose signatures the
-    replay yields again are returned, as recorded (their frames, so their SARIF locations, are the
-    ones the file holds). Files that no longer load are left out."""
+    """The known findings (signature -> corpus file) not fixed yet: each file is replayed once, and its
+    recorded findings whose signatures come back are returned as recorded (so their SARIF locations are
+    the file's). Files that no longer load are left out."""
     from kvaudit.audit.suppress import SuppressionSet
 
     sset = SuppressionSet.load(suppress_path) if suppress_path else None
@@ -181,11 +165,10 @@ def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[
 
 
 def sarif(result: CiResult, config) -> dict:
-    """The SARIF log (:func:`kvaudit.reports.sarif.to_sarif`, ``config`` for the run's properties) of every
-    open finding of the fuzz, one result per signature in signature order: ``baselineState``
-    ``"unchanged"`` for a signature some preset's corpus knew before this run, ``"new"`` otherwise;
-    each result's ``properties.preset`` names the first preset (in run order) that has it; an interrupted
-    job's run has an unsuccessful ``invocation`` (:func:`kvaudit.reports.ci_outputs.invocation`)."""
+    """The SARIF log of every open finding of the fuzz, one result per signature in signature order:
+    ``baselineState`` ``"unchanged"`` for a signature some preset's corpus knew, else ``"new"``;
+    ``properties.preset``: the first preset (in run order) that has it. An interrupted job's run has an
+    unsuccessful ``invocation``."""
     from kvaudit.reports.sarif import to_sarif
 
     first: dict[str, tuple[Finding, str]] = {}
@@ -204,10 +187,9 @@ def sarif(result: CiResult, config) -> dict:
 
 
 def junit(result: CiResult) -> str:
-    """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.search.fuzz`` (a
-    passing case per preset with no new finding, its ``system-out`` listing the known ones still open
-    (skipped when nothing was searched there), a failing case per new finding signature, and a skipped case
-    ``interrupted`` when Ctrl-C or SIGTERM stopped the job before it was done)."""
+    """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.fuzz`` (per preset, a
+    case that passes with no new finding, listing the known ones still open, or is skipped when nothing was
+    searched; a failing case per new signature; a skipped case ``interrupted`` when the job was stopped)."""
     root, reg, fz = ci_outputs.suites()
     for r in result.regressions:
         case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions", name=xml_text(r.name),
@@ -242,8 +224,8 @@ def junit(result: CiResult) -> str:
 
 
 def presets_arg(value: str, target: str = "eut") -> list[str]:
-    """``all`` or a comma-separated list of the ``target`` kind's preset names; raises ValueError
-    naming a bad one."""
+    """``all`` or a comma-separated list of the ``target`` kind's preset names; raises ValueError naming a
+    bad one."""
     presets = registry.get(target).presets()
     if value == "all":
         return list(presets)

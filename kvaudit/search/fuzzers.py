@@ -1,16 +1,6 @@
-"""The registry of fuzzers: every search ``--fuzzer`` names, and what each needs.
-
-A fuzzer registers, once, a :class:`FuzzerKind`: its name and one line of help, how it runs one
-search within a budget, what it needs installed, which target kinds it can search and what it keeps
-across the rounds of a run. ``kvaudit fuzz``, campaigns (``fuzz --corpus``, ``ci``), ``kvaudit bench``
-(both suites), the history worker and :func:`kvaudit.testing.fuzz` all read it, so adding a fuzzer
-is one module that calls :func:`register`.
-
-The built-ins (``hypothesis``, ``atheris``, ``random``, ``corpus``) are registered at the bottom of
-this module; their searches import what they need when called (``kvaudit --help`` imports neither
-Hypothesis nor torch). A plugin fuzzer comes from a module named in ``KVAUDIT_PLUGINS``, the variable
-target plugins use, loaded once by :func:`kvaudit.targets.registry.load_plugins` (a module may
-register target kinds, fuzzers or both).
+"""The registry of fuzzers: every search ``--fuzzer`` names, and what each needs. Adding a fuzzer is one
+module that calls :func:`register` (a plugin: named in ``KVAUDIT_PLUGINS``); the built-ins are registered
+at the bottom. Design notes: docs/internals/search.md.
 """
 
 from __future__ import annotations
@@ -38,31 +28,19 @@ class FuzzerDefinitionError(ValueError):
 @dataclass
 class Search:
     """What one search gets besides its config, budget (seconds), seed and
-    :class:`kvaudit.search.fuzz.FuzzStats`.
+    :class:`kvaudit.search.fuzz.FuzzStats`. A fuzzer ignores what it has no use for."""
 
-    ``on_progress(stats)``: called now and then. ``suppressions``: a
-    :class:`kvaudit.audit.suppress.SuppressionSet` (in process) and ``suppressions_path`` its file (for
-    a fuzzer that runs in processes of its own). ``known``: signatures that are not findings (a
-    container, or :class:`kvaudit.search.fuzz.OnlySignature`). ``max_executions``: a second budget, in
-    programs (``kvaudit bench``; a fuzzer that counts no programs ignores it). ``out_dir``: a single
-    run's output directory (a fuzzer may keep work files in a dot-directory there); ``corpus_dir``: a
-    campaign's directory (each fuzzer keeps its own subdirectory there across runs; None: not a
-    campaign). ``workers``: a one-driver fuzzer's own parallelism. ``use_seeds``: read the shipped seed
-    corpus (``--seeds/--no-seeds``). ``hub``: a fleet's :class:`kvaudit.search.hub.Hub` (None: one host).
-    ``kept``: filled by the fuzzer, kept across the rounds of one run (a round after a flaky finding
-    goes on from what the last one learnt)."""
-
-    on_progress: Callable | None = None
-    suppressions: Any = None
-    suppressions_path: str | None = None
-    known: Any = frozenset()
-    max_executions: int | None = None
-    out_dir: str | None = None
-    corpus_dir: str | None = None
-    workers: int = 1
-    use_seeds: bool = True
-    hub: Any = None
-    kept: dict = field(default_factory=dict)
+    on_progress: Callable | None = None  # on_progress(stats), now and then
+    suppressions: Any = None  # a kvaudit.audit.suppress.SuppressionSet, in process
+    suppressions_path: str | None = None  # its file, for a fuzzer that runs in processes of its own
+    known: Any = frozenset()  # signatures that are not findings (a container, or fuzz.OnlySignature)
+    max_executions: int | None = None  # a second budget, in programs (kvaudit bench)
+    out_dir: str | None = None  # a single run's output directory (work files in a dot-directory there)
+    corpus_dir: str | None = None  # a campaign's directory (a subdirectory per fuzzer); None: not a campaign
+    workers: int = 1  # a one-driver fuzzer's own parallelism
+    use_seeds: bool = True  # read the shipped seed corpus (--seeds/--no-seeds)
+    hub: Any = None  # a fleet's kvaudit.search.hub.Hub; None: one host
+    kept: dict = field(default_factory=dict)  # filled by the fuzzer, kept across the rounds of one run
 
 
 def _nothing() -> None:
@@ -71,34 +49,23 @@ def _nothing() -> None:
 
 @dataclass(frozen=True)
 class FuzzerKind:
-    """One fuzzer.
+    """One fuzzer. ``search(config, seconds, seed, stats, run)`` (``run``: a :class:`Search`) returns the
+    first finding not in ``run.known`` nor suppressed, as ``(program, findings)``, or None when the budget
+    ends; it updates ``stats`` (``executions``, ``ops``, ``stats.hit()``) and may raise
+    :class:`kvaudit.search.fuzz.SearchInterrupted` carrying a finding when interrupted."""
 
-    ``name``: what ``--fuzzer`` takes (and a replay file's ``fuzzer``). ``summary``: one line for
-    ``--fuzzer``'s help. ``search(config, seconds, seed, stats, run)`` (``run``: a :class:`Search`):
-    the first finding not in ``run.known`` nor suppressed, as ``(program, findings)``, or None when the
-    budget ends; updates ``stats`` (``executions``, ``ops``, ``first_hit`` through ``stats.hit()``); may
-    raise :class:`kvaudit.search.fuzz.SearchInterrupted` carrying a finding when interrupted.
-
-    Optional: ``check()`` raises :class:`FuzzerUnavailable` (one line) when what it needs is not
-    installed; ``warm_up()`` pays its one-time set-up before the search's clock starts; ``targets``: the
-    target kinds it can search (None: every kind) and ``targets_why`` the reason, in words, after the
-    fuzzer's name; ``campaign``: it can run a campaign; ``bench``: ``kvaudit bench`` runs it by default;
-    ``one_driver``: it parallelizes inside itself (a campaign runs one driver and hands it ``workers``);
-    ``uses_seeds``: ``--seeds/--no-seeds`` applies; ``in_process``: it runs in the calling process
-    (:func:`kvaudit.testing.fuzz` takes only those)."""
-
-    name: str
-    summary: str
+    name: str  # what --fuzzer takes (and a replay file's "fuzzer")
+    summary: str  # one line, for --fuzzer's help
     search: Callable
-    check: Callable[[], None] = _nothing
-    warm_up: Callable[[], None] = _nothing
-    targets: tuple[str, ...] | None = None
-    targets_why: str = ""
-    campaign: bool = True
-    bench: bool = True
-    one_driver: bool = False
-    uses_seeds: bool = False
-    in_process: bool = True
+    check: Callable[[], None] = _nothing  # raises FuzzerUnavailable (one line) when what it needs is missing
+    warm_up: Callable[[], None] = _nothing  # its one-time set-up, paid before the search's clock starts
+    targets: tuple[str, ...] | None = None  # the target kinds it can search; None: every kind
+    targets_why: str = ""  # why only those, in words after the fuzzer's name
+    campaign: bool = True  # it can run a campaign
+    bench: bool = True  # kvaudit bench runs it by default
+    one_driver: bool = False  # it parallelizes inside itself: a campaign runs one driver, handed ``workers``
+    uses_seeds: bool = False  # --seeds/--no-seeds applies
+    in_process: bool = True  # it runs in the calling process (kvaudit.testing.fuzz takes only those)
 
     def takes(self, target: str) -> bool:
         """Whether it can search target kind ``target``."""
@@ -110,9 +77,8 @@ BUILTIN_FUZZERS = ("hypothesis", "atheris", "random", "corpus")  # the order ``-
 
 
 def register(kind: FuzzerKind) -> FuzzerKind:
-    """Add ``kind`` (or replace the fuzzer of the same name: a reloaded plugin). Returns it. Raises
-    :class:`FuzzerDefinitionError` for a name ``--fuzzer`` cannot take, a summary that is not one line
-    or a field that should be callable and is not."""
+    """Add ``kind`` (or replace the fuzzer of the same name: a reloaded plugin) and return it. Raises
+    :class:`FuzzerDefinitionError` for a bad name, a summary that is not one line or a field not callable."""
     name = kind.name
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
         raise FuzzerDefinitionError(f"a fuzzer's name must be letters, digits, '-' or '_' (it is what --fuzzer "
@@ -145,7 +111,7 @@ def get(name: str) -> FuzzerKind:
 
 def help_text(names=BUILTIN_FUZZERS, default: str | None = None) -> str:
     """``--fuzzer``'s help: ``name: summary`` per fuzzer in ``names``, ``default`` first (the built-ins
-    only unless told: the CLI builds it at import, before any plugin loads)."""
+    only by default: the CLI builds it at import, before any plugin loads)."""
     order = ([default] if default in names else []) + [n for n in names if n != default]
     return "; ".join(f"{n}: {_FUZZERS[n].summary}" for n in order) + "."
 
@@ -220,7 +186,6 @@ def _atheris(config, seconds, seed, stats, run: Search):
 
 
 def _check_atheris() -> None:
-    """atheris importable and the executable harness shipped: else :class:`FuzzerUnavailable`."""
     from kvaudit.constants import MISSING_ATHERIS
     from kvaudit.search.atheris_fuzz import HARNESS
 

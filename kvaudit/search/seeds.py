@@ -1,10 +1,6 @@
-"""The atheris seed corpora: ``corpora/seeds/<preset>/``, each program in both byte layouts of
-:mod:`kvaudit.program.bytes_program`, from the regression reproducers (replay files) and
-:func:`kvaudit.program.bytes_program.hand_seeds`.
-
-``python -m kvaudit.search.seeds --write-seeds [DIR]`` writes them (default DIR: corpora/seeds of this
-checkout). Here, not in ``program/``: reading replay files is a layer above the program model
-(docs/architecture.md).
+"""The atheris seed corpora, ``corpora/seeds/<preset>/``: the regression reproducers' programs and
+:func:`kvaudit.program.bytes_program.hand_seeds`, in both byte layouts. Written by ``python -m
+kvaudit.search.seeds --write-seeds [DIR]``. Design notes: docs/internals/search.md.
 """
 
 from __future__ import annotations
@@ -21,10 +17,8 @@ from kvaudit.targets import registry
 
 
 def seed_programs(preset: str, regressions_dir: str, version: int = 1) -> list[tuple[str, list[Op], TargetConfig]]:
-    """``(name, program, config)`` of every seed for ``preset``: the programs of the regression
-    reproducers in ``regressions_dir`` whose ``config.preset`` is ``preset``, then :func:`hand_seeds`
-    of ``version``."""
-    get_preset = registry.get("eut").preset  # atheris instruments the built-in engine only
+    """``(name, program, config)`` of every seed for ``preset``: the programs of the replay files in
+    ``regressions_dir`` found in ``preset``, then :func:`hand_seeds` of layout ``version``."""
     out = []
     if os.path.isdir(regressions_dir):
         for name in sorted(os.listdir(regressions_dir)):
@@ -33,20 +27,17 @@ def seed_programs(preset: str, regressions_dir: str, version: int = 1) -> list[t
             config, program, _, _ = load(os.path.join(regressions_dir, name))
             if config.preset == preset:
                 out.append((f"regression-{name[:-5]}", program, config))
-    config = get_preset(preset).config()
+    config = registry.get("eut").preset(preset).config()  # atheris instruments the built-in engine only
     out += [(f"hand-{i}", p, config) for i, p in enumerate(hand_seeds(config, version))]
     return out
 
 
 def write_seeds(out_dir: str, regressions_dir: str) -> list[str]:
-    """Write ``out_dir/<preset>/<name>-<sha1[:8]>`` (layout version 1) and
-    ``out_dir/<preset>/v2-<name>-<sha1[:8]>`` (version 2) for every preset (stale files of those
-    directories are removed first; an input already written for the preset under another name is
-    skipped; a program version 1 cannot write has no version 1 seed); returns the paths written."""
-    PRESETS = registry.get("eut").presets()
-
+    """Write ``out_dir/<preset>/<name>-<sha1[:8]>`` (layout 1) and ``.../v2-<name>-<sha1[:8]>`` (layout 2)
+    for every preset, replacing what those directories held; an input already written for the preset is
+    skipped. Returns the paths written."""
     written = []
-    for preset in PRESETS:
+    for preset in registry.get("eut").presets():
         d = os.path.join(out_dir, preset)
         os.makedirs(d, exist_ok=True)
         for old in os.listdir(d):
