@@ -183,11 +183,6 @@ class _Worker:
         seed = spec.seed * 1_000_003 + spec.index * 7919 + self.rounds
         self.rounds += 1
         cut: KeyboardInterrupt | None = None  # an interrupt that came with a finding: it ends the round once written
-
-        def done() -> bool:
-            if cut is not None:
-                raise cut
-            return True
         try:
             found = fuzzers.get(spec.fuzzer).search(self.config, left, seed, self.stats, fuzzers.Search(
                 on_progress=self.progress, suppressions=self.sset, suppressions_path=spec.suppress_path, known=skip,
@@ -202,12 +197,9 @@ class _Worker:
         on_disk = known_signatures(spec.corpus)
         sigs = [s for s in _signatures(findings) if s not in skip]
         self.known.update(s for s in sigs if s in on_disk)
-        sigs = [s for s in sigs if s not in on_disk]
-        if not sigs:
-            return done()
-        first = next(f for f in findings if f.signature == sigs[0])
-        mine = sigs
-        if hub is not None:  # every signature of the program at once: one bug is one worker's
+        sigs = mine = [s for s in sigs if s not in on_disk]
+        if hub is not None and sigs:  # every signature of the program at once: one bug is one worker's
+            first = next(f for f in findings if f.signature == sigs[0])
             pending = [first] + [f for f in findings if f is not first]
             mine = hub.claim(sigs, replay.to_doc(self.config, program, pending, fuzzer=spec.fuzzer, seed=seed,
                                                  minimized=False))
@@ -216,10 +208,11 @@ class _Worker:
                     self.known.add(s)
                     self.counts["duplicates"] += 1
                     self.emit(("duplicate", spec.index, s))
-            if not mine:
-                return done()
-        primary = next(f for f in findings if f.signature == mine[0])
-        self.triage_and_write(self.config, program, findings, primary, seed, mine, cut=cut)
+        if mine:
+            primary = next(f for f in findings if f.signature == mine[0])
+            self.triage_and_write(self.config, program, findings, primary, seed, mine, cut=cut)
+        elif cut is not None:
+            raise cut
         return True
 
     def triage_and_write(self, config, program, findings, primary, seed, claimed=(),
@@ -272,28 +265,17 @@ class _Worker:
 
 
 def _signatures(findings) -> list[str]:
-    """The distinct signatures of ``findings``, in order (a replay file's primary first)."""
     return list(dict.fromkeys(f.signature for f in findings))
-
-
-@contextlib.contextmanager
-def _findings_lock(corpus: str):
-    """Hold ``DIR/.findings.lock`` (``flock``) while checking and writing ``DIR/findings/``."""
-    with open(os.path.join(corpus, ".findings.lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _register_and_write(corpus: str, fdir: str, hub, doc: dict) -> tuple[list[str], str]:
     """Write the replay document ``doc`` into ``fdir`` for the signatures it records that no file records
-    yet: neither this host's (under :func:`_findings_lock`) nor, with ``hub``, the fleet's
+    yet: neither this host's (under ``DIR/.findings.lock``) nor, with ``hub``, the fleet's
     (:meth:`kvaudit.search.hub.Hub.register`). Returns (those new signatures, the file written, named
     after the primary signature if new, else the first new one), or ([], "") when there are none."""
     sigs = list(dict.fromkeys(f["signature"] for f in doc["findings"]))
-    with _findings_lock(corpus):
+    with open(os.path.join(corpus, ".findings.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker of this host at a time; released when the file closes
         on_disk = known_signatures(corpus)
         new = [s for s in sigs if s not in on_disk]
         if new and hub is not None:

@@ -179,7 +179,6 @@ class Hub:
 
     def __init__(self, client, campaign: str, worker: str, ttl: float = DEFAULT_TTL):
         self.r = client
-        self.campaign = campaign
         self.prefix = f"kvaudit:{campaign}:"
         self.worker = worker
         self.ttl = ttl
@@ -197,8 +196,6 @@ class Hub:
         self._scripts = {name: client.register_script(src)  # (sent on first use, by SHA after that)
                          for name, src in (("claim", _CLAIM), ("register", _REGISTER), ("release", _RELEASE))}
 
-    # -- plumbing ---------------------------------------------------------------------------------
-
     def key(self, name: str) -> str:
         return self.prefix + name
 
@@ -206,22 +203,19 @@ class Hub:
         """``fn(redis)``, or ``default`` offline (and ``redo`` queued). Offline, a call before the retry time
         fails at once."""
         with self._lock:
-            if not self.online and time.monotonic() < self._retry_at:
-                if redo is not None:
-                    self._outbox.append(redo)
-                return default
-            try:
-                if not self.online:
-                    self.r.ping()
-                    self.online = True
-                    self._flush()
-                return fn(self.r)
-            except _redis_errors():
-                self.online = False
-                self._retry_at = time.monotonic() + RETRY_EVERY
-                if redo is not None:
-                    self._outbox.append(redo)
-                return default
+            if self.online or time.monotonic() >= self._retry_at:
+                try:
+                    if not self.online:
+                        self.r.ping()
+                        self.online = True
+                        self._flush()
+                    return fn(self.r)
+                except _redis_errors():
+                    self.online = False
+                    self._retry_at = time.monotonic() + RETRY_EVERY
+            if redo is not None:
+                self._outbox.append(redo)
+            return default
 
     def _write(self, fn: Callable) -> None:
         self._call(fn, redo=fn)
@@ -238,8 +232,6 @@ class Hub:
     def _warn(self, text: str) -> None:
         if text not in self.warnings:
             self.warnings.append(text)
-
-    # -- writes -------------------------------------------------------------------------------------
 
     def register(self, sigs: list[str], text: str) -> list[str] | None:
         """Register the replay file ``text`` recording ``sigs`` (primary first) in one atomic step, before
@@ -305,8 +297,6 @@ class Hub:
         self.example_db = RedisExampleDatabase(self.r, key_prefix=(self.prefix + "hypothesis:").encode())
         return MultiplexedDatabase(DirectoryBasedExampleDatabase(local_dir), _ResilientDatabase(self))
 
-    # -- claims -------------------------------------------------------------------------------------
-
     def claim(self, sigs: list[str], pending_doc: dict) -> list[str]:
         """Claim ``sigs`` (one program's signatures) in one atomic step, uploading ``pending_doc`` (the
         unminimized replay document) with each claim. Returns those this worker holds now; the others are
@@ -344,8 +334,6 @@ class Hub:
             self._warn(f"skipped a malformed {what} in Redis ({sig}): {e}")
             return None
         return doc
-
-    # -- reads --------------------------------------------------------------------------------------
 
     def known(self) -> set[str]:
         """Every signature the fleet has a replay file for (empty while offline)."""
@@ -422,8 +410,6 @@ class Hub:
             return up, down
 
         return self._call(go, default=(0, 0))
-
-    # -- heartbeat ----------------------------------------------------------------------------------
 
     def beat(self, **fields) -> None:
         """Record this worker's figures for the next heartbeat."""
