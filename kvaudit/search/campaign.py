@@ -327,12 +327,10 @@ def _worker_main(spec: _Spec, q) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_sigterm)
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the getppid() check in progress() does it
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the getppid() check in the progress callback does the same, later
     try:
         import torch
 
@@ -349,11 +347,8 @@ def _worker_main(spec: _Spec, q) -> None:
 def _append_run_record(corpus: str, record: dict) -> None:
     path = os.path.join(corpus, "campaign.json")
     runs = []
-    try:
-        with open(path) as fh:
-            runs = json.load(fh).get("runs", [])
-    except (OSError, ValueError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, ValueError, AttributeError), open(path) as fh:
+        runs = json.load(fh).get("runs", [])
     replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
 
 
