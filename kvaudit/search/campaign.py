@@ -148,8 +148,7 @@ class _Worker:
                        getattr(s, "coverage", None)))
 
     def sync(self) -> None:
-        """Between rounds of a fleet campaign: pull the fleet's replay files (announced as ``pulled``),
-        learn its known signatures, and re-claim and triage any finding whose claimant died."""
+        """Between rounds of a fleet campaign: pull the fleet's files and known signatures; triage orphans."""
         spec, hub = self.spec, self.hub
         for path in hub.pull_findings(self.fdir, have=set(known_signatures(spec.corpus))):
             try:
@@ -217,12 +216,9 @@ class _Worker:
 
     def triage_and_write(self, config, program, findings, primary, seed, claimed=(),
                          cut: KeyboardInterrupt | None = None) -> None:
-        """Confirm and minimize ``primary`` (found by ``program`` in ``config``), then write its replay file
-        for the signatures no other file records (:func:`_register_and_write`) and tell the parent: a
-        finding per signature it reports, a duplicate per signature another file reported first.
-        ``claimed``: this worker's claims for ``program`` in the fleet (released once the file is
-        registered). ``cut``: the interrupt that stopped the search with this finding: it is written
-        unminimized, then ``cut`` is raised."""
+        """Confirm and minimize ``primary``, then write and announce its replay file. ``claimed``: this
+        worker's claims for ``program`` in the fleet. ``cut``: the interrupt that came with this finding: it is
+        written unminimized, then ``cut`` is raised."""
         spec, hub, sset = self.spec, self.hub, self.sset
         sig = primary.signature
         try:
@@ -269,10 +265,8 @@ def _signatures(findings) -> list[str]:
 
 
 def _register_and_write(corpus: str, fdir: str, hub, doc: dict) -> tuple[list[str], str]:
-    """Write the replay document ``doc`` into ``fdir`` for the signatures it records that no file records
-    yet: neither this host's (under ``DIR/.findings.lock``) nor, with ``hub``, the fleet's
-    (:meth:`kvaudit.search.hub.Hub.register`). Returns (those new signatures, the file written, named
-    after the primary signature if new, else the first new one), or ([], "") when there are none."""
+    """Write ``doc`` for the signatures no file of this host (nor, with ``hub``, of the fleet) records yet.
+    Returns (those signatures, the file written), or ([], "") when there are none."""
     sigs = list(dict.fromkeys(f["signature"] for f in doc["findings"]))
     with open(os.path.join(corpus, ".findings.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one worker of this host at a time; released when the file closes

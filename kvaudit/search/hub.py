@@ -1,9 +1,8 @@
 """A campaign across machines: workers on many hosts share one Redis (``kvaudit fuzz --db URL``).
 
-Each worker keeps its local campaign directory (:mod:`kvaudit.search.campaign`) and mirrors it through
-the keys ``kvaudit:<campaign>:*``; a bug is claimed, triaged and registered once across the fleet, and a
-worker goes on offline while Redis is away. Design notes (the keys, claims, the outbox):
-docs/internals/search.md.
+Each worker mirrors its local campaign directory through the keys ``kvaudit:<campaign>:*``: a bug is claimed,
+triaged and registered once across the fleet, and Redis going away never stops a worker. Design notes (the
+keys, claims, the outbox): docs/internals/search.md.
 """
 
 from __future__ import annotations
