@@ -175,11 +175,8 @@ def geomean_exec_ratio(cells: list[Cell], fuzzer: str) -> tuple[float | None, in
     """(Geometric mean of median executions(random) / median executions(``fuzzer``), the number of bugs)
     over the bugs whose both medians are reached; > 1: fewer executions than random."""
     by = {(c.bug, c.fuzzer): c for c in cells}
-    ratios = []
-    for (bug, f), c in by.items():
-        r = by.get((bug, "random"))
-        if f == fuzzer and r is not None and c.median_execs and r.median_execs:
-            ratios.append(r.median_execs / c.median_execs)
+    pairs = [(by.get((bug, "random")), c) for (bug, f), c in by.items() if f == fuzzer]
+    ratios = [r.median_execs / c.median_execs for r, c in pairs if r is not None and c.median_execs and r.median_execs]
     if not ratios:
         return None, 0
     return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), len(ratios)
@@ -189,12 +186,10 @@ def geomean_cells(cells: list[Cell], fuzzers: list[str]) -> list[str]:
     """Per fuzzer, :func:`geomean_exec_ratio` as a table cell ("2.50x fewer (4 bugs)")."""
     out = []
     for f in fuzzers:
-        if f == "random":
-            out.append("1 (baseline)")
-            continue
         g, n = geomean_exec_ratio(cells, f)
         bugs = f"{n} bug" + ("s" if n != 1 else "")
-        out.append("-" if g is None else f"{g:.2f}x fewer ({bugs})" if g >= 1 else f"{1 / g:.2f}x more ({bugs})")
+        out.append("1 (baseline)" if f == "random" else "-" if g is None
+                   else f"{g:.2f}x fewer ({bugs})" if g >= 1 else f"{1 / g:.2f}x more ({bugs})")
     return out
 
 

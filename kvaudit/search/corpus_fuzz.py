@@ -8,6 +8,7 @@ Design notes: docs/internals/fuzzers.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -33,21 +34,18 @@ MIN_OPS, MAX_OPS = 16, 96  # the fresh programs' lengths (ops, with the final id
 WARMUP = 1024  # fresh programs before the corpus is mutated
 
 
+@functools.cache
+def _is_engine(code) -> bool:
+    name = code.co_filename.replace(os.sep, "/")
+    return "/kvaudit/" not in name and any(f"/{p}/" in name for p in ENGINE_PACKAGES)
+
+
 class LineTracer:
     """Engine line coverage by ``sys.settrace``: the (code, line) pairs run in :data:`ENGINE_PACKAGES`
     (kvaudit's own left out) while it is on; about 2.2x the CPU time of an untraced program."""
 
     def __init__(self):
         self.lines: set = set()
-        self._engine: dict = {}  # code object -> whether its lines are recorded
-
-    def _is_engine(self, code) -> bool:
-        hit = self._engine.get(code)
-        if hit is None:
-            name = code.co_filename.replace(os.sep, "/")
-            hit = "/kvaudit/" not in name and any(f"/{p}/" in name for p in ENGINE_PACKAGES)
-            self._engine[code] = hit
-        return hit
 
     def _local(self, frame, event, arg):
         if event == "line":
@@ -55,7 +53,7 @@ class LineTracer:
         return self._local
 
     def _global(self, frame, event, arg):
-        return self._local if self._is_engine(frame.f_code) else None
+        return self._local if _is_engine(frame.f_code) else None
 
     def __enter__(self) -> "LineTracer":
         self.lines = set()
@@ -126,12 +124,10 @@ class Corpus:
     def pick(self, rng: random.Random, schedule: str = "classic") -> Entry:
         """An entry, favouring short, rarely picked ones that found many features (``classic``) or reached
         features few executions reach (``rare``: the sum of 1/hits, AFLFast's and Entropic's idea)."""
-        if schedule == "rare":
-            hits = self.hits
-            weights = [sum(1.0 / hits.get(f, 1) for f in e.features) / ((1 + e.picked) * (4 + len(e.program)))
-                       for e in self.entries]
-        else:
-            weights = [(1 + e.new_features) / ((1 + e.picked) * (4 + len(e.program))) for e in self.entries]
+        def score(e: Entry) -> float:
+            return sum(1.0 / self.hits.get(f, 1) for f in e.features) if schedule == "rare" else 1 + e.new_features
+
+        weights = [score(e) / ((1 + e.picked) * (4 + len(e.program))) for e in self.entries]
         e = rng.choices(self.entries, weights)[0]
         e.picked += 1
         return e

@@ -104,21 +104,18 @@ class OnlySignature:
     def __init__(self, signature: str, substring: bool = False):
         self.signature, self.substring = signature, substring
 
-    def wants(self, sig: str) -> bool:
-        return self.signature in sig if self.substring else sig == self.signature
-
     def __contains__(self, sig: str) -> bool:
-        return not self.wants(sig)
+        return not (self.signature in sig if self.substring else sig == self.signature)
 
 
 class _Recorder:
     def __init__(self, stats: FuzzStats, deadline: float, known: frozenset[str] = frozenset(),
-                 on_progress: Callable[[FuzzStats], None] | None = None):
+                 on_progress: Callable[[FuzzStats], None] | None = None, cap: int | None = None):
         self.stats = stats
         self.deadline = deadline
         self.known = known  # signatures already reported (a resumed campaign): not failures
         self.last_failure: tuple[list[Op], list[Finding]] | None = None
-        self.cap: int | None = None  # executions after which new cases run nothing
+        self.cap = cap  # executions after which new cases run nothing
         self.on_progress = on_progress
         self._last_tick = time.monotonic()
 
@@ -295,9 +292,8 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
 
     Raises :class:`SearchInterrupted` when interrupted after the first failure; KeyboardInterrupt before it."""
     deadline = time.monotonic() + max_time
-    rec = _Recorder(stats, deadline, known if isinstance(known, OnlySignature) else frozenset(known), on_progress)
-    if max_executions is not None:
-        rec.cap = stats.executions + max_executions
+    rec = _Recorder(stats, deadline, known if isinstance(known, OnlySignature) else frozenset(known), on_progress,
+                    cap=None if max_executions is None else stats.executions + max_executions)
     max_prompt = context_max_prompt(config.context_len)
     db = None
     if database is not None:
