@@ -104,8 +104,11 @@ class OnlySignature:
     def __init__(self, signature: str, substring: bool = False):
         self.signature, self.substring = signature, substring
 
+    def wants(self, sig: str) -> bool:
+        return self.signature in sig if self.substring else sig == self.signature
+
     def __contains__(self, sig: str) -> bool:
-        return not (self.signature in sig if self.substring else sig == self.signature)
+        return not self.wants(sig)
 
 
 class _Recorder:
