@@ -6,6 +6,7 @@ docs/internals/fuzzers.md. This module imports neither the engine nor kvaudit's 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -60,43 +61,31 @@ def _config():
         _die(f"bad KVAUDIT_CONFIG or KVAUDIT_BUGS: {e}")
 
 
-def _known() -> frozenset:
-    path = os.environ.get("KVAUDIT_KNOWN")
-    if not path:
-        return frozenset()
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
-    except OSError as e:
-        _die(f"cannot read KVAUDIT_KNOWN file {path}: {e.strerror or e}")
-
-
-def _suppressions():
-    from kvaudit.audit.suppress import SuppressionError, SuppressionSet
-
-    path = os.environ.get("KVAUDIT_SUPPRESS")
-    if not path:
-        return None
-    try:
-        return SuppressionSet.load(path)
-    except SuppressionError as e:
-        _die(str(e))
-
-
 CONFIG = KNOWN = SUPPRESSIONS = FINDINGS_DIR = STATS_DIR = MAX_OPS = None  # set by :func:`main`
 
 
 def _setup() -> None:
     global CONFIG, KNOWN, SUPPRESSIONS, FINDINGS_DIR, STATS_DIR, MAX_OPS
+    from kvaudit.audit.suppress import SuppressionError, SuppressionSet
+
     CONFIG = _config()
-    KNOWN = _known()
-    SUPPRESSIONS = _suppressions()
+    known, suppress = os.environ.get("KVAUDIT_KNOWN"), os.environ.get("KVAUDIT_SUPPRESS")
+    try:
+        with open(known, encoding="utf-8") if known else contextlib.nullcontext(()) as fh:
+            KNOWN = frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
+    except OSError as e:
+        _die(f"cannot read KVAUDIT_KNOWN file {known}: {e.strerror or e}")
+    try:
+        SUPPRESSIONS = SuppressionSet.load(suppress) if suppress else None
+    except SuppressionError as e:
+        _die(str(e))
     FINDINGS_DIR = os.path.abspath(os.environ.get("KVAUDIT_FINDINGS_DIR") or "kvaudit-findings")
     STATS_DIR = os.environ.get("KVAUDIT_STATS_DIR") or None
     try:
         MAX_OPS = int(os.environ.get("KVAUDIT_MAX_OPS") or 24)
     except ValueError:
         _die(f"KVAUDIT_MAX_OPS must be an integer, got {os.environ['KVAUDIT_MAX_OPS']!r}")
+
 
 _counts = {"executions": 0, "ops": 0}
 _suppressed: set = set()
