@@ -192,14 +192,12 @@ def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: Fuzz
     ``known`` or the suppression file ``suppressions_path`` covers are not findings. ``work_dir`` None: a
     temporary directory, removed afterwards. ``libfuzzer_args`` go last on libFuzzer's command line.
 
-    Updates ``stats.executions``, ``stats.ops``, ``stats.coverage`` (``"345 edges"``: libFuzzer's ``cov:``) and
-    ``stats.suppressed``; calls ``on_progress(stats)`` at most every 0.25 s and once at the end. The harness
-    is stopped at ``max_time + GRACE_S``, once the first finding's crash input is written, and on
-    KeyboardInterrupt (or :data:`kvaudit.audit.runner.INTERRUPTED`), which is re-raised.
+    Updates ``stats`` (``coverage``: ``"345 edges"``, libFuzzer's ``cov:``); calls ``on_progress(stats)`` at most
+    every 0.25 s and once at the end. Stops the harness at ``max_time + GRACE_S``, once the first finding's
+    crash input is written, and on KeyboardInterrupt (or ``INTERRUPTED``), which is re-raised.
 
     Raises :class:`AtherisError` when the harness fails without writing a finding (it cannot start,
-    libFuzzer reports a timeout or an out-of-memory input).
-    """
+    libFuzzer reports a timeout or an out-of-memory input)."""
     own_dir = work_dir is None
     work_dir = os.path.abspath(work_dir if work_dir is not None else tempfile.mkdtemp(prefix="kvaudit-atheris-"))
     try:

@@ -129,10 +129,6 @@ class Cell:
     p_vs_random: float = math.nan
     a12_vs_random: float = math.nan
 
-    @property
-    def rate(self) -> float:
-        return self.successes / self.trials if self.trials else 0.0
-
     def _median(self, q: tuple | None) -> float | None:
         # NOTE: with half the trials or more failed the median is not reached (a censored value)
         return q[1] if q and self.successes * 2 > self.trials else None
