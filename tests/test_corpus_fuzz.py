@@ -207,7 +207,7 @@ def test_argument_swarm_sets_an_argument_always_or_never():
     reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
     mut = Mutator(random.Random(2), reach, 32, max_ops=24)
     for p, want in ((1.0, True), (0.0, False)):
-        ops = [mut.swarm_op(("submit",), {("submit", "session"): p}) for _ in range(50)]
+        ops = [mut.op(("submit",), {("submit", "session"): p}) for _ in range(50)]
         assert all((op.session is not None) is want for op in ops)
         assert program_from_json(program_to_json(ops)) == ops
 

@@ -1,26 +1,13 @@
-"""Coverage-guided search with atheris (libFuzzer): the driver behind ``kvaudit fuzz --fuzzer atheris``.
+"""Coverage-guided search with atheris (libFuzzer), the driver behind ``kvaudit fuzz --fuzzer atheris``: it runs
+``harnesses/fuzz_engine.py`` in a process group of its own, follows libFuzzer's status lines and reads back
+the replay files the harness wrote for its findings.
 
-:func:`atheris_search` runs ``harnesses/fuzz_engine.py`` as a subprocess (libFuzzer needs its own
-process: ``-fork`` and ``-minimize_crash`` re-execute it), configured through the environment
-(``KVAUDIT_CONFIG``, ``KVAUDIT_FINDINGS_DIR``, ``KVAUDIT_SUPPRESS``, ``KVAUDIT_KNOWN``,
-``KVAUDIT_STATS_DIR``, ``KVAUDIT_MAX_OPS``; see the harness). It follows libFuzzer's status lines
-for executions and coverage, stops the whole process group at the deadline or on Ctrl-C, and then
-reads back the replay files the harness wrote for its findings. The result has the shape of
-:func:`kvaudit.search.fuzz.hypothesis_search`'s, for the same confirm/minimize pipeline (``triage``).
-
-Layout of ``work_dir`` (created; ``findings/`` and ``stats/`` are emptied at the start)::
-
-    corpus/         libFuzzer's corpus when no corpus_dir is given (kept between runs)
-    findings/       replay JSONs written by the harness, <signature>.json
-    crashes/        libFuzzer's crash-<sha1> artifacts (the inputs; the replay's input_sha1)
-    stats/          <pid>.json per harness process: executions, ops, suppressed signatures
-    tmp/            TMPDIR of the harness: libFuzzer's -fork work directories (emptied at the start)
-    known.txt       the known signatures handed to the harness
-    libfuzzer.log   libFuzzer's whole output
+Design notes (the work directory's layout, the stopping rules): docs/internals/fuzzers.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -48,17 +35,13 @@ HARNESS = data_path("harnesses", "fuzz_engine.py")
 SEEDS_DIR = data_path("corpora", "seeds")
 GRACE_S = 20.0  # past max_time: harness start-up (torch import, ~2-3 s) plus libFuzzer's wrap-up
 KILL_WAIT_S = 3.0  # between SIGINT to the process group and SIGKILL
-# after the first replay file appears, libFuzzer is stopped once its crash-* artifact (the input) is
-# in crashes/ (-fork's parent copies it there when the crashed job ends, and would then wait for its
-# other jobs), or after FOUND_WAIT_S at most: a fixed wait lost the input now and then under load
-FOUND_WAIT_S = 30.0
+FOUND_WAIT_S = 30.0  # the longest wait for a finding's crash-* input, after its replay file
 
 # "#1234\tNEW    cov: 345 ft: 678 corp: 12/96b lim: 8 exec/s: 567 rss: 300Mb ..." (plain mode) and
 # "#1234: cov: 345 ft: 678 corp: 12 exec/s 567 oom/timeout/crash: 0/0/0 time: 9s job: 2 ..." (-fork)
 _STATUS = re.compile(r"^#(\d+):?\s+(?:(\w+)\s+)?cov: (\d+) ft: (\d+) corp: (\d+)\S*\s+"
                      r"(?:lim: \d+ )?exec/s:? (\d+)")
-_EXECUTED = re.compile(r"^stat::number_of_executed_units: (\d+)")
-_DONE = re.compile(r"^Done (\d+) runs in")
+_EXECUTED = re.compile(r"^(?:stat::number_of_executed_units: |Done (?=\d+ runs in))(\d+)")
 
 
 class AtherisError(RuntimeError):
@@ -67,7 +50,7 @@ class AtherisError(RuntimeError):
 
 
 class _Monitor:
-    """libFuzzer's output, read line by line on a thread: the figures it reports, and the log."""
+    """libFuzzer's output, read on a thread into the log and the figures it reports."""
 
     def __init__(self, stream, log_path: str):
         self.executions = 0
@@ -101,25 +84,20 @@ class _Monitor:
             if m.group(2) == "DONE":
                 self.done = True
             return
-        m = _EXECUTED.match(line) or _DONE.match(line)
+        m = _EXECUTED.match(line)
         if m:
             self.executions = max(self.executions, int(m.group(1)))
 
 
 def libfuzzer_seed(seed: int) -> int:
-    """libFuzzer's ``-seed`` for kvaudit's ``seed``: 1..2**31-1 as is; other values (0 means "random"
-    to libFuzzer) are folded into that range."""
+    """libFuzzer's ``-seed`` for ``seed``: 1..2**31-1 as is, others folded into that range (0 is "random")."""
     return seed if 0 < seed < 2 ** 31 else seed % (2 ** 31 - 2) + 1
 
 
 def harness_command(corpus_dir: str, seed_dir: str | None, max_time: float, seed: int, work_dir: str,
                     workers: int = 1, max_ops: int = 24, extra: list[str] = ()) -> list[str]:
-    """The harness command line (``argv[0]`` is the harness itself: ``-fork`` re-executes it).
-
-    ``-max_len`` is ``max_ops`` records of the byte layout's version 2 and ``-len_control=0`` lets inputs be that long from the
-    start: libFuzzer's default grows the length limit from 4 bytes (less than one 6-byte op) so
-    slowly that bugs needing 5-6 ops were found late or not at all (hicache-abort-loadback-leak:
-    not in 30 s with it, 3 s without). ``extra`` comes last, so it can override these."""
+    """The harness command line (``argv[0]`` is the harness itself: ``-fork`` re-executes it); inputs may be
+    ``max_ops`` records long from the start (``-len_control=0``). ``extra`` comes last, to override these."""
     cmd = [HARNESS, corpus_dir] + ([seed_dir] if seed_dir else []) + [
         f"-max_total_time={max(1, math.ceil(max_time))}", f"-seed={libfuzzer_seed(seed)}", "-print_final_stats=1",
         f"-artifact_prefix={os.path.join(work_dir, 'crashes')}{os.sep}", f"-max_len={max_len(max_ops)}",
@@ -132,9 +110,8 @@ def harness_command(corpus_dir: str, seed_dir: str | None, max_time: float, seed
 def harness_env(config: TargetConfig, findings_dir: str, stats_dir: str | None = None,
                 suppressions_path: str | None = None, known_path: str | None = None, max_ops: int = 24,
                 base: dict | None = None) -> dict:
-    """The environment of a harness run (``base``: default ``os.environ``). This interpreter's
-    directory goes first on ``PATH``, so the harness's ``#!/usr/bin/env python3`` (and every process
-    libFuzzer re-executes) runs the Python that runs kvaudit."""
+    """The environment of a harness run (``base``: default ``os.environ``), with this interpreter's directory
+    first on ``PATH``: the harness's ``#!/usr/bin/env python3`` runs the Python that runs kvaudit."""
     env = dict(os.environ if base is None else base)
     env.update(KVAUDIT_CONFIG=json.dumps(config.to_dict()), KVAUDIT_FINDINGS_DIR=os.path.abspath(findings_dir),
                KVAUDIT_MAX_OPS=str(max_ops), PYTHONUNBUFFERED="1")
@@ -152,29 +129,17 @@ def harness_env(config: TargetConfig, findings_dir: str, stats_dir: str | None =
 
 
 def _new_crash(crashes_dir: str, before: set[str]) -> bool:
-    """Whether libFuzzer wrote a ``crash-*`` artifact into ``crashes_dir`` not in ``before``."""
     return any(c.startswith("crash-") and c not in before for c in os.listdir(crashes_dir))
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the harness's process group (libFuzzer prints its final stats and exits, -fork
-    children included), then SIGKILL to the group if it is still there after KILL_WAIT_S."""
-    for sig, wait in ((signal.SIGINT, KILL_WAIT_S), (signal.SIGKILL, KILL_WAIT_S)):
-        try:
+    """SIGINT to the harness's process group (libFuzzer prints its final stats and exits), then SIGKILL to
+    the group: the leader if it is still there after KILL_WAIT_S, and any -fork child that outlives it."""
+    with contextlib.suppress(ProcessLookupError):
+        for sig in (signal.SIGINT, signal.SIGKILL):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            if sig == signal.SIGKILL:
-                return
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # the leader exited; make sure no -fork child outlives it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=KILL_WAIT_S)
 
 
 def _read_stats(stats_dir: str) -> tuple[int, int, set]:
@@ -193,8 +158,8 @@ def _read_stats(stats_dir: str) -> tuple[int, int, set]:
 
 
 def load_findings(findings_dir: str, known=frozenset()) -> list[tuple[str, list[Op], list[Finding]]]:
-    """``(path, program, findings)`` of every readable replay file in ``findings_dir``, oldest first,
-    leaving out those whose signatures are all in ``known``."""
+    """``(path, program, findings)`` of every readable replay file in ``findings_dir`` with a signature not
+    in ``known``, oldest first."""
     out = []
     paths = sorted(glob.glob(os.path.join(findings_dir, "*.json")), key=lambda p: (os.path.getmtime(p), p))
     for path in paths:
@@ -219,29 +184,20 @@ def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: Fuzz
                    workers: int = 1, suppressions_path: str | None = None, known=frozenset(),
                    work_dir: str | None = None, use_seeds: bool = True, max_ops: int = 24,
                    libfuzzer_args: list[str] = ()) -> tuple[list[Op], list[Finding]] | None:
-    """Fuzz ``config`` with atheris for ``max_time`` seconds of libFuzzer time; return the first
-    finding's ``(program, findings)`` (the program ends with the op that found it), or None.
+    """Fuzz ``config`` with atheris for ``max_time`` seconds of libFuzzer time; return the first finding's
+    ``(program, findings)`` (the program ends with the op that found it), or None.
 
-    ``workers > 1`` runs libFuzzer's ``-fork=workers``. ``corpus_dir`` (default ``work_dir/corpus``)
-    receives new inputs (an empty one first gets ``v2-start``, the empty program in byte layout
-    version 2, so that new fuzzing mutates version 2 inputs: :mod:`kvaudit.program.bytes_program`); ``corpora/seeds/<preset>/`` is read as a second, read-only corpus unless
-    ``use_seeds`` is false (or it does not exist). Findings whose signature is in ``known`` or that
-    the suppression file ``suppressions_path`` covers are not findings: the search goes on past them.
-    ``work_dir`` None: a temporary directory, removed afterwards. ``libfuzzer_args`` go last on
-    libFuzzer's command line (e.g. ``["-len_control=100"]``, libFuzzer's default).
+    ``workers > 1``: libFuzzer's ``-fork=workers``. ``corpus_dir`` (default ``work_dir/corpus``) receives new
+    inputs; ``corpora/seeds/<preset>/`` is a second, read-only corpus when ``use_seeds``. Findings that
+    ``known`` or the suppression file ``suppressions_path`` covers are not findings. ``work_dir`` None: a
+    temporary directory, removed afterwards. ``libfuzzer_args`` go last on libFuzzer's command line.
 
-    Updates ``stats.executions`` (libFuzzer's count, or the harness processes' own total when that
-    is ahead), ``stats.ops`` (ops run, summed over harness processes), ``stats.coverage`` (a
-    string, ``"345 edges"``: libFuzzer's ``cov:``, the built-in engine's instrumented edges) and adds
-    suppressed signatures to ``stats.suppressed``; calls ``on_progress(stats)`` at most every
-    0.25 s and once at the end. The harness runs until ``max_time`` plus its start-up and
-    libFuzzer's wrap-up; it is stopped (process group: SIGINT, then SIGKILL) at ``max_time +
-    GRACE_S``, once the first finding's crash input is in ``crashes/`` (at most FOUND_WAIT_S after
-    its replay file was written; ``-fork`` would let its other jobs run on) and on KeyboardInterrupt (or :data:`kvaudit.audit.runner.INTERRUPTED`), which is re-raised.
+    Updates ``stats`` (``coverage``: ``"345 edges"``, libFuzzer's ``cov:``); calls ``on_progress(stats)`` at most
+    every 0.25 s and once at the end. Stops the harness at ``max_time + GRACE_S``, once the first finding's
+    crash input is written, and on KeyboardInterrupt (or ``INTERRUPTED``), which is re-raised.
 
-    Raises :class:`AtherisError` when the harness fails without writing a finding (e.g. it cannot
-    start, or libFuzzer reports a timeout or an out-of-memory input).
-    """
+    Raises :class:`AtherisError` when the harness fails without writing a finding (it cannot start,
+    libFuzzer reports a timeout or an out-of-memory input)."""
     own_dir = work_dir is None
     work_dir = os.path.abspath(work_dir if work_dir is not None else tempfile.mkdtemp(prefix="kvaudit-atheris-"))
     try:
@@ -253,9 +209,7 @@ def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: Fuzz
 
 
 def _prepare(work_dir: str, corpus_dir: str | None, known: frozenset) -> tuple[str, str]:
-    """Lay out ``work_dir`` (module doc) for a run: ``findings/``, ``stats/`` and ``tmp/`` emptied (what a
-    killed -fork run left), ``known.txt`` written, and an empty corpus seeded with ``v2-start`` (new
-    fuzzing starts in byte layout version 2; libFuzzer starts from b""). Returns (corpus_dir, known.txt)."""
+    """Lay out ``work_dir`` for a run (docs/internals/fuzzers.md). Returns (corpus_dir, known.txt)."""
     corpus_dir = os.path.abspath(corpus_dir or os.path.join(work_dir, "corpus"))
     for d in ("findings", "stats"):
         _clear(os.path.join(work_dir, d))
@@ -273,9 +227,8 @@ def _prepare(work_dir: str, corpus_dir: str | None, known: frozenset) -> tuple[s
 
 def _watch(proc: subprocess.Popen, deadline: float, findings_dir: str, crashes_dir: str, crashes_before: set,
            refresh: Callable[[], None]) -> None:
-    """Wait for the harness to exit; stop it at ``deadline`` or once a finding's crash input is in
-    ``crashes_dir`` (at most FOUND_WAIT_S after its replay file), calling ``refresh`` between checks.
-    Raises KeyboardInterrupt when :data:`kvaudit.audit.runner.INTERRUPTED` is set."""
+    """Wait for the harness to exit, or stop it at ``deadline`` or once a finding's crash input is in
+    ``crashes_dir`` (at most FOUND_WAIT_S after its replay file). Raises KeyboardInterrupt on INTERRUPTED."""
     found_at = None
     while True:
         if INTERRUPTED.is_set():
@@ -291,7 +244,7 @@ def _watch(proc: subprocess.Popen, deadline: float, findings_dir: str, crashes_d
             found_at = time.monotonic()  # the harness writes only unknown signatures
         if found_at is not None and (_new_crash(crashes_dir, crashes_before)
                                      or time.monotonic() - found_at > FOUND_WAIT_S):
-            return _stop(proc)  # libFuzzer wrote its artifact: do not let -fork finish its other jobs
+            return _stop(proc)  # NOTE: -fork would wait for its other jobs
         refresh()
 
 

@@ -1,48 +1,12 @@
 """The atheris (libFuzzer) harness for the built-in engine, audited by kvaudit: the logic behind
-``harnesses/fuzz_engine.py``, which is only the ten-line shape atheris documents (instrument the
-engine, then ``Setup`` and ``Fuzz``).
-
-The harness file is run directly; it takes libFuzzer's own flags and corpus directories::
-
-    harnesses/fuzz_engine.py -runs=100 CORPUS_DIR
-    KVAUDIT_CONFIG=pd-decode-hisparse harnesses/fuzz_engine.py -fork=2 -max_total_time=20 CORPUS_DIR
-    harnesses/fuzz_engine.py -minimize_crash=1 -runs=1000 crash-<sha1>
-
-The file is executable with a shebang because libFuzzer's ``-fork``, ``-jobs`` and
-``-minimize_crash`` re-execute ``argv[0]`` with their own arguments. For the same reason the
-configuration comes from the environment, which those child processes inherit:
-
-``KVAUDIT_CONFIG``
-    the engine config: JSON of ``EutConfig.to_dict()``, or a preset name (default: ``default``)
-``KVAUDIT_BUGS``
-    optional, comma-separated bug-zoo switches added to the config's (handy with a preset name)
-``KVAUDIT_FINDINGS_DIR``
-    where each finding is written as a replay JSON, ``<signature>.json`` (default: ``./kvaudit-findings``)
-``KVAUDIT_SUPPRESS``
-    a suppression TOML file (optional): suppressed findings are not findings, the run goes on
-``KVAUDIT_KNOWN``
-    a file of known signatures, one per line (optional): a program whose first finding has only
-    known signatures is not a crash; its run stops there
-``KVAUDIT_MAX_OPS``
-    ops decoded from one input (default 24; see :mod:`kvaudit.program.bytes_program`)
-``KVAUDIT_STATS_DIR``
-    optional: every process writes ``<pid>.json`` there (executions, ops, suppressed signatures)
-    at most once a second and at each finding, for :mod:`kvaudit.search.atheris_fuzz`
-
-Each input is decoded by :func:`kvaudit.program.bytes_program.program_from_bytes` and run op by op in a
-fresh :class:`kvaudit.audit.runner.AuditedRun` (fast stacks), stopping at the first op with findings.
-A finding with a signature that is not known is written as a replay file (unless one with fewer
-ops, or as many from no more input bytes, is already there) and then raised as :class:`KvauditFinding`,
-whose message is the signature, so libFuzzer records a crash and writes its ``crash-<sha1>``
-artifact (the sha1 is also the replay file's ``input_sha1``).
-
-engine_under_test is imported under ``atheris.instrument_imports`` (:func:`instrument`) before
-kvaudit's audit is imported (it imports engine_under_test), so libFuzzer's coverage is the engine's
-branches; this module imports neither at import time.
+``harnesses/fuzz_engine.py``, which is only the ten-line shape atheris documents (instrument the engine,
+then ``Setup`` and ``Fuzz``). Its flags and environment: harnesses/README.md; design notes:
+docs/internals/fuzzers.md. This module imports neither the engine nor kvaudit's audit at import time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -53,9 +17,9 @@ import time
 
 
 def instrument():
-    """Import atheris and, under ``atheris.instrument_imports``, every module of the built-in engine,
-    before anything imports kvaudit's audit (which imports the engine): libFuzzer's coverage is then
-    the engine's branches. Returns the atheris module; exits 69 (one line on stderr) without it."""
+    """Import atheris and, under ``atheris.instrument_imports``, every module of the built-in engine (before
+    kvaudit's audit imports it: libFuzzer's coverage is the engine's branches). Returns the atheris module;
+    exits 69 (one line on stderr) without it."""
     try:
         import atheris
     except ImportError:
@@ -85,7 +49,7 @@ def _config():
     from kvaudit.config import UnknownPresetError
     from kvaudit.targets import registry
 
-    eut = registry.get("eut")  # the built-in engine, through the registry (no target kind imported here)
+    eut = registry.get("eut")  # NOTE: through the registry: no target kind is imported here
     EutConfig, get_preset = eut.config_class, eut.preset
 
     raw = os.environ.get("KVAUDIT_CONFIG", "").strip() or "default"
@@ -97,43 +61,31 @@ def _config():
         _die(f"bad KVAUDIT_CONFIG or KVAUDIT_BUGS: {e}")
 
 
-def _known() -> frozenset:
-    path = os.environ.get("KVAUDIT_KNOWN")
-    if not path:
-        return frozenset()
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
-    except OSError as e:
-        _die(f"cannot read KVAUDIT_KNOWN file {path}: {e.strerror or e}")
-
-
-def _suppressions():
-    from kvaudit.audit.suppress import SuppressionError, SuppressionSet
-
-    path = os.environ.get("KVAUDIT_SUPPRESS")
-    if not path:
-        return None
-    try:
-        return SuppressionSet.load(path)
-    except SuppressionError as e:
-        _die(str(e))
-
-
-CONFIG = KNOWN = SUPPRESSIONS = FINDINGS_DIR = STATS_DIR = MAX_OPS = None  # set by :func:`main`, from the environment
+CONFIG = KNOWN = SUPPRESSIONS = FINDINGS_DIR = STATS_DIR = MAX_OPS = None  # set by :func:`main`
 
 
 def _setup() -> None:
     global CONFIG, KNOWN, SUPPRESSIONS, FINDINGS_DIR, STATS_DIR, MAX_OPS
+    from kvaudit.audit.suppress import SuppressionError, SuppressionSet
+
     CONFIG = _config()
-    KNOWN = _known()
-    SUPPRESSIONS = _suppressions()
+    known, suppress = os.environ.get("KVAUDIT_KNOWN"), os.environ.get("KVAUDIT_SUPPRESS")
+    try:
+        with open(known, encoding="utf-8") if known else contextlib.nullcontext(()) as fh:
+            KNOWN = frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
+    except OSError as e:
+        _die(f"cannot read KVAUDIT_KNOWN file {known}: {e.strerror or e}")
+    try:
+        SUPPRESSIONS = SuppressionSet.load(suppress) if suppress else None
+    except SuppressionError as e:
+        _die(str(e))
     FINDINGS_DIR = os.path.abspath(os.environ.get("KVAUDIT_FINDINGS_DIR") or "kvaudit-findings")
     STATS_DIR = os.environ.get("KVAUDIT_STATS_DIR") or None
     try:
         MAX_OPS = int(os.environ.get("KVAUDIT_MAX_OPS") or 24)
     except ValueError:
         _die(f"KVAUDIT_MAX_OPS must be an integer, got {os.environ['KVAUDIT_MAX_OPS']!r}")
+
 
 _counts = {"executions": 0, "ops": 0}
 _suppressed: set = set()
@@ -155,8 +107,8 @@ def _write_stats(force: bool = False) -> None:
 
 
 def _keep_existing(path: str, ops: int, size: int) -> bool:
-    """Whether ``path`` already holds a reproducer at least as small: fewer ops, or as many ops
-    from an input of no more bytes (so ``-minimize_crash`` leaves the smallest one)."""
+    """Whether ``path`` holds a reproducer at least as small (ops, then input bytes: ``-minimize_crash``
+    leaves the smallest one)."""
     try:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
@@ -166,7 +118,7 @@ def _keep_existing(path: str, ops: int, size: int) -> bool:
 
 
 def TestOneInput(data: bytes) -> None:
-    """One libFuzzer input: decode, run audited, write and raise a new finding."""
+    """One libFuzzer input: decode, run audited, write and raise (:class:`KvauditFinding`) a new finding."""
     from kvaudit import replay
     from kvaudit.audit.runner import AuditedRun
     from kvaudit.program.bytes_program import program_from_bytes

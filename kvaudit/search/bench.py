@@ -1,20 +1,8 @@
-"""The bug zoo as a fuzzer benchmark (``kvaudit bench``), after Magma and FuzzBench practice.
+"""The bug zoo as a fuzzer benchmark (``kvaudit bench``), after Magma and FuzzBench practice: N trials per
+zoo bug and fuzzer, success rates, time- and executions-to-bug against ``random`` (Mann-Whitney U,
+Vargha-Delaney A12), a false-positive run and the instrumentation overhead, as a markdown report.
 
-Each zoo bug is searched for by each fuzzer in N trials (seeds 1..N) of at most T seconds, on the
-bug's preset with only that switch on. A trial records whether the bug was found, the seconds and
-executions to the first detection (the search alone: confirmation and minimization come after),
-the minimized program's length, the kind of the first finding (which oracle caught it), and
-whether SGLang's own idle check (the engine's ``check_memory()`` at idle) fails on the same
-program. A finding counts as the bug only if it is confirmed 3 of 3 times and its program is clean
-with the switch off (the bug, not something else, caused it).
-
-Per bug and fuzzer: success rate, median and IQR of time- and executions-to-bug (over the
-successful trials), and against ``random`` the Mann-Whitney U test (two-sided, scipy) and
-Vargha-Delaney A12 on time-to-bug, a failed trial counting as the budget (a censored value, as
-FuzzBench's bug-based reports treat it). Then a false-positive run of every fuzzer on the clean
-engine, and the instrumentation overhead and throughput per preset.
-
-Atheris runs without the seed corpus: it holds the zoo's reproducers.
+Design notes (what counts as found, the statistics): docs/internals/fuzzers.md.
 """
 
 from __future__ import annotations
@@ -38,7 +26,6 @@ from kvaudit.audit.runner import AuditedRun, execute
 
 
 def _eut():
-    """The built-in engine's kind: its bug zoo is what this benchmark runs."""
     return registry.get("eut")
 
 
@@ -61,10 +48,8 @@ class Trial:
 
 def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str,
            known=frozenset(), max_executions: int | None = None):
-    """One search of ``budget`` seconds by ``fuzzer`` (:mod:`kvaudit.search.fuzzers`), without the seed
-    corpus; ``known``: signatures that are not findings (or a :class:`kvaudit.search.fuzz.OnlySignature`;
-    not for atheris); ``max_executions``: a second budget, in programs (not for atheris); ``work_dir``: a
-    directory a fuzzer may keep work files in."""
+    """One search of ``budget`` seconds by ``fuzzer`` without the seed corpus (``known``, ``max_executions``:
+    :class:`kvaudit.search.fuzzers.Search`); ``work_dir``: where a fuzzer may keep work files."""
     return fuzzers.get(fuzzer).search(config, budget, seed, stats, fuzzers.Search(
         known=known, max_executions=max_executions, out_dir=work_dir, use_seeds=False))
 
@@ -104,8 +89,8 @@ def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
 # -- statistics ------------------------------------------------------------------------------------
 
 def a12(x: list[float], y: list[float]) -> float:
-    """Vargha-Delaney A12: the probability that a value drawn from ``x`` is larger than one drawn
-    from ``y`` (ties count half). For time-to-bug, A12 < 0.5 means ``x`` is faster."""
+    """Vargha-Delaney A12: the probability that a value of ``x`` is larger than one of ``y`` (ties count
+    half); nan for an empty sample."""
     if not x or not y:
         return math.nan
     gt = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in x for b in y)
@@ -113,8 +98,7 @@ def a12(x: list[float], y: list[float]) -> float:
 
 
 def mann_whitney_p(x: list[float], y: list[float]) -> float:
-    """Two-sided Mann-Whitney U p-value (scipy); nan when a sample has fewer than 2 values (one trial
-    against one gives p = 1 whatever the times) or all values tie."""
+    """Two-sided Mann-Whitney U p-value (scipy); nan when a sample has fewer than 2 values or all values tie."""
     from scipy.stats import mannwhitneyu
 
     if len(x) < 2 or len(y) < 2 or len(set(x) | set(y)) == 1:
@@ -145,18 +129,17 @@ class Cell:
     p_vs_random: float = math.nan
     a12_vs_random: float = math.nan
 
-    @property
-    def rate(self) -> float:
-        return self.successes / self.trials if self.trials else 0.0
+    def _median(self, q: tuple | None) -> float | None:
+        # NOTE: with half the trials or more failed the median is not reached (a censored value)
+        return q[1] if q and self.successes * 2 > self.trials else None
 
     @property
     def median_time(self) -> float | None:
-        # with half the trials or more failed the median is not reached (a censored value)
-        return self.time_q[1] if self.time_q and self.successes * 2 > self.trials else None
+        return self._median(self.time_q)
 
     @property
     def median_execs(self) -> float | None:
-        return self.execs_q[1] if self.execs_q and self.successes * 2 > self.trials else None
+        return self._median(self.execs_q)
 
 
 def summarize(trials: list[Trial]) -> list[Cell]:
@@ -185,29 +168,24 @@ def summarize(trials: list[Trial]) -> list[Cell]:
 
 
 def geomean_exec_ratio(cells: list[Cell], fuzzer: str) -> tuple[float | None, int]:
-    """Geometric mean over the bugs both ``fuzzer`` and random find (median reached) of
-    median executions(random) / median executions(fuzzer); > 1 means fewer executions than random."""
+    """(Geometric mean of median executions(random) / median executions(``fuzzer``), the number of bugs)
+    over the bugs whose both medians are reached; > 1: fewer executions than random."""
     by = {(c.bug, c.fuzzer): c for c in cells}
-    ratios = []
-    for (bug, f), c in by.items():
-        r = by.get((bug, "random"))
-        if f == fuzzer and r is not None and c.median_execs and r.median_execs:
-            ratios.append(r.median_execs / c.median_execs)
+    pairs = [(by.get((bug, "random")), c) for (bug, f), c in by.items() if f == fuzzer]
+    ratios = [r.median_execs / c.median_execs for r, c in pairs if r is not None and c.median_execs and r.median_execs]
     if not ratios:
         return None, 0
     return math.exp(sum(math.log(x) for x in ratios) / len(ratios)), len(ratios)
 
 
 def geomean_cells(cells: list[Cell], fuzzers: list[str]) -> list[str]:
-    """Per fuzzer, :func:`geomean_exec_ratio` as a table cell ("2.50x fewer (4 bugs)"; random: the baseline)."""
+    """Per fuzzer, :func:`geomean_exec_ratio` as a table cell ("2.50x fewer (4 bugs)")."""
     out = []
     for f in fuzzers:
-        if f == "random":
-            out.append("1 (baseline)")
-            continue
         g, n = geomean_exec_ratio(cells, f)
         bugs = f"{n} bug" + ("s" if n != 1 else "")
-        out.append("-" if g is None else f"{g:.2f}x fewer ({bugs})" if g >= 1 else f"{1 / g:.2f}x more ({bugs})")
+        out.append("1 (baseline)" if f == "random" else "-" if g is None
+                   else f"{g:.2f}x fewer ({bugs})" if g >= 1 else f"{1 / g:.2f}x more ({bugs})")
     return out
 
 
@@ -242,8 +220,7 @@ OVERHEAD_MODES = (  # name, hooks (ledger), oracles after every step, shadow KV 
 
 def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: bool, full_stacks: bool,
                  shadow: bool) -> tuple[float, int, int]:
-    """Run every program from a fresh engine in one mode; (process CPU seconds, ops, steps).
-    The timing loop of the overhead table and of benchmarks/throughput.py."""
+    """Run every program from a fresh engine in one mode; (process CPU seconds, ops, steps)."""
     ops = steps = 0
     t0 = time.process_time()
     for prog in programs:
@@ -256,9 +233,8 @@ def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: boo
 
 
 def best_times(config: TargetConfig, programs: list, modes, rounds: int) -> tuple[dict[str, float], int]:
-    """Process CPU seconds per mode over ``programs`` (each from a fresh engine), best of ``rounds`` with the
-    modes taking turns, and the ops one round runs. ``modes``: ``(name, audit, oracles, shadow)`` rows
-    (fast-mode stacks, as the fuzzers run)."""
+    """Process CPU seconds per mode (``(name, audit, oracles, shadow)`` rows, fast stacks) over ``programs``,
+    best of ``rounds`` with the modes taking turns, and the ops one round runs."""
     best: dict[str, float] = {}
     ops = 0
     for _ in range(rounds):
@@ -269,8 +245,7 @@ def best_times(config: TargetConfig, programs: list, modes, rounds: int) -> tupl
 
 
 def build_ms(config: TargetConfig, builds: int = 10) -> float:
-    """Milliseconds one target of ``config`` takes to build (``make_target``), after a first build that
-    loads what a process loads once."""
+    """Milliseconds one target of ``config`` takes to build, after a first build (what a process loads once)."""
     from kvaudit.targets import make_target
 
     make_target(config)
@@ -282,7 +257,7 @@ def build_ms(config: TargetConfig, builds: int = 10) -> float:
 
 def overhead(preset: str, model: str, programs: int = 100, length: int = 20, rounds: int = 3,
              seed: int = 1) -> dict[str, float]:
-    """Programs/s per mode, the modes taking turns (best of ``rounds``, process CPU time, one core)."""
+    """Programs/s per :data:`OVERHEAD_MODES` mode (best of ``rounds``, process CPU time, one core)."""
     import torch
 
     from kvaudit.program import random_program
@@ -311,7 +286,7 @@ class BenchResult:
 
 def run(bugs: list[str], fuzzers: list[str], trials: int, budget: float, fp_seconds: float,
         overhead_presets: list[str], on_event: Callable[[str], None] = print) -> BenchResult:
-    """The whole benchmark (see module doc); ``on_event`` gets one line per finished step."""
+    """The whole benchmark; ``on_event`` gets one line per finished step."""
     res = BenchResult(settings={"bugs": bugs, "fuzzers": fuzzers, "trials": trials, "budget": budget,
                                 "fp_seconds": fp_seconds, "overhead_presets": overhead_presets,
                                 "cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -346,6 +321,10 @@ def _fmt_q(q: tuple | None, unit: str = "", digits: int = 1) -> str:
     return f"{q[1]:.{digits}f}{unit} [{q[0]:.{digits}f}-{q[2]:.{digits}f}]"
 
 
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
     """The zoo report; ``raw``: the name of the raw-data file written beside it."""
     cells = summarize(res.trials)
@@ -363,56 +342,48 @@ def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
         "switch off. Times and executions are to the first detection (before triage): median [IQR] over "
         "the successful trials; a median is '-' when half the trials or more failed. p and A12 compare "
         "time-to-bug with `random` (Mann-Whitney U, two-sided; Vargha-Delaney A12 < 0.5: faster than "
-        "random), failed trials counted as the budget (p is '-' with fewer than 2 trials). 'SGLang idle check' says whether the engine's own "
-        "`check_memory()` at idle fails on the same programs.",
+        "random), failed trials counted as the budget (p is '-' with fewer than 2 trials). 'SGLang idle check' "
+        "says whether the engine's own `check_memory()` at idle fails on the same programs.",
         "",
         "## Headline",
         "",
     ]
     by = {(c.bug, c.fuzzer): c for c in cells}
     lines += _headline(res, cells, by)
-    bugs = s["bugs"]
     lines += ["", "## Per bug", "",
-              "| bug | expected | fuzzer | found | time to bug (s) | executions to bug | min ops | oracle | "
-              "SGLang idle check | p vs random | A12 vs random |",
+              _row("bug", "expected", "fuzzer", "found", "time to bug (s)", "executions to bug", "min ops", "oracle",
+                   "SGLang idle check", "p vs random", "A12 vs random"),
               "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for b in bugs:
-        for f in fuzzers:
-            c = by.get((b, f))
-            if c is None:
-                continue
-            lines.append(
-                f"| {b} | {_eut().bugs()[b].finding} | {f} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
-                f"{_fmt_q(c.execs_q, digits=0)} | {c.min_len_median if c.min_len_median is not None else '-'} | "
-                f"{', '.join(c.first_oracles) or '-'} | {c.engine_idle_check} | "
-                f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
-                f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
+    for c in (by[(b, f)] for b in s["bugs"] for f in fuzzers if (b, f) in by):
+        lines.append(_row(
+            c.bug, _eut().bugs()[c.bug].finding, c.fuzzer, f"{c.successes}/{c.trials}", _fmt_q(c.time_q),
+            _fmt_q(c.execs_q, digits=0), "-" if c.min_len_median is None else c.min_len_median,
+            ", ".join(c.first_oracles) or "-", c.engine_idle_check,
+            "-" if math.isnan(c.p_vs_random) else f"{c.p_vs_random:.3f}",
+            "-" if math.isnan(c.a12_vs_random) else f"{c.a12_vs_random:.2f}"))
     lines += _trials_and_runs(res)
     return "\n".join(lines) + "\n"
 
 
 def _headline(res: BenchResult, cells: list[Cell], by: dict) -> list[str]:
-    """The report's headline table (per fuzzer, over every bug) and the overhead figure under it."""
-    s = res.settings
-    fuzzers = s["fuzzers"]
-    bugs = s["bugs"]
-    head = ["| target | " + " | ".join(fuzzers) + " |", "|---|" + "---|" * len(fuzzers)]
-    found_all = ["| bugs found (at least once) | " + " | ".join(
-        f"{sum(1 for b in bugs if by.get((b, f)) and by[(b, f)].successes)}/{len(bugs)}" for f in fuzzers) + " |"]
-    rate = ["| success rate over all trials | " + " | ".join(
-        f"{sum(by[(b, f)].successes for b in bugs if (b, f) in by)}/{sum(by[(b, f)].trials for b in bugs if (b, f) in by)}"
-        for f in fuzzers) + " |"]
+    fuzzers, bugs = res.settings["fuzzers"], res.settings["bugs"]
+    mine = {f: [by[(b, f)] for b in bugs if (b, f) in by] for f in fuzzers}
     worst = []
     for f in fuzzers:
-        meds = [by[(b, f)].median_time for b in bugs if (b, f) in by]
+        meds = [c.median_time for c in mine[f]]
         worst.append("-" if any(m is None for m in meds) or not meds else f"{max(meds):.1f} s")
-    worst_row = ["| slowest median time-to-bug (target <= 60 s for every bug) | " + " | ".join(worst) + " |"]
-    geo_row = ["| geometric mean of median executions-to-bug vs random (target >= 5x fewer) | "
-               + " | ".join(geomean_cells(cells, fuzzers)) + " |"]
     fp = {d["fuzzer"]: d for d in res.false_positives}
-    fp_row = ["| false positives on the clean engine (target 0) | " + " | ".join(
-        f"{len(fp[f]['findings'])} in {fp[f]['executions']} programs" if f in fp else "-" for f in fuzzers) + " |"]
-    lines = head + found_all + rate + worst_row + geo_row + fp_row
+    lines = [
+        _row("target", *fuzzers), "|---|" + "---|" * len(fuzzers),
+        _row("bugs found (at least once)", *(f"{sum(1 for c in mine[f] if c.successes)}/{len(bugs)}" for f in fuzzers)),
+        _row("success rate over all trials",
+             *(f"{sum(c.successes for c in mine[f])}/{sum(c.trials for c in mine[f])}" for f in fuzzers)),
+        _row("slowest median time-to-bug (target <= 60 s for every bug)", *worst),
+        _row("geometric mean of median executions-to-bug vs random (target >= 5x fewer)",
+             *geomean_cells(cells, fuzzers)),
+        _row("false positives on the clean engine (target 0)",
+             *(f"{len(fp[f]['findings'])} in {fp[f]['executions']} programs" if f in fp else "-" for f in fuzzers)),
+    ]
     if res.overhead:
         ov = [r for r in res.overhead if r["model"] == "none"]
         worst_ov = max(r["hooks off"] / r["full oracles"] for r in ov) if ov else math.nan
@@ -422,7 +393,6 @@ def _headline(res: BenchResult, cells: list[Cell], by: dict) -> list[str]:
 
 
 def _trials_and_runs(res: BenchResult) -> list[str]:
-    """The report's trial notes, false-positive run and overhead table."""
     lines: list[str] = []
     notes = [t for t in res.trials if t.note and t.success]
     fails = [t for t in res.trials if not t.success]
@@ -432,8 +402,8 @@ def _trials_and_runs(res: BenchResult) -> list[str]:
     lines += ["", "## False-positive run", "",
               "| fuzzer | seconds | programs | findings |", "|---|---|---|---|"]
     for d in res.false_positives:
-        lines.append(f"| {d['fuzzer']} | {d['seconds']:g} | {d['executions']} | "
-                     f"{', '.join(x['preset'] + ': ' + x['signature'] for x in d['findings']) or 'none'} |")
+        lines.append(_row(d["fuzzer"], f"{d['seconds']:g}", d["executions"],
+                          ", ".join(x["preset"] + ": " + x["signature"] for x in d["findings"]) or "none"))
     if res.overhead:
         lines += ["", "## Instrumentation overhead and throughput", "",
                   "Programs/s on one core (100 random programs of 20 ops, best of 3 rounds, the modes taking "
@@ -443,6 +413,6 @@ def _trials_and_runs(res: BenchResult) -> list[str]:
                   "|---|---|---|---|---|---|---|"]
         for r in res.overhead:
             off, on, full = r["hooks off"], r["hooks on"], r["full oracles"]
-            lines.append(f"| {r['preset']} | {r['model']} | {off:.1f} | {on:.1f} | {full:.1f} | {off / on:.2f}x | "
-                         f"{off / full:.2f}x |")
+            lines.append(_row(r["preset"], r["model"], f"{off:.1f}", f"{on:.1f}", f"{full:.1f}", f"{off / on:.2f}x",
+                              f"{off / full:.2f}x"))
     return lines

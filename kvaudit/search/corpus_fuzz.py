@@ -1,77 +1,51 @@
-"""A corpus-and-mutation search guided by the abstract scheduler states a program reaches.
+"""A corpus-and-mutation search guided by the abstract scheduler states a program reaches (AFLNet's state
+feedback over the target's own view): fresh random programs first, then fresh or mutated corpus
+programs; a program that reaches a feature never seen before joins the corpus.
 
-The search keeps a corpus of programs. Its first :data:`WARMUP` executions are fresh random programs
-of :data:`MIN_OPS`..:data:`MAX_OPS` ops (the random baseline's generator,
-:func:`kvaudit.program.random_program`, at four times its lengths: what found every measured bug
-soonest). After them each execution either draws a fresh program (that generator, or a swarm variant
-that uses a random subset of the op kinds, Groce et al., ISSTA 2012) or mutates a corpus program (havoc: one to
-four stacked mutations -- insert, delete or replace an op, redraw one argument, splice two programs,
-duplicate a run of ops). After every scheduler step the target's state is abstracted
-(:func:`abstract_state`: which places hold requests and sessions and how many, each pool's free and
-evictable level in eighths, paused/idle), and a program that reaches a *feature* never seen before
-joins the corpus. Features (AFLNet's state feedback, over the target's own view instead of a
-protocol's response codes): an abstract state and an engine alloc/free/lock site (the auditor's
-``site_keys``); with ``transitions``, also a transition between two consecutive states and an (op
-kind, state) pair. Those two made almost every other program new (292 corpus programs in 600
-executions on ``sglang-session``); without them the search found the deep SGLang bugs as often
-(38 against 37 of 55 trials) and sglang-21875 sooner, so they are off by default
-(docs/search/README.md, "Search variants").
-
-A finding ends its program; the first one neither ``known`` nor suppressed is returned, as
-:func:`kvaudit.search.fuzz.random_search` does (no shrinking here: triage minimizes it).
-Deterministic per seed up to the clock (the budget's end, the step watchdog).
+Design notes: docs/internals/fuzzers.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvaudit.audit.findings import Finding
 from kvaudit.config import TargetConfig
-from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, program_to_json, random_program
-from kvaudit.program.generate import random_op, weighted_kinds
+from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, program_to_json
 from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
+from kvaudit.program.generate import weighted_kinds
 from kvaudit.program.schema import max_prompt as context_max_prompt
 from kvaudit.search.fuzz import FuzzStats, run_program
 from kvaudit.targets import program_features
 
 
 ENGINE_PACKAGES = ("sglang", "vllm", "engine_under_test")  # whose lines ``line_coverage`` records
-# Program lengths (ops, with the final idle) of the fresh programs: four times the random baseline's
-# 4..24. Longer programs reach the deep states in fewer executions and less time (a 96-op program costs
-# about 2.2x a 24-op one and finds the SGLang 0.5.23 bugs in 4x fewer executions): docs/search/README.md,
-# "Program length".
-MIN_OPS, MAX_OPS = 16, 96
-# Fresh programs before the corpus is mutated: at these lengths fresh programs found every bug measured
-# sooner than mutated ones (a 64-execution warmup lost to plain random 16..96 on the deep SGLang cases).
-WARMUP = 1024
+MIN_OPS, MAX_OPS = 16, 96  # the fresh programs' lengths (ops, with the final idle): four times random's
+WARMUP = 1024  # fresh programs before the corpus is mutated
+
+
+@functools.cache
+def _is_engine(code) -> bool:
+    name = code.co_filename.replace(os.sep, "/")
+    return "/kvaudit/" not in name and any(f"/{p}/" in name for p in ENGINE_PACKAGES)
 
 
 class LineTracer:
-    """Engine line coverage by ``sys.settrace`` (Python 3.11 has no ``sys.monitoring``): the (code,
-    line) pairs run in the modules of :data:`ENGINE_PACKAGES` (kvaudit's own left out), while it is
-    on. Measured at about 2.2x the CPU time of an untraced SGLang program (40 random programs on
-    ``sglang-session``)."""
+    """Engine line coverage by ``sys.settrace``: the (code, line) pairs run in :data:`ENGINE_PACKAGES`
+    (kvaudit's own left out) while it is on; about 2.2x the CPU time of an untraced program."""
 
     def __init__(self):
         self.lines: set = set()
-        self._engine: dict = {}  # code object -> whether its lines are recorded
-
-    def _is_engine(self, code) -> bool:
-        hit = self._engine.get(code)
-        if hit is None:
-            name = code.co_filename.replace(os.sep, "/")
-            hit = "/kvaudit/" not in name and any(f"/{p}/" in name for p in ENGINE_PACKAGES)
-            self._engine[code] = hit
-        return hit
 
     def _local(self, frame, event, arg):
         if event == "line":
@@ -79,7 +53,7 @@ class LineTracer:
         return self._local
 
     def _global(self, frame, event, arg):
-        return self._local if self._is_engine(frame.f_code) else None
+        return self._local if _is_engine(frame.f_code) else None
 
     def __enter__(self) -> "LineTracer":
         self.lines = set()
@@ -95,15 +69,15 @@ def _bucket(n: int) -> int:
     return n if n < 3 else (n - 1).bit_length() + 1
 
 
+def _closed(program: list[Op]) -> list[Op]:
+    return program if program and isinstance(program[-1], Idle) else program + [Idle()]
+
+
 def abstract_state(target) -> tuple:
-    """The target's state abstracted to a hashable tuple: for each (pool, role, where) of its roots
-    the number of owners (bucketed), each pool's available and evictable tokens in eighths of its
-    total (and whether any are protected or session-held), and whether it is paused or idle. Reads
-    only (``roots``, ``accounting``, ``paused``, ``is_idle``)."""
-    places: dict[tuple, int] = {}
-    for r in target.roots():
-        key = (r.pool, r.role, r.where)
-        places[key] = places.get(key, 0) + 1
+    """The target's state as a hashable tuple: the owners (bucketed) per (pool, role, where) of its roots,
+    each pool's available and evictable tokens in eighths of its total (and whether any are protected or
+    session-held), paused, idle. Reads only."""
+    places = Counter((r.pool, r.role, r.where) for r in target.roots())
     levels = []
     for pool, a in sorted(target.accounting().items()):
         total = max(1, a.total)
@@ -113,10 +87,8 @@ def abstract_state(target) -> tuple:
 
 
 def op_shape(op: Op) -> str:
-    """An op's kind and which of its optional arguments (``Arg.p < 1``) it sets: ``submit+session``
-    for a session turn, ``abort+handle``; values left out."""
-    spec = OPS[op.kind]
-    set_ = [a.name for a in spec.args if a.p < 1.0 and getattr(op, a.name) != a.unset]
+    """An op's kind and the optional arguments it sets (``submit+session``); values left out."""
+    set_ = [a.name for a in OPS[op.kind].args if a.p < 1.0 and getattr(op, a.name) != a.unset]
     return "+".join([op.kind] + set_)
 
 
@@ -136,13 +108,10 @@ class Corpus:
 
     entries: list[Entry] = field(default_factory=list)
     features: set = field(default_factory=set)
-    hits: dict = field(default_factory=dict)
+    hits: Counter = field(default_factory=Counter)
 
     def count(self, features: set) -> None:
-        """One execution reached ``features``."""
-        hits = self.hits
-        for f in features:
-            hits[f] = hits.get(f, 0) + 1
+        self.hits.update(features)
 
     def add(self, program: list[Op], features: set, frontier: int | None = None) -> bool:
         new = features - self.features
@@ -153,34 +122,28 @@ class Corpus:
         return True
 
     def pick(self, rng: random.Random, schedule: str = "classic") -> Entry:
-        """An entry. ``classic``: favouring those that found many features, are short and were picked
-        rarely. ``rare``: favouring those that reached features few executions reach (the sum of
-        1/hits over its features, AFLFast's and Entropic's idea), short and rarely picked."""
-        if schedule == "rare":
-            hits = self.hits
-            weights = [sum(1.0 / hits.get(f, 1) for f in e.features) / ((1 + e.picked) * (4 + len(e.program)))
-                       for e in self.entries]
-        else:
-            weights = [(1 + e.new_features) / ((1 + e.picked) * (4 + len(e.program))) for e in self.entries]
+        """An entry, favouring short, rarely picked ones that found many features (``classic``) or reached
+        features few executions reach (``rare``: the sum of 1/hits, AFLFast's and Entropic's idea)."""
+        def score(e: Entry) -> float:
+            return sum(1.0 / self.hits.get(f, 1) for f in e.features) if schedule == "rare" else 1 + e.new_features
+
+        weights = [score(e) / ((1 + e.picked) * (4 + len(e.program))) for e in self.entries]
         e = rng.choices(self.entries, weights)[0]
         e.picked += 1
         return e
 
 
 class CorpusStore:
-    """A campaign's program corpus on disk (``DIR/programs/``): one JSON file per program that joined a
-    worker's :class:`Corpus`, named by the digest of its contents (``<16 hex>.json``: a
-    ``{"format": "kvaudit.program/1", "program": [...]}`` document), written atomically. Workers share
-    the folder: each saves its own additions and picks up the others' with :meth:`load_new`, as AFL's
-    parallel instances sync their queues. A file that does not parse is skipped and counted in
-    ``skipped`` (a corpus is never a reason to stop a campaign); nothing is ever deleted."""
+    """A campaign's program corpus on disk (``DIR/programs/<16 hex>.json``, named by the digest of its
+    contents), shared by its workers as AFL's parallel instances sync their queues. Files that do not
+    parse are counted in ``skipped``, failed writes in ``write_errors``; nothing is ever deleted."""
 
     def __init__(self, path: str, mirror=None):
         self.path = path
         self.mirror = mirror  # a kvaudit.search.hub.Hub: programs shared across hosts (``--db``)
         self.seen: set[str] = set()  # file names loaded or written by this store
-        self.skipped: list[str] = []  # files that did not parse
-        self.write_errors: list[str] = []  # programs that could not be saved
+        self.skipped: list[str] = []
+        self.write_errors: list[str] = []
 
     @staticmethod
     def name(program: list[Op], ops: list | None = None) -> str:
@@ -189,9 +152,8 @@ class CorpusStore:
         return hashlib.sha1(text.encode()).hexdigest()[:16] + ".json"
 
     def save(self, program: list[Op], shared: bool = False) -> None:
-        """Write ``program`` unless a file of the same contents is there. A write that fails (a full
-        disk, a read-only folder) is counted in ``write_errors`` and the search goes on. A new program
-        goes to the mirror too, unless ``shared`` (it came from there)."""
+        """Write ``program`` unless a file of the same contents is there; a new one goes to the mirror
+        too, unless ``shared`` (it came from there)."""
         from kvaudit.replay import write_text_atomic
 
         ops = program_to_json(program)
@@ -207,22 +169,28 @@ class CorpusStore:
             if self.mirror is not None and not shared:
                 self.mirror.share_program(name, ops)
 
+    def _parse(self, label: str, read: Callable[[], list]) -> list[Op] | None:
+        try:
+            program = program_from_json(read())
+        except (OSError, ValueError, ProgramError):
+            self.skipped.append(label)
+            return None
+        return _closed(program) if program else None
+
+    def _read(self, name: str) -> list | None:
+        with open(os.path.join(self.path, name), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return doc.get("program") if isinstance(doc, dict) else None
+
     def load_new(self) -> list[list[Op]]:
-        """The programs of the files not loaded or written by this store yet, in name order, then
-        those the mirror's other workers shared since the last call (written here too)."""
+        """The programs the mirror's other workers shared since the last call (written here too), then
+        those of the files not loaded or written by this store yet, in name order."""
         out = []
-        if self.mirror is not None:
-            for name, ops in self.mirror.new_programs():
-                if name in self.seen:
-                    continue
+        for name, ops in self.mirror.new_programs() if self.mirror is not None else ():
+            if name not in self.seen:
                 self.seen.add(name)
-                try:
-                    program = program_from_json(ops)
-                except (ValueError, ProgramError):
-                    self.skipped.append(f"redis:{name}")
-                    continue
+                program = self._parse(f"redis:{name}", lambda: ops)
                 if program:
-                    program = program if isinstance(program[-1], Idle) else program + [Idle()]
                     self.save(program, shared=True)
                     out.append(program)
         try:
@@ -231,54 +199,27 @@ class CorpusStore:
             return out
         for name in names:
             self.seen.add(name)
-            try:
-                with open(os.path.join(self.path, name), encoding="utf-8") as fh:
-                    doc = json.load(fh)
-                program = program_from_json(doc.get("program") if isinstance(doc, dict) else None)
-            except (OSError, ValueError, ProgramError):
-                self.skipped.append(name)
-                continue
+            program = self._parse(name, lambda: self._read(name))
             if program:
-                out.append(program if isinstance(program[-1], Idle) else program + [Idle()])
+                out.append(program)
         return out
 
 
 class Mutator:
-    """Program mutations over the op schema's reach (every op and argument stays valid: arguments are
-    redrawn in their ranges and resolved by :func:`kvaudit.program.make_op`)."""
+    """Program mutations over the op schema's reach: every op and argument stays valid."""
 
     def __init__(self, rng: random.Random, reach: frozenset, max_prompt: int, max_ops: int):
         self.rng, self.reach, self.max_prompt, self.max_ops = rng, reach, max_prompt, max_ops
         self.table = weighted_kinds(reach)
 
-    def op(self, table=None) -> Op:
-        return random_op(self.rng, self.reach, self.max_prompt, table or self.table)
-
-    def swarm_table(self) -> tuple[str, ...]:
-        """A random subset of the op kinds (those in every swarm, ``OpSpec.swarm`` None -- step and idle --
-        always in), weighted as the random mix."""
-        kinds = sorted(set(self.table))
-        keep = {k for k in kinds if OPS[k].swarm is None or self.rng.random() < 0.5}
-        return tuple(k for k in self.table if k in keep)
-
-    def swarm_probs(self) -> dict[str, float]:
-        """Swarm over arguments: for each optional argument (``Arg.p < 1``) of the reach, a set
-        probability for one program, drawn from never, its random-mix ``p`` and always (a program
-        whose submits all name a session, or none does)."""
-        out = {}
-        for kind in set(self.table):
-            for a in OPS[kind].args:
-                if a.p < 1.0 and reachable(a.gate, self.reach):
-                    out[(kind, a.name)] = self.rng.choice((0.0, a.p, 1.0))
-        return out
-
-    def swarm_op(self, table, probs: dict) -> Op:
-        """An op of ``table`` whose optional arguments are set with ``probs``' probabilities."""
-        rng = self.rng
+    def op(self, table=None, probs: dict | None = None) -> Op:
+        """An op of ``table`` (default: the random mix, drawn as :func:`kvaudit.program.generate.random_op`
+        draws it), each optional argument set with ``probs[(kind, name)]`` (default its ``Arg.p``)."""
+        rng, table = self.rng, table or self.table
         kind = table[rng.randrange(len(table))]
         values = {}
         for a in OPS[kind].args:
-            p = probs.get((kind, a.name), a.p)
+            p = (probs or {}).get((kind, a.name), a.p)
             if not reachable(a.gate, self.reach) or (p < 1.0 and rng.random() >= p):
                 values[a.name] = a.unset
             else:
@@ -286,15 +227,26 @@ class Mutator:
                 values[a.name] = rng.randint(lo, hi)
         return make_op(kind, values, self.reach, self.max_prompt)
 
+    def swarm_table(self) -> tuple[str, ...]:
+        """A random subset of the op kinds (step and idle, swarm None, always in), weighted as the mix."""
+        kinds = sorted(set(self.table))
+        keep = {k for k in kinds if OPS[k].swarm is None or self.rng.random() < 0.5}
+        return tuple(k for k in self.table if k in keep)
+
+    def swarm_probs(self) -> dict[str, float]:
+        """For each optional argument of the reach, its probability in one program: never, its ``p``, always."""
+        out = {}
+        for kind in set(self.table):
+            for a in OPS[kind].args:
+                if a.p < 1.0 and reachable(a.gate, self.reach):
+                    out[(kind, a.name)] = self.rng.choice((0.0, a.p, 1.0))
+        return out
+
     def fresh(self, min_ops: int, max_ops: int, swarm: bool, arg_swarm: bool = False) -> list[Op]:
-        if not swarm:
-            return random_program(self.rng, self.rng.randint(min_ops, max_ops), max_prompt=self.max_prompt,
-                                  features=self.reach - frozenset(CAPABILITIES))
-        table = self.swarm_table()
-        if arg_swarm:
-            probs = self.swarm_probs()
-            return [self.swarm_op(table, probs) for _ in range(self.rng.randint(min_ops, max_ops) - 1)] + [Idle()]
-        return [self.op(table) for _ in range(self.rng.randint(min_ops, max_ops) - 1)] + [Idle()]
+        """A fresh program; not ``swarm``: the random baseline's (:func:`kvaudit.program.random_program`)."""
+        table = self.swarm_table() if swarm else self.table
+        probs = self.swarm_probs() if swarm and arg_swarm else None
+        return [self.op(table, probs) for _ in range(self.rng.randint(min_ops, max_ops) - 1)] + [Idle()]
 
     def redraw_arg(self, op: Op) -> Op:
         spec = OPS[op.kind]
@@ -311,9 +263,8 @@ class Mutator:
         return make_op(op.kind, values, self.reach, self.max_prompt)
 
     def extend(self, program: list[Op], frontier: int | None) -> list[Op]:
-        """``program`` cut after op ``frontier`` (where it last reached a new feature; the whole body
-        when None) and continued with one to four fresh ops, then ``idle``: one more step past an
-        interesting state."""
+        """``program`` cut after op ``frontier`` (None: its whole body) and continued with one to four
+        fresh ops, then ``idle``."""
         body = [op for op in program if not isinstance(op, Idle)] if frontier is None else \
             [op for op in program[:frontier + 1]]
         if body and isinstance(body[-1], Idle) and self.rng.random() < 0.5:
@@ -322,8 +273,8 @@ class Mutator:
         return body[: self.max_ops - 1] + [Idle()]
 
     def mutate(self, program: list[Op], other: list[Op]) -> list[Op]:
-        """One to four stacked mutations of ``program`` (``other``: a second corpus program to splice
-        from); the result ends in ``idle`` and has at most ``max_ops`` ops."""
+        """One to four stacked mutations of ``program`` (splicing from ``other``); the result ends in
+        ``idle`` and has at most ``max_ops`` ops."""
         rng = self.rng
         body = [op for op in program]
         if body and isinstance(body[-1], Idle):
@@ -359,30 +310,18 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                   schedule: str = "classic", extend_share: float = 0.0, arg_swarm: bool = False,
                   op_context: bool = False, transitions: bool = False,
                   ) -> tuple[list[Op], list[Finding]] | None:
-    """Search ``config`` for ``max_time`` seconds from ``seed_value``. Returns the first program that
-    yields a finding (neither suppressed by ``suppressions``, a
-    :class:`kvaudit.audit.suppress.SuppressionSet`, nor ``known``: a container of signatures) with its
-    findings, or None. Fresh programs have ``min_ops..max_ops`` ops. The first ``warmup`` executions
-    are the random baseline's generator's programs (the same ones :func:`kvaudit.search.fuzz.random_search`
-    runs for ``seed_value`` given the same lengths) and seed the corpus; after them, ``fresh_share``: the share of executions that run a fresh program (always
-    while the corpus is empty); the rest mutate a corpus program. ``corpus`` (optional) is filled in
-    place (its size after a search: programs that reached new states). ``stats.coverage`` reports
-    the features and corpus size. ``max_executions``: stop after that many programs too (a
-    budget the clock does not touch: the same seed then runs the same programs). ``keep_findings``: a
-    known finding's signature is a feature too, and its program joins the corpus up to and including
-    the op that raised it (else that op is left out). ``line_coverage``: the engine lines each program
-    runs are features too (:class:`LineTracer`; about 2.2x the CPU time per program). ``store``: a
-    :class:`CorpusStore` (a campaign's ``DIR/programs/``): its programs run first, before the warmup,
-    and join the corpus by the same rule; every program that joins is saved there; every
-    ``sync_every`` executions the programs other workers saved since are run next.
+    """Search ``config`` for ``max_time`` seconds (or ``max_executions`` programs) from ``seed_value``.
+    Returns the first program that yields a finding neither suppressed nor ``known`` (a container of
+    signatures) with its findings, or None. ``corpus`` (optional) is filled in place; ``stats.coverage``
+    reports the features and corpus size.
 
-    Variants (docs/search/README.md, "Search variants"; the defaults are what measured best):
-    ``schedule``: how a corpus program is picked (:meth:`Corpus.pick`: ``classic`` or ``rare``);
-    ``extend_share``: the share of mutations that continue a program from its frontier
-    (:meth:`Mutator.extend`) instead of havoc; ``arg_swarm``: swarm programs also swarm over the
-    optional arguments (:meth:`Mutator.swarm_probs`); ``op_context``: the op shapes
-    (:func:`op_shape`) run since the last scheduler step, with the state they led to, are features;
-    ``transitions``: state transitions and (op kind, state) pairs are features."""
+    Fresh programs have ``min_ops..max_ops`` ops; the first ``warmup`` are those of
+    :func:`kvaudit.search.fuzz.random_search` for ``seed_value``; after them ``fresh_share`` of the executions
+    run a fresh program, the rest mutate a corpus one. ``keep_findings``: a known finding's signature is a
+    feature and its op joins the corpus. ``line_coverage``: engine lines are features (:class:`LineTracer`).
+    ``store``: its programs run first and every program that joins is saved there; every ``sync_every``
+    executions other workers' new ones run next. The variants ``schedule`` (:meth:`Corpus.pick`), ``extend_share``
+    (:meth:`Mutator.extend`), ``arg_swarm``, ``op_context``, ``transitions``: docs/internals/fuzzers.md."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup (at these lengths)
     deadline = time.monotonic() + max_time
     reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
@@ -408,7 +347,7 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
             if schedule == "rare":
                 corpus.count(steps.features)
             frontier = steps.frontier if steps.frontier is not None and steps.frontier < len(kept) else None
-            kept = kept if kept and isinstance(kept[-1], Idle) else kept + [Idle()]
+            kept = _closed(kept)
             if corpus.add(kept, steps.features, frontier) and store is not None:
                 store.save(kept)
         stats.coverage = f"{len(corpus.features)} features, {len(corpus.entries)} programs"
@@ -423,9 +362,8 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
 
 def _run(config: TargetConfig, program: list[Op], steps: "_StepFeatures", stats: FuzzStats, known,
          keep_findings: bool, suppressions, deadline: float, tracer: LineTracer | None):
-    """Run ``program`` for :func:`corpus_search`, adding its features to ``steps.features``. Returns
-    ``(hit, kept)``: ``hit`` the program up to a finding neither known nor suppressed and its findings,
-    else None; ``kept`` the ops that may join the corpus, None when the deadline cut the program."""
+    """``(hit, kept)``: the program up to a new finding and its findings, else None; the ops that may join
+    the corpus, None when the deadline cut the program."""
     ran, found, out_of_time, sites = run_program(config, program, stats, suppressions, deadline, on_step=steps,
                                                  before=steps.before, tracer=tracer)
     if out_of_time:
@@ -433,7 +371,7 @@ def _run(config: TargetConfig, program: list[Op], steps: "_StepFeatures", stats:
     if found and not all(f.signature in known for f in found):
         stats.hit()
         return (program[:ran], found), None
-    if found and keep_findings:  # a known finding's signature is a feature
+    if found and keep_findings:
         steps.features |= {hash(("finding", f.signature)) for f in found}
     elif found:  # a known finding: the op that raised it stays out of the corpus
         ran -= 1
@@ -443,11 +381,9 @@ def _run(config: TargetConfig, program: list[Op], steps: "_StepFeatures", stats:
 
 def _programs(rng: random.Random, mut: Mutator, corpus: Corpus, pending: list, min_ops: int, max_ops: int,
               warmup: int, fresh_share: float, schedule: str, extend_share: float, arg_swarm: bool):
-    """:func:`corpus_search`'s programs, one per execution: ``pending`` ones first (stored, filled in place
-    by the caller), then ``warmup`` fresh ones, then fresh or mutated corpus programs."""
     warm = 0  # warmup programs drawn
     while True:
-        if pending:
+        if pending:  # filled in place by the caller
             yield pending.pop(0)
         elif warm < warmup:
             warm += 1
@@ -463,10 +399,8 @@ def _programs(rng: random.Random, mut: Mutator, corpus: Corpus, pending: list, m
 
 
 class _StepFeatures:
-    """A run's ``on_step``: the features one program reaches at its scheduler steps (its abstract state,
-    with ``transitions`` the transition from the previous one and the (op kind, state) pair, with
-    ``op_context`` the op shapes run since the last step), and ``frontier``: the last op after which a
-    feature not in ``seen`` was reached."""
+    """A run's ``on_step``: the features of one program's scheduler steps, and ``frontier``: the last op
+    after which a feature not in ``seen`` was reached."""
 
     def __init__(self, seen: set, transitions: bool, op_context: bool):
         self.seen, self.transitions, self.op_context = seen, transitions, op_context
@@ -475,7 +409,6 @@ class _StepFeatures:
         self.since: list = []  # op shapes applied since the last scheduler step (op_context)
 
     def before(self, i: int, op: Op) -> None:
-        """Op ``i`` of the program is applied next."""
         self.kind, self.op = op.kind, i
         if self.op_context:
             self.since.append(op_shape(op))

@@ -1,15 +1,14 @@
-"""Fuzzing: a Hypothesis state machine whose rules are program ops, plus the confirm/minimize pipeline.
+"""Fuzzing: a Hypothesis state machine whose rules are program ops, the plain random baseline, and the
+confirm/minimize pipeline (:func:`triage`) every fuzzer's finding goes through.
 
-Each Hypothesis test case builds a fresh audited engine and applies ops as rules fire; a finding
-fails the case and Hypothesis shrinks it. The shrunk program is then confirmed by K-of-K
-deterministic replays, minimized by :mod:`kvaudit.search.minimize`, and confirmed again before it is
-reported (syzkaller reproduces a crash before reporting it, for the same reason).
+Design notes: docs/internals/fuzzers.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvaudit.config import TargetConfig
 from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.audit.findings import Finding
-from kvaudit.search.minimize import minimize
+from kvaudit.search.minimize import minimize, reproduces
 from kvaudit.program import Idle, Op, make_op, random_program
 from kvaudit.program.schema import OPS, kinds, swarm_groups
 from kvaudit.program.schema import max_prompt as context_max_prompt
@@ -39,51 +38,38 @@ class FindingFound(AssertionError):
 
 
 class _BudgetSpent(KeyboardInterrupt):
-    """Raised inside a test case when the search's budget ran out while Hypothesis shrinks a failure
-    (its shrinker has no wall-clock limit of its own). A KeyboardInterrupt, the one exception
-    Hypothesis lets end a run mid-case without taking it for a failure or recording the cut-short
-    case (any other makes its data tree call the case flaky); :func:`hypothesis_search` catches it.
-    The last failing program stands; the minimizer (:func:`triage`) finishes the job."""
+    """The budget ran out while Hypothesis shrinks (it has no clock). KeyboardInterrupt: the one exception
+    that ends a run mid-case without Hypothesis calling the case flaky. The last failure stands."""
 
 
 class SearchInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM (:data:`kvaudit.audit.runner.INTERRUPTED`) during a search that had met a
-    finding it had not returned yet, while Hypothesis shrank it. ``found``: (program, findings) of the
-    latest failing case -- the first one, or a smaller one the shrinking reached since --, neither
-    confirmed nor minimized. Callers that do not know it take it as the KeyboardInterrupt it is."""
+    """Ctrl-C or SIGTERM (:data:`kvaudit.audit.runner.INTERRUPTED`) while Hypothesis shrank a finding.
+    ``found``: (program, findings) of the latest failing case, neither confirmed nor minimized."""
 
     def __init__(self, found: tuple[list[Op], list[Finding]]):
         super().__init__()
         self.found = found
 
 
-_KIND_ERRORS: dict[str, type] = {}
-
-
+@functools.cache
 def _finding_error(kind: str) -> type:
-    """A FindingFound subclass per finding kind: Hypothesis tells failures apart by exception type,
-    so a shrink never trades a use-after-free for the double free it leads to."""
-    if kind not in _KIND_ERRORS:
-        _KIND_ERRORS[kind] = type(f"FindingFound_{kind.replace('-', '_')}", (FindingFound,), {})
-    return _KIND_ERRORS[kind]
+    # NOTE: Hypothesis tells failures apart by exception type: a shrink never trades a use-after-free for the
+    # double free it leads to
+    return type(f"FindingFound_{kind.replace('-', '_')}", (FindingFound,), {})
 
 
 @dataclass
 class FuzzStats:
     started: float = field(default_factory=time.monotonic)
     executions: int = 0  # programs the search ran (Hypothesis's shrink reruns count apart)
-    shrink_executions: int = 0  # reruns while Hypothesis shrank a failure
+    shrink_executions: int = 0
     ops: int = 0
     findings: int = 0  # distinct unsuppressed signatures
     phase: str = "fuzzing"
-    # engine code reached: (code, line) of every alloc/free/lock site seen (the coverage Hypothesis
-    # can give without instrumenting the interpreter)
-    sites: set = field(default_factory=set)
+    sites: set = field(default_factory=set)  # (code, line) of every alloc/free/lock site seen
     suppressed: set = field(default_factory=set)  # distinct suppressed signatures seen
     coverage: str | None = None  # the fuzzer's own coverage figure, where it has one ("469 edges")
-    # (executions, seconds) when the first finding was seen, before any shrinking: time-to-bug
-    # ("found after N executions")
-    first_hit: tuple[int, float] | None = None
+    first_hit: tuple[int, float] | None = None  # (executions, seconds) at the first finding, before shrinking
 
     def hit(self) -> None:
         if self.first_hit is None:
@@ -104,7 +90,7 @@ class Crash:
     original_length: int
     confirmations: int
     runs: int = CONFIRM_RUNS  # replays tried: ``confirmations`` of ``runs`` reproduced the signature
-    timeline: dict | None = None  # the pool occupancy of ``program`` (kvaudit.reports.timeline.record), recorded by triage
+    timeline: dict | None = None  # the pool occupancy of ``program`` (kvaudit.reports.timeline.record)
 
     @property
     def finding(self) -> Finding:
@@ -112,10 +98,8 @@ class Crash:
 
 
 class OnlySignature:
-    """A search's ``known`` that knows every signature but one: the search goes on past every other
-    finding (it ends that program, as a known one does) until it meets ``signature`` (or, with
-    ``substring``, a signature containing it). For measuring executions to one given bug
-    (benchmarks/rediscover_sglang.py); atheris's harness takes a list of signatures, not this."""
+    """A search's ``known`` that knows every signature but ``signature`` (with ``substring``, every one
+    not containing it): the search goes on until it meets that one bug (benchmarks/rediscover_sglang.py)."""
 
     def __init__(self, signature: str, substring: bool = False):
         self.signature, self.substring = signature, substring
@@ -129,19 +113,18 @@ class OnlySignature:
 
 class _Recorder:
     def __init__(self, stats: FuzzStats, deadline: float, known: frozenset[str] = frozenset(),
-                 on_progress: Callable[[FuzzStats], None] | None = None):
+                 on_progress: Callable[[FuzzStats], None] | None = None, cap: int | None = None):
         self.stats = stats
         self.deadline = deadline
         self.known = known  # signatures already reported (a resumed campaign): not failures
         self.last_failure: tuple[list[Op], list[Finding]] | None = None
-        self.cap: int | None = None  # executions after which new cases run nothing
+        self.cap = cap  # executions after which new cases run nothing
         self.on_progress = on_progress
         self._last_tick = time.monotonic()
 
     def start_program(self) -> bool:
-        """A case's first op: count the program (a shrink rerun apart from the search's executions:
-        with report_multiple_bugs off, every case after the first failure is one) and report progress
-        at most twice a second (a batch can take seconds). False: the execution budget is spent."""
+        """Count a case's program (after the first failure, every case is a shrink rerun) and report
+        progress at most twice a second. False: the execution budget is spent."""
         if self.last_failure is None:
             if self.cap is not None and self.stats.executions >= self.cap:
                 return False
@@ -154,22 +137,13 @@ class _Recorder:
         return True
 
 
-# Swarm testing (Groce et al., ISSTA 2012): each test case leaves out a random subset of the op
-# kinds' swarm groups (OpSpec.swarm: kvaudit.program.schema.swarm_groups), so that programs made of a few
-# kinds only (aborts and idles, say, with no steps to dilute them) are drawn far more often than a fixed
-# mix would draw them. step and idle (swarm None) are always in.
-
-
 def _gate(group: str | None):
-    """A rule's gate: drawn only in a case whose swarm keeps ``group`` (None: in every case)."""
     return (lambda r: r) if group is None else precondition(lambda self: group in self.swarm)
 
 
 def _rules(reach: frozenset) -> list[tuple[str, str, tuple[str, ...], str | None]]:
-    """(rule name, op kind, pinned arguments, swarm group) of each rule: one per op kind of the schema
-    the target models, every argument drawn from the schema (:mod:`kvaudit.program.strategies`); submits
-    have two more that pin a history (shared prefixes, a chat client resending it) or a session (drawn
-    with the ops that open and close sessions), so about one rule in four sends a request."""
+    """(rule name, op kind, pinned arguments, swarm group) of each rule: one per op kind of ``reach``,
+    and submits that pin a history (``extends``) or a session."""
     rules = [(kind, kind, (), OPS[kind].swarm) for kind in kinds(reach)]
     if "prefix_cache" in reach:
         rules.append(("submit_extending", "submit", ("extends",), OPS["submit"].swarm))
@@ -179,7 +153,7 @@ def _rules(reach: frozenset) -> list[tuple[str, str, tuple[str, ...], str | None
 
 
 def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions=None, swarm: bool = True):
-    reach = program_reach(config)  # ops and arguments the target gives meaning to
+    reach = program_reach(config)
     groups = swarm_groups()
 
     class ProgramMachine(RuleBasedStateMachine):
@@ -194,7 +168,6 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
         @initialize(kinds=st.sets(st.sampled_from(groups)) if swarm else st.just(frozenset(groups)),
                     short=st.booleans() if swarm else st.just(False))
         def choose_swarm(self, kinds, short):
-            """The case's swarm: the op kinds it may use, and (a preset option) short prompts only."""
             self.swarm = frozenset(kinds)
             self.prompt_cap = max(1, max_prompt // 8) if short else max_prompt
 
@@ -205,17 +178,15 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                 if rec.last_failure is None:
                     return  # out of time: let the remaining cases finish as no-ops
                 self.dead = True
-                raise _BudgetSpent  # shrinking past the budget: stop Hypothesis, keep the last failure
+                raise _BudgetSpent
             if not self.ops and not rec.start_program():
                 self.dead = True  # the execution budget is spent: this case runs nothing
                 return
             self.ops.append(op)
             rec.stats.ops += 1
             found = self.run.apply(op)
-            # out of time inside this op (an idle() or a long step), or a known finding: the case ends.
-            # Past a finding teardown must not run the closing idle(): the program would end with an op
-            # that never runs on replay (which stops at the first finding), and a second finding there
-            # (a crash leaves state half-updated) would replace this one
+            # NOTE: past a finding, teardown must not run the closing idle(): replay stops at the first finding,
+            # and a second one there (a crash leaves state half-updated) would replace this one
             self.dead = self.run.out_of_time or bool(found)
             if self.run.out_of_time:
                 if rec.last_failure is not None:
@@ -251,64 +222,54 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
 
 def confirm(config: TargetConfig, program: list[Op], signature: str, runs: int = CONFIRM_RUNS,
             suppressions=None) -> int:
-    """How many of ``runs`` fresh replays yield ``signature`` (with ``suppressions``, a
-    :class:`kvaudit.audit.suppress.SuppressionSet`, left out of each)."""
-    return sum(signature in execute(config, program, full_stacks=False, suppressions=suppressions).signatures
-               for _ in range(runs))
+    """How many of ``runs`` fresh replays yield ``signature`` (``suppressions`` left out of each)."""
+    return sum(reproduces(config, program, signature, suppressions) for _ in range(runs))
 
 
 def retry_seed(seed: int, flaky: int) -> int:
-    """The seed of the search after ``flaky`` findings that did not replay (``kvaudit fuzz`` and
-    :func:`kvaudit.testing.fuzz` search on past them): ``seed`` itself first, then a fresh one each."""
+    """The seed of the search after ``flaky`` findings that did not replay: ``seed`` itself first."""
     return seed if not flaky else seed * 1_000_003 + flaky
 
 
 def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressions=None,
            on_phase: Callable[[str], None] | None = None) -> Crash | None:
-    """Confirm, minimize, confirm again. Returns None for a finding that does not replay K of K.
-    ``suppressions`` applies to every run, so the crash keeps an unsuppressed signature and lists
-    no suppressed findings. ``on_phase`` is told each phase as it starts: ``"confirming"``,
-    ``"minimizing"``, ``"confirming the minimized program"``. The crash carries the minimized
-    program's occupancy timeline (:func:`kvaudit.reports.timeline.record`), for its replay file and reports."""
+    """Confirm, minimize, confirm again; None for a finding that does not replay K of K. ``suppressions``
+    applies to every run. ``on_phase`` is told ``"confirming"``, ``"minimizing"`` and ``"confirming the
+    minimized program"`` as each starts. The crash carries the minimized program's occupancy timeline."""
     from kvaudit.reports.timeline import record
 
     sig = finding.signature
     phase = on_phase or (lambda name: None)
     phase("confirming")
-    if is_watchdog_hang(finding):
-        # Every replay of a hang costs the watchdog's full step limit, and ddmin would need dozens:
-        # one full-stacks replay confirms it (1 of 1) and records the report's timeline; no
-        # minimization (Hypothesis already shrank it within the budget), no drain (the engine is stuck).
-        program = program[:finding.op_index + 1]
+    hang = is_watchdog_hang(finding)
+    if hang:
+        # NOTE: every replay of a hang costs the watchdog's full step limit: one full-stacks replay confirms it
+        # (1 of 1) and records the timeline; no minimization, no drain (the engine is stuck)
+        program = small = program[:finding.op_index + 1]
         found: list[Finding] = []
-        timeline = record(config, program, suppressions=suppressions, findings=found)
-        primary = next((f for f in found if f.signature == sig), None)
-        if primary is None:
+        timeline = record(config, small, suppressions=suppressions, findings=found)
+        confirmations = runs = 1
+    else:
+        if confirm(config, program, sig, suppressions=suppressions) < CONFIRM_RUNS:
             return None
-        others = [f for f in found if f is not primary and f.op_index == primary.op_index]
-        return Crash(config, program, [primary] + others, len(program), 1, runs=1, timeline=timeline)
-    if confirm(config, program, sig, suppressions=suppressions) < CONFIRM_RUNS:
+        phase("minimizing")
+        small = minimize(config, program, sig, suppressions)
+        phase("confirming the minimized program")
+        # full stacks and owners for the report, drained to idle for the engine's verdict there
+        found = execute(config, small, suppressions=suppressions, drain=True).findings
+        confirmations, runs = confirm(config, small, sig, suppressions=suppressions), CONFIRM_RUNS
+        # NOTE: the plot's data is kept in the replay file: writing a report never runs the engine
+        timeline = record(config, small, suppressions=suppressions)
+    primary = next((f for f in found if f.signature == sig), None)
+    if primary is None:
         return None
-    phase("minimizing")
-    small = minimize(config, program, sig, suppressions)
-    phase("confirming the minimized program")
-    # full stacks and owners for the report; then drained to idle for the engine's verdict there
-    final = execute(config, small, suppressions=suppressions, drain=True)
-    primary = next(f for f in final.findings if f.signature == sig)
-    others = [f for f in final.findings if f is not primary]
-    confirmations = confirm(config, small, sig, suppressions=suppressions)
-    # NOTE: the plot's data is recorded here, with the finding, and kept in its replay file: writing a
-    # report never runs the engine (kvaudit.reports.outputs)
-    return Crash(config, small, [primary] + others, len(program), confirmations,
-                 timeline=record(config, small, suppressions=suppressions))
+    others = [f for f in found if f is not primary and (not hang or f.op_index == primary.op_index)]
+    return Crash(config, small, [primary] + others, len(program), confirmations, runs=runs, timeline=timeline)
 
 
 def warm_up_hypothesis() -> None:
-    """Pay Hypothesis's one-time set-up in this process before a search's clock starts (``--max-time`` is
-    search time: :mod:`kvaudit.app.budget`). Its first run registers numpy's global PRNG, which runs a
-    full ``gc.collect()`` (0.45 s measured with a test suite's objects alive; more with a real engine's
-    loaded), and reads the constants of every local module it has not read yet: paid inside the budget,
-    a 0.5 s search ran no program at all. One generated example of a trivial test does both."""
+    """Pay Hypothesis's one-time set-up (a full ``gc.collect()``, reading local modules' constants: 0.5 s
+    and more) in this process before a search's clock starts."""
     from hypothesis import given
 
     @settings(max_examples=1, database=None, deadline=None, phases=[Phase.generate],
@@ -325,26 +286,17 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
                       batch_examples: int = 100, max_steps: int = 16,
                       suppressions=None, known: frozenset[str] = frozenset(), database: str | None = None,
                       swarm: bool = True, max_executions: int | None = None) -> tuple[list[Op], list[Finding]] | None:
-    """Run seeded Hypothesis batches until a finding or ``max_time`` seconds. Returns the shrunk
-    failing program and its findings, or None. The budget bounds the shrinking too: past it, the
-    program of the last failing case is returned as Hypothesis left it (``stats.first_hit`` holds
-    the executions and seconds to the first failure; shrink reruns count in
-    ``stats.shrink_executions``, not ``stats.executions``). Findings that ``suppressions`` (a
-    :class:`kvaudit.audit.suppress.SuppressionSet`) covers are not findings: the search goes on past them
-    (they count as hits of the set); nor are those whose signature is in ``known``.
+    """Run seeded Hypothesis batches until a finding or ``max_time`` seconds (shrinking included: past it,
+    the last failing case stands). Returns the shrunk failing program and its findings, or None. Findings
+    that ``suppressions`` covers or whose signature is in ``known`` are not findings.
 
-    ``database``: a directory for Hypothesis's example database (a campaign's corpus), or an
-    ``ExampleDatabase`` (a fleet's, :meth:`kvaudit.search.hub.Hub.example_database`), whose saved
-    examples are replayed first. ``swarm``: swarm testing (see :func:`kvaudit.program.schema.swarm_groups`). ``max_executions``:
-    stop after that many programs too (cases past it run nothing; shrinking is not cut by it).
+    ``database``: a directory or an ``ExampleDatabase`` (a fleet's) whose examples are replayed first.
+    ``swarm``: swarm testing. ``max_executions``: stop after that many programs too (not the shrinking).
 
-    Raises :class:`SearchInterrupted`, carrying the failing program, when interrupted after the first
-    failure (Hypothesis shrinks it before the run returns: seconds to minutes); KeyboardInterrupt
-    before it. In a campaign the failing case is in ``database`` too (Hypothesis saves it as it fails)."""
+    Raises :class:`SearchInterrupted` when interrupted after the first failure; KeyboardInterrupt before it."""
     deadline = time.monotonic() + max_time
-    rec = _Recorder(stats, deadline, known if isinstance(known, OnlySignature) else frozenset(known), on_progress)
-    if max_executions is not None:
-        rec.cap = stats.executions + max_executions
+    rec = _Recorder(stats, deadline, known if isinstance(known, OnlySignature) else frozenset(known), on_progress,
+                    cap=None if max_executions is None else stats.executions + max_executions)
     max_prompt = context_max_prompt(config.context_len)
     db = None
     if database is not None:
@@ -366,19 +318,13 @@ def hypothesis_search(config: TargetConfig, max_time: float, seed_value: int, st
             if rec.last_failure is not None:
                 raise SearchInterrupted(rec.last_failure) from None
             raise
-        except (FindingFound, FlakyFailure):
-            # FlakyFailure cannot come from the engine (it is deterministic) but is kept as a
-            # guard: the program recorded at the failure is still confirmed by replay in triage.
+        except (FindingFound, Flaky) as e:
+            # NOTE: the engine is deterministic, the clock is not (the budget's end, the watchdog): a flaky
+            # batch (FlakyStrategyDefinition and kin) is lost, not the search; triage replays what was recorded
             if rec.last_failure is not None:
                 return rec.last_failure
-            raise
-        except Flaky:
-            # FlakyStrategyDefinition and kin: a case that behaved differently on a rerun. The engine
-            # is deterministic, the clock is not (the budget's end turns ops into no-ops, and the
-            # watchdog cuts a slow step): seen once at a budget's end on a real-engine preset, where it
-            # ended the search as an internal error. The batch is lost, not the search.
-            if rec.last_failure is not None:
-                return rec.last_failure
+            if isinstance(e, (FindingFound, FlakyFailure)):
+                raise
         batch += 1
         if on_progress:
             on_progress(stats)
@@ -389,11 +335,9 @@ def random_search(config: TargetConfig, max_time: float, seed_value: int, stats:
                   on_progress: Callable[[FuzzStats], None] | None = None, suppressions=None,
                   known: frozenset[str] = frozenset(), min_ops: int = 4, max_ops: int = 24,
                   max_executions: int | None = None) -> tuple[list[Op], list[Finding]] | None:
-    """The plain random baseline: fresh random programs (:func:`kvaudit.program.random_program`, a
-    fixed op mix) of ``min_ops..max_ops`` ops, no coverage feedback, no shrinking -- what a load test
-    with an idle check amounts to, but with kvaudit's oracles. Returns the first program that yields
-    a finding (neither suppressed nor ``known``) with its findings, or None after ``max_time`` s (or
-    ``max_executions`` programs)."""
+    """The plain random baseline: fresh random programs of ``min_ops..max_ops`` ops, no feedback, no
+    shrinking. Returns the first program that yields a finding (neither suppressed nor ``known``) with its
+    findings, or None after ``max_time`` seconds (or ``max_executions`` programs)."""
     rng = random.Random(seed_value)
     deadline = time.monotonic() + max_time
     max_prompt = context_max_prompt(config.context_len)
@@ -416,11 +360,10 @@ def random_search(config: TargetConfig, max_time: float, seed_value: int, stats:
 def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppressions, deadline: float,
                 on_step: Callable | None = None, before: Callable[[int, Op], None] | None = None,
                 tracer=None) -> tuple[int, list[Finding], bool, set]:
-    """Run ``program`` from a fresh audited engine (fast-mode stacks) up to its first finding or
-    ``deadline`` (monotonic seconds), counting its ops and sites and the suppressed signatures met in
-    ``stats``. ``on_step``: the run's step callback; ``before(i, op)``: called before op ``i``;
-    ``tracer``: a context manager held around the ops. Returns (ops run, the last op's findings,
-    whether the deadline cut the program, the auditor's site keys)."""
+    """Run ``program`` from a fresh audited engine (fast stacks) up to its first finding or ``deadline``
+    (monotonic seconds), counting into ``stats``. ``before(i, op)`` is called before op ``i``; ``tracer``
+    is a context manager held around the ops. Returns (ops run, the last op's findings, whether the
+    deadline cut the program, the auditor's site keys)."""
     with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
             (tracer or contextlib.nullcontext()):
         if on_step is not None:

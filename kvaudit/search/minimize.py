@@ -1,9 +1,5 @@
-"""Minimization: delta debugging over ops, then simplification of op arguments.
-
-The property kept is "the program still yields a finding with this signature". Zeller and
-Hildebrandt's ddmin removes chunks of ops; then each op's arguments are pulled toward simple
-values (small counts, no stop, step n=1) one at a time, keeping each change that still fails, and
-every optional argument is tried at its default, so that no argument without effect is left.
+"""Minimization of a program that yields a finding's signature: ddmin over ops, then simplification of
+op arguments, to a fixpoint. Design notes: docs/internals/fuzzers.md.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from kvaudit.audit.runner import execute
 
 
 def reproduces(config: TargetConfig, program: list[Op], signature: str, suppressions=None) -> bool:
+    """Whether one fresh run of ``program`` (fast stacks, ``suppressions`` left out) yields ``signature``."""
     return signature in execute(config, program, full_stacks=False, suppressions=suppressions).signatures
 
 
@@ -42,8 +39,7 @@ def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
             n = min(len(ops), n * 2)
     if len(ops) == 1 or not ops:
         return ops
-    # final 1-minimality pass: drop single ops
-    i = 0
+    i = 0  # the final 1-minimality pass: drop single ops
     while i < len(ops) and len(ops) > 1:
         cand = ops[:i] + ops[i + 1 :]
         if fails(cand):
@@ -54,11 +50,8 @@ def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
 
 
 def _simpler(op: Op) -> list[Op]:
-    """Candidate simplifications of one op, simplest first, from the schema
-    (:data:`kvaudit.program.schema.OPS`): an argument always drawn goes to the low end of its range
-    and to half its value (``step(4)`` to ``step(1)``, ``step(2)``); any other set argument to
-    :attr:`Arg.toward` (its default, or the value the schema names: an in-place pause, which moves no
-    memory). An argument at None stays None (``abort(None)`` aborts every request: a different op)."""
+    """Simpler forms of one op, simplest first, from the schema: an argument always drawn to the low end of
+    its range and to half its value, any other set argument to :attr:`Arg.toward`; None stays None."""
     out: list[Op] = []
     for a in OPS[op.kind].args:
         v = getattr(op, a.name)
@@ -73,8 +66,7 @@ def _simpler(op: Op) -> list[Op]:
 
 
 def merge_steps(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
-    """Fold each run of adjacent ``step`` ops into one ``step(n=sum)`` when the program still fails
-    (the same scheduler iterations, written as one op)."""
+    """Fold adjacent ``step`` ops into one ``step(n=sum)`` wherever ``fails`` still holds."""
     i = 0
     while i + 1 < len(ops):
         if isinstance(ops[i], Step) and isinstance(ops[i + 1], Step):
@@ -87,10 +79,8 @@ def merge_steps(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
 
 
 def reset_defaults(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
-    """Every optional argument back to its default (a submit's ``session`` and ``extends``, and every
-    argument added later: :func:`kvaudit.program.schema.optional_defaults`) wherever the program still fails: first all at once
-    (one run; arguments the config gives no meaning, such as ``session`` on a preset without
-    sessions, always go), then one argument at a time. No-op arguments never reach the report."""
+    """Every optional argument (:func:`kvaudit.program.schema.optional_defaults`) back to its default wherever
+    ``fails`` still holds: all at once first, then one argument at a time."""
     defaults = optional_defaults()
 
     def resets(op: Op) -> dict:
@@ -109,10 +99,8 @@ def reset_defaults(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]
 
 
 def simplify_round(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
-    """One round of argument simplification: each op in turn takes its first simpler form
-    (:func:`_simpler`) after which ``fails`` still holds. An op moves one argument one step a round, so
-    none is pulled all the way down before the others have moved and ddmin has had another look
-    (a prompt cut short can make another op needed)."""
+    """Each op in turn takes its first simpler form (:func:`_simpler`) after which ``fails`` still holds: one
+    argument one step a round."""
     for i in range(len(ops)):
         for cand in _simpler(ops[i]):
             trial = ops[:i] + [cand] + ops[i + 1 :]
@@ -123,8 +111,7 @@ def simplify_round(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]
 
 
 def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
-    """:func:`simplify_round` until a round changes nothing: no argument left has a simpler value
-    that still fails. Each kept change moves one argument strictly toward its floor, so it ends."""
+    """:func:`simplify_round` until a round changes nothing."""
     while True:
         simpler = simplify_round(ops, fails)
         if simpler == ops:
@@ -133,9 +120,8 @@ def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
 
 
 class Interrupted(KeyboardInterrupt):
-    """A Ctrl-C (or SIGTERM, which the CLI turns into one) during :func:`minimize`. ``smallest``:
-    the smallest program that reproduced the signature so far (fewest ops; the latest of equal
-    length, whose arguments are the simplest), or None if the input had not yet reproduced."""
+    """A Ctrl-C (or SIGTERM) during :func:`minimize`. ``smallest``: the smallest program that reproduced the
+    signature so far (fewest ops; the latest of equal length), or None if the input had not yet reproduced."""
 
     def __init__(self, smallest: list[Op] | None):
         super().__init__()
@@ -143,18 +129,11 @@ class Interrupted(KeyboardInterrupt):
 
 
 def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None) -> list[Op]:
-    """The smallest program found that still yields ``signature``: ddmin, then passes of optional
-    arguments to their defaults (:func:`reset_defaults`), a round of simpler arguments
-    (:func:`simplify_round`), ddmin again and folded steps (:func:`merge_steps`) until a pass changes
-    nothing (each pass drops ops or moves arguments toward their floors, so the passes end): no
-    argument is left that a simpler value would do, and minimizing the result again returns it
-    unchanged (``kvaudit fuzz``'s triage and ``kvaudit minimize`` both run this). Raises
-    ``ValueError`` if the input program does not reproduce it, and :class:`Interrupted` (a KeyboardInterrupt that carries
-    the smallest program so far) when interrupted. With ``suppressions`` (a
-    :class:`kvaudit.audit.suppress.SuppressionSet`) every run leaves the findings it covers out, so a
-    suppressed finding earlier in the program neither stops a run nor counts."""
+    """The smallest program found that still yields ``signature`` (minimizing it again returns it unchanged),
+    every run leaving out what ``suppressions`` covers. Raises ``ValueError`` if ``program`` does not
+    reproduce it, and :class:`Interrupted` (the smallest program so far) when interrupted."""
     cache: dict[tuple, bool] = {}
-    smallest: list[Op] | None = None  # every step below moves only to programs that fail: the latest is the best
+    smallest: list[Op] | None = None  # NOTE: every pass moves only to programs that fail: the latest is the best
 
     def fails(ops: list[Op]) -> bool:
         nonlocal smallest
