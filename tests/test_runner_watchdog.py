@@ -100,7 +100,8 @@ def test_idle_stops_at_the_deadline_without_a_false_hang(monkeypatch):
         time.sleep(0.02)  # 2,000 steps: 40 s
         return original(self)
     monkeypatch.setattr(Scheduler, "step", slow_step)
-    monkeypatch.setattr(runner.AuditedRun, "_hang_findings", lambda self: pytest.fail("a false hang"))
+    monkeypatch.setitem(runner._OUTCOME, "idle", [o._replace(run=lambda run: pytest.fail("a false hang"))
+                                                  for o in runner._OUTCOME["idle"]])
     config = get_preset("default").config()
     t0 = time.monotonic()
     with AuditedRun(config, deadline=time.monotonic() + 1.0) as run:
