@@ -141,9 +141,7 @@ class LockLedger:
             if left:
                 self.unmatched_decs.remove(d)
                 self._release(left[0], d[2])
-        # (after the releases above pair with the holders' own locks) an inc taken for a named owner
-        # that holds nothing on its node now: that owner is gone or never kept it, so the lock is its
-        # leak, not an anonymous one
+        # an inc taken for a named owner that holds nothing on its node now is that owner's leak
         names = {name for _, name, _ in listed}
         for rs in (self._fresh.values() if named is not None else ()):  # (no holders: no claims)
             for r in rs:

@@ -51,8 +51,7 @@ def _by_owner(target, auditor) -> dict[str, dict[str, tuple[int, int]]]:
         out[pool] = {}
         for owner, (private, shared) in owners.items():
             every = np.unique(np.concatenate(private + shared))
-            only_shared = np.setdiff1d(np.unique(np.concatenate(shared)), np.concatenate(private)) \
-                if shared and private else (np.unique(np.concatenate(shared)) if shared else every[:0])
+            only_shared = np.setdiff1d(np.concatenate(shared + [every[:0]]), np.concatenate(private + [every[:0]]))
             out[pool][owner] = (int(every.size) * k, int(only_shared.size) * k)
     return out
 

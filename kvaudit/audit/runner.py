@@ -240,9 +240,8 @@ class AuditedRun:
         # None when call(*args) returned in time, else [] (the deadline was due: out_of_time) or [hang]
         called, raised = False, None
         while True:
-            # one try around the call and the disarm: the engine thread interrupted (what the
-            # watchdog saw is in take()), or a StepTimeout sent as the call returned (or sent again,
-            # see _Watchdog.RESEND_S) landing in the disarm, lands here and the disarm is repeated
+            # NOTE: a StepTimeout landing in the call or in the disarm (sent as the call returned, or
+            # sent again) lands here, and the disarm is repeated
             try:
                 if not called:
                     called = True
@@ -290,9 +289,8 @@ class AuditedRun:
         if INTERRUPTED.is_set():
             raise KeyboardInterrupt
         if self._cut_short() or self.crashed:
-            # interrupted mid-call, or crashed (a real scheduler process dies on an uncaught
-            # exception; a crash a suppression covers too): nothing more runs on it, so no later
-            # finding comes from the state a half-done call left behind
+            # NOTE: a real scheduler process dies on an uncaught exception: no later finding comes from
+            # the state a half-done call left behind
             return []
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
