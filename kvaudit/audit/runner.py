@@ -32,9 +32,6 @@ from kvaudit.targets import make_target
 INTERRUPTED = threading.Event()
 STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
 _step_timeout = DEFAULT_STEP_TIMEOUT
-# the runner's own oracle rows, by stage (oracles.ORACLES: the conditions under which each runs)
-_OUTCOME = {stage: [o for o in oracles.ORACLES if o.stage == stage]
-            for stage in ("intake", "step", "idle", "timeout", "raise")}
 
 
 def set_step_timeout(seconds: float) -> None:
@@ -223,7 +220,7 @@ class AuditedRun:
     def _outcome(self, stage: str, *args) -> list[Finding]:
         """The findings of the runner's oracle rows of ``stage`` (:data:`kvaudit.audit.oracles.ORACLES`)."""
         found = []
-        for o in _OUTCOME[stage]:
+        for o in oracles.rows(stage):
             if o.when(self, *args):
                 found += o.run(self, *args)
         return found

@@ -131,6 +131,19 @@ ORACLES: list[Oracle] = [
     Oracle("crash", "raise", lambda run, exc: not isinstance(exc, TargetDefinitionError), crash, ("crash",)),
 ]
 
+_staged: tuple[list, int, dict[str, list[Oracle]]] = ([], 0, {})
+
+
+def rows(stage: str) -> list[Oracle]:
+    """The rows of :data:`ORACLES` of ``stage``, in order."""
+    global _staged
+    # NOTE: asked before every step: the split is cached until ORACLES is replaced or grows
+    if _staged[0] is not ORACLES or _staged[1] != len(ORACLES):
+        _staged = (ORACLES, len(ORACLES), {})
+        for o in ORACLES:
+            _staged[2].setdefault(o.stage, []).append(o)
+    return _staged[2].get(stage, [])
+
 
 def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False) -> list[Finding]:
     """Run every ``"pool"`` and ``"engine"`` oracle of :data:`ORACLES` whose condition holds, once;
@@ -149,14 +162,14 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
             where[auditor.owner_id(root.owner)] = root.where
     s = Scan(auditor, target, idle, scan_only, by_pool, {} if scan_only else target.accounting(),
              {} if scan_only else target.free_lists(), {} if scan_only else target.recount())
-    per_pool = [o for o in ORACLES if o.stage == "pool"]
+    per_pool = rows("pool")
     for pool, led in auditor.ledgers.items():
         p = _sweep(s, pool, led)
         for oracle in per_pool:
             if oracle.when(s, p):
                 (s.drift if oracle.into == "drift" else p.found).extend(oracle.run(s, p))
         s.findings.extend(p.found)
-    for oracle in [o for o in ORACLES if o.stage == "engine"]:
+    for oracle in rows("engine"):
         if oracle.when(s):
             (s.drift if oracle.into == "drift" else s.findings).extend(oracle.run(s))
     if not scan_only:  # what the next check's leak and use-after-free attribution start from
