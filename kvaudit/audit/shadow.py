@@ -15,11 +15,9 @@ _B, _M64 = int(_BASE), (1 << 64) - 1
 
 
 def _powers(base: np.uint64, n: int) -> np.ndarray:
-    out = np.ones(n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for i in range(1, n):
-            out[i] = out[i - 1] * base
-    return out
+    out = np.full(n, base, dtype=np.uint64)
+    out[0] = 1
+    return np.cumprod(out, dtype=np.uint64)  # (integer array products wrap modulo 2**64, silently)
 
 
 _MAX_LEN = 1 << 15  # longest token list hashed (EngineConfig caps context_len at 32768)
