@@ -108,8 +108,10 @@ def test_oracle_conditions_scan_only_runs_only_what_a_mid_step_scan_may():
     s = oracles.Scan(None, None, idle=False, scan_only=True, by_pool={}, acc={}, free_lists={}, recounts={})
     p = oracles.PoolScan("pool", type("L", (), {"allocated": np.ones(4, dtype=bool)})(), np.ones(4, dtype=bool),
                          [np.arange(2)], [], [])
-    ran = [o.name for o in oracles.ORACLES if (o.when(s, p) if o.stage == "pool" else o.when(s))]
+    ran = [o.name for o in oracles.ORACLES
+           if (o.when(s, p) if o.stage == "pool" else o.stage == "engine" and o.when(s))]
     assert ran == ["leaks"]  # (use-after-free runs only when a referenced unit is free)
     s.scan_only, s.idle = False, True
-    ran = [o.name for o in oracles.ORACLES if (o.when(s, p) if o.stage == "pool" else o.when(s))]
+    ran = [o.name for o in oracles.ORACLES
+           if (o.when(s, p) if o.stage == "pool" else o.stage == "engine" and o.when(s))]
     assert ran == ["aliasing", "leaks", "target", "engine-check", "lock-balance"]

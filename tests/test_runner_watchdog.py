@@ -11,7 +11,7 @@ from rich.console import Console
 from kvaudit.targets.eut.presets import get_preset
 from engine_under_test.scheduler import Scheduler
 from kvaudit import replay
-from kvaudit.audit import runner
+from kvaudit.audit import oracles, runner
 from kvaudit.program import Idle, Step, Submit
 from kvaudit.reports.report import print_report
 from kvaudit.audit.runner import AuditedRun, execute
@@ -100,7 +100,8 @@ def test_idle_stops_at_the_deadline_without_a_false_hang(monkeypatch):
         time.sleep(0.02)  # 2,000 steps: 40 s
         return original(self)
     monkeypatch.setattr(Scheduler, "step", slow_step)
-    monkeypatch.setattr(runner.AuditedRun, "_hang_findings", lambda self: pytest.fail("a false hang"))
+    monkeypatch.setattr(oracles, "ORACLES", [o._replace(run=lambda run: pytest.fail("a false hang"))
+                                             if o.stage == "idle" else o for o in oracles.ORACLES])
     config = get_preset("default").config()
     t0 = time.monotonic()
     with AuditedRun(config, deadline=time.monotonic() + 1.0) as run:

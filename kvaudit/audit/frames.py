@@ -1,10 +1,7 @@
-"""Source lines for recorded stack frames, checked against the current source.
+"""Source lines for recorded stack frames, checked against the current source: every renderer asks
+:func:`resolve` what to show for a frame, with a note when the code moved since it was recorded.
 
-A replay file records each frame as file, line, function and the line's text. The engine's code
-moves after a file is recorded, so the recorded line number may now point into another function.
-Every renderer (console, HTML, SARIF) asks :func:`resolve` what to show for a frame: the recorded
-text when there is one, the current line otherwise, and a note when the frame no longer matches
-the current source (its line lies outside its function, or its text moved within the function).
+Design notes: docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ from kvaudit.audit.findings import Site, source_path
 
 # code objects with no ``def`` to look up: the check is skipped for them
 _ANONYMOUS = ("<lambda>", "<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
+_CHANGED = "; the file changed since this was recorded"
 
 
 @dataclass(frozen=True)
@@ -38,9 +36,8 @@ _cache: dict[str, tuple[tuple[int, int], list[str], dict[str, list[tuple[int, in
 
 
 def _parsed(path: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | None:
-    """The stripped lines of ``path`` and, per function name, the line ranges of its ``def``s
-    (decorators to last line, inclusive). Cached per file and re-read when its mtime or size
-    changes. None if the file cannot be read or parsed."""
+    # the stripped lines and, per function name, its defs' line ranges (decorators to last line,
+    # inclusive); cached per file by mtime and size; None if the file cannot be read or parsed
     try:
         st = os.stat(path)
     except OSError:
@@ -79,15 +76,8 @@ def function_ranges(file: str, function: str) -> list[tuple[int, int]] | None:
 
 
 def resolve(site: Site) -> Frame:
-    """The line to show for ``site``, checked against the current source file.
-
-    - recorded text equal to the current line, inside the function: shown as is;
-    - recorded text found elsewhere in the function: that line, with a note (the code moved);
-    - otherwise, recorded text: shown, with a note (the line changed or left the function);
-    - no recorded text: the current line if it lies inside the function, else nothing and a note.
-
-    A file that cannot be read (another machine's path) or a function without a ``def`` is not
-    checked: the recorded text is shown as recorded."""
+    """The line to show for ``site``, checked against the current source file (the rules:
+    docs/internals/audit.md); a file that cannot be read or a function without a ``def`` is not checked."""
     parsed = _parsed(source_path(site.file))
     ranges = function_ranges(site.file, site.function)
     if parsed is None or ranges is None:
@@ -97,20 +87,16 @@ def resolve(site: Site) -> Frame:
     current = lines[site.line - 1] if 1 <= site.line <= len(lines) else None
     inside = any(a <= site.line <= b for a, b in ranges)
     if not ranges:
-        return Frame(site.line, site.source, f"stale: no function {site.function} in the current {where}; "
-                                             "the file changed since this was recorded")
+        return Frame(site.line, site.source, f"stale: no function {site.function} in the current {where}{_CHANGED}")
     if site.source:
         if inside and current == site.source:
             return Frame(site.line, site.source)
         moved = [i + 1 for a, b in ranges for i in range(a - 1, min(b, len(lines))) if lines[i] == site.source]
         if moved:
             line = min(moved, key=lambda n: abs(n - site.line))
-            return Frame(line, site.source, f"moved: recorded as line {site.line}; the file changed since "
-                                            "this was recorded")
+            return Frame(line, site.source, f"moved: recorded as line {site.line}{_CHANGED}")
         why = "now reads something else" if inside else f"is outside {site.function}"
-        return Frame(site.line, site.source, f"stale: line {site.line} {why} in the current source; "
-                                             "the file changed since this was recorded")
+        return Frame(site.line, site.source, f"stale: line {site.line} {why} in the current source{_CHANGED}")
     if inside:
         return Frame(site.line, current or "")
-    return Frame(site.line, "", f"stale: line {site.line} is outside {site.function} in the current source; "
-                                "the file changed since this was recorded")
+    return Frame(site.line, "", f"stale: line {site.line} is outside {site.function} in the current source{_CHANGED}")

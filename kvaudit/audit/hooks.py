@@ -1,13 +1,7 @@
-"""Hooks: wrap a target's pool methods from the outside and keep a ledger of every alloc and free.
+"""Hooks: wrap a target's pool methods from the outside and keep a ledger of every alloc and free,
+each with the op index, the scheduler step and an interned call site, which this module captures.
 
-The engine is not modified: the wrappers (:mod:`kvaudit.audit.wrappers`) are instance attributes
-that shadow the class methods. Each event (:mod:`kvaudit.audit.ledger`) records the pool, the units
-(pages, rows or blocks), the op index, the scheduler step and an interned call site (the stack from
-the first frame outside the allocator and kvaudit), which this module captures.
-
-Double frees are caught at free time, from per-unit state (vectorized numpy index ops on the
-host, no Python loop over slots; numpy beats torch by several times on arrays this small). An
-allocation that hands out a unit the ledger holds as allocated is *aliasing*.
+Design notes (wrappers, sites, fast mode): docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -44,24 +38,16 @@ OWNER_FRAMES = 3  # innermost engine frames searched for the owner of an allocat
 
 
 def _is_install_closure(qualname: str) -> bool:
-    """Whether ``qualname`` names a function defined inside a target's ``install_*`` method
-    (``MyTarget.install_pool.<locals>.grouped.<locals>.wrapper``)."""
+    # a function defined inside a target's install_* method (MyTarget.install_pool.<locals>.wrapper)
     head, sep, _ = qualname.partition(".<locals>.")
     return bool(sep) and head.rpartition(".")[2].startswith("install_")
 
 
 class Auditor(Ledger, PoolWrappers):
-    """Installs the hooks on ``target``'s pools and keeps the ledger.
-
-    ``full_stacks=False`` records only the innermost engine frame of each site, with no owner
-    hint: the fuzzers search in this mode and re-run a finding with full stacks to report it
-    (execution is deterministic, so the second run sees the same events). Signatures use only the
-    innermost frame and, past the target's release entries, the frame above them, which fast mode
-    records too, so they are the same in both modes.
-
-    ``op_index`` and ``step`` are set by the runner before each op / step. ``pending`` collects
-    findings raised inside hooks (double free, aliasing at alloc) until the runner takes them.
-    """
+    """Installs the hooks on ``target``'s pools and keeps the ledger. ``full_stacks=False`` (the
+    fuzzers' fast mode) records only the innermost engine frame of each site, with no owner hint;
+    signatures are the same in both modes. ``op_index`` and ``step`` are set by the runner;
+    ``pending`` collects findings raised inside hooks until the runner takes them."""
 
     def __init__(self, target, full_stacks: bool = True, shadow: bool = True):
         self.target = target
@@ -117,11 +103,8 @@ class Auditor(Ledger, PoolWrappers):
             self.shadow = ShadowKV(kv)
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
 
-    # -- op / step clock ---------------------------------------------------------------------
-    # Set by the runner before each op and step, and ``step`` again (to the same value) after each,
-    # when it checks: that re-setting closes the lock ledger's interval, so its holders are read
-    # between ops and steps, when the engine's state is whole. Lock events since the last snapshot
-    # (e.g. a test's own, between ops) close it at the next setting of either.
+    # NOTE: setting ``step`` again to the same value (when the runner checks) closes the lock ledger's
+    # interval, so holders are read between ops and steps, when the engine's state is whole
     @property
     def op_index(self) -> int:
         return self._op_index
@@ -143,20 +126,16 @@ class Auditor(Ledger, PoolWrappers):
         self._step = value
 
     def lock_snapshot(self) -> None:
-        """Pair the lock events so far with the holders live now (the idle check calls this)."""
+        """Pair the lock events so far with the holders live now."""
         self.locks.snapshot(self._op_index, self._step)
 
-    # -- sites ------------------------------------------------------------------------------
-    # Per code object: (is framework, look for owner, is a release entry, grows a request's KV). Keyed by
-    # id(code): hashing a code object hashes its bytecode, which costs more than the rest of the capture.
+    # NOTE: keyed by id(code): hashing a code object hashes its bytecode, which costs more than the capture
     _code_info_caches: dict[tuple, dict[int, tuple[bool, int, bool, bool]]] = {}
     _codes: dict[int, object] = {}  # keeps every seen code object alive, so its id stays unique
 
     def _code_info(self, code) -> tuple[bool, int, bool, bool]:
-        """``(is framework, owner lookup, is a release entry, grows a request's KV)``: lookup is 0 (nothing
-        to see), ``STOP`` (a batch-level function: no single owner) or ``READ`` (read the owner from the
-        frame's locals); a release entry is one of the target's ``release_entries`` (a site goes on to the
-        frame above); the last is one of its ``request_kv_allocs`` (:attr:`Site.request_kv`)."""
+        # (is framework, owner lookup: 0, _STOP (batch-level: no single owner) or _READ (from the frame's
+        # locals), is one of the target's release_entries, is one of its request_kv_allocs)
         fn = os.path.abspath(code.co_filename)
         fw = ((fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
                or (fn, code.co_qualname.split(".")[0]) in self._skip_classes) and fn not in self._engine_files
@@ -173,12 +152,9 @@ class Auditor(Ledger, PoolWrappers):
         return info
 
     def capture_site(self) -> int:
-        """Intern the current stack, from the first frame outside the allocator and kvaudit, with the
-        owner the target names from the innermost frames' locals (``owner_hint``), if any. The stack
-        always reaches the first frame above the target's ``release_entries`` (a free's path).
-
-        Locals are read only in frames whose code has one of the target's ``owner_hint_vars``.
-        """
+        """Intern the current stack (its site id), from the first frame outside the allocator and
+        kvaudit up to the first frame above the target's ``release_entries``, with the owner the target
+        names from the innermost frames' locals (``owner_hint``), if any."""
         f = sys._getframe(2)
         if not self.full_stacks:  # the innermost engine frame only (and the path's): enough for the signature
             # keyed by the frame's instruction offset (f_lasti): the line number is computed only
@@ -227,7 +203,6 @@ class Auditor(Ledger, PoolWrappers):
         return self._intern((tuple(frames), owner or None))
 
     def _intern(self, key: tuple) -> int:
-        """The site id of ``key`` (frames, owner), a new one if it was never seen."""
         sid = self._sites.get(key)
         if sid is None:
             sid = self._sites[key] = len(self._site_frames)
@@ -245,16 +220,13 @@ class Auditor(Ledger, PoolWrappers):
                 for c, line in self._site_frames[sid][0]]
 
     def site_keys(self) -> set[tuple[str, int]]:
-        """``(file, line)`` of the innermost engine frame of every site recorded so far: the engine
-        code this run reached, for coverage counts across runs and worker processes."""
+        """``(file, line)`` of the innermost engine frame of every site so far (the engine code reached)."""
         codes = Auditor._codes
         return {(codes[frames[0][0]].co_filename, frames[0][1]) for frames, _ in self._site_frames if frames}
 
     def digest(self) -> str:
-        """SHA-256 of the ledger so far: every alloc and free (kind, pool, units, op, step, innermost
-        site as its function and line within it, so that moving a function unchanged keeps the digest)
-        and every lock event (node, delta, op, step). Two runs of one program on a
-        deterministic engine give the same digest (``kvaudit replay --check-determinism``)."""
+        """SHA-256 of the ledger so far (allocs, frees and lock events; what it hashes:
+        docs/internals/audit.md): equal for two runs of one program on a deterministic engine."""
         h = hashlib.sha256()
         codes = Auditor._codes
         for ev in self.events:
@@ -280,16 +252,13 @@ class Auditor(Ledger, PoolWrappers):
         return oid
 
     def _lock_event(self, node_id: int, delta: int, lock: str = "device") -> None:
-        """A lock event from the target's ledger wrappers: ``delta`` +1 (inc) or -1 (dec) on tree node
-        ``node_id``; ``lock`` is ``"device"`` (``inc/dec_lock_ref``) or ``"host"`` (host pins)."""
         sid = self.capture_site()
         self.lock_events.append((node_id, delta, sid, self._op_index, self._step, lock))
         (self.locks.inc if delta > 0 else self.locks.dec)(lock, node_id, sid, self._op_index, self._step,
                                                          self._lock_hint())
 
     def _lock_hint(self) -> str | None:
-        """The owner the innermost engine frames work for (``owner_hint`` on their locals, as for
-        allocations), read in fast mode too: lock events are few, and the ledger pairs by it."""
+        # NOTE: read in fast mode too: lock events are few, and the lock ledger pairs by it
         f, looked = sys._getframe(3), 0
         while f is not None and looked < OWNER_FRAMES:
             fw, look, _, _ = self._info.get(id(f.f_code)) or self._code_info(f.f_code)
@@ -305,9 +274,8 @@ class Auditor(Ledger, PoolWrappers):
         return None
 
     def _over_insert(self, owner: str, inserted: int, committed: int, slots) -> None:
-        """The tree is caching ``inserted`` tokens of ``owner``'s KV, more than its ``kv_committed_len``
-        ``committed``: the positions past it (``slots``, ``[n]`` token slots) hold no KV of this prefix,
-        and the next request sharing it reads them (``accounting-drift``, located at the insert)."""
+        # the tree caches more of owner's KV than its kv_committed_len: the positions past it (slots)
+        # hold no KV of this prefix, and the next request sharing it reads them
         pool = "token_to_kv_pool"
         s = np.asarray(slots.cpu() if hasattr(slots, "cpu") else slots, dtype=np.int64).reshape(-1)
         ps = self.ledgers[pool].spec.page_size
@@ -319,15 +287,12 @@ class Auditor(Ledger, PoolWrappers):
         self.pending.append(f)
 
     def _stale_kv(self, pool: str, slots: np.ndarray, message: str) -> None:
-        """A KV read whose shadow tags do not match the reader's prefix (see :mod:`kvaudit.audit.shadow`)."""
         led = self.ledgers[pool]
         ps = led.spec.page_size
         f = self._unit_finding("stale-kv", pool, np.unique(slots // ps), message)
         f.slots = sorted(set(slots.tolist()))
         f.read_sites = self.site(self.capture_site())
-        # the cause, for the signature: content written for another prefix in a slot freed and
-        # reused under the reader is a premature free (that free is the site); never-written
-        # content was handed to the reader unwritten (the allocation is the site)
+        # the cause, for the signature (docs/internals/audit.md, shadow KV tags)
         slots = np.asarray(slots, dtype=np.int64)
         written = slots[self.shadow.tags[pool][slots] != 0] if self.shadow is not None else slots[:0]
         if written.size:

@@ -1,8 +1,6 @@
 """The ledger: per-unit state of every pool (allocated flag or reference count, last alloc and free
-event, owner) and the recording of allocs, references and frees, with the double frees and aliasing
-caught as they happen (vectorized numpy index ops on the host, no Python loop over slots beyond the
-small-event fast path). :class:`kvaudit.audit.hooks.Auditor` combines it with the sites and the
-wrappers (:mod:`kvaudit.audit.wrappers`).
+event, owner) and the recording of allocs, references and frees, with double frees and aliasing
+caught as they happen. Design notes: docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -55,21 +53,23 @@ class PoolLedger:
 
 
 class Ledger:
-    """The recording half of :class:`kvaudit.audit.hooks.Auditor`: reads and writes ``self.ledgers``
-    (pool -> :class:`PoolLedger`), ``self.events`` and ``self.pending``; sites come from the auditor
-    (``capture_site``, ``site``, ``site_owner``)."""
+    """The recording half of :class:`kvaudit.audit.hooks.Auditor` (``ledgers``, ``events``,
+    ``pending``); sites come from the auditor."""
 
-    # -- recording --------------------------------------------------------------------------
     def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
         ev = Event(len(self.events), kind, pool, units, self.op_index, self.step, sid)
         self.events.append(ev)
         return ev
 
+    def _alloc_event(self, led: PoolLedger, pool: str, units: np.ndarray, sid: int) -> None:
+        ev = self._event("alloc", pool, units.tolist(), sid)
+        led.allocated[units] = True
+        led.last_alloc[units] = ev.id
+
     def on_alloc(self, pool: str, units, sid: int, expected_new: int | tuple | None = None) -> None:
-        """Record an allocation of ``units`` (a list or ``[n] int64`` array). Units the ledger already
-        holds as allocated are continuations (a partly filled page) unless fewer than
-        ``expected_new`` fresh units came out of the pool: then the allocator handed one out twice.
-        ``expected_new`` may be ``(allocator, available_size() before)``, counted only when needed."""
+        """Record an allocation of ``units`` (a list or ``[n] int64`` array); aliasing when fewer than
+        ``expected_new`` units are fresh (or ``(allocator, available_size() before)``, counted only
+        when needed)."""
         led = self.ledgers[pool]
         ul, flags = _as_list(units), led.flags
         if led.refs is not None:  # a reference-counted pool: a fresh block starts at count 1
@@ -83,10 +83,8 @@ class Ledger:
                     "(or the reserved block 0)", alloc_sid=sid))
             fresh = np.unique(u[~held])
             if fresh.size:
-                ev = self._event("alloc", pool, fresh.tolist(), sid)
                 led.refs[fresh] = 1
-                led.allocated[fresh] = True
-                led.last_alloc[fresh] = ev.id
+                self._alloc_event(led, pool, fresh, sid)
             return
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
             # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
@@ -106,29 +104,20 @@ class Ledger:
                 self.pending.append(self._unit_finding(
                     "aliasing", pool, taken, f"allocator handed out {taken.size} unit(s) already allocated "
                     "(or the reserved unit 0)", alloc_sid=sid))
-        ev = self._event("alloc", pool, fresh.tolist(), sid)
-        led.allocated[fresh] = True
-        led.last_alloc[fresh] = ev.id
+        self._alloc_event(led, pool, fresh, sid)
 
     def on_ref(self, pool: str, units, sid: int) -> None:
         """Record one more reference to each of ``units`` (a list or array; a unit named twice gains
-        two) in a ``"blocks"`` pool: a prefix hit sharing a block (vLLM's ``BlockPool.touch``). A
-        block at count 0 (cached but free) comes back to life: recorded as its allocation."""
+        two) in a ``"blocks"`` pool (vLLM's ``BlockPool.touch``); a block at count 0 is allocated again."""
         led = self.ledgers[pool]
         u = np.asarray(_as_list(units), dtype=np.int64)
         revived = np.unique(u[led.refs[u] == 0])
         revived = revived[revived > 0]
         np.add.at(led.refs, u, 1)
         if revived.size:
-            ev = self._event("alloc", pool, revived.tolist(), sid)
-            led.allocated[revived] = True
-            led.last_alloc[revived] = ev.id
+            self._alloc_event(led, pool, revived, sid)
 
     def _unref(self, pool: str, units: list[int], sid: int) -> None:
-        """``on_free`` for a ``"blocks"`` pool: one reference fewer per unit named (vLLM's
-        ``BlockPool.free_blocks``). A count taken below 0, or a decrement of block 0, is a double free;
-        a block whose count reaches 0 is freed (its free event), and a use-after-free there if a root
-        still references it (the target's roots are read at that free)."""
         led = self.ledgers[pool]
         u = np.asarray(units, dtype=np.int64)
         np.subtract.at(led.refs, u, 1)
@@ -142,10 +131,8 @@ class Ledger:
             ev = self._event("free", pool, zero.tolist(), sid)
             led.allocated[zero] = False
             led.last_free[zero] = ev.id
-            # the last reference dropped while a root still holds the block: this free came too early
-            # (one reference dropped twice, by the holder freeing or by another). Said here, at the free,
-            # so that one premature free is one use-after-free whether or not a scan runs before the
-            # holder's own release takes the count below zero (a double free of the same line then).
+            # NOTE: said here, at the free, so one premature free is one use-after-free whether or not a
+            # scan runs before the holder's own release takes the count below zero
             users = self._users(pool, zero)
             if users:
                 f = self._unit_finding("use-after-free", pool, zero,
@@ -157,7 +144,7 @@ class Ledger:
 
     def on_free(self, pool: str, units, sid: int) -> None:
         """Record a free of ``units`` (a list or array); a unit already free, or listed twice, is a
-        double free. In a ``"blocks"`` pool, a decrement of each unit's count (:meth:`_unref`)."""
+        double free. In a ``"blocks"`` pool, a decrement of each unit's count (vLLM's ``free_blocks``)."""
         led = self.ledgers[pool]
         ul, flags = _as_list(units), led.flags
         if led.refs is not None:
@@ -184,11 +171,8 @@ class Ledger:
         led.allocated[0] = True
 
     def _double_free(self, pool: str, bad: np.ndarray, sid: int) -> Finding:
-        """A second free of ``bad`` (``[n] int64`` units) at site ``sid``. When a live owner still
-        references the units now, the first free came too early and this free is that owner's own
-        release: a ``use-after-free`` named by the first free (the one to fix), so one premature-free
-        bug gets one signature whether or not an oracle scan ran between the two frees. Otherwise a
-        ``double-free``, with both free sites."""
+        # a use-after-free named by the first free when a live owner still references the units, else
+        # a double-free (docs/internals/audit.md, the ledger)
         prev = int(self.ledgers[pool].last_free[bad[0]])
         prev_sites = self.site(self.events[prev].site) if prev >= 0 else []
         again = self.site(sid)
@@ -206,11 +190,8 @@ class Ledger:
         return f
 
     def _users(self, pool: str, units: np.ndarray) -> list[str]:
-        """Owners that reference ``units`` of ``pool`` right now: the target's roots, and the owner (at
-        the last check) of each allocated row that maps them -- a request leaving the scheduler's
-        structures to be released is in no root, yet its record still names the units.
-        Read from inside a free: a target whose records are mid-update may fail to list them, which
-        reads as none."""
+        # the target's roots, and the owner (at the last check) of each allocated row that maps the units:
+        # a request leaving the scheduler to be released is in no root, yet its record names them
         users: set[str] = set()
         try:
             roots = self.target.roots()  # aborting requests too: their release is a use of what they map
@@ -227,7 +208,6 @@ class Ledger:
             pass
         return sorted(users)
 
-    # -- findings ---------------------------------------------------------------------------
     def _unit_finding(self, kind: str, pool: str, units: np.ndarray, message: str,
                       alloc_sid: int | None = None) -> Finding:
         led = self.ledgers[pool]
@@ -260,7 +240,6 @@ class Ledger:
                 hit = np.flatnonzero(units == unit)
                 if hit.size:
                     out.append(OwnerChange(op_index, step, self.owner_names[int(owners[hit[0]])], "owner"))
-        # owners are read at the end of a step, after its allocs and frees (a stable sort keeps
-        # the events in ledger order)
+        # owners are read at the end of a step, after its allocs and frees (the sort is stable)
         out.sort(key=lambda o: (o.step, o.op_index, o.event == "owner"))
         return out

@@ -1,29 +1,8 @@
 """The lock-ref ledger: every ``inc_lock_ref``/``dec_lock_ref`` (device) and host pin, paired with
-the holder that took it, so a lock-imbalance finding blames the lock whose holder is gone.
+the holder that took it (the target's ``lock_holders()``, read between steps and ops), so a
+lock-imbalance finding blames the lock whose holder is gone.
 
-Holders are read from the target (``lock_holders()``: ``[(lock, holder, node id)]``, e.g.
-``("device", "req:7", 12)`` or ``("host", "hicache load-back for req:7", 12)``) between scheduler
-steps and ops, never from the engine's frames, so fast mode and full stacks pair alike. At each
-snapshot, over the events since the previous one:
-
-* a holder that disappeared marks its inc *gone* (a request finished, a load-back was acked);
-* a holder that appeared claims an unclaimed inc on its node: one its frames were named for
-  (``owner_hint``), else the latest unnamed one of the interval, else the latest older one; or takes
-  over a gone
-  holder's inc when it took no lock of its own (a session slot inheriting its turn's lock);
-* a dec whose frames name their owner (``owner_hint``, read for lock events in every mode)
-  releases that owner's oldest inc on the node that no holder has claimed yet;
-* any other dec releases, in order: an inc of the same interval not yet claimed (a lock and its release
-  inside one call, e.g. ``load_back`` pinning the device ancestor around its alloc), the inc of the
-  most recently gone holder, an unclaimed older inc; with only live holders' incs left it is an
-  unmatched dec (a release too many), unless one of those holders leaves at a later snapshot.
-
-At idle, an inc still open whose holder is gone is a leaked lock, named by its holder; an open inc
-that no holder ever claimed was taken behind every holder's back. Its holder's *kind*
-(:func:`holder_kind`, when not a request) and the release that let that holder go while leaving this
-lock out (:meth:`LockLedger.let_go`: a dec of the holder's other lock on the node in the interval it
-went) tell two such leaks apart in a signature. Sizes: events and records grow with lock operations (a few per
-request), not with tokens.
+Design notes (the pairing rules): docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -36,9 +15,7 @@ def holder_kind(name: str | None) -> str:
     """The kind of the lock holder ``name`` when it is not a request, for a signature: ``"session:3"``
     -> ``"session"``, ``"hicache write-through of node 12"`` -> ``"hicache-write-through"``; ``""`` for
     a request (``"req:7"``), for a holder that acts for one (``"hicache load-back for req:7"``) and for
-    None. A request is every lock's default holder and whether the ledger saw it hold the lock depends
-    on timing (a request taken and ended within one step never shows in the target's lists, and its
-    lock is then named by the taking frames' owner), so only the other kinds tell two leaks apart."""
+    None (whether the ledger saw a request hold a lock depends on timing)."""
     if not name:
         return ""
     head, sep, owner = name.partition(" for ")
@@ -50,18 +27,16 @@ def holder_kind(name: str | None) -> str:
 
 @dataclass(slots=True, eq=False)  # records are compared by identity: two incs can be alike in every field
 class LockRecord:
-    """One inc (``lock``: ``"device"`` or ``"host"``) on tree node ``node``, from site ``site``
-    at ``op``/``step``; ``holder`` once a holder claimed it, ``gone`` the ``(op, step)`` at which
-    its holder was first seen gone; ``released`` once a dec paired with it."""
+    """One inc of ``lock`` (``"device"`` or ``"host"``) on tree node ``node``."""
 
     lock: str
     node: int
     site: int
     op: int
     step: int
-    holder: str | None = None
-    gone: tuple[int, int] | None = None
-    released: bool = False
+    holder: str | None = None  # once a holder claimed it
+    gone: tuple[int, int] | None = None  # (op, step) at which its holder was first seen gone
+    released: bool = False  # a dec paired with it
     handed_from: str | None = None  # the holder it was taken over from (no inc of its own)
     hint: str | None = None  # the owner the taking frames worked for (``req:<rid>``), if they named one
     gone_in: int = -1  # the interval (LockLedger.intervals) in which its holder was first seen gone
@@ -70,11 +45,8 @@ class LockRecord:
 
 
 class LockLedger:
-    """Inc/dec events paired with the target's live holders (module docstring).
-
-    ``holders``: a callable returning ``[(lock, holder name, node id)]``, or None (the target names
-    no holders: every inc stays unclaimed and decs pair latest first, as a stack per node).
-    """
+    """Inc/dec events paired with the target's live holders. ``holders``: a callable returning
+    ``[(lock, holder name, node id)]``, or None (every inc stays unclaimed; decs pair as a stack per node)."""
 
     def __init__(self, holders=None):
         self.holders = holders
@@ -119,12 +91,12 @@ class LockLedger:
             fresh.remove(r)
 
     def busy(self) -> bool:
-        """Whether a snapshot could change anything (open incs, or decs waiting to pair)."""
+        """Whether a snapshot could change anything."""
         return bool(self._deferred or self._listed or self._n_open)
 
     def snapshot(self, op: int, step: int) -> None:
-        """Close the interval: read the live holders and pair this interval's events (module
-        docstring). ``op``/``step``: when this snapshot is taken (stamped on gone holders)."""
+        """Close the interval: read the live holders and pair this interval's events; ``op``/``step``:
+        when this snapshot is taken (stamped on gone holders)."""
         named = self.holders() if self.holders is not None else None  # None: the target names none
         listed = sorted(named) if named is not None else []
         self.dirty = False
@@ -169,9 +141,7 @@ class LockLedger:
             if left:
                 self.unmatched_decs.remove(d)
                 self._release(left[0], d[2])
-        # (after the releases above pair with the holders' own locks) an inc taken for a named owner
-        # that holds nothing on its node now: that owner is gone or never kept it, so the lock is its
-        # leak, not an anonymous one
+        # an inc taken for a named owner that holds nothing on its node now is that owner's leak
         names = {name for _, name, _ in listed}
         for rs in (self._fresh.values() if named is not None else ()):  # (no holders: no claims)
             for r in rs:
@@ -182,26 +152,18 @@ class LockLedger:
         self._live = now
         self.intervals += 1
 
-    def open_records(self, lock: str, nodes) -> list[LockRecord]:
-        """Unreleased incs of ``lock`` on any of ``nodes`` (ids), oldest first."""
-        return [r for (lk, node), rs in self._open.items() if lk == lock and node in nodes for r in rs]
-
     def holder_lock(self, lock: str, nodes) -> LockRecord | None:
         """The latest inc of ``lock`` (any node) taken by or for a live holder listed on one of
         ``nodes`` at the last snapshot: when incs and decs pair up per node, the lock that holder
         took walked another path than the one it holds (None if the ledger has none)."""
         names = {name for lk, name, node in self._listed if lk == lock and node in nodes}
-        for r in reversed(self.records):
-            if r.lock == lock and (r.holder in names or r.hint in names):
-                return r
-        return None
+        return next((r for r in reversed(self.records) if r.lock == lock and (r.holder in names or r.hint in names)),
+                    None)
 
     def let_go(self, r: LockRecord) -> int:
         """The site of the release that let ``r``'s holder go and left ``r`` out: the dec, in the
         interval the holder was first seen gone, of the holder's other kind of lock on the same node (a
-        load-back released on its device lock but not on its host pin); -1 if the holder went with no
-        release (its record was dropped) or ``r`` has no gone holder. (Only the other lock kind on the
-        same node: which of a request's earlier locks fell in that interval depends on timing.)"""
+        load-back released on its device lock but not on its host pin); -1 if none."""
         if r.holder is None or r.gone_in < 0:
             return -1
         return next((o.released_site for o in reversed(self.records) if o.lock != r.lock and o.node == r.node
@@ -213,6 +175,6 @@ class LockLedger:
     def culprits(self, lock: str, nodes) -> list[LockRecord]:
         """The open incs on ``nodes`` to blame, best first: those whose holder is gone (the earliest
         gone first), then those no holder ever claimed (oldest first)."""
-        rs = self.open_records(lock, nodes)
+        rs = [r for (lk, node), rs in self._open.items() if lk == lock and node in nodes for r in rs]
         gone = sorted((r for r in rs if r.gone is not None), key=lambda r: (r.gone, r.op, r.step))
         return gone + [r for r in rs if r.holder is None]

@@ -1,16 +1,7 @@
-"""Who holds the memory: the lines an out-of-memory crash report shows.
+"""Who holds the memory: the lines an out-of-memory crash report shows ("Prefill/Decode out of
+memory", as SGLang's ``alloc_for_extend``/``alloc_for_decode`` raise), read at the crash.
 
-When the engine raises "Prefill out of memory" / "Decode out of memory" (as SGLang's
-``alloc_for_extend`` / ``alloc_for_decode`` do, and the built-in engine after them), a leaked lock or a
-retraction that freed too little usually lies behind it. :func:`memory_state` reads, at the crash:
-
-* the identity terms per pool (``available``, ``evictable``, ``protected``, ``session_held`` from
-  ``target.accounting()``, ``uncached`` from the live requests' private roots), in tokens (rows for
-  a row pool);
-* the largest holders of each KV pool (owners from ``target.roots()``, top 5, in tokens);
-* the tokens held by locks whose holder is gone (``target.lock_balance()``, with the unreleased
-  inc the lock-ref ledger blames, :mod:`kvaudit.audit.locks`);
-* what the last decode retraction freed and why it stopped (``target.retraction()``, if any).
+Design notes: docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -29,9 +20,9 @@ def is_out_of_memory(message: str) -> bool:
 
 
 def memory_state(target, auditor=None) -> list[str]:
-    """Plain lines describing who holds each pool's memory now (module docstring). ``auditor``
-    (a :class:`kvaudit.audit.hooks.Auditor`, or None) supplies page sizes and the lock-ref ledger.
-    Never raises: a part the target cannot tell is left out."""
+    """Plain lines describing who holds each pool's memory now: identity terms (tokens; rows for a row
+    pool), the largest holders, locks with no live holder, the last retraction. ``auditor`` (or None)
+    supplies page sizes and the lock-ref ledger. Never raises: a part that cannot be read says so."""
     lines: list[str] = []
     for part in (_terms, _holders, _orphan_locks, _retraction):
         try:
@@ -48,7 +39,7 @@ def _page_sizes(target, auditor) -> dict[str, int]:
 
 
 def _by_owner(target, auditor) -> dict[str, dict[str, tuple[int, int]]]:
-    """pool -> owner -> (tokens or rows it references, of which shared: a tree prefix it reads)."""
+    # pool -> owner -> (tokens or rows it references, of which shared: a tree prefix it reads)
     ps = _page_sizes(target, auditor)
     units: dict[str, dict[str, tuple[list, list]]] = {}
     for root in target.roots():
@@ -60,8 +51,7 @@ def _by_owner(target, auditor) -> dict[str, dict[str, tuple[int, int]]]:
         out[pool] = {}
         for owner, (private, shared) in owners.items():
             every = np.unique(np.concatenate(private + shared))
-            only_shared = np.setdiff1d(np.unique(np.concatenate(shared)), np.concatenate(private)) \
-                if shared and private else (np.unique(np.concatenate(shared)) if shared else every[:0])
+            only_shared = np.setdiff1d(np.concatenate(shared + [every[:0]]), np.concatenate(private + [every[:0]]))
             out[pool][owner] = (int(every.size) * k, int(only_shared.size) * k)
     return out
 

@@ -1,7 +1,7 @@
-"""Run a program against a target under audit.
+"""Run a program against a target under audit, every engine call under a watchdog.
 
-``execute`` is a pure function of (config, program): the same inputs give the same findings,
-which is what replay, minimization and confirmation rely on.
+``execute`` is a pure function of (config, program): the same inputs give the same findings, which
+replay, minimization and confirmation rely on. Design notes: docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -18,25 +18,19 @@ from typing import Callable
 import numpy as np
 
 from kvaudit.config import TargetConfig
-from kvaudit.audit import memstate
 from kvaudit.audit import oracles
 from kvaudit.constants import DEFAULT_STEP_TIMEOUT
-from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.findings import Finding
 from kvaudit.audit.kinds import lookup
 from kvaudit.audit.hooks import Auditor
+from kvaudit.audit.oracles.outcome import LIVENESS_STEPS, MAX_IDLE_STEPS, WATCHDOG_HANG  # noqa: F401 (re-exported)
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
 from kvaudit.targets import make_target
-from kvaudit.targets.registry import TargetDefinitionError
 
-MAX_IDLE_STEPS = 2000
-# Set by the CLI's SIGINT handler. A KeyboardInterrupt raised inside a garbage-collector callback
-# is swallowed by Python ("Exception ignored in ..."); every op checks this flag, so a Ctrl-C is
-# never lost.
+# NOTE: set by the CLI's SIGINT handler and checked by every op: a KeyboardInterrupt raised inside a
+# garbage-collector callback is swallowed by Python ("Exception ignored in ..."), this flag is not
 INTERRUPTED = threading.Event()
-LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
 STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
-_KVAUDIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kvaudit/
-WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
 _step_timeout = DEFAULT_STEP_TIMEOUT
 
 
@@ -61,26 +55,16 @@ def is_watchdog_hang(finding: Finding) -> bool:
 
 class StepTimeout(BaseException):
     """Raised asynchronously in the engine's thread by the watchdog when one engine call overruns its
-    limit. A BaseException, so that the engine's own ``except Exception`` handlers do not swallow it."""
+    limit (a BaseException: the engine's own ``except Exception`` does not swallow it)."""
 
 
 class _Watchdog:
-    """One daemon thread per process that interrupts an engine call running past its limit.
+    """One daemon thread per process that interrupts an engine call running past its limit: it raises
+    :class:`StepTimeout` in the armed thread, after recording its stack. A thread arms it before each
+    engine call and disarms it after.
 
-    A thread arms it before each engine call (:meth:`arm`) and disarms it after (:meth:`disarm`).
-    When a call is due, the watchdog records the stuck thread's stack (``sys._current_frames()``)
-    and raises :class:`StepTimeout` in it (``PyThreadState_SetAsyncExc``), which lands at the
-    thread's next Python bytecode: a loop of ``time.sleep`` or of Python code is interrupted; one
-    blocking C call that never returns is not. The watchdog polls (every 20 ms while a call is
-    armed, 200 ms otherwise), so a limit is kept to within 20 ms.
-
-    NOTE: a StepTimeout can land in the engine's thread at any bytecode boundary, including inside
-    :meth:`disarm` after the call returned. So the engine thread takes no lock here (a lock taken
-    when the exception lands would stay held: a deadlock), every method it calls is made of atomic
-    dict operations and is safe to repeat, and callers repeat
-    ``disarm``/``take`` until they complete (see ``AuditedRun._guarded``). ``disarm`` waits out a
-    send the watchdog has decided on (``_firing``) and withdraws it if not yet raised, so no
-    StepTimeout arrives once ``disarm`` has returned.
+    NOTE: a StepTimeout can land at any bytecode boundary, inside :meth:`disarm` too: the engine thread
+    takes no lock here, and every method it calls is safe to repeat (docs/internals/audit.md).
     """
 
     RESEND_S = 0.2  # a StepTimeout that a library swallowed (a gc callback's) is raised again this often
@@ -108,8 +92,7 @@ class _Watchdog:
         self._armed[tid] = (fire_at, budget)
 
     def disarm(self) -> None:
-        """Stop watching this thread; safe to repeat. Once it returns, no StepTimeout is pending
-        for this thread and none will be sent."""
+        """Stop watching this thread; safe to repeat. Once it returns, no StepTimeout is pending."""
         tid = threading.get_ident()
         self._armed.pop(tid, None)
         self._resend.pop(tid, None)
@@ -138,8 +121,6 @@ class _Watchdog:
             time.sleep(0.2 if nxt is None else min(0.02, max(0.0, nxt - time.monotonic())))
 
     def _send(self, tid: int, still_due: Callable[[], bool], now: float, entry: tuple | None = None) -> None:
-        """Raise StepTimeout in thread ``tid`` if ``still_due()``, under ``_firing`` (see :meth:`disarm`);
-        a first send (``entry``: its arming) records the thread's stack first."""
         self._firing = tid
         try:
             if still_due():
@@ -154,11 +135,9 @@ class _Watchdog:
 
 
 def quiet_unraisable() -> None:
-    """Leave out of the log an interrupt that landed where Python cannot raise it (a gc callback,
-    such as Hypothesis's: "Exception ignored in ... Traceback ..."): a StepTimeout (the watchdog
-    raises it again, ``_Watchdog.RESEND_S``) or a KeyboardInterrupt from kvaudit's Ctrl-C/SIGTERM
-    handlers once :data:`INTERRUPTED` is set (the next op stops on it). Any other unraisable
-    exception goes to the hook that was there before. Idempotent."""
+    """Leave out of the log an interrupt that landed where Python cannot raise it (a gc callback): a
+    StepTimeout (raised again, ``_Watchdog.RESEND_S``) or a KeyboardInterrupt once :data:`INTERRUPTED`
+    is set (the next op stops on it). Other unraisable exceptions go to the previous hook. Idempotent."""
     previous = sys.unraisablehook
     if getattr(previous, "_kvaudit", False):
         return
@@ -199,19 +178,14 @@ class Execution:
 class AuditedRun:
     """A target plus its auditor, advanced one op at a time (the fuzzers drive this directly).
 
-    ``audit=False`` runs the bare engine (for throughput baselines); ``oracles=False`` keeps the
-    hooks' ledger (double free, aliasing at alloc) but skips the per-step reachability scan;
-    ``full_stacks=False`` is the fuzzers' fast mode (see :class:`kvaudit.audit.hooks.Auditor`).
-    ``suppressions`` (a :class:`kvaudit.audit.suppress.SuppressionSet`) moves the findings it covers to
-    ``self.suppressed``: they are never returned or kept in ``self.findings``.
+    ``audit=False`` runs the bare engine (for throughput baselines); ``run_oracles=False`` keeps the
+    hooks' ledger but skips the per-step reachability scan; ``full_stacks=False`` is the fuzzers' fast
+    mode. Findings ``suppressions`` covers go to ``self.suppressed``, never returned or kept.
 
-    Every engine call (``target.step()``, ``target.apply(op)``) runs under the watchdog: one that
-    takes more than ``step_limit`` seconds (default :func:`step_timeout`) is a ``hang`` finding
-    naming the frames it was stuck in. ``deadline`` (``time.monotonic()`` seconds; a search's
-    budget) also cuts a call or an ``idle()`` short, but that is no finding: ``out_of_time`` is
-    set, and every later op is a no-op (the engine was interrupted mid-step). An op that raises is a
-    ``crash`` finding and ends the run the same way (``crashed``), whether or not a suppression
-    covers it: the real scheduler process would be gone.
+    Every engine call runs under the watchdog: one past ``step_limit`` seconds (default
+    :func:`step_timeout`) is a ``hang``. ``deadline`` (``time.monotonic()`` seconds; a search's budget)
+    also cuts a call short, with no finding: ``out_of_time`` is set. An op that raises is a ``crash``
+    (``crashed``, suppressed or not). After either, every later op is a no-op.
     """
 
     def __init__(self, config: TargetConfig, audit: bool = True, run_oracles: bool = True,
@@ -228,14 +202,13 @@ class AuditedRun:
         if self.run_oracles:
             self.target.on_intake(self._intake_scan)
         self.findings: list[Finding] = []
-        self._progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
-        self._flushes = 0  # successful flush_cache requests already checked for quiescence
+        self.last_progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
+        self.flushes_checked = 0  # successful flush_cache requests already checked for quiescence
         self.ops_run = 0
         self.crashed = False  # an op raised: the run ends there (apply() is a no-op from then on)
         self.on_step = None  # called as on_step(self) after every scheduler step (kvaudit.reports.timeline)
 
     def _check(self, scan: bool = True) -> list[Finding]:
-        """Findings the hooks raised, then (``scan``) the oracles' scan of the engine state."""
         if self.auditor is None:
             return []
         self.auditor.step = self.target.steps
@@ -244,23 +217,28 @@ class AuditedRun:
             return oracles.check(self.auditor, self.target, idle=self.target.is_idle())
         return oracles.attach_engine_verdict(self.target, found)
 
+    def _outcome(self, stage: str, *args) -> list[Finding]:
+        """The findings of the runner's oracle rows of ``stage`` (:data:`kvaudit.audit.oracles.ORACLES`)."""
+        found = []
+        for o in oracles.rows(stage):
+            if o.when(self, *args):
+                found += o.run(self, *args)
+        return found
+
     def _intake_scan(self) -> None:
-        """Reachability right after the engine took its messages, before it schedules: a close or an
-        abort that frees memory still in use shows as use-after-free here, before the release that
-        follows in the same step turns it into a double free."""
+        # NOTE: right after the engine took its messages, before it schedules: a close or an abort that
+        # frees memory still in use is a use-after-free here, before its release makes it a double free
         if not self.auditor.pending:
-            self.auditor.pending.extend(self._quiescence())
+            self.auditor.pending.extend(self._outcome("intake"))
         if not self.auditor.pending:
             self.auditor.pending.extend(oracles.check(self.auditor, self.target, scan_only=True))
 
     def _guarded(self, call, *args) -> list[Finding] | None:
-        """``call(*args)`` under the watchdog: None when it returned in time, else ``[]`` (the
-        deadline was due: ``out_of_time`` is set) or ``[hang finding]``."""
+        # None when call(*args) returned in time, else [] (the deadline was due: out_of_time) or [hang]
         called, raised = False, None
         while True:
-            # one try around the call and the disarm: the engine thread interrupted (what the
-            # watchdog saw is in take()), or a StepTimeout sent as the call returned (or sent again,
-            # see _Watchdog.RESEND_S) landing in the disarm, lands here and the disarm is repeated
+            # NOTE: a StepTimeout landing in the call or in the disarm (sent as the call returned, or
+            # sent again) lands here, and the disarm is repeated
             try:
                 if not called:
                     called = True
@@ -284,24 +262,10 @@ class AuditedRun:
         if budget:
             self.out_of_time = True
             return []
-        return [self._stuck_finding(stack)]
-
-    def _stuck_finding(self, stack) -> Finding:
-        """The watchdog's ``hang``: the stuck thread's frames below this run (innermost first),
-        without kvaudit's own except a target's ``engine_files``."""
-        inner = stack
-        for i, fr in enumerate(stack):
-            if fr.name == "_guarded" and os.path.abspath(fr.filename) == os.path.abspath(__file__):
-                inner = stack[i + 1:]
-        frames = _engine_frames(inner, self.target.engine_files())
-        where = f"; stuck in {frames[0].short()}" if frames else ""
-        f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps, alloc_sites=frames[:8],
-                    message=f"{WATCHDOG_HANG} {self.step_limit:g}s (watchdog){where}")
-        try:  # the step was cut short: the engine's counters may be half-updated, or its check may fail
-            return oracles.attach_engine_verdict(self.target, [f])[0]
-        except Exception as exc:
-            f.engine_check = [f"engine check_memory() raised {type(exc).__name__}: {exc}"]
-            return f
+        here = os.path.abspath(__file__)  # the stuck thread's frames below this run
+        below = next((i + 1 for i in range(len(stack) - 1, -1, -1)
+                      if stack[i].name == "_guarded" and os.path.abspath(stack[i].filename) == here), 0)
+        return self._outcome("timeout", stack[below:])
 
     def _step(self) -> list[Finding]:
         if self.auditor is not None:
@@ -310,46 +274,11 @@ class AuditedRun:
         if cut is not None:
             return cut
         found = self._check()
-        if not found and self.run_oracles:
-            found = self._liveness()
+        if not found:
+            found = self._outcome("step")
         if self.on_step is not None:
             self.on_step(self)
         return found
-
-    def _quiescence(self) -> list[Finding]:
-        """Right after a successful ``flush_cache`` (at intake, before anything is scheduled): every
-        pool is full again (``leak`` otherwise)."""
-        done = self.target.flushed()
-        if done == self._flushes:
-            return []
-        self._flushes = done
-        bad = self.target.quiescence()
-        found = [Finding(kind="leak", pool=pool, op_index=self.ops_run - 1, step=self.target.steps,
-                         message=f"not quiescent: {problem}") for pool, problem in bad]
-        return oracles.attach_engine_verdict(self.target, found[:1])
-
-    def _liveness(self) -> list[Finding]:
-        """``liveness``: a request that holds KV, or was aborted, and makes no progress for
-        LIVENESS_STEPS steps (a parked request nobody schedules, an abort that never ends it)."""
-        now, seen = self.target.steps, {}
-        for rid, value in self.target.progress().items():
-            last = self._progress.get(rid)
-            seen[rid] = last if last is not None and last[0] == value else (value, now)
-        self._progress = seen
-        stuck = sorted(rid for rid, (_, since) in seen.items() if now - since >= LIVENESS_STEPS)
-        if not stuck:
-            return []
-        self._progress = {}
-        aborted = seen[stuck[0]][0] < 0
-        what = "aborted, never finished" if aborted else "holds KV"
-        # its signature names where the request sits (Root.where: transfer, chunked, running, ...) and
-        # what it is, never its id: one cause reads the same in every program
-        where = next((r.where for r in self.target.roots() if r.owner == f"req:{stuck[0]}" and r.where), "")
-        f = Finding(kind="liveness", pool="-", op_index=self.ops_run - 1, step=now,
-                    check=f"{where or '-'}:{'aborted' if aborted else 'holds-kv'}",
-                    message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''}) made no progress for "
-                            f"{LIVENESS_STEPS} steps" + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
-        return oracles.attach_engine_verdict(self.target, [f])
 
     def apply(self, op: Op) -> list[Finding]:
         """Run one op; returns the findings it produced (also kept in ``self.findings``).
@@ -357,9 +286,8 @@ class AuditedRun:
         if INTERRUPTED.is_set():
             raise KeyboardInterrupt
         if self._cut_short() or self.crashed:
-            # interrupted mid-call, or crashed (a real scheduler process dies on an uncaught
-            # exception; a crash a suppression covers too): nothing more runs on it, so no later
-            # finding comes from the state a half-done call left behind
+            # NOTE: a real scheduler process dies on an uncaught exception: no later finding comes from
+            # the state a half-done call left behind
             return []
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
@@ -385,38 +313,33 @@ class AuditedRun:
                     if found or idle or stalled > STALL_STEPS or self._out_of_time():
                         break  # out of time: no hang finding, the budget ran out, not the engine
                 else:
-                    found = self._hang_findings()
+                    found = self._outcome("idle")
             else:
                 # only queues a message: no memory moves until a step
                 found = self._guarded(self.target.apply, op)
                 if found is None:
                     found = self._check(scan=False)
-        except TargetDefinitionError:  # the target's own code broke the API: not the engine's crash
-            raise
         except Exception as exc:  # the engine crashed: that is a finding, not our error
+            found = self._outcome("raise", exc)
+            if not found:
+                raise
             self.crashed = True
-            found = [_crash_finding(exc, self.ops_run - 1, self.target.steps,
-                                    self.target.engine_files(), self.target, self.auditor)]
         found = _merge_same_signature(sift(found))
         self.findings.extend(found)
         return found
 
     def _cut_short(self) -> bool:
-        """The watchdog interrupted an engine call of this run (the deadline, or a hang)."""
         return self.out_of_time or any(is_watchdog_hang(f) for f in self.findings)
 
     def _out_of_time(self) -> bool:
-        """The run's ``deadline`` has passed (sets ``out_of_time``)."""
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.out_of_time = True
         return self.out_of_time
 
     def drain_verdict(self) -> list[str]:
-        """The engine's own ``check_memory()`` once the engine is drained to idle after the program
-        (what the engine's own idle check would say then): the engine runs bare steps (hooks recording, no
-        oracle) until idle, plus the one idle iteration that runs its ``on_idle``, at most
-        MAX_IDLE_STEPS steps, each under the watchdog. Lines as in ``Finding.engine_check``; a
-        drain that crashes, hangs or never reaches idle says so in the first line."""
+        """The engine's own ``check_memory()`` once drained to idle after the program: bare steps (no
+        oracle) until idle, plus the idle iteration that runs its ``on_idle``, at most MAX_IDLE_STEPS,
+        each under the watchdog. A drain that crashes, hangs or never reaches idle says so first."""
         if self._cut_short():
             return ["not drained: an engine step hung (the watchdog interrupted it)"]
         try:
@@ -435,25 +358,9 @@ class AuditedRun:
         except Exception as exc:
             return [f"crashed while draining: {type(exc).__name__}: {exc}"]
 
-    def _hang_findings(self) -> list[Finding]:
-        """idle() never drained: a ``hang`` whose signature names what the target says is stuck
-        (``Target.stuck()``, in ``check``) and whose message gives its ``describe_busy()``; before it,
-        the locks no live holder accounts for (the lock-balance oracle as at idle, between steps), which
-        name the lock that holds the memory a ``waiting:memory-locked`` hang waits for: one hang
-        symptom, several causes."""
-        busy = self.target.describe_busy()  # "" (the base's default): the target does not say
-        stuck = self.target.stuck()
-        f = Finding(kind="hang", pool="-", op_index=self.ops_run - 1, step=self.target.steps, check=stuck,
-                    message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle()"
-                    + (f": {busy}" if busy else " (the target's describe_busy() names nothing)")
-                    + (f"; stuck: {stuck}" if stuck else ""))
-        locks = oracles.lock_balance(self.auditor, self.target, idle=True) if self.run_oracles else []
-        return oracles.attach_engine_verdict(self.target, locks + [f])
-
     def close(self) -> None:
-        """Remove the hooks. This also breaks the engine <-> auditor reference cycle, so a finished
-        run is freed at once instead of waiting for the cycle collector. A target that holds outside
-        resources (L3 storage's directory) releases them (its ``close()``)."""
+        """Remove the hooks (so a finished run is freed at once, not by the cycle collector) and close
+        the target (L3 storage's directory)."""
         if self.auditor is not None:
             self.auditor.uninstall()
         self.target.close()
@@ -466,11 +373,8 @@ class AuditedRun:
 
 
 def _merge_same_signature(found: list[Finding]) -> list[Finding]:
-    """One finding per signature among those one op produced, holding every unit of them: a
-    premature free seen by the scan after intake and again by the owner's own release in the same
-    step is one use-after-free (the first, given the later one's use site and owners where it has
-    none); units allocated on two lines of one function (grouped per line, one signature) are one
-    leak of all of them, its allocation stack the first line's, the other lines named in its message."""
+    """One finding per signature among those one op produced, holding every unit of them (the first,
+    given the later ones' use sites, owners and units; other allocation lines named in its message)."""
     if len(found) < 2:
         return found
     out: dict[str, Finding] = {}
@@ -484,9 +388,6 @@ def _merge_same_signature(found: list[Finding]) -> list[Finding]:
 
 
 def _merge_units(into: Finding, other: Finding) -> None:
-    """``into`` takes ``other``'s units (the union: the same unit seen twice counts once; a page or
-    block finding lists whole pages' slots, so its units are counted from the slots) and, for units
-    allocated elsewhere, names ``other``'s allocation line in its message."""
     if not other.slots:
         return
     per = next((len(f.slots) // f.num_units for f in (into, other) if f.unit != "row" and f.num_units and f.slots), 1)
@@ -500,80 +401,19 @@ def _merge_units(into: Finding, other: Finding) -> None:
             into.message += f"; {also}"
 
 
-def _kept_frames(stack, engine_files=()) -> list:
-    """The frames of ``stack`` (``traceback`` FrameSummary list) that are not kvaudit's own, except a
-    target's ``engine_files`` (a driver that plays the scheduler), in ``stack``'s order."""
-    keep = {os.path.abspath(f) for f in engine_files}
-    return [fr for fr in stack
-            if not os.path.abspath(fr.filename).startswith(_KVAUDIT_DIR + os.sep) or os.path.abspath(fr.filename) in keep]
-
-
-def _engine_frames(stack, engine_files=()) -> list[Site]:
-    """``stack`` (``traceback`` FrameSummary list, outermost first) as Sites, innermost first, without
-    kvaudit's own frames except a target's ``engine_files`` (:func:`_kept_frames`)."""
-    return [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip())
-            for fr in reversed(_kept_frames(stack, engine_files))]
-
-
-def _display_path(path: str) -> str:
-    """:func:`portable_path`, and an installed module's path from its import root (``sglang/srt/...``
-    for ``.../site-packages/sglang/srt/...`` or a release overlay's): for text, not for reading."""
-    path = portable_path(path)
-    if not os.path.isabs(path):
-        return path
-    roots = [os.path.abspath(r) for r in sys.path if r and os.path.isabs(r)]
-    root = max((r for r in roots if path.startswith(r + os.sep)), key=len, default=None)
-    return os.path.relpath(path, root) if root else path
-
-
-def _engine_traceback(exc: BaseException, engine_files=()) -> str:
-    """``exc``'s traceback as Python prints it, chained exceptions included, but with the frames
-    :func:`_engine_frames` keeps (no kvaudit runner or hook frames, whose line numbers move with
-    kvaudit's code) and portable paths (``sglang/srt/...``, not this machine's site-packages), so
-    that a replay file's text does not change when only kvaudit or the machine does."""
-    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
-    seen, todo = set(), [te]
-    while todo:
-        t = todo.pop()
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        frames = _kept_frames(t.stack, engine_files)
-        for fr in frames:
-            fr.filename = _display_path(fr.filename)
-        t.stack = traceback.StackSummary.from_list(frames)
-        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
-    return "".join(te.format())
-
-
-def _crash_finding(exc: BaseException, op_index: int, step: int, engine_files=(), target=None,
-                   auditor=None) -> Finding:
-    """The crash as a finding: its stack without kvaudit's frames, except a target's ``engine_files``
-    (a driver that plays the engine's scheduler). An out-of-memory crash also carries who held the
-    memory at that moment (``memory_state``, read from ``target`` and ``auditor``: :mod:`kvaudit.audit.memstate`)."""
-    frames = _engine_frames(traceback.extract_tb(exc.__traceback__), engine_files)
-    f = Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
-                op_index=op_index, step=step, traceback=_engine_traceback(exc, engine_files))
-    if target is not None and memstate.is_out_of_memory(str(exc)):
-        f.memory_state = memstate.memory_state(target, auditor)
-    return f
-
-
 def warm_up(config: TargetConfig) -> None:
-    """Build ``config``'s audited target once and drop it, so that what the first build costs (the
-    target's own modules, the engine's one-time set-up) is paid before a search's clock starts
-    (``--max-time`` is search time: :mod:`kvaudit.app.budget`). Raises what building the target raises."""
+    """Build ``config``'s audited target once and drop it, so that the first build's cost is paid
+    before a search's clock starts. Raises what building the target raises."""
     AuditedRun(config, full_stacks=False).close()
 
 
 def execute(config: TargetConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
             full_stacks: bool = True, suppressions=None, drain: bool = False,
             on_op: Callable[[int, int], None] | None = None) -> Execution:
-    """Run ``program`` from a fresh engine; stop at the first op that produced a finding (one that
-    ``suppressions``, a :class:`kvaudit.audit.suppress.SuppressionSet`, does not cover). With ``drain``,
-    a run with findings then drains the engine to idle and records the engine's own verdict there
-    in each finding's ``engine_check_at_idle`` (:meth:`AuditedRun.drain_verdict`). ``on_op(ops run,
-    scheduler steps)`` is called after each op (a long replay's progress)."""
+    """Run ``program`` from a fresh engine; stop at the first op that produced a finding
+    ``suppressions`` does not cover. With ``drain``, a run with findings then records the engine's
+    verdict at idle in each finding's ``engine_check_at_idle``. ``on_op(ops run, scheduler steps)``
+    is called after each op."""
     with AuditedRun(config, audit=audit, full_stacks=full_stacks, suppressions=suppressions) as run:
         for op in program:
             found = run.apply(op)

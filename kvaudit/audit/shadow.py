@@ -1,14 +1,7 @@
-"""Shadow KV content tags: which token prefix each KV slot was written for.
+"""Shadow KV content tags: which token prefix each KV slot was written for (a 64-bit hash per
+slot, 0: never written), checked on every KV read the target reports (``stale-kv``).
 
-The KV at position ``p`` of a sequence is a function of tokens ``0..p``. kvaudit keeps, per slot of
-every KV pool, a 64-bit tag of the prefix the slot's content was computed for (0: never written),
-updated on every KV write and copy the target reports. On every KV read it compares the tags of
-the slots read with the reader's own prefix tags: a mismatch is *stale KV* -- the reader attends
-to content that belongs to another sequence (a slot reused after a free, a stale tree node) or to
-nothing at all (positions whose forward never ran, inserted into the tree anyway).
-
-The engine is not changed: the target wraps the engine's forward, transfer and copy functions and
-calls :meth:`ShadowKV.write`, :meth:`copy` and :meth:`read` (see ``EutTarget.install_shadow``).
+Design notes (the hash, its caches): docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -22,11 +15,9 @@ _B, _M64 = int(_BASE), (1 << 64) - 1
 
 
 def _powers(base: np.uint64, n: int) -> np.ndarray:
-    out = np.ones(n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for i in range(1, n):
-            out[i] = out[i - 1] * base
-    return out
+    out = np.full(n, base, dtype=np.uint64)
+    out[0] = 1
+    return np.cumprod(out, dtype=np.uint64)  # (integer array products wrap modulo 2**64, silently)
 
 
 _MAX_LEN = 1 << 15  # longest token list hashed (EngineConfig caps context_len at 32768)
@@ -49,13 +40,7 @@ class ShadowKV:
     def request_tags(self, owner, origin: list[int], output=(), future=()) -> np.ndarray:
         """``[n] int64`` for the ``n`` tokens of ``origin + output + future`` (built without joining
         the lists): tag ``p`` identifies the prefix ``tokens[:p + 1]`` (0 means "never written").
-
-        Cached per ``owner`` (a request object), whose token list only grows once its first forward
-        ran, so the common call extends the cache by one decoded token; the cache is rebuilt if its
-        last cached token no longer matches. The tag is a polynomial hash modulo 2**64,
-        ``h_p = sum_i (t_i + 1) * B**(p - i)``, plus one: a few new tokens are folded in one at a
-        time, a long run without a Python loop as ``B**p * cumsum((t_i + 1) * B**-i)``.
-        """
+        Cached per ``owner`` (a request object); rebuilt if its last cached token no longer matches."""
         n0 = len(origin)
         n01 = n0 + len(output)
         n = n01 + len(future)
@@ -78,8 +63,7 @@ class ShadowKV:
             elif length == n:
                 return tags[:n]
         if have is None:
-            # a new request: prompts repeat (shared families, resent histories), and a tag is a pure
-            # function of the tokens, so whole prompts are cached process-wide
+            # NOTE: prompts repeat (shared families, resent histories): cached process-wide
             key = tuple(origin) if not output and not future else None
             hit = _PROMPT_TAGS.get(key) if key is not None else None
             if hit is not None:
@@ -131,9 +115,8 @@ class ShadowKV:
 
     def read(self, pool: str, idx: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, str] | None:
         """Check a read of slots ``idx`` (``[n] int64``) that should hold the prefixes ``expected``
-        (``[n] int64``). None when every tag matches (one byte compare, the cheapest exact test);
-        else the indices into ``idx`` that do not, and whether those slots were never written or
-        written for another token prefix."""
+        (``[n] int64``). None when every tag matches; else the indices into ``idx`` that do not, and
+        whether those slots were never written or written for another token prefix."""
         tags = self.tags[pool]
         if tags.take(idx).tobytes() == expected.tobytes():
             return None

@@ -1,23 +1,7 @@
-"""Suppressions: known findings to leave out of a run, in the manner of LeakSanitizer's suppression files.
+"""Suppressions: known findings to leave out of a run, read from a TOML file of ``[[suppress]]``
+rules (``kind``, ``pool``, ``site`` globs and a ``reason``), in the manner of LeakSanitizer's.
 
-A suppression file is TOML with one ``[[suppress]]`` table per rule::
-
-    [[suppress]]
-    kind = "leak"                                   # a finding kind (findings.KINDS) or "*"
-    pool = "hisparse_*"                             # fnmatch glob on the pool name
-    site = "*hisparse.py:*admit_request_direct*"    # fnmatch glob on any frame of the finding's stacks
-    reason = "known: sglang PR #22882, fixed upstream"
-
-Every key is optional, but a rule needs at least one of ``kind``, ``pool`` and ``site``; a rule
-matches a finding when every key it gives matches. ``site`` is matched against each frame of the
-finding's allocation, free, earlier-free (and stale-KV read) stacks, rendered both as ``hisparse.py:70 in
-admit_request_direct`` (:meth:`Site.short`) and as ``engine_under_test/hisparse.py:70 in
-admit_request_direct`` (the portable path); one matching frame is enough. Globs are
-case-sensitive (:func:`fnmatch.fnmatchcase`).
-
-A suppressed finding is not a finding: :class:`kvaudit.audit.runner.AuditedRun` keeps it out of its
-findings, so the fuzzer keeps searching, and ``replay`` and ``fuzz`` exit 0 when every finding
-was suppressed.
+Design notes (the file format, what a rule matches): docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -28,7 +12,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, Iterator
 
-from kvaudit.audit.findings import KINDS, Finding, Site
+from kvaudit.audit.findings import KINDS, Finding
 
 try:
     import tomllib
@@ -49,12 +33,8 @@ class SuppressionError(ValueError):
 
 @dataclass
 class Suppression:
-    """One ``[[suppress]]`` rule. ``None`` in ``kind``/``pool``/``site`` means "any".
-
-    ``index`` is the rule's 1-based position in its file; ``hits`` counts the findings it
-    suppressed (:meth:`SuppressionSet.match` increments it) and ``signatures`` collects their
-    signatures.
-    """
+    """One ``[[suppress]]`` rule. ``None`` in ``kind``/``pool``/``site`` means "any"; ``index`` is its
+    1-based position in its file; ``hits`` and ``signatures``: the findings it suppressed."""
 
     kind: str | None = None
     pool: str | None = None
@@ -65,7 +45,7 @@ class Suppression:
     signatures: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     def matches(self, finding: Finding) -> bool:
-        """Whether this rule covers ``finding`` (pure: no hit is counted)."""
+        """Whether this rule covers ``finding`` (no hit is counted)."""
         if self.kind is not None and self.kind != "*" and self.kind != finding.kind:
             return False
         if self.pool is not None and not fnmatchcase(finding.pool, self.pool):
@@ -83,29 +63,20 @@ def _site_texts(finding: Finding) -> Iterator[str]:
     for site in (*finding.alloc_sites, *finding.free_sites, *finding.prev_free_sites,
                  *getattr(finding, "read_sites", ())):
         yield site.short()
-        yield _full(site)
-
-
-def _full(site: Site) -> str:
-    return f"{site.file.replace(os.sep, '/')}:{site.line} in {site.function}"
+        yield f"{site.file.replace(os.sep, '/')}:{site.line} in {site.function}"
 
 
 def _key(finding: Finding) -> tuple:
-    """What makes two reports in one run the same finding: a leak is re-reported after every step
-    while it lasts (with more slots when it grows), and must be counted once."""
+    # NOTE: a leak is re-reported after every step while it lasts (with more slots): counted once
     return (finding.signature, tuple(finding.alloc_sites), tuple(finding.free_sites))
 
 
 def load_suppressions(path: str) -> list[Suppression]:
-    """Read and validate the TOML suppression file at ``path``.
-
-    Returns the rules in file order (an empty list for a file with no ``[[suppress]]`` entries).
-    Raises :class:`SuppressionError` (one line, naming ``path`` and the entry) for a missing or
-    unreadable file, a file that is not TOML (or not UTF-8), a top-level key other than
-    ``suppress``, an entry that is not a table, an unknown key, a value that is not a non-empty
-    string (``reason`` may be empty), an unknown ``kind``, or an entry with none of ``kind``,
-    ``pool`` and ``site``.
-    """
+    """The rules of the TOML suppression file at ``path``, in file order. Raises
+    :class:`SuppressionError` (one line, naming ``path`` and the entry) for a missing or unreadable
+    file, one that is not TOML (or not UTF-8), a top-level key other than ``suppress``, an entry that
+    is not a table, an unknown key, a value that is not a non-empty string (``reason`` may be empty),
+    an unknown ``kind``, or an entry with none of ``kind``, ``pool`` and ``site``."""
     if tomllib is None:
         raise SuppressionError(f"cannot read {path}: suppression files need Python 3.11 (tomllib) or the "
                                "tomli package")
@@ -115,7 +86,7 @@ def load_suppressions(path: str) -> list[Suppression]:
     except OSError as e:
         raise SuppressionError(f"cannot read suppression file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
-        raise SuppressionError(f"{path} is not a TOML suppression file: {_one_line(e)}") from None
+        raise SuppressionError(f"{path} is not a TOML suppression file: {' '.join(str(e).split())}") from None
     except UnicodeDecodeError as e:
         raise SuppressionError(f"{path} is not a TOML suppression file: not UTF-8 ({e.reason} at byte "
                                f"{e.start})") from None
@@ -155,10 +126,6 @@ def _type(v) -> str:
             float: "a float"}.get(type(v), type(v).__name__)
 
 
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
-
-
 class SuppressionSet:
     """The rules of one suppression file, matched in order, with their hit counts."""
 
@@ -168,7 +135,7 @@ class SuppressionSet:
 
     @classmethod
     def load(cls, path: str) -> "SuppressionSet":
-        """:func:`load_suppressions` as a set (raises :class:`SuppressionError` the same way)."""
+        """:func:`load_suppressions` as a set."""
         return cls(load_suppressions(path), path)
 
     def __iter__(self) -> Iterator[Suppression]:
@@ -179,42 +146,37 @@ class SuppressionSet:
 
     @property
     def needs_full_stacks(self) -> bool:
-        """True when some rule has a ``site`` glob: it may name any frame, not only the innermost one
-        that the fuzzers' fast mode records, so runs must record whole stacks to match alike."""
+        """Some rule has a ``site`` glob: it may name any frame, not only the fast mode's innermost."""
         return any(s.site is not None for s in self.suppressions)
 
     def match(self, finding: Finding) -> Suppression | None:
-        """The first rule that covers ``finding``, with its ``hits`` incremented; None if no rule does."""
-        for s in self.suppressions:
-            if s.matches(finding):
-                s.hits += 1
-                s.signatures.add(finding.signature)
-                return s
-        return None
+        """The first rule that covers ``finding``, its hit counted; None if no rule does."""
+        rule = next((s for s in self.suppressions if s.matches(finding)), None)
+        if rule is not None:
+            rule.hits += 1
+            rule.signatures.add(finding.signature)
+        return rule
 
     def sift(self, findings: list[Finding], suppressed: list[Finding]) -> list[Finding]:
-        """The findings no rule covers. Covered ones are appended to ``suppressed`` (one run's list);
-        one already there (the same signature and stacks: a leak re-reported on a later step) is
-        neither appended nor counted again, so ``hits`` counts distinct findings per run."""
+        """The findings no rule covers. Covered ones are appended to ``suppressed`` (one run's list) and
+        counted, unless already there (a leak re-reported on a later step)."""
         kept = []
         seen = {_key(g) for g in suppressed} if findings else set()
         for f in findings:
-            rule = next((s for s in self.suppressions if s.matches(f)), None)
-            if rule is None:
+            if not any(s.matches(f) for s in self.suppressions):
                 kept.append(f)
             elif _key(f) not in seen:
-                rule.hits += 1
-                rule.signatures.add(f.signature)
+                self.match(f)
                 suppressed.append(f)
                 seen.add(_key(f))
         return kept
 
     def unused(self) -> list[Suppression]:
-        """The rules that have matched nothing so far (``hits == 0``), in file order."""
+        """The rules that have matched nothing so far, in file order."""
         return [s for s in self.suppressions if s.hits == 0]
 
     def fresh(self) -> "SuppressionSet":
-        """The same rules with every hit count at zero (for runs whose hits should not be reported)."""
+        """The same rules with every hit count at zero."""
         return SuppressionSet([dataclasses.replace(s, hits=0, signatures=set()) for s in self.suppressions], self.path)
 
     def suppressed_signatures(self) -> set[str]:

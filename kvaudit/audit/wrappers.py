@@ -1,7 +1,5 @@
-"""The wrappers: how the auditor attaches to a target's pools from the outside. Each wrapper is an
-instance attribute that shadows the pool's class method and records the call in the ledger
-(:mod:`kvaudit.audit.ledger`); ``uninstall`` removes them. The engine is not modified.
-Frees inside an allocator free group are recorded when the group ends, with their own sites.
+"""The wrappers: instance attributes that shadow a target's pool methods and record each call in
+the ledger; ``uninstall`` removes them. Design notes: docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -14,10 +12,9 @@ from kvaudit.targets.base import PoolSpec
 
 
 def row_ids(rows, what: str = "rows") -> np.ndarray:
-    """Row ids as an ``[n] int64`` numpy array, converted once: ``rows`` is None (no rows), an int
-    (Python, numpy or torch scalar), or a sequence or array of ints (list, tuple, numpy array, torch
-    tensor on any device; flattened). Raises ``TypeError`` (``what`` begins the message) for
-    anything else, floats and bools included."""
+    """Row ids as an ``[n] int64`` numpy array: ``rows`` is None (no rows), an int (Python, numpy or
+    torch scalar), or a sequence or array of ints (a torch tensor on any device; flattened). Raises
+    ``TypeError`` (``what`` begins the message) for anything else, floats and bools included."""
     if rows is None:
         return np.zeros(0, dtype=np.int64)
     if isinstance(rows, torch.Tensor):
@@ -34,8 +31,6 @@ def row_ids(rows, what: str = "rows") -> np.ndarray:
 
 
 def _units(idx: torch.Tensor, ps: int) -> list[int]:
-    """Token slots (``[n]`` int64) -> the units they touch: slots when ``ps`` (page_size) is 1, else
-    sorted pages."""
     if ps == 1:
         return idx.tolist()
     if idx.numel() <= SMALL_EVENT * ps:
@@ -44,18 +39,14 @@ def _units(idx: torch.Tensor, ps: int) -> list[int]:
 
 
 class PoolWrappers:
-    """The installing half of :class:`kvaudit.audit.hooks.Auditor` (standard pool kinds, row pools,
-    reference-counted blocks, ``clear``)."""
+    """The installing half of :class:`kvaudit.audit.hooks.Auditor`."""
 
-    # -- installation -----------------------------------------------------------------------
     def _wrap(self, obj, name: str, wrapper) -> None:
         self._undo.append((obj, name))
         setattr(obj, name, wrapper)
 
     def wrap_clear(self, spec: PoolSpec) -> None:
-        """Wrap ``spec.obj.clear()`` (flush_cache), if it has one: it returns every unit at once, so it
-        is recorded as one free of all units the ledger holds, and a flush under a live owner shows
-        as use-after-free."""
+        """Wrap ``spec.obj.clear()`` (flush_cache), if it has one, as one free of every unit held."""
         obj, pool = spec.obj, spec.name
         orig_clear = getattr(obj, "clear", None)
         if orig_clear is None:
@@ -71,15 +62,9 @@ class PoolWrappers:
         self._wrap(obj, "clear", clear_wrapper)
 
     def wrap_rows(self, spec: PoolSpec, alloc: str = "alloc", free: str = "free") -> None:
-        """Wrap a row pool's ``alloc(n)`` and ``free(rows)``, named ``alloc``/``free`` on the pool object
-        (SGLang's ``ReqToTokenPool``, ``srt/mem_cache/memory_pool.py``).
-
-        ``alloc`` may return None (no rows), or rows as any sequence or array of ints: a list or tuple,
-        a numpy integer array, a torch integer tensor (any device), of any shape (flattened).
-        ``free`` takes the same (an iterator too: it is read into a list first, and the engine gets the
-        list), or one row as a Python, numpy or torch integer scalar. Each is converted
-        once to an ``[n] int64`` array (:func:`row_ids`); the engine's own value is passed on and
-        returned untouched. Rows that are not integers raise ``TypeError`` naming the method."""
+        """Wrap a row pool's ``alloc(n)`` and ``free(rows)`` (SGLang's ``ReqToTokenPool``,
+        ``srt/mem_cache/memory_pool.py``). Rows are read by :func:`row_ids` (an iterator given to ``free``
+        is read into a list, which the engine gets); rows that are not integers raise ``TypeError``."""
         obj, pool = spec.obj, spec.name
         orig_alloc, orig_free = getattr(obj, alloc), getattr(obj, free)
 
@@ -146,7 +131,6 @@ class PoolWrappers:
         self._wrap_kv_free(spec, depth)
 
     def _wrap_kv_allocs(self, spec: PoolSpec, depth: list[int]) -> None:
-        """Wrap a ``"kv"`` pool's ``alloc``/``alloc_extend``/``alloc_decode`` (those it has)."""
         obj, pool, ps = spec.obj, spec.name, spec.page_size
         for name in ("alloc", "alloc_extend", "alloc_decode"):
             orig = getattr(obj, name, None)
@@ -169,8 +153,6 @@ class PoolWrappers:
             self._wrap(obj, name, alloc_wrapper)
 
     def _wrap_kv_free(self, spec: PoolSpec, depth: list[int]) -> None:
-        """Wrap a ``"kv"`` pool's ``free`` and, if it has one, ``free_group_end``: a free inside a free
-        group is recorded when the group ends, with its own site."""
         obj, pool, ps = spec.obj, spec.name, spec.page_size
         orig_free = obj.free
         group: list[tuple[list[int], int, list[str] | None]] = []
@@ -211,10 +193,8 @@ class PoolWrappers:
             self._wrap(obj, "free_group_end", group_end_wrapper)
 
     def _free_group(self, pool: str, ps: int, pend: list[tuple[list[int], int, list[str] | None]]) -> None:
-        """Record a free group's frees (``(units, site, users)``, in call order). A paged allocator
-        frees unique(pages) of the whole group once, so a page named by two frees of one group is
-        freed once; with page_size 1 the slots go back as they are (duplicates included), so each
-        free is checked on its own."""
+        # NOTE: a paged allocator frees unique(pages) of the whole group once; with page_size 1 the
+        # slots go back as they are (duplicates included), so each free is checked on its own
         seen: set[int] = set()
         for units, sid, users in pend:
             ul = [u for u in units if u not in seen] if ps > 1 and seen else units

@@ -1,24 +1,9 @@
-"""Oracles run after every scheduler step: reachability and the accounting identity.
+"""Oracles: every check kvaudit makes of the engine, one row each in :data:`ORACLES` with the
+condition under which it runs. :func:`check` is the mark and sweep over the target's roots after every
+scheduler step (leak, use-after-free, aliasing, accounting drift, lock balance); the runner's own rows
+judge the outcome of each engine call (:mod:`kvaudit.audit.oracles.outcome`).
 
-Reachability is a mark and sweep over the target's roots, per pool, against the ledger:
-
-* allocated but unreachable            -> ``leak``
-* reachable but free in the ledger     -> ``use-after-free``
-* privately owned by two roots         -> ``aliasing``
-
-Leaks are *direct* or *indirect* (reachable only from a leaked request row), as in LeakSanitizer.
-
-The accounting identity (by default SGLang's, ``invariant_checker.py``) and each engine counter
-against the structure it describes (:mod:`kvaudit.audit.oracles.identity`), when one fails while
-reachability is clean, and the engine's own ``check_memory()`` or metrics, when they fail while every
-kvaudit oracle is clean, give ``accounting-drift``: a counter is wrong, memory is intact. Lock balance
-is checked at idle. Double frees, aliasing at allocation and stale KV come from the hooks
-(:mod:`kvaudit.audit.hooks`, :mod:`kvaudit.audit.shadow`).
-
-:func:`check` is the mark and sweep, per pool; it runs each oracle of :data:`ORACLES` (one list, each
-with the condition under which it runs) whose condition holds, one per module: ``leaks``,
-``use_after_free``, ``identity`` (and the free list and the engine's own check), ``lock_balance``,
-``target`` (the target's own invariants); ``grouping`` groups units into findings by site.
+Design notes (the oracles and when each runs): docs/internals/audit.md.
 """
 
 from __future__ import annotations
@@ -35,6 +20,7 @@ from kvaudit.audit.oracles.grouping import group_by_site
 from kvaudit.audit.oracles.identity import engine_disagrees, identity, replay_free_list
 from kvaudit.audit.oracles.leaks import leaks
 from kvaudit.audit.oracles.lock_balance import lock_balance
+from kvaudit.audit.oracles.outcome import attach_engine_verdict, crash, idle_hang, liveness, quiescence, watchdog_hang
 from kvaudit.audit.oracles.target import target_findings
 from kvaudit.audit.oracles.use_after_free import use_after_free
 from kvaudit.targets.registry import TargetDefinitionError, kind_name
@@ -43,8 +29,8 @@ from kvaudit.targets.registry import TargetDefinitionError, kind_name
 @dataclass(slots=True)
 class Scan:
     """What one check knows: the target's roots per pool, its accounting, free lists and recounts, the
-    units each pool lost (``leaked``), each pool's owners as of the previous check (``prev_owner``), the
-    findings so far and the accounting drift held back until no other oracle finds anything."""
+    units each pool lost, each pool's owners at the previous check, the findings so far and the
+    accounting drift held back until no other oracle finds anything."""
 
     auditor: Auditor
     target: object
@@ -62,8 +48,8 @@ class Scan:
 
 @dataclass(slots=True)
 class PoolScan:
-    """One pool's mark and sweep: which units the roots reference, which of them they hold privately
-    (``private_units``, and a request's or a session's own: ``req_units``, ``session_units``)."""
+    """One pool's mark and sweep: which units the roots reference, and hold privately (a request's or a
+    session's own too)."""
 
     pool: str
     led: object
@@ -76,13 +62,16 @@ class PoolScan:
 
 
 class Oracle(NamedTuple):
-    """One oracle: ``run`` gives its findings, ``when`` says whether it runs (both take the
-    :class:`Scan`, and a ``"pool"`` oracle the :class:`PoolScan` of each pool in turn); ``into``:
-    ``"findings"``, or ``"drift"`` (kept back, reported only when no other oracle finds anything);
-    ``emits``: the finding kinds it can raise (each a row of :mod:`kvaudit.audit.kinds`)."""
+    """One oracle: ``run`` gives its findings, ``when`` says whether it runs (both take the same
+    arguments, by ``stage``); ``into``: ``"findings"``, or ``"drift"`` (kept back, reported only when no
+    other oracle finds anything); ``emits``: the finding kinds it can raise (rows of :mod:`kvaudit.audit.kinds`)."""
 
     name: str
-    stage: str  # "pool": once per pool, inside the mark and sweep; "engine": once, after it
+    # in check(), taking the Scan: "pool" (and each pool's PoolScan), once per pool inside the mark and
+    # sweep; "engine", once after it. In the runner, taking the AuditedRun: "intake" (the engine took its
+    # messages), "step" (a step found nothing), "idle" (idle() did not drain), "timeout" (the watchdog
+    # interrupted an engine call; and its stack), "raise" (an engine call raised; and the exception)
+    stage: str
     when: Callable[..., bool]
     run: Callable[..., list]
     emits: tuple[str, ...]
@@ -90,8 +79,6 @@ class Oracle(NamedTuple):
 
 
 def _aliasing(s: Scan, p: PoolScan) -> list[Finding]:
-    """Units privately owned twice; or the reserved unit 0 named by a private root (positions its
-    record counts as allocated that no allocation filled)."""
     auditor, pool, roots = s.auditor, p.pool, s.by_pool[p.pool]
     private = np.zeros(p.referenced.size, dtype=bool)
     cat = np.concatenate(p.private_units)
@@ -111,8 +98,7 @@ def _aliasing(s: Scan, p: PoolScan) -> list[Finding]:
 
 
 def _tree_counter_drift(s: Scan) -> bool:
-    """A node locked below its holders shows first as the tree's evictable/protected counters
-    disagreeing with their recount: the lock is the root cause, so lock balance runs then too."""
+    # a node locked below its holders shows first as the tree's evictable/protected counters drifting
     return any(f.kind == "accounting-drift" and f.check.startswith("counter:") and
                ("evictable" in f.check or "protected" in f.check) for f in s.findings)
 
@@ -137,18 +123,33 @@ ORACLES: list[Oracle] = [
            lambda s: s.drift or engine_disagrees(s.auditor, s.target), ("accounting-drift",)),
     Oracle("lock-balance", "engine", lambda s: not s.scan_only and (s.idle or _tree_counter_drift(s)),
            lambda s: lock_balance(s.auditor, s.target, s.idle), ("lock-imbalance",)),
+    Oracle("quiescence", "intake", lambda run: run.target.flushed() != run.flushes_checked, quiescence, ("leak",)),
+    Oracle("liveness", "step", lambda run: run.run_oracles, liveness, ("liveness",)),
+    Oracle("idle-hang", "idle", lambda run: True, idle_hang, ("hang", "lock-imbalance")),
+    Oracle("watchdog-hang", "timeout", lambda run, stack: True, watchdog_hang, ("hang",)),
+    # the target's own code breaking the API is not the engine's crash: the runner raises that
+    Oracle("crash", "raise", lambda run, exc: not isinstance(exc, TargetDefinitionError), crash, ("crash",)),
 ]
+
+_staged: tuple[list, int, dict[str, list[Oracle]]] = ([], 0, {})
+
+
+def rows(stage: str) -> list[Oracle]:
+    """The rows of :data:`ORACLES` of ``stage``, in order."""
+    global _staged
+    # NOTE: asked before every step: the split is cached until ORACLES is replaced or grows
+    if _staged[0] is not ORACLES or _staged[1] != len(ORACLES):
+        _staged = (ORACLES, len(ORACLES), {})
+        for o in ORACLES:
+            _staged[2].setdefault(o.stage, []).append(o)
+    return _staged[2].get(stage, [])
 
 
 def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False) -> list[Finding]:
-    """Run every oracle of :data:`ORACLES` whose condition holds, once; returns the findings, root
-    causes first (a use-after-free before the leak it leaves behind). Also records owner changes in
-    the ledger.
-
-    ``idle``: the engine is quiescent, so lock balance is checked too (a leaked lock shows only
-    once its holder is gone). ``scan_only``: use-after-free only, by requests not being aborted
-    (the mid-step scan after intake; an aborted request's in-flight result releases it next).
-    """
+    """Run every ``"pool"`` and ``"engine"`` oracle of :data:`ORACLES` whose condition holds, once;
+    returns the findings, root causes first. Also records owner changes in the ledger. ``idle``: the
+    engine is quiescent (lock balance is checked). ``scan_only``: use-after-free only, by requests not
+    being aborted (the scan after intake)."""
     by_pool: dict[str, list] = {name: [] for name in auditor.ledgers}
     where: dict[int, str] = {}  # owner id -> where the target holds it (Root.where), for leak sites
     for root in (target.roots(aborting=False) if scan_only else target.roots()):
@@ -161,14 +162,14 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
             where[auditor.owner_id(root.owner)] = root.where
     s = Scan(auditor, target, idle, scan_only, by_pool, {} if scan_only else target.accounting(),
              {} if scan_only else target.free_lists(), {} if scan_only else target.recount())
-    per_pool = [o for o in ORACLES if o.stage == "pool"]
+    per_pool = rows("pool")
     for pool, led in auditor.ledgers.items():
         p = _sweep(s, pool, led)
         for oracle in per_pool:
             if oracle.when(s, p):
                 (s.drift if oracle.into == "drift" else p.found).extend(oracle.run(s, p))
         s.findings.extend(p.found)
-    for oracle in [o for o in ORACLES if o.stage == "engine"]:
+    for oracle in rows("engine"):
         if oracle.when(s):
             (s.drift if oracle.into == "drift" else s.findings).extend(oracle.run(s))
     if not scan_only:  # what the next check's leak and use-after-free attribution start from
@@ -178,7 +179,6 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
 
 
 def _sweep(s: Scan, pool: str, led) -> PoolScan:
-    """Mark ``pool``'s units from the roots; record owner changes; note the units it lost in ``s.leaked``."""
     auditor = s.auditor
     n = led.allocated.size
     referenced = np.zeros(n, dtype=bool)
@@ -195,8 +195,8 @@ def _sweep(s: Scan, pool: str, led) -> PoolScan:
                 session_units.append(root.units)
     referenced[0] = True  # the reserved unit reads as allocated in the ledger
     s.prev_owner[pool] = led.owner
-    # NOTE: this runs for every pool after every step: np.count_nonzero and .nonzero() cost a
-    # fraction of ndarray.any() and np.flatnonzero (Python-level wrappers)
+    # NOTE: runs for every pool after every step: np.count_nonzero and .nonzero() cost a fraction of
+    # ndarray.any() and np.flatnonzero (Python-level wrappers)
     if not s.scan_only:
         changed = (owner != led.owner).nonzero()[0]
         if changed.size:
@@ -211,11 +211,3 @@ def _sweep(s: Scan, pool: str, led) -> PoolScan:
             s.leaked[pool] = lost
     return PoolScan(pool, led, referenced, private_units, req_units, session_units, uaf)
 
-
-def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
-    """Put the engine's own ``check_memory()`` verdict beside each finding; returns ``findings``."""
-    if findings:
-        verdict = target.engine_check() or ["engine check_memory(): ok"]
-        for f in findings:
-            f.engine_check = verdict
-    return findings

@@ -22,11 +22,9 @@ def release_frame(auditor: Auditor, sid: int, memo: dict[int, tuple]) -> tuple:
 def group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg: str,
                    second: dict[int, tuple[int, str]] | None = None, into: str = "lost_sites",
                    alloc_events: np.ndarray | None = None) -> list[Finding]:
-    """One finding per allocation site of ``units`` (LeakSanitizer groups by stack the same way) and,
-    with ``second`` (unit -> (site id, where)), per second site and place too, recorded as the
-    findings' ``into`` stack (``lost_sites``: where a leak lost its owner; ``free_sites``: a
-    premature free) and ``lost_from``. The allocation is each unit's latest, or ``alloc_events``
-    (``[len(units)]`` event ids, -1 for none) where given."""
+    """One finding per allocation site of ``units`` (``[n] int64``) and, with ``second`` (unit -> (site
+    id, where)), per second site too, recorded as the findings' ``into`` stack and ``lost_from``. The
+    allocation is each unit's latest, or ``alloc_events`` (``[n]`` event ids, -1 for none)."""
     led = auditor.ledgers[pool]
     ev_ids = led.last_alloc[units] if alloc_events is None else alloc_events
     site_of_unit = [auditor.events[e].site if e >= 0 else -1 for e in ev_ids.tolist()]

@@ -1,7 +1,6 @@
-"""The accounting identity oracle: each pool's terms add up to its total (the target's own
-terms, :meth:`kvaudit.targets.base.Target.identity_terms`), each engine counter against the structure
-it describes, the engine's free list against the event log, and the engine's own check while every
-other oracle is clean (``accounting-drift``)."""
+"""The accounting identity oracle (``accounting-drift``): each pool's terms add up to its total, each
+engine counter against the structure it describes, the engine's free list against the event log, the
+engine's own check while every other oracle is clean."""
 
 from __future__ import annotations
 
@@ -22,15 +21,11 @@ def units_count(units: list[np.ndarray], n: int) -> int:
 
 def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None,
               terms: tuple[str, ...] = DEFAULT_IDENTITY, referenced: np.ndarray | None = None) -> list[Finding]:
-    """The accounting identity with kvaudit's own ``uncached`` and ``session_held``, and each of the
-    engine's counters against the structure it describes: ``available`` against the units the ledger
-    holds as free, ``session_held`` against the units session slots hold privately, and every term
-    the target recounts (``recount``: ``{term: Recount}``, e.g. ``evictable``/``protected`` from the
-    tree's nodes and lock refs) against its recount -- the identity adds ``evictable`` and
-    ``protected`` together, so a leaf booked in the wrong one balances it. At most one finding, whose
-    message gives every check that fails, the recounted counters first (they name the counter).
-    ``terms``: the target's identity (:meth:`kvaudit.targets.base.Target.identity_terms`);
-    ``referenced``: ``[n] bool``, the units some root references (the ``referenced`` term)."""
+    """The accounting identity ``terms`` (:meth:`kvaudit.targets.base.Target.identity_terms`) of pool
+    accounting ``a`` (tokens) with kvaudit's own ``uncached`` and ``session_held``, and each engine
+    counter against the structure it describes (``recount``: ``{term: Recount}``). At most one finding,
+    giving every check that fails, the recounted counters first. ``req_units``/``session_units``:
+    ``[k] int64`` arrays a request or a session holds privately; ``referenced``: ``[n] bool``."""
     ps, n = led.spec.page_size, led.allocated.size
     uncached = units_count(req_units, n) * ps
     held = units_count(session_units, n) * ps
@@ -69,9 +64,7 @@ def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, reco
                     op_index=auditor.op_index, step=auditor.step, check=checks[0])]
 
 def replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list[Finding]:
-    """The engine's free list (``[n] int64`` units) against the replay of kvaudit's event log: a unit
-    free in one and allocated in the other means a free or alloc path that bypasses the hooks (or a
-    unit listed twice: an unrecorded double free)."""
+    """The engine's free list (``[n] int64`` units) against the replay of kvaudit's event log."""
     n = led.allocated.size
     listed = np.bincount(free[(free >= 0) & (free < n)], minlength=n)
     missing = np.flatnonzero(~led.allocated & (listed == 0))
@@ -86,8 +79,7 @@ def replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list
                     op_index=auditor.op_index, step=auditor.step, check="free_list")]
 
 def engine_disagrees(auditor: Auditor, target) -> list[Finding]:
-    """The engine's own ``check_memory()`` (and its metrics) fail while every kvaudit oracle is
-    clean: the checker or a counter is wrong, memory is intact (``accounting-drift``)."""
+    """The engine's own ``check_memory()`` (and its metrics) fail while every kvaudit oracle is clean."""
     out = []
     for line in target.engine_check() + target.metrics_check():
         pool = line[1:line.index("]")] if line.startswith("[") else "-"

@@ -12,9 +12,9 @@ from kvaudit.audit.oracles.grouping import group_by_site, release_frame
 
 def leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
            prev_owner: dict[str, np.ndarray]) -> list[Finding]:
-    """Leaks, classified as LeakSanitizer does: units reachable only from a leaked row (the
-    request's KV, buffers and host copies) are *indirect*; the rest are *direct*. Grouped by
-    allocation site and by where the units lost their last owner (:func:`_lost_sites`)."""
+    """Leaks of ``leaked`` (pool -> ``[n] int64`` units no root reaches), *indirect* when reachable only
+    from a leaked request row, else *direct* (as LeakSanitizer), grouped by allocation site and by
+    where the units lost their last owner (``prev_owner``: each pool's owner ids at the previous check)."""
     rows = leaked.get("req_to_token_pool")
     via_rows = (target.units_of_rows(rows) if rows is not None else None) or {}
     out = []
@@ -35,18 +35,7 @@ def leaks(auditor: Auditor, target, leaked: dict[str, np.ndarray],
 
 def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
                 prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
-    """Unit -> ``(site id, where)``: where it lost its last owner, as the leak's second signature part.
-
-    The site is the latest free, since the previous check, of anything else the unit's owner held:
-    the release that let go of the owner's other units and left this one out, in the unit's own pool
-    first (the release that freed its neighbours), else in any pool (a release that freed the row and
-    forgot a buffer). The owner is the request row that maps the unit (the row itself for a row), read
-    from the row table, else the unit's owner at the previous check (:func:`_attribute`). The site's
-    signature part is its path (:func:`kvaudit.audit.findings._path`). ``where`` is the place the
-    target last held that owner in (``Root.where``), for an owner that was dropped without freeing
-    anything. Units with neither are left out. Runs only when something leaked, over the events since
-    the last check.
-    """
+    # unit -> (site id, where) it lost its last owner (docs/internals/audit.md, leak attribution)
     # a leak re-reported at a later check keeps the attribution it had when first seen
     memo, last = auditor.lost_memo.setdefault(pool, {}), auditor.ledgers[pool].last_alloc
     out = {u: memo[u][1] for u in units.tolist() if u in memo and memo[u][0] == last[u]}
@@ -59,10 +48,8 @@ def _lost_sites(auditor: Auditor, target, pool: str, units: np.ndarray,
 
 def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
-    """:func:`_lost_sites` for units seen leaked for the first time: by the row that maps the unit
-    (:func:`_by_row`); else by its owner at the previous check (:func:`_by_owner`), for a unit allocated
-    since by the owner of an earlier allocation of it (a buffer grown past its table after a shrink, its
-    owner unchanged); else, for an owner that freed nothing, the place it was dropped from."""
+    # by the row that maps the unit; else by its owner at the previous check (a unit allocated since: the
+    # owner of its earlier allocation); else, for an owner that freed nothing, the place it was dropped from
     frees = [ev for ev in reversed(auditor.events[auditor.checked_upto:]) if ev.kind == "free"]
     had = prev_owner[pool][units]
     out = _by_row(auditor, target, pool, units, prev_owner, frees)
@@ -82,10 +69,8 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
 
 def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, prev_owner: dict[str, np.ndarray],
               first_only: bool) -> dict[int, tuple[int, str]]:
-    """Unit -> (site, "") of the latest free (``frees``, latest first) of other units its owner
-    (``owners``, ids at the previous check; 0: none) held then, in ``pool`` first, else in any pool.
-    ``first_only``: only a unit's first free since the check counts (freed, handed to another request
-    and freed again in one step, its second free is that request's)."""
+    # the latest free (frees: latest first) of other units its owner held then, in pool first, else any.
+    # first_only: only a unit's first free since the check counts (its second is the next holder's)
     out: dict[int, tuple[int, str]] = {}
     if not frees or not (owners > 0).any():
         return out
@@ -106,14 +91,9 @@ def _by_owner(pool: str, units: np.ndarray, owners: np.ndarray, frees: list, pre
 
 def _by_row(auditor: Auditor, target, pool: str, units: np.ndarray, prev_owner: dict[str, np.ndarray],
             frees: list) -> dict[int, tuple[int, str]]:
-    """Unit -> (site, "") of the latest free (``frees``, latest first) of another unit of the request
-    row that maps it (the row itself included), in ``pool`` first, else in any pool.
-
-    NOTE: a row keeps stale entries of its earlier tenants and maps the tree's older prefix units, so
-    only units allocated since the row was count, freed after that, and not another owner's at the
-    previous check (an earlier tenant's unit handed to another request, whose release frees it: a
-    retracted or dropped request's leak was blamed on a finish in the same step); and, when the row was
-    freed meanwhile, only frees on that release's path."""
+    # the latest free of another unit of the request row that maps it, in pool first, else any.
+    # NOTE: a row keeps stale entries of earlier tenants: only units allocated since the row was, freed
+    # after that, not another owner's at the previous check; a row freed meanwhile: that release's path
     rows_led = auditor.ledgers.get("req_to_token_pool")
     if rows_led is None or not frees or target.units_of_rows(np.zeros(0, dtype=np.int64)) is None:
         return {}

@@ -12,17 +12,11 @@ from kvaudit.targets.base import LockImbalance
 
 
 def lock_balance(auditor: Auditor, target, idle: bool = True) -> list[Finding]:
-    """``lock-imbalance``: a tree node locked more (or less) than its live holders account for; one
-    finding per lock kind (device ``lock_ref`` on ``token_to_kv_pool``, host pins on the host pool).
-
-    A leaked lock keeps tokens ``protected`` forever: the identity still balances and eviction
-    can never reclaim them, so admission eventually stalls (SGLang invariants 13 and 14). The
-    finding blames, from the lock-ref ledger (:mod:`kvaudit.audit.locks`), the open inc whose holder is
-    gone (its stack in ``alloc_sites``, its holder's kind in ``holder``, the release that let that
-    holder go without it in ``lost_sites``), else one no holder ever claimed, else the unmatched dec
-    (``free_sites``). Busy (``idle`` false), only nodes locked *below* their live holders count: a
-    lock taken ahead of its holder's record is normal mid-flight, a release too many never is.
-    """
+    """``lock-imbalance``: a tree node locked more (or less) than its live holders account for (SGLang
+    invariants 13 and 14); one finding per lock kind (device ``lock_ref``, host pins). It blames the
+    lock-ref ledger's open inc whose holder is gone (``alloc_sites``, ``holder``, ``lost_sites``), else
+    one no holder claimed, else the unmatched dec (``free_sites``). Busy (``idle`` false), only nodes
+    locked *below* their live holders count."""
     bad = [LockImbalance(*b) for b in target.lock_balance()]
     if not idle:
         bad = [b for b in bad if b.lock_ref < b.holders]

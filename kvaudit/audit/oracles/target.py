@@ -9,8 +9,8 @@ from kvaudit.audit.hooks import Auditor
 
 
 def target_findings(auditor: Auditor, target) -> list[Finding]:
-    """The target's own invariant violations (:meth:`kvaudit.targets.base.Target.invariant_findings`)
-    as findings, located at the latest allocation of their first unit (and at the frees the target names)."""
+    """The target's own invariant violations as findings, located at the latest allocation of their
+    first unit (and at the frees the target names)."""
     out = []
     for t in target.invariant_findings():
         units = np.asarray(t.units, dtype=np.int64).reshape(-1)

@@ -10,13 +10,8 @@ from kvaudit.audit.oracles.grouping import group_by_site, release_frame
 
 
 def use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> list[Finding]:
-    """Units a live owner references while the ledger holds them free: one finding per (allocation
-    site, free site), naming the free that came too early and the owners still using the units.
-
-    The free that came too early is the unit's latest, unless the unit was freed, allocated again
-    and freed again since the previous check and its first free there came under a request that read
-    it at that check: that free (an eviction under its reader) broke it, and the later one is the next
-    holder's own release (:func:`_broken_at`)."""
+    """``units`` (``[n] int64``) of ``pool`` that ``roots`` reference while the ledger holds them free:
+    one finding per (allocation site, the free that came too early), naming the owners still using them."""
     led = auditor.ledgers[pool]
     alloc, free = led.last_alloc[units].copy(), led.last_free[units].copy()
     for i, (a, f) in _broken_at(auditor, pool, units).items():
@@ -34,13 +29,9 @@ def use_after_free(auditor: Auditor, pool: str, units: np.ndarray, roots) -> lis
 
 
 def _broken_at(auditor: Auditor, pool: str, units: np.ndarray) -> dict[int, tuple[int, int]]:
-    """Index into ``units`` -> (allocation event, free event): for a unit freed, allocated again and
-    freed again since the previous check, its first free there and the allocation it freed, when a
-    request read the unit at that check (``Auditor.roots_at_check``) and still held its row at that
-    free: its row not freed since, or freed later on another release path (a request's own release
-    frees its KV, then its row, on one path). The reader may be gone now: a request that finished in
-    the step caches its row, the freed units too, into the tree, which then is the unit's user.
-    Runs only when such a unit is free now: a few events are scanned."""
+    # index into units -> (alloc event, free event): a unit freed, allocated again and freed again since
+    # the check, whose first free came under a request that read it then and still held its row (its row
+    # not freed since, or on another release path): that free broke it (docs/internals/audit.md)
     led, since, evs = auditor.ledgers[pool], auditor.checked_upto, auditor.events
     again = np.flatnonzero(led.last_alloc[units] >= since)  # allocated since the check, and free now
     if not again.size:

@@ -1,0 +1,139 @@
+"""The runner's own checks, on the outcome of the engine calls: a flush that left memory held, a
+request that makes no progress, an idle() that never drains, a call the watchdog interrupted, a
+call that raised. Each takes the :class:`kvaudit.audit.runner.AuditedRun` it checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import kvaudit
+from kvaudit.audit import memstate
+from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.oracles.lock_balance import lock_balance
+
+MAX_IDLE_STEPS = 2000
+LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
+WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
+_KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
+
+
+def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
+    """Put the engine's own ``check_memory()`` verdict beside each finding; returns ``findings``."""
+    if findings:
+        verdict = target.engine_check() or ["engine check_memory(): ok"]
+        for f in findings:
+            f.engine_check = verdict
+    return findings
+
+
+def quiescence(run) -> list[Finding]:
+    """``leak``: after a successful ``flush_cache`` some pool is not full again."""
+    run.flushes_checked = run.target.flushed()
+    found = [Finding(kind="leak", pool=pool, op_index=run.ops_run - 1, step=run.target.steps,
+                     message=f"not quiescent: {problem}") for pool, problem in run.target.quiescence()]
+    return attach_engine_verdict(run.target, found[:1])
+
+
+def liveness(run) -> list[Finding]:
+    """``liveness``: a request that holds KV, or was aborted, and makes no progress for
+    LIVENESS_STEPS steps (a parked request nobody schedules, an abort that never ends it)."""
+    now, seen = run.target.steps, {}
+    for rid, value in run.target.progress().items():
+        last = run.last_progress.get(rid)
+        seen[rid] = last if last is not None and last[0] == value else (value, now)
+    run.last_progress = seen
+    stuck = sorted(rid for rid, (_, since) in seen.items() if now - since >= LIVENESS_STEPS)
+    if not stuck:
+        return []
+    run.last_progress = {}
+    aborted = seen[stuck[0]][0] < 0
+    what = "aborted, never finished" if aborted else "holds KV"
+    # its signature names where the request sits (Root.where) and what it is, never its id
+    where = next((r.where for r in run.target.roots() if r.owner == f"req:{stuck[0]}" and r.where), "")
+    f = Finding(kind="liveness", pool="-", op_index=run.ops_run - 1, step=now,
+                check=f"{where or '-'}:{'aborted' if aborted else 'holds-kv'}",
+                message=f"req:{stuck[0]} ({what}{f', in {where}' if where else ''}) made no progress for "
+                        f"{LIVENESS_STEPS} steps" + (f"; also {', '.join(stuck[1:4])}" if len(stuck) > 1 else ""))
+    return attach_engine_verdict(run.target, [f])
+
+
+def idle_hang(run) -> list[Finding]:
+    """idle() never drained: a ``hang`` naming what the target says is stuck (``Target.stuck()``), its
+    ``describe_busy()`` in the message; before it, the locks no live holder accounts for (one hang
+    symptom, several causes)."""
+    busy = run.target.describe_busy()  # "" (the base's default): the target does not say
+    stuck = run.target.stuck()
+    f = Finding(kind="hang", pool="-", op_index=run.ops_run - 1, step=run.target.steps, check=stuck,
+                message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle()"
+                + (f": {busy}" if busy else " (the target's describe_busy() names nothing)")
+                + (f"; stuck: {stuck}" if stuck else ""))
+    locks = lock_balance(run.auditor, run.target, idle=True) if run.run_oracles else []
+    return attach_engine_verdict(run.target, locks + [f])
+
+
+def watchdog_hang(run, stack) -> list[Finding]:
+    """The watchdog's ``hang``: ``stack`` (``traceback`` frames, outermost first) is the interrupted
+    thread's below the runner; the finding names its engine frames."""
+    frames = _engine_frames(stack, run.target.engine_files())
+    where = f"; stuck in {frames[0].short()}" if frames else ""
+    f = Finding(kind="hang", pool="-", op_index=run.ops_run - 1, step=run.target.steps, alloc_sites=frames[:8],
+                message=f"{WATCHDOG_HANG} {run.step_limit:g}s (watchdog){where}")
+    try:  # the step was cut short: the engine's counters may be half-updated, or its check may fail
+        return attach_engine_verdict(run.target, [f])
+    except Exception as exc:
+        f.engine_check = [f"engine check_memory() raised {type(exc).__name__}: {exc}"]
+        return [f]
+
+
+def crash(run, exc: BaseException) -> list[Finding]:
+    """The ``crash``: its stack without kvaudit's frames, except the target's ``engine_files`` (a
+    driver that plays the scheduler); an out-of-memory crash also carries who held the memory then."""
+    engine_files = run.target.engine_files()
+    frames = _engine_frames(traceback.extract_tb(exc.__traceback__), engine_files)
+    f = Finding(kind="crash", pool="-", message=f"{type(exc).__name__}: {exc}", alloc_sites=frames[:8],
+                op_index=run.ops_run - 1, step=run.target.steps, traceback=_engine_traceback(exc, engine_files))
+    if memstate.is_out_of_memory(str(exc)):
+        f.memory_state = memstate.memory_state(run.target, run.auditor)
+    return [f]
+
+
+def _kept_frames(stack, engine_files=()) -> list:
+    keep = {os.path.abspath(f) for f in engine_files}
+    return [fr for fr in stack if not (path := os.path.abspath(fr.filename)).startswith(_KVAUDIT_DIR + os.sep)
+            or path in keep]
+
+
+def _engine_frames(stack, engine_files=()) -> list[Site]:
+    return [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip())
+            for fr in reversed(_kept_frames(stack, engine_files))]
+
+
+def _display_path(path: str) -> str:
+    # an installed module's path from its import root (sglang/srt/... in site-packages or an overlay)
+    path = portable_path(path)
+    if not os.path.isabs(path):
+        return path
+    roots = [os.path.abspath(r) for r in sys.path if r and os.path.isabs(r)]
+    root = max((r for r in roots if path.startswith(r + os.sep)), key=len, default=None)
+    return os.path.relpath(path, root) if root else path
+
+
+def _engine_traceback(exc: BaseException, engine_files=()) -> str:
+    # NOTE: without kvaudit's frames and with portable paths, so a replay file's text does not change
+    # when only kvaudit or the machine does
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen, todo = set(), [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        frames = _kept_frames(t.stack, engine_files)
+        for fr in frames:
+            fr.filename = _display_path(fr.filename)
+        t.stack = traceback.StackSummary.from_list(frames)
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+    return "".join(te.format())
