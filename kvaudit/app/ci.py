@@ -1,5 +1,5 @@
-"""``kvaudit ci``: the nightly / per-PR job's run and its summary and reports. What it checks and
-how (regressions, the per-preset fuzz, JUnit and SARIF) is :mod:`kvaudit.search.ci`."""
+"""``kvaudit ci``: the nightly / per-PR job's run, summary and reports; what it checks is
+:mod:`kvaudit.search.ci`."""
 
 from __future__ import annotations
 
@@ -20,11 +20,8 @@ from kvaudit.reports.outputs import Case, Outputs, ReportData
 def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
         corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut",
         db: str | None = None, campaign_name: str = "default") -> int:
-    """``kvaudit ci``; returns the exit code (see the command's help). ``budget.seconds`` is search
-    time in all, split evenly over the presets, each share counted from when its preset's first
-    engine is built (:func:`kvaudit.search.campaign.run_campaign`); start-up, the regression replays
-    and triage come on top. Raises :class:`InputError` for a bad preset list, directory or
-    suppression file (before any engine is imported)."""
+    """``kvaudit ci``; returns the exit code. ``budget.seconds``: search time in all, split evenly over
+    the presets. Raises :class:`InputError` for a bad option (before any engine is imported)."""
     from kvaudit.search import ci
     from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
     from kvaudit.audit.runner import INTERRUPTED
@@ -52,9 +49,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     result = ci.CiResult()
     catch_sigint()
     try:
-        # the engine must be drivable here, and is loaded now (a real engine's import, seconds, is not
-        # taken from the first preset's budget; an interrupt during it still writes the JUnit), before
-        # the header line: a target that cannot run is one error line
+        # NOTE: loaded before the header and the first preset's budget; interrupted here, the JUnit is still written
         require_target(kind.preset(preset_names[0]).config())
         err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
@@ -90,7 +85,6 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
 
 
 def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
-    """``--regressions``, else the kind's own (./corpora/regressions, else the shipped copy)."""
     if regressions_dir is None and kind.regressions is not None:
         from kvaudit.data import data_path
 
@@ -102,8 +96,6 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
 
 
 def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
-    """Before a fuzz: --out writable (made when a new finding is written), --corpus made, the fuzzer
-    installed, Hypothesis's files in the run's directory."""
     check_dir(out_dir, "out")
     if corpus_dir is not None:
         try:
@@ -118,8 +110,7 @@ def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
 
 def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, sset, target,
                  db, campaign_name) -> None:
-    """One preset's share of the fuzz, appended to ``result`` and said in one line on ``err``;
-    KeyboardInterrupt once it was interrupted (its findings are kept in ``result``)."""
+    """One preset's share, appended to ``result``; raises KeyboardInterrupt once it was interrupted."""
     from kvaudit.search import ci
 
     progress = Progress(err, per_preset, suppressions=sset)
@@ -136,7 +127,6 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
 
 
 def _print_table(console, result) -> None:
-    """The job's table: one row per regression file and per preset's fuzz."""
     from rich.table import Table
     from rich.text import Text
 
@@ -200,7 +190,6 @@ def _exit_code(result, err, per_preset: float) -> int:
 
 
 def _timeline(path: str) -> dict | None:
-    """The occupancy timeline a new finding's replay file records (its confirming replay's), or None."""
     try:
         return replay.load(path)[3].get("timeline")
     except replay.ReplayFormatError:

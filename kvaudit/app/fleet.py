@@ -1,5 +1,5 @@
-"""``kvaudit campaign status`` and ``kvaudit campaign pull``: a campaign that spans hosts through
-Redis (:mod:`kvaudit.search.hub`), seen from any machine that can reach its Redis."""
+"""``kvaudit campaign status`` and ``pull``: a campaign shared through Redis (:mod:`kvaudit.search.hub`),
+seen from any machine that reaches it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new
 
 
 def _rows(status: dict, now: float) -> list[dict]:
-    """One dict per worker of ``status``, keyed by :data:`COLUMNS` (state ``alive``, ``exited`` or
-    ``gone``; a gone worker: its id and state only), for both the table and the plain lines."""
     out = []
     for w, beat in status["workers"].items():
         if beat is None:
@@ -33,10 +31,7 @@ def _rows(status: dict, now: float) -> list[dict]:
 
 
 def status_table(status: dict, campaign: str, now: float | None = None):
-    """A rich table of ``status`` (:func:`kvaudit.search.hub.campaign_status`): one row per worker
-    (host, pid, fuzzer, executions, exec/s, coverage, new/duplicate/flaky counts, seconds since its
-    last heartbeat; ``exited`` once it stopped, ``gone`` once its heartbeat expired: killed), the
-    campaign's totals in the caption."""
+    """``status`` (:func:`kvaudit.search.hub.campaign_status`): a row per worker, the totals as caption."""
     from rich.table import Table
 
     t = Table(title=f"campaign {campaign}", title_justify="left", caption=_totals(status))
@@ -59,8 +54,7 @@ def _totals(status: dict) -> str:
 
 
 def status_lines(status: dict, campaign: str, now: float | None = None) -> list[str]:
-    """The table of :func:`status_table` as plain ``key=value`` lines (for CI logs): one per worker,
-    then the totals."""
+    """:func:`status_table` as plain ``key=value`` lines (for CI logs)."""
     out = []
     for row in _rows(status, time.time() if now is None else now):
         if row["state"] == "gone":
@@ -76,8 +70,7 @@ def status_lines(status: dict, campaign: str, now: float | None = None) -> list[
 
 
 def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
-    """``kvaudit campaign status``: print the table once (or as JSON), or refresh it every ``watch``
-    seconds until Ctrl-C (a live table on a terminal; off one, plain lines: :func:`status_lines`)."""
+    """``kvaudit campaign status``; returns the exit code."""
     from kvaudit.search.hub import campaign_names, campaign_status, safe_url
 
     client = check_db(db)
@@ -119,8 +112,7 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
 
 
 def pull(db: str, campaign: str, directory: str) -> int:
-    """``kvaudit campaign pull``: the campaign's replay files into ``DIR/findings/`` and its corpus
-    programs into ``DIR/programs/`` (each validated; a malformed entry is skipped with a warning)."""
+    """``kvaudit campaign pull``; returns the exit code (a malformed entry is skipped with a warning)."""
     from kvaudit.search.corpus_fuzz import CorpusStore
     from kvaudit.search.hub import Hub, safe_url, worker_id
 
