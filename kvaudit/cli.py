@@ -37,12 +37,9 @@ class KvauditGroup(click.Group):
         except click.exceptions.NoArgsIsHelpError as e:
             click.echo(e.ctx.get_help())
             return sys.exit(EXIT_CLEAN)
-        except click.UsageError as e:
-            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+        except click.ClickException as e:  # a UsageError's exit code is 2
+            hint = f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
             click.echo(f"kvaudit: error: {e.format_message()}{hint}", err=True)
-            return sys.exit(EXIT_USAGE)
-        except click.ClickException as e:
-            click.echo(f"kvaudit: error: {e.format_message()}", err=True)
             return sys.exit(e.exit_code)
         except TargetDefinitionError as e:  # a plugin target's own mistake, met once it ran
             click.echo(f"kvaudit: error: {e}", err=True)

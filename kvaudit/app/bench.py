@@ -5,27 +5,23 @@ from __future__ import annotations
 
 import os
 
-from kvaudit.targets import registry
-from kvaudit import replay
 import click
 
+from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.files import check_outputs
 from kvaudit.app.fuzz import check_available
 from kvaudit.app.progress import console as make_console
 from kvaudit.search import fuzzers as fuzzer_kinds
+from kvaudit.targets import registry
 
 
 def default_fuzzers(history: bool = False) -> list[str]:
     """``--fuzzers``' default: the ``bench`` fuzzers (history: those that can search every engine)."""
-    engines = _history_engines() if history else ()
-    return [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
-
-
-def _history_engines() -> list[str]:
     from kvaudit.history.catalogue import all_bugs
 
-    return sorted({b.engine for b in all_bugs().values()})
+    engines = {b.engine for b in all_bugs().values()} if history else ()
+    return [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
 
 
 def _names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:

@@ -15,6 +15,7 @@ from kvaudit.app.fuzz import check_available, check_db
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
+from kvaudit.targets import registry
 
 
 def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
@@ -24,10 +25,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     the presets. Raises :class:`InputError` for a bad option (before any engine is imported)."""
     from kvaudit.search import ci
     from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
-    from kvaudit.audit.runner import INTERRUPTED
-
-    from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db
-    from kvaudit.targets import registry
+    from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db  # (a test patches them)
 
     check_fuzzer(fuzzer, target)
     if db is not None:
@@ -64,11 +62,10 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         if per_preset > 0:
             for preset in preset_names:
                 _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
-                             sset, target, db, campaign_name)
+                             target, db, campaign_name)
     except KeyboardInterrupt:
         result.interrupted = True
-    ignore_interrupts()  # the summary and reports are written whole
-    INTERRUPTED.clear()
+    ignore_interrupts(clear=True)  # the summary and reports are written whole
     for run in result.fuzz:
         for program, findings, path in run.new:
             print_report(console, kind.preset(run.preset).config(), program, findings, closing=False)
@@ -108,13 +105,12 @@ def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
     set_hypothesis_home_dir(os.path.abspath(os.path.join(corpus_dir or out_dir, ".hypothesis")))
 
 
-def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, sset, target,
-                 db, campaign_name) -> None:
+def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, target, db,
+                 campaign_name) -> None:
     """One preset's share, appended to ``result``; raises KeyboardInterrupt once it was interrupted."""
     from kvaudit.search import ci
 
-    progress = Progress(err, per_preset, suppressions=sset)
-    with progress:
+    with Progress(err, per_preset) as progress:
         run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name)
     result.fuzz.append(run)

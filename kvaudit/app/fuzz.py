@@ -135,10 +135,9 @@ class _Single:
         from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
 
         sset = self.sset
-        progress = Progress(self.err, budget.seconds, suppressions=sset)
         self.stats = stats = FuzzStats()  # the search's clock starts now
         deadline = budget.deadline()
-        with progress:
+        with Progress(self.err, budget.seconds) as progress:
             progress.update(stats)
 
             def phase(name: str) -> None:  # a line per phase off a terminal: confirming, minimizing, ...
@@ -169,13 +168,11 @@ class _Single:
 
     def interrupted(self, e: KeyboardInterrupt, outputs: Outputs) -> int | None:
         """The reports of what was found so far; None when the finding was complete (reported as usual)."""
-        from kvaudit.audit.runner import INTERRUPTED
         from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
         from kvaudit.search.fuzz import SearchInterrupted
 
         config, sset, stats, err = self.config, self.sset, self.stats, self.err
-        ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
-        INTERRUPTED.clear()  # the timeline below replays the program
+        ignore_interrupts(clear=True)  # the timeline below replays the program
         if self.found is None and isinstance(e, SearchInterrupted):  # met, not yet returned: Hypothesis was shrinking it
             self.found, stats.findings = e.found, 1
         if self.found is None:
@@ -288,9 +285,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     from kvaudit.search.campaign import findings_dir, known_signatures, run_campaign
     from kvaudit.search.fuzz import FuzzStats
     from kvaudit.reports.report import print_suppressions, print_table, summary_line, suppressed_by_kind
-    from kvaudit.audit.runner import INTERRUPTED
 
-    progress = Progress(err, max_time, suppressions=sset)
+    progress = Progress(err, max_time)
     before = known_signatures(corpus)
     if before:
         err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
@@ -312,8 +308,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
             raise
         raise write_error(e, e.filename or f"in {corpus}", [f"the finding files in {findings_dir(corpus)}"]) from None
     finally:
-        ignore_interrupts()  # the summary and reports are written whole
-        INTERRUPTED.clear()
+        ignore_interrupts(clear=True)  # the summary and reports are written whole
     cases, paths = _campaign_cases(result, config, console, err)
     for w in result.warnings:
         err.print(f"warning: {w}", soft_wrap=True)

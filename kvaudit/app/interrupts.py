@@ -43,8 +43,13 @@ def _restored_handlers():
                 signal.signal(sig, handler)
 
 
-def ignore_interrupts() -> None:
-    """Ignore both signals (main thread): a second one must not cut a finding file or report short."""
+def ignore_interrupts(clear: bool = False) -> None:
+    """Ignore both signals (main thread): a second one must not cut a finding file or report short.
+    ``clear``: and clear :data:`runner.INTERRUPTED`, so that ops run again (a last replay)."""
+    if clear:
+        from kvaudit.audit.runner import INTERRUPTED
+
+        INTERRUPTED.clear()
     if threading.current_thread() is threading.main_thread():
         for sig in INTERRUPT_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)

@@ -52,7 +52,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
                   "nothing written", soft_wrap=True)
         return EXIT_NOT_REPRODUCED
     final = execute(config, small, suppressions=fresh(), drain=True)
-    findings = _signature_first(final.findings, signature)
+    findings = sorted(final.findings, key=lambda f: f.signature != signature)  # the file keeps its first
     try:
         path = write_replay(out_file, config, small, findings, minimized=True, minimized_from=file,
                             confirmations=f"{confirmations}/{CONFIRM_RUNS}")
@@ -65,21 +65,16 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     return EXIT_CLEAN
 
 
-def _signature_first(findings: list, signature: str) -> list:
-    return [f for f in findings if f.signature == signature] + [f for f in findings if f.signature != signature]
-
-
 def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err) -> int:
     from kvaudit.reports.report import print_report
-    from kvaudit.audit.runner import INTERRUPTED, execute
+    from kvaudit.audit.runner import execute
 
-    ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the file short
-    INTERRUPTED.clear()  # the replay below runs ops
+    ignore_interrupts(clear=True)  # the replay below runs ops
     if smallest is None:
         err.print("interrupted before the program reproduced: nothing written")
         return EXIT_INTERRUPTED
     final = execute(config, smallest, suppressions=suppressions, drain=True)
-    findings = _signature_first(final.findings, signature)
+    findings = sorted(final.findings, key=lambda f: f.signature != signature)
     if signature not in final.signatures:
         err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "
                   "when replayed: nothing written", soft_wrap=True)

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvaudit.search.fuzz import FuzzStats
-    from kvaudit.audit.suppress import SuppressionSet
 
 
 def console(stderr: bool = False) -> Console:
@@ -38,12 +37,10 @@ class Progress:
     """A search's live status on a terminal; off one, a plain line every ``interval`` seconds and at
     each phase change. ``max_time``: the search budget (seconds)."""
 
-    def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL,
-                 suppressions: SuppressionSet | None = None):
+    def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL):
         from rich.live import Live
 
         self.console, self.max_time, self.interval = console, max_time, interval
-        self.suppressions = suppressions
         self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
         self._last = 0.0
         self._phase = None
