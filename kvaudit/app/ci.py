@@ -30,11 +30,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     check_fuzzer(fuzzer, target)
     if db is not None:
         check_db(db)
+    kind = registry.get(target)  # --target's TargetChoice checked the name
     try:
-        kind = registry.get(target)
         preset_names = ci.presets_arg(presets_value, target)
-    except registry.UnknownTargetError as e:
-        raise InputError(str(e)) from None
     except ValueError as e:
         raise InputError(f"--presets: {e}") from None
     sset = load_suppressions(suppress_file)
@@ -86,7 +84,7 @@ def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
         from kvaudit.data import data_path
 
         here = kind.regressions
-        regressions_dir = here if os.path.isdir(here) else data_path(*kind.regressions.split("/"))
+        regressions_dir = here if os.path.isdir(here) else data_path(*here.split("/"))
     if regressions_dir is not None and not os.path.isdir(regressions_dir):
         raise InputError(f"--regressions {regressions_dir}: no such directory")
     return regressions_dir
@@ -154,8 +152,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
     kept = [path for run in result.fuzz for _, _, path in run.new]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
-    for fmt, label in (("junit", "JUnit"), ("sarif", "SARIF")):
-        path = getattr(outputs, fmt)
+    for fmt, label, path in (("junit", "JUnit", outputs.junit), ("sarif", "SARIF", outputs.sarif)):
         if path:
             try:
                 replay.write_text_atomic(path, texts[fmt]())

@@ -106,10 +106,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
                   target: str = registry.DEFAULT_KIND, tree_core: str | None = None):
     """The config the :data:`COMMON_OPTIONS` name. Raises :class:`InputError` for a bad combination."""
     check_device(device)
-    try:
-        kind = registry.get(target)
-    except registry.UnknownTargetError as e:
-        raise InputError(str(e)) from None
+    kind = registry.get(target)  # --target's TargetChoice checked the name
     if tree_core is not None and "tree_core" not in kind.options:
         raise InputError(f"--tree-core applies to --target {', '.join(_with_option('tree_core'))} only")
     try:

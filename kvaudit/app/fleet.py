@@ -14,8 +14,8 @@ from kvaudit.app.progress import console as make_console
 COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new", "dup", "flaky", "heartbeat")
 
 
-def _rows(status: dict, now: float) -> list[dict]:
-    out = []
+def _rows(status: dict) -> list[dict]:
+    now, out = time.time(), []
     for w, beat in status["workers"].items():
         if beat is None:
             out.append({"worker": w, "state": "gone"})
@@ -30,14 +30,17 @@ def _rows(status: dict, now: float) -> list[dict]:
     return out
 
 
-def status_table(status: dict, campaign: str, now: float | None = None):
+def status_table(status: dict, campaign: str):
     """``status`` (:func:`kvaudit.search.hub.campaign_status`): a row per worker, the totals as caption."""
     from rich.table import Table
 
-    t = Table(title=f"campaign {campaign}", title_justify="left", caption=_totals(status))
+    totals = (f"{len(status['findings'])} signature(s) with a replay file ({len(status['known'])} known), "
+              f"{len(status['pending'])} being triaged, {len(status['flaky'])} flaky, "
+              f"{sum(status['duplicates'].values())} duplicate hit(s), {status['programs']} corpus program(s)")
+    t = Table(title=f"campaign {campaign}", title_justify="left", caption=totals)
     for col in COLUMNS:
         t.add_column(col, no_wrap=col != "coverage", overflow="fold")
-    for row in _rows(status, time.time() if now is None else now):
+    for row in _rows(status):
         if row["state"] == "gone":
             t.add_row(row["worker"], "gone", *["-"] * 7, "expired")
             continue
@@ -47,16 +50,10 @@ def status_table(status: dict, campaign: str, now: float | None = None):
     return t
 
 
-def _totals(status: dict) -> str:
-    return (f"{len(status['findings'])} signature(s) with a replay file ({len(status['known'])} known), "
-            f"{len(status['pending'])} being triaged, {len(status['flaky'])} flaky, "
-            f"{sum(status['duplicates'].values())} duplicate hit(s), {status['programs']} corpus program(s)")
-
-
-def status_lines(status: dict, campaign: str, now: float | None = None) -> list[str]:
+def status_lines(status: dict, campaign: str) -> list[str]:
     """:func:`status_table` as plain ``key=value`` lines (for CI logs)."""
     out = []
-    for row in _rows(status, time.time() if now is None else now):
+    for row in _rows(status):
         if row["state"] == "gone":
             out.append(f"campaign {campaign}: worker={row['worker']} state=gone")
             continue

@@ -54,10 +54,9 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
     console = make_console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
     want = {f.signature for f in recorded}
-    got = set(ex.signatures)
     hidden = sorted(want & sset.suppressed_signatures()) if sset is not None else []
     if want:
-        same = "yes" if want <= got | set(hidden) else "no"
+        same = "yes" if want <= set(ex.signatures) | set(hidden) else "no"
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
     timeline = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
