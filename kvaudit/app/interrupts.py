@@ -46,13 +46,13 @@ def _restored_handlers():
 def ignore_interrupts(clear: bool = False) -> None:
     """Ignore both signals (main thread): a second one must not cut a finding file or report short.
     ``clear``: and clear :data:`runner.INTERRUPTED`, so that ops run again (a last replay)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in INTERRUPT_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     if clear:
         from kvaudit.audit.runner import INTERRUPTED
 
         INTERRUPTED.clear()
-    if threading.current_thread() is threading.main_thread():
-        for sig in INTERRUPT_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
 
 
 def catch_sigint() -> None:
