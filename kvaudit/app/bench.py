@@ -51,13 +51,10 @@ def _write_both(out_json: str, doc: dict, out_md: str, markdown) -> None:
 def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_seconds: float | None,
         overhead_presets: str, out_md: str, out_json: str) -> int:
     """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for a bad option."""
-    from kvaudit.search import bench
+    from kvaudit.search import bench, ci
 
     fuzzers = _fuzzers_arg(fuzzers_value)
-    # the built-in engine's zoo
     bugs = _names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
-    from kvaudit.search import ci
-
     try:
         ov = [] if overhead_presets == "none" else ci.presets_arg(overhead_presets)
     except ValueError as e:
