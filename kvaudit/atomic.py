@@ -1,7 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a part. Standard
-library only, so that the entry point can write ``kvaudit ci``'s reports while the rest of kvaudit
-is still being imported (:func:`kvaudit.app.interrupts.write_startup_reports`);
-:mod:`kvaudit.replay` re-exports both."""
+"""Atomic file writes. Standard library only: the entry point writes ``kvaudit ci``'s reports with
+them while the rest of kvaudit is still being imported; :mod:`kvaudit.replay` re-exports both."""
 
 from __future__ import annotations
 
@@ -10,15 +8,12 @@ import tempfile
 
 
 def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync and
-    ``os.replace``: a reader sees the old file or the whole new one, never a part (``durable``
-    False: no fsync -- still whole after a crash of the process, not of the machine; for corpus
-    inputs, written hundreds of times a minute). A missing directory is created as ``path`` names it:
-    resolved by the system, as the file's own path is (``abspath`` would fold ``link/..`` first and
-    create the directory beside the link instead of where the file goes). Raises OSError."""
+    """Write ``data`` to ``path`` via a temporary file, fsync and ``os.replace``: a reader sees the old
+    file or the whole new one (``durable`` False: no fsync, whole after a process crash only). A missing
+    directory is made. Raises OSError."""
     d = os.path.dirname(path) or os.curdir
     os.makedirs(d, exist_ok=True)
-    d = os.path.realpath(d)  # (mkstemp folds its dir lexically too)
+    d = os.path.realpath(d)  # NOTE: not abspath: it folds link/.. lexically (mkstemp too)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
     umask = os.umask(0)
     os.umask(umask)
@@ -38,6 +33,5 @@ def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
 
 
 def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
-    """:func:`write_bytes_atomic` of ``text`` in UTF-8. Raises OSError (UnicodeEncodeError for a
-    lone surrogate)."""
+    """Raises OSError (UnicodeEncodeError for a lone surrogate)."""
     return write_bytes_atomic(path, text.encode("utf-8"), durable)

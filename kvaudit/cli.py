@@ -1,11 +1,5 @@
-"""The ``kvaudit`` command line (click).
-
-Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 a replay is not deterministic
-(``replay --check-determinism``), 4 a recorded finding no longer reproduces (``minimize``),
-5 nothing searched (``fuzz``, ``ci``: the search budget ended before one program ran), 69 an optional dependency is missing here (atheris), 70 internal error, 74 disk full (a finding or report could not be written; what was written is
-kept), 130 interrupted with no finding. ``fuzz``, ``minimize`` and ``ci`` take SIGTERM (``timeout``,
-Kubernetes, the Actions runner) as they take Ctrl-C: what was found is written, then the reports.
-"""
+"""The ``kvaudit`` command line (click): options parsed into plain values for the jobs in
+:mod:`kvaudit.app`. Exit codes and design notes: docs/internals/app.md."""
 
 from __future__ import annotations
 
@@ -43,12 +37,9 @@ class KvauditGroup(click.Group):
         except click.exceptions.NoArgsIsHelpError as e:
             click.echo(e.ctx.get_help())
             return sys.exit(EXIT_CLEAN)
-        except click.UsageError as e:
-            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+        except click.ClickException as e:  # a UsageError's exit code is 2
+            hint = f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
             click.echo(f"kvaudit: error: {e.format_message()}{hint}", err=True)
-            return sys.exit(EXIT_USAGE)
-        except click.ClickException as e:
-            click.echo(f"kvaudit: error: {e.format_message()}", err=True)
             return sys.exit(e.exit_code)
         except TargetDefinitionError as e:  # a plugin target's own mistake, met once it ran
             click.echo(f"kvaudit: error: {e}", err=True)
@@ -70,8 +61,7 @@ class KvauditGroup(click.Group):
 
 @contextlib.contextmanager
 def _keeping_hypothesis_home():
-    """``fuzz`` and ``ci`` point Hypothesis's files at their output directory; put the caller's back
-    afterwards, so that an in-process caller's own Hypothesis tests (a test suite) do not write there."""
+    """``fuzz`` and ``ci`` point Hypothesis's files at their output directory: put an in-process caller's back."""
     conf = sys.modules.get("hypothesis.configuration")
     before = conf.storage_directory(intent_to_write=False).home_directory if conf is not None else None
     try:
@@ -82,8 +72,7 @@ def _keeping_hypothesis_home():
 
 
 def needs_targets(f):
-    """A command that reads the registry of target kinds: its plugins are checked first
-    (:func:`kvaudit.app.configs.check_plugins`: a module that did not import is one line, exit 2)."""
+    """A command that reads the registry of target kinds: :func:`kvaudit.app.configs.check_plugins` first."""
     @functools.wraps(f)
     def wrapper(*a, **k):
         from kvaudit.app.configs import check_plugins
@@ -95,7 +84,7 @@ def needs_targets(f):
 
 
 def _checked(check):
-    """A click callback: ``check(value)`` (None passes), its ``ValueError`` a one-line usage error (exit 2)."""
+    """A click callback: ``check(value)`` (None passes), its ``ValueError`` a usage error (exit 2)."""
     def callback(ctx, param, value):
         try:
             return None if value is None else check(value)
@@ -105,8 +94,6 @@ def _checked(check):
 
 
 def _seconds(allow_zero: bool = False):
-    """An option in seconds: nan, inf, negative (or 0 unless ``allow_zero``) and absurd values (past a
-    year: ``1e308``) are a one-line usage error (exit 2)."""
     return _checked(lambda value: check_seconds(value, allow_zero))
 
 

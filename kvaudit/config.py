@@ -1,9 +1,5 @@
-"""What every target kind's config shares (:class:`ConfigBase`), and named presets (:class:`Preset`).
-
-A target kind registered with :mod:`kvaudit.targets.registry` brings a frozen dataclass config with
-``preset`` and ``bugs`` fields; subclassing :class:`ConfigBase` gives it the JSON form a replay file
-stores (``to_dict``/``from_dict``) and ``replace``. Imports nothing heavy.
-"""
+"""What every target kind's frozen dataclass config shares (:class:`ConfigBase`: its JSON form and
+``replace``), and named presets (:class:`Preset`). Imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ class UnknownFaultError(ValueError):
 
 
 class ConfigBase:
-    """Mixin for a target's frozen dataclass config with a ``bugs`` set, ``num_slots`` and
-    ``page_size`` (tokens): its JSON form (a replay file's ``config``) and ``replace``.
+    """Mixin for a frozen dataclass config with ``bugs``, ``num_slots`` and ``page_size`` (tokens).
     ``BUGS_NOUN`` names the bugs in errors."""
 
     BUGS_NOUN = "bug names"
@@ -43,26 +38,23 @@ class ConfigBase:
         return self.num_pages * self.page_size
 
     def _freeze_faults(self, valid, target: str) -> None:
-        """For a frozen dataclass's ``__post_init__``: ``bugs`` as a frozenset, each a name in ``valid``
-        (the kind's injected faults). Raises :class:`UnknownFaultError` for the first unknown one."""
+        """For ``__post_init__``: ``bugs`` frozen. Raises :class:`UnknownFaultError` for one not in ``valid``."""
         object.__setattr__(self, "bugs", frozenset(self.bugs))
         unknown = sorted(self.bugs - set(valid))
         if unknown:
             raise UnknownFaultError(unknown[0], target, valid)
 
     def replace(self, **changes):
-        """A copy with ``changes`` (validated again by the dataclass's ``__post_init__``)."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """The JSON form: every field, ``bugs`` as a sorted list."""
         d = dataclasses.asdict(self)
         d["bugs"] = sorted(self.bugs)
         return d
 
     @classmethod
     def from_dict(cls, d: dict):
-        """Build a config from :meth:`to_dict` output. Raises ``TypeError``/``ValueError`` on bad keys."""
+        """Raises ``TypeError``/``ValueError`` on bad keys."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -77,8 +69,7 @@ class ConfigBase:
 
 @dataclass(frozen=True)
 class Preset:
-    """A named configuration: ``overrides`` on the defaults of ``config_class`` (a frozen dataclass
-    with a ``preset`` field)."""
+    """A named configuration: ``overrides`` on the defaults of ``config_class``."""
 
     name: str
     description: str
@@ -86,14 +77,12 @@ class Preset:
     config_class: type
 
     def config(self, **changes):
-        """The config, with ``changes`` over the overrides. Raises what the config class raises."""
         return self.config_class(preset=self.name, **{**self.overrides, **changes})
 
 
 class TargetConfig(Protocol):
-    """What kvaudit reads from any target kind's config (for type hints; a registered kind's
-    ``config_class`` provides it): ``preset``, ``bugs``, ``seed``, ``device``, ``model``,
-    ``page_size``/``num_slots``/``context_len`` (tokens), ``to_dict()`` and ``replace(**changes)``."""
+    """What kvaudit reads from any kind's config (type hints): also ``seed``, ``device``, ``model``,
+    ``page_size``/``num_slots``/``context_len`` (tokens)."""
 
     preset: str
     bugs: frozenset

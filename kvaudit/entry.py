@@ -1,13 +1,6 @@
-"""The ``kvaudit`` console script: a thin entry point that imports the CLI under its own SIGINT and
-SIGTERM handler, so that a Ctrl-C or SIGTERM during start-up exits 130 with one line, not a traceback
-from the middle of an import (or a bare 143, or nothing if a library swallowed the interrupt).
-
-For the commands that run the engine (:data:`HEAVY`, unless help is asked for) it imports the engine
-and the search here, under that handler, and keeps it until the command takes both signals itself
-(:func:`kvaudit.app.interrupts.restoring_sigint`); interrupted there, ``ci`` still writes the JUnit
-and SARIF its command line asks for (:func:`kvaudit.app.interrupts.write_startup_reports`). It hands
-the CLI the process start time (click's ``obj``: ``{"process_start": time.monotonic()}``, for
-:mod:`kvaudit.app.budget`), and leaves without tearing torch down (:func:`_exit`)."""
+"""The ``kvaudit`` console script: imports the CLI (and, for :data:`HEAVY` commands, the engine and the
+search) under its own SIGINT/SIGTERM handler, so an interrupt during start-up exits 130 in one line.
+Design notes: docs/internals/app.md."""
 
 from __future__ import annotations
 
@@ -64,11 +57,8 @@ def main() -> None:
 
 
 def one_torch_thread() -> None:
-    """Run torch's CPU ops on one thread, as each campaign worker does, unless the user chose a number
-    (``OMP_NUM_THREADS``). The engine's tensors are small: a second intra-op thread buys nothing, and
-    when another process holds the other core its spin-waits make a step tens of times slower
-    (``fuzz --model tiny`` on a 2-core machine with one core busy: 1.8 programs/s on torch's default
-    2 threads, 107 on one)."""
+    """Run torch's CPU ops on one thread unless ``OMP_NUM_THREADS`` is set: the tensors are small, and a
+    second thread's spin-waits beside a busy core make a step tens of times slower (docs/internals/app.md)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return
     import torch
@@ -77,11 +67,9 @@ def one_torch_thread() -> None:
 
 
 def _exit(e: SystemExit) -> None:
-    """Leave with ``e``'s code without the interpreter's teardown of torch's modules, which takes
-    longer than the rest of a short command's exit: the command has written its reports, so run
-    the atexit handlers (multiprocessing's, weakref finalizers such as temporary directories),
-    flush stdout and stderr, and ``os._exit``. Returns (a normal exit follows) when torch was not
-    imported, the code is not a number, or a non-daemon thread is still running (it must be joined)."""
+    """Leave with ``e``'s code, skipping the interpreter's slow teardown of torch: run the atexit
+    handlers, flush, ``os._exit``. Returns (a normal exit follows) when torch was not imported, the
+    code is not a number, or a non-daemon thread must still be joined."""
     code = 0 if e.code is None else e.code
     if "torch" not in sys.modules or not isinstance(code, int):
         return

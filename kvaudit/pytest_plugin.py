@@ -1,11 +1,6 @@
-"""kvaudit's pytest plugin (registered through the ``pytest11`` entry point ``kvaudit``).
-
-The ``kvaudit`` fixture is :mod:`kvaudit.testing` (``kvaudit.fuzz(config, max_time=...)``: ``kvaudit
-fuzz``'s default fuzzer, its finding confirmed and minimized as the CLI's,
-``kvaudit.replay(path)``, ``kvaudit.corpus(dir)``); a :class:`kvaudit.testing.KvauditFailure` shows
-as its plain report, without pytest's assertion rewriting noise. ``--kvaudit-time SECONDS`` scales
-every fuzz in the session (``max_time`` times it; default 1). Loading the plugin imports nothing heavy.
-"""
+"""kvaudit's pytest plugin (``pytest11`` entry point ``kvaudit``): the ``kvaudit`` fixture is
+:mod:`kvaudit.testing` with every fuzz's ``max_time`` scaled by ``--kvaudit-time``; a
+:class:`kvaudit.testing.KvauditFailure` shows as its plain report. Imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -36,6 +31,5 @@ def kvaudit(request):
 
 
 def pytest_exception_interact(node, call, report):
-    """Show a :class:`kvaudit.testing.KvauditFailure` as its report alone."""
     if call.excinfo is not None and isinstance(call.excinfo.value, testing.KvauditFailure):
         report.longrepr = str(call.excinfo.value)

@@ -1,9 +1,5 @@
-"""Replay files: the versioned JSON that makes a finding a deterministic reproducer.
-
-Top-level keys: ``format``, ``config`` (the full :class:`TargetConfig`, including ``preset`` and
-``bugs``), ``program`` (ops) and ``findings`` (each with ``kind``, ``pool``, ``signature`` and
-``alloc_sites`` of ``file``/``line``/``function``). Files are written atomically.
-"""
+"""Replay files: the versioned JSON that makes a finding a deterministic reproducer, written
+atomically. Format: docs/internals/app.md."""
 
 from __future__ import annotations
 
@@ -30,30 +26,25 @@ class ReplayFormatError(ValueError):
 
 
 def to_doc(config: TargetConfig, program: list[Op], findings: list[Finding], **extra) -> dict:
-    """A replay document: ``config`` as :func:`kvaudit.targets.config_to_dict` writes it (with the
-    kind's ``target``, for every kind), the program's ops, the findings, then ``extra`` keys."""
+    """A replay document: config (with its kind's ``target``), program, findings, then ``extra`` keys."""
     return {"format": FORMAT, "config": config_to_dict(config), "program": program_to_json(program),
             "findings": [f.to_dict() for f in findings], **extra}
 
 
 def doc_text(doc: dict) -> str:
-    """``doc`` as a replay file's text (indented JSON and a newline), as :func:`write_atomic` writes it."""
+    """``doc`` as a replay file's text, as :func:`write_atomic` writes it."""
     return json.dumps(doc, indent=2) + "\n"
 
 
 def write_atomic(path: str, doc: dict) -> str:
-    """Write ``doc`` as JSON to ``path`` via a temporary file and ``os.replace``."""
     return write_text_atomic(path, doc_text(doc))
 
 
 def rerecord(path: str, findings: list[Finding], timeline: Callable | None = None) -> str:
-    """Write ``findings`` (a fresh replay of the file's program) back into the replay file at
-    ``path``, atomically, keeping its config, program and every other key; a ``timeline`` is
-    recorded again by ``timeline(config, program)`` (:func:`kvaudit.reports.timeline.record`, passed down
-    by the command: reports are a layer above replay files), and tracebacks name the checkout's files by relative path. Findings whose
-    signature the file recorded come first, in its order. Returns one line saying what happened
-    (``updated``, ``unchanged``, or ``not updated: ...`` when the file recorded findings and
-    ``findings`` is empty, or holds none of the kind of the file's first finding: a different bug). Raises :class:`ReplayFormatError`, OSError."""
+    """Write ``findings`` (a fresh replay of the file's program) back into the replay file at ``path``,
+    keeping every other key; a timeline is recorded again by ``timeline(config, program)`` (passed down:
+    reports are a layer above). Returns one line: ``updated``, ``unchanged`` or ``not updated: ...``
+    (a lost finding, or another bug). Raises :class:`ReplayFormatError`, OSError."""
     config, program, recorded, doc = load(path)
     if recorded and not findings:
         return "not updated: its recorded finding(s) no longer reproduce"
@@ -94,8 +85,7 @@ def _read(path: str) -> dict:
 
 
 def _no_lone_surrogate(x, where: str):
-    """``x``, unless a string in it cannot be encoded in UTF-8 (JSON's "\\ud800" escapes): then
-    :class:`ReplayFormatError` naming ``where``."""
+    # NOTE: JSON's "\\ud800" escapes load as strings UTF-8 cannot encode
     stack = [x]
     while stack:
         v = stack.pop()
@@ -118,9 +108,7 @@ def load(path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
 
 
 def parse_doc(doc, where: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
-    """Validate ``doc``, a replay document already parsed from JSON (from Redis, say), as
-    :func:`load` validates a file; ``where`` names its origin in the message. Raises
-    :class:`ReplayFormatError` with a one-line reason."""
+    """:func:`load` of a document already parsed (from Redis, say); ``where`` names its origin."""
     return _parse_replay(_no_lone_surrogate(doc, where), where)
 
 
@@ -133,9 +121,8 @@ def _parse_replay(doc, path: str) -> tuple[TargetConfig, list[Op], list[Finding]
 
 
 def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[Op], list[Finding], dict]], dict]:
-    """Read a replay file (one case) or a ``kvaudit.report/1`` document (several): the report's
-    config (the top-level one, else the first case's), the cases as (config, program, findings,
-    doc) and the top-level document. Raises :class:`ReplayFormatError`."""
+    """A replay file (one case) or a ``kvaudit.report/1`` document: its config (else the first case's),
+    the cases as :func:`load` returns them and the document. Raises :class:`ReplayFormatError`."""
     doc = _read(path)
     if isinstance(doc, dict) and doc.get("format") == REPORT_FORMAT:
         cases = doc.get("cases")

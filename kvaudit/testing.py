@@ -1,14 +1,6 @@
-"""Audit your own engine from a test: a time-boxed fuzz, a replay, or a regression corpus, with the
-findings rendered as plain text in the test failure.
-
-Used directly or through the pytest plugin (:mod:`kvaudit.pytest_plugin`, the ``kvaudit`` fixture)::
-
-    from kvaudit.testing import fuzz
-    result = fuzz(config, max_time=5)      # config: any registered target kind's config
-    result.assert_clean()                  # AssertionError with every finding, readable
-
-See ``docs/writing-a-target.md`` for writing the target the config belongs to.
-"""
+"""Audit your own engine from a test (directly or through the ``kvaudit`` pytest fixture): a
+time-boxed fuzz, a replay, or a regression corpus, the findings as plain text in the failure.
+Example: docs/internals/app.md; writing the target: docs/writing-a-target.md."""
 
 from __future__ import annotations
 
@@ -26,10 +18,8 @@ class KvauditFailure(AssertionError):
 
 @dataclass
 class Result:
-    """What a fuzz or replay found. ``program``: the ops of the first failing program (a fuzz stops at
-    its first finding, minimized as ``kvaudit fuzz`` minimizes it) or of the replay; ``executions``:
-    programs the search ran; ``original_length``: the failing program's ops before minimizing (0: not
-    minimized); ``flaky``: signatures a fuzz met that did not replay 3 of 3 times (passed over)."""
+    """What a fuzz or replay found. ``program``: the first failing program (minimized) or the replay's;
+    ``original_length``: its ops before minimizing (0: not minimized); ``flaky``: signatures passed over."""
 
     findings: list = field(default_factory=list)
     program: list = field(default_factory=list)
@@ -43,7 +33,6 @@ class Result:
         return sorted({f.signature for f in self.findings})
 
     def render(self) -> str:
-        """Plain lines: the header, the program, then each finding with its sites."""
         from kvaudit.reports.junit import failure_text
         from kvaudit.program import format_program
         from kvaudit.reports.report import header
@@ -64,12 +53,9 @@ class Result:
 
 
 def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZZER) -> Result:
-    """Fuzz ``config``'s target for at most ``max_time`` seconds with ``fuzzer`` (``corpus``, the
-    default of ``kvaudit fuzz`` too, ``hypothesis`` or ``random``) and triage its first finding as
-    ``kvaudit fuzz`` does (:func:`kvaudit.search.fuzz.triage`): confirmed 3 of 3 times, minimized,
-    re-run with full stacks for the report; one that does not replay is passed over (``flaky``) and
-    the search goes on within the budget. Minimizing comes after the budget. Raises ``ValueError`` for
-    an unknown fuzzer (atheris instruments the built-in engine in a process of its own: not here)."""
+    """Fuzz ``config``'s target for ``max_time`` seconds (minimizing comes after) and triage its first
+    finding as ``kvaudit fuzz`` does; a flaky one is passed over. Raises ``ValueError`` for an unknown
+    or out-of-process fuzzer (atheris)."""
     from kvaudit.search import fuzzers
     from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
 
@@ -96,8 +82,7 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZ
 
 
 def replay(path: str) -> Result:
-    """Replay one replay file (``kvaudit replay``'s format) once, with full stacks. Raises
-    :class:`kvaudit.replay.ReplayFormatError` for a malformed file."""
+    """Replay a replay file once. Raises :class:`kvaudit.replay.ReplayFormatError` for a malformed file."""
     from kvaudit import replay as replay_file
     from kvaudit.audit.runner import execute
 

@@ -1,37 +1,31 @@
-"""``kvaudit bench``: check the bug and fuzzer lists, run the benchmark and write its markdown and
-JSON. The method and its statistics are :mod:`kvaudit.search.bench`."""
+"""``kvaudit bench``: check the lists, run the benchmark (:mod:`kvaudit.search.bench`,
+:mod:`kvaudit.history.suite`), write its markdown and JSON."""
 
 from __future__ import annotations
 
 import os
 
-from kvaudit.targets import registry
-from kvaudit import replay
 import click
 
+from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.files import check_outputs
 from kvaudit.app.fuzz import check_available
 from kvaudit.app.progress import console as make_console
 from kvaudit.search import fuzzers as fuzzer_kinds
+from kvaudit.targets import registry
 
 
 def default_fuzzers(history: bool = False) -> list[str]:
-    """``--fuzzers``' default: every fuzzer whose :class:`kvaudit.search.fuzzers.FuzzerKind` says ``bench``;
-    for the history suite, those of them that can search every engine its catalogue holds."""
-    engines = _history_engines() if history else ()
+    """``--fuzzers``' default: the ``bench`` fuzzers (history: those that can search every engine)."""
+    from kvaudit.history.catalogue import all_bugs
+
+    engines = {b.engine for b in all_bugs().values()} if history else ()
     return [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
 
 
-def _history_engines() -> list[str]:
-    from kvaudit.history.catalogue import all_bugs
-
-    return sorted({b.engine for b in all_bugs().values()})
-
-
 def _names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
-    """A comma-separated list of names (``every``: all of ``valid``), each in ``valid``: else
-    :class:`InputError`, ``{what} {name!r} ({hint})`` naming the first unknown one."""
+    """A comma-separated list of names in ``valid`` (``every``: all). Raises :class:`InputError`."""
     names = list(valid) if value == every else [n.strip() for n in value.split(",") if n.strip()]
     bad = [n for n in names if n not in valid]
     if bad or not names:
@@ -40,14 +34,11 @@ def _names_arg(value: str, valid, what: str, hint: str, every: str | None = "all
 
 
 def _fuzzers_arg(value: str) -> list[str]:
-    """``--fuzzers``' names, each a registered fuzzer: else :class:`InputError` listing the valid ones."""
     valid = fuzzer_kinds.kinds()
     return _names_arg(value, valid, "--fuzzers: unknown fuzzer", f"valid: {', '.join(valid)}", every=None)
 
 
 def _write_both(out_json: str, doc: dict, out_md: str, markdown) -> None:
-    """The raw JSON, then the markdown ``markdown(json file name)``, each atomically; a full disk names
-    what was kept."""
     kept: list[str] = []
     for path, write in ((out_json, lambda: replay.write_atomic(out_json, doc)),
                         (out_md, lambda: replay.write_text_atomic(out_md, markdown(os.path.basename(out_json))))):
@@ -59,15 +50,11 @@ def _write_both(out_json: str, doc: dict, out_md: str, markdown) -> None:
 
 def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_seconds: float | None,
         overhead_presets: str, out_md: str, out_json: str) -> int:
-    """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for an unknown fuzzer,
-    bug or preset, or an unwritable output."""
-    from kvaudit.search import bench
+    """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for a bad option."""
+    from kvaudit.search import bench, ci
 
     fuzzers = _fuzzers_arg(fuzzers_value)
-    # the built-in engine's zoo
     bugs = _names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
-    from kvaudit.search import ci
-
     try:
         ov = [] if overhead_presets == "none" else ci.presets_arg(overhead_presets)
     except ValueError as e:
@@ -86,7 +73,6 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
 
 
 def list_zoo() -> int:
-    """``kvaudit bench --list``: the zoo's bugs, one per line (``kvaudit bugs`` describes them)."""
     for name in registry.get("eut").bugs():
         click.echo(name)
     return EXIT_CLEAN
@@ -94,9 +80,8 @@ def list_zoo() -> int:
 
 def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, list_bugs: bool,
                 out_md: str, out_json: str, jobs: int = 1) -> int:
-    """``kvaudit bench --suite history``; returns the exit code (130 when interrupted, the report so far
-    written). Raises :class:`InputError` for an unknown fuzzer or bug or an unwritable output, and
-    :class:`UnavailableError` when a release cannot be installed or its worker fails."""
+    """``kvaudit bench --suite history``; returns the exit code. Raises :class:`InputError` for a bad
+    option, :class:`UnavailableError` when a release cannot be installed."""
     from kvaudit.history import suite
     from kvaudit.history.catalogue import all_bugs
 

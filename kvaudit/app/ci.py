@@ -1,5 +1,5 @@
-"""``kvaudit ci``: the nightly / per-PR job's run and its summary and reports. What it checks and
-how (regressions, the per-preset fuzz, JUnit and SARIF) is :mod:`kvaudit.search.ci`."""
+"""``kvaudit ci``: the nightly / per-PR job's run, summary and reports; what it checks is
+:mod:`kvaudit.search.ci`."""
 
 from __future__ import annotations
 
@@ -15,31 +15,24 @@ from kvaudit.app.fuzz import check_available, check_db
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
+from kvaudit.targets import registry
 
 
 def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressions_dir: str | None,
         corpus_dir: str | None, out_dir: str, suppress_file: str | None, outputs: Outputs, target: str = "eut",
         db: str | None = None, campaign_name: str = "default") -> int:
-    """``kvaudit ci``; returns the exit code (see the command's help). ``budget.seconds`` is search
-    time in all, split evenly over the presets, each share counted from when its preset's first
-    engine is built (:func:`kvaudit.search.campaign.run_campaign`); start-up, the regression replays
-    and triage come on top. Raises :class:`InputError` for a bad preset list, directory or
-    suppression file (before any engine is imported)."""
+    """``kvaudit ci``; returns the exit code. ``budget.seconds``: search time in all, split evenly over
+    the presets. Raises :class:`InputError` for a bad option (before any engine is imported)."""
     from kvaudit.search import ci
     from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
-    from kvaudit.audit.runner import INTERRUPTED
-
-    from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db
-    from kvaudit.targets import registry
+    from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db  # (a test patches them)
 
     check_fuzzer(fuzzer, target)
     if db is not None:
         check_db(db)
+    kind = registry.get(target)  # --target's TargetChoice checked the name
     try:
-        kind = registry.get(target)
         preset_names = ci.presets_arg(presets_value, target)
-    except registry.UnknownTargetError as e:
-        raise InputError(str(e)) from None
     except ValueError as e:
         raise InputError(f"--presets: {e}") from None
     sset = load_suppressions(suppress_file)
@@ -52,9 +45,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     result = ci.CiResult()
     catch_sigint()
     try:
-        # the engine must be drivable here, and is loaded now (a real engine's import, seconds, is not
-        # taken from the first preset's budget; an interrupt during it still writes the JUnit), before
-        # the header line: a target that cannot run is one error line
+        # NOTE: loaded before the header and the first preset's budget; interrupted here, the JUnit is still written
         require_target(kind.preset(preset_names[0]).config())
         err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
@@ -69,11 +60,10 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         if per_preset > 0:
             for preset in preset_names:
                 _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
-                             sset, target, db, campaign_name)
+                             target, db, campaign_name)
     except KeyboardInterrupt:
         result.interrupted = True
-    ignore_interrupts()  # the summary and reports are written whole
-    INTERRUPTED.clear()
+    ignore_interrupts(clear=True)  # the summary and reports are written whole
     for run in result.fuzz:
         for program, findings, path in run.new:
             print_report(console, kind.preset(run.preset).config(), program, findings, closing=False)
@@ -90,20 +80,17 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
 
 
 def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
-    """``--regressions``, else the kind's own (./corpora/regressions, else the shipped copy)."""
     if regressions_dir is None and kind.regressions is not None:
         from kvaudit.data import data_path
 
         here = kind.regressions
-        regressions_dir = here if os.path.isdir(here) else data_path(*kind.regressions.split("/"))
+        regressions_dir = here if os.path.isdir(here) else data_path(*here.split("/"))
     if regressions_dir is not None and not os.path.isdir(regressions_dir):
         raise InputError(f"--regressions {regressions_dir}: no such directory")
     return regressions_dir
 
 
 def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
-    """Before a fuzz: --out writable (made when a new finding is written), --corpus made, the fuzzer
-    installed, Hypothesis's files in the run's directory."""
     check_dir(out_dir, "out")
     if corpus_dir is not None:
         try:
@@ -116,14 +103,12 @@ def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
     set_hypothesis_home_dir(os.path.abspath(os.path.join(corpus_dir or out_dir, ".hypothesis")))
 
 
-def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, sset, target,
-                 db, campaign_name) -> None:
-    """One preset's share of the fuzz, appended to ``result`` and said in one line on ``err``;
-    KeyboardInterrupt once it was interrupted (its findings are kept in ``result``)."""
+def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, target, db,
+                 campaign_name) -> None:
+    """One preset's share, appended to ``result``; raises KeyboardInterrupt once it was interrupted."""
     from kvaudit.search import ci
 
-    progress = Progress(err, per_preset, suppressions=sset)
-    with progress:
+    with Progress(err, per_preset) as progress:
         run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name)
     result.fuzz.append(run)
@@ -136,7 +121,6 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
 
 
 def _print_table(console, result) -> None:
-    """The job's table: one row per regression file and per preset's fuzz."""
     from rich.table import Table
     from rich.text import Text
 
@@ -168,8 +152,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
     kept = [path for run in result.fuzz for _, _, path in run.new]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
-    for fmt, label in (("junit", "JUnit"), ("sarif", "SARIF")):
-        path = getattr(outputs, fmt)
+    for fmt, label, path in (("junit", "JUnit", outputs.junit), ("sarif", "SARIF", outputs.sarif)):
         if path:
             try:
                 replay.write_text_atomic(path, texts[fmt]())
@@ -200,7 +183,6 @@ def _exit_code(result, err, per_preset: float) -> int:
 
 
 def _timeline(path: str) -> dict | None:
-    """The occupancy timeline a new finding's replay file records (its confirming replay's), or None."""
     try:
         return replay.load(path)[3].get("timeline")
     except replay.ReplayFormatError:

@@ -1,8 +1,6 @@
-"""Selecting and validating the target config a command runs, from the registry of target kinds
-(:mod:`kvaudit.targets.registry`): the click options that choose it (``--target`` choices and help
-come from the registered kinds), the checks that the target and device are usable here, and the data
-the ``presets`` and ``bugs`` commands list. Nothing here names a target kind except through options
-a kind declares (``--tree-core``: the kinds whose ``options`` include ``tree_core``)."""
+"""The target config a command runs, chosen from the registry of target kinds: its click options,
+the checks that it can run here, and what ``presets`` and ``bugs`` list. Design notes:
+docs/internals/app.md."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ def _target_help() -> str:
 
 
 class TargetChoice(click.ParamType):
-    """``--target``: a registered kind's name (the registry is read when the value is checked, so a
-    plugin module named in KVAUDIT_PLUGINS adds its kind)."""
+    """``--target``: a registered kind's name (read when checked: a plugin's kind counts)."""
 
     name = "target"
 
@@ -46,7 +43,6 @@ def _with_option(option: str) -> list[str]:
 
 
 def _option_choices(option: str) -> list[str]:
-    """Every value some registered kind's ``option`` takes, in registration order."""
     return list(dict.fromkeys(c for k in registry.kinds().values() for c in k.options.get(option, ((), ""))[0]))
 
 
@@ -79,17 +75,15 @@ replay_tree_core_option = click.option(
 
 
 def common_options(f):
-    """The target options (:data:`COMMON_OPTIONS`) on a command; it takes ``preset, bugs, model,
-    device, page_size, target, tree_core``."""
+    """:data:`COMMON_OPTIONS`: the command takes ``preset, bugs, model, device, page_size, target, tree_core``."""
     for opt in reversed(COMMON_OPTIONS):
         f = opt(f)
     return f
 
 
 def require_target(config) -> None:
-    """The config's engine must be drivable here (its kind's ``probe``), and a plugin kind's target
-    must keep the target API (built once now, :func:`kvaudit.targets.base.check_target`; the built-in
-    kinds are held to it by their tests): else one line (exit 2) before any run."""
+    """Raises :class:`InputError` unless the config's engine can run here (its kind's ``probe``) and a
+    plugin kind's target, built once now, keeps the target API (the built-in kinds' tests hold theirs)."""
     try:
         kind = registry.kind_of(config)
         kind.probe(config)
@@ -110,13 +104,9 @@ def require_target(config) -> None:
 
 def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, page_size: int | None,
                   target: str = registry.DEFAULT_KIND, tree_core: str | None = None):
-    """The config the :data:`COMMON_OPTIONS` name, built from the ``target`` kind's preset; a bad
-    combination is an :class:`InputError`."""
+    """The config the :data:`COMMON_OPTIONS` name. Raises :class:`InputError` for a bad combination."""
     check_device(device)
-    try:
-        kind = registry.get(target)
-    except registry.UnknownTargetError as e:
-        raise InputError(str(e)) from None
+    kind = registry.get(target)  # --target's TargetChoice checked the name
     if tree_core is not None and "tree_core" not in kind.options:
         raise InputError(f"--tree-core applies to --target {', '.join(_with_option('tree_core'))} only")
     try:
@@ -153,10 +143,8 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
 
 
 def check_bugs(kind, bugs) -> None:
-    """Every ``--bug`` name must be a key of ``kind.bugs()`` (the check for every kind, built-in or
-    plugin): else an :class:`InputError`, one line naming the first unknown one and the valid names
-    (``unknown bug 'x'; valid bugs: ...``; a kind whose config's ``BUGS_NOUN`` is ``fault names``
-    says fault), and the kind that has it when exactly one other does."""
+    """Raises :class:`InputError` naming the first ``--bug`` that is not in ``kind.bugs()``, the valid
+    names, and the kind that has it when exactly one other does."""
     valid = kind.bugs()
     unknown = [b for b in bugs if b not in valid]
     if not unknown:
@@ -172,7 +160,7 @@ def check_bugs(kind, bugs) -> None:
 
 
 def _bugs_of(kind) -> dict:
-    """``kind.bugs()``, or nothing when the kind cannot say (a plugin that fails): only for a hint."""
+    # NOTE: only for a hint: a plugin kind that fails to list its bugs has none
     try:
         return kind.bugs()
     except Exception:
@@ -185,7 +173,6 @@ def _has_field(cls, name: str) -> bool:
 
 
 def with_tree_core(config, tree_core: str | None):
-    """A replay file's ``config`` run with another tree core (``replay --tree-core``), or as it is."""
     if tree_core is None:
         return config
     if "tree_core" not in registry.kind_of(config).options:
@@ -194,8 +181,7 @@ def with_tree_core(config, tree_core: str | None):
 
 
 def check_fuzzer(fuzzer: str, target: str) -> None:
-    """``--fuzzer`` can search ``--target`` (:meth:`kvaudit.search.fuzzers.FuzzerKind.takes`): else
-    :class:`InputError` naming the fuzzers that can."""
+    """Raises :class:`InputError` naming the fuzzers that can when ``fuzzer`` cannot search ``target``."""
     kind = fuzzers.get(fuzzer)
     if not kind.takes(target):
         raise InputError(f"--fuzzer {fuzzer} {kind.targets_why or 'cannot search this target'}; use "
@@ -203,9 +189,7 @@ def check_fuzzer(fuzzer: str, target: str) -> None:
 
 
 class FuzzerChoice(click.Choice):
-    """``--fuzzer``: a registered fuzzer's name (:mod:`kvaudit.search.fuzzers`; the registry is read when
-    the value is checked or the help shown, so a plugin module named in KVAUDIT_PLUGINS adds its fuzzer).
-    An unknown name is click's one-line error listing the valid ones (exit 2)."""
+    """``--fuzzer``: a registered fuzzer's name (read when checked or shown: a plugin's fuzzer counts)."""
 
     def __init__(self):
         super().__init__(())
@@ -228,11 +212,8 @@ def check_device(device: str) -> None:
 
 
 def check_plugins() -> None:
-    """For the commands that read the registry of target kinds: every module named in
-    ``KVAUDIT_PLUGINS`` imported (:func:`kvaudit.targets.registry.check_plugins`), else an
-    :class:`InputError` (exit 2) naming each that did not, so a typo is not silently a missing target;
-    then a warning line on stderr for each installed ``kvaudit.targets`` entry point that failed to
-    load and each ``KVAUDIT_PLUGINS`` module that registered no kind (neither stops the command)."""
+    """Raises :class:`InputError` naming each ``KVAUDIT_PLUGINS`` module that did not import (a typo is
+    not silently a missing target); warns on stderr of plugins that failed to load or registered no kind."""
     try:
         registry.check_plugins()
     except registry.PluginError as e:
@@ -242,14 +223,12 @@ def check_plugins() -> None:
 
 
 def warn_campaign_without_db(campaign_name: str, db: str | None, err: Console) -> None:
-    """``--campaign NAME`` names a campaign shared through ``--db``: without ``--db`` it does nothing, say so."""
     if db is None and campaign_name != "default":
         err.print(f"warning: --campaign {campaign_name} names a campaign shared through --db; without --db it is "
                   "ignored", soft_wrap=True, markup=False)
 
 
 def warn_unreachable_bugs(config, err: Console) -> None:
-    """A zoo bug (a row with a ``preset``) switched on under another preset may never trigger: say so."""
     rows = registry.kind_of(config).bugs()
     for name in sorted(config.bugs):
         want = getattr(rows.get(name), "preset", None)
@@ -259,7 +238,7 @@ def warn_unreachable_bugs(config, err: Console) -> None:
 
 
 def presets_table(target: str | None = None):
-    """``kvaudit presets``: every registered kind's presets (``target``: that kind's only), as a rich table."""
+    """``kvaudit presets``: every registered kind's presets (``target``: that kind's only)."""
     from rich.table import Table
 
     t = Table(title="presets")
@@ -276,9 +255,8 @@ def presets_table(target: str | None = None):
 
 
 def bugs_renderables(target: str | None = None) -> list:
-    """``kvaudit bugs``: per registered kind (``target``: that one only), what ``--bug`` takes: a zoo
-    (rows with a public ``source``: its table, then each bug's description) or injected faults, as rich
-    renderables."""
+    """``kvaudit bugs``: per registered kind (``target``: that one only), a zoo's table and descriptions
+    (rows with a public ``source``) or a table of injected faults."""
     from rich.table import Table
     from rich.text import Text
 

@@ -25,8 +25,7 @@ class UnavailableError(click.ClickException):
 
 
 def write_error(e: OSError, path: str, kept: list[str] | tuple = ()) -> click.ClickException:
-    """The one-line error for a finding or report that could not be written: disk full (exit 74,
-    naming the files kept), else an input error (exit 2)."""
+    """The error for a file not written: :class:`DiskFull` naming the files ``kept``, else :class:`InputError`."""
     if disk_full(e):
         return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); "
                         + (f"kept what was written: {', '.join(kept)}" if kept else "nothing else was written"))

@@ -9,8 +9,7 @@ from kvaudit.app.files import check_paths
 
 
 def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool) -> int:
-    """Returns the exit code (0 once written). Raises :class:`InputError` (exit 2) for a bad file or
-    flag, :class:`kvaudit.app.errors.DiskFull` when an output cannot be written for lack of space."""
+    """Returns 0 once written. Raises :class:`InputError` for a bad file or flag, :class:`DiskFull`."""
     from kvaudit.export.exporter import ExportError, export
 
     if issue_out is None and client_out is None:

@@ -1,6 +1,5 @@
-"""The files a command reads and writes besides the engine's: ``--suppress`` files, replay files
-of findings, and the report files ``--html``/``--sarif``/``--junit``/``--json`` name (checked before a
-long run, written after it)."""
+"""The files a command reads and writes: ``--suppress`` files, replay files of findings, and the
+report files (checked before a long run, written after it)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def load_suppressions(path: str | None) -> SuppressionSet | None:
-    """The rules of ``--suppress FILE``, or None without the flag; a bad file is an input error."""
+    """The rules of ``--suppress FILE``, or None. Raises :class:`InputError` for a bad file."""
     if path is None:
         return None
     try:
@@ -29,15 +28,13 @@ def load_suppressions(path: str | None) -> SuppressionSet | None:
 
 
 def check_outputs(inputs: tuple[str, ...] = (), **paths) -> Outputs:
-    """Check the report paths now, not after a long run (:func:`check_paths`); the ``Outputs`` they name."""
     check_paths(inputs, **paths)
     return Outputs(**paths)
 
 
 def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
-    """Check output paths (``--FLAG=path`` as keywords): a non-empty file name (not ``-``), not a
-    directory or a device, not one of the ``inputs`` and not named twice (however spelled), in a
-    directory where a file can really be created (tried). Raises :class:`InputError`."""
+    """Output paths (``--FLAG=path`` as keywords) must be distinct file names, none of ``inputs``, where
+    a file can really be created (tried). Raises :class:`InputError`."""
     seen: dict[str, str] = {}
     given = {os.path.realpath(p): p for p in inputs if p and os.path.exists(p)}
     for fmt, path in paths.items():
@@ -60,9 +57,8 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
 
 
 def check_dir(path: str, flag: str) -> None:
-    """An output directory made only when something is written there: ``path`` is a directory or
-    nothing yet, in a directory where a file can really be created (tried; nothing is left). Raises
-    :class:`InputError` (``--FLAG PATH: ...``)."""
+    """An output directory (made when written): a directory or nothing yet, where a file can be created.
+    Raises :class:`InputError`."""
     real = os.path.realpath(path)
     if os.path.exists(real) and not os.path.isdir(real):
         raise InputError(f"--{flag} {path}: not a directory")
@@ -70,20 +66,18 @@ def check_dir(path: str, flag: str) -> None:
 
 
 def _check_writable(flag: str, path: str, where: str) -> None:
-    """A file can be created in ``where``, or in the nearest directory above it that exists (the
-    rest is made when written). Raises :class:`InputError` naming ``--FLAG PATH``."""
     while not os.path.exists(where):
         where = os.path.dirname(where)
     if not os.path.isdir(where):
         raise InputError(f"--{flag} {path}: cannot write in {where} (not a directory)")
-    try:  # os.access says yes to root on read-only mounts and /sys: try it
+    try:  # NOTE: os.access says yes to root on read-only mounts and /sys
         tempfile.TemporaryFile(dir=where).close()
     except OSError as e:
         raise InputError(f"--{flag} {path}: cannot write in {where}: {e.strerror or e}") from None
 
 
 def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> None:
-    """Write the reports asked for; ``kept``: files this run wrote before (named if the disk is full)."""
+    """``kept``: files this run wrote before (named if the disk is full)."""
     if not outputs.wanted():
         return
     try:
@@ -94,15 +88,12 @@ def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[
 
 
 def write_finding(out_dir, config, program, findings, **extra) -> str:
-    """The replay file of ``findings`` in ``out_dir``, named by the first one's signature."""
     return write_replay(os.path.join(out_dir, replay.file_name(findings[0].signature)), config, program, findings,
                         **extra)
 
 
 def replay_hint(config, path: str) -> str:
-    """The command that replays the file at ``path`` written for ``config``, as a shell line:
-    ``kvaudit replay PATH``, after ``KVAUDIT_PLUGINS=...`` (this run's value) when ``config``'s kind
-    came from a plugin module (without it the replay cannot find the kind: exit 2, unknown target)."""
+    """``kvaudit replay PATH`` as a shell line, after this run's ``KVAUDIT_PLUGINS=...`` for a plugin kind."""
     import shlex
 
     from kvaudit.targets import registry

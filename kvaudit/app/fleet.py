@@ -1,5 +1,5 @@
-"""``kvaudit campaign status`` and ``kvaudit campaign pull``: a campaign that spans hosts through
-Redis (:mod:`kvaudit.search.hub`), seen from any machine that can reach its Redis."""
+"""``kvaudit campaign status`` and ``pull``: a campaign shared through Redis (:mod:`kvaudit.search.hub`),
+seen from any machine that reaches it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from kvaudit.app.progress import console as make_console
 COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new", "dup", "flaky", "heartbeat")
 
 
-def _rows(status: dict, now: float) -> list[dict]:
-    """One dict per worker of ``status``, keyed by :data:`COLUMNS` (state ``alive``, ``exited`` or
-    ``gone``; a gone worker: its id and state only), for both the table and the plain lines."""
-    out = []
+def _rows(status: dict) -> list[dict]:
+    now, out = time.time(), []
     for w, beat in status["workers"].items():
         if beat is None:
             out.append({"worker": w, "state": "gone"})
@@ -32,17 +30,17 @@ def _rows(status: dict, now: float) -> list[dict]:
     return out
 
 
-def status_table(status: dict, campaign: str, now: float | None = None):
-    """A rich table of ``status`` (:func:`kvaudit.search.hub.campaign_status`): one row per worker
-    (host, pid, fuzzer, executions, exec/s, coverage, new/duplicate/flaky counts, seconds since its
-    last heartbeat; ``exited`` once it stopped, ``gone`` once its heartbeat expired: killed), the
-    campaign's totals in the caption."""
+def status_table(status: dict, campaign: str):
+    """``status`` (:func:`kvaudit.search.hub.campaign_status`): a row per worker, the totals as caption."""
     from rich.table import Table
 
-    t = Table(title=f"campaign {campaign}", title_justify="left", caption=_totals(status))
+    totals = (f"{len(status['findings'])} signature(s) with a replay file ({len(status['known'])} known), "
+              f"{len(status['pending'])} being triaged, {len(status['flaky'])} flaky, "
+              f"{sum(status['duplicates'].values())} duplicate hit(s), {status['programs']} corpus program(s)")
+    t = Table(title=f"campaign {campaign}", title_justify="left", caption=totals)
     for col in COLUMNS:
         t.add_column(col, no_wrap=col != "coverage", overflow="fold")
-    for row in _rows(status, time.time() if now is None else now):
+    for row in _rows(status):
         if row["state"] == "gone":
             t.add_row(row["worker"], "gone", *["-"] * 7, "expired")
             continue
@@ -52,17 +50,10 @@ def status_table(status: dict, campaign: str, now: float | None = None):
     return t
 
 
-def _totals(status: dict) -> str:
-    return (f"{len(status['findings'])} signature(s) with a replay file ({len(status['known'])} known), "
-            f"{len(status['pending'])} being triaged, {len(status['flaky'])} flaky, "
-            f"{sum(status['duplicates'].values())} duplicate hit(s), {status['programs']} corpus program(s)")
-
-
-def status_lines(status: dict, campaign: str, now: float | None = None) -> list[str]:
-    """The table of :func:`status_table` as plain ``key=value`` lines (for CI logs): one per worker,
-    then the totals."""
+def status_lines(status: dict, campaign: str) -> list[str]:
+    """:func:`status_table` as plain ``key=value`` lines (for CI logs)."""
     out = []
-    for row in _rows(status, time.time() if now is None else now):
+    for row in _rows(status):
         if row["state"] == "gone":
             out.append(f"campaign {campaign}: worker={row['worker']} state=gone")
             continue
@@ -76,8 +67,7 @@ def status_lines(status: dict, campaign: str, now: float | None = None) -> list[
 
 
 def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
-    """``kvaudit campaign status``: print the table once (or as JSON), or refresh it every ``watch``
-    seconds until Ctrl-C (a live table on a terminal; off one, plain lines: :func:`status_lines`)."""
+    """``kvaudit campaign status``; returns the exit code."""
     from kvaudit.search.hub import campaign_names, campaign_status, safe_url
 
     client = check_db(db)
@@ -119,8 +109,7 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
 
 
 def pull(db: str, campaign: str, directory: str) -> int:
-    """``kvaudit campaign pull``: the campaign's replay files into ``DIR/findings/`` and its corpus
-    programs into ``DIR/programs/`` (each validated; a malformed entry is skipped with a warning)."""
+    """``kvaudit campaign pull``; returns the exit code (a malformed entry is skipped with a warning)."""
     from kvaudit.search.corpus_fuzz import CorpusStore
     from kvaudit.search.hub import Hub, safe_url, worker_id
 

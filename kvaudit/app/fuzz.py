@@ -1,6 +1,5 @@
-"""``kvaudit fuzz``: a search that stops at its first finding (confirmed, minimized, written,
-reported), or a resumable campaign over a corpus directory (:mod:`kvaudit.search.campaign`). The search
-itself is the ``--fuzzer``'s :class:`kvaudit.search.fuzzers.FuzzerKind`."""
+"""``kvaudit fuzz``: a search that stops at its first finding, or a campaign over a corpus directory
+(:mod:`kvaudit.search.campaign`). Design notes: docs/internals/app.md."""
 
 from __future__ import annotations
 
@@ -32,9 +31,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Checked:
-    """``kvaudit fuzz``'s options, checked by :func:`check_options` before any engine is imported:
-    the suppressions, the directory findings go to, and whether the run is a campaign."""
-
     sset: SuppressionSet | None
     target_dir: str
     campaign: bool
@@ -42,10 +38,8 @@ class Checked:
 
 def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | None, workers: int,
                   db: str | None, suppress_file: str | None) -> Checked:
-    """Every check of ``fuzz``'s options that needs no engine, run before the target's probe imports
-    one (SGLang or vLLM: 5-25 s): a fuzzer the target cannot take, a bad suppression file, ``--db``
-    URL or directory are :class:`InputError` (exit 2), atheris or Redis missing
-    :class:`UnavailableError` (exit 69). Imports no engine."""
+    """The checks of ``fuzz``'s options that need no engine (run before one is imported). Raises
+    :class:`InputError` (exit 2), :class:`UnavailableError` (atheris or Redis missing, exit 69)."""
     check_fuzzer(fuzzer, target)
     sset = load_suppressions(suppress_file)
     campaign = corpus_dir is not None or workers > 1 or db is not None
@@ -54,7 +48,6 @@ def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | N
     if db is not None:
         check_db(db)
     target_dir = corpus_dir if corpus_dir is not None else out_dir
-    # fail now, not after the budget, if findings could not be written; the directory is made when they are
     check_dir(target_dir, "corpus" if corpus_dir is not None else "out")
     check_available(fuzzer)
     return Checked(sset, target_dir, campaign)
@@ -63,9 +56,8 @@ def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | N
 def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out_dir: str,
         workers: int, corpus_dir: str | None, use_seeds: bool, suppress_file: str | None,
         step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default") -> int:
-    """``kvaudit fuzz`` on ``config`` (from :func:`kvaudit.app.configs.select_config`, after
-    :func:`check_options` gave ``checked``); returns the exit code (see the command's help). The
-    search runs ``budget.seconds`` from when the first engine is built (:mod:`kvaudit.app.budget`)."""
+    """``kvaudit fuzz`` on ``config``; returns the exit code. ``budget.seconds`` counts from when the
+    first engine is built."""
     from hypothesis.configuration import set_hypothesis_home_dir
 
     from kvaudit.audit.runner import set_step_timeout, warm_up
@@ -100,8 +92,6 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
 
 def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir, workers, use_seeds, suppress_file,
               db, campaign_name) -> None:
-    """The run's first line on ``err`` (target, fuzzer, preset, bugs, budget, where findings go), then
-    the warnings and the target's notes."""
     from kvaudit.audit.runner import step_timeout as runner_step_timeout
 
     sset, kind = checked.sset, registry.kind_of(config)
@@ -127,9 +117,8 @@ def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir,
 
 
 class _Single:
-    """``kvaudit fuzz`` without a campaign: rounds of search until a finding survives triage (one that
-    does not replay is flaky: the next round, from a fresh seed, goes on past it), then its report.
-    What a round found stays here, so that an interrupt can still write it."""
+    """``kvaudit fuzz`` without a campaign: rounds of search until a finding survives triage (a flaky
+    one is passed over); what a round found stays here, so that an interrupt can still write it."""
 
     def __init__(self, config, fuzzer, seed, out_dir, use_seeds, suppress_file, sset, console, err):
         from kvaudit.search.fuzz import FuzzStats
@@ -138,8 +127,7 @@ class _Single:
         self.suppress_file, self.sset, self.console, self.err = suppress_file, sset, console, err
         self.found = self.crash = None
         self.flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
-        # what the fuzzer keeps across rounds (the corpus fuzzer's Corpus; atheris's is in out_dir/.atheris)
-        self.kept: dict = {}
+        self.kept: dict = {}  # what the fuzzer keeps across rounds (the corpus fuzzer's Corpus)
         self.stats = FuzzStats()
 
     def search(self, budget: Budget) -> None:
@@ -147,10 +135,9 @@ class _Single:
         from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
 
         sset = self.sset
-        progress = Progress(self.err, budget.seconds, suppressions=sset)
         self.stats = stats = FuzzStats()  # the search's clock starts now
         deadline = budget.deadline()
-        with progress:
+        with Progress(self.err, budget.seconds) as progress:
             progress.update(stats)
 
             def phase(name: str) -> None:  # a line per phase off a terminal: confirming, minimizing, ...
@@ -158,7 +145,6 @@ class _Single:
                 progress.update(stats, force=True)
 
             while not self.flaky or time.monotonic() < deadline:  # past a flaky finding: while budget is left
-                # the first round is the seed's; after a flaky finding, a fresh seed of the same sequence
                 self.found = fuzzers.get(self.fuzzer).search(
                     self.config, max(0.0, deadline - time.monotonic()), retry_seed(self.seed, len(self.flaky)), stats,
                     fuzzers.Search(on_progress=progress.update, suppressions=sset, suppressions_path=self.suppress_file,
@@ -168,7 +154,6 @@ class _Single:
                     break
                 stats.findings = 1
                 first = next(f for f in self.found[1] if f.signature not in self.flaky)
-                # the report's hit counts are the search's: triage's many reruns count apart
                 self.crash = triage(self.config, self.found[0], first,
                                     suppressions=sset.fresh() if sset is not None else None, on_phase=phase)
                 if self.crash is not None:
@@ -182,15 +167,12 @@ class _Single:
             phase("done")
 
     def interrupted(self, e: KeyboardInterrupt, outputs: Outputs) -> int | None:
-        """Interrupted: the reports with what was found so far (unminimized, unconfirmed); None when
-        the finding was complete (it is reported as usual)."""
-        from kvaudit.audit.runner import INTERRUPTED
+        """The reports of what was found so far; None when the finding was complete (reported as usual)."""
         from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
         from kvaudit.search.fuzz import SearchInterrupted
 
         config, sset, stats, err = self.config, self.sset, self.stats, self.err
-        ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the report short
-        INTERRUPTED.clear()  # the timeline below replays the program
+        ignore_interrupts(clear=True)  # the timeline below replays the program
         if self.found is None and isinstance(e, SearchInterrupted):  # met, not yet returned: Hypothesis was shrinking it
             self.found, stats.findings = e.found, 1
         if self.found is None:
@@ -215,7 +197,6 @@ class _Single:
         return EXIT_FINDINGS
 
     def clean(self, outputs: Outputs, max_time: float) -> int:
-        """The budget ended with no finding reported (0), or before one program ran (5)."""
         from kvaudit.reports.report import print_suppressions, summary_line, suppressed_by_kind
 
         stats, sset, console, flaky = self.stats, self.sset, self.console, self.flaky
@@ -234,8 +215,7 @@ class _Single:
         return EXIT_CLEAN
 
     def report(self, outputs: Outputs) -> int:
-        """The triaged finding: one line of how it was found, its replay file, the report (last: its
-        closing SUMMARY: line ends stdout, as LeakSanitizer's), the report files; exit 1."""
+        """The triaged finding; its report comes last: its SUMMARY: line ends stdout, as LeakSanitizer's."""
         from kvaudit.reports.report import print_report
 
         config, crash, stats, console, sset = self.config, self.crash, self.stats, self.console, self.sset
@@ -271,8 +251,7 @@ class _Single:
 
 
 def check_available(fuzzer: str) -> None:
-    """What ``--fuzzer`` ``fuzzer`` needs is installed here (:attr:`kvaudit.search.fuzzers.FuzzerKind.check`):
-    else :class:`UnavailableError` (exit 69), one line."""
+    """Raises :class:`UnavailableError` (exit 69) when what ``fuzzer`` needs is not installed here."""
     try:
         fuzzers.get(fuzzer).check()
     except fuzzers.FuzzerUnavailable as e:
@@ -280,18 +259,15 @@ def check_available(fuzzer: str) -> None:
 
 
 def nothing_searched(err, max_time: float) -> int:
-    """A run whose budget ended before its first program ran: one line, and
-    :data:`EXIT_NOTHING_SEARCHED` (not 0: nothing was checked, so nothing is clean)."""
+    """The budget ended before the first program ran: nothing was checked, so not clean (exit 5)."""
     err.print(f"kvaudit: nothing searched: the {duration(max_time)} search budget ended before the first program "
               "ran; raise --max-time", soft_wrap=True, markup=False, highlight=False)
     return EXIT_NOTHING_SEARCHED
 
 
 def check_db(url: str):
-    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Fails now, in one line,
-    when ``url`` is not a Redis URL, redis-py cannot parse it or the server refuses what it asks (a
-    non-numeric port, a DB index out of range: :class:`InputError`, exit 2) or nothing answers there
-    (:class:`UnavailableError`, exit 69)."""
+    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Raises
+    :class:`InputError` for a bad URL, :class:`UnavailableError` when nothing answers there."""
     from kvaudit.search.hub import BadURL, HubError, connect, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
@@ -306,13 +282,11 @@ def check_db(url: str):
 
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
               use_seeds: bool = True, db: str | None = None, campaign_name: str = "default") -> int:
-    """``kvaudit fuzz --corpus DIR`` / ``--workers N``: see :mod:`kvaudit.search.campaign`."""
     from kvaudit.search.campaign import findings_dir, known_signatures, run_campaign
     from kvaudit.search.fuzz import FuzzStats
     from kvaudit.reports.report import print_suppressions, print_table, summary_line, suppressed_by_kind
-    from kvaudit.audit.runner import INTERRUPTED
 
-    progress = Progress(err, max_time, suppressions=sset)
+    progress = Progress(err, max_time)
     before = known_signatures(corpus)
     if before:
         err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
@@ -334,8 +308,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
             raise
         raise write_error(e, e.filename or f"in {corpus}", [f"the finding files in {findings_dir(corpus)}"]) from None
     finally:
-        ignore_interrupts()  # the summary and reports are written whole
-        INTERRUPTED.clear()
+        ignore_interrupts(clear=True)  # the summary and reports are written whole
     cases, paths = _campaign_cases(result, config, console, err)
     for w in result.warnings:
         err.print(f"warning: {w}", soft_wrap=True)
@@ -347,9 +320,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
-    # the closing line: the new findings (a campaign reports each signature once)
-    # (a new finding's file can also hold findings of known signatures, raised by the same program: not counted)
-    # (and a file counts only the signatures it reports: one it records as another file's is counted there)
+    # NOTE: a file counts only the new signatures it reports (it can hold known ones the same program raised)
     line = summary_line([f for c, path in zip(cases, paths) for f in c.findings if result.new.get(f.signature) == path],
                         suppressed_by_kind(sset), interrupted=result.interrupted)
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
@@ -372,8 +343,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
 
 
 def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]]:
-    """The report (without its closing line) of each new finding's replay file, and its case and path;
-    a program that raised several new signatures is reported once."""
+    """Each new finding's replay file reported (a program with several new signatures once), as cases and paths."""
     from kvaudit.reports.report import print_report
 
     cases, paths = [], []
@@ -391,7 +361,6 @@ def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]
 
 
 def _campaign_table(result):
-    """The campaign's signatures: new, known, found by another host, flaky."""
     from rich.table import Table
     from rich.text import Text
 
@@ -399,14 +368,11 @@ def _campaign_table(result):
     t.add_column("signature", overflow="fold")
     t.add_column("status", no_wrap=True)
     t.add_column("replay file", overflow="fold")
-    for sig, path in sorted(result.new.items()):
-        t.add_row(sig, Text("new", style="bold red"), path)
-    for sig, path in sorted(result.known.items()):
-        t.add_row(sig, Text("known", style="dim"), path)
-    for sig, path in sorted(result.fleet.items()):
-        t.add_row(sig, Text("found by another host", style="dim"), path)
-    for sig in sorted(result.flaky):
-        t.add_row(sig, Text("flaky (not reproduced 3/3)", style="yellow"), "-")
+    for paths, status, style in ((result.new, "new", "bold red"), (result.known, "known", "dim"),
+                                 (result.fleet, "found by another host", "dim"),
+                                 (dict.fromkeys(result.flaky, "-"), "flaky (not reproduced 3/3)", "yellow")):
+        for sig, path in sorted(paths.items()):
+            t.add_row(sig, Text(status, style=style), path)
     return t
 
 

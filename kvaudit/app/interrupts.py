@@ -1,7 +1,5 @@
-"""Ctrl-C and SIGTERM in the long commands (``fuzz``, ``minimize``, ``ci``): both raise
-KeyboardInterrupt and set :data:`kvaudit.audit.runner.INTERRUPTED`; once a finding is complete, both are
-ignored so that its file and the reports are written whole; the caller's handlers come back when
-the command returns."""
+"""Ctrl-C and SIGTERM in the long commands (``fuzz``, ``minimize``, ``ci``). Design notes:
+docs/internals/app.md."""
 
 from __future__ import annotations
 
@@ -15,10 +13,8 @@ INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # SIGTERM: timeout(1), Kube
 
 
 def restoring_sigint(fn):
-    """Take Ctrl-C and SIGTERM from the command's first line (:func:`catch_sigint`: a SIGTERM while a
-    real engine is imported, seconds of start-up, exits 130 with one line, not a bare 143), and put
-    the caller's SIGINT and SIGTERM handlers (and a clear interrupt flag) back when ``fn`` returns, so
-    an in-process caller (a test, a notebook) keeps its Ctrl-C."""
+    """Take Ctrl-C and SIGTERM from the command's first line (:func:`catch_sigint`); put the caller's
+    handlers and a clear interrupt flag back when ``fn`` returns (a test, a notebook keeps its Ctrl-C)."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
         from kvaudit.audit.runner import INTERRUPTED
@@ -37,7 +33,6 @@ def restoring_sigint(fn):
 
 @contextlib.contextmanager
 def _restored_handlers():
-    """The SIGINT and SIGTERM handlers as they were on entry are put back on exit (main thread only)."""
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in INTERRUPT_SIGNALS} if main_thread else {}
     try:
@@ -48,19 +43,21 @@ def _restored_handlers():
                 signal.signal(sig, handler)
 
 
-def ignore_interrupts() -> None:
-    """A second Ctrl-C or SIGTERM must not cut the finding file and reports short: ignore both
-    (on the main thread; the command's wrapper puts the caller's handlers back)."""
+def ignore_interrupts(clear: bool = False) -> None:
+    """Ignore both signals (main thread): a second one must not cut a finding file or report short.
+    ``clear``: and clear :data:`runner.INTERRUPTED`, so that ops run again (a last replay)."""
     if threading.current_thread() is threading.main_thread():
         for sig in INTERRUPT_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+    if clear:
+        from kvaudit.audit.runner import INTERRUPTED
+
+        INTERRUPTED.clear()
 
 
 def catch_sigint() -> None:
-    """Ctrl-C -- and SIGTERM, which ``timeout``, Kubernetes and the Actions runner send -- raises
-    KeyboardInterrupt as usual and also sets :data:`runner.INTERRUPTED`, which the next op checks:
-    an interrupt swallowed inside a library callback still stops the run. Either signal takes the
-    same path: what was found is written, then the reports, with the same exit code."""
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt and set :data:`runner.INTERRUPTED`, which the next op
+    checks: an interrupt swallowed inside a library callback still stops the run."""
     from kvaudit.audit.runner import INTERRUPTED, quiet_unraisable
 
     def handler(signum, frame):
@@ -70,16 +67,13 @@ def catch_sigint() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in INTERRUPT_SIGNALS:
             signal.signal(sig, handler)
-        # the handler's KeyboardInterrupt can land in a callback Python cannot raise from (a gc
-        # callback) and print "Exception ignored"; INTERRUPTED is set, so the next op stops
+        # NOTE: a KeyboardInterrupt landing in a gc callback prints "Exception ignored"; INTERRUPTED stops the run
         quiet_unraisable()
 
 
 def ci_report_paths(argv: list[str]) -> dict[str, str]:
-    """``{"junit": PATH, "sarif": PATH}`` as far as the command line ``argv`` (without the program
-    name) asks ``kvaudit ci`` for them, read as click reads it (``--junit PATH`` or ``--junit=PATH``,
-    the last one given; every option of ``ci`` takes a value; ``--`` ends the options); empty for
-    another command. For a job stopped before its options were parsed."""
+    """``{"junit": PATH, "sarif": PATH}`` that ``argv`` (no program name) asks ``kvaudit ci`` for, read
+    as click reads it (every option of ``ci`` takes a value); empty for another command."""
     if not argv or argv[0] != "ci" or {"-h", "--help"} & set(argv):
         return {}
     paths: dict[str, str] = {}
@@ -98,14 +92,9 @@ def ci_report_paths(argv: list[str]) -> dict[str, str]:
 
 
 def write_startup_reports(argv: list[str]) -> list[str]:
-    """``kvaudit ci`` stopped by Ctrl-C or SIGTERM before its job began (while the engine and the
-    search are imported, or its options are read): write the ``--junit`` (one skipped ``interrupted``
-    case) and ``--sarif`` (no results, an unsuccessful invocation) that ``argv`` asks for, atomically,
-    as the job itself would once interrupted (docs/reference/exit-codes.md: "from the command's first line"). A path the job
-    would refuse (a directory, a device, ``-``, both flags naming one file) is skipped, as is one that
-    cannot be written. Returns the paths written; one line each on stderr. Standard library only (with
-    :mod:`kvaudit.atomic` and :mod:`kvaudit.reports.ci_outputs`): modules half-imported when the signal
-    came are not touched. Ctrl-C and SIGTERM are ignored while it writes, then handled as before."""
+    """``kvaudit ci`` interrupted before its job began: write the ``--junit`` and ``--sarif`` that
+    ``argv`` asks for, as the job would; a path the job would refuse, or that cannot be written, is
+    skipped. Returns the paths written. Standard library only: half-imported modules are not touched."""
     import json
     import os
 

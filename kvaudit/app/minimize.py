@@ -1,6 +1,5 @@
-"""``kvaudit minimize``: shrink a replay file's program keeping one finding's signature, confirm
-it 3 of 3 times and write it; interrupted, write the smallest program that reproduced so far.
-The reduction itself is :mod:`kvaudit.search.minimize`."""
+"""``kvaudit minimize``: shrink a replay file's program keeping one finding's signature
+(:mod:`kvaudit.search.minimize`), confirm it and write it."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from kvaudit.constants import CONFIRM_RUNS
 
 
 def run(file: str, *, out_file: str | None, signature: str | None, suppress_file: str | None) -> int:
-    """``kvaudit minimize FILE``; returns the exit code (see the command's help)."""
+    """``kvaudit minimize FILE``; returns the exit code."""
     from kvaudit.reports.report import print_report
     from kvaudit.audit.runner import execute
 
@@ -53,7 +52,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
                   "nothing written", soft_wrap=True)
         return EXIT_NOT_REPRODUCED
     final = execute(config, small, suppressions=fresh(), drain=True)
-    findings = _signature_first(final.findings, signature)
+    findings = sorted(final.findings, key=lambda f: f.signature != signature)  # the file keeps its first
     try:
         path = write_replay(out_file, config, small, findings, minimized=True, minimized_from=file,
                             confirmations=f"{confirmations}/{CONFIRM_RUNS}")
@@ -66,24 +65,16 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     return EXIT_CLEAN
 
 
-def _signature_first(findings: list, signature: str) -> list:
-    """``findings`` with those of ``signature`` first (a replay file's first finding is the one kept)."""
-    return [f for f in findings if f.signature == signature] + [f for f in findings if f.signature != signature]
-
-
 def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err) -> int:
-    """``kvaudit minimize`` interrupted: write the smallest program that reproduced so far (replayed
-    once more for its findings' stacks; not confirmed 3/3, ``"minimized": false``); EXIT_INTERRUPTED."""
     from kvaudit.reports.report import print_report
-    from kvaudit.audit.runner import INTERRUPTED, execute
+    from kvaudit.audit.runner import execute
 
-    ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the file short
-    INTERRUPTED.clear()  # the replay below runs ops
+    ignore_interrupts(clear=True)  # the replay below runs ops
     if smallest is None:
         err.print("interrupted before the program reproduced: nothing written")
         return EXIT_INTERRUPTED
     final = execute(config, smallest, suppressions=suppressions, drain=True)
-    findings = _signature_first(final.findings, signature)
+    findings = sorted(final.findings, key=lambda f: f.signature != signature)
     if signature not in final.signatures:
         err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "
                   "when replayed: nothing written", soft_wrap=True)

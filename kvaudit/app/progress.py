@@ -1,5 +1,5 @@
-"""What a command shows while it runs: rich consoles, and the live status of a search (a rich
-display on a terminal, plain lines in a CI log)."""
+"""What a command shows while it runs: rich consoles, and the live status of a search or a replay
+(a rich display on a terminal, plain lines in a CI log)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvaudit.search.fuzz import FuzzStats
-    from kvaudit.audit.suppress import SuppressionSet
 
 
 def console(stderr: bool = False) -> Console:
@@ -30,22 +29,18 @@ PROGRESS_INTERVAL = 5.0  # seconds between plain status lines off a terminal (fu
 
 
 def coverage_field(coverage: str) -> str:
-    """A fuzzer's coverage (``"93 features, 6 programs"``, ``"412 edges"``) as one whitespace-free
-    field of a plain status line: ``93features/6programs``, ``412edges``."""
+    """``"93 features, 6 programs"`` as one field of a plain status line: ``93features/6programs``."""
     return "/".join("".join(part.split()) for part in coverage.split(","))
 
 
 class Progress:
-    """Live status on a terminal (rich); off a terminal, a plain line every ``interval`` seconds (and
-    at each phase change), with no control codes, for CI logs. ``max_time``: the search budget in
-    seconds; times show as :func:`kvaudit.app.budget.duration` writes them (``4.2s``, ``12m05s``)."""
+    """A search's live status on a terminal; off one, a plain line every ``interval`` seconds and at
+    each phase change. ``max_time``: the search budget (seconds)."""
 
-    def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL,
-                 suppressions: SuppressionSet | None = None):
+    def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL):
         from rich.live import Live
 
         self.console, self.max_time, self.interval = console, max_time, interval
-        self.suppressions = suppressions
         self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
         self._last = 0.0
         self._phase = None
@@ -103,10 +98,8 @@ class Progress:
 
 
 class OpProgress:
-    """Where a long run of one program is (``replay`` of a 100k-op file takes minutes): called as
-    ``progress(ops run, scheduler steps)`` after each op. Off a terminal, a plain line every
-    ``interval`` seconds (default :data:`PROGRESS_INTERVAL`; none for a run that ends sooner), then one
-    when it ends; on a terminal, a transient live line from the first second on. A context manager."""
+    """Where a long run of one program is, called as ``progress(ops run, scheduler steps)`` after each
+    op: off a terminal a plain line every ``interval`` seconds (then one at the end), on one a live line."""
 
     def __init__(self, console: Console, label: str, total: int, interval: float | None = None):
         self.console, self.label, self.total = console, label, total

@@ -18,11 +18,8 @@ if TYPE_CHECKING:
 
 
 def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None, probe: bool = True):
-    """(config, program, recorded findings, suppressions) of a replay file named on the command
-    line; a bad file, suppression file or device is an input error. ``tree_core`` overrides the
-    tree core of a file whose target kind has that option. ``probe``: check that the target can run
-    here (its probe imports a real engine: seconds); False leaves that to the caller, which checks
-    its other options first and then calls :func:`require_target`."""
+    """(config, program, recorded findings, suppressions) of a replay file. ``probe`` False: the caller
+    calls :func:`require_target` (seconds) after its own checks. Raises :class:`InputError`."""
     try:
         config, program, recorded, _ = replay.load(file)
     except replay.ReplayFormatError as e:
@@ -37,7 +34,7 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
 
 def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism: bool, runs: int,
         tree_core: str | None, update: bool, outputs: Outputs) -> int:
-    """``kvaudit replay FILE...``; returns the exit code (see the command's help)."""
+    """``kvaudit replay FILE...``; returns the exit code."""
     from kvaudit.reports.report import print_report, suppressed_by_kind
     from kvaudit.audit.runner import execute
 
@@ -57,10 +54,9 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
     console = make_console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
     want = {f.signature for f in recorded}
-    got = set(ex.signatures)
     hidden = sorted(want & sset.suppressed_signatures()) if sset is not None else []
     if want:
-        same = "yes" if want <= got | set(hidden) else "no"
+        same = "yes" if want <= set(ex.signatures) | set(hidden) else "no"
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
     timeline = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
@@ -73,9 +69,8 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
 
 
 def record_timeline(config, program, sset, err: Console) -> dict | None:
-    """The pool occupancy of ``program`` for the reports' plot (:func:`kvaudit.reports.timeline.record`):
-    one more run, said on ``err``; None for an empty program. Report writers never run the engine:
-    a job that has no recorded timeline calls this before writing them."""
+    """The pool occupancy of ``program`` for the reports' plot (one more run, said on ``err``); None for
+    an empty program. Report writers never run the engine: a job calls this before them."""
     if not program:
         return None
     from kvaudit.reports import timeline
@@ -87,9 +82,7 @@ def record_timeline(config, program, sset, err: Console) -> dict | None:
 
 
 def update_replays(files: tuple[str, ...]) -> int:
-    """``replay --update``: each file replayed and its findings written back (see
-    :func:`kvaudit.replay.rerecord`), one line per file; EXIT_NOT_REPRODUCED if any file that
-    recorded findings now yields none (that file is not written)."""
+    """``replay --update`` (:func:`kvaudit.replay.rerecord`), one line per file; exit 4 if a finding was lost."""
     from kvaudit.audit.runner import execute
     from kvaudit.reports.timeline import record as record_timeline
 
@@ -98,7 +91,6 @@ def update_replays(files: tuple[str, ...]) -> int:
     for file in files:
         config, program, recorded, _ = load_replay(file, None)
         try:
-            # drained to idle again where the file recorded the engine's verdict after the drain
             drain = any(f.engine_check_at_idle for f in recorded)
             with OpProgress(make_console(stderr=True), f"replaying {file}", len(program)) as progress:
                 findings = execute(config, program, drain=drain, on_op=progress).findings
@@ -111,8 +103,7 @@ def update_replays(files: tuple[str, ...]) -> int:
 
 
 def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
-    """Run ``program`` ``runs - 1`` more times beside ``first``; print one row per run (ledger
-    digest, findings); True if any run differs."""
+    """Run ``program`` ``runs - 1`` more times beside ``first``, a row each; True if any run differs."""
     from rich.table import Table
     from rich.text import Text
 

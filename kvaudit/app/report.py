@@ -1,6 +1,5 @@
-"""``kvaudit report``: render the findings a replay or report JSON file records, to the console and
-to the report files asked for. Runs no engine: the occupancy plot is drawn from the timeline the
-file records (a file recorded before timelines were kept gets none)."""
+"""``kvaudit report``: render the findings a replay or report JSON file records. Runs no engine: the
+occupancy plot is the timeline the file records."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from kvaudit.reports.outputs import Case, Outputs, ReportData
 
 
 def run(file: str, outputs: Outputs) -> int:
-    """``kvaudit report FILE``; returns the exit code (0 once rendered). Raises :class:`InputError`
-    for a bad file."""
+    """``kvaudit report FILE``; returns 0. Raises :class:`InputError` for a bad file."""
     from kvaudit.reports.report import print_cases
     from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
