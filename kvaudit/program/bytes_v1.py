@@ -10,16 +10,6 @@ from kvaudit.program.schema import max_prompt as _max_prompt
 
 RECORD = 6  # bytes per op: 1 opcode + 5 argument bytes
 ARG_BYTES = RECORD - 1
-FAMILIES = 8
-MAX_NEW_TOKENS = 12
-STOP_AT = 12
-ABORT_HANDLES = 8
-SESSION_HANDLES = 4
-EXTEND_HANDLES = 8
-EXTEND_PROMPT = 16
-TURN_PROMPT = 48
-TRANSFER_HANDLES = 4
-STEP_N = 4
 
 _BASE = ("submit", "health_check", "abort", "flush_cache", "step", "idle")
 _RADIX = ("submit_extending", "memory_pressure")
@@ -28,17 +18,15 @@ _PD = ("transfer_fail",)
 
 # the argument bytes of each record kind: (argument, lo, hi, optional) in byte order; hi None: max_prompt.
 # A kind not here has no arguments; the submit kinds make a Submit.
-_FAMILY = ("family", 0, FAMILIES - 1, False)
-_TAIL = (("max_new_tokens", 1, MAX_NEW_TOKENS, False), ("stop_at", 1, STOP_AT, True))
+_TAIL = (("max_new_tokens", 1, 12, False), ("stop_at", 1, 12, True))
 _LAYOUT = {
-    "submit": (_FAMILY, ("prompt_len", 1, None, False)) + _TAIL,
-    "submit_extending": (("extends", 0, EXTEND_HANDLES - 1, False), _FAMILY, ("prompt_len", 1, EXTEND_PROMPT, False))
-    + _TAIL,
-    "submit_turn": (("session", 0, SESSION_HANDLES - 1, False), _FAMILY, ("prompt_len", 1, TURN_PROMPT, False)) + _TAIL,
-    "abort": (("handle", 0, ABORT_HANDLES - 1, True),),
-    "close_session": (("handle", 0, SESSION_HANDLES - 1, False),),
-    "transfer_fail": (("handle", 0, TRANSFER_HANDLES - 1, True),),
-    "step": (("n", 1, STEP_N, False),),
+    "submit": (("family", 0, 7, False), ("prompt_len", 1, None, False)) + _TAIL,
+    "submit_extending": (("extends", 0, 7, False), ("family", 0, 7, False), ("prompt_len", 1, 16, False)) + _TAIL,
+    "submit_turn": (("session", 0, 3, False), ("family", 0, 7, False), ("prompt_len", 1, 48, False)) + _TAIL,
+    "abort": (("handle", 0, 7, True),),
+    "close_session": (("handle", 0, 3, False),),
+    "transfer_fail": (("handle", 0, 3, True),),
+    "step": (("n", 1, 4, False),),
 }
 
 

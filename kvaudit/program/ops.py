@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Union
 
-from kvaudit.program.schema import OPS, late_defaults
+from kvaudit.program.schema import OPS
 
 
 class ProgramError(ValueError):
@@ -52,10 +52,11 @@ Op = Union[Submit, HealthCheck, Abort, FlushCache, OpenSession, CloseSession, Me
            ContinueGeneration, TransferFail, Step, Idle]
 OP_TYPES: dict[str, type] = {t.kind: t for t in Op.__args__}
 
-# the schema's views: arguments that may be null, and those left out of JSON and printed ops at
-# their default (added after format 1 was first written, so every older program reads as it did)
+# the schema's views: arguments that may be null, and those left out of JSON and printed ops at their
+# default (added after format 1 was first written, so every older program reads as it did; the same
+# default wherever the name occurs)
 NULLABLE = frozenset(a.name for spec in OPS.values() for a in spec.args if a.nullable)
-LATE_DEFAULTS = late_defaults()
+LATE_DEFAULTS = {a.name: a.default for spec in OPS.values() for a in spec.args if a.late}
 FORMAT = "kvaudit.program/1"
 
 

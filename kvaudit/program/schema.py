@@ -124,11 +124,6 @@ def swarm_groups() -> tuple[str, ...]:
     return tuple(g for g in _SWARM_ORDER if g in groups) + tuple(g for g in groups if g not in _SWARM_ORDER)
 
 
-def late_defaults() -> dict[str, int | None]:
-    """``{name: default}`` of every argument added after format 1 (the same default wherever the name occurs)."""
-    return {a.name: a.default for s in OPS.values() for a in s.args if a.late}
-
-
 def optional_defaults() -> dict[str, int | None]:
     """``{name: default}`` of the arguments a minimized program drops when they make no difference:
     the gated ones (a submit's ``session`` and ``extends``) and every late one."""
