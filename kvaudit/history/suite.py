@@ -62,7 +62,6 @@ class HistoryResult:
                 "releases": [asdict(r) for r in self.releases], "trials": [asdict(t) for t in self.trials]}
 
     def found(self, bug_id: str) -> list[HistoryTrial]:
-        """The successful trials of ``bug_id``."""
         return [t for t in self.trials if t.bug == bug_id and t.success]
 
 
@@ -126,7 +125,6 @@ _INSTALL_LOCK = threading.Lock()
 
 
 def _release(res: HistoryResult, engine: str, version: str, on_event) -> object:
-    """The overlay of ``engine==version`` (installed when missing), recorded once in ``res``."""
     with _INSTALL_LOCK:  # one pip at a time; a release asked twice is installed once
         t0 = time.monotonic()
         try:
@@ -153,7 +151,6 @@ def _job(runner: _Runner, res: HistoryResult, job: dict, engine: str, failure: s
 
 def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], trials: int,
              budget: float) -> list[HistoryTrial]:
-    """Search ``bid`` on its buggy release, then replay what was found on its fixing one."""
     bug = all_bugs()[bid]
     job = {"mode": "search", "bug": bid, "version": bug.buggy, "fuzzers": fuzzers,
            "seeds": list(range(1, trials + 1)), "budget": budget}
@@ -220,7 +217,6 @@ def rediscovered(res: HistoryResult, bug_id: str) -> bool:
 # -- the markdown report ---------------------------------------------------------------------------
 
 def _bugs(res: HistoryResult, ids: list[str], bugs: dict, best: dict) -> list[str]:
-    """The table of bugs: where each shipped and was fixed, and whether it was rediscovered."""
     lines = ["", "## Bugs", "",
              "| bug | engine | shipped in | fixed in (why clean) | rediscovered | minimized program | signature |",
              "|---|---|---|---|---|---|---|"]
@@ -238,7 +234,6 @@ def _bugs(res: HistoryResult, ids: list[str], bugs: dict, best: dict) -> list[st
 
 
 def _per_fuzzer(ids: list[str], fuzzers: list[str], by: dict) -> list[str]:
-    """The table of each bug x fuzzer cell's statistics."""
     lines = ["", "## Per bug and fuzzer", "",
              "| bug | fuzzer | found | time to bug (s) | executions to bug | min ops | p vs random | A12 vs random |",
              "|---|---|---|---|---|---|---|---|"]
@@ -252,7 +247,6 @@ def _per_fuzzer(ids: list[str], fuzzers: list[str], by: dict) -> list[str]:
 
 
 def _programs(best: dict, bugs: dict) -> list[str]:
-    """The shortest minimized program per bug found, with what it did on the fixing release."""
     shown = [(bid, t) for bid, t in best.items() if t is not None]
     if not shown:
         return []

@@ -37,14 +37,10 @@ class NotThisBug:
         self.others: set[str] = set()
 
     def sift(self, findings: list, suppressed: list) -> list:
-        kept = []
-        for f in findings:
-            if self.bug.matches(f):
-                kept.append(f)
-            else:
-                self.others.add(f.signature)
-                suppressed.append(f)
-        return kept
+        others = [f for f in findings if not self.bug.matches(f)]
+        self.others.update(f.signature for f in others)
+        suppressed.extend(others)
+        return [f for f in findings if self.bug.matches(f)]
 
 
 def search_trial(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryTrial:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvaudit.program.ops import OP_TYPES, Op, Submit
 from kvaudit.program.schema import max_prompt as _max_prompt
+from kvaudit.targets import program_features
 
 RECORD = 6  # bytes per op: 1 opcode + 5 argument bytes
 ARG_BYTES = RECORD - 1
@@ -42,8 +43,6 @@ def op_kinds(config) -> tuple[str, ...]:
         kinds += _RADIX
     if config.enable_streaming_session:
         kinds += _SESSIONS
-    from kvaudit.targets import program_features
-
     if "transfer_fail" in program_features(config):
         kinds += _PD
     return kinds

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
+from kvaudit.targets import program_features
+from kvaudit.targets.registry import kind_of
+
 FEATURES = ("priority", "grammar", "flush_timeout", "session_params", "transfer_fail")  # what only some targets model
 CAPABILITIES = ("sessions", "prefix_cache")  # read from any config: streaming sessions, a radix cache
 MAX_ARG = 10_000  # no op argument needs more; step(n=10**12) would never return
@@ -78,34 +81,29 @@ OPS: dict[str, OpSpec] = {s.kind: s for s in (
         Arg("replace", 0, 1, 1, p=1 / 8, limit=1, **_SESSION_PARAM),
         Arg("drop_previous_output", 0, 1, 1, p=1 / 8, limit=1, **_SESSION_PARAM),
         Arg("offset", None, 0, 24, nullable=True, p=1 / 8, **_SESSION_PARAM),  # token of the history
-    ), doc="A generate request of ``prompt_len`` tokens of prefix family ``family``, maybe a session's turn "
-           "or extending a submitted request (every argument: docs/internals/program.md#submit)."),
+    ), doc="A generate request (its arguments: docs/internals/program.md#submit)."),
     OpSpec("health_check", weight=8,
            doc="SGLang's ``/health_generate``: runs as a 1-token request only when the engine is idle."),
     OpSpec("abort", weight=9, args=(Arg("handle", 0, 0, 7, nullable=True, p=1 / 2),),
            doc="Abort live request ``handle`` (modulo the live set), or every request if ``handle`` is None."),
     OpSpec("flush_cache", weight=3, args=(Arg("timeout", 0, 1, 8, p=1 / 3, gate="flush_timeout", late=True),),
-           doc="SGLang's ``/flush_cache`` (only when idle); ``timeout``: scheduler steps a busy engine is "
-               "waited for (``SchedulerFlushWrapper``)."),
+           doc="SGLang's ``/flush_cache`` when idle; ``timeout``: steps a busy engine is waited for."),
     OpSpec("open_session", weight=4, gate="sessions", swarm="sessions",
            doc="Open a streaming session (a no-op on an engine without them)."),
     OpSpec("close_session", weight=3, gate="sessions", swarm="sessions", args=(Arg("handle", 0, 0, 3),),
            doc="Close open session ``handle`` (modulo the open ones); deferred while its turn is in flight."),
     OpSpec("memory_pressure", weight=2, gate="prefix_cache",
-           doc="Another tenant needs device memory: the tree's evictable KV is evicted and the next decode "
-               "step retracts every running request but one."),
+           doc="Another tenant needs device memory: evictable KV evicted, all running requests but one retracted."),
     # NOTE: the minimizer pulls a pause toward in_place: a pause that moves no memory
     OpSpec("pause_generation", weight=2, swarm="pause",
            args=(Arg("mode", 0, 0, len(PAUSE_MODES) - 1, limit=len(PAUSE_MODES) - 1, simplest=1),),
-           doc="SGLang's ``/pause_generation``, ``mode`` indexing :data:`PAUSE_MODES` (``Scheduler.pause_generation``"
-               ", ``TokenizerManager.pause_generation``); new requests are held until ``continue_generation``."),
+           doc="SGLang's ``/pause_generation`` (``Scheduler.pause_generation``), ``mode`` indexing ``PAUSE_MODES``."),
     OpSpec("continue_generation", weight=2, swarm="pause",
            doc="SGLang's ``/continue_generation``: the scheduler runs again and the held requests are sent."),
     # NOTE: a failed transfer ends requests as an abort does
     OpSpec("transfer_fail", weight=4, gate="transfer_fail", swarm="abort",
            args=(Arg("handle", 0, 0, 3, nullable=True, p=2 / 3),),
-           doc="PD decode: the KV transfer of request ``handle`` (modulo those not running yet), or of every "
-               "such request if None, fails (its receiver polls ``KVPoll.Failed``)."),
+           doc="PD decode: the KV transfer of request ``handle`` (or of every one: None) fails (``KVPoll.Failed``)."),
     OpSpec("step", weight=20, swarm=None, args=(Arg("n", 1, 1, 4),), doc="``n`` scheduler iterations."),
     OpSpec("idle", weight=10, swarm=None,
            doc="Run the engine to quiescence (a paused one is resumed first), then the idle checks."),
@@ -137,9 +135,6 @@ def reachable(gate: str | None, reach: frozenset) -> bool:
 def reach(config) -> frozenset[str]:
     """What of :data:`FEATURES` (``program_features``) and :data:`CAPABILITIES` (its kind's
     ``capabilities``) the target of ``config`` models: what the Hypothesis search and the byte decoder draw."""
-    from kvaudit.targets import program_features
-    from kvaudit.targets.registry import kind_of
-
     capabilities = frozenset(kind_of(config).capabilities(config)) & frozenset(CAPABILITIES)
     return frozenset(program_features(config)) | capabilities
 
