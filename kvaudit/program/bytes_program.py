@@ -32,13 +32,10 @@ def max_len(max_ops: int, version: int = DEFAULT_VERSION) -> int:
     return RECORD * max_ops if version == 1 else 1 + RECORD_V2 * max_ops
 
 
-def _arg_from_byte(a, b: int, mp: int):
-    return arg_from_byte(b, *arg_range(a, mp), a.p < 1.0, a.unset)
-
-
 def _decode_v2(rec: bytes, r: frozenset, table: tuple[str, ...], mp: int) -> Op:
     kind = table[rec[0] % len(table)]
-    return make_op(kind, {a.name: _arg_from_byte(a, rec[1 + i], mp) for i, a in enumerate(OPS[kind].args)}, r, mp)
+    values = {a.name: arg_from_byte(b, *arg_range(a, mp), a.p < 1.0, a.unset) for b, a in zip(rec[1:], OPS[kind].args)}
+    return make_op(kind, values, r, mp)
 
 
 def _encode_v2(op: Op, r: frozenset, table: tuple[str, ...], mp: int) -> bytes:
