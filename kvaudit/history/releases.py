@@ -1,11 +1,6 @@
 """Engine releases as overlays: one ``pip install --no-deps --target`` folder per release, put in front of
-``PYTHONPATH`` in a child process over this environment (the base: the packages ``requirements/*-cpu.txt``
-installs). ``../shared/reference/history-facts.md`` found this the cheapest way to run many releases: an
-overlay costs seconds and 0.1-1.3 GB, a venv minutes.
-
-The cache is ``$KVAUDIT_RELEASE_CACHE``, else ``~/.cache/kvaudit/releases``; a release is installed once,
-into a temporary folder renamed into place when pip succeeds (an interrupted install leaves nothing that
-looks complete). A release whose version is the one installed in the base needs no overlay.
+``PYTHONPATH`` in a child process over this environment. The cache is ``$KVAUDIT_RELEASE_CACHE``, else
+``~/.cache/kvaudit/releases``. Design notes: docs/internals/history.md#release-overlays.
 """
 
 from __future__ import annotations
@@ -27,10 +22,6 @@ class ReleaseError(RuntimeError):
     """A release could not be installed or is unknown; one line, fit for the CLI's exit-2 error."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvaudit" / "releases")
-
-
 def base_version(engine: str) -> str | None:
     """The version of ``engine`` installed in this environment (the base), or None."""
     try:
@@ -40,14 +31,13 @@ def base_version(engine: str) -> str | None:
 
 
 def overlay_path(engine: str, version: str) -> Path:
-    return cache_dir() / f"{engine}-{version}"
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvaudit" / "releases") / f"{engine}-{version}"
 
 
 def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None:
-    """The overlay folder of ``engine==version``, installed into the cache if missing (``pip install
-    --no-deps --no-compile --target``, with the kind's pins, :data:`kvaudit.history.catalogue.PINS`); None
-    when the base has that version.
-    Raises :class:`ReleaseError` when pip fails (the registry has no such release, no disk)."""
+    """The overlay folder of ``engine==version``, installed into the cache if missing (with the kind's
+    :data:`kvaudit.history.catalogue.PINS`); None when the base has that version. Raises
+    :class:`ReleaseError` when pip fails (the registry has no such release, no disk)."""
     if engine not in ENGINES:
         raise ReleaseError(f"unknown engine {engine!r} (valid: {', '.join(ENGINES)})")
     if base_version(engine) == version:
@@ -56,6 +46,8 @@ def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None
     if dest.is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: installed into a temporary folder renamed into place when pip succeeds: an interrupted
+    # install leaves nothing that looks complete
     tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-{version}-", dir=dest.parent))
     reqs = [f"{engine}=={version}", *PINS.get((engine, version), ())]
     on_event(f"installing {' '.join(reqs)} into {dest} (--no-deps --target)")

@@ -1,21 +1,8 @@
 """``kvaudit bench --suite history``: known SGLang and vLLM bugs searched for in the releases that shipped
-them, after Magma's and syzbot's practice (a bug counts when it is found where it shipped and absent
-where it was fixed).
+them (each release an overlay, each search a child process: :mod:`kvaudit.history.worker`), then the
+minimized programs replayed on the releases that fixed them; and the markdown report.
 
-For each bug of the catalogue (:mod:`kvaudit.history.catalogue`), and each SGLang 0.5.23 finding of
-``corpora/sglang`` (rediscovered from scratch):
-
-1. the release that ships it is installed as an overlay (:mod:`kvaudit.history.releases`, cached);
-2. a child process with that overlay (:mod:`kvaudit.history.worker`) runs N trials (seeds 1..N) of each
-   fuzzer with a time budget each: a trial succeeds when a finding that is the bug is found, confirmed
-   3 of 3 and minimized (executions and seconds to its first detection, before triage; other findings
-   are suppressed so the program goes on past them, and noted);
-3. another child, on the fixing release, replays every minimized program then drains to idle: the bug
-   is rediscovered when the program is clean there.
-
-The statistics are the zoo table's (:mod:`kvaudit.search.bench`): success rate, median [IQR] executions
-and seconds over successful trials, and against ``random`` Mann-Whitney U and Vargha-Delaney A12 on
-time-to-bug, failed trials counted as the budget.
+Design notes (the method, the statistics, the report): docs/internals/history.md.
 """
 
 from __future__ import annotations
@@ -35,10 +22,20 @@ from typing import Callable
 from kvaudit.history import releases
 from kvaudit.history.catalogue import UNREACHED, all_bugs
 from kvaudit.history.trial import HistoryTrial
+from kvaudit.program import format_program, program_from_json
+from kvaudit.search.bench import _fmt_q, geomean_cells, summarize
 
 
 class SuiteError(RuntimeError):
     """A release could not be installed or its child process failed; one line."""
+
+
+class WorkerFailed(SuiteError):
+    """A worker exited with an error; ``results``: the trials it had written before."""
+
+    def __init__(self, message: str, results: list[dict]):
+        super().__init__(message)
+        self.results = results
 
 
 @dataclass
@@ -64,13 +61,8 @@ class HistoryResult:
                 "interrupted": self.interrupted, "failures": self.failures,
                 "releases": [asdict(r) for r in self.releases], "trials": [asdict(t) for t in self.trials]}
 
-
-class WorkerFailed(SuiteError):
-    """A worker exited with an error; ``results``: the trials it had written before."""
-
-    def __init__(self, message: str, results: list[dict]):
-        super().__init__(message)
-        self.results = results
+    def found(self, bug_id: str) -> list[HistoryTrial]:
+        return [t for t in self.trials if t.bug == bug_id and t.success]
 
 
 class _Runner:
@@ -129,8 +121,10 @@ class _Runner:
             return results
 
 
+_INSTALL_LOCK = threading.Lock()
+
+
 def _release(res: HistoryResult, engine: str, version: str, on_event) -> object:
-    """The overlay of ``engine==version`` (installed when missing), recorded once in ``res``."""
     with _INSTALL_LOCK:  # one pip at a time; a release asked twice is installed once
         t0 = time.monotonic()
         try:
@@ -143,34 +137,30 @@ def _release(res: HistoryResult, engine: str, version: str, on_event) -> object:
     return overlay
 
 
-_INSTALL_LOCK = threading.Lock()
+def _job(runner: _Runner, res: HistoryResult, job: dict, engine: str, failure: str, goes_on: str) -> list[dict]:
+    """``job``'s results on ``engine`` at ``job["version"]``. A worker that fails costs this job's remaining
+    results only: listed in ``res.failures`` as ``failure: error``, its results so far returned."""
+    overlay = _release(res, engine, job["version"], runner.on_event)
+    try:
+        return runner.child(job, engine, job["version"], overlay)
+    except WorkerFailed as e:
+        res.failures.append(f"{failure}: {e}")
+        runner.on_event(f"{job['bug']}: {e} ({goes_on})")
+        return e.results
 
 
 def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], trials: int,
              budget: float) -> list[HistoryTrial]:
-    """Search ``bid`` on its buggy release, then replay what was found on its fixing one."""
     bug = all_bugs()[bid]
-    overlay = _release(res, bug.engine, bug.buggy, runner.on_event)
     job = {"mode": "search", "bug": bid, "version": bug.buggy, "fuzzers": fuzzers,
            "seeds": list(range(1, trials + 1)), "budget": budget}
-    try:
-        found = [HistoryTrial(**d) for d in runner.child(job, bug.engine, bug.buggy, overlay)]
-    except WorkerFailed as e:  # the bug's other trials are lost, not the suite's: noted in the report
-        res.failures.append(f"{bid}: {e}")
-        runner.on_event(f"{bid}: {e} (its trials so far are kept; the suite goes on)")
-        found = [HistoryTrial(**d) for d in e.results]
+    found = [HistoryTrial(**d) for d in _job(runner, res, job, bug.engine, bid,
+                                             "its trials so far are kept; the suite goes on")]
     ok = [t for t in found if t.success]
     if bug.fixed is None or bug.replay_blocked or not ok or runner.stopped.is_set():
         return found
-    overlay = _release(res, bug.engine, bug.fixed, runner.on_event)
     job = {"mode": "replay", "bug": bid, "version": bug.fixed, "programs": [t.program for t in ok]}
-    try:
-        replayed = runner.child(job, bug.engine, bug.fixed, overlay)
-    except WorkerFailed as e:
-        res.failures.append(f"{bid} (replay): {e}")
-        runner.on_event(f"{bid}: {e} (the suite goes on)")
-        replayed = e.results
-    for t, r in zip(ok, replayed):
+    for t, r in zip(ok, _job(runner, res, job, bug.engine, f"{bid} (replay)", "the suite goes on")):
         t.fixed_clean, t.fixed_signatures = r["clean"], r["signatures"]
     if not runner.stopped.is_set():
         clean = sum(bool(t.fixed_clean) for t in ok)
@@ -180,11 +170,10 @@ def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], 
 
 def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
         on_event: Callable[[str], None] = print, jobs: int = 1) -> HistoryResult:
-    """The suite (module docstring), ``jobs`` bugs at a time (a child process each). On Ctrl-C the
-    children are stopped and the result holds every trial they finished, with ``interrupted`` set.
-    A worker that fails (an error, not a finding) costs its bug's remaining trials only: it is listed
-    in ``failures`` and the suite goes on. Raises :class:`SuiteError` when a release cannot be
-    installed or a worker cannot start on it."""
+    """The suite, ``jobs`` bugs at a time (a child process each). On Ctrl-C the children are stopped and
+    the result holds every trial they finished, with ``interrupted`` set. A worker that fails (an error,
+    not a finding) costs its bug's remaining trials only: it is listed in ``failures`` and the suite goes
+    on. Raises :class:`SuiteError` when a release cannot be installed or a worker cannot start on it."""
     res = HistoryResult(settings={"suite": "history", "bugs": bug_ids, "fuzzers": fuzzers, "trials": trials,
                                   "budget": budget, "jobs": jobs, "cpu_count": os.cpu_count(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -220,23 +209,19 @@ def rediscovered(res: HistoryResult, bug_id: str) -> bool:
     """Found (3/3, minimized) on the buggy release by some trial whose program is clean on the fixing one
     (for a bug with no fixing release: found)."""
     bug = all_bugs()[bug_id]
-    ok = [t for t in res.trials if t.bug == bug_id and t.success]
     if bug.replay_blocked:
         return False  # found at most: the fixing release was not run
-    return any(t.fixed_clean for t in ok) if bug.fixed else bool(ok)
+    return any(t.fixed_clean for t in res.found(bug_id)) if bug.fixed else bool(res.found(bug_id))
 
 
 # -- the markdown report ---------------------------------------------------------------------------
 
-def _bugs(res: HistoryResult, ids: list[str], bugs: dict) -> list[str]:
-    """The table of bugs: where each shipped and was fixed, and whether it was rediscovered."""
+def _bugs(res: HistoryResult, ids: list[str], bugs: dict, best: dict) -> list[str]:
     lines = ["", "## Bugs", "",
              "| bug | engine | shipped in | fixed in (why clean) | rediscovered | minimized program | signature |",
              "|---|---|---|---|---|---|---|"]
     for bid in ids:
-        b = bugs[bid]
-        ok = [t for t in res.trials if t.bug == bid and t.success]
-        best = min(ok, key=lambda t: t.min_len) if ok else None
+        b, ok, top = bugs[bid], res.found(bid), best[bid]
         fixed = f"{b.fixed} ({b.clean_because})" if b.fixed else "- (a rediscovery)"
         verdict = ("yes" if rediscovered(res, bid) else
                    f"found; not replayed on the fixed release ({b.replay_blocked})" if ok and b.replay_blocked else
@@ -244,14 +229,11 @@ def _bugs(res: HistoryResult, ids: list[str], bugs: dict) -> list[str]:
         if ok and b.fixed and not b.replay_blocked:
             verdict += f" ({sum(bool(t.fixed_clean) for t in ok)}/{len(ok)} programs clean)"
         lines.append(f"| {bid} | {b.engine} | {b.buggy} | {fixed} | {verdict} | "
-                     f"{best.min_len if best else '-'} ops | `{best.signature if best else b.signature or b.finding}` |")
+                     f"{top.min_len if top else '-'} ops | `{top.signature if top else b.signature or b.finding}` |")
     return lines
 
 
 def _per_fuzzer(ids: list[str], fuzzers: list[str], by: dict) -> list[str]:
-    """The table of each bug x fuzzer cell's statistics."""
-    from kvaudit.search.bench import _fmt_q
-
     lines = ["", "## Per bug and fuzzer", "",
              "| bug | fuzzer | found | time to bug (s) | executions to bug | min ops | p vs random | A12 vs random |",
              "|---|---|---|---|---|---|---|---|"]
@@ -264,13 +246,8 @@ def _per_fuzzer(ids: list[str], fuzzers: list[str], by: dict) -> list[str]:
     return lines
 
 
-def _programs(res: HistoryResult, ids: list[str], bugs: dict) -> list[str]:
-    """The shortest minimized program per bug found, with what it did on the fixing release."""
-    from kvaudit.program import format_program, program_from_json
-
-    shown = [(bid, min((t for t in res.trials if t.bug == bid and t.success), key=lambda t: t.min_len, default=None))
-             for bid in ids]
-    shown = [(bid, t) for bid, t in shown if t is not None]
+def _programs(best: dict, bugs: dict) -> list[str]:
+    shown = [(bid, t) for bid, t in best.items() if t is not None]
     if not shown:
         return []
     lines = ["", "## Minimized programs", "",
@@ -287,18 +264,21 @@ def _programs(res: HistoryResult, ids: list[str], bugs: dict) -> list[str]:
 
 def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
     """The history-suite report; ``raw``: the name of the raw-data file written beside it."""
-    from kvaudit.search.bench import geomean_cells, summarize
-
     s, bugs = res.settings, all_bugs()
     fuzzers, ids = s["fuzzers"], s["bugs"]
     cells = summarize(res.trials)
     by = {(c.bug, c.fuzzer): c for c in cells}
-    sizes = {(r.engine, r.version): r for r in res.releases}
+    best = {bid: min(res.found(bid), key=lambda t: t.min_len, default=None) for bid in ids}
+
+    def hit(bid: str, fuzzer: str) -> bool:
+        return bool(by.get((bid, fuzzer)) and by[(bid, fuzzer)].successes)
+
     lines = [
         "# kvaudit on the history suite: known bugs in the releases that shipped them",
         "",
         f"Generated by `kvaudit bench --suite history --trials {s['trials']} --budget {s['budget']:g} --fuzzers "
-        f"{','.join(fuzzers)} --jobs {s.get('jobs', 1)}` on {s['started']} ({s['cpu_count']} CPUs; wall time {res.wall / 60:.1f} min"
+        f"{','.join(fuzzers)} --jobs {s.get('jobs', 1)}` on {s['started']} ({s['cpu_count']} CPUs; "
+        f"wall time {res.wall / 60:.1f} min"
         + (", INTERRUPTED: partial" if res.interrupted else "") + f"). Raw data: `{raw}`."
         + (f" Added afterwards, with the same settings in a run of their own ({s['added']['started']}, "
            f"{s['added']['wall_seconds'] / 60:.1f} min) merged into this report: "
@@ -312,46 +292,41 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
         "*rediscovered* when a minimized program, replayed and drained to idle on the first release with "
         "the fix, finds nothing. Times and executions are to the first detection (before triage): median "
         "[IQR] over successful trials, '-' when half the trials or more failed. p and A12 compare "
-        "time-to-bug with `random` (Mann-Whitney U; A12 < 0.5: faster), failed trials counted as the budget; p is '-' with "
-        "fewer than 2 trials.",
+        "time-to-bug with `random` (Mann-Whitney U; A12 < 0.5: faster), failed trials counted as the budget; "
+        "p is '-' with fewer than 2 trials.",
         "",
         "## Headline",
         "",
         "| | " + " | ".join(fuzzers) + " |",
         "|---|" + "---|" * len(fuzzers),
-        "| bugs found (at least once) | " + " | ".join(
-            f"{sum(1 for b in ids if by.get((b, f)) and by[(b, f)].successes)}/{len(ids)}" for f in fuzzers) + " |",
+        "| bugs found (at least once) | " + " | ".join(f"{sum(hit(b, f) for b in ids)}/{len(ids)}" for f in fuzzers)
+        + " |",
+        "| geometric mean of median executions-to-bug vs random (target >= 3x fewer) | "
+        + " | ".join(geomean_cells(cells, fuzzers)) + " |",
     ]
-    lines.append("| geometric mean of median executions-to-bug vs random (target >= 3x fewer) | "
-                 + " | ".join(geomean_cells(cells, fuzzers)) + " |")
     if "random" in fuzzers:  # the other target: every bug random finds
         lines.append("| bugs random finds and this fuzzer misses (target: none) | " + " | ".join(
-            "-" if f == "random" else ", ".join(
-                b for b in ids if by.get((b, "random")) and by[(b, "random")].successes
-                and not (by.get((b, f)) and by[(b, f)].successes)) or "none" for f in fuzzers) + " |")
+            "-" if f == "random" else ", ".join(b for b in ids if hit(b, "random") and not hit(b, f)) or "none"
+            for f in fuzzers) + " |")
     if res.failures:  # a worker's error cost its bug's remaining trials: the table is short of them
         lines += ["", "**Workers that failed** (an error in kvaudit or the engine, not a finding; the bug's "
                   "trials after it are missing from the tables):", ""]
         lines += [f"- {f}" for f in res.failures]
-    lines += _bugs(res, ids, bugs) + _per_fuzzer(ids, fuzzers, by) + _programs(res, ids, bugs)
+    lines += _bugs(res, ids, bugs, best) + _per_fuzzer(ids, fuzzers, by) + _programs(best, bugs)
     lines += ["", "## What each bug is, and how a real server reaches it", ""]
-    for bid in ids:
-        b = bugs[bid]
-        if b.replay_file:
-            continue
-        lines.append(f"- **{bid}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
+    for b in (bugs[bid] for bid in ids if not bugs[bid].replay_file):
+        lines.append(f"- **{b.id}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
                      + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
                      + f". Reached: {b.reach}")
     lines += ["", "## Known bugs not in the suite", "", "| bug | sources | releases | why not |", "|---|---|---|---|"]
-    for u in UNREACHED:
-        lines.append(f"| {u.id} | {', '.join(u.sources)} | {u.releases} | {u.reason} |")
+    lines += [f"| {u.id} | {', '.join(u.sources)} | {u.releases} | {u.reason} |" for u in UNREACHED]
     if res.releases:
-        lines += ["", "## Releases used", "", "| engine | version | overlay | size on disk | install or cache check (s) |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "## Releases used", "",
+                  "| engine | version | overlay | size on disk | install or cache check (s) |", "|---|---|---|---|---|"]
         for r in sorted(res.releases, key=lambda r: (r.engine, r.version)):
             lines.append(f"| {r.engine} | {r.version} | {'base environment' if not r.overlay else 'cached overlay'} | "
                          f"{r.bytes / 2**20:.0f} MiB | {r.install_seconds:g} |")
-        total = sum(r.bytes for r in sizes.values())
+        total = sum(r.bytes for r in {(r.engine, r.version): r for r in res.releases}.values())
         lines.append(f"\nOverlays in all: {total / 2**30:.2f} GiB.")
     notes = [t for t in res.trials if t.note or t.others]
     if notes:

@@ -1,25 +1,19 @@
-"""A byte decoder for coverage-guided fuzzers: any byte string is a valid program.
-
-libFuzzer (through atheris) mutates flat byte strings; :func:`program_from_bytes` maps each one to
-a valid :mod:`kvaudit.program` program for a given target config, and :func:`program_to_bytes` is
-its inverse, used to seed the corpus with known reproducers. An input starting with
-:data:`V2_MAGIC` is in layout version 2 (records of :data:`RECORD_V2` bytes: an opcode indexing the
-weighted op kinds of the config's reach, then one byte per argument, read from
-:data:`kvaudit.program.schema.OPS`); any other is in version 1, frozen
+"""A byte decoder for coverage-guided fuzzers (libFuzzer through atheris): any byte string is a valid
+program for a given target config (:func:`program_from_bytes`), and :func:`program_to_bytes` is its
+inverse, used to seed the corpus with known reproducers. An input starting with :data:`V2_MAGIC` is in
+layout version 2 (read from :data:`kvaudit.program.schema.OPS`), any other in version 1, frozen
 (:mod:`kvaudit.program.bytes_v1`). The layouts, byte by byte: docs/reference/byte-layout.md.
-The seed corpora (``corpora/seeds/<preset>/``, both versions) are written from the regression
-reproducers and :func:`hand_seeds` by ``python -m kvaudit.search.seeds --write-seeds [DIR]``.
 """
 
 from __future__ import annotations
 
 from kvaudit.config import TargetConfig
 from kvaudit.program import bytes_v1
-from kvaudit.program.bytes_v1 import RECORD, max_prompt
+from kvaudit.program.bytes_v1 import RECORD, arg_from_byte, arg_to_byte, encode_each, max_prompt, records
 from kvaudit.program.generate import make_op, weighted_kinds
 from kvaudit.program.ops import (Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
                                  Op, OpenSession, PauseGeneration, Step, Submit, TransferFail)
-from kvaudit.program.schema import OPS, arg_range, reach, reachable
+from kvaudit.program.schema import OPS, arg_range, reach
 from kvaudit.targets import program_features
 
 V2_MAGIC = 0xF2  # the first byte of a version 2 input
@@ -38,42 +32,19 @@ def max_len(max_ops: int, version: int = DEFAULT_VERSION) -> int:
     return RECORD * max_ops if version == 1 else 1 + RECORD_V2 * max_ops
 
 
-def _arg_from_byte(a, b: int, mp: int):
-    lo, hi = arg_range(a, mp)
-    n = hi - lo + 1
-    if a.p >= 1.0:
-        return lo + b % n
-    return a.unset if b % 2 == 0 else lo + (b >> 1) % n
-
-
-def _decode_v2(data: bytes, config, max_ops: int) -> list[Op]:
-    r = reach(config)
-    table, mp = weighted_kinds(r), max_prompt(config)
-    ops: list[Op] = []
-    for start in range(0, min(len(data), max(0, max_ops) * RECORD_V2), RECORD_V2):
-        rec = data[start:start + RECORD_V2].ljust(RECORD_V2, b"\x00")
-        kind = table[rec[0] % len(table)]
-        values = {a.name: _arg_from_byte(a, rec[1 + i], mp) for i, a in enumerate(OPS[kind].args)}
-        ops.append(make_op(kind, values, r, mp))
-    return ops
-
-
-def _arg_to_byte(a, v, mp: int, kind: str) -> int:
-    lo, hi = arg_range(a, mp)
-    if a.p < 1.0 and v == a.unset:
-        return 0
-    if v is None or not lo <= v <= hi:
-        raise ValueError(f"{a.name}={v!r} is outside {lo}..{hi}")
-    return v - lo if a.p >= 1.0 else ((v - lo) << 1) | 1
+def _decode_v2(rec: bytes, r: frozenset, table: tuple[str, ...], mp: int) -> Op:
+    kind = table[rec[0] % len(table)]
+    values = {a.name: arg_from_byte(b, *arg_range(a, mp), a.p < 1.0, a.unset) for b, a in zip(rec[1:], OPS[kind].args)}
+    return make_op(kind, values, r, mp)
 
 
 def _encode_v2(op: Op, r: frozenset, table: tuple[str, ...], mp: int) -> bytes:
     spec = OPS[op.kind]
-    if not reachable(spec.gate, r) or op.kind not in table:
+    if op.kind not in table:
         raise ValueError(f"op {op.kind} is not decoded for this config (its ops: {', '.join(dict.fromkeys(table))})")
-    rec = bytes([table.index(op.kind)] + [_arg_to_byte(a, getattr(op, a.name), mp, op.kind) for a in spec.args])
-    rec = rec.ljust(RECORD_V2, b"\x00")
-    back = make_op(op.kind, {a.name: _arg_from_byte(a, rec[1 + i], mp) for i, a in enumerate(spec.args)}, r, mp)
+    args = [arg_to_byte(getattr(op, a.name), *arg_range(a, mp), a.p < 1.0, a.name, a.unset) for a in spec.args]
+    rec = bytes([table.index(op.kind)] + args).ljust(RECORD_V2, b"\x00")
+    back = _decode_v2(rec, r, table, mp)
     if back != op:  # an argument the target does not model, or one its requirement leaves unset
         diff = [a.name for a in spec.args if getattr(back, a.name) != getattr(op, a.name)]
         raise ValueError(f"{', '.join(diff)} cannot be decoded for this config")
@@ -81,39 +52,34 @@ def _encode_v2(op: Op, r: frozenset, table: tuple[str, ...], mp: int) -> bytes:
 
 
 def program_from_bytes(data: bytes, config: TargetConfig, max_ops: int = 24) -> list[Op]:
-    """Decode ``data`` into a valid program for ``config`` (docs/reference/byte-layout.md for the layouts;
-    the version is read from ``data``: :func:`version_of`).
-
-    Total and deterministic: every byte string, ``b""`` included, gives a program of at most
-    ``max_ops`` decoded ops plus a final ``idle()`` (added unless the last decoded op is ``idle``).
-    """
+    """Decode ``data`` into a valid program for ``config`` (the version is read from ``data``:
+    :func:`version_of`). Total and deterministic: every byte string, ``b""`` included, gives a program
+    of at most ``max_ops`` decoded ops plus a final ``idle()`` (added unless the last decoded op is one)."""
     data = bytes(data)
-    ops = _decode_v2(data[1:], config, max_ops) if version_of(data) == 2 else bytes_v1.decode(data, config, max_ops)
-    if version_of(data) == 2 and (not ops or not isinstance(ops[-1], Idle)):
+    if version_of(data) == 1:
+        ops = bytes_v1.decode(data, config, max_ops)
+    else:
+        r = reach(config)
+        table, mp = weighted_kinds(r), max_prompt(config)
+        ops = [_decode_v2(rec, r, table, mp) for rec in records(data[1:], RECORD_V2, max_ops)]
+    if not ops or not isinstance(ops[-1], Idle):
         ops.append(Idle())
     return ops
 
 
 def program_to_bytes(program: list[Op], config: TargetConfig, version: int = DEFAULT_VERSION) -> bytes:
     """The bytes that :func:`program_from_bytes` decodes back into ``program`` (with a final ``idle()``
-    appended when ``program`` does not end with one), in layout ``version`` (a version 2 input
-    starts with :data:`V2_MAGIC`; unused argument bytes are zero). Raises ``ValueError`` for an op
-    or argument the decoder cannot produce for ``config`` (a session op without sessions, a prompt
-    longer than its range, in version 1 any argument added after it...). Programs longer than the
-    decoder's ``max_ops`` are encoded whole; decode them with a larger ``max_ops``."""
+    appended when ``program`` does not end with one), in layout ``version`` (unused argument bytes are
+    zero). Raises ``ValueError`` for an op or argument the decoder cannot produce for ``config`` (a
+    session op without sessions, a prompt longer than its range...). Programs longer than the decoder's
+    ``max_ops`` are encoded whole; decode them with a larger ``max_ops``."""
     if version == 1:
         return bytes_v1.encode(program, config)
     if version != 2:
         raise ValueError(f"unknown byte layout version {version} (valid: {', '.join(map(str, VERSIONS))})")
     r = reach(config)
     table, mp = weighted_kinds(r), max_prompt(config)
-    out = bytearray([V2_MAGIC])
-    for i, op in enumerate(program):
-        try:
-            out += _encode_v2(op, r, table, mp)
-        except ValueError as e:
-            raise ValueError(f"op {i} ({op.kind}): {e}") from None
-    return bytes(out)
+    return bytes([V2_MAGIC]) + encode_each(program, lambda op: _encode_v2(op, r, table, mp))
 
 
 # --- seed corpora ---------------------------------------------------------------------------------

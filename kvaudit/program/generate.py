@@ -1,10 +1,7 @@
-"""The generators' shared part: an op from the schema's arguments, whatever draws them.
+"""The generators' shared part: an op from the schema's arguments, whatever draws them (the random
+baseline here, the Hypothesis rules, the version 2 byte decoder), and the random baseline itself.
 
-Every generator (the random baseline here, the Hypothesis rules of :mod:`kvaudit.search.fuzz`, the version
-2 byte decoder of :mod:`kvaudit.program.bytes_program`) draws each argument of an op independently
-from its :class:`~kvaudit.program.schema.Arg` range (or leaves it unset) and hands the values to
-:func:`make_op`, which applies the schema's ``requires`` and ``caps``. So every op and argument the
-schema defines for a target's reach comes out of every generator, and no generator keeps a table.
+Design notes: docs/internals/program.md#generation.
 """
 
 from __future__ import annotations
@@ -27,9 +24,8 @@ def _draw_value(rng, arg, max_prompt: int):
 
 
 def random_op(rng, reach: frozenset, max_prompt: int, table: tuple[str, ...] | None = None) -> Op:
-    """One op drawn by ``rng`` (a ``random.Random``): its kind by :attr:`OpSpec.weight` among the
-    kinds of ``reach`` (or from ``table``, a weighted list of kinds), each argument set with
-    probability :attr:`Arg.p` (from its range) and otherwise unset."""
+    """One op drawn by ``rng`` (a ``random.Random``): its kind from ``table`` (a weighted list of kinds;
+    default :func:`weighted_kinds`), each argument set with probability :attr:`Arg.p`, else unset."""
     table = table or weighted_kinds(reach)
     kind = table[rng.randrange(len(table))]
     spec = OPS[kind]
@@ -43,16 +39,9 @@ def weighted_kinds(reach: frozenset) -> tuple[str, ...]:
 
 
 def random_program(rng, length: int, max_prompt: int = 32, features: frozenset = frozenset()) -> list[Op]:
-    """A random program of ``length`` ops from ``rng`` (a ``random.Random``), ending in ``idle``.
-
-    The op mix is fixed (no coverage feedback): this is the plain random baseline. Every op kind and
-    argument of :data:`kvaudit.program.schema.OPS` is drawn whose gate is in ``features`` (of
-    :data:`kvaudit.program.schema.FEATURES`, what the target models -- a config's
-    ``program_features``) or is a capability (sessions and extending submits are always drawn; a
-    target without them ignores them). For example ``session_params``: a session turn may name a
-    parent turn (or none: the default branch point) and replace it, drop its output and splice at an
-    offset, in any combination; ``transfer_fail``: a PD decode server's transfers fail.
-    """
+    """A random program of ``length`` ops from ``rng`` (a ``random.Random``), ending in ``idle``: the
+    plain random baseline (a fixed op mix). It draws every op and argument whose gate is in ``features``
+    (a config's ``program_features``) or is a capability (a target without them ignores them)."""
     reach = frozenset(features) | frozenset(CAPABILITIES)
     table = weighted_kinds(reach)
     ops: list[Op] = [random_op(rng, reach, max_prompt, table) for _ in range(max(0, length - 1))]

@@ -1,41 +1,16 @@
-"""The op schema: one table of every op's arguments, read by the ops, the generators and the minimizer.
+"""The op schema: one table (:data:`OPS`) of every op's arguments, read by the ops, the generators, the
+byte decoder and the minimizer; and the request a client builds from a ``submit`` op.
 
-Each op kind (:data:`OPS`) lists its arguments in field order. An argument (:class:`Arg`) has
-
-- ``default``: the value of an op written without it (the dataclass default in :mod:`.ops`);
-- ``lo..hi``: the range the generators draw a set value from (``hi`` :data:`PROMPT` is the
-  generator's ``max_prompt``, tokens); ``limit``: the largest value a program file may hold;
-- ``nullable``: ``None`` is a value; ``unset`` (``None`` for a nullable argument, else ``default``)
-  is what a generator leaves an argument it does not draw at;
-- ``p``: how often the random generator sets it (draws from ``lo..hi``) rather than leaving it unset;
-  1.0: always drawn. Hypothesis draws either branch; the byte decoder reads an even byte as unset;
-- ``gate``: what a target must model for the argument to mean anything: a member of :data:`FEATURES`
-  (a config's ``program_features``) or of :data:`CAPABILITIES` (derived from the config);
-  ``requires``: another argument that must be set for this one to be (``ignore_eos`` needs a
-  ``stop_at``; a turn's ``SessionParams`` need a ``session``);
-- ``caps``: a narrower ``hi`` while another argument is set (an extending prompt is at most 16
-  tokens: the history it resends comes first); ``late``: added after format 1 was first written
-  (left out of JSON and printed ops when at its default, so older programs read and print as before);
-- ``simplest``: the value the minimizer pulls a set argument toward (default: ``default``).
-
-An op kind may itself be gated (``OpSpec.gate``) and weighted (``OpSpec.weight``: its share of the
-ops the random generator and the version 2 byte decoder draw), and belongs to a swarm group
-(``OpSpec.swarm``: the Hypothesis search's swarm testing leaves whole groups out of a case,
-:func:`swarm_groups`). A row is all an op needs besides the targets that apply it: its Hypothesis
-rule, swarm group, op type (:func:`kvaudit.program.ops.op_type`), byte decoding (version 2),
-minimizer simplifications and corpus mutations are read from it; ``kvaudit export`` refuses an op
-its engine has no mapping for, by name. :func:`resolve` applies ``requires``
-and ``caps`` to drawn values, so every generator produces the same set of programs.
-
-The request side: :func:`prompt_tokens`, :func:`pick` and :func:`resolve_submit` build a client's
-request (prompt ids, output budget, session) from a ``submit`` op; a target applies its own length
-limits through their arguments.
+Design notes (what each field of a row means, what derives from a row): docs/internals/program.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
+
+from kvaudit.targets import program_features
+from kvaudit.targets.registry import kind_of
 
 FEATURES = ("priority", "grammar", "flush_timeout", "session_params", "transfer_fail")  # what only some targets model
 CAPABILITIES = ("sessions", "prefix_cache")  # read from any config: streaming sessions, a radix cache
@@ -46,7 +21,7 @@ PAUSE_MODES = ("abort", "in_place", "retract")  # PauseGenerationReqInput.mode, 
 
 @dataclass(frozen=True)
 class Arg:
-    """One argument of an op (see the module docstring for each field's meaning)."""
+    """One argument of an op; the fields: docs/internals/program.md#arguments."""
 
     name: str
     default: int | None
@@ -63,27 +38,24 @@ class Arg:
 
     @property
     def toward(self) -> int | None:
-        """The value the minimizer tries first for a set argument: ``simplest``, else the default."""
         return self.default if self.simplest == "default" else self.simplest
 
     @property
     def unset(self) -> int | None:
-        """The value a generator leaves the argument at when it does not set it."""
         return None if self.nullable else self.default
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op kind: its arguments in field order, its gate, its weight in the random mix and its swarm
-    group: ``swarm`` names the group a swarm-testing case keeps or leaves out as a whole (the session
-    ops together, pause with continue); left unset, the op is a group of its own (its ``kind``);
-    None, it is in every case (``step``, ``idle``)."""
+    """One op kind: its arguments in field order, its gate, its weight in the random mix, its swarm group
+    ("": its own kind; None: in every case) and its docstring (docs/internals/program.md#op-kinds)."""
 
     kind: str
     args: tuple[Arg, ...] = ()
     gate: str | None = None
     weight: int = 1
-    swarm: str | None = ""  # "": the op's own kind (filled in __post_init__)
+    swarm: str | None = ""
+    doc: str = field(default="", repr=False)
     arg: dict = field(default=None, compare=False, repr=False)  # name -> Arg, filled in __post_init__
 
     def __post_init__(self):
@@ -109,22 +81,32 @@ OPS: dict[str, OpSpec] = {s.kind: s for s in (
         Arg("replace", 0, 1, 1, p=1 / 8, limit=1, **_SESSION_PARAM),
         Arg("drop_previous_output", 0, 1, 1, p=1 / 8, limit=1, **_SESSION_PARAM),
         Arg("offset", None, 0, 24, nullable=True, p=1 / 8, **_SESSION_PARAM),  # token of the history
-    )),
-    OpSpec("health_check", weight=8),
-    OpSpec("abort", weight=9, args=(Arg("handle", 0, 0, 7, nullable=True, p=1 / 2),)),  # None: all
-    OpSpec("flush_cache", weight=3, args=(Arg("timeout", 0, 1, 8, p=1 / 3, gate="flush_timeout", late=True),)),
-    OpSpec("open_session", weight=4, gate="sessions", swarm="sessions"),
-    OpSpec("close_session", weight=3, gate="sessions", swarm="sessions", args=(Arg("handle", 0, 0, 3),)),
-    OpSpec("memory_pressure", weight=2, gate="prefix_cache"),
-    # the minimizer pulls a pause toward in_place: a pause that moves no memory
+    ), doc="A generate request (its arguments: docs/internals/program.md#submit)."),
+    OpSpec("health_check", weight=8,
+           doc="SGLang's ``/health_generate``: runs as a 1-token request only when the engine is idle."),
+    OpSpec("abort", weight=9, args=(Arg("handle", 0, 0, 7, nullable=True, p=1 / 2),),
+           doc="Abort live request ``handle`` (modulo the live set), or every request if ``handle`` is None."),
+    OpSpec("flush_cache", weight=3, args=(Arg("timeout", 0, 1, 8, p=1 / 3, gate="flush_timeout", late=True),),
+           doc="SGLang's ``/flush_cache`` when idle; ``timeout``: steps a busy engine is waited for."),
+    OpSpec("open_session", weight=4, gate="sessions", swarm="sessions",
+           doc="Open a streaming session (a no-op on an engine without them)."),
+    OpSpec("close_session", weight=3, gate="sessions", swarm="sessions", args=(Arg("handle", 0, 0, 3),),
+           doc="Close open session ``handle`` (modulo the open ones); deferred while its turn is in flight."),
+    OpSpec("memory_pressure", weight=2, gate="prefix_cache",
+           doc="Another tenant needs device memory: evictable KV evicted, all running requests but one retracted."),
+    # NOTE: the minimizer pulls a pause toward in_place: a pause that moves no memory
     OpSpec("pause_generation", weight=2, swarm="pause",
-           args=(Arg("mode", 0, 0, len(PAUSE_MODES) - 1, limit=len(PAUSE_MODES) - 1, simplest=1),)),
-    OpSpec("continue_generation", weight=2, swarm="pause"),
-    # a failed transfer ends requests as an abort does
+           args=(Arg("mode", 0, 0, len(PAUSE_MODES) - 1, limit=len(PAUSE_MODES) - 1, simplest=1),),
+           doc="SGLang's ``/pause_generation`` (``Scheduler.pause_generation``), ``mode`` indexing ``PAUSE_MODES``."),
+    OpSpec("continue_generation", weight=2, swarm="pause",
+           doc="SGLang's ``/continue_generation``: the scheduler runs again and the held requests are sent."),
+    # NOTE: a failed transfer ends requests as an abort does
     OpSpec("transfer_fail", weight=4, gate="transfer_fail", swarm="abort",
-           args=(Arg("handle", 0, 0, 3, nullable=True, p=2 / 3),)),
-    OpSpec("step", weight=20, swarm=None, args=(Arg("n", 1, 1, 4),)),  # scheduler iterations
-    OpSpec("idle", weight=10, swarm=None),
+           args=(Arg("handle", 0, 0, 3, nullable=True, p=2 / 3),),
+           doc="PD decode: the KV transfer of request ``handle`` (or of every one: None) fails (``KVPoll.Failed``)."),
+    OpSpec("step", weight=20, swarm=None, args=(Arg("n", 1, 1, 4),), doc="``n`` scheduler iterations."),
+    OpSpec("idle", weight=10, swarm=None,
+           doc="Run the engine to quiescence (a paused one is resumed first), then the idle checks."),
 )}
 
 # NOTE: Hypothesis draws a case's swarm as a set sampled from swarm_groups(), so the groups' order is part
@@ -134,21 +116,10 @@ _SWARM_ORDER = ("submit", "health_check", "abort", "flush_cache", "memory_pressu
 
 
 def swarm_groups() -> tuple[str, ...]:
-    """The swarm groups of :data:`OPS` (every ``OpSpec.swarm`` but None), each once: those of
-    ``_SWARM_ORDER`` first in its order, then the others in :data:`OPS` order. Read when a search
-    starts, so an op added to :data:`OPS` is drawn with no other table changed."""
+    """The swarm groups of :data:`OPS` (every ``OpSpec.swarm`` but None), each once, read when a search
+    starts (so a new row is drawn with no other table changed)."""
     groups = dict.fromkeys(s.swarm for s in OPS.values() if s.swarm is not None)
     return tuple(g for g in _SWARM_ORDER if g in groups) + tuple(g for g in groups if g not in _SWARM_ORDER)
-
-
-def default(kind: str, name: str) -> int | None:
-    """The default of argument ``name`` of op ``kind`` (raises ``KeyError`` for an unknown one)."""
-    return OPS[kind].arg[name].default
-
-
-def late_defaults() -> dict[str, int | None]:
-    """``{name: default}`` of every argument added after format 1 (the same default wherever the name occurs)."""
-    return {a.name: a.default for s in OPS.values() for a in s.args if a.late}
 
 
 def optional_defaults() -> dict[str, int | None]:
@@ -158,25 +129,14 @@ def optional_defaults() -> dict[str, int | None]:
 
 
 def reachable(gate: str | None, reach: frozenset) -> bool:
-    """Whether something gated by ``gate`` is drawn for a target whose features and capabilities are ``reach``."""
     return gate is None or gate in reach
 
 
-def capabilities(config) -> frozenset[str]:
-    """What of :data:`CAPABILITIES` the target of ``config`` has (its registered kind's
-    ``capabilities``): ``sessions`` (streaming sessions), ``prefix_cache`` (a prefix cache, so that
-    resent histories share prefixes)."""
-    from kvaudit.targets.registry import kind_of
-
-    return frozenset(kind_of(config).capabilities(config)) & frozenset(CAPABILITIES)
-
-
 def reach(config) -> frozenset[str]:
-    """Everything of :data:`FEATURES` and :data:`CAPABILITIES` the target of ``config`` models: what the
-    Hypothesis search and the version 2 byte decoder draw for it."""
-    from kvaudit.targets import program_features
-
-    return frozenset(program_features(config)) | capabilities(config)
+    """What of :data:`FEATURES` (``program_features``) and :data:`CAPABILITIES` (its kind's
+    ``capabilities``) the target of ``config`` models: what the Hypothesis search and the byte decoder draw."""
+    capabilities = frozenset(kind_of(config).capabilities(config)) & frozenset(CAPABILITIES)
+    return frozenset(program_features(config)) | capabilities
 
 
 def kinds(reach: frozenset) -> tuple[str, ...]:
@@ -192,15 +152,15 @@ def max_prompt(context_len: int) -> int:
 
 
 def arg_range(a: Arg, max_prompt: int) -> tuple[int, int]:
-    """``(lo, hi)`` of a set value of ``a`` with :data:`PROMPT` resolved to ``max_prompt``."""
+    """``(lo, hi)`` of a set value of ``a``, :data:`PROMPT` resolved to ``max_prompt``."""
     return a.lo, (max_prompt if a.hi == PROMPT else a.hi)
 
 
 def resolve(kind: str, values: dict, reach: frozenset, max_prompt: int) -> dict:
     """``values`` (each argument of ``kind`` drawn independently, a set value in its range) made a
     program's arguments: an argument whose gate is out of ``reach`` or whose ``requires`` is unset
-    goes back to unset; a capped argument is folded into its cap (``1 + (v - lo) % cap``-style) while
-    the capping argument is set. Returns a new dict; raises ``KeyError`` for a missing argument."""
+    goes back to unset; a capped argument is folded into its cap while the capping argument is set.
+    Returns a new dict; raises ``KeyError`` for a missing argument."""
     spec = OPS[kind]
     out = dict(values)
     for a in spec.args:
