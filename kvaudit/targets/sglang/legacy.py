@@ -165,6 +165,7 @@ class SglangLegacyTarget(SglangDriver):
                                             hf_eos_token_id=None, is_matryoshka=False, hidden_size=8,
                                             num_hidden_layers=1)
         self._init_state(config)
+        self.grammar_manager = None  # (no grammars in this era: flush, idle and _active read it)
         # the row pool's ledger units: row + 1 before 0.5.11 (every row usable), the row itself from it
         self._row_base = 0 if compat.has("row-zero-padding", S.version) else 1
         # the row pool first: of two findings of one kind the row's is reported first (a row released under a
@@ -238,24 +239,6 @@ class SglangLegacyTarget(SglangDriver):
         for req in self.running:
             if req.rid == rid and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT()
-
-    def _flush_cache(self) -> bool:
-        """``Scheduler.flush_cache``: only when idle."""
-        if not self.is_idle():
-            return False
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.allocator.clear()
-        self._flushes += 1
-        return True
-
-    def _active(self) -> list:
-        return self.waiting + self.running
-
-    def is_idle(self) -> bool:
-        return not self.waiting and not self.running
-
-    is_idle_for_health_check = is_idle
 
     # -- batches (Scheduler.event_loop_normal) ---------------------------------------------------
     def step(self) -> None:
