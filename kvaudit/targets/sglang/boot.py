@@ -1,9 +1,6 @@
-"""Bootstrap of the real-SGLang target: version probe, import stubs, and building SGLang's own
-memory-manager objects on CPU (``docs/../sglang-target-recipe``: construction recipe).
-
-Nothing here copies SGLang code; it calls SGLang's constructors and its tree-cache factory
-(``mem_cache/registry.py::create_tree_cache``) the way the scheduler does at start-up.
-"""
+"""Bootstrap of the real-SGLang target: version probe, import stubs, and SGLang's own memory-manager
+objects built as the scheduler builds them (its constructors and its tree-cache factory,
+``mem_cache/registry.py::create_tree_cache``)."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ INSTALL_HINT = "pip install --no-deps -r requirements/sglang-cpu.txt"
 
 
 class SglangUnavailable(RuntimeError):
-    """SGLang is not installed, or its version (or API) is not one this target drives. The message
-    is one line, fit for the CLI's exit-2 error."""
+    """SGLang is missing, or not a version (or API) this target drives; a one-line message (exit 2)."""
 
 
 def installed_version() -> str | None:
@@ -49,18 +45,8 @@ def probe_version() -> str:
     return v
 
 
-# -- import stubs ---------------------------------------------------------------------------
-# SGLang imports two packages at module level that the memory-manager paths never run on CPU:
-#
-# * triton: allocation.py and the kernel modules define @triton.jit kernels at import, and torch's
-#   dynamo inspects ``triton.language`` while SGLang's import-time torch.compile decorators load.
-#   The real package is ~900 MiB of GPU compiler. The stub is a module tree whose attributes are
-#   sub-modules (lower case) or inert classes (upper case), and whose call is a pass-through
-#   decorator, which is what a kernel *definition* needs (SGLang's own macOS stub works the same
-#   way: sglang/_platform_stubs.py).
-# * torchvision: multimodal/internvl_utils.py imports torchvision.transforms at module level. The
-#   only torchvision wheel for torch 2.13 is a CUDA build that fails to import beside CPU torch.
-#   transformers parses ``torchvision.__version__``, hence "0.28.0" (the release paired with 2.13).
+# NOTE: SGLang imports triton and torchvision at module level; the memory-manager paths never run
+# them on CPU, and neither imports beside CPU torch here (docs/internals/sglang.md, "Import stubs").
 
 
 class _InertMeta(type):
@@ -125,8 +111,7 @@ STUBS = {"triton": "3.0.0", "torchvision": "0.28.0"}
 
 
 def install_stubs() -> list[str]:
-    """Stub the packages of :data:`STUBS` that cannot be imported for real; returns the ones stubbed.
-    A real, importable package is always preferred."""
+    """Stub the packages of :data:`STUBS` that do not import for real; returns the ones stubbed."""
     need = []
     for name in STUBS:
         if name in sys.modules:
@@ -146,16 +131,29 @@ def install_stubs() -> list[str]:
     return need
 
 
+def prepare_import() -> list[str]:
+    """What both eras' imports need: no ``SGLANG_USE_CPU_ENGINE``, and the stubs (returns the ones
+    installed). Raises :class:`SglangUnavailable`."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE"):
+        raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
+                                "this target does not need")
+    return install_stubs()
+
+
+def quiet_loggers() -> None:
+    """SGLang's loggers, and the root logger some of its modules log through: the CLI's output is kvaudit's."""
+    for name in ("sglang", "transformers", "torch._dynamo"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger().setLevel(logging.CRITICAL)
+
+
 _LOADED: SimpleNamespace | None = None
 
 
 def load() -> SimpleNamespace:
-    """Import SGLang's memory manager once per process; returns the symbols the target uses. The
-    current API (:data:`compat.CURRENT`); the legacy family's is :func:`kvaudit.targets.sglang.legacy.load_legacy`.
-
-    Raises :class:`SglangUnavailable` for a missing or unsupported SGLang, or an API that differs
-    from the one this target drives (checked by signature, not by version string alone).
-    """
+    """Import SGLang 0.5.23's memory manager once per process; returns the symbols the target uses.
+    Raises :class:`SglangUnavailable` for a missing or unsupported SGLang, or an API that differs from
+    the one this target drives (checked by signature, not by version string alone)."""
     global _LOADED
     if _LOADED is not None:
         return _LOADED
@@ -163,10 +161,7 @@ def load() -> SimpleNamespace:
     if compat.family(version) == "legacy":  # (legacy builds on this module: it is not imported from here)
         raise SglangUnavailable(f"SGLang {version} is of the legacy family: its memory manager is loaded by "
                                 "kvaudit.targets.sglang.legacy.load_legacy, not boot.load")
-    if os.environ.get("SGLANG_USE_CPU_ENGINE"):
-        raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
-                                "this target does not need")
-    stubbed = install_stubs()
+    stubbed = prepare_import()
     # SGLang imports vLLM, whose platform probe logs "Failed to import from vllm._C" on every CPU-only
     # start: expected here (no kernel runs), and noise on every run's stderr. A level the user set stays.
     probe_log = logging.getLogger("vllm.platforms.interface")
@@ -201,11 +196,7 @@ def load() -> SimpleNamespace:
             raise SglangUnavailable(f"SGLang {version} is installed but its memory manager does not import: {exc} "
                                     f"(reinstall with: {INSTALL_HINT})") from None
     _check_api(version, common, allocation, StreamingSession, ReqKvInfo)
-    for name in ("sglang", "transformers", "torch._dynamo"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    # a few SGLang modules log through the root logger (logging.warning(...): a session turn appended to
-    # an unfinished one, a deferred flush's timeout); the CLI's output is kvaudit's
-    logging.getLogger().setLevel(logging.CRITICAL)
+    quiet_loggers()
     _LOADED = SimpleNamespace(
         version=version, stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
         OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams,
@@ -225,9 +216,7 @@ def load() -> SimpleNamespace:
 
 
 def _check_api(version: str, common, allocation, StreamingSession, ReqKvInfo) -> None:
-    """The API probe: the 0.5.23 shapes the driver relies on (older releases used cache_finished_req,
-    req.req_pool_idx and SessionSlot(req_pool_idx=...), none of which exist here). Raises
-    :class:`SglangUnavailable` naming what is missing."""
+    """The API probe: raises :class:`SglangUnavailable` naming the 0.5.23 shapes that are missing."""
     rel = inspect.signature(common.release_kv_cache).parameters
     problems = []
     if "checkpoint" not in rel or rel["checkpoint"].kind is not inspect.Parameter.KEYWORD_ONLY:
@@ -241,10 +230,8 @@ def _check_api(version: str, common, allocation, StreamingSession, ReqKvInfo) ->
 
 
 def shim_cuda_host_register() -> str:
-    """CPU shim shared by the modes with a host pool (HiSparse, HiCache), idempotent:
-    ``pool_host.common._cuda_host_register`` -> no-op. Host pools are built with ``pin_memory=True`` and
-    register their buffer through ``torch.cuda.cudart().cudaHostRegister``, which raises "Torch not
-    compiled with CUDA" on a CPU build. Returns the shim's name."""
+    """CPU shim S1 (HiSparse, HiCache), idempotent: ``pool_host.common._cuda_host_register`` -> no-op
+    (pinned host pools register through CUDA, which a CPU build lacks). Returns the shim's name."""
     import sglang.srt.mem_cache.pool_host.common as pool_host_common
 
     if not getattr(pool_host_common._cuda_host_register, "__kvaudit_shim__", False):
@@ -257,9 +244,8 @@ def shim_cuda_host_register() -> str:
 
 
 def one_rank_group():
-    """A one-process gloo group (an in-memory store: no file, no socket), for the parts of SGLang that
-    all-reduce over a tensor-parallel group of one: the PD decode queues' polls, HiSparse's
-    coordinator. Returns ``torch.distributed.group.WORLD``."""
+    """A one-process gloo group over an in-memory store (``torch.distributed.group.WORLD``), for the parts
+    of SGLang that all-reduce over a tensor-parallel group of one."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -271,10 +257,8 @@ GRAMMAR_BACKEND = "kvaudit-steps"  # registered with SGLang's register_grammar_b
 
 
 def publish_server_args(config, **extra):
-    """``ServerArgs`` for ``config``, published for this process (SGLang keeps it process-global and
-    reads it through ``get_schedule()``, ``get_memory()``...): the page size, the scheduling switches
-    SGLang's own functions read from it (``preempt_to_schedule``: the priority direction), and a mode's
-    ``extra`` fields."""
+    """``ServerArgs`` for ``config`` with a mode's ``extra`` fields, published for this process (SGLang
+    reads it process-wide through ``get_schedule()``, ``get_memory()``...)."""
     S = load()
     sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, grammar_backend=GRAMMAR_BACKEND,
                       schedule_low_priority_values_first=config.schedule_low_priority_values_first, **extra)
@@ -284,17 +268,11 @@ def publish_server_args(config, **extra):
 
 def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_radix_cache: bool = False,
           tp_worker=None, enable_hierarchical_cache: bool = False) -> SimpleNamespace:
-    """SGLang's pools and tree cache for ``config`` (a :class:`SglangConfig`), built the way the
-    scheduler builds them (``kv_cache_configurator``, then ``create_tree_cache``).
-
-    Publishes ``ServerArgs`` for this process (SGLang keeps it process-global), unless a mode passes
-    its own, already published ``server_args`` (``enable_hierarchical_cache`` passes the factory's flag
-    that runs ``init_hicache``: the server args must enable it too); ``make_rows`` (a callable of the
-    device) builds a mode's own request pool (PD decode: ``DecodeReqToTokenPool``), ``make_kv`` (the
-    same) its own ``(kvcache, allocator)`` (HiSparse). Raises :class:`SglangUnavailable`
-    if the requested tree core is not the one SGLang picked (Rust falls back to Python silently
-    outside its supported torch range).
-    """
+    """SGLang's pools and tree cache for ``config`` (``kv_cache_configurator``, then
+    ``create_tree_cache``). ``server_args``: a mode's own, already published; ``make_rows`` /
+    ``make_kv`` (callables of the device): a mode's own request pool / ``(kvcache, allocator)``. Raises
+    :class:`SglangUnavailable` if SGLang picked another tree core than the one asked for (Rust falls
+    back to Python silently outside its torch range)."""
     S = load()
     import torch
 

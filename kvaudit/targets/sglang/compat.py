@@ -1,17 +1,8 @@
-"""The SGLang releases the target drives, in two driver families, and the API changes between them.
-
-* **current** (0.5.23): ``ReqKvInfo``, ``release_kv_cache(req, cache, *, checkpoint)``, the tree-cache
-  factory and ``StreamingSession.take`` -- :mod:`kvaudit.targets.sglang.target` and its modes;
-* **legacy** (the ``cache_finished_req`` era, 0.5.10.post1 and 0.5.11): the KV fields sit on ``Req``
-  (``req_pool_idx``, ``kv_committed_len``, ``kv_allocated_len``, ``cache_protected_len``),
-  ``release_kv_cache(req, cache, is_insert)``, a ``RadixCache`` wrapped by ``SessionAwareCache`` built by
-  hand, locks by ``inc_lock_ref``/``dec_lock_ref(node)`` -- :mod:`kvaudit.targets.sglang.legacy`, core
-  pools, radix cache and sessions only.
-
-Each change inside a family is named after the first release with the newer API; the legacy driver asks
-:func:`has` with the installed version. The releases were read in their wheels (``pip install --no-deps
---target``, then grep and ``inspect.signature``); facts: ``../shared/reference/history-facts.md``.
-"""
+"""The SGLang releases the target drives, in two eras, and the API changes between them: **current**
+(0.5.23: ``ReqKvInfo``, ``release_kv_cache(req, cache, *, checkpoint)``, the tree-cache factory)
+and **legacy** (the ``cache_finished_req`` era, 0.5.10.post1 and 0.5.11: KV fields on ``Req``,
+``release_kv_cache(req, cache, is_insert)``, a hand-built ``RadixCache`` and ``SessionAwareCache``).
+Each change is named after the first release with the newer API (facts: ``../shared/reference/history-facts.md``)."""
 
 from __future__ import annotations
 
@@ -53,6 +44,5 @@ def supported() -> str:
 
 
 def has(change: str, version: str) -> bool:
-    """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError
-    otherwise)."""
+    """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError otherwise)."""
     return release_has(CHANGES, change, version)

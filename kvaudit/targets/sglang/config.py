@@ -1,8 +1,5 @@
-"""Configuration and presets of the real-SGLang target (``kvaudit fuzz --target sglang``).
-
-Importing this module does not import SGLang: the CLI validates flags and replay files with it
-on machines where SGLang is not installed, and says so in one line only when a run needs it.
-"""
+"""Configuration and presets of the real-SGLang target (``kvaudit fuzz --target sglang``). Imports
+no SGLang: the CLI validates flags and replay files with it where SGLang is not installed."""
 
 from __future__ import annotations
 
@@ -36,69 +33,12 @@ HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete")
 
 @dataclass(frozen=True)
 class SglangConfig(ConfigBase):
-    """How the real SGLang 0.5.23 memory manager is built and driven.
+    """How the real SGLang memory manager is built and driven (both eras; the legacy one drives a
+    subset). Sizes are in tokens, timeouts and delays in scheduler steps (SGLang's clock advances one
+    second a step). The fields, by mode, are described in docs/internals/sglang.md ("Configuration").
 
-    Sizes are in tokens: ``num_slots`` is the KV pool (``max_total_num_tokens``), rounded down to
-    whole pages. ``need_sort`` is the allocator flag PD-disaggregation servers set. ``tree_core``
-    picks the ``UnifiedRadixCache`` tree core: ``rust`` (SGLang's production default) or
-    ``python``. ``new_token_ratio`` is the share of running requests' remaining decode tokens that
-    admission reserves (SGLang's ``new_token_ratio``); below 1 decode can run out and retract.
-    With ``enable_streaming_session``, sessions open as ``session_streaming`` ones (the KV held in a
-    ``SessionSlot``) or not (history through the radix cache), with a ``session_timeout_steps``
-    timeout (scheduler steps; the session controller's clock advances one second a step).
-    ``chunked_prefill_size`` (tokens, SGLang's ``--chunked-prefill-size``) splits a longer prefill
-    into chunks, one ``chunked_req`` at a time; None turns chunking off. ``enable_mixed_chunk``
-    (SGLang's ``--enable-mixed-chunk``, with chunking only) lets the running requests decode inside a
-    prefill batch (``mix_with_running``) instead of waiting for the next decode step.
-    ``bugs`` names injected faults (:data:`FAULTS`). ``strict_mem_check_during_busy`` is read by the driver
-    family of SGLang 0.5.10-0.5.11 only (:mod:`kvaudit.targets.sglang.legacy`): that era's busy memory check
-    runs only under ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``, so the engine check is its idle check
-    unless this is set; 0.5.23's engine check (its invariant checker's formula) always runs.
-
-    Scheduling (SGLang's ``--enable-priority-scheduling``, ``--schedule-low-priority-values-first``,
-    ``--priority-scheduling-preemption-threshold``, ``--max-queued-requests``): with
-    ``enable_priority_scheduling`` the waiting queue is ordered by ``Submit.priority`` and a
-    higher-priority request may preempt running ones (``PrefillAdder.preempt_to_schedule``);
-    ``max_queued_requests`` caps the waiting queue (``_abort_on_queued_limit``: the newcomer, or with
-    priorities the least preferred waiting request, is aborted with a 503). Timeout aborts (the
-    environment's ``SGLANG_REQ_WAITING_TIMEOUT`` / ``SGLANG_REQ_RUNNING_TIMEOUT``, one second a step):
-    ``request_waiting_timeout_steps`` / ``request_running_timeout_steps``, None for off.
-
-    PD decode (``disaggregation_mode="decode"``): kvaudit plays the prefill server and the wire
-    (``kvaudit/targets/sglang/pd.py``). ``transfer_latency_steps`` is how many scheduler steps a KV
-    transfer takes to land; ``abort_ack_steps`` how many steps after an abort notification prefill
-    acknowledges the drain (None: never, so a deferred release waits for
-    ``deferred_release_timeout_steps``); ``deferred_kv_release`` is
-    ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``. Every transfer carries prefill's KV checksum
-    (SGLang's ``--disaggregation-enable-kv-checksum``); with ``kv_checksum_mismatch_every`` N, every
-    Nth transfer that lands (health checks, which carry none, not counted) arrives corrupted, so
-    decode's ``_verify_kv_checksums`` aborts it at its prebuilt batch (None: none is corrupted).
-
-    HiSparse (``enable_hisparse``; SGLang's ``--enable-hisparse``, which requires
-    ``--disable-radix-cache``): ``num_slots`` is the physical device pool, the logical pool is
-    ``hisparse_host_to_device_ratio`` times larger, and each decoding request keeps a device buffer of
-    ``hisparse_device_buffer_size`` tokens (SGLang's ``device_buffer_size``; a multiple of the page).
-    ``hisparse_staging_steps`` is how many scheduler steps a request's device-to-host staging copy stays
-    in flight (0: done at the next step, which is what CPU events report; more models a GPU's async copy).
-
-    HiCache (``enable_hierarchical_cache``; SGLang's ``--enable-hierarchical-cache``): a host pool
-    ``hicache_ratio`` times the device pool backs up tree nodes by ``hicache_write_policy``;
-    ``hicache_ack_steps`` is how many scheduler steps after a device-to-host (write-through) or
-    host-to-device (load-back) copy is submitted the poll (``check_hicache_events``) first sees it done.
-    ``hicache_storage_backend`` adds SGLang's L3 tier (``--hicache-storage-backend``; ``"file"`` only:
-    ``HiCacheFile`` in a temporary directory of the target's own): host copies are backed up to storage
-    after their write-through ack, and a queued request prefetches what storage holds beyond its
-    device and host match. ``hicache_storage_ack_steps`` is how many scheduler steps a storage
-    operation (a prefetch's hit query, its page transfer, a backup's page writes) waits in its queue
-    before the stand-in storage worker runs it; ``hicache_storage_prefetch_policy`` is SGLang's
-    ``--hicache-storage-prefetch-policy`` (``best_effort``: admission ends an unfinished prefetch and
-    keeps what landed; ``wait_complete``: the request waits for it; SGLang's ``timeout`` runs on the
-    wall clock and is not driven); ``hicache_storage_prefetch_threshold`` (tokens) is the backend's
-    ``prefetch_threshold`` extra config (SGLang's default, 256, exceeds every prompt here): a shorter
-    prefetch, or a shorter storage hit, is not fetched.
-
-    Raises ``ValueError`` for inconsistent values, :class:`kvaudit.config.UnknownFaultError` for an unknown fault.
-    """
+    Raises ``ValueError`` for inconsistent values, :class:`kvaudit.config.UnknownFaultError` for an
+    unknown fault."""
 
     num_slots: int = 512
     page_size: int = 1
@@ -161,9 +101,7 @@ class SglangConfig(ConfigBase):
     @property
     def program_features(self) -> frozenset[str]:
         """Program arguments this target gives meaning to, so the generators draw them
-        (:data:`kvaudit.program.FEATURES`): priorities with priority scheduling, grammars where the
-        driver runs SGLang's ``GrammarManager`` (not on a PD decode server), session parameters with
-        sessions, flush timeouts always, transfer failures on a PD decode server."""
+        (:data:`kvaudit.program.FEATURES`)."""
         out = {"flush_timeout"}
         if self.disaggregation_mode == "decode":
             out.add("transfer_fail")
@@ -177,7 +115,7 @@ class SglangConfig(ConfigBase):
 
     @property
     def disable_radix_cache(self) -> bool:
-        """HiSparse runs without the radix cache (SGLang's validate_hisparse requires it)."""
+        """HiSparse runs without the radix cache (SGLang's ``validate_hisparse``)."""
         return self.enable_hisparse
 
     def __post_init__(self) -> None:
@@ -189,7 +127,8 @@ class SglangConfig(ConfigBase):
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
-                     "enable_mixed_chunk", "strict_mem_check_during_busy"):
+                     "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
+                     "enable_hierarchical_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -210,8 +149,6 @@ class SglangConfig(ConfigBase):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
                 raise ValueError(f"{name} must be null or a positive integer, got {t!r}")
-        if not isinstance(self.session_streaming, bool):
-            raise ValueError(f"session_streaming must be true or false, got {self.session_streaming!r}")
         a = self.abort_ack_steps
         if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
             raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {a!r}")
@@ -244,17 +181,17 @@ class SglangConfig(ConfigBase):
         self._check_hicache()
 
     def _check_hicache(self) -> None:
-        if not isinstance(self.enable_hierarchical_cache, bool):
-            raise ValueError(f"enable_hierarchical_cache must be true or false, got {self.enable_hierarchical_cache!r}")
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
                              f"got {self.hicache_write_policy!r}")
         r = self.hicache_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 1 < r <= 8:
             raise ValueError(f"hicache_ratio must be a number in (1, 8], got {r!r}")
-        a = self.hicache_ack_steps
-        if not isinstance(a, int) or isinstance(a, bool) or not 1 <= a <= 64:
-            raise ValueError(f"hicache_ack_steps must be an integer in [1, 64], got {a!r}")
+        for name, top in (("hicache_ack_steps", 64), ("hicache_storage_ack_steps", 64),
+                          ("hicache_storage_prefetch_threshold", 65536)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise ValueError(f"{name} must be an integer in [1, {top}], got {v!r}")
         self._check_hicache_storage()
         if not self.enable_hierarchical_cache:
             return
@@ -272,17 +209,11 @@ class SglangConfig(ConfigBase):
         if b is not None and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_backend needs enable_hierarchical_cache (SGLang's L3 tier sits under "
                              "the host tier)")
-        a = self.hicache_storage_ack_steps
-        if not isinstance(a, int) or isinstance(a, bool) or not 1 <= a <= 64:
-            raise ValueError(f"hicache_storage_ack_steps must be an integer in [1, 64], got {a!r}")
         p = self.hicache_storage_prefetch_policy
         if p not in HICACHE_PREFETCH_POLICIES:
             hint = " (SGLang's timeout policy reads the wall clock: not driven)" if p == "timeout" else ""
             raise ValueError(f"hicache_storage_prefetch_policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
                              f"got {p!r}{hint}")
-        t = self.hicache_storage_prefetch_threshold
-        if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= 65536:
-            raise ValueError(f"hicache_storage_prefetch_threshold must be an integer in [1, 65536], got {t!r}")
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):

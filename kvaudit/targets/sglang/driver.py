@@ -1,10 +1,6 @@
-"""The driver: SGLang's scheduler loop played over SGLang's own objects, in the scheduler's order
-(``Scheduler.event_loop_normal`` / ``event_loop_overlap``): admission with SGLang's ``PrefillAdder``
-(prefill budget, chunking, priority preemption), ``ScheduleBatch`` building, ``alloc_for_extend`` /
-``alloc_for_decode``, decode retraction (``check_decode_mem``/``retract_decode``), result
-processing and ``release_kv_cache``, so that a driver mistake never reads as an SGLang bug. Each
-method names the SGLang function whose call order it follows. Injected faults act here.
-"""
+"""The driver: SGLang's scheduler loop (``Scheduler.event_loop_normal`` / ``event_loop_overlap``)
+played over SGLang's own objects in the scheduler's order, so that a driver mistake never reads as
+an SGLang bug. Each method names the SGLang function it follows. Injected faults act here."""
 
 from __future__ import annotations
 
@@ -16,19 +12,11 @@ from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling
 
 
 class SglangDriver(SglangIntake):
-    """``Scheduler``'s batches: one ``step`` is one iteration of its event loop (the messages are
-    :class:`SglangIntake`'s)."""
+    """``Scheduler``'s batches: one ``step`` is one iteration of its event loop."""
 
     def step(self) -> None:
-        """One iteration of ``Scheduler.event_loop_normal``: reap deferred session closes
-        (``SessionController.maybe_reap``), then a prefill batch if one can be admitted
-        (``get_new_batch_prefill``, prefill first), else a decode step (``update_running_batch``),
-        then the batch's result processing. With ``enable_overlap`` it is ``event_loop_overlap``:
-        the previous batch's result is processed after the next batch is scheduled and allocated,
-        and the previous prefill batch joins the running batch before its result is in
-        (``get_next_batch_to_run``). Before scheduling, ``get_next_batch_to_run`` tears down a
-        pending chunked abort and stashes the chunked request (``stash_chunked_request`` ->
-        ``checkpoint_kv_cache``), which never joins the running batch between chunks."""
+        """One iteration of ``Scheduler.event_loop_normal`` (``event_loop_overlap`` with ``enable_overlap``:
+        the previous batch's result is processed after the next batch is allocated)."""
         self.steps += 1
         self.clock.now += 1.0
         if self.session_controller is not None:
@@ -60,43 +48,33 @@ class SglangDriver(SglangIntake):
         self._snapshot_held()
 
     def _snapshot_held(self) -> None:
-        """What each running request holds now: if a release elsewhere takes its record away (a session
-        released under a running turn), the next scan still sees the request reading it."""
+        """What each running request holds now: if a release elsewhere takes its record away, the next scan
+        still sees the request reading it."""
         table = self.req_to_token_pool.req_to_token
         self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
                               r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
 
     def _join_running(self) -> None:
-        """``get_next_batch_to_run``'s merge: under overlap the last prefill batch joins the running
-        batch before its result is in, less the chunked request (this step's and the batch's). Without
-        overlap, :meth:`_prefilled` has already added each request when its result came in."""
+        """``get_next_batch_to_run``'s merge: under overlap the last prefill batch joins the running batch."""
         if self.config.enable_overlap and self._last is not None and self._last[0] == "extend":
             excluded = (self.chunked_req, self._last[2])
             self.running += [r for r in self._last[1] if not r.finished() and not r.is_retracted
                              and r not in self.running and not any(r is x for x in excluded)]
 
     def _prefilled(self, req) -> None:
-        """A prefill result that did not finish its request, after ``checkpoint_kv_cache``: without
-        overlap the request joins the running batch now."""
+        """A prefill result that did not finish its request: without overlap it joins the running batch."""
         if not self.config.enable_overlap:
             self.running.append(req)
 
     def _new_batch(self, batch, kind: str) -> None:
-        """A prefill (``kind`` ``"extend"``) or decode / running (``"decode"``) ``ScheduleBatch`` right after
-        ``init_new``, before any allocation: what the scheduler sets on it besides (nothing more on
-        this target)."""
+        """A ``ScheduleBatch`` right after ``init_new``: what a feature sets on it (nothing here)."""
 
     def _after_decode_alloc(self, batch) -> None:
-        """After ``alloc_for_decode`` (``prepare_for_decode``): nothing more on this target."""
+        """After ``alloc_for_decode``: nothing here."""
 
     def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
-        """``process_batch_result_prefill`` / ``_decode``, inside one free group: one sampled token per
-        request, ``update_finish_state``, then ``release_kv_cache(checkpoint=True)`` for a finished
-        request or, after a prefill, ``checkpoint_kv_cache``. A middle chunk samples nothing: its
-        result only counts down ``inflight_middle_chunks``, even when the request was aborted since.
-        Under overlap a request that finished or was retracted since the batch ran is skipped (its
-        over-allocated slot goes back in its release). ``decoding``: the decode rows of a mixed batch
-        (``batch.decoding_reqs``), which are not checkpointed; they go back to the running batch."""
+        """``process_batch_result_prefill`` / ``_decode``, inside one free group. ``decoding``: the decode rows
+        of a mixed batch, which go back to the running batch."""
         self.allocator.free_group_begin()
         for req in reqs:
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
@@ -119,10 +97,8 @@ class SglangDriver(SglangIntake):
             self.running = [r for r in self.running if not r.finished()]
 
     def _process_pending_chunked_abort(self) -> None:
-        """``Scheduler.process_pending_chunked_abort`` (top of ``get_next_batch_to_run``): an aborted
-        chunked request is finished (``prepare_abort``) and released with ``checkpoint=False``; its
-        chunk still in flight (overlap) only drains its ``inflight_middle_chunks`` when its result
-        lands. A request no longer chunked is aborted again where it is now."""
+        """``Scheduler.process_pending_chunked_abort``: an aborted chunked request is released with
+        ``checkpoint=False``; one no longer chunked is aborted again where it is now."""
         req, self._pending_chunked_abort = self._pending_chunked_abort, None
         if req is None:
             return
@@ -138,18 +114,13 @@ class SglangDriver(SglangIntake):
         self._release(req, checkpoint=False)
 
     def _allocatable(self, held: int) -> int:
-        """``Scheduler.get_num_allocatable_reqs``: the running-request budget left, and the free rows plus
-        the rows the counted requests already hold (a continuing chunk, a session borrow)."""
+        """``Scheduler.get_num_allocatable_reqs``, plus the rows the counted requests already hold."""
         return min(self.config.max_running_requests - len(self.running),
                    self.req_to_token_pool.available_size() + held)
 
     def _prefill(self) -> tuple[str, list, object] | None:
-        """``Scheduler.get_new_batch_prefill``, FCFS, with SGLang's own ``PrefillAdder``: the chunked
-        request continues first (``add_chunked_req``), then each waiting request is matched
-        (``init_next_round_input``: prefix match and session borrow) and offered to ``add_one_req``
-        (prefill budget with the running batch's decode reserve, chunking, the admission lock), until
-        it refuses; then ``ScheduleBatch.init_new`` and ``alloc_for_extend``. Returns
-        ``("extend", admitted, chunked_req)`` for :meth:`_process`, or None when nothing is admitted."""
+        """``Scheduler.get_new_batch_prefill`` with SGLang's own ``PrefillAdder``. Returns ``("extend",
+        admitted, chunked_req[, decoding])`` for :meth:`_process`, or None."""
         S, cfg, cache = self.S, self.config, self.tree_cache
         gm = self.grammar_manager
         if gm is not None and gm.has_waiting_grammars():  # _get_new_batch_prefill_raw's first step
@@ -215,8 +186,7 @@ class SglangDriver(SglangIntake):
         return "extend", admitted, self.chunked_req
 
     def _extend_batch(self, admitted: list):
-        """``ScheduleBatch.init_new`` of the admitted requests and ``prepare_for_extend``'s allocation
-        (``alloc_for_extend``, whose results it keeps on the batch)."""
+        """``ScheduleBatch.init_new`` and ``prepare_for_extend``'s ``alloc_for_extend``."""
         S = self.S
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, self.config.enable_overlap, S.SpeculativeAlgorithm.NONE,
@@ -235,12 +205,8 @@ class SglangDriver(SglangIntake):
         return batch
 
     def _mix_with_running(self, batch) -> list:
-        """``get_new_batch_prefill``'s mixed-style chunked prefill (``enable_mixed_chunk``): the running
-        requests whose queued result finishes them by length leave the running batch
-        (``_reqs_finishing_inflight``); if the rest pass ``check_decode_mem``, they get their decode
-        slot (``prepare_for_decode`` -> ``alloc_for_decode``) and ride in the prefill batch
-        (``mix_with_running``, ``decoding_reqs``), and the running batch is emptied; else they sit
-        this step out (a mixed step never retracts). Returns the decode rows mixed in."""
+        """``enable_mixed_chunk``: the running requests decode inside the prefill batch
+        (``mix_with_running``) if they pass ``check_decode_mem``. Returns the decode rows mixed in."""
         self.running = [r for r in self.running if r not in self._finishing_inflight()]
         if not self.running:
             return []
@@ -262,18 +228,15 @@ class SglangDriver(SglangIntake):
         return decoding
 
     def _finishing_inflight(self) -> list:
-        """``Scheduler._reqs_finishing_inflight`` (overlap): running requests in the batch whose result is
-        still queued that this result finishes by length."""
+        """``Scheduler._reqs_finishing_inflight`` (overlap)."""
         if not self.config.enable_overlap or self._last is None:
             return []
         queued = set(map(id, self._last[1]))
         return [r for r in self.running if id(r) in queued and r.next_output_finishes_by_length()]
 
     def _decode(self) -> tuple[str, list, None] | None:
-        """``Scheduler.update_running_batch``: under overlap, the requests whose queued result finishes
-        them by length leave the batch first (``_reqs_finishing_inflight``); ``check_decode_mem``, and
-        ``retract_decode`` when it fails (or under memory pressure); then ``alloc_for_decode`` for one
-        token each. Returns ``("decode", reqs)`` for :meth:`_process`, or None."""
+        """``Scheduler.update_running_batch``: ``check_decode_mem``, ``retract_decode`` when it fails (or under
+        memory pressure), ``alloc_for_decode``. Returns ``("decode", reqs, None)`` or None."""
         S = self.S
         finishing = self._finishing_inflight()
         self.running = [r for r in self.running if r not in finishing]
@@ -310,8 +273,7 @@ class SglangDriver(SglangIntake):
         return "decode", list(batch.reqs), None
 
     def _running_batch(self, reqs: list, overlap: bool):
-        """``Scheduler.running_batch`` as a ``ScheduleBatch`` of ``reqs`` with the per-request tensors
-        ``filter_batch`` and ``release_req`` read (rows, seq lens), for decode and for preemption."""
+        """``Scheduler.running_batch`` as a ``ScheduleBatch`` of ``reqs``."""
         S = self.S
         batch = S.ScheduleBatch.init_new(list(reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, overlap, S.SpeculativeAlgorithm.NONE)
@@ -331,8 +293,7 @@ class SglangDriver(SglangIntake):
         return 2 + ((len(req.origin_input_ids) + n) * 7 + 3) % (self.config.vocab_size - 2)
 
     def _release(self, req, checkpoint: bool) -> None:
-        """``release_kv_cache(req, tree_cache, checkpoint=...)``, the one release of a finished request
-        (``process_batch_result_*``). Injected faults act here."""
+        """``release_kv_cache(req, tree_cache, checkpoint=...)``; injected faults act here."""
         self.finished.add(req.rid)
         if "skip-release" in self._faults:
             self._faults.discard("skip-release")
@@ -362,8 +323,7 @@ class SglangDriver(SglangIntake):
         cache.unlock = unlock_dropping_one
 
     def _inflight(self) -> list:
-        """``Scheduler.collect_inflight_reqs``: the running batch, and the last batch -- (overlap) the one
-        whose result is pending, and the chunked request, whose last chunk ran last."""
+        """``Scheduler.collect_inflight_reqs``: the running batch, the last batch, the chunked request."""
         reqs = list(self.running)
         if self._last is not None:
             reqs += [r for r in self._last[1] if not any(r is x for x in reqs)]
@@ -372,8 +332,6 @@ class SglangDriver(SglangIntake):
         return reqs
 
     def _active(self) -> list:
-        """Waiting requests (and those in the grammar queue), and the in-flight ones (:meth:`_inflight`);
-        the chunked request is in no batch between chunks, and SGLang's invariant checker adds it as this
-        does."""
+        """Waiting requests (and the grammar queue's), then the in-flight ones."""
         queued = self.waiting + (self.grammar_manager.grammar_queue if self.grammar_manager is not None else [])
         return queued + [r for r in self._inflight() if not any(r is w for w in queued)]

@@ -1,18 +1,7 @@
-"""What ``kvaudit export`` needs of SGLang 0.5.23 (:data:`EXPORT`, handed over by the ``sglang`` kind's
-``export`` field): the HTTP table, the server launch, the engine's part of a client script and of an
-issue text, the curl lines.
-
-The routes and fields, read from SGLang 0.5.23's installed sources (facts only):
-``srt/entrypoints/http_server.py`` (routes), ``srt/managers/io_struct.py`` (``GenerateReqInput``:
-``input_ids`` one list or a list of lists, ``rid`` and ``sampling_params`` a value or a list, one
-``session_params`` dict applied to every item of a batch; ``OpenSessionReqInput``:
-``capacity_of_str_len``, ``session_id``, ``streaming``, ``timeout``; ``CloseSessionReqInput.session_id``;
-``AbortReq``: ``rid``, ``abort_all``; ``PauseGenerationReqInput.mode``),
-``srt/managers/tokenizer_manager.py`` (``_handle_batch_request``: a batch of pre-tokenized inputs is sent
-to the scheduler as one message, ``_send_batch_request``, so its items are queued in the same scheduler
-iteration) and ``srt/observability/metrics_collector.py`` (the ``/metrics`` gauges, with
-``--enable-metrics``).
-"""
+"""What ``kvaudit export`` needs of SGLang 0.5.23 (:data:`EXPORT`, the ``sglang`` kind's ``export``
+field): the HTTP table, the server launch, the engine's part of a client script and of an issue
+text, the curl lines. The routes and fields were read from SGLang 0.5.23's installed sources
+(docs/internals/sglang.md, "Export")."""
 
 from __future__ import annotations
 
@@ -235,12 +224,15 @@ def _server_notes(config) -> list[str]:
 def curl_lines(plan, url: str) -> list[str]:
     """The calls of ``plan`` (a :class:`kvaudit.export.plan.Plan` that a client runs one call at a time)
     as ``curl`` commands against ``url``."""
+    def post(route: str, body: dict) -> str:
+        return f"curl -s {url}/{route} -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
+
     out = []
     for c in plan.calls:
         a = c.args
         if c.kind == "open_session":
-            body = {"capacity_of_str_len": 1000, "session_id": a["session"], "streaming": a["streaming"]}
-            out.append(f"curl -s {url}/open_session -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
+            out.append(post("open_session", {"capacity_of_str_len": 1000, "session_id": a["session"],
+                                             "streaming": a["streaming"]}))
         elif c.kind == "generate":
             items = a["items"]
             params = [{"max_new_tokens": i.max_new_tokens, "temperature": 0.0, "ignore_eos": True} for i in items]
@@ -249,20 +241,17 @@ def curl_lines(plan, url: str) -> list[str]:
                 {"input_ids": items[0].input_ids, "rid": items[0].rid, "sampling_params": params[0]}
             if a["session_params"] is not None:
                 body["session_params"] = a["session_params"]
-            out.append(f"curl -s {url}/generate -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
+            out.append(post("generate", body))
         elif c.kind == "close_session":
-            out.append(f"curl -s {url}/close_session -H 'Content-Type: application/json' "
-                       f"-d '{json.dumps({'session_id': a['session']})}'")
+            out.append(post("close_session", {"session_id": a["session"]}))
         elif c.kind == "abort":
-            body = {"abort_all": True} if a["rid"] is None else {"rid": a["rid"]}
-            out.append(f"curl -s {url}/abort_request -H 'Content-Type: application/json' -d '{json.dumps(body)}'")
+            out.append(post("abort_request", {"abort_all": True} if a["rid"] is None else {"rid": a["rid"]}))
         elif c.kind == "flush_cache":
             out.append(f"curl -s -X POST '{url}/flush_cache?timeout={a['timeout']}'")
         elif c.kind == "pause":
-            out.append(f"curl -s {url}/pause_generation -H 'Content-Type: application/json' "
-                       f"-d '{json.dumps({'mode': a['mode']})}'")
+            out.append(post("pause_generation", {"mode": a["mode"]}))
         elif c.kind == "continue":
-            out.append(f"curl -s {url}/continue_generation -H 'Content-Type: application/json' -d '{{}}'")
+            out.append(post("continue_generation", {}))
         elif c.kind in ("wait", "idle"):
             out.append(f"curl -s {url}/health   # then: is the server still up?")
     return out

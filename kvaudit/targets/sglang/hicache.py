@@ -1,56 +1,8 @@
-"""HiCache mode of the real-SGLang target: SGLang 0.5.23's hierarchical cache (memory model section 6)
--- ``UnifiedRadixCache.init_hicache``, ``HybridCacheController`` and its host pool group -- driven on
-CPU in the scheduler's order, host tier (L2) only.
+"""HiCache, host tier (L2), of SGLang 0.5.23 (``UnifiedRadixCache.init_hicache``,
+``HybridCacheController`` and its host pool group) driven on CPU in the scheduler's order, with
+CPU shims H2-H4. The L3 storage tier is :mod:`~kvaudit.targets.sglang.hicache_l3`.
 
-What is built (``SglangHiCacheTarget._build``): ``boot.build`` with ``ServerArgs(
-enable_hierarchical_cache=True, hicache_ratio, hicache_write_policy, hicache_io_backend="direct",
-hicache_mem_layout="layer_first", hicache_storage_backend=None)`` and the factory's
-``enable_hierarchical_cache`` flag, so ``create_tree_cache`` runs ``init_hicache``: the tree's
-``cache_controller`` (``HybridCacheController``) and host pool group (``HostPoolGroup``, anchor
-``MHATokenToKVPoolHost``). Without a storage backend no background thread starts. The L3 storage
-tier (prefetch from storage, storage backups) is a mode of its own: ``hicache_l3``.
-
-The driver adds to :class:`SglangTarget` (each method names the SGLang code it follows): the
-HiCache events polled before admission (``check_hicache_events``: acks release the write-through and
-load-back locks), the load-backs started after ``ScheduleBatch.init_new``, the write-throughs
-submitted after result processing (``flush_pending_backups``), copies in flight counted by
-``is_fully_idle``, and memory pressure on the host tier too (``evict_host`` of what the host holds
-beyond half its size: a host at most half full keeps its nodes for later load-backs).
-
-CPU shims (only on a CPU device; idempotent; none replaces SGLang memory management):
-
-* **S1** (shared with HiSparse, ``boot.shim_cuda_host_register``) ``_cuda_host_register`` no-op;
-* **H2** the controller's ``l2_transfer_engine.submit_device_to_host``/``submit_host_to_device``
-  return completions whose ``finish_event`` reports done only ``hicache_ack_steps`` steps after
-  submission (``standins.StepEvent``): CPU events are always done, a GPU copy is not;
-* **H3** the anchor host pool's ``backup_from_device_all_layer``/``load_to_device_per_layer`` -> plain
-  torch index copies over every layer (the real ones call sgl_kernel transfer kernels, undefined on
-  CPU). They read the raw ``_get_key_buffer``/``_get_value_buffer``: the public getters wait on the
-  load-back layer counter. ``end_layer`` is inclusive, so layers are ``range(layer_num)``;
-* **H4** a no-op ``synchronize()`` on the transfer engine's two ``torch.cpu`` streams (no such method;
-  reached on an error path, where it would mask SGLang's real exception).
-
-The observer adds the pool ``hicache_host_pool`` (host units = host page + 1; the anchor host pool's
-``alloc``/``free``/``clear`` are wrapped on the instance; ``HostPoolGroup`` calls them). Roots of the
-host pool depend on the tree core:
-
-* Python core: every tree node's FULL ``host_value`` (a walk from ``tree_core.root_node``) -- full
-  reachability, leak and aliasing checks, and the identity ``available + tree host tokens == total``;
-* Rust core: its adapter cannot enumerate nodes (``root_node``/``node_by_id`` raise
-  ``NotImplementedError``) and no API of 0.5.23 lists host values, so the host pool's roots are the
-  host units kvaudit's own wrappers saw allocated: the ledger (double frees, frees of never-allocated
-  slots) and the free-list replay still check it, the leak oracle cannot (a host slot the tree lost is
-  invisible there). The device pool is audited in full on both cores.
-
-Lock ledger: the base counts ``inc_lock_ref``/``dec_lock_ref`` against requests' and session slots'
-locks; here write-through (``ongoing_write_through[...].lock_params``) and load-back
-(``ongoing_load_back``) receipts hold device locks until their acks and count as holders, and the
-host locks (``inc_host_lock_ref``/``dec_host_lock_ref``) are counted against the load-back receipts.
-kvaudit checks lock balance at idle, when (``is_fully_idle``) no receipt is pending; the receipts
-name the holders the lock-ref ledger pairs incs with between steps (:mod:`kvaudit.audit.locks`). Host-lock
-events go to the same ledger (as ``"host"``), so a host-lock imbalance is reported on the host pool
-with the unreleased inc's site.
-"""
+Design notes: docs/internals/sglang.md ("HiCache")."""
 
 from __future__ import annotations
 
@@ -71,7 +23,7 @@ HOST_POOL = "hicache_host_pool"
 
 
 def install_instance_shims(target, cc) -> list[str]:
-    """H2, H3, H4 (module docstring) on one controller; idempotent per controller."""
+    """H2, H3, H4 on one controller (idempotent); returns the shims' names."""
     if getattr(cc, "__kvaudit_shimmed__", False):
         return []
     eng = cc.l2_transfer_engine
@@ -93,20 +45,17 @@ def install_instance_shims(target, cc) -> list[str]:
     for stream in (eng.device_to_host_stream, eng.host_to_device_stream):
         if not hasattr(stream, "synchronize"):
             stream.synchronize = lambda: None
-    real_d2h, real_h2d = eng.submit_device_to_host, eng.submit_host_to_device
     delay = target.config.hicache_ack_steps
 
-    def d2h(transfers, *a, **k):
-        c = real_d2h(transfers, *a, **k)
-        target.hicache_log.append(("d2h", target.steps, sum(len(t.host_indices) for t in transfers)))
-        return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
+    def step_gated(submit, kind):
+        def wrapper(transfers, *a, **k):
+            c = submit(transfers, *a, **k)
+            target.hicache_log.append((kind, target.steps, sum(len(t.host_indices) for t in transfers)))
+            return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
+        return wrapper
 
-    def h2d(transfers, *a, **k):
-        c = real_h2d(transfers, *a, **k)
-        target.hicache_log.append(("h2d", target.steps, sum(len(t.host_indices) for t in transfers)))
-        return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
-
-    eng.submit_device_to_host, eng.submit_host_to_device = d2h, h2d
+    eng.submit_device_to_host = step_gated(eng.submit_device_to_host, "d2h")
+    eng.submit_host_to_device = step_gated(eng.submit_host_to_device, "h2d")
     cc.__kvaudit_shimmed__ = True
     return ["H2 l2_transfer_engine.submit_* -> step-gated finish_event",
             "H3 host pool backup_from_device_all_layer / load_to_device_per_layer -> torch index copies",
@@ -114,9 +63,7 @@ def install_instance_shims(target, cc) -> list[str]:
 
 
 class SglangHiCacheTarget(SglangTarget):
-    """:class:`SglangTarget` with HiCache (``config.enable_hierarchical_cache``); see the module docstring."""
-
-    name = "sglang"
+    """:class:`SglangTarget` with HiCache (``config.enable_hierarchical_cache``)."""
 
     def __init__(self, config):
         self.hicache_log: list[tuple] = []  # ("d2h"|"h2d"|"load_ready", step, tokens)
@@ -152,7 +99,7 @@ class SglangHiCacheTarget(SglangTarget):
         return o
 
     def _storage_server_args(self) -> dict:
-        """The ``ServerArgs`` of the L3 tier: none here (``hicache_l3`` adds a storage backend)."""
+        """The L3 tier's ``ServerArgs``: none here (``hicache_l3`` adds a backend)."""
         return dict(hicache_storage_backend=None)
 
     @property
@@ -167,36 +114,31 @@ class SglangHiCacheTarget(SglangTarget):
         return super().framework_files() + [host_base.__file__, host_group.__file__, cache_controller.__file__]
 
     def install_lock_ledger(self, wrap, record) -> None:
-        """The base ledger (device locks), and a count of ``inc_host_lock_ref``/``dec_host_lock_ref`` per
-        node (host locks: load-back, and ``add_one_req``'s pin around ``init_load_back``). The host pool's
-        wrappers (the base's): ``HostKVCache.alloc``/``free`` on the anchor instance, which
-        ``HostPoolGroup``, the controller's ``write``/``load`` and the tree's host frees all reach."""
+        """Also ``inc_host_lock_ref``/``dec_host_lock_ref`` per node (load-back, and ``add_one_req``'s pin
+        around ``init_load_back``), recorded as ``"host"`` locks."""
         super().install_lock_ledger(wrap, record)
         self.install_lock_counter(wrap, record, self.tree_cache, "inc_host_lock_ref", "dec_host_lock_ref",
                                   self.host_lock_net, "host")
 
     # -- driver -------------------------------------------------------------------------------
     def _memory_pressure(self) -> None:
-        """:meth:`SglangTarget._memory_pressure` (device eviction, forced retraction), then host eviction
-        pressure (module docstring)."""
+        """Also host eviction: ``evict_host`` of what the host holds beyond half its size."""
         super()._memory_pressure()
         over = (self.host_pool.size - self.host_group.available_size()) - self.host_pool.size // 2
         if over > 0:
             self.tree_cache.evict_host(over)
 
     def _process_pending_chunked_abort(self) -> None:
-        """``get_next_batch_to_run``: ``process_pending_chunked_abort()``, then ``_process_hicache_events()``."""
+        """``get_next_batch_to_run``: then ``_process_hicache_events()``."""
         super()._process_pending_chunked_abort()
         self._process_hicache_events()
 
     def _process_hicache_events(self) -> None:
-        """``Scheduler._process_hicache_events``: ``tree_cache.check_hicache_events()`` (acks due this step
-        release their locks)."""
+        """``Scheduler._process_hicache_events``: acks due this step release their locks."""
         self.tree_cache.check_hicache_events()
 
     def _new_batch(self, batch, kind: str) -> None:
-        """``get_new_batch_prefill``: ``new_batch.hicache_consumer_index = ready_to_load_host_cache()``
-        after ``init_new``, before ``prepare_for_extend`` (starts the queued load-backs)."""
+        """``new_batch.hicache_consumer_index = ready_to_load_host_cache()`` (starts queued load-backs)."""
         if kind == "extend":
             batch.hicache_consumer_index = self.tree_cache.ready_to_load_host_cache()
             if batch.hicache_consumer_index >= 0:
@@ -214,7 +156,7 @@ class SglangHiCacheTarget(SglangTarget):
 
     def stuck(self) -> str:
         """Also, before the waiting queue, ``hicache:load-back`` or ``hicache:write-through``: a copy never
-        acked (a load-back's lock may be what keeps the waiting head out)."""
+        acked."""
         out, cache = super().stuck(), self.tree_cache
         if out.startswith(("running:", "chunked:", "grammar:")):
             return out
@@ -229,7 +171,7 @@ class SglangHiCacheTarget(SglangTarget):
 
     # -- observer: roots and counters ---------------------------------------------------------
     def tree_host_values(self) -> torch.Tensor | None:
-        """Host slots held by tree nodes (FULL ``host_value``), Python core only; None on the Rust core."""
+        """Host slots held by tree nodes (FULL ``host_value``); None on the Rust core."""
         if not self.python_core:
             return None
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -247,13 +189,12 @@ class SglangHiCacheTarget(SglangTarget):
         return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        """:meth:`SglangTarget.roots`, plus the host pool's (:meth:`_host_roots`)."""
+        """Also the host pool's (:meth:`_host_roots`)."""
         return super().roots(aborting) + self._host_roots()
 
     def _host_roots(self) -> list[Root]:
-        """The host pool's roots: the tree's host values (Python core), or the host units the wrappers hold
-        allocated (Rust core: module docstring). In-flight write-throughs and load-backs hold no host slot
-        outside the tree (``commit_backup`` and ``commit_load_back`` run at submission)."""
+        """The tree's host values (Python core), or the host units the wrappers saw allocated (Rust core,
+        whose nodes cannot be listed)."""
         hv = self.tree_host_values()
         if hv is not None:
             units = host_units(hv, self.config.page_size)
@@ -262,8 +203,7 @@ class SglangHiCacheTarget(SglangTarget):
         return [Root(HOST_POOL, "tree", units, role="tree")] if units.size else []
 
     def accounting(self) -> dict[str, Accounting]:
-        """The base pools, and the host pool: ``available`` (``HostPoolGroup.available_size``) and the
-        tree's host tokens as evictable (Python core: the walk; Rust core: total minus available)."""
+        """Also the host pool, the tree's host tokens as evictable."""
         out = super().accounting()
         total = self.host_pool.size
         avail = self.host_group.available_size()
@@ -276,9 +216,7 @@ class SglangHiCacheTarget(SglangTarget):
         return {**super().free_lists(), HOST_POOL: host_free_units(self.host_pool, self.config.page_size)}
 
     def lock_holders(self) -> list[tuple[str, str, int]]:
-        """Also the write-through receipts (``ongoing_write_through``, until ``writing_check`` acks), the
-        load-back receipts (``ongoing_load_back``, until ``loading_check`` acks) and the host-lock
-        receipts (:meth:`_host_lock_holders`)."""
+        """Also the write-through, load-back and host-lock receipts."""
         cache = self.tree_cache
         out = super().lock_holders()
         out += [("device", f"hicache write-through of node {w.node_id}", w.node_id)
@@ -288,14 +226,12 @@ class SglangHiCacheTarget(SglangTarget):
         return out + [("host", name, node) for name, node in self._host_lock_holders()]
 
     def _host_lock_holders(self) -> list[tuple[str, int]]:
-        """``(holder, node)`` of each pending host-lock receipt: the load-backs' (no other host lock
-        outlives a call without a storage tier)."""
+        """``(holder, node)`` of each pending host-lock receipt: the load-backs'."""
         return [(f"hicache load-back of node {lb.node_id}", lb.node_id)
                 for lb in self.tree_cache.ongoing_load_back.values()]
 
     def lock_balance(self):
-        """:meth:`SglangTarget.lock_balance`, then the host locks: each node's net host-lock count against
-        the host-lock receipts on it (:meth:`_host_lock_holders`)."""
+        """Also each node's net host-lock count against its host-lock receipts."""
         bad = super().lock_balance()
         want: dict[int, int] = {}
         for _, node in self._host_lock_holders():

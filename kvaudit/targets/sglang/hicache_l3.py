@@ -1,61 +1,8 @@
-"""L3 mode of the HiCache target: SGLang 0.5.23's storage tier under the host tier
-(``--hicache-storage-backend file``; memory model 6.4 and the 7.2 event "L3 prefetch completion"),
-driven on CPU in the scheduler's order and deterministically.
+"""HiCache's L3 storage tier (``--hicache-storage-backend file``, SGLang 0.5.23), a feature on top of
+:mod:`~kvaudit.targets.sglang.hicache`: SGLang's ``HiCacheFile`` in a directory of the run's own,
+its four storage threads replaced by a step-driven storage worker (shims H5-H7).
 
-What is built (:class:`SglangHiCacheL3Target`): the HiCache target's objects with
-``ServerArgs(hicache_storage_backend="file", hicache_storage_prefetch_policy,
-hicache_storage_backend_extra_config)``, so ``init_hicache`` attaches SGLang's own ``HiCacheFile``
-(``HybridCacheController.attach_storage_backend``), writing into a temporary directory of the
-target's own, removed when the target is freed (``init_hicache``'s exit hook, a storage detach
-that would keep every run's tree alive until exit, is unregistered) or at exit. The extra config
-sets the backend's ``prefetch_threshold`` (``hicache_storage_prefetch_threshold``) and turns the
-file backend's metadata cache (a wall-clock TTL) and its disk-size eviction (clamped to the disk's
-free space) off.
-
-The storage threads. ``attach_storage_backend`` starts four daemon threads on the controller
-(``prefetch_thread_func``, ``prefetch_io_aux_func``, ``prefetch_sync_thread_func``,
-``backup_thread_func``), each looping on a queue with a one-second wall-clock timeout; ``reset()``
-(``flush_cache``) starts them again, inline. Their interleaving with the scheduler is wall-clock
-timing, so none of them runs here:
-
-* **H5** (module shim, idempotent) ``managers/cache_controller.py``'s ``threading`` is a proxy whose
-  ``Thread`` is a parked thread: ``start()`` does nothing, ``is_alive()`` is False, ``join()``
-  returns. Everything else (``Event``, ``Lock``) is the real module. SGLang's own
-  ``_start_storage_threads`` still runs and creates the same queues;
-* **H6** (instance) the four queues those threads take from (``prefetch_queue``, ``prefetch_buffer``,
-  ``prefetch_sync_queue``, ``backup_queue``) are step queues (:class:`_StepQueue`): an item put at
-  step ``s`` is due at step ``s + hicache_storage_ack_steps`` (the sync queue, a collective over a
-  group of one, at once), and ``get`` on a queue with no item due raises :class:`_PassEnd`;
-* the **storage worker** (:meth:`SglangHiCacheL3Target._run_storage_threads`), each scheduler step
-  right before ``check_hicache_events``: it calls each thread's own loop function once, in the
-  order a prefetch's data flows -- hit query (``_storage_hit_query``, ``_sync_prefetch_hit_query``),
-  page transfer (``_page_transfer`` into the host buffers the scheduler allocated), ack reduce
-  (``_reduce_prefetch_ack``), backup writes (``_page_backup``) -- and each loop runs until its
-  queue has no item due: ``_PassEnd`` leaves the loop (the loops catch ``Empty`` only). No SGLang
-  code is copied; the per-item work is SGLang's own loop bodies;
-* **H7** (CPU only, instance) the anchor host pool's ``pin_memory`` is False: the storage read's
-  bounce page (``get_dummy_flat_data_page``) is allocated with it, which CPU torch refuses.
-
-The driver adds to the HiCache target (each method names the scheduler code it follows): a storage
-prefetch as a request is queued (``_prefetch_kvcache``), the storage worker's pass and the prefetch
-retries around ``check_hicache_events``, admission's storage gate (``check_prefetch_progress``,
-``pop_prefetch_loaded_span``, the re-query after a device-hit loss), and prefetches and storage
-backups in flight counted by ``is_fully_idle``. Aborts are the base's (``tree_cache.finish(handle,
-ABORT)`` terminates the prefetch and releases its host buffers).
-
-Observer: host slots held by storage work are roots of ``hicache_host_pool`` -- an in-flight
-prefetch's host buffers (``ongoing_prefetch``, owner ``prefetch:<rid>``), the tail a terminated
-prefetch still owns until its completion ack (``host_indices[completed_tokens:]`` of an operation
-queued in the controller), and the pages queued for release (``host_mem_release_queue``, freed at
-the next poll) -- each counted as ``uncached``. Host locks held by a prefetch's anchor and by a
-storage backup count as host-lock holders. :attr:`SglangHiCacheL3Target.storage_log` records the
-worker's work (wrappers on the controller instance: hit queries, page reads, backups) and each
-prefetch issued and credited.
-
-Not driven: the ``timeout`` prefetch policy (SGLang's default; a wall-clock deadline), the
-``buffer_only`` host memory mode, pipeline-parallel prefetch tickets, prefix keys
-(``hicache_storage_pass_prefix_keys``) and the attach / detach / clear admin requests.
-"""
+Design notes: docs/internals/sglang.md ("HiCache L3 storage")."""
 
 from __future__ import annotations
 
@@ -82,9 +29,8 @@ class _PassEnd(Exception):
 
 
 class _StepQueue(queue.Queue):
-    """A storage thread's queue on the step clock (H6): an item is due ``delay`` steps after it was
-    put; ``get`` returns a due item or raises :class:`_PassEnd`, never blocks. Items are kept as
-    ``(due step, item)`` in ``queue`` (``reset()`` clears it)."""
+    """A storage thread's queue on the step clock (H6): an item is due ``delay`` steps after its put;
+    ``get`` returns a due item or raises :class:`_PassEnd`, never blocks."""
 
     def __init__(self, now, delay: int):
         super().__init__()
@@ -137,7 +83,7 @@ class _NoThreads:
 
 
 def shim_storage_threads() -> str:
-    """H5 (module docstring), idempotent. Returns the shim's name."""
+    """H5, idempotent. Returns the shim's name."""
     import sglang.srt.managers.cache_controller as cache_controller
 
     if not isinstance(cache_controller.threading, _NoThreads):
@@ -146,7 +92,7 @@ def shim_storage_threads() -> str:
 
 
 def install_storage_shims(target, cc) -> list[str]:
-    """H6 and (on a CPU device) H7 on one controller (module docstring)."""
+    """H6 and (on a CPU device) H7 on one controller; returns the shims' names."""
     ref = weakref.ref(target)  # the controller outlives the target (init_hicache registers an atexit hook)
 
     def now() -> int:
@@ -166,12 +112,9 @@ def install_storage_shims(target, cc) -> list[str]:
 
 
 def load_storage_hash() -> None:
-    """Load SGLang's native storage hash now (``mem_cache/cpp_utils/native_hash.py``, cached per process).
-    SGLang JIT-compiles it with torch's cpp_extension (ninja) on first use, which is the first prefetch's
-    storage query, inside an engine step: 10 s and more on a machine that has not built it yet, so the
-    step watchdog reported a hang in ``subprocess.py`` (seen in .ci/run on a fresh venv). Built here, with
-    the target, it is start-up. A release without it hashes in Python (nothing to load); a build that
-    fails is left to fail where SGLang uses it, with SGLang's own error."""
+    """Build SGLang's native storage hash now (``mem_cache/cpp_utils/native_hash.py``, JIT-compiled with
+    ninja on first use): inside the first prefetch's step it took 10 s and more, which the step watchdog
+    reported as a hang. A release without it hashes in Python; a failing build fails later, in SGLang."""
     try:
         from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
     except ImportError:
@@ -183,8 +126,7 @@ def load_storage_hash() -> None:
 
 
 class SglangHiCacheL3Target(SglangHiCacheTarget):
-    """:class:`SglangHiCacheTarget` with SGLang's L3 storage tier (``config.hicache_storage_backend``);
-    see the module docstring."""
+    """:class:`SglangHiCacheTarget` with SGLang's L3 storage tier (``config.hicache_storage_backend``)."""
 
     def __init__(self, config):
         if os.environ.get(FILE_DIR_ENV):
@@ -204,8 +146,8 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         self._observe_storage(cc)
 
     def close(self) -> None:
-        """The run is over (``AuditedRun.close``): remove its storage directory now, not when the cycle
-        collector frees the target (a campaign would pile the directories up meanwhile)."""
+        """Remove the run's storage directory now (``AuditedRun.close``), not when the cycle collector frees
+        the target: a campaign would pile them up meanwhile."""
         self.storage_dir.cleanup()
 
     def _storage_server_args(self) -> dict:
@@ -224,7 +166,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         return o
 
     def _observe_storage(self, cc) -> None:
-        """Log the storage worker's work into :attr:`storage_log` (wrappers on the controller instance)."""
+        """Log the storage worker's work into :attr:`storage_log`."""
         log, ps = self.storage_log, self.config.page_size
         query, transfer, backup = cc._storage_hit_query, cc._page_transfer_kv_batch, cc._page_backup
 
@@ -248,8 +190,8 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
 
     # -- driver -------------------------------------------------------------------------------
     def _run_storage_threads(self) -> None:
-        """The storage worker (module docstring): one pass of each storage thread's own loop, in data-flow
-        order; a loop returns when its queue has no item due this step."""
+        """The storage worker: one pass of each storage thread's own loop, in data-flow order, until its
+        queue has no item due this step."""
         cc = self.cache_controller
         if not cc.enable_storage:
             return
@@ -261,15 +203,14 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
                 pass
 
     def _process_hicache_events(self) -> None:
-        """``Scheduler._process_hicache_events`` with storage: the storage threads' work since the last
-        poll (the worker's pass), ``check_hicache_events``, then ``_process_storage_prefetch_retries``."""
+        """``Scheduler._process_hicache_events`` with storage: the worker's pass, ``check_hicache_events``,
+        then ``_process_storage_prefetch_retries``."""
         self._run_storage_threads()
         super()._process_hicache_events()
         self._process_storage_prefetch_retries()
 
     def _process_storage_prefetch_retries(self) -> None:
-        """``Scheduler._process_storage_prefetch_retries``: re-issue the storage queries that are due, in
-        waiting-queue order (``StoragePrefetchRetries.pop_ready`` counts passes, not time)."""
+        """``Scheduler._process_storage_prefetch_retries`` (``pop_ready`` counts passes, not time)."""
         from sglang.srt.runtime_context import get_memory
 
         memory = get_memory()
@@ -279,12 +220,11 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
             self._retry_storage_prefetch(req, storage_hit_end)
 
     def _retry_storage_prefetch(self, req, storage_hit_end=None) -> None:
-        """``Scheduler._retry_storage_prefetch``."""
         req.storage_prefetch_retry_attempts += 1
         self._prefetch_kvcache(req, storage_hit_end)
 
     def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
-        """``Scheduler._add_request_to_queue``: a retracted request's storage bookkeeping starts over."""
+        """A retracted request's storage bookkeeping starts over."""
         if is_retracted:
             req.storage_prefetch_retry_attempts = 0
             req.storage_prefetch_last_match_len = None
@@ -292,9 +232,8 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         super()._add_request_to_queue(req, is_retracted)
 
     def _prefetch_kvcache(self, req, storage_hit_end=None) -> None:
-        """``Scheduler._prefetch_kvcache`` (cache mode): match the request (``init_next_round_input``); if
-        its last host-backed node is backed up (or the root), ``prefetch_from_storage`` the tokens beyond
-        the device and host match, from that node's hash chain."""
+        """``Scheduler._prefetch_kvcache`` (cache mode): from a backed-up (or root) last host node, prefetch
+        the tokens beyond the device and host match."""
         cache = self.tree_cache
         req.init_next_round_input(cache, cow_mamba=False)
         last_host_node = req.last_host_node
@@ -313,9 +252,8 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
             self.storage_log.append(("prefetch", self.steps, req.rid, len(cache.ongoing_prefetch[handle].prefetch_key)))
 
     def _prefetch_ready(self, req) -> bool:
-        """``_get_new_batch_prefill_raw``'s storage gate: ``check_prefetch_progress`` (False: the prefetch
-        is still running, skip the request this round; ``best_effort`` ends it here instead), then
-        ``pop_prefetch_loaded_span``: tokens loaded from storage are the request's ``storage_hit_length``."""
+        """Admission's storage gate: ``check_prefetch_progress``, then ``pop_prefetch_loaded_span`` (the
+        request's ``storage_hit_length``)."""
         cache = self.tree_cache
         if not cache.check_prefetch_progress(req.cache_request_handle):
             return False
@@ -326,9 +264,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         return True
 
     def _prefetch_after_device_hit_loss(self, req) -> bool:
-        """``Scheduler._prefetch_after_device_hit_loss``: after the admission match, a device and host match
-        shorter than at queueing (evicted meanwhile) re-queries storage and skips the request this round,
-        until the re-issue budget is spent."""
+        """``Scheduler._prefetch_after_device_hit_loss``."""
         from sglang.srt.runtime_context import get_memory
 
         previous = req.storage_prefetch_last_match_len
@@ -344,8 +280,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         return True
 
     def _new_batch(self, batch, kind: str) -> None:
-        """A prefill batch's requests leave the retry set (``retries.cancel`` on ``can_run_list``), then the
-        HiCache target's ``ready_to_load_host_cache``."""
+        """A prefill batch's requests leave the retry set (``retries.cancel``)."""
         if kind == "extend":
             for req in batch.reqs:
                 self.tree_cache.storage_prefetch_retries.cancel(req.rid)
@@ -368,8 +303,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
 
     # -- observer -----------------------------------------------------------------------------
     def _inflight_prefetch_operations(self) -> list:
-        """Prefetch operations the controller's queues still carry, with host buffers (the transfer queue,
-        and the acks not yet drained: each names its operation), once each, in queue order."""
+        """Queued prefetch operations with host buffers, once each, in queue order."""
         cc = self.cache_controller
         ops, seen = [], set()
         candidates = cc.prefetch_buffer.items()
@@ -382,10 +316,8 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         return ops
 
     def storage_host_slots(self) -> list[tuple[str, torch.Tensor]]:
-        """Host slots held by storage work, as ``(owner, [n] int64 slots)``: each in-flight prefetch's host
-        buffers (``ongoing_prefetch``), the tail ``host_indices[completed_tokens:]`` of a prefetch that
-        left ``ongoing_prefetch`` (aborted, ended by ``best_effort``) while its operation is still queued
-        (its completion ack releases it), and the pages queued for release."""
+        """Host slots storage work holds, as ``(owner, [n] int64 slots)``: in-flight prefetches' buffers, a
+        terminated prefetch's tail until its ack, and the pages queued for release."""
         cache, cc = self.tree_cache, self.cache_controller
         out = [(f"prefetch:{h.rid}", info.host_indices) for h, info in cache.ongoing_prefetch.items()
                if info.host_indices is not None]
@@ -399,8 +331,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         return [(owner, slots.to(torch.int64)) for owner, slots in out if slots.numel()]
 
     def _host_roots(self) -> list[Root]:
-        """The HiCache target's host roots, and the host slots storage work holds (role ``req``: counted as
-        ``uncached``). On the Rust core the tree's root is the wrappers' set, less those."""
+        """Also the host slots storage work holds (role ``req``: counted as ``uncached``)."""
         ps = self.config.page_size
         held = [Root(HOST_POOL, owner, host_units(slots, ps)) for owner, slots in self.storage_host_slots()]
         tree = super()._host_roots()
@@ -410,8 +341,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         return tree + held
 
     def accounting(self) -> dict[str, Accounting]:
-        """The HiCache target's, less (Rust core, where the tree's host tokens are what is not available)
-        the host tokens storage work holds: the oracle counts those as ``uncached``."""
+        """Rust core: less the host tokens storage work holds (the oracle counts those as ``uncached``)."""
         out = super().accounting()
         if not self.python_core:
             ps = self.config.page_size
@@ -422,8 +352,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         return out
 
     def _host_lock_holders(self) -> list:
-        """Also each in-flight prefetch's anchor (``prefetch_from_storage`` host-locks it until the result
-        is inserted or the prefetch is dropped) and each storage backup's node (until its ack)."""
+        """Also each in-flight prefetch's anchor and each storage backup's node."""
         cache = self.tree_cache
         out = super()._host_lock_holders()
         out += [(f"hicache prefetch of node {info.anchor_node_id}", info.anchor_node_id)

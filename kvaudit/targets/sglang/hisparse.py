@@ -1,30 +1,8 @@
-"""HiSparse mode of the real-SGLang target: SGLang 0.5.23's two-level device allocator, host pool and
-``HiSparseCoordinator`` (memory model section 4), driven on CPU in the scheduler's order.
+"""HiSparse of SGLang 0.5.23 (``HiSparseTokenToKVPoolAllocator``, its host pool and
+``HiSparseCoordinator``) driven on CPU in the scheduler's order, with the radix cache off and CPU
+shims S1-S4 that stand in for CUDA plumbing, never for memory management.
 
-What is built (``SglangHiSparseTarget._build``), through SGLang's constructors as the server builds
-them (``kv_cache_configurator``'s ``enable_hisparse`` branch, ``model_runner.maybe_init_hisparse_
-coordinator``, ``create_tree_cache`` with ``--disable-radix-cache``, which ``validate_hisparse``
-requires):
-
-* ``MiniMaxSparseKVPool(enable_hisparse=True)`` -- the MiniMax-M3 HiSparse device pool, which takes
-  any page size (``HiSparseDSATokenToKVPool`` accepts only page 64);
-* ``HiSparseTokenToKVPoolAllocator`` -- ``logical_attn_allocator`` (the ids rows store, ``ratio`` x
-  larger) and ``hisparse_attn_allocator`` (physical device slots), both ``PagedTokenToKVPoolAllocator``;
-* ``HiSparseCoordinator`` with a one-rank gloo group, and its host pool
-  (``HiSparseMHATokenToKVPoolHost``);
-* the tree cache, disabled.
-
-The driver changes four places of :class:`SglangTarget` (each method names the SGLang code it
-follows): a non-finished prefill goes into staging, not into the running batch; the next steps'
-``collect_ready_reqs`` moves finished stagings into the running batch; each decode allocation is
-mapped into the request's device buffer; a finish calls ``request_finished`` before
-``release_kv_cache``. The observer has two more pools: ``hisparse_device_pool`` (physical slots)
-and ``hisparse_host_pool`` (host slots).
-
-CPU shims, installed once per process on module attributes or on instances, never on SGLang's files
-(see :func:`install_module_shims` and :func:`install_instance_shims`): none replaces SGLang memory
-management; they stand in for CUDA plumbing (pinned memory, transfer kernels, streams).
-"""
+Design notes: docs/internals/sglang.md ("HiSparse")."""
 
 from __future__ import annotations
 
@@ -44,16 +22,7 @@ _SHIMS: list[str] = []
 
 
 def install_module_shims(hc, pool_host_common) -> list[str]:
-    """Module-attribute shims, once per process (idempotent). Returns the names installed.
-
-    * **S1** ``pool_host.common._cuda_host_register`` -> no-op: host pools are built with
-      ``pin_memory=True`` and register their buffer through ``torch.cuda.cudart().cudaHostRegister``,
-      which raises "Torch not compiled with CUDA" on a CPU build.
-    * **S2** ``hisparse_coordinator.torch`` -> a proxy of ``torch`` whose ``tensor()`` drops
-      ``pin_memory``: ``_eager_backup_previous_token`` builds its index tensor with
-      ``pin_memory=True``, which CPU torch refuses ("no pinned memory allocator"). Every other
-      attribute is torch's own.
-    """
+    """S1 and S2, once per process; returns the shims' names."""
     if _SHIMS:
         return list(_SHIMS)
     shim_cuda_host_register()  # shared with HiCache (boot)
@@ -74,15 +43,7 @@ def install_module_shims(hc, pool_host_common) -> list[str]:
 
 
 def install_instance_shims(co) -> None:
-    """Instance shims on one coordinator.
-
-    * **S3** the host pool's ``backup_from_device_all_layer`` / ``load_to_device_per_layer`` -> the same
-      copies as plain torch indexing: the real ones call sgl_kernel / JIT CUDA transfer kernels, which are
-      not defined on CPU (NameError). KV content is irrelevant to the audit; the copy keeps it honest.
-    * **S4** a no-op ``synchronize()`` on the coordinator's two streams: ``device_module`` is
-      ``torch.cpu``, whose ``Stream`` has no ``synchronize`` (AttributeError in ``abort_staging_request``
-      and ``destroy``); CPU work is synchronous anyway.
-    """
+    """S3 and S4 on one coordinator."""
     host = co.mem_pool_host
 
     def backup_all(device_pool, host_indices, device_indices, io_backend):
@@ -104,9 +65,7 @@ def install_instance_shims(co) -> None:
 
 
 class SglangHiSparseTarget(SglangTarget):
-    """:class:`SglangTarget` with HiSparse (``config.enable_hisparse``); see the module docstring."""
-
-    name = "sglang"
+    """:class:`SglangTarget` with HiSparse (``config.enable_hisparse``)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -121,7 +80,7 @@ class SglangHiSparseTarget(SglangTarget):
         ]
 
     def _build(self, config):
-        """SGLang's HiSparse objects (module docstring), then the shims. Sets ``self.coordinator``."""
+        """SGLang's HiSparse objects as the server builds them; sets ``self.coordinator``."""
         S = self.S
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -168,8 +127,7 @@ class SglangHiSparseTarget(SglangTarget):
 
     # -- observer: hooks ---------------------------------------------------------------------
     def framework_files(self) -> list[str]:
-        """Also the HiSparse allocator and the host pool's internals: sites start in the coordinator,
-        in ``allocation.py`` or in ``common.py``."""
+        """Also the HiSparse allocator and the host pool's internals."""
         import sglang.srt.mem_cache.allocator.hisparse as alloc_hisparse
         import sglang.srt.mem_cache.pool_host.base as host_base
         import sglang.srt.mem_cache.pool_host.hisparse as host_hisparse
@@ -177,45 +135,34 @@ class SglangHiSparseTarget(SglangTarget):
 
     # -- driver -------------------------------------------------------------------------------
     def _new_batch(self, batch, kind: str) -> None:
-        """``get_new_batch_prefill`` (``new_batch.hisparse_coordinator = ...``) and
-        ``get_next_batch_to_run`` (``running_batch.hisparse_coordinator = ...``): so SGLang's own
-        ``alloc_for_extend`` and ``retract_decode`` -> ``release_req`` -> ``retract_req`` see it."""
+        """``batch.hisparse_coordinator = ...`` (``get_new_batch_prefill``, ``get_next_batch_to_run``), for
+        SGLang's own ``alloc_for_extend`` and ``retract_decode``."""
         batch.hisparse_coordinator = self.coordinator
 
     def _hisparse_coordinator(self):
-        """``pause_generation(retract)``'s ``retract_all`` is given the coordinator: a staged request it
-        retracts goes through ``retract_req`` -> ``abort_staging_request``."""
         return self.coordinator
 
     def _join_running(self) -> None:
-        """``get_next_batch_to_run``'s HiSparse branch, instead of the last-batch merge:
-        ``collect_ready_reqs()`` (``alloc_device_buffer`` for each finished staging) and
-        ``_build_hisparse_decode_batch`` merged into the running batch, with seq len
-        ``len(origin_input_ids) + len(output_ids) - 1``."""
+        """``get_next_batch_to_run``'s HiSparse branch: ``collect_ready_reqs()`` merged into the running
+        batch, with seq len ``len(origin_input_ids) + len(output_ids) - 1``."""
         for req in self.coordinator.collect_ready_reqs():
             req.kvaudit_seq_len = len(req.origin_input_ids) + len(req.output_ids) - 1
             self.running.append(req)
 
     def _prefilled(self, req) -> None:
-        """``process_batch_result_prefill`` under HiSparse: after ``checkpoint_kv_cache``,
-        ``admit_request_into_staging(req)``; the request joins no batch (HiSparse skips the merge)."""
+        """``admit_request_into_staging(req)``: the request joins no batch."""
         self.coordinator.admit_request_into_staging(req)
 
     def _after_decode_alloc(self, batch) -> None:
-        """``ScheduleBatch.prepare_for_decode``: after ``alloc_for_decode`` and ``seq_lens += 1``,
-        ``hisparse_coordinator.map_last_loc_to_buffer(seq_lens, out_cache_loc, req_pool_indices,
-        seq_lens_cpu, req_pool_indices_cpu)`` (host backup of the previous token, buffer growth, and the
-        new logical slot mapped to the reserved buffer slot)."""
+        """``prepare_for_decode``'s ``hisparse_coordinator.map_last_loc_to_buffer(...)``."""
         rows = torch.tensor([r.kv.req_pool_idx for r in batch.reqs], dtype=torch.int64)
         seq_lens = torch.tensor([r.kvaudit_seq_len for r in batch.reqs], dtype=torch.int64)
         self.coordinator.map_last_loc_to_buffer(seq_lens.to(batch.device), batch.out_cache_loc, rows.to(batch.device),
                                                 seq_lens, rows)
 
     def _release(self, req, checkpoint: bool) -> None:
-        """``process_batch_result_prefill``/``_decode`` (and the prebuilt and sampling-mask-abort paths):
-        ``hisparse_coordinator.request_finished(req)``, then ``release_kv_cache``. Not inside
-        ``process_pending_chunked_abort``, which calls no HiSparse method in 0.5.23. The fault
-        ``hisparse-skip-finish`` drops the first ``request_finished``."""
+        """``request_finished(req)``, then ``release_kv_cache`` (not inside
+        ``process_pending_chunked_abort``: memory model A.3)."""
         if not self._no_finish_hook:
             if "hisparse-skip-finish" in self._faults:
                 self._faults.discard("hisparse-skip-finish")
@@ -224,8 +171,7 @@ class SglangHiSparseTarget(SglangTarget):
         super()._release(req, checkpoint)
 
     def _process_pending_chunked_abort(self) -> None:
-        """``Scheduler.process_pending_chunked_abort`` exactly as SGLang has it: ``prepare_abort`` and
-        ``release_kv_cache(checkpoint=False)``, no ``request_finished`` (memory model A.3)."""
+        """As SGLang has it: no ``request_finished`` (memory model A.3)."""
         self._no_finish_hook = True
         try:
             super()._process_pending_chunked_abort()
@@ -234,32 +180,24 @@ class SglangHiSparseTarget(SglangTarget):
 
     @property
     def _last_batch(self) -> list:
-        """``Scheduler.last_batch``'s requests: the batch the latest step ran (the base target's
-        ``_scheduled``: none when no batch ran, kept while paused, cleared by a retract pause or a flush)."""
+        """``Scheduler.last_batch``'s requests."""
         return list(self._scheduled[1]) if self._scheduled is not None else []
 
     def staged(self) -> list:
-        """Requests in the coordinator's staging queue (``ack_staging_queue``): in no batch, yet owners
-        of a row, logical and physical KV and host slots."""
+        """Requests in the coordinator's staging queue: in no batch, yet owners of a row, logical and
+        physical KV and host slots."""
         return [act.req for act in self.coordinator.ack_staging_queue]
 
     def _inflight(self) -> list:
-        """``Scheduler.collect_inflight_reqs``: the running batch and ``last_batch`` (a staged request is
-        in it for the step after its prefill, and abort_request can reach it only then), and the
-        chunked request."""
+        """Also ``last_batch`` (a staged request is in it for the step after its prefill)."""
         reqs = super()._inflight()
         return reqs + [r for r in self._last_batch if not any(r is x for x in reqs)]
 
-    def _places(self) -> dict[int, str]:
-        """The base places, and ``staging`` for the staged requests."""
-        out = {id(r): "staging" for r in self.staged()}
-        for k, v in super()._places().items():
-            out.setdefault(k, v)
-        return out
+    def _place_groups(self) -> tuple:
+        return (("staging", self.staged()),) + super()._place_groups()
 
     def _active(self) -> list:
-        """Also the staged requests: they own memory though ``abort_request`` cannot reach them (its
-        ``todo hisparse``); they finish normally later."""
+        """Also the staged requests (``abort_request`` cannot reach them: its ``todo hisparse``)."""
         reqs = super()._active()
         return reqs + [r for r in self.staged() if not any(r is x for x in reqs)]
 
@@ -268,7 +206,7 @@ class SglangHiSparseTarget(SglangTarget):
         return super().is_idle(ignore_waiting) and not self.coordinator.has_ongoing_staging()
 
     def is_idle_for_health_check(self) -> bool:
-        """``is_fully_idle(for_health_check=True)``: staging does not count, the last batch does."""
+        """Staging does not count, the last batch does."""
         return super().is_idle_for_health_check() and not self._last_batch
 
     def progress(self) -> dict[str, int]:
@@ -278,7 +216,7 @@ class SglangHiSparseTarget(SglangTarget):
         return out
 
     def stuck(self) -> str:
-        """Also ``staging:host-backup`` (staged requests waiting for their host backup), before the waiting queue."""
+        """Also ``staging:host-backup``, before the waiting queue."""
         out = super().stuck()
         if not out.startswith(("running:", "chunked:")) and self.coordinator.has_ongoing_staging():
             return "staging:host-backup"
@@ -291,11 +229,8 @@ class SglangHiSparseTarget(SglangTarget):
 
     # -- observer: roots and counters ---------------------------------------------------------
     def _hisparse_units(self, kv) -> tuple[np.ndarray, np.ndarray]:
-        """(physical pages, host units) a record's row owns in the coordinator: its device buffer
-        (``req_device_buffer_token_locs[:, row, :cap]``, the set ``request_finished`` frees, and
-        ``req_to_device_buffer[row, :cap]``), the physical slots its logical slots still map to
-        (``full_to_hisparse_device_index_mapping``: prefill KV before staging completes, decode tokens on
-        the reserved slot), and its host slots ``req_to_host_pool[row, :req_to_host_pool_allocated_len]``."""
+        """``(physical pages, host units)`` a record's row owns in the coordinator: its device buffer, the
+        physical slots its logical slots still map to, and its host slots."""
         co, ps = self.coordinator, self.config.page_size
         row = kv.req_pool_idx
         cap = int(co.req_device_buffer_size[row])
@@ -308,8 +243,7 @@ class SglangHiSparseTarget(SglangTarget):
         return np.unique(slot_pages(phys, ps)), host_units(host, ps)
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        """:meth:`SglangTarget.roots` (logical slots in ``token_to_kv_pool``), plus each owner's
-        physical device slots and host slots (:meth:`_hisparse_units`); staged requests are owners."""
+        """Also each owner's physical device and host slots; staged requests are owners."""
         out = super().roots(aborting)
         for req in self._live():
             if not aborting and req.to_finish is not None:
@@ -329,9 +263,7 @@ class SglangHiSparseTarget(SglangTarget):
         return out
 
     def accounting(self) -> dict[str, Accounting]:
-        """The logical pool (what rows store; the tree is disabled, so evictable and protected are 0 or
-        the disabled cache's own), the row pool, and the physical and host pools (the counters
-        ``get_token_stats`` reports)."""
+        """The logical, row, physical and host pools (``get_token_stats``'s counters)."""
         a, cache = self.allocator, self.tree_cache
         lo, hi, host = a.logical_attn_allocator, a.hisparse_attn_allocator, self.coordinator.mem_pool_host
         return {
@@ -343,7 +275,6 @@ class SglangHiSparseTarget(SglangTarget):
         }
 
     def free_lists(self) -> dict[str, np.ndarray]:
-        """Each pool's free list as SGLang holds it; host slots as units (one entry per free page)."""
         a = self.allocator
         return {"token_to_kv_pool": a.logical_attn_allocator.get_all_free_pages().cpu().numpy(),
                 "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64),
@@ -351,15 +282,13 @@ class SglangHiSparseTarget(SglangTarget):
                 "hisparse_host_pool": host_free_units(self.coordinator.mem_pool_host, self.config.page_size)}
 
     def engine_check(self) -> list[str]:
-        """SGLang's own verdict: none. Under HiSparse the scheduler skips its idle pool, request-pool and
-        byte checks (``if not self.enable_hisparse and not deferred_pending``, memory model 1.9) and the
-        busy check is opt-in (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``); see :meth:`busy_check`."""
+        """None: under HiSparse the scheduler skips its idle checks (memory model 1.9) and the busy check is
+        opt-in; see :meth:`busy_check`."""
         return []
 
     def sglang_owners(self) -> list:
         """``SchedulerInvariantChecker._requests_owning_rows``: ``last_batch``, ``running_batch`` and the
-        chunked request, holding KV -- staged requests are in none of them once their prefill batch is
-        no longer the last batch (memory model A.4)."""
+        chunked request, holding KV (staged requests drop out of them: memory model A.4)."""
         out: list = []
         for r in self._last_batch + self.running + ([self.chunked_req] if self.chunked_req is not None else []):
             if r.kv.holds_kv and not any(r is x for x in out):
@@ -367,10 +296,8 @@ class SglangHiSparseTarget(SglangTarget):
         return out
 
     def busy_check(self) -> list[str]:
-        """``self_check_during_busy``'s full-pool identity as SGLang would compute it under HiSparse, on
-        the logical pool (which rows address): ``available + evictable + protected + uncached == total``
-        with ``uncached`` over :meth:`sglang_owners` only. A failing line when staged requests are
-        missed (A.4)."""
+        """``self_check_during_busy``'s identity on the logical pool, with ``uncached`` over
+        :meth:`sglang_owners` only: a failing line when staged requests are missed (A.4)."""
         if not self._last_batch:  # self_check_during_busy returns when last_batch is None
             return []
         lo, cache = self.allocator.logical_attn_allocator, self.tree_cache

@@ -1,7 +1,5 @@
-"""The observer's hooks on SGLang's objects: wrappers on the allocator, request-pool and tree-cache
-*instances* (never the classes) that feed kvaudit's ledger every alloc, free, lock-ref change and
-tree insert.
-"""
+"""The observer's hooks: wrappers on the allocator, request-pool and tree-cache *instances* (never the
+classes) that feed kvaudit's ledger every alloc, free, lock-ref change and tree insert."""
 
 from __future__ import annotations
 
@@ -12,16 +10,14 @@ from kvaudit.targets.base import PoolSpec, Target, wrap_insert
 
 
 def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
-    """Host slots (``[n]`` int64, tokens) as ledger units: host page + 1 (SGLang's host pools have no
-    reserved slot 0; kvaudit's unit 0 is the reserved padding unit of every pool)."""
+    """Host slots (``[n]`` int64, tokens) as ledger units: host page + 1 (unit 0 is every pool's padding)."""
     s = slots.to(torch.int64).cpu().numpy()
     s = s[s >= 0]
     return np.unique(s // page_size) + 1
 
 
 def host_free_units(host_pool, page_size: int) -> np.ndarray:
-    """A host pool's free list (``free_slots`` and the pending ``release_slots``) as ledger units, one
-    entry per free page (the first slot of each), for the event-log replay check."""
+    """A host pool's free list (``free_slots`` and pending ``release_slots``) as units, one per free page."""
     slots = host_pool.free_slots
     if host_pool.release_slots:
         slots = torch.cat([slots, *host_pool.release_slots])
@@ -30,24 +26,14 @@ def host_free_units(host_pool, page_size: int) -> np.ndarray:
 
 
 class SglangHooks(Target):
-    """The ``install_*`` hooks of the real-SGLang target (:class:`kvaudit.targets.sglang.target.SglangTarget`
-    combines them): they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
+    """The ``install_*`` hooks; they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
 
     _host_live: set | None = None  # a host pool's units held, mirrored by its wrappers (HiCache sets one)
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """Wrap ``spec``'s instance methods so every alloc and free reaches ``auditor``'s ledger.
-
-        * rows: ``ReqToTokenPool.alloc_rows``/``free_rows`` (``alloc``/``free`` bind requests on top);
-        * KV, page 1: ``TokenToKVPoolAllocator.alloc``/``free`` -- every free path (``free_segments``,
-          ``free_page_ids``, ``free_group_end``) ends in ``free``;
-        * KV, paged: ``alloc``/``alloc_extend``/``alloc_decode`` recorded as the pages that left the
-          free set (extend and decode also hand out slots on a request's partly filled page, so
-          ``out // page_size`` would name pages that were never free), and frees at
-          ``_release_page_ids``, the one place every paged free path returns pages;
-        * ``clear()`` as a free of every allocated unit;
-        * a host pool (HiSparse's, HiCache's): :meth:`_install_host_pool`.
-        """
+        """Rows at ``alloc_rows``/``free_rows``; KV at ``alloc``/``free`` (page 1) or as the pages that left
+        the free set and at ``_release_page_ids`` (paged); ``clear()`` as a free of everything; host
+        pools at :meth:`_install_host_pool`."""
         if spec.kind == "host":
             return self._install_host_pool(spec, auditor, wrap, live=self._host_live)
         auditor.wrap_clear(spec)
@@ -60,12 +46,9 @@ class SglangHooks(Target):
 
     @staticmethod
     def install_kv(spec: PoolSpec, auditor, wrap, paged: bool, in_group) -> None:
-        """A KV allocator's wrappers (:meth:`install_token_kv` or :meth:`install_paged_kv`), and its
-        ``free_group_end``: frees inside a free group (``in_group()`` is True between
-        ``free_group_begin`` and ``free_group_end``: the scheduler's result processing) reach the free
-        list at ``free_group_end`` and are recorded then, each with the site of its own call.
-        ``free()`` of a paged allocator deduplicates pages over the whole group (one torch.unique at
-        the end); ``free_page_ids`` does not."""
+        """A KV allocator's wrappers, and its ``free_group_end``: frees inside a free group are recorded when
+        they reach the free list, each with the site of its own call (a paged ``free()`` deduplicates
+        pages over the group; ``free_page_ids`` does not)."""
         obj, pending, ending = spec.obj, [], [False]
         install = SglangHooks.install_paged_kv if paged else SglangHooks.install_token_kv
         install(spec, auditor, wrap, pending, ending, in_group)
@@ -91,8 +74,6 @@ class SglangHooks(Target):
 
     @staticmethod
     def install_token_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list, in_group) -> None:
-        """:meth:`install_kv`'s ``TokenToKVPoolAllocator``: ``alloc``/``free`` on the instance; a free
-        inside a free group goes to ``pending`` (``ending[0]``: ``free_group_end`` is running)."""
         obj, pool, capture = spec.obj, spec.name, auditor.capture_site
         alloc, free = obj.alloc, obj.free
 
@@ -115,8 +96,6 @@ class SglangHooks(Target):
 
     @staticmethod
     def install_paged_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list, in_group) -> None:
-        """:meth:`install_kv`'s ``PagedTokenToKVPoolAllocator``: allocs as the pages that left the free
-        set, frees at ``_release_page_ids`` (or into ``pending`` inside a free group)."""
         obj, pool, ps, capture = spec.obj, spec.name, spec.page_size, auditor.capture_site
 
         def grouped(name, to_units, dedup):
@@ -157,9 +136,8 @@ class SglangHooks(Target):
         wrap(obj, "_release_page_ids", release_wrapper)
 
     def _install_host_pool(self, spec: PoolSpec, auditor, wrap, live: set | None = None) -> None:
-        """A host pool (``HostKVCache``, HiSparse's or HiCache's): ``alloc(n)``/``free(slots)`` on the
-        instance and ``clear()``, in host pages + 1 (:func:`host_units`). ``live``, if given, mirrors
-        the units held."""
+        """A ``HostKVCache``: ``alloc``/``free``/``clear`` in host units; ``live``, if given, mirrors the units
+        held."""
         obj, pool, ps = spec.obj, spec.name, spec.page_size
         capture = auditor.capture_site
         auditor.wrap_clear(spec)
@@ -193,14 +171,13 @@ class SglangHooks(Target):
             wrap(obj, "clear", clear_wrapper)
 
     def install_lock_ledger(self, wrap, record) -> None:
-        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree (``UnifiedRadixCache``; ``lock``,
-        ``unlock`` and checkpoint's lock moves all go through them) to ``record(node_id, delta)``."""
+        """Report every ``inc_lock_ref``/``dec_lock_ref`` of the tree to ``record(node_id, delta)``."""
         self.install_lock_counter(wrap, record, self.tree_cache, "inc_lock_ref", "dec_lock_ref", self.lock_net)
 
     @staticmethod
     def install_lock_counter(wrap, record, cache, inc_name: str, dec_name: str, net: dict, *extra) -> None:
-        """Wrap ``cache``'s lock pair ``inc_name``/``dec_name`` (``(node_id, ...)``): each call counts in
-        ``net`` (node id -> incs - decs) and goes to ``record(node_id, +1 or -1, *extra)``."""
+        """Wrap ``cache``'s lock pair: each call counts in ``net`` (node id -> incs - decs) and goes to
+        ``record(node_id, +1 or -1, *extra)``."""
         inc, dec = getattr(cache, inc_name), getattr(cache, dec_name)
 
         def inc_wrapper(node_id, *a, **k):
@@ -219,10 +196,8 @@ class SglangHooks(Target):
         wrap(cache, dec_name, dec_wrapper)
 
     def install_insert_check(self, wrap, report) -> None:
-        """Check every ``UnifiedRadixCache.insert(params)`` (``checkpoint_into_tree``'s, on the instance):
-        the tree takes ``min(len(params.key), len(params.value))`` tokens of the request being cached
-        (the caller's local ``req``), which must not exceed its ``kv_committed_len``; else
-        ``report(owner, inserted, committed, slots)`` with the slots past ``kv_committed_len``."""
+        """Check every ``UnifiedRadixCache.insert(params)``: the tree takes ``min(len(key), len(value))``
+        tokens of the request being cached, which must not exceed its ``kv_committed_len``."""
 
         def measure(req, params, *a, **k):
             value = params.value

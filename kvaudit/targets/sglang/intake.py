@@ -1,7 +1,5 @@
 """The driver's intake: kvaudit's ops delivered as the messages SGLang's scheduler receives
-(``Scheduler.process_input_requests``): generate requests through the tokenizer's pause hold,
-session open and close, aborts, flushes, pauses, memory pressure.
-"""
+(``Scheduler.process_input_requests``)."""
 
 from __future__ import annotations
 
@@ -17,8 +15,36 @@ from kvaudit.targets.sglang.standins import EOS
 
 
 class SglangIntake(Target):
-    """``Scheduler``'s message handling, over the state :class:`kvaudit.targets.sglang.target.SglangTarget`
-    sets up; its batches are :class:`kvaudit.targets.sglang.driver.SglangDriver`'s."""
+    """``Scheduler``'s message handling; its batches are :class:`~kvaudit.targets.sglang.driver.SglangDriver`'s."""
+
+    def _init_state(self, config) -> None:
+        """The scheduler state both eras keep (no SGLang object), under SGLang's names where it has one."""
+        # TpModelWorker: max_req_len = min(context_len - 1, pool tokens - 1), inputs 5 tokens shorter
+        self.max_req_len = min(config.context_len - 1, config.total_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.steps = 0
+        self.waiting: list = []  # Scheduler.waiting_queue
+        self.running: list = []  # Scheduler.running_batch.reqs
+        self.submitted: list[str] = []
+        self.finished: set[str] = set()
+        self.sessions: list[str] = []  # open session ids, in opening order
+        self.session_turns: dict[str, list[str]] = {}  # session id -> its turns' rids (SessionParams.rid)
+        self._n = self._opened = self._flushes = 0
+        self._force_retract = False
+        self._held: dict[str, tuple] = {}
+        self._last: tuple[str, list, object] | None = None  # overlap: the batch whose result is still to process
+        self.chunked_req = None  # Scheduler.chunked_req: the one request between prefill chunks
+        self._pending_chunked_abort = None  # Scheduler._pending_chunked_abort_req
+        self.retractions = 0  # requests retract_decode took out of the running batch
+        self.last_retraction: str | None = None  # what the last retract_decode did (retraction())
+        self._intake = None
+        self._scheduled = None  # Scheduler.last_batch: the batch the latest step ran, (kind, reqs, chunked)
+        self._queued = 0  # requests ever queued: their wait_queue_entry_time (FCFS order among equal priorities)
+        self.scheduler_paused = False  # Scheduler._engine_paused (pause_generation in_place / retract)
+        # TokenizerManager.is_pause: generate requests held until continue, as (op kind, _submit's arguments)
+        self.held: list[tuple[str, tuple]] | None = None
+        self.policy = None  # Scheduler.policy (SchedulePolicy), only with priority scheduling
+        self.lock_net: dict[int, int] = {}  # node id -> incs - decs (the lock-ref ledger, per node)
 
     @property
     def paused(self) -> bool:
@@ -26,10 +52,9 @@ class SglangIntake(Target):
         return self.scheduler_paused or self.held is not None
 
     def apply(self, op: Op) -> None:
-        """Deliver a message, as ``Scheduler.process_input_requests`` does at intake. While paused, the
-        tokenizer holds generate requests (submits, health checks) until ``continue_generation``; a held
-        submit's prompt and session are the client's, resolved when it is sent, as the built-in
-        engine's target does."""
+        """Deliver a message, as ``Scheduler.process_input_requests`` does. While paused, the tokenizer
+        holds generate requests (submits, health checks) until ``continue_generation``. Raises
+        ``TypeError`` for an op that does not go through ``apply``."""
         cfg = self.config
         if isinstance(op, Submit):
             req = resolve_submit(op, cfg.vocab_size, cfg.context_len // 4, cfg.context_len // 2, self.submitted,
@@ -77,13 +102,11 @@ class SglangIntake(Target):
         self.flush_wrapper.handle(self.S.FlushCacheReqInput(timeout_s=timeout))
 
     def _transfer_fail(self, handle: int | None) -> None:
-        """:class:`TransferFail`: a no-op here (no transfers on an aggregated server); the PD decode
-        driver overrides it."""
+        """No transfers on an aggregated server: the PD decode driver overrides it."""
 
     def _generate(self, kind: str, args: tuple) -> None:
-        """A generate request reaches the tokenizer: held while paused, else sent to the scheduler
-        (a submit: :meth:`_submit`; /health_generate: a 1-token request, run only when the scheduler is
-        idle)."""
+        """A generate request reaches the tokenizer: held while paused, else a submit, or /health_generate
+        (a 1-token request, only when the scheduler is idle)."""
         if self.held is not None:
             self.held.append((kind, args))
         elif kind == "submit":
@@ -93,12 +116,8 @@ class SglangIntake(Target):
 
     def _submit(self, prompt: list[int], max_new: int, stop_at: int | None, sid: str | None,
                 rid_prefix: str = "r", op: Submit | None = None) -> None:
-        """``Scheduler.handle_generate_request``: a plain ``Req``, or ``Session.create_req`` for a session
-        turn; then its length checks; then ``process_req_with_grammar`` (a request with a grammar waits
-        in the grammar queue until it compiles, ``op.grammar`` steps from now) or the waiting queue. A
-        request aborted at intake goes to the waiting queue at once. ``op``, the submit, gives the rest:
-        ``priority``, ``ignore_eos``, ``grammar``, and the turn's ``SessionParams`` (``parent``,
-        ``replace``, ``drop_previous_output``, ``offset``)."""
+        """``Scheduler.handle_generate_request``: a ``Req`` or ``Session.create_req``, its length checks, then
+        the grammar queue or the waiting queue."""
         S, cfg = self.S, self.config
         op = op or Submit()
         rid = f"{rid_prefix}{self._n}"
@@ -156,13 +175,11 @@ class SglangIntake(Target):
             self._add_request_to_queue(req)
 
     def _new_req(self, rid: str, ids, sp):
-        """A plain ``Req`` (``handle_generate_request``)."""
         return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS})
 
     def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
-        """``Scheduler._add_request_to_queue``: ``_set_or_validate_priority`` (with priority scheduling a
-        request without one gets the lowest), ``_abort_on_queued_limit``, then the waiting queue, stamped
-        with ``wait_queue_entry_time`` (here a count, so FCFS ties are deterministic)."""
+        """``Scheduler._add_request_to_queue``: ``_set_or_validate_priority``, ``_abort_on_queued_limit``,
+        then the waiting queue (``wait_queue_entry_time`` a count, so FCFS ties are deterministic)."""
         cfg = self.config
         if cfg.enable_priority_scheduling and req.priority is None:
             req.priority = -(1 << 62) if not cfg.schedule_low_priority_values_first else 1 << 62  # +-sys.maxsize
@@ -177,21 +194,19 @@ class SglangIntake(Target):
         req.kvaudit_queued_at = self.steps
 
     def _prefetch_kvcache(self, req) -> None:
-        """``Scheduler._prefetch_kvcache`` as a request is queued: an L3 storage prefetch (none here)."""
+        """``Scheduler._prefetch_kvcache``: no storage tier here."""
 
     def _prefetch_ready(self, req) -> bool:
-        """Admission's storage gate (``check_prefetch_progress`` on a request's prefetch): a request whose
-        prefetch is still running is skipped this round. Always ready here (no storage tier)."""
+        """Admission's storage gate: always ready here (no storage tier)."""
         return True
 
     def _prefetch_after_device_hit_loss(self, req) -> bool:
-        """Admission, after the match: a storage re-query that skips the request this round. Never here."""
+        """Admission's storage re-query after the match: never here."""
         return False
 
     def _abort_on_queued_limit(self, req) -> bool:
-        """``Scheduler._abort_on_queued_limit``: with the waiting queue at ``max_queued_requests``, the
-        newcomer is aborted (503); with priority scheduling, the least preferred waiting request is
-        aborted instead if the newcomer is strictly preferred. Returns True if ``req`` was aborted."""
+        """``Scheduler._abort_on_queued_limit``: True if ``req`` was aborted (with priorities, a less
+        preferred waiting request may be aborted instead)."""
         cfg = self.config
         if cfg.max_queued_requests is None or len(self.waiting) + 1 <= cfg.max_queued_requests:
             return False
@@ -207,10 +222,7 @@ class SglangIntake(Target):
         return True
 
     def _poll_timeout_aborts(self) -> None:
-        """``Scheduler._poll_timeout_aborts`` (each ``ingest_requests``): an abort, by rid (so by rid
-        prefix, as every abort), with the message "Request waiting/running timeout reached." and a 503,
-        for each waiting request queued ``request_waiting_timeout_steps`` ago and each in-flight one
-        scheduled ``request_running_timeout_steps`` ago."""
+        """``Scheduler._poll_timeout_aborts``: waiting and running timeouts, as 503 aborts."""
         cfg = self.config
         aborts = []
         if cfg.request_waiting_timeout_steps is not None:
@@ -224,13 +236,8 @@ class SglangIntake(Target):
             self._abort(rid, message)
 
     def _abort(self, rid: str, message: str | None = None) -> None:
-        """``Scheduler.abort_request``, which matches rids by prefix (``req.rid.startswith(rid)``: an
-        abort of ``r1`` also ends ``r10``..``r19``, as SGLang's would): the chunked request is only
-        marked (``_pending_chunked_abort_req``, torn down at the next step); waiting requests are
-        popped (they hold no KV outside PD decode) and their cache state dropped
-        (``_release_aborted_request``); running ones, or ones in the last batch, get ``to_finish`` and
-        end at their next result, through ``release_kv_cache`` like any finish. A timeout abort's
-        ``message`` goes with a 503 (``FINISH_ABORT(message, SERVICE_UNAVAILABLE)``)."""
+        """``Scheduler.abort_request``, matching rids by prefix as SGLang does (``r1`` also ends ``r10``):
+        the chunked request is only marked, waiting ones are popped, in-flight ones get ``to_finish``."""
         if self.chunked_req is not None and self.chunked_req.rid.startswith(rid):
             self._pending_chunked_abort = self.chunked_req
         for req in [r for r in self.waiting if r.rid.startswith(rid)]:
@@ -245,10 +252,8 @@ class SglangIntake(Target):
                     self.S.FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
     def _pause_generation(self, mode: str) -> None:
-        """``TokenizerManager.pause_generation``: generate requests are held from now on. ``abort``: the
-        tokenizer aborts every request (``abort_request(abort_all=True)``), the scheduler keeps running.
-        ``in_place`` / ``retract``: ``Scheduler.pause_generation`` -- the scheduler stops scheduling;
-        ``retract`` first retracts every in-flight request (:meth:`_pause_retract`)."""
+        """``TokenizerManager.pause_generation``: ``abort`` aborts every request; ``in_place`` / ``retract``
+        stop the scheduler (``retract`` first retracts every in-flight request)."""
         if self.held is None:
             self.held = []
         if mode == "abort":
@@ -260,12 +265,9 @@ class SglangIntake(Target):
         self.scheduler_paused = True
 
     def _pause_retract(self) -> None:
-        """``Scheduler.pause_generation(mode="retract")``: under overlap the pending result is processed
-        first; then the unfinished requests of the running batch, of the last batch if it was a prefill
-        (its requests may not have joined the running batch yet: overlap, HiSparse staging) and the
-        chunked request go through ``retract_all(..., offload_kv=False)`` (``release_req`` each:
-        HiSparse ``retract_req``, ``release_kv_cache(checkpoint=False)``, ``reset_for_retract``) and back
-        to the waiting queue; the running batch, last batch and chunked request are cleared."""
+        """``Scheduler.pause_generation(mode="retract")``: the pending result first (overlap), then the
+        running batch, a prefill last batch and the chunked request through ``retract_all`` and back to
+        the waiting queue."""
         if self.config.enable_overlap and self._last is not None:
             last, self._last = self._last, None
             self._process(*last)
@@ -283,8 +285,7 @@ class SglangIntake(Target):
         self.chunked_req = None
 
     def _retract_all(self, reqs: list) -> None:
-        """``retract_all(reqs, ..., offload_kv=False)``, as ``pause_generation(retract)`` calls it: each
-        request through ``release_req`` (no host backup: a pause rebuilds the KV afterwards)."""
+        """``retract_all(reqs, ..., offload_kv=False)``: a pause rebuilds the KV afterwards."""
         if reqs:
             self.S.retract_all(reqs=reqs, req_to_token_pool=self.req_to_token_pool,
                                token_to_kv_pool_allocator=self.allocator, tree_cache=self.tree_cache,
@@ -292,12 +293,11 @@ class SglangIntake(Target):
         self.retractions += len(reqs)
 
     def _hisparse_coordinator(self):
-        """The ``HiSparseCoordinator`` SGLang's releases are given (none on this target)."""
+        """The ``HiSparseCoordinator`` SGLang's releases are given (none here)."""
         return None
 
     def _continue_generation(self) -> None:
-        """``Scheduler.continue_generation`` and ``TokenizerManager.continue_generation``: the scheduler
-        runs again, then the held generate requests are sent, in order."""
+        """``continue_generation``: the scheduler runs again, then the held requests are sent."""
         self.scheduler_paused = False
         held, self.held = self.held or [], None
         for kind, args in held:
@@ -305,21 +305,19 @@ class SglangIntake(Target):
 
     def _memory_pressure(self) -> None:
         """Another tenant needs memory: evict what the tree can give, retract at the next decode
-        (``SGLANG_TEST_RETRACT``'s forced retraction)."""
+        (``SGLANG_TEST_RETRACT``)."""
         self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
         self._force_retract = True
 
     def _release_aborted_request(self, req) -> None:
-        """``Scheduler._release_aborted_request``: the tree's per-request state, and a streaming
-        session's turn bookkeeping (``Session.abort_req``)."""
+        """``Scheduler._release_aborted_request``: the tree's per-request state and ``Session.abort_req``."""
         self.tree_cache.finish(req.cache_request_handle, self.S.CacheRequestOutcome.ABORT)
         if req.session is not None and req.session.streaming:
             req.session.abort_req()
 
     def _flush_cache(self) -> bool:
-        """``Scheduler.flush_cache``: only when fully idle (:meth:`is_idle`; sessions do not count; while
-        the scheduler is paused, waiting requests that hold no KV do not either), reset the tree and clear
-        both pools. Returns whether it flushed."""
+        """``Scheduler.flush_cache``: only when fully idle (while paused, waiting requests without KV do not
+        count), reset the tree and clear both pools. Returns whether it flushed."""
         if not self.is_idle(ignore_waiting=self.scheduler_paused):
             return False
         self._scheduled = None
@@ -332,16 +330,15 @@ class SglangIntake(Target):
         return True
 
     def _check_pending_flush(self) -> None:
-        """``flush_wrapper.check_pending()`` (each ``ingest_requests``): a deferred flush runs once the
-        server is idle, or fails at its deadline; the quiescence check follows a flush at once."""
+        """``flush_wrapper.check_pending()``: a deferred flush runs once idle, or fails at its deadline."""
         done = self._flushes
         self.flush_wrapper.check_pending()  # (its timeout warning goes to the root logger, silenced by load())
         if self._flushes != done:
             self._after_intake()
 
     def on_intake(self, callback) -> None:
-        """Call ``callback()`` after each message that can free memory at intake (abort, session close,
-        flush, memory pressure), before the next step schedules: the runner's use-after-free scan."""
+        """Call ``callback()`` after each message that can free memory at intake, before the next step: the
+        runner's use-after-free scan."""
         self._intake = callback
 
     def _after_intake(self) -> None:
@@ -359,15 +356,12 @@ class SglangIntake(Target):
         return [r for r in self.submitted if r in live]
 
     def is_idle(self, ignore_waiting: bool = False) -> bool:
-        """``is_fully_idle``; with ``ignore_waiting`` (flush while paused) waiting requests count only if
-        they hold KV."""
+        """``is_fully_idle``; with ``ignore_waiting`` only waiting requests holding KV count."""
         waiting = any(r.kv.holds_kv for r in self.waiting) if ignore_waiting else bool(self.waiting)
         grammars = self.grammar_manager is not None and bool(self.grammar_manager.grammar_queue)
         return not waiting and not grammars and not self.running and self._last is None and self.chunked_req is None
 
     def is_idle_for_health_check(self) -> bool:
-        """``is_fully_idle(for_health_check=True)``: a health check runs only when no batch can carry
-        health information -- no waiting, running or chunked request, no batch whose result is
-        pending. Unlike :meth:`is_idle` (flush), a mode's own in-flight work (HiSparse staging,
-        HiCache copies) does not count."""
+        """``is_fully_idle(for_health_check=True)``: no waiting, running or chunked request, no pending
+        result; a mode's own in-flight work does not count."""
         return not self.waiting and not self.running and self._last is None and self.chunked_req is None

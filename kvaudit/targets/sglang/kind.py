@@ -1,6 +1,5 @@
-"""The ``sglang`` target kind: SGLang's own memory manager on CPU, driven by kvaudit's driver -- 0.5.23's,
-or for 0.5.10.post1 and 0.5.11 the legacy family's (:mod:`kvaudit.targets.sglang.compat`) -- registered
-with :mod:`kvaudit.targets.registry`. Imports neither SGLang nor torch."""
+"""The ``sglang`` target kind, registered with :mod:`kvaudit.targets.registry`: 0.5.23's driver, or the
+legacy era's (:mod:`kvaudit.targets.sglang.compat`). Imports neither SGLang nor torch."""
 
 from __future__ import annotations
 
@@ -16,13 +15,11 @@ def _presets():
 
 
 def _bugs():
-    """The injected faults, as rows of ``kvaudit bugs`` (``finding``, ``description``)."""
     return {name: SimpleNamespace(name=name, finding=kind, description=what) for name, (kind, what) in FAULTS.items()}
 
 
 def _make(config):
-    """The target class for ``config``'s serving mode (PD decode, HiSparse, HiCache with or without
-    L3 storage, else aggregated serving)."""
+    """The target class for ``config``'s era and serving mode."""
     if _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
     elif config.disaggregation_mode == "decode":
@@ -39,15 +36,14 @@ def _make(config):
 
 
 def _legacy() -> bool:
-    """Whether the installed SGLang is one of the legacy family's releases (by its metadata: no import)."""
+    """Whether the installed SGLang is a legacy-era release (by its metadata: no import)."""
     from kvaudit.targets.sglang.boot import installed_version
     return installed_version() in LEGACY
 
 
 def _probe(config) -> None:
-    """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD
-    decode modules for a PD config, cannot be imported here. A config the installed release cannot
-    drive (the legacy family's refusals, by its metadata) is refused before SGLang is imported."""
+    """Raises :class:`TargetUnavailable` (one line, with the install hint) when SGLang, or its PD decode
+    modules for a PD config, cannot be imported, or the legacy era cannot drive ``config``."""
     from kvaudit.targets.sglang.boot import SglangUnavailable, load, probe_version
     try:
         probe_version()  # not installed, or a release this target does not drive: no import needed
@@ -67,8 +63,7 @@ def _probe(config) -> None:
 
 
 def _header(config) -> str:
-    """The tree core, and the fields that differ from the preset (a corpus file may use a smaller
-    pool than the preset it names)."""
+    """The tree core, and the fields that differ from the preset."""
     bugs = ", ".join(sorted(config.bugs)) or "none"
     preset = config.preset
     if preset in SGLANG_PRESETS:
@@ -83,8 +78,8 @@ def _header(config) -> str:
 
 
 def _anchor(kind: str):
-    """The driver plays SGLang's scheduler (SGLang's files are not in the repository):
-    ``SglangTarget.engine_check`` for accounting drift and lock imbalance, ``SglangTarget.step`` else."""
+    """The driver plays SGLang's scheduler: ``SglangTarget.engine_check`` for accounting drift and lock
+    imbalance, ``SglangTarget.step`` else."""
     from kvaudit.targets.sglang.target import SglangTarget
     method = "engine_check" if kind in ("accounting-drift", "lock-imbalance") else "step"
     return getattr(SglangTarget, method), f"SglangTarget.{method}"
@@ -103,8 +98,8 @@ def _notes(config) -> list[str]:
 
 
 def _engine_source():
-    """SGLang's version is the installed one when this target drives it; else, while the target
-    drives a single release, that release (the only one that can have recorded the frames)."""
+    """The installed SGLang when this target drives it; else, while the target drives a single release,
+    that release."""
     from kvaudit.targets import EngineSource
     from kvaudit.targets.sglang.boot import SUPPORTED_VERSIONS, installed_version
     v = installed_version()

@@ -1,36 +1,13 @@
-"""The legacy driver family: SGLang's ``cache_finished_req`` era (0.5.10.post1 and 0.5.11, see
-:mod:`kvaudit.targets.sglang.compat`), core pools, the radix cache and sessions only.
+"""The legacy era: SGLang's ``cache_finished_req`` releases (0.5.10.post1 and 0.5.11,
+:mod:`~kvaudit.targets.sglang.compat`), core pools, the radix cache and sessions only, on the
+0.5.23 driver's intake with that era's API where it differs: bootstrap, batches, submit, abort,
+flush and the observer's reads (the KV fields sit on ``Req`` and ``SessionSlot``).
 
-The 0.5.23 driver (:class:`~kvaudit.targets.sglang.driver.SglangDriver`: its intake and sampling, and
-``hooks.install_kv`` for the KV pool), with that era's API where it differs:
-
-* **bootstrap** (:func:`load_legacy`) -- the imports of the era (sessions in ``managers.session_controller``
-  and ``mem_cache.session_aware_cache`` before 0.5.11, in ``sglang.srt.session`` from it), the import stubs
-  plus ``sgl_kernel`` (``memory_pool_host`` imports it at module level), and an API probe; the default
-  tree cache of the era is ``RadixCache`` (``UnifiedRadixCache`` is behind an environment switch in 0.5.11)
-  and the session wrapper is ``SessionAwareCache`` (0.5.11 renames it ``StreamingSession``);
-* **driver** -- ``Scheduler.event_loop_normal`` of the era with SGLang's own functions: admission by
-  ``Req.init_next_round_input`` and ``PrefillAdder.add_one_req`` (which takes the request's tree lock by
-  ``inc_lock_ref``), ``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode`` (they run
-  ``alloc_for_extend`` / ``alloc_for_decode`` and keep ``req.kv_committed_len``), ``check_decode_mem`` /
-  ``retract_decode(server_args)``, result processing with ``Req.check_finished``, ``cache_unfinished_req``
-  and ``release_kv_cache(req, cache)``; intake as ``handle_generate_request`` (``Session.create_req``,
-  ``validate_input_length``) and ``abort_request`` (a waiting request leaves the queue, a running one gets
-  ``to_finish``);
-* **observer** -- roots, accounting and free lists read from the KV fields on ``Req`` and on each
-  ``SessionSlot``; SGLang's own memory checks (idle, and busy with ``strict_mem_check_during_busy``) with
-  SGLang's own ``session_held_tokens`` (its signature is a version adapter: ``session-held-active``).
-
-No overlap, chunking, priorities, grammars, pauses, timeouts, paged pools or injected faults: the modes
-that need them refuse with one line (:func:`refusal`). The CPU index writer is chosen by
-``ServerArgs(attention_backend="torch_native")`` in this era (the Triton one fails on CPU).
-"""
+Design notes: docs/internals/sglang.md ("The legacy era")."""
 
 from __future__ import annotations
 
 import inspect
-import logging
-import os
 import warnings
 from types import SimpleNamespace
 
@@ -41,7 +18,7 @@ from kvaudit.program import Submit
 from kvaudit.program.schema import pick
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, install_stubs, probe_version
+from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, prepare_import, probe_version, quiet_loggers
 from kvaudit.targets.sglang.driver import SglangDriver
 from kvaudit.targets.sglang.hooks import SglangHooks
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
@@ -70,8 +47,8 @@ _LOADED: SimpleNamespace | None = None
 
 
 def load_legacy(version: str) -> SimpleNamespace:
-    """Import the era's memory manager, once per process (the legacy family's :func:`kvaudit.targets.sglang.boot.load`).
-    Raises :class:`SglangUnavailable` when it does not import or its API is not the era's."""
+    """Import the era's memory manager, once per process. Raises :class:`SglangUnavailable` when it does
+    not import or its API is not the era's."""
     global _LOADED
     if _LOADED is None:
         _LOADED = _import_legacy(version)
@@ -79,11 +56,8 @@ def load_legacy(version: str) -> SimpleNamespace:
 
 
 def _import_legacy(version: str) -> SimpleNamespace:
-    if os.environ.get("SGLANG_USE_CPU_ENGINE"):
-        raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
-                                "this target does not need")
     STUBS.update(LEGACY_STUBS)  # install_stubs reads the module's table
-    stubbed = install_stubs()
+    stubbed = prepare_import()
     new_sessions = compat.has("session-package", version)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -115,9 +89,7 @@ def _import_legacy(version: str) -> SimpleNamespace:
     if "is_insert" not in rel or not hasattr(SessionAwareCache, "release_session"):
         raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the cache_finished_req era "
                                 "(release_kv_cache(req, cache, is_insert), SessionAwareCache.release_session)")
-    for name in ("sglang", "transformers", "torch._dynamo"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    logging.getLogger().setLevel(logging.CRITICAL)
+    quiet_loggers()
     _shim_tp_rank()
     return SimpleNamespace(
         version=version, family="legacy", stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
@@ -132,9 +104,8 @@ def _import_legacy(version: str) -> SimpleNamespace:
 
 
 def _shim_tp_rank() -> str:
-    """CPU shim: ``schedule_batch.get_tensor_model_parallel_rank`` -> 0. ``Req.set_finish_with_abort`` asks
-    it (to log on rank 0 only), and it asserts that SGLang's tensor-parallel group was initialized, which
-    takes a whole ``ModelRunner``; this process is rank 0 of a one-GPU group. Returns the shim's name."""
+    """CPU shim: ``schedule_batch.get_tensor_model_parallel_rank`` -> 0 (``Req.set_finish_with_abort``
+    asks it, and it asserts a tensor-parallel group a whole ``ModelRunner`` builds)."""
     import sglang.srt.managers.schedule_batch as schedule_batch
 
     def rank_zero() -> int:
@@ -145,8 +116,7 @@ def _shim_tp_rank() -> str:
 
 
 class _GenerateInput(SimpleNamespace):
-    """The ``TokenizedGenerateReqInput`` that ``Session.create_req`` reads: the fields kvaudit sets, None
-    for the rest (multimodal inputs, LoRA, logprob options, routing)."""
+    """The ``TokenizedGenerateReqInput`` ``Session.create_req`` reads: None for the fields kvaudit does not set."""
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -156,8 +126,7 @@ class _GenerateInput(SimpleNamespace):
 
 class SglangLegacyTarget(SglangDriver):
     """Drives one set of the era's pools and one ``RadixCache`` (wrapped by ``SessionAwareCache`` with
-    streaming sessions); see the module docstring. :class:`SglangDriver`'s intake and sampling, with the
-    era's API where it differs: the batches, the submit, abort and flush, and the observer."""
+    streaming sessions)."""
 
     name = "sglang"
     owner_hint_vars = ("req",)
@@ -195,21 +164,8 @@ class SglangLegacyTarget(SglangDriver):
         self.model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False,
                                             hf_eos_token_id=None, is_matryoshka=False, hidden_size=8,
                                             num_hidden_layers=1)
-        self.max_req_len = min(config.context_len - 1, size - 1)  # TpModelWorker
-        self.max_req_input_len = self.max_req_len - 5
-        self.steps = 0
-        self.waiting: list = []
-        self.running: list = []
-        self.submitted: list[str] = []
-        self.finished: set[str] = set()
-        self.sessions: list[str] = []
-        self.session_turns: dict[str, list[str]] = {}
-        self._n = self._opened = self._flushes = 0
-        self._held: dict[str, tuple] = {}
-        self._intake = None
-        self.retractions = 0
-        self.last_retraction: str | None = None
-        self.lock_net: dict[int, int] = {}
+        self._init_state(config)
+        self.grammar_manager = None  # (no grammars in this era: flush, idle and _active read it)
         # the row pool's ledger units: row + 1 before 0.5.11 (every row usable), the row itself from it
         self._row_base = 0 if compat.has("row-zero-padding", S.version) else 1
         # the row pool first: of two findings of one kind the row's is reported first (a row released under a
@@ -218,25 +174,20 @@ class SglangLegacyTarget(SglangDriver):
                        PoolSpec("token_to_kv_pool", self.allocator, "kv", 1, size)]
 
     # -- intake: SglangIntake.apply, less what the era does not drive ------------------------------
-    held = None  # no pauses: PauseGeneration is a no-op, nothing is held, ContinueGeneration never runs
-    scheduler_paused = False
-
     def _pause_generation(self, mode: str) -> None:
         pass
 
     def _request_flush(self, timeout: float) -> None:
-        """A flush runs only when idle (no deferral in this family)."""
+        """A flush runs only when idle (no deferral in this era)."""
         self._flush_cache()
 
     def _memory_pressure(self) -> None:
-        """Evict what the tree can give (no forced retraction in this family)."""
+        """Evict what the tree can give (no forced retraction in this era)."""
         self.tree_cache.evict(self.S.EvictParams(num_tokens=self.tree_cache.evictable_size()))
 
     def _submit(self, prompt, max_new: int, stop_at, sid, rid_prefix: str = "r", op: Submit | None = None) -> None:
-        """``handle_generate_request`` of the era: a plain ``Req`` or ``Session.create_req``; a gone (or,
-        from 0.5.11, closing) session makes an aborted plain request; ``init_req_max_new_tokens``, then
-        ``validate_input_length`` (a turn whose history no longer fits is aborted here, before it is
-        queued); every request goes to the waiting queue."""
+        """``handle_generate_request`` of the era: a gone (or, from 0.5.11, closing) session makes an aborted
+        plain request; ``validate_input_length`` aborts a turn whose history no longer fits."""
         S, cfg = self.S, self.config
         op = op or Submit()
         rid = f"{rid_prefix}{self._n}"
@@ -278,8 +229,8 @@ class SglangLegacyTarget(SglangDriver):
         self.waiting.append(req)
 
     def _abort(self, rid: str) -> None:
-        """``abort_request``: a waiting request leaves the queue (nothing released: it holds no row of its
-        own); a running one is finished at its next result (``to_finish``)."""
+        """``abort_request``: a waiting request leaves the queue (it holds no row of its own); a running one
+        gets ``to_finish``."""
         for i, req in enumerate(self.waiting):
             if req.rid == rid:
                 del self.waiting[i]
@@ -289,29 +240,10 @@ class SglangLegacyTarget(SglangDriver):
             if req.rid == rid and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT()
 
-    def _flush_cache(self) -> bool:
-        """``Scheduler.flush_cache``: only when idle -- the tree (and the session slots) reset, both pools
-        cleared."""
-        if not self.is_idle():
-            return False
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.allocator.clear()
-        self._flushes += 1
-        return True
-
-    def _active(self) -> list:
-        return self.waiting + self.running
-
-    def is_idle(self) -> bool:
-        return not self.waiting and not self.running
-
-    is_idle_for_health_check = is_idle
-
     # -- batches (Scheduler.event_loop_normal) ---------------------------------------------------
     def step(self) -> None:
-        """One iteration: ``maybe_reap`` (session timeouts; from 0.5.11 also deferred closes), a prefill
-        batch if one can be admitted, else a decode step, then the batch's result."""
+        """One iteration: ``maybe_reap`` (from 0.5.11 also deferred closes), a prefill batch if one can be
+        admitted, else a decode step, then the batch's result."""
         self.steps += 1
         self.clock.now += 1.0
         if self.session_controller is not None:
@@ -324,17 +256,14 @@ class SglangLegacyTarget(SglangDriver):
                               r.cache_protected_len) for r in self.running if r.req_pool_idx is not None}
 
     def _allocatable(self, admitted: list) -> int:
-        """Requests admission may still add: ``get_num_allocatable_reqs`` (the running budget), and (kvaudit's
-        bound) the free rows plus the admitted that reuse a borrowed row -- one rank's row pool is sized for
-        its running budget, this target's is smaller."""
+        """``get_num_allocatable_reqs``, bounded (kvaudit's) by the free rows plus the admitted that reuse a
+        borrowed row: this target's row pool is smaller than one rank's."""
         borrowed = sum(r.req_pool_idx is not None for r in admitted)
         return min(self.config.max_running_requests - len(self.running),
                    self.req_to_token_pool.available_size() + borrowed) - len(admitted)
 
     def _prefill(self):
-        """``get_new_batch_prefill``: FCFS, ``init_next_round_input`` (prefix match, a streaming turn's slot
-        restored) and ``PrefillAdder.add_one_req`` until it refuses; ``ScheduleBatch.init_new`` and
-        ``prepare_for_extend``."""
+        """``get_new_batch_prefill``: FCFS, ``add_one_req`` until it refuses, ``prepare_for_extend``."""
         S, cfg, cache = self.S, self.config, self.tree_cache
         if not self.waiting or self._allocatable([]) <= 0:
             return None
@@ -358,8 +287,6 @@ class SglangLegacyTarget(SglangDriver):
         return "extend", batch
 
     def _running_batch(self, reqs: list):
-        """``Scheduler.running_batch`` as a ``ScheduleBatch`` of ``reqs`` with the tensors decode and
-        retraction read."""
         S = self.S
         batch = S.ScheduleBatch.init_new(list(reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
                                          self.model_config, False, S.SpeculativeAlgorithm.NONE)
@@ -373,8 +300,7 @@ class SglangLegacyTarget(SglangDriver):
         return batch
 
     def _decode(self):
-        """``update_running_batch``: ``check_decode_mem``, ``retract_decode(server_args)`` when it fails,
-        then ``prepare_for_decode``."""
+        """``update_running_batch``: ``retract_decode(server_args)`` when ``check_decode_mem`` fails."""
         self.running = [r for r in self.running if not r.finished()]
         if not self.running:
             return None
@@ -395,11 +321,9 @@ class SglangLegacyTarget(SglangDriver):
         return "decode", batch
 
     def _process(self, kind: str, batch) -> None:
-        """``process_batch_result_prefill`` / ``_decode``: a token per request, ``check_finished``, then
-        ``release_kv_cache(req, cache)`` for a finished request or, after a prefill, ``cache_unfinished_req``
-        and the running batch. Only the decode result runs inside a free group in this era (a prefill's
-        ``cache_unfinished_req`` frees a view of the request's row that it overwrites next, so a deferred
-        free there would free the tree's slots instead)."""
+        """``process_batch_result_prefill`` / ``_decode``. Only the decode result runs inside a free group in
+        this era: a prefill's ``cache_unfinished_req`` frees a view of the row it overwrites next, so a
+        deferred free there would free the tree's slots instead."""
         group = kind == "decode"
         if group:
             self.allocator.free_group_begin()
@@ -436,11 +360,9 @@ class SglangLegacyTarget(SglangDriver):
         return f"req:{rid}" if isinstance(rid, str) else None
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """The KV pool as on 0.5.23 (:meth:`SglangHooks.install_kv`, page 1); the row pool by its free
-        list: ``alloc(reqs)`` (rows taken; a request that keeps its row takes none), ``free(req)``, and
-        ``SessionAwareCache.release_session``, which appends a slot's row to ``free_slots`` itself. Rows are
-        ledger units ``row + 1`` before 0.5.11 (every row usable; unit 0 is the ledger's padding), the row
-        from it (row 0 is padding: ``row-zero-padding``)."""
+        """The KV pool as on 0.5.23; the row pool by its free list (``alloc(reqs)``, ``free(req)`` and
+        ``SessionAwareCache.release_session``). Rows are units ``row + 1`` before 0.5.11
+        (``row-zero-padding``), the row from it."""
         pool, obj, capture, base = spec.name, spec.obj, auditor.capture_site, self._row_base
         auditor.wrap_clear(spec)
         if spec.kind != "rows":  # the era's free group: is_not_in_free_group (free_group stays a list)
@@ -470,21 +392,20 @@ class SglangLegacyTarget(SglangDriver):
         return list(self.tree_cache.slots.items()) if self.session_controller is not None else []
 
     def _live(self) -> list:
-        """Requests holding a row: the running batch, and waiting session turns whose slot was restored."""
+        """Requests holding a row: the running batch, and waiting turns whose slot was restored."""
         return [r for r in self.running + self.waiting if r.req_pool_idx is not None]
 
     def _borrowed(self) -> set[int]:
         return {r.req_pool_idx for r in self._live()}
 
     def _session_held(self) -> int:
-        """kvaudit's count: the KV of slots no live request borrowed (``kv_allocated_len - cache_protected_len``)."""
+        """kvaudit's count: the KV of slots no live request borrowed."""
         borrowed = self._borrowed()
         return sum(s.kv_allocated_len - s.cache_protected_len for _, s in self._slots()
                    if s.req_pool_idx is not None and s.req_pool_idx not in borrowed)
 
     def _engine_session_held(self) -> int:
-        """SGLang's own ``session_held_tokens`` as the scheduler calls it: from 0.5.11 with the running
-        batch's rows (``_active_pool_idxs``), before with no argument."""
+        """SGLang's own ``session_held_tokens`` as the scheduler calls it (``session-held-active``)."""
         if self.session_controller is None:
             return 0
         if compat.has("session-held-active", self.S.version):
@@ -501,11 +422,8 @@ class SglangLegacyTarget(SglangDriver):
                 "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, rp.size)}
 
     def engine_check(self) -> list[str]:
-        """SGLang's own memory checks of the era, with its own ``session_held_tokens``: at idle
-        (``self_check_during_idle``, always) ``available + evictable + protected + session_held == total``;
-        while busy (``self_check_during_busy``, only with ``strict_mem_check_during_busy``: SGLang's
-        ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``) the same plus ``uncached = kv_allocated_len -
-        cache_protected_len`` per running request."""
+        """SGLang's own memory checks of the era: idle always; busy (with ``uncached`` per running request)
+        only with ``strict_mem_check_during_busy``."""
         busy = bool(self.running or self.waiting)
         if busy and not self.config.strict_mem_check_during_busy:
             return []
@@ -520,9 +438,8 @@ class SglangLegacyTarget(SglangDriver):
         return []
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        """The tree's values; each live request's row, its own KV
-        ``[cache_protected_len, kv_allocated_len)`` and its tree-owned prefix (shared); each session slot not
-        borrowed by a live request the same way."""
+        """The tree's values; each live request's row and KV; each session slot no live request
+        borrowed."""
         table = self.req_to_token_pool.req_to_token
         out: list[Root] = []
 
@@ -588,8 +505,7 @@ class SglangLegacyTarget(SglangDriver):
         return self.last_retraction or ""
 
     def stuck(self) -> str:
-        """``running:decode``, or for the waiting queue ``waiting:memory-locked`` (tree locks hold tokens)
-        or ``waiting:memory``; ``""`` when nothing is busy."""
+        """``running:decode``, ``waiting:memory-locked`` or ``waiting:memory``; ``""`` when idle."""
         if self.running:
             return "running:decode"
         if not self.waiting:

@@ -1,7 +1,5 @@
-"""The observer: what the oracles read of SGLang's pools, tree and requests -- the roots into the
-pools, each pool's accounting and free list, the lock holders, the engine's own conservation
-identity, and the progress and idle state of the scheduler the driver plays.
-"""
+"""The observer: what the oracles read of SGLang's pools, tree and requests (roots, accounting, free
+lists, lock holders, the engine's conservation identity, progress and idle state)."""
 
 from __future__ import annotations
 
@@ -13,10 +11,8 @@ from kvaudit.targets.sglang.hooks import SglangHooks
 
 
 class SglangObserver(SglangHooks):
-    """Reads, never mutates (besides the hooks' own bookkeeping), the state the driver
-    (:class:`kvaudit.targets.sglang.driver.SglangDriver`) keeps under SGLang's names: ``allocator``,
-    ``req_to_token_pool``, ``tree_cache``, ``session_controller``, ``grammar_manager``, the queues
-    (``waiting``, ``running``, ``chunked_req``, ``_last``) and its ``_inflight``/``_active`` requests."""
+    """Reads, never mutates (besides the hooks' bookkeeping), the state the driver keeps under SGLang's
+    names."""
 
     owner_hint_vars = ("req",)
     owner_stop_vars = ("reqs", "batch")
@@ -35,17 +31,14 @@ class SglangObserver(SglangHooks):
         return self._pools
 
     def framework_files(self) -> list[str]:
-        """Allocator-internal files: a site's innermost frame is the first frame outside these."""
         import sglang.srt.mem_cache.allocator.base as base
         import sglang.srt.mem_cache.memory_pool as memory_pool
         return [base.__file__, memory_pool.__file__]
 
     def recount(self) -> dict[str, dict[str, Recount]]:
-        """The tree's terms recounted from its nodes (SGLang's definition, the Python core's
-        ``sanity_check`` part 4): ``evictable`` = FULL device tokens of nodes whose FULL ``lock_ref`` is 0,
-        ``protected`` = those of nodes with ``lock_ref > 0``. Python core: one walk of its nodes; Rust
-        core (no Python nodes): ``walk_for_kv_canary(unlocked_only=True)`` for the unlocked tokens and
-        ``all_values_flatten`` for all of them."""
+        """The tree's ``evictable`` / ``protected`` recounted from its nodes (the Python core's
+        ``sanity_check`` part 4; on the Rust core through ``walk_for_kv_canary`` and
+        ``all_values_flatten``)."""
         cache = self.tree_cache
         if cache.disable:
             return {}
@@ -75,9 +68,8 @@ class SglangObserver(SglangHooks):
         return f"req:{rid}" if isinstance(rid, str) else None
 
     def stalled(self) -> bool:
-        """Only waiting requests are left and memory sessions hold keeps them out -- their own KV
-        (``session_held``) or their slot's tree lock (the history, counted as ``protected``): SGLang
-        waits too."""
+        """Only waiting requests are left and memory sessions hold (their KV, or their slot's tree lock)
+        keeps them out: SGLang waits too."""
         held = self._session_held_tokens() > 0 or any(s.lock is not None for _, s in self._slots())
         return bool(self.waiting) and not self.running and held
 
@@ -96,7 +88,7 @@ class SglangObserver(SglangHooks):
 
     def progress(self) -> dict[str, int]:
         """Per running (or chunked) request a number that grows while it progresses, -1 once aborted;
-        nothing while the scheduler is paused (nothing is meant to progress then)."""
+        nothing while the scheduler is paused."""
         if self.scheduler_paused:
             return {}
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
@@ -109,8 +101,7 @@ class SglangObserver(SglangHooks):
 
     def stuck(self) -> str:
         """``running:decode``, ``chunked:prefill``, ``grammar:compile``, or for the waiting queue's head
-        ``waiting:rows`` (no request row free), ``waiting:memory-locked`` (tree locks hold tokens) or
-        ``waiting:memory``; ``""`` when nothing is busy."""
+        ``waiting:rows``, ``waiting:memory-locked`` or ``waiting:memory``; ``""`` when nothing is busy."""
         if self.running or self._last is not None:
             return "running:decode"
         if self.chunked_req is not None:
@@ -129,7 +120,6 @@ class SglangObserver(SglangHooks):
                 f"protected={self.tree_cache.protected_size()} session_held={self._session_held_tokens()}")
 
     def retraction(self) -> str:
-        """What the last ``retract_decode`` retracted and freed, and why it stopped ("": none yet)."""
         return self.last_retraction or ""
 
     def _ceil(self, n: int) -> int:
@@ -147,28 +137,27 @@ class SglangObserver(SglangHooks):
         return sum(self._ceil(s.kv.kv_allocated_len) - s.kv.cache_protected_len for _, s in self._slots()
                    if s.kv.holds_kv)
 
+    def _place_groups(self) -> tuple:
+        """``(name, requests)`` of the scheduler structures, most specific first (``Root.where``)."""
+        return (("chunked", (self.chunked_req,) if self.chunked_req is not None else ()),
+                ("grammar", self.grammar_manager.grammar_queue if self.grammar_manager is not None else ()),
+                ("waiting", self.waiting), ("running", self.running),
+                ("last_batch", self._last[1] if self._last is not None else ()))
+
     def _places(self) -> dict[int, str]:
-        """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one
-        wins (the chunked request is in the last batch too, a decoding one in the running batch)."""
-        groups = (("chunked", (self.chunked_req,) if self.chunked_req is not None else ()),
-                  ("grammar", self.grammar_manager.grammar_queue if self.grammar_manager is not None else ()),
-                  ("waiting", self.waiting), ("running", self.running),
-                  ("last_batch", self._last[1] if self._last is not None else ()))
         out: dict[int, str] = {}
-        for name, group in groups:
+        for name, group in self._place_groups():
             for r in group:
                 out.setdefault(id(r), name)
         return out
 
     def _live(self) -> list:
-        """Requests that own a row (SGLang's ``_requests_owning_rows``: running batch, last batch,
-        waiting queue)."""
+        """Requests that own a row (SGLang's ``_requests_owning_rows``)."""
         return [r for r in self._active() if r.kv.holds_kv]
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        """Every reference into the pools (recipe, "Roots for reachability"): the tree's values; each
-        live request's row with its own KV ``[cache_protected_len, kv_allocated_len)`` (private) and
-        its tree-owned prefix (shared); each session slot's record the same way."""
+        """The tree's values; each live request's row with its own KV (private) and its tree-owned prefix
+        (shared); each session slot's record the same way."""
         table = self.req_to_token_pool.req_to_token
         out: list[Root] = []
 
@@ -212,25 +201,20 @@ class SglangObserver(SglangHooks):
         }
 
     def _row_count(self) -> int:
-        """Usable rows: row 0 is padding (``_alloc_size`` counts it; a PD decode pool adds its
-        ``pre_alloc_size`` rows to ``size``)."""
+        """Usable rows: row 0 is padding (a PD decode pool adds its ``pre_alloc_size`` rows)."""
         return self.req_to_token_pool._alloc_size - 1
 
     def metrics_check(self) -> list[str]:
-        """Every live record's ``0 <= kv_committed_len <= kv_allocated_len`` (the free lists are checked
-        against the event log by the oracles, through :meth:`free_lists`)."""
+        """Every live record's ``0 <= kv_committed_len <= kv_allocated_len``."""
         return kv_length_problems(self._live())
 
     def free_lists(self) -> dict[str, np.ndarray]:
-        """Each pool's free list as SGLang holds it (``get_all_free_pages``, ``free_slots``), for the
-        event-log replay check."""
         return {"token_to_kv_pool": self.allocator.get_all_free_pages().cpu().numpy(),
                 "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
 
     def lock_balance(self):
-        """Tree nodes whose net lock count (``inc_lock_ref`` minus ``dec_lock_ref``) differs from the live
-        lock holders on them (requests' ``req.lock``, session slots' ``slot.lock``); and, with every node
-        balanced, ``protected_size()`` against the union of the holders' paths (recipe: orphan locks)."""
+        """Nodes whose net lock count differs from the live lock holders on them; with every node balanced,
+        ``protected_size()`` against the union of the holders' paths."""
         cache = self.tree_cache
         want: dict[int, int] = {}
         holders = self._lock_holders()
@@ -252,20 +236,17 @@ class SglangObserver(SglangHooks):
         return [b for b in bad if b[1].size] or bad[:0]
 
     def lock_holders(self) -> list[tuple[str, str, int]]:
-        """Every live lock receipt as ``(lock, holder, node id)`` (the lock-ref ledger pairs incs with
-        them, :mod:`kvaudit.audit.locks`): requests' ``req.lock``, session slots' ``slot.lock``."""
+        """Every live lock receipt as ``(lock, holder, node id)``: ``req.lock`` and ``slot.lock``."""
         out = [("device", f"req:{r.rid}", r.lock.node) for r in self._live() + self.waiting if r.lock is not None]
         out += [("device", f"session:{sid}", s.lock.node) for sid, s in self._slots() if s.lock is not None]
         return out
 
     def _lock_holders(self) -> list:
-        """The node each live device lock receipt is on (:meth:`lock_holders`)."""
         return [node for lock, _, node in self.lock_holders() if lock == "device"]
 
     def engine_check(self) -> list[str]:
-        """SGLang's conservation identity (``SchedulerInvariantChecker``'s formula; the checker itself
-        needs a whole Scheduler): ``available + evictable + protected + session_held + uncached == total``,
-        with ``uncached = ceil_align(kv_allocated_len) - cache_protected_len`` per running request."""
+        """SGLang's conservation identity (``SchedulerInvariantChecker``'s formula): ``available + evictable +
+        protected + session_held + uncached == total``."""
         a = self.accounting()["token_to_kv_pool"]
         held = {id(s.kv) for _, s in self._slots()}
         uncached = sum(self._ceil(r.kv.kv_allocated_len) - r.kv.cache_protected_len for r in self._live()

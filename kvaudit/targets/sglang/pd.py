@@ -1,43 +1,9 @@
-"""PD disaggregation, decode side, on the real SGLang 0.5.23 (``disaggregation_mode="decode"``).
+"""PD disaggregation, decode side, on SGLang 0.5.23 (``disaggregation_mode="decode"``): SGLang's own
+``DecodePreallocQueue``, ``DecodeTransferQueue`` and decode-mode scheduler methods, driven by a
+second driver (:class:`SglangPdDecodeTarget`); kvaudit plays the prefill server, the wire and the
+KV checksum (:mod:`~kvaudit.targets.sglang.pd_transfer`).
 
-A decode server receives each request's prompt KV from a prefill server. Its memory path is
-``disaggregation/decode.py`` (memory model section 3): ``DecodePreallocQueue`` takes a row of the
-``DecodeReqToTokenPool`` and the prompt's KV slots before the transfer (``_pre_alloc``);
-``DecodeTransferQueue`` polls the transfer, commits the first token (``_commit_transfer_to_req``) or,
-on failure, releases the KV -- at once, or *deferred* until prefill acknowledges the abort or a
-timeout (``_defer_release`` / ``resolve_deferred_releases``: hazard A.8); transferred requests run as
-a prebuilt batch (``process_prebuilt``, ``process_batch_result_prebuilt``) and then decode.
-
-What runs is SGLang's: the pools, the tree cache (disabled, as on a decode server by default), both
-queues, and the scheduler's own decode-mode methods (``SchedulerDisaggregationDecodeMixin``:
-``process_decode_queue``, ``get_next_disagg_decode_batch_to_run``, ``get_new_prebuilt_batch``),
-called on :class:`_DecodeScheduler`, which holds the attributes of ``Scheduler`` they read. The
-driver plays what is not on this machine:
-
-* **the model** -- a deterministic next token, as on the other presets;
-* **the network and the prefill server** -- requests use SGLang's ``fake`` transfer backend (the
-  one it ships for warmup and health checks), with a receiver that takes
-  ``transfer_latency_steps`` scheduler steps to land, and that on abort arms the drain-ack
-  bookkeeping of ``CommonKVReceiver``/``CommonKVManager`` (their own methods, borrowed): the
-  shipped fake receiver never defers a release. Prefill's ack arrives ``abort_ack_steps`` steps
-  later (``None``: never, so the release waits for the timeout);
-* **the KV checksum** -- SGLang's ``--disaggregation-enable-kv-checksum`` is on: prefill's digest
-  travels in the request's metadata row, ``get_new_prebuilt_batch`` verifies it
-  (``_verify_kv_checksums``) and a mismatch is aborted and released
-  (``_handle_kv_checksum_mismatch``). SGLang's CUDA ``KvChecksumComputer`` is replaced by
-  :class:`~kvaudit.targets.sglang.pd_transfer.KvChecksums` (kvaudit's pools hold no KV data: the wire
-  writes a word into each page), and ``kv_checksum_mismatch_every`` N corrupts every Nth landed
-  transfer. That corruption is an injection, as SGLang's ``SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB``,
-  so with it set ``decode.py``'s ``is_in_ci`` answers False (unset, a mismatch raises under
-  ``SGLANG_IS_IN_CI``, as in SGLang);
-* **the clock** -- ``decode.py``'s ``time.monotonic`` advances one second per scheduler step, so
-  deferred-release timeouts are deterministic.
-
-One more package is needed for real: ``einops`` (``decode.py`` -> ``managers/utils.py`` -> eplb),
-pinned in ``requirements/sglang-cpu.txt``. ``managers/scheduler.py`` is never imported (it would pull
-the HTTP server), so ``update_running_batch`` and ``abort_request`` are the driver's, following
-SGLang's decode-mode branches, as on the other presets.
-"""
+Design notes: docs/internals/sglang.md ("PD decode")."""
 
 from __future__ import annotations
 
@@ -58,8 +24,8 @@ _PD = None
 
 
 def load_pd() -> SimpleNamespace:
-    """Import SGLang's PD decode path once (after :func:`load`'s stubs). Raises :class:`SglangUnavailable`
-    when a module it needs does not import (``einops`` missing: the install command says how)."""
+    """Import SGLang's PD decode path once. Raises :class:`SglangUnavailable` when a module does not
+    import (``einops`` missing: the message says how to install it)."""
     global _PD
     if _PD is not None:
         return _PD
@@ -90,9 +56,8 @@ def load_pd() -> SimpleNamespace:
 
 
 class _DecodeScheduler:
-    """The ``Scheduler`` state SGLang's decode-mode methods read, with those methods
-    (``SchedulerDisaggregationDecodeMixin``) mixed in by :func:`_scheduler_class`. Attributes are the
-    scheduler's own names; ``update_running_batch`` and ``_add_request_to_queue`` are the driver's."""
+    """The ``Scheduler`` state SGLang's decode-mode methods read, under the scheduler's own names, with
+    ``SchedulerDisaggregationDecodeMixin`` mixed in (:func:`_scheduler_class`)."""
 
     def __init__(self, target, **attrs):
         self.__dict__.update(attrs)
@@ -102,13 +67,12 @@ class _DecodeScheduler:
         return self._target._update_running_batch(batch)
 
     def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
-        """``Scheduler._add_request_to_queue``, decode branch: the prealloc queue (or its retracted queue)."""
+        """``Scheduler._add_request_to_queue``, decode branch: the prealloc queue."""
         self.disagg_decode_prealloc_queue.add(req, is_retracted=is_retracted)
         self._target._swap_receiver(req)
 
     def retire_unadmitted_request(self, req) -> None:
-        """A request rejected at intake never reaches the queues (``Scheduler.retire_unadmitted_request``):
-        its cache state is dropped and it is finished for the client."""
+        """``Scheduler.retire_unadmitted_request``: a request rejected at intake."""
         self._target._release_aborted_request(req)
         self._target.finished.add(req.rid)
 
@@ -125,10 +89,9 @@ class _Streamer:
 
 
 class SglangPdDecodeTarget(SglangTarget):
-    """The decode server of PD disaggregation (see the module docstring). Besides the KV pool and the
-    rows it audits a third pool, ``metadata_buffers``: the ``ReqToMetadataIdxAllocator`` slots a
-    request holds from pre-allocation until its transfer is committed or its release is done (slot
-    ``i`` is kvaudit's unit ``i + 1``: unit 0 is reserved in every pool)."""
+    """The decode server of PD disaggregation. A third pool, ``metadata_buffers``: the
+    ``ReqToMetadataIdxAllocator`` slots (slot ``i`` is unit ``i + 1``) a request holds from
+    pre-allocation until its transfer is committed or its release is done."""
 
     def __init__(self, config: SglangConfig):
         super().__init__(config)
@@ -218,14 +181,13 @@ class SglangPdDecodeTarget(SglangTarget):
 
     # -- observer -----------------------------------------------------------------------------
     def framework_classes(self) -> list[type]:
-        """``DecodeReqToTokenPool`` and ``ReqToMetadataIdxAllocator`` live in modules full of engine
-        code (``decode.py``, ``disaggregation/utils.py``): only their own methods are allocator frames,
-        so a site is the queue method that called them (``_pre_alloc``, ``_send_kv_metadata``)."""
+        """``DecodeReqToTokenPool`` and ``ReqToMetadataIdxAllocator`` share modules with engine code: only
+        their own methods are allocator frames."""
         return [type(self.req_to_token_pool), type(self.metadata_allocator)]
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        """As on the other presets, but ``DecodeReqToTokenPool`` takes and gives back rows through
-        ``alloc(reqs)`` / ``free(req)`` (no ``alloc_rows``/``free_rows``)."""
+        """``DecodeReqToTokenPool`` takes and gives back rows through ``alloc(reqs)`` / ``free(req)``, the
+        metadata allocator through ``alloc() -> int | None`` / ``free(int)``."""
         obj, pool = spec.obj, spec.name
         if spec.kind == "meta":  # ReqToMetadataIdxAllocator: alloc() -> int | None, free(int)
             orig_take, orig_give = obj.alloc, obj.free
@@ -267,7 +229,7 @@ class SglangPdDecodeTarget(SglangTarget):
 
     # -- driver ------------------------------------------------------------------------------------
     def _new_req(self, rid: str, ids, sp):
-        """A decode-side ``Req``: its prefill runs elsewhere, reached through the fake transfer backend."""
+        """A decode-side ``Req``, its prefill reached through the fake transfer backend."""
         P = self.P
         self._rooms = getattr(self, "_rooms", 0) + 1
         return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS},
@@ -278,10 +240,8 @@ class SglangPdDecodeTarget(SglangTarget):
         self.sched._add_request_to_queue(req, is_retracted=is_retracted)
 
     def _swap_receiver(self, req) -> None:
-        """The transfer backend: the receiver ``DecodePreallocQueue.add`` made for ``req`` (SGLang's fake
-        one) is replaced by kvaudit's (same manager, room and state), which adds latency and aborts. A
-        health check keeps SGLang's fake receiver, as on a real server (``FAKE_BOOTSTRAP_HOST``): it
-        lands at once and is never deferred."""
+        """Replace the fake receiver ``DecodePreallocQueue.add`` made for ``req`` by kvaudit's (latency,
+        aborts); a health check keeps SGLang's, as on a real server."""
         if req.rid.startswith("HEALTH_CHECK_"):
             return
         for dr in self.prealloc_queue.queue:
@@ -295,10 +255,9 @@ class SglangPdDecodeTarget(SglangTarget):
                 dr.kv_receiver = rx
 
     def _abort(self, rid: str, message: str | None = None) -> None:
-        """``Scheduler.abort_request``, decode branch: a waiting request holds its transferred KV and is
-        released at once (``release_kv_cache(checkpoint=True)``); a request in the prealloc or transfer
-        queue has its receiver aborted (the queue then fails it); a retracted one drops its backup; a
-        running one gets ``to_finish``. Rids match by prefix, as in SGLang (``startswith``)."""
+        """``Scheduler.abort_request``, decode branch (rids match by prefix): a waiting request is released at
+        once, a queued one has its receiver aborted, a retracted one drops its backup, a running one gets
+        ``to_finish``."""
         sched, S = self.sched, self.S
         for req in [r for r in sched.waiting_queue if r.rid.startswith(rid)]:
             sched.waiting_queue.remove(req)
@@ -322,13 +281,9 @@ class SglangPdDecodeTarget(SglangTarget):
                 req.to_finish = S.FINISH_ABORT()
 
     def _transfer_fail(self, handle: int | None) -> None:
-        """:class:`TransferFail` on the live requests not yet running (submission order; health checks,
-        on SGLang's own fake transfer, never fail): the prefill side or the wire fails the transfer. In
-        the prealloc or transfer queue the receiver concludes ``KVPoll.Failed`` (no abort is sent from
-        here: SGLang's ``_update_handshake_waiters`` or ``pop_transferred`` handles it, with the deferred
-        release's forced notification); a transferred request waiting to join gets a wrong expected KV
-        checksum, so ``_verify_kv_checksums`` drops it at its prebuilt batch (an injection: SGLang's
-        ``is_in_ci`` raise is off from then on, as with ``kv_checksum_mismatch_every``)."""
+        """:class:`TransferFail` on the live requests not yet running: a queued receiver concludes
+        ``KVPoll.Failed``; a transferred request waiting to join gets a wrong expected KV checksum (an
+        injection: SGLang's ``is_in_ci`` raise is off from then on)."""
         receivers = {dr.req.rid: dr.kv_receiver for dr in self.prealloc_queue.queue + self.transfer_queue.queue}
         waiting = {r.rid: r for r in self.sched.waiting_queue if getattr(r, "expected_kv_checksum", 0)}
         pending = [rid for rid in self.live_rids() if (rid in receivers or rid in waiting)
@@ -341,10 +296,8 @@ class SglangPdDecodeTarget(SglangTarget):
                 self.P.decode.is_in_ci = lambda: False
 
     def step(self) -> None:
-        """One iteration of ``event_loop_normal_disagg_decode``: the network moves (transfers land, acks
-        arrive), ``process_decode_queue`` (deferred releases, resumed retractions, pre-allocation,
-        transfer polling), ``get_next_disagg_decode_batch_to_run`` (prebuilt batch, its result, then
-        :meth:`_update_running_batch`), and the decode batch's result."""
+        """One iteration of ``event_loop_normal_disagg_decode``: the network moves, ``process_decode_queue``,
+        ``get_next_disagg_decode_batch_to_run``, and the decode batch's result."""
         self.steps += 1
         self.clock.now += 1.0
         self.network.tick()
@@ -365,11 +318,8 @@ class SglangPdDecodeTarget(SglangTarget):
         self._snapshot_held()
 
     def _pause_retract(self) -> None:
-        """``Scheduler.pause_generation(mode="retract")`` on a decode server: the unfinished running
-        requests and the transferred ones waiting with their KV go through ``retract_all(...,
-        offload_kv=False)`` (no host backup: they re-bootstrap, their KV recomputed by prefill); each
-        gives back its last output token as ``pd_rebootstrap_forced_output_id`` and is held by the
-        prealloc queue (``hold_rebootstrap``) until ``continue_generation``."""
+        """``pause_generation(mode="retract")`` on a decode server: ``retract_all(..., offload_kv=False)``,
+        each request held for re-bootstrap (``hold_rebootstrap``) until ``continue_generation``."""
         sched = self.sched
         reqs = [r for r in sched.running_batch.reqs if not r.finished()]
         staged = [r for r in sched.waiting_queue if r.kv.holds_kv]
@@ -386,9 +336,7 @@ class SglangPdDecodeTarget(SglangTarget):
             self.prealloc_queue.hold_rebootstrap(req)
 
     def _continue_generation(self) -> None:
-        """``continue_generation`` on a decode server: ``enqueue_held_rebootstrap`` (each held request
-        back into the prealloc queue, ``add(req, is_rebootstrap=True)``, with kvaudit's receiver), then
-        the base resume."""
+        """``enqueue_held_rebootstrap`` (with kvaudit's receivers), then the base resume."""
         held = list(self.prealloc_queue.held_rebootstrap_reqs)
         self.prealloc_queue.enqueue_held_rebootstrap()
         for req in held:
@@ -396,10 +344,8 @@ class SglangPdDecodeTarget(SglangTarget):
         super()._continue_generation()
 
     def _update_running_batch(self, batch):
-        """``Scheduler.update_running_batch`` (no overlap): drop finished requests; ``check_decode_mem``,
-        and ``retract_decode`` when it fails or under memory pressure -- decode mode backs each victim's
-        KV up (``release_req``, ``cpu_tensor``) and queues it for ``resume_retracted_reqs``; then
-        ``prepare_for_decode`` (``alloc_for_decode``)."""
+        """``Scheduler.update_running_batch`` (no overlap), decode mode: a retracted request's KV is backed up
+        (``cpu_tensor``) for ``resume_retracted_reqs``."""
         batch.filter_batch()
         if batch.is_empty():
             batch.batch_is_full = False
@@ -421,35 +367,22 @@ class SglangPdDecodeTarget(SglangTarget):
     def _inflight(self) -> list:
         return [r for r in self.sched.running_batch.reqs]
 
-    def _places(self) -> dict[int, str]:
-        """``Root.where`` of each request the decode server knows (see :meth:`_active`)."""
+    def _place_groups(self) -> tuple:
         pq, tq = self.prealloc_queue, self.transfer_queue
-        groups = (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
-                  ("deferred_release", [entry[0].req for entry in tq._deferred_releases]),
-                  ("waiting", self.sched.waiting_queue), ("running", self.sched.running_batch.reqs),
-                  ("retracted", pq.retracted_queue))
-        out: dict[int, str] = {}
-        for name, group in groups:
-            for r in group:
-                out.setdefault(id(r), name)
-        return out
+        return (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
+                ("deferred_release", [entry[0].req for entry in tq._deferred_releases]),
+                ("waiting", self.sched.waiting_queue), ("running", self.sched.running_batch.reqs),
+                ("retracted", pq.retracted_queue))
 
     def _active(self) -> list:
-        """Every request the decode server knows: prealloc queue, transfer queue, deferred releases,
-        waiting (transferred), running, retracted."""
-        pq, tq = self.prealloc_queue, self.transfer_queue
-        reqs = ([dr.req for dr in pq.queue] + [dr.req for dr in tq.queue]
-                + [entry[0].req for entry in tq._deferred_releases] + list(self.sched.waiting_queue)
-                + list(self.sched.running_batch.reqs) + list(pq.retracted_queue))
+        """Every request the decode server knows, once each."""
         out = []
-        for r in reqs:
-            if not any(r is x for x in out):
-                out.append(r)
+        for _, group in self._place_groups():
+            out += [r for r in group if not any(r is x for x in out)]
         return out
 
     def roots(self, aborting: bool = True) -> list[Root]:
-        """The other presets' roots, plus each metadata slot's holder: a decode request between
-        pre-allocation and its commit (``DecodeRequest.metadata_buffer_index``), or a deferred release."""
+        """Also each metadata slot's holder (a decode request before its commit, or a deferred release)."""
         out = super().roots(aborting)
         held = [(dr.req.rid, dr.metadata_buffer_index) for dr in self.prealloc_queue.queue + self.transfer_queue.queue]
         held += [(e[0].req.rid, e[3]) for e in self.transfer_queue._deferred_releases]
@@ -470,16 +403,14 @@ class SglangPdDecodeTarget(SglangTarget):
         return out
 
     def is_idle(self, ignore_waiting: bool = False) -> bool:
-        """``is_fully_idle`` on a decode server: every queue empty and no release deferred (its waiting
-        requests hold their KV, so ``ignore_waiting`` changes nothing)."""
+        """``is_fully_idle`` on a decode server: every queue empty and no release deferred."""
         pq, tq = self.prealloc_queue, self.transfer_queue
         return not (pq.queue or pq.retracted_queue or tq.queue or tq._deferred_releases or self.sched.waiting_queue
                     or self.sched.running_batch.reqs)
 
     def is_idle_for_health_check(self) -> bool:
-        """``is_fully_idle(for_health_check=True)`` on a decode server: the running batch, the last batch,
-        the waiting queue and the retracted queue empty. The prealloc and transfer queues and deferred
-        releases do not count: they may hold requests nothing is running for."""
+        """``is_fully_idle(for_health_check=True)``: the prealloc and transfer queues and deferred releases
+        do not count."""
         s = self.sched
         return (not s.running_batch.reqs and (s.last_batch is None or s.last_batch.is_empty())
                 and not s.waiting_queue and not self.prealloc_queue.retracted_queue)
@@ -488,9 +419,8 @@ class SglangPdDecodeTarget(SglangTarget):
         return False
 
     def stuck(self) -> str:
-        """From the end of the decode pipeline back: ``running:decode``, ``waiting:memory`` (transferred,
-        not joined), ``transfer:kv-transfer``, ``transfer:deferred-release``, ``prealloc:retracted``, then
-        ``prealloc:rows`` (no request row free) or ``prealloc:memory`` (the pre-allocation never fits)."""
+        """From the end of the pipeline back: ``running:decode``, ``waiting:memory``, ``transfer:kv-transfer``,
+        ``transfer:deferred-release``, ``prealloc:retracted``, ``prealloc:rows`` or ``prealloc:memory``."""
         pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
         if s.running_batch.reqs:
             return "running:decode"

@@ -17,13 +17,9 @@ def page_digest(words: list[int]) -> int:
 
 
 class KvChecksums:
-    """Stand-in for SGLang's ``KvChecksumComputer`` (``disaggregation/checksum.py``), which digests a
-    request's KV pages with an Adler-32 kernel over the GPU pool's buffers and asserts CUDA. kvaudit's
-    pools hold no KV data, so a page's content is the word the wire last wrote into it (``pages``:
-    page index -> word) and ``compute`` digests the words of the pages it is given, as the real one
-    digests their bytes. ``DecodePreallocQueue.__init__`` builds it in place of the real class (its
-    arguments name the GPU buffers: unused) and sets it as ``scheduler.kv_checksum_computer``;
-    ``calls`` counts the verifications."""
+    """Stand-in for SGLang's CUDA ``KvChecksumComputer`` (``disaggregation/checksum.py``), built by
+    ``DecodePreallocQueue.__init__`` in its place: a page's content is the word the wire last wrote
+    into it (``pages``), and ``compute`` digests those words; ``calls`` counts the verifications."""
 
     def __init__(self, **gpu_buffers):
         self.pages: dict[int, int] = {}
@@ -37,12 +33,9 @@ class KvChecksums:
 
 
 class Network:
-    """The prefill server and the wire: transfers in flight land after ``latency`` steps; an abort
-    notification is acknowledged (``note_abort_ack``, as ``CommonKVManager`` records a drain ack)
-    after ``ack_steps`` steps, or never. A landing writes the prompt's KV into the destination pages
-    and prefill's digest of it, with its layout signature, into the request's metadata row
-    (``send_kv_chunk``'s ``set_kv_checksum``, copied to decode's row); every ``mismatch_every``-th
-    landing (None: none) flips one page word on the wire, after prefill digested it."""
+    """The prefill server and the wire: a transfer lands ``latency`` steps after it is sent (the prompt's
+    KV words into its pages, prefill's digest into its metadata row; every ``mismatch_every``-th one
+    corrupted after the digest); an abort notification is acked after ``ack_steps`` steps, or never."""
 
     def __init__(self, latency: int, ack_steps: int | None, mismatch_every: int | None, page_size: int):
         self.latency, self.ack_steps = latency, ack_steps
@@ -65,9 +58,8 @@ class Network:
             rx.kv_mgr.note_abort_ack(rx.bootstrap_room, 0, rx._abort_generation)
 
     def land(self, rx) -> None:
-        """The transfer to ``rx`` completes (``FakeKVReceiver.poll``: Success from now on). Prefill
-        digests the prompt's pages past the prefix decode holds (``[decode_prefix_len,
-        prompt_len)``); the pages after them (a re-bootstrap's replayed output) are sent, not digested."""
+        """The transfer to ``rx`` completes. Prefill digests the prompt's pages past the prefix decode holds;
+        a re-bootstrap's replayed output pages are sent, not digested."""
         self.landed += 1
         words = [(rx.bootstrap_room << 16) + i + 1 for i in range(len(rx.page_indices))]
         digested = -(-(rx.prompt_len - rx.decode_prefix_len) // self.page_size)
@@ -107,9 +99,7 @@ def fake_backend(P, network: Network):
             self._abort_generation = None
 
         def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=0, **k) -> None:
-            """The destinations are published (``_send_kv_metadata``: page indices, the metadata row): the
-            transfer starts; with no latency it has landed by the poll of the same
-            ``process_decode_queue``, as the fake one."""
+            """The destinations are published: the transfer starts (with no latency it lands at once)."""
             self.init_time = network.step
             self.page_indices = [int(p) for p in kv_indices]
             self.aux_index, self.decode_prefix_len = aux_index, decode_prefix_len or 0
@@ -119,7 +109,7 @@ def fake_backend(P, network: Network):
                 network.land(self)
 
         def abort(self) -> None:
-            """``CommonKVReceiver.abort``: the room fails, prefill is told (and the ack tracker armed)."""
+            """``CommonKVReceiver.abort``: the room fails, prefill is told."""
             self.conclude_state = P.KVPoll.Failed
             self.ensure_abort_notified()
 

@@ -1,8 +1,6 @@
-"""What the driver plays in place of the parts of SGLang's scheduler that are not on this machine:
-the model (a deterministic next token; ``stop_at`` samples :data:`EOS`), the clock (one second a
-scheduler step), the batch's sampling state, and a grammar backend whose compiles take scheduler
-steps. Frames here are the driver's (``SglangTarget.engine_files``).
-"""
+"""What the driver plays in place of what is not on this machine: the model (``stop_at`` samples
+:data:`EOS`), the clock (one second a scheduler step), the batch's sampling state, and a grammar
+backend whose compiles take scheduler steps."""
 
 from __future__ import annotations
 
@@ -17,15 +15,13 @@ MAX_PREFILL_TOKENS = 16384  # ServerArgs.max_prefill_tokens' default: PrefillAdd
 
 
 class StepClock:
-    """A driver's clock (one second a scheduler step) as the ``time`` of the SGLang modules whose
-    timeouts it drives (session timeouts, deferred flushes, PD deferred releases), so they are
-    deterministic: ``monotonic()`` is the clock, everything else the real ``time``."""
+    """A driver's clock as the ``time`` of the SGLang modules whose timeouts it drives: ``monotonic()``
+    is the step clock, everything else the real ``time``."""
 
     def __init__(self):
         self.now = 1000.0
 
     def install(self, module) -> None:
-        """Be ``module.time`` (replacing whatever clock an earlier target installed there)."""
         module.time = self
 
     def monotonic(self) -> float:
@@ -36,10 +32,8 @@ class StepClock:
 
 
 class StepEvent:
-    """A copy's ``finish_event`` that completes at scheduler step ``ready_at`` (a HiSparse staging
-    copy, a HiCache transfer). On CPU ``torch.cpu.Event.query()`` is always True, so every copy would
-    complete at the very next poll; on a GPU the copy can take longer, and a staged request then
-    outlives the batch it was prefilled in (hazard A.4)."""
+    """A copy's ``finish_event`` that completes at step ``ready_at``: on CPU every copy would be done at
+    the next poll, on a GPU it can outlive its batch (hazard A.4)."""
 
     def __init__(self, event, target, ready_at: int):
         self.event, self.target, self.ready_at = event, target, ready_at
@@ -55,9 +49,7 @@ class StepEvent:
 
 
 class NoSampling:
-    """The batch's ``sampling_info`` (penalties, temperatures: model-side, no memory). Only
-    ``filter_batch`` (retraction, preemption), ``merge_batch`` (a mixed batch) and, in the legacy
-    family, ``prepare_for_decode``'s penalizer check touch it here."""
+    """The batch's ``sampling_info`` (model-side, no memory): what ``filter_batch`` and ``merge_batch`` call."""
 
     penalizer_orchestrator = SimpleNamespace(is_required=False)
 
@@ -69,13 +61,8 @@ class NoSampling:
 
 
 class StepGrammarBackend:
-    """kvaudit's grammar backend, registered under :data:`GRAMMAR_BACKEND` with SGLang's
-    ``register_grammar_backend`` (its extension point for custom backends): a grammar "compiles" a
-    number of scheduler steps after its request arrived -- the step is in the key the driver sets as
-    the request's ``regex`` -- instead of on a thread pool. The future is running from the start (a
-    free compile worker took it), so an abort's ``cancel()`` fails, as on a real server; the aborted
-    request still leaves the queue at the next poll (``set_finish_with_abort`` drops its grammar).
-    No tokenizer, no vocab masks."""
+    """kvaudit's grammar backend (SGLang's ``register_grammar_backend``): a grammar compiles at the step
+    in its key, on a future already running, so an abort's ``cancel()`` fails as on a real server."""
 
     enable_strict_thinking = False
 
@@ -93,7 +80,6 @@ class StepGrammarBackend:
         return f, False
 
     def tick(self, now: int) -> None:
-        """Complete the compiles due by step ``now``."""
         due = [f for at, f in self.pending if at <= now]
         self.pending = [(at, f) for at, f in self.pending if at > now]
         for f in due:
@@ -110,7 +96,6 @@ def step_grammar_manager(S, server_args, model_config):
     """SGLang's own ``GrammarManager`` for a one-rank scheduler, over :class:`StepGrammarBackend`."""
 
     class StepGrammar(S.BaseGrammarObject):
-        """A compiled grammar that constrains nothing (sampling is the driver's)."""
 
         def accept_token(self, token: int) -> None:
             pass
