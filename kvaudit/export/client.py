@@ -1,15 +1,7 @@
-"""``kvaudit export --client``: a standalone script (standard library only, no kvaudit import) that
-drives a real server through its HTTP API in the program's order (:mod:`kvaudit.export.plan`) and
-says what a maintainer should see: the crash (the server stops answering, or 5xx), the hang (a
-request that never answers), or the pool gauges of ``/metrics`` before and after.
-
-The script is assembled from parts: the shared runtime (``kvaudit/templates/client.py.in``: the HTTP
-client that records every answer, waits, the ``/metrics`` reader, the run and its verdict) and one part per
-engine, which its target kind hands over (:class:`kvaudit.targets.export_api.ClientParts`: the API
-methods of ``Client`` for that engine's routes, its extra arguments, the server line and the pool
-check). What differs per finding is a header (launch
-command, expectations, the approximations) and one ``program(c)`` function with one call per op or
-batch, each commented with the ops it stands for (the engines: :func:`kvaudit.export.http_api.apis`).
+"""``kvaudit export --client``: a standalone script (standard library only) that drives a real server
+through its HTTP API in the program's order and says what a maintainer should see: a crash, a hang, or
+the pool gauges of ``/metrics`` before and after.
+Design notes: docs/internals/export.md.
 """
 
 from __future__ import annotations
@@ -17,10 +9,9 @@ from __future__ import annotations
 import importlib.resources
 import re
 
+from kvaudit.audit.kinds import lookup
 from kvaudit.export.http_api import export_for
 from kvaudit.export.plan import Call, Plan
-
-EXPECT_OF_KIND = {"crash": "crash", "hang": "hang"}  # any other kind: pool gauges ("memory")
 
 # the script's line for a call of each kind that is one method call with the call's args
 _ONE_CALL = {"open_session": "c.open_session({session!r}, streaming={streaming!r}, timeout={timeout!r}, "
@@ -33,9 +24,7 @@ _ONE_CALL = {"open_session": "c.open_session({session!r}, streaming={streaming!r
 
 
 def _template_parts() -> dict[str, str]:
-    """The script's shared runtime, ``kvaudit/templates/client.py.in``: ``IMPORTS``, ``CORE`` (the HTTP
-    client that records every answer), ``CORE_TAIL`` (waits, the ``/metrics`` reader) and ``MAIN`` (the
-    run and its verdict), each the text after its ``#@ NAME`` line."""
+    """The parts of ``kvaudit/templates/client.py.in``, each the text after its ``#@ NAME`` line."""
     text = (importlib.resources.files("kvaudit") / "templates" / "client.py.in").read_text()
     bits = re.split(r"^#@ (\w+)$", text, flags=re.M)
     return dict(zip(bits[1::2], bits[2::2]))
@@ -80,12 +69,11 @@ def _call_line(c: Call, plan: Plan) -> list[str]:
 
 
 def expected_line(kind: str, server: str, engine: str) -> str:
-    """What a maintainer should see, for the finding ``kind`` on ``engine`` (a kind's name), in one line.
-    Raises ``KeyError`` for an engine with no HTTP table."""
+    """What a maintainer should see, for the finding ``kind`` on ``engine`` (a kind's name), in one line:
+    the kind's ``symptom`` (:mod:`kvaudit.audit.kinds`), else the engine's pool line. Raises ``KeyError``
+    for an engine with no HTTP table."""
     pool = export_for(engine).expected_pool
-    return {"crash": "the server stops answering (the scheduler raised)",
-            "hang": "a request never answers while the pool has room"}.get(kind, pool) + \
-        (f" -- {server}" if server else "")
+    return (lookup(kind).symptom or pool) + (f" -- {server}" if server else "")
 
 
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,
@@ -102,7 +90,7 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
     for an engine with no HTTP table."""
     ex = export_for(plan.engine)
     api, part = ex.api, ex.client
-    expect = EXPECT_OF_KIND.get(kind, "memory")
+    expect = lookup(kind).expect
     approx = plan.approximations
     how = "exactly" if plan.exact else "approximately (see the NOTE lines it prints)"
     expected = expected_line(kind, server, plan.engine)
