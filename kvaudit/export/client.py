@@ -80,14 +80,11 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
                   env: list[str], hold_tokens: int = 256, planted: str | None = None,
                   pool_blocks: int | None = None, max_model_len: int | None = None,
                   release: str | None = None) -> str:
-    """The script's text for ``plan`` (its engine: ``plan.engine``): ``title`` (the report's title),
-    ``source`` (the replay file), ``launch`` (the server command), ``kind`` (the first finding's kind),
-    ``server`` (what a server shows), ``env`` (environment variables the launch needs), ``planted`` (the
-    injected fault's description when the finding is kvaudit's own planted fault, else None),
-    ``pool_blocks`` (vLLM: the pool's usable blocks, for the usage gauge in blocks), ``max_model_len``
-    (vLLM: tokens, prompt + output; a held request's output is cut to fit), ``release`` (the engine
-    release that ships the bug, when it is not the one the routes were read on). Raises ``KeyError``
-    for an engine with no HTTP table."""
+    """The script's text for ``plan``: ``source`` (the replay file), ``launch`` (the server command),
+    ``kind`` (the first finding's), ``server`` (what a server shows), ``env`` (variables the launch
+    needs), ``planted`` (kvaudit's planted fault, or None), ``pool_blocks`` (vLLM: the pool's usable
+    blocks), ``max_model_len`` (vLLM: tokens, prompt + output), ``release`` (the release that ships the
+    bug, when not the one the routes were read on). Raises ``KeyError`` for an engine with no HTTP table."""
     ex = export_for(plan.engine)
     api, part = ex.api, ex.client
     expect = lookup(kind).expect
@@ -136,9 +133,7 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
 
 def curl_lines(plan: Plan, url: str | None = None) -> list[str]:
     """The plan as ``curl`` commands (against ``url``, default the engine's) when a client runs it exactly
-    with one call at a time: no held request and no wait before a later call; [] otherwise (the script
-    is the reproducer then), and for an engine whose kind gives no curl lines (vLLM's: an abort is a
-    closed stream, which a curl line does not show)."""
+    with one call at a time; [] otherwise, and for an engine whose kind gives no curl lines."""
     ex = export_for(plan.engine)
     if ex.curl is None or not plan.exact or any(c.kind in ("wait", "idle") for c in plan.calls[:-1]) or \
             any(c.kind in ("health", "no_api") for c in plan.calls):
