@@ -83,8 +83,8 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
             max_model_len=max_model_len))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
-        text = render_issue(config=config, program_lines=[format_op(op) for op in program], findings=findings,
-                            doc=doc, plan=plan, note=note, source=path,
+        text = render_issue(config=config, title=title, program_lines=[format_op(op) for op in program],
+                            findings=findings, doc=doc, plan=plan, note=note, source=path,
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
                             env=env, unmapped=unmapped, expected=expected_line(kind, server, target),
                             planted=planted, release=release)

@@ -145,19 +145,17 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
             f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
 
 
-def render_issue(*, config, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
+def render_issue(*, config, title: str, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
                  note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
                  unmapped: list[str], expected: str, planted: str | None = None,
                  release: tuple | None = None) -> str:
-    """The Markdown text (:data:`SECTIONS`). ``source``: the replay file's path; ``client_name``: the
-    script's file name (None: not exported); ``launch``/``env``/``unmapped``: from ``EngineExport.launch``;
-    ``expected``: the client's symptom line; ``planted``: kvaudit's planted fault, or None; ``release``:
-    ``(buggy, fixed, sources)`` for a bug of an older release (the history suite's), else None."""
+    """The Markdown text (:data:`SECTIONS`). ``title``: :func:`title_of`, marked when planted; ``source``:
+    the replay file's path; ``client_name``: the script's file name (None: not exported);
+    ``launch``/``env``/``unmapped``: from ``EngineExport.launch``; ``expected``: the client's symptom line;
+    ``planted``: kvaudit's planted fault, or None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
+    older release (the history suite's), else None."""
     ex = export_for(kind_of(config).name)
     api, package, words = ex.api, ex.package, ex.issue
-    title = title_of(findings, note)
-    if planted is not None:
-        title = f"[planted fault, not a {api.engine} bug] {title}"
     out = [f"# {title}", ""]
     if planted is not None:
         out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "

@@ -143,6 +143,6 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
         summary=summary_rows(findings, suppressed or {}),
         sections=sections,
         clean_plot=occupancy_svg(clean[0].timeline) if clean and clean[0].timeline else None,
-        suppressions=_rich_html(suppressions_table(suppressions)) if suppressions is not None and len(suppressions) else None,
+        suppressions=_rich_html(suppressions_table(suppressions)) if suppressions else None,  # (None or empty)
         extra=extra or {},
     )

@@ -4,6 +4,7 @@ module only renders them. Design notes: docs/internals/reports.md."""
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 from rich import box
 from rich.console import Console, Group
@@ -64,17 +65,12 @@ def print_table(console: Console, table: Table, header: bool = False) -> None:
     if not is_plain(console):
         console.print(table)
         return
-    if table.title:
-        console.print(f"{table.title}:", soft_wrap=True, markup=False, highlight=False)
-    if header:
-        console.print("  " + "  ".join(str(c.header) for c in table.columns), soft_wrap=True, markup=False,
-                      highlight=False)
-    columns = [list(c.cells) for c in table.columns]
-    for row in zip(*columns):
-        cells = [c.plain if isinstance(c, Text) else str(c) for c in row]
-        console.print("  " + "  ".join(cells), soft_wrap=True, markup=False, highlight=False)
-    if table.caption:
-        console.print(str(table.caption), soft_wrap=True, markup=False, highlight=False)
+    lines = [f"{table.title}:"] * bool(table.title)
+    lines += ["  " + "  ".join(str(c.header) for c in table.columns)] * header
+    for row in zip(*(c.cells for c in table.columns)):
+        lines.append("  " + "  ".join(c.plain if isinstance(c, Text) else str(c) for c in row))
+    for line in lines + [str(table.caption)] * bool(table.caption):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
@@ -157,9 +153,7 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
     tail = f"; {n_suppressed} suppressed" if n_suppressed else ""
     if not findings:
         return f"SUMMARY: kvaudit: no findings{' (interrupted)' if interrupted else ''}{tail}."
-    counts: dict[str, int] = {}
-    for f in findings:
-        counts[f.kind] = counts.get(f.kind, 0) + 1
+    counts = Counter(f.kind for f in findings)
     kinds = ", ".join(f"{counts[r['kind']]} {r['kind']}" for r in summary_rows(findings))
     slots = sum(len(f.slots) for f in findings if f.unit not in ("row", "block"))
     rows = sum(len(f.slots) for f in findings if f.unit == "row")
@@ -171,11 +165,8 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
 
 def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
     """Distinct signatures the rules suppressed, per finding kind."""
-    out: dict[str, int] = {}
-    for sig in (suppressions.suppressed_signatures() if suppressions is not None else ()):
-        kind = sig.split("/", 1)[0]
-        out[kind] = out.get(kind, 0) + 1
-    return out
+    sigs = suppressions.suppressed_signatures() if suppressions is not None else ()
+    return dict(Counter(sig.split("/", 1)[0] for sig in sigs))
 
 
 def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = None,
@@ -226,9 +217,7 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
     if plain:  # the file in the title, not a caption line
         table.title = f"suppressions used ({suppressions.path})" if suppressions.path else table.title
         table.caption = None
-        print_table(console, table, header=True)
-    else:
-        console.print(table)
+    print_table(console, table, header=True)
     unused = suppressions.unused()
     if unused:
         _print(console, Text(f"{len(unused)} suppression(s) matched nothing: "

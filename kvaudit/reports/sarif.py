@@ -26,7 +26,6 @@ FINGERPRINT_KEY = "kvauditSignature/v1"
 MAX_SLOTS = 64  # slots (or rows) listed in a result's properties; the rest are counted
 BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec also has updated, absent)
 
-# ----------------------------------------------------------------------------- rules
 
 def _rule(kind: str) -> dict:
     row = lookup(kind)
@@ -53,8 +52,6 @@ def rules(extra_kinds: list[str] | tuple[str, ...] = ()) -> list[dict]:
     kinds = list(KINDS) + [k for k in dict.fromkeys(extra_kinds) if k not in KINDS]
     return [_rule(k) for k in kinds]
 
-
-# ----------------------------------------------------------------------------- stacks and locations
 
 def _labelled_stacks(f: Finding) -> list[tuple[str, str, list[Site]]]:
     """``(field, label, frames)`` for each non-empty stack of ``f``, in its kind's reading order."""
@@ -190,8 +187,6 @@ def _anchor(kind: str, target: str = "eut") -> Site:
         line = 1
     return Site(_norm(portable_path(inspect.getsourcefile(cls) or "")), line, cls.__name__)
 
-
-# ----------------------------------------------------------------------------- results
 
 def _escape(text: str) -> str:
     """Square brackets escaped, which would read as embedded links; lone surrogates dropped."""
@@ -368,7 +363,7 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
     engine = engine_source(target)
     results = []
     for f in findings:
-        r = _result(f, index[f.kind], rule_list[index[f.kind]]["defaultConfiguration"]["level"], target, engine)
+        r = _result(f, index[f.kind], lookup(f.kind).level, target, engine)
         state = (baseline or {}).get(f.signature)
         if state is not None:
             if state not in BASELINE_STATES:
