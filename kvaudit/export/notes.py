@@ -9,6 +9,7 @@ import tomllib
 from typing import NamedTuple
 
 from kvaudit.data import data_path
+from kvaudit.export.http_api import export_for
 
 
 class Note(NamedTuple):
@@ -54,7 +55,6 @@ def note_for(kind: str, signatures: list[str], preset: str = "") -> Note | None:
 
 
 def _engine_name(kind: str) -> str:
-    from kvaudit.export.http_api import export_for
     try:
         return export_for(kind).api.engine
     except KeyError:

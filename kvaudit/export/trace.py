@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvaudit.program import Idle, Op, Step, Submit
+from kvaudit.export.http_api import export_for
+from kvaudit.program import ContinueGeneration, Idle, Op, Step, Submit
+from kvaudit.targets import make_target
+from kvaudit.targets.registry import kind_of
 
 IDLE_STEP_CAP = 300  # scheduler steps an idle() may take in the trace (a hang program never idles)
 
@@ -36,14 +39,10 @@ def trace(config, program: list[Op]) -> Trace | None:
     """Run ``program`` on a fresh target of ``config``, reading what it holds before each op through its
     kind's ``export.trace_views``. None when the target cannot be built here or its kind does not expose
     those; an engine exception ends the trace at that op."""
-    from kvaudit.targets import make_target
-
     try:
         target = make_target(config)
     except Exception:  # noqa: BLE001 -- any reason the engine cannot be built: no trace, a static plan
         return None
-    from kvaudit.export.http_api import export_for
-    from kvaudit.targets.registry import kind_of
     try:
         got = export_for(kind_of(config).name).trace_views(target)
     except KeyError:  # a kind with no server: nothing to resolve for a client
@@ -70,7 +69,6 @@ def trace(config, program: list[Op]) -> Trace | None:
                         target.step()
                 elif isinstance(op, Idle):
                     if getattr(target, "paused", False):
-                        from kvaudit.program import ContinueGeneration
                         target.apply(ContinueGeneration())
                     for _ in range(IDLE_STEP_CAP):
                         if target.is_idle():

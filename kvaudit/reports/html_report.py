@@ -114,7 +114,6 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
                 extra: dict | None = None) -> str:
     """The report page for ``cases`` (:class:`kvaudit.reports.outputs.Case`; one without a timeline gets
     no plot); ``suppressions``: a SuppressionSet or None."""
-    sections = []
     findings = [f for c in cases for f in c.findings]
     by_sig: dict[str, dict] = {}
     for case in cases:
@@ -122,7 +121,7 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
             if f.signature in by_sig:  # one section per signature, as in the summary and JUnit
                 by_sig[f.signature]["duplicates"] += 1
                 continue
-            i = len(sections)
+            i = len(by_sig)
             by_sig[f.signature] = {
                 "title": f"finding {i + 1}: {f.kind}",
                 "summary": f.summary(),
@@ -132,7 +131,6 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
                 "console": _rich_html(finding_renderable(f, case.program, i, case.program_title)),
                 "plot": occupancy_svg(case.timeline, f) if case.timeline else None,
             }
-            sections.append(by_sig[f.signature])
     clean = [c for c in cases if not c.findings]
     return _env.get_template("report.html").render(
         version=__version__,
@@ -141,7 +139,7 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
         bugs=", ".join(sorted(config.bugs)) or "none",
         program=[format_op(op) for op in clean[0].program] if clean else [],
         summary=summary_rows(findings, suppressed or {}),
-        sections=sections,
+        sections=list(by_sig.values()),
         clean_plot=occupancy_svg(clean[0].timeline) if clean and clean[0].timeline else None,
         suppressions=_rich_html(suppressions_table(suppressions)) if suppressions else None,  # (None or empty)
         extra=extra or {},

@@ -21,6 +21,7 @@ from kvaudit.audit.kinds import lookup
 from kvaudit.program import Op, format_op
 from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.reports.sarif import lifecycle_events, verdict_text
+from kvaudit.targets.registry import kind_of
 
 
 def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
@@ -227,7 +228,6 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
 
 def header(config) -> str:
     """The report's first line, as the config's target kind writes it."""
-    from kvaudit.targets.registry import kind_of
     kind = kind_of(config)
     if kind.header is not None:
         return kind.header(config)

@@ -10,16 +10,15 @@ import inspect
 import os
 import posixpath
 import re
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 from urllib.parse import quote
 
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.audit.kinds import lookup
 from kvaudit.audit.frames import Frame, resolve
 from kvaudit.reports.ci_outputs import sarif_log
-
-if TYPE_CHECKING:
-    from kvaudit.targets import EngineSource
+from kvaudit.targets import EngineSource, engine_source
+from kvaudit.targets.registry import UnknownTargetError, get, kind_of
 
 SRCROOT = "%SRCROOT%"
 FINGERPRINT_KEY = "kvauditSignature/v1"
@@ -166,7 +165,6 @@ def _anchor(kind: str, target: str = "eut") -> Site:
     """Where a finding without a usable frame is shown (code scanning rejects a result without one):
     the engine code that owns the state, as the target kind's ``anchor`` names it, else the kind's
     config class."""
-    from kvaudit.targets.registry import UnknownTargetError, get
     try:
         k = get(target)
     except UnknownTargetError:
@@ -341,7 +339,6 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
 
 def _kind_name(config) -> str:
     """The registered kind of ``config`` (a plugin's has no ``target`` field); ``eut`` for None."""
-    from kvaudit.targets.registry import UnknownTargetError, kind_of
     if config is None:
         return "eut"
     try:
@@ -357,8 +354,6 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
     outside :data:`BASELINE_STATES`."""
     rule_list = rules([f.kind for f in findings])
     index = {r["id"]: i for i, r in enumerate(rule_list)}
-    from kvaudit.targets import engine_source
-
     target = _kind_name(config)
     engine = engine_source(target)
     results = []
