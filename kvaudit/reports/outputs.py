@@ -91,44 +91,40 @@ class ReportData:
         return {"format": replay.REPORT_FORMAT, "config": config_to_dict(self.config), "cases": docs, **top}
 
 
+def _sarif(data: ReportData) -> str:
+    from kvaudit.reports.sarif import to_sarif
+
+    unique: dict[str, Finding] = {}  # NOTE: one result per signature: code scanning tracks alerts by it
+    for f in data.findings:
+        unique.setdefault(f.signature, f)
+    return json.dumps(to_sarif(list(unique.values()), data.config), indent=2) + "\n"
+
+
+def _junit(data: ReportData) -> str:
+    from kvaudit.reports.junit import to_junit
+
+    return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings")
+
+
+def _html(data: ReportData) -> str:
+    from kvaudit.reports.html_report import render_html
+
+    return render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
+                       extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})
+
+
+_RENDER = {"json": lambda data: replay.doc_text(data.doc()), "sarif": _sarif, "junit": _junit, "html": _html}
+
+
 def write(outputs: Outputs, data: ReportData) -> list[str]:
-    """Write every file ``outputs`` names; returns the paths written. Raises :class:`WriteError`
-    (an OSError) naming the file that failed; those written before it stay."""
+    """Write every file ``outputs`` names, in :data:`_RENDER`'s order; returns the paths written. Raises
+    :class:`WriteError` (an OSError) naming the file that failed; those written before it stay."""
     written: list[str] = []
-    try:
-        _write(outputs, data, written)
-    except OSError as e:
-        raise WriteError(e, _failed(outputs, written), written) from None
+    for fmt, render in _RENDER.items():
+        path = getattr(outputs, fmt)
+        if path:
+            try:
+                written.append(replay.write_text_atomic(path, render(data)))
+            except OSError as e:
+                raise WriteError(e, path, written) from None
     return written
-
-
-def _failed(outputs: Outputs, written: list[str]) -> str:
-    """The first file ``outputs`` names, in :func:`_write`'s order, that is not in ``written``."""
-    order = [outputs.json, outputs.sarif, outputs.junit, outputs.html]
-    return next((p for p in order if p and p not in written), "?")
-
-
-def _write(outputs: Outputs, data: ReportData, written: list[str]) -> None:
-    if outputs.json:
-        written.append(replay.write_atomic(outputs.json, data.doc()))
-    if outputs.sarif:
-        from kvaudit.reports.sarif import to_sarif
-
-        # NOTE: one result per signature: code scanning tracks an alert by its fingerprint
-        unique: dict[str, Finding] = {}
-        for f in data.findings:
-            unique.setdefault(f.signature, f)
-        log = to_sarif(list(unique.values()), data.config)
-        written.append(replay.write_text_atomic(outputs.sarif, json.dumps(log, indent=2) + "\n"))
-    if outputs.junit:
-        from kvaudit.reports.junit import to_junit
-
-        clean = f"kvaudit {data.config.preset}: no findings"
-        written.append(replay.write_text_atomic(outputs.junit, to_junit(data.findings, data.config,
-                                                                         clean_case=clean)))
-    if outputs.html:
-        from kvaudit.reports.html_report import render_html
-
-        html = render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
-                           extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})
-        written.append(replay.write_text_atomic(outputs.html, html))
