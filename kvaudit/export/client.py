@@ -13,14 +13,16 @@ from kvaudit.audit.kinds import lookup
 from kvaudit.export.http_api import export_for
 from kvaudit.export.plan import Call, Plan
 
-# the script's line for a call of each kind that is one method call with the call's args
+# the script's lines for a call of each kind that is one method call with the call's args and note
 _ONE_CALL = {"open_session": "c.open_session({session!r}, streaming={streaming!r}, timeout={timeout!r}, "
                              "label={label!r})",
              "close_session": "c.close_session({session!r}, label={label!r})",
              "abort": "c.abort({rid!r}, label={label!r})",
              "flush_cache": "c.flush_cache({timeout}, label={label!r})", "health": "c.health(label={label!r})",
              "pause": "c.pause({mode!r}, label={label!r})", "continue": "c.resume(label={label!r})",
-             "idle": "c.idle(label={label!r})"}
+             "idle": "c.idle(label={label!r})",
+             "ignored": "# nothing to send: {note}\n    c.ignored({op!r}, {note!r}, label={label!r})",
+             "no_api": "# NOT FORCED BY A CLIENT: {note}\n    c.no_api({op!r}, {note!r}, label={label!r})"}
 
 
 def _template_parts() -> dict[str, str]:
@@ -55,16 +57,10 @@ def _call_line(c: Call, plan: Plan) -> list[str]:
         return comment + [f"    c.generate([\n{body},\n    ], session_params={a['session_params']!r}, "
                           f"label={label!r})"]
     if c.kind in _ONE_CALL:
-        return comment + ["    " + _ONE_CALL[c.kind].format(**a, label=label)]
+        return comment + ["    " + _ONE_CALL[c.kind].format(**a, label=label, note=c.note)]
     if c.kind == "wait":
         note = [] if c.exact else ["    # (approximate: a client cannot run the scheduler step by step)"]
         return comment + note + [f"    c.wait({a['steps']}, label={label!r})"]
-    if c.kind == "ignored":
-        return comment + [f"    # nothing to send: {c.note}",
-                          f"    c.ignored({a['op']!r}, {c.note!r}, label={label!r})"]
-    if c.kind == "no_api":
-        return comment + [f"    # NOT FORCED BY A CLIENT: {c.note}",
-                          f"    c.no_api({a['op']!r}, {c.note!r}, label={label!r})"]
     raise ValueError(f"unknown call kind {c.kind!r}")
 
 
