@@ -60,8 +60,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     except ValueError as e:  # an op the engine's export has no call for
         raise ExportError(f"{path}: {e}") from None
     launch, env, unmapped = ex.launch(config)
-    sigs = [f.signature for f in findings]
-    note = note_for(target, sigs, config.preset)
+    note = note_for(target, [f.signature for f in findings], config.preset)
     kind = findings[0].kind if findings else "leak"
     env = ex.launch_env(config, program, kind, env)
     planted = ex.planted(config)

@@ -12,6 +12,7 @@ import numpy as np
 from kvaudit.config import TargetConfig
 from kvaudit.program import Op, Step
 from kvaudit.audit.runner import AuditedRun
+from kvaudit.targets.base import Accounting
 
 SERIES = ("available", "evictable", "protected", "session_held", "uncached", "leaked")
 MAX_SAMPLED_STEPS = 20_000  # steps sampled at most (a program of step(n=10000) ops runs on unsampled)
@@ -31,7 +32,7 @@ def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
         n, ps = led.allocated.size, led.spec.page_size
         referenced = np.zeros(n, dtype=bool)
         owned = np.zeros(n, dtype=bool)
-        held = np.zeros(n, dtype=bool)  # by session slots: the pool's session_held when the engine has no counter
+        held = np.zeros(n, dtype=bool)  # by session slots
         for root in roots[pool]:
             referenced[root.units] = True
             if root.private and root.role == "req":
@@ -39,18 +40,13 @@ def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
             elif root.private and root.role == "session":
                 held[root.units] = True
         referenced[0] = owned[0] = held[0] = False
-        leaked = int(np.count_nonzero(led.allocated[1:] & ~referenced[1:])) * ps
         a = acc.get(pool)
-        free = (n - 1 - int(np.count_nonzero(led.allocated[1:]))) * ps
-        out[pool] = {
-            "available": a.available if a is not None else free,
-            "evictable": a.evictable if a is not None else 0,
-            "protected": a.protected if a is not None else 0,
-            "session_held": a.session_held if a is not None else int(np.count_nonzero(held)) * ps,
-            "uncached": int(np.count_nonzero(owned)) * ps,
-            "leaked": leaked,
-            "total": a.total if a is not None else (n - 1) * ps,
-        }
+        if a is None:  # no engine counters: the ledger's free units, the session slots' held ones
+            a = Accounting((n - 1 - int(np.count_nonzero(led.allocated[1:]))) * ps, 0, 0,
+                           int(np.count_nonzero(held)) * ps, (n - 1) * ps)
+        out[pool] = {"available": a.available, "evictable": a.evictable, "protected": a.protected,
+                     "session_held": a.session_held, "uncached": int(np.count_nonzero(owned)) * ps,
+                     "leaked": int(np.count_nonzero(led.allocated[1:] & ~referenced[1:])) * ps, "total": a.total}
     return out
 
 
