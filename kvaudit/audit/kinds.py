@@ -18,7 +18,9 @@ looks its kind up here (:func:`lookup`) and branches on no kind's name. A row ho
   :data:`STACK_LABELS`), the order they are read in, and which stack anchors a SARIF result;
 * ``facts``: extra lines of the JUnit failure text; ``props``: extra SARIF result properties;
   ``lifecycle_end``: the last line of the first unit's timeline (a leak's verdict), with its style;
-* ``allocates``: ``alloc_sites`` are where the units were allocated (a crash's are where it raised).
+* ``allocates``: ``alloc_sites`` are where the units were allocated (a crash's are where it raised);
+* ``expect``, ``symptom``: what ``kvaudit export``'s client script watches a server for (``crash``,
+  ``hang``, or ``memory``: the pool gauges) and what a maintainer sees ("": the engine's pool line).
 
 A kind no row describes (a plugin target's own) still renders: :func:`lookup` gives it a generic row.
 """
@@ -212,6 +214,8 @@ class FindingKind(NamedTuple):
     props: Callable[[Any], dict] = lambda f: {}  # extra SARIF result properties
     lifecycle_end: Callable[[Any], tuple[str, str] | None] = lambda f: None  # last timeline line, style
     allocates: bool = True  # alloc_sites are where the units were allocated
+    expect: str = "memory"  # what the exported client script watches for: "crash" | "hang" | "memory"
+    symptom: str = ""  # what a server shows ("": the engine's pool line)
 
     def stack_label(self, key: str) -> str:
         return dict(self.labels).get(key, STACK_LABELS[key])
@@ -317,7 +321,8 @@ TABLE: tuple[FindingKind, ...] = (
         "finish it. (A wait for memory that open sessions hold is not reported: a serving engine waits too.)",
         "warning", ("liveness", "hang"),
         lambda f, what, site: f"Hang: {f.message}",
-        signature=_sig_hang, console=_con_hang, allocates=False),
+        signature=_sig_hang, console=_con_hang, allocates=False,
+        expect="hang", symptom="a request never answers while the pool has room"),
     FindingKind(
         "crash", 9, None, "Crash",
         "The engine raised an exception",
@@ -325,7 +330,8 @@ TABLE: tuple[FindingKind, ...] = (
         "and its traceback.",
         "error", ("crash",),
         lambda f, what, site: f"Engine crash: {f.message}",
-        signature=_sig_crash, console=_con_crash, labels=(("alloc_sites", "raised at"),), allocates=False),
+        signature=_sig_crash, console=_con_crash, labels=(("alloc_sites", "raised at"),), allocates=False,
+        expect="crash", symptom="the server stops answering (the scheduler raised)"),
 )
 
 BY_NAME: dict[str, FindingKind] = {k.name: k for k in TABLE}

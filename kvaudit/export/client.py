@@ -1,15 +1,7 @@
-"""``kvaudit export --client``: a standalone script (standard library only, no kvaudit import) that
-drives a real server through its HTTP API in the program's order (:mod:`kvaudit.export.plan`) and
-says what a maintainer should see: the crash (the server stops answering, or 5xx), the hang (a
-request that never answers), or the pool gauges of ``/metrics`` before and after.
-
-The script is assembled from parts: the shared runtime (``kvaudit/templates/client.py.in``: the HTTP
-client that records every answer, waits, the ``/metrics`` reader, the run and its verdict) and one part per
-engine, which its target kind hands over (:class:`kvaudit.targets.export_api.ClientParts`: the API
-methods of ``Client`` for that engine's routes, its extra arguments, the server line and the pool
-check). What differs per finding is a header (launch
-command, expectations, the approximations) and one ``program(c)`` function with one call per op or
-batch, each commented with the ops it stands for (the engines: :func:`kvaudit.export.http_api.apis`).
+"""``kvaudit export --client``: a standalone script (standard library only) that drives a real server
+through its HTTP API in the program's order and says what a maintainer should see: a crash, a hang, or
+the pool gauges of ``/metrics`` before and after.
+Design notes: docs/internals/export.md.
 """
 
 from __future__ import annotations
@@ -17,25 +9,24 @@ from __future__ import annotations
 import importlib.resources
 import re
 
+from kvaudit.audit.kinds import lookup
 from kvaudit.export.http_api import export_for
 from kvaudit.export.plan import Call, Plan
 
-EXPECT_OF_KIND = {"crash": "crash", "hang": "hang"}  # any other kind: pool gauges ("memory")
-
-# the script's line for a call of each kind that is one method call with the call's args
+# the script's lines for a call of each kind that is one method call with the call's args and note
 _ONE_CALL = {"open_session": "c.open_session({session!r}, streaming={streaming!r}, timeout={timeout!r}, "
                              "label={label!r})",
              "close_session": "c.close_session({session!r}, label={label!r})",
              "abort": "c.abort({rid!r}, label={label!r})",
              "flush_cache": "c.flush_cache({timeout}, label={label!r})", "health": "c.health(label={label!r})",
              "pause": "c.pause({mode!r}, label={label!r})", "continue": "c.resume(label={label!r})",
-             "idle": "c.idle(label={label!r})"}
+             "idle": "c.idle(label={label!r})",
+             "ignored": "# nothing to send: {note}\n    c.ignored({op!r}, {note!r}, label={label!r})",
+             "no_api": "# NOT FORCED BY A CLIENT: {note}\n    c.no_api({op!r}, {note!r}, label={label!r})"}
 
 
 def _template_parts() -> dict[str, str]:
-    """The script's shared runtime, ``kvaudit/templates/client.py.in``: ``IMPORTS``, ``CORE`` (the HTTP
-    client that records every answer), ``CORE_TAIL`` (waits, the ``/metrics`` reader) and ``MAIN`` (the
-    run and its verdict), each the text after its ``#@ NAME`` line."""
+    """The parts of ``kvaudit/templates/client.py.in``, each the text after its ``#@ NAME`` line."""
     text = (importlib.resources.files("kvaudit") / "templates" / "client.py.in").read_text()
     bits = re.split(r"^#@ (\w+)$", text, flags=re.M)
     return dict(zip(bits[1::2], bits[2::2]))
@@ -66,43 +57,33 @@ def _call_line(c: Call, plan: Plan) -> list[str]:
         return comment + [f"    c.generate([\n{body},\n    ], session_params={a['session_params']!r}, "
                           f"label={label!r})"]
     if c.kind in _ONE_CALL:
-        return comment + ["    " + _ONE_CALL[c.kind].format(**a, label=label)]
+        return comment + ["    " + _ONE_CALL[c.kind].format(**a, label=label, note=c.note)]
     if c.kind == "wait":
         note = [] if c.exact else ["    # (approximate: a client cannot run the scheduler step by step)"]
         return comment + note + [f"    c.wait({a['steps']}, label={label!r})"]
-    if c.kind == "ignored":
-        return comment + [f"    # nothing to send: {c.note}",
-                          f"    c.ignored({a['op']!r}, {c.note!r}, label={label!r})"]
-    if c.kind == "no_api":
-        return comment + [f"    # NOT FORCED BY A CLIENT: {c.note}",
-                          f"    c.no_api({a['op']!r}, {c.note!r}, label={label!r})"]
     raise ValueError(f"unknown call kind {c.kind!r}")
 
 
 def expected_line(kind: str, server: str, engine: str) -> str:
-    """What a maintainer should see, for the finding ``kind`` on ``engine`` (a kind's name), in one line.
-    Raises ``KeyError`` for an engine with no HTTP table."""
+    """What a maintainer should see, for the finding ``kind`` on ``engine`` (a kind's name), in one line:
+    the kind's ``symptom`` (:mod:`kvaudit.audit.kinds`), else the engine's pool line. Raises ``KeyError``
+    for an engine with no HTTP table."""
     pool = export_for(engine).expected_pool
-    return {"crash": "the server stops answering (the scheduler raised)",
-            "hang": "a request never answers while the pool has room"}.get(kind, pool) + \
-        (f" -- {server}" if server else "")
+    return (lookup(kind).symptom or pool) + (f" -- {server}" if server else "")
 
 
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,
                   env: list[str], hold_tokens: int = 256, planted: str | None = None,
                   pool_blocks: int | None = None, max_model_len: int | None = None,
                   release: str | None = None) -> str:
-    """The script's text for ``plan`` (its engine: ``plan.engine``): ``title`` (the report's title),
-    ``source`` (the replay file), ``launch`` (the server command), ``kind`` (the first finding's kind),
-    ``server`` (what a server shows), ``env`` (environment variables the launch needs), ``planted`` (the
-    injected fault's description when the finding is kvaudit's own planted fault, else None),
-    ``pool_blocks`` (vLLM: the pool's usable blocks, for the usage gauge in blocks), ``max_model_len``
-    (vLLM: tokens, prompt + output; a held request's output is cut to fit), ``release`` (the engine
-    release that ships the bug, when it is not the one the routes were read on). Raises ``KeyError``
-    for an engine with no HTTP table."""
+    """The script's text for ``plan``: ``source`` (the replay file), ``launch`` (the server command),
+    ``kind`` (the first finding's), ``server`` (what a server shows), ``env`` (variables the launch
+    needs), ``planted`` (kvaudit's planted fault, or None), ``pool_blocks`` (vLLM: the pool's usable
+    blocks), ``max_model_len`` (vLLM: tokens, prompt + output), ``release`` (the release that ships the
+    bug, when not the one the routes were read on). Raises ``KeyError`` for an engine with no HTTP table."""
     ex = export_for(plan.engine)
     api, part = ex.api, ex.client
-    expect = EXPECT_OF_KIND.get(kind, "memory")
+    expect = lookup(kind).expect
     approx = plan.approximations
     how = "exactly" if plan.exact else "approximately (see the NOTE lines it prints)"
     expected = expected_line(kind, server, plan.engine)
@@ -148,9 +129,7 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
 
 def curl_lines(plan: Plan, url: str | None = None) -> list[str]:
     """The plan as ``curl`` commands (against ``url``, default the engine's) when a client runs it exactly
-    with one call at a time: no held request and no wait before a later call; [] otherwise (the script
-    is the reproducer then), and for an engine whose kind gives no curl lines (vLLM's: an abort is a
-    closed stream, which a curl line does not show)."""
+    with one call at a time; [] otherwise, and for an engine whose kind gives no curl lines."""
     ex = export_for(plan.engine)
     if ex.curl is None or not plan.exact or any(c.kind in ("wait", "idle") for c in plan.calls[:-1]) or \
             any(c.kind in ("health", "no_api") for c in plan.calls):

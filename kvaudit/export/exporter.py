@@ -21,7 +21,7 @@ class ExportError(ValueError):
 
 
 class Exported(NamedTuple):
-    """What :func:`export` wrote (paths, None for an output not asked for) and whether the client is exact."""
+    """What :func:`export` wrote (None: not asked for), whether the client is exact and handles traced."""
 
     issue: str | None
     client: str | None
@@ -30,9 +30,8 @@ class Exported(NamedTuple):
 
 
 def history_bug(path: str, config):
-    """The :class:`kvaudit.history.catalogue.HistoryBug` a replay file under a ``history/`` folder
-    reproduces, named after its id (``corpora/vllm/history/vllm-33377.json``), or None. Its report and
-    script then name the release that ships the bug, not the release the routes were read on."""
+    """The :class:`kvaudit.history.catalogue.HistoryBug` a replay file under a ``history/`` folder is
+    named after (``corpora/vllm/history/vllm-33377.json``), or None."""
     if os.path.basename(os.path.dirname(os.path.abspath(path))) != "history":
         return None
     from kvaudit.history.catalogue import BUGS
@@ -42,10 +41,9 @@ def history_bug(path: str, config):
 
 def export(path: str, issue_out: str | None = None, client_out: str | None = None, resolve: bool = True) -> Exported:
     """Read replay file ``path`` and write the Markdown report to ``issue_out`` and the client script to
-    ``client_out`` (either may be None), each atomically. ``resolve``: run the program on the target to
-    resolve its handles (:func:`kvaudit.export.trace.trace`; skipped when the engine is not installed).
-    Raises :class:`ExportError` for a file that is not a replay file, whose engine has no HTTP API
-    here or whose program holds an op that API has no call for, OSError when an output cannot be written."""
+    ``client_out`` (either may be None). ``resolve``: trace the program on the target to name its handles.
+    Raises :class:`ExportError` for a file that is not a replay file, whose engine has no HTTP API or
+    whose program holds an op that API has no call for; OSError when an output cannot be written."""
     try:
         config, program, findings, doc = load(path)
     except ReplayFormatError as e:
@@ -62,8 +60,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     except ValueError as e:  # an op the engine's export has no call for
         raise ExportError(f"{path}: {e}") from None
     launch, env, unmapped = ex.launch(config)
-    sigs = [f.signature for f in findings]
-    note = note_for(target, sigs, config.preset)
+    note = note_for(target, [f.signature for f in findings], config.preset)
     kind = findings[0].kind if findings else "leak"
     env = ex.launch_env(config, program, kind, env)
     planted = ex.planted(config)
@@ -85,8 +82,8 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
             max_model_len=max_model_len))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
-        text = render_issue(config=config, program_lines=[format_op(op) for op in program], findings=findings,
-                            doc=doc, plan=plan, note=note, source=path,
+        text = render_issue(config=config, title=title, program_lines=[format_op(op) for op in program],
+                            findings=findings, doc=doc, plan=plan, note=note, source=path,
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
                             env=env, unmapped=unmapped, expected=expected_line(kind, server, target),
                             planted=planted, release=release)

@@ -1,19 +1,12 @@
-"""How each program op reaches a real server over HTTP, per engine: the table a target kind hands over.
-
-A kind whose engine has a server provides an :class:`kvaudit.targets.export_api.EngineExport` through
-its registry entry's ``export`` field (SGLang's in ``kvaudit/targets/sglang/export.py``, vLLM's in
-``kvaudit/targets/vllm/export.py``): the release the calls were checked against, the engine's files
-they were read from, per op kind an :class:`ApiCall` (the HTTP method and path, the JSON body's
-fields, whether a client reproduces the op exactly), the server launch, and the engine's parts of the
-client script and the issue text. The exporter reads nothing else about an engine.
+"""How each program op reaches a real server over HTTP, per engine: the
+:class:`kvaudit.targets.export_api.EngineExport` a target kind's registry entry hands over. The exporter
+reads nothing else about an engine. Design notes: docs/internals/export.md.
 """
 
 from __future__ import annotations
 
 from kvaudit.targets import registry
-from kvaudit.targets.export_api import ApiCall, EngineApi, EngineExport
-
-__all__ = ["ApiCall", "EngineApi", "EngineExport", "apis", "export_for"]
+from kvaudit.targets.export_api import EngineApi, EngineExport
 
 
 def apis() -> dict[str, EngineApi]:
@@ -22,8 +15,8 @@ def apis() -> dict[str, EngineApi]:
 
 
 def export_for(target: str) -> EngineExport:
-    """What the kind called ``target`` (a replay config's ``target``) hands ``kvaudit export``. Raises
-    ``KeyError`` for a kind with no server to export to (the built-in engine has none) or no such kind."""
+    """What the kind called ``target`` hands ``kvaudit export``. Raises ``KeyError`` for a kind with no
+    server to export to (the built-in engine has none) or no such kind."""
     try:
         kind = registry.get(target)
     except registry.UnknownTargetError:

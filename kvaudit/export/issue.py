@@ -1,9 +1,5 @@
 """``kvaudit export --issue``: a Markdown bug report for an engine's tracker, from a replay file.
-
-Sections (:data:`SECTIONS`, in order): the title (symptom and function), environment (engine version
-and the server launch the preset corresponds to), what happens, the minimized program, the
-client-level reproduction, the kvaudit report (each finding with the engine's own frames, paths
-relative to the package), why it is a defect, a suggested fix, and how sure we are.
+Design notes: docs/internals/export.md.
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ def _finding(f: Finding, package: str) -> list[str]:
 
 
 def title_of(findings: list[Finding], note: Note | None) -> str:
-    """The report's title: the note's, else kind and innermost engine function of the first finding."""
+    """The report's title: the note's, else the first finding's kind and innermost function."""
     if note is not None:
         return note.title
     if not findings:
@@ -64,7 +60,6 @@ _CALL_OP = {"generate": "submit", "health": "health_check", "pause": "pause_gene
 
 
 def _call_line(c, api, words) -> str:
-    """One bullet of "The calls, in order": the HTTP call of client call ``c`` and its arguments."""
     call = api.calls.get(_CALL_OP.get(c.kind, c.kind))
     what = f"{call.method} {call.path}" if call is not None and call.method else "(no HTTP call)"
     if c.kind == "generate":
@@ -89,7 +84,6 @@ def _call_line(c, api, words) -> str:
 
 def _environment(ex, config, version: str, launch: str, env: list[str], unmapped: list[str],
                  release: tuple | None) -> list[str]:
-    """The "Environment" section: the release, the server launch, and the kind's notes on both."""
     api, words = ex.api, ex.issue
     out = ["## Environment", "",
            f"- {api.engine} {version} (`pip install {ex.package}=={version}`), kvaudit preset "
@@ -108,7 +102,6 @@ def _environment(ex, config, version: str, launch: str, env: list[str], unmapped
 
 def _reproduce(ex, plan: Plan, note: Note | None, client_name: str | None, version: str,
                expected: str) -> list[str]:
-    """The "Reproduce with a client" section: how to run the script, the curl lines, the calls."""
     api, words = ex.api, ex.issue
     out = ["## Reproduce with a client", ""]
     curls = curl_lines(plan)
@@ -134,7 +127,6 @@ def _reproduce(ex, plan: Plan, note: Note | None, client_name: str | None, versi
 
 def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str | None,
               release: tuple | None) -> list[str]:
-    """The "How sure we are" section: what was seen, what was not verified, how to replay."""
     api, package = ex.api, ex.package
     return ["## How sure we are", "",
             f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
@@ -153,21 +145,17 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
             f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
 
 
-def render_issue(*, config, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
+def render_issue(*, config, title: str, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
                  note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
                  unmapped: list[str], expected: str, planted: str | None = None,
                  release: tuple | None = None) -> str:
-    """The Markdown text. ``source``: the replay file's path as given; ``client_name``: the client
-    script's file name (None: not exported with it); ``launch``/``env``/``unmapped``: from
-    the kind's ``EngineExport.launch``; ``expected``: the client's expected symptom line;
-    ``planted``: the injected fault's description when the finding is kvaudit's planted fault (the
-    report then says so at the top), else None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
-    older release (the history suite's), None for a finding on the release the API table was read on."""
+    """The Markdown text (:data:`SECTIONS`). ``title``: :func:`title_of`, marked when planted; ``source``:
+    the replay file's path; ``client_name``: the script's file name (None: not exported);
+    ``launch``/``env``/``unmapped``: from ``EngineExport.launch``; ``expected``: the client's symptom line;
+    ``planted``: kvaudit's planted fault, or None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
+    older release (the history suite's), else None."""
     ex = export_for(kind_of(config).name)
     api, package, words = ex.api, ex.package, ex.issue
-    title = title_of(findings, note)
-    if planted is not None:
-        title = f"[planted fault, not a {api.engine} bug] {title}"
     out = [f"# {title}", ""]
     if planted is not None:
         out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "

@@ -1,16 +1,6 @@
-"""A program as the HTTP calls a client makes, in the program's order (:func:`plan`).
-
-The engine's rules come from its target kind (:class:`kvaudit.targets.export_api.EngineExport`). An
-engine that batches (``batch_submits``, SGLang): ops between two ``step``/``idle`` ops reach the
-scheduler at one intake, so consecutive submits there with the same session parameters become ONE
-batched request (SGLang sends a batch of pre-tokenized inputs to the scheduler as one message). One
-that does not (vLLM): every submit is its own streaming request (an abort closes one request's
-connection, so requests are never batched in one HTTP call); the ops its target ignores
-(``ignored_ops``: vLLM's sessions, pauses, a transfer failure) become ``ignored`` calls that send
-nothing. Every other op is its own call, sent after the previous
-one with a short gap so that the server sees them in order. Requests and sessions are
-named, not taken modulo the live set: :mod:`kvaudit.export.trace` resolves the handles on the target
-when it can be built here, else they are resolved statically (every submitted request counted live).
+"""A program as the HTTP calls a client makes, in the program's order (:func:`plan`), by the rules of
+the engine's target kind (:class:`kvaudit.targets.export_api.EngineExport`).
+Design notes: docs/internals/export.md.
 """
 
 from __future__ import annotations
@@ -21,17 +11,16 @@ from kvaudit.export.http_api import export_for
 from kvaudit.export.trace import Trace
 from kvaudit.program import (PAUSE_MODES, Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
                              MemoryPressure, Op, OpenSession, PauseGeneration, Step, Submit, TransferFail, format_op)
-from kvaudit.program.schema import pick, prompt_tokens
+from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.registry import kind_of
 
 
 @dataclass
 class GenItem:
-    """One request of a ``/generate`` call: ``op`` index, ``rid`` (the program's id, e.g. ``r1``; the
-    script prefixes a per-run tag), ``input_ids`` (``[n]`` token ids), ``max_new_tokens`` (tokens: the program's after
-    the target's clamp, or its ``stop_at`` when that comes first), ``hold`` (the request must still run when a later message
-    arrives: the script lengthens it), ``stop_at`` (output length at which the program's EOS comes, or
-    None)."""
+    """One request of a ``/generate`` call: ``op`` index, ``rid`` (the program's id, e.g. ``r1``),
+    ``input_ids`` (``[n]`` token ids), ``max_new_tokens`` (tokens, after the target's clamp or the
+    program's EOS), ``hold`` (it must still run when a later message arrives), ``stop_at`` (output length
+    at which the program's EOS comes, or None)."""
 
     op: int
     rid: str
@@ -40,17 +29,14 @@ class GenItem:
     hold: bool = False
     stop_at: int | None = None
     notes: list[str] = field(default_factory=list)
-    remote: str | None = None  # vLLM KV-connector presets: "prefill" (its prompt's KV is read from a prefill
-    # instance: do_remote_prefill) or "decode" (a decode instance reads its KV when it ends: do_remote_decode)
+    remote: str | None = None  # a P/D pair's other side: "prefill" (do_remote_prefill) | "decode" (do_remote_decode)
 
 
 @dataclass
 class Call:
     """One client action: ``kind`` (``open_session``, ``generate``, ``abort``, ``close_session``,
-    ``flush_cache``, ``health``, ``pause``, ``continue``, ``wait``, ``idle``, ``no_api``, ``ignored``:
-    an op the target ignores, so nothing is sent), the ``ops`` it
-    stands for, and its arguments in ``args`` (``session``/``rid``/``mode``/``timeout``/``steps``/
-    ``session_params``/``items``). ``exact`` is False where a client only approximates the op."""
+    ``flush_cache``, ``health``, ``pause``, ``continue``, ``wait``, ``idle``, ``no_api``, ``ignored``),
+    the ``ops`` it stands for, its ``args``; ``exact`` is False where a client only approximates them."""
 
     kind: str
     ops: list[int]
@@ -62,8 +48,7 @@ class Call:
 @dataclass
 class Plan:
     """The calls in order, the ops' printed form, whether handles were resolved on the target
-    (``traced``), and the session ids the program opened and did not close (the script closes them
-    before its final flush)."""
+    (``traced``), and the session ids left open at the end."""
 
     calls: list[Call]
     op_lines: list[str]
@@ -73,14 +58,12 @@ class Plan:
 
     @property
     def exact(self) -> bool:
-        """Every call reproduces its op exactly (no held request, no wait standing for steps that
-        matter, no op without an API, no request whose KV a client must have a prefill server send)."""
+        """Every call reproduces its op exactly, and no request is held or needs a prefill server."""
         return all(c.exact for c in self.calls) and not any(
             i.hold or i.remote == "prefill" for c in self.calls for i in c.args.get("items", ()))
 
     @property
     def approximations(self) -> list[str]:
-        """One line per approximate call, in order."""
         out = []
         for c in self.calls:
             if not c.exact:
@@ -91,7 +74,6 @@ class Plan:
 
 
 def _session_params(op: Submit, sid: str, turns: list[str]) -> dict:
-    """SGLang's ``session_params`` for a session turn (only the fields the op sets, besides ``id``)."""
     sp: dict = {"id": sid}
     parent = pick(op.parent, turns)
     if parent is not None:
@@ -106,21 +88,18 @@ def _session_params(op: Submit, sid: str, turns: list[str]) -> dict:
 
 
 def _item(config, ex, op: Submit, i: int, rid: str, submitted: list[str], texts: dict) -> GenItem:
-    """The request of submit op ``i``, its lengths clamped as the target clamps them, with the notes on
-    what a client sends differently (a resent prompt, a P/D pair's other side, an EOS as a length)."""
-    max_new = max(1, min(op.max_new_tokens, config.context_len // 4))
-    cap = config.context_len // 2
-    ids = prompt_tokens(op.family, max(1, min(op.prompt_len, cap)), config.vocab_size)
-    item = GenItem(i, rid, ids, max_new, stop_at=op.stop_at)
+    """The request of submit op ``i``, with notes on what a client sends differently."""
+    req = resolve_submit(op, config.vocab_size, config.context_len // 4, config.context_len // 2, submitted,
+                         lambda base: texts.get(base, []))
+    item = GenItem(i, rid, req.input_ids, req.max_new_tokens, stop_at=op.stop_at)
     base = pick(op.extends, submitted)
     if base is not None:
-        item.input_ids = (texts.get(base, []) + ids)[:cap]
         item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "
                           "resends its output so far, which is the model's on a real server")
     item.remote = ex.remote_of(config, len(submitted))
     if item.remote is not None:
         item.notes.append(ex.remote_notes[item.remote])
-    if op.stop_at is not None and op.stop_at < max_new and not op.ignore_eos:
+    if op.stop_at is not None and op.stop_at < req.max_new_tokens and not op.ignore_eos:
         item.max_new_tokens = op.stop_at
         item.notes.append(f"the program samples EOS at output length {op.stop_at}: the script asks for "
                           f"max_new_tokens={op.stop_at} (a length finish, not an EOS one)")
@@ -128,8 +107,8 @@ def _item(config, ex, op: Submit, i: int, rid: str, submitted: list[str], texts:
 
 
 def _op_calls(ex, engine: str, op: Op, i: int, v, live: list[str], sessions: list[str]) -> list[Call]:
-    """The call of op ``i`` (not a submit, an open session or a health check; none for a close or an
-    abort with nothing to name); ``v``: its trace view or None; a close removes its id from ``sessions``."""
+    """The calls of op ``i`` (none for a close or an abort with nothing to name); ``v``: its trace view or
+    None; a close removes its id from ``sessions``."""
     api = ex.api
     if isinstance(op, CloseSession):
         if not sessions:
@@ -163,19 +142,16 @@ def _op_calls(ex, engine: str, op: Op, i: int, v, live: list[str], sessions: lis
         return [Call("wait", [i], {"steps": op.n}, exact=False, note=api.calls["step"].note)]
     if isinstance(op, Idle):
         return [Call("idle", [i], {})]
-    # a new op of the schema: how a client sends it is the engine's to say, not a silent gap
+    # NOTE: a new op of the schema: how a client sends it is the engine's to say, not a silent gap
     raise ValueError(f"op {i} ({op.kind}): no client call is known for this op on {engine} "
                      "(add it to kvaudit/export/plan.py and to the engine's HTTP table, or to its ignored_ops)")
 
 
 def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
-    """The client calls for ``program`` on a server launched as ``config`` says. ``tr``: the trace of
-    the program on the target (handles as the target resolved them); None resolves them statically.
-    Request lengths are clamped as the SGLang and vLLM targets clamp them (prompt ``context_len // 2``,
-    output ``context_len // 4``). The engine's rules come from its kind's ``export``: whether submits
-    of one intake are batched, the ops its target ignores, whether a flush's timeout is honoured, which
-    submits a P/D pair's other side serves. Raises ``KeyError`` for a target with no HTTP table,
-    ``ValueError`` naming the op for an op kind no call is known for."""
+    """The client calls for ``program`` on a server launched as ``config`` says. ``tr``: the program's
+    trace on the target (None: handles resolved statically). Request lengths are clamped as the SGLang
+    and vLLM targets clamp them (prompt ``context_len // 2`` tokens, output ``context_len // 4``).
+    Raises ``KeyError`` for a target with no HTTP table, ``ValueError`` naming an op with no call."""
     engine = kind_of(config).name
     ex = export_for(engine)
     api, batch = ex.api, ex.batch_submits
@@ -229,8 +205,7 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
         else:
             calls += _op_calls(ex, engine, op, i, v, live, sessions)
     _mark_holds(calls, tr, same_intake_submits=batch)
-    # a wait matters only where a later message must find the engine at a given step; the last
-    # op of a program ending in step(n) is the step the finding was seen at: waiting is enough
+    # NOTE: a wait matters only where a later message must find the engine at a given step
     for k, c in enumerate(calls):
         if c.kind == "wait" and not any(x.kind not in ("wait", "idle") for x in calls[k + 1:]):
             c.exact, c.note = True, "the program's last step: the script waits and then looks"
@@ -238,10 +213,9 @@ def plan(config, program: list[Op], tr: Trace | None = None) -> Plan:
 
 
 def _mark_holds(calls: list[Call], tr: Trace | None, same_intake_submits: bool = True) -> None:
-    """Mark each request that the trace shows still live when a later call of another kind (a message,
-    not a wait) is applied: a client must keep it running until then. ``same_intake_submits`` False
-    (vLLM, one call per submit): a later submit of the same intake (no wait between) does not count --
-    it is sent right after, and a longer output would change which request finishes first."""
+    """Mark each request the trace shows still live when a later message (not a wait) is sent: a client
+    must keep it running until then. With ``same_intake_submits`` False, a later submit of the same
+    intake does not count (a longer output would change which request finishes first)."""
     if tr is None:
         return
     views = {v.index: v for v in tr.views}

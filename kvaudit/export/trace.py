@@ -1,21 +1,23 @@
-"""Resolve a program's handles the way the target did: run it once on the target (no auditor) and
-note, before each op, which requests are live and which sessions are open, and after each submit
-the request id it got. A client script names requests and sessions, not handles modulo the live set.
+"""Resolve a program's handles the way the target did: run it once (no auditor) and note, before each
+op, the live requests and open sessions, and after each submit the id it got. A client script names
+requests and sessions, not handles modulo the live set.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvaudit.program import Idle, Op, Step, Submit
+from kvaudit.export.http_api import export_for
+from kvaudit.program import ContinueGeneration, Idle, Op, Step, Submit
+from kvaudit.targets import make_target
+from kvaudit.targets.registry import kind_of
 
 IDLE_STEP_CAP = 300  # scheduler steps an idle() may take in the trace (a hang program never idles)
 
 
 class OpView(NamedTuple):
-    """What the target held just before op ``index``: ``live`` request ids (unfinished, in submission
-    order), ``sessions`` (open session ids, in opening order); ``rid``: the id a submit got (None for
-    other ops, or a submit held by a pause)."""
+    """What the target held just before op ``index``: ``live`` request ids and open ``sessions`` (in
+    order); ``rid``: the id a submit got (else None)."""
 
     index: int
     live: tuple[str, ...]
@@ -25,9 +27,8 @@ class OpView(NamedTuple):
 
 
 class Trace(NamedTuple):
-    """Per op an :class:`OpView` (ops after a crash are left out); ``stopped_at``: the op index the
-    engine raised at, else None; ``finished``: request id -> the index of the first op before which it
-    was no longer live (absent: live to the end)."""
+    """Per op an :class:`OpView` (none after a crash); ``stopped_at``: the op the engine raised at, or
+    None; ``finished``: request id -> the first op before which it was no longer live."""
 
     views: tuple[OpView, ...]
     stopped_at: int | None
@@ -35,19 +36,13 @@ class Trace(NamedTuple):
 
 
 def trace(config, program: list[Op]) -> Trace | None:
-    """Run ``program`` on a fresh target of ``config``, reading its live request ids, those answered
-    with blocks held and its open sessions through its kind's ``export.trace_views`` (and the ids it
-    gave, ``target.submitted``). Returns None when the target cannot be built here (the engine is not
-    installed) or its kind does not expose those. An engine exception ends the trace at that
-    op."""
-    from kvaudit.targets import make_target
-
+    """Run ``program`` on a fresh target of ``config``, reading what it holds before each op through its
+    kind's ``export.trace_views``. None when the target cannot be built here or its kind does not expose
+    those; an engine exception ends the trace at that op."""
     try:
         target = make_target(config)
     except Exception:  # noqa: BLE001 -- any reason the engine cannot be built: no trace, a static plan
         return None
-    from kvaudit.export.http_api import export_for
-    from kvaudit.targets.registry import kind_of
     try:
         got = export_for(kind_of(config).name).trace_views(target)
     except KeyError:  # a kind with no server: nothing to resolve for a client
@@ -74,7 +69,6 @@ def trace(config, program: list[Op]) -> Trace | None:
                         target.step()
                 elif isinstance(op, Idle):
                     if getattr(target, "paused", False):
-                        from kvaudit.program import ContinueGeneration
                         target.apply(ContinueGeneration())
                     for _ in range(IDLE_STEP_CAP):
                         if target.is_idle():

@@ -1,9 +1,6 @@
-"""The parts of ``kvaudit ci``'s JUnit and SARIF that hold no finding: the suites' totals, the skipped
-``interrupted`` case, the unsuccessful SARIF invocation -- and both files whole for a job that Ctrl-C
-or SIGTERM stopped before it began (:func:`interrupted_junit`, :func:`interrupted_sarif`).
-:func:`kvaudit.search.ci.junit` and :func:`kvaudit.search.ci.sarif` build on these. Standard library
-only: the entry point writes the files while the engine and the search are still being imported
-(:func:`kvaudit.app.interrupts.write_startup_reports`)."""
+"""The parts of ``kvaudit ci``'s JUnit and SARIF that hold no finding, and both files whole for a job
+stopped before it began. Standard library only (the entry point writes them while the rest is still
+being imported). Design notes: docs/internals/reports.md."""
 
 from __future__ import annotations
 
@@ -18,21 +15,20 @@ NOTHING_RAN = "interrupted (Ctrl-C or SIGTERM) during start-up: nothing was chec
 
 
 def suites() -> tuple[ET.Element, ET.Element, ET.Element]:
-    """The JUnit document's root and its two suites, empty: ``kvaudit.regressions``, ``kvaudit.fuzz``."""
+    """The JUnit root and its two empty suites, ``kvaudit.regressions`` and ``kvaudit.fuzz``."""
     root = ET.Element("testsuites", name="kvaudit ci")
     return root, ET.SubElement(root, "testsuite", name="kvaudit.regressions"), ET.SubElement(
         root, "testsuite", name="kvaudit.fuzz")
 
 
 def add_interrupted(suite: ET.Element, message: str = INTERRUPTED) -> None:
-    """The skipped case ``interrupted``: what did not run is not a pass, and a reader of the CI log sees why."""
+    """The skipped case ``interrupted``: what did not run is not a pass."""
     case = ET.SubElement(suite, "testcase", classname="kvaudit.fuzz", name="interrupted", time="0")
     ET.SubElement(case, "skipped", message=message)
 
 
 def document(root: ET.Element) -> str:
-    """The JUnit text of ``root``: each suite's and the root's ``tests``, ``failures`` and ``errors``
-    (a suite's ``skipped`` too) counted from its cases."""
+    """The JUnit text of ``root``, every suite's and the root's counts taken from the cases."""
     totals = [0, 0, 0]
     for suite in root.findall("testsuite"):
         cases = suite.findall("testcase")
@@ -55,17 +51,20 @@ def interrupted_junit() -> str:
 
 
 def invocation(message: str) -> dict:
-    """A SARIF ``invocation`` that did not complete (spec "invocation object": ``executionSuccessful``
-    false, the reason as a tool execution notification), for a log that may lack results."""
+    """A SARIF ``invocation`` that did not complete, ``message`` its reason."""
     return {"executionSuccessful": False,
             "toolExecutionNotifications": [{"level": "warning", "message": {"text": message}}]}
 
 
-def interrupted_sarif() -> dict:
-    """The SARIF log of a job stopped before it began: the tool, no rules, no results, and the
-    unsuccessful invocation that says nothing was checked (a log with no results is otherwise the
-    log of a clean run)."""
+def sarif_log(rules: list[dict], results: list[dict], **run) -> dict:
+    """A SARIF log of one kvaudit run with ``rules`` and ``results`` (``run``: the run's other fields)."""
     driver = {"name": "kvaudit", "version": kvaudit.__version__, "semanticVersion": kvaudit.__version__,
-              "rules": []}
+              "rules": rules}
     return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION,
-            "runs": [{"tool": {"driver": driver}, "results": [], "invocations": [invocation(NOTHING_RAN)]}]}
+            "runs": [{"tool": {"driver": driver}, "results": results, **run}]}
+
+
+def interrupted_sarif() -> dict:
+    """The SARIF log of a job stopped before it began: no rules, no results, and the unsuccessful
+    invocation that says nothing was checked (else it would read as a clean run's)."""
+    return sarif_log([], [], invocations=[invocation(NOTHING_RAN)])

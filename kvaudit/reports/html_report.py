@@ -1,9 +1,6 @@
-"""The HTML report: one self-contained file (no network resources, no scripts).
-
-Per finding it holds the same sections as the console report (rendered by rich and exported as
-HTML) and an inline SVG plot (matplotlib) of each pool's occupancy over the program's scheduler
-steps -- the terms of SGLang's accounting identity plus leaked units (:mod:`kvaudit.reports.timeline`) --
-with the step where the finding appeared marked.
+"""The HTML report: one self-contained file (no network resources, no scripts) holding, per finding,
+the console report's sections and an inline SVG plot of the pools' occupancy.
+Design notes: docs/internals/reports.md.
 """
 
 from __future__ import annotations
@@ -31,15 +28,14 @@ _env = jinja2.Environment(loader=jinja2.PackageLoader("kvaudit", "templates"),
 
 
 def _rich_html(renderable, width: int = 110) -> str:
-    """``renderable`` as a ``<pre>`` block with inline styles (rich's own HTML export)."""
     console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor")
     console.print(renderable)
     return console.export_html(theme=MONOKAI, inline_styles=True, code_format='<pre class="rich">{code}</pre>')
 
 
 def _inline_svg(fig) -> str:
-    """``fig`` as an ``<svg>`` element for an HTML5 page: no XML prolog, DOCTYPE, metadata or
-    namespace URLs (the HTML parser knows SVG; the page must name no outside resource)."""
+    """``fig`` as an ``<svg>`` element with no prolog, metadata or namespace URLs: the page names no
+    outside resource."""
     buf = io.StringIO()
     fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
     svg = buf.getvalue()
@@ -52,12 +48,9 @@ IN_USE = ("leaked", "uncached", "session_held", "protected", "evictable")  # sta
 
 
 def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
-    """An SVG plot, one panel per pool (the finding's pool first), over the scheduler steps:
-    the in-use terms of the identity (leaked at the bottom, then uncached, session_held, protected,
-    evictable) stacked on the left axis, with the engine's own in-use count (total - available)
-    dashed -- a gap between the two is accounting drift -- and ``available`` as a grey line on the
-    right axis. Small leaks stay visible because the left axis is scaled to what is in use. The
-    step where ``finding`` was detected is a vertical red line; steps after the program are shaded."""
+    """An SVG plot of ``timeline`` (:func:`kvaudit.reports.timeline.record`), one panel per pool (the
+    finding's first): the in-use terms stacked, the engine's own in-use count dashed, ``available`` on
+    the right axis, the step ``finding`` was detected at a red line, steps after the program shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,8 +75,7 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
         ax.step(steps, engine_in_use, where="post", color="#263238", linestyle="--", linewidth=0.9,
                 label="in use (engine: total - available)")
         top = max([1, *engine_in_use, *(sum(v) for v in zip(*(series[t] for t in IN_USE)))])
-        # below 0: a double free (the engine counts more free than it has), or a term a bug drove
-        # negative (session_held released twice)
+        # NOTE: below 0: a double free, or a term a bug drove negative (session_held released twice)
         bottom = min(0, *engine_in_use, *(min(series[t]) for t in IN_USE))
         ax.set_ylim(bottom - (top - bottom) * 0.05 if bottom < 0 else 0, top * 1.15)
         if bottom < 0:
@@ -120,10 +112,8 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
 
 def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | None = None, suppressions=None,
                 extra: dict | None = None) -> str:
-    """The whole report page for ``cases`` (:class:`kvaudit.reports.outputs.Case`: program, findings,
-    timeline, program_title); a case without a timeline gets no plot. ``suppressions`` is a
-    SuppressionSet or None."""
-    sections = []
+    """The report page for ``cases`` (:class:`kvaudit.reports.outputs.Case`; one without a timeline gets
+    no plot); ``suppressions``: a SuppressionSet or None."""
     findings = [f for c in cases for f in c.findings]
     by_sig: dict[str, dict] = {}
     for case in cases:
@@ -131,7 +121,7 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
             if f.signature in by_sig:  # one section per signature, as in the summary and JUnit
                 by_sig[f.signature]["duplicates"] += 1
                 continue
-            i = len(sections)
+            i = len(by_sig)
             by_sig[f.signature] = {
                 "title": f"finding {i + 1}: {f.kind}",
                 "summary": f.summary(),
@@ -141,7 +131,6 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
                 "console": _rich_html(finding_renderable(f, case.program, i, case.program_title)),
                 "plot": occupancy_svg(case.timeline, f) if case.timeline else None,
             }
-            sections.append(by_sig[f.signature])
     clean = [c for c in cases if not c.findings]
     return _env.get_template("report.html").render(
         version=__version__,
@@ -150,8 +139,8 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
         bugs=", ".join(sorted(config.bugs)) or "none",
         program=[format_op(op) for op in clean[0].program] if clean else [],
         summary=summary_rows(findings, suppressed or {}),
-        sections=sections,
+        sections=list(by_sig.values()),
         clean_plot=occupancy_svg(clean[0].timeline) if clean and clean[0].timeline else None,
-        suppressions=_rich_html(suppressions_table(suppressions)) if suppressions is not None and len(suppressions) else None,
+        suppressions=_rich_html(suppressions_table(suppressions)) if suppressions else None,  # (None or empty)
         extra=extra or {},
     )

@@ -1,19 +1,6 @@
-"""JUnit XML output: findings as failed test cases, for CI dashboards (GitLab, Jenkins, ...).
-
-:func:`to_junit` writes the common "Ant JUnit" dialect those dashboards read::
-
-    <testsuites name tests failures errors time>
-      <testsuite name tests failures errors="0" skipped="0" time>
-        <properties><property name value/>...</properties>      (engine config, when given)
-        <testcase classname="kvaudit.<kind>" name="<signature>" time="0">
-          <failure message="<summary>" type="<kind>">details</failure>
-        </testcase>
-      </testsuite>
-    </testsuites>
-
-One test case per distinct :attr:`Finding.signature` (the dedup key), in order of first
-appearance, so a bug found twice is one red test, and the same bug across CI runs keeps the same
-test name. kvaudit does not time findings, so every ``time`` is ``0``.
+"""JUnit XML output (the "Ant JUnit" dialect CI dashboards read): one failing test case per distinct
+finding signature, so the same bug keeps the same test name across runs.
+Design notes: docs/internals/reports.md.
 """
 
 from __future__ import annotations
@@ -26,8 +13,7 @@ from kvaudit.audit.frames import resolve
 from kvaudit.audit.kinds import lookup
 from kvaudit.reports.sarif import engine_verdict, finding_stacks, lifecycle
 
-# Characters XML 1.0 does not allow anywhere, even as character references: C0 controls other
-# than tab, newline and carriage return; lone surrogates; U+FFFE and U+FFFF.
+# NOTE: what XML 1.0 allows nowhere, even as a character reference
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
@@ -43,9 +29,8 @@ def _frame(s: Site, depth: int) -> str:
 
 
 def failure_text(f: Finding, count: int = 1) -> str:
-    """The body of a finding's ``<failure>``: summary, signature, what and where, every stack
-    (``file:line in function``, innermost first), lifecycle and the engine's own verdict.
-    ``count`` is how many findings share the signature."""
+    """The body of a finding's ``<failure>``: summary, signature, units, every stack (innermost first),
+    lifecycle and the engine's verdict. ``count``: how many findings share the signature."""
     lines = [f.summary(), f"signature: {f.signature}"]
     if count > 1:
         lines.append(f"found {count} times with this signature (details of the first)")
@@ -77,12 +62,9 @@ def failure_text(f: Finding, count: int = 1) -> str:
 
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None) -> str:
-    """JUnit XML (a ``str``, with an XML declaration) for ``findings``: one failing test case per
-    distinct signature (classname ``kvaudit.<kind>``, name the signature). With no findings and
-    a ``clean_case`` name, one passing test case of that name, so that a clean run shows as one
-    green test. ``config`` (a target kind's config), when given, is written as
-    the suite's ``<properties>`` (``preset``, ``bugs``, ``model``, ``page_size`` and every other
-    config field)."""
+    """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
+    name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
+    kind's config) become the suite's ``<properties>``."""
     groups: dict[str, list[Finding]] = {}
     for f in findings:
         groups.setdefault(f.signature, []).append(f)

@@ -1,11 +1,6 @@
 """Report files: ``--html``, ``--sarif``, ``--junit`` and ``--json``, shared by ``kvaudit fuzz``,
-``kvaudit replay`` and ``kvaudit report``.
-
-Every renderer takes the same plain data (config, program, findings, the occupancy timeline and
-suppression counts); each file is written atomically. The JSON file is a replay file with the
-timeline added, so ``kvaudit report`` and ``kvaudit replay`` read it back. Writing runs no engine:
-the timeline is what the job recorded (the confirming replay of a finding keeps it in the replay
-file); a case without one gets no plot (the HTML says none was recorded).
+``replay`` and ``report``; every renderer draws from the same :class:`ReportData`, and each file is
+written atomically. Design notes: docs/internals/reports.md.
 """
 
 from __future__ import annotations
@@ -22,18 +17,14 @@ from kvaudit.program import Op
 FORMATS = ("html", "sarif", "junit", "json")
 
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
 def disk_full(error: OSError) -> bool:
     """True for the errors of a full disk or an exhausted quota (ENOSPC, EDQUOT)."""
-    return error.errno in DISK_FULL
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class WriteError(OSError):
-    """A report file could not be written: ``filename`` is its path (a failed ``write`` or
-    ``fsync`` names none of its own), ``written`` the files written before it, which are kept
-    (every file is written atomically: a failed one leaves no part behind)."""
+    """A report file could not be written: ``filename`` is its path, ``written`` the files written
+    before it, which are kept (a failed one leaves no part behind)."""
 
     def __init__(self, error: OSError, path: str, written: list[str]):
         super().__init__(error.errno, error.strerror or str(error), path)
@@ -70,8 +61,7 @@ class Case:
 
 @dataclass
 class ReportData:
-    """What every renderer draws from: one engine config and one or more cases (a campaign has a
-    case per finding signature)."""
+    """What every renderer draws from: one engine config and its cases (a campaign's: one per signature)."""
 
     config: TargetConfig
     cases: list[Case]
@@ -90,8 +80,8 @@ class ReportData:
         return [f for c in self.cases for f in c.findings]
 
     def doc(self) -> dict:
-        """One case: a replay file (plus ``timeline``, ``suppressed`` and the run facts). Several: a
-        ``kvaudit.report/1`` document whose ``cases`` are such replay files."""
+        """The JSON file: one case's replay file (with ``timeline``, ``suppressed`` and the run facts), or
+        a ``kvaudit.report/1`` document whose ``cases`` are such replay files."""
         docs = [replay.to_doc(c.config or self.config, c.program, c.findings, **c.doc_extra,
                               **({"timeline": c.timeline} if c.timeline is not None else {})) for c in self.cases]
         top = {**self.extra, "suppressed": self.suppressed}
@@ -101,45 +91,40 @@ class ReportData:
         return {"format": replay.REPORT_FORMAT, "config": config_to_dict(self.config), "cases": docs, **top}
 
 
+def _sarif(data: ReportData) -> str:
+    from kvaudit.reports.sarif import to_sarif
+
+    unique: dict[str, Finding] = {}  # NOTE: one result per signature: code scanning tracks alerts by it
+    for f in data.findings:
+        unique.setdefault(f.signature, f)
+    return json.dumps(to_sarif(list(unique.values()), data.config), indent=2) + "\n"
+
+
+def _junit(data: ReportData) -> str:
+    from kvaudit.reports.junit import to_junit
+
+    return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings")
+
+
+def _html(data: ReportData) -> str:
+    from kvaudit.reports.html_report import render_html
+
+    return render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
+                       extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})
+
+
+_RENDER = {"json": lambda data: replay.doc_text(data.doc()), "sarif": _sarif, "junit": _junit, "html": _html}
+
+
 def write(outputs: Outputs, data: ReportData) -> list[str]:
-    """Write every file ``outputs`` names; returns the paths written. Raises :class:`WriteError`
-    (an OSError) naming the file that failed; those written before it stay."""
+    """Write every file ``outputs`` names, in :data:`_RENDER`'s order; returns the paths written. Raises
+    :class:`WriteError` (an OSError) naming the file that failed; those written before it stay."""
     written: list[str] = []
-    try:
-        _write(outputs, data, written)
-    except OSError as e:
-        raise WriteError(e, _failed(outputs, written), written) from None
+    for fmt, render in _RENDER.items():
+        path = getattr(outputs, fmt)
+        if path:
+            try:
+                written.append(replay.write_text_atomic(path, render(data)))
+            except OSError as e:
+                raise WriteError(e, path, written) from None
     return written
-
-
-def _failed(outputs: Outputs, written: list[str]) -> str:
-    """The first file ``outputs`` names that is not in ``written`` (in the order :func:`_write` writes them)."""
-    order = [outputs.json, outputs.sarif, outputs.junit, outputs.html]
-    return next((p for p in order if p and p not in written), "?")
-
-
-def _write(outputs: Outputs, data: ReportData, written: list[str]) -> None:
-    if outputs.json:
-        written.append(replay.write_atomic(outputs.json, data.doc()))
-    if outputs.sarif:
-        from kvaudit.reports.sarif import to_sarif
-
-        # one result per signature (the first report of each): code scanning tracks an alert by its
-        # fingerprint
-        unique: dict[str, Finding] = {}
-        for f in data.findings:
-            unique.setdefault(f.signature, f)
-        log = to_sarif(list(unique.values()), data.config)
-        written.append(replay.write_text_atomic(outputs.sarif, json.dumps(log, indent=2) + "\n"))
-    if outputs.junit:
-        from kvaudit.reports.junit import to_junit
-
-        clean = f"kvaudit {data.config.preset}: no findings"
-        written.append(replay.write_text_atomic(outputs.junit, to_junit(data.findings, data.config,
-                                                                         clean_case=clean)))
-    if outputs.html:
-        from kvaudit.reports.html_report import render_html
-
-        html = render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
-                           extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})
-        written.append(replay.write_text_atomic(outputs.html, html))

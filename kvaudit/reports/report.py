@@ -1,11 +1,10 @@
-"""Console reports with rich, in LeakSanitizer's manner but for KV slots.
-
-Findings are plain data (:class:`kvaudit.audit.findings.Finding`); this module only renders them.
-"""
+"""Console reports with rich, in LeakSanitizer's manner but for KV slots: findings are plain data, this
+module only renders them. Design notes: docs/internals/reports.md."""
 
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 from rich import box
 from rich.console import Console, Group
@@ -22,11 +21,11 @@ from kvaudit.audit.kinds import lookup
 from kvaudit.program import Op, format_op
 from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.reports.sarif import lifecycle_events, verdict_text
+from kvaudit.targets.registry import kind_of
 
 
 def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
-    """A titled stack, innermost frame first, each with its source line (see
-    :func:`kvaudit.audit.frames.resolve`); a frame that no longer matches the current source says so."""
+    """A titled stack, innermost frame first, each frame with its source line as it is now."""
     parts: list = [Text(title, style="bold")]
     for i, s in enumerate(sites):
         fr = resolve(s)
@@ -44,8 +43,8 @@ def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
 
 
 def _print(console: Console, renderable, plain: bool, soft_wrap: bool = False) -> None:
-    """Print ``renderable``; with ``plain``, as text with no control codes (even where the console
-    could style it: ``NO_COLOR`` keeps bold), no broken lines and no trailing blanks."""
+    """Print ``renderable``; with ``plain``, with no control codes (``NO_COLOR`` keeps bold), no broken
+    lines and no trailing blanks."""
     if not plain:
         console.print(renderable, soft_wrap=soft_wrap)
         return
@@ -56,37 +55,29 @@ def _print(console: Console, renderable, plain: bool, soft_wrap: bool = False) -
 
 
 def is_plain(console: Console) -> bool:
-    """Whether ``console`` gets plain lines (CI logs): not a terminal, ``TERM=dumb`` or ``NO_COLOR``.
-    Plain reports have no box frames and no control codes; each finding starts with its
-    ``==ERROR: kvaudit:`` line at column 0."""
+    """Whether ``console`` gets plain lines (CI logs: no frames, no control codes): not a terminal,
+    ``TERM=dumb`` or ``NO_COLOR``."""
     return not console.is_terminal or console.is_dumb_terminal or console.no_color
 
 
 def print_table(console: Console, table: Table, header: bool = False) -> None:
-    """``table`` as rich draws it on a terminal; on a plain console (:func:`is_plain`), its title,
-    with ``header`` its column names (for columns of bare numbers), one line per row, the cells joined
-    by two spaces and never folded, then its caption, so that a CI log has each row (a signature and
-    its replay file, a check and its result) whole on one line."""
+    """``table`` as rich draws it; on a plain console, its title, with ``header`` its column names, one
+    unfolded line per row (cells joined by two spaces), then its caption: each row whole in a CI log."""
     if not is_plain(console):
         console.print(table)
         return
-    if table.title:
-        console.print(f"{table.title}:", soft_wrap=True, markup=False, highlight=False)
-    if header:
-        console.print("  " + "  ".join(str(c.header) for c in table.columns), soft_wrap=True, markup=False,
-                      highlight=False)
-    columns = [list(c.cells) for c in table.columns]
-    for row in zip(*columns):
-        cells = [c.plain if isinstance(c, Text) else str(c) for c in row]
-        console.print("  " + "  ".join(cells), soft_wrap=True, markup=False, highlight=False)
-    if table.caption:
-        console.print(str(table.caption), soft_wrap=True, markup=False, highlight=False)
+    lines = [f"{table.title}:"] * bool(table.title)
+    lines += ["  " + "  ".join(str(c.header) for c in table.columns)] * header
+    for row in zip(*(c.cells for c in table.columns)):
+        lines.append("  " + "  ".join(c.plain if isinstance(c, Text) else str(c) for c in row))
+    for line in lines + [str(table.caption)] * bool(table.caption):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
                        program_title: str = "minimized program", plain: bool = False) -> Panel | Group:
-    """One finding: a red panel, or with ``plain`` the same lines unframed, starting at the
-    ``==ERROR: kvaudit:`` line (print it with ``soft_wrap=True`` so that no line is broken)."""
+    """One finding: a red panel, or with ``plain`` the same lines unframed from the ``==ERROR:
+    kvaudit:`` line (print it with ``soft_wrap=True``). Its stacks are its kind's ``console`` sections."""
     parts: list = [
         Text(f"==ERROR: kvaudit: {f.summary()}", style="bold red"),
         Text(f"signature: {f.signature}", style="yellow"),
@@ -96,7 +87,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         word, ids = f.listed()
         shown = ", ".join(map(str, ids[:16])) + (" ..." if len(ids) > 16 else "")
         parts.append(Text(f"{word}: [{shown}]"))
-    for part, title, more in lookup(f.kind).console(f):  # the kind's stacks (kvaudit.audit.kinds)
+    for part, title, more in lookup(f.kind).console(f):
         parts.append(_stack(title, more, plain) if part == "stack" else Text(title, style=more))
     if f.owner_history:
         parts.append(lifecycle_table(f, plain))
@@ -122,8 +113,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
 
 
 def lifecycle_table(f: Finding, plain: bool = False) -> Table:
-    """The first unit's timeline: its alloc (op, step, site, for whom), owner changes, the end of its
-    last owner, its frees, and for a leak the verdict "never freed"."""
+    """The first unit's timeline (:func:`kvaudit.reports.sarif.lifecycle_events`) as a table."""
     first = f.slots[0] if f.slots else "?"
     if f.unit in ("page", "block") and f.slots and f.num_units:
         first = f.slots[0] // (len(f.slots) // f.num_units)  # slots list whole pages
@@ -132,15 +122,15 @@ def lifecycle_table(f: Finding, plain: bool = False) -> Table:
     t.add_column("op", justify="right")
     t.add_column("step", justify="right")
     t.add_column("event")
-    for op, step, text, style in lifecycle_events(f):  # (the words the JUnit text and the pytest fixture use)
+    for op, step, text, style in lifecycle_events(f):
         t.add_row(op, step, Text(text, style=style))
     return t
 
 
 def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = None,
                  deduplicated: dict[str, int] | None = None) -> list[dict]:
-    """Per kind: distinct findings (by signature), suppressed findings and deduplicated reports
-    (further reports of a signature already counted), in :data:`KINDS` order."""
+    """Per kind, in :data:`KINDS` order: distinct findings (by signature), suppressed findings and
+    deduplicated reports (further reports of a signature already counted)."""
     suppressed, deduplicated = dict(suppressed or {}), dict(deduplicated or {})
     distinct: dict[str, set[str]] = {}
     for f in findings:
@@ -156,19 +146,15 @@ def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = No
 
 def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = None,
                  interrupted: bool = False) -> str:
-    """The closing line, in LeakSanitizer's manner and always one line, for ``grep '^SUMMARY:'``:
-    ``SUMMARY: kvaudit: 3 finding(s) (2 leak, 1 double-free) in 2 signature(s); 12 slot(s), 1 row(s)
-    involved.``, ``SUMMARY: kvaudit: no findings.`` (``no findings (interrupted).`` for a run cut
-    short), with ``; N suppressed`` when rules suppressed findings. Kinds in :data:`KINDS` order; rows
-    count ``req_to_token_pool`` rows, blocks a ``"blocks"`` pool's units (``, 2 block(s)`` when there are any),
-    slots everything else."""
+    """The closing line, always one, for ``grep '^SUMMARY:'``: ``SUMMARY: kvaudit: 3 finding(s) (2 leak,
+    1 double-free) in 2 signature(s); 12 slot(s), 1 row(s) involved.`` (``, 2 block(s)`` when a blocks
+    pool has any), or ``SUMMARY: kvaudit: no findings.`` (``(interrupted)`` for a run cut short), with
+    ``; N suppressed`` when rules suppressed findings."""
     n_suppressed = sum((suppressed or {}).values())
     tail = f"; {n_suppressed} suppressed" if n_suppressed else ""
     if not findings:
         return f"SUMMARY: kvaudit: no findings{' (interrupted)' if interrupted else ''}{tail}."
-    counts: dict[str, int] = {}
-    for f in findings:
-        counts[f.kind] = counts.get(f.kind, 0) + 1
+    counts = Counter(f.kind for f in findings)
     kinds = ", ".join(f"{counts[r['kind']]} {r['kind']}" for r in summary_rows(findings))
     slots = sum(len(f.slots) for f in findings if f.unit not in ("row", "block"))
     rows = sum(len(f.slots) for f in findings if f.unit == "row")
@@ -180,11 +166,8 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
 
 def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
     """Distinct signatures the rules suppressed, per finding kind."""
-    out: dict[str, int] = {}
-    for sig in (suppressions.suppressed_signatures() if suppressions is not None else ()):
-        kind = sig.split("/", 1)[0]
-        out[kind] = out.get(kind, 0) + 1
-    return out
+    sigs = suppressions.suppressed_signatures() if suppressions is not None else ()
+    return dict(Counter(sig.split("/", 1)[0] for sig in sigs))
 
 
 def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = None,
@@ -225,19 +208,17 @@ def suppressions_table(suppressions: SuppressionSet) -> Table:
 
 
 def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
-    """The "suppressions used" table and a line counting the rules that matched nothing."""
+    """The "suppressions used" table, and the rules that matched nothing."""
     plain = is_plain(console)
     if not len(suppressions):
         _print(console, Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
                            style="dim"), plain, soft_wrap=True)
         return
     table = suppressions_table(suppressions)
-    if plain:  # one line per rule, no frames (a CI log); the file in the title, not a caption line
+    if plain:  # the file in the title, not a caption line
         table.title = f"suppressions used ({suppressions.path})" if suppressions.path else table.title
         table.caption = None
-        print_table(console, table, header=True)
-    else:
-        console.print(table)
+    print_table(console, table, header=True)
     unused = suppressions.unused()
     if unused:
         _print(console, Text(f"{len(unused)} suppression(s) matched nothing: "
@@ -246,8 +227,7 @@ def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
 
 
 def header(config) -> str:
-    """The report's first line, as the config's target kind writes it (its registered ``header``)."""
-    from kvaudit.targets.registry import kind_of
+    """The report's first line, as the config's target kind writes it."""
     kind = kind_of(config)
     if kind.header is not None:
         return kind.header(config)
@@ -256,39 +236,33 @@ def header(config) -> str:
 
 
 def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[Op], list[Finding], str]],
-                suppressed: dict[str, int] | None = None, notes: tuple[str, ...] = ()) -> None:
-    """Like :func:`print_report` for several (program, findings, program title) cases of one config
-    (a campaign's report): every finding with its own program, one summary, the ``notes`` lines,
-    and the closing ``SUMMARY:`` line."""
+                suppressed: dict[str, int] | None = None, notes: tuple[str, ...] = (),
+                deduplicated: dict[str, int] | None = None, suppressions: SuppressionSet | None = None,
+                closing: bool = True) -> None:
+    """:func:`print_report` for several (program, findings, program title) cases of one config (a
+    campaign's report): every finding with its own program, one summary, the ``notes`` lines, the
+    closing line."""
     plain = is_plain(console)
     _print(console, Text(header(config), style="bold"), plain)
-    i = 0
-    for program, findings, title in cases:
-        for f in findings:
-            _print(console, finding_renderable(f, program, i, title, plain), plain)
-            i += 1
-    everything = [f for _, fs, _ in cases for f in fs]
-    _print(console, summary_table(everything, suppressed, plain=plain), plain)
+    everything = [(program, f, title) for program, findings, title in cases for f in findings]
+    for i, (program, f, title) in enumerate(everything):
+        _print(console, finding_renderable(f, program, i, title, plain), plain)
+    findings = [f for _, f, _ in everything]
+    _print(console, summary_table(findings, suppressed, deduplicated, plain=plain), plain)
+    if suppressions is not None:
+        print_suppressions(console, suppressions)
     for line in notes:
         _print(console, Text(line), plain, soft_wrap=True)
-    _print(console, Text(summary_line(everything, suppressed), style="bold"), plain, soft_wrap=True)
+    if closing:
+        _print(console, Text(summary_line(findings, suppressed), style="bold"), plain, soft_wrap=True)
 
 
 def print_report(console: Console, config: TargetConfig, program: list[Op], findings: list[Finding],
                  deduplicated: dict[str, int] | None = None, program_title: str = "minimized program",
                  suppressions: SuppressionSet | None = None, closing: bool = True) -> None:
-    """The report: a header, one panel per finding (plain lines off a terminal, see
-    :func:`is_plain`), the summary, with ``suppressions`` the suppressions used (``findings`` are
-    the unsuppressed ones), and the closing ``SUMMARY:`` line. ``closing`` False: no ``SUMMARY:`` line,
-    for one section of a run that reports several (a campaign, ``kvaudit ci``) and closes with one
-    line over them all (a run prints one ``SUMMARY:`` line, for ``grep '^SUMMARY:'``)."""
-    plain = is_plain(console)
-    _print(console, Text(header(config), style="bold"), plain)
-    for i, f in enumerate(findings):
-        _print(console, finding_renderable(f, program, i, program_title, plain), plain)
-    suppressed = suppressed_by_kind(suppressions)
-    _print(console, summary_table(findings, suppressed, deduplicated, plain=plain), plain)
-    if suppressions is not None:
-        print_suppressions(console, suppressions)
-    if closing:
-        _print(console, Text(summary_line(findings, suppressed), style="bold"), plain, soft_wrap=True)
+    """The report: a header, one panel per finding (plain lines off a terminal, see :func:`is_plain`),
+    the summary, the ``suppressions`` used (``findings`` are the unsuppressed ones), and the closing
+    ``SUMMARY:`` line unless ``closing`` is False (one section of a run that closes with one line over
+    them all: a run prints one ``SUMMARY:`` line)."""
+    print_cases(console, config, [(program, findings, program_title)], suppressed_by_kind(suppressions),
+                deduplicated=deduplicated, suppressions=suppressions, closing=closing)

@@ -1,39 +1,7 @@
-"""SARIF 2.1.0 output: findings as a static-analysis log that GitHub code scanning can ingest.
-
-:func:`to_sarif` returns the log as a plain ``dict`` (``json.dump`` it). Its shape, in the
-SARIF spec's own terms:
-
-* ``sarifLog`` with one ``run``; the run's ``tool.driver`` (a ``toolComponent``) carries one
-  ``reportingDescriptor`` (rule) per finding kind, in the order of :data:`kvaudit.audit.findings.KINDS`,
-  so that a ``result.ruleIndex`` means the same rule in every log this version writes.
-* One ``result`` per finding, deduplicated by nobody: the caller decides what to pass. Its
-  primary ``location`` is where the finding happened in the engine's source (see
-  :func:`primary_stack`), ``relatedLocations`` are the other frames, linked from the message
-  text with SARIF's embedded links (``[text](id)``, spec "Messages with embedded links"),
-  ``stacks`` hold every recorded stack in full (spec "stack object"/"stackFrame object"), and
-  ``partialFingerprints["kvauditSignature/v1"]`` is :attr:`Finding.signature`, which is what
-  code scanning then uses to track one alert across runs (spec "partialFingerprints property").
-  With a ``baseline`` (``kvaudit ci``: every open finding, new or already in the corpus), each
-  result says ``baselineState`` ``"new"`` or ``"unchanged"`` (spec "baselineState property").
-* File locations are ``artifactLocation`` objects whose ``uri`` is repo-relative (forward
-  slashes) with ``uriBaseId`` ``%SRCROOT%``, the convention GitHub resolves against the checkout.
-  The log does not give ``%SRCROOT%`` an ``originalUriBaseIds`` entry: that would write one
-  machine's checkout path into an otherwise portable, deterministic file (replay files avoid it
-  for the same reason).
-* A target that drives an installed engine (:func:`kvaudit.targets.engine_source`: real SGLang)
-  records the engine's frames as absolute paths of the recording machine. Those frames are
-  written relative to the directory the engine's package lies in (``sglang/srt/mem_cache/...``)
-  with ``uriBaseId`` ``%SGLANG_ROOT%``, described (without a path) in ``originalUriBaseIds``,
-  and a result is anchored at the engine's own frame, the innermost one in its package, before
-  any frame of kvaudit's driver. Results and the run name the engine and its version in
-  ``properties`` (``engine``, ``engineVersion``).
-
-A user's own engine outside kvaudit's directory (a plugin target) is recorded with absolute paths: a
-frame under the current directory, outside installed packages, is written relative to it with
-``%SRCROOT%`` (:func:`cwd_relative`; run kvaudit from the repository's root).
-Other frames outside the repository (an absolute path, as a crash in a library can have) appear in
-``stacks`` as absolute ``file://`` URIs, and pseudo-files such as ``<string>`` by function name
-only; neither is used as a result's location, since code scanning can show neither.
+"""SARIF 2.1.0 output: findings as a static-analysis log that GitHub code scanning can ingest
+(:func:`to_sarif`: one rule per finding kind, one result per finding, located at the engine's own
+frame, the signature as its fingerprint).
+Design notes: docs/internals/reports.md.
 """
 
 from __future__ import annotations
@@ -42,28 +10,23 @@ import inspect
 import os
 import posixpath
 import re
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 from urllib.parse import quote
 
-import kvaudit
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
 from kvaudit.audit.kinds import lookup
 from kvaudit.audit.frames import Frame, resolve
-from kvaudit.reports.ci_outputs import SARIF_SCHEMA, SARIF_VERSION
-
-if TYPE_CHECKING:
-    from kvaudit.targets import EngineSource
+from kvaudit.reports.ci_outputs import sarif_log
+from kvaudit.targets import EngineSource, engine_source
+from kvaudit.targets.registry import UnknownTargetError, get, kind_of
 
 SRCROOT = "%SRCROOT%"
 FINGERPRINT_KEY = "kvauditSignature/v1"
 MAX_SLOTS = 64  # slots (or rows) listed in a result's properties; the rest are counted
 BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec also has updated, absent)
 
-# ----------------------------------------------------------------------------- rules
 
 def _rule(kind: str) -> dict:
-    """The ``reportingDescriptor`` for ``kind``: its row of the finding kinds' table
-    (:func:`kvaudit.audit.kinds.lookup`: a generic one for a kind no row describes)."""
     row = lookup(kind)
     short, full = row.short, row.full
     markdown = (f"**{short}.**\n\n{full}\n\n"
@@ -89,28 +52,21 @@ def rules(extra_kinds: list[str] | tuple[str, ...] = ()) -> list[dict]:
     return [_rule(k) for k in kinds]
 
 
-# ----------------------------------------------------------------------------- stacks and locations
-
 def _labelled_stacks(f: Finding) -> list[tuple[str, str, list[Site]]]:
-    """``(field, label, frames)`` for each non-empty stack of ``f``, in reading order (its kind's
-    ``stacks`` and ``labels``, :mod:`kvaudit.audit.kinds`)."""
+    """``(field, label, frames)`` for each non-empty stack of ``f``, in its kind's reading order."""
     row = lookup(f.kind)
     return [(key, row.stack_label(key), list(getattr(f, key))) for key in row.stacks if getattr(f, key)]
 
 
 def finding_stacks(f: Finding) -> list[tuple[str, list[Site]]]:
-    """The finding's recorded stacks as ``(label, frames)``, innermost frame first, in reading
-    order, empty stacks left out. Labels say what the frames mean for this kind (a crash's
-    ``alloc_sites`` are where it was raised, a lock imbalance's where the lock was taken)."""
+    """The finding's recorded stacks as ``(label, frames)``, innermost frame first, in reading order,
+    empty stacks left out; a label says what the frames mean for this kind (a crash's: ``raised at``)."""
     return [(label, frames) for _, label, frames in _labelled_stacks(f)]
 
 
 def primary_stack(f: Finding) -> str | None:
-    """Which of the finding's stack fields holds its primary location: ``free_sites`` for a
-    double free (the second free is the bug) and a use-after-free (the free that came too early),
-    ``alloc_sites`` when there are any, else
-    ``read_sites`` (stale KV with no allocation recorded), else whichever stack exists; ``None``
-    for a finding with no stack (accounting drift, liveness, hang)."""
+    """Which stack field holds the finding's primary location: the first non-empty one of its kind's
+    ``primary`` (a double free's second free), else any stack; ``None`` for a finding with none."""
     order = lookup(f.kind).primary + ("free_sites", "prev_free_sites", "read_sites")
     return next((key for key in order if getattr(f, key)), None)
 
@@ -119,16 +75,13 @@ _WINDOWS_ABS = re.compile(r"^[A-Za-z]:[\\/]")
 
 
 def _norm(path: str) -> str:
-    """Forward slashes, with ``.`` and ``a/..`` folded (``a/../../x.py`` -> ``../x.py``)."""
     p = path.replace("\\", "/")
     return posixpath.normpath(p) if p and not p.startswith("<") else p
 
 
 def cwd_relative(path: str) -> str | None:
-    """An absolute ``path`` under the current directory, relative to it (forward slashes): a user's
-    own engine outside kvaudit's directory (a plugin target), with kvaudit run from the repository's
-    root as code scanning expects. None for a relative path, a path elsewhere, one inside an installed
-    package (``site-packages``, ``dist-packages``), or when the current directory is a filesystem root."""
+    """An absolute ``path`` under the current directory (a plugin's engine), relative to it; None for a
+    relative path, one elsewhere or in an installed package, or when the current directory is a root."""
     p = _norm(path)
     if not (p.startswith("/") or _WINDOWS_ABS.match(p)) or "/site-packages/" in p or "/dist-packages/" in p:
         return None
@@ -139,9 +92,8 @@ def cwd_relative(path: str) -> str | None:
 
 
 def in_repo(site: Site) -> bool:
-    """Whether code scanning can resolve ``site.file`` against the checkout: a repo-relative path (see
-    :func:`kvaudit.audit.findings.portable_path`), not a pseudo-file like ``<string>``, not ``../``; or
-    an absolute path under the current directory (:func:`cwd_relative`)."""
+    """Whether code scanning can resolve ``site.file`` against the checkout: a repo-relative path (not a
+    pseudo-file like ``<string>``, not ``../``) or one under the current directory."""
     p = _norm(site.file)
     if cwd_relative(p) is not None:
         return True
@@ -149,15 +101,12 @@ def in_repo(site: Site) -> bool:
 
 
 def engine_base_id(package: str) -> str:
-    """The ``uriBaseId`` of an installed engine's files: ``%SGLANG_ROOT%`` for ``sglang``."""
     return f"%{package.upper()}_ROOT%"
 
 
 def engine_path(path: str, package: str) -> str | None:
-    """``path`` relative to the directory holding ``package`` when it is an absolute path inside
-    that package (``/x/site-packages/sglang/srt/a.py`` -> ``sglang/srt/a.py``; the last
-    ``/<package>/`` in the path, so a source checkout's ``.../sglang/python/sglang/srt/a.py`` gives
-    the same); else None (a repo-relative path, another package, a pseudo-file)."""
+    """An absolute ``path`` inside ``package``, relative to the directory holding it (the last
+    ``/<package>/``: ``/x/site-packages/sglang/srt/a.py`` -> ``sglang/srt/a.py``); else None."""
     p = _norm(path)
     if not (p.startswith("/") or _WINDOWS_ABS.match(p)):
         return None
@@ -166,10 +115,8 @@ def engine_path(path: str, package: str) -> str | None:
 
 
 def artifact_location(path: str, engine: EngineSource | None = None) -> dict | None:
-    """``artifactLocation`` for a recorded path: repo-relative -> ``{"uri", "uriBaseId": "%SRCROOT%"}``;
-    inside ``engine``'s package -> relative to the directory holding it, with the engine's base id
-    (:func:`engine_path`); other absolute paths -> a ``file://`` URI; a pseudo-file (``<string>``)
-    -> ``None``."""
+    """``artifactLocation`` for a recorded path: under ``%SRCROOT%`` or the engine's base id, a
+    ``file://`` URI for another absolute path, ``None`` for a pseudo-file (``<string>``)."""
     rel = engine_path(path, engine.package) if engine is not None else None
     if rel is not None:
         return {"uri": quote(rel), "uriBaseId": engine_base_id(engine.package)}
@@ -187,18 +134,13 @@ def artifact_location(path: str, engine: EngineSource | None = None) -> dict | N
 
 
 def _addressable(site: Site, engine: EngineSource | None) -> bool:
-    """In the repository, or in the installed engine's package: a file a reader can open."""
     return in_repo(site) or (engine is not None and engine_path(site.file, engine.package) is not None)
 
 
 def _location(site: Site, message: str | None = None, loc_id: int | None = None,
               region_fallback: bool = False, engine: EngineSource | None = None) -> dict:
-    """A ``location`` object for a frame: physical (file, 1-based line and the line's text as the
-    region's ``snippet``, both from :func:`kvaudit.audit.frames.resolve`: where the recorded text is now,
-    with ``properties.frameNote`` when the frame no longer matches the current source) where the
-    file is addressable, and
-    always a logical location naming the function. ``region_fallback`` puts a
-    line 0 (unknown, as a traceback can give) on line 1 instead of leaving the region out."""
+    """A ``location``: physical where the file is addressable (the line as :func:`resolve` finds it
+    now), always logical; ``region_fallback`` puts an unknown line 0 on line 1."""
     loc: dict = {}
     if loc_id is not None:
         loc["id"] = loc_id
@@ -220,16 +162,9 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
 
 
 def _anchor(kind: str, target: str = "eut") -> Site:
-    """Where a finding without any usable frame is shown. Code scanning rejects a result without
-    a location, and these findings (accounting drift, liveness, hang, a crash with no frame in
-    the repository) are about the engine's state, not one line of it, so they are anchored on
-    the engine code that owns that state, as the target kind registers it (its ``anchor``: for the
-    built-in engine ``Scheduler.check_memory`` for accounting drift and lock imbalance, and
-    ``Scheduler.step`` for everything else). The line is looked up in the current source, so the
-    anchor follows edits; if that fails, or the kind registers none, line 1 of the file the kind's
-    config class is defined in. The result says so in its message and in
-    ``properties.locationIsFallback``."""
-    from kvaudit.targets.registry import UnknownTargetError, get
+    """Where a finding without a usable frame is shown (code scanning rejects a result without one):
+    the engine code that owns the state, as the target kind's ``anchor`` names it, else the kind's
+    config class."""
     try:
         k = get(target)
     except UnknownTargetError:
@@ -251,20 +186,14 @@ def _anchor(kind: str, target: str = "eut") -> Site:
     return Site(_norm(portable_path(inspect.getsourcefile(cls) or "")), line, cls.__name__)
 
 
-# ----------------------------------------------------------------------------- results
-
 def _escape(text: str) -> str:
-    """Free text for a plain-text SARIF message: literal square brackets are backslash-escaped so
-    that they are not read as embedded links (spec "Messages with embedded links"; SARIF
-    viewers unescape ``\\[``/``\\]`` for display). Lone surrogates, which no UTF-8 reader
-    accepts, are dropped."""
+    """Square brackets escaped, which would read as embedded links; lone surrogates dropped."""
     return re.sub(r"([\[\]])", r"\\\1", re.sub("[\ud800-\udfff]", "", text))
 
 
 def verdict_text(lines: list[str]) -> str:
-    """An engine check's recorded lines (``Finding.engine_check``, ``engine_check_at_idle``) as the text
-    after ``engine check_memory():``: ``ok``, or ``FAILED: `` and the failing lines (in words, off a
-    terminal too: the console's colour is not all that says so)."""
+    """An engine check's recorded lines (``Finding.engine_check``) as the text after ``engine
+    check_memory():``: ``ok``, or ``FAILED: `` and the failing lines."""
     if len(lines) == 1 and lines[0].endswith("ok"):
         return "ok"
     text = "; ".join(lines)
@@ -272,15 +201,13 @@ def verdict_text(lines: list[str]) -> str:
 
 
 def engine_verdict(f: Finding) -> str:
-    """The engine's own ``check_memory()`` verdict recorded with the finding, as one line
-    (``engine check_memory(): FAILED: [pool] available=... = 255 != total=256``)."""
+    """The engine's own ``check_memory()`` verdict, one line (``engine check_memory(): FAILED: ...``)."""
     return f"engine check_memory(): {verdict_text(f.engine_check)}"
 
 
 def lifecycle_events(f: Finding) -> list[tuple[str, str, str, str]]:
-    """The first unit's timeline as every report words it: ``(op, step, event, style)`` per owner
-    change or event (an owner that let go: ``X no longer holds it; no owner since``), then for a leak
-    ``never freed; last owner: X`` (op and step empty). ``style``: a rich style for the console, ""."""
+    """The first unit's timeline as every report words it: ``(op, step, event, rich style)`` per owner
+    change or event, then its kind's ``lifecycle_end`` (a leak's verdict, op and step empty)."""
     rows, owner = [], None
     for o in f.owner_history:
         style = ""
@@ -300,7 +227,7 @@ def lifecycle_events(f: Finding) -> list[tuple[str, str, str, str]]:
 
 
 def lifecycle(f: Finding) -> list[str]:
-    """The first unit's timeline (:func:`lifecycle_events`), one ``op N step M: event`` line each."""
+    """:func:`lifecycle_events`, one ``op N step M: event`` line each."""
     return [f"op {op} step {step}: {text}" if op else text for op, step, text, _ in lifecycle_events(f)]
 
 
@@ -314,9 +241,8 @@ def _units_line(f: Finding) -> str:
 
 def _primary(f: Finding, stacks: list, key: str | None, target: str,
              engine: EngineSource | None) -> tuple[Site, bool]:
-    """The result's location and whether it is the fallback anchor: the innermost frame of the primary
-    stack in the installed engine's package, else of any stack; then the same for frames in the
-    repository; else the kind's anchor (:func:`_anchor`)."""
+    """The result's location, and whether it is the fallback anchor: the first frame in the engine's
+    package, of the primary stack then any; then the same in the repository."""
     tests = ([lambda s: engine_path(s.file, engine.package) is not None] if engine is not None else []) + [in_repo]
     for test in tests:
         primary = next((s for s in (getattr(f, key) if key else []) if test(s)), None) or \
@@ -327,8 +253,7 @@ def _primary(f: Finding, stacks: list, key: str | None, target: str,
 
 
 def _related(stacks: list, primary: Site, key: str | None, engine: EngineSource | None) -> tuple[list, list]:
-    """``relatedLocations`` (every addressable frame but the primary, ids from 1) and the message's
-    embedded links to each other stack's innermost frame."""
+    """``relatedLocations`` (every addressable frame but the primary) and the message's embedded links."""
     related: list[dict] = []
     links: list[str] = []
     for k, label, frames in stacks:
@@ -343,7 +268,6 @@ def _related(stacks: list, primary: Site, key: str | None, engine: EngineSource 
 
 
 def _message(f: Finding, links: list[str], primary: Site, fallback: bool) -> str:
-    """The result's message text: the summary, when it was detected, the units, the links."""
     summary = f.summary()
     lines = [_escape(summary)]
     detail = f": {f.message}" if f.message and f.message not in summary else ""
@@ -364,8 +288,6 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool) -> str
 
 
 def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict:
-    """The result's ``properties``: the finding's data (units capped at :data:`MAX_SLOTS`), its kind's
-    extra properties, and the engine it was found in."""
     props: dict = {"signature": f.signature, "pool": f.pool, "unit": f.unit, "slots": list(f.slots[:MAX_SLOTS]),
                    "slotsTotal": len(f.slots), "num_units": f.num_units, "op_index": f.op_index, "step": f.step,
                    "engine_check": list(f.engine_check)}
@@ -379,16 +301,18 @@ def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict
             r'File "([^"]+)"', lambda m: f'File "{engine_path(m[1], engine.package) or m[1]}"', f.traceback)
     if fallback:
         props["locationIsFallback"] = True
-    if engine is not None:
-        props["engine"] = engine.package
-        if engine.version:  # not installed here (a report rendered from a file): no version to claim
-            props["engineVersion"] = engine.version
-    return props
+    return props | _engine_props(engine)
+
+
+def _engine_props(engine: EngineSource | None) -> dict:
+    if engine is None:
+        return {}
+    # NOTE: no version when the engine is not installed here (a report rendered from a file)
+    return {"engine": engine.package} | ({"engineVersion": engine.version} if engine.version else {})
 
 
 def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
             engine: EngineSource | None = None) -> dict:
-    """One ``result`` (module docstring): located at :func:`_primary`, the other frames related."""
     stacks = _labelled_stacks(f)
     key = primary_stack(f)
     primary_label = next((label for k, label, _ in stacks if k == key), None)
@@ -414,9 +338,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
 
 
 def _kind_name(config) -> str:
-    """The registered kind ``config`` belongs to (a plugin's config need not have a ``target`` field);
-    ``eut`` for None or a config no kind takes."""
-    from kvaudit.targets.registry import UnknownTargetError, kind_of
+    """The registered kind of ``config`` (a plugin's has no ``target`` field); ``eut`` for None."""
     if config is None:
         return "eut"
     try:
@@ -426,34 +348,24 @@ def _kind_name(config) -> str:
 
 
 def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] | None = None) -> dict:
-    """A SARIF 2.1.0 log (a JSON-ready ``dict``) with one run holding one result per finding, in
-    order. ``config`` (a target kind's config), when
-    given, goes into the run's ``properties`` (``preset``, ``bugs``, ``model``, ``page_size`` and
-    the full config as ``engineConfig``; ``engine`` and ``engineVersion`` for an installed engine),
-    so that an uploaded log says what was audited; its ``target`` decides how engine frames are
-    written (see the module doc). ``baseline`` maps a signature to the result's
-    ``baselineState`` (one of :data:`BASELINE_STATES`); findings it does not name get none.
-    Raises ValueError for a state outside :data:`BASELINE_STATES`."""
+    """A SARIF 2.1.0 log (a JSON-ready ``dict``), one result per finding in order. ``config`` (a target
+    kind's config) goes into the run's ``properties`` and decides how engine frames are written;
+    ``baseline`` maps a signature to its result's ``baselineState``. Raises ValueError for a state
+    outside :data:`BASELINE_STATES`."""
     rule_list = rules([f.kind for f in findings])
     index = {r["id"]: i for i, r in enumerate(rule_list)}
-    from kvaudit.targets import engine_source
-
     target = _kind_name(config)
     engine = engine_source(target)
     results = []
     for f in findings:
-        r = _result(f, index[f.kind], rule_list[index[f.kind]]["defaultConfiguration"]["level"], target, engine)
+        r = _result(f, index[f.kind], lookup(f.kind).level, target, engine)
         state = (baseline or {}).get(f.signature)
         if state is not None:
             if state not in BASELINE_STATES:
                 raise ValueError(f"baselineState {state!r} (valid: {', '.join(BASELINE_STATES)})")
             r["baselineState"] = state
         results.append(r)
-    run: dict = {
-        "tool": {"driver": {"name": "kvaudit", "version": kvaudit.__version__,
-                            "semanticVersion": kvaudit.__version__, "rules": rule_list}},
-        "results": results,
-    }
+    run: dict = {}
     if engine is not None:
         where = (f"The directory the installed {engine.package} package lies in (its site-packages), "
                  f"so that {engine.package}/... is a file of {engine.package} "
@@ -462,9 +374,6 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
     if config is not None:
         d = config.to_dict()
         run["properties"] = {"preset": getattr(config, "preset", d.get("preset")), "bugs": sorted(d.get("bugs", [])),
-                             "model": d.get("model"), "page_size": d.get("page_size"), "engineConfig": d}
-        if engine is not None:
-            run["properties"]["engine"] = engine.package
-            if engine.version:
-                run["properties"]["engineVersion"] = engine.version
-    return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION, "runs": [run]}
+                             "model": d.get("model"), "page_size": d.get("page_size"), "engineConfig": d,
+                             **_engine_props(engine)}
+    return sarif_log(rule_list, results, **run)

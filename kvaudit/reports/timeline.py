@@ -1,14 +1,6 @@
-"""Pool occupancy over a program's scheduler steps: the data behind the HTML report's plot.
-
-Each sample splits one pool into the terms of SGLang's accounting identity (``available``,
-``evictable``, ``protected`` and ``session_held`` as the engine counts them, ``uncached`` from
-kvaudit's own marks of live requests) plus ``leaked``: units the ledger holds as allocated that no
-root reaches. Units are tokens for KV pools and rows for ``req_to_token_pool``. A pool the engine keeps
-no counters for (HiSparse buffers, session records) takes ``available`` from the ledger and
-``session_held`` from the session slots' roots. When the identity
-holds and nothing leaks, the six terms add up to ``total``; a gap or an excess is accounting drift.
-
-The timeline is plain data (lists of ints), kept in the replay/report JSON under ``"timeline"``.
+"""Pool occupancy over a program's scheduler steps, split into the terms of SGLang's accounting identity
+plus leaked units: the data behind the HTML report's plot, kept as plain lists in the report JSON.
+Design notes: docs/internals/reports.md.
 """
 
 from __future__ import annotations
@@ -20,6 +12,7 @@ import numpy as np
 from kvaudit.config import TargetConfig
 from kvaudit.program import Op, Step
 from kvaudit.audit.runner import AuditedRun
+from kvaudit.targets.base import Accounting
 
 SERIES = ("available", "evictable", "protected", "session_held", "uncached", "leaked")
 MAX_SAMPLED_STEPS = 20_000  # steps sampled at most (a program of step(n=10000) ops runs on unsampled)
@@ -27,7 +20,8 @@ MAX_POINTS = 1_000  # samples kept: more are thinned evenly (the first, last and
 
 
 def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
-    """``{pool: {term: count, ..., "total": n}}`` for the run's current state (see module doc)."""
+    """``{pool: {term: count, ..., "total": n}}`` for the run's current state, in tokens (rows for
+    ``req_to_token_pool``); a pool with no engine counters takes them from the ledger and the roots."""
     auditor, target = run.auditor, run.target
     acc = target.accounting()
     roots: dict[str, list] = {name: [] for name in auditor.ledgers}
@@ -38,7 +32,7 @@ def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
         n, ps = led.allocated.size, led.spec.page_size
         referenced = np.zeros(n, dtype=bool)
         owned = np.zeros(n, dtype=bool)
-        held = np.zeros(n, dtype=bool)  # by session slots: the pool's session_held when the engine has no counter
+        held = np.zeros(n, dtype=bool)  # by session slots
         for root in roots[pool]:
             referenced[root.units] = True
             if root.private and root.role == "req":
@@ -46,35 +40,24 @@ def occupancy(run: AuditedRun) -> dict[str, dict[str, int]]:
             elif root.private and root.role == "session":
                 held[root.units] = True
         referenced[0] = owned[0] = held[0] = False
-        leaked = int(np.count_nonzero(led.allocated[1:] & ~referenced[1:])) * ps
         a = acc.get(pool)
-        free = (n - 1 - int(np.count_nonzero(led.allocated[1:]))) * ps
-        out[pool] = {
-            "available": a.available if a is not None else free,
-            "evictable": a.evictable if a is not None else 0,
-            "protected": a.protected if a is not None else 0,
-            "session_held": a.session_held if a is not None else int(np.count_nonzero(held)) * ps,
-            "uncached": int(np.count_nonzero(owned)) * ps,
-            "leaked": leaked,
-            "total": a.total if a is not None else (n - 1) * ps,
-        }
+        if a is None:  # no engine counters: the ledger's free units, the session slots' held ones
+            a = Accounting((n - 1 - int(np.count_nonzero(led.allocated[1:]))) * ps, 0, 0,
+                           int(np.count_nonzero(held)) * ps, (n - 1) * ps)
+        out[pool] = {"available": a.available, "evictable": a.evictable, "protected": a.protected,
+                     "session_held": a.session_held, "uncached": int(np.count_nonzero(owned)) * ps,
+                     "leaked": int(np.count_nonzero(led.allocated[1:] & ~referenced[1:])) * ps, "total": a.total}
     return out
 
 
 def record(config: TargetConfig, program: list[Op], suppressions=None, drain_steps: int = 8,
            findings: list | None = None, on_op=None) -> dict:
-    """Run ``program`` from a fresh engine with every oracle on and sample :func:`occupancy` before
-    the first step and after every scheduler step. The whole program runs (past the first finding),
-    then up to ``drain_steps`` more steps (at least one), so the plot shows what the leak does next.
-    At most :data:`MAX_SAMPLED_STEPS` steps are sampled and :data:`MAX_POINTS` samples kept (thinned
-    evenly, keeping the first, the last and the detection step).
-
-    Returns ``{"steps": [k] int, "ops": [k] int (the op each step ran in, -1 before any),
-    "pools": {pool: {"unit": "tokens"|"rows", "total": int, "series": {term: [k] int}}},
-    "detected": {"step", "op_index", "kind", "pool"} or None, "program_end_step": int}``.
-    ``findings``: a list that receives every finding of the run (full stacks), so that one replay
-    serves both the report and the plot (a hang's replay costs the watchdog's step limit).
-    ``on_op(ops run, scheduler steps)`` is called after each op of ``program`` (a long replay's progress).
+    """Run ``program`` from a fresh engine with every oracle on, sampling :func:`occupancy` before the
+    first step and after every scheduler step: the whole program, then up to ``drain_steps`` more
+    steps (at least one). Returns ``{"steps": [k] int, "ops": [k] int (-1 before any op), "pools":
+    {pool: {"unit": "tokens"|"rows", "total": int, "series": {term: [k] int}}}, "detected": {"step",
+    "op_index", "kind", "pool"} or None, "program_end_step": int}``. ``findings`` receives the run's
+    findings (one replay serves the report and the plot); ``on_op(ops run, steps)`` runs after each op.
     """
     steps: list[int] = []
     ops: list[int] = []
@@ -124,10 +107,9 @@ def record(config: TargetConfig, program: list[Op], suppressions=None, drain_ste
 
 
 def is_valid(t) -> bool:
-    """Whether ``t`` (read from a file) is a timeline the HTML plot can draw: at most
-    :data:`MAX_POINTS` samples, equal-length lists of integer counts below 2**53 in magnitude (steps
-    non-negative; a series may go negative, as ``session_held`` does when a bug releases a hold twice),
-    1 to 32 named pools (letters, digits, ``_.-``) with a unit and every term of :data:`SERIES`."""
+    """Whether ``t`` (read from a file) is a timeline the HTML plot can draw: at most :data:`MAX_POINTS`
+    samples, equal-length lists of integers below 2**53 in magnitude (steps non-negative), 1 to 32
+    named pools with a unit and every term of :data:`SERIES`."""
     def counts(v, low: int = 0) -> bool:
         return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and low <= x < 2**53
                                            for x in v)
