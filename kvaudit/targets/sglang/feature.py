@@ -18,7 +18,8 @@ class SglangFeature:
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, config):
-        """SGLang's objects for ``config`` (``boot.build``'s result) when this mode builds them; None: not."""
+        """SGLang's objects for ``config`` (``boot.build``'s result) when this mode builds them (at most one
+        feature of a target does); None: ``boot.build`` does."""
         return None
 
     def pools(self, pools: list) -> list:

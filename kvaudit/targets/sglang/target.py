@@ -52,7 +52,9 @@ class SglangTarget(SglangDriver, SglangObserver):
         assert len(loops) <= 1, loops
         self.loop = loops[0] if loops else None
         self._chunked_abort = False  # inside process_pending_chunked_abort: no feature's release()
-        o = next((o for o in (f.build(config) for f in self.features) if o is not None), None) or build(config)
+        built = [o for o in (f.build(config) for f in self.features) if o is not None]
+        assert len(built) <= 1, "two features built SGLang's objects"
+        o = built[0] if built else build(config)
         self.allocator, self.req_to_token_pool, self.tree_cache = o.allocator, o.req_to_token_pool, o.tree_cache
         self.model_config, self.tree_core = o.model_config, o.tree_core
         # Scheduler.grammar_manager (a PD decode server's stand-in has its own)
