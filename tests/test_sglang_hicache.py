@@ -34,6 +34,11 @@ pytestmark = pytest.mark.sglang
 HOST = "hicache_host_pool"
 
 
+
+def hc(target):
+    """The target's hicache feature."""
+    return target.feature("hicache")
+
 def cfg(core="rust", **kw):
     return SGLANG_PRESETS["sglang-hicache"].config(tree_core=core, **kw)
 
@@ -41,7 +46,7 @@ def cfg(core="rust", **kw):
 def state(t):
     c = t.tree_cache
     return dict(avail=t.allocator.available_size(), evictable=c.evictable_size(), protected=c.protected_size(),
-                host_avail=t.host_group.available_size(), wt=len(c.ongoing_write_through),
+                host_avail=hc(t).host_group.available_size(), wt=len(c.ongoing_write_through),
                 lb=len(c.ongoing_load_back))
 
 
@@ -86,15 +91,15 @@ def test_objects_come_from_sglangs_factory(core):
     with AuditedRun(cfg(core)) as run:
         t = run.target
         c = t.tree_cache
-        assert type(t).__name__ == "SglangHiCacheTarget"
+        assert type(t).__name__ == "SglangTarget" and [type(f).__name__ for f in t.features] == ["HiCache"]
         assert type(c).__name__ == "UnifiedRadixCache" and type(c).__module__.startswith("sglang.")
-        assert type(t.cache_controller).__name__ == "HybridCacheController"
-        assert type(t.host_group).__name__ == "HostPoolGroup"
-        assert type(t.host_pool).__name__ == "MHATokenToKVPoolHost"
-        assert t.host_pool.size == 2 * 128 + 4  # hicache_ratio 2, one page more
+        assert type(hc(t).cache_controller).__name__ == "HybridCacheController"
+        assert type(hc(t).host_group).__name__ == "HostPoolGroup"
+        assert type(hc(t).host_pool).__name__ == "MHATokenToKVPoolHost"
+        assert hc(t).host_pool.size == 2 * 128 + 4  # hicache_ratio 2, one page more
         assert (c.write_through_threshold, c.is_write_back) == (1, False)
         assert [p.name for p in t.pools()] == ["token_to_kv_pool", "req_to_token_pool", HOST]
-        assert [s.split()[0] for s in t.shims] == ["S1", "H2", "H3", "H4"]
+        assert [s.split()[0] for s in hc(t).shims] == ["S1", "H2", "H3", "H4"]
 
 
 # -- 7.2 HiCache events ----------------------------------------------------------------------------
@@ -111,7 +116,7 @@ def test_write_through_holds_its_lock_until_the_ack(core, ack):
     assert trace[0] == dict(avail=88, evictable=0, protected=40, host_avail=220, wt=1, lb=0)
     assert trace[ack - 1]["wt"] == 1 and trace[ack - 1]["protected"] == 40
     assert trace[ack] == dict(avail=88, evictable=40, protected=0, host_avail=220, wt=0, lb=0)
-    assert t.hicache_log == [("d2h", 1, 40)]
+    assert hc(t).hicache_log == [("d2h", 1, 40)]
     assert run.apply(Idle()) == []
     run.close()
 
@@ -125,7 +130,7 @@ def test_flush_is_refused_while_a_write_through_is_in_flight(core):
         assert not t.is_idle() and t.flushed() == 0 and len(t.tree_cache.ongoing_write_through) == 1
         for op in [Idle(), FlushCache(), Idle()]:
             assert run.apply(op) == []
-        assert t.flushed() == 1 and state(t)["host_avail"] == t.host_pool.size
+        assert t.flushed() == 1 and state(t)["host_avail"] == hc(t).host_pool.size
 
 
 @pytest.mark.parametrize("page", [1, 4])
@@ -144,21 +149,21 @@ def test_demote_to_host_then_load_back_and_its_ack(core, page):
     prompt = prompt_tokens(0, 40, t.config.vocab_size)  # Submit(0, 40, ...)'s prompt
     c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))  # demote: written through, so host-only now
     kv._get_key_buffer(0)[:] = 0.0  # the device copy is gone
-    assert state(t) == dict(avail=128, evictable=0, protected=0, host_avail=t.host_pool.size - 40, wt=0, lb=0)
+    assert state(t) == dict(avail=128, evictable=0, protected=0, host_avail=hc(t).host_pool.size - 40, wt=0, lb=0)
     t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
     trace = []
     steps(run, 1, trace)
     req = next(r for r in t.running if r.rid == "r1")
     assert req.host_hit_length == 40 and req.host_loaded_length == 40  # all of it loaded back
     assert trace[0]["lb"] == 1 and trace[0]["protected"] >= 40  # loaded slots locked until the ack
-    h2d = [e for e in t.hicache_log if e[0] == "h2d"]
-    assert h2d == [("h2d", t.steps, 40)] and ("load_ready", t.steps, 0) in t.hicache_log
+    h2d = [e for e in hc(t).hicache_log if e[0] == "h2d"]
+    assert h2d == [("h2d", t.steps, 40)] and ("load_ready", t.steps, 0) in hc(t).hicache_log
     row = t.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :40].to(torch.int64)
     assert bool((kv._get_key_buffer(0)[row] == 7.0).all())  # device slots reallocated, content loaded back
     steps(run, ack, trace)
     assert trace[ack]["lb"] == 0  # load ack: device and host locks released
     assert run.apply(Idle()) == [] and state(t)["protected"] == 0
-    assert all(v == 0 for v in t.host_lock_net.values())
+    assert all(v == 0 for v in hc(t).host_lock_net.values())
     run.close()
 
 
@@ -183,11 +188,11 @@ def test_host_eviction_pressure(core):
             for op in [Submit(i, 60, 1), Idle()]:
                 assert run.apply(op) == []
             c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
-            host_seen.append(t.host_group.available_size())
+            host_seen.append(hc(t).host_group.available_size())
         assert min(host_seen) < 60 and calls and all(out > 0 for _, out in calls)  # backups evicted host leaves
         before = len(calls)
         assert run.apply(MemoryPressure()) == []
-        assert len(calls) == before + 1 and t.host_group.available_size() >= t.host_pool.size // 2
+        assert len(calls) == before + 1 and hc(t).host_group.available_size() >= hc(t).host_pool.size // 2
         assert run.apply(Idle()) == []
 
 
@@ -197,9 +202,10 @@ def test_write_back_backs_up_only_on_eviction(core):
         t, c = run.target, run.target.tree_cache
         for op in [Submit(0, 40, 1), Idle()]:
             assert run.apply(op) == []
-        assert c.is_write_back and t.hicache_log == [] and state(t)["host_avail"] == t.host_pool.size
+        assert c.is_write_back and hc(t).hicache_log == [] and state(t)["host_avail"] == hc(t).host_pool.size
         assert run.apply(MemoryPressure()) == []  # eviction backs up the leaf, then demotes it
-        assert [e[0] for e in t.hicache_log] == ["d2h"] and t.host_group.available_size() == t.host_pool.size - 40
+        assert [e[0] for e in hc(t).hicache_log] == ["d2h"]
+        assert hc(t).host_group.available_size() == hc(t).host_pool.size - 40
         assert state(t)["avail"] == 128
         assert run.apply(Idle()) == []
 
@@ -211,10 +217,10 @@ def test_write_through_selective_backs_up_on_the_second_hit(core):
         assert c.write_through_threshold == 2
         for op in [Submit(0, 40, 1), Idle()]:
             assert run.apply(op) == []
-        assert t.hicache_log == []
+        assert hc(t).hicache_log == []
         for op in [Submit(0, 40, 1), Idle()]:
             assert run.apply(op) == []
-        assert [e[0] for e in t.hicache_log] == ["d2h"] and t.host_group.available_size() < t.host_pool.size
+        assert [e[0] for e in hc(t).hicache_log] == ["d2h"] and hc(t).host_group.available_size() < hc(t).host_pool.size
 
 
 SEQUENCES = {
@@ -254,7 +260,7 @@ def test_a_lost_host_free_is_a_host_pool_leak():
         for op in [Submit(0, 40, 1), Idle()]:
             assert run.apply(op) == []
         c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
-        c.evict_host(t.host_pool.size)
+        c.evict_host(hc(t).host_pool.size)
         findings = run.apply(Step(1))
         assert dropped and list(dropped[0].values()) == [40]
         assert [(f.kind, f.pool) for f in findings] == [("leak", HOST)]
@@ -268,9 +274,9 @@ def test_the_rust_core_audits_the_host_pool_by_ledger_and_free_list():
         t = run.target
         for op in [Submit(0, 40, 1), Idle()]:
             assert run.apply(op) == []
-        assert t.tree_host_values() is None and len(t._host_live) == 10  # 40 tokens, page 4
-        hp = t.host_pool
-        u = min(t._host_live)  # a host page the tree holds, freed behind the wrappers' back
+        assert hc(t).tree_host_values() is None and len(hc(t)._host_live) == 10  # 40 tokens, page 4
+        hp = hc(t).host_pool
+        u = min(hc(t)._host_live)  # a host page the tree holds, freed behind the wrappers' back
         type(hp).free(hp, torch.arange((u - 1) * 4, u * 4, dtype=torch.int64))
         findings = run.apply(Step(1))
         assert [(f.kind, f.pool) for f in findings] == [("accounting-drift", HOST)]
@@ -336,12 +342,13 @@ def backed_up_then_evicted(run):
     kv._get_key_buffer(0)[:] = 7.0
     for op in [Submit(0, 40, 1), Idle()]:
         assert run.apply(op) == []
-    assert [e[2] for e in t.storage_log if e[0] == "backup"] == [40] and len(os.listdir(t.storage_dir.name)) == 10
+    assert [e[2] for e in hc(t).storage_log if e[0] == "backup"] == [40]
+    assert len(os.listdir(hc(t).storage_dir.name)) == 10
     c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
-    c.evict_host(t.host_pool.size)
+    c.evict_host(hc(t).host_pool.size)
     kv._get_key_buffer(0)[:] = 0.0
-    t.host_pool.kv_buffer[:] = 0
-    assert state(t) == dict(avail=128, evictable=0, protected=0, host_avail=t.host_pool.size, wt=0, lb=0)
+    hc(t).host_pool.kv_buffer[:] = 0
+    assert state(t) == dict(avail=128, evictable=0, protected=0, host_avail=hc(t).host_pool.size, wt=0, lb=0)
     return prompt_tokens(0, 40, t.config.vocab_size)
 
 
@@ -357,20 +364,20 @@ def test_a_prefix_evicted_from_device_and_host_is_prefetched_from_storage(core):
     t, c = run.target, run.target.tree_cache
     prompt = backed_up_then_evicted(run)
     t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
-    assert t.storage_log[-1] == ("prefetch", 4, "r1", 44) and c.ongoing_prefetch
+    assert hc(t).storage_log[-1] == ("prefetch", 4, "r1", 44) and c.ongoing_prefetch
     steps(run, 1)
-    assert t.storage_log[-1] == ("query", 5, "r1", 40) and not t.running  # waiting for its prefetch
-    assert [o for o, _ in t.storage_host_slots()] == ["prefetch:r1"]
-    assert t.host_group.available_size() == t.host_pool.size - 40
+    assert hc(t).storage_log[-1] == ("query", 5, "r1", 40) and not t.running  # waiting for its prefetch
+    assert [o for o, _ in hc(t).storage_host_slots()] == ["prefetch:r1"]
+    assert hc(t).host_group.available_size() == hc(t).host_pool.size - 40
     steps(run, 1)
-    assert t.storage_log[-2:] == [("transfer", 6, "r1", 40), ("loaded", 6, "r1", 40)]
+    assert hc(t).storage_log[-2:] == [("transfer", 6, "r1", 40), ("loaded", 6, "r1", 40)]
     (req,) = t.running
     assert (req.rid, req.storage_hit_length, req.host_hit_length) == ("r1", 40, 40)  # reused, not recomputed
-    assert not c.ongoing_prefetch and t.storage_host_slots() == []
+    assert not c.ongoing_prefetch and hc(t).storage_host_slots() == []
     kv = t.allocator.get_kvcache()
     row = t.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :40].to(torch.int64)
     assert bool((kv._get_key_buffer(0)[row] == 7.0).all())  # storage -> host -> device, intact
-    assert run.apply(Idle()) == [] and all(v == 0 for v in t.host_lock_net.values())
+    assert run.apply(Idle()) == [] and all(v == 0 for v in hc(t).host_lock_net.values())
     run.close()
 
 
@@ -393,15 +400,15 @@ def test_an_abort_while_the_prefetch_is_in_flight_returns_its_host_buffers(core)
     c.finish = lambda h, outcome: (finished.append((h.rid, outcome.name)), real_finish(h, outcome))
     assert run.apply(Abort(0)) == []
     assert finished == [("r1", "ABORT")] and not c.ongoing_prefetch and not t.waiting
-    assert [(o, s.numel()) for o, s in t.storage_host_slots()] == [("prefetch:r1", 40)]  # the queued operation's
+    assert [(o, s.numel()) for o, s in hc(t).storage_host_slots()] == [("prefetch:r1", 40)]  # the queued operation's
     owners = []
     for _ in range(5):
         steps(run, 1)
-        owners.append([o for o, _ in t.storage_host_slots()])
+        owners.append([o for o, _ in hc(t).storage_host_slots()])
     # the transfer is due 3 steps after the query: it reads nothing (terminated), its ack queues the release
     assert owners == [["prefetch:r1"], ["prefetch:r1"], ["host_mem_release_queue"], [], []]
-    assert not any(e[0] == "transfer" for e in t.storage_log)
-    assert run.apply(Idle()) == [] and t.host_group.available_size() == t.host_pool.size
+    assert not any(e[0] == "transfer" for e in hc(t).storage_log)
+    assert run.apply(Idle()) == [] and hc(t).host_group.available_size() == hc(t).host_pool.size
     assert state(t)["avail"] == 128
     run.close()
 
@@ -417,7 +424,7 @@ def test_a_dropped_prefetch_release_is_a_host_pool_leak():
     t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
     steps(run, 3)
     assert run.apply(Abort(0)) == []
-    cc, dropped = t.cache_controller, []
+    cc, dropped = hc(t).cache_controller, []
     release = cc.append_host_mem_release
 
     def dropping(host_indices=None, extra_pools=None):
@@ -455,10 +462,10 @@ def test_best_effort_admission_ends_a_running_prefetch(core):
     steps(run, 1)
     (req,) = t.running
     assert (req.rid, req.storage_hit_length, req.host_hit_length) == ("r2", 0, 0)
-    assert not any(e[0] == "h2d" for e in t.hicache_log)  # nothing loaded back: all 48 tokens prefilled
-    assert not c.ongoing_prefetch and [(o, s.numel()) for o, s in t.storage_host_slots()] == [("prefetch:r2", 40)]
-    assert run.apply(Idle()) == [] and not any(e[0] in ("transfer", "loaded") for e in t.storage_log)
-    assert t.storage_host_slots() == []
+    assert not any(e[0] == "h2d" for e in hc(t).hicache_log)  # nothing loaded back: all 48 tokens prefilled
+    assert not c.ongoing_prefetch and [(o, s.numel()) for o, s in hc(t).storage_host_slots()] == [("prefetch:r2", 40)]
+    assert run.apply(Idle()) == [] and not any(e[0] in ("transfer", "loaded") for e in hc(t).storage_log)
+    assert hc(t).storage_host_slots() == []
     run.close()
 
 
@@ -477,9 +484,10 @@ def test_a_match_lost_while_queued_is_queried_again_from_storage(core):
     (req,) = t.waiting
     assert req.storage_prefetch_last_match_len == 40 and not c.ongoing_prefetch  # 4 new tokens: below threshold
     c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))
-    c.evict_host(t.host_pool.size)
+    c.evict_host(hc(t).host_pool.size)
     assert run.apply(Idle()) == []
-    assert req.storage_prefetch_retry_attempts == 1 and ("loaded", req.kvaudit_forward_at, "r2", 40) in t.storage_log
+    assert req.storage_prefetch_retry_attempts == 1
+    assert ("loaded", req.kvaudit_forward_at, "r2", 40) in hc(t).storage_log
     run.close()
 
 
@@ -489,14 +497,14 @@ def test_the_storage_threads_never_start():
     before = threading.active_count()
     with AuditedRun(l3()) as run:
         t = run.target
-        cc = t.cache_controller
+        cc = hc(t).cache_controller
         for op in [Submit(0, 40, 2), Idle(), FlushCache(), Submit(0, 40, 2), Idle()]:
             assert run.apply(op) == []
-        assert t.flushed() == 1 and ("loaded", 6, "r1", 36) in t.storage_log  # after the flush, from storage
+        assert t.flushed() == 1 and ("loaded", 6, "r1", 36) in hc(t).storage_log  # after the flush, from storage
         threads = [cc.prefetch_thread, cc.prefetch_io_aux_thread, cc.prefetch_sync_thread, cc.backup_thread]
         assert {type(th).__name__ for th in threads} == {"_ParkedThread"} and not any(th.is_alive() for th in threads)
         assert threading.active_count() == before
-        assert [s.split()[0] for s in t.shims] == ["S1", "H5", "H2", "H3", "H4", "H6", "H7"]
+        assert [s.split()[0] for s in hc(t).shims] == ["S1", "H5", "H2", "H3", "H4", "H6", "H7"]
 
 
 L3_PROGRAM = [Submit(0, 40, 2), Submit(1, 36, 3), Idle(), MemoryPressure(), Submit(2, 60, 2), Submit(3, 60, 2), Idle(),
@@ -514,7 +522,7 @@ def test_a_replay_is_identical(core):
             for op in L3_PROGRAM:
                 assert run.apply(op) == []
             t = run.target
-            runs.append((run.auditor.digest(), list(t.storage_log), list(t.hicache_log), t.steps))
+            runs.append((run.auditor.digest(), list(hc(t).storage_log), list(hc(t).hicache_log), t.steps))
     assert runs[0] == runs[1]
     assert sum(e[3] for e in runs[0][1] if e[0] == "loaded") > 0
 
@@ -527,7 +535,7 @@ def test_the_storage_directory_goes_with_the_target():
         with AuditedRun(l3()) as run:
             for op in [Submit(0, 40, 1), Idle()]:
                 assert run.apply(op) == []
-            dirs.append(run.target.storage_dir.name)
+            dirs.append(hc(run.target).storage_dir.name)
             assert os.listdir(dirs[-1])
         del run
     gc.collect()

@@ -25,6 +25,11 @@ HOST = "hisparse_host_pool"
 DEVICE = "hisparse_device_pool"
 
 
+
+def sparse(target):
+    """The target's hisparse feature."""
+    return target.feature("hisparse")
+
 def cfg(core="rust", **kw):
     return SGLANG_PRESETS["sglang-hisparse"].config(tree_core=core, **kw)
 
@@ -32,12 +37,12 @@ def cfg(core="rust", **kw):
 def free_counts(t):
     a = t.allocator
     return (a.logical_attn_allocator.available_size(), a.hisparse_attn_allocator.available_size(),
-            t.coordinator.mem_pool_host.available_size(), t.req_to_token_pool.available_size())
+            sparse(t).coordinator.mem_pool_host.available_size(), t.req_to_token_pool.available_size())
 
 
 def full_counts(t):
     a = t.allocator
-    return (a.logical_attn_allocator.size, a.hisparse_attn_allocator.size, t.coordinator.mem_pool_host.size,
+    return (a.logical_attn_allocator.size, a.hisparse_attn_allocator.size, sparse(t).coordinator.mem_pool_host.size,
             t.req_to_token_pool.size)
 
 
@@ -66,8 +71,8 @@ def test_hisparse_fault_needs_hisparse_and_radix_cache_is_off():
 def test_objects_come_from_sglangs_own_constructors(core):
     with AuditedRun(cfg(core)) as run:
         t = run.target
-        a, co = t.allocator, t.coordinator
-        assert type(t).__name__ == "SglangHiSparseTarget"
+        a, co = t.allocator, sparse(t).coordinator
+        assert type(t).__name__ == "SglangTarget" and [type(f).__name__ for f in t.features] == ["HiSparse"]
         assert type(a).__name__ == "HiSparseTokenToKVPoolAllocator" and a.__module__.startswith("sglang.")
         assert type(a.get_kvcache()).__name__ == "MiniMaxSparseKVPool"
         assert type(co).__name__ == "HiSparseCoordinator" and co.is_m3_hisparse
@@ -78,7 +83,7 @@ def test_objects_come_from_sglangs_own_constructors(core):
         assert co.device_buffer_size == 32 and co.padded_buffer_size == 33
         assert t.tree_cache.disable and t.tree_core == ("RustUnifiedTreeCore" if core == "rust" else "UnifiedTreeCore")
         assert [p.name for p in t.pools()] == ["token_to_kv_pool", "req_to_token_pool", DEVICE, HOST]
-        assert [s[:2] for s in t.shims] == ["S1", "S2"]
+        assert [s[:2] for s in sparse(t).shims] == ["S1", "S2"]
 
 
 # -- section 7.2 event sequences, clean --------------------------------------------------------------
@@ -107,12 +112,12 @@ def test_sequences_take_the_hisparse_paths():
     # staging -> collect_ready_reqs -> device buffers: a long prompt gets the padded buffer, its surplus
     # prefill slots go back; a short one gets a page-aligned buffer that grows while decoding
     findings, run = run_ops(cfg(), [Submit(0, 60, 6), Submit(1, 10, 6), Step(1)])
-    t, co = run.target, run.target.coordinator
-    assert findings == [] and [r.rid for r in t.staged()] == ["r0", "r1"] and t.running == []
+    t, co = run.target, sparse(run.target).coordinator
+    assert findings == [] and [r.rid for r in sparse(t).staged()] == ["r0", "r1"] and t.running == []
     assert free_counts(t) == (512 - 70, 256 - 70, 513 - 70, 14)  # prefill KV mapped physically, all backed up
     run.apply(Step(2))  # staging done (one step in flight), both decode once
     rows = {r.rid: r.kv.req_pool_idx for r in t.running}
-    assert t.staged() == [] and sorted(rows) == ["r0", "r1"]
+    assert sparse(t).staged() == [] and sorted(rows) == ["r0", "r1"]
     assert int(co.req_device_buffer_size[rows["r0"]]) == 33 and int(co.req_device_buffer_size[rows["r1"]]) == 11
     assert free_counts(t)[1] == 256 - 33 - 11
     run.apply(Idle())
@@ -121,8 +126,8 @@ def test_sequences_take_the_hisparse_paths():
     # memory pressure: retract_decode -> release_req -> retract_req -> request_finished on a running request
     seen = []
     findings, run = run_ops(cfg(), [Submit(0, 20, 20), Submit(1, 50, 20), Step(4)])
-    real = run.target.coordinator.retract_req
-    run.target.coordinator.retract_req = lambda req: (seen.append((req.rid, req.hisparse_staging)), real(req))
+    real = sparse(run.target).coordinator.retract_req
+    sparse(run.target).coordinator.retract_req = lambda req: (seen.append((req.rid, req.hisparse_staging)), real(req))
     run.apply(MemoryPressure())
     run.apply(Step(1))
     assert run.target.retractions == 1 and seen == [("r1", False)]
@@ -164,7 +169,7 @@ def test_hazard_a3_chunked_abort_calls_no_hisparse_method_and_is_clean(core, mon
     its physical prefill slots are still mapped and allocator.free returns them: clean (a leak needs
     speculative scratch, which this target does not build)."""
     findings, run = run_ops(cfg(core, chunked_prefill_size=16), [Submit(0, 60, 8), Step(2)])
-    t, co = run.target, run.target.coordinator
+    t, co = run.target, sparse(run.target).coordinator
     req = t.chunked_req
     assert findings == [] and req is not None and req.extend_end == 32 and not req.hisparse_staging
     assert free_counts(t)[1] == 256 - 32  # both chunks' physical slots, mapped
@@ -189,18 +194,18 @@ def test_hazard_a4_staged_request_owns_memory_in_no_batch_and_abort_cannot_reach
     kvaudit counts its memory as reachable -- no false leak."""
     findings, run = run_ops(cfg(core, hisparse_staging_steps=2), [Submit(0, 40, 6), Step(1), Submit(1, 10, 20),
                                                                    Step(1)])
-    t, co = run.target, run.target.coordinator
-    r0 = next(r for r in t.staged() if r.rid == "r0")
+    t, co = run.target, sparse(run.target).coordinator
+    r0 = next(r for r in sparse(t).staged() if r.rid == "r0")
     row = r0.kv.req_pool_idx
-    assert findings == [] and r0.hisparse_staging and [r.rid for r in t._last_batch] == ["r1"]
-    assert not any(r is r0 for r in t.running + t._last_batch)
+    assert findings == [] and r0.hisparse_staging and [r.rid for r in sparse(t)._last_batch] == ["r1"]
+    assert not any(r is r0 for r in t.running + sparse(t)._last_batch)
     assert r0.kv.holds_kv and r0.kv.kv_allocated_len == 40
     assert int(co.req_to_host_pool_allocated_len[row]) == 40
     logical = t.req_to_token_pool.req_to_token[row, :40].long()
     assert int((t.allocator.full_to_hisparse_device_index_mapping[logical] > 0).sum()) == 40
-    assert not any(r is r0 for r in t.sglang_owners())
-    assert t.busy_check() == ["[token_to_kv_pool] available=462 + evictable=0 + protected=0 + uncached=10 = 472 "
-                              "!= total=512"]  # r0's 40 logical slots are nobody's
+    assert not any(r is r0 for r in sparse(t).sglang_owners())
+    assert sparse(t).busy_check() == ["[token_to_kv_pool] available=462 + evictable=0 + protected=0 + uncached=10 = "
+                                      "472 != total=512"]  # r0's 40 logical slots are nobody's
     run.apply(Abort(0))
     assert r0.to_finish is None and not r0.finished()  # not reached: "todo hisparse"
     run.apply(Idle())
@@ -210,7 +215,7 @@ def test_hazard_a4_staged_request_owns_memory_in_no_batch_and_abort_cannot_reach
     run.close()
     # the contrast: aborted while its prefill batch is still the last batch, the abort reaches it
     findings, run = run_ops(cfg(core, hisparse_staging_steps=2), [Submit(0, 40, 6), Step(1), Abort(0)])
-    (r0,) = run.target.staged()
+    (r0,) = sparse(run.target).staged()
     assert findings == [] and r0.to_finish is not None
     run.apply(Idle())
     assert run.findings == [] and type(r0.finished_reason).__name__ == "FINISH_ABORT" and len(r0.output_ids) < 6
@@ -254,10 +259,10 @@ def test_pause_retract_during_staging_aborts_the_staging_and_frees_every_pool(co
     before = free_counts(t)
     for op in [Submit(0, 20, 8), Step(1)]:
         assert run.apply(op) == []
-    assert [r.rid for r in t.staged()] == ["r0"] and t.coordinator.has_ongoing_staging()
+    assert [r.rid for r in sparse(t).staged()] == ["r0"] and sparse(t).coordinator.has_ongoing_staging()
     assert all(a < b for a, b in zip(free_counts(t), before))  # row, logical, physical and host slots held
     assert run.apply(PauseGeneration(2)) == []
-    assert t.staged() == [] and not t.coordinator.has_ongoing_staging() and t.retractions == 1
+    assert sparse(t).staged() == [] and not sparse(t).coordinator.has_ongoing_staging() and t.retractions == 1
     assert free_counts(t) == before and [r.rid for r in t.waiting] == ["r0"]
     assert run.apply(FlushCache()) == [] and t.flushed() == 1
     for op in [ContinueGeneration(), Idle()]:
@@ -273,7 +278,7 @@ def test_a_paused_scheduler_keeps_its_last_batch_so_an_abort_still_reaches_a_sta
     ops = [Submit(0, 20, 8), Step(1), PauseGeneration(1), Step(2), Abort(0)]
     findings, run = run_ops(cfg(core, hisparse_staging_steps=5), ops)
     t = run.target
-    assert findings == [] and [(r.rid, r.to_finish is not None) for r in t.staged()] == [("r0", True)]
+    assert findings == [] and [(r.rid, r.to_finish is not None) for r in sparse(t).staged()] == [("r0", True)]
     assert run.apply(Idle()) == []
     run.close()
 
@@ -287,7 +292,7 @@ def test_a_health_check_runs_while_a_request_is_staged(core):
     t = run.target
     for op in [Submit(0, 10, 5), Step(1), Step(1)]:
         assert run.apply(op) == []
-    assert t.staged() and not t.is_idle() and t.is_idle_for_health_check()
+    assert sparse(t).staged() and not t.is_idle() and t.is_idle_for_health_check()
     run.apply(HealthCheck())
     assert t.submitted[-1].startswith("HEALTH_CHECK_")
     assert run.apply(Idle()) == []

@@ -23,6 +23,9 @@ from kvaudit.targets.sglang.config import SGLANG_PRESETS
 pytestmark = pytest.mark.sglang
 
 
+def dec(target):
+    """The target's pd-decode feature."""
+    return target.feature("pd-decode")
 
 def cfg(core="rust", **kw):
     return SGLANG_PRESETS["sglang-pd-decode"].config(tree_core=core, **kw)
@@ -30,19 +33,19 @@ def cfg(core="rust", **kw):
 
 def stages(t):
     """Where each request is: the decode server's queues, as SGLang holds them."""
-    pq, tq = t.prealloc_queue, t.transfer_queue
+    pq, tq = dec(t).prealloc_queue, dec(t).transfer_queue
     out = {dr.req.rid: "prealloc" for dr in pq.queue}
     out.update({dr.req.rid: "transfer" for dr in tq.queue})
     out.update({e[0].req.rid: "deferred" for e in tq._deferred_releases})
-    out.update({r.rid: "waiting" for r in t.sched.waiting_queue})
-    out.update({r.rid: "running" for r in t.sched.running_batch.reqs if not r.finished()})
+    out.update({r.rid: "waiting" for r in dec(t).sched.waiting_queue})
+    out.update({r.rid: "running" for r in dec(t).sched.running_batch.reqs if not r.finished()})
     out.update({r.rid: "retracted" for r in pq.retracted_queue})
     return out
 
 
 def full(t):
     return (t.allocator.available_size() == t.allocator.size and t.req_to_token_pool.available_size() == t._row_count()
-            and t.metadata_allocator.available_size() == t.metadata_allocator.size)
+            and dec(t).metadata_allocator.available_size() == dec(t).metadata_allocator.size)
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -53,10 +56,10 @@ def test_objects_are_sglangs_decode_server(core):
         assert t.req_to_token_pool.pre_alloc_size > 0  # rows for requests still receiving their KV
         assert t._row_count() == t.req_to_token_pool.size + t.req_to_token_pool.pre_alloc_size
         assert type(t.tree_cache).__name__ == "UnifiedRadixCache" and t.tree_cache.disable  # decode default: off
-        assert type(t.prealloc_queue).__module__ == type(t.transfer_queue).__module__ == \
+        assert type(dec(t).prealloc_queue).__module__ == type(dec(t).transfer_queue).__module__ == \
             "sglang.srt.disaggregation.decode"
         assert t.allocator.need_sort is True
-        assert type(t.sched).__mro__[2].__name__ == "SchedulerDisaggregationDecodeMixin"
+        assert type(dec(t).sched).__mro__[2].__name__ == "SchedulerDisaggregationDecodeMixin"
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -87,7 +90,7 @@ def test_health_check_finishes_at_its_prebuilt_result(core, monkeypatch):
 
     run = AuditedRun(cfg(core))
     t = run.target
-    brp = sys.modules[type(t.sched.batch_result_processor).__module__]  # it imported release_kv_cache by name
+    brp = sys.modules[type(dec(t).sched.batch_result_processor).__module__]  # it imported release_kv_cache by name
     callers = []
     real = brp.release_kv_cache
 
@@ -118,10 +121,10 @@ def test_hazard_a8_deferred_release_holds_the_kv_until_ack_or_timeout(core, ack)
     assert stages(t) == {"r0": "transfer"}
     run.apply(Step(1))
     assert stages(t) == {"r0": "deferred"}
-    req = t.transfer_queue._deferred_releases[0][0].req
+    req = dec(t).transfer_queue._deferred_releases[0][0].req
     assert req.finished() and req.kv.holds_kv and req.kv.kv_allocated_len == 20
     assert t.allocator.available_size() == t.allocator.size - 20
-    assert t.metadata_allocator.available_size() == t.metadata_allocator.size - 1
+    assert dec(t).metadata_allocator.available_size() == dec(t).metadata_allocator.size - 1
     assert not t.is_idle()
     run.apply(FlushCache())  # refused: a deferred release keeps the server busy
     assert t.flushed() == 0
@@ -160,7 +163,7 @@ def test_hazard_a8_a_deferred_entry_dropped_is_a_leak_kvaudit_sees(core):
     for op in [Submit(0, 20, 4), Step(2), Abort(0), Step(1)]:
         run.apply(op)
     assert stages(t) == {"r0": "deferred"} and run.findings == []
-    t.transfer_queue.release_memory_occupation()
+    dec(t).transfer_queue.release_memory_occupation()
     run.apply(Step(1))
     sites = {f.pool: (f.kind, f.indirect, f.alloc_sites[0].function) for f in run.findings}
     run.close()
@@ -201,14 +204,14 @@ def spy_verify(t, monkeypatch):
     """Each prebuilt batch through ``_verify_kv_checksums``: (rid, expected_kv_checksum) of the batch
     before, and the rids it keeps."""
     seen = []
-    real = t.sched._verify_kv_checksums
+    real = dec(t).sched._verify_kv_checksums
 
     def verify(batch):
         before = [(r.rid, r.expected_kv_checksum) for r in batch.reqs]
         real(batch)
         seen.append((before, [r.rid for r in batch.reqs]))
 
-    monkeypatch.setattr(t.sched, "_verify_kv_checksums", verify)
+    monkeypatch.setattr(dec(t).sched, "_verify_kv_checksums", verify)
     return seen
 
 
@@ -238,9 +241,9 @@ def test_checksum_mismatch_aborts_the_corrupted_transfer_at_its_prebuilt_step(co
     held = sum(-(-r.kv.kv_allocated_len // 4) * 4 for r in (reqs["r0"], reqs["r2"]))
     assert t.allocator.available_size() == t.allocator.size - held
     assert t.req_to_token_pool.available_size() == t._row_count() - 2
-    assert t.metadata_allocator.available_size() == t.metadata_allocator.size
+    assert dec(t).metadata_allocator.available_size() == dec(t).metadata_allocator.size
     run.apply(Idle())
-    assert run.findings == [] and full(t) and t.network.corrupted == 1
+    assert run.findings == [] and full(t) and dec(t).network.corrupted == 1
     for rid in ("r0", "r2"):
         assert type(reqs[rid].finished_reason).__name__ == "FINISH_LENGTH" and len(reqs[rid].output_ids) == 4
     run.close()
@@ -255,7 +258,7 @@ def test_every_clean_transfer_is_verified_and_none_aborted(core, monkeypatch):
     seen = spy_verify(t, monkeypatch)
     for op in [Submit(0, 20, 4), Step(1), HealthCheck(), Submit(1, 13, 6), Step(3), Submit(2, 30, 3), Idle()]:
         run.apply(op)
-    assert t.sched.kv_checksum_computer.calls == t.network.landed == 3 and t.network.corrupted == 0
+    assert dec(t).sched.kv_checksum_computer.calls == dec(t).network.landed == 3 and dec(t).network.corrupted == 0
     verified = {rid: expected for before, _ in seen for rid, expected in before}
     assert sorted(verified) == ["HEALTH_CHECK_1", "r0", "r2", "r3"]
     assert all(verified[rid] for rid in ("r0", "r2", "r3")) and verified["HEALTH_CHECK_1"] == 0
@@ -278,7 +281,7 @@ def test_mismatch_every_counts_landed_transfers_not_health_checks(ci, monkeypatc
     for op in [Submit(0, 20, 4), Step(1), HealthCheck(), Step(1), Submit(1, 20, 4), Submit(2, 20, 4), Idle()]:
         run.apply(op)
     dropped = [rid for before, kept in seen for rid, _ in before if rid not in kept]
-    assert dropped == ["r2"] and run.target.network.landed == 3
+    assert dropped == ["r2"] and dec(run.target).network.landed == 3
     assert run.findings == [] and full(run.target)
     run.close()
 
@@ -309,9 +312,9 @@ def run_to_stage(core: str, ops, stage: str):
     for op in ops:
         run.apply(op)
     if stage == "waiting":
-        while t.network.sending:
-            t.network.tick()
-        t.sched.waiting_queue.extend(t.transfer_queue.pop_transferred())
+        while dec(t).network.sending:
+            dec(t).network.tick()
+        dec(t).sched.waiting_queue.extend(dec(t).transfer_queue.pop_transferred())
     victim = next(r for r, where in stages(t).items() if where == stage)
     return run, t, next(r for r in t._active() if r.rid == victim)
 
@@ -352,7 +355,7 @@ def test_decode_retraction_backs_up_and_resumes(core):
     assert t.retractions == 1
     retracted = [r for r in stages(t) if stages(t)[r] == "retracted"]
     assert len(retracted) == 1
-    req = t.prealloc_queue.retracted_queue[0]
+    req = dec(t).prealloc_queue.retracted_queue[0]
     assert not req.kv.holds_kv and req.kv.retraction_backup is not None
     run.apply(Idle())
     assert run.findings == [] and full(t) and stages(t) == {}
@@ -372,7 +375,7 @@ def test_pause_retract_holds_requests_for_rebootstrap_until_continue(core):
     t = run.target
     assert findings == [] and set(stages(t).values()) == {"running"} and not full(t)
     assert run.apply(PauseGeneration(2)) == []
-    held = list(t.prealloc_queue.held_rebootstrap_reqs)
+    held = list(dec(t).prealloc_queue.held_rebootstrap_reqs)
     assert sorted(r.rid for r in held) == ["r0", "r1", "r2"] and stages(t) == {} and t.retractions == 3
     assert all(not r.kv.holds_kv and r.pd_rebootstrap_in_progress and r.kv.retraction_backup is None for r in held)
     assert [len(r.output_ids) for r in held] == [3, 3, 3]  # the boundary token popped for the replay

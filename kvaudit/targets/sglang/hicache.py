@@ -17,12 +17,12 @@ from kvaudit.targets.base import Accounting, LockImbalance, PoolSpec, Root
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args, shim_cuda_host_register
 from kvaudit.targets.sglang.hooks import host_free_units, host_units
 from kvaudit.targets.sglang.standins import StepEvent
-from kvaudit.targets.sglang.target import SglangTarget
+from kvaudit.targets.sglang.feature import SglangFeature
 
 HOST_POOL = "hicache_host_pool"
 
 
-def install_instance_shims(target, cc) -> list[str]:
+def install_instance_shims(feature, cc) -> list[str]:
     """H2, H3, H4 on one controller (idempotent); returns the shims' names."""
     if getattr(cc, "__kvaudit_shimmed__", False):
         return []
@@ -45,12 +45,12 @@ def install_instance_shims(target, cc) -> list[str]:
     for stream in (eng.device_to_host_stream, eng.host_to_device_stream):
         if not hasattr(stream, "synchronize"):
             stream.synchronize = lambda: None
-    delay = target.config.hicache_ack_steps
+    target, delay = feature.target, feature.target.config.hicache_ack_steps
 
     def step_gated(submit, kind):
         def wrapper(transfers, *a, **k):
             c = submit(transfers, *a, **k)
-            target.hicache_log.append((kind, target.steps, sum(len(t.host_indices) for t in transfers)))
+            feature.hicache_log.append((kind, target.steps, sum(len(t.host_indices) for t in transfers)))
             return c._replace(finish_event=StepEvent(c.finish_event, target, target.steps + delay))
         return wrapper
 
@@ -62,30 +62,21 @@ def install_instance_shims(target, cc) -> list[str]:
             "H4 transfer streams: synchronize() no-op"]
 
 
-class SglangHiCacheTarget(SglangTarget):
-    """:class:`SglangTarget` with HiCache (``config.enable_hierarchical_cache``)."""
+class HiCache(SglangFeature):
+    """HiCache's host tier (``config.enable_hierarchical_cache``)."""
 
-    def __init__(self, config):
+    name = "hicache"
+
+    def __init__(self, target):
+        super().__init__(target)
         self.hicache_log: list[tuple] = []  # ("d2h"|"h2d"|"load_ready", step, tokens)
         self.host_lock_net: dict[int, int] = {}
         self._host_live: set[int] = set()  # host units the wrappers saw allocated (the Rust core's roots)
-        super().__init__(config)
-        cc = self.cache_controller = self.tree_cache.cache_controller
-        self.host_group = cc.mem_pool_host
-        self.host_pool = cc.mem_pool_host.anchor_entry.host_pool
-        self.shims = list(self._module_shims)
-        if self._cpu:
-            self.shims += install_instance_shims(self, cc)
-        hp = self.host_pool
-        self._pools.append(PoolSpec(HOST_POOL, hp, "host", config.page_size, -(-hp.size // config.page_size)))
-        # init_hicache registers the tree's shutdown (a storage detach) to run at exit, which would keep every
-        # run's tree -- and through the driver's wrappers, the target (and L3's directory) -- alive until then
-        atexit.unregister(self.tree_cache.shutdown)
 
-    def _build(self, config):
-        S = self.S
+    def build(self, config):
+        S = self.target.S
         self._cpu = torch.device(config.device).type == "cpu"
-        self._module_shims = [shim_cuda_host_register()] if self._cpu else []
+        self.shims = [shim_cuda_host_register()] if self._cpu else []
         sa = publish_server_args(config, enable_hierarchical_cache=True, hicache_ratio=float(config.hicache_ratio),
                                  hicache_write_policy=config.hicache_write_policy, hicache_io_backend="direct",
                                  hicache_mem_layout="layer_first", **self._storage_server_args())
@@ -102,71 +93,90 @@ class SglangHiCacheTarget(SglangTarget):
         """The L3 tier's ``ServerArgs``: none here (``hicache_l3`` adds a backend)."""
         return dict(hicache_storage_backend=None)
 
+    def pools(self, pools: list) -> list:
+        hp = self.target.tree_cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+        ps = self.target.config.page_size
+        return pools + [PoolSpec(HOST_POOL, hp, "host", ps, -(-hp.size // ps))]
+
+    def attach(self) -> None:
+        tree = self.target.tree_cache
+        cc = self.cache_controller = tree.cache_controller
+        self.host_group = cc.mem_pool_host
+        self.host_pool = cc.mem_pool_host.anchor_entry.host_pool
+        if self._cpu:
+            self.shims += install_instance_shims(self, cc)
+        # init_hicache registers the tree's shutdown (a storage detach) to run at exit, which would keep every
+        # run's tree -- and through the driver's wrappers, the target (and L3's directory) -- alive until then
+        atexit.unregister(tree.shutdown)
+
     @property
     def python_core(self) -> bool:
-        return not self.tree_core.startswith("Rust")
+        return not self.target.tree_core.startswith("Rust")
 
     # -- observer: hooks ---------------------------------------------------------------------
-    def framework_files(self) -> list[str]:
+    def framework_files(self, files: list[str]) -> list[str]:
         import sglang.srt.managers.cache_controller as cache_controller
         import sglang.srt.mem_cache.pool_host.base as host_base
         import sglang.srt.mem_cache.pool_host.group as host_group
-        return super().framework_files() + [host_base.__file__, host_group.__file__, cache_controller.__file__]
+        return files + [host_base.__file__, host_group.__file__, cache_controller.__file__]
+
+    def install_pool(self, spec, auditor, wrap) -> bool:
+        """The host pool, its wrappers mirroring the units held (the Rust core's roots)."""
+        if spec.name != HOST_POOL:
+            return False
+        self.target._install_host_pool(spec, auditor, wrap, live=self._host_live)
+        return True
 
     def install_lock_ledger(self, wrap, record) -> None:
         """Also ``inc_host_lock_ref``/``dec_host_lock_ref`` per node (load-back, and ``add_one_req``'s pin
         around ``init_load_back``), recorded as ``"host"`` locks."""
-        super().install_lock_ledger(wrap, record)
-        self.install_lock_counter(wrap, record, self.tree_cache, "inc_host_lock_ref", "dec_host_lock_ref",
-                                  self.host_lock_net, "host")
+        self.target.install_lock_counter(wrap, record, self.target.tree_cache, "inc_host_lock_ref",
+                                         "dec_host_lock_ref", self.host_lock_net, "host")
 
     # -- driver -------------------------------------------------------------------------------
-    def _memory_pressure(self) -> None:
+    def memory_pressure(self) -> None:
         """Also host eviction: ``evict_host`` of what the host holds beyond half its size."""
-        super()._memory_pressure()
         over = (self.host_pool.size - self.host_group.available_size()) - self.host_pool.size // 2
         if over > 0:
-            self.tree_cache.evict_host(over)
+            self.target.tree_cache.evict_host(over)
 
-    def _process_pending_chunked_abort(self) -> None:
-        """``get_next_batch_to_run``: then ``_process_hicache_events()``."""
-        super()._process_pending_chunked_abort()
+    def before_batch(self) -> None:
+        """``get_next_batch_to_run``: ``_process_hicache_events()``."""
         self._process_hicache_events()
 
     def _process_hicache_events(self) -> None:
         """``Scheduler._process_hicache_events``: acks due this step release their locks."""
-        self.tree_cache.check_hicache_events()
+        self.target.tree_cache.check_hicache_events()
 
-    def _new_batch(self, batch, kind: str) -> None:
+    def new_batch(self, batch, kind: str) -> None:
         """``new_batch.hicache_consumer_index = ready_to_load_host_cache()`` (starts queued load-backs)."""
         if kind == "extend":
-            batch.hicache_consumer_index = self.tree_cache.ready_to_load_host_cache()
+            batch.hicache_consumer_index = self.target.tree_cache.ready_to_load_host_cache()
             if batch.hicache_consumer_index >= 0:
-                self.hicache_log.append(("load_ready", self.steps, batch.hicache_consumer_index))
+                self.hicache_log.append(("load_ready", self.target.steps, batch.hicache_consumer_index))
 
-    def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
+    def after_process(self) -> None:
         """``process_batch_result``, ending in ``tree_cache.flush_pending_backups()``."""
-        super()._process(kind, reqs, chunked, decoding)
-        self.tree_cache.flush_pending_backups()
+        self.target.tree_cache.flush_pending_backups()
 
-    def is_idle(self, ignore_waiting: bool = False) -> bool:
+    def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` under HiCache: no write-through or load-back in flight."""
-        cache = self.tree_cache
-        return super().is_idle(ignore_waiting) and not cache.ongoing_write_through and not cache.ongoing_load_back
+        cache = self.target.tree_cache
+        return idle and not cache.ongoing_write_through and not cache.ongoing_load_back
 
-    def stuck(self) -> str:
+    def stuck(self, out: str) -> str:
         """Also, before the waiting queue, ``hicache:load-back`` or ``hicache:write-through``: a copy never
         acked."""
-        out, cache = super().stuck(), self.tree_cache
+        cache = self.target.tree_cache
         if out.startswith(("running:", "chunked:", "grammar:")):
             return out
         if cache.ongoing_load_back or cache.ongoing_write_through:
             return "hicache:" + ("load-back" if cache.ongoing_load_back else "write-through")
         return out
 
-    def describe_busy(self) -> str:
-        cache = self.tree_cache
-        return (super().describe_busy() + f" write_through_inflight={len(cache.ongoing_write_through)} "
+    def describe_busy(self, out: str) -> str:
+        cache = self.target.tree_cache
+        return (out + f" write_through_inflight={len(cache.ongoing_write_through)} "
                 f"load_back_inflight={len(cache.ongoing_load_back)} host_available={self.host_group.available_size()}")
 
     # -- observer: roots and counters ---------------------------------------------------------
@@ -176,7 +186,7 @@ class SglangHiCacheTarget(SglangTarget):
             return None
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-        core = self.tree_cache.tree_core
+        core = self.target.tree_cache.tree_core
         vals, stack = [], [core.root_node]
         while stack:
             node = stack.pop()
@@ -188,23 +198,22 @@ class SglangHiCacheTarget(SglangTarget):
                 vals.append(hv.to(torch.int64))
         return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
 
-    def roots(self, aborting: bool = True) -> list[Root]:
+    def roots(self, out: list, aborting: bool) -> list:
         """Also the host pool's (:meth:`_host_roots`)."""
-        return super().roots(aborting) + self._host_roots()
+        return out + self._host_roots()
 
     def _host_roots(self) -> list[Root]:
         """The tree's host values (Python core), or the host units the wrappers saw allocated (Rust core,
         whose nodes cannot be listed)."""
         hv = self.tree_host_values()
         if hv is not None:
-            units = host_units(hv, self.config.page_size)
+            units = host_units(hv, self.target.config.page_size)
         else:
             units = np.fromiter(sorted(self._host_live), dtype=np.int64)
         return [Root(HOST_POOL, "tree", units, role="tree")] if units.size else []
 
-    def accounting(self) -> dict[str, Accounting]:
+    def accounting(self, out: dict) -> dict:
         """Also the host pool, the tree's host tokens as evictable."""
-        out = super().accounting()
         total = self.host_pool.size
         avail = self.host_group.available_size()
         hv = self.tree_host_values()
@@ -212,15 +221,14 @@ class SglangHiCacheTarget(SglangTarget):
         out[HOST_POOL] = Accounting(avail, held, 0, 0, total)
         return out
 
-    def free_lists(self) -> dict[str, np.ndarray]:
-        return {**super().free_lists(), HOST_POOL: host_free_units(self.host_pool, self.config.page_size)}
+    def free_lists(self, out: dict) -> dict:
+        return {**out, HOST_POOL: host_free_units(self.host_pool, self.target.config.page_size)}
 
-    def lock_holders(self) -> list[tuple[str, str, int]]:
+    def lock_holders(self, out: list) -> list:
         """Also the write-through, load-back and host-lock receipts."""
-        cache = self.tree_cache
-        out = super().lock_holders()
-        out += [("device", f"hicache write-through of node {w.node_id}", w.node_id)
-                for w in cache.ongoing_write_through.values() if w.lock_params is not None]
+        cache = self.target.tree_cache
+        out = out + [("device", f"hicache write-through of node {w.node_id}", w.node_id)
+                     for w in cache.ongoing_write_through.values() if w.lock_params is not None]
         out += [("device", f"hicache load-back of node {lb.node_id}", lb.node_id)
                 for lb in cache.ongoing_load_back.values()]
         return out + [("host", name, node) for name, node in self._host_lock_holders()]
@@ -228,11 +236,10 @@ class SglangHiCacheTarget(SglangTarget):
     def _host_lock_holders(self) -> list[tuple[str, int]]:
         """``(holder, node)`` of each pending host-lock receipt: the load-backs'."""
         return [(f"hicache load-back of node {lb.node_id}", lb.node_id)
-                for lb in self.tree_cache.ongoing_load_back.values()]
+                for lb in self.target.tree_cache.ongoing_load_back.values()]
 
-    def lock_balance(self):
+    def lock_balance(self, bad: list) -> list:
         """Also each node's net host-lock count against its host-lock receipts."""
-        bad = super().lock_balance()
         want: dict[int, int] = {}
         for _, node in self._host_lock_holders():
             want[node] = want.get(node, 0) + 1

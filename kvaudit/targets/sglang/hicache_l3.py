@@ -18,7 +18,7 @@ import torch
 
 from kvaudit.targets.base import Accounting, Root
 from kvaudit.targets.sglang.boot import SglangUnavailable
-from kvaudit.targets.sglang.hicache import HOST_POOL, SglangHiCacheTarget
+from kvaudit.targets.sglang.hicache import HOST_POOL, HiCache
 from kvaudit.targets.sglang.hooks import host_units
 
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # HiCacheFile prefers it to its configured path
@@ -91,7 +91,7 @@ def shim_storage_threads() -> str:
     return "H5 cache_controller.threading.Thread -> parked (the storage threads never start)"
 
 
-def install_storage_shims(target, cc) -> list[str]:
+def install_storage_shims(target, cc, cpu: bool) -> list[str]:
     """H6 and (on a CPU device) H7 on one controller; returns the shims' names."""
     ref = weakref.ref(target)  # the controller outlives the target (init_hicache registers an atexit hook)
 
@@ -105,7 +105,7 @@ def install_storage_shims(target, cc) -> list[str]:
         assert getattr(cc, name).empty()
         setattr(cc, name, _StepQueue(now, d))
     shims = ["H6 storage thread queues -> step queues (due hicache_storage_ack_steps after put; sync at once)"]
-    if target._cpu:
+    if cpu:
         cc.mem_pool_host.anchor_entry.host_pool.pin_memory = False
         shims.append("H7 anchor host pool pin_memory=False (the storage read's bounce page)")
     return shims
@@ -125,24 +125,29 @@ def load_storage_hash() -> None:
         pass
 
 
-class SglangHiCacheL3Target(SglangHiCacheTarget):
-    """:class:`SglangHiCacheTarget` with SGLang's L3 storage tier (``config.hicache_storage_backend``)."""
+class HiCacheL3(HiCache):
+    """:class:`HiCache` with SGLang's L3 storage tier (``config.hicache_storage_backend``)."""
 
-    def __init__(self, config):
+    name = "hicache"  # (SglangTarget.feature("hicache"): the host tier is this feature's too)
+
+    def __init__(self, target):
         if os.environ.get(FILE_DIR_ENV):
             raise SglangUnavailable(f"unset {FILE_DIR_ENV}: HiCacheFile would write there instead of the run's own "
                                     "directory, and runs would share what they stored")
+        super().__init__(target)
         self.storage_dir = tempfile.TemporaryDirectory(prefix="kvaudit-hicache-l3-")  # removed by close()
         # ("prefetch", step, rid, tokens asked) ("query", step, rid, hit tokens) ("transfer", step, rid, tokens)
         # ("loaded", step, rid, tokens) ("backup", step, tokens written)
         self.storage_log: list[tuple] = []
-        super().__init__(config)
+
+    def attach(self) -> None:
+        super().attach()
         load_storage_hash()  # (after SGLang is loaded: boot.load installs what its imports need)
-        cc = self.cache_controller
-        if not (cc.enable_storage and self.tree_cache.enable_storage):
-            raise SglangUnavailable(f"SGLang {self.S.version} did not attach the {config.hicache_storage_backend} "
+        cc, t = self.cache_controller, self.target
+        if not (cc.enable_storage and t.tree_cache.enable_storage):
+            raise SglangUnavailable(f"SGLang {t.S.version} did not attach the {t.config.hicache_storage_backend} "
                                     "storage backend")
-        self.shims += install_storage_shims(self, cc)
+        self.shims += install_storage_shims(t, cc, self._cpu)
         self._observe_storage(cc)
 
     def close(self) -> None:
@@ -151,7 +156,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         self.storage_dir.cleanup()
 
     def _storage_server_args(self) -> dict:
-        cfg = self.config
+        cfg = self.target.config
         extra = {"prefetch_threshold": cfg.hicache_storage_prefetch_threshold,
                  "file_storage_path": self.storage_dir.name,
                  "enable_metadata_cache": False, "max_size": 0, "min_free_space": 0}
@@ -159,30 +164,31 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
                     hicache_storage_prefetch_policy=cfg.hicache_storage_prefetch_policy,
                     hicache_storage_backend_extra_config=json.dumps(extra))
 
-    def _build(self, config):
+    def build(self, config):
         h5 = shim_storage_threads()  # before the controller attaches the backend (its threads start there)
-        o = super()._build(config)  # (build() states this process's place in the pipeline: the storage config reads it)
-        self._module_shims.append(h5)
+        o = super().build(config)  # (build() states this process's place in the pipeline: the storage config reads it)
+        self.shims.append(h5)
         return o
 
     def _observe_storage(self, cc) -> None:
         """Log the storage worker's work into :attr:`storage_log`."""
-        log, ps = self.storage_log, self.config.page_size
+        log, t = self.storage_log, self.target
+        ps = t.config.page_size
         query, transfer, backup = cc._storage_hit_query, cc._page_transfer_kv_batch, cc._page_backup
 
         def query_wrapper(operation):
             hashes, hit = query(operation)
-            log.append(("query", self.steps, operation.request_id, hit))
+            log.append(("query", t.steps, operation.request_id, hit))
             return hashes, hit
 
         def transfer_wrapper(operation, *a, **k):
             pages = transfer(operation, *a, **k)
-            log.append(("transfer", self.steps, operation.request_id, pages * ps))
+            log.append(("transfer", t.steps, operation.request_id, pages * ps))
             return pages
 
         def backup_wrapper(operation):
             out = backup(operation)
-            log.append(("backup", self.steps, operation.completed_tokens))
+            log.append(("backup", t.steps, operation.completed_tokens))
             return out
 
         cc._storage_hit_query, cc._page_transfer_kv_batch, cc._page_backup = query_wrapper, transfer_wrapper, \
@@ -214,27 +220,26 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         from sglang.srt.runtime_context import get_memory
 
         memory = get_memory()
-        for req, storage_hit_end in self.tree_cache.storage_prefetch_retries.pop_ready(
-                self.waiting, memory.hicache_storage_prefetch_retry_poll_interval,
+        for req, storage_hit_end in self.target.tree_cache.storage_prefetch_retries.pop_ready(
+                self.target.waiting, memory.hicache_storage_prefetch_retry_poll_interval,
                 memory.hicache_storage_prefetch_retry_max_attempts):
             self._retry_storage_prefetch(req, storage_hit_end)
 
     def _retry_storage_prefetch(self, req, storage_hit_end=None) -> None:
         req.storage_prefetch_retry_attempts += 1
-        self._prefetch_kvcache(req, storage_hit_end)
+        self.prefetch(req, storage_hit_end)
 
-    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+    def queued(self, req, is_retracted: bool) -> None:
         """A retracted request's storage bookkeeping starts over."""
         if is_retracted:
             req.storage_prefetch_retry_attempts = 0
             req.storage_prefetch_last_match_len = None
             req.staged_prefetch_plan = None
-        super()._add_request_to_queue(req, is_retracted)
 
-    def _prefetch_kvcache(self, req, storage_hit_end=None) -> None:
+    def prefetch(self, req, storage_hit_end=None) -> None:
         """``Scheduler._prefetch_kvcache`` (cache mode): from a backed-up (or root) last host node, prefetch
         the tokens beyond the device and host match."""
-        cache = self.tree_cache
+        cache = self.target.tree_cache
         req.init_next_round_input(cache, cow_mamba=False)
         last_host_node = req.last_host_node
         matched_len = req.prefix_len + req.host_hit_length
@@ -249,21 +254,22 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
                                     prefix_keys, matched_prefix_tokens=fill[:matched_len], extra_key=req.extra_key,
                                     cache_salt=req.cache_salt, storage_hit_end=storage_hit_end)
         if handle in cache.ongoing_prefetch:
-            self.storage_log.append(("prefetch", self.steps, req.rid, len(cache.ongoing_prefetch[handle].prefetch_key)))
+            asked = len(cache.ongoing_prefetch[handle].prefetch_key)
+            self.storage_log.append(("prefetch", self.target.steps, req.rid, asked))
 
-    def _prefetch_ready(self, req) -> bool:
+    def prefetch_ready(self, req) -> bool:
         """Admission's storage gate: ``check_prefetch_progress``, then ``pop_prefetch_loaded_span`` (the
         request's ``storage_hit_length``)."""
-        cache = self.tree_cache
+        cache = self.target.tree_cache
         if not cache.check_prefetch_progress(req.cache_request_handle):
             return False
         loaded, start = cache.pop_prefetch_loaded_span(req.cache_request_handle)
         if loaded > 0:
             req.storage_hit_length, req.storage_hit_start, req.host_hit_is_storage = loaded, start, False
-            self.storage_log.append(("loaded", self.steps, req.rid, loaded))
+            self.storage_log.append(("loaded", self.target.steps, req.rid, loaded))
         return True
 
-    def _prefetch_after_device_hit_loss(self, req) -> bool:
+    def prefetch_after_device_hit_loss(self, req) -> bool:
         """``Scheduler._prefetch_after_device_hit_loss``."""
         from sglang.srt.runtime_context import get_memory
 
@@ -279,26 +285,26 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
         self._retry_storage_prefetch(req)
         return True
 
-    def _new_batch(self, batch, kind: str) -> None:
+    def new_batch(self, batch, kind: str) -> None:
         """A prefill batch's requests leave the retry set (``retries.cancel``)."""
         if kind == "extend":
             for req in batch.reqs:
-                self.tree_cache.storage_prefetch_retries.cancel(req.rid)
-        super()._new_batch(batch, kind)
+                self.target.tree_cache.storage_prefetch_retries.cancel(req.rid)
+        super().new_batch(batch, kind)
 
-    def is_idle(self, ignore_waiting: bool = False) -> bool:
+    def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` with storage: also no prefetch or storage backup pending."""
-        cache = self.tree_cache
-        return super().is_idle(ignore_waiting) and not cache.ongoing_prefetch and not cache.ongoing_backup
+        cache = self.target.tree_cache
+        return super().is_idle(idle, ignore_waiting) and not cache.ongoing_prefetch and not cache.ongoing_backup
 
-    def stuck(self) -> str:
+    def stuck(self, out: str) -> str:
         """Also ``hicache:storage`` (a prefetch or storage backup pending)."""
-        cache = self.tree_cache
-        return super().stuck() or ("hicache:storage" if cache.ongoing_prefetch or cache.ongoing_backup else "")
+        cache = self.target.tree_cache
+        return super().stuck(out) or ("hicache:storage" if cache.ongoing_prefetch or cache.ongoing_backup else "")
 
-    def describe_busy(self) -> str:
-        cache = self.tree_cache
-        return (super().describe_busy() + f" prefetch_inflight={len(cache.ongoing_prefetch)} "
+    def describe_busy(self, out: str) -> str:
+        cache = self.target.tree_cache
+        return (super().describe_busy(out) + f" prefetch_inflight={len(cache.ongoing_prefetch)} "
                 f"backup_inflight={len(cache.ongoing_backup)}")
 
     # -- observer -----------------------------------------------------------------------------
@@ -318,7 +324,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
     def storage_host_slots(self) -> list[tuple[str, torch.Tensor]]:
         """Host slots storage work holds, as ``(owner, [n] int64 slots)``: in-flight prefetches' buffers, a
         terminated prefetch's tail until its ack, and the pages queued for release."""
-        cache, cc = self.tree_cache, self.cache_controller
+        cache, cc = self.target.tree_cache, self.cache_controller
         out = [(f"prefetch:{h.rid}", info.host_indices) for h, info in cache.ongoing_prefetch.items()
                if info.host_indices is not None]
         for op in self._inflight_prefetch_operations():
@@ -332,7 +338,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
 
     def _host_roots(self) -> list[Root]:
         """Also the host slots storage work holds (role ``req``: counted as ``uncached``)."""
-        ps = self.config.page_size
+        ps = self.target.config.page_size
         held = [Root(HOST_POOL, owner, host_units(slots, ps)) for owner, slots in self.storage_host_slots()]
         tree = super()._host_roots()
         if held and tree and not self.python_core:
@@ -340,11 +346,11 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
             tree = [Root(HOST_POOL, r.owner, np.setdiff1d(r.units, taken), role=r.role) for r in tree]
         return tree + held
 
-    def accounting(self) -> dict[str, Accounting]:
+    def accounting(self, out: dict) -> dict:
         """Rust core: less the host tokens storage work holds (the oracle counts those as ``uncached``)."""
-        out = super().accounting()
+        out = super().accounting(out)
         if not self.python_core:
-            ps = self.config.page_size
+            ps = self.target.config.page_size
             held = [host_units(slots, ps) for _, slots in self.storage_host_slots()]
             tokens = int(np.unique(np.concatenate(held)).size) * ps if held else 0
             a = out[HOST_POOL]
@@ -353,7 +359,7 @@ class SglangHiCacheL3Target(SglangHiCacheTarget):
 
     def _host_lock_holders(self) -> list:
         """Also each in-flight prefetch's anchor and each storage backup's node."""
-        cache = self.tree_cache
+        cache = self.target.tree_cache
         out = super()._host_lock_holders()
         out += [(f"hicache prefetch of node {info.anchor_node_id}", info.anchor_node_id)
                 for info in cache.ongoing_prefetch.values() if info.anchor_lock_params is not None]

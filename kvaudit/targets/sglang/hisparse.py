@@ -16,7 +16,7 @@ from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, one_rank_group, publish_server_args, shim_cuda_host_register
 from kvaudit.targets.sglang.hooks import host_free_units, host_units
 from kvaudit.targets.sglang.standins import StepEvent
-from kvaudit.targets.sglang.target import SglangTarget
+from kvaudit.targets.sglang.feature import SglangFeature
 
 _SHIMS: list[str] = []
 
@@ -64,24 +64,25 @@ def install_instance_shims(co) -> None:
             stream.synchronize = lambda: None
 
 
-class SglangHiSparseTarget(SglangTarget):
-    """:class:`SglangTarget` with HiSparse (``config.enable_hisparse``)."""
+class HiSparse(SglangFeature):
+    """HiSparse (``config.enable_hisparse``)."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        ps = config.page_size
-        a, host = self.allocator, self.coordinator.mem_pool_host
-        self._no_finish_hook = False  # inside process_pending_chunked_abort: SGLang calls no HiSparse method
-        self._pools = [
+    name = "hisparse"
+
+    def pools(self, pools: list) -> list:
+        """The logical pool in place of the allocator, and the physical device and host pools."""
+        t = self.target
+        ps, a, host = t.config.page_size, t.allocator, self.coordinator.mem_pool_host
+        return [
             PoolSpec("token_to_kv_pool", a.logical_attn_allocator, "kv", ps, a.logical_attn_allocator.size // ps),
-            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self._row_count()),
+            pools[1],  # the row pool
             PoolSpec("hisparse_device_pool", a.hisparse_attn_allocator, "kv", ps, a.hisparse_attn_allocator.size // ps),
             PoolSpec("hisparse_host_pool", host, "host", ps, -(-host.size // ps)),
         ]
 
-    def _build(self, config):
+    def build(self, config):
         """SGLang's HiSparse objects as the server builds them; sets ``self.coordinator``."""
-        S = self.S
+        S, target = self.target.S, self.target
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
@@ -117,7 +118,7 @@ class SglangHiSparseTarget(SglangTarget):
                 admit(req)
                 act = co.ack_staging_queue[-1]
                 co.ack_staging_queue[-1] = act._replace(finish_event=StepEvent(
-                    act.finish_event, self, self.steps + 1 + config.hisparse_staging_steps))
+                    act.finish_event, target, target.steps + 1 + config.hisparse_staging_steps))
 
             co.admit_request_into_staging = admit_with_copy_time
         self.coordinator = co
@@ -126,126 +127,115 @@ class SglangHiSparseTarget(SglangTarget):
                      make_rows=lambda dev: req_to_token_pool, disable_radix_cache=True)
 
     # -- observer: hooks ---------------------------------------------------------------------
-    def framework_files(self) -> list[str]:
+    def framework_files(self, files: list[str]) -> list[str]:
         """Also the HiSparse allocator and the host pool's internals."""
         import sglang.srt.mem_cache.allocator.hisparse as alloc_hisparse
         import sglang.srt.mem_cache.pool_host.base as host_base
         import sglang.srt.mem_cache.pool_host.hisparse as host_hisparse
-        return super().framework_files() + [alloc_hisparse.__file__, host_base.__file__, host_hisparse.__file__]
+        return files + [alloc_hisparse.__file__, host_base.__file__, host_hisparse.__file__]
 
     # -- driver -------------------------------------------------------------------------------
-    def _new_batch(self, batch, kind: str) -> None:
+    def new_batch(self, batch, kind: str) -> None:
         """``batch.hisparse_coordinator = ...`` (``get_new_batch_prefill``, ``get_next_batch_to_run``), for
         SGLang's own ``alloc_for_extend`` and ``retract_decode``."""
         batch.hisparse_coordinator = self.coordinator
 
-    def _hisparse_coordinator(self):
+    def hisparse_coordinator(self):
         return self.coordinator
 
-    def _join_running(self) -> None:
+    def join_running(self) -> bool:
         """``get_next_batch_to_run``'s HiSparse branch: ``collect_ready_reqs()`` merged into the running
         batch, with seq len ``len(origin_input_ids) + len(output_ids) - 1``."""
         for req in self.coordinator.collect_ready_reqs():
             req.kvaudit_seq_len = len(req.origin_input_ids) + len(req.output_ids) - 1
-            self.running.append(req)
+            self.target.running.append(req)
+        return True
 
-    def _prefilled(self, req) -> None:
+    def prefilled(self, req) -> bool:
         """``admit_request_into_staging(req)``: the request joins no batch."""
         self.coordinator.admit_request_into_staging(req)
+        return True
 
-    def _after_decode_alloc(self, batch) -> None:
+    def after_decode_alloc(self, batch) -> None:
         """``prepare_for_decode``'s ``hisparse_coordinator.map_last_loc_to_buffer(...)``."""
         rows = torch.tensor([r.kv.req_pool_idx for r in batch.reqs], dtype=torch.int64)
         seq_lens = torch.tensor([r.kvaudit_seq_len for r in batch.reqs], dtype=torch.int64)
         self.coordinator.map_last_loc_to_buffer(seq_lens.to(batch.device), batch.out_cache_loc, rows.to(batch.device),
                                                 seq_lens, rows)
 
-    def _release(self, req, checkpoint: bool) -> None:
-        """``request_finished(req)``, then ``release_kv_cache`` (not inside
-        ``process_pending_chunked_abort``: memory model A.3)."""
-        if not self._no_finish_hook:
-            if "hisparse-skip-finish" in self._faults:
-                self._faults.discard("hisparse-skip-finish")
-            else:
-                self.coordinator.request_finished(req)
-        super()._release(req, checkpoint)
-
-    def _process_pending_chunked_abort(self) -> None:
-        """As SGLang has it: no ``request_finished`` (memory model A.3)."""
-        self._no_finish_hook = True
-        try:
-            super()._process_pending_chunked_abort()
-        finally:
-            self._no_finish_hook = False
+    def release(self, req) -> None:
+        """``request_finished(req)``, before ``release_kv_cache`` (not inside ``process_pending_chunked_abort``:
+        memory model A.3)."""
+        faults = self.target._faults
+        if "hisparse-skip-finish" in faults:
+            faults.discard("hisparse-skip-finish")
+        else:
+            self.coordinator.request_finished(req)
 
     @property
     def _last_batch(self) -> list:
         """``Scheduler.last_batch``'s requests."""
-        return list(self._scheduled[1]) if self._scheduled is not None else []
+        scheduled = self.target._scheduled
+        return list(scheduled[1]) if scheduled is not None else []
 
     def staged(self) -> list:
         """Requests in the coordinator's staging queue: in no batch, yet owners of a row, logical and
         physical KV and host slots."""
         return [act.req for act in self.coordinator.ack_staging_queue]
 
-    def _inflight(self) -> list:
+    def inflight(self, reqs: list) -> list:
         """Also ``last_batch`` (a staged request is in it for the step after its prefill)."""
-        reqs = super()._inflight()
         return reqs + [r for r in self._last_batch if not any(r is x for x in reqs)]
 
-    def _place_groups(self) -> tuple:
-        return (("staging", self.staged()),) + super()._place_groups()
+    def place_groups(self, groups: tuple) -> tuple:
+        return (("staging", self.staged()),) + groups
 
-    def _active(self) -> list:
+    def active(self, reqs: list) -> list:
         """Also the staged requests (``abort_request`` cannot reach them: its ``todo hisparse``)."""
-        reqs = super()._active()
         return reqs + [r for r in self.staged() if not any(r is x for x in reqs)]
 
-    def is_idle(self, ignore_waiting: bool = False) -> bool:
+    def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` under HiSparse also waits for ``has_ongoing_staging()``."""
-        return super().is_idle(ignore_waiting) and not self.coordinator.has_ongoing_staging()
+        return idle and not self.coordinator.has_ongoing_staging()
 
-    def is_idle_for_health_check(self) -> bool:
+    def is_idle_for_health_check(self, idle: bool) -> bool:
         """Staging does not count, the last batch does."""
-        return super().is_idle_for_health_check() and not self._last_batch
+        return idle and not self._last_batch
 
-    def progress(self) -> dict[str, int]:
-        out = super().progress()
-        for r in self.staged() if not self.scheduler_paused else []:
+    def progress(self, out: dict[str, int]) -> dict[str, int]:
+        for r in self.staged() if not self.target.scheduler_paused else []:
             out.setdefault(r.rid, r.kv.kv_committed_len + len(r.output_ids))
         return out
 
-    def stuck(self) -> str:
+    def stuck(self, out: str) -> str:
         """Also ``staging:host-backup``, before the waiting queue."""
-        out = super().stuck()
         if not out.startswith(("running:", "chunked:")) and self.coordinator.has_ongoing_staging():
             return "staging:host-backup"
         return out
 
-    def describe_busy(self) -> str:
+    def describe_busy(self, out: str) -> str:
         stats = self.coordinator.get_token_stats()
-        return (super().describe_busy() + f" staged={len(self.staged())} device_tokens={stats.device_tokens} "
+        return (out + f" staged={len(self.staged())} device_tokens={stats.device_tokens} "
                 f"host_tokens={stats.host_tokens}")
 
     # -- observer: roots and counters ---------------------------------------------------------
     def _hisparse_units(self, kv) -> tuple[np.ndarray, np.ndarray]:
         """``(physical pages, host units)`` a record's row owns in the coordinator: its device buffer, the
         physical slots its logical slots still map to, and its host slots."""
-        co, ps = self.coordinator, self.config.page_size
+        co, ps = self.coordinator, self.target.config.page_size
         row = kv.req_pool_idx
         cap = int(co.req_device_buffer_size[row])
-        logical = self.req_to_token_pool.req_to_token[row, : kv.kv_allocated_len].to(torch.int64)
-        mapped = self.allocator.full_to_hisparse_device_index_mapping[logical]
+        logical = self.target.req_to_token_pool.req_to_token[row, : kv.kv_allocated_len].to(torch.int64)
+        mapped = self.target.allocator.full_to_hisparse_device_index_mapping[logical]
         phys = torch.cat([co.req_device_buffer_token_locs[:, row, :cap].reshape(-1).to(torch.int64),
                           co.req_to_device_buffer[row, :cap].to(torch.int64), mapped])
         phys = phys[phys >= ps]  # page 0 is the padding sink, never owned
         host = co.req_to_host_pool[row, : int(co.req_to_host_pool_allocated_len[row])]
         return np.unique(slot_pages(phys, ps)), host_units(host, ps)
 
-    def roots(self, aborting: bool = True) -> list[Root]:
+    def roots(self, out: list, aborting: bool) -> list:
         """Also each owner's physical device and host slots; staged requests are owners."""
-        out = super().roots(aborting)
-        for req in self._live():
+        for req in self.target._live():
             if not aborting and req.to_finish is not None:
                 continue
             phys, host = self._hisparse_units(req.kv)
@@ -253,35 +243,32 @@ class SglangHiSparseTarget(SglangTarget):
             out.append(Root("hisparse_host_pool", f"req:{req.rid}", host))
         return out
 
-    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
-        co, ps = self.coordinator, self.config.page_size
-        out = super().units_of_rows(rows)
+    def units_of_rows(self, out: dict, rows) -> dict:
+        co, ps = self.coordinator, self.target.config.page_size
         rows = torch.as_tensor(rows, dtype=torch.int64)
         phys = co.req_to_device_buffer[rows].reshape(-1).to(torch.int64)
         out["hisparse_device_pool"] = np.unique(slot_pages(phys[phys >= ps], ps))
         out["hisparse_host_pool"] = host_units(co.req_to_host_pool[rows].reshape(-1), ps)
         return out
 
-    def accounting(self) -> dict[str, Accounting]:
+    def accounting(self, out: dict) -> dict:
         """The logical, row, physical and host pools (``get_token_stats``'s counters)."""
-        a, cache = self.allocator, self.tree_cache
+        a, cache = self.target.allocator, self.target.tree_cache
         lo, hi, host = a.logical_attn_allocator, a.hisparse_attn_allocator, self.coordinator.mem_pool_host
         return {
-            **super().accounting(),  # the row pool, as on every preset
+            **out,  # the row pool, as on every preset
             "token_to_kv_pool": Accounting(lo.available_size(), cache.evictable_size(), cache.protected_size(), 0,
                                            lo.size),
             "hisparse_device_pool": Accounting(hi.available_size(), 0, 0, 0, hi.size),
             "hisparse_host_pool": Accounting(host.available_size(), 0, 0, 0, host.size),
         }
 
-    def free_lists(self) -> dict[str, np.ndarray]:
-        a = self.allocator
-        return {"token_to_kv_pool": a.logical_attn_allocator.get_all_free_pages().cpu().numpy(),
-                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64),
-                "hisparse_device_pool": a.hisparse_attn_allocator.get_all_free_pages().cpu().numpy(),
-                "hisparse_host_pool": host_free_units(self.coordinator.mem_pool_host, self.config.page_size)}
+    def free_lists(self, out: dict) -> dict:
+        a = self.target.allocator
+        return {**out, "hisparse_device_pool": a.hisparse_attn_allocator.get_all_free_pages().cpu().numpy(),
+                "hisparse_host_pool": host_free_units(self.coordinator.mem_pool_host, self.target.config.page_size)}
 
-    def engine_check(self) -> list[str]:
+    def engine_check(self, lines: list[str]) -> list[str]:
         """None: under HiSparse the scheduler skips its idle checks (memory model 1.9) and the busy check is
         opt-in; see :meth:`busy_check`."""
         return []
@@ -290,7 +277,8 @@ class SglangHiSparseTarget(SglangTarget):
         """``SchedulerInvariantChecker._requests_owning_rows``: ``last_batch``, ``running_batch`` and the
         chunked request, holding KV (staged requests drop out of them: memory model A.4)."""
         out: list = []
-        for r in self._last_batch + self.running + ([self.chunked_req] if self.chunked_req is not None else []):
+        t = self.target
+        for r in self._last_batch + t.running + ([t.chunked_req] if t.chunked_req is not None else []):
             if r.kv.holds_kv and not any(r is x for x in out):
                 out.append(r)
         return out
@@ -300,8 +288,9 @@ class SglangHiSparseTarget(SglangTarget):
         :meth:`sglang_owners` only: a failing line when staged requests are missed (A.4)."""
         if not self._last_batch:  # self_check_during_busy returns when last_batch is None
             return []
-        lo, cache = self.allocator.logical_attn_allocator, self.tree_cache
-        uncached = sum(self._ceil(r.kv.kv_allocated_len) - r.kv.cache_protected_len for r in self.sglang_owners())
+        t = self.target
+        lo, cache = t.allocator.logical_attn_allocator, t.tree_cache
+        uncached = sum(t._ceil(r.kv.kv_allocated_len) - r.kv.cache_protected_len for r in self.sglang_owners())
         lhs = lo.available_size() + cache.evictable_size() + cache.protected_size() + uncached
         if lhs != lo.size:
             return [f"[token_to_kv_pool] available={lo.available_size()} + evictable={cache.evictable_size()} + "

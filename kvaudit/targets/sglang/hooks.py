@@ -28,14 +28,12 @@ def host_free_units(host_pool, page_size: int) -> np.ndarray:
 class SglangHooks(Target):
     """The ``install_*`` hooks; they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
 
-    _host_live: set | None = None  # a host pool's units held, mirrored by its wrappers (HiCache sets one)
-
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
         """Rows at ``alloc_rows``/``free_rows``; KV at ``alloc``/``free`` (page 1) or as the pages that left
         the free set and at ``_release_page_ids`` (paged); ``clear()`` as a free of everything; host
         pools at :meth:`_install_host_pool`."""
         if spec.kind == "host":
-            return self._install_host_pool(spec, auditor, wrap, live=self._host_live)
+            return self._install_host_pool(spec, auditor, wrap)
         auditor.wrap_clear(spec)
         if spec.kind == "rows":
             auditor.wrap_rows(spec, alloc="alloc_rows", free="free_rows")

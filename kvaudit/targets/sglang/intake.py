@@ -102,7 +102,7 @@ class SglangIntake(Target):
         self.flush_wrapper.handle(self.S.FlushCacheReqInput(timeout_s=timeout))
 
     def _transfer_fail(self, handle: int | None) -> None:
-        """No transfers on an aggregated server: the PD decode driver overrides it."""
+        """No transfers on an aggregated server (PD decode's loop has them)."""
 
     def _generate(self, kind: str, args: tuple) -> None:
         """A generate request reaches the tokenizer: held while paused, else a submit, or /health_generate

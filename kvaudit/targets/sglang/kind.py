@@ -19,18 +19,10 @@ def _bugs():
 
 
 def _make(config):
-    """The target class for ``config``'s era and serving mode."""
+    """The target for ``config``'s era (the serving mode is a feature of the composed target)."""
     if _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
-    elif config.disaggregation_mode == "decode":
-        from kvaudit.targets.sglang.pd import SglangPdDecodeTarget as cls
-    elif config.enable_hisparse:
-        from kvaudit.targets.sglang.hisparse import SglangHiSparseTarget as cls
-    elif config.hicache_storage_backend is not None:
-        from kvaudit.targets.sglang.hicache_l3 import SglangHiCacheL3Target as cls
-    elif config.enable_hierarchical_cache:
-        from kvaudit.targets.sglang.hicache import SglangHiCacheTarget as cls
-    else:
+    else:  # one composed target: its features come from the config (target.features)
         from kvaudit.targets.sglang.target import SglangTarget as cls
     return cls(config)
 
@@ -79,10 +71,11 @@ def _header(config) -> str:
 
 def _anchor(kind: str):
     """The driver plays SGLang's scheduler: ``SglangTarget.engine_check`` for accounting drift and lock
-    imbalance, ``SglangTarget.step`` else."""
-    from kvaudit.targets.sglang.target import SglangTarget
+    imbalance, ``SglangTarget.step`` else (the observer's and the driver's, which the target composes)."""
+    from kvaudit.targets.sglang.driver import SglangDriver
+    from kvaudit.targets.sglang.observer import SglangObserver
     method = "engine_check" if kind in ("accounting-drift", "lock-imbalance") else "step"
-    return getattr(SglangTarget, method), f"SglangTarget.{method}"
+    return getattr(SglangObserver if method == "engine_check" else SglangDriver, method), f"SglangTarget.{method}"
 
 
 def _describe(config) -> str:

@@ -209,7 +209,8 @@ class SglangObserver(SglangHooks):
         return kv_length_problems(self._live())
 
     def free_lists(self) -> dict[str, np.ndarray]:
-        return {"token_to_kv_pool": self.allocator.get_all_free_pages().cpu().numpy(),
+        """The KV pool's from its ``PoolSpec`` (HiSparse's is the logical allocator), the row pool's."""
+        return {"token_to_kv_pool": self._pools[0].obj.get_all_free_pages().cpu().numpy(),
                 "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
 
     def lock_balance(self):

@@ -1,6 +1,6 @@
 """PD disaggregation, decode side, on SGLang 0.5.23 (``disaggregation_mode="decode"``): SGLang's own
 ``DecodePreallocQueue``, ``DecodeTransferQueue`` and decode-mode scheduler methods, driven by a
-second driver (:class:`SglangPdDecodeTarget`); kvaudit plays the prefill server, the wire and the
+second driver (:class:`PdDecode`); kvaudit plays the prefill server, the wire and the
 KV checksum (:mod:`~kvaudit.targets.sglang.pd_transfer`).
 
 Design notes: docs/internals/sglang.md ("PD decode")."""
@@ -18,7 +18,7 @@ from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.pd_transfer import KvChecksums, Network, fake_backend
 from kvaudit.targets.sglang.standins import EOS
-from kvaudit.targets.sglang.target import SglangTarget
+from kvaudit.targets.sglang.feature import SglangLoop
 
 _PD = None
 
@@ -59,17 +59,17 @@ class _DecodeScheduler:
     """The ``Scheduler`` state SGLang's decode-mode methods read, under the scheduler's own names, with
     ``SchedulerDisaggregationDecodeMixin`` mixed in (:func:`_scheduler_class`)."""
 
-    def __init__(self, target, **attrs):
+    def __init__(self, pd, **attrs):
         self.__dict__.update(attrs)
-        self._target = target
+        self._pd, self._target = pd, pd.target
 
     def update_running_batch(self, batch):
-        return self._target._update_running_batch(batch)
+        return self._pd.update_running_batch(batch)
 
     def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
         """``Scheduler._add_request_to_queue``, decode branch: the prealloc queue."""
         self.disagg_decode_prealloc_queue.add(req, is_retracted=is_retracted)
-        self._target._swap_receiver(req)
+        self._pd.swap_receiver(req)
 
     def retire_unadmitted_request(self, req) -> None:
         """``Scheduler.retire_unadmitted_request``: a request rejected at intake."""
@@ -88,17 +88,17 @@ class _Streamer:
         pass
 
 
-class SglangPdDecodeTarget(SglangTarget):
-    """The decode server of PD disaggregation. A third pool, ``metadata_buffers``: the
+class PdDecode(SglangLoop):
+    """The decode server of PD disaggregation, a second driver. A third pool, ``metadata_buffers``: the
     ``ReqToMetadataIdxAllocator`` slots (slot ``i`` is unit ``i + 1``) a request holds from
     pre-allocation until its transfer is committed or its release is done."""
 
-    def __init__(self, config: SglangConfig):
-        super().__init__(config)
-        self._pools.append(PoolSpec("metadata_buffers", self.metadata_allocator, "meta", 1,
-                                    self.metadata_allocator.size))
+    name = "pd-decode"
 
-    def _build(self, config: SglangConfig):
+    def pools(self, pools: list) -> list:
+        return pools + [PoolSpec("metadata_buffers", self.metadata_allocator, "meta", 1, self.metadata_allocator.size)]
+
+    def build(self, config: SglangConfig):
         S, P = load(), load_pd()
         # the queues all-reduce their polls over the attention-TP CPU group (poll_and_all_reduce)
         group = SimpleNamespace(cpu_group=one_rank_group(), world_size=1)
@@ -132,7 +132,7 @@ class SglangPdDecodeTarget(SglangTarget):
                                     kv_checksum_enabled=disagg.disaggregation_enable_kv_checksum)
         self.network = Network(config.transfer_latency_steps, config.abort_ack_steps,
                                 config.kv_checksum_mismatch_every, config.page_size)
-        self.clock.install(P.decode)
+        self.target.clock.install(P.decode)
         manager_cls, self._receiver_cls = fake_backend(P, self.network)
         streamer = _Streamer()
         metrics = SimpleNamespace(enable_metrics=False, current_scheduler_metrics_enabled=False, num_retracted_reqs=0)
@@ -180,12 +180,12 @@ class SglangPdDecodeTarget(SglangTarget):
         return o
 
     # -- observer -----------------------------------------------------------------------------
-    def framework_classes(self) -> list[type]:
+    def framework_classes(self, classes: list[type]) -> list[type]:
         """``DecodeReqToTokenPool`` and ``ReqToMetadataIdxAllocator`` share modules with engine code: only
         their own methods are allocator frames."""
-        return [type(self.req_to_token_pool), type(self.metadata_allocator)]
+        return classes + [type(self.target.req_to_token_pool), type(self.metadata_allocator)]
 
-    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> bool:
         """``DecodeReqToTokenPool`` takes and gives back rows through ``alloc(reqs)`` / ``free(req)``, the
         metadata allocator through ``alloc() -> int | None`` / ``free(int)``."""
         obj, pool = spec.obj, spec.name
@@ -204,9 +204,9 @@ class SglangPdDecodeTarget(SglangTarget):
 
             auditor._wrap(obj, "alloc", take)
             auditor._wrap(obj, "free", give)
-            return
+            return True
         if spec.kind != "rows":
-            return super().install_pool(spec, auditor, wrap)
+            return False
         auditor.wrap_clear(spec)
         orig_alloc, orig_free = obj.alloc, obj.free
 
@@ -226,20 +226,21 @@ class SglangPdDecodeTarget(SglangTarget):
 
         auditor._wrap(obj, "alloc", alloc)
         auditor._wrap(obj, "free", free)
+        return True
 
     # -- driver ------------------------------------------------------------------------------------
-    def _new_req(self, rid: str, ids, sp):
+    def new_req(self, rid: str, ids, sp):
         """A decode-side ``Req``, its prefill reached through the fake transfer backend."""
         P = self.P
         self._rooms = getattr(self, "_rooms", 0) + 1
-        return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS},
+        return self.target.S.Req(rid, "", ids, sp, vocab_size=self.target.config.vocab_size, eos_token_ids={EOS},
                           bootstrap_host=P.FAKE_BOOTSTRAP_HOST, bootstrap_port=8998, bootstrap_room=1000 + self._rooms,
                           disagg_mode=P.DisaggregationMode.DECODE)
 
-    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+    def add_request_to_queue(self, req, is_retracted: bool) -> None:
         self.sched._add_request_to_queue(req, is_retracted=is_retracted)
 
-    def _swap_receiver(self, req) -> None:
+    def swap_receiver(self, req) -> None:
         """Replace the fake receiver ``DecodePreallocQueue.add`` made for ``req`` by kvaudit's (latency,
         aborts); a health check keeps SGLang's, as on a real server."""
         if req.rid.startswith("HEALTH_CHECK_"):
@@ -254,25 +255,26 @@ class SglangPdDecodeTarget(SglangTarget):
                     len(req.output_ids) if getattr(req, "pd_rebootstrap_in_progress", False) else 0)
                 dr.kv_receiver = rx
 
-    def _abort(self, rid: str, message: str | None = None) -> None:
+    def abort(self, rid: str, message: str | None) -> None:
         """``Scheduler.abort_request``, decode branch (rids match by prefix): a waiting request is released at
         once, a queued one has its receiver aborted, a retracted one drops its backup, a running one gets
         ``to_finish``."""
-        sched, S = self.sched, self.S
+        sched, t = self.sched, self.target
+        S = t.S
         for req in [r for r in sched.waiting_queue if r.rid.startswith(rid)]:
             sched.waiting_queue.remove(req)
-            self._release_aborted_request(req)
+            t._release_aborted_request(req)
             if req.finished_reason is None:
                 req.finished_reason = S.FINISH_ABORT()
-            self._release(req, checkpoint=True)
+            t._release(req, checkpoint=True)
         for dr in self.prealloc_queue.queue + self.transfer_queue.queue:
             if dr.req.rid.startswith(rid):
                 dr.kv_receiver.abort()
         kept = []
         for req in self.prealloc_queue.retracted_queue:
             if req.rid.startswith(rid):
-                S.common.discard_kv_cache_backup(req, self.tree_cache, "cpu_tensor")
-                self.finished.add(req.rid)
+                S.common.discard_kv_cache_backup(req, t.tree_cache, "cpu_tensor")
+                t.finished.add(req.rid)
             else:
                 kept.append(req)
         self.prealloc_queue.retracted_queue = kept
@@ -280,13 +282,13 @@ class SglangPdDecodeTarget(SglangTarget):
             if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = S.FINISH_ABORT()
 
-    def _transfer_fail(self, handle: int | None) -> None:
+    def transfer_fail(self, handle: int | None) -> None:
         """:class:`TransferFail` on the live requests not yet running: a queued receiver concludes
         ``KVPoll.Failed``; a transferred request waiting to join gets a wrong expected KV checksum (an
         injection: SGLang's ``is_in_ci`` raise is off from then on)."""
         receivers = {dr.req.rid: dr.kv_receiver for dr in self.prealloc_queue.queue + self.transfer_queue.queue}
         waiting = {r.rid: r for r in self.sched.waiting_queue if getattr(r, "expected_kv_checksum", 0)}
-        pending = [rid for rid in self.live_rids() if (rid in receivers or rid in waiting)
+        pending = [rid for rid in self.target.live_rids() if (rid in receivers or rid in waiting)
                    and not rid.startswith("HEALTH_CHECK_")]
         for rid in pending if handle is None else [pending[handle % len(pending)]] if pending else []:
             if rid in receivers:
@@ -298,26 +300,26 @@ class SglangPdDecodeTarget(SglangTarget):
     def step(self) -> None:
         """One iteration of ``event_loop_normal_disagg_decode``: the network moves, ``process_decode_queue``,
         ``get_next_disagg_decode_batch_to_run``, and the decode batch's result."""
-        self.steps += 1
-        self.clock.now += 1.0
+        t, sched = self.target, self.sched
+        t.steps += 1
+        t.clock.now += 1.0
         self.network.tick()
-        sched = self.sched
-        self._check_pending_flush()
-        if self.scheduler_paused:  # the loop ingests, then skips everything while paused
-            self._snapshot_held()
+        t._check_pending_flush()
+        if t.scheduler_paused:  # the loop ingests, then skips everything while paused
+            t._snapshot_held()
             return
         sched.process_decode_queue()
         plan = sched.get_next_disagg_decode_batch_to_run(running_batch=sched.running_batch)
         sched.running_batch = plan.running_batch
         batch = plan.batch_to_run
-        self.running = [r for r in sched.running_batch.reqs if not r.finished()]
+        t.running = [r for r in sched.running_batch.reqs if not r.finished()]
         if batch is not None:
-            self._process("decode", list(batch.reqs))  # ends by filtering self.running of what finished
+            t._process("decode", list(batch.reqs))  # ends by filtering t.running of what finished
         sched.last_batch = batch
         sched.forward_ct += 1
-        self._snapshot_held()
+        t._snapshot_held()
 
-    def _pause_retract(self) -> None:
+    def pause_retract(self) -> None:
         """``pause_generation(mode="retract")`` on a decode server: ``retract_all(..., offload_kv=False)``,
         each request held for re-bootstrap (``hold_rebootstrap``) until ``continue_generation``."""
         sched = self.sched
@@ -326,24 +328,23 @@ class SglangPdDecodeTarget(SglangTarget):
         sched.waiting_queue = [r for r in sched.waiting_queue if not r.kv.holds_kv]
         reqs += staged
         sched.last_batch = None
-        self._retract_all(reqs)
+        self.target._retract_all(reqs)
         sched.running_batch.reqs = []
-        self.running = []
+        self.target.running = []
         for req in reqs:
             if req.output_ids:
                 req.pd_rebootstrap_forced_output_id = req.output_ids.pop()
             req.pd_rebootstrap_in_progress = True
             self.prealloc_queue.hold_rebootstrap(req)
 
-    def _continue_generation(self) -> None:
-        """``enqueue_held_rebootstrap`` (with kvaudit's receivers), then the base resume."""
+    def continue_generation(self) -> None:
+        """``enqueue_held_rebootstrap`` (with kvaudit's receivers), before the shared resume."""
         held = list(self.prealloc_queue.held_rebootstrap_reqs)
         self.prealloc_queue.enqueue_held_rebootstrap()
         for req in held:
-            self._swap_receiver(req)
-        super()._continue_generation()
+            self.swap_receiver(req)
 
-    def _update_running_batch(self, batch):
+    def update_running_batch(self, batch):
         """``Scheduler.update_running_batch`` (no overlap), decode mode: a retracted request's KV is backed up
         (``cpu_tensor``) for ``resume_retracted_reqs``."""
         batch.filter_batch()
@@ -351,39 +352,39 @@ class SglangPdDecodeTarget(SglangTarget):
             batch.batch_is_full = False
             return batch
         full = not batch.check_decode_mem()
-        if full or self._force_retract:
-            self._force_retract = False
+        t = self.target
+        if full or t._force_retract:
+            t._force_retract = False
             retracted, _, aborted = batch.retract_decode()
-            self.retractions += len(retracted) + len(aborted)
+            t.retractions += len(retracted) + len(aborted)
             for req in retracted:
                 self.sched._add_request_to_queue(req, is_retracted=True)
             for req in aborted:
-                self.finished.add(req.rid)
+                t.finished.add(req.rid)
         if batch.is_empty():
             return batch
         batch.prepare_for_decode()
         return batch
 
-    def _inflight(self) -> list:
+    def inflight(self, reqs: list) -> list:
         return [r for r in self.sched.running_batch.reqs]
 
-    def _place_groups(self) -> tuple:
+    def place_groups(self, groups: tuple) -> tuple:
         pq, tq = self.prealloc_queue, self.transfer_queue
         return (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
                 ("deferred_release", [entry[0].req for entry in tq._deferred_releases]),
                 ("waiting", self.sched.waiting_queue), ("running", self.sched.running_batch.reqs),
                 ("retracted", pq.retracted_queue))
 
-    def _active(self) -> list:
+    def active(self, reqs: list) -> list:
         """Every request the decode server knows, once each."""
         out = []
-        for _, group in self._place_groups():
+        for _, group in self.place_groups(()):
             out += [r for r in group if not any(r is x for x in out)]
         return out
 
-    def roots(self, aborting: bool = True) -> list[Root]:
+    def roots(self, out: list, aborting: bool) -> list:
         """Also each metadata slot's holder (a decode request before its commit, or a deferred release)."""
-        out = super().roots(aborting)
         held = [(dr.req.rid, dr.metadata_buffer_index) for dr in self.prealloc_queue.queue + self.transfer_queue.queue]
         held += [(e[0].req.rid, e[3]) for e in self.transfer_queue._deferred_releases]
         for rid, idx in held:
@@ -391,34 +392,32 @@ class SglangPdDecodeTarget(SglangTarget):
                 out.append(Root("metadata_buffers", f"req:{rid}", np.array([idx + 1], dtype=np.int64)))
         return out
 
-    def accounting(self) -> dict[str, Accounting]:
-        out = super().accounting()
+    def accounting(self, out: dict) -> dict:
         m = self.metadata_allocator
         out["metadata_buffers"] = Accounting(m.available_size(), 0, 0, 0, m.size)
         return out
 
-    def free_lists(self) -> dict[str, np.ndarray]:
-        out = super().free_lists()
+    def free_lists(self, out: dict) -> dict:
         out["metadata_buffers"] = np.asarray(self.metadata_allocator.free_slots, dtype=np.int64) + 1
         return out
 
-    def is_idle(self, ignore_waiting: bool = False) -> bool:
+    def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` on a decode server: every queue empty and no release deferred."""
         pq, tq = self.prealloc_queue, self.transfer_queue
         return not (pq.queue or pq.retracted_queue or tq.queue or tq._deferred_releases or self.sched.waiting_queue
                     or self.sched.running_batch.reqs)
 
-    def is_idle_for_health_check(self) -> bool:
+    def is_idle_for_health_check(self, idle: bool) -> bool:
         """``is_fully_idle(for_health_check=True)``: the prealloc and transfer queues and deferred releases
         do not count."""
         s = self.sched
         return (not s.running_batch.reqs and (s.last_batch is None or s.last_batch.is_empty())
                 and not s.waiting_queue and not self.prealloc_queue.retracted_queue)
 
-    def stalled(self) -> bool:
+    def stalled(self, stalled: bool) -> bool:
         return False
 
-    def stuck(self) -> str:
+    def stuck(self, out: str) -> str:
         """From the end of the pipeline back: ``running:decode``, ``waiting:memory``, ``transfer:kv-transfer``,
         ``transfer:deferred-release``, ``prealloc:retracted``, ``prealloc:rows`` or ``prealloc:memory``."""
         pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
@@ -433,11 +432,11 @@ class SglangPdDecodeTarget(SglangTarget):
         if pq.retracted_queue:
             return "prealloc:retracted"
         if pq.queue:
-            return "prealloc:rows" if not self.req_to_token_pool.available_size() else "prealloc:memory"
+            return "prealloc:rows" if not self.target.req_to_token_pool.available_size() else "prealloc:memory"
         return ""
 
-    def describe_busy(self) -> str:
+    def describe_busy(self, out: str) -> str:
         pq, tq = self.prealloc_queue, self.transfer_queue
         return (f"prealloc={len(pq.queue)} transfer={len(tq.queue)} deferred={len(tq._deferred_releases)} "
                 f"retracted={len(pq.retracted_queue)} waiting={len(self.sched.waiting_queue)} "
-                f"running={len(self.sched.running_batch.reqs)} available={self.allocator.available_size()}")
+                f"running={len(self.sched.running_batch.reqs)} available={self.target.allocator.available_size()}")

@@ -1,6 +1,7 @@
 """The real-SGLang target: kvaudit's programs drive SGLang 0.5.23's own memory manager on CPU,
-through a driver that plays the scheduler and an observer that reads SGLang's objects; no model
-(a sampled token is a function of the request and position).
+through a driver that plays the scheduler and an observer that reads SGLang's objects, composed with
+the serving modes' features (:mod:`~kvaudit.targets.sglang.feature`); no model (a sampled token is a
+function of the request and position).
 
 Design notes: docs/internals/sglang.md."""
 
@@ -11,22 +12,49 @@ from kvaudit.targets.sglang import driver, hooks, intake, standins
 from kvaudit.targets.sglang.boot import build, load
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.driver import SglangDriver
+from kvaudit.targets.sglang.feature import SglangFeature, SglangLoop
 from kvaudit.targets.sglang.observer import SglangObserver
 from kvaudit.targets.sglang.standins import StepClock, step_grammar_manager
 
 DRIVER_FILES = (driver.__file__, intake.__file__, standins.__file__)  # the modules that play SGLang's scheduler
 
 
+def features(config: SglangConfig) -> list[type[SglangFeature]]:
+    """The feature classes ``config`` asks for (imported only then: each loads its SGLang modules)."""
+    out: list[type[SglangFeature]] = []
+    if config.disaggregation_mode == "decode":
+        from kvaudit.targets.sglang.pd import PdDecode
+        out.append(PdDecode)
+    if config.enable_hisparse:
+        from kvaudit.targets.sglang.hisparse import HiSparse
+        out.append(HiSparse)
+    if config.hicache_storage_backend is not None:  # L3 storage extends HiCache
+        from kvaudit.targets.sglang.hicache_l3 import HiCacheL3
+        out.append(HiCacheL3)
+    elif config.enable_hierarchical_cache:
+        from kvaudit.targets.sglang.hicache import HiCache
+        out.append(HiCache)
+    return out
+
+
 class SglangTarget(SglangDriver, SglangObserver):
-    """Drives one set of SGLang pools and one ``UnifiedRadixCache``; the modes extend it."""
+    """Drives one set of SGLang pools and one ``UnifiedRadixCache``, with the features ``config`` asks for
+    (``self.features``); a :class:`SglangLoop` among them (``self.loop``) is the scheduler loop."""
 
     name = "sglang"
 
     def __init__(self, config: SglangConfig):
         S = self.S = load()
         self.config = config
-        self.clock = StepClock()  # advanced by step(); a mode's _build may install it too
-        o = self._build(config)
+        self.clock = StepClock()  # advanced by step(); a feature's build may install it too
+        self.features = [cls(self) for cls in features(config)]
+        loops = [f for f in self.features if isinstance(f, SglangLoop)]
+        assert len(loops) <= 1, loops
+        self.loop = loops[0] if loops else None
+        self._chunked_abort = False  # inside process_pending_chunked_abort: no feature's release()
+        built = [o for o in (f.build(config) for f in self.features) if o is not None]
+        assert len(built) <= 1, "two features built SGLang's objects"
+        o = built[0] if built else build(config)
         self.allocator, self.req_to_token_pool, self.tree_cache = o.allocator, o.req_to_token_pool, o.tree_cache
         self.model_config, self.tree_core = o.model_config, o.tree_core
         # Scheduler.grammar_manager (a PD decode server's stand-in has its own)
@@ -54,13 +82,180 @@ class SglangTarget(SglangDriver, SglangObserver):
         ]
         if "lock-leak" in self._faults:
             self._inject_lock_leak()
+        for f in self.features:
+            self._pools = f.pools(self._pools)
+            f.attach()
 
-    def _build(self, config: SglangConfig):
-        """SGLang's objects for ``config`` (``boot.build``); a mode with more objects extends it."""
-        return build(config)
+    def feature(self, name: str) -> SglangFeature | None:
+        """The feature called ``name``, if this target has it."""
+        return next((f for f in self.features if f.name == name), None)
+
+    def _fold(self, hook: str, value, *args):
+        """``value`` through each feature's ``hook`` (a :class:`SglangFeature` method), in order."""
+        for f in self.features:
+            value = getattr(f, hook)(value, *args)
+        return value
+
+    def close(self) -> None:
+        for f in self.features:
+            f.close()
 
     def engine_files(self) -> list[str]:
         """The driver's modules play SGLang's scheduler: their frames are sites like SGLang's own. So are the
         hooks' host-pool wrappers (``_install_host_pool`` is no ``install_*`` method): the recorded ledger
         digests depend on it."""
         return [*DRIVER_FILES, hooks.__file__]
+
+    # -- the loop: a SglangLoop feature's, else the shared driver's -----------------------------------
+    def step(self) -> None:
+        if self.loop is not None:
+            return self.loop.step()
+        super().step()
+
+    def _abort(self, rid: str, message: str | None = None) -> None:
+        if self.loop is not None:
+            return self.loop.abort(rid, message)
+        super()._abort(rid, message)
+
+    def _transfer_fail(self, handle: int | None) -> None:
+        if self.loop is not None:
+            self.loop.transfer_fail(handle)
+
+    def _new_req(self, rid: str, ids, sp):
+        return self.loop.new_req(rid, ids, sp) if self.loop is not None else super()._new_req(rid, ids, sp)
+
+    def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
+        if self.loop is not None:
+            return self.loop.add_request_to_queue(req, is_retracted)
+        for f in self.features:
+            f.queued(req, is_retracted)
+        super()._add_request_to_queue(req, is_retracted)
+
+    def _pause_retract(self) -> None:
+        if self.loop is not None:
+            return self.loop.pause_retract()
+        super()._pause_retract()
+
+    def _continue_generation(self) -> None:
+        if self.loop is not None:
+            self.loop.continue_generation()
+        super()._continue_generation()
+
+    # -- driver seams -----------------------------------------------------------------------------
+    def _memory_pressure(self) -> None:
+        super()._memory_pressure()
+        for f in self.features:
+            f.memory_pressure()
+
+    def _process_pending_chunked_abort(self) -> None:
+        self._chunked_abort = True
+        try:
+            super()._process_pending_chunked_abort()
+        finally:
+            self._chunked_abort = False
+        for f in self.features:
+            f.before_batch()
+
+    def _prefetch_kvcache(self, req) -> None:
+        for f in self.features:
+            f.prefetch(req)
+
+    def _prefetch_ready(self, req) -> bool:
+        return all(f.prefetch_ready(req) for f in self.features)
+
+    def _prefetch_after_device_hit_loss(self, req) -> bool:
+        return any(f.prefetch_after_device_hit_loss(req) for f in self.features)
+
+    def _new_batch(self, batch, kind: str) -> None:
+        for f in self.features:
+            f.new_batch(batch, kind)
+
+    def _join_running(self) -> None:
+        if not any([f.join_running() for f in self.features]):
+            super()._join_running()
+
+    def _prefilled(self, req) -> None:
+        if not any([f.prefilled(req) for f in self.features]):
+            super()._prefilled(req)
+
+    def _after_decode_alloc(self, batch) -> None:
+        for f in self.features:
+            f.after_decode_alloc(batch)
+
+    def _release(self, req, checkpoint: bool) -> None:
+        if not self._chunked_abort:
+            for f in self.features:
+                f.release(req)
+        super()._release(req, checkpoint)
+
+    def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
+        super()._process(kind, reqs, chunked, decoding)
+        for f in self.features:
+            f.after_process()
+
+    def _hisparse_coordinator(self):
+        return next((c for c in (f.hisparse_coordinator() for f in self.features) if c is not None), None)
+
+    # -- observer ---------------------------------------------------------------------------------
+    def framework_files(self) -> list[str]:
+        return self._fold("framework_files", super().framework_files())
+
+    def framework_classes(self) -> list[type]:
+        return self._fold("framework_classes", super().framework_classes())
+
+    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
+        if not any([f.install_pool(spec, auditor, wrap) for f in self.features]):
+            super().install_pool(spec, auditor, wrap)
+
+    def install_lock_ledger(self, wrap, record) -> None:
+        super().install_lock_ledger(wrap, record)
+        for f in self.features:
+            f.install_lock_ledger(wrap, record)
+
+    def _inflight(self) -> list:
+        return self._fold("inflight", super()._inflight())
+
+    def _active(self) -> list:
+        return self._fold("active", super()._active())
+
+    def _place_groups(self) -> tuple:
+        return self._fold("place_groups", super()._place_groups())
+
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
+        return self._fold("is_idle", super().is_idle(ignore_waiting), ignore_waiting)
+
+    def is_idle_for_health_check(self) -> bool:
+        return self._fold("is_idle_for_health_check", super().is_idle_for_health_check())
+
+    def stalled(self) -> bool:
+        return self._fold("stalled", super().stalled())
+
+    def progress(self) -> dict[str, int]:
+        return self._fold("progress", super().progress())
+
+    def stuck(self) -> str:
+        return self._fold("stuck", super().stuck())
+
+    def describe_busy(self) -> str:
+        return self._fold("describe_busy", super().describe_busy())
+
+    def roots(self, aborting: bool = True) -> list:
+        return self._fold("roots", super().roots(aborting), aborting)
+
+    def units_of_rows(self, rows) -> dict:
+        return self._fold("units_of_rows", super().units_of_rows(rows), rows)
+
+    def accounting(self) -> dict:
+        return self._fold("accounting", super().accounting())
+
+    def free_lists(self) -> dict:
+        return self._fold("free_lists", super().free_lists())
+
+    def lock_holders(self) -> list[tuple[str, str, int]]:
+        return self._fold("lock_holders", super().lock_holders())
+
+    def lock_balance(self):
+        return self._fold("lock_balance", super().lock_balance())
+
+    def engine_check(self) -> list[str]:
+        return self._fold("engine_check", super().engine_check())
