@@ -210,6 +210,8 @@ class _Single:
                       f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)"
                       + (f"; {len(flaky)} flaky finding(s) not reported: {', '.join(flaky)}" if flaky else ""),
                       soft_wrap=True)
+        if stats.reached:  # what the programs reached: a path at 0 was not searched
+            console.print("reached: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.reached.items())), soft_wrap=True)
         console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
         write()
         return EXIT_CLEAN

@@ -7,6 +7,7 @@ Design notes: docs/internals/fuzzers.md.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import dataclasses
 import functools
 import random
@@ -70,6 +71,7 @@ class FuzzStats:
     suppressed: set = field(default_factory=set)  # distinct suppressed signatures seen
     coverage: str | None = None  # the fuzzer's own coverage figure, where it has one ("469 edges")
     first_hit: tuple[int, float] | None = None  # (executions, seconds) at the first finding, before shrinking
+    reached: Counter = field(default_factory=Counter)  # Target.reach() summed over the programs run
 
     def hit(self) -> None:
         if self.first_hit is None:
@@ -378,6 +380,7 @@ def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppr
             if run.out_of_time or found:
                 break
         sites = run.auditor.site_keys()
+        stats.reached.update(run.target.reach())
         stats.sites |= sites
         stats.suppressed.update(f.signature for f in run.suppressed)
     return ran, found, run.out_of_time, sites

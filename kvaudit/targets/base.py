@@ -299,6 +299,12 @@ class Target:
         """What keeps the engine from idling, for a hang report; default ``""``."""
         return ""
 
+    def reach(self) -> dict[str, int]:
+        """How often this run reached each path worth counting, by name (``{"preemptions": 3}``):
+        cumulative counts since the target was built, summed over a search's programs and printed
+        beside a clean run, so that a path no program reaches shows as 0 (reads). Default ``{}``."""
+        return {}
+
     def stuck(self) -> str:
         """What keeps the engine from idling, as a hang's signature names it: ``"<where>:<why>"``, the
         structure that holds the stuck work and what that work waits for (``"prealloc:memory"``,
