@@ -20,6 +20,7 @@ processor sets it), sampled at the program's ``stop_at``.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 
 import numpy as np
 
@@ -47,6 +48,7 @@ class _VllmBase(VllmObserver, Target):
         self.prompt_lens: dict[str, int] = {}
         self._flushes = 0
         self._faults = set(config.bugs)  # each fires once
+        self.reached: Counter = Counter()  # path counters (reach()); a path's preset sets its keys to 0 first
         self._init_observer()
         self._inject_faults()
 
@@ -87,6 +89,9 @@ class _VllmBase(VllmObserver, Target):
 
     def flushed(self) -> int:
         return self._flushes
+
+    def reach(self) -> dict[str, int]:
+        return dict(self.reached)
 
     # -- faults --------------------------------------------------------------------------------------
     def _inject_faults(self) -> None:
