@@ -253,7 +253,7 @@ def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
     ``config.kv_role`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
-    through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
+    through ``KVConnectorFactory``), ``config.scheduling_policy`` as ``SchedulerConfig.policy``. Returns ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
     moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
@@ -261,7 +261,8 @@ def build_scheduler(config):
                        max_model_len=config.max_model_len, seed=config.seed, **moe)
     sc = v.SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                            max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                           async_scheduling=config.async_scheduling, is_encoder_decoder=False)
+                           async_scheduling=config.async_scheduling, is_encoder_decoder=False,
+                           policy=config.scheduling_policy)
     cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     from vllm.config import KVEventsConfig
     if config.kv_connector == "KvauditAsyncSaveConnector":

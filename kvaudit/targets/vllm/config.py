@@ -41,6 +41,12 @@ FAULTS: dict[str, tuple[str, str]] = {
                        "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
                        "so the connector's request_finished runs twice and a second save of the same blocks starts "
                        "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
+    "free-preempted-under-inflight-step": (
+        "use-after-free", "vLLM #49674's setting (a KV consumer, async scheduling): a request preempted while a "
+                          "step in flight still writes its blocks is freed at once, past the deferred-free fence "
+                          "(as a fix of #49674's zero-progress preemptions that reclaimed the fenced victim would), "
+                          "so the preempting request can be given blocks that step still writes (vLLM >= 0.24.0; "
+                          "for the whole run; scheduler level: vllm-kv-connector-small)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -70,6 +76,7 @@ LEVELS = ("scheduler", "manager")
 KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
                  "SimpleCPUOffloadConnector")  # vLLM >= 0.20.0 (the target's range); eager mode
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy (every release driven has both)
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,10 @@ class VllmConfig(ConfigBase):
     adds a sliding-window group beside the full-attention one (``HybridKVCacheCoordinator``); both groups
     share the one ``BlockPool``. ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` /
     ``enable_chunked_prefill`` / ``enable_prefix_caching`` are vLLM's engine arguments of those names.
-    ``bugs`` names injected faults (:data:`FAULTS`). ``vocab_size``: the synthetic sampler's vocabulary;
+    ``scheduling_policy``: vLLM's ``SchedulerConfig.policy`` (:data:`SCHEDULING_POLICIES`); with
+    ``priority`` a submit's ``priority`` reaches ``Request.priority`` (lower runs first) and a request that
+    cannot get blocks preempts the running request of the largest ``(priority, arrival_time)``
+    (``Scheduler.schedule``, ``vllm/v1/core/sched/scheduler.py``). ``bugs`` names injected faults (:data:`FAULTS`). ``vocab_size``: the synthetic sampler's vocabulary;
     its last token is EOS.
 
     ``kv_connector``: a KV connector of vLLM's (:data:`KV_CONNECTORS`, by its registered name) built by
@@ -122,6 +132,7 @@ class VllmConfig(ConfigBase):
     kv_role: str = "kv_both"
     num_cpu_blocks: int = 8
     return_routed_experts: bool = False
+    scheduling_policy: str = "fcfs"
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -199,6 +210,11 @@ class VllmConfig(ConfigBase):
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be null or one of {', '.join(KV_CONNECTORS)}, "
                              f"got {self.kv_connector!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.scheduling_policy != "fcfs" and self.level != "scheduler":
+            raise ValueError("scheduling_policy priority needs level scheduler (the policy is the Scheduler's)")
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_connector is not None and self.level != "scheduler":
@@ -229,6 +245,16 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             async_scheduling=True),
     _preset("vllm-small", "the Scheduler on 16 blocks of 4 tokens: decode runs out and preempts by itself",
             num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
+    _preset("vllm-async-small", "vllm-small on the AsyncScheduler: decode runs out with a batch in flight, so "
+                                "requests are preempted while a step still writes their blocks",
+            async_scheduling=True, num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
+    _preset("vllm-priority", "vllm-small with priority scheduling: a submit's priority orders the queue and "
+                             "names the victim (the running request of the largest priority value)",
+            scheduling_policy="priority", num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32,
+            max_model_len=60),
+    _preset("vllm-priority-async", "vllm-priority on the AsyncScheduler (preemption by priority with a step in "
+                                   "flight)", scheduling_policy="priority", async_scheduling=True,
+            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
     _preset("vllm-hybrid", "the Scheduler over full attention + a 32-token sliding window "
                            "(HybridKVCacheCoordinator), 96 blocks shared", num_gpu_blocks=96, sliding_window=32),
     _preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, "
@@ -238,6 +264,11 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                  "a stand-in): some requests wait for remote KV, finished ones are held while "
                                  "their KV is sent, transfers complete 1-3 steps later",
             async_scheduling=True, kv_connector="NixlConnector"),
+    _preset("vllm-kv-connector-small", "vllm-kv-connector on vllm-small's pool: the KV consumer fences the "
+                                       "frees of a step in flight (deferred_frees), so a victim that step "
+                                       "still writes is not preempted (vLLM #49674)",
+            async_scheduling=True, kv_connector="NixlConnector", num_gpu_blocks=16, block_size=4,
+            max_num_batched_tokens=32, max_model_len=60),
     _preset("vllm-kv-connector-swa", "vllm-kv-connector over full attention + a 32-token sliding window (96 "
                                      "blocks shared), as a decode instance of a sliding-window model runs it "
                                      "on a GPU (the hybrid manager; vLLM turns it off on CPU)",

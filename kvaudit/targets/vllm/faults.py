@@ -95,3 +95,15 @@ def inject_scheduler(scheduler, faults: set[str], waiting_for_remote_kvs) -> Non
         return out
 
     scheduler.finish_requests = finish_freeing_loads
+
+
+def free_preempted_at_once(scheduler) -> None:
+    """The fault ``free-preempted-under-inflight-step`` on a Scheduler with deferred frees (vLLM >= 0.24.0):
+    its ``_free_request_blocks`` frees a request being preempted (not finished) at once through
+    ``KVCacheManager.free``, and (vLLM >= 0.30.0, #49675) its ``_request_blocks_can_be_freed`` lets such a
+    request be a victim even while its step is in flight. Finished requests keep vLLM's fence."""
+    free, free_now = scheduler._free_request_blocks, scheduler.kv_cache_manager.free
+    scheduler._free_request_blocks = lambda r: free(r) if r.is_finished() else free_now(r)
+    if hasattr(scheduler, "_request_blocks_can_be_freed"):  # the victim's fence of #49675
+        can_free = scheduler._request_blocks_can_be_freed
+        scheduler._request_blocks_can_be_freed = lambda r: not r.is_finished() or can_free(r)

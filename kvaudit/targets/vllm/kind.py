@@ -104,6 +104,11 @@ def _engine_source():
                         SUPPORTED_VERSIONS[0] if len(SUPPORTED_VERSIONS) == 1 else None)
 
 
+def _features(config) -> frozenset[str]:
+    """``priority`` (a submit's priority reaches ``Request.priority``) with the priority scheduling policy."""
+    return frozenset({"priority"} if config.scheduling_policy == "priority" else ())
+
+
 def _capabilities(config) -> frozenset[str]:
     return frozenset({"prefix_cache"} if config.enable_prefix_caching else ())
 
@@ -122,6 +127,6 @@ KIND = register(TargetKind(
     name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1 to 0.33.0 (presets 'vllm...')",
     config_class=VllmConfig, presets=_presets, make=_make, bugs=_bugs,
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
-    anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
+    anchor=_anchor, features=_features, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
     notes=_notes, regressions="corpora/vllm", history=_history,
     export=_export))

@@ -63,6 +63,8 @@ class _VllmBase(VllmObserver, Target):
                                    temperature=0.0, extra_args=self._extra_args(rid, len(req.input_ids)))
         sp.update_from_generation_config({}, self.eos)  # the keyword is model_eos_token_id before 0.17.0
         eos = {} if self.V.has("request-eos-from-sampling") else {"eos_token_id": self.eos}
+        if c.scheduling_policy == "priority":  # the program's priority (unset: vLLM's default, 0)
+            eos["priority"] = op.priority or 0
         request = self.V.Request(rid, list(req.input_ids), sp, None, arrival_time=float(len(self.submitted)),
                                  block_hasher=self.hasher, **eos)
         self.submitted.append(rid)
@@ -116,9 +118,12 @@ class VllmSchedulerTarget(_VllmBase):
         # loads into a reused block are not ordered against that step's writes
         self._init_common(config)
         self.guard_inflight = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
+        self._count_preemptions()
         faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus.WAITING_FOR_REMOTE_KVS)
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
+        if "free-preempted-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
+            faults.free_preempted_at_once(self.scheduler)
         if "free-window-under-inflight-step" in self._faults:
             coordinator, requests = self.manager.coordinator, self.scheduler.requests
             remove = coordinator.remove_skipped_blocks
@@ -128,6 +133,25 @@ class VllmSchedulerTarget(_VllmBase):
                 return remove(request_id, computed if request is None else request.num_computed_tokens, *a, **k)
 
             coordinator.remove_skipped_blocks = remove_optimistic
+
+    def _count_preemptions(self) -> None:
+        """Wrap the instance's ``Scheduler._preempt_request`` (every preemption: for blocks, by priority, a
+        reset of running requests) to count ``preemptions`` and ``preemptions_in_flight``, those of a
+        request a batch still in ``batch_queue`` schedules (with async scheduling, the batch in flight:
+        its output comes back for a request that holds no blocks any more)."""
+        self.reached.update(preemptions=0, preemptions_in_flight=0)
+        self.inflight_preempted: list[str] = []  # this schedule()'s victims with a step in flight
+        self.preempt_findings: list = []
+        preempt = self.scheduler._preempt_request
+
+        def preempt_counted(request, *a, **k):
+            self.reached["preemptions"] += 1
+            if any(request.request_id in out.num_scheduled_tokens for out, *_ in self.batch_queue):
+                self.reached["preemptions_in_flight"] += 1
+                self.inflight_preempted.append(request.request_id)
+            return preempt(request, *a, **k)
+
+        self.scheduler._preempt_request = preempt_counted
 
     def known(self) -> dict:
         return {rid: (r, r.status.name.lower()) for rid, r in self.scheduler.requests.items()}
@@ -164,6 +188,9 @@ class VllmSchedulerTarget(_VllmBase):
             self.steps += 1
             return
         out = s.schedule()
+        if self.inflight_preempted and not self.preempt_findings:  # checked before that batch is processed
+            self.preempt_findings = self._inflight_findings()
+        self.inflight_preempted.clear()
         self._on_schedule(out)
         if out.total_num_scheduled_tokens > 0:
             self.batch_queue.append((out, self._model_output(out), self._written_blocks(out)))
@@ -197,7 +224,11 @@ class VllmSchedulerTarget(_VllmBase):
         return touched
 
     def invariant_findings(self) -> list:
-        return super().invariant_findings() + self._inflight_findings() + self._dead_table_findings()
+        """The observer's, then :meth:`_inflight_findings` (first as they stood right after a ``schedule()``
+        that preempted a request with a step in flight, before ``step`` processes that step), then
+        :meth:`_dead_table_findings`."""
+        return (super().invariant_findings() + self.preempt_findings[:1] + self._inflight_findings()
+                + self._dead_table_findings())
 
     def _dead_table_findings(self) -> list:
         """Once the engine is idle (every request finished and reported, no batch in flight, no transfer
@@ -330,6 +361,7 @@ class VllmManagerTarget(_VllmBase):
         self.waiting: list = []
         self.running: list = []
         self._init_common(config)
+        self.reached["preemptions"] = 0
 
     def engine_files(self) -> list[str]:
         return [__file__]
@@ -372,6 +404,7 @@ class VllmManagerTarget(_VllmBase):
         request.status = self.V.RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.reached["preemptions"] += 1
         self.waiting.insert(0, request)
 
     def step(self) -> None:
