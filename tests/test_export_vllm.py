@@ -370,6 +370,9 @@ def test_the_vllm_launch_line_follows_the_config():
     assert "--enable-prefix-caching" in flags and env == ["VLLM_SERVER_DEV_MODE=1"]
     flags = vllm_flag_line(VLLM_PRESETS["vllm-small"].config())[0]
     assert "--no-async-scheduling" in flags and "--max-model-len 60" in flags and "--block-size 4" in flags
+    assert not any(f.startswith("--scheduling-policy") for f in flags)
+    flags, _, unmapped = vllm_flag_line(VLLM_PRESETS["vllm-priority-async"].config())
+    assert "--scheduling-policy priority" in flags and any("priorities" in u for u in unmapped)
     flags, _, unmapped = vllm_flag_line(VLLM_PRESETS["vllm-kv-connector-swa"].config())
     kv = next(f for f in flags if f.startswith("--kv-transfer-config"))
     assert json.loads(kv.split(" ", 1)[1].strip("'")) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}

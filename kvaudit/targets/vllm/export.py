@@ -103,7 +103,8 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
     unmapped)`` -- ``vllm serve`` flags (``--num-gpu-blocks-override`` for ``num_gpu_blocks``, the
     null block included as vLLM counts it; ``--block-size``, ``--max-num-seqs``,
     ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
-    ``--[no-]enable-chunked-prefill``, ``--[no-]async-scheduling``, ``--kv-transfer-config``, kvaudit's
+    ``--[no-]enable-chunked-prefill``, ``--[no-]async-scheduling``, ``--scheduling-policy``,
+    ``--kv-transfer-config``, kvaudit's
     save connector as vLLM's ``OffloadingConnector``, ``SimpleCPUOffloadConnector`` eager with a
     ``CPU_BYTES`` placeholder for its CPU budget),
     environment variables (``VLLM_SERVER_DEV_MODE=1`` for ``/reset_prefix_cache``), and config fields
@@ -161,6 +162,9 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
     elif c.wake_for_transfers:
         unmapped.append("wake_for_transfers=true (kvaudit steps the engine while only sends are outstanding; "
                         "vLLM >= 0.22.0 does so itself)")
+    if c.scheduling_policy != "fcfs":
+        flags.append(f"--scheduling-policy {c.scheduling_policy}")
+        unmapped.append("the submits' priorities (the script sends each request with vLLM's default priority, 0)")
     if c.return_routed_experts:
         flags.append("--enable-return-routed-experts")
         unmapped.append("return_routed_experts needs a mixture-of-experts model and vLLM 0.22.0 to 0.30.0")
