@@ -54,7 +54,8 @@ class _VllmBase(VllmObserver, Target):
 
     # -- intake --------------------------------------------------------------------------------------
     def _new_request(self, op: Submit):
-        """A vLLM ``Request`` for submit ``op`` (prompt at most half the context, output a quarter)."""
+        """A vLLM ``Request`` for submit ``op`` (prompt at most half the context, output a quarter; its
+        ``priority`` under the priority scheduling policy)."""
         c = self.config
         req = resolve_submit(op, c.vocab_size - 1, max(1, c.context_len // 4), max(1, c.context_len // 2),
                              self.submitted, lambda rid: self.texts[rid])
@@ -62,11 +63,11 @@ class _VllmBase(VllmObserver, Target):
         sp = self.V.SamplingParams(max_tokens=req.max_new_tokens, ignore_eos=bool(op.ignore_eos),
                                    temperature=0.0, extra_args=self._extra_args(rid, len(req.input_ids)))
         sp.update_from_generation_config({}, self.eos)  # the keyword is model_eos_token_id before 0.17.0
-        eos = {} if self.V.has("request-eos-from-sampling") else {"eos_token_id": self.eos}
+        kw = {} if self.V.has("request-eos-from-sampling") else {"eos_token_id": self.eos}
         if c.scheduling_policy == "priority":  # the program's priority (unset: vLLM's default, 0)
-            eos["priority"] = op.priority or 0
+            kw["priority"] = op.priority or 0
         request = self.V.Request(rid, list(req.input_ids), sp, None, arrival_time=float(len(self.submitted)),
-                                 block_hasher=self.hasher, **eos)
+                                 block_hasher=self.hasher, **kw)
         self.submitted.append(rid)
         self.texts[rid] = list(req.input_ids)
         self.stop_at[rid] = req.stop_at
