@@ -134,7 +134,7 @@ def load() -> SimpleNamespace:
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                                     SlidingWindowSpec)
-            from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
             from vllm.v1.request import Request, RequestStatus
             from vllm.v1.structured_output import StructuredOutputManager
     except Exception as e:  # a broken or partial install: one line, with the hint
@@ -158,7 +158,7 @@ def load() -> SimpleNamespace:
         SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
         get_request_block_hasher=get_request_block_hasher, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
         FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput,
+        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput, DraftTokenIds=DraftTokenIds,
         KVConnectorOutput=KVConnectorOutput, Request=Request,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
         kv_cache_utils=kv_cache_utils,
@@ -249,11 +249,23 @@ def check_config(config) -> None:
     load()
 
 
+def speculative_config(model_config, num_spec_tokens: int):
+    """vLLM's ``SpeculativeConfig`` for ``num_spec_tokens`` drafts a step (``None`` for 0): the ``ngram``
+    method (``vllm/config/speculative.py``), the one that needs no draft model, so it builds on CPU; it
+    reserves no lookahead slot (``num_lookahead_tokens`` 0) and ``use_eagle()`` is false."""
+    if not num_spec_tokens:
+        return None
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens,
+                             target_model_config=model_config, target_parallel_config=ParallelConfig())
+
+
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
     ``config.kv_role`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
-    through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
+    through ``KVConnectorFactory``) and, with ``config.num_spec_tokens``, speculative decoding
+(:func:`speculative_config`). Returns ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
     moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
@@ -274,7 +286,8 @@ def build_scheduler(config):
         kv_connector_extra_config=kv_connector_extra_config(config))
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
-                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+                        speculative_config=speculative_config(mc, config.num_spec_tokens))
     cc.num_gpu_blocks = config.num_gpu_blocks
     cls = v.AsyncScheduler if config.async_scheduling else v.Scheduler
     sched = cls(vc, kv_cache_config(v, config), v.StructuredOutputManager(vc), block_size=config.block_size,

@@ -41,6 +41,11 @@ FAULTS: dict[str, tuple[str, str]] = {
                        "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
                        "so the connector's request_finished runs twice and a second save of the same blocks starts "
                        "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
+    "leak-rejected-draft-blocks": (
+        "leak", "the first time a step's rejected draft tokens leave a request holding blocks wholly past its "
+                "rolled-back num_computed_tokens, those blocks are dropped from its table with their ref_cnt "
+                "kept (blocks allocated for rejected speculative tokens never freed, the class of vLLM #43996; "
+                "scheduler level, num_spec_tokens > 0)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -103,6 +108,9 @@ class VllmConfig(ConfigBase):
     engine anyway (an empty schedule that reports the finished transfers, as a later request's step
     does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
     arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
+    ``num_spec_tokens``: speculative decoding with that many draft tokens per step (0: off), built as
+    vLLM's ``SpeculativeConfig(method="ngram")``, which needs no draft model (no lookahead slots); the
+    driver plays the drafter and the rejection sampler (:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget`).
     """
 
     level: str = "scheduler"
@@ -122,6 +130,7 @@ class VllmConfig(ConfigBase):
     kv_role: str = "kv_both"
     num_cpu_blocks: int = 8
     return_routed_experts: bool = False
+    num_spec_tokens: int = 0
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -210,6 +219,11 @@ class VllmConfig(ConfigBase):
         if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= 1 << 16:
             raise ValueError(f"num_cpu_blocks must be an integer in [2, 65536] (block 0 is the CPU pool's null "
                              f"block), got {n!r}")
+        n = self.num_spec_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 8:
+            raise ValueError(f"num_spec_tokens must be an integer in [0, 8], got {n!r}")
+        if n and self.level != "scheduler":
+            raise ValueError("num_spec_tokens needs level scheduler (the drafts go through the Scheduler)")
         if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
             raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
                              "off without it)")
@@ -270,4 +284,11 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
                                 "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
             async_scheduling=True, return_routed_experts=True),
+    _preset("vllm-spec", "the Scheduler with speculative decoding (ngram, 4 draft tokens a step): each step "
+                         "accepts a random prefix of the drafts and rolls back the rest", num_spec_tokens=4),
+    _preset("vllm-spec-async", "vllm-spec on the AsyncScheduler: draft placeholders, rejections rolled back "
+                               "with a step in flight", async_scheduling=True, num_spec_tokens=4),
+    _preset("vllm-spec-kv-connector", "vllm-spec-async with vLLM's NixlConnector (as vllm-kv-connector) and "
+                                      "prefix caching", async_scheduling=True, kv_connector="NixlConnector",
+            num_spec_tokens=4),
 ]}
