@@ -340,6 +340,7 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
      f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-load",
      "vllm-kv-load"),
     ("refinish-held-request", "double-free", f"double-free/{POOL}/?/check:finished-once", "vllm-kv-save"),
+    ("leak-rejected-draft-blocks", "leak", f"leak/{POOL}/schedule@scheduler.py", "vllm-spec"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
