@@ -238,26 +238,33 @@ def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
     release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
     "simple-cpu-offload"); ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts``
-    (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"). The release is read from its
+    (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"); speculative decoding with async
+    scheduling needs vLLM >= 0.21.0 (``compat.spec_method``). The release is read from its
     metadata, so those refusals come before vLLM is imported (seconds); then it is :func:`load` ed."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
+    if config.num_spec_tokens and compat.spec_method(version, config.async_scheduling) is None:
+        raise VllmUnavailable(f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free "
+                              f"method it accepts, ngram_gpu), not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
                               f"(ModelConfig.enable_return_routed_experts), not {version}")
     load()
 
 
-def speculative_config(model_config, num_spec_tokens: int):
-    """vLLM's ``SpeculativeConfig`` for ``num_spec_tokens`` drafts a step (``None`` for 0): the ``ngram``
-    method (``vllm/config/speculative.py``), the one that needs no draft model, so it builds on CPU; it
-    reserves no lookahead slot (``num_lookahead_tokens`` 0) and ``use_eagle()`` is false."""
-    if not num_spec_tokens:
+def speculative_config(v: SimpleNamespace, model_config, config):
+    """vLLM's ``SpeculativeConfig`` for ``config.num_spec_tokens`` drafts a step (``None`` for 0): a method
+    that needs no draft model, so it builds on CPU (``vllm/config/speculative.py``): ``ngram``, or
+    ``ngram_gpu`` under async scheduling where the release refuses ``ngram`` there
+    (:func:`compat.spec_method`). Either reserves no lookahead slot and ``use_eagle()`` is false: the
+    Scheduler sees the same numbers."""
+    if not config.num_spec_tokens:
         return None
     from vllm.config import ParallelConfig, SpeculativeConfig
-    return SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens,
-                             target_model_config=model_config, target_parallel_config=ParallelConfig())
+    return SpeculativeConfig(method=compat.spec_method(v.version, config.async_scheduling),
+                             num_speculative_tokens=config.num_spec_tokens, target_model_config=model_config,
+                             target_parallel_config=ParallelConfig())
 
 
 def build_scheduler(config):
@@ -287,7 +294,7 @@ def build_scheduler(config):
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
-                        speculative_config=speculative_config(mc, config.num_spec_tokens))
+                        speculative_config=speculative_config(v, mc, config))
     cc.num_gpu_blocks = config.num_gpu_blocks
     cls = v.AsyncScheduler if config.async_scheduling else v.Scheduler
     sched = cls(vc, kv_cache_config(v, config), v.StructuredOutputManager(vc), block_size=config.block_size,
