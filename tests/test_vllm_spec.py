@@ -28,9 +28,11 @@ def test_num_spec_tokens_is_validated(bad):
         cfg("vllm", num_spec_tokens=bad)
     with pytest.raises(ValueError, match="num_spec_tokens needs level scheduler"):
         cfg("vllm-manager", num_spec_tokens=2)
+    with pytest.raises(ValueError, match="spec_method"):
+        cfg("vllm-spec", spec_method="medusa")
 
 
-@pytest.mark.parametrize("preset", ["vllm-spec", "vllm-spec-async", "vllm-spec-kv-connector"])
+@pytest.mark.parametrize("preset", ["vllm-spec", "vllm-spec-async", "vllm-spec-kv-connector", "vllm-spec-eagle"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_drafts_are_verified_rolled_back_and_completions_end_at_stop_at(preset, prefix_caching):
     """Two requests of one family (the second hits the first's prefix when caching is on): drafts are
@@ -40,6 +42,7 @@ def test_drafts_are_verified_rolled_back_and_completions_end_at_stop_at(preset, 
     with AuditedRun(config, full_stacks=False) as run:
         t = run.target
         assert t.vllm_config.speculative_config.num_speculative_tokens == 4
+        assert t.scheduler.num_lookahead_tokens == (4 if config.spec_method == "eagle" else 0)
         assert t.reach() == {"accepted_draft_tokens": 0, "rejected_draft_tokens": 0}
         requests, drafted = {}, 0
         for op in [Submit(0, 40, 12, stop_at=11), Step(1), Submit(0, 40, 12, ignore_eos=1, stop_at=3)]:

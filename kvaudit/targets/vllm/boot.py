@@ -91,7 +91,8 @@ def _prepare_environment() -> None:
 
 def _register_stub_architecture(registry, module_base) -> None:
     """Register ``STUB_ARCH`` with vLLM's ``ModelRegistry``: a model architecture for ``ModelConfig`` only,
-    never built (no weights, no forward)."""
+    never built (no weights, no forward); and under ``"Eagle" + STUB_ARCH``, the name vLLM's ``EAGLEConfig``
+    gives the draft model of an ``eagle`` ``SpeculativeConfig`` whose directory is the stub's."""
 
     class KvauditStubForCausalLM(module_base):
         def forward(self, *a, **k):
@@ -100,6 +101,7 @@ def _register_stub_architecture(registry, module_base) -> None:
         compute_logits = embed_input_ids = forward
 
     registry.register_model(STUB_ARCH, KvauditStubForCausalLM)
+    registry.register_model("Eagle" + STUB_ARCH, KvauditStubForCausalLM)
 
 
 def load() -> SimpleNamespace:
@@ -244,7 +246,8 @@ def check_config(config) -> None:
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
-    if config.num_spec_tokens and compat.spec_method(version, config.async_scheduling) is None:
+    if config.num_spec_tokens and config.spec_method == "ngram" and not compat.spec_method(version,
+                                                                                         config.async_scheduling):
         raise VllmUnavailable(f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free "
                               f"method it accepts, ngram_gpu), not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):
@@ -254,15 +257,18 @@ def check_config(config) -> None:
 
 
 def speculative_config(v: SimpleNamespace, model_config, config):
-    """vLLM's ``SpeculativeConfig`` for ``config.num_spec_tokens`` drafts a step (``None`` for 0): a method
-    that needs no draft model, so it builds on CPU (``vllm/config/speculative.py``): ``ngram``, or
-    ``ngram_gpu`` under async scheduling where the release refuses ``ngram`` there
-    (:func:`compat.spec_method`). Either reserves no lookahead slot and ``use_eagle()`` is false: the
-    Scheduler sees the same numbers."""
+    """vLLM's ``SpeculativeConfig`` (``vllm/config/speculative.py``) for ``config.num_spec_tokens`` drafts a
+    step (``None`` for 0). ``spec_method`` ``ngram``: the model-free method (``ngram_gpu`` under async
+    scheduling where the release refuses ``ngram`` there, :func:`compat.spec_method`; the Scheduler reads
+    the same numbers from both: no lookahead slot, ``use_eagle()`` false). ``eagle``: a draft model whose
+    directory is the stub's (never built), so ``num_lookahead_tokens`` is ``num_spec_tokens`` and
+    ``use_eagle()`` holds (the prefix cache drops a hit's last block for the drafter)."""
     if not config.num_spec_tokens:
         return None
     from vllm.config import ParallelConfig, SpeculativeConfig
-    return SpeculativeConfig(method=compat.spec_method(v.version, config.async_scheduling),
+    eagle = config.spec_method == "eagle"
+    return SpeculativeConfig(method="eagle" if eagle else compat.spec_method(v.version, config.async_scheduling),
+                             model=_model_dir(v, config) if eagle else None,
                              num_speculative_tokens=config.num_spec_tokens, target_model_config=model_config,
                              target_parallel_config=ParallelConfig())
 

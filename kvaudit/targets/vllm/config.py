@@ -74,7 +74,8 @@ LEVELS = ("scheduler", "manager")
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
 KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
                  "SimpleCPUOffloadConnector")  # vLLM >= 0.20.0 (the target's range); eager mode
-KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
+KV_ROLES = ("kv_both", "kv_producer")
+SPEC_METHODS = ("ngram", "eagle")  # vLLM's SpeculativeConfig methods the driver builds  # vLLM's KVTransferConfig.kv_role values the driver builds
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,10 @@ class VllmConfig(ConfigBase):
     does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
     arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
     ``num_spec_tokens``: speculative decoding with that many draft tokens per step (0: off), built as
-    vLLM's ``SpeculativeConfig(method="ngram")``, which needs no draft model (no lookahead slots); the
-    driver plays the drafter and the rejection sampler (:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget`).
+    vLLM's ``SpeculativeConfig`` with ``spec_method`` (:data:`SPEC_METHODS`: ``ngram`` needs no draft
+    model and reserves no lookahead slot; ``eagle`` a stub draft model, ``num_spec_tokens`` lookahead
+    slots; ``boot.speculative_config``); the driver plays the drafter and the rejection sampler
+    (:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget`).
     """
 
     level: str = "scheduler"
@@ -131,6 +134,7 @@ class VllmConfig(ConfigBase):
     num_cpu_blocks: int = 8
     return_routed_experts: bool = False
     num_spec_tokens: int = 0
+    spec_method: str = "ngram"
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -222,6 +226,8 @@ class VllmConfig(ConfigBase):
         n = self.num_spec_tokens
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 8:
             raise ValueError(f"num_spec_tokens must be an integer in [0, 8], got {n!r}")
+        if self.spec_method not in SPEC_METHODS:
+            raise ValueError(f"spec_method must be one of {', '.join(SPEC_METHODS)}, got {self.spec_method!r}")
         if n and self.level != "scheduler":
             raise ValueError("num_spec_tokens needs level scheduler (the drafts go through the Scheduler)")
         if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
@@ -291,4 +297,7 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-spec-kv-connector", "vllm-spec-async with vLLM's NixlConnector (as vllm-kv-connector) and "
                                       "prefix caching", async_scheduling=True, kv_connector="NixlConnector",
             num_spec_tokens=4),
+    _preset("vllm-spec-eagle", "vllm-spec-async with an EAGLE drafter (a stub draft model): 4 lookahead slots a "
+                               "step, and a prefix-cache hit's last block dropped for the drafter",
+            async_scheduling=True, num_spec_tokens=4, spec_method="eagle"),
 ]}

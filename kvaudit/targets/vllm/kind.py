@@ -23,7 +23,8 @@ def _presets():
     v = installed_version()
     ok = compat.routed_experts_supported(v)
     return {n: p for n, p in VLLM_PRESETS.items() if (ok or not p.overrides.get("return_routed_experts"))
-            and (not p.overrides.get("num_spec_tokens") or compat.spec_method(v, p.config().async_scheduling))}
+            and (p.overrides.get("spec_method", "ngram") != "ngram" or not p.overrides.get("num_spec_tokens")
+                 or compat.spec_method(v, p.config().async_scheduling))}
 
 
 def _notes(config) -> list[str]:
