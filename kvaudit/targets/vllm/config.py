@@ -300,4 +300,7 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-spec-eagle", "vllm-spec-async with an EAGLE drafter (a stub draft model): 4 lookahead slots a "
                                "step, and a prefix-cache hit's last block dropped for the drafter",
             async_scheduling=True, num_spec_tokens=4, spec_method="eagle"),
+    _preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted "
+                               "with drafts scheduled and a step in flight", async_scheduling=True, num_spec_tokens=4,
+            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
 ]}
