@@ -262,7 +262,8 @@ def speculative_config(v: SimpleNamespace, model_config, config):
     scheduling where the release refuses ``ngram`` there, :func:`compat.spec_method`; the Scheduler reads
     the same numbers from both: no lookahead slot, ``use_eagle()`` false). ``eagle``: a draft model whose
     directory is the stub's (never built), so ``num_lookahead_tokens`` is ``num_spec_tokens`` and
-    ``use_eagle()`` holds (the prefix cache drops a hit's last block for the drafter)."""
+    ``use_eagle()`` holds (0.33.0 hashes each block with the token after it; before, the prefix cache drops
+    a hit's last block for the drafter)."""
     if not config.num_spec_tokens:
         return None
     from vllm.config import ParallelConfig, SpeculativeConfig

@@ -60,6 +60,10 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("async-ngram", "0.33.0",
            "VllmConfig accepts async scheduling with the ngram method (read in 0.33.0; 0.30.0 refuses it; "
            "0.31.0 and 0.32.0 not read: ngram_gpu there, which they accept)"),
+    Change("hash-lookahead", "0.33.0",
+           "VllmConfig.num_hash_lookahead_tokens, passed by EngineCore to get_request_block_hasher (EAGLE: each "
+           "block's hash covers the next token instead of dropping the hit's last block; read in 0.33.0, "
+           "absent in 0.30.0; 0.31.0 and 0.32.0 not read)"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}

@@ -298,7 +298,7 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                       "prefix caching", async_scheduling=True, kv_connector="NixlConnector",
             num_spec_tokens=4),
     _preset("vllm-spec-eagle", "vllm-spec-async with an EAGLE drafter (a stub draft model): 4 lookahead slots a "
-                               "step, and a prefix-cache hit's last block dropped for the drafter",
+                               "step; block hashes cover the next token (0.33.0; before, a hit drops its last block)",
             async_scheduling=True, num_spec_tokens=4, spec_method="eagle"),
     _preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted "
                                "with drafts scheduled and a step in flight", async_scheduling=True, num_spec_tokens=4,

@@ -41,7 +41,9 @@ class _VllmBase(VllmObserver, Target):
         self.V = load()
         self.config, self.steps = config, 0
         self.eos = config.vocab_size - 1
-        self.hasher = self.V.get_request_block_hasher(config.block_size, self.V.sha256)
+        n = self._hash_lookahead()  # the argument is new in 0.33.0
+        self.hasher = self.V.get_request_block_hasher(config.block_size, self.V.sha256,
+                                                      **({"num_hash_lookahead_tokens": n} if n else {}))
         self.submitted: list[str] = []
         self.texts: dict[str, list[int]] = {}  # rid -> prompt + sampled tokens (extends read them)
         self.stop_at: dict[str, int | None] = {}
@@ -51,6 +53,11 @@ class _VllmBase(VllmObserver, Target):
         self.reached: Counter = Counter()  # path counters (reach()); a path's preset sets its keys to 0 first
         self._init_observer()
         self._inject_faults()
+
+    def _hash_lookahead(self) -> int:
+        """The tokens after each block that its prefix-cache hash covers (``get_request_block_hasher``'s
+        ``num_hash_lookahead_tokens``, as ``EngineCore.__init__`` passes it): none here."""
+        return 0
 
     # -- intake --------------------------------------------------------------------------------------
     def _new_request(self, op: Submit):
@@ -136,6 +143,11 @@ class VllmSchedulerTarget(_VllmBase):
                 return remove(request_id, computed if request is None else request.num_computed_tokens, *a, **k)
 
             coordinator.remove_skipped_blocks = remove_optimistic
+
+    def _hash_lookahead(self) -> int:
+        """``VllmConfig.num_hash_lookahead_tokens`` (vLLM >= 0.33.0, ``compat`` "hash-lookahead": an EAGLE
+        drafter with prefix caching and no KV connector hashes each block with the token after it)."""
+        return self.vllm_config.num_hash_lookahead_tokens if self.V.has("hash-lookahead") else 0
 
     def known(self) -> dict:
         return {rid: (r, r.status.name.lower()) for rid, r in self.scheduler.requests.items()}
