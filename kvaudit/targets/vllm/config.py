@@ -44,8 +44,8 @@ FAULTS: dict[str, tuple[str, str]] = {
     "leak-rejected-draft-blocks": (
         "leak", "the first time a step's rejected draft tokens leave a request holding blocks wholly past its "
                 "rolled-back num_computed_tokens, those blocks are dropped from its table with their ref_cnt "
-                "kept (blocks allocated for rejected speculative tokens never freed, the class of vLLM #43996; "
-                "scheduler level, num_spec_tokens > 0)"),
+                "kept: blocks allocated for rejected speculative tokens never freed (the class of SGLang's draft "
+                "over-allocation leaks, sglang #13826 and #19518; scheduler level, num_spec_tokens > 0)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),

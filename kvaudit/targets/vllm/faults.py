@@ -103,7 +103,7 @@ def _leak_rejected_draft_blocks(scheduler, faults: set[str]) -> None:
     """Wrap ``scheduler.update_from_output``: after the first step whose rejected drafts left a request
     with blocks wholly past its rolled-back ``num_computed_tokens`` (allocated for draft positions only),
     drop them from its table in every group, ref counts kept: blocks of rejected speculative tokens that
-    nothing frees (the class of vLLM #43996)."""
+    nothing frees (the class of SGLang's draft over-allocation leaks, sgl-project/sglang#13826, #19518)."""
     update, managers = scheduler.update_from_output, scheduler.kv_cache_manager.coordinator.single_type_managers
 
     def update_leaking(out, *a, **k):
