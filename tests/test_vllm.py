@@ -343,6 +343,7 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     ("free-preempted-under-inflight-step", "use-after-free",
      f"use-after-free/{POOL}/schedule@scheduler.py/_preempt_request@scheduler.py/check:inflight-write",
      "vllm-kv-connector-small"),
+    ("leak-rejected-draft-blocks", "leak", f"leak/{POOL}/schedule@scheduler.py", "vllm-spec"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,

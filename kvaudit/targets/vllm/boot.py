@@ -91,7 +91,8 @@ def _prepare_environment() -> None:
 
 def _register_stub_architecture(registry, module_base) -> None:
     """Register ``STUB_ARCH`` with vLLM's ``ModelRegistry``: a model architecture for ``ModelConfig`` only,
-    never built (no weights, no forward)."""
+    never built (no weights, no forward); and under ``"Eagle" + STUB_ARCH``, the name vLLM's ``EAGLEConfig``
+    gives the draft model of an ``eagle`` ``SpeculativeConfig`` whose directory is the stub's."""
 
     class KvauditStubForCausalLM(module_base):
         def forward(self, *a, **k):
@@ -100,6 +101,7 @@ def _register_stub_architecture(registry, module_base) -> None:
         compute_logits = embed_input_ids = forward
 
     registry.register_model(STUB_ARCH, KvauditStubForCausalLM)
+    registry.register_model("Eagle" + STUB_ARCH, KvauditStubForCausalLM)
 
 
 def load() -> SimpleNamespace:
@@ -134,7 +136,7 @@ def load() -> SimpleNamespace:
             from vllm.v1.core.sched.scheduler import Scheduler
             from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                                     SlidingWindowSpec)
-            from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
             from vllm.v1.request import Request, RequestStatus
             from vllm.v1.structured_output import StructuredOutputManager
     except Exception as e:  # a broken or partial install: one line, with the hint
@@ -158,7 +160,7 @@ def load() -> SimpleNamespace:
         SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
         get_request_block_hasher=get_request_block_hasher, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
         FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput,
+        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput, DraftTokenIds=DraftTokenIds,
         KVConnectorOutput=KVConnectorOutput, Request=Request,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
         kv_cache_utils=kv_cache_utils,
@@ -238,22 +240,47 @@ def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
     release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
     "simple-cpu-offload"); ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts``
-    (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"). The release is read from its
+    (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"); speculative decoding with async
+    scheduling needs vLLM >= 0.21.0 (``compat.spec_method``). The release is read from its
     metadata, so those refusals come before vLLM is imported (seconds); then it is :func:`load` ed."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
+    if config.num_spec_tokens and config.spec_method == "ngram" and not compat.spec_method(version,
+                                                                                         config.async_scheduling):
+        raise VllmUnavailable(f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free "
+                              f"method it accepts, ngram_gpu), not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
                               f"(ModelConfig.enable_return_routed_experts), not {version}")
     load()
 
 
+def speculative_config(v: SimpleNamespace, model_config, config):
+    """vLLM's ``SpeculativeConfig`` (``vllm/config/speculative.py``) for ``config.num_spec_tokens`` drafts a
+    step (``None`` for 0). ``spec_method`` ``ngram``: the model-free method (``ngram_gpu`` under async
+    scheduling where the release refuses ``ngram`` there, :func:`compat.spec_method`; the Scheduler reads
+    the same numbers from both: no lookahead slot, ``use_eagle()`` false). ``eagle``: a draft model whose
+    directory is the stub's (never built), so ``num_lookahead_tokens`` is ``num_spec_tokens`` and
+    ``use_eagle()`` holds (0.33.0 hashes each block with the token after it; before, the prefix cache drops
+    a hit's last block for the drafter)."""
+    if not config.num_spec_tokens:
+        return None
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    eagle = config.spec_method == "eagle"
+    return SpeculativeConfig(method="eagle" if eagle else compat.spec_method(v.version, config.async_scheduling),
+                             model=_model_dir(v, config) if eagle else None,
+                             num_speculative_tokens=config.num_spec_tokens, target_model_config=model_config,
+                             target_parallel_config=ParallelConfig())
+
+
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
     ``config.kv_role`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
-    through ``KVConnectorFactory``), ``config.scheduling_policy`` as ``SchedulerConfig.policy``. Returns ``(scheduler, vllm_config)``."""
+    through ``KVConnectorFactory``), ``config.scheduling_policy`` as ``SchedulerConfig.policy`` and, with
+    ``config.num_spec_tokens``, speculative decoding (:func:`speculative_config`). Returns
+    ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
     moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
@@ -275,7 +302,8 @@ def build_scheduler(config):
         kv_connector_extra_config=kv_connector_extra_config(config))
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
-                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+                        speculative_config=speculative_config(v, mc, config))
     cc.num_gpu_blocks = config.num_gpu_blocks
     cls = v.AsyncScheduler if config.async_scheduling else v.Scheduler
     sched = cls(vc, kv_cache_config(v, config), v.StructuredOutputManager(vc), block_size=config.block_size,

@@ -54,6 +54,16 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
            "not buildable on CPU here"),
     Change("simple-cpu-offload", "0.19.0",
            "SimpleCPUOffloadConnector (vllm/v1/simple_kv_offload/); absent before"),
+    Change("ngram-gpu", "0.21.0",
+           "the ngram_gpu speculative method, the one model-free method VllmConfig accepts with async "
+           "scheduling before async-ngram (read in 0.21.0; absent in 0.16.0; 0.20.0 not read, taken as absent)"),
+    Change("async-ngram", "0.33.0",
+           "VllmConfig accepts async scheduling with the ngram method (read in 0.33.0; 0.30.0 refuses it; "
+           "0.31.0 and 0.32.0 not read: ngram_gpu there, which they accept)"),
+    Change("hash-lookahead", "0.33.0",
+           "VllmConfig.num_hash_lookahead_tokens, passed by EngineCore to get_request_block_hasher (EAGLE: each "
+           "block's hash covers the next token instead of dropping the hit's last block; read in 0.33.0, "
+           "absent in 0.30.0; 0.31.0 and 0.32.0 not read)"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}
@@ -83,6 +93,17 @@ def routed_experts_supported(version: str | None) -> bool:
         return Version("0.22.0") <= Version(version or "") and not has("routed-experts-aux-output", version)
     except Exception:
         return False
+
+
+def spec_method(version: str | None, async_scheduling: bool) -> str | None:
+    """The model-free speculative method release ``version`` builds with (``"ngram"``, or ``"ngram_gpu"``
+    under async scheduling before "async-ngram"); None where it has none for async scheduling."""
+    try:
+        if not async_scheduling or has("async-ngram", version):
+            return "ngram"
+        return "ngram_gpu" if has("ngram-gpu", version) else None
+    except Exception:
+        return None
 
 
 def range_text() -> str:

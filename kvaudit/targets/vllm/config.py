@@ -47,6 +47,11 @@ FAULTS: dict[str, tuple[str, str]] = {
                           "(as a fix of #49674's zero-progress preemptions that reclaimed the fenced victim would), "
                           "so the preempting request can be given blocks that step still writes (vLLM >= 0.24.0; "
                           "for the whole run; scheduler level: vllm-kv-connector-small)"),
+    "leak-rejected-draft-blocks": (
+        "leak", "the first time a step's rejected draft tokens leave a request holding blocks wholly past its "
+                "rolled-back num_computed_tokens, those blocks are dropped from its table with their ref_cnt "
+                "kept: blocks allocated for rejected speculative tokens never freed (the class of SGLang's draft "
+                "over-allocation leaks, sglang #13826 and #19518; scheduler level, num_spec_tokens > 0)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -77,6 +82,7 @@ KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kv
                  "SimpleCPUOffloadConnector")  # vLLM >= 0.20.0 (the target's range); eager mode
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy (every release driven has both)
+SPEC_METHODS = ("ngram", "eagle")  # vLLM's SpeculativeConfig methods the driver builds
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,11 @@ class VllmConfig(ConfigBase):
     engine anyway (an empty schedule that reports the finished transfers, as a later request's step
     does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
     arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
+    ``num_spec_tokens``: speculative decoding with that many draft tokens per step (0: off), built as
+    vLLM's ``SpeculativeConfig`` with ``spec_method`` (:data:`SPEC_METHODS`: ``ngram`` needs no draft
+    model and reserves no lookahead slot; ``eagle`` a stub draft model, ``num_spec_tokens`` lookahead
+    slots; ``boot.speculative_config``); the driver plays the drafter and the rejection sampler
+    (:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget`).
     """
 
     level: str = "scheduler"
@@ -133,6 +144,8 @@ class VllmConfig(ConfigBase):
     num_cpu_blocks: int = 8
     return_routed_experts: bool = False
     scheduling_policy: str = "fcfs"
+    num_spec_tokens: int = 0
+    spec_method: str = "ngram"
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -226,6 +239,13 @@ class VllmConfig(ConfigBase):
         if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= 1 << 16:
             raise ValueError(f"num_cpu_blocks must be an integer in [2, 65536] (block 0 is the CPU pool's null "
                              f"block), got {n!r}")
+        n = self.num_spec_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 8:
+            raise ValueError(f"num_spec_tokens must be an integer in [0, 8], got {n!r}")
+        if self.spec_method not in SPEC_METHODS:
+            raise ValueError(f"spec_method must be one of {', '.join(SPEC_METHODS)}, got {self.spec_method!r}")
+        if n and self.level != "scheduler":
+            raise ValueError("num_spec_tokens needs level scheduler (the drafts go through the Scheduler)")
         if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
             raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
                              "off without it)")
@@ -301,4 +321,17 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
                                 "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
             async_scheduling=True, return_routed_experts=True),
+    _preset("vllm-spec", "the Scheduler with speculative decoding (ngram, 4 draft tokens a step): each step "
+                         "accepts a random prefix of the drafts and rolls back the rest", num_spec_tokens=4),
+    _preset("vllm-spec-async", "vllm-spec on the AsyncScheduler: draft placeholders, rejections rolled back "
+                               "with a step in flight", async_scheduling=True, num_spec_tokens=4),
+    _preset("vllm-spec-kv-connector", "vllm-spec-async with vLLM's NixlConnector (as vllm-kv-connector) and "
+                                      "prefix caching", async_scheduling=True, kv_connector="NixlConnector",
+            num_spec_tokens=4),
+    _preset("vllm-spec-eagle", "vllm-spec-async with an EAGLE drafter (a stub draft model): 4 lookahead slots a "
+                               "step; block hashes cover the next token (0.33.0; before, a hit drops its last block)",
+            async_scheduling=True, num_spec_tokens=4, spec_method="eagle"),
+    _preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted "
+                               "with drafts scheduled and a step in flight", async_scheduling=True, num_spec_tokens=4,
+            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
 ]}

@@ -70,6 +70,8 @@ def inject_scheduler(scheduler, faults: set[str], waiting_for_remote_kvs) -> Non
             return out
 
         scheduler.finish_requests = finish_twice
+    if "leak-rejected-draft-blocks" in faults:
+        _leak_rejected_draft_blocks(scheduler, faults)
     if "free-under-inflight-load" not in faults:
         return
     finish, xfer = scheduler.finish_requests, scheduler._update_from_kv_xfer_finished
@@ -107,3 +109,24 @@ def free_preempted_at_once(scheduler) -> None:
     if hasattr(scheduler, "_request_blocks_can_be_freed"):  # the victim's fence of #49675
         can_free = scheduler._request_blocks_can_be_freed
         scheduler._request_blocks_can_be_freed = lambda r: not r.is_finished() or can_free(r)
+def _leak_rejected_draft_blocks(scheduler, faults: set[str]) -> None:
+    """Wrap ``scheduler.update_from_output``: after the first step whose rejected drafts left a request
+    with blocks wholly past its rolled-back ``num_computed_tokens`` (allocated for draft positions only),
+    drop them from its table in every group, ref counts kept: blocks of rejected speculative tokens that
+    nothing frees (the class of SGLang's draft over-allocation leaks, sgl-project/sglang#13826, #19518)."""
+    update, managers = scheduler.update_from_output, scheduler.kv_cache_manager.coordinator.single_type_managers
+
+    def update_leaking(out, *a, **k):
+        result = update(out, *a, **k)
+        for rid in out.scheduled_spec_decode_tokens:
+            request = scheduler.requests.get(rid)
+            if "leak-rejected-draft-blocks" not in faults or request is None or request.is_finished():
+                continue
+            for mgr in managers:
+                table, keep = mgr.req_to_blocks.get(rid, []), -(-request.num_computed_tokens // mgr.block_size)
+                if len(table) > keep:
+                    faults.discard("leak-rejected-draft-blocks")
+                    del table[keep:]
+        return result
+
+    scheduler.update_from_output = update_leaking

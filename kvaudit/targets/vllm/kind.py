@@ -16,11 +16,15 @@ def _bugs():
 
 def _presets():
     """The presets the installed vLLM can build (by its metadata, no import): ``vllm-moe-experts`` only
-    on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), so that ``ci --presets all`` runs."""
+    on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), the async speculative ones from 0.21.0
+    (``compat.spec_method``), so that ``ci --presets all`` runs."""
     from kvaudit.targets.vllm import compat
     from kvaudit.targets.vllm.boot import installed_version
-    ok = compat.routed_experts_supported(installed_version())
-    return {n: p for n, p in VLLM_PRESETS.items() if ok or not p.overrides.get("return_routed_experts")}
+    v = installed_version()
+    ok = compat.routed_experts_supported(v)
+    return {n: p for n, p in VLLM_PRESETS.items() if (ok or not p.overrides.get("return_routed_experts"))
+            and (p.overrides.get("spec_method", "ngram") != "ngram" or not p.overrides.get("num_spec_tokens")
+                 or compat.spec_method(v, p.config().async_scheduling))}
 
 
 def _notes(config) -> list[str]:

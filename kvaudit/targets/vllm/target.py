@@ -41,7 +41,9 @@ class _VllmBase(VllmObserver, Target):
         self.V = load()
         self.config, self.steps = config, 0
         self.eos = config.vocab_size - 1
-        self.hasher = self.V.get_request_block_hasher(config.block_size, self.V.sha256)
+        n = self._hash_lookahead()  # the argument is new in 0.33.0
+        self.hasher = self.V.get_request_block_hasher(config.block_size, self.V.sha256,
+                                                      **({"num_hash_lookahead_tokens": n} if n else {}))
         self.submitted: list[str] = []
         self.texts: dict[str, list[int]] = {}  # rid -> prompt + sampled tokens (extends read them)
         self.stop_at: dict[str, int | None] = {}
@@ -51,6 +53,11 @@ class _VllmBase(VllmObserver, Target):
         self.reached: Counter = Counter()  # path counters (reach()); a path's preset sets its keys to 0 first
         self._init_observer()
         self._inject_faults()
+
+    def _hash_lookahead(self) -> int:
+        """The tokens after each block that its prefix-cache hash covers (``get_request_block_hasher``'s
+        ``num_hash_lookahead_tokens``, as ``EngineCore.__init__`` passes it): none here."""
+        return 0
 
     # -- intake --------------------------------------------------------------------------------------
     def _new_request(self, op: Submit):
@@ -79,13 +86,19 @@ class _VllmBase(VllmObserver, Target):
         none here."""
         return None
 
+    def token(self, rid: str, i: int) -> int:
+        """The token of ``rid`` at output position ``i``: EOS at ``stop_at``, else a hash of (rid, i)."""
+        return self.eos if self.stop_at[rid] == i + 1 else zlib.crc32(f"{rid}:{i}".encode()) % self.eos
+
     def sample(self, rid: str) -> int:
-        """The next token of ``rid``: EOS at output position ``stop_at``, else a hash of (rid, position)."""
+        """The next token of ``rid`` (:meth:`token`), appended to its text."""
         text = self.texts[rid]
-        i = len(text) - self.prompt_lens[rid]
-        tok = self.eos if self.stop_at[rid] == i + 1 else zlib.crc32(f"{rid}:{i}".encode()) % self.eos
-        text.append(tok)
-        return tok
+        text.append(self.token(rid, len(text) - self.prompt_lens[rid]))
+        return text[-1]
+
+    def draft_ok(self, rid: str, i: int) -> bool:
+        """Whether the drafter guesses ``rid``'s output position ``i`` right (about 2 in 3, by a hash)."""
+        return zlib.crc32(f"{rid}:{i}:draft".encode()) % 3 != 0
 
     def text(self, rid: str) -> list[int]:
         return list(self.texts.get(rid, ()))
@@ -121,6 +134,8 @@ class VllmSchedulerTarget(_VllmBase):
         self.guard_inflight = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
         self._count_preemptions()
         faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus.WAITING_FOR_REMOTE_KVS)
+        if config.num_spec_tokens:
+            self.reached.update(accepted_draft_tokens=0, rejected_draft_tokens=0)
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
         if "free-preempted-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
@@ -153,6 +168,10 @@ class VllmSchedulerTarget(_VllmBase):
             return preempt(request, *a, **k)
 
         self.scheduler._preempt_request = preempt_counted
+    def _hash_lookahead(self) -> int:
+        """``VllmConfig.num_hash_lookahead_tokens`` (vLLM >= 0.33.0, ``compat`` "hash-lookahead": an EAGLE
+        drafter with prefix caching and no KV connector hashes each block with the token after it)."""
+        return self.vllm_config.num_hash_lookahead_tokens if self.V.has("hash-lookahead") else 0
 
     def known(self) -> dict:
         return {rid: (r, r.status.name.lower()) for rid, r in self.scheduler.requests.items()}
@@ -200,7 +219,25 @@ class VllmSchedulerTarget(_VllmBase):
         if self.batch_queue and (len(self.batch_queue) >= self.max_in_flight or out.total_num_scheduled_tokens == 0):
             done, result, _ = self.batch_queue.pop(0)
             s.update_from_output(done, result)
+            self._post_step(done)
         self.steps += 1
+
+    def _post_step(self, out) -> None:
+        """``EngineCore.post_step`` after a synchronous step that ran the model: the drafter's proposals for
+        the requests of ``out`` go to ``Scheduler.update_draft_token_ids`` (which drops those of finished
+        requests and prefill chunks), ``num_spec_tokens`` guesses of the next output positions each, right
+        where :meth:`draft_ok` (an ngram drafter may propose fewer; this one always proposes all). With
+        async scheduling the engine core hands over none: the worker keeps its drafts, the AsyncScheduler
+        schedules placeholders (``-1``) for them."""
+        k = self.config.num_spec_tokens
+        if not k or self.max_in_flight > 1 or not out.total_num_scheduled_tokens:
+            return
+        ids, drafts = list(out.num_scheduled_tokens), []
+        for rid in ids:
+            n = len(self.texts[rid]) - self.prompt_lens[rid]
+            guess = [self.token(rid, n + j) for j in range(k)]
+            drafts.append([t if self.draft_ok(rid, n + j) else (t + 1) % self.eos for j, t in enumerate(guess)])
+        self.scheduler.update_draft_token_ids(self.V.DraftTokenIds(ids, drafts))
 
     def _written_blocks(self, out) -> dict:
         """What the step ``out`` touches, per request: ``(written, read)`` block ids (``[n] int64``), the
@@ -295,15 +332,30 @@ class VllmSchedulerTarget(_VllmBase):
         return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={})
 
     def _model_output(self, out):
-        """One sampled token per scheduled request, none for a request still mid-prefill after this chunk."""
+        """The sampled tokens of each scheduled request: none for a request still mid-prefill after this
+        chunk, else :meth:`_verify` of its ``scheduled_spec_decode_tokens`` (one token without drafts)."""
         ids = list(out.num_scheduled_tokens)
-        reqs = self.scheduler.requests
-        toks = [[] if self._is_prefill_chunk(reqs[r]) else [self.sample(r)] for r in ids]
+        reqs, spec = self.scheduler.requests, out.scheduled_spec_decode_tokens
+        toks = [[] if self._is_prefill_chunk(reqs[r]) else self._verify(r, len(spec.get(r, ()))) for r in ids]
         output = self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                           sampled_token_ids=toks)
         if self.config.return_routed_experts:
             output.routed_experts = self._routed_experts(out, ids)
         return output
+
+    def _verify(self, rid: str, k: int) -> list[int]:
+        """The rejection sampler over ``k`` drafts of ``rid`` (placeholders under async scheduling: the
+        worker holds the real ones): drafts are accepted up to the first one :meth:`draft_ok` rejects, and
+        the target's token follows (a correction, or the bonus token when all are accepted), so ``1 +
+        accepted`` tokens of :meth:`sample`, the same whatever the batching. As a GPU worker, it returns
+        tokens past a stop too (the scheduler trims them). Counts ``accepted_draft_tokens`` and
+        ``rejected_draft_tokens``."""
+        n = len(self.texts[rid]) - self.prompt_lens[rid]
+        accepted = next((j for j in range(k) if not self.draft_ok(rid, n + j)), k)
+        if k:
+            self.reached["accepted_draft_tokens"] += accepted
+            self.reached["rejected_draft_tokens"] += k - accepted
+        return [self.sample(rid) for _ in range(1 + accepted)]
 
     def _routed_experts(self, out, ids):
         """The step's ``RoutedExpertsLists`` (what the model runner D2Hs): per scheduled token, in ``ids``
