@@ -252,7 +252,7 @@ def check_config(config) -> None:
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
-    ``config.kv_role`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
+    ``config.kv_role``, a fixed ``engine_id`` and ``kv_load_failure_policy`` if set: the Scheduler builds the connector's SCHEDULER role
     through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
@@ -271,7 +271,8 @@ def build_scheduler(config):
                                                   config.kv_connector)
     kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
         kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit",
-        kv_connector_extra_config=kv_connector_extra_config(config))
+        kv_connector_extra_config=kv_connector_extra_config(config),
+        **({} if config.kv_load_failure_policy is None else {"kv_load_failure_policy": config.kv_load_failure_policy}))
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))

@@ -41,6 +41,11 @@ FAULTS: dict[str, tuple[str, str]] = {
                        "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
                        "so the connector's request_finished runs twice and a second save of the same blocks starts "
                        "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
+    "lose-failed-load": (
+        "hang", "vLLM #50719 put back in the NIXL stand-in (a Mooncake worker shipped it until #50984): the first "
+                "failed KV load is only logged, never reported (no finished_recving, no invalid_block_ids), so its "
+                "request stays in WAITING_FOR_REMOTE_KVS holding its blocks, or, aborted meanwhile, holds them "
+                "for good (the symptom of #46283); presets with kv_load_failure_policy"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -70,6 +75,7 @@ LEVELS = ("scheduler", "manager")
 KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
                  "SimpleCPUOffloadConnector")  # vLLM >= 0.20.0 (the target's range); eager mode
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")  # vLLM's KVTransferConfig.kv_load_failure_policy (0.15.1 on)
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,11 @@ class VllmConfig(ConfigBase):
     engine anyway (an empty schedule that reports the finished transfers, as a later request's step
     does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
     arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
+    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field of that name (:data:`KV_LOAD_FAILURE_POLICIES`:
+    a failed KV load is recomputed, or fails its request); ``None`` leaves vLLM's default (``recompute`` in
+    0.15.1/0.16.0, ``fail`` later) and no transfer fails. Set, with ``NixlConnector`` (one KV-cache group:
+    vLLM's block-level failure path refuses several), programs draw ``transfer_fail`` and the stand-in fails
+    transfers and reports ``memory_pressure`` as blocks the connector found invalid.
     """
 
     level: str = "scheduler"
@@ -122,6 +133,7 @@ class VllmConfig(ConfigBase):
     kv_role: str = "kv_both"
     num_cpu_blocks: int = 8
     return_routed_experts: bool = False
+    kv_load_failure_policy: str | None = None
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -213,6 +225,12 @@ class VllmConfig(ConfigBase):
         if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
             raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
                              "off without it)")
+        if self.kv_load_failure_policy is not None and (
+                self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES or self.kv_connector != "NixlConnector"
+                or self.sliding_window is not None):
+            raise ValueError(f"kv_load_failure_policy must be null or one of {', '.join(KV_LOAD_FAILURE_POLICIES)} "
+                             f"with kv_connector NixlConnector and no sliding_window, got "
+                             f"{self.kv_load_failure_policy!r}")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
         self._freeze_faults(FAULTS, "vllm")
@@ -246,6 +264,13 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                             "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and "
                             "aborts during them, without vLLM #45357's async-step window",
             kv_connector="NixlConnector", wake_for_transfers=True),
+    _preset("vllm-kv-fail", "vllm-kv-connector whose transfers may fail (transfer_fail: a read reports its blocks "
+                            "invalid, a send ends as on lease expiry; memory_pressure reports running requests' "
+                            "cached blocks invalid), kv_load_failure_policy recompute",
+            async_scheduling=True, kv_connector="NixlConnector", kv_load_failure_policy="recompute"),
+    _preset("vllm-kv-fail-abort", "vllm-kv-load whose transfers may fail as in vllm-kv-fail, kv_load_failure_policy "
+                                  "fail (the requests hit end with FINISHED_ERROR)",
+            kv_connector="NixlConnector", wake_for_transfers=True, kv_load_failure_policy="fail"),
     _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
                             "kv_producer): every finished request, aborted ones too, holds its blocks until its "
                             "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",

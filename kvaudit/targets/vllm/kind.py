@@ -51,6 +51,11 @@ def _make(config):
     return VllmSchedulerTarget(config)
 
 
+def _features(config) -> frozenset[str]:
+    """``transfer_fail`` where the NIXL stand-in fails transfers (``kv_load_failure_policy`` set)."""
+    return frozenset({"transfer_fail"} if config.kv_load_failure_policy is not None else ())
+
+
 def _probe(config) -> None:
     """Raises :class:`TargetUnavailable` (one line, with the install hint) when no vLLM release the target
     drives imports here, or the one that does cannot build ``config`` (``boot.check_config``)."""
@@ -124,4 +129,4 @@ KIND = register(TargetKind(
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
     notes=_notes, regressions="corpora/vllm", history=_history,
-    export=_export))
+    export=_export, features=_features))
