@@ -319,3 +319,15 @@ def test_clean_failure_preset_fuzz_finds_nothing(preset):
     result = fuzz(VLLM_PRESETS[preset].config(), max_time=6, seed=3, fuzzer="random")
     result.assert_clean()
     assert result.executions > 10
+
+
+@pytest.mark.vllm
+def test_push_mode_loads_complete_and_a_failed_push_is_never_reported():
+    """``vllm-kv-push-fail``: a decode request's KV is written by the prefill side and reported done; a
+    push that never comes is reported by nothing in vLLM 0.33.0, so the request waits for good (#46283's
+    cause; aborted, its blocks stay held: corpora/vllm/vllm-46283.json)."""
+    config = VLLM_PRESETS["vllm-kv-push-fail"].config()
+    submits = [Submit(family=0, prompt_len=40, max_new_tokens=3), Submit(family=1, prompt_len=40, max_new_tokens=3)]
+    assert execute(config, [*submits, Idle()]).signatures == []
+    failed = execute(config, [submits[0], TransferFail(handle=0), Idle()])
+    assert failed.signatures == ["hang/-/idle/waiting:waiting-for-remote-kvs"]

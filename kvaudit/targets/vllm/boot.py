@@ -237,12 +237,14 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
     release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
-    "simple-cpu-offload"); ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts``
+    "simple-cpu-offload"), ``NixlPushConnector`` >= 0.24.0 ("nixl-push"); ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts``
     (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"). The release is read from its
     metadata, so those refusals come before vLLM is imported (seconds); then it is :func:`load` ed."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
+    if config.kv_connector == "NixlPushConnector" and not compat.has("nixl-push", version):
+        raise VllmUnavailable(f"NixlPushConnector needs vLLM >= 0.24.0, not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
                               f"(ModelConfig.enable_return_routed_experts), not {version}")

@@ -73,7 +73,9 @@ LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
 KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
-                 "SimpleCPUOffloadConnector")  # vLLM >= 0.20.0 (the target's range); eager mode
+                 "SimpleCPUOffloadConnector",  # vLLM >= 0.20.0 (the target's range); eager mode
+                 "NixlPushConnector")  # vLLM >= 0.24.0: NIXL in push mode (the prefill side writes)
+NIXL = ("NixlConnector", "NixlPushConnector")
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")  # vLLM's KVTransferConfig.kv_load_failure_policy (0.15.1 on)
 
@@ -111,7 +113,7 @@ class VllmConfig(ConfigBase):
     arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
     ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field of that name (:data:`KV_LOAD_FAILURE_POLICIES`:
     a failed KV load is recomputed, or fails its request); ``None`` leaves vLLM's default (``recompute`` in
-    0.15.1/0.16.0, ``fail`` later) and no transfer fails. Set, with ``NixlConnector`` (one KV-cache group:
+    0.15.1/0.16.0, ``fail`` later) and no transfer fails. Set, with a NIXL connector (one KV-cache group:
     vLLM's block-level failure path refuses several), programs draw ``transfer_fail`` and the stand-in fails
     transfers and reports ``memory_pressure`` as blocks the connector found invalid.
     """
@@ -226,10 +228,10 @@ class VllmConfig(ConfigBase):
             raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
                              "off without it)")
         if self.kv_load_failure_policy is not None and (
-                self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES or self.kv_connector != "NixlConnector"
+                self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES or self.kv_connector not in NIXL
                 or self.sliding_window is not None):
             raise ValueError(f"kv_load_failure_policy must be null or one of {', '.join(KV_LOAD_FAILURE_POLICIES)} "
-                             f"with kv_connector NixlConnector and no sliding_window, got "
+                             f"with a NIXL kv_connector and no sliding_window, got "
                              f"{self.kv_load_failure_policy!r}")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
@@ -271,6 +273,9 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-kv-fail-abort", "vllm-kv-load whose transfers may fail as in vllm-kv-fail, kv_load_failure_policy "
                                   "fail (the requests hit end with FINISHED_ERROR)",
             kv_connector="NixlConnector", wake_for_transfers=True, kv_load_failure_policy="fail"),
+    _preset("vllm-kv-push-fail", "vllm-kv-fail with vLLM's NixlPushConnector (vLLM >= 0.24.0): the prefill side "
+                                 "writes a decode request's KV; a failed push is never written, so never reported",
+            async_scheduling=True, kv_connector="NixlPushConnector", kv_load_failure_policy="recompute"),
     _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
                             "kv_producer): every finished request, aborted ones too, holds its blocks until its "
                             "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",

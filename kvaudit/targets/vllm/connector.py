@@ -60,6 +60,7 @@ import numpy as np
 
 from kvaudit.program import MemoryPressure, TransferFail
 from kvaudit.targets.base import TargetFinding
+from kvaudit.targets.vllm.config import NIXL
 from kvaudit.targets.vllm.observer import POOL
 from kvaudit.targets.vllm.target import VllmSchedulerTarget
 
@@ -85,12 +86,17 @@ class NixlWorkerStandIn:
     requests the remote side may read (``NixlPullConnectorWorker._reqs_to_process``). ``failing``: requests
     whose next transfer report is a failure; ``invalid``: block ids the next output reports invalid;
     ``faults``: the target's fault set (``lose-failed-load`` fires here); ``reached``: the target's path
-    counters (``failed_transfers``, ``invalid_blocks``)."""
+    counters (``failed_transfers``: failures made, ``invalid_blocks``: ids reported). ``push``: NIXL's push
+    mode (``NixlPushConnector``): a read is the prefill side's write, awaited for every registration with
+    local blocks; a failed one is never written and never reported (0.33.0's ``NixlPushConnectorWorker``
+    reports a receive only on the writer's notification, a failure only of its own handshake or
+    registration, ``nixl/push_worker.py``; the scheduler's watchdog, ``NixlPushConnectorScheduler.
+    build_connector_meta``, drops the registration and reports nothing)."""
 
     def __init__(self, latency_steps: int, awaiting_field: bool = True, failed_field: bool = False,
-                 faults: set | None = None, reached: Counter | None = None):
-        self.latency_steps = latency_steps
-        self.awaiting_field = awaiting_field  # ReqMeta.awaiting_kvs exists (vLLM >= 0.30.0)
+                 faults: set | None = None, reached: Counter | None = None, push: bool = False):
+        self.latency_steps, self.push = latency_steps, push
+        self.awaiting_field = awaiting_field and not push  # ReqMeta.awaiting_kvs is read (pull, vLLM >= 0.30.0)
         self.failed_field = failed_field  # KVConnectorOutput.failed_recving exists (vLLM >= 0.30.0)
         self.faults = set() if faults is None else faults
         self.reached = Counter() if reached is None else reached
@@ -137,13 +143,14 @@ class NixlWorkerStandIn:
         self.failing -= failed
         failed_recv, invalid = recv & failed, self.invalid
         self.invalid = set()
-        if failed_recv and "lose-failed-load" in self.faults:  # the fault: the worker only logs it
+        lost = set(failed_recv) if self.push else set()
+        if failed_recv - lost and "lose-failed-load" in self.faults:  # the fault: the worker only logs it
             self.faults.discard("lose-failed-load")
-            lost = min(failed_recv)
-            recv.discard(lost)
-            failed_recv.discard(lost)
-            del self.recving[lost]
-            self.loading.pop(lost, None)
+            lost.add(min(failed_recv))
+        for r in lost:
+            del self.recving[r]
+            self.loading.pop(r, None)
+        recv, failed_recv = recv - lost, failed_recv - lost
         for r in failed_recv:
             invalid |= set(self.loading[r].tolist())
         for r in recv:
@@ -290,9 +297,10 @@ class VllmConnectorTarget(VllmSchedulerTarget):
 
     def __init__(self, config):
         super().__init__(config)
-        if config.kv_connector == "NixlConnector":
+        if config.kv_connector in NIXL:
             self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"),
-                                            self.V.has("failed-recving"), self._faults, self.reached)
+                                            self.V.has("failed-recving"), self._faults, self.reached,
+                                            push=config.kv_connector == "NixlPushConnector")
             self.reached.update(failed_transfers=0, invalid_blocks=0)
         elif config.kv_connector == "SimpleCPUOffloadConnector":
             self.worker = OffloadWorkerStandIn(config.kv_transfer_latency_steps)
@@ -386,7 +394,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return []
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
-        if self.config.kv_connector != "NixlConnector":
+        if self.config.kv_connector not in NIXL:
             return None
         params = transfer_params(len(self.submitted) + 1, rid, prompt_len, self.config.block_size)
         return None if params is None else {"kv_transfer_params": params}

@@ -16,11 +16,14 @@ def _bugs():
 
 def _presets():
     """The presets the installed vLLM can build (by its metadata, no import): ``vllm-moe-experts`` only
-    on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), so that ``ci --presets all`` runs."""
+    on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), ``NixlPushConnector`` ones from 0.24.0, so
+    that ``ci --presets all`` runs."""
     from kvaudit.targets.vllm import compat
     from kvaudit.targets.vllm.boot import installed_version
-    ok = compat.routed_experts_supported(installed_version())
-    return {n: p for n, p in VLLM_PRESETS.items() if ok or not p.overrides.get("return_routed_experts")}
+    v = installed_version()
+    ok, push = compat.routed_experts_supported(v), compat.in_range(v or "") and compat.has("nixl-push", v)
+    return {n: p for n, p in VLLM_PRESETS.items() if (ok or not p.overrides.get("return_routed_experts"))
+            and (push or p.overrides.get("kv_connector") != "NixlPushConnector")}
 
 
 def _notes(config) -> list[str]:
