@@ -142,8 +142,9 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
                         "holds cpu_bytes_to_use / (the model's KV bytes per block, all layers) blocks: set CPU_BYTES "
                         f"to {c.num_cpu_blocks} blocks' worth, so that the CPU pool evicts as it did here)")
     elif c.kv_connector is not None:
-        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"}'"
-                     % (c.kv_connector, c.kv_role))
+        policy = "" if c.kv_load_failure_policy is None else ', \"kv_load_failure_policy\": \"%s\"' % c.kv_load_failure_policy
+        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"%s}'"
+                     % (c.kv_connector, c.kv_role, policy))
     if c.kv_connector is not None:
         unmapped.append(f"kv_transfer_latency_steps={c.kv_transfer_latency_steps} (kvaudit's worker stand-in "
                         "completes each transfer 1 to that many steps after it starts; a real transfer takes "
