@@ -340,6 +340,7 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
      f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-load",
      "vllm-kv-load"),
     ("refinish-held-request", "double-free", f"double-free/{POOL}/?/check:finished-once", "vllm-kv-save"),
+    ("lose-failed-load", "hang", "hang/-/idle/waiting:waiting-for-remote-kvs", "vllm-kv-fail-abort"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
@@ -354,7 +355,7 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
     f = doc["findings"][0]
     assert (f["kind"], f["signature"]) == (kind, signature)
     assert doc["config"]["target"] == "vllm" and doc["config"]["bugs"] == [bug]
-    assert "vllm/v1/core/" in json.dumps(f["alloc_sites"][0]["file"])
+    assert kind == "hang" or "vllm/v1/core/" in json.dumps(f["alloc_sites"][0]["file"])  # a hang has no site
     r = invoke("replay", str(path), "--check-determinism")
     assert r.exit_code == 1, r.output  # 1: it reproduces; 3 would be runs that differ
     assert "deterministic: 3 identical runs" in r.output
@@ -362,7 +363,8 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
 
 # -- clean random runs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", [n for n, p in VLLM_PRESETS.items()
-                                    if not p.overrides.get("return_routed_experts")])  # 0.22-0.30 only
+                                    if not p.overrides.get("return_routed_experts")  # 0.22-0.30 only
+                                    and n != "vllm-kv-push-fail"])  # vLLM #46283 at once: corpora/vllm/own/vllm-46283.json
 def test_200_random_programs_find_nothing(preset):
     """One target per program, the random fuzzer's programs; and they did work: blocks were allocated,
     freed and cached."""
@@ -483,10 +485,10 @@ def test_ci_for_vllm_checks_vllms_own_regressions(tmp_path):
     """By default ci replayed the built-in engine's corpus for every target."""
     r = invoke("ci", "--target", "vllm", "--presets", "vllm-manager", "--max-time", "2", "--out", str(tmp_path))
     assert r.exit_code == 0, r.output
-    assert "7 regression file(s) in corpora/vllm" in r.output
+    assert "8 regression file(s) in corpora/vllm" in r.output
     for name in ("fault-skip-free", "fault-double-free-shared-prefix", "fault-drop-hash-entry",
                  "fault-free-under-inflight-step", "fault-free-window-under-inflight-step",
-                 "fault-free-under-inflight-load", "fault-refinish-held-request"):
+                 "fault-free-under-inflight-load", "fault-refinish-held-request", "fault-lose-failed-load"):
         assert f"regression {name}: ok" in r.output
 
 

@@ -325,7 +325,7 @@ def test_clean_failure_preset_fuzz_finds_nothing(preset):
 def test_push_mode_loads_complete_and_a_failed_push_is_never_reported():
     """``vllm-kv-push-fail``: a decode request's KV is written by the prefill side and reported done; a
     push that never comes is reported by nothing in vLLM 0.33.0, so the request waits for good (#46283's
-    cause; aborted, its blocks stay held: corpora/vllm/vllm-46283.json)."""
+    cause; aborted, its blocks stay held: corpora/vllm/own/vllm-46283.json)."""
     config = VLLM_PRESETS["vllm-kv-push-fail"].config()
     submits = [Submit(family=0, prompt_len=40, max_new_tokens=3), Submit(family=1, prompt_len=40, max_new_tokens=3)]
     assert execute(config, [*submits, Idle()]).signatures == []
