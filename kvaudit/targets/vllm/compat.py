@@ -57,8 +57,8 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("failed-recving", "0.30.0",
            "KVConnectorOutput.failed_recving (a failed receive by request id, Scheduler._handle_failed_recving); "
            "before (0.26.0 read; 0.27.0-0.29.0 not), a failed load is its invalid_block_ids alone"),
-    Change("nixl-push", "0.24.0", "NixlPushConnector (push mode: the prefill side writes; its transfers "
-                                  "driven on 0.33.0 only); absent before"),
+    Change("nixl-push", "0.24.0", "NixlPushConnector (push mode: the prefill side writes; driven on 0.24.0, "
+                                  "0.26.0, 0.30.0 and 0.33.0); absent before"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}
