@@ -364,7 +364,7 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
 # -- clean random runs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", [n for n, p in VLLM_PRESETS.items()
                                     if not p.overrides.get("return_routed_experts")  # 0.22-0.30 only
-                                    and n != "vllm-kv-push-fail"])  # vLLM #46283 at once: corpora/vllm/own/vllm-46283.json
+                                    and n != "vllm-kv-push-fail"])  # #46283 at once: corpora/vllm/own/
 def test_200_random_programs_find_nothing(preset):
     """One target per program, the random fuzzer's programs; and they did work: blocks were allocated,
     freed and cached."""

@@ -237,8 +237,9 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
     release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
-    "simple-cpu-offload"), ``NixlPushConnector`` >= 0.24.0 ("nixl-push"); ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts``
-    (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"). The release is read from its
+    "simple-cpu-offload"), ``NixlPushConnector`` >= 0.24.0 ("nixl-push"); ``return_routed_experts`` needs
+    ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0; ``compat``
+    "routed-experts-aux-output"). The release is read from its
     metadata, so those refusals come before vLLM is imported (seconds); then it is :func:`load` ed."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
@@ -254,8 +255,8 @@ def check_config(config) -> None:
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
-    ``config.kv_role``, a fixed ``engine_id`` and ``kv_load_failure_policy`` if set: the Scheduler builds the connector's SCHEDULER role
-    through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
+    ``config.kv_role``, a fixed ``engine_id`` and ``kv_load_failure_policy`` if set: the Scheduler builds
+    the connector's SCHEDULER role through ``KVConnectorFactory``). Returns ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
     moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
@@ -274,7 +275,8 @@ def build_scheduler(config):
     kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
         kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit",
         kv_connector_extra_config=kv_connector_extra_config(config),
-        **({} if config.kv_load_failure_policy is None else {"kv_load_failure_policy": config.kv_load_failure_policy}))
+        **({} if config.kv_load_failure_policy is None
+           else {"kv_load_failure_policy": config.kv_load_failure_policy}))
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))

@@ -111,11 +111,12 @@ class VllmConfig(ConfigBase):
     engine anyway (an empty schedule that reports the finished transfers, as a later request's step
     does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
     arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
-    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field of that name (:data:`KV_LOAD_FAILURE_POLICIES`:
-    a failed KV load is recomputed, or fails its request); ``None`` leaves vLLM's default (``recompute`` in
-    0.15.1/0.16.0, ``fail`` later) and no transfer fails. Set, with a NIXL connector (one KV-cache group:
-    vLLM's block-level failure path refuses several), programs draw ``transfer_fail`` and the stand-in fails
-    transfers and reports ``memory_pressure`` as blocks the connector found invalid.
+    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field of that name
+    (:data:`KV_LOAD_FAILURE_POLICIES`: a failed KV load is recomputed, or fails its request); ``None``
+    leaves vLLM's default (``recompute`` in 0.15.1/0.16.0, ``fail`` later) and no transfer fails. Set,
+    with a NIXL connector (one KV-cache group: vLLM's block-level failure path refuses several), programs
+    draw ``transfer_fail`` and the stand-in fails transfers and reports ``memory_pressure`` as blocks the
+    connector found invalid.
     """
 
     level: str = "scheduler"

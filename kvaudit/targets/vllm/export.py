@@ -142,7 +142,8 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
                         "holds cpu_bytes_to_use / (the model's KV bytes per block, all layers) blocks: set CPU_BYTES "
                         f"to {c.num_cpu_blocks} blocks' worth, so that the CPU pool evicts as it did here)")
     elif c.kv_connector is not None:
-        policy = "" if c.kv_load_failure_policy is None else ', \"kv_load_failure_policy\": \"%s\"' % c.kv_load_failure_policy
+        policy = ("" if c.kv_load_failure_policy is None
+                  else ', \"kv_load_failure_policy\": \"%s\"' % c.kv_load_failure_policy)
         flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"%s}'"
                      % (c.kv_connector, c.kv_role, policy))
     if c.kv_connector is not None:
