@@ -344,6 +344,7 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
      f"use-after-free/{POOL}/schedule@scheduler.py/_preempt_request@scheduler.py/check:inflight-write",
      "vllm-kv-connector-small"),
     ("leak-rejected-draft-blocks", "leak", f"leak/{POOL}/schedule@scheduler.py", "vllm-spec"),
+    ("lose-failed-load", "hang", "hang/-/idle/waiting:waiting-for-remote-kvs", "vllm-kv-fail-abort"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
@@ -358,7 +359,7 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
     f = doc["findings"][0]
     assert (f["kind"], f["signature"]) == (kind, signature)
     assert doc["config"]["target"] == "vllm" and doc["config"]["bugs"] == [bug]
-    assert "vllm/v1/core/" in json.dumps(f["alloc_sites"][0]["file"])
+    assert kind == "hang" or "vllm/v1/core/" in json.dumps(f["alloc_sites"][0]["file"])  # a hang has no site
     r = invoke("replay", str(path), "--check-determinism")
     assert r.exit_code == 1, r.output  # 1: it reproduces; 3 would be runs that differ
     assert "deterministic: 3 identical runs" in r.output
@@ -366,7 +367,8 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
 
 # -- clean random runs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", [n for n, p in VLLM_PRESETS.items()
-                                    if not p.overrides.get("return_routed_experts")])  # 0.22-0.30 only
+                                    if not p.overrides.get("return_routed_experts")  # 0.22-0.30 only
+                                    and n != "vllm-kv-push-fail"])  # #46283 at once: corpora/vllm/own/
 def test_200_random_programs_find_nothing(preset):
     """One target per program, the random fuzzer's programs; and they did work: blocks were allocated,
     freed and cached."""

@@ -5,8 +5,9 @@ aborts racing either leave the pool whole."""
 
 import pytest
 
-from kvaudit.audit.runner import AuditedRun
-from kvaudit.program import Abort, Idle, Step, Submit
+from kvaudit.audit.runner import AuditedRun, execute
+from kvaudit.program import Abort, Idle, MemoryPressure, Step, Submit, TransferFail
+from kvaudit.targets import program_features
 from kvaudit.targets.vllm.config import VLLM_PRESETS, VllmConfig
 
 ASYNC = [False, True]
@@ -235,3 +236,98 @@ def test_clean_preset_fuzz_finds_nothing():
     result = fuzz(VLLM_PRESETS["vllm-kv-connector"].config(), max_time=6, seed=3)
     result.assert_clean()
     assert result.executions > 10
+
+
+FAIL_PRESETS = {"recompute": "vllm-kv-fail", "fail": "vllm-kv-fail-abort"}
+
+
+def test_failure_policy_config_and_the_op_it_draws():
+    c = VLLM_PRESETS["vllm-kv-fail"].config()
+    assert c.kv_load_failure_policy == "recompute" and c.async_scheduling
+    assert VLLM_PRESETS["vllm-kv-fail-abort"].config().kv_load_failure_policy == "fail"
+    for bad in (dict(kv_load_failure_policy="retry"), dict(kv_connector="KvauditAsyncSaveConnector"),
+                dict(sliding_window=32, num_gpu_blocks=96)):
+        with pytest.raises(ValueError):
+            c.replace(**bad)
+    assert "transfer_fail" in program_features(c)
+    assert "transfer_fail" not in program_features(connector_config(True))  # the connector presets as they were
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", sorted(FAIL_PRESETS))
+def test_failed_load_is_recomputed_or_fails_its_request(policy):
+    with AuditedRun(VLLM_PRESETS[FAIL_PRESETS[policy]].config()) as run:
+        t = run.target
+        run.apply(Submit(family=1, prompt_len=40, max_new_tokens=3))  # submit 1: wants remote KV
+        rid = t.submitted[0]
+        run.apply(TransferFail(handle=0))
+        run.apply(Step(n=1))
+        assert rid in t.worker.recving and len(held_blocks(t, rid)) == 3
+        run.apply(Idle())
+        assert not run.findings and pool_whole(t)
+        assert dict(t.reached) == {"failed_transfers": 1, "invalid_blocks": 3}
+        assert len(t.texts[rid]) - 40 == (3 if policy == "recompute" else 0)  # "fail": FINISHED_ERROR, no token
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("policy", sorted(FAIL_PRESETS))
+def test_memory_pressure_reports_a_running_requests_cached_blocks_invalid(policy):
+    with AuditedRun(VLLM_PRESETS[FAIL_PRESETS[policy]].config()) as run:
+        t = run.target
+        run.apply(Submit(family=1, prompt_len=8, max_new_tokens=1))
+        run.apply(Submit(family=2, prompt_len=40, max_new_tokens=60))  # submit 2: runs here, sent when done
+        run.apply(Step(n=4))
+        rid = t.submitted[1]
+        assert t.scheduler.requests[rid] in t.scheduler.running
+        run.apply(MemoryPressure())
+        assert len(t.worker.invalid) >= 2  # its full prompt blocks, cached, held
+        run.apply(Step(n=3))
+        assert t.reached["invalid_blocks"] >= 2 and not run.findings
+        request = t.scheduler.requests.get(rid)  # "fail": it ends with FINISHED_ERROR (gone, or held for a send)
+        assert (request in t.scheduler.running) == (policy == "recompute")
+        run.apply(Idle())
+        assert not run.findings and pool_whole(t)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fault", [False, True], ids=["shipped", "lose-failed-load"])
+def test_an_aborted_load_that_fails_frees_its_blocks_once_reported(fault):
+    """vLLM #46283's path in pull mode: a load aborted in WAITING_FOR_REMOTE_KVS keeps its blocks until
+    the worker reports it; a failed read is reported (finished_recving), so they come back. A report
+    that never comes (the fault; #46283: push mode, the prefill side never writes) holds them."""
+    config = VLLM_PRESETS["vllm-kv-fail-abort"].config(bugs=frozenset({"lose-failed-load"} if fault else ()))
+    program = [Submit(family=0, prompt_len=40, max_new_tokens=3), Step(n=1), Abort(handle=0),
+               TransferFail(handle=0), Idle()]
+    assert execute(config, program).signatures == (["hang/-/idle/finished:held"] if fault else [])
+
+
+@pytest.mark.vllm
+def test_a_lost_failed_load_is_found_and_minimized():
+    from kvaudit.testing import fuzz
+    config = VLLM_PRESETS["vllm-kv-fail-abort"].config(bugs=frozenset({"lose-failed-load"}))
+    result = fuzz(config, max_time=10, seed=11, fuzzer="random")
+    assert result.signatures == ["hang/-/idle/waiting:waiting-for-remote-kvs"]
+    assert 0 < len(result.program) < result.original_length
+    assert any(isinstance(op, TransferFail) for op in result.program)
+    assert execute(config.replace(bugs=frozenset()), result.program).signatures == []
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("preset", sorted(FAIL_PRESETS.values()))
+def test_clean_failure_preset_fuzz_finds_nothing(preset):
+    from kvaudit.testing import fuzz
+    result = fuzz(VLLM_PRESETS[preset].config(), max_time=6, seed=3, fuzzer="random")
+    result.assert_clean()
+    assert result.executions > 10
+
+
+@pytest.mark.vllm
+def test_push_mode_loads_complete_and_a_failed_push_is_never_reported():
+    """``vllm-kv-push-fail``: a decode request's KV is written by the prefill side and reported done; a
+    push that never comes is reported by nothing in vLLM 0.33.0, so the request waits for good (#46283's
+    cause; aborted, its blocks stay held: corpora/vllm/own/vllm-46283.json)."""
+    config = VLLM_PRESETS["vllm-kv-push-fail"].config()
+    submits = [Submit(family=0, prompt_len=40, max_new_tokens=3), Submit(family=1, prompt_len=40, max_new_tokens=3)]
+    assert execute(config, [*submits, Idle()]).signatures == []
+    failed = execute(config, [submits[0], TransferFail(handle=0), Idle()])
+    assert failed.signatures == ["hang/-/idle/waiting:waiting-for-remote-kvs"]

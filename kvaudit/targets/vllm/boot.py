@@ -239,9 +239,10 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
     release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
-    "simple-cpu-offload"); ``return_routed_experts`` needs ``ModelConfig.enable_return_routed_experts``
-    (vLLM 0.22.0 to 0.30.0; ``compat`` "routed-experts-aux-output"); speculative decoding with async
-    scheduling needs vLLM >= 0.21.0 (``compat.spec_method``). The release is read from its
+    "simple-cpu-offload"), ``NixlPushConnector`` >= 0.24.0 ("nixl-push"); ``return_routed_experts`` needs
+    ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0; ``compat``
+    "routed-experts-aux-output"); speculative decoding with async scheduling needs vLLM >= 0.21.0
+    (``compat.spec_method``). The release is read from its
     metadata, so those refusals come before vLLM is imported (seconds); then it is :func:`load` ed."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
@@ -250,6 +251,8 @@ def check_config(config) -> None:
                                                                                          config.async_scheduling):
         raise VllmUnavailable(f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free "
                               f"method it accepts, ngram_gpu), not {version}")
+    if config.kv_connector == "NixlPushConnector" and not compat.has("nixl-push", version):
+        raise VllmUnavailable(f"NixlPushConnector needs vLLM >= 0.24.0, not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
                               f"(ModelConfig.enable_return_routed_experts), not {version}")
@@ -277,10 +280,10 @@ def speculative_config(v: SimpleNamespace, model_config, config):
 def build_scheduler(config):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
     KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
-    ``config.kv_role`` and a fixed ``engine_id``: the Scheduler builds the connector's SCHEDULER role
-    through ``KVConnectorFactory``), ``config.scheduling_policy`` as ``SchedulerConfig.policy`` and, with
-    ``config.num_spec_tokens``, speculative decoding (:func:`speculative_config`). Returns
-    ``(scheduler, vllm_config)``."""
+    ``config.kv_role``, a fixed ``engine_id`` and ``kv_load_failure_policy`` if set: the Scheduler builds
+    the connector's SCHEDULER role through ``KVConnectorFactory``), ``config.scheduling_policy`` as
+    ``SchedulerConfig.policy`` and, with ``config.num_spec_tokens``, speculative decoding
+    (:func:`speculative_config`). Returns ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
     moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
@@ -299,7 +302,9 @@ def build_scheduler(config):
                                                   config.kv_connector)
     kv_transfer = None if config.kv_connector is None else v.KVTransferConfig(
         kv_connector=config.kv_connector, kv_role=config.kv_role, engine_id="kvaudit",
-        kv_connector_extra_config=kv_connector_extra_config(config))
+        kv_connector_extra_config=kv_connector_extra_config(config),
+        **({} if config.kv_load_failure_policy is None
+           else {"kv_load_failure_policy": config.kv_load_failure_policy}))
     vc = v.EngineConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                         device_config=v.DeviceConfig(device="cpu"), kv_transfer_config=kv_transfer,
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),

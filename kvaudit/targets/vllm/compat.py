@@ -64,6 +64,11 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
            "VllmConfig.num_hash_lookahead_tokens, passed by EngineCore to get_request_block_hasher (EAGLE: each "
            "block's hash covers the next token instead of dropping the hit's last block; read in 0.33.0, "
            "absent in 0.30.0; 0.31.0 and 0.32.0 not read)"),
+    Change("failed-recving", "0.30.0",
+           "KVConnectorOutput.failed_recving (a failed receive by request id, Scheduler._handle_failed_recving); "
+           "before (0.26.0 read; 0.27.0-0.29.0 not), a failed load is its invalid_block_ids alone"),
+    Change("nixl-push", "0.24.0", "NixlPushConnector (push mode: the prefill side writes; driven on 0.24.0, "
+                                  "0.26.0, 0.30.0 and 0.33.0); absent before"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}

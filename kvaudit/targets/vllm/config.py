@@ -52,6 +52,11 @@ FAULTS: dict[str, tuple[str, str]] = {
                 "rolled-back num_computed_tokens, those blocks are dropped from its table with their ref_cnt "
                 "kept: blocks allocated for rejected speculative tokens never freed (the class of SGLang's draft "
                 "over-allocation leaks, sglang #13826 and #19518; scheduler level, num_spec_tokens > 0)"),
+    "lose-failed-load": (
+        "hang", "vLLM #50719 put back in the NIXL stand-in (a Mooncake worker shipped it until #50984): the first "
+                "failed KV load is only logged, never reported (no finished_recving, no invalid_block_ids), so its "
+                "request stays in WAITING_FOR_REMOTE_KVS holding its blocks, or, aborted meanwhile, holds them "
+                "for good (the symptom of #46283); presets with kv_load_failure_policy"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
@@ -79,10 +84,13 @@ LEVELS = ("scheduler", "manager")
 # KV connectors the target builds on the scheduler side (vLLM's registered names); the worker side is the
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
 KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
-                 "SimpleCPUOffloadConnector")  # vLLM >= 0.20.0 (the target's range); eager mode
+                 "SimpleCPUOffloadConnector",  # vLLM >= 0.20.0 (the target's range); eager mode
+                 "NixlPushConnector")  # vLLM >= 0.24.0: NIXL in push mode (the prefill side writes)
+NIXL = ("NixlConnector", "NixlPushConnector")
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy (every release driven has both)
 SPEC_METHODS = ("ngram", "eagle")  # vLLM's SpeculativeConfig methods the driver builds
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")  # vLLM's KVTransferConfig.kv_load_failure_policy (0.15.1 on)
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,12 @@ class VllmConfig(ConfigBase):
     model and reserves no lookahead slot; ``eagle`` a stub draft model, ``num_spec_tokens`` lookahead
     slots; ``boot.speculative_config``); the driver plays the drafter and the rejection sampler
     (:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget`).
+    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field of that name
+    (:data:`KV_LOAD_FAILURE_POLICIES`: a failed KV load is recomputed, or fails its request); ``None``
+    leaves vLLM's default (``recompute`` in 0.15.1/0.16.0, ``fail`` later) and no transfer fails. Set,
+    with a NIXL connector (one KV-cache group: vLLM's block-level failure path refuses several), programs
+    draw ``transfer_fail`` and the stand-in fails transfers and reports ``memory_pressure`` as blocks the
+    connector found invalid.
     """
 
     level: str = "scheduler"
@@ -146,6 +160,7 @@ class VllmConfig(ConfigBase):
     scheduling_policy: str = "fcfs"
     num_spec_tokens: int = 0
     spec_method: str = "ngram"
+    kv_load_failure_policy: str | None = None
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -249,6 +264,12 @@ class VllmConfig(ConfigBase):
         if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
             raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
                              "off without it)")
+        if self.kv_load_failure_policy is not None and (
+                self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES or self.kv_connector not in NIXL
+                or self.sliding_window is not None):
+            raise ValueError(f"kv_load_failure_policy must be null or one of {', '.join(KV_LOAD_FAILURE_POLICIES)} "
+                             f"with a NIXL kv_connector and no sliding_window, got "
+                             f"{self.kv_load_failure_policy!r}")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
         self._freeze_faults(FAULTS, "vllm")
@@ -297,6 +318,16 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                             "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and "
                             "aborts during them, without vLLM #45357's async-step window",
             kv_connector="NixlConnector", wake_for_transfers=True),
+    _preset("vllm-kv-fail", "vllm-kv-connector whose transfers may fail (transfer_fail: a read reports its blocks "
+                            "invalid, a send ends as on lease expiry; memory_pressure reports running requests' "
+                            "cached blocks invalid), kv_load_failure_policy recompute",
+            async_scheduling=True, kv_connector="NixlConnector", kv_load_failure_policy="recompute"),
+    _preset("vllm-kv-fail-abort", "vllm-kv-load whose transfers may fail as in vllm-kv-fail, kv_load_failure_policy "
+                                  "fail (the requests hit end with FINISHED_ERROR)",
+            kv_connector="NixlConnector", wake_for_transfers=True, kv_load_failure_policy="fail"),
+    _preset("vllm-kv-push-fail", "vllm-kv-fail with vLLM's NixlPushConnector (vLLM >= 0.24.0): the prefill side "
+                                 "writes a decode request's KV; a failed push is never written, so never reported",
+            async_scheduling=True, kv_connector="NixlPushConnector", kv_load_failure_policy="recompute"),
     _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
                             "kv_producer): every finished request, aborted ones too, holds its blocks until its "
                             "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",

@@ -33,7 +33,18 @@ The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlC
 through ``ModelRunnerOutput.kv_connector_output`` (``KVConnectorOutput.finished_recving`` /
 ``finished_sending``). A load completes even when its request was aborted meanwhile (the Scheduler
 frees it then). NIXL's send lease (``kv_lease_duration``) never expires here: the remote side always
-reads. No transfer fails.
+reads.
+
+Failures (presets with ``kv_load_failure_policy``, :meth:`VllmConnectorTarget.apply`): ``transfer_fail``
+marks the next report of a request's transfer a failure. A failed read is reported as
+``NixlBaseConnectorWorker.get_transfer_results`` does in 0.33.0 (``nixl/base_worker.py``): done
+(``finished_recving``, so the Scheduler can release it), with the read's local blocks in
+``invalid_block_ids`` (``get_block_ids_with_load_errors``) and, from 0.30.0 (compat "failed-recving"), the
+request in ``failed_recving``. A failed send ends as NIXL's does when the reader never notifies: the
+send lease expires and the blocks are reported in ``finished_sending`` (``_reap_expired_send_leases``),
+on the step clock at the send's due step. ``memory_pressure`` adds the cached blocks that running
+requests hold to the next output's ``invalid_block_ids``: what a connector that loaded them
+synchronously would report (NIXL itself only reports a failed read's own blocks).
 
 Which submits use the connector: the ``n``-th submit (from 1) with ``n % 3 == 1`` wants remote KV
 (``do_remote_prefill``), ``n % 3 == 2`` has its KV sent on finishing (``do_remote_decode``), the rest
@@ -43,10 +54,13 @@ neither.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 
 import numpy as np
 
+from kvaudit.program import MemoryPressure, TransferFail
 from kvaudit.targets.base import TargetFinding
+from kvaudit.targets.vllm.config import NIXL
 from kvaudit.targets.vllm.observer import POOL
 from kvaudit.targets.vllm.target import VllmSchedulerTarget
 
@@ -69,11 +83,25 @@ def transfer_params(n: int, rid: str, prompt_len: int, block_size: int) -> dict 
 class NixlWorkerStandIn:
     """The worker role of ``NixlConnector`` as the step clock sees it (module docstring). ``recving``
     and ``sending``: request id -> step at which that transfer completes; ``to_process``: the
-    requests the remote side may read (``NixlPullConnectorWorker._reqs_to_process``)."""
+    requests the remote side may read (``NixlPullConnectorWorker._reqs_to_process``). ``failing``: requests
+    whose next transfer report is a failure; ``invalid``: block ids the next output reports invalid;
+    ``faults``: the target's fault set (``lose-failed-load`` fires here); ``reached``: the target's path
+    counters (``failed_transfers``: failures made, ``invalid_blocks``: ids reported). ``push``: NIXL's push
+    mode (``NixlPushConnector``): a read is the prefill side's write, awaited for every registration with
+    local blocks; a failed one is never written and never reported (0.33.0's ``NixlPushConnectorWorker``
+    reports a receive only on the writer's notification, a failure only of its own handshake or
+    registration, ``nixl/push_worker.py``; the scheduler's watchdog, ``NixlPushConnectorScheduler.
+    build_connector_meta``, drops the registration and reports nothing)."""
 
-    def __init__(self, latency_steps: int, awaiting_field: bool = True):
-        self.latency_steps = latency_steps
-        self.awaiting_field = awaiting_field  # ReqMeta.awaiting_kvs exists (vLLM >= 0.30.0)
+    def __init__(self, latency_steps: int, awaiting_field: bool = True, failed_field: bool = False,
+                 faults: set | None = None, reached: Counter | None = None, push: bool = False):
+        self.latency_steps, self.push = latency_steps, push
+        self.awaiting_field = awaiting_field and not push  # ReqMeta.awaiting_kvs is read (pull, vLLM >= 0.30.0)
+        self.failed_field = failed_field  # KVConnectorOutput.failed_recving exists (vLLM >= 0.30.0)
+        self.faults = set() if faults is None else faults
+        self.reached = Counter() if reached is None else reached
+        self.failing: set[str] = set()
+        self.invalid: set[int] = set()
         self.recving: dict[str, int] = {}
         self.loading: dict[str, np.ndarray] = {}  # rid -> [n] int64 local blocks its outstanding read writes
         self.sending: dict[str, int] = {}
@@ -105,18 +133,36 @@ class NixlWorkerStandIn:
                 self.sending[rid] = step + self.delay(rid)
 
     def finished(self, step: int, output_cls):
-        """The ``KVConnectorOutput`` of the transfers done by ``step`` (each reported once), or None."""
+        """The ``KVConnectorOutput`` of the transfers done by ``step`` (each reported once) and of the
+        blocks found invalid (module docstring), or None."""
         recv = {r for r, due in self.recving.items() if due <= step}
         send = {r for r, due in self.sending.items() if due <= step}
-        if not recv and not send:
+        if not recv and not send and not self.invalid:
             return None
+        failed = (recv | send) & self.failing
+        self.failing -= failed
+        failed_recv, invalid = recv & failed, self.invalid
+        self.invalid = set()
+        lost = set(failed_recv) if self.push else set()
+        if failed_recv - lost and "lose-failed-load" in self.faults:  # the fault: the worker only logs it
+            self.faults.discard("lose-failed-load")
+            lost.add(min(failed_recv))
+        for r in lost:
+            del self.recving[r]
+            self.loading.pop(r, None)
+        recv, failed_recv = recv - lost, failed_recv - lost
+        for r in failed_recv:
+            invalid |= set(self.loading[r].tolist())
         for r in recv:
             del self.recving[r]
             self.loading.pop(r, None)
         for r in send:
             del self.sending[r]
             self.to_process.discard(r)
-        return output_cls(finished_sending=send or None, finished_recving=recv or None)
+        self.reached.update(failed_transfers=len(failed), invalid_blocks=len(invalid))
+        extra = {"failed_recving": failed_recv} if self.failed_field else {}
+        return output_cls(finished_sending=send or None, finished_recving=recv or None, invalid_block_ids=invalid,
+                          **extra)
 
     def __len__(self) -> int:
         return len(self.recving) + len(self.sending)
@@ -251,8 +297,11 @@ class VllmConnectorTarget(VllmSchedulerTarget):
 
     def __init__(self, config):
         super().__init__(config)
-        if config.kv_connector == "NixlConnector":
-            self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"))
+        if config.kv_connector in NIXL:
+            self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"),
+                                            self.V.has("failed-recving"), self._faults, self.reached,
+                                            push=config.kv_connector == "NixlPushConnector")
+            self.reached.update(failed_transfers=0, invalid_blocks=0)
         elif config.kv_connector == "SimpleCPUOffloadConnector":
             self.worker = OffloadWorkerStandIn(config.kv_transfer_latency_steps)
         else:
@@ -280,6 +329,21 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         for name in ("request_finished", "request_finished_all_groups"):
             if hasattr(connector, name):
                 setattr(connector, name, counted(getattr(connector, name)))
+
+    def apply(self, op) -> None:
+        """:meth:`VllmSchedulerTarget.apply`; with ``kv_load_failure_policy`` set, ``transfer_fail`` marks the
+        next transfer report of request ``handle`` (modulo the Scheduler's requests, finished ones held for
+        a send included; None: all) a failure, and ``memory_pressure`` also reports the cached blocks of
+        running requests invalid with the next model output (module docstring)."""
+        if self.config.kv_load_failure_policy is not None:
+            if isinstance(op, TransferFail):
+                live = list(self.scheduler.requests)
+                self.worker.failing |= set(live if op.handle is None or not live else [live[op.handle % len(live)]])
+            elif isinstance(op, MemoryPressure):
+                self.worker.invalid |= {b.block_id for r in self.scheduler.running for b in
+                                        self.groups[0].req_to_blocks.get(r.request_id, ())
+                                        if b.block_hash is not None and not b.is_null}
+        super().apply(op)
 
     def connector_holders(self) -> list:
         if self.config.kv_connector != "SimpleCPUOffloadConnector":
@@ -330,7 +394,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return []
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
-        if self.config.kv_connector != "NixlConnector":
+        if self.config.kv_connector not in NIXL:
             return None
         params = transfer_params(len(self.submitted) + 1, rid, prompt_len, self.config.block_size)
         return None if params is None else {"kv_transfer_params": params}

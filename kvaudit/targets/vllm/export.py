@@ -23,6 +23,7 @@ free).
 from __future__ import annotations
 
 from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts
+from kvaudit.targets.vllm.config import NIXL
 
 API = EngineApi(
     engine="vLLM", version="0.33.0",
@@ -64,8 +65,9 @@ API = EngineApi(
         "memory_pressure": ApiCall(None, None, "(no API)", False,
                                    "the target evicts every cached block nobody holds "
                                    "(KVCacheManager.evict_blocks, as Scheduler._handle_invalid_blocks does for "
-                                   "blocks a KV connector reports invalid); a client cannot: a later large "
-                                   "prompt of another family evicts some of them"),
+                                   "blocks a KV connector reports invalid; on vllm-kv-fail* it also reports "
+                                   "the cached blocks running requests hold invalid); a client cannot: a later "
+                                   "large prompt of another family evicts some of them"),
         "pause_generation": ApiCall(None, None, "(none)", True,
                                     "POST /pause?mode=abort|wait|keep exists (VLLM_SERVER_DEV_MODE=1) but the "
                                     "vLLM target ignores the op (it does not drive set_pause_state), so the "
@@ -73,9 +75,9 @@ API = EngineApi(
         "continue_generation": ApiCall(None, None, "(none)", True,
                                        "POST /resume exists (VLLM_SERVER_DEV_MODE=1); ignored by the target, "
                                        "nothing sent"),
-        "transfer_fail": ApiCall(None, None, "(none)", True,
-                                 "the vLLM target's KV connector stand-in never fails a transfer: ignored, "
-                                 "nothing sent"),
+        "transfer_fail": ApiCall(None, None, "(no API)", False,
+                                 "a failed KV transfer needs the prefill server or the wire to fail: stop the "
+                                 "--prefill-url server while the request loads; the script sends nothing"),
         "step": ApiCall(None, None, "(wait)", False,
                         "a client cannot run the engine core n iterations: it waits --step-delay seconds a "
                         "step (with async scheduling a step in flight, which the program may race, is not "
@@ -141,8 +143,10 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
                         "holds cpu_bytes_to_use / (the model's KV bytes per block, all layers) blocks: set CPU_BYTES "
                         f"to {c.num_cpu_blocks} blocks' worth, so that the CPU pool evicts as it did here)")
     elif c.kv_connector is not None:
-        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"}'"
-                     % (c.kv_connector, c.kv_role))
+        policy = ("" if c.kv_load_failure_policy is None
+                  else ', \"kv_load_failure_policy\": \"%s\"' % c.kv_load_failure_policy)
+        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"%s}'"
+                     % (c.kv_connector, c.kv_role, policy))
     if c.kv_connector is not None:
         unmapped.append(f"kv_transfer_latency_steps={c.kv_transfer_latency_steps} (kvaudit's worker stand-in "
                         "completes each transfer 1 to that many steps after it starts; a real transfer takes "
@@ -367,7 +371,7 @@ def remote_of(config, n: int) -> str | None:
     (:func:`kvaudit.targets.vllm.connector.transfer_params`'s rule): ``"prefill"``, ``"decode"`` or
     None. Only NIXL's requests carry ``kv_transfer_params``; kvaudit's save connector (an offloading
     connector on a server) needs none: None."""
-    if config.kv_connector != "NixlConnector":
+    if config.kv_connector not in NIXL:
         return None
     from kvaudit.targets.vllm.connector import transfer_params
     params = transfer_params(n + 1, "r", 1, config.block_size) or {}
@@ -377,7 +381,7 @@ def remote_of(config, n: int) -> str | None:
 def _server_notes(config) -> list[str]:
     out = ["- `VLLM_SERVER_DEV_MODE=1` mounts `/reset_prefix_cache` (the program's `flush_cache`, and the "
            "script's check that no block is held at the end)."]
-    if config.kv_connector == "NixlConnector":
+    if config.kv_connector in NIXL:
         out.append("- With NIXL: requests the program reads remote KV for need a prefill server "
                    "(`--kv-transfer-config` "
                    "with `\"kv_role\": \"kv_producer\"`) passed as `--prefill-url`; without it they are sent as "

@@ -17,12 +17,13 @@ def _bugs():
 def _presets():
     """The presets the installed vLLM can build (by its metadata, no import): ``vllm-moe-experts`` only
     on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), the async speculative ones from 0.21.0
-    (``compat.spec_method``), so that ``ci --presets all`` runs."""
+    (``compat.spec_method``), ``NixlPushConnector`` ones from 0.24.0, so that ``ci --presets all`` runs."""
     from kvaudit.targets.vllm import compat
     from kvaudit.targets.vllm.boot import installed_version
     v = installed_version()
-    ok = compat.routed_experts_supported(v)
+    ok, push = compat.routed_experts_supported(v), compat.in_range(v or "") and compat.has("nixl-push", v)
     return {n: p for n, p in VLLM_PRESETS.items() if (ok or not p.overrides.get("return_routed_experts"))
+            and (push or p.overrides.get("kv_connector") != "NixlPushConnector")
             and (p.overrides.get("spec_method", "ngram") != "ngram" or not p.overrides.get("num_spec_tokens")
                  or compat.spec_method(v, p.config().async_scheduling))}
 
@@ -109,8 +110,10 @@ def _engine_source():
 
 
 def _features(config) -> frozenset[str]:
-    """``priority`` (a submit's priority reaches ``Request.priority``) with the priority scheduling policy."""
-    return frozenset({"priority"} if config.scheduling_policy == "priority" else ())
+    """``priority`` (a submit's priority reaches ``Request.priority``) with the priority scheduling policy;
+    ``transfer_fail`` where the NIXL stand-in fails transfers (``kv_load_failure_policy`` set)."""
+    return frozenset({"priority"} if config.scheduling_policy == "priority" else ()) | frozenset(
+        {"transfer_fail"} if config.kv_load_failure_policy is not None else ())
 
 
 def _capabilities(config) -> frozenset[str]:

@@ -390,12 +390,13 @@ class VllmSchedulerTarget(_VllmBase):
 
     def stuck(self) -> str:
         """``running:decode`` (running, or a batch in flight), ``waiting:<status>`` (the waiting head's
-        ``RequestStatus``, e.g. ``waiting:waiting-for-remote-kvs``), ``finished:held`` (finished requests
+        ``RequestStatus``, e.g. ``waiting:waiting-for-remote-kvs``, or of an unfinished request in no queue
+        the driver reads: 0.33.0 parks loads in ``kv_holding_waiting``), ``finished:held`` (finished requests
         not yet freed); ``""`` when nothing is busy."""
         s = self.scheduler
         if s.running or self.batch_queue:
             return "running:decode"
-        for r in s.waiting:
+        for r in [*s.waiting, *(r for r in s.requests.values() if not r.is_finished())]:
             return "waiting:" + r.status.name.lower().replace("_", "-")
         return "finished:held" if s.has_requests() else ""
 
