@@ -341,6 +341,8 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
      "vllm-kv-load"),
     ("refinish-held-request", "double-free", f"double-free/{POOL}/?/check:finished-once", "vllm-kv-save"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
+    ("close-waiting-session-keeps-blocks", "leak",
+     f"leak/{POOL}/schedule@scheduler.py/from:waiting_for_streaming_req", "vllm-sessions"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
                                                                                             preset, tmp_path):

@@ -41,13 +41,13 @@ FAULTS: dict[str, tuple[str, str]] = {
                        "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
                        "so the connector's request_finished runs twice and a second save of the same blocks starts "
                        "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
+    "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
+                                            "loses its prefix-cache map entry: the block carries a hash the map "
+                                            "does not hold"),
     "close-waiting-session-keeps-blocks": (
         "leak", "the first close of a streaming session waiting for its next input (WAITING_FOR_STREAMING_REQ: "
                 "Scheduler.add_request of the final, non-resumable request, which finishes it as aborted) drops "
                 "the session's block tables but not its blocks' references (streaming_sessions presets)"),
-    "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
-                                            "loses its prefix-cache map entry: the block carries a hash the map "
-                                            "does not hold"),
 }
 
 # The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/targets/vllm/catalogue.py, which
