@@ -367,7 +367,7 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
                                     if not p.overrides.get("return_routed_experts")])  # 0.22-0.30 only
 def test_200_random_programs_find_nothing(preset):
     """One target per program, the random fuzzer's programs; and they did work: blocks were allocated,
-    freed and cached."""
+    freed and cached (with prefix caching on)."""
     from kvaudit.search.fuzz import context_max_prompt
     config = cfg(preset)
     rng = random.Random(1)
@@ -381,7 +381,7 @@ def test_200_random_programs_find_nothing(preset):
             kinds = [e.kind for e in run.auditor.events]
             allocs, frees = allocs + kinds.count("alloc"), frees + kinds.count("free")
             inserts += sum(e[1] == "insert" for e in run.target.hash_log)
-    assert allocs > 200 and frees > 200 and inserts > 200
+    assert allocs > 200 and frees > 200 and (inserts > 200 or not config.enable_prefix_caching)
 
 
 # -- the version probe --------------------------------------------------------------------------------------
