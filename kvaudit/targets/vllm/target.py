@@ -174,8 +174,9 @@ class VllmSchedulerTarget(_VllmBase):
     # -- streaming-input sessions (vLLM #28973; AsyncLLM._add_streaming_input_request) --------------------
     def _init_sessions(self) -> None:
         """Sessions: ``session_rid[n]`` the request id of session ``n`` (None before its first chunk),
-        ``turns[rid]`` the ``stop_at`` of its chunks not yet taken in. ``Scheduler._update_request_as_session`` (the instance's) is wrapped to follow vLLM's
-        rewrite of the session's tokens in the driver's bookkeeping."""
+        ``turns[rid]`` the ``stop_at`` of its chunks not yet taken in. The instance's
+        ``Scheduler._update_request_as_session`` is wrapped so that the driver's bookkeeping follows vLLM's
+        rewrite of the session's tokens (:meth:`_on_turn`)."""
         self.session_rid: list[str | None] = []
         self.turns: dict[str, deque] = {}
         if not self.config.streaming_sessions:
