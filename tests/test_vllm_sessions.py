@@ -2,11 +2,14 @@
 session's chunks drive one resumable ``Request`` of vLLM 0.33.0's Scheduler / AsyncScheduler; a session
 waiting for input holds its KV and is no hang; a closed or aborted one gives every block back; the
 planted fault ``close-waiting-session-keeps-blocks`` is found and minimized, and the same program is
-clean without it."""
+clean without it; vLLM's own session-past-max_model_len bug (corpora/vllm/open) reproduces."""
+
+import os
 
 import pytest
 
-from kvaudit.audit.runner import AuditedRun
+from kvaudit import replay
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.program import Abort, CloseSession, Idle, OpenSession, Step, Submit
 from kvaudit.search.minimize import minimize
 from kvaudit.targets.vllm.config import VLLM_PRESETS
@@ -91,3 +94,16 @@ def test_the_planted_fault_is_found_minimized_and_the_program_is_clean_without_i
                      PROGRAM, f.signature)
     kinds = [op.kind for op in small]
     assert len(small) == 5 and kinds[:2] == ["open_session", "submit"] and kinds[3:] == ["close_session", "idle"]
+
+
+OPEN = os.path.join(os.path.dirname(__file__), "..", "corpora", "vllm", "open")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(OPEN) if n.endswith(".json")))
+def test_vllm_0_33_0s_own_session_past_max_model_len_reproduces(name):
+    """corpora/vllm/open: a session whose chunks add up past max_model_len (vLLM #42489's cause), with no
+    fault: each file's finding at its last op."""
+    config, program, recorded, _ = replay.load(os.path.join(OPEN, name))
+    assert not config.bugs and config.streaming_sessions
+    ex = execute(config, program)
+    assert recorded[0].signature in ex.signatures and ex.ops_run == len(program)
