@@ -346,6 +346,8 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     ("leak-rejected-draft-blocks", "leak", f"leak/{POOL}/schedule@scheduler.py", "vllm-spec"),
     ("lose-failed-load", "hang", "hang/-/idle/waiting:waiting-for-remote-kvs", "vllm-kv-fail-abort"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
+    ("close-waiting-session-keeps-blocks", "leak",
+     f"leak/{POOL}/schedule@scheduler.py/from:waiting_for_streaming_req", "vllm-sessions"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
                                                                                             preset, tmp_path):
@@ -371,7 +373,7 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
                                     and n != "vllm-kv-push-fail"])  # #46283 at once: corpora/vllm/own/
 def test_200_random_programs_find_nothing(preset):
     """One target per program, the random fuzzer's programs; and they did work: blocks were allocated,
-    freed and cached."""
+    freed and cached (with prefix caching on)."""
     from kvaudit.search.fuzz import context_max_prompt
     config = cfg(preset)
     rng = random.Random(1)
@@ -385,7 +387,7 @@ def test_200_random_programs_find_nothing(preset):
             kinds = [e.kind for e in run.auditor.events]
             allocs, frees = allocs + kinds.count("alloc"), frees + kinds.count("free")
             inserts += sum(e[1] == "insert" for e in run.target.hash_log)
-    assert allocs > 200 and frees > 200 and inserts > 200
+    assert allocs > 200 and frees > 200 and (inserts > 200 or not config.enable_prefix_caching)
 
 
 # -- the version probe --------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ FAULTS: dict[str, tuple[str, str]] = {
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
+    "close-waiting-session-keeps-blocks": (
+        "leak", "the first close of a streaming session waiting for its next input (WAITING_FOR_STREAMING_REQ: "
+                "Scheduler.add_request of the final, non-resumable request, which finishes it as aborted) drops "
+                "the session's block tables but not its blocks' references (streaming_sessions presets)"),
 }
 
 # The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/targets/vllm/catalogue.py, which
@@ -138,6 +142,8 @@ class VllmConfig(ConfigBase):
     with a NIXL connector (one KV-cache group: vLLM's block-level failure path refuses several), programs
     draw ``transfer_fail`` and the stand-in fails transfers and reports ``memory_pressure`` as blocks the
     connector found invalid.
+    ``streaming_sessions``: programs open streaming-input sessions (vLLM's resumable requests, #28973, in every
+    release driven; the target's "sessions" capability); scheduler level only.
     """
 
     level: str = "scheduler"
@@ -161,6 +167,7 @@ class VllmConfig(ConfigBase):
     num_spec_tokens: int = 0
     spec_method: str = "ngram"
     kv_load_failure_policy: str | None = None
+    streaming_sessions: bool = False
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -203,7 +210,7 @@ class VllmConfig(ConfigBase):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers",
-                     "return_routed_experts"):
+                     "return_routed_experts", "streaming_sessions"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "vllm":
@@ -231,8 +238,9 @@ class VllmConfig(ConfigBase):
             raise ValueError(f"a request of max_model_len={self.max_model_len} tokens may need "
                              f"{self.blocks_per_request()} blocks, more than the pool's {self.num_gpu_blocks - 1}: "
                              "vLLM refuses to start so (check_enough_kv_cache_memory); lower max_model_len")
-        if self.async_scheduling and self.level != "scheduler":
-            raise ValueError("async_scheduling needs level scheduler")
+        for name in ("async_scheduling", "streaming_sessions"):
+            if getattr(self, name) and self.level != "scheduler":
+                raise ValueError(f"{name} needs level scheduler")
         if not 4 <= self.vocab_size <= 1 << 16:
             raise ValueError("vocab_size must be in [4, 65536]")
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
@@ -365,4 +373,11 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
     _preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted "
                                "with drafts scheduled and a step in flight", async_scheduling=True, num_spec_tokens=4,
             num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
+    _preset("vllm-sessions", "the Scheduler with streaming-input sessions (resumable requests): a session's next "
+                             "input chunk resumes it, a stopped session holds its KV while it waits for one",
+            streaming_sessions=True),
+    _preset("vllm-sessions-async", "vllm-sessions on the AsyncScheduler (a turn stops with a step in flight)",
+            async_scheduling=True, streaming_sessions=True),
+    _preset("vllm-sessions-nocache", "vllm-sessions-async with prefix caching off (a session's blocks are its own)",
+            async_scheduling=True, streaming_sessions=True, enable_prefix_caching=False),
 ]}

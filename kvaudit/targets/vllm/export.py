@@ -386,6 +386,10 @@ def _server_notes(config) -> list[str]:
                    "(`--kv-transfer-config` "
                    "with `\"kv_role\": \"kv_producer\"`) passed as `--prefill-url`; without it they are sent as "
                    "plain requests.")
+    if config.streaming_sessions:
+        out.append("- Streaming-input sessions (`AsyncLLM.generate` with an input stream, as the realtime API uses) "
+                   "are not sent: this script sends each session's chunks as separate plain requests, so a "
+                   "finding that needs a session does not reproduce through it.")
     return out
 
 

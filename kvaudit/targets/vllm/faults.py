@@ -48,14 +48,30 @@ def inject(manager, faults: set[str]) -> None:
         setattr(owner, name, insert_dropping)
 
 
-def inject_scheduler(scheduler, faults: set[str], waiting_for_remote_kvs) -> None:
+def inject_scheduler(scheduler, faults: set[str], status) -> None:
     """Wrap ``scheduler.finish_requests`` (the instance's) for the scheduler-level names in ``faults``:
     ``refinish-held-request`` finishes the first aborted request whose free the KV connector delayed once
     more through ``Scheduler._free_request`` (what 0.15.1's ``update_from_output`` did when the aborted
     request's in-flight step came back, #33377: a second ``request_finished``);
     ``free-under-inflight-load`` frees, right after the first abort that catches a request in
-    ``waiting_for_remote_kvs`` (vLLM's ``RequestStatus.WAITING_FOR_REMOTE_KVS``) with its free delayed,
-    that request's blocks at once through ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255)."""
+    ``WAITING_FOR_REMOTE_KVS`` with its free delayed, that request's blocks at once through
+    ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255); ``close-waiting-session-keeps-blocks`` wraps
+    ``scheduler.add_request``. ``status``: vLLM's ``RequestStatus``."""
+    if "close-waiting-session-keeps-blocks" in faults:
+        add, manager = scheduler.add_request, scheduler.kv_cache_manager
+
+        def add_keeping_blocks(request, *a, **k):  # the end of a session waiting for input: its table dropped
+            session = scheduler.requests.get(request.request_id)
+            if (session is None or request.resumable or session.status != status.WAITING_FOR_STREAMING_REQ
+                    or "close-waiting-session-keeps-blocks" not in faults):
+                return add(request, *a, **k)
+            faults.discard("close-waiting-session-keeps-blocks")
+            for mgr in manager.coordinator.single_type_managers:
+                mgr.req_to_blocks.pop(request.request_id, None)
+                mgr.num_cached_block.pop(request.request_id, None)
+            return add(request, *a, **k)
+
+        scheduler.add_request = add_keeping_blocks
     if "refinish-held-request" in faults:
         finish_once = scheduler.finish_requests
 
@@ -87,7 +103,7 @@ def inject_scheduler(scheduler, faults: set[str], waiting_for_remote_kvs) -> Non
     def finish_freeing_loads(request_ids, finished_status, *a, **k):
         ids = (request_ids,) if isinstance(request_ids, str) else list(request_ids)
         loading = [scheduler.requests[r] for r in ids
-                   if r in scheduler.requests and scheduler.requests[r].status == waiting_for_remote_kvs]
+                   if r in scheduler.requests and scheduler.requests[r].status == status.WAITING_FOR_REMOTE_KVS]
         out = finish(ids, finished_status, *a, **k)
         for request in loading:
             if "free-under-inflight-load" in faults and scheduler.requests.get(request.request_id) is request:

@@ -117,7 +117,8 @@ def _features(config) -> frozenset[str]:
 
 
 def _capabilities(config) -> frozenset[str]:
-    return frozenset({"prefix_cache"} if config.enable_prefix_caching else ())
+    on = {"prefix_cache": config.enable_prefix_caching, "sessions": config.streaming_sessions}
+    return frozenset(name for name, yes in on.items() if yes)
 
 
 def _history():

@@ -20,11 +20,11 @@ processor sets it), sampled at the program's ``stop_at``.
 from __future__ import annotations
 
 import zlib
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 
-from kvaudit.program import Abort, FlushCache, MemoryPressure, Submit, resolve_submit
+from kvaudit.program import Abort, CloseSession, FlushCache, MemoryPressure, OpenSession, Submit, pick, resolve_submit
 from kvaudit.targets.base import Target, TargetFinding
 from kvaudit.targets.vllm import faults
 from kvaudit.targets.vllm.boot import build_manager, build_scheduler, load
@@ -48,6 +48,7 @@ class _VllmBase(VllmObserver, Target):
         self.texts: dict[str, list[int]] = {}  # rid -> prompt + sampled tokens (extends read them)
         self.stop_at: dict[str, int | None] = {}
         self.prompt_lens: dict[str, int] = {}
+        self.sessions: list[int] = []  # open streaming sessions, by number, in opening order (scheduler level)
         self._flushes = 0
         self._faults = set(config.bugs)  # each fires once
         self.reached: Counter = Counter()  # path counters (reach()); a path's preset sets its keys to 0 first
@@ -60,26 +61,37 @@ class _VllmBase(VllmObserver, Target):
         return 0
 
     # -- intake --------------------------------------------------------------------------------------
-    def _new_request(self, op: Submit):
-        """A vLLM ``Request`` for submit ``op`` (prompt at most half the context, output a quarter; its
-        ``priority`` under the priority scheduling policy)."""
-        c = self.config
-        req = resolve_submit(op, c.vocab_size - 1, max(1, c.context_len // 4), max(1, c.context_len // 2),
-                             self.submitted, lambda rid: self.texts[rid])
+    def _new_request(self, op: Submit, resumable: bool = False):
+        """A vLLM ``Request`` for submit ``op`` (prompt at most half the context, output a quarter), under a new
+        request id; ``resumable``: a streaming session's first input chunk."""
+        req = self._resolve(op)
         rid = f"req-{len(self.submitted) + 1:06d}"
-        sp = self.V.SamplingParams(max_tokens=req.max_new_tokens, ignore_eos=bool(op.ignore_eos),
-                                   temperature=0.0, extra_args=self._extra_args(rid, len(req.input_ids)))
-        sp.update_from_generation_config({}, self.eos)  # the keyword is model_eos_token_id before 0.17.0
-        kw = {} if self.V.has("request-eos-from-sampling") else {"eos_token_id": self.eos}
-        if c.scheduling_policy == "priority":  # the program's priority (unset: vLLM's default, 0)
-            kw["priority"] = op.priority or 0
-        request = self.V.Request(rid, list(req.input_ids), sp, None, arrival_time=float(len(self.submitted)),
-                                 block_hasher=self.hasher, **kw)
+        request = self._request(rid, req.input_ids, req.max_new_tokens, op.ignore_eos,
+                                self._extra_args(rid, len(req.input_ids)), resumable,
+                                op.priority)
         self.submitted.append(rid)
         self.texts[rid] = list(req.input_ids)
         self.stop_at[rid] = req.stop_at
         self.prompt_lens[rid] = len(req.input_ids)
         return request
+
+    def _resolve(self, op: Submit):
+        c = self.config
+        return resolve_submit(op, c.vocab_size - 1, max(1, c.context_len // 4), max(1, c.context_len // 2),
+                              self.submitted, lambda rid: self.texts[rid], self.sessions)
+
+    def _request(self, rid: str, input_ids, max_tokens: int, ignore_eos, extra_args, resumable: bool = False,
+                 priority: int | None = None):
+        """``Request(rid, input_ids, ...)`` as vLLM's input processor builds it (greedy, EOS the vocabulary's
+        last token; ``priority`` under the priority scheduling policy, unset: vLLM's default, 0)."""
+        sp = self.V.SamplingParams(max_tokens=max_tokens, ignore_eos=bool(ignore_eos), temperature=0.0,
+                                   extra_args=extra_args)
+        sp.update_from_generation_config({}, self.eos)  # the keyword is model_eos_token_id before 0.17.0
+        kw = {} if self.V.has("request-eos-from-sampling") else {"eos_token_id": self.eos}
+        if self.config.scheduling_policy == "priority":
+            kw["priority"] = priority or 0
+        return self.V.Request(rid, list(input_ids), sp, None, arrival_time=float(len(self.submitted)),
+                              block_hasher=self.hasher, resumable=resumable, **kw)
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
         """``SamplingParams.extra_args`` of request ``rid`` (where a client puts ``kv_transfer_params``):
@@ -133,7 +145,8 @@ class VllmSchedulerTarget(_VllmBase):
         self._init_common(config)
         self.guard_inflight = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
         self._count_preemptions()
-        faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus.WAITING_FOR_REMOTE_KVS)
+        self._init_sessions()
+        faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus)
         if config.num_spec_tokens:
             self.reached.update(accepted_draft_tokens=0, rejected_draft_tokens=0)
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
@@ -185,7 +198,7 @@ class VllmSchedulerTarget(_VllmBase):
     def apply(self, op) -> None:
         s = self.scheduler
         if isinstance(op, Submit):
-            s.add_request(self._new_request(op))
+            self._submit(op)
         elif isinstance(op, Abort) and s.requests:
             live = list(s.requests)  # handle: modulo the live set; None aborts them all
             ids = live if op.handle is None else [live[op.handle % len(live)]]
@@ -194,7 +207,71 @@ class VllmSchedulerTarget(_VllmBase):
             self._flushes += bool(s.reset_prefix_cache())
         elif isinstance(op, MemoryPressure):
             _evict_cached(self.manager)
-        # health checks, sessions, pauses: no scheduler path in vLLM (ignored)
+        elif isinstance(op, OpenSession) and self.config.streaming_sessions:
+            self.sessions.append(len(self.session_rid))
+            self.session_rid.append(None)
+        elif isinstance(op, CloseSession) and self.sessions:
+            rid = self.session_rid[self.sessions.pop(op.handle % len(self.sessions))]
+            if self._live_session(rid):  # AsyncLLM's end of the input stream: a final, non-resumable request
+                s.add_request(self._request(rid, [0], 1, 0, None))
+        # health checks, pauses: no scheduler path in vLLM (ignored)
+
+    # -- streaming-input sessions (vLLM #28973; AsyncLLM._add_streaming_input_request) --------------------
+    def _init_sessions(self) -> None:
+        """Sessions: ``session_rid[n]`` the request id of session ``n`` (None before its first chunk),
+        ``turns[rid]`` the ``stop_at`` of its chunks not yet taken in. The instance's
+        ``Scheduler._update_request_as_session`` is wrapped so that the driver's bookkeeping follows vLLM's
+        rewrite of the session's tokens (:meth:`_on_turn`)."""
+        self.session_rid: list[str | None] = []
+        self.turns: dict[str, deque] = {}
+        if not self.config.streaming_sessions:
+            return
+        self.reached["session_turns"] = 0
+        update = self.scheduler._update_request_as_session
+
+        def update_as_session(session, chunk, *a, **k):
+            update(session, chunk, *a, **k)
+            self._on_turn(session)
+
+        self.scheduler._update_request_as_session = update_as_session
+
+    def _submit(self, op: Submit) -> None:
+        """A plain request; for a submit in an open session, its first input chunk (a resumable ``Request``
+        under its own id) or the next one (``add_request`` of a resumable ``Request`` with the session's id
+        and the chunk's tokens, as AsyncLLM sends each ``StreamingInput``). A chunk for a session vLLM has
+        finished (aborted) is dropped: AsyncLLM's input loop stops then."""
+        n = pick(op.session, self.sessions)
+        if n is None or self.session_rid[n] is None:
+            request = self._new_request(op, resumable=n is not None)
+            if n is not None:
+                self.session_rid[n], self.turns[request.request_id] = request.request_id, deque()
+            self.scheduler.add_request(request)
+            return
+        rid = self.session_rid[n]
+        if self._live_session(rid):
+            req = self._resolve(op)
+            self.turns[rid].append(req.stop_at)
+            self.scheduler.add_request(self._request(rid, req.input_ids, req.max_new_tokens, op.ignore_eos, None,
+                                                     resumable=True))
+
+    def _live_session(self, rid: str | None) -> bool:
+        request = self.scheduler.requests.get(rid)
+        return request is not None and not request.is_finished()
+
+    def _on_turn(self, session) -> None:
+        """vLLM took session's next chunk in (its last sampled token dropped, its other outputs now prompt):
+        the driver's text, prompt length and ``stop_at`` become the new turn's."""
+        rid = session.request_id
+        self.texts[rid], self.prompt_lens[rid] = list(session.all_token_ids), session.num_prompt_tokens
+        self.stop_at[rid] = self.turns[rid].popleft()
+        self.reached["session_turns"] += 1
+
+    def stalled(self) -> bool:
+        """Nothing runs or is in flight, and a streaming session that waits for its client's next chunk
+        (``WAITING_FOR_STREAMING_REQ``) holds KV that the waiting requests may need: vLLM waits for that
+        client too (it preempts no waiting request; vLLM #53321, open, would time such a session out)."""
+        s, W = self.scheduler, self.V.RequestStatus.WAITING_FOR_STREAMING_REQ
+        return not (s.running or self.batch_queue) and any(r.status == W for r in s.requests.values())
 
     def step(self) -> None:
         """One engine-core iteration: schedule a batch and queue it; process the oldest batch once the
