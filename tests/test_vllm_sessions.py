@@ -39,13 +39,13 @@ def test_a_sessions_next_chunk_resumes_its_request_and_the_driver_follows_vllms_
     turn 1's outputs but its last; turn 3, sent while turn 2 runs, is queued and taken in at its stop."""
     with run_of(preset) as run:
         t = run.target
-        assert t.reach() == {"session_turns": 0}
+        assert t.reach()["session_turns"] == 0
         play(run, [OpenSession(), Submit(1, 20, 4, session=0), Idle()])
         request = t.scheduler.requests[RID]
         assert request.status.name == "WAITING_FOR_STREAMING_REQ" and t.is_idle() and t.stalled()
         turn1 = list(request.all_token_ids)
         play(run, [Submit(2, 10, 3, stop_at=2, session=0), Step(1), Submit(3, 5, 3, session=0), Idle()])
-        assert t.submitted == [RID] and t.reach() == {"session_turns": 2}
+        assert t.submitted == [RID] and t.reach()["session_turns"] == 2
         assert request.all_token_ids[:23] == turn1[:23] and request.num_prompt_tokens == 23 + 10 + 1 + 5
         assert t.texts[RID] == list(request.all_token_ids) and request.num_tokens == 39 + 3
         play(run, [CloseSession(0), Idle()])
