@@ -325,6 +325,21 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     assert any(b is x for x in table(run, "req-000004"))
 
 
+def test_kv_whose_content_tags_are_lost_is_stale_at_its_next_read():
+    """The shadow content tags of vLLM's blocks: every read a step implies is checked (and counted); one
+    block of a running request wiped in the shadow (as if its KV were overwritten) is found at that
+    request's next step, naming the request, the block and the positions."""
+    with AuditedRun(cfg("vllm-small")) as r:
+        for op in [Submit(0, 12, 20, ignore_eos=1), Step(3)]:
+            assert r.apply(op) == []
+        assert r.target.reach()["stale_reads_checked"] > 0
+        b = table(r, R1)[1].block_id
+        r.auditor.shadow.tags[POOL][b * 4:(b + 1) * 4] = 0
+        (f,) = r.apply(Step(1))
+        assert (f.kind, f.check) == ("stale-kv", "unwritten")
+        assert f"req:{R1} read KV of 4 position(s) from 4 to 7 (group 0, block(s) {b})" in f.message
+
+
 # -- injected faults, found by the fuzzer -----------------------------------------------------------------
 @pytest.mark.parametrize("bug, kind, signature, preset", [
     ("skip-free", "leak", f"leak/{POOL}/schedule@scheduler.py/from:running", "vllm"),
@@ -340,6 +355,7 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
      f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-load",
      "vllm-kv-load"),
     ("refinish-held-request", "double-free", f"double-free/{POOL}/?/check:finished-once", "vllm-kv-save"),
+    ("keep-computed-on-preempt", "stale-kv", f"stale-kv/{POOL}/freed:_free_request_blocks@scheduler.py", "vllm-small"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
@@ -361,6 +377,11 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
 
 
 # -- clean random runs ----------------------------------------------------------------------------------
+# vLLM 0.33.0's own findings, by preset (corpora/vllm/README.md, "Stale KV"): a NIXL load of a whole prompt
+# into a sliding-window group leaves the block the recomputed last token's window starts in null
+KNOWN = {"vllm-kv-connector-swa": {"stale-kv/block_pool/?/unwritten"}}
+
+
 @pytest.mark.parametrize("preset", [n for n, p in VLLM_PRESETS.items()
                                     if not p.overrides.get("return_routed_experts")])  # 0.22-0.30 only
 def test_200_random_programs_find_nothing(preset):
@@ -370,12 +391,14 @@ def test_200_random_programs_find_nothing(preset):
     config = cfg(preset)
     rng = random.Random(1)
     allocs = frees = inserts = 0
+    known = KNOWN.get(preset, ())
     for _ in range(200):
         program = random_program(rng, rng.randint(4, 24), max_prompt=context_max_prompt(config.context_len),
                                  features=program_features(config))
         with AuditedRun(config, full_stacks=False) as run:
             for op in program:
-                assert run.apply(op) == [], (program, [f.summary() for f in run.findings])
+                new = [f for f in run.apply(op) if f.signature not in known]
+                assert new == [], (program, [f.summary() for f in new])
             kinds = [e.kind for e in run.auditor.events]
             allocs, frees = allocs + kinds.count("alloc"), frees + kinds.count("free")
             inserts += sum(e[1] == "insert" for e in run.target.hash_log)

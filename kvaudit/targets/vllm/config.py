@@ -41,6 +41,10 @@ FAULTS: dict[str, tuple[str, str]] = {
                        "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
                        "so the connector's request_finished runs twice and a second save of the same blocks starts "
                        "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
+    "keep-computed-on-preempt": (
+        "stale-kv", "the first preempted request keeps its num_computed_tokens while Scheduler._preempt_request "
+                    "frees its blocks: it resumes without a prefix-cache lookup on fresh blocks never written "
+                    "for its prefix, and its next step reads them (scheduler level; vllm-small preempts)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),

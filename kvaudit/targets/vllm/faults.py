@@ -55,7 +55,9 @@ def inject_scheduler(scheduler, faults: set[str], waiting_for_remote_kvs) -> Non
     request's in-flight step came back, #33377: a second ``request_finished``);
     ``free-under-inflight-load`` frees, right after the first abort that catches a request in
     ``waiting_for_remote_kvs`` (vLLM's ``RequestStatus.WAITING_FOR_REMOTE_KVS``) with its free delayed,
-    that request's blocks at once through ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255)."""
+    that request's blocks at once through ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255);
+    ``keep-computed-on-preempt`` wraps ``_preempt_request`` to put back the first preempted request's
+    ``num_computed_tokens`` after its blocks are freed."""
     if "refinish-held-request" in faults:
         finish_once = scheduler.finish_requests
 
@@ -70,6 +72,18 @@ def inject_scheduler(scheduler, faults: set[str], waiting_for_remote_kvs) -> Non
             return out
 
         scheduler.finish_requests = finish_twice
+    if "keep-computed-on-preempt" in faults:
+        preempt = scheduler._preempt_request
+
+        def preempt_keeping_computed(request, *a, **k):
+            computed = request.num_computed_tokens
+            out = preempt(request, *a, **k)
+            if "keep-computed-on-preempt" in faults and computed:
+                faults.discard("keep-computed-on-preempt")
+                request.num_computed_tokens = computed
+            return out
+
+        scheduler._preempt_request = preempt_keeping_computed
     if "free-under-inflight-load" not in faults:
         return
     finish, xfer = scheduler.finish_requests, scheduler._update_from_kv_xfer_finished
