@@ -149,6 +149,17 @@ def test_a_block_at_zero_off_the_free_queue_is_free_queue_drift(run):
     assert checks(found) == {("accounting-drift", "free-queue")}
 
 
+def test_a_free_queue_finding_names_the_last_free_of_its_block(run):
+    """Not only the symptom: a block off the free queue at ref_cnt 0 names where it was last freed."""
+    t = run.target
+    b = table(run, R3)[0]
+    t._finish(t.requests[R3], t.V.RequestStatus.FINISHED_ABORTED)
+    queue(run).remove(b)
+    (f,) = only(check(run), "accounting-drift", "free-queue")
+    assert f"block {b.block_id} has ref_cnt=0 but is off the free queue" in f.message
+    assert f.free_sites and f.free_sites[0].function == "_finish", f.free_sites
+
+
 def test_a_wrong_back_link_in_the_free_list_is_free_queue_drift(run):
     q = queue(run)
     b = q.fake_free_list_head.next_free_block.next_free_block.next_free_block
