@@ -205,13 +205,14 @@ class VllmSchedulerTarget(_VllmBase):
 
     def install_shadow(self, shadow, wrap, report) -> None:
         """Check each step's KV reads and tag its writes (:meth:`_shadow_step`, run by a wrapper of the
-        Scheduler's ``_update_after_schedule``, so that a stale read is located in ``schedule``), tag a KV connector's
-        loads (:meth:`_shadow_load`), in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`); a stale read
-        calls ``report(pool, slots, message)``. Attention groups only (full attention, sliding window);
+        Scheduler's ``_update_after_schedule``, so that a stale read is located in ``schedule``) and tag a
+        KV connector's loads (:meth:`_shadow_load`) in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`);
+        a stale read calls ``report(pool, slots, message)``. Attention groups only (full attention, sliding window);
         other groups' blocks (Mamba state) hold no per-position KV and are not tagged."""
         self._shadow = (shadow, report)
+        self._drafts: dict = {}  # (rid, group) -> ([n] positions, [n] slots) written before their tokens were known
         self.reached["stale_reads_checked"] = 0
-        after = self.scheduler._update_after_schedule  # where schedule() advances num_computed_tokens: the read site
+        after = self.scheduler._update_after_schedule  # where schedule() advances num_computed_tokens
 
         def update_after_schedule(out, *a, **k):
             result = after(out, *a, **k)
@@ -245,9 +246,11 @@ class VllmSchedulerTarget(_VllmBase):
         ``start`` (full attention: all; a sliding window of ``w``: from ``start - w + 1``): each slot must
         hold the tag of the request's own prefix there. A read of a slot never written, or written for
         another prefix, is stale KV (``report``), naming the request, the blocks and the positions.
-        Positions past the request's known tokens (none outside speculative drafts) are left alone.
-        Like a forward (each layer writes the batch's new KV before attention reads it), a request may
-        read KV another request of the same step writes: a prefix hit on blocks cached at allocation."""
+        Positions past the request's known tokens (speculative drafts) are tagged at the request's next
+        step, once their tokens are known, where its table still maps them (a rejected draft's position is
+        computed again then). Like a forward (each layer writes the batch's new KV before attention reads
+        it), a request may read KV another request of the same step writes (a prefix hit on blocks cached
+        at allocation)."""
         shadow, report = self._shadow
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
         spans = []
@@ -258,10 +261,16 @@ class VllmSchedulerTarget(_VllmBase):
             start = max(request.num_computed_tokens - n, 0)
             for g, window in self._attention:
                 table = self._table(g, rid)
-                pos = np.arange(start, end)
+                pos, slots = self._drafts.pop((rid, g), (np.zeros(0, dtype=np.int64),) * 2)
+                now = table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
+                keep = (now == slots) & (pos < tags.size)
+                tags_of[slots[keep]] = tags[pos[keep]]
+                pos = np.arange(start, request.num_computed_tokens)
                 blk = table[np.minimum(pos // bs, table.size - 1)]
-                keep = blk != 0
+                keep, late = (blk != 0) & (pos < end), (blk != 0) & (pos >= end)
                 tags_of[blk[keep] * bs + pos[keep] % bs] = tags[pos[keep]]
+                if late.any():
+                    self._drafts[(rid, g)] = (pos[late], blk[late] * bs + pos[late] % bs)
                 first = 0 if window is None else max(start - window + 1, 0)
                 spans.append((rid, g, first, min(start, end), table, tags))
         for rid, g, first, start, table, tags in spans:
