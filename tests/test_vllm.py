@@ -517,10 +517,10 @@ def test_ci_for_vllm_checks_vllms_own_regressions(tmp_path):
     """By default ci replayed the built-in engine's corpus for every target."""
     r = invoke("ci", "--target", "vllm", "--presets", "vllm-manager", "--max-time", "2", "--out", str(tmp_path))
     assert r.exit_code == 0, r.output
-    assert "7 regression file(s) in corpora/vllm" in r.output
-    for name in ("fault-skip-free", "fault-double-free-shared-prefix", "fault-drop-hash-entry",
-                 "fault-free-under-inflight-step", "fault-free-window-under-inflight-step",
-                 "fault-free-under-inflight-load", "fault-refinish-held-request"):
+    corpus = os.path.join(os.path.dirname(__file__), "..", "corpora", "vllm")
+    names = sorted(n[:-5] for n in os.listdir(corpus) if n.endswith(".json"))  # (not findings/: vLLM's own)
+    assert len(names) >= 7 and f"{len(names)} regression file(s) in corpora/vllm" in r.output
+    for name in names:
         assert f"regression {name}: ok" in r.output
 
 
