@@ -261,16 +261,17 @@ class VllmSchedulerTarget(_VllmBase):
             start = max(request.num_computed_tokens - n, 0)
             for g, window in self._attention:
                 table = self._table(g, rid)
-                pos, slots = self._drafts.pop((rid, g), (np.zeros(0, dtype=np.int64),) * 2)
-                now = table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
-                keep = (now == slots) & (pos < tags.size)
-                tags_of[slots[keep]] = tags[pos[keep]]
+                if self._drafts and (rid, g) in self._drafts:
+                    pos, slots = self._drafts.pop((rid, g))
+                    keep = (table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs == slots) & (pos < tags.size)
+                    tags_of[slots[keep]] = tags[pos[keep]]
                 pos = np.arange(start, request.num_computed_tokens)
                 blk = table[np.minimum(pos // bs, table.size - 1)]
-                keep, late = (blk != 0) & (pos < end), (blk != 0) & (pos >= end)
-                tags_of[blk[keep] * bs + pos[keep] % bs] = tags[pos[keep]]
-                if late.any():
+                keep = blk != 0
+                if end < request.num_computed_tokens:  # (speculative drafts: tagged once known)
+                    late, keep = keep & (pos >= end), keep & (pos < end)
                     self._drafts[(rid, g)] = (pos[late], blk[late] * bs + pos[late] % bs)
+                tags_of[blk[keep] * bs + pos[keep] % bs] = tags[pos[keep]]
                 first = 0 if window is None else max(start - window + 1, 0)
                 spans.append((rid, g, first, min(start, end), table, tags))
         for rid, g, first, start, table, tags in spans:
