@@ -160,6 +160,26 @@ def test_a_free_queue_finding_names_the_last_free_of_its_block(run):
     assert f.free_sites and f.free_sites[0].function == "_finish", f.free_sites
 
 
+def test_a_crash_on_a_broken_free_list_names_the_last_free_of_the_block_it_met(run):
+    """A crash names where the state it met began, not only where it raised: R3's freed block linked
+    first in the free list with no successor; the next allocation of several blocks raises in vLLM's
+    free queue, and the crash carries the free-queue check the state then fails and that block's last
+    free (the driver's ``_finish``). The signature stays the raise."""
+    t = run.target
+    b = table(run, R3)[0]
+    t._finish(t.requests[R3], t.V.RequestStatus.FINISHED_ABORTED)
+    q = queue(run)
+    q.remove(b)
+    head = q.fake_free_list_head
+    b.prev_free_block, b.next_free_block, head.next_free_block = head, None, b
+    q.num_free_blocks += 1
+    found = run.apply(Submit(2, 12, 4, ignore_eos=1)) or run.apply(Step(1))
+    (f,) = [f for f in found if f.kind == "crash"]
+    assert f"(the state then: block {b.block_id} has ref_cnt=0 but is off the free queue)" in f.message, f.message
+    assert f.free_sites and f.free_sites[0].function == "_finish", f.free_sites
+    assert f.signature.startswith("crash/-/") and "the state then" not in f.signature
+
+
 def test_a_wrong_back_link_in_the_free_list_is_free_queue_drift(run):
     q = queue(run)
     b = q.fake_free_list_head.next_free_block.next_free_block.next_free_block

@@ -319,6 +319,22 @@ class VllmObserver:
         self._check_shadow_and_events(counts, entries, add)
         return out
 
+    def crash_cause(self) -> TargetFinding | None:
+        """The free-queue and ref-count checks on the state a crash left: the first finding that names a
+        free (``free_sites``), or None (none does, or the state cannot be read)."""
+        out: list[TargetFinding] = []
+
+        def add(kind, units, *rest):
+            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), *rest))
+
+        try:
+            counts = self._ref_counts()
+            self._check_free_queue(counts, add)
+            self._check_ref_counts(counts, self._holders(self.known())[1], add)
+        except Exception:  # (the crash may have left links or tables half changed)
+            return None
+        return next((t for t in out if any(s >= 0 for s in t.free_sites)), None)
+
     def _check_ref_counts(self, counts, refs, add) -> None:
         """``counts`` (each block's ``ref_cnt``, :meth:`_ref_counts`) against ``refs`` (its references from
         roots, :meth:`_holders`); each finding through ``add(kind, units, message, check, free_sites)``."""
