@@ -6,10 +6,10 @@
 For each preset the same seeded random programs (with the capabilities the preset has) run in three
 modes: "bare" (vLLM driven, no hooks), "hooks" (the ledger: every ``get_new_blocks``/``touch``/
 ``free_blocks`` recorded) and "audit" (hooks plus the per-step oracles: reachability, the accounting
-identity, the free-list replay and vLLM's own invariants: ref counts, free queue, hash map, events), the
-fuzzers' mode. One core (``torch.set_num_threads(1)``), process CPU time, best of ``--repeat`` rounds with
-the modes taking turns. The import of vLLM and one target's build are printed apart (paid once per
-process and once per program).
+identity, the free-list replay and vLLM's own invariants: ref counts, free queue, hash map, events; and
+the shadow KV content tags, checked on every read a step implies), the fuzzers' mode. One core
+(``torch.set_num_threads(1)``), process CPU time, best of ``--repeat`` rounds with the modes taking turns.
+The import of vLLM and one target's build are printed apart (paid once per process and once per program).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvaudit.program.schema import max_prompt
 from kvaudit.search.bench import best_times, build_ms
 from kvaudit.targets.vllm.config import VLLM_PRESETS
 
-MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, False))
+MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, True))
 
 
 def main() -> None:

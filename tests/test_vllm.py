@@ -149,6 +149,37 @@ def test_a_block_at_zero_off_the_free_queue_is_free_queue_drift(run):
     assert checks(found) == {("accounting-drift", "free-queue")}
 
 
+def test_a_free_queue_finding_names_the_last_free_of_its_block(run):
+    """Not only the symptom: a block off the free queue at ref_cnt 0 names where it was last freed."""
+    t = run.target
+    b = table(run, R3)[0]
+    t._finish(t.requests[R3], t.V.RequestStatus.FINISHED_ABORTED)
+    queue(run).remove(b)
+    (f,) = only(check(run), "accounting-drift", "free-queue")
+    assert f"block {b.block_id} has ref_cnt=0 but is off the free queue" in f.message
+    assert f.free_sites and f.free_sites[0].function == "_finish", f.free_sites
+
+
+def test_a_crash_on_a_broken_free_list_names_the_last_free_of_the_block_it_met(run):
+    """A crash names where the state it met began, not only where it raised: R3's freed block linked
+    first in the free list with no successor; the next allocation of several blocks raises in vLLM's
+    free queue, and the crash carries the free-queue check the state then fails and that block's last
+    free (the driver's ``_finish``). The signature stays the raise."""
+    t = run.target
+    b = table(run, R3)[0]
+    t._finish(t.requests[R3], t.V.RequestStatus.FINISHED_ABORTED)
+    q = queue(run)
+    q.remove(b)
+    head = q.fake_free_list_head
+    b.prev_free_block, b.next_free_block, head.next_free_block = head, None, b
+    q.num_free_blocks += 1
+    found = run.apply(Submit(2, 12, 4, ignore_eos=1)) or run.apply(Step(1))
+    (f,) = [f for f in found if f.kind == "crash"]
+    assert f"(the state then: block {b.block_id} has ref_cnt=0 but is off the free queue)" in f.message, f.message
+    assert f.free_sites and f.free_sites[0].function == "_finish", f.free_sites
+    assert f.signature.startswith("crash/-/") and "the state then" not in f.signature
+
+
 def test_a_wrong_back_link_in_the_free_list_is_free_queue_drift(run):
     q = queue(run)
     b = q.fake_free_list_head.next_free_block.next_free_block.next_free_block
@@ -325,6 +356,21 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
     assert any(b is x for x in table(run, "req-000004"))
 
 
+def test_kv_whose_content_tags_are_lost_is_stale_at_its_next_read():
+    """The shadow content tags of vLLM's blocks: every read a step implies is checked (and counted); one
+    block of a running request wiped in the shadow (as if its KV were overwritten) is found at that
+    request's next step, naming the request, the block and the positions."""
+    with AuditedRun(cfg("vllm-small")) as r:
+        for op in [Submit(0, 12, 20, ignore_eos=1), Step(3)]:
+            assert r.apply(op) == []
+        assert r.target.reach()["stale_reads_checked"] > 0
+        b = table(r, R1)[1].block_id
+        r.auditor.shadow.tags[POOL][b * 4:(b + 1) * 4] = 0
+        (f,) = r.apply(Step(1))
+        assert (f.kind, f.check) == ("stale-kv", "unwritten")
+        assert f"req:{R1} read KV of 4 position(s) from 4 to 7 (group 0, block(s) {b})" in f.message
+
+
 # -- injected faults, found by the fuzzer -----------------------------------------------------------------
 @pytest.mark.parametrize("bug, kind, signature, preset", [
     ("skip-free", "leak", f"leak/{POOL}/schedule@scheduler.py/from:running", "vllm"),
@@ -345,6 +391,7 @@ def test_a_block_handed_out_while_held_is_aliasing(run):
      "vllm-kv-connector-small"),
     ("leak-rejected-draft-blocks", "leak", f"leak/{POOL}/schedule@scheduler.py", "vllm-spec"),
     ("lose-failed-load", "hang", "hang/-/idle/waiting:waiting-for-remote-kvs", "vllm-kv-fail-abort"),
+    ("keep-computed-on-preempt", "stale-kv", f"stale-kv/{POOL}/freed:_free_request_blocks@scheduler.py", "vllm-small"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
     ("close-waiting-session-keeps-blocks", "leak",
      f"leak/{POOL}/schedule@scheduler.py/from:waiting_for_streaming_req", "vllm-sessions"),
@@ -368,6 +415,11 @@ def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_determ
 
 
 # -- clean random runs ----------------------------------------------------------------------------------
+# vLLM 0.33.0's own findings, by preset (corpora/vllm/README.md, "Stale KV"): a NIXL load of a whole prompt
+# into a sliding-window group leaves the block the recomputed last token's window starts in null
+KNOWN = {"vllm-kv-connector-swa": {"stale-kv/block_pool/?/unwritten"}}
+
+
 @pytest.mark.parametrize("preset", [n for n, p in VLLM_PRESETS.items()
                                     if not p.overrides.get("return_routed_experts")  # 0.22-0.30 only
                                     and n != "vllm-kv-push-fail"])  # #46283 at once: corpora/vllm/own/
@@ -378,12 +430,14 @@ def test_200_random_programs_find_nothing(preset):
     config = cfg(preset)
     rng = random.Random(1)
     allocs = frees = inserts = 0
+    known = KNOWN.get(preset, ())
     for _ in range(200):
         program = random_program(rng, rng.randint(4, 24), max_prompt=context_max_prompt(config.context_len),
                                  features=program_features(config))
         with AuditedRun(config, full_stacks=False) as run:
             for op in program:
-                assert run.apply(op) == [], (program, [f.summary() for f in run.findings])
+                new = [f for f in run.apply(op) if f.signature not in known]
+                assert new == [], (program, [f.summary() for f in new])
             kinds = [e.kind for e in run.auditor.events]
             allocs, frees = allocs + kinds.count("alloc"), frees + kinds.count("free")
             inserts += sum(e[1] == "insert" for e in run.target.hash_log)

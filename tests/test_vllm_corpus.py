@@ -34,6 +34,19 @@ def test_an_injected_faults_file_is_clean_without_the_fault(name):
     assert execute(config.replace(bugs=frozenset()), program).signatures == []
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(CORPUS, "findings"))))
+def test_each_finding_of_vllms_own_reproduces_minimized_twice_alike(name):
+    """corpora/vllm/findings/: vLLM 0.33.0's own findings, no fault on (outside the ci regressions, which
+    must be clean without their faults)."""
+    config, program, recorded, _ = replay.load(os.path.join(CORPUS, "findings", name))
+    assert config.target == "vllm" and not config.bugs
+    first, second = execute(config, program), execute(config, program)
+    assert recorded[0].signature in first.signatures and first.ops_run == len(program)
+    assert (first.digest, sorted(first.signatures)) == (second.digest, sorted(second.signatures))
+    assert f"`findings/{name}`" in open(os.path.join(CORPUS, "README.md")).read()
+
+
 def test_every_vllm_corpus_file_has_a_written_analysis():
     notes = open(os.path.join(CORPUS, "README.md")).read()
     assert NAMES and OWN

@@ -290,7 +290,8 @@ class Auditor(Ledger, PoolWrappers):
         led = self.ledgers[pool]
         ps = led.spec.page_size
         f = self._unit_finding("stale-kv", pool, np.unique(slots // ps), message)
-        f.slots = sorted(set(slots.tolist()))
+        if f.unit != "block":  # (a pool counted in blocks lists whole blocks; the message names the positions)
+            f.slots = sorted(set(slots.tolist()))
         f.read_sites = self.site(self.capture_site())
         # the cause, for the signature (docs/internals/audit.md, shadow KV tags)
         slots = np.asarray(slots, dtype=np.int64)

@@ -183,7 +183,8 @@ def _con_hang(f) -> list:
 
 
 def _con_crash(f) -> list:
-    return _read(f) + [("stack", "raised at:", f.alloc_sites)] + _memory(f)
+    freed = [("stack", "the state it met began at (last free):", f.free_sites)] if f.free_sites else []
+    return _read(f) + [("stack", "raised at:", f.alloc_sites)] + freed + _memory(f)
 
 
 # ----------------------------------------------------------------------------- the table

@@ -203,6 +203,12 @@ class Target:
         """Wrap KV writes and reads for the stale-KV shadow (called only when :meth:`kv_pools` is not
         empty). Default: nothing."""
 
+    def crash_cause(self) -> TargetFinding | None:
+        """After the engine raised: one of the target's own invariants the state now breaks, naming the
+        frees behind it (``free_sites``), so that a crash names where its cause began, not only where it
+        raised. Default: None (nothing to add)."""
+        return None
+
     def on_intake(self, callback) -> None:
         """Call ``callback()`` right after the engine takes its queued messages, before it schedules
         (the mid-step use-after-free scan). Default: never called."""

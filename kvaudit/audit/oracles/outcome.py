@@ -97,6 +97,10 @@ def crash(run, exc: BaseException) -> list[Finding]:
                 op_index=run.ops_run - 1, step=run.target.steps, traceback=_engine_traceback(exc, engine_files))
     if memstate.is_out_of_memory(str(exc)):
         f.memory_state = memstate.memory_state(run.target, run.auditor)
+    cause = run.target.crash_cause() if run.auditor is not None else None
+    if cause is not None and cause.free_sites:  # where the state the crash met began (the signature keeps the raise)
+        f.message += f" (the state then: {cause.message})"
+        f.free_sites = run.auditor.site(int(cause.free_sites[-1]))
     return [f]
 
 

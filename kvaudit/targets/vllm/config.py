@@ -57,6 +57,10 @@ FAULTS: dict[str, tuple[str, str]] = {
                 "failed KV load is only logged, never reported (no finished_recving, no invalid_block_ids), so its "
                 "request stays in WAITING_FOR_REMOTE_KVS holding its blocks, or, aborted meanwhile, holds them "
                 "for good (the symptom of #46283); presets with kv_load_failure_policy"),
+    "keep-computed-on-preempt": (
+        "stale-kv", "the first preempted request keeps its num_computed_tokens while Scheduler._preempt_request "
+                    "frees its blocks: it resumes without a prefix-cache lookup on fresh blocks never written "
+                    "for its prefix, and its next step reads them (scheduler level; vllm-small preempts)"),
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),

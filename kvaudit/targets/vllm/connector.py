@@ -372,7 +372,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
             if lost.size:
                 b = int(lost[0])
                 counts = self._ref_counts()
-                sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
+                sites = self.free_sites(b)
                 return [TargetFinding("use-after-free", POOL, lost,
                                       f"block {b} was freed while req:{rid}'s KV load still writes it "
                                       f"(ref_cnt={counts[b]}, no finished_recving yet)", check="inflight-load",
@@ -418,7 +418,22 @@ class VllmConnectorTarget(VllmSchedulerTarget):
     def _kv_output(self):
         # a load about to report done is checked now: once reported it is no longer outstanding
         self._load_violations.extend(self._inflight_load_findings())
-        return self.worker.finished(self.steps, self.V.KVConnectorOutput)
+        loading = self._loads() if self._shadow is not None else {}
+        output = self.worker.finished(self.steps, self.V.KVConnectorOutput)
+        for rid in (output.finished_recving or ()) if output is not None else ():
+            self._shadow_load(rid, loading.get(rid, np.zeros(0, dtype=np.int64)))
+        return output
+
+    def _loads(self) -> dict[str, np.ndarray]:
+        """Request id -> ``[n] int64`` GPU blocks its outstanding KV load writes: the NIXL stand-in's reads,
+        or ``SimpleCPUOffloadScheduler``'s loads (``_reqs_to_load``, ``_abandoned_reqs_to_load``)."""
+        out = dict(self.worker.loading)
+        manager = getattr(self.scheduler.connector, "scheduler_manager", None)
+        for name in ("_reqs_to_load", "_abandoned_reqs_to_load"):
+            for rid, state in getattr(manager, name, {}).items():
+                if state.transfer_meta is not None:
+                    out[rid] = np.asarray(state.transfer_meta.gpu_block_ids, dtype=np.int64)
+        return out
 
     def _empty_output(self):
         output = super()._empty_output()

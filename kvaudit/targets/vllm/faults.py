@@ -56,7 +56,9 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
     ``free-under-inflight-load`` frees, right after the first abort that catches a request in
     ``WAITING_FOR_REMOTE_KVS`` with its free delayed, that request's blocks at once through
     ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255); ``close-waiting-session-keeps-blocks`` wraps
-    ``scheduler.add_request``. ``status``: vLLM's ``RequestStatus``."""
+    ``scheduler.add_request``; ``keep-computed-on-preempt`` wraps ``_preempt_request`` to put back the
+    first preempted request's ``num_computed_tokens`` after its blocks are freed. ``status``: vLLM's
+    ``RequestStatus``."""
     if "close-waiting-session-keeps-blocks" in faults:
         add, manager = scheduler.add_request, scheduler.kv_cache_manager
 
@@ -88,6 +90,18 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
         scheduler.finish_requests = finish_twice
     if "leak-rejected-draft-blocks" in faults:
         _leak_rejected_draft_blocks(scheduler, faults)
+    if "keep-computed-on-preempt" in faults:
+        preempt = scheduler._preempt_request
+
+        def preempt_keeping_computed(request, *a, **k):
+            computed = request.num_computed_tokens
+            out = preempt(request, *a, **k)
+            if "keep-computed-on-preempt" in faults and computed:
+                faults.discard("keep-computed-on-preempt")
+                request.num_computed_tokens = computed
+            return out
+
+        scheduler._preempt_request = preempt_keeping_computed
     if "free-under-inflight-load" not in faults:
         return
     finish, xfer = scheduler.finish_requests, scheduler._update_from_kv_xfer_finished

@@ -104,6 +104,11 @@ class VllmObserver:
         else:
             self._wrap_hash_map(auditor)
 
+    def free_sites(self, b: int) -> tuple[int, ...]:
+        """Block ``b``'s previous and last unref sites (``Auditor.capture_site`` ids, -1: none): a finding's
+        ``free_sites``, the frees that may have broken an invariant of ``b``; ``()`` when not audited."""
+        return tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
+
     def _check_queued_once(self, ids: np.ndarray, grown: int) -> None:
         """One ``free_blocks`` call that listed a block more than once (``ids``, ``[n] int64``): each block
         whose last reference it dropped joins the free queue once, so the queue grows by the number of
@@ -122,7 +127,7 @@ class VllmObserver:
             f"one BlockPool.free_blocks call listed block {b} {int(counts[uniq == b][0])} times and its last "
             f"reference went: the free queue grew by {grown} for {int(zero.sum())} block(s) freed (block {b} "
             "queued twice)", check="queued-twice",
-            free_sites=tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()))
+            free_sites=self.free_sites(b)))
 
     def _log_hashes(self, what: str, block_id: int, hashes, auditor) -> None:
         sid = auditor.capture_site()
@@ -314,6 +319,22 @@ class VllmObserver:
         self._check_shadow_and_events(counts, entries, add)
         return out
 
+    def crash_cause(self) -> TargetFinding | None:
+        """The free-queue and ref-count checks on the state a crash left: the first finding that names a
+        free (``free_sites``), or None (none does, or the state cannot be read)."""
+        out: list[TargetFinding] = []
+
+        def add(kind, units, *rest):
+            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), *rest))
+
+        try:
+            counts = self._ref_counts()
+            self._check_free_queue(counts, add)
+            self._check_ref_counts(counts, self._holders(self.known())[1], add)
+        except Exception:  # (the crash may have left links or tables half changed)
+            return None
+        return next((t for t in out if any(s >= 0 for s in t.free_sites)), None)
+
     def _check_ref_counts(self, counts, refs, add) -> None:
         """``counts`` (each block's ``ref_cnt``, :meth:`_ref_counts`) against ``refs`` (its references from
         roots, :meth:`_holders`); each finding through ``add(kind, units, message, check, free_sites)``."""
@@ -332,7 +353,7 @@ class VllmObserver:
         under = under[under > 0]
         if under.size:
             b = int(under[0])
-            sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
+            sites = self.free_sites(b)
             add("double-free", under, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference "
                                       "was dropped twice", "ref_cnt", sites)
         if (counts[1:] < 0).any():
@@ -343,9 +364,12 @@ class VllmObserver:
         """``free_block_queue`` against ``counts``; findings through ``add`` as above."""
         n = self.config.num_gpu_blocks
         # 2.-4. the free queue: well formed, exactly the blocks at count 0, the null block never in it
+        # each names the last frees of the block it is about (the free queue changes only in frees and
+        # allocations: a free is where a block joins it)
         queued, problem = self._free_queue()
         if problem:
-            add("accounting-drift", queued[-1:] or [0], f"free_block_queue: {problem}", "free-queue")
+            add("accounting-drift", queued[-1:] or [0], f"free_block_queue: {problem}", "free-queue",
+                self.free_sites(queued[-1]) if queued else ())
         q = np.array(queued, dtype=np.int64)
         if q.size != self.pool.get_num_free_blocks():
             add("accounting-drift", q[:1], f"free_block_queue holds {q.size} block(s) but num_free_blocks="
@@ -358,7 +382,8 @@ class VllmObserver:
         if wrong.size:
             b = int(wrong[0])
             add("accounting-drift", wrong, f"block {b} has ref_cnt={counts[b]} but is "
-                                           f"{'on' if on_queue[b] else 'off'} the free queue", "free-queue")
+                                           f"{'on' if on_queue[b] else 'off'} the free queue", "free-queue",
+                self.free_sites(b))
         if on_queue[null] or self.pool.null_block.block_hash is not None:
             add("accounting-drift", [max(null, 1)], "the null block is on the free queue or hashed", "null-block")
 

@@ -135,6 +135,7 @@ class VllmSchedulerTarget(_VllmBase):
         self.manager = self.scheduler.kv_cache_manager
         # (SchedulerOutput, ModelRunnerOutput, {rid: [n] int64 blocks the step writes}), oldest first
         self.batch_queue: list[tuple] = []
+        self._shadow = None  # (ShadowKV, report) once install_shadow ran
         self.max_in_flight = 2 if config.async_scheduling else 1  # EngineCore's batch queue size
         if load().has("config-max-concurrent-batches"):  # before 0.23.0 the executor's (the same rule)
             self.max_in_flight = self.vllm_config.max_concurrent_batches
@@ -338,6 +339,109 @@ class VllmSchedulerTarget(_VllmBase):
                 touched[rid] = (np.array(written, dtype=np.int64), np.array(read, dtype=np.int64))
         return touched
 
+    # -- KV content (shadow tags) ----------------------------------------------------------------------
+    def kv_pools(self) -> dict[str, int]:
+        """The stale-KV shadow's one pool: the ``BlockPool`` in token slots, slot ``block_id * block_size +
+        offset`` (every KV-cache group's blocks come from that one pool)."""
+        return {POOL: self.config.num_gpu_blocks * self.config.block_size}
+
+    def install_shadow(self, shadow, wrap, report) -> None:
+        """Check each step's KV reads and tag its writes (:meth:`_shadow_step`, run by a wrapper of the
+        Scheduler's ``_update_after_schedule``, so that a stale read is located in ``schedule``) and tag a
+        KV connector's loads (:meth:`_shadow_load`) in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`);
+        a stale read calls ``report(pool, slots, message)``. Attention groups only (full attention, sliding window);
+        other groups' blocks (Mamba state) hold no per-position KV and are not tagged."""
+        self._shadow = (shadow, report)
+        self._drafts: dict = {}  # (rid, group) -> ([n] positions, [n] slots) written before their tokens were known
+        self.reached["stale_reads_checked"] = 0
+        after = self.scheduler._update_after_schedule  # where schedule() advances num_computed_tokens
+
+        def update_after_schedule(out, *a, **k):
+            result = after(out, *a, **k)
+            self._shadow_step(out)
+            return result
+
+        wrap(self.scheduler, "_update_after_schedule", update_after_schedule)
+        self._attention = []  # (group index, sliding window in tokens or None)
+        for g, mgr in enumerate(self.groups):
+            names = {c.__name__ for c in type(mgr).__mro__}
+            if "SlidingWindowManager" in names or "FullAttentionManager" in names:
+                self._attention.append((g, getattr(mgr, "sliding_window", None)))
+
+    def _tags(self, request) -> np.ndarray:
+        """``[n] int64`` content tags of ``request``'s ``n`` known tokens (``ShadowKV.request_tags``: tag ``p``
+        identifies tokens ``[0, p]``): its prompt and output tokens, then the driver's samples vLLM has not
+        appended yet (async scheduling's in-flight steps; vLLM holds placeholders for them)."""
+        text = self.texts[request.request_id]
+        return self._shadow[0].request_tags(request, request.prompt_token_ids, request.output_token_ids,
+                                            text[request.num_tokens:])
+
+    def _table(self, g: int, rid: str) -> np.ndarray:
+        """``[n + 1] int64``: the block ids of ``rid``'s table in group ``g``, then the null block's id (0),
+        which positions past the table read."""
+        return np.array([b.block_id for b in self.groups[g].req_to_blocks.get(rid, ())] + [0], dtype=np.int64)
+
+    def _shadow_step(self, out) -> None:
+        """The KV of the step ``out`` (``num_computed_tokens`` just advanced past it), as a forward moves it: first
+        every scheduled request's positions ``[start, end)`` are written with its tags (in each attention
+        group's table), then each request's reads are checked, the positions its attention reads before
+        ``start`` (full attention: all; a sliding window of ``w``: from ``start - w + 1``): each slot must
+        hold the tag of the request's own prefix there. A read of a slot never written, or written for
+        another prefix, is stale KV (``report``), naming the request, the blocks and the positions.
+        Positions past the request's known tokens (speculative drafts) are tagged at the request's next
+        step, once their tokens are known, where its table still maps them (a rejected draft's position is
+        computed again then). Like a forward (each layer writes the batch's new KV before attention reads
+        it), a request may read KV another request of the same step writes (a prefix hit on blocks cached
+        at allocation)."""
+        shadow, report = self._shadow
+        bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
+        spans = []
+        for rid, n in out.num_scheduled_tokens.items():
+            request = reqs[rid]
+            tags = self._tags(request)
+            end = min(request.num_computed_tokens, tags.size)
+            start = max(request.num_computed_tokens - n, 0)
+            for g, window in self._attention:
+                table = self._table(g, rid)
+                if self._drafts and (rid, g) in self._drafts:
+                    pos, slots = self._drafts.pop((rid, g))
+                    keep = (table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs == slots) & (pos < tags.size)
+                    tags_of[slots[keep]] = tags[pos[keep]]
+                pos = np.arange(start, request.num_computed_tokens)
+                blk = table[np.minimum(pos // bs, table.size - 1)]
+                keep = blk != 0
+                if end < request.num_computed_tokens:  # (speculative drafts: tagged once known)
+                    late, keep = keep & (pos >= end), keep & (pos < end)
+                    self._drafts[(rid, g)] = (pos[late], blk[late] * bs + pos[late] % bs)
+                tags_of[blk[keep] * bs + pos[keep] % bs] = tags[pos[keep]]
+                first = 0 if window is None else max(start - window + 1, 0)
+                spans.append((rid, g, first, min(start, end), table, tags))
+        for rid, g, first, start, table, tags in spans:
+            pos = np.arange(first, start)
+            slots = table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
+            self.reached["stale_reads_checked"] += slots.size
+            if tags_of.take(slots).tobytes() != tags[first:start].tobytes():
+                bad, what = shadow.read(POOL, slots, tags[first:start])
+                blocks = ", ".join(str(b) for b in np.unique(slots[bad] // bs)[:4])
+                report(POOL, slots[bad], f"req:{rid} read KV of {bad.size} position(s) from {pos[bad[0]]} to "
+                                         f"{pos[bad[-1]]} (group {g}, block(s) {blocks}) from slots {what}")
+
+    def _shadow_load(self, rid: str, blocks: np.ndarray) -> None:
+        """A KV connector's load into ``blocks`` (``[n] int64`` GPU block ids) of request ``rid`` completed:
+        they hold the KV of ``rid``'s own prefix, what the remote prefill (or the CPU tier's copy) wrote
+        (the stand-ins move no memory). Positions past the request's known tokens are left alone; an
+        unknown request (aborted meanwhile, freed) is skipped."""
+        request = self.scheduler.requests.get(rid)
+        if self._shadow is None or request is None or not blocks.size:
+            return
+        bs, tags, tags_of = self.config.block_size, self._tags(request), self._shadow[0].tags[POOL]
+        for g, _ in self._attention:
+            table = self._table(g, rid)[:-1]
+            idx = np.flatnonzero(np.isin(table, blocks))
+            pos = (idx[:, None] * bs + np.arange(bs)).ravel()
+            pos = pos[pos < tags.size]
+            tags_of[table[pos // bs] * bs + pos % bs] = tags[pos]
+
     def invariant_findings(self) -> list:
         """The observer's, then :meth:`_inflight_findings` (first as they stood right after a ``schedule()``
         that preempted a request with a step in flight, before ``step`` processes that step), then
@@ -395,7 +499,7 @@ class VllmSchedulerTarget(_VllmBase):
         b = int(lost[0])
         owners = [o for o, _, units in self._holders(self.known())[0] if (units == b).any()]
         now = f"now held by {', '.join(owners)}" if owners else f"ref_cnt={self._ref_counts()[b]}"
-        sites = tuple(int(x) for x in self.unref_sites[b]) if self._auditor is not None else ()
+        sites = self.free_sites(b)
         verb = "writes" if check == "inflight-write" else "reads"
         return TargetFinding("use-after-free", POOL, lost, f"block {b} was freed while a step in flight still "
                                                            f"{verb} it for req:{rid} ({now})",
