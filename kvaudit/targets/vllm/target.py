@@ -350,10 +350,15 @@ class VllmSchedulerTarget(_VllmBase):
         Scheduler's ``_update_after_schedule``, so that a stale read is located in ``schedule``) and tag a
         KV connector's loads (:meth:`_shadow_load`) in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`);
         a stale read calls ``report(pool, slots, message)``. Attention groups only (full attention, sliding window);
-        other groups' blocks (Mamba state) hold no per-position KV and are not tagged."""
+        other groups' blocks (Mamba state) hold no per-position KV and are not tagged. Not installed with
+        speculative decoding under async scheduling (``stale_reads_checked`` stays 0): there the worker
+        shifts the next step's positions back by the drafts the step in flight rejects (vLLM's model
+        runner corrects them on the device), which the driver does not model yet."""
+        self.reached["stale_reads_checked"] = 0
+        if self.config.num_spec_tokens and self.max_in_flight > 1:
+            return
         self._shadow = (shadow, report)
         self._drafts: dict = {}  # (rid, group) -> ([n] positions, [n] slots) written before their tokens were known
-        self.reached["stale_reads_checked"] = 0
         after = self.scheduler._update_after_schedule  # where schedule() advances num_computed_tokens
 
         def update_after_schedule(out, *a, **k):
