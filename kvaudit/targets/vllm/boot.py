@@ -74,6 +74,12 @@ def _no_triton_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Triton not available")
 
 
+def _no_injected_load_failure(record: logging.LogRecord) -> bool:
+    """vLLM logs each request a failed KV load fails (``Scheduler._handle_invalid_blocks``, policy ``fail``)
+    as an error: on the ``vllm-kv-fail*`` presets kvaudit fails those loads itself (``transfer_fail``)."""
+    return not str(record.msg).startswith("Failing %d request(s) due to KV load failure")
+
+
 def _prepare_environment() -> None:
     """:func:`load`'s process settings, each unless already set: offline Hugging Face, vLLM's cache root
     and torch inductor's (which makes <temp dir>/torchinductor_<user> on import) in :func:`scratch_dir`
@@ -150,6 +156,7 @@ def load() -> SimpleNamespace:
                               f"({os.path.dirname(vllm.__file__)}): two installs on sys.path")
     for name in ("vllm", "vllm.v1", "vllm.config"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(_no_injected_load_failure)
     _register_stub_architecture(ModelRegistry, nn.Module)
     init_none_hash(sha256)
     _LOADED = SimpleNamespace(
