@@ -144,6 +144,13 @@ def _con_sites(f) -> list:
     return _read(f) + _alloc(f)
 
 
+def _con_stale_kv(f) -> list:
+    """Where the read was, then the free behind it when the slots were freed under their owner (the frees
+    a ``freed:`` signature names), then the allocation."""
+    freed = [("stack", "freed at:", f.free_sites)] if f.free_sites else []
+    return _read(f) + freed + _alloc(f)
+
+
 def _con_double_free(f) -> list:
     return [("stack", "freed again at:", f.free_sites), ("stack", "previously freed at:", f.prev_free_sites)] + \
         _con_sites(f)
@@ -285,7 +292,8 @@ TABLE: tuple[FindingKind, ...] = (
         "by kvaudit's shadow content tags, checked on every KV read.",
         "error", ("memory-safety", "correctness", "stale-kv"),
         lambda f, what, site: f"Stale KV: {what} in pool {f.pool} read at {_read_at(f)}: {f.message}",
-        signature=_sig_stale_kv, stacks=("read_sites", "alloc_sites", "free_sites", "prev_free_sites")),
+        signature=_sig_stale_kv, console=_con_stale_kv,
+        stacks=("read_sites", "alloc_sites", "free_sites", "prev_free_sites")),
     FindingKind(
         "accounting-drift", 6, "identity", "AccountingDrift",
         "A pool's accounting identity or counters disagree with its memory",
