@@ -584,3 +584,17 @@ def test_an_interrupt_during_a_findings_registration_waits_for_its_write_and_ann
     finally:
         signal.signal(signal.SIGTERM, old)
         INTERRUPTED.clear()
+
+
+def test_a_campaign_sums_its_workers_path_counters_keeping_a_path_at_zero():
+    """Each worker's progress carries its Target.reach() sums; the parent's stats hold their total, and a
+    counter every worker has at 0 stays, at 0 (the clean run's ``reached:`` line names the path not reached)."""
+    from kvaudit.search.campaign import CampaignResult, _Tally
+
+    result = CampaignResult()
+    tally = _Tally(result, None, None)
+    tally(("progress", 0, 10, 100, [], [], None, {"preemptions": 3, "failed_transfers": 0}))
+    tally(("progress", 1, 5, 50, [], [], None, {"preemptions": 1, "failed_transfers": 0}))
+    tally(("progress", 0, 12, 120, [], [], None, {"preemptions": 4, "failed_transfers": 0}))  # worker 0 again
+    assert dict(result.stats.reached) == {"preemptions": 5, "failed_transfers": 0}
+    assert result.stats.executions == 17

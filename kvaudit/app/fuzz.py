@@ -210,8 +210,7 @@ class _Single:
                       f"({stats.executions / max(stats.elapsed, 1e-9):.1f} exec/s)"
                       + (f"; {len(flaky)} flaky finding(s) not reported: {', '.join(flaky)}" if flaky else ""),
                       soft_wrap=True)
-        if stats.reached:  # what the programs reached: a path at 0 was not searched
-            console.print("reached: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.reached.items())), soft_wrap=True)
+        print_reached(console, stats)
         console.print(summary_line([], suppressed_by_kind(sset)), soft_wrap=True)
         write()
         return EXIT_CLEAN
@@ -322,6 +321,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
+    print_reached(console, s)
     # NOTE: a file counts only the new signatures it reports (it can hold known ones the same program raised)
     line = summary_line([f for c, path in zip(cases, paths) for f in c.findings if result.new.get(f.signature) == path],
                         suppressed_by_kind(sset), interrupted=result.interrupted)
@@ -391,3 +391,10 @@ def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, inte
         extra["interrupted"] = True
     return ReportData.single(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
                              suppressions=sset)
+
+
+def print_reached(console, stats) -> None:
+    """``reached: name=count, ...``: what the programs reached (``Target.reach()`` summed), where the target
+    counts paths; a path at 0 was not searched."""
+    if stats.reached:
+        console.print("reached: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.reached.items())), soft_wrap=True)

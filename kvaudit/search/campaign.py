@@ -7,6 +7,7 @@ docs/internals/search.md.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import fcntl
 import json
 import multiprocessing as mp
@@ -145,7 +146,7 @@ class _Worker:
         if force or time.monotonic() - self._last_progress >= PROGRESS_EVERY:
             self._last_progress = time.monotonic()
             self.emit(("progress", self.spec.index, s.executions, s.ops, sorted(s.sites), sorted(s.suppressed),
-                       getattr(s, "coverage", None)))
+                       getattr(s, "coverage", None), dict(getattr(s, "reached", {}))))
 
     def sync(self) -> None:
         """Between rounds of a fleet campaign: pull the fleet's files and known signatures; triage orphans."""
@@ -353,6 +354,7 @@ class _Tally:
         self.result, self.on_progress, self.on_finding = result, on_progress, on_finding
         self.ready: set[int] = set()
         self.per_worker: dict[int, tuple] = {}
+        self.reached: dict[int, dict] = {}  # worker -> its Target.reach() sums so far
 
     def __call__(self, msg: tuple) -> None:
         kind, index = msg[0], msg[1]
@@ -369,6 +371,10 @@ class _Tally:
             stats.ops = sum(v[1] for v in self.per_worker.values())
             if msg[6] is not None:
                 stats.coverage = msg[6]
+            self.reached[index] = msg[7]
+            stats.reached = Counter()
+            for counts in self.reached.values():
+                stats.reached.update(counts)  # (update keeps a 0: a path no program reached)
         elif kind == "finding":
             sig, path = msg[2], msg[3]
             if sig not in result.new and sig not in result.known:
