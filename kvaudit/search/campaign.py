@@ -7,7 +7,6 @@ docs/internals/search.md.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 import fcntl
 import json
 import multiprocessing as mp
@@ -16,6 +15,7 @@ import queue as queue_mod
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -7,11 +7,11 @@ Design notes: docs/internals/fuzzers.md.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 import dataclasses
 import functools
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 

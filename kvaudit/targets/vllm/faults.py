@@ -139,6 +139,8 @@ def free_preempted_at_once(scheduler) -> None:
     if hasattr(scheduler, "_request_blocks_can_be_freed"):  # the victim's fence of #49675
         can_free = scheduler._request_blocks_can_be_freed
         scheduler._request_blocks_can_be_freed = lambda r: not r.is_finished() or can_free(r)
+
+
 def _leak_rejected_draft_blocks(scheduler, faults: set[str]) -> None:
     """Wrap ``scheduler.update_from_output``: after the first step whose rejected drafts left a request
     with blocks wholly past its rolled-back ``num_computed_tokens`` (allocated for draft positions only),

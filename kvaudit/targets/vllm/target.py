@@ -182,6 +182,7 @@ class VllmSchedulerTarget(_VllmBase):
             return preempt(request, *a, **k)
 
         self.scheduler._preempt_request = preempt_counted
+
     def _hash_lookahead(self) -> int:
         """``VllmConfig.num_hash_lookahead_tokens`` (vLLM >= 0.33.0, ``compat`` "hash-lookahead": an EAGLE
         drafter with prefix caching and no KV connector hashes each block with the token after it)."""
