@@ -68,3 +68,52 @@ class KvauditAsyncSaveConnector(KVConnectorBase_V1):
         if delay:
             self._to_send.append(request.request_id)
         return delay, None
+
+
+class LMCacheServerStandIn:
+    """The scheduler half of the ``lmcache`` client that vLLM's ``LMCacheMPConnector`` imports
+    (``LMCacheMPSchedulerAdapter``, talking to an LMCache server over ZMQ), standing in for a server that
+    holds nothing: every lookup is a miss (0 tokens), so no KV is loaded; the rest (locks, sessions,
+    allocation reports) is accepted and dropped. ``blocks_per_chunk``: LMCache's 256-token chunk."""
+
+    def __init__(self, server_url, context, model_name, vllm_block_size, parallel_strategy, *a, **k):
+        self.blocks_per_chunk = max(1, 256 // vllm_block_size)
+
+    def num_blocks_per_chunk(self) -> int:
+        return self.blocks_per_chunk
+
+    def check_lookup_result(self, request_id: str) -> int:
+        return 0
+
+    def maybe_submit_lookup_request(self, *a, **k) -> None:
+        return None
+
+    cleanup_lookup_result = free_lookup_locks = end_session = report_block_allocations = maybe_submit_lookup_request
+
+
+def install_lmcache_client() -> None:
+    """Put the narrowest stand-in of the ``lmcache`` package that ``vllm/distributed/kv_transfer/
+    kv_connector/v1/lmcache_mp_connector.py`` (0.33.0) imports at module level into ``sys.modules``,
+    unless an ``lmcache`` is already imported: the names it takes (``init_logger``, ``mla_enabled``,
+    the adapters, ``LoadStoreOp``, ``ParallelStrategy``, ``BlockAllocationRecord``), the scheduler adapter
+    being :class:`LMCacheServerStandIn`. The real package (0.5.6 on PyPI) does not import on CPU (its
+    ``device_ops`` need a compute backend), and its client needs a running LMCache server. No
+    ``lmcache.integration.vllm.lmcache_mp_connector`` is given, so vLLM uses its own built-in
+    ``LMCacheMPConnectorUpstream``. The worker adapter is never built (no worker runs here)."""
+    import logging
+    import sys
+    from types import ModuleType
+
+    if "lmcache" in sys.modules:
+        return
+    names = ("lmcache", "lmcache.utils", "lmcache.integration", "lmcache.integration.vllm",
+             "lmcache.integration.vllm.utils", "lmcache.integration.vllm.vllm_multi_process_adapter",
+             "lmcache.v1", "lmcache.v1.multiprocess", "lmcache.v1.multiprocess.custom_types")
+    mods = {n: ModuleType(n) for n in names}
+    mods["lmcache.utils"].init_logger = logging.getLogger
+    mods["lmcache.integration.vllm.utils"].mla_enabled = lambda model_config: False
+    adapter = mods["lmcache.integration.vllm.vllm_multi_process_adapter"]
+    adapter.LMCacheMPSchedulerAdapter, adapter.LMCacheMPWorkerAdapter = LMCacheServerStandIn, None
+    adapter.LoadStoreOp = adapter.ParallelStrategy = lambda *a, **k: (a, k)
+    mods["lmcache.v1.multiprocess.custom_types"].BlockAllocationRecord = dict
+    sys.modules.update(mods)
