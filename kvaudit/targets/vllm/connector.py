@@ -17,13 +17,11 @@ contract the issue asks for:
   until the load reports done; with async scheduling the ``kv_both`` role (a consumer) turns on
   ``Scheduler.defer_block_free`` and so ``deferred_frees``.
 
-The other shipped connectors fit less well: ``ExampleConnector`` and ``DecodeBenchConnector`` load
-synchronously (``(n, False)``: no ``WAITING_FOR_REMOTE_KVS``). Of the offloading connectors,
-``SimpleCPUOffloadConnector`` is driven too (:class:`OffloadWorkerStandIn`, presets
-``vllm-cpu-offload-swa``): its scheduler side keeps its own CPU ``BlockPool`` and touches GPU blocks
-while a transfer is in flight, and what its worker reports back is only completions (load request ids,
-store event indices), which a stand-in on the step clock can give; ``OffloadingConnector`` was not
-tried.
+Other connectors, each with its own worker stand-in: ``SimpleCPUOffloadConnector``
+(:class:`OffloadWorkerStandIn`, ``vllm-cpu-offload-swa*``), 0.33.0's ``OffloadingConnector``
+(:class:`OffloadingWorkerStandIn`, ``vllm-offload*``), ``LMCacheMPConnector`` (``vllm-lmcache-mp``) and
+``MultiConnector`` over NIXL and ``OffloadingConnector`` (:class:`MultiWorkerStandIn`): what their workers
+report back is completions, which a stand-in on the step clock can give.
 
 The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlConnectorMetadata``
 (``start_load_kv``, ``get_finished``), with no memory moved and on the step clock: a read of
@@ -200,13 +198,8 @@ class SaveWorkerStandIn:
             return None
         self.sending = [(rid, at) for rid, at in self.sending if at > step]
         # one report per save: a second save of an id waits for the next step's output
-        send, later = set(), []
-        for rid in due:
-            if rid in send:
-                later.append(rid)
-            else:
-                send.add(rid)
-        self.sending.extend((rid, step + 1) for rid in later)
+        send = set(due)
+        self.sending.extend((rid, step + 1) for rid in (Counter(due) - Counter(send)).elements())
         return output_cls(finished_sending=send, finished_recving=None)
 
     def __len__(self) -> int:
@@ -237,13 +230,8 @@ class OffloadWorkerStandIn:
         self.load_reqs: dict[int, list[str]] = {}  # the latest metadata's load_event_to_reqs
         self.loading: dict[str, np.ndarray] = {}  # none: the scheduler side pins its loads' blocks itself
 
-    @property
-    def recving(self) -> list:
-        return self.loads
-
-    @property
-    def sending(self) -> list:
-        return self.stores
+    recving = property(lambda self: self.loads)
+    sending = property(lambda self: self.stores)
 
     def _due(self, queue: list, kind: str, event: int, step: int) -> int:
         due = step + 1 + zlib.crc32(f"{kind}{event}".encode()) % self.latency_steps
@@ -296,17 +284,9 @@ class OffloadingWorkerStandIn:
         self.jobs: dict[int, tuple[int, int, str, bool, np.ndarray]] = {}
         self.reached.update(offload_stores=0, offload_loads=0, offload_flushes=0)
 
-    @property
-    def recving(self) -> list:
-        return [j for j, (_, _, _, load, _) in self.jobs.items() if load]
-
-    @property
-    def sending(self) -> list:
-        return [j for j, (_, _, _, load, _) in self.jobs.items() if not load]
-
-    @property
-    def loading(self) -> dict[str, np.ndarray]:
-        return {rid: blocks for _, _, rid, load, blocks in self.jobs.values() if load}
+    recving = property(lambda self: [j for j, job in self.jobs.items() if job[3]])
+    sending = property(lambda self: [j for j, job in self.jobs.items() if not job[3]])
+    loading = property(lambda self: {rid: blocks for _, _, rid, load, blocks in self.jobs.values() if load})
 
     def start(self, meta, step: int) -> None:
         flush = set(meta.jobs_to_flush or ()) if meta is not None else set()
@@ -511,15 +491,14 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         """vLLM's KV-cache events of the offloading connector's CPU medium (``OffloadingConnectorScheduler.
         take_events``), those taken plus the manager's still queued (``CPUOffloadingManager.events``), give
         the chunks the manager holds ready (``ref_cnt >= 0`` in its cache policy) (check ``kv-events:cpu``)."""
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
         from vllm.v1.kv_offload.base import get_offload_block_hash as block_hash, get_offload_group_idx as group
-        manager = self.scheduler.connector
-        manager = getattr(manager, "_connectors", [manager])[-1].connector_scheduler.manager
+        connector = self.scheduler.connector
+        manager = getattr(connector, "_connectors", [connector])[-1].connector_scheduler.manager
         replayed = Counter(self.cpu_events)
-        self._replay_cpu(((e.removed, [maybe_convert_block_hash(block_hash(k)) for k in e.keys], group(e.keys[0]))
+        self._replay_cpu(((e.removed, [convert(block_hash(k)) for k in e.keys], group(e.keys[0]))
                           for e in manager.events or () if e.keys and not e.metadata_only), replayed)
-        real = Counter((maybe_convert_block_hash(block_hash(k)), group(k))
-                       for k, c in manager._policy.chunks.items() if c.is_ready)
+        real = Counter((convert(block_hash(k)), group(k)) for k, c in manager._policy.chunks.items() if c.is_ready)
         if real == replayed:
             return []
         return [TargetFinding("accounting-drift", POOL, np.array([1], dtype=np.int64),
@@ -586,11 +565,10 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         super().step()
 
     def _on_schedule(self, out) -> None:
-        """The worker stand-in takes the step's metadata (``LMCacheMPConnector``'s: the finished requests);
-        with an ``OffloadingConnector``, no store named before this step that it does not flush may read a
-        block this ``schedule()`` reallocated (vLLM's fence, ``_block_id_to_pending_jobs`` and
-        ``jobs_to_flush``): the step writes it while the store copies it, and the CPU tier keeps KV that is
-        not the hashed prefix's (check ``inflight-store``)."""
+        """The worker stand-in takes the step's metadata (``LMCacheMPConnector``'s: its finished requests).
+        With an ``OffloadingConnector``, a store named earlier and not flushed must not read a block this
+        ``schedule()`` reallocated (vLLM's fence, ``_block_id_to_pending_jobs`` / ``jobs_to_flush``): the
+        step would write it under the copy, the CPU tier keeping KV not its hash's (``inflight-store``)."""
         if self.config.kv_connector == "LMCacheMPConnector":
             return self.worker.start_finished(out, self.steps)
         self.worker.start(out.kv_connector_metadata, self.steps)
@@ -616,11 +594,9 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         """Request id -> ``[n] int64`` GPU blocks its outstanding KV load writes: the NIXL stand-in's reads,
         or ``SimpleCPUOffloadScheduler``'s loads (``_reqs_to_load``, ``_abandoned_reqs_to_load``)."""
         out = dict(self.worker.loading)
-        manager = getattr(self.scheduler.connector, "scheduler_manager", None)
-        for name in ("_reqs_to_load", "_abandoned_reqs_to_load"):
-            for rid, state in getattr(manager, name, {}).items():
-                if state.transfer_meta is not None:
-                    out[rid] = np.asarray(state.transfer_meta.gpu_block_ids, dtype=np.int64)
+        for owner, _, blocks in offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None)):
+            if owner.startswith("offload-load:"):
+                out[owner.removeprefix("offload-load:")] = blocks
         return out
 
     def _empty_output(self):

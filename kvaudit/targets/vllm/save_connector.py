@@ -1,19 +1,15 @@
 """kvaudit's own KV connector for the ``vllm-kv-save`` preset (imports vLLM: loaded by vLLM's
-``KVConnectorFactory`` under the name ``KvauditAsyncSaveConnector``, registered in ``boot``).
+``KVConnectorFactory`` under the name ``KvauditAsyncSaveConnector``, registered in ``boot``), and the
+``lmcache`` client stand-in of the ``vllm-lmcache-mp`` preset (:func:`install_lmcache_client`).
 
-What it models: a connector that saves (offloads) every request's KV asynchronously and so answers
+What the save connector models: one that saves every request's KV asynchronously and so answers
 ``request_finished -> delay_free_blocks=True`` for *any* finished request with blocks, an aborted one
-included. vLLM's connector API allows that (``KVConnectorBase_V1.request_finished``: the blocks are
-freed once the request id comes back in ``finished_sending``), and vLLM's own ``OffloadingConnector``
-does it for a request whose store is in flight (``OffloadingConnectorScheduler.request_finished``,
-``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``). The ``NixlConnector``
-preset never reaches this state: NIXL frees an aborted request at once. The OffloadingConnector itself
-is not driven: its CPU tier needs ``kv_cache_tensors`` to size and a worker stand-in for its store jobs.
-
-Scheduler side only; the worker side is :class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn`,
-which reads each step's :class:`KvauditSaveMetadata` (the requests whose save starts) and reports each
-save done in ``finished_sending`` 1 to ``kv_transfer_latency_steps`` steps later. A request finished
-twice is saved twice (vLLM #33377's double free on 0.15.1).
+included, as vLLM's ``OffloadingConnector`` did for a request with a store in flight up to the releases
+of vLLM #33377 (0.15.1, the history suite's row). 0.33.0's ``OffloadingConnector`` never delays a free
+(it fences reallocated blocks instead): the ``vllm-offload*`` presets drive it. The worker side is
+:class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn` (each :class:`KvauditSaveMetadata`'s requests
+reported in ``finished_sending`` 1 to ``kv_transfer_latency_steps`` steps later; a request finished twice
+is saved twice: #33377's double free).
 """
 
 from __future__ import annotations
@@ -37,25 +33,14 @@ class KvauditAsyncSaveConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._to_send: list[str] = []  # finished since the last build_connector_meta
 
-    # -- worker role: never called by the scheduler --------------------------------------------------
-    def start_load_kv(self, forward_context, **kwargs) -> None:
+    def _nothing(self, *args, **kwargs) -> None:
         return None
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+    # the worker role (never called by the scheduler), and update_state_after_alloc: nothing is loaded
+    start_load_kv = wait_for_layer_load = save_kv_layer = wait_for_save = update_state_after_alloc = _nothing
 
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
-
-    # -- scheduler role ----------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False  # nothing is loaded: a save-only connector
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        return None
 
     def build_connector_meta(self, scheduler_output) -> KvauditSaveMetadata:
         meta = KvauditSaveMetadata(self._to_send)
@@ -85,10 +70,8 @@ class LMCacheServerStandIn:
     def check_lookup_result(self, request_id: str) -> int:
         return 0
 
-    def maybe_submit_lookup_request(self, *a, **k) -> None:
-        return None
-
-    cleanup_lookup_result = free_lookup_locks = end_session = report_block_allocations = maybe_submit_lookup_request
+    maybe_submit_lookup_request = cleanup_lookup_result = free_lookup_locks = end_session = \
+        report_block_allocations = lambda self, *a, **k: None
 
 
 def install_lmcache_client() -> None:
