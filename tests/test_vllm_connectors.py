@@ -46,9 +46,25 @@ def test_lmcache_mp_holds_every_finished_requests_blocks_until_reported_even_wit
 
 
 def test_multi_connector_drives_nixl_and_offloading_together():
-    program = [Submit(family=i, prompt_len=40, max_new_tokens=3) for i in range(4)] + [Idle()]
+    program = [Submit(family=i, prompt_len=12, max_new_tokens=3) for i in range(4)] + [Idle()]
     with AuditedRun(VLLM_PRESETS["vllm-multi-connector"].config()) as run:
         for op in program:
             assert run.apply(op) == []
         reached = run.target.reach()
     assert reached["offload_stores"] > 0 and reached["connector_held_frees"] > 0
+
+
+@pytest.mark.releases
+def test_vllm_46951_a_nixl_load_reusing_a_block_an_older_store_reads_is_found_on_0_30_0_clean_on_0_33_0():
+    """vLLM #46951 (open upstream; PRs #46960/#47046): under MultiConnector, OffloadingConnector's
+    update_state_after_alloc returned before recording the blocks allocated for another connector's load
+    (num_external_tokens 0), so a NIXL load given a block that an older offload store still reads was not
+    fenced (jobs_to_flush). No fault: found on 0.30.0 (the last release read that ships the early return),
+    clean on 0.33.0, which records every allocation first. tests/data/vllm_releases/vllm-46951.json."""
+    from test_vllm_releases import DATA, _replay
+
+    from kvaudit import replay
+    signature = "use-after-free/block_pool/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-store"
+    assert _replay("0.30.0", "vllm-46951.json") == [signature]
+    config, program = replay.load(str(DATA / "vllm-46951.json"))[:2]
+    assert execute(config, program).signatures == []

@@ -229,9 +229,8 @@ def kv_connector_extra_config(config) -> dict:
         return {"cpu_bytes_to_use": config.num_cpu_blocks * mmap.PAGESIZE}
     if config.kv_connector == "MultiConnector":
         offload = kv_connector_extra_config(replace(config, kv_connector="OffloadingConnector"))
-        return {"connectors": [{"kv_connector": "NixlConnector", "kv_role": config.kv_role},
-                               {"kv_connector": "OffloadingConnector", "kv_role": config.kv_role,
-                                "kv_connector_extra_config": offload}]}
+        return {"connectors": [{"kv_connector": "NixlConnector", "kv_role": config.kv_role}, {
+            "kv_connector": "OffloadingConnector", "kv_role": config.kv_role, "kv_connector_extra_config": offload}]}
     if config.kv_connector != "SimpleCPUOffloadConnector":
         return {}
     return {"cpu_bytes_to_use": config.num_cpu_blocks * OFFLOAD_PAGE_BYTES, "lazy_offload": False}
@@ -272,7 +271,7 @@ def check_config(config) -> None:
         raise VllmUnavailable(f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free "
                               f"method it accepts, ngram_gpu), not {version}")
     if config.kv_connector in NEW_CONNECTORS and not compat.has("offloading-jobs", version):
-        raise VllmUnavailable(f"{config.kv_connector} is driven on vLLM 0.33.0 only, not {version}")
+        raise VllmUnavailable(f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {version}")
     if config.kv_connector == "NixlPushConnector" and not compat.has("nixl-push", version):
         raise VllmUnavailable(f"NixlPushConnector needs vLLM >= 0.24.0, not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):

@@ -98,8 +98,8 @@ LEVELS = ("scheduler", "manager")
 KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
                  "SimpleCPUOffloadConnector",  # vLLM >= 0.20.0 (the target's range); eager mode
                  "NixlPushConnector",  # vLLM >= 0.24.0: NIXL in push mode (the prefill side writes)
-                 "OffloadingConnector", "LMCacheMPConnector",  # vLLM 0.33.0 (compat "offloading-jobs")
-                 "MultiConnector")  # vLLM 0.33.0: NixlConnector + OffloadingConnector, in that order
+                 "OffloadingConnector", "LMCacheMPConnector",  # vLLM >= 0.30.0 (compat "offloading-jobs")
+                 "MultiConnector")  # NixlConnector + OffloadingConnector, in that order
 NIXL = ("NixlConnector", "NixlPushConnector")
 OFFLOADING = ("OffloadingConnector", "MultiConnector")  # the connectors with an OffloadingConnector in them
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
@@ -350,8 +350,8 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             async_scheduling=True, kv_connector="NixlPushConnector", kv_load_failure_policy="recompute"),
     _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
                             "kv_producer): every finished request, aborted ones too, holds its blocks until its "
-                            "KV is saved, 1-3 steps later (the OffloadingConnector of 0.15.1 with a store in "
-                            "flight; 0.33.0's never delays a free: vllm-offload is the one for 0.33)",
+                            "KV is saved, 1-3 steps later (the OffloadingConnector of 0.15.1/0.16.0 with a "
+                            "store in flight; from 0.21.0 it never delays a free: vllm-offload models it)",
             async_scheduling=True, kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer",
             wake_for_transfers=True),
     _preset("vllm-cpu-offload-swa", "the Scheduler (one batch in flight) with vLLM's SimpleCPUOffloadConnector in "
@@ -372,7 +372,7 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             kv_transfer_latency_steps=12, wake_for_transfers=True),
     _preset("vllm-offload", "the AsyncScheduler with vLLM's OffloadingConnector (scheduler side real, worker a "
                             "stand-in) and a 64-chunk CPU tier: computed blocks are stored, CPU hits loaded, "
-                            "stores finish 1-3 steps later (vLLM 0.33.0)", async_scheduling=True,
+                            "stores finish 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
             kv_connector="OffloadingConnector", num_cpu_blocks=64),
     _preset("vllm-offload-small", "vllm-offload on vllm-small's 16 blocks of 4 with a 6-chunk CPU tier and stores "
                                   "finishing 1-12 steps later: blocks a store still reads are reallocated "
@@ -381,11 +381,13 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             max_model_len=60, num_cpu_blocks=6, kv_transfer_latency_steps=12),
     _preset("vllm-lmcache-mp", "the AsyncScheduler with vLLM's LMCacheMPConnector (its lmcache client a stand-in "
                                "whose server holds nothing): every finished request holds its blocks until the "
-                               "worker reports it stored, 1-3 steps later (vLLM 0.33.0)", async_scheduling=True,
+                               "worker reports it stored, 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
             kv_connector="LMCacheMPConnector"),
     _preset("vllm-multi-connector", "the AsyncScheduler with vLLM's MultiConnector over NixlConnector (as "
-                                    "vllm-kv-connector) and OffloadingConnector (as vllm-offload; vLLM 0.33.0)",
-            async_scheduling=True, kv_connector="MultiConnector", num_cpu_blocks=64),
+                                    "vllm-kv-connector) and OffloadingConnector on vllm-offload-small's pool and "
+                                    "tier: NIXL loads reuse blocks older stores read (vLLM #46951)",
+            async_scheduling=True, kv_connector="MultiConnector", num_gpu_blocks=16, block_size=4,
+            max_num_batched_tokens=32, max_model_len=60, num_cpu_blocks=6, kv_transfer_latency_steps=12),
     _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
                                 "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
             async_scheduling=True, return_routed_experts=True),

@@ -18,7 +18,7 @@ contract the issue asks for:
   ``Scheduler.defer_block_free`` and so ``deferred_frees``.
 
 Other connectors, each with its own worker stand-in: ``SimpleCPUOffloadConnector``
-(:class:`OffloadWorkerStandIn`, ``vllm-cpu-offload-swa*``), 0.33.0's ``OffloadingConnector``
+(:class:`OffloadWorkerStandIn`, ``vllm-cpu-offload-swa*``), the job-based ``OffloadingConnector``
 (:class:`OffloadingWorkerStandIn`, ``vllm-offload*``), ``LMCacheMPConnector`` (``vllm-lmcache-mp``) and
 ``MultiConnector`` over NIXL and ``OffloadingConnector`` (:class:`MultiWorkerStandIn`): what their workers
 report back is completions, which a stand-in on the step clock can give.
@@ -184,10 +184,9 @@ class SaveWorkerStandIn:
             self.sending.append((rid, step + 1 + zlib.crc32(rid.encode()) % self.latency_steps))
 
     def start_finished(self, out, step: int) -> None:
-        """The worker role of ``LMCacheMPConnector`` (``LMCacheMPWorkerAdapter.get_finished``, vLLM's
-        ``lmcache_integration/multi_process_adapter.py``) with ``SchedulerOutput`` ``out``: each request id
-        in its ``finished_req_ids`` (the first time only: async scheduling may repeat one) is saved as
-        above, its stores then done. The LMCache server stand-in holds nothing, so there is no load."""
+        """``LMCacheMPConnector``'s worker (``LMCacheMPWorkerAdapter.get_finished``, vLLM's ``lmcache_integration/
+        multi_process_adapter.py``) with ``SchedulerOutput`` ``out``: each request of its ``finished_req_ids`` is
+        saved as above, once (async scheduling may repeat one). No load: the server stand-in holds nothing."""
         new = set(out.finished_req_ids) - self.saved
         self.saved |= new
         self.start(SimpleNamespace(reqs_to_send=sorted(new)), step)
@@ -266,16 +265,14 @@ class OffloadWorkerStandIn:
 
 
 class OffloadingWorkerStandIn:
-    """The worker role of vLLM 0.33.0's ``OffloadingConnector`` (``OffloadingConnectorWorker``,
-    ``offloading/worker.py``) as the step clock sees it: no memory is copied. Each step's
-    ``OffloadingConnectorMetadata`` names transfer jobs by id: a store (GPU blocks to CPU chunks) is
-    submitted at the next step's start and finishes ``1 + crc32(job id) % latency_steps`` steps after it
-    is named; a load finishes as long after it is named (no synchronous loads: ``sync_load_budget_bytes``
-    is 0); a job in ``jobs_to_flush`` (``handle_preemptions``: a preempted request's jobs, or a store whose
-    GPU blocks this step reallocates) finishes at once, before the step runs. Every finished job is
-    reported once in ``OffloadingWorkerMetadata.completed_jobs``; a finished load of a request also in
-    ``finished_recving``. No job fails. ``jobs``: job id -> ``(step named, step due, request id, load,
-    [n] int64 GPU blocks)``. The fault ``skip-offload-flush`` drops the first flush of an older store."""
+    """The worker role of the job-based ``OffloadingConnector`` (vLLM 0.30.0, 0.33.0; ``OffloadingConnectorWorker``,
+    ``offloading/worker.py``) on the step clock, no memory copied: each job a step's
+    ``OffloadingConnectorMetadata`` names (a store: GPU blocks to CPU chunks; a load, never synchronous:
+    ``sync_load_budget_bytes`` 0) finishes ``1 + crc32(job id) % latency_steps`` steps later, one in
+    ``jobs_to_flush`` (``handle_preemptions``) at once, before the step runs; each is reported once in
+    ``OffloadingWorkerMetadata.completed_jobs``, a load also in ``finished_recving``. No job fails.
+    ``jobs``: job id -> ``(step named, step due, request id, load, [n] int64 GPU blocks)``. The fault
+    ``skip-offload-flush`` drops the first flush of an older store."""
 
     def __init__(self, latency_steps: int, faults: set, reached: Counter):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
@@ -305,8 +302,8 @@ class OffloadingWorkerStandIn:
         self.reached["offload_flushes"] += len(flush)
 
     def reading(self, allocated: set[int], step: int) -> tuple[int, str, int] | None:
-        """``(job id, request id, block)`` of a store named before ``step`` and not finished before it runs
-        whose GPU block is one of ``allocated`` (reallocated by this step's schedule), else None."""
+        """``(job id, request id, block)`` of a store named before ``step``, unfinished, reading a block of
+        ``allocated`` (what this step's ``schedule()`` reallocated); None if there is none."""
         for j, (named, due, rid, load, blocks) in self.jobs.items():
             hit = [int(b) for b in blocks if int(b) in allocated]
             if not load and named < step < due and hit:
@@ -328,10 +325,9 @@ class OffloadingWorkerStandIn:
 
 
 class MultiWorkerStandIn:
-    """The worker role of ``MultiConnector`` (``multi_connector.py``) over stand-ins ``parts``, one per
-    sub-connector: each takes its own metadata of ``MultiKVConnectorMetadata.metadata``; their outputs
-    merge (sets united, worker metadata as ``MultiKVConnectorWorkerMetadata``). At most one of NIXL and
-    ``OffloadingConnector`` delays a request's free (the latter never does), so no ``extra_async_saves``."""
+    """The worker role of ``MultiConnector`` (``multi_connector.py``) over ``parts``, one stand-in per
+    sub-connector, each given its ``MultiKVConnectorMetadata.metadata``; outputs merged (sets united). Only
+    NIXL delays a free (``OffloadingConnector`` never does), so there are no ``extra_async_saves``."""
 
     def __init__(self, parts: list):
         from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
@@ -410,13 +406,11 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         self._count_request_finished(self.scheduler.connector)
 
     def _watch_offloading(self) -> None:
-        """Wrap the pool's ``get_new_blocks`` (the blocks each ``schedule()`` reallocates, for the
-        ``inflight-store`` check) and the connector's ``take_events`` (its CPU-tier ``BlockStored`` /
-        ``BlockRemoved``, replayed into ``cpu_events``: (hash, group) -> chunks, for ``kv-events:cpu``)."""
-        self.allocated: set[int] = set()
-        self.store_findings: list = []
-        self.cpu_events: Counter = Counter()
-        get_new, take, connector = self.pool.get_new_blocks, self.scheduler.connector.take_events, self.scheduler.connector
+        """Wrap the pool's ``get_new_blocks`` (what each ``schedule()`` reallocates: ``inflight-store``) and the
+        connector's ``take_events`` (CPU-tier events replayed into ``cpu_events``, (hash, group) -> chunks)."""
+        self.allocated, self.store_findings, self.cpu_events = set(), [], Counter()
+        connector, get_new = self.scheduler.connector, self.pool.get_new_blocks
+        take = connector.take_events
 
         def get_new_blocks(*a, **k):
             blocks = get_new(*a, **k)
@@ -476,7 +470,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
     def invariant_findings(self) -> list:
         out = (super().invariant_findings() + (self._load_violations[:1] or self._inflight_load_findings())
                + self._finished_once_findings())
-        return out + self.store_findings[:1] + self._cpu_event_findings() if self.config.kv_connector in OFFLOADING else out
+        offloading = self.config.kv_connector in OFFLOADING
+        return out + self.store_findings[:1] + self._cpu_event_findings() if offloading else out
 
     @staticmethod
     def _replay_cpu(events, into: Counter) -> None:
@@ -497,7 +492,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         manager = getattr(connector, "_connectors", [connector])[-1].connector_scheduler.manager
         replayed = Counter(self.cpu_events)
         self._replay_cpu(((e.removed, [convert(block_hash(k)) for k in e.keys], group(e.keys[0]))
-                          for e in manager.events or () if e.keys and not e.metadata_only), replayed)
+                          for e in manager.events or () if e.keys and not getattr(e, "metadata_only", False)), replayed)
         real = Counter((convert(block_hash(k)), group(k)) for k, c in manager._policy.chunks.items() if c.is_ready)
         if real == replayed:
             return []

@@ -4,9 +4,9 @@
 
 What the save connector models: one that saves every request's KV asynchronously and so answers
 ``request_finished -> delay_free_blocks=True`` for *any* finished request with blocks, an aborted one
-included, as vLLM's ``OffloadingConnector`` did for a request with a store in flight up to the releases
-of vLLM #33377 (0.15.1, the history suite's row). 0.33.0's ``OffloadingConnector`` never delays a free
-(it fences reallocated blocks instead): the ``vllm-offload*`` presets drive it. The worker side is
+included, as vLLM's ``OffloadingConnector`` did for a request with a store in flight in 0.15.1 and
+0.16.0 (0.15.1: the history suite's #33377 row). From 0.21.0 it never delays a free (it fences
+reallocated blocks instead): the ``vllm-offload*`` presets drive it. The worker side is
 :class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn` (each :class:`KvauditSaveMetadata`'s requests
 reported in ``finished_sending`` 1 to ``kv_transfer_latency_steps`` steps later; a request finished twice
 is saved twice: #33377's double free).
@@ -56,10 +56,9 @@ class KvauditAsyncSaveConnector(KVConnectorBase_V1):
 
 
 class LMCacheServerStandIn:
-    """The scheduler half of the ``lmcache`` client that vLLM's ``LMCacheMPConnector`` imports
-    (``LMCacheMPSchedulerAdapter``, talking to an LMCache server over ZMQ), standing in for a server that
-    holds nothing: every lookup is a miss (0 tokens), so no KV is loaded; the rest (locks, sessions,
-    allocation reports) is accepted and dropped. ``blocks_per_chunk``: LMCache's 256-token chunk."""
+    """``LMCacheMPSchedulerAdapter`` of the ``lmcache`` client (ZMQ to an LMCache server) for a server that
+    holds nothing: every lookup misses (0 tokens: no load); locks, sessions, allocation reports are
+    dropped. ``blocks_per_chunk``: LMCache's 256-token chunk."""
 
     def __init__(self, server_url, context, model_name, vllm_block_size, parallel_strategy, *a, **k):
         self.blocks_per_chunk = max(1, 256 // vllm_block_size)
