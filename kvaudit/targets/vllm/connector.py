@@ -491,8 +491,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         connector = self.scheduler.connector
         manager = getattr(connector, "_connectors", [connector])[-1].connector_scheduler.manager
         replayed = Counter(self.cpu_events)
-        self._replay_cpu(((e.removed, [convert(block_hash(k)) for k in e.keys], group(e.keys[0]))
-                          for e in manager.events or () if e.keys and not getattr(e, "metadata_only", False)), replayed)
+        self._replay_cpu(((e.removed, [convert(block_hash(k))], group(k)) for e in manager.events or ()
+                          if not getattr(e, "metadata_only", False) for k in e.keys), replayed)
         real = Counter((convert(block_hash(k)), group(k)) for k, c in manager._policy.chunks.items() if c.is_ready)
         if real == replayed:
             return []
