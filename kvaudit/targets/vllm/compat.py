@@ -69,6 +69,9 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
            "before (0.26.0 read; 0.27.0-0.29.0 not), a failed load is its invalid_block_ids alone"),
     Change("nixl-push", "0.24.0", "NixlPushConnector (push mode: the prefill side writes; driven on 0.24.0, "
                                   "0.26.0, 0.30.0 and 0.33.0); absent before"),
+    Change("offloading-jobs", "0.30.0", "OffloadingConnector's job-based scheduler side (TransferJob, jobs_to_flush, "
+           "completed_jobs; request_finished never delays a free, as from 0.21.0), LMCacheMPConnector, and "
+           "MultiConnector over them, driven on 0.30.0 and 0.33.0 (0.21.0-0.29.0 not driven)"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}

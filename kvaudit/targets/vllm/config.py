@@ -64,6 +64,10 @@ FAULTS: dict[str, tuple[str, str]] = {
     "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
                                             "loses its prefix-cache map entry: the block carries a hash the map "
                                             "does not hold"),
+    "skip-offload-flush": (
+        "use-after-free", "the first jobs_to_flush of OffloadingConnector's metadata that names a store started in an "
+                          "earlier step is dropped: that store still reads GPU blocks the step reallocates and writes "
+                          "(the fence of offloading/scheduler.py's _block_id_to_pending_jobs lost; vllm-offload*)"),
     "close-waiting-session-keeps-blocks": (
         "leak", "the first close of a streaming session waiting for its next input (WAITING_FOR_STREAMING_REQ: "
                 "Scheduler.add_request of the final, non-resumable request, which finishes it as aborted) drops "
@@ -93,8 +97,11 @@ LEVELS = ("scheduler", "manager")
 # driver's stand-in (kvaudit/targets/vllm/connector.py)
 KV_CONNECTORS = ("NixlConnector", "KvauditAsyncSaveConnector",  # the second: kvaudit/targets/vllm/save_connector.py
                  "SimpleCPUOffloadConnector",  # vLLM >= 0.20.0 (the target's range); eager mode
-                 "NixlPushConnector")  # vLLM >= 0.24.0: NIXL in push mode (the prefill side writes)
+                 "NixlPushConnector",  # vLLM >= 0.24.0: NIXL in push mode (the prefill side writes)
+                 "OffloadingConnector", "LMCacheMPConnector",  # vLLM >= 0.30.0 (compat "offloading-jobs")
+                 "MultiConnector")  # NixlConnector + OffloadingConnector, in that order
 NIXL = ("NixlConnector", "NixlPushConnector")
+OFFLOADING = ("OffloadingConnector", "MultiConnector")  # the connectors with an OffloadingConnector in them
 KV_ROLES = ("kv_both", "kv_producer")  # vLLM's KVTransferConfig.kv_role values the driver builds
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy (every release driven has both)
 SPEC_METHODS = ("ngram", "eagle")  # vLLM's SpeculativeConfig methods the driver builds
@@ -127,7 +134,8 @@ class VllmConfig(ConfigBase):
     ``num_cpu_blocks``: with ``SimpleCPUOffloadConnector``, the CPU tier's blocks (its scheduler side's
     own ``BlockPool``, block 0 its null block; the driver sets ``cpu_bytes_to_use`` so that the connector sizes it so). The
     connector runs in eager mode (``lazy_offload`` off: each request's computed blocks are stored as
-    they are confirmed), vLLM's default and the mode of vLLM #42571.
+    they are confirmed), vLLM's default and the mode of vLLM #42571. With an ``OffloadingConnector``
+    (:data:`OFFLOADING`): the chunks of its ``CPUOffloadingManager`` (one block each, LRU eviction).
     ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0: the model
     is a mixture of experts, 4 experts, 2 per token, and each step's output carries the routing of its
     tokens, ``RoutedExpertsLists``; the Scheduler keeps a block-id snapshot per scheduled request).
@@ -342,7 +350,8 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             async_scheduling=True, kv_connector="NixlPushConnector", kv_load_failure_policy="recompute"),
     _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
                             "kv_producer): every finished request, aborted ones too, holds its blocks until its "
-                            "KV is saved, 1-3 steps later (as vLLM's OffloadingConnector with a store in flight)",
+                            "KV is saved, 1-3 steps later (the OffloadingConnector of 0.15.1/0.16.0 with a "
+                            "store in flight; from 0.21.0 it never delays a free: vllm-offload models it)",
             async_scheduling=True, kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer",
             wake_for_transfers=True),
     _preset("vllm-cpu-offload-swa", "the Scheduler (one batch in flight) with vLLM's SimpleCPUOffloadConnector in "
@@ -361,6 +370,24 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             async_scheduling=True, kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8,
             num_gpu_blocks=48, max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6,
             kv_transfer_latency_steps=12, wake_for_transfers=True),
+    _preset("vllm-offload", "the AsyncScheduler with vLLM's OffloadingConnector (scheduler side real, worker a "
+                            "stand-in) and a 64-chunk CPU tier: computed blocks are stored, CPU hits loaded, "
+                            "stores finish 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
+            kv_connector="OffloadingConnector", num_cpu_blocks=64),
+    _preset("vllm-offload-small", "vllm-offload on vllm-small's 16 blocks of 4 with a 6-chunk CPU tier and stores "
+                                  "finishing 1-12 steps later: blocks a store still reads are reallocated "
+                                  "(jobs_to_flush) and the CPU tier evicts", async_scheduling=True,
+            kv_connector="OffloadingConnector", num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32,
+            max_model_len=60, num_cpu_blocks=6, kv_transfer_latency_steps=12),
+    _preset("vllm-lmcache-mp", "the AsyncScheduler with vLLM's LMCacheMPConnector (its lmcache client a stand-in "
+                               "whose server holds nothing): every finished request holds its blocks until the "
+                               "worker reports it stored, 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
+            kv_connector="LMCacheMPConnector"),
+    _preset("vllm-multi-connector", "the AsyncScheduler with vLLM's MultiConnector over NixlConnector (as "
+                                    "vllm-kv-connector) and OffloadingConnector on vllm-offload-small's pool and "
+                                    "tier: NIXL loads reuse blocks older stores read (vLLM #46951)",
+            async_scheduling=True, kv_connector="MultiConnector", num_gpu_blocks=16, block_size=4,
+            max_num_batched_tokens=32, max_model_len=60, num_cpu_blocks=6, kv_transfer_latency_steps=12),
     _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
                                 "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
             async_scheduling=True, return_routed_experts=True),

@@ -17,13 +17,11 @@ contract the issue asks for:
   until the load reports done; with async scheduling the ``kv_both`` role (a consumer) turns on
   ``Scheduler.defer_block_free`` and so ``deferred_frees``.
 
-The other shipped connectors fit less well: ``ExampleConnector`` and ``DecodeBenchConnector`` load
-synchronously (``(n, False)``: no ``WAITING_FOR_REMOTE_KVS``). Of the offloading connectors,
-``SimpleCPUOffloadConnector`` is driven too (:class:`OffloadWorkerStandIn`, presets
-``vllm-cpu-offload-swa``): its scheduler side keeps its own CPU ``BlockPool`` and touches GPU blocks
-while a transfer is in flight, and what its worker reports back is only completions (load request ids,
-store event indices), which a stand-in on the step clock can give; ``OffloadingConnector`` was not
-tried.
+Other connectors, each with its own worker stand-in: ``SimpleCPUOffloadConnector``
+(:class:`OffloadWorkerStandIn`, ``vllm-cpu-offload-swa*``), the job-based ``OffloadingConnector``
+(:class:`OffloadingWorkerStandIn`, ``vllm-offload*``), ``LMCacheMPConnector`` (``vllm-lmcache-mp``) and
+``MultiConnector`` over NIXL and ``OffloadingConnector`` (:class:`MultiWorkerStandIn`): what their workers
+report back is completions, which a stand-in on the step clock can give.
 
 The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlConnectorMetadata``
 (``start_load_kv``, ``get_finished``), with no memory moved and on the step clock: a read of
@@ -55,12 +53,13 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 
 from kvaudit.program import MemoryPressure, TransferFail
 from kvaudit.targets.base import TargetFinding
-from kvaudit.targets.vllm.config import NIXL
+from kvaudit.targets.vllm.config import NIXL, OFFLOADING
 from kvaudit.targets.vllm.observer import POOL
 from kvaudit.targets.vllm.target import VllmSchedulerTarget
 
@@ -176,6 +175,7 @@ class SaveWorkerStandIn:
     def __init__(self, latency_steps: int):
         self.latency_steps = latency_steps
         self.sending: list[tuple[str, int]] = []  # (rid, step due), in start order
+        self.saved: set[str] = set()  # LMCacheMPConnector's finished requests seen (start_finished)
         self.recving: dict[str, int] = {}
         self.loading: dict[str, np.ndarray] = {}
 
@@ -183,19 +183,22 @@ class SaveWorkerStandIn:
         for rid in getattr(meta, "reqs_to_send", ()):
             self.sending.append((rid, step + 1 + zlib.crc32(rid.encode()) % self.latency_steps))
 
+    def start_finished(self, out, step: int) -> None:
+        """``LMCacheMPConnector``'s worker (``LMCacheMPWorkerAdapter.get_finished``, vLLM's ``lmcache_integration/
+        multi_process_adapter.py``) with ``SchedulerOutput`` ``out``: each request of its ``finished_req_ids`` is
+        saved as above, once (async scheduling may repeat one). No load: the server stand-in holds nothing."""
+        new = set(out.finished_req_ids) - self.saved
+        self.saved |= new
+        self.start(SimpleNamespace(reqs_to_send=sorted(new)), step)
+
     def finished(self, step: int, output_cls):
         due = [rid for rid, at in self.sending if at <= step]
         if not due:
             return None
         self.sending = [(rid, at) for rid, at in self.sending if at > step]
         # one report per save: a second save of an id waits for the next step's output
-        send, later = set(), []
-        for rid in due:
-            if rid in send:
-                later.append(rid)
-            else:
-                send.add(rid)
-        self.sending.extend((rid, step + 1) for rid in later)
+        send = set(due)
+        self.sending.extend((rid, step + 1) for rid in (Counter(due) - Counter(send)).elements())
         return output_cls(finished_sending=send, finished_recving=None)
 
     def __len__(self) -> int:
@@ -226,13 +229,8 @@ class OffloadWorkerStandIn:
         self.load_reqs: dict[int, list[str]] = {}  # the latest metadata's load_event_to_reqs
         self.loading: dict[str, np.ndarray] = {}  # none: the scheduler side pins its loads' blocks itself
 
-    @property
-    def recving(self) -> list:
-        return self.loads
-
-    @property
-    def sending(self) -> list:
-        return self.stores
+    recving = property(lambda self: self.loads)
+    sending = property(lambda self: self.stores)
 
     def _due(self, queue: list, kind: str, event: int, step: int) -> int:
         due = step + 1 + zlib.crc32(f"{kind}{event}".encode()) % self.latency_steps
@@ -264,6 +262,97 @@ class OffloadWorkerStandIn:
 
     def __len__(self) -> int:
         return len(self.loads) + len(self.stores)
+
+
+class OffloadingWorkerStandIn:
+    """The worker role of the job-based ``OffloadingConnector`` (vLLM 0.30.0, 0.33.0; ``OffloadingConnectorWorker``,
+    ``offloading/worker.py``) on the step clock, no memory copied: each job a step's
+    ``OffloadingConnectorMetadata`` names (a store: GPU blocks to CPU chunks; a load, never synchronous:
+    ``sync_load_budget_bytes`` 0) finishes ``1 + crc32(job id) % latency_steps`` steps later, one in
+    ``jobs_to_flush`` (``handle_preemptions``) at once, before the step runs; each is reported once in
+    ``OffloadingWorkerMetadata.completed_jobs``, a load also in ``finished_recving``. No job fails.
+    ``jobs``: job id -> ``(step named, step due, request id, load, [n] int64 GPU blocks)``. The fault
+    ``skip-offload-flush`` drops the first flush of an older store."""
+
+    def __init__(self, latency_steps: int, faults: set, reached: Counter):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        self.latency_steps, self.faults, self.reached = latency_steps, faults, reached
+        self.worker_meta = OffloadingWorkerMetadata
+        self.jobs: dict[int, tuple[int, int, str, bool, np.ndarray]] = {}
+        self.reached.update(offload_stores=0, offload_loads=0, offload_flushes=0)
+
+    recving = property(lambda self: [j for j, job in self.jobs.items() if job[3]])
+    sending = property(lambda self: [j for j, job in self.jobs.items() if not job[3]])
+    loading = property(lambda self: {rid: blocks for _, _, rid, load, blocks in self.jobs.values() if load})
+
+    def start(self, meta, step: int) -> None:
+        flush = set(meta.jobs_to_flush or ()) if meta is not None else set()
+        older = {j for j in flush if j in self.jobs and not self.jobs[j][3]}
+        if older and "skip-offload-flush" in self.faults:
+            self.faults.discard("skip-offload-flush")
+            flush -= older
+        for j in flush & set(self.jobs):
+            self.jobs[j] = (self.jobs[j][0], step, *self.jobs[j][2:])
+        for load, jobs in ((True, meta.load_jobs), (False, meta.store_jobs)) if meta is not None else ():
+            for j, job in jobs.items():
+                due = step if j in flush else step + 1 + zlib.crc32(str(j).encode()) % self.latency_steps
+                spec = job.dst_spec if load else job.src_spec
+                self.jobs[j] = (step, due, job.req_id, load, np.asarray(spec.block_ids, dtype=np.int64))
+                self.reached["offload_loads" if load else "offload_stores"] += 1
+        self.reached["offload_flushes"] += len(flush)
+
+    def reading(self, allocated: set[int], step: int) -> tuple[int, str, int] | None:
+        """``(job id, request id, block)`` of a store named before ``step``, unfinished, reading a block of
+        ``allocated`` (what this step's ``schedule()`` reallocated); None if there is none."""
+        for j, (named, due, rid, load, blocks) in self.jobs.items():
+            hit = [int(b) for b in blocks if int(b) in allocated]
+            if not load and named < step < due and hit:
+                return j, rid, hit[0]
+        return None
+
+    def finished(self, step: int, output_cls):
+        done = [j for j, (_, due, *_) in self.jobs.items() if due <= step]
+        if not done:
+            return None
+        recv = {self.jobs[j][2] for j in done if self.jobs[j][3]}
+        for j in done:
+            del self.jobs[j]
+        return output_cls(finished_recving=recv or None,
+                          kv_connector_worker_meta=self.worker_meta(completed_jobs={j: 1 for j in done}))
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+
+class MultiWorkerStandIn:
+    """The worker role of ``MultiConnector`` (``multi_connector.py``) over ``parts``, one stand-in per
+    sub-connector, each given its ``MultiKVConnectorMetadata.metadata``; outputs merged (sets united). Only
+    NIXL delays a free (``OffloadingConnector`` never does), so there are no ``extra_async_saves``."""
+
+    def __init__(self, parts: list):
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
+        self.parts, self.worker_meta = parts, MultiKVConnectorWorkerMetadata
+
+    recving = property(lambda self: [x for p in self.parts for x in p.recving])
+    sending = property(lambda self: [x for p in self.parts for x in p.sending])
+    loading = property(lambda self: {r: b for p in self.parts for r, b in p.loading.items()})
+
+    def start(self, meta, step: int) -> None:
+        for part, m in zip(self.parts, meta.metadata if meta is not None else [None] * len(self.parts)):
+            part.start(m, step)
+
+    def finished(self, step: int, output_cls):
+        outs = [p.finished(step, output_cls) for p in self.parts]
+        if all(o is None for o in outs):
+            return None
+        merged = {f: set().union(*(getattr(o, f) or () for o in outs if o is not None)) or None
+                  for f in ("finished_sending", "finished_recving", "invalid_block_ids")}
+        merged["invalid_block_ids"] = merged["invalid_block_ids"] or set()
+        metas = tuple(o.kv_connector_worker_meta if o is not None else None for o in outs)
+        return output_cls(**merged, kv_connector_worker_meta=self.worker_meta(metas) if any(metas) else None)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
 
 
 def offload_holders(manager) -> list[tuple[str, str, np.ndarray]]:
@@ -304,11 +393,37 @@ class VllmConnectorTarget(VllmSchedulerTarget):
             self.reached.update(failed_transfers=0, invalid_blocks=0)
         elif config.kv_connector == "SimpleCPUOffloadConnector":
             self.worker = OffloadWorkerStandIn(config.kv_transfer_latency_steps)
+        elif config.kv_connector in OFFLOADING:
+            self.offload = OffloadingWorkerStandIn(config.kv_transfer_latency_steps, self._faults, self.reached)
+            self.worker = self.offload if config.kv_connector == "OffloadingConnector" else MultiWorkerStandIn(
+                [NixlWorkerStandIn(config.kv_transfer_latency_steps, faults=self._faults), self.offload])
+            self._watch_offloading()
         else:
             self.worker = SaveWorkerStandIn(config.kv_transfer_latency_steps)
         self._load_violations: list = []  # inflight-load findings seen as their load reported done
         self.finished_calls: dict[str, list[str]] = {}  # rid -> request status at each request_finished
+        self.reached["connector_held_frees"] = 0
         self._count_request_finished(self.scheduler.connector)
+
+    def _watch_offloading(self) -> None:
+        """Wrap the pool's ``get_new_blocks`` (what each ``schedule()`` reallocates: ``inflight-store``) and the
+        connector's ``take_events`` (CPU-tier events replayed into ``cpu_events``, (hash, group) -> chunks)."""
+        self.allocated, self.store_findings, self.cpu_events = set(), [], Counter()
+        connector, get_new = self.scheduler.connector, self.pool.get_new_blocks
+        take = connector.take_events
+
+        def get_new_blocks(*a, **k):
+            blocks = get_new(*a, **k)
+            self.allocated.update(b.block_id for b in blocks)
+            return blocks
+
+        def take_events(*a, **k):
+            events = list(take(*a, **k))
+            self._replay_cpu(((isinstance(e, self.V.BlockRemoved), e.block_hashes, e.group_idx) for e in events
+                              if isinstance(e, (self.V.BlockStored, self.V.BlockRemoved))), self.cpu_events)
+            return events
+
+        self.pool.get_new_blocks, connector.take_events = get_new_blocks, take_events
 
     def _count_request_finished(self, connector) -> None:
         """Record each ``request_finished`` / ``request_finished_all_groups`` the Scheduler makes on the
@@ -321,7 +436,9 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                 try:
                     if depth[0] == 1:
                         self.finished_calls.setdefault(request.request_id, []).append(request.status.name)
-                    return fn(request, *a, **k)
+                    out = fn(request, *a, **k)
+                    self.reached["connector_held_frees"] += depth[0] == 1 and bool(out[0])
+                    return out
                 finally:
                     depth[0] -= 1
             return call
@@ -351,8 +468,38 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None))
 
     def invariant_findings(self) -> list:
-        return (super().invariant_findings() + (self._load_violations[:1] or self._inflight_load_findings())
-                + self._finished_once_findings())
+        out = (super().invariant_findings() + (self._load_violations[:1] or self._inflight_load_findings())
+               + self._finished_once_findings())
+        offloading = self.config.kv_connector in OFFLOADING
+        return out + self.store_findings[:1] + self._cpu_event_findings() if offloading else out
+
+    @staticmethod
+    def _replay_cpu(events, into: Counter) -> None:
+        """Apply ``(removed, hashes, group)`` events to ``into``, a map (hash, group) -> chunks."""
+        for removed, hashes, group in events:
+            for h in hashes:
+                into[(h, group)] += -1 if removed else 1
+                if not into[(h, group)]:
+                    del into[(h, group)]
+
+    def _cpu_event_findings(self) -> list:
+        """vLLM's KV-cache events of the offloading connector's CPU medium (``OffloadingConnectorScheduler.
+        take_events``), those taken plus the manager's still queued (``CPUOffloadingManager.events``), give
+        the chunks the manager holds ready (``ref_cnt >= 0`` in its cache policy) (check ``kv-events:cpu``)."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
+        from vllm.v1.kv_offload.base import get_offload_block_hash as block_hash, get_offload_group_idx as group
+        connector = self.scheduler.connector
+        manager = getattr(connector, "_connectors", [connector])[-1].connector_scheduler.manager
+        replayed = Counter(self.cpu_events)
+        self._replay_cpu(((e.removed, [convert(block_hash(k))], group(k)) for e in manager.events or ()
+                          if not getattr(e, "metadata_only", False) for k in e.keys), replayed)
+        real = Counter((convert(block_hash(k)), group(k)) for k, c in manager._policy.chunks.items() if c.is_ready)
+        if real == replayed:
+            return []
+        return [TargetFinding("accounting-drift", POOL, np.array([1], dtype=np.int64),
+                              f"the offloading connector's CPU KV-cache events replayed give {sum(replayed.values())} "
+                              f"chunks, its CPU tier holds {sum(real.values())} ready "
+                              f"({len((real - replayed) or (replayed - real))} differ)", check="kv-events:cpu")]
 
     def _inflight_load_findings(self) -> list:
         """vLLM's contract for a read in flight (``Scheduler.finish_requests`` delays the free of a request
@@ -394,7 +541,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return []
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
-        if self.config.kv_connector not in NIXL:
+        if self.config.kv_connector not in (*NIXL, "MultiConnector"):
             return None
         params = transfer_params(len(self.submitted) + 1, rid, prompt_len, self.config.block_size)
         return None if params is None else {"kv_transfer_params": params}
@@ -413,7 +560,21 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         super().step()
 
     def _on_schedule(self, out) -> None:
+        """The worker stand-in takes the step's metadata (``LMCacheMPConnector``'s: its finished requests).
+        With an ``OffloadingConnector``, a store named earlier and not flushed must not read a block this
+        ``schedule()`` reallocated (vLLM's fence, ``_block_id_to_pending_jobs`` / ``jobs_to_flush``): the
+        step would write it under the copy, the CPU tier keeping KV not its hash's (``inflight-store``)."""
+        if self.config.kv_connector == "LMCacheMPConnector":
+            return self.worker.start_finished(out, self.steps)
         self.worker.start(out.kv_connector_metadata, self.steps)
+        if self.config.kv_connector in OFFLOADING:
+            hit, self.allocated = self.offload.reading(self.allocated, self.steps), set()
+            if hit is not None and not self.store_findings:
+                j, rid, b = hit
+                self.store_findings.append(TargetFinding(
+                    "use-after-free", POOL, np.array([b], dtype=np.int64), f"block {b} was reallocated while "
+                    f"offload store job {j} of req:{rid} still reads it (not in jobs_to_flush)",
+                    check="inflight-store", free_sites=self.free_sites(b)))
 
     def _kv_output(self):
         # a load about to report done is checked now: once reported it is no longer outstanding
@@ -428,11 +589,9 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         """Request id -> ``[n] int64`` GPU blocks its outstanding KV load writes: the NIXL stand-in's reads,
         or ``SimpleCPUOffloadScheduler``'s loads (``_reqs_to_load``, ``_abandoned_reqs_to_load``)."""
         out = dict(self.worker.loading)
-        manager = getattr(self.scheduler.connector, "scheduler_manager", None)
-        for name in ("_reqs_to_load", "_abandoned_reqs_to_load"):
-            for rid, state in getattr(manager, name, {}).items():
-                if state.transfer_meta is not None:
-                    out[rid] = np.asarray(state.transfer_meta.gpu_block_ids, dtype=np.int64)
+        for owner, _, blocks in offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None)):
+            if owner.startswith("offload-load:"):
+                out[owner.removeprefix("offload-load:")] = blocks
         return out
 
     def _empty_output(self):

@@ -1,19 +1,15 @@
 """kvaudit's own KV connector for the ``vllm-kv-save`` preset (imports vLLM: loaded by vLLM's
-``KVConnectorFactory`` under the name ``KvauditAsyncSaveConnector``, registered in ``boot``).
+``KVConnectorFactory`` under the name ``KvauditAsyncSaveConnector``, registered in ``boot``), and the
+``lmcache`` client stand-in of the ``vllm-lmcache-mp`` preset (:func:`install_lmcache_client`).
 
-What it models: a connector that saves (offloads) every request's KV asynchronously and so answers
+What the save connector models: one that saves every request's KV asynchronously and so answers
 ``request_finished -> delay_free_blocks=True`` for *any* finished request with blocks, an aborted one
-included. vLLM's connector API allows that (``KVConnectorBase_V1.request_finished``: the blocks are
-freed once the request id comes back in ``finished_sending``), and vLLM's own ``OffloadingConnector``
-does it for a request whose store is in flight (``OffloadingConnectorScheduler.request_finished``,
-``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``). The ``NixlConnector``
-preset never reaches this state: NIXL frees an aborted request at once. The OffloadingConnector itself
-is not driven: its CPU tier needs ``kv_cache_tensors`` to size and a worker stand-in for its store jobs.
-
-Scheduler side only; the worker side is :class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn`,
-which reads each step's :class:`KvauditSaveMetadata` (the requests whose save starts) and reports each
-save done in ``finished_sending`` 1 to ``kv_transfer_latency_steps`` steps later. A request finished
-twice is saved twice (vLLM #33377's double free on 0.15.1).
+included, as vLLM's ``OffloadingConnector`` did for a request with a store in flight in 0.15.1 and
+0.16.0 (0.15.1: the history suite's #33377 row). From 0.21.0 it never delays a free (it fences
+reallocated blocks instead): the ``vllm-offload*`` presets drive it. The worker side is
+:class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn` (each :class:`KvauditSaveMetadata`'s requests
+reported in ``finished_sending`` 1 to ``kv_transfer_latency_steps`` steps later; a request finished twice
+is saved twice: #33377's double free).
 """
 
 from __future__ import annotations
@@ -37,25 +33,14 @@ class KvauditAsyncSaveConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._to_send: list[str] = []  # finished since the last build_connector_meta
 
-    # -- worker role: never called by the scheduler --------------------------------------------------
-    def start_load_kv(self, forward_context, **kwargs) -> None:
+    def _nothing(self, *args, **kwargs) -> None:
         return None
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+    # the worker role (never called by the scheduler), and update_state_after_alloc: nothing is loaded
+    start_load_kv = wait_for_layer_load = save_kv_layer = wait_for_save = update_state_after_alloc = _nothing
 
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
-
-    # -- scheduler role ----------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False  # nothing is loaded: a save-only connector
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        return None
 
     def build_connector_meta(self, scheduler_output) -> KvauditSaveMetadata:
         meta = KvauditSaveMetadata(self._to_send)
@@ -68,3 +53,49 @@ class KvauditAsyncSaveConnector(KVConnectorBase_V1):
         if delay:
             self._to_send.append(request.request_id)
         return delay, None
+
+
+class LMCacheServerStandIn:
+    """``LMCacheMPSchedulerAdapter`` of the ``lmcache`` client (ZMQ to an LMCache server) for a server that
+    holds nothing: every lookup misses (0 tokens: no load); locks, sessions, allocation reports are
+    dropped. ``blocks_per_chunk``: LMCache's 256-token chunk."""
+
+    def __init__(self, server_url, context, model_name, vllm_block_size, parallel_strategy, *a, **k):
+        self.blocks_per_chunk = max(1, 256 // vllm_block_size)
+
+    def num_blocks_per_chunk(self) -> int:
+        return self.blocks_per_chunk
+
+    def check_lookup_result(self, request_id: str) -> int:
+        return 0
+
+    maybe_submit_lookup_request = cleanup_lookup_result = free_lookup_locks = end_session = \
+        report_block_allocations = lambda self, *a, **k: None
+
+
+def install_lmcache_client() -> None:
+    """Put the narrowest stand-in of the ``lmcache`` package that ``vllm/distributed/kv_transfer/
+    kv_connector/v1/lmcache_mp_connector.py`` (0.33.0) imports at module level into ``sys.modules``,
+    unless an ``lmcache`` is already imported: the names it takes (``init_logger``, ``mla_enabled``,
+    the adapters, ``LoadStoreOp``, ``ParallelStrategy``, ``BlockAllocationRecord``), the scheduler adapter
+    being :class:`LMCacheServerStandIn`. The real package (0.5.6 on PyPI) does not import on CPU (its
+    ``device_ops`` need a compute backend), and its client needs a running LMCache server. No
+    ``lmcache.integration.vllm.lmcache_mp_connector`` is given, so vLLM uses its own built-in
+    ``LMCacheMPConnectorUpstream``. The worker adapter is never built (no worker runs here)."""
+    import logging
+    import sys
+    from types import ModuleType
+
+    if "lmcache" in sys.modules:
+        return
+    names = ("lmcache", "lmcache.utils", "lmcache.integration", "lmcache.integration.vllm",
+             "lmcache.integration.vllm.utils", "lmcache.integration.vllm.vllm_multi_process_adapter",
+             "lmcache.v1", "lmcache.v1.multiprocess", "lmcache.v1.multiprocess.custom_types")
+    mods = {n: ModuleType(n) for n in names}
+    mods["lmcache.utils"].init_logger = logging.getLogger
+    mods["lmcache.integration.vllm.utils"].mla_enabled = lambda model_config: False
+    adapter = mods["lmcache.integration.vllm.vllm_multi_process_adapter"]
+    adapter.LMCacheMPSchedulerAdapter, adapter.LMCacheMPWorkerAdapter = LMCacheServerStandIn, None
+    adapter.LoadStoreOp = adapter.ParallelStrategy = lambda *a, **k: (a, k)
+    mods["lmcache.v1.multiprocess.custom_types"].BlockAllocationRecord = dict
+    sys.modules.update(mods)
