@@ -69,6 +69,10 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
            "before (0.26.0 read; 0.27.0-0.29.0 not), a failed load is its invalid_block_ids alone"),
     Change("nixl-push", "0.24.0", "NixlPushConnector (push mode: the prefill side writes; driven on 0.24.0, "
                                   "0.26.0, 0.30.0 and 0.33.0); absent before"),
+    Change("mamba-align-cow", "0.33.0",
+           "Mamba align mode with fine-grained hash hits (CacheConfig.prefix_match_unit), copy-on-write of a "
+           "partial hit's block retained behind Scheduler._free_cow_retained_blocks's fence; driven on 0.33.0 "
+           "only (0.26.0 and 0.30.0 have prefix_match_unit and that fence too, not run)"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}

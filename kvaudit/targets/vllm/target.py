@@ -42,7 +42,7 @@ class _VllmBase(VllmObserver, Target):
         self.config, self.steps = config, 0
         self.eos = config.vocab_size - 1
         n = self._hash_lookahead()  # the argument is new in 0.33.0
-        self.hasher = self.V.get_request_block_hasher(config.block_size, self.V.sha256,
+        self.hasher = self.V.get_request_block_hasher(config.hash_block_size, self.V.sha256,
                                                       **({"num_hash_lookahead_tokens": n} if n else {}))
         self.submitted: list[str] = []
         self.texts: dict[str, list[int]] = {}  # rid -> prompt + sampled tokens (extends read them)
@@ -322,7 +322,8 @@ class VllmSchedulerTarget(_VllmBase):
         """What the step ``out`` touches, per request: ``(written, read)`` block ids (``[n] int64``), the
         blocks of each group's table holding the positions it computes, and those its attention reads
         besides (a sliding-window group: the window before its first position; full attention: every
-        earlier block). ``schedule()`` has advanced ``num_computed_tokens`` past the step's tokens."""
+        earlier block; a Mamba group: the block of the state after its first position's predecessor, where
+        align mode keeps the running state). ``schedule()`` has advanced ``num_computed_tokens`` past the step's tokens."""
         bs, reqs = self.config.block_size, self.scheduler.requests
         touched = {}
         for rid, n in out.num_scheduled_tokens.items():
@@ -334,6 +335,8 @@ class VllmSchedulerTarget(_VllmBase):
                 table = mgr.req_to_blocks.get(rid, ())
                 window = getattr(mgr, "sliding_window", None)
                 first = 0 if window is None else max(start - window + 1, 0) // bs
+                if isinstance(mgr.kv_cache_spec, self.V.MambaSpec):  # only the state it starts from
+                    first = max(start - 1, 0) // bs
                 written += [b.block_id for b in table[lo:hi] if not b.is_null]
                 read += [b.block_id for b in table[first:lo] if not b.is_null]
             if written or read:
@@ -398,9 +401,13 @@ class VllmSchedulerTarget(_VllmBase):
         step, once their tokens are known, where its table still maps them (a rejected draft's position is
         computed again then). Like a forward (each layer writes the batch's new KV before attention reads
         it), a request may read KV another request of the same step writes (a prefix hit on blocks cached
-        at allocation)."""
+        at allocation). A copy-on-write the step carries (``kv_cache_block_copies``) is applied first."""
         shadow, report = self._shadow
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
+        copies = out.kv_cache_block_copies if self.V.has("pending-cow") else None
+        if copies:  # the worker copies each copy-on-write block before the forward (copy_kv_cache_blocks_inplace)
+            src, dst = (np.array(copies, dtype=np.int64)[:, :, None] * bs + np.arange(bs)).transpose(1, 0, 2)
+            tags_of[dst.ravel()] = tags_of[src.ravel()]
         spans = []
         for rid, n in out.num_scheduled_tokens.items():
             request = reqs[rid]
