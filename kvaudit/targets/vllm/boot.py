@@ -217,7 +217,7 @@ def _kv_cache_tensors(config) -> list:
     import dataclasses
 
     from vllm.v1.kv_cache_interface import KVCacheTensor
-    layers = ["full"] + (["swa"] if config.sliding_window is not None else [])
+    layers = ["full"] + (["swa"] if config.sliding_window is not None else []) + (["mamba"] if config.mamba else [])
     size = config.num_gpu_blocks * OFFLOAD_PAGE_BYTES
     names = {f.name for f in dataclasses.fields(KVCacheTensor)}
     if "shared_by" in names:

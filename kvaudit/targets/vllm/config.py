@@ -417,4 +417,10 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                 "vllm-kv-connector): a copy-on-write's blocks are freed behind the fence of the "
                                 "step that runs the copy (deferred_frees)", mamba=True, prefix_match_unit=4,
             num_gpu_blocks=96, async_scheduling=True, kv_connector="NixlConnector"),
+    _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every "
+                                      "2 tokens): the connector stores the boundary states the Mamba manager "
+                                      "offers (boundary_state_offloads) to its CPU tier", mamba=True,
+            prefix_match_unit=2, kv_connector="SimpleCPUOffloadConnector", block_size=4, num_gpu_blocks=48,
+            max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12,
+            wake_for_transfers=True),
 ]}

@@ -277,6 +277,24 @@ class VllmObserver:
         held = np.concatenate([units for _, _, units in out]) if out else np.zeros(0, dtype=np.int64)
         return out, np.bincount(held, minlength=self.config.num_gpu_blocks).astype(np.int64)
 
+    def copy_findings(self, copies) -> list[TargetFinding]:
+        """Each endpoint of a copy-on-write a step in flight still runs (``copies``: vLLM's
+        ``KVCacheBlockCopy(src_block_id, dst_block_id)`` of the ``SchedulerOutput`` s not yet processed)
+        holds a reference: vLLM retains both until that step has run (``Scheduler._free_cow_retained_blocks``
+        parks them behind its fence when a KV consumer may load into a freed block unordered against the
+        step). One freed (``ref_cnt`` 0) is a use-after-free: a load may overwrite the source before the copy
+        reads it, or the destination after (check ``cow-inflight``). The caller passes only the copies that
+        vLLM's own condition guards."""
+        ids = np.array(copies, dtype=np.int64).reshape(-1)
+        freed = ids[self._ref_counts()[ids] == 0] if ids.size else ids
+        if not freed.size:
+            return []
+        b = int(freed[0])
+        end = "source" if b in {int(c[0]) for c in copies} else "destination"
+        return [TargetFinding("use-after-free", POOL, np.unique(freed),
+                              f"block {b}, the {end} of a copy-on-write a step in flight still runs, was freed "
+                              "before that step ran (ref_cnt=0)", check="cow-inflight", free_sites=self.free_sites(b))]
+
     def connector_holders(self) -> list[tuple[str, str, np.ndarray]]:
         """``(owner, where, [n] int64 block ids)`` for each reference a KV connector's scheduler side holds
         on GPU blocks itself (a transfer in flight), one per id listed: none by default."""

@@ -150,6 +150,8 @@ class VllmSchedulerTarget(_VllmBase):
         faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus)
         if config.num_spec_tokens:
             self.reached.update(accepted_draft_tokens=0, rejected_draft_tokens=0)
+        if config.mamba:
+            self._count_mamba()
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
         if "free-preempted-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
@@ -182,6 +184,39 @@ class VllmSchedulerTarget(_VllmBase):
             return preempt(request, *a, **k)
 
         self.scheduler._preempt_request = preempt_counted
+
+    def _count_mamba(self) -> None:
+        """Wrap the instance's Mamba manager's ``take_pending_cow_copies`` (the copies ``schedule()`` hands the
+        workers) to count ``mamba_cow_hits`` (a partial cache hit's block copied into the hit's own table)
+        and ``mamba_tail_copies`` (a running request's partial prompt tail, cached, moved into a block only
+        the cache holds); the Scheduler's ``_free_cow_retained_blocks`` to count ``cow_frees_deferred`` (a
+        step's copy endpoints parked in ``deferred_frees`` behind that step's fence, every group's); the
+        manager's ``take_boundary_state_offloads`` to count ``mamba_boundary_offloads`` (boundary states
+        offered to a KV connector)."""
+        s, manager = self.scheduler, self.manager
+        mgr = next(m for m in self.groups if isinstance(m.kv_cache_spec, self.V.MambaSpec))
+        self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0, cow_frees_deferred=0, mamba_boundary_offloads=0)
+        take, retain, offloads = mgr.take_pending_cow_copies, s._free_cow_retained_blocks, manager.take_boundary_state_offloads
+
+        def take_counted():
+            pairs = take()
+            held = {b.block_id for t in mgr.req_to_blocks.values() for b in t}
+            hits = sum(dst.block_id in held for _, dst in pairs)
+            self.reached.update(mamba_cow_hits=hits, mamba_tail_copies=len(pairs) - hits)
+            return pairs
+
+        def retain_counted(blocks, fence_seq):
+            n = len(s.deferred_frees)
+            retain(blocks, fence_seq)
+            self.reached["cow_frees_deferred"] += len(s.deferred_frees) > n
+
+        def offloads_counted():
+            out = offloads()
+            self.reached["mamba_boundary_offloads"] += sum(map(len, out.values()))
+            return out
+
+        mgr.take_pending_cow_copies, s._free_cow_retained_blocks = take_counted, retain_counted
+        manager.take_boundary_state_offloads = offloads_counted
 
     def _hash_lookahead(self) -> int:
         """``VllmConfig.num_hash_lookahead_tokens`` (vLLM >= 0.33.0, ``compat`` "hash-lookahead": an EAGLE
@@ -458,9 +493,12 @@ class VllmSchedulerTarget(_VllmBase):
     def invariant_findings(self) -> list:
         """The observer's, then :meth:`_inflight_findings` (first as they stood right after a ``schedule()``
         that preempted a request with a step in flight, before ``step`` processes that step), then
+        :meth:`copy_findings` of the copies the steps in flight run (under ``guard_inflight``), then
         :meth:`_dead_table_findings`."""
+        copies = [c for out, _, _ in self.batch_queue for c in out.kv_cache_block_copies or ()] \
+            if self.guard_inflight and self.V.has("pending-cow") else []
         return (super().invariant_findings() + self.preempt_findings[:1] + self._inflight_findings()
-                + self._dead_table_findings())
+                + self.copy_findings(copies) + self._dead_table_findings())
 
     def _dead_table_findings(self) -> list:
         """Once the engine is idle (every request finished and reported, no batch in flight, no transfer
