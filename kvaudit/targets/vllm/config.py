@@ -57,12 +57,6 @@ FAULTS: dict[str, tuple[str, str]] = {
                 "failed KV load is only logged, never reported (no finished_recving, no invalid_block_ids), so its "
                 "request stays in WAITING_FOR_REMOTE_KVS holding its blocks, or, aborted meanwhile, holds them "
                 "for good (the symptom of #46283); presets with kv_load_failure_policy"),
-    "free-cow-source-before-copy": (
-        "use-after-free", "the Scheduler's _free_cow_retained_blocks ignores its fence: the endpoints of a partial "
-                          "cache hit's copy-on-write (source and destination block) go back to the pool when the "
-                          "step that runs the copy is scheduled, not when it has run, so with a KV consumer and "
-                          "async scheduling a load may overwrite the source before the copy reads it (for the "
-                          "whole run; scheduler level: vllm-mamba-async)"),
     "keep-computed-on-preempt": (
         "stale-kv", "the first preempted request keeps its num_computed_tokens while Scheduler._preempt_request "
                     "frees its blocks: it resumes without a prefix-cache lookup on fresh blocks never written "
@@ -74,6 +68,12 @@ FAULTS: dict[str, tuple[str, str]] = {
         "leak", "the first close of a streaming session waiting for its next input (WAITING_FOR_STREAMING_REQ: "
                 "Scheduler.add_request of the final, non-resumable request, which finishes it as aborted) drops "
                 "the session's block tables but not its blocks' references (streaming_sessions presets)"),
+    "free-cow-source-before-copy": (
+        "use-after-free", "the Scheduler's _free_cow_retained_blocks ignores its fence: the endpoints of a partial "
+                          "cache hit's copy-on-write (source and destination block) go back to the pool when the "
+                          "step that runs the copy is scheduled, not when it has run, so with a KV consumer and "
+                          "async scheduling a load may overwrite the source before the copy reads it (for the "
+                          "whole run; scheduler level: vllm-mamba-async)"),
 }
 
 # The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/targets/vllm/catalogue.py, which
