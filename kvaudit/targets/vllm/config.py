@@ -417,6 +417,10 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                 "vllm-kv-connector): a copy-on-write's blocks are freed behind the fence of the "
                                 "step that runs the copy (deferred_frees)", mamba=True, prefix_match_unit=4,
             num_gpu_blocks=96, async_scheduling=True, kv_connector="NixlConnector"),
+    _preset("vllm-mamba-small", "vllm-mamba on the AsyncScheduler on 20 blocks of 4 tokens (hashes every 2): "
+                                "Mamba requests are preempted with a step in flight", mamba=True,
+            prefix_match_unit=2, async_scheduling=True, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32,
+            max_model_len=60),
     _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every "
                                       "2 tokens): the connector stores the boundary states the Mamba manager "
                                       "offers (boundary_state_offloads) to its CPU tier", mamba=True,
