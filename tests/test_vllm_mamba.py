@@ -69,3 +69,15 @@ def test_planted_early_cow_free_is_found_minimized_and_clean_without_the_fault(t
     assert execute(config, list(program) + [Idle()], full_stacks=False).findings
     clean = config.replace(bugs=frozenset())
     assert execute(clean, list(program) + [Idle()], full_stacks=False).findings == []
+
+
+def test_the_mamba_presets_are_listed_and_built_on_0_33_0_only(monkeypatch):
+    from kvaudit.targets.vllm import boot, kind
+    config = cfg("vllm-mamba")
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.30.0")
+    assert not [n for n in kind._presets() if "mamba" in n]
+    with pytest.raises(boot.VllmUnavailable, match="mamba presets are driven on vLLM >= 0.33.0"):
+        boot.check_config(config)
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.33.0")
+    assert [n for n in kind._presets() if "mamba" in n] == ["vllm-mamba", "vllm-mamba-async", "vllm-mamba-small",
+                                                            "vllm-mamba-cpu-offload"]
