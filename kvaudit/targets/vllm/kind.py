@@ -17,7 +17,8 @@ def _bugs():
 def _presets():
     """The presets the installed vLLM can build (by its metadata, no import): ``vllm-moe-experts`` only
     on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), the async speculative ones from 0.21.0
-    (``compat.spec_method``), ``NixlPushConnector`` ones from 0.24.0, the Mamba ones on 0.33.0, so that ``ci --presets all`` runs."""
+    (``compat.spec_method``), ``NixlPushConnector`` ones from 0.24.0, the Mamba ones on 0.33.0, so that
+    ``ci --presets all`` runs."""
     from kvaudit.targets.vllm import compat
     from kvaudit.targets.vllm.boot import installed_version
     v = installed_version()

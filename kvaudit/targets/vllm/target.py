@@ -196,7 +196,8 @@ class VllmSchedulerTarget(_VllmBase):
         s, manager = self.scheduler, self.manager
         mgr = next(m for m in self.groups if isinstance(m.kv_cache_spec, self.V.MambaSpec))
         self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0, cow_frees_deferred=0, mamba_boundary_offloads=0)
-        take, retain, offloads = mgr.take_pending_cow_copies, s._free_cow_retained_blocks, manager.take_boundary_state_offloads
+        take, retain = mgr.take_pending_cow_copies, s._free_cow_retained_blocks
+        offloads = manager.take_boundary_state_offloads
 
         def take_counted():
             pairs = take()
@@ -357,8 +358,9 @@ class VllmSchedulerTarget(_VllmBase):
         """What the step ``out`` touches, per request: ``(written, read)`` block ids (``[n] int64``), the
         blocks of each group's table holding the positions it computes, and those its attention reads
         besides (a sliding-window group: the window before its first position; full attention: every
-        earlier block; a Mamba group: the block of the state after its first position's predecessor, where
-        align mode keeps the running state). ``schedule()`` has advanced ``num_computed_tokens`` past the step's tokens."""
+        earlier block; a Mamba group: the block holding the state the step starts from, that of the
+        position before its first). ``schedule()`` has advanced ``num_computed_tokens`` past the step's
+        tokens."""
         bs, reqs = self.config.block_size, self.scheduler.requests
         touched = {}
         for rid, n in out.num_scheduled_tokens.items():
