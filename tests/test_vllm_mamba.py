@@ -80,4 +80,4 @@ def test_the_mamba_presets_are_listed_and_built_on_0_33_0_only(monkeypatch):
         boot.check_config(config)
     monkeypatch.setattr(boot, "installed_version", lambda: "0.33.0")
     assert [n for n in kind._presets() if "mamba" in n] == ["vllm-mamba", "vllm-mamba-async", "vllm-mamba-small",
-                                                            "vllm-mamba-cpu-offload"]
+                                                            "vllm-mamba-spec", "vllm-mamba-cpu-offload"]

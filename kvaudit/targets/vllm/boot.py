@@ -192,7 +192,8 @@ def kv_cache_config(v: SimpleNamespace, config):
             sliding_window=config.sliding_window)))
     if config.mamba:
         groups.append(v.KVCacheGroupSpec(["mamba"], v.MambaSpec(
-            block_size=config.block_size, shapes=((1,),), dtypes=(dtype,), mamba_cache_mode=mamba_cache_mode(config))))
+            block_size=config.block_size, shapes=((1,),), dtypes=(dtype,), mamba_cache_mode=mamba_cache_mode(config),
+            num_speculative_blocks=config.num_spec_tokens)))
     return v.KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=_kv_cache_tensors(config),
                            kv_cache_groups=groups)
 

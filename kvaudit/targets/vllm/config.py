@@ -224,7 +224,7 @@ class VllmConfig(ConfigBase):
         if self.sliding_window is not None:
             in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
             n += cdiv(min(self.sliding_window - 1 + in_flight, self.max_model_len), self.block_size) + 1
-        return n + (1 + self.enable_prefix_caching) * self.mamba
+        return n + (1 + self.enable_prefix_caching + self.num_spec_tokens) * self.mamba
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -421,6 +421,9 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                 "Mamba requests are preempted with a step in flight", mamba=True,
             prefix_match_unit=2, async_scheduling=True, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32,
             max_model_len=60),
+    _preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step; the Mamba "
+                               "group holds 4 speculative state blocks, relocated as the request advances)",
+            mamba=True, prefix_match_unit=4, num_gpu_blocks=96, num_spec_tokens=4),
     _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every "
                                       "2 tokens): the connector stores the boundary states the Mamba manager "
                                       "offers (boundary_state_offloads) to its CPU tier", mamba=True,

@@ -460,8 +460,9 @@ class VllmObserver:
                 blocks = mgr.req_to_blocks.get(rid, ())
                 ncached = mgr.num_cached_block.get(rid, 0)
                 for i in range(min(ncached, len(blocks))):
-                    b = blocks[i]  # its hash: the request's at its last hash unit (vLLM's hash_block_size)
-                    unit = (getattr(b, "block_hash_num_tokens", None) or (i + 1) * mgr.block_size) // hbs - 1
+                    b, end = blocks[i], (i + 1) * mgr.block_size  # its hash: the request's at its last hash unit
+                    n = getattr(b, "block_hash_num_tokens", None)  # fewer tokens: a partial block (vLLM 0.26.0 on)
+                    unit = (n if n and end - mgr.block_size < n <= end else end) // hbs - 1
                     if b.is_null or b.block_hash is None or unit >= len(req.block_hashes):
                         continue
                     if self.V.kv_cache_utils.get_block_hash(b.block_hash) != req.block_hashes[unit]:

@@ -333,7 +333,9 @@ class VllmSchedulerTarget(_VllmBase):
             s.update_from_output(out, self._empty_output())
         if self.batch_queue and (len(self.batch_queue) >= self.max_in_flight or out.total_num_scheduled_tokens == 0):
             done, result, _ = self.batch_queue.pop(0)
+            drafted = [s.requests[r] for r in done.num_scheduled_tokens] if self._shadow and self._drafts else ()
             s.update_from_output(done, result)
+            self._tag_drafts(drafted)
             self._post_step(done)
         self.steps += 1
 
@@ -475,6 +477,19 @@ class VllmSchedulerTarget(_VllmBase):
                 blocks = ", ".join(str(b) for b in np.unique(slots[bad] // bs)[:4])
                 report(POOL, slots[bad], f"req:{rid} read KV of {bad.size} position(s) from {pos[bad[0]]} to "
                                          f"{pos[bad[-1]]} (group {g}, block(s) {blocks}) from slots {what}")
+
+    def _tag_drafts(self, requests) -> None:
+        """Tag the draft positions :meth:`_shadow_step` left for later of each of ``requests``, the step just
+        processed, those computed with accepted tokens (below ``num_computed_tokens``, rolled back past the
+        rejected ones): their tokens are known, and vLLM caches the blocks of accepted drafts then
+        (``cache_blocks`` in ``update_from_output``), before any next step of theirs (a finished or aborted
+        request has none). Nothing is allocated between that step and this call."""
+        for request in requests:
+            for g, _ in self._attention:
+                pos, slots = self._drafts.pop((request.request_id, g), (np.zeros(0, dtype=np.int64),) * 2)
+                tags = self._tags(request)  # computed with the accepted tokens: below the rolled-back count
+                keep = pos < min(tags.size, request.num_computed_tokens)
+                self._shadow[0].tags[POOL][slots[keep]] = tags[pos[keep]]
 
     def _shadow_load(self, rid: str, blocks: np.ndarray) -> None:
         """A KV connector's load into ``blocks`` (``[n] int64`` GPU block ids) of request ``rid`` completed:
