@@ -421,8 +421,8 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
                                 "Mamba requests are preempted with a step in flight", mamba=True,
             prefix_match_unit=2, async_scheduling=True, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32,
             max_model_len=60),
-    _preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step; the Mamba "
-                               "group holds 4 speculative state blocks, relocated as the request advances)",
+    _preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step): a request "
+                               "holds 4 speculative state blocks besides its running one (num_speculative_blocks)",
             mamba=True, prefix_match_unit=4, num_gpu_blocks=96, num_spec_tokens=4),
     _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every "
                                       "2 tokens): the connector stores the boundary states the Mamba manager "
