@@ -398,6 +398,8 @@ def test_kv_whose_content_tags_are_lost_is_stale_at_its_next_read():
      "vllm-offload-small"),
     ("close-waiting-session-keeps-blocks", "leak",
      f"leak/{POOL}/schedule@scheduler.py/from:waiting_for_streaming_req", "vllm-sessions"),
+    ("free-cow-source-before-copy", "use-after-free",
+     f"use-after-free/{POOL}/schedule@scheduler.py/schedule@scheduler.py/check:cow-inflight", "vllm-mamba-async"),
 ], ids=list(FAULTS))
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
                                                                                             preset, tmp_path):

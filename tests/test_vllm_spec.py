@@ -77,3 +77,13 @@ def test_planted_rejected_draft_leak_is_found_minimized_and_clean_without_the_fa
     assert execute(config, list(program) + [Idle()], full_stacks=False).findings
     clean = config.replace(bugs=frozenset())
     assert execute(clean, list(program) + [Idle()], full_stacks=False).findings == []
+
+
+@pytest.mark.parametrize("preset", ["vllm-spec", "vllm-mamba-spec"])
+def test_accepted_drafts_of_a_request_that_stops_are_tagged_before_another_reads_them(preset):
+    """vLLM caches the blocks of a step's accepted drafts in ``update_from_output``; a request that stops
+    there has no next step, which is where the shadow tagged draft positions, so a request extending its
+    text read them as never written (found on vllm-mamba-spec, minimized; vllm-spec alike)."""
+    program = [Submit(0, 10, 10, stop_at=7), Step(4), Submit(0, 1, 1, extends=3), Idle()]
+    ex = execute(cfg(preset), program, full_stacks=False)
+    assert ex.findings == [] and ex.ops_run == len(program)

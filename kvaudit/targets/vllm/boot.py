@@ -142,7 +142,7 @@ def load() -> SimpleNamespace:
             from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
             from vllm.v1.core.sched.async_scheduler import AsyncScheduler
             from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+            from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
                                                     SlidingWindowSpec)
             from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
             from vllm.v1.request import Request, RequestStatus
@@ -169,8 +169,8 @@ def load() -> SimpleNamespace:
         SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
         get_request_block_hasher=get_request_block_hasher, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
         FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-        SlidingWindowSpec=SlidingWindowSpec, ModelRunnerOutput=ModelRunnerOutput, DraftTokenIds=DraftTokenIds,
-        KVConnectorOutput=KVConnectorOutput, Request=Request,
+        SlidingWindowSpec=SlidingWindowSpec, MambaSpec=MambaSpec, ModelRunnerOutput=ModelRunnerOutput,
+        DraftTokenIds=DraftTokenIds, KVConnectorOutput=KVConnectorOutput, Request=Request,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
         kv_cache_utils=kv_cache_utils,
         has=lambda change: compat.has(change, version),
@@ -181,8 +181,10 @@ def load() -> SimpleNamespace:
 
 def kv_cache_config(v: SimpleNamespace, config):
     """The ``KVCacheConfig`` of ``config``: one full-attention group (``"full"``), plus a sliding-window
-    group (``"swa"``) when ``config.sliding_window`` is set, over ``num_gpu_blocks`` blocks and no tensors
-    (the scheduler side never touches KV memory)."""
+    group (``"swa"``) when ``config.sliding_window`` is set, or a Mamba group (``"mamba"``: a ``MambaSpec``
+    of ``block_size`` tokens per state block, one nominal float32 state, ``mamba_cache_mode`` ``align`` with
+    prefix caching, as ``VllmConfig`` derives it) with ``config.mamba``, over ``num_gpu_blocks`` blocks and
+    no tensors (the scheduler side never touches KV memory)."""
     dtype = v.torch.float32
     groups = [v.KVCacheGroupSpec(["full"], v.FullAttentionSpec(block_size=config.block_size, num_kv_heads=1,
                                                                 head_size=1, dtype=dtype))]
@@ -190,8 +192,17 @@ def kv_cache_config(v: SimpleNamespace, config):
         groups.append(v.KVCacheGroupSpec(["swa"], v.SlidingWindowSpec(
             block_size=config.block_size, num_kv_heads=1, head_size=1, dtype=dtype,
             sliding_window=config.sliding_window)))
+    if config.mamba:
+        groups.append(v.KVCacheGroupSpec(["mamba"], v.MambaSpec(
+            block_size=config.block_size, shapes=((1,),), dtypes=(dtype,), mamba_cache_mode=mamba_cache_mode(config),
+            num_speculative_blocks=config.num_spec_tokens)))
     return v.KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=_kv_cache_tensors(config),
                            kv_cache_groups=groups)
+
+
+def mamba_cache_mode(config) -> str:
+    """vLLM's ``CacheConfig.mamba_cache_mode`` for ``config``: ``align`` with prefix caching, else ``none``."""
+    return "align" if config.enable_prefix_caching else "none"
 
 
 OFFLOAD_PAGE_BYTES = 1024  # the nominal bytes of one block of every layer (no tensor is ever allocated)
@@ -209,7 +220,7 @@ def _kv_cache_tensors(config) -> list:
     import dataclasses
 
     from vllm.v1.kv_cache_interface import KVCacheTensor
-    layers = ["full"] + (["swa"] if config.sliding_window is not None else [])
+    layers = ["full"] + (["swa"] if config.sliding_window is not None else []) + (["mamba"] if config.mamba else [])
     size = config.num_gpu_blocks * OFFLOAD_PAGE_BYTES
     names = {f.name for f in dataclasses.fields(KVCacheTensor)}
     if "shared_by" in names:
@@ -274,6 +285,8 @@ def check_config(config) -> None:
         raise VllmUnavailable(f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {version}")
     if config.kv_connector == "NixlPushConnector" and not compat.has("nixl-push", version):
         raise VllmUnavailable(f"NixlPushConnector needs vLLM >= 0.24.0, not {version}")
+    if config.mamba and not compat.has("mamba-align-cow", version):
+        raise VllmUnavailable(f"mamba presets are driven on vLLM >= 0.33.0 (compat 'mamba-align-cow'), not {version}")
     if config.return_routed_experts and not compat.routed_experts_supported(version):
         raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
                               f"(ModelConfig.enable_return_routed_experts), not {version}")
@@ -314,7 +327,9 @@ def build_scheduler(config):
                            max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                            async_scheduling=config.async_scheduling, is_encoder_decoder=False,
                            policy=config.scheduling_policy)
-    cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+    mamba = {"mamba_cache_mode": mamba_cache_mode(config), "prefix_match_unit": config.prefix_match_unit,
+             "mamba_block_size": config.block_size if config.enable_prefix_caching else None} if config.mamba else {}
+    cc = v.CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching, **mamba)
     from vllm.config import KVEventsConfig
     if config.kv_connector == "LMCacheMPConnector":
         from kvaudit.targets.vllm.save_connector import install_lmcache_client
@@ -334,8 +349,13 @@ def build_scheduler(config):
                         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
                         speculative_config=speculative_config(v, mc, config))
     cc.num_gpu_blocks = config.num_gpu_blocks
-    cls = v.AsyncScheduler if config.async_scheduling else v.Scheduler
-    sched = cls(vc, kv_cache_config(v, config), v.StructuredOutputManager(vc), block_size=config.block_size,
+    cls, kvc = v.AsyncScheduler if config.async_scheduling else v.Scheduler, kv_cache_config(v, config)
+    sizes = {}
+    if config.mamba:  # EngineCore's block sizes of a hybrid model (the scheduler's, the hashes')
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        sizes = dict(zip(("block_size", "hash_block_size"), resolve_kv_cache_block_sizes(kvc, vc)))
+        assert sizes == {"block_size": config.block_size, "hash_block_size": config.hash_block_size}, sizes
+    sched = cls(vc, kvc, v.StructuredOutputManager(vc), **{"block_size": config.block_size, **sizes},
                 log_stats=True)
     return sched, vc
 

@@ -72,6 +72,10 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("offloading-jobs", "0.30.0", "OffloadingConnector's job-based scheduler side (TransferJob, jobs_to_flush, "
            "completed_jobs; request_finished never delays a free, as from 0.21.0), LMCacheMPConnector, and "
            "MultiConnector over them, driven on 0.30.0 and 0.33.0 (0.21.0-0.29.0 not driven)"),
+    Change("mamba-align-cow", "0.33.0",
+           "Mamba align mode with fine-grained hash hits (CacheConfig.prefix_match_unit), copy-on-write of a "
+           "partial hit's block retained behind Scheduler._free_cow_retained_blocks's fence; driven on 0.33.0 "
+           "only (0.26.0 and 0.30.0 have prefix_match_unit and that fence too, not run)"),
     Change("nixl-awaiting-kvs", "0.30.0",
            "NixlConnector's ReqMeta.awaiting_kvs; before, a read with no local block is notify-only"),
 )}

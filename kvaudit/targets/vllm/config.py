@@ -72,6 +72,12 @@ FAULTS: dict[str, tuple[str, str]] = {
         "leak", "the first close of a streaming session waiting for its next input (WAITING_FOR_STREAMING_REQ: "
                 "Scheduler.add_request of the final, non-resumable request, which finishes it as aborted) drops "
                 "the session's block tables but not its blocks' references (streaming_sessions presets)"),
+    "free-cow-source-before-copy": (
+        "use-after-free", "the Scheduler's _free_cow_retained_blocks ignores its fence: the endpoints of a partial "
+                          "cache hit's copy-on-write (source and destination block) go back to the pool when the "
+                          "step that runs the copy is scheduled, not when it has run, so with a KV consumer and "
+                          "async scheduling a load may overwrite the source before the copy reads it (for the "
+                          "whole run; scheduler level: vllm-mamba-async)"),
 }
 
 # The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/targets/vllm/catalogue.py, which
@@ -154,6 +160,11 @@ class VllmConfig(ConfigBase):
     with a NIXL connector (one KV-cache group: vLLM's block-level failure path refuses several), programs
     draw ``transfer_fail`` and the stand-in fails transfers and reports ``memory_pressure`` as blocks the
     connector found invalid.
+    ``mamba``: a Mamba group (vLLM's ``MambaSpec``, one state block per ``block_size`` tokens) beside full
+    attention, sharing the pool, ``mamba_cache_mode`` ``align`` with prefix caching (``none`` without);
+    ``prefix_match_unit``: vLLM's ``CacheConfig`` field (the tokens each block hash covers, a divisor of
+    ``block_size`` below it): a cache hit may end inside a block, which the hit's request copies
+    (copy-on-write) into a block of its own (``boot.kv_cache_config``; vLLM 0.33.0).
     ``streaming_sessions``: programs open streaming-input sessions (vLLM's resumable requests, #28973, in every
     release driven; the target's "sessions" capability); scheduler level only.
     """
@@ -180,6 +191,8 @@ class VllmConfig(ConfigBase):
     spec_method: str = "ngram"
     kv_load_failure_policy: str | None = None
     streaming_sessions: bool = False
+    mamba: bool = False
+    prefix_match_unit: int | None = None
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"
@@ -190,6 +203,11 @@ class VllmConfig(ConfigBase):
     @property
     def page_size(self) -> int:
         return self.block_size
+
+    @property
+    def hash_block_size(self) -> int:
+        """The tokens each prefix-cache block hash covers (vLLM's ``hash_block_size``)."""
+        return self.prefix_match_unit or self.block_size
 
     @property
     def num_slots(self) -> int:
@@ -206,14 +224,15 @@ class VllmConfig(ConfigBase):
         ``max_memory_usage_bytes``) requires the pool to hold. Full attention: ``cdiv(max_model_len,
         block_size)``; sliding window (``SlidingWindowSpec.max_admission_blocks_per_request``):
         ``cdiv(min(sliding_window - 1 + in-flight tokens, max_model_len), block_size) + 1``, the in-flight
-        tokens being ``max_num_batched_tokens`` per concurrent batch (two with async scheduling)."""
+        tokens being ``max_num_batched_tokens`` per concurrent batch (two with async scheduling); Mamba
+        (``MambaSpec.max_memory_usage_bytes``): 2 state blocks in align mode, else 1."""
         def cdiv(a, b):
             return -(-a // b)
         n = cdiv(self.max_model_len, self.block_size)
         if self.sliding_window is not None:
             in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
             n += cdiv(min(self.sliding_window - 1 + in_flight, self.max_model_len), self.block_size) + 1
-        return n
+        return n + (1 + self.enable_prefix_caching + self.num_spec_tokens) * self.mamba
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -222,7 +241,7 @@ class VllmConfig(ConfigBase):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers",
-                     "return_routed_experts", "streaming_sessions"):
+                     "return_routed_experts", "streaming_sessions", "mamba"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "vllm":
@@ -250,7 +269,13 @@ class VllmConfig(ConfigBase):
             raise ValueError(f"a request of max_model_len={self.max_model_len} tokens may need "
                              f"{self.blocks_per_request()} blocks, more than the pool's {self.num_gpu_blocks - 1}: "
                              "vLLM refuses to start so (check_enough_kv_cache_memory); lower max_model_len")
-        for name in ("async_scheduling", "streaming_sessions"):
+        u = self.prefix_match_unit
+        if u is not None and (not self.mamba or u not in (1, 2, 4, 8, 16, 32, 64) or u >= self.block_size):
+            raise ValueError(f"prefix_match_unit must be null or, with mamba, a power of two below block_size, "
+                             f"got {u!r}")
+        if self.mamba and self.sliding_window is not None:
+            raise ValueError("mamba and sliding_window together are not built (one group beside full attention)")
+        for name in ("async_scheduling", "streaming_sessions", "mamba"):
             if getattr(self, name) and self.level != "scheduler":
                 raise ValueError(f"{name} needs level scheduler")
         if not 4 <= self.vocab_size <= 1 << 16:
@@ -411,4 +436,25 @@ VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
             async_scheduling=True, streaming_sessions=True),
     _preset("vllm-sessions-nocache", "vllm-sessions-async with prefix caching off (a session's blocks are its own)",
             async_scheduling=True, streaming_sessions=True, enable_prefix_caching=False),
+    _preset("vllm-mamba", "the Scheduler over full attention + a Mamba group (MambaManager, mamba_cache_mode "
+                          "align), 96 blocks of 16 shared, block hashes every 4 tokens: a cache hit inside a "
+                          "block copies that block (copy-on-write)", mamba=True, prefix_match_unit=4,
+            num_gpu_blocks=96),
+    _preset("vllm-mamba-async", "vllm-mamba on the AsyncScheduler with vLLM's NixlConnector (a KV consumer, as "
+                                "vllm-kv-connector): a copy-on-write's blocks are freed behind the fence of the "
+                                "step that runs the copy (deferred_frees)", mamba=True, prefix_match_unit=4,
+            num_gpu_blocks=96, async_scheduling=True, kv_connector="NixlConnector"),
+    _preset("vllm-mamba-small", "vllm-mamba on the AsyncScheduler on 20 blocks of 4 tokens (hashes every 2): "
+                                "Mamba requests are preempted with a step in flight", mamba=True,
+            prefix_match_unit=2, async_scheduling=True, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32,
+            max_model_len=60),
+    _preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step): a request "
+                               "holds 4 speculative state blocks besides its running one (num_speculative_blocks)",
+            mamba=True, prefix_match_unit=4, num_gpu_blocks=96, num_spec_tokens=4),
+    _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every "
+                                      "2 tokens): the connector stores the boundary states the Mamba manager "
+                                      "offers (boundary_state_offloads) to its CPU tier", mamba=True,
+            prefix_match_unit=2, kv_connector="SimpleCPUOffloadConnector", block_size=4, num_gpu_blocks=48,
+            max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12,
+            wake_for_transfers=True),
 ]}

@@ -57,8 +57,9 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
     ``WAITING_FOR_REMOTE_KVS`` with its free delayed, that request's blocks at once through
     ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255); ``close-waiting-session-keeps-blocks`` wraps
     ``scheduler.add_request``; ``keep-computed-on-preempt`` wraps ``_preempt_request`` to put back the
-    first preempted request's ``num_computed_tokens`` after its blocks are freed. ``status``: vLLM's
-    ``RequestStatus``."""
+    first preempted request's ``num_computed_tokens`` after its blocks are freed;
+    ``free-cow-source-before-copy`` replaces ``_free_cow_retained_blocks`` (vLLM 0.33.0) by a free at once,
+    its fence ignored. ``status``: vLLM's ``RequestStatus``."""
     if "close-waiting-session-keeps-blocks" in faults:
         add, manager = scheduler.add_request, scheduler.kv_cache_manager
 
@@ -102,6 +103,9 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
             return out
 
         scheduler._preempt_request = preempt_keeping_computed
+    if "free-cow-source-before-copy" in faults:  # for the whole run: the fence dropped
+        pool = scheduler.kv_cache_manager.block_pool
+        scheduler._free_cow_retained_blocks = lambda blocks, fence_seq: pool.free_blocks(blocks)
     if "free-under-inflight-load" not in faults:
         return
     finish, xfer = scheduler.finish_requests, scheduler._update_from_kv_xfer_finished

@@ -99,10 +99,34 @@ class VllmObserver:
             return out
 
         wrap(pool, "free_blocks", free_wrapper)
+        if self.V.has("pending-cow"):
+            for mgr in self.groups:
+                self._wrap_cow_refs(mgr, auditor, wrap)
         if self.V.has("hash-helpers"):
             self._wrap_hash_helpers(auditor, wrap)
         else:
             self._wrap_hash_map(auditor)
+
+    def _wrap_cow_refs(self, mgr, auditor, wrap) -> None:
+        """Wrap ``mgr.allocate_new_blocks``: a copy-on-write it queues (``_pending_cow_copies``: a partial
+        cache hit's block, or a running request's partial tail) takes a reference on an endpoint by
+        ``ref_cnt += 1``, outside the pool's API (``_apply_cow``; ``MambaManager.allocate_new_blocks``):
+        the ledger counts it (a ref at that site), for the endpoints whose count runs one above it."""
+        allocate = mgr.allocate_new_blocks
+
+        def allocate_wrapper(*a, **k):
+            n = len(mgr._pending_cow_copies)
+            out = allocate(*a, **k)
+            pairs = mgr._pending_cow_copies[n:]
+            if pairs:
+                ids = np.array(block_ids(b for pair in pairs for b in pair), dtype=np.int64)
+                led = auditor.ledgers[POOL].refs
+                above = ids[self._ref_counts()[ids] == led[ids] + 1]
+                if above.size:
+                    auditor.on_ref(POOL, above.tolist(), auditor.capture_site())
+            return out
+
+        wrap(mgr, "allocate_new_blocks", allocate_wrapper)
 
     def free_sites(self, b: int) -> tuple[int, ...]:
         """Block ``b``'s previous and last unref sites (``Auditor.capture_site`` ids, -1: none): a finding's
@@ -252,6 +276,24 @@ class VllmObserver:
         out += self.connector_holders()
         held = np.concatenate([units for _, _, units in out]) if out else np.zeros(0, dtype=np.int64)
         return out, np.bincount(held, minlength=self.config.num_gpu_blocks).astype(np.int64)
+
+    def copy_findings(self, copies) -> list[TargetFinding]:
+        """Each endpoint of a copy-on-write a step in flight still runs (``copies``: vLLM's
+        ``KVCacheBlockCopy(src_block_id, dst_block_id)`` of the ``SchedulerOutput`` s not yet processed)
+        holds a reference: vLLM retains both until that step has run (``Scheduler._free_cow_retained_blocks``
+        parks them behind its fence when a KV consumer may load into a freed block unordered against the
+        step). One freed (``ref_cnt`` 0) is a use-after-free: a load may overwrite the source before the copy
+        reads it, or the destination after (check ``cow-inflight``). The caller passes only the copies that
+        vLLM's own condition guards."""
+        ids = np.array(copies, dtype=np.int64).reshape(-1)
+        freed = ids[self._ref_counts()[ids] == 0] if ids.size else ids
+        if not freed.size:
+            return []
+        b = int(freed[0])
+        end = "source" if b in {int(c[0]) for c in copies} else "destination"
+        return [TargetFinding("use-after-free", POOL, np.unique(freed),
+                              f"block {b}, the {end} of a copy-on-write a step in flight still runs, was freed "
+                              "before that step ran (ref_cnt=0)", check="cow-inflight", free_sites=self.free_sites(b))]
 
     def connector_holders(self) -> list[tuple[str, str, np.ndarray]]:
         """``(owner, where, [n] int64 block ids)`` for each reference a KV connector's scheduler side holds
@@ -412,15 +454,18 @@ class VllmObserver:
     def _check_requests(self, known, add) -> None:
         """Each live request (``known``, :meth:`known`) against its block tables."""
         # 6. a request's cached blocks carry its own hash chain; num_computed_tokens within its blocks
+        hbs = self.config.hash_block_size
         for rid, (req, _) in known.items():
             for g, mgr in enumerate(self.groups):
                 blocks = mgr.req_to_blocks.get(rid, ())
                 ncached = mgr.num_cached_block.get(rid, 0)
-                for i in range(min(ncached, len(blocks), len(req.block_hashes))):
-                    b = blocks[i]
-                    if b.is_null or b.block_hash is None:
+                for i in range(min(ncached, len(blocks))):
+                    b, end = blocks[i], (i + 1) * mgr.block_size  # its hash: the request's at its last hash unit
+                    n = getattr(b, "block_hash_num_tokens", None)  # fewer tokens: a partial block (vLLM 0.26.0 on)
+                    unit = (n if n and end - mgr.block_size < n <= end else end) // hbs - 1
+                    if b.is_null or b.block_hash is None or unit >= len(req.block_hashes):
                         continue
-                    if self.V.kv_cache_utils.get_block_hash(b.block_hash) != req.block_hashes[i]:
+                    if self.V.kv_cache_utils.get_block_hash(b.block_hash) != req.block_hashes[unit]:
                         add("stale-kv", [b.block_id], f"req:{rid}'s cached block {i} (block {b.block_id}, group {g}) "
                                                       "carries another prefix's hash", "hash-chain")
                         break

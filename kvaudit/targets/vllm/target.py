@@ -42,7 +42,7 @@ class _VllmBase(VllmObserver, Target):
         self.config, self.steps = config, 0
         self.eos = config.vocab_size - 1
         n = self._hash_lookahead()  # the argument is new in 0.33.0
-        self.hasher = self.V.get_request_block_hasher(config.block_size, self.V.sha256,
+        self.hasher = self.V.get_request_block_hasher(config.hash_block_size, self.V.sha256,
                                                       **({"num_hash_lookahead_tokens": n} if n else {}))
         self.submitted: list[str] = []
         self.texts: dict[str, list[int]] = {}  # rid -> prompt + sampled tokens (extends read them)
@@ -150,6 +150,8 @@ class VllmSchedulerTarget(_VllmBase):
         faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus)
         if config.num_spec_tokens:
             self.reached.update(accepted_draft_tokens=0, rejected_draft_tokens=0)
+        if config.mamba:
+            self._count_mamba()
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
         if "free-preempted-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
@@ -182,6 +184,40 @@ class VllmSchedulerTarget(_VllmBase):
             return preempt(request, *a, **k)
 
         self.scheduler._preempt_request = preempt_counted
+
+    def _count_mamba(self) -> None:
+        """Wrap the instance's Mamba manager's ``take_pending_cow_copies`` (the copies ``schedule()`` hands the
+        workers) to count ``mamba_cow_hits`` (a partial cache hit's block copied into the hit's own table)
+        and ``mamba_tail_copies`` (a running request's partial prompt tail, cached, moved into a block only
+        the cache holds); the Scheduler's ``_free_cow_retained_blocks`` to count ``cow_frees_deferred`` (a
+        step's copy endpoints parked in ``deferred_frees`` behind that step's fence, every group's); the
+        manager's ``take_boundary_state_offloads`` to count ``mamba_boundary_offloads`` (boundary states
+        offered to a KV connector)."""
+        s, manager = self.scheduler, self.manager
+        mgr = next(m for m in self.groups if isinstance(m.kv_cache_spec, self.V.MambaSpec))
+        self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0, cow_frees_deferred=0, mamba_boundary_offloads=0)
+        take, retain = mgr.take_pending_cow_copies, s._free_cow_retained_blocks
+        offloads = manager.take_boundary_state_offloads
+
+        def take_counted():
+            pairs = take()
+            held = {b.block_id for t in mgr.req_to_blocks.values() for b in t}
+            hits = sum(dst.block_id in held for _, dst in pairs)
+            self.reached.update(mamba_cow_hits=hits, mamba_tail_copies=len(pairs) - hits)
+            return pairs
+
+        def retain_counted(blocks, fence_seq):
+            n = len(s.deferred_frees)
+            retain(blocks, fence_seq)
+            self.reached["cow_frees_deferred"] += len(s.deferred_frees) > n
+
+        def offloads_counted():
+            out = offloads()
+            self.reached["mamba_boundary_offloads"] += sum(map(len, out.values()))
+            return out
+
+        mgr.take_pending_cow_copies, s._free_cow_retained_blocks = take_counted, retain_counted
+        manager.take_boundary_state_offloads = offloads_counted
 
     def _hash_lookahead(self) -> int:
         """``VllmConfig.num_hash_lookahead_tokens`` (vLLM >= 0.33.0, ``compat`` "hash-lookahead": an EAGLE
@@ -297,7 +333,9 @@ class VllmSchedulerTarget(_VllmBase):
             s.update_from_output(out, self._empty_output())
         if self.batch_queue and (len(self.batch_queue) >= self.max_in_flight or out.total_num_scheduled_tokens == 0):
             done, result, _ = self.batch_queue.pop(0)
+            drafted = [s.requests[r] for r in done.num_scheduled_tokens] if self._shadow and self._drafts else ()
             s.update_from_output(done, result)
+            self._tag_drafts(drafted)
             self._post_step(done)
         self.steps += 1
 
@@ -322,7 +360,9 @@ class VllmSchedulerTarget(_VllmBase):
         """What the step ``out`` touches, per request: ``(written, read)`` block ids (``[n] int64``), the
         blocks of each group's table holding the positions it computes, and those its attention reads
         besides (a sliding-window group: the window before its first position; full attention: every
-        earlier block). ``schedule()`` has advanced ``num_computed_tokens`` past the step's tokens."""
+        earlier block; a Mamba group: the block holding the state the step starts from, that of the
+        position before its first). ``schedule()`` has advanced ``num_computed_tokens`` past the step's
+        tokens."""
         bs, reqs = self.config.block_size, self.scheduler.requests
         touched = {}
         for rid, n in out.num_scheduled_tokens.items():
@@ -334,6 +374,8 @@ class VllmSchedulerTarget(_VllmBase):
                 table = mgr.req_to_blocks.get(rid, ())
                 window = getattr(mgr, "sliding_window", None)
                 first = 0 if window is None else max(start - window + 1, 0) // bs
+                if isinstance(mgr.kv_cache_spec, self.V.MambaSpec):  # only the state it starts from
+                    first = max(start - 1, 0) // bs
                 written += [b.block_id for b in table[lo:hi] if not b.is_null]
                 read += [b.block_id for b in table[first:lo] if not b.is_null]
             if written or read:
@@ -398,9 +440,13 @@ class VllmSchedulerTarget(_VllmBase):
         step, once their tokens are known, where its table still maps them (a rejected draft's position is
         computed again then). Like a forward (each layer writes the batch's new KV before attention reads
         it), a request may read KV another request of the same step writes (a prefix hit on blocks cached
-        at allocation)."""
+        at allocation). A copy-on-write the step carries (``kv_cache_block_copies``) is applied first."""
         shadow, report = self._shadow
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
+        copies = out.kv_cache_block_copies if self.V.has("pending-cow") else None
+        if copies:  # the worker copies each copy-on-write block before the forward (copy_kv_cache_blocks_inplace)
+            src, dst = (np.array(copies, dtype=np.int64)[:, :, None] * bs + np.arange(bs)).transpose(1, 0, 2)
+            tags_of[dst.ravel()] = tags_of[src.ravel()]
         spans = []
         for rid, n in out.num_scheduled_tokens.items():
             request = reqs[rid]
@@ -432,6 +478,19 @@ class VllmSchedulerTarget(_VllmBase):
                 report(POOL, slots[bad], f"req:{rid} read KV of {bad.size} position(s) from {pos[bad[0]]} to "
                                          f"{pos[bad[-1]]} (group {g}, block(s) {blocks}) from slots {what}")
 
+    def _tag_drafts(self, requests) -> None:
+        """Tag the draft positions :meth:`_shadow_step` left for later of each of ``requests``, the step just
+        processed, those computed with accepted tokens (below ``num_computed_tokens``, rolled back past the
+        rejected ones): their tokens are known, and vLLM caches the blocks of accepted drafts then
+        (``cache_blocks`` in ``update_from_output``), before any next step of theirs (a finished or aborted
+        request has none). Nothing is allocated between that step and this call."""
+        for request in requests:
+            for g, _ in self._attention:
+                pos, slots = self._drafts.pop((request.request_id, g), (np.zeros(0, dtype=np.int64),) * 2)
+                tags = self._tags(request)  # computed with the accepted tokens: below the rolled-back count
+                keep = pos < min(tags.size, request.num_computed_tokens)
+                self._shadow[0].tags[POOL][slots[keep]] = tags[pos[keep]]
+
     def _shadow_load(self, rid: str, blocks: np.ndarray) -> None:
         """A KV connector's load into ``blocks`` (``[n] int64`` GPU block ids) of request ``rid`` completed:
         they hold the KV of ``rid``'s own prefix, what the remote prefill (or the CPU tier's copy) wrote
@@ -451,9 +510,12 @@ class VllmSchedulerTarget(_VllmBase):
     def invariant_findings(self) -> list:
         """The observer's, then :meth:`_inflight_findings` (first as they stood right after a ``schedule()``
         that preempted a request with a step in flight, before ``step`` processes that step), then
+        :meth:`copy_findings` of the copies the steps in flight run (under ``guard_inflight``), then
         :meth:`_dead_table_findings`."""
+        copies = [c for out, _, _ in self.batch_queue for c in out.kv_cache_block_copies or ()] \
+            if self.guard_inflight and self.V.has("pending-cow") else []
         return (super().invariant_findings() + self.preempt_findings[:1] + self._inflight_findings()
-                + self._dead_table_findings())
+                + self.copy_findings(copies) + self._dead_table_findings())
 
     def _dead_table_findings(self) -> list:
         """Once the engine is idle (every request finished and reported, no batch in flight, no transfer

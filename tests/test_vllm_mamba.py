@@ -1,0 +1,83 @@
+"""Hybrid and Mamba caching on vLLM 0.33.0 (issue 36): a ``MambaSpec`` group beside full attention in align
+mode, block hashes finer than the block (``prefix_match_unit``), so a cache hit inside a block copies it
+(copy-on-write); the path counters; the in-flight copy check; the planted fault ``free-cow-source-before-copy``
+found, minimized and clean without the fault. Skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_helpers import invoke
+from kvaudit import replay
+from kvaudit.audit.runner import AuditedRun, execute
+from kvaudit.program import Idle, Step, Submit
+from kvaudit.targets import registry
+
+pytestmark = pytest.mark.vllm
+
+
+def cfg(preset, **kw):
+    return registry.get("vllm").preset(preset).config(**kw)
+
+
+def test_mamba_fields_are_validated():
+    with pytest.raises(ValueError, match="prefix_match_unit"):
+        cfg("vllm", prefix_match_unit=4)  # without a Mamba group
+    with pytest.raises(ValueError, match="prefix_match_unit"):
+        cfg("vllm-mamba", prefix_match_unit=16)  # not below block_size
+    with pytest.raises(ValueError, match="mamba and sliding_window"):
+        cfg("vllm-mamba", sliding_window=32)
+    with pytest.raises(ValueError, match="mamba needs level scheduler"):
+        cfg("vllm-manager", mamba=True, max_model_len=64)
+
+
+@pytest.mark.parametrize("preset, prompt", [("vllm-mamba", 41), ("vllm-mamba-async", 41),
+                                            ("vllm-mamba-cpu-offload", 43)])  # the prompt's tail ends mid-block
+def test_a_hit_inside_a_block_copies_it_and_the_oracles_stay_clean(preset, prompt):
+    """vLLM builds the groups as a hybrid model's engine core does (hashes every 4 tokens, the scheduler's
+    block 16); a second request of the first's family hits its cached prefix inside a block, and the hit's
+    block is copied into a block of its own (``mamba_cow_hits``); with a KV consumer on the AsyncScheduler
+    the copy's blocks wait behind the step's fence (``cow_frees_deferred``); with SimpleCPUOffloadConnector
+    the Mamba manager's boundary states are offered to it (``mamba_boundary_offloads``). No finding on the
+    way."""
+    config = cfg(preset)
+    with AuditedRun(config, full_stacks=False) as run:
+        t = run.target
+        assert (t.scheduler.hash_block_size, t.scheduler.block_size) == (config.prefix_match_unit, config.block_size)
+        assert [type(m).__name__ for m in t.groups] == ["FullAttentionManager", "MambaManager"]
+        assert t.scheduler.defer_block_free == config.async_scheduling
+        assert t.reach()["mamba_cow_hits"] == 0
+        for op in [Submit(0, prompt, 2, stop_at=2), Step(8), Submit(0, 60, 2, stop_at=2), Step(8), Idle()]:
+            assert run.apply(op) == []
+    reach = t.reach()
+    assert reach["mamba_cow_hits"] >= 1 and reach["mamba_boundary_offloads"] > 0 and reach["stale_reads_checked"] > 0
+    assert (reach["cow_frees_deferred"] > 0) == config.async_scheduling
+
+
+def test_planted_early_cow_free_is_found_minimized_and_clean_without_the_fault(tmp_path):
+    out = tmp_path / "out"
+    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-mamba-async", "--bug", "free-cow-source-before-copy",
+               "--fuzzer", "random", "--max-time", "10", "--seed", "1", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    (path,) = out.glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["findings"][0]["signature"].endswith("check:cow-inflight")
+    config, program = replay.load(str(path))[:2]
+    assert len(program) <= 3  # minimized: one request whose prompt ends inside a block
+    assert execute(config, list(program) + [Idle()], full_stacks=False).findings
+    clean = config.replace(bugs=frozenset())
+    assert execute(clean, list(program) + [Idle()], full_stacks=False).findings == []
+
+
+def test_the_mamba_presets_are_listed_and_built_on_0_33_0_only(monkeypatch):
+    from kvaudit.targets.vllm import boot, kind
+    config = cfg("vllm-mamba")
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.30.0")
+    assert not [n for n in kind._presets() if "mamba" in n]
+    with pytest.raises(boot.VllmUnavailable, match="mamba presets are driven on vLLM >= 0.33.0"):
+        boot.check_config(config)
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.33.0")
+    assert [n for n in kind._presets() if "mamba" in n] == ["vllm-mamba", "vllm-mamba-async", "vllm-mamba-small",
+                                                            "vllm-mamba-spec", "vllm-mamba-cpu-offload"]
