@@ -46,6 +46,19 @@ def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(b
 
 
 @pytest.mark.releases
+def test_a_request_reset_with_drafts_in_flight_never_finishes_before_0_27_0():
+    """vLLM #49860's path (catalogue row vllm-49860): reset_prefix_cache(reset_running_requests=True) with a
+    speculative step in flight sets a discard count of 1 + drafts frames; the resumed request's own frames
+    are dropped and it is never scheduled again. The search reports it idle (``hang``); replayed with the
+    drain appended, the progress check names it first (``liveness``): the same stuck request."""
+    bug = BUGS["vllm-49860"]
+    assert json.loads((DATA / "vllm-49860.json").read_text())["config"]["flush_running"] is True
+    assert set(_replay(bug.buggy, "vllm-49860.json")) & {"hang/-/idle/running:decode",
+                                                         "liveness/-/progress/running:holds-kv"}
+    assert _replay(bug.fixed, "vllm-49860.json") == []
+
+
+@pytest.mark.releases
 def test_an_idle_engine_holds_a_cpu_offload_store_before_0_30_0():
     """Not a catalogued bug (no public issue or PR names it; corpora/vllm/README.md): vLLM 0.20.0 to 0.29.0's
     SimpleCPUOffloadConnector defines has_pending_transfers, which nothing calls, so when the last request

@@ -88,20 +88,40 @@ BUGS: tuple[HistoryBug, ...] = (
               "memory grows with aborts). Fixed in 0.31.0 by a refactor (an aux-output connector behind "
               "Model Runner V2), which needs Triton: the fixed twin is not built on CPU, so the program is "
               "not replayed there"),
+    HistoryBug(
+        id="vllm-49860", engine="vllm",
+        title="with async scheduling and speculative decoding, reset_prefix_cache(reset_running_requests=True) "
+              "sets a request's stale-frame discard count to its output placeholders (tokens, not frames): "
+              "its real frames are dropped after it resumes, and then it is never scheduled again",
+        sources=("vllm-project/vllm#49860", "vllm-project/vllm#46066", "vllm-project/vllm#48245"),
+        buggy="0.26.0", fixed="0.27.0", clean_because="refactor",
+        preset="vllm-spec-async", config={"flush_running": True}, finding="hang",
+        reach="a dev-mode server's POST /reset_prefix_cache?reset_running_requests=true, or an RLHF weight "
+              "sync (sleep or pause with the cache cleared), while a speculative-decoding request runs under "
+              "async scheduling: async_tokens_to_discard is set to num_output_placeholders (1 + the drafts of "
+              "the step in flight) but drains one frame per output, so the resumed request's own outputs are "
+              "dropped while their placeholders stay; once it is one token from max_tokens the scheduler's "
+              "guard for an output in flight skips it with nothing in flight: the request never finishes and "
+              "holds its blocks. #49860 (closed) named the inflated placeholders; 0.27.0's rework of stale "
+              "outputs (#48245: num_stale_output_tokens, async_tokens_to_discard gone) removed the path"),
 )
 
 UNREACHED: tuple[Unreached, ...] = (
     Unreached("vllm-44237", "vllm", ("vllm-project/vllm#44237",), "0.23.0 -> 0.24.0 (refactor)",
               "the PR was closed unmerged; the trigger (the single-block collision branch of the map's pop) "
               "is unclear"),
-    Unreached("vllm-48245", "vllm", ("vllm-project/vllm#48245", "vllm-project/vllm#47900"), "fixed 2026-07-10",
+    Unreached("vllm-48245", "vllm", ("vllm-project/vllm#48245", "vllm-project/vllm#47900"), "0.26.0 -> 0.27.0",
               "an EngineCore assertion (num_output_placeholders underflow) when KV pressure preempts a request "
-              "with an output in flight; it shows with speculative decoding or pipeline parallelism, which the "
-              "target does not drive (15 s of random programs per seed, 3 seeds, async scheduling on the small "
-              "pool: nothing on 0.25.0)"),
-    Unreached("vllm-46066", "vllm", ("vllm-project/vllm#46066",), "fixed 2026-06-18",
-              "reset_prefix_cache(reset_running_requests=True) with speculative decoding: the target drives "
-              "neither"),
+              "with an output in flight, fixed in 0.27.0. With one batch in flight (UniProcExecutor's "
+              "max_concurrent_batches 2, what the target drives) the kept placeholders drain exactly when the "
+              "stale frame returns (1 + drafts - rejected - accepted - 1 = 0) and the request cannot resume "
+              "before it: it needs a second batch in flight (pipeline parallelism). vllm-spec-small on 0.26.0, "
+              "random, 60 s, seed 11: 9,304 programs, 7,077 preemptions with drafts in flight, nothing"),
+    Unreached("vllm-46066", "vllm", ("vllm-project/vllm#46066",), "0.24.0 -> 0.25.0",
+              "reset_prefix_cache(reset_running_requests=True) with speculative decoding under async scheduling: "
+              "a stale frame's rejections drive num_output_placeholders below 0, silently (the assertion is "
+              "skipped while discards are pending), fixed in 0.25.0. No memory invariant breaks: on 0.24.0 "
+              "(vllm-spec-async, flush_running, random, 2 x 60 s) only vllm-49860's hang shows, as on 0.25.0"),
     Unreached("vllm-49674", "vllm", ("vllm-project/vllm#49674", "vllm-project/vllm#49675"), "0.24.0 and later",
               "a progress defect (preemption cascades that free nothing while #45357's frees are deferred), not "
               "a broken memory invariant: kvaudit's oracles check memory and hangs, not throughput"),

@@ -148,6 +148,9 @@ class VllmConfig(ConfigBase):
     connector found invalid.
     ``streaming_sessions``: programs open streaming-input sessions (vLLM's resumable requests, #28973, in every
     release driven; the target's "sessions" capability); scheduler level only.
+    ``flush_running``: a ``flush_cache`` op is ``reset_prefix_cache(reset_running_requests=True)`` (the
+    ``/reset_prefix_cache?reset_running_requests=true`` of a dev-mode server, an RLHF weight sync): the running
+    requests are preempted and resumed; off, vLLM's default (nothing while blocks are held).
     """
 
     level: str = "scheduler"
@@ -172,6 +175,7 @@ class VllmConfig(ConfigBase):
     spec_method: str = "ngram"
     kv_load_failure_policy: str | None = None
     streaming_sessions: bool = False
+    flush_running: bool = False
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"

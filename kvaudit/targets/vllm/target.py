@@ -206,7 +206,7 @@ class VllmSchedulerTarget(_VllmBase):
             ids = live if op.handle is None else [live[op.handle % len(live)]]
             s.finish_requests(ids, self.V.RequestStatus.FINISHED_ABORTED)
         elif isinstance(op, FlushCache):
-            self._flushes += bool(s.reset_prefix_cache())
+            self._flushes += bool(s.reset_prefix_cache(reset_running_requests=self.config.flush_running))
         elif isinstance(op, MemoryPressure):
             _evict_cached(self.manager)
         elif isinstance(op, OpenSession) and self.config.streaming_sessions:
