@@ -122,6 +122,13 @@ UNREACHED: tuple[Unreached, ...] = (
               "a stale frame's rejections drive num_output_placeholders below 0, silently (the assertion is "
               "skipped while discards are pending), fixed in 0.25.0. No memory invariant breaks: on 0.24.0 "
               "(vllm-spec-async, flush_running, random, 2 x 60 s) only vllm-49860's hang shows, as on 0.25.0"),
+    Unreached("vllm-52693", "vllm", ("vllm-project/vllm#52693", "vllm-project/vllm#52765"), "0.21.0-0.26.0 (found)",
+              "found, not claimed: vllm-sessions-async (random, seed 2, 40 s) on 0.21.0 crashes in schedule() "
+              "('Invalid request status: RUNNING', 7 ops: a session's next chunk sent while its turn runs; the "
+              "request enters Scheduler.running twice, #52765's dual scheduling); the same program crashes on "
+              "0.22.0, 0.23.0 and 0.26.0 and is clean on 0.27.0 to 0.30.0 and 0.33.0, but the fix PR is open and "
+              "the 0.27.0 change that ends it was not identified (add_request and the session update are "
+              "unchanged there); 0.15.1's AssertionError (corpora/vllm/README.md) not settled either"),
     Unreached("vllm-49674", "vllm", ("vllm-project/vllm#49674", "vllm-project/vllm#49675"), "0.24.0 and later",
               "a progress defect (preemption cascades that free nothing while #45357's frees are deferred), not "
               "a broken memory invariant: kvaudit's oracles check memory and hangs, not throughput"),
