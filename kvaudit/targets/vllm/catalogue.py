@@ -104,6 +104,22 @@ BUGS: tuple[HistoryBug, ...] = (
               "guard for an output in flight skips it with nothing in flight: the request never finishes and "
               "holds its blocks. #49860 (closed) named the inflated placeholders; 0.27.0's rework of stale "
               "outputs (#48245: num_stale_output_tokens, async_tokens_to_discard gone) removed the path"),
+    HistoryBug(
+        id="vllm-52693", engine="vllm",
+        title="a streaming session whose turn stops with its next step in flight is stopped again by that "
+              "step's output: queued twice (scheduled twice, then schedule() raises), or from 0.27.0 taken out "
+              "of every queue (its next input chunk is never scheduled and its KV stays held)",
+        sources=("vllm-project/vllm#52693", "vllm-project/vllm#52765"), buggy="0.30.0", fixed="0.31.0",
+        clean_because="fix", preset="vllm-sessions-async", finding="hang", check="waiting:waiting",
+        reach="AsyncLLM.generate with a streaming input (the realtime API) under async scheduling: a turn ends "
+              "(stop string, max_tokens) while the next step is in flight; that step's token comes back, "
+              "update_from_output stops the WAITING_FOR_STREAMING_REQ session a second time and, as a stopped "
+              "non-running request, removes it from the waiting queues (0.27.0-0.30.0; 0.21.0-0.26.0 leave a "
+              "duplicate entry, and the next chunk is scheduled twice: RuntimeError 'Invalid request status: "
+              "RUNNING' kills EngineCore). The next chunk sets it WAITING in no queue: the engine core counts "
+              "no work, the client waits for good and the session's blocks stay held. 0.31.0's "
+              "_handle_stopped_request drops the finished turn's in-flight output (the merged PR was not "
+              "identified; #52765, open, describes both causes)"),
 )
 
 UNREACHED: tuple[Unreached, ...] = (
@@ -122,13 +138,6 @@ UNREACHED: tuple[Unreached, ...] = (
               "a stale frame's rejections drive num_output_placeholders below 0, silently (the assertion is "
               "skipped while discards are pending), fixed in 0.25.0. No memory invariant breaks: on 0.24.0 "
               "(vllm-spec-async, flush_running, random, 2 x 60 s) only vllm-49860's hang shows, as on 0.25.0"),
-    Unreached("vllm-52693", "vllm", ("vllm-project/vllm#52693", "vllm-project/vllm#52765"), "0.21.0-0.26.0 (found)",
-              "found, not claimed: vllm-sessions-async (random, seed 2, 40 s) on 0.21.0 crashes in schedule() "
-              "('Invalid request status: RUNNING', 7 ops: a session's next chunk sent while its turn runs; the "
-              "request enters Scheduler.running twice, #52765's dual scheduling); the same program crashes on "
-              "0.22.0, 0.23.0 and 0.26.0 and is clean on 0.27.0 to 0.30.0 and 0.33.0, but the fix PR is open and "
-              "the 0.27.0 change that ends it was not identified (add_request and the session update are "
-              "unchanged there); 0.15.1's AssertionError (corpora/vllm/README.md) not settled either"),
     Unreached("vllm-49674", "vllm", ("vllm-project/vllm#49674", "vllm-project/vllm#49675"), "0.24.0 and later",
               "a progress defect (preemption cascades that free nothing while #45357's frees are deferred), not "
               "a broken memory invariant: kvaudit's oracles check memory and hangs, not throughput"),
