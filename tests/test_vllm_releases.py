@@ -71,6 +71,16 @@ def test_a_session_stopped_with_a_step_in_flight_is_lost_before_0_31_0():
 
 
 @pytest.mark.releases
+def test_a_failed_load_sharing_a_marked_block_crashes_schedule_before_0_31_0():
+    """Catalogue row vllm-kv-fail-full-hit: a remote load counted failed for a shared block another request
+    marked first keeps its whole prompt computed; 0.30.0's failed branch does not step back one token and
+    schedule() asserts; 0.31.0 steps back on both branches."""
+    bug = BUGS["vllm-kv-fail-full-hit"]
+    assert _replay(bug.buggy, "vllm-kv-fail-full-hit.json") == ["crash/-/AssertionError@schedule@scheduler.py"]
+    assert _replay(bug.fixed, "vllm-kv-fail-full-hit.json") == []
+
+
+@pytest.mark.releases
 def test_an_idle_engine_holds_a_cpu_offload_store_before_0_30_0():
     """Not a catalogued bug (no public issue or PR names it; corpora/vllm/README.md): vLLM 0.20.0 to 0.29.0's
     SimpleCPUOffloadConnector defines has_pending_transfers, which nothing calls, so when the last request

@@ -120,6 +120,23 @@ BUGS: tuple[HistoryBug, ...] = (
               "no work, the client waits for good and the session's blocks stay held. 0.31.0's "
               "_handle_stopped_request drops the finished turn's in-flight output (the merged PR was not "
               "identified; #52765, open, describes both causes)"),
+    HistoryBug(
+        id="vllm-kv-fail-full-hit", engine="vllm",
+        title="a remote KV load counted failed for a block another request already marked for recompute keeps "
+              "its whole prompt computed, and the full-hit step back (recompute the last token) is skipped on the "
+              "failed path: schedule() asserts num_new_tokens > 0 and EngineCore dies",
+        sources=("vllm-project/vllm#26813", "vllm-project/vllm#34616"), buggy="0.30.0", fixed="0.31.0",
+        clean_because="refactor", preset="vllm-kv-fail", finding="crash",
+        signature="AssertionError@schedule@scheduler.py",
+        reach="a decode instance with kv_load_failure_policy recompute and a KV connector that loads some blocks "
+              "synchronously beside NIXL's async loads (MultiConnector with an OffloadingConnector): two requests "
+              "waiting for remote KV share a prefix-cached block and an output reports it invalid; "
+              "_update_requests_with_invalid_blocks marks it for the first, so the second is affected but keeps "
+              "num_computed_tokens (its whole prompt); _update_waiting_for_remote_kv's failed branch does not step "
+              "back one token as the success branch does, and the waiting loop's assert num_new_tokens > 0 kills "
+              "EngineCore. The driver's memory_pressure reports the cached block as such a connector would (NIXL "
+              "alone reports a failed read's own blocks only). Crashes on 0.24.0 to 0.30.0; 0.31.0 steps back on "
+              "both branches (moved with its sliding-window replay change). No public issue or PR names it"),
 )
 
 UNREACHED: tuple[Unreached, ...] = (
