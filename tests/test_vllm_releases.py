@@ -46,6 +46,41 @@ def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(b
 
 
 @pytest.mark.releases
+def test_a_request_reset_with_drafts_in_flight_never_finishes_before_0_27_0():
+    """vLLM #49860's path (catalogue row vllm-49860): reset_prefix_cache(reset_running_requests=True) with a
+    speculative step in flight sets a discard count of 1 + drafts frames; the resumed request's own frames
+    are dropped and it is never scheduled again. The search reports it idle (``hang``); replayed with the
+    drain appended, the progress check names it first (``liveness``): the same stuck request."""
+    bug = BUGS["vllm-49860"]
+    assert json.loads((DATA / "vllm-49860.json").read_text())["config"]["flush_running"] is True
+    assert set(_replay(bug.buggy, "vllm-49860.json")) & {"hang/-/idle/running:decode",
+                                                         "liveness/-/progress/running:holds-kv"}
+    assert _replay(bug.fixed, "vllm-49860.json") == []
+
+
+@pytest.mark.releases
+def test_a_session_stopped_with_a_step_in_flight_is_lost_before_0_31_0():
+    """vLLM #52693 (catalogue row vllm-52693): a session's turn stops with its next step in flight; that step's
+    output stops it again. 0.30.0 (and 0.27.0 on) take it out of every queue, so its next chunk is never
+    scheduled (an idle engine holding it: ``hang``); 0.26.0 (and 0.21.0 on) queue it twice and schedule()
+    raises; 0.31.0 drops the finished turn's in-flight output."""
+    bug = BUGS["vllm-52693"]
+    assert _replay(bug.buggy, "vllm-52693.json") == ["hang/-/idle/waiting:waiting"]
+    assert _replay("0.26.0", "vllm-52693.json") == ["crash/-/RuntimeError@schedule@scheduler.py"]
+    assert _replay(bug.fixed, "vllm-52693.json") == []
+
+
+@pytest.mark.releases
+def test_a_failed_load_sharing_a_marked_block_crashes_schedule_before_0_31_0():
+    """Catalogue row vllm-kv-fail-full-hit: a remote load counted failed for a shared block another request
+    marked first keeps its whole prompt computed; 0.30.0's failed branch does not step back one token and
+    schedule() asserts; 0.31.0 steps back on both branches."""
+    bug = BUGS["vllm-kv-fail-full-hit"]
+    assert _replay(bug.buggy, "vllm-kv-fail-full-hit.json") == ["crash/-/AssertionError@schedule@scheduler.py"]
+    assert _replay(bug.fixed, "vllm-kv-fail-full-hit.json") == []
+
+
+@pytest.mark.releases
 def test_an_idle_engine_holds_a_cpu_offload_store_before_0_30_0():
     """Not a catalogued bug (no public issue or PR names it; corpora/vllm/README.md): vLLM 0.20.0 to 0.29.0's
     SimpleCPUOffloadConnector defines has_pending_transfers, which nothing calls, so when the last request

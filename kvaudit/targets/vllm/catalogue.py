@@ -88,20 +88,73 @@ BUGS: tuple[HistoryBug, ...] = (
               "memory grows with aborts). Fixed in 0.31.0 by a refactor (an aux-output connector behind "
               "Model Runner V2), which needs Triton: the fixed twin is not built on CPU, so the program is "
               "not replayed there"),
+    HistoryBug(
+        id="vllm-49860", engine="vllm",
+        title="with async scheduling and speculative decoding, reset_prefix_cache(reset_running_requests=True) "
+              "sets a request's stale-frame discard count to its output placeholders (tokens, not frames): "
+              "its real frames are dropped after it resumes, and then it is never scheduled again",
+        sources=("vllm-project/vllm#49860", "vllm-project/vllm#46066", "vllm-project/vllm#48245"),
+        buggy="0.26.0", fixed="0.27.0", clean_because="refactor",
+        preset="vllm-spec-async", config={"flush_running": True}, finding="hang",
+        reach="a dev-mode server's POST /reset_prefix_cache?reset_running_requests=true, or an RLHF weight "
+              "sync (sleep or pause with the cache cleared), while a speculative-decoding request runs under "
+              "async scheduling: async_tokens_to_discard is set to num_output_placeholders (1 + the drafts of "
+              "the step in flight) but drains one frame per output, so the resumed request's own outputs are "
+              "dropped while their placeholders stay; once it is one token from max_tokens the scheduler's "
+              "guard for an output in flight skips it with nothing in flight: the request never finishes and "
+              "holds its blocks. #49860 (closed) named the inflated placeholders; 0.27.0's rework of stale "
+              "outputs (#48245: num_stale_output_tokens, async_tokens_to_discard gone) removed the path"),
+    HistoryBug(
+        id="vllm-52693", engine="vllm",
+        title="a streaming session whose turn stops with its next step in flight is stopped again by that "
+              "step's output: queued twice (scheduled twice, then schedule() raises), or from 0.27.0 taken out "
+              "of every queue (its next input chunk is never scheduled and its KV stays held)",
+        sources=("vllm-project/vllm#52693", "vllm-project/vllm#52765"), buggy="0.30.0", fixed="0.31.0",
+        clean_because="fix", preset="vllm-sessions-async", finding="hang", check="waiting:waiting",
+        reach="AsyncLLM.generate with a streaming input (the realtime API) under async scheduling: a turn ends "
+              "(stop string, max_tokens) while the next step is in flight; that step's token comes back, "
+              "update_from_output stops the WAITING_FOR_STREAMING_REQ session a second time and, as a stopped "
+              "non-running request, removes it from the waiting queues (0.27.0-0.30.0; 0.21.0-0.26.0 leave a "
+              "duplicate entry, and the next chunk is scheduled twice: RuntimeError 'Invalid request status: "
+              "RUNNING' kills EngineCore). The next chunk sets it WAITING in no queue: the engine core counts "
+              "no work, the client waits for good and the session's blocks stay held. 0.31.0's "
+              "_handle_stopped_request drops the finished turn's in-flight output (the merged PR was not "
+              "identified; #52765, open, describes both causes)"),
+    HistoryBug(
+        id="vllm-kv-fail-full-hit", engine="vllm",
+        title="a remote KV load counted failed for a block another request already marked for recompute keeps "
+              "its whole prompt computed, and the full-hit step back (recompute the last token) is skipped on the "
+              "failed path: schedule() asserts num_new_tokens > 0 and EngineCore dies",
+        sources=("vllm-project/vllm#26813", "vllm-project/vllm#34616"), buggy="0.30.0", fixed="0.31.0",
+        clean_because="refactor", preset="vllm-kv-fail", finding="crash",
+        signature="AssertionError@schedule@scheduler.py",
+        reach="a decode instance with kv_load_failure_policy recompute and a KV connector that loads some blocks "
+              "synchronously beside NIXL's async loads (MultiConnector with an OffloadingConnector): two requests "
+              "waiting for remote KV share a prefix-cached block and an output reports it invalid; "
+              "_update_requests_with_invalid_blocks marks it for the first, so the second is affected but keeps "
+              "num_computed_tokens (its whole prompt); _update_waiting_for_remote_kv's failed branch does not step "
+              "back one token as the success branch does, and the waiting loop's assert num_new_tokens > 0 kills "
+              "EngineCore. The driver's memory_pressure reports the cached block as such a connector would (NIXL "
+              "alone reports a failed read's own blocks only). Crashes on 0.24.0 to 0.30.0; 0.31.0 steps back on "
+              "both branches (moved with its sliding-window replay change). No public issue or PR names it"),
 )
 
 UNREACHED: tuple[Unreached, ...] = (
     Unreached("vllm-44237", "vllm", ("vllm-project/vllm#44237",), "0.23.0 -> 0.24.0 (refactor)",
               "the PR was closed unmerged; the trigger (the single-block collision branch of the map's pop) "
               "is unclear"),
-    Unreached("vllm-48245", "vllm", ("vllm-project/vllm#48245", "vllm-project/vllm#47900"), "fixed 2026-07-10",
+    Unreached("vllm-48245", "vllm", ("vllm-project/vllm#48245", "vllm-project/vllm#47900"), "0.26.0 -> 0.27.0",
               "an EngineCore assertion (num_output_placeholders underflow) when KV pressure preempts a request "
-              "with an output in flight; it shows with speculative decoding or pipeline parallelism, which the "
-              "target does not drive (15 s of random programs per seed, 3 seeds, async scheduling on the small "
-              "pool: nothing on 0.25.0)"),
-    Unreached("vllm-46066", "vllm", ("vllm-project/vllm#46066",), "fixed 2026-06-18",
-              "reset_prefix_cache(reset_running_requests=True) with speculative decoding: the target drives "
-              "neither"),
+              "with an output in flight, fixed in 0.27.0. With one batch in flight (UniProcExecutor's "
+              "max_concurrent_batches 2, what the target drives) the kept placeholders drain exactly when the "
+              "stale frame returns (1 + drafts - rejected - accepted - 1 = 0) and the request cannot resume "
+              "before it: it needs a second batch in flight (pipeline parallelism). vllm-spec-small on 0.26.0, "
+              "random, 60 s, seed 11: 9,304 programs, 7,077 preemptions with drafts in flight, nothing"),
+    Unreached("vllm-46066", "vllm", ("vllm-project/vllm#46066",), "0.24.0 -> 0.25.0",
+              "reset_prefix_cache(reset_running_requests=True) with speculative decoding under async scheduling: "
+              "a stale frame's rejections drive num_output_placeholders below 0, silently (the assertion is "
+              "skipped while discards are pending), fixed in 0.25.0. No memory invariant breaks: on 0.24.0 "
+              "(vllm-spec-async, flush_running, random, 2 x 60 s) only vllm-49860's hang shows, as on 0.25.0"),
     Unreached("vllm-49674", "vllm", ("vllm-project/vllm#49674", "vllm-project/vllm#49675"), "0.24.0 and later",
               "a progress defect (preemption cascades that free nothing while #45357's frees are deferred), not "
               "a broken memory invariant: kvaudit's oracles check memory and hangs, not throughput"),

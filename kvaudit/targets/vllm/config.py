@@ -167,6 +167,9 @@ class VllmConfig(ConfigBase):
     (copy-on-write) into a block of its own (``boot.kv_cache_config``; vLLM 0.33.0).
     ``streaming_sessions``: programs open streaming-input sessions (vLLM's resumable requests, #28973, in every
     release driven; the target's "sessions" capability); scheduler level only.
+    ``flush_running``: a ``flush_cache`` op is ``reset_prefix_cache(reset_running_requests=True)`` (the
+    ``/reset_prefix_cache?reset_running_requests=true`` of a dev-mode server, an RLHF weight sync): the running
+    requests are preempted and resumed; off, vLLM's default (nothing while blocks are held).
     """
 
     level: str = "scheduler"
@@ -193,6 +196,7 @@ class VllmConfig(ConfigBase):
     streaming_sessions: bool = False
     mamba: bool = False
     prefix_match_unit: int | None = None
+    flush_running: bool = False
     bugs: frozenset[str] = field(default_factory=frozenset)
     seed: int = 0
     preset: str = "custom"

@@ -242,7 +242,7 @@ class VllmSchedulerTarget(_VllmBase):
             ids = live if op.handle is None else [live[op.handle % len(live)]]
             s.finish_requests(ids, self.V.RequestStatus.FINISHED_ABORTED)
         elif isinstance(op, FlushCache):
-            self._flushes += bool(s.reset_prefix_cache())
+            self._flushes += bool(s.reset_prefix_cache(reset_running_requests=self.config.flush_running))
         elif isinstance(op, MemoryPressure):
             _evict_cached(self.manager)
         elif isinstance(op, OpenSession) and self.config.streaming_sessions:
@@ -631,7 +631,13 @@ class VllmSchedulerTarget(_VllmBase):
         return request.num_computed_tokens < request.num_tokens
 
     def is_idle(self) -> bool:
-        return not self.scheduler.has_requests() and not self.batch_queue
+        """The engine core's test (``has_requests()``, no batch in flight), and no unfinished request left
+        that it no longer counts (in no queue, not a session waiting for its client): such a request is
+        never scheduled again, a hang (``stuck()``: ``waiting:<status>``; vLLM #52693 on 0.27.0 to 0.30.0)."""
+        s, W = self.scheduler, self.V.RequestStatus.WAITING_FOR_STREAMING_REQ
+        if s.has_requests() or self.batch_queue:
+            return False
+        return not any(not r.is_finished() and r.status != W for r in s.requests.values())
 
     def progress(self) -> dict[str, int]:
         return {r.request_id: r.num_computed_tokens + r.num_output_tokens + 1000 * r.num_preemptions
