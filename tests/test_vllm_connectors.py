@@ -59,8 +59,8 @@ def test_vllm_46951_a_nixl_load_reusing_a_block_an_older_store_reads_is_found_on
     """vLLM #46951 (open upstream; PRs #46960/#47046): under MultiConnector, OffloadingConnector's
     update_state_after_alloc returned before recording the blocks allocated for another connector's load
     (num_external_tokens 0), so a NIXL load given a block that an older offload store still reads was not
-    fenced (jobs_to_flush). No fault: found on 0.30.0 (the last release read that ships the early return),
-    clean on 0.33.0, which records every allocation first. tests/data/vllm_releases/vllm-46951.json."""
+    fenced (jobs_to_flush). No fault: found on 0.30.0, the first release whose connector is driven (the
+    catalogue row searches 0.32.0, the last that ships the early return), clean on 0.33.0, which records every allocation first. tests/data/vllm_releases/vllm-46951.json."""
     from test_vllm_releases import DATA, _replay
 
     from kvaudit import replay

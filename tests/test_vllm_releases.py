@@ -36,7 +36,7 @@ def _replay(version: str, name: str) -> list[str]:
 
 @pytest.mark.releases
 @pytest.mark.parametrize("bug_id", ["vllm-32255", "vllm-33377", "vllm-42571", "vllm-43433", "vllm-45357",
-                                    "vllm-47282"])
+                                    "vllm-47282", "vllm-46951"])
 def test_known_reproducer_is_found_on_the_buggy_release_and_clean_on_the_fixed(bug_id):
     bug, name = BUGS[bug_id], f"{bug_id}.json"
     found = _replay(bug.buggy, name)

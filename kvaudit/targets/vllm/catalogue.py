@@ -121,6 +121,20 @@ BUGS: tuple[HistoryBug, ...] = (
               "_handle_stopped_request drops the finished turn's in-flight output (the merged PR was not "
               "identified; #52765, open, describes both causes)"),
     HistoryBug(
+        id="vllm-46951", engine="vllm",
+        title="under MultiConnector, OffloadingConnector does not record the blocks allocated for another "
+              "connector's load, so a NIXL load may be given a block an older offload store still reads",
+        sources=("vllm-project/vllm#46951", "vllm-project/vllm#46960", "vllm-project/vllm#47046"),
+        buggy="0.32.0", fixed="0.33.0", clean_because="fix", preset="vllm-multi-connector",
+        finding="use-after-free", check="inflight-store",
+        reach="a decode instance with MultiConnector over NixlConnector and OffloadingConnector under GPU-block "
+              "pressure: a request finishes with its offload store in flight, and the next remote-prefill request "
+              "is allocated its blocks; MultiConnector hands the offloading side num_external_tokens 0, where "
+              "update_state_after_alloc returns before recording them, so the store is not flushed and the NIXL "
+              "read overwrites what it copies (the CPU tier keeps KV under a hash it does not match). The early "
+              "return ships in 0.21.0 to 0.32.0 (read; the job-based connector is driven from 0.30.0); 0.33.0 "
+              "records every allocated block first, the change both open PRs propose"),
+    HistoryBug(
         id="vllm-kv-fail-full-hit", engine="vllm",
         title="a remote KV load counted failed for a block another request already marked for recompute keeps "
               "its whole prompt computed, and the full-hit step back (recompute the last token) is skipped on the "
