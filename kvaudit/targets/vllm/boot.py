@@ -267,11 +267,8 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 
 
 def refusal(config, version: str | None) -> str | None:
-    """Why release ``version`` (its metadata; None: none installed) cannot build ``config``, in one line, or
-    None: ``NixlPushConnector`` needs vLLM >= 0.24.0 (``compat`` "nixl-push"), ``NEW_CONNECTORS`` 0.30.0
-    ("offloading-jobs"), ``mamba`` 0.33.0 ("mamba-align-cow"); ``return_routed_experts`` needs
-    ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0; "routed-experts-aux-output");
-    speculative decoding with async scheduling needs vLLM >= 0.21.0 (``compat.spec_method``). Used by
+    """Why release ``version`` (its metadata, no import; None: none installed) cannot build ``config``, in
+    one line (each message names the releases that can), or None. Used by
     :func:`check_config` and by ``kind._presets`` (the presets the installed release lists)."""
     def has(change):
         return compat.in_range(version or "") and compat.has(change, version)
@@ -293,11 +290,10 @@ def refusal(config, version: str | None) -> str | None:
 
 
 def check_config(config) -> None:
-    """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
-    release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
-    "simple-cpu-offload"; its presets are listed on every release), then :func:`refusal`. The release is
-    read from its metadata, so those refusals come before vLLM is imported (seconds); then it is
-    :func:`load` ed."""
+    """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed release
+    cannot build ``config``: ``SimpleCPUOffloadConnector`` before 0.19.0 (``compat`` "simple-cpu-offload";
+    its presets are listed on every release), then :func:`refusal`. Those refusals read the release's
+    metadata, so they come before vLLM is imported (seconds); then it is :func:`load` ed."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
