@@ -266,30 +266,40 @@ def _model_dir(v: SimpleNamespace, config) -> str:
     return v.model_dirs[key]
 
 
+def refusal(config, version: str | None) -> str | None:
+    """Why release ``version`` (its metadata, no import; None: none installed) cannot build ``config``, in
+    one line (each message names the releases that can), or None. Used by
+    :func:`check_config` and by ``kind._presets`` (the presets the installed release lists)."""
+    def has(change):
+        return compat.in_range(version or "") and compat.has(change, version)
+    gates = (
+        (config.num_spec_tokens and config.spec_method == "ngram"
+         and not compat.spec_method(version, config.async_scheduling),
+         f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free method it accepts, "
+         f"ngram_gpu), not {version}"),
+        (config.kv_connector in NEW_CONNECTORS and not has("offloading-jobs"),
+         f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {version}"),
+        (config.kv_connector == "NixlPushConnector" and not has("nixl-push"),
+         f"NixlPushConnector needs vLLM >= 0.24.0, not {version}"),
+        (config.mamba and not has("mamba-align-cow"),
+         f"mamba presets are driven on vLLM >= 0.33.0 (compat 'mamba-align-cow'), not {version}"),
+        (config.return_routed_experts and not compat.routed_experts_supported(version),
+         f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 (ModelConfig.enable_return_routed_experts), "
+         f"not {version}"))
+    return next((why for refused, why in gates if refused), None)
+
+
 def check_config(config) -> None:
-    """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed
-    release cannot build ``config``: ``SimpleCPUOffloadConnector`` needs vLLM >= 0.19.0 (``compat``
-    "simple-cpu-offload"), ``NixlPushConnector`` >= 0.24.0 ("nixl-push"); ``return_routed_experts`` needs
-    ``ModelConfig.enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0; ``compat``
-    "routed-experts-aux-output"); speculative decoding with async scheduling needs vLLM >= 0.21.0
-    (``compat.spec_method``). The release is read from its
-    metadata, so those refusals come before vLLM is imported (seconds); then it is :func:`load` ed."""
+    """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed release
+    cannot build ``config``: ``SimpleCPUOffloadConnector`` before 0.19.0 (``compat`` "simple-cpu-offload";
+    its presets are listed on every release), then :func:`refusal`. Those refusals read the release's
+    metadata, so they come before vLLM is imported (seconds); then it is :func:`load` ed."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
-    if config.num_spec_tokens and config.spec_method == "ngram" and not compat.spec_method(version,
-                                                                                         config.async_scheduling):
-        raise VllmUnavailable(f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free "
-                              f"method it accepts, ngram_gpu), not {version}")
-    if config.kv_connector in NEW_CONNECTORS and not compat.has("offloading-jobs", version):
-        raise VllmUnavailable(f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {version}")
-    if config.kv_connector == "NixlPushConnector" and not compat.has("nixl-push", version):
-        raise VllmUnavailable(f"NixlPushConnector needs vLLM >= 0.24.0, not {version}")
-    if config.mamba and not compat.has("mamba-align-cow", version):
-        raise VllmUnavailable(f"mamba presets are driven on vLLM >= 0.33.0 (compat 'mamba-align-cow'), not {version}")
-    if config.return_routed_experts and not compat.routed_experts_supported(version):
-        raise VllmUnavailable(f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 "
-                              f"(ModelConfig.enable_return_routed_experts), not {version}")
+    why = refusal(config, version)
+    if why is not None:
+        raise VllmUnavailable(why)
     load()
 
 

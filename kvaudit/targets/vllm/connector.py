@@ -30,8 +30,7 @@ The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlC
 ``1 + crc32(request id) % kv_transfer_latency_steps`` steps after it starts, and is reported once
 through ``ModelRunnerOutput.kv_connector_output`` (``KVConnectorOutput.finished_recving`` /
 ``finished_sending``). A load completes even when its request was aborted meanwhile (the Scheduler
-frees it then). NIXL's send lease (``kv_lease_duration``) never expires here: the remote side always
-reads.
+frees it then); the remote side always reads unless a failure says otherwise (below).
 
 Failures (presets with ``kv_load_failure_policy``, :meth:`VllmConnectorTarget.apply`): ``transfer_fail``
 marks the next report of a request's transfer a failure. A failed read is reported as

@@ -15,22 +15,11 @@ def _bugs():
 
 
 def _presets():
-    """The presets the installed vLLM can build (by its metadata, no import): ``vllm-moe-experts`` only
-    on 0.22.0 to 0.30.0 (``compat.routed_experts_supported``), the async speculative ones from 0.21.0
-    (``compat.spec_method``), ``NixlPushConnector`` ones from 0.24.0, the job-based connectors
-    (``boot.NEW_CONNECTORS``) from 0.30.0, the Mamba ones on 0.33.0, so that ``ci --presets all`` runs."""
-    from kvaudit.targets.vllm import compat
-    from kvaudit.targets.vllm.boot import NEW_CONNECTORS, installed_version
+    """The presets the installed vLLM can build (``boot.refusal``, by its metadata, no import), so that
+    ``ci --presets all`` runs."""
+    from kvaudit.targets.vllm.boot import installed_version, refusal
     v = installed_version()
-    ok, push = compat.routed_experts_supported(v), compat.in_range(v or "") and compat.has("nixl-push", v)
-    jobs = compat.in_range(v or "") and compat.has("offloading-jobs", v)
-    mamba = compat.in_range(v or "") and compat.has("mamba-align-cow", v)
-    return {n: p for n, p in VLLM_PRESETS.items() if (ok or not p.overrides.get("return_routed_experts"))
-            and (push or p.overrides.get("kv_connector") != "NixlPushConnector")
-            and (jobs or p.overrides.get("kv_connector") not in NEW_CONNECTORS)
-            and (mamba or not p.overrides.get("mamba"))
-            and (p.overrides.get("spec_method", "ngram") != "ngram" or not p.overrides.get("num_spec_tokens")
-                 or compat.spec_method(v, p.config().async_scheduling))}
+    return {n: p for n, p in VLLM_PRESETS.items() if refusal(p.config(), v) is None}
 
 
 def _notes(config) -> list[str]:

@@ -157,15 +157,18 @@ class VllmObserver:
         sid = auditor.capture_site()
         self.hash_log.extend((self.steps, what, block_id, bytes(h)[:6].hex(), sid) for h in hashes)
 
-    def _wrap_hash_helpers(self, auditor, wrap) -> None:
-        """vLLM >= 0.24.0 (``compat`` "hash-helpers"): the pool's own insert and removal helpers."""
-        pool = self.pool
-        insert, remove = pool._insert_block_hash, pool._remove_cached_block_hashes
-
+    def _logged_insert(self, insert, auditor):
+        """``insert(block_hash, block, ...)`` (the pool's helper or the map's own), logging each insert."""
         def insert_wrapper(block_hash, block, *a, **k):
             out = insert(block_hash, block, *a, **k)
             self._log_hashes("insert", block.block_id, [block_hash], auditor)
             return out
+        return insert_wrapper
+
+    def _wrap_hash_helpers(self, auditor, wrap) -> None:
+        """vLLM >= 0.24.0 (``compat`` "hash-helpers"): the pool's own insert and removal helpers."""
+        pool = self.pool
+        remove = pool._remove_cached_block_hashes
 
         def remove_wrapper(block, *a, **k):
             out = remove(block, *a, **k)
@@ -173,7 +176,7 @@ class VllmObserver:
                 self._log_hashes("remove", block.block_id, out, auditor)
             return out
 
-        wrap(pool, "_insert_block_hash", insert_wrapper)
+        wrap(pool, "_insert_block_hash", self._logged_insert(pool._insert_block_hash, auditor))
         wrap(pool, "_remove_cached_block_hashes", remove_wrapper)
 
     def _wrap_hash_map(self, auditor) -> None:
@@ -182,12 +185,7 @@ class VllmObserver:
         pool = self.pool
 
         def wrap_map(m):
-            insert, pop = m.insert, m.pop
-
-            def insert_wrapper(block_hash, block, *a, **k):
-                out = insert(block_hash, block, *a, **k)
-                self._log_hashes("insert", block.block_id, [block_hash], auditor)
-                return out
+            pop = m.pop
 
             def pop_wrapper(block_hash, block_id, *a, **k):
                 out = pop(block_hash, block_id, *a, **k)
@@ -195,7 +193,7 @@ class VllmObserver:
                     self._log_hashes("remove", block_id, [block_hash], auditor)
                 return out
 
-            m.insert, m.pop = insert_wrapper, pop_wrapper
+            m.insert, m.pop = self._logged_insert(m.insert, auditor), pop_wrapper
 
         wrap_map(pool.cached_block_hash_to_block)
         reset = pool.reset_prefix_cache
