@@ -245,7 +245,7 @@ class VllmConfig(ConfigBase):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers",
-                     "return_routed_experts", "streaming_sessions", "mamba"):
+                     "return_routed_experts", "streaming_sessions", "mamba", "flush_running"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "vllm":
@@ -284,6 +284,14 @@ class VllmConfig(ConfigBase):
                 raise ValueError(f"{name} needs level scheduler")
         if not 4 <= self.vocab_size <= 1 << 16:
             raise ValueError("vocab_size must be in [4, 65536]")
+        self._check_scheduling_features()
+        if not isinstance(self.preset, str):
+            raise ValueError(f"preset must be a string, got {self.preset!r}")
+        self._freeze_faults(FAULTS, "vllm")
+
+    def _check_scheduling_features(self) -> None:
+        """Raises ValueError (one line) on a bad connector, scheduling policy, KV role, transfer latency,
+        CPU tier, speculative decoding or load-failure policy field, or one the manager level cannot run."""
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be null or one of {', '.join(KV_CONNECTORS)}, "
                              f"got {self.kv_connector!r}")
@@ -319,9 +327,6 @@ class VllmConfig(ConfigBase):
             raise ValueError(f"kv_load_failure_policy must be null or one of {', '.join(KV_LOAD_FAILURE_POLICIES)} "
                              f"with a NIXL kv_connector and no sliding_window, got "
                              f"{self.kv_load_failure_policy!r}")
-        if not isinstance(self.preset, str):
-            raise ValueError(f"preset must be a string, got {self.preset!r}")
-        self._freeze_faults(FAULTS, "vllm")
 
 
 def _preset(name: str, description: str, **overrides) -> Preset:

@@ -106,8 +106,14 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
     if "free-cow-source-before-copy" in faults:  # for the whole run: the fence dropped
         pool = scheduler.kv_cache_manager.block_pool
         scheduler._free_cow_retained_blocks = lambda blocks, fence_seq: pool.free_blocks(blocks)
-    if "free-under-inflight-load" not in faults:
-        return
+    if "free-under-inflight-load" in faults:
+        _free_under_inflight_load(scheduler, faults, status)
+
+
+def _free_under_inflight_load(scheduler, faults: set[str], status) -> None:
+    """``free-under-inflight-load`` (see :func:`inject_scheduler`): the first abort of a request in
+    ``WAITING_FOR_REMOTE_KVS`` frees its blocks at once (``Scheduler._free_blocks``), and the load's later
+    ``finished_recving`` for it is dropped, as vLLM 0.15.1 did (#32255)."""
     finish, xfer = scheduler.finish_requests, scheduler._update_from_kv_xfer_finished
     freed: set[str] = set()
 
