@@ -236,16 +236,3 @@ def test_42571_duplicate_is_still_listed_but_queued_once_from_0_24_0(version):
     out = _replay_on(version, REPRO)
     assert out["signatures"] == [], out
     _one_request_lists_a_block_twice(out)
-
-
-def test_the_cpu_offload_presets_are_listed_only_where_the_release_builds_them(monkeypatch):
-    """SimpleCPUOffloadConnector needs vLLM >= 0.19.0: on 0.16.0 its presets are neither listed (so that
-    ``ci --presets all`` runs there) nor built; from 0.21.0 they are both."""
-    from kvaudit.targets.vllm import boot, kind
-    monkeypatch.setattr(boot, "installed_version", lambda: "0.16.0")
-    assert not [n for n in kind._presets() if "cpu-offload" in n]
-    assert boot.refusal(VLLM_PRESETS["vllm-cpu-offload-swa"].config(), "0.16.0") == (
-        "SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not 0.16.0")
-    monkeypatch.setattr(boot, "installed_version", lambda: "0.21.0")
-    assert set(PRESETS) <= set(kind._presets())
-

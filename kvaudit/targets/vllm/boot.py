@@ -273,9 +273,6 @@ def refusal(config, version: str | None) -> str | None:
     def has(change):
         return compat.in_range(version or "") and compat.has(change, version)
     gates = (
-        (config.kv_connector == "SimpleCPUOffloadConnector" and version is not None
-         and not compat.has("simple-cpu-offload", version),
-         f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}"),
         (config.num_spec_tokens and config.spec_method == "ngram"
          and not compat.spec_method(version, config.async_scheduling),
          f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free method it accepts, "
@@ -294,9 +291,13 @@ def refusal(config, version: str | None) -> str | None:
 
 def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed release
-    cannot build ``config`` (:func:`refusal`). Those refusals read the release's metadata, so they come
-    before vLLM is imported (seconds); then it is :func:`load` ed."""
-    why = refusal(config, probe_version())
+    cannot build ``config``: ``SimpleCPUOffloadConnector`` before 0.19.0 (``compat`` "simple-cpu-offload";
+    its presets are listed on every release), then :func:`refusal`. Those refusals read the release's
+    metadata, so they come before vLLM is imported (seconds); then it is :func:`load` ed."""
+    version = probe_version()
+    if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
+        raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
+    why = refusal(config, version)
     if why is not None:
         raise VllmUnavailable(why)
     load()
