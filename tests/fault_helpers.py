@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
 
-from kvaudit.program import random_program
+from cli_helpers import invoke
+
+from kvaudit import replay
+from kvaudit.program import Idle, random_program
 from kvaudit.audit.runner import Execution, execute
 
 
@@ -24,3 +28,26 @@ def assert_names_both_tree_counters(f) -> None:
     assert (f.kind, f.pool) == ("accounting-drift", "token_to_kv_pool"), f.summary()
     assert "tree counter evictable=" in f.message and "its nodes with lock_ref 0 hold" in f.message
     assert "tree counter protected=" in f.message and "its nodes with lock_ref > 0 hold" in f.message
+
+
+def fuzz_fault(tmp_path, target: str, preset: str, bug: str, max_time: str = "60"):
+    """``kvaudit fuzz --fuzzer random --seed 1`` with ``bug`` planted: asserts it exits 1 (a finding) and
+    writes one reproducer; returns ``(doc, path)``, the reproducer's JSON and its file."""
+    out = tmp_path / "out"
+    r = invoke("fuzz", "--target", target, "--preset", preset, "--bug", bug, "--fuzzer", "random",
+               "--max-time", max_time, "--seed", "1", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    (path,) = out.glob("*.json")
+    return json.loads(path.read_text()), path
+
+
+def minimized_fault_program(path, max_ops: int):
+    """The reproducer at ``path``: asserts its program has at most ``max_ops`` ops, finds something with
+    its fault and nothing without it; returns ``(config, program)``."""
+    config, program = replay.load(str(path))[:2]
+    assert len(program) <= max_ops, program
+    assert execute(config, list(program) + [Idle()], full_stacks=False).findings
+    clean = config.replace(bugs=frozenset())
+    assert execute(clean, list(program) + [Idle()], full_stacks=False).findings == []
+    return config, program
+

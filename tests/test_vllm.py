@@ -18,6 +18,7 @@ import random
 import pytest
 
 from cli_helpers import invoke, one_error_line
+from fault_helpers import fuzz_fault
 from kvaudit import replay
 from kvaudit.audit import oracles
 from kvaudit.audit.runner import AuditedRun
@@ -404,12 +405,7 @@ def test_kv_whose_content_tags_are_lost_is_stale_at_its_next_read():
 def test_cli_fuzz_finds_each_injected_fault_at_a_vllm_site_and_replays_it_deterministically(bug, kind, signature,
                                                                                             preset, tmp_path):
     assert FAULTS[bug][0] == kind
-    out = tmp_path / "out"
-    r = invoke("fuzz", "--target", "vllm", "--preset", preset, "--bug", bug, "--fuzzer", "random",
-               "--max-time", "60", "--seed", "1", "--out", str(out))
-    assert r.exit_code == 1, r.output
-    (path,) = out.glob("*.json")
-    doc = json.loads(path.read_text())
+    doc, path = fuzz_fault(tmp_path, "vllm", preset, bug)
     f = doc["findings"][0]
     assert (f["kind"], f["signature"]) == (kind, signature)
     assert doc["config"]["target"] == "vllm" and doc["config"]["bugs"] == [bug]

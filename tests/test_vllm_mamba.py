@@ -5,13 +5,10 @@ found, minimized and clean without the fault. Skipped where vLLM is not installe
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from cli_helpers import invoke
-from kvaudit import replay
-from kvaudit.audit.runner import AuditedRun, execute
+from fault_helpers import fuzz_fault, minimized_fault_program
+from kvaudit.audit.runner import AuditedRun
 from kvaudit.program import Idle, Step, Submit
 from kvaudit.targets import registry
 
@@ -57,18 +54,9 @@ def test_a_hit_inside_a_block_copies_it_and_the_oracles_stay_clean(preset, promp
 
 
 def test_planted_early_cow_free_is_found_minimized_and_clean_without_the_fault(tmp_path):
-    out = tmp_path / "out"
-    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-mamba-async", "--bug", "free-cow-source-before-copy",
-               "--fuzzer", "random", "--max-time", "10", "--seed", "1", "--out", str(out))
-    assert r.exit_code == 1, r.output
-    (path,) = out.glob("*.json")
-    doc = json.loads(path.read_text())
+    doc, path = fuzz_fault(tmp_path, "vllm", "vllm-mamba-async", "free-cow-source-before-copy", max_time="10")
     assert doc["findings"][0]["signature"].endswith("check:cow-inflight")
-    config, program = replay.load(str(path))[:2]
-    assert len(program) <= 3  # minimized: one request whose prompt ends inside a block
-    assert execute(config, list(program) + [Idle()], full_stacks=False).findings
-    clean = config.replace(bugs=frozenset())
-    assert execute(clean, list(program) + [Idle()], full_stacks=False).findings == []
+    minimized_fault_program(path, max_ops=3)  # minimized: one request whose prompt ends inside a block
 
 
 def test_the_mamba_presets_are_listed_and_built_on_0_33_0_only(monkeypatch):

@@ -5,12 +5,9 @@ found, minimized and clean without the fault. Skipped where vLLM is not installe
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from cli_helpers import invoke
-from kvaudit import replay
+from fault_helpers import fuzz_fault, minimized_fault_program
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.program import Idle, Step, Submit
 from kvaudit.targets import registry
@@ -65,18 +62,9 @@ def test_drafts_are_verified_rolled_back_and_completions_end_at_stop_at(preset, 
 
 
 def test_planted_rejected_draft_leak_is_found_minimized_and_clean_without_the_fault(tmp_path):
-    out = tmp_path / "out"
-    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-spec", "--bug", "leak-rejected-draft-blocks",
-               "--fuzzer", "random", "--max-time", "60", "--seed", "1", "--out", str(out))
-    assert r.exit_code == 1, r.output
-    (path,) = out.glob("*.json")
-    doc = json.loads(path.read_text())
+    doc, path = fuzz_fault(tmp_path, "vllm", "vllm-spec", "leak-rejected-draft-blocks", max_time="60")
     assert doc["findings"][0]["signature"] == "leak/block_pool/schedule@scheduler.py"
-    config, program = replay.load(str(path))[:2]
-    assert len(program) <= 4  # minimized: a request or two decoding with drafts
-    assert execute(config, list(program) + [Idle()], full_stacks=False).findings
-    clean = config.replace(bugs=frozenset())
-    assert execute(clean, list(program) + [Idle()], full_stacks=False).findings == []
+    minimized_fault_program(path, max_ops=4)  # minimized: a request or two decoding with drafts
 
 
 @pytest.mark.parametrize("preset", ["vllm-spec", "vllm-mamba-spec"])
