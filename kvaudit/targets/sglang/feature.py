@@ -148,6 +148,11 @@ class SglangFeature:
         """SGLang's own check's lines (``[]``: none under this mode)."""
         return lines
 
+    def reach(self, out: dict[str, int]) -> dict[str, int]:
+        """``Target.reach``: this mode's path counters (cumulative since the target was built), added to
+        ``out``; a path at 0 was not searched."""
+        return out
+
 
 class SglangLoop(SglangFeature):
     """A feature that is a second driver (PD decode): its own event loop and message handling in place of

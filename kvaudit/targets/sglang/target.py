@@ -259,3 +259,8 @@ class SglangTarget(SglangDriver, SglangObserver):
 
     def engine_check(self) -> list[str]:
         return self._fold("engine_check", super().engine_check())
+
+    def reach(self) -> dict[str, int]:
+        """The shared driver's counters (requests retracted, by decode retraction or priority preemption),
+        then each feature's."""
+        return self._fold("reach", {"retractions": self.retractions})
