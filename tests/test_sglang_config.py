@@ -12,11 +12,17 @@ from kvaudit.config import UnknownFaultError
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig
 
 
-def test_presets_cover_the_thirteen_configurations():
+def test_presets_cover_the_seventeen_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
                                    "sglang-hicache-l3", "sglang-priority", "sglang-mixed",
-                                   "sglang-session-nonstreaming"}
+                                   "sglang-session-nonstreaming", "sglang-evict-tlru", "sglang-evict-priority",
+                                   "sglang-evict-slru", "sglang-hicache-l3-timeout"}
+    tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
+    assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \
+        ("tlru", {"threshold": 32, "next_prompt_estimate": 8})
+    assert SGLANG_PRESETS["sglang-evict-priority"].config().enable_priority_scheduling
+    assert SGLANG_PRESETS["sglang"].config().radix_eviction_policy == "lru"
     assert SGLANG_PRESETS["sglang-session-nonstreaming"].config().session_streaming is False
     l3 = SGLANG_PRESETS["sglang-hicache-l3"].config()
     assert l3.enable_hierarchical_cache and l3.hicache_storage_backend == "file"
@@ -69,7 +75,9 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"hicache_storage_backend": "file"}, "needs enable_hierarchical_cache"),
     ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "hicache_storage_backend"),
     ({"hicache_storage_ack_steps": 0}, "hicache_storage_ack_steps"),
-    ({"hicache_storage_prefetch_policy": "timeout"}, "wall clock"),
+    ({"hicache_storage_prefetch_policy": "deadline"}, "hicache_storage_prefetch_policy must be one of best_effort, "
+                                                      "wait_complete, timeout"),
+    ({"hicache_storage_prefetch_timeout_steps": 0}, "hicache_storage_prefetch_timeout_steps"),
     ({"hicache_storage_prefetch_threshold": 0}, "hicache_storage_prefetch_threshold"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):
@@ -132,3 +140,19 @@ def test_replay_rejects_an_unknown_sglang_preset(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(replay.ReplayFormatError, match="unknown preset 'default'.*sglang-session"):
         replay.load(str(path))
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"radix_eviction_policy": "fifo"}, "radix_eviction_policy must be one of lru, lfu, slru, priority, tlru"),
+    ({"radix_eviction_policy_config": "[2]"}, "radix_eviction_policy_config must be a JSON object"),
+    ({"radix_eviction_policy_config": "{oops"}, "radix_eviction_policy_config must be a JSON object"),
+])
+def test_an_eviction_policy_sglang_does_not_take_is_refused(kw, says):
+    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        SglangConfig(**kw)
+
+
+def test_the_legacy_era_refuses_an_eviction_policy_it_is_not_driven_with():
+    from kvaudit.targets.sglang import legacy
+    assert "a radix eviction policy other than lru" in legacy.refusal(SGLANG_PRESETS["sglang-evict-slru"].config())
+    assert legacy.refusal(SglangConfig()) is None

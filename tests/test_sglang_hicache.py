@@ -17,6 +17,7 @@ Skipped where SGLang 0.5.23 is not installed.
 import gc
 import os
 import threading
+import time
 
 import pytest
 
@@ -467,6 +468,39 @@ def test_best_effort_admission_ends_a_running_prefetch(core):
     assert run.apply(Idle()) == [] and not any(e[0] in ("transfer", "loaded") for e in hc(t).storage_log)
     assert hc(t).storage_host_slots() == []
     run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_the_timeout_policy_admits_a_request_when_its_prefetch_deadline_passes(core):
+    """SGLang's default prefetch policy, timeout, with a 1-second deadline (one step) and storage operations 3
+    steps long: the queued request's first blocked admission poll starts the deadline's timer (PollTimer, on
+    the step clock); two steps later it has passed, _mark_prefetch_deadline_expired ends the prefetch and the
+    request is admitted and prefilled from scratch. The operation's host buffer is held (prefetch:r1) until its
+    completion ack queues it for release; no finding at any step."""
+    run = AuditedRun(l3(core, hicache_storage_prefetch_policy="timeout", hicache_storage_ack_steps=3,
+                        hicache_storage_prefetch_timeout_steps=1))
+    t = run.target
+    prompt = backed_up_then_evicted(run)
+    t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
+    admitted = []
+    for _ in range(6):
+        steps(run, 1)
+        admitted.append((t.steps, [r.rid for r in t.running], t.reach()["prefetch_deadlines"]))
+    start = admitted[0][0]
+    assert admitted[:3] == [(start, [], 0), (start + 1, [], 0), (start + 2, ["r1"], 1)]
+    assert not any(e[0] in ("transfer", "loaded") for e in hc(t).storage_log)  # nothing read: prefilled afresh
+    assert run.apply(Idle()) == [] and hc(t).storage_host_slots() == []
+    run.close()
+
+
+def test_the_poll_timers_clock_is_the_real_one_again_after_the_target():
+    """The L3 target puts sglang.srt.utils.poll_timer on its step clock (the timeout policy's deadlines) and
+    gives the real clock back at close, so a later target in the process does not read a dead one."""
+    run = AuditedRun(l3("python"))
+    import sglang.srt.utils.poll_timer as poll_timer
+    assert poll_timer.time.perf_counter() == run.target.clock.now
+    run.close()
+    assert poll_timer.time is time
 
 
 @pytest.mark.parametrize("core", CORES)

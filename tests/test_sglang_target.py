@@ -875,3 +875,34 @@ def test_a_crash_traceback_shows_engine_frames_with_portable_paths():
     assert not any(os.path.isabs(f) or f.startswith("kvaudit/audit/") for f in files), files
     assert any(f.startswith("kvaudit/targets/sglang/") for f in files)  # the driver's frames stay
     assert crash.traceback.rstrip().endswith("AssertionError: session_id='s0' already has a slot")
+
+
+@pytest.mark.parametrize("preset", ["sglang-evict-tlru", "sglang-evict-priority", "sglang-evict-slru"])
+def test_an_eviction_policy_reaches_sglangs_tree_and_its_allocations_evict(preset):
+    """--radix-eviction-policy(-config) is what SGLang's tree runs with (the Python core's strategy object,
+    and the published ServerArgs both cores read), and the preset's small pool makes allocations evict part
+    of the tree, where the policy picks: seeded random programs reach evictions_for_alloc, audited clean."""
+    import random
+
+    from kvaudit.program import random_program
+
+    config = SGLANG_PRESETS[preset].config(tree_core="python")
+    run = AuditedRun(config)
+    try:
+        from sglang.srt.runtime_context import get_memory  # after the target's boot installed its stubs
+
+        strategy = run.target.tree_cache.tree_core.eviction_strategy
+        assert type(strategy).__name__.lower() == config.radix_eviction_policy + "strategy"
+        assert get_memory().radix_eviction_policy == config.radix_eviction_policy
+        rng = random.Random(1)
+        for _ in range(12):
+            program = random_program(rng, 24, features=config.program_features)
+            for op in program:
+                assert not run.apply(op), run.findings
+            if run.target.reach()["evictions_for_alloc"]:
+                break
+            run.close()
+            run = AuditedRun(config)
+        assert run.target.reach()["evictions_for_alloc"] > 0
+    finally:
+        run.close()

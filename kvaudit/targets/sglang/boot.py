@@ -9,6 +9,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import inspect
+import json
 import logging
 import os
 import sys
@@ -260,6 +261,9 @@ def publish_server_args(config, **extra):
     """``ServerArgs`` for ``config`` with a mode's ``extra`` fields, published for this process (SGLang
     reads it process-wide through ``get_schedule()``, ``get_memory()``...)."""
     S = load()
+    extra.setdefault("radix_eviction_policy", config.radix_eviction_policy)
+    if config.radix_eviction_policy_config is not None:
+        extra.setdefault("radix_eviction_policy_config", json.loads(config.radix_eviction_policy_config))
     sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, grammar_backend=GRAMMAR_BACKEND,
                       schedule_low_priority_values_first=config.schedule_low_priority_values_first, **extra)
     S.set_global_server_args_for_scheduler(sa)
@@ -297,8 +301,12 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     else:
         req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
                                              device=dev, enable_memory_saver=False)
+    # the eviction policy, as kv_cache_builder passes the published --radix-eviction-policy(-config)
+    policy = config.radix_eviction_policy
+    policy_config = json.loads(config.radix_eviction_policy_config) if config.radix_eviction_policy_config else None
     params = S.CacheInitParams(disable=disable_radix_cache, req_to_token_pool=req_to_token_pool,
-                               token_to_kv_pool_allocator=allocator, page_size=ps, tree_core_backend=config.tree_core)
+                               token_to_kv_pool_allocator=allocator, page_size=ps, tree_core_backend=config.tree_core,
+                               eviction_policy=policy, eviction_policy_config=policy_config)
     # what SGLang reads of ModelConfig on these paths (the PD-decode queues: num_hidden_layers, the think ids)
     model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None,
                                    num_hidden_layers=1, self_opened_think_start_ids=None, think_end_ids=None)

@@ -25,10 +25,14 @@ FAULTS: dict[str, tuple[str, str]] = {
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
 
 TREE_CORES = ("rust", "python")
+# --radix-eviction-policy (sglang/srt/arg_groups/choices.py RADIX_EVICTION_POLICY_CHOICES): which evictable leaf
+# the tree gives up first when an allocation evicts part of it (sglang/srt/mem_cache/evict_policy.py)
+RADIX_EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file",)
-# SGLang's third policy, "timeout" (its default), ends a prefetch on a wall-clock deadline: not driven
-HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete")
+# "timeout" (SGLang's default) ends a prefetch at a deadline of prefetch_timeout_base seconds (+ a per-page share,
+# 0 here), read from sglang.srt.utils.poll_timer's clock: the step clock, one second a scheduler step
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class SglangConfig(ConfigBase):
     page_size: int = 1
     need_sort: bool = False
     tree_core: str = "rust"
+    radix_eviction_policy: str = "lru"  # --radix-eviction-policy (RADIX_EVICTION_POLICIES)
+    radix_eviction_policy_config: str | None = None  # --radix-eviction-policy-config: a JSON object, or None
     max_running_requests: int = 8
     max_req_rows: int = 16
     context_len: int = 128
@@ -76,6 +82,7 @@ class SglangConfig(ConfigBase):
     hicache_storage_ack_steps: int = 1  # steps a storage operation waits in its queue for the storage worker
     hicache_storage_prefetch_policy: str = "wait_complete"  # --hicache-storage-prefetch-policy
     hicache_storage_prefetch_threshold: int = 8  # tokens: shorter prefetches and storage hits are not fetched
+    hicache_storage_prefetch_timeout_steps: int = 2  # the timeout policy's prefetch_timeout_base, one second a step
     # scheduling policy and timeout aborts (see the class docstring)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
@@ -135,6 +142,7 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"target must be 'sglang', got {self.target!r}")
         if self.tree_core not in TREE_CORES:
             raise ValueError(f"tree_core must be one of {', '.join(TREE_CORES)}, got {self.tree_core!r}")
+        self._check_eviction_policy()
         if self.page_size < 1 or self.num_slots < 4 * self.page_size or self.num_slots > 1 << 20:
             raise ValueError(f"num_slots={self.num_slots} must hold at least 4 pages of {self.page_size} "
                              "and at most 1048576 tokens")
@@ -180,6 +188,20 @@ class SglangConfig(ConfigBase):
         self._check_hisparse()
         self._check_hicache()
 
+    def _check_eviction_policy(self) -> None:
+        if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
+            raise ValueError(f"radix_eviction_policy must be one of {', '.join(RADIX_EVICTION_POLICIES)}, "
+                             f"got {self.radix_eviction_policy!r}")
+        text = self.radix_eviction_policy_config
+        if text is not None:
+            import json
+            try:
+                ok = isinstance(json.loads(text), dict)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"radix_eviction_policy_config must be a JSON object, got {text!r}")
+
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
@@ -188,7 +210,7 @@ class SglangConfig(ConfigBase):
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 1 < r <= 8:
             raise ValueError(f"hicache_ratio must be a number in (1, 8], got {r!r}")
         for name, top in (("hicache_ack_steps", 64), ("hicache_storage_ack_steps", 64),
-                          ("hicache_storage_prefetch_threshold", 65536)):
+                          ("hicache_storage_prefetch_threshold", 65536), ("hicache_storage_prefetch_timeout_steps", 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
                 raise ValueError(f"{name} must be an integer in [1, {top}], got {v!r}")
@@ -211,9 +233,8 @@ class SglangConfig(ConfigBase):
                              "the host tier)")
         p = self.hicache_storage_prefetch_policy
         if p not in HICACHE_PREFETCH_POLICIES:
-            hint = " (SGLang's timeout policy reads the wall clock: not driven)" if p == "timeout" else ""
             raise ValueError(f"hicache_storage_prefetch_policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
-                             f"got {p!r}{hint}")
+                             f"got {p!r}")
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
@@ -301,5 +322,28 @@ SGLANG_PRESETS: dict[str, Preset] = {
                 {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
                  "max_running_requests": 3, "max_queued_requests": 4, "request_waiting_timeout_steps": 12,
                  "request_running_timeout_steps": 24}),
+        _preset("sglang-evict-tlru", "--radix-eviction-policy tlru (Tail-Optimized LRU: a conversation's tail past its "
+                                     "TTFT budget goes first; threshold 32, next_prompt_estimate 8 tokens) over "
+                                     "non-streaming sessions, 128 slots: allocations evict part of the tree, page 1",
+                {"radix_eviction_policy": "tlru", "num_slots": 128,
+                 "radix_eviction_policy_config": '{"threshold": 32, "next_prompt_estimate": 8}',
+                 "enable_streaming_session": True, "session_streaming": False, "context_len": 96}),
+        _preset("sglang-evict-priority", "--radix-eviction-policy priority (lower-priority requests' prefixes go "
+                                         "first) with priority scheduling, 128 slots: allocations evict part of the "
+                                         "tree, page 1",
+                {"radix_eviction_policy": "priority", "enable_priority_scheduling": True, "num_slots": 128}),
+        _preset("sglang-evict-slru", "--radix-eviction-policy slru (segmented LRU, protected from 2 hits), 128 slots: "
+                                     "allocations evict part of the tree, page 4",
+                {"radix_eviction_policy": "slru", "radix_eviction_policy_config": '{"protected_threshold": 2}',
+                 "num_slots": 128, "page_size": 4}),
+        _preset("sglang-hicache-l3-timeout", "sglang-hicache-l3 with SGLang's default prefetch policy, timeout: a "
+                                             "queued request waits for its storage prefetch at most 2 steps (the "
+                                             "step clock as prefetch_timeout_base), then is admitted with what has "
+                                             "landed; each storage operation takes 3 steps, so deadlines expire",
+                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
+                 "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
+                 "hicache_storage_backend": "file", "hicache_storage_ack_steps": 3,
+                 "hicache_storage_prefetch_policy": "timeout", "hicache_storage_prefetch_threshold": 8,
+                 "hicache_storage_prefetch_timeout_steps": 2}),
     ]
 }

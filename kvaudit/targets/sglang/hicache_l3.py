@@ -11,6 +11,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -149,15 +150,42 @@ class HiCacheL3(HiCache):
                                     "storage backend")
         self.shims += install_storage_shims(t, cc, self._cpu)
         self._observe_storage(cc)
+        # the timeout policy's deadlines (PollTimer: time.perf_counter) on the step clock, until close()
+        import sglang.srt.utils.poll_timer as poll_timer
+        self._poll_timer = poll_timer
+        t.clock.install(poll_timer, perf_counter=True)
+        self._count_deadlines(t.tree_cache)
 
     def close(self) -> None:
         """Remove the run's storage directory now (``AuditedRun.close``), not when the cycle collector frees
-        the target: a campaign would pile them up meanwhile."""
+        the target: a campaign would pile them up meanwhile. The poll timer's clock is the real one again."""
         self.storage_dir.cleanup()
+        if getattr(self, "_poll_timer", None) is not None:
+            self._poll_timer.time = time  # the module's own ``import time``
+
+    def _count_deadlines(self, cache) -> None:
+        """Counts ``_mark_prefetch_deadline_expired`` (a prefetch the timeout policy ended): a wrapper on the
+        tree *instance*."""
+        mark = cache._mark_prefetch_deadline_expired
+        self.deadlines_expired = 0
+
+        def counted(operation):
+            self.deadlines_expired += 1
+            return mark(operation)
+
+        cache._mark_prefetch_deadline_expired = counted
+
+    def reach(self, out: dict[str, int]) -> dict[str, int]:
+        """``storage_loads``: admissions that took KV prefetched from storage; ``prefetch_deadlines``:
+        prefetches the timeout policy ended."""
+        loads = sum(1 for e in self.storage_log if e[0] == "loaded" and e[3] > 0)
+        return {**out, "storage_loads": loads, "prefetch_deadlines": self.deadlines_expired}
 
     def _storage_server_args(self) -> dict:
         cfg = self.target.config
         extra = {"prefetch_threshold": cfg.hicache_storage_prefetch_threshold,
+                 "prefetch_timeout_base": cfg.hicache_storage_prefetch_timeout_steps,
+                 "prefetch_timeout_per_ki_token": 0,
                  "file_storage_path": self.storage_dir.name,
                  "enable_metadata_cache": False, "max_size": 0, "min_free_space": 0}
         return dict(hicache_storage_backend=cfg.hicache_storage_backend,

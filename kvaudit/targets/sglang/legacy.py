@@ -36,7 +36,8 @@ def refusal(config) -> str | None:
         ("a queue limit", config.max_queued_requests is not None),
         ("timeout aborts", config.request_waiting_timeout_steps is not None
          or config.request_running_timeout_steps is not None),
-        ("page_size > 1", config.page_size != 1), ("injected faults", bool(config.bugs))) if on]
+        ("page_size > 1", config.page_size != 1), ("injected faults", bool(config.bugs)),
+        ("a radix eviction policy other than lru", config.radix_eviction_policy != "lru")) if on]
     if off:
         return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} (the cache_finished_req era) is driven with core "
                 f"pools, the radix cache and sessions only, not {', '.join(off)}")

@@ -21,14 +21,29 @@ class StepClock:
     def __init__(self):
         self.now = 1000.0
 
-    def install(self, module) -> None:
-        module.time = self
+    def install(self, module, perf_counter: bool = False) -> None:
+        """``module.time`` becomes this clock; with ``perf_counter`` its ``perf_counter()`` too (a module that
+        times deadlines with it, as ``sglang.srt.utils.poll_timer``)."""
+        module.time = _StepPerfCounter(self) if perf_counter else self
 
     def monotonic(self) -> float:
         return self.now
 
     def __getattr__(self, name):
         return getattr(time, name)
+
+
+class _StepPerfCounter:
+    """A :class:`StepClock` whose ``perf_counter()`` is the step clock too."""
+
+    def __init__(self, clock: StepClock):
+        self.clock = clock
+
+    def perf_counter(self) -> float:
+        return self.clock.now
+
+    def __getattr__(self, name):
+        return getattr(self.clock, name)
 
 
 class StepEvent:

@@ -80,11 +80,27 @@ class SglangTarget(SglangDriver, SglangObserver):
             PoolSpec("token_to_kv_pool", self.allocator, "kv", ps, config.num_pages),
             PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self._row_count()),
         ]
+        self._count_evictions_for_alloc()
         if "lock-leak" in self._faults:
             self._inject_lock_leak()
         for f in self.features:
             self._pools = f.pools(self._pools)
             f.attach()
+
+    def _count_evictions_for_alloc(self) -> None:
+        """Counts the tree's ``evict_for_alloc`` calls that gave tokens up (an allocation short of free
+        slots, ``TokenToKVPoolAllocator.evict_to_free_tokens``): where ``--radix-eviction-policy`` picks the
+        leaves; ``memory_pressure`` evicts everything, in any order. A wrapper on the tree *instance*."""
+        tree, evict_for_alloc = self.tree_cache, self.tree_cache.evict_for_alloc
+        self.evictions_for_alloc = 0
+
+        def counted(*args, **kwargs):
+            before = tree.evictable_size()
+            out = evict_for_alloc(*args, **kwargs)
+            self.evictions_for_alloc += tree.evictable_size() < before
+            return out
+
+        tree.evict_for_alloc = counted
 
     def feature(self, name: str) -> SglangFeature | None:
         """The feature called ``name``, if this target has it."""
@@ -261,6 +277,6 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("engine_check", super().engine_check())
 
     def reach(self) -> dict[str, int]:
-        """The shared driver's counters (requests retracted, by decode retraction or priority preemption),
-        then each feature's."""
-        return self._fold("reach", {"retractions": self.retractions})
+        """The shared driver's counters (requests retracted, by decode retraction or priority preemption;
+        allocations that evicted from the tree), then each feature's."""
+        return self._fold("reach", {"retractions": self.retractions, "evictions_for_alloc": self.evictions_for_alloc})
