@@ -12,12 +12,13 @@ from kvaudit.config import UnknownFaultError
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig
 
 
-def test_presets_cover_the_seventeen_configurations():
+def test_presets_cover_the_eighteen_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
                                    "sglang-hicache-l3", "sglang-priority", "sglang-mixed",
                                    "sglang-session-nonstreaming", "sglang-evict-tlru", "sglang-evict-priority",
-                                   "sglang-evict-slru", "sglang-hicache-l3-timeout"}
+                                   "sglang-evict-slru", "sglang-hicache-l3-timeout",
+                                   "sglang-hicache-l3-fail"}
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \
         ("tlru", {"threshold": 32, "next_prompt_estimate": 8})
@@ -78,6 +79,9 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"hicache_storage_prefetch_policy": "deadline"}, "hicache_storage_prefetch_policy must be one of best_effort, "
                                                       "wait_complete, timeout"),
     ({"hicache_storage_prefetch_timeout_steps": 0}, "hicache_storage_prefetch_timeout_steps"),
+    ({"hicache_storage_fail_every": 3}, "hicache_storage_fail_every .*with a hicache_storage_backend"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file", "hicache_storage_fail_every": 0},
+     "hicache_storage_fail_every must be"),
     ({"hicache_storage_prefetch_threshold": 0}, "hicache_storage_prefetch_threshold"),
 ])
 def test_bad_config_values_are_value_errors(bad, match):

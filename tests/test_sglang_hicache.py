@@ -493,6 +493,38 @@ def test_the_timeout_policy_admits_a_request_when_its_prefetch_deadline_passes(c
     run.close()
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_a_failed_storage_read_loads_nothing_and_returns_its_host_buffer(core):
+    """hicache_storage_fail_every=2: the backup (storage call 1) lands, the prefetch's read (call 2) fails
+    whole. The hit query still finds 40 tokens and host buffers are allocated; the transfer reads no page,
+    so r1 is admitted with no storage or host hit and prefilled from scratch, and the buffer goes back
+    through host_mem_release_queue. No finding at any step."""
+    run = AuditedRun(l3(core, hicache_storage_fail_every=2))
+    t = run.target
+    prompt = backed_up_then_evicted(run)
+    t._submit(prompt + [90 + i for i in range(8)], 4, None, None)
+    steps(run, 2)
+    assert hc(t).storage_log[-2:] == [("query", t.steps - 1, "r1", 40), ("transfer", t.steps, "r1", 0)]
+    (req,) = t.running
+    assert (req.rid, req.storage_hit_length, req.host_hit_length) == ("r1", 0, 0)
+    assert [o for o, _ in hc(t).storage_host_slots()] == ["host_mem_release_queue"]
+    assert run.apply(Idle()) == [] and hc(t).storage_host_slots() == []
+    assert t.reach()["storage_failures"] == 1
+    run.close()
+
+
+def test_a_failed_storage_write_backs_up_nothing():
+    """hicache_storage_fail_every=1: every write fails, so _page_backup stops at its first batch (0 tokens
+    backed up, no file written) and the tree keeps the host copy only. No finding."""
+    run = AuditedRun(l3("python", hicache_storage_fail_every=1))
+    t = run.target
+    for op in [Submit(0, 40, 1), Idle()]:
+        assert run.apply(op) == []
+    assert [e[2] for e in hc(t).storage_log if e[0] == "backup"] == [0]
+    assert os.listdir(hc(t).storage_dir.name) == [] and t.reach()["storage_failures"] == 1
+    run.close()
+
+
 def test_the_poll_timers_clock_is_the_real_one_again_after_the_target():
     """The L3 target puts sglang.srt.utils.poll_timer on its step clock (the timeout policy's deadlines) and
     gives the real clock back at close, so a later target in the process does not read a dead one."""

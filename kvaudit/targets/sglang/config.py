@@ -83,6 +83,7 @@ class SglangConfig(ConfigBase):
     hicache_storage_prefetch_policy: str = "wait_complete"  # --hicache-storage-prefetch-policy
     hicache_storage_prefetch_threshold: int = 8  # tokens: shorter prefetches and storage hits are not fetched
     hicache_storage_prefetch_timeout_steps: int = 2  # the timeout policy's prefetch_timeout_base, one second a step
+    hicache_storage_fail_every: int | None = None  # every Nth storage read or write fails whole (a backend down)
     # scheduling policy and timeout aborts (see the class docstring)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
@@ -228,6 +229,10 @@ class SglangConfig(ConfigBase):
         if b is not None and b not in HICACHE_STORAGE_BACKENDS:
             raise ValueError(f"hicache_storage_backend must be null or one of {', '.join(HICACHE_STORAGE_BACKENDS)}, "
                              f"got {b!r}")
+        f = self.hicache_storage_fail_every
+        if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 1 or b is None):
+            raise ValueError(f"hicache_storage_fail_every must be null or a positive integer, with a "
+                             f"hicache_storage_backend, got {f!r}")
         if b is not None and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_backend needs enable_hierarchical_cache (SGLang's L3 tier sits under "
                              "the host tier)")
@@ -345,5 +350,13 @@ SGLANG_PRESETS: dict[str, Preset] = {
                  "hicache_storage_backend": "file", "hicache_storage_ack_steps": 3,
                  "hicache_storage_prefetch_policy": "timeout", "hicache_storage_prefetch_threshold": 8,
                  "hicache_storage_prefetch_timeout_steps": 2}),
+        _preset("sglang-hicache-l3-fail", "sglang-hicache-l3 over a failing storage backend: every third storage "
+                                          "read or write fails whole (batch_get answers no page, batch_set False), "
+                                          "so backups stop short and prefetches load nothing",
+                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
+                 "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
+                 "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
+                 "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8,
+                 "hicache_storage_fail_every": 3}),
     ]
 }

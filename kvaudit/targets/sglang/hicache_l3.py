@@ -155,6 +155,7 @@ class HiCacheL3(HiCache):
         self._poll_timer = poll_timer
         t.clock.install(poll_timer, perf_counter=True)
         self._count_deadlines(t.tree_cache)
+        self._fail_storage(cc.storage_backend)
 
     def close(self) -> None:
         """Remove the run's storage directory now (``AuditedRun.close``), not when the cycle collector frees
@@ -175,11 +176,30 @@ class HiCacheL3(HiCache):
 
         cache._mark_prefetch_deadline_expired = counted
 
+    def _fail_storage(self, backend) -> None:
+        """Every ``hicache_storage_fail_every``-th storage read or write fails whole, as a backend that is down
+        answers ``HiCacheFile``'s API: ``batch_get`` no page (``None`` each), ``batch_set`` False; SGLang's
+        ``_generic_page_get`` then loads nothing and ``_page_backup`` stops. Wrappers on the backend *instance*."""
+        every, calls = self.target.config.hicache_storage_fail_every, [0]
+        self.storage_failures = 0
+        if every is None:
+            return
+        get, put = backend.batch_get, backend.batch_set
+
+        def fails() -> bool:
+            calls[0] += 1
+            self.storage_failures += calls[0] % every == 0
+            return calls[0] % every == 0
+
+        backend.batch_get = lambda keys, *a, **k: [None] * len(keys) if fails() else get(keys, *a, **k)
+        backend.batch_set = lambda keys, *a, **k: False if fails() else put(keys, *a, **k)
+
     def reach(self, out: dict[str, int]) -> dict[str, int]:
         """``storage_loads``: admissions that took KV prefetched from storage; ``prefetch_deadlines``:
-        prefetches the timeout policy ended."""
+        prefetches the timeout policy ended; ``storage_failures``: failed storage reads and writes."""
         loads = sum(1 for e in self.storage_log if e[0] == "loaded" and e[3] > 0)
-        return {**out, "storage_loads": loads, "prefetch_deadlines": self.deadlines_expired}
+        return {**out, "storage_loads": loads, "prefetch_deadlines": self.deadlines_expired,
+                "storage_failures": self.storage_failures}
 
     def _storage_server_args(self) -> dict:
         cfg = self.target.config
