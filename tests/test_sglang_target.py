@@ -906,3 +906,30 @@ def test_an_eviction_policy_reaches_sglangs_tree_and_its_allocations_evict(prese
         assert run.target.reach()["evictions_for_alloc"] > 0
     finally:
         run.close()
+
+
+def test_sglang_0_5_23_never_checkpoints_an_unresolved_dllm_block():
+    """Why #35270 (the radix tree owning two nodes for one dLLM block's pages, which kills the scheduler at
+    idle) is unreachable in 0.5.23 (corpora/sglang/README.md): its trigger is a checkpoint of the in-flight
+    denoise block, whose ids change every step. 0.5.23's SchedulerDllmMixin.finish_dllm_forward returns before
+    stash_chunked_request while a first-done-first-out block is unresolved (dllm_incomplete_ids), and
+    stashes (checkpoints) once it is resolved. SGLang's own method, bound to a stand-in scheduler: a release
+    that drops the guard fails here."""
+    from array import array
+    from types import SimpleNamespace
+
+    from kvaudit.targets.sglang.boot import load
+
+    load()
+    from sglang.srt.dllm.mixin.scheduler import SchedulerDllmMixin
+
+    stashed = []
+    for fdfo in (True, False):
+        sched = SimpleNamespace(dllm_config=SimpleNamespace(first_done_first_out_mode=fdfo,
+                                                            requires_separate_context_encoding=False),
+                                stash_chunked_request=stashed.append)
+        for incomplete in (array("q", [5, 6, 7, 8]), array("q")):
+            req = SimpleNamespace(rid=(fdfo, len(incomplete)), dllm_incomplete_ids=incomplete,
+                                  is_dllm_prefill=lambda: False)
+            SchedulerDllmMixin.finish_dllm_forward(sched, req)
+    assert [r.rid for r in stashed] == [(True, 0), (False, 4), (False, 0)]
