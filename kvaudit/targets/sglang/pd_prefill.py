@@ -20,6 +20,7 @@ from kvaudit.targets.sglang.pd_transfer import (install_metadata_pool, metadata_
                                                  metadata_pool, metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
 
+DECODE_HOST = "10.0.0.2"  # the decode peer's bootstrap host (not FAKE_BOOTSTRAP_HOST: its KV enters the tree)
 COUNTERS = ("prefill_transfers_done", "prefill_transfers_failed", "prefill_bootstrap_failed",
             "prefill_bootstrap_timeouts", "prefill_waiting_timeouts", "prefill_aborts_bootstrap",
             "prefill_aborts_waiting", "prefill_aborts_chunked", "prefill_aborts_inflight", "prefill_chunks_sent")
@@ -246,10 +247,13 @@ class PdPrefill(SglangLoop):
 
     # -- driver ------------------------------------------------------------------------------------
     def new_req(self, rid: str, ids, sp):
-        """A prefill-side ``Req``; its decode peer is kvaudit's (:class:`DecodePeer`)."""
+        """A prefill-side ``Req``; its decode peer is kvaudit's (:class:`DecodePeer`). A health check carries
+        ``FAKE_BOOTSTRAP_HOST`` (as the tokenizer's health request does: no decode peer, no radix-cache
+        insert); any other request a decode host."""
         P = self.P
+        host = P.FAKE_BOOTSTRAP_HOST if rid.startswith("HEALTH_CHECK_") else DECODE_HOST
         return self.target.S.Req(rid, "", ids, sp, vocab_size=self.target.config.vocab_size, eos_token_ids={EOS},
-                                 bootstrap_host=P.FAKE_BOOTSTRAP_HOST, bootstrap_port=8998,
+                                 bootstrap_host=host, bootstrap_port=8998,
                                  bootstrap_room=1000 + self.peer.rooms, disagg_mode=P.DisaggregationMode.PREFILL)
 
     def add_request_to_queue(self, req, is_retracted: bool) -> None:
@@ -259,7 +263,7 @@ class PdPrefill(SglangLoop):
         sender = getattr(req, "disagg_kv_sender", None)
         if sender is not None and not req.rid.startswith("HEALTH_CHECK_"):
             cfg = self.target.config
-            req.disagg_kv_sender = self._sender_cls(sender.kv_mgr, "kvaudit-decode", req.bootstrap_room,
+            req.disagg_kv_sender = self._sender_cls(sender.kv_mgr, f"{DECODE_HOST}:8998", req.bootstrap_room,
                                                     (cfg.bootstrap_timeout_steps, cfg.waiting_timeout_steps))
         elif sender is None or req.finished():
             self.target.finished.add(req.rid)
