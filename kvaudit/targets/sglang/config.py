@@ -206,6 +206,10 @@ class SglangConfig(ConfigBase):
                 raise ValueError("bootstrap_lost_every plays the decode peer of a prefill server: it needs "
                                  "disaggregation_mode prefill")
             return
+        unplanted = sorted(self.bugs & {"skip-release", "double-free"})
+        if unplanted:  # they act in the shared driver's release, which SGLang's prefill handlers do not call
+            raise ValueError(f"fault {unplanted[0]} is not planted on the PD prefill path (its releases are "
+                             "SGLang's own handlers'): use prefill-skip-failed-release")
         clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse", "enable_mixed_chunk",
                              "enable_priority_scheduling", "max_queued_requests", "request_waiting_timeout_steps",
                              "request_running_timeout_steps", "enable_hierarchical_cache") if getattr(self, n)]
@@ -301,9 +305,10 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-pd-prefill", "PD disaggregation, prefill side: PrefillBootstrapQueue, the inflight queue "
                                      "(process_disagg_prefill_inflight_queue) and a decode peer whose bootstrap "
                                      "takes 1 step, every 7th never comes (16-step bootstrap timeout), transfers "
-                                     "land 2 steps after the last chunk; 16-step waiting timeout; page 4",
-                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 256,
-                 "transfer_latency_steps": 2, "bootstrap_lost_every": 7}),
+                                     "land 2 steps after the last chunk; a bootstrapped request waiting 6 steps "
+                                     "for memory times out (waiting timeout); 128 slots, page 4",
+                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+                 "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6}),
         _preset("sglang-pd-prefill-chunked", "PD prefill with chunked prefill (16-token chunks sent as they are "
                                              "computed, process_prefill_chunk), a tight KV pool (128 slots), "
                                              "bootstrap in 3 steps, every 5th never; 8-step waiting and bootstrap "

@@ -365,8 +365,10 @@ class PdPrefill(SglangLoop):
 
     def pause_retract(self) -> None:
         """``pause_generation(mode="retract")`` on a prefill server: nothing runs between steps (every batch's
-        result is processed in its step), the chunked request is kept (SGLang keeps a live mid-chunk
-        ``chunked_req`` in disagg prefill)."""
+        result is processed in its step, the running batch is empty and a prefill last batch is not merged: its
+        requests are in the inflight queue), the chunked request is kept (SGLang keeps a live mid-chunk
+        ``chunked_req`` in disagg prefill); ``last_batch`` is dropped."""
+        self.sched.last_batch = self._last_batch = None
 
     # -- observer: requests ------------------------------------------------------------------------
     def inflight(self, reqs: list) -> list:
@@ -420,4 +422,6 @@ class PdPrefill(SglangLoop):
                 f"available={self.target.allocator.available_size()}")
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
-        return {**out, **self.counts}
+        """The prefill path's counters; the chunk ones only under chunked prefill (none are sent without it)."""
+        chunked = self.target.config.chunked_prefill_size is not None
+        return {**out, **{k: v for k, v in self.counts.items() if chunked or "chunk" not in k}}
