@@ -16,9 +16,11 @@ def test_presets_cover_the_thirteen_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
                                    "sglang-hicache-l3", "sglang-priority", "sglang-mixed",
-                                   "sglang-session-nonstreaming", "sglang-pd-prefill", "sglang-pd-prefill-chunked"}
-    assert {SGLANG_PRESETS[p].config().disaggregation_mode for p in ("sglang-pd-prefill",
-                                                                    "sglang-pd-prefill-chunked")} == {"prefill"}
+                                   "sglang-session-nonstreaming", "sglang-pd-prefill", "sglang-pd-prefill-chunked",
+                                   "sglang-pd-prefill-reads"}
+    assert {SGLANG_PRESETS[p].config().disaggregation_mode for p in ("sglang-pd-prefill", "sglang-pd-prefill-chunked",
+                                                                    "sglang-pd-prefill-reads")} == {"prefill"}
+    assert SGLANG_PRESETS["sglang-pd-prefill-reads"].config().prefill_reads_after_failure
     assert SGLANG_PRESETS["sglang-session-nonstreaming"].config().session_streaming is False
     l3 = SGLANG_PRESETS["sglang-hicache-l3"].config()
     assert l3.enable_hierarchical_cache and l3.hicache_storage_backend == "file"
@@ -60,6 +62,7 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"disaggregation_mode": "prefill", "enable_overlap": True}, "prefill is driven without enable_overlap"),
     ({"bootstrap_lost_every": 3}, "bootstrap_lost_every .*disaggregation_mode prefill"),
     ({"bootstrap_timeout_steps": 0}, "bootstrap_timeout_steps"),
+    ({"prefill_reads_after_failure": True}, "prefill_reads_after_failure .*disaggregation_mode prefill"),
     ({"bugs": frozenset({"prefill-skip-failed-release"})}, "prefill-skip-failed-release is for --preset sglang-pd-prefill"),
     ({"disaggregation_mode": "decode", "enable_overlap": True}, "enable_overlap"),
     ({"abort_ack_steps": -1}, "abort_ack_steps"),

@@ -72,6 +72,7 @@ class SglangConfig(ConfigBase):
     bootstrap_lost_every: int | None = None  # every Nth request's decode never bootstraps; None: none
     bootstrap_timeout_steps: int = 16  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, one second a step
     waiting_timeout_steps: int = 16  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: bootstrapped, no KV sent yet
+    prefill_reads_after_failure: bool = False  # a chunk on the wire is read to its end after its room failed
     # HiSparse only
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
@@ -198,7 +199,12 @@ class SglangConfig(ConfigBase):
         n = self.bootstrap_lost_every
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {n!r}")
+        if not isinstance(self.prefill_reads_after_failure, bool):
+            raise ValueError(f"prefill_reads_after_failure must be true or false, got {self.prefill_reads_after_failure!r}")
         if self.disaggregation_mode != "prefill":
+            if self.prefill_reads_after_failure:
+                raise ValueError("prefill_reads_after_failure models a prefill server's transfer worker: it needs "
+                                 "disaggregation_mode prefill")
             if self.bugs & PREFILL_ONLY_FAULTS:
                 raise ValueError(f"fault {sorted(self.bugs & PREFILL_ONLY_FAULTS)[0]} is for --preset sglang-pd-prefill "
                                  "only (it needs the PD prefill server: disaggregation_mode prefill)")
@@ -316,6 +322,12 @@ SGLANG_PRESETS: dict[str, Preset] = {
                 {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
                  "chunked_prefill_size": 16, "transfer_latency_steps": 2, "bootstrap_steps": 3,
                  "bootstrap_lost_every": 5, "bootstrap_timeout_steps": 8, "waiting_timeout_steps": 8}),
+        _preset("sglang-pd-prefill-reads", "sglang-pd-prefill whose transfer worker reads a chunk's source pages "
+                                           "until it lands even after its room failed (a chunk inside its sync "
+                                           "call is finished, as mooncake's transfer_worker does: sglang#38961)",
+                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+                 "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6,
+                 "prefill_reads_after_failure": True}),
         _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
                                   "scheduling, page 4",
                 {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4}),

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from kvaudit.targets.base import PoolSpec
+from kvaudit.targets.base import PoolSpec, Root
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.feature import SglangLoop
@@ -44,16 +45,32 @@ class DecodePeer:
     after it arrived (never, for every ``lost_every``-th); a transfer lands ``latency`` steps after its last
     chunk is sent. ``step`` is the scheduler's step count."""
 
-    def __init__(self, bootstrap_steps: int, lost_every: int | None, latency: int):
+    def __init__(self, bootstrap_steps: int, lost_every: int | None, latency: int, reads_after_failure: bool):
         self.bootstrap_steps, self.lost_every, self.latency = bootstrap_steps, lost_every, latency
+        self.reads_after_failure = reads_after_failure
         self.step = 0
         self.rooms = 0
+        # the wire's reads: (step it lands, sender, [n] int64 source pages) of each chunk in flight
+        self.reads: list[tuple[int, object, np.ndarray]] = []
+
+    def tick(self) -> None:
+        self.step += 1
+        self.reads = [r for r in self.reads if r[0] > self.step]
+
+    def reading(self) -> list[tuple[int, np.ndarray]]:
+        """``(room, source pages)`` of each chunk the wire still reads: until it lands; once its room failed,
+        only with ``reads_after_failure`` (the transfer worker is inside its sync call and finishes the chunk:
+        sglang#38961), else the failure stops it at once."""
+        failed = self.KVPoll_Failed
+        return [(rx.bootstrap_room, pages) for _, rx, pages in self.reads
+                if self.reads_after_failure or rx.conclude_state != failed]
 
     def sender_class(self, Q):
         """kvaudit's ``KVSender``: SGLang's ``FakeKVSender`` (its waiting timeout on the step clock) with the
         bootstrap handshake (``Bootstrapping`` until decode's destinations come, ``CommonKVSender``'s bootstrap
         timeout) and the transfer in flight (``Transferring`` until it lands)."""
         peer, KVPoll = self, Q.P.KVPoll
+        self.KVPoll_Failed = KVPoll.Failed
 
         class Sender(Q.FakeKVSender):
             def __init__(self, mgr, bootstrap_addr, bootstrap_room, timeouts):
@@ -91,6 +108,9 @@ class DecodePeer:
                 """A chunk leaves; the last one (every page sent) starts the transfer's clock."""
                 super().send(kv_indices, state_indices, num_kv_tokens)
                 self.sent_pages += len(kv_indices)
+                if peer.latency and len(kv_indices):
+                    pages = np.asarray(kv_indices, dtype=np.int64)
+                    peer.reads.append((peer.step + peer.latency, self, pages))
                 if self.sent_pages >= self.num_pages and self.lands_at is None:
                     self.lands_at = peer.step + peer.latency
 
@@ -166,7 +186,8 @@ class PdPrefill(SglangLoop):
         S.get_parallel().override_permanently(attn_tp_group=group)
         o = build(config, server_args=sa)
         self.target.clock.install(Q.fake_conn)  # FakeKVSender's waiting timeout: one second a step
-        self.peer = DecodePeer(config.bootstrap_steps, config.bootstrap_lost_every, config.transfer_latency_steps)
+        self.peer = DecodePeer(config.bootstrap_steps, config.bootstrap_lost_every, config.transfer_latency_steps,
+                               config.prefill_reads_after_failure)
         self._sender_cls = self.peer.sender_class(Q)
         self.counts = dict.fromkeys(COUNTERS, 0)
         # Scheduler.init_disaggregation, prefill branch: max_running_requests * 2 metadata slots
@@ -333,7 +354,7 @@ class PdPrefill(SglangLoop):
         t, sched = self.target, self.sched
         t.steps += 1
         t.clock.now += 1.0
-        self.peer.step += 1
+        self.peer.tick()
         t._check_pending_flush()
         if t.scheduler_paused:
             return
@@ -389,8 +410,11 @@ class PdPrefill(SglangLoop):
         return out
 
     def roots(self, out: list, aborting: bool) -> list:
-        """Also each metadata slot's holder."""
-        return out + metadata_roots([(r.rid, r.metadata_buffer_index) for r in self.active([])])
+        """Also each metadata slot's holder, and the source pages of each chunk on the wire (shared: the
+        request's own root names them too while it holds them)."""
+        wire = [Root("token_to_kv_pool", f"transfer:room{room}", pages, private=False, role="transfer",
+                     where="wire") for room, pages in self.peer.reading()]
+        return out + wire + metadata_roots([(r.rid, r.metadata_buffer_index) for r in self.active([])])
 
     def accounting(self, out: dict) -> dict:
         return metadata_accounting(out, self.metadata_allocator)
