@@ -161,3 +161,29 @@ def test_cli_fuzz_finds_and_minimizes_the_prefill_fault(tmp_path):
     assert f["kind"] == "leak" and f["signature"].startswith("leak/"), f
     config, program = minimized_fault_program(path, max_ops=5)
     assert config.preset == "sglang-pd-prefill" and config.bugs == {"prefill-skip-failed-release"}
+
+
+# -- the wire's reads (finding 11 in corpora/sglang) ------------------------------------------------------------
+def test_a_chunk_on_the_wire_is_a_root_until_it_lands():
+    run = AuditedRun(cfg())
+    t = run.target
+    for op in [Submit(0, 10, 4), Step(1)]:
+        assert run.apply(op) == []
+    (wire,) = [r for r in t.roots() if r.where == "wire"]
+    mine = {int(u) for r in t.roots() if r.owner == "req:r0" and r.pool == "token_to_kv_pool" for u in r.units}
+    assert not wire.private and {int(u) for u in wire.units} <= mine  # the request's pages (some in the tree)
+    assert run.apply(Step(2)) == [] and not [r for r in t.roots() if r.where == "wire"]  # landed
+    run.close()
+
+
+@pytest.mark.parametrize("fail", [Abort(0), TransferFail(0)])
+def test_a_failed_rooms_chunk_read_to_its_end_finds_its_source_page_freed(fail):
+    """SGLang releases a failed transfer's KV at the next inflight poll; a chunk the worker is still sending
+    reads a page that release freed (sglang#38961). Without ``prefill_reads_after_failure`` the failure
+    stops the read, and the same program is clean."""
+    ops = [Submit(0, 1, 1), Step(1), fail, Step(1)]
+    assert execute(cfg(), ops).findings == []
+    (f, *_) = execute(cfg("sglang-pd-prefill-reads"), ops).findings
+    assert f.signature == "use-after-free/token_to_kv_pool/request-kv/free_kv_row_segments@common.py"
+    assert f.used_by == ["transfer:room1000"]
+    assert execute(cfg("sglang-pd-prefill-reads"), [Submit(0, 1, 1), Idle()]).findings == []  # success: clean
