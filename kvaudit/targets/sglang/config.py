@@ -138,7 +138,7 @@ class SglangConfig(ConfigBase):
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
-                     "enable_hierarchical_cache"):
+                     "enable_hierarchical_cache", "prefill_reads_after_failure"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -199,15 +199,14 @@ class SglangConfig(ConfigBase):
         n = self.bootstrap_lost_every
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {n!r}")
-        if not isinstance(self.prefill_reads_after_failure, bool):
-            raise ValueError(f"prefill_reads_after_failure must be true or false, got {self.prefill_reads_after_failure!r}")
         if self.disaggregation_mode != "prefill":
             if self.prefill_reads_after_failure:
                 raise ValueError("prefill_reads_after_failure models a prefill server's transfer worker: it needs "
                                  "disaggregation_mode prefill")
             if self.bugs & PREFILL_ONLY_FAULTS:
-                raise ValueError(f"fault {sorted(self.bugs & PREFILL_ONLY_FAULTS)[0]} is for --preset sglang-pd-prefill "
-                                 "only (it needs the PD prefill server: disaggregation_mode prefill)")
+                fault = sorted(self.bugs & PREFILL_ONLY_FAULTS)[0]
+                raise ValueError(f"fault {fault} is for --preset sglang-pd-prefill only (it needs the PD prefill "
+                                 "server: disaggregation_mode prefill)")
             if n is not None:
                 raise ValueError("bootstrap_lost_every plays the decode peer of a prefill server: it needs "
                                  "disaggregation_mode prefill")
