@@ -12,18 +12,25 @@ from kvaudit.config import UnknownFaultError
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, SglangConfig
 
 
-def test_presets_cover_the_eighteen_configurations():
+def test_presets_cover_the_configurations():
     assert set(SGLANG_PRESETS) == {"sglang", "sglang-paged", "sglang-pd", "sglang-session", "sglang-overlap",
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
                                    "sglang-hicache-l3", "sglang-priority", "sglang-mixed",
-                                   "sglang-session-nonstreaming", "sglang-evict-tlru", "sglang-evict-priority",
-                                   "sglang-evict-slru", "sglang-hicache-l3-timeout",
-                                   "sglang-hicache-l3-fail"}
+                                   "sglang-session-nonstreaming",
+                                   # config-only paths (eviction policies, the timeout prefetch policy, a failing L3)
+                                   "sglang-evict-tlru", "sglang-evict-priority", "sglang-evict-slru",
+                                   "sglang-hicache-l3-timeout", "sglang-hicache-l3-fail",
+                                   # PD prefill
+                                   "sglang-pd-prefill", "sglang-pd-prefill-chunked", "sglang-pd-prefill-reads",
+                                   }
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \
         ("tlru", {"threshold": 32, "next_prompt_estimate": 8})
     assert SGLANG_PRESETS["sglang-evict-priority"].config().enable_priority_scheduling
     assert SGLANG_PRESETS["sglang"].config().radix_eviction_policy == "lru"
+    assert {SGLANG_PRESETS[p].config().disaggregation_mode for p in ("sglang-pd-prefill", "sglang-pd-prefill-chunked",
+                                                                    "sglang-pd-prefill-reads")} == {"prefill"}
+    assert SGLANG_PRESETS["sglang-pd-prefill-reads"].config().prefill_reads_after_failure
     assert SGLANG_PRESETS["sglang-session-nonstreaming"].config().session_streaming is False
     l3 = SGLANG_PRESETS["sglang-hicache-l3"].config()
     assert l3.enable_hierarchical_cache and l3.hicache_storage_backend == "file"
@@ -61,7 +68,12 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"need_sort": 1}, "need_sort"),
     ({"chunked_prefill_size": 2, "page_size": 4}, "chunked_prefill_size"),
     ({"chunked_prefill_size": True}, "chunked_prefill_size"),
-    ({"disaggregation_mode": "prefill"}, "disaggregation_mode"),
+    ({"disaggregation_mode": "encode"}, "disaggregation_mode"),
+    ({"disaggregation_mode": "prefill", "enable_overlap": True}, "prefill is driven without enable_overlap"),
+    ({"bootstrap_lost_every": 3}, "bootstrap_lost_every .*disaggregation_mode prefill"),
+    ({"bootstrap_timeout_steps": 0}, "bootstrap_timeout_steps"),
+    ({"prefill_reads_after_failure": True}, "prefill_reads_after_failure .*disaggregation_mode prefill"),
+    ({"bugs": frozenset({"prefill-skip-failed-release"})}, "prefill-skip-failed-release is for --preset sglang-pd-prefill"),
     ({"disaggregation_mode": "decode", "enable_overlap": True}, "enable_overlap"),
     ({"abort_ack_steps": -1}, "abort_ack_steps"),
     ({"transfer_latency_steps": 1.5}, "transfer_latency_steps"),

@@ -103,7 +103,8 @@ OPS: dict[str, OpSpec] = {s.kind: s for s in (
     # NOTE: a failed transfer ends requests as an abort does
     OpSpec("transfer_fail", weight=4, gate="transfer_fail", swarm="abort",
            args=(Arg("handle", 0, 0, 3, nullable=True, p=2 / 3),),
-           doc="PD decode: the KV transfer of request ``handle`` (or of every one: None) fails (``KVPoll.Failed``)."),
+           doc="PD (decode or prefill): the KV transfer of request ``handle`` (or of every one: None) fails "
+               "(``KVPoll.Failed``)."),
     OpSpec("step", weight=20, swarm=None, args=(Arg("n", 1, 1, 4),), doc="``n`` scheduler iterations."),
     OpSpec("idle", weight=10, swarm=None,
            doc="Run the engine to quiescence (a paused one is resumed first), then the idle checks."),

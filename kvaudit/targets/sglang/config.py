@@ -20,9 +20,13 @@ FAULTS: dict[str, tuple[str, str]] = {
     "hisparse-skip-finish": ("leak", "HiSparse only: the first finished request's HiSparseCoordinator."
                                      "request_finished(req) is skipped, its release_kv_cache still runs (the memory "
                                      "model's hazard A.3): its device buffer and host slots stay allocated"),
+    "prefill-skip-failed-release": ("leak", "PD prefill only: the first handle_inflight_transfer_failure (an inflight "
+                                            "transfer that failed or was aborted) skips its release_kv_cache: the "
+                                            "request leaves the inflight queue still holding its row and its KV"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
+PREFILL_ONLY_FAULTS = frozenset({"prefill-skip-failed-release"})
 
 TREE_CORES = ("rust", "python")
 # --radix-eviction-policy (sglang/srt/arg_groups/choices.py RADIX_EVICTION_POLICY_CHOICES): which evictable leaf
@@ -69,6 +73,12 @@ class SglangConfig(ConfigBase):
     deferred_release_timeout_steps: int = 6  # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 1 s a step
     num_reserved_decode_tokens: int = 8  # SGLang's --num-reserved-decode-tokens (512 by default, for real pools)
     kv_checksum_mismatch_every: int | None = None  # every Nth landed transfer arrives corrupted; None: none
+    # PD prefill only (kvaudit/targets/sglang/pd_prefill.py): the decode peer kvaudit plays, in scheduler steps
+    bootstrap_steps: int = 1  # steps from a request's arrival to decode's bootstrap (its destinations known)
+    bootstrap_lost_every: int | None = None  # every Nth request's decode never bootstraps; None: none
+    bootstrap_timeout_steps: int = 16  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, one second a step
+    waiting_timeout_steps: int = 16  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: bootstrapped, no KV sent yet
+    prefill_reads_after_failure: bool = False  # a chunk on the wire is read to its end after its room failed
     # HiSparse only
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
@@ -111,7 +121,7 @@ class SglangConfig(ConfigBase):
         """Program arguments this target gives meaning to, so the generators draw them
         (:data:`kvaudit.program.FEATURES`)."""
         out = {"flush_timeout"}
-        if self.disaggregation_mode == "decode":
+        if self.disaggregation_mode in ("decode", "prefill"):
             out.add("transfer_fail")
         if self.enable_streaming_session:
             out.add("session_params")
@@ -136,7 +146,7 @@ class SglangConfig(ConfigBase):
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
-                     "enable_hierarchical_cache"):
+                     "enable_hierarchical_cache", "prefill_reads_after_failure"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -151,8 +161,8 @@ class SglangConfig(ConfigBase):
             raise ValueError("context_len must be in [4, 4096] and vocab_size in [4, 65536]")
         if not 1 <= self.max_running_requests <= 256 or not 1 <= self.max_req_rows <= 1024:
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
-        if self.disaggregation_mode not in ("null", "decode"):
-            raise ValueError(f"disaggregation_mode must be null or decode, got {self.disaggregation_mode!r}")
+        if self.disaggregation_mode not in ("null", "decode", "prefill"):
+            raise ValueError(f"disaggregation_mode must be null, decode or prefill, got {self.disaggregation_mode!r}")
         for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
                      "request_running_timeout_steps", "kv_checksum_mismatch_every"):
             t = getattr(self, name)
@@ -188,6 +198,38 @@ class SglangConfig(ConfigBase):
         self._freeze_faults(FAULTS, "sglang")
         self._check_hisparse()
         self._check_hicache()
+        self._check_prefill()
+
+    def _check_prefill(self) -> None:
+        for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
+                raise ValueError(f"{name} must be an integer in [1, 4096], got {v!r}")
+        n = self.bootstrap_lost_every
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {n!r}")
+        if self.disaggregation_mode != "prefill":
+            if self.prefill_reads_after_failure:
+                raise ValueError("prefill_reads_after_failure models a prefill server's transfer worker: it needs "
+                                 "disaggregation_mode prefill")
+            if self.bugs & PREFILL_ONLY_FAULTS:
+                fault = sorted(self.bugs & PREFILL_ONLY_FAULTS)[0]
+                raise ValueError(f"fault {fault} is for --preset sglang-pd-prefill only (it needs the PD prefill "
+                                 "server: disaggregation_mode prefill)")
+            if n is not None:
+                raise ValueError("bootstrap_lost_every plays the decode peer of a prefill server: it needs "
+                                 "disaggregation_mode prefill")
+            return
+        unplanted = sorted(self.bugs & {"skip-release", "double-free"})
+        if unplanted:  # they act in the shared driver's release, which SGLang's prefill handlers do not call
+            raise ValueError(f"fault {unplanted[0]} is not planted on the PD prefill path (its releases are "
+                             "SGLang's own handlers'): use prefill-skip-failed-release")
+        clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse", "enable_mixed_chunk",
+                             "enable_priority_scheduling", "max_queued_requests", "request_waiting_timeout_steps",
+                             "request_running_timeout_steps", "enable_hierarchical_cache") if getattr(self, n)]
+        if clash:
+            raise ValueError(f"disaggregation_mode prefill is driven without {clash[0]} in this version "
+                             "(event_loop_normal_disagg_prefill only)")
 
     def _check_eviction_policy(self) -> None:
         if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
@@ -291,6 +333,26 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-pd-decode", "PD disaggregation, decode side: DecodePreallocQueue, DecodeTransferQueue "
                                     "(deferred releases), prebuilt batches, DecodeReqToTokenPool; tree off; page 4",
                 {"disaggregation_mode": "decode", "need_sort": True, "page_size": 4, "num_slots": 256}),
+        _preset("sglang-pd-prefill", "PD disaggregation, prefill side: PrefillBootstrapQueue, the inflight queue "
+                                     "(process_disagg_prefill_inflight_queue) and a decode peer whose bootstrap "
+                                     "takes 1 step, every 7th never comes (16-step bootstrap timeout), transfers "
+                                     "land 2 steps after the last chunk; a bootstrapped request waiting 6 steps "
+                                     "for memory times out (waiting timeout); 128 slots, page 4",
+                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+                 "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6}),
+        _preset("sglang-pd-prefill-chunked", "PD prefill with chunked prefill (16-token chunks sent as they are "
+                                             "computed, process_prefill_chunk), a tight KV pool (128 slots), "
+                                             "bootstrap in 3 steps, every 5th never; 8-step waiting and bootstrap "
+                                             "timeouts; page 4",
+                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+                 "chunked_prefill_size": 16, "transfer_latency_steps": 2, "bootstrap_steps": 3,
+                 "bootstrap_lost_every": 5, "bootstrap_timeout_steps": 8, "waiting_timeout_steps": 8}),
+        _preset("sglang-pd-prefill-reads", "sglang-pd-prefill whose transfer worker reads a chunk's source pages "
+                                           "until it lands even after its room failed (a chunk inside its sync "
+                                           "call is finished, as mooncake's transfer_worker does: sglang#38961)",
+                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+                 "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6,
+                 "prefill_reads_after_failure": True}),
         _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
                                   "scheduling, page 4",
                 {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4}),

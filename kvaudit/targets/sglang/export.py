@@ -79,6 +79,11 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
         flags.append("--enable-mixed-chunk")
     if c.disaggregation_mode == "decode":
         flags += ["--disaggregation-mode decode", f"--num-reserved-decode-tokens {c.num_reserved_decode_tokens}"]
+    if c.disaggregation_mode == "prefill":
+        flags.append("--disaggregation-mode prefill")
+        unmapped.append(f"bootstrap_timeout_steps={c.bootstrap_timeout_steps}, waiting_timeout_steps="
+                        f"{c.waiting_timeout_steps}: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / _WAITING_TIMEOUT "
+                        "(seconds) in the server's environment")
     if c.enable_hisparse:
         unmapped.append(f"num_slots={c.num_slots} is HiSparse's physical device pool here (the logical pool is "
                         f"{c.hisparse_host_to_device_ratio}x); which of the two --max-total-tokens sizes under "
@@ -218,6 +223,10 @@ def _server_notes(config) -> list[str]:
         out.append("- This is a PD decode server: it needs a prefill server and a router in front "
                    "(`--disaggregation-mode prefill` on the other side); send the client's requests to the router (`--url`) and read the decode server's counters "
                    "(`--metrics-url`).")
+    if config.disaggregation_mode == "prefill":
+        out.append("- This is a PD prefill server: it needs a decode server and a router in front "
+                   "(`--disaggregation-mode decode` on the other side); send the client's requests to the router "
+                   "(`--url`) and read the prefill server's counters (`--metrics-url`).")
     return out
 
 

@@ -47,7 +47,7 @@ def _probe(config) -> None:
             load_legacy(probe_version())
             return
         load()
-        if config.disaggregation_mode == "decode":
+        if config.disaggregation_mode != "null":
             from kvaudit.targets.sglang.pd import load_pd
             load_pd()
     except SglangUnavailable as e:

@@ -11,12 +11,11 @@ from types import SimpleNamespace
 
 import torch
 
-import numpy as np
-
-from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.base import PoolSpec
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
-from kvaudit.targets.sglang.pd_transfer import KvChecksums, Network, fake_backend
+from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, fake_backend, install_metadata_pool,
+                                                 metadata_accounting, metadata_free_list, metadata_pool, metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
 from kvaudit.targets.sglang.feature import SglangLoop
 
@@ -96,7 +95,7 @@ class PdDecode(SglangLoop):
     name = "pd-decode"
 
     def pools(self, pools: list) -> list:
-        return pools + [PoolSpec("metadata_buffers", self.metadata_allocator, "meta", 1, self.metadata_allocator.size)]
+        return pools + [metadata_pool(self.metadata_allocator)]
 
     def build(self, config: SglangConfig):
         S, P = load(), load_pd()
@@ -188,23 +187,9 @@ class PdDecode(SglangLoop):
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> bool:
         """``DecodeReqToTokenPool`` takes and gives back rows through ``alloc(reqs)`` / ``free(req)``, the
         metadata allocator through ``alloc() -> int | None`` / ``free(int)``."""
-        obj, pool = spec.obj, spec.name
-        if spec.kind == "meta":  # ReqToMetadataIdxAllocator: alloc() -> int | None, free(int)
-            orig_take, orig_give = obj.alloc, obj.free
-
-            def take(*a, **k):
-                idx = orig_take(*a, **k)
-                if idx is not None:
-                    auditor.on_alloc(pool, [int(idx) + 1], auditor.capture_site())
-                return idx
-
-            def give(idx, *a, **k):
-                orig_give(idx, *a, **k)
-                auditor.on_free(pool, [int(idx) + 1], auditor.capture_site())
-
-            auditor._wrap(obj, "alloc", take)
-            auditor._wrap(obj, "free", give)
+        if install_metadata_pool(spec, auditor):
             return True
+        obj, pool = spec.obj, spec.name
         if spec.kind != "rows":
             return False
         auditor.wrap_clear(spec)
@@ -387,19 +372,13 @@ class PdDecode(SglangLoop):
         """Also each metadata slot's holder (a decode request before its commit, or a deferred release)."""
         held = [(dr.req.rid, dr.metadata_buffer_index) for dr in self.prealloc_queue.queue + self.transfer_queue.queue]
         held += [(e[0].req.rid, e[3]) for e in self.transfer_queue._deferred_releases]
-        for rid, idx in held:
-            if idx is not None and idx >= 0:
-                out.append(Root("metadata_buffers", f"req:{rid}", np.array([idx + 1], dtype=np.int64)))
-        return out
+        return out + metadata_roots(held)
 
     def accounting(self, out: dict) -> dict:
-        m = self.metadata_allocator
-        out["metadata_buffers"] = Accounting(m.available_size(), 0, 0, 0, m.size)
-        return out
+        return metadata_accounting(out, self.metadata_allocator)
 
     def free_lists(self, out: dict) -> dict:
-        out["metadata_buffers"] = np.asarray(self.metadata_allocator.free_slots, dtype=np.int64) + 1
-        return out
+        return metadata_free_list(out, self.metadata_allocator)
 
     def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` on a decode server: every queue empty and no release deferred."""

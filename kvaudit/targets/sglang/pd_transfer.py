@@ -1,13 +1,17 @@
-"""PD decode's stand-ins for what is not on this machine (see :mod:`kvaudit.targets.sglang.pd`): the
+"""PD's stand-ins for what is not on this machine: for the decode side (:mod:`kvaudit.targets.sglang.pd`) the
 prefill server and the wire (:class:`Network`), the transfer backend built on SGLang's ``fake`` one
-(:func:`fake_backend`), and the KV checksum over pages that hold no KV data (:class:`KvChecksums`).
+(:func:`fake_backend`), and the KV checksum over pages that hold no KV data (:class:`KvChecksums`); for both
+sides the ``metadata_buffers`` pool (SGLang's ``ReqToMetadataIdxAllocator``) as kvaudit audits it.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
+
+from kvaudit.targets.base import Accounting, PoolSpec, Root
 
 
 def page_digest(words: list[int]) -> int:
@@ -120,3 +124,47 @@ def fake_backend(P, network: Network):
                     network.acks.append((network.step + network.ack_steps, self))
 
     return Manager, Receiver
+
+
+# -- the metadata_buffers pool, on either side ---------------------------------------------------------------
+def metadata_pool(allocator) -> PoolSpec:
+    """``ReqToMetadataIdxAllocator`` as a pool: slot ``i`` is unit ``i + 1``."""
+    return PoolSpec("metadata_buffers", allocator, "meta", 1, allocator.size)
+
+
+def install_metadata_pool(spec: PoolSpec, auditor) -> bool:
+    """Wrap ``alloc() -> int | None`` / ``free(int)`` of a ``meta`` pool; False for another kind."""
+    if spec.kind != "meta":
+        return False
+    obj, pool = spec.obj, spec.name
+    orig_take, orig_give = obj.alloc, obj.free
+
+    def take(*a, **k):
+        idx = orig_take(*a, **k)
+        if idx is not None:
+            auditor.on_alloc(pool, [int(idx) + 1], auditor.capture_site())
+        return idx
+
+    def give(idx, *a, **k):
+        orig_give(idx, *a, **k)
+        auditor.on_free(pool, [int(idx) + 1], auditor.capture_site())
+
+    auditor._wrap(obj, "alloc", take)
+    auditor._wrap(obj, "free", give)
+    return True
+
+
+def metadata_roots(held: list[tuple[str, int | None]]) -> list[Root]:
+    """``(rid, metadata_buffer_index)`` of each holder -> its root (an index None or < 0 holds nothing)."""
+    return [Root("metadata_buffers", f"req:{rid}", np.array([idx + 1], dtype=np.int64))
+            for rid, idx in held if idx is not None and idx >= 0]
+
+
+def metadata_accounting(out: dict, allocator) -> dict:
+    out["metadata_buffers"] = Accounting(allocator.available_size(), 0, 0, 0, allocator.size)
+    return out
+
+
+def metadata_free_list(out: dict, allocator) -> dict:
+    out["metadata_buffers"] = np.asarray(allocator.free_slots, dtype=np.int64) + 1
+    return out

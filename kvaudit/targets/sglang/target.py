@@ -25,6 +25,9 @@ def features(config: SglangConfig) -> list[type[SglangFeature]]:
     if config.disaggregation_mode == "decode":
         from kvaudit.targets.sglang.pd import PdDecode
         out.append(PdDecode)
+    if config.disaggregation_mode == "prefill":
+        from kvaudit.targets.sglang.pd_prefill import PdPrefill
+        out.append(PdPrefill)
     if config.enable_hisparse:
         from kvaudit.targets.sglang.hisparse import HiSparse
         out.append(HiSparse)
