@@ -20,7 +20,9 @@ def _bugs():
 
 def _make(config):
     """The target for ``config``'s era (the serving mode is a feature of the composed target)."""
-    if _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
+    if _legacy() and config.disaggregation_mode == "decode":  # the era's PD decode with HiSparse
+        from kvaudit.targets.sglang.legacy_pd import SglangLegacyPdHiSparseTarget as cls
+    elif _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
     else:  # one composed target: its features come from the config (target.features)
         from kvaudit.targets.sglang.target import SglangTarget as cls
@@ -44,8 +46,15 @@ def _probe(config) -> None:
             why = refusal(config)
             if why is not None:
                 raise TargetUnavailable(why)
-            load_legacy(probe_version())
+            S = load_legacy(probe_version())
+            if config.disaggregation_mode == "decode":
+                from kvaudit.targets.sglang.legacy_pd import load_pd_hisparse
+                load_pd_hisparse(S)
             return
+        if config.disaggregation_mode == "decode" and config.enable_hisparse:
+            raise TargetUnavailable("PD decode with HiSparse (the direct-to-host path) is driven on SGLang "
+                                    f"{', '.join(LEGACY)} only (kvaudit/targets/sglang/legacy_pd.py), not on "
+                                    f"{probe_version()}")
         load()
         if config.disaggregation_mode == "decode":
             from kvaudit.targets.sglang.pd import load_pd
