@@ -348,9 +348,11 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
         self._flush_cache()
 
     def _flush_cache(self) -> bool:
-        """``Scheduler.flush_cache`` when ``is_fully_idle``: the tree (a chunk cache), both pools cleared."""
+        """``Scheduler.flush_cache`` when ``is_fully_idle``: the tree (a chunk cache), the row pool and the
+        allocator (logical and device) cleared; as in SGLang, not the host pool nor the coordinator."""
         if not self.is_idle():
             return False
+        self.sched.last_batch = None
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
@@ -590,8 +592,8 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
 
     def reach(self) -> dict[str, int]:
         """The path counters: health checks submitted, requests finished in a prebuilt batch and in a decode
-        batch, direct-to-host admissions, retractions."""
-        return {**self.counters, "retractions": self.retractions}
+        batch, direct-to-host admissions (retraction is not: the history row's sizing keeps it out of reach)."""
+        return dict(self.counters)
 
     def framework_files(self) -> list[str]:
         import sglang.srt.mem_cache.allocator as allocator
