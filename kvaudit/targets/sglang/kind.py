@@ -22,11 +22,18 @@ def _make(config):
     """The target for ``config``'s era (the serving mode is a feature of the composed target)."""
     if _legacy() and config.disaggregation_mode == "decode":  # the era's PD decode with HiSparse
         from kvaudit.targets.sglang.legacy_pd import SglangLegacyPdHiSparseTarget as cls
+    elif config.disaggregation_mode == "decode" and config.enable_hisparse:
+        from kvaudit.targets.sglang.boot import SglangUnavailable
+        raise SglangUnavailable(_CURRENT_PD_HISPARSE)
     elif _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
     else:  # one composed target: its features come from the config (target.features)
         from kvaudit.targets.sglang.target import SglangTarget as cls
     return cls(config)
+
+
+_CURRENT_PD_HISPARSE = (f"PD decode with HiSparse (the direct-to-host path) is driven on SGLang {', '.join(LEGACY)} "
+                        "only (kvaudit/targets/sglang/legacy_pd.py), not on SGLang 0.5.23")
 
 
 def _legacy() -> bool:
@@ -42,19 +49,18 @@ def _probe(config) -> None:
     try:
         probe_version()  # not installed, or a release this target does not drive: no import needed
         if _legacy():
+            from kvaudit.targets.sglang import legacy_pd
             from kvaudit.targets.sglang.legacy import load_legacy, refusal
-            why = refusal(config)
+            pd = config.disaggregation_mode == "decode"  # (with HiSparse: refusal passes it to legacy_pd)
+            why = refusal(config) or (legacy_pd.refusal(config) if pd else None)
             if why is not None:
                 raise TargetUnavailable(why)
             S = load_legacy(probe_version())
-            if config.disaggregation_mode == "decode":
-                from kvaudit.targets.sglang.legacy_pd import load_pd_hisparse
-                load_pd_hisparse(S)
+            if pd:
+                legacy_pd.load_pd_hisparse(S)
             return
         if config.disaggregation_mode == "decode" and config.enable_hisparse:
-            raise TargetUnavailable("PD decode with HiSparse (the direct-to-host path) is driven on SGLang "
-                                    f"{', '.join(LEGACY)} only (kvaudit/targets/sglang/legacy_pd.py), not on "
-                                    f"{probe_version()}")
+            raise TargetUnavailable(_CURRENT_PD_HISPARSE)
         load()
         if config.disaggregation_mode == "decode":
             from kvaudit.targets.sglang.pd import load_pd

@@ -28,11 +28,10 @@ LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
 
 def refusal(config) -> str | None:
     """Why the legacy family cannot drive ``config`` (one line), or None. PD decode is driven with
-    HiSparse only (:mod:`~kvaudit.targets.sglang.legacy_pd`, which has its own refusal)."""
+    HiSparse only, by :mod:`~kvaudit.targets.sglang.legacy_pd` (whose own ``refusal`` checks the rest)."""
     pd = config.disaggregation_mode == "decode"
     if pd and config.enable_hisparse:
-        from kvaudit.targets.sglang.legacy_pd import refusal as pd_refusal
-        return pd_refusal(config)
+        return None
     off = [name for name, on in (
         ("PD disaggregation without HiSparse", pd), ("HiSparse without PD decode", config.enable_hisparse),
         ("HiCache", config.enable_hierarchical_cache), ("overlap scheduling", config.enable_overlap),
