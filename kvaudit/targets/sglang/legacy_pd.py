@@ -8,9 +8,9 @@ plays the prefill server through SGLang's own ``fake`` transfer backend (every t
 Why this is not :mod:`~kvaudit.targets.sglang.pd` + :mod:`~kvaudit.targets.sglang.hisparse` through the
 seam: the 0.5.23 features read ``ReqKvInfo`` (``req.kv``), build 0.5.23's constructors
 (``MiniMaxSparseKVPool``, ``DecodePreallocQueue`` without a gloo group, the coordinator's newer
-arguments) and 0.5.23 refuses HiSparse under PD. What is shared: the pd_transfer-free parts of the
-observer (:func:`~kvaudit.targets.sglang.hooks.host_units`, the paged-pool reading of
-:func:`~kvaudit.targets.base.slot_pages`) and the legacy target's intake and row-pool hooks.
+arguments) and stage through ``admit_request_into_staging``, not the direct-to-host path; 0.5.23 refuses
+HiSparse under PD. What is shared: the legacy target's intake, bootstrap and row-pool hooks, the host-pool
+hooks (:mod:`~kvaudit.targets.sglang.hooks`) and :func:`~kvaudit.targets.base.slot_pages`.
 
 Design notes: docs/internals/sglang.md ("The legacy era: PD decode with HiSparse")."""
 
