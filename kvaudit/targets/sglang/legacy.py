@@ -33,7 +33,8 @@ def refusal(config) -> str | None:
     if pd and config.enable_hisparse:
         return None
     off = [name for name, on in (
-        ("PD disaggregation without HiSparse", pd), ("HiSparse without PD decode", config.enable_hisparse),
+        ("PD disaggregation", config.disaggregation_mode != "null"),
+        ("HiSparse", config.enable_hisparse),
         ("HiCache", config.enable_hierarchical_cache), ("overlap scheduling", config.enable_overlap),
         ("chunked prefill", config.chunked_prefill_size is not None), ("mixed chunks", config.enable_mixed_chunk),
         ("priority scheduling", config.enable_priority_scheduling),
