@@ -2,6 +2,7 @@
 """What each preset reaches: the target's path counters (``Target.reach``) over random programs.
 
     python benchmarks/reach.py --target vllm [--programs 40] [--seed 1] [--preset P ...] [--json FILE]
+    python benchmarks/reach.py --history sglang-22882   # a history row's config (its release's overlay first)
 
 For each preset of ``--target``, ``--programs`` seeded random programs (4 to 24 ops, the preset's
 capabilities, as ``kvaudit fuzz --fuzzer random`` draws them) run under full audit, each up to its first
@@ -45,14 +46,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--preset", action="append", help="only this preset (repeatable; default: all)")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--history", action="append", help="a history row's config instead of presets (repeatable; "
+                    "run with the release's overlay first on PYTHONPATH)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     kind = registry.get(args.target)
     rows = []
-    for name in kind.presets():
-        if args.preset and name not in args.preset:
-            continue
-        stats, hits = reach(kind.preset(name).config(), args.programs, args.seed)
+    if args.history:
+        from kvaudit.history.catalogue import all_bugs, target_config
+        configs = [(bug, target_config(all_bugs()[bug])) for bug in args.history]
+    else:
+        configs = [(name, kind.preset(name).config()) for name in kind.presets()
+                   if not args.preset or name in args.preset]
+    for name, config in configs:
+        stats, hits = reach(config, args.programs, args.seed)
         rows.append({"preset": name, "programs": stats.executions, "with_finding": hits,
                      "seconds": round(stats.elapsed, 1), **dict(sorted(stats.reached.items()))})
         counters = ", ".join(f"{k}={v}" for k, v in sorted(stats.reached.items())) or "(no counters)"

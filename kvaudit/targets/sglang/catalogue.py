@@ -43,6 +43,22 @@ BUGS: tuple[HistoryBug, ...] = (
         reach="a server run with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY (the streaming-session CI does): any "
               "second turn of a streaming session that decodes while its slot lends it the KV; the assertion "
               "in self_check_during_busy stops the scheduler"),
+    # kvaudit's own seed (engine_under_test's hisparse-prebuilt-skip-finish), on the legacy family's PD decode
+    # with HiSparse (kvaudit/targets/sglang/legacy_pd.py); no preset lists this mode (0.5.23 refuses it)
+    HistoryBug(
+        id="sglang-22882", engine="sglang",
+        title="on a PD decode server with HiSparse, a request that finishes in the prebuilt batch (a /health_generate "
+              "check, or any 1-token request) is released without HiSparseCoordinator.request_finished: its "
+              "device buffer pages and host slots leak",
+        sources=("sgl-project/sglang#22882",), buggy="0.5.10.post1", fixed="0.5.11", clean_because="fix",
+        preset="sglang-pd-decode",
+        config={"enable_hisparse": True, "page_size": 64, "num_slots": 2048, "hisparse_device_buffer_size": 64,
+                "transfer_latency_steps": 0, "max_running_requests": 4},
+        finding="leak", signature="/request-kv/process_batch_result_prebuilt@scheduler_output_processor_mixin.py",
+        reach="a load balancer's /health_generate on an idle PD decode server run with --enable-hisparse: the "
+              "1-token check lands from the fake bootstrap host, admit_request_direct gives it a device buffer "
+              "and process_batch_result_prebuilt finishes it with release_kv_cache alone; every check leaks a "
+              "padded device buffer (two 64-token pages) and its host slot"),
 )
 
 # what a release's overlay installs beside it (--no-deps): SGLang 0.5.11 registers 'qwen3_asr', which

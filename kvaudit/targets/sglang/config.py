@@ -175,7 +175,8 @@ class SglangConfig(ConfigBase):
             raise ValueError("kv_checksum_mismatch_every corrupts PD transfers: it needs disaggregation_mode decode "
                              "(preset sglang-pd-decode)")
         if self.disaggregation_mode == "decode":
-            clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse",
+            # (enable_hisparse: the direct-to-host path, driven on the legacy era only: kind._probe)
+            clash = [n for n in ("enable_streaming_session", "enable_overlap",
                                  "enable_priority_scheduling", "max_queued_requests", "request_waiting_timeout_steps",
                                  "request_running_timeout_steps") if getattr(self, n)]
             if clash or self.chunked_prefill_size is not None:
@@ -296,9 +297,6 @@ class SglangConfig(ConfigBase):
         if self.enable_streaming_session:
             raise ValueError("enable_hisparse cannot run with enable_streaming_session: HiSparse requires the radix "
                              "cache off, streaming sessions keep their KV in it")
-        if self.disaggregation_mode != "null":
-            raise ValueError("enable_hisparse with disaggregation_mode decode (HiSparse's direct-to-host PD path) is "
-                             "not driven by this target")
         if self.enable_overlap:
             raise ValueError("enable_hisparse with enable_overlap is not driven by this target yet (normal event "
                              "loop only)")

@@ -20,11 +20,20 @@ def _bugs():
 
 def _make(config):
     """The target for ``config``'s era (the serving mode is a feature of the composed target)."""
-    if _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
+    if _legacy() and config.disaggregation_mode == "decode":  # the era's PD decode with HiSparse
+        from kvaudit.targets.sglang.legacy_pd import SglangLegacyPdHiSparseTarget as cls
+    elif config.disaggregation_mode == "decode" and config.enable_hisparse:
+        from kvaudit.targets.sglang.boot import SglangUnavailable
+        raise SglangUnavailable(_CURRENT_PD_HISPARSE)
+    elif _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
     else:  # one composed target: its features come from the config (target.features)
         from kvaudit.targets.sglang.target import SglangTarget as cls
     return cls(config)
+
+
+_CURRENT_PD_HISPARSE = (f"PD decode with HiSparse (the direct-to-host path) is driven on SGLang {', '.join(LEGACY)} "
+                        "only (kvaudit/targets/sglang/legacy_pd.py), not on SGLang 0.5.23")
 
 
 def _legacy() -> bool:
@@ -40,12 +49,18 @@ def _probe(config) -> None:
     try:
         probe_version()  # not installed, or a release this target does not drive: no import needed
         if _legacy():
+            from kvaudit.targets.sglang import legacy_pd
             from kvaudit.targets.sglang.legacy import load_legacy, refusal
-            why = refusal(config)
+            pd = config.disaggregation_mode == "decode"  # (with HiSparse: refusal passes it to legacy_pd)
+            why = refusal(config) or (legacy_pd.refusal(config) if pd else None)
             if why is not None:
                 raise TargetUnavailable(why)
-            load_legacy(probe_version())
+            S = load_legacy(probe_version())
+            if pd:
+                legacy_pd.load_pd_hisparse(S)
             return
+        if config.disaggregation_mode == "decode" and config.enable_hisparse:
+            raise TargetUnavailable(_CURRENT_PD_HISPARSE)
         load()
         if config.disaggregation_mode != "null":
             from kvaudit.targets.sglang.pd import load_pd
@@ -112,7 +127,7 @@ def _export():
 
 KIND = register(TargetKind(
     name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 (and 0.5.10.post1, 0.5.11: core pools, "
-                           "radix cache and sessions) (its presets start with 'sglang')",
+                           "radix cache, sessions and PD decode with HiSparse) (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,

@@ -27,9 +27,14 @@ LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
 
 
 def refusal(config) -> str | None:
-    """Why the legacy family cannot drive ``config`` (one line), or None."""
+    """Why the legacy family cannot drive ``config`` (one line), or None. PD decode is driven with
+    HiSparse only, by :mod:`~kvaudit.targets.sglang.legacy_pd` (whose own ``refusal`` checks the rest)."""
+    pd = config.disaggregation_mode == "decode"
+    if pd and config.enable_hisparse:
+        return None
     off = [name for name, on in (
-        ("PD disaggregation", config.disaggregation_mode != "null"), ("HiSparse", config.enable_hisparse),
+        ("PD disaggregation", config.disaggregation_mode != "null"),
+        ("HiSparse", config.enable_hisparse),
         ("HiCache", config.enable_hierarchical_cache), ("overlap scheduling", config.enable_overlap),
         ("chunked prefill", config.chunked_prefill_size is not None), ("mixed chunks", config.enable_mixed_chunk),
         ("priority scheduling", config.enable_priority_scheduling),
@@ -40,7 +45,7 @@ def refusal(config) -> str | None:
         ("a radix eviction policy other than lru", config.radix_eviction_policy != "lru")) if on]
     if off:
         return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} (the cache_finished_req era) is driven with core "
-                f"pools, the radix cache and sessions only, not {', '.join(off)}")
+                f"pools, the radix cache and sessions (and PD decode with HiSparse), not {', '.join(off)}")
     return None
 
 
