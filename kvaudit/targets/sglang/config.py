@@ -20,9 +20,16 @@ FAULTS: dict[str, tuple[str, str]] = {
     "hisparse-skip-finish": ("leak", "HiSparse only: the first finished request's HiSparseCoordinator."
                                      "request_finished(req) is skipped, its release_kv_cache still runs (the memory "
                                      "model's hazard A.3): its device buffer and host slots stay allocated"),
+    "decode-token-after-abort": ("use-after-free", "inside SGLang's own process_batch_result_decode (its "
+                                                   "_handle_finish_state_updated_req): the first request finished by "
+                                                   "an abort gets its token committed once more after its "
+                                                   "release_kv_cache, the abort processed (the output-after-abort "
+                                                   "check)"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
+# planted in SGLang's own result processing, which HiSparse does not run yet (its driver's copy does)
+RESULTS_FAULTS = frozenset({"decode-token-after-abort"})
 
 TREE_CORES = ("rust", "python")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -225,6 +232,9 @@ class SglangConfig(ConfigBase):
                 raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} is for --preset sglang-hisparse "
                                  "only (it needs HiSparse: enable_hisparse)")
             return
+        if self.bugs & RESULTS_FAULTS:
+            raise ValueError(f"fault {sorted(self.bugs & RESULTS_FAULTS)[0]} is planted in SGLang's own result "
+                             "processing, which --preset sglang-hisparse does not run yet (the driver's copy does)")
         if self.enable_streaming_session:
             raise ValueError("enable_hisparse cannot run with enable_streaming_session: HiSparse requires the radix "
                              "cache off, streaming sessions keep their KV in it")

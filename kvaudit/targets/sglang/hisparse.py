@@ -68,6 +68,7 @@ class HiSparse(SglangFeature):
     """HiSparse (``config.enable_hisparse``)."""
 
     name = "hisparse"
+    driver_results = True  # SGLang's processor calls the coordinator itself, and so do prefilled() and release()
 
     def pools(self, pools: list) -> list:
         """The logical pool in place of the allocator, and the physical device and host pools."""
