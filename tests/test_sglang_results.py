@@ -53,7 +53,8 @@ def test_batch_results_go_through_sglangs_own_processor_and_the_recorder(calls, 
     assert calls["process_batch_result_prefill"] > 0 or preset == "sglang-pd-decode"  # (prefill: the other server)
     # what went to the detokenizer: every request's finish, with the tokens the requests hold
     rec = t.output_recorder
-    assert rec.batches == sum(calls.values())
+    assert rec.batches == sum(calls.values()) == t.reach()["sglang_result_batches"]
+    assert t.reach()["aborts_processed"] == 1
     assert set(rec.finishes) == set(t.submitted)
     (rid, (req, n, _)), = t._aborted.items()  # the aborted one: sent with the tokens it had at its release
     assert rec.finishes[rid] == "FINISH_ABORT" and rec.sent[rid] == n == len(req.output_ids)
@@ -64,6 +65,7 @@ def test_hisparse_keeps_the_drivers_copy(calls):
     r = run([Submit(), Step(), Step(), Idle()], "sglang-hisparse")
     assert r.findings == [] and r.target._results_by_driver()
     assert calls == {"process_batch_result_prefill": 0, "process_batch_result_decode": 0}
+    assert "sglang_result_batches" not in r.target.reach()
     r.close()
 
 

@@ -153,6 +153,7 @@ class SglangResults(SglangIntake):
         event loop's own part (the driver's): unfinished prefilled requests join the running batch
         (``_prefilled``; ``decoding`` rows rejoin it without overlap), a decode batch's finished ones leave."""
         proc = self._results_processor()
+        self._result_batches = getattr(self, "_result_batches", 0) + 1
         # the requests whose prefill result this is (not skipped, not a middle chunk)
         fresh = [r for r in reqs if not (r.finished() and r.inflight_middle_chunks <= 0) and not r.is_retracted
                  and r.inflight_middle_chunks <= 0] if kind == "extend" else []
@@ -195,3 +196,11 @@ class SglangResults(SglangIntake):
     def invariant_findings(self) -> list[TargetFinding]:
         """:meth:`output_after_abort`."""
         return self.output_after_abort()
+
+    def results_reach(self) -> dict[str, int]:
+        """Path counters: batch results SGLang's processor handled, aborted requests it released (none
+        where the driver's copy runs)."""
+        if self._results_by_driver():
+            return {}
+        return {"sglang_result_batches": getattr(self, "_result_batches", 0),
+                "aborts_processed": len(getattr(self, "_aborted", ()))}

@@ -264,6 +264,6 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("engine_check", super().engine_check())
 
     def reach(self) -> dict[str, int]:
-        """The shared driver's counters (requests retracted, by decode retraction or priority preemption),
-        then each feature's."""
-        return self._fold("reach", {"retractions": self.retractions})
+        """The shared driver's counters (requests retracted, by decode retraction or priority preemption;
+        SGLang's result processing: ``results_reach``), then each feature's."""
+        return self._fold("reach", {"retractions": self.retractions, **self.results_reach()})
