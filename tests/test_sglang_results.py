@@ -61,22 +61,41 @@ def test_batch_results_go_through_sglangs_own_processor_and_the_recorder(calls, 
     r.close()
 
 
-def test_hisparse_keeps_the_drivers_copy(calls):
-    r = run([Submit(), Step(), Step(), Idle()], "sglang-hisparse")
-    assert r.findings == [] and r.target._results_by_driver()
+def test_hisparse_runs_sglangs_processor_which_calls_the_coordinator(calls, monkeypatch):
+    from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator
+
+    finished = []
+    orig = HiSparseCoordinator.request_finished
+    monkeypatch.setattr(HiSparseCoordinator, "request_finished", lambda self, req: (finished.append(req.rid),
+                                                                                     orig(self, req))[1])
+    r = run([Submit(), Submit(), Step(), Step(), Idle()], "sglang-hisparse")
+    assert r.findings == [] and not r.target._results_by_driver()
+    assert calls["process_batch_result_prefill"] > 0 and calls["process_batch_result_decode"] > 0
+    assert sorted(finished) == ["r0", "r1"]  # SGLang's processor called it, once a request
+    r.close()
+
+
+def test_a_mode_can_still_ask_for_the_drivers_copy(calls, monkeypatch):
+    """``SglangFeature.driver_results``: the escape hatch for a mode SGLang's processor cannot run under."""
+    from kvaudit.targets.sglang.feature import SglangFeature
+
+    monkeypatch.setattr(SglangFeature, "driver_results", True)
+    r = run(ABORT_WHILE_DECODING, "sglang-hicache")
+    assert r.findings == [] and r.target._results_by_driver() and r.target.submitted
     assert calls == {"process_batch_result_prefill": 0, "process_batch_result_decode": 0}
     assert "sglang_result_batches" not in r.target.reach()
     r.close()
 
 
-@pytest.mark.parametrize("preset", ["sglang", "sglang-overlap"])
+@pytest.mark.parametrize("preset", ["sglang", "sglang-overlap", "sglang-hisparse", "sglang-pd-decode"])
 def test_output_after_abort_is_quiet_on_a_clean_run_and_fires_on_the_planted_fault(preset):
     clean = run(ABORT_WHILE_DECODING, preset)
     assert clean.findings == [] and clean.target._aborted  # the abort was processed by SGLang's decode result
     clean.close()
     faulty = run(ABORT_WHILE_DECODING, preset, bugs=frozenset({"decode-token-after-abort"}))
     (f,) = faulty.findings
-    assert f.signature == "use-after-free/req_to_token_pool/request-kv/check:output-after-abort"
+    row = "_pre_alloc@decode.py" if preset == "sglang-pd-decode" else "request-kv"  # (PD decode's rows: prealloc)
+    assert f.signature == f"use-after-free/req_to_token_pool/{row}/check:output-after-abort"
     assert "gained 1 output token(s) after its abort was processed" in f.message
     faulty.close()
 
@@ -91,11 +110,6 @@ def test_the_oracle_reads_the_requests_tokens_not_the_fault():
     (f,) = t.invariant_findings()
     assert f.check == "output-after-abort" and f"with {n} tokens" in f.message
     r.close()
-
-
-def test_the_fault_is_refused_where_sglangs_processor_does_not_run():
-    with pytest.raises(ValueError, match="does not run yet"):
-        SGLANG_PRESETS["sglang-hisparse"].config(bugs=frozenset({"decode-token-after-abort"}))
 
 
 @pytest.mark.slow

@@ -28,9 +28,6 @@ FAULTS: dict[str, tuple[str, str]] = {
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
-# planted in SGLang's own result processing, which HiSparse does not run yet (its driver's copy does)
-RESULTS_FAULTS = frozenset({"decode-token-after-abort"})
-
 TREE_CORES = ("rust", "python")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file",)
@@ -232,9 +229,6 @@ class SglangConfig(ConfigBase):
                 raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} is for --preset sglang-hisparse "
                                  "only (it needs HiSparse: enable_hisparse)")
             return
-        if self.bugs & RESULTS_FAULTS:
-            raise ValueError(f"fault {sorted(self.bugs & RESULTS_FAULTS)[0]} is planted in SGLang's own result "
-                             "processing, which --preset sglang-hisparse does not run yet (the driver's copy does)")
         if self.enable_streaming_session:
             raise ValueError("enable_hisparse cannot run with enable_streaming_session: HiSparse requires the radix "
                              "cache off, streaming sessions keep their KV in it")

@@ -87,8 +87,8 @@ class SglangDriver(SglangResults):
         return False
 
     def _process_copy(self, kind: str, reqs: list, decoding=()) -> None:
-        """The driver's copy of ``process_batch_result_prefill`` / ``_decode``, inside one free group, for
-        the modes SGLang's own cannot run under yet (HiSparse: its feature's hooks call the coordinator)."""
+        """The driver's copy of ``process_batch_result_prefill`` / ``_decode``, inside one free group: the
+        escape hatch for a mode SGLang's own cannot run under yet (``SglangFeature.driver_results``; none now)."""
         self.allocator.free_group_begin()
         for req in reqs:
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:

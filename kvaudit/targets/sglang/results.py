@@ -13,7 +13,7 @@ Design notes: docs/internals/sglang.md ("Result processing")."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -132,8 +132,11 @@ class SglangResults(SglangIntake):
     @contextmanager
     def _releases_routed(self):
         """Inside it, the processor module's ``release_kv_cache`` is the target's ``_release`` (its features'
-        ``release`` hooks and injected faults), recording each aborted request's release for the oracle."""
+        ``release`` hooks and injected faults), recording each aborted request's release for the oracle; with
+        a HiSparse coordinator, ``get_memory().enable_hisparse`` is set as on a HiSparse server (SGLang's
+        scoped ``override``: the server args kvaudit publishes leave it off, for SGLang's other paths)."""
         import sglang.srt.managers.scheduler_components.batch_result_processor as module
+        from sglang.srt.runtime_context import get_memory
 
         own, abort = module.release_kv_cache, self.S.FINISH_ABORT
 
@@ -142,9 +145,11 @@ class SglangResults(SglangIntake):
                 self._aborted[req.rid] = (req, len(req.output_ids), req.kv.req_pool_idx)
             self._release(req, checkpoint)
 
+        hisparse = nullcontext() if self._hisparse_coordinator() is None else get_memory().override(enable_hisparse=True)
         module.release_kv_cache = release
         try:
-            yield
+            with hisparse:
+                yield
         finally:
             module.release_kv_cache = own
 
