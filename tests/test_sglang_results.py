@@ -100,6 +100,16 @@ def test_output_after_abort_is_quiet_on_a_clean_run_and_fires_on_the_planted_fau
     faulty.close()
 
 
+@pytest.mark.parametrize("preset", ["sglang", "sglang-overlap", "sglang-hisparse"])
+def test_a_release_lost_inside_sglangs_decode_finish_handling_is_a_leak(preset):
+    ops = [Submit(), Step(), Step(), Step(), Step(), Step(), Step(), Step(), Idle()]
+    assert run(ops, preset).findings == []
+    r = run(ops, preset, bugs=frozenset({"decode-skip-release"}))
+    assert ("leak", "req_to_token_pool") in {(f.kind, f.pool) for f in r.findings}
+    assert not r.target._faults  # it fired
+    r.close()
+
+
 def test_the_oracle_reads_the_requests_tokens_not_the_fault():
     """A token appended to an aborted request by anything after its release is reported."""
     r = run(ABORT_WHILE_DECODING[:-2])

@@ -25,6 +25,9 @@ FAULTS: dict[str, tuple[str, str]] = {
                                                    "an abort gets its token committed once more after its "
                                                    "release_kv_cache, the abort processed (the output-after-abort "
                                                    "check)"),
+    "decode-skip-release": ("leak", "inside SGLang's own process_batch_result_decode (its "
+                                    "_handle_finish_state_updated_req): the first request that finishes there loses "
+                                    "its release_kv_cache call: its row, private KV and tree lock stay allocated"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})

@@ -82,27 +82,39 @@ def result_batch(S, kind: str, reqs: list, decoding) -> SimpleNamespace:
         batch_size=lambda: n)
 
 
+RESULT_FAULTS = ("decode-token-after-abort", "decode-skip-release")  # planted inside SGLang's processor
+
+
 def processor_class(S, faults: set):
-    """SGLang's ``SchedulerBatchResultProcessor``, or, when ``faults`` holds a fault planted inside it, a
-    subclass whose ``_handle_finish_state_updated_req`` (the decode result's per-request finish handling)
-    carries the fault."""
-    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    """SGLang's ``SchedulerBatchResultProcessor``, or, when ``faults`` holds a fault planted inside it
+    (:data:`RESULT_FAULTS`), a subclass whose ``_handle_finish_state_updated_req`` (the decode result's
+    per-request finish handling) carries the fault."""
+    import sglang.srt.managers.scheduler_components.batch_result_processor as module
 
-    if "decode-token-after-abort" not in faults:
-        return SchedulerBatchResultProcessor
+    if not faults & set(RESULT_FAULTS):
+        return module.SchedulerBatchResultProcessor
 
-    class TokenAfterAbort(SchedulerBatchResultProcessor):
+    class Faulty(module.SchedulerBatchResultProcessor):
         __slots__ = ()
 
         def _handle_finish_state_updated_req(self, req, batch, result, i, logits_output):
-            super()._handle_finish_state_updated_req(req, batch, result, i, logits_output)
-            # the fault: an aborted request's token is committed once more after its release (the
-            # abort processed), as if the finish check ran before the commit
+            # decode-skip-release: the first finished request's release_kv_cache call in here is lost
+            skip = "decode-skip-release" in faults and req.finished()
+            own = module.release_kv_cache
+            if skip:
+                faults.discard("decode-skip-release")
+                module.release_kv_cache = lambda *a, **k: None
+            try:
+                super()._handle_finish_state_updated_req(req, batch, result, i, logits_output)
+            finally:
+                module.release_kv_cache = own
+            # decode-token-after-abort: an aborted request's token is committed once more after its release
+            # (the abort processed), as if the finish check ran before the commit
             if "decode-token-after-abort" in faults and isinstance(req.finished_reason, S.FINISH_ABORT):
                 faults.discard("decode-token-after-abort")
                 req.output_ids.append((req.output_ids or [2])[-1])
 
-    return TokenAfterAbort
+    return Faulty
 
 
 class SglangResults(SglangIntake):
