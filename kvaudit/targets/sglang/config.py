@@ -23,6 +23,14 @@ FAULTS: dict[str, tuple[str, str]] = {
     "prefill-skip-failed-release": ("leak", "PD prefill only: the first handle_inflight_transfer_failure (an inflight "
                                             "transfer that failed or was aborted) skips its release_kv_cache: the "
                                             "request leaves the inflight queue still holding its row and its KV"),
+    "decode-token-after-abort": ("use-after-free", "inside SGLang's own process_batch_result_decode (its "
+                                                   "_handle_finish_state_updated_req): the first request finished by "
+                                                   "an abort gets its token committed once more after its "
+                                                   "release_kv_cache, the abort processed (the output-after-abort "
+                                                   "check)"),
+    "decode-skip-release": ("leak", "inside SGLang's own process_batch_result_decode (its "
+                                    "_handle_finish_state_updated_req): the first request that finishes there loses "
+                                    "its release_kv_cache call: its row, private KV and tree lock stay allocated"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
@@ -221,8 +229,8 @@ class SglangConfig(ConfigBase):
                 raise ValueError("bootstrap_lost_every plays the decode peer of a prefill server: it needs "
                                  "disaggregation_mode prefill")
             return
-        unplanted = sorted(self.bugs & {"skip-release", "double-free"})
-        if unplanted:  # they act in the shared driver's release, which SGLang's prefill handlers do not call
+        unplanted = sorted(self.bugs & {"skip-release", "double-free", "decode-token-after-abort", "decode-skip-release"})
+        if unplanted:  # the shared driver's release and SGLang's decode result processing: a prefill server runs neither
             raise ValueError(f"fault {unplanted[0]} is not planted on the PD prefill path (its releases are "
                              "SGLang's own handlers'): use prefill-skip-failed-release")
         clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse", "enable_mixed_chunk",

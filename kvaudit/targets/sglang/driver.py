@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvaudit.targets.sglang.intake import SglangIntake
+from kvaudit.targets.sglang.results import SglangResults
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling
 
 
-class SglangDriver(SglangIntake):
+class SglangDriver(SglangResults):
     """``Scheduler``'s batches: one ``step`` is one iteration of its event loop."""
 
     def step(self) -> None:
@@ -73,8 +73,22 @@ class SglangDriver(SglangIntake):
         """After ``alloc_for_decode``: nothing here."""
 
     def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
-        """``process_batch_result_prefill`` / ``_decode``, inside one free group. ``decoding``: the decode rows
-        of a mixed batch, which go back to the running batch."""
+        """``Scheduler.process_batch_result`` of an ``"extend"`` or ``"decode"`` batch: SGLang's own
+        ``process_batch_result_prefill`` / ``_decode`` (:meth:`_process_by_sglang`), or the driver's copy of them
+        (:meth:`_process_copy`) under a mode that cannot run them yet (:meth:`_results_by_driver`). ``decoding``:
+        the decode rows of a mixed batch, which go back to the running batch."""
+        if self._results_by_driver():
+            self._process_copy(kind, reqs, decoding)
+        else:
+            self._process_by_sglang(kind, reqs, decoding)
+
+    def _results_by_driver(self) -> bool:
+        """Whether result processing is the driver's copy (:meth:`_process_copy`); never here."""
+        return False
+
+    def _process_copy(self, kind: str, reqs: list, decoding=()) -> None:
+        """The driver's copy of ``process_batch_result_prefill`` / ``_decode``, inside one free group: the
+        escape hatch for a mode SGLang's own cannot run under yet (``SglangFeature.driver_results``; none now)."""
         self.allocator.free_group_begin()
         for req in reqs:
             if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:

@@ -121,6 +121,16 @@ class HiSparse(SglangFeature):
                     act.finish_event, target, target.steps + 1 + config.hisparse_staging_steps))
 
             co.admit_request_into_staging = admit_with_copy_time
+        if "hisparse-skip-finish" in config.bugs:
+            finished = co.request_finished
+
+            def request_finished_skipped_once(req):  # the fault: SGLang's result processor's call is lost
+                if "hisparse-skip-finish" in target._faults:
+                    target._faults.discard("hisparse-skip-finish")
+                    return
+                finished(req)
+
+            co.request_finished = request_finished_skipped_once
         self.coordinator = co
         # the tree cache (disabled) through the shared build, which also asserts the tree core
         return build(config, server_args=sa, make_kv=lambda dev: (kvcache, allocator),
@@ -152,8 +162,7 @@ class HiSparse(SglangFeature):
         return True
 
     def prefilled(self, req) -> bool:
-        """``admit_request_into_staging(req)``: the request joins no batch."""
-        self.coordinator.admit_request_into_staging(req)
+        """The request joins no batch: SGLang's result processor staged it (``admit_request_into_staging``)."""
         return True
 
     def after_decode_alloc(self, batch) -> None:
@@ -162,15 +171,6 @@ class HiSparse(SglangFeature):
         seq_lens = torch.tensor([r.kvaudit_seq_len for r in batch.reqs], dtype=torch.int64)
         self.coordinator.map_last_loc_to_buffer(seq_lens.to(batch.device), batch.out_cache_loc, rows.to(batch.device),
                                                 seq_lens, rows)
-
-    def release(self, req) -> None:
-        """``request_finished(req)``, before ``release_kv_cache`` (not inside ``process_pending_chunked_abort``:
-        memory model A.3)."""
-        faults = self.target._faults
-        if "hisparse-skip-finish" in faults:
-            faults.discard("hisparse-skip-finish")
-        else:
-            self.coordinator.request_finished(req)
 
     @property
     def _last_batch(self) -> list:

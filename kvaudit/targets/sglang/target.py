@@ -212,6 +212,9 @@ class SglangTarget(SglangDriver, SglangObserver):
         for f in self.features:
             f.after_process()
 
+    def _results_by_driver(self) -> bool:
+        return any(f.driver_results for f in self.features)
+
     def _hisparse_coordinator(self):
         return next((c for c in (f.hisparse_coordinator() for f in self.features) if c is not None), None)
 
@@ -281,5 +284,7 @@ class SglangTarget(SglangDriver, SglangObserver):
 
     def reach(self) -> dict[str, int]:
         """The shared driver's counters (requests retracted, by decode retraction or priority preemption;
-        allocations that evicted from the tree), then each feature's."""
-        return self._fold("reach", {"retractions": self.retractions, "evictions_for_alloc": self.evictions_for_alloc})
+        allocations that evicted from the tree; SGLang's result processing: ``results_reach``), then each
+        feature's."""
+        return self._fold("reach", {"retractions": self.retractions, "evictions_for_alloc": self.evictions_for_alloc,
+                                    **self.results_reach()})
