@@ -20,9 +20,13 @@ FAULTS: dict[str, tuple[str, str]] = {
     "hisparse-skip-finish": ("leak", "HiSparse only: the first finished request's HiSparseCoordinator."
                                      "request_finished(req) is skipped, its release_kv_cache still runs (the memory "
                                      "model's hazard A.3): its device buffer and host slots stay allocated"),
+    "swa-skip-window-free": ("leak", "SWA hybrid only: the first sliding-window eviction of a running request "
+                                     "(UnifiedRadixCache.evict_sliding_windows) advances its SWA cursor but skips the "
+                                     "free of the slots that left the window: they stay allocated with no owner"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
+SWA_ONLY_FAULTS = frozenset({"swa-skip-window-free"})
 
 TREE_CORES = ("rust", "python")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -76,6 +80,11 @@ class SglangConfig(ConfigBase):
     hicache_storage_ack_steps: int = 1  # steps a storage operation waits in its queue for the storage worker
     hicache_storage_prefetch_policy: str = "wait_complete"  # --hicache-storage-prefetch-policy
     hicache_storage_prefetch_threshold: int = 8  # tokens: shorter prefetches and storage hits are not fetched
+    # SWA hybrid (kvaudit/targets/sglang/swa.py): sliding-window layers beside full attention; None: not hybrid
+    sliding_window_size: int | None = None  # tokens (the model's sliding_window); SWA pool: SWATokenToKVPoolAllocator
+    swa_full_tokens_ratio: float = 0.5  # --swa-full-tokens-ratio: SWA pool size over the full pool
+    swa_eviction_interval: int = 4  # SGLANG_SWA_EVICTION_INTERVAL (128 by default, for real windows)
+    swa_chunk_cache: bool = False  # --disable-radix-cache on an SWA model (the chunk cache of #36458)
     # scheduling policy and timeout aborts (see the class docstring)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
@@ -115,8 +124,8 @@ class SglangConfig(ConfigBase):
 
     @property
     def disable_radix_cache(self) -> bool:
-        """HiSparse runs without the radix cache (SGLang's ``validate_hisparse``)."""
-        return self.enable_hisparse
+        """HiSparse runs without the radix cache (SGLang's ``validate_hisparse``); an SWA chunk cache too."""
+        return self.enable_hisparse or self.swa_chunk_cache
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
@@ -128,7 +137,7 @@ class SglangConfig(ConfigBase):
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
-                     "enable_hierarchical_cache"):
+                     "enable_hierarchical_cache", "swa_chunk_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -179,6 +188,41 @@ class SglangConfig(ConfigBase):
         self._freeze_faults(FAULTS, "sglang")
         self._check_hisparse()
         self._check_hicache()
+        self._check_swa()
+
+    @property
+    def swa_num_slots(self) -> int:
+        """The SWA pool (``swa_max_total_num_tokens``): ``swa_full_tokens_ratio`` of ``num_slots``, whole pages."""
+        ps = self.page_size
+        return int(self.num_slots * self.swa_full_tokens_ratio) // ps * ps
+
+    def _check_swa(self) -> None:
+        w = self.sliding_window_size
+        if w is None:
+            if self.bugs & SWA_ONLY_FAULTS:
+                raise ValueError(f"fault {sorted(self.bugs & SWA_ONLY_FAULTS)[0]} is for the SWA presets only "
+                                 "(--preset sglang-swa...: it needs sliding_window_size)")
+            if self.swa_chunk_cache:
+                raise ValueError("swa_chunk_cache needs sliding_window_size (an SWA hybrid model)")
+            return
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.context_len:
+            raise ValueError(f"sliding_window_size must be null or an integer in [1, context_len), got {w!r}")
+        r, i = self.swa_full_tokens_ratio, self.swa_eviction_interval
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {r!r}")
+        if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= 1024:
+            raise ValueError(f"swa_eviction_interval must be an integer in [1, 1024], got {i!r}")
+        if self.swa_num_slots < 4 * self.page_size:
+            raise ValueError(f"the SWA pool ({self.swa_num_slots} tokens: swa_full_tokens_ratio x num_slots) must "
+                             f"hold at least 4 pages of {self.page_size}")
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append("disaggregation_mode decode")
+        if clash:
+            raise ValueError(f"sliding_window_size (SWA hybrid) is driven without {clash[0]} in this version")
+        if self.swa_chunk_cache and self.enable_streaming_session:
+            raise ValueError("swa_chunk_cache (radix cache off) cannot run with streaming sessions (they keep their KV "
+                             "in the radix cache)")
 
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
@@ -301,5 +345,9 @@ SGLANG_PRESETS: dict[str, Preset] = {
                 {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
                  "max_running_requests": 3, "max_queued_requests": 4, "request_waiting_timeout_steps": 12,
                  "request_running_timeout_steps": 24}),
+        _preset("sglang-swa", "SWA hybrid (SWAKVPool, SWATokenToKVPoolAllocator, UnifiedRadixCache with its SWA "
+                              "component): an 8-token sliding window, 256 full slots and 128 SWA slots, window "
+                              "eviction every 4 tokens, page 1",
+                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5}),
     ]
 }
