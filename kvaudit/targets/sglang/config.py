@@ -349,5 +349,27 @@ SGLANG_PRESETS: dict[str, Preset] = {
                               "component): an 8-token sliding window, 256 full slots and 128 SWA slots, window "
                               "eviction every 4 tokens, page 1",
                 {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5}),
+        _preset("sglang-swa-chunked", "SWA hybrid with chunked prefill (16-token chunks) under overlap scheduling: "
+                                      "an 8-token window, 256 full and 128 SWA slots, page 4",
+                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5, "page_size": 4,
+                 "chunked_prefill_size": 16, "enable_overlap": True}),
+        _preset("sglang-swa-small", "SWA hybrid with pools small enough that decode retracts: an 8-token window, "
+                                    "128 full and 48 SWA slots, 16-token chunks (a prompt longer than the SWA pool "
+                                    "is admitted in smaller chunks), at most 6 running, page 1",
+                {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.375,
+                 "chunked_prefill_size": 16, "max_running_requests": 6, "new_token_ratio": 0.2}),
+        _preset("sglang-swa-paged", "SWA hybrid with a page larger than the window: a 6-token window, 16-token "
+                                    "pages, 512 full and 256 SWA slots",
+                {"sliding_window_size": 6, "num_slots": 512, "swa_full_tokens_ratio": 0.5, "page_size": 16}),
+        _preset("sglang-swa-chunkcache", "SWA hybrid with the radix cache off (SGLang's chunk cache for SWA: "
+                                         "--disable-radix-cache), 16-token chunks under overlap scheduling, an "
+                                         "8-token window, 128 full slots and an SWA pool of 24, under two chunks "
+                                         "(the setting of sglang#36458), page 4",
+                {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.1875, "page_size": 4,
+                 "swa_chunk_cache": True, "chunked_prefill_size": 16, "enable_overlap": True}),
+        _preset("sglang-swa-session", "SWA hybrid with streaming sessions (a session's record keeps its SWA window "
+                                      "across turns): an 8-token window, 256 full and 128 SWA slots, page 1",
+                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5,
+                 "enable_streaming_session": True, "context_len": 96}),
     ]
 }

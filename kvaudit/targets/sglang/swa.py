@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang.boot import build, load
+from kvaudit.targets.sglang.boot import build, load, publish_server_args
 from kvaudit.targets.sglang.feature import SglangFeature
 
 SWA_POOL = "swa_token_to_kv_pool"
@@ -58,10 +58,13 @@ class SwaHybrid(SglangFeature):
             return kv, SWATokenToKVPoolAllocator(full, swa, page_size=ps, dtype=torch.bfloat16, device=dev,
                                                  kvcache=kv, need_sort=config.need_sort, req_to_token_pool=rows)
 
-        return build(config, make_rows=lambda dev: rows, make_kv=make_kv,
+        # the scheduler's --chunked-prefill-size, which maybe_evict_swa reads (-1: off, as ServerArgs has it)
+        chunk = config.chunked_prefill_size
+        sa = publish_server_args(config, chunked_prefill_size=-1 if chunk is None else chunk)
+        return build(config, server_args=sa, make_rows=lambda dev: rows, make_kv=make_kv,
                      disable_radix_cache=config.disable_radix_cache,
                      hybrid={"is_hybrid_swa": True, "full_tokens_per_layer": full,
-                             "sliding_window_size": config.sliding_window_size})
+                             "sliding_window_size": config.sliding_window_size, "chunked_prefill_size": chunk})
 
     def pools(self, pools: list) -> list:
         """The full pool's ``PoolSpec`` becomes ``full_attn_allocator``'s, and ``swa_attn_allocator`` is a pool of
