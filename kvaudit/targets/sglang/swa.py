@@ -226,7 +226,9 @@ class SwaHybrid(SglangFeature):
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
         """``swa_window_evictions`` (a running request's out-of-window slots freed), ``swa_window_tokens``,
-        ``swa_tree_evicted`` (SWA tokens the tree's eviction freed, tombstoning nodes)."""
-        out.update(swa_window_evictions=self.window_evictions, swa_window_tokens=self.window_tokens,
-                   swa_tree_evicted=self.tree_evicted)
+        ``swa_tree_evicted`` (SWA tokens the tree's eviction freed, tombstoning nodes; not with the radix cache off,
+        where there is no tree)."""
+        out.update(swa_window_evictions=self.window_evictions, swa_window_tokens=self.window_tokens)
+        if not self.target.tree_cache.disable:
+            out["swa_tree_evicted"] = self.tree_evicted
         return out
