@@ -41,6 +41,18 @@ def test_incompatible_swa_settings_are_refused(kw, text):
         cfg(**kw)
 
 
+def test_the_swa_presets():
+    assert {p for p in SGLANG_PRESETS if p.startswith("sglang-swa")} == {
+        "sglang-swa", "sglang-swa-chunked", "sglang-swa-small", "sglang-swa-paged", "sglang-swa-chunkcache",
+        "sglang-swa-session"}
+    assert cfg("sglang-swa-paged").page_size > cfg("sglang-swa-paged").sliding_window_size
+    chunked = cfg("sglang-swa-chunked")
+    assert chunked.enable_overlap and chunked.chunked_prefill_size == 16
+    cc = cfg("sglang-swa-chunkcache")
+    assert cc.swa_chunk_cache and cc.enable_overlap and cc.swa_num_slots < 2 * cc.chunked_prefill_size
+    assert cfg("sglang-swa-session").enable_streaming_session
+
+
 def test_swa_fault_and_chunk_cache_need_a_window():
     with pytest.raises(ValueError, match="is for the SWA presets only"):
         SglangConfig(bugs=frozenset({"swa-skip-window-free"}))
