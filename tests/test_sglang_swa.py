@@ -111,6 +111,7 @@ def test_the_tree_evicts_swa_under_pressure_and_the_small_preset_retracts():
 
 
 # -- the fault --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fuzz_finds_and_minimizes_the_skipped_window_free(tmp_path):
     doc, path = fuzz_fault(tmp_path, "sglang", "sglang-swa", "swa-skip-window-free")
     (finding,) = doc["findings"]
