@@ -43,6 +43,8 @@ def test_objects_come_from_sglangs_own_factory(preset, core):
         want = "TokenToKVPoolAllocator" if t.config.page_size == 1 else "PagedTokenToKVPoolAllocator"
         if t.config.enable_hisparse:  # tests/test_sglang_hisparse.py checks its objects
             want = "HiSparseTokenToKVPoolAllocator"
+        if t.config.sliding_window_size is not None:  # tests/test_sglang_swa.py checks its objects
+            want = "SWATokenToKVPoolAllocator"
         assert type(t.allocator).__name__ == want
         assert t.allocator.need_sort is t.config.need_sort
         assert t.allocator.__module__.startswith("sglang.")  # SGLang's code, not a copy

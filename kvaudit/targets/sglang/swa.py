@@ -166,7 +166,7 @@ class SwaHybrid(SglangFeature):
         """Each full-pool root's SWA peers: a request's private full slots' (those still in its window), a
         session's, the tree's (an SWA-tombstoned node's full slots have none)."""
         t = self.target
-        table, ps = t.req_to_token_pool.req_to_token, t.config.page_size
+        table = t.req_to_token_pool.req_to_token
         owners = {}
         for req in t._live():
             owners.setdefault(id(req.kv), (req.kv, f"req:{req.rid}", "req"))
@@ -185,7 +185,6 @@ class SwaHybrid(SglangFeature):
         values = t.tree_cache.all_values_flatten()
         if values.numel():
             out.append(Root(SWA_POOL, "tree", self._swa_units(values), role="tree"))
-        del ps
         return out
 
     def units_of_rows(self, out: dict, rows) -> dict:
