@@ -22,6 +22,9 @@ def test_presets_cover_the_configurations():
                                    "sglang-hicache-l3-timeout", "sglang-hicache-l3-fail",
                                    # PD prefill
                                    "sglang-pd-prefill", "sglang-pd-prefill-chunked", "sglang-pd-prefill-reads",
+                                   # SWA hybrid
+                                   "sglang-swa", "sglang-swa-chunked", "sglang-swa-small", "sglang-swa-paged",
+                                   "sglang-swa-chunkcache", "sglang-swa-session",
                                    }
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \

@@ -43,6 +43,8 @@ def test_objects_come_from_sglangs_own_factory(preset, core):
         want = "TokenToKVPoolAllocator" if t.config.page_size == 1 else "PagedTokenToKVPoolAllocator"
         if t.config.enable_hisparse:  # tests/test_sglang_hisparse.py checks its objects
             want = "HiSparseTokenToKVPoolAllocator"
+        if t.config.sliding_window_size is not None:  # tests/test_sglang_swa.py checks its objects
+            want = "SWATokenToKVPoolAllocator"
         assert type(t.allocator).__name__ == want
         assert t.allocator.need_sort is t.config.need_sort
         assert t.allocator.__module__.startswith("sglang.")  # SGLang's code, not a copy
@@ -224,8 +226,9 @@ SEQUENCES = {
 }
 
 
+# sglang-swa-chunkcache deadlocks on every prompt over two chunks: corpus finding 11 (sglang#36458)
 @pytest.mark.parametrize("core", CORES)
-@pytest.mark.parametrize("preset", list(SGLANG_PRESETS))
+@pytest.mark.parametrize("preset", [p for p in SGLANG_PRESETS if p != "sglang-swa-chunkcache"])
 @pytest.mark.parametrize("name", list(SEQUENCES))
 def test_event_sequence_runs_clean(name, preset, core):
     ex = execute(cfg(preset, core), SEQUENCES[name])

@@ -31,9 +31,13 @@ FAULTS: dict[str, tuple[str, str]] = {
     "decode-skip-release": ("leak", "inside SGLang's own process_batch_result_decode (its "
                                     "_handle_finish_state_updated_req): the first request that finishes there loses "
                                     "its release_kv_cache call: its row, private KV and tree lock stay allocated"),
+    "swa-skip-window-free": ("leak", "SWA hybrid only: the first sliding-window eviction of a running request "
+                                     "(UnifiedRadixCache.evict_sliding_windows) advances its SWA cursor but skips the "
+                                     "free of the slots that left the window: they stay allocated with no owner"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
+SWA_ONLY_FAULTS = frozenset({"swa-skip-window-free"})
 PREFILL_ONLY_FAULTS = frozenset({"prefill-skip-failed-release"})
 
 TREE_CORES = ("rust", "python")
@@ -102,6 +106,11 @@ class SglangConfig(ConfigBase):
     hicache_storage_prefetch_threshold: int = 8  # tokens: shorter prefetches and storage hits are not fetched
     hicache_storage_prefetch_timeout_steps: int = 2  # the timeout policy's prefetch_timeout_base, one second a step
     hicache_storage_fail_every: int | None = None  # every Nth storage read or write fails whole (a backend down)
+    # SWA hybrid (kvaudit/targets/sglang/swa.py): sliding-window layers beside full attention; None: not hybrid
+    sliding_window_size: int | None = None  # tokens (the model's sliding_window); SWA pool: SWATokenToKVPoolAllocator
+    swa_full_tokens_ratio: float = 0.5  # --swa-full-tokens-ratio: SWA pool size over the full pool
+    swa_eviction_interval: int = 4  # SGLANG_SWA_EVICTION_INTERVAL (128 by default, for real windows)
+    swa_chunk_cache: bool = False  # --disable-radix-cache on an SWA model (the chunk cache of #36458)
     # scheduling policy and timeout aborts (see the class docstring)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
@@ -141,8 +150,8 @@ class SglangConfig(ConfigBase):
 
     @property
     def disable_radix_cache(self) -> bool:
-        """HiSparse runs without the radix cache (SGLang's ``validate_hisparse``)."""
-        return self.enable_hisparse
+        """HiSparse runs without the radix cache (SGLang's ``validate_hisparse``); an SWA chunk cache too."""
+        return self.enable_hisparse or self.swa_chunk_cache
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
@@ -154,7 +163,8 @@ class SglangConfig(ConfigBase):
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
-                     "enable_hierarchical_cache", "prefill_reads_after_failure"):
+                     "enable_hierarchical_cache", "prefill_reads_after_failure",
+                     "swa_chunk_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -208,6 +218,7 @@ class SglangConfig(ConfigBase):
         self._check_hisparse()
         self._check_hicache()
         self._check_prefill()
+        self._check_swa()
 
     def _check_prefill(self) -> None:
         for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
@@ -253,6 +264,40 @@ class SglangConfig(ConfigBase):
                 ok = False
             if not ok:
                 raise ValueError(f"radix_eviction_policy_config must be a JSON object, got {text!r}")
+
+    @property
+    def swa_num_slots(self) -> int:
+        """The SWA pool (``swa_max_total_num_tokens``): ``swa_full_tokens_ratio`` of ``num_slots``, whole pages."""
+        ps = self.page_size
+        return int(self.num_slots * self.swa_full_tokens_ratio) // ps * ps
+
+    def _check_swa(self) -> None:
+        w = self.sliding_window_size
+        if w is None:
+            if self.bugs & SWA_ONLY_FAULTS:
+                raise ValueError(f"fault {sorted(self.bugs & SWA_ONLY_FAULTS)[0]} is for the SWA presets only "
+                                 "(--preset sglang-swa...: it needs sliding_window_size)")
+            if self.swa_chunk_cache:
+                raise ValueError("swa_chunk_cache needs sliding_window_size (an SWA hybrid model)")
+            return
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.context_len:
+            raise ValueError(f"sliding_window_size must be null or an integer in [1, context_len), got {w!r}")
+        r, i = self.swa_full_tokens_ratio, self.swa_eviction_interval
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {r!r}")
+        if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= 1024:
+            raise ValueError(f"swa_eviction_interval must be an integer in [1, 1024], got {i!r}")
+        if self.swa_num_slots < 4 * self.page_size:
+            raise ValueError(f"the SWA pool ({self.swa_num_slots} tokens: swa_full_tokens_ratio x num_slots) must "
+                             f"hold at least 4 pages of {self.page_size}")
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
+        if clash:
+            raise ValueError(f"sliding_window_size (SWA hybrid) is driven without {clash[0]} in this version")
+        if self.swa_chunk_cache and self.enable_streaming_session:
+            raise ValueError("swa_chunk_cache (radix cache off) cannot run with streaming sessions (they keep their KV "
+                             "in the radix cache)")
 
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
@@ -426,5 +471,31 @@ SGLANG_PRESETS: dict[str, Preset] = {
                  "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
                  "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8,
                  "hicache_storage_fail_every": 3}),
+        _preset("sglang-swa", "SWA hybrid (SWAKVPool, SWATokenToKVPoolAllocator, UnifiedRadixCache with its SWA "
+                              "component): an 8-token sliding window, 256 full slots and 128 SWA slots, window "
+                              "eviction every 4 tokens, page 1",
+                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5}),
+        _preset("sglang-swa-chunked", "SWA hybrid with chunked prefill (16-token chunks) under overlap scheduling: "
+                                      "an 8-token window, 256 full and 128 SWA slots, page 4",
+                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5, "page_size": 4,
+                 "chunked_prefill_size": 16, "enable_overlap": True}),
+        _preset("sglang-swa-small", "SWA hybrid with pools small enough that decode retracts: an 8-token window, "
+                                    "128 full and 48 SWA slots, 16-token chunks (a prompt longer than the SWA pool "
+                                    "is admitted in smaller chunks), at most 6 running, page 1",
+                {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.375,
+                 "chunked_prefill_size": 16, "max_running_requests": 6, "new_token_ratio": 0.2}),
+        _preset("sglang-swa-paged", "SWA hybrid with a page larger than the window: a 6-token window, 16-token "
+                                    "pages, 512 full and 256 SWA slots",
+                {"sliding_window_size": 6, "num_slots": 512, "swa_full_tokens_ratio": 0.5, "page_size": 16}),
+        _preset("sglang-swa-chunkcache", "SWA hybrid with the radix cache off (SGLang's chunk cache for SWA: "
+                                         "--disable-radix-cache), 16-token chunks under overlap scheduling, an "
+                                         "8-token window, 128 full slots and an SWA pool of 24, under two chunks "
+                                         "(the setting of sglang#36458), page 4",
+                {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.1875, "page_size": 4,
+                 "swa_chunk_cache": True, "chunked_prefill_size": 16, "enable_overlap": True}),
+        _preset("sglang-swa-session", "SWA hybrid with streaming sessions (a session's record keeps its SWA window "
+                                      "across turns): an 8-token window, 256 full and 128 SWA slots, page 1",
+                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5,
+                 "enable_streaming_session": True, "context_len": 96}),
     ]
 }

@@ -91,6 +91,12 @@ def flag_line(config) -> tuple[list[str], list[str], list[str]]:
         flags += ["--enable-hisparse", "--disable-radix-cache",
                   "--hisparse-config '{\"device_buffer_size\": %d, \"host_to_device_ratio\": %d}'"
                   % (c.hisparse_device_buffer_size, c.hisparse_host_to_device_ratio)]
+    if c.sliding_window_size is not None:  # SWA hybrid: the window is the model's, not a flag
+        flags.append(f"--swa-full-tokens-ratio {c.swa_full_tokens_ratio:g}")
+        flags += ["--disable-radix-cache"] if c.swa_chunk_cache else []
+        env.append(f"SGLANG_SWA_EVICTION_INTERVAL={c.swa_eviction_interval}")
+        unmapped.append(f"sliding_window_size={c.sliding_window_size} (the model's sliding window: use a hybrid-SWA "
+                        "model, whose window is far larger; scale the prompts to it)")
     if c.enable_hierarchical_cache:
         flags += ["--enable-hierarchical-cache", f"--hicache-ratio {c.hicache_ratio:g}",
                   f"--hicache-write-policy {c.hicache_write_policy}"]

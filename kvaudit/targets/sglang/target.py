@@ -37,6 +37,9 @@ def features(config: SglangConfig) -> list[type[SglangFeature]]:
     elif config.enable_hierarchical_cache:
         from kvaudit.targets.sglang.hicache import HiCache
         out.append(HiCache)
+    if config.sliding_window_size is not None:
+        from kvaudit.targets.sglang.swa import SwaHybrid
+        out.append(SwaHybrid)
     return out
 
 
