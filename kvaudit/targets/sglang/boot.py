@@ -41,8 +41,7 @@ def probe_version() -> str:
         raise SglangUnavailable(f"--target sglang needs SGLang {compat.CURRENT[0]}, which is not installed "
                                 f"(install it with: {INSTALL_HINT})")
     if v not in SUPPORTED_VERSIONS:
-        raise SglangUnavailable(f"SGLang {v} is installed, but --target sglang drives only {compat.supported()}: "
-                                "its scheduler-level API changes between versions")
+        raise SglangUnavailable(compat.refusal(v))
     return v
 
 

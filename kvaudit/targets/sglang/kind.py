@@ -111,7 +111,7 @@ def _export():
 
 
 KIND = register(TargetKind(
-    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 (and 0.5.10.post1, 0.5.11: core pools, "
+    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 and 0.5.22 (and 0.5.10.post1, 0.5.11: core pools, "
                            "radix cache and sessions) (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
