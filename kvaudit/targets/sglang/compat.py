@@ -35,6 +35,10 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("flush-send-output", "0.5.23",
            "SchedulerFlushWrapper(flush_cache, is_fully_idle, send_output): a deferred flush answers through "
            "a send_output callable; before (0.5.22), through ipc_channels.send_to_tokenizer.send_output"),
+    Change("kv-checksum-signature", "0.5.23",
+           "PD KV checksum: prefill digests only the pages past the prefix decode holds and writes (digest, "
+           "layout signature) to MetadataBuffers (set_kv_checksum(req, digest, signature)); decode verifies "
+           "once; before (0.5.22), one digest of the whole prompt from page 0, verified at every join"),
 )}
 
 
