@@ -92,9 +92,15 @@ def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path
 
 def test_the_version_adapters_name_the_release_that_made_each_change():
     assert compat.family("0.5.10.post1") == compat.family("0.5.11") == "legacy"
-    assert compat.family("0.5.23") == "current" and compat.family("0.5.15.post1") is None
-    for change in compat.CHANGES:
-        assert not compat.has(change, "0.5.10.post1") and compat.has(change, "0.5.11")
+    assert compat.family("0.5.22") == compat.family("0.5.23") == "current"
+    assert compat.family("0.5.15.post1") is None and compat.family("0.5.21") is None
+    driven = compat.LEGACY + compat.CURRENT
+    for change in compat.CHANGES.values():
+        # each change is named after a driven release, and the driven release before it lacks it
+        at = driven.index(change.release)
+        assert at > 0 and compat.has(change.name, change.release), change
+        assert not compat.has(change.name, driven[at - 1]), change
+    assert not compat.has("flush-send-output", "0.5.22") and compat.has("flush-send-output", "0.5.23")
     with pytest.raises(KeyError):
         compat.has("no-such-change", "0.5.11")
 
@@ -107,3 +113,73 @@ def test_the_probe_names_every_supported_release(monkeypatch):
         boot.probe_version()
     msg = str(e.value)
     assert "\n" not in msg and all(v in msg for v in compat.LEGACY + compat.CURRENT)
+
+
+def test_a_release_between_the_eras_is_refused_in_one_line_that_says_why(monkeypatch):
+    from kvaudit.targets.sglang import boot
+
+    for version, why in (("0.5.21", "between the two eras"), ("0.5.12", "between the two eras"),
+                         ("0.5.9", "scheduler-level API changes")):
+        monkeypatch.setattr(boot, "installed_version", lambda v=version: v)
+        with pytest.raises(boot.SglangUnavailable) as e:
+            boot.probe_version()
+        assert "\n" not in str(e.value) and why in str(e.value) and version in str(e.value)
+
+
+# the child: random programs of each preset, from a fresh engine each, on the installed SGLang; prints
+# the version, each preset's findings and how many deferred flushes SchedulerFlushWrapper answered
+CLEAN_CHILD = """
+import json, random, sys
+from kvaudit.audit.runner import AuditedRun
+from kvaudit.program.generate import random_program
+from kvaudit.targets.sglang.boot import installed_version
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
+out = {"version": installed_version(), "findings": {}, "flush_replies": 0}
+for preset in sys.argv[1].split(","):
+    config = SGLANG_PRESETS[preset].config()
+    rng = random.Random(1)
+    found = []
+    for _ in range(int(sys.argv[2])):
+        with AuditedRun(config) as run:
+            wrapper = getattr(run.target, "flush_wrapper", None)
+            if wrapper is not None:  # count the replies a deferred flush sends through the version's sink
+                sink = getattr(wrapper, "_send_output", None)
+                if sink is not None:
+                    def counted(*a, _sink=sink):
+                        out["flush_replies"] += 1
+                        return _sink(*a)
+                    wrapper._send_output = counted
+                else:
+                    sink = wrapper._ipc_channels.send_to_tokenizer.send_output
+                    def counted(*a, _sink=sink):
+                        out["flush_replies"] += 1
+                        return _sink(*a)
+                    wrapper._ipc_channels.send_to_tokenizer.send_output = counted
+            for op in random_program(rng, 40, features=config.program_features):
+                if run.apply(op):
+                    break
+            found += [[f.kind, f.signature] for f in run.findings]
+    out["findings"][preset] = found
+print(json.dumps(out))
+"""
+CURRENT_ERA_PRESETS = ("sglang", "sglang-paged", "sglang-overlap", "sglang-chunked", "sglang-session", "sglang-hicache",
+                       "sglang-pd-decode", "sglang-hisparse")
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("version", [v for v in compat.CURRENT if v != "0.5.23"])
+def test_the_current_era_presets_run_clean_on_an_older_current_release(version):
+    """0.5.22 is driven by the 0.5.23 driver (compat.CURRENT): random programs of every preset it had find
+    nothing but SGLang 0.5.23's own findings (corpora/sglang: bugs 0.5.22 ships too), never a crash in
+    the driver, and a deferred flush_cache is answered through that release's reply path (ipc_channels)."""
+    from kvaudit.history.catalogue import rediscoveries
+
+    known = {b.signature for b in rediscoveries()}
+    r = run_child(["-c", CLEAN_CHILD, ",".join(CURRENT_ERA_PRESETS), "6"], version, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["version"] == version
+    assert set(out["findings"]) == set(CURRENT_ERA_PRESETS)
+    unknown = {p: [f for f in found if f[1] not in known] for p, found in out["findings"].items()}
+    assert unknown == {p: [] for p in CURRENT_ERA_PRESETS}, unknown
+    assert out["flush_replies"] > 0  # the programs reached a deferred flush, answered without error

@@ -38,11 +38,10 @@ def probe_version() -> str:
     """The installed SGLang version, if supported. Raises :class:`SglangUnavailable`."""
     v = installed_version()
     if v is None:
-        raise SglangUnavailable(f"--target sglang needs SGLang {compat.CURRENT[0]}, which is not installed "
+        raise SglangUnavailable(f"--target sglang needs SGLang {compat.CURRENT[-1]}, which is not installed "
                                 f"(install it with: {INSTALL_HINT})")
     if v not in SUPPORTED_VERSIONS:
-        raise SglangUnavailable(f"SGLang {v} is installed, but --target sglang drives only {compat.supported()}: "
-                                "its scheduler-level API changes between versions")
+        raise SglangUnavailable(compat.refusal(v))
     return v
 
 

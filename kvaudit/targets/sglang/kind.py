@@ -126,8 +126,8 @@ def _export():
 
 
 KIND = register(TargetKind(
-    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 (and 0.5.10.post1, 0.5.11: core pools, "
-                           "radix cache, sessions and PD decode with HiSparse) (its presets start with 'sglang')",
+    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 and 0.5.22 (and 0.5.10.post1, 0.5.11: core "
+                           "pools, radix cache, sessions and PD decode with HiSparse) (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,

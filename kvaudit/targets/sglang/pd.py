@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from kvaudit.targets.base import PoolSpec
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, fake_backend, install_metadata_pool,
@@ -20,6 +21,20 @@ from kvaudit.targets.sglang.standins import EOS
 from kvaudit.targets.sglang.feature import SglangLoop
 
 _PD = None
+
+
+def _checksum_on(config: SglangConfig, version: str) -> bool:
+    """Whether the decode server verifies PD KV checksums (``--disaggregation-enable-kv-checksum``): from
+    0.5.23 (compat change ``kv-checksum-signature``), whose digest of the pages past decode's prefix, with
+    a layout signature, kvaudit's transfer stand-in plays (``pd_transfer.Network.land``). 0.5.22's digest
+    of the whole prompt from page 0 is not played: off there, and ``kv_checksum_mismatch_every`` is
+    refused. Raises :class:`SglangUnavailable`."""
+    if compat.has("kv-checksum-signature", version):
+        return True
+    if config.kv_checksum_mismatch_every is not None:
+        raise SglangUnavailable(f"kv_checksum_mismatch_every needs SGLang 0.5.23's PD KV checksum (digest past "
+                                f"decode's prefix, with a layout signature); {version}'s is not played")
+    return False
 
 
 def load_pd() -> SimpleNamespace:
@@ -103,7 +118,7 @@ class PdDecode(SglangLoop):
         group = SimpleNamespace(cpu_group=one_rank_group(), world_size=1)
         sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
                           disaggregation_transfer_backend="fake", disaggregation_decode_retraction_backup="cpu_tensor",
-                          disaggregation_enable_kv_checksum=True,
+                          disaggregation_enable_kv_checksum=_checksum_on(config, S.version),
                           max_running_requests=config.max_running_requests,
                           num_reserved_decode_tokens=config.num_reserved_decode_tokens)
         P.handle_pd_disaggregation(sa)  # the server-args step that turns the decode radix cache off
@@ -171,7 +186,8 @@ class PdDecode(SglangLoop):
             P.decode.KvChecksumComputer = real_computer
         pq.kv_manager = manager_cls(pq.kv_manager.kv_args, P.DisaggregationMode.DECODE, sa, False)
         self.network.checksums, self.network.metadata_buffers = sched.kv_checksum_computer, buffers
-        self.network.signature = pq.kv_checksum_signature  # prefill's layout is this decode's
+        # prefill's layout is this decode's (0.5.22 has no signature: compat change kv-checksum-signature)
+        self.network.signature = pq.kv_checksum_signature if compat.has("kv-checksum-signature", S.version) else 0
         # kvaudit's corruption is injected, as SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB's: no CI raise
         P.decode.is_in_ci = P.is_in_ci if config.kv_checksum_mismatch_every is None else (lambda: False)
         sched.disagg_decode_transfer_queue, sched.disagg_decode_prealloc_queue = tq, pq

@@ -7,8 +7,10 @@ Design notes: docs/internals/sglang.md."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from kvaudit.targets.base import PoolSpec
-from kvaudit.targets.sglang import driver, hooks, intake, standins
+from kvaudit.targets.sglang import compat, driver, hooks, intake, standins
 from kvaudit.targets.sglang.boot import build, load
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.driver import SglangDriver
@@ -41,6 +43,19 @@ def features(config: SglangConfig) -> list[type[SglangFeature]]:
         from kvaudit.targets.sglang.swa import SwaHybrid
         out.append(SwaHybrid)
     return out
+
+
+def _flush_reply_sink(version: str) -> dict:
+    """The keyword SchedulerFlushWrapper (managers/scheduler_components/flush_wrapper.py) answers a
+    deferred flush_cache through, as one that drops the reply (there is no tokenizer manager): the
+    ``send_output`` callable from 0.5.23, before it the scheduler's ``ipc_channels`` (compat change
+    ``flush-send-output``)."""
+    def drop(output, request):
+        return None
+
+    if compat.has("flush-send-output", version):
+        return {"send_output": drop}
+    return {"ipc_channels": SimpleNamespace(send_to_tokenizer=SimpleNamespace(send_output=drop))}
 
 
 class SglangTarget(SglangDriver, SglangObserver):
@@ -77,7 +92,7 @@ class SglangTarget(SglangDriver, SglangObserver):
         import sglang.srt.managers.scheduler_components.flush_wrapper as flush_wrapper
         self.clock.install(flush_wrapper)
         self.flush_wrapper = S.SchedulerFlushWrapper(flush_cache=self._flush_cache, is_fully_idle=self.is_idle,
-                                                     send_output=lambda output, request: None)
+                                                     **_flush_reply_sink(S.version))
         if config.enable_priority_scheduling:
             self.policy = S.SchedulePolicy("fcfs", self.tree_cache, False, True, config.schedule_low_priority_values_first)
         self._faults = set(config.bugs)  # each fires once
