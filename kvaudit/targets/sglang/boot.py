@@ -267,12 +267,13 @@ def publish_server_args(config, **extra):
 
 
 def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_radix_cache: bool = False,
-          tp_worker=None, enable_hierarchical_cache: bool = False) -> SimpleNamespace:
+          tp_worker=None, enable_hierarchical_cache: bool = False, is_hybrid_ssm: bool = False) -> SimpleNamespace:
     """SGLang's pools and tree cache for ``config`` (``kv_cache_configurator``, then
     ``create_tree_cache``). ``server_args``: a mode's own, already published; ``make_rows`` /
     ``make_kv`` (callables of the device): a mode's own request pool / ``(kvcache, allocator)``. Raises
     :class:`SglangUnavailable` if SGLang picked another tree core than the one asked for (Rust falls
-    back to Python silently outside its torch range)."""
+    back to Python silently outside its torch range). ``is_hybrid_ssm``: the factory's flag for a model
+    with mamba state (``make_rows`` then builds a ``HybridReqToTokenPool``)."""
     S = load()
     import torch
 
@@ -302,7 +303,7 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     # what SGLang reads of ModelConfig on these paths (the PD-decode queues: num_hidden_layers, the think ids)
     model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None,
                                    num_hidden_layers=1, self_opened_think_start_ids=None, think_end_ids=None)
-    ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+    ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=is_hybrid_ssm,
                                   enable_hierarchical_cache=enable_hierarchical_cache,
                                   disable_radix_cache=disable_radix_cache,
                                   tp_worker=tp_worker,

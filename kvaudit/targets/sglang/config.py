@@ -20,9 +20,14 @@ FAULTS: dict[str, tuple[str, str]] = {
     "hisparse-skip-finish": ("leak", "HiSparse only: the first finished request's HiSparseCoordinator."
                                      "request_finished(req) is skipped, its release_kv_cache still runs (the memory "
                                      "model's hazard A.3): its device buffer and host slots stay allocated"),
+    "mamba-leak-on-release": ("leak", "Mamba only: the first free_mamba_cache(req) (the tree's "
+                                      "cleanup_after_caching_req under release_kv_cache, on finish, abort or "
+                                      "retraction) clears the request's mamba_pool_idx without giving the slot back "
+                                      "to the MambaSlotAllocator"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
+MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release"})
 
 TREE_CORES = ("rust", "python")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -86,6 +91,10 @@ class SglangConfig(ConfigBase):
     # SGLang 0.5.10-0.5.11 (kvaudit/targets/sglang/legacy.py): SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY, the busy
     # memory check its engine check runs after each batch (the idle check always runs); 0.5.23's is always on
     strict_mem_check_during_busy: bool = False
+    # Mamba / hybrid linear attention (kvaudit/targets/sglang/mamba.py): a hybrid SSM model's state slots
+    enable_mamba: bool = False
+    max_mamba_cache_size: int = 16  # --max-mamba-cache-size: slots of the MambaPool (slot 0 is padding)
+    mamba_chunk_size: int = 8  # the model's mamba_chunk_size: the grid a tree state's depth lands on
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -128,7 +137,7 @@ class SglangConfig(ConfigBase):
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
-                     "enable_hierarchical_cache"):
+                     "enable_hierarchical_cache", "enable_mamba"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -179,6 +188,30 @@ class SglangConfig(ConfigBase):
         self._freeze_faults(FAULTS, "sglang")
         self._check_hisparse()
         self._check_hicache()
+        self._check_mamba()
+
+    def _check_mamba(self) -> None:
+        if not self.enable_mamba:
+            if self.bugs & MAMBA_ONLY_FAULTS:
+                raise ValueError(f"fault {sorted(self.bugs & MAMBA_ONLY_FAULTS)[0]} is for --preset sglang-mamba "
+                                 "(or sglang-mamba-small) only (it needs mamba state: enable_mamba)")
+            return
+        for name in ("max_mamba_cache_size", "mamba_chunk_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
+                raise ValueError(f"{name} must be an integer in [1, 4096], got {v!r}")
+        if self.page_size != 1:
+            raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer)")
+        if self.max_mamba_cache_size < self.max_running_requests + 1:
+            raise ValueError(f"max_mamba_cache_size={self.max_mamba_cache_size} must exceed max_running_requests="
+                             f"{self.max_running_requests}: each running request holds a slot, and a checkpoint "
+                             "copies one more into the tree")
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache", "enable_streaming_session")
+                 if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append("disaggregation_mode decode")
+        if clash:
+            raise ValueError(f"enable_mamba is driven without {clash[0]} in this version")
 
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
@@ -301,5 +334,17 @@ SGLANG_PRESETS: dict[str, Preset] = {
                 {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
                  "max_running_requests": 3, "max_queued_requests": 4, "request_waiting_timeout_steps": 12,
                  "request_running_timeout_steps": 24}),
+        _preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): HybridReqToTokenPool with a "
+                                "16-slot MambaPool, HybridLinearKVPool, UnifiedRadixCache with its mamba component "
+                                "(copy-on-write at a prefix hit, states cached into the tree), page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 16}),
+        _preset("sglang-mamba-small", "hybrid SSM with small pools: 6 mamba slots, 3 running requests, 96 KV slots "
+                                      "(mamba eviction from the tree and decode retraction happen), page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 6, "max_running_requests": 3, "num_slots": 96,
+                 "context_len": 64}),
+        _preset("sglang-mamba-chunked", "hybrid SSM with chunked prefill (16-token chunks: each chunk's state is "
+                                        "copied into the tree), 8 mamba slots, 4 running requests, page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 8, "max_running_requests": 4,
+                 "chunked_prefill_size": 16}),
     ]
 }
