@@ -28,6 +28,8 @@ FAULTS: dict[str, tuple[str, str]] = {
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
 MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release"})
+# SGLang 0.5.23 kv_cache_configurator.MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO: mamba slots per running request
+MAMBA_SLOTS_PER_REQUEST = 3
 
 TREE_CORES = ("rust", "python")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -93,7 +95,7 @@ class SglangConfig(ConfigBase):
     strict_mem_check_during_busy: bool = False
     # Mamba / hybrid linear attention (kvaudit/targets/sglang/mamba.py): a hybrid SSM model's state slots
     enable_mamba: bool = False
-    max_mamba_cache_size: int = 16  # --max-mamba-cache-size: slots of the MambaPool (slot 0 is padding)
+    max_mamba_cache_size: int = 24  # --max-mamba-cache-size: slots of the MambaPool (slot 0 is padding)
     mamba_chunk_size: int = 8  # the model's mamba_chunk_size: the grid a tree state's depth lands on
     vocab_size: int = 128
     device: str = "cpu"
@@ -202,10 +204,11 @@ class SglangConfig(ConfigBase):
                 raise ValueError(f"{name} must be an integer in [1, 4096], got {v!r}")
         if self.page_size != 1:
             raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer)")
-        if self.max_mamba_cache_size < self.max_running_requests + 1:
-            raise ValueError(f"max_mamba_cache_size={self.max_mamba_cache_size} must exceed max_running_requests="
-                             f"{self.max_running_requests}: each running request holds a slot, and a checkpoint "
-                             "copies one more into the tree")
+        if self.max_mamba_cache_size < MAMBA_SLOTS_PER_REQUEST * self.max_running_requests:
+            raise ValueError(f"max_mamba_cache_size={self.max_mamba_cache_size} must be at least "
+                             f"{MAMBA_SLOTS_PER_REQUEST} x max_running_requests={self.max_running_requests}: SGLang "
+                             "caps max_running_requests to max_mamba_cache_size // 3 (kv_cache_configurator's "
+                             "_calculate_mamba_ratio with the radix cache on and no extra buffer)")
         clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache", "enable_streaming_session")
                  if getattr(self, n)]
         if self.disaggregation_mode != "null":
@@ -335,16 +338,18 @@ SGLANG_PRESETS: dict[str, Preset] = {
                  "max_running_requests": 3, "max_queued_requests": 4, "request_waiting_timeout_steps": 12,
                  "request_running_timeout_steps": 24}),
         _preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): HybridReqToTokenPool with a "
-                                "16-slot MambaPool, HybridLinearKVPool, UnifiedRadixCache with its mamba component "
-                                "(copy-on-write at a prefix hit, states cached into the tree), page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 16}),
-        _preset("sglang-mamba-small", "hybrid SSM with small pools: 6 mamba slots, 3 running requests, 96 KV slots "
-                                      "(mamba eviction from the tree and decode retraction happen), page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 6, "max_running_requests": 3, "num_slots": 96,
+                                "24-slot MambaPool (3 per running request, as SGLang sizes it), HybridLinearKVPool, "
+                                "UnifiedRadixCache with its mamba component (copy-on-write at a prefix hit, states "
+                                "cached into the tree), page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 24}),
+        _preset("sglang-mamba-small", "hybrid SSM with small pools: 9 mamba slots (the least SGLang sizes for 3 "
+                                      "running requests), 96 KV slots (mamba eviction from the tree and decode "
+                                      "retraction happen), page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 9, "max_running_requests": 3, "num_slots": 96,
                  "context_len": 64}),
         _preset("sglang-mamba-chunked", "hybrid SSM with chunked prefill (16-token chunks: each chunk's state is "
-                                        "copied into the tree), 8 mamba slots, 4 running requests, page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 8, "max_running_requests": 4,
+                                        "copied into the tree), 12 mamba slots, 4 running requests, page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 12, "max_running_requests": 4,
                  "chunked_prefill_size": 16}),
     ]
 }

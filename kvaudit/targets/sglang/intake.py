@@ -255,7 +255,7 @@ class SglangIntake(Target):
     def _release_queued_mamba(self, req) -> None:
         """``abort_request``'s "for mamba radix cache" step: a popped waiting request that holds a mamba
         slot (taken by its match) is released with ``checkpoint=False``."""
-        if getattr(req.kv, "holds_mamba", False):
+        if req.kv.holds_mamba:
             self.S.common.release_kv_cache(req, self.tree_cache, checkpoint=False)
 
     def _pause_generation(self, mode: str) -> None:
