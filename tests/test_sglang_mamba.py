@@ -75,7 +75,7 @@ def test_a_program_takes_the_slot_lifecycle_and_ends_with_every_slot_free_or_cac
     findings, run = run_ops(cfg(core=core), [Submit(0, 12, 6), Step(1)])
     t = run.target
     try:
-        (r0,) = t.running
+        (r0,) = t.running  # (a 12-token prompt is one chunk)
         assert r0.kv.holds_mamba and findings == []
         # the prefill's checkpoint copied r0's state into the tree: one slot held, one cached
         assert t.tree_cache.all_mamba_values_flatten().numel() == 1
@@ -93,6 +93,25 @@ def test_a_program_takes_the_slot_lifecycle_and_ends_with_every_slot_free_or_cac
         assert counts["mamba_tree_hits"] >= 1 and counts["mamba_slots_freed_on_retract"] >= 1, counts
         a = t.accounting()[POOL]
         assert a.available + a.evictable == a.total and a.protected == 0 and t.engine_check() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_under_overlap_a_finished_request_in_the_last_batch_does_not_own_the_state_it_donated(core):
+    # aborted while its next decode is in flight: its release donates the slot to the tree (checkpoint at
+    # finish), the request keeps mamba_pool_idx and stays in the last batch for one step
+    findings, run = run_ops(cfg("sglang-mamba-overlap", core), [Submit(0, 6, 8), Submit(1, 6, 8), Step(3), Abort(0),
+                                                               Step(1)])
+    t = run.target
+    try:
+        r0 = next(r for r in t._last[1] if r.rid == "r0")
+        assert r0.finished() and r0.kv.holds_mamba and not r0.kv.holds_kv
+        assert int(r0.kv.mamba_pool_idx) in t.tree_cache.all_mamba_values_flatten().tolist()
+        assert findings == [] and run.findings == [] and t.invariant_findings() == []
+        assert not any(r.owner == "req:r0" for r in t.roots() if r.pool == POOL)
+        run.apply(Idle())
+        assert run.findings == []
     finally:
         run.close()
 

@@ -195,8 +195,8 @@ class SglangConfig(ConfigBase):
     def _check_mamba(self) -> None:
         if not self.enable_mamba:
             if self.bugs & MAMBA_ONLY_FAULTS:
-                raise ValueError(f"fault {sorted(self.bugs & MAMBA_ONLY_FAULTS)[0]} is for --preset sglang-mamba "
-                                 "(or sglang-mamba-small) only (it needs mamba state: enable_mamba)")
+                raise ValueError(f"fault {sorted(self.bugs & MAMBA_ONLY_FAULTS)[0]} is for the sglang-mamba presets "
+                                 "only (it needs mamba state: enable_mamba)")
             return
         for name in ("max_mamba_cache_size", "mamba_chunk_size"):
             v = getattr(self, name)
@@ -340,16 +340,17 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): HybridReqToTokenPool with a "
                                 "24-slot MambaPool (3 per running request, as SGLang sizes it), HybridLinearKVPool, "
                                 "UnifiedRadixCache with its mamba component (copy-on-write at a prefix hit, states "
-                                "cached into the tree), page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 24}),
+                                "copied into the tree at each chunk and donated at finish), 32-token chunks, page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32}),
         _preset("sglang-mamba-small", "hybrid SSM with small pools: 9 mamba slots (the least SGLang sizes for 3 "
-                                      "running requests), 96 KV slots (mamba eviction from the tree and decode "
-                                      "retraction happen), page 1",
+                                      "running requests), 96 KV slots, 16-token chunks (mamba eviction from the tree "
+                                      "and decode retraction happen), page 1",
                 {"enable_mamba": True, "max_mamba_cache_size": 9, "max_running_requests": 3, "num_slots": 96,
-                 "context_len": 64}),
-        _preset("sglang-mamba-chunked", "hybrid SSM with chunked prefill (16-token chunks: each chunk's state is "
-                                        "copied into the tree), 12 mamba slots, 4 running requests, page 1",
+                 "context_len": 64, "chunked_prefill_size": 16}),
+        _preset("sglang-mamba-overlap", "hybrid SSM under overlap scheduling (event_loop_overlap: a finished "
+                                        "request stays in the last batch after its state went to the tree), "
+                                        "8-token chunks, 12 mamba slots, 4 running requests, page 1",
                 {"enable_mamba": True, "max_mamba_cache_size": 12, "max_running_requests": 4,
-                 "chunked_prefill_size": 16}),
+                 "chunked_prefill_size": 8, "enable_overlap": True}),
     ]
 }

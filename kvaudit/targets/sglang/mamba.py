@@ -184,8 +184,11 @@ class Mamba(SglangFeature):
 
     # -- observer: roots and counters ----------------------------------------------------------
     def _holders(self) -> list:
-        """Every request the server holds that owns a mamba slot (a waiting one may: a session's)."""
-        return [r for r in self.target._active() if r.kv.holds_mamba]
+        """Every request the server holds that owns a mamba slot: one with its KV record, or an unfinished
+        one without (a match's copy-on-write slot). A released request may keep ``mamba_pool_idx`` pointing
+        at the state it donated to the tree (``cleanup_after_caching_req`` frees only what was not
+        inserted): the tree owns that slot, not the request (under overlap it sits in the last batch)."""
+        return [r for r in self.target._active() if r.kv.holds_mamba and (r.kv.holds_kv or not r.finished())]
 
     def _session_slots(self) -> list:
         """``(session id, slot)`` of the session records that hold a mamba slot."""
@@ -195,7 +198,7 @@ class Mamba(SglangFeature):
         """Each holder's slot (private), each session record's, and the tree's states."""
         held = set()
         for sid, s in self._session_slots():
-            out.append(Root("mamba_pool", f"session:{sid}", _slot(s.kv), where="session"))
+            out.append(Root("mamba_pool", f"session:{sid}", _slot(s.kv), role="session", where="session"))
             held.add(id(s.kv))
         places = self.target._places()
         for req in self._holders():
