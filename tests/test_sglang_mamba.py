@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fault_helpers import first_finding_within, fuzz_fault, minimized_fault_program
+from kvaudit.audit.runner import execute
 from kvaudit.program import Abort, Idle, MemoryPressure, Step, Submit
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 from sglang_helpers import CORES, run_ops
@@ -46,7 +47,7 @@ def test_incompatible_mamba_settings_are_refused(kw, text):
 
 
 def test_the_mamba_fault_is_refused_without_mamba():
-    with pytest.raises(ValueError, match="sglang-mamba"):
+    with pytest.raises(ValueError, match="sglang-mamba presets"):
         SGLANG_PRESETS["sglang"].config(bugs=frozenset({"mamba-leak-on-release"}))
     assert cfg(bugs=frozenset({"mamba-leak-on-release"})).bugs == {"mamba-leak-on-release"}
 
@@ -154,3 +155,13 @@ def test_cli_fuzz_finds_and_minimizes_the_planted_mamba_leak(tmp_path):
     doc, path = fuzz_fault(tmp_path, "sglang", "sglang-mamba", "mamba-leak-on-release", max_time="60")
     assert doc["findings"][0]["kind"] == "leak" and doc["findings"][0]["pool"] == POOL
     minimized_fault_program(path, max_ops=6)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_a_donated_slot_freed_under_the_tree_is_seen_by_the_ledger_and_the_balance_invariant(core):
+    program = [Submit(0, 1, 1), Step(1), Idle()]  # the request finishes at prefill and donates its state
+    ex = execute(cfg(core=core, bugs=frozenset({"mamba-free-donated"})), program)
+    seen = {(f.kind, f.pool, f.check) for f in ex.findings}
+    assert ("use-after-free", POOL, "mamba-balance") in seen, [f.summary() for f in ex.findings]
+    assert any(f.kind == "use-after-free" and f.check != "mamba-balance" for f in ex.findings)
+    assert execute(cfg(core=core), program).findings == []

@@ -24,10 +24,14 @@ FAULTS: dict[str, tuple[str, str]] = {
                                       "cleanup_after_caching_req under release_kv_cache, on finish, abort or "
                                       "retraction) clears the request's mamba_pool_idx without giving the slot back "
                                       "to the MambaSlotAllocator"),
+    "mamba-free-donated": ("use-after-free", "Mamba only: right after the first finished request donates its "
+                                             "mamba slot to the tree (cleanup_after_caching_req after the insert "
+                                             "in release_kv_cache), the slot is also freed to the "
+                                             "MambaSlotAllocator while the tree node still holds it"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
-MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release"})
+MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release", "mamba-free-donated"})
 # SGLang 0.5.23 kv_cache_configurator.MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO: mamba slots per running request
 MAMBA_SLOTS_PER_REQUEST = 3
 

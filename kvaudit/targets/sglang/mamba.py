@@ -89,6 +89,8 @@ class Mamba(SglangFeature):
         self._wrap_counters()
         if "mamba-leak-on-release" in t._faults:
             self._plant_leak_on_release()
+        if "mamba-free-donated" in t._faults:
+            self._plant_free_donated()
 
     # -- counters ------------------------------------------------------------------------------
     def _wrap_counters(self) -> None:
@@ -151,6 +153,23 @@ class Mamba(SglangFeature):
             return free_mamba_cache(req, *a, **k)
 
         rows.free_mamba_cache = dropping_once
+
+    def _plant_free_donated(self) -> None:
+        """``mamba-free-donated``: after the first ``cleanup_after_caching_req`` of a finished request whose
+        state the insert kept (``mamba_exist`` false), the donated slot goes to the allocator as well."""
+        comp, slots, faults = self.component, self.slots, self.target._faults
+        cleanup = comp.cleanup_after_caching_req
+
+        def cleanup_freeing_donated(req, is_finished, insert_result=None, insert_params=None):
+            out = cleanup(req, is_finished, insert_result=insert_result, insert_params=insert_params)
+            if ("mamba-free-donated" in faults and is_finished and insert_result is not None
+                    and not insert_result.mamba_exist and insert_params is not None
+                    and insert_params.mamba_value is not None):
+                faults.discard("mamba-free-donated")
+                slots.free(insert_params.mamba_value.reshape(-1))
+            return out
+
+        comp.cleanup_after_caching_req = cleanup_freeing_donated
 
     # -- observer: hooks -----------------------------------------------------------------------
     def framework_files(self, files: list[str]) -> list[str]:
