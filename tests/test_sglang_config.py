@@ -17,7 +17,7 @@ def test_presets_cover_the_thirteen_configurations():
                                    "sglang-chunked", "sglang-pd-decode", "sglang-hisparse", "sglang-hicache",
                                    "sglang-hicache-l3", "sglang-priority", "sglang-mixed",
                                    "sglang-session-nonstreaming", "sglang-mamba", "sglang-mamba-small",
-                                   "sglang-mamba-overlap"}
+                                   "sglang-mamba-overlap", "sglang-mamba-session"}
     assert SGLANG_PRESETS["sglang-session-nonstreaming"].config().session_streaming is False
     l3 = SGLANG_PRESETS["sglang-hicache-l3"].config()
     assert l3.enable_hierarchical_cache and l3.hicache_storage_backend == "file"

@@ -16,7 +16,7 @@ import torch
 
 from fault_helpers import first_finding_within, fuzz_fault, minimized_fault_program
 from kvaudit.audit.runner import execute
-from kvaudit.program import Abort, Idle, MemoryPressure, Step, Submit
+from kvaudit.program import Abort, CloseSession, Idle, MemoryPressure, OpenSession, Step, Submit
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 from sglang_helpers import CORES, run_ops
 
@@ -37,7 +37,6 @@ def mamba(target):
 @pytest.mark.parametrize("kw, text", [
     ({"page_size": 4}, "page_size 1"),
     ({"max_mamba_cache_size": 23}, "max_running_requests"),
-    ({"enable_streaming_session": True}, "enable_streaming_session"),
     ({"enable_hierarchical_cache": True}, "enable_hierarchical_cache"),
     ({"mamba_chunk_size": 0}, "mamba_chunk_size"),
 ])
@@ -165,3 +164,21 @@ def test_a_donated_slot_freed_under_the_tree_is_seen_by_the_ledger_and_the_balan
     assert ("use-after-free", POOL, "mamba-balance") in seen, [f.summary() for f in ex.findings]
     assert any(f.kind == "use-after-free" and f.check != "mamba-balance" for f in ex.findings)
     assert execute(cfg(core=core), program).findings == []
+
+
+def test_a_streaming_session_record_keeps_its_mamba_slot_between_turns_and_frees_it_at_close():
+    findings, run = run_ops(cfg("sglang-mamba-session"), [OpenSession(), Submit(0, 12, 3, session=0), Idle()])
+    t = run.target
+    try:
+        ((sid, slot),) = t._slots()
+        assert findings == [] and slot.kv.holds_mamba and t.accounting()[POOL].session_held == 1
+        assert any(r.owner == f"session:{sid}" and r.role == "session" for r in t.roots() if r.pool == POOL)
+        run.apply(Submit(1, 5, 3, session=0))
+        run.apply(Idle())
+        assert run.findings == [] and t.accounting()[POOL].session_held == 1
+        run.apply(CloseSession(0))
+        run.apply(Idle())
+        a = t.accounting()[POOL]
+        assert run.findings == [] and a.session_held == 0 and a.available + a.evictable == a.total
+    finally:
+        run.close()

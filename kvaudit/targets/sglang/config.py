@@ -213,8 +213,7 @@ class SglangConfig(ConfigBase):
                              f"{MAMBA_SLOTS_PER_REQUEST} x max_running_requests={self.max_running_requests}: SGLang "
                              "caps max_running_requests to max_mamba_cache_size // 3 (kv_cache_configurator's "
                              "_calculate_mamba_ratio with the radix cache on and no extra buffer)")
-        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache", "enable_streaming_session")
-                 if getattr(self, n)]
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
         if self.disaggregation_mode != "null":
             clash.append("disaggregation_mode decode")
         if clash:
@@ -356,5 +355,10 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                         "8-token chunks, 12 mamba slots, 4 running requests, page 1",
                 {"enable_mamba": True, "max_mamba_cache_size": 12, "max_running_requests": 4,
                  "chunked_prefill_size": 8, "enable_overlap": True}),
+        _preset("sglang-mamba-session", "hybrid SSM with streaming sessions (a session record keeps its mamba "
+                                        "slot between turns: session_held_mamba_slots; StreamingSession frees it "
+                                        "at close), 24 mamba slots, 32-token chunks, page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32,
+                 "enable_streaming_session": True, "context_len": 96}),
     ]
 }
