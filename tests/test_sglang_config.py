@@ -25,6 +25,8 @@ def test_presets_cover_the_configurations():
                                    # SWA hybrid
                                    "sglang-swa", "sglang-swa-chunked", "sglang-swa-small", "sglang-swa-paged",
                                    "sglang-swa-chunkcache", "sglang-swa-session",
+                                   # Mamba
+                                   "sglang-mamba", "sglang-mamba-small", "sglang-mamba-overlap", "sglang-mamba-session",
                                    }
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \

@@ -273,11 +273,12 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
           tp_worker=None, enable_hierarchical_cache: bool = False, hybrid: dict | None = None) -> SimpleNamespace:
     """SGLang's pools and tree cache for ``config`` (``kv_cache_configurator``, then
     ``create_tree_cache``). ``server_args``: a mode's own, already published; ``make_rows`` /
-    ``make_kv`` (callables of the device): a mode's own request pool / ``(kvcache, allocator)``; ``hybrid``: a hybrid model's ``TreeCacheBuildContext`` fields
-    (``is_hybrid_swa``, ``full_tokens_per_layer``) and ``CacheInitParams`` fields (``sliding_window_size``), as
-    ``kv_cache_builder`` passes them. Raises
-    :class:`SglangUnavailable` if SGLang picked another tree core than the one asked for (Rust falls
-    back to Python silently outside its torch range)."""
+    ``make_kv`` (callables of the device): a mode's own request pool / ``(kvcache, allocator)``;
+    ``hybrid``: a hybrid model's ``TreeCacheBuildContext`` fields (``is_hybrid_swa``, ``is_hybrid_ssm``:
+    a model with mamba state, whose ``make_rows`` builds a ``HybridReqToTokenPool``;
+    ``full_tokens_per_layer``) and ``CacheInitParams`` fields (``sliding_window_size``), as
+    ``kv_cache_builder`` passes them. Raises :class:`SglangUnavailable` if SGLang picked another tree
+    core than the one asked for (Rust falls back to Python silently outside its torch range)."""
     S = load()
     import torch
 
@@ -303,7 +304,7 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
         req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
                                              device=dev, enable_memory_saver=False)
     hybrid = dict(hybrid or {})
-    ctx_fields = {k: hybrid.pop(k) for k in ("is_hybrid_swa", "full_tokens_per_layer") if k in hybrid}
+    ctx_fields = {k: hybrid.pop(k) for k in ("is_hybrid_swa", "is_hybrid_ssm", "full_tokens_per_layer") if k in hybrid}
     # the eviction policy, as kv_cache_builder passes the published --radix-eviction-policy(-config)
     policy = config.radix_eviction_policy
     policy_config = json.loads(config.radix_eviction_policy_config) if config.radix_eviction_policy_config else None
@@ -314,7 +315,8 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None,
                                    num_hidden_layers=1, self_opened_think_start_ids=None, think_end_ids=None)
     ctx_fields.setdefault("is_hybrid_swa", False)
-    ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_ssm=False, **ctx_fields,
+    ctx_fields.setdefault("is_hybrid_ssm", False)
+    ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, **ctx_fields,
                                   enable_hierarchical_cache=enable_hierarchical_cache,
                                   disable_radix_cache=disable_radix_cache,
                                   tp_worker=tp_worker,

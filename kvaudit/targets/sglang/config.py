@@ -34,11 +34,22 @@ FAULTS: dict[str, tuple[str, str]] = {
     "swa-skip-window-free": ("leak", "SWA hybrid only: the first sliding-window eviction of a running request "
                                      "(UnifiedRadixCache.evict_sliding_windows) advances its SWA cursor but skips the "
                                      "free of the slots that left the window: they stay allocated with no owner"),
+    "mamba-leak-on-release": ("leak", "Mamba only: the first free_mamba_cache(req) (the tree's "
+                                      "cleanup_after_caching_req under release_kv_cache, on finish, abort or "
+                                      "retraction) clears the request's mamba_pool_idx without giving the slot back "
+                                      "to the MambaSlotAllocator"),
+    "mamba-free-donated": ("use-after-free", "Mamba only: right after the first finished request donates its "
+                                             "mamba slot to the tree (cleanup_after_caching_req after the insert "
+                                             "in release_kv_cache), the slot is also freed to the "
+                                             "MambaSlotAllocator while the tree node still holds it"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
 SWA_ONLY_FAULTS = frozenset({"swa-skip-window-free"})
 PREFILL_ONLY_FAULTS = frozenset({"prefill-skip-failed-release"})
+MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release", "mamba-free-donated"})
+# SGLang 0.5.23 kv_cache_configurator.MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO: mamba slots per running request
+MAMBA_SLOTS_PER_REQUEST = 3
 
 TREE_CORES = ("rust", "python")
 # --radix-eviction-policy (sglang/srt/arg_groups/choices.py RADIX_EVICTION_POLICY_CHOICES): which evictable leaf
@@ -121,6 +132,10 @@ class SglangConfig(ConfigBase):
     # SGLang 0.5.10-0.5.11 (kvaudit/targets/sglang/legacy.py): SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY, the busy
     # memory check its engine check runs after each batch (the idle check always runs); 0.5.23's is always on
     strict_mem_check_during_busy: bool = False
+    # Mamba / hybrid linear attention (kvaudit/targets/sglang/mamba.py): a hybrid SSM model's state slots
+    enable_mamba: bool = False
+    max_mamba_cache_size: int = 24  # --max-mamba-cache-size: slots of the MambaPool (slot 0 is padding)
+    mamba_chunk_size: int = 8  # the model's mamba_chunk_size: the grid a tree state's depth lands on
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -164,7 +179,7 @@ class SglangConfig(ConfigBase):
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
                      "enable_hierarchical_cache", "prefill_reads_after_failure",
-                     "swa_chunk_cache"):
+                     "swa_chunk_cache", "enable_mamba"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -219,6 +234,7 @@ class SglangConfig(ConfigBase):
         self._check_hicache()
         self._check_prefill()
         self._check_swa()
+        self._check_mamba()
 
     def _check_prefill(self) -> None:
         for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
@@ -298,6 +314,31 @@ class SglangConfig(ConfigBase):
         if self.swa_chunk_cache and self.enable_streaming_session:
             raise ValueError("swa_chunk_cache (radix cache off) cannot run with streaming sessions (they keep their KV "
                              "in the radix cache)")
+
+    def _check_mamba(self) -> None:
+        if not self.enable_mamba:
+            if self.bugs & MAMBA_ONLY_FAULTS:
+                raise ValueError(f"fault {sorted(self.bugs & MAMBA_ONLY_FAULTS)[0]} is for the sglang-mamba presets "
+                                 "only (it needs mamba state: enable_mamba)")
+            return
+        for name in ("max_mamba_cache_size", "mamba_chunk_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
+                raise ValueError(f"{name} must be an integer in [1, 4096], got {v!r}")
+        if self.page_size != 1:
+            raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer)")
+        if self.max_mamba_cache_size < MAMBA_SLOTS_PER_REQUEST * self.max_running_requests:
+            raise ValueError(f"max_mamba_cache_size={self.max_mamba_cache_size} must be at least "
+                             f"{MAMBA_SLOTS_PER_REQUEST} x max_running_requests={self.max_running_requests}: SGLang "
+                             "caps max_running_requests to max_mamba_cache_size // 3 (kv_cache_configurator's "
+                             "_calculate_mamba_ratio with the radix cache on and no extra buffer)")
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
+        if self.sliding_window_size is not None:
+            clash.append("sliding_window_size (SWA hybrid)")
+        if clash:
+            raise ValueError(f"enable_mamba is driven without {clash[0]} in this version")
 
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
@@ -496,6 +537,25 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-swa-session", "SWA hybrid with streaming sessions (a session's record keeps its SWA window "
                                       "across turns): an 8-token window, 256 full and 128 SWA slots, page 1",
                 {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5,
+        _preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): HybridReqToTokenPool with a "
+                                "24-slot MambaPool (3 per running request, as SGLang sizes it), HybridLinearKVPool, "
+                                "UnifiedRadixCache with its mamba component (copy-on-write at a prefix hit, states "
+                                "copied into the tree at each chunk and donated at finish), 32-token chunks, page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32}),
+        _preset("sglang-mamba-small", "hybrid SSM with small pools: 9 mamba slots (the least SGLang sizes for 3 "
+                                      "running requests), 96 KV slots, 16-token chunks (mamba eviction from the tree "
+                                      "and decode retraction happen), page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 9, "max_running_requests": 3, "num_slots": 96,
+                 "context_len": 64, "chunked_prefill_size": 16}),
+        _preset("sglang-mamba-overlap", "hybrid SSM under overlap scheduling (event_loop_overlap: a finished "
+                                        "request stays in the last batch after its state went to the tree), "
+                                        "8-token chunks, 12 mamba slots, 4 running requests, page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 12, "max_running_requests": 4,
+                 "chunked_prefill_size": 8, "enable_overlap": True}),
+        _preset("sglang-mamba-session", "hybrid SSM with streaming sessions (a session record keeps its mamba "
+                                        "slot between turns: session_held_mamba_slots; StreamingSession frees it "
+                                        "at close), 24 mamba slots, 32-token chunks, page 1",
+                {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32,
                  "enable_streaming_session": True, "context_len": 96}),
     ]
 }

@@ -154,6 +154,9 @@ class SglangDriver(SglangResults):
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         full = False  # running_batch.batch_is_full: once set, every later request must preempt
+        mamba = getattr(self.req_to_token_pool, "mamba_allocator", None)  # a hybrid SSM model's slots
+        if mamba is not None:  # pre-allocated for the matches' copy-on-write, the unused returned below
+            mamba.alloc_group_begin(len(self.waiting))
         for req in self.waiting:
             if adder.budget_state() == S.AddReqResult.OTHER:
                 break
@@ -171,7 +174,10 @@ class SglangDriver(SglangResults):
                 continue
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
                                  truncation_align_size=None) != S.AddReqResult.CONTINUE:
+                self._revert_mamba_match(req, adder)
                 break
+        if mamba is not None:
+            mamba.alloc_group_end()
         admitted = list(adder.can_run_list)
         # the admitted leave the queue first, then the preempted come back to it (even if nothing was
         # admitted), so the queue limit sees the queue SGLang's _add_request_to_queue sees
@@ -198,6 +204,17 @@ class SglangDriver(SglangResults):
         if decoding:
             return "extend", admitted + decoding, self.chunked_req, decoding
         return "extend", admitted, self.chunked_req
+
+    def _revert_mamba_match(self, req, adder) -> None:
+        """``get_new_batch_prefill``'s revert of a request the adder did not take: the match's deferred
+        copy-on-write is dropped and its fresh mamba slot freed (a session's is its own)."""
+        if adder.can_run_list and req is adder.can_run_list[-1]:
+            return
+        req.kv.mamba_cow_src_index = None
+        req.kv.mamba_needs_clear = False
+        if req.kv.holds_mamba and not getattr(req, "session", None):
+            self.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+            req.kv.mamba_pool_idx = None
 
     def _extend_batch(self, admitted: list):
         """``ScheduleBatch.init_new`` and ``prepare_for_extend``'s ``alloc_for_extend``."""

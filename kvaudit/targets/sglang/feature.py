@@ -156,6 +156,11 @@ class SglangFeature:
         ``out``; a path at 0 was not searched."""
         return out
 
+    def invariant_findings(self, out: list) -> list:
+        """``Target.invariant_findings``: this mode's own invariant violations (``TargetFinding``), checked
+        after every step; added to ``out``."""
+        return out
+
 
 class SglangLoop(SglangFeature):
     """A feature that is a second driver (PD decode): its own event loop and message handling in place of

@@ -243,6 +243,7 @@ class SglangIntake(Target):
         for req in [r for r in self.waiting if r.rid.startswith(rid)]:
             self.waiting.remove(req)
             self._release_aborted_request(req)
+            self._release_queued_mamba(req)
             self.finished.add(req.rid)
         if self.grammar_manager is not None:  # set_finish_with_abort: it still runs one 1-token prefill
             self.grammar_manager.abort_requests(SimpleNamespace(abort_all=False, rid=rid))
@@ -250,6 +251,12 @@ class SglangIntake(Target):
             if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = self.S.FINISH_ABORT() if message is None else \
                     self.S.FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def _release_queued_mamba(self, req) -> None:
+        """``abort_request``'s "for mamba radix cache" step: a popped waiting request that holds a mamba
+        slot (taken by its match) is released with ``checkpoint=False``."""
+        if req.kv.holds_mamba:
+            self.S.common.release_kv_cache(req, self.tree_cache, checkpoint=False)
 
     def _pause_generation(self, mode: str) -> None:
         """``TokenizerManager.pause_generation``: ``abort`` aborts every request; ``in_place`` / ``retract``

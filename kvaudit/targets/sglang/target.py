@@ -42,6 +42,9 @@ def features(config: SglangConfig) -> list[type[SglangFeature]]:
     if config.sliding_window_size is not None:
         from kvaudit.targets.sglang.swa import SwaHybrid
         out.append(SwaHybrid)
+    if config.enable_mamba:
+        from kvaudit.targets.sglang.mamba import Mamba
+        out.append(Mamba)
     return out
 
 
@@ -299,6 +302,9 @@ class SglangTarget(SglangDriver, SglangObserver):
 
     def engine_check(self) -> list[str]:
         return self._fold("engine_check", super().engine_check())
+
+    def invariant_findings(self) -> list:
+        return self._fold("invariant_findings", super().invariant_findings())
 
     def reach(self) -> dict[str, int]:
         """The shared driver's counters (requests retracted, by decode retraction or priority preemption;
