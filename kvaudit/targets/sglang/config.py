@@ -537,6 +537,7 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-swa-session", "SWA hybrid with streaming sessions (a session's record keeps its SWA window "
                                       "across turns): an 8-token window, 256 full and 128 SWA slots, page 1",
                 {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5,
+                 "enable_streaming_session": True, "context_len": 96}),
         _preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): HybridReqToTokenPool with a "
                                 "24-slot MambaPool (3 per running request, as SGLang sizes it), HybridLinearKVPool, "
                                 "UnifiedRadixCache with its mamba component (copy-on-write at a prefix hit, states "
