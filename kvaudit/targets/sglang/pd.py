@@ -102,6 +102,18 @@ class _Streamer:
         pass
 
 
+def _result_processor(P, o, metrics, streamer):
+    """The decode server's ``SchedulerBatchResultProcessor`` over ``o``'s pools and tree (what its prebuilt
+    batches' results go through)."""
+    return P.SchedulerBatchResultProcessor(
+        is_generation=True, disaggregation_mode=P.DisaggregationMode.DECODE, enable_overlap=False,
+        enable_overlap_mlx=False, model_config=o.model_config, token_to_kv_pool_allocator=o.allocator,
+        tree_cache=o.tree_cache, hisparse_coordinator=None, req_to_token_pool=o.req_to_token_pool,
+        decode_offload_manager=None, metrics_collector=None, metrics_reporter=metrics, draft_worker=None,
+        model_worker=None, logprob_result_processor=None, output_streamer=streamer, beam_coordinator=None,
+        abort_request=None)
+
+
 class PdDecode(SglangLoop):
     """The decode server of PD disaggregation, a second driver. A third pool, ``metadata_buffers``: the
     ``ReqToMetadataIdxAllocator`` slots (slot ``i`` is unit ``i + 1``) a request holds from
@@ -162,12 +174,7 @@ class PdDecode(SglangLoop):
             future_map=P.FutureMap(config.device, S.SpeculativeAlgorithm.NONE, r2t),
             dp_attn_adapter=SimpleNamespace(maybe_prepare_mlp_sync_batch=lambda b: b), forward_ct=0,
             attn_tp_cpu_group=group.cpu_group, kv_checksum_computer=None, disagg_decode_prealloc_queue=None)
-        sched.batch_result_processor = P.SchedulerBatchResultProcessor(
-            is_generation=True, disaggregation_mode=P.DisaggregationMode.DECODE, enable_overlap=False,
-            enable_overlap_mlx=False, model_config=o.model_config, token_to_kv_pool_allocator=alloc, tree_cache=tree,
-            hisparse_coordinator=None, req_to_token_pool=r2t, decode_offload_manager=None, metrics_collector=None,
-            metrics_reporter=metrics, draft_worker=None, model_worker=None, logprob_result_processor=None,
-            output_streamer=streamer, beam_coordinator=None, abort_request=None)
+        sched.batch_result_processor = _result_processor(P, o, metrics, streamer)
         tq = P.decode.DecodeTransferQueue(req_to_metadata_buffer_idx_allocator=self.metadata_allocator,
                                           metadata_buffers=buffers, scheduler=sched, tree_cache=tree)
         # the two environment switches the queue read at construction
