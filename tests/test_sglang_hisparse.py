@@ -49,7 +49,6 @@ def full_counts(t):
 # -- config ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, text", [
     ({"enable_streaming_session": True}, "enable_streaming_session"),
-    ({"disaggregation_mode": "decode"}, "disaggregation_mode decode"),
     ({"enable_overlap": True}, "enable_overlap"),
     ({"hisparse_device_buffer_size": 24, "page_size": 16}, "multiple of page_size"),
     ({"hisparse_device_buffer_size": 256}, "below num_slots"),
