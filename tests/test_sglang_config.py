@@ -78,7 +78,7 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"bootstrap_lost_every": 3}, "bootstrap_lost_every .*disaggregation_mode prefill"),
     ({"bootstrap_timeout_steps": 0}, "bootstrap_timeout_steps"),
     ({"prefill_reads_after_failure": True}, "prefill_reads_after_failure .*disaggregation_mode prefill"),
-    ({"bugs": frozenset({"prefill-skip-failed-release"})}, "prefill-skip-failed-release is for --preset sglang-pd-prefill"),
+    ({"bugs": frozenset({"prefill-skip-failed-release"})}, "prefill-skip-failed-release is for the sglang-pd-prefill presets"),
     ({"disaggregation_mode": "decode", "enable_overlap": True}, "enable_overlap"),
     ({"abort_ack_steps": -1}, "abort_ack_steps"),
     ({"transfer_latency_steps": 1.5}, "transfer_latency_steps"),

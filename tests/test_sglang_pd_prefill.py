@@ -131,6 +131,8 @@ def test_a_lost_bootstrap_times_out_and_a_late_send_hits_the_waiting_timeout():
         assert run.apply(op) == []
     reach = run.target.reach()
     assert (reach["prefill_bootstrap_timeouts"], reach["prefill_transfers_done"]) == (1, 1) and full(run.target)
+    # a prefill server neither decodes nor runs the batch result processor the shared counters count
+    assert not {"retractions", "sglang_result_batches", "aborts_processed"} & set(reach)
     run.close()
     run = AuditedRun(cfg(num_slots=32, transfer_latency_steps=6, waiting_timeout_steps=2))
     for op in [Submit(0, 24, 2), Submit(1, 20, 2), Idle()]:
@@ -145,7 +147,7 @@ def test_the_prefill_fault_is_refused_off_the_prefill_server():
     r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--bug", "prefill-skip-failed-release",
                "--max-time", "1")
     assert r.exit_code == 2, r.output
-    assert "prefill-skip-failed-release is for --preset sglang-pd-prefill" in one_error_line(r)
+    assert "prefill-skip-failed-release is for the sglang-pd-prefill presets" in one_error_line(r)
 
 
 def test_the_prefill_fault_leaks_the_failed_transfers_request_and_only_with_it():

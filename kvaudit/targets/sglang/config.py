@@ -250,7 +250,7 @@ class SglangConfig(ConfigBase):
                                  "disaggregation_mode prefill")
             if self.bugs & PREFILL_ONLY_FAULTS:
                 fault = sorted(self.bugs & PREFILL_ONLY_FAULTS)[0]
-                raise ValueError(f"fault {fault} is for --preset sglang-pd-prefill only (it needs the PD prefill "
+                raise ValueError(f"fault {fault} is for the sglang-pd-prefill presets only (it needs the PD prefill "
                                  "server: disaggregation_mode prefill)")
             if n is not None:
                 raise ValueError("bootstrap_lost_every plays the decode peer of a prefill server: it needs "

@@ -446,6 +446,10 @@ class PdPrefill(SglangLoop):
                 f"available={self.target.allocator.available_size()}")
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
-        """The prefill path's counters; the chunk ones only under chunked prefill (none are sent without it)."""
+        """The prefill path's counters; the chunk ones only under chunked prefill (none are sent without it).
+        The shared driver's ``retractions``, ``sglang_result_batches`` and ``aborts_processed`` are left out: a
+        prefill server never decodes, and its results go through SGLang's ``process_batch_result_disagg_prefill``,
+        not the batch result processor those count (so the output-after-abort check has nothing to see here)."""
         chunked = self.target.config.chunked_prefill_size is not None
-        return {**out, **{k: v for k, v in self.counts.items() if chunked or "chunk" not in k}}
+        shared = {k: v for k, v in out.items() if k not in ("retractions", "sglang_result_batches", "aborts_processed")}
+        return {**shared, **{k: v for k, v in self.counts.items() if chunked or "chunk" not in k}}
