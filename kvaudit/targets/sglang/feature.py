@@ -186,3 +186,10 @@ class SglangLoop(SglangFeature):
 
     def continue_generation(self) -> None:
         """Before the shared ``continue_generation`` sends the held requests."""
+
+    def active(self, reqs: list) -> list:
+        """Every request the server holds: each of this loop's ``place_groups``' requests, once."""
+        out = []
+        for _, group in self.place_groups(()):
+            out += [r for r in group if not any(r is x for x in out)]
+        return out

@@ -384,13 +384,6 @@ class PdDecode(SglangLoop):
                 ("waiting", self.sched.waiting_queue), ("running", self.sched.running_batch.reqs),
                 ("retracted", pq.retracted_queue))
 
-    def active(self, reqs: list) -> list:
-        """Every request the decode server knows, once each."""
-        out = []
-        for _, group in self.place_groups(()):
-            out += [r for r in group if not any(r is x for x in out)]
-        return out
-
     def roots(self, out: list, aborting: bool) -> list:
         """Also each metadata slot's holder (a decode request before its commit, or a deferred release)."""
         held = [(dr.req.rid, dr.metadata_buffer_index) for dr in self.prealloc_queue.queue + self.transfer_queue.queue]

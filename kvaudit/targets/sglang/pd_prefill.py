@@ -402,13 +402,6 @@ class PdPrefill(SglangLoop):
         return (("bootstrap", list(self.bootstrap_queue.queue)), ("chunked", chunked),
                 ("waiting", list(self.target.waiting)), ("inflight", list(self.sched.disagg_prefill_inflight_queue)))
 
-    def active(self, reqs: list) -> list:
-        """Every request the prefill server holds, once each."""
-        out = []
-        for _, group in self.place_groups(()):
-            out += [r for r in group if not any(r is x for x in out)]
-        return out
-
     def roots(self, out: list, aborting: bool) -> list:
         """Also each metadata slot's holder, and the source pages of each chunk on the wire (shared: the
         request's own root names them too while it holds them)."""
