@@ -9,7 +9,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import inspect
-import json
 import logging
 import os
 import sys
@@ -261,8 +260,8 @@ def publish_server_args(config, **extra):
     reads it process-wide through ``get_schedule()``, ``get_memory()``...)."""
     S = load()
     extra.setdefault("radix_eviction_policy", config.radix_eviction_policy)
-    if config.radix_eviction_policy_config is not None:
-        extra.setdefault("radix_eviction_policy_config", json.loads(config.radix_eviction_policy_config))
+    if config.radix_eviction_policy_kwargs is not None:
+        extra.setdefault("radix_eviction_policy_config", config.radix_eviction_policy_kwargs)
     sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, grammar_backend=GRAMMAR_BACKEND,
                       schedule_low_priority_values_first=config.schedule_low_priority_values_first, **extra)
     S.set_global_server_args_for_scheduler(sa)
@@ -306,8 +305,7 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     hybrid = dict(hybrid or {})
     ctx_fields = {k: hybrid.pop(k) for k in ("is_hybrid_swa", "is_hybrid_ssm", "full_tokens_per_layer") if k in hybrid}
     # the eviction policy, as kv_cache_builder passes the published --radix-eviction-policy(-config)
-    policy = config.radix_eviction_policy
-    policy_config = json.loads(config.radix_eviction_policy_config) if config.radix_eviction_policy_config else None
+    policy, policy_config = config.radix_eviction_policy, config.radix_eviction_policy_kwargs
     params = S.CacheInitParams(disable=disable_radix_cache, req_to_token_pool=req_to_token_pool,
                                token_to_kv_pool_allocator=allocator, page_size=ps, tree_core_backend=config.tree_core,
                                eviction_policy=policy, eviction_policy_config=policy_config, **hybrid)

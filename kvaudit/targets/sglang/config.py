@@ -267,6 +267,13 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"disaggregation_mode prefill is driven without {clash[0]} in this version "
                              "(event_loop_normal_disagg_prefill only)")
 
+    @property
+    def radix_eviction_policy_kwargs(self) -> dict | None:
+        """``radix_eviction_policy_config`` parsed: the policy's keyword arguments (checked in ``__post_init__``)."""
+        import json
+        text = self.radix_eviction_policy_config
+        return None if text is None else json.loads(text)
+
     def _check_eviction_policy(self) -> None:
         if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
             raise ValueError(f"radix_eviction_policy must be one of {', '.join(RADIX_EVICTION_POLICIES)}, "
@@ -406,6 +413,12 @@ def _preset(name: str, description: str, overrides: dict) -> Preset:
     return Preset(name, description, overrides, config_class=SglangConfig)
 
 
+# sglang-hicache-l3's settings, which its -timeout and -fail variants change in one or two fields
+_HICACHE_L3 = {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
+               "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
+               "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
+               "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8}
+
 SGLANG_PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -467,10 +480,7 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                      "threshold); storage operations run on a step-driven stand-in of the storage "
                                      "threads one step after they are queued; the host pool's leak check needs "
                                      "--tree-core python",
-                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
-                 "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
-                 "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
-                 "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8}),
+                _HICACHE_L3),
         _preset("sglang-mixed", "mixed-style chunked prefill (--enable-mixed-chunk: running requests decode inside "
                                 "prefill batches, mix_with_running) with 16-token chunks under overlap scheduling, "
                                 "page 1",
@@ -499,19 +509,12 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                              "queued request waits for its storage prefetch at most 2 steps (the "
                                              "step clock as prefetch_timeout_base), then is admitted with what has "
                                              "landed; each storage operation takes 3 steps, so deadlines expire",
-                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
-                 "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
-                 "hicache_storage_backend": "file", "hicache_storage_ack_steps": 3,
-                 "hicache_storage_prefetch_policy": "timeout", "hicache_storage_prefetch_threshold": 8,
+                {**_HICACHE_L3, "hicache_storage_ack_steps": 3, "hicache_storage_prefetch_policy": "timeout",
                  "hicache_storage_prefetch_timeout_steps": 2}),
         _preset("sglang-hicache-l3-fail", "sglang-hicache-l3 over a failing storage backend: every third storage "
                                           "read or write fails whole (batch_get answers no page, batch_set False), "
                                           "so backups stop short and prefetches load nothing",
-                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
-                 "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
-                 "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
-                 "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8,
-                 "hicache_storage_fail_every": 3}),
+                {**_HICACHE_L3, "hicache_storage_fail_every": 3}),
         _preset("sglang-swa", "SWA hybrid (SWAKVPool, SWATokenToKVPoolAllocator, UnifiedRadixCache with its SWA "
                               "component): an 8-token sliding window, 256 full slots and 128 SWA slots, window "
                               "eviction every 4 tokens, page 1",
