@@ -188,8 +188,9 @@ class HiCacheL3(HiCache):
 
         def fails() -> bool:
             calls[0] += 1
-            self.storage_failures += calls[0] % every == 0
-            return calls[0] % every == 0
+            failed = calls[0] % every == 0
+            self.storage_failures += failed
+            return failed
 
         backend.batch_get = lambda keys, *a, **k: [None] * len(keys) if fails() else get(keys, *a, **k)
         backend.batch_set = lambda keys, *a, **k: False if fails() else put(keys, *a, **k)
