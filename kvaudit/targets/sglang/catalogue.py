@@ -59,6 +59,21 @@ BUGS: tuple[HistoryBug, ...] = (
               "1-token check lands from the fake bootstrap host, admit_request_direct gives it a device buffer "
               "and process_batch_result_prebuilt finishes it with release_kv_cache alone; every check leaks a "
               "padded device buffer (two 64-token pages) and its host slot"),
+    # the current driver family (0.5.22 and 0.5.23); a correctness bug, not a leak: SGLang's own integrity check
+    # aborts a request whose KV kvaudit tracked as intact (kvaudit/targets/sglang/pd_checksum.py)
+    HistoryBug(
+        id="sglang-39500", engine="sglang",
+        title="a PD decode server run with --disaggregation-enable-kv-checksum verifies a transfer's KV digest again "
+              "at every join: a request retracted under memory pressure and restored from its host backup is "
+              "re-digested after decode has written its own tokens into its last prompt page, and a healthy "
+              "request is aborted with 'KV checksum mismatch' (a 500; in CI the scheduler raises)",
+        sources=("sgl-project/sglang#39500",), buggy="0.5.22", fixed="0.5.23", clean_because="fix",
+        preset="sglang-pd-decode", config={"num_slots": 128}, finding="accounting-drift", check="spurious-abort",
+        reach="a PD decode server with the opt-in KV checksum (#39500) and the default cpu_tensor retraction backup: "
+              "any request whose prompt does not end on a page boundary, retracted by decode when the pool runs "
+              "short (retract_decode) and resumed (resume_retracted_reqs): at its next prebuilt batch "
+              "_verify_kv_checksums digests the prompt's pages again, now holding decode's tokens, and "
+              "_handle_kv_checksum_mismatch aborts it"),
 )
 
 # what a release's overlay installs beside it (--no-deps): SGLang 0.5.11 registers 'qwen3_asr', which

@@ -15,6 +15,7 @@ from kvaudit.targets.base import PoolSpec
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
+from kvaudit.targets.sglang.pd_checksum import ChecksumWatch
 from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, fake_backend, install_metadata_pool,
                                                  metadata_accounting, metadata_free_list, metadata_pool, metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
@@ -24,17 +25,11 @@ _PD = None
 
 
 def _checksum_on(config: SglangConfig, version: str) -> bool:
-    """Whether the decode server verifies PD KV checksums (``--disaggregation-enable-kv-checksum``): from
-    0.5.23 (compat change ``kv-checksum-signature``), whose digest of the pages past decode's prefix, with
-    a layout signature, kvaudit's transfer stand-in plays (``pd_transfer.Network.land``). 0.5.22's digest
-    of the whole prompt from page 0 is not played: off there, and ``kv_checksum_mismatch_every`` is
-    refused. Raises :class:`SglangUnavailable`."""
-    if compat.has("kv-checksum-signature", version):
-        return True
-    if config.kv_checksum_mismatch_every is not None:
-        raise SglangUnavailable(f"kv_checksum_mismatch_every needs SGLang 0.5.23's PD KV checksum (digest past "
-                                f"decode's prefix, with a layout signature); {version}'s is not played")
-    return False
+    """Whether the decode server verifies PD KV checksums (``--disaggregation-enable-kv-checksum``): always.
+    kvaudit's transfer stand-in plays both releases' digests (``pd_transfer.Network.land``): 0.5.23's of the
+    pages past decode's prefix with a layout signature (compat change ``kv-checksum-signature``), and
+    0.5.22's of the whole prompt from page 0, with no signature (the same pages: decode's tree is off)."""
+    return True
 
 
 def load_pd() -> SimpleNamespace:
@@ -193,6 +188,8 @@ class PdDecode(SglangLoop):
             P.decode.KvChecksumComputer = real_computer
         pq.kv_manager = manager_cls(pq.kv_manager.kv_args, P.DisaggregationMode.DECODE, sa, False)
         self.network.checksums, self.network.metadata_buffers = sched.kv_checksum_computer, buffers
+        sched.kv_checksum_computer.kv = alloc.get_kvcache()
+        self.watch = ChecksumWatch(sched, self.network, r2t.req_to_token, config.page_size)
         # prefill's layout is this decode's (0.5.22 has no signature: compat change kv-checksum-signature)
         self.network.signature = pq.kv_checksum_signature if compat.has("kv-checksum-signature", S.version) else 0
         # kvaudit's corruption is injected, as SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB's: no CI raise
@@ -372,6 +369,7 @@ class PdDecode(SglangLoop):
         if batch.is_empty():
             return batch
         batch.prepare_for_decode()
+        self.network.decoded(batch)
         return batch
 
     def inflight(self, reqs: list) -> list:
@@ -392,6 +390,15 @@ class PdDecode(SglangLoop):
 
     def accounting(self, out: dict) -> dict:
         return metadata_accounting(out, self.metadata_allocator)
+
+    def invariant_findings(self, out: list) -> list:
+        """A request the KV checksum aborted while its KV was intact (:class:`ChecksumWatch`)."""
+        return out + self.watch.findings[:1]
+
+    def reach(self, out: dict[str, int]) -> dict[str, int]:
+        """The checksum's verifications and re-verifications (:meth:`ChecksumWatch.reach`), and retractions."""
+        out["pd_decode_retractions"] = self.target.retractions
+        return self.watch.reach(out)
 
     def free_lists(self, out: dict) -> dict:
         return metadata_free_list(out, self.metadata_allocator)

@@ -14,32 +14,70 @@ import torch
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 
 
-def page_digest(words: list[int]) -> int:
-    """A 32-bit digest of page words, never 0 (which marks "no digest" in a metadata row)."""
-    raw = hashlib.blake2b(repr(words).encode(), digest_size=4).digest()
+def page_digest(content: bytes) -> int:
+    """A 32-bit digest of page content, never 0 (which marks "no digest" in a metadata row)."""
+    raw = hashlib.blake2b(content, digest_size=4).digest()
     return int.from_bytes(raw, "big") | 1
+
+
+TAG_WIDTH = 4  # int16 words of a token's tag, at the head of its K vector in every layer
+
+
+def kv_tags(rooms, positions) -> torch.Tensor:
+    """``[n]`` bootstrap rooms and ``[n]`` token positions (or one room for all) -> ``[n, TAG_WIDTH]`` int16:
+    the KV kvaudit writes for that token of that request (prefill's and decode's forward compute the same
+    KV for it). 14-bit chunks keep each word a finite bfloat16 bit pattern."""
+    pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    room = torch.as_tensor(rooms, dtype=torch.int64).reshape(-1).expand(pos.numel())
+    return torch.stack([(room >> 14) & 0x3FFF, room & 0x3FFF, (pos >> 14) & 0x3FFF, pos & 0x3FFF], 1).to(torch.int16)
+
+
+def write_kv(kv, slots: torch.Tensor, tags: torch.Tensor) -> None:
+    """Write ``[n, TAG_WIDTH]`` tags into ``[n]`` slots of ``kv`` (SGLang's ``MHATokenToKVPool``), every layer's K:
+    what a transfer or a forward pass leaves there. SGLang's own copies (``get_cpu_copy`` /
+    ``load_cpu_copy`` of a retraction's ``cpu_tensor`` backup) move it as they move real KV."""
+    for buf in kv.k_buffer:
+        buf.view(torch.int16)[slots, 0, :TAG_WIDTH] = tags
+
+
+def read_kv(kv, slots: torch.Tensor) -> torch.Tensor:
+    """``[n]`` slots -> their ``[n, TAG_WIDTH]`` tags (layer 0's K)."""
+    return kv.k_buffer[0].view(torch.int16)[slots, 0, :TAG_WIDTH]
+
+
+def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[p]`` page indices -> the ``[p * page_size]`` slots they hold, in order."""
+    return (pages.reshape(-1, 1).to(torch.int64) * page_size + torch.arange(page_size)).reshape(-1)
 
 
 class KvChecksums:
     """Stand-in for SGLang's CUDA ``KvChecksumComputer`` (``disaggregation/checksum.py``), built by
-    ``DecodePreallocQueue.__init__`` in its place: a page's content is the word the wire last wrote
-    into it (``pages``), and ``compute`` digests those words; ``calls`` counts the verifications."""
+    ``DecodePreallocQueue.__init__`` in its place: ``compute`` digests whole pages of the decode server's
+    KV pool (``kv``, SGLang's ``MHATokenToKVPool`` on CPU: every layer's K and V), as the CUDA kernel does;
+    ``calls`` counts the verifications."""
 
     def __init__(self, **gpu_buffers):
-        self.pages: dict[int, int] = {}
+        self.kv = None  # set once the pools are built (PdDecode.build)
         self.calls = 0
 
     def compute(self, kv_page_indices, state_indices=None) -> int:
         """``[num_pages]`` int64 page indices (``page_indices_for_request``) -> digest; ``state_indices``
         is None for this pool (no SWA / mamba state)."""
         self.calls += 1
-        return page_digest([self.pages.get(int(p), 0) for p in kv_page_indices.tolist()])
+        return self.digest(kv_page_indices)
+
+    def digest(self, pages: torch.Tensor) -> int:
+        """The digest of ``[p]`` pages' content (what prefill's computer gives over the same content)."""
+        slots = page_slots(pages, self.kv.page_size)
+        data = [buf[slots].view(torch.int16) for buf in list(self.kv.k_buffer) + list(self.kv.v_buffer)]
+        return page_digest(torch.stack(data).numpy().tobytes())
 
 
 class Network:
     """The prefill server and the wire: a transfer lands ``latency`` steps after it is sent (the prompt's
-    KV words into its pages, prefill's digest into its metadata row; every ``mismatch_every``-th one
-    corrupted after the digest); an abort notification is acked after ``ack_steps`` steps, or never."""
+    KV into its pages, prefill's digest into its metadata row; every ``mismatch_every``-th one corrupted
+    after the digest); an abort notification is acked after ``ack_steps`` steps, or never. ``sent``:
+    bootstrap room -> (transfers landed for it, the last one's digest)."""
 
     def __init__(self, latency: int, ack_steps: int | None, mismatch_every: int | None, page_size: int):
         self.latency, self.ack_steps = latency, ack_steps
@@ -50,6 +88,7 @@ class Network:
         self.landed = self.corrupted = 0
         self.checksums = self.metadata_buffers = None  # set once the prealloc queue is built
         self.signature = 0
+        self.sent: dict[int, tuple[int, int]] = {}
 
     def tick(self) -> None:
         self.step += 1
@@ -62,19 +101,35 @@ class Network:
             rx.kv_mgr.note_abort_ack(rx.bootstrap_room, 0, rx._abort_generation)
 
     def land(self, rx) -> None:
-        """The transfer to ``rx`` completes. Prefill digests the prompt's pages past the prefix decode holds;
-        a re-bootstrap's replayed output pages are sent, not digested."""
+        """The transfer to ``rx`` completes: its pages are copied whole (prefill's page tails past the sent
+        tokens hold nothing of this request: zeros), then prefill's digest of the prompt's pages past the
+        prefix decode holds. (0.5.22 digests the whole prompt from page 0: the same pages, decode's tree
+        being off under PD, so its prefix is 0.) A re-bootstrap's replayed output is sent and digested with
+        the prompt (the prefill request's ``origin_input_ids``)."""
         self.landed += 1
-        words = [(rx.bootstrap_room << 16) + i + 1 for i in range(len(rx.page_indices))]
-        digested = -(-(rx.prompt_len - rx.decode_prefix_len) // self.page_size)
-        digest = page_digest(words[:digested])
-        if self.mismatch_every and self.landed % self.mismatch_every == 0 and words:
-            words[0] ^= 1
-            self.corrupted += 1
-        if self.checksums is not None:  # None: the decode server verifies no checksum (pd._checksum_on)
-            self.checksums.pages.update(zip(rx.page_indices, words))
+        if self.checksums is not None:  # None: the decode server verifies no checksum
+            ps, kv = self.page_size, self.checksums.kv
+            pages = torch.as_tensor(rx.page_indices, dtype=torch.int64)
+            slots = page_slots(pages, ps)
+            pos = torch.arange(slots.numel()) + rx.decode_prefix_len
+            tags = kv_tags(rx.bootstrap_room, pos)
+            tags[pos >= rx.prompt_len] = 0
+            write_kv(kv, slots, tags)
+            digest = self.checksums.digest(pages[:-(-(rx.prompt_len - rx.decode_prefix_len) // ps)])
+            if self.mismatch_every and self.landed % self.mismatch_every == 0 and slots.numel():
+                write_kv(kv, slots[:1], tags[:1] ^ 1)  # the wire flips a bit of the first token's KV
+                self.corrupted += 1
+            self.sent[rx.bootstrap_room] = (self.sent.get(rx.bootstrap_room, (0, 0))[0] + 1, digest)
             self.metadata_buffers.kv_checksum[rx.aux_index, :2] = torch.tensor([digest, self.signature])
         rx.has_sent_metadata = True
+
+    def decoded(self, batch) -> None:
+        """A decode forward over ``batch`` (after ``prepare_for_decode``) writes each request's newest
+        token's KV at its ``out_cache_loc`` (position ``seq_len - 1``)."""
+        if self.checksums is None or not batch.reqs:
+            return
+        rooms = torch.tensor([r.bootstrap_room for r in batch.reqs], dtype=torch.int64)
+        write_kv(self.checksums.kv, batch.out_cache_loc.to(torch.int64), kv_tags(rooms, batch.seq_lens.cpu() - 1))
 
 
 def fake_backend(P, network: Network):
