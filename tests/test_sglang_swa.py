@@ -148,8 +148,8 @@ def test_sglang_36458_a_chunked_prefill_pins_the_chunk_caches_swa_pool_under_ove
 
 
 # -- the live window at a key's end -----------------------------------------------------------------
-UNALIGNED_DECODE = [Submit(family=0, prompt_len=4, max_new_tokens=14), Submit(family=1, prompt_len=9, max_new_tokens=21),
-                    Idle()]
+UNALIGNED_DECODE = [Submit(family=0, prompt_len=4, max_new_tokens=14),
+                    Submit(family=1, prompt_len=9, max_new_tokens=21), Idle()]
 
 
 @pytest.mark.parametrize("core", CORES)

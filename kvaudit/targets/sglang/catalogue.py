@@ -73,11 +73,11 @@ BUGS: tuple[HistoryBug, ...] = (
         preset="sglang-swa-unaligned", finding="unmatchable-prefix", check="swa-window-at-key-end",
         signature="/swa_token_to_kv_pool/",
         reach="one request on an SWA hybrid model with --page-size > 1 where (window + 1) mod page >= 2: SGLang's "
-              "window is the config's (MiMo-V2 128, Llama 4's 8192 chunk) or the config's minus one (gpt-oss 127, "
-              "Gemma 4095), so power-of-two pages are safe and a page such as 48 or an odd window is not. A prompt "
-              "whose page-floored length lies less than a window past floor(length - 1 - window) (the prefill's "
-              "checkpoint frees out of window by default, SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS), or a "
-              "decode that stops so after its last window eviction: checkpoint_into_tree's re-match refuses the "
+              "window is the config's (MiMo-V2, Llama 4's 8192 chunk) or the config's minus one (gpt-oss 127, "
+              "Gemma 4095), so those models at power-of-two pages are safe; another page size or window is not. "
+              "A prompt whose page-floored length lies less than a window past floor(length - 1 - window) (the "
+              "prefill's checkpoint frees out of window by default: SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS), "
+              "or a decode that stops so after its last window eviction: checkpoint_into_tree's re-match refuses the "
               "short live tail and cache_protected_len stays behind the inserted key"),
 )
 

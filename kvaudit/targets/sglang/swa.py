@@ -273,9 +273,9 @@ class SwaHybrid(SglangFeature):
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
         """``swa_window_evictions`` (a running request's out-of-window slots freed), ``swa_window_tokens``,
-        ``swa_tree_evicted`` (SWA tokens the tree's eviction freed, tombstoning nodes) and ``swa_keys_window_checked``
-        (inserted keys with a tombstone on their path, checked by :meth:`_check_key_window`; neither with the radix cache off,
-        where there is no tree)."""
+        ``swa_tree_evicted`` (SWA tokens the tree's eviction freed, tombstoning nodes) and
+        ``swa_keys_window_checked`` (inserted keys with a tombstone on their path, checked by
+        :meth:`_check_key_window`); the last two not with the radix cache off, where there is no tree."""
         out.update(swa_window_evictions=self.window_evictions, swa_window_tokens=self.window_tokens)
         if not self.target.tree_cache.disable:
             out["swa_tree_evicted"] = self.tree_evicted
