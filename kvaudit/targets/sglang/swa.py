@@ -131,12 +131,14 @@ class SwaHybrid(SglangFeature):
         ``checkpoint_into_tree``): a key whose path holds an SWA tombstone must end with at least a window of
         live SWA (the SWA component's ``sliding_window_size``), or SGLang's own match validator
         (``unified_cache/components/swa.py``, ``SWAComponent.create_match_validator``) refuses every match
-        ending there: the next request with this prefix re-prefills it, and the tail's live SWA serves no match
-        until the tree evicts it. SGLang 0.5.23 promises it (``common.free_swa_out_of_window_slots`` keeps
-        ``ceil_align(max(window, page), page)`` tokens "so a key that ends at page_floor(pre_len) still has a
-        full window of live SWA"); 0.5.22 kept ``max(window, page)``, short when the page does not divide the
-        window. Reads the tree through ``tree_core.swa_tombstone_ranges`` (both tree cores; no split, no LRU
-        touch). A HiCache tree is not checked (a host-only SWA copy also passes the validator).
+        ending there, the re-match ``checkpoint_into_tree`` runs right after its insert included: the request's
+        ``cache_protected_len`` then stays behind the key, and it keeps as its own (aliasing) or later frees
+        (use-after-free) KV the tree took. SGLang 0.5.23 promises it (``common.free_swa_out_of_window_slots``
+        keeps ``ceil_align(max(window, page), page)`` tokens "so a key that ends at page_floor(pre_len) still
+        has a full window of live SWA"); 0.5.22 kept ``max(window, page)``, short where
+        ``(window + 1) % page >= 2``. Reads the tree through ``tree_core.swa_tombstone_ranges`` (both tree
+        cores; no split, no LRU touch). A HiCache tree is not checked (a host-only SWA copy also passes the
+        validator).
         ``key``: the inserted ``RadixKey`` (page-aligned); ``values``: its full slots ``[len(key)]``."""
         cache = self.target.tree_cache
         if getattr(cache, "enable_hicache", False):
@@ -154,8 +156,9 @@ class SwaHybrid(SglangFeature):
         self.short_keys.append(TargetFinding(
             "unmatchable-prefix", SWA_POOL, self._swa_units(tail),
             f"a {n}-token key was cached with {live} live SWA token(s) after its tombstone {list(tombs[-1])}, "
-            f"fewer than the {window}-token window: SGLang's match validator refuses a match ending there, so a "
-            f"request with this prefix re-prefills it, and those SWA slots serve no match until evicted",
+            f"fewer than the {window}-token window: SGLang's match validator refuses a match ending there, the "
+            f"re-match after the insert included, so the inserting request's cache_protected_len stays behind "
+            f"the KV the tree took",
             check="swa-window-at-key-end"))
 
     def invariant_findings(self, out: list) -> list:
