@@ -24,7 +24,7 @@ def test_presets_cover_the_configurations():
                                    "sglang-pd-prefill", "sglang-pd-prefill-chunked", "sglang-pd-prefill-reads",
                                    # SWA hybrid
                                    "sglang-swa", "sglang-swa-chunked", "sglang-swa-small", "sglang-swa-paged",
-                                   "sglang-swa-chunkcache", "sglang-swa-session",
+                                   "sglang-swa-chunkcache", "sglang-swa-session", "sglang-swa-unaligned",
                                    # Mamba
                                    "sglang-mamba", "sglang-mamba-small", "sglang-mamba-overlap", "sglang-mamba-session",
                                    }

@@ -1,6 +1,7 @@
-"""SGLang's legacy driver family (kvaudit/targets/sglang/legacy.py) on the releases of the history suite's
-SGLang bugs: each catalogue entry's known program -- the minimized program ``kvaudit fuzz --fuzzer random``
-found on the buggy release -- finds the bug there and replays clean on the fixing release.
+"""SGLang's driver families (the legacy one, kvaudit/targets/sglang/legacy.py, and the current one) on the
+releases of the history suite's SGLang bugs: each catalogue entry's known program -- the minimized program
+``kvaudit fuzz --fuzzer random`` found on the buggy release -- finds the bug there and replays clean on the
+fixing release.
 
 One process imports one SGLang, so the releases run in child processes with their overlay first on
 ``PYTHONPATH``; a test whose overlay is missing skips with the install command. The tests without an

@@ -4,7 +4,9 @@ SWATokenToKVPoolAllocator and UnifiedRadixCache with its SWA component, driven o
 * objects come from SGLang's constructors; the SWA pool is a pool of its own in the audit;
 * running requests' windows slide (out-of-window slots freed) and the tree evicts SWA, counted by reach;
 * the planted fault swa-skip-window-free is found and minimized, and refused off the SWA presets;
-* sglang#36458 (a chunked prefill pinning the SWA pool of a chunk cache under overlap) reproduces.
+* sglang#36458 (a chunked prefill pinning the SWA pool of a chunk cache under overlap) reproduces;
+* the swa-window-at-key-end oracle: each inserted key keeps a window of live SWA at its end (SGLang
+  0.5.22's shortfall, the history row sglang-swa-evict-page-round, is in test_sglang_releases.py).
 
 Skipped where SGLang 0.5.23 is not installed.
 """
@@ -44,8 +46,10 @@ def test_incompatible_swa_settings_are_refused(kw, text):
 def test_the_swa_presets():
     assert {p for p in SGLANG_PRESETS if p.startswith("sglang-swa")} == {
         "sglang-swa", "sglang-swa-chunked", "sglang-swa-small", "sglang-swa-paged", "sglang-swa-chunkcache",
-        "sglang-swa-session"}
+        "sglang-swa-session", "sglang-swa-unaligned"}
     assert cfg("sglang-swa-paged").page_size > cfg("sglang-swa-paged").sliding_window_size
+    un = cfg("sglang-swa-unaligned")  # neither the window nor one past it is a page multiple
+    assert 1 < un.page_size < un.sliding_window_size and (un.sliding_window_size + 1) % un.page_size >= 2
     chunked = cfg("sglang-swa-chunked")
     assert chunked.enable_overlap and chunked.chunked_prefill_size == 16
     cc = cfg("sglang-swa-chunkcache")
@@ -141,3 +145,43 @@ def test_sglang_36458_a_chunked_prefill_pins_the_chunk_caches_swa_pool_under_ove
     assert [(f.kind, f.signature) for f in ex.findings] == [("liveness", "liveness/-/progress/chunked:holds-kv")]
     # without overlap the second chunk evicts the first's out-of-window slots and the prompt finishes
     assert execute(cfg("sglang-swa-chunkcache", enable_overlap=False), program, full_stacks=False).findings == []
+
+
+# -- the live window at a key's end -----------------------------------------------------------------
+UNALIGNED_DECODE = [Submit(family=0, prompt_len=4, max_new_tokens=14),
+                    Submit(family=1, prompt_len=9, max_new_tokens=21), Idle()]
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_every_inserted_key_keeps_a_window_of_live_swa_at_its_end(core):
+    """0.5.23 keeps ``ceil_align(max(window, page), page)`` tokens: the keys the finished requests insert
+    (tombstoned below their window) pass the check, and the tree holds their output past the prompt."""
+    findings, run = run_ops(cfg("sglang-swa-unaligned", core=core), UNALIGNED_DECODE)
+    try:
+        reached = run.target.reach()
+        assert findings == [] and reached["swa_window_evictions"] > 0 and reached["swa_keys_window_checked"] >= 2
+        assert run.target.accounting()["token_to_kv_pool"].evictable >= 32  # 16 + 28 tokens, page-floored
+    finally:
+        run.close()
+
+
+def test_an_eviction_that_keeps_less_than_the_trees_window_is_found(monkeypatch):
+    """The oracle can fail: SGLang's own window eviction, told a window 3 tokens short of the one the tree
+    matches by (the class of 0.5.22's page rounding), leaves keys whose end the tree's match refuses: the
+    check names it at the first such insert (the prefill's checkpoint)."""
+    from kvaudit.targets.sglang.boot import load
+
+    load()  # (SGLang's import shims)
+    from sglang.srt.mem_cache.unified_cache.components import swa as swa_component
+
+    evict = swa_component.free_swa_out_of_window_slots
+
+    def short(req, pre_len, *, sliding_window_size, **k):
+        return evict(req, pre_len, sliding_window_size=sliding_window_size - 3, **k)
+
+    monkeypatch.setattr(swa_component, "free_swa_out_of_window_slots", short)
+    ex = execute(cfg("sglang-swa-unaligned"), UNALIGNED_DECODE, full_stacks=False)
+    sigs = {f.signature for f in ex.findings}
+    assert any(s.startswith(f"unmatchable-prefix/{SWA}/") and s.endswith("/check:swa-window-at-key-end")
+               for s in sigs), sigs
+    assert "fewer than the 6-token window" in ex.findings[0].message

@@ -74,6 +74,26 @@ BUGS: tuple[HistoryBug, ...] = (
               "short (retract_decode) and resumed (resume_retracted_reqs): at its next prebuilt batch "
               "_verify_kv_checksums digests the prompt's pages again, now holding decode's tokens, and "
               "_handle_kv_checksum_mismatch aborts it"),
+    # the current family (0.5.22 and 0.5.23, kvaudit/targets/sglang/swa.py). No fixing PR found: the fix is the code
+    # diff of mem_cache/common.py (#29860 brought in max(window, page)). The check names the cause; what follows
+    # it in the same program is aliasing (after a prefill) or a use-after-free (at finish) of the tree's full KV
+    HistoryBug(
+        id="sglang-swa-evict-page-round", engine="sglang",
+        title="on an SWA hybrid model whose window and window + 1 are both off the page grid, the out-of-window SWA "
+              "eviction keeps max(window, page) tokens, not whole pages: the key a checkpoint inserts ends with "
+              "less than a window of live SWA, the match after the insert stops short of it, and the request "
+              "keeps as its own the KV the tree has just taken over (aliasing after a prefill; at finish "
+              "release_kv_cache frees it under the tree: use-after-free, and the idle memory check fails)",
+        sources=("sgl-project/sglang#29860",), buggy="0.5.22", fixed="0.5.23", clean_because="fix",
+        preset="sglang-swa-unaligned", finding="unmatchable-prefix", check="swa-window-at-key-end",
+        signature="/swa_token_to_kv_pool/",
+        reach="one request on an SWA hybrid model with --page-size > 1 where (window + 1) mod page >= 2: SGLang's "
+              "window is the config's (MiMo-V2, Llama 4's 8192 chunk) or the config's minus one (gpt-oss 127, "
+              "Gemma 4095), so those models at power-of-two pages are safe; another page size or window is not. "
+              "A prompt whose page-floored length lies less than a window past floor(length - 1 - window) (the "
+              "prefill's checkpoint frees out of window by default: SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS), "
+              "or a decode that stops so after its last window eviction: checkpoint_into_tree's re-match refuses the "
+              "short live tail and cache_protected_len stays behind the inserted key"),
 )
 
 # what a release's overlay installs beside it (--no-deps): SGLang 0.5.11 registers 'qwen3_asr', which

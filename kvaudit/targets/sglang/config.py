@@ -531,6 +531,10 @@ SGLANG_PRESETS: dict[str, Preset] = {
         _preset("sglang-swa-paged", "SWA hybrid with a page larger than the window: a 6-token window, 16-token "
                                     "pages, 512 full and 256 SWA slots",
                 {"sliding_window_size": 6, "num_slots": 512, "swa_full_tokens_ratio": 0.5, "page_size": 16}),
+        _preset("sglang-swa-unaligned", "SWA hybrid with a window whole pages do not cover, and one past it not "
+                                        "either (window + 1 = 3 mod the page): a 6-token window, 4-token pages, "
+                                        "256 full and 128 SWA slots",
+                {"sliding_window_size": 6, "num_slots": 256, "swa_full_tokens_ratio": 0.5, "page_size": 4}),
         _preset("sglang-swa-chunkcache", "SWA hybrid with the radix cache off (SGLang's chunk cache for SWA: "
                                          "--disable-radix-cache), 16-token chunks under overlap scheduling, an "
                                          "8-token window, 128 full slots and an SWA pool of 24, under two chunks "

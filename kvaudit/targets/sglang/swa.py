@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
+from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding, slot_pages
 from kvaudit.targets.sglang.boot import build, load, publish_server_args
 from kvaudit.targets.sglang.feature import SglangFeature
 
@@ -33,6 +33,8 @@ class SwaHybrid(SglangFeature):
         self.window_evictions = 0  # evict_sliding_windows calls that moved a request's SWA cursor
         self.window_tokens = 0  # tokens those calls took out of the window
         self.tree_evicted = 0  # SWA tokens the tree's eviction freed (EvictResult.swa_num_tokens_evicted)
+        self.keys_checked = 0  # inserted keys with a tombstone on their path, checked for a window at their end
+        self.short_keys = []  # TargetFindings of the swa-window-at-key-end check
         self.checker = None
 
     # -- construction ------------------------------------------------------------------------------
@@ -110,9 +112,58 @@ class SwaHybrid(SglangFeature):
 
         cache.evict_sliding_windows = evict_sliding_windows
         cache._evict = counted_evict
+        if not cache.disable:
+            insert = cache.insert
+
+            def checked_insert(params, *a, **k):
+                result = insert(params, *a, **k)
+                if params.key is not None and not getattr(result, "rotation_tail_declined", False):
+                    self._check_key_window(params.key, params.value)
+                return result
+
+            cache.insert = checked_insert
         if faulty:
             alloc.free_swa_segment = free_swa_segment
         self.checker = self._invariant_checker()
+
+    def _check_key_window(self, key, values) -> None:
+        """The ``swa-window-at-key-end`` oracle, after each tree insert (``UnifiedRadixCache.insert``, from
+        ``checkpoint_into_tree``): a key whose path holds an SWA tombstone must end with at least a window of
+        live SWA (the SWA component's ``sliding_window_size``), or SGLang's own match validator
+        (``unified_cache/components/swa.py``, ``SWAComponent.create_match_validator``) refuses every match
+        ending there, the re-match ``checkpoint_into_tree`` runs right after its insert included: the request's
+        ``cache_protected_len`` then stays behind the key, and it keeps as its own (aliasing) or later frees
+        (use-after-free) KV the tree took. SGLang 0.5.23 promises it (``common.free_swa_out_of_window_slots``
+        keeps ``ceil_align(max(window, page), page)`` tokens "so a key that ends at page_floor(pre_len) still
+        has a full window of live SWA"); 0.5.22 kept ``max(window, page)``, short where
+        ``(window + 1) % page >= 2``. Reads the tree through ``tree_core.swa_tombstone_ranges`` (both tree
+        cores; no split, no LRU touch). A HiCache tree is not checked (a host-only SWA copy also passes the
+        validator).
+        ``key``: the inserted ``RadixKey`` (page-aligned); ``values``: its full slots ``[len(key)]``."""
+        cache = self.target.tree_cache
+        if getattr(cache, "enable_hicache", False):
+            return
+        n = len(key)
+        tombs = cache.tree_core.swa_tombstone_ranges(key, 0, n)
+        if not tombs:
+            return
+        self.keys_checked += 1
+        window = cache.components[self._swa].sliding_window_size
+        live = n - tombs[-1][1]
+        if live >= window:
+            return
+        tail = torch.as_tensor(values)[tombs[-1][1]:n].to(torch.int64)
+        self.short_keys.append(TargetFinding(
+            "unmatchable-prefix", SWA_POOL, self._swa_units(tail),
+            f"a {n}-token key was cached with {live} live SWA token(s) after its tombstone {list(tombs[-1])}, "
+            f"fewer than the {window}-token window: SGLang's match validator refuses a match ending there, the "
+            f"re-match after the insert included, so the inserting request's cache_protected_len stays behind "
+            f"the KV the tree took",
+            check="swa-window-at-key-end"))
+
+    def invariant_findings(self, out: list) -> list:
+        """:meth:`_check_key_window`'s findings (the first of them: one bug per check)."""
+        return out + self.short_keys[:1]
 
     @property
     def _swa(self):
@@ -225,9 +276,11 @@ class SwaHybrid(SglangFeature):
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
         """``swa_window_evictions`` (a running request's out-of-window slots freed), ``swa_window_tokens``,
-        ``swa_tree_evicted`` (SWA tokens the tree's eviction freed, tombstoning nodes; not with the radix cache off,
-        where there is no tree)."""
+        ``swa_tree_evicted`` (SWA tokens the tree's eviction freed, tombstoning nodes) and
+        ``swa_keys_window_checked`` (inserted keys with a tombstone on their path, checked by
+        :meth:`_check_key_window`); the last two not with the radix cache off, where there is no tree."""
         out.update(swa_window_evictions=self.window_evictions, swa_window_tokens=self.window_tokens)
         if not self.target.tree_cache.disable:
             out["swa_tree_evicted"] = self.tree_evicted
+            out["swa_keys_window_checked"] = self.keys_checked
         return out
