@@ -232,3 +232,17 @@ def test_a_mixed_step_that_tracks_nothing_leaves_a_stale_donated_state(monkeypat
         assert "as the state after 8 tokens, but the slot was never written" in f.message
     finally:
         run.close()
+
+
+def test_a_session_record_under_the_extra_buffer_counts_its_track_slot_as_session_held():
+    """``session_held_mamba_slots`` is ``kv_mamba_slots`` per record: the state slot and the ping-pong
+    entries not empty; the identity holds once a turn has finished into its record."""
+    config = cfg("sglang-mamba-session", mamba_extra_buffer=True, max_running_requests=6)
+    findings, run = run_ops(config, [OpenSession(), Submit(0, 12, 2, session=0), Idle()])
+    t = run.target
+    try:
+        ((_, rec),) = mamba(t)._session_slots()
+        held = t.accounting()[POOL].session_held
+        assert findings == [] and rec.kv.mamba_ping_pong_track_buffer is not None and held == 2
+    finally:
+        run.close()

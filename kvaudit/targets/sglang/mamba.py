@@ -321,9 +321,10 @@ class Mamba(SglangFeature):
 
     def accounting(self, out: dict) -> dict:
         """``_get_mamba_token_info``'s counters: available, the tree's evictable and protected states,
-        ``session_held_mamba_slots``."""
+        ``session_held_mamba_slots`` (``kv_mamba_slots`` of each record: its state slot and, under the extra
+        buffer, its ping-pong entries not empty)."""
         cache = self.target.tree_cache
-        held = len(self._session_slots())
+        held = sum(len(_slot(s.kv)) for _, s in self._session_slots())
         return {**out, "mamba_pool": Accounting(self.slots.available_size(), cache.mamba_evictable_size(),
                                                 cache.mamba_protected_size(), held, self.slots.size)}
 
