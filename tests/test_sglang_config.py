@@ -27,6 +27,7 @@ def test_presets_cover_the_configurations():
                                    "sglang-swa-chunkcache", "sglang-swa-session", "sglang-swa-unaligned",
                                    # Mamba
                                    "sglang-mamba", "sglang-mamba-small", "sglang-mamba-overlap", "sglang-mamba-session",
+                                   "sglang-mamba-mixed",
                                    }
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \

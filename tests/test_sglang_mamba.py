@@ -182,3 +182,67 @@ def test_a_streaming_session_record_keeps_its_mamba_slot_between_turns_and_frees
         assert run.findings == [] and a.session_held == 0 and a.available + a.evictable == a.total
     finally:
         run.close()
+
+
+# -- the extra buffer: track snapshots under mixed chunk ----------------------------------------------
+MIXED = [Submit(0, 14, 4), Step(1), Submit(1, 10, 1), Idle()]  # r1's 10-token prefill rides r0's decode
+
+
+@pytest.mark.parametrize("kw, text", [
+    ({"enable_mamba": False}, "needs enable_mamba"),
+    ({"context_len": 256}, "track interval"),
+    ({"max_mamba_cache_size": 15}, "4 x max_running_requests"),
+])
+def test_incompatible_extra_buffer_settings_are_refused(kw, text):
+    with pytest.raises(ValueError, match=text):
+        cfg("sglang-mamba-mixed", **kw)
+
+
+def test_a_prefill_in_a_mixed_step_donates_the_state_its_forward_tracked():
+    findings, run = run_ops(cfg("sglang-mamba-mixed"), MIXED)
+    t = run.target
+    try:
+        m = mamba(t)
+        assert findings == [] and t.engine_check() == []
+        # r1's 10 tokens track the state after 8 (the mamba chunk) in the mixed forward, and finishing gives
+        # that slot to the tree: checked against the tag the stand-in kernel wrote
+        assert m.counts["mamba_track_writes_mixed"] == 1 and m.counts["mamba_track_donations"] >= 2
+        tree = t.tree_cache.all_mamba_values_flatten().tolist()
+        assert 8 in m.written[tree].tolist()
+    finally:
+        run.close()
+
+
+def test_a_mixed_step_that_tracks_nothing_leaves_a_stale_donated_state(monkeypatch):
+    """0.5.22's merge_batch drops the prefill rows' track fields: modelled here by a forward that writes
+    no snapshot in a mixed step; the donated slot then holds no state of its node's tokens."""
+    from kvaudit.targets.sglang.mamba import Mamba
+
+    forward = Mamba.forward
+
+    def mixed_writes_nothing(self, batch):
+        if batch.forward_mode != self.target.S.ForwardMode.MIXED:
+            forward(self, batch)
+
+    monkeypatch.setattr(Mamba, "forward", mixed_writes_nothing)
+    findings, run = run_ops(cfg("sglang-mamba-mixed"), MIXED)
+    try:
+        (f,) = findings
+        assert (f.kind, f.pool) == ("stale-kv", POOL) and f.signature.endswith("/mamba-track-state")
+        assert "as the state after 8 tokens, but the slot was never written" in f.message
+    finally:
+        run.close()
+
+
+def test_a_session_record_under_the_extra_buffer_counts_its_track_slot_as_session_held():
+    """``session_held_mamba_slots`` is ``kv_mamba_slots`` per record: the state slot and the ping-pong
+    entries not empty; the identity holds once a turn has finished into its record."""
+    config = cfg("sglang-mamba-session", mamba_extra_buffer=True, max_running_requests=6)
+    findings, run = run_ops(config, [OpenSession(), Submit(0, 12, 2, session=0), Idle()])
+    t = run.target
+    try:
+        ((_, rec),) = mamba(t)._session_slots()
+        held = t.accounting()[POOL].session_held
+        assert findings == [] and rec.kv.mamba_ping_pong_track_buffer is not None and held == 2
+    finally:
+        run.close()

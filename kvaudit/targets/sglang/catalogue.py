@@ -94,6 +94,19 @@ BUGS: tuple[HistoryBug, ...] = (
               "prefill's checkpoint frees out of window by default: SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS), "
               "or a decode that stops so after its last window eviction: checkpoint_into_tree's re-match refuses the "
               "short live tail and cache_protected_len stays behind the inserted key"),
+    # the current family (0.5.22 and 0.5.23 share the driver); the Mamba extra buffer (mamba.py)
+    HistoryBug(
+        id="sglang-39526", engine="sglang",
+        title="with --enable-mixed-chunk and the Mamba extra buffer, a prefill that rides a mixed step loses its "
+              "track fields in merge_batch: the forward writes no checkpoint state, yet the request's tracked "
+              "ping-pong slot is donated to the tree as the state of its prefix (a later prefix hit restores "
+              "a stale or never-written SSM state)",
+        sources=("sgl-project/sglang#39342", "sgl-project/sglang#39526"), buggy="0.5.22", fixed="0.5.23",
+        clean_because="fix", preset="sglang-mamba-mixed", finding="stale-kv", signature="/mamba-track-state",
+        reach="a hybrid SSM model (Qwen3-Next / GDN) served with --enable-mixed-chunk and --mamba-radix-cache-strategy "
+              "extra_buffer: a prompt (or its next chunk) of at least one mamba cache chunk arrives while other "
+              "requests decode; mix_with_running drops its mamba_track_indices, and its checkpoint or final "
+              "insert gives the tree the unwritten slot at mamba_last_track_seqlen"),
 )
 
 # what a release's overlay installs beside it (--no-deps): SGLang 0.5.11 registers 'qwen3_asr', which

@@ -35,6 +35,10 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("flush-send-output", "0.5.23",
            "SchedulerFlushWrapper(flush_cache, is_fully_idle, send_output): a deferred flush answers through "
            "a send_output callable; before (0.5.22), through ipc_channels.send_to_tokenizer.send_output"),
+    Change("mamba-track-position", "0.5.23",
+           "ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend returns the ping-pong position "
+           "(track_position) and prepare_for_extend gathers the slot ids from the pool's mapping; before "
+           "(0.5.22), the slot id itself (track_index)"),
     Change("kv-checksum-signature", "0.5.23",
            "PD KV checksum: prefill digests only the pages past the prefix decode holds and writes (digest, "
            "layout signature) to MetadataBuffers (set_kv_checksum(req, digest, signature)); decode verifies "

@@ -50,6 +50,8 @@ PREFILL_ONLY_FAULTS = frozenset({"prefill-skip-failed-release"})
 MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release", "mamba-free-donated"})
 # SGLang 0.5.23 kv_cache_configurator.MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO: mamba slots per running request
 MAMBA_SLOTS_PER_REQUEST = 3
+# SGLang's default --mamba-track-interval: a decode step snapshots a tracked state at its multiples (not driven)
+MAMBA_TRACK_INTERVAL = 256
 
 TREE_CORES = ("rust", "python")
 # --radix-eviction-policy (sglang/srt/arg_groups/choices.py RADIX_EVICTION_POLICY_CHOICES): which evictable leaf
@@ -136,6 +138,9 @@ class SglangConfig(ConfigBase):
     enable_mamba: bool = False
     max_mamba_cache_size: int = 24  # --max-mamba-cache-size: slots of the MambaPool (slot 0 is padding)
     mamba_chunk_size: int = 8  # the model's mamba_chunk_size: the grid a tree state's depth lands on
+    # --mamba-radix-cache-strategy extra_buffer: each request also holds ping-pong track slots the forward
+    # snapshots its state into at chunk boundaries, and a checkpoint donates the tracked slot to the tree
+    mamba_extra_buffer: bool = False
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -179,7 +184,7 @@ class SglangConfig(ConfigBase):
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
                      "enable_hierarchical_cache", "prefill_reads_after_failure",
-                     "swa_chunk_cache", "enable_mamba"):
+                     "swa_chunk_cache", "enable_mamba", "mamba_extra_buffer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.target != "sglang":
@@ -322,23 +327,38 @@ class SglangConfig(ConfigBase):
             raise ValueError("swa_chunk_cache (radix cache off) cannot run with streaming sessions (they keep their KV "
                              "in the radix cache)")
 
+    @property
+    def mamba_slots_per_request(self) -> int:
+        """``kv_cache_configurator._calculate_mamba_ratio``: 3, plus the ping-pong track slots under the
+        extra buffer (``get_mamba_tracking_slots``: 2 under overlap, else 1)."""
+        return MAMBA_SLOTS_PER_REQUEST + ((2 if self.enable_overlap else 1) if self.mamba_extra_buffer else 0)
+
     def _check_mamba(self) -> None:
         if not self.enable_mamba:
             if self.bugs & MAMBA_ONLY_FAULTS:
                 raise ValueError(f"fault {sorted(self.bugs & MAMBA_ONLY_FAULTS)[0]} is for the sglang-mamba presets "
                                  "only (it needs mamba state: enable_mamba)")
+            if self.mamba_extra_buffer:
+                raise ValueError("mamba_extra_buffer needs enable_mamba (a hybrid SSM model's mamba state)")
             return
         for name in ("max_mamba_cache_size", "mamba_chunk_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
                 raise ValueError(f"{name} must be an integer in [1, 4096], got {v!r}")
         if self.page_size != 1:
-            raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer)")
-        if self.max_mamba_cache_size < MAMBA_SLOTS_PER_REQUEST * self.max_running_requests:
+            raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer; "
+                             "the extra buffer is driven at page 1 only in this version)")
+        if self.mamba_extra_buffer and self.context_len >= MAMBA_TRACK_INTERVAL:
+            raise ValueError(f"mamba_extra_buffer needs context_len below {MAMBA_TRACK_INTERVAL} (the track interval: "
+                             "decode-step track snapshots are not driven in this version)")
+        per = self.mamba_slots_per_request
+        if self.max_mamba_cache_size < per * self.max_running_requests:
             raise ValueError(f"max_mamba_cache_size={self.max_mamba_cache_size} must be at least "
-                             f"{MAMBA_SLOTS_PER_REQUEST} x max_running_requests={self.max_running_requests}: SGLang "
-                             "caps max_running_requests to max_mamba_cache_size // 3 (kv_cache_configurator's "
-                             "_calculate_mamba_ratio with the radix cache on and no extra buffer)")
+                             f"{per} x max_running_requests={self.max_running_requests}: SGLang caps "
+                             f"max_running_requests to max_mamba_cache_size // {per} (kv_cache_configurator's "
+                             "_calculate_mamba_ratio with the radix cache on"
+                             + (", the extra buffer's track slots included)" if self.mamba_extra_buffer else
+                                ", no extra buffer)"))
         clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
         if self.disaggregation_mode != "null":
             clash.append(f"disaggregation_mode {self.disaggregation_mode}")
@@ -560,6 +580,12 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                         "8-token chunks, 12 mamba slots, 4 running requests, page 1",
                 {"enable_mamba": True, "max_mamba_cache_size": 12, "max_running_requests": 4,
                  "chunked_prefill_size": 8, "enable_overlap": True}),
+        _preset("sglang-mamba-mixed", "hybrid SSM with the extra buffer (--mamba-radix-cache-strategy "
+                                      "extra_buffer: ping-pong track slots, a checkpoint donates the tracked state) "
+                                      "and --enable-mixed-chunk (running requests decode inside prefill batches), "
+                                      "16-token chunks, 8-token mamba chunks, 24 mamba slots, page 1",
+                {"enable_mamba": True, "mamba_extra_buffer": True, "enable_mixed_chunk": True,
+                 "max_mamba_cache_size": 24, "max_running_requests": 4, "chunked_prefill_size": 16}),
         _preset("sglang-mamba-session", "hybrid SSM with streaming sessions (a session record keeps its mamba "
                                         "slot between turns: session_held_mamba_slots; StreamingSession frees it "
                                         "at close), 24 mamba slots, 32-token chunks, page 1",

@@ -72,6 +72,12 @@ class SglangDriver(SglangResults):
     def _after_decode_alloc(self, batch) -> None:
         """After ``alloc_for_decode``: nothing here."""
 
+    def _after_extend_alloc(self, batch) -> None:
+        """After ``alloc_for_extend``: nothing here."""
+
+    def _forward(self, batch) -> None:
+        """The forward of a prefill batch (``run_batch``): nothing here (no kernel runs)."""
+
     def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
         """``Scheduler.process_batch_result`` of an ``"extend"`` or ``"decode"`` batch: SGLang's own
         ``process_batch_result_prefill`` / ``_decode`` (:meth:`_process_by_sglang`), or the driver's copy of them
@@ -201,6 +207,7 @@ class SglangDriver(SglangResults):
             req.is_retracted = False  # prepare_for_extend: a retracted request is prefilled afresh
         batch = self._extend_batch(admitted)
         decoding = self._mix_with_running(batch) if mixed and self.running else []
+        self._forward(batch)
         if decoding:
             return "extend", admitted + decoding, self.chunked_req, decoding
         return "extend", admitted, self.chunked_req
@@ -233,6 +240,7 @@ class SglangDriver(SglangResults):
         batch.out_cache_loc, batch.req_pool_indices, batch.req_pool_indices_cpu = S.allocation.alloc_for_extend(batch)
         for req in admitted:  # the batch's seq_lens, carried into decode (prepare_for_decode adds 1 a step)
             req.kvaudit_seq_len = req.extend_end
+        self._after_extend_alloc(batch)
         return batch
 
     def _mix_with_running(self, batch) -> list:

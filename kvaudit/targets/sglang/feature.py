@@ -85,6 +85,14 @@ class SglangFeature:
     def after_decode_alloc(self, batch) -> None:
         """After ``alloc_for_decode``."""
 
+    def after_extend_alloc(self, batch) -> None:
+        """After ``alloc_for_extend`` (``prepare_for_extend``'s per-request fields a mode sets past the
+        allocation)."""
+
+    def forward(self, batch) -> None:
+        """The model forward of a prefill batch (mixed-in decode rows included), as the batch stands when
+        it runs: what a mode's stand-in kernel writes."""
+
     def release(self, req) -> None:
         """Before ``release_kv_cache`` of a finished request (not inside ``process_pending_chunked_abort``,
         where SGLang 0.5.23 calls no mode's method)."""

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args
 from kvaudit.targets.sglang.feature import SglangFeature
 
@@ -28,6 +30,9 @@ MAMBA_LAYERS, FULL_LAYERS = [0], [1]
 # frames above a mamba-slot free that name its cause (the driver's and SGLang's functions)
 ABORT_FRAMES = frozenset({"_abort", "_process_pending_chunked_abort", "_release_queued_mamba"})
 RETRACT_FRAMES = frozenset({"release_req"})  # retract_decode, retract_all, preempt_to_schedule
+# the extra buffer's counters: track snapshots the forward wrote (mixed steps apart), those of a mixed step,
+# tracked states donated to the tree (checkpoint or finish), and those checked against their node's depth
+TRACK_COUNTERS = ("mamba_track_writes", "mamba_track_writes_mixed", "mamba_track_donations")
 
 
 def cache_params():
@@ -59,15 +64,17 @@ class Mamba(SglangFeature):
                 raise SglangUnavailable(f"SGLang {self.target.S.version}'s mamba pools do not import: {exc}") \
                     from None
         S, dev = self.target.S, config.device
+        strategy = {"mamba_radix_cache_strategy": "extra_buffer"} if config.mamba_extra_buffer else {}
         sa = publish_server_args(config, max_mamba_cache_size=config.max_mamba_cache_size,
-                                 disable_overlap_schedule=not config.enable_overlap)
+                                 disable_overlap_schedule=not config.enable_overlap, **strategy)
         # overrides.mamba_cache_chunk_size honours a pre-seeded value (what the model's hf config would give)
         sa._mamba_cache_chunk_size = config.mamba_chunk_size
         rows = HybridReqToTokenPool(size=config.max_req_rows, mamba_size=config.max_mamba_cache_size,
                                     mamba_spec_state_size=config.max_req_rows,
                                     max_context_len=config.context_len + 8, device=dev, enable_memory_saver=False,
                                     cache_params=cache_params(), mamba_layer_ids=list(MAMBA_LAYERS),
-                                    enable_mamba_extra_buffer=False, enable_overlap_schedule=config.enable_overlap)
+                                    enable_mamba_extra_buffer=config.mamba_extra_buffer,
+                                    enable_overlap_schedule=config.enable_overlap)
 
         def make_kv(dev):
             kv = HybridLinearKVPool(size=config.total_tokens, dtype=torch.bfloat16, page_size=1, head_num=1,
@@ -77,9 +84,16 @@ class Mamba(SglangFeature):
 
         self.rows, self.slots = rows, rows.mamba_allocator
         self.counts = dict.fromkeys(("mamba_slots_freed_on_abort", "mamba_slots_freed_on_retract",
-                                     "mamba_tree_hits", "mamba_tree_evictions"), 0)
-        return build(config, server_args=sa, make_kv=make_kv, make_rows=lambda dev: rows,
-                     hybrid={"is_hybrid_ssm": True})
+                                     "mamba_tree_hits", "mamba_tree_evictions")
+                                    + (TRACK_COUNTERS if config.mamba_extra_buffer else ()), 0)
+        # the stand-in kernel's state tags: the token depth whose state each slot holds (-1: never written)
+        self.written = np.full(config.max_mamba_cache_size + 2, -1, np.int64)
+        self.stale: list[TargetFinding] = []
+        out = build(config, server_args=sa, make_kv=make_kv, make_rows=lambda dev: rows,
+                    hybrid={"is_hybrid_ssm": True, "enable_mamba_extra_buffer": config.mamba_extra_buffer})
+        # what prepare_for_extend's track step reads of the model: its mamba_chunk_size (the state grid)
+        out.model_config.hf_text_config = SimpleNamespace(mamba_chunk_size=config.mamba_chunk_size)
+        return out
 
     def pools(self, pools: list) -> list:
         return pools + [PoolSpec("mamba_pool", self.slots, "mamba", 1, self.slots.size)]
@@ -92,6 +106,8 @@ class Mamba(SglangFeature):
             self._plant_leak_on_release()
         if "mamba-free-donated" in t._faults:
             self._plant_free_donated()
+        if t.config.mamba_extra_buffer:
+            self._wrap_donations()
 
     # -- counters ------------------------------------------------------------------------------
     def _wrap_counters(self) -> None:
@@ -138,6 +154,80 @@ class Mamba(SglangFeature):
         """Mamba slots freed by an abort's release (waiting, running, chunked) and by a retraction's
         ``release_req``; prefix hits whose state was copied from the tree; tree states evicted."""
         return {**out, **self.counts}
+
+    # -- the extra buffer: track snapshots and what the tree is given ---------------------------
+    def after_extend_alloc(self, batch) -> None:
+        """``prepare_for_extend``'s extra-buffer step: SGLang's own
+        ``ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend`` per request (it picks the ping-pong
+        slot, sets ``mamba_last_track_seqlen``, flips ``mamba_next_track_idx``), then the batch's track fields
+        as ``prepare_for_extend`` builds them (``mamba_track_indices`` / ``_mask`` / ``_seqlens`` ``[bs]``, and
+        their CPU lists)."""
+        if not self.target.config.mamba_extra_buffer:
+            return
+        entries = [batch._mamba_radix_cache_v2_req_prepare_for_extend(r) for r in batch.reqs]
+        mask, seqlens = [e.track_mask for e in entries], [e.track_seqlen for e in entries]
+        if compat.has("mamba-track-position", self.target.S.version):
+            mapping = self.rows.req_index_to_mamba_ping_pong_track_buffer_mapping
+            positions = torch.tensor([e.track_position for e in entries], dtype=torch.int64)
+            indices = mapping[batch.req_pool_indices.to(torch.int64), positions.to(mapping.device)]
+        else:
+            indices = torch.tensor([e.track_index for e in entries], dtype=torch.int64)
+        batch.mamba_prefill_track_mask_cpu, batch.mamba_track_seqlens_cpu = mask, seqlens
+        batch.mamba_track_indices = indices.to(batch.device)
+        batch.mamba_track_mask = torch.tensor(mask, dtype=torch.bool, device=batch.device)
+        batch.mamba_track_seqlens = torch.tensor(seqlens, dtype=torch.int64, device=batch.device)
+
+    def forward(self, batch) -> None:
+        """The stand-in kernel's track snapshots, from what the backend reads of the batch that runs
+        (``HybridLinearAttnBackend._init_track_ssm_indices``): each row set in ``mamba_track_mask`` writes the
+        state after ``prefix + (track_seqlen - prefix) // chunk * chunk`` tokens (the final state when the
+        extend is chunk-aligned, the chunk-boundary ``h`` otherwise) into its ``mamba_track_indices`` slot;
+        that depth becomes the slot's tag. A batch without track fields snapshots nothing."""
+        if batch.mamba_track_indices is None or batch.mamba_track_mask is None:
+            return
+        mask = batch.mamba_track_mask.cpu().numpy()
+        rows = np.flatnonzero(mask)
+        if not rows.size:
+            return
+        chunk = self.target.config.mamba_chunk_size
+        prefix = np.asarray(batch.prefix_lens, dtype=np.int64)[:mask.size][rows]
+        track = batch.mamba_track_seqlens.cpu().numpy()[rows]
+        slots = batch.mamba_track_indices.cpu().numpy()[rows]
+        self.written[slots] = prefix + (track - prefix) // chunk * chunk
+        mixed = batch.forward_mode == self.target.S.ForwardMode.MIXED
+        self.counts["mamba_track_writes_mixed" if mixed else "mamba_track_writes"] += int(rows.size)
+
+    def _wrap_donations(self) -> None:
+        """The tracked-state check: a state the tree keeps (``prepare_for_caching_req``'s ``mamba_value`` at
+        ``cache_len`` tokens, inserted when ``cleanup_after_caching_req`` sees no ``mamba_exist``) must hold
+        the state of those ``cache_len`` tokens; else a ``stale-kv`` finding (check ``mamba-track-state``)."""
+        comp, counts, pending = self.component, self.counts, {}
+        prepare, cleanup = comp.prepare_for_caching_req, comp.cleanup_after_caching_req
+
+        def prepare_noting(req, insert_params, token_ids_len, is_finished):
+            cache_len = prepare(req, insert_params, token_ids_len, is_finished)
+            if cache_len and insert_params.mamba_value is not None:
+                pending[id(insert_params)] = (int(insert_params.mamba_value.reshape(-1)[0]), int(cache_len), req.rid)
+            return cache_len
+
+        def cleanup_checking(req, is_finished, insert_result=None, insert_params=None):
+            noted = pending.pop(id(insert_params), None)
+            if noted is not None and insert_result is not None and not insert_result.mamba_exist:
+                counts["mamba_track_donations"] += 1
+                self._check_donated(*noted, is_finished)
+            return cleanup(req, is_finished, insert_result=insert_result, insert_params=insert_params)
+
+        comp.prepare_for_caching_req = prepare_noting
+        comp.cleanup_after_caching_req = cleanup_checking
+
+    def _check_donated(self, slot: int, depth: int, rid: str, is_finished: bool) -> None:
+        held = int(self.written[slot])
+        if held != depth:
+            state = "was never written" if held < 0 else f"holds the state after {held} tokens"
+            self.stale.append(TargetFinding(
+                "stale-kv", "mamba_pool", np.array([slot], np.int64),
+                f"req:{rid}'s {'final insert' if is_finished else 'checkpoint'} gives the tree mamba slot {slot} "
+                f"as the state after {depth} tokens, but the slot {state}", check="mamba-track-state"))
 
     # -- the planted fault ---------------------------------------------------------------------
     def _plant_leak_on_release(self) -> None:
@@ -231,9 +321,10 @@ class Mamba(SglangFeature):
 
     def accounting(self, out: dict) -> dict:
         """``_get_mamba_token_info``'s counters: available, the tree's evictable and protected states,
-        ``session_held_mamba_slots``."""
+        ``session_held_mamba_slots`` (``kv_mamba_slots`` of each record: its state slot and, under the extra
+        buffer, its ping-pong entries not empty)."""
         cache = self.target.tree_cache
-        held = len(self._session_slots())
+        held = sum(len(_slot(s.kv)) for _, s in self._session_slots())
         return {**out, "mamba_pool": Accounting(self.slots.available_size(), cache.mamba_evictable_size(),
                                                 cache.mamba_protected_size(), held, self.slots.size)}
 
@@ -256,6 +347,9 @@ class Mamba(SglangFeature):
         """The slot balance: every slot is free, held by exactly one request (or session record), or by
         one tree node; a slot free and held at once is a use-after-free, one held twice aliasing (a slot
         in none of them is the ledger's leak, through :meth:`roots`)."""
+        if self.stale:
+            out, self.stale = out + self.stale[:1], []
+            return out
         n = self.slots.size + 1
         free = np.bincount(self.slots.free_slots.cpu().numpy(), minlength=n)
         holders = [_slot(r.kv) for r in self._holders()]
@@ -283,8 +377,14 @@ class Mamba(SglangFeature):
 
 
 def _slot(kv) -> np.ndarray:
-    """A record's mamba slot as ``[1] int64``."""
-    return kv.mamba_pool_idx.reshape(-1).to(torch.int64).cpu().numpy()
+    """A record's mamba slots as ``[n] int64``: its state slot, then the ping-pong track slots it holds under
+    the extra buffer (entries not -1, the empty marker of both releases)."""
+    own = kv.mamba_pool_idx.reshape(-1).to(torch.int64).cpu().numpy()
+    buf = getattr(kv, "mamba_ping_pong_track_buffer", None)
+    if buf is None:
+        return own
+    track = buf.reshape(-1).to(torch.int64).cpu().numpy()
+    return np.concatenate([own, track[track != -1]])
 
 
 def _callers(depth: int) -> tuple[set[str], object]:

@@ -67,10 +67,12 @@ class MetricsStandIn:
         pass
 
 
-def result_batch(S, kind: str, reqs: list, decoding) -> SimpleNamespace:
+def result_batch(S, kind: str, reqs: list, decoding, mamba_track: bool = False) -> SimpleNamespace:
     """What the processors read of the ``ScheduleBatch`` that ran: ``reqs`` in batch order,
     ``decoding_reqs`` (mixed chunk's decode rows, as ``mix_with_running`` sets them), no logprobs, hidden
-    states, grammar barrier, speculative or Mamba state."""
+    states, grammar barrier or speculative state. ``mamba_track`` (the Mamba extra buffer): a decode batch's
+    track fields as ``prepare_for_decode`` sets them when no row sits on a track boundary (the config keeps
+    ``context_len`` below the 256-token track interval); else no Mamba state."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
     n = len(reqs)
@@ -78,8 +80,15 @@ def result_batch(S, kind: str, reqs: list, decoding) -> SimpleNamespace:
         reqs=reqs, decoding_reqs=list(decoding) or None, return_logprob=False, return_hidden_states=False,
         return_hidden_states_mode=CaptureHiddenMode.NULL, spec_info=None, spec_algorithm=S.SpeculativeAlgorithm.NONE,
         forward_mode=S.ForwardMode.EXTEND if kind == "extend" else S.ForwardMode.DECODE, prefill_stats=None,
-        dp_cooperation_info=None, forward_iter=0, has_grammar=False, mamba_track_mask_cpu=None,
-        batch_size=lambda: n)
+        dp_cooperation_info=None, forward_iter=0, has_grammar=False, batch_size=lambda: n,
+        **(_no_track(reqs) if mamba_track and kind == "decode" else {"mamba_track_mask_cpu": None}))
+
+
+def _no_track(reqs: list) -> dict:
+    """``prepare_for_decode``'s extra-buffer fields for ``reqs``, none at a track boundary."""
+    n = len(reqs)
+    return {"mamba_track_mask_cpu": [False] * n, "mamba_track_mask_next_cpu": [False] * n,
+            "mamba_decode_batch_idx_cpu": [r.decode_batch_idx for r in reqs], "mamba_track_buffer_indices": None}
 
 
 RESULT_FAULTS = ("decode-token-after-abort", "decode-skip-release")  # planted inside SGLang's processor
@@ -178,7 +187,7 @@ class SglangResults(SglangIntake):
 
         tokens = [self._sample(r) for r in reqs]
         result = GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64))
-        batch = result_batch(self.S, kind, reqs, decoding)
+        batch = result_batch(self.S, kind, reqs, decoding, self.config.mamba_extra_buffer)
         with self._releases_routed():
             if kind == "extend":
                 proc.process_batch_result_prefill(batch, result)

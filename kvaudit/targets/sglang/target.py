@@ -222,6 +222,14 @@ class SglangTarget(SglangDriver, SglangObserver):
         for f in self.features:
             f.after_decode_alloc(batch)
 
+    def _after_extend_alloc(self, batch) -> None:
+        for f in self.features:
+            f.after_extend_alloc(batch)
+
+    def _forward(self, batch) -> None:
+        for f in self.features:
+            f.forward(batch)
+
     def _release(self, req, checkpoint: bool) -> None:
         if not self._chunked_abort:
             for f in self.features:
