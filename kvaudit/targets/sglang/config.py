@@ -479,10 +479,11 @@ SGLANG_PRESETS: dict[str, Preset] = {
                  "waiting_timeout_steps": 8, "optimistic_prefill_attempts": 2}),
         _preset("sglang-pd-prefill-session", "sglang-pd-prefill-optimistic with streaming sessions: a session "
                                              "turn runs on a prefill server (its record in the session slot from "
-                                             "transfer to transfer) and may be requeued",
+                                             "transfer to transfer) and may be requeued; 2 rows (more "
+                                             "requeues), 6-step waiting timeout",
                 {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
-                 "max_req_rows": 4, "transfer_latency_steps": 2, "bootstrap_steps": 4, "bootstrap_lost_every": 7,
-                 "waiting_timeout_steps": 8, "optimistic_prefill_attempts": 2, "enable_streaming_session": True,
+                 "max_req_rows": 2, "transfer_latency_steps": 2, "bootstrap_steps": 4, "bootstrap_lost_every": 7,
+                 "waiting_timeout_steps": 6, "optimistic_prefill_attempts": 2, "enable_streaming_session": True,
                  "context_len": 96}),
         _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
                                   "scheduling, page 4",
