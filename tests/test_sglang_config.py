@@ -22,6 +22,7 @@ def test_presets_cover_the_configurations():
                                    "sglang-hicache-l3-timeout", "sglang-hicache-l3-fail",
                                    # PD prefill
                                    "sglang-pd-prefill", "sglang-pd-prefill-chunked", "sglang-pd-prefill-reads",
+                                   "sglang-pd-prefill-optimistic", "sglang-pd-prefill-session",
                                    # SWA hybrid
                                    "sglang-swa", "sglang-swa-chunked", "sglang-swa-small", "sglang-swa-paged",
                                    "sglang-swa-chunkcache", "sglang-swa-session", "sglang-swa-unaligned",
@@ -37,6 +38,9 @@ def test_presets_cover_the_configurations():
     assert {SGLANG_PRESETS[p].config().disaggregation_mode for p in ("sglang-pd-prefill", "sglang-pd-prefill-chunked",
                                                                     "sglang-pd-prefill-reads")} == {"prefill"}
     assert SGLANG_PRESETS["sglang-pd-prefill-reads"].config().prefill_reads_after_failure
+    opt, ses = (SGLANG_PRESETS[f"sglang-pd-prefill-{p}"].config() for p in ("optimistic", "session"))
+    assert (opt.optimistic_prefill_attempts, opt.enable_streaming_session, ses.enable_streaming_session) == (2, False, True)
+    assert ses.disaggregation_mode == "prefill" and ses.optimistic_prefill_attempts == 2
     assert SGLANG_PRESETS["sglang-session-nonstreaming"].config().session_streaming is False
     l3 = SGLANG_PRESETS["sglang-hicache-l3"].config()
     assert l3.enable_hierarchical_cache and l3.hicache_storage_backend == "file"
@@ -79,6 +83,11 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"bootstrap_lost_every": 3}, "bootstrap_lost_every .*disaggregation_mode prefill"),
     ({"bootstrap_timeout_steps": 0}, "bootstrap_timeout_steps"),
     ({"prefill_reads_after_failure": True}, "prefill_reads_after_failure .*disaggregation_mode prefill"),
+    ({"optimistic_prefill_attempts": 1}, "optimistic_prefill_attempts .*disaggregation_mode prefill"),
+    ({"disaggregation_mode": "prefill", "optimistic_prefill_attempts": -1}, "optimistic_prefill_attempts must be"),
+    ({"disaggregation_mode": "prefill", "optimistic_prefill_attempts": True}, "optimistic_prefill_attempts must be"),
+    ({"disaggregation_mode": "prefill", "enable_streaming_session": True, "session_streaming": False},
+     "prefill drives streaming sessions only"),
     ({"bugs": frozenset({"prefill-skip-failed-release"})}, "prefill-skip-failed-release is for the sglang-pd-prefill presets"),
     ({"disaggregation_mode": "decode", "enable_overlap": True}, "enable_overlap"),
     ({"abort_ack_steps": -1}, "abort_ack_steps"),

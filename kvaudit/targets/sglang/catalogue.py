@@ -117,6 +117,13 @@ PINS: dict[str, tuple[str, ...]] = {
 }
 
 UNREACHED: tuple[Unreached, ...] = (
+    Unreached("sglang-0.5.22-pd-requeue-abort-release", "sglang",
+              ("sglang 0.5.22 disaggregation/prefill.py::optimistic_release_and_requeue",), "0.5.22 -> 0.5.23",
+              "0.5.22's requeue calls Scheduler._release_aborted_request (Session.abort_req, the multimodal "
+              "inputs dropped), 0.5.23's only tree_cache.finish(ABORT); no KV difference: in both the release "
+              "that follows ends in StreamingSession.try_cache_finished_req -> Session.finish_req, which clears "
+              "the in-flight mark anyway (both reach corpora/sglang/crash-pd-prefill-requeued-first-turn-prefix-"
+              "shrank.json), and the dropped multimodal inputs are no KV lifecycle kvaudit drives"),
     Unreached("sglang-28374", "sglang", ("sgl-project/sglang#28374",), "all, to 0.5.23",
               "the PR was closed unmerged: no fixing release"),
     Unreached("sglang-10871", "sglang", ("sgl-project/sglang#10871",), "0.5.2-0.5.5",

@@ -104,6 +104,8 @@ class SglangConfig(ConfigBase):
     bootstrap_timeout_steps: int = 16  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, one second a step
     waiting_timeout_steps: int = 16  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: bootstrapped, no KV sent yet
     prefill_reads_after_failure: bool = False  # a chunk on the wire is read to its end after its room failed
+    # --optimistic-prefill-attempts: forward passes a request may run before decode bootstrapped (0: it waits)
+    optimistic_prefill_attempts: int = 0
     # HiSparse only
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
@@ -249,7 +251,13 @@ class SglangConfig(ConfigBase):
         n = self.bootstrap_lost_every
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {n!r}")
+        o = self.optimistic_prefill_attempts
+        if not isinstance(o, int) or isinstance(o, bool) or not 0 <= o <= 64:
+            raise ValueError(f"optimistic_prefill_attempts must be an integer in [0, 64], got {o!r}")
         if self.disaggregation_mode != "prefill":
+            if o:
+                raise ValueError("optimistic_prefill_attempts lets a prefill server run a request before decode "
+                                 "bootstrapped: it needs disaggregation_mode prefill")
             if self.prefill_reads_after_failure:
                 raise ValueError("prefill_reads_after_failure models a prefill server's transfer worker: it needs "
                                  "disaggregation_mode prefill")
@@ -265,7 +273,10 @@ class SglangConfig(ConfigBase):
         if unplanted:  # the shared driver's release and SGLang's decode result processing: a prefill server runs neither
             raise ValueError(f"fault {unplanted[0]} is not planted on the PD prefill path (its releases are "
                              "SGLang's own handlers'): use prefill-skip-failed-release")
-        clash = [n for n in ("enable_streaming_session", "enable_overlap", "enable_hisparse", "enable_mixed_chunk",
+        # (streaming sessions: SGLang's server args refuse none with PD prefill; non-streaming ones are not driven)
+        if self.enable_streaming_session and not self.session_streaming:
+            raise ValueError("disaggregation_mode prefill drives streaming sessions only (session_streaming true)")
+        clash = [n for n in ("enable_overlap", "enable_hisparse", "enable_mixed_chunk",
                              "enable_priority_scheduling", "max_queued_requests", "request_waiting_timeout_steps",
                              "request_running_timeout_steps", "enable_hierarchical_cache") if getattr(self, n)]
         if clash:
@@ -478,6 +489,22 @@ SGLANG_PRESETS: dict[str, Preset] = {
                 {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
                  "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6,
                  "prefill_reads_after_failure": True}),
+        _preset("sglang-pd-prefill-optimistic", "PD prefill with optimistic prefill (2 attempts: a request runs "
+                                                "before decode bootstrapped, sits in the inflight queue, and yields "
+                                                "its row back to the waiting queue when rows run out: "
+                                                "optimistic_release_and_requeue); bootstrap in 4 steps, 4 rows, "
+                                                "128 slots, page 4",
+                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+                 "max_req_rows": 4, "transfer_latency_steps": 2, "bootstrap_steps": 4, "bootstrap_lost_every": 7,
+                 "waiting_timeout_steps": 8, "optimistic_prefill_attempts": 2}),
+        _preset("sglang-pd-prefill-session", "sglang-pd-prefill-optimistic with streaming sessions: a session "
+                                             "turn runs on a prefill server (its record in the session slot from "
+                                             "transfer to transfer) and may be requeued; 2 rows (more "
+                                             "requeues), 6-step waiting timeout",
+                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+                 "max_req_rows": 2, "transfer_latency_steps": 2, "bootstrap_steps": 4, "bootstrap_lost_every": 7,
+                 "waiting_timeout_steps": 6, "optimistic_prefill_attempts": 2, "enable_streaming_session": True,
+                 "context_len": 96}),
         _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
                                   "scheduling, page 4",
                 {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4}),

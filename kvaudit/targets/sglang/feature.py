@@ -186,6 +186,10 @@ class SglangLoop(SglangFeature):
     def new_req(self, rid: str, ids, sp):
         raise NotImplementedError
 
+    def session_req(self, session, recv):
+        """``Session.create_req`` for a session turn on this server (a mode that drives sessions overrides it)."""
+        raise NotImplementedError(f"{self.name} drives no sessions")
+
     def add_request_to_queue(self, req, is_retracted: bool) -> None:
         raise NotImplementedError
 

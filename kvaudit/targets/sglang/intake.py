@@ -142,7 +142,7 @@ class SglangIntake(Target):
                 input_text=None, input_ids=ids, input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=sp,
                 return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=True,
                 rid=rid, session_params=params, priority=op.priority)
-            req = sc.get(sid).create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS})
+            req = self._create_session_req(sc.get(sid), recv)
         else:
             req = self._new_req(rid, ids, sp)
             req.priority = op.priority
@@ -176,6 +176,10 @@ class SglangIntake(Target):
 
     def _new_req(self, rid: str, ids, sp):
         return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS})
+
+    def _create_session_req(self, session, recv):
+        """``Session.create_req`` for a session turn (``recv``: its ``TokenizedGenerateReqInput``)."""
+        return session.create_req(recv, None, self.config.vocab_size, eos_token_ids={EOS})
 
     def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
         """``Scheduler._add_request_to_queue``: ``_set_or_validate_priority``, ``_abort_on_queued_limit``,

@@ -24,7 +24,8 @@ from kvaudit.targets.sglang.standins import EOS
 DECODE_HOST = "10.0.0.2"  # the decode peer's bootstrap host (not FAKE_BOOTSTRAP_HOST: its KV enters the tree)
 COUNTERS = ("prefill_transfers_done", "prefill_transfers_failed", "prefill_bootstrap_failed",
             "prefill_bootstrap_timeouts", "prefill_waiting_timeouts", "prefill_aborts_bootstrap",
-            "prefill_aborts_waiting", "prefill_aborts_chunked", "prefill_aborts_inflight", "prefill_chunks_sent")
+            "prefill_aborts_waiting", "prefill_aborts_chunked", "prefill_aborts_inflight", "prefill_chunks_sent",
+            "prefill_optimistic_requeues", "prefill_session_turns", "prefill_session_turns_requeued")
 
 
 def load_prefill():
@@ -180,7 +181,8 @@ class PdPrefill(SglangLoop):
         # (a prefill server refuses the fake backend: the declared one is mooncake, the senders are kvaudit's)
         sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="prefill",
                           disaggregation_transfer_backend="mooncake", max_running_requests=config.max_running_requests,
-                          chunked_prefill_size=config.chunked_prefill_size or -1)
+                          chunked_prefill_size=config.chunked_prefill_size or -1,
+                          optimistic_prefill_attempts=config.optimistic_prefill_attempts)
         P.handle_pd_disaggregation(sa)
         P.publish(sa, role="scheduler", ranks=P.SpawnRanks(world_rank=0, gpu_id=0))
         S.get_parallel().override_permanently(attn_tp_group=group)
@@ -255,6 +257,12 @@ class PdPrefill(SglangLoop):
             counts["prefill_chunks_sent"] += not last_chunk
             return mixin.send_kv_chunk(sched, req, last_chunk, end_idx)
 
+        def requeue(req):
+            counts["prefill_optimistic_requeues"] += 1
+            counts["prefill_session_turns_requeued"] += getattr(req, "session", None) is not None
+            return mixin.optimistic_release_and_requeue(sched, req)
+
+        sched.optimistic_release_and_requeue = requeue
         sched.handle_inflight_transfer_failure = transfer_failed
         sched.handle_bootstrap_failure = bootstrap_failed
         sched.send_kv_chunk = send_chunk
@@ -276,6 +284,16 @@ class PdPrefill(SglangLoop):
         return self.target.S.Req(rid, "", ids, sp, vocab_size=self.target.config.vocab_size, eos_token_ids={EOS},
                                  bootstrap_host=host, bootstrap_port=8998,
                                  bootstrap_room=1000 + self.peer.rooms, disagg_mode=P.DisaggregationMode.PREFILL)
+
+    def session_req(self, session, recv):
+        """``Session.create_req`` on a prefill server (``disagg_mode`` PREFILL): the turn's bootstrap fields are
+        the decode peer's, as a router sends them with each turn."""
+        recv.bootstrap_host, recv.bootstrap_port, recv.bootstrap_room = DECODE_HOST, 8998, 1000 + self.peer.rooms
+        cfg = self.target.config
+        req = session.create_req(recv, None, cfg.vocab_size, eos_token_ids={EOS},
+                                 disagg_mode=self.P.DisaggregationMode.PREFILL)
+        self.counts["prefill_session_turns"] += req.to_finish is None
+        return req
 
     def add_request_to_queue(self, req, is_retracted: bool) -> None:
         """``Scheduler._add_request_to_queue``, prefill branch: ``PrefillBootstrapQueue.add``, then kvaudit's
@@ -355,6 +373,8 @@ class PdPrefill(SglangLoop):
         t.steps += 1
         t.clock.now += 1.0
         self.peer.tick()
+        if t.session_controller is not None:  # process_input_requests
+            t.session_controller.maybe_reap(float(t.steps), interval=0.0)
         t._check_pending_flush()
         if t.scheduler_paused:
             return
@@ -443,6 +463,9 @@ class PdPrefill(SglangLoop):
         The shared driver's ``retractions``, ``sglang_result_batches`` and ``aborts_processed`` are left out: a
         prefill server never decodes, and its results go through SGLang's ``process_batch_result_disagg_prefill``,
         not the batch result processor those count (so the output-after-abort check has nothing to see here)."""
-        chunked = self.target.config.chunked_prefill_size is not None
+        cfg = self.target.config
+        off = {"chunk": cfg.chunked_prefill_size is None, "optimistic": not cfg.optimistic_prefill_attempts,
+               "session": not cfg.enable_streaming_session,
+               "session_turns_requeued": not (cfg.enable_streaming_session and cfg.optimistic_prefill_attempts)}
         shared = {k: v for k, v in out.items() if k not in ("retractions", "sglang_result_batches", "aborts_processed")}
-        return {**shared, **{k: v for k, v in self.counts.items() if chunked or "chunk" not in k}}
+        return {**shared, **{k: v for k, v in self.counts.items() if not any(o and w in k for w, o in off.items())}}

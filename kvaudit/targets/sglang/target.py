@@ -164,6 +164,11 @@ class SglangTarget(SglangDriver, SglangObserver):
     def _new_req(self, rid: str, ids, sp):
         return self.loop.new_req(rid, ids, sp) if self.loop is not None else super()._new_req(rid, ids, sp)
 
+    def _create_session_req(self, session, recv):
+        if self.loop is not None:
+            return self.loop.session_req(session, recv)
+        return super()._create_session_req(session, recv)
+
     def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
         if self.loop is not None:
             return self.loop.add_request_to_queue(req, is_retracted)
