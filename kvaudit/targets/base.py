@@ -405,24 +405,42 @@ def kv_length_problems(reqs) -> list[str]:
             for r in reqs if not 0 <= r.kv.kv_committed_len <= r.kv.kv_allocated_len]
 
 
-def slot_pages(slots: torch.Tensor, page_size: int) -> np.ndarray:
-    """Token slots (``[n]`` int tensor, any device) as units: the slots themselves with page size 1,
-    else the sorted distinct pages (``[m] int64``)."""
-    s = slots.to(torch.int64).cpu().numpy()
-    return s if page_size == 1 else np.unique(s // page_size)
+def slot_pages(slots, page_size: int) -> np.ndarray:
+    """Token slots (``[n]`` int tensor on any device, or numpy array) as units: a copy of the slots
+    themselves with page size 1, else the sorted distinct pages (``[m] int64``)."""
+    s = slots.to(torch.int64).cpu().numpy() if isinstance(slots, torch.Tensor) else slots
+    return np.array(s, dtype=np.int64) if page_size == 1 else np.unique(s // page_size)
 
 
 def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int, where: str = "") -> list[Root]:
     """The roots of one KV record (``ReqKvInfo``: ``req_pool_idx``, ``cache_protected_len``,
     ``kv_allocated_len``) in ``req_to_token`` ``table``: its row, its own KV
     ``[cache_protected_len, kv_allocated_len)`` (private) and the tree-owned prefix before it (shared)."""
-    row = table[kv.req_pool_idx, : kv.kv_allocated_len]
-    out = [Root("req_to_token_pool", owner, np.array([kv.req_pool_idx], dtype=np.int64), role=role, where=where),
-           Root("token_to_kv_pool", owner, slot_pages(row[kv.cache_protected_len:], page_size), role=role,
-                where=where)]
-    if kv.cache_protected_len:
-        out.append(Root("token_to_kv_pool", owner, slot_pages(row[: kv.cache_protected_len], page_size),
-                        private=False, role=role))
+    return records_roots(table, [(kv, owner, role, where)], page_size)
+
+
+def records_roots(table: torch.Tensor, records: list[tuple], page_size: int) -> list[Root]:
+    """:func:`record_roots` of every ``(kv, owner, role, where)`` of ``records``, in their order, from one
+    gather of their rows of ``table`` (``[rows, context] int`` tensor on any device). Each root's units
+    are its own (a view of the gathered copy, never of the live table)."""
+    if not records:
+        return []
+    k = len(records)
+    idx = np.fromiter((r[0].req_pool_idx for r in records), dtype=np.int64, count=k)
+    alloc = [r[0].kv_allocated_len for r in records]
+    width = max(alloc)
+    if table.device.type == "cpu":  # NOTE: numpy's gather costs a fraction of torch's indexing per row
+        rows = table.numpy()[idx, :width].astype(np.int64, copy=False)
+    else:
+        rows = table[torch.from_numpy(idx).to(table.device), :width].to(torch.int64).cpu().numpy()
+    pages = (lambda u: u) if page_size == 1 else (lambda u: np.unique(u // page_size))
+    out = []
+    for i, (kv, owner, role, where) in enumerate(records):
+        protected, row = kv.cache_protected_len, rows[i, : alloc[i]]
+        out += [Root("req_to_token_pool", owner, idx[i:i + 1], role=role, where=where),
+                Root("token_to_kv_pool", owner, pages(row[protected:]), role=role, where=where)]
+        if protected:
+            out.append(Root("token_to_kv_pool", owner, pages(row[:protected]), private=False, role=role))
     return out
 
 
