@@ -29,6 +29,7 @@ def test_paranoid_replay_of_a_corpus_file_finds_no_disagreement_and_the_same_fin
     config, program, _, _ = replay.load(os.path.join(ROOT, name))
     plain = _firsts(execute(config, program))
     monkeypatch.setattr(oracles, "PARANOID", True)
+    monkeypatch.setattr(oracles, "VECTORIZE_ROOTS", -1)  # the vectorized sweep on every check, held to the reference
     assert _firsts(execute(config, program)) == plain  # (a Disagreement would raise out of execute)
 
 
@@ -37,16 +38,16 @@ def test_paranoid_mode_raises_when_the_fast_sweep_and_its_reference_differ(monke
     from kvaudit.program import Submit, Step
 
     monkeypatch.setattr(oracles, "PARANOID", True)
-    real = oracles._reference_sweep
+    monkeypatch.setattr(oracles, "VECTORIZE_ROOTS", -1)
+    real = oracles._mark_vectorized
 
-    def off_by_one(s, pool, led):  # a reference that disagrees on one unit of the KV pool
-        referenced, owner = real(s, pool, led)
-        if pool == "token_to_kv_pool":
-            referenced[-1] = ~referenced[-1]
-        return referenced, owner
+    def off_by_one(auditor, roots, private, n):  # a fast sweep wrong about the last unit of every pool
+        referenced, owner, cat = real(auditor, roots, private, n)
+        referenced[-1] = ~referenced[-1]
+        return referenced, owner, cat
 
-    monkeypatch.setattr(oracles, "_reference_sweep", off_by_one)
+    monkeypatch.setattr(oracles, "_mark_vectorized", off_by_one)
     with AuditedRun(get_preset("default").config(model="none")) as run:
-        with pytest.raises(oracles.Disagreement, match="token_to_kv_pool"):
+        with pytest.raises(oracles.Disagreement, match=r"pool \w+: the sweep and its reference disagree on 1 unit\(s\)"):
             run.apply(Submit(family=0, prompt_len=16, max_new_tokens=4))
             run.apply(Step(n=2))

@@ -425,22 +425,25 @@ def records_roots(table: torch.Tensor, records: list[tuple], page_size: int) -> 
     are its own (a view of the gathered copy, never of the live table)."""
     if not records:
         return []
-    k = len(records)
-    idx = np.fromiter((r[0].req_pool_idx for r in records), dtype=np.int64, count=k)
-    alloc = [r[0].kv_allocated_len for r in records]
-    width = max(alloc)
+    kvs = [r[0] for r in records]
+    idx = np.array([kv.req_pool_idx for kv in kvs], dtype=np.int64)
+    alloc = [kv.kv_allocated_len for kv in kvs]
     if table.device.type == "cpu":  # NOTE: numpy's gather costs a fraction of torch's indexing per row
-        rows = table.numpy()[idx, :width].astype(np.int64, copy=False)
+        rows = table.numpy()[idx, :max(alloc)].astype(np.int64, copy=False)
     else:
-        rows = table[torch.from_numpy(idx).to(table.device), :width].to(torch.int64).cpu().numpy()
-    pages = (lambda u: u) if page_size == 1 else (lambda u: np.unique(u // page_size))
+        rows = table[torch.from_numpy(idx).to(table.device), :max(alloc)].to(torch.int64).cpu().numpy()
+    if page_size > 1:
+        rows = rows // page_size  # (np.unique below: each root's sorted distinct pages)
     out = []
     for i, (kv, owner, role, where) in enumerate(records):
         protected, row = kv.cache_protected_len, rows[i, : alloc[i]]
+        own, shared = row[protected:], row[:protected]
+        if page_size > 1:
+            own, shared = np.unique(own), np.unique(shared)
         out += [Root("req_to_token_pool", owner, idx[i:i + 1], role=role, where=where),
-                Root("token_to_kv_pool", owner, pages(row[protected:]), role=role, where=where)]
+                Root("token_to_kv_pool", owner, own, role=role, where=where)]
         if protected:
-            out.append(Root("token_to_kv_pool", owner, pages(row[:protected]), private=False, role=role))
+            out.append(Root("token_to_kv_pool", owner, shared, private=False, role=role))
     return out
 
 

@@ -194,33 +194,45 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
 
 
 def _sweep(s: Scan, pool: str, led) -> PoolScan:
-    """One pool's mark and sweep, vectorized: one concatenation of the roots' units and one assignment
-    each for ``referenced`` and ``owner`` (the roots' order kept: the last private root of a unit owns
-    it). Records owner changes in the ledger unless ``s.scan_only``."""
-    auditor, roots = s.auditor, s.by_pool[pool]
-    n = led.allocated.size
+    """One pool's mark and sweep: ``referenced`` and ``owner`` (the last private root of a unit owns it)
+    marked root by root, or, past :data:`VECTORIZE_ROOTS` roots, with one concatenation and one
+    assignment each. Records owner changes in the ledger unless ``s.scan_only``."""
+    roots = s.by_pool[pool]
     private = [r for r in roots if r.private]
     private_units = [r.units for r in private]
-    ids = [auditor.owner_id(r.owner) for r in private]
-    cat = np.concatenate(private_units) if private else None
-    shared = [r.units for r in roots if not r.private]
-    referenced = np.zeros(n, dtype=bool)
-    for units in (cat, np.concatenate(shared) if shared else None):
-        if units is not None:
-            referenced[units] = True
-    referenced[0] = True  # the reserved unit reads as allocated in the ledger
+    if len(roots) > VECTORIZE_ROOTS:
+        referenced, owner, cat = _mark_vectorized(s.auditor, roots, private, led.allocated.size)
+    else:
+        (referenced, owner), cat = _reference_sweep(s, pool, led), None
     s.prev_owner[pool] = led.owner
     if not s.scan_only:
-        owner = np.zeros(n, dtype=np.int64)
-        if private:
-            owner[cat] = np.repeat(ids, [u.size for u in private_units])
-        _record_owners(auditor, pool, led, owner)
+        _record_owners(s.auditor, pool, led, owner)
     p = PoolScan(pool, led, referenced, private_units, [r.units for r in private if r.role == "req"],
                  [r.units for r in private if r.role == "session"], private_cat=cat)
     _mismatch(s, p)
     if s.paranoid:
         _agrees_with_reference(s, p, _reference_sweep(s, pool, led))
     return p
+
+
+# NOTE: below this many roots in a pool, a fancy assignment per root costs less than the concatenations and
+# np.repeat (the fuzzers' small engines); above it (a big engine's thousands of roots), much more
+VECTORIZE_ROOTS = 32
+
+
+def _mark_vectorized(auditor: Auditor, roots: list, private: list, n: int):
+    """``(referenced [n] bool, owner [n] int64, the private roots' units concatenated or None)``."""
+    cat = np.concatenate([r.units for r in private]) if private else None
+    shared = [r.units for r in roots if not r.private]
+    referenced = np.zeros(n, dtype=bool)
+    owner = np.zeros(n, dtype=np.int64)
+    if cat is not None:
+        referenced[cat] = True
+        owner[cat] = np.repeat([auditor.owner_id(r.owner) for r in private], [r.units.size for r in private])
+    if shared:
+        referenced[np.concatenate(shared)] = True
+    referenced[0] = True  # the reserved unit reads as allocated in the ledger
+    return referenced, owner, cat
 
 
 def _record_owners(auditor: Auditor, pool: str, led, owner: np.ndarray) -> None:
@@ -253,7 +265,7 @@ def _reference_sweep(s: Scan, pool: str, led) -> tuple[np.ndarray, np.ndarray]:
         referenced[root.units] = True
         if root.private:
             owner[root.units] = s.auditor.owner_id(root.owner)
-    referenced[0] = True
+    referenced[0] = True  # the reserved unit reads as allocated in the ledger
     return referenced, owner
 
 
