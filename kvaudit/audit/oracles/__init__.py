@@ -8,7 +8,6 @@ Design notes (the oracles and when each runs): docs/internals/audit.md.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -25,11 +24,6 @@ from kvaudit.audit.oracles.outcome import attach_engine_verdict, crash, idle_han
 from kvaudit.audit.oracles.target import target_findings
 from kvaudit.audit.oracles.use_after_free import use_after_free
 from kvaudit.targets.registry import TargetDefinitionError, kind_name
-
-
-# the paranoid mode (KVAUDIT_PARANOID=1, or set here): every check also runs the reference sweep and raises
-# Disagreement where the fast sweep differs from it; read by every check, so worker processes inherit it
-PARANOID = os.environ.get("KVAUDIT_PARANOID", "") not in ("", "0")
 
 
 @dataclass(slots=True)
@@ -50,7 +44,6 @@ class Scan:
     prev_owner: dict = field(default_factory=dict)
     findings: list = field(default_factory=list)
     drift: list = field(default_factory=list)
-    paranoid: bool = False  # also run the reference sweep and raise Disagreement where they differ
 
 
 @dataclass(slots=True)
@@ -66,7 +59,6 @@ class PoolScan:
     session_units: list
     uaf: np.ndarray | None = None  # the units it references that are free in the ledger, if any
     found: list = field(default_factory=list)  # this pool's findings so far
-    private_cat: np.ndarray | None = None  # private_units concatenated, when the sweep made it
 
 
 class Oracle(NamedTuple):
@@ -86,15 +78,10 @@ class Oracle(NamedTuple):
     into: str = "findings"
 
 
-class Disagreement(AssertionError):
-    """The paranoid mode's verdict: a fast path of the check and its ground truth disagree (kvaudit's own
-    bug, never the engine's)."""
-
-
 def _aliasing(s: Scan, p: PoolScan) -> list[Finding]:
     auditor, pool, roots = s.auditor, p.pool, s.by_pool[p.pool]
     private = np.zeros(p.referenced.size, dtype=bool)
-    cat = np.concatenate(p.private_units) if p.private_cat is None else p.private_cat
+    cat = np.concatenate(p.private_units)
     private[cat] = True
     if private[0]:  # a row names the reserved unit 0: positions counted as allocated, never filled
         who = sorted({r.owner for r in roots if r.private and (r.units == 0).any()})
@@ -140,10 +127,8 @@ ORACLES: list[Oracle] = [
     Oracle("liveness", "step", lambda run: run.run_oracles, liveness, ("liveness",)),
     Oracle("idle-hang", "idle", lambda run: True, idle_hang, ("hang", "lock-imbalance")),
     Oracle("watchdog-hang", "timeout", lambda run, stack: True, watchdog_hang, ("hang",)),
-    # the target's own code breaking the API, or the paranoid mode's verdict on kvaudit's own check, is
-    # not the engine's crash: the runner raises those
-    Oracle("crash", "raise", lambda run, exc: not isinstance(exc, (TargetDefinitionError, Disagreement)), crash,
-           ("crash",)),
+    # the target's own code breaking the API is not the engine's crash: the runner raises that
+    Oracle("crash", "raise", lambda run, exc: not isinstance(exc, TargetDefinitionError), crash, ("crash",)),
 ]
 
 _staged: tuple[list, int, dict[str, list[Oracle]]] = ([], 0, {})
@@ -176,7 +161,7 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
         if root.where:
             where[auditor.owner_id(root.owner)] = root.where
     s = Scan(auditor, target, idle, scan_only, by_pool, {} if scan_only else target.accounting(),
-             {} if scan_only else target.free_lists(), {} if scan_only else target.recount(), paranoid=PARANOID)
+             {} if scan_only else target.free_lists(), {} if scan_only else target.recount())
     per_pool = rows("pool")
     for pool, led in auditor.ledgers.items():
         p = _sweep(s, pool, led)
@@ -194,86 +179,35 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
 
 
 def _sweep(s: Scan, pool: str, led) -> PoolScan:
-    """One pool's mark and sweep: ``referenced`` and ``owner`` (the last private root of a unit owns it)
-    marked root by root, or, past :data:`VECTORIZE_ROOTS` roots, with one concatenation and one
-    assignment each. Records owner changes in the ledger unless ``s.scan_only``."""
-    roots = s.by_pool[pool]
-    private = [r for r in roots if r.private]
-    private_units = [r.units for r in private]
-    if len(roots) > VECTORIZE_ROOTS:
-        referenced, owner, cat = _mark_vectorized(s.auditor, roots, private, led.allocated.size)
-    else:
-        (referenced, owner), cat = _reference_sweep(s, pool, led), None
-    s.prev_owner[pool] = led.owner
-    if not s.scan_only:
-        _record_owners(s.auditor, pool, led, owner)
-    p = PoolScan(pool, led, referenced, private_units, [r.units for r in private if r.role == "req"],
-                 [r.units for r in private if r.role == "session"], private_cat=cat)
-    _mismatch(s, p)
-    if s.paranoid:
-        _agrees_with_reference(s, p, _reference_sweep(s, pool, led))
-    return p
-
-
-# NOTE: below this many roots in a pool, a fancy assignment per root costs less than the concatenations and
-# np.repeat (the fuzzers' small engines); above it (a big engine's thousands of roots), much more
-VECTORIZE_ROOTS = 32
-
-
-def _mark_vectorized(auditor: Auditor, roots: list, private: list, n: int):
-    """``(referenced [n] bool, owner [n] int64, the private roots' units concatenated or None)``."""
-    cat = np.concatenate([r.units for r in private]) if private else None
-    shared = [r.units for r in roots if not r.private]
-    referenced = np.zeros(n, dtype=bool)
-    owner = np.zeros(n, dtype=np.int64)
-    if cat is not None:
-        referenced[cat] = True
-        owner[cat] = np.repeat([auditor.owner_id(r.owner) for r in private], [r.units.size for r in private])
-    if shared:
-        referenced[np.concatenate(shared)] = True
-    referenced[0] = True  # the reserved unit reads as allocated in the ledger
-    return referenced, owner, cat
-
-
-def _record_owners(auditor: Auditor, pool: str, led, owner: np.ndarray) -> None:
-    # NOTE: runs for every pool after every step: np.count_nonzero and .nonzero() cost a fraction of
-    # ndarray.any() and np.flatnonzero (Python-level wrappers)
-    changed = (owner != led.owner).nonzero()[0]
-    if changed.size:
-        auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
-        led.owner = owner
-
-
-def _mismatch(s: Scan, p: PoolScan) -> None:
-    # referenced but free: use-after-free; allocated but unreferenced: lost (the leak oracle's input)
-    allocated, referenced = p.led.allocated, p.referenced
-    if np.count_nonzero(allocated != referenced):  # (most checks: the roots reach exactly the allocated units)
-        uaf = (referenced & ~allocated).nonzero()[0]
-        p.uaf = uaf if uaf.size else None
-        lost = (allocated & ~referenced).nonzero()[0]
-        if lost.size and not s.scan_only:
-            s.leaked[p.pool] = lost
-
-
-def _reference_sweep(s: Scan, pool: str, led) -> tuple[np.ndarray, np.ndarray]:
-    """The ground truth the paranoid mode holds :func:`_sweep` to: ``referenced`` and ``owner`` marked
-    root by root, as the sweep did before it was vectorized."""
+    auditor = s.auditor
     n = led.allocated.size
     referenced = np.zeros(n, dtype=bool)
     owner = np.zeros(n, dtype=np.int64)
+    private_units, req_units, session_units = [], [], []
     for root in s.by_pool[pool]:
         referenced[root.units] = True
         if root.private:
-            owner[root.units] = s.auditor.owner_id(root.owner)
+            private_units.append(root.units)
+            owner[root.units] = auditor.owner_id(root.owner)
+            if root.role == "req":
+                req_units.append(root.units)
+            elif root.role == "session":
+                session_units.append(root.units)
     referenced[0] = True  # the reserved unit reads as allocated in the ledger
-    return referenced, owner
-
-
-def _agrees_with_reference(s: Scan, p: PoolScan, reference: tuple[np.ndarray, np.ndarray]) -> None:
-    referenced, owner = reference
-    bad = np.flatnonzero(referenced != p.referenced)
+    s.prev_owner[pool] = led.owner
+    # NOTE: runs for every pool after every step: np.count_nonzero and .nonzero() cost a fraction of
+    # ndarray.any() and np.flatnonzero (Python-level wrappers)
     if not s.scan_only:
-        bad = np.union1d(bad, np.flatnonzero(owner != p.led.owner))
-    if bad.size:
-        raise Disagreement(f"pool {p.pool}: the sweep and its reference disagree on {bad.size} unit(s), "
-                           f"first {bad[:8].tolist()} (op {s.auditor.op_index}, step {s.auditor.step})")
+        changed = (owner != led.owner).nonzero()[0]
+        if changed.size:
+            auditor.owner_changes.append((auditor.op_index, auditor.step, pool, changed, owner[changed]))
+            led.owner = owner
+    uaf = None
+    if np.count_nonzero(led.allocated != referenced):  # (most checks: the roots reach exactly the allocated units)
+        uaf = (referenced & ~led.allocated).nonzero()[0]
+        uaf = uaf if uaf.size else None
+        lost = (led.allocated & ~referenced).nonzero()[0]
+        if lost.size and not s.scan_only:
+            s.leaked[pool] = lost
+    return PoolScan(pool, led, referenced, private_units, req_units, session_units, uaf)
+
