@@ -405,11 +405,11 @@ def kv_length_problems(reqs) -> list[str]:
             for r in reqs if not 0 <= r.kv.kv_committed_len <= r.kv.kv_allocated_len]
 
 
-def slot_pages(slots, page_size: int) -> np.ndarray:
-    """Token slots (``[n]`` int tensor on any device, or numpy array) as units: a copy of the slots
-    themselves with page size 1, else the sorted distinct pages (``[m] int64``)."""
-    s = slots.to(torch.int64).cpu().numpy() if isinstance(slots, torch.Tensor) else slots
-    return np.array(s, dtype=np.int64) if page_size == 1 else np.unique(s // page_size)
+def slot_pages(slots: torch.Tensor, page_size: int) -> np.ndarray:
+    """Token slots (``[n]`` int tensor, any device) as units: the slots themselves with page size 1,
+    else the sorted distinct pages (``[m] int64``)."""
+    s = slots.to(torch.int64).cpu().numpy()
+    return s if page_size == 1 else np.unique(s // page_size)
 
 
 def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int, where: str = "") -> list[Root]:
