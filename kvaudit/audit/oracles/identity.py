@@ -15,8 +15,7 @@ def units_count(units: list[np.ndarray], n: int) -> int:
     if not units:
         return 0
     mark = np.zeros(n, dtype=bool)
-    for u in units:
-        mark[u] = True
+    mark[np.concatenate(units)] = True
     return int(np.count_nonzero(mark))
 
 def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvaudit.targets.base import (Accounting, LockImbalance, Recount, Root, Target, record_roots,
+from kvaudit.targets.base import (Accounting, LockImbalance, Recount, Root, Target, records_roots,
                                   slot_pages, wrap_insert)
 
 
@@ -166,20 +166,16 @@ class EutObserver(Target):
         """Every reference into the pools. ``aborting=False`` leaves out requests already marked to
         finish with an abort (their in-flight result is about to release them)."""
         eng, ps = self.engine, self.config.page_size
-        table = eng.req_to_token_pool.req_to_token
         out: list[Root] = []
         hs = eng.hisparse_coordinator
 
         def pages(slots: torch.Tensor) -> np.ndarray:
             return slot_pages(slots, ps)
 
-        def record(kv, owner: str, role: str, where: str) -> None:
-            out.extend(record_roots(table, kv, owner, role, ps, where))
-
         sc = eng.session_controller
         slots = [] if sc is None else sc.slots()
-        for sid, slot in slots:
-            record(slot.kv, f"session:{sid}", "session", "session")
+        # (kv, owner, role, where) of every record, read from req_to_token in one gather (records_roots)
+        records = [(slot.kv, f"session:{sid}", "session", "session") for sid, slot in slots]
         if sc is not None:
             units = [(sid, self.session_records.unit_of.get(id(s.slot))) for sid, s in sc.sessions.items()]
             out += [Root("session_records", f"session:{sid}", np.array([u], dtype=np.int64), role="session")
@@ -191,7 +187,7 @@ class EutObserver(Target):
                 continue
             kv, owner = req.kv, f"req:{req.rid}"
             if id(kv) not in held:  # a turn on its session's record: the session root covers it
-                record(kv, owner, "req", places.get(id(req), ""))
+                records.append((kv, owner, "req", places.get(id(req), "")))
             if hs is not None:
                 row = kv.req_pool_idx
                 for pool, held_slots in (("hisparse_device", hs.req_to_device_buffer.get(row)),
@@ -199,6 +195,7 @@ class EutObserver(Target):
                                          ("hisparse_host", hs.req_to_host_pool.get(row))):
                     if held_slots is not None:
                         out.append(Root(pool, owner, pages(held_slots)))
+        out += records_roots(eng.req_to_token_pool.req_to_token, records, ps)
         nodes = list(eng.tree_cache.nodes())
         values = [n.value for n in nodes if n.value is not None]
         if values:
