@@ -27,6 +27,8 @@ def test_presets_cover_the_configurations():
                                    "sglang-swa-chunkcache", "sglang-swa-session",
                                    # Mamba
                                    "sglang-mamba", "sglang-mamba-small", "sglang-mamba-overlap", "sglang-mamba-session",
+                                   # speculative decoding (spec v2)
+                                   "sglang-spec-eagle", "sglang-spec-eagle-paged", "sglang-spec-ngram",
                                    }
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \
