@@ -29,6 +29,8 @@ def test_presets_cover_the_configurations():
                                    "sglang-mamba", "sglang-mamba-small", "sglang-mamba-overlap", "sglang-mamba-session",
                                    # speculative decoding (spec v2)
                                    "sglang-spec-eagle", "sglang-spec-eagle-paged", "sglang-spec-ngram",
+                                   "sglang-spec-overlap", "sglang-spec-retract", "sglang-spec-session",
+                                   "sglang-spec-swa", "sglang-spec-mamba",
                                    }
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \

@@ -13,13 +13,17 @@ Skipped where SGLang 0.5.23 is not installed.
 import pytest
 
 from kvaudit.audit.runner import AuditedRun
-from kvaudit.program import Idle, Submit
+from kvaudit.program import Idle, OpenSession, Submit
 from kvaudit.targets.sglang.config import SGLANG_PRESETS, SglangConfig
 from sglang_helpers import run_ops
 
 pytestmark = pytest.mark.sglang
 
-SPEC_PRESETS = ["sglang-spec-eagle", "sglang-spec-eagle-paged", "sglang-spec-ngram"]
+SPEC_PRESETS = ["sglang-spec-eagle", "sglang-spec-eagle-paged", "sglang-spec-ngram", "sglang-spec-overlap",
+                "sglang-spec-retract", "sglang-spec-session", "sglang-spec-swa", "sglang-spec-mamba"]
+# each crossing's own counters, which its workload must reach too
+CROSSING = {"sglang-spec-retract": ("retractions",), "sglang-spec-swa": ("swa_window_evictions",),
+            "sglang-spec-mamba": ("mamba_tree_hits",), "sglang-spec-session": ("spec_session_tails",)}
 COUNTERS = ("spec_steps", "draft_tokens_accepted", "draft_tokens_rejected", "spec_slots_reserved",
             "spec_tail_releases", "spec_tail_slots")
 
@@ -28,8 +32,15 @@ def cfg(preset="sglang-spec-eagle", **kw):
     return SGLANG_PRESETS[preset].config(**kw)
 
 
-def workload(n=6):
-    return [Submit(family=i % 3, prompt_len=6 + 3 * i, max_new_tokens=9 + 2 * i) for i in range(n)] + [Idle()]
+def workload(preset, n=6):
+    """Six requests of three families (prefix hits), long enough to decode several spec steps; on the session
+    preset three streaming sessions of two turns each, then a request outside them."""
+    if preset != "sglang-spec-session":
+        return [Submit(family=i % 3, prompt_len=6 + 3 * i, max_new_tokens=9 + 2 * i) for i in range(n)] + [Idle()]
+    ops = [OpenSession() for _ in range(3)]
+    for turn in range(2):
+        ops += [Submit(family=s, prompt_len=5 + s, max_new_tokens=7 + 3 * s, session=s) for s in range(3)] + [Idle()]
+    return ops + [Submit(family=3, prompt_len=8, max_new_tokens=12), Idle()]  # and one request outside them
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -55,17 +66,18 @@ def test_the_spec_fault_needs_a_spec_preset():
 # -- the presets run clean, every counter reached ---------------------------------------------------
 @pytest.mark.parametrize("preset", SPEC_PRESETS)
 def test_a_spec_preset_runs_clean_and_reaches_its_path(preset):
-    findings, run = run_ops(cfg(preset), workload())
+    findings, run = run_ops(cfg(preset), workload(preset))
     try:
         t = run.target
-        assert [type(f).__name__ for f in t.features] == ["SpecDecode"]
+        assert type(t.features[-1]).__name__ == "SpecDecode"
         assert findings == [], findings
         reached = t.reach()
-        assert all(reached[c] > 0 for c in COUNTERS), reached
-        # every request finished; the pool is whole again (tree-held KV evictable)
-        a, cache = t.allocator, t.tree_cache
-        assert a.available_size() + cache.evictable_size() == a.size
+        assert all(reached[c] > 0 for c in COUNTERS + CROSSING.get(preset, ())), reached
         assert t.engine_check() == []
+        if preset != "sglang-spec-session":  # (a session's record keeps its KV until it closes)
+            # every request finished; the pool is whole again (tree-held KV evictable)
+            acc = t.accounting()["token_to_kv_pool"]
+            assert acc.available + acc.evictable == acc.total and acc.protected == 0
     finally:
         run.close()
 

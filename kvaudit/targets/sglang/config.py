@@ -622,5 +622,23 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                      "0-5 drafts; 256 slots, page 1",
                 {"speculative_algorithm": "ngram", "speculative_num_steps": 6, "speculative_eagle_topk": 1,
                  "speculative_num_draft_tokens": 6, "num_slots": 256}),
+        _preset("sglang-spec-overlap", "sglang-spec-eagle under overlap scheduling (spec v2's default loop: a "
+                                       "verify's result is committed after the next step reserved from the lagging "
+                                       "kv_committed_len, the double-buffered reserve), page 4, 256 slots",
+                {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4, "enable_overlap": True}),
+        _preset("sglang-spec-retract", "sglang-spec-eagle with a pool small enough that decode retracts "
+                                       "(check_decode_mem with the spec-v2 estimate, retract_decode releasing "
+                                       "reserved tails): 96 slots, page 1",
+                {**_SPEC_EAGLE, "num_slots": 96, "new_token_ratio": 0.2}),
+        _preset("sglang-spec-session", "sglang-spec-eagle with streaming sessions (a turn's reserved draft tail "
+                                       "on the session's record: the spec-tail leak of sglang#22862), page 1",
+                {**_SPEC_EAGLE, "num_slots": 256, "enable_streaming_session": True, "context_len": 96}),
+        _preset("sglang-spec-swa", "sglang-spec-eagle on an SWA hybrid (eagle_prepare_for_decode's maybe_evict_swa "
+                                   "before each reservation; the tail freed in both pools): an 8-token window, 256 "
+                                   "full and 128 SWA slots, page 1",
+                {**_SPEC_EAGLE, "sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5}),
+        _preset("sglang-spec-mamba", "sglang-spec-eagle on a hybrid SSM model (mamba slots beside the draft "
+                                     "reservation; no extra buffer), 24 mamba slots, 32-token chunks, page 1",
+                {**_SPEC_EAGLE, "enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32}),
     ]
 }

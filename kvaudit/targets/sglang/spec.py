@@ -93,11 +93,27 @@ class SpecDecode(SglangFeature):
         self.tail_releases = 0  # releases that freed a reserved-but-uncommitted tail
         self.tail_slots = 0  # slots those releases gave back
         self._released: list[tuple[str, int, np.ndarray]] = []  # (rid, step, pages) tails released, to check
+        self.session_tails = 0  # finished turns whose row went to their streaming session with a reserved tail
 
     # -- construction ------------------------------------------------------------------------------
     def attach(self) -> None:
+        """The release wrapper's dispatch entry; with streaming sessions, a counter on the tree's
+        ``claim_kv_row`` (a finished turn's row kept by its session, reserved tail included: sglang#22862's
+        path, which ``StreamingSession`` trims to the committed KV)."""
         _FEATURES[id(self.target.tree_cache)] = self
         _install_release_wrapper()
+        if self.target.session_controller is None:
+            return
+        cache = self.target.tree_cache
+        claim = cache.claim_kv_row
+
+        def claim_kv_row(req):
+            tail = req.kv.holds_kv and req.kv.kv_allocated_len > req.kv.kv_committed_len
+            out = claim(req)
+            self.session_tails += bool(out and tail)
+            return out
+
+        cache.claim_kv_row = claim_kv_row
 
     def close(self) -> None:
         _FEATURES.pop(id(self.target.tree_cache), None)
@@ -172,8 +188,9 @@ class SpecDecode(SglangFeature):
         """``spec-draft-kv``: a live request's reserved tail on the free list (use-after-free); a released tail
         neither free, in the tree, nor held by a live request or session (leak)."""
         t = self.target
-        free = np.zeros(t.config.num_pages + 1, dtype=bool)
-        free[t.allocator.get_all_free_pages().cpu().numpy()] = True
+        kv_pool = t._pools[0]  # the (full) KV pool: a hybrid's full_attn_allocator
+        free = np.zeros(kv_pool.num_units + 1, dtype=bool)
+        free[kv_pool.obj.get_all_free_pages().cpu().numpy()] = True
         table = t.req_to_token_pool.req_to_token
         for req in t._live():
             kv = req.kv
@@ -212,10 +229,13 @@ class SpecDecode(SglangFeature):
     def reach(self, out: dict[str, int]) -> dict[str, int]:
         """``spec_steps`` (verify results committed), ``draft_tokens_accepted``, ``draft_tokens_rejected``,
         ``spec_slots_reserved`` (by spec_prepare_for_decode), ``spec_tail_releases`` / ``spec_tail_slots``
-        (reserved-but-uncommitted tails freed at a release)."""
+        (reserved-but-uncommitted tails freed at a release); with streaming sessions ``spec_session_tails``
+        (finished turns whose row, reserved tail included, their session kept)."""
         out.update(spec_steps=self.steps, draft_tokens_accepted=self.accepted, draft_tokens_rejected=self.rejected,
                    spec_slots_reserved=self.reserved, spec_tail_releases=self.tail_releases,
                    spec_tail_slots=self.tail_slots)
+        if self.target.session_controller is not None:
+            out["spec_session_tails"] = self.session_tails
         return out
 
 
