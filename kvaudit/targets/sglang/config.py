@@ -628,8 +628,8 @@ SGLANG_PRESETS: dict[str, Preset] = {
                 {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4, "enable_overlap": True}),
         _preset("sglang-spec-retract", "sglang-spec-eagle with a pool small enough that decode retracts "
                                        "(check_decode_mem with the spec-v2 estimate, retract_decode releasing "
-                                       "reserved tails): 96 slots, page 1",
-                {**_SPEC_EAGLE, "num_slots": 96, "new_token_ratio": 0.2}),
+                                       "reserved tails): 64 slots, page 1",
+                {**_SPEC_EAGLE, "num_slots": 64, "new_token_ratio": 0.2}),
         _preset("sglang-spec-session", "sglang-spec-eagle with streaming sessions (a turn's reserved draft tail "
                                        "on the session's record: the spec-tail leak of sglang#22862), page 1",
                 {**_SPEC_EAGLE, "num_slots": 256, "enable_streaming_session": True, "context_len": 96}),

@@ -97,20 +97,29 @@ class SpecDecode(SglangFeature):
 
     # -- construction ------------------------------------------------------------------------------
     def attach(self) -> None:
-        """The release wrapper's dispatch entry; with streaming sessions, a counter on the tree's
-        ``claim_kv_row`` (a finished turn's row kept by its session, reserved tail included: sglang#22862's
-        path, which ``StreamingSession`` trims to the committed KV)."""
+        """The release wrapper's dispatch entry; with streaming sessions, a wrapper on the tree's
+        ``claim_kv_row``: a finished turn whose row its session keeps with a reserved tail (sglang#22862's path;
+        ``StreamingSession._trim_overshoot`` frees past the finished length) is counted, and the pages the
+        record gave up are checked as a released tail."""
         _FEATURES[id(self.target.tree_cache)] = self
         _install_release_wrapper()
         if self.target.session_controller is None:
             return
-        cache = self.target.tree_cache
+        t = self.target
+        cache, table = t.tree_cache, t.req_to_token_pool.req_to_token
         claim = cache.claim_kv_row
 
         def claim_kv_row(req):
-            tail = req.kv.holds_kv and req.kv.kv_allocated_len > req.kv.kv_committed_len
+            kv = req.kv  # the session record the turn ran on (claim_kv_row detaches it from the request)
+            if not kv.holds_kv or kv.kv_allocated_len <= kv.kv_committed_len:
+                return claim(req)
+            before = t._pages(table[kv.req_pool_idx, :kv.kv_allocated_len])
             out = claim(req)
-            self.session_tails += bool(out and tail)
+            if out:  # the record kept [0, allocated) as trimmed: what it gave up is a released tail
+                self.session_tails += 1
+                dropped = np.setdiff1d(before, t._pages(table[kv.req_pool_idx, :kv.kv_allocated_len]))
+                if dropped.size:
+                    self._released.append((req.rid, t.steps, dropped))
             return out
 
         cache.claim_kv_row = claim_kv_row
