@@ -29,6 +29,7 @@ def test_presets_cover_the_configurations():
                                    "sglang-mamba", "sglang-mamba-small", "sglang-mamba-overlap", "sglang-mamba-session",
                                    # speculative decoding (spec v2)
                                    "sglang-spec-eagle", "sglang-spec-eagle-paged", "sglang-spec-ngram",
+                                   "sglang-spec-ngram-deep",
                                    "sglang-spec-overlap", "sglang-spec-retract", "sglang-spec-session",
                                    "sglang-spec-swa", "sglang-spec-mamba",
                                    }

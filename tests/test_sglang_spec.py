@@ -157,3 +157,36 @@ def test_the_spec_fault_is_refused_with_a_clear_error_off_the_spec_presets(tmp_p
     r = invoke("fuzz", "--target", "sglang", "--preset", "sglang", "--bug", "spec-leak-rejected-draft",
                "--max-time", "5", "--out", str(tmp_path))
     assert r.exit_code == 2 and "sglang-spec presets only" in r.output, r.output
+
+
+# -- finding 13: the reservation outgrows the row ----------------------------------------------------------
+DEEP = [Submit(family=0, prompt_len=16, max_new_tokens=8), Submit(family=1, prompt_len=16, max_new_tokens=8),
+        Submit(family=2, prompt_len=4, max_new_tokens=8), Idle()]
+
+
+def test_a_deep_verify_near_the_context_end_writes_past_the_row(monkeypatch):
+    """sglang-spec-ngram-deep (16-token verify, context 32): a request near its context end reserves
+    committed + 32 into a row of 32 + 20; the spilled write is seen (spec-row-width, then the leak of the
+    slots it displaced), and rows as wide as the reserve run the same program clean."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.targets.sglang import boot
+    from kvaudit.targets.sglang.target import SglangTarget
+
+    config = cfg("sglang-spec-ngram-deep", seed=3)
+    t = SglangTarget(config)
+    width = t.req_to_token_pool.req_to_token.shape[1]
+    assert width == 32 + 4 + 16  # SGLang's own headroom: 4 + speculative_num_draft_tokens at page 1
+    for op in DEEP[:2]:
+        t.apply(op)
+    seen = []
+    for _ in range(6):
+        t.step()
+        seen += [f for f in t.invariant_findings() if f.check == "spec-row-width"]
+        if seen:
+            break
+    assert seen and seen[0].kind == "aliasing" and "past its req_to_token row (52 wide" in seen[0].message
+    t.close()
+    assert {f.kind for f in execute(config, DEEP, full_stacks=False).findings} == {"aliasing", "leak"}
+    own = boot.row_width
+    monkeypatch.setattr(boot, "row_width", lambda c: own(c) + 32)
+    assert execute(config, DEEP, full_stacks=False).findings == []

@@ -622,6 +622,12 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                      "0-5 drafts; 256 slots, page 1",
                 {"speculative_algorithm": "ngram", "speculative_num_steps": 6, "speculative_eagle_topk": 1,
                  "speculative_num_draft_tokens": 6, "num_slots": 256}),
+        _preset("sglang-spec-ngram-deep", "spec v2 n-gram with a verify as deep as a quarter of a short context "
+                                          "(16 draft tokens, 16 steps, context 32): the double-buffered reserve "
+                                          "(2 x 16) outgrows the req_to_token row's headroom (4 + 16) for a "
+                                          "request near its context end; 256 slots, page 1",
+                {"speculative_algorithm": "ngram", "speculative_num_steps": 16, "speculative_eagle_topk": 1,
+                 "speculative_num_draft_tokens": 16, "num_slots": 256, "context_len": 32}),
         _preset("sglang-spec-overlap", "sglang-spec-eagle under overlap scheduling (spec v2's default loop: a "
                                        "verify's result is committed after the next step reserved from the lagging "
                                        "kv_committed_len, the double-buffered reserve), page 4, 256 slots",

@@ -14,6 +14,9 @@ number of drafts per request that is a function of the seed, the request and its
 (:func:`accepted_drafts`), so a program replays exactly; its tokens are the stand-in sampler's. The GPU kernel that
 writes the new slots into ``req_to_token`` (``assign_req_to_token_pool``) is :func:`assign_rows`.
 
+The ``spec-row-width`` check: a live request's ``kv_allocated_len`` past its ``req_to_token`` row (SGLang's own
+``SchedulerInvariantChecker`` asserts ``kv_allocated_len <= row_width``; the row write spilled into the next row).
+
 The ``spec-draft-kv`` oracle: after every step, each live request's reserved tail ``[kv_committed_len,
 kv_allocated_len)`` is still allocated (a slot freed while its row reserves it is a use-after-free), and every
 tail ``_release_overallocated_kv_indices`` was given at a release is free, in the tree or held by a live request or
@@ -47,16 +50,20 @@ def accepted_drafts(seed: int, rid: str, n_out: int, most: int) -> int:
 def assign_rows(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, batch_size) -> None:
     """Stand-in for the GPU kernel ``allocation.assign_req_to_token_pool`` (``assign_req_to_token_pool_func``):
     row ``req_pool_indices[i]`` gets ``out_cache_loc``'s next ``end_offset[i] - start_offset[i]`` slots at
-    ``[start_offset[i], end_offset[i])``, requests in batch order."""
+    ``[start_offset[i], end_offset[i])``, requests in batch order. As the kernel does, a position is
+    ``row * row_width + offset`` in the flat table, with no bound check on the row's width: an end past the
+    row writes into the next row (past the table's end, memory outside it on a GPU: dropped here, the
+    ``spec-row-width`` check reports the request)."""
     lens = (end_offset - start_offset).to(torch.int64).cpu()
     total = int(lens.sum())
     if total == 0:
         return
     rows = torch.repeat_interleave(req_pool_indices.to(torch.int64).cpu(), lens)
     base = torch.repeat_interleave(start_offset.to(torch.int64).cpu() - (torch.cumsum(lens, 0) - lens), lens)
-    cols = base + torch.arange(total)
-    req_to_token[rows.to(req_to_token.device), cols.to(req_to_token.device)] = \
-        out_cache_loc[:total].to(req_to_token.dtype)
+    flat = rows * req_to_token.shape[1] + base + torch.arange(total)
+    inside = flat < req_to_token.numel()
+    req_to_token.view(-1)[flat[inside].to(req_to_token.device)] = \
+        out_cache_loc[:total][inside.to(out_cache_loc.device)].to(req_to_token.dtype)
 
 
 def _install_release_wrapper() -> None:
@@ -93,6 +100,7 @@ class SpecDecode(SglangFeature):
         self.tail_releases = 0  # releases that freed a reserved-but-uncommitted tail
         self.tail_slots = 0  # slots those releases gave back
         self._released: list[tuple[str, int, np.ndarray]] = []  # (rid, step, pages) tails released, to check
+        self._overflows: list[tuple] = []  # (rid, row, kv_allocated_len, row width, step): reservations past the row
         self.session_tails = 0  # finished turns whose row went to their streaming session with a reserved tail
 
     # -- construction ------------------------------------------------------------------------------
@@ -150,6 +158,9 @@ class SpecDecode(SglangFeature):
                 _patched(allocation, "get_last_loc", allocation.get_last_loc_torch):
             spec_prepare_for_decode(batch)
         self.reserved += sum(r.kv.kv_allocated_len for r in batch.reqs) - before
+        width = batch.req_to_token_pool.req_to_token.shape[1]
+        self._overflows += [(r.rid, r.kv.req_pool_idx, r.kv.kv_allocated_len, width, self.target.steps)
+                            for r in batch.reqs if r.kv.kv_allocated_len > width]
         for req in batch.reqs:  # the verify's seq_len: the committed KV and the pending bonus token
             req.kvaudit_seq_len = req.kv.kv_committed_len + 1
         return True
@@ -194,13 +205,22 @@ class SpecDecode(SglangFeature):
 
     # -- observer ----------------------------------------------------------------------------------
     def invariant_findings(self, out: list) -> list:
-        """``spec-draft-kv``: a live request's reserved tail on the free list (use-after-free); a released tail
+        """``spec-row-width``: a reservation past its row since the last check (aliasing of the next row);
+        ``spec-draft-kv``: a live request's reserved tail on the free list (use-after-free), a released tail
         neither free, in the tree, nor held by a live request or session (leak)."""
         t = self.target
         kv_pool = t._pools[0]  # the (full) KV pool: a hybrid's full_attn_allocator
         free = np.zeros(kv_pool.num_units + 1, dtype=bool)
         free[kv_pool.obj.get_all_free_pages().cpu().numpy()] = True
         table = t.req_to_token_pool.req_to_token
+        overflows, self._overflows = self._overflows, []
+        for rid, row, allocated, width, step in overflows:  # SGLang's invariant: kv_allocated_len <= row_width
+            out.append(TargetFinding(
+                "aliasing", "req_to_token_pool", np.array([row], dtype=np.int64),
+                f"request {rid}'s draft reservation ran to {allocated}, past its req_to_token row ({width} wide: "
+                f"context_len + get_req_to_token_extra_context_len()): alloc_for_spec_decode's row write put "
+                f"{allocated - width} slot(s) past the row's end, into the next row (past the table from the last "
+                f"row) (step {step})", check="spec-row-width"))
         for req in t._live():
             kv = req.kv
             tail = t._pages(table[kv.req_pool_idx, kv.kv_committed_len:kv.kv_allocated_len])
