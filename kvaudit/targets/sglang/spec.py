@@ -3,9 +3,9 @@
 SGLang's own code: ``ScheduleBatch.prepare_for_decode``'s spec branch, ``spec_utils.spec_prepare_for_decode`` ->
 ``eagle_utils.eagle_prepare_for_decode`` -> ``allocation.alloc_for_spec_decode`` (each decode step reserves up to
 ``kv_committed_len + get_alloc_reserve_per_decode()``, page-aligned, into ``kv_allocated_len``; at page > 1
-``alloc_paged_token_slots_extend`` after ``get_last_loc_torch``, SGLang's torch variant of its triton dispatch); the batch result
-through ``SchedulerBatchResultProcessor.process_batch_result_decode`` -> ``_resolve_spec_v2_tokens`` (commits
-each request's accepted run: ``kv_committed_len += accept_len``); ``check_decode_mem`` / ``retract_decode`` with
+``alloc_paged_token_slots_extend`` after ``get_last_loc_torch``, SGLang's torch variant of its triton dispatch); the
+batch result through ``SchedulerBatchResultProcessor.process_batch_result_decode`` -> ``_resolve_spec_v2_tokens``
+(commits each request's accepted run: ``kv_committed_len += accept_len``); ``check_decode_mem`` / ``retract_decode`` with
 the spec estimate (``_new_tokens_required_next_decode_spec_v2``); ``release_kv_cache``, whose
 ``_release_overallocated_kv_indices`` frees the reserved-but-uncommitted tail ``[ceil(owned), kv_allocated_len)``.
 
@@ -245,8 +245,8 @@ class SpecDecode(SglangFeature):
             if lost.size:
                 out.append(TargetFinding(
                     "leak", "token_to_kv_pool", lost,
-                    f"request {rid}'s {lost.size} reserved-but-uncommitted draft {self._unit} were neither committed nor "
-                    f"freed at its release (step {step}): not free, in no tree node, held by no request",
+                    f"request {rid}'s {lost.size} reserved-but-uncommitted draft {self._unit} were neither committed "
+                    f"nor freed at its release (step {step}): not free, in no tree node, held by no request",
                     check="spec-draft-kv"))
         return out
 
