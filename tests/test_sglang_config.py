@@ -29,6 +29,11 @@ def test_presets_cover_the_configurations():
                                    # Mamba
                                    "sglang-mamba", "sglang-mamba-small", "sglang-mamba-overlap", "sglang-mamba-session",
                                    "sglang-mamba-mixed",
+                                   # speculative decoding (spec v2)
+                                   "sglang-spec-eagle", "sglang-spec-eagle-paged", "sglang-spec-ngram",
+                                   "sglang-spec-ngram-deep",
+                                   "sglang-spec-overlap", "sglang-spec-retract", "sglang-spec-session",
+                                   "sglang-spec-swa", "sglang-spec-mamba",
                                    }
     tlru = SGLANG_PRESETS["sglang-evict-tlru"].config()
     assert (tlru.radix_eviction_policy, json.loads(tlru.radix_eviction_policy_config)) == \

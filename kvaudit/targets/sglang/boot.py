@@ -260,12 +260,27 @@ def publish_server_args(config, **extra):
     reads it process-wide through ``get_schedule()``, ``get_memory()``...)."""
     S = load()
     extra.setdefault("radix_eviction_policy", config.radix_eviction_policy)
+    if getattr(config, "speculative_algorithm", None) is not None:  # (the legacy era's config has none)
+        extra.update(speculative_algorithm=config.speculative_algorithm.upper(),
+                     speculative_num_steps=config.speculative_num_steps,
+                     speculative_eagle_topk=config.speculative_eagle_topk,
+                     speculative_num_draft_tokens=config.speculative_num_draft_tokens)
     if config.radix_eviction_policy_kwargs is not None:
         extra.setdefault("radix_eviction_policy_config", config.radix_eviction_policy_kwargs)
     sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, grammar_backend=GRAMMAR_BACKEND,
                       schedule_low_priority_values_first=config.schedule_low_priority_values_first, **extra)
     S.set_global_server_args_for_scheduler(sa)
     return sa
+
+
+def row_width(config) -> int:
+    """A ``req_to_token`` row's width in tokens: ``context_len`` plus 8, or, with speculative decoding, plus
+    SGLang's own headroom for the decode over-allocation if wider (``allocation_sizing.
+    get_req_to_token_extra_context_len``, read from the published server args)."""
+    if getattr(config, "speculative_algorithm", None) is None:
+        return config.context_len + 8
+    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+    return config.context_len + max(8, get_req_to_token_extra_context_len())
 
 
 def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_radix_cache: bool = False,
@@ -300,7 +315,7 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     if make_rows is not None:
         req_to_token_pool = make_rows(dev)
     else:
-        req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
+        req_to_token_pool = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=row_width(config),
                                              device=dev, enable_memory_saver=False)
     hybrid = dict(hybrid or {})
     ctx_fields = {k: hybrid.pop(k) for k in ("is_hybrid_swa", "is_hybrid_ssm", "full_tokens_per_layer") if k in hybrid}

@@ -42,12 +42,19 @@ FAULTS: dict[str, tuple[str, str]] = {
                                              "mamba slot to the tree (cleanup_after_caching_req after the insert "
                                              "in release_kv_cache), the slot is also freed to the "
                                              "MambaSlotAllocator while the tree node still holds it"),
+    "spec-leak-rejected-draft": ("leak", "speculative decoding only: at the first release of a request that holds "
+                                         "reserved-but-uncommitted draft KV (rejected draft tokens' slots past "
+                                         "kv_committed_len), release_kv_cache's _release_overallocated_kv_indices "
+                                         "skips its free: those slots stay allocated with no owner"),
 }
 
 HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
 SWA_ONLY_FAULTS = frozenset({"swa-skip-window-free"})
 PREFILL_ONLY_FAULTS = frozenset({"prefill-skip-failed-release"})
 MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release", "mamba-free-donated"})
+SPEC_ONLY_FAULTS = frozenset({"spec-leak-rejected-draft"})
+# --speculative-algorithm values driven (spec v2: SGLang 0.5.23's only speculative path)
+SPECULATIVE_ALGORITHMS = ("eagle", "ngram")
 # SGLang 0.5.23 kv_cache_configurator.MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO: mamba slots per running request
 MAMBA_SLOTS_PER_REQUEST = 3
 # SGLang's default --mamba-track-interval: a decode step snapshots a tracked state at its multiples (not driven)
@@ -143,6 +150,11 @@ class SglangConfig(ConfigBase):
     # --mamba-radix-cache-strategy extra_buffer: each request also holds ping-pong track slots the forward
     # snapshots its state into at chunk boundaries, and a checkpoint donates the tracked slot to the tree
     mamba_extra_buffer: bool = False
+    # speculative decoding, spec v2 (kvaudit/targets/sglang/spec.py): None, "eagle" or "ngram" (SPECULATIVE_ALGORITHMS)
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 3  # --speculative-num-steps (ngram: num_draft_tokens // topk, as SGLang resolves it)
+    speculative_eagle_topk: int = 1  # --speculative-eagle-topk (only 1 is driven)
+    speculative_num_draft_tokens: int = 4  # --speculative-num-draft-tokens: the verify's tokens per request
     vocab_size: int = 128
     device: str = "cpu"
     bugs: frozenset[str] = field(default_factory=frozenset)
@@ -242,6 +254,7 @@ class SglangConfig(ConfigBase):
         self._check_prefill()
         self._check_swa()
         self._check_mamba()
+        self._check_spec()
 
     def _check_prefill(self) -> None:
         for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
@@ -378,6 +391,36 @@ class SglangConfig(ConfigBase):
         if clash:
             raise ValueError(f"enable_mamba is driven without {clash[0]} in this version")
 
+    def _check_spec(self) -> None:
+        a = self.speculative_algorithm
+        if a is None:
+            if self.bugs & SPEC_ONLY_FAULTS:
+                raise ValueError(f"fault {sorted(self.bugs & SPEC_ONLY_FAULTS)[0]} is for the sglang-spec presets only "
+                                 "(it needs speculative decoding: speculative_algorithm)")
+            return
+        if a not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be null or one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+                             f"got {a!r}")
+        for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16:
+                raise ValueError(f"{name} must be an integer in [1, 16], got {v!r}")
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(f"speculative_eagle_topk must be 1 (the tree drafts of topk > 1 are not driven), "
+                             f"got {self.speculative_eagle_topk!r}")
+        if a == "eagle" and self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+            # SGLang's _handle_eagle_family: with topk 1, num_draft_tokens is num_steps + 1
+            raise ValueError("speculative_num_draft_tokens must be speculative_num_steps + 1 for eagle with topk 1 "
+                             f"(got {self.speculative_num_draft_tokens} and {self.speculative_num_steps})")
+        if self.enable_mixed_chunk:  # SGLang's speculative hook turns --enable-mixed-chunk off
+            raise ValueError("speculative decoding disables enable_mixed_chunk (SGLang's speculative_hook resolves "
+                             "enable_mixed_chunk=False)")
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
+        if clash:
+            raise ValueError(f"speculative_algorithm is driven without {clash[0]} in this version")
+
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
@@ -449,6 +492,10 @@ _HICACHE_L3 = {"enable_hierarchical_cache": True, "num_slots": 128, "page_size":
                "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
                "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
                "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8}
+
+# sglang-spec-eagle's speculative settings, shared by its crossings
+_SPEC_EAGLE = {"speculative_algorithm": "eagle", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+               "speculative_num_draft_tokens": 4}
 
 SGLANG_PRESETS: dict[str, Preset] = {
     p.name: p
@@ -618,5 +665,43 @@ SGLANG_PRESETS: dict[str, Preset] = {
                                         "at close), 24 mamba slots, 32-token chunks, page 1",
                 {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32,
                  "enable_streaming_session": True, "context_len": 96}),
+        _preset("sglang-spec-eagle", "speculative decoding, spec v2 EAGLE (3 draft steps, topk 1, 4-token verify): "
+                                     "each decode step reserves committed + 8 slots (eagle_prepare_for_decode, "
+                                     "alloc_for_spec_decode), a stand-in verify accepts 0-3 drafts a request, "
+                                     "SGLang's processor commits the run; 256 slots, page 1",
+                {**_SPEC_EAGLE, "num_slots": 256}),
+        _preset("sglang-spec-eagle-paged", "sglang-spec-eagle with 4-token pages (the reservation is page-aligned; "
+                                           "the tail freed at release starts at the page after the owned KV), "
+                                           "256 slots",
+                {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4}),
+        _preset("sglang-spec-ngram", "speculative decoding, spec v2 n-gram (no draft KV: 6-token verify, 6 steps, "
+                                     "topk 1): each decode step reserves committed + 12 slots, the stand-in accepts "
+                                     "0-5 drafts; 256 slots, page 1",
+                {"speculative_algorithm": "ngram", "speculative_num_steps": 6, "speculative_eagle_topk": 1,
+                 "speculative_num_draft_tokens": 6, "num_slots": 256}),
+        _preset("sglang-spec-ngram-deep", "spec v2 n-gram with a verify as deep as a quarter of a short context "
+                                          "(16 draft tokens, 16 steps, context 32): the double-buffered reserve "
+                                          "(2 x 16) outgrows the req_to_token row's headroom (4 + 16) for a "
+                                          "request near its context end; 256 slots, page 1",
+                {"speculative_algorithm": "ngram", "speculative_num_steps": 16, "speculative_eagle_topk": 1,
+                 "speculative_num_draft_tokens": 16, "num_slots": 256, "context_len": 32}),
+        _preset("sglang-spec-overlap", "sglang-spec-eagle under overlap scheduling (spec v2's default loop: a "
+                                       "verify's result is committed after the next step reserved from the lagging "
+                                       "kv_committed_len, the double-buffered reserve), page 4, 256 slots",
+                {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4, "enable_overlap": True}),
+        _preset("sglang-spec-retract", "sglang-spec-eagle with a pool small enough that decode retracts "
+                                       "(check_decode_mem with the spec-v2 estimate, retract_decode releasing "
+                                       "reserved tails): 64 slots, page 1",
+                {**_SPEC_EAGLE, "num_slots": 64, "new_token_ratio": 0.2}),
+        _preset("sglang-spec-session", "sglang-spec-eagle with streaming sessions (a turn's reserved draft tail "
+                                       "on the session's record: the spec-tail leak of sglang#22862), page 1",
+                {**_SPEC_EAGLE, "num_slots": 256, "enable_streaming_session": True, "context_len": 96}),
+        _preset("sglang-spec-swa", "sglang-spec-eagle on an SWA hybrid (eagle_prepare_for_decode's maybe_evict_swa "
+                                   "before each reservation; the tail freed in both pools): an 8-token window, 256 "
+                                   "full and 128 SWA slots, page 1",
+                {**_SPEC_EAGLE, "sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5}),
+        _preset("sglang-spec-mamba", "sglang-spec-eagle on a hybrid SSM model (mamba slots beside the draft "
+                                     "reservation; no extra buffer), 24 mamba slots, 32-token chunks, page 1",
+                {**_SPEC_EAGLE, "enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32}),
     ]
 }

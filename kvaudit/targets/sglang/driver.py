@@ -227,7 +227,7 @@ class SglangDriver(SglangResults):
         """``ScheduleBatch.init_new`` and ``prepare_for_extend``'s ``alloc_for_extend``."""
         S = self.S
         batch = S.ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator, self.tree_cache,
-                                         self.model_config, self.config.enable_overlap, S.SpeculativeAlgorithm.NONE,
+                                         self.model_config, self.config.enable_overlap, self._spec_algorithm(),
                                          chunked_req=self.chunked_req)
         self._new_batch(batch, "extend")
         batch.forward_mode = S.ForwardMode.EXTEND
@@ -305,17 +305,26 @@ class SglangDriver(SglangResults):
             self.running = list(batch.reqs)
             if not batch.reqs:
                 return None
-        batch.out_cache_loc = S.allocation.alloc_for_decode(batch, 1)  # as prepare_for_decode keeps it
-        for req in batch.reqs:
-            req.kvaudit_seq_len += 1
+        self._decode_alloc(batch)
         self._after_decode_alloc(batch)
         return "decode", list(batch.reqs), None
+
+    def _decode_alloc(self, batch) -> None:
+        """``ScheduleBatch.prepare_for_decode``'s allocation: ``alloc_for_decode(batch, 1)`` (the out cache locations
+        kept on the batch), each request's seq_len one longer."""
+        batch.out_cache_loc = self.S.allocation.alloc_for_decode(batch, 1)
+        for req in batch.reqs:
+            req.kvaudit_seq_len += 1
+
+    def _spec_algorithm(self):
+        """The ``SpeculativeAlgorithm`` every ``ScheduleBatch`` is built with (``Scheduler.spec_algorithm``): none."""
+        return self.S.SpeculativeAlgorithm.NONE
 
     def _running_batch(self, reqs: list, overlap: bool):
         """``Scheduler.running_batch`` as a ``ScheduleBatch`` of ``reqs``."""
         S = self.S
         batch = S.ScheduleBatch.init_new(list(reqs), self.req_to_token_pool, self.allocator, self.tree_cache,
-                                         self.model_config, overlap, S.SpeculativeAlgorithm.NONE)
+                                         self.model_config, overlap, self._spec_algorithm())
         self._new_batch(batch, "decode")
         batch.req_pool_indices_cpu = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
         batch.req_pool_indices = batch.req_pool_indices_cpu.to(batch.device)
@@ -326,7 +335,12 @@ class SglangDriver(SglangResults):
         return batch
 
     def _sample(self, req) -> int:
-        n = len(req.output_ids)
+        """The stand-in sampler's next token of ``req``."""
+        return self._sample_at(req, len(req.output_ids))
+
+    def _sample_at(self, req, n: int) -> int:
+        """The stand-in sampler's output token ``n`` of ``req`` (a function of the request and position;
+        ``EOS`` at its planned stop)."""
         if getattr(req, "kvaudit_stop_at", None) is not None and n + 1 >= req.kvaudit_stop_at:
             return EOS
         return 2 + ((len(req.origin_input_ids) + n) * 7 + 3) % (self.config.vocab_size - 2)

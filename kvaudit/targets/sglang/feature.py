@@ -93,6 +93,19 @@ class SglangFeature:
         """The model forward of a prefill batch (mixed-in decode rows included), as the batch stands when
         it runs: what a mode's stand-in kernel writes."""
 
+    def spec_algorithm(self, algo):
+        """The ``SpeculativeAlgorithm`` the scheduler's batches carry (``algo``: the result so far)."""
+        return algo
+
+    def decode_alloc(self, batch) -> bool:
+        """``prepare_for_decode``'s allocation; True if this mode's took its place (speculative decoding)."""
+        return False
+
+    def model_result(self, kind: str, batch):
+        """The model's ``GenerationBatchResult`` for ``batch`` (a ``results.result_batch``) if this mode plays
+        the model's forward (a speculative verify); None: the stand-in sampler's one token per request."""
+        return None
+
     def release(self, req) -> None:
         """Before ``release_kv_cache`` of a finished request (not inside ``process_pending_chunked_abort``,
         where SGLang 0.5.23 calls no mode's method)."""

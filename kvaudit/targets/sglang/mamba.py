@@ -22,7 +22,7 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, publish_server_args, row_width
 from kvaudit.targets.sglang.feature import SglangFeature
 
 # the stand-in model: one mamba layer (id 0) and one full-attention layer (id 1)
@@ -71,7 +71,7 @@ class Mamba(SglangFeature):
         sa._mamba_cache_chunk_size = config.mamba_chunk_size
         rows = HybridReqToTokenPool(size=config.max_req_rows, mamba_size=config.max_mamba_cache_size,
                                     mamba_spec_state_size=config.max_req_rows,
-                                    max_context_len=config.context_len + 8, device=dev, enable_memory_saver=False,
+                                    max_context_len=row_width(config), device=dev, enable_memory_saver=False,
                                     cache_params=cache_params(), mamba_layer_ids=list(MAMBA_LAYERS),
                                     enable_mamba_extra_buffer=config.mamba_extra_buffer,
                                     enable_overlap_schedule=config.enable_overlap)

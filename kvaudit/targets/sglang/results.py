@@ -66,21 +66,37 @@ class MetricsStandIn:
     def increment_decode_cuda_graph_pass(self, value) -> None:
         pass
 
+    def snapshot_spec_decode_metrics(self, batch, result) -> None:
+        pass
 
-def result_batch(S, kind: str, reqs: list, decoding, mamba_track: bool = False) -> SimpleNamespace:
+
+class SpecWorkerStandIn:
+    """The processor's ``model_worker`` as a spec-v2 worker reads it (``BaseSpecWorker.on_verify_complete_cpu``:
+    the adaptive controller's feed, model-side)."""
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int) -> None:
+        pass
+
+
+def result_batch(S, kind: str, reqs: list, decoding, spec_algorithm=None,
+                 mamba_track: bool = False) -> SimpleNamespace:
     """What the processors read of the ``ScheduleBatch`` that ran: ``reqs`` in batch order,
     ``decoding_reqs`` (mixed chunk's decode rows, as ``mix_with_running`` sets them), no logprobs, hidden
-    states, grammar barrier or speculative state. ``mamba_track`` (the Mamba extra buffer): a decode batch's
-    track fields as ``prepare_for_decode`` sets them when no row sits on a track boundary (the config keeps
-    ``context_len`` below the 256-token track interval); else no Mamba state."""
+    states or grammar barrier. ``spec_algorithm``: the batch's ``SpeculativeAlgorithm`` (None: NONE), with
+    which a decode batch's grammar requests are flagged (``has_grammar``: the spec-v2 FSM advances in
+    ``advance_grammar_fsm``). ``mamba_track`` (the Mamba extra buffer): a decode batch's track fields as
+    ``prepare_for_decode`` sets them when no row sits on a track boundary (the config keeps ``context_len``
+    below the 256-token track interval); else no Mamba state."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
     n = len(reqs)
     return SimpleNamespace(
         reqs=reqs, decoding_reqs=list(decoding) or None, return_logprob=False, return_hidden_states=False,
-        return_hidden_states_mode=CaptureHiddenMode.NULL, spec_info=None, spec_algorithm=S.SpeculativeAlgorithm.NONE,
+        return_hidden_states_mode=CaptureHiddenMode.NULL, spec_info=None,
+        spec_algorithm=S.SpeculativeAlgorithm.NONE if spec_algorithm is None else spec_algorithm,
         forward_mode=S.ForwardMode.EXTEND if kind == "extend" else S.ForwardMode.DECODE, prefill_stats=None,
-        dp_cooperation_info=None, forward_iter=0, has_grammar=False, batch_size=lambda: n,
+        dp_cooperation_info=None, forward_iter=0,
+        has_grammar=spec_algorithm is not None and any(r.grammar is not None for r in reqs), batch_size=lambda: n,
         **(_no_track(reqs) if mamba_track and kind == "decode" else {"mamba_track_mask_cpu": None}))
 
 
@@ -146,7 +162,7 @@ class SglangResults(SglangIntake):
                 enable_overlap_mlx=False, model_config=self.model_config, token_to_kv_pool_allocator=self.allocator,
                 tree_cache=self.tree_cache, hisparse_coordinator=self._hisparse_coordinator(),
                 req_to_token_pool=self.req_to_token_pool, decode_offload_manager=None, metrics_collector=metrics,
-                metrics_reporter=metrics, draft_worker=None, model_worker=None, logprob_result_processor=None,
+                metrics_reporter=metrics, draft_worker=None, model_worker=SpecWorkerStandIn(), logprob_result_processor=None,
                 output_streamer=self.output_recorder, beam_coordinator=None, abort_request=self._abort)
         return proc
 
@@ -183,11 +199,10 @@ class SglangResults(SglangIntake):
         # the requests whose prefill result this is (not skipped, not a middle chunk)
         fresh = [r for r in reqs if not (r.finished() and r.inflight_middle_chunks <= 0) and not r.is_retracted
                  and r.inflight_middle_chunks <= 0] if kind == "extend" else []
-        from sglang.srt.managers.utils import GenerationBatchResult
-
-        tokens = [self._sample(r) for r in reqs]
-        result = GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64))
-        batch = result_batch(self.S, kind, reqs, decoding, self.config.mamba_extra_buffer)
+        algo = self._spec_algorithm()
+        batch = result_batch(self.S, kind, reqs, decoding, None if algo.is_none() else algo,
+                             self.config.mamba_extra_buffer)
+        result = self._model_result(kind, batch)
         with self._releases_routed():
             if kind == "extend":
                 proc.process_batch_result_prefill(batch, result)
@@ -203,6 +218,14 @@ class SglangResults(SglangIntake):
                 self._prefilled(req)
         if kind == "decode":
             self.running = [r for r in self.running if not r.finished()]
+
+    def _model_result(self, kind: str, batch):
+        """The model's ``GenerationBatchResult`` for ``batch`` (what the processors read): the stand-in sampler's
+        token per request."""
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        tokens = [self._sample(r) for r in batch.reqs]
+        return GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64))
 
     def output_after_abort(self) -> list[TargetFinding]:
         """The oracle: a request whose abort was processed (its ``release_kv_cache`` ran with a

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding, slot_pages
-from kvaudit.targets.sglang.boot import build, load, publish_server_args
+from kvaudit.targets.sglang.boot import build, load, publish_server_args, row_width
 from kvaudit.targets.sglang.feature import SglangFeature
 
 SWA_POOL = "swa_token_to_kv_pool"
@@ -50,7 +50,10 @@ class SwaHybrid(SglangFeature):
 
         envs.SGLANG_SWA_EVICTION_INTERVAL.set(config.swa_eviction_interval)
         full, swa, ps = config.total_tokens, config.swa_num_slots, config.page_size
-        rows = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=config.context_len + 8,
+        # the scheduler's --chunked-prefill-size, which maybe_evict_swa reads (-1: off, as ServerArgs has it)
+        chunk = config.chunked_prefill_size
+        sa = publish_server_args(config, chunked_prefill_size=-1 if chunk is None else chunk)
+        rows = S.ReqToTokenPool(size=config.max_req_rows, max_context_len=row_width(config),
                                 device=config.device, enable_memory_saver=False)
 
         def make_kv(dev):
@@ -60,9 +63,6 @@ class SwaHybrid(SglangFeature):
             return kv, SWATokenToKVPoolAllocator(full, swa, page_size=ps, dtype=torch.bfloat16, device=dev,
                                                  kvcache=kv, need_sort=config.need_sort, req_to_token_pool=rows)
 
-        # the scheduler's --chunked-prefill-size, which maybe_evict_swa reads (-1: off, as ServerArgs has it)
-        chunk = config.chunked_prefill_size
-        sa = publish_server_args(config, chunked_prefill_size=-1 if chunk is None else chunk)
         return build(config, server_args=sa, make_rows=lambda dev: rows, make_kv=make_kv,
                      disable_radix_cache=config.disable_radix_cache,
                      hybrid={"is_hybrid_swa": True, "full_tokens_per_layer": full,
@@ -201,7 +201,9 @@ class SwaHybrid(SglangFeature):
 
     def after_decode_alloc(self, batch) -> None:
         """``prepare_for_decode`` counts ``decode_batch_idx`` after ``alloc_for_decode`` (window eviction waits for
-        the second decode step)."""
+        the second decode step); under speculative decoding ``eagle_prepare_for_decode`` counts it itself."""
+        if self.target.config.speculative_algorithm is not None:
+            return
         for req in batch.reqs:
             req.decode_batch_idx += 1
 

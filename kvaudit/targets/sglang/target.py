@@ -45,6 +45,9 @@ def features(config: SglangConfig) -> list[type[SglangFeature]]:
     if config.enable_mamba:
         from kvaudit.targets.sglang.mamba import Mamba
         out.append(Mamba)
+    if config.speculative_algorithm is not None:
+        from kvaudit.targets.sglang.spec import SpecDecode
+        out.append(SpecDecode)
     return out
 
 
@@ -234,6 +237,17 @@ class SglangTarget(SglangDriver, SglangObserver):
     def _forward(self, batch) -> None:
         for f in self.features:
             f.forward(batch)
+
+    def _spec_algorithm(self):
+        return self._fold("spec_algorithm", super()._spec_algorithm())
+
+    def _decode_alloc(self, batch) -> None:
+        if not any([f.decode_alloc(batch) for f in self.features]):
+            super()._decode_alloc(batch)
+
+    def _model_result(self, kind: str, batch):
+        out = next((r for r in (f.model_result(kind, batch) for f in self.features) if r is not None), None)
+        return super()._model_result(kind, batch) if out is None else out
 
     def _release(self, req, checkpoint: bool) -> None:
         if not self._chunked_abort:
