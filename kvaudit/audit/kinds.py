@@ -341,6 +341,15 @@ TABLE: tuple[FindingKind, ...] = (
         lambda f, what, site: f"Engine crash: {f.message}",
         signature=_sig_crash, console=_con_crash, labels=(("alloc_sites", "raised at"),), allocates=False,
         expect="crash", symptom="the server stops answering (the scheduler raised)"),
+    FindingKind(
+        "unmatchable-prefix", 10, None, "UnmatchablePrefix",
+        "A key the radix tree took over is one its own prefix match refuses",
+        "A key was inserted into the radix tree in a state the engine's own prefix match refuses (for "
+        "example a sliding-window key that does not end with a whole window of live KV): the match the "
+        "inserting request makes after the insert stops short, so the request and the tree both count "
+        "the KV behind it as theirs (kept twice, or freed under the tree at release).",
+        "error", ("memory-safety", "correctness"),
+        lambda f, what, site: f"Unmatchable prefix: {what} in pool {f.pool}: {f.message}"),
 )
 
 BY_NAME: dict[str, FindingKind] = {k.name: k for k in TABLE}
