@@ -69,21 +69,9 @@ def test_hisparse_runs_sglangs_processor_which_calls_the_coordinator(calls, monk
     monkeypatch.setattr(HiSparseCoordinator, "request_finished", lambda self, req: (finished.append(req.rid),
                                                                                      orig(self, req))[1])
     r = run([Submit(), Submit(), Step(), Step(), Idle()], "sglang-hisparse")
-    assert r.findings == [] and not r.target._results_by_driver()
+    assert r.findings == []
     assert calls["process_batch_result_prefill"] > 0 and calls["process_batch_result_decode"] > 0
     assert sorted(finished) == ["r0", "r1"]  # SGLang's processor called it, once a request
-    r.close()
-
-
-def test_a_mode_can_still_ask_for_the_drivers_copy(calls, monkeypatch):
-    """``SglangFeature.driver_results``: the escape hatch for a mode SGLang's processor cannot run under."""
-    from kvaudit.targets.sglang.feature import SglangFeature
-
-    monkeypatch.setattr(SglangFeature, "driver_results", True)
-    r = run(ABORT_WHILE_DECODING, "sglang-hicache")
-    assert r.findings == [] and r.target._results_by_driver() and r.target.submitted
-    assert calls == {"process_batch_result_prefill": 0, "process_batch_result_decode": 0}
-    assert "sglang_result_batches" not in r.target.reach()
     r.close()
 
 

@@ -80,41 +80,9 @@ class SglangDriver(SglangResults):
 
     def _process(self, kind: str, reqs: list, chunked=None, decoding=()) -> None:
         """``Scheduler.process_batch_result`` of an ``"extend"`` or ``"decode"`` batch: SGLang's own
-        ``process_batch_result_prefill`` / ``_decode`` (:meth:`_process_by_sglang`), or the driver's copy of them
-        (:meth:`_process_copy`) under a mode that cannot run them yet (:meth:`_results_by_driver`). ``decoding``:
-        the decode rows of a mixed batch, which go back to the running batch."""
-        if self._results_by_driver():
-            self._process_copy(kind, reqs, decoding)
-        else:
-            self._process_by_sglang(kind, reqs, decoding)
-
-    def _results_by_driver(self) -> bool:
-        """Whether result processing is the driver's copy (:meth:`_process_copy`); never here."""
-        return False
-
-    def _process_copy(self, kind: str, reqs: list, decoding=()) -> None:
-        """The driver's copy of ``process_batch_result_prefill`` / ``_decode``, inside one free group: the
-        escape hatch for a mode SGLang's own cannot run under yet (``SglangFeature.driver_results``; none now)."""
-        self.allocator.free_group_begin()
-        for req in reqs:
-            if (req.finished() and req.inflight_middle_chunks <= 0) or req.is_retracted:
-                continue
-            if kind == "extend" and req.inflight_middle_chunks > 0:
-                req.inflight_middle_chunks -= 1
-                continue
-            req.output_ids.append(self._sample(req))
-            req.update_finish_state()
-            if req.finished():
-                self._release(req, checkpoint=True)
-            elif any(req is d for d in decoding):
-                if not self.config.enable_overlap:  # (under overlap the last-batch merge brings it back)
-                    self.running.append(req)
-            elif kind == "extend":
-                self.S.common.checkpoint_kv_cache(req, self.tree_cache)
-                self._prefilled(req)
-        self.allocator.free_group_end()
-        if kind == "decode":
-            self.running = [r for r in self.running if not r.finished()]
+        ``process_batch_result_prefill`` / ``_decode`` (:meth:`_process_by_sglang`). ``decoding``: the decode
+        rows of a mixed batch, which go back to the running batch."""
+        self._process_by_sglang(kind, reqs, decoding)
 
     def _process_pending_chunked_abort(self) -> None:
         """``Scheduler.process_pending_chunked_abort``: an aborted chunked request is released with

@@ -12,9 +12,6 @@ class SglangFeature:
     target's, then earlier features') and returns it, extended or replaced."""
 
     name = ""  # SglangTarget.feature(name)
-    # True: under this mode the driver's copy of the result processing runs (SglangDriver._process_copy), not
-    # SGLang's own processor (its hooks would repeat what SGLang's processor calls for this mode)
-    driver_results = False
 
     def __init__(self, target):
         self.target = target  # built before the target's SGLang objects: build() comes next

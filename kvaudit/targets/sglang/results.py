@@ -247,9 +247,6 @@ class SglangResults(SglangIntake):
         return self.output_after_abort()
 
     def results_reach(self) -> dict[str, int]:
-        """Path counters: batch results SGLang's processor handled, aborted requests it released (none
-        where the driver's copy runs)."""
-        if self._results_by_driver():
-            return {}
+        """Path counters: batch results SGLang's processor handled, aborted requests it released."""
         return {"sglang_result_batches": getattr(self, "_result_batches", 0),
                 "aborts_processed": len(getattr(self, "_aborted", ()))}

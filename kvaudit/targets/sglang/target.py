@@ -260,9 +260,6 @@ class SglangTarget(SglangDriver, SglangObserver):
         for f in self.features:
             f.after_process()
 
-    def _results_by_driver(self) -> bool:
-        return any(f.driver_results for f in self.features)
-
     def _hisparse_coordinator(self):
         return next((c for c in (f.hisparse_coordinator() for f in self.features) if c is not None), None)
 
