@@ -43,6 +43,20 @@ BUGS: tuple[HistoryBug, ...] = (
         reach="a server run with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY (the streaming-session CI does): any "
               "second turn of a streaming session that decodes while its slot lends it the KV; the assertion "
               "in self_check_during_busy stops the scheduler"),
+    HistoryBug(
+        id="sglang-22862", engine="sglang",
+        title="a streaming session's retracted turn, retried, restores the slot one token short of what the slot "
+              "holds (prefix_len = committed - 1): the KV past prefix_len is overwritten in the row and leaks",
+        sources=("sgl-project/sglang#22862",), buggy="0.5.10.post1", fixed="0.5.11", clean_because="fix",
+        preset="sglang-session", config={"tree_core": "python", "num_slots": 48, "new_token_ratio": 0.1},
+        finding="leak",
+        signature="leak/token_to_kv_pool/request-kv/from:retracted",
+        reach="a streaming session's turn decoding when the KV pool runs short: retract_decode retracts it "
+              "(release_kv_cache(is_insert=False) saves it into the session slot), its retry's match_prefix "
+              "restores the slot with prefix_len = committed - 1 (init_next_round_input's 1-token reserve) and "
+              "alloc_for_extend overwrites the row past prefix_len; the slot's last KV index is unreachable. The "
+              "PR's other source, speculative over-allocation (allocated > committed), is not driven on the "
+              "legacy family"),
     # kvaudit's own seed (engine_under_test's hisparse-prebuilt-skip-finish), on the legacy family's PD decode
     # with HiSparse (kvaudit/targets/sglang/legacy_pd.py); no preset lists this mode (0.5.23 refuses it)
     HistoryBug(

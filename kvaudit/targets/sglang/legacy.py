@@ -467,13 +467,23 @@ class SglangLegacyTarget(SglangDriver):
             if not aborting and req.to_finish is not None:
                 continue
             record(req.req_pool_idx, req.cache_protected_len, req.kv_allocated_len, f"req:{req.rid}", "req",
-                   "running" if id(req) in running else "waiting")
+                   self._place(req, running))
         # (RadixCache.all_values_flatten of this era fails on an empty tree: torch.cat of no tensors)
         empty = self.tree_cache.evictable_size() + self.tree_cache.protected_size() == 0
         values = torch.empty(0, dtype=torch.int64) if empty else self.tree_cache.all_values_flatten()
         if values.numel():
             out.append(Root("token_to_kv_pool", "tree", values.to(torch.int64).cpu().numpy(), role="tree"))
         return out
+
+    @staticmethod
+    def _place(req, running: set) -> str:
+        """``Root.where`` of a live request: ``running``; ``retracted`` for one back in the waiting queue after
+        ``ScheduleBatch.retract_decode`` (SGLang's ``Req.is_retracted``, cleared by ``prepare_for_extend``
+        when it runs again), so a leak its retry causes reads apart from one of a fresh request;
+        else ``waiting``."""
+        if id(req) in running:
+            return "running"
+        return "retracted" if getattr(req, "is_retracted", False) else "waiting"
 
     def units_of_rows(self, rows) -> dict[str, np.ndarray]:
         table = self.req_to_token_pool.req_to_token
