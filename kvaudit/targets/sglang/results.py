@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -125,14 +126,10 @@ def processor_class(S, faults: set):
         def _handle_finish_state_updated_req(self, req, batch, result, i, logits_output):
             # decode-skip-release: the first finished request's release_kv_cache call in here is lost
             skip = "decode-skip-release" in faults and req.finished()
-            own = module.release_kv_cache
             if skip:
                 faults.discard("decode-skip-release")
-                module.release_kv_cache = lambda *a, **k: None
-            try:
+            with patch.object(module, "release_kv_cache", lambda *a, **k: None) if skip else nullcontext():
                 super()._handle_finish_state_updated_req(req, batch, result, i, logits_output)
-            finally:
-                module.release_kv_cache = own
             # decode-token-after-abort: an aborted request's token is committed once more after its release
             # (the abort processed), as if the finish check ran before the commit
             if "decode-token-after-abort" in faults and isinstance(req.finished_reason, S.FINISH_ABORT):
@@ -175,7 +172,7 @@ class SglangResults(SglangIntake):
         import sglang.srt.managers.scheduler_components.batch_result_processor as module
         from sglang.srt.runtime_context import get_memory
 
-        own, abort = module.release_kv_cache, self.S.FINISH_ABORT
+        abort = self.S.FINISH_ABORT
 
         def release(req, tree_cache, checkpoint: bool = False) -> None:
             if isinstance(req.finished_reason, abort):
@@ -183,12 +180,8 @@ class SglangResults(SglangIntake):
             self._release(req, checkpoint)
 
         hisparse = nullcontext() if self._hisparse_coordinator() is None else get_memory().override(enable_hisparse=True)
-        module.release_kv_cache = release
-        try:
-            with hisparse:
-                yield
-        finally:
-            module.release_kv_cache = own
+        with patch.object(module, "release_kv_cache", release), hisparse:
+            yield
 
     def _process_by_sglang(self, kind: str, reqs: list, decoding=()) -> None:
         """``Scheduler.process_batch_result`` for an extend or decode batch: SGLang's processor, then the

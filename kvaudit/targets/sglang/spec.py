@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 import zlib
-from contextlib import contextmanager
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -154,8 +154,8 @@ class SpecDecode(SglangFeature):
 
         before = sum(r.kv.kv_allocated_len for r in batch.reqs)
         # the two GPU kernels: the row writes, and (page > 1) get_last_loc's triton dispatch -> SGLang's torch variant
-        with _patched(allocation, "assign_req_to_token_pool_func", assign_rows), \
-                _patched(allocation, "get_last_loc", allocation.get_last_loc_torch):
+        with patch.object(allocation, "assign_req_to_token_pool_func", assign_rows), \
+                patch.object(allocation, "get_last_loc", allocation.get_last_loc_torch):
             spec_prepare_for_decode(batch)
         self.reserved += sum(r.kv.kv_allocated_len for r in batch.reqs) - before
         width = batch.req_to_token_pool.req_to_token.shape[1]
@@ -266,14 +266,3 @@ class SpecDecode(SglangFeature):
         if self.target.session_controller is not None:
             out["spec_session_tails"] = self.session_tails
         return out
-
-
-@contextmanager
-def _patched(module, name: str, value):
-    """``module.name`` is ``value`` inside."""
-    own = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, own)
