@@ -24,14 +24,6 @@ from kvaudit.targets.sglang.feature import SglangLoop
 _PD = None
 
 
-def _checksum_on(config: SglangConfig, version: str) -> bool:
-    """Whether the decode server verifies PD KV checksums (``--disaggregation-enable-kv-checksum``): always.
-    kvaudit's transfer stand-in plays both releases' digests (``pd_transfer.Network.land``): 0.5.23's of the
-    pages past decode's prefix with a layout signature (compat change ``kv-checksum-signature``), and
-    0.5.22's of the whole prompt from page 0, with no signature (the same pages: decode's tree is off)."""
-    return True
-
-
 def load_pd() -> SimpleNamespace:
     """Import SGLang's PD decode path once. Raises :class:`SglangUnavailable` when a module does not
     import (``einops`` missing: the message says how to install it)."""
@@ -123,9 +115,11 @@ class PdDecode(SglangLoop):
         S, P = load(), load_pd()
         # the queues all-reduce their polls over the attention-TP CPU group (poll_and_all_reduce)
         group = SimpleNamespace(cpu_group=one_rank_group(), world_size=1)
+        # the KV checksum is on for both releases: kvaudit's transfer stand-in plays 0.5.22's and 0.5.23's
+        # digests (pd_transfer.Network.land; compat change kv-checksum-signature)
         sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="decode",
                           disaggregation_transfer_backend="fake", disaggregation_decode_retraction_backup="cpu_tensor",
-                          disaggregation_enable_kv_checksum=_checksum_on(config, S.version),
+                          disaggregation_enable_kv_checksum=True,
                           max_running_requests=config.max_running_requests,
                           num_reserved_decode_tokens=config.num_reserved_decode_tokens)
         P.handle_pd_disaggregation(sa)  # the server-args step that turns the decode radix cache off

@@ -86,7 +86,7 @@ class Network:
         self.acks: list[tuple[int, object]] = []
         self.step = 0
         self.landed = self.corrupted = 0
-        self.checksums = self.metadata_buffers = None  # set once the prealloc queue is built
+        self.checksums = self.metadata_buffers = None  # set once the prealloc queue is built (PdDecode.build)
         self.signature = 0
         self.sent: dict[int, tuple[int, int]] = {}
 
@@ -107,26 +107,25 @@ class Network:
         being off under PD, so its prefix is 0.) A re-bootstrap's replayed output is sent and digested with
         the prompt (the prefill request's ``origin_input_ids``)."""
         self.landed += 1
-        if self.checksums is not None:  # None: the decode server verifies no checksum
-            ps, kv = self.page_size, self.checksums.kv
-            pages = torch.as_tensor(rx.page_indices, dtype=torch.int64)
-            slots = page_slots(pages, ps)
-            pos = torch.arange(slots.numel()) + rx.decode_prefix_len
-            tags = kv_tags(rx.bootstrap_room, pos)
-            tags[pos >= rx.prompt_len] = 0
-            write_kv(kv, slots, tags)
-            digest = self.checksums.digest(pages[:-(-(rx.prompt_len - rx.decode_prefix_len) // ps)])
-            if self.mismatch_every and self.landed % self.mismatch_every == 0 and slots.numel():
-                write_kv(kv, slots[:1], tags[:1] ^ 1)  # the wire flips a bit of the first token's KV
-                self.corrupted += 1
-            self.sent[rx.bootstrap_room] = (self.sent.get(rx.bootstrap_room, (0, 0))[0] + 1, digest)
-            self.metadata_buffers.kv_checksum[rx.aux_index, :2] = torch.tensor([digest, self.signature])
+        ps, kv = self.page_size, self.checksums.kv
+        pages = torch.as_tensor(rx.page_indices, dtype=torch.int64)
+        slots = page_slots(pages, ps)
+        pos = torch.arange(slots.numel()) + rx.decode_prefix_len
+        tags = kv_tags(rx.bootstrap_room, pos)
+        tags[pos >= rx.prompt_len] = 0
+        write_kv(kv, slots, tags)
+        digest = self.checksums.digest(pages[:-(-(rx.prompt_len - rx.decode_prefix_len) // ps)])
+        if self.mismatch_every and self.landed % self.mismatch_every == 0 and slots.numel():
+            write_kv(kv, slots[:1], tags[:1] ^ 1)  # the wire flips a bit of the first token's KV
+            self.corrupted += 1
+        self.sent[rx.bootstrap_room] = (self.sent.get(rx.bootstrap_room, (0, 0))[0] + 1, digest)
+        self.metadata_buffers.kv_checksum[rx.aux_index, :2] = torch.tensor([digest, self.signature])
         rx.has_sent_metadata = True
 
     def decoded(self, batch) -> None:
         """A decode forward over ``batch`` (after ``prepare_for_decode``) writes each request's newest
         token's KV at its ``out_cache_loc`` (position ``seq_len - 1``)."""
-        if self.checksums is None or not batch.reqs:
+        if not batch.reqs:
             return
         rooms = torch.tensor([r.bootstrap_room for r in batch.reqs], dtype=torch.int64)
         write_kv(self.checksums.kv, batch.out_cache_loc.to(torch.int64), kv_tags(rooms, batch.seq_lens.cpu() - 1))
