@@ -386,8 +386,10 @@ class PdDecode(SglangLoop):
         return metadata_accounting(out, self.metadata_allocator)
 
     def invariant_findings(self, out: list) -> list:
-        """A request the KV checksum aborted while its KV was intact (:class:`ChecksumWatch`)."""
-        return out + self.watch.findings[:1]
+        """A request the KV checksum aborted while its KV was intact (:class:`ChecksumWatch`), since the last
+        check (the first of them: one bug per check), reported once."""
+        out, self.watch.findings = out + self.watch.findings[:1], []
+        return out
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
         """The checksum's verifications and re-verifications (:meth:`ChecksumWatch.reach`), and retractions."""

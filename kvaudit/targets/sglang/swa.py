@@ -162,8 +162,10 @@ class SwaHybrid(SglangFeature):
             check="swa-window-at-key-end"))
 
     def invariant_findings(self, out: list) -> list:
-        """:meth:`_check_key_window`'s findings (the first of them: one bug per check)."""
-        return out + self.short_keys[:1]
+        """:meth:`_check_key_window`'s findings since the last check (the first of them: one bug per check),
+        reported once, as ``mamba.py``'s stale-state findings are."""
+        out, self.short_keys = out + self.short_keys[:1], []
+        return out
 
     @property
     def _swa(self):
