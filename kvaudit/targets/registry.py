@@ -306,16 +306,9 @@ def plugin_errors() -> list[str]:
     return _plugin_errors + _entry_point_errors
 
 
-def entry_point_errors() -> list[str]:
-    """One line per installed ``kvaudit.targets`` entry point that failed to load (a warning: the user
-    did not name it). Loads the registry first."""
-    _load()
-    return list(_entry_point_errors)
-
-
 def plugin_warnings() -> list[str]:
     """One line per plugin problem that does not stop a command: an installed ``kvaudit.targets``
-    entry point that failed to load (:func:`entry_point_errors`), a ``KVAUDIT_PLUGINS`` module that
+    entry point that failed to load (the user did not name it), a ``KVAUDIT_PLUGINS`` module that
     imported but registered no target kind (``KVAUDIT_PLUGINS=os``). Loads the registry first."""
     _load()
     return _entry_point_errors + _plugin_warnings
