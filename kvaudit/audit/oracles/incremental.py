@@ -36,7 +36,7 @@ class DeltaDisagreement(TargetDefinitionError):
 
 @dataclass(slots=True)
 class PoolCounts:
-    """One pool's kept state: ``[n] int32`` counts per unit, and the units with a count (unit 0 out of
+    """One pool's kept state: ``[n] int64`` counts per unit, and the units with a count (unit 0 out of
     ``n_ref``, as the identity's ``referenced`` term leaves it out)."""
 
     ref: np.ndarray
@@ -165,12 +165,13 @@ _E, _E8 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8)
 
 def _counts_of(roots: list[Root], n: int) -> PoolCounts:
     def count(rs) -> np.ndarray:
-        return (np.bincount(np.concatenate([r.units for r in rs]), minlength=n).astype(np.int32)
-                if rs else np.zeros(n, dtype=np.int32))
+        return np.bincount(np.concatenate([r.units for r in rs]), minlength=n) if rs else np.zeros(n, dtype=np.int64)
 
     priv = [r for r in roots if r.private]
-    c = PoolCounts(count(roots), count(priv), count([r for r in priv if r.role == "req"]),
+    # (every unit once per root: the private count plus the shared one, each bincount over its own roots)
+    c = PoolCounts(None, count(priv), count([r for r in priv if r.role == "req"]),
                    count([r for r in priv if r.role == "session"]))
+    c.ref = c.priv + count([r for r in roots if not r.private]) if len(priv) < len(roots) else c.priv.copy()
     c.n_ref, c.n_req, c.n_sess = (int(np.count_nonzero(c.ref[1:])), int(np.count_nonzero(c.req)),
                                   int(np.count_nonzero(c.sess)))
     return c

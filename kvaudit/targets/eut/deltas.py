@@ -3,7 +3,8 @@ roots (:meth:`kvaudit.targets.eut.observer.EutObserver.roots`) changed since the
 rebuilding them.
 
 Per KV record (a live request's, a session slot's) it keeps ``(row, cache_protected_len,
-kv_allocated_len, kind, record object)``, and a copy of the whole ``req_to_token`` table as last reported. A call
+kv_allocated_len, kind, record object)`` (as arrays, compared whole when the live records are the
+same ones in the same order), and a copy of the whole ``req_to_token`` table as last reported. A call
 compares the live records with the kept ones: the positions that entered or left a record's parts (a row
 grew or shrank, a span moved from its own KV to its tree-owned prefix) and a record that is new, dropped,
 or changed row, holder or record object are read as spans. Which entries anyone wrote since the last
@@ -22,6 +23,9 @@ table on a device other than the CPU.
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import attrgetter, is_
+
 import numpy as np
 import torch
 
@@ -33,8 +37,8 @@ class EutDeltas:
 
     def __init__(self, target):
         self.target = target
-        # owner -> (row, protected, allocated, kind, the record object)
-        self.recs: dict[str, tuple] = {}
+        # the records as last reported: names, record objects, kinds, [k, 3] (row, protected, allocated)
+        self.kept: tuple = ([], [], [], np.zeros((0, 3), dtype=np.int64))
         self._neq: np.ndarray | None = None  # the compare's buffer, kept
         self.shadow: np.ndarray | None = None  # req_to_token entries of the kept records, as last reported
         self.nodes: dict[int, tuple] = {}  # node id -> (value, host value) last seen
@@ -81,23 +85,17 @@ class EutDeltas:
         if self.shadow is None or self.shadow.shape != table.shape:
             self.shadow = table.astype(np.int64, copy=True)
         lost, gained = _Spans(), _Spans()
-        recs, kept, cont = self.recs, [], []
-        get = recs.get
         live, where = self._live()
-        for name, kv, kind in live:  # NOTE: 1,000 records a step at scale: kept tight
-            row, p, n = kv.req_pool_idx, kv.cache_protected_len, kv.kv_allocated_len
-            old = get(name)
-            if old is not None and old[0] == row and old[4] is kv and old[3] == kind:
-                cont += (row, old[1], old[2], p, n, kind)  # the same record on the same row (flat: faster to numpy)
-                kept.append(name)
-            else:
-                _whole(name, old, lost, gained, out, -1)
-                _whole(name, (row, p, n, kind), lost, gained, out, 1)
-            recs[name] = (row, p, n, kind, kv)
-        if len(recs) > len(live):
-            for name in recs.keys() - {x[0] for x in live}:
-                _whole(name, recs.pop(name), lost, gained, out, -1)
-        c = np.array(cont, dtype=np.int64).reshape(-1, 6)
+        names, kvs, kinds = [x[0] for x in live], [x[1] for x in live], [x[2] for x in live]
+        lens = np.fromiter(chain.from_iterable(map(_LENS, kvs)), dtype=np.int64, count=3 * len(kvs)).reshape(-1, 3)
+        old = self.kept
+        if (names == old[0] and kinds == old[2] and all(map(is_, kvs, old[1]))
+                and np.array_equal(lens[:, 0], old[3][:, 0])):  # the same records on the same rows (most steps)
+            c = np.column_stack([lens[:, 0], old[3][:, 1:], lens[:, 1:], np.array(kinds, dtype=np.int64)])
+            kept = names
+        else:
+            c, kept = _match(old, names, kvs, kinds, lens, lost, gained, out)
+        self.kept = (names, kvs, kinds, lens)
         common = _continuing(c, lost, gained, out.owner_block(kept))
         shared_rows = np.unique(c[:, 0]).size != c.shape[0]
         if self._neq is None or self._neq.shape != table.shape:
@@ -160,6 +158,28 @@ class EutDeltas:
                     units = torch.cat(vals).to(torch.int64).numpy()
                     out.add(pool, np.full(units.size, tree_owner), units, sign,
                             np.full(units.size, PRIVATE_OTHER, dtype=np.int8))
+
+
+def _match(old: tuple, names: list, kvs: list, kinds: list, lens: np.ndarray, lost: "_Spans", gained: "_Spans",
+           out: "_Out") -> tuple[np.ndarray, list]:
+    # the live records (names, kvs, kinds, lens) against the kept ones (old: the same four): each record new,
+    # dropped, or moved (row, kind or record object) goes to lost/gained whole; returns the rest as
+    # _continuing's [k, 6] and their names
+    at = {n: i for i, n in enumerate(old[0])}
+    cont, kept = [], []
+    for i, name in enumerate(names):
+        j = at.pop(name, None)
+        row, p, n = lens[i].tolist()
+        if j is not None and old[3][j, 0] == row and old[1][j] is kvs[i] and old[2][j] == kinds[i]:
+            cont += (row, int(old[3][j, 1]), int(old[3][j, 2]), p, n, kinds[i])
+            kept.append(name)
+            continue
+        if j is not None:
+            _whole(name, (*old[3][j].tolist(), old[2][j]), lost, gained, out, -1)
+        _whole(name, (row, p, n, kinds[i]), lost, gained, out, 1)
+    for name, j in at.items():  # dropped
+        _whole(name, (*old[3][j].tolist(), old[2][j]), lost, gained, out, -1)
+    return np.array(cont, dtype=np.int64).reshape(-1, 6), kept
 
 
 def _whole(name: str, rec: tuple | None, lost: "_Spans", gained: "_Spans", out: "_Out", sign: int) -> None:
@@ -227,6 +247,7 @@ class _Spans:
 
 
 _E, _E8 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8)
+_LENS = attrgetter("req_pool_idx", "cache_protected_len", "kv_allocated_len")
 
 
 class _Out:
