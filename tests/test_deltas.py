@@ -14,6 +14,7 @@ import pytest
 
 from kvaudit import replay
 from kvaudit.audit import oracles
+from kvaudit.audit.oracles import incremental
 from kvaudit.audit.oracles.incremental import DeltaDisagreement
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.program import Idle, Submit
@@ -51,6 +52,12 @@ def _hide_losses(target) -> None:
     target.ownership_deltas = deltas
 
 
+@pytest.fixture
+def small_pools_too(monkeypatch):
+    # the incremental check runs from 65,536 units up (incremental.MIN_UNITS); the presets are smaller
+    monkeypatch.setattr(incremental, "MIN_UNITS", 0)
+
+
 def test_a_planted_disagreement_is_caught_in_paranoid_mode():
     with AuditedRun(get_preset("default").config(), paranoid=True) as run:
         _hide_losses(run.target)
@@ -59,7 +66,7 @@ def test_a_planted_disagreement_is_caught_in_paranoid_mode():
                 run.apply(op)
 
 
-def test_without_paranoid_the_same_target_runs_clean():
+def test_without_paranoid_the_same_target_runs_clean(small_pools_too):
     # the kept state then holds units nobody references: each is an anomaly the full sweep clears
     with AuditedRun(get_preset("default").config(), paranoid=False) as run:
         _hide_losses(run.target)
@@ -67,7 +74,7 @@ def test_without_paranoid_the_same_target_runs_clean():
             assert run.apply(op) == []
 
 
-def test_the_busy_check_runs_from_the_deltas(monkeypatch):
+def test_the_busy_check_runs_from_the_deltas(monkeypatch, small_pools_too):
     """Between the first check and idle, no busy check reads the roots (the incremental path runs)."""
     calls = []
     with AuditedRun(get_preset("default").config(), paranoid=False) as run:
@@ -80,7 +87,16 @@ def test_the_busy_check_runs_from_the_deltas(monkeypatch):
     assert run.target.steps > 4 and len(busy) < run.target.steps - 2, (calls, run.target.steps)
 
 
-def test_a_leak_is_found_at_the_same_step_by_both_checks():
+def test_small_pools_sweep_every_check(monkeypatch):
+    """Under incremental.MIN_UNITS units the deltas cost more than the sweep: not asked for, every check full."""
+    with AuditedRun(get_preset("default").config(), paranoid=False) as run:
+        monkeypatch.setattr(run.target, "ownership_deltas", lambda: pytest.fail("deltas asked of a small engine"))
+        run.apply(Submit(family=0, prompt_len=12, max_new_tokens=4))
+        run.apply(Idle())
+        assert run.findings == [] and not run.auditor.bookkeeping.big
+
+
+def test_a_leak_is_found_at_the_same_step_by_both_checks(small_pools_too):
     path = os.path.join(ROOT, "corpora", "regressions", "prefill-finish-leaks-row.json")
     config, program, _, _ = replay.load(path)
     got = {}
@@ -93,7 +109,7 @@ def test_a_leak_is_found_at_the_same_step_by_both_checks():
     assert got[False] and got[False] == got[True]
 
 
-def test_pages_over_one_token_give_no_deltas():
+def test_pages_over_one_token_give_no_deltas(small_pools_too):
     with AuditedRun(dataclasses.replace(get_preset("default").config(), page_size=4), paranoid=False) as run:
         assert run.target.ownership_deltas() is None
         run.apply(Submit(family=0, prompt_len=12, max_new_tokens=2))

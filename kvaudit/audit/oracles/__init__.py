@@ -170,8 +170,10 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any difference."""
     if scan_only:
         return _full_check(auditor, target, False, True)[0]
-    bk = auditor.bookkeeping = auditor.bookkeeping or Bookkeeping()
-    deltas = target.ownership_deltas()
+    if auditor.bookkeeping is None:
+        auditor.bookkeeping = Bookkeeping(sum(led.allocated.size for led in auditor.ledgers.values()))
+    bk = auditor.bookkeeping
+    deltas = target.ownership_deltas() if bk.big or auditor.paranoid else None
     if deltas is None:
         bk.valid = False
         return _full_check(auditor, target, idle, False)[0]

@@ -30,6 +30,12 @@ from kvaudit.targets.base import PRIVATE_REQ, PRIVATE_SESSION, SHARED, Root
 from kvaudit.targets.registry import TargetDefinitionError
 
 
+#: below this many units in all pools together the full sweep is cheaper than the deltas (a dozen numpy
+#: calls over small pools against several dozen: docs/internals/performance.md), so the busy check sweeps;
+#: paranoid mode applies the deltas at any size
+MIN_UNITS = 1 << 16
+
+
 class DeltaDisagreement(TargetDefinitionError):
     """Paranoid mode: the incremental bookkeeping and the full mark and sweep disagree."""
 
@@ -55,7 +61,8 @@ class PoolCounts:
 class Bookkeeping:
     """The kept state of every pool of one auditor, and the owners' places and roles."""
 
-    def __init__(self):
+    def __init__(self, units: int = 0):
+        self.big = units >= MIN_UNITS  # worth keeping (MIN_UNITS): the pools' units together
         self.pools: dict[str, PoolCounts] = {}
         self.valid = False  # rebuilt by the last full check, and every check since was clean
         self.where: dict[str, str] = {}  # owner name -> Root.where, as of the last check
