@@ -140,6 +140,7 @@ ORACLES: list[Oracle] = [
     Oracle("crash", "raise", lambda run, exc: not isinstance(exc, TargetDefinitionError), crash, ("crash",)),
 ]
 
+
 def paranoid_default() -> bool:
     """Whether runs are paranoid unless told otherwise: ``KVAUDIT_PARANOID=1`` (``--paranoid`` sets it, so
     that a search's worker processes inherit it)."""

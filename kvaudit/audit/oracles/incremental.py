@@ -4,7 +4,7 @@ costs what the step changed, not the pool's size.
 
 Per pool it keeps, for every unit, how many root entries reference it (``ref``), how many privately
 (``priv``; more than one is aliasing), how many a live request or a session holds privately (``req``,
-``sess``: SGLang's ``uncached`` and ``session_held``), and the private owner (the ledger's ``owner``
+``sess``: the identity's ``uncached`` and ``session_held``), and the private owner (the ledger's ``owner``
 array, updated in place). A step's check applies the deltas and looks only at the units they and the
 step's allocs and frees touched: a unit allocated with no reference (a leak), referenced while free (a
 use-after-free) or privately held twice (aliasing) is an *anomaly*, and the full mark and sweep then
@@ -16,6 +16,11 @@ Paranoid mode (``Auditor.paranoid``) runs the full sweep at every step as well a
 :class:`DeltaDisagreement` when the kept counts, owners or verdict differ from it: a disagreement is a
 mistake in the target's deltas (or here), never the engine's, so it is an error that stops the run, not
 a finding a search would minimize and report as an engine bug.
+
+Below :data:`MIN_UNITS` units (all pools together) the busy check sweeps: the deltas' numpy calls cost
+more than the sweep's there. After an incremental check, ``Auditor.roots_at_check`` (read only by the
+use-after-free attribution of a unit freed, allocated again and freed again since the check) holds the
+*private* roots only (:class:`LazyRoots`); a request's shared tree prefix is not among them.
 
 Design notes: docs/internals/performance.md.
 """
@@ -66,6 +71,7 @@ class Bookkeeping:
         self.pools: dict[str, PoolCounts] = {}
         self.valid = False  # rebuilt by the last full check, and every check since was clean
         self.where: dict[str, str] = {}  # owner name -> Root.where, as of the last check
+        self.last: tuple = (None, None)  # the last deltas' owner names and their ids
 
     # -- from the full sweep ---------------------------------------------------------------------
     def resync(self, auditor, by_pool: dict[str, list[Root]], where: dict[str, str]) -> None:
@@ -82,8 +88,11 @@ class Bookkeeping:
         are updated too (and their changes recorded); False leaves the owners as at the last check.
         Raises :class:`DeltaDisagreement` on a count taken below zero in paranoid mode (otherwise
         that is an anomaly: the full sweep runs)."""
-        known = auditor._owner_ids.get  # (owner_id per name: the common case inlined, 1,000 owners a step)
-        ids = np.array([known(n) or auditor.owner_id(n) for n in deltas.owners] or [0], dtype=np.int64)
+        if deltas.owners != self.last[0]:  # (most steps name the same owners in the same order: ids kept)
+            known = auditor._owner_ids.get  # owner_id per name, the common case inlined
+            self.last = (deltas.owners, np.array([known(n) or auditor.owner_id(n) for n in deltas.owners] or [0],
+                                                 dtype=np.int64))
+        ids = self.last[1]
         touched = _event_units(auditor)
         clean, updates = True, []
         for pool, c in self.pools.items():
