@@ -151,6 +151,19 @@ def main():
     """kvaudit: find KV-cache memory leaks, double frees and use-after-free in LLM serving schedulers."""
 
 
+def _set_paranoid(ctx, param, value):
+    if value:  # the environment, so that a campaign's worker processes inherit it
+        os.environ["KVAUDIT_PARANOID"] = "1"
+    return value
+
+
+_paranoid_option = click.option(
+    "--paranoid", is_flag=True, expose_value=False, callback=_set_paranoid,
+    help="Run the full mark and sweep beside the incremental per-step check at every step and stop with an "
+         "error on any disagreement between them (exit 2, as for a target's own mistake: a disagreement is "
+         "never reported as a finding). Slower; for checking a target's ownership deltas.")
+
+
 @main.command()
 @common_options
 @click.option("--fuzzer", type=FuzzerChoice(), default=DEFAULT_FUZZER, show_default=True,
@@ -179,6 +192,7 @@ def main():
                    "reproducers; --no-seeds to measure how the search finds them).")
 @_suppress_option
 @_step_timeout_option
+@_paranoid_option
 @output_options
 @restoring_sigint
 @needs_targets
@@ -228,6 +242,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
                    "engine's code moved: kvaudit replay --update corpora/regressions/*.json. Exits 4 if a file "
                    "that recorded findings yields none (it is left as it was).")
 @_step_timeout_option
+@_paranoid_option
 @output_options
 @needs_targets
 def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update, step_timeout,

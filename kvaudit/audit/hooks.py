@@ -63,6 +63,10 @@ class Auditor(Ledger, PoolWrappers):
         self.checked_upto = 0  # events before this index were seen by the last full oracle check
         self.owner_where: dict[int, str] = {}  # owner id -> Root.where at the last full check
         self.roots_at_check: dict[str, list] = {}  # pool -> the target's roots at the last full check
+        # the incremental per-step check's kept state (kvaudit.audit.oracles.incremental; made at the first
+        # check), and paranoid mode: the full sweep beside it at every step, any difference an error
+        self.bookkeeping = None
+        self.paranoid = False
         # pool -> unit -> (its allocation event, (site id, where) it lost its last owner at): see oracles
         self.lost_memo: dict[str, dict[int, tuple[int, tuple[int, str]]]] = {}
         # while a free group's frees are recorded: the users of already-free units, read at the call

@@ -181,6 +181,8 @@ class AuditedRun:
     ``audit=False`` runs the bare engine (for throughput baselines); ``run_oracles=False`` keeps the
     hooks' ledger but skips the per-step reachability scan; ``full_stacks=False`` is the fuzzers' fast
     mode. Findings ``suppressions`` covers go to ``self.suppressed``, never returned or kept.
+    ``paranoid`` runs the full mark and sweep beside the incremental check at every step and raises on
+    any disagreement (:mod:`kvaudit.audit.oracles.incremental`); None: ``KVAUDIT_PARANOID`` (``--paranoid``).
 
     Every engine call runs under the watchdog: one past ``step_limit`` seconds (default
     :func:`step_timeout`) is a ``hang``. ``deadline`` (``time.monotonic()`` seconds; a search's budget)
@@ -190,7 +192,7 @@ class AuditedRun:
 
     def __init__(self, config: TargetConfig, audit: bool = True, run_oracles: bool = True,
                  full_stacks: bool = True, suppressions=None, shadow: bool = True,
-                 deadline: float | None = None, step_limit: float | None = None):
+                 deadline: float | None = None, step_limit: float | None = None, paranoid: bool | None = None):
         self.deadline, self.out_of_time = deadline, False
         self.step_limit = step_timeout() if step_limit is None else step_limit
         self.suppressions, self.suppressed = suppressions, []
@@ -198,6 +200,8 @@ class AuditedRun:
         full_stacks = full_stacks or (suppressions is not None and suppressions.needs_full_stacks)
         self.target = make_target(config)
         self.auditor = Auditor(self.target, full_stacks=full_stacks, shadow=shadow) if audit else None
+        if self.auditor is not None:  # None: the process default (--paranoid sets it for every run)
+            self.auditor.paranoid = oracles.paranoid_default() if paranoid is None else paranoid
         self.run_oracles = audit and run_oracles
         if self.run_oracles:
             self.target.on_intake(self._intake_scan)

@@ -114,6 +114,25 @@ class Recount(NamedTuple):
     source: str
 
 
+#: what an ownership delta entry is (:class:`OwnershipDeltas`): a shared reference (a request's tree-owned
+#: prefix), or a private one of a live request (``uncached``), of a session (``session_held``) or of another
+#: owner (the tree)
+SHARED, PRIVATE_REQ, PRIVATE_SESSION, PRIVATE_OTHER = 0, 1, 2, 3
+
+
+class OwnershipDeltas(NamedTuple):
+    """How ownership changed since the target's previous :meth:`Target.ownership_deltas` call, as the
+    roots would show it: per pool, ``(owner, units, sign, kind)``, four ``[k]`` numpy arrays (``owner``
+    int64 indexes into ``owners``; ``units`` int64; ``sign`` int64, +1 a root gained the unit, -1 lost it;
+    ``kind`` int8, :data:`SHARED` .. :data:`PRIVATE_OTHER`). Entries count like the roots' units: a unit
+    two roots reference is two entries. ``where``: every live owner's place (``Root.where``), by name,
+    for the owners whose roots name one."""
+
+    owners: list
+    pools: dict
+    where: dict
+
+
 #: the default identity: SGLang's (``srt/mem_cache/.../invariant_checker.py``)
 DEFAULT_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
 
@@ -276,6 +295,14 @@ class Target:
     def retraction(self) -> str | None:
         """What the last decode retraction freed and why it stopped, for an out-of-memory report;
         ``""``: none this run; None (default): the target does not model retraction."""
+        return None
+
+    def ownership_deltas(self) -> OwnershipDeltas | None:
+        """How ownership changed since the previous call (mutates only the target's own bookkeeping), for
+        the incremental per-step check (:mod:`kvaudit.audit.oracles.incremental`): a row grew or shrank, a
+        prefix moved to the tree, a node was split, evicted or freed, a record was dropped. The core calls
+        it at every check that is not the intake scan, so that two calls bracket one check interval. None
+        (default, or for a configuration the target does not cover): no deltas, the full sweep runs."""
         return None
 
     # -- optional liveness inputs (all read) ---------------------------------------------------------
@@ -445,6 +472,17 @@ def records_roots(table: torch.Tensor, records: list[tuple], page_size: int) -> 
         if protected:
             out.append(Root("token_to_kv_pool", owner, shared, private=False, role=role))
     return out
+
+
+def span_units(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple:
+    """The entries of ``table`` (``[rows, cols]`` numpy) in ``[starts[i], ends[i])`` of row ``rows[i]``
+    (``[m] int64`` each; empty spans allowed), in span order, in one gather. Returns ``(units, rows, cols,
+    span)``: ``[k] int64`` each, ``span`` the index of each entry's span."""
+    lengths = np.maximum(ends - starts, 0)
+    span = np.repeat(np.arange(lengths.size), lengths)
+    cols = np.arange(span.size) - np.repeat(np.cumsum(lengths) - lengths, lengths) + starts[span]
+    r = rows[span]
+    return table[r, cols].astype(np.int64, copy=False), r, cols, span
 
 
 def wrap_insert(wrap, tree, name: str, measure: Callable, report: Callable, depth: int = 4) -> None:

@@ -8,6 +8,7 @@ Design notes (the oracles and when each runs): docs/internals/audit.md.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -17,6 +18,7 @@ from kvaudit.audit.findings import Finding
 from kvaudit.audit.hooks import Auditor
 from kvaudit.audit.kinds import KINDS, lookup
 from kvaudit.audit.oracles.grouping import group_by_site
+from kvaudit.audit.oracles.incremental import Bookkeeping, DeltaDisagreement, WhereByName
 from kvaudit.audit.oracles.identity import engine_disagrees, identity, replay_free_list
 from kvaudit.audit.oracles.leaks import leaks
 from kvaudit.audit.oracles.lock_balance import lock_balance
@@ -59,6 +61,8 @@ class PoolScan:
     session_units: list
     uaf: np.ndarray | None = None  # the units it references that are free in the ledger, if any
     found: list = field(default_factory=list)  # this pool's findings so far
+    # an incremental check's (uncached, session, referenced) unit counts (referenced is then None)
+    counts: tuple[int, int, int] | None = None
 
 
 class Oracle(NamedTuple):
@@ -116,7 +120,7 @@ ORACLES: list[Oracle] = [
     Oracle("identity", "pool", lambda s, p: s.acc.get(p.pool) is not None and not p.found and p.pool not in s.leaked,
            lambda s, p: identity(s.auditor, p.pool, p.led, s.acc[p.pool], p.req_units, p.session_units,
                                  s.recounts.get(p.pool, {}), terms=s.target.identity_terms(p.pool),
-                                 referenced=p.referenced), ("accounting-drift",), into="drift"),
+                                 referenced=p.referenced, counts=p.counts), ("accounting-drift",), into="drift"),
     Oracle("free-list", "pool", lambda s, p: p.pool in s.free_lists and not p.found,
            lambda s, p: replay_free_list(s.auditor, p.pool, p.led, s.free_lists[p.pool]), ("accounting-drift",),
            into="drift"),
@@ -136,6 +140,13 @@ ORACLES: list[Oracle] = [
     Oracle("crash", "raise", lambda run, exc: not isinstance(exc, TargetDefinitionError), crash, ("crash",)),
 ]
 
+
+def paranoid_default() -> bool:
+    """Whether runs are paranoid unless told otherwise: ``KVAUDIT_PARANOID=1`` (``--paranoid`` sets it, so
+    that a search's worker processes inherit it)."""
+    return os.environ.get("KVAUDIT_PARANOID", "") not in ("", "0")
+
+
 _staged: tuple[list, int, dict[str, list[Oracle]]] = ([], 0, {})
 
 
@@ -154,9 +165,47 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     """Run every ``"pool"`` and ``"engine"`` oracle of :data:`ORACLES` whose condition holds, once;
     returns the findings, root causes first. Also records owner changes in the ledger. ``idle``: the
     engine is quiescent (lock balance is checked). ``scan_only``: use-after-free only, by requests not
-    being aborted (the scan after intake)."""
+    being aborted (the scan after intake). A busy check of a target that gives ownership deltas runs
+    from the kept counts (:mod:`kvaudit.audit.oracles.incremental`) while they are clean; the full mark
+    and sweep runs otherwise, at idle, and beside it in paranoid mode (``auditor.paranoid``), which
+    raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any difference."""
+    if scan_only:
+        return _full_check(auditor, target, False, True)[0]
+    if auditor.bookkeeping is None:
+        auditor.bookkeeping = Bookkeeping(sum(led.allocated.size for led in auditor.ledgers.values()))
+    bk = auditor.bookkeeping
+    deltas = target.ownership_deltas() if bk.big or auditor.paranoid else None
+    if deltas is None:
+        bk.valid = False
+        return _full_check(auditor, target, idle, False)[0]
+    clean = bk.apply(auditor, deltas) if bk.valid and (auditor.paranoid or not idle) else None
+    if clean and not idle and not auditor.paranoid:
+        found = _incremental_check(auditor, target, bk)
+    else:
+        found, by_pool, where = _full_check(auditor, target, idle, False)
+        if clean is not None and auditor.paranoid:
+            wrong = bk.disagreement(auditor, by_pool, clean)
+            if where != bk.where:
+                wrong += f"; the owners' places differ: kept {_differing(bk.where, where)}"
+            if wrong:
+                raise DeltaDisagreement(f"target {kind_name(target)}: paranoid check at op {auditor.op_index}, step "
+                                        f"{auditor.step}: the ownership deltas disagree with the full sweep: "
+                                        f"{wrong.lstrip('; ')}")
+        bk.resync(auditor, by_pool, where)
+    bk.valid = not found
+    return found
+
+
+def _differing(kept: dict, swept: dict) -> str:
+    keys = sorted(k for k in set(kept) | set(swept) if kept.get(k) != swept.get(k))
+    return ", ".join(f"{k}: {kept.get(k)!r} (swept {swept.get(k)!r})" for k in keys[:3])
+
+
+def _full_check(auditor: Auditor, target, idle: bool, scan_only: bool) -> tuple[list[Finding], dict, dict]:
+    # the mark and sweep over every root; also returns the roots by pool and the owners' places by name
     by_pool: dict[str, list] = {name: [] for name in auditor.ledgers}
-    where: dict[int, str] = {}  # owner id -> where the target holds it (Root.where), for leak sites
+    where: dict[str, str] = {}  # owner -> where the target holds it (Root.where), for leak sites
+    ids: dict[int, str] = {}  # the same by owner id
     for root in (target.roots(aborting=False) if scan_only else target.roots()):
         mine = by_pool.get(root.pool)
         if mine is None:  # the target's mistake, not the engine's crash
@@ -164,12 +213,37 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
                                         f"which its pools() does not declare ({', '.join(by_pool)})")
         mine.append(root)
         if root.where:
-            where[auditor.owner_id(root.owner)] = root.where
+            where[root.owner] = ids[auditor.owner_id(root.owner)] = root.where
     s = Scan(auditor, target, idle, scan_only, by_pool, {} if scan_only else target.accounting(),
              {} if scan_only else target.free_lists(), {} if scan_only else target.recount())
+    _run(s, [(lambda pool=pool, led=led: _sweep(s, pool, led)) for pool, led in auditor.ledgers.items()])
+    if not scan_only:  # what the next check's leak and use-after-free attribution start from
+        auditor.checked_upto, auditor.owner_where, auditor.roots_at_check = len(auditor.events), ids, by_pool
+    s.findings.sort(key=lambda f: lookup(f.kind).rank)
+    return attach_engine_verdict(target, s.findings), by_pool, where
+
+
+def _incremental_check(auditor: Auditor, target, bk: Bookkeeping) -> list[Finding]:
+    # a busy check from the kept counts (clean: no unit to sweep for); every other oracle as in the full one
+    s = Scan(auditor, target, False, False, {name: [] for name in auditor.ledgers}, target.accounting(),
+             target.free_lists(), target.recount())
+
+    def pool_scan(pool: str, led) -> PoolScan:
+        s.prev_owner[pool] = led.owner
+        return PoolScan(pool, led, None, [], [], [], counts=bk.pools[pool].counts())
+
+    _run(s, [(lambda pool=pool, led=led: pool_scan(pool, led)) for pool, led in auditor.ledgers.items()])
+    auditor.checked_upto = len(auditor.events)
+    auditor.owner_where, auditor.roots_at_check = WhereByName(auditor, bk.where), bk.lazy_roots(auditor)
+    s.findings.sort(key=lambda f: lookup(f.kind).rank)
+    return attach_engine_verdict(target, s.findings)
+
+
+def _run(s: Scan, scans: list) -> None:
+    # every "pool" oracle on each pool's scan (scans: made in order, as each pool is reached), then every "engine" one
     per_pool = rows("pool")
-    for pool, led in auditor.ledgers.items():
-        p = _sweep(s, pool, led)
+    for make in scans:
+        p = make()
         for oracle in per_pool:
             if oracle.when(s, p):
                 (s.drift if oracle.into == "drift" else p.found).extend(oracle.run(s, p))
@@ -177,10 +251,6 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     for oracle in rows("engine"):
         if oracle.when(s):
             (s.drift if oracle.into == "drift" else s.findings).extend(oracle.run(s))
-    if not scan_only:  # what the next check's leak and use-after-free attribution start from
-        auditor.checked_upto, auditor.owner_where, auditor.roots_at_check = len(auditor.events), where, by_pool
-    s.findings.sort(key=lambda f: lookup(f.kind).rank)
-    return attach_engine_verdict(target, s.findings)
 
 
 def _sweep(s: Scan, pool: str, led) -> PoolScan:

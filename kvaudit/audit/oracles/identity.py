@@ -19,15 +19,17 @@ def units_count(units: list[np.ndarray], n: int) -> int:
     return int(np.count_nonzero(mark))
 
 def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, recount=None,
-              terms: tuple[str, ...] = DEFAULT_IDENTITY, referenced: np.ndarray | None = None) -> list[Finding]:
+              terms: tuple[str, ...] = DEFAULT_IDENTITY, referenced: np.ndarray | None = None,
+              counts: tuple[int, int, int] | None = None) -> list[Finding]:
     """The accounting identity ``terms`` (:meth:`kvaudit.targets.base.Target.identity_terms`) of pool
     accounting ``a`` (tokens) with kvaudit's own ``uncached`` and ``session_held``, and each engine
     counter against the structure it describes (``recount``: ``{term: Recount}``). At most one finding,
     giving every check that fails, the recounted counters first. ``req_units``/``session_units``:
-    ``[k] int64`` arrays a request or a session holds privately; ``referenced``: ``[n] bool``."""
+    ``[k] int64`` arrays a request or a session holds privately; ``referenced``: ``[n] bool``; ``counts``
+    (instead of the three): the ``(uncached, session, referenced)`` units an incremental check keeps."""
     ps, n = led.spec.page_size, led.allocated.size
-    uncached = units_count(req_units, n) * ps
-    held = units_count(session_units, n) * ps
+    uncached = (counts[0] if counts else units_count(req_units, n)) * ps
+    held = (counts[1] if counts else units_count(session_units, n)) * ps
     lines, checks = [], []
     if recount:
         have = {term: getattr(a, term) for term in recount}
@@ -45,6 +47,8 @@ def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, reco
         lines.append(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
         checks.append("counter:session_held")
     def term(t: str) -> int:
+        if t == "referenced" and counts:
+            return counts[2] * ps
         if t == "referenced":
             return int(np.count_nonzero(referenced[1:])) * ps if referenced is not None else 0
         return held if t == "session_held" else uncached if t == "uncached" else getattr(a, t)

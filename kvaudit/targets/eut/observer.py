@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvaudit.targets.eut.deltas import EutDeltas
 from kvaudit.targets.base import (Accounting, LockImbalance, Recount, Root, Target, records_roots,
                                   slot_pages, wrap_insert)
 
@@ -204,6 +205,14 @@ class EutObserver(Target):
         if host and eng.hicache_host_pool is not None:
             out.append(Root("hicache_host", "tree", pages(torch.cat(host)), role="tree"))
         return out
+
+    def ownership_deltas(self):
+        """How the roots changed since the previous call (:class:`kvaudit.targets.eut.deltas.EutDeltas`);
+        None for a configuration it does not cover (pages over one token, HiSparse, a table off the CPU)."""
+        kept = self.__dict__.get("_ownership")
+        if kept is None:
+            kept = self._ownership = EutDeltas(self)
+        return kept.deltas()
 
     def _places(self) -> dict[int, str]:
         """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one

@@ -1,0 +1,281 @@
+"""The ``eut`` target's ownership deltas (:meth:`kvaudit.targets.base.Target.ownership_deltas`): how its
+roots (:meth:`kvaudit.targets.eut.observer.EutObserver.roots`) changed since the previous call, without
+rebuilding them.
+
+Per KV record (a live request's, a session slot's) it keeps ``(row, cache_protected_len,
+kv_allocated_len, kind, record object)`` (as arrays, compared whole when the live records are the
+same ones in the same order), and a copy of the whole ``req_to_token`` table as last reported. A call
+compares the live records with the kept ones: the positions that entered or left a record's parts (a row
+grew or shrank, a span moved from its own KV to its tree-owned prefix) and a record that is new, dropped,
+or changed row, holder or record object are read as spans. Which entries anyone wrote since the last
+call (a decode's slot, ``checkpoint_kv_cache_into_tree`` pointing a span at the tree's slots, a session's
+trim refilled, or a bug's stray write) is one compare of the table with its copy; such an entry inside a
+part that a record kept is a unit lost and one gained. Two live records on one row make the call return
+None (the full sweep judges that state). The tree is walked only when its shape may have changed (its
+root, clock or sizes moved, or HiCache is on); a node whose value is a different tensor lost the old one
+and gained the new one. A change none of these see (a tree node dropped with no size or clock change) is
+what the paranoid mode reports as a disagreement.
+
+Not covered (the method returns None and the full sweep runs): pages larger than one token (a root's
+units are then a set of pages, not a count of positions), HiSparse (its per-request buffers), and a KV
+table on a device other than the CPU.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from operator import attrgetter, is_
+
+import numpy as np
+import torch
+
+from kvaudit.targets.base import PRIVATE_OTHER, PRIVATE_REQ, PRIVATE_SESSION, SHARED, OwnershipDeltas, span_units
+
+
+class EutDeltas:
+    """The kept state of one :class:`kvaudit.targets.eut.target.EutTarget` (``target``)."""
+
+    def __init__(self, target):
+        self.target = target
+        # the records as last reported: names, record objects, kinds, [k, 3] (row, protected, allocated)
+        self.kept: tuple = ([], [], [], np.zeros((0, 3), dtype=np.int64))
+        self._neq: np.ndarray | None = None  # the compare's buffer, kept
+        self.shadow: np.ndarray | None = None  # req_to_token entries of the kept records, as last reported
+        self.nodes: dict[int, tuple] = {}  # node id -> (value, host value) last seen
+        self.tree_key: tuple | None = None
+        self.session_units: dict[str, int] = {}
+
+    def covered(self) -> bool:
+        eng = self.target.engine
+        return (self.target.config.page_size == 1 and eng.hisparse_coordinator is None
+                and eng.req_to_token_pool.req_to_token.device.type == "cpu")
+
+    def deltas(self) -> OwnershipDeltas | None:
+        """Since the previous call: per pool ``(owner, units, sign, kind)``; None when not covered."""
+        if not self.covered():
+            return None
+        out = _Out()
+        where = self._records(out)
+        self._sessions(out)
+        self._tree(out)
+        return None if where is None else OwnershipDeltas(out.owners, out.pools(), where)
+
+    def _live(self) -> tuple[list, dict[str, str]]:
+        # every live record as roots() finds them, (name, kv, kind), and their places by name
+        t, eng = self.target, self.target.engine
+        sc = eng.session_controller
+        slots = [] if sc is None else sc.slots()
+        live = [(f"session:{sid}", slot.kv, PRIVATE_SESSION) for sid, slot in slots]
+        where = {name: "session" for name, _, _ in live}
+        held = {id(slot.kv) for _, slot in slots}
+        places = t._places()
+        for req in eng.requests_owning_rows():
+            if not held or id(req.kv) not in held:
+                name = "req:" + req.rid
+                live.append((name, req.kv, PRIVATE_REQ))
+                place = places.get(id(req))
+                if place:
+                    where[name] = place
+        return live, where
+
+    def _records(self, out: "_Out") -> dict[str, str] | None:
+        # the records' deltas into out; their places by owner; None: two live records share a row (the
+        # full sweep judges that state; the kept copy is brought up to date all the same)
+        table = self.target.engine.req_to_token_pool.req_to_token.numpy()
+        if self.shadow is None or self.shadow.shape != table.shape:
+            self.shadow = table.astype(np.int64, copy=True)
+        lost, gained = _Spans(), _Spans()
+        live, where = self._live()
+        names, kvs, kinds = [x[0] for x in live], [x[1] for x in live], [x[2] for x in live]
+        lens = np.fromiter(chain.from_iterable(map(_LENS, kvs)), dtype=np.int64, count=3 * len(kvs)).reshape(-1, 3)
+        old = self.kept
+        if (names == old[0] and kinds == old[2] and all(map(is_, kvs, old[1]))
+                and np.array_equal(lens[:, 0], old[3][:, 0])):  # the same records on the same rows (most steps)
+            c = np.column_stack([lens[:, 0], old[3][:, 1:], lens[:, 1:], np.array(kinds, dtype=np.int64)])
+            kept = names
+        else:
+            c, kept = _match(old, names, kvs, kinds, lens, lost, gained, out)
+        self.kept = (names, kvs, kinds, lens)
+        common = _continuing(c, lost, gained, out.owner_block(kept))
+        shared_rows = np.unique(c[:, 0]).size != c.shape[0]
+        if self._neq is None or self._neq.shape != table.shape:
+            self._neq = np.empty(table.shape, dtype=bool)
+        np.not_equal(table, self.shadow, out=self._neq)
+        mis = np.flatnonzero(self._neq)  # every entry written since the last call
+        parts = [(-1, lost.gather(self.shadow)), (1, gained.gather(table))]
+        if mis.size and not shared_rows:
+            lp, gp = _rewrites(self.shadow, table, mis, common)
+            parts += [(-1, lp), (1, gp)]
+        self.shadow.ravel()[mis] = table.ravel()[mis]
+        for sign, (owner, units, kind) in parts:
+            if units.size:
+                out.add("token_to_kv_pool", owner, units, sign, kind)
+        return None if shared_rows else where
+
+    def _sessions(self, out: "_Out") -> None:
+        t = self.target
+        sc = t.engine.session_controller
+        if sc is None:
+            return
+        now = {f"session:{sid}": t.session_records.unit_of.get(id(s.slot)) for sid, s in sc.sessions.items()}
+        now = {k: u for k, u in now.items() if u is not None}
+        for name in set(now) | set(self.session_units):
+            a, b = self.session_units.get(name), now.get(name)
+            if a != b:
+                for u, sign in ((a, -1), (b, 1)):
+                    if u is not None:
+                        out.add("session_records", np.array([out.owner(name)]), np.array([u]), sign,
+                                np.array([PRIVATE_SESSION], dtype=np.int8))
+        self.session_units = now
+
+    def _tree(self, out: "_Out") -> None:
+        eng = self.target.engine
+        tree = eng.tree_cache
+        hicache = eng.hicache_host_pool is not None
+        key = (id(tree.root_node), tree._clock, tree.evictable_size_, tree.protected_size_)
+        if key == self.tree_key and not hicache:
+            return
+        self.tree_key = key
+        seen, lost, gained = {}, [], []
+        for n in tree.nodes():
+            now = (n.value, n.host_value if hicache else None)
+            seen[n.id] = now
+            old = self.nodes.get(n.id, (None, None))
+            for i in (0, 1):
+                if now[i] is not old[i]:
+                    if old[i] is not None:
+                        lost.append((i, old[i]))
+                    if now[i] is not None:
+                        gained.append((i, now[i]))
+        for nid in self.nodes.keys() - seen.keys():
+            lost += [(i, v) for i, v in enumerate(self.nodes[nid]) if v is not None]
+        self.nodes = seen
+        tree_owner = out.owner("tree")
+        for pool, i in (("token_to_kv_pool", 0), ("hicache_host", 1)):
+            for sign, part in ((-1, lost), (1, gained)):
+                vals = [v for j, v in part if j == i]
+                if vals:
+                    units = torch.cat(vals).to(torch.int64).numpy()
+                    out.add(pool, np.full(units.size, tree_owner), units, sign,
+                            np.full(units.size, PRIVATE_OTHER, dtype=np.int8))
+
+
+def _match(old: tuple, names: list, kvs: list, kinds: list, lens: np.ndarray, lost: "_Spans", gained: "_Spans",
+           out: "_Out") -> tuple[np.ndarray, list]:
+    # the live records (names, kvs, kinds, lens) against the kept ones (old: the same four): each record new,
+    # dropped, or moved (row, kind or record object) goes to lost/gained whole; returns the rest as
+    # _continuing's [k, 6] and their names
+    at = {n: i for i, n in enumerate(old[0])}
+    cont, kept = [], []
+    for i, name in enumerate(names):
+        j = at.pop(name, None)
+        row, p, n = lens[i].tolist()
+        if j is not None and old[3][j, 0] == row and old[1][j] is kvs[i] and old[2][j] == kinds[i]:
+            cont += (row, int(old[3][j, 1]), int(old[3][j, 2]), p, n, kinds[i])
+            kept.append(name)
+            continue
+        if j is not None:
+            _whole(name, (*old[3][j].tolist(), old[2][j]), lost, gained, out, -1)
+        _whole(name, (row, p, n, kinds[i]), lost, gained, out, 1)
+    for name, j in at.items():  # dropped
+        _whole(name, (*old[3][j].tolist(), old[2][j]), lost, gained, out, -1)
+    return np.array(cont, dtype=np.int64).reshape(-1, 6), kept
+
+
+def _whole(name: str, rec: tuple | None, lost: "_Spans", gained: "_Spans", out: "_Out", sign: int) -> None:
+    # every entry of record rec ((row, protected, allocated, kind, ...)), lost (sign -1) or gained
+    if rec is None:
+        return
+    row, p, n, kind = rec[:4]
+    owner = out.owner(name)
+    out.add("req_to_token_pool", np.array([owner]), np.array([row]), sign, np.array([kind], dtype=np.int8))
+    spans = lost if sign < 0 else gained
+    spans.extend(np.array([owner, owner]), np.array([row, row]), np.array([0, p]), np.array([p, n]),
+                 np.array([SHARED, kind]))
+
+
+def _continuing(c: np.ndarray, lost: "_Spans", gained: "_Spans", owners: np.ndarray) -> tuple:
+    # records that kept their row, kind and object: c ``[k, 6]`` (row, old protected, old allocated, new
+    # protected, new allocated, kind), owners ``[k]``. The positions that entered or left a part go to
+    # lost/gained as spans; returns the parts kept, judged by content: (rows, lo, a, b, kind, owners), the
+    # shared [0, lo) and the own [a, b) of each
+    row, op, oa, np_, na, kind = c.T
+    lo, a, b = np.minimum(op, np_), np.maximum(op, np_), np.minimum(oa, na)
+    apart = a >= b  # no own position in common
+    a, b = np.where(apart, 0, a), np.where(apart, 0, b)
+    zero = np.zeros_like(row)
+    for spans, p, n in ((lost, op, oa), (gained, np_, na)):
+        spans.extend(owners, row, lo, p, np.full_like(kind, SHARED))
+        spans.extend(owners, row, p, np.where(apart, n, a), kind)
+        spans.extend(owners, row, np.where(apart, zero, b), np.where(apart, zero, n), kind)
+    return row, lo, a, b, kind, owners
+
+
+def _rewrites(old: np.ndarray, now: np.ndarray, mis: np.ndarray, common: tuple) -> tuple:
+    # the entries at flat positions mis (written since the last call) in a part a record kept: lost (old
+    # content) and gained (now), as (owner, units, kind) each
+    rows, lo, a, b, kind, owners = common
+    rec = np.full(now.shape[0], -1, dtype=np.int64)
+    rec[rows] = np.arange(rows.size)
+    r, c = np.divmod(mis, now.shape[1])
+    i = rec[r]
+    keep = i >= 0
+    c, i, pos = c[keep], i[keep], mis[keep]
+    shared = c < lo[i]
+    hit = shared | ((c >= a[i]) & (c < b[i]))
+    kinds = np.where(shared, SHARED, kind[i]).astype(np.int8)[hit]
+    who, pos = owners[i[hit]], pos[hit]
+    return (who, old.ravel()[pos].astype(np.int64), kinds), (who, now.ravel()[pos].astype(np.int64), kinds)
+
+
+class _Spans:
+    """Row spans ``[start, end)`` to gather, each with its owner's index and kind, in blocks of arrays."""
+
+    def __init__(self):
+        self.blocks: list[tuple] = []
+
+    def extend(self, owner, rows, starts, ends, kind) -> None:
+        self.blocks.append((owner, rows, starts, ends, kind))
+
+    def gather(self, src: np.ndarray) -> tuple:
+        """(owner, units, kind) of every entry, read from ``src``."""
+        if not self.blocks:
+            return _E, _E, _E8
+        owner, rows, starts, ends, kind = (np.concatenate([b[i] for b in self.blocks]) for i in range(5))
+        units, _, _, span = span_units(src, rows, starts, ends)
+        return owner[span], units, kind[span].astype(np.int8)
+
+
+_E, _E8 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8)
+_LENS = attrgetter("req_pool_idx", "cache_protected_len", "kv_allocated_len")
+
+
+class _Out:
+    """The deltas being built: owner names, and per pool the chunks of entries."""
+
+    def __init__(self):
+        self.owners: list[str] = []
+        self._ids: dict[str, int] = {}
+        self.chunks: dict[str, list] = {}
+
+    def owner_block(self, names: list[str]) -> np.ndarray:
+        """The indices of ``names``, none of them named before (``[k] int64``)."""
+        first = len(self.owners)
+        self.owners += names
+        self._ids.update(zip(names, range(first, first + len(names))))
+        return np.arange(first, first + len(names), dtype=np.int64)
+
+    def owner(self, name: str) -> int:
+        i = self._ids.get(name)
+        if i is None:
+            i = self._ids[name] = len(self.owners)
+            self.owners.append(name)
+        return i
+
+    def add(self, pool: str, owner: np.ndarray, units: np.ndarray, sign: int, kind: np.ndarray) -> None:
+        self.chunks.setdefault(pool, []).append((owner, units, np.full(units.size, sign, dtype=np.int64), kind))
+
+    def pools(self) -> dict:
+        return {pool: tuple(np.concatenate([c[i] for c in chunks]).astype(dt, copy=False)
+                            for i, dt in enumerate((np.int64, np.int64, np.int64, np.int8)))
+                for pool, chunks in self.chunks.items()}
