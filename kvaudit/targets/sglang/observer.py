@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.hooks import SglangHooks
 
 
@@ -93,7 +94,7 @@ class SglangObserver(SglangHooks):
             return {}
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
         if self.chunked_req is not None:  # in no batch between chunks; a chunk advances extend_end
-            out[self.chunked_req.rid] = self.chunked_req.extend_end
+            out[self.chunked_req.rid] = compat.req_span(self.chunked_req, self.S.version)[1]
         for r in self.running:
             if r.to_finish is not None:
                 out[r.rid] = -1
@@ -237,7 +238,12 @@ class SglangObserver(SglangHooks):
         return [b for b in bad if b[1].size] or bad[:0]
 
     def lock_holders(self) -> list[tuple[str, str, int]]:
-        """Every live lock receipt as ``(lock, holder, node id)``: ``req.lock`` and ``slot.lock``."""
+        """Every live lock receipt as ``(lock, holder, node id)``: ``req.lock`` and ``slot.lock``. Before
+        change ``release-checkpoint`` a request keeps no receipt object: ``PrefillAdder`` locks ``req.last_node``
+        when it admits the request and ``release_kv_cache``'s ``unpin`` drops it, so every request owning a
+        row holds its ``last_node`` (``schedule_policy.py::_req_inc_lock_ref``, ``BasePrefixCache.unpin``)."""
+        if not compat.has("release-checkpoint", self.S.version):
+            return [("device", f"req:{r.rid}", r.last_node) for r in self._live() if r.last_node is not None]
         out = [("device", f"req:{r.rid}", r.lock.node) for r in self._live() + self.waiting if r.lock is not None]
         out += [("device", f"session:{sid}", s.lock.node) for sid, s in self._slots() if s.lock is not None]
         return out
