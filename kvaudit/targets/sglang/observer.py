@@ -214,6 +214,14 @@ class SglangObserver(SglangHooks):
         return {"token_to_kv_pool": self._pools[0].obj.get_all_free_pages().cpu().numpy(),
                 "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
 
+    def _path_slots(self, node):
+        """``[n]`` KV slots on the path root -> ``node``: ``UnifiedRadixCache.path_device_indices``, which
+        0.5.20/0.5.21 lack (the same tree-core call, ``collect_full_device_indices``)."""
+        cache = self.tree_cache
+        if hasattr(cache, "path_device_indices"):
+            return cache.path_device_indices(node)
+        return cache.tree_core.collect_full_device_indices(node, cache.root_node_handle())
+
     def lock_balance(self):
         """Nodes whose net lock count differs from the live lock holders on them; with every node balanced,
         ``protected_size()`` against the union of the holders' paths."""
@@ -226,12 +234,12 @@ class SglangObserver(SglangHooks):
         for node, have in self.lock_net.items():
             if have != want.get(node, 0):
                 try:
-                    slots = cache.path_device_indices(node).cpu().numpy()
+                    slots = self._path_slots(node).cpu().numpy()
                 except Exception:  # the node is gone (evicted or reset)
                     slots = np.empty(0, np.int64)
                 bad.append((f"node {node}", slots, have, want.get(node, 0), {node}))
         if not bad:
-            paths = [cache.path_device_indices(node) for node in holders]
+            paths = [self._path_slots(node) for node in holders]
             covered = np.unique(torch.cat(paths).cpu().numpy()) if paths else np.empty(0, np.int64)
             if covered.size != cache.protected_size():
                 bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
