@@ -95,7 +95,8 @@ def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path
 def test_the_version_adapters_name_the_release_that_made_each_change():
     assert compat.family("0.5.10.post1") == compat.family("0.5.11") == "legacy"
     assert compat.family("0.5.22") == compat.family("0.5.23") == "current"
-    assert compat.family("0.5.15.post1") is None and compat.family("0.5.21") is None
+    assert compat.family("0.5.20") == compat.family("0.5.21") == "current"
+    assert compat.family("0.5.15.post1") is None and compat.family("0.5.19") is None
     driven = compat.LEGACY + compat.CURRENT
     for change in compat.CHANGES.values():
         # each change is named after a driven release, and the driven release before it lacks it
@@ -104,6 +105,8 @@ def test_the_version_adapters_name_the_release_that_made_each_change():
         assert not compat.has(change.name, driven[at - 1]), change
     assert not compat.has("flush-send-output", "0.5.22") and compat.has("flush-send-output", "0.5.23")
     assert not compat.has("mamba-track-position", "0.5.22") and compat.has("mamba-track-position", "0.5.23")
+    assert not compat.has("release-checkpoint", "0.5.21") and compat.has("release-checkpoint", "0.5.22")
+    assert not compat.has("publish-ranks", "0.5.20") and compat.has("publish-ranks", "0.5.21")
     with pytest.raises(KeyError):
         compat.has("no-such-change", "0.5.11")
 
@@ -121,7 +124,7 @@ def test_the_probe_names_every_supported_release(monkeypatch):
 def test_a_release_between_the_eras_is_refused_in_one_line_that_says_why(monkeypatch):
     from kvaudit.targets.sglang import boot
 
-    for version, why in (("0.5.21", "between the two eras"), ("0.5.12", "between the two eras"),
+    for version, why in (("0.5.19", "between the two eras"), ("0.5.12", "between the two eras"),
                          ("0.5.9", "scheduler-level API changes")):
         monkeypatch.setattr(boot, "installed_version", lambda v=version: v)
         with pytest.raises(boot.SglangUnavailable) as e:
@@ -170,7 +173,7 @@ CURRENT_ERA_PRESETS = ("sglang", "sglang-paged", "sglang-overlap", "sglang-chunk
 
 
 @pytest.mark.releases
-@pytest.mark.parametrize("version", [v for v in compat.CURRENT if v != "0.5.23"])
+@pytest.mark.parametrize("version", [v for v in compat.CURRENT if v != "0.5.23" and v not in compat.OLDER_CURRENT])
 def test_the_current_era_presets_run_clean_on_an_older_current_release(version):
     """0.5.22 is driven by the 0.5.23 driver (compat.CURRENT): random programs of every preset it had find
     nothing but SGLang 0.5.23's own findings (corpora/sglang: bugs 0.5.22 ships too) and the history rows
@@ -190,3 +193,61 @@ def test_the_current_era_presets_run_clean_on_an_older_current_release(version):
         for p, found in out["findings"].items()}
     assert unknown == {p: [] for p in CURRENT_ERA_PRESETS}, unknown
     assert out["flush_replies"] > 0  # the programs reached a deferred flush, answered without error
+
+
+# 0.5.20 and 0.5.21: the current family through compat's Change rows, on the paths kind.older_refusal lets through
+OLDER_CURRENT_PRESETS = ("sglang", "sglang-paged", "sglang-priority", "sglang-pd-prefill", "sglang-pd-prefill-chunked",
+                         "sglang-pd-prefill-optimistic")
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("version", compat.OLDER_CURRENT)
+def test_the_plain_and_pd_prefill_presets_run_clean_on_0_5_20_and_0_5_21(version):
+    """Random programs of the plain and PD-prefill presets find nothing on 0.5.20/0.5.21 (the same programs as on
+    0.5.22: a driver mistake in a Change row's branch shows as a crash or a leak here)."""
+    r = run_child(["-c", CLEAN_CHILD, ",".join(OLDER_CURRENT_PRESETS), "6"], version, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["version"] == version
+    assert out["findings"] == {p: [] for p in OLDER_CURRENT_PRESETS}, out["findings"]
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("version", compat.OLDER_CURRENT)
+def test_a_mode_0_5_21_does_not_drive_is_refused_in_one_line(version, tmp_path):
+    r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-session", "--fuzzer", "random",
+                   "--max-time", "5", "--out", str(tmp_path)], version)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
+    assert len(lines) == 1 and version in lines[0] and "sessions" in lines[0], lines
+
+
+# the child: health checks (FAKE_BOOTSTRAP_HOST: SGLang's own FakeKVSender, not kvaudit's) on a prefill server,
+# beside a prompt they share nothing with and one whose prefix is cached; prints the findings and the checks done
+HEALTH_CHILD = """
+import json
+from kvaudit.audit.runner import AuditedRun
+from kvaudit.program import HealthCheck, Idle, Submit
+from kvaudit.targets.sglang.boot import installed_version
+from kvaudit.targets.sglang.config import SGLANG_PRESETS
+config = SGLANG_PRESETS["sglang-pd-prefill"].config()
+program = [Submit(0, 9, 2), Idle(), HealthCheck(), Submit(0, 9, 2), HealthCheck(), HealthCheck(), Idle()]
+with AuditedRun(config) as run:
+    for op in program:
+        if run.apply(op):
+            break
+    done = sorted(r for r in run.target.finished if r.startswith("HEALTH_CHECK_"))
+    print(json.dumps({"version": installed_version(), "findings": [[f.kind, f.signature] for f in run.findings],
+                      "health_checks_done": len(done), "live": sorted(run.target.live_rids())}))
+"""
+
+
+@pytest.mark.releases
+def test_a_health_check_on_0_5_20s_prefill_server_concludes_through_sglangs_fake_sender():
+    """sglang#28652's stuck FakeKVSender (no zero-page last send before 0.5.21) needs a last chunk with no page
+    to send; a FAKE_BOOTSTRAP_HOST request's decode prefix is always 0 (BaseKVSender.pop_decode_prefix_len), so
+    its last chunk always carries a page and 0.5.20 concludes it (catalogue UNREACHED sglang-28652)."""
+    out = json.loads(run_child(["-c", HEALTH_CHILD], "0.5.20").stdout.strip().splitlines()[-1])
+    assert out["version"] == "0.5.20"
+    assert out["findings"] == [] and out["live"] == []
+    assert out["health_checks_done"] == 3

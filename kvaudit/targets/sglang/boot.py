@@ -147,6 +147,7 @@ def quiet_loggers() -> None:
 
 
 _LOADED: SimpleNamespace | None = None
+_RANK_SCOPE: list = []  # 0.5.20's rank override, entered once (change rank-override-permanent)
 
 
 def load() -> SimpleNamespace:
@@ -218,14 +219,58 @@ def _check_api(version: str, common, allocation, StreamingSession, ReqKvInfo) ->
     """The API probe: raises :class:`SglangUnavailable` naming the 0.5.23 shapes that are missing."""
     rel = inspect.signature(common.release_kv_cache).parameters
     problems = []
-    if "checkpoint" not in rel or rel["checkpoint"].kind is not inspect.Parameter.KEYWORD_ONLY:
+    if not compat.has("release-checkpoint", version):  # 0.5.20/0.5.21: the is_insert flag, no session take()
+        if "is_insert" not in rel:
+            problems.append("release_kv_cache(req, cache, is_insert)")
+    elif "checkpoint" not in rel or rel["checkpoint"].kind is not inspect.Parameter.KEYWORD_ONLY:
         problems.append("release_kv_cache(req, cache, *, checkpoint)")
-    if not hasattr(StreamingSession, "take") or not hasattr(ReqKvInfo, "holds_kv"):
-        problems.append("StreamingSession.take / ReqKvInfo.holds_kv")
+    elif not hasattr(StreamingSession, "take"):
+        problems.append("StreamingSession.take")
+    if not hasattr(ReqKvInfo, "holds_kv"):
+        problems.append("ReqKvInfo.holds_kv")
     problems += [name for name in ("alloc_for_extend", "alloc_for_decode") if not hasattr(allocation, name)]
     if problems:
         raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the one this target drives "
                                 f"(missing: {', '.join(problems)})")
+
+
+class _Launch:
+    """``kernel[grid](*args)`` for a CPU stand-in of a triton kernel: the grid is dropped."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _alloc_decode(seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size) -> None:
+    """What ``alloc_decode_kernel`` stores: ``[bs]`` slots of each request's next token (``seq_lens``
+    counts it): the next slot of its last page, or the first slot of the next free page when it starts
+    a page (the free pages taken in batch order)."""
+    import torch
+
+    new = ((seq_lens + page_size - 1) // page_size - (seq_lens + page_size - 2) // page_size).to(torch.int64)
+    start = torch.cumsum(new, 0) - new
+    pages = free_pages[start.clamp(max=max(len(free_pages) - 1, 0))] if len(free_pages) else start
+    out_indices.copy_(torch.where(new > 0, pages * page_size, last_loc + 1))
+
+
+def shim_paged_kernels() -> str:
+    """CPU shim S2 (before change ``platform-triton-check``: 0.5.20/0.5.21), idempotent: the paged allocator's
+    two triton kernels, module globals of ``allocator/paged.py``, by torch code that computes the same slots:
+    ``alloc_extend_kernel`` by SGLang's own ``alloc_extend_naive`` (the NPU path's), ``alloc_decode_kernel``
+    by :func:`_alloc_decode` (also the legacy family's) (0.5.22 picks ``alloc_*_naive`` itself on a CPU platform)."""
+    import sglang.srt.mem_cache.allocator.paged as paged
+
+    if not isinstance(paged.alloc_extend_kernel, _Launch):
+        def extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+            paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
+                                     out_indices.device)
+
+        paged.alloc_extend_kernel = _Launch(extend)
+        paged.alloc_decode_kernel = _Launch(_alloc_decode)
+    return "S2 allocator.paged.alloc_extend_kernel / alloc_decode_kernel -> torch"
 
 
 def shim_cuda_host_register() -> str:
@@ -255,11 +300,20 @@ def one_rank_group():
 GRAMMAR_BACKEND = "kvaudit-steps"  # registered with SGLang's register_grammar_backend by the driver
 
 
+def cpu_server_args(version: str) -> dict:
+    """``ServerArgs`` fields a CPU run of ``version`` needs: before change ``platform-triton-check``,
+    ``attention_backend="torch_native"`` (only the backend tells ``alloc_for_extend`` to write ``req_to_token``
+    with torch, not triton)."""
+    return {} if compat.has("platform-triton-check", version) else {"attention_backend": "torch_native"}
+
+
 def publish_server_args(config, **extra):
     """``ServerArgs`` for ``config`` with a mode's ``extra`` fields, published for this process (SGLang
     reads it process-wide through ``get_schedule()``, ``get_memory()``...)."""
     S = load()
     extra.setdefault("radix_eviction_policy", config.radix_eviction_policy)
+    for k, v in cpu_server_args(S.version).items():
+        extra.setdefault(k, v)
     if getattr(config, "speculative_algorithm", None) is not None:  # (the legacy era's config has none)
         extra.update(speculative_algorithm=config.speculative_algorithm.upper(),
                      speculative_num_steps=config.speculative_num_steps,
@@ -301,8 +355,14 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
         server_args = publish_server_args(config)
     # this process is rank 0 of a 1-GPU tensor-parallel group (Req.set_finish_with_abort reads it) and
     # the one stage of a one-stage pipeline (GrammarManager and HiCache's storage config read that)
-    S.get_parallel().override_permanently(tp_rank=0, pp_rank=0, pp_size=1)
+    if compat.has("rank-override-permanent", S.version):
+        S.get_parallel().override_permanently(tp_rank=0, pp_rank=0, pp_size=1)
+    elif not _RANK_SCOPE:  # 0.5.20: ranks read the live group unless a scope overrides them; the scope is
+        _RANK_SCOPE.append(S.get_parallel().override(tp_rank=0, pp_rank=0))  # this process (kept, never left)
+        _RANK_SCOPE[0].__enter__()
     dev = config.device
+    if not compat.has("platform-triton-check", S.version):
+        shim_paged_kernels()
     if make_kv is not None:
         kvcache, allocator = make_kv(dev)
     else:
@@ -321,14 +381,20 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     ctx_fields = {k: hybrid.pop(k) for k in ("is_hybrid_swa", "is_hybrid_ssm", "full_tokens_per_layer") if k in hybrid}
     # the eviction policy, as kv_cache_builder passes the published --radix-eviction-policy(-config)
     policy, policy_config = config.radix_eviction_policy, config.radix_eviction_policy_kwargs
+    if compat.has("tree-core-param", S.version):
+        hybrid["tree_core_backend"] = config.tree_core
+    else:  # UnifiedRadixCache.__init__ reads the core from the environment
+        os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = config.tree_core
     params = S.CacheInitParams(disable=disable_radix_cache, req_to_token_pool=req_to_token_pool,
-                               token_to_kv_pool_allocator=allocator, page_size=ps, tree_core_backend=config.tree_core,
+                               token_to_kv_pool_allocator=allocator, page_size=ps,
                                eviction_policy=policy, eviction_policy_config=policy_config, **hybrid)
     # what SGLang reads of ModelConfig on these paths (the PD-decode queues: num_hidden_layers, the think ids)
     model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None,
                                    num_hidden_layers=1, self_opened_think_start_ids=None, think_end_ids=None)
     ctx_fields.setdefault("is_hybrid_swa", False)
     ctx_fields.setdefault("is_hybrid_ssm", False)
+    if not compat.has("chunk-cache-gone", S.version):  # kv_cache_builder passes the chunk size (None: no chunking)
+        ctx_fields["effective_chunked_prefill_size"] = server_args.chunked_prefill_size
     ctx = S.TreeCacheBuildContext(server_args=server_args, params=params, **ctx_fields,
                                   enable_hierarchical_cache=enable_hierarchical_cache,
                                   disable_radix_cache=disable_radix_cache,

@@ -138,6 +138,18 @@ UNREACHED: tuple[Unreached, ...] = (
               "that follows ends in StreamingSession.try_cache_finished_req -> Session.finish_req, which clears "
               "the in-flight mark anyway (both reach corpora/sglang/crash-pd-prefill-requeued-first-turn-prefix-"
               "shrank.json), and the dropped multimodal inputs are no KV lifecycle kvaudit drives"),
+    Unreached("sglang-28652", "sglang", ("sgl-project/sglang#28652",), "0.5.20 -> 0.5.21",
+              "0.5.20's FakeKVSender (every FAKE_BOOTSTRAP_HOST request: warmup, /health_generate) inherits "
+              "BaseKVSender.should_send_kv_chunk (num_pages > 0), so a last chunk with no page is never sent and "
+              "the request never leaves the inflight queue; but a fake sender's decode prefix is always 0 "
+              "(BaseKVSender.pop_decode_prefix_len), the match stops at input_len - 1 and every earlier send "
+              "(a chunk, the early send of the cached prefix) ends page-aligned below it: the last chunk always "
+              "carries a page. Driven on 0.5.20 (sglang-pd-prefill, health checks through SGLang's own "
+              "FakeKVSender): concluded; a planted zero-page gate reads hang/-/idle/inflight:kv-transfer. The "
+              "PR's other half, the waiting timeout, fails a bootstrapped request whose send never comes, which "
+              "needs a request that never fits, which intake's max_new_tokens clip (0.5.20's "
+              "init_req_max_new_tokens) rules out as far as read; random programs with health checks on 0.5.20 "
+              "(sglang-pd-prefill, -chunked) stay clean"),
     Unreached("sglang-28374", "sglang", ("sgl-project/sglang#28374",), "all, to 0.5.23",
               "the PR was closed unmerged: no fixing release"),
     Unreached("sglang-10871", "sglang", ("sgl-project/sglang#10871",), "0.5.2-0.5.5",

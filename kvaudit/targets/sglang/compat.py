@@ -1,6 +1,8 @@
 """The SGLang releases the target drives, in two eras, and the API changes between them: **current**
-(0.5.22 and 0.5.23: ``ReqKvInfo``, ``release_kv_cache(req, cache, *, checkpoint)``, tree locks
-``lock``/``unlock(handle)``, ``StreamingSession.take``, the tree-cache factory) and **legacy** (the ``cache_finished_req`` era, 0.5.10.post1 and 0.5.11: KV fields on ``Req``,
+(0.5.20 to 0.5.23: ``ReqKvInfo``, the tree-cache factory; 0.5.22 and 0.5.23 also
+``release_kv_cache(req, cache, *, checkpoint)``, tree locks ``lock``/``unlock(handle)``,
+``StreamingSession.take``; 0.5.20 and 0.5.21 differ by the Change rows since 0.5.21 and 0.5.22 and drive
+fewer presets, :data:`OLDER_CURRENT`) and **legacy** (the ``cache_finished_req`` era, 0.5.10.post1 and 0.5.11: KV fields on ``Req``,
 ``release_kv_cache(req, cache, is_insert)``, a hand-built ``RadixCache`` and ``SessionAwareCache``).
 Each change is named after the first release with the newer API (facts: ``../shared/reference/history-facts.md``)."""
 
@@ -10,11 +12,13 @@ from packaging.version import InvalidVersion, Version
 
 from kvaudit.targets.compat import Change, release_has
 
-CURRENT = ("0.5.22", "0.5.23")
-# 0.5.12-0.5.21 are neither: ReqKvInfo and the factory arrive in between, but release_kv_cache still takes
-# is_insert, the tree caches through insert_req/cache_unfinished_req/unpin, and StreamingSession wraps
-# the tree cache (0.5.22 replaces all three); refused with :func:`refusal`
-BETWEEN = ("0.5.12", "0.5.21")
+CURRENT = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
+# 0.5.20 and 0.5.21 join the current family through the Change rows below (release_kv_cache's is_insert,
+# Req.prefix_indices/extend_range, the lock on req.last_node ...) for the presets of OLDER_CURRENT_MODES;
+# 0.5.12-0.5.19 are neither family (ReqKvInfo and the factory arrive in between; not read): refused with
+# :func:`refusal`
+BETWEEN = ("0.5.12", "0.5.19")
+OLDER_CURRENT = ("0.5.20", "0.5.21")  # current-family releases before 0.5.22's session/tree-lock API
 LEGACY = ("0.5.10.post1", "0.5.11")  # 0.5.10 itself has the same API; only these two are tested
 
 
@@ -32,6 +36,40 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("session-close-deferral", "0.5.11",
            "Session.close_on_finish: closing a session while its turn runs is deferred to maybe_reap, and a "
            "closing session takes no new turn (the fix of SGLang #21875); before, the slot is released at once"),
+    Change("tree-core-param", "0.5.21",
+           "CacheInitParams.tree_core_backend picks UnifiedRadixCache's tree core (python or rust); before "
+           "(0.5.20), the environment variable SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"),
+    Change("alloc-max-new-tokens", "0.5.21",
+           "Scheduler.init_req_max_new_tokens asks the allocator (max_new_tokens_for_memory, None: the prompt "
+           "cannot fit); before (0.5.20), it clips to total - ceil_page(input) - page - 1 itself"),
+    Change("rank-override-permanent", "0.5.21",
+           "ParallelContext.override_permanently(tp_rank=..., pp_rank=...) answers the ranks for the process; "
+           "before (0.5.20), ranks read the live process groups unless the scoped override(...) sets them"),
+    Change("publish-ranks", "0.5.21",
+           "runtime_context.publish(server_args, role=..., ranks=SpawnRanks(...)); before (0.5.20), no ranks"),
+    Change("kv-checksum", "0.5.21",
+           "PD KV checksums: MetadataBuffers(..., kv_checksum_enabled) and --disaggregation-enable-kv-checksum; "
+           "before (0.5.20), neither"),
+    Change("prefill-waiting-abort", "0.5.21",
+           "an aborted waiting request on a prefill server goes through the mixin's "
+           "release_aborted_prefill_waiting_req (sender aborted, metadata slot and KV released); before (0.5.20), "
+           "Scheduler.abort_request's own branch frees the metadata slot and aborts only a bootstrapping sender"),
+    Change("chunk-cache-gone", "0.5.22",
+           "TreeCacheBuildContext has no effective_chunked_prefill_size, and ChunkCache (mem_cache/chunk_cache.py) "
+           "is gone; before (0.5.21), the factory builds a ChunkCache when the radix cache is off and chunking on"),
+    Change("platform-triton-check", "0.5.22",
+           "utils.support_triton asks current_platform whether triton runs (a CPU build: no), so alloc_for_extend "
+           "writes req_to_token with torch; before, only the attention backend decides: torch_native is published"),
+    Change("req-prefix-len", "0.5.22",
+           "Req.prefix_len and Req.extend_end (ints; the match adopted by common.match_kv_cache) and "
+           "common.checkpoint_kv_cache for the chunked request; before (0.5.20/0.5.21), Req.prefix_indices (a "
+           "tensor) and Req.extend_range (a Range), and common.maybe_cache_unfinished_req(req, tree, chunked=True)"),
+    Change("release-checkpoint", "0.5.22",
+           "release_kv_cache(req, tree_cache, *, checkpoint) and the tree's checkpoint/lock/unlock(handle); "
+           "before, release_kv_cache(req, tree_cache, is_insert=True) and insert_req/cache_unfinished_req/unpin"),
+    Change("fake-sender-args", "0.5.22",
+           "FakeKVSender(mgr, bootstrap_addr, bootstrap_room); before, also dest_tp_ranks and pp_rank "
+           "(PrefillBootstrapQueue.create_sender passes the destination ranks)"),
     Change("flush-send-output", "0.5.23",
            "SchedulerFlushWrapper(flush_cache, is_fully_idle, send_output): a deferred flush answers through "
            "a send_output callable; before (0.5.22), through ipc_channels.send_to_tokenizer.send_output"),
@@ -68,12 +106,29 @@ def refusal(version: str) -> str:
     except InvalidVersion:
         between = False
     if between:
-        return (head + f": {version} is between the two eras (release_kv_cache(req, cache, is_insert), the "
-                "tree's insert_req/cache_unfinished_req/unpin and a StreamingSession that wraps the tree "
-                "cache: neither driver family's API)")
+        return (head + f": {version} is between the two eras (ReqKvInfo and the tree-cache factory arrive in "
+                "between; neither driver family's API is checked against it)")
     return head + ": its scheduler-level API changes between versions"
 
 
 def has(change: str, version: str) -> bool:
     """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError otherwise)."""
     return release_has(CHANGES, change, version)
+
+
+def req_span(req, version: str) -> tuple[int, int]:
+    """``(prefix_len, extend_end)`` of a ``Req``'s next extend on release ``version``: ``req.prefix_len`` /
+    ``req.extend_end``, or before change ``req-prefix-len`` ``len(req.prefix_indices)`` / ``req.extend_range.end``."""
+    if has("req-prefix-len", version):
+        return req.prefix_len, req.extend_end
+    return len(req.prefix_indices), req.extend_range.end
+
+
+def release_kv(S, req, tree_cache, checkpoint: bool) -> None:
+    """SGLang's ``common.release_kv_cache`` (``S``: the loaded symbols, with ``version``) with the flag named
+    as the release names it: ``checkpoint=`` keyword-only, or before change ``release-checkpoint`` the
+    positional ``is_insert``."""
+    if has("release-checkpoint", S.version):
+        S.common.release_kv_cache(req, tree_cache, checkpoint=checkpoint)
+    else:
+        S.common.release_kv_cache(req, tree_cache, checkpoint)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.results import SglangResults
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling
 
@@ -33,8 +34,8 @@ class SglangDriver(SglangResults):
         overlap = self.config.enable_overlap
         self._process_pending_chunked_abort()
         chunked = self.chunked_req
-        if chunked is not None and chunked.extend_end > chunked.prefix_len:
-            self.S.common.checkpoint_kv_cache(chunked, self.tree_cache)
+        if chunked is not None and self._span(chunked)[1] > self._span(chunked)[0]:
+            self._checkpoint_chunked(chunked)
         self._join_running()
         self.running = [r for r in self.running if not r.finished()]
         batch = self._prefill() or self._decode()
@@ -46,6 +47,20 @@ class SglangDriver(SglangResults):
         elif batch is not None:
             self._process(*batch)
         self._snapshot_held()
+
+    def _span(self, req) -> tuple[int, int]:
+        """``(prefix_len, extend_end)`` of ``req``'s next extend: ``Req.prefix_len`` / ``extend_end``, or
+        before them (change ``req-prefix-len``) ``len(prefix_indices)`` / ``extend_range.end``."""
+        return compat.req_span(req, self.S.version)
+
+    def _checkpoint_chunked(self, chunked) -> None:
+        """The chunked request's KV published before the next chunk: ``common.checkpoint_kv_cache``, or
+        before it (change ``req-prefix-len``) ``common.maybe_cache_unfinished_req`` (``Scheduler.
+        get_new_batch_prefill``'s ``cache_unfinished_req`` of the chunked request, in both releases)."""
+        if compat.has("req-prefix-len", self.S.version):
+            self.S.common.checkpoint_kv_cache(chunked, self.tree_cache)
+        else:
+            self.S.common.maybe_cache_unfinished_req(chunked, self.tree_cache, chunked=True)
 
     def _snapshot_held(self) -> None:
         """What each running request holds now: if a release elsewhere takes its record away, the next scan
@@ -199,15 +214,16 @@ class SglangDriver(SglangResults):
                                          chunked_req=self.chunked_req)
         self._new_batch(batch, "extend")
         batch.forward_mode = S.ForwardMode.EXTEND
-        batch.prefix_lens = [r.prefix_len for r in admitted]
-        batch.extend_lens = [r.extend_end - r.prefix_len for r in admitted]
-        batch.seq_lens_cpu = torch.tensor([r.extend_end for r in admitted], dtype=torch.int64)
+        spans = [self._span(r) for r in admitted]
+        batch.prefix_lens = [p for p, _ in spans]
+        batch.extend_lens = [e - p for p, e in spans]
+        batch.seq_lens_cpu = torch.tensor([e for _, e in spans], dtype=torch.int64)
         batch.seq_lens = batch.seq_lens_cpu.to(batch.device)
         batch.orig_seq_lens = batch.seq_lens.clone()
         batch.extend_num_tokens = sum(batch.extend_lens)
         batch.out_cache_loc, batch.req_pool_indices, batch.req_pool_indices_cpu = S.allocation.alloc_for_extend(batch)
-        for req in admitted:  # the batch's seq_lens, carried into decode (prepare_for_decode adds 1 a step)
-            req.kvaudit_seq_len = req.extend_end
+        for req, (_, end) in zip(admitted, spans):  # the batch's seq_lens, carried into decode (+1 a step)
+            req.kvaudit_seq_len = end
         self._after_extend_alloc(batch)
         return batch
 
@@ -324,12 +340,17 @@ class SglangDriver(SglangResults):
             kv = req.kv
             mine = self._pages(self.req_to_token_pool.req_to_token[kv.req_pool_idx,
                                                                      kv.cache_protected_len:kv.kv_allocated_len])
-        self.S.common.release_kv_cache(req, self.tree_cache, checkpoint=checkpoint)
+        self._release_kv(req, checkpoint)
         if mine is not None:  # free once more what this release gave back (none: wait for the next)
             freed = np.setdiff1d(mine, self._pages(self.tree_cache.all_values_flatten()))
             if freed.size:
                 self._faults.discard("double-free")
                 self.allocator.free(torch.as_tensor(freed, dtype=torch.int64) * self.config.page_size)
+
+    def _release_kv(self, req, checkpoint: bool) -> None:
+        """``common.release_kv_cache(req, tree_cache, checkpoint=...)``; before change ``release-checkpoint``
+        the same flag is its positional ``is_insert``."""
+        compat.release_kv(self.S, req, self.tree_cache, checkpoint)
 
     def _inject_lock_leak(self) -> None:
         cache = self.tree_cache

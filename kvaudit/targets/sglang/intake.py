@@ -11,6 +11,7 @@ from kvaudit.program import PAUSE_MODES, Abort, CloseSession, ContinueGeneration
     MemoryPressure, Op, OpenSession, PauseGeneration, Submit, TransferFail
 from kvaudit.program.schema import pick, resolve_submit
 from kvaudit.targets.base import Target
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.standins import EOS
 
 
@@ -152,8 +153,12 @@ class SglangIntake(Target):
         # fits the context is aborted at intake, before it can reach a row
         input_len = len(req.origin_input_ids)
         max_new = max(0, min(req.sampling_params.max_new_tokens, self.max_req_len - input_len - 1))
-        max_new = self.allocator.max_new_tokens_for_memory(input_len, max_new, token_capacity=cfg.total_tokens,
-                                                           sliding_window_size=None, chunk_size=None)
+        if compat.has("alloc-max-new-tokens", S.version):
+            max_new = self.allocator.max_new_tokens_for_memory(input_len, max_new, token_capacity=cfg.total_tokens,
+                                                               sliding_window_size=None, chunk_size=None)
+        else:  # 0.5.20's own bound: the paged prompt, a page and one token under the pool size
+            max_new = max(0, min(max_new, cfg.total_tokens - -(-input_len // cfg.page_size) * cfg.page_size
+                                 - cfg.page_size - 1))
         req.sampling_params.max_new_tokens = max_new or 0
         error = None  # managers/utils.py::validate_input_length, without auto-truncation (its default)
         if input_len >= self.max_req_input_len:
@@ -260,7 +265,7 @@ class SglangIntake(Target):
         """``abort_request``'s "for mamba radix cache" step: a popped waiting request that holds a mamba
         slot (taken by its match) is released with ``checkpoint=False``."""
         if req.kv.holds_mamba:
-            self.S.common.release_kv_cache(req, self.tree_cache, checkpoint=False)
+            compat.release_kv(self.S, req, self.tree_cache, False)
 
     def _pause_generation(self, mode: str) -> None:
         """``TokenizerManager.pause_generation``: ``abort`` aborts every request; ``in_place`` / ``retract``

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvaudit.targets.registry import TargetKind, TargetUnavailable, register, server_args_capabilities
-from kvaudit.targets.sglang.compat import LEGACY
+from kvaudit.targets.sglang.compat import LEGACY, OLDER_CURRENT
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig
 
 
@@ -28,12 +28,33 @@ def _make(config):
     elif _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
     else:  # one composed target: its features come from the config (target.features)
+        from kvaudit.targets.sglang.boot import SglangUnavailable, installed_version
+        why = older_refusal(config, installed_version())
+        if why is not None:
+            raise SglangUnavailable(why)
         from kvaudit.targets.sglang.target import SglangTarget as cls
     return cls(config)
 
 
 _CURRENT_PD_HISPARSE = (f"PD decode with HiSparse (the direct-to-host path) is driven on SGLang {', '.join(LEGACY)} "
                         "only (kvaudit/targets/sglang/legacy_pd.py), not on SGLang 0.5.23")
+
+
+def older_refusal(config, version: str | None) -> str | None:
+    """Why the current family cannot drive ``config`` on ``version``, one of ``compat.OLDER_CURRENT`` (0.5.20,
+    0.5.21: release_kv_cache's is_insert, the lock on req.last_node, a StreamingSession that wraps the tree),
+    or None: their Change rows cover the plain and PD-prefill paths only."""
+    if version not in OLDER_CURRENT:
+        return None
+    modes = [name for name, on in (
+        ("sessions", config.enable_streaming_session), ("HiSparse", config.enable_hisparse),
+        ("HiCache", config.enable_hierarchical_cache), ("SWA", config.sliding_window_size is not None),
+        ("Mamba", config.enable_mamba), ("speculative decoding", config.speculative_algorithm is not None),
+        ("PD decode", config.disaggregation_mode == "decode"), ("overlap", config.enable_overlap)) if on]
+    if not modes:
+        return None
+    return (f"SGLang {version} is driven by the current family on the plain and PD-prefill paths only; "
+            f"not driven there: {', '.join(modes)} (compat.OLDER_CURRENT)")
 
 
 def _legacy() -> bool:
@@ -61,6 +82,9 @@ def _probe(config) -> None:
             return
         if config.disaggregation_mode == "decode" and config.enable_hisparse:
             raise TargetUnavailable(_CURRENT_PD_HISPARSE)
+        why = older_refusal(config, probe_version())
+        if why is not None:
+            raise TargetUnavailable(why)
         load()
         if config.disaggregation_mode != "null":
             from kvaudit.targets.sglang.pd import load_pd

@@ -24,7 +24,7 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, probe_version
+from kvaudit.targets.sglang.boot import SglangUnavailable, _alloc_decode, _Launch, one_rank_group, probe_version
 from kvaudit.targets.sglang.hooks import host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget, load_legacy
 from kvaudit.targets.sglang.standins import EOS, NoSampling, StepClock
@@ -93,16 +93,6 @@ def _shim_host_alloc(memory_pool_host) -> str:
     return "L2 memory_pool_host.ALLOC_MEMORY_FUNCS['cpu'] -> unpinned"
 
 
-class _Launch:
-    """``kernel[grid](*args)`` for a CPU stand-in of a triton kernel: the grid is dropped."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __getitem__(self, grid):
-        return self.fn
-
-
 def _shim_paged_kernels(allocator) -> str:
     """CPU shim L4: ``PagedTokenToKVPoolAllocator``'s two triton kernels of this era, by torch code that
     computes the same slots: ``alloc_extend_kernel`` by SGLang's own ``alloc_extend_naive`` (the NPU
@@ -115,16 +105,6 @@ def _shim_paged_kernels(allocator) -> str:
     allocator.alloc_extend_kernel = _Launch(extend)
     allocator.alloc_decode_kernel = _Launch(_alloc_decode)
     return "L4 allocator.alloc_extend_kernel / alloc_decode_kernel -> torch"
-
-
-def _alloc_decode(seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size) -> None:
-    """What ``alloc_decode_kernel`` stores: ``[bs]`` slots of each request's next token (``seq_lens``
-    counts it): the next slot of its last page, or the first slot of the next free page when it starts
-    a page (the free pages taken in batch order)."""
-    new = ((seq_lens + page_size - 1) // page_size - (seq_lens + page_size - 2) // page_size).to(torch.int64)
-    start = torch.cumsum(new, 0) - new
-    pages = free_pages[start.clamp(max=max(len(free_pages) - 1, 0))] if len(free_pages) else start
-    out_indices.copy_(torch.where(new > 0, pages * page_size, last_loc + 1))
 
 
 def _shim_attn_tp(group) -> str:

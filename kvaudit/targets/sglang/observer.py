@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.hooks import SglangHooks
 
 
@@ -93,7 +94,7 @@ class SglangObserver(SglangHooks):
             return {}
         out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
         if self.chunked_req is not None:  # in no batch between chunks; a chunk advances extend_end
-            out[self.chunked_req.rid] = self.chunked_req.extend_end
+            out[self.chunked_req.rid] = compat.req_span(self.chunked_req, self.S.version)[1]
         for r in self.running:
             if r.to_finish is not None:
                 out[r.rid] = -1
@@ -213,6 +214,14 @@ class SglangObserver(SglangHooks):
         return {"token_to_kv_pool": self._pools[0].obj.get_all_free_pages().cpu().numpy(),
                 "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
 
+    def _path_slots(self, node):
+        """``[n]`` KV slots on the path root -> ``node``: ``UnifiedRadixCache.path_device_indices``, which
+        0.5.20/0.5.21 lack (the same tree-core call, ``collect_full_device_indices``)."""
+        cache = self.tree_cache
+        if hasattr(cache, "path_device_indices"):
+            return cache.path_device_indices(node)
+        return cache.tree_core.collect_full_device_indices(node, cache.root_node_handle())
+
     def lock_balance(self):
         """Nodes whose net lock count differs from the live lock holders on them; with every node balanced,
         ``protected_size()`` against the union of the holders' paths."""
@@ -225,19 +234,24 @@ class SglangObserver(SglangHooks):
         for node, have in self.lock_net.items():
             if have != want.get(node, 0):
                 try:
-                    slots = cache.path_device_indices(node).cpu().numpy()
+                    slots = self._path_slots(node).cpu().numpy()
                 except Exception:  # the node is gone (evicted or reset)
                     slots = np.empty(0, np.int64)
                 bad.append((f"node {node}", slots, have, want.get(node, 0), {node}))
         if not bad:
-            paths = [cache.path_device_indices(node) for node in holders]
+            paths = [self._path_slots(node) for node in holders]
             covered = np.unique(torch.cat(paths).cpu().numpy()) if paths else np.empty(0, np.int64)
             if covered.size != cache.protected_size():
                 bad.append(("tree", covered, cache.protected_size(), int(covered.size), set(want)))
         return [b for b in bad if b[1].size] or bad[:0]
 
     def lock_holders(self) -> list[tuple[str, str, int]]:
-        """Every live lock receipt as ``(lock, holder, node id)``: ``req.lock`` and ``slot.lock``."""
+        """Every live lock receipt as ``(lock, holder, node id)``: ``req.lock`` and ``slot.lock``. Before
+        change ``release-checkpoint`` a request keeps no receipt object: ``PrefillAdder`` locks ``req.last_node``
+        when it admits the request and ``release_kv_cache``'s ``unpin`` drops it, so every request owning a
+        row holds its ``last_node`` (``schedule_policy.py::_req_inc_lock_ref``, ``BasePrefixCache.unpin``)."""
+        if not compat.has("release-checkpoint", self.S.version):
+            return [("device", f"req:{r.rid}", r.last_node) for r in self._live() if r.last_node is not None]
         out = [("device", f"req:{r.rid}", r.lock.node) for r in self._live() + self.waiting if r.lock is not None]
         out += [("device", f"session:{sid}", s.lock.node) for sid, s in self._slots() if s.lock is not None]
         return out

@@ -41,7 +41,7 @@ def load_pd() -> SimpleNamespace:
                                                      ReqToMetadataIdxAllocator, TransferBackend)
         from sglang.srt.managers.overlap_utils import FutureMap
         from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
-        from sglang.srt.runtime_context import SpawnRanks, get_disagg, get_memory, publish
+        from sglang.srt.runtime_context import get_disagg, get_memory, publish
         from sglang.utils import is_in_ci
     except ImportError as exc:
         raise SglangUnavailable(f"SGLang's PD decode path does not import: {exc} "
@@ -52,8 +52,19 @@ def load_pd() -> SimpleNamespace:
         FakeKVReceiver=FakeKVReceiver, FAKE_BOOTSTRAP_HOST=FAKE_BOOTSTRAP_HOST, DisaggregationMode=DisaggregationMode,
         MetadataBuffers=MetadataBuffers, ReqToMetadataIdxAllocator=ReqToMetadataIdxAllocator,
         TransferBackend=TransferBackend, FutureMap=FutureMap, SchedulerBatchResultProcessor=SchedulerBatchResultProcessor,
-        SpawnRanks=SpawnRanks, get_disagg=get_disagg, get_memory=get_memory, publish=publish, is_in_ci=is_in_ci)
+        get_disagg=get_disagg, get_memory=get_memory, publish=publish, is_in_ci=is_in_ci)
     return _PD
+
+
+def publish_scheduler(P, server_args) -> None:
+    """``runtime_context.publish`` of a scheduler process: rank 0 of one GPU (``SpawnRanks``); before change
+    ``publish-ranks`` (0.5.20) ``publish`` takes no ranks (they are read from the groups, overridden by
+    ``boot.build``)."""
+    if compat.has("publish-ranks", load().version):
+        from sglang.srt.runtime_context import SpawnRanks
+        P.publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    else:
+        P.publish(server_args, role="scheduler")
 
 
 class _DecodeScheduler:
@@ -123,7 +134,7 @@ class PdDecode(SglangLoop):
                           max_running_requests=config.max_running_requests,
                           num_reserved_decode_tokens=config.num_reserved_decode_tokens)
         P.handle_pd_disaggregation(sa)  # the server-args step that turns the decode radix cache off
-        P.publish(sa, role="scheduler", ranks=P.SpawnRanks(world_rank=0, gpu_id=0))
+        publish_scheduler(P, sa)
         S.get_parallel().override_permanently(attn_tp_group=group)
         disagg = P.get_disagg()
         tp_worker = SimpleNamespace(is_hybrid_swa=False, model_runner=SimpleNamespace(kv_cache_dtype_str="bfloat16"),

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import PoolSpec, Root
-from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
+from kvaudit.targets.sglang import compat
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, cpu_server_args, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.feature import SglangLoop
-from kvaudit.targets.sglang.pd import load_pd
+from kvaudit.targets.sglang.pd import load_pd, publish_scheduler
 from kvaudit.targets.sglang.pd_transfer import (install_metadata_pool, metadata_accounting, metadata_free_list,
                                                  metadata_pool, metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
@@ -71,11 +72,16 @@ class DecodePeer:
         bootstrap handshake (``Bootstrapping`` until decode's destinations come, ``CommonKVSender``'s bootstrap
         timeout) and the transfer in flight (``Transferring`` until it lands)."""
         peer, KVPoll = self, Q.P.KVPoll
+        S_version = load().version
         self.KVPoll_Failed = KVPoll.Failed
 
         class Sender(Q.FakeKVSender):
             def __init__(self, mgr, bootstrap_addr, bootstrap_room, timeouts):
-                super().__init__(mgr, bootstrap_addr, bootstrap_room)
+                if compat.has("fake-sender-args", S_version):
+                    super().__init__(mgr, bootstrap_addr, bootstrap_room)
+                else:  # one tensor-parallel rank, one pipeline stage; 0.5.20's does not keep the room
+                    super().__init__(mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks=[0], pp_rank=0)
+                    self.bootstrap_room = bootstrap_room
                 peer.rooms += 1
                 self.created = peer.step
                 self.lost = peer.lost_every is not None and peer.rooms % peer.lost_every == 0
@@ -182,9 +188,10 @@ class PdPrefill(SglangLoop):
         sa = S.ServerArgs(model_path="dummy", page_size=config.page_size, disaggregation_mode="prefill",
                           disaggregation_transfer_backend="mooncake", max_running_requests=config.max_running_requests,
                           chunked_prefill_size=config.chunked_prefill_size or -1,
-                          optimistic_prefill_attempts=config.optimistic_prefill_attempts)
+                          optimistic_prefill_attempts=config.optimistic_prefill_attempts,
+                          **cpu_server_args(S.version))
         P.handle_pd_disaggregation(sa)
-        P.publish(sa, role="scheduler", ranks=P.SpawnRanks(world_rank=0, gpu_id=0))
+        publish_scheduler(P, sa)
         S.get_parallel().override_permanently(attn_tp_group=group)
         o = build(config, server_args=sa)
         self.target.clock.install(Q.fake_conn)  # FakeKVSender's waiting timeout: one second a step
@@ -197,7 +204,8 @@ class PdPrefill(SglangLoop):
         self.metadata_allocator = P.ReqToMetadataIdxAllocator(n_meta)
         buffers = P.MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32,
                                     max_sampling_mask_tokens=sa.sampling_mask_max_tokens, custom_mem_pool=None,
-                                    output_dsa_topk_indices_dim=0, kv_checksum_enabled=False)
+                                    output_dsa_topk_indices_dim=0,
+                                    **({"kv_checksum_enabled": False} if compat.has("kv-checksum", S.version) else {}))
         metrics = SimpleNamespace(enable_metrics=False, report_prefill_stats=lambda **k: None)
         cls = type("PrefillScheduler", (_PrefillScheduler, Q.prefill.SchedulerDisaggregationPrefillMixin), {})
         sched = cls(
@@ -208,6 +216,8 @@ class PdPrefill(SglangLoop):
             enable_staging=False, kv_checksum_computer=None, output_streamer=_Streamer(self.target),
             metrics_reporter=metrics, scheduler_stage_metrics=None, spec_algorithm=S.SpeculativeAlgorithm.NONE,
             processed_tokens_counter=0, running_batch=None, last_batch=None,
+            # 0.5.20's failure handlers read Scheduler.ps's ranks and enable_hicache_storage (HiCache is off here)
+            ps=SimpleNamespace(tp_rank=0, pp_rank=0, pp_size=1), enable_hicache_storage=False,
             # process_batch_result_disagg_prefill's logprob steps (no logprobs are asked for here)
             batch_result_processor=SimpleNamespace(snapshot_auxiliary_output_starts=lambda b, r: None,
                                                    move_logprobs_to_cpu=lambda **k: None))
@@ -307,6 +317,20 @@ class PdPrefill(SglangLoop):
         elif sender is None or req.finished():
             self.target.finished.add(req.rid)
 
+    def _release_waiting(self, req) -> None:
+        """An aborted waiting request's prefill state: ``release_aborted_prefill_waiting_req``; before change
+        ``prefill-waiting-abort`` (0.5.20), ``Scheduler.abort_request``'s own prefill branch: the metadata slot
+        freed, the sender aborted only if still bootstrapping, KV released only for a mamba state."""
+        if compat.has("prefill-waiting-abort", self.target.S.version):
+            self.sched.release_aborted_prefill_waiting_req(req)
+            return
+        pending = req.pending_bootstrap
+        self.Q.prefill.maybe_release_metadata_buffer(req, self.metadata_allocator)
+        if pending and getattr(req, "disagg_kv_sender", None) is not None:
+            req.disagg_kv_sender.abort()
+        if req.kv.holds_mamba:
+            self.target._release(req, False)
+
     def abort(self, rid: str, message: str | None) -> None:
         """``Scheduler.abort_request``, prefill branch (rids match by prefix): the chunked request is marked, a
         waiting one is released (``release_aborted_prefill_waiting_req``), a bootstrapping or inflight one
@@ -318,7 +342,7 @@ class PdPrefill(SglangLoop):
             t.waiting.remove(req)
             c["prefill_aborts_waiting"] += 1
             t._release_aborted_request(req)
-            sched.release_aborted_prefill_waiting_req(req)
+            self._release_waiting(req)
             t.finished.add(req.rid)
         for req in self.bootstrap_queue.queue:
             if req.rid.startswith(rid):
@@ -352,7 +376,7 @@ class PdPrefill(SglangLoop):
         self.Q.prefill.maybe_release_metadata_buffer(req, self.metadata_allocator)
         req.pending_bootstrap = False
         t._release_aborted_request(req)
-        t.S.common.release_kv_cache(req, t.tree_cache, checkpoint=False)
+        compat.release_kv(t.S, req, t.tree_cache, False)
         t.chunked_req = None
         t.finished.add(req.rid)
 

@@ -174,7 +174,9 @@ class SglangResults(SglangIntake):
 
         abort = self.S.FINISH_ABORT
 
-        def release(req, tree_cache, checkpoint: bool = False) -> None:
+        def release(req, tree_cache, is_insert: bool = True, *, checkpoint: bool | None = None) -> None:
+            # checkpoint: 0.5.22's keyword-only flag; is_insert: the same flag before (change release-checkpoint)
+            checkpoint = is_insert if checkpoint is None else checkpoint
             if isinstance(req.finished_reason, abort):
                 self._aborted[req.rid] = (req, len(req.output_ids), req.kv.req_pool_idx)
             self._release(req, checkpoint)

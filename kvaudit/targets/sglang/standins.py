@@ -118,7 +118,8 @@ def step_grammar_manager(S, server_args, model_config):
     S.register_grammar_backend(GRAMMAR_BACKEND, lambda *a: StepGrammarBackend(StepGrammar))
     group = SimpleNamespace(world_size=1, first_rank=0, is_first_rank=True)
     stand_in = SimpleNamespace(server_args=server_args, tokenizer=None, model_config=model_config,
-                               dp_tp_cpu_group=one_rank_group(), dp_tp_group=group, pp_group=None)
+                               dp_tp_cpu_group=one_rank_group(), dp_tp_group=group, pp_group=None,
+                               ps=SimpleNamespace(pp_rank=0, pp_size=1))  # (0.5.20 reads the stage here)
     manager = S.GrammarManager(stand_in)
     manager.SGLANG_GRAMMAR_POLL_INTERVAL = 1e-4  # its poll sleeps up to this long per step (seconds)
     return manager
