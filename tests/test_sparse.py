@@ -96,3 +96,23 @@ def test_a_hit_the_replay_does_not_reproduce_is_kept_and_says_so():
 def test_check_every_must_be_positive():
     with pytest.raises(ValueError, match="check_every"):
         AuditedRun(get_preset("default").config(model="none"), check_every=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", sorted(os.path.basename(p)[:-len(".json")] for p in ZOO))
+def test_the_search_reports_every_zoo_bug_as_a_per_step_run_of_its_program(bug):
+    """The default fuzzer on the sparse schedule (the searches' default) finds the bug, and its report is
+    what the per-step audit of the returned program reports: signature, first op and step."""
+    from kvaudit.constants import DEFAULT_FUZZER
+    from kvaudit.search import fuzzers, schedule
+    from kvaudit.search.fuzz import FuzzStats
+    from kvaudit.targets import registry
+
+    assert schedule.CHECK_EVERY > 1
+    eut = registry.get("eut")
+    config = eut.preset(eut.bugs()[bug].preset).config(bugs=frozenset([bug]))
+    found = fuzzers.get(DEFAULT_FUZZER).search(config, 120, 1, FuzzStats(), fuzzers.Search(
+        max_executions=2000, use_seeds=False))
+    assert found is not None, f"{bug}: not found in 2,000 executions"
+    program, findings = found
+    assert _key(findings) == _key(execute(config, program, full_stacks=False).findings)
