@@ -357,6 +357,8 @@ class AuditedRun:
             found = self._outcome("raise", exc)
             self._draining = False
             if not found:
+                if self.check_every > 1:
+                    self._replay()  # the target's own error: raised as a per-step run raises it, where it does
                 raise
             self.crashed = True
         self._draining = False
@@ -370,25 +372,33 @@ class AuditedRun:
         if self.check_every == 1 or not self.unchecked or self._cut_short() or self.crashed or not self.run_oracles:
             return []
         self.unchecked = self.check_every  # due now
-        found = self._check()
+        try:
+            found = self._check()
+        except Exception:  # (the target's own error: raised where a per-step run raises it)
+            self._replay()
+            raise
         if self.suppressions is not None:
             found = self.suppressions.sift(found, self.suppressed)
         found = self._localized(_merge_same_signature(found))
         self.findings.extend(found)
         return found
 
-    def _localized(self, found: list[Finding]) -> list[Finding]:
-        # a sparse run's hit, replayed with per-step checks: the report is the per-step run's
-        if not found or self.check_every == 1:
-            return found
+    def _replay(self) -> "AuditedRun":
+        """The ops applied so far, from a fresh engine with a check after every step, up to its first
+        finding (what it raises, it raises)."""
         with AuditedRun(self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
                         full_stacks=self.full_stacks, suppressions=self.suppressions, shadow=self.shadow,
                         step_limit=self.step_limit) as replay:
             for op in self.program:
                 if replay.apply(op):
                     break
-            if not replay.findings:
-                replay.finish()  # (a per-step run: nothing to finish)
+        return replay
+
+    def _localized(self, found: list[Finding]) -> list[Finding]:
+        # a sparse run's hit, replayed with per-step checks: the report is the per-step run's
+        if not found or self.check_every == 1:
+            return found
+        replay = self._replay()
         if replay.findings:
             return list(replay.findings)
         for f in found:
