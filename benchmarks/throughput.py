@@ -10,7 +10,9 @@ Modes: "bare" is the engine alone; "ledger" adds the hooks' ledger (every alloc/
 with the innermost engine frame, double free checked); "hooks" adds the shadow KV content tags
 (stale-KV reads), the fuzzers' search mode; "hooks-full" records full stacks and owners, as a
 replay for a report does; "audit" and "audit-full" add the per-step oracles (reachability,
-accounting, liveness). The same seeded programs run in every mode.
+accounting, liveness); "audit-sparse" is the fuzzers' full audit: the same oracles on the searches'
+sparse schedule (every ``kvaudit.search.schedule.CHECK_EVERY`` steps, where idle() drains, and at the
+program's end; a hit replayed per step). The same seeded programs run in every mode.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ import torch
 from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit.program import random_program
 from kvaudit.search.bench import run_programs
+from kvaudit.search.schedule import CHECK_EVERY
 
 
-MODES = (  # name, hooks installed, oracles after every step, full stacks, shadow KV tags
-    ("bare", False, False, False, False),
-    ("ledger", True, False, False, False),
-    ("hooks", True, False, False, True),
-    ("hooks-full", True, False, True, True),
-    ("audit", True, True, False, True),
-    ("audit-full", True, True, True, True),
+MODES = (  # name, hooks installed, oracles, full stacks, shadow KV tags, steps between full checks
+    ("bare", False, False, False, False, 1),
+    ("ledger", True, False, False, False, 1),
+    ("hooks", True, False, False, True, 1),
+    ("hooks-full", True, False, True, True, 1),
+    ("audit", True, True, False, True, 1),
+    ("audit-full", True, True, True, True, 1),
+    ("audit-sparse", True, True, False, True, CHECK_EVERY),
 )
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvaudit.targets.eut.presets import get_preset
 from engine_under_test.scheduler import Scheduler
-from kvaudit.search import fuzz
+from kvaudit.search import fuzz, schedule
 from kvaudit.audit import runner
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search
 from kvaudit.audit.runner import execute
@@ -46,12 +46,12 @@ def test_shrinking_stops_when_the_budget_is_spent(monkeypatch):
     monkeypatch.setattr(fuzz, "time", _ClockJumpsAtFirstHit(stats))
     after_hit = []
 
-    class CountingRun(fuzz.AuditedRun):
+    class CountingRun(schedule.AuditedRun):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             if stats.first_hit is not None:
                 after_hit.append(self)
-    monkeypatch.setattr(fuzz, "AuditedRun", CountingRun)
+    monkeypatch.setattr(schedule, "AuditedRun", CountingRun)
     found = hypothesis_search(_config(), 60, SEED, stats)
     assert found is not None
     program, findings = found
@@ -66,11 +66,11 @@ def test_a_search_with_a_finding_returns_within_its_budget(monkeypatch):
     stats = FuzzStats()
     started = []
 
-    class TimedRun(fuzz.AuditedRun):
+    class TimedRun(schedule.AuditedRun):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             started.append(time.monotonic())
-    monkeypatch.setattr(fuzz, "AuditedRun", TimedRun)
+    monkeypatch.setattr(schedule, "AuditedRun", TimedRun)
     t0 = time.monotonic()
     found = hypothesis_search(_config(), budget, SEED, stats)
     assert sum(t > t0 + budget for t in started) <= 2

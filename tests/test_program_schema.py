@@ -20,7 +20,7 @@ import time
 import pytest
 
 from kvaudit.targets.eut.presets import get_preset
-from kvaudit.search import fuzz
+from kvaudit.search import fuzz, schedule
 from kvaudit.program import OP_TYPES, Submit, random_program
 from kvaudit.program.bytes_program import V2_MAGIC, program_from_bytes, program_to_bytes, version_of
 from kvaudit.program.schema import (CAPABILITIES, FEATURES, OPS, kinds, pick, resolve, resolve_submit)
@@ -131,6 +131,9 @@ class _NullRun:
         _NullRun.ops.append(op)
         return []
 
+    def finish(self):
+        return []
+
     def close(self):
         pass
 
@@ -140,7 +143,7 @@ def test_hypothesis_rules_reach_every_op_and_argument_pair(monkeypatch):
     from hypothesis.stateful import run_state_machine_as_test
 
     _NullRun.ops = []
-    monkeypatch.setattr(fuzz, "AuditedRun", _NullRun)
+    monkeypatch.setattr(schedule, "AuditedRun", _NullRun)
     monkeypatch.setattr(fuzz, "program_reach", lambda config: ALL)
     rec = fuzz._Recorder(fuzz.FuzzStats(), deadline=time.monotonic() + 3600)
     machine = seed(3)(fuzz._machine(get_preset("streaming-session").config(), rec, max_prompt=40, swarm=False))

@@ -58,6 +58,9 @@ class Auditor(Ledger, PoolWrappers):
         self.owner_names = ["-"]
         self._owner_ids = {"-": 0}
         self.locks = LockLedger(target.lock_holders)
+        # False (a sparse search run: its report comes from a per-step replay): lock events are recorded,
+        # never paired with holders; the lock-balance oracle's detection reads the target, not the pairing
+        self.pair_locks = True
         self._op_index, self._step = -1, 0
         self.pending: list[Finding] = []
         self.checked_upto = 0  # events before this index were seen by the last full oracle check
@@ -115,7 +118,7 @@ class Auditor(Ledger, PoolWrappers):
 
     @op_index.setter
     def op_index(self, value: int) -> None:
-        if self.locks.dirty:
+        if self.locks.dirty and self.pair_locks:
             self.locks.snapshot(self._op_index, self._step)
         self._op_index = value
 
@@ -125,7 +128,7 @@ class Auditor(Ledger, PoolWrappers):
 
     @step.setter
     def step(self, value: int) -> None:
-        if self.locks.dirty or (value == self._step and self.locks.busy()):
+        if self.pair_locks and (self.locks.dirty or (value == self._step and self.locks.busy())):
             self.locks.snapshot(self._op_index, self._step)
         self._step = value
 
@@ -258,8 +261,9 @@ class Auditor(Ledger, PoolWrappers):
     def _lock_event(self, node_id: int, delta: int, lock: str = "device") -> None:
         sid = self.capture_site()
         self.lock_events.append((node_id, delta, sid, self._op_index, self._step, lock))
-        (self.locks.inc if delta > 0 else self.locks.dec)(lock, node_id, sid, self._op_index, self._step,
-                                                         self._lock_hint())
+        if self.pair_locks:
+            (self.locks.inc if delta > 0 else self.locks.dec)(lock, node_id, sid, self._op_index, self._step,
+                                                             self._lock_hint())
 
     def _lock_hint(self) -> str | None:
         # NOTE: read in fast mode too: lock events are few, and the lock ledger pairs by it

@@ -184,6 +184,14 @@ class AuditedRun:
     ``paranoid`` runs the full mark and sweep beside the incremental check at every step and raises on
     any disagreement (:mod:`kvaudit.audit.oracles.incremental`); None: ``KVAUDIT_PARANOID`` (``--paranoid``).
 
+    ``check_every=K`` is the search's sparse schedule: the full oracle scan runs every K scheduler steps,
+    whenever the engine is idle, and at :meth:`finish`; what the hooks raise at event time (a double
+    free, a stale read, a crash) stays immediate. A hit is then localized by replay: the ops applied so
+    far run again from a fresh engine with a check after every step (runs are deterministic), and
+    ``apply`` returns that run's findings, so signatures, first step, op and stacks are the per-step
+    run's. A hit the replay does not reproduce is returned as found, its message saying so. K=1 (the
+    default) is the per-step audit, with no replay.
+
     Every engine call runs under the watchdog: one past ``step_limit`` seconds (default
     :func:`step_timeout`) is a ``hang``. ``deadline`` (``time.monotonic()`` seconds; a search's budget)
     also cuts a call short, with no finding: ``out_of_time`` is set. An op that raises is a ``crash``
@@ -192,7 +200,15 @@ class AuditedRun:
 
     def __init__(self, config: TargetConfig, audit: bool = True, run_oracles: bool = True,
                  full_stacks: bool = True, suppressions=None, shadow: bool = True,
-                 deadline: float | None = None, step_limit: float | None = None, paranoid: bool | None = None):
+                 deadline: float | None = None, step_limit: float | None = None, paranoid: bool | None = None,
+                 check_every: int = 1):
+        if check_every < 1:
+            raise ValueError(f"check_every must be at least 1 (steps between full checks), not {check_every!r}")
+        self.config, self.check_every = config, check_every
+        self.program: list[Op] = []  # the ops applied, kept for a sparse run's replay
+        self.unchecked = 0  # scheduler steps since the last full oracle scan
+        self._draining = False  # inside an Idle op (the sparse schedule checks where it drained)
+        self._checked_mark: tuple | None = None  # (idle, ledger events, lock events) at the last sparse check
         self.deadline, self.out_of_time = deadline, False
         self.step_limit = step_timeout() if step_limit is None else step_limit
         self.suppressions, self.suppressed = suppressions, []
@@ -203,6 +219,9 @@ class AuditedRun:
         if self.auditor is not None:  # None: the process default (--paranoid sets it for every run)
             self.auditor.paranoid = oracles.paranoid_default() if paranoid is None else paranoid
         self.run_oracles = audit and run_oracles
+        self.full_stacks, self.shadow = full_stacks, shadow  # (a sparse run's replay takes the same)
+        if self.auditor is not None and check_every > 1:
+            self.auditor.pair_locks = False  # only a report needs the lock ledger's pairing: the replay's
         if self.run_oracles:
             self.target.on_intake(self._intake_scan)
         self.findings: list[Finding] = []
@@ -218,8 +237,21 @@ class AuditedRun:
         self.auditor.step = self.target.steps
         found, self.auditor.pending = self.auditor.pending, []
         if not found and self.run_oracles and scan:
-            return oracles.check(self.auditor, self.target, idle=self.target.is_idle())
+            idle = self.target.is_idle()
+            if self.check_every > 1 and not self._due(idle):
+                return []  # the sparse schedule: not due yet
+            self.unchecked = 0
+            return oracles.check(self.auditor, self.target, idle=idle)
         return oracles.attach_engine_verdict(self.target, found)
+
+    def _due(self, idle: bool) -> bool:
+        # the sparse schedule: every check_every steps, and when the program's idle() drained the engine
+        # unless the last check was at idle and the ledger has seen no alloc, free or lock event since
+        mark = (idle, len(self.auditor.events), len(self.auditor.lock_events))
+        if self.unchecked < self.check_every and (not (idle and self._draining) or mark == self._checked_mark):
+            return False
+        self._checked_mark = mark
+        return True
 
     def _outcome(self, stage: str, *args) -> list[Finding]:
         """The findings of the runner's oracle rows of ``stage`` (:data:`kvaudit.audit.oracles.ORACLES`)."""
@@ -234,7 +266,7 @@ class AuditedRun:
         # frees memory still in use is a use-after-free here, before its release makes it a double free
         if not self.auditor.pending:
             self.auditor.pending.extend(self._outcome("intake"))
-        if not self.auditor.pending:
+        if not self.auditor.pending and self.check_every == 1:  # (sparse: the next full check sees it)
             self.auditor.pending.extend(oracles.check(self.auditor, self.target, scan_only=True))
 
     def _guarded(self, call, *args) -> list[Finding] | None:
@@ -274,11 +306,12 @@ class AuditedRun:
     def _step(self) -> list[Finding]:
         if self.auditor is not None:
             self.auditor.step = self.target.steps + 1
+        self.unchecked += 1
         cut = self._guarded(self.target.step)
         if cut is not None:
             return cut
         found = self._check()
-        if not found:
+        if not found and (self.check_every == 1 or not self.unchecked):  # sparse: liveness at each full check
             found = self._outcome("step")
         if self.on_step is not None:
             self.on_step(self)
@@ -296,6 +329,8 @@ class AuditedRun:
         if self.auditor is not None:
             self.auditor.op_index = self.ops_run
         self.ops_run += 1
+        if self.check_every > 1:
+            self.program.append(op)
         # suppressed findings are sifted out as they come, so that they do not end a step loop either
         sets = self.suppressions
         sift = (lambda fs: fs) if sets is None else (lambda fs: sets.sift(fs, self.suppressed))
@@ -309,7 +344,7 @@ class AuditedRun:
             elif isinstance(op, Idle):
                 if self.target.paused:
                     self.target.apply(ContinueGeneration())  # a paused engine never drains
-                stalled = 0
+                stalled, self._draining = 0, True
                 for _ in range(MAX_IDLE_STEPS):
                     idle = self.target.is_idle()
                     found = sift(self._step())  # when idle, this iteration runs the engine's on_idle
@@ -325,11 +360,55 @@ class AuditedRun:
                     found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = self._outcome("raise", exc)
+            self._draining = False
             if not found:
+                if self.check_every > 1:
+                    self._replay()  # the target's own error: raised as a per-step run raises it, where it does
                 raise
             self.crashed = True
-        found = _merge_same_signature(sift(found))
+        self._draining = False
+        found = self._localized(_merge_same_signature(sift(found)))
         self.findings.extend(found)
+        return found
+
+    def finish(self) -> list[Finding]:
+        """The sparse schedule's check at the program's end: a full oracle scan when a step ran since the
+        last one (localized like :meth:`apply`'s). [] for a per-step run, or one already cut short."""
+        if self.check_every == 1 or not self.unchecked or self._cut_short() or self.crashed or not self.run_oracles:
+            return []
+        self.unchecked = self.check_every  # due now
+        try:
+            found = self._check()
+        except Exception:  # (the target's own error: raised where a per-step run raises it)
+            self._replay()
+            raise
+        if self.suppressions is not None:
+            found = self.suppressions.sift(found, self.suppressed)
+        found = self._localized(_merge_same_signature(found))
+        self.findings.extend(found)
+        return found
+
+    def _replay(self) -> "AuditedRun":
+        """The ops applied so far, from a fresh engine with a check after every step, up to its first
+        finding (what it raises, it raises)."""
+        with AuditedRun(self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
+                        full_stacks=self.full_stacks, suppressions=self.suppressions, shadow=self.shadow,
+                        step_limit=self.step_limit, paranoid=self.auditor.paranoid if self.auditor else None) as replay:
+            for op in self.program:
+                if replay.apply(op):
+                    break
+        return replay
+
+    def _localized(self, found: list[Finding]) -> list[Finding]:
+        # a sparse run's hit, replayed with per-step checks: the report is the per-step run's
+        if not found or self.check_every == 1:
+            return found
+        replay = self._replay()
+        if replay.findings:
+            return list(replay.findings)
+        for f in found:
+            f.message += (f" [found by the sparse schedule (a full check every {self.check_every} steps); a replay "
+                          "with a check after every step did not reproduce it]")
         return found
 
     def _cut_short(self) -> bool:

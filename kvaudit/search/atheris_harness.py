@@ -120,17 +120,19 @@ def _keep_existing(path: str, ops: int, size: int) -> bool:
 def TestOneInput(data: bytes) -> None:
     """One libFuzzer input: decode, run audited, write and raise (:class:`KvauditFinding`) a new finding."""
     from kvaudit import replay
-    from kvaudit.audit.runner import AuditedRun
     from kvaudit.program.bytes_program import program_from_bytes
+    from kvaudit.search.schedule import search_run
 
     program = program_from_bytes(data, CONFIG, MAX_OPS)
     ran, found = [], []
-    with AuditedRun(CONFIG, full_stacks=False, suppressions=SUPPRESSIONS) as run:
+    with search_run(CONFIG, SUPPRESSIONS) as run:
         for op in program:
             ran.append(op)
             found = run.apply(op)
             if found:
                 break
+        else:
+            found = run.finish()
         _suppressed.update(f.signature for f in run.suppressed)
     _counts["executions"] += 1
     _counts["ops"] += len(ran)

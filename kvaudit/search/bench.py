@@ -219,14 +219,17 @@ OVERHEAD_MODES = (  # name, hooks (ledger), oracles after every step, shadow KV 
 
 
 def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: bool, full_stacks: bool,
-                 shadow: bool) -> tuple[float, int, int]:
-    """Run every program from a fresh engine in one mode; (process CPU seconds, ops, steps)."""
+                 shadow: bool, check_every: int = 1) -> tuple[float, int, int]:
+    """Run every program from a fresh engine in one mode (``check_every``: the oracles' schedule,
+    :class:`kvaudit.audit.runner.AuditedRun`); (process CPU seconds, ops, steps)."""
     ops = steps = 0
     t0 = time.process_time()
     for prog in programs:
-        with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full_stacks, shadow=shadow) as r:
+        with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full_stacks, shadow=shadow,
+                        check_every=check_every) as r:
             for op in prog:
                 r.apply(op)
+            r.finish()
         ops += len(prog)
         steps += r.target.steps
     return time.process_time() - t0, ops, steps

@@ -30,7 +30,8 @@ from kvaudit.program.schema import OPS, kinds, swarm_groups
 from kvaudit.program.schema import max_prompt as context_max_prompt
 from kvaudit.program.schema import reach as program_reach
 from kvaudit.program.strategies import arg_strategies
-from kvaudit.audit.runner import AuditedRun, execute, is_watchdog_hang
+from kvaudit.audit.runner import execute, is_watchdog_hang
+from kvaudit.search import schedule
 from kvaudit.targets import program_features
 
 
@@ -161,7 +162,7 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
     class ProgramMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.run = AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=rec.deadline)
+            self.run = schedule.search_run(config, suppressions, rec.deadline)
             self.ops: list[Op] = []
             self.swarm = frozenset(groups)
             self.prompt_cap = max_prompt
@@ -186,7 +187,9 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                 return
             self.ops.append(op)
             rec.stats.ops += 1
-            found = self.run.apply(op)
+            self._record(self.run.apply(op))
+
+        def _record(self, found: list[Finding]) -> None:
             # NOTE: past a finding, teardown must not run the closing idle(): replay stops at the first finding,
             # and a second one there (a crash leaves state half-updated) would replace this one
             self.dead = self.run.out_of_time or bool(found)
@@ -202,6 +205,8 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
             try:
                 if self.ops and not isinstance(self.ops[-1], Idle):
                     self._do(Idle())  # every program ends with the strong idle checks
+                if self.ops and not self.dead and time.monotonic() <= rec.deadline:
+                    self._record(self.run.finish())  # the sparse schedule's end-of-program check
             finally:
                 self.run.close()
                 rec.stats.sites |= self.run.auditor.site_keys()
@@ -366,8 +371,7 @@ def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppr
     (monotonic seconds), counting into ``stats``. ``before(i, op)`` is called before op ``i``; ``tracer``
     is a context manager held around the ops. Returns (ops run, the last op's findings, whether the
     deadline cut the program, the auditor's site keys)."""
-    with AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline) as run, \
-            (tracer or contextlib.nullcontext()):
+    with schedule.search_run(config, suppressions, deadline) as run, (tracer or contextlib.nullcontext()):
         if on_step is not None:
             run.on_step = on_step
         ran, found = 0, []
@@ -379,6 +383,8 @@ def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppr
             stats.ops += 1
             if run.out_of_time or found:
                 break
+        else:
+            found = run.finish()  # the sparse schedule's end-of-program check
         sites = run.auditor.site_keys()
         stats.reached.update(run.target.reach())
         stats.sites |= sites

@@ -104,7 +104,9 @@ class TargetKind:
     step whose idle check fails, first step whose busy or idle check fails), None for never
     (``kvaudit bench``'s "SGLang idle check" column), None: the kind has none; ``warm_up()`` imports
     what ``make`` needs (the slow part of a first run), for an entry point that imports under its own
-    interrupt guard (:mod:`kvaudit.entry`); by default nothing.
+    interrupt guard (:mod:`kvaudit.entry`); by default nothing. ``search_check_every``: the scheduler
+    steps between a search's full checks on this kind (:mod:`kvaudit.search.schedule`), for a kind
+    whose own invariants see state that lasts a single step; None: the searches' default.
     """
 
     name: str
@@ -131,6 +133,7 @@ class TargetKind:
     export: Callable[[], object] | None = None
     engine_check: Callable | None = None
     warm_up: Callable = _none
+    search_check_every: int | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
