@@ -253,11 +253,11 @@ class VllmConfig(ConfigBase):
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, CHOICES[f.name]))}, got {v!r}")
             if f.name in SCHEDULER_ONLY and v != f.default and self.level != "scheduler":
                 raise ValueError(f"{f.name} needs level scheduler")
-        if self.max_num_batched_tokens < max(self.block_size, self.max_num_seqs):
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size "
-                             f"and max_num_seqs ({self.max_num_seqs}) (vLLM's SchedulerConfig rule)")
-        if self.max_model_len < 2 * self.block_size:
-            raise ValueError(f"max_model_len must be in [2 * block_size, 65536], got {self.max_model_len}")
+        if self.max_num_batched_tokens < self.block_size or self.max_model_len < 2 * self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size, max_model_len 2 * block_size")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}) (vLLM's SchedulerConfig rule)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len "
                              "(vLLM's SchedulerConfig rule)")
