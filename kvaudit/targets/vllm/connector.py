@@ -38,7 +38,7 @@ import numpy as np
 from kvaudit.program import MemoryPressure, TransferFail
 from kvaudit.targets.base import TargetFinding
 from kvaudit.targets.vllm.config import NIXL, OFFLOADING
-from kvaudit.targets.vllm.observer import POOL
+from kvaudit.targets.vllm.observer import POOL, after_call, count
 from kvaudit.targets.vllm.target import VllmSchedulerTarget
 
 REMOTE_ENGINE = "kvaudit-remote"  # the other instance of the P/D pair (never contacted)
@@ -388,21 +388,16 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         """Wrap the pool's ``get_new_blocks`` (what each ``schedule()`` reallocates: ``inflight-store``) and the
         connector's ``take_events`` (CPU-tier events replayed into ``cpu_events``, (hash, group) -> chunks)."""
         self.allocated, self.store_findings, self.cpu_events = set(), [], Counter()
-        connector, get_new = self.scheduler.connector, self.pool.get_new_blocks
+        connector = self.scheduler.connector
         take = connector.take_events
-
-        def get_new_blocks(*a, **k):
-            blocks = get_new(*a, **k)
-            self.allocated.update(b.block_id for b in blocks)
-            return blocks
 
         def take_events(*a, **k):
             events = list(take(*a, **k))
-            self._replay_cpu(((isinstance(e, self.V.BlockRemoved), e.block_hashes, e.group_idx) for e in events
-                              if isinstance(e, (self.V.BlockStored, self.V.BlockRemoved))), self.cpu_events)
+            self._replay_events(events, self.cpu_events)
             return events
 
-        self.pool.get_new_blocks, connector.take_events = get_new_blocks, take_events
+        connector.take_events = take_events
+        after_call(self.pool, "get_new_blocks", lambda out, *a, **k: self.allocated.update(b.block_id for b in out))
 
     def _count_request_finished(self, connector) -> None:
         """Record each ``request_finished`` / ``request_finished_all_groups`` the Scheduler makes on the
@@ -433,8 +428,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         running requests invalid with the next model output (module docstring)."""
         if self.config.kv_load_failure_policy is not None:
             if isinstance(op, TransferFail):
-                live = list(self.scheduler.requests)
-                self.worker.failing |= set(live if op.handle is None or not live else [live[op.handle % len(live)]])
+                self.worker.failing |= set(self._abort(op.handle))
             elif isinstance(op, MemoryPressure):
                 self.worker.invalid |= {b.block_id for r in self.scheduler.running for b in
                                         self.groups[0].req_to_blocks.get(r.request_id, ())
@@ -452,15 +446,6 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         offloading = self.config.kv_connector in OFFLOADING
         return out + self.store_findings[:1] + self._cpu_event_findings() if offloading else out
 
-    @staticmethod
-    def _replay_cpu(events, into: Counter) -> None:
-        """Apply ``(removed, hashes, group)`` events to ``into``, a map (hash, group) -> chunks."""
-        for removed, hashes, group in events:
-            for h in hashes:
-                into[(h, group)] += -1 if removed else 1
-                if not into[(h, group)]:
-                    del into[(h, group)]
-
     def _cpu_event_findings(self) -> list:
         """vLLM's KV-cache events of the offloading connector's CPU medium (``OffloadingConnectorScheduler.
         take_events``), those taken plus the manager's still queued (``CPUOffloadingManager.events``), give
@@ -470,8 +455,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         connector = self.scheduler.connector
         manager = getattr(connector, "_connectors", [connector])[-1].connector_scheduler.manager
         replayed = Counter(self.cpu_events)
-        self._replay_cpu(((e.removed, [convert(block_hash(k))], group(k)) for e in manager.events or ()
-                          if not getattr(e, "metadata_only", False) for k in e.keys), replayed)
+        for e in (e for e in manager.events or () if not getattr(e, "metadata_only", False)):
+            count(replayed, [(convert(block_hash(k)), group(k)) for k in e.keys], -1 if e.removed else 1)
         real = Counter((convert(block_hash(k)), group(k)) for k, c in manager._policy.chunks.items() if c.is_ready)
         if real == replayed:
             return []
