@@ -558,16 +558,6 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                 out[owner.removeprefix("offload-load:")] = blocks
         return out
 
-    def _empty_output(self):
-        output = super()._empty_output()
-        output.kv_connector_output = self._kv_output()
-        return output
-
-    def _model_output(self, out):
-        output = super()._model_output(out)
-        output.kv_connector_output = self._kv_output()
-        return output
-
     def is_idle(self) -> bool:
         return super().is_idle() and not len(self.worker)
 

@@ -543,9 +543,13 @@ class VllmSchedulerTarget(_VllmBase):
     def _on_schedule(self, out) -> None:
         """What the workers do with a new ``SchedulerOutput`` besides running it: nothing here."""
 
+    def _kv_output(self):
+        """The ``KVConnectorOutput`` a model output carries: none without a KV connector."""
+        return None
+
     def _empty_output(self):
         """The model output of a step that scheduled no token."""
-        return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=self._kv_output())
 
     def _model_output(self, out):
         """The sampled tokens of each scheduled request: none for a request still mid-prefill after this
@@ -554,7 +558,7 @@ class VllmSchedulerTarget(_VllmBase):
         reqs, spec = self.scheduler.requests, out.scheduled_spec_decode_tokens
         toks = [[] if self._is_prefill_chunk(reqs[r]) else self._verify(r, len(spec.get(r, ()))) for r in ids]
         output = self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                          sampled_token_ids=toks)
+                                          sampled_token_ids=toks, kv_connector_output=self._kv_output())
         if self.config.return_routed_experts:
             output.routed_experts = self._routed_experts(out, ids)
         return output
