@@ -41,7 +41,7 @@ def test_drafts_are_verified_rolled_back_and_completions_end_at_stop_at(preset, 
         assert t.vllm_config.speculative_config.num_speculative_tokens == 4
         eagle = config.spec_method == "eagle"
         assert t.scheduler.num_lookahead_tokens == (4 if eagle else 0)
-        assert t._hash_lookahead() == int(eagle and prefix_caching)  # 0.33.0: as EngineCore builds its hasher
+        assert t.hash_lookahead == int(eagle and prefix_caching)  # 0.33.0: as EngineCore builds its hasher
         assert (t.reach()["accepted_draft_tokens"], t.reach()["rejected_draft_tokens"]) == (0, 0)
         requests, drafted = {}, 0
         for op in [Submit(0, 40, 12, stop_at=11), Step(1), Submit(0, 40, 12, ignore_eos=1, stop_at=3)]:

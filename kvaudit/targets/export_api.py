@@ -94,6 +94,15 @@ class IssueParts:
     call_text: Callable[[object], str | None] = _none
 
 
+def launch_line(command: str, flag_line: Callable) -> Callable:
+    """An :attr:`EngineExport.launch`: ``(command flags..., env, unmapped)`` from ``flag_line(config)``'s
+    ``(flags, env, unmapped)``."""
+    def launch(config) -> tuple[str, list[str], list[str]]:
+        flags, env, unmapped = flag_line(config)
+        return " ".join([command] + flags), env, unmapped
+    return launch
+
+
 def _keep_env(_config, _program, _kind, env: list[str]) -> list[str]:
     return env
 

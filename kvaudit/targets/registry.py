@@ -22,6 +22,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable, Mapping
 
 PLUGINS_ENV = "KVAUDIT_PLUGINS"
@@ -63,6 +64,25 @@ def server_args_capabilities(config) -> frozenset[str]:
     ``disable_radix_cache``."""
     return (frozenset({"sessions"} if config.enable_streaming_session else ())
             | frozenset({"prefix_cache"} if not config.disable_radix_cache else ()))
+
+
+def fault_rows(faults: Mapping[str, tuple[str, str]]) -> Callable[[], dict]:
+    """A kind's ``bugs`` from its table ``name -> (finding kind, description)``: the rows of ``kvaudit bugs``."""
+    return lambda: {name: SimpleNamespace(name=name, finding=kind, description=what)
+                    for name, (kind, what) in faults.items()}
+
+
+def preset_label(config, presets: Mapping, ignore: tuple[str, ...] = ()) -> str:
+    """``config.preset`` for a report header, with ``(modified: field=value, ...)`` for the fields that differ
+    from that preset's (``bugs``, ``seed``, ``preset`` and ``ignore`` left out)."""
+    preset = config.preset
+    if preset in presets:
+        base, mine = presets[preset].config().to_dict(), config.to_dict()
+        changed = [f"{k}={mine[k]}" for k in mine
+                   if k not in ("bugs", "seed", "preset", *ignore) and mine[k] != base.get(k)]
+        if changed:
+            preset += f" (modified: {', '.join(changed)})"
+    return preset
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts
+from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line
 
 STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
 # MODEL in the launch lines: any model whose vocabulary has the token ids 2..127 (every real one does)
@@ -192,12 +192,6 @@ def pool_findings(before, after, flushed):
     return seen
 '''
 
-def launch(config) -> tuple[str, list[str], list[str]]:
-    """``(command, env, unmapped)``: ``python -m sglang.launch_server`` with :func:`flag_line`'s flags."""
-    flags, env, unmapped = flag_line(config)
-    return " ".join(["python -m sglang.launch_server --model-path MODEL"] + flags), env, unmapped
-
-
 def launch_env(config, program, finding_kind: str, env: list[str]) -> list[str]:
     """``env`` with ``SGLANG_TEST_RETRACT=1`` first when the program applies memory pressure (decode then
     retracts periodically), and :data:`STRICT_IDLE_CHECK` last unless the finding is a crash or a hang or
@@ -299,7 +293,7 @@ EXPORT = EngineExport(
         seen_how="(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, "
                  "which plays the scheduler loop in SGLang's call order with a stand-in model",
         launch_notes=_launch_notes, server_notes=_server_notes),
-    launch=launch, launch_env=launch_env,
+    launch=launch_line("python -m sglang.launch_server --model-path MODEL", flag_line), launch_env=launch_env,
     expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
                   "is below its value before the program, or kv_used_tokens > 0), or the server fails",
     batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views,

@@ -3,19 +3,14 @@ legacy era's (:mod:`kvaudit.targets.sglang.compat`). Imports neither SGLang nor 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from kvaudit.targets.registry import TargetKind, TargetUnavailable, register, server_args_capabilities
+from kvaudit.targets.registry import (TargetKind, TargetUnavailable, fault_rows, preset_label, register,
+                                      server_args_capabilities)
 from kvaudit.targets.sglang.compat import LEGACY, OLDER_CURRENT
 from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig
 
 
 def _presets():
     return SGLANG_PRESETS
-
-
-def _bugs():
-    return {name: SimpleNamespace(name=name, finding=kind, description=what) for name, (kind, what) in FAULTS.items()}
 
 
 def _make(config):
@@ -96,16 +91,8 @@ def _probe(config) -> None:
 def _header(config) -> str:
     """The tree core, and the fields that differ from the preset."""
     bugs = ", ".join(sorted(config.bugs)) or "none"
-    preset = config.preset
-    if preset in SGLANG_PRESETS:
-        base = SGLANG_PRESETS[preset].config().to_dict()
-        mine = config.to_dict()
-        changed = [f"{k}={mine[k]}" for k in mine
-                   if k not in ("tree_core", "bugs", "seed", "preset") and mine[k] != base.get(k)]
-        if changed:
-            preset += f" (modified: {', '.join(changed)})"
-    return (f"kvaudit report: target sglang, preset {preset}, {config.tree_core} tree core, bugs: {bugs}, "
-            f"page_size {config.page_size}")
+    return (f"kvaudit report: target sglang, preset {preset_label(config, SGLANG_PRESETS, ('tree_core',))}, "
+            f"{config.tree_core} tree core, bugs: {bugs}, page_size {config.page_size}")
 
 
 def _anchor(kind: str):
@@ -150,9 +137,10 @@ def _export():
 
 
 KIND = register(TargetKind(
-    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.23 and 0.5.22 (and 0.5.10.post1, 0.5.11: core "
-                           "pools, radix cache, sessions and PD decode with HiSparse) (its presets start with 'sglang')",
-    config_class=SglangConfig, presets=_presets, make=_make, bugs=_bugs, bugs_title="injected faults (--target sglang)",
+    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.22 and 0.5.23 (0.5.20, 0.5.21: plain and PD "
+                           "prefill; 0.5.10.post1, 0.5.11: core pools, radix cache, sessions and PD decode with "
+                           "HiSparse) (its presets start with 'sglang')",
+    config_class=SglangConfig, presets=_presets, make=_make, bugs=fault_rows(FAULTS), bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,
     engine_source=_engine_source, describe=_describe, notes=_notes,

@@ -54,6 +54,21 @@ def probe_version() -> str:
 
 
 _LOADED: SimpleNamespace | None = None
+# what load() imports: (module, names in it: attributes or submodules; "": a top-level module), each name an
+# attribute of its namespace
+_NAMES = (("", "torch"), ("vllm", "ModelRegistry"),
+          ("vllm.config", "CacheConfig DeviceConfig KVTransferConfig ModelConfig SchedulerConfig VllmConfig"),
+          ("vllm.distributed.kv_events", "AllBlocksCleared BlockRemoved BlockStored"),
+          ("vllm.sampling_params", "SamplingParams"), ("vllm.utils.hashing", "sha256"),
+          ("vllm.v1.core", "block_pool kv_cache_coordinator kv_cache_manager kv_cache_utils "
+                           "single_type_kv_cache_manager"),
+          ("vllm.v1.core.kv_cache_manager", "KVCacheManager"),
+          ("vllm.v1.core.kv_cache_utils", "get_request_block_hasher init_none_hash"),
+          ("vllm.v1.core.sched.async_scheduler", "AsyncScheduler"), ("vllm.v1.core.sched.scheduler", "Scheduler"),
+          ("vllm.v1.kv_cache_interface", "FullAttentionSpec KVCacheConfig KVCacheGroupSpec MambaSpec "
+                                         "SlidingWindowSpec"),
+          ("vllm.v1.outputs", "DraftTokenIds KVConnectorOutput ModelRunnerOutput"),
+          ("vllm.v1.request", "Request RequestStatus"), ("vllm.v1.structured_output", "StructuredOutputManager"))
 _SCRATCH: str | None = None  # this process's temporary directory (vLLM's cache root, the model directories)
 
 
@@ -112,6 +127,11 @@ def _register_stub_architecture(registry, module_base) -> None:
     registry.register_model("Eagle" + STUB_ARCH, KvauditStubForCausalLM)
 
 
+def _import(module: str, name: str):
+    m = importlib.import_module(module or name)
+    return m if not module else getattr(m, name) if hasattr(m, name) else importlib.import_module(f"{module}.{name}")
+
+
 def load() -> SimpleNamespace:
     """Import vLLM's v1 KV-cache stack once per process (about 7-10 s) and return its names. Sets
     ``HF_HUB_OFFLINE=1`` and, in :func:`scratch_dir` (removed when the process exits), ``VLLM_CACHE_ROOT``
@@ -127,26 +147,7 @@ def load() -> SimpleNamespace:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import torch
-            from torch import nn
-
-            from vllm import ModelRegistry
-            from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-            from vllm.config import VllmConfig as _VllmConfig
-            from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-            from vllm.sampling_params import SamplingParams
-            from vllm.utils.hashing import sha256
-            from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager, kv_cache_utils
-            from vllm.v1.core import single_type_kv_cache_manager
-            from vllm.v1.core.kv_cache_manager import KVCacheManager
-            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-            from vllm.v1.core.sched.scheduler import Scheduler
-            from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
-                                                    SlidingWindowSpec)
-            from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
-            from vllm.v1.request import Request, RequestStatus
-            from vllm.v1.structured_output import StructuredOutputManager
+            names = {a: _import(mod, a) for mod, attrs in _NAMES for a in attrs.split()}
     except Exception as e:  # a broken or partial install: one line, with the hint
         raise VllmUnavailable(f"vLLM {version} is installed but does not import here ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); reinstall with: {INSTALL_HINT}") from None
@@ -159,22 +160,13 @@ def load() -> SimpleNamespace:
     for name in ("vllm", "vllm.v1", "vllm.config"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(_no_injected_load_failure)
-    _register_stub_architecture(ModelRegistry, nn.Module)
-    init_none_hash(sha256)
+    _register_stub_architecture(names["ModelRegistry"], names["torch"].nn.Module)
+    names["init_none_hash"](names["sha256"])
     _LOADED = SimpleNamespace(
-        version=version, import_s=import_s, torch=torch, CacheConfig=CacheConfig, DeviceConfig=DeviceConfig,
-        ModelConfig=ModelConfig, SchedulerConfig=SchedulerConfig, KVTransferConfig=KVTransferConfig,
-        EngineConfig=_VllmConfig,
-        AllBlocksCleared=AllBlocksCleared, BlockRemoved=BlockRemoved, BlockStored=BlockStored,
-        SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
-        get_request_block_hasher=get_request_block_hasher, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
-        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-        SlidingWindowSpec=SlidingWindowSpec, MambaSpec=MambaSpec, ModelRunnerOutput=ModelRunnerOutput,
-        DraftTokenIds=DraftTokenIds, KVConnectorOutput=KVConnectorOutput, Request=Request,
-        RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
-        kv_cache_utils=kv_cache_utils,
+        **names, version=version, import_s=import_s, EngineConfig=names["VllmConfig"],
         has=lambda change: compat.has(change, version),
-        modules=(block_pool, kv_cache_utils, kv_cache_coordinator, kv_cache_manager, single_type_kv_cache_manager),
+        modules=tuple(names[m] for m in ("block_pool", "kv_cache_utils", "kv_cache_coordinator", "kv_cache_manager",
+                                         "single_type_kv_cache_manager")),
         model_dirs={})
     return _LOADED
 

@@ -6,7 +6,7 @@ it on machines where vLLM is not installed, and says so in one line only when a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvaudit.config import ConfigBase, Preset
 
@@ -239,27 +239,22 @@ class VllmConfig(ConfigBase):
         return n + (1 + self.enable_prefix_caching + self.num_spec_tokens) * self.mamba
 
     def __post_init__(self) -> None:
-        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "vocab_size", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "wake_for_transfers",
-                     "return_routed_experts", "streaming_sessions", "mamba", "flush_running"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.target != "vllm":
-            raise ValueError(f"target must be 'vllm', got {self.target!r}")
-        if self.level not in LEVELS:
-            raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
-        if not 4 <= self.num_gpu_blocks <= 1 << 16:
-            raise ValueError(f"num_gpu_blocks must be in [4, 65536], got {self.num_gpu_blocks}")
-        if not 1 <= self.max_num_seqs <= 256 or not self.block_size <= self.max_num_batched_tokens <= 65536:
-            raise ValueError("max_num_seqs must be in [1, 256] and max_num_batched_tokens in [block_size, 65536]")
-        if not 2 * self.block_size <= self.max_model_len <= 1 << 16:
-            raise ValueError(f"max_model_len must be in [2 * block_size, 65536], got {self.max_model_len}")
+        """Raises ValueError (one line) on a field outside its row (:data:`RANGES`, :data:`CHOICES`, a
+        ``bool``), a field the manager level cannot run (:data:`SCHEDULER_ONLY`), or a combination vLLM
+        refuses."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ValueError(f"{f.name} must be true or false, got {v!r}")
+            lo, hi = RANGES.get(f.name, (None, None))
+            if lo is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or hi and v > hi):
+                raise ValueError(f"{f.name} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}")
+            if f.name in CHOICES and v not in CHOICES[f.name]:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, CHOICES[f.name]))}, got {v!r}")
+            if f.name in SCHEDULER_ONLY and v != f.default and self.level != "scheduler":
+                raise ValueError(f"{f.name} needs level scheduler")
+        if self.max_num_batched_tokens < self.block_size or self.max_model_len < 2 * self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size, max_model_len 2 * block_size")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({self.max_num_seqs}) (vLLM's SchedulerConfig rule)")
@@ -274,196 +269,152 @@ class VllmConfig(ConfigBase):
                              f"{self.blocks_per_request()} blocks, more than the pool's {self.num_gpu_blocks - 1}: "
                              "vLLM refuses to start so (check_enough_kv_cache_memory); lower max_model_len")
         u = self.prefix_match_unit
-        if u is not None and (not self.mamba or u not in (1, 2, 4, 8, 16, 32, 64) or u >= self.block_size):
+        if u is not None and (not self.mamba or u not in CHOICES["block_size"] or u >= self.block_size):
             raise ValueError(f"prefix_match_unit must be null or, with mamba, a power of two below block_size, "
                              f"got {u!r}")
         if self.mamba and self.sliding_window is not None:
             raise ValueError("mamba and sliding_window together are not built (one group beside full attention)")
-        for name in ("async_scheduling", "streaming_sessions", "mamba"):
-            if getattr(self, name) and self.level != "scheduler":
-                raise ValueError(f"{name} needs level scheduler")
-        if not 4 <= self.vocab_size <= 1 << 16:
-            raise ValueError("vocab_size must be in [4, 65536]")
-        self._check_scheduling_features()
+        if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
+            raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
+                             "off without it)")
+        if self.kv_load_failure_policy is not None and (self.kv_connector not in NIXL or w is not None):
+            raise ValueError("kv_load_failure_policy needs a NIXL kv_connector and no sliding_window")
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {self.preset!r}")
         self._freeze_faults(FAULTS, "vllm")
 
-    def _check_scheduling_features(self) -> None:
-        """Raises ValueError (one line) on a bad connector, scheduling policy, KV role, transfer latency,
-        CPU tier, speculative decoding or load-failure policy field, or one the manager level cannot run."""
-        if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
-            raise ValueError(f"kv_connector must be null or one of {', '.join(KV_CONNECTORS)}, "
-                             f"got {self.kv_connector!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.scheduling_policy != "fcfs" and self.level != "scheduler":
-            raise ValueError("scheduling_policy priority needs level scheduler (the policy is the Scheduler's)")
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
-        if self.kv_connector is not None and self.level != "scheduler":
-            raise ValueError("kv_connector needs level scheduler (the connector is the Scheduler's)")
-        n = self.kv_transfer_latency_steps
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
-            raise ValueError(f"kv_transfer_latency_steps must be an integer in [1, 64], got {n!r}")
-        n = self.num_cpu_blocks
-        if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= 1 << 16:
-            raise ValueError(f"num_cpu_blocks must be an integer in [2, 65536] (block 0 is the CPU pool's null "
-                             f"block), got {n!r}")
-        n = self.num_spec_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 8:
-            raise ValueError(f"num_spec_tokens must be an integer in [0, 8], got {n!r}")
-        if self.spec_method not in SPEC_METHODS:
-            raise ValueError(f"spec_method must be one of {', '.join(SPEC_METHODS)}, got {self.spec_method!r}")
-        if n and self.level != "scheduler":
-            raise ValueError("num_spec_tokens needs level scheduler (the drafts go through the Scheduler)")
-        if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
-            raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
-                             "off without it)")
-        if self.kv_load_failure_policy is not None and (
-                self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES or self.kv_connector not in NIXL
-                or self.sliding_window is not None):
-            raise ValueError(f"kv_load_failure_policy must be null or one of {', '.join(KV_LOAD_FAILURE_POLICIES)} "
-                             f"with a NIXL kv_connector and no sliding_window, got "
-                             f"{self.kv_load_failure_policy!r}")
+
+# the rows __post_init__ checks: an integer field's range (None: no upper end), a field's values, the fields
+# whose value other than the default needs level scheduler (the Scheduler owns them)
+RANGES = {"num_gpu_blocks": (4, 1 << 16), "block_size": (1, 128), "max_num_seqs": (1, 256),
+          "max_num_batched_tokens": (1, 1 << 16), "max_model_len": (1, 1 << 16), "vocab_size": (4, 1 << 16),
+          "seed": (0, None), "kv_transfer_latency_steps": (1, 64), "num_cpu_blocks": (2, 1 << 16),
+          "num_spec_tokens": (0, 8)}
+CHOICES = {"target": ("vllm",), "level": LEVELS, "block_size": tuple(1 << i for i in range(8)),
+           "kv_connector": (None, *KV_CONNECTORS), "kv_role": KV_ROLES, "scheduling_policy": SCHEDULING_POLICIES,
+           "spec_method": SPEC_METHODS, "kv_load_failure_policy": (None, *KV_LOAD_FAILURE_POLICIES)}
+SCHEDULER_ONLY = ("async_scheduling", "streaming_sessions", "mamba", "kv_connector", "num_spec_tokens",
+                  "scheduling_policy")
 
 
-def _preset(name: str, description: str, **overrides) -> Preset:
-    return Preset(name, description, overrides, config_class=VllmConfig)
+VLLM_PRESETS: dict[str, Preset] = {}
 
 
-VLLM_PRESETS: dict[str, Preset] = {p.name: p for p in [
-    _preset("vllm", "the Scheduler: 64 blocks of 16, prefix caching, chunked prefill (128-token budget), "
-                    "8 sequences"),
-    _preset("vllm-async", "the AsyncScheduler with one batch in flight (vLLM's default scheduling)",
-            async_scheduling=True),
-    _preset("vllm-small", "the Scheduler on 16 blocks of 4 tokens: decode runs out and preempts by itself",
-            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
-    _preset("vllm-async-small", "vllm-small on the AsyncScheduler: decode runs out with a batch in flight, so "
-                                "requests are preempted while a step still writes their blocks",
-            async_scheduling=True, num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
-    _preset("vllm-priority", "vllm-small with priority scheduling: a submit's priority orders the queue and "
-                             "names the victim (the running request of the largest priority value)",
-            scheduling_policy="priority", num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32,
-            max_model_len=60),
-    _preset("vllm-priority-async", "vllm-priority on the AsyncScheduler (preemption by priority with a step in "
-                                   "flight)", scheduling_policy="priority", async_scheduling=True,
-            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
-    _preset("vllm-hybrid", "the Scheduler over full attention + a 32-token sliding window "
-                           "(HybridKVCacheCoordinator), 96 blocks shared", num_gpu_blocks=96, sliding_window=32),
-    _preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, "
-                            "preemption by recompute", level="manager", num_gpu_blocks=24, block_size=4,
-            max_num_batched_tokens=64, max_model_len=92),
-    _preset("vllm-kv-connector", "the AsyncScheduler with vLLM's NixlConnector (scheduler side; the worker side "
-                                 "a stand-in): some requests wait for remote KV, finished ones are held while "
-                                 "their KV is sent, transfers complete 1-3 steps later",
-            async_scheduling=True, kv_connector="NixlConnector"),
-    _preset("vllm-kv-connector-small", "vllm-kv-connector on vllm-small's pool: the KV consumer fences the "
-                                       "frees of a step in flight (deferred_frees), so a victim that step "
-                                       "still writes is not preempted (vLLM #49674)",
-            async_scheduling=True, kv_connector="NixlConnector", num_gpu_blocks=16, block_size=4,
-            max_num_batched_tokens=32, max_model_len=60),
-    _preset("vllm-kv-connector-swa", "vllm-kv-connector over full attention + a 32-token sliding window (96 "
-                                     "blocks shared), as a decode instance of a sliding-window model runs it "
-                                     "on a GPU (the hybrid manager; vLLM turns it off on CPU)",
-            async_scheduling=True, kv_connector="NixlConnector", sliding_window=32, num_gpu_blocks=96),
-    _preset("vllm-kv-load", "the Scheduler (one batch in flight) with vLLM's NixlConnector as vllm-kv-connector, "
-                            "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and "
-                            "aborts during them, without vLLM #45357's async-step window",
-            kv_connector="NixlConnector", wake_for_transfers=True),
-    _preset("vllm-kv-fail", "vllm-kv-connector whose transfers may fail (transfer_fail: a read reports its blocks "
-                            "invalid, a send ends as on lease expiry; memory_pressure reports running requests' "
-                            "cached blocks invalid), kv_load_failure_policy recompute",
-            async_scheduling=True, kv_connector="NixlConnector", kv_load_failure_policy="recompute"),
-    _preset("vllm-kv-fail-abort", "vllm-kv-load whose transfers may fail as in vllm-kv-fail, kv_load_failure_policy "
-                                  "fail (the requests hit end with FINISHED_ERROR)",
-            kv_connector="NixlConnector", wake_for_transfers=True, kv_load_failure_policy="fail"),
-    _preset("vllm-kv-push-fail", "vllm-kv-fail with vLLM's NixlPushConnector (vLLM >= 0.24.0): the prefill side "
-                                 "writes a decode request's KV; a failed push is never written, so never reported",
-            async_scheduling=True, kv_connector="NixlPushConnector", kv_load_failure_policy="recompute"),
-    _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, "
-                            "kv_producer): every finished request, aborted ones too, holds its blocks until its "
-                            "KV is saved, 1-3 steps later (the OffloadingConnector of 0.15.1/0.16.0 with a "
-                            "store in flight; from 0.21.0 it never delays a free: vllm-offload models it)",
-            async_scheduling=True, kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer",
-            wake_for_transfers=True),
-    _preset("vllm-cpu-offload-swa", "the Scheduler (one batch in flight) with vLLM's SimpleCPUOffloadConnector in "
-                                    "eager mode (scheduler side real, worker side a stand-in) over full attention "
-                                    "+ an 8-token sliding window, 48 GPU blocks of 4 tokens, a 16-token step budget "
-                                    "and 6 CPU blocks, stores and loads completing 1-12 steps later, in order "
-                                    "(the setting of vLLM #42571: the window slides every few tokens and a small "
-                                    "CPU tier holds back its stores); stepping "
-                                    "on while a store is outstanding (wake_for_transfers: before 0.30.0 the "
-                                    "connector reports no pending push work, so an idle engine stops stepping)",
-            kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8, num_gpu_blocks=48,
-            max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12,
-            wake_for_transfers=True),
-    _preset("vllm-cpu-offload-swa-async", "vllm-cpu-offload-swa on the AsyncScheduler (vLLM's default scheduling; "
-                                          "before 0.24.0 vLLM #45357 is found first there)",
-            async_scheduling=True, kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8,
-            num_gpu_blocks=48, max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6,
-            kv_transfer_latency_steps=12, wake_for_transfers=True),
-    _preset("vllm-offload", "the AsyncScheduler with vLLM's OffloadingConnector (scheduler side real, worker a "
-                            "stand-in) and a 64-chunk CPU tier: computed blocks are stored, CPU hits loaded, "
-                            "stores finish 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
-            kv_connector="OffloadingConnector", num_cpu_blocks=64),
-    _preset("vllm-offload-small", "vllm-offload on vllm-small's 16 blocks of 4 with a 6-chunk CPU tier and stores "
-                                  "finishing 1-12 steps later: blocks a store still reads are reallocated "
-                                  "(jobs_to_flush) and the CPU tier evicts", async_scheduling=True,
-            kv_connector="OffloadingConnector", num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32,
-            max_model_len=60, num_cpu_blocks=6, kv_transfer_latency_steps=12),
-    _preset("vllm-lmcache-mp", "the AsyncScheduler with vLLM's LMCacheMPConnector (its lmcache client a stand-in "
-                               "whose server holds nothing): every finished request holds its blocks until the "
-                               "worker reports it stored, 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
-            kv_connector="LMCacheMPConnector"),
-    _preset("vllm-multi-connector", "the AsyncScheduler with vLLM's MultiConnector over NixlConnector (as "
-                                    "vllm-kv-connector) and OffloadingConnector on vllm-offload-small's pool and "
-                                    "tier: NIXL loads reuse blocks older stores read (vLLM #46951)",
-            async_scheduling=True, kv_connector="MultiConnector", num_gpu_blocks=16, block_size=4,
-            max_num_batched_tokens=32, max_model_len=60, num_cpu_blocks=6, kv_transfer_latency_steps=12),
-    _preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
-                                "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)",
-            async_scheduling=True, return_routed_experts=True),
-    _preset("vllm-spec", "the Scheduler with speculative decoding (ngram, 4 draft tokens a step): each step "
-                         "accepts a random prefix of the drafts and rolls back the rest", num_spec_tokens=4),
-    _preset("vllm-spec-async", "vllm-spec on the AsyncScheduler: draft placeholders, rejections rolled back "
-                               "with a step in flight", async_scheduling=True, num_spec_tokens=4),
-    _preset("vllm-spec-kv-connector", "vllm-spec-async with vLLM's NixlConnector (as vllm-kv-connector) and "
-                                      "prefix caching", async_scheduling=True, kv_connector="NixlConnector",
-            num_spec_tokens=4),
-    _preset("vllm-spec-eagle", "vllm-spec-async with an EAGLE drafter (a stub draft model): 4 lookahead slots a "
-                               "step; block hashes cover the next token (0.33.0; before, a hit drops its last block)",
-            async_scheduling=True, num_spec_tokens=4, spec_method="eagle"),
-    _preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted "
-                               "with drafts scheduled and a step in flight", async_scheduling=True, num_spec_tokens=4,
-            num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60),
-    _preset("vllm-sessions", "the Scheduler with streaming-input sessions (resumable requests): a session's next "
-                             "input chunk resumes it, a stopped session holds its KV while it waits for one",
-            streaming_sessions=True),
-    _preset("vllm-sessions-async", "vllm-sessions on the AsyncScheduler (a turn stops with a step in flight)",
-            async_scheduling=True, streaming_sessions=True),
-    _preset("vllm-sessions-nocache", "vllm-sessions-async with prefix caching off (a session's blocks are its own)",
-            async_scheduling=True, streaming_sessions=True, enable_prefix_caching=False),
-    _preset("vllm-mamba", "the Scheduler over full attention + a Mamba group (MambaManager, mamba_cache_mode "
-                          "align), 96 blocks of 16 shared, block hashes every 4 tokens: a cache hit inside a "
-                          "block copies that block (copy-on-write)", mamba=True, prefix_match_unit=4,
-            num_gpu_blocks=96),
-    _preset("vllm-mamba-async", "vllm-mamba on the AsyncScheduler with vLLM's NixlConnector (a KV consumer, as "
-                                "vllm-kv-connector): a copy-on-write's blocks are freed behind the fence of the "
-                                "step that runs the copy (deferred_frees)", mamba=True, prefix_match_unit=4,
-            num_gpu_blocks=96, async_scheduling=True, kv_connector="NixlConnector"),
-    _preset("vllm-mamba-small", "vllm-mamba on the AsyncScheduler on 20 blocks of 4 tokens (hashes every 2): "
-                                "Mamba requests are preempted with a step in flight", mamba=True,
-            prefix_match_unit=2, async_scheduling=True, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32,
-            max_model_len=60),
-    _preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step): a request "
-                               "holds 4 speculative state blocks besides its running one (num_speculative_blocks)",
-            mamba=True, prefix_match_unit=4, num_gpu_blocks=96, num_spec_tokens=4),
-    _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every "
-                                      "2 tokens): the connector stores the boundary states the Mamba manager "
-                                      "offers (boundary_state_offloads) to its CPU tier", mamba=True,
-            prefix_match_unit=2, kv_connector="SimpleCPUOffloadConnector", block_size=4, num_gpu_blocks=48,
-            max_model_len=128, max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12,
-            wake_for_transfers=True),
-]}
+def _preset(name: str, description: str, base: str | None = None, **overrides) -> None:
+    """Add a row to :data:`VLLM_PRESETS`: ``overrides`` on those of preset ``base`` (None: the defaults)."""
+    inherited = VLLM_PRESETS[base].overrides if base else {}
+    VLLM_PRESETS[name] = Preset(name, description, {**inherited, **overrides}, config_class=VllmConfig)
+
+
+SMALL = dict(num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=60)  # vllm-small's pool
+NIXL_ASYNC = dict(async_scheduling=True, kv_connector="NixlConnector")  # vllm-kv-connector
+
+_preset("vllm", "the Scheduler: 64 blocks of 16, prefix caching, chunked prefill (128-token budget), 8 sequences")
+_preset("vllm-async", "the AsyncScheduler with one batch in flight (vLLM's default scheduling)", async_scheduling=True)
+_preset("vllm-small", "the Scheduler on 16 blocks of 4 tokens: decode runs out and preempts by itself", **SMALL)
+_preset("vllm-async-small", "vllm-small on the AsyncScheduler: decode runs out with a batch in flight, so requests "
+                            "are preempted while a step still writes their blocks", "vllm-small", async_scheduling=True)
+_preset("vllm-priority", "vllm-small with priority scheduling: a submit's priority orders the queue and names the "
+                         "victim (the running request of the largest priority value)", "vllm-small",
+        scheduling_policy="priority")
+_preset("vllm-priority-async", "vllm-priority on the AsyncScheduler (preemption by priority with a step in flight)",
+        "vllm-priority", async_scheduling=True)
+_preset("vllm-hybrid", "the Scheduler over full attention + a 32-token sliding window (HybridKVCacheCoordinator), "
+                       "96 blocks shared", num_gpu_blocks=96, sliding_window=32)
+_preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, "
+                        "preemption by recompute", level="manager", num_gpu_blocks=24, block_size=4,
+        max_num_batched_tokens=64, max_model_len=92)
+_preset("vllm-kv-connector", "the AsyncScheduler with vLLM's NixlConnector (scheduler side; the worker side a "
+                             "stand-in): some requests wait for remote KV, finished ones are held while their KV is "
+                             "sent, transfers complete 1-3 steps later", **NIXL_ASYNC)
+_preset("vllm-kv-connector-small", "vllm-kv-connector on vllm-small's pool: the KV consumer fences the frees of a "
+                                   "step in flight (deferred_frees), so a victim that step still writes is not "
+                                   "preempted (vLLM #49674)", "vllm-kv-connector", **SMALL)
+_preset("vllm-kv-connector-swa", "vllm-kv-connector over full attention + a 32-token sliding window (96 blocks "
+                                 "shared), as a decode instance of a sliding-window model runs it on a GPU (the "
+                                 "hybrid manager; vLLM turns it off on CPU)", "vllm-kv-connector", sliding_window=32,
+        num_gpu_blocks=96)
+_preset("vllm-kv-load", "the Scheduler (one batch in flight) with vLLM's NixlConnector as vllm-kv-connector, "
+                        "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and aborts "
+                        "during them, without vLLM #45357's async-step window", kv_connector="NixlConnector",
+        wake_for_transfers=True)
+_preset("vllm-kv-fail", "vllm-kv-connector whose transfers may fail (transfer_fail: a read reports its blocks "
+                        "invalid, a send ends as on lease expiry; memory_pressure reports running requests' cached "
+                        "blocks invalid), kv_load_failure_policy recompute", "vllm-kv-connector",
+        kv_load_failure_policy="recompute")
+_preset("vllm-kv-fail-abort", "vllm-kv-load whose transfers may fail as in vllm-kv-fail, kv_load_failure_policy "
+                              "fail (the requests hit end with FINISHED_ERROR)", "vllm-kv-load",
+        kv_load_failure_policy="fail")
+_preset("vllm-kv-push-fail", "vllm-kv-fail with vLLM's NixlPushConnector (vLLM >= 0.24.0): the prefill side writes "
+                             "a decode request's KV; a failed push is never written, so never reported",
+        "vllm-kv-fail", kv_connector="NixlPushConnector")
+_preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, kv_producer): "
+                        "every finished request, aborted ones too, holds its blocks until its KV is saved, 1-3 steps "
+                        "later (the OffloadingConnector of 0.15.1/0.16.0 with a store in flight; from 0.21.0 it "
+                        "never delays a free: vllm-offload models it)", async_scheduling=True,
+        kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer", wake_for_transfers=True)
+_preset("vllm-cpu-offload-swa", "the Scheduler (one batch in flight) with vLLM's SimpleCPUOffloadConnector in eager "
+                                "mode (scheduler side real, worker side a stand-in) over full attention + an 8-token "
+                                "sliding window, 48 GPU blocks of 4 tokens, a 16-token step budget and 6 CPU blocks, "
+                                "stores and loads completing 1-12 steps later, in order (the setting of vLLM #42571: "
+                                "the window slides every few tokens and a small CPU tier holds back its stores); "
+                                "stepping on while a store is outstanding (wake_for_transfers: before 0.30.0 the "
+                                "connector reports no pending push work, so an idle engine stops stepping)",
+        kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8, num_gpu_blocks=48, max_model_len=128,
+        max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12, wake_for_transfers=True)
+_preset("vllm-cpu-offload-swa-async", "vllm-cpu-offload-swa on the AsyncScheduler (vLLM's default scheduling; "
+                                      "before 0.24.0 vLLM #45357 is found first there)", "vllm-cpu-offload-swa",
+        async_scheduling=True)
+_preset("vllm-offload", "the AsyncScheduler with vLLM's OffloadingConnector (scheduler side real, worker a "
+                        "stand-in) and a 64-chunk CPU tier: computed blocks are stored, CPU hits loaded, stores "
+                        "finish 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
+        kv_connector="OffloadingConnector", num_cpu_blocks=64)
+_preset("vllm-offload-small", "vllm-offload on vllm-small's 16 blocks of 4 with a 6-chunk CPU tier and stores "
+                              "finishing 1-12 steps later: blocks a store still reads are reallocated (jobs_to_flush) "
+                              "and the CPU tier evicts", "vllm-offload", **SMALL, num_cpu_blocks=6,
+        kv_transfer_latency_steps=12)
+_preset("vllm-lmcache-mp", "the AsyncScheduler with vLLM's LMCacheMPConnector (its lmcache client a stand-in whose "
+                           "server holds nothing): every finished request holds its blocks until the worker reports "
+                           "it stored, 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
+        kv_connector="LMCacheMPConnector")
+_preset("vllm-multi-connector", "the AsyncScheduler with vLLM's MultiConnector over NixlConnector (as "
+                                "vllm-kv-connector) and OffloadingConnector on vllm-offload-small's pool and tier: "
+                                "NIXL loads reuse blocks older stores read (vLLM #46951)", "vllm-offload-small",
+        kv_connector="MultiConnector")
+_preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
+                            "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)", async_scheduling=True,
+        return_routed_experts=True)
+_preset("vllm-spec", "the Scheduler with speculative decoding (ngram, 4 draft tokens a step): each step accepts a "
+                     "random prefix of the drafts and rolls back the rest", num_spec_tokens=4)
+_preset("vllm-spec-async", "vllm-spec on the AsyncScheduler: draft placeholders, rejections rolled back with a step "
+                           "in flight", "vllm-spec", async_scheduling=True)
+_preset("vllm-spec-kv-connector", "vllm-spec-async with vLLM's NixlConnector (as vllm-kv-connector) and prefix "
+                                  "caching", "vllm-spec-async", kv_connector="NixlConnector")
+_preset("vllm-spec-eagle", "vllm-spec-async with an EAGLE drafter (a stub draft model): 4 lookahead slots a step; "
+                           "block hashes cover the next token (0.33.0; before, a hit drops its last block)",
+        "vllm-spec-async", spec_method="eagle")
+_preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted with "
+                           "drafts scheduled and a step in flight", "vllm-spec-async", **SMALL)
+_preset("vllm-sessions", "the Scheduler with streaming-input sessions (resumable requests): a session's next input "
+                         "chunk resumes it, a stopped session holds its KV while it waits for one",
+        streaming_sessions=True)
+_preset("vllm-sessions-async", "vllm-sessions on the AsyncScheduler (a turn stops with a step in flight)",
+        "vllm-sessions", async_scheduling=True)
+_preset("vllm-sessions-nocache", "vllm-sessions-async with prefix caching off (a session's blocks are its own)",
+        "vllm-sessions-async", enable_prefix_caching=False)
+_preset("vllm-mamba", "the Scheduler over full attention + a Mamba group (MambaManager, mamba_cache_mode align), 96 "
+                      "blocks of 16 shared, block hashes every 4 tokens: a cache hit inside a block copies that "
+                      "block (copy-on-write)", mamba=True, prefix_match_unit=4, num_gpu_blocks=96)
+_preset("vllm-mamba-async", "vllm-mamba on the AsyncScheduler with vLLM's NixlConnector (a KV consumer, as "
+                            "vllm-kv-connector): a copy-on-write's blocks are freed behind the fence of the step that "
+                            "runs the copy (deferred_frees)", "vllm-mamba", **NIXL_ASYNC)
+_preset("vllm-mamba-small", "vllm-mamba on the AsyncScheduler on 20 blocks of 4 tokens (hashes every 2): Mamba "
+                            "requests are preempted with a step in flight", "vllm-mamba", prefix_match_unit=2,
+        async_scheduling=True, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32, max_model_len=60)
+_preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step): a request holds 4 "
+                           "speculative state blocks besides its running one (num_speculative_blocks)", "vllm-mamba",
+        num_spec_tokens=4)
+_preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every 2 "
+                                  "tokens): the connector stores the boundary states the Mamba manager offers "
+                                  "(boundary_state_offloads) to its CPU tier", "vllm-cpu-offload-swa",
+        sliding_window=None, mamba=True, prefix_match_unit=2)

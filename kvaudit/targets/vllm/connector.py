@@ -1,51 +1,30 @@
-"""The KV-connector preset (``vllm-kv-connector``): vLLM's Scheduler with vLLM's own ``NixlConnector``,
-whose SCHEDULER role is real and whose WORKER role is kvaudit's stand-in (:class:`NixlWorkerStandIn`).
+"""vLLM's Scheduler with a KV connector of vLLM's (``kvaudit fuzz --preset vllm-kv-*``, ``vllm-offload*``,
+``vllm-cpu-offload*``, ``vllm-lmcache-mp``, ``vllm-multi-connector``): the connector's SCHEDULER role is
+vLLM's own, built by the Scheduler; its WORKER role is a kvaudit stand-in on the step clock (no memory moved):
+each transfer completes ``1 + crc32(key) % kv_transfer_latency_steps`` steps after it starts (:class:`StepClock`)
+and is reported once through ``ModelRunnerOutput.kv_connector_output``.
 
-Why NIXL, a connector that ships with vLLM: its scheduler half (``NixlPullConnectorScheduler``,
-``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``) is plain Python that needs
-neither the ``nixl`` library nor a device (it starts a thread only in ``set_xfer_handshake_metadata``,
-which the engine calls after the workers' handshake and this driver never does), and it has the whole
-contract the issue asks for:
+``NixlConnector`` (:class:`NixlWorkerStandIn`): its scheduler half (``NixlPullConnectorScheduler``,
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``) is plain Python that needs neither the
+``nixl`` library nor a device (its thread starts only in ``set_xfer_handshake_metadata``, never called here), and
+it has the whole contract: a request whose ``kv_transfer_params`` say ``do_remote_prefill`` (a decode instance's)
+gets ``get_num_new_matched_tokens -> (n, True)`` and waits in ``WAITING_FOR_REMOTE_KVS`` with its blocks until a
+``finished_recving``; one that says ``do_remote_decode`` (a prefill instance's) gets ``request_finished ->
+delay_free_blocks=True`` and keeps its blocks until a ``finished_sending``; an abort during a load delays its
+free too (``Scheduler.finish_requests``); with async scheduling the ``kv_both`` role (a consumer) turns on
+``Scheduler.defer_block_free`` (``deferred_frees``). The ``n``-th submit (from 1) wants remote KV when ``n % 3 ==
+1``, has its KV sent on finishing when ``n % 3 == 2`` (:func:`transfer_params`).
 
-* a request whose ``kv_transfer_params`` say ``do_remote_prefill`` (a decode instance's request, its
-  prompt's KV prefilled elsewhere) gets ``get_num_new_matched_tokens -> (n, True)``: the Scheduler
-  allocates its blocks and parks it in ``WAITING_FOR_REMOTE_KVS`` until a ``finished_recving``;
-* a request whose params say ``do_remote_decode`` (a prefill instance's request) that finishes normally
-  gets ``request_finished -> delay_free_blocks=True``: it stays in ``Scheduler.requests`` with its
-  blocks until a ``finished_sending`` (the decode instance has read them);
-* an abort of a request in ``WAITING_FOR_REMOTE_KVS`` delays its free too (``Scheduler.finish_requests``)
-  until the load reports done; with async scheduling the ``kv_both`` role (a consumer) turns on
-  ``Scheduler.defer_block_free`` and so ``deferred_frees``.
-
-Other connectors, each with its own worker stand-in: ``SimpleCPUOffloadConnector``
-(:class:`OffloadWorkerStandIn`, ``vllm-cpu-offload-swa*``), the job-based ``OffloadingConnector``
-(:class:`OffloadingWorkerStandIn`, ``vllm-offload*``), ``LMCacheMPConnector`` (``vllm-lmcache-mp``) and
-``MultiConnector`` over NIXL and ``OffloadingConnector`` (:class:`MultiWorkerStandIn`): what their workers
-report back is completions, which a stand-in on the step clock can give.
-
-The stand-in does what ``NixlPullConnectorWorker`` does with each step's ``NixlConnectorMetadata``
-(``start_load_kv``, ``get_finished``), with no memory moved and on the step clock: a read of
-``reqs_to_recv`` that awaits KV completes, a send of ``reqs_to_send`` (requests the worker saw in
-``reqs_in_batch`` and not in ``reqs_not_processed``) is read by the remote side, each
-``1 + crc32(request id) % kv_transfer_latency_steps`` steps after it starts, and is reported once
-through ``ModelRunnerOutput.kv_connector_output`` (``KVConnectorOutput.finished_recving`` /
-``finished_sending``). A load completes even when its request was aborted meanwhile (the Scheduler
-frees it then); the remote side always reads unless a failure says otherwise (below).
-
-Failures (presets with ``kv_load_failure_policy``, :meth:`VllmConnectorTarget.apply`): ``transfer_fail``
-marks the next report of a request's transfer a failure. A failed read is reported as
+Failures (presets with ``kv_load_failure_policy``, :meth:`VllmConnectorTarget.apply`): ``transfer_fail`` marks
+the next report of a request's transfer a failure. A failed read is reported as
 ``NixlBaseConnectorWorker.get_transfer_results`` does in 0.33.0 (``nixl/base_worker.py``): done
-(``finished_recving``, so the Scheduler can release it), with the read's local blocks in
-``invalid_block_ids`` (``get_block_ids_with_load_errors``) and, from 0.30.0 (compat "failed-recving"), the
-request in ``failed_recving``. A failed send ends as NIXL's does when the reader never notifies: the
-send lease expires and the blocks are reported in ``finished_sending`` (``_reap_expired_send_leases``),
-on the step clock at the send's due step. ``memory_pressure`` adds the cached blocks that running
-requests hold to the next output's ``invalid_block_ids``: what a connector that loaded them
-synchronously would report (NIXL itself only reports a failed read's own blocks).
-
-Which submits use the connector: the ``n``-th submit (from 1) with ``n % 3 == 1`` wants remote KV
-(``do_remote_prefill``), ``n % 3 == 2`` has its KV sent on finishing (``do_remote_decode``), the rest
-neither.
+(``finished_recving``), its local blocks in ``invalid_block_ids`` and, from 0.30.0 (compat "failed-recving"),
+the request in ``failed_recving``. A failed send ends as on lease expiry (``_reap_expired_send_leases``): its
+blocks reported in ``finished_sending`` at its due step. ``memory_pressure`` adds the cached blocks running
+requests hold to the next output's ``invalid_block_ids`` (what a connector that loaded them synchronously would
+report). Other connectors' stand-ins: ``SimpleCPUOffloadConnector`` (:class:`OffloadWorkerStandIn`), the
+job-based ``OffloadingConnector`` (:class:`OffloadingWorkerStandIn`), ``LMCacheMPConnector`` and kvaudit's save
+connector (:class:`SaveWorkerStandIn`), ``MultiConnector`` (:class:`MultiWorkerStandIn`).
 """
 
 from __future__ import annotations
@@ -59,7 +38,7 @@ import numpy as np
 from kvaudit.program import MemoryPressure, TransferFail
 from kvaudit.targets.base import TargetFinding
 from kvaudit.targets.vllm.config import NIXL, OFFLOADING
-from kvaudit.targets.vllm.observer import POOL
+from kvaudit.targets.vllm.observer import POOL, after_call, count
 from kvaudit.targets.vllm.target import VllmSchedulerTarget
 
 REMOTE_ENGINE = "kvaudit-remote"  # the other instance of the P/D pair (never contacted)
@@ -78,8 +57,26 @@ def transfer_params(n: int, rid: str, prompt_len: int, block_size: int) -> dict 
     return None
 
 
-class NixlWorkerStandIn:
-    """The worker role of ``NixlConnector`` as the step clock sees it (module docstring). ``recving``
+class StepClock:
+    """A worker stand-in's clock: a transfer keyed ``key`` started at ``step`` is due at ``step + 1 + crc32(key) %
+    latency_steps`` (:meth:`due`); ``len``: the transfers in flight, ``recving`` and ``sending``."""
+
+    loading: dict = {}  # request id -> [n] int64 GPU blocks its outstanding load writes (none by default)
+
+    def __init__(self, latency_steps: int):
+        self.latency_steps = latency_steps
+
+    def due(self, key, step: int) -> int:
+        return step + 1 + zlib.crc32(str(key).encode()) % self.latency_steps
+
+    def __len__(self) -> int:
+        return len(self.recving) + len(self.sending)
+
+
+class NixlWorkerStandIn(StepClock):
+    """The worker role of ``NixlConnector`` on the step clock: a load completes even when its request was
+    aborted meanwhile (the Scheduler frees it then), the remote side always reads unless a failure says
+    otherwise (module docstring). ``recving``
     and ``sending``: request id -> step at which that transfer completes; ``to_process``: the
     requests the remote side may read (``NixlPullConnectorWorker._reqs_to_process``). ``failing``: requests
     whose next transfer report is a failure; ``invalid``: block ids the next output reports invalid;
@@ -93,7 +90,8 @@ class NixlWorkerStandIn:
 
     def __init__(self, latency_steps: int, awaiting_field: bool = True, failed_field: bool = False,
                  faults: set | None = None, reached: Counter | None = None, push: bool = False):
-        self.latency_steps, self.push = latency_steps, push
+        super().__init__(latency_steps)
+        self.push = push
         self.awaiting_field = awaiting_field and not push  # ReqMeta.awaiting_kvs is read (pull, vLLM >= 0.30.0)
         self.failed_field = failed_field  # KVConnectorOutput.failed_recving exists (vLLM >= 0.30.0)
         self.faults = set() if faults is None else faults
@@ -104,10 +102,6 @@ class NixlWorkerStandIn:
         self.loading: dict[str, np.ndarray] = {}  # rid -> [n] int64 local blocks its outstanding read writes
         self.sending: dict[str, int] = {}
         self.to_process: set[str] = set()
-
-    def delay(self, rid: str) -> int:
-        """Steps a transfer of ``rid`` takes: ``1..latency_steps``, fixed per request."""
-        return 1 + zlib.crc32(rid.encode()) % self.latency_steps
 
     def start(self, meta, step: int) -> None:
         """Take one ``NixlConnectorMetadata`` (``start_load_kv``): reads that await KV start; the
@@ -120,7 +114,7 @@ class NixlWorkerStandIn:
             # 0.30.0 (compat "nixl-awaiting-kvs"); before, such a read has no local block
             awaiting = m.awaiting_kvs if self.awaiting_field else any(m.local_block_ids)
             if awaiting:
-                self.recving[rid] = step + self.delay(rid)
+                self.recving[rid] = self.due(rid, step)
                 # per KV-cache group (a list of lists) in later releases, one flat list in 0.15/0.16
                 ids = [b for g in m.local_block_ids for b in (g if isinstance(g, (list, tuple)) else [g])]
                 self.loading[rid] = np.array(ids, dtype=np.int64)
@@ -128,7 +122,7 @@ class NixlWorkerStandIn:
         self.to_process -= meta.reqs_not_processed
         for rid in meta.reqs_to_send:
             if rid in self.to_process:
-                self.sending[rid] = step + self.delay(rid)
+                self.sending[rid] = self.due(rid, step)
 
     def finished(self, step: int, output_cls):
         """The ``KVConnectorOutput`` of the transfers done by ``step`` (each reported once) and of the
@@ -162,25 +156,22 @@ class NixlWorkerStandIn:
         return output_cls(finished_sending=send or None, finished_recving=recv or None, invalid_block_ids=invalid,
                           **extra)
 
-    def __len__(self) -> int:
-        return len(self.recving) + len(self.sending)
 
-
-class SaveWorkerStandIn:
+class SaveWorkerStandIn(StepClock):
     """The worker side of kvaudit's save connector (:mod:`kvaudit.targets.vllm.save_connector`): each
     request id in a step's ``reqs_to_send`` is saved ``1 + crc32(id) % latency_steps`` steps later and
     reported once in ``finished_sending`` (a request saved twice is reported twice). No loads."""
 
+    recving: dict = {}
+
     def __init__(self, latency_steps: int):
-        self.latency_steps = latency_steps
+        super().__init__(latency_steps)
         self.sending: list[tuple[str, int]] = []  # (rid, step due), in start order
         self.saved: set[str] = set()  # LMCacheMPConnector's finished requests seen (start_finished)
-        self.recving: dict[str, int] = {}
-        self.loading: dict[str, np.ndarray] = {}
 
     def start(self, meta, step: int) -> None:
         for rid in getattr(meta, "reqs_to_send", ()):
-            self.sending.append((rid, step + 1 + zlib.crc32(rid.encode()) % self.latency_steps))
+            self.sending.append((rid, self.due(rid, step)))
 
     def start_finished(self, out, step: int) -> None:
         """``LMCacheMPConnector``'s worker (``LMCacheMPWorkerAdapter.get_finished``, vLLM's ``lmcache_integration/
@@ -200,11 +191,8 @@ class SaveWorkerStandIn:
         self.sending.extend((rid, step + 1) for rid in (Counter(due) - Counter(send)).elements())
         return output_cls(finished_sending=send, finished_recving=None)
 
-    def __len__(self) -> int:
-        return len(self.sending)
 
-
-class OffloadWorkerStandIn:
+class OffloadWorkerStandIn(StepClock):
     """The worker role of vLLM's ``SimpleCPUOffloadConnector`` (``SimpleCPUOffloadWorker``,
     ``vllm/v1/simple_kv_offload/worker.py``, vLLM 0.20.0 to 0.33.0) as the step clock sees it: no memory is
     copied. Each step's ``SimpleCPUOffloadMetadata`` carries at most one load event and one store event
@@ -221,18 +209,18 @@ class OffloadWorkerStandIn:
 
     def __init__(self, latency_steps: int):
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
-        self.latency_steps = latency_steps
+        super().__init__(latency_steps)
         self.worker_meta = SimpleCPUOffloadWorkerMetadata
         self.loads: list[tuple[int, int]] = []
         self.stores: list[tuple[int, int]] = []
-        self.load_reqs: dict[int, list[str]] = {}  # the latest metadata's load_event_to_reqs
-        self.loading: dict[str, np.ndarray] = {}  # none: the scheduler side pins its loads' blocks itself
+        self.load_reqs: dict[int, list[str]] = {}  # the latest metadata's load_event_to_reqs (no ``loading``:
+        # the scheduler side pins its loads' blocks itself)
 
     recving = property(lambda self: self.loads)
     sending = property(lambda self: self.stores)
 
     def _due(self, queue: list, kind: str, event: int, step: int) -> int:
-        due = step + 1 + zlib.crc32(f"{kind}{event}".encode()) % self.latency_steps
+        due = self.due(f"{kind}{event}", step)
         return max(due, queue[-1][1]) if queue else due
 
     def start(self, meta, step: int) -> None:
@@ -259,11 +247,8 @@ class OffloadWorkerStandIn:
         meta = self.worker_meta(completed_store_events={e: 1 for e in stores}) if stores else None
         return output_cls(finished_recving=recv or None, kv_connector_worker_meta=meta)
 
-    def __len__(self) -> int:
-        return len(self.loads) + len(self.stores)
 
-
-class OffloadingWorkerStandIn:
+class OffloadingWorkerStandIn(StepClock):
     """The worker role of the job-based ``OffloadingConnector`` (vLLM 0.30.0, 0.33.0; ``OffloadingConnectorWorker``,
     ``offloading/worker.py``) on the step clock, no memory copied: each job a step's
     ``OffloadingConnectorMetadata`` names (a store: GPU blocks to CPU chunks; a load, never synchronous:
@@ -275,7 +260,8 @@ class OffloadingWorkerStandIn:
 
     def __init__(self, latency_steps: int, faults: set, reached: Counter):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-        self.latency_steps, self.faults, self.reached = latency_steps, faults, reached
+        super().__init__(latency_steps)
+        self.faults, self.reached = faults, reached
         self.worker_meta = OffloadingWorkerMetadata
         self.jobs: dict[int, tuple[int, int, str, bool, np.ndarray]] = {}
         self.reached.update(offload_stores=0, offload_loads=0, offload_flushes=0)
@@ -294,7 +280,7 @@ class OffloadingWorkerStandIn:
             self.jobs[j] = (self.jobs[j][0], step, *self.jobs[j][2:])
         for load, jobs in ((True, meta.load_jobs), (False, meta.store_jobs)) if meta is not None else ():
             for j, job in jobs.items():
-                due = step if j in flush else step + 1 + zlib.crc32(str(j).encode()) % self.latency_steps
+                due = step if j in flush else self.due(j, step)
                 spec = job.dst_spec if load else job.src_spec
                 self.jobs[j] = (step, due, job.req_id, load, np.asarray(spec.block_ids, dtype=np.int64))
                 self.reached["offload_loads" if load else "offload_stores"] += 1
@@ -319,11 +305,8 @@ class OffloadingWorkerStandIn:
         return output_cls(finished_recving=recv or None,
                           kv_connector_worker_meta=self.worker_meta(completed_jobs={j: 1 for j in done}))
 
-    def __len__(self) -> int:
-        return len(self.jobs)
 
-
-class MultiWorkerStandIn:
+class MultiWorkerStandIn(StepClock):
     """The worker role of ``MultiConnector`` (``multi_connector.py``) over ``parts``, one stand-in per
     sub-connector, each given its ``MultiKVConnectorMetadata.metadata``; outputs merged (sets united). Only
     NIXL delays a free (``OffloadingConnector`` never does), so there are no ``extra_async_saves``."""
@@ -349,9 +332,6 @@ class MultiWorkerStandIn:
         merged["invalid_block_ids"] = merged["invalid_block_ids"] or set()
         metas = tuple(o.kv_connector_worker_meta if o is not None else None for o in outs)
         return output_cls(**merged, kv_connector_worker_meta=self.worker_meta(metas) if any(metas) else None)
-
-    def __len__(self) -> int:
-        return sum(len(p) for p in self.parts)
 
 
 def offload_holders(manager) -> list[tuple[str, str, np.ndarray]]:
@@ -408,21 +388,16 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         """Wrap the pool's ``get_new_blocks`` (what each ``schedule()`` reallocates: ``inflight-store``) and the
         connector's ``take_events`` (CPU-tier events replayed into ``cpu_events``, (hash, group) -> chunks)."""
         self.allocated, self.store_findings, self.cpu_events = set(), [], Counter()
-        connector, get_new = self.scheduler.connector, self.pool.get_new_blocks
+        connector = self.scheduler.connector
         take = connector.take_events
-
-        def get_new_blocks(*a, **k):
-            blocks = get_new(*a, **k)
-            self.allocated.update(b.block_id for b in blocks)
-            return blocks
 
         def take_events(*a, **k):
             events = list(take(*a, **k))
-            self._replay_cpu(((isinstance(e, self.V.BlockRemoved), e.block_hashes, e.group_idx) for e in events
-                              if isinstance(e, (self.V.BlockStored, self.V.BlockRemoved))), self.cpu_events)
+            self._replay_events(events, self.cpu_events)
             return events
 
-        self.pool.get_new_blocks, connector.take_events = get_new_blocks, take_events
+        connector.take_events = take_events
+        after_call(self.pool, "get_new_blocks", lambda out, *a, **k: self.allocated.update(b.block_id for b in out))
 
     def _count_request_finished(self, connector) -> None:
         """Record each ``request_finished`` / ``request_finished_all_groups`` the Scheduler makes on the
@@ -453,8 +428,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         running requests invalid with the next model output (module docstring)."""
         if self.config.kv_load_failure_policy is not None:
             if isinstance(op, TransferFail):
-                live = list(self.scheduler.requests)
-                self.worker.failing |= set(live if op.handle is None or not live else [live[op.handle % len(live)]])
+                self.worker.failing |= set(self._abort(op.handle))
             elif isinstance(op, MemoryPressure):
                 self.worker.invalid |= {b.block_id for r in self.scheduler.running for b in
                                         self.groups[0].req_to_blocks.get(r.request_id, ())
@@ -472,15 +446,6 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         offloading = self.config.kv_connector in OFFLOADING
         return out + self.store_findings[:1] + self._cpu_event_findings() if offloading else out
 
-    @staticmethod
-    def _replay_cpu(events, into: Counter) -> None:
-        """Apply ``(removed, hashes, group)`` events to ``into``, a map (hash, group) -> chunks."""
-        for removed, hashes, group in events:
-            for h in hashes:
-                into[(h, group)] += -1 if removed else 1
-                if not into[(h, group)]:
-                    del into[(h, group)]
-
     def _cpu_event_findings(self) -> list:
         """vLLM's KV-cache events of the offloading connector's CPU medium (``OffloadingConnectorScheduler.
         take_events``), those taken plus the manager's still queued (``CPUOffloadingManager.events``), give
@@ -490,8 +455,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         connector = self.scheduler.connector
         manager = getattr(connector, "_connectors", [connector])[-1].connector_scheduler.manager
         replayed = Counter(self.cpu_events)
-        self._replay_cpu(((e.removed, [convert(block_hash(k))], group(k)) for e in manager.events or ()
-                          if not getattr(e, "metadata_only", False) for k in e.keys), replayed)
+        for e in (e for e in manager.events or () if not getattr(e, "metadata_only", False)):
+            count(replayed, [(convert(block_hash(k)), group(k)) for k in e.keys], -1 if e.removed else 1)
         real = Counter((convert(block_hash(k)), group(k)) for k, c in manager._policy.chunks.items() if c.is_ready)
         if real == replayed:
             return []
@@ -592,16 +557,6 @@ class VllmConnectorTarget(VllmSchedulerTarget):
             if owner.startswith("offload-load:"):
                 out[owner.removeprefix("offload-load:")] = blocks
         return out
-
-    def _empty_output(self):
-        output = super()._empty_output()
-        output.kv_connector_output = self._kv_output()
-        return output
-
-    def _model_output(self, out):
-        output = super()._model_output(out)
-        output.kv_connector_output = self._kv_output()
-        return output
 
     def is_idle(self) -> bool:
         return super().is_idle() and not len(self.worker)

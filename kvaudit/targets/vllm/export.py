@@ -22,7 +22,9 @@ free).
 
 from __future__ import annotations
 
-from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts
+import json
+
+from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line
 from kvaudit.targets.vllm.config import NIXL
 
 API = EngineApi(
@@ -132,22 +134,19 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
         unmapped.append(f"sliding_window={c.sliding_window} (a property of the model: serve a model with a "
                         f"{c.sliding_window}-token sliding window beside full attention, e.g. a Gemma or "
                         "Mistral-style hybrid)")
-    if c.kv_connector == "KvauditAsyncSaveConnector":  # kvaudit's stand-in for an offloading connector
-        flags.append("--kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"%s\", "
-                     "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 1073741824}}'" % c.kv_role)
-    elif c.kv_connector == "SimpleCPUOffloadConnector":  # eager, as the target builds it (boot.kv_connector_extra_config)
-        flags.append("--kv-transfer-config '{\"kv_connector\": \"SimpleCPUOffloadConnector\", \"kv_role\": \"%s\", "
-                     "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": CPU_BYTES, \"lazy_offload\": false}}'"
-                     % c.kv_role)
-        unmapped.append(f"num_cpu_blocks={c.num_cpu_blocks} (the CPU pool kvaudit's connector had; on a server it "
-                        "holds cpu_bytes_to_use / (the model's KV bytes per block, all layers) blocks: set CPU_BYTES "
-                        f"to {c.num_cpu_blocks} blocks' worth, so that the CPU pool evicts as it did here)")
-    elif c.kv_connector is not None:
-        policy = ("" if c.kv_load_failure_policy is None
-                  else ', \"kv_load_failure_policy\": \"%s\"' % c.kv_load_failure_policy)
-        flags.append("--kv-transfer-config '{\"kv_connector\": \"%s\", \"kv_role\": \"%s\"%s}'"
-                     % (c.kv_connector, c.kv_role, policy))
     if c.kv_connector is not None:
+        kv = {"kv_connector": c.kv_connector, "kv_role": c.kv_role}
+        if c.kv_connector == "KvauditAsyncSaveConnector":  # kvaudit's stand-in for an offloading connector
+            kv.update(kv_connector="OffloadingConnector", kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30})
+        elif c.kv_connector == "SimpleCPUOffloadConnector":  # eager, as boot.kv_connector_extra_config builds it
+            kv["kv_connector_extra_config"] = {"cpu_bytes_to_use": "CPU_BYTES", "lazy_offload": False}
+            unmapped.append(f"num_cpu_blocks={c.num_cpu_blocks} (the CPU pool kvaudit's connector had; on a server it "
+                            "holds cpu_bytes_to_use / (the model's KV bytes per block, all layers) blocks: set "
+                            f"CPU_BYTES to {c.num_cpu_blocks} blocks' worth, so that the CPU pool evicts as it did "
+                            "here)")
+        elif c.kv_load_failure_policy is not None:
+            kv["kv_load_failure_policy"] = c.kv_load_failure_policy
+        flags.append("--kv-transfer-config '%s'" % json.dumps(kv).replace('"CPU_BYTES"', "CPU_BYTES"))
         unmapped.append(f"kv_transfer_latency_steps={c.kv_transfer_latency_steps} (kvaudit's worker stand-in "
                         "completes each transfer 1 to that many steps after it starts; a real transfer takes "
                         "what the wire takes)")
@@ -350,12 +349,6 @@ def pool_findings(before, after, flushed):
     return seen
 '''
 
-def launch(config) -> tuple[str, list[str], list[str]]:
-    """``(command, env, unmapped)``: ``vllm serve`` with :func:`vllm_flag_line`'s flags."""
-    flags, env, unmapped = vllm_flag_line(config)
-    return " ".join(["vllm serve MODEL"] + flags), env, unmapped
-
-
 def planted_fault(config) -> str | None:
     """The injected faults of a vLLM ``config`` (its ``bugs``), described as ``kvaudit bugs`` lists
     them, or None when it names none (a finding in vLLM as shipped)."""
@@ -432,7 +425,7 @@ EXPORT = EngineExport(
                  "driver, which calls them as vLLM's engine core does with synthetic model outputs",
         server_notes=_server_notes, call_text=_call_text,
         program_note="; `abort(handle=None)` aborts every request the Scheduler holds"),
-    launch=launch, planted=planted_fault,
+    launch=launch_line("vllm serve MODEL", vllm_flag_line), planted=planted_fault,
     client_sizes=lambda c: (c.num_gpu_blocks - 1, c.max_model_len),
     expected_pool="the pool does not come back (with every stream ended and nothing running, kv_cache_usage_perc > 0 "
                   "or /reset_prefix_cache answers success=false), or the server fails",

@@ -59,7 +59,8 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
     ``scheduler.add_request``; ``keep-computed-on-preempt`` wraps ``_preempt_request`` to put back the
     first preempted request's ``num_computed_tokens`` after its blocks are freed;
     ``free-cow-source-before-copy`` replaces ``_free_cow_retained_blocks`` (vLLM 0.33.0) by a free at once,
-    its fence ignored. ``status``: vLLM's ``RequestStatus``."""
+    its fence ignored; ``free-window-under-inflight-step`` gives the coordinator's ``remove_skipped_blocks`` the
+    request's optimistic ``num_computed_tokens``. ``status``: vLLM's ``RequestStatus``."""
     if "close-waiting-session-keeps-blocks" in faults:
         add, manager = scheduler.add_request, scheduler.kv_cache_manager
 
@@ -108,6 +109,11 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
         scheduler._free_cow_retained_blocks = lambda blocks, fence_seq: pool.free_blocks(blocks)
     if "free-under-inflight-load" in faults:
         _free_under_inflight_load(scheduler, faults, status)
+    if "free-window-under-inflight-step" in faults:  # for the whole run: the count before #47728
+        coordinator = scheduler.kv_cache_manager.coordinator
+        remove = coordinator.remove_skipped_blocks
+        coordinator.remove_skipped_blocks = lambda rid, computed, *a, **k: remove(
+            rid, computed if rid not in scheduler.requests else scheduler.requests[rid].num_computed_tokens, *a, **k)
 
 
 def _free_under_inflight_load(scheduler, faults: set[str], status) -> None:

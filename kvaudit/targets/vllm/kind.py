@@ -3,15 +3,8 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from kvaudit.targets.registry import TargetKind, TargetUnavailable, register
+from kvaudit.targets.registry import TargetKind, TargetUnavailable, fault_rows, preset_label, register
 from kvaudit.targets.vllm.config import FAULTS, VLLM_PRESETS, VllmConfig, fault_fixed_in
-
-
-def _bugs():
-    """The injected faults, as rows of ``kvaudit bugs`` (``finding``, ``description``)."""
-    return {name: SimpleNamespace(name=name, finding=kind, description=what) for name, (kind, what) in FAULTS.items()}
 
 
 def _presets():
@@ -63,14 +56,8 @@ def _probe(config) -> None:
 def _header(config) -> str:
     """The level and scheduler, and the fields that differ from the preset."""
     bugs = ", ".join(sorted(config.bugs)) or "none"
-    preset = config.preset
-    if preset in VLLM_PRESETS:
-        base, mine = VLLM_PRESETS[preset].config().to_dict(), config.to_dict()
-        changed = [f"{k}={mine[k]}" for k in mine if k not in ("bugs", "seed", "preset") and mine[k] != base.get(k)]
-        if changed:
-            preset += f" (modified: {', '.join(changed)})"
-    return (f"kvaudit report: target vllm, preset {preset}, {_level(config)}, bugs: {bugs}, "
-            f"block_size {config.block_size}")
+    return (f"kvaudit report: target vllm, preset {preset_label(config, VLLM_PRESETS)}, {_level(config)}, "
+            f"bugs: {bugs}, block_size {config.block_size}")
 
 
 def _level(config) -> str:
@@ -127,7 +114,7 @@ def _export():
 
 KIND = register(TargetKind(
     name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1 to 0.33.0 (presets 'vllm...')",
-    config_class=VllmConfig, presets=_presets, make=_make, bugs=_bugs,
+    config_class=VllmConfig, presets=_presets, make=_make, bugs=fault_rows(FAULTS),
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, features=_features, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
     notes=_notes, regressions="corpora/vllm", history=_history,

@@ -34,6 +34,27 @@ from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding
 POOL = "block_pool"
 
 
+def after_call(obj, name: str, hook, wrap=setattr) -> None:
+    """Wrap the *instance*'s ``obj.name`` (through ``wrap(obj, name, fn)``): ``hook(result, *args, **kwargs)``
+    runs after each call, whose result goes on unchanged."""
+    fn = getattr(obj, name)
+
+    def call(*a, **k):
+        out = fn(*a, **k)
+        hook(out, *a, **k)
+        return out
+
+    wrap(obj, name, call)
+
+
+def count(into: Counter, keys, delta: int) -> None:
+    """Add ``delta`` to ``into[key]`` for each of ``keys``; a key that reaches 0 goes."""
+    for key in keys:
+        into[key] += delta
+        if not into[key]:
+            del into[key]
+
+
 def block_ids(blocks) -> list[int]:
     """Ids of ``blocks`` (vLLM ``KVCacheBlock``), the null block left out (vLLM never counts it)."""
     return [b.block_id for b in blocks if not b.is_null]
@@ -57,14 +78,8 @@ class VllmObserver:
         self.hash_log: list[tuple[int, str, int, str, int]] = []
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
         self._auditor = None
-        take = self.manager.take_events
-
-        def take_events(*a, **k):  # the scheduler's call in update_from_output; the events still go on
-            events = take(*a, **k)
-            self._replay_events(events, self.event_map)
-            return events
-
-        self.manager.take_events = take_events
+        # the scheduler's call in update_from_output; the events still go on
+        after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
 
     # -- hooks -------------------------------------------------------------------------------------
     def pools(self) -> list[PoolSpec]:
@@ -157,27 +172,16 @@ class VllmObserver:
         sid = auditor.capture_site()
         self.hash_log.extend((self.steps, what, block_id, bytes(h)[:6].hex(), sid) for h in hashes)
 
-    def _logged_insert(self, insert, auditor):
-        """``insert(block_hash, block, ...)`` (the pool's helper or the map's own), logging each insert."""
-        def insert_wrapper(block_hash, block, *a, **k):
-            out = insert(block_hash, block, *a, **k)
-            self._log_hashes("insert", block.block_id, [block_hash], auditor)
-            return out
-        return insert_wrapper
+    def _log_insert(self, owner, name: str, auditor, wrap=setattr) -> None:
+        """Log each ``owner.name(block_hash, block, ...)`` (the pool's insert helper or the map's own insert)."""
+        after_call(owner, name, lambda _, h, block, *a, **k: self._log_hashes("insert", block.block_id, [h], auditor),
+                   wrap)
 
     def _wrap_hash_helpers(self, auditor, wrap) -> None:
         """vLLM >= 0.24.0 (``compat`` "hash-helpers"): the pool's own insert and removal helpers."""
-        pool = self.pool
-        remove = pool._remove_cached_block_hashes
-
-        def remove_wrapper(block, *a, **k):
-            out = remove(block, *a, **k)
-            if out:
-                self._log_hashes("remove", block.block_id, out, auditor)
-            return out
-
-        wrap(pool, "_insert_block_hash", self._logged_insert(pool._insert_block_hash, auditor))
-        wrap(pool, "_remove_cached_block_hashes", remove_wrapper)
+        self._log_insert(self.pool, "_insert_block_hash", auditor, wrap)
+        after_call(self.pool, "_remove_cached_block_hashes", lambda out, block, *a, **k: out and self._log_hashes(
+            "remove", block.block_id, out, auditor), wrap)
 
     def _wrap_hash_map(self, auditor) -> None:
         """vLLM 0.23.0: ``cache_full_blocks`` and ``_maybe_evict_cached_block`` call the map's own
@@ -185,26 +189,12 @@ class VllmObserver:
         pool = self.pool
 
         def wrap_map(m):
-            pop = m.pop
-
-            def pop_wrapper(block_hash, block_id, *a, **k):
-                out = pop(block_hash, block_id, *a, **k)
-                if out is not None:
-                    self._log_hashes("remove", block_id, [block_hash], auditor)
-                return out
-
-            m.insert, m.pop = self._logged_insert(m.insert, auditor), pop_wrapper
+            self._log_insert(m, "insert", auditor)
+            after_call(m, "pop", lambda out, h, block_id, *a, **k: out is not None and self._log_hashes(
+                "remove", block_id, [h], auditor))
 
         wrap_map(pool.cached_block_hash_to_block)
-        reset = pool.reset_prefix_cache
-
-        def reset_wrapper(*a, **k):
-            out = reset(*a, **k)
-            if out:
-                wrap_map(pool.cached_block_hash_to_block)
-            return out
-
-        pool.reset_prefix_cache = reset_wrapper
+        after_call(pool, "reset_prefix_cache", lambda out, *a, **k: out and wrap_map(pool.cached_block_hash_to_block))
 
     def _extra_hashes(self, block_id: int) -> tuple:
         """The other hashes block ``block_id`` is cached under (``cached_block_hashes_by_block``, vLLM
@@ -228,15 +218,9 @@ class VllmObserver:
         V = self.V
         grouped = V.has("kv-event-group")  # before vLLM 0.20.0 an event names no group: keyed by hash alone
         for ev in events:
-            if isinstance(ev, V.BlockStored):
-                for h in ev.block_hashes:
-                    into[(h, ev.group_idx if grouped else None)] += 1
-            elif isinstance(ev, V.BlockRemoved):
-                for h in ev.block_hashes:
-                    key = (h, ev.group_idx if grouped else None)
-                    into[key] -= 1
-                    if into[key] == 0:
-                        del into[key]
+            if isinstance(ev, (V.BlockStored, V.BlockRemoved)):
+                count(into, [(h, ev.group_idx if grouped else None) for h in ev.block_hashes],
+                      -1 if isinstance(ev, V.BlockRemoved) else 1)
             elif isinstance(ev, V.AllBlocksCleared):
                 into.clear()
 
@@ -376,12 +360,11 @@ class VllmObserver:
         return next((t for t in out if any(s >= 0 for s in t.free_sites)), None)
 
     def _check_ref_counts(self, counts, refs, add) -> None:
-        """``counts`` (each block's ``ref_cnt``, :meth:`_ref_counts`) against ``refs`` (its references from
-        roots, :meth:`_holders`); each finding through ``add(kind, units, message, check, free_sites)``."""
+        """``counts`` (each block's ``ref_cnt``, :meth:`_ref_counts`) equal ``refs`` (its references from roots,
+        :meth:`_holders`); each finding through ``add(kind, units, message, check, free_sites)``. Counts at 0
+        with holders are the use-after-free oracle's when the pool's own calls freed the block (the ledger has
+        it free); counts with no holder at all are the leak oracle's."""
         n = self.config.num_gpu_blocks
-        # 1. ref counts equal root references (counts at 0 with holders are the use-after-free oracle's
-        #    when the pool's own calls freed the block, so that the ledger has it free; counts with no
-        #    holder at all are the leak oracle's)
         over = np.flatnonzero((counts > refs) & (refs > 0))
         over = over[over > 0]
         if over.size:
@@ -401,11 +384,10 @@ class VllmObserver:
             add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
 
     def _check_free_queue(self, counts, add) -> None:
-        """``free_block_queue`` against ``counts``; findings through ``add`` as above."""
+        """``free_block_queue`` is well formed, holds exactly the blocks at count 0 (``counts``), never the null
+        block; each finding (through ``add``) names the last frees of its block (a free is where a block joins
+        the queue)."""
         n = self.config.num_gpu_blocks
-        # 2.-4. the free queue: well formed, exactly the blocks at count 0, the null block never in it
-        # each names the last frees of the block it is about (the free queue changes only in frees and
-        # allocations: a free is where a block joins it)
         queued, problem = self._free_queue()
         if problem:
             add("accounting-drift", queued[-1:] or [0], f"free_block_queue: {problem}", "free-queue",
@@ -428,9 +410,8 @@ class VllmObserver:
             add("accounting-drift", [max(null, 1)], "the null block is on the free queue or hashed", "null-block")
 
     def _check_hash_map(self, entries, add) -> None:
-        """The prefix-cache map (``entries``, :meth:`_map_entries`) against the blocks' hashes."""
+        """The prefix-cache map (``entries``, :meth:`_map_entries`) and the blocks' hashes agree both ways."""
         null = self.pool.null_block.block_id
-        # 5. the prefix-cache map and the blocks' hashes agree both ways
         seen = {(key, b.block_id) for key, b in entries}  # all of them first: a block found missing is missing
         for key, b in entries:
             if b.block_id == null:
@@ -450,8 +431,8 @@ class VllmObserver:
                 break
 
     def _check_requests(self, known, add) -> None:
-        """Each live request (``known``, :meth:`known`) against its block tables."""
-        # 6. a request's cached blocks carry its own hash chain; num_computed_tokens within its blocks
+        """Each live request's (``known``) cached blocks carry its own hash chain, its ``num_computed_tokens``
+        is within its blocks; no empty table of a request the scheduler no longer knows."""
         hbs = self.config.hash_block_size
         for rid, (req, _) in known.items():
             for g, mgr in enumerate(self.groups):
@@ -482,9 +463,8 @@ class VllmObserver:
                     break
 
     def _check_shadow_and_events(self, counts, entries, add) -> None:
-        """The ledger's counts and vLLM's replayed KV events against ``counts`` and ``entries``."""
-        # 8. no change outside the pool's API (the ledger's counts are vLLM's), and vLLM's events
-        #    replayed equal the map
+        """No change outside the pool's API (the ledger's counts are ``counts``), and vLLM's KV events replayed
+        equal the map (``entries``)."""
         if self._auditor is not None:
             led = self._auditor.ledgers[POOL].refs
             drift = np.flatnonzero(led[1:] != np.maximum(counts[1:], 0)) + 1

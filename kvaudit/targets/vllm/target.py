@@ -29,7 +29,7 @@ from kvaudit.targets.base import Target, TargetFinding
 from kvaudit.targets.vllm import faults
 from kvaudit.targets.vllm.boot import build_manager, build_scheduler, load
 from kvaudit.targets.vllm.config import VllmConfig
-from kvaudit.targets.vllm.observer import POOL, VllmObserver, block_ids
+from kvaudit.targets.vllm.observer import POOL, VllmObserver, after_call, block_ids
 
 
 class _VllmBase(VllmObserver, Target):
@@ -37,11 +37,12 @@ class _VllmBase(VllmObserver, Target):
 
     name = "vllm"
 
-    def _init_common(self, config: VllmConfig) -> None:
-        self.V = load()
+    def _init_common(self, config: VllmConfig, n: int = 0) -> None:
+        """``n``: the tokens after each block that its prefix-cache hash covers (``get_request_block_hasher``'s
+        ``num_hash_lookahead_tokens``, new in 0.33.0, as ``EngineCore.__init__`` passes it)."""
+        self.V, self.hash_lookahead = load(), n
         self.config, self.steps = config, 0
         self.eos = config.vocab_size - 1
-        n = self._hash_lookahead()  # the argument is new in 0.33.0
         self.hasher = self.V.get_request_block_hasher(config.hash_block_size, self.V.sha256,
                                                       **({"num_hash_lookahead_tokens": n} if n else {}))
         self.submitted: list[str] = []
@@ -53,12 +54,7 @@ class _VllmBase(VllmObserver, Target):
         self._faults = set(config.bugs)  # each fires once
         self.reached: Counter = Counter()  # path counters (reach()); a path's preset sets its keys to 0 first
         self._init_observer()
-        self._inject_faults()
-
-    def _hash_lookahead(self) -> int:
-        """The tokens after each block that its prefix-cache hash covers (``get_request_block_hasher``'s
-        ``num_hash_lookahead_tokens``, as ``EngineCore.__init__`` passes it): none here."""
-        return 0
+        faults.inject(self.manager, self._faults)  # the configured faults (config.FAULTS)
 
     # -- intake --------------------------------------------------------------------------------------
     def _new_request(self, op: Submit, resumable: bool = False):
@@ -112,6 +108,20 @@ class _VllmBase(VllmObserver, Target):
         """Whether the drafter guesses ``rid``'s output position ``i`` right (about 2 in 3, by a hash)."""
         return zlib.crc32(f"{rid}:{i}:draft".encode()) % 3 != 0
 
+    def known(self) -> dict:
+        """Request id -> ``(Request, status name)`` of every request the scheduler knows (``self.requests``:
+        ``Scheduler.requests`` at scheduler level)."""
+        return {rid: (r, r.status.name.lower()) for rid, r in self.requests.items()}
+
+    def deferred(self) -> list:
+        """The block lists of deferred frees: none here."""
+        return []
+
+    def _abort(self, handle: int | None) -> list[str]:
+        """The ids an abort of ``handle`` picks: modulo the live requests; None, all of them."""
+        live = list(self.requests)
+        return live if handle is None or not live else [live[handle % len(live)]]
+
     def text(self, rid: str) -> list[int]:
         return list(self.texts.get(rid, ()))
 
@@ -121,18 +131,13 @@ class _VllmBase(VllmObserver, Target):
     def reach(self) -> dict[str, int]:
         return dict(self.reached)
 
-    # -- faults --------------------------------------------------------------------------------------
-    def _inject_faults(self) -> None:
-        """The configured faults (:data:`~kvaudit.targets.vllm.config.FAULTS`): :func:`faults.inject`."""
-        faults.inject(self.manager, self._faults)
-
 
 class VllmSchedulerTarget(_VllmBase):
     """vLLM's ``Scheduler`` / ``AsyncScheduler`` (see the module docstring)."""
 
     def __init__(self, config: VllmConfig):
         self.scheduler, self.vllm_config = build_scheduler(config)
-        self.manager = self.scheduler.kv_cache_manager
+        self.manager, self.requests = self.scheduler.kv_cache_manager, self.scheduler.requests
         # (SchedulerOutput, ModelRunnerOutput, {rid: [n] int64 blocks the step writes}), oldest first
         self.batch_queue: list[tuple] = []
         self._shadow = None  # (ShadowKV, report) once install_shadow ran
@@ -143,7 +148,8 @@ class VllmSchedulerTarget(_VllmBase):
         # vLLM's own condition for holding back the blocks an in-flight step writes (0.24.0's
         # Scheduler.__init__, the fix of #45357): more than one batch in flight and a KV consumer, whose
         # loads into a reused block are not ordered against that step's writes
-        self._init_common(config)
+        # an EAGLE drafter with prefix caching and no KV connector hashes each block with the token after it
+        self._init_common(config, self.vllm_config.num_hash_lookahead_tokens if load().has("hash-lookahead") else 0)
         self.guard_inflight = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
         self._count_preemptions()
         self._init_sessions()
@@ -156,15 +162,6 @@ class VllmSchedulerTarget(_VllmBase):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
         if "free-preempted-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             faults.free_preempted_at_once(self.scheduler)
-        if "free-window-under-inflight-step" in self._faults:
-            coordinator, requests = self.manager.coordinator, self.scheduler.requests
-            remove = coordinator.remove_skipped_blocks
-
-            def remove_optimistic(request_id, computed, *a, **k):  # the fault: the count before #47728
-                request = requests.get(request_id)
-                return remove(request_id, computed if request is None else request.num_computed_tokens, *a, **k)
-
-            coordinator.remove_skipped_blocks = remove_optimistic
 
     def _count_preemptions(self) -> None:
         """Wrap the instance's ``Scheduler._preempt_request`` (every preemption: for blocks, by priority, a
@@ -174,16 +171,14 @@ class VllmSchedulerTarget(_VllmBase):
         self.reached.update(preemptions=0, preemptions_in_flight=0)
         self.inflight_preempted: list[str] = []  # this schedule()'s victims with a step in flight
         self.preempt_findings: list = []
-        preempt = self.scheduler._preempt_request
 
-        def preempt_counted(request, *a, **k):
+        def count(_, request, *a, **k):
             self.reached["preemptions"] += 1
             if any(request.request_id in out.num_scheduled_tokens for out, *_ in self.batch_queue):
                 self.reached["preemptions_in_flight"] += 1
                 self.inflight_preempted.append(request.request_id)
-            return preempt(request, *a, **k)
 
-        self.scheduler._preempt_request = preempt_counted
+        after_call(self.scheduler, "_preempt_request", count)
 
     def _count_mamba(self) -> None:
         """Wrap the instance's Mamba manager's ``take_pending_cow_copies`` (the copies ``schedule()`` hands the
@@ -196,36 +191,22 @@ class VllmSchedulerTarget(_VllmBase):
         s, manager = self.scheduler, self.manager
         mgr = next(m for m in self.groups if isinstance(m.kv_cache_spec, self.V.MambaSpec))
         self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0, cow_frees_deferred=0, mamba_boundary_offloads=0)
-        take, retain = mgr.take_pending_cow_copies, s._free_cow_retained_blocks
-        offloads = manager.take_boundary_state_offloads
+        retain = s._free_cow_retained_blocks
 
-        def take_counted():
-            pairs = take()
+        def count_copies(pairs):
             held = {b.block_id for t in mgr.req_to_blocks.values() for b in t}
             hits = sum(dst.block_id in held for _, dst in pairs)
             self.reached.update(mamba_cow_hits=hits, mamba_tail_copies=len(pairs) - hits)
-            return pairs
 
         def retain_counted(blocks, fence_seq):
             n = len(s.deferred_frees)
             retain(blocks, fence_seq)
             self.reached["cow_frees_deferred"] += len(s.deferred_frees) > n
 
-        def offloads_counted():
-            out = offloads()
-            self.reached["mamba_boundary_offloads"] += sum(map(len, out.values()))
-            return out
-
-        mgr.take_pending_cow_copies, s._free_cow_retained_blocks = take_counted, retain_counted
-        manager.take_boundary_state_offloads = offloads_counted
-
-    def _hash_lookahead(self) -> int:
-        """``VllmConfig.num_hash_lookahead_tokens`` (vLLM >= 0.33.0, ``compat`` "hash-lookahead": an EAGLE
-        drafter with prefix caching and no KV connector hashes each block with the token after it)."""
-        return self.vllm_config.num_hash_lookahead_tokens if self.V.has("hash-lookahead") else 0
-
-    def known(self) -> dict:
-        return {rid: (r, r.status.name.lower()) for rid, r in self.scheduler.requests.items()}
+        s._free_cow_retained_blocks = retain_counted
+        after_call(mgr, "take_pending_cow_copies", count_copies)
+        after_call(manager, "take_boundary_state_offloads",
+                   lambda out: self.reached.update(mamba_boundary_offloads=sum(map(len, out.values()))))
 
     def deferred(self) -> list:
         """The block lists of ``Scheduler.deferred_frees`` (vLLM >= 0.24.0, ``compat`` "deferred-frees")."""
@@ -238,9 +219,7 @@ class VllmSchedulerTarget(_VllmBase):
         if isinstance(op, Submit):
             self._submit(op)
         elif isinstance(op, Abort) and s.requests:
-            live = list(s.requests)  # handle: modulo the live set; None aborts them all
-            ids = live if op.handle is None else [live[op.handle % len(live)]]
-            s.finish_requests(ids, self.V.RequestStatus.FINISHED_ABORTED)
+            s.finish_requests(self._abort(op.handle), self.V.RequestStatus.FINISHED_ABORTED)
         elif isinstance(op, FlushCache):
             self._flushes += bool(s.reset_prefix_cache(reset_running_requests=self.config.flush_running))
         elif isinstance(op, MemoryPressure):
@@ -265,13 +244,7 @@ class VllmSchedulerTarget(_VllmBase):
         if not self.config.streaming_sessions:
             return
         self.reached["session_turns"] = 0
-        update = self.scheduler._update_request_as_session
-
-        def update_as_session(session, chunk, *a, **k):
-            update(session, chunk, *a, **k)
-            self._on_turn(session)
-
-        self.scheduler._update_request_as_session = update_as_session
+        after_call(self.scheduler, "_update_request_as_session", lambda _, session, *a, **k: self._on_turn(session))
 
     def _submit(self, op: Submit) -> None:
         """A plain request; for a submit in an open session, its first input chunk (a resumable ``Request``
@@ -402,14 +375,8 @@ class VllmSchedulerTarget(_VllmBase):
             return
         self._shadow = (shadow, report)
         self._drafts: dict = {}  # (rid, group) -> ([n] positions, [n] slots) written before their tokens were known
-        after = self.scheduler._update_after_schedule  # where schedule() advances num_computed_tokens
-
-        def update_after_schedule(out, *a, **k):
-            result = after(out, *a, **k)
-            self._shadow_step(out)
-            return result
-
-        wrap(self.scheduler, "_update_after_schedule", update_after_schedule)
+        # where schedule() advances num_computed_tokens
+        after_call(self.scheduler, "_update_after_schedule", lambda _, out, *a, **k: self._shadow_step(out), wrap)
         self._attention = []  # (group index, sliding window in tokens or None)
         for g, mgr in enumerate(self.groups):
             names = {c.__name__ for c in type(mgr).__mro__}
@@ -576,9 +543,13 @@ class VllmSchedulerTarget(_VllmBase):
     def _on_schedule(self, out) -> None:
         """What the workers do with a new ``SchedulerOutput`` besides running it: nothing here."""
 
+    def _kv_output(self):
+        """The ``KVConnectorOutput`` a model output carries: none without a KV connector."""
+        return None
+
     def _empty_output(self):
         """The model output of a step that scheduled no token."""
-        return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=self._kv_output())
 
     def _model_output(self, out):
         """The sampled tokens of each scheduled request: none for a request still mid-prefill after this
@@ -587,7 +558,7 @@ class VllmSchedulerTarget(_VllmBase):
         reqs, spec = self.scheduler.requests, out.scheduled_spec_decode_tokens
         toks = [[] if self._is_prefill_chunk(reqs[r]) else self._verify(r, len(spec.get(r, ()))) for r in ids]
         output = self.V.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                          sampled_token_ids=toks)
+                                          sampled_token_ids=toks, kv_connector_output=self._kv_output())
         if self.config.return_routed_experts:
             output.routed_experts = self._routed_experts(out, ids)
         return output
@@ -675,12 +646,6 @@ class VllmManagerTarget(_VllmBase):
     def engine_files(self) -> list[str]:
         return [__file__]
 
-    def known(self) -> dict:
-        return {rid: (r, r.status.name.lower()) for rid, r in self.requests.items()}
-
-    def deferred(self) -> list:
-        return []
-
     def apply(self, op) -> None:
         S = self.V.RequestStatus
         if isinstance(op, Submit):
@@ -688,8 +653,7 @@ class VllmManagerTarget(_VllmBase):
             self.requests[request.request_id] = request
             self.waiting.append(request)
         elif isinstance(op, Abort) and self.requests:
-            live = list(self.requests)
-            for rid in (live if op.handle is None else [live[op.handle % len(live)]]):
+            for rid in self._abort(op.handle):
                 self._finish(self.requests[rid], S.FINISHED_ABORTED)
         elif isinstance(op, FlushCache):
             self._flushes += bool(self.manager.reset_prefix_cache())
