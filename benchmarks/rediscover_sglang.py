@@ -223,8 +223,8 @@ def main(argv=None) -> int:
     rows: dict[tuple[str, str], list[dict]] = {}
     for name, config, wanted in cases(files, args.vllm_45357, history, args.planted):
         execute(config, [Idle()])  # imports and first-run set-up outside the trials' budgets
-        for fuzzer in fuzzers:
-            for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):  # the fuzzers side by side, seed by seed
+            for fuzzer in fuzzers:
                 t = trial(fuzzer, config, wanted, seed, args.budget, args.max_executions)
                 t["case"] = name
                 rows.setdefault((name, fuzzer), []).append(t)
