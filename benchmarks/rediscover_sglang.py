@@ -2,7 +2,8 @@
 """Executions-to-bug for rediscovering the SGLang 0.5.23 findings of ``corpora/sglang/`` from scratch.
 
     python benchmarks/rediscover_sglang.py [--fuzzers random,hypothesis] [--seeds 3] [--budget 60]
-        [--max-executions N] [--files GLOB ...] [--vllm-45357] [--history IDS] [--json out.json]
+        [--max-executions N] [--files GLOB ...] [--vllm-45357] [--history IDS]
+        [--planted TARGET:PRESET:BUG[:KEY=VALUE,...] ...] [--json out.json]
 
 For each replay file in ``corpora/sglang/*.json`` its ``config`` (target, preset, overrides; no bug
 switched on: these are bugs of the installed SGLang 0.5.23 itself) is searched by each fuzzer with
@@ -14,10 +15,12 @@ program, as a campaign's known findings do). ``--vllm-45357`` adds vLLM #45357 (
 with ``PYTHONPATH=~/.cache/kvaudit/releases/vllm-0.23.0:$PWD``. ``--history sglang-21875`` adds
 history-suite bugs (run with the shipping release's overlay first on ``PYTHONPATH``), searched with
 every other finding suppressed and matched by ``HistoryBug.matches``, as the history worker does
-(without its triage). Fuzzers: ``random``, ``hypothesis``, ``corpus``, atheris, and the corpus
+(without its triage). ``--planted eut:retract:retract-unaligned-page:num_slots=512`` adds a planted bug
+(a zoo bug or a target's fault, switched on in that preset, with config fields overridden): any finding
+is a hit, since the presets' clean engines find nothing. Fuzzers: ``random``, ``hypothesis``, ``corpus``, atheris, and the corpus
 fuzzer's named variants (:data:`VARIANTS`, docs/search/README.md "Search variants").
 
-Per case and fuzzer: successes/trials, median executions (and seconds) to the first hit over the
+Per case and fuzzer: successes/trials, median executions, ops and process CPU seconds to the first hit over the
 successful trials (``-`` when half or more failed: a censored median), and the geometric mean over
 the cases both fuzzers find of median executions(random) / median executions(fuzzer) (> 1: fewer
 executions than random). Each config runs one empty program first (imports, first-run set-up) outside
@@ -57,13 +60,28 @@ class _HistoryWanted:
         return NotThisBug(self.bug)
 
 
-def cases(files: list[str], vllm: bool, history: list[str] = ()) -> list[tuple[str, object, object]]:
-    out = []
+def planted(spec: str) -> tuple[str, object, OnlySignature]:
+    """``TARGET:PRESET:BUG[:KEY=VALUE,...]`` as a case: the preset's config with ``BUG`` switched on and the
+    fields overridden (integer values), any finding wanted. Raises ``ValueError`` on a malformed spec."""
+    from kvaudit.targets import registry
+
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--planted {spec!r}: want TARGET:PRESET:BUG[:KEY=VALUE,...]")
+    changes = dict(kv.split("=", 1) for kv in parts[3].split(",")) if len(parts) == 4 else {}
+    config = registry.get(parts[0]).preset(parts[1]).config(bugs=frozenset([parts[2]]),
+                                                            **{k: int(v) for k, v in changes.items()})
+    return spec.replace(":", " "), config, OnlySignature("", substring=True)
+
+
+def cases(files: list[str], vllm: bool, history: list[str] = (), plants: list[str] = ()) \
+        -> list[tuple[str, object, object]]:
+    out = [planted(spec) for spec in plants]
     for bid in history:
-        from kvaudit.history.catalogue import all_bugs
+        from kvaudit.history.catalogue import all_bugs, target_config
 
         bug = all_bugs()[bid]
-        out.append((bid, bug.target_config(), _HistoryWanted(bug)))
+        out.append((bid, target_config(bug), _HistoryWanted(bug)))
     for path in files:
         config, _program, findings, _doc = load(path)
         out.append((os.path.basename(path)[:-5], config, OnlySignature(findings[0].signature)))
@@ -116,7 +134,7 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
     from kvaudit.search.bench import search
 
     stats = FuzzStats()
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     if isinstance(wanted, _HistoryWanted):  # as kvaudit.history.worker searches (no triage here)
         from kvaudit.search.corpus_fuzz import corpus_search
         from kvaudit.search.fuzz import random_search
@@ -127,9 +145,7 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
         else:
             found = corpus_search(config, budget, seed, stats, **kw, **VARIANTS.get(fuzzer, {}))
         hit = found is not None and any(wanted.wants_finding(f) for f in found[1])
-        execs, secs = stats.first_hit if hit and stats.first_hit else (stats.executions, time.monotonic() - t0)
-        return {"fuzzer": fuzzer, "seed": seed, "hit": hit, "executions": execs, "seconds": round(secs, 2),
-                "total_executions": stats.executions}
+        return _result(fuzzer, seed, hit, stats, t0, c0)
     if fuzzer in VARIANTS:
         from kvaudit.search.corpus_fuzz import corpus_search
 
@@ -154,9 +170,16 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
         found = search(fuzzer, config, budget, seed, stats, work_dir="/tmp", known=wanted,
                        max_executions=max_executions)
     hit = found is not None and any(wanted.wants(f.signature) for f in found[1])
+    return _result(fuzzer, seed, hit, stats, t0, c0)
+
+
+def _result(fuzzer: str, seed: int, hit: bool, stats: FuzzStats, t0: float, c0: float) -> dict:
+    """A trial's JSON line. The searches here return at their first hit, so ``ops`` and ``cpu`` (process CPU
+    seconds: the load of a shared machine moves them less than wall seconds) are to the hit, as are
+    ``executions`` and ``seconds``; on a miss, the whole search's."""
     execs, secs = stats.first_hit if hit and stats.first_hit else (stats.executions, time.monotonic() - t0)
     return {"fuzzer": fuzzer, "seed": seed, "hit": hit, "executions": execs, "seconds": round(secs, 2),
-            "total_executions": stats.executions}
+            "ops": stats.ops, "cpu": round(time.process_time() - c0, 2), "total_executions": stats.executions}
 
 
 def median(v):
@@ -180,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="append each trial as a JSON line here")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSONL",
                     help="print the table of trials recorded by --json (several files merge) and exit")
+    ap.add_argument("--planted", action="append", default=[], metavar="TARGET:PRESET:BUG[:KEY=VALUE,...]",
+                    help="a planted bug as a case (repeatable): e.g. eut:retract:retract-unaligned-page:num_slots=512")
     args = ap.parse_args(argv)
     if args.table:
         rows: dict[tuple[str, str], list[dict]] = {}
@@ -196,10 +221,10 @@ def main(argv=None) -> int:
     history = [b for b in args.history.split(",") if b]
     fuzzers = args.fuzzers.split(",")
     rows: dict[tuple[str, str], list[dict]] = {}
-    for name, config, wanted in cases(files, args.vllm_45357, history):
+    for name, config, wanted in cases(files, args.vllm_45357, history, args.planted):
         execute(config, [Idle()])  # imports and first-run set-up outside the trials' budgets
-        for fuzzer in fuzzers:
-            for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):  # the fuzzers side by side, seed by seed
+            for fuzzer in fuzzers:
                 t = trial(fuzzer, config, wanted, seed, args.budget, args.max_executions)
                 t["case"] = name
                 rows.setdefault((name, fuzzer), []).append(t)
@@ -212,30 +237,41 @@ def main(argv=None) -> int:
 
 
 def print_table(rows, fuzzers) -> None:
+    """Per case, each fuzzer's hits and median executions, ops and CPU seconds [wall seconds] to the first hit
+    (``-``: half or more missed); then each fuzzer's geometric means against the baseline (``random``, or
+    the first fuzzer without it) over the cases both find (older JSON lines without ops or CPU: ``?``)."""
     names = sorted(dict.fromkeys(n for n, _ in rows))
-    med: dict[tuple[str, str], float | None] = {}
-    print("\n| case | " + " | ".join(f"{f} hits | {f} median execs [s]" for f in fuzzers) + " |")
+    base = "random" if "random" in fuzzers else fuzzers[0]
+    med: dict[tuple[str, str, str], float | None] = {}
+    print("\n| case | " + " | ".join(f"{f} hits | {f} median execs / ops / CPU s [wall s]" for f in fuzzers) + " |")
     print("|---|" + "---|---|" * len(fuzzers))
     for n in names:
         cells = []
         for f in fuzzers:
             ts = rows.get((n, f), [])
             ok = [t for t in ts if t["hit"]]
-            m = median([t["executions"] for t in ok]) if len(ok) * 2 > len(ts) else None
-            med[(n, f)] = m
-            s = median([t["seconds"] for t in ok]) if m is not None else None
-            cells.append(f"{len(ok)}/{len(ts)} | " + (f"{m:g} [{s:.1f}]" if m is not None else "-"))
+            reached = len(ok) * 2 > len(ts)
+            for key in ("executions", "ops", "cpu", "seconds"):
+                vals = [t[key] for t in ok if key in t]
+                med[(n, f, key)] = median(vals) if reached and len(vals) == len(ok) else None
+            m = {k: med[(n, f, k)] for k in ("executions", "ops", "cpu", "seconds")}
+            text = "-" if m["executions"] is None else (
+                f"{m['executions']:g} / " + ("?" if m["ops"] is None else f"{m['ops']:g}") + " / "
+                + ("?" if m["cpu"] is None else f"{m['cpu']:.1f}") + f" [{m['seconds']:.1f}]")
+            cells.append(f"{len(ok)}/{len(ts)} | {text}")
         print(f"| {n} | " + " | ".join(cells) + " |")
     for f in fuzzers:
-        if f == "random":
+        if f == base:
             continue
-        ratios = [med[(n, "random")] / med[(n, f)] for n in names
-                  if med.get((n, "random")) and med.get((n, f))]
-        g = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
-        missed = [n for n in names if med.get((n, "random")) and not med.get((n, f))]
-        print(f"\n{f}: geomean execs(random)/execs({f}) = {g and round(g, 3)} over {len(ratios)} cases; "
-              f"random finds but {f} does not (median): {missed}")
-
+        out = []
+        for key in ("executions", "ops", "cpu"):
+            ratios = [med[(n, base, key)] / med[(n, f, key)] for n in names
+                      if med.get((n, base, key)) and med.get((n, f, key))]
+            g = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+            out.append(f"{key} {g and round(g, 3)} ({len(ratios)} cases)")
+        missed = [n for n in names if med.get((n, base, "executions")) and not med.get((n, f, "executions"))]
+        print(f"\n{f}: geomean {base}/{f} (> 1: {f} needs less): " + ", ".join(out)
+              + f"; {base} finds but {f} does not (median): {missed}")
 
 if __name__ == "__main__":
     sys.exit(main())
