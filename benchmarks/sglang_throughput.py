@@ -6,7 +6,9 @@
 For each real-target preset and both tree cores, the same seeded random programs (with the
 arguments the preset gives meaning to: ``config.program_features``) run in three modes: "bare" (SGLang driven, no hooks), "hooks" (the ledger: every alloc, free and
 lock event recorded) and "audit" (hooks plus the per-step oracles: reachability, the accounting
-identity, the free-list replay check, lock balance at idle), the fuzzers' mode. One core
+identity, the free-list replay check, lock balance at idle) after every step; "audit-sparse" is the same
+oracles on the searches' schedule (``kvaudit.search.schedule.CHECK_EVERY``: every K steps, at idle and at
+the program's end), the fuzzers' mode. One core
 (torch.set_num_threads(1)), process CPU time, best of --repeat rounds with the modes taking turns.
 Import and build costs are printed apart (they are paid once per process and once per program;
 "build ms" is one target's construction: SGLang's objects for the preset and the driver).
@@ -21,10 +23,12 @@ import time
 import torch
 
 from kvaudit.search.bench import best_times, build_ms
+from kvaudit.search.schedule import CHECK_EVERY
 from kvaudit.program import random_program
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
 
-MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, False))
+MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, False),
+         ("audit-sparse", True, True, False, CHECK_EVERY))
 
 
 def main() -> None:
@@ -43,8 +47,8 @@ def main() -> None:
     print(f"import of SGLang's memory manager: {time.perf_counter() - t0:.2f} s")
     print(f"{args.programs} programs of {args.length} ops, best of {args.repeat}, one core\n")
     print("| preset | tree core | bare programs/s | hooks programs/s | audit programs/s | audit ops/s | "
-          "audit / bare time | build ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          "audit / bare time | audit-sparse / bare time | build ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, preset in SGLANG_PRESETS.items():
         if args.preset and name not in args.preset:
             continue
@@ -57,7 +61,8 @@ def main() -> None:
             best, ops = best_times(config, progs, MODES, args.repeat)
             rate = {m: args.programs / s for m, s in best.items()}
             print(f"| {name} | {core} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | "
-                  f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | {ms:.1f} |", flush=True)
+                  f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | "
+                  f"{best['audit-sparse'] / best['bare']:.2f}x | {ms:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

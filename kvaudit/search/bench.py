@@ -236,13 +236,13 @@ def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: boo
 
 
 def best_times(config: TargetConfig, programs: list, modes, rounds: int) -> tuple[dict[str, float], int]:
-    """Process CPU seconds per mode (``(name, audit, oracles, shadow)`` rows, fast stacks) over ``programs``,
-    best of ``rounds`` with the modes taking turns, and the ops one round runs."""
+    """Process CPU seconds per mode (``(name, audit, oracles, shadow[, check_every])`` rows, fast stacks) over
+    ``programs``, best of ``rounds`` with the modes taking turns, and the ops one round runs."""
     best: dict[str, float] = {}
     ops = 0
     for _ in range(rounds):
-        for name, audit, oracles, shadow in modes:
-            secs, ops, _ = run_programs(config, programs, audit, oracles, False, shadow)
+        for name, audit, oracles, shadow, *every in modes:
+            secs, ops, _ = run_programs(config, programs, audit, oracles, False, shadow, *every)
             best[name] = min(best.get(name, math.inf), secs)
     return best, ops
 
