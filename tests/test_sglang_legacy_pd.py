@@ -14,7 +14,7 @@ import pytest
 import torch
 from release_helpers import child_env
 
-from kvaudit.targets.sglang.legacy_pd import _alloc_decode
+from kvaudit.targets.sglang.boot import _alloc_decode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -256,20 +256,29 @@ def _alloc_decode(seq_lens, last_loc, free_pages, out_indices, bs_upper, page_si
     out_indices.copy_(torch.where(new > 0, pages * page_size, last_loc + 1))
 
 
+def torch_paged_kernels(module) -> None:
+    """Idempotent: ``module``'s two paged-allocator triton kernels (its globals ``alloc_extend_kernel`` and
+    ``alloc_decode_kernel``) by torch code that computes the same slots: ``alloc_extend_kernel`` by SGLang's own
+    ``alloc_extend_naive`` of that module (the NPU path's), ``alloc_decode_kernel`` by :func:`_alloc_decode`.
+    Shims S2 (0.5.20/0.5.21) and L4 (the legacy family)."""
+    if isinstance(module.alloc_extend_kernel, _Launch):
+        return
+
+    def extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
+        module.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
+                                  out_indices.device)
+
+    module.alloc_extend_kernel = _Launch(extend)
+    module.alloc_decode_kernel = _Launch(_alloc_decode)
+
+
 def shim_paged_kernels() -> str:
     """CPU shim S2 (before change ``platform-triton-check``: 0.5.20/0.5.21), idempotent: the paged allocator's
-    two triton kernels, module globals of ``allocator/paged.py``, by torch code that computes the same slots:
-    ``alloc_extend_kernel`` by SGLang's own ``alloc_extend_naive`` (the NPU path's), ``alloc_decode_kernel``
-    by :func:`_alloc_decode` (also the legacy family's) (0.5.22 picks ``alloc_*_naive`` itself on a CPU platform)."""
+    two triton kernels, module globals of ``allocator/paged.py``, by torch (:func:`torch_paged_kernels`; 0.5.22
+    picks ``alloc_*_naive`` itself on a CPU platform)."""
     import sglang.srt.mem_cache.allocator.paged as paged
 
-    if not isinstance(paged.alloc_extend_kernel, _Launch):
-        def extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
-            paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
-                                     out_indices.device)
-
-        paged.alloc_extend_kernel = _Launch(extend)
-        paged.alloc_decode_kernel = _Launch(_alloc_decode)
+    torch_paged_kernels(paged)
     return "S2 allocator.paged.alloc_extend_kernel / alloc_decode_kernel -> torch"
 
 

@@ -24,7 +24,7 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import SglangUnavailable, _alloc_decode, _Launch, one_rank_group, probe_version
+from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, probe_version, torch_paged_kernels
 from kvaudit.targets.sglang.hooks import host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget, load_legacy
 from kvaudit.targets.sglang.standins import EOS, NoSampling, StepClock
@@ -94,16 +94,10 @@ def _shim_host_alloc(memory_pool_host) -> str:
 
 
 def _shim_paged_kernels(allocator) -> str:
-    """CPU shim L4: ``PagedTokenToKVPoolAllocator``'s two triton kernels of this era, by torch code that
-    computes the same slots: ``alloc_extend_kernel`` by SGLang's own ``alloc_extend_naive`` (the NPU
-    path's), ``alloc_decode_kernel`` by :func:`_alloc_decode` (0.5.23 ships a CPU path; 0.5.10 does not)."""
-
-    def extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper, page_size):
-        allocator.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
-                                     out_indices.device)
-
-    allocator.alloc_extend_kernel = _Launch(extend)
-    allocator.alloc_decode_kernel = _Launch(_alloc_decode)
+    """CPU shim L4: ``PagedTokenToKVPoolAllocator``'s two triton kernels of this era, module globals of
+    ``mem_cache/allocator.py``, by torch (:func:`~kvaudit.targets.sglang.boot.torch_paged_kernels`; 0.5.23 ships
+    a CPU path; 0.5.10 does not)."""
+    torch_paged_kernels(allocator)
     return "L4 allocator.alloc_extend_kernel / alloc_decode_kernel -> torch"
 
 
