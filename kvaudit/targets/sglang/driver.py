@@ -34,8 +34,10 @@ class SglangDriver(SglangResults):
         overlap = self.config.enable_overlap
         self._process_pending_chunked_abort()
         chunked = self.chunked_req
-        if chunked is not None and self._span(chunked)[1] > self._span(chunked)[0]:
-            self._checkpoint_chunked(chunked)
+        if chunked is not None:
+            prefix_len, extend_end = self._span(chunked)
+            if extend_end > prefix_len:
+                self._checkpoint_chunked(chunked)
         self._join_running()
         self.running = [r for r in self.running if not r.finished()]
         batch = self._prefill() or self._decode()
@@ -340,17 +342,12 @@ class SglangDriver(SglangResults):
             kv = req.kv
             mine = self._pages(self.req_to_token_pool.req_to_token[kv.req_pool_idx,
                                                                      kv.cache_protected_len:kv.kv_allocated_len])
-        self._release_kv(req, checkpoint)
+        compat.release_kv(self.S, req, self.tree_cache, checkpoint)  # (before 0.5.22: is_insert, positional)
         if mine is not None:  # free once more what this release gave back (none: wait for the next)
             freed = np.setdiff1d(mine, self._pages(self.tree_cache.all_values_flatten()))
             if freed.size:
                 self._faults.discard("double-free")
                 self.allocator.free(torch.as_tensor(freed, dtype=torch.int64) * self.config.page_size)
-
-    def _release_kv(self, req, checkpoint: bool) -> None:
-        """``common.release_kv_cache(req, tree_cache, checkpoint=...)``; before change ``release-checkpoint``
-        the same flag is its positional ``is_insert``."""
-        compat.release_kv(self.S, req, self.tree_cache, checkpoint)
 
     def _inject_lock_leak(self) -> None:
         cache = self.tree_cache
