@@ -27,7 +27,7 @@ from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, probe_version, torch_paged_kernels
 from kvaudit.targets.sglang.hooks import host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget, load_legacy
-from kvaudit.targets.sglang.standins import EOS, NoSampling, StepClock
+from kvaudit.targets.sglang.standins import EOS, StepClock
 
 INDEX_HEAD_DIM = 128  # NSATokenToKVPool's indexer buffer is laid out for 128-wide index heads
 KV_LORA_RANK, ROPE_DIM = 8, 8  # the MLA latent and rope widths (kv_cache_dim = their sum)
@@ -198,7 +198,7 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
     def _build_pools(self, config) -> None:
         """``ModelRunner``'s HiSparse pools (``HiSparseNSATokenToKVPool``, ``HiSparseTokenToKVPoolAllocator``),
         the decode row pool (``DecodeReqToTokenPool``) and the ``HiSparseCoordinator``."""
-        S, P, dev, ps = self.S, self.P, config.device, config.page_size
+        P, dev, ps = self.P, config.device, config.page_size
         size, ratio = config.total_tokens, config.hisparse_host_to_device_ratio
         kv = P.HiSparseNSATokenToKVPool(size, page_size=ps, kv_lora_rank=KV_LORA_RANK, dtype=torch.bfloat16,
                                         qk_rope_head_dim=ROPE_DIM, layer_num=1, device=dev,
