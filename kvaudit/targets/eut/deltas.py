@@ -44,6 +44,7 @@ class EutDeltas:
         self.nodes: dict[int, tuple] = {}  # node id -> (value, host value) last seen
         self.tree_key: tuple | None = None
         self.session_units: dict[str, int] = {}
+        self.reqs: tuple = ([], [], {}, {})  # the live requests last read, their names, places, places by name
 
     def covered(self) -> bool:
         eng = self.target.engine
@@ -60,23 +61,31 @@ class EutDeltas:
         self._tree(out)
         return None if where is None else OwnershipDeltas(out.owners, out.pools(), where)
 
-    def _live(self) -> tuple[list, dict[str, str]]:
-        # every live record as roots() finds them, (name, kv, kind), and their places by name
+    def _live(self) -> tuple[list, list, list, dict[str, str]]:
+        # every live record as roots() finds them, as (names, kvs, kinds), and their places by name
         t, eng = self.target, self.target.engine
         sc = eng.session_controller
         slots = [] if sc is None else sc.slots()
-        live = [(f"session:{sid}", slot.kv, PRIVATE_SESSION) for sid, slot in slots]
-        where = {name: "session" for name, _, _ in live}
-        held = {id(slot.kv) for _, slot in slots}
+        names = [f"session:{sid}" for sid, _ in slots]
+        kvs = [slot.kv for _, slot in slots]
+        where = dict.fromkeys(names, "session")
+        reqs = eng.requests_owning_rows()
+        if kvs:
+            held = set(map(id, kvs))
+            reqs = [r for r in reqs if id(r.kv) not in held]
         places = t._places()
-        for req in eng.requests_owning_rows():
-            if not held or id(req.kv) not in held:
-                name = "req:" + req.rid
-                live.append((name, req.kv, PRIVATE_REQ))
-                place = places.get(id(req))
-                if place:
-                    where[name] = place
-        return live, where
+        last = self.reqs
+        # NOTE: most steps keep the same requests in the same places: their names and places are then
+        # reused (a request's rid never changes), not rebuilt request by request
+        if len(reqs) == len(last[0]) and all(map(is_, reqs, last[0])) and places == last[2]:
+            req_names, req_where = last[1], last[3]
+        else:
+            req_names = ["req:" + r.rid for r in reqs]
+            req_where = {n: p for n, p in zip(req_names, map(places.get, map(id, reqs))) if p}
+            self.reqs = (reqs, req_names, places, req_where)
+        where.update(req_where)
+        kinds = [PRIVATE_SESSION] * len(names) + [PRIVATE_REQ] * len(reqs)
+        return names + req_names, kvs + list(map(_KV, reqs)), kinds, where
 
     def _records(self, out: "_Out") -> dict[str, str] | None:
         # the records' deltas into out; their places by owner; None: two live records share a row (the
@@ -85,8 +94,7 @@ class EutDeltas:
         if self.shadow is None or self.shadow.shape != table.shape:
             self.shadow = table.astype(np.int64, copy=True)
         lost, gained = _Spans(), _Spans()
-        live, where = self._live()
-        names, kvs, kinds = [x[0] for x in live], [x[1] for x in live], [x[2] for x in live]
+        names, kvs, kinds, where = self._live()
         lens = np.fromiter(chain.from_iterable(map(_LENS, kvs)), dtype=np.int64, count=3 * len(kvs)).reshape(-1, 3)
         old = self.kept
         if (names == old[0] and kinds == old[2] and all(map(is_, kvs, old[1]))
@@ -97,7 +105,7 @@ class EutDeltas:
             c, kept = _match(old, names, kvs, kinds, lens, lost, gained, out)
         self.kept = (names, kvs, kinds, lens)
         common = _continuing(c, lost, gained, out.owner_block(kept))
-        shared_rows = np.unique(c[:, 0]).size != c.shape[0]
+        shared_rows = _repeats(c[:, 0])
         if self._neq is None or self._neq.shape != table.shape:
             self._neq = np.empty(table.shape, dtype=bool)
         np.not_equal(table, self.shadow, out=self._neq)
@@ -158,6 +166,13 @@ class EutDeltas:
                     units = torch.cat(vals).to(torch.int64).numpy()
                     out.add(pool, np.full(units.size, tree_owner), units, sign,
                             np.full(units.size, PRIVATE_OTHER, dtype=np.int8))
+
+
+def _repeats(rows: np.ndarray) -> bool:
+    # whether a row number appears twice (NOTE: a bincount over the table's few rows, not np.unique's sort)
+    if rows.size < 2:
+        return False
+    return bool(np.bincount(rows).max() > 1) if rows.min() >= 0 else np.unique(rows).size != rows.size
 
 
 def _match(old: tuple, names: list, kvs: list, kinds: list, lens: np.ndarray, lost: "_Spans", gained: "_Spans",
@@ -248,6 +263,7 @@ class _Spans:
 
 _E, _E8 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8)
 _LENS = attrgetter("req_pool_idx", "cache_protected_len", "kv_allocated_len")
+_KV = attrgetter("kv")
 
 
 class _Out:

@@ -11,6 +11,8 @@ live request holds is, by construction, unreachable.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 import torch
 
@@ -219,14 +221,15 @@ class EutObserver(Target):
         wins (a chunked request is in the last batch too, a decoding one in the running batch)."""
         eng = self.engine
         hs = eng.hisparse_coordinator
-        groups = (("chunked", (eng.chunked_req,) if eng.chunked_req else ()),
+        groups = (("last_batch", eng.last_batch.reqs if eng.last_batch else ()), ("running", eng.running_batch),
+                  ("waiting", eng.waiting_queue), ("transfer", eng.disagg_transfer_queue),
                   ("staging", hs.staging_reqs() if hs is not None else ()),
-                  ("transfer", eng.disagg_transfer_queue), ("waiting", eng.waiting_queue),
-                  ("running", eng.running_batch), ("last_batch", eng.last_batch.reqs if eng.last_batch else ()))
+                  ("chunked", (eng.chunked_req,) if eng.chunked_req else ()))
         out: dict[int, str] = {}
+        # NOTE: least specific first, each group overwriting: one C-level update per group (this runs at
+        # every check, over every live request)
         for name, group in groups:
-            for r in group:
-                out.setdefault(id(r), name)
+            out.update(zip(map(id, group), repeat(name)))
         return out
 
     def lock_holders(self) -> list[tuple[str, str, int]]:
