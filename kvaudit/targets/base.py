@@ -8,6 +8,7 @@ for KV pools (``page_size`` tokens each) and rows for request pools.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -132,6 +133,8 @@ class OwnershipDeltas(NamedTuple):
     pools: dict
     where: dict
 
+
+_NO_SCOPE = nullcontext()
 
 #: the default identity: SGLang's (``srt/mem_cache/.../invariant_checker.py``)
 DEFAULT_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
@@ -304,6 +307,12 @@ class Target:
         it at every check that is not the intake scan, so that two calls bracket one check interval. None
         (default, or for a configuration the target does not cover): no deltas, the full sweep runs."""
         return None
+
+    def checking(self):
+        """A context manager the core holds around one check (:func:`kvaudit.audit.oracles.check`): the
+        engine is not stepped inside it, so a target may read once what several of its reads share (the
+        live requests, say). Default: nothing (a shared ``nullcontext``)."""
+        return _NO_SCOPE
 
     # -- optional liveness inputs (all read) ---------------------------------------------------------
     @property

@@ -168,7 +168,13 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     being aborted (the scan after intake). A busy check of a target that gives ownership deltas runs
     from the kept counts (:mod:`kvaudit.audit.oracles.incremental`) while they are clean; the full mark
     and sweep runs otherwise, at idle, and beside it in paranoid mode (``auditor.paranoid``), which
-    raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any difference."""
+    raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any difference. Runs inside
+    the target's ``checking()`` context (:meth:`kvaudit.targets.base.Target.checking`)."""
+    with target.checking():
+        return _check(auditor, target, idle, scan_only)
+
+
+def _check(auditor: Auditor, target, idle: bool, scan_only: bool) -> list[Finding]:
     if scan_only:
         return _full_check(auditor, target, False, True)[0]
     if auditor.bookkeeping is None:

@@ -216,6 +216,12 @@ class EutObserver(Target):
             kept = self._ownership = EutDeltas(self)
         return kept.deltas()
 
+    def checking(self) -> "_OwnersOnce":
+        """Within one check the engine's ``requests_owning_rows()`` is read once: every caller (the deltas,
+        the roots, the engine's own ``check_memory``, the metrics, the lock holders) gets a copy of the
+        first call's list. The engine is not stepped inside a check, so the list is the same one."""
+        return _OwnersOnce(self.engine)
+
     def _places(self) -> dict[int, str]:
         """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one
         wins (a chunked request is in the last batch too, a decoding one in the running batch)."""
@@ -459,6 +465,33 @@ class EutObserver(Target):
                 f"session_held={c.session_held} + uncached={c.uncached} = "
                 f"{c.available + c.evictable + c.protected + c.session_held + c.uncached} != total={c.total}"
                 for c in self.engine.check_memory() if not c.ok]
+
+
+class _OwnersOnce:
+    """:meth:`EutObserver.checking`: shadows the engine's bound ``requests_owning_rows`` with an instance
+    attribute that calls it once, and takes the attribute away (or puts a previous one back) on exit."""
+
+    __slots__ = ("eng", "prev", "real", "got")
+
+    def __init__(self, eng):
+        self.eng = eng
+
+    def __enter__(self) -> None:
+        eng = self.eng
+        self.prev = eng.__dict__.get("requests_owning_rows")  # a test's or an outer check's
+        self.real, self.got = eng.requests_owning_rows, None
+        eng.requests_owning_rows = self.once
+
+    def once(self) -> list:
+        if self.got is None:
+            self.got = self.real()
+        return list(self.got)
+
+    def __exit__(self, *exc) -> None:
+        if self.prev is None:
+            self.eng.__dict__.pop("requests_owning_rows", None)
+        else:
+            self.eng.requests_owning_rows = self.prev
 
 
 def _ranges(pos) -> str:

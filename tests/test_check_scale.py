@@ -1,0 +1,39 @@
+"""What keeps a busy check at 1M slots cheap (docs/internals/performance.md, "A busy check under 5 ms"):
+the live requests read once per check, the tree recount walked again only after a tree edit, and the
+req_to_token compare. Each test plants what the saving could hide and checks it is still found."""
+
+from __future__ import annotations
+
+from kvaudit.audit import oracles
+from kvaudit.audit.runner import AuditedRun
+from kvaudit.program import Step, Submit
+from kvaudit.targets.eut.presets import get_preset
+
+from engine_under_test.scheduler import Scheduler
+
+
+def _busy_run(max_new: int = 8) -> AuditedRun:
+    run = AuditedRun(get_preset("default").config(), paranoid=False)
+    run.__enter__()
+    run.apply(Submit(family=0, prompt_len=12, max_new_tokens=max_new))
+    run.apply(Submit(family=1, prompt_len=9, max_new_tokens=max_new))
+    assert run.apply(Step(n=2)) == []
+    return run
+
+
+def test_one_check_reads_the_live_requests_once(monkeypatch):
+    calls = []
+    real = Scheduler.requests_owning_rows
+    monkeypatch.setattr(Scheduler, "requests_owning_rows", lambda self: (calls.append(1), real(self))[1])
+    run = _busy_run()
+    try:
+        eng = run.target.engine
+        assert eng.requests_owning_rows()  # a request is live: the check has something to read
+        calls.clear()
+        assert oracles.check(run.auditor, run.target) == []
+        assert len(calls) == 1
+        assert "requests_owning_rows" not in eng.__dict__  # the engine's own method again after the check
+        eng.requests_owning_rows()
+        assert len(calls) == 2
+    finally:
+        run.__exit__(None, None, None)
