@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.eut.deltas import EutDeltas
+from kvaudit.targets.eut.tree_edits import TreeEdits
 from kvaudit.targets.base import (Accounting, LockImbalance, Recount, Root, Target, records_roots,
                                   slot_pages, wrap_insert)
 
@@ -376,10 +377,25 @@ class EutObserver(Target):
         """The tree's terms recounted from its nodes (SGLang's definition, ``RadixCache.check_integrity``):
         ``evictable`` = tokens of device-resident nodes with ``lock_ref == 0``, ``protected`` = those with
         ``lock_ref > 0``; with HiCache, the host pool's ``protected`` = host copies of device-resident or
-        pinned (``host_ref > 0``) nodes and ``evictable`` = the other host copies. One walk of the tree."""
+        pinned (``host_ref > 0``) nodes and ``evictable`` = the other host copies. One walk of the tree,
+        made again only after a call that can change a node (:class:`kvaudit.targets.eut.tree_edits.TreeEdits`):
+        until then the last walk's counts are the nodes' counts (the engine's counters are read fresh by
+        the oracle that compares them)."""
         tree = self.engine.tree_cache
         if tree.disable:
             return {}
+        edits = self.__dict__.get("_tree_edits")
+        if edits is None or edits.tree is not tree:
+            edits = self._tree_edits = TreeEdits(tree)
+        key = edits.key()
+        last = self.__dict__.get("_recounted")
+        if key is not None and last is not None and last[0] == key:
+            return last[1]
+        out = self._walk_recount(tree)
+        self._recounted = (key, out)
+        return out
+
+    def _walk_recount(self, tree) -> dict[str, dict[str, Recount]]:
         ev = pr = hev = hpr = 0
         for n in tree.nodes():
             k = len(n.key)
