@@ -5,6 +5,7 @@ req_to_token compare. Each test plants what the saving could hide and checks it 
 from __future__ import annotations
 
 from kvaudit.audit import oracles
+from kvaudit.audit.oracles import incremental
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.program import Step, Submit
 from kvaudit.targets.eut.presets import get_preset
@@ -74,5 +75,60 @@ def test_the_recount_walks_when_its_wrappers_are_not_outermost():
         assert edits.key() is not None
         del tree.__dict__["evict"]  # taken away, as Auditor.close does
         assert edits.key() is None and edits.key() is not None
+    finally:
+        run.__exit__(None, None, None)
+
+
+def _stray_write(run) -> tuple[int, int]:
+    """Plant a stray write: a running request's last own slot overwritten (by no engine call) with
+    another request's; returns (the slot that leaks, the slot now owned twice)."""
+    eng = run.target.engine
+    a, b = eng.requests_owning_rows()[:2]
+    table = eng.req_to_token_pool.req_to_token
+    assert a.kv.cache_protected_len < a.kv.kv_allocated_len and b.kv.cache_protected_len < b.kv.kv_allocated_len
+    pos = a.kv.kv_allocated_len - 1
+    leaked, twice = int(table[a.kv.req_pool_idx, pos]), int(table[b.kv.req_pool_idx, b.kv.kv_allocated_len - 1])
+    table[a.kv.req_pool_idx, pos] = twice
+    return leaked, twice
+
+
+def _kinds(found) -> set[str]:
+    return {f.kind for f in found}
+
+
+def test_a_stray_write_is_found_by_the_next_full_sweep(monkeypatch):
+    """A busy incremental check compares req_to_token only on the rows a step rewrites (EutDeltas._written):
+    a stray write elsewhere is not seen there, and the next full sweep (here the idle check's) finds it,
+    after which the kept state agrees with the roots again."""
+    monkeypatch.setattr(incremental, "MIN_UNITS", 0)  # the incremental check on this small engine
+    run = _busy_run()
+    try:
+        auditor, target = run.auditor, run.target
+        assert auditor.bookkeeping.valid  # the last step's check ran from the deltas
+        leaked, twice = _stray_write(run)
+        assert oracles.check(auditor, target) == []  # the restricted look: not seen
+        found = oracles.check(auditor, target, idle=True)  # a full sweep (exact deltas)
+        assert {"leak", "aliasing"} <= _kinds(found), [f.summary() for f in found]
+        leak = next(f for f in found if f.kind == "leak")
+        assert leaked in leak.slots
+        by_pool = {p: [] for p in auditor.ledgers}
+        for r in target.roots():
+            by_pool[r.pool].append(r)
+        assert auditor.bookkeeping.disagreement(auditor, by_pool, False) == ""  # in step with the roots again
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_a_stray_write_is_found_at_its_step_in_paranoid_mode(monkeypatch):
+    """Paranoid mode asks for exact deltas at every check: the stray write is in them, the full sweep
+    finds it at the same check, and the two agree (no DeltaDisagreement)."""
+    monkeypatch.setattr(incremental, "MIN_UNITS", 0)
+    run = _busy_run()
+    try:
+        run.auditor.paranoid = True
+        assert oracles.check(run.auditor, run.target) == []
+        _stray_write(run)
+        found = oracles.check(run.auditor, run.target)
+        assert {"leak", "aliasing"} <= _kinds(found), [f.summary() for f in found]
     finally:
         run.__exit__(None, None, None)

@@ -42,8 +42,8 @@ def _hide_losses(target) -> None:
     # a target whose deltas miss a dropped record: no unit it held is reported lost
     real = target.ownership_deltas
 
-    def deltas():
-        d = real()
+    def deltas(*a):
+        d = real(*a)
         if d is None:
             return d
         pools = {p: tuple(a[v[2] > 0] for a in v) for p, v in d.pools.items()}
@@ -90,7 +90,7 @@ def test_the_busy_check_runs_from_the_deltas(monkeypatch, small_pools_too):
 def test_small_pools_sweep_every_check(monkeypatch):
     """Under incremental.MIN_UNITS units the deltas cost more than the sweep: not asked for, every check full."""
     with AuditedRun(get_preset("default").config(), paranoid=False) as run:
-        monkeypatch.setattr(run.target, "ownership_deltas", lambda: pytest.fail("deltas asked of a small engine"))
+        monkeypatch.setattr(run.target, "ownership_deltas", lambda *a: pytest.fail("deltas asked of a small engine"))
         run.apply(Submit(family=0, prompt_len=12, max_new_tokens=4))
         run.apply(Idle())
         assert run.findings == [] and not run.auditor.bookkeeping.big

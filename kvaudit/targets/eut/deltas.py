@@ -51,12 +51,14 @@ class EutDeltas:
         return (self.target.config.page_size == 1 and eng.hisparse_coordinator is None
                 and eng.req_to_token_pool.req_to_token.device.type == "cpu")
 
-    def deltas(self) -> OwnershipDeltas | None:
-        """Since the previous call: per pool ``(owner, units, sign, kind)``; None when not covered."""
+    def deltas(self, exact: bool = True) -> OwnershipDeltas | None:
+        """Since the previous call: per pool ``(owner, units, sign, kind)``; None when not covered.
+        ``exact=False``: the table compared only on the rows where the engine's own code rewrites a
+        record's kept part (:meth:`_written`)."""
         if not self.covered():
             return None
         out = _Out()
-        where = self._records(out)
+        where = self._records(out, exact)
         self._sessions(out)
         self._tree(out)
         return None if where is None else OwnershipDeltas(out.owners, out.pools(), where)
@@ -87,7 +89,7 @@ class EutDeltas:
         kinds = [PRIVATE_SESSION] * len(names) + [PRIVATE_REQ] * len(reqs)
         return names + req_names, kvs + list(map(_KV, reqs)), kinds, where
 
-    def _records(self, out: "_Out") -> dict[str, str] | None:
+    def _records(self, out: "_Out", exact: bool = True) -> dict[str, str] | None:
         # the records' deltas into out; their places by owner; None: two live records share a row (the
         # full sweep judges that state; the kept copy is brought up to date all the same)
         table = self.target.engine.req_to_token_pool.req_to_token.numpy()
@@ -106,19 +108,40 @@ class EutDeltas:
         self.kept = (names, kvs, kinds, lens)
         common = _continuing(c, lost, gained, out.owner_block(kept))
         shared_rows = _repeats(c[:, 0])
-        if self._neq is None or self._neq.shape != table.shape:
-            self._neq = np.empty(table.shape, dtype=bool)
-        np.not_equal(table, self.shadow, out=self._neq)
-        mis = np.flatnonzero(self._neq)  # every entry written since the last call
-        parts = [(-1, lost.gather(self.shadow)), (1, gained.gather(table))]
+        mis = self._written(table, None if exact else c)
+        lost_units = lost.gather(self.shadow)
+        gained_units, at = gained.gather(table, flat=True)
+        parts = [(-1, lost_units), (1, gained_units)]
         if mis.size and not shared_rows:
             lp, gp = _rewrites(self.shadow, table, mis, common)
             parts += [(-1, lp), (1, gp)]
-        self.shadow.ravel()[mis] = table.ravel()[mis]
+        flat = self.shadow.ravel()
+        flat[mis] = table.ravel()[mis]
+        flat[at] = gained_units[1]  # (the kept copy holds every record's parts as last reported)
         for sign, (owner, units, kind) in parts:
             if units.size:
                 out.add("token_to_kv_pool", owner, units, sign, kind)
         return None if shared_rows else where
+
+    def _written(self, table: np.ndarray, c: np.ndarray | None) -> np.ndarray:
+        # the flat positions of the table written since the last call: every one (c None), or those on
+        # the rows of continuing records c (_continuing's [k, 6]) whose protected prefix moved or whose
+        # allocation shrank, the only rows where the engine's own code rewrites a part a record kept
+        # (checkpoint_kv_cache_into_tree points [old protected, new) at the tree's slots). Every other write
+        # of a step lands in a part it grew (read from the table as gained). A write elsewhere, a stray one,
+        # is left to the next exact call: the core makes one wherever the full sweep runs (idle, after an
+        # anomaly, paranoid mode), and that sweep reports what the write did
+        if c is None:
+            if self._neq is None or self._neq.shape != table.shape:
+                self._neq = np.empty(table.shape, dtype=bool)
+            np.not_equal(table, self.shadow, out=self._neq)
+            return np.flatnonzero(self._neq)
+        row, op, oa, np_, na = c[:, :5].T
+        rows = row[(op != np_) | (na < oa)]
+        if not rows.size:
+            return _E
+        r, col = np.divmod(np.flatnonzero(table[rows] != self.shadow[rows]), table.shape[1])
+        return rows[r] * table.shape[1] + col
 
     def _sessions(self, out: "_Out") -> None:
         t = self.target
@@ -252,13 +275,15 @@ class _Spans:
     def extend(self, owner, rows, starts, ends, kind) -> None:
         self.blocks.append((owner, rows, starts, ends, kind))
 
-    def gather(self, src: np.ndarray) -> tuple:
-        """(owner, units, kind) of every entry, read from ``src``."""
+    def gather(self, src: np.ndarray, flat: bool = False) -> tuple:
+        """(owner, units, kind) of every entry, read from ``src``; ``flat``: and, beside that triple, the
+        entries' flat positions in ``src``."""
         if not self.blocks:
-            return _E, _E, _E8
+            return ((_E, _E, _E8), _E) if flat else (_E, _E, _E8)
         owner, rows, starts, ends, kind = (np.concatenate([b[i] for b in self.blocks]) for i in range(5))
-        units, _, _, span = span_units(src, rows, starts, ends)
-        return owner[span], units, kind[span].astype(np.int8)
+        units, r, cols, span = span_units(src, rows, starts, ends)
+        got = owner[span], units, kind[span].astype(np.int8)
+        return (got, r * src.shape[1] + cols) if flat else got
 
 
 _E, _E8 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8)

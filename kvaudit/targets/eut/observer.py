@@ -209,13 +209,15 @@ class EutObserver(Target):
             out.append(Root("hicache_host", "tree", pages(torch.cat(host)), role="tree"))
         return out
 
-    def ownership_deltas(self):
+    def ownership_deltas(self, exact: bool = True):
         """How the roots changed since the previous call (:class:`kvaudit.targets.eut.deltas.EutDeltas`);
-        None for a configuration it does not cover (pages over one token, HiSparse, a table off the CPU)."""
+        None for a configuration it does not cover (pages over one token, HiSparse, a table off the CPU).
+        ``exact=False``: ``req_to_token`` compared only on the rows whose records' protected prefix moved
+        or whose allocation shrank (see EutDeltas)."""
         kept = self.__dict__.get("_ownership")
         if kept is None:
             kept = self._ownership = EutDeltas(self)
-        return kept.deltas()
+        return kept.deltas(exact)
 
     def checking(self) -> "_OwnersOnce":
         """Within one check the engine's ``requests_owning_rows()`` is read once: every caller (the deltas,
