@@ -303,11 +303,13 @@ class _Out:
         """The indices of ``names``, none of them named before (``[k] int64``)."""
         first = len(self.owners)
         self.owners += names
-        self._ids.update(zip(names, range(first, first + len(names))))
         return np.arange(first, first + len(names), dtype=np.int64)
 
     def owner(self, name: str) -> int:
-        i = self._ids.get(name)
+        ids, n = self._ids, len(self.owners)
+        if len(ids) < n:  # NOTE: names of a block indexed only when a single owner is looked up (most steps: never)
+            ids.update(zip(self.owners[len(ids):], range(len(ids), n)))
+        i = ids.get(name)
         if i is None:
             i = self._ids[name] = len(self.owners)
             self.owners.append(name)
