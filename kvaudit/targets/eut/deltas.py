@@ -4,13 +4,17 @@ rebuilding them.
 
 Per KV record (a live request's, a session slot's) it keeps ``(row, cache_protected_len,
 kv_allocated_len, kind, record object)`` (as arrays, compared whole when the live records are the
-same ones in the same order), and a copy of the whole ``req_to_token`` table as last reported. A call
-compares the live records with the kept ones: the positions that entered or left a record's parts (a row
-grew or shrank, a span moved from its own KV to its tree-owned prefix) and a record that is new, dropped,
-or changed row, holder or record object are read as spans. Which entries anyone wrote since the last
-call (a decode's slot, ``checkpoint_kv_cache_into_tree`` pointing a span at the tree's slots, a session's
-trim refilled, or a bug's stray write) is one compare of the table with its copy; such an entry inside a
-part that a record kept is a unit lost and one gained. Two live records on one row make the call return
+same ones in the same order), and a copy of ``req_to_token`` that holds every live record's parts as
+last reported. A call compares the live records with the kept ones: the positions that entered or left a
+record's parts (a row grew or shrank, a span moved from its own KV to its tree-owned prefix) and a record
+that is new, dropped, or changed row, holder or record object are read as spans (the gained ones from
+the table, into the copy too). Which entries were rewritten inside a part a record kept
+(``checkpoint_kv_cache_into_tree`` pointing a span at the tree's slots, or a bug's stray write) is a
+compare of the table with its copy; such an entry is a unit lost and one gained. An exact call compares
+the whole table; ``exact=False`` (a busy check) only the rows whose record's protected prefix moved or
+whose allocation shrank, the rows where the engine's own code rewrites a kept part: a stray write
+elsewhere waits for the next exact call, which the core makes wherever the full sweep runs (at idle,
+after an anomaly, in paranoid mode), and that sweep reports it. Two live records on one row make the call return
 None (the full sweep judges that state). The tree is walked only when its shape may have changed (its
 root, clock or sizes moved, or HiCache is on); a node whose value is a different tensor lost the old one
 and gained the new one. A change none of these see (a tree node dropped with no size or clock change) is
