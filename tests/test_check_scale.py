@@ -8,6 +8,7 @@ from kvaudit.audit import oracles
 from kvaudit.audit.oracles import incremental
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.program import Step, Submit
+from kvaudit.targets.eut import observer
 from kvaudit.targets.eut.presets import get_preset
 
 from engine_under_test.scheduler import Scheduler
@@ -23,6 +24,7 @@ def _busy_run(max_new: int = 8) -> AuditedRun:
 
 
 def test_one_check_reads_the_live_requests_once(monkeypatch):
+    monkeypatch.setattr(observer, "OWNERS_ONCE_FROM", 0)  # (from 64 requests: two here)
     calls = []
     real = Scheduler.requests_owning_rows
     monkeypatch.setattr(Scheduler, "requests_owning_rows", lambda self: (calls.append(1), real(self))[1])
@@ -40,7 +42,8 @@ def test_one_check_reads_the_live_requests_once(monkeypatch):
         run.__exit__(None, None, None)
 
 
-def test_the_tree_recount_walks_again_after_every_tree_edit():
+def test_the_tree_recount_walks_again_after_every_tree_edit(monkeypatch):
+    monkeypatch.setattr(observer, "RECOUNT_EDITS_FROM", 0)  # (from 256 nodes: a few here)
     run = _busy_run()
     try:
         target, tree = run.target, run.target.engine.tree_cache
@@ -59,9 +62,10 @@ def test_the_tree_recount_walks_again_after_every_tree_edit():
         run.__exit__(None, None, None)
 
 
-def test_the_recount_walks_when_its_wrappers_are_not_outermost():
+def test_the_recount_walks_when_its_wrappers_are_not_outermost(monkeypatch):
     """An auditor's wrapper put on top of the counting one (or the counting ones taken away on close):
     the recount cannot tell, walks, and puts its wrappers back on top."""
+    monkeypatch.setattr(observer, "RECOUNT_EDITS_FROM", 0)
     run = _busy_run()
     try:
         target, tree = run.target, run.target.engine.tree_cache
@@ -75,6 +79,20 @@ def test_the_recount_walks_when_its_wrappers_are_not_outermost():
         assert edits.key() is not None
         del tree.__dict__["evict"]  # taken away, as Auditor.close does
         assert edits.key() is None and edits.key() is not None
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_small_engines_keep_the_plain_walks():
+    """A small tree walks at every check and a few requests are read per call: no wrapper on the tree's
+    methods, no shadow of the engine's requests_owning_rows (each costs more there than it saves)."""
+    run = _busy_run()
+    try:
+        run.target.recount()
+        assert run.target.__dict__.get("_tree_edits") is None
+        assert "match_prefix" not in run.target.engine.tree_cache.__dict__
+        with run.target.checking():
+            assert "requests_owning_rows" not in run.target.engine.__dict__
     finally:
         run.__exit__(None, None, None)
 
