@@ -8,6 +8,7 @@ for KV pools (``page_size`` tokens each) and rows for request pools.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -132,6 +133,8 @@ class OwnershipDeltas(NamedTuple):
     pools: dict
     where: dict
 
+
+_NO_SCOPE = nullcontext()
 
 #: the default identity: SGLang's (``srt/mem_cache/.../invariant_checker.py``)
 DEFAULT_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
@@ -297,13 +300,23 @@ class Target:
         ``""``: none this run; None (default): the target does not model retraction."""
         return None
 
-    def ownership_deltas(self) -> OwnershipDeltas | None:
+    def ownership_deltas(self, exact: bool = True) -> OwnershipDeltas | None:
         """How ownership changed since the previous call (mutates only the target's own bookkeeping), for
         the incremental per-step check (:mod:`kvaudit.audit.oracles.incremental`): a row grew or shrank, a
         prefix moved to the tree, a node was split, evicted or freed, a record was dropped. The core calls
         it at every check that is not the intake scan, so that two calls bracket one check interval. None
-        (default, or for a configuration the target does not cover): no deltas, the full sweep runs."""
+        (default, or for a configuration the target does not cover): no deltas, the full sweep runs.
+        ``exact=False``: the target may look only where the engine's own code writes in a step (a write
+        into a part of a record the step did not change, a stray one, may go unseen); the core asks for
+        ``exact=True`` wherever the full sweep rebuilds its state (at idle, at the first check, after an
+        anomaly or a finding, in paranoid mode), so such a write is found by that sweep."""
         return None
+
+    def checking(self):
+        """A context manager the core holds around one check (:func:`kvaudit.audit.oracles.check`): the
+        engine is not stepped inside it, so a target may read once what several of its reads share (the
+        live requests, say). Default: nothing (a shared ``nullcontext``)."""
+        return _NO_SCOPE
 
     # -- optional liveness inputs (all read) ---------------------------------------------------------
     @property

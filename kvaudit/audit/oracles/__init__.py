@@ -168,13 +168,20 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
     being aborted (the scan after intake). A busy check of a target that gives ownership deltas runs
     from the kept counts (:mod:`kvaudit.audit.oracles.incremental`) while they are clean; the full mark
     and sweep runs otherwise, at idle, and beside it in paranoid mode (``auditor.paranoid``), which
-    raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any difference."""
+    raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any difference. Runs inside
+    the target's ``checking()`` context (:meth:`kvaudit.targets.base.Target.checking`)."""
+    with target.checking():
+        return _check(auditor, target, idle, scan_only)
+
+
+def _check(auditor: Auditor, target, idle: bool, scan_only: bool) -> list[Finding]:
     if scan_only:
         return _full_check(auditor, target, False, True)[0]
     if auditor.bookkeeping is None:
         auditor.bookkeeping = Bookkeeping(sum(led.allocated.size for led in auditor.ledgers.values()))
     bk = auditor.bookkeeping
-    deltas = target.ownership_deltas() if bk.big or auditor.paranoid else None
+    exact = auditor.paranoid or idle or not bk.valid  # (the full sweep rebuilds the kept state below)
+    deltas = target.ownership_deltas(exact) if bk.big or auditor.paranoid else None
     if deltas is None:
         bk.valid = False
         return _full_check(auditor, target, idle, False)[0]
@@ -192,6 +199,10 @@ def check(auditor: Auditor, target, idle: bool = False, scan_only: bool = False)
                                         f"{auditor.step}: the ownership deltas disagree with the full sweep: "
                                         f"{wrong.lstrip('; ')}")
         bk.resync(auditor, by_pool, where)
+        if not exact:
+            # an anomaly in a busy check: the target's copy brought up to the roots just swept (a write it
+            # did not look for is in them); the engine has not moved since, so nothing else is in these
+            target.ownership_deltas(True)
     bk.valid = not found
     return found
 

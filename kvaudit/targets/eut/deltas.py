@@ -4,13 +4,17 @@ rebuilding them.
 
 Per KV record (a live request's, a session slot's) it keeps ``(row, cache_protected_len,
 kv_allocated_len, kind, record object)`` (as arrays, compared whole when the live records are the
-same ones in the same order), and a copy of the whole ``req_to_token`` table as last reported. A call
-compares the live records with the kept ones: the positions that entered or left a record's parts (a row
-grew or shrank, a span moved from its own KV to its tree-owned prefix) and a record that is new, dropped,
-or changed row, holder or record object are read as spans. Which entries anyone wrote since the last
-call (a decode's slot, ``checkpoint_kv_cache_into_tree`` pointing a span at the tree's slots, a session's
-trim refilled, or a bug's stray write) is one compare of the table with its copy; such an entry inside a
-part that a record kept is a unit lost and one gained. Two live records on one row make the call return
+same ones in the same order), and a copy of ``req_to_token`` that holds every live record's parts as
+last reported. A call compares the live records with the kept ones: the positions that entered or left a
+record's parts (a row grew or shrank, a span moved from its own KV to its tree-owned prefix) and a record
+that is new, dropped, or changed row, holder or record object are read as spans (the gained ones from
+the table, into the copy too). Which entries were rewritten inside a part a record kept
+(``checkpoint_kv_cache_into_tree`` pointing a span at the tree's slots, or a bug's stray write) is a
+compare of the table with its copy; such an entry is a unit lost and one gained. An exact call compares
+the whole table; ``exact=False`` (a busy check) only the rows whose record's protected prefix moved or
+whose allocation shrank, the rows where the engine's own code rewrites a kept part: a stray write
+elsewhere waits for the next exact call, which the core makes wherever the full sweep runs (at idle,
+after an anomaly, in paranoid mode), and that sweep reports it. Two live records on one row make the call return
 None (the full sweep judges that state). The tree is walked only when its shape may have changed (its
 root, clock or sizes moved, or HiCache is on); a node whose value is a different tensor lost the old one
 and gained the new one. A change none of these see (a tree node dropped with no size or clock change) is
@@ -44,49 +48,59 @@ class EutDeltas:
         self.nodes: dict[int, tuple] = {}  # node id -> (value, host value) last seen
         self.tree_key: tuple | None = None
         self.session_units: dict[str, int] = {}
+        self.reqs: tuple = ([], [], {}, {})  # the live requests last read, their names, places, places by name
 
     def covered(self) -> bool:
         eng = self.target.engine
         return (self.target.config.page_size == 1 and eng.hisparse_coordinator is None
                 and eng.req_to_token_pool.req_to_token.device.type == "cpu")
 
-    def deltas(self) -> OwnershipDeltas | None:
-        """Since the previous call: per pool ``(owner, units, sign, kind)``; None when not covered."""
+    def deltas(self, exact: bool = True) -> OwnershipDeltas | None:
+        """Since the previous call: per pool ``(owner, units, sign, kind)``; None when not covered.
+        ``exact=False``: the table compared only on the rows where the engine's own code rewrites a
+        record's kept part (:meth:`_written`)."""
         if not self.covered():
             return None
         out = _Out()
-        where = self._records(out)
+        where = self._records(out, exact)
         self._sessions(out)
         self._tree(out)
         return None if where is None else OwnershipDeltas(out.owners, out.pools(), where)
 
-    def _live(self) -> tuple[list, dict[str, str]]:
-        # every live record as roots() finds them, (name, kv, kind), and their places by name
+    def _live(self) -> tuple[list, list, list, dict[str, str]]:
+        # every live record as roots() finds them, as (names, kvs, kinds), and their places by name
         t, eng = self.target, self.target.engine
         sc = eng.session_controller
         slots = [] if sc is None else sc.slots()
-        live = [(f"session:{sid}", slot.kv, PRIVATE_SESSION) for sid, slot in slots]
-        where = {name: "session" for name, _, _ in live}
-        held = {id(slot.kv) for _, slot in slots}
+        names = [f"session:{sid}" for sid, _ in slots]
+        kvs = [slot.kv for _, slot in slots]
+        where = dict.fromkeys(names, "session")
+        reqs = eng.requests_owning_rows()
+        if kvs:
+            held = set(map(id, kvs))
+            reqs = [r for r in reqs if id(r.kv) not in held]
         places = t._places()
-        for req in eng.requests_owning_rows():
-            if not held or id(req.kv) not in held:
-                name = "req:" + req.rid
-                live.append((name, req.kv, PRIVATE_REQ))
-                place = places.get(id(req))
-                if place:
-                    where[name] = place
-        return live, where
+        last = self.reqs
+        # NOTE: most steps keep the same requests in the same places: their names and places are then
+        # reused (a request's rid never changes), not rebuilt request by request
+        if len(reqs) == len(last[0]) and all(map(is_, reqs, last[0])) and places == last[2]:
+            req_names, req_where = last[1], last[3]
+        else:
+            req_names = ["req:" + r.rid for r in reqs]
+            req_where = {n: p for n, p in zip(req_names, map(places.get, map(id, reqs))) if p}
+            self.reqs = (reqs, req_names, places, req_where)
+        where.update(req_where)
+        kinds = [PRIVATE_SESSION] * len(names) + [PRIVATE_REQ] * len(reqs)
+        return names + req_names, kvs + list(map(_KV, reqs)), kinds, where
 
-    def _records(self, out: "_Out") -> dict[str, str] | None:
+    def _records(self, out: "_Out", exact: bool = True) -> dict[str, str] | None:
         # the records' deltas into out; their places by owner; None: two live records share a row (the
         # full sweep judges that state; the kept copy is brought up to date all the same)
         table = self.target.engine.req_to_token_pool.req_to_token.numpy()
         if self.shadow is None or self.shadow.shape != table.shape:
             self.shadow = table.astype(np.int64, copy=True)
         lost, gained = _Spans(), _Spans()
-        live, where = self._live()
-        names, kvs, kinds = [x[0] for x in live], [x[1] for x in live], [x[2] for x in live]
+        names, kvs, kinds, where = self._live()
         lens = np.fromiter(chain.from_iterable(map(_LENS, kvs)), dtype=np.int64, count=3 * len(kvs)).reshape(-1, 3)
         old = self.kept
         if (names == old[0] and kinds == old[2] and all(map(is_, kvs, old[1]))
@@ -97,20 +111,41 @@ class EutDeltas:
             c, kept = _match(old, names, kvs, kinds, lens, lost, gained, out)
         self.kept = (names, kvs, kinds, lens)
         common = _continuing(c, lost, gained, out.owner_block(kept))
-        shared_rows = np.unique(c[:, 0]).size != c.shape[0]
-        if self._neq is None or self._neq.shape != table.shape:
-            self._neq = np.empty(table.shape, dtype=bool)
-        np.not_equal(table, self.shadow, out=self._neq)
-        mis = np.flatnonzero(self._neq)  # every entry written since the last call
-        parts = [(-1, lost.gather(self.shadow)), (1, gained.gather(table))]
+        shared_rows = _repeats(c[:, 0])
+        mis = self._written(table, None if exact else c)
+        lost_units = lost.gather(self.shadow)
+        gained_units, at = gained.gather(table, flat=True)
+        parts = [(-1, lost_units), (1, gained_units)]
         if mis.size and not shared_rows:
             lp, gp = _rewrites(self.shadow, table, mis, common)
             parts += [(-1, lp), (1, gp)]
-        self.shadow.ravel()[mis] = table.ravel()[mis]
+        flat = self.shadow.ravel()
+        flat[mis] = table.ravel()[mis]
+        flat[at] = gained_units[1]  # (the kept copy holds every record's parts as last reported)
         for sign, (owner, units, kind) in parts:
             if units.size:
                 out.add("token_to_kv_pool", owner, units, sign, kind)
         return None if shared_rows else where
+
+    def _written(self, table: np.ndarray, c: np.ndarray | None) -> np.ndarray:
+        # the flat positions of the table written since the last call: every one (c None), or those on
+        # the rows of continuing records c (_continuing's [k, 6]) whose protected prefix moved or whose
+        # allocation shrank, the only rows where the engine's own code rewrites a part a record kept
+        # (checkpoint_kv_cache_into_tree points [old protected, new) at the tree's slots). Every other write
+        # of a step lands in a part it grew (read from the table as gained). A write elsewhere, a stray one,
+        # is left to the next exact call: the core makes one wherever the full sweep runs (idle, after an
+        # anomaly, paranoid mode), and that sweep reports what the write did
+        if c is None:
+            if self._neq is None or self._neq.shape != table.shape:
+                self._neq = np.empty(table.shape, dtype=bool)
+            np.not_equal(table, self.shadow, out=self._neq)
+            return np.flatnonzero(self._neq)
+        row, op, oa, np_, na = c[:, :5].T
+        rows = row[(op != np_) | (na < oa)]
+        if not rows.size:
+            return _E
+        r, col = np.divmod(np.flatnonzero(table[rows] != self.shadow[rows]), table.shape[1])
+        return rows[r] * table.shape[1] + col
 
     def _sessions(self, out: "_Out") -> None:
         t = self.target
@@ -158,6 +193,13 @@ class EutDeltas:
                     units = torch.cat(vals).to(torch.int64).numpy()
                     out.add(pool, np.full(units.size, tree_owner), units, sign,
                             np.full(units.size, PRIVATE_OTHER, dtype=np.int8))
+
+
+def _repeats(rows: np.ndarray) -> bool:
+    # whether a row number appears twice (NOTE: a bincount over the table's few rows, not np.unique's sort)
+    if rows.size < 2:
+        return False
+    return bool(np.bincount(rows).max() > 1) if rows.min() >= 0 else np.unique(rows).size != rows.size
 
 
 def _match(old: tuple, names: list, kvs: list, kinds: list, lens: np.ndarray, lost: "_Spans", gained: "_Spans",
@@ -237,17 +279,20 @@ class _Spans:
     def extend(self, owner, rows, starts, ends, kind) -> None:
         self.blocks.append((owner, rows, starts, ends, kind))
 
-    def gather(self, src: np.ndarray) -> tuple:
-        """(owner, units, kind) of every entry, read from ``src``."""
+    def gather(self, src: np.ndarray, flat: bool = False) -> tuple:
+        """(owner, units, kind) of every entry, read from ``src``; ``flat``: and, beside that triple, the
+        entries' flat positions in ``src``."""
         if not self.blocks:
-            return _E, _E, _E8
+            return ((_E, _E, _E8), _E) if flat else (_E, _E, _E8)
         owner, rows, starts, ends, kind = (np.concatenate([b[i] for b in self.blocks]) for i in range(5))
-        units, _, _, span = span_units(src, rows, starts, ends)
-        return owner[span], units, kind[span].astype(np.int8)
+        units, r, cols, span = span_units(src, rows, starts, ends)
+        got = owner[span], units, kind[span].astype(np.int8)
+        return (got, r * src.shape[1] + cols) if flat else got
 
 
 _E, _E8 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8)
 _LENS = attrgetter("req_pool_idx", "cache_protected_len", "kv_allocated_len")
+_KV = attrgetter("kv")
 
 
 class _Out:
@@ -262,11 +307,13 @@ class _Out:
         """The indices of ``names``, none of them named before (``[k] int64``)."""
         first = len(self.owners)
         self.owners += names
-        self._ids.update(zip(names, range(first, first + len(names))))
         return np.arange(first, first + len(names), dtype=np.int64)
 
     def owner(self, name: str) -> int:
-        i = self._ids.get(name)
+        ids, n = self._ids, len(self.owners)
+        if len(ids) < n:  # NOTE: names of a block indexed only when a single owner is looked up (most steps: never)
+            ids.update(zip(self.owners[len(ids):], range(len(ids), n)))
+        i = ids.get(name)
         if i is None:
             i = self._ids[name] = len(self.owners)
             self.owners.append(name)

@@ -1,0 +1,152 @@
+"""What keeps a busy check at 1M slots cheap (docs/internals/performance.md, "A busy check under 5 ms"):
+the live requests read once per check, the tree recount walked again only after a tree edit, and the
+req_to_token compare. Each test plants what the saving could hide and checks it is still found."""
+
+from __future__ import annotations
+
+from kvaudit.audit import oracles
+from kvaudit.audit.oracles import incremental
+from kvaudit.audit.runner import AuditedRun
+from kvaudit.program import Step, Submit
+from kvaudit.targets.eut import observer
+from kvaudit.targets.eut.presets import get_preset
+
+from engine_under_test.scheduler import Scheduler
+
+
+def _busy_run(max_new: int = 8) -> AuditedRun:
+    run = AuditedRun(get_preset("default").config(), paranoid=False)
+    run.__enter__()
+    run.apply(Submit(family=0, prompt_len=12, max_new_tokens=max_new))
+    run.apply(Submit(family=1, prompt_len=9, max_new_tokens=max_new))
+    assert run.apply(Step(n=2)) == []
+    return run
+
+
+def test_one_check_reads_the_live_requests_once(monkeypatch):
+    monkeypatch.setattr(observer, "OWNERS_ONCE_FROM", 0)  # (from 64 requests: two here)
+    calls = []
+    real = Scheduler.requests_owning_rows
+    monkeypatch.setattr(Scheduler, "requests_owning_rows", lambda self: (calls.append(1), real(self))[1])
+    run = _busy_run()
+    try:
+        eng = run.target.engine
+        assert eng.requests_owning_rows()  # a request is live: the check has something to read
+        calls.clear()
+        assert oracles.check(run.auditor, run.target) == []
+        assert len(calls) == 1
+        assert "requests_owning_rows" not in eng.__dict__  # the engine's own method again after the check
+        eng.requests_owning_rows()
+        assert len(calls) == 2
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_the_tree_recount_walks_again_after_every_tree_edit(monkeypatch):
+    monkeypatch.setattr(observer, "RECOUNT_EDITS_FROM", 0)  # (from 256 nodes: a few here)
+    run = _busy_run()
+    try:
+        target, tree = run.target, run.target.engine.tree_cache
+        first = target.recount()
+        walks = []
+        real = tree.nodes
+        tree.nodes = lambda *a: (walks.append(1), real(*a))[1]
+        assert target.recount() is first and not walks  # nothing changed: the last walk's counts
+        node = next(n for n in real() if n.value is not None and n.lock_ref == 1 and not n.children)
+        tree.dec_lock_ref(node)  # an edit through the tree's method: walked again, the unlock counted
+        got = target.recount()["token_to_kv_pool"]
+        assert walks and got["evictable"].tokens == first["token_to_kv_pool"]["evictable"].tokens + len(node.key)
+        tree.inc_lock_ref(node)
+        assert target.recount()["token_to_kv_pool"] == first["token_to_kv_pool"] and len(walks) == 2
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_the_recount_walks_when_its_wrappers_are_not_outermost(monkeypatch):
+    """An auditor's wrapper put on top of the counting one (or the counting ones taken away on close):
+    the recount cannot tell, walks, and puts its wrappers back on top."""
+    monkeypatch.setattr(observer, "RECOUNT_EDITS_FROM", 0)
+    run = _busy_run()
+    try:
+        target, tree = run.target, run.target.engine.tree_cache
+        target.recount()
+        edits = target._tree_edits
+        key = edits.key()
+        assert key is not None and edits.key() == key
+        inner = tree.inc_lock_ref
+        tree.inc_lock_ref = lambda node: inner(node)  # someone else's wrapper, outermost
+        assert edits.key() is None  # (and ours are back on top)
+        assert edits.key() is not None
+        del tree.__dict__["evict"]  # taken away, as Auditor.close does
+        assert edits.key() is None and edits.key() is not None
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_small_engines_keep_the_plain_walks():
+    """A small tree walks at every check and a few requests are read per call: no wrapper on the tree's
+    methods, no shadow of the engine's requests_owning_rows (each costs more there than it saves)."""
+    run = _busy_run()
+    try:
+        run.target.recount()
+        assert run.target.__dict__.get("_tree_edits") is None
+        assert "match_prefix" not in run.target.engine.tree_cache.__dict__
+        with run.target.checking():
+            assert "requests_owning_rows" not in run.target.engine.__dict__
+    finally:
+        run.__exit__(None, None, None)
+
+
+def _stray_write(run) -> tuple[int, int]:
+    """Plant a stray write: a running request's last own slot overwritten (by no engine call) with
+    another request's; returns (the slot that leaks, the slot now owned twice)."""
+    eng = run.target.engine
+    a, b = eng.requests_owning_rows()[:2]
+    table = eng.req_to_token_pool.req_to_token
+    assert a.kv.cache_protected_len < a.kv.kv_allocated_len and b.kv.cache_protected_len < b.kv.kv_allocated_len
+    pos = a.kv.kv_allocated_len - 1
+    leaked, twice = int(table[a.kv.req_pool_idx, pos]), int(table[b.kv.req_pool_idx, b.kv.kv_allocated_len - 1])
+    table[a.kv.req_pool_idx, pos] = twice
+    return leaked, twice
+
+
+def _kinds(found) -> set[str]:
+    return {f.kind for f in found}
+
+
+def test_a_stray_write_is_found_by_the_next_full_sweep(monkeypatch):
+    """A busy incremental check compares req_to_token only on the rows a step rewrites (EutDeltas._written):
+    a stray write elsewhere is not seen there, and the next full sweep (here the idle check's) finds it,
+    after which the kept state agrees with the roots again."""
+    monkeypatch.setattr(incremental, "MIN_UNITS", 0)  # the incremental check on this small engine
+    run = _busy_run()
+    try:
+        auditor, target = run.auditor, run.target
+        assert auditor.bookkeeping.valid  # the last step's check ran from the deltas
+        leaked, twice = _stray_write(run)
+        assert oracles.check(auditor, target) == []  # the restricted look: not seen
+        found = oracles.check(auditor, target, idle=True)  # a full sweep (exact deltas)
+        assert {"leak", "aliasing"} <= _kinds(found), [f.summary() for f in found]
+        leak = next(f for f in found if f.kind == "leak")
+        assert leaked in leak.slots
+        by_pool = {p: [] for p in auditor.ledgers}
+        for r in target.roots():
+            by_pool[r.pool].append(r)
+        assert auditor.bookkeeping.disagreement(auditor, by_pool, False) == ""  # in step with the roots again
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_a_stray_write_is_found_at_its_step_in_paranoid_mode(monkeypatch):
+    """Paranoid mode asks for exact deltas at every check: the stray write is in them, the full sweep
+    finds it at the same check, and the two agree (no DeltaDisagreement)."""
+    monkeypatch.setattr(incremental, "MIN_UNITS", 0)
+    run = _busy_run()
+    try:
+        run.auditor.paranoid = True
+        assert oracles.check(run.auditor, run.target) == []
+        _stray_write(run)
+        found = oracles.check(run.auditor, run.target)
+        assert {"leak", "aliasing"} <= _kinds(found), [f.summary() for f in found]
+    finally:
+        run.__exit__(None, None, None)
