@@ -272,3 +272,21 @@ def test_a_health_check_on_0_5_20s_prefill_server_concludes_through_sglangs_fake
     assert out["version"] == "0.5.20"
     assert out["findings"] == [] and out["live"] == []
     assert out["health_checks_done"] == 3
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("version,grouped,unreachable", [("0.5.18", True, 9), ("0.5.18", False, 0),
+                                                         ("0.5.19", True, 0)])
+def test_sglang_36081_on_sglangs_own_tree_and_allocator(version, grouped, unreachable):
+    """sglang#36081 (issue 37's SWA candidate, 0.5.18 -> 0.5.19), by hand on SGLang's own objects (kvaudit's SWA
+    feature does not run on these releases yet): two requests of one family checkpointed in one prefill batch's
+    free group. On 0.5.18 A's grouped window free resolves at free_group_end, after B's insert re-pointed A's
+    tombstoned full slots at B's SWA slots (RecoverSWAWithLockedFull): 9 SWA slots end up in use and mapped by
+    nothing; without the group (the control), and on 0.5.19 (free_swa resolves at enqueue), none."""
+    args = [os.path.join(ROOT, "tests", "sglang_36081_child.py"), *([] if grouped else ["ungrouped"])]
+    r = run_child(args, version)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["version"] == version
+    assert out["unreachable"] == unreachable and out["swa_used"] - out["swa_mapped"] == unreachable, out
+    assert out["mapped_but_free"] == 0, out
