@@ -4,8 +4,9 @@ call order of ``SchedulerBatchResultProcessor.process_batch_result_prefill``: tw
 one prefill batch (A: 30 tokens, B: A's first 12; an 8-token window, page 1), each matched and locked at admission
 (``PrefillAdder``), then both checkpointed (``UnifiedRadixCache.cache_unfinished_req``) inside the batch's one free
 group (argument ``ungrouped``: the control, no group). Prints the SWA slots in use, those the full-to-SWA
-mapping of the full slots in use names, and the difference (slots no one can free). Not the driver (kvaudit's SWA feature does not run on these releases yet):
-SGLang's objects called by hand, for issue 37's record (corpora/sglang/README.md, "0.5.19 and sglang#36081")."""
+mapping of the full slots in use names, and the difference (slots no one can free). Not the driver (kvaudit's SWA
+feature does not run on these releases yet): SGLang's objects called by hand, for issue 37's record
+(corpora/sglang/README.md, "0.5.19 and sglang#36081")."""
 
 import json
 import os
