@@ -133,7 +133,7 @@ def test_version_probe_refuses_missing_and_other_versions(monkeypatch):
     with pytest.raises(boot.SglangUnavailable, match="not installed.*requirements/sglang-cpu.txt"):
         boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: "0.4.9")
-    with pytest.raises(boot.SglangUnavailable, match="SGLang 0.4.9 is installed.*drives only 0.5.10.post1, 0.5.11 .* and 0.5.20, 0.5.21, 0.5.22, 0.5.23"):
+    with pytest.raises(boot.SglangUnavailable, match="SGLang 0.4.9 is installed.*drives only 0.5.10.post1, 0.5.11 .* and 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23"):
         boot.probe_version()
 
 
@@ -142,13 +142,13 @@ def test_cli_says_in_one_line_when_sglang_cannot_be_driven(monkeypatch, tmp_path
     monkeypatch.setattr(boot, "installed_version", lambda: "0.4.9")
     r = invoke("fuzz", "--target", "sglang", "--max-time", "1", "--out", str(tmp_path))
     assert r.exit_code == 2
-    assert "drives only 0.5.10.post1, 0.5.11 (cache_finished_req era) and 0.5.20, 0.5.21, 0.5.22, 0.5.23" in one_error_line(r)
+    assert "drives only 0.5.10.post1, 0.5.11 (cache_finished_req era) and 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in one_error_line(r)
     # a replay file of the real target, on the same machine
     path = tmp_path / "r.json"
     path.write_text(json.dumps(replay.to_doc(SGLANG_PRESETS["sglang"].config(), [], [])))
     r = invoke("replay", str(path))
     assert r.exit_code == 2
-    assert "drives only 0.5.10.post1, 0.5.11 (cache_finished_req era) and 0.5.20, 0.5.21, 0.5.22, 0.5.23" in one_error_line(r)
+    assert "drives only 0.5.10.post1, 0.5.11 (cache_finished_req era) and 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23" in one_error_line(r)
 
 
 @pytest.mark.parametrize("args, match", [

@@ -95,8 +95,8 @@ def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path
 def test_the_version_adapters_name_the_release_that_made_each_change():
     assert compat.family("0.5.10.post1") == compat.family("0.5.11") == "legacy"
     assert compat.family("0.5.22") == compat.family("0.5.23") == "current"
-    assert compat.family("0.5.20") == compat.family("0.5.21") == "current"
-    assert compat.family("0.5.15.post1") is None and compat.family("0.5.19") is None
+    assert compat.family("0.5.19") == compat.family("0.5.20") == compat.family("0.5.21") == "current"
+    assert compat.family("0.5.15.post1") is None and compat.family("0.5.18") is None
     driven = compat.LEGACY + compat.CURRENT
     for change in compat.CHANGES.values():
         # each change is named after a driven release, and the driven release before it lacks it
@@ -107,8 +107,29 @@ def test_the_version_adapters_name_the_release_that_made_each_change():
     assert not compat.has("mamba-track-position", "0.5.22") and compat.has("mamba-track-position", "0.5.23")
     assert not compat.has("release-checkpoint", "0.5.21") and compat.has("release-checkpoint", "0.5.22")
     assert not compat.has("publish-ranks", "0.5.20") and compat.has("publish-ranks", "0.5.21")
+    assert not compat.has("cache-request-handle", "0.5.19") and compat.has("cache-request-handle", "0.5.20")
     with pytest.raises(KeyError):
         compat.has("no-such-change", "0.5.11")
+
+
+def test_the_free_page_census_of_0_5_19_reads_the_pending_release_pages_too():
+    """Before change ``free-pages-census`` (0.5.19) no ``get_all_free_pages``: the census is ``free_pages`` and the
+    pending ``release_pages`` (a PD allocator's frees wait there until ``merge_and_sort_free``), in that order."""
+    import torch
+
+    class Paged:  # 0.5.19's PagedTokenToKVPoolAllocator's two free tensors, no census method
+        free_pages = torch.tensor([3, 4])
+        release_pages = torch.tensor([7])
+
+    assert compat.free_pages(Paged(), "0.5.19").tolist() == [3, 4, 7]
+    Paged.release_pages = torch.empty(0, dtype=torch.int64)
+    assert compat.free_pages(Paged(), "0.5.19").tolist() == [3, 4]
+
+    class Census(Paged):
+        def get_all_free_pages(self):
+            return torch.tensor([9])
+
+    assert compat.free_pages(Census(), "0.5.20").tolist() == [9]
 
 
 def test_the_probe_names_every_supported_release(monkeypatch):
@@ -124,7 +145,7 @@ def test_the_probe_names_every_supported_release(monkeypatch):
 def test_a_release_between_the_eras_is_refused_in_one_line_that_says_why(monkeypatch):
     from kvaudit.targets.sglang import boot
 
-    for version, why in (("0.5.19", "between the two eras"), ("0.5.12", "between the two eras"),
+    for version, why in (("0.5.18", "between the two eras"), ("0.5.12", "between the two eras"),
                          ("0.5.9", "scheduler-level API changes")):
         monkeypatch.setattr(boot, "installed_version", lambda v=version: v)
         with pytest.raises(boot.SglangUnavailable) as e:
@@ -195,16 +216,16 @@ def test_the_current_era_presets_run_clean_on_an_older_current_release(version):
     assert out["flush_replies"] > 0  # the programs reached a deferred flush, answered without error
 
 
-# 0.5.20 and 0.5.21: the current family through compat's Change rows, on the paths kind.older_refusal lets through
+# 0.5.19 to 0.5.21: the current family through compat's Change rows, on the paths kind.older_refusal lets through
 OLDER_CURRENT_PRESETS = ("sglang", "sglang-paged", "sglang-priority", "sglang-pd-prefill", "sglang-pd-prefill-chunked",
                          "sglang-pd-prefill-optimistic")
 
 
 @pytest.mark.releases
 @pytest.mark.parametrize("version", compat.OLDER_CURRENT)
-def test_the_plain_and_pd_prefill_presets_run_clean_on_0_5_20_and_0_5_21(version):
-    """Random programs of the plain and PD-prefill presets find nothing on 0.5.20/0.5.21 (the same programs as on
-    0.5.22: a driver mistake in a Change row's branch shows as a crash or a leak here)."""
+def test_the_plain_and_pd_prefill_presets_run_clean_on_0_5_19_to_0_5_21(version):
+    """Random programs of the plain and PD-prefill presets find nothing on 0.5.19 to 0.5.21 (the same programs as
+    on 0.5.22: a driver mistake in a Change row's branch shows as a crash or a leak here)."""
     r = run_child(["-c", CLEAN_CHILD, ",".join(OLDER_CURRENT_PRESETS), "6"], version, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -214,7 +235,7 @@ def test_the_plain_and_pd_prefill_presets_run_clean_on_0_5_20_and_0_5_21(version
 
 @pytest.mark.releases
 @pytest.mark.parametrize("version", compat.OLDER_CURRENT)
-def test_a_mode_0_5_21_does_not_drive_is_refused_in_one_line(version, tmp_path):
+def test_a_mode_an_older_current_release_does_not_drive_is_refused_in_one_line(version, tmp_path):
     r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-session", "--fuzzer", "random",
                    "--max-time", "5", "--out", str(tmp_path)], version)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -251,3 +272,21 @@ def test_a_health_check_on_0_5_20s_prefill_server_concludes_through_sglangs_fake
     assert out["version"] == "0.5.20"
     assert out["findings"] == [] and out["live"] == []
     assert out["health_checks_done"] == 3
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("version,grouped,unreachable", [("0.5.18", True, 9), ("0.5.18", False, 0),
+                                                         ("0.5.19", True, 0)])
+def test_sglang_36081_on_sglangs_own_tree_and_allocator(version, grouped, unreachable):
+    """sglang#36081 (issue 37's SWA candidate, 0.5.18 -> 0.5.19), by hand on SGLang's own objects (kvaudit's SWA
+    feature does not run on these releases yet): two requests of one family checkpointed in one prefill batch's
+    free group. On 0.5.18 A's grouped window free resolves at free_group_end, after B's insert re-pointed A's
+    tombstoned full slots at B's SWA slots (RecoverSWAWithLockedFull): 9 SWA slots end up in use and mapped by
+    nothing; without the group (the control), and on 0.5.19 (free_swa resolves at enqueue), none."""
+    args = [os.path.join(ROOT, "tests", "sglang_36081_child.py"), *([] if grouped else ["ungrouped"])]
+    r = run_child(args, version)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["version"] == version
+    assert out["unreachable"] == unreachable and out["swa_used"] - out["swa_mapped"] == unreachable, out
+    assert out["mapped_but_free"] == 0, out

@@ -148,6 +148,7 @@ def quiet_loggers() -> None:
 
 _LOADED: SimpleNamespace | None = None
 _RANK_SCOPE: list = []  # 0.5.20's rank override, entered once (change rank-override-permanent)
+_LENT_SCOPES: list = []  # 0.5.19's scoped overrides of lent groups (change parallel-override-permanently)
 
 
 def load() -> SimpleNamespace:
@@ -178,7 +179,10 @@ def load() -> SimpleNamespace:
             from sglang.srt.disaggregation.utils import prepare_abort
             from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch, retract_all
             from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
-            from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+            if compat.has("cache-request-handle", version):
+                from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+            else:  # 0.5.18/0.5.19: release_aborted_request(rid) instead (intake._release_aborted_request)
+                CacheRequestOutcome = None
             from sglang.srt.mem_cache import allocation, common
             from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -213,6 +217,18 @@ def load() -> SimpleNamespace:
         register_grammar_backend=register_grammar_backend, GrammarManager=GrammarManager,
         FlushCacheReqInput=FlushCacheReqInput, SchedulerFlushWrapper=SchedulerFlushWrapper)
     return _LOADED
+
+
+def override_parallel(S, **fields) -> None:
+    """``ParallelContext.override_permanently(**fields)`` (a group the process lends SGLang, e.g.
+    ``attn_tp_group``), or before change ``parallel-override-permanently`` (0.5.19) the scoped
+    ``override(**fields)`` entered for the rest of the process."""
+    if compat.has("parallel-override-permanently", S.version):
+        S.get_parallel().override_permanently(**fields)
+    else:
+        scope = S.get_parallel().override(**fields)
+        scope.__enter__()
+        _LENT_SCOPES.append(scope)  # kept (never left), as the rank scope
 
 
 def _check_api(version: str, common, allocation, StreamingSession, ReqKvInfo) -> None:
@@ -366,8 +382,8 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
     # the one stage of a one-stage pipeline (GrammarManager and HiCache's storage config read that)
     if compat.has("rank-override-permanent", S.version):
         S.get_parallel().override_permanently(tp_rank=0, pp_rank=0, pp_size=1)
-    elif not _RANK_SCOPE:  # 0.5.20: ranks read the live group unless a scope overrides them; the scope is
-        _RANK_SCOPE.append(S.get_parallel().override(tp_rank=0, pp_rank=0))  # this process (kept, never left)
+    elif not _RANK_SCOPE:  # 0.5.19/0.5.20: ranks read the live group unless a scope overrides them; the scope
+        _RANK_SCOPE.append(S.get_parallel().override(tp_rank=0, pp_rank=0))  # is this process (kept, never left)
         _RANK_SCOPE[0].__enter__()
     dev = config.device
     if not compat.has("platform-triton-check", S.version):
@@ -394,9 +410,10 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
         hybrid["tree_core_backend"] = config.tree_core
     else:  # UnifiedRadixCache.__init__ reads the core from the environment
         os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = config.tree_core
+    if compat.has("eviction-policy-config", S.version):  # (0.5.18/0.5.19: kind.older_refusal refuses a config)
+        hybrid["eviction_policy_config"] = policy_config
     params = S.CacheInitParams(disable=disable_radix_cache, req_to_token_pool=req_to_token_pool,
-                               token_to_kv_pool_allocator=allocator, page_size=ps,
-                               eviction_policy=policy, eviction_policy_config=policy_config, **hybrid)
+                               token_to_kv_pool_allocator=allocator, page_size=ps, eviction_policy=policy, **hybrid)
     # what SGLang reads of ModelConfig on these paths (the PD-decode queues: num_hidden_layers, the think ids)
     model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False, hf_eos_token_id=None,
                                    num_hidden_layers=1, self_opened_think_start_ids=None, think_end_ids=None)

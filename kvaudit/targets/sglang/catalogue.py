@@ -123,12 +123,11 @@ BUGS: tuple[HistoryBug, ...] = (
               "insert gives the tree the unwritten slot at mamba_last_track_seqlen"),
 )
 
-# what a release's overlay installs beside it (--no-deps): SGLang 0.5.11 registers 'qwen3_asr', which
-# transformers >= 5.7 also does: its own pin, and the hub 1.x stack
-PINS: dict[str, tuple[str, ...]] = {
-    "0.5.11": ("transformers==5.6.0", "huggingface_hub==1.33.0", "tokenizers==0.22.2", "httpx==0.28.1",
-               "httpcore==1.0.9"),
-}
+# what a release's overlay installs beside it (--no-deps): SGLang 0.5.11, 0.5.18 and 0.5.19 register 'qwen3_asr'
+# without exist_ok (0.5.20 adds it), which transformers >= 5.7 also registers: its own pin, and the hub 1.x stack
+_QWEN3_ASR_PIN = ("transformers==5.6.0", "huggingface_hub==1.33.0", "tokenizers==0.22.2", "httpx==0.28.1",
+                  "httpcore==1.0.9")
+PINS: dict[str, tuple[str, ...]] = {"0.5.11": _QWEN3_ASR_PIN, "0.5.18": _QWEN3_ASR_PIN, "0.5.19": _QWEN3_ASR_PIN}
 
 UNREACHED: tuple[Unreached, ...] = (
     Unreached("sglang-0.5.22-pd-requeue-abort-release", "sglang",

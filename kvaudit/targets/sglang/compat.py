@@ -1,7 +1,7 @@
 """The SGLang releases the target drives, in two eras, and the API changes between them: **current**
-(0.5.20 to 0.5.23: ``ReqKvInfo``, the tree-cache factory; 0.5.22 and 0.5.23 also
+(0.5.19 to 0.5.23: ``ReqKvInfo``, the tree-cache factory; 0.5.22 and 0.5.23 also
 ``release_kv_cache(req, cache, *, checkpoint)``, tree locks ``lock``/``unlock(handle)``,
-``StreamingSession.take``; 0.5.20 and 0.5.21 differ by the Change rows since 0.5.21 and 0.5.22 and drive
+``StreamingSession.take``; 0.5.19 to 0.5.21 differ by the Change rows since 0.5.20, 0.5.21 and 0.5.22 and drive
 fewer presets, :data:`OLDER_CURRENT`) and **legacy** (the ``cache_finished_req`` era, 0.5.10.post1 and 0.5.11: KV fields on ``Req``,
 ``release_kv_cache(req, cache, is_insert)``, a hand-built ``RadixCache`` and ``SessionAwareCache``).
 Each change is named after the first release with the newer API (facts: ``../shared/reference/history-facts.md``)."""
@@ -12,13 +12,15 @@ from packaging.version import InvalidVersion, Version
 
 from kvaudit.targets.compat import Change, release_has
 
-CURRENT = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
-# 0.5.20 and 0.5.21 join the current family through the Change rows below (release_kv_cache's is_insert,
-# Req.prefix_indices/extend_range, the lock on req.last_node ...) for the presets of OLDER_CURRENT_MODES;
-# 0.5.12-0.5.19 are neither family (ReqKvInfo and the factory arrive in between; not read): refused with
-# :func:`refusal`
-BETWEEN = ("0.5.12", "0.5.19")
-OLDER_CURRENT = ("0.5.20", "0.5.21")  # current-family releases before 0.5.22's session/tree-lock API
+CURRENT = ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
+# 0.5.19 to 0.5.21 join the current family through the Change rows below (release_kv_cache's is_insert,
+# Req.prefix_indices/extend_range, the lock on req.last_node, the abort's cache handle ...) for the plain and
+# PD-prefill presets (kind.older_refusal); 0.5.12-0.5.18 are neither family: refused with :func:`refusal`
+# (0.5.18's ReqKvInfo keeps only kv_allocated_len and swa_evicted_seqlen, the row, committed and protected
+# lengths are Req's; its ReqToTokenPool has no alloc_rows/free_rows; its allocators' free group is
+# is_not_in_free_group)
+BETWEEN = ("0.5.12", "0.5.18")
+OLDER_CURRENT = ("0.5.19", "0.5.20", "0.5.21")  # current-family releases before 0.5.22's session/tree-lock API
 LEGACY = ("0.5.10.post1", "0.5.11")  # 0.5.10 itself has the same API; only these two are tested
 
 
@@ -36,6 +38,29 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("session-close-deferral", "0.5.11",
            "Session.close_on_finish: closing a session while its turn runs is deferred to maybe_reap, and a "
            "closing session takes no new turn (the fix of SGLang #21875); before, the slot is released at once"),
+    Change("free-pages-census", "0.5.20",
+           "allocator.get_all_free_pages() (free_pages with the pending release_pages); before (0.5.18/0.5.19), "
+           "no such method: the two tensors are read directly"),
+    Change("parallel-override-permanently", "0.5.20",
+           "ParallelContext.override_permanently(**widths) (a group lent for the process, e.g. attn_tp_group); "
+           "before (0.5.19), only the scoped override(**fields)"),
+    Change("sampling-mask-arg", "0.5.20",
+           "Scheduler passes MetadataBuffers(max_sampling_mask_tokens=server_args.sampling_mask_max_tokens); before "
+           "(0.5.19), no such ServerArgs field: MetadataBuffers reads SGLANG_DISAGGREGATION_SAMPLING_MASK_MAX_TOKENS"),
+    Change("free-page-ids", "0.5.20",
+           "PagedTokenToKVPoolAllocator.free_page_ids(page_ids), which a grouped free_segment queues through; "
+           "before (0.5.19), free_segment inside a free group queues page representatives "
+           "(free_page_reps_group) that free_group_end releases"),
+    Change("swa-allocator-rows", "0.5.20",
+           "SWATokenToKVPoolAllocator(..., req_to_token_pool=None) (the request pool sizes an SWA ring); before "
+           "(0.5.18/0.5.19), no such argument"),
+    Change("cache-request-handle", "0.5.20",
+           "Scheduler._release_aborted_request: tree_cache.finish(req.cache_request_handle, CacheRequestOutcome."
+           "ABORT) for every aborted request; before (0.5.18/0.5.19), no handle and no outcome enum: "
+           "tree_cache.release_aborted_request(rid) only with HiCache storage (its prefetch events), nothing else"),
+    Change("eviction-policy-config", "0.5.20",
+           "--radix-eviction-policy-config and CacheInitParams.eviction_policy_config (the policy's keyword "
+           "arguments); before (0.5.18/0.5.19), neither: every policy is built with its defaults"),
     Change("tree-core-param", "0.5.21",
            "CacheInitParams.tree_core_backend picks UnifiedRadixCache's tree core (python or rust); before "
            "(0.5.20), the environment variable SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"),
@@ -106,8 +131,8 @@ def refusal(version: str) -> str:
     except InvalidVersion:
         between = False
     if between:
-        return (head + f": {version} is between the two eras (ReqKvInfo and the tree-cache factory arrive in "
-                "between; neither driver family's API is checked against it)")
+        return (head + f": {version} is between the two eras (ReqKvInfo takes the request's row and lengths "
+                "only in 0.5.19; neither driver family's API is checked against it)")
     return head + ": its scheduler-level API changes between versions"
 
 
@@ -132,3 +157,17 @@ def release_kv(S, req, tree_cache, checkpoint: bool) -> None:
         S.common.release_kv_cache(req, tree_cache, checkpoint=checkpoint)
     else:
         S.common.release_kv_cache(req, tree_cache, checkpoint)
+
+
+def free_pages(allocator, version: str):
+    """``[n]`` int64, the free pages (or page-1 slots) of a token or paged allocator with those pending in
+    ``release_pages``: ``get_all_free_pages()``, or before change ``free-pages-census`` the same two tensors
+    concatenated (``BaseTokenToKVPoolAllocator.free_pages`` / ``release_pages``)."""
+    if has("free-pages-census", version):
+        return allocator.get_all_free_pages()
+    import torch
+
+    release = allocator.release_pages
+    if release is None or len(release) == 0:
+        return allocator.free_pages
+    return torch.cat((allocator.free_pages, release))

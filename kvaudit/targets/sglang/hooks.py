@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import PoolSpec, Target, wrap_insert
+from kvaudit.targets.sglang import compat
 
 
 def host_units(slots: torch.Tensor, page_size: int) -> np.ndarray:
@@ -40,16 +41,23 @@ class SglangHooks(Target):
             return
         obj = spec.obj
         paged = spec.page_size > 1 or hasattr(obj, "_release_page_ids")  # (a paged one may be page 1)
-        self.install_kv(spec, auditor, wrap, paged, lambda: obj.free_group is not None)
+        version = self.S.version
+        self.install_kv(spec, auditor, wrap, paged, lambda: obj.free_group is not None,
+                        census=lambda: compat.free_pages(obj, version),
+                        page_ids=compat.has("free-page-ids", version))
 
     @staticmethod
-    def install_kv(spec: PoolSpec, auditor, wrap, paged: bool, in_group) -> None:
+    def install_kv(spec: PoolSpec, auditor, wrap, paged: bool, in_group, census=None, page_ids=True) -> None:
         """A KV allocator's wrappers, and its ``free_group_end``: frees inside a free group are recorded when
         they reach the free list, each with the site of its own call (a paged ``free()`` deduplicates
-        pages over the group; ``free_page_ids`` does not)."""
+        pages over the group; ``free_page_ids`` does not). ``census``: the free pages (``[n]`` int64 tensor) of a
+        paged allocator, ``compat.free_pages``; ``page_ids``: whether a grouped segment free goes through
+        ``free_page_ids`` (change ``free-page-ids``) or, before, ``free_segment`` queues page representatives."""
         obj, pending, ending = spec.obj, [], [False]
-        install = SglangHooks.install_paged_kv if paged else SglangHooks.install_token_kv
-        install(spec, auditor, wrap, pending, ending, in_group)
+        if paged:
+            SglangHooks.install_paged_kv(spec, auditor, wrap, pending, ending, in_group, census, page_ids)
+        else:
+            SglangHooks.install_token_kv(spec, auditor, wrap, pending, ending, in_group)
         group_end = obj.free_group_end
 
         def group_end_wrapper():
@@ -93,7 +101,8 @@ class SglangHooks(Target):
         wrap(obj, "free", free_wrapper)
 
     @staticmethod
-    def install_paged_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list, in_group) -> None:
+    def install_paged_kv(spec: PoolSpec, auditor, wrap, pending: list, ending: list, in_group, census,
+                         page_ids: bool) -> None:
         obj, pool, ps, capture = spec.obj, spec.name, spec.page_size, auditor.capture_site
 
         def grouped(name, to_units, dedup):
@@ -110,10 +119,10 @@ class SglangHooks(Target):
             orig = getattr(obj, name)
 
             def alloc_wrapper(*a, **k):
-                before = obj.get_all_free_pages().cpu().numpy()
+                before = census().cpu().numpy()
                 out = orig(*a, **k)
                 if out is not None:
-                    taken = np.setdiff1d(before, obj.get_all_free_pages().cpu().numpy())
+                    taken = np.setdiff1d(before, census().cpu().numpy())
                     if taken.size:
                         auditor.on_alloc(pool, taken.tolist(), capture())
                 return out
@@ -122,7 +131,10 @@ class SglangHooks(Target):
         for name in ("alloc", "alloc_extend", "alloc_decode"):
             wrap(obj, name, paged(name))
         grouped("free", lambda idx: torch.unique(idx // ps).tolist(), True)
-        grouped("free_page_ids", lambda ids: ids.tolist(), False)
+        if page_ids:
+            grouped("free_page_ids", lambda ids: ids.tolist(), False)
+        else:  # 0.5.19: a grouped free_segment queues one representative per page (the pages of its slots)
+            grouped("free_segment", lambda idx: torch.unique(idx // ps).tolist(), False)
         release = obj._release_page_ids
 
         def release_wrapper(*page_ids):

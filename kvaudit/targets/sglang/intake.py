@@ -326,8 +326,11 @@ class SglangIntake(Target):
         self._force_retract = True
 
     def _release_aborted_request(self, req) -> None:
-        """``Scheduler._release_aborted_request``: the tree's per-request state and ``Session.abort_req``."""
-        self.tree_cache.finish(req.cache_request_handle, self.S.CacheRequestOutcome.ABORT)
+        """``Scheduler._release_aborted_request``: the tree's per-request state and ``Session.abort_req``
+        (before change ``cache-request-handle``, 0.5.18/0.5.19: ``release_aborted_request(rid)``, only with HiCache
+        storage, which the current family drives on neither)."""
+        if compat.has("cache-request-handle", self.S.version):
+            self.tree_cache.finish(req.cache_request_handle, self.S.CacheRequestOutcome.ABORT)
         if req.session is not None and req.session.streaming:
             req.session.abort_req()
 

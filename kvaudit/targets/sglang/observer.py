@@ -211,7 +211,7 @@ class SglangObserver(SglangHooks):
 
     def free_lists(self) -> dict[str, np.ndarray]:
         """The KV pool's from its ``PoolSpec`` (HiSparse's is the logical allocator), the row pool's."""
-        return {"token_to_kv_pool": self._pools[0].obj.get_all_free_pages().cpu().numpy(),
+        return {"token_to_kv_pool": compat.free_pages(self._pools[0].obj, self.S.version).cpu().numpy(),
                 "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
 
     def _path_slots(self, node):

@@ -14,7 +14,8 @@ import torch
 
 from kvaudit.targets.base import PoolSpec, Root
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import SglangUnavailable, build, cpu_server_args, load, one_rank_group
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, cpu_server_args, load, one_rank_group, \
+    override_parallel
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.feature import SglangLoop
 from kvaudit.targets.sglang.pd import load_pd, publish_scheduler
@@ -192,7 +193,7 @@ class PdPrefill(SglangLoop):
                           **cpu_server_args(S.version))
         P.handle_pd_disaggregation(sa)
         publish_scheduler(P, sa)
-        S.get_parallel().override_permanently(attn_tp_group=group)
+        override_parallel(S, attn_tp_group=group)
         o = build(config, server_args=sa)
         self.target.clock.install(Q.fake_conn)  # FakeKVSender's waiting timeout: one second a step
         self.peer = DecodePeer(config.bootstrap_steps, config.bootstrap_lost_every, config.transfer_latency_steps,
@@ -202,9 +203,11 @@ class PdPrefill(SglangLoop):
         # Scheduler.init_disaggregation, prefill branch: max_running_requests * 2 metadata slots
         n_meta = config.max_running_requests * 2
         self.metadata_allocator = P.ReqToMetadataIdxAllocator(n_meta)
-        buffers = P.MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32,
-                                    max_sampling_mask_tokens=sa.sampling_mask_max_tokens, custom_mem_pool=None,
-                                    output_dsa_topk_indices_dim=0,
+        # 0.5.19's Scheduler passes no mask size (MetadataBuffers reads its environment variable)
+        mask = ({"max_sampling_mask_tokens": sa.sampling_mask_max_tokens}
+                if compat.has("sampling-mask-arg", S.version) else {})
+        buffers = P.MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32, custom_mem_pool=None,
+                                    output_dsa_topk_indices_dim=0, **mask,
                                     **({"kv_checksum_enabled": False} if compat.has("kv-checksum", S.version) else {}))
         metrics = SimpleNamespace(enable_metrics=False, report_prefill_stats=lambda **k: None)
         cls = type("PrefillScheduler", (_PrefillScheduler, Q.prefill.SchedulerDisaggregationPrefillMixin), {})

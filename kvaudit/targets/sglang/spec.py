@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import TargetFinding
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.feature import SglangFeature
 
 FAULT = "spec-leak-rejected-draft"
@@ -211,7 +212,7 @@ class SpecDecode(SglangFeature):
         t = self.target
         kv_pool = t._pools[0]  # the (full) KV pool: a hybrid's full_attn_allocator
         free = np.zeros(kv_pool.num_units + 1, dtype=bool)
-        free[kv_pool.obj.get_all_free_pages().cpu().numpy()] = True
+        free[compat.free_pages(kv_pool.obj, t.S.version).cpu().numpy()] = True
         table = t.req_to_token_pool.req_to_token
         overflows, self._overflows = self._overflows, []
         for rid, row, allocated, width, step in overflows:  # SGLang's invariant: kv_allocated_len <= row_width

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding, slot_pages
+from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import build, load, publish_server_args, row_width
 from kvaudit.targets.sglang.feature import SglangFeature
 
@@ -60,8 +61,9 @@ class SwaHybrid(SglangFeature):
             kv = SWAKVPool(size=full, size_swa=swa, page_size=ps, dtype=torch.bfloat16, head_num=1, head_dim=8,
                            swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device=dev,
                            enable_memory_saver=False)
+            rows_arg = {"req_to_token_pool": rows} if compat.has("swa-allocator-rows", S.version) else {}
             return kv, SWATokenToKVPoolAllocator(full, swa, page_size=ps, dtype=torch.bfloat16, device=dev,
-                                                 kvcache=kv, need_sort=config.need_sort, req_to_token_pool=rows)
+                                                 kvcache=kv, need_sort=config.need_sort, **rows_arg)
 
         return build(config, server_args=sa, make_rows=lambda dev: rows, make_kv=make_kv,
                      disable_radix_cache=config.disable_radix_cache,
@@ -262,7 +264,7 @@ class SwaHybrid(SglangFeature):
         return out
 
     def free_lists(self, out: dict) -> dict:
-        out[SWA_POOL] = self.target.allocator.swa_attn_allocator.get_all_free_pages().cpu().numpy()
+        out[SWA_POOL] = compat.free_pages(self.target.allocator.swa_attn_allocator, self.target.S.version).cpu().numpy()
         return out
 
     def engine_check(self, lines: list[str]) -> list[str]:
