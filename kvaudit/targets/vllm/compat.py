@@ -1,10 +1,8 @@
 """The vLLM releases the target drives, and the API changes between them that it adapts to.
 
-Each change is named after the first release that has the newer API; the target asks
-:func:`has` with the installed version (``boot.load().version``) and takes the older path otherwise.
-The releases were read (``pip install --no-deps --target``, then grep and ``inspect.signature``) and
-each one in :data:`TESTED` passes ``tests/test_vllm_releases.py`` (every preset, a short fuzz, the
-oracles clean) when it is the installed vLLM. Facts: ``../shared/reference/history-facts.md``.
+Each change is named after the first release with the newer API (:func:`has`; the older path otherwise).
+The releases were read (``pip install --no-deps --target``, grep, ``inspect.signature``); each in :data:`TESTED`
+passes ``tests/test_vllm_releases.py`` installed. Facts: ``../shared/reference/history-facts.md``.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
 
 
 def in_range(version: str) -> bool:
-    """Whether ``version`` is one the target drives: within ``MIN_VERSION..MAX_VERSION`` (both included)
-    and not one of the untested releases between 0.16.0 and 0.20.0 (:data:`TESTED`)."""
+    """Whether the target drives ``version``: within ``MIN_VERSION..MAX_VERSION``, not between 0.16.0 and 0.20.0."""
     try:
         v = Version(version)
     except Exception:
@@ -93,8 +90,7 @@ def in_range(version: str) -> bool:
 
 
 def has(change: str, version: str) -> bool:
-    """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError
-    otherwise)."""
+    """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; else KeyError)."""
     return release_has(CHANGES, change, version)
 
 
