@@ -26,8 +26,7 @@ NEW_CONNECTORS = ("OffloadingConnector", "LMCacheMPConnector", "MultiConnector")
 
 
 class VllmUnavailable(RuntimeError):
-    """vLLM is not installed, or its version is not one this target drives. One line, fit for the CLI's
-    exit-2 error."""
+    """vLLM is not installed, or not a version this target drives: one line, the CLI's exit-2 error."""
 
 
 def installed_version() -> str | None:
@@ -96,9 +95,8 @@ def _prepare_environment() -> None:
 
 
 def _register_stub_architecture(registry, module_base) -> None:
-    """Register ``STUB_ARCH`` with vLLM's ``ModelRegistry``: a model architecture for ``ModelConfig`` only,
-    never built (no weights, no forward); and under ``"Eagle" + STUB_ARCH``, the name vLLM's ``EAGLEConfig``
-    gives the draft model of an ``eagle`` ``SpeculativeConfig`` whose directory is the stub's."""
+    """Register ``STUB_ARCH`` (for ``ModelConfig`` only, never built) with ``ModelRegistry``, also under
+    ``"Eagle" + STUB_ARCH``, the name ``EAGLEConfig`` gives an ``eagle`` draft model in the stub's directory."""
 
     class KvauditStubForCausalLM(module_base):
         def forward(self, *a, **k):
@@ -216,8 +214,7 @@ def kv_connector_extra_config(config) -> dict:
 
 
 def _model_dir(v: SimpleNamespace, config) -> str:
-    """A local model directory whose ``config.json`` names the stub architecture (one per vocabulary
-    and length, made once per process in :func:`scratch_dir`)."""
+    """A model directory in :func:`scratch_dir` whose ``config.json`` names the stub (one per vocabulary, length)."""
     moe = config.return_routed_experts
     key = (config.vocab_size, config.max_model_len, moe)
     if key not in v.model_dirs or not os.path.isdir(v.model_dirs[key]):
@@ -235,9 +232,8 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 
 
 def refusal(config, version: str | None) -> str | None:
-    """Why release ``version`` (its metadata, no import; None: none installed) cannot build ``config``, in
-    one line (each message names the releases that can), or None. Used by
-    :func:`check_config` and by ``kind._presets`` (the presets the installed release lists)."""
+    """Why release ``version`` (None: none installed) cannot build ``config``, in one line naming the releases
+    that can, or None (no import: also for ``kind._presets``, the presets the installed release lists)."""
     def has(change):
         return compat.in_range(version or "") and compat.has(change, version)
     gates = (
@@ -259,8 +255,7 @@ def refusal(config, version: str | None) -> str | None:
 
 def check_config(config) -> None:
     """Raises :class:`VllmUnavailable` (one line) when the installed release cannot build ``config`` (by its
-    metadata, before the import: ``SimpleCPUOffloadConnector`` before 0.19.0, then :func:`refusal`) or vLLM
-    does not import (:func:`load`)."""
+    metadata: ``SimpleCPUOffloadConnector`` before 0.19.0, :func:`refusal`) or does not import (:func:`load`)."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")

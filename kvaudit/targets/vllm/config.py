@@ -1,7 +1,5 @@
 """Configuration, presets and injected faults of the real-vLLM target (``kvaudit fuzz --target vllm``).
-
-Importing this module does not import vLLM (nor torch): the CLI validates flags and replay files with
-it on machines where vLLM is not installed, and says so in one line only when a run needs it.
+Imports neither vLLM nor torch: the CLI validates flags and replay files with it where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -118,29 +116,24 @@ class VllmConfig(ConfigBase):
     synthetic sampler's vocabulary; its last token is EOS.
 
     ``kv_connector``: a connector of vLLM's by registered name, built by the Scheduler with ``kv_role``
-    (``kv_producer`` is no KV consumer: vLLM >= 0.24.0 defers no free, the in-flight-write check does not
-    apply); its worker side is a stand-in (:mod:`kvaudit.targets.vllm.connector`) that completes each
-    transfer 1 to ``kv_transfer_latency_steps`` steps after it starts. ``num_cpu_blocks``: the CPU tier's
-    blocks: ``SimpleCPUOffloadConnector``'s own ``BlockPool`` (block 0 its null block; eager mode, vLLM's
-    default and #42571's), or an ``OffloadingConnector``'s chunks of one block (LRU).
+    (``kv_producer`` is no KV consumer: no in-flight-write check); its worker side a stand-in (:mod:`kvaudit.
+    targets.vllm.connector`) that completes a transfer 1 to ``kv_transfer_latency_steps`` steps on.
+    ``num_cpu_blocks``: the CPU tier's blocks: ``SimpleCPUOffloadConnector``'s own ``BlockPool`` (block 0 its
+    null block; eager mode, vLLM's default and #42571's), or an ``OffloadingConnector``'s one-block chunks (LRU).
     ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (0.22.0 to 0.30.0; 4 experts, 2 a token).
     ``wake_for_transfers``: with only finished requests whose KV is being sent left, step anyway (vLLM before
     0.22.0, #43433, stops: a hang; this lets a search reach other bugs past it).
-    ``num_spec_tokens``: draft tokens per step (0: off), vLLM's ``SpeculativeConfig`` with ``spec_method``
-    (``ngram``: no draft model, no lookahead slot; ``eagle``: a stub draft model, ``num_spec_tokens``
-    lookahead slots); the driver plays the drafter and the rejection sampler.
-    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field (a failed load is recomputed, or fails its
-    request); ``None``: vLLM's default (``recompute`` in 0.15.1/0.16.0, then ``fail``) and no transfer
-    fails. Set (a NIXL connector, one KV-cache group), programs draw ``transfer_fail`` (module
-    :mod:`kvaudit.targets.vllm.connector`, "Failures").
+    ``num_spec_tokens``: draft tokens per step (0: off), ``SpeculativeConfig`` with ``spec_method`` (``ngram``,
+    or ``eagle``: a stub draft model, lookahead slots); the driver plays the drafter and the rejection sampler.
+    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field; ``None``: vLLM's default (``recompute`` in
+    0.15.1/0.16.0, then ``fail``) and no transfer fails; set (NIXL, one group), programs draw ``transfer_fail``.
     ``mamba``: a Mamba group (``MambaSpec``, one state block per ``block_size`` tokens) beside full attention,
     ``mamba_cache_mode`` ``align`` with prefix caching, else ``none``; ``prefix_match_unit``: ``CacheConfig``'s
     tokens per block hash (a divisor of ``block_size`` below it): a hit may end inside a block, which the
     request copies (copy-on-write; vLLM 0.33.0).
     ``streaming_sessions``: programs open streaming-input sessions (resumable requests, vLLM #28973).
-    ``flush_running``: ``flush_cache`` is ``reset_prefix_cache(reset_running_requests=True)`` (a dev-mode
-    server's ``/reset_prefix_cache?reset_running_requests=true``, an RLHF weight sync): running requests are
-    preempted and resumed; off, vLLM's default (nothing while blocks are held).
+    ``flush_running``: ``flush_cache`` is ``reset_prefix_cache(reset_running_requests=True)`` (a dev-mode server's
+    query, an RLHF weight sync): running requests are preempted and resumed; off, vLLM's default.
     """
 
     level: str = "scheduler"

@@ -1,8 +1,7 @@
-"""vLLM's Scheduler with a KV connector of vLLM's (``kvaudit fuzz --preset vllm-kv-*``, ``vllm-offload*``,
-``vllm-cpu-offload*``, ``vllm-lmcache-mp``, ``vllm-multi-connector``): the connector's SCHEDULER role is
-vLLM's own, built by the Scheduler; its WORKER role is a kvaudit stand-in on the step clock (no memory moved):
-each transfer completes ``1 + crc32(key) % kv_transfer_latency_steps`` steps after it starts (:class:`StepClock`)
-and is reported once through ``ModelRunnerOutput.kv_connector_output``.
+"""vLLM's Scheduler with a KV connector of vLLM's (the ``kv_connector`` presets): its SCHEDULER role is vLLM's own,
+built by the Scheduler; its WORKER role a kvaudit stand-in on the step clock (no memory moved): each transfer
+completes 1 to ``kv_transfer_latency_steps`` steps after it starts (:class:`StepClock`), reported once through
+``ModelRunnerOutput.kv_connector_output``.
 
 ``NixlConnector`` (:class:`NixlWorkerStandIn`): its scheduler half (``nixl/pull_scheduler.py``) is plain Python
 (its thread starts only in ``set_xfer_handshake_metadata``, never called here) with the whole contract: a
@@ -73,14 +72,12 @@ class StepClock:
 
 
 class NixlWorkerStandIn(StepClock):
-    """The worker role of ``NixlConnector`` (module docstring): a load completes even when its request was aborted
-    meanwhile. ``recving`` / ``sending``: request id -> step due; ``to_process``: the requests the remote side may
-    read (``NixlPullConnectorWorker._reqs_to_process``); ``failing``: requests whose next transfer report is a
-    failure; ``invalid``: block ids the next output reports invalid; ``faults`` (``lose-failed-load`` fires
-    here), ``reached``: the target's (``failed_transfers``, ``invalid_blocks``). ``push`` (``NixlPushConnector``):
-    a read is the prefill side's write, awaited for every registration with local blocks; a failed one is
-    never reported (0.33.0's ``nixl/push_worker.py`` reports a receive only on the writer's notification; the
-    scheduler's watchdog, ``NixlPushConnectorScheduler.build_connector_meta``, drops it silently)."""
+    """The worker role of ``NixlConnector`` (module docstring); a load completes even when its request was aborted.
+    ``recving`` / ``sending``: request id -> step due; ``to_process``: ``NixlPullConnectorWorker._reqs_to_process``;
+    ``failing``: requests whose next report is a failure; ``invalid``: block ids the next output reports invalid;
+    ``faults``, ``reached``: the target's. ``push`` (``NixlPushConnector``): a read is the prefill side's write; a
+    failed one is never reported (0.33.0's ``nixl/push_worker.py`` reports only on the writer's notification, the
+    scheduler's watchdog drops the registration silently)."""
 
     def __init__(self, latency_steps: int, awaiting_field: bool = True, failed_field: bool = False,
                  faults: set | None = None, reached: Counter | None = None, push: bool = False):
@@ -179,13 +176,10 @@ class SaveWorkerStandIn(StepClock):
 
 
 class OffloadWorkerStandIn(StepClock):
-    """The worker role of vLLM's ``SimpleCPUOffloadConnector`` (``vllm/v1/simple_kv_offload/worker.py``, 0.20.0 to
-    0.33.0): each step's metadata carries at most one load and one store event (monotonic indices), each due
-    by :meth:`due` of ``(kind, index)``, never before an earlier one of its kind (one CUDA stream per kind). A
-    finished load is reported as its requests (the latest ``load_event_to_reqs``) in ``finished_recving``, a
-    store as ``{index: 1}`` in ``SimpleCPUOffloadWorkerMetadata.completed_store_events``. ``need_flush`` (a
-    preemption) completes every outstanding transfer first (``handle_preemptions``). No transfer fails.
-    ``loads`` / ``stores``: ``(event index, step due)`` in start order."""
+    """The worker role of ``SimpleCPUOffloadConnector`` (``simple_kv_offload/worker.py``): a step's load and store
+    events (monotonic indices) are due by :meth:`due`, in order per kind (one CUDA stream each), reported in
+    ``finished_recving`` (``load_event_to_reqs``) and ``completed_store_events``; ``need_flush`` completes every
+    outstanding one first. No transfer fails. ``loads`` / ``stores``: ``(event index, step due)``, in order."""
 
     def __init__(self, latency_steps: int):
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
@@ -226,11 +220,10 @@ class OffloadWorkerStandIn(StepClock):
 
 
 class OffloadingWorkerStandIn(StepClock):
-    """The worker role of the job-based ``OffloadingConnector`` (0.30.0, 0.33.0; ``offloading/worker.py``): each
-    job a step's metadata names (a store, or a load: never synchronous) is due by :meth:`due` of its id, one in
-    ``jobs_to_flush`` at once; each is reported once in ``OffloadingWorkerMetadata.completed_jobs``, a load also
-    in ``finished_recving``. No job fails. ``jobs``: job id -> ``(step named, step due, request id, load, [n]
-    int64 GPU blocks)``. The fault ``skip-offload-flush`` drops the first flush of an older store."""
+    """The worker role of the job-based ``OffloadingConnector`` (``offloading/worker.py``): each store or load job
+    is due by :meth:`due`, one in ``jobs_to_flush`` at once, reported in ``completed_jobs`` (a load also in
+    ``finished_recving``). ``jobs``: job id -> ``(step named, step due, request id, load, [n] int64 GPU
+    blocks)``. The fault ``skip-offload-flush`` drops the first flush of an older store."""
 
     def __init__(self, latency_steps: int, faults: set, reached: Counter):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata

@@ -94,11 +94,8 @@ ROUTES_ALSO_CHECKED: dict[str, tuple[str, ...]] = {
 
 
 def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
-    """The vLLM 0.33.0 launch for a :class:`kvaudit.targets.vllm.config.VllmConfig`: ``(flags, env, unmapped)``
-    -- ``vllm serve`` flags (``--num-gpu-blocks-override``: the null block included, as vLLM counts it; kvaudit's
-    save connector as vLLM's ``OffloadingConnector``; a ``CPU_BYTES`` placeholder for a CPU budget), environment
-    variables and the config fields no flag sets. Flag names from ``vllm/engine/arg_utils.py``
-    (``EngineArgs.add_cli_args``; a ``bool | None`` field gets ``--x`` / ``--no-x``)."""
+    """The vLLM 0.33.0 launch for a :class:`kvaudit.targets.vllm.config.VllmConfig`: ``(flags, env, unmapped)``,
+    ``vllm serve`` flags (``vllm/engine/arg_utils.py``), environment variables, the fields no flag sets."""
     c = config
     flags = [f"--block-size {c.block_size}", f"--num-gpu-blocks-override {c.num_gpu_blocks}",
              f"--max-num-seqs {c.max_num_seqs}", f"--max-num-batched-tokens {c.max_num_batched_tokens}",

@@ -1,6 +1,5 @@
-"""kvaudit's own KV connector for the ``vllm-kv-save`` preset (imports vLLM: loaded by vLLM's
-``KVConnectorFactory`` under the name ``KvauditAsyncSaveConnector``, registered in ``boot``), and the
-``lmcache`` client stand-in of the ``vllm-lmcache-mp`` preset (:func:`install_lmcache_client`).
+"""kvaudit's own KV connector for ``vllm-kv-save`` (imports vLLM: ``KVConnectorFactory`` loads it, registered in
+``boot``), and the ``lmcache`` client stand-in of ``vllm-lmcache-mp`` (:func:`install_lmcache_client`).
 
 The save connector saves every request's KV asynchronously and so answers ``request_finished ->
 delay_free_blocks=True`` for *any* finished request with blocks, aborted ones too, as vLLM's

@@ -1,18 +1,15 @@
 """The real-vLLM targets: kvaudit's programs drive vLLM's own v1 ``Scheduler`` (or ``AsyncScheduler``)
 and ``KVCacheManager`` on CPU, releases 0.15.1 to 0.33.0 (the API changes between them: :mod:`.compat`).
 
-* :class:`VllmSchedulerTarget` calls the scheduler exactly as vLLM's engine core does
-  (``vllm/v1/engine/core.py``: ``EngineCore.step`` and, with async scheduling, ``step_with_batch_queue``
-  with two batches at most): ``add_request``; per step ``schedule()``, a synthetic ``ModelRunnerOutput``
-  (one sampled token per scheduled request, none for a partial prefill chunk), ``update_from_output()``;
-  ``finish_requests(ids, FINISHED_ABORTED)`` for an abort; ``reset_prefix_cache()`` for a flush. Every
-  decision (admission, chunking, preemption, freeing) is the scheduler's own.
+* :class:`VllmSchedulerTarget` calls the scheduler as vLLM's engine core does (``vllm/v1/engine/core.py``:
+  ``EngineCore.step``, ``step_with_batch_queue``): ``add_request``; per step ``schedule()``, a synthetic
+  ``ModelRunnerOutput``, ``update_from_output()``; ``finish_requests(ids, FINISHED_ABORTED)`` for an abort;
+  ``reset_prefix_cache()`` for a flush. Every decision (admission, chunking, preemption, freeing) is vLLM's.
 * :class:`VllmManagerTarget` drives the ``KVCacheManager`` alone, playing the scheduler's calls in its order
   (``get_computed_blocks``, ``allocate_slots``, ``free``; preempting the newest running request). Fast.
 
-There is no model: a sampled token is a deterministic function of the request id and position; the last
-token of the vocabulary is EOS (``SamplingParams.update_from_generation_config``, as vLLM's input
-processor sets it), sampled at the program's ``stop_at``.
+There is no model: a sampled token is a hash of the request id and position; the vocabulary's last token is
+EOS (``SamplingParams.update_from_generation_config``), sampled at the program's ``stop_at``.
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ class _VllmBase(VllmObserver, Target):
 
     # -- intake --------------------------------------------------------------------------------------
     def _new_request(self, op: Submit, resumable: bool = False):
-        """A vLLM ``Request`` for submit ``op`` (prompt at most half the context, output a quarter), under a new
-        request id; ``resumable``: a streaming session's first input chunk."""
+        """A vLLM ``Request`` for ``op`` (prompt at most half the context, output a quarter) under a new id."""
         req = self._resolve(op)
         rid = f"req-{len(self.submitted) + 1:06d}"
         request = self._request(rid, req.input_ids, req.max_new_tokens, op.ignore_eos,
@@ -264,8 +260,7 @@ class VllmSchedulerTarget(_VllmBase):
         return request is not None and not request.is_finished()
 
     def _on_turn(self, session) -> None:
-        """vLLM took session's next chunk in (its last sampled token dropped, its other outputs now prompt):
-        the driver's text, prompt length and ``stop_at`` become the new turn's."""
+        """vLLM took ``session``'s next chunk in: the driver's text, prompt length and ``stop_at`` follow."""
         rid = session.request_id
         self.texts[rid], self.prompt_lens[rid] = list(session.all_token_ids), session.num_prompt_tokens
         self.stop_at[rid] = self.turns[rid].popleft()
@@ -346,11 +341,10 @@ class VllmSchedulerTarget(_VllmBase):
         return {POOL: self.config.num_gpu_blocks * self.config.block_size}
 
     def install_shadow(self, shadow, wrap, report) -> None:
-        """Tag and check the KV of attention groups in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`): each
-        step's (:meth:`_shadow_step`, after ``Scheduler._update_after_schedule``, so a stale read is located in
-        ``schedule``) and a KV connector's loads (:meth:`_shadow_load`); a stale read calls ``report(pool, slots,
-        message)``. Not with drafts under async scheduling (the worker's shift of positions by the drafts the
-        step in flight rejects is not modelled): ``stale_reads_checked`` stays 0."""
+        """Tag and check attention groups' KV in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`) per step
+        (:meth:`_shadow_step`, after ``Scheduler._update_after_schedule``) and per KV load (:meth:`_shadow_load`);
+        a stale read calls ``report(pool, slots, message)``. Not with drafts under async scheduling (the worker's
+        shift of positions by rejected drafts is not modelled): ``stale_reads_checked`` stays 0."""
         self.reached["stale_reads_checked"] = 0
         if self.config.num_spec_tokens and self.max_in_flight > 1:
             return
@@ -365,8 +359,7 @@ class VllmSchedulerTarget(_VllmBase):
                 self._attention.append((g, getattr(mgr, "sliding_window", None)))
 
     def _tags(self, request) -> np.ndarray:
-        """``[n] int64`` tags of ``request``'s ``n`` known tokens (``ShadowKV.request_tags``), the driver's samples
-        vLLM holds placeholders for (async scheduling) included."""
+        """``[n] int64`` tags of ``request``'s known tokens, async placeholders too (``ShadowKV.request_tags``)."""
         text = self.texts[request.request_id]
         return self._shadow[0].request_tags(request, request.prompt_token_ids, request.output_token_ids,
                                             text[request.num_tokens:])
@@ -382,12 +375,10 @@ class VllmSchedulerTarget(_VllmBase):
         return table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
 
     def _shadow_step(self, out) -> None:
-        """The KV of the step ``out`` (``num_computed_tokens`` just past it), as a forward moves it: a
-        copy-on-write it carries (``kv_cache_block_copies``) first, then every request's positions ``[start,
-        end)`` written with its tags, then each request's reads (:func:`_first` to ``start``) checked against
-        its own prefix's tags: a slot never written, or written for another prefix, is stale KV (``report``,
-        naming the request, blocks and positions). Draft positions past the known tokens are tagged once
-        known (:meth:`_tag_drafts`, or the request's next step where its table still maps them)."""
+        """The KV of the step ``out`` as a forward moves it: its copy-on-writes first, then every request's
+        positions ``[start, end)`` written with its tags, then each one's reads (:func:`_first` to ``start``)
+        checked: a slot never written, or written for another prefix, is stale KV (``report``). Draft positions
+        past the known tokens are tagged once known (:meth:`_tag_drafts`, or the request's next step)."""
         shadow, report = self._shadow
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
         copies = out.kv_cache_block_copies if self.V.has("pending-cow") else None
@@ -450,8 +441,8 @@ class VllmSchedulerTarget(_VllmBase):
             tags_of[self._slots(table, pos)] = tags[pos]
 
     def invariant_findings(self) -> list:
-        """The observer's, :meth:`_inflight_findings` (first as of a ``schedule()`` that preempted a request
-        with a step in flight), :meth:`copy_findings` of the steps in flight's copies, :meth:`_dead_table_findings`."""
+        """The observer's, :meth:`_inflight_findings` (also as of a preempting ``schedule()``), :meth:`copy_findings`
+        of the steps in flight's copies, :meth:`_dead_table_findings`."""
         copies = [c for out, _, _ in self.batch_queue for c in out.kv_cache_block_copies or ()] \
             if self.guard_inflight and self.V.has("pending-cow") else []
         return (super().invariant_findings() + self.preempt_findings[:1] + self._inflight_findings()
@@ -475,10 +466,9 @@ class VllmSchedulerTarget(_VllmBase):
         return []
 
     def _inflight_findings(self) -> list:
-        """Under vLLM's own condition (``guard_inflight``), every block a step in flight writes (vLLM #45357,
-        fixed in 0.24.0; check ``inflight-write``, first) or its attention reads (#47282, fixed in 0.26.0;
-        ``inflight-read``) is still in that request's tables or in ``deferred_frees``: freed, a KV consumer's
-        load can overwrite it unordered against the step (a use-after-free)."""
+        """Under ``guard_inflight``, every block a step in flight writes (vLLM #45357, fixed in 0.24.0; check
+        ``inflight-write``, first) or reads (#47282, fixed in 0.26.0; ``inflight-read``) is in that request's
+        tables or ``deferred_frees``: freed, a KV consumer's load can overwrite it under the step."""
         if not self.guard_inflight or not self.batch_queue:
             return []
         parked = np.zeros(self.config.num_gpu_blocks, dtype=bool)
@@ -508,8 +498,7 @@ class VllmSchedulerTarget(_VllmBase):
         return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=self._kv_output())
 
     def _model_output(self, out):
-        """The sampled tokens of each scheduled request: none for a request still mid-prefill after this
-        chunk, else :meth:`_verify` of its ``scheduled_spec_decode_tokens`` (one token without drafts)."""
+        """Each scheduled request's tokens: none mid-prefill, else :meth:`_verify` of its scheduled drafts."""
         ids = list(out.num_scheduled_tokens)
         reqs, spec = self.scheduler.requests, out.scheduled_spec_decode_tokens
         toks = [[] if self._is_prefill_chunk(reqs[r]) else self._verify(r, len(spec.get(r, ()))) for r in ids]
@@ -520,9 +509,8 @@ class VllmSchedulerTarget(_VllmBase):
         return output
 
     def _verify(self, rid: str, k: int) -> list[int]:
-        """The rejection sampler over ``k`` drafts of ``rid``: accepted up to the first :meth:`draft_ok` rejects,
-        then the target's token (a correction or the bonus), ``1 + accepted`` tokens of :meth:`sample`, past a
-        stop too (the scheduler trims them). Counts ``accepted_draft_tokens`` and ``rejected_draft_tokens``."""
+        """The rejection sampler over ``k`` drafts of ``rid``: ``1 + accepted`` tokens of :meth:`sample` (drafts up
+        to the first :meth:`draft_ok` rejects, then a correction or the bonus), past a stop too; counted."""
         n = len(self.texts[rid]) - self.prompt_lens[rid]
         accepted = next((j for j in range(k) if not self.draft_ok(rid, n + j)), k)
         if k:
@@ -544,8 +532,7 @@ class VllmSchedulerTarget(_VllmBase):
         return RoutedExpertsLists(routing_data=routing, slot_mapping=slot_mapping)
 
     def _is_prefill_chunk(self, request) -> bool:
-        """Whether the step just scheduled leaves ``request`` mid-prefill (no token sampled): ``Request.
-        is_prefill_chunk`` (``compat`` "is-prefill-chunk"); before, the model runner's test."""
+        """Whether the step just scheduled leaves ``request`` mid-prefill: ``Request.is_prefill_chunk`` (compat)."""
         if self.V.has("is-prefill-chunk"):
             return request.is_prefill_chunk
         return request.num_computed_tokens < request.num_tokens
@@ -627,8 +614,7 @@ class VllmManagerTarget(_VllmBase):
         self.waiting.insert(0, request)
 
     def step(self) -> None:
-        """Decode every running request (preempting the newest when a block cannot be had), then admit
-        waiting requests FCFS while sequences, tokens and blocks allow."""
+        """Decode every running request (preempting the newest for a block), then admit FCFS while room allows."""
         S, m, c = self.V.RequestStatus, self.manager, self.config
         budget = c.max_num_batched_tokens
         for request in list(self.running):
