@@ -1,11 +1,8 @@
-"""Bootstrap of the real-vLLM target: version probe, one import per process, and vLLM's own objects built
-on CPU the way its engine core builds them (``vllm/v1/engine/core.py``: configs, then
-``Scheduler(vllm_config, kv_cache_config, structured_output_manager, block_size=...)``; the
-``KVCacheConfig`` shaped as vLLM's tests shape it, ``tests/v1/core/test_prefix_caching.py``).
-
-No stub and no patch to vLLM: the one stand-in is a model *architecture* registered with vLLM's
-``ModelRegistry`` and never instantiated, so that ``ModelConfig`` resolves from a local ``config.json``
-without the hub or vLLM's architecture-inspection subprocess (``../shared/reference/vllm-target-recipe.md``).
+"""Bootstrap of the real-vLLM target: version probe, one import per process, and vLLM's own objects built on
+CPU as its engine core builds them (``vllm/v1/engine/core.py``; the ``KVCacheConfig`` as vLLM's
+``tests/v1/core/test_prefix_caching.py`` shapes it). No stub and no patch to vLLM: the one stand-in is a model
+*architecture* registered with ``ModelRegistry``, never built, so that ``ModelConfig`` resolves from a local
+``config.json`` (``../shared/reference/vllm-target-recipe.md``).
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ NEW_CONNECTORS = ("OffloadingConnector", "LMCacheMPConnector", "MultiConnector")
 
 
 class VllmUnavailable(RuntimeError):
-    """vLLM is not installed, or its version is not one this target drives. One line, fit for the CLI's
-    exit-2 error."""
+    """vLLM is not installed, or not a version this target drives: one line, the CLI's exit-2 error."""
 
 
 def installed_version() -> str | None:
@@ -73,10 +69,8 @@ _SCRATCH: str | None = None  # this process's temporary directory (vLLM's cache 
 
 
 def scratch_dir() -> str:
-    """This process's temporary directory for what vLLM must read from disk, made on first use and
-    removed when the process exits (``atexit``: a command's normal end, Ctrl-C and SIGTERM alike, which
-    the CLI turns into an orderly exit; a test session's end). One per process: a spawned worker makes
-    its own, or uses its parent's through ``VLLM_CACHE_ROOT``."""
+    """This process's temporary directory for what vLLM must read from disk, made on first use and removed
+    at exit (``atexit``: the CLI turns Ctrl-C and SIGTERM into an orderly exit)."""
     global _SCRATCH
     if _SCRATCH is None or not os.path.isdir(_SCRATCH):
         import atexit
@@ -87,35 +81,22 @@ def scratch_dir() -> str:
     return _SCRATCH
 
 
-def _no_triton_notice(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Triton not available")
-
-
-def _no_injected_load_failure(record: logging.LogRecord) -> bool:
-    """vLLM logs each request a failed KV load fails (``Scheduler._handle_invalid_blocks``, policy ``fail``)
-    as an error: on the ``vllm-kv-fail*`` presets kvaudit fails those loads itself (``transfer_fail``)."""
-    return not str(record.msg).startswith("Failing %d request(s) due to KV load failure")
-
-
 def _prepare_environment() -> None:
-    """:func:`load`'s process settings, each unless already set: offline Hugging Face, vLLM's cache root
-    and torch inductor's (which makes <temp dir>/torchinductor_<user> on import) in :func:`scratch_dir`
-    (kvaudit compiles and caches nothing there, so they go with the run, not into the user's caches), and
-    vLLM's log level. The connector presets import vLLM's Triton kernels, and torch logs "Triton not
-    available" for each on a CPU-only run: expected here, noise on stderr. A filter, not a level: torch
-    resets its loggers' levels after this import; the logger's other records pass."""
+    """:func:`load`'s process settings, each unless already set: offline Hugging Face, vLLM's cache root and
+    torch inductor's in :func:`scratch_dir` (nothing is compiled or cached there), vLLM's log level; and a
+    filter (torch resets levels) for torch's "Triton not available", noise on a CPU-only run."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for var, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "torchinductor")):
         if var not in os.environ:
             os.environ[var] = os.path.join(scratch_dir(), sub)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    logging.getLogger("torch._library.triton").addFilter(_no_triton_notice)
+    triton = logging.getLogger("torch._library.triton")
+    triton.addFilter(lambda r: not r.getMessage().startswith("Triton not available"))
 
 
 def _register_stub_architecture(registry, module_base) -> None:
-    """Register ``STUB_ARCH`` with vLLM's ``ModelRegistry``: a model architecture for ``ModelConfig`` only,
-    never built (no weights, no forward); and under ``"Eagle" + STUB_ARCH``, the name vLLM's ``EAGLEConfig``
-    gives the draft model of an ``eagle`` ``SpeculativeConfig`` whose directory is the stub's."""
+    """Register ``STUB_ARCH`` (for ``ModelConfig`` only, never built) with ``ModelRegistry``, also under
+    ``"Eagle" + STUB_ARCH``, the name ``EAGLEConfig`` gives an ``eagle`` draft model in the stub's directory."""
 
     class KvauditStubForCausalLM(module_base):
         def forward(self, *a, **k):
@@ -133,11 +114,9 @@ def _import(module: str, name: str):
 
 
 def load() -> SimpleNamespace:
-    """Import vLLM's v1 KV-cache stack once per process (about 7-10 s) and return its names. Sets
-    ``HF_HUB_OFFLINE=1`` and, in :func:`scratch_dir` (removed when the process exits), ``VLLM_CACHE_ROOT``
-    and ``TORCHINDUCTOR_CACHE_DIR``, each unless already set; seeds vLLM's process-global block-hash seed
-    (``init_none_hash``) and registers the stub architecture. Raises
-    :class:`VllmUnavailable` (one line) when vLLM is missing, of another version, or fails to import."""
+    """Import vLLM's v1 KV-cache stack once per process (about 7-10 s) and return its names, after
+    :func:`_prepare_environment`; seeds vLLM's block-hash seed (``init_none_hash``), registers the stub
+    architecture. Raises :class:`VllmUnavailable` (one line): vLLM missing, of another version, or broken."""
     global _LOADED
     if _LOADED is not None:
         return _LOADED
@@ -159,7 +138,10 @@ def load() -> SimpleNamespace:
                               f"({os.path.dirname(vllm.__file__)}): two installs on sys.path")
     for name in ("vllm", "vllm.v1", "vllm.config"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(_no_injected_load_failure)
+    # a request a failed KV load fails (Scheduler._handle_invalid_blocks, policy fail) is logged as an error:
+    # on the vllm-kv-fail* presets kvaudit fails those loads itself (transfer_fail)
+    logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(
+        lambda r: not str(r.msg).startswith("Failing %d request(s) due to KV load failure"))
     _register_stub_architecture(names["ModelRegistry"], names["torch"].nn.Module)
     names["init_none_hash"](names["sha256"])
     _LOADED = SimpleNamespace(
@@ -172,11 +154,8 @@ def load() -> SimpleNamespace:
 
 
 def kv_cache_config(v: SimpleNamespace, config):
-    """The ``KVCacheConfig`` of ``config``: one full-attention group (``"full"``), plus a sliding-window
-    group (``"swa"``) when ``config.sliding_window`` is set, or a Mamba group (``"mamba"``: a ``MambaSpec``
-    of ``block_size`` tokens per state block, one nominal float32 state, ``mamba_cache_mode`` ``align`` with
-    prefix caching, as ``VllmConfig`` derives it) with ``config.mamba``, over ``num_gpu_blocks`` blocks and
-    no tensors (the scheduler side never touches KV memory)."""
+    """The ``KVCacheConfig`` of ``config`` over ``num_gpu_blocks`` blocks: a full-attention group (``"full"``),
+    plus a sliding-window (``"swa"``) or Mamba one (``"mamba"``: one nominal float32 state per block)."""
     dtype = v.torch.float32
     groups = [v.KVCacheGroupSpec(["full"], v.FullAttentionSpec(block_size=config.block_size, num_kv_heads=1,
                                                                 head_size=1, dtype=dtype))]
@@ -201,12 +180,10 @@ OFFLOAD_PAGE_BYTES = 1024  # the nominal bytes of one block of every layer (no t
 
 
 def _kv_cache_tensors(config) -> list:
-    """``KVCacheConfig.kv_cache_tensors``: none, except for ``SimpleCPUOffloadConnector``, whose scheduler
-    side sizes its CPU tier against the GPU one (``SimpleCPUOffloadScheduler._derive_cpu_config``,
-    ``vllm/v1/simple_kv_offload/manager.py``: it asserts a tensor exists and takes
-    ``num_gpu_blocks * cpu_bytes_to_use // tensor bytes`` CPU blocks): then one nominal tensor of
-    ``num_gpu_blocks * OFFLOAD_PAGE_BYTES`` bytes shared by every layer. Its fields changed in vLLM 0.24.0
-    (``shared_by`` became ``layers`` with strides), so it is built by the fields the release has."""
+    """``KVCacheConfig.kv_cache_tensors``: none, except for ``SimpleCPUOffloadConnector``, which sizes its CPU
+    tier as ``num_gpu_blocks * cpu_bytes_to_use // tensor bytes`` blocks (``SimpleCPUOffloadScheduler.
+    _derive_cpu_config``): one nominal tensor of ``num_gpu_blocks * OFFLOAD_PAGE_BYTES`` bytes for every layer,
+    by the fields the release has (``shared_by`` before 0.24.0, ``layers`` with strides after)."""
     if config.kv_connector != "SimpleCPUOffloadConnector":
         return []
     import dataclasses
@@ -221,12 +198,9 @@ def _kv_cache_tensors(config) -> list:
 
 
 def kv_connector_extra_config(config) -> dict:
-    """``KVTransferConfig.kv_connector_extra_config`` for ``config``'s connector: for
-    ``SimpleCPUOffloadConnector``, eager mode and a CPU budget of ``num_cpu_blocks`` nominal pages (so
-    that its CPU ``BlockPool`` has ``num_cpu_blocks`` blocks, vLLM 0.20.0 to 0.33.0 alike); for
-    ``OffloadingConnector``, ``num_cpu_blocks`` chunks of one block (``CPUOffloadingSpec`` rounds a chunk
-    up to ``mmap.PAGESIZE`` bytes, more than a nominal block here); ``MultiConnector``: NIXL's and that
-    one's configs under ``connectors``; else none."""
+    """``KVTransferConfig.kv_connector_extra_config``: ``num_cpu_blocks`` nominal pages and eager mode for
+    ``SimpleCPUOffloadConnector``; ``num_cpu_blocks`` chunks of ``mmap.PAGESIZE`` bytes (``CPUOffloadingSpec``'s
+    rounding) for ``OffloadingConnector``; for ``MultiConnector``, NIXL's and that one's; else none."""
     if config.kv_connector == "OffloadingConnector":
         import mmap
         return {"cpu_bytes_to_use": config.num_cpu_blocks * mmap.PAGESIZE}
@@ -240,8 +214,7 @@ def kv_connector_extra_config(config) -> dict:
 
 
 def _model_dir(v: SimpleNamespace, config) -> str:
-    """A local model directory whose ``config.json`` names the stub architecture (one per vocabulary
-    and length, made once per process in :func:`scratch_dir`)."""
+    """A model directory in :func:`scratch_dir` whose ``config.json`` names the stub (one per vocabulary, length)."""
     moe = config.return_routed_experts
     key = (config.vocab_size, config.max_model_len, moe)
     if key not in v.model_dirs or not os.path.isdir(v.model_dirs[key]):
@@ -259,9 +232,8 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 
 
 def refusal(config, version: str | None) -> str | None:
-    """Why release ``version`` (its metadata, no import; None: none installed) cannot build ``config``, in
-    one line (each message names the releases that can), or None. Used by
-    :func:`check_config` and by ``kind._presets`` (the presets the installed release lists)."""
+    """Why release ``version`` (None: none installed) cannot build ``config``, in one line naming the releases
+    that can, or None (no import: also for ``kind._presets``, the presets the installed release lists)."""
     def has(change):
         return compat.in_range(version or "") and compat.has(change, version)
     gates = (
@@ -282,10 +254,8 @@ def refusal(config, version: str | None) -> str | None:
 
 
 def check_config(config) -> None:
-    """Raises :class:`VllmUnavailable` (one line) when vLLM does not import here or the installed release
-    cannot build ``config``: ``SimpleCPUOffloadConnector`` before 0.19.0 (``compat`` "simple-cpu-offload";
-    its presets are listed on every release), then :func:`refusal`. Those refusals read the release's
-    metadata, so they come before vLLM is imported (seconds); then it is :func:`load` ed."""
+    """Raises :class:`VllmUnavailable` (one line) when the installed release cannot build ``config`` (by its
+    metadata: ``SimpleCPUOffloadConnector`` before 0.19.0, :func:`refusal`) or does not import (:func:`load`)."""
     version = probe_version()
     if config.kv_connector == "SimpleCPUOffloadConnector" and not compat.has("simple-cpu-offload", version):
         raise VllmUnavailable(f"SimpleCPUOffloadConnector needs vLLM >= 0.19.0, not {version}")
@@ -297,12 +267,8 @@ def check_config(config) -> None:
 
 def speculative_config(v: SimpleNamespace, model_config, config):
     """vLLM's ``SpeculativeConfig`` (``vllm/config/speculative.py``) for ``config.num_spec_tokens`` drafts a
-    step (``None`` for 0). ``spec_method`` ``ngram``: the model-free method (``ngram_gpu`` under async
-    scheduling where the release refuses ``ngram`` there, :func:`compat.spec_method`; the Scheduler reads
-    the same numbers from both: no lookahead slot, ``use_eagle()`` false). ``eagle``: a draft model whose
-    directory is the stub's (never built), so ``num_lookahead_tokens`` is ``num_spec_tokens`` and
-    ``use_eagle()`` holds (0.33.0 hashes each block with the token after it; before, the prefix cache drops
-    a hit's last block for the drafter)."""
+    step (``None`` for 0): ``ngram`` (:func:`compat.spec_method`; no lookahead slot), or ``eagle`` with the
+    stub's directory as draft model (never built: ``num_spec_tokens`` lookahead slots, ``use_eagle()``)."""
     if not config.num_spec_tokens:
         return None
     from vllm.config import ParallelConfig, SpeculativeConfig
@@ -314,12 +280,9 @@ def speculative_config(v: SimpleNamespace, model_config, config):
 
 
 def build_scheduler(config):
-    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``config.async_scheduling``) for ``config``, with
-    KV-cache events on and, with ``config.kv_connector``, that KV connector (``KVTransferConfig`` with
-    ``config.kv_role``, a fixed ``engine_id`` and ``kv_load_failure_policy`` if set: the Scheduler builds
-    the connector's SCHEDULER role through ``KVConnectorFactory``), ``config.scheduling_policy`` as
-    ``SchedulerConfig.policy`` and, with ``config.num_spec_tokens``, speculative decoding
-    (:func:`speculative_config`). Returns ``(scheduler, vllm_config)``."""
+    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``) for ``config``, KV-cache events on,
+    with its KV connector (the Scheduler builds its SCHEDULER role through ``KVConnectorFactory``) and
+    speculative decoding (:func:`speculative_config`). Returns ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
     moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}

@@ -1,7 +1,5 @@
-"""vLLM's rows of the history suite's catalogue (:mod:`kvaudit.history.catalogue`): its known public
-KV-lifecycle bugs, each with the last release that ships it and the first that does not, and the ones the
-suite does not rediscover. Facts from the releases' own code and the public trackers
-(``../shared/reference/history-facts.md``)."""
+"""vLLM's rows of the history catalogue (:mod:`kvaudit.history.catalogue`): its known KV-lifecycle bugs, each
+with its last buggy and first clean release, and those not rediscovered (``../shared/reference/history-facts.md``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The vLLM releases the target drives, and the API changes between them that it adapts to.
 
-Each change is named after the first release that has the newer API; the target asks
-:func:`has` with the installed version (``boot.load().version``) and takes the older path otherwise.
-The releases were read (``pip install --no-deps --target``, then grep and ``inspect.signature``) and
-each one in :data:`TESTED` passes ``tests/test_vllm_releases.py`` (every preset, a short fuzz, the
-oracles clean) when it is the installed vLLM. Facts: ``../shared/reference/history-facts.md``.
+Each change is named after the first release with the newer API (:func:`has`; the older path otherwise).
+The releases were read (``pip install --no-deps --target``, grep, ``inspect.signature``); each in :data:`TESTED`
+passes ``tests/test_vllm_releases.py`` installed. Facts: ``../shared/reference/history-facts.md``.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ MIN_VERSION = "0.15.1"
 MAX_VERSION = "0.33.0"
 # the releases driven; 0.17.0 to 0.19.0 were read for the changes below but never run (refused: they
 # also import diskcache, which the base lacks)
-TESTED = ("0.15.1", "0.16.0", "0.20.0", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
-          "0.32.0", "0.33.0")
+TESTED = ("0.15.1", "0.16.0", "0.20.0", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.26.0",
+          "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 
 
 CHANGES: dict[str, Change] = {c.name: c for c in (
@@ -82,8 +80,7 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
 
 
 def in_range(version: str) -> bool:
-    """Whether ``version`` is one the target drives: within ``MIN_VERSION..MAX_VERSION`` (both included)
-    and not one of the untested releases between 0.16.0 and 0.20.0 (:data:`TESTED`)."""
+    """Whether the target drives ``version``: within ``MIN_VERSION..MAX_VERSION``, not between 0.16.0 and 0.20.0."""
     try:
         v = Version(version)
     except Exception:
@@ -93,8 +90,7 @@ def in_range(version: str) -> bool:
 
 
 def has(change: str, version: str) -> bool:
-    """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; KeyError
-    otherwise)."""
+    """Whether release ``version`` has the newer API of ``change`` (a key of :data:`CHANGES`; else KeyError)."""
     return release_has(CHANGES, change, version)
 
 

@@ -1,7 +1,5 @@
 """Configuration, presets and injected faults of the real-vLLM target (``kvaudit fuzz --target vllm``).
-
-Importing this module does not import vLLM (nor torch): the CLI validates flags and replay files with
-it on machines where vLLM is not installed, and says so in one line only when a run needs it.
+Imports neither vLLM nor torch: the CLI validates flags and replay files with it where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -13,71 +11,59 @@ from kvaudit.config import ConfigBase, Preset
 # Faults the target injects through its wrappers of vLLM's own objects, to show the oracles see them on
 # vLLM's code. Each fires once, on its first chance. (kind, description)
 FAULTS: dict[str, tuple[str, str]] = {
-    "skip-free": ("leak", "the first KVCacheManager.free(request) of a finished or aborted request is skipped: "
-                          "the request leaves the scheduler, its block table and ref counts stay"),
-    "double-free-shared-prefix": (
-        "use-after-free", "right after the first KVCacheManager.free(request) that leaves some of the request's "
-                          "blocks still referenced (a prefix another request shares), those shared blocks are "
-                          "freed once more through BlockPool.free_blocks: their ref_cnt reaches 0 while the other "
-                          "request still holds them, so the pool can hand them out again (vLLM notices nothing)"),
-    "free-under-inflight-step": (
-        "use-after-free", "vLLM #45357 put back (it shipped in 0.23.0): the Scheduler's defer_block_free is "
-                          "off, so with async scheduling and a KV consumer a finished, aborted or preempted "
-                          "request's blocks go back to the pool while a step in flight still writes them "
-                          "(vLLM >= 0.24.0; on 0.23.0 this is vLLM's own behaviour; scheduler level)"),
-    "free-window-under-inflight-step": (
-        "use-after-free", "vLLM #47282 put back (it shipped until 0.25.0): the coordinator's "
-                          "remove_skipped_blocks is given the request's num_computed_tokens, which async "
-                          "scheduling has advanced past the step in flight, instead of the processed count, "
-                          "so a sliding window's blocks that step still reads are freed (vLLM >= 0.26.0, "
-                          "a sliding-window preset; scheduler level)"),
-    "free-under-inflight-load": (
-        "use-after-free", "vLLM #32255 put back (it shipped in 0.15.1): the first abort of a request waiting for "
-                          "its remote KV (WAITING_FOR_REMOTE_KVS) frees its blocks at once instead of when the load "
-                          "reports finished_recving, while the KV connector's read still writes them (vLLM >= "
-                          "0.16.0 with a KV connector; scheduler level)"),
-    "refinish-held-request": (
-        "double-free", "vLLM #33377 put back (it shipped in 0.15.1): the first abort of a request whose blocks the "
-                       "KV connector holds (a save in flight) finishes it a second time (Scheduler._free_request), "
-                       "so the connector's request_finished runs twice and a second save of the same blocks starts "
-                       "(scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
+    "skip-free": ("leak", "the first KVCacheManager.free(request) of a finished or aborted request is skipped: the "
+        "request leaves the scheduler, its block table and ref counts stay"),
+    "double-free-shared-prefix": ("use-after-free", "right after the first KVCacheManager.free(request) that leaves "
+        "some of the request's blocks still referenced (a prefix another request shares), those shared blocks are "
+        "freed once more through BlockPool.free_blocks: their ref_cnt reaches 0 while the other request still holds "
+        "them, so the pool can hand them out again (vLLM notices nothing)"),
+    "free-under-inflight-step": ("use-after-free", "vLLM #45357 put back (it shipped in 0.23.0): the Scheduler's "
+        "defer_block_free is off, so with async scheduling and a KV consumer a finished, aborted or preempted "
+        "request's blocks go back to the pool while a step in flight still writes them (vLLM >= 0.24.0; on 0.23.0 "
+        "this is vLLM's own behaviour; scheduler level)"),
+    "free-window-under-inflight-step": ("use-after-free", "vLLM #47282 put back (it shipped until 0.25.0): the "
+        "coordinator's remove_skipped_blocks is given the request's num_computed_tokens, which async scheduling has "
+        "advanced past the step in flight, instead of the processed count, so a sliding window's blocks that step "
+        "still reads are freed (vLLM >= 0.26.0, a sliding-window preset; scheduler level)"),
+    "free-under-inflight-load": ("use-after-free", "vLLM #32255 put back (it shipped in 0.15.1): the first abort of "
+        "a request waiting for its remote KV (WAITING_FOR_REMOTE_KVS) frees its blocks at once instead of when the "
+        "load reports finished_recving, while the KV connector's read still writes them (vLLM >= 0.16.0 with a KV "
+        "connector; scheduler level)"),
+    "refinish-held-request": ("double-free", "vLLM #33377 put back (it shipped in 0.15.1): the first abort of a "
+        "request whose blocks the KV connector holds (a save in flight) finishes it a second time "
+        "(Scheduler._free_request), so the connector's request_finished runs twice and a second save of the same "
+        "blocks starts (scheduler level, with a KV connector that delays frees: vllm-kv-save)"),
     "free-preempted-under-inflight-step": (
         "use-after-free", "vLLM #49674's setting (a KV consumer, async scheduling): a request preempted while a "
-                          "step in flight still writes its blocks is freed at once, past the deferred-free fence "
-                          "(as a fix of #49674's zero-progress preemptions that reclaimed the fenced victim would), "
-                          "so the preempting request can be given blocks that step still writes (vLLM >= 0.24.0; "
-                          "for the whole run; scheduler level: vllm-kv-connector-small)"),
-    "leak-rejected-draft-blocks": (
-        "leak", "the first time a step's rejected draft tokens leave a request holding blocks wholly past its "
-                "rolled-back num_computed_tokens, those blocks are dropped from its table with their ref_cnt "
-                "kept: blocks allocated for rejected speculative tokens never freed (the class of SGLang's draft "
-                "over-allocation leaks, sglang #13826 and #19518; scheduler level, num_spec_tokens > 0)"),
-    "lose-failed-load": (
-        "hang", "vLLM #50719 put back in the NIXL stand-in (a Mooncake worker shipped it until #50984): the first "
-                "failed KV load is only logged, never reported (no finished_recving, no invalid_block_ids), so its "
-                "request stays in WAITING_FOR_REMOTE_KVS holding its blocks, or, aborted meanwhile, holds them "
-                "for good (the symptom of #46283); presets with kv_load_failure_policy"),
-    "keep-computed-on-preempt": (
-        "stale-kv", "the first preempted request keeps its num_computed_tokens while Scheduler._preempt_request "
-                    "frees its blocks: it resumes without a prefix-cache lookup on fresh blocks never written "
-                    "for its prefix, and its next step reads them (scheduler level; vllm-small preempts)"),
-    "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block "
-                                            "loses its prefix-cache map entry: the block carries a hash the map "
-                                            "does not hold"),
-    "skip-offload-flush": (
-        "use-after-free", "the first jobs_to_flush of OffloadingConnector's metadata that names a store started in an "
-                          "earlier step is dropped: that store still reads GPU blocks the step reallocates and writes "
-                          "(the fence of offloading/scheduler.py's _block_id_to_pending_jobs lost; vllm-offload*)"),
-    "close-waiting-session-keeps-blocks": (
-        "leak", "the first close of a streaming session waiting for its next input (WAITING_FOR_STREAMING_REQ: "
-                "Scheduler.add_request of the final, non-resumable request, which finishes it as aborted) drops "
-                "the session's block tables but not its blocks' references (streaming_sessions presets)"),
-    "free-cow-source-before-copy": (
-        "use-after-free", "the Scheduler's _free_cow_retained_blocks ignores its fence: the endpoints of a partial "
-                          "cache hit's copy-on-write (source and destination block) go back to the pool when the "
-                          "step that runs the copy is scheduled, not when it has run, so with a KV consumer and "
-                          "async scheduling a load may overwrite the source before the copy reads it (for the "
-                          "whole run; scheduler level: vllm-mamba-async)"),
+        "step in flight still writes its blocks is freed at once, past the deferred-free fence (as a fix of "
+        "#49674's zero-progress preemptions that reclaimed the fenced victim would), so the preempting request can "
+        "be given blocks that step still writes (vLLM >= 0.24.0; for the whole run; scheduler level: "
+        "vllm-kv-connector-small)"),
+    "leak-rejected-draft-blocks": ("leak", "the first time a step's rejected draft tokens leave a request holding "
+        "blocks wholly past its rolled-back num_computed_tokens, those blocks are dropped from its table with their "
+        "ref_cnt kept: blocks allocated for rejected speculative tokens never freed (the class of SGLang's draft "
+        "over-allocation leaks, sglang #13826 and #19518; scheduler level, num_spec_tokens > 0)"),
+    "lose-failed-load": ("hang", "vLLM #50719 put back in the NIXL stand-in (a Mooncake worker shipped it until "
+        "#50984): the first failed KV load is only logged, never reported (no finished_recving, no "
+        "invalid_block_ids), so its request stays in WAITING_FOR_REMOTE_KVS holding its blocks, or, aborted "
+        "meanwhile, holds them for good (the symptom of #46283); presets with kv_load_failure_policy"),
+    "keep-computed-on-preempt": ("stale-kv", "the first preempted request keeps its num_computed_tokens while "
+        "Scheduler._preempt_request frees its blocks: it resumes without a prefix-cache lookup on fresh blocks "
+        "never written for its prefix, and its next step reads them (scheduler level; vllm-small preempts)"),
+    "drop-hash-entry": ("accounting-drift", "the first BlockPool._insert_block_hash(...) that caches a block loses "
+        "its prefix-cache map entry: the block carries a hash the map does not hold"),
+    "skip-offload-flush": ("use-after-free", "the first jobs_to_flush of OffloadingConnector's metadata that names "
+        "a store started in an earlier step is dropped: that store still reads GPU blocks the step reallocates and "
+        "writes (the fence of offloading/scheduler.py's _block_id_to_pending_jobs lost; vllm-offload*)"),
+    "close-waiting-session-keeps-blocks": ("leak", "the first close of a streaming session waiting for its next "
+        "input (WAITING_FOR_STREAMING_REQ: Scheduler.add_request of the final, non-resumable request, which "
+        "finishes it as aborted) drops the session's block tables but not its blocks' references "
+        "(streaming_sessions presets)"),
+    "free-cow-source-before-copy": ("use-after-free", "the Scheduler's _free_cow_retained_blocks ignores its fence: "
+        "the endpoints of a partial cache hit's copy-on-write (source and destination block) go back to the pool "
+        "when the step that runs the copy is scheduled, not when it has run, so with a KV consumer and async "
+        "scheduling a load may overwrite the source before the copy reads it (for the whole run; scheduler level: "
+        "vllm-mamba-async)"),
 }
 
 # The faults that put back a bug vLLM shipped: its history-catalogue id (kvaudit/targets/vllm/catalogue.py, which
@@ -118,58 +104,36 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")  # vLLM's KVTransferConfig.kv_l
 class VllmConfig(ConfigBase):
     """How vLLM's v1 KV-cache stack is built and driven.
 
-    ``level``: ``scheduler`` drives ``vllm.v1.core.sched.Scheduler`` (``AsyncScheduler`` with
-    ``async_scheduling``, one batch in flight) with synthetic model outputs; ``manager`` drives the
-    ``KVCacheManager`` alone, the driver playing the scheduler's calls. ``num_gpu_blocks`` is the pool,
-    block 0 (vLLM's null block) included; ``block_size`` tokens per block. ``sliding_window`` (tokens)
-    adds a sliding-window group beside the full-attention one (``HybridKVCacheCoordinator``); both groups
-    share the one ``BlockPool``. ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` /
-    ``enable_chunked_prefill`` / ``enable_prefix_caching`` are vLLM's engine arguments of those names.
-    ``scheduling_policy``: vLLM's ``SchedulerConfig.policy`` (:data:`SCHEDULING_POLICIES`); with
-    ``priority`` a submit's ``priority`` reaches ``Request.priority`` (lower runs first) and a request that
-    cannot get blocks preempts the running request of the largest ``(priority, arrival_time)``
-    (``Scheduler.schedule``, ``vllm/v1/core/sched/scheduler.py``). ``bugs`` names injected faults (:data:`FAULTS`). ``vocab_size``: the synthetic sampler's vocabulary;
-    its last token is EOS.
+    ``level``: ``scheduler`` drives ``vllm.v1.core.sched.Scheduler`` (``AsyncScheduler`` with ``async_scheduling``,
+    one batch in flight) with synthetic model outputs; ``manager`` the ``KVCacheManager`` alone, the driver
+    playing the scheduler's calls. ``num_gpu_blocks``: the pool, block 0 (vLLM's null block) included, of
+    ``block_size`` tokens. ``sliding_window`` (tokens): a sliding-window group beside full attention
+    (``HybridKVCacheCoordinator``), one ``BlockPool`` shared. ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``max_model_len``, ``enable_chunked_prefill``, ``enable_prefix_caching``: vLLM's engine arguments.
+    ``scheduling_policy``: ``SchedulerConfig.policy``; under ``priority`` a submit's ``priority`` is
+    ``Request.priority`` (lower first) and the victim is the running request of the largest ``(priority,
+    arrival_time)`` (``Scheduler.schedule``). ``bugs``: injected faults (:data:`FAULTS`). ``vocab_size``: the
+    synthetic sampler's vocabulary; its last token is EOS.
 
-    ``kv_connector``: a KV connector of vLLM's (:data:`KV_CONNECTORS`, by its registered name) built by
-    the Scheduler with ``kv_role`` (:data:`KV_ROLES`; ``kv_producer`` is no KV consumer, so vLLM >=
-    0.24.0 defers no block free and the in-flight-write check does not apply); ``None``: none.
-    Its worker side is kvaudit's stand-in
-    (:mod:`kvaudit.targets.vllm.connector`), which completes each KV load or save 1 to
-    ``kv_transfer_latency_steps`` scheduler steps after it starts (a function of the request id).
-    ``num_cpu_blocks``: with ``SimpleCPUOffloadConnector``, the CPU tier's blocks (its scheduler side's
-    own ``BlockPool``, block 0 its null block; the driver sets ``cpu_bytes_to_use`` so that the connector sizes it so). The
-    connector runs in eager mode (``lazy_offload`` off: each request's computed blocks are stored as
-    they are confirmed), vLLM's default and the mode of vLLM #42571. With an ``OffloadingConnector``
-    (:data:`OFFLOADING`): the chunks of its ``CPUOffloadingManager`` (one block each, LRU eviction).
-    ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (vLLM 0.22.0 to 0.30.0: the model
-    is a mixture of experts, 4 experts, 2 per token, and each step's output carries the routing of its
-    tokens, ``RoutedExpertsLists``; the Scheduler keeps a block-id snapshot per scheduled request).
-    ``wake_for_transfers``: when only finished requests whose KV is still being sent are left, step the
-    engine anyway (an empty schedule that reports the finished transfers, as a later request's step
-    does). vLLM before 0.22.0 (#43433) stops stepping then and holds those blocks until a new request
-    arrives, which kvaudit reports as a hang; this field lets a search past that reach other bugs.
-    ``num_spec_tokens``: speculative decoding with that many draft tokens per step (0: off), built as
-    vLLM's ``SpeculativeConfig`` with ``spec_method`` (:data:`SPEC_METHODS`: ``ngram`` needs no draft
-    model and reserves no lookahead slot; ``eagle`` a stub draft model, ``num_spec_tokens`` lookahead
-    slots; ``boot.speculative_config``); the driver plays the drafter and the rejection sampler
-    (:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget`).
-    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field of that name
-    (:data:`KV_LOAD_FAILURE_POLICIES`: a failed KV load is recomputed, or fails its request); ``None``
-    leaves vLLM's default (``recompute`` in 0.15.1/0.16.0, ``fail`` later) and no transfer fails. Set,
-    with a NIXL connector (one KV-cache group: vLLM's block-level failure path refuses several), programs
-    draw ``transfer_fail`` and the stand-in fails transfers and reports ``memory_pressure`` as blocks the
-    connector found invalid.
-    ``mamba``: a Mamba group (vLLM's ``MambaSpec``, one state block per ``block_size`` tokens) beside full
-    attention, sharing the pool, ``mamba_cache_mode`` ``align`` with prefix caching (``none`` without);
-    ``prefix_match_unit``: vLLM's ``CacheConfig`` field (the tokens each block hash covers, a divisor of
-    ``block_size`` below it): a cache hit may end inside a block, which the hit's request copies
-    (copy-on-write) into a block of its own (``boot.kv_cache_config``; vLLM 0.33.0).
-    ``streaming_sessions``: programs open streaming-input sessions (vLLM's resumable requests, #28973, in every
-    release driven; the target's "sessions" capability); scheduler level only.
-    ``flush_running``: a ``flush_cache`` op is ``reset_prefix_cache(reset_running_requests=True)`` (the
-    ``/reset_prefix_cache?reset_running_requests=true`` of a dev-mode server, an RLHF weight sync): the running
-    requests are preempted and resumed; off, vLLM's default (nothing while blocks are held).
+    ``kv_connector``: a connector of vLLM's by registered name, built by the Scheduler with ``kv_role``
+    (``kv_producer`` is no KV consumer: no in-flight-write check); its worker side a stand-in (:mod:`kvaudit.
+    targets.vllm.connector`) that completes a transfer 1 to ``kv_transfer_latency_steps`` steps on.
+    ``num_cpu_blocks``: the CPU tier's blocks: ``SimpleCPUOffloadConnector``'s own ``BlockPool`` (block 0 its
+    null block; eager mode, vLLM's default and #42571's), or an ``OffloadingConnector``'s one-block chunks (LRU).
+    ``return_routed_experts``: vLLM's ``enable_return_routed_experts`` (0.22.0 to 0.30.0; 4 experts, 2 a token).
+    ``wake_for_transfers``: with only finished requests whose KV is being sent left, step anyway (vLLM before
+    0.22.0, #43433, stops: a hang; this lets a search reach other bugs past it).
+    ``num_spec_tokens``: draft tokens per step (0: off), ``SpeculativeConfig`` with ``spec_method`` (``ngram``,
+    or ``eagle``: a stub draft model, lookahead slots); the driver plays the drafter and the rejection sampler.
+    ``kv_load_failure_policy``: vLLM's ``KVTransferConfig`` field; ``None``: vLLM's default (``recompute`` in
+    0.15.1/0.16.0, then ``fail``) and no transfer fails; set (NIXL, one group), programs draw ``transfer_fail``.
+    ``mamba``: a Mamba group (``MambaSpec``, one state block per ``block_size`` tokens) beside full attention,
+    ``mamba_cache_mode`` ``align`` with prefix caching, else ``none``; ``prefix_match_unit``: ``CacheConfig``'s
+    tokens per block hash (a divisor of ``block_size`` below it): a hit may end inside a block, which the
+    request copies (copy-on-write; vLLM 0.33.0).
+    ``streaming_sessions``: programs open streaming-input sessions (resumable requests, vLLM #28973).
+    ``flush_running``: ``flush_cache`` is ``reset_prefix_cache(reset_running_requests=True)`` (a dev-mode server's
+    query, an RLHF weight sync): running requests are preempted and resumed; off, vLLM's default.
     """
 
     level: str = "scheduler"
@@ -223,13 +187,10 @@ class VllmConfig(ConfigBase):
         return self.max_model_len
 
     def blocks_per_request(self) -> int:
-        """The most blocks one request of ``max_model_len`` tokens may hold, over every KV-cache group: what
-        vLLM's start-up check (``kv_cache_utils.check_enough_kv_cache_memory`` over each spec's
-        ``max_memory_usage_bytes``) requires the pool to hold. Full attention: ``cdiv(max_model_len,
-        block_size)``; sliding window (``SlidingWindowSpec.max_admission_blocks_per_request``):
-        ``cdiv(min(sliding_window - 1 + in-flight tokens, max_model_len), block_size) + 1``, the in-flight
-        tokens being ``max_num_batched_tokens`` per concurrent batch (two with async scheduling); Mamba
-        (``MambaSpec.max_memory_usage_bytes``): 2 state blocks in align mode, else 1."""
+        """The most blocks one request of ``max_model_len`` tokens may hold, every group: what vLLM's start-up
+        check (``kv_cache_utils.check_enough_kv_cache_memory``, each spec's ``max_memory_usage_bytes``) needs.
+        A window's: ``SlidingWindowSpec.max_admission_blocks_per_request``, with ``max_num_batched_tokens`` in
+        flight per concurrent batch; Mamba's: ``MambaSpec.max_memory_usage_bytes``."""
         def cdiv(a, b):
             return -(-a // b)
         n = cdiv(self.max_model_len, self.block_size)
@@ -239,49 +200,45 @@ class VllmConfig(ConfigBase):
         return n + (1 + self.enable_prefix_caching + self.num_spec_tokens) * self.mamba
 
     def __post_init__(self) -> None:
-        """Raises ValueError (one line) on a field outside its row (:data:`RANGES`, :data:`CHOICES`, a
-        ``bool``), a field the manager level cannot run (:data:`SCHEDULER_ONLY`), or a combination vLLM
-        refuses."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type == "bool" and not isinstance(v, bool):
-                raise ValueError(f"{f.name} must be true or false, got {v!r}")
-            lo, hi = RANGES.get(f.name, (None, None))
-            if lo is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or hi and v > hi):
-                raise ValueError(f"{f.name} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}")
-            if f.name in CHOICES and v not in CHOICES[f.name]:
-                raise ValueError(f"{f.name} must be one of {', '.join(map(str, CHOICES[f.name]))}, got {v!r}")
-            if f.name in SCHEDULER_ONLY and v != f.default and self.level != "scheduler":
-                raise ValueError(f"{f.name} needs level scheduler")
-        if self.max_num_batched_tokens < self.block_size or self.max_model_len < 2 * self.block_size:
-            raise ValueError("max_num_batched_tokens must be at least block_size, max_model_len 2 * block_size")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
-                             f"({self.max_num_seqs}) (vLLM's SchedulerConfig rule)")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len "
-                             "(vLLM's SchedulerConfig rule)")
-        w = self.sliding_window
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.max_model_len):
-            raise ValueError(f"sliding_window must be null or an integer in [1, max_model_len), got {w!r}")
-        if self.blocks_per_request() > self.num_gpu_blocks - 1:
-            raise ValueError(f"a request of max_model_len={self.max_model_len} tokens may need "
-                             f"{self.blocks_per_request()} blocks, more than the pool's {self.num_gpu_blocks - 1}: "
-                             "vLLM refuses to start so (check_enough_kv_cache_memory); lower max_model_len")
-        u = self.prefix_match_unit
-        if u is not None and (not self.mamba or u not in CHOICES["block_size"] or u >= self.block_size):
-            raise ValueError(f"prefix_match_unit must be null or, with mamba, a power of two below block_size, "
-                             f"got {u!r}")
-        if self.mamba and self.sliding_window is not None:
-            raise ValueError("mamba and sliding_window together are not built (one group beside full attention)")
-        if self.kv_connector == "SimpleCPUOffloadConnector" and not self.enable_prefix_caching:
-            raise ValueError("SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload "
-                             "off without it)")
-        if self.kv_load_failure_policy is not None and (self.kv_connector not in NIXL or w is not None):
-            raise ValueError("kv_load_failure_policy needs a NIXL kv_connector and no sliding_window")
-        if not isinstance(self.preset, str):
-            raise ValueError(f"preset must be a string, got {self.preset!r}")
+        """Raises ValueError (one line) on the first of :meth:`_refusals`."""
+        why = next((why for refused, why in self._refusals() if refused), None)
+        if why is not None:
+            raise ValueError(why)
         self._freeze_faults(FAULTS, "vllm")
+
+    def _refusals(self):
+        """``(refused, why)`` in order: a field outside its row (:data:`RANGES`, :data:`CHOICES`, a ``bool``), a
+        field the manager level cannot run (:data:`SCHEDULER_ONLY`), a combination vLLM refuses."""
+        for f in fields(self):
+            v, (lo, hi) = getattr(self, f.name), RANGES.get(f.name, (None, None))
+            yield f.type == "bool" and not isinstance(v, bool), f"{f.name} must be true or false, got {v!r}"
+            yield (lo is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or hi and v > hi),
+                   f"{f.name} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}")
+            yield (f.name in CHOICES and v not in CHOICES[f.name],
+                   f"{f.name} must be one of {', '.join(map(str, CHOICES.get(f.name, ())))}, got {v!r}")
+            yield f.name in SCHEDULER_ONLY and v != f.default and self.level != "scheduler", \
+                f"{f.name} needs level scheduler"
+        c, w, u = self, self.sliding_window, self.prefix_match_unit
+        yield (c.max_num_batched_tokens < c.block_size or c.max_model_len < 2 * c.block_size,
+               "max_num_batched_tokens must be at least block_size, max_model_len 2 * block_size")
+        yield (c.max_num_batched_tokens < c.max_num_seqs, f"max_num_batched_tokens ({c.max_num_batched_tokens}) must "
+               f"be at least max_num_seqs ({c.max_num_seqs}) (vLLM's SchedulerConfig rule)")
+        yield (not c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_model_len, "without chunked prefill, "
+               "max_num_batched_tokens must be at least max_model_len (vLLM's SchedulerConfig rule)")
+        yield (w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < c.max_model_len),
+               f"sliding_window must be null or an integer in [1, max_model_len), got {w!r}")
+        yield (c.blocks_per_request() > c.num_gpu_blocks - 1, f"a request of max_model_len={c.max_model_len} tokens "
+               f"may need {c.blocks_per_request()} blocks, more than the pool's {c.num_gpu_blocks - 1}: vLLM refuses "
+               "to start so (check_enough_kv_cache_memory); lower max_model_len")
+        yield (u is not None and (not c.mamba or u not in CHOICES["block_size"] or u >= c.block_size),
+               f"prefix_match_unit must be null or, with mamba, a power of two below block_size, got {u!r}")
+        yield (c.mamba and w is not None,
+               "mamba and sliding_window together are not built (one group beside full attention)")
+        yield (c.kv_connector == "SimpleCPUOffloadConnector" and not c.enable_prefix_caching,
+               "SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload off without it)")
+        yield (c.kv_load_failure_policy is not None and (c.kv_connector not in NIXL or w is not None),
+               "kv_load_failure_policy needs a NIXL kv_connector and no sliding_window")
+        yield not isinstance(c.preset, str), f"preset must be a string, got {c.preset!r}"
 
 
 # the rows __post_init__ checks: an integer field's range (None: no upper end), a field's values, the fields
@@ -313,108 +270,92 @@ _preset("vllm", "the Scheduler: 64 blocks of 16, prefix caching, chunked prefill
 _preset("vllm-async", "the AsyncScheduler with one batch in flight (vLLM's default scheduling)", async_scheduling=True)
 _preset("vllm-small", "the Scheduler on 16 blocks of 4 tokens: decode runs out and preempts by itself", **SMALL)
 _preset("vllm-async-small", "vllm-small on the AsyncScheduler: decode runs out with a batch in flight, so requests "
-                            "are preempted while a step still writes their blocks", "vllm-small", async_scheduling=True)
+        "are preempted while a step still writes their blocks", "vllm-small", async_scheduling=True)
 _preset("vllm-priority", "vllm-small with priority scheduling: a submit's priority orders the queue and names the "
-                         "victim (the running request of the largest priority value)", "vllm-small",
-        scheduling_policy="priority")
+        "victim (the running request of the largest priority value)", "vllm-small", scheduling_policy="priority")
 _preset("vllm-priority-async", "vllm-priority on the AsyncScheduler (preemption by priority with a step in flight)",
         "vllm-priority", async_scheduling=True)
-_preset("vllm-hybrid", "the Scheduler over full attention + a 32-token sliding window (HybridKVCacheCoordinator), "
-                       "96 blocks shared", num_gpu_blocks=96, sliding_window=32)
-_preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, "
-                        "preemption by recompute", level="manager", num_gpu_blocks=24, block_size=4,
-        max_num_batched_tokens=64, max_model_len=92)
+_preset("vllm-hybrid", "the Scheduler over full attention + a 32-token sliding window (HybridKVCacheCoordinator), 96 "
+        "blocks shared", num_gpu_blocks=96, sliding_window=32)
+_preset("vllm-manager", "the KVCacheManager alone, driven at manager level (fast): 24 blocks of 4 tokens, preemption "
+        "by recompute", level="manager", num_gpu_blocks=24, block_size=4, max_num_batched_tokens=64, max_model_len=92)
 _preset("vllm-kv-connector", "the AsyncScheduler with vLLM's NixlConnector (scheduler side; the worker side a "
-                             "stand-in): some requests wait for remote KV, finished ones are held while their KV is "
-                             "sent, transfers complete 1-3 steps later", **NIXL_ASYNC)
+        "stand-in): some requests wait for remote KV, finished ones are held while their KV is sent, transfers "
+        "complete 1-3 steps later", **NIXL_ASYNC)
 _preset("vllm-kv-connector-small", "vllm-kv-connector on vllm-small's pool: the KV consumer fences the frees of a "
-                                   "step in flight (deferred_frees), so a victim that step still writes is not "
-                                   "preempted (vLLM #49674)", "vllm-kv-connector", **SMALL)
+        "step in flight (deferred_frees), so a victim that step still writes is not preempted (vLLM #49674)",
+        "vllm-kv-connector", **SMALL)
 _preset("vllm-kv-connector-swa", "vllm-kv-connector over full attention + a 32-token sliding window (96 blocks "
-                                 "shared), as a decode instance of a sliding-window model runs it on a GPU (the "
-                                 "hybrid manager; vLLM turns it off on CPU)", "vllm-kv-connector", sliding_window=32,
-        num_gpu_blocks=96)
-_preset("vllm-kv-load", "the Scheduler (one batch in flight) with vLLM's NixlConnector as vllm-kv-connector, "
-                        "stepping on while sends are outstanding (wake_for_transfers): remote KV loads and aborts "
-                        "during them, without vLLM #45357's async-step window", kv_connector="NixlConnector",
-        wake_for_transfers=True)
+        "shared), as a decode instance of a sliding-window model runs it on a GPU (the hybrid manager; vLLM turns it "
+        "off on CPU)", "vllm-kv-connector", sliding_window=32, num_gpu_blocks=96)
+_preset("vllm-kv-load", "the Scheduler (one batch in flight) with vLLM's NixlConnector as vllm-kv-connector, stepping "
+        "on while sends are outstanding (wake_for_transfers): remote KV loads and aborts during them, without vLLM "
+        "#45357's async-step window", kv_connector="NixlConnector", wake_for_transfers=True)
 _preset("vllm-kv-fail", "vllm-kv-connector whose transfers may fail (transfer_fail: a read reports its blocks "
-                        "invalid, a send ends as on lease expiry; memory_pressure reports running requests' cached "
-                        "blocks invalid), kv_load_failure_policy recompute", "vllm-kv-connector",
-        kv_load_failure_policy="recompute")
-_preset("vllm-kv-fail-abort", "vllm-kv-load whose transfers may fail as in vllm-kv-fail, kv_load_failure_policy "
-                              "fail (the requests hit end with FINISHED_ERROR)", "vllm-kv-load",
-        kv_load_failure_policy="fail")
-_preset("vllm-kv-push-fail", "vllm-kv-fail with vLLM's NixlPushConnector (vLLM >= 0.24.0): the prefill side writes "
-                             "a decode request's KV; a failed push is never written, so never reported",
-        "vllm-kv-fail", kv_connector="NixlPushConnector")
+        "invalid, a send ends as on lease expiry; memory_pressure reports running requests' cached blocks invalid), "
+        "kv_load_failure_policy recompute", "vllm-kv-connector", kv_load_failure_policy="recompute")
+_preset("vllm-kv-fail-abort", "vllm-kv-load whose transfers may fail as in vllm-kv-fail, kv_load_failure_policy fail "
+        "(the requests hit end with FINISHED_ERROR)", "vllm-kv-load", kv_load_failure_policy="fail")
+_preset("vllm-kv-push-fail", "vllm-kv-fail with vLLM's NixlPushConnector (vLLM >= 0.24.0): the prefill side writes a "
+        "decode request's KV; a failed push is never written, so never reported", "vllm-kv-fail",
+        kv_connector="NixlPushConnector")
 _preset("vllm-kv-save", "the AsyncScheduler with kvaudit's save connector (KvauditAsyncSaveConnector, kv_producer): "
-                        "every finished request, aborted ones too, holds its blocks until its KV is saved, 1-3 steps "
-                        "later (the OffloadingConnector of 0.15.1/0.16.0 with a store in flight; from 0.21.0 it "
-                        "never delays a free: vllm-offload models it)", async_scheduling=True,
-        kv_connector="KvauditAsyncSaveConnector", kv_role="kv_producer", wake_for_transfers=True)
+        "every finished request, aborted ones too, holds its blocks until its KV is saved, 1-3 steps later (the "
+        "OffloadingConnector of 0.15.1/0.16.0 with a store in flight; from 0.21.0 it never delays a free: "
+        "vllm-offload models it)", async_scheduling=True, kv_connector="KvauditAsyncSaveConnector",
+        kv_role="kv_producer", wake_for_transfers=True)
 _preset("vllm-cpu-offload-swa", "the Scheduler (one batch in flight) with vLLM's SimpleCPUOffloadConnector in eager "
-                                "mode (scheduler side real, worker side a stand-in) over full attention + an 8-token "
-                                "sliding window, 48 GPU blocks of 4 tokens, a 16-token step budget and 6 CPU blocks, "
-                                "stores and loads completing 1-12 steps later, in order (the setting of vLLM #42571: "
-                                "the window slides every few tokens and a small CPU tier holds back its stores); "
-                                "stepping on while a store is outstanding (wake_for_transfers: before 0.30.0 the "
-                                "connector reports no pending push work, so an idle engine stops stepping)",
-        kv_connector="SimpleCPUOffloadConnector", block_size=4, sliding_window=8, num_gpu_blocks=48, max_model_len=128,
-        max_num_batched_tokens=16, num_cpu_blocks=6, kv_transfer_latency_steps=12, wake_for_transfers=True)
-_preset("vllm-cpu-offload-swa-async", "vllm-cpu-offload-swa on the AsyncScheduler (vLLM's default scheduling; "
-                                      "before 0.24.0 vLLM #45357 is found first there)", "vllm-cpu-offload-swa",
-        async_scheduling=True)
-_preset("vllm-offload", "the AsyncScheduler with vLLM's OffloadingConnector (scheduler side real, worker a "
-                        "stand-in) and a 64-chunk CPU tier: computed blocks are stored, CPU hits loaded, stores "
-                        "finish 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
-        kv_connector="OffloadingConnector", num_cpu_blocks=64)
+        "mode (scheduler side real, worker side a stand-in) over full attention + an 8-token sliding window, 48 GPU "
+        "blocks of 4 tokens, a 16-token step budget and 6 CPU blocks, stores and loads completing 1-12 steps later, "
+        "in order (the setting of vLLM #42571: the window slides every few tokens and a small CPU tier holds back its "
+        "stores); stepping on while a store is outstanding (wake_for_transfers: before 0.30.0 the connector reports "
+        "no pending push work, so an idle engine stops stepping)", kv_connector="SimpleCPUOffloadConnector",
+        block_size=4, sliding_window=8, num_gpu_blocks=48, max_model_len=128, max_num_batched_tokens=16,
+        num_cpu_blocks=6, kv_transfer_latency_steps=12, wake_for_transfers=True)
+_preset("vllm-cpu-offload-swa-async", "vllm-cpu-offload-swa on the AsyncScheduler (vLLM's default scheduling; before "
+        "0.24.0 vLLM #45357 is found first there)", "vllm-cpu-offload-swa", async_scheduling=True)
+_preset("vllm-offload", "the AsyncScheduler with vLLM's OffloadingConnector (scheduler side real, worker a stand-in) "
+        "and a 64-chunk CPU tier: computed blocks are stored, CPU hits loaded, stores finish 1-3 steps later (vLLM >= "
+        "0.30.0)", async_scheduling=True, kv_connector="OffloadingConnector", num_cpu_blocks=64)
 _preset("vllm-offload-small", "vllm-offload on vllm-small's 16 blocks of 4 with a 6-chunk CPU tier and stores "
-                              "finishing 1-12 steps later: blocks a store still reads are reallocated (jobs_to_flush) "
-                              "and the CPU tier evicts", "vllm-offload", **SMALL, num_cpu_blocks=6,
-        kv_transfer_latency_steps=12)
+        "finishing 1-12 steps later: blocks a store still reads are reallocated (jobs_to_flush) and the CPU tier "
+        "evicts", "vllm-offload", **SMALL, num_cpu_blocks=6, kv_transfer_latency_steps=12)
 _preset("vllm-lmcache-mp", "the AsyncScheduler with vLLM's LMCacheMPConnector (its lmcache client a stand-in whose "
-                           "server holds nothing): every finished request holds its blocks until the worker reports "
-                           "it stored, 1-3 steps later (vLLM >= 0.30.0)", async_scheduling=True,
-        kv_connector="LMCacheMPConnector")
+        "server holds nothing): every finished request holds its blocks until the worker reports it stored, 1-3 steps "
+        "later (vLLM >= 0.30.0)", async_scheduling=True, kv_connector="LMCacheMPConnector")
 _preset("vllm-multi-connector", "the AsyncScheduler with vLLM's MultiConnector over NixlConnector (as "
-                                "vllm-kv-connector) and OffloadingConnector on vllm-offload-small's pool and tier: "
-                                "NIXL loads reuse blocks older stores read (vLLM #46951)", "vllm-offload-small",
-        kv_connector="MultiConnector")
-_preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts "
-                            "(vLLM 0.22.0 to 0.30.0's enable_return_routed_experts)", async_scheduling=True,
-        return_routed_experts=True)
+        "vllm-kv-connector) and OffloadingConnector on vllm-offload-small's pool and tier: NIXL loads reuse blocks "
+        "older stores read (vLLM #46951)", "vllm-offload-small", kv_connector="MultiConnector")
+_preset("vllm-moe-experts", "the AsyncScheduler over a mixture-of-experts stub model returning routed experts (vLLM "
+        "0.22.0 to 0.30.0's enable_return_routed_experts)", async_scheduling=True, return_routed_experts=True)
 _preset("vllm-spec", "the Scheduler with speculative decoding (ngram, 4 draft tokens a step): each step accepts a "
-                     "random prefix of the drafts and rolls back the rest", num_spec_tokens=4)
+        "random prefix of the drafts and rolls back the rest", num_spec_tokens=4)
 _preset("vllm-spec-async", "vllm-spec on the AsyncScheduler: draft placeholders, rejections rolled back with a step "
-                           "in flight", "vllm-spec", async_scheduling=True)
-_preset("vllm-spec-kv-connector", "vllm-spec-async with vLLM's NixlConnector (as vllm-kv-connector) and prefix "
-                                  "caching", "vllm-spec-async", kv_connector="NixlConnector")
+        "in flight", "vllm-spec", async_scheduling=True)
+_preset("vllm-spec-kv-connector", "vllm-spec-async with vLLM's NixlConnector (as vllm-kv-connector) and prefix caching",
+        "vllm-spec-async", kv_connector="NixlConnector")
 _preset("vllm-spec-eagle", "vllm-spec-async with an EAGLE drafter (a stub draft model): 4 lookahead slots a step; "
-                           "block hashes cover the next token (0.33.0; before, a hit drops its last block)",
-        "vllm-spec-async", spec_method="eagle")
-_preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted with "
-                           "drafts scheduled and a step in flight", "vllm-spec-async", **SMALL)
+        "block hashes cover the next token (0.33.0; before, a hit drops its last block)", "vllm-spec-async",
+        spec_method="eagle")
+_preset("vllm-spec-small", "vllm-spec-async on vllm-small's 16 blocks of 4 tokens: requests are preempted with drafts "
+        "scheduled and a step in flight", "vllm-spec-async", **SMALL)
 _preset("vllm-sessions", "the Scheduler with streaming-input sessions (resumable requests): a session's next input "
-                         "chunk resumes it, a stopped session holds its KV while it waits for one",
-        streaming_sessions=True)
+        "chunk resumes it, a stopped session holds its KV while it waits for one", streaming_sessions=True)
 _preset("vllm-sessions-async", "vllm-sessions on the AsyncScheduler (a turn stops with a step in flight)",
         "vllm-sessions", async_scheduling=True)
 _preset("vllm-sessions-nocache", "vllm-sessions-async with prefix caching off (a session's blocks are its own)",
         "vllm-sessions-async", enable_prefix_caching=False)
 _preset("vllm-mamba", "the Scheduler over full attention + a Mamba group (MambaManager, mamba_cache_mode align), 96 "
-                      "blocks of 16 shared, block hashes every 4 tokens: a cache hit inside a block copies that "
-                      "block (copy-on-write)", mamba=True, prefix_match_unit=4, num_gpu_blocks=96)
+        "blocks of 16 shared, block hashes every 4 tokens: a cache hit inside a block copies that block "
+        "(copy-on-write)", mamba=True, prefix_match_unit=4, num_gpu_blocks=96)
 _preset("vllm-mamba-async", "vllm-mamba on the AsyncScheduler with vLLM's NixlConnector (a KV consumer, as "
-                            "vllm-kv-connector): a copy-on-write's blocks are freed behind the fence of the step that "
-                            "runs the copy (deferred_frees)", "vllm-mamba", **NIXL_ASYNC)
+        "vllm-kv-connector): a copy-on-write's blocks are freed behind the fence of the step that runs the copy "
+        "(deferred_frees)", "vllm-mamba", **NIXL_ASYNC)
 _preset("vllm-mamba-small", "vllm-mamba on the AsyncScheduler on 20 blocks of 4 tokens (hashes every 2): Mamba "
-                            "requests are preempted with a step in flight", "vllm-mamba", prefix_match_unit=2,
-        async_scheduling=True, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32, max_model_len=60)
+        "requests are preempted with a step in flight", "vllm-mamba", prefix_match_unit=2, async_scheduling=True,
+        num_gpu_blocks=20, block_size=4, max_num_batched_tokens=32, max_model_len=60)
 _preset("vllm-mamba-spec", "vllm-mamba with speculative decoding (ngram, 4 draft tokens a step): a request holds 4 "
-                           "speculative state blocks besides its running one (num_speculative_blocks)", "vllm-mamba",
-        num_spec_tokens=4)
+        "speculative state blocks besides its running one (num_speculative_blocks)", "vllm-mamba", num_spec_tokens=4)
 _preset("vllm-mamba-cpu-offload", "vllm-cpu-offload-swa with a Mamba group instead of the window (hashes every 2 "
-                                  "tokens): the connector stores the boundary states the Mamba manager offers "
-                                  "(boundary_state_offloads) to its CPU tier", "vllm-cpu-offload-swa",
-        sliding_window=None, mamba=True, prefix_match_unit=2)
+        "tokens): the connector stores the boundary states the Mamba manager offers (boundary_state_offloads) to its "
+        "CPU tier", "vllm-cpu-offload-swa", sliding_window=None, mamba=True, prefix_match_unit=2)

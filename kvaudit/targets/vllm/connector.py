@@ -1,30 +1,23 @@
-"""vLLM's Scheduler with a KV connector of vLLM's (``kvaudit fuzz --preset vllm-kv-*``, ``vllm-offload*``,
-``vllm-cpu-offload*``, ``vllm-lmcache-mp``, ``vllm-multi-connector``): the connector's SCHEDULER role is
-vLLM's own, built by the Scheduler; its WORKER role is a kvaudit stand-in on the step clock (no memory moved):
-each transfer completes ``1 + crc32(key) % kv_transfer_latency_steps`` steps after it starts (:class:`StepClock`)
-and is reported once through ``ModelRunnerOutput.kv_connector_output``.
+"""vLLM's Scheduler with a KV connector of vLLM's (the ``kv_connector`` presets): its SCHEDULER role is vLLM's own,
+built by the Scheduler; its WORKER role a kvaudit stand-in on the step clock (no memory moved): each transfer
+completes 1 to ``kv_transfer_latency_steps`` steps after it starts (:class:`StepClock`), reported once through
+``ModelRunnerOutput.kv_connector_output``.
 
-``NixlConnector`` (:class:`NixlWorkerStandIn`): its scheduler half (``NixlPullConnectorScheduler``,
-``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``) is plain Python that needs neither the
-``nixl`` library nor a device (its thread starts only in ``set_xfer_handshake_metadata``, never called here), and
-it has the whole contract: a request whose ``kv_transfer_params`` say ``do_remote_prefill`` (a decode instance's)
-gets ``get_num_new_matched_tokens -> (n, True)`` and waits in ``WAITING_FOR_REMOTE_KVS`` with its blocks until a
-``finished_recving``; one that says ``do_remote_decode`` (a prefill instance's) gets ``request_finished ->
-delay_free_blocks=True`` and keeps its blocks until a ``finished_sending``; an abort during a load delays its
-free too (``Scheduler.finish_requests``); with async scheduling the ``kv_both`` role (a consumer) turns on
-``Scheduler.defer_block_free`` (``deferred_frees``). The ``n``-th submit (from 1) wants remote KV when ``n % 3 ==
-1``, has its KV sent on finishing when ``n % 3 == 2`` (:func:`transfer_params`).
+``NixlConnector`` (:class:`NixlWorkerStandIn`): its scheduler half (``nixl/pull_scheduler.py``) is plain Python
+(its thread starts only in ``set_xfer_handshake_metadata``, never called here) with the whole contract: a
+``do_remote_prefill`` request (a decode instance's) waits in ``WAITING_FOR_REMOTE_KVS`` with its blocks until a
+``finished_recving``; a ``do_remote_decode`` one (a prefill instance's) keeps its blocks after ``request_finished``
+until a ``finished_sending``; the ``kv_both`` role is a consumer (``deferred_frees`` with async scheduling). The
+``n``-th submit (from 1) loads remote KV when ``n % 3 == 1``, sends it when ``n % 3 == 2`` (:func:`transfer_params`).
 
-Failures (presets with ``kv_load_failure_policy``, :meth:`VllmConnectorTarget.apply`): ``transfer_fail`` marks
-the next report of a request's transfer a failure. A failed read is reported as
-``NixlBaseConnectorWorker.get_transfer_results`` does in 0.33.0 (``nixl/base_worker.py``): done
-(``finished_recving``), its local blocks in ``invalid_block_ids`` and, from 0.30.0 (compat "failed-recving"),
-the request in ``failed_recving``. A failed send ends as on lease expiry (``_reap_expired_send_leases``): its
-blocks reported in ``finished_sending`` at its due step. ``memory_pressure`` adds the cached blocks running
-requests hold to the next output's ``invalid_block_ids`` (what a connector that loaded them synchronously would
-report). Other connectors' stand-ins: ``SimpleCPUOffloadConnector`` (:class:`OffloadWorkerStandIn`), the
-job-based ``OffloadingConnector`` (:class:`OffloadingWorkerStandIn`), ``LMCacheMPConnector`` and kvaudit's save
-connector (:class:`SaveWorkerStandIn`), ``MultiConnector`` (:class:`MultiWorkerStandIn`).
+Failures (presets with ``kv_load_failure_policy``, :meth:`VllmConnectorTarget.apply`): a failed read is reported
+as ``NixlBaseConnectorWorker.get_transfer_results`` does in 0.33.0 (``nixl/base_worker.py``): in
+``finished_recving``, its blocks in ``invalid_block_ids`` and, from 0.30.0 (compat "failed-recving"), in
+``failed_recving``; a failed send ends as on lease expiry (``_reap_expired_send_leases``): in ``finished_sending``
+at its due step. ``memory_pressure`` reports the cached blocks running requests hold invalid (as a connector that
+loaded them synchronously would). Other stand-ins: ``SimpleCPUOffloadConnector`` (:class:`OffloadWorkerStandIn`),
+``OffloadingConnector`` (:class:`OffloadingWorkerStandIn`), ``LMCacheMPConnector`` and kvaudit's save connector
+(:class:`SaveWorkerStandIn`), ``MultiConnector`` (:class:`MultiWorkerStandIn`).
 """
 
 from __future__ import annotations
@@ -59,7 +52,7 @@ def transfer_params(n: int, rid: str, prompt_len: int, block_size: int) -> dict 
 
 class StepClock:
     """A worker stand-in's clock: a transfer keyed ``key`` started at ``step`` is due at ``step + 1 + crc32(key) %
-    latency_steps`` (:meth:`due`); ``len``: the transfers in flight, ``recving`` and ``sending``."""
+    latency_steps``; ``len``: the transfers in flight."""
 
     loading: dict = {}  # request id -> [n] int64 GPU blocks its outstanding load writes (none by default)
 
@@ -69,24 +62,22 @@ class StepClock:
     def due(self, key, step: int) -> int:
         return step + 1 + zlib.crc32(str(key).encode()) % self.latency_steps
 
+    @staticmethod
+    def split(queue: list, step: int) -> tuple[list, list]:
+        """``(keys due by step, the rest)`` of ``queue``, ``(key, step due)`` pairs in start order."""
+        return [k for k, due in queue if due <= step], [(k, due) for k, due in queue if due > step]
+
     def __len__(self) -> int:
         return len(self.recving) + len(self.sending)
 
 
 class NixlWorkerStandIn(StepClock):
-    """The worker role of ``NixlConnector`` on the step clock: a load completes even when its request was
-    aborted meanwhile (the Scheduler frees it then), the remote side always reads unless a failure says
-    otherwise (module docstring). ``recving``
-    and ``sending``: request id -> step at which that transfer completes; ``to_process``: the
-    requests the remote side may read (``NixlPullConnectorWorker._reqs_to_process``). ``failing``: requests
-    whose next transfer report is a failure; ``invalid``: block ids the next output reports invalid;
-    ``faults``: the target's fault set (``lose-failed-load`` fires here); ``reached``: the target's path
-    counters (``failed_transfers``: failures made, ``invalid_blocks``: ids reported). ``push``: NIXL's push
-    mode (``NixlPushConnector``): a read is the prefill side's write, awaited for every registration with
-    local blocks; a failed one is never written and never reported (0.33.0's ``NixlPushConnectorWorker``
-    reports a receive only on the writer's notification, a failure only of its own handshake or
-    registration, ``nixl/push_worker.py``; the scheduler's watchdog, ``NixlPushConnectorScheduler.
-    build_connector_meta``, drops the registration and reports nothing)."""
+    """The worker role of ``NixlConnector`` (module docstring); a load completes even when its request was aborted.
+    ``recving`` / ``sending``: request id -> step due; ``to_process``: ``NixlPullConnectorWorker._reqs_to_process``;
+    ``failing``: requests whose next report is a failure; ``invalid``: block ids the next output reports invalid;
+    ``faults``, ``reached``: the target's. ``push`` (``NixlPushConnector``): a read is the prefill side's write; a
+    failed one is never reported (0.33.0's ``nixl/push_worker.py`` reports only on the writer's notification, the
+    scheduler's watchdog drops the registration silently)."""
 
     def __init__(self, latency_steps: int, awaiting_field: bool = True, failed_field: bool = False,
                  faults: set | None = None, reached: Counter | None = None, push: bool = False):
@@ -104,9 +95,8 @@ class NixlWorkerStandIn(StepClock):
         self.to_process: set[str] = set()
 
     def start(self, meta, step: int) -> None:
-        """Take one ``NixlConnectorMetadata`` (``start_load_kv``): reads that await KV start; the
-        requests in a batch become readable, aborted ones stop being; the readable ones in
-        ``reqs_to_send`` start being read."""
+        """Take one ``NixlConnectorMetadata`` (``start_load_kv``): reads that await KV start; readable requests
+        (``reqs_in_batch``, less ``reqs_not_processed``) in ``reqs_to_send`` start being read."""
         if meta is None:
             return
         for rid, m in meta.reqs_to_recv.items():
@@ -139,15 +129,11 @@ class NixlWorkerStandIn(StepClock):
         if failed_recv - lost and "lose-failed-load" in self.faults:  # the fault: the worker only logs it
             self.faults.discard("lose-failed-load")
             lost.add(min(failed_recv))
-        for r in lost:
+        invalid |= {b for r in failed_recv - lost for b in self.loading[r].tolist()}
+        for r in recv:  # lost ones too: never reported
             del self.recving[r]
             self.loading.pop(r, None)
         recv, failed_recv = recv - lost, failed_recv - lost
-        for r in failed_recv:
-            invalid |= set(self.loading[r].tolist())
-        for r in recv:
-            del self.recving[r]
-            self.loading.pop(r, None)
         for r in send:
             del self.sending[r]
             self.to_process.discard(r)
@@ -158,9 +144,8 @@ class NixlWorkerStandIn(StepClock):
 
 
 class SaveWorkerStandIn(StepClock):
-    """The worker side of kvaudit's save connector (:mod:`kvaudit.targets.vllm.save_connector`): each
-    request id in a step's ``reqs_to_send`` is saved ``1 + crc32(id) % latency_steps`` steps later and
-    reported once in ``finished_sending`` (a request saved twice is reported twice). No loads."""
+    """The worker side of kvaudit's save connector (:mod:`kvaudit.targets.vllm.save_connector`): each id in a
+    step's ``reqs_to_send`` is reported in ``finished_sending`` when due, once per save. No loads."""
 
     recving: dict = {}
 
@@ -174,18 +159,16 @@ class SaveWorkerStandIn(StepClock):
             self.sending.append((rid, self.due(rid, step)))
 
     def start_finished(self, out, step: int) -> None:
-        """``LMCacheMPConnector``'s worker (``LMCacheMPWorkerAdapter.get_finished``, vLLM's ``lmcache_integration/
-        multi_process_adapter.py``) with ``SchedulerOutput`` ``out``: each request of its ``finished_req_ids`` is
-        saved as above, once (async scheduling may repeat one). No load: the server stand-in holds nothing."""
+        """``LMCacheMPConnector``'s worker (``LMCacheMPWorkerAdapter.get_finished``) with ``SchedulerOutput``
+        ``out``: each of its ``finished_req_ids`` is saved once (async scheduling may repeat one)."""
         new = set(out.finished_req_ids) - self.saved
         self.saved |= new
         self.start(SimpleNamespace(reqs_to_send=sorted(new)), step)
 
     def finished(self, step: int, output_cls):
-        due = [rid for rid, at in self.sending if at <= step]
+        due, self.sending = self.split(self.sending, step)
         if not due:
             return None
-        self.sending = [(rid, at) for rid, at in self.sending if at > step]
         # one report per save: a second save of an id waits for the next step's output
         send = set(due)
         self.sending.extend((rid, step + 1) for rid in (Counter(due) - Counter(send)).elements())
@@ -193,19 +176,10 @@ class SaveWorkerStandIn(StepClock):
 
 
 class OffloadWorkerStandIn(StepClock):
-    """The worker role of vLLM's ``SimpleCPUOffloadConnector`` (``SimpleCPUOffloadWorker``,
-    ``vllm/v1/simple_kv_offload/worker.py``, vLLM 0.20.0 to 0.33.0) as the step clock sees it: no memory is
-    copied. Each step's ``SimpleCPUOffloadMetadata`` carries at most one load event and one store event
-    (monotonic indices); each completes ``1 + crc32(kind, index) % latency_steps`` steps after it starts,
-    never before an earlier event of its kind (the worker polls one CUDA stream per kind up to a
-    watermark). A finished load is reported as the request ids the latest metadata's
-    ``load_event_to_reqs`` gives for it (``KVConnectorOutput.finished_recving``); a finished store as
-    ``{index: 1}`` in ``SimpleCPUOffloadWorkerMetadata.completed_store_events``
-    (``KVConnectorOutput.kv_connector_worker_meta``). A step whose metadata has ``need_flush`` (a request
-    was preempted) first completes every outstanding transfer (``handle_preemptions`` syncs them), then
-    starts its own. No transfer fails.
-
-    ``loads`` / ``stores``: ``(event index, step due)`` in start order."""
+    """The worker role of ``SimpleCPUOffloadConnector`` (``simple_kv_offload/worker.py``): a step's load and store
+    events (monotonic indices) are due by :meth:`due`, in order per kind (one CUDA stream each), reported in
+    ``finished_recving`` (``load_event_to_reqs``) and ``completed_store_events``; ``need_flush`` completes every
+    outstanding one first. No transfer fails. ``loads`` / ``stores``: ``(event index, step due)``, in order."""
 
     def __init__(self, latency_steps: int):
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
@@ -237,26 +211,19 @@ class OffloadWorkerStandIn(StepClock):
 
     def finished(self, step: int, output_cls):
         """The ``KVConnectorOutput`` of the transfers done by ``step`` (each reported once), or None."""
-        loads = [e for e, due in self.loads if due <= step]
-        stores = [e for e, due in self.stores if due <= step]
+        (loads, self.loads), (stores, self.stores) = self.split(self.loads, step), self.split(self.stores, step)
         if not loads and not stores:
             return None
-        self.loads = [(e, d) for e, d in self.loads if d > step]
-        self.stores = [(e, d) for e, d in self.stores if d > step]
         recv = {rid for e in loads for rid in self.load_reqs.get(e, ())}
         meta = self.worker_meta(completed_store_events={e: 1 for e in stores}) if stores else None
         return output_cls(finished_recving=recv or None, kv_connector_worker_meta=meta)
 
 
 class OffloadingWorkerStandIn(StepClock):
-    """The worker role of the job-based ``OffloadingConnector`` (vLLM 0.30.0, 0.33.0; ``OffloadingConnectorWorker``,
-    ``offloading/worker.py``) on the step clock, no memory copied: each job a step's
-    ``OffloadingConnectorMetadata`` names (a store: GPU blocks to CPU chunks; a load, never synchronous:
-    ``sync_load_budget_bytes`` 0) finishes ``1 + crc32(job id) % latency_steps`` steps later, one in
-    ``jobs_to_flush`` (``handle_preemptions``) at once, before the step runs; each is reported once in
-    ``OffloadingWorkerMetadata.completed_jobs``, a load also in ``finished_recving``. No job fails.
-    ``jobs``: job id -> ``(step named, step due, request id, load, [n] int64 GPU blocks)``. The fault
-    ``skip-offload-flush`` drops the first flush of an older store."""
+    """The worker role of the job-based ``OffloadingConnector`` (``offloading/worker.py``): each store or load job
+    is due by :meth:`due`, one in ``jobs_to_flush`` at once, reported in ``completed_jobs`` (a load also in
+    ``finished_recving``). ``jobs``: job id -> ``(step named, step due, request id, load, [n] int64 GPU
+    blocks)``. The fault ``skip-offload-flush`` drops the first flush of an older store."""
 
     def __init__(self, latency_steps: int, faults: set, reached: Counter):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
@@ -307,9 +274,8 @@ class OffloadingWorkerStandIn(StepClock):
 
 
 class MultiWorkerStandIn(StepClock):
-    """The worker role of ``MultiConnector`` (``multi_connector.py``) over ``parts``, one stand-in per
-    sub-connector, each given its ``MultiKVConnectorMetadata.metadata``; outputs merged (sets united). Only
-    NIXL delays a free (``OffloadingConnector`` never does), so there are no ``extra_async_saves``."""
+    """The worker role of ``MultiConnector`` over ``parts``, one stand-in per sub-connector given its metadata;
+    outputs merged. Only NIXL delays a free, so there are no ``extra_async_saves``."""
 
     def __init__(self, parts: list):
         from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
@@ -335,13 +301,10 @@ class MultiWorkerStandIn(StepClock):
 
 
 def offload_holders(manager) -> list[tuple[str, str, np.ndarray]]:
-    """The GPU-block references ``SimpleCPUOffloadScheduler`` (``manager``, the connector's
-    ``scheduler_manager``; ``vllm/v1/simple_kv_offload/manager.py``) holds itself, ``(owner, where, [n]
-    int64 ids)``, one reference per id listed (``BlockPool.touch`` per listed id): each store event in
-    flight (``_store_event_to_blocks``, and from vLLM 0.29.0 ``_abandoned_store_event_to_blocks`` after a
-    reset), each finished request's store queued for the next metadata (``_pending_finished_stores``,
-    0.33.0) and each load, issued or not (``_reqs_to_load``, ``_abandoned_reqs_to_load``). Names missing
-    in a release count as empty."""
+    """The GPU-block references ``SimpleCPUOffloadScheduler`` (``manager``; ``simple_kv_offload/manager.py``)
+    holds, ``(owner, where, [n] int64 ids)``, one per id: stores in flight (``_store_event_to_blocks``,
+    ``_abandoned_store_event_to_blocks``), queued (``_pending_finished_stores``, 0.33.0), and loads
+    (``_reqs_to_load``, ``_abandoned_reqs_to_load``). Names missing in a release count as empty."""
     if manager is None:
         return []
     out = []
@@ -359,9 +322,7 @@ def offload_holders(manager) -> list[tuple[str, str, np.ndarray]]:
 
 
 class VllmConnectorTarget(VllmSchedulerTarget):
-    """:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget` with a KV connector: some submits carry
-    ``kv_transfer_params``, each ``SchedulerOutput``'s connector metadata goes to the worker stand-in,
-    and each model output carries the transfers done (module docstring)."""
+    """:class:`~kvaudit.targets.vllm.target.VllmSchedulerTarget` with a KV connector (module docstring)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -422,10 +383,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                 setattr(connector, name, counted(getattr(connector, name)))
 
     def apply(self, op) -> None:
-        """:meth:`VllmSchedulerTarget.apply`; with ``kv_load_failure_policy`` set, ``transfer_fail`` marks the
-        next transfer report of request ``handle`` (modulo the Scheduler's requests, finished ones held for
-        a send included; None: all) a failure, and ``memory_pressure`` also reports the cached blocks of
-        running requests invalid with the next model output (module docstring)."""
+        """:meth:`VllmSchedulerTarget.apply`; with ``kv_load_failure_policy``, ``transfer_fail`` fails the next
+        transfer report of request ``handle`` (:meth:`_abort`'s pick), ``memory_pressure`` (module docstring)."""
         if self.config.kv_load_failure_policy is not None:
             if isinstance(op, TransferFail):
                 self.worker.failing |= set(self._abort(op.handle))
@@ -447,9 +406,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return out + self.store_findings[:1] + self._cpu_event_findings() if offloading else out
 
     def _cpu_event_findings(self) -> list:
-        """vLLM's KV-cache events of the offloading connector's CPU medium (``OffloadingConnectorScheduler.
-        take_events``), those taken plus the manager's still queued (``CPUOffloadingManager.events``), give
-        the chunks the manager holds ready (``ref_cnt >= 0`` in its cache policy) (check ``kv-events:cpu``)."""
+        """The offloading connector's CPU-tier KV-cache events, taken and still queued (``CPUOffloadingManager.
+        events``), replay to the chunks its cache policy holds ready (check ``kv-events:cpu``)."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
         from vllm.v1.kv_offload.base import get_offload_block_hash as block_hash, get_offload_group_idx as group
         connector = self.scheduler.connector
@@ -466,36 +424,24 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                               f"({len((real - replayed) or (replayed - real))} differ)", check="kv-events:cpu")]
 
     def _inflight_load_findings(self) -> list:
-        """vLLM's contract for a read in flight (``Scheduler.finish_requests`` delays the free of a request
-        in ``WAITING_FOR_REMOTE_KVS``; the fix of vLLM #32255, in 0.16.0): every local block an
-        outstanding KV load writes stays referenced by its request until the load reports
-        ``finished_recving``. A block freed under it is a use-after-free: the load's write lands in a
-        free block, or in another request's once reallocated."""
-        if not self.worker.loading:
-            return []
-        known = self.known()
+        """vLLM's contract for a read in flight (the fix of vLLM #32255, in 0.16.0): every local block an
+        outstanding KV load writes stays in its request's tables until ``finished_recving`` (else the load
+        writes a free block, or another request's: a use-after-free)."""
+        known = self.known() if self.worker.loading else {}
         for rid, blocks in self.worker.loading.items():
-            held = np.zeros(self.config.num_gpu_blocks, dtype=bool)
-            if rid in known:
-                for mgr in self.groups:
-                    held[[b.block_id for b in mgr.req_to_blocks.get(rid, ()) if not b.is_null]] = True
-            lost = blocks[~held[blocks]]
+            lost = blocks[~self._held(rid)[blocks]] if rid in known else blocks
             if lost.size:
                 b = int(lost[0])
-                counts = self._ref_counts()
-                sites = self.free_sites(b)
                 return [TargetFinding("use-after-free", POOL, lost,
                                       f"block {b} was freed while req:{rid}'s KV load still writes it "
-                                      f"(ref_cnt={counts[b]}, no finished_recving yet)", check="inflight-load",
-                                      free_sites=sites)]
+                                      f"(ref_cnt={self._ref_counts()[b]}, no finished_recving yet)",
+                                      check="inflight-load", free_sites=self.free_sites(b))]
         return []
 
     def _finished_once_findings(self) -> list:
-        """The connector API's contract (``KVConnectorBase_V1.request_finished``: called once, when the
-        request finishes; its ``delay_free_blocks`` answer is the connector's promise of one
-        ``finished_sending``): at most one call per request. A second call (vLLM #33377, async
-        scheduling: an aborted request finished again by its in-flight step's output, fixed in 0.16.0)
-        starts a second send of blocks the first one already frees: a double free."""
+        """The connector API's contract (``KVConnectorBase_V1.request_finished``, whose ``delay_free_blocks``
+        promises one ``finished_sending``): one call per request. A second (vLLM #33377, fixed in 0.16.0)
+        starts a second send of blocks the first one frees: a double free."""
         for rid, calls in self.finished_calls.items():
             if len(calls) > 1:
                 blocks = [b.block_id for mgr in self.groups for b in mgr.req_to_blocks.get(rid, ()) if not b.is_null]
@@ -511,9 +457,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return None if params is None else {"kv_transfer_params": params}
 
     def step(self) -> None:
-        """:meth:`VllmSchedulerTarget.step`; with ``wake_for_transfers``, an engine that has nothing to
-        schedule but transfers outstanding (vLLM < 0.22.0: ``has_requests()`` is false while finished
-        requests wait for their sends, #43433) still runs an empty schedule whose output reports them."""
+        """:meth:`VllmSchedulerTarget.step`; with ``wake_for_transfers``, an engine with nothing to schedule but
+        transfers outstanding (vLLM < 0.22.0 stops then, #43433) runs an empty schedule that reports them."""
         s = self.scheduler
         if self.config.wake_for_transfers and not s.has_requests() and not self.batch_queue and len(self.worker):
             out = s.schedule()
@@ -524,10 +469,9 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         super().step()
 
     def _on_schedule(self, out) -> None:
-        """The worker stand-in takes the step's metadata (``LMCacheMPConnector``'s: its finished requests).
-        With an ``OffloadingConnector``, a store named earlier and not flushed must not read a block this
-        ``schedule()`` reallocated (vLLM's fence, ``_block_id_to_pending_jobs`` / ``jobs_to_flush``): the
-        step would write it under the copy, the CPU tier keeping KV not its hash's (``inflight-store``)."""
+        """The worker stand-in takes the step's metadata (``LMCacheMPConnector``'s: its finished requests). With
+        an ``OffloadingConnector``, an unflushed older store must not read a block this ``schedule()``
+        reallocated (vLLM's fence, ``jobs_to_flush``; check ``inflight-store``)."""
         if self.config.kv_connector == "LMCacheMPConnector":
             return self.worker.start_finished(out, self.steps)
         self.worker.start(out.kv_connector_metadata, self.steps)
@@ -550,8 +494,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return output
 
     def _loads(self) -> dict[str, np.ndarray]:
-        """Request id -> ``[n] int64`` GPU blocks its outstanding KV load writes: the NIXL stand-in's reads,
-        or ``SimpleCPUOffloadScheduler``'s loads (``_reqs_to_load``, ``_abandoned_reqs_to_load``)."""
+        """Request id -> ``[n] int64`` GPU blocks its outstanding KV load writes (worker's, :func:`offload_holders`)."""
         out = dict(self.worker.loading)
         for owner, _, blocks in offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None)):
             if owner.startswith("offload-load:"):
@@ -562,8 +505,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
         return super().is_idle() and not len(self.worker)
 
     def stuck(self) -> str:
-        """Also ``connector:recving`` / ``connector:sending``: a KV transfer of the connector's worker that
-        never completes, with no request left to run (before ``finished:held``, which it explains)."""
+        """Also ``connector:recving`` / ``connector:sending``: a transfer that never completes, nothing left to run."""
         out, w = super().stuck(), self.worker
         if out in ("", "finished:held") and (w.recving or w.sending):
             return "connector:" + ("recving" if w.recving else "sending")

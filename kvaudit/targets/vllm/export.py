@@ -2,22 +2,13 @@
 ``export`` field): the HTTP table, the ``vllm serve`` launch, the engine's part of a client script and
 of an issue text, the P/D transfer rule and the injected faults' descriptions.
 
-The routes and fields, read from vLLM 0.33.0's installed sources (facts only):
-``entrypoints/openai/api_server.py`` and ``entrypoints/launchers/api_server/routers.py`` (which routers a
-server mounts; the dev routers, ``/reset_prefix_cache``, ``/pause``, ``/resume``, ``/abort_requests``,
-only with ``VLLM_SERVER_DEV_MODE=1``), ``entrypoints/openai/completion/{api_router,protocol,serving}.py``
-(``/v1/completions``: ``prompt`` a list of token ids, ``max_tokens``, ``min_tokens``, ``temperature``,
-``ignore_eos``, ``stream``, ``request_id`` -- the engine's id is ``cmpl-<request_id>-<i>`` --,
-``kv_transfer_params``), ``entrypoints/serve/utils/api_utils.py`` (``with_cancellation``: a client
-disconnect cancels the handler) and ``v1/engine/async_llm.py`` (``AsyncLLM.generate``: a cancelled or
-closed stream aborts its request, ``abort`` -> ``EngineCore`` -> ``Scheduler.finish_requests(...,
-FINISHED_ABORTED)``, the call kvaudit's driver makes), ``entrypoints/serve/dev/cache/api_router.py``
-(``/reset_prefix_cache``: query ``reset_running_requests``, ``reset_external``, both false by default,
-answers ``{"success": bool}``), ``entrypoints/rl/online/api_router.py`` (``/pause`` with query
-``mode`` abort | wait | keep, ``/resume``), ``entrypoints/serve/instrumentator/health.py`` (``/health``,
-503 once the engine is dead) and ``v1/metrics/loggers.py`` (the gauges; ``vllm:kv_cache_usage_perc``
-is ``BlockPool.get_usage()``, ``1 - free / (num_gpu_blocks - 1)``, cached blocks nobody holds counted
-free).
+The routes and fields were read from vLLM 0.33.0's installed sources (``API.sources``; facts only): the dev
+routers (``/reset_prefix_cache``, ``/pause``, ``/resume``) are mounted only with ``VLLM_SERVER_DEV_MODE=1``;
+the engine's id of a ``/v1/completions`` request is ``cmpl-<request_id>-<i>``; a client disconnect cancels the
+handler (``with_cancellation``) and ``AsyncLLM.generate`` aborts the request (``Scheduler.finish_requests(...,
+FINISHED_ABORTED)``, the driver's call); ``/reset_prefix_cache`` answers ``{"success": bool}``; ``/health`` is
+503 once the engine is dead; ``vllm:kv_cache_usage_perc`` is ``BlockPool.get_usage()``, ``1 - free /
+(num_gpu_blocks - 1)``, cached blocks nobody holds counted free.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from __future__ import annotations
 import json
 
 from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line
-from kvaudit.targets.vllm.config import NIXL
+from kvaudit.targets.vllm.config import FAULTS, NIXL
 
 API = EngineApi(
     engine="vLLM", version="0.33.0",
@@ -103,26 +94,14 @@ ROUTES_ALSO_CHECKED: dict[str, tuple[str, ...]] = {
 
 
 def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
-    """The vLLM 0.33.0 launch for a :class:`kvaudit.targets.vllm.config.VllmConfig`: ``(flags, env,
-    unmapped)`` -- ``vllm serve`` flags (``--num-gpu-blocks-override`` for ``num_gpu_blocks``, the
-    null block included as vLLM counts it; ``--block-size``, ``--max-num-seqs``,
-    ``--max-num-batched-tokens``, ``--max-model-len``, ``--[no-]enable-prefix-caching``,
-    ``--[no-]enable-chunked-prefill``, ``--[no-]async-scheduling``, ``--scheduling-policy``,
-    ``--kv-transfer-config``, kvaudit's
-    save connector as vLLM's ``OffloadingConnector``, ``SimpleCPUOffloadConnector`` eager with a
-    ``CPU_BYTES`` placeholder for its CPU budget),
-    environment variables (``VLLM_SERVER_DEV_MODE=1`` for ``/reset_prefix_cache``), and config fields
-    no flag sets. Flag names from ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args``; a
-    ``bool | None`` field gets ``--x`` / ``--no-x``)."""
+    """The vLLM 0.33.0 launch for a :class:`kvaudit.targets.vllm.config.VllmConfig`: ``(flags, env, unmapped)``,
+    ``vllm serve`` flags (``vllm/engine/arg_utils.py``), environment variables, the fields no flag sets."""
     c = config
-
-    def onoff(flag: str, on: bool) -> str:
-        return f"--{flag}" if on else f"--no-{flag}"
-
     flags = [f"--block-size {c.block_size}", f"--num-gpu-blocks-override {c.num_gpu_blocks}",
              f"--max-num-seqs {c.max_num_seqs}", f"--max-num-batched-tokens {c.max_num_batched_tokens}",
-             f"--max-model-len {c.max_model_len}", onoff("enable-prefix-caching", c.enable_prefix_caching),
-             onoff("enable-chunked-prefill", c.enable_chunked_prefill), onoff("async-scheduling", c.async_scheduling)]
+             f"--max-model-len {c.max_model_len}"]
+    flags += [("--" if on else "--no-") + flag for flag, on in (("enable-prefix-caching", c.enable_prefix_caching), (
+        "enable-chunked-prefill", c.enable_chunked_prefill), ("async-scheduling", c.async_scheduling))]
     env = ["VLLM_SERVER_DEV_MODE=1"]
     unmapped = [f"vocab_size={c.vocab_size} (the synthetic sampler's; any model's vocabulary holds the prompts' "
                 "token ids 2..127)", f"seed={c.seed} (the target's sampler is a hash of request id and position, "
@@ -172,7 +151,6 @@ def vllm_flag_line(config) -> tuple[list[str], list[str], list[str]]:
         flags.append("--enable-return-routed-experts")
         unmapped.append("return_routed_experts needs a mixture-of-experts model and vLLM 0.22.0 to 0.30.0")
     return flags, env, unmapped
-
 
 
 # -- the client script's part --------------------------------------------------------------------------
@@ -355,15 +333,12 @@ def planted_fault(config) -> str | None:
     bugs = sorted(getattr(config, "bugs", ()) or ())
     if not bugs:
         return None
-    from kvaudit.targets.vllm.config import FAULTS
     return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs)
 
 
 def remote_of(config, n: int) -> str | None:
-    """Which side of a P/D pair the ``n``-th submit (from 0) is on under a KV-connector ``config``
-    (:func:`kvaudit.targets.vllm.connector.transfer_params`'s rule): ``"prefill"``, ``"decode"`` or
-    None. Only NIXL's requests carry ``kv_transfer_params``; kvaudit's save connector (an offloading
-    connector on a server) needs none: None."""
+    """Which side of a P/D pair the ``n``-th submit (from 0) is on (:func:`kvaudit.targets.vllm.connector.
+    transfer_params`): ``"prefill"``, ``"decode"``, or None (also for any connector but NIXL's)."""
     if config.kv_connector not in NIXL:
         return None
     from kvaudit.targets.vllm.connector import transfer_params
@@ -375,9 +350,8 @@ def _server_notes(config) -> list[str]:
     out = ["- `VLLM_SERVER_DEV_MODE=1` mounts `/reset_prefix_cache` (the program's `flush_cache`, and the "
            "script's check that no block is held at the end)."]
     if config.kv_connector in NIXL:
-        out.append("- With NIXL: requests the program reads remote KV for need a prefill server "
-                   "(`--kv-transfer-config` "
-                   "with `\"kv_role\": \"kv_producer\"`) passed as `--prefill-url`; without it they are sent as "
+        out.append("- With NIXL: requests the program reads remote KV for need a prefill server (`--kv-transfer-config`"
+                   " with `\"kv_role\": \"kv_producer\"`) passed as `--prefill-url`; without it they are sent as "
                    "plain requests.")
     if config.streaming_sessions:
         out.append("- Streaming-input sessions (`AsyncLLM.generate` with an input stream, as the realtime API uses) "
@@ -394,9 +368,8 @@ def _call_text(c) -> str | None:
 
 
 def trace_views(target):
-    """``(live, answered, sessions)`` of a built vLLM target: ``known()``, the Scheduler's requests in
-    arrival order (which its aborts pick from), those finished with blocks held (a KV connector's
-    send), and no sessions; None when it does not expose them."""
+    """``(live, answered, sessions)`` of a built vLLM target: ``known()`` (its aborts pick from it), those
+    finished with blocks held (a KV connector's send), no sessions; None when it does not expose them."""
     if not (hasattr(target, "known") and hasattr(target, "submitted")):
         return None
     return ((lambda: tuple(target.known())),

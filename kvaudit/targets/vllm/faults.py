@@ -1,8 +1,6 @@
 """The injected faults of the vLLM target (``--bug``, :data:`~kvaudit.targets.vllm.config.FAULTS`), as wrappers
-on the ``KVCacheManager``'s and ``BlockPool``'s *instances* (never vLLM's classes or code).
-
-Kept apart from the drivers: kvaudit's own frames are never sites, so a fault's free is located at the
-vLLM function (scheduler level) or the driver method (manager level) that called the wrapped method.
+on vLLM's *instances* (never its classes or code). Apart from the drivers: kvaudit's frames are never sites, so
+a fault's free is located at the vLLM function (or manager-level driver method) that called the wrapped one.
 """
 
 from __future__ import annotations
@@ -49,18 +47,10 @@ def inject(manager, faults: set[str]) -> None:
 
 
 def inject_scheduler(scheduler, faults: set[str], status) -> None:
-    """Wrap ``scheduler.finish_requests`` (the instance's) for the scheduler-level names in ``faults``:
-    ``refinish-held-request`` finishes the first aborted request whose free the KV connector delayed once
-    more through ``Scheduler._free_request`` (what 0.15.1's ``update_from_output`` did when the aborted
-    request's in-flight step came back, #33377: a second ``request_finished``);
-    ``free-under-inflight-load`` frees, right after the first abort that catches a request in
-    ``WAITING_FOR_REMOTE_KVS`` with its free delayed, that request's blocks at once through
-    ``Scheduler._free_blocks``, as vLLM 0.15.1 did (#32255); ``close-waiting-session-keeps-blocks`` wraps
-    ``scheduler.add_request``; ``keep-computed-on-preempt`` wraps ``_preempt_request`` to put back the
-    first preempted request's ``num_computed_tokens`` after its blocks are freed;
-    ``free-cow-source-before-copy`` replaces ``_free_cow_retained_blocks`` (vLLM 0.33.0) by a free at once,
-    its fence ignored; ``free-window-under-inflight-step`` gives the coordinator's ``remove_skipped_blocks`` the
-    request's optimistic ``num_computed_tokens``. ``status``: vLLM's ``RequestStatus``."""
+    """Wrap the ``scheduler`` instance's methods for the scheduler-level names in ``faults`` (each as
+    :data:`~kvaudit.targets.vllm.config.FAULTS` describes it, at the method named there: ``add_request``,
+    ``finish_requests``, ``update_from_output``, ``_preempt_request``, ``_free_cow_retained_blocks``, the
+    coordinator's ``remove_skipped_blocks``). ``status``: vLLM's ``RequestStatus``."""
     if "close-waiting-session-keeps-blocks" in faults:
         add, manager = scheduler.add_request, scheduler.kv_cache_manager
 

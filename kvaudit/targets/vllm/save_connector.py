@@ -1,15 +1,11 @@
-"""kvaudit's own KV connector for the ``vllm-kv-save`` preset (imports vLLM: loaded by vLLM's
-``KVConnectorFactory`` under the name ``KvauditAsyncSaveConnector``, registered in ``boot``), and the
-``lmcache`` client stand-in of the ``vllm-lmcache-mp`` preset (:func:`install_lmcache_client`).
+"""kvaudit's own KV connector for ``vllm-kv-save`` (imports vLLM: ``KVConnectorFactory`` loads it, registered in
+``boot``), and the ``lmcache`` client stand-in of ``vllm-lmcache-mp`` (:func:`install_lmcache_client`).
 
-What the save connector models: one that saves every request's KV asynchronously and so answers
-``request_finished -> delay_free_blocks=True`` for *any* finished request with blocks, an aborted one
-included, as vLLM's ``OffloadingConnector`` did for a request with a store in flight in 0.15.1 and
-0.16.0 (0.15.1: the history suite's #33377 row). From 0.21.0 it never delays a free (it fences
-reallocated blocks instead): the ``vllm-offload*`` presets drive it. The worker side is
-:class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn` (each :class:`KvauditSaveMetadata`'s requests
-reported in ``finished_sending`` 1 to ``kv_transfer_latency_steps`` steps later; a request finished twice
-is saved twice: #33377's double free).
+The save connector saves every request's KV asynchronously and so answers ``request_finished ->
+delay_free_blocks=True`` for *any* finished request with blocks, aborted ones too, as vLLM's
+``OffloadingConnector`` did with a store in flight in 0.15.1 and 0.16.0 (the history suite's #33377 row;
+from 0.21.0 it never delays a free: the ``vllm-offload*`` presets). Its worker side:
+:class:`kvaudit.targets.vllm.connector.SaveWorkerStandIn` (a request finished twice is saved twice).
 """
 
 from __future__ import annotations
@@ -33,11 +29,9 @@ class KvauditAsyncSaveConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._to_send: list[str] = []  # finished since the last build_connector_meta
 
-    def _nothing(self, *args, **kwargs) -> None:
-        return None
-
     # the worker role (never called by the scheduler), and update_state_after_alloc: nothing is loaded
-    start_load_kv = wait_for_layer_load = save_kv_layer = wait_for_save = update_state_after_alloc = _nothing
+    start_load_kv = wait_for_layer_load = save_kv_layer = wait_for_save = update_state_after_alloc = \
+        lambda self, *a, **k: None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False  # nothing is loaded: a save-only connector
@@ -74,14 +68,11 @@ class LMCacheServerStandIn:
 
 
 def install_lmcache_client() -> None:
-    """Put the narrowest stand-in of the ``lmcache`` package that ``vllm/distributed/kv_transfer/
-    kv_connector/v1/lmcache_mp_connector.py`` (0.33.0) imports at module level into ``sys.modules``,
-    unless an ``lmcache`` is already imported: the names it takes (``init_logger``, ``mla_enabled``,
-    the adapters, ``LoadStoreOp``, ``ParallelStrategy``, ``BlockAllocationRecord``), the scheduler adapter
-    being :class:`LMCacheServerStandIn`. The real package (0.5.6 on PyPI) does not import on CPU (its
-    ``device_ops`` need a compute backend), and its client needs a running LMCache server. No
-    ``lmcache.integration.vllm.lmcache_mp_connector`` is given, so vLLM uses its own built-in
-    ``LMCacheMPConnectorUpstream``. The worker adapter is never built (no worker runs here)."""
+    """Put into ``sys.modules``, unless an ``lmcache`` is imported, the narrowest stand-in of the ``lmcache``
+    package that vLLM 0.33.0's ``kv_connector/v1/lmcache_mp_connector.py`` imports: the names it takes, the
+    scheduler adapter being :class:`LMCacheServerStandIn`. The real package (0.5.6) does not import on CPU
+    and needs a running server. With no ``lmcache.integration.vllm.lmcache_mp_connector``, vLLM uses its
+    built-in ``LMCacheMPConnectorUpstream``."""
     import logging
     import sys
     from types import ModuleType

@@ -1,20 +1,15 @@
 """The real-vLLM targets: kvaudit's programs drive vLLM's own v1 ``Scheduler`` (or ``AsyncScheduler``)
 and ``KVCacheManager`` on CPU, releases 0.15.1 to 0.33.0 (the API changes between them: :mod:`.compat`).
 
-* :class:`VllmSchedulerTarget` calls the scheduler exactly as vLLM's engine core does
-  (``vllm/v1/engine/core.py``: ``EngineCore.step`` and, with async scheduling, ``step_with_batch_queue``
-  with two batches at most): ``add_request``; per step ``schedule()``, a synthetic ``ModelRunnerOutput``
-  (one sampled token per scheduled request, none for a partial prefill chunk), ``update_from_output()``;
-  ``finish_requests(ids, FINISHED_ABORTED)`` for an abort; ``reset_prefix_cache()`` for a flush. Every
-  decision (admission, chunking, preemption, freeing) is the scheduler's own.
-* :class:`VllmManagerTarget` drives the ``KVCacheManager`` alone, the driver playing the scheduler's
-  calls in the scheduler's order (admit: ``get_computed_blocks`` then ``allocate_slots``; decode:
-  ``allocate_slots(request, 1)``; preempt the newest running request when that fails: ``free``; finish and
-  abort: ``free``, also for a request never admitted, as ``Scheduler.finish_requests`` does). Fast.
+* :class:`VllmSchedulerTarget` calls the scheduler as vLLM's engine core does (``vllm/v1/engine/core.py``:
+  ``EngineCore.step``, ``step_with_batch_queue``): ``add_request``; per step ``schedule()``, a synthetic
+  ``ModelRunnerOutput``, ``update_from_output()``; ``finish_requests(ids, FINISHED_ABORTED)`` for an abort;
+  ``reset_prefix_cache()`` for a flush. Every decision (admission, chunking, preemption, freeing) is vLLM's.
+* :class:`VllmManagerTarget` drives the ``KVCacheManager`` alone, playing the scheduler's calls in its order
+  (``get_computed_blocks``, ``allocate_slots``, ``free``; preempting the newest running request). Fast.
 
-There is no model: a sampled token is a deterministic function of the request id and position; the last
-token of the vocabulary is EOS (``SamplingParams.update_from_generation_config``, as vLLM's input
-processor sets it), sampled at the program's ``stop_at``.
+There is no model: a sampled token is a hash of the request id and position; the vocabulary's last token is
+EOS (``SamplingParams.update_from_generation_config``), sampled at the program's ``stop_at``.
 """
 
 from __future__ import annotations
@@ -58,8 +53,7 @@ class _VllmBase(VllmObserver, Target):
 
     # -- intake --------------------------------------------------------------------------------------
     def _new_request(self, op: Submit, resumable: bool = False):
-        """A vLLM ``Request`` for submit ``op`` (prompt at most half the context, output a quarter), under a new
-        request id; ``resumable``: a streaming session's first input chunk."""
+        """A vLLM ``Request`` for ``op`` (prompt at most half the context, output a quarter) under a new id."""
         req = self._resolve(op)
         rid = f"req-{len(self.submitted) + 1:06d}"
         request = self._request(rid, req.input_ids, req.max_new_tokens, op.ignore_eos,
@@ -90,8 +84,7 @@ class _VllmBase(VllmObserver, Target):
                               block_hasher=self.hasher, resumable=resumable, **kw)
 
     def _extra_args(self, rid: str, prompt_len: int) -> dict | None:
-        """``SamplingParams.extra_args`` of request ``rid`` (where a client puts ``kv_transfer_params``):
-        none here."""
+        """``SamplingParams.extra_args`` of ``rid`` (where a client puts ``kv_transfer_params``): none here."""
         return None
 
     def token(self, rid: str, i: int) -> int:
@@ -122,6 +115,13 @@ class _VllmBase(VllmObserver, Target):
         live = list(self.requests)
         return live if handle is None or not live else [live[handle % len(live)]]
 
+    def _held(self, rid: str, held: np.ndarray | None = None) -> np.ndarray:
+        """``[num_gpu_blocks] bool``: ``held`` (default: nothing) and the blocks of ``rid``'s tables, every group."""
+        held = np.zeros(self.config.num_gpu_blocks, dtype=bool) if held is None else held.copy()
+        for mgr in self.groups:
+            held[block_ids(mgr.req_to_blocks.get(rid, ()))] = True
+        return held
+
     def text(self, rid: str) -> list[int]:
         return list(self.texts.get(rid, ()))
 
@@ -144,12 +144,11 @@ class VllmSchedulerTarget(_VllmBase):
         self.max_in_flight = 2 if config.async_scheduling else 1  # EngineCore's batch queue size
         if load().has("config-max-concurrent-batches"):  # before 0.23.0 the executor's (the same rule)
             self.max_in_flight = self.vllm_config.max_concurrent_batches
-        kv = self.vllm_config.kv_transfer_config
-        # vLLM's own condition for holding back the blocks an in-flight step writes (0.24.0's
-        # Scheduler.__init__, the fix of #45357): more than one batch in flight and a KV consumer, whose
-        # loads into a reused block are not ordered against that step's writes
         # an EAGLE drafter with prefix caching and no KV connector hashes each block with the token after it
         self._init_common(config, self.vllm_config.num_hash_lookahead_tokens if load().has("hash-lookahead") else 0)
+        # vLLM's own condition for holding back the blocks an in-flight step writes (0.24.0's Scheduler.__init__,
+        # the fix of #45357): a KV consumer's loads into a reused block are not ordered against that step
+        kv = self.vllm_config.kv_transfer_config
         self.guard_inflight = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
         self._count_preemptions()
         self._init_sessions()
@@ -164,10 +163,8 @@ class VllmSchedulerTarget(_VllmBase):
             faults.free_preempted_at_once(self.scheduler)
 
     def _count_preemptions(self) -> None:
-        """Wrap the instance's ``Scheduler._preempt_request`` (every preemption: for blocks, by priority, a
-        reset of running requests) to count ``preemptions`` and ``preemptions_in_flight``, those of a
-        request a batch still in ``batch_queue`` schedules (with async scheduling, the batch in flight:
-        its output comes back for a request that holds no blocks any more)."""
+        """Wrap the instance's ``Scheduler._preempt_request`` (every preemption) to count ``preemptions`` and
+        ``preemptions_in_flight``, those of a request a batch still in ``batch_queue`` schedules."""
         self.reached.update(preemptions=0, preemptions_in_flight=0)
         self.inflight_preempted: list[str] = []  # this schedule()'s victims with a step in flight
         self.preempt_findings: list = []
@@ -181,13 +178,9 @@ class VllmSchedulerTarget(_VllmBase):
         after_call(self.scheduler, "_preempt_request", count)
 
     def _count_mamba(self) -> None:
-        """Wrap the instance's Mamba manager's ``take_pending_cow_copies`` (the copies ``schedule()`` hands the
-        workers) to count ``mamba_cow_hits`` (a partial cache hit's block copied into the hit's own table)
-        and ``mamba_tail_copies`` (a running request's partial prompt tail, cached, moved into a block only
-        the cache holds); the Scheduler's ``_free_cow_retained_blocks`` to count ``cow_frees_deferred`` (a
-        step's copy endpoints parked in ``deferred_frees`` behind that step's fence, every group's); the
-        manager's ``take_boundary_state_offloads`` to count ``mamba_boundary_offloads`` (boundary states
-        offered to a KV connector)."""
+        """Count ``mamba_cow_hits`` (a partial hit's block copied into the hit's table) and ``mamba_tail_copies``
+        (a cached prompt tail moved out) of ``take_pending_cow_copies``; ``cow_frees_deferred`` (copies parked
+        behind a fence), ``mamba_boundary_offloads`` (states offered to a KV connector), by wrapping instances."""
         s, manager = self.scheduler, self.manager
         mgr = next(m for m in self.groups if isinstance(m.kv_cache_spec, self.V.MambaSpec))
         self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0, cow_frees_deferred=0, mamba_boundary_offloads=0)
@@ -235,10 +228,8 @@ class VllmSchedulerTarget(_VllmBase):
 
     # -- streaming-input sessions (vLLM #28973; AsyncLLM._add_streaming_input_request) --------------------
     def _init_sessions(self) -> None:
-        """Sessions: ``session_rid[n]`` the request id of session ``n`` (None before its first chunk),
-        ``turns[rid]`` the ``stop_at`` of its chunks not yet taken in. The instance's
-        ``Scheduler._update_request_as_session`` is wrapped so that the driver's bookkeeping follows vLLM's
-        rewrite of the session's tokens (:meth:`_on_turn`)."""
+        """``session_rid[n]``: session ``n``'s request id (None before its first chunk); ``turns[rid]``: the
+        ``stop_at`` of its chunks not taken in yet. Wraps ``Scheduler._update_request_as_session``: :meth:`_on_turn`."""
         self.session_rid: list[str | None] = []
         self.turns: dict[str, deque] = {}
         if not self.config.streaming_sessions:
@@ -247,10 +238,9 @@ class VllmSchedulerTarget(_VllmBase):
         after_call(self.scheduler, "_update_request_as_session", lambda _, session, *a, **k: self._on_turn(session))
 
     def _submit(self, op: Submit) -> None:
-        """A plain request; for a submit in an open session, its first input chunk (a resumable ``Request``
-        under its own id) or the next one (``add_request`` of a resumable ``Request`` with the session's id
-        and the chunk's tokens, as AsyncLLM sends each ``StreamingInput``). A chunk for a session vLLM has
-        finished (aborted) is dropped: AsyncLLM's input loop stops then."""
+        """A plain request, or a session's input chunk: its first (a resumable ``Request`` under a new id), or a
+        next one (a resumable ``Request`` under the session's id, as AsyncLLM sends each ``StreamingInput``),
+        dropped once vLLM has finished the session (AsyncLLM's input loop stops then)."""
         n = pick(op.session, self.sessions)
         if n is None or self.session_rid[n] is None:
             request = self._new_request(op, resumable=n is not None)
@@ -270,25 +260,22 @@ class VllmSchedulerTarget(_VllmBase):
         return request is not None and not request.is_finished()
 
     def _on_turn(self, session) -> None:
-        """vLLM took session's next chunk in (its last sampled token dropped, its other outputs now prompt):
-        the driver's text, prompt length and ``stop_at`` become the new turn's."""
+        """vLLM took ``session``'s next chunk in: the driver's text, prompt length and ``stop_at`` follow."""
         rid = session.request_id
         self.texts[rid], self.prompt_lens[rid] = list(session.all_token_ids), session.num_prompt_tokens
         self.stop_at[rid] = self.turns[rid].popleft()
         self.reached["session_turns"] += 1
 
     def stalled(self) -> bool:
-        """Nothing runs or is in flight, and a streaming session that waits for its client's next chunk
-        (``WAITING_FOR_STREAMING_REQ``) holds KV that the waiting requests may need: vLLM waits for that
-        client too (it preempts no waiting request; vLLM #53321, open, would time such a session out)."""
+        """Nothing runs or is in flight, and a session waits for its client's next chunk holding KV (vLLM waits
+        too: it preempts no waiting request; vLLM #53321, open, would time such a session out)."""
         s, W = self.scheduler, self.V.RequestStatus.WAITING_FOR_STREAMING_REQ
         return not (s.running or self.batch_queue) and any(r.status == W for r in s.requests.values())
 
     def step(self) -> None:
-        """One engine-core iteration: schedule a batch and queue it; process the oldest batch once the
-        queue is full (one batch in flight with async scheduling) or nothing new was scheduled. With no
-        request left (``has_requests``: finished ones still to report count), the engine core schedules
-        nothing; a batch still in flight is processed."""
+        """One engine-core iteration: schedule a batch and queue it; process the oldest batch once the queue is
+        full (``max_in_flight``) or nothing new was scheduled. With no request left (``has_requests``), only a
+        batch still in flight is processed."""
         s = self.scheduler
         if not s.has_requests():
             if self.batch_queue:
@@ -313,12 +300,9 @@ class VllmSchedulerTarget(_VllmBase):
         self.steps += 1
 
     def _post_step(self, out) -> None:
-        """``EngineCore.post_step`` after a synchronous step that ran the model: the drafter's proposals for
-        the requests of ``out`` go to ``Scheduler.update_draft_token_ids`` (which drops those of finished
-        requests and prefill chunks), ``num_spec_tokens`` guesses of the next output positions each, right
-        where :meth:`draft_ok` (an ngram drafter may propose fewer; this one always proposes all). With
-        async scheduling the engine core hands over none: the worker keeps its drafts, the AsyncScheduler
-        schedules placeholders (``-1``) for them."""
+        """``EngineCore.post_step`` after a synchronous step that ran the model: ``num_spec_tokens`` drafts for
+        each request of ``out`` (right where :meth:`draft_ok`) to ``Scheduler.update_draft_token_ids``. With
+        async scheduling the worker keeps its drafts (the AsyncScheduler schedules ``-1`` placeholders)."""
         k = self.config.num_spec_tokens
         if not k or self.max_in_flight > 1 or not out.total_num_scheduled_tokens:
             return
@@ -330,12 +314,9 @@ class VllmSchedulerTarget(_VllmBase):
         self.scheduler.update_draft_token_ids(self.V.DraftTokenIds(ids, drafts))
 
     def _written_blocks(self, out) -> dict:
-        """What the step ``out`` touches, per request: ``(written, read)`` block ids (``[n] int64``), the
-        blocks of each group's table holding the positions it computes, and those its attention reads
-        besides (a sliding-window group: the window before its first position; full attention: every
-        earlier block; a Mamba group: the block holding the state the step starts from, that of the
-        position before its first). ``schedule()`` has advanced ``num_computed_tokens`` past the step's
-        tokens."""
+        """Per request of the step ``out`` (``num_computed_tokens`` already past it): ``(written, read)``, ``[n]
+        int64`` block ids of the positions it computes and of those its attention reads before (:func:`_first`;
+        a Mamba group: the block of the state it starts from)."""
         bs, reqs = self.config.block_size, self.scheduler.requests
         touched = {}
         for rid, n in out.num_scheduled_tokens.items():
@@ -345,12 +326,10 @@ class VllmSchedulerTarget(_VllmBase):
             written, read = [], []
             for mgr in self.groups:
                 table = mgr.req_to_blocks.get(rid, ())
-                window = getattr(mgr, "sliding_window", None)
-                first = 0 if window is None else max(start - window + 1, 0) // bs
-                if isinstance(mgr.kv_cache_spec, self.V.MambaSpec):  # only the state it starts from
-                    first = max(start - 1, 0) // bs
-                written += [b.block_id for b in table[lo:hi] if not b.is_null]
-                read += [b.block_id for b in table[first:lo] if not b.is_null]
+                mamba = isinstance(mgr.kv_cache_spec, self.V.MambaSpec)
+                first = max(start - 1, 0) // bs if mamba else _first(start, getattr(mgr, "sliding_window", None)) // bs
+                written += block_ids(table[lo:hi])
+                read += block_ids(table[first:lo])
             if written or read:
                 touched[rid] = (np.array(written, dtype=np.int64), np.array(read, dtype=np.int64))
         return touched
@@ -362,14 +341,10 @@ class VllmSchedulerTarget(_VllmBase):
         return {POOL: self.config.num_gpu_blocks * self.config.block_size}
 
     def install_shadow(self, shadow, wrap, report) -> None:
-        """Check each step's KV reads and tag its writes (:meth:`_shadow_step`, run by a wrapper of the
-        Scheduler's ``_update_after_schedule``, so that a stale read is located in ``schedule``) and tag a
-        KV connector's loads (:meth:`_shadow_load`) in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`);
-        a stale read calls ``report(pool, slots, message)``. Attention groups only (full attention, sliding window);
-        other groups' blocks (Mamba state) hold no per-position KV and are not tagged. Not installed with
-        speculative decoding under async scheduling (``stale_reads_checked`` stays 0): there the worker
-        shifts the next step's positions back by the drafts the step in flight rejects (vLLM's model
-        runner corrects them on the device), which the driver does not model yet."""
+        """Tag and check attention groups' KV in ``shadow`` (:class:`kvaudit.audit.shadow.ShadowKV`) per step
+        (:meth:`_shadow_step`, after ``Scheduler._update_after_schedule``) and per KV load (:meth:`_shadow_load`);
+        a stale read calls ``report(pool, slots, message)``. Not with drafts under async scheduling (the worker's
+        shift of positions by rejected drafts is not modelled): ``stale_reads_checked`` stays 0."""
         self.reached["stale_reads_checked"] = 0
         if self.config.num_spec_tokens and self.max_in_flight > 1:
             return
@@ -384,9 +359,7 @@ class VllmSchedulerTarget(_VllmBase):
                 self._attention.append((g, getattr(mgr, "sliding_window", None)))
 
     def _tags(self, request) -> np.ndarray:
-        """``[n] int64`` content tags of ``request``'s ``n`` known tokens (``ShadowKV.request_tags``: tag ``p``
-        identifies tokens ``[0, p]``): its prompt and output tokens, then the driver's samples vLLM has not
-        appended yet (async scheduling's in-flight steps; vLLM holds placeholders for them)."""
+        """``[n] int64`` tags of ``request``'s known tokens, async placeholders too (``ShadowKV.request_tags``)."""
         text = self.texts[request.request_id]
         return self._shadow[0].request_tags(request, request.prompt_token_ids, request.output_token_ids,
                                             text[request.num_tokens:])
@@ -396,18 +369,16 @@ class VllmSchedulerTarget(_VllmBase):
         which positions past the table read."""
         return np.array([b.block_id for b in self.groups[g].req_to_blocks.get(rid, ())] + [0], dtype=np.int64)
 
+    def _slots(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """``[n] int64`` token slots of positions ``pos`` in ``table`` (:meth:`_table`)."""
+        bs = self.config.block_size
+        return table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
+
     def _shadow_step(self, out) -> None:
-        """The KV of the step ``out`` (``num_computed_tokens`` just advanced past it), as a forward moves it: first
-        every scheduled request's positions ``[start, end)`` are written with its tags (in each attention
-        group's table), then each request's reads are checked, the positions its attention reads before
-        ``start`` (full attention: all; a sliding window of ``w``: from ``start - w + 1``): each slot must
-        hold the tag of the request's own prefix there. A read of a slot never written, or written for
-        another prefix, is stale KV (``report``), naming the request, the blocks and the positions.
-        Positions past the request's known tokens (speculative drafts) are tagged at the request's next
-        step, once their tokens are known, where its table still maps them (a rejected draft's position is
-        computed again then). Like a forward (each layer writes the batch's new KV before attention reads
-        it), a request may read KV another request of the same step writes (a prefix hit on blocks cached
-        at allocation). A copy-on-write the step carries (``kv_cache_block_copies``) is applied first."""
+        """The KV of the step ``out`` as a forward moves it: its copy-on-writes first, then every request's
+        positions ``[start, end)`` written with its tags, then each one's reads (:func:`_first` to ``start``)
+        checked: a slot never written, or written for another prefix, is stale KV (``report``). Draft positions
+        past the known tokens are tagged once known (:meth:`_tag_drafts`, or the request's next step)."""
         shadow, report = self._shadow
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
         copies = out.kv_cache_block_copies if self.V.has("pending-cow") else None
@@ -424,20 +395,19 @@ class VllmSchedulerTarget(_VllmBase):
                 table = self._table(g, rid)
                 if self._drafts and (rid, g) in self._drafts:
                     pos, slots = self._drafts.pop((rid, g))
-                    keep = (table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs == slots) & (pos < tags.size)
+                    keep = (self._slots(table, pos) == slots) & (pos < tags.size)
                     tags_of[slots[keep]] = tags[pos[keep]]
                 pos = np.arange(start, request.num_computed_tokens)
-                blk = table[np.minimum(pos // bs, table.size - 1)]
-                keep = blk != 0
+                slots = self._slots(table, pos)
+                keep = slots >= bs  # not the null block's
                 if end < request.num_computed_tokens:  # (speculative drafts: tagged once known)
                     late, keep = keep & (pos >= end), keep & (pos < end)
-                    self._drafts[(rid, g)] = (pos[late], blk[late] * bs + pos[late] % bs)
-                tags_of[blk[keep] * bs + pos[keep] % bs] = tags[pos[keep]]
-                first = 0 if window is None else max(start - window + 1, 0)
-                spans.append((rid, g, first, min(start, end), table, tags))
+                    self._drafts[(rid, g)] = (pos[late], slots[late])
+                tags_of[slots[keep]] = tags[pos[keep]]
+                spans.append((rid, g, _first(start, window), min(start, end), table, tags))
         for rid, g, first, start, table, tags in spans:
             pos = np.arange(first, start)
-            slots = table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
+            slots = self._slots(table, pos)
             self.reached["stale_reads_checked"] += slots.size
             if tags_of.take(slots).tobytes() != tags[first:start].tobytes():
                 bad, what = shadow.read(POOL, slots, tags[first:start])
@@ -446,11 +416,9 @@ class VllmSchedulerTarget(_VllmBase):
                                          f"{pos[bad[-1]]} (group {g}, block(s) {blocks}) from slots {what}")
 
     def _tag_drafts(self, requests) -> None:
-        """Tag the draft positions :meth:`_shadow_step` left for later of each of ``requests``, the step just
-        processed, those computed with accepted tokens (below ``num_computed_tokens``, rolled back past the
-        rejected ones): their tokens are known, and vLLM caches the blocks of accepted drafts then
-        (``cache_blocks`` in ``update_from_output``), before any next step of theirs (a finished or aborted
-        request has none). Nothing is allocated between that step and this call."""
+        """Tag the draft positions :meth:`_shadow_step` left of ``requests`` (the step just processed) that were
+        accepted (below the rolled-back ``num_computed_tokens``): vLLM caches their blocks now (``cache_blocks``
+        in ``update_from_output``), before any next step of theirs."""
         for request in requests:
             for g, _ in self._attention:
                 pos, slots = self._drafts.pop((request.request_id, g), (np.zeros(0, dtype=np.int64),) * 2)
@@ -459,10 +427,8 @@ class VllmSchedulerTarget(_VllmBase):
                 self._shadow[0].tags[POOL][slots[keep]] = tags[pos[keep]]
 
     def _shadow_load(self, rid: str, blocks: np.ndarray) -> None:
-        """A KV connector's load into ``blocks`` (``[n] int64`` GPU block ids) of request ``rid`` completed:
-        they hold the KV of ``rid``'s own prefix, what the remote prefill (or the CPU tier's copy) wrote
-        (the stand-ins move no memory). Positions past the request's known tokens are left alone; an
-        unknown request (aborted meanwhile, freed) is skipped."""
+        """A KV connector's load into ``blocks`` (``[n] int64``) of ``rid`` completed: they hold ``rid``'s own
+        prefix's KV (positions past its known tokens left alone; an unknown ``rid``, freed, skipped)."""
         request = self.scheduler.requests.get(rid)
         if self._shadow is None or request is None or not blocks.size:
             return
@@ -472,26 +438,20 @@ class VllmSchedulerTarget(_VllmBase):
             idx = np.flatnonzero(np.isin(table, blocks))
             pos = (idx[:, None] * bs + np.arange(bs)).ravel()
             pos = pos[pos < tags.size]
-            tags_of[table[pos // bs] * bs + pos % bs] = tags[pos]
+            tags_of[self._slots(table, pos)] = tags[pos]
 
     def invariant_findings(self) -> list:
-        """The observer's, then :meth:`_inflight_findings` (first as they stood right after a ``schedule()``
-        that preempted a request with a step in flight, before ``step`` processes that step), then
-        :meth:`copy_findings` of the copies the steps in flight run (under ``guard_inflight``), then
-        :meth:`_dead_table_findings`."""
+        """The observer's, :meth:`_inflight_findings` (also as of a preempting ``schedule()``), :meth:`copy_findings`
+        of the steps in flight's copies, :meth:`_dead_table_findings`."""
         copies = [c for out, _, _ in self.batch_queue for c in out.kv_cache_block_copies or ()] \
             if self.guard_inflight and self.V.has("pending-cow") else []
         return (super().invariant_findings() + self.preempt_findings[:1] + self._inflight_findings()
                 + self.copy_findings(copies) + self._dead_table_findings())
 
     def _dead_table_findings(self) -> list:
-        """Once the engine is idle (every request finished and reported, no batch in flight, no transfer
-        outstanding), no table of the Scheduler's (a dict attribute) is keyed by a request id the
-        Scheduler no longer knows: vLLM drops a request's per-request state when it frees it
-        (``Scheduler._free_request`` / ``_free_blocks``). vLLM 0.22.0-0.30.0's routed-experts snapshot
-        ``_re_block_ids`` is popped only for a request that produces a token: an aborted request's entry
-        stays (vLLM #49684). Sets are left out: ``finished_req_ids`` and the like hold ids for a step by
-        design."""
+        """Once idle, no dict attribute of the Scheduler is keyed by a request id it no longer knows (vLLM drops
+        a request's state in ``Scheduler._free_request`` / ``_free_blocks``; not so 0.22.0-0.30.0's
+        ``_re_block_ids``, vLLM #49684). Sets are left out: ``finished_req_ids`` and the like hold ids a step."""
         if not self.is_idle():
             return []
         known = self.scheduler.requests
@@ -506,39 +466,26 @@ class VllmSchedulerTarget(_VllmBase):
         return []
 
     def _inflight_findings(self) -> list:
-        """Two invariants of a step in flight, under vLLM's own condition for them
-        (``guard_inflight``): every block it writes (vLLM #45357, fixed in 0.24.0) and every
-        block its attention reads (vLLM #47282, fixed in 0.26.0 by #47728: a sliding window's blocks
-        freed on the optimistic ``num_computed_tokens``) is still held by that request's table or parked
-        in ``deferred_frees``. A block freed under the step is a use-after-free: a KV consumer can
-        reallocate it as a load's destination and overwrite it, unordered against the step. Written
-        blocks are checked first (check ``inflight-write``), then read ones (``inflight-read``)."""
+        """Under ``guard_inflight``, every block a step in flight writes (vLLM #45357, fixed in 0.24.0; check
+        ``inflight-write``, first) or reads (#47282, fixed in 0.26.0; ``inflight-read``) is in that request's
+        tables or ``deferred_frees``: freed, a KV consumer's load can overwrite it under the step."""
         if not self.guard_inflight or not self.batch_queue:
             return []
         parked = np.zeros(self.config.num_gpu_blocks, dtype=bool)
         for blocks in self.deferred():
             parked[block_ids(blocks)] = True
         for which, check in ((0, "inflight-write"), (1, "inflight-read")):
-            for _, _, touched in self.batch_queue:
-                for rid, sets in touched.items():
-                    blocks = sets[which]
-                    held = parked.copy()
-                    for mgr in self.groups:
-                        held[block_ids(mgr.req_to_blocks.get(rid, ()))] = True
-                    lost = blocks[~held[blocks]]
-                    if lost.size:
-                        return [self._inflight_finding(rid, lost, check)]
+            for rid, sets in ((r, t) for _, _, touched in self.batch_queue for r, t in touched.items()):
+                lost = sets[which][~self._held(rid, parked)[sets[which]]]
+                if lost.size:
+                    b = int(lost[0])
+                    owners = [o for o, _, units in self._holders(self.known())[0] if (units == b).any()]
+                    now = f"now held by {', '.join(owners)}" if owners else f"ref_cnt={self._ref_counts()[b]}"
+                    verb = check.removeprefix("inflight-")
+                    return [TargetFinding("use-after-free", POOL, lost, f"block {b} was freed while a step in flight "
+                                          f"still {verb}s it for req:{rid} ({now})", check=check,
+                                          free_sites=self.free_sites(b))]
         return []
-
-    def _inflight_finding(self, rid: str, lost: np.ndarray, check: str) -> TargetFinding:
-        b = int(lost[0])
-        owners = [o for o, _, units in self._holders(self.known())[0] if (units == b).any()]
-        now = f"now held by {', '.join(owners)}" if owners else f"ref_cnt={self._ref_counts()[b]}"
-        sites = self.free_sites(b)
-        verb = "writes" if check == "inflight-write" else "reads"
-        return TargetFinding("use-after-free", POOL, lost, f"block {b} was freed while a step in flight still "
-                                                           f"{verb} it for req:{rid} ({now})",
-                             check=check, free_sites=sites)
 
     def _on_schedule(self, out) -> None:
         """What the workers do with a new ``SchedulerOutput`` besides running it: nothing here."""
@@ -548,12 +495,10 @@ class VllmSchedulerTarget(_VllmBase):
         return None
 
     def _empty_output(self):
-        """The model output of a step that scheduled no token."""
         return self.V.ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=self._kv_output())
 
     def _model_output(self, out):
-        """The sampled tokens of each scheduled request: none for a request still mid-prefill after this
-        chunk, else :meth:`_verify` of its ``scheduled_spec_decode_tokens`` (one token without drafts)."""
+        """Each scheduled request's tokens: none mid-prefill, else :meth:`_verify` of its scheduled drafts."""
         ids = list(out.num_scheduled_tokens)
         reqs, spec = self.scheduler.requests, out.scheduled_spec_decode_tokens
         toks = [[] if self._is_prefill_chunk(reqs[r]) else self._verify(r, len(spec.get(r, ()))) for r in ids]
@@ -564,12 +509,8 @@ class VllmSchedulerTarget(_VllmBase):
         return output
 
     def _verify(self, rid: str, k: int) -> list[int]:
-        """The rejection sampler over ``k`` drafts of ``rid`` (placeholders under async scheduling: the
-        worker holds the real ones): drafts are accepted up to the first one :meth:`draft_ok` rejects, and
-        the target's token follows (a correction, or the bonus token when all are accepted), so ``1 +
-        accepted`` tokens of :meth:`sample`, the same whatever the batching. As a GPU worker, it returns
-        tokens past a stop too (the scheduler trims them). Counts ``accepted_draft_tokens`` and
-        ``rejected_draft_tokens``."""
+        """The rejection sampler over ``k`` drafts of ``rid``: ``1 + accepted`` tokens of :meth:`sample` (drafts up
+        to the first :meth:`draft_ok` rejects, then a correction or the bonus), past a stop too; counted."""
         n = len(self.texts[rid]) - self.prompt_lens[rid]
         accepted = next((j for j in range(k) if not self.draft_ok(rid, n + j)), k)
         if k:
@@ -579,32 +520,26 @@ class VllmSchedulerTarget(_VllmBase):
 
     def _routed_experts(self, out, ids):
         """The step's ``RoutedExpertsLists`` (what the model runner D2Hs): per scheduled token, in ``ids``
-        order, its KV slot (``block_id * block_size + offset``, from the full-attention table) and a
-        routing row ``[1 layer, 2 experts per token]`` (expert ids from the slot)."""
+        order, its KV slot (:meth:`_slots`, the full-attention table) and a routing row ``[1 layer, 2 experts
+        per token]`` (expert ids from the slot)."""
         from vllm.v1.outputs import RoutedExpertsLists
-        bs, reqs, slots = self.config.block_size, self.scheduler.requests, []
+        reqs, slots = self.scheduler.requests, []
         for rid in ids:
             end = reqs[rid].num_computed_tokens
-            pos = np.arange(end - out.num_scheduled_tokens[rid], end, dtype=np.int64)
-            table = np.array([b.block_id for b in self.groups[0].req_to_blocks[rid]], dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(self._slots(self._table(0, rid), np.arange(end - out.num_scheduled_tokens[rid], end)))
         slot_mapping = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
         routing = np.stack([slot_mapping % 4, (slot_mapping + 1) % 4], axis=1)[:, None, :].astype(np.int32)
         return RoutedExpertsLists(routing_data=routing, slot_mapping=slot_mapping)
 
     def _is_prefill_chunk(self, request) -> bool:
-        """Whether the step just scheduled leaves ``request`` mid-prefill (no token sampled): vLLM's own
-        ``Request.is_prefill_chunk`` from 0.16.0 (``compat`` "is-prefill-chunk"); before, what the model
-        runner tests, computed tokens after the step below the request's tokens (async placeholders are
-        not tokens yet)."""
+        """Whether the step just scheduled leaves ``request`` mid-prefill: ``Request.is_prefill_chunk`` (compat)."""
         if self.V.has("is-prefill-chunk"):
             return request.is_prefill_chunk
         return request.num_computed_tokens < request.num_tokens
 
     def is_idle(self) -> bool:
-        """The engine core's test (``has_requests()``, no batch in flight), and no unfinished request left
-        that it no longer counts (in no queue, not a session waiting for its client): such a request is
-        never scheduled again, a hang (``stuck()``: ``waiting:<status>``; vLLM #52693 on 0.27.0 to 0.30.0)."""
+        """The engine core's test (``has_requests()``, no batch in flight), and no unfinished request it no longer
+        counts (not a waiting session): never scheduled again, a hang (vLLM #52693 on 0.27.0 to 0.30.0)."""
         s, W = self.scheduler, self.V.RequestStatus.WAITING_FOR_STREAMING_REQ
         if s.has_requests() or self.batch_queue:
             return False
@@ -615,10 +550,8 @@ class VllmSchedulerTarget(_VllmBase):
                 for r in self.scheduler.running}
 
     def stuck(self) -> str:
-        """``running:decode`` (running, or a batch in flight), ``waiting:<status>`` (the waiting head's
-        ``RequestStatus``, e.g. ``waiting:waiting-for-remote-kvs``, or of an unfinished request in no queue
-        the driver reads: 0.33.0 parks loads in ``kv_holding_waiting``), ``finished:held`` (finished requests
-        not yet freed); ``""`` when nothing is busy."""
+        """``running:decode`` (or a batch in flight), ``waiting:<status>`` (of the waiting head, or of an unfinished
+        request in no queue, e.g. 0.33.0's ``kv_holding_waiting``), ``finished:held``; ``""`` when nothing is busy."""
         s = self.scheduler
         if s.running or self.batch_queue:
             return "running:decode"
@@ -681,8 +614,7 @@ class VllmManagerTarget(_VllmBase):
         self.waiting.insert(0, request)
 
     def step(self) -> None:
-        """Decode every running request (preempting the newest when a block cannot be had), then admit
-        waiting requests FCFS while sequences, tokens and blocks allow."""
+        """Decode every running request (preempting the newest for a block), then admit FCFS while room allows."""
         S, m, c = self.V.RequestStatus, self.manager, self.config
         budget = c.max_num_batched_tokens
         for request in list(self.running):
@@ -740,6 +672,11 @@ class VllmManagerTarget(_VllmBase):
     def describe_busy(self) -> str:
         return (f"waiting={len(self.waiting)} running={len(self.running)} "
                 f"free_blocks={self.manager.block_pool.get_num_free_blocks()}")
+
+
+def _first(start: int, window: int | None) -> int:
+    """The first position a step from ``start`` reads: 0 (full attention), ``start - window + 1`` (a window)."""
+    return 0 if window is None else max(start - window + 1, 0)
 
 
 def _evict_cached(manager) -> None:
