@@ -12,7 +12,8 @@ with the innermost engine frame, double free checked); "hooks" adds the shadow K
 replay for a report does; "audit" and "audit-full" add the per-step oracles (reachability,
 accounting, liveness); "audit-sparse" is the fuzzers' full audit: the same oracles on the searches'
 sparse schedule (every ``kvaudit.search.schedule.CHECK_EVERY`` steps, where idle() drains, and at the
-program's end; a hit replayed per step). The same seeded programs run in every mode.
+program's end; a hit replayed per step), with the searches' lean hooks (no call sites, no lock-event
+records). The same seeded programs run in every mode.
 """
 
 from __future__ import annotations

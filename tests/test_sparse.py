@@ -116,3 +116,47 @@ def test_the_search_reports_every_zoo_bug_as_a_per_step_run_of_its_program(bug):
     assert found is not None, f"{bug}: not found in 2,000 executions"
     program, findings = found
     assert _key(findings) == _key(execute(config, program, full_stacks=False).findings)
+
+
+def _sites_and_locks(config, program, lean: bool):
+    with AuditedRun(config, full_stacks=False, check_every=16, lean=lean) as run:
+        for op in program:
+            if run.apply(op):
+                break
+        else:
+            run.finish()
+        a = run.auditor
+        return run.findings, a.site_keys(), len(a._site_frames), len(a.lock_events), a.lock_count, len(a.events)
+
+
+@pytest.mark.parametrize("path", ZOO, ids=[os.path.basename(p) for p in ZOO])
+def test_a_lean_run_keeps_what_detects_and_the_site_keys(path):
+    """Lean hooks (a search's sparse run): the same findings (the replay's), the same ledger events and
+    lock-event count, the same engine lines as the corpus fuzzer's features, and no sites or lock records."""
+    config, program, _, _ = replay.load(path)
+    found, keys, n_sites, n_locks, lock_count, n_events = _sites_and_locks(config, program, lean=True)
+    want, want_keys, _, want_locks, want_count, want_events = _sites_and_locks(config, program, lean=False)
+    assert _key(found) == _key(want)
+    assert keys == want_keys and keys
+    assert (n_sites, n_locks) == (0, 0)
+    assert lock_count == want_count == want_locks and n_events == want_events
+
+
+def test_lean_is_off_where_a_run_reports_itself():
+    """A per-step run (no replay behind it) and a run with suppressions (they sift its own findings by
+    signature) keep every site however asked."""
+    from kvaudit.audit.suppress import SuppressionSet
+
+    config = get_preset("default").config(model="none")
+    for kwargs in ({"check_every": 1}, {"check_every": 16, "suppressions": SuppressionSet([])}):
+        with AuditedRun(config, full_stacks=False, lean=True, **kwargs) as run:
+            assert not run.auditor.lean
+    with AuditedRun(config, full_stacks=False, lean=True, check_every=16) as run:
+        assert run.auditor.lean
+
+
+def test_the_search_run_is_lean():
+    from kvaudit.search import schedule
+
+    with schedule.search_run(get_preset("default").config(model="none")) as run:
+        assert run.check_every > 1 and run.auditor.lean

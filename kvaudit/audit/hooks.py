@@ -49,9 +49,17 @@ class Auditor(Ledger, PoolWrappers):
     signatures are the same in both modes. ``op_index`` and ``step`` are set by the runner;
     ``pending`` collects findings raised inside hooks until the runner takes them."""
 
-    def __init__(self, target, full_stacks: bool = True, shadow: bool = True):
+    def __init__(self, target, full_stacks: bool = True, shadow: bool = True, lean: bool = False):
         self.target = target
         self.full_stacks = full_stacks
+        # lean (a search run whose hits a per-step replay reports): no sites and no lock-event records, only
+        # what detects (the ledger's flags and events, the shadow tags, the checks) and the site keys
+        self.lean = lean and not full_stacks
+        self.lock_count = 0  # lock events so far (lean or not)
+        self._lean_lines: dict[tuple[int, int], int] = {}  # lean: (id(code), f_lasti) -> line (see _lean_site)
+        self._lean_keys: set[tuple[int, int]] = set()  # lean: the frame keys site_keys reports
+        if self.lean:
+            self.capture_site = self._lean_site  # (before the wrappers are installed: they bind it)
         self.ledgers = {spec.name: PoolLedger(spec) for spec in target.pools()}
         self.events: list[Event] = []
         self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
@@ -209,6 +217,30 @@ class Auditor(Ledger, PoolWrappers):
             f = f.f_back
         return self._intern((tuple(frames), owner or None))
 
+    def _lean_site(self) -> int:
+        """Lean mode's :meth:`capture_site`: no site (-1). Only the frames whose lines the fast mode's sites
+        would start with are kept (the first frame outside the framework; past a release entry, also its
+        caller), as frame keys for :meth:`site_keys`."""
+        f, lines, info, keys = sys._getframe(2), self._lean_lines, self._info, self._lean_keys
+        first = True
+        while f is not None:
+            key = (id(f.f_code), f.f_lasti)
+            line = lines.get(key)
+            if line is None:  # 0: framework; the line, negated for a release entry
+                code = f.f_code
+                fw, _, entry, _ = info.get(id(code)) or self._code_info(code)
+                line = lines[key] = 0 if fw else -f.f_lineno if entry else f.f_lineno
+            if line:
+                if first or line > 0:
+                    keys.add(key)
+                if line > 0:
+                    return -1
+                first = False
+            elif not first:
+                return -1  # back in the framework above the entry frames
+            f = f.f_back
+        return -1
+
     def _intern(self, key: tuple) -> int:
         sid = self._sites.get(key)
         if sid is None:
@@ -229,7 +261,8 @@ class Auditor(Ledger, PoolWrappers):
     def site_keys(self) -> set[tuple[str, int]]:
         """``(file, line)`` of the innermost engine frame of every site so far (the engine code reached)."""
         codes = Auditor._codes
-        return {(codes[frames[0][0]].co_filename, frames[0][1]) for frames, _ in self._site_frames if frames}
+        return ({(codes[frames[0][0]].co_filename, frames[0][1]) for frames, _ in self._site_frames if frames}
+                | {(codes[k[0]].co_filename, abs(self._lean_lines[k])) for k in self._lean_keys})
 
     def digest(self) -> str:
         """SHA-256 of the ledger so far (allocs, frees and lock events; what it hashes:
@@ -259,7 +292,10 @@ class Auditor(Ledger, PoolWrappers):
         return oid
 
     def _lock_event(self, node_id: int, delta: int, lock: str = "device") -> None:
+        self.lock_count += 1
         sid = self.capture_site()
+        if self.lean:
+            return  # the lock-balance oracle detects from the target; only a report reads the events
         self.lock_events.append((node_id, delta, sid, self._op_index, self._step, lock))
         if self.pair_locks:
             (self.locks.inc if delta > 0 else self.locks.dec)(lock, node_id, sid, self._op_index, self._step,

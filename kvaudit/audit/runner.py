@@ -192,6 +192,11 @@ class AuditedRun:
     run's. A hit the replay does not reproduce is returned as found, its message saying so. K=1 (the
     default) is the per-step audit, with no replay.
 
+    ``lean`` (a search's run; only with ``check_every > 1`` and no ``suppressions``, else ignored): the hooks
+    record what detects and leave what reports to the replay: no call sites (their innermost engine lines
+    are kept, :meth:`kvaudit.audit.hooks.Auditor.site_keys`) and no lock-event records (a count). A hit the
+    replay does not reproduce then has no sites.
+
     Every engine call runs under the watchdog: one past ``step_limit`` seconds (default
     :func:`step_timeout`) is a ``hang``. ``deadline`` (``time.monotonic()`` seconds; a search's budget)
     also cuts a call short, with no finding: ``out_of_time`` is set. An op that raises is a ``crash``
@@ -201,7 +206,7 @@ class AuditedRun:
     def __init__(self, config: TargetConfig, audit: bool = True, run_oracles: bool = True,
                  full_stacks: bool = True, suppressions=None, shadow: bool = True,
                  deadline: float | None = None, step_limit: float | None = None, paranoid: bool | None = None,
-                 check_every: int = 1):
+                 check_every: int = 1, lean: bool = False):
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1 (steps between full checks), not {check_every!r}")
         self.config, self.check_every = config, check_every
@@ -215,7 +220,9 @@ class AuditedRun:
         # a site glob may name any frame: record whole stacks, so fast and full runs match alike
         full_stacks = full_stacks or (suppressions is not None and suppressions.needs_full_stacks)
         self.target = make_target(config)
-        self.auditor = Auditor(self.target, full_stacks=full_stacks, shadow=shadow) if audit else None
+        # (suppressions sift a run's own findings by their signatures: those need the sites)
+        lean = lean and check_every > 1 and suppressions is None
+        self.auditor = Auditor(self.target, full_stacks=full_stacks, shadow=shadow, lean=lean) if audit else None
         if self.auditor is not None:  # None: the process default (--paranoid sets it for every run)
             self.auditor.paranoid = oracles.paranoid_default() if paranoid is None else paranoid
         self.run_oracles = audit and run_oracles
@@ -237,6 +244,8 @@ class AuditedRun:
         self.auditor.step = self.target.steps
         found, self.auditor.pending = self.auditor.pending, []
         if not found and self.run_oracles and scan:
+            if self.unchecked < self.check_every and not self._draining:
+                return []  # the sparse schedule: not due yet (_due's first test, before is_idle)
             idle = self.target.is_idle()
             if self.check_every > 1 and not self._due(idle):
                 return []  # the sparse schedule: not due yet
@@ -247,7 +256,7 @@ class AuditedRun:
     def _due(self, idle: bool) -> bool:
         # the sparse schedule: every check_every steps, and when the program's idle() drained the engine
         # unless the last check was at idle and the ledger has seen no alloc, free or lock event since
-        mark = (idle, len(self.auditor.events), len(self.auditor.lock_events))
+        mark = (idle, len(self.auditor.events), self.auditor.lock_count)
         if self.unchecked < self.check_every and (not (idle and self._draining) or mark == self._checked_mark):
             return False
         self._checked_mark = mark

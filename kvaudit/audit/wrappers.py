@@ -30,6 +30,15 @@ def row_ids(rows, what: str = "rows") -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+def _row_list(rows, what: str) -> list[int]:
+    # row_ids(rows) as a list: a Python int or a list of them (what the engine's row pools pass) without numpy
+    if type(rows) is int:
+        return [rows]
+    if type(rows) is list and all(type(r) is int for r in rows):
+        return rows[:]  # (the ledger keeps it: not the engine's list)
+    return row_ids(rows, what).tolist()
+
+
 def _units(idx: torch.Tensor, ps: int) -> list[int]:
     if ps == 1:
         return idx.tolist()
@@ -70,8 +79,8 @@ class PoolWrappers:
 
         def alloc_rows(n, *a, **k):
             out = orig_alloc(n, *a, **k)
-            rows = row_ids(out, f"{pool}.{alloc}() returned")
-            if rows.size:
+            rows = _row_list(out, f"{pool}.{alloc}() returned")
+            if rows:
                 self.on_alloc(pool, rows, self.capture_site())
             return out
 
@@ -79,8 +88,8 @@ class PoolWrappers:
             if hasattr(rows, "__next__"):  # an iterator (a generator): read it once, for both
                 rows = list(rows)
             orig_free(rows, *a, **k)
-            ids = row_ids(rows, f"{pool}.{free}() was given")
-            if ids.size:
+            ids = _row_list(rows, f"{pool}.{free}() was given")
+            if ids:
                 self.on_free(pool, ids, self.capture_site())
 
         self._wrap(obj, alloc, alloc_rows)
@@ -186,9 +195,10 @@ class PoolWrappers:
                     orig_end(*a, **k)
                 finally:
                     depth[0] -= 1
-                pend = list(group)
-                group.clear()
-                self._free_group(pool, ps, pend)
+                if group:  # (most steps free nothing in their group)
+                    pend = list(group)
+                    group.clear()
+                    self._free_group(pool, ps, pend)
 
             self._wrap(obj, "free_group_end", group_end_wrapper)
 

@@ -219,14 +219,15 @@ OVERHEAD_MODES = (  # name, hooks (ledger), oracles after every step, shadow KV 
 
 
 def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: bool, full_stacks: bool,
-                 shadow: bool, check_every: int = 1) -> tuple[float, int, int]:
-    """Run every program from a fresh engine in one mode (``check_every``: the oracles' schedule,
+                 shadow: bool, check_every: int = 1, lean: bool | None = None) -> tuple[float, int, int]:
+    """Run every program from a fresh engine in one mode (``check_every``: the oracles' schedule; ``lean``:
+    the hooks' lean mode, None: as a search runs them, lean on a sparse schedule;
     :class:`kvaudit.audit.runner.AuditedRun`); (process CPU seconds, ops, steps)."""
     ops = steps = 0
     t0 = time.process_time()
     for prog in programs:
         with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full_stacks, shadow=shadow,
-                        check_every=check_every) as r:
+                        check_every=check_every, lean=check_every > 1 if lean is None else lean) as r:
             for op in prog:
                 r.apply(op)
             r.finish()
