@@ -211,6 +211,8 @@ class AuditedRun:
             raise ValueError(f"check_every must be at least 1 (steps between full checks), not {check_every!r}")
         self.config, self.check_every = config, check_every
         self.program: list[Op] = []  # the ops applied, kept for a sparse run's replay
+        self._passed_over: set[str] = set()  # sparse: the signatures already localized (_sift)
+        self._replayed: list[Finding] | None = None  # sparse: what that localization found, not yet returned
         self.unchecked = 0  # scheduler steps since the last full oracle scan
         self._draining = False  # inside an Idle op (the sparse schedule checks where it drained)
         self._checked_mark: tuple | None = None  # (idle, ledger events, lock events) at the last sparse check
@@ -340,9 +342,7 @@ class AuditedRun:
         self.ops_run += 1
         if self.check_every > 1:
             self.program.append(op)
-        # suppressed findings are sifted out as they come, so that they do not end a step loop either
-        sets = self.suppressions
-        sift = (lambda fs: fs) if sets is None else (lambda fs: sets.sift(fs, self.suppressed))
+        sift = self._sift  # suppressed findings are sifted out as they come: they do not end a step loop either
         try:
             found: list[Finding] = []
             if isinstance(op, Step):
@@ -376,9 +376,44 @@ class AuditedRun:
                 raise
             self.crashed = True
         self._draining = False
-        found = self._localized(_merge_same_signature(sift(found)))
+        found = self._answer(found)
         self.findings.extend(found)
         return found
+
+    def _answer(self, found: list[Finding]) -> list[Finding]:
+        # what an op or the end check reports: sifted and merged, or the localizing replay's findings
+        if self._replayed is None:
+            found = _merge_same_signature(self._sift(found))
+        if self._replayed is not None:
+            found, self._replayed = self._replayed, None
+        return found
+
+    def _sift(self, found: list[Finding]) -> list[Finding]:
+        """The findings no suppression covers (the covered ones go to ``suppressed``). A sparse run
+        localizes a hit here, covered or not, the first time this run meets its signature: the ops so
+        far are replayed with a check after every step, and the per-step run's findings are the answer
+        (its covered ones become this run's ``suppressed``). So a covered finding the full check met
+        late cannot hide an uncovered one the per-step run meets first (a use-after-free that a later
+        check sees only as the aliasing it led to), and a report never depends on where the sparse
+        checks fell. A hit the replay meets nothing of is kept, saying so."""
+        sets = self.suppressions
+        if self.check_every == 1 or not found:
+            return found if sets is None else sets.sift(found, self.suppressed)
+        new = {f.signature for f in found} - self._passed_over
+        if not new:  # localized before, where the per-step run reported nothing of it
+            return []
+        self._passed_over |= new
+        replay = self._replay()
+        if replay.findings or replay.suppressed:
+            self.suppressed[:] = replay.suppressed
+            kept = list(replay.findings)
+        else:
+            kept = found if sets is None else sets.sift(found, self.suppressed)
+            for f in kept:
+                f.message += (f" [found by the sparse schedule (a full check every {self.check_every} steps); a "
+                              "replay with a check after every step did not reproduce it]")
+        self._replayed = kept or None
+        return kept
 
     def finish(self) -> list[Finding]:
         """The sparse schedule's check at the program's end: a full oracle scan when a step ran since the
@@ -391,9 +426,7 @@ class AuditedRun:
         except Exception:  # (the target's own error: raised where a per-step run raises it)
             self._replay()
             raise
-        if self.suppressions is not None:
-            found = self.suppressions.sift(found, self.suppressed)
-        found = self._localized(_merge_same_signature(found))
+        found = self._answer(found)
         self.findings.extend(found)
         return found
 
@@ -407,18 +440,6 @@ class AuditedRun:
                 if replay.apply(op):
                     break
         return replay
-
-    def _localized(self, found: list[Finding]) -> list[Finding]:
-        # a sparse run's hit, replayed with per-step checks: the report is the per-step run's
-        if not found or self.check_every == 1:
-            return found
-        replay = self._replay()
-        if replay.findings:
-            return list(replay.findings)
-        for f in found:
-            f.message += (f" [found by the sparse schedule (a full check every {self.check_every} steps); a replay "
-                          "with a check after every step did not reproduce it]")
-        return found
 
     def _cut_short(self) -> bool:
         return self.out_of_time or any(is_watchdog_hang(f) for f in self.findings)
