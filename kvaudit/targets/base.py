@@ -279,6 +279,14 @@ class Target:
         (:class:`TargetFinding`), checked after every step with the oracles; default none."""
         return []
 
+    def transient(self) -> bool:
+        """Whether the engine is now in a state that one of the target's checks reads only while it lasts,
+        a step or so (a step in flight that still writes blocks a free may have released): a search's sparse
+        schedule (:class:`kvaudit.audit.runner.AuditedRun`, ``check_every``) checks fully after every step
+        while it holds. Default False: every check of the target sees a state that persists until a later
+        check, or turns into a finding the hooks raise as it happens (reads)."""
+        return False
+
     def metrics_check(self) -> list[str]:
         """Failing lines of the engine's exported metrics (read after ``engine_check``); default none."""
         return []

@@ -282,6 +282,21 @@ class VllmObserver:
         on GPU blocks itself (a transfer in flight), one per id listed: none by default."""
         return []
 
+    def transient(self) -> bool:
+        """A state only a check made now sees (a search's sparse schedule checks after every step while it
+        holds): a step in flight under ``guard_inflight`` (the scheduler target's in-flight write, read and
+        copy-on-write checks read ``batch_queue`` under it and find nothing otherwise), or an idle engine
+        whose ledger moved since the last idle answered here (the dead-table check runs only at idle). Every
+        other check of the vLLM targets sees state that stays until a later check, or is latched when it
+        ends (``queued_twice``, ``preempt_findings``, the connector's loads and stores)."""
+        if getattr(self, "guard_inflight", False) and self.batch_queue:
+            return True
+        mark = len(self._auditor.events) if self._auditor is not None else 0
+        if mark == getattr(self, "_idle_mark", None) or not self.is_idle():
+            return False
+        self._idle_mark = mark
+        return True
+
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
         return np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
