@@ -191,6 +191,12 @@ class Target:
         aborted (their in-flight result releases them next): the mid-step scan after intake."""
         raise NotImplementedError
 
+    def users_of(self, pool: str, units) -> list[str] | None:
+        """The owners of :meth:`roots` that reference any of ``units`` (``[n] int64`` of ``pool``), for a
+        target that can tell without building every root (the ledger asks at every free of a last
+        reference); None (default): the ledger reads :meth:`roots` (reads)."""
+        return None
+
     def accounting(self) -> dict[str, Accounting]:
         """The engine's own counters per pool, for the accounting identity (reads)."""
         raise NotImplementedError

@@ -77,6 +77,7 @@ class VllmObserver:
         # (step, "insert"|"remove", block id, hash hex prefix, site id: Auditor.site(id) is its stack)
         self.hash_log: list[tuple[int, str, int, str, int]] = []
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
+        self._event_keys: dict = {}  # a map key -> its (external hash, group), as an event names it
         self._auditor = None
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
@@ -283,12 +284,9 @@ class VllmObserver:
         return []
 
     def transient(self) -> bool:
-        """A state only a check made now sees (a search's sparse schedule checks after every step while it
-        holds): a step in flight under ``guard_inflight`` (the scheduler target's in-flight write, read and
-        copy-on-write checks read ``batch_queue`` under it and find nothing otherwise), or an idle engine
-        whose ledger moved since the last idle answered here (the dead-table check runs only at idle). Every
-        other check of the vLLM targets sees state that stays until a later check, or is latched when it
-        ends (``queued_twice``, ``preempt_findings``, the connector's loads and stores)."""
+        """A step in flight under ``guard_inflight`` (the only state the in-flight write, read and copy
+        checks find anything in), or an idle engine whose ledger moved since the last such answer (the
+        dead-table check runs only at idle). Why nothing else: docs/internals/performance.md."""
         if getattr(self, "guard_inflight", False) and self.batch_queue:
             return True
         mark = len(self._auditor.events) if self._auditor is not None else 0
@@ -300,6 +298,14 @@ class VllmObserver:
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
         return np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
+
+    def users_of(self, pool: str, units) -> list[str]:
+        """The owners of :meth:`roots` that list any of ``units``, the tables read as they are (every holder
+        built as an array costs ten times more; the ledger asks at every free of a last reference)."""
+        want, known = set(units.tolist()), self.known()
+        out = {f"req:{rid}" for mgr in self.groups for rid in known
+               if any(b.block_id in want for b in mgr.req_to_blocks.get(rid, ()))}
+        return sorted(out | {o for o, _, ids in self._holders({})[0] if want.intersection(ids.tolist())})
 
     def roots(self, aborting: bool = True) -> list[Root]:
         holders, refs = self._holders(self.known())
@@ -435,10 +441,11 @@ class VllmObserver:
                 add("accounting-drift", [b.block_id], f"the prefix-cache map holds block {b.block_id} under a hash "
                                                       "the block does not carry", "hash-map")
                 break
+        extra = getattr(self.pool, "cached_block_hashes_by_block", {})
         for b in self.pool.blocks:
-            if b.is_null:
-                continue  # a hashed null block is the null-block check's finding, said once
-            keys = ([b.block_hash] if b.block_hash is not None else []) + list(self._extra_hashes(b.block_id))
+            if b.is_null or (b.block_hash is None and b.block_id not in extra):
+                continue  # (a hashed null block is the null-block check's finding, said once)
+            keys = ([b.block_hash] if b.block_hash is not None else []) + list(extra.get(b.block_id, ()))
             missing = [k for k in keys if (k, b.block_id) not in seen]
             if missing:
                 add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
@@ -487,10 +494,14 @@ class VllmObserver:
                 b = int(drift[0])
                 add("accounting-drift", drift, f"block {b}: ref_cnt={counts[b]} but the pool's own calls account for "
                                                f"{led[b]} (changed outside BlockPool's API)", "ref-shadow")
-        real, replayed = Counter(), self._replayed()
+        real, replayed, named = Counter(), self._replayed(), self._event_keys
         u, grouped = self.V.kv_cache_utils, self.V.has("kv-event-group")
         for key, _ in entries:
-            real[(u.maybe_convert_block_hash(u.get_block_hash(key)), u.get_group_id(key) if grouped else None)] += 1
+            k = named.get(key)
+            if k is None:  # (converted once per key: vLLM's conversion reads an env var per call)
+                k = named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),
+                                  u.get_group_id(key) if grouped else None)
+            real[k] += 1
         if real != replayed:
             diff = (real - replayed) or (replayed - real)
             add("accounting-drift", [1], f"vLLM's KV-cache events replayed give a prefix-cache map of "
