@@ -3,11 +3,13 @@
 
     python benchmarks/vllm_throughput.py [--programs N] [--length L] [--repeat K] [--preset P ...] [--profile]
 
-For each preset the same seeded random programs (with the capabilities the preset has) run in three
+For each preset the same seeded random programs (with the capabilities the preset has) run in four
 modes: "bare" (vLLM driven, no hooks), "hooks" (the ledger: every ``get_new_blocks``/``touch``/
 ``free_blocks`` recorded) and "audit" (hooks plus the per-step oracles: reachability, the accounting
 identity, the free-list replay and vLLM's own invariants: ref counts, free queue, hash map, events; and
-the shadow KV content tags, checked on every read a step implies), the fuzzers' mode. One core
+the shadow KV content tags, checked on every read a step implies) after every step; "audit-sparse" is the
+same on the searches' schedule (``kvaudit.search.schedule.CHECK_EVERY`` steps between full checks, and a
+check after every step while the target is transient: ``Target.transient``), the fuzzers' mode. One core
 (``torch.set_num_threads(1)``), process CPU time, best of ``--repeat`` rounds with the modes taking turns.
 The import of vLLM and one target's build are printed apart (paid once per process and once per program).
 ``--profile``: instead, cProfile the audit mode once per preset and print where a check goes (:data:`PARTS`:
@@ -24,9 +26,11 @@ import torch
 from kvaudit.program import random_program
 from kvaudit.program.schema import max_prompt
 from kvaudit.search.bench import best_times, build_ms, run_programs
+from kvaudit.search.schedule import CHECK_EVERY
 from kvaudit.targets.vllm.config import VLLM_PRESETS
 
-MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, True))
+MODES = (("bare", False, False, False), ("hooks", True, False, False), ("audit", True, True, True),
+         ("audit-sparse", True, True, True, CHECK_EVERY))
 # (what, file suffix, function): the parts of an audited run the profile reports, cumulative (a part
 # called inside another counts in both)
 PARTS = (
@@ -76,15 +80,16 @@ def main() -> None:
     if args.profile:
         return _profile(args)
     print(f"{args.programs} programs of {args.length} ops, best of {args.repeat}, one core\n")
-    print("| preset | bare programs/s | hooks programs/s | audit programs/s | audit ops/s | audit / bare time | "
-          "build ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| preset | bare programs/s | hooks programs/s | audit programs/s | audit-sparse programs/s | "
+          "audit / bare time | audit-sparse / bare time | build ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, config, progs in _presets(args):
         ms = build_ms(config)
-        best, ops = best_times(config, progs, MODES, args.repeat)
+        best, _ = best_times(config, progs, MODES, args.repeat)
         rate = {m: args.programs / s for m, s in best.items()}
-        print(f"| {name} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | "
-              f"{ops / best['audit']:.0f} | {best['audit'] / best['bare']:.2f}x | {ms:.1f} |", flush=True)
+        print(f"| {name} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | {rate['audit-sparse']:.0f} | "
+              f"{best['audit'] / best['bare']:.2f}x | {best['audit-sparse'] / best['bare']:.2f}x | {ms:.1f} |",
+              flush=True)
 
 
 

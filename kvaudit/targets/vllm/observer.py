@@ -55,6 +55,12 @@ def count(into: Counter, keys, delta: int) -> None:
             del into[key]
 
 
+def _adder(out: list):
+    """``add(kind, units, message, check, free_sites=())``: a :class:`TargetFinding` of the pool into ``out``."""
+    return lambda kind, units, message, check, free_sites=(): out.append(TargetFinding(
+        kind, POOL, np.asarray(units, dtype=np.int64), message, check=check, free_sites=free_sites))
+
+
 def block_ids(blocks) -> list[int]:
     """Ids of ``blocks`` (vLLM ``KVCacheBlock``), the null block left out (vLLM never counts it)."""
     return [b.block_id for b in blocks if not b.is_null]
@@ -79,6 +85,7 @@ class VllmObserver:
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
         self._event_keys: dict = {}  # a map key -> its (external hash, group), as an event names it
         self._auditor = None
+        self._reads: dict = {}  # name -> (state mark, value): what one check read first (_read_once)
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
 
@@ -307,8 +314,19 @@ class VllmObserver:
                if any(b.block_id in want for b in mgr.req_to_blocks.get(rid, ()))}
         return sorted(out | {o for o, _, ids in self._holders({})[0] if want.intersection(ids.tolist())})
 
+    def _read_once(self, name: str, make, keep=None):
+        """``make()``, or what ``keep`` stored as ``name`` at the same steps, ledger events and op, taken once:
+        one check reads the holders, the free queue and the ref counts twice otherwise."""
+        mark = (self.steps, *((len(self._auditor.events), self._auditor.op_index) if self._auditor else ()))
+        if keep is not None:
+            self._reads[name] = (mark, keep)
+            return keep
+        got = self._reads.pop(name, None)
+        return got[1] if got is not None and got[0] == mark else make()
+
     def roots(self, aborting: bool = True) -> list[Root]:
         holders, refs = self._holders(self.known())
+        self._read_once("refs", None, refs)
         out = []
         for owner, where, units in holders:
             shared = refs[units] > 1
@@ -343,20 +361,16 @@ class VllmObserver:
         return ids, "the free list has a cycle"
 
     def free_lists(self) -> dict[str, np.ndarray]:
-        ids, _ = self._free_queue()
+        ids, _ = self._read_once("queue", None, self._free_queue())
         return {POOL: np.array(ids, dtype=np.int64)}
 
     # -- invariants --------------------------------------------------------------------------------
     def invariant_findings(self) -> list[TargetFinding]:
-        counts = self._ref_counts()
+        counts = self._read_once("counts", None, self._ref_counts())
         known = self.known()
         out: list[TargetFinding] = list(getattr(self, "queued_twice", [])[:1])
-
-        def add(kind, units, message, check, free_sites=()):
-            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check,
-                                     free_sites=free_sites))
-
-        self._check_ref_counts(counts, self._holders(known)[1], add)
+        add = _adder(out)
+        self._check_ref_counts(counts, self._read_once("refs", lambda: self._holders(known)[1]), add)
         self._check_free_queue(counts, add)
         entries = self._map_entries()
         self._check_hash_map(entries, add)
@@ -368,10 +382,7 @@ class VllmObserver:
         """The free-queue and ref-count checks on the state a crash left: the first finding that names a
         free (``free_sites``), or None (none does, or the state cannot be read)."""
         out: list[TargetFinding] = []
-
-        def add(kind, units, *rest):
-            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), *rest))
-
+        add = _adder(out)
         try:
             counts = self._ref_counts()
             self._check_free_queue(counts, add)
@@ -409,7 +420,7 @@ class VllmObserver:
         block; each finding (through ``add``) names the last frees of its block (a free is where a block joins
         the queue)."""
         n = self.config.num_gpu_blocks
-        queued, problem = self._free_queue()
+        queued, problem = self._read_once("queue", self._free_queue)
         if problem:
             add("accounting-drift", queued[-1:] or [0], f"free_block_queue: {problem}", "free-queue",
                 self.free_sites(queued[-1]) if queued else ())
@@ -513,7 +524,7 @@ class VllmObserver:
         plus blocks in use plus the null block make the pool, and no ``ref_cnt`` is negative. The null
         block's own count is left out: vLLM never reads it, and some releases' ``free_blocks`` decrement it
         below zero."""
-        counts = self._ref_counts()[1:]
+        counts = self._read_once("counts", self._ref_counts)[1:]
         free = self.pool.get_num_free_blocks()
         used = int(np.count_nonzero(counts > 0))
         if (counts < 0).any() or free + used + 1 != self.config.num_gpu_blocks:
