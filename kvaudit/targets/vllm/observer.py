@@ -235,6 +235,8 @@ class VllmObserver:
     def _replayed(self) -> Counter:
         """The map the events give: those taken so far plus those still queued in the pool (read, not
         taken: the scheduler takes them at the end of ``update_from_output``)."""
+        if not self.pool.kv_event_queue:
+            return self.event_map  # (read only: none queued, no copy)
         out = Counter(self.event_map)
         self._replay_events(self.pool.kv_event_queue, out)
         return out
@@ -397,14 +399,14 @@ class VllmObserver:
         with holders are the use-after-free oracle's when the pool's own calls freed the block (the ledger has
         it free); counts with no holder at all are the leak oracle's."""
         n = self.config.num_gpu_blocks
-        over = np.flatnonzero((counts > refs) & (refs > 0))
+        over = ((counts > refs) & (refs > 0)).nonzero()[0]
         over = over[over > 0]
         if over.size:
             b = int(over[0])
             add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
                               "taken and never dropped", "ref_cnt")
         ledgered = self._auditor.ledgers[POOL].allocated if self._auditor is not None else np.zeros(n, dtype=bool)
-        under = np.flatnonzero((counts < refs) & ((counts > 0) | ledgered))  # at 0 behind the ledger's back too
+        under = ((counts < refs) & ((counts > 0) | ledgered)).nonzero()[0]  # at 0 behind the ledger's back too
         under = under[under > 0]
         if under.size:
             b = int(under[0])
@@ -412,7 +414,7 @@ class VllmObserver:
             add("double-free", under, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference "
                                       "was dropped twice", "ref_cnt", sites)
         if (counts[1:] < 0).any():
-            bad = np.flatnonzero(counts < 0)
+            bad = (counts < 0).nonzero()[0]
             add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
 
     def _check_free_queue(self, counts, add) -> None:
@@ -431,7 +433,7 @@ class VllmObserver:
         on_queue = np.zeros(n, dtype=bool)
         on_queue[q] = True
         null = self.pool.null_block.block_id
-        wrong = np.flatnonzero(on_queue != (counts == 0))
+        wrong = (on_queue != (counts == 0)).nonzero()[0]
         wrong = wrong[wrong != null]
         if wrong.size:
             b = int(wrong[0])
@@ -500,7 +502,7 @@ class VllmObserver:
         equal the map (``entries``)."""
         if self._auditor is not None:
             led = self._auditor.ledgers[POOL].refs
-            drift = np.flatnonzero(led[1:] != np.maximum(counts[1:], 0)) + 1
+            drift = (led[1:] != np.maximum(counts[1:], 0)).nonzero()[0] + 1
             if drift.size:
                 b = int(drift[0])
                 add("accounting-drift", drift, f"block {b}: ref_cnt={counts[b]} but the pool's own calls account for "
