@@ -87,8 +87,8 @@ def main() -> None:
         ms = build_ms(config)
         best, _ = best_times(config, progs, MODES, args.repeat)
         rate = {m: args.programs / s for m, s in best.items()}
-        print(f"| {name} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | {rate['audit-sparse']:.0f} | "
-              f"{best['audit'] / best['bare']:.2f}x | {best['audit-sparse'] / best['bare']:.2f}x | {ms:.1f} |",
+        print(f"| {name} | {rate['bare']:.0f} | {rate['hooks']:.0f} | {rate['audit']:.0f} | "
+              f"{rate['audit-sparse']:.0f} | {best['audit'] / best['bare']:.2f}x | {best['audit-sparse'] / best['bare']:.2f}x | {ms:.1f} |",
               flush=True)
 
 

@@ -137,6 +137,23 @@ class OwnershipDeltas(NamedTuple):
 DEFAULT_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
 
 
+class ReadOnce:
+    """What one full check reads twice (a target's holders, free list, counts), read once: ``keep(name, mark,
+    value)`` stores ``value`` and returns it, ``take(name, mark, make)`` returns it once if stored under the
+    same ``mark`` (the target's state mark: its steps and ledger events; a check only reads), else ``make()``."""
+
+    def __init__(self):
+        self._kept: dict = {}
+
+    def keep(self, name: str, mark, value):
+        self._kept[name] = (mark, value)
+        return value
+
+    def take(self, name: str, mark, make: Callable):
+        got = self._kept.pop(name, None)
+        return got[1] if got is not None and got[0] == mark else make()
+
+
 class Target:
     """The base of every target: the required methods raise ``NotImplementedError``, and every optional
     capability is a method with a documented no-op default, so kvaudit calls each one directly (no

@@ -29,7 +29,7 @@ from collections import Counter
 
 import numpy as np
 
-from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding
+from kvaudit.targets.base import Accounting, PoolSpec, ReadOnce, Root, TargetFinding
 
 POOL = "block_pool"
 
@@ -85,7 +85,7 @@ class VllmObserver:
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
         self._event_keys: dict = {}  # a map key -> its (external hash, group), as an event names it
         self._auditor = None
-        self._reads: dict = {}  # name -> (state mark, value): what one check read first (_read_once)
+        self._reads = ReadOnce()  # the holders, free queue and counts one check reads twice otherwise
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
 
@@ -316,19 +316,12 @@ class VllmObserver:
                if any(b.block_id in want for b in mgr.req_to_blocks.get(rid, ()))}
         return sorted(out | {o for o, _, ids in self._holders({})[0] if want.intersection(ids.tolist())})
 
-    def _read_once(self, name: str, make, keep=None):
-        """``make()``, or what ``keep`` stored as ``name`` at the same steps, ledger events and op, taken once:
-        one check reads the holders, the free queue and the ref counts twice otherwise."""
-        mark = (self.steps, *((len(self._auditor.events), self._auditor.op_index) if self._auditor else ()))
-        if keep is not None:
-            self._reads[name] = (mark, keep)
-            return keep
-        got = self._reads.pop(name, None)
-        return got[1] if got is not None and got[0] == mark else make()
+    def _mark(self) -> tuple:
+        return (self.steps, *((len(self._auditor.events), self._auditor.op_index) if self._auditor else ()))
 
     def roots(self, aborting: bool = True) -> list[Root]:
         holders, refs = self._holders(self.known())
-        self._read_once("refs", None, refs)
+        self._reads.keep("refs", self._mark(), refs)
         out = []
         for owner, where, units in holders:
             shared = refs[units] > 1
@@ -363,16 +356,16 @@ class VllmObserver:
         return ids, "the free list has a cycle"
 
     def free_lists(self) -> dict[str, np.ndarray]:
-        ids, _ = self._read_once("queue", None, self._free_queue())
+        ids, _ = self._reads.keep("queue", self._mark(), self._free_queue())
         return {POOL: np.array(ids, dtype=np.int64)}
 
     # -- invariants --------------------------------------------------------------------------------
     def invariant_findings(self) -> list[TargetFinding]:
-        counts = self._read_once("counts", None, self._ref_counts())
+        counts = self._reads.keep("counts", self._mark(), self._ref_counts())
         known = self.known()
         out: list[TargetFinding] = list(getattr(self, "queued_twice", [])[:1])
         add = _adder(out)
-        self._check_ref_counts(counts, self._read_once("refs", lambda: self._holders(known)[1]), add)
+        self._check_ref_counts(counts, self._reads.take("refs", self._mark(), lambda: self._holders(known)[1]), add)
         self._check_free_queue(counts, add)
         entries = self._map_entries()
         self._check_hash_map(entries, add)
@@ -422,7 +415,7 @@ class VllmObserver:
         block; each finding (through ``add``) names the last frees of its block (a free is where a block joins
         the queue)."""
         n = self.config.num_gpu_blocks
-        queued, problem = self._read_once("queue", self._free_queue)
+        queued, problem = self._reads.take("queue", self._mark(), self._free_queue)
         if problem:
             add("accounting-drift", queued[-1:] or [0], f"free_block_queue: {problem}", "free-queue",
                 self.free_sites(queued[-1]) if queued else ())
@@ -526,7 +519,7 @@ class VllmObserver:
         plus blocks in use plus the null block make the pool, and no ``ref_cnt`` is negative. The null
         block's own count is left out: vLLM never reads it, and some releases' ``free_blocks`` decrement it
         below zero."""
-        counts = self._read_once("counts", self._ref_counts)[1:]
+        counts = self._reads.take("counts", self._mark(), self._ref_counts)[1:]
         free = self.pool.get_num_free_blocks()
         used = int(np.count_nonzero(counts > 0))
         if (counts < 0).any() or free + used + 1 != self.config.num_gpu_blocks:
