@@ -79,3 +79,51 @@ def test_a_vllm_hash_map_finding_is_not_said_to_be_cached_into_a_tree():
     result = invoke("report", os.path.join(CORPUS, "fault-drop-hash-entry.json"))
     assert result.exit_code == 0, result.output
     assert "cached into the tree" not in result.stdout and "allocated at:" in result.stdout
+
+
+def _key(findings) -> list[tuple[str, int, int]]:
+    return [(f.signature, f.op_index, f.step) for f in findings]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", NAMES)
+def test_every_vllm_corpus_file_on_the_search_schedule_reports_the_per_step_run(name):
+    """A search's sparse schedule (kvaudit.search.schedule.search_run: a full check every K steps, and
+    after every step while the target is transient: a step in flight under vLLM's guard, an idle engine)
+    reports what the per-step audit does: signature, first op and step (the in-flight use-after-frees too)."""
+    from kvaudit.search.schedule import search_run
+
+    config, program, _, _ = replay.load(os.path.join(CORPUS, name))
+    want = _key(execute(config, program, full_stacks=False).findings)
+    with search_run(config) as run:
+        for op in program:
+            if run.apply(op):
+                break
+        else:
+            run.finish()
+    assert run.check_every > 1
+    assert want and _key(run.findings) == want
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("preset, sparse", [("vllm", True), ("vllm-kv-connector", False)])
+def test_a_sparse_vllm_run_checks_every_step_only_while_a_guarded_step_is_in_flight(preset, sparse, monkeypatch):
+    """The synchronous Scheduler has no step in flight between steps: its busy steps go unchecked between
+    the sparse checks. The AsyncScheduler with a KV consumer (vLLM's guard) has one in flight at each busy
+    step, and each is checked."""
+    from kvaudit.audit import runner
+    from kvaudit.program import Step, Submit
+    from kvaudit.targets import registry
+
+    config = registry.get("vllm").preset(preset).config()
+    calls = []
+    real = runner.oracles.check
+    # what each full check met: a step in flight, or an idle engine
+    monkeypatch.setattr(runner.oracles, "check",
+                        lambda *a, **k: calls.append(bool(a[1].batch_queue) or a[1].is_idle()) or real(*a, **k))
+    with runner.AuditedRun(config, full_stacks=False, check_every=10**6) as run:
+        for op in [Submit(0, 40, 12, ignore_eos=1), Submit(1, 24, 10, ignore_eos=1), Step(30)]:
+            assert run.apply(op) == []
+        busy = run.target.steps
+    assert busy >= 10
+    assert (len(calls) < 3) if sparse else (len(calls) >= busy // 2 and all(calls))

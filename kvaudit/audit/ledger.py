@@ -73,6 +73,12 @@ class Ledger:
         led = self.ledgers[pool]
         ul, flags = _as_list(units), led.flags
         if led.refs is not None:  # a reference-counted pool: a fresh block starts at count 1
+            if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)) and len(set(ul)) == len(ul):
+                ul = sorted(ul)  # fast path: every block fresh, named once (the event lists them sorted)
+                for x in ul:
+                    led.refs[x] = 1
+                _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
+                return
             u = np.asarray(ul, dtype=np.int64)
             held = led.allocated[u]  # (the reserved block 0 always reads as held)
             names, times = np.unique(u, return_counts=True)
@@ -110,7 +116,15 @@ class Ledger:
         """Record one more reference to each of ``units`` (a list or array; a unit named twice gains
         two) in a ``"blocks"`` pool (vLLM's ``BlockPool.touch``); a block at count 0 is allocated again."""
         led = self.ledgers[pool]
-        u = np.asarray(_as_list(units), dtype=np.int64)
+        ul, refs = _as_list(units), led.refs
+        if len(ul) <= SMALL_EVENT:  # fast path: Python scalar ops beat numpy on a few blocks
+            revived = sorted({x for x in ul if x > 0 and refs[x] == 0})
+            for x in ul:
+                refs[x] += 1
+            if revived:
+                self._alloc_event(led, pool, np.array(revived, dtype=np.int64), sid)
+            return
+        u = np.asarray(ul, dtype=np.int64)
         revived = np.unique(u[led.refs[u] == 0])
         revived = revived[revived > 0]
         np.add.at(led.refs, u, 1)
@@ -119,11 +133,19 @@ class Ledger:
 
     def _unref(self, pool: str, units: list[int], sid: int) -> None:
         led = self.ledgers[pool]
-        u = np.asarray(units, dtype=np.int64)
-        np.subtract.at(led.refs, u, 1)
-        bad = np.unique(u[(led.refs[u] < 0) | (u == 0)])
-        zero = np.unique(u[led.refs[u] == 0])
-        zero = zero[led.allocated[zero] & (zero > 0)]
+        refs, flags = led.refs, led.flags
+        if len(units) <= SMALL_EVENT and 0 not in units and len(set(units)) == len(units) and all(
+                refs[x] > 0 for x in units):  # fast path: a few blocks, each held, named once
+            for x in units:
+                refs[x] -= 1
+            bad = np.zeros(0, dtype=np.int64)
+            zero = np.array(sorted(x for x in units if not refs[x] and flags[x]), dtype=np.int64)
+        else:
+            u = np.asarray(units, dtype=np.int64)
+            np.subtract.at(refs, u, 1)
+            bad = np.unique(u[(refs[u] < 0) | (u == 0)])
+            zero = np.unique(u[refs[u] == 0])
+            zero = zero[led.allocated[zero] & (zero > 0)]
         if bad.size:
             led.refs[bad] = np.maximum(led.refs[bad], 0)
             self.pending.append(self._double_free(pool, bad, sid))
@@ -194,8 +216,13 @@ class Ledger:
         # a request leaving the scheduler to be released is in no root, yet its record names them
         users: set[str] = set()
         try:
-            roots = self.target.roots()  # aborting requests too: their release is a use of what they map
-            users.update(r.owner for r in roots if r.pool == pool and np.isin(r.units, units).any())
+            named = self.target.users_of(pool, units)
+            if named is not None:
+                users.update(named)
+            else:  # aborting requests too: their release is a use of what they map
+                roots = [r for r in self.target.roots() if r.pool == pool]
+                if roots and np.isin(np.concatenate([r.units for r in roots]), units).any():  # (one test: rarely)
+                    users.update(r.owner for r in roots if np.isin(r.units, units).any())
             rows_led = self.ledgers.get("req_to_token_pool")
             of_rows = self.target.units_of_rows
             if rows_led is not None and pool != "req_to_token_pool" and of_rows(units[:0]) is not None:

@@ -185,12 +185,13 @@ class AuditedRun:
     any disagreement (:mod:`kvaudit.audit.oracles.incremental`); None: ``KVAUDIT_PARANOID`` (``--paranoid``).
 
     ``check_every=K`` is the search's sparse schedule: the full oracle scan runs every K scheduler steps,
-    whenever the engine is idle, and at :meth:`finish`; what the hooks raise at event time (a double
-    free, a stale read, a crash) stays immediate. A hit is then localized by replay: the ops applied so
-    far run again from a fresh engine with a check after every step (runs are deterministic), and
-    ``apply`` returns that run's findings, so signatures, first step, op and stacks are the per-step
-    run's. A hit the replay does not reproduce is returned as found, its message saying so. K=1 (the
-    default) is the per-step audit, with no replay.
+    whenever the engine is idle, after every step while the target's state is one its checks see only
+    while it lasts (:meth:`~kvaudit.targets.base.Target.transient`), and at :meth:`finish`; what the
+    hooks raise at event time (a double free, a stale read, a crash) stays immediate. A hit is then
+    localized by replay: the ops applied so far run again from a fresh engine with a check after every
+    step (runs are deterministic), and ``apply`` returns that run's findings, so signatures, first step,
+    op and stacks are the per-step run's. A hit the replay does not reproduce is returned as found, its
+    message saying so. K=1 (the default) is the per-step audit, with no replay.
 
     ``lean`` (a search's run; only with ``check_every > 1`` and no ``suppressions``, else ignored): the hooks
     record what detects and leave what reports to the replay: no call sites (their innermost engine lines
@@ -246,8 +247,8 @@ class AuditedRun:
         self.auditor.step = self.target.steps
         found, self.auditor.pending = self.auditor.pending, []
         if not found and self.run_oracles and scan:
-            if self.unchecked < self.check_every and not self._draining:
-                return []  # the sparse schedule: not due yet (_due's first test, before is_idle)
+            if self.unchecked < self.check_every and not self._draining and not self.target.transient():
+                return []  # the sparse schedule: not due yet (_due's first tests, before is_idle)
             idle = self.target.is_idle()
             if self.check_every > 1 and not self._due(idle):
                 return []  # the sparse schedule: not due yet
@@ -256,10 +257,12 @@ class AuditedRun:
         return oracles.attach_engine_verdict(self.target, found)
 
     def _due(self, idle: bool) -> bool:
-        # the sparse schedule: every check_every steps, and when the program's idle() drained the engine
-        # unless the last check was at idle and the ledger has seen no alloc, free or lock event since
+        # the sparse schedule: every check_every steps; when the program's idle() drained the engine
+        # unless the last check was at idle and the ledger has seen no alloc, free or lock event since; and
+        # after every step while the target is in a state its checks see only while it lasts (transient)
         mark = (idle, len(self.auditor.events), self.auditor.lock_count)
-        if self.unchecked < self.check_every and (not (idle and self._draining) or mark == self._checked_mark):
+        if (self.unchecked < self.check_every and (not (idle and self._draining) or mark == self._checked_mark)
+                and not self.target.transient()):
             return False
         self._checked_mark = mark
         return True

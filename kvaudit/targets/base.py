@@ -140,6 +140,23 @@ _NO_SCOPE = nullcontext()
 DEFAULT_IDENTITY = ("available", "evictable", "protected", "session_held", "uncached")
 
 
+class ReadOnce:
+    """What one full check reads twice (a target's holders, free list, counts), read once: ``keep(name, mark,
+    value)`` stores ``value`` and returns it, ``take(name, mark, make)`` returns it once if stored under the
+    same ``mark`` (the target's state mark: its steps and ledger events; a check only reads), else ``make()``."""
+
+    def __init__(self):
+        self._kept: dict = {}
+
+    def keep(self, name: str, mark, value):
+        self._kept[name] = (mark, value)
+        return value
+
+    def take(self, name: str, mark, make: Callable):
+        got = self._kept.pop(name, None)
+        return got[1] if got is not None and got[0] == mark else make()
+
+
 class Target:
     """The base of every target: the required methods raise ``NotImplementedError``, and every optional
     capability is a method with a documented no-op default, so kvaudit calls each one directly (no
@@ -193,6 +210,12 @@ class Target:
         """Every live owner's units, per pool (reads). ``aborting=False`` leaves out requests being
         aborted (their in-flight result releases them next): the mid-step scan after intake."""
         raise NotImplementedError
+
+    def users_of(self, pool: str, units) -> list[str] | None:
+        """The owners of :meth:`roots` that reference any of ``units`` (``[n] int64`` of ``pool``), for a
+        target that can tell without building every root (the ledger asks at every free of a last
+        reference); None (default): the ledger reads :meth:`roots` (reads)."""
+        return None
 
     def accounting(self) -> dict[str, Accounting]:
         """The engine's own counters per pool, for the accounting identity (reads)."""
@@ -281,6 +304,14 @@ class Target:
         """Violations of the engine's own invariants the target detects itself, of any finding kind
         (:class:`TargetFinding`), checked after every step with the oracles; default none."""
         return []
+
+    def transient(self) -> bool:
+        """Whether the engine is now in a state that one of the target's checks reads only while it lasts,
+        a step or so (a step in flight that still writes blocks a free may have released): a search's sparse
+        schedule (:class:`kvaudit.audit.runner.AuditedRun`, ``check_every``) checks fully after every step
+        while it holds. Default False: every check of the target sees a state that persists until a later
+        check, or turns into a finding the hooks raise as it happens (reads)."""
+        return False
 
     def metrics_check(self) -> list[str]:
         """Failing lines of the engine's exported metrics (read after ``engine_check``); default none."""

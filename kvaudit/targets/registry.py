@@ -126,7 +126,8 @@ class TargetKind:
     what ``make`` needs (the slow part of a first run), for an entry point that imports under its own
     interrupt guard (:mod:`kvaudit.entry`); by default nothing. ``search_check_every``: the scheduler
     steps between a search's full checks on this kind (:mod:`kvaudit.search.schedule`), for a kind
-    whose own invariants see state that lasts a single step; None: the searches' default.
+    whose own invariants see state that lasts a single step and whose targets cannot say when it holds
+    (``Target.transient``, which vLLM's do); None: the searches' default.
     """
 
     name: str

@@ -117,7 +117,4 @@ KIND = register(TargetKind(
     config_class=VllmConfig, presets=_presets, make=_make, bugs=fault_rows(FAULTS),
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, features=_features, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
-    notes=_notes, regressions="corpora/vllm", history=_history,
-    # NOTE: the in-flight checks (a block freed under the step that still reads, writes or copies it) see a
-    # state that lasts one step: a search checks after every step (docs/internals/performance.md)
-    export=_export, search_check_every=1))
+    notes=_notes, regressions="corpora/vllm", history=_history, export=_export))

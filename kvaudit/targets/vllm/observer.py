@@ -29,7 +29,7 @@ from collections import Counter
 
 import numpy as np
 
-from kvaudit.targets.base import Accounting, PoolSpec, Root, TargetFinding
+from kvaudit.targets.base import Accounting, PoolSpec, ReadOnce, Root, TargetFinding
 
 POOL = "block_pool"
 
@@ -55,6 +55,12 @@ def count(into: Counter, keys, delta: int) -> None:
             del into[key]
 
 
+def _adder(out: list):
+    """``add(kind, units, message, check, free_sites=())``: a :class:`TargetFinding` of the pool into ``out``."""
+    return lambda kind, units, message, check, free_sites=(): out.append(TargetFinding(
+        kind, POOL, np.asarray(units, dtype=np.int64), message, check=check, free_sites=free_sites))
+
+
 def block_ids(blocks) -> list[int]:
     """Ids of ``blocks`` (vLLM ``KVCacheBlock``), the null block left out (vLLM never counts it)."""
     return [b.block_id for b in blocks if not b.is_null]
@@ -77,7 +83,9 @@ class VllmObserver:
         # (step, "insert"|"remove", block id, hash hex prefix, site id: Auditor.site(id) is its stack)
         self.hash_log: list[tuple[int, str, int, str, int]] = []
         self.event_map: Counter = Counter()  # (external hash, group) -> blocks, from vLLM's KV-cache events
+        self._event_keys: dict = {}  # a map key -> its (external hash, group), as an event names it
         self._auditor = None
+        self._reads = ReadOnce()  # the holders, free queue and counts one check reads twice otherwise
         # the scheduler's call in update_from_output; the events still go on
         after_call(self.manager, "take_events", lambda events, *_, **__: self._replay_events(events, self.event_map))
 
@@ -227,6 +235,8 @@ class VllmObserver:
     def _replayed(self) -> Counter:
         """The map the events give: those taken so far plus those still queued in the pool (read, not
         taken: the scheduler takes them at the end of ``update_from_output``)."""
+        if not self.pool.kv_event_queue:
+            return self.event_map  # (read only: none queued, no copy)
         out = Counter(self.event_map)
         self._replay_events(self.pool.kv_event_queue, out)
         return out
@@ -282,12 +292,36 @@ class VllmObserver:
         on GPU blocks itself (a transfer in flight), one per id listed: none by default."""
         return []
 
+    def transient(self) -> bool:
+        """A step in flight under ``guard_inflight`` (the only state the in-flight write, read and copy
+        checks find anything in), or an idle engine whose ledger moved since the last such answer (the
+        dead-table check runs only at idle). Why nothing else: docs/internals/performance.md."""
+        if getattr(self, "guard_inflight", False) and self.batch_queue:
+            return True
+        mark = len(self._auditor.events) if self._auditor is not None else 0
+        if mark == getattr(self, "_idle_mark", None) or not self.is_idle():
+            return False
+        self._idle_mark = mark
+        return True
+
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
         return np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
 
+    def users_of(self, pool: str, units) -> list[str]:
+        """The owners of :meth:`roots` that list any of ``units``, the tables read as they are (every holder
+        built as an array costs ten times more; the ledger asks at every free of a last reference)."""
+        want, known = set(units.tolist()), self.known()
+        out = {f"req:{rid}" for mgr in self.groups for rid in known
+               if any(b.block_id in want for b in mgr.req_to_blocks.get(rid, ()))}
+        return sorted(out | {o for o, _, ids in self._holders({})[0] if want.intersection(ids.tolist())})
+
+    def _mark(self) -> tuple:
+        return (self.steps, *((len(self._auditor.events), self._auditor.op_index) if self._auditor else ()))
+
     def roots(self, aborting: bool = True) -> list[Root]:
         holders, refs = self._holders(self.known())
+        self._reads.keep("refs", self._mark(), refs)
         out = []
         for owner, where, units in holders:
             shared = refs[units] > 1
@@ -322,20 +356,16 @@ class VllmObserver:
         return ids, "the free list has a cycle"
 
     def free_lists(self) -> dict[str, np.ndarray]:
-        ids, _ = self._free_queue()
+        ids, _ = self._reads.keep("queue", self._mark(), self._free_queue())
         return {POOL: np.array(ids, dtype=np.int64)}
 
     # -- invariants --------------------------------------------------------------------------------
     def invariant_findings(self) -> list[TargetFinding]:
-        counts = self._ref_counts()
+        counts = self._reads.keep("counts", self._mark(), self._ref_counts())
         known = self.known()
         out: list[TargetFinding] = list(getattr(self, "queued_twice", [])[:1])
-
-        def add(kind, units, message, check, free_sites=()):
-            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), message, check=check,
-                                     free_sites=free_sites))
-
-        self._check_ref_counts(counts, self._holders(known)[1], add)
+        add = _adder(out)
+        self._check_ref_counts(counts, self._reads.take("refs", self._mark(), lambda: self._holders(known)[1]), add)
         self._check_free_queue(counts, add)
         entries = self._map_entries()
         self._check_hash_map(entries, add)
@@ -347,10 +377,7 @@ class VllmObserver:
         """The free-queue and ref-count checks on the state a crash left: the first finding that names a
         free (``free_sites``), or None (none does, or the state cannot be read)."""
         out: list[TargetFinding] = []
-
-        def add(kind, units, *rest):
-            out.append(TargetFinding(kind, POOL, np.asarray(units, dtype=np.int64), *rest))
-
+        add = _adder(out)
         try:
             counts = self._ref_counts()
             self._check_free_queue(counts, add)
@@ -365,14 +392,14 @@ class VllmObserver:
         with holders are the use-after-free oracle's when the pool's own calls freed the block (the ledger has
         it free); counts with no holder at all are the leak oracle's."""
         n = self.config.num_gpu_blocks
-        over = np.flatnonzero((counts > refs) & (refs > 0))
+        over = ((counts > refs) & (refs > 0)).nonzero()[0]
         over = over[over > 0]
         if over.size:
             b = int(over[0])
             add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
                               "taken and never dropped", "ref_cnt")
         ledgered = self._auditor.ledgers[POOL].allocated if self._auditor is not None else np.zeros(n, dtype=bool)
-        under = np.flatnonzero((counts < refs) & ((counts > 0) | ledgered))  # at 0 behind the ledger's back too
+        under = ((counts < refs) & ((counts > 0) | ledgered)).nonzero()[0]  # at 0 behind the ledger's back too
         under = under[under > 0]
         if under.size:
             b = int(under[0])
@@ -380,7 +407,7 @@ class VllmObserver:
             add("double-free", under, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference "
                                       "was dropped twice", "ref_cnt", sites)
         if (counts[1:] < 0).any():
-            bad = np.flatnonzero(counts < 0)
+            bad = (counts < 0).nonzero()[0]
             add("double-free", bad, f"block {int(bad[0])} has ref_cnt={counts[bad[0]]}", "ref_cnt")
 
     def _check_free_queue(self, counts, add) -> None:
@@ -388,7 +415,7 @@ class VllmObserver:
         block; each finding (through ``add``) names the last frees of its block (a free is where a block joins
         the queue)."""
         n = self.config.num_gpu_blocks
-        queued, problem = self._free_queue()
+        queued, problem = self._reads.take("queue", self._mark(), self._free_queue)
         if problem:
             add("accounting-drift", queued[-1:] or [0], f"free_block_queue: {problem}", "free-queue",
                 self.free_sites(queued[-1]) if queued else ())
@@ -399,7 +426,7 @@ class VllmObserver:
         on_queue = np.zeros(n, dtype=bool)
         on_queue[q] = True
         null = self.pool.null_block.block_id
-        wrong = np.flatnonzero(on_queue != (counts == 0))
+        wrong = (on_queue != (counts == 0)).nonzero()[0]
         wrong = wrong[wrong != null]
         if wrong.size:
             b = int(wrong[0])
@@ -420,10 +447,11 @@ class VllmObserver:
                 add("accounting-drift", [b.block_id], f"the prefix-cache map holds block {b.block_id} under a hash "
                                                       "the block does not carry", "hash-map")
                 break
+        extra = getattr(self.pool, "cached_block_hashes_by_block", {})
         for b in self.pool.blocks:
-            if b.is_null:
-                continue  # a hashed null block is the null-block check's finding, said once
-            keys = ([b.block_hash] if b.block_hash is not None else []) + list(self._extra_hashes(b.block_id))
+            if b.is_null or (b.block_hash is None and b.block_id not in extra):
+                continue  # (a hashed null block is the null-block check's finding, said once)
+            keys = ([b.block_hash] if b.block_hash is not None else []) + list(extra.get(b.block_id, ()))
             missing = [k for k in keys if (k, b.block_id) not in seen]
             if missing:
                 add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
@@ -467,15 +495,19 @@ class VllmObserver:
         equal the map (``entries``)."""
         if self._auditor is not None:
             led = self._auditor.ledgers[POOL].refs
-            drift = np.flatnonzero(led[1:] != np.maximum(counts[1:], 0)) + 1
+            drift = (led[1:] != np.maximum(counts[1:], 0)).nonzero()[0] + 1
             if drift.size:
                 b = int(drift[0])
                 add("accounting-drift", drift, f"block {b}: ref_cnt={counts[b]} but the pool's own calls account for "
                                                f"{led[b]} (changed outside BlockPool's API)", "ref-shadow")
-        real, replayed = Counter(), self._replayed()
+        real, replayed, named = Counter(), self._replayed(), self._event_keys
         u, grouped = self.V.kv_cache_utils, self.V.has("kv-event-group")
         for key, _ in entries:
-            real[(u.maybe_convert_block_hash(u.get_block_hash(key)), u.get_group_id(key) if grouped else None)] += 1
+            k = named.get(key)
+            if k is None:  # (converted once per key: vLLM's conversion reads an env var per call)
+                k = named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),
+                                  u.get_group_id(key) if grouped else None)
+            real[k] += 1
         if real != replayed:
             diff = (real - replayed) or (replayed - real)
             add("accounting-drift", [1], f"vLLM's KV-cache events replayed give a prefix-cache map of "
@@ -487,7 +519,7 @@ class VllmObserver:
         plus blocks in use plus the null block make the pool, and no ``ref_cnt`` is negative. The null
         block's own count is left out: vLLM never reads it, and some releases' ``free_blocks`` decrement it
         below zero."""
-        counts = self._ref_counts()[1:]
+        counts = self._reads.take("counts", self._mark(), self._ref_counts)[1:]
         free = self.pool.get_num_free_blocks()
         used = int(np.count_nonzero(counts > 0))
         if (counts < 0).any() or free + used + 1 != self.config.num_gpu_blocks:
