@@ -115,7 +115,7 @@ def test_fuzzer_atheris_without_atheris_says_how_to_get_it_in_one_line(monkeypat
     result = invoke(*args, *out)
     assert result.exit_code == EXIT_UNAVAILABLE, result.output
     line = one_error_line(result)
-    assert all(m in line for m in MISSING) and "--fuzzer random-96, corpus, hypothesis or random" in line, line
+    assert all(m in line for m in MISSING) and "--fuzzer corpus, hypothesis or random" in line, line
 
 
 def _without_atheris(code):
