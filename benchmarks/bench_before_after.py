@@ -76,6 +76,9 @@ def child_run(job: dict) -> list[dict]:
 
     box = _cpu_box()
     cpu: list[tuple] = []
+    if job.get("check_every"):  # a diagnostic: the sparse schedule's K (a checkout that has one)
+        from kvaudit.search import schedule
+        schedule.CHECK_EVERY = job["check_every"]
     if job["suite"] == "zoo":
         from kvaudit.search import bench
         out = []
@@ -232,10 +235,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per bug and side")
     ap.add_argument("--budget", type=float, default=20.0, help="seconds per trial")
     ap.add_argument("--bugs", default="all", help="comma separated, or 'all' (the ones both catalogues have)")
+    ap.add_argument("--after-check-every", type=int, default=None, metavar="K",
+                    help="a diagnostic: the after's searches check every K steps (kvaudit.search.schedule."
+                         "CHECK_EVERY; 1: every step, as before the sparse schedule)")
     ap.add_argument("--json", dest="out_json", default=None, help="write every trial here")
     args = ap.parse_args(argv)
-    if args.seeds < 1 or args.budget <= 0:
-        ap.error("--seeds and --budget must be positive")
+    if args.seeds < 1 or args.budget <= 0 or (args.after_check_every is not None and args.after_check_every < 1):
+        ap.error("--seeds, --budget and --after-check-every must be positive")
     args.before, args.after = os.path.abspath(args.before), os.path.abspath(args.after)
     if args.before == args.after:
         ap.error("--before and --after name the same checkout")
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"--bugs: not in both catalogues: {', '.join(bad)}")
     seeds = list(range(1, args.seeds + 1))
     doc = {"format": FORMAT, "suite": args.suite, "fuzzer": args.fuzzer, "seeds": seeds, "budget": args.budget,
+           "after_check_every": args.after_check_every,
            "before": {"root": args.before, "rev": _rev(args.before)}, "after": {"root": args.after, "rev": _rev(args.after)},
            "only_before": only_before, "only_after": only_after, "bugs": bugs, "children": [], "trials": [],
            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -269,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
             entry = cats[side][bug]
             job = {"suite": args.suite, "bug": bug, "version": entry.get("version"), "fuzzer": args.fuzzer,
-                   "seeds": seeds, "budget": args.budget}
+                   "seeds": seeds, "budget": args.budget,
+                   "check_every": args.after_check_every if side == "after" else None}
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(job, f)
             load, c0 = os.getloadavg(), time.monotonic()

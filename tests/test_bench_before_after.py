@@ -32,6 +32,9 @@ def test_arguments_default_to_the_history_suite_and_refuse_one_checkout_twice(ba
         ba.parse_args(["--before", HERE, "--after", HERE])
     with pytest.raises(SystemExit):
         ba.parse_args(["--before", str(tmp_path), "--seeds", "0"])
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--before", str(tmp_path), "--after-check-every", "0"])
+    assert ba.parse_args(["--before", str(tmp_path), "--after-check-every", "1"]).after_check_every == 1
 
 
 def test_bugs_only_one_catalogue_has_are_split_off(ba):
