@@ -17,7 +17,8 @@ Per bug: hits, and the medians over the seeds of executions, wall seconds and CP
 hit (a failed trial counts as never: '-' when half or more failed) for before and after, and the ratio
 after/before; then the geometric means of the per-bug median times, after/before, over the bugs both
 sides' medians reach. Bugs only one checkout's catalogue has are listed, not run. Prints a markdown table;
-``--json`` writes every trial and the load average beside each child.
+``--json`` writes every trial and the load average beside each child (rewritten after every bug);
+``python benchmarks/bench_before_after.py --table FILE`` prints the table of such a file.
 """
 
 from __future__ import annotations
@@ -225,6 +226,17 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def print_table(path: str) -> int:
+    """``--table FILE``: the table of a run's ``--json`` file (a partial one too: the bugs it holds)."""
+    with open(path) as f:
+        doc = json.load(f)
+    done = [b for b in doc["bugs"] if any(t["bug"] == b for t in doc["trials"])]
+    print(f"{doc['suite']}, fuzzer {doc['fuzzer']}, seeds {doc['seeds']}, {doc['budget']:g} s per trial; before "
+          f"{doc['before']['rev']}, after {doc['after']['rev']}; {len(done)} of {len(doc['bugs'])} bugs run\n")
+    print("\n".join(table(compare(doc["trials"], done))))
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="the baseline checkout's root (a git worktree)")
@@ -310,4 +322,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         sys.exit(child_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["--table"]:
+        sys.exit(print_table(sys.argv[2]))
     sys.exit(main())

@@ -70,3 +70,16 @@ def test_the_table_gives_per_bug_ratios_and_the_geometric_means(ba):
     assert "| x | 3/3 | 3/3 | 10 | 10 | 2.00 | 1.00 | 0.50x | 1.00 | 0.50 | 0.50x |" in text
     assert "| z | 1/1 | 0/1 | 5 | - | 1.00 | - | - |" in text
     assert "above before: y, z (of them not reached after: z)" in text
+
+
+def test_the_table_of_a_partial_json_file_shows_the_bugs_it_holds(ba, tmp_path, capsys):
+    import json
+
+    doc = {"suite": "history", "fuzzer": "corpus", "seeds": [1], "budget": 20, "bugs": ["x", "not-run"],
+           "before": {"rev": "aaa"}, "after": {"rev": "bbb"},
+           "trials": [_trial("x", "before", 1, 3, 1.0, 0.5), _trial("x", "after", 1, 3, 1.5, 0.5)]}
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    assert ba.print_table(str(tmp_path / "run.json")) == 0
+    out = capsys.readouterr().out
+    assert "1 of 2 bugs run" in out and "| x | 1/1 | 1/1 | 3 | 3 | 1.00 | 1.50 | 1.50x | 0.50 | 0.50 | 1.00x |" in out
+    assert "not-run" not in out
