@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Time to bug on two checkouts side by side (issue 38: "before this issue" against now).
+
+    python benchmarks/bench_before_after.py --before PATH [--after PATH] [--suite history|zoo]
+        [--fuzzer corpus] [--seeds 3] [--budget 20] [--bugs LIST] [--json OUT]
+
+The same bugs, fuzzer, seeds and budgets run on both checkouts, interleaved bug by bug (the side that
+goes first alternates per bug), so that a slow phase of a shared machine falls on both. Each (bug,
+side) is one child process whose ``PYTHONPATH`` is the release's overlay (history) and that checkout's
+root, nothing else: the child runs that checkout's own trial code, unchanged (history: its
+``kvaudit.history.worker.main``, the trials of ``kvaudit bench --suite history``; zoo: its
+``kvaudit.search.bench.run_trial``). The child adds the process CPU time to the first hit and of the whole
+trial (search and triage) by wrapping ``FuzzStats.hit``; wall seconds and executions to the first hit are
+the trial's own. One thread per child (``OMP_NUM_THREADS=1``).
+
+Per bug: hits, and the medians over the seeds of executions, wall seconds and CPU seconds to the first
+hit (a failed trial counts as never: '-' when half or more failed) for before and after, and the ratio
+after/before; then the geometric means of the per-bug median times, after/before, over the bugs both
+sides' medians reach. Bugs only one checkout's catalogue has are listed, not run. Prints a markdown table;
+``--json`` writes every trial and the load average beside each child (rewritten after every bug);
+``python benchmarks/bench_before_after.py --table FILE`` prints the table of such a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+FORMAT = "kvaudit.bench-before-after/1"
+
+
+# -- the child: one checkout's own code --------------------------------------------------------------
+
+def _cpu_box() -> dict:
+    """Wrap ``FuzzStats.hit`` so that the process CPU time at a search's first hit lands in the box."""
+    from kvaudit.search.fuzz import FuzzStats
+
+    box: dict = {}
+    orig = FuzzStats.hit
+
+    def hit(self):
+        if self.first_hit is None:
+            box["hit"] = time.process_time()
+        orig(self)
+
+    FuzzStats.hit = hit
+    return box
+
+
+def _timed(box: dict, fn, *args) -> tuple:
+    box.clear()
+    c0 = time.process_time()
+    out = fn(*args)
+    hit = box.get("hit")
+    return out, (None if hit is None else hit - c0), time.process_time() - c0
+
+
+def child_list(suite: str) -> list[dict]:
+    if suite == "history":
+        from kvaudit.history.catalogue import all_bugs
+        return [{"id": b.id, "engine": b.engine, "version": b.buggy} for b in all_bugs().values()]
+    from kvaudit.search import bench
+    return [{"id": name} for name in bench._eut().bugs()]
+
+
+def child_run(job: dict) -> list[dict]:
+    """``job``'s trials on this checkout, each a trial dict plus ``cpu_to_hit`` and ``cpu``."""
+    from dataclasses import asdict
+
+    box = _cpu_box()
+    cpu: list[tuple] = []
+    if job.get("check_every"):  # a diagnostic: the sparse schedule's K (a checkout that has one)
+        from kvaudit.search import schedule
+        schedule.CHECK_EVERY = job["check_every"]
+    if job["suite"] == "zoo":
+        from kvaudit.search import bench
+        out = []
+        for seed in job["seeds"]:
+            t, to_hit, total = _timed(box, bench.run_trial, job["bug"], job["fuzzer"], seed, job["budget"])
+            out.append(asdict(t))
+            cpu.append((to_hit, total))
+    else:
+        from kvaudit.history import worker
+        contained = worker._contained
+
+        def timed(*args):
+            t, to_hit, total = _timed(box, contained, *args)
+            cpu.append((to_hit, total))
+            return t
+
+        worker._contained = timed
+        with tempfile.TemporaryDirectory(prefix="kvaudit-ba-") as d:
+            job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
+            with open(job_path, "w") as f:
+                json.dump({"mode": "search", "bug": job["bug"], "version": job["version"],
+                           "fuzzers": [job["fuzzer"]], "seeds": job["seeds"], "budget": job["budget"]}, f)
+            rc = worker.main([job_path, out_path])
+            if rc != 0:
+                raise SystemExit(rc)
+            with open(out_path) as f:
+                out = json.load(f)["results"]
+    for d, (to_hit, total) in zip(out, cpu):
+        d["cpu_to_hit"] = to_hit if d.get("success") else None
+        d["cpu"] = total
+    return out
+
+
+def child_main(argv: list[str]) -> int:
+    mode, arg, out_path = argv
+    import kvaudit
+
+    result = {"kvaudit": os.path.dirname(os.path.dirname(os.path.abspath(kvaudit.__file__)))}
+    if mode == "list":
+        result["bugs"] = child_list(arg)
+    else:
+        with open(arg) as f:
+            result["results"] = child_run(json.load(f))
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+# -- the parent ----------------------------------------------------------------------------------------
+
+def _child(root: str, args: list[str], overlay: str | None = None) -> dict:
+    """Run this script's child mode under ``root`` (and ``overlay``) and return what it wrote."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [overlay, root])), OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with tempfile.TemporaryDirectory(prefix="kvaudit-ba-") as d:
+        out = os.path.join(d, "out.json")
+        r = subprocess.run([sys.executable, HERE, "--child", *args, out], env=env, cwd=root,
+                           stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0 or not os.path.exists(out):
+            tail = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+            raise RuntimeError(f"child under {root} failed: {tail}")
+        with open(out) as f:
+            doc = json.load(f)
+    if os.path.realpath(doc["kvaudit"]) != os.path.realpath(root):
+        raise RuntimeError(f"the child imported kvaudit from {doc['kvaudit']}, not {root}")
+    return doc
+
+
+def _rev(root: str) -> str:
+    r = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return r.stdout.strip() or "?"
+
+
+def catalogues(before: list[dict], after: list[dict]) -> tuple[list[str], list[str], list[str]]:
+    """(ids both have, in the after's order; only before's; only after's). A history bug whose buggy
+    release differs between the two counts as only in each."""
+    b = {d["id"]: d.get("version") for d in before}
+    a = {d["id"]: d.get("version") for d in after}
+    both = [i for i in a if i in b and a[i] == b[i]]
+    return both, [i for i in b if i not in both], [i for i in a if i not in both]
+
+
+def _median(values: list) -> float | None:
+    """Median with a failed trial (None) counted as never; None when half or more failed."""
+    v = sorted(math.inf if x is None else x for x in values)
+    if not v:
+        return None
+    m = statistics.median(v)
+    return None if math.isinf(m) or sum(x is None for x in values) * 2 >= len(values) else m
+
+
+def compare(trials: list[dict], bugs: list[str]) -> list[dict]:
+    """One row per bug: per side (``before``/``after``) hits, trials and the medians of ``executions``,
+    ``seconds`` and ``cpu_to_hit`` over its trials (failed trials count as never)."""
+    rows = []
+    for bug in bugs:
+        row: dict = {"bug": bug}
+        for side in ("before", "after"):
+            ts = [t for t in trials if t["bug"] == bug and t["side"] == side]
+            ok = [t.get("success") for t in ts]
+            row[side] = {"hits": sum(ok), "trials": len(ts),
+                         **{k: _median([t.get(k) if t.get("success") else None for t in ts])
+                            for k in ("executions", "seconds", "cpu_to_hit")}}
+        rows.append(row)
+    return rows
+
+
+def geomean_ratio(rows: list[dict], key: str) -> tuple[float | None, int]:
+    """(Geometric mean over bugs of median ``key`` after / before, bugs counted): over the bugs whose two
+    medians are reached and positive."""
+    r = [row["after"][key] / row["before"][key] for row in rows
+         if row["before"][key] and row["after"][key]]
+    return (math.exp(sum(map(math.log, r)) / len(r)) if r else None), len(r)
+
+
+def _f(x, digits: int | None = 2) -> str:
+    """A cell: '-' for None, ``digits`` decimals (None: as short as exact, for executions)."""
+    return "-" if x is None else f"{x:g}" if digits is None else f"{x:.{digits}f}"
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The markdown table of :func:`compare`'s rows and the geometric means under it."""
+    lines = ["| bug | hits before | after | median execs before | after | median s before | after | after/before "
+             "| median CPU s before | after | after/before |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        b, a = row["before"], row["after"]
+        cells = [row["bug"], f"{b['hits']}/{b['trials']}", f"{a['hits']}/{a['trials']}",
+                 _f(b["executions"], None), _f(a["executions"], None)]
+        for k in ("seconds", "cpu_to_hit"):
+            ratio = a[k] / b[k] if a[k] and b[k] else None
+            cells += [_f(b[k]), _f(a[k]), "-" if ratio is None else f"{ratio:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for key, what in (("seconds", "wall seconds"), ("cpu_to_hit", "CPU seconds"), ("executions", "executions")):
+        g, n = geomean_ratio(rows, key)
+        lines.append(f"- geometric mean of the per-bug median {what} to the first hit, after/before: "
+                     + ("-" if g is None else f"**{g:.3f}x** over {n} bugs"))
+    slower = [r["bug"] for r in rows if r["before"]["seconds"] is not None
+              and (r["after"]["seconds"] is None or r["after"]["seconds"] > r["before"]["seconds"])]
+    lost = [r["bug"] for r in rows if r["before"]["seconds"] is not None and r["after"]["seconds"] is None]
+    lines.append(f"- bugs whose median wall time after is above before: {', '.join(slower) or 'none'}"
+                 + (f" (of them not reached after: {', '.join(lost)})" if lost else ""))
+    return lines
+
+
+def print_table(path: str) -> int:
+    """``--table FILE``: the table of a run's ``--json`` file (a partial one too: the bugs it holds)."""
+    with open(path) as f:
+        doc = json.load(f)
+    done = [b for b in doc["bugs"] if any(t["bug"] == b for t in doc["trials"])]
+    print(f"{doc['suite']}, fuzzer {doc['fuzzer']}, seeds {doc['seeds']}, {doc['budget']:g} s per trial; before "
+          f"{doc['before']['rev']}, after {doc['after']['rev']}; {len(done)} of {len(doc['bugs'])} bugs run\n")
+    print("\n".join(table(compare(doc["trials"], done))))
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="the baseline checkout's root (a git worktree)")
+    ap.add_argument("--after", default=os.path.dirname(os.path.dirname(HERE)),
+                    help="the checkout measured against it  [default: this script's]")
+    ap.add_argument("--suite", choices=("history", "zoo"), default="history")
+    ap.add_argument("--fuzzer", default="corpus")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per bug and side")
+    ap.add_argument("--budget", type=float, default=20.0, help="seconds per trial")
+    ap.add_argument("--bugs", default="all", help="comma separated, or 'all' (the ones both catalogues have)")
+    ap.add_argument("--after-check-every", type=int, default=None, metavar="K",
+                    help="a diagnostic: the after's searches check every K steps (kvaudit.search.schedule."
+                         "CHECK_EVERY; 1: every step, as before the sparse schedule)")
+    ap.add_argument("--json", dest="out_json", default=None, help="write every trial here")
+    args = ap.parse_args(argv)
+    if args.seeds < 1 or args.budget <= 0 or (args.after_check_every is not None and args.after_check_every < 1):
+        ap.error("--seeds, --budget and --after-check-every must be positive")
+    args.before, args.after = os.path.abspath(args.before), os.path.abspath(args.after)
+    if args.before == args.after:
+        ap.error("--before and --after name the same checkout")
+    return args
+
+
+def _overlay(entry: dict) -> str | None:
+    if "engine" not in entry:
+        return None
+    from kvaudit.history import releases  # the after's: the cache both sides share
+    path = releases.ensure(entry["engine"], entry["version"])
+    return str(path) if path else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    roots = {"before": args.before, "after": args.after}
+    cats = {side: {d["id"]: d for d in _child(root, ["list", args.suite])["bugs"]} for side, root in roots.items()}
+    both, only_before, only_after = catalogues(list(cats["before"].values()), list(cats["after"].values()))
+    bugs = both if args.bugs == "all" else [b.strip() for b in args.bugs.split(",")]
+    bad = [b for b in bugs if b not in both]
+    if bad:
+        sys.exit(f"--bugs: not in both catalogues: {', '.join(bad)}")
+    seeds = list(range(1, args.seeds + 1))
+    doc = {"format": FORMAT, "suite": args.suite, "fuzzer": args.fuzzer, "seeds": seeds, "budget": args.budget,
+           "after_check_every": args.after_check_every,
+           "before": {"root": args.before, "rev": _rev(args.before)}, "after": {"root": args.after, "rev": _rev(args.after)},
+           "only_before": only_before, "only_after": only_after, "bugs": bugs, "children": [], "trials": [],
+           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    t0 = time.monotonic()
+    for i, bug in enumerate(bugs):
+        for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
+            entry = cats[side][bug]
+            job = {"suite": args.suite, "bug": bug, "version": entry.get("version"), "fuzzer": args.fuzzer,
+                   "seeds": seeds, "budget": args.budget,
+                   "check_every": args.after_check_every if side == "after" else None}
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(job, f)
+            load, c0 = os.getloadavg(), time.monotonic()
+            try:
+                results = _child(roots[side], ["run", f.name], _overlay(entry))["results"]
+            finally:
+                os.unlink(f.name)
+            doc["children"].append({"bug": bug, "side": side, "load": [round(x, 2) for x in load],
+                                    "wall": round(time.monotonic() - c0, 1)})
+            for r in results:
+                doc["trials"].append({"side": side, **r})
+                print(f"{bug:60} {side:6} seed {r['seed']}: " + (
+                    f"{r['executions']} execs, {r['seconds']:.2f}s, CPU {r['cpu_to_hit']:.2f}s"
+                    if r.get("success") else f"not found ({r.get('note', '')})") + f"  load {load[0]:.2f}",
+                    file=sys.stderr, flush=True)
+        if args.out_json:  # rewritten after every bug: an interrupted run keeps what it measured
+            doc["wall_seconds"] = round(time.monotonic() - t0, 1)
+            with open(args.out_json, "w") as f:
+                json.dump(doc, f, indent=1)
+    print(f"`{' '.join(['python', 'benchmarks/bench_before_after.py', *(argv or sys.argv[1:])])}`: "
+          f"{args.suite}, fuzzer {args.fuzzer}, seeds 1..{args.seeds}, {args.budget:g} s per trial; "
+          f"before {doc['before']['rev']}, after {doc['after']['rev']}; {(time.monotonic() - t0) / 60:.1f} min\n")
+    print("\n".join(table(compare(doc["trials"], bugs))))
+    for side, ids in (("before", only_before), ("after", only_after)):
+        if ids:
+            print(f"- only in the {side}'s catalogue (not compared): {', '.join(ids)}")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        sys.exit(child_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["--table"]:
+        sys.exit(print_table(sys.argv[2]))
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""benchmarks/bench_before_after.py (issue 38's time to bug before and after): its arguments, the catalogues'
+split, the medians with failed trials counted as never, and the table's ratios and geometric means."""
+
+import importlib.util
+import math
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ba():
+    spec = importlib.util.spec_from_file_location("bench_before_after",
+                                                  os.path.join(HERE, "benchmarks", "bench_before_after.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trial(bug, side, seed, execs=None, secs=None, cpu=None):
+    return {"bug": bug, "side": side, "seed": seed, "success": execs is not None, "executions": execs,
+            "seconds": secs, "cpu_to_hit": cpu}
+
+
+def test_arguments_default_to_the_history_suite_and_refuse_one_checkout_twice(ba, tmp_path):
+    args = ba.parse_args(["--before", str(tmp_path)])
+    assert (args.suite, args.fuzzer, args.seeds, args.budget) == ("history", "corpus", 3, 20.0)
+    assert args.after == HERE and args.before == str(tmp_path)
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--before", HERE, "--after", HERE])
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--before", str(tmp_path), "--seeds", "0"])
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--before", str(tmp_path), "--after-check-every", "0"])
+    assert ba.parse_args(["--before", str(tmp_path), "--after-check-every", "1"]).after_check_every == 1
+
+
+def test_bugs_only_one_catalogue_has_are_split_off(ba):
+    before = [{"id": "a", "version": "1"}, {"id": "b", "version": "1"}, {"id": "gone", "version": "1"}]
+    after = [{"id": "new", "version": "2"}, {"id": "b", "version": "1"}, {"id": "a", "version": "9"}]
+    both, only_before, only_after = ba.catalogues(before, after)
+    assert both == ["b"]  # "a" moved to another release: not the same trial
+    assert only_before == ["a", "gone"] and only_after == ["new", "a"]
+
+
+def test_medians_count_a_failed_trial_as_never(ba):
+    assert ba._median([1.0, None, 3.0]) == 3.0
+    assert ba._median([1.0, None, None]) is None
+    assert ba._median([2.0, 4.0]) == 3.0
+    assert ba._median([]) is None
+
+
+def test_the_table_gives_per_bug_ratios_and_the_geometric_means(ba):
+    trials = [_trial("x", "before", s, 10, 2.0, 1.0) for s in (1, 2, 3)]
+    trials += [_trial("x", "after", s, 10, 1.0, 0.5) for s in (1, 2, 3)]
+    trials += [_trial("y", "before", 1, 4, 1.0, 1.0), _trial("y", "before", 2, 4, 1.0, 1.0),
+               _trial("y", "before", 3)]
+    trials += [_trial("y", "after", s, 4, 2.0, 2.0) for s in (1, 2, 3)]
+    trials += [_trial("z", "before", 1, 5, 1.0, 1.0), _trial("z", "after", 1)]
+    rows = ba.compare(trials, ["x", "y", "z"])
+    assert rows[1]["before"]["hits"] == 2 and rows[1]["before"]["trials"] == 3
+    assert rows[2]["after"]["seconds"] is None
+    g, n = ba.geomean_ratio(rows, "seconds")
+    assert n == 2 and math.isclose(g, 1.0)  # 0.5x and 2x
+    g, n = ba.geomean_ratio(rows, "cpu_to_hit")
+    assert n == 2 and math.isclose(g, 1.0)
+    text = "\n".join(ba.table(rows))
+    assert "| x | 3/3 | 3/3 | 10 | 10 | 2.00 | 1.00 | 0.50x | 1.00 | 0.50 | 0.50x |" in text
+    assert "| z | 1/1 | 0/1 | 5 | - | 1.00 | - | - |" in text
+    assert "above before: y, z (of them not reached after: z)" in text
+
+
+def test_the_table_of_a_partial_json_file_shows_the_bugs_it_holds(ba, tmp_path, capsys):
+    import json
+
+    doc = {"suite": "history", "fuzzer": "corpus", "seeds": [1], "budget": 20, "bugs": ["x", "not-run"],
+           "before": {"rev": "aaa"}, "after": {"rev": "bbb"},
+           "trials": [_trial("x", "before", 1, 3, 1.0, 0.5), _trial("x", "after", 1, 3, 1.5, 0.5)]}
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    assert ba.print_table(str(tmp_path / "run.json")) == 0
+    out = capsys.readouterr().out
+    assert "1 of 2 bugs run" in out and "| x | 1/1 | 1/1 | 3 | 3 | 1.00 | 1.50 | 1.50x | 0.50 | 0.50 | 1.00x |" in out
+    assert "not-run" not in out
