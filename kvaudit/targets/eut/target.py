@@ -285,6 +285,14 @@ class EutTarget(EutObserver):
         """How many flush_cache requests have succeeded so far."""
         return sum(self.engine.flush_results)
 
+    def transient(self) -> bool:
+        """A turn running on its session's borrowed KV record (``Req.borrowed_slot``): the busy identity
+        counts such a turn by its own rule only while it runs, a step or a few, so a search's sparse schedule
+        checks after every step meanwhile (the zoo's ``session-borrow-double-count``, SGLang #22213)."""
+        eng = self.engine
+        batch = eng.last_batch.reqs if eng.last_batch else ()
+        return any(r.borrowed_slot is not None for r in (*eng.running_batch, *batch))
+
     def stalled(self) -> bool:
         """Only waiting requests are left and memory that open sessions hold keeps them out: SGLang
         waits too (until the sessions close or time out). Not a hang."""
