@@ -331,9 +331,7 @@ def planted_fault(config) -> str | None:
     """The injected faults of a vLLM ``config`` (its ``bugs``), described as ``kvaudit bugs`` lists
     them, or None when it names none (a finding in vLLM as shipped)."""
     bugs = sorted(getattr(config, "bugs", ()) or ())
-    if not bugs:
-        return None
-    return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs)
+    return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs) or None
 
 
 def remote_of(config, n: int) -> str | None:
@@ -361,10 +359,8 @@ def _server_notes(config) -> list[str]:
 
 
 def _call_text(c) -> str | None:
-    if c.kind != "abort":
-        return None
-    return ("close the connection of every open stream" if c.args["rid"] is None else
-            f"close the connection of {c.args['rid']}'s stream") + " (vLLM aborts on disconnect)"
+    whose = "every open stream" if c.args.get("rid") is None else f"{c.args['rid']}'s stream"
+    return f"close the connection of {whose} (vLLM aborts on disconnect)" if c.kind == "abort" else None
 
 
 def trace_views(target):
