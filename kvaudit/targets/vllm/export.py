@@ -51,10 +51,13 @@ API = EngineApi(
                                True, "needs VLLM_SERVER_DEV_MODE=1; a deferred flush (timeout) does not exist "
                                      "in vLLM and is sent at once"),
         "open_session": ApiCall(None, None, "(none)", True,
-                                "vLLM has no kvaudit-style session (CompletionRequest.session_id is a routing "
-                                "label); the vLLM target ignores the op, so the script sends nothing"),
+                                "nothing sent: on a streaming_sessions preset the target opens a vLLM streaming-"
+                                "input session (its chunks resumable requests, as AsyncLLM takes an input stream), "
+                                "whose chunks the script sends as plain requests; elsewhere the target ignores the "
+                                "op (CompletionRequest.session_id is only a routing label)"),
         "close_session": ApiCall(None, None, "(none)", True,
-                                 "as open_session: ignored by the target, nothing sent"),
+                                 "nothing sent: on a streaming_sessions preset the target ends the session's input "
+                                 "(a final, non-resumable request); elsewhere ignored"),
         "memory_pressure": ApiCall(None, None, "(no API)", False,
                                    "the target evicts every cached block nobody holds "
                                    "(KVCacheManager.evict_blocks, as Scheduler._handle_invalid_blocks does for "
