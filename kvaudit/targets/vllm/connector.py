@@ -485,11 +485,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
 
     def _loads(self) -> dict[str, np.ndarray]:
         """Request id -> ``[n] int64`` GPU blocks its outstanding KV load writes (worker's, :func:`offload_holders`)."""
-        out = dict(self.worker.loading)
-        for owner, _, blocks in offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None)):
-            if owner.startswith("offload-load:"):
-                out[owner.removeprefix("offload-load:")] = blocks
-        return out
+        return {**self.worker.loading, **{owner.removeprefix("offload-load:"): blocks for owner, _, blocks in
+                                          self.connector_holders() if owner.startswith("offload-load:")}}
 
     def is_idle(self) -> bool:
         return super().is_idle() and not len(self.worker)
