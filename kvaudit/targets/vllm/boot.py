@@ -208,9 +208,8 @@ def kv_connector_extra_config(config) -> dict:
         offload = kv_connector_extra_config(replace(config, kv_connector="OffloadingConnector"))
         return {"connectors": [{"kv_connector": "NixlConnector", "kv_role": config.kv_role}, {
             "kv_connector": "OffloadingConnector", "kv_role": config.kv_role, "kv_connector_extra_config": offload}]}
-    if config.kv_connector != "SimpleCPUOffloadConnector":
-        return {}
-    return {"cpu_bytes_to_use": config.num_cpu_blocks * OFFLOAD_PAGE_BYTES, "lazy_offload": False}
+    return {"cpu_bytes_to_use": config.num_cpu_blocks * OFFLOAD_PAGE_BYTES, "lazy_offload": False} \
+        if config.kv_connector == "SimpleCPUOffloadConnector" else {}
 
 
 def _model_dir(v: SimpleNamespace, config) -> str:

@@ -266,9 +266,8 @@ class OffloadingWorkerStandIn(StepClock):
         done = [j for j, (_, due, *_) in self.jobs.items() if due <= step]
         if not done:
             return None
-        recv = {self.jobs[j][2] for j in done if self.jobs[j][3]}
-        for j in done:
-            del self.jobs[j]
+        jobs = [self.jobs.pop(j) for j in done]
+        recv = {rid for _, _, rid, load, _ in jobs if load}
         return output_cls(finished_recving=recv or None,
                           kv_connector_worker_meta=self.worker_meta(completed_jobs={j: 1 for j in done}))
 
@@ -304,20 +303,13 @@ def offload_holders(manager) -> list[tuple[str, str, np.ndarray]]:
     """The GPU-block references ``SimpleCPUOffloadScheduler`` (``manager``; ``simple_kv_offload/manager.py``)
     holds, ``(owner, where, [n] int64 ids)``, one per id: stores in flight (``_store_event_to_blocks``,
     ``_abandoned_store_event_to_blocks``), queued (``_pending_finished_stores``, 0.33.0), and loads
-    (``_reqs_to_load``, ``_abandoned_reqs_to_load``). Names missing in a release count as empty."""
-    if manager is None:
-        return []
-    out = []
-    for name in ("_store_event_to_blocks", "_abandoned_store_event_to_blocks"):
-        for event, t in getattr(manager, name, {}).items():
-            out.append((f"offload-store:{event}", "offload", np.asarray(t.gpu_block_ids, dtype=np.int64)))
-    for i, t in enumerate(getattr(manager, "_pending_finished_stores", ())):
-        out.append((f"offload-store:pending{i}", "offload", np.asarray(t.gpu_block_ids, dtype=np.int64)))
-    for name in ("_reqs_to_load", "_abandoned_reqs_to_load"):
-        for rid, state in getattr(manager, name, {}).items():
-            if state.transfer_meta is not None:
-                out.append((f"offload-load:{rid}", "offload",
-                            np.asarray(state.transfer_meta.gpu_block_ids, dtype=np.int64)))
+    (``_reqs_to_load``, ``_abandoned_reqs_to_load``). Names missing in a release (or no ``manager``) count as empty."""
+    held = [(f"offload-store:{e}", t) for name in ("_store_event_to_blocks", "_abandoned_store_event_to_blocks")
+            for e, t in getattr(manager, name, {}).items()]
+    held += [(f"offload-store:pending{i}", t) for i, t in enumerate(getattr(manager, "_pending_finished_stores", ()))]
+    held += [(f"offload-load:{rid}", s.transfer_meta) for name in ("_reqs_to_load", "_abandoned_reqs_to_load")
+             for rid, s in getattr(manager, name, {}).items() if s.transfer_meta is not None]
+    out = [(owner, "offload", np.asarray(t.gpu_block_ids, dtype=np.int64)) for owner, t in held]
     return [h for h in out if h[2].size]
 
 
@@ -394,9 +386,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                                         if b.block_hash is not None and not b.is_null}
         super().apply(op)
 
-    def connector_holders(self) -> list:
-        if self.config.kv_connector != "SimpleCPUOffloadConnector":
-            return []
+    def connector_holders(self) -> list:  # (only SimpleCPUOffloadConnector has a scheduler_manager)
         return offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None))
 
     def invariant_findings(self) -> list:
@@ -495,11 +485,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
 
     def _loads(self) -> dict[str, np.ndarray]:
         """Request id -> ``[n] int64`` GPU blocks its outstanding KV load writes (worker's, :func:`offload_holders`)."""
-        out = dict(self.worker.loading)
-        for owner, _, blocks in offload_holders(getattr(self.scheduler.connector, "scheduler_manager", None)):
-            if owner.startswith("offload-load:"):
-                out[owner.removeprefix("offload-load:")] = blocks
-        return out
+        return {**self.worker.loading, **{owner.removeprefix("offload-load:"): blocks for owner, _, blocks in
+                                          self.connector_holders() if owner.startswith("offload-load:")}}
 
     def is_idle(self) -> bool:
         return super().is_idle() and not len(self.worker)

@@ -51,10 +51,13 @@ API = EngineApi(
                                True, "needs VLLM_SERVER_DEV_MODE=1; a deferred flush (timeout) does not exist "
                                      "in vLLM and is sent at once"),
         "open_session": ApiCall(None, None, "(none)", True,
-                                "vLLM has no kvaudit-style session (CompletionRequest.session_id is a routing "
-                                "label); the vLLM target ignores the op, so the script sends nothing"),
+                                "nothing sent: on a streaming_sessions preset the target opens a vLLM streaming-"
+                                "input session (its chunks resumable requests, as AsyncLLM takes an input stream), "
+                                "whose chunks the script sends as plain requests; elsewhere the target ignores the "
+                                "op (CompletionRequest.session_id is only a routing label)"),
         "close_session": ApiCall(None, None, "(none)", True,
-                                 "as open_session: ignored by the target, nothing sent"),
+                                 "nothing sent: on a streaming_sessions preset the target ends the session's input "
+                                 "(a final, non-resumable request); elsewhere ignored"),
         "memory_pressure": ApiCall(None, None, "(no API)", False,
                                    "the target evicts every cached block nobody holds "
                                    "(KVCacheManager.evict_blocks, as Scheduler._handle_invalid_blocks does for "
@@ -331,9 +334,7 @@ def planted_fault(config) -> str | None:
     """The injected faults of a vLLM ``config`` (its ``bugs``), described as ``kvaudit bugs`` lists
     them, or None when it names none (a finding in vLLM as shipped)."""
     bugs = sorted(getattr(config, "bugs", ()) or ())
-    if not bugs:
-        return None
-    return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs)
+    return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs) or None
 
 
 def remote_of(config, n: int) -> str | None:
@@ -361,10 +362,8 @@ def _server_notes(config) -> list[str]:
 
 
 def _call_text(c) -> str | None:
-    if c.kind != "abort":
-        return None
-    return ("close the connection of every open stream" if c.args["rid"] is None else
-            f"close the connection of {c.args['rid']}'s stream") + " (vLLM aborts on disconnect)"
+    whose = "every open stream" if c.args.get("rid") is None else f"{c.args['rid']}'s stream"
+    return f"close the connection of {whose} (vLLM aborts on disconnect)" if c.kind == "abort" else None
 
 
 def trace_views(target):

@@ -243,11 +243,8 @@ class VllmObserver:
 
     def _map_entries(self) -> list[tuple[bytes, object]]:
         """``(key, block)`` for every entry of vLLM's prefix-cache map (a key may map several blocks)."""
-        out = []
-        for key, val in self.pool.cached_block_hash_to_block._cache.items():
-            for b in (val.values() if isinstance(val, dict) else (val,)):
-                out.append((key, b))
-        return out
+        return [(key, b) for key, val in self.pool.cached_block_hash_to_block._cache.items()
+                for b in (val.values() if isinstance(val, dict) else (val,))]
 
     # -- roots -------------------------------------------------------------------------------------
     def _holders(self, known: dict) -> tuple[list[tuple[str, str, np.ndarray]], np.ndarray]:
@@ -392,15 +389,13 @@ class VllmObserver:
         with holders are the use-after-free oracle's when the pool's own calls freed the block (the ledger has
         it free); counts with no holder at all are the leak oracle's."""
         n = self.config.num_gpu_blocks
-        over = ((counts > refs) & (refs > 0)).nonzero()[0]
-        over = over[over > 0]
+        over = ((counts > refs) & (refs > 0))[1:].nonzero()[0] + 1  # (the null block left out)
         if over.size:
             b = int(over[0])
             add("leak", over, f"block {b} has ref_cnt={counts[b]} but {refs[b]} holder(s): a reference was "
                               "taken and never dropped", "ref_cnt")
         ledgered = self._auditor.ledgers[POOL].allocated if self._auditor is not None else np.zeros(n, dtype=bool)
-        under = ((counts < refs) & ((counts > 0) | ledgered)).nonzero()[0]  # at 0 behind the ledger's back too
-        under = under[under > 0]
+        under = ((counts < refs) & ((counts > 0) | ledgered))[1:].nonzero()[0] + 1  # at 0 behind the ledger's back too
         if under.size:
             b = int(under[0])
             sites = self.free_sites(b)
@@ -448,12 +443,9 @@ class VllmObserver:
                                                       "the block does not carry", "hash-map")
                 break
         extra = getattr(self.pool, "cached_block_hashes_by_block", {})
-        for b in self.pool.blocks:
-            if b.is_null or (b.block_hash is None and b.block_id not in extra):
-                continue  # (a hashed null block is the null-block check's finding, said once)
-            keys = ([b.block_hash] if b.block_hash is not None else []) + list(extra.get(b.block_id, ()))
-            missing = [k for k in keys if (k, b.block_id) not in seen]
-            if missing:
+        for b in self.pool.blocks:  # (a hashed null block is the null-block check's finding, said once)
+            keys = [k for k in (b.block_hash, *extra.get(b.block_id, ())) if k is not None]
+            if not b.is_null and any((k, b.block_id) not in seen for k in keys):
                 add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
                                                       "not hold", "hash-map")
                 break

@@ -57,8 +57,7 @@ class _VllmBase(VllmObserver, Target):
         req = self._resolve(op)
         rid = f"req-{len(self.submitted) + 1:06d}"
         request = self._request(rid, req.input_ids, req.max_new_tokens, op.ignore_eos,
-                                self._extra_args(rid, len(req.input_ids)), resumable,
-                                op.priority)
+                                self._extra_args(rid, len(req.input_ids)), resumable, op.priority)
         self.submitted.append(rid)
         self.texts[rid] = list(req.input_ids)
         self.stop_at[rid] = req.stop_at
@@ -203,9 +202,7 @@ class VllmSchedulerTarget(_VllmBase):
 
     def deferred(self) -> list:
         """The block lists of ``Scheduler.deferred_frees`` (vLLM >= 0.24.0, ``compat`` "deferred-frees")."""
-        if not self.V.has("deferred-frees"):
-            return []
-        return [blocks for _, blocks in self.scheduler.deferred_frees]
+        return [blocks for _, blocks in self.scheduler.deferred_frees] if self.V.has("deferred-frees") else []
 
     def apply(self, op) -> None:
         s = self.scheduler
@@ -352,11 +349,9 @@ class VllmSchedulerTarget(_VllmBase):
         self._drafts: dict = {}  # (rid, group) -> ([n] positions, [n] slots) written before their tokens were known
         # where schedule() advances num_computed_tokens
         after_call(self.scheduler, "_update_after_schedule", lambda _, out, *a, **k: self._shadow_step(out), wrap)
-        self._attention = []  # (group index, sliding window in tokens or None)
-        for g, mgr in enumerate(self.groups):
-            names = {c.__name__ for c in type(mgr).__mro__}
-            if "SlidingWindowManager" in names or "FullAttentionManager" in names:
-                self._attention.append((g, getattr(mgr, "sliding_window", None)))
+        attention = {"SlidingWindowManager", "FullAttentionManager"}  # _attention: (group, window in tokens or None)
+        self._attention = [(g, getattr(mgr, "sliding_window", None)) for g, mgr in enumerate(self.groups)
+                           if attention & {c.__name__ for c in type(mgr).__mro__}]
 
     def _tags(self, request) -> np.ndarray:
         """``[n] int64`` tags of ``request``'s known tokens, async placeholders too (``ShadowKV.request_tags``)."""
@@ -472,8 +467,7 @@ class VllmSchedulerTarget(_VllmBase):
         if not self.guard_inflight or not self.batch_queue:
             return []
         parked = np.zeros(self.config.num_gpu_blocks, dtype=bool)
-        for blocks in self.deferred():
-            parked[block_ids(blocks)] = True
+        parked[[b for blocks in self.deferred() for b in block_ids(blocks)]] = True
         for which, check in ((0, "inflight-write"), (1, "inflight-read")):
             for rid, sets in ((r, t) for _, _, touched in self.batch_queue for r, t in touched.items()):
                 lost = sets[which][~self._held(rid, parked)[sets[which]]]
@@ -533,9 +527,8 @@ class VllmSchedulerTarget(_VllmBase):
 
     def _is_prefill_chunk(self, request) -> bool:
         """Whether the step just scheduled leaves ``request`` mid-prefill: ``Request.is_prefill_chunk`` (compat)."""
-        if self.V.has("is-prefill-chunk"):
-            return request.is_prefill_chunk
-        return request.num_computed_tokens < request.num_tokens
+        return request.is_prefill_chunk if self.V.has("is-prefill-chunk") else \
+            request.num_computed_tokens < request.num_tokens
 
     def is_idle(self) -> bool:
         """The engine core's test (``has_requests()``, no batch in flight), and no unfinished request it no longer
