@@ -191,3 +191,30 @@ def test_a_covered_hit_is_localized_like_any_other(path):
     assert _key(sparse.findings) == _key(per_step.findings)
     assert not any("did not reproduce" in f.message for f in sparse.findings)
     assert {f.signature for f in sparse.suppressed} & covered
+
+
+def _ending_cases():
+    from kvaudit.program import Abort, FlushCache, Idle, MemoryPressure, PauseGeneration, Step, Submit
+
+    return [  # (preset, bug, program): found per step, then ended by an op before the next sparse check
+        ("mixed-chunk", "prefill-finish-leaks-row",
+         [Submit(family=0, prompt_len=1, max_new_tokens=1), Step(2), FlushCache(0), Idle()]),
+        ("chunked", "chunked-abort-ignored",
+         [Submit(prompt_len=33, max_new_tokens=1), Step(1), Abort(None), Step(1), FlushCache(0), Idle()]),
+        ("retract", "radix-lock-skips-matched-node",
+         [Submit(family=4, prompt_len=13, max_new_tokens=7), Step(1), MemoryPressure(), Step(3), Abort(None), Idle()]),
+        ("retract", "radix-lock-skips-matched-node",
+         [Submit(family=4, prompt_len=13, max_new_tokens=7), Step(1), MemoryPressure(), Step(3),
+          PauseGeneration(mode=0), Idle()]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_an_op_that_ends_a_state_is_checked_before(case):
+    # a leak a flush wipes, a use-after-free whose request an abort or a pause releases: the per-step run
+    # meets them after the step before that op; the sparse schedule checks there too (OpSpec.ends)
+    preset, bug, program = _ending_cases()[case]
+    config = get_preset(preset).config(model="none", bugs=frozenset([bug]))
+    want = _key(execute(config, program, full_stacks=False).findings)
+    assert want
+    assert _key(_run(config, program, 16).findings) == want

@@ -25,6 +25,7 @@ from kvaudit.audit.kinds import lookup
 from kvaudit.audit.hooks import Auditor
 from kvaudit.audit.oracles.outcome import LIVENESS_STEPS, MAX_IDLE_STEPS, WATCHDOG_HANG  # noqa: F401 (re-exported)
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
+from kvaudit.program.schema import OPS
 from kvaudit.targets import make_target
 
 # NOTE: set by the CLI's SIGINT handler and checked by every op: a KeyboardInterrupt raised inside a
@@ -366,10 +367,11 @@ class AuditedRun:
                 else:
                     found = self._outcome("idle")
             else:
-                # only queues a message: no memory moves until a step
-                found = self._guarded(self.target.apply, op)
-                if found is None:
-                    found = self._check(scan=False)
+                found = self._before_ending(op)
+                if not found:  # only queues a message: no memory moves until a step
+                    found = self._guarded(self.target.apply, op)
+                    if found is None:
+                        found = self._check(scan=False)
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = self._outcome("raise", exc)
             self._draining = False
@@ -382,6 +384,17 @@ class AuditedRun:
         found = self._answer(found)
         self.findings.extend(found)
         return found
+
+    def _before_ending(self, op: Op) -> list[Finding]:
+        # the sparse schedule, before an op that can end a state the oracles see (OpSpec.ends: an abort,
+        # a flush, a pause ... releases at the next intake): a full check of what the steps left, which a
+        # per-step run has checked (else a leak a flush wipes, or a use-after-free whose request an abort
+        # releases, is never met)
+        spec = OPS.get(getattr(op, "kind", ""))
+        if self.check_every == 1 or not self.unchecked or spec is None or not spec.ends:
+            return []
+        self.unchecked = self.check_every  # due now
+        return self._sift(self._check())
 
     def _answer(self, found: list[Finding]) -> list[Finding]:
         # what an op or the end check reports: sifted and merged, or the localizing replay's findings

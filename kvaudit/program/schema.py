@@ -48,13 +48,17 @@ class Arg:
 @dataclass(frozen=True)
 class OpSpec:
     """One op kind: its arguments in field order, its gate, its weight in the random mix, its swarm group
-    ("": its own kind; None: in every case) and its docstring (docs/internals/program.md#op-kinds)."""
+    ("": its own kind; None: in every case), whether it can end a state the oracles see (``ends``: it
+    releases, evicts or flushes at the next intake, so a search's sparse schedule checks what the steps
+    before it left, :class:`kvaudit.audit.runner.AuditedRun`) and its docstring
+    (docs/internals/program.md#op-kinds)."""
 
     kind: str
     args: tuple[Arg, ...] = ()
     gate: str | None = None
     weight: int = 1
     swarm: str | None = ""
+    ends: bool = False
     doc: str = field(default="", repr=False)
     arg: dict = field(default=None, compare=False, repr=False)  # name -> Arg, filled in __post_init__
 
@@ -84,24 +88,24 @@ OPS: dict[str, OpSpec] = {s.kind: s for s in (
     ), doc="A generate request (its arguments: docs/internals/program.md#submit)."),
     OpSpec("health_check", weight=8,
            doc="SGLang's ``/health_generate``: runs as a 1-token request only when the engine is idle."),
-    OpSpec("abort", weight=9, args=(Arg("handle", 0, 0, 7, nullable=True, p=1 / 2),),
+    OpSpec("abort", weight=9, ends=True, args=(Arg("handle", 0, 0, 7, nullable=True, p=1 / 2),),
            doc="Abort live request ``handle`` (modulo the live set), or every request if ``handle`` is None."),
-    OpSpec("flush_cache", weight=3, args=(Arg("timeout", 0, 1, 8, p=1 / 3, gate="flush_timeout", late=True),),
+    OpSpec("flush_cache", weight=3, ends=True, args=(Arg("timeout", 0, 1, 8, p=1 / 3, gate="flush_timeout", late=True),),
            doc="SGLang's ``/flush_cache`` when idle; ``timeout``: steps a busy engine is waited for."),
     OpSpec("open_session", weight=4, gate="sessions", swarm="sessions",
            doc="Open a streaming session (a no-op on an engine without them)."),
-    OpSpec("close_session", weight=3, gate="sessions", swarm="sessions", args=(Arg("handle", 0, 0, 3),),
+    OpSpec("close_session", weight=3, gate="sessions", swarm="sessions", ends=True, args=(Arg("handle", 0, 0, 3),),
            doc="Close open session ``handle`` (modulo the open ones); deferred while its turn is in flight."),
-    OpSpec("memory_pressure", weight=2, gate="prefix_cache",
+    OpSpec("memory_pressure", weight=2, gate="prefix_cache", ends=True,
            doc="Another tenant needs device memory: evictable KV evicted, all running requests but one retracted."),
     # NOTE: the minimizer pulls a pause toward in_place: a pause that moves no memory
-    OpSpec("pause_generation", weight=2, swarm="pause",
+    OpSpec("pause_generation", weight=2, swarm="pause", ends=True,
            args=(Arg("mode", 0, 0, len(PAUSE_MODES) - 1, limit=len(PAUSE_MODES) - 1, simplest=1),),
            doc="SGLang's ``/pause_generation`` (``Scheduler.pause_generation``), ``mode`` indexing ``PAUSE_MODES``."),
     OpSpec("continue_generation", weight=2, swarm="pause",
            doc="SGLang's ``/continue_generation``: the scheduler runs again and the held requests are sent."),
     # NOTE: a failed transfer ends requests as an abort does
-    OpSpec("transfer_fail", weight=4, gate="transfer_fail", swarm="abort",
+    OpSpec("transfer_fail", weight=4, gate="transfer_fail", swarm="abort", ends=True,
            args=(Arg("handle", 0, 0, 3, nullable=True, p=2 / 3),),
            doc="PD (decode or prefill): the KV transfer of request ``handle`` (or of every one: None) fails "
                "(``KVPoll.Failed``)."),
