@@ -187,7 +187,8 @@ class AuditedRun:
 
     ``check_every=K`` is the search's sparse schedule: the full oracle scan runs every K scheduler steps,
     whenever the engine is idle, after every step while the target's state is one its checks see only
-    while it lasts (:meth:`~kvaudit.targets.base.Target.transient`), and at :meth:`finish`; what the
+    while it lasts (:meth:`~kvaudit.targets.base.Target.transient`), before an op that can end such a
+    state (``OpSpec.ends``: an abort, a flush ...), and at :meth:`finish`; what the
     hooks raise at event time (a double free, a stale read, a crash) stays immediate. A hit is then
     localized by replay: the ops applied so far run again from a fresh engine with a check after every
     step (runs are deterministic), and ``apply`` returns that run's findings, so signatures, first step,
