@@ -218,3 +218,23 @@ def test_an_op_that_ends_a_state_is_checked_before(case):
     want = _key(execute(config, program, full_stacks=False).findings)
     assert want
     assert _key(_run(config, program, 16).findings) == want
+
+
+def test_a_transient_answer_is_asked_once_a_step():
+    # a target's transient() may note what it has seen (vLLM's newly idle engine answers True once): the
+    # schedule asks it once a step and checks on that answer
+    from kvaudit.program import Step, Submit
+
+    config = get_preset("default").config(model="none")
+    with AuditedRun(config, full_stacks=False, check_every=16) as run:
+        asked = []
+
+        def once():
+            asked.append(run.target.steps)
+            return asked.count(run.target.steps) == 1
+
+        run.target.transient = once
+        run.apply(Submit())
+        run.apply(Step(1))
+        assert run.unchecked == 0  # checked after that step
+        assert asked == [1]

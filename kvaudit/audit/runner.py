@@ -249,22 +249,24 @@ class AuditedRun:
         self.auditor.step = self.target.steps
         found, self.auditor.pending = self.auditor.pending, []
         if not found and self.run_oracles and scan:
-            if self.unchecked < self.check_every and not self._draining and not self.target.transient():
+            # (asked once a step: a target's answer may note what it has seen, vLLM's newly idle engine)
+            transient = self.check_every > 1 and self.target.transient()
+            if self.unchecked < self.check_every and not self._draining and not transient:
                 return []  # the sparse schedule: not due yet (_due's first tests, before is_idle)
             idle = self.target.is_idle()
-            if self.check_every > 1 and not self._due(idle):
+            if self.check_every > 1 and not self._due(idle, transient):
                 return []  # the sparse schedule: not due yet
             self.unchecked = 0
             return oracles.check(self.auditor, self.target, idle=idle)
         return oracles.attach_engine_verdict(self.target, found)
 
-    def _due(self, idle: bool) -> bool:
+    def _due(self, idle: bool, transient: bool) -> bool:
         # the sparse schedule: every check_every steps; when the program's idle() drained the engine
         # unless the last check was at idle and the ledger has seen no alloc, free or lock event since; and
         # after every step while the target is in a state its checks see only while it lasts (transient)
         mark = (idle, len(self.auditor.events), self.auditor.lock_count)
         if (self.unchecked < self.check_every and (not (idle and self._draining) or mark == self._checked_mark)
-                and not self.target.transient()):
+                and not transient):
             return False
         self._checked_mark = mark
         return True
