@@ -121,6 +121,22 @@ BUGS: tuple[HistoryBug, ...] = (
               "extra_buffer: a prompt (or its next chunk) of at least one mamba cache chunk arrives while other "
               "requests decode; mix_with_running drops its mamba_track_indices, and its checkpoint or final "
               "insert gives the tree the unwritten slot at mamba_last_track_seqlen"),
+    # the current family's PD prefill path on 0.5.19 to 0.5.21 (pd_prefill.py, chunked); the fix is 0.5.22's
+    # checkpoint_kv_cache (the next extend always resumes at extend_end), no merged PR names it
+    HistoryBug(
+        id="sglang-36855", engine="sglang",
+        title="a chunked request that skips the radix-cache insert (skip_radix_cache_insert: its bootstrap_host is "
+              "FAKE_BOOTSTRAP_HOST) never advances its prefix: maybe_cache_unfinished_req returns before the "
+              "tree's cache_unfinished_req, so every chunk re-extends the prompt from the same prefix, allocates "
+              "it again and overwrites the row; the earlier chunks' KV leaks (a livelock that ends in OOM)",
+        sources=("sgl-project/sglang#36855", "sgl-project/sglang#33996", "sgl-project/sglang#37024"),
+        buggy="0.5.21", fixed="0.5.22", clean_because="fix",
+        preset="sglang-pd-prefill-chunked", config={"fake_bootstrap_every": 2}, finding="leak",
+        reach="any client that sends bootstrap_host \"2.2.2.2\" (FAKE_BOOTSTRAP_HOST; a fake-prefill benchmark "
+              "client does, and the field is the client's) with a prompt longer than --chunked-prefill-size, on a "
+              "PD prefill server or an aggregated one: Req sets skip_radix_cache_insert from the host, "
+              "maybe_cache_unfinished_req skips cache_unfinished_req, prefix_indices never grows and "
+              "PrefillAdder.add_chunked_req schedules the first chunk again, each step leaking a chunk of KV"),
 )
 
 # what a release's overlay installs beside it (--no-deps): SGLang 0.5.11, 0.5.18 and 0.5.19 register 'qwen3_asr'

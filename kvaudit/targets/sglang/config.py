@@ -113,6 +113,9 @@ class SglangConfig(ConfigBase):
     prefill_reads_after_failure: bool = False  # a chunk on the wire is read to its end after its room failed
     # --optimistic-prefill-attempts: forward passes a request may run before decode bootstrapped (0: it waits)
     optimistic_prefill_attempts: int = 0
+    # every Nth client request carries bootstrap_host FAKE_BOOTSTRAP_HOST ("2.2.2.2": a fake-prefill benchmark
+    # client, or any client that sets the field): SGLang's Req skips its radix-cache insert; None: none
+    fake_bootstrap_every: int | None = None
     # HiSparse only
     hisparse_device_buffer_size: int = 32  # tokens per request's device buffer (HiSparseCoordinator device_buffer_size)
     hisparse_host_to_device_ratio: int = 2  # logical (and host) pool size over the physical device pool
@@ -216,7 +219,7 @@ class SglangConfig(ConfigBase):
         if self.disaggregation_mode not in ("null", "decode", "prefill"):
             raise ValueError(f"disaggregation_mode must be null, decode or prefill, got {self.disaggregation_mode!r}")
         for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
-                     "request_running_timeout_steps", "kv_checksum_mismatch_every"):
+                     "request_running_timeout_steps", "kv_checksum_mismatch_every", "fake_bootstrap_every"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
                 raise ValueError(f"{name} must be null or a positive integer, got {t!r}")
@@ -230,7 +233,7 @@ class SglangConfig(ConfigBase):
             # (enable_hisparse: the direct-to-host path, driven on the legacy era only: kind._probe)
             clash = [n for n in ("enable_streaming_session", "enable_overlap",
                                  "enable_priority_scheduling", "max_queued_requests", "request_waiting_timeout_steps",
-                                 "request_running_timeout_steps") if getattr(self, n)]
+                                 "request_running_timeout_steps", "fake_bootstrap_every") if getattr(self, n)]
             if clash or self.chunked_prefill_size is not None:
                 raise ValueError("disaggregation_mode decode is driven without "
                                  f"{', '.join(clash) or 'chunked_prefill_size'} in this version")

@@ -180,7 +180,17 @@ class SglangIntake(Target):
             self._add_request_to_queue(req)
 
     def _new_req(self, rid: str, ids, sp):
+        if self.fake_bootstrap(rid):  # Req reads bootstrap_host on any server (skip_radix_cache_insert)
+            from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+            return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS},
+                              bootstrap_host=FAKE_BOOTSTRAP_HOST)
         return self.S.Req(rid, "", ids, sp, vocab_size=self.config.vocab_size, eos_token_ids={EOS})
+
+    def fake_bootstrap(self, rid: str) -> bool:
+        """Whether client request ``rid`` (``r<n>``) carries ``FAKE_BOOTSTRAP_HOST``: every
+        ``fake_bootstrap_every``-th, as a fake-prefill benchmark client sends it (config ``fake_bootstrap_every``)."""
+        n = self.config.fake_bootstrap_every
+        return n is not None and rid[:1] == "r" and rid[1:].isdigit() and int(rid[1:]) % n == n - 1
 
     def _create_session_req(self, session, recv):
         """``Session.create_req`` for a session turn (``recv``: its ``TokenizedGenerateReqInput``)."""

@@ -42,6 +42,7 @@ def refusal(config) -> str | None:
         ("timeout aborts", config.request_waiting_timeout_steps is not None
          or config.request_running_timeout_steps is not None),
         ("page_size > 1", config.page_size != 1), ("injected faults", bool(config.bugs)),
+        ("fake bootstrap hosts", config.fake_bootstrap_every is not None),
         ("a radix eviction policy other than lru", config.radix_eviction_policy != "lru")) if on]
     if off:
         return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} (the cache_finished_req era) is driven with core "

@@ -291,9 +291,10 @@ class PdPrefill(SglangLoop):
     def new_req(self, rid: str, ids, sp):
         """A prefill-side ``Req``; its decode peer is kvaudit's (:class:`DecodePeer`). A health check carries
         ``FAKE_BOOTSTRAP_HOST`` (as the tokenizer's health request does: no decode peer, no radix-cache
-        insert); any other request a decode host."""
+        insert), and so does every ``fake_bootstrap_every``-th client request; any other request a decode host."""
         P = self.P
-        host = P.FAKE_BOOTSTRAP_HOST if rid.startswith("HEALTH_CHECK_") else DECODE_HOST
+        fake = rid.startswith("HEALTH_CHECK_") or self.target.fake_bootstrap(rid)
+        host = P.FAKE_BOOTSTRAP_HOST if fake else DECODE_HOST
         return self.target.S.Req(rid, "", ids, sp, vocab_size=self.target.config.vocab_size, eos_token_ids={EOS},
                                  bootstrap_host=host, bootstrap_port=8998,
                                  bootstrap_room=1000 + self.peer.rooms, disagg_mode=P.DisaggregationMode.PREFILL)
@@ -313,7 +314,7 @@ class PdPrefill(SglangLoop):
         sender in place of the fake one it made (a health check keeps SGLang's, as on a real server)."""
         self.bootstrap_queue.add(req, 1)
         sender = getattr(req, "disagg_kv_sender", None)
-        if sender is not None and not req.rid.startswith("HEALTH_CHECK_"):
+        if sender is not None and req.bootstrap_host != self.P.FAKE_BOOTSTRAP_HOST:
             cfg = self.target.config
             req.disagg_kv_sender = self._sender_cls(sender.kv_mgr, f"{DECODE_HOST}:8998", req.bootstrap_room,
                                                     (cfg.bootstrap_timeout_steps, cfg.waiting_timeout_steps))
@@ -386,8 +387,10 @@ class PdPrefill(SglangLoop):
     def transfer_fail(self, handle: int | None) -> None:
         """:class:`TransferFail` on the live requests with a sender: the decode peer fails the room (bootstrap
         queue, waiting, chunked or inflight alike; SGLang concludes it where it is at the next poll)."""
-        senders = {r.rid: r.disagg_kv_sender for r in self.active([]) if getattr(r, "disagg_kv_sender", None)}
-        pending = [rid for rid in self.target.live_rids() if rid in senders and not rid.startswith("HEALTH_CHECK_")]
+        fake = self.P.FAKE_BOOTSTRAP_HOST
+        senders = {r.rid: r.disagg_kv_sender for r in self.active([])
+                   if getattr(r, "disagg_kv_sender", None) and r.bootstrap_host != fake}
+        pending = [rid for rid in self.target.live_rids() if rid in senders]
         for rid in pending if handle is None else [pending[handle % len(pending)]] if pending else []:
             senders[rid].conclude_state = self.P.KVPoll.Failed
 
