@@ -87,6 +87,8 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"disaggregation_mode": "prefill", "enable_overlap": True}, "prefill is driven without enable_overlap"),
     ({"bootstrap_lost_every": 3}, "bootstrap_lost_every .*disaggregation_mode prefill"),
     ({"bootstrap_timeout_steps": 0}, "bootstrap_timeout_steps"),
+    ({"fake_bootstrap_every": 0}, "fake_bootstrap_every must be null or a positive integer"),
+    ({"disaggregation_mode": "decode", "fake_bootstrap_every": 2}, "decode is driven without fake_bootstrap_every"),
     ({"prefill_reads_after_failure": True}, "prefill_reads_after_failure .*disaggregation_mode prefill"),
     ({"optimistic_prefill_attempts": 1}, "optimistic_prefill_attempts .*disaggregation_mode prefill"),
     ({"disaggregation_mode": "prefill", "optimistic_prefill_attempts": -1}, "optimistic_prefill_attempts must be"),
