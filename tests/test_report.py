@@ -92,7 +92,7 @@ def test_summary_line_counts_findings_kinds_signatures_and_units():
                                       "1 slot(s), 1 row(s) involved.")
     assert summary_line(findings + findings[:1], {"leak": 2}) == (
         "SUMMARY: kvaudit: 3 finding(s) (3 double-free) in 2 signature(s); 1 slot(s), 2 row(s) involved; "
-        "2 suppressed.")
+        "2 suppressed signature(s).")
     assert summary_line([]) == "SUMMARY: kvaudit: no findings."
 
 

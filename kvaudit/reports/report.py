@@ -149,9 +149,10 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
     """The closing line, always one, for ``grep '^SUMMARY:'``: ``SUMMARY: kvaudit: 3 finding(s) (2 leak,
     1 double-free) in 2 signature(s); 12 slot(s), 1 row(s) involved.`` (``, 2 block(s)`` when a blocks
     pool has any), or ``SUMMARY: kvaudit: no findings.`` (``(interrupted)`` for a run cut short), with
-    ``; N suppressed`` when rules suppressed findings."""
+    ``; N suppressed signature(s)`` when rules suppressed findings (``suppressed``: distinct signatures per
+    kind, as the "suppressions used" table's ``signatures`` column counts them)."""
     n_suppressed = sum((suppressed or {}).values())
-    tail = f"; {n_suppressed} suppressed" if n_suppressed else ""
+    tail = f"; {n_suppressed} suppressed signature(s)" if n_suppressed else ""
     if not findings:
         return f"SUMMARY: kvaudit: no findings{' (interrupted)' if interrupted else ''}{tail}."
     counts = Counter(f.kind for f in findings)
@@ -189,21 +190,25 @@ def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = N
 
 
 def suppressions_table(suppressions: SuppressionSet) -> Table:
-    """Each rule with its hit count (findings it suppressed); a rule that matched nothing is flagged."""
+    """Each rule with what it suppressed, counted two ways, each column saying which: ``signatures``
+    (distinct findings, the unit of the ``SUMMARY:`` line) and ``hits (per run)`` (each suppressed finding
+    once per program run it appeared in: a search counts it again in every program). A rule that matched
+    nothing is flagged."""
     t = Table(title="suppressions used", title_justify="left",
               caption=f"rules from {suppressions.path}" if suppressions.path else None, caption_justify="left")
     t.add_column("#", justify="right")
     t.add_column("kind", no_wrap=True)
     for col in ("pool", "site", "reason"):
         t.add_column(col, overflow="fold")
-    t.add_column("hits", justify="right", no_wrap=True)
+    t.add_column("signatures", justify="right", no_wrap=True)
+    t.add_column("hits (per run)", justify="right", no_wrap=True)
     for s in suppressions:
         any_ = Text("*", style="dim")
         cells = [s.kind or any_, s.pool or any_, s.site or any_, s.reason or Text("-", style="dim")]
         if s.hits:
-            t.add_row(str(s.index), *cells, str(s.hits))
+            t.add_row(str(s.index), *cells, str(len(s.signatures)), str(s.hits))
         else:
-            t.add_row(str(s.index), *cells, "0 (matched nothing)", style="yellow")
+            t.add_row(str(s.index), *cells, "0", "0 (matched nothing)", style="yellow")
     return t
 
 
