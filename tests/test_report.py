@@ -9,6 +9,7 @@ terminal shows it (panels) and as a CI log gets it (plain lines). Regenerate wit
 after a deliberate change to the console layout, and read the diff.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -89,11 +90,25 @@ def test_plain_report_snapshot(kind, snapshot, as_recorded):
 def test_summary_line_counts_findings_kinds_signatures_and_units():
     config, program, findings, _ = replay.load(os.path.join(DATA, "overlap-abort-double-free.json"))
     assert summary_line(findings) == ("SUMMARY: kvaudit: 2 finding(s) (2 double-free) in 2 signature(s); "
-                                      "1 slot(s), 1 row(s) involved.")
+                                      "1 distinct slot(s), 1 distinct row(s) involved.")
     assert summary_line(findings + findings[:1], {"leak": 2}) == (
-        "SUMMARY: kvaudit: 3 finding(s) (3 double-free) in 2 signature(s); 1 slot(s), 2 row(s) involved; "
-        "2 suppressed signature(s).")
+        "SUMMARY: kvaudit: 3 finding(s) (3 double-free) in 2 signature(s); 1 distinct slot(s), 1 distinct row(s) "
+        "involved; 2 suppressed signature(s).")  # the repeated finding's row counted once
+    assert summary_line([], {"leak": 2}) == "SUMMARY: kvaudit: no findings; 2 suppressed signature(s)."
     assert summary_line([]) == "SUMMARY: kvaudit: no findings."
+
+
+def test_summary_line_counts_a_unit_once_per_pool_and_run():
+    """The same slots leaked under two signatures (two findings) are one set of slots; the same ids in
+    another pool, or in another program run (a campaign's other case), are other memory."""
+    _, _, findings, _ = replay.load(os.path.join(DATA, "overlap-abort-double-free.json"))
+    a = dataclasses.replace(findings[0], kind="leak", pool="token_to_kv_pool", unit="slot", slots=[4, 5, 6],
+                            num_units=3)
+    b = dataclasses.replace(a, slots=[5, 6, 7], num_units=3)
+    other_pool = dataclasses.replace(a, pool="hisparse_device")
+    assert summary_line([a, b]).endswith("; 4 distinct slot(s), 0 distinct row(s) involved.")
+    assert summary_line([a, b, other_pool]).endswith("; 7 distinct slot(s), 0 distinct row(s) involved.")
+    assert summary_line([a, b], runs=[[a], [b]]).endswith("; 6 distinct slot(s), 0 distinct row(s) involved.")
 
 
 @pytest.mark.parametrize("env, plain", [({}, False), ({"NO_COLOR": "1"}, True), ({"TERM": "dumb"}, True)],
@@ -163,7 +178,7 @@ def test_a_blocks_pool_finding_is_told_in_blocks_in_every_format():
     buf = io.StringIO()
     Console(file=buf, width=120, color_system=None).print(lifecycle_table(f, plain=True))
     assert "lifecycle of block 1" in buf.getvalue()
-    assert summary_line([f]).endswith("; 0 slot(s), 0 row(s), 2 block(s) involved.")
+    assert summary_line([f]).endswith("; 0 distinct slot(s), 0 distinct row(s), 2 distinct block(s) involved.")
     assert "blocks: [1, 3] (2 blocks)" in failure_text(f)
     assert _units_line(f) == "Blocks: 1, 3."
     assert "- 2 block(s): 1, 3" in _finding(f, "vllm")
