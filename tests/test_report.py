@@ -98,6 +98,26 @@ def test_summary_line_counts_findings_kinds_signatures_and_units():
     assert summary_line([]) == "SUMMARY: kvaudit: no findings."
 
 
+@pytest.mark.parametrize("name", ["hisparse-prebuilt-skip-finish", "overlap-abort-double-free"])
+def test_two_findings_of_one_op_are_listed_alike_whatever_order_they_came_in(name, as_recorded):
+    """``kvaudit fuzz`` passes its triaged findings with the one it chased first, ``kvaudit replay`` in the
+    order the checks met them: every report lists them by op, step, then signature."""
+    from kvaudit.reports.outputs import ReportData
+
+    config, program, findings, _ = replay.load(os.path.join(DATA, f"{name}.json"))
+    assert len(findings) == 2 and findings[0].op_index == findings[1].op_index
+    listed = sorted(findings, key=lambda f: f.signature)
+    for order in (findings, findings[::-1]):
+        text = render(config, program, order, terminal=False)
+        errors = [line for line in text.splitlines() if line.startswith("==ERROR: kvaudit: ")]
+        assert errors == [f"==ERROR: kvaudit: {f.summary()}" for f in listed]
+        data = ReportData.single(config, program, order, {}, {})
+        assert [f.signature for f in data.findings] == [f.signature for f in listed]
+        assert data.doc()["findings"][0]["pool"] == order[0].pool  # the replay file keeps the chased one first
+        page = render_html(config, [Case(program, order)])
+        assert page.index(listed[0].signature) < page.index(listed[1].signature)
+
+
 def test_summary_line_counts_a_unit_once_per_pool_and_run():
     """The same slots leaked under two signatures (two findings) are one set of slots; the same ids in
     another pool, or in another program run (a campaign's other case), are other memory."""

@@ -147,6 +147,14 @@ class Finding:
         return _kinds.lookup(self.kind).headline(self, what, site)
 
 
+def report_order(findings: list[Finding]) -> list[Finding]:
+    """``findings`` as reports list them: by when they were detected (op, then scheduler step), then by
+    signature, so that two findings of one op are listed alike by every command that reports them (a fuzz's
+    triage puts the finding it chased first; a replay, the order the checks met them). A replay file keeps
+    its own order: its first finding is the one ``minimize`` and ``ci`` follow."""
+    return sorted(findings, key=lambda f: (f.op_index, f.step, f.signature))
+
+
 _UNITS = ("slot", "page", "row", "block")
 # (field, type, item type, least int) in the order from_dict checks them
 _FIELD_TYPES = (("kind", str, None, 0), ("pool", str, None, 0), ("message", str, None, 0), ("unit", str, None, 0),

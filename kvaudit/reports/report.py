@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvaudit.config import TargetConfig
-from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.audit.findings import KINDS, Finding, Site, portable_path, report_order
 from kvaudit.audit.frames import resolve
 from kvaudit.audit.kinds import lookup
 from kvaudit.program import Op, format_op
@@ -262,11 +262,11 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
                 deduplicated: dict[str, int] | None = None, suppressions: SuppressionSet | None = None,
                 closing: bool = True) -> None:
     """:func:`print_report` for several (program, findings, program title) cases of one config (a
-    campaign's report): every finding with its own program, one summary, the ``notes`` lines, the
-    closing line."""
+    campaign's report): every finding with its own program (a case's findings in
+    :func:`~kvaudit.audit.findings.report_order`), one summary, the ``notes`` lines, the closing line."""
     plain = is_plain(console)
     _print(console, Text(header(config), style="bold"), plain)
-    everything = [(program, f, title) for program, findings, title in cases for f in findings]
+    everything = [(program, f, title) for program, findings, title in cases for f in report_order(findings)]
     for i, (program, f, title) in enumerate(everything):
         _print(console, finding_renderable(f, program, i, title, plain), plain)
     findings = [f for _, f, _ in everything]
