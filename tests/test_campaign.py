@@ -197,8 +197,8 @@ def test_ci_prints_one_summary_line_over_its_new_findings(tmp_path, monkeypatch)
     assert r.exit_code == 1, r.output
     n = sum(len(replay.load(path)[2]) for path in files)
     assert n == 3 and r.output.count("==ERROR: kvaudit:") == n
-    assert summary_lines(r.output) == [f"SUMMARY: kvaudit: {n} finding(s) ({n} leak) in {n} signature(s); 32 slot(s), "
-                                       "2 row(s) involved."], r.output
+    assert summary_lines(r.output) == [f"SUMMARY: kvaudit: {n} finding(s) ({n} leak) in {n} signature(s); 32 distinct slot(s), "
+                                       "2 distinct row(s) involved."], r.output
 
 
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import invoke
 
 from kvaudit import replay
-from kvaudit.audit.findings import Site
+from kvaudit.audit.findings import Site, installed, portable_path, source_path
 from kvaudit.audit.frames import function_ranges, resolve
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -96,7 +96,7 @@ def _frames_checked(path):
                 if not any(a <= s.line <= b for a, b in ranges):
                     bad.append((where, "line outside the function"))
                     continue
-                with open(s.file if os.path.isabs(s.file) else os.path.join(ROOT, s.file)) as fh:
+                with open(source_path(s.file)) as fh:
                     current = fh.read().splitlines()[s.line - 1].strip()
                 if s.source != current:
                     bad.append((where, f"recorded text {s.source!r} is not the line's {current!r}"))
@@ -147,3 +147,20 @@ def test_sarif_and_junit_show_the_resolved_line_and_the_note():
     assert loc["properties"]["frameNote"].startswith(f"moved: recorded as line {now.line - 7}")
     text = failure_text(f)
     assert f"{now.file}:{now.line} in {now.function}\n        {now.source}\n        (moved: " in text
+
+
+def test_an_installed_packages_frame_is_recorded_from_its_package_and_read_back_here():
+    """A replay file carries no machine's site-packages path: an installed package's module is recorded from
+    its package (``numpy/...``, as ``vllm/v1/...``) and read back from where that package is installed here;
+    an old file's absolute path of another machine reads as the package installed here; kvaudit's own files
+    stay relative to the checkout."""
+    import numpy
+
+    real = os.path.realpath(os.path.join(os.path.dirname(numpy.__file__), "core", "__init__.py"))
+    assert portable_path(real) == "numpy/core/__init__.py"
+    assert installed("numpy/core/__init__.py") and os.path.samefile(source_path("numpy/core/__init__.py"), real)
+    old = "/elsewhere/lib/python3.11/site-packages/numpy/core/__init__.py"  # recorded on another machine
+    assert portable_path(old) == "numpy/core/__init__.py" and os.path.samefile(source_path(old), real)
+    ours = os.path.join(ROOT, "kvaudit", "replay.py")
+    assert portable_path(os.path.abspath(ours)) == "kvaudit/replay.py" and not installed("kvaudit/replay.py")
+    assert portable_path("/usr/lib/no-such/thing.py") == "/usr/lib/no-such/thing.py"

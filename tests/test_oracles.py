@@ -797,7 +797,7 @@ def test_committed_beyond_allocated_is_reported(make_run):
 def test_units_allocated_on_two_lines_of_one_function_are_all_in_the_finding_and_the_summary(tmp_path):
     """Leaks are grouped per allocation line, and the two lines of one function share a signature: the
     runner kept one finding per signature and dropped the other line's rows ("Direct leak of 1 row ...
-    rows: [1]", "0 slot(s), 1 row(s)")."""
+    rows: [1]", "0 distinct slot(s), 1 distinct row(s)")."""
     import rowtoy_plugin  # its RowToyEngine.step allocates a request's prompt rows and its decode row on two lines
     from cli_helpers import invoke
     from kvaudit import replay
@@ -814,7 +814,7 @@ def test_units_allocated_on_two_lines_of_one_function_are_all_in_the_finding_and
     assert r.exit_code == 1, r.output
     assert "Direct leak of 2 rows in pool rows" in r.output and "rows: [1, 2]" in r.output, r.output
     summary = [line for line in r.output.splitlines() if line.startswith("SUMMARY:")]
-    assert summary == ["SUMMARY: kvaudit: 1 finding(s) (1 leak) in 1 signature(s); 0 slot(s), 2 row(s) involved."], \
+    assert summary == ["SUMMARY: kvaudit: 1 finding(s) (1 leak) in 1 signature(s); 0 distinct slot(s), 2 distinct row(s) involved."], \
         r.output
 
 

@@ -9,6 +9,7 @@ terminal shows it (panels) and as a CI log gets it (plain lines). Regenerate wit
 after a deliberate change to the console layout, and read the diff.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -89,11 +90,45 @@ def test_plain_report_snapshot(kind, snapshot, as_recorded):
 def test_summary_line_counts_findings_kinds_signatures_and_units():
     config, program, findings, _ = replay.load(os.path.join(DATA, "overlap-abort-double-free.json"))
     assert summary_line(findings) == ("SUMMARY: kvaudit: 2 finding(s) (2 double-free) in 2 signature(s); "
-                                      "1 slot(s), 1 row(s) involved.")
+                                      "1 distinct slot(s), 1 distinct row(s) involved.")
     assert summary_line(findings + findings[:1], {"leak": 2}) == (
-        "SUMMARY: kvaudit: 3 finding(s) (3 double-free) in 2 signature(s); 1 slot(s), 2 row(s) involved; "
-        "2 suppressed.")
+        "SUMMARY: kvaudit: 3 finding(s) (3 double-free) in 2 signature(s); 1 distinct slot(s), 1 distinct row(s) "
+        "involved; 2 suppressed signature(s).")  # the repeated finding's row counted once
+    assert summary_line([], {"leak": 2}) == "SUMMARY: kvaudit: no findings; 2 suppressed signature(s)."
     assert summary_line([]) == "SUMMARY: kvaudit: no findings."
+
+
+@pytest.mark.parametrize("name", ["hisparse-prebuilt-skip-finish", "overlap-abort-double-free"])
+def test_two_findings_of_one_op_are_listed_alike_whatever_order_they_came_in(name, as_recorded):
+    """``kvaudit fuzz`` passes its triaged findings with the one it chased first, ``kvaudit replay`` in the
+    order the checks met them: every report lists them by op, step, then signature."""
+    from kvaudit.reports.outputs import ReportData
+
+    config, program, findings, _ = replay.load(os.path.join(DATA, f"{name}.json"))
+    assert len(findings) == 2 and findings[0].op_index == findings[1].op_index
+    listed = sorted(findings, key=lambda f: f.signature)
+    for order in (findings, findings[::-1]):
+        text = render(config, program, order, terminal=False)
+        errors = [line for line in text.splitlines() if line.startswith("==ERROR: kvaudit: ")]
+        assert errors == [f"==ERROR: kvaudit: {f.summary()}" for f in listed]
+        data = ReportData.single(config, program, order, {}, {})
+        assert [f.signature for f in data.findings] == [f.signature for f in listed]
+        assert data.doc()["findings"][0]["pool"] == order[0].pool  # the replay file keeps the chased one first
+        page = render_html(config, [Case(program, order)])
+        assert page.index(listed[0].signature) < page.index(listed[1].signature)
+
+
+def test_summary_line_counts_a_unit_once_per_pool_and_run():
+    """The same slots leaked under two signatures (two findings) are one set of slots; the same ids in
+    another pool, or in another program run (a campaign's other case), are other memory."""
+    _, _, findings, _ = replay.load(os.path.join(DATA, "overlap-abort-double-free.json"))
+    a = dataclasses.replace(findings[0], kind="leak", pool="token_to_kv_pool", unit="slot", slots=[4, 5, 6],
+                            num_units=3)
+    b = dataclasses.replace(a, slots=[5, 6, 7], num_units=3)
+    other_pool = dataclasses.replace(a, pool="hisparse_device")
+    assert summary_line([a, b]).endswith("; 4 distinct slot(s), 0 distinct row(s) involved.")
+    assert summary_line([a, b, other_pool]).endswith("; 7 distinct slot(s), 0 distinct row(s) involved.")
+    assert summary_line([a, b], runs=[[a], [b]]).endswith("; 6 distinct slot(s), 0 distinct row(s) involved.")
 
 
 @pytest.mark.parametrize("env, plain", [({}, False), ({"NO_COLOR": "1"}, True), ({"TERM": "dumb"}, True)],
@@ -163,7 +198,7 @@ def test_a_blocks_pool_finding_is_told_in_blocks_in_every_format():
     buf = io.StringIO()
     Console(file=buf, width=120, color_system=None).print(lifecycle_table(f, plain=True))
     assert "lifecycle of block 1" in buf.getvalue()
-    assert summary_line([f]).endswith("; 0 slot(s), 0 row(s), 2 block(s) involved.")
+    assert summary_line([f]).endswith("; 0 distinct slot(s), 0 distinct row(s), 2 distinct block(s) involved.")
     assert "blocks: [1, 3] (2 blocks)" in failure_text(f)
     assert _units_line(f) == "Blocks: 1, 3."
     assert "- 2 block(s): 1, 3" in _finding(f, "vllm")

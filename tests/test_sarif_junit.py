@@ -358,6 +358,7 @@ def test_engine_path_takes_the_last_package_directory_and_nothing_in_the_reposit
     assert engine_path("/home/u/sglang/python/sglang/srt/a.py", "sglang") == "sglang/srt/a.py"  # a checkout
     assert engine_path("C:\\py\\Lib\\site-packages\\sglang\\srt\\a.py", "sglang") == "sglang/srt/a.py"
     assert engine_path("kvaudit/targets/sglang/target.py", "sglang") is None  # kvaudit's driver
+    assert engine_path("sglang/srt/a.py", "sglang") == "sglang/srt/a.py"  # as recorded since 2026-12
     assert engine_path("/usr/lib/python3.11/json/decoder.py", "sglang") is None
     assert engine_path("<string>", "sglang") is None
 

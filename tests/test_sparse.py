@@ -156,6 +156,15 @@ def test_the_search_run_is_lean():
         assert run.check_every > 1 and run.auditor.lean
 
 
+def test_no_kind_has_its_own_search_schedule():
+    # a target says when it needs a check after a step (Target.transient); the kinds' table has no per-kind K
+    import dataclasses
+
+    from kvaudit.targets.registry import TargetKind
+
+    assert not [f.name for f in dataclasses.fields(TargetKind) if "check" in f.name and f.name != "engine_check"]
+
+
 class _Covers:
     """Suppressions (the interface the runner takes, as the history suite's ``NotThisBug``) that cover
     the given signatures."""

@@ -349,11 +349,14 @@ pool = "hisparse_host"
     rows = _rows(out)
     assert len(rows) == 2
     table = out.split("suppressions used", 1)[1].splitlines()  # the file in the title, the columns named, no
-    assert table[0] == f" ({path}):" and table[1] == "  #  kind  pool  site  reason  hits"  # bare caption line
+    assert table[0] == f" ({path}):"  # the file in the title, no bare caption line
+    # each count says what it counts: distinct signatures (the SUMMARY's unit) and hits once per run
+    assert table[1] == "  #  kind  pool  site  reason  signatures  hits (per run)"
     assert path not in out.split("suppressions used", 1)[1].split("\n", 1)[1]
     for row in rows:
-        assert row.rstrip().endswith("  1"), row
+        assert row.rstrip().endswith("  1  1"), row
     assert "matched nothing" not in out
+    assert out.rstrip().splitlines()[-2].endswith("; 2 suppressed signature(s).")
     assert "signature:" not in out, "no finding is reported"
     assert "reproduced: yes (suppressed:" in out and DEVICE_LEAK in out
 

@@ -193,6 +193,13 @@ def test_inflight_write_oracle(fault):
         if fault:
             assert hits and hits[0].kind == "use-after-free"
             assert "freed while a step in flight still writes it for req:req-000001" in hits[0].message
+            # recorded from vLLM's package, not this machine's site-packages path (a file reads the same elsewhere)
+            assert hits[0].free_sites[0].file == "vllm/v1/core/sched/scheduler.py", hits[0].free_sites[0]
+            # the headline names what the detail names: the pool, its units, who still uses them
+            head = hits[0].summary()
+            assert head.startswith("Use-after-free of 1 block in pool block_pool, freed at ") and \
+                head.split("; allocated at ")[0].endswith(
+                    "while still used by a step in flight that writes it for req:req-000001"), head
         else:
             assert not run.findings and pool_whole(t)
 
@@ -214,6 +221,7 @@ def test_inflight_read_oracle(fault):
             (hit,) = run.findings
             assert (hit.kind, hit.check) == ("use-after-free", "inflight-read")
             assert "still reads it for req:req-000001" in hit.message
+            assert "still used by a step in flight that reads it for req:req-000001;" in hit.summary()
         else:
             assert not run.findings and pool_whole(t)
 

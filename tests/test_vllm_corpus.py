@@ -127,3 +127,23 @@ def test_a_sparse_vllm_run_checks_every_step_only_while_a_guarded_step_is_in_fli
         busy = run.target.steps
     assert busy >= 10
     assert (len(calls) < 3) if sparse else (len(calls) >= busy // 2 and all(calls))
+
+
+@pytest.mark.vllm
+def test_an_old_file_with_another_machines_site_packages_paths_reads_as_vllms_own_here(tmp_path):
+    """Files recorded before 2026-12 carry the recording machine's absolute paths: they still load, and
+    their frames print from vLLM's package, checked against the vLLM installed here."""
+    import json
+
+    from cli_helpers import invoke
+
+    doc = json.load(open(os.path.join(CORPUS, "fault-free-under-inflight-step.json")))
+    site = doc["findings"][0]["free_sites"][0]
+    site["file"] = "/elsewhere/lib/python3.11/site-packages/" + site["file"].split("site-packages/")[-1]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    result = invoke("report", str(path))
+    assert result.exit_code == 0, result.output
+    frame = result.output.split("freed (too early) at:")[1].splitlines()[1:3]
+    assert frame[0].split()[-1] == f"vllm/v1/core/sched/scheduler.py:{site['line']}", frame
+    assert frame[1].strip() == site["source"] and "/elsewhere/" not in result.output, frame

@@ -70,8 +70,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     _print_table(console, result)
     _write_outputs(outputs, result, kind, preset_names[0], sset, err)
     # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
-    line = summary_line([f for run in result.fuzz for _, findings, _ in run.new for f in findings],
-                        suppressed_by_kind(sset), interrupted=result.interrupted)
+    runs = [findings for run in result.fuzz for _, findings, _ in run.new]
+    line = summary_line([f for findings in runs for f in findings], suppressed_by_kind(sset),
+                        interrupted=result.interrupted, runs=runs)
     console.print(line.replace("kvaudit: no findings", "kvaudit: no new findings"), soft_wrap=True)
     console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"

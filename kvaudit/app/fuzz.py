@@ -323,8 +323,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                   f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
     print_reached(console, s)
     # NOTE: a file counts only the new signatures it reports (it can hold known ones the same program raised)
-    line = summary_line([f for c, path in zip(cases, paths) for f in c.findings if result.new.get(f.signature) == path],
-                        suppressed_by_kind(sset), interrupted=result.interrupted)
+    runs = [[f for f in c.findings if result.new.get(f.signature) == path] for c, path in zip(cases, paths)]
+    line = summary_line([f for found in runs for f in found], suppressed_by_kind(sset),
+                        interrupted=result.interrupted, runs=runs)
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."

@@ -5,7 +5,9 @@ Design notes (signatures per kind): docs/internals/audit.md.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
 from kvaudit.audit import kinds as _kinds
@@ -18,15 +20,59 @@ _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def portable_path(path: str) -> str:
-    """``path`` relative to the directory holding the kvaudit package when it lies inside it
-    (so replay files do not carry one machine's checkout path), else unchanged."""
+    """``path`` as a replay file records it, the same on every machine: relative to the directory holding
+    the kvaudit package when it lies inside it; a module of an installed package (a package directory
+    under a ``sys.path`` root: site-packages, a release overlay) relative to that root, from its package
+    (``vllm/v1/core/sched/scheduler.py``); another machine's site-packages path (a file recorded before
+    2026-12) from its package too; else unchanged."""
+    return _portable(path, tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=4096)
+def _portable(path: str, syspath: tuple[str, ...]) -> str:
     ap = os.path.abspath(path)
-    return os.path.relpath(ap, _SOURCE_ROOT) if ap.startswith(_SOURCE_ROOT + os.sep) else path
+    if ap.startswith(_SOURCE_ROOT + os.sep):
+        return os.path.relpath(ap, _SOURCE_ROOT)
+    roots = [r for r in map(os.path.abspath, filter(os.path.isabs, syspath)) if ap.startswith(r + os.sep)]
+    for root in sorted(roots, key=len, reverse=True):
+        rel = os.path.relpath(ap, root)
+        top = rel.split(os.sep, 1)[0]
+        if os.sep in rel and os.path.isfile(os.path.join(root, top, "__init__.py")):
+            return rel.replace(os.sep, "/")
+    return _foreign_package_path(path) or path
+
+
+def _foreign_package_path(path: str) -> str | None:
+    """The part of an absolute ``path`` after its last ``site-packages``/``dist-packages`` directory."""
+    p = path.replace("\\", "/")
+    i = max(p.rfind("/site-packages/"), p.rfind("/dist-packages/"))
+    return p[p.index("/", i + 1) + 1:] if i >= 0 and os.path.isabs(path) else None
+
+
+def installed(path: str) -> bool:
+    """Whether a recorded relative ``path`` is an installed package's file (:func:`portable_path`), not
+    this checkout's: none here, one under a ``sys.path`` root."""
+    return bool(path) and not os.path.isabs(path) and source_path(path) != os.path.join(_SOURCE_ROOT, path)
 
 
 def source_path(path: str) -> str:
-    """The readable file behind a :func:`portable_path`."""
-    return path if os.path.isabs(path) else os.path.join(_SOURCE_ROOT, path)
+    """The readable file behind a :func:`portable_path`: a repo-relative path in this checkout, a package's
+    in the ``sys.path`` root that holds it (in import order), another machine's site-packages path (an old
+    file) as the package installed here; a path found nowhere as it was (repo-relative: in this checkout)."""
+    if os.path.isabs(path):
+        if os.path.exists(path) or _foreign_package_path(path) is None:
+            return path
+        path = _foreign_package_path(path)
+        here = None
+    else:
+        here = os.path.join(_SOURCE_ROOT, path)
+        if not path or os.path.exists(here):
+            return here
+    for root in filter(os.path.isabs, sys.path):
+        candidate = os.path.join(root, path)
+        if os.path.isfile(candidate):
+            return candidate
+    return here or path
 
 
 @dataclass(frozen=True)
@@ -145,6 +191,14 @@ class Finding:
                 f"{many(n, 'slot')} ({many(self.num_units, 'page')})" if self.unit == "page" else many(n, "slot"))
         site = self.alloc_sites[0].short() if self.alloc_sites else "unknown site"
         return _kinds.lookup(self.kind).headline(self, what, site)
+
+
+def report_order(findings: list[Finding]) -> list[Finding]:
+    """``findings`` as reports list them: by when they were detected (op, then scheduler step), then by
+    signature, so that two findings of one op are listed alike by every command that reports them (a fuzz's
+    triage puts the finding it chased first; a replay, the order the checks met them). A replay file keeps
+    its own order: its first finding is the one ``minimize`` and ``ci`` follow."""
+    return sorted(findings, key=lambda f: (f.op_index, f.step, f.signature))
 
 
 _UNITS = ("slot", "page", "row", "block")

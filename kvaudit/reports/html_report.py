@@ -15,7 +15,7 @@ from rich.terminal_theme import MONOKAI
 
 from kvaudit.config import TargetConfig
 from kvaudit import __version__
-from kvaudit.audit.findings import Finding
+from kvaudit.audit.findings import Finding, report_order
 from kvaudit.program import format_op
 from kvaudit.reports.report import finding_renderable, summary_rows, suppressions_table
 
@@ -117,7 +117,7 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
     findings = [f for c in cases for f in c.findings]
     by_sig: dict[str, dict] = {}
     for case in cases:
-        for f in case.findings:
+        for f in report_order(case.findings):
             if f.signature in by_sig:  # one section per signature, as in the summary and JUnit
                 by_sig[f.signature]["duplicates"] += 1
                 continue

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvaudit.config import TargetConfig
 from kvaudit import replay
-from kvaudit.audit.findings import Finding
+from kvaudit.audit.findings import Finding, report_order
 from kvaudit.program import Op
 
 FORMATS = ("html", "sarif", "junit", "json")
@@ -77,7 +77,9 @@ class ReportData:
 
     @property
     def findings(self) -> list[Finding]:
-        return [f for c in self.cases for f in c.findings]
+        """Every case's findings, each case's in :func:`~kvaudit.audit.findings.report_order` (the JSON file
+        keeps the case's own order: see :meth:`doc`)."""
+        return [f for c in self.cases for f in report_order(c.findings)]
 
     def doc(self) -> dict:
         """The JSON file: one case's replay file (with ``timeline``, ``suppressed`` and the run facts), or

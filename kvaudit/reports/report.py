@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 from collections import Counter
 
+import numpy as np
+
 from rich import box
 from rich.console import Console, Group
 from rich.padding import Padding
@@ -15,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvaudit.config import TargetConfig
-from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.audit.findings import KINDS, Finding, Site, portable_path, report_order
 from kvaudit.audit.frames import resolve
 from kvaudit.audit.kinds import lookup
 from kvaudit.program import Op, format_op
@@ -144,24 +146,40 @@ def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = No
              "deduplicated": deduplicated.get(k, 0)} for k in kinds]
 
 
+def units_involved(runs: list[list[Finding]]) -> Counter:
+    """Distinct units the findings name, as ``{"slot": n, "row": n, "block": n}``: a unit counts once per
+    pool per program run (``runs``: the findings of each run), however many findings name it (the same
+    slots leaked under two signatures are counted once); units of different runs are different memory."""
+    counts: Counter = Counter()
+    for findings in runs:
+        ids: dict[tuple[str, str], list] = {}
+        for f in findings:
+            if f.slots:
+                unit = f.unit if f.unit in ("row", "block") else "slot"
+                ids.setdefault((unit, f.pool), []).append(f.listed()[1] if unit == "block" else f.slots)
+        for (unit, _), parts in ids.items():
+            counts[unit] += int(np.unique(np.concatenate(parts)).size)
+    return counts
+
+
 def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = None,
-                 interrupted: bool = False) -> str:
+                 interrupted: bool = False, runs: list[list[Finding]] | None = None) -> str:
     """The closing line, always one, for ``grep '^SUMMARY:'``: ``SUMMARY: kvaudit: 3 finding(s) (2 leak,
-    1 double-free) in 2 signature(s); 12 slot(s), 1 row(s) involved.`` (``, 2 block(s)`` when a blocks
-    pool has any), or ``SUMMARY: kvaudit: no findings.`` (``(interrupted)`` for a run cut short), with
-    ``; N suppressed`` when rules suppressed findings."""
+    1 double-free) in 2 signature(s); 12 distinct slot(s), 1 distinct row(s) involved.`` (``, 2 distinct
+    block(s)`` when a blocks pool has any; :func:`units_involved` over ``runs``, the findings split by
+    program run, by default one run), or ``SUMMARY: kvaudit: no findings.`` (``(interrupted)`` for a run cut
+    short), with ``; N suppressed signature(s)`` when rules suppressed findings (``suppressed``: distinct
+    signatures per kind, as the "suppressions used" table's ``signatures`` column counts them)."""
     n_suppressed = sum((suppressed or {}).values())
-    tail = f"; {n_suppressed} suppressed" if n_suppressed else ""
+    tail = f"; {n_suppressed} suppressed signature(s)" if n_suppressed else ""
     if not findings:
         return f"SUMMARY: kvaudit: no findings{' (interrupted)' if interrupted else ''}{tail}."
     counts = Counter(f.kind for f in findings)
     kinds = ", ".join(f"{counts[r['kind']]} {r['kind']}" for r in summary_rows(findings))
-    slots = sum(len(f.slots) for f in findings if f.unit not in ("row", "block"))
-    rows = sum(len(f.slots) for f in findings if f.unit == "row")
-    blocks = sum(f.num_units for f in findings if f.unit == "block" and f.slots)
+    units = units_involved([findings] if runs is None else runs)
     return (f"SUMMARY: kvaudit: {len(findings)} finding(s) ({kinds}) in {len({f.signature for f in findings})} "
-            f"signature(s); {slots} slot(s), {rows} row(s)" + (f", {blocks} block(s)" if blocks else "")
-            + f" involved{tail}.")
+            f"signature(s); {units['slot']} distinct slot(s), {units['row']} distinct row(s)"
+            + (f", {units['block']} distinct block(s)" if units["block"] else "") + f" involved{tail}.")
 
 
 def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
@@ -189,21 +207,25 @@ def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = N
 
 
 def suppressions_table(suppressions: SuppressionSet) -> Table:
-    """Each rule with its hit count (findings it suppressed); a rule that matched nothing is flagged."""
+    """Each rule with what it suppressed, counted two ways, each column saying which: ``signatures``
+    (distinct findings, the unit of the ``SUMMARY:`` line) and ``hits (per run)`` (each suppressed finding
+    once per program run it appeared in: a search counts it again in every program). A rule that matched
+    nothing is flagged."""
     t = Table(title="suppressions used", title_justify="left",
               caption=f"rules from {suppressions.path}" if suppressions.path else None, caption_justify="left")
     t.add_column("#", justify="right")
     t.add_column("kind", no_wrap=True)
     for col in ("pool", "site", "reason"):
         t.add_column(col, overflow="fold")
-    t.add_column("hits", justify="right", no_wrap=True)
+    t.add_column("signatures", justify="right", no_wrap=True)
+    t.add_column("hits (per run)", justify="right", no_wrap=True)
     for s in suppressions:
         any_ = Text("*", style="dim")
         cells = [s.kind or any_, s.pool or any_, s.site or any_, s.reason or Text("-", style="dim")]
         if s.hits:
-            t.add_row(str(s.index), *cells, str(s.hits))
+            t.add_row(str(s.index), *cells, str(len(s.signatures)), str(s.hits))
         else:
-            t.add_row(str(s.index), *cells, "0 (matched nothing)", style="yellow")
+            t.add_row(str(s.index), *cells, "0", "0 (matched nothing)", style="yellow")
     return t
 
 
@@ -240,11 +262,11 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
                 deduplicated: dict[str, int] | None = None, suppressions: SuppressionSet | None = None,
                 closing: bool = True) -> None:
     """:func:`print_report` for several (program, findings, program title) cases of one config (a
-    campaign's report): every finding with its own program, one summary, the ``notes`` lines, the
-    closing line."""
+    campaign's report): every finding with its own program (a case's findings in
+    :func:`~kvaudit.audit.findings.report_order`), one summary, the ``notes`` lines, the closing line."""
     plain = is_plain(console)
     _print(console, Text(header(config), style="bold"), plain)
-    everything = [(program, f, title) for program, findings, title in cases for f in findings]
+    everything = [(program, f, title) for program, findings, title in cases for f in report_order(findings)]
     for i, (program, f, title) in enumerate(everything):
         _print(console, finding_renderable(f, program, i, title, plain), plain)
     findings = [f for _, f, _ in everything]
@@ -254,7 +276,8 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
     for line in notes:
         _print(console, Text(line), plain, soft_wrap=True)
     if closing:
-        _print(console, Text(summary_line(findings, suppressed), style="bold"), plain, soft_wrap=True)
+        line = summary_line(findings, suppressed, runs=[found for _, found, _ in cases])
+        _print(console, Text(line, style="bold"), plain, soft_wrap=True)
 
 
 def print_report(console: Console, config: TargetConfig, program: list[Op], findings: list[Finding],

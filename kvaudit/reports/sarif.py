@@ -13,7 +13,7 @@ import re
 from typing import Mapping
 from urllib.parse import quote
 
-from kvaudit.audit.findings import KINDS, Finding, Site, portable_path
+from kvaudit.audit.findings import KINDS, Finding, Site, installed, portable_path, source_path
 from kvaudit.audit.kinds import lookup
 from kvaudit.audit.frames import Frame, resolve
 from kvaudit.reports.ci_outputs import sarif_log
@@ -97,7 +97,7 @@ def in_repo(site: Site) -> bool:
     p = _norm(site.file)
     if cwd_relative(p) is not None:
         return True
-    return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or _WINDOWS_ABS.match(p))
+    return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or _WINDOWS_ABS.match(p) or installed(p))
 
 
 def engine_base_id(package: str) -> str:
@@ -105,11 +105,12 @@ def engine_base_id(package: str) -> str:
 
 
 def engine_path(path: str, package: str) -> str | None:
-    """An absolute ``path`` inside ``package``, relative to the directory holding it (the last
-    ``/<package>/``: ``/x/site-packages/sglang/srt/a.py`` -> ``sglang/srt/a.py``); else None."""
+    """A ``path`` inside ``package``, relative to the directory holding it: as recorded since 2026-12
+    (``sglang/srt/a.py``, :func:`kvaudit.audit.findings.portable_path`), or an absolute one from the last
+    ``/<package>/`` (``/x/site-packages/sglang/srt/a.py`` -> ``sglang/srt/a.py``); else None."""
     p = _norm(path)
     if not (p.startswith("/") or _WINDOWS_ABS.match(p)):
-        return None
+        return p if p.startswith(f"{package}/") else None
     i = p.rfind(f"/{package}/")
     return p[i + 1:] if i >= 0 else None
 
@@ -130,6 +131,8 @@ def artifact_location(path: str, engine: EngineSource | None = None) -> dict | N
         return {"uri": "file:///" + p[:2] + quote(p[2:])}
     if not p or p.startswith("<"):
         return None
+    if installed(p):  # another installed package's (a library's), recorded from its package: where it is here
+        return {"uri": "file://" + quote(_norm(source_path(p)))}
     return {"uri": quote(p.removeprefix("./")), "uriBaseId": SRCROOT}
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.config import TargetConfig
-from kvaudit.targets import registry
 
 CHECK_EVERY = 16  # scheduler steps between full checks in a search; 1: a check after every step
 
@@ -17,7 +16,8 @@ CHECK_EVERY = 16  # scheduler steps between full checks in a search; 1: a check 
 def search_run(config: TargetConfig, suppressions=None, deadline: float | None = None) -> AuditedRun:
     """A fresh audited engine for one search program: fast stacks, the sparse schedule. The caller
     applies ops until the first finding, then calls ``finish()`` (the end-of-program check) when the
-    program ran out without one. A target kind may ask for its own schedule (``search_check_every``).
+    program ran out without one. A target whose state needs a check after a step says so
+    (``Target.transient``); the schedule is the same for every kind.
     On the sparse schedule the hooks are lean (no call sites, no lock-event records: the replay reports)."""
     return AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline,
-                      check_every=registry.kind_of(config).search_check_every or CHECK_EVERY, lean=True)
+                      check_every=CHECK_EVERY, lean=True)

@@ -92,7 +92,9 @@ class TargetFinding(NamedTuple):
     ``accounting-drift``, ...), ``units`` the ``[n] int64`` units of ``pool`` it concerns (their last
     allocation is its site), ``check`` (optional) names the invariant in the signature, ``free_sites``
     (optional) the site ids (``Auditor.capture_site``; -1 for none) of the frees that broke it, oldest
-    first: a ``double-free``'s previous and last free, which its signature names as the ledger's does."""
+    first: a ``double-free``'s previous and last free, which its signature names as the ledger's does;
+    ``used_by`` (optional, a ``use-after-free``'s) who still uses the units, in the target's words (``a step in
+    flight that writes it for req:r1``): the headline and the report name it, as they name a live owner."""
 
     kind: str
     pool: str
@@ -100,6 +102,7 @@ class TargetFinding(NamedTuple):
     message: str
     check: str = ""
     free_sites: tuple = ()
+    used_by: tuple = ()
 
 
 class Recount(NamedTuple):

@@ -124,10 +124,8 @@ class TargetKind:
     step whose idle check fails, first step whose busy or idle check fails), None for never
     (``kvaudit bench``'s "SGLang idle check" column), None: the kind has none; ``warm_up()`` imports
     what ``make`` needs (the slow part of a first run), for an entry point that imports under its own
-    interrupt guard (:mod:`kvaudit.entry`); by default nothing. ``search_check_every``: the scheduler
-    steps between a search's full checks on this kind (:mod:`kvaudit.search.schedule`), for a kind
-    whose own invariants see state that lasts a single step and whose targets cannot say when it holds
-    (``Target.transient``, which vLLM's do); None: the searches' default.
+    interrupt guard (:mod:`kvaudit.entry`); by default nothing. A kind whose own invariants see state
+    that lasts a single step says when it holds through its targets (``Target.transient``), not here.
     """
 
     name: str
@@ -154,7 +152,6 @@ class TargetKind:
     export: Callable[[], object] | None = None
     engine_check: Callable | None = None
     warm_up: Callable = _none
-    search_check_every: int | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""

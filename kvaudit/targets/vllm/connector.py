@@ -425,7 +425,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                 return [TargetFinding("use-after-free", POOL, lost,
                                       f"block {b} was freed while req:{rid}'s KV load still writes it "
                                       f"(ref_cnt={self._ref_counts()[b]}, no finished_recving yet)",
-                                      check="inflight-load", free_sites=self.free_sites(b))]
+                                      check="inflight-load", free_sites=self.free_sites(b),
+                                      used_by=(f"req:{rid}'s KV load in flight",))]
         return []
 
     def _finished_once_findings(self) -> list:
@@ -472,7 +473,8 @@ class VllmConnectorTarget(VllmSchedulerTarget):
                 self.store_findings.append(TargetFinding(
                     "use-after-free", POOL, np.array([b], dtype=np.int64), f"block {b} was reallocated while "
                     f"offload store job {j} of req:{rid} still reads it (not in jobs_to_flush)",
-                    check="inflight-store", free_sites=self.free_sites(b)))
+                    check="inflight-store", free_sites=self.free_sites(b),
+                    used_by=(f"offload store job {j} of req:{rid}",)))
 
     def _kv_output(self):
         # a load about to report done is checked now: once reported it is no longer outstanding

@@ -282,7 +282,8 @@ class VllmObserver:
         end = "source" if b in {int(c[0]) for c in copies} else "destination"
         return [TargetFinding("use-after-free", POOL, np.unique(freed),
                               f"block {b}, the {end} of a copy-on-write a step in flight still runs, was freed "
-                              "before that step ran (ref_cnt=0)", check="cow-inflight", free_sites=self.free_sites(b))]
+                              "before that step ran (ref_cnt=0)", check="cow-inflight", free_sites=self.free_sites(b),
+                              used_by=(f"the copy-on-write of a step in flight, as its {end}",))]
 
     def connector_holders(self) -> list[tuple[str, str, np.ndarray]]:
         """``(owner, where, [n] int64 block ids)`` for each reference a KV connector's scheduler side holds

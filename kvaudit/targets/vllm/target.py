@@ -478,7 +478,8 @@ class VllmSchedulerTarget(_VllmBase):
                     verb = check.removeprefix("inflight-")
                     return [TargetFinding("use-after-free", POOL, lost, f"block {b} was freed while a step in flight "
                                           f"still {verb}s it for req:{rid} ({now})", check=check,
-                                          free_sites=self.free_sites(b))]
+                                          free_sites=self.free_sites(b),
+                                          used_by=(f"a step in flight that {verb}s it for req:{rid}",))]
         return []
 
     def _on_schedule(self, out) -> None:
