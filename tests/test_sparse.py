@@ -247,3 +247,30 @@ def test_a_transient_answer_is_asked_once_a_step():
         run.apply(Step(1))
         assert run.unchecked == 0  # checked after that step
         assert asked == [1]
+
+
+def _checks_at_finish(program, paranoid: bool = False) -> int:
+    import kvaudit.audit.runner as runner
+
+    config = get_preset("default").config(model="none")
+    with AuditedRun(config, full_stacks=False, check_every=16, lean=True, paranoid=paranoid) as run:
+        for op in program:
+            assert run.apply(op) == []
+        real, calls = runner.oracles.check, []
+        runner.oracles.check = lambda *a, **k: calls.append(k) or real(*a, **k)
+        try:
+            assert run.finish() == []
+        finally:
+            runner.oracles.check = real
+    return len(calls)
+
+
+def test_a_check_at_idle_that_would_sweep_what_the_last_swept_is_skipped():
+    # the drain's check swept the idle engine; only its idle iteration ran since: finish() has nothing new
+    # to sweep. A message since (an abort of no request: no ledger event) or a paranoid run: it sweeps
+    from kvaudit.program import Abort, Idle, Step, Submit
+
+    drained = [Submit(prompt_len=9, max_new_tokens=2), Idle()]
+    assert _checks_at_finish(drained) == 0
+    assert _checks_at_finish(drained, paranoid=True) == 1
+    assert _checks_at_finish(drained + [Abort(None), Step(1)]) == 1

@@ -290,8 +290,16 @@ class EutTarget(EutObserver):
         counts such a turn by its own rule only while it runs, a step or a few, so a search's sparse schedule
         checks after every step meanwhile (the zoo's ``session-borrow-double-count``, SGLang #22213)."""
         eng = self.engine
-        batch = eng.last_batch.reqs if eng.last_batch else ()
-        return any(r.borrowed_slot is not None for r in (*eng.running_batch, *batch))
+        if eng.session_controller is None:  # (asked after every step: no sessions, no borrowed record)
+            return False
+        for r in eng.running_batch:
+            if r.borrowed_slot is not None:
+                return True
+        if eng.last_batch:
+            for r in eng.last_batch.reqs:
+                if r.borrowed_slot is not None:
+                    return True
+        return False
 
     def stalled(self) -> bool:
         """Only waiting requests are left and memory that open sessions hold keeps them out: SGLang
