@@ -12,12 +12,19 @@ from kvaudit.config import TargetConfig
 from kvaudit.targets import registry
 
 CHECK_EVERY = 16  # scheduler steps between full checks in a search; 1: a check after every step
+PER_STEP_FIRST = 2  # a search's first programs run with a check after every step (see search_run)
 
 
-def search_run(config: TargetConfig, suppressions=None, deadline: float | None = None) -> AuditedRun:
+def search_run(config: TargetConfig, suppressions=None, deadline: float | None = None,
+               per_step: bool = False) -> AuditedRun:
     """A fresh audited engine for one search program: fast stacks, the sparse schedule. The caller
     applies ops until the first finding, then calls ``finish()`` (the end-of-program check) when the
     program ran out without one. A target kind may ask for its own schedule (``search_check_every``).
-    On the sparse schedule the hooks are lean (no call sites, no lock-event records: the replay reports)."""
+    On the sparse schedule the hooks are lean (no call sites, no lock-event records: the replay reports).
+    ``per_step``: a check after every step instead (what a search asks for its first
+    :data:`PER_STEP_FIRST` programs): a hit there is reported as found, with no localizing replay, which
+    on a hit within the first few programs (most of the history suite's bugs) is a second run of the
+    program; a per-step run reports what the sparse run's replay would."""
+    every = 1 if per_step else registry.kind_of(config).search_check_every or CHECK_EVERY
     return AuditedRun(config, full_stacks=False, suppressions=suppressions, deadline=deadline,
-                      check_every=registry.kind_of(config).search_check_every or CHECK_EVERY, lean=True)
+                      check_every=every, lean=True)
