@@ -12,7 +12,17 @@ from kvaudit.config import TargetConfig
 from kvaudit.targets import registry
 
 CHECK_EVERY = 16  # scheduler steps between full checks in a search; 1: a check after every step
-PER_STEP_FIRST = 2  # a search's first programs run with a check after every step (see search_run)
+PER_STEP_FIRST = 0  # a search's first programs run with a check after every step (see per_step_first)
+
+
+def per_step_first(config: TargetConfig) -> int:
+    """How many of a search's first programs on ``config`` run with a check after every step: the kind's
+    ``search_per_step_first``, else :data:`PER_STEP_FIRST`. Where a check costs little beside the engine's
+    step (vLLM's), a hit within them saves the localizing replay; where it costs more (SGLang's, the eut),
+    the per-step programs that do not hit cost more than the replay saves (measured:
+    docs/internals/performance.md, stop 48)."""
+    first = registry.kind_of(config).search_per_step_first
+    return PER_STEP_FIRST if first is None else first
 
 
 def search_run(config: TargetConfig, suppressions=None, deadline: float | None = None,
@@ -22,7 +32,7 @@ def search_run(config: TargetConfig, suppressions=None, deadline: float | None =
     program ran out without one. A target kind may ask for its own schedule (``search_check_every``).
     On the sparse schedule the hooks are lean (no call sites, no lock-event records: the replay reports).
     ``per_step``: a check after every step instead (what a search asks for its first
-    :data:`PER_STEP_FIRST` programs): a hit there is reported as found, with no localizing replay, which
+    :func:`per_step_first` programs): a hit there is reported as found, with no localizing replay, which
     on a hit within the first few programs (most of the history suite's bugs) is a second run of the
     program; a per-step run reports what the sparse run's replay would."""
     every = 1 if per_step else registry.kind_of(config).search_check_every or CHECK_EVERY

@@ -127,7 +127,9 @@ class TargetKind:
     interrupt guard (:mod:`kvaudit.entry`); by default nothing. ``search_check_every``: the scheduler
     steps between a search's full checks on this kind (:mod:`kvaudit.search.schedule`), for a kind
     whose own invariants see state that lasts a single step and whose targets cannot say when it holds
-    (``Target.transient``, which vLLM's do); None: the searches' default.
+    (``Target.transient``, which vLLM's do); None: the searches' default. ``search_per_step_first``: how
+    many of a search's first programs run with a check after every step (a hit there needs no localizing
+    replay), for a kind whose check costs little beside its engine's step; None: the searches' default.
     """
 
     name: str
@@ -155,6 +157,7 @@ class TargetKind:
     engine_check: Callable | None = None
     warm_up: Callable = _none
     search_check_every: int | None = None
+    search_per_step_first: int | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
