@@ -371,7 +371,8 @@ def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppr
     (monotonic seconds), counting into ``stats``. ``before(i, op)`` is called before op ``i``; ``tracer``
     is a context manager held around the ops. Returns (ops run, the last op's findings, whether the
     deadline cut the program, the auditor's site keys)."""
-    with schedule.search_run(config, suppressions, deadline) as run, (tracer or contextlib.nullcontext()):
+    per_step = stats.executions <= schedule.per_step_first(config)  # (the caller counted this program)
+    with schedule.search_run(config, suppressions, deadline, per_step) as run, (tracer or contextlib.nullcontext()):
         if on_step is not None:
             run.on_step = on_step
         ran, found = 0, []

@@ -126,6 +126,9 @@ class TargetKind:
     what ``make`` needs (the slow part of a first run), for an entry point that imports under its own
     interrupt guard (:mod:`kvaudit.entry`); by default nothing. A kind whose own invariants see state
     that lasts a single step says when it holds through its targets (``Target.transient``), not here.
+    ``search_per_step_first``: how many of a search's first programs run with a check after every step
+    (a hit there needs no localizing replay), for a kind whose check costs little beside its engine's
+    step; None: the searches' default (:mod:`kvaudit.search.schedule`).
     """
 
     name: str
@@ -152,6 +155,7 @@ class TargetKind:
     export: Callable[[], object] | None = None
     engine_check: Callable | None = None
     warm_up: Callable = _none
+    search_per_step_first: int | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""

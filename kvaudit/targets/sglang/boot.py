@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import inspect
 import logging
 import os
@@ -27,10 +26,9 @@ class SglangUnavailable(RuntimeError):
 
 
 def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed sglang distribution's version, or None (its metadata read once per ``sys.path``)."""
+    from kvaudit.targets.compat import installed
+    return installed("sglang")
 
 
 def probe_version() -> str:

@@ -7,7 +7,8 @@ CPU as its engine core builds them (``vllm/v1/engine/core.py``; the ``KVCacheCon
 
 from __future__ import annotations
 
-import importlib.metadata
+import copy
+import importlib
 import json
 import logging
 import os
@@ -30,10 +31,9 @@ class VllmUnavailable(RuntimeError):
 
 
 def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed vllm distribution's version, or None (its metadata read once per ``sys.path``)."""
+    from kvaudit.targets.compat import installed
+    return installed("vllm")
 
 
 def probe_version() -> str:
@@ -230,6 +230,19 @@ def _model_dir(v: SimpleNamespace, config) -> str:
     return v.model_dirs[key]
 
 
+def _model_config(v: SimpleNamespace, config):
+    """vLLM's ``ModelConfig`` of the stub model for ``config``: built once per model directory, length and
+    seed (its construction reads ``config.json`` and package metadata, about 4 ms, most of a boot), and a
+    deep copy of that handed to each boot, so no scheduler sees another's (``VllmConfig`` may adjust it)."""
+    key = (_model_dir(v, config), config.max_model_len, config.seed, config.return_routed_experts)
+    cache = v.__dict__.setdefault("model_configs", {})
+    if key not in cache:
+        moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
+        cache[key] = v.ModelConfig(model=key[0], skip_tokenizer_init=True, dtype="float32",
+                                   max_model_len=config.max_model_len, seed=config.seed, **moe)
+    return copy.deepcopy(cache[key])
+
+
 def refusal(config, version: str | None) -> str | None:
     """Why release ``version`` (None: none installed) cannot build ``config``, in one line naming the releases
     that can, or None (no import: also for ``kind._presets``, the presets the installed release lists)."""
@@ -284,9 +297,7 @@ def build_scheduler(config):
     speculative decoding (:func:`speculative_config`). Returns ``(scheduler, vllm_config)``."""
     v = load()
     check_config(config)
-    moe = {"enable_return_routed_experts": True} if config.return_routed_experts else {}
-    mc = v.ModelConfig(model=_model_dir(v, config), skip_tokenizer_init=True, dtype="float32",
-                       max_model_len=config.max_model_len, seed=config.seed, **moe)
+    mc = _model_config(v, config)
     sc = v.SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                            max_model_len=config.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                            async_scheduling=config.async_scheduling, is_encoder_decoder=False,

@@ -117,4 +117,5 @@ KIND = register(TargetKind(
     config_class=VllmConfig, presets=_presets, make=_make, bugs=fault_rows(FAULTS),
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, features=_features, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
-    notes=_notes, regressions="corpora/vllm", history=_history, export=_export))
+    notes=_notes, regressions="corpora/vllm", history=_history, export=_export,
+    search_per_step_first=2))  # (a check costs little beside a vLLM step: docs/internals/performance.md, stop 48)
