@@ -274,3 +274,29 @@ def test_a_check_at_idle_that_would_sweep_what_the_last_swept_is_skipped():
     assert _checks_at_finish(drained) == 0
     assert _checks_at_finish(drained, paranoid=True) == 1
     assert _checks_at_finish(drained + [Abort(None), Step(1)]) == 1
+
+
+def test_a_search_checks_per_step_only_in_its_kinds_first_programs(monkeypatch):
+    # TargetKind.search_per_step_first: the first N programs of a search run with a check after every step
+    # (no localizing replay on a hit there); the eut asks for none, a kind that asks for 2 gets programs 1-2
+    import time
+
+    from kvaudit.search import fuzz, schedule
+
+    config = get_preset("default").config(model="none")
+    assert schedule.per_step_first(config) == 0
+    seen = []
+    real = schedule.search_run
+
+    def spy(*a, **k):
+        run = real(*a, **k)
+        seen.append(run.check_every)
+        return run
+
+    monkeypatch.setattr(schedule, "search_run", spy)
+    monkeypatch.setattr(schedule, "per_step_first", lambda c: 2)
+    stats = fuzz.FuzzStats()
+    for n in (1, 2, 3):
+        stats.executions = n
+        fuzz.run_program(config, [], stats, None, time.monotonic() + 60)
+    assert seen == [1, 1, schedule.CHECK_EVERY]
