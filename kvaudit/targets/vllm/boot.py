@@ -18,6 +18,7 @@ import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
+from kvaudit.targets.compat import installed
 from kvaudit.targets.vllm import compat
 
 SUPPORTED_VERSIONS = compat.TESTED  # every release of compat.MIN_VERSION..MAX_VERSION
@@ -31,9 +32,7 @@ class VllmUnavailable(RuntimeError):
 
 
 def installed_version() -> str | None:
-    """The installed vllm distribution's version, or None (its metadata read once per ``sys.path``)."""
-    from kvaudit.targets.compat import installed
-    return installed("vllm")
+    return installed("vllm")  # the installed distribution's version, or None (read once per sys.path)
 
 
 def probe_version() -> str:
@@ -231,9 +230,8 @@ def _model_dir(v: SimpleNamespace, config) -> str:
 
 
 def _model_config(v: SimpleNamespace, config):
-    """vLLM's ``ModelConfig`` of the stub model for ``config``: built once per model directory, length and
-    seed (its construction reads ``config.json`` and package metadata, about 4 ms, most of a boot), and a
-    deep copy of that handed to each boot, so no scheduler sees another's (``VllmConfig`` may adjust it)."""
+    """vLLM's ``ModelConfig`` of the stub model for ``config``, built once per model (about 4 ms: most of a
+    boot) and deep-copied per boot, so no scheduler sees another's (``VllmConfig`` may adjust it)."""
     key = (_model_dir(v, config), config.max_model_len, config.seed, config.return_routed_experts)
     cache = v.__dict__.setdefault("model_configs", {})
     if key not in cache:
