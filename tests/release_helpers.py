@@ -39,3 +39,19 @@ def child_env(engine: str, version: str, root: str | Path) -> dict[str, str]:
     env = releases.env(engine, version, overlay(engine, version))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(root)]))
     return env
+
+
+def run_programs(child: str, programs: list, engine: str, version: str, root: str | Path) -> dict:
+    """Run the script ``child`` (``python -c``) over ``programs`` (passed as its JSON argument) under
+    ``engine==version`` (:func:`child_env`); its last stdout line is a JSON object whose ``version`` must be
+    ``version`` (the overlay, not the base's engine, was imported). Returns that object."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", child, json.dumps(programs)], capture_output=True, text=True,
+                       env=child_env(engine, version, root), cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["version"] == version, out["version"]
+    return out

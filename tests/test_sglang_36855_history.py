@@ -7,13 +7,10 @@ prefix never advances and every chunk re-extends it from the start, leaking the 
 processes with their overlay first on ``PYTHONPATH`` (skipped, with the install command, when missing); the
 option itself is checked on the installed SGLang."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from release_helpers import child_env
+from release_helpers import run_programs
 
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.history.catalogue import BUGS, target_config
@@ -48,12 +45,7 @@ LEAK = "leak/token_to_kv_pool/request-kv/from:chunked"
 
 
 def run(version: str) -> list:
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(PROGRAMS)], capture_output=True, text=True,
-                       env=child_env("sglang", version, ROOT), cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["version"] == version  # the overlay, not the base's SGLang, was imported
-    return out["runs"]
+    return run_programs(CHILD, PROGRAMS, "sglang", version, ROOT)["runs"]
 
 
 @pytest.mark.releases

@@ -5,14 +5,13 @@ here: the other ways in (a 1-token client request), the decode path that was alw
 counters, and the refusals. The releases run in child processes with their overlay first on ``PYTHONPATH``.
 """
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from release_helpers import child_env
+from release_helpers import child_env, run_programs
 
 from kvaudit.targets.sglang.boot import _alloc_decode
 
@@ -47,13 +46,7 @@ ABORTED = [{"op": "submit", "prompt_len": 40, "max_new_tokens": 12}, {"op": "ste
 
 
 def run(version: str, programs: list) -> dict:
-    env = child_env("sglang", version, ROOT)
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(programs)], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["version"] == version  # the overlay, not the base's SGLang, was imported
-    return out
+    return run_programs(CHILD, programs, "sglang", version, ROOT)
 
 
 @pytest.mark.releases

@@ -6,13 +6,10 @@ prefill: aliasing) or frees (at finish: use-after-free) the KV the tree took. 0.
 pages. Each release runs in a child process with its overlay first on ``PYTHONPATH`` (skipped, with the
 install command, when the overlay is missing)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from release_helpers import child_env
+from release_helpers import run_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,12 +38,7 @@ PROGRAMS = [({}, PREFILL), ({}, DECODE), ({"sliding_window_size": 7}, PREFILL), 
 
 
 def run(version: str) -> list:
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(PROGRAMS)], capture_output=True, text=True,
-                       env=child_env("sglang", version, ROOT), cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["version"] == version  # the overlay, not the base's SGLang, was imported
-    return out["runs"]
+    return run_programs(CHILD, PROGRAMS, "sglang", version, ROOT)["runs"]
 
 
 @pytest.mark.releases
