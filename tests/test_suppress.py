@@ -434,3 +434,17 @@ def test_fuzz_replay_file_leaves_suppressed_findings_out(tmp_path):
     sigs = [f["signature"] for f in doc["findings"]]
     assert sigs and DEVICE_LEAK not in sigs, sigs
     assert "suppressions used" in result.stdout
+
+
+def test_a_site_glob_on_an_installed_packages_absolute_path_still_matches_its_package_relative_frame():
+    # frames of an installed package are recorded from the package (vllm/v1/..., 2026-12); a rule written
+    # against the absolute path (*/site-packages/vllm/...) still names the frame as installed here
+    import _pytest.python
+
+    frame = Site("_pytest/python.py", 10, "f")
+    here = _pytest.python.__file__.replace(os.sep, "/")
+    for glob in (f"{here}:10 in f", "*/_pytest/python.py:10 *", "_pytest/python.py:10 in f", "python.py:10 in f"):
+        assert Suppression(site=glob).matches(finding(alloc=[frame])), glob
+    assert not Suppression(site="*/_pytest/python.py:11 *").matches(finding(alloc=[frame]))
+    # a checkout's own relative frame is not an installed package's: no absolute form is offered
+    assert not Suppression(site="/*engine_under_test/hisparse.py:70 *").matches(finding(alloc=[ADMIT]))

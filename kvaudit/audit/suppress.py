@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, Iterator
 
-from kvaudit.audit.findings import KINDS, Finding
+from kvaudit.audit.findings import KINDS, Finding, installed, source_path
 
 try:
     import tomllib
@@ -64,6 +64,9 @@ def _site_texts(finding: Finding) -> Iterator[str]:
                  *getattr(finding, "read_sites", ())):
         yield site.short()
         yield f"{site.file.replace(os.sep, '/')}:{site.line} in {site.function}"
+        if installed(site.file):  # an installed package's frame (vllm/...): also its path on this machine, as
+            # rules written before frames were recorded package-relative (2026-12) name it
+            yield f"{source_path(site.file).replace(os.sep, '/')}:{site.line} in {site.function}"
 
 
 def _key(finding: Finding) -> tuple:
