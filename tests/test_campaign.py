@@ -593,8 +593,9 @@ def test_a_campaign_sums_its_workers_path_counters_keeping_a_path_at_zero():
 
     result = CampaignResult()
     tally = _Tally(result, None, None)
-    tally(("progress", 0, 10, 100, [], [], None, {"preemptions": 3, "failed_transfers": 0}))
-    tally(("progress", 1, 5, 50, [], [], None, {"preemptions": 1, "failed_transfers": 0}))
-    tally(("progress", 0, 12, 120, [], [], None, {"preemptions": 4, "failed_transfers": 0}))  # worker 0 again
+    tally(("progress", 0, 10, 100, [], [], None, {"preemptions": 3, "failed_transfers": 0}, None))
+    tally(("progress", 1, 5, 50, [], [], None, {"preemptions": 1, "failed_transfers": 0}, [(2, ["s1"])]))
+    tally(("progress", 0, 12, 120, [], [], None, {"preemptions": 4, "failed_transfers": 0}, None))  # worker 0 again
     assert dict(result.stats.reached) == {"preemptions": 5, "failed_transfers": 0}
     assert result.stats.executions == 17
+    assert result.suppression_usage == {1: [(2, ["s1"])]}  # (a worker with a suppression file sends its rules' usage)

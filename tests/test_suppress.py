@@ -448,3 +448,16 @@ def test_a_site_glob_on_an_installed_packages_absolute_path_still_matches_its_pa
     assert not Suppression(site="*/_pytest/python.py:11 *").matches(finding(alloc=[frame]))
     # a checkout's own relative frame is not an installed package's: no absolute form is offered
     assert not Suppression(site="/*engine_under_test/hisparse.py:70 *").matches(finding(alloc=[ADMIT]))
+
+
+def test_a_campaigns_suppressions_table_and_summary_count_what_its_worker_suppressed(tmp_path):
+    # a campaign's worker matches the rules: its counts come back to the table and the SUMMARY line (they
+    # said "matched nothing" while the status line counted suppressed findings)
+    rules = tmp_path / "sup.toml"
+    rules.write_text('[[suppress]]\npool = "hisparse_device"\n')
+    r = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--max-time", "5",
+               "--seed", "1", "--corpus", str(tmp_path / "camp"), "--suppress", str(rules))
+    assert r.exit_code == 1, r.output + r.stderr
+    summary = [ln for ln in r.stdout.splitlines() if ln.startswith("SUMMARY:")]
+    assert len(summary) == 1 and "1 suppressed signature(s)" in summary[0], r.stdout
+    assert "matched nothing" not in r.stdout, r.stdout

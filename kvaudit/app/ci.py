@@ -24,7 +24,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     """``kvaudit ci``; returns the exit code. ``budget.seconds``: search time in all, split evenly over
     the presets. Raises :class:`InputError` for a bad option (before any engine is imported)."""
     from kvaudit.search import ci
-    from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
+    from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
     from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db  # (a test patches them)
 
     check_fuzzer(fuzzer, target)
@@ -68,6 +68,10 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         for program, findings, path in run.new:
             print_report(console, kind.preset(run.preset).config(), program, findings, closing=False)
     _print_table(console, result)
+    if sset is not None:  # the presets' campaigns matched; the job's set is the file's
+        for run in result.fuzz:
+            sset.add_usage(run.suppression_usage)
+        print_suppressions(console, sset)
     _write_outputs(outputs, result, kind, preset_names[0], sset, err)
     # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]

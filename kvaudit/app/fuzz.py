@@ -316,6 +316,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     if result.new or result.known or result.flaky or result.fleet:
         print_table(console, _campaign_table(result))
     if sset is not None:
+        sset.add_usage(result.suppression_usage.values())  # (the workers matched; the parent's set is the file's)
         print_suppressions(console, sset)
     s = result.stats
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "

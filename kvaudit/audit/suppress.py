@@ -182,6 +182,18 @@ class SuppressionSet:
         """The same rules with every hit count at zero."""
         return SuppressionSet([dataclasses.replace(s, hits=0, signatures=set()) for s in self.suppressions], self.path)
 
+    def usage(self) -> list[tuple[int, list[str]]]:
+        """Each rule's ``(hits, sorted signatures)`` so far, in file order (what a campaign's worker sends its
+        parent, :meth:`add_usage`)."""
+        return [(s.hits, sorted(s.signatures)) for s in self.suppressions]
+
+    def add_usage(self, usages) -> None:
+        """Count ``usages`` (each a :meth:`usage` of a set of the same rules: a worker's) into these rules."""
+        for usage in usages:
+            for rule, (hits, signatures) in zip(self.suppressions, usage):
+                rule.hits += hits
+                rule.signatures.update(signatures)
+
     def suppressed_signatures(self) -> set[str]:
         """The signatures of every finding suppressed so far."""
         return set().union(*(s.signatures for s in self.suppressions))

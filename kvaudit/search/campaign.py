@@ -60,6 +60,8 @@ class CampaignResult:
     fleet: dict[str, str] = field(default_factory=dict)  # signature -> replay file, found by another host meanwhile
     duplicates: dict[str, int] = field(default_factory=dict)  # signature -> times found while another worker held it
     warnings: list[str] = field(default_factory=list)  # the workers' (a malformed entry in Redis)
+    # worker -> its suppression rules' usage so far (SuppressionSet.usage; the parent's set adds them up)
+    suppression_usage: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,7 +148,8 @@ class _Worker:
         if force or time.monotonic() - self._last_progress >= PROGRESS_EVERY:
             self._last_progress = time.monotonic()
             self.emit(("progress", self.spec.index, s.executions, s.ops, sorted(s.sites), sorted(s.suppressed),
-                       getattr(s, "coverage", None), dict(getattr(s, "reached", {}))))
+                       getattr(s, "coverage", None), dict(getattr(s, "reached", {})),
+                       self.sset.usage() if self.sset is not None else None))
 
     def sync(self) -> None:
         """Between rounds of a fleet campaign: pull the fleet's files and known signatures; triage orphans."""
@@ -372,6 +375,8 @@ class _Tally:
             if msg[6] is not None:
                 stats.coverage = msg[6]
             self.reached[index] = msg[7]
+            if msg[8] is not None:
+                result.suppression_usage[index] = msg[8]
             stats.reached = Counter()
             for counts in self.reached.values():
                 stats.reached.update(counts)  # (update keeps a 0: a path no program reached)

@@ -50,6 +50,7 @@ class FuzzRun:
     known: list[str] = field(default_factory=list)
     known_open: list[Finding] = field(default_factory=list)  # known findings that still reproduce
     interrupted: bool = False  # Ctrl-C or SIGTERM cut the campaign short (what it found is in ``new``)
+    suppression_usage: list = field(default_factory=list)  # the workers' SuppressionSet.usage()
 
     @property
     def nothing_searched(self) -> bool:
@@ -131,6 +132,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
                               db=db, campaign=f"{campaign}/{preset}",
                               ttl=float(os.environ.get("KVAUDIT_FLEET_TTL", "30")))
         run.executions = result.stats.executions
+        run.suppression_usage = list(result.suppression_usage.values())
         run.known = sorted({**result.known, **result.fleet})
         for sig, path in sorted(result.new.items()):
             _, program, findings, doc = replay.load(path)
