@@ -461,3 +461,21 @@ def test_a_campaigns_suppressions_table_and_summary_count_what_its_worker_suppre
     summary = [ln for ln in r.stdout.splitlines() if ln.startswith("SUMMARY:")]
     assert len(summary) == 1 and "1 suppressed signature(s)" in summary[0], r.stdout
     assert "matched nothing" not in r.stdout, r.stdout
+
+
+def test_report_of_a_suppressed_runs_json_prints_its_summary_line(tmp_path):
+    # `kvaudit report` of the JSON report counts the recorded suppressed signatures where the run did (the
+    # summary table, the SUMMARY line): a CI grep of SUMMARY: reads the same from either
+    rules = tmp_path / "sup.toml"
+    rules.write_text('[[suppress]]\npool = "hisparse_device"\n')
+    out = tmp_path / "run.json"
+    r = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--max-time", "5",
+               "--seed", "1", "--out", str(tmp_path / "o"), "--suppress", str(rules), "--json", str(out))
+    assert r.exit_code == 1, r.output + r.stderr
+    again = invoke("report", str(out))
+    assert again.exit_code == 0, again.output + again.stderr
+
+    def summary(text):
+        return [ln for ln in text.splitlines() if ln.startswith("SUMMARY:")]
+
+    assert summary(again.stdout) == summary(r.stdout) and "1 suppressed signature(s)" in summary(r.stdout)[0]

@@ -35,9 +35,8 @@ def run(file: str, outputs: Outputs) -> int:
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
                                                                                 "minimized", "preset")},
                           config=case_config))
-    notes = ("suppressed signatures when recorded: " + ", ".join(f"{k} {v}" for k, v in sorted(suppressed.items())),) \
-        if suppressed else ()
-    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], notes=notes)
+    # the recorded suppressed counts in the summary table and the SUMMARY line, as the run printed them
+    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], suppressed=suppressed)
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
                                                            "suppressed", "cases")}
     write_reports(outputs, ReportData(config, cases, suppressed, extra), make_console(stderr=True))
