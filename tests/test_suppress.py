@@ -479,3 +479,14 @@ def test_report_of_a_suppressed_runs_json_prints_its_summary_line(tmp_path):
         return [ln for ln in text.splitlines() if ln.startswith("SUMMARY:")]
 
     assert summary(again.stdout) == summary(r.stdout) and "1 suppressed signature(s)" in summary(r.stdout)[0]
+
+
+def test_minimize_refuses_a_signature_its_suppression_file_covers_in_one_line(tmp_path):
+    r = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--max-time", "5",
+               "--seed", "1", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 1, r.output + r.stderr
+    (path,) = (tmp_path / "o").glob("*.json")
+    rules = tmp_path / "sup.toml"
+    rules.write_text('[[suppress]]\nkind = "leak"\n')
+    m = invoke("minimize", str(path), "--suppress", str(rules))
+    assert m.exit_code == 2 and "is suppressed by rule #1 (kind=leak)" in one_error_line(m), m.output + m.stderr

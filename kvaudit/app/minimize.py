@@ -27,6 +27,10 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     elif recorded and signature not in {f.signature for f in recorded}:
         raise InputError(f"--signature {signature}: {file} records no finding of it; its signature(s): "
                          + ", ".join(dict.fromkeys(f.signature for f in recorded)))
+    rule = next((r for f in recorded if f.signature == signature for r in (sset or ()) if r.matches(f)), None)
+    if rule is not None:  # (minimizing would only say that it does not reproduce)
+        raise InputError(f"{signature} is suppressed by rule #{rule.index} ({rule.describe()}) of {suppress_file}: "
+                         "minimize it without that rule")
     out_file = out_file or (file[:-5] if file.endswith(".json") else file) + ".min.json"
     check_paths((file,), output=out_file)  # the same checks as the report flags, named as the flag
     require_target(config)  # last: a real engine's probe imports it (seconds)
