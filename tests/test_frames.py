@@ -164,3 +164,22 @@ def test_an_installed_packages_frame_is_recorded_from_its_package_and_read_back_
     ours = os.path.join(ROOT, "kvaudit", "replay.py")
     assert portable_path(os.path.abspath(ours)) == "kvaudit/replay.py" and not installed("kvaudit/replay.py")
     assert portable_path("/usr/lib/no-such/thing.py") == "/usr/lib/no-such/thing.py"
+
+
+def test_a_package_in_a_venv_inside_the_checkout_is_recorded_from_its_package(tmp_path, monkeypatch):
+    # a newcomer's `python -m venv .venv` in the clone: its site-packages is inside the checkout, and its
+    # packages' frames were recorded as .venv/lib/... (the checkout's files), not from their package
+    from kvaudit.audit import findings
+
+    site = tmp_path / ".venv" / "lib" / "python3.11" / "site-packages"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg" / "__init__.py").write_text("")
+    (site / "pkg" / "mod.py").write_text("x = 1\n")
+    monkeypatch.setattr(findings, "_SOURCE_ROOT", str(tmp_path))
+    findings._portable.cache_clear()
+    try:
+        assert findings._portable(str(site / "pkg" / "mod.py"), (str(tmp_path), str(site))) == "pkg/mod.py"
+        (tmp_path / "own").mkdir()
+        assert findings._portable(str(tmp_path / "own" / "a.py"), (str(tmp_path), str(site))) == "own/a.py"
+    finally:
+        findings._portable.cache_clear()

@@ -31,14 +31,16 @@ def portable_path(path: str) -> str:
 @functools.lru_cache(maxsize=4096)
 def _portable(path: str, syspath: tuple[str, ...]) -> str:
     ap = os.path.abspath(path)
-    if ap.startswith(_SOURCE_ROOT + os.sep):
-        return os.path.relpath(ap, _SOURCE_ROOT)
+    ours = ap.startswith(_SOURCE_ROOT + os.sep)
     roots = [r for r in map(os.path.abspath, filter(os.path.isabs, syspath)) if ap.startswith(r + os.sep)]
-    for root in sorted(roots, key=len, reverse=True):
+    # a root inside the checkout (a .venv's site-packages there) is nearer than the checkout
+    for root in sorted((r for r in roots if not ours or len(r) > len(_SOURCE_ROOT)), key=len, reverse=True):
         rel = os.path.relpath(ap, root)
         top = rel.split(os.sep, 1)[0]
         if os.sep in rel and os.path.isfile(os.path.join(root, top, "__init__.py")):
             return rel.replace(os.sep, "/")
+    if ours:
+        return os.path.relpath(ap, _SOURCE_ROOT)
     return _foreign_package_path(path) or path
 
 
