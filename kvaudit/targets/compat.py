@@ -32,17 +32,16 @@ def _at_least(version: str, release: str) -> bool:
     return Version(version) >= Version(release)
 
 
-_INSTALLED: dict[tuple, str | None] = {}
-
-
 def installed(distribution: str) -> str | None:
     """The version of the first ``distribution`` on ``sys.path`` (a release overlay in front wins), or None
     when none is installed. Read from the metadata once per ``sys.path``: a target's boot asks it (a
     metadata read costs about 3 ms, which a search used to pay three times per program it ran)."""
-    key = (distribution, tuple(sys.path))
-    if key not in _INSTALLED:
-        try:
-            _INSTALLED[key] = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            _INSTALLED[key] = None
-    return _INSTALLED[key]
+    return _installed(distribution, tuple(sys.path))
+
+
+@functools.cache
+def _installed(distribution: str, syspath: tuple[str, ...]) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None

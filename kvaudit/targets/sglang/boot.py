@@ -15,6 +15,7 @@ import types
 import warnings
 from types import SimpleNamespace
 
+from kvaudit.targets.compat import installed
 from kvaudit.targets.sglang import compat
 
 SUPPORTED_VERSIONS = compat.LEGACY + compat.CURRENT  # two driver families (compat.family)
@@ -26,9 +27,7 @@ class SglangUnavailable(RuntimeError):
 
 
 def installed_version() -> str | None:
-    """The installed sglang distribution's version, or None (its metadata read once per ``sys.path``)."""
-    from kvaudit.targets.compat import installed
-    return installed("sglang")
+    return installed("sglang")  # the installed distribution's version, or None (read once per sys.path)
 
 
 def probe_version() -> str:
