@@ -6,9 +6,19 @@ pool size, page size, batch limits, disaggregation mode and HiSparse.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine_under_test.bugs import BUGS, UnknownBugError
+
+
+def _json(v) -> str:
+    """``v`` as the replay file's JSON spells it (``true``, ``null``), for a config error. The engine never
+    imports kvaudit, so this is its own copy of ``kvaudit.config.json_value``."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
 
 
 # Inclusive bounds of the integer fields: a typo in a replay file gets a clear error instead of a
@@ -87,26 +97,26 @@ class EngineConfig:
         for name, (lo, hi) in _INT_RANGES.items():
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+                raise ValueError(f"{name} must be an integer, got {_json(v)}")
             if not lo <= v <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
         for name in ("enable_hisparse", "disable_radix_cache", "enable_mixed_chunk", "enable_overlap",
                      "enable_streaming_session", "enable_hicache", "disaggregation_decode_enable_radix_cache",
                      "enable_priority_scheduling", "schedule_low_priority_values_first"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be true or false, got {_json(getattr(self, name))}")
         for name in ("model", "device", "preset", "hicache_write_policy"):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a string, got {_json(getattr(self, name))}")
         r = self.new_token_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
-            raise ValueError(f"new_token_ratio must be a number in [0, 1], got {r!r}")
+            raise ValueError(f"new_token_ratio must be a number in [0, 1], got {_json(r)}")
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 1 << 16):
-            raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {c!r}")
+            raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size, 65536], got {_json(c)}")
         q = self.max_queued_requests
         if q is not None and (not isinstance(q, int) or isinstance(q, bool) or not 1 <= q <= 4096):
-            raise ValueError(f"max_queued_requests must be null or an integer in [1, 4096], got {q!r}")
+            raise ValueError(f"max_queued_requests must be null or an integer in [1, 4096], got {_json(q)}")
         if (self.enable_priority_scheduling or q is not None) and (self.is_pd_decode or self.enable_hisparse):
             raise ValueError("enable_priority_scheduling and max_queued_requests are modelled for aggregated serving "
                              "without HiSparse")
@@ -117,7 +127,7 @@ class EngineConfig:
         if self.num_slots < self.page_size * 2:
             raise ValueError(f"num_slots={self.num_slots} is smaller than two pages of {self.page_size}")
         if self.disaggregation_mode not in (None, "decode"):
-            raise ValueError(f"disaggregation_mode must be None or 'decode', got {self.disaggregation_mode!r}")
+            raise ValueError(f"disaggregation_mode must be None or 'decode', got {_json(self.disaggregation_mode)}")
         if self.disaggregation_decode_enable_radix_cache and (not self.is_pd_decode or self.disable_radix_cache):
             raise ValueError("disaggregation_decode_enable_radix_cache needs disaggregation_mode='decode' and "
                              "disable_radix_cache=false")
@@ -135,11 +145,11 @@ class EngineConfig:
             if getattr(self, name) and (self.is_pd_decode or self.disable_radix_cache):
                 raise ValueError(f"{name} needs aggregated serving with the radix cache on")
         if self.hicache_write_policy not in ("write_through", "write_back"):
-            raise ValueError(f"hicache_write_policy must be write_through or write_back, got {self.hicache_write_policy!r}")
+            raise ValueError(f"hicache_write_policy must be write_through or write_back, got {_json(self.hicache_write_policy)}")
         if self.model not in ("tiny", "none"):
-            raise ValueError(f"model must be 'tiny' or 'none', got {self.model!r}")
+            raise ValueError(f"model must be 'tiny' or 'none', got {_json(self.model)}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+            raise ValueError(f"device must be cpu or cuda, got {_json(self.device)}")
         if self.max_running_requests < 1 or self.max_req_rows < 1:
             raise ValueError("max_running_requests and max_req_rows must be >= 1")
         if self.enable_hisparse and self.hisparse_device_buffer_size % self.page_size:

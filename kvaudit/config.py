@@ -4,8 +4,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Protocol
+
+
+def json_value(v) -> str:
+    """``v`` spelled as a user who wrote the config in JSON or TOML wrote it (``true``, ``null``, ``"x"``,
+    ``[1, 2]``), for the ``got ...`` of a config error; ``repr`` for what JSON cannot hold."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
 
 
 class UnknownPresetError(ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvaudit.config import ConfigBase, Preset
+from kvaudit.config import ConfigBase, Preset, json_value
 
 # Faults the target can inject through its wrappers, to show the oracles see them on SGLang's own
 # code (issue 8's "must show"). Each fires once, on the first chance it gets.
@@ -196,18 +196,18 @@ class SglangConfig(ConfigBase):
                      "priority_scheduling_preemption_threshold"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+                raise ValueError(f"{name} must be a non-negative integer, got {json_value(v)}")
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
                      "enable_hierarchical_cache", "prefill_reads_after_failure",
                      "swa_chunk_cache", "enable_mamba", "mamba_extra_buffer"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be true or false, got {json_value(getattr(self, name))}")
         if self.target != "sglang":
-            raise ValueError(f"target must be 'sglang', got {self.target!r}")
+            raise ValueError(f"target must be 'sglang', got {json_value(self.target)}")
         if self.tree_core not in TREE_CORES:
-            raise ValueError(f"tree_core must be one of {', '.join(TREE_CORES)}, got {self.tree_core!r}")
+            raise ValueError(f"tree_core must be one of {', '.join(TREE_CORES)}, got {json_value(self.tree_core)}")
         self._check_eviction_policy()
         if self.page_size < 1 or self.num_slots < 4 * self.page_size or self.num_slots > 1 << 20:
             raise ValueError(f"num_slots={self.num_slots} must hold at least 4 pages of {self.page_size} "
@@ -217,15 +217,15 @@ class SglangConfig(ConfigBase):
         if not 1 <= self.max_running_requests <= 256 or not 1 <= self.max_req_rows <= 1024:
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
         if self.disaggregation_mode not in ("null", "decode", "prefill"):
-            raise ValueError(f"disaggregation_mode must be null, decode or prefill, got {self.disaggregation_mode!r}")
+            raise ValueError(f"disaggregation_mode must be null, decode or prefill, got {json_value(self.disaggregation_mode)}")
         for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
                      "request_running_timeout_steps", "kv_checksum_mismatch_every", "fake_bootstrap_every"):
             t = getattr(self, name)
             if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-                raise ValueError(f"{name} must be null or a positive integer, got {t!r}")
+                raise ValueError(f"{name} must be null or a positive integer, got {json_value(t)}")
         a = self.abort_ack_steps
         if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
-            raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {a!r}")
+            raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {json_value(a)}")
         if self.kv_checksum_mismatch_every is not None and self.disaggregation_mode != "decode":
             raise ValueError("kv_checksum_mismatch_every corrupts PD transfers: it needs disaggregation_mode decode "
                              "(preset sglang-pd-decode)")
@@ -240,17 +240,17 @@ class SglangConfig(ConfigBase):
         c = self.chunked_prefill_size
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not self.page_size <= c <= 65536):
             raise ValueError(f"chunked_prefill_size must be null or an integer in [page_size={self.page_size}, 65536], "
-                             f"got {c!r}")
+                             f"got {json_value(c)}")
         if self.enable_mixed_chunk and (c is None or self.enable_hisparse):
             raise ValueError("enable_mixed_chunk needs chunked_prefill_size (SGLang's is_mixed_chunk) and is not "
                              "driven with enable_hisparse")
         r = self.new_token_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
-            raise ValueError(f"new_token_ratio must be a number in [0, 1], got {r!r}")
+            raise ValueError(f"new_token_ratio must be a number in [0, 1], got {json_value(r)}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+            raise ValueError(f"device must be cpu or cuda, got {json_value(self.device)}")
         if not isinstance(self.preset, str):
-            raise ValueError(f"preset must be a string, got {self.preset!r}")
+            raise ValueError(f"preset must be a string, got {json_value(self.preset)}")
         self._freeze_faults(FAULTS, "sglang")
         self._check_hisparse()
         self._check_hicache()
@@ -263,13 +263,13 @@ class SglangConfig(ConfigBase):
         for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
-                raise ValueError(f"{name} must be an integer in [1, 4096], got {v!r}")
+                raise ValueError(f"{name} must be an integer in [1, 4096], got {json_value(v)}")
         n = self.bootstrap_lost_every
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {n!r}")
+            raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {json_value(n)}")
         o = self.optimistic_prefill_attempts
         if not isinstance(o, int) or isinstance(o, bool) or not 0 <= o <= 64:
-            raise ValueError(f"optimistic_prefill_attempts must be an integer in [0, 64], got {o!r}")
+            raise ValueError(f"optimistic_prefill_attempts must be an integer in [0, 64], got {json_value(o)}")
         if self.disaggregation_mode != "prefill":
             if o:
                 raise ValueError("optimistic_prefill_attempts lets a prefill server run a request before decode "
@@ -309,7 +309,7 @@ class SglangConfig(ConfigBase):
     def _check_eviction_policy(self) -> None:
         if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
             raise ValueError(f"radix_eviction_policy must be one of {', '.join(RADIX_EVICTION_POLICIES)}, "
-                             f"got {self.radix_eviction_policy!r}")
+                             f"got {json_value(self.radix_eviction_policy)}")
         text = self.radix_eviction_policy_config
         if text is not None:
             import json
@@ -318,7 +318,7 @@ class SglangConfig(ConfigBase):
             except (TypeError, ValueError):
                 ok = False
             if not ok:
-                raise ValueError(f"radix_eviction_policy_config must be a JSON object, got {text!r}")
+                raise ValueError(f"radix_eviction_policy_config must be a JSON object, got {json_value(text)}")
 
     @property
     def swa_num_slots(self) -> int:
@@ -336,12 +336,12 @@ class SglangConfig(ConfigBase):
                 raise ValueError("swa_chunk_cache needs sliding_window_size (an SWA hybrid model)")
             return
         if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.context_len:
-            raise ValueError(f"sliding_window_size must be null or an integer in [1, context_len), got {w!r}")
+            raise ValueError(f"sliding_window_size must be null or an integer in [1, context_len), got {json_value(w)}")
         r, i = self.swa_full_tokens_ratio, self.swa_eviction_interval
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
-            raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {r!r}")
+            raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {json_value(r)}")
         if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= 1024:
-            raise ValueError(f"swa_eviction_interval must be an integer in [1, 1024], got {i!r}")
+            raise ValueError(f"swa_eviction_interval must be an integer in [1, 1024], got {json_value(i)}")
         if self.swa_num_slots < 4 * self.page_size:
             raise ValueError(f"the SWA pool ({self.swa_num_slots} tokens: swa_full_tokens_ratio x num_slots) must "
                              f"hold at least 4 pages of {self.page_size}")
@@ -371,7 +371,7 @@ class SglangConfig(ConfigBase):
         for name in ("max_mamba_cache_size", "mamba_chunk_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
-                raise ValueError(f"{name} must be an integer in [1, 4096], got {v!r}")
+                raise ValueError(f"{name} must be an integer in [1, 4096], got {json_value(v)}")
         if self.page_size != 1:
             raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer; "
                              "the extra buffer is driven at page 1 only in this version)")
@@ -403,14 +403,14 @@ class SglangConfig(ConfigBase):
             return
         if a not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be null or one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
-                             f"got {a!r}")
+                             f"got {json_value(a)}")
         for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16:
-                raise ValueError(f"{name} must be an integer in [1, 16], got {v!r}")
+                raise ValueError(f"{name} must be an integer in [1, 16], got {json_value(v)}")
         if self.speculative_eagle_topk != 1:
             raise ValueError(f"speculative_eagle_topk must be 1 (the tree drafts of topk > 1 are not driven), "
-                             f"got {self.speculative_eagle_topk!r}")
+                             f"got {json_value(self.speculative_eagle_topk)}")
         if a == "eagle" and self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
             # SGLang's _handle_eagle_family: with topk 1, num_draft_tokens is num_steps + 1
             raise ValueError("speculative_num_draft_tokens must be speculative_num_steps + 1 for eagle with topk 1 "
@@ -427,15 +427,15 @@ class SglangConfig(ConfigBase):
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
-                             f"got {self.hicache_write_policy!r}")
+                             f"got {json_value(self.hicache_write_policy)}")
         r = self.hicache_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 1 < r <= 8:
-            raise ValueError(f"hicache_ratio must be a number in (1, 8], got {r!r}")
+            raise ValueError(f"hicache_ratio must be a number in (1, 8], got {json_value(r)}")
         for name, top in (("hicache_ack_steps", 64), ("hicache_storage_ack_steps", 64),
                           ("hicache_storage_prefetch_threshold", 65536), ("hicache_storage_prefetch_timeout_steps", 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
-                raise ValueError(f"{name} must be an integer in [1, {top}], got {v!r}")
+                raise ValueError(f"{name} must be an integer in [1, {top}], got {json_value(v)}")
         self._check_hicache_storage()
         if not self.enable_hierarchical_cache:
             return
@@ -449,24 +449,24 @@ class SglangConfig(ConfigBase):
         b = self.hicache_storage_backend
         if b is not None and b not in HICACHE_STORAGE_BACKENDS:
             raise ValueError(f"hicache_storage_backend must be null or one of {', '.join(HICACHE_STORAGE_BACKENDS)}, "
-                             f"got {b!r}")
+                             f"got {json_value(b)}")
         f = self.hicache_storage_fail_every
         if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 1 or b is None):
             raise ValueError(f"hicache_storage_fail_every must be null or a positive integer, with a "
-                             f"hicache_storage_backend, got {f!r}")
+                             f"hicache_storage_backend, got {json_value(f)}")
         if b is not None and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_backend needs enable_hierarchical_cache (SGLang's L3 tier sits under "
                              "the host tier)")
         p = self.hicache_storage_prefetch_policy
         if p not in HICACHE_PREFETCH_POLICIES:
             raise ValueError(f"hicache_storage_prefetch_policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
-                             f"got {p!r}")
+                             f"got {json_value(p)}")
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+                raise ValueError(f"{name} must be a non-negative integer, got {json_value(v)}")
         if not self.enable_hisparse:
             if self.bugs & HISPARSE_ONLY_FAULTS:
                 raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} is for --preset sglang-hisparse "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from kvaudit.config import ConfigBase, Preset
+from kvaudit.config import ConfigBase, Preset, json_value
 
 # Faults the target injects through its wrappers of vLLM's own objects, to show the oracles see them on
 # vLLM's code. Each fires once, on its first chance. (kind, description)
@@ -211,11 +211,11 @@ class VllmConfig(ConfigBase):
         field the manager level cannot run (:data:`SCHEDULER_ONLY`), a combination vLLM refuses."""
         for f in fields(self):
             v, (lo, hi) = getattr(self, f.name), RANGES.get(f.name, (None, None))
-            yield f.type == "bool" and not isinstance(v, bool), f"{f.name} must be true or false, got {v!r}"
+            yield f.type == "bool" and not isinstance(v, bool), f"{f.name} must be true or false, got {json_value(v)}"
             yield (lo is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or hi and v > hi),
-                   f"{f.name} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}")
+                   f"{f.name} must be an integer in [{lo}, {hi or 'inf'}], got {json_value(v)}")
             yield (f.name in CHOICES and v not in CHOICES[f.name],
-                   f"{f.name} must be one of {', '.join(map(str, CHOICES.get(f.name, ())))}, got {v!r}")
+                   f"{f.name} must be one of {', '.join(map(str, CHOICES.get(f.name, ())))}, got {json_value(v)}")
             yield f.name in SCHEDULER_ONLY and v != f.default and self.level != "scheduler", \
                 f"{f.name} needs level scheduler"
         c, w, u = self, self.sliding_window, self.prefix_match_unit
@@ -226,19 +226,19 @@ class VllmConfig(ConfigBase):
         yield (not c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_model_len, "without chunked prefill, "
                "max_num_batched_tokens must be at least max_model_len (vLLM's SchedulerConfig rule)")
         yield (w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < c.max_model_len),
-               f"sliding_window must be null or an integer in [1, max_model_len), got {w!r}")
+               f"sliding_window must be null or an integer in [1, max_model_len), got {json_value(w)}")
         yield (c.blocks_per_request() > c.num_gpu_blocks - 1, f"a request of max_model_len={c.max_model_len} tokens "
                f"may need {c.blocks_per_request()} blocks, more than the pool's {c.num_gpu_blocks - 1}: vLLM refuses "
                "to start so (check_enough_kv_cache_memory); lower max_model_len")
         yield (u is not None and (not c.mamba or u not in CHOICES["block_size"] or u >= c.block_size),
-               f"prefix_match_unit must be null or, with mamba, a power of two below block_size, got {u!r}")
+               f"prefix_match_unit must be null or, with mamba, a power of two below block_size, got {json_value(u)}")
         yield (c.mamba and w is not None,
                "mamba and sliding_window together are not built (one group beside full attention)")
         yield (c.kv_connector == "SimpleCPUOffloadConnector" and not c.enable_prefix_caching,
                "SimpleCPUOffloadConnector needs enable_prefix_caching (vLLM turns the offload off without it)")
         yield (c.kv_load_failure_policy is not None and (c.kv_connector not in NIXL or w is not None),
                "kv_load_failure_policy needs a NIXL kv_connector and no sliding_window")
-        yield not isinstance(c.preset, str), f"preset must be a string, got {c.preset!r}"
+        yield not isinstance(c.preset, str), f"preset must be a string, got {json_value(c.preset)}"
 
 
 # the rows __post_init__ checks: an integer field's range (None: no upper end), a field's values, the fields

@@ -1,0 +1,40 @@
+"""kvaudit/config.py: what every target's config shares. A config error names the value a user wrote in
+JSON or TOML as JSON spells it (``got true`` / ``got null``), not as Python prints it (``got True``)."""
+
+import json
+
+import pytest
+
+from cli_helpers import invoke, one_error_line
+from kvaudit.config import json_value
+from kvaudit.targets import config_from_dict
+
+
+@pytest.mark.parametrize("config, said", [
+    ({"target": "sglang", "fake_bootstrap_every": True}, "fake_bootstrap_every must be null or a positive integer, got true"),
+    ({"target": "sglang", "enable_overlap": None}, "enable_overlap must be true or false, got null"),
+    ({"target": "sglang", "tree_core": "go"}, 'got "go"'),
+    ({"target": "vllm", "async_scheduling": None}, "async_scheduling must be true or false, got null"),
+    ({"target": "vllm", "block_size": False}, "got false"),
+    ({"target": "eut", "enable_overlap": None}, "enable_overlap must be true or false, got null"),
+    ({"target": "eut", "num_slots": True}, "num_slots must be an integer, got true"),
+], ids=["sglang-true", "sglang-null", "sglang-string", "vllm-null", "vllm-false", "eut-null", "eut-true"])
+def test_a_config_error_spells_the_value_as_json(config, said):
+    with pytest.raises(ValueError) as e:
+        config_from_dict(config)
+    assert said in str(e.value)
+    assert "True" not in str(e.value) and "None" not in str(e.value) and "False" not in str(e.value)
+
+
+def test_json_value_falls_back_to_repr_for_what_json_cannot_hold():
+    assert [json_value(v) for v in (True, None, 3, "x", [1, None])] == ["true", "null", "3", '"x"', "[1, null]"]
+    assert json_value({1, 2}) == repr({1, 2})
+
+
+def test_replay_of_a_config_with_a_bad_value_exits_2_naming_it_as_json(tmp_path):
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps({"format": "kvaudit.replay/1", "program": [],
+                                "config": {"target": "sglang", "fake_bootstrap_every": True}}))
+    result = invoke("replay", str(path))
+    assert result.exit_code == 2, result.output
+    assert one_error_line(result).endswith("fake_bootstrap_every must be null or a positive integer, got true")
