@@ -126,9 +126,9 @@ def test_summary_line_counts_a_unit_once_per_pool_and_run():
                             num_units=3)
     b = dataclasses.replace(a, slots=[5, 6, 7], num_units=3)
     other_pool = dataclasses.replace(a, pool="hisparse_device")
-    assert summary_line([a, b]).endswith("; 4 distinct slot(s), 0 distinct row(s) involved.")
-    assert summary_line([a, b, other_pool]).endswith("; 7 distinct slot(s), 0 distinct row(s) involved.")
-    assert summary_line([a, b], runs=[[a], [b]]).endswith("; 6 distinct slot(s), 0 distinct row(s) involved.")
+    assert summary_line([a, b]).endswith("; 4 distinct slot(s) involved.")
+    assert summary_line([a, b, other_pool]).endswith("; 7 distinct slot(s) involved.")
+    assert summary_line([a, b], runs=[[a], [b]]).endswith("; 6 distinct slot(s) involved.")
 
 
 @pytest.mark.parametrize("env, plain", [({}, False), ({"NO_COLOR": "1"}, True), ({"TERM": "dumb"}, True)],
@@ -198,7 +198,7 @@ def test_a_blocks_pool_finding_is_told_in_blocks_in_every_format():
     buf = io.StringIO()
     Console(file=buf, width=120, color_system=None).print(lifecycle_table(f, plain=True))
     assert "lifecycle of block 1" in buf.getvalue()
-    assert summary_line([f]).endswith("; 0 distinct slot(s), 0 distinct row(s), 2 distinct block(s) involved.")
+    assert summary_line([f]).endswith("; 2 distinct block(s) involved.")
     assert "blocks: [1, 3] (2 blocks)" in failure_text(f)
     assert _units_line(f) == "Blocks: 1, 3."
     assert "- 2 block(s): 1, 3" in _finding(f, "vllm")

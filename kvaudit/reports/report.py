@@ -165,9 +165,9 @@ def units_involved(runs: list[list[Finding]]) -> Counter:
 def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = None,
                  interrupted: bool = False, runs: list[list[Finding]] | None = None) -> str:
     """The closing line, always one, for ``grep '^SUMMARY:'``: ``SUMMARY: kvaudit: 3 finding(s) (2 leak,
-    1 double-free) in 2 signature(s); 12 distinct slot(s), 1 distinct row(s) involved.`` (``, 2 distinct
-    block(s)`` when a blocks pool has any; :func:`units_involved` over ``runs``, the findings split by
-    program run, by default one run), or ``SUMMARY: kvaudit: no findings.`` (``(interrupted)`` for a run cut
+    1 double-free) in 2 signature(s); 12 distinct slot(s), 1 distinct row(s) involved.`` (each unit, slot,
+    row or block, only where the findings involve any, and no ``involved`` clause where none does;
+    :func:`units_involved` over ``runs``, the findings split by program run, by default one run), or ``SUMMARY: kvaudit: no findings.`` (``(interrupted)`` for a run cut
     short), with ``; N suppressed signature(s)`` when rules suppressed findings (``suppressed``: distinct
     signatures per kind, as the "suppressions used" table's ``signatures`` column counts them)."""
     n_suppressed = sum((suppressed or {}).values())
@@ -177,9 +177,9 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
     counts = Counter(f.kind for f in findings)
     kinds = ", ".join(f"{counts[r['kind']]} {r['kind']}" for r in summary_rows(findings))
     units = units_involved([findings] if runs is None else runs)
+    involved = ", ".join(f"{units[u]} distinct {u}(s)" for u in ("slot", "row", "block") if units[u])
     return (f"SUMMARY: kvaudit: {len(findings)} finding(s) ({kinds}) in {len({f.signature for f in findings})} "
-            f"signature(s); {units['slot']} distinct slot(s), {units['row']} distinct row(s)"
-            + (f", {units['block']} distinct block(s)" if units["block"] else "") + f" involved{tail}.")
+            f"signature(s){f'; {involved} involved' if involved else ''}{tail}.")
 
 
 def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
