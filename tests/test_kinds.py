@@ -115,3 +115,18 @@ def test_oracle_conditions_scan_only_runs_only_what_a_mid_step_scan_may():
     ran = [o.name for o in oracles.ORACLES
            if (o.when(s, p) if o.stage == "pool" else o.stage == "engine" and o.when(s))]
     assert ran == ["aliasing", "leaks", "target", "engine-check", "lock-balance"]
+
+
+def test_a_double_free_with_no_free_site_says_so_in_its_headline_and_detail():
+    """vLLM's ``finished-once`` check (a second ``request_finished``, no free the ledger saw) read
+    "Double free of 1 block in pool block_pool, freed again at ?"."""
+    free = Site("vllm/v1/core/sched/scheduler.py", 1700, "_free_request")
+    bare = Finding(kind="double-free", pool="block_pool", message="m", unit="block", slots=[1], num_units=1)
+    assert bare.summary() == "Double free of 1 block in pool block_pool, freed again at a site not recorded"
+    assert "?" not in bare.summary()
+    buf = io.StringIO()
+    Console(file=buf, width=120, color_system=None).print(finding_renderable(bare, None, plain=True))
+    assert re.search(r"freed again at:\n\s+\(no stack recorded\)", buf.getvalue()), buf.getvalue()
+    seen = Finding(kind="double-free", pool="block_pool", message="m", unit="block", slots=[1], num_units=1,
+                   free_sites=[free])
+    assert seen.summary().endswith("freed again at scheduler.py:1700 in _free_request")

@@ -274,7 +274,7 @@ TABLE: tuple[FindingKind, ...] = (
         "count exceeds its size.",
         "error", ("memory-safety", "double-free"),
         lambda f, what, site: (f"Double free of {what} in pool {f.pool}, freed again at "
-                                  f"{f.free_sites[0].short() if f.free_sites else '?'}"),
+                                  f"{f.free_sites[0].short() if f.free_sites else 'a site not recorded'}"),
         signature=_sig_double_free, console=_con_double_free, labels=(("free_sites", "freed again at"),),
         stacks=("free_sites", "prev_free_sites", "alloc_sites", "read_sites"), primary=("free_sites", "alloc_sites")),
     FindingKind(
