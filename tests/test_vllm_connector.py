@@ -310,6 +310,20 @@ def test_an_aborted_load_that_fails_frees_its_blocks_once_reported(fault):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("abort, counted", [(False, "waiting=1 "), (True, "finished_held=1")],
+                         ids=["waiting-for-remote-kvs", "finished-held"])
+def test_a_hang_line_counts_the_request_that_is_stuck(abort, counted):
+    """vLLM 0.33.0 keeps a request waiting for remote KV in ``kv_holding_waiting``, not ``waiting``: the
+    hang read "waiting=0 ...; stuck: waiting:waiting-for-remote-kvs"."""
+    config = VLLM_PRESETS["vllm-kv-fail-abort"].config(bugs=frozenset({"lose-failed-load"}))
+    program = [Submit(family=0, prompt_len=40, max_new_tokens=3), Step(n=1), *[Abort(handle=0)] * abort,
+               TransferFail(handle=0), Idle()]
+    [hang] = execute(config, program).findings
+    assert hang.kind == "hang" and counted in hang.message, hang.message
+    assert ("waiting=0 " in hang.message) == abort, hang.message
+
+
+@pytest.mark.vllm
 def test_a_lost_failed_load_is_found_and_minimized():
     from kvaudit.testing import fuzz
     config = VLLM_PRESETS["vllm-kv-fail-abort"].config(bugs=frozenset({"lose-failed-load"}))

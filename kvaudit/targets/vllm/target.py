@@ -554,9 +554,15 @@ class VllmSchedulerTarget(_VllmBase):
         return "finished:held" if s.has_requests() else ""
 
     def describe_busy(self) -> str:
+        """``waiting`` counts every unfinished request not running, whichever queue holds it (``waiting``, or
+        0.33.0's ``kv_holding_waiting``, where a request waiting for remote KV sits); ``finished_held`` the
+        finished ones the scheduler still holds (a KV send in flight)."""
         s = self.scheduler
-        return (f"waiting={len(s.waiting)} running={len(s.running)} in_flight={len(self.batch_queue)} "
-                f"free_blocks={self.manager.block_pool.get_num_free_blocks()}")
+        running = {r.request_id for r in s.running}
+        rest = [r.is_finished() for rid, r in s.requests.items() if rid not in running]
+        return (f"waiting={rest.count(False)} running={len(s.running)} in_flight={len(self.batch_queue)} "
+                f"free_blocks={self.manager.block_pool.get_num_free_blocks()}"
+                + (f" finished_held={rest.count(True)}" if True in rest else ""))
 
 
 class VllmManagerTarget(_VllmBase):
