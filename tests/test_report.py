@@ -201,6 +201,11 @@ def test_a_blocks_pool_finding_is_told_in_blocks_in_every_format():
     assert summary_line([f]).endswith("; 2 distinct block(s) involved.")
     assert "blocks: [1, 3] (2 blocks)" in failure_text(f)
     assert _units_line(f) == "Blocks: 1, 3."
+    from kvaudit.reports.sarif import to_sarif
+    from kvaudit.targets.vllm.config import VllmConfig
+    props = to_sarif([f], VllmConfig())["runs"][0]["results"][0]["properties"]
+    assert (props["blocks"], props["blocksTotal"], props["unit"]) == ([1, 3], 2, "block")  # not token "slots"
+    assert "slots" not in props and "slotsTotal" not in props
     assert "- 2 block(s): 1, 3" in _finding(f, "vllm")
     page = Finding(kind="leak", pool="token_to_kv_pool", message="m", unit="page", slots=[4, 5], num_units=1)
     assert "2 slots (1 page)" in page.summary() and page.listed() == ("slots", [4, 5])  # a page pool's: unchanged

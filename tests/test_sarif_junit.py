@@ -111,7 +111,8 @@ def test_sarif_for_each_regression_is_schema_valid_and_code_scanning_ready(valid
         # properties carry the finding's data
         props = r["properties"]
         assert (props["pool"], props["op_index"], props["step"]) == (f.pool, f.op_index, f.step)
-        assert props["slots"] == f.slots[:64] and props["num_units"] == f.num_units
+        word, ids = f.listed()
+        assert props[word] == ids[:64] and props[f"{word}Total"] == len(ids) and props["num_units"] == f.num_units
         assert props["engine_check"] == f.engine_check
         # every embedded link [text](id) names a related location of this result
         ids = {loc["id"] for loc in r.get("relatedLocations", [])}

@@ -22,7 +22,7 @@ from kvaudit.targets.registry import UnknownTargetError, get, kind_of
 
 SRCROOT = "%SRCROOT%"
 FINGERPRINT_KEY = "kvauditSignature/v1"
-MAX_SLOTS = 64  # slots (or rows) listed in a result's properties; the rest are counted
+MAX_SLOTS = 64  # units (slots, rows or blocks) listed in a result's properties; the rest are counted
 BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec also has updated, absent)
 
 
@@ -291,8 +291,9 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool) -> str
 
 
 def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict:
-    props: dict = {"signature": f.signature, "pool": f.pool, "unit": f.unit, "slots": list(f.slots[:MAX_SLOTS]),
-                   "slotsTotal": len(f.slots), "num_units": f.num_units, "op_index": f.op_index, "step": f.step,
+    word, ids = f.listed()  # named in the pool's unit: token "slots", "rows", or (vLLM's) "blocks"
+    props: dict = {"signature": f.signature, "pool": f.pool, "unit": f.unit, word: list(ids[:MAX_SLOTS]),
+                   f"{word}Total": len(ids), "num_units": f.num_units, "op_index": f.op_index, "step": f.step,
                    "engine_check": list(f.engine_check)}
     props.update(lookup(f.kind).props(f))  # (a leak's indirect)
     if f.owner_history:
