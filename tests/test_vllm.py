@@ -21,7 +21,7 @@ from cli_helpers import invoke, one_error_line
 from fault_helpers import fuzz_fault
 from kvaudit import replay
 from kvaudit.audit import oracles
-from kvaudit.audit.runner import AuditedRun
+from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.program import Abort, Step, Submit, random_program
 from kvaudit.targets import program_features, registry
 from kvaudit.targets.vllm import boot
@@ -29,6 +29,7 @@ from kvaudit.targets.vllm.config import FAULTS, VLLM_PRESETS
 
 pytestmark = pytest.mark.vllm
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POOL = "block_pool"
 R1, R2, R3 = "req-000001", "req-000002", "req-000003"
 
@@ -604,3 +605,13 @@ def test_a_vllm_run_leaves_the_temp_dir_as_it_found_it(stop, tmp_path):
             if proc.poll() is None:
                 proc.kill()
     assert sorted(os.listdir(tmp)) == []
+
+
+def test_a_stale_read_names_every_block_its_headline_counts():
+    """The message listed the first 4 blocks of a stale read ("block(s) 10, 11, 12, 13") under a headline
+    of 5 blocks (corpora/vllm/fault-keep-computed-on-preempt.json: 20 positions in blocks of 4)."""
+    config, program, _, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-keep-computed-on-preempt.json"))
+    [f] = [f for f in execute(config, program).findings if f.kind == "stale-kv"]
+    word, ids = f.listed()
+    assert word == "blocks" and len(ids) == f.num_units == 5 and f.summary().startswith("Stale KV: 5 blocks")
+    assert f"block(s) {', '.join(map(str, ids))})" in f.message, f.message

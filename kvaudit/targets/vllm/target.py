@@ -406,7 +406,8 @@ class VllmSchedulerTarget(_VllmBase):
             self.reached["stale_reads_checked"] += slots.size
             if tags_of.take(slots).tobytes() != tags[first:start].tobytes():
                 bad, what = shadow.read(POOL, slots, tags[first:start])
-                blocks = ", ".join(str(b) for b in np.unique(slots[bad] // bs)[:4])
+                ids = np.unique(slots[bad] // bs)  # every block the finding lists, as its headline counts them
+                blocks = ", ".join(map(str, ids[:8])) + (f", ... ({ids.size} in all)" if ids.size > 8 else "")
                 report(POOL, slots[bad], f"req:{rid} read KV of {bad.size} position(s) from {pos[bad[0]]} to "
                                          f"{pos[bad[-1]]} (group {g}, block(s) {blocks}) from slots {what}")
 
