@@ -15,7 +15,8 @@ from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.audit.findings import KINDS, Finding, Site, source_path
 from kvaudit.reports.junit import to_junit
-from kvaudit.reports.sarif import FINGERPRINT_KEY, SRCROOT, engine_path, finding_stacks, primary_stack, to_sarif
+from kvaudit.reports.sarif import (FINGERPRINT_KEY, SRCROOT, engine_path, finding_stacks, primary_stack, recorded_release,
+                                   to_sarif)
 from kvaudit.targets.sglang.boot import installed_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -355,6 +356,49 @@ def test_sglang_findings_are_anchored_at_sglang_s_own_frame_relative_to_its_pack
         assert r["locations"][0]["physicalLocation"]["region"]["startLine"] == primary.line
         for a in _uris(r):  # every frame: in the repository or under SGLang's package
             assert a.get("uriBaseId") in (SRCROOT, "%SGLANG_ROOT%") and not a["uri"].startswith("/"), a
+
+
+@pytest.mark.parametrize("name, package, release", [("sglang_history/sglang-22862", "sglang", "0.5.10.post1"),
+                                                     ("vllm_releases/vllm-33377", "vllm", "0.15.1")])
+@pytest.mark.parametrize("overlay", ["present", "absent"])
+def test_frames_recorded_on_a_release_overlay_claim_no_line_of_the_installed_release(
+        validator, tmp_path, name, package, release, overlay):
+    """Old fixtures hold a release overlay's absolute paths (``~/.cache/kvaudit/releases/sglang-0.5.10.post1/
+    sglang/srt/...``). Their SARIF named ``sglang/srt/mem_cache/common.py`` under ``%SGLANG_ROOT%`` (the
+    installed package) at the recorded line: a line of another release's file. Now the frame keeps its
+    package path, with its release and recorded line as properties and no region; the result is anchored
+    at a frame whose line is this checkout's."""
+    with open(os.path.join(ROOT, "tests", "data", f"{name}.json")) as fh:
+        text = fh.read()
+    assert f"/.cache/kvaudit/releases/{package}-{release}/{package}/" in text
+    if overlay == "absent":  # read on a machine without the overlay (another home directory)
+        text = re.sub(r'"/[^"]*/\.cache/kvaudit/releases/', '"/home/nobody/.cache/kvaudit/releases/', text)
+    path = tmp_path / "in.json"
+    path.write_text(text)
+    config, findings = _load(str(path))
+    log = to_sarif(findings, config)
+    assert _errors(validator, log) == []
+    for f, r in zip(findings, log["runs"][0]["results"]):
+        recorded = {s.line for _, st in finding_stacks(f) for s in st if recorded_release(s.file, package) == release}
+        assert recorded
+        locs = r["locations"] + r.get("relatedLocations", []) + [fr["location"] for st in r.get("stacks", [])
+                                                                 for fr in st["frames"]]
+        theirs = [loc for loc in locs if loc.get("physicalLocation", {}).get("artifactLocation", {}).get(
+            "uri", "").startswith(f"{package}/")]
+        assert theirs and all("region" not in loc["physicalLocation"] for loc in theirs)
+        assert {loc["properties"]["recordedOn"] for loc in theirs} == {f"{package} {release}"}
+        assert {loc["properties"]["recordedLine"] for loc in theirs} <= recorded
+        assert "region" in r["locations"][0]["physicalLocation"]  # a line of this checkout's
+        assert r["properties"]["recordedOn"] == f"{package} {release}"
+        assert f"Recorded on {package} {release}, not the {package} installed here" in r["message"]["text"]
+
+
+def test_recorded_release_reads_the_overlay_directory_only():
+    assert recorded_release("/root/.cache/kvaudit/releases/sglang-0.5.22/sglang/srt/a.py", "sglang") == "0.5.22"
+    assert recorded_release("/x/releases/vllm-0.15.1/vllm/v1/core/sched/scheduler.py", "vllm") == "0.15.1"
+    assert recorded_release("/opt/venv/lib/python3.11/site-packages/sglang/srt/a.py", "sglang") is None
+    assert recorded_release("sglang/srt/a.py", "sglang") is None
+    assert recorded_release("/x/releases/sglang-0.5.22/sglang/srt/a.py", "vllm") is None
 
 
 def test_engine_path_takes_the_last_package_directory_and_nothing_in_the_repository():

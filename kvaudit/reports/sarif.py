@@ -115,6 +115,20 @@ def engine_path(path: str, package: str) -> str | None:
     return p[i + 1:] if i >= 0 else None
 
 
+def recorded_release(path: str, package: str) -> str | None:
+    """The release of ``package`` whose overlay ``path`` lies in, as the history suite lays one out
+    (``~/.cache/kvaudit/releases/sglang-0.5.22/sglang/srt/a.py`` -> ``0.5.22``); None for another path."""
+    m = re.search(rf"/{re.escape(package)}-([^/]+)/{re.escape(package)}/", _norm(path))
+    return m[1] if m else None
+
+
+def other_release(site: Site, engine: EngineSource | None) -> str | None:
+    """The release ``site`` was recorded on when it is not the installed one (``engine.version``; unknown
+    counts as other): its line is that release's, not a line of the file ``%<PACKAGE>_ROOT%`` names."""
+    v = recorded_release(site.file, engine.package) if engine is not None else None
+    return v if v is not None and v != engine.version else None
+
+
 def artifact_location(path: str, engine: EngineSource | None = None) -> dict | None:
     """``artifactLocation`` for a recorded path: under ``%SRCROOT%`` or the engine's base id, a
     ``file://`` URI for another absolute path, ``None`` for a pseudo-file (``<string>``)."""
@@ -148,9 +162,12 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
     if loc_id is not None:
         loc["id"] = loc_id
     art = artifact_location(site.file, engine)
+    other = other_release(site, engine)
     if art is not None:
         phys: dict = {"artifactLocation": art}
-        if site.line >= 1 or region_fallback:
+        if other is not None:  # NOTE: no region: the line is the recorded release's, not the installed file's
+            loc["properties"] = {"recordedOn": f"{engine.package} {other}", "recordedLine": site.line}
+        elif site.line >= 1 or region_fallback:
             fr = resolve(site) if site.line >= 1 else Frame(1, "")  # checked against the current source
             phys["region"] = {"startLine": fr.line}
             if fr.source:
@@ -246,7 +263,8 @@ def _primary(f: Finding, stacks: list, key: str | None, target: str,
              engine: EngineSource | None) -> tuple[Site, bool]:
     """The result's location, and whether it is the fallback anchor: the first frame in the engine's
     package, of the primary stack then any; then the same in the repository."""
-    tests = ([lambda s: engine_path(s.file, engine.package) is not None] if engine is not None else []) + [in_repo]
+    tests = ([lambda s: engine_path(s.file, engine.package) is not None and other_release(s, engine) is None]
+             if engine is not None else []) + [in_repo]
     for test in tests:
         primary = next((s for s in (getattr(f, key) if key else []) if test(s)), None) or \
             next((s for _, _, frames in stacks for s in frames if test(s)), None)
@@ -266,11 +284,13 @@ def _related(stacks: list, primary: Site, key: str | None, engine: EngineSource 
             loc_id = len(related) + 1  # ids are unique within the result, as embedded links need
             related.append(_location(s, f"{label} #{depth} {s.function}", loc_id, engine=engine))
             if depth == 0 and k != key:
-                links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())})")
+                other = other_release(s, engine)
+                on = f" in {engine.package} {other}" if other is not None else ""
+                links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())}{on})")
     return related, links
 
 
-def _message(f: Finding, links: list[str], primary: Site, fallback: bool) -> str:
+def _message(f: Finding, links: list[str], primary: Site, fallback: bool, recorded_on: str = "") -> str:
     summary = f.summary()
     lines = [_escape(summary)]
     detail = f": {f.message}" if f.message and f.message not in summary else ""
@@ -282,7 +302,12 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool) -> str
         lines.append(_units_line(f))
     if links:
         lines.append("See also: " + "; ".join(links) + ".")
-    if fallback:
+    if recorded_on:
+        package = recorded_on.split(" ")[0]
+        lines.append(_escape(f"(Recorded on {recorded_on}, not the {package} installed here: its {package} frames "
+                             "are named by path, their recorded lines kept as properties, not claimed as lines of "
+                             "the installed files.)"))
+    if fallback and not recorded_on:
         lines.append(_escape(f"(No source frame recorded: shown at {primary.function}, "
                              "where the engine keeps the state this finding is about.)"))
     if f.engine_check:
@@ -321,12 +346,14 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
     key = primary_stack(f)
     primary_label = next((label for k, label, _ in stacks if k == key), None)
     primary, fallback = _primary(f, stacks, key, target, engine)
+    others = sorted({v for _, _, frames in stacks for s in frames if (v := other_release(s, engine)) is not None})
+    recorded_on = f"{engine.package} {', '.join(others)}" if others else ""
     related, links = _related(stacks, primary, key, engine)
     result: dict = {
         "ruleId": f.kind,
         "ruleIndex": rule_index,
         "level": level,
-        "message": {"text": _message(f, links, primary, fallback)},
+        "message": {"text": _message(f, links, primary, fallback, recorded_on)},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
                                 region_fallback=True, engine=engine)],
         "partialFingerprints": {FINGERPRINT_KEY: f.signature},
@@ -337,7 +364,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         result["stacks"] = [{"message": {"text": label},
                              "frames": [{"location": _location(s, engine=engine)} for s in frames]}
                             for _, label, frames in stacks]
-    result["properties"] = _properties(f, fallback, engine)
+    result["properties"] = _properties(f, fallback, engine) | ({"recordedOn": recorded_on} if recorded_on else {})
     return result
 
 
