@@ -2,6 +2,7 @@
 JSON or TOML as JSON spells it (``got true`` / ``got null``), not as Python prints it (``got True``)."""
 
 import json
+import re
 
 import pytest
 
@@ -24,6 +25,13 @@ def test_a_config_error_spells_the_value_as_json(config, said):
         config_from_dict(config)
     assert said in str(e.value)
     assert "True" not in str(e.value) and "None" not in str(e.value) and "False" not in str(e.value)
+
+
+@pytest.mark.parametrize("config, said", [({"target": None}, "config.target must be a string, got null"),
+                                          ([1, True], "config must be an object, got [1, true]")])
+def test_a_config_s_target_and_shape_are_spelled_as_json(config, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        config_from_dict(config)
 
 
 def test_json_value_falls_back_to_repr_for_what_json_cannot_hold():

@@ -55,9 +55,10 @@ def config_from_dict(d: dict):
     """A config from a replay file's ``config`` object; its ``target`` (default ``eut``) names the
     registered kind. Raises ``ValueError``/``TypeError`` on bad keys or values, an unknown target
     included (:class:`kvaudit.targets.registry.UnknownTargetError` is a ``ValueError``)."""
+    from kvaudit.config import json_value
     from kvaudit.targets.registry import kind_of_dict
     if not isinstance(d, dict):
-        raise ValueError(f"config must be an object, got {type(d).__name__}")
+        raise ValueError(f"config must be an object, got {json_value(d)[:60]}")
     return kind_of_dict(d).config_from_dict(d)
 
 

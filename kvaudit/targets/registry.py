@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Mapping
 
+from kvaudit.config import json_value
+
 PLUGINS_ENV = "KVAUDIT_PLUGINS"
 DEFAULT_KIND = "eut"  # --target's default, and a replay file's when its config names no target
 ENTRY_POINT_GROUP = "kvaudit.targets"
@@ -392,5 +394,5 @@ def kind_of_dict(d: object) -> TargetKind:
     """The kind of a replay file's ``config`` object: its ``target`` key, :data:`DEFAULT_KIND` when absent."""
     name = d.get("target", DEFAULT_KIND) if isinstance(d, dict) else DEFAULT_KIND
     if not isinstance(name, str):
-        raise UnknownTargetError(f"config.target must be a string, got {name!r}")
+        raise UnknownTargetError(f"config.target must be a string, got {json_value(name)}")
     return get(name)
