@@ -456,6 +456,7 @@ def test_grammar_queue_holds_requests_until_their_grammar_compiles_and_an_abort_
     gm = t.grammar_manager
     assert [r.rid for r in gm.grammar_queue] == ["r0", "r1"] and [r.rid for r in t.running] == ["r2"]
     assert all(not r.kv.holds_kv for r in gm.grammar_queue) and t.live_rids() == ["r0", "r1", "r2"]
+    assert t.describe_busy().startswith("waiting=0 running=1 grammar=2 ")  # a hang's line counts them
     assert run.apply(Abort(1)) == [] and gm.grammar_queue[1].to_finish is not None
     assert run.apply(FlushCache()) == [] and t.flushed() == 0  # the grammar queue is not idle
     assert run.apply(Step(1)) == [] and gm.grammar_queue == []  # r0 compiled at step 3; r1 left, aborted

@@ -116,8 +116,12 @@ class SglangObserver(SglangHooks):
         return "waiting:memory-locked" if self.tree_cache.protected_size() else "waiting:memory"
 
     def describe_busy(self) -> str:
+        """The queues' counts (``grammar`` and ``chunked`` when they hold a request: what :meth:`stuck` may
+        name while ``waiting`` is 0), then the pools'."""
+        grammar = len(self.grammar_manager.grammar_queue) if self.grammar_manager is not None else 0
         return (f"waiting={len(self.waiting)} running={len(self.running)} "
-                f"available={self.allocator.available_size()} evictable={self.tree_cache.evictable_size()} "
+                + (f"grammar={grammar} " if grammar else "") + ("chunked=1 " if self.chunked_req is not None else "")
+                + f"available={self.allocator.available_size()} evictable={self.tree_cache.evictable_size()} "
                 f"protected={self.tree_cache.protected_size()} session_held={self._session_held_tokens()}")
 
     def retraction(self) -> str:
