@@ -147,3 +147,21 @@ def test_an_old_file_with_another_machines_site_packages_paths_reads_as_vllms_ow
     frame = result.output.split("freed (too early) at:")[1].splitlines()[1:3]
     assert frame[0].split()[-1] == f"vllm/v1/core/sched/scheduler.py:{site['line']}", frame
     assert frame[1].strip() == site["source"] and "/elsewhere/" not in result.output, frame
+
+
+def test_every_vllm_file_counts_the_block_pool_in_blocks():
+    """vLLM's pool unit is a block. Files recorded before the pool was declared in blocks said "unit": "page"
+    ("Double free of 16 slots (1 page)", "16 distinct slot(s)") where a replay today says "1 block"."""
+    import glob
+    import json
+    root = os.path.join(os.path.dirname(__file__), "..")
+    paths = glob.glob(os.path.join(CORPUS, "**", "*.json"), recursive=True) + \
+        glob.glob(os.path.join(root, "tests", "data", "vllm_releases", "*.json"))
+    units = {}
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        for finding in doc.get("findings", []) if isinstance(doc, dict) else []:
+            if finding.get("pool") == "block_pool" and finding.get("slots"):
+                units.setdefault(finding.get("unit"), []).append(os.path.relpath(path, root))
+    assert set(units) == {"block"}, {u: p for u, p in units.items() if u != "block"}
