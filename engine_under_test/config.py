@@ -127,7 +127,7 @@ class EngineConfig:
         if self.num_slots < self.page_size * 2:
             raise ValueError(f"num_slots={self.num_slots} is smaller than two pages of {self.page_size}")
         if self.disaggregation_mode not in (None, "decode"):
-            raise ValueError(f"disaggregation_mode must be None or 'decode', got {_json(self.disaggregation_mode)}")
+            raise ValueError(f'disaggregation_mode must be null or "decode", got {_json(self.disaggregation_mode)}')
         if self.disaggregation_decode_enable_radix_cache and (not self.is_pd_decode or self.disable_radix_cache):
             raise ValueError("disaggregation_decode_enable_radix_cache needs disaggregation_mode='decode' and "
                              "disable_radix_cache=false")
