@@ -150,3 +150,25 @@ def test_a_stray_write_is_found_at_its_step_in_paranoid_mode(monkeypatch):
         assert {"leak", "aliasing"} <= _kinds(found), [f.summary() for f in found]
     finally:
         run.__exit__(None, None, None)
+
+
+def test_one_check_walks_the_tree_once_and_the_next_walks_it_again():
+    """roots(), recount() and lock_balance() share one walk within a check (EutObserver._tree_nodes); after
+    the check a change of the tree is seen: a node locked after the check is found unbalanced."""
+    run = _busy_run()
+    try:
+        target, tree = run.target, run.target.engine.tree_cache
+        walks = []
+        real = tree.nodes
+        tree.nodes = lambda *a: (walks.append(a), real(*a))[1]
+        assert oracles.check(run.auditor, run.target) == []
+        assert walks == [()]  # one whole-tree walk for the check
+        node = next(n for n in real() if n.value is not None)
+        node.lock_ref += 1  # no receipt holds it: an imbalance only a fresh walk sees
+        walks.clear()
+        with target.checking():
+            bad = target.lock_balance()
+        assert walks == [(), (node,)] and [b.lock_ref for b in bad] == [node.lock_ref]
+        node.lock_ref -= 1
+    finally:
+        run.__exit__(None, None, None)

@@ -482,6 +482,8 @@ def kv_length_problems(reqs) -> list[str]:
 def slot_pages(slots: torch.Tensor, page_size: int) -> np.ndarray:
     """Token slots (``[n]`` int tensor, any device) as units: the slots themselves with page size 1,
     else the sorted distinct pages (``[m] int64``)."""
+    if page_size == 1 and slots.dtype == torch.int64 and slots.device.type == "cpu":
+        return slots.numpy()  # NOTE: what the line below gives (a view), without its two no-op calls (~4 us)
     s = slots.to(torch.int64).cpu().numpy()
     return s if page_size == 1 else np.unique(s // page_size)
 

@@ -11,7 +11,6 @@ live request holds is, by construction, unreachable.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from itertools import repeat
 
 import numpy as np
@@ -28,7 +27,6 @@ from kvaudit.targets.base import (Accounting, LockImbalance, Recount, Root, Targ
 RECOUNT_EDITS_FROM = 256
 #: Target.checking() reads the live requests once from this many requests running or waiting
 OWNERS_ONCE_FROM = 64
-_NO_SCOPE = nullcontext()
 
 
 class EutObserver(Target):
@@ -209,12 +207,12 @@ class EutObserver(Target):
                     if held_slots is not None:
                         out.append(Root(pool, owner, pages(held_slots)))
         out += records_roots(eng.req_to_token_pool.req_to_token, records, ps)
-        nodes = list(eng.tree_cache.nodes())
+        nodes = self._tree_nodes()
         values = [n.value for n in nodes if n.value is not None]
         if values:
             out.append(Root("token_to_kv_pool", "tree", pages(torch.cat(values)), role="tree"))
-        host = [n.host_value for n in nodes if n.host_value is not None]
-        if host and eng.hicache_host_pool is not None:
+        host = [n.host_value for n in nodes if n.host_value is not None] if eng.hicache_host_pool is not None else ()
+        if host:
             out.append(Root("hicache_host", "tree", pages(torch.cat(host)), role="tree"))
         return out
 
@@ -235,9 +233,21 @@ class EutObserver(Target):
         fewer than :data:`OWNERS_ONCE_FROM` requests running or waiting, nothing (the walk is cheaper than
         shadowing the engine's method)."""
         eng = self.engine
-        if len(eng.running_batch) + len(eng.waiting_queue) < OWNERS_ONCE_FROM:
-            return _NO_SCOPE
-        return _OwnersOnce(eng)
+        return _CheckScope(self, eng if len(eng.running_batch) + len(eng.waiting_queue) >= OWNERS_ONCE_FROM else None)
+
+    _nodes_memo: list | None = None  # inside a check (_CheckScope): the tree's nodes, walked once
+
+    def _tree_nodes(self) -> list:
+        """The radix tree's nodes, parents before children (``RadixCache.nodes()``). Inside a check
+        (:meth:`checking`) the first caller walks the tree and the others (the roots, the recount, the
+        lock balance) get the same list: the engine does not move within a check."""
+        memo = self._nodes_memo
+        if memo is not None:
+            return memo
+        nodes = list(self.engine.tree_cache.nodes())
+        if self._nodes_memo is None and self.__dict__.get("_in_check"):
+            self._nodes_memo = nodes
+        return nodes
 
     def _places(self) -> dict[int, str]:
         """``id(req)`` -> the scheduler structure that holds it (``Root.where``); the most specific one
@@ -309,7 +319,7 @@ class EutObserver(Target):
                 node = node.parent
         host = self.engine.hicache_host_pool is not None
         out = []
-        for n in tree.nodes():
+        for n in self._tree_nodes():
             if n.lock_ref != want.get(("device", id(n)), 0):
                 out.append(LockImbalance(f"node {n.id} ({len(n.key)} tokens)",
                                          (n.value if n.value is not None else n.host_value).cpu().numpy(), n.lock_ref,
@@ -411,7 +421,7 @@ class EutObserver(Target):
         last = self.__dict__.get("_recounted")
         if key is not None and last is not None and last[0] == key:
             return last[1]
-        out, nodes = self._walk_recount(tree)
+        out, nodes = self._walk_recount(self._tree_nodes())
         if edits is None and nodes >= RECOUNT_EDITS_FROM:
             # NOTE: a small tree walks at every check: its walk costs less than the counting wrappers
             # on the tree's methods (about 6% of the audit's time on the default preset)
@@ -420,10 +430,10 @@ class EutObserver(Target):
         self._recounted = (key, out)
         return out
 
-    def _walk_recount(self, tree) -> tuple[dict[str, dict[str, Recount]], int]:
+    def _walk_recount(self, tree_nodes: list) -> tuple[dict[str, dict[str, Recount]], int]:
         # (the recount, the nodes walked)
         ev = pr = hev = hpr = nodes = 0
-        for n in tree.nodes():
+        for n in tree_nodes:
             nodes += 1
             k = len(n.key)
             if n.value is not None:
@@ -508,6 +518,28 @@ class EutObserver(Target):
                 f"session_held={c.session_held} + uncached={c.uncached} = "
                 f"{c.available + c.evictable + c.protected + c.session_held + c.uncached} != total={c.total}"
                 for c in self.engine.check_memory() if not c.ok]
+
+
+class _CheckScope:
+    """:meth:`EutObserver.checking`: the tree's node list kept for the check (``_tree_nodes``), and with
+    ``eng`` (many live requests) the owners read once (:class:`_OwnersOnce`); both dropped on exit."""
+
+    __slots__ = ("obs", "owners", "prev")
+
+    def __init__(self, obs, eng):
+        self.obs, self.owners = obs, None if eng is None else _OwnersOnce(eng)
+
+    def __enter__(self) -> None:
+        obs = self.obs
+        self.prev = (obs.__dict__.get("_in_check"), obs._nodes_memo)  # (an outer check's)
+        obs._in_check, obs._nodes_memo = True, None
+        if self.owners is not None:
+            self.owners.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.owners is not None:
+            self.owners.__exit__(*exc)
+        self.obs._in_check, self.obs._nodes_memo = self.prev
 
 
 class _OwnersOnce:
