@@ -245,9 +245,7 @@ def presets_table(target: str | None = None):
     t.add_column("preset", no_wrap=True)
     t.add_column("description")
     t.add_column("target", no_wrap=True)
-    for kind in registry.kinds().values():
-        if target is not None and kind.name != target:
-            continue
+    for kind in (k for k in registry.kinds().values() if target in (None, k.name)):
         label = kind.name if kind.name == registry.DEFAULT_KIND else f"{kind.name} (--target {kind.name})"
         for p in kind.presets().values():
             t.add_row(p.name, p.description, label)
@@ -261,9 +259,7 @@ def bugs_renderables(target: str | None = None) -> list:
     from rich.text import Text
 
     out = []
-    for kind in registry.kinds().values():
-        if target is not None and kind.name != target:
-            continue
+    for kind in (k for k in registry.kinds().values() if target in (None, k.name)):
         rows = kind.bugs()
         if not rows:
             continue
