@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from kvaudit.app.errors import InputError
+from kvaudit.app.errors import InputError, UnavailableError
 from kvaudit.config import UnknownPresetError
 from kvaudit.search import fuzzers
 from kvaudit.targets import registry
@@ -186,6 +186,29 @@ def check_fuzzer(fuzzer: str, target: str) -> None:
     if not kind.takes(target):
         raise InputError(f"--fuzzer {fuzzer} {kind.targets_why or 'cannot search this target'}; use "
                          f"{fuzzers.words(fuzzers.alternatives(target, fuzzer))} with --target {target}")
+
+
+def check_available(fuzzer: str) -> None:
+    """Raises :class:`UnavailableError` (exit 69) when what ``fuzzer`` needs is not installed here."""
+    try:
+        fuzzers.get(fuzzer).check()
+    except fuzzers.FuzzerUnavailable as e:
+        raise UnavailableError(str(e)) from None
+
+
+def check_db(url: str):
+    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Raises
+    :class:`InputError` for a bad URL, :class:`UnavailableError` when nothing answers there."""
+    from kvaudit.search.hub import BadURL, HubError, connect, safe_url
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+    try:
+        return connect(url)
+    except BadURL as e:  # redis-py could not parse it (a non-numeric port)
+        raise InputError(str(e)) from None
+    except HubError as e:
+        raise UnavailableError(str(e)) from None
 
 
 class FuzzerChoice(click.Choice):
