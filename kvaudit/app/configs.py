@@ -4,6 +4,7 @@ docs/internals/app.md."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import click
@@ -11,7 +12,7 @@ import click
 from kvaudit.app.errors import InputError, UnavailableError
 from kvaudit.config import UnknownPresetError
 from kvaudit.search import fuzzers
-from kvaudit.targets import registry
+from kvaudit.targets import make_target, registry
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -91,8 +92,6 @@ def require_target(config) -> None:
         raise InputError(str(e)) from None
     if kind.name in registry.BUILTIN_KINDS:
         return
-    from kvaudit.targets import make_target
-
     try:
         make_target(config).close()
     except registry.TargetDefinitionError as e:
@@ -168,7 +167,6 @@ def _bugs_of(kind) -> dict:
 
 
 def _has_field(cls, name: str) -> bool:
-    import dataclasses
     return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
 
 
