@@ -15,7 +15,8 @@ import click
 # commands import the jobs (kvaudit.app.*) they run inside their functions.
 from kvaudit import __version__
 from kvaudit.app.budget import Budget, check_seconds
-from kvaudit.app.configs import FuzzerChoice, TargetChoice, common_options, replay_tree_core_option, select_config
+from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, check_plugins, common_options,
+                                 presets_table, replay_tree_core_option, select_config)
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import restoring_sigint, write_startup_reports
@@ -75,8 +76,6 @@ def needs_targets(f):
     """A command that reads the registry of target kinds: :func:`kvaudit.app.configs.check_plugins` first."""
     @functools.wraps(f)
     def wrapper(*a, **k):
-        from kvaudit.app.configs import check_plugins
-
         check_plugins()
         return f(*a, **k)
 
@@ -461,7 +460,6 @@ def export_cmd(file, issue_out, client_out, resolve):
 @needs_targets
 def presets(target):
     """List the engine presets (off a terminal: one plain line each)."""
-    from kvaudit.app.configs import presets_table
     from kvaudit.app.progress import console
     from kvaudit.reports.report import print_table
 
@@ -477,7 +475,6 @@ def bugs(target):
     (off a terminal: plain lines)."""
     from rich.table import Table
 
-    from kvaudit.app.configs import bugs_renderables
     from kvaudit.app.progress import console
     from kvaudit.reports.report import print_table
 

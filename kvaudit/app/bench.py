@@ -9,17 +9,18 @@ import click
 
 from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
+from kvaudit.app.configs import check_available
 from kvaudit.app.files import check_outputs
-from kvaudit.app.fuzz import check_available
 from kvaudit.app.progress import console as make_console
+from kvaudit.history import suite
+from kvaudit.history.catalogue import all_bugs
+from kvaudit.search import bench, ci
 from kvaudit.search import fuzzers as fuzzer_kinds
 from kvaudit.targets import registry
 
 
 def default_fuzzers(history: bool = False) -> list[str]:
     """``--fuzzers``' default: the ``bench`` fuzzers (history: those that can search every engine)."""
-    from kvaudit.history.catalogue import all_bugs
-
     engines = {b.engine for b in all_bugs().values()} if history else ()
     return [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
 
@@ -51,8 +52,6 @@ def _write_both(out_json: str, doc: dict, out_md: str, markdown) -> None:
 def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_seconds: float | None,
         overhead_presets: str, out_md: str, out_json: str) -> int:
     """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for a bad option."""
-    from kvaudit.search import bench, ci
-
     fuzzers = _fuzzers_arg(fuzzers_value)
     bugs = _names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
     try:
@@ -82,9 +81,6 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
                 out_md: str, out_json: str, jobs: int = 1) -> int:
     """``kvaudit bench --suite history``; returns the exit code. Raises :class:`InputError` for a bad
     option, :class:`UnavailableError` when a release cannot be installed."""
-    from kvaudit.history import suite
-    from kvaudit.history.catalogue import all_bugs
-
     bugs_all = all_bugs()
     if list_bugs:
         width = max(len(b.id) for b in bugs_all.values())  # the longest id too keeps its column

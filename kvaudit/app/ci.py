@@ -6,15 +6,22 @@ from __future__ import annotations
 import json
 import os
 
+from hypothesis.configuration import set_hypothesis_home_dir
+from rich.table import Table
+from rich.text import Text
+
 from kvaudit import replay
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 write_error)
+from kvaudit.app.configs import check_available, check_db
 from kvaudit.app.files import check_dir, load_suppressions, write_reports
-from kvaudit.app.fuzz import check_available, check_db
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
+from kvaudit.data import data_path
 from kvaudit.reports.outputs import Case, Outputs, ReportData
+from kvaudit.reports.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+from kvaudit.search import ci
 from kvaudit.targets import registry
 
 
@@ -23,8 +30,6 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit ci``; returns the exit code. ``budget.seconds``: search time in all, split evenly over
     the presets. Raises :class:`InputError` for a bad option (before any engine is imported)."""
-    from kvaudit.search import ci
-    from kvaudit.reports.report import print_report, print_suppressions, summary_line, suppressed_by_kind
     from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db  # (a test patches them)
 
     check_fuzzer(fuzzer, target)
@@ -86,8 +91,6 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
 
 def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
     if regressions_dir is None and kind.regressions is not None:
-        from kvaudit.data import data_path
-
         here = kind.regressions
         regressions_dir = here if os.path.isdir(here) else data_path(*here.split("/"))
     if regressions_dir is not None and not os.path.isdir(regressions_dir):
@@ -103,16 +106,12 @@ def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
         except OSError as e:
             raise InputError(f"--corpus {corpus_dir}: {e.strerror or e}") from None
     check_available(fuzzer)
-    from hypothesis.configuration import set_hypothesis_home_dir
-
     set_hypothesis_home_dir(os.path.abspath(os.path.join(corpus_dir or out_dir, ".hypothesis")))
 
 
 def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, target, db,
                  campaign_name) -> None:
     """One preset's share, appended to ``result``; raises KeyboardInterrupt once it was interrupted."""
-    from kvaudit.search import ci
-
     with Progress(err, per_preset) as progress:
         run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name)
@@ -126,11 +125,6 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
 
 
 def _print_table(console, result) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    from kvaudit.reports.report import print_table
-
     t = Table(title="kvaudit ci", title_justify="left")
     t.add_column("check", overflow="fold")
     t.add_column("result", overflow="fold")
@@ -151,9 +145,6 @@ def _print_table(console, result) -> None:
 
 def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err) -> None:
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones)."""
-    from kvaudit.search import ci
-    from kvaudit.reports.report import suppressed_by_kind
-
     kept = [path for run in result.fuzz for _, _, path in run.new]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}

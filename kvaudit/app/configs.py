@@ -4,14 +4,15 @@ docs/internals/app.md."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import click
 
-from kvaudit.app.errors import InputError
+from kvaudit.app.errors import InputError, UnavailableError
 from kvaudit.config import UnknownPresetError
 from kvaudit.search import fuzzers
-from kvaudit.targets import registry
+from kvaudit.targets import make_target, registry
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -91,8 +92,6 @@ def require_target(config) -> None:
         raise InputError(str(e)) from None
     if kind.name in registry.BUILTIN_KINDS:
         return
-    from kvaudit.targets import make_target
-
     try:
         make_target(config).close()
     except registry.TargetDefinitionError as e:
@@ -168,7 +167,6 @@ def _bugs_of(kind) -> dict:
 
 
 def _has_field(cls, name: str) -> bool:
-    import dataclasses
     return dataclasses.is_dataclass(cls) and any(f.name == name for f in dataclasses.fields(cls))
 
 
@@ -186,6 +184,29 @@ def check_fuzzer(fuzzer: str, target: str) -> None:
     if not kind.takes(target):
         raise InputError(f"--fuzzer {fuzzer} {kind.targets_why or 'cannot search this target'}; use "
                          f"{fuzzers.words(fuzzers.alternatives(target, fuzzer))} with --target {target}")
+
+
+def check_available(fuzzer: str) -> None:
+    """Raises :class:`UnavailableError` (exit 69) when what ``fuzzer`` needs is not installed here."""
+    try:
+        fuzzers.get(fuzzer).check()
+    except fuzzers.FuzzerUnavailable as e:
+        raise UnavailableError(str(e)) from None
+
+
+def check_db(url: str):
+    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Raises
+    :class:`InputError` for a bad URL, :class:`UnavailableError` when nothing answers there."""
+    from kvaudit.search.hub import BadURL, HubError, connect, safe_url
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+    try:
+        return connect(url)
+    except BadURL as e:  # redis-py could not parse it (a non-numeric port)
+        raise InputError(str(e)) from None
+    except HubError as e:
+        raise UnavailableError(str(e)) from None
 
 
 class FuzzerChoice(click.Choice):
@@ -245,9 +266,7 @@ def presets_table(target: str | None = None):
     t.add_column("preset", no_wrap=True)
     t.add_column("description")
     t.add_column("target", no_wrap=True)
-    for kind in registry.kinds().values():
-        if target is not None and kind.name != target:
-            continue
+    for kind in (k for k in registry.kinds().values() if target in (None, k.name)):
         label = kind.name if kind.name == registry.DEFAULT_KIND else f"{kind.name} (--target {kind.name})"
         for p in kind.presets().values():
             t.add_row(p.name, p.description, label)
@@ -261,9 +280,7 @@ def bugs_renderables(target: str | None = None) -> list:
     from rich.text import Text
 
     out = []
-    for kind in registry.kinds().values():
-        if target is not None and kind.name != target:
-            continue
+    for kind in (k for k in registry.kinds().values() if target in (None, k.name)):
         rows = kind.bugs()
         if not rows:
             continue

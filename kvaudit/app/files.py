@@ -4,6 +4,7 @@ report files (checked before a long run, written after it)."""
 from __future__ import annotations
 
 import os
+import shlex
 import tempfile
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from kvaudit.app.errors import InputError, write_error
 from kvaudit.reports.outputs import Outputs, ReportData, WriteError
 from kvaudit.reports.outputs import write as write_outputs
 from kvaudit.audit.suppress import SuppressionError, SuppressionSet
+from kvaudit.targets import registry
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -94,10 +96,6 @@ def write_finding(out_dir, config, program, findings, **extra) -> str:
 
 def replay_hint(config, path: str) -> str:
     """``kvaudit replay PATH`` as a shell line, after this run's ``KVAUDIT_PLUGINS=...`` for a plugin kind."""
-    import shlex
-
-    from kvaudit.targets import registry
-
     env = registry.plugins_env(registry.kind_of(config).name)
     return (f"{env} " if env else "") + f"kvaudit replay {shlex.quote(path)}"
 

@@ -8,7 +8,7 @@ import os
 import time
 
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError
-from kvaudit.app.fuzz import check_db
+from kvaudit.app.configs import check_db
 from kvaudit.app.progress import console as make_console
 
 COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new", "dup", "flaky", "heartbeat")

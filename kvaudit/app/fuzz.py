@@ -6,27 +6,32 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import click
+from hypothesis.configuration import set_hypothesis_home_dir
+from rich.table import Table
+from rich.text import Text
 
 from kvaudit import replay
-from kvaudit.app.configs import check_fuzzer, warn_campaign_without_db, warn_unreachable_bugs
-from kvaudit.targets import registry
-from kvaudit.search import fuzzers
 from kvaudit.app.budget import Budget, duration
+from kvaudit.app.configs import (check_available, check_db, check_fuzzer, warn_campaign_without_db,
+                                 warn_unreachable_bugs)
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
-                                UnavailableError, write_error)
+                                write_error)
 from kvaudit.app.files import check_dir, load_suppressions, replay_hint, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.app.replay import record_timeline
+from kvaudit.audit import runner
+from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
-
-if TYPE_CHECKING:
-    from kvaudit.audit.suppress import SuppressionSet
-    from kvaudit.search.fuzz import FuzzStats
+from kvaudit.reports.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+from kvaudit.search import campaign, fuzzers
+# NOTE: names of the search read through their modules when called (tests patch them)
+from kvaudit.search import fuzz as search_fuzz
+from kvaudit.search.hub import safe_url
+from kvaudit.targets import registry
 
 
 @dataclass(frozen=True)
@@ -58,19 +63,15 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
         step_timeout: float | None, outputs: Outputs, db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit fuzz`` on ``config``; returns the exit code. ``budget.seconds`` counts from when the
     first engine is built."""
-    from hypothesis.configuration import set_hypothesis_home_dir
-
-    from kvaudit.audit.runner import set_step_timeout, warm_up
-
     sset, max_time = checked.sset, budget.seconds
     if step_timeout is None:  # a hang found near the end costs one more limit in triage: keep it a fraction
-        set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
+        runner.set_step_timeout(min(DEFAULT_STEP_TIMEOUT, max(1.0, max_time / 6)))
     set_hypothesis_home_dir(os.path.join(checked.target_dir, ".hypothesis"))  # not the user's cwd
     console, err = make_console(), make_console(stderr=True)
     _announce(config, checked, err, fuzzer=fuzzer, max_time=max_time, seed=seed, out_dir=out_dir, workers=workers,
               use_seeds=use_seeds, suppress_file=suppress_file, db=db, campaign_name=campaign_name)
     catch_sigint()
-    warm_up(config)  # the first engine is start-up too: the search's clock starts after it
+    runner.warm_up(config)  # the first engine is start-up too: the search's clock starts after it
     fuzzers.get(fuzzer).warm_up()  # and the fuzzer's own first-run set-up (Hypothesis's)
     err.print(f"start-up {duration(budget.startup())} (imports, the first engine; not counted): searching for "
               f"{duration(max_time)}" + (" per worker, each from its own start-up" if checked.campaign and workers > 1
@@ -92,19 +93,15 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
 
 def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir, workers, use_seeds, suppress_file,
               db, campaign_name) -> None:
-    from kvaudit.audit.runner import step_timeout as runner_step_timeout
-
     sset, kind = checked.sset, registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     if checked.campaign:
-        from kvaudit.search.hub import safe_url
-
         dest = f"campaign in {checked.target_dir}, {workers} worker(s)" + (
             f", shared as {campaign_name!r} through {safe_url(db)}" if db else "")
     else:
         dest = f"out {out_dir}"
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {config.preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, "
-              f"seed {seed}, search budget {duration(max_time)}, step timeout {runner_step_timeout():.3g}s, {dest}"
+              f"seed {seed}, search budget {duration(max_time)}, step timeout {runner.step_timeout():.3g}s, {dest}"
               + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
     warn_unreachable_bugs(config, err)
     warn_campaign_without_db(campaign_name, db, err)
@@ -121,21 +118,16 @@ class _Single:
     one is passed over); what a round found stays here, so that an interrupt can still write it."""
 
     def __init__(self, config, fuzzer, seed, out_dir, use_seeds, suppress_file, sset, console, err):
-        from kvaudit.search.fuzz import FuzzStats
-
         self.config, self.fuzzer, self.seed, self.out_dir, self.use_seeds = config, fuzzer, seed, out_dir, use_seeds
         self.suppress_file, self.sset, self.console, self.err = suppress_file, sset, console, err
         self.found = self.crash = None
         self.flaky: list[str] = []  # signatures that did not replay: the search goes on past them, as past known ones
         self.kept: dict = {}  # what the fuzzer keeps across rounds (the corpus fuzzer's Corpus)
-        self.stats = FuzzStats()
+        self.stats = search_fuzz.FuzzStats()
 
     def search(self, budget: Budget) -> None:
-        from kvaudit.audit.runner import is_watchdog_hang
-        from kvaudit.search.fuzz import FuzzStats, retry_seed, triage
-
         sset = self.sset
-        self.stats = stats = FuzzStats()  # the search's clock starts now
+        self.stats = stats = search_fuzz.FuzzStats()  # the search's clock starts now
         deadline = budget.deadline()
         with Progress(self.err, budget.seconds) as progress:
             progress.update(stats)
@@ -146,7 +138,8 @@ class _Single:
 
             while not self.flaky or time.monotonic() < deadline:  # past a flaky finding: while budget is left
                 self.found = fuzzers.get(self.fuzzer).search(
-                    self.config, max(0.0, deadline - time.monotonic()), retry_seed(self.seed, len(self.flaky)), stats,
+                    self.config, max(0.0, deadline - time.monotonic()),
+                    search_fuzz.retry_seed(self.seed, len(self.flaky)), stats,
                     fuzzers.Search(on_progress=progress.update, suppressions=sset, suppressions_path=self.suppress_file,
                                    known=frozenset(self.flaky), out_dir=self.out_dir, use_seeds=self.use_seeds,
                                    kept=self.kept))
@@ -154,11 +147,11 @@ class _Single:
                     break
                 stats.findings = 1
                 first = next(f for f in self.found[1] if f.signature not in self.flaky)
-                self.crash = triage(self.config, self.found[0], first,
+                self.crash = search_fuzz.triage(self.config, self.found[0], first,
                                     suppressions=sset.fresh() if sset is not None else None, on_phase=phase)
                 if self.crash is not None:
                     break
-                runs = 1 if is_watchdog_hang(first) else CONFIRM_RUNS
+                runs = 1 if runner.is_watchdog_hang(first) else CONFIRM_RUNS
                 self.err.print(f"a finding ({first.signature}) did not replay {runs} of {runs} times: not reported "
                                f"(flaky); the search goes on past it", soft_wrap=True)
                 self.flaky.append(first.signature)
@@ -168,12 +161,10 @@ class _Single:
 
     def interrupted(self, e: KeyboardInterrupt, outputs: Outputs) -> int | None:
         """The reports of what was found so far; None when the finding was complete (reported as usual)."""
-        from kvaudit.reports.report import print_report, summary_line, suppressed_by_kind
-        from kvaudit.search.fuzz import SearchInterrupted
-
         config, sset, stats, err = self.config, self.sset, self.stats, self.err
         ignore_interrupts(clear=True)  # the timeline below replays the program
-        if self.found is None and isinstance(e, SearchInterrupted):  # met, not yet returned: Hypothesis was shrinking it
+        # met, not yet returned: Hypothesis was shrinking it
+        if self.found is None and isinstance(e, search_fuzz.SearchInterrupted):
             self.found, stats.findings = e.found, 1
         if self.found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
@@ -188,7 +179,7 @@ class _Single:
         print_report(self.console, config, program, findings, suppressions=sset, program_title=title)
         path = write_finding(self.out_dir, config, program, findings, seed=self.seed,
                              confirmations="interrupted before confirmation", minimized=False)
-        during = "Hypothesis shrank it" if isinstance(e, SearchInterrupted) else "minimizing"
+        during = "Hypothesis shrank it" if isinstance(e, search_fuzz.SearchInterrupted) else "minimizing"
         err.print(f"interrupted while {during}; the unminimized program is in {path}", soft_wrap=True)
         data = _run_data(config, program, findings, sset, stats, self.seed, interrupted=True, program_title=title)
         if outputs.html or outputs.json:  # no confirming replay recorded its timeline
@@ -197,8 +188,6 @@ class _Single:
         return EXIT_FINDINGS
 
     def clean(self, outputs: Outputs, max_time: float) -> int:
-        from kvaudit.reports.report import print_suppressions, summary_line, suppressed_by_kind
-
         stats, sset, console, flaky = self.stats, self.sset, self.console, self.flaky
         write = lambda: write_reports(outputs, _run_data(self.config, [], [], sset, stats, self.seed), self.err)  # noqa: E731
         if stats.executions == 0:
@@ -217,8 +206,6 @@ class _Single:
 
     def report(self, outputs: Outputs) -> int:
         """The triaged finding; its report comes last: its SUMMARY: line ends stdout, as LeakSanitizer's."""
-        from kvaudit.reports.report import print_report
-
         config, crash, stats, console, sset = self.config, self.crash, self.stats, self.console, self.sset
         ignore_interrupts()  # the finding is complete: write and report it whole
         minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
@@ -251,14 +238,6 @@ class _Single:
         return EXIT_FINDINGS
 
 
-def check_available(fuzzer: str) -> None:
-    """Raises :class:`UnavailableError` (exit 69) when what ``fuzzer`` needs is not installed here."""
-    try:
-        fuzzers.get(fuzzer).check()
-    except fuzzers.FuzzerUnavailable as e:
-        raise UnavailableError(str(e)) from None
-
-
 def nothing_searched(err, max_time: float) -> int:
     """The budget ended before the first program ran: nothing was checked, so not clean (exit 5)."""
     err.print(f"kvaudit: nothing searched: the {duration(max_time)} search budget ended before the first program "
@@ -266,32 +245,13 @@ def nothing_searched(err, max_time: float) -> int:
     return EXIT_NOTHING_SEARCHED
 
 
-def check_db(url: str):
-    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Raises
-    :class:`InputError` for a bad URL, :class:`UnavailableError` when nothing answers there."""
-    from kvaudit.search.hub import BadURL, HubError, connect, safe_url
-
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
-    try:
-        return connect(url)
-    except BadURL as e:  # redis-py could not parse it (a non-numeric port)
-        raise InputError(str(e)) from None
-    except HubError as e:
-        raise UnavailableError(str(e)) from None
-
-
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
               use_seeds: bool = True, db: str | None = None, campaign_name: str = "default") -> int:
-    from kvaudit.search.campaign import findings_dir, known_signatures, run_campaign
-    from kvaudit.search.fuzz import FuzzStats
-    from kvaudit.reports.report import print_suppressions, print_table, summary_line, suppressed_by_kind
-
     progress = Progress(err, max_time)
-    before = known_signatures(corpus)
+    before = campaign.known_signatures(corpus)
     if before:
         err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
-                  f"{findings_dir(corpus)} are known, not new", soft_wrap=True)
+                  f"{campaign.findings_dir(corpus)} are known, not new", soft_wrap=True)
 
     def landed(sig: str, path: str) -> None:
         (progress.live.console if progress.live else err).print(f"new finding: {sig} -> {path}", soft_wrap=True)
@@ -299,15 +259,16 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     catch_sigint()
     try:
         with progress:
-            progress.update(FuzzStats())
-            result = run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
+            progress.update(search_fuzz.FuzzStats())
+            result = campaign.run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
                                   on_progress=progress.update, on_finding=landed, use_seeds=use_seeds, db=db,
                                   campaign=campaign_name, ttl=float(os.environ.get("KVAUDIT_FLEET_TTL", "30")))
             progress.update(result.stats, force=True)
     except OSError as e:
         if not disk_full(e):
             raise
-        raise write_error(e, e.filename or f"in {corpus}", [f"the finding files in {findings_dir(corpus)}"]) from None
+        raise write_error(e, e.filename or f"in {corpus}",
+                          [f"the finding files in {campaign.findings_dir(corpus)}"]) from None
     finally:
         ignore_interrupts(clear=True)  # the summary and reports are written whole
     cases, paths = _campaign_cases(result, config, console, err)
@@ -348,8 +309,6 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
 
 def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]]:
     """Each new finding's replay file reported (a program with several new signatures once), as cases and paths."""
-    from kvaudit.reports.report import print_report
-
     cases, paths = [], []
     for path in dict.fromkeys(path for _, path in sorted(result.new.items())):
         try:
@@ -365,9 +324,6 @@ def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]
 
 
 def _campaign_table(result):
-    from rich.table import Table
-    from rich.text import Text
-
     t = Table(title="campaign", title_justify="left")
     t.add_column("signature", overflow="fold")
     t.add_column("status", no_wrap=True)
@@ -380,10 +336,8 @@ def _campaign_table(result):
     return t
 
 
-def _run_data(config, program, findings, sset, stats: FuzzStats, seed: int, interrupted: bool = False,
-              program_title: str = "minimized program") -> ReportData:
-    from kvaudit.reports.report import suppressed_by_kind
-
+def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, seed: int,
+              interrupted: bool = False, program_title: str = "minimized program") -> ReportData:
     extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
     if stats.shrink_executions:
         extra["shrink_executions"] = stats.shrink_executions

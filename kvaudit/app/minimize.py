@@ -11,14 +11,15 @@ from kvaudit.app.files import check_paths, write_replay
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import console as make_console
 from kvaudit.app.replay import load_replay
+from kvaudit.audit.runner import execute
 from kvaudit.constants import CONFIRM_RUNS
+from kvaudit.reports.report import print_report
+from kvaudit.search.fuzz import confirm
+from kvaudit.search.minimize import Interrupted, minimize
 
 
 def run(file: str, *, out_file: str | None, signature: str | None, suppress_file: str | None) -> int:
     """``kvaudit minimize FILE``; returns the exit code."""
-    from kvaudit.reports.report import print_report
-    from kvaudit.audit.runner import execute
-
     config, program, recorded, sset = load_replay(file, suppress_file, probe=False)
     if signature is None:
         if not recorded:
@@ -38,9 +39,6 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
     err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
     catch_sigint()
-    from kvaudit.search.fuzz import confirm
-    from kvaudit.search.minimize import Interrupted, minimize
-
     small = None
     try:
         small = minimize(config, program, signature, fresh())
@@ -70,9 +68,6 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
 
 
 def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err) -> int:
-    from kvaudit.reports.report import print_report
-    from kvaudit.audit.runner import execute
-
     ignore_interrupts(clear=True)  # the replay below runs ops
     if smallest is None:
         err.print("interrupted before the program reproduced: nothing written")

@@ -8,18 +8,20 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from rich.console import Console
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
 from kvaudit.app.budget import duration
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from kvaudit.search.fuzz import FuzzStats
 
 
 def console(stderr: bool = False) -> Console:
     """A rich console; off a terminal it is wide, so that paths in reports are not broken up."""
-    from rich.console import Console
-
     probe = Console(stderr=stderr)
     width = None if probe.is_terminal else int(os.environ.get("COLUMNS", 0) or 120)
     return Console(stderr=stderr, highlight=False, width=width)
@@ -38,8 +40,6 @@ class Progress:
     each phase change. ``max_time``: the search budget (seconds)."""
 
     def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL):
-        from rich.live import Live
-
         self.console, self.max_time, self.interval = console, max_time, interval
         self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
         self._last = 0.0
@@ -61,10 +61,6 @@ class Progress:
                 + (f"coverage={coverage_field(cov)} " if cov else "") + f"remaining={f['remaining']}")
 
     def renderable(self, s: FuzzStats):
-        from rich.progress_bar import ProgressBar
-        from rich.table import Table
-        from rich.text import Text
-
         grid = Table.grid(padding=(0, 2))
         grid.add_row(Text(f"kvaudit fuzz: {s.phase}", style="bold blue"),
                      ProgressBar(total=self.max_time, completed=min(s.elapsed, self.max_time), width=40),
@@ -123,9 +119,6 @@ class OpProgress:
         if now < self._next:
             return
         if self.console.is_terminal:
-            from rich.live import Live
-            from rich.text import Text
-
             if self.live is None:
                 self.live = Live(console=self.console, transient=True, auto_refresh=False)
                 self.live.__enter__()

@@ -3,7 +3,9 @@ or re-record files in place (``--update``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from kvaudit import replay
 from kvaudit.app.configs import check_device, require_target, with_tree_core
@@ -11,10 +13,10 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC
                                 write_error)
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import OpProgress, console as make_console
+from kvaudit.audit.runner import execute
+from kvaudit.reports import timeline
 from kvaudit.reports.outputs import Outputs, ReportData
-
-if TYPE_CHECKING:
-    from rich.console import Console
+from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
 
 
 def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None, probe: bool = True):
@@ -35,9 +37,6 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
 def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism: bool, runs: int,
         tree_core: str | None, update: bool, outputs: Outputs) -> int:
     """``kvaudit replay FILE...``; returns the exit code."""
-    from kvaudit.reports.report import print_report, suppressed_by_kind
-    from kvaudit.audit.runner import execute
-
     if update:
         if suppress_file or check_determinism or tree_core or outputs.wanted():
             raise InputError("--update re-records files as they are: it takes no --suppress, "
@@ -59,9 +58,9 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
         same = "yes" if want <= set(ex.signatures) | set(hidden) else "no"
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
-    timeline = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
+    occupancy = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
     write_reports(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
-                                             {"replayed": file}, timeline=timeline, program_title="program",
+                                             {"replayed": file}, timeline=occupancy, program_title="program",
                                              suppressions=sset), err)
     if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
         return EXIT_NONDETERMINISTIC
@@ -73,8 +72,6 @@ def record_timeline(config, program, sset, err: Console) -> dict | None:
     an empty program. Report writers never run the engine: a job calls this before them."""
     if not program:
         return None
-    from kvaudit.reports import timeline
-
     err.print(f"recording pool occupancy: replaying the {len(program)}-op program", soft_wrap=True)
     with OpProgress(err, "recording pool occupancy", len(program)) as progress:
         return timeline.record(config, program, suppressions=sset.fresh() if sset is not None else None,
@@ -83,9 +80,6 @@ def record_timeline(config, program, sset, err: Console) -> dict | None:
 
 def update_replays(files: tuple[str, ...]) -> int:
     """``replay --update`` (:func:`kvaudit.replay.rerecord`), one line per file; exit 4 if a finding was lost."""
-    from kvaudit.audit.runner import execute
-    from kvaudit.reports.timeline import record as record_timeline
-
     console = make_console()
     lost = 0
     for file in files:
@@ -94,7 +88,7 @@ def update_replays(files: tuple[str, ...]) -> int:
             drain = any(f.engine_check_at_idle for f in recorded)
             with OpProgress(make_console(stderr=True), f"replaying {file}", len(program)) as progress:
                 findings = execute(config, program, drain=drain, on_op=progress).findings
-            outcome = replay.rerecord(file, findings, timeline=record_timeline)
+            outcome = replay.rerecord(file, findings, timeline=timeline.record)
         except OSError as e:
             raise write_error(e, file) from None
         lost += outcome.startswith("not updated")
@@ -104,12 +98,6 @@ def update_replays(files: tuple[str, ...]) -> int:
 
 def _check_determinism(console: Console, config, program, sset, first, runs: int) -> bool:
     """Run ``program`` ``runs - 1`` more times beside ``first``, a row each; True if any run differs."""
-    from rich.table import Table
-    from rich.text import Text
-
-    from kvaudit.reports.report import print_table
-    from kvaudit.audit.runner import execute
-
     execs = [first]
     for i in range(2, runs + 1):
         with OpProgress(make_console(stderr=True), f"determinism run {i}/{runs}", len(program)) as progress:

@@ -8,13 +8,12 @@ from kvaudit.app.errors import EXIT_CLEAN, InputError
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
+from kvaudit.reports.report import print_cases
+from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
 
 def run(file: str, outputs: Outputs) -> int:
     """``kvaudit report FILE``; returns 0. Raises :class:`InputError` for a bad file."""
-    from kvaudit.reports.report import print_cases
-    from kvaudit.reports.timeline import is_valid as timeline_is_valid
-
     check_outputs((file,), **vars(outputs))
     try:
         config, loaded, doc = replay.load_cases(file)

@@ -11,6 +11,7 @@ from kvaudit.export.issue import render_issue, title_of
 from kvaudit.export.notes import history_note, note_for
 from kvaudit.export.plan import plan as make_plan
 from kvaudit.export.trace import trace
+from kvaudit.history.catalogue import BUGS
 from kvaudit.program import format_op
 from kvaudit.replay import ReplayFormatError, load, write_text_atomic
 from kvaudit.targets.registry import kind_of
@@ -34,7 +35,6 @@ def history_bug(path: str, config):
     named after (``corpora/vllm/history/vllm-33377.json``), or None."""
     if os.path.basename(os.path.dirname(os.path.abspath(path))) != "history":
         return None
-    from kvaudit.history.catalogue import BUGS
     bug = BUGS.get(os.path.basename(path)[:-5])
     return bug if bug is not None and bug.engine == getattr(config, "target", None) else None
 

@@ -74,17 +74,10 @@ class Plan:
 
 
 def _session_params(op: Submit, sid: str, turns: list[str]) -> dict:
-    sp: dict = {"id": sid}
-    parent = pick(op.parent, turns)
-    if parent is not None:
-        sp["rid"] = parent
-    if op.offset is not None:
-        sp["offset"] = op.offset
-    if op.replace:
-        sp["replace"] = True
-    if op.drop_previous_output:
-        sp["drop_previous_output"] = True
-    return sp
+    """The ``session_params`` of a session turn: its id and the fields the op sets (unset ones left out)."""
+    sp = {"id": sid, "rid": pick(op.parent, turns), "offset": op.offset, "replace": bool(op.replace) or None,
+          "drop_previous_output": bool(op.drop_previous_output) or None}
+    return {k: v for k, v in sp.items() if v is not None}
 
 
 def _item(config, ex, op: Submit, i: int, rid: str, submitted: list[str], texts: dict) -> GenItem:

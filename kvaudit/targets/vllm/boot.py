@@ -190,8 +190,7 @@ def _kv_cache_tensors(config) -> list:
     from vllm.v1.kv_cache_interface import KVCacheTensor
     layers = ["full"] + (["swa"] if config.sliding_window is not None else []) + (["mamba"] if config.mamba else [])
     size = config.num_gpu_blocks * OFFLOAD_PAGE_BYTES
-    names = {f.name for f in dataclasses.fields(KVCacheTensor)}
-    if "shared_by" in names:
+    if "shared_by" in {f.name for f in dataclasses.fields(KVCacheTensor)}:
         return [KVCacheTensor(size=size, shared_by=layers)]
     return [KVCacheTensor(size=size, layers=layers, layer_stride=0, block_stride=OFFLOAD_PAGE_BYTES)]
 

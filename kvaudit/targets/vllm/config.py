@@ -4,6 +4,7 @@ Imports neither vLLM nor torch: the CLI validates flags and replay files with it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from kvaudit.config import ConfigBase, Preset, json_value
@@ -191,12 +192,10 @@ class VllmConfig(ConfigBase):
         check (``kv_cache_utils.check_enough_kv_cache_memory``, each spec's ``max_memory_usage_bytes``) needs.
         A window's: ``SlidingWindowSpec.max_admission_blocks_per_request``, with ``max_num_batched_tokens`` in
         flight per concurrent batch; Mamba's: ``MambaSpec.max_memory_usage_bytes``."""
-        def cdiv(a, b):
-            return -(-a // b)
-        n = cdiv(self.max_model_len, self.block_size)
+        n = math.ceil(self.max_model_len / self.block_size)
         if self.sliding_window is not None:
             in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens
-            n += cdiv(min(self.sliding_window - 1 + in_flight, self.max_model_len), self.block_size) + 1
+            n += math.ceil(min(self.sliding_window - 1 + in_flight, self.max_model_len) / self.block_size) + 1
         return n + (1 + self.enable_prefix_caching + self.num_spec_tokens) * self.mamba
 
     def __post_init__(self) -> None:

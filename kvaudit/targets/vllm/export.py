@@ -368,9 +368,7 @@ def _call_text(c) -> str | None:
 
 def trace_views(target):
     """``(live, answered, sessions)`` of a built vLLM target: ``known()`` (its aborts pick from it), those
-    finished with blocks held (a KV connector's send), no sessions; None when it does not expose them."""
-    if not (hasattr(target, "known") and hasattr(target, "submitted")):
-        return None
+    finished with blocks held (a KV connector's send), no sessions."""
     return ((lambda: tuple(target.known())),
             (lambda: tuple(rid for rid, (_, status) in target.known().items() if status.startswith("finished"))),
             (lambda: ()))

@@ -56,13 +56,12 @@ def inject_scheduler(scheduler, faults: set[str], status) -> None:
 
         def add_keeping_blocks(request, *a, **k):  # the end of a session waiting for input: its table dropped
             session = scheduler.requests.get(request.request_id)
-            if (session is None or request.resumable or session.status != status.WAITING_FOR_STREAMING_REQ
-                    or "close-waiting-session-keeps-blocks" not in faults):
-                return add(request, *a, **k)
-            faults.discard("close-waiting-session-keeps-blocks")
-            for mgr in manager.coordinator.single_type_managers:
-                mgr.req_to_blocks.pop(request.request_id, None)
-                mgr.num_cached_block.pop(request.request_id, None)
+            if (session is not None and not request.resumable and session.status == status.WAITING_FOR_STREAMING_REQ
+                    and "close-waiting-session-keeps-blocks" in faults):
+                faults.discard("close-waiting-session-keeps-blocks")
+                for mgr in manager.coordinator.single_type_managers:
+                    mgr.req_to_blocks.pop(request.request_id, None)
+                    mgr.num_cached_block.pop(request.request_id, None)
             return add(request, *a, **k)
 
         scheduler.add_request = add_keeping_blocks

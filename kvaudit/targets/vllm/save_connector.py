@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
-NAME = "KvauditAsyncSaveConnector"
-
 
 class KvauditSaveMetadata(KVConnectorMetadata):
     """``reqs_to_send``: the request ids whose save starts with this step."""

@@ -536,9 +536,8 @@ class VllmSchedulerTarget(_VllmBase):
         """The engine core's test (``has_requests()``, no batch in flight), and no unfinished request it no longer
         counts (not a waiting session): never scheduled again, a hang (vLLM #52693 on 0.27.0 to 0.30.0)."""
         s, W = self.scheduler, self.V.RequestStatus.WAITING_FOR_STREAMING_REQ
-        if s.has_requests() or self.batch_queue:
-            return False
-        return not any(not r.is_finished() and r.status != W for r in s.requests.values())
+        return not (s.has_requests() or self.batch_queue) and not any(
+            not r.is_finished() and r.status != W for r in s.requests.values())
 
     def progress(self) -> dict[str, int]:
         return {r.request_id: r.num_computed_tokens + r.num_output_tokens + 1000 * r.num_preemptions
@@ -596,10 +595,9 @@ class VllmManagerTarget(_VllmBase):
 
     def _finish(self, request, status) -> None:
         """``Scheduler.finish_requests`` / ``_free_request``: out of the queues, status set, blocks freed."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.running, self.waiting):
+            if request in queue:
+                queue.remove(request)
         request.status = status
         self.manager.free(request)
         del self.requests[request.request_id]
