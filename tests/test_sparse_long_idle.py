@@ -32,35 +32,49 @@ def _key(findings):
 
 
 def _sparse(config, program, monkeypatch, suppressions=None):
-    fresh = []
-    real = AuditedRun._fresh_replay
-    monkeypatch.setattr(AuditedRun, "_fresh_replay", lambda self: fresh.append(len(self.program)) or real(self))
+    """The program as a search runs it; also (engines the replays built, ops they applied, the program's
+    length at each localization)."""
+    built, applied, asked = [0], [0], []
+    init, apply, localize = AuditedRun.__init__, AuditedRun.apply, AuditedRun._replay
+
+    def counted_init(self, *a, **k):
+        init(self, *a, **k)
+        built[0] += self.check_every == 1
+
+    def counted_apply(self, op):
+        applied[0] += self.check_every == 1
+        return apply(self, op)
+
+    monkeypatch.setattr(AuditedRun, "__init__", counted_init)
+    monkeypatch.setattr(AuditedRun, "apply", counted_apply)
+    monkeypatch.setattr(AuditedRun, "_replay", lambda self: asked.append(len(self.program)) or localize(self))
     with AuditedRun(config, full_stacks=False, check_every=16, lean=True, suppressions=suppressions) as run:
         for op in program:
             if run.apply(op):
                 break
         else:
             run.finish()
-    return run, fresh
+    return run, (built[0], applied[0], asked)
 
 
 def test_a_hang_is_localized_once_its_idle_passes_the_long_idle_mark(monkeypatch):
     config, program, _, _ = replay.load(HANG)
     want = execute(config, program, full_stacks=False)
     assert [f.kind for f in want.findings] == ["hang"] and want.steps >= MAX_IDLE_STEPS
-    run, fresh = _sparse(config, program, monkeypatch)
+    run, (built, _, asked) = _sparse(config, program, monkeypatch)
     assert _key(run.findings) == _key(want.findings)
-    assert len(fresh) == 1
+    assert built == 1 and len(asked) == 1
     # the sparse run stopped its own loop at the mark, not at MAX_IDLE_STEPS
     assert run.target.steps < want.steps - MAX_IDLE_STEPS // 2
 
 
 def test_a_covered_hang_is_replayed_once_within_its_op(monkeypatch):
     config, program, _, _ = replay.load(HANG)
-    run, fresh = _sparse(config, program, monkeypatch, suppressions=_CoverAll())
+    run, (built, applied, asked) = _sparse(config, program, monkeypatch, suppressions=_CoverAll())
     assert run.findings == []
     hang = next(f for f in run.suppressed if f.kind == "hang")
     # the long-idle replay met only the covered hang: the loop went on to MAX_IDLE_STEPS, and that hang's
-    # localization reused the replay of the same ops instead of running the loop a third time
+    # localization (and any later one) went on with the same open replay: one engine, no op run twice
     assert run.target.steps >= MAX_IDLE_STEPS > LONG_IDLE_STEPS
-    assert fresh.count(hang.op_index + 1) == 1
+    assert asked.count(hang.op_index + 1) == 2
+    assert built == 1 and applied == max(asked)

@@ -218,7 +218,7 @@ class AuditedRun:
         self.program: list[Op] = []  # the ops applied, kept for a sparse run's replay
         self._passed_over: set[str] = set()  # sparse: the signatures already localized (_sift)
         self._replayed: list[Finding] | None = None  # sparse: what that localization found, not yet returned
-        self._replay_memo: tuple[int, AuditedRun] | None = None  # sparse: (ops replayed, replay) of the last localization
+        self._replay_memo: tuple[int, AuditedRun] | None = None  # sparse: (ops applied, the open replay) (_replay)
         self.unchecked = 0  # scheduler steps since the last full oracle scan
         self._draining = False  # inside an Idle op (the sparse schedule checks where it drained)
         self._checked_mark: tuple | None = None  # (idle, ledger events, lock events, sent) at the last sparse check
@@ -484,21 +484,25 @@ class AuditedRun:
 
     def _replay(self) -> "AuditedRun":
         """The ops applied so far, from a fresh engine with a check after every step, up to its first
-        finding (what it raises, it raises). Runs are deterministic: a second localization within the
-        same op (no op applied since) returns the replay the first one ran."""
-        if self._replay_memo is not None and self._replay_memo[0] == len(self.program):
-            return self._replay_memo[1]
-        replay = self._fresh_replay()
-        self._replay_memo = (len(self.program), replay)
-        return replay
-
-    def _fresh_replay(self) -> "AuditedRun":
-        with AuditedRun(self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
-                        full_stacks=self.full_stacks, suppressions=self.suppressions, shadow=self.shadow,
-                        step_limit=self.step_limit, paranoid=self.auditor.paranoid if self.auditor else None) as replay:
-            for op in self.program:
-                if replay.apply(op):
-                    break
+        finding (what it raises, it raises). Runs are deterministic, so the replay is kept open (closed
+        with this run) and a later localization in this program only applies the ops since: the same
+        calls on the same run as a fresh replay of the longer prefix; one that stopped at a finding
+        stays the answer (a fresh replay stops there too)."""
+        if self._replay_memo is None:
+            self._replay_memo = (0, AuditedRun(
+                self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
+                full_stacks=self.full_stacks, suppressions=self.suppressions, shadow=self.shadow,
+                step_limit=self.step_limit, paranoid=self.auditor.paranoid if self.auditor else None))
+        done, replay = self._replay_memo
+        try:
+            while done < len(self.program) and not replay.findings:
+                done += 1
+                replay.apply(self.program[done - 1])
+        except BaseException:  # (half-applied: never reused)
+            self._replay_memo = None
+            replay.close()
+            raise
+        self._replay_memo = (done, replay)
         return replay
 
     def _cut_short(self) -> bool:
@@ -534,6 +538,9 @@ class AuditedRun:
     def close(self) -> None:
         """Remove the hooks (so a finished run is freed at once, not by the cycle collector) and close
         the target (L3 storage's directory)."""
+        if self._replay_memo is not None:
+            self._replay_memo, (_, replay) = None, self._replay_memo
+            replay.close()
         if self.auditor is not None:
             self.auditor.uninstall()
         self.target.close()
