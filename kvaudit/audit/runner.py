@@ -32,6 +32,8 @@ from kvaudit.targets import make_target
 # garbage-collector callback is swallowed by Python ("Exception ignored in ..."), this flag is not
 INTERRUPTED = threading.Event()
 STALL_STEPS = 20  # idle() gives up quietly after this many steps of a stall the target calls legitimate
+# a sparse run localizes an idle() still not drained after this many steps right there (AuditedRun._long_idle)
+LONG_IDLE_STEPS = MAX_IDLE_STEPS // 8
 _step_timeout = DEFAULT_STEP_TIMEOUT
 
 
@@ -216,6 +218,7 @@ class AuditedRun:
         self.program: list[Op] = []  # the ops applied, kept for a sparse run's replay
         self._passed_over: set[str] = set()  # sparse: the signatures already localized (_sift)
         self._replayed: list[Finding] | None = None  # sparse: what that localization found, not yet returned
+        self._replay_memo: tuple[int, AuditedRun] | None = None  # sparse: (ops applied, the open replay) (_replay)
         self.unchecked = 0  # scheduler steps since the last full oracle scan
         self._draining = False  # inside an Idle op (the sparse schedule checks where it drained)
         self._checked_mark: tuple | None = None  # (idle, ledger events, lock events, sent) at the last sparse check
@@ -371,12 +374,16 @@ class AuditedRun:
                 if self.target.paused:
                     self.target.apply(ContinueGeneration())  # a paused engine never drains
                 stalled, self._draining = 0, True
-                for _ in range(MAX_IDLE_STEPS):
+                for n in range(MAX_IDLE_STEPS):
                     idle = self.target.is_idle()
                     found = sift(self._step())  # when idle, this iteration runs the engine's on_idle
                     stalled = stalled + 1 if self.target.stalled() else 0
                     if found or idle or stalled > STALL_STEPS or self._out_of_time():
                         break  # out of time: no hang finding, the budget ran out, not the engine
+                    if n + 1 == LONG_IDLE_STEPS and self.check_every > 1:
+                        found = self._long_idle()
+                        if found:
+                            break
                 else:
                     found = self._outcome("idle")
             else:
@@ -460,15 +467,42 @@ class AuditedRun:
         self.findings.extend(found)
         return found
 
+    def _long_idle(self) -> list[Finding]:
+        # NOTE: an idle() that has not drained after LONG_IDLE_STEPS steps is most often a hang, met by
+        # the sparse run only at MAX_IDLE_STEPS and then localized by a replay that runs the whole loop
+        # again. The replay is the per-step run of the ops so far, this idle() included to its end: run
+        # it now. Its uncovered findings are what the sparse run's localization would return at this op
+        # (or where the sparse run meets them later, the same per-step findings): returned now, the loop
+        # ends. Else the loop goes on and a later localization in this op reuses this replay (_replay).
+        replay = self._replay()
+        if not replay.findings:
+            return []
+        self._passed_over |= {f.signature for f in replay.findings}
+        self.suppressed[:] = replay.suppressed
+        self._replayed = list(replay.findings)
+        return self._replayed
+
     def _replay(self) -> "AuditedRun":
         """The ops applied so far, from a fresh engine with a check after every step, up to its first
-        finding (what it raises, it raises)."""
-        with AuditedRun(self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
-                        full_stacks=self.full_stacks, suppressions=self.suppressions, shadow=self.shadow,
-                        step_limit=self.step_limit, paranoid=self.auditor.paranoid if self.auditor else None) as replay:
-            for op in self.program:
-                if replay.apply(op):
-                    break
+        finding (what it raises, it raises). Runs are deterministic, so the replay is kept open (closed
+        with this run) and a later localization in this program only applies the ops since: the same
+        calls on the same run as a fresh replay of the longer prefix; one that stopped at a finding
+        stays the answer (a fresh replay stops there too)."""
+        if self._replay_memo is None:
+            self._replay_memo = (0, AuditedRun(
+                self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
+                full_stacks=self.full_stacks, suppressions=self.suppressions, shadow=self.shadow,
+                step_limit=self.step_limit, paranoid=self.auditor.paranoid if self.auditor else None))
+        done, replay = self._replay_memo
+        try:
+            while done < len(self.program) and not replay.findings:
+                done += 1
+                replay.apply(self.program[done - 1])
+        except BaseException:  # (half-applied: never reused)
+            self._replay_memo = None
+            replay.close()
+            raise
+        self._replay_memo = (done, replay)
         return replay
 
     def _cut_short(self) -> bool:
@@ -504,6 +538,9 @@ class AuditedRun:
     def close(self) -> None:
         """Remove the hooks (so a finished run is freed at once, not by the cycle collector) and close
         the target (L3 storage's directory)."""
+        if self._replay_memo is not None:
+            self._replay_memo, (_, replay) = None, self._replay_memo
+            replay.close()
         if self.auditor is not None:
             self.auditor.uninstall()
         self.target.close()
