@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 
 import pytest
 
 from kvaudit import replay
 from kvaudit.audit.findings import Finding
 from kvaudit.audit.runner import AuditedRun, execute
+from kvaudit.program.generate import random_program
 from kvaudit.targets.eut.presets import get_preset
+from replay_helpers import CoverAll, count_replays
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZOO = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json")))
@@ -302,45 +305,20 @@ def test_a_search_checks_per_step_only_in_its_kinds_first_programs(monkeypatch):
     assert seen == [1, 1, schedule.CHECK_EVERY]
 
 
-class _CoverAll:
-    needs_full_stacks = False
-
-    def sift(self, findings, suppressed):
-        suppressed.extend(findings)
-        return []
-
-
 def test_later_localizations_go_on_with_the_open_replay(monkeypatch):
     # every finding covered, so a program meets several localizations: one replay engine per program,
     # each op replayed once (the replay goes on from where the last localization left it), and what it
     # passes over is what the per-step run passes over
-    init, apply, localize = AuditedRun.__init__, AuditedRun.apply, AuditedRun._replay
-    built, applied, asked = [0], [0], []
-
-    def counted_init(self, *a, **k):
-        init(self, *a, **k)
-        built[0] += self.check_every == 1
-
-    def counted_apply(self, op):
-        applied[0] += self.check_every == 1
-        return apply(self, op)
-
-    monkeypatch.setattr(AuditedRun, "__init__", counted_init)
-    monkeypatch.setattr(AuditedRun, "apply", counted_apply)
-    monkeypatch.setattr(AuditedRun, "_replay", lambda self: asked.append(len(self.program)) or localize(self))
-    import random
-
-    from kvaudit.program.generate import random_program
-
+    built, applied, asked = count_replays(monkeypatch)
     several = 0
     for path, seed in ((path, seed) for path in ZOO for seed in range(8)):
         config = replay.load(path)[0]
         program = random_program(random.Random(seed), 60)
-        with AuditedRun(config, full_stacks=False, suppressions=_CoverAll()) as per_step:
+        with AuditedRun(config, full_stacks=False, suppressions=CoverAll()) as per_step:
             for op in program:
                 per_step.apply(op)
         built[0], applied[0], asked[:] = 0, 0, []
-        with AuditedRun(config, full_stacks=False, suppressions=_CoverAll(), check_every=16) as sparse:
+        with AuditedRun(config, full_stacks=False, suppressions=CoverAll(), check_every=16) as sparse:
             for op in program:
                 sparse.apply(op)
             sparse.finish()

@@ -10,21 +10,12 @@ import pytest
 
 from kvaudit import replay
 from kvaudit.audit.runner import LONG_IDLE_STEPS, MAX_IDLE_STEPS, AuditedRun, execute
+from replay_helpers import CoverAll, count_replays
 
 pytestmark = pytest.mark.sglang
 
 HANG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "corpora", "sglang",
                     "hang-pd-prealloc-never-fits.json")
-
-
-class _CoverAll:
-    """Suppressions that cover every finding (the interface the runner asks of a SuppressionSet)."""
-
-    needs_full_stacks = False
-
-    def sift(self, findings, suppressed):
-        suppressed.extend(findings)
-        return []
 
 
 def _key(findings):
@@ -34,20 +25,7 @@ def _key(findings):
 def _sparse(config, program, monkeypatch, suppressions=None):
     """The program as a search runs it; also (engines the replays built, ops they applied, the program's
     length at each localization)."""
-    built, applied, asked = [0], [0], []
-    init, apply, localize = AuditedRun.__init__, AuditedRun.apply, AuditedRun._replay
-
-    def counted_init(self, *a, **k):
-        init(self, *a, **k)
-        built[0] += self.check_every == 1
-
-    def counted_apply(self, op):
-        applied[0] += self.check_every == 1
-        return apply(self, op)
-
-    monkeypatch.setattr(AuditedRun, "__init__", counted_init)
-    monkeypatch.setattr(AuditedRun, "apply", counted_apply)
-    monkeypatch.setattr(AuditedRun, "_replay", lambda self: asked.append(len(self.program)) or localize(self))
+    built, applied, asked = count_replays(monkeypatch)
     with AuditedRun(config, full_stacks=False, check_every=16, lean=True, suppressions=suppressions) as run:
         for op in program:
             if run.apply(op):
@@ -70,7 +48,7 @@ def test_a_hang_is_localized_once_its_idle_passes_the_long_idle_mark(monkeypatch
 
 def test_a_covered_hang_is_replayed_once_within_its_op(monkeypatch):
     config, program, _, _ = replay.load(HANG)
-    run, (built, applied, asked) = _sparse(config, program, monkeypatch, suppressions=_CoverAll())
+    run, (built, applied, asked) = _sparse(config, program, monkeypatch, suppressions=CoverAll())
     assert run.findings == []
     hang = next(f for f in run.suppressed if f.kind == "hang")
     # the long-idle replay met only the covered hang: the loop went on to MAX_IDLE_STEPS, and that hang's
