@@ -206,18 +206,60 @@ def test_leak_is_located_at_its_allocation():
     assert "properties" in r and "locationIsFallback" not in r["properties"]
 
 
+def _current(function: str, text: str) -> tuple[int, str]:
+    """The line number and stripped text of the first line of engine_under_test/scheduler.py's ``function``
+    that contains ``text`` (so that the tests below follow the engine's edits)."""
+    import inspect
+
+    from engine_under_test.scheduler import Scheduler
+    lines, first = inspect.getsourcelines(getattr(Scheduler, function))
+    return next((first + i, line.strip()) for i, line in enumerate(lines) if text in line)
+
+
 def test_recorded_source_line_becomes_the_region_snippet(validator):
     if "source" not in {fld.name for fld in dataclasses.fields(Site)}:
         pytest.skip("Site records no source line in this tree")
-    site = Site("engine_under_test/scheduler.py", 597, "alloc_for_extend", source="    out = alloc(n)")
+    line, text = _current("alloc_for_extend", "alloc_extend(")
+    # recorded 40 lines off: the region is where the recorded text is now, the snippet the recorded text
+    site = Site("engine_under_test/scheduler.py", line + 40, "alloc_for_extend", source=text)
+    step, _ = _current("step", "def step")
     f = Finding(kind="leak", pool="token_to_kv_pool", message="unreachable", slots=[3], num_units=1,
-                alloc_sites=[site, Site("engine_under_test/scheduler.py", 264, "step")])
+                alloc_sites=[site, Site("engine_under_test/scheduler.py", step, "step")])
     log = to_sarif([f])
     assert _errors(validator, log) == []
     (r,) = log["runs"][0]["results"]
-    assert r["locations"][0]["physicalLocation"]["region"]["snippet"] == {"text": "    out = alloc(n)"}
-    assert "snippet" not in r["relatedLocations"][0]["physicalLocation"]["region"]
-    assert "out = alloc(n)" in ET.fromstring(to_junit([f])).find(".//failure").text
+    region = r["locations"][0]["physicalLocation"]["region"]
+    assert region == {"startLine": line, "snippet": {"text": text}}
+    assert text in ET.fromstring(to_junit([f])).find(".//failure").text
+
+
+def test_a_stale_frame_is_not_the_location_a_current_one_is():
+    """A frame whose function is gone from the current source (a file recorded on older code) would point at
+    whatever that line holds now: the location is the next current frame (the tester, stop 49)."""
+    step, _ = _current("step", "def step")
+    gone = Site("engine_under_test/scheduler.py", step, "no_such_function", source="x = 1")
+    here = Site("engine_under_test/scheduler.py", step, "step")
+    f = Finding(kind="leak", pool="token_to_kv_pool", message="unreachable", slots=[3], num_units=1,
+                alloc_sites=[gone, here])
+    (r,) = to_sarif([f])["runs"][0]["results"]
+    assert r["locations"][0]["logicalLocations"][0]["name"] == "step"
+    assert "locationIsFallback" not in r["properties"]
+
+
+def test_the_location_is_labelled_by_the_stack_it_comes_from():
+    """A double free whose second free has no addressable frame is shown at the first free: the label says
+    so (it said 'freed again at' over the first free's frame), and the second free's frames are preferred
+    over every other stack's when they are addressable (the tester, stop 49)."""
+    step, _ = _current("step", "def step")
+    first = Site("engine_under_test/scheduler.py", step, "step")
+    f = Finding(kind="double-free", pool="token_to_kv_pool", message="freed twice", slots=[3], num_units=1,
+                free_sites=[Site("<string>", 1, "somewhere")], prev_free_sites=[first])
+    (r,) = to_sarif([f])["runs"][0]["results"]
+    assert r["locations"][0]["message"]["text"] == "previously freed at step"
+    again = Site("engine_under_test/scheduler.py", step, "step")
+    f = dataclasses.replace(f, free_sites=[Site("<string>", 1, "somewhere"), again])
+    (r,) = to_sarif([f])["runs"][0]["results"]
+    assert r["locations"][0]["message"]["text"] == "freed again at step"
 
 
 def test_stale_kv_without_alloc_site_is_located_where_it_was_read(validator):
@@ -246,14 +288,15 @@ def test_finding_without_any_site_still_has_a_repo_location(validator):
 def test_crash_frames_outside_the_repo_stay_out_of_code_scanning_locations(validator):
     """A crash's innermost frames can be in a library (absolute path) or a pseudo-file: the
     location is the innermost frame in the repository; stacks keep the others as file:// URIs."""
+    step, _ = _current("step", "def step")
     frames = [Site("/usr/lib/python3.11/json/decoder.py", 355, "raw_decode"), Site("<string>", 1, "<module>"),
-              Site("engine_under_test/scheduler.py", 264, "step"), Site("engine_under_test/scheduler.py", 0, "run")]
+              Site("engine_under_test/scheduler.py", step, "step"), Site("engine_under_test/scheduler.py", 0, "run")]
     crash = Finding(kind="crash", pool="-", message="ValueError: [bad] value", alloc_sites=frames,
                     op_index=2, step=1, traceback="Traceback (most recent call last):\n...")
     log = to_sarif([crash])
     assert _errors(validator, log) == []
     (r,) = log["runs"][0]["results"]
-    assert _physical(r["locations"][0]) == ("engine_under_test/scheduler.py", 264)
+    assert _physical(r["locations"][0]) == ("engine_under_test/scheduler.py", step)
     uris = [fr["location"].get("physicalLocation", {}).get("artifactLocation", {}).get("uri")
             for fr in r["stacks"][0]["frames"]]
     assert uris == ["file:///usr/lib/python3.11/json/decoder.py", None, "engine_under_test/scheduler.py",

@@ -259,18 +259,24 @@ def _units_line(f: Finding) -> str:
     return f"{word.capitalize()}: {shown}."
 
 
-def _primary(f: Finding, stacks: list, key: str | None, target: str,
-             engine: EngineSource | None) -> tuple[Site, bool]:
-    """The result's location, and whether it is the fallback anchor: the first frame in the engine's
-    package, of the primary stack then any; then the same in the repository."""
+def _primary(stacks: list, key: str | None, target: str, kind: str,
+             engine: EngineSource | None) -> tuple[Site, str | None, bool]:
+    """The result's location, the label of the stack it comes from (None for the anchor), and whether it is
+    the fallback anchor: the first frame of the primary stack in the engine's package, else in the
+    repository, then the same in the other stacks; a frame the current source calls stale is skipped (its
+    line would point at other code)."""
+    def fresh(s: Site) -> bool:
+        return not resolve(s).note.startswith("stale")
+
     tests = ([lambda s: engine_path(s.file, engine.package) is not None and other_release(s, engine) is None]
              if engine is not None else []) + [in_repo]
-    for test in tests:
-        primary = next((s for s in (getattr(f, key) if key else []) if test(s)), None) or \
-            next((s for _, _, frames in stacks for s in frames if test(s)), None)
-        if primary is not None:
-            return primary, False
-    return _anchor(f.kind, target), True
+    for own in (True, False):
+        for test in tests:
+            hit = next(((label, s) for k, label, frames in stacks if (k == key) == own for s in frames
+                        if test(s) and fresh(s)), None)
+            if hit is not None:
+                return hit[1], hit[0], False
+    return _anchor(kind, target), None, True
 
 
 def _related(stacks: list, primary: Site, key: str | None, engine: EngineSource | None) -> tuple[list, list]:
@@ -344,8 +350,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
             engine: EngineSource | None = None) -> dict:
     stacks = _labelled_stacks(f)
     key = primary_stack(f)
-    primary_label = next((label for k, label, _ in stacks if k == key), None)
-    primary, fallback = _primary(f, stacks, key, target, engine)
+    primary, primary_label, fallback = _primary(stacks, key, target, f.kind, engine)
     others = sorted({v for _, _, frames in stacks for s in frames if (v := other_release(s, engine)) is not None})
     recorded_on = f"{engine.package} {', '.join(others)}" if others else ""
     related, links = _related(stacks, primary, key, engine)
