@@ -19,7 +19,11 @@ from kvaudit.targets import config_from_dict
     ({"target": "vllm", "block_size": False}, "got false"),
     ({"target": "eut", "enable_overlap": None}, "enable_overlap must be true or false, got null"),
     ({"target": "eut", "num_slots": True}, "num_slots must be an integer, got true"),
-], ids=["sglang-true", "sglang-null", "sglang-string", "vllm-null", "vllm-false", "eut-null", "eut-true"])
+    ({"target": "vllm", "kv_connector": 5}, 'kv_connector must be one of null, "NixlConnector"'),
+    ({"target": "sglang", "disaggregation_mode": None}, 'must be "null", "decode" or "prefill" (strings'),
+    ({"target": "eut", "disaggregation_mode": "x"}, 'disaggregation_mode must be null or "decode", got "x"'),
+], ids=["sglang-true", "sglang-null", "sglang-string", "vllm-null", "vllm-false", "eut-null", "eut-true",
+        "vllm-choices", "sglang-null-string", "eut-choices"])
 def test_a_config_error_spells_the_value_as_json(config, said):
     with pytest.raises(ValueError) as e:
         config_from_dict(config)

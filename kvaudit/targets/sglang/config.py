@@ -217,7 +217,8 @@ class SglangConfig(ConfigBase):
         if not 1 <= self.max_running_requests <= 256 or not 1 <= self.max_req_rows <= 1024:
             raise ValueError("max_running_requests must be in [1, 256] and max_req_rows in [1, 1024]")
         if self.disaggregation_mode not in ("null", "decode", "prefill"):
-            raise ValueError(f"disaggregation_mode must be null, decode or prefill, got {json_value(self.disaggregation_mode)}")
+            raise ValueError('disaggregation_mode must be "null", "decode" or "prefill" (strings, as SGLang\'s '
+                             f"--disaggregation-mode), got {json_value(self.disaggregation_mode)}")
         for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
                      "request_running_timeout_steps", "kv_checksum_mismatch_every", "fake_bootstrap_every"):
             t = getattr(self, name)

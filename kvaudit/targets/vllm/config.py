@@ -214,7 +214,7 @@ class VllmConfig(ConfigBase):
             yield (lo is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or hi and v > hi),
                    f"{f.name} must be an integer in [{lo}, {hi or 'inf'}], got {json_value(v)}")
             yield (f.name in CHOICES and v not in CHOICES[f.name],
-                   f"{f.name} must be one of {', '.join(map(str, CHOICES.get(f.name, ())))}, got {json_value(v)}")
+                   f"{f.name} must be one of {', '.join(map(json_value, CHOICES.get(f.name, ())))}, got {json_value(v)}")
             yield f.name in SCHEDULER_ONLY and v != f.default and self.level != "scheduler", \
                 f"{f.name} needs level scheduler"
         c, w, u = self, self.sliding_window, self.prefix_match_unit
