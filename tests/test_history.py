@@ -300,3 +300,15 @@ def test_end_to_end_vllm_45357_found_in_0_23_0_and_clean_in_0_24_0(tmp_path):
     assert t["signature"].endswith("check:inflight-write")
     assert {(x["engine"], x["version"]) for x in doc["releases"]} == {("vllm", "0.23.0"), ("vllm", "0.24.0")}
     assert "1/1 bug(s) rediscovered" in r.stdout
+
+
+def test_the_report_says_what_each_bug_is_a_rediscovery_too():
+    """A run of only SGLang 0.5.23 rediscoveries left "What each bug is, and how a real server reaches it"
+    empty (the tester, stop 49): a rediscovery names its corpus file and the README with its triage."""
+    bid = rediscoveries()[0].id
+    res = suite.HistoryResult(settings={"suite": "history", "bugs": [bid], "fuzzers": ["random"], "trials": 1,
+                                        "budget": 1.0, "jobs": 1, "cpu_count": 2, "started": "2026-12-05 09:00:00"})
+    text = suite.markdown(res)
+    section = text.split("## What each bug is, and how a real server reaches it", 1)[1].split("\n## ", 1)[0]
+    assert f"- **{bid}**: kvaudit's own finding (" in section
+    assert "Reached: see corpora/sglang/README.md" in section

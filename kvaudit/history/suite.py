@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import posixpath
 import subprocess
 import sys
 import tempfile
@@ -314,7 +315,11 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
         lines += [f"- {f}" for f in res.failures]
     lines += _bugs(res, ids, bugs, best) + _per_fuzzer(ids, fuzzers, by) + _programs(best, bugs)
     lines += ["", "## What each bug is, and how a real server reaches it", ""]
-    for b in (bugs[bid] for bid in ids if not bugs[bid].replay_file):
+    for b in (bugs[bid] for bid in ids):
+        if b.replay_file:  # a rediscovery: its triage is the corpus's, in the README beside the file
+            lines.append(f"- **{b.id}**: {b.title}, searched with that file's config (preset `{b.preset}`). "
+                         f"Reached: see {posixpath.dirname(b.replay_file)}/README.md")
+            continue
         lines.append(f"- **{b.id}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
                      + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
                      + f". Reached: {b.reach}")
