@@ -235,7 +235,8 @@ class EutObserver(Target):
         eng = self.engine
         return _CheckScope(self, eng if len(eng.running_batch) + len(eng.waiting_queue) >= OWNERS_ONCE_FROM else None)
 
-    _nodes_memo: list | None = None  # inside a check (_CheckScope): the tree's nodes, walked once
+    _in_check = False  # inside a check (_CheckScope)
+    _nodes_memo: list | None = None  # inside a check: the tree's nodes, walked once
 
     def _tree_nodes(self) -> list:
         """The radix tree's nodes, parents before children (``RadixCache.nodes()``). Inside a check
@@ -245,7 +246,7 @@ class EutObserver(Target):
         if memo is not None:
             return memo
         nodes = list(self.engine.tree_cache.nodes())
-        if self._nodes_memo is None and self.__dict__.get("_in_check"):
+        if self._in_check:
             self._nodes_memo = nodes
         return nodes
 
@@ -531,7 +532,7 @@ class _CheckScope:
 
     def __enter__(self) -> None:
         obs = self.obs
-        self.prev = (obs.__dict__.get("_in_check"), obs._nodes_memo)  # (an outer check's)
+        self.prev = (obs._in_check, obs._nodes_memo)  # (an outer check's)
         obs._in_check, obs._nodes_memo = True, None
         if self.owners is not None:
             self.owners.__enter__()
