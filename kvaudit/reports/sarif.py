@@ -296,7 +296,8 @@ def _related(stacks: list, primary: Site, key: str | None, engine: EngineSource 
     return related, links
 
 
-def _message(f: Finding, links: list[str], primary: Site, fallback: bool, recorded_on: str = "") -> str:
+def _message(f: Finding, links: list[str], primary: Site, fallback: bool, recorded_on: str = "",
+             package: str = "") -> str:
     summary = f.summary()
     lines = [_escape(summary)]
     detail = f": {f.message}" if f.message and f.message not in summary else ""
@@ -309,7 +310,6 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool, record
     if links:
         lines.append("See also: " + "; ".join(links) + ".")
     if recorded_on:
-        package = recorded_on.split(" ")[0]
         lines.append(_escape(f"(Recorded on {recorded_on}, not the {package} installed here: its {package} frames "
                              "are named by path, their recorded lines kept as properties, not claimed as lines of "
                              "the installed files.)"))
@@ -358,7 +358,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         "ruleId": f.kind,
         "ruleIndex": rule_index,
         "level": level,
-        "message": {"text": _message(f, links, primary, fallback, recorded_on)},
+        "message": {"text": _message(f, links, primary, fallback, recorded_on, engine.package if engine else "")},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
                                 region_fallback=True, engine=engine)],
         "partialFingerprints": {FINGERPRINT_KEY: f.signature},
