@@ -642,3 +642,15 @@ def test_ci_campaign_without_db_is_a_warning(tmp_path):
                "--junit", str(tmp_path / "ci.xml"))
     assert r.exit_code == 0, r.output
     assert "warning: --campaign nightly names a campaign shared through --db; without --db it is ignored" in r.stderr
+
+
+@pytest.mark.parametrize("args, option", [(["ci", "--max-time", "0", "--presets", "default,nope"], "--presets"),
+                                          (["bench", "--overhead-presets", "nope"], "--overhead-presets"),
+                                          (["ci", "--max-time", "0", "--presets", " , "], "--presets")])
+def test_a_bad_preset_list_names_its_option_the_bad_name_and_the_valid_ones(args, option):
+    """``ci --presets`` and ``bench --overhead-presets`` read their lists with one helper: exit 2, one line."""
+    result = invoke(*args)
+    assert result.exit_code == 2
+    bad = "' , '" if "," in args[-1] and "nope" not in args[-1] else "'nope'"
+    assert one_error_line(result) == (f"kvaudit: error: {option}: unknown preset {bad} "
+                                      f"(valid: {', '.join(PRESETS)}, or all)")

@@ -9,12 +9,12 @@ import click
 
 from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
-from kvaudit.app.configs import check_available
+from kvaudit.app.configs import check_available, names_arg, presets_arg
 from kvaudit.app.files import check_outputs
 from kvaudit.app.progress import console as make_console
 from kvaudit.history import suite
 from kvaudit.history.catalogue import all_bugs
-from kvaudit.search import bench, ci
+from kvaudit.search import bench
 from kvaudit.search import fuzzers as fuzzer_kinds
 from kvaudit.targets import registry
 
@@ -25,18 +25,9 @@ def default_fuzzers(history: bool = False) -> list[str]:
     return [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
 
 
-def _names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
-    """A comma-separated list of names in ``valid`` (``every``: all). Raises :class:`InputError`."""
-    names = list(valid) if value == every else [n.strip() for n in value.split(",") if n.strip()]
-    bad = [n for n in names if n not in valid]
-    if bad or not names:
-        raise InputError(f"{what} {bad[0] if bad else value!r} ({hint})")
-    return names
-
-
 def _fuzzers_arg(value: str) -> list[str]:
     valid = fuzzer_kinds.kinds()
-    return _names_arg(value, valid, "--fuzzers: unknown fuzzer", f"valid: {', '.join(valid)}", every=None)
+    return names_arg(value, valid, "--fuzzers: unknown fuzzer", f"valid: {', '.join(valid)}", every=None)
 
 
 def _write_both(out_json: str, doc: dict, out_md: str, markdown) -> None:
@@ -53,11 +44,8 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
         overhead_presets: str, out_md: str, out_json: str) -> int:
     """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for a bad option."""
     fuzzers = _fuzzers_arg(fuzzers_value)
-    bugs = _names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
-    try:
-        ov = [] if overhead_presets == "none" else ci.presets_arg(overhead_presets)
-    except ValueError as e:
-        raise InputError(f"--overhead-presets: {e}") from None
+    bugs = names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
+    ov = [] if overhead_presets == "none" else presets_arg("--overhead-presets", overhead_presets)
     for f in fuzzers:
         check_available(f)
     check_outputs(html=out_md, json=out_json)  # writable, distinct (--out and --json)
@@ -89,7 +77,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
             click.echo(f"{b.id:{width}}  {b.engine} {b.buggy}{fixed}  {b.finding}")
         return EXIT_CLEAN
     fuzzers = _fuzzers_arg(fuzzers_value)
-    bugs = _names_arg(bugs_value, bugs_all, "--bugs: unknown history bug", "see 'kvaudit bench --suite history --list'")
+    bugs = names_arg(bugs_value, bugs_all, "--bugs: unknown history bug", "see 'kvaudit bench --suite history --list'")
     engines = sorted({bugs_all[b].engine for b in bugs})
     for f in fuzzers:
         kind = fuzzer_kinds.get(f)

@@ -14,7 +14,7 @@ from kvaudit import replay
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 write_error)
-from kvaudit.app.configs import check_available, check_db
+from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, load_suppressions, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -36,10 +36,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     if db is not None:
         check_db(db)
     kind = registry.get(target)  # --target's TargetChoice checked the name
-    try:
-        preset_names = ci.presets_arg(presets_value, target)
-    except ValueError as e:
-        raise InputError(f"--presets: {e}") from None
+    preset_names = presets_arg("--presets", presets_value, target)
     sset = load_suppressions(suppress_file)
     regressions_dir = _regressions_dir(regressions_dir, kind)
     files = ci.regression_files(regressions_dir) if regressions_dir is not None else []

@@ -141,6 +141,22 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     return config
 
 
+def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
+    """A comma-separated list of names in ``valid`` (``every``: all of them). Raises :class:`InputError`
+    ``{what} 'bad' ({hint})`` naming the first bad one (or ``value``, when it names none)."""
+    names = list(valid) if value == every else [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise InputError(f"{what} {bad[0] if bad else value!r} ({hint})")
+    return names
+
+
+def presets_arg(option: str, value: str, target: str = registry.DEFAULT_KIND) -> list[str]:
+    """``option``'s ``all`` or comma-separated list of the ``target`` kind's presets (:func:`names_arg`)."""
+    presets = registry.get(target).presets()
+    return names_arg(value, presets, f"{option}: unknown preset", f"valid: {', '.join(presets)}, or all")
+
+
 def check_bugs(kind, bugs) -> None:
     """Raises :class:`InputError` naming the first ``--bug`` that is not in ``kind.bugs()``, the valid
     names, and the kind that has it when exactly one other does."""

@@ -224,15 +224,3 @@ def junit(result: CiResult) -> str:
         ci_outputs.add_interrupted(fz)
     return ci_outputs.document(root)
 
-
-def presets_arg(value: str, target: str = "eut") -> list[str]:
-    """``all`` or a comma-separated list of the ``target`` kind's preset names; raises ValueError naming a
-    bad one."""
-    presets = registry.get(target).presets()
-    if value == "all":
-        return list(presets)
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [n for n in names if n not in presets]
-    if bad or not names:
-        raise ValueError(f"unknown preset {bad[0] if bad else value!r} (valid: {', '.join(presets)}, or all)")
-    return names
