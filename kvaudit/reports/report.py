@@ -129,11 +129,10 @@ def lifecycle_table(f: Finding, plain: bool = False) -> Table:
     return t
 
 
-def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = None,
-                 deduplicated: dict[str, int] | None = None) -> list[dict]:
+def summary_rows(findings: list[Finding], suppressed: dict[str, int] | None = None) -> list[dict]:
     """Per kind, in :data:`KINDS` order: distinct findings (by signature), suppressed findings and
     deduplicated reports (further reports of a signature already counted)."""
-    suppressed, deduplicated = dict(suppressed or {}), dict(deduplicated or {})
+    suppressed, deduplicated = dict(suppressed or {}), {}
     distinct: dict[str, set[str]] = {}
     for f in findings:
         sigs = distinct.setdefault(f.kind, set())
@@ -188,10 +187,9 @@ def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
     return dict(Counter(sig.split("/", 1)[0] for sig in sigs))
 
 
-def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = None,
-                  deduplicated: dict[str, int] | None = None, plain: bool = False) -> Table:
+def summary_table(findings: list[Finding], suppressed: dict[str, int] | None = None, plain: bool = False) -> Table:
     """Findings by kind, with suppressed and deduplicated counts, and a total row."""
-    rows = summary_rows(findings, suppressed, deduplicated)
+    rows = summary_rows(findings, suppressed)
     t = Table(title="summary", title_justify="left", show_footer=bool(rows),
               box=box.ASCII2 if plain else box.HEAVY_HEAD)
     totals = [sum(r[c] for r in rows) for c in ("findings", "suppressed", "deduplicated")]
@@ -259,8 +257,7 @@ def header(config) -> str:
 
 def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[Op], list[Finding], str]],
                 suppressed: dict[str, int] | None = None, notes: tuple[str, ...] = (),
-                deduplicated: dict[str, int] | None = None, suppressions: SuppressionSet | None = None,
-                closing: bool = True) -> None:
+                suppressions: SuppressionSet | None = None, closing: bool = True) -> None:
     """:func:`print_report` for several (program, findings, program title) cases of one config (a
     campaign's report): every finding with its own program (a case's findings in
     :func:`~kvaudit.audit.findings.report_order`), one summary, the ``notes`` lines, the closing line."""
@@ -270,7 +267,7 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
     for i, (program, f, title) in enumerate(everything):
         _print(console, finding_renderable(f, program, i, title, plain), plain)
     findings = [f for _, f, _ in everything]
-    _print(console, summary_table(findings, suppressed, deduplicated, plain=plain), plain)
+    _print(console, summary_table(findings, suppressed, plain=plain), plain)
     if suppressions is not None:
         print_suppressions(console, suppressions)
     for line in notes:
@@ -281,11 +278,11 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
 
 
 def print_report(console: Console, config: TargetConfig, program: list[Op], findings: list[Finding],
-                 deduplicated: dict[str, int] | None = None, program_title: str = "minimized program",
-                 suppressions: SuppressionSet | None = None, closing: bool = True) -> None:
+                 program_title: str = "minimized program", suppressions: SuppressionSet | None = None,
+                 closing: bool = True) -> None:
     """The report: a header, one panel per finding (plain lines off a terminal, see :func:`is_plain`),
     the summary, the ``suppressions`` used (``findings`` are the unsuppressed ones), and the closing
     ``SUMMARY:`` line unless ``closing`` is False (one section of a run that closes with one line over
     them all: a run prints one ``SUMMARY:`` line)."""
     print_cases(console, config, [(program, findings, program_title)], suppressed_by_kind(suppressions),
-                deduplicated=deduplicated, suppressions=suppressions, closing=closing)
+                suppressions=suppressions, closing=closing)
