@@ -262,7 +262,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
             progress.update(search_fuzz.FuzzStats())
             result = campaign.run_campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file,
                                   on_progress=progress.update, on_finding=landed, use_seeds=use_seeds, db=db,
-                                  campaign=campaign_name, ttl=float(os.environ.get("KVAUDIT_FLEET_TTL", "30")))
+                                  campaign=campaign_name)
             progress.update(result.stats, force=True)
     except OSError as e:
         if not disk_full(e):

@@ -442,13 +442,14 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                  on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True,
-                 db: str | None = None, campaign: str = "default", ttl: float = 30.0) -> CampaignResult:
+                 db: str | None = None, campaign: str = "default", ttl: float | None = None) -> CampaignResult:
     """Search for ``max_time`` seconds per worker, counted from when it has built its first engine
     (``stats.started``: when the first was ready). ``on_finding(signature, path)``: once per new signature,
     as it lands. Ctrl-C stops the workers and returns what was found (``interrupted`` set). ``db``: a Redis
-    URL that makes the workers part of campaign ``campaign`` across hosts (``ttl``: seconds a claim or
-    heartbeat lives unrenewed); ``fleet``: the findings pulled from it during this run. Raises OSError if
-    ``corpus`` cannot be written."""
+    URL that makes the workers part of campaign ``campaign`` across hosts (``ttl``: seconds a claim or heartbeat
+    lives unrenewed, default $KVAUDIT_FLEET_TTL or 30); ``fleet``: the findings pulled from it during this run.
+    Raises OSError if ``corpus`` cannot be written."""
+    ttl = float(os.environ.get("KVAUDIT_FLEET_TTL", "30")) if ttl is None else ttl
     os.makedirs(findings_dir(corpus), exist_ok=True)
     if db is not None:  # the fleet's findings are known before the first program runs
         from kvaudit.search import hub as hubs

@@ -129,8 +129,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
     with tempfile.TemporaryDirectory(prefix=f"kvaudit-ci-{preset}-") as tmp:
         where = os.path.join(corpus, preset) if corpus is not None else tmp
         result = run_campaign(config, fuzzer, budget, seed, 1, where, suppress_path, on_progress=on_progress,
-                              db=db, campaign=f"{campaign}/{preset}",
-                              ttl=float(os.environ.get("KVAUDIT_FLEET_TTL", "30")))
+                              db=db, campaign=f"{campaign}/{preset}")
         run.executions = result.stats.executions
         run.suppression_usage = list(result.suppression_usage.values())
         run.known = sorted({**result.known, **result.fleet})
