@@ -110,15 +110,6 @@ def simplify_round(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]
     return ops
 
 
-def simplify_args(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
-    """:func:`simplify_round` until a round changes nothing."""
-    while True:
-        simpler = simplify_round(ops, fails)
-        if simpler == ops:
-            return ops
-        ops = simpler
-
-
 class Interrupted(KeyboardInterrupt):
     """A Ctrl-C (or SIGTERM) during :func:`minimize`. ``smallest``: the smallest program that reproduced the
     signature so far (fewest ops; the latest of equal length), or None if the input had not yet reproduced."""
