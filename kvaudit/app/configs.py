@@ -142,8 +142,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
 
 
 def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
-    """A comma-separated list of names in ``valid`` (``every``: all of them). Raises :class:`InputError`
-    ``{what} 'bad' ({hint})`` naming the first bad one (or ``value``, when it names none)."""
+    """A comma-separated list of names in ``valid`` (``every``: all). Raises :class:`InputError`."""
     names = list(valid) if value == every else [n.strip() for n in value.split(",") if n.strip()]
     bad = [n for n in names if n not in valid]
     if bad or not names:
