@@ -23,7 +23,7 @@ from kvaudit.audit.findings import Finding
 from kvaudit.config import TargetConfig
 from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, program_to_json
 from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
-from kvaudit.program.generate import weighted_kinds
+from kvaudit.program.generate import random_op, weighted_kinds
 from kvaudit.program.schema import max_prompt as context_max_prompt
 from kvaudit.search.fuzz import FuzzStats, run_program
 from kvaudit.targets import program_features
@@ -213,19 +213,9 @@ class Mutator:
         self.table = weighted_kinds(reach)
 
     def op(self, table=None, probs: dict | None = None) -> Op:
-        """An op of ``table`` (default: the random mix, drawn as :func:`kvaudit.program.generate.random_op`
-        draws it), each optional argument set with ``probs[(kind, name)]`` (default its ``Arg.p``)."""
-        rng, table = self.rng, table or self.table
-        kind = table[rng.randrange(len(table))]
-        values = {}
-        for a in OPS[kind].args:
-            p = (probs or {}).get((kind, a.name), a.p)
-            if not reachable(a.gate, self.reach) or (p < 1.0 and rng.random() >= p):
-                values[a.name] = a.unset
-            else:
-                lo, hi = arg_range(a, self.max_prompt)
-                values[a.name] = rng.randint(lo, hi)
-        return make_op(kind, values, self.reach, self.max_prompt)
+        """:func:`kvaudit.program.generate.random_op` of ``table`` (default: the random mix), each optional
+        argument set with ``probs[(kind, name)]`` (default its ``Arg.p``)."""
+        return random_op(self.rng, self.reach, self.max_prompt, table or self.table, probs)
 
     def swarm_table(self) -> tuple[str, ...]:
         """A random subset of the op kinds (step and idle, swarm None, always in), weighted as the mix."""
