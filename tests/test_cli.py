@@ -590,6 +590,26 @@ def test_replay_update_rerecords_stacks_and_keeps_the_rest(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
 
 
+def test_replay_update_records_the_release_it_re_recorded_on(tmp_path, monkeypatch):
+    """Re-recorded findings hold the installed release's frames: the file then names that release. A file
+    whose findings stay as they were keeps what it had (the shipped corpus is not rewritten for it)."""
+    from kvaudit import replay
+
+    monkeypatch.setattr(replay, "engine_version", lambda config: "9.9")
+    stale, _ = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text(open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read())
+    old = json.loads(fresh.read_text())
+    old["engine_version"] = "1.0"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(old))
+    result = invoke("replay", "--update", str(stale), str(fresh), str(other))
+    assert result.exit_code == 0, result.output
+    assert json.loads(stale.read_text())["engine_version"] == "9.9"
+    assert fresh.read_text() == open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read()
+    assert json.loads(other.read_text())["engine_version"] == "9.9"  # the same frames, now of 9.9
+
+
 def test_replay_update_leaves_a_file_that_no_longer_reproduces(tmp_path):
     path, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
     doc["config"]["bugs"] = []  # the bug switched off: the program is clean

@@ -15,9 +15,11 @@ from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.audit.findings import KINDS, Finding, Site, source_path
 from kvaudit.reports.junit import to_junit
-from kvaudit.reports.sarif import (FINGERPRINT_KEY, SRCROOT, engine_path, finding_stacks, primary_stack, recorded_release,
-                                   to_sarif)
+from kvaudit.reports.sarif import (FINGERPRINT_KEY, SRCROOT, engine_base_id, engine_path, finding_stacks, primary_stack,
+                                   recorded_release, to_sarif)
+from kvaudit.targets import registry
 from kvaudit.targets.sglang.boot import installed_version
+from cli_helpers import invoke
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA_PATH = os.path.join(ROOT, "tests", "data", "sarif-schema-2.1.0.json")
@@ -434,6 +436,48 @@ def test_frames_recorded_on_a_release_overlay_claim_no_line_of_the_installed_rel
         assert "region" in r["locations"][0]["physicalLocation"]  # a line of this checkout's
         assert r["properties"]["recordedOn"] == f"{package} {release}"
         assert f"Recorded on {package} {release}, not the {package} installed here" in r["message"]["text"]
+
+
+@pytest.mark.parametrize("name, package, release", [
+    ("sglang/leak-a3-hisparse-buffer-padded-at-finish", "sglang", "0.5.10.post1"),
+    ("vllm/fault-skip-free", "vllm", "0.15.1")])
+def test_a_file_recorded_on_another_release_claims_no_line_of_the_installed_one(validator, tmp_path, name, package,
+                                                                               release):
+    """A file recorded today on a release overlay holds package-relative frames (``sglang/srt/...``): only its
+    ``engine_version`` says which release their lines are of. ``kvaudit report --sarif`` claimed the installed
+    release's lines for them; now, where the recorded release is another, its engine frames have no region
+    and the result says where it was recorded, as for an overlay's absolute paths; the same file recorded on
+    the installed release keeps its regions."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", f"{name}.json")))
+    ours = [s for f in doc["findings"] for st in ("alloc_sites", "free_sites") for s in f.get(st) or []
+            if s["file"].startswith(f"{package}/")]
+    assert ours  # package-relative frames, as recorded since 2026-12
+
+    def engine_locations(version):
+        doc["engine_version"] = version
+        src, out = tmp_path / f"{version}.json", tmp_path / f"{version}.sarif"
+        src.write_text(json.dumps(doc))
+        r = invoke("report", str(src), "--sarif", str(out))
+        assert r.exit_code == 0, r.output
+        log = json.loads(out.read_text())
+        assert _errors(validator, log) == []
+        (result, *_) = log["runs"][0]["results"]
+        locs = result["locations"] + result.get("relatedLocations", []) + [
+            fr["location"] for st in result.get("stacks", []) for fr in st["frames"]]
+        return result, [loc for loc in locs if loc.get("physicalLocation", {}).get("artifactLocation", {}).get(
+            "uriBaseId") == engine_base_id(package)]
+
+    result, theirs = engine_locations(release)
+    assert theirs and all("region" not in loc["physicalLocation"] for loc in theirs)
+    assert {loc["properties"]["recordedOn"] for loc in theirs} == {f"{package} {release}"}
+    assert result["properties"]["recordedOn"] == f"{package} {release}"
+    assert f"Recorded on {package} {release}, not the {package} installed here" in result["message"]["text"]
+    installed = registry.get(package).engine_source().version
+    if installed is None:
+        pytest.skip(f"{package} is not installed here: no release to compare with")
+    result, theirs = engine_locations(installed)
+    assert theirs and all("region" in loc["physicalLocation"] for loc in theirs)
+    assert "recordedOn" not in result["properties"]
 
 
 def test_recorded_release_reads_the_overlay_directory_only():
