@@ -185,6 +185,6 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
                                 f"got {json_value(version)[:60]}")
     presets = kind_of(config).presets()
     if config.preset not in presets and config.preset != "custom":
-        raise ReplayFormatError(f"{path}: bad config: unknown preset {config.preset!r} "
+        raise ReplayFormatError(f"{path}: bad config: unknown preset {json_value(config.preset)} "
                                 f"(valid: {', '.join(presets)}, or custom)")
     return config, program, findings, doc

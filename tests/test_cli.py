@@ -332,7 +332,7 @@ def test_listings_off_a_terminal_are_plain_lines_and_take_a_target():
     assert not any(b in out for b in BUGS)
     assert "finding: the first that `kvaudit fuzz" in invoke("bugs", "--target", "eut").stdout  # the caption
     bad = invoke("presets", "--target", "nope")
-    assert bad.exit_code == 2 and "unknown target 'nope'" in one_error_line(bad)
+    assert bad.exit_code == 2 and 'unknown target "nope"' in one_error_line(bad)
 
 
 def test_version_and_help_exit_0():
@@ -489,7 +489,7 @@ def test_a_page_size_is_only_tied_to_the_hisparse_buffer_when_hisparse_is_on(tmp
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda d: d["config"].update(preset="nope"), "unknown preset 'nope'"),
+    (lambda d: d["config"].update(preset="nope"), 'unknown preset "nope"'),
     (lambda d: d.update(findings="x"), "bad findings: want a list"),
     (lambda d: d.update(findings=[{"kind": "bogus"}]), "bad findings: want a list"),
 ])

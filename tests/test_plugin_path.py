@@ -89,7 +89,7 @@ def found(out_dir):
 
 def test_a_plugin_replay_file_names_its_kind_and_replays(tmp_path):
     """The file had no config.target (the config class has no such field), so 'replay FILE' read it
-    as an eut config: "bad config: unknown config key 'size'", exit 2."""
+    as an eut config: 'bad config: unknown config key "size"', exit 2."""
     r = invoke("fuzz", "--target", "rowtoy", "--bug", "abort-leak", "--fuzzer", "random", "--max-time", "20",
                "--seed", "1", "--out", str(tmp_path))
     assert r.exit_code == 1, r.output
@@ -174,7 +174,7 @@ def test_the_installed_console_script_loads_a_plugin_module_from_the_current_dir
     doc = json.load(open(found(tmp_path / "out")))
     assert doc["config"]["target"] == "cwdrowtoy" and doc["findings"][0]["pool"] == "rows"
     # the replay hint runs as printed, in a shell without KVAUDIT_PLUGINS ('kvaudit replay FILE' alone: exit 2,
-    # "unknown target 'cwdrowtoy'")
+    # 'unknown target "cwdrowtoy"')
     (hint,) = [line.split("   (", 1)[1][:-1] for line in r.stdout.splitlines() if line.startswith("replay file: ")]
     assert hint.startswith("KVAUDIT_PLUGINS=cwd_rowtoy kvaudit replay "), hint
     env.pop("KVAUDIT_PLUGINS")

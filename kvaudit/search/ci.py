@@ -13,6 +13,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvaudit.config import json_value
 from kvaudit.targets import registry
 from kvaudit import replay
 from kvaudit.audit.findings import Finding
@@ -234,5 +235,5 @@ def presets_arg(value: str, target: str = "eut") -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in presets]
     if bad or not names:
-        raise ValueError(f"unknown preset {bad[0] if bad else value!r} (valid: {', '.join(presets)}, or all)")
+        raise ValueError(f"unknown preset {json_value(bad[0] if bad else value)} (valid: {', '.join(presets)}, or all)")
     return names

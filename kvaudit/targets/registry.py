@@ -174,7 +174,7 @@ class TargetKind:
         presets = self.presets()
         name = self.default_preset if name == "default" else name
         if name not in presets:
-            raise UnknownPresetError(f"unknown preset {name!r}" + ("" if self.name == DEFAULT_KIND else
+            raise UnknownPresetError(f"unknown preset {json_value(name)}" + ("" if self.name == DEFAULT_KIND else
                                                                    f" for --target {self.name}")
                                      + f"; valid presets: {', '.join(presets)}")
         return presets[name]
@@ -368,7 +368,7 @@ def get(name: str) -> TargetKind:
     if name not in _KINDS:
         why = "; ".join(plugin_errors()) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
                                             f"'{ENTRY_POINT_GROUP}' entry point")
-        raise UnknownTargetError(f"unknown target {name!r} (valid: {', '.join(_KINDS)}; {why})")
+        raise UnknownTargetError(f"unknown target {json_value(name)} (valid: {', '.join(_KINDS)}; {why})")
     return _KINDS[name]
 
 
