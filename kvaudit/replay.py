@@ -183,8 +183,9 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
     if version is not None and not (isinstance(version, str) and version):
         raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "
                                 f"got {json_value(version)[:60]}")
-    presets = kind_of(config).presets()
+    kind = kind_of(config)
+    presets = kind.presets()
     if config.preset not in presets and config.preset != "custom":
-        raise ReplayFormatError(f"{path}: bad config: unknown preset {json_value(config.preset)} "
-                                f"(valid: {', '.join(presets)}, or custom)")
+        raise ReplayFormatError(f"{path}: bad config: " + (kind.refusal(config.preset) or (
+            f"unknown preset {json_value(config.preset)} (valid: {', '.join(presets)}, or custom)")))
     return config, program, findings, doc

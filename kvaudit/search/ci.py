@@ -229,11 +229,13 @@ def junit(result: CiResult) -> str:
 def presets_arg(value: str, target: str = "eut") -> list[str]:
     """``all`` or a comma-separated list of the ``target`` kind's preset names; raises ValueError naming a
     bad one."""
-    presets = registry.get(target).presets()
+    kind = registry.get(target)
+    presets = kind.presets()
     if value == "all":
         return list(presets)
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in presets]
     if bad or not names:
-        raise ValueError(f"unknown preset {json_value(bad[0] if bad else value)} (valid: {', '.join(presets)}, or all)")
+        raise ValueError((kind.refusal(bad[0]) if bad else None) or
+                         f"unknown preset {json_value(bad[0] if bad else value)} (valid: {', '.join(presets)}, or all)")
     return names
