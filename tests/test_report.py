@@ -633,3 +633,16 @@ def test_a_bad_engine_version_is_a_one_line_input_error(tmp_path, value):
     r = invoke("report", str(bad))
     assert r.exit_code == 2
     assert f"bad engine_version: want the engine's release as a string, got {json.dumps(value)}" in one_error_line(r)
+
+
+def test_a_finding_of_an_unknown_kind_is_a_one_line_input_error(tmp_path):
+    """``kvaudit report`` rendered a finding of kind "bogus" (no run yields one; a suppression file refuses
+    the name too)."""
+    doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    doc["findings"][0]["kind"] = "bogus"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    for cmd in ("report", "replay", "minimize"):
+        r = invoke(cmd, str(bad))
+        assert r.exit_code == 2, (cmd, r.output)
+        assert 'bad findings: unknown kind "bogus" (valid: leak, use-after-free, ' in one_error_line(r)

@@ -115,7 +115,8 @@ def test_sarif_for_each_regression_is_schema_valid_and_code_scanning_ready(valid
         props = r["properties"]
         assert (props["pool"], props["op_index"], props["step"]) == (f.pool, f.op_index, f.step)
         word, ids = f.listed()
-        assert props[word] == ids[:64] and props[f"{word}Total"] == len(ids) and props["num_units"] == f.num_units
+        assert props.get(word) == (ids[:64] or None) and props.get(f"{word}Total") == (len(ids) or None)
+        assert props["num_units"] == f.num_units and props.get("unit") == (f.unit if ids or f.num_units else None)
         assert props["engine_check"] == f.engine_check
         # every embedded link [text](id) names a related location of this result
         ids = {loc["id"] for loc in r.get("relatedLocations", [])}
@@ -496,6 +497,19 @@ def test_engine_path_takes_the_last_package_directory_and_nothing_in_the_reposit
     assert engine_path("sglang/srt/a.py", "sglang") == "sglang/srt/a.py"  # as recorded since 2026-12
     assert engine_path("/usr/lib/python3.11/json/decoder.py", "sglang") is None
     assert engine_path("<string>", "sglang") is None
+
+
+def test_a_finding_of_no_units_names_no_unit_and_lists_none():
+    """A vLLM hang (pool "-", no units) said ``unit: "slot"`` (the recorded default, not vLLM's blocks) and
+    ``slots: []``; a leak still names its unit and lists its units."""
+    config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-lose-failed-load.json"))
+    hang = next(f for f in findings if f.kind == "hang")
+    assert (hang.pool, hang.slots, hang.num_units, hang.unit) == ("-", [], 0, "slot")
+    props = to_sarif([hang], config)["runs"][0]["results"][0]["properties"]
+    assert not {"unit", "slots", "slotsTotal", "blocks", "blocksTotal"} & set(props) and props["num_units"] == 0
+    config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json"))
+    props = to_sarif(findings[:1], config)["runs"][0]["results"][0]["properties"]
+    assert props["unit"] == "block" and props["blocks"] and props["blocksTotal"] == len(props["blocks"])
 
 
 def test_a_built_in_engine_log_names_no_installed_engine():

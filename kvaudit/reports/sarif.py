@@ -339,9 +339,11 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool, record
 
 def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict:
     word, ids = f.listed()  # named in the pool's unit: token "slots", "rows", or (vLLM's) "blocks"
-    props: dict = {"signature": f.signature, "pool": f.pool, "unit": f.unit, word: list(ids[:MAX_SLOTS]),
-                   f"{word}Total": len(ids), "num_units": f.num_units, "op_index": f.op_index, "step": f.step,
-                   "engine_check": list(f.engine_check)}
+    # NOTE: a finding of no units (a hang, pool "-") names no unit: its recorded one is the default, not a pool's
+    units = ({"unit": f.unit} if ids or f.num_units else {}) | (
+        {word: list(ids[:MAX_SLOTS]), f"{word}Total": len(ids)} if ids else {})
+    props: dict = {"signature": f.signature, "pool": f.pool, **units, "num_units": f.num_units, "op_index": f.op_index,
+                   "step": f.step, "engine_check": list(f.engine_check)}
     props.update(lookup(f.kind).props(f))  # (a leak's indirect)
     if f.owner_history:
         props["lifecycle"] = lifecycle(f)
