@@ -26,7 +26,7 @@ class UnknownFaultError(ValueError):
     """An injected-fault name (``--bug``) that a real engine's target kind does not have."""
 
     def __init__(self, name: str, target: str, valid):
-        super().__init__(f"unknown fault {name!r} for --target {target}; valid faults: {', '.join(valid)}")
+        super().__init__(f"unknown fault {json_value(name)} for --target {target}; valid faults: {', '.join(valid)}")
 
 
 class ConfigBase:
@@ -68,11 +68,11 @@ class ConfigBase:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown config key {unknown[0]!r}")
+            raise ValueError(f"unknown config key {json_value(unknown[0])}")
         d = dict(d)
         if "bugs" in d:
             if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
-                raise ValueError(f"bugs must be a list of {cls.BUGS_NOUN}")
+                raise ValueError(f"bugs must be a list of {cls.BUGS_NOUN}, got {json_value(d['bugs'])[:60]}")
             d["bugs"] = frozenset(d["bugs"])
         return cls(**d)
 

@@ -8,10 +8,10 @@ import re
 from typing import Callable
 
 from kvaudit import atomic
-from kvaudit.config import TargetConfig
+from kvaudit.config import TargetConfig, json_value
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit.targets.registry import kind_of
-from kvaudit.audit.findings import Finding, source_path
+from kvaudit.audit.findings import KINDS, Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
 FORMAT = "kvaudit.replay/1"
@@ -25,9 +25,21 @@ class ReplayFormatError(ValueError):
     """A file that is not a valid kvaudit replay file (message is one line)."""
 
 
+def engine_version(config: TargetConfig) -> str | None:
+    """The release of the engine whose frames a run of ``config`` records, as its target kind's
+    ``engine_source()`` says (a release overlay's when one is in front of ``sys.path``); None for an engine
+    in this repository or an unknown release."""
+    engine = kind_of(config).engine_source()
+    return engine.version if engine is not None else None
+
+
 def to_doc(config: TargetConfig, program: list[Op], findings: list[Finding], **extra) -> dict:
-    """A replay document: config (with its kind's ``target``), program, findings, then ``extra`` keys."""
-    return {"format": FORMAT, "config": config_to_dict(config), "program": program_to_json(program),
+    """A replay document: config (with its kind's ``target``), the engine's release (``engine_version``:
+    :func:`engine_version`, unless ``extra`` names one; left out when None), program, findings, then the
+    other ``extra`` keys."""
+    version = extra.pop("engine_version") if "engine_version" in extra else engine_version(config)
+    return {"format": FORMAT, "config": config_to_dict(config),
+            **({"engine_version": version} if version is not None else {}), "program": program_to_json(program),
             "findings": [f.to_dict() for f in findings], **extra}
 
 
@@ -58,6 +70,9 @@ def rerecord(path: str, findings: list[Finding], timeline: Callable | None = Non
                                if d.get("traceback") else d for d in (f.to_dict() for f in findings)]}
     if "timeline" in doc and timeline is not None:
         new["timeline"] = timeline(config, program)
+    version = engine_version(config)  # NOTE: a file whose findings stay as they were keeps its lack of one
+    if version is not None and (new != doc or "engine_version" in doc):
+        new["engine_version"] = version
     old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
     changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \
         if old_sigs != new_sigs else ""
@@ -164,8 +179,17 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
         findings = [Finding.from_dict(f) for f in recorded]
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise ReplayFormatError(f"{path}: bad findings: {e}") from None
-    presets = kind_of(config).presets()
+    unknown = next((f.kind for f in findings if f.kind not in KINDS), None)
+    if unknown is not None:  # (a suppression file refuses it too: no run yields one)
+        raise ReplayFormatError(f"{path}: bad findings: unknown kind {json_value(unknown)[:60]} "
+                                f"(valid: {', '.join(KINDS)})")
+    version = doc.get("engine_version")
+    if version is not None and not (isinstance(version, str) and version):
+        raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "
+                                f"got {json_value(version)[:60]}")
+    kind = kind_of(config)
+    presets = kind.presets()
     if config.preset not in presets and config.preset != "custom":
-        raise ReplayFormatError(f"{path}: bad config: unknown preset {config.preset!r} "
-                                f"(valid: {', '.join(presets)}, or custom)")
+        raise ReplayFormatError(f"{path}: bad config: " + (kind.refusal(config.preset) or (
+            f"unknown preset {json_value(config.preset)} (valid: {', '.join(presets)}, or custom)")))
     return config, program, findings, doc

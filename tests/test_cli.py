@@ -332,7 +332,7 @@ def test_listings_off_a_terminal_are_plain_lines_and_take_a_target():
     assert not any(b in out for b in BUGS)
     assert "finding: the first that `kvaudit fuzz" in invoke("bugs", "--target", "eut").stdout  # the caption
     bad = invoke("presets", "--target", "nope")
-    assert bad.exit_code == 2 and "unknown target 'nope'" in one_error_line(bad)
+    assert bad.exit_code == 2 and 'unknown target "nope"' in one_error_line(bad)
 
 
 def test_version_and_help_exit_0():
@@ -489,7 +489,7 @@ def test_a_page_size_is_only_tied_to_the_hisparse_buffer_when_hisparse_is_on(tmp
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda d: d["config"].update(preset="nope"), "unknown preset 'nope'"),
+    (lambda d: d["config"].update(preset="nope"), 'unknown preset "nope"'),
     (lambda d: d.update(findings="x"), "bad findings: want a list"),
     (lambda d: d.update(findings=[{"kind": "bogus"}]), "bad findings: want a list"),
 ])
@@ -590,6 +590,26 @@ def test_replay_update_rerecords_stacks_and_keeps_the_rest(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
 
 
+def test_replay_update_records_the_release_it_re_recorded_on(tmp_path, monkeypatch):
+    """Re-recorded findings hold the installed release's frames: the file then names that release. A file
+    whose findings stay as they were keeps what it had (the shipped corpus is not rewritten for it)."""
+    from kvaudit import replay
+
+    monkeypatch.setattr(replay, "engine_version", lambda config: "9.9")
+    stale, _ = _stale_copy(tmp_path, "overlap-abort-double-free.json")
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text(open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read())
+    old = json.loads(fresh.read_text())
+    old["engine_version"] = "1.0"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(old))
+    result = invoke("replay", "--update", str(stale), str(fresh), str(other))
+    assert result.exit_code == 0, result.output
+    assert json.loads(stale.read_text())["engine_version"] == "9.9"
+    assert fresh.read_text() == open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read()
+    assert json.loads(other.read_text())["engine_version"] == "9.9"  # the same frames, now of 9.9
+
+
 def test_replay_update_leaves_a_file_that_no_longer_reproduces(tmp_path):
     path, doc = _stale_copy(tmp_path, "overlap-abort-double-free.json")
     doc["config"]["bugs"] = []  # the bug switched off: the program is clean
@@ -651,6 +671,6 @@ def test_a_bad_preset_list_names_its_option_the_bad_name_and_the_valid_ones(args
     """``ci --presets`` and ``bench --overhead-presets`` read their lists with one helper: exit 2, one line."""
     result = invoke(*args)
     assert result.exit_code == 2
-    bad = "' , '" if "," in args[-1] and "nope" not in args[-1] else "'nope'"
+    bad = '" , "' if "," in args[-1] and "nope" not in args[-1] else '"nope"'
     assert one_error_line(result) == (f"kvaudit: error: {option}: unknown preset {bad} "
                                       f"(valid: {', '.join(PRESETS)}, or all)")

@@ -2,6 +2,7 @@
 JSON or TOML as JSON spells it (``got true`` / ``got null``), not as Python prints it (``got True``)."""
 
 import json
+import os
 import re
 
 import pytest
@@ -50,3 +51,51 @@ def test_replay_of_a_config_with_a_bad_value_exits_2_naming_it_as_json(tmp_path)
     result = invoke("replay", str(path))
     assert result.exit_code == 2, result.output
     assert one_error_line(result).endswith("fake_bootstrap_every must be null or a positive integer, got true")
+
+
+@pytest.mark.parametrize("config, said", [
+    ({"target": "eut", "bugs": True}, "bugs must be a list of bug names, got true"),
+    ({"target": "vllm", "bugs": "skip-free"}, 'bugs must be a list of fault names, got "skip-free"'),
+    ({"target": "eut", "bogus_key": 1}, 'unknown config key "bogus_key"'),
+    ({"target": "sglang", "num_slots": 3}, "num_slots must hold at least 4 pages of page_size=1 tokens and at most "
+                                           "1048576 tokens, got 3"),
+], ids=["bugs-true", "bugs-string", "unknown-key", "num-slots"])
+def test_config_messages_name_the_value_as_json(config, said):
+    """Stop 49's note: ``bugs must be a list of bug names`` said nothing of the value, ``unknown config key
+    'bogus_key'`` quoted it as Python does, ``num_slots=3 must hold ...`` put the value first."""
+    with pytest.raises(ValueError) as e:
+        config_from_dict(config)
+    assert said in str(e.value) and "'" not in str(e.value).split(";")[0]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["fuzz", "--preset", "nope"], 'unknown preset "nope"; valid presets: '),
+    (["fuzz", "--target", "sglang", "--preset", "nope"], 'unknown preset "nope" for --target sglang; valid presets: '),
+    (["fuzz", "--target", "nope"], 'unknown target "nope" (valid: '),
+    (["ci", "--presets", "default,nope"], 'unknown preset "nope" (valid: '),
+])
+def test_unknown_names_are_quoted_as_json_strings(args, said):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert said in one_error_line(result)
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda d: d["config"].update(preset="nope"), 'bad config: unknown preset "nope" (valid: '),
+    (lambda d: d["findings"][0].update(slots=True), "slots: want a list, got true"),
+    (lambda d: d["findings"][0].update(slots=[1, -2]), "slots: want a list of integers >= 0, got [1, -2]"),
+    (lambda d: d["findings"][0].update(unit="bytes"), 'unit: want one of "slot", "page", "row", "block", got "bytes"'),
+    (lambda d: d["findings"][0].update(op_index="3"), 'op_index: want an integer >= -1, got "3"'),
+    (lambda d: d["findings"][0].update(bogus=1), 'unknown field "bogus"'),
+    (lambda d: d["findings"][0]["alloc_sites"][0].update(line=None), "alloc_sites[0].line: want an integer >= 0, "
+                                                                     "got null"),
+], ids=["preset", "slots-true", "slots-negative", "unit", "op-index", "unknown-field", "site-line"])
+def test_replay_messages_name_the_value_as_json(tmp_path, change, said):
+    """The findings section said ``slots: want list, not True`` (Python's type name and repr)."""
+    doc = json.load(open(os.path.join(os.path.dirname(__file__), "data", "report", "hisparse-prebuilt-skip-finish.json")))
+    change(doc)
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(doc))
+    result = invoke("report", str(path))
+    assert result.exit_code == 2, result.output
+    assert said in one_error_line(result)

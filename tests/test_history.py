@@ -266,8 +266,8 @@ def test_a_worker_that_refuses_its_release_still_stops_the_suite(monkeypatch, tm
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--bugs", "vllm-1"], "--bugs: unknown history bug 'vllm-1'"),
-    (["--fuzzers", "afl"], "--fuzzers: unknown fuzzer 'afl'"),
+    (["--bugs", "vllm-1"], '--bugs: unknown history bug "vllm-1"'),
+    (["--fuzzers", "afl"], '--fuzzers: unknown fuzzer "afl"'),
     (["--fuzzers", "random,atheris"], "--fuzzers: atheris instruments the built-in engine only"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, tmp_path):

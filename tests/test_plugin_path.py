@@ -5,6 +5,7 @@ bugs as plain strings, no ``describe_busy``) fuzzed, replayed and reported from 
 import glob
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -89,7 +90,7 @@ def found(out_dir):
 
 def test_a_plugin_replay_file_names_its_kind_and_replays(tmp_path):
     """The file had no config.target (the config class has no such field), so 'replay FILE' read it
-    as an eut config: "bad config: unknown config key 'size'", exit 2."""
+    as an eut config: 'bad config: unknown config key "size"', exit 2."""
     r = invoke("fuzz", "--target", "rowtoy", "--bug", "abort-leak", "--fuzzer", "random", "--max-time", "20",
                "--seed", "1", "--out", str(tmp_path))
     assert r.exit_code == 1, r.output
@@ -128,7 +129,7 @@ def test_existing_replay_files_load_as_before_and_round_trip():
         try:
             config = replay.load(path)[0]
         except replay.ReplayFormatError as e:  # a preset of another release (the vLLM overlays'): read there
-            assert "unknown preset" in str(e), e
+            assert re.search(r'bad config: preset "[^"]+" needs vLLM ', str(e)), e
             continue
         untargeted += "target" not in doc["config"]
         expect = doc["config"].get("target", "eut")
@@ -174,7 +175,7 @@ def test_the_installed_console_script_loads_a_plugin_module_from_the_current_dir
     doc = json.load(open(found(tmp_path / "out")))
     assert doc["config"]["target"] == "cwdrowtoy" and doc["findings"][0]["pool"] == "rows"
     # the replay hint runs as printed, in a shell without KVAUDIT_PLUGINS ('kvaudit replay FILE' alone: exit 2,
-    # "unknown target 'cwdrowtoy'")
+    # 'unknown target "cwdrowtoy"')
     (hint,) = [line.split("   (", 1)[1][:-1] for line in r.stdout.splitlines() if line.startswith("replay file: ")]
     assert hint.startswith("KVAUDIT_PLUGINS=cwd_rowtoy kvaudit replay "), hint
     env.pop("KVAUDIT_PLUGINS")
@@ -199,9 +200,9 @@ def test_fuzz_keeps_the_presets_bugs_and_bug_adds_to_them(tmp_path):
 
 
 @pytest.mark.parametrize("target, line", [
-    ("rowtoy", "unknown bug 'nonexistent' for --target rowtoy; valid bugs: abort-leak, stuck"),
-    ("eut", "unknown bug 'nonexistent'; valid bugs: "),
-    ("vllm", "unknown fault 'nonexistent' for --target vllm; valid faults: "),
+    ("rowtoy", 'unknown bug "nonexistent" for --target rowtoy; valid bugs: abort-leak, stuck'),
+    ("eut", 'unknown bug "nonexistent"; valid bugs: '),
+    ("vllm", 'unknown fault "nonexistent" for --target vllm; valid faults: '),
 ])
 def test_an_unknown_bug_is_one_line_exit_2_for_every_kind(tmp_path, target, line):
     """--target rowtoy --bug nonexistent ran a clean fuzz (exit 0)."""

@@ -591,3 +591,58 @@ def test_a_tree_insert_past_kv_committed_len_shows_the_insert_stack(monkeypatch)
     assert "kv_committed_len=12" in text and "allocated at:" not in text
     assert "cached into the tree at:" in text and "checkpoint_kv_cache_into_tree" in text
     assert "tree.insert(req.fill_ids[:up_to]" in text
+
+
+def test_a_replay_file_names_the_engine_release_it_was_recorded_on(tmp_path, monkeypatch):
+    """An engine's frames are recorded package-relative (``sglang/srt/...``): the file says which release
+    they are of (``engine_version``, from the target kind), e.g. a history overlay's 0.5.10.post1. A file of
+    the built-in engine, whose frames are the checkout's, names none."""
+    from kvaudit.targets import registry
+    from kvaudit.targets.sglang import boot
+
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.5.10.post1")  # an overlay in front of sys.path
+    sglang = registry.get("sglang").preset("sglang").config()
+    assert replay.to_doc(sglang, [], [])["engine_version"] == "0.5.10.post1"
+    assert replay.to_doc(sglang, [], [], engine_version=None).get("engine_version", "absent") == "absent"
+    assert "engine_version" not in replay.to_doc(registry.get("eut").preset("default").config(), [], [])
+
+
+def test_a_report_keeps_the_recorded_release_and_never_stamps_the_installed_one(tmp_path, monkeypatch):
+    from kvaudit.targets.sglang import boot
+
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.5.23")
+    doc = json.load(open(os.path.join(os.path.dirname(__file__), "..", "corpora", "sglang",
+                                      "leak-a3-hisparse-buffer-padded-at-finish.json")))
+    assert "engine_version" not in doc  # recorded before files named it: its release is unknown
+    for version in (None, "0.5.10.post1"):
+        if version is not None:
+            doc["engine_version"] = version
+        src, out = tmp_path / "in.json", tmp_path / "out.json"
+        src.write_text(json.dumps(doc))
+        r = invoke("report", str(src), "--json", str(out))
+        assert r.exit_code == 0, r.output
+        assert json.loads(out.read_text()).get("engine_version") == version
+
+
+@pytest.mark.parametrize("value", [5, "", ["0.5.23"], False])
+def test_a_bad_engine_version_is_a_one_line_input_error(tmp_path, value):
+    doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    doc["engine_version"] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    r = invoke("report", str(bad))
+    assert r.exit_code == 2
+    assert f"bad engine_version: want the engine's release as a string, got {json.dumps(value)}" in one_error_line(r)
+
+
+def test_a_finding_of_an_unknown_kind_is_a_one_line_input_error(tmp_path):
+    """``kvaudit report`` rendered a finding of kind "bogus" (no run yields one; a suppression file refuses
+    the name too)."""
+    doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    doc["findings"][0]["kind"] = "bogus"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    for cmd in ("report", "replay", "minimize"):
+        r = invoke(cmd, str(bad))
+        assert r.exit_code == 2, (cmd, r.output)
+        assert 'bad findings: unknown kind "bogus" (valid: leak, use-after-free, ' in one_error_line(r)

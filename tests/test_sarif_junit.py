@@ -15,9 +15,11 @@ from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.audit.findings import KINDS, Finding, Site, source_path
 from kvaudit.reports.junit import to_junit
-from kvaudit.reports.sarif import (FINGERPRINT_KEY, SRCROOT, engine_path, finding_stacks, primary_stack, recorded_release,
-                                   to_sarif)
+from kvaudit.reports.sarif import (FINGERPRINT_KEY, SRCROOT, engine_base_id, engine_path, finding_stacks, primary_stack,
+                                   recorded_release, to_sarif)
+from kvaudit.targets import registry
 from kvaudit.targets.sglang.boot import installed_version
+from cli_helpers import invoke
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA_PATH = os.path.join(ROOT, "tests", "data", "sarif-schema-2.1.0.json")
@@ -113,7 +115,8 @@ def test_sarif_for_each_regression_is_schema_valid_and_code_scanning_ready(valid
         props = r["properties"]
         assert (props["pool"], props["op_index"], props["step"]) == (f.pool, f.op_index, f.step)
         word, ids = f.listed()
-        assert props[word] == ids[:64] and props[f"{word}Total"] == len(ids) and props["num_units"] == f.num_units
+        assert props.get(word) == (ids[:64] or None) and props.get(f"{word}Total") == (len(ids) or None)
+        assert props["num_units"] == f.num_units and props.get("unit") == (f.unit if ids or f.num_units else None)
         assert props["engine_check"] == f.engine_check
         # every embedded link [text](id) names a related location of this result
         ids = {loc["id"] for loc in r.get("relatedLocations", [])}
@@ -436,6 +439,48 @@ def test_frames_recorded_on_a_release_overlay_claim_no_line_of_the_installed_rel
         assert f"Recorded on {package} {release}, not the {package} installed here" in r["message"]["text"]
 
 
+@pytest.mark.parametrize("name, package, release", [
+    ("sglang/leak-a3-hisparse-buffer-padded-at-finish", "sglang", "0.5.10.post1"),
+    ("vllm/fault-skip-free", "vllm", "0.15.1")])
+def test_a_file_recorded_on_another_release_claims_no_line_of_the_installed_one(validator, tmp_path, name, package,
+                                                                               release):
+    """A file recorded today on a release overlay holds package-relative frames (``sglang/srt/...``): only its
+    ``engine_version`` says which release their lines are of. ``kvaudit report --sarif`` claimed the installed
+    release's lines for them; now, where the recorded release is another, its engine frames have no region
+    and the result says where it was recorded, as for an overlay's absolute paths; the same file recorded on
+    the installed release keeps its regions."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", f"{name}.json")))
+    ours = [s for f in doc["findings"] for st in ("alloc_sites", "free_sites") for s in f.get(st) or []
+            if s["file"].startswith(f"{package}/")]
+    assert ours  # package-relative frames, as recorded since 2026-12
+
+    def engine_locations(version):
+        doc["engine_version"] = version
+        src, out = tmp_path / f"{version}.json", tmp_path / f"{version}.sarif"
+        src.write_text(json.dumps(doc))
+        r = invoke("report", str(src), "--sarif", str(out))
+        assert r.exit_code == 0, r.output
+        log = json.loads(out.read_text())
+        assert _errors(validator, log) == []
+        (result, *_) = log["runs"][0]["results"]
+        locs = result["locations"] + result.get("relatedLocations", []) + [
+            fr["location"] for st in result.get("stacks", []) for fr in st["frames"]]
+        return result, [loc for loc in locs if loc.get("physicalLocation", {}).get("artifactLocation", {}).get(
+            "uriBaseId") == engine_base_id(package)]
+
+    result, theirs = engine_locations(release)
+    assert theirs and all("region" not in loc["physicalLocation"] for loc in theirs)
+    assert {loc["properties"]["recordedOn"] for loc in theirs} == {f"{package} {release}"}
+    assert result["properties"]["recordedOn"] == f"{package} {release}"
+    assert f"Recorded on {package} {release}, not the {package} installed here" in result["message"]["text"]
+    installed = registry.get(package).engine_source().version
+    if installed is None:
+        pytest.skip(f"{package} is not installed here: no release to compare with")
+    result, theirs = engine_locations(installed)
+    assert theirs and all("region" in loc["physicalLocation"] for loc in theirs)
+    assert "recordedOn" not in result["properties"]
+
+
 def test_recorded_release_reads_the_overlay_directory_only():
     assert recorded_release("/root/.cache/kvaudit/releases/sglang-0.5.22/sglang/srt/a.py", "sglang") == "0.5.22"
     assert recorded_release("/x/releases/vllm-0.15.1/vllm/v1/core/sched/scheduler.py", "vllm") == "0.15.1"
@@ -452,6 +497,19 @@ def test_engine_path_takes_the_last_package_directory_and_nothing_in_the_reposit
     assert engine_path("sglang/srt/a.py", "sglang") == "sglang/srt/a.py"  # as recorded since 2026-12
     assert engine_path("/usr/lib/python3.11/json/decoder.py", "sglang") is None
     assert engine_path("<string>", "sglang") is None
+
+
+def test_a_finding_of_no_units_names_no_unit_and_lists_none():
+    """A vLLM hang (pool "-", no units) said ``unit: "slot"`` (the recorded default, not vLLM's blocks) and
+    ``slots: []``; a leak still names its unit and lists its units."""
+    config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-lose-failed-load.json"))
+    hang = next(f for f in findings if f.kind == "hang")
+    assert (hang.pool, hang.slots, hang.num_units, hang.unit) == ("-", [], 0, "slot")
+    props = to_sarif([hang], config)["runs"][0]["results"][0]["properties"]
+    assert not {"unit", "slots", "slotsTotal", "blocks", "blocksTotal"} & set(props) and props["num_units"] == 0
+    config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", "fault-skip-free.json"))
+    props = to_sarif(findings[:1], config)["runs"][0]["results"][0]["properties"]
+    assert props["unit"] == "block" and props["blocks"] and props["blocksTotal"] == len(props["blocks"])
 
 
 def test_a_built_in_engine_log_names_no_installed_engine():

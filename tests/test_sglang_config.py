@@ -154,7 +154,7 @@ def test_cli_says_in_one_line_when_sglang_cannot_be_driven(monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--target", "sglang", "--preset", "paged"], "unknown preset 'paged' for --target sglang"),
+    (["--target", "sglang", "--preset", "paged"], 'unknown preset "paged" for --target sglang'),
     (["--target", "sglang", "--bug", "overlap-abort-double-free"], "unknown fault"),
     (["--target", "sglang", "--bug", "overlap-abort-double-free"], "is a bug of --target eut: drop --target sglang"),
     (["--bug", "skip-release"], "skip-release is a bug of --target sglang: add --target sglang"),
@@ -176,7 +176,7 @@ def test_replay_rejects_an_unknown_sglang_preset(tmp_path):
     doc["config"]["preset"] = "default"
     path = tmp_path / "r.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(replay.ReplayFormatError, match="unknown preset 'default'.*sglang-session"):
+    with pytest.raises(replay.ReplayFormatError, match='unknown preset "default".*sglang-session'):
         replay.load(str(path))
 
 

@@ -172,7 +172,7 @@ def test_a_registered_kind_builds_targets_and_configs_from_replay_files():
         config = kind.preset("default").config(n=5)
         assert isinstance(make_target(config), ToyTarget) and len(make_target(config).pool.refs) == 5
         assert config_from_dict(config.to_dict()) == config
-        with pytest.raises(ValueError, match="unknown target 'nope'"):
+        with pytest.raises(ValueError, match='unknown target "nope"'):
             config_from_dict({"target": "nope"})
         with pytest.raises(ValueError, match="valid presets: toy"):
             kind.preset("other")

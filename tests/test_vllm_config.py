@@ -26,3 +26,59 @@ def test_a_pool_too_small_for_max_model_len_is_refused_as_vllm_refuses_to_start(
         ok.replace(async_scheduling=True)
     with pytest.raises(ValueError, match="more than the pool's 15"):
         VllmConfig(num_gpu_blocks=16, block_size=4, max_num_batched_tokens=32, max_model_len=64)
+
+
+@pytest.fixture
+def release(monkeypatch):
+    """Say which vLLM is installed (by its metadata, as kvaudit reads it before any import)."""
+    from kvaudit.targets.vllm import boot
+
+    def installed(version):
+        monkeypatch.setattr(boot, "installed_version", lambda: version)
+    return installed
+
+
+@pytest.mark.parametrize("version, preset, needs", [
+    ("0.30.0", "vllm-mamba", "vLLM >= 0.33.0"),
+    ("0.16.0", "vllm-cpu-offload-swa", "vLLM >= 0.19.0"),
+    ("0.20.0", "vllm-kv-push-fail", "vLLM >= 0.24.0"),
+    (None, "vllm-mamba", "vLLM >= 0.33.0"),
+])
+def test_a_known_preset_the_installed_release_cannot_drive_says_which_release_can(release, tmp_path, version, preset,
+                                                                                  needs):
+    """vllm-mamba on vLLM 0.30.0 read 'unknown preset'; vllm-cpu-offload-swa was listed on 0.16.0, which has
+    no SimpleCPUOffloadConnector (refused only once a run began)."""
+    import json
+
+    from cli_helpers import invoke, one_error_line
+    from kvaudit.config import UnknownPresetError
+    from kvaudit.targets import registry
+
+    release(version)
+    kind = registry.get("vllm")
+    said = f'preset "{preset}" needs {needs} (installed: {version or "none"}): '
+    assert preset in VLLM_PRESETS and preset not in kind.presets()  # known, not listed
+    with pytest.raises(UnknownPresetError) as e:
+        kind.preset(preset)
+    assert str(e.value).startswith(said) and "unknown" not in str(e.value)
+    for args in (["fuzz", "--target", "vllm", "--preset", preset, "--max-time", "1", "--out", str(tmp_path)],
+                 ["ci", "--target", "vllm", "--presets", f"vllm,{preset}", "--max-time", "1"]):
+        r = invoke(*args)
+        assert r.exit_code == 2 and said in one_error_line(r), r.output
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps({"format": "kvaudit.replay/1", "config": {"target": "vllm", "preset": preset},
+                                "program": [{"op": "idle"}]}))
+    r = invoke("report", str(path))
+    assert r.exit_code == 2 and f"bad config: {said}" in one_error_line(r), r.output
+
+
+def test_an_unknown_preset_is_still_unknown_and_a_drivable_one_is_listed(release):
+    from kvaudit.config import UnknownPresetError
+    from kvaudit.targets import registry
+
+    release("0.33.0")
+    kind = registry.get("vllm")
+    assert {"vllm-mamba", "vllm-cpu-offload-swa"} <= set(kind.presets())
+    assert kind.refusal("vllm-mamba") is None and kind.refusal("nope") is None
+    with pytest.raises(UnknownPresetError, match='unknown preset "nope" for --target vllm; valid presets: vllm'):
+        kind.preset("nope")

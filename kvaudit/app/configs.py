@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvaudit.app.errors import InputError, UnavailableError
-from kvaudit.config import UnknownPresetError
+from kvaudit.config import UnknownPresetError, json_value
 from kvaudit.search import fuzzers
 from kvaudit.targets import make_target, registry
 
@@ -112,7 +112,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
         chosen = kind.preset(preset)
     except UnknownPresetError as e:
         other = next((k.name for k in registry.kinds().values() if k is not kind and preset in k.presets()), None)
-        raise InputError(str(e) + (f" ({preset!r} is a preset of --target {other}: add --target {other})"
+        raise InputError(str(e) + (f" ({json_value(preset)} is a preset of --target {other}: add --target {other})"
                                    if other else "")) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
@@ -146,14 +146,23 @@ def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all"
     names = list(valid) if value == every else [n.strip() for n in value.split(",") if n.strip()]
     bad = [n for n in names if n not in valid]
     if bad or not names:
-        raise InputError(f"{what} {bad[0] if bad else value!r} ({hint})")
+        raise InputError(f"{what} {json_value(bad[0] if bad else value)} ({hint})")
     return names
 
 
 def presets_arg(option: str, value: str, target: str = registry.DEFAULT_KIND) -> list[str]:
-    """``option``'s ``all`` or comma-separated list of the ``target`` kind's presets (:func:`names_arg`)."""
-    presets = registry.get(target).presets()
-    return names_arg(value, presets, f"{option}: unknown preset", f"valid: {', '.join(presets)}, or all")
+    """``option``'s ``all`` or comma-separated list of the ``target`` kind's presets (:func:`names_arg`); a
+    preset the kind knows but the installed release cannot drive says which release can (``kind.refusal``)."""
+    kind = registry.get(target)
+    presets = kind.presets()
+    try:
+        return names_arg(value, presets, f"{option}: unknown preset", f"valid: {', '.join(presets)}, or all")
+    except InputError:
+        bad = next((n.strip() for n in value.split(",") if n.strip() and n.strip() not in presets), None)
+        refused = bad and kind.refusal(bad)
+        if refused:
+            raise InputError(f"{option}: {refused}") from None
+        raise
 
 
 def check_bugs(kind, bugs) -> None:
@@ -164,7 +173,8 @@ def check_bugs(kind, bugs) -> None:
     if not unknown:
         return
     noun = "fault" if getattr(kind.config_class, "BUGS_NOUN", "").startswith("fault") else "bug"
-    msg = (f"unknown {noun} {unknown[0]!r}" + ("" if kind.name == registry.DEFAULT_KIND else f" for --target {kind.name}")
+    msg = (f"unknown {noun} {json_value(unknown[0])}"
+           + ("" if kind.name == registry.DEFAULT_KIND else f" for --target {kind.name}")
            + f"; valid {noun}s: {', '.join(valid) or 'none'}")
     others = sorted({k.name for b in unknown for k in registry.kinds().values() if k is not kind and b in _bugs_of(k)})
     if len(others) == 1:  # as for a preset: the bug is another target kind's

@@ -32,7 +32,8 @@ def run(file: str, outputs: Outputs) -> int:
         title = "minimized program" if case_doc.get("minimized") else "program"
         cases.append(Case(program, findings, timeline, title,
                           doc_extra={k: v for k, v in case_doc.items() if k in ("seed", "fuzzer", "confirmations",
-                                                                                "minimized", "preset")},
+                                                                                "minimized", "preset")}
+                          | {"engine_version": case_doc.get("engine_version")},  # (None: the file names none)
                           config=case_config))
     # the recorded suppressed counts in the summary table and the SUMMARY line, as the run printed them
     print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], suppressed=suppressed)

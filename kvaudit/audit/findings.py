@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from kvaudit.audit import kinds as _kinds
+from kvaudit.config import json_value
 
 KINDS = _kinds.KINDS  # the finding kinds' one table
 
@@ -162,7 +163,7 @@ class Finding:
         d = {k: v for k, v in d.items() if k != "signature"}
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"unknown field {unknown[0]!r}")
+            raise ValueError(f"unknown field {json_value(unknown[0])}")
         if d.get("traceback") is None:
             d.pop("traceback", None)
         for key, typ, item, low in _FIELD_TYPES:
@@ -225,11 +226,14 @@ def _records(d: dict, key: str, cls: type, types: tuple, required: int) -> list:
         where = f"{key}[{i}]"
         unknown = sorted(set(rec) - {f for f, _ in types})
         if unknown:
-            raise ValueError(f"{where}: unknown field {unknown[0]!r}")
+            raise ValueError(f"{where}: unknown field {json_value(unknown[0])}")
         for j, (f, t) in enumerate(types):
             _want(rec, f, t, where=where, required=j < required)
         out.append(cls(**rec))
     return out
+
+
+_JSON_TYPES = {str: "a string", list: "a list", dict: "an object", bool: "true or false"}
 
 
 def _want(d: dict, key: str, typ: type, item: type | None = None, low: int = 0, choices: tuple = (),
@@ -248,10 +252,13 @@ def _want(d: dict, key: str, typ: type, item: type | None = None, low: int = 0, 
             return isinstance(x, int) and not isinstance(x, bool) and x >= low
         return isinstance(x, t)
 
+    def what(t) -> str:  # spelled as JSON names it
+        return f"an integer >= {low}" if t is int else _JSON_TYPES[t]
+
     if not ok(v, typ):
-        raise ValueError(f"{name}: want {'a non-negative ' if typ is int and low == 0 else ''}"
-                         f"{typ.__name__}, not {v!r:.40}")
+        raise ValueError(f"{name}: want {what(typ)}, got {json_value(v)[:40]}")
     if choices and v not in choices:
-        raise ValueError(f"{name}: want one of {', '.join(choices)}, not {v!r:.40}")
+        raise ValueError(f"{name}: want one of {', '.join(map(json_value, choices))}, got {json_value(v)[:40]}")
     if item is not None and not all(ok(x, item) for x in v):
-        raise ValueError(f"{name}: want a list of {item.__name__}s")
+        items = f"integers >= {low}" if item is int else what(item).split()[-1] + "s"  # (strings, objects)
+        raise ValueError(f"{name}: want a list of {items}, got {json_value(v)[:40]}")

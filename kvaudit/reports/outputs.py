@@ -99,7 +99,9 @@ def _sarif(data: ReportData) -> str:
     unique: dict[str, Finding] = {}  # NOTE: one result per signature: code scanning tracks alerts by it
     for f in data.findings:
         unique.setdefault(f.signature, f)
-    return json.dumps(to_sarif(list(unique.values()), data.config), indent=2) + "\n"
+    recorded = {f.signature: c.doc_extra["engine_version"] for c in reversed(data.cases)
+                if c.doc_extra.get("engine_version") for f in c.findings}  # (the first case wins, as in unique)
+    return json.dumps(to_sarif(list(unique.values()), data.config, recorded=recorded), indent=2) + "\n"
 
 
 def _junit(data: ReportData) -> str:

@@ -10,7 +10,7 @@ import inspect
 import os
 import posixpath
 import re
-from typing import Mapping
+from typing import Mapping, NamedTuple
 from urllib.parse import quote
 
 from kvaudit.audit.findings import KINDS, Finding, Site, installed, portable_path, source_path
@@ -122,10 +122,26 @@ def recorded_release(path: str, package: str) -> str | None:
     return m[1] if m else None
 
 
-def other_release(site: Site, engine: EngineSource | None) -> str | None:
+class RecordedEngine(NamedTuple):
+    """The engine a report's findings were recorded on: ``package`` and ``version`` (installed here, None
+    when unknown) as :class:`~kvaudit.targets.EngineSource`, ``recorded`` the release the replay file
+    names (its ``engine_version``; None: not named, the installed one's frames)."""
+
+    package: str
+    version: str | None
+    recorded: str | None = None
+
+
+def other_release(site: Site, engine: RecordedEngine | None) -> str | None:
     """The release ``site`` was recorded on when it is not the installed one (``engine.version``; unknown
-    counts as other): its line is that release's, not a line of the file ``%<PACKAGE>_ROOT%`` names."""
-    v = recorded_release(site.file, engine.package) if engine is not None else None
+    counts as other): its line is that release's, not a line of the file ``%<PACKAGE>_ROOT%`` names. The
+    release is the overlay directory's in the recorded path, else, for a frame in the engine's package, the
+    one the file was recorded on (``engine.recorded``)."""
+    if engine is None:
+        return None
+    v = recorded_release(site.file, engine.package)
+    if v is None and engine.recorded is not None and engine_path(site.file, engine.package) is not None:
+        v = engine.recorded
     return v if v is not None and v != engine.version else None
 
 
@@ -155,7 +171,7 @@ def _addressable(site: Site, engine: EngineSource | None) -> bool:
 
 
 def _location(site: Site, message: str | None = None, loc_id: int | None = None,
-              region_fallback: bool = False, engine: EngineSource | None = None) -> dict:
+              region_fallback: bool = False, engine: RecordedEngine | None = None) -> dict:
     """A ``location``: physical where the file is addressable (the line as :func:`resolve` finds it
     now), always logical; ``region_fallback`` puts an unknown line 0 on line 1."""
     loc: dict = {}
@@ -260,7 +276,7 @@ def _units_line(f: Finding) -> str:
 
 
 def _primary(stacks: list, key: str | None, target: str, kind: str,
-             engine: EngineSource | None) -> tuple[Site, str | None, bool]:
+             engine: RecordedEngine | None) -> tuple[Site, str | None, bool]:
     """The result's location, the label of the stack it comes from (None for the anchor), and whether it is
     the fallback anchor: the first frame of the primary stack in the engine's package, else in the
     repository, then the same in the other stacks; a frame the current source calls stale is skipped (its
@@ -279,7 +295,7 @@ def _primary(stacks: list, key: str | None, target: str, kind: str,
     return _anchor(kind, target), None, True
 
 
-def _related(stacks: list, primary: Site, key: str | None, engine: EngineSource | None) -> tuple[list, list]:
+def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngine | None) -> tuple[list, list]:
     """``relatedLocations`` (every addressable frame but the primary) and the message's embedded links."""
     related: list[dict] = []
     links: list[str] = []
@@ -323,9 +339,11 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool, record
 
 def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict:
     word, ids = f.listed()  # named in the pool's unit: token "slots", "rows", or (vLLM's) "blocks"
-    props: dict = {"signature": f.signature, "pool": f.pool, "unit": f.unit, word: list(ids[:MAX_SLOTS]),
-                   f"{word}Total": len(ids), "num_units": f.num_units, "op_index": f.op_index, "step": f.step,
-                   "engine_check": list(f.engine_check)}
+    # NOTE: a finding of no units (a hang, pool "-") names no unit: its recorded one is the default, not a pool's
+    units = ({"unit": f.unit} if ids or f.num_units else {}) | (
+        {word: list(ids[:MAX_SLOTS]), f"{word}Total": len(ids)} if ids else {})
+    props: dict = {"signature": f.signature, "pool": f.pool, **units, "num_units": f.num_units, "op_index": f.op_index,
+                   "step": f.step, "engine_check": list(f.engine_check)}
     props.update(lookup(f.kind).props(f))  # (a leak's indirect)
     if f.owner_history:
         props["lifecycle"] = lifecycle(f)
@@ -347,7 +365,7 @@ def _engine_props(engine: EngineSource | None) -> dict:
 
 
 def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
-            engine: EngineSource | None = None) -> dict:
+            engine: RecordedEngine | None = None) -> dict:
     stacks = _labelled_stacks(f)
     key = primary_stack(f)
     primary, primary_label, fallback = _primary(stacks, key, target, f.kind, engine)
@@ -383,18 +401,22 @@ def _kind_name(config) -> str:
         return getattr(config, "target", "eut")
 
 
-def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] | None = None) -> dict:
+def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] | None = None,
+             recorded: Mapping[str, str] | None = None) -> dict:
     """A SARIF 2.1.0 log (a JSON-ready ``dict``), one result per finding in order. ``config`` (a target
     kind's config) goes into the run's ``properties`` and decides how engine frames are written;
-    ``baseline`` maps a signature to its result's ``baselineState``. Raises ValueError for a state
-    outside :data:`BASELINE_STATES`."""
+    ``baseline`` maps a signature to its result's ``baselineState``; ``recorded`` a signature to the
+    engine release its finding was recorded on (a replay file's ``engine_version``): where that is not the
+    installed release, the finding's engine frames claim no line. Raises ValueError for a state outside
+    :data:`BASELINE_STATES`."""
     rule_list = rules([f.kind for f in findings])
     index = {r["id"]: i for i, r in enumerate(rule_list)}
     target = _kind_name(config)
     engine = engine_source(target)
     results = []
     for f in findings:
-        r = _result(f, index[f.kind], lookup(f.kind).level, target, engine)
+        on = RecordedEngine(*engine, (recorded or {}).get(f.signature)) if engine is not None else None
+        r = _result(f, index[f.kind], lookup(f.kind).level, target, on)
         state = (baseline or {}).get(f.signature)
         if state is not None:
             if state not in BASELINE_STATES:

@@ -130,7 +130,10 @@ class TargetKind:
     that lasts a single step says when it holds through its targets (``Target.transient``), not here.
     ``search_per_step_first``: how many of a search's first programs run with a check after every step
     (a hit there needs no localizing replay), for a kind whose check costs little beside its engine's
-    step; None: the searches' default (:mod:`kvaudit.search.schedule`).
+    step; None: the searches' default (:mod:`kvaudit.search.schedule`). ``refused(name)``: for a preset the
+    kind knows but the installed release cannot drive (which ``presets()`` leaves out), ``(needs, installed,
+    why)``: the releases that can (``"vLLM >= 0.33.0"``), the installed one (``"none"``) and why, in one line;
+    None for any other name (by the engine's metadata: no import).
     """
 
     name: str
@@ -158,6 +161,7 @@ class TargetKind:
     engine_check: Callable | None = None
     warm_up: Callable = _none
     search_per_step_first: int | None = None
+    refused: Callable = _none
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
@@ -168,16 +172,22 @@ class TargetKind:
     def preset(self, name: str):
         """The preset called ``name`` (``default`` is :attr:`default_preset`). Raises
         :class:`kvaudit.config.UnknownPresetError` listing the valid ones (and naming this kind unless
-        it is :data:`DEFAULT_KIND`)."""
+        it is :data:`DEFAULT_KIND`), or for a preset the installed release cannot drive, :meth:`refusal`."""
         from kvaudit.config import UnknownPresetError
 
         presets = self.presets()
         name = self.default_preset if name == "default" else name
         if name not in presets:
-            raise UnknownPresetError(f"unknown preset {name!r}" + ("" if self.name == DEFAULT_KIND else
-                                                                   f" for --target {self.name}")
-                                     + f"; valid presets: {', '.join(presets)}")
+            for_kind = "" if self.name == DEFAULT_KIND else f" for --target {self.name}"
+            raise UnknownPresetError(self.refusal(name) or f"unknown preset {json_value(name)}{for_kind}; "
+                                                           f"valid presets: {', '.join(presets)}")
         return presets[name]
+
+    def refusal(self, name: str) -> str | None:
+        """``preset "NAME" needs vLLM >= V (installed: W): why`` for a preset the kind knows but the installed
+        release cannot drive (:attr:`refused`), else None."""
+        r = self.refused(name)
+        return None if r is None else f"preset {json_value(name)} needs {r[0]} (installed: {r[1]}): {r[2]}"
 
 
 _KINDS: dict[str, TargetKind] = {}
@@ -192,7 +202,7 @@ _importing: list[str] = []  # the KVAUDIT_PLUGINS module being imported
 _noted: set[str] = set()  # KVAUDIT_PLUGINS modules that registered something through another registry (a fuzzer)
 
 
-_CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes")
+_CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes", "refused")
 _OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe", "export")
 
 
@@ -368,7 +378,7 @@ def get(name: str) -> TargetKind:
     if name not in _KINDS:
         why = "; ".join(plugin_errors()) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
                                             f"'{ENTRY_POINT_GROUP}' entry point")
-        raise UnknownTargetError(f"unknown target {name!r} (valid: {', '.join(_KINDS)}; {why})")
+        raise UnknownTargetError(f"unknown target {json_value(name)} (valid: {', '.join(_KINDS)}; {why})")
     return _KINDS[name]
 
 

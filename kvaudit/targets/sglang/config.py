@@ -205,13 +205,13 @@ class SglangConfig(ConfigBase):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {json_value(getattr(self, name))}")
         if self.target != "sglang":
-            raise ValueError(f"target must be 'sglang', got {json_value(self.target)}")
+            raise ValueError(f'target must be "sglang", got {json_value(self.target)}')
         if self.tree_core not in TREE_CORES:
             raise ValueError(f"tree_core must be one of {', '.join(TREE_CORES)}, got {json_value(self.tree_core)}")
         self._check_eviction_policy()
         if self.page_size < 1 or self.num_slots < 4 * self.page_size or self.num_slots > 1 << 20:
-            raise ValueError(f"num_slots={self.num_slots} must hold at least 4 pages of {self.page_size} "
-                             "and at most 1048576 tokens")
+            raise ValueError(f"num_slots must hold at least 4 pages of page_size={self.page_size} tokens "
+                             f"and at most 1048576 tokens, got {json_value(self.num_slots)}")
         if not 4 <= self.context_len <= 4096 or not 4 <= self.vocab_size <= 1 << 16:
             raise ValueError("context_len must be in [4, 4096] and vocab_size in [4, 65536]")
         if not 1 <= self.max_running_requests <= 256 or not 1 <= self.max_req_rows <= 1024:

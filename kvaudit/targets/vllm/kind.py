@@ -15,6 +15,18 @@ def _presets():
     return {n: p for n, p in VLLM_PRESETS.items() if refusal(p.config(), v) is None}
 
 
+def _refused(name: str) -> tuple[str, str, str] | None:
+    """For a preset the installed vLLM cannot build (:func:`_presets` leaves it out): the releases that can,
+    the installed one and why (``boot.needs``, ``boot.refusal``: by its metadata, no import)."""
+    from kvaudit.targets.vllm.boot import installed_version, needs, refusal
+    preset = VLLM_PRESETS.get(name)
+    if preset is None:
+        return None
+    v = installed_version()
+    why = refusal(preset.config(), v)
+    return None if why is None else (needs(preset.config(), v), v or "none", why)
+
+
 def _notes(config) -> list[str]:
     """A fault that puts back a bug the installed release still ships (``config.fault_fixed_in``): say that
     a finding there may be vLLM's own bug, not the fault's (by the installed metadata, no import)."""
@@ -117,5 +129,5 @@ KIND = register(TargetKind(
     config_class=VllmConfig, presets=_presets, make=_make, bugs=fault_rows(FAULTS),
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, features=_features, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
-    notes=_notes, regressions="corpora/vllm", history=_history, export=_export,
+    notes=_notes, refused=_refused, regressions="corpora/vllm", history=_history, export=_export,
     search_per_step_first=2))  # (a check costs little beside a vLLM step: docs/internals/performance.md, stop 48)
