@@ -56,7 +56,6 @@ class Auditor(Ledger, PoolWrappers):
         # what detects (the ledger's flags and events, the shadow tags, the checks) and the site keys
         self.lean = lean and not full_stacks
         self.lock_count = 0  # lock events so far (lean or not)
-        self._lean_lines: dict[tuple[int, int], int] = {}  # lean: (id(code), f_lasti) -> line (see _lean_site)
         self._lean_keys: set[tuple[int, int]] = set()  # lean: the frame keys site_keys reports
         if self.lean:
             self.capture_site = self._lean_site  # (before the wrappers are installed: they bind it)
@@ -103,9 +102,13 @@ class Auditor(Ledger, PoolWrappers):
         self._entries = frozenset(target.release_entries)
         # the functions that grow a request's own KV: a signature names them by that role
         self._kv_allocs = frozenset(target.request_kv_allocs)
-        self._info = Auditor._code_info_caches.setdefault(
-            (frozenset(self._skip_files), frozenset(self._skip_classes), self._engine_files, self._hint_vars,
-             self._stop_vars, self._entries, self._kv_allocs), {})
+        key = (frozenset(self._skip_files), frozenset(self._skip_classes), self._engine_files, self._hint_vars,
+               self._stop_vars, self._entries, self._kv_allocs)
+        self._info = Auditor._code_info_caches.setdefault(key, {})
+        # lean: (id(code), f_lasti) -> line (see _lean_site), kept for the process beside _info (what a key
+        # maps to depends only on _info's answers): a search's programs meet the same engine lines, and each
+        # new run would otherwise compute their line numbers again (18 per program on eut ``default``)
+        self._lean_lines = Auditor._lean_lines_caches.setdefault(key, {})
         for spec in target.pools():
             target.install_pool(spec, self, self._wrap)  # default: install_standard(spec)
         # (node id, +1/-1, site, op, step, lock): lock is "device" (inc/dec_lock_ref) or "host" (host pins)
@@ -146,6 +149,7 @@ class Auditor(Ledger, PoolWrappers):
 
     # NOTE: keyed by id(code): hashing a code object hashes its bytecode, which costs more than the capture
     _code_info_caches: dict[tuple, dict[int, tuple[bool, int, bool, bool]]] = {}
+    _lean_lines_caches: dict[tuple, dict[tuple[int, int], int]] = {}  # the same key -> _lean_lines
     _codes: dict[int, object] = {}  # keeps every seen code object alive, so its id stays unique
 
     def _code_info(self, code) -> tuple[bool, int, bool, bool]:
