@@ -4,6 +4,7 @@ lines run slower beside the audit.
 
     python benchmarks/audit_parts.py [--preset default] [--programs 200] [--length 20] [--repeat 5]
     python benchmarks/audit_parts.py --engine-lines [--repeat 5]
+    python benchmarks/audit_parts.py --opcodes [--top 30]
 
 The default prints, for the seeded programs of benchmarks/throughput.py (model none, one thread, process CPU
 time, best of ``--repeat`` with the modes taking turns), the time of the bare engine, of the searches' full
@@ -18,12 +19,22 @@ inside it) in the bare engine three ways, taking turns: as is; with work beside 
 touches memory (numpy compares over eight 4,096-unit arrays and a walk of a 3,000-entry dict, about what a
 check reads); with a bare Python loop of about the same count after every step (no memory touched). The
 garbage collector is off, so its pauses do not land in the timed lines. Prints microseconds per call.
+
+``--opcodes`` counts instead of timing: the Python bytecodes each mode executes (``sys.settrace`` with
+``f_trace_opcodes``, one run per mode), the same numbers whatever the machine's load, and with ``--top N``
+the N functions whose counts the searches' full audit adds most over the bare engine (the audit's own code,
+and the engine's functions its checks call). Most of the audit's cost is interpreter work (callgrind: 72% of
+the instructions it adds are libpython's; docs/internals/performance.md, stop 50), so a cut shows here
+first, without the 0.2x run-to-run noise of a shared machine's CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import os
+import sys
 import random
 import time
 
@@ -67,6 +78,58 @@ def parts(config, programs: list, repeat: int) -> None:
     for mode, secs in best.items():
         part = f"{(full - secs) / base:+10.2f}x" if mode not in ("bare", "audit-sparse") else ""
         print(f"{mode:26} {secs:7.3f} {secs / base:6.2f}x {part:>11}")
+
+
+def _opcodes(config, programs: list, flags: tuple) -> collections.Counter:
+    # bytecodes executed per code object in one run of ``programs`` in the mode ``flags``
+    counts: collections.Counter = collections.Counter()
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            counts[frame.f_code] += 1
+        return local
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        return local
+
+    sys.settrace(trace)
+    try:
+        run_programs(config, programs, *flags)
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def opcodes(config, programs: list, top: int) -> None:
+    lean_site = hooks.Auditor._lean_site
+    run_programs(config, programs[:5], True, True, False, True, CHECK_EVERY)  # warm-up (the process's caches)
+    run_programs(config, programs[:5], False, False, False, False, 1)
+    got: dict[str, collections.Counter] = {}
+    try:
+        for mode, (flags, sites) in MODES.items():
+            hooks.Auditor._lean_site = lean_site if sites else _no_site
+            got[mode] = _opcodes(config, programs, flags)
+    finally:
+        hooks.Auditor._lean_site = lean_site
+    total = {mode: sum(c.values()) for mode, c in got.items()}
+    base, full = total["bare"], total["audit-sparse"]
+    print(f"{'mode':26} {'bytecodes':>12} {'x bare':>7} {'part costs':>11}")
+    for mode, n in total.items():
+        part = f"{(full - n) / base:+10.3f}x" if mode not in ("bare", "audit-sparse") else ""
+        print(f"{mode:26} {n:12,} {n / base:6.3f}x {part:>11}")
+    if top:
+        def name(code) -> str:
+            return f"{os.path.relpath(code.co_filename)}:{code.co_qualname}"
+
+        added: collections.Counter = collections.Counter()
+        for code, n in got["audit-sparse"].items():
+            added[name(code)] += n
+        for code, n in got["bare"].items():
+            added[name(code)] -= n
+        print(f"\nthe {top} functions the searches' full audit adds most bytecodes to (of {full - base:,} added):")
+        for where, n in added.most_common(top):
+            print(f"{n:12,} {where}")
 
 
 def engine_lines(config, programs: list, repeat: int) -> None:
@@ -122,12 +185,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--engine-lines", action="store_true", help="time the engine's own lines beside other work")
+    ap.add_argument("--opcodes", action="store_true", help="count each mode's Python bytecodes instead of timing")
+    ap.add_argument("--top", type=int, default=30, help="with --opcodes: the functions the audit adds most to")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     programs = [random_program(rng, args.length) for _ in range(args.programs)]
     config = get_preset(args.preset).config(model="none")
-    (engine_lines if args.engine_lines else parts)(config, programs, args.repeat)
+    if args.opcodes:
+        opcodes(config, programs, args.top)
+    else:
+        (engine_lines if args.engine_lines else parts)(config, programs, args.repeat)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,25 @@ def test_a_lean_run_keeps_what_detects_and_the_site_keys(path):
     assert lock_count == want_count == want_locks and n_events == want_events
 
 
+def test_a_lean_runs_engine_lines_are_resolved_once_per_process():
+    """The lean hooks' frame keys -> line numbers are kept for the process (per target definition): a
+    second run of a program starts with every line it will meet already known, computes none again, and
+    reports the first run's site keys (the corpus fuzzer's features) all the same."""
+    config, program, _, _ = replay.load(ZOO[0])
+    keys = []
+    for _ in range(2):
+        with AuditedRun(config, full_stacks=False, lean=True, check_every=16) as run:
+            known = len(run.auditor._lean_lines)
+            for op in program:
+                if run.apply(op):
+                    break
+            else:
+                run.finish()
+            keys.append(run.auditor.site_keys())
+    assert keys[1] == keys[0] and keys[0]
+    assert known and len(run.auditor._lean_lines) == known  # the second run: every line known at its start
+
+
 def test_lean_is_off_where_a_run_reports_itself():
     """A per-step run (no replay behind it) and a run with suppressions (they sift its own findings by
     signature) keep every site however asked."""
