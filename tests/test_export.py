@@ -393,6 +393,35 @@ def test_without_the_target_handles_are_resolved_statically(tmp_path):
     assert "## How sure we are" in (tmp_path / "c.md").read_text()
 
 
+@pytest.mark.parametrize("recorded", ["0.5.10.post1", "0.5.23", None])
+def test_a_file_recorded_on_another_release_is_exported_as_that_release(tmp_path, recorded):
+    """A replay file's ``engine_version`` other than the release the HTTP table was read on (0.5.23) is the
+    release the issue and the client name, with how to replay on it; the file's own release, or none, is
+    0.5.23 as before (the tester: a 0.5.22 file's issue said "Found ... in SGLang 0.5.23")."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort.json")))
+    doc.pop("engine_version", None)
+    if recorded is not None:
+        doc["engine_version"] = recorded
+    src = tmp_path / "f.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue, client = (tmp_path / "c.md").read_text(), (tmp_path / "c.py").read_text()
+    on = recorded or "0.5.23"
+    assert f"Found by kvaudit (a memory auditor for KV-cache schedulers) in SGLang {on}" in issue
+    assert f"`pip install sglang=={on}`" in issue
+    assert f"against a real SGLang {on}" in client
+    if on != "0.5.23":
+        assert "in SGLang 0.5.10.post1, the release the replay file was recorded on" in issue
+        assert ("- Replay on SGLang 0.5.10.post1 (the release the file was recorded on): `python -m "
+                "kvaudit.history.releases sglang==0.5.10.post1` installs it as an overlay") in issue
+        assert "0.5.10.post1 (the release the replay file was recorded on) server" in client
+        assert "0.5.23" not in issue.split("## Environment")[0]
+    else:
+        assert f"- Replay: `kvaudit replay {src}`." in issue
+
+
 @pytest.mark.sglang
 def test_a_client_says_reproduced_when_the_pool_does_not_come_back(stand_in, exported):
     """A memory finding: the pool counters after closing the sessions and flushing are short of those

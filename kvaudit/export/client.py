@@ -79,8 +79,9 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
     """The script's text for ``plan``: ``source`` (the replay file), ``launch`` (the server command),
     ``kind`` (the first finding's), ``server`` (what a server shows), ``env`` (variables the launch
     needs), ``planted`` (kvaudit's planted fault, or None), ``pool_blocks`` (vLLM: the pool's usable
-    blocks), ``max_model_len`` (vLLM: tokens, prompt + output), ``release`` (the release that ships the
-    bug, when not the one the routes were read on). Raises ``KeyError`` for an engine with no HTTP table."""
+    blocks), ``max_model_len`` (vLLM: tokens, prompt + output), ``release`` (the release, with why it
+    is named, e.g. "0.16.0 (the release that ships the bug)", when not the one the routes were read on).
+    Raises ``KeyError`` for an engine with no HTTP table."""
     ex = export_for(plan.engine)
     api, part = ex.api, ex.client
     expect = lookup(kind).expect
@@ -93,7 +94,7 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
                 "'s own objects", f"to test itself ({planted}).",
                 f"An unmodified {api.engine} server does not have it: against one, this script should print",
                 "RESULT: NOT REPRODUCED. It shows what `kvaudit export` makes of a finding.", ""]
-    version = api.version if release is None else f"{release} (the release that ships the bug)"
+    version = api.version if release is None else release
     doc += [f"Reproduces kvaudit's finding in {source} against a real {api.engine} {version} server, "
             f"through its HTTP API only ({how}).", "",
             "1. Launch the server:", "", f"       {' '.join(env + [launch])}", "",

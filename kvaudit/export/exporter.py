@@ -69,6 +69,8 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     if bug is not None:
         release = (bug.buggy, bug.fixed, bug.sources)
         note = history_note(bug, note)
+    elif doc.get("engine_version") not in (None, ex.api.version):  # recorded on another release: that one's
+        release = (doc["engine_version"], None, ())
     title = title_of(findings, note)
     if planted is not None:
         title = f"[planted fault, not a {ex.api.engine} bug] " + title
@@ -76,9 +78,12 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     pool_blocks, max_model_len = ex.client_sizes(config)
     issue_path = client_path = None
     if client_out is not None:
+        why = "that ships the bug" if release is not None and release[1] is not None else \
+            "the replay file was recorded on"
         client_path = write_text_atomic(client_out, render_client(
             plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env,
-            planted=planted, pool_blocks=pool_blocks, release=release[0] if release else None,
+            planted=planted, pool_blocks=pool_blocks,
+            release=None if release is None else f"{release[0]} (the release {why})",
             max_model_len=max_model_len))
         os.chmod(client_path, 0o755)
     if issue_out is not None:

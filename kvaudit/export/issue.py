@@ -140,8 +140,10 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
             *(["- Planted: the fault exists only under kvaudit's `--bug` switch; a real server should not show it."]
               if planted is not None else []),
             f"- Replay: `kvaudit replay {source}`." if release is None else
-            f"- Replay on {api.engine} {release[0]} (the file does not name the release; on {release[1]} it replays "
-            f"clean): `python -m kvaudit.history.releases {package}=={release[0]}` installs it as an overlay, then "
+            f"- Replay on {api.engine} {release[0]} (" + ("the release the file was recorded on" if release[1] is None
+                                                          else f"the file does not name the release; on {release[1]} "
+                                                          "it replays clean") +
+            f"): `python -m kvaudit.history.releases {package}=={release[0]}` installs it as an overlay, then "
             f"`PYTHONPATH=~/.cache/kvaudit/releases/{package}-{release[0]} kvaudit replay {source}`."]
 
 
@@ -153,7 +155,8 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
     the replay file's path; ``client_name``: the script's file name (None: not exported);
     ``launch``/``env``/``unmapped``: from ``EngineExport.launch``; ``expected``: the client's symptom line;
     ``planted``: kvaudit's planted fault, or None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
-    older release (the history suite's), else None."""
+    older release (the history suite's), ``(recorded, None, ())`` for a file recorded on another release than
+    the one the HTTP table was read on (its ``engine_version``), else None."""
     ex = export_for(kind_of(config).name)
     api, package, words = ex.api, ex.package, ex.issue
     out = [f"# {title}", ""]
@@ -165,6 +168,7 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
                 f"{api.engine} finding; do not file it.", ""]
     version = api.version if release is None else release[0]
     found_on = (f"in {api.engine} {api.version}" if release is None else
+                f"in {api.engine} {release[0]}, the release the replay file was recorded on" if release[1] is None else
                 f"in {api.engine} {release[0]}, the release that ships this bug (fixed in {release[1]}: "
                 f"{', '.join(release[2])})")
     out += [f"Found by kvaudit (a memory auditor for KV-cache schedulers) {found_on}; replay "
@@ -195,6 +199,6 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
             "## Suggested fix", "", (note.fix or "(none known)") if note is not None else "(none recorded)", ""]
     if note is not None:
         out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, "
-                f"{'section' if release is not None else 'finding'} {note.readme}.)", ""]
+                f"{'section' if release is not None and release[1] is not None else 'finding'} {note.readme}.)", ""]
     out += _how_sure(ex, doc, plan, version, source, planted, release)
     return "\n".join(out) + "\n"
