@@ -33,6 +33,20 @@ def engine_version(config: TargetConfig) -> str | None:
     return engine.version if engine is not None else None
 
 
+def other_release(path: str, config: TargetConfig, doc: dict) -> str | None:
+    """One line for a replay file ``doc`` recorded on another release of its engine than the installed one
+    (its ``engine_version`` against :func:`engine_version`), saying whose lines its engine frames are and how
+    to replay it on its own release; None when it names none or the installed one."""
+    recorded, installed = doc.get("engine_version"), engine_version(config)
+    engine = kind_of(config).engine_source()
+    if recorded is None or recorded == installed or engine is None:
+        return None
+    pkg = engine.package
+    return (f"{path} was recorded on {pkg} {recorded}, not the installed {installed or 'none'}: its engine "
+            f"frames' lines are {recorded}'s, and a run here can differ (on {recorded}: python -m "
+            f"kvaudit.history.releases {pkg}=={recorded}, then PYTHONPATH=~/.cache/kvaudit/releases/{pkg}-{recorded})")
+
+
 def to_doc(config: TargetConfig, program: list[Op], findings: list[Finding], **extra) -> dict:
     """A replay document: config (with its kind's ``target``), the engine's release (``engine_version``:
     :func:`engine_version`, unless ``extra`` names one; left out when None), program, findings, then the

@@ -607,6 +607,30 @@ def test_a_replay_file_names_the_engine_release_it_was_recorded_on(tmp_path, mon
     assert "engine_version" not in replay.to_doc(registry.get("eut").preset("default").config(), [], [])
 
 
+@pytest.mark.parametrize("version, warned", [(None, False), ("0.5.23", False), ("0.5.10.post1", True)])
+def test_a_file_of_another_release_says_so_before_its_report(tmp_path, monkeypatch, version, warned):
+    """``kvaudit report`` (and replay, minimize, through load_replay) of a file recorded on another release
+    than the installed one warns on stderr whose lines its frames are and how to run it there (the tester:
+    nothing but SARIF said so; a replay on the installed release said only "reproduced: no")."""
+    from kvaudit.targets.sglang import boot
+
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.5.23")
+    doc = json.load(open(os.path.join(os.path.dirname(__file__), "..", "corpora", "sglang",
+                                      "leak-a3-hisparse-buffer-padded-at-finish.json")))
+    if version is not None:
+        doc["engine_version"] = version
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("report", str(src))
+    assert r.exit_code == 0, r.output
+    line = (f"warning: {src} was recorded on sglang 0.5.10.post1, not the installed 0.5.23: its engine frames' "
+            "lines are 0.5.10.post1's, and a run here can differ (on 0.5.10.post1: python -m "
+            "kvaudit.history.releases sglang==0.5.10.post1, then PYTHONPATH=~/.cache/kvaudit/releases/"
+            "sglang-0.5.10.post1)")
+    assert (line in r.stderr.splitlines()) is warned, r.stderr
+    assert "was recorded on" not in r.stdout
+
+
 def test_a_report_keeps_the_recorded_release_and_never_stamps_the_installed_one(tmp_path, monkeypatch):
     from kvaudit.targets.sglang import boot
 

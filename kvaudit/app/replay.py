@@ -3,6 +3,7 @@ or re-record files in place (``--update``)."""
 
 from __future__ import annotations
 
+import click
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -23,9 +24,12 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
     """(config, program, recorded findings, suppressions) of a replay file. ``probe`` False: the caller
     calls :func:`require_target` (seconds) after its own checks. Raises :class:`InputError`."""
     try:
-        config, program, recorded, _ = replay.load(file)
+        config, program, recorded, doc = replay.load(file)
     except replay.ReplayFormatError as e:
         raise InputError(str(e)) from None
+    other = replay.other_release(file, config, doc)
+    if other is not None:
+        click.echo(f"warning: {other}", err=True)
     config = with_tree_core(config, tree_core)
     sset = load_suppressions(suppress_file)
     check_device(config.device)

@@ -3,6 +3,8 @@ occupancy plot is the timeline the file records."""
 
 from __future__ import annotations
 
+import click
+
 from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, InputError
 from kvaudit.app.files import check_outputs, write_reports
@@ -24,6 +26,9 @@ def run(file: str, outputs: Outputs) -> int:
         raise InputError(f"{file}: bad 'suppressed': want an object of kind -> count")
     console = make_console()
     cases = []
+    for line in dict.fromkeys(replay.other_release(file, c, d) for c, _, _, d in loaded):
+        if line is not None:
+            click.echo(f"warning: {line}", err=True)
     for i, (case_config, program, findings, case_doc) in enumerate(loaded):
         timeline = case_doc.get("timeline")
         if timeline is not None and not timeline_is_valid(timeline):
