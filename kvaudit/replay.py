@@ -85,8 +85,10 @@ def rerecord(path: str, findings: list[Finding], timeline: Callable | None = Non
     if "timeline" in doc and timeline is not None:
         new["timeline"] = timeline(config, program)
     version = engine_version(config)  # NOTE: a file whose findings stay as they were keeps its lack of one
-    if version is not None and (new != doc or "engine_version" in doc):
-        new["engine_version"] = version
+    if version is not None and (new != doc or "engine_version" in doc):  # after config, where to_doc puts it
+        items = [(k, v) for k, v in new.items() if k != "engine_version"]
+        at = next((i + 1 for i, (k, _) in enumerate(items) if k == "config"), 0)
+        new = dict(items[:at] + [("engine_version", version)] + items[at:])
     old_sigs, new_sigs = [f.signature for f in recorded], [f.signature for f in findings]
     changed = f" (signatures were {', '.join(old_sigs) or 'none'}; now {', '.join(new_sigs)})" \
         if old_sigs != new_sigs else ""

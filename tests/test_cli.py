@@ -606,6 +606,7 @@ def test_replay_update_records_the_release_it_re_recorded_on(tmp_path, monkeypat
     result = invoke("replay", "--update", str(stale), str(fresh), str(other))
     assert result.exit_code == 0, result.output
     assert json.loads(stale.read_text())["engine_version"] == "9.9"
+    assert list(json.loads(stale.read_text()))[:3] == ["format", "config", "engine_version"]  # where to_doc puts it
     assert fresh.read_text() == open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read()
     assert json.loads(other.read_text())["engine_version"] == "9.9"  # the same frames, now of 9.9
 
