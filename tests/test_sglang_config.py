@@ -194,3 +194,14 @@ def test_the_legacy_era_refuses_an_eviction_policy_it_is_not_driven_with():
     from kvaudit.targets.sglang import legacy
     assert "a radix eviction policy other than lru" in legacy.refusal(SGLANG_PRESETS["sglang-evict-slru"].config())
     assert legacy.refusal(SglangConfig()) is None
+
+
+@pytest.mark.parametrize("preset, feature", [
+    ("sglang-spec-eagle", "speculative decoding"), ("sglang-swa-session", "SWA"),
+    ("sglang-spec-swa", "SWA, speculative decoding"), ("sglang-mamba", "Mamba")])
+def test_the_legacy_era_refuses_the_hybrid_and_speculative_paths_it_does_not_drive(preset, feature):
+    """The cache_finished_req era's driver has no SWA, Mamba or speculative-decoding path: a preset with one
+    and nothing else the era refuses (sglang-spec-eagle, sglang-swa-session) ran there as a plain session
+    preset, clean, its own path never reached (the tester, on the 0.5.10.post1 overlay)."""
+    from kvaudit.targets.sglang import legacy
+    assert legacy.refusal(SGLANG_PRESETS[preset].config()).endswith(feature)

@@ -43,7 +43,9 @@ def refusal(config) -> str | None:
          or config.request_running_timeout_steps is not None),
         ("page_size > 1", config.page_size != 1), ("injected faults", bool(config.bugs)),
         ("fake bootstrap hosts", config.fake_bootstrap_every is not None),
-        ("a radix eviction policy other than lru", config.radix_eviction_policy != "lru")) if on]
+        ("a radix eviction policy other than lru", config.radix_eviction_policy != "lru"),
+        ("SWA", config.sliding_window_size is not None), ("Mamba", config.enable_mamba),
+        ("speculative decoding", config.speculative_algorithm is not None)) if on]
     if off:
         return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} (the cache_finished_req era) is driven with core "
                 f"pools, the radix cache and sessions (and PD decode with HiSparse), not {', '.join(off)}")
