@@ -155,6 +155,16 @@ class SglangTarget(SglangDriver, SglangObserver):
 
     _memo: dict | None = None  # inside a check (_CheckScope): what was read once
 
+    def _once(self, key: str, read):
+        """``read()``, or inside a check the answer of its first call (under ``key``)."""
+        memo = self._memo
+        if memo is None:
+            return read()
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = read()
+        return out
+
     def close(self) -> None:
         for f in self.features:
             f.close()
@@ -299,13 +309,8 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("inflight", super()._inflight())
 
     def _active(self) -> list:
-        memo = self._memo
-        if memo is None:
-            return self._fold("active", super()._active())
-        out = memo.get("active")
-        if out is None:
-            out = memo["active"] = self._fold("active", super()._active())
-        return list(out)  # (callers extend what they get)
+        read = super()._active
+        return list(self._once("active", lambda: self._fold("active", read())))  # (callers extend it)
 
     def _place_groups(self) -> tuple:
         return self._fold("place_groups", super()._place_groups())
@@ -335,13 +340,8 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("units_of_rows", super().units_of_rows(rows), rows)
 
     def accounting(self) -> dict:
-        memo = self._memo
-        if memo is None:
-            return self._fold("accounting", super().accounting())
-        out = memo.get("accounting")
-        if out is None:
-            out = memo["accounting"] = self._fold("accounting", super().accounting())
-        return dict(out)
+        read = super().accounting
+        return dict(self._once("accounting", lambda: self._fold("accounting", read())))
 
     def free_lists(self) -> dict:
         return self._fold("free_lists", super().free_lists())
