@@ -82,6 +82,33 @@ def test_a_known_program_runs_the_catalogue_entrys_preset_and_config(bug_id):
     assert compat.family(bug.buggy) == compat.family(bug.fixed) is not None
 
 
+# the child: the history search of sglang-22213 at seeds 4 and 5, per step (K=1) and on the sparse schedule
+SPARSE_CHILD = """
+import json
+from kvaudit.history.catalogue import all_bugs, target_config
+from kvaudit.history.worker import search_trial
+from kvaudit.search import schedule
+bug, sparse = all_bugs()["sglang-22213"], schedule.CHECK_EVERY
+config, out = target_config(bug), {}
+for k in (1, sparse):
+    schedule.CHECK_EVERY = k
+    out[k] = [(t.success, t.executions) for t in (search_trial(bug, config, "corpus", s, 60.0) for s in (4, 5))]
+print(json.dumps([out[1], out[sparse]]))
+"""
+
+
+@pytest.mark.releases
+def test_the_sparse_schedule_meets_the_busy_checks_double_count_where_a_per_step_run_does():
+    """sglang-22213's false 'Mem Leak Detected' shows only while a session's turn runs on the slot's row (the
+    busy check counts it twice): the legacy target calls that state transient, so the search checks after
+    every step meanwhile and hits at the per-step run's execution (seeds 4 and 5 took 29 and 7 executions
+    against 5 and 3 without)."""
+    r = run_child(["-c", SPARSE_CHILD], "0.5.10.post1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    per_step, sparse = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(ok for ok, _ in per_step) and sparse == per_step, (per_step, sparse)
+
+
 @pytest.mark.releases
 def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path):
     r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--fuzzer", "random",

@@ -6,6 +6,7 @@ The jobs and their output: docs/internals/history.md#the-worker.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -93,6 +94,16 @@ def _contained(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryTri
         return trial
 
 
+def freeze_heap() -> None:
+    """Move everything the process holds now (the engine's modules, imported by the probe: torch, the
+    engine, transformers) out of the cyclic collector's reach (``gc.freeze``), so that a full
+    collection during a trial scans what the trials allocated, not those. Without it a generation-2
+    collection lands every so often inside a trial's clock and costs ~0.3 s with SGLang 0.5.23 imported,
+    more than most trials' time to the bug (docs/internals/performance.md, stop 50). What is frozen is
+    never collected: the modules live as long as the process anyway."""
+    gc.freeze()
+
+
 def replay_program(config, ops: list) -> dict:
     """``ops`` (op dicts) from a fresh engine, then drained to idle: ``{"clean", "signatures"}``."""
     ex = runner.execute(config, program_from_json(ops) + [Idle()], full_stacks=False)
@@ -116,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except (registry.TargetUnavailable, ValueError) as e:
         print(f"kvaudit history: {bug.id} cannot run on {bug.engine} {version}: {e}", file=sys.stderr)
         return 2
+    freeze_heap()
     out: dict = {"version": version, "mode": job["mode"], "results": []}
     if job["mode"] == "search":
         for fuzzer in job["fuzzers"]:

@@ -211,7 +211,10 @@ class SglangLoop(SglangFeature):
 
     def active(self, reqs: list) -> list:
         """Every request the server holds: each of this loop's ``place_groups``' requests, once."""
-        out = []
+        out, seen = [], set()
         for _, group in self.place_groups(()):
-            out += [r for r in group if not any(r is x for x in out)]
+            for r in group:
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    out.append(r)
         return out

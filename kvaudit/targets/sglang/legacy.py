@@ -506,6 +506,16 @@ class SglangLegacyTarget(SglangDriver):
     def stalled(self) -> bool:
         return bool(self.waiting) and not self.running and self._session_held() > 0
 
+    def transient(self) -> bool:
+        """A turn running on its session slot's row (a borrowed record) while the engine's busy check is on
+        (``strict_mem_check_during_busy``): the era's busy identity counts such a turn both in
+        ``session_held`` and in ``uncached``, only while it runs (sglang#22213, a step or a few), so a
+        search's sparse schedule checks after every step meanwhile, as a per-step run does."""
+        if not (self.running and self.config.strict_mem_check_during_busy and self.session_controller is not None):
+            return False
+        rows = {s.req_pool_idx for _, s in self._slots() if s.req_pool_idx is not None}
+        return any(r.req_pool_idx in rows for r in self.running)
+
     def flushed(self) -> int:
         return self._flushes
 

@@ -75,6 +75,7 @@ class SglangTarget(SglangDriver, SglangObserver):
         self.config = config
         self.clock = StepClock()  # advanced by step(); a feature's build may install it too
         self.features = [cls(self) for cls in features(config)]
+        self._folders: dict[str, list[SglangFeature]] = {}  # hook -> the features that define it (_fold)
         loops = [f for f in self.features if isinstance(f, SglangLoop)]
         assert len(loops) <= 1, loops
         self.loop = loops[0] if loops else None
@@ -134,10 +135,35 @@ class SglangTarget(SglangDriver, SglangObserver):
         return next((f for f in self.features if f.name == name), None)
 
     def _fold(self, hook: str, value, *args):
-        """``value`` through each feature's ``hook`` (a :class:`SglangFeature` method), in order."""
-        for f in self.features:
+        """``value`` through each feature's ``hook`` (a :class:`SglangFeature` method), in order; a feature
+        whose ``hook`` is the base class's (which returns ``value``) is passed over."""
+        folders = self._folders.get(hook)
+        if folders is None:  # (asked several times a check: the features that define hook, found once)
+            base = getattr(SglangFeature, hook)
+            folders = self._folders[hook] = [f for f in self.features
+                                             if getattr(type(f), hook) is not base or hook in vars(f)]
+        for f in folders:
             value = getattr(f, hook)(value, *args)
         return value
+
+    def checking(self):
+        """Within one check the live requests and the counters are read once: ``_active`` (the roots, the
+        engine's own check, the metrics, the lock holders each walk it) and ``accounting`` (the identity
+        and the engine's own check) give the first call's answer (a copy of the list). The engine is not
+        stepped inside a check, so they are the same."""
+        return _CheckScope(self)
+
+    _memo: dict | None = None  # inside a check (_CheckScope): what was read once
+
+    def _once(self, key: str, read):
+        """``read()``, or inside a check the answer of its first call (under ``key``)."""
+        memo = self._memo
+        if memo is None:
+            return read()
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = read()
+        return out
 
     def close(self) -> None:
         for f in self.features:
@@ -283,7 +309,8 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("inflight", super()._inflight())
 
     def _active(self) -> list:
-        return self._fold("active", super()._active())
+        read = super()._active
+        return list(self._once("active", lambda: self._fold("active", read())))  # (callers extend it)
 
     def _place_groups(self) -> tuple:
         return self._fold("place_groups", super()._place_groups())
@@ -313,7 +340,8 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("units_of_rows", super().units_of_rows(rows), rows)
 
     def accounting(self) -> dict:
-        return self._fold("accounting", super().accounting())
+        read = super().accounting
+        return dict(self._once("accounting", lambda: self._fold("accounting", read())))
 
     def free_lists(self) -> dict:
         return self._fold("free_lists", super().free_lists())
@@ -336,3 +364,19 @@ class SglangTarget(SglangDriver, SglangObserver):
         feature's."""
         return self._fold("reach", {"retractions": self.retractions, "evictions_for_alloc": self.evictions_for_alloc,
                                     **self.results_reach()})
+
+
+class _CheckScope:
+    """:meth:`SglangTarget.checking`: a fresh memo for the check, the previous one (an outer check's) back
+    on exit."""
+
+    __slots__ = ("target", "prev")
+
+    def __init__(self, target: SglangTarget):
+        self.target = target
+
+    def __enter__(self) -> None:
+        self.prev, self.target._memo = self.target._memo, {}
+
+    def __exit__(self, *exc) -> None:
+        self.target._memo = self.prev
