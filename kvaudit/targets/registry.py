@@ -131,9 +131,9 @@ class TargetKind:
     ``search_per_step_first``: how many of a search's first programs run with a check after every step
     (a hit there needs no localizing replay), for a kind whose check costs little beside its engine's
     step; None: the searches' default (:mod:`kvaudit.search.schedule`). ``refused(name)``: for a preset the
-    kind knows but the installed release cannot drive (which ``presets()`` leaves out), ``(needs, installed,
-    why)``: the releases that can (``"vLLM >= 0.33.0"``), the installed one (``"none"``) and why, in one line;
-    None for any other name (by the engine's metadata: no import).
+    kind knows but the installed release cannot drive (which ``presets()`` leaves out), why, in one line that
+    names the releases that can and the installed one; None for any other name (by the engine's metadata: no
+    import).
     """
 
     name: str
@@ -184,10 +184,10 @@ class TargetKind:
         return presets[name]
 
     def refusal(self, name: str) -> str | None:
-        """``preset "NAME" needs vLLM >= V (installed: W): why`` for a preset the kind knows but the installed
-        release cannot drive (:attr:`refused`), else None."""
-        r = self.refused(name)
-        return None if r is None else f"preset {json_value(name)} needs {r[0]} (installed: {r[1]}): {r[2]}"
+        """``preset "NAME": why`` for a preset the kind knows but the installed release cannot drive
+        (:attr:`refused`), else None."""
+        why = self.refused(name)
+        return None if why is None else f"preset {json_value(name)}: {why}"
 
 
 _KINDS: dict[str, TargetKind] = {}

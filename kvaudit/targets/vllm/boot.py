@@ -240,41 +240,30 @@ def _model_config(v: SimpleNamespace, config):
     return copy.deepcopy(cache[key])
 
 
-def _gates(config, version: str | None) -> tuple:
-    """``(refused, releases that can, why)`` per version gate of ``config`` on release ``version``."""
-    def has(change):
-        return compat.in_range(version or "") and compat.has(change, version)
-
-    def since(change):
-        return f"vLLM >= {compat.CHANGES[change].release}"
-    return (
-        (config.kv_connector == "SimpleCPUOffloadConnector" and not has("simple-cpu-offload"),
-         since("simple-cpu-offload"), f"SimpleCPUOffloadConnector needs {since('simple-cpu-offload')}, not {version}"),
-        (config.num_spec_tokens and config.spec_method == "ngram"
-         and not compat.spec_method(version, config.async_scheduling), "vLLM >= 0.21.0",
-         f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free method it accepts, "
-         f"ngram_gpu), not {version}"),
-        (config.kv_connector in NEW_CONNECTORS and not has("offloading-jobs"), since("offloading-jobs"),
-         f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {version}"),
-        (config.kv_connector == "NixlPushConnector" and not has("nixl-push"), since("nixl-push"),
-         f"NixlPushConnector needs vLLM >= 0.24.0, not {version}"),
-        (config.mamba and not has("mamba-align-cow"), since("mamba-align-cow"),
-         f"mamba presets are driven on vLLM >= 0.33.0 (compat 'mamba-align-cow'), not {version}"),
-        (config.return_routed_experts and not compat.routed_experts_supported(version), "vLLM 0.22.0 to 0.30.0",
-         f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 (ModelConfig.enable_return_routed_experts), "
-         f"not {version}"))
-
-
 def refusal(config, version: str | None) -> str | None:
     """Why release ``version`` (None: none installed) cannot build ``config``, in one line naming the releases
-    that can, or None (no import: also for ``kind._presets``, the presets the installed release lists)."""
-    return next((why for refused, _, why in _gates(config, version) if refused), None)
-
-
-def needs(config, version: str | None) -> str | None:
-    """The releases that can build ``config`` when release ``version`` cannot (``"vLLM >= 0.33.0"``), else
-    None (no import)."""
-    return next((need for refused, need, _ in _gates(config, version) if refused), None)
+    that can and the installed one, or None (no import: also for ``kind._presets``, the presets the installed
+    release lists, and ``kind._refused``)."""
+    def has(change):
+        return compat.in_range(version or "") and compat.has(change, version)
+    v = version or "none installed"
+    gates = (
+        (config.kv_connector == "SimpleCPUOffloadConnector" and not has("simple-cpu-offload"),
+         f"SimpleCPUOffloadConnector needs vLLM >= {compat.CHANGES['simple-cpu-offload'].release}, not {v}"),
+        (config.num_spec_tokens and config.spec_method == "ngram"
+         and not compat.spec_method(version, config.async_scheduling),
+         f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free method it accepts, "
+         f"ngram_gpu), not {v}"),
+        (config.kv_connector in NEW_CONNECTORS and not has("offloading-jobs"),
+         f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {v}"),
+        (config.kv_connector == "NixlPushConnector" and not has("nixl-push"),
+         f"NixlPushConnector needs vLLM >= 0.24.0, not {v}"),
+        (config.mamba and not has("mamba-align-cow"),
+         f'mamba presets are driven on vLLM >= 0.33.0 (compat "mamba-align-cow"), not {v}'),
+        (config.return_routed_experts and not compat.routed_experts_supported(version),
+         f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 (ModelConfig.enable_return_routed_experts), "
+         f"not {v}"))
+    return next((why for refused, why in gates if refused), None)
 
 
 def check_config(config) -> None:

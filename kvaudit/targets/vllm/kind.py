@@ -15,16 +15,12 @@ def _presets():
     return {n: p for n, p in VLLM_PRESETS.items() if refusal(p.config(), v) is None}
 
 
-def _refused(name: str) -> tuple[str, str, str] | None:
-    """For a preset the installed vLLM cannot build (:func:`_presets` leaves it out): the releases that can,
-    the installed one and why (``boot.needs``, ``boot.refusal``: by its metadata, no import)."""
-    from kvaudit.targets.vllm.boot import installed_version, needs, refusal
+def _refused(name: str) -> str | None:
+    """Why the installed vLLM cannot build the preset ``name`` (:func:`_presets` leaves it out), naming the
+    releases that can (``boot.refusal``: by its metadata, no import); None for a drivable or unknown name."""
+    from kvaudit.targets.vllm.boot import installed_version, refusal
     preset = VLLM_PRESETS.get(name)
-    if preset is None:
-        return None
-    v = installed_version()
-    why = refusal(preset.config(), v)
-    return None if why is None else (needs(preset.config(), v), v or "none", why)
+    return None if preset is None else refusal(preset.config(), installed_version())
 
 
 def _notes(config) -> list[str]:
