@@ -19,8 +19,7 @@ def _refused(name: str) -> str | None:
     """Why the installed vLLM cannot build the preset ``name`` (:func:`_presets` leaves it out), naming the
     releases that can (``boot.refusal``: by its metadata, no import); None for a drivable or unknown name."""
     from kvaudit.targets.vllm.boot import installed_version, refusal
-    preset = VLLM_PRESETS.get(name)
-    return None if preset is None else refusal(preset.config(), installed_version())
+    return refusal(VLLM_PRESETS[name].config(), installed_version()) if name in VLLM_PRESETS else None
 
 
 def _notes(config) -> list[str]:
