@@ -44,6 +44,17 @@ def test_json_value_falls_back_to_repr_for_what_json_cannot_hold():
     assert json_value({1, 2}) == repr({1, 2})
 
 
+def test_json_value_cuts_a_long_spelling_inside_its_quotes():
+    """``json_value(x)[:60]`` cut off a long string's closing quote; the limit cuts its inside instead and
+    never splits an escape."""
+    assert json_value("x" * 500, 20) == '"' + "x" * 15 + '..."'
+    assert json_value('a"' * 50, 12) == r'"a\"a\"a..."'
+    assert json_value("\u00e9" * 9, 16) == r'"\u00e9..."'
+    assert json_value([1] * 100, 12) == "[1, 1, 1,..."
+    assert json_value("short", 8) == '"short"' and json_value(True, 8) == "true"
+    assert all(len(json_value(v, 30)) <= 30 for v in ("x" * 99, 'a"' * 99, [None] * 99, {"k": "v" * 99}))
+
+
 def test_replay_of_a_config_with_a_bad_value_exits_2_naming_it_as_json(tmp_path):
     path = tmp_path / "in.json"
     path.write_text(json.dumps({"format": "kvaudit.replay/1", "program": [],
