@@ -160,7 +160,7 @@ def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[O
 def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     for key in ("config", "program"):
         if key not in doc:
-            raise ReplayFormatError(f"{path}: missing key {key!r}")
+            raise ReplayFormatError(f"{path}: missing key {json_value(key)}")
     try:
         if not isinstance(doc["config"], dict):
             raise ValueError("config must be an object")

@@ -225,7 +225,7 @@ def check_db(url: str):
     from kvaudit.search.hub import BadURL, HubError, connect, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+        raise InputError(f"--db {json_value(safe_url(url))}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
     try:
         return connect(url)
     except BadURL as e:  # redis-py could not parse it (a non-numeric port)

@@ -259,7 +259,7 @@ def _gates(config, version: str | None) -> tuple:
         (config.kv_connector == "NixlPushConnector" and not has("nixl-push"), since("nixl-push"),
          f"NixlPushConnector needs vLLM >= 0.24.0, not {version}"),
         (config.mamba and not has("mamba-align-cow"), since("mamba-align-cow"),
-         f"mamba presets are driven on vLLM >= 0.33.0 (compat 'mamba-align-cow'), not {version}"),
+         f"mamba presets are driven on vLLM >= 0.33.0 (compat \"mamba-align-cow\"), not {version}"),
         (config.return_routed_experts and not compat.routed_experts_supported(version), "vLLM 0.22.0 to 0.30.0",
          f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 (ModelConfig.enable_return_routed_experts), "
          f"not {version}"))
