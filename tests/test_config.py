@@ -23,8 +23,9 @@ from kvaudit.targets import config_from_dict
     ({"target": "vllm", "kv_connector": 5}, 'kv_connector must be one of null, "NixlConnector"'),
     ({"target": "sglang", "disaggregation_mode": None}, 'must be "null", "decode" or "prefill" (strings'),
     ({"target": "eut", "disaggregation_mode": "x"}, 'disaggregation_mode must be null or "decode", got "x"'),
+    ({"target": "eut", "model": "big"}, 'model must be "tiny" or "none", got "big"'),
 ], ids=["sglang-true", "sglang-null", "sglang-string", "vllm-null", "vllm-false", "eut-null", "eut-true",
-        "vllm-choices", "sglang-null-string", "eut-choices"])
+        "vllm-choices", "sglang-null-string", "eut-choices", "eut-model"])
 def test_a_config_error_spells_the_value_as_json(config, said):
     with pytest.raises(ValueError) as e:
         config_from_dict(config)
