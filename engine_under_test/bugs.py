@@ -7,6 +7,7 @@ See ``shared/reference/bug-zoo.md``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -14,7 +15,7 @@ class UnknownBugError(ValueError):
     """Raised for a bug name that is not in :data:`BUGS`."""
 
     def __init__(self, name: str):
-        super().__init__(f"unknown bug {name!r}; valid bugs: {', '.join(BUGS)}")
+        super().__init__(f"unknown bug {json.dumps(name)}; valid bugs: {', '.join(BUGS)}")
         self.name = name
 
 

@@ -147,7 +147,7 @@ class EngineConfig:
         if self.hicache_write_policy not in ("write_through", "write_back"):
             raise ValueError(f"hicache_write_policy must be write_through or write_back, got {_json(self.hicache_write_policy)}")
         if self.model not in ("tiny", "none"):
-            raise ValueError(f"model must be 'tiny' or 'none', got {_json(self.model)}")
+            raise ValueError(f'model must be "tiny" or "none", got {_json(self.model)}')
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {_json(self.device)}")
         if self.max_running_requests < 1 or self.max_req_rows < 1:

@@ -9,13 +9,28 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-def json_value(v) -> str:
+def json_value(v, limit: int | None = None) -> str:
     """``v`` spelled as a user who wrote the config in JSON or TOML wrote it (``true``, ``null``, ``"x"``,
-    ``[1, 2]``), for the ``got ...`` of a config error; ``repr`` for what JSON cannot hold."""
+    ``[1, 2]``), for the ``got ...`` of a config error; ``repr`` for what JSON cannot hold. A spelling
+    longer than ``limit`` characters (at least 8) is cut to ``limit``: a string inside its quotes, so that
+    it still reads as one (``"xxxx..."``), anything else at its end (``[1, 2, ...``)."""
     try:
-        return json.dumps(v)
+        s = json.dumps(v)
     except (TypeError, ValueError):
-        return repr(v)
+        s = repr(v)
+    if limit is None or len(s) <= limit:
+        return s
+    if not isinstance(v, str):
+        return s[:limit - 3] + "..."
+    room = limit - 5  # the two quotes and "..."
+    inner = []
+    for c in v[:room]:  # (an escape is never cut in two)
+        e = json.dumps(c)[1:-1]
+        if len(e) > room:
+            break
+        inner.append(e)
+        room -= len(e)
+    return '"' + "".join(inner) + '..."'
 
 
 class UnknownPresetError(ValueError):
@@ -72,7 +87,7 @@ class ConfigBase:
         d = dict(d)
         if "bugs" in d:
             if not isinstance(d["bugs"], (list, tuple, set, frozenset)) or not all(isinstance(b, str) for b in d["bugs"]):
-                raise ValueError(f"bugs must be a list of {cls.BUGS_NOUN}, got {json_value(d['bugs'])[:60]}")
+                raise ValueError(f"bugs must be a list of {cls.BUGS_NOUN}, got {json_value(d['bugs'], 60)}")
             d["bugs"] = frozenset(d["bugs"])
         return cls(**d)
 

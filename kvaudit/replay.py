@@ -176,7 +176,7 @@ def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[O
 def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     for key in ("config", "program"):
         if key not in doc:
-            raise ReplayFormatError(f"{path}: missing key {key!r}")
+            raise ReplayFormatError(f"{path}: missing key {json_value(key)}")
     try:
         if not isinstance(doc["config"], dict):
             raise ValueError("config must be an object")
@@ -197,12 +197,12 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
         raise ReplayFormatError(f"{path}: bad findings: {e}") from None
     unknown = next((f.kind for f in findings if f.kind not in KINDS), None)
     if unknown is not None:  # (a suppression file refuses it too: no run yields one)
-        raise ReplayFormatError(f"{path}: bad findings: unknown kind {json_value(unknown)[:60]} "
+        raise ReplayFormatError(f"{path}: bad findings: unknown kind {json_value(unknown, 60)} "
                                 f"(valid: {', '.join(KINDS)})")
     version = doc.get("engine_version")
     if version is not None and not (isinstance(version, str) and version):
         raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "
-                                f"got {json_value(version)[:60]}")
+                                f"got {json_value(version, 60)}")
     kind = kind_of(config)
     presets = kind.presets()
     if config.preset not in presets and config.preset != "custom":

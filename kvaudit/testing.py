@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from kvaudit.config import json_value
 from kvaudit.constants import DEFAULT_FUZZER
 
 
@@ -61,7 +62,7 @@ def fuzz(config, max_time: float = 5.0, seed: int = 0, fuzzer: str = DEFAULT_FUZ
 
     valid = [n for n, k in fuzzers.kinds().items() if k.in_process]
     if fuzzer not in valid:
-        raise ValueError(f"unknown fuzzer {fuzzer!r} (valid: {', '.join(valid)})")
+        raise ValueError(f"unknown fuzzer {json_value(fuzzer, 60)} (valid: {', '.join(valid)})")
     kind = fuzzers.get(fuzzer)
     stats, flaky = FuzzStats(), []
     kept: dict = {}  # what the fuzzer keeps (the corpus fuzzer's corpus): past a flaky finding, the search goes on from it

@@ -532,6 +532,30 @@ def test_ci_bad_presets_is_one_line():
     assert result.exit_code == 2 and "nope" in one_error_line(result)
 
 
+def test_ci_fuzzes_a_preset_named_twice_once(tmp_path, monkeypatch):
+    """``ci --presets default,default`` fuzzed default twice: the list keeps the first of each name."""
+    from kvaudit.search import ci
+    fuzzed = []
+    monkeypatch.setattr(ci, "fuzz_preset", lambda preset, *a, **k: fuzzed.append(preset) or ci.FuzzRun(preset, 1.0, 5))
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "2", "--presets", "default,chunked, default,chunked", "--regressions", str(empty),
+               "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    assert fuzzed == ["default", "chunked"]
+
+
+@pytest.mark.parametrize("args, option", [(["ci", "--presets", "default,vllm-mamba"], "--presets"),
+                                          (["bench", "--overhead-presets", "vllm-mamba"], "--overhead-presets")])
+def test_a_preset_of_another_target_in_a_list_says_which_target(args, option):
+    """``fuzz --preset vllm-mamba`` says to add --target vllm; ``ci --presets vllm-mamba`` did not."""
+    r = invoke(*args, "--max-time", "1") if args[0] == "ci" else invoke(*args)
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert line.startswith(f'kvaudit: error: {option}: unknown preset "vllm-mamba" (valid: default, '), line
+    assert line.endswith(' or all) ("vllm-mamba" is a preset of --target vllm: add --target vllm)'), line
+
+
 @pytest.mark.slow
 def test_atheris_with_fork_2_from_the_cli_finds_the_hisparse_bug(tmp_path):
     corpus = tmp_path / "c"

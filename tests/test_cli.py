@@ -220,18 +220,19 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/0", "config": {}, "program": []}', "not a kvaudit replay file"),
     ("this is not json\n", "not JSON"),
     ("", "not JSON"),
-    ('{"format": "kvaudit.replay/1", "program": []}', "config"),
-    ('{"format": "kvaudit.replay/1", "config": {}}', "program"),
+    ('{"format": "kvaudit.replay/1", "program": []}', 'missing key "config"'),
+    ('{"format": "kvaudit.replay/1", "config": {}}', 'missing key "program"'),
     ('{"format": "kvaudit.replay/1", "config": {"nope": 1}, "program": []}', "bad config"),
     ('{"format": "kvaudit.replay/1", "config": [], "program": []}', "bad config"),
-    ('{"format": "kvaudit.replay/1", "config": {"bugs": ["nope"]}, "program": []}', "bad config"),
-    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', "bad program"),
+    ('{"format": "kvaudit.replay/1", "config": {"bugs": ["nope"]}, "program": []}', 'bad config: unknown bug "nope"'),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', 'bad program: unknown op "fork"; valid ops: submit'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": {"op": "idle"}}', "bad program"),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": [{"kind": "leak"}]}', "bad findings"),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": "x"}', "bad findings"),
 ], ids=["object", "list", "string", "old-format", "text", "empty", "no-config", "no-program", "config-key",
         "config-list", "config-bug", "unknown-op", "program-object", "finding-fields", "findings-string"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
+    """A name the file holds is spelled as JSON spells it (it said ``unknown bug 'nope'``, ``missing key 'program'``)."""
     result = invoke("replay", _write(tmp_path, "in.json", content))
     assert result.exit_code == 2, result.output
     assert why in one_error_line(result)

@@ -23,8 +23,9 @@ from kvaudit.targets import config_from_dict
     ({"target": "vllm", "kv_connector": 5}, 'kv_connector must be one of null, "NixlConnector"'),
     ({"target": "sglang", "disaggregation_mode": None}, 'must be "null", "decode" or "prefill" (strings'),
     ({"target": "eut", "disaggregation_mode": "x"}, 'disaggregation_mode must be null or "decode", got "x"'),
+    ({"target": "eut", "model": "big"}, 'model must be "tiny" or "none", got "big"'),
 ], ids=["sglang-true", "sglang-null", "sglang-string", "vllm-null", "vllm-false", "eut-null", "eut-true",
-        "vllm-choices", "sglang-null-string", "eut-choices"])
+        "vllm-choices", "sglang-null-string", "eut-choices", "eut-model"])
 def test_a_config_error_spells_the_value_as_json(config, said):
     with pytest.raises(ValueError) as e:
         config_from_dict(config)
@@ -42,6 +43,17 @@ def test_a_config_s_target_and_shape_are_spelled_as_json(config, said):
 def test_json_value_falls_back_to_repr_for_what_json_cannot_hold():
     assert [json_value(v) for v in (True, None, 3, "x", [1, None])] == ["true", "null", "3", '"x"', "[1, null]"]
     assert json_value({1, 2}) == repr({1, 2})
+
+
+def test_json_value_cuts_a_long_spelling_inside_its_quotes():
+    """``json_value(x)[:60]`` cut off a long string's closing quote; the limit cuts its inside instead and
+    never splits an escape."""
+    assert json_value("x" * 500, 20) == '"' + "x" * 15 + '..."'
+    assert json_value('a"' * 50, 12) == r'"a\"a\"a..."'
+    assert json_value("\u00e9" * 9, 16) == r'"\u00e9..."'
+    assert json_value([1] * 100, 12) == "[1, 1, 1,..."
+    assert json_value("short", 8) == '"short"' and json_value(True, 8) == "true"
+    assert all(len(json_value(v, 30)) <= 30 for v in ("x" * 99, 'a"' * 99, [None] * 99, {"k": "v" * 99}))
 
 
 def test_replay_of_a_config_with_a_bad_value_exits_2_naming_it_as_json(tmp_path):

@@ -254,13 +254,13 @@ def test_fuzz_db_errors_are_one_line(redis_server, tmp_path):
 
 
 @pytest.mark.parametrize("url, why", [
-    ("redis://127.0.0.1:6399/0?foo=bar", "unknown option 'foo'; the options are db, "),
-    ("redis://127.0.0.1:6399/0?ssl_ca_certs=/x.pem", "unknown option 'ssl_ca_certs' (a TLS option: use rediss://)"),
-    ("redis://127.0.0.1:6399/0?db=1&db=2", "option 'db' is given twice"),
-    ("redis://127.0.0.1:6399/0?client_name=", "option 'client_name' has no value"),
-    ("redis://127.0.0.1:6399/abc", "the database index 'abc' is not a number"),
-    ("redis://127.0.0.1:6399/-1", "the database index '-1' is not a number"),
-    ("redis://127.0.0.1:6399?db=x", "the database index 'x' is not a number"),
+    ("redis://127.0.0.1:6399/0?foo=bar", 'unknown option "foo"; the options are db, '),
+    ("redis://127.0.0.1:6399/0?ssl_ca_certs=/x.pem", 'unknown option "ssl_ca_certs" (a TLS option: use rediss://)'),
+    ("redis://127.0.0.1:6399/0?db=1&db=2", 'option "db" is given twice'),
+    ("redis://127.0.0.1:6399/0?client_name=", 'option "client_name" has no value'),
+    ("redis://127.0.0.1:6399/abc", 'the database index "abc" is not a number'),
+    ("redis://127.0.0.1:6399/-1", 'the database index "-1" is not a number'),
+    ("redis://127.0.0.1:6399?db=x", 'the database index "x" is not a number'),
     ("redis://127.0.0.1:0/0", "port 0 is not a port"),
     ("redis://127.0.0.1:70000/0", "Port out of range"),
     ("unix://", "a unix:// URL names the socket's path"),
@@ -274,7 +274,7 @@ def test_a_bad_redis_url_is_one_line_exit_2_without_a_server(command, url, why, 
         invoke(*command, "--db", url)
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
-    assert line.startswith(f"kvaudit: error: --db {url!r}: ") and why in line, line
+    assert line.startswith(f"kvaudit: error: --db {json.dumps(url)}: ") and why in line, line
     assert not (tmp_path / "o").exists()
 
 
@@ -290,7 +290,8 @@ def test_an_unusable_campaign_name_is_refused_in_one_line(tmp_path):
     for args in (["fuzz", *HISPARSE, "--max-time", "1", "--out", str(tmp_path)],
                  ["ci", "--max-time", "1", "--out", str(tmp_path)],
                  ["campaign", "status", "--db", "redis://127.0.0.1:1/0"]):
-        for name, why in (("", "needs a name"), ("night ly", "no whitespace"), ("a\x1b[31m", "control characters"),
+        for name, why in (("", "needs a name"), ("night ly", 'name (it has " ")'),
+                          ("a\x1b[31m", 'control characters in a campaign name (it has "\\u001b")'),
                           ("x" * 201, "at most 200")):
             r = invoke(*args, "--campaign", name)
             assert r.exit_code == 2 and why in one_error_line(r), (args, name, r.output)

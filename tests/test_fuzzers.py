@@ -51,7 +51,17 @@ def test_an_unknown_fuzzer_is_one_line_listing_the_valid_ones(toy):
     r = invoke("fuzz", "--fuzzer", "afl", "--max-time", "1")
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
-    assert "'afl' is not one of 'hypothesis', 'atheris', 'random', 'corpus', 'toy'" in line, line
+    assert "'afl' is not one of 'hypothesis', 'atheris', 'random', 'corpus', 'toy'" in line, line  # (click's)
+
+
+def test_an_unknown_fuzzer_by_name_is_spelled_as_json():
+    """fuzzers.get and kvaudit.testing.fuzz said ``unknown fuzzer 'afl'``."""
+    from kvaudit import testing
+    from kvaudit.targets.eut.presets import get_preset
+    with pytest.raises(fuzzers.UnknownFuzzerError, match='^unknown fuzzer "afl" \\(valid: hypothesis, '):
+        fuzzers.get("afl")
+    with pytest.raises(ValueError, match='^unknown fuzzer "afl" \\(valid: hypothesis, '):
+        testing.fuzz(get_preset("default").config(), max_time=1, fuzzer="afl")
 
 
 def test_the_built_ins_are_listed_in_help():

@@ -98,7 +98,7 @@ def test_the_base_version_needs_no_overlay_and_an_overlay_goes_first(monkeypatch
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     env = releases.env("vllm", "1.0.0", tmp_path / "vllm-1.0.0")
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "vllm-1.0.0"), "/elsewhere"]
-    with pytest.raises(releases.ReleaseError, match="unknown engine 'tgi'"):
+    with pytest.raises(releases.ReleaseError, match='unknown engine "tgi"'):
         releases.ensure("tgi", "1.0")
 
 
@@ -152,7 +152,7 @@ def test_an_interrupted_install_leaves_nothing_in_the_cache(monkeypatch, tmp_pat
 
 def test_the_install_command_takes_all_or_pinned_releases(monkeypatch, capsys):
     assert releases.main(["vllm-0.23.0"]) == 2
-    assert "want ENGINE==VERSION or 'all', not 'vllm-0.23.0'" in capsys.readouterr().err
+    assert 'want ENGINE==VERSION or "all", not "vllm-0.23.0"' in capsys.readouterr().err
     assert releases.main([]) == 2
     done = []
     monkeypatch.setattr(releases, "ensure", lambda e, v, on_event: done.append((e, v)))

@@ -101,9 +101,9 @@ def test_arguments_added_later_are_written_only_when_set():
 
 
 @pytest.mark.parametrize("d, match", [
-    ({"op": "pause_generation", "mode": 3}, r"'mode' .* \[0, 2\]"),
-    ({"op": "submit", "ignore_eos": 2}, r"'ignore_eos' .* \[0, 1\]"),
-    ({"op": "continue_generation", "mode": 1}, "no argument 'mode'"),
+    ({"op": "pause_generation", "mode": 3}, r'"mode" .* \[0, 2\]'),
+    ({"op": "submit", "ignore_eos": 2}, r'"ignore_eos" .* \[0, 1\]'),
+    ({"op": "continue_generation", "mode": 1}, 'no argument "mode"'),
 ])
 def test_narrow_arguments_are_checked(d, match):
     with pytest.raises(ProgramError, match=match):
@@ -161,9 +161,9 @@ def test_program_must_be_a_list(data):
 @pytest.mark.parametrize("bad, reason", [
     ({"op": "fork"}, "unknown op"),
     ({"op": None}, "unknown op"),
-    ({"family": 1}, "'op' key"),
-    (["submit"], "'op' key"),
-    ("idle", "'op' key"),
+    ({"family": 1}, '"op" key'),
+    (["submit"], '"op" key'),
+    ("idle", '"op" key'),
     ({"op": "submit", "prompt_len": "8"}, "integer"),
     ({"op": "submit", "prompt_len": 8.0}, "integer"),
     ({"op": "submit", "prompt_len": True}, "integer"),

@@ -487,7 +487,7 @@ def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path)
     r = invoke("report", str(src), "--junit", str(fifo))
     assert r.exit_code == 2 and "not a regular file" in one_error_line(r)
     r = invoke("report", str(src), "--html", "")
-    assert r.exit_code == 2 and "want a file name" in one_error_line(r)
+    assert r.exit_code == 2 and one_error_line(r).endswith('--html: want a file name, not ""')
     assert json.load(open(src))["format"] == replay.FORMAT  # untouched
 
 
@@ -670,3 +670,14 @@ def test_a_finding_of_an_unknown_kind_is_a_one_line_input_error(tmp_path):
         r = invoke(cmd, str(bad))
         assert r.exit_code == 2, (cmd, r.output)
         assert 'bad findings: unknown kind "bogus" (valid: leak, use-after-free, ' in one_error_line(r)
+
+
+def test_a_long_unknown_kind_is_cut_inside_its_quotes(tmp_path):
+    """A kind of 500 x's was cut to 60 characters with its closing quote (``unknown kind "xxx…x (valid:``)."""
+    doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    doc["findings"][0]["kind"] = "x" * 500
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    r = invoke("report", str(bad))
+    assert r.exit_code == 2, r.output
+    assert 'bad findings: unknown kind "' + "x" * 55 + '..." (valid: leak, ' in one_error_line(r)

@@ -111,9 +111,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     try:
         chosen = kind.preset(preset)
     except UnknownPresetError as e:
-        other = next((k.name for k in registry.kinds().values() if k is not kind and preset in k.presets()), None)
-        raise InputError(str(e) + (f" ({json_value(preset)} is a preset of --target {other}: add --target {other})"
-                                   if other else "")) from None
+        raise InputError(str(e) + _other_kind_hint(kind, preset)) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
     check_bugs(kind, bugs)
@@ -141,9 +139,16 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     return config
 
 
+def _other_kind_hint(kind, preset: str) -> str:
+    """`` ("x" is a preset of --target K: add --target K)`` when another kind K (the first) has ``preset``, else ""."""
+    other = next((k.name for k in registry.kinds().values() if k is not kind and preset in k.presets()), None)
+    return f" ({json_value(preset)} is a preset of --target {other}: add --target {other})" if other else ""
+
+
 def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
-    """A comma-separated list of names in ``valid`` (``every``: all). Raises :class:`InputError`."""
-    names = list(valid) if value == every else [n.strip() for n in value.split(",") if n.strip()]
+    """A comma-separated list of names in ``valid`` (``every``: all), each once (the first kept). Raises
+    :class:`InputError`."""
+    names = list(valid) if value == every else list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
     bad = [n for n in names if n not in valid]
     if bad or not names:
         raise InputError(f"{what} {json_value(bad[0] if bad else value)} ({hint})")
@@ -152,17 +157,18 @@ def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all"
 
 def presets_arg(option: str, value: str, target: str = registry.DEFAULT_KIND) -> list[str]:
     """``option``'s ``all`` or comma-separated list of the ``target`` kind's presets (:func:`names_arg`); a
-    preset the kind knows but the installed release cannot drive says which release can (``kind.refusal``)."""
+    preset the kind knows but the installed release cannot drive says which release can (``kind.refusal``),
+    one that another kind has says to add its ``--target``."""
     kind = registry.get(target)
     presets = kind.presets()
     try:
         return names_arg(value, presets, f"{option}: unknown preset", f"valid: {', '.join(presets)}, or all")
-    except InputError:
+    except InputError as e:
         bad = next((n.strip() for n in value.split(",") if n.strip() and n.strip() not in presets), None)
         refused = bad and kind.refusal(bad)
         if refused:
             raise InputError(f"{option}: {refused}") from None
-        raise
+        raise InputError(str(e) + (_other_kind_hint(kind, bad) if bad else "")) from None
 
 
 def check_bugs(kind, bugs) -> None:
@@ -225,7 +231,7 @@ def check_db(url: str):
     from kvaudit.search.hub import BadURL, HubError, connect, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise InputError(f"--db {safe_url(url)!r}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+        raise InputError(f"--db {json_value(safe_url(url))}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
     try:
         return connect(url)
     except BadURL as e:  # redis-py could not parse it (a non-numeric port)

@@ -9,6 +9,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from kvaudit import replay
+from kvaudit.config import json_value
 from kvaudit.app.errors import InputError, write_error
 from kvaudit.reports.outputs import Outputs, ReportData, WriteError
 from kvaudit.reports.outputs import write as write_outputs
@@ -43,7 +44,7 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
         if path is None:
             continue
         if path in ("", "-"):
-            raise InputError(f"--{fmt}: want a file name, not {path!r}")
+            raise InputError(f"--{fmt}: want a file name, not {json_value(path)}")
         real = os.path.realpath(path)
         if real in seen:
             raise InputError(f"--{fmt} and --{seen[real]} both name {path}")

@@ -256,9 +256,9 @@ def _want(d: dict, key: str, typ: type, item: type | None = None, low: int = 0, 
         return f"an integer >= {low}" if t is int else _JSON_TYPES[t]
 
     if not ok(v, typ):
-        raise ValueError(f"{name}: want {what(typ)}, got {json_value(v)[:40]}")
+        raise ValueError(f"{name}: want {what(typ)}, got {json_value(v, 40)}")
     if choices and v not in choices:
-        raise ValueError(f"{name}: want one of {', '.join(map(json_value, choices))}, got {json_value(v)[:40]}")
+        raise ValueError(f"{name}: want one of {', '.join(map(json_value, choices))}, got {json_value(v, 40)}")
     if item is not None and not all(ok(x, item) for x in v):
         items = f"integers >= {low}" if item is int else what(item).split()[-1] + "s"  # (strings, objects)
-        raise ValueError(f"{name}: want a list of {items}, got {json_value(v)[:40]}")
+        raise ValueError(f"{name}: want a list of {items}, got {json_value(v, 40)}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, Iterator
 
+from kvaudit.config import json_value
 from kvaudit.audit.findings import KINDS, Finding, installed, source_path
 
 try:
@@ -95,10 +96,10 @@ def load_suppressions(path: str) -> list[Suppression]:
                                f"{e.start})") from None
     extra = sorted(set(doc) - {"suppress"})
     if extra:
-        raise SuppressionError(f"{path}: unknown top-level key {extra[0]!r} (want [[suppress]] tables)")
+        raise SuppressionError(f"{path}: unknown top-level key {json_value(extra[0], 60)} (want [[suppress]] tables)")
     entries = doc.get("suppress", [])
     if not isinstance(entries, list):
-        raise SuppressionError(f"{path}: 'suppress' must be an array of tables ([[suppress]]), "
+        raise SuppressionError(f"{path}: \"suppress\" must be an array of tables ([[suppress]]), "
                                f"not {_type(entries)}")
     return [_entry(path, i, e) for i, e in enumerate(entries, start=1)]
 
@@ -109,7 +110,7 @@ def _entry(path: str, index: int, entry) -> Suppression:
         raise SuppressionError(f"{where}: must be a table, not {_type(entry)}")
     unknown = [k for k in entry if k not in KEYS]
     if unknown:
-        raise SuppressionError(f"{where}: unknown key {unknown[0]!r} (valid keys: {', '.join(KEYS)})")
+        raise SuppressionError(f"{where}: unknown key {json_value(unknown[0], 60)} (valid keys: {', '.join(KEYS)})")
     for k, v in entry.items():
         if not isinstance(v, str):
             raise SuppressionError(f"{where}: {k} must be a string, not {_type(v)}")
@@ -119,7 +120,7 @@ def _entry(path: str, index: int, entry) -> Suppression:
         raise SuppressionError(f"{where}: give at least one of kind, pool, site")
     kind = entry.get("kind")
     if kind is not None and kind != "*" and kind not in KINDS:
-        raise SuppressionError(f"{where}: unknown kind {kind!r} (valid kinds: {', '.join(KINDS)}, or \"*\")")
+        raise SuppressionError(f"{where}: unknown kind {json_value(kind, 60)} (valid kinds: {', '.join(KINDS)}, or \"*\")")
     return Suppression(kind=kind, pool=entry.get("pool"), site=entry.get("site"), reason=entry.get("reason", ""),
                        index=index)
 

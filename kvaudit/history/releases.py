@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvaudit.config import json_value
 from kvaudit.history.catalogue import ENGINES, PINS, all_bugs
 
 CACHE_ENV = "KVAUDIT_RELEASE_CACHE"
@@ -39,7 +40,7 @@ def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None
     :data:`kvaudit.history.catalogue.PINS`); None when the base has that version. Raises
     :class:`ReleaseError` when pip fails (the registry has no such release, no disk)."""
     if engine not in ENGINES:
-        raise ReleaseError(f"unknown engine {engine!r} (valid: {', '.join(ENGINES)})")
+        raise ReleaseError(f"unknown engine {json_value(engine, 60)} (valid: {', '.join(ENGINES)})")
     if base_version(engine) == version:
         return None
     dest = overlay_path(engine, version)
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     for a in ([] if args == ["all"] else args):
         engine, sep, version = a.partition("==")
         if not sep or not version:
-            print(f"kvaudit releases: want ENGINE==VERSION or 'all', not {a!r}", file=sys.stderr)
+            print(f'kvaudit releases: want ENGINE==VERSION or "all", not {json_value(a, 60)}', file=sys.stderr)
             return 2
         wanted.append((engine, version))
     for engine, version in wanted:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Union
 
+from kvaudit.config import json_value
 from kvaudit.program.schema import OPS
 
 
@@ -73,24 +74,24 @@ def op_to_dict(op: Op) -> dict:
 def op_from_dict(d: object) -> Op:
     """Parse one op. Raises :class:`ProgramError` with a one-line reason."""
     if not isinstance(d, dict) or "op" not in d:
-        raise ProgramError(f"op must be an object with an 'op' key, got {d!r:.60}")
+        raise ProgramError(f'op must be an object with an "op" key, got {json_value(d, 60)}')
     cls = op_type(d["op"]) if isinstance(d["op"], str) and d["op"] in OPS else None
     if cls is None:
-        raise ProgramError(f"unknown op {d['op']!r}; valid ops: {', '.join(OPS)}")
+        raise ProgramError(f"unknown op {json_value(d['op'], 60)}; valid ops: {', '.join(OPS)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     args = {k: v for k, v in d.items() if k != "op"}
     for k, v in args.items():
         if k not in fields:
-            raise ProgramError(f"op {d['op']!r} has no argument {k!r}")
+            raise ProgramError(f"op {json_value(d['op'])} has no argument {json_value(k, 60)}")
         if not (v is None or (isinstance(v, int) and not isinstance(v, bool))):
-            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be an integer or null")
+            raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must be an integer or null")
     op = cls(**args)
     spec = OPS[cls.kind].arg
     for k, v in dataclasses.asdict(op).items():
         if v is not None and not 0 <= v <= spec[k].limit:
-            raise ProgramError(f"argument {k!r} of op {d['op']!r} must be in [0, {spec[k].limit}]")
+            raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must be in [0, {spec[k].limit}]")
         if v is None and not spec[k].nullable:
-            raise ProgramError(f"argument {k!r} of op {d['op']!r} must not be null")
+            raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must not be null")
     return op
 
 

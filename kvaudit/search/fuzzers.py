@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvaudit.config import json_value
 from kvaudit.targets import registry as targets
 
 
@@ -105,7 +106,7 @@ def get(name: str) -> FuzzerKind:
     """The fuzzer called ``name``. Raises :class:`UnknownFuzzerError` listing the valid ones."""
     all_ = kinds()
     if name not in all_:
-        raise UnknownFuzzerError(f"unknown fuzzer {name!r} (valid: {', '.join(all_)})")
+        raise UnknownFuzzerError(f"unknown fuzzer {json_value(name, 60)} (valid: {', '.join(all_)})")
     return all_[name]
 
 

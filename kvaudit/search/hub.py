@@ -17,6 +17,7 @@ from typing import Callable
 from hypothesis.database import ExampleDatabase
 
 from kvaudit import replay
+from kvaudit.config import json_value
 
 RETRY_EVERY = 2.0  # seconds between reconnection attempts while Redis is away
 DEFAULT_TTL = 30.0  # seconds a claim and a heartbeat live without renewal
@@ -101,7 +102,7 @@ def check_url(url: str) -> None:
     :data:`URL_OPTIONS` (and :data:`TLS_OPTIONS` with ``rediss://``), each once."""
     from urllib.parse import parse_qsl, unquote, urlsplit
 
-    where = f"--db {safe_url(url)!r}"
+    where = f"--db {json_value(safe_url(url))}"
     try:
         parts = urlsplit(url)
         port = parts.port  # (raises for a port that is not a number, or out of 0-65535)
@@ -118,17 +119,17 @@ def check_url(url: str) -> None:
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name not in allowed:
             tls = " (a TLS option: use rediss://)" if name in TLS_OPTIONS else ""
-            raise BadURL(f"{where}: unknown option {name!r}{tls}; the options are {', '.join(allowed)}")
+            raise BadURL(f"{where}: unknown option {json_value(name, 60)}{tls}; the options are {', '.join(allowed)}")
         if name in seen:
-            raise BadURL(f"{where}: option {name!r} is given twice")
+            raise BadURL(f"{where}: option {json_value(name, 60)} is given twice")
         if not value:
-            raise BadURL(f"{where}: option {name!r} has no value")
+            raise BadURL(f"{where}: option {json_value(name, 60)} has no value")
         seen.add(name)
     index = unquote(parts.path).strip("/") if parts.scheme != "unix" else ""
     if "db" in seen:
         index = dict(parse_qsl(parts.query))["db"]
     if index and not index.isdigit():
-        raise BadURL(f"{where}: the database index {index!r} is not a number (redis://HOST:PORT/N)")
+        raise BadURL(f"{where}: the database index {json_value(index, 60)} is not a number (redis://HOST:PORT/N)")
 
 
 def connect(url: str, timeout: float = 5.0, check: bool = True):
@@ -143,7 +144,7 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
     try:
         client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
     except ValueError as e:
-        raise BadURL(f"--db {safe_url(url)!r}: {e}") from None
+        raise BadURL(f"--db {json_value(safe_url(url))}: {e}") from None
     if not check:
         return client
     try:
@@ -398,7 +399,7 @@ class Hub:
                     up += r.hsetnx(self.key(kind), name, data)
             for name in sorted(remote - local):
                 if not _plain_name(name):
-                    self._warn(f"skipped a {kind} entry in Redis with a bad name: {name[:60]!r}")
+                    self._warn(f"skipped a {kind} entry in Redis with a bad name: {json_value(name, 60)}")
                     continue
                 data = r.hget(self.key(kind), name)
                 if data is None or len(data) > max_bytes:
@@ -489,7 +490,7 @@ def check_campaign_name(name: str) -> str:
         raise ValueError(f"at most 200 characters ({len(name)} given)")
     bad = next((c for c in name if c.isspace() or not c.isprintable()), None)
     if bad is not None:
-        raise ValueError(f"no whitespace or control characters in a campaign name (it has {bad!r})")
+        raise ValueError(f"no whitespace or control characters in a campaign name (it has {json_value(bad)})")
     return name
 
 

@@ -58,7 +58,7 @@ def config_from_dict(d: dict):
     from kvaudit.config import json_value
     from kvaudit.targets.registry import kind_of_dict
     if not isinstance(d, dict):
-        raise ValueError(f"config must be an object, got {json_value(d)[:60]}")
+        raise ValueError(f"config must be an object, got {json_value(d, 60)}")
     return kind_of_dict(d).config_from_dict(d)
 
 
