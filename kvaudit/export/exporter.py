@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from kvaudit.config import json_value
 from kvaudit.export.client import expected_line, render_client
 from kvaudit.export.http_api import apis, export_for
 from kvaudit.export.issue import render_issue, title_of
@@ -52,7 +53,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     try:
         ex = export_for(target)
     except KeyError:
-        raise ExportError(f"{path}: target {target!r} has no client export (supported: {', '.join(apis())})") \
+        raise ExportError(f"{path}: target {json_value(target)} has no client export (supported: {', '.join(apis())})") \
             from None
     tr = trace(config, program) if resolve else None
     try:
