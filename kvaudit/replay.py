@@ -37,8 +37,8 @@ def other_release(path: str, config: TargetConfig, doc: dict) -> str | None:
     """One line for a replay file ``doc`` recorded on another release of its engine than the installed one
     (its ``engine_version`` against :func:`engine_version`), saying whose lines its engine frames are and how
     to replay it on its own release; None when it names none or the installed one."""
-    recorded, installed = doc.get("engine_version"), engine_version(config)
-    engine = kind_of(config).engine_source()
+    engine = kind_of(config).engine_source()  # (what engine_version reads: read once here)
+    recorded, installed = doc.get("engine_version"), engine.version if engine is not None else None
     if recorded is None or recorded == installed or engine is None:
         return None
     pkg = engine.package
