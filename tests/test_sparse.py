@@ -347,3 +347,39 @@ def test_later_localizations_go_on_with_the_open_replay(monkeypatch):
         if several >= 2:
             break
     assert several  # (random programs on the zoo's configs meet several covered findings)
+
+
+def test_an_idle_ops_loop_reads_is_idle_once_a_step_on_the_sparse_schedule():
+    # the loop's read before a step is the state the last step's check read after it (nothing ran between):
+    # a sparse run asks the target once per step, not twice; a per-step run and the bare engine as before
+    from kvaudit.program import Idle, Submit
+
+    config = get_preset("default").config(model="none")
+    for every, audit, want in ((16, True, lambda steps: steps + 1), (1, True, lambda steps: 2 * steps),
+                               (16, False, lambda steps: steps)):
+        with AuditedRun(config, audit=audit, full_stacks=False, check_every=every) as run:
+            run.apply(Submit(prompt_len=9, max_new_tokens=6))
+            real, asked = run.target.is_idle, []
+            run.target.is_idle = lambda: asked.append(run.target.steps) or real()
+            before = run.target.steps
+            assert run.apply(Idle()) == []
+            steps = run.target.steps - before
+            assert steps >= 3 and len(asked) == want(steps), (every, audit, steps, asked)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_sparse_runs_events_carry_the_per_step_runs_op_and_step(lean):
+    # the sparse runner stores the auditor's op index and step without its setters (nothing to pair): every
+    # ledger event still carries the op and step a per-step run records
+    config = get_preset("default").config(model="none")
+    program = random_program(random.Random(7), 40)
+
+    def events(check_every: int) -> list[tuple]:
+        with AuditedRun(config, full_stacks=False, check_every=check_every, lean=lean) as run:
+            for op in program:
+                assert run.apply(op) == []
+            run.finish()
+            return [(e.kind, e.pool, e.units, e.op_index, e.step) for e in run.auditor.events]
+
+    got = events(16)
+    assert len({(e[3], e[4]) for e in got}) > 10 and got == events(1)

@@ -122,7 +122,9 @@ class Auditor(Ledger, PoolWrappers):
             target.install_shadow(self.shadow, self._wrap, self._stale_kv)
 
     # NOTE: setting ``step`` again to the same value (when the runner checks) closes the lock ledger's
-    # interval, so holders are read between ops and steps, when the engine's state is whole
+    # interval, so holders are read between ops and steps, when the engine's state is whole. With
+    # ``pair_locks`` False both setters only store the value: the runner (after every step) and the ledger's
+    # events then use ``_op_index`` and ``_step`` directly, without a property call
     @property
     def op_index(self) -> int:
         return self._op_index

@@ -57,7 +57,8 @@ class Ledger:
     ``pending``); sites come from the auditor."""
 
     def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
-        ev = Event(len(self.events), kind, pool, units, self.op_index, self.step, sid)
+        # (the auditor's op_index and step as stored: their properties' getters, without the calls)
+        ev = Event(len(self.events), kind, pool, units, self._op_index, self._step, sid)
         self.events.append(ev)
         return ev
 

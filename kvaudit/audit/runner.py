@@ -221,6 +221,7 @@ class AuditedRun:
         self._replay_memo: tuple[int, AuditedRun] | None = None  # sparse: (ops applied, the open replay) (_replay)
         self.unchecked = 0  # scheduler steps since the last full oracle scan
         self._draining = False  # inside an Idle op (the sparse schedule checks where it drained)
+        self._idle_after: bool | None = None  # sparse: target.is_idle() read by this step's check after the step
         self._checked_mark: tuple | None = None  # (idle, ledger events, lock events, sent) at the last sparse check
         self.sent = 0  # ops other than steps and idle() handed to the target (each queues a message)
         self.deadline, self.out_of_time = deadline, False
@@ -250,19 +251,31 @@ class AuditedRun:
     def _check(self, scan: bool = True) -> list[Finding]:
         if self.auditor is None:
             return []
-        self.auditor.step = self.target.steps
-        found, self.auditor.pending = self.auditor.pending, []
-        if not found and self.run_oracles and scan:
+        aud = self.auditor
+        # NOTE: runs after every step: with the lock ledger unpaired (a sparse run) the step setter only stores
+        # the value (Auditor.step), so it is stored here directly, without the property's call
+        if aud.pair_locks:
+            aud.step = self.target.steps
+        else:
+            aud._step = self.target.steps
+        found = aud.pending
+        if found:
+            aud.pending = []
+            return oracles.attach_engine_verdict(self.target, found)
+        if not self.run_oracles or not scan:
+            return []
+        if self.check_every > 1:
             # (asked once a step: a target's answer may note what it has seen, vLLM's newly idle engine)
-            transient = self.check_every > 1 and self.target.transient()
+            transient = self.target.transient()
             if self.unchecked < self.check_every and not self._draining and not transient:
                 return []  # the sparse schedule: not due yet (_due's first tests, before is_idle)
-            idle = self.target.is_idle()
-            if self.check_every > 1 and not self._due(idle, transient):
+            idle = self._idle_after = self.target.is_idle()  # (the Idle op's loop reads it)
+            if not self._due(idle, transient):
                 return []  # the sparse schedule: not due yet
-            self.unchecked = 0
-            return oracles.check(self.auditor, self.target, idle=idle)
-        return oracles.attach_engine_verdict(self.target, found)
+        else:
+            idle = self.target.is_idle()
+        self.unchecked = 0
+        return oracles.check(aud, self.target, idle=idle)
 
     def _due(self, idle: bool, transient: bool) -> bool:
         # the sparse schedule: every check_every steps; when the program's idle() drained the engine
@@ -273,11 +286,16 @@ class AuditedRun:
         # (every K steps, before an ending op, at finish()); a paranoid run sweeps anyway. (The drain's own
         # test leaves the messages out, as before: a message that moved nothing the ledger sees is then
         # swept by the next forced check, at the latest at finish())
+        if not idle:  # (most calls: an Idle op's steps before it drains; no mark to compare)
+            if self.unchecked < self.check_every and not transient:
+                return False
+            self._checked_mark = (False, len(self.auditor.events), self.auditor.lock_count, self.sent)
+            return True
         mark = (idle, len(self.auditor.events), self.auditor.lock_count, self.sent)
-        if not transient and idle and mark == self._checked_mark and not self.auditor.paranoid:
+        if not transient and mark == self._checked_mark and not self.auditor.paranoid:
             self.unchecked = 0  # (what the last check swept is what is there)
             return False
-        if (self.unchecked < self.check_every and (not (idle and self._draining) or
+        if (self.unchecked < self.check_every and (not self._draining or
                                                     mark[:3] == (self._checked_mark or ())[:3])
                 and not transient):
             return False
@@ -336,7 +354,11 @@ class AuditedRun:
 
     def _step(self) -> list[Finding]:
         if self.auditor is not None:
-            self.auditor.step = self.target.steps + 1
+            aud, self._idle_after = self.auditor, None
+            if aud.pair_locks:
+                aud.step = self.target.steps + 1
+            else:  # (the setter would only store it: see _check)
+                aud._step = self.target.steps + 1
         self.unchecked += 1
         cut = self._guarded(self.target.step)
         if cut is not None:
@@ -358,7 +380,11 @@ class AuditedRun:
             # the state a half-done call left behind
             return []
         if self.auditor is not None:
-            self.auditor.op_index = self.ops_run
+            aud = self.auditor
+            if aud.pair_locks:
+                aud.op_index = self.ops_run
+            else:  # (the setter would only store it: see _check)
+                aud._op_index = self.ops_run
         self.ops_run += 1
         if self.check_every > 1:
             self.program.append(op)
@@ -373,9 +399,13 @@ class AuditedRun:
             elif isinstance(op, Idle):
                 if self.target.paused:
                     self.target.apply(ContinueGeneration())  # a paused engine never drains
-                stalled, self._draining = 0, True
+                stalled, self._draining, self._idle_after = 0, True, None
+                reuse = self.check_every > 1 and self.run_oracles  # (sparse: _check reads is_idle() after each step)
                 for n in range(MAX_IDLE_STEPS):
-                    idle = self.target.is_idle()
+                    if reuse and self._idle_after is not None:
+                        idle = self._idle_after  # what the last step's check read after it: nothing ran since
+                    else:
+                        idle = self.target.is_idle()
                     found = sift(self._step())  # when idle, this iteration runs the engine's on_idle
                     stalled = stalled + 1 if self.target.stalled() else 0
                     if found or idle or stalled > STALL_STEPS or self._out_of_time():
