@@ -201,6 +201,51 @@ def test_ci_prints_one_summary_line_over_its_new_findings(tmp_path, monkeypatch)
                                        "2 distinct row(s) involved."], r.output
 
 
+def test_ci_names_each_new_signature_once_when_one_file_holds_two_and_uploads_it_from_out(tmp_path, monkeypatch):
+    """A program that raised two new signatures is one file: `ci` loaded it once per signature, so the
+    NEW row, the JUnit and the reports listed its first finding twice and never named the second; with
+    --corpus the file stayed in the corpus, never in --out (what the PR gate uploads). The fuzz line
+    also says what the programs reached."""
+    import xml.etree.ElementTree as ET
+
+    import kvaudit.search.campaign as campaign
+
+    path = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sigs = sorted({f.signature for f in replay.load(path)[2]})
+    assert len(sigs) == 2
+    stats = FuzzStats(executions=3, ops=9)
+    stats.reached.update({"session_turns": 4})
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new={s: path for s in sigs}, stats=stats))
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "default", "--regressions", str(empty), "--corpus",
+               str(tmp_path / "c"), "--out", str(tmp_path / "o"), "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 1, r.output
+    assert "fuzz default: 3 executions, 2 NEW finding(s); reached: session_turns=4" in r.output, r.output
+    assert r.output.count("==ERROR: kvaudit:") == 2, r.output  # the file's report, once
+    out = str(tmp_path / "o" / os.path.basename(path))
+    assert os.path.exists(out) and all(f"NEW {s} -> " in " ".join(r.output.split()) for s in sigs), r.output
+    cases = ET.parse(tmp_path / "j.xml").getroot().findall(".//testcase[failure]")
+    assert sorted(c.get("name") for c in cases) == sigs
+    assert all(f"replay file: {out}" in c.find("failure").text for c in cases)
+    assert "FAILED: 0/0 regressions ok, 2 new finding(s)" in r.output
+
+
+def test_an_interrupted_ci_share_reports_the_seconds_it_ran_not_its_share(tmp_path, monkeypatch):
+    """Interrupted 10 s into a 30 s share, the row said `(30.0s, ...) (interrupted)` and the JUnit time 30.00."""
+    import kvaudit.search.campaign as campaign
+    from kvaudit.search import ci
+
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        stats=FuzzStats(executions=3, ops=9), interrupted=True))
+    run = ci.fuzz_preset("default", 30.0, 1, "random", None, str(tmp_path / "o"))
+    assert run.interrupted and run.seconds < 30.0
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        stats=FuzzStats(executions=3, ops=9)))
+    assert ci.fuzz_preset("default", 30.0, 1, "random", None, str(tmp_path / "o")).seconds == 30.0
+
+
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     """A file whose program yields a leak of the device buffer and of the host pool: both are known,
     so a program that yields the known pair again is not a new crash (it stopped the search again

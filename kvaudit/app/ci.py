@@ -114,9 +114,11 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name)
     result.fuzz.append(run)
     err.print(f"fuzz {preset}: {run.executions} executions, "
-              + (f"{len(run.new)} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
+              + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
                  else "interrupted before its share ended" if run.interrupted else "clean")
-              + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
+              + (f", {len(run.known)} known" if run.known else "")
+              + ("; reached: " + ", ".join(f"{k}={v}" for k, v in sorted(run.reached.items())) if run.reached else ""),
+              soft_wrap=True)
     if run.interrupted:
         raise KeyboardInterrupt
 
@@ -130,7 +132,8 @@ def _print_table(console, result) -> None:
     for run in result.fuzz:
         cut = " (interrupted)" if run.interrupted else ""
         t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",
-                  Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
+                  Text(", ".join(f"NEW {sig} -> {path}" for sig, (_, path) in run.new_signatures().items()),
+                       style="bold red")
                   if run.new else Text("interrupted before its share ended: no new findings so far", style="yellow")
                   if run.interrupted else Text(f"no new findings; {len({f.signature for f in run.known_open})} known "
                                                "still open", style="yellow")
