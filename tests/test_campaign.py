@@ -577,6 +577,22 @@ def test_ci_bad_presets_is_one_line():
     assert result.exit_code == 2 and "nope" in one_error_line(result)
 
 
+def test_a_preset_list_takes_default_as_the_kind_s_default_and_refuses_an_empty_name():
+    """`fuzz --target sglang --preset default` runs SGLang's default preset but `ci --target sglang --presets
+    default` refused it; `--presets 'default,,chunked'` was taken silently while `--presets ''` was refused."""
+    from kvaudit.app.configs import presets_arg
+    from kvaudit.app.errors import InputError
+
+    from kvaudit.targets import registry
+
+    sglang = registry.get("sglang")
+    assert presets_arg("--presets", "default", "sglang") == [sglang.default_preset]
+    assert presets_arg("--presets", "default,chunked") == ["default", "chunked"]
+    for value in ("default,,chunked", "", "default,"):
+        with pytest.raises(InputError, match='^--presets: unknown preset "" '):
+            presets_arg("--presets", value)
+
+
 def test_ci_fuzzes_a_preset_named_twice_once(tmp_path, monkeypatch):
     """``ci --presets default,default`` fuzzed default twice: the list keeps the first of each name."""
     from kvaudit.search import ci
