@@ -577,6 +577,22 @@ def test_ci_bad_presets_is_one_line():
     assert result.exit_code == 2 and "nope" in one_error_line(result)
 
 
+def test_ci_s_first_line_names_the_engine_and_its_release_as_fuzz_does(tmp_path, monkeypatch):
+    """`fuzz` says `target vllm 0.33.0 (Scheduler)`; `ci`'s log said nothing of the engine or its release."""
+    import dataclasses
+
+    from kvaudit.targets import registry
+
+    real_get = registry.get
+    eut = dataclasses.replace(real_get("eut"), describe=lambda config: f"target eut 9.9 ({config.preset})")
+    monkeypatch.setattr(registry, "get", lambda name: eut if name == "eut" else real_get(name))
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0].startswith("kvaudit ci: target eut 9.9 (default); 0 regression file(s)"), r.stderr
+
+
 def test_a_preset_list_takes_default_as_the_kind_s_default_and_refuses_an_empty_name():
     """`fuzz --target sglang --preset default` runs SGLang's default preset but `ci --target sglang --presets
     default` refused it; `--presets 'default,,chunked'` was taken silently while `--presets ''` was refused."""

@@ -48,8 +48,10 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     catch_sigint()
     try:
         # NOTE: loaded before the header and the first preset's budget; interrupted here, the JUnit is still written
-        require_target(kind.preset(preset_names[0]).config())
-        err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
+        first = kind.preset(preset_names[0]).config()
+        require_target(first)
+        where = f"{kind.describe(first)}; " if kind.describe is not None else ""  # the engine and its release
+        err.print(f"kvaudit ci: {where}{len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
                      if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
                   + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
