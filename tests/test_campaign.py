@@ -689,6 +689,18 @@ def test_an_interrupt_during_a_findings_registration_waits_for_its_write_and_ann
         INTERRUPTED.clear()
 
 
+@pytest.mark.parametrize("fuzzer", ["hypothesis", "random"])
+def test_every_search_counts_what_its_programs_reached(fuzzer, tmp_path, monkeypatch):
+    """The random and corpus searches summed Target.reach() for the clean run's `reached:` line; the
+    Hypothesis search did not, so a clean `--fuzzer hypothesis` run said nothing of the paths it reached."""
+    from kvaudit.targets.eut.target import EutTarget
+
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1})
+    r = invoke("fuzz", "--fuzzer", fuzzer, "--max-time", "2", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^reached: probe_paths=[1-9]", r.stdout, re.M), r.stdout
+
+
 def test_a_campaign_sums_its_workers_path_counters_keeping_a_path_at_zero():
     """Each worker's progress carries its Target.reach() sums; the parent's stats hold their total, and a
     counter every worker has at 0 stays, at 0 (the clean run's ``reached:`` line names the path not reached)."""
