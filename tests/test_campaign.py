@@ -701,6 +701,27 @@ def test_every_search_counts_what_its_programs_reached(fuzzer, tmp_path, monkeyp
     assert re.search(r"^reached: probe_paths=[1-9]", r.stdout, re.M), r.stdout
 
 
+def test_an_interrupted_clean_run_still_says_what_it_reached(tmp_path, monkeypatch):
+    from kvaudit.audit.runner import INTERRUPTED
+    from kvaudit.search import fuzz
+    from kvaudit.targets.eut.target import EutTarget
+
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1})
+    real, runs = fuzz.run_program, []
+
+    def interrupted_third(*a, **k):
+        runs.append(1)
+        if len(runs) == 3:
+            INTERRUPTED.set()  # as the SIGINT handler does
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(fuzz, "run_program", interrupted_third)
+    r = invoke("fuzz", "--fuzzer", "random", "--max-time", "30", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 130, r.output
+    assert "reached: probe_paths=2" in r.stdout, r.stdout
+
+
 def test_a_campaign_sums_its_workers_path_counters_keeping_a_path_at_zero():
     """Each worker's progress carries its Target.reach() sums; the parent's stats hold their total, and a
     counter every worker has at 0 stays, at 0 (the clean run's ``reached:`` line names the path not reached)."""

@@ -168,6 +168,7 @@ class _Single:
             self.found, stats.findings = e.found, 1
         if self.found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
+            print_reached(self.console, stats)
             self.console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
             write_reports(outputs, _run_data(config, [], [], sset, stats, self.seed, interrupted=True), err)
             return EXIT_INTERRUPTED
