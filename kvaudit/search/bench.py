@@ -11,13 +11,13 @@ import math
 import os
 import random as _random
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from kvaudit.atomic import scratch_dir
 from kvaudit.config import TargetConfig
 from kvaudit.targets import registry
 from kvaudit.search import fuzzers
@@ -60,7 +60,7 @@ def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
     trial = Trial(bug, fuzzer, seed, budget, expected_kind=info.finding)
     stats = FuzzStats()
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvaudit-bench-") as work:
+    with scratch_dir("kvaudit-bench-") as work:
         found = search(fuzzer, config, budget, seed, stats, work)
         # the first detection, before Hypothesis's shrinking (atheris and random do not shrink)
         executions, seconds = stats.first_hit or (stats.executions, time.monotonic() - t0)
@@ -195,7 +195,7 @@ def false_positive_run(fuzzer: str, seconds: float, seed: int = 1) -> dict:
     """``fuzzer`` over the clean engine of every preset, ``seconds`` in all: findings must be none."""
     per = seconds / len(_eut().presets())
     found, executions = [], 0
-    with tempfile.TemporaryDirectory(prefix="kvaudit-bench-fp-") as work:
+    with scratch_dir("kvaudit-bench-fp-") as work:
         for preset in _eut().presets():
             config = _eut().preset(preset).config()
             deadline = time.monotonic() + per

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import glob
 import os
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Callable
 
 from kvaudit.targets import registry
 from kvaudit import replay
+from kvaudit.atomic import scratch_dir
 from kvaudit.audit.findings import Finding
 from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
 from kvaudit.reports import ci_outputs
@@ -138,7 +138,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
     config = registry.get(target).preset(preset).config()
     run = FuzzRun(preset, budget, 0)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=f"kvaudit-ci-{preset}-") as tmp:
+    with scratch_dir(f"kvaudit-ci-{preset}-") as tmp:
         where = os.path.join(corpus, preset) if corpus is not None else tmp
         result = run_campaign(config, fuzzer, budget, seed, 1, where, suppress_path, on_progress=on_progress,
                               db=db, campaign=f"{campaign}/{preset}")
