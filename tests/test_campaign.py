@@ -701,6 +701,17 @@ def test_every_search_counts_what_its_programs_reached(fuzzer, tmp_path, monkeyp
     assert re.search(r"^reached: probe_paths=[1-9]", r.stdout, re.M), r.stdout
 
 
+@pytest.mark.parametrize("preset, paths", [("streaming-session", ("session_turns", "retractions")),
+                                           ("pd-decode", ("failed_transfers", "aborts"))])
+def test_a_clean_built_in_engine_run_says_what_its_programs_reached(preset, paths, tmp_path):
+    """The built-in engine's target counted nothing: its clean runs had no `reached:` line."""
+    r = invoke("fuzz", "--preset", preset, "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("reached: "))
+    counts = dict(kv.split("=") for kv in line[len("reached: "):].split(", "))
+    assert int(counts[paths[0]]) > 0 and paths[1] in counts, line
+
+
 def test_an_interrupted_clean_run_still_says_what_it_reached(tmp_path, monkeypatch):
     from kvaudit.audit.runner import INTERRUPTED
     from kvaudit.search import fuzz
