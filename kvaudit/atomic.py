@@ -1,9 +1,11 @@
-"""Atomic file writes. Standard library only: the entry point writes ``kvaudit ci``'s reports with
+"""Atomic file writes, and scratch directories an interrupt does not leave behind. Standard library only: the entry point writes ``kvaudit ci``'s reports with
 them while the rest of kvaudit is still being imported; :mod:`kvaudit.replay` re-exports both."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 
 
@@ -35,3 +37,19 @@ def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
 def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
     """Raises OSError (UnicodeEncodeError for a lone surrogate)."""
     return write_bytes_atomic(path, text.encode("utf-8"), durable)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str):
+    """A new directory in the temp dir (its path), removed on the way out, also when Ctrl-C or SIGTERM
+    (a KeyboardInterrupt) lands while it is being removed, which left ``TemporaryDirectory``'s half there:
+    the removal is finished, then the interrupt goes on."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    finally:
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        except KeyboardInterrupt:
+            shutil.rmtree(path, ignore_errors=True)
+            raise

@@ -360,6 +360,7 @@ BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmark
 @click.option("--json", "out_json", type=click.Path(dir_okay=False), default=None,
               help=f"Raw data  [default: {BENCH_OUT['zoo'][1]}; history: {BENCH_OUT['history'][1]}; in the current "
                    "directory]")
+@restoring_sigint
 def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs, fp_seconds, overhead_presets,
               out_md, out_json):
     """Benchmark the fuzzers. --suite zoo: each bug-zoo bug x fuzzer for --trials trials of --budget

@@ -15,7 +15,7 @@ import time
 from kvaudit.app.interrupts import write_startup_reports  # standard library only: loaded before the guard
 
 HEAVY = ("fuzz", "replay", "minimize", "ci", "bench", "report")  # commands that import torch and Hypothesis
-GUARDED = ("fuzz", "minimize", "ci")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
+GUARDED = ("fuzz", "minimize", "ci", "bench")  # commands that take Ctrl-C and SIGTERM themselves (restoring_sigint)
 _HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.reports.report")  # and the default target kind's warm_up()
 
 

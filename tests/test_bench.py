@@ -97,3 +97,13 @@ def test_bench_writes_into_the_current_directory_unless_told(tmp_path, monkeypat
     assert os.listdir(tmp_path / "docs") == []
     assert "Raw data: `benchmarks.json`" in (tmp_path / "benchmarks.md").read_text()
     assert "current directory" in invoke("bench", "--help").output
+
+
+@pytest.mark.parametrize("suite", ["zoo", "history"])
+def test_an_unwritable_report_names_its_own_flag(tmp_path, suite):
+    """`bench --out FILE/b.md` (the parent a file) said `--html FILE/b.md: cannot write ...`: a flag bench
+    does not have."""
+    (tmp_path / "f").write_text("x")
+    r = invoke("bench", "--suite", suite, "--bugs", "sglang-22273" if suite == "history" else "hisparse-prebuilt-skip-finish",
+               "--trials", "1", "--out", str(tmp_path / "f" / "b.md"), "--json", str(tmp_path / "b.json"))
+    assert r.exit_code == 2 and one_error_line(r).startswith(f"kvaudit: error: --out {tmp_path / 'f' / 'b.md'}: "), r.output

@@ -201,6 +201,51 @@ def test_ci_prints_one_summary_line_over_its_new_findings(tmp_path, monkeypatch)
                                        "2 distinct row(s) involved."], r.output
 
 
+def test_ci_names_each_new_signature_once_when_one_file_holds_two_and_uploads_it_from_out(tmp_path, monkeypatch):
+    """A program that raised two new signatures is one file: `ci` loaded it once per signature, so the
+    NEW row, the JUnit and the reports listed its first finding twice and never named the second; with
+    --corpus the file stayed in the corpus, never in --out (what the PR gate uploads). The fuzz line
+    also says what the programs reached."""
+    import xml.etree.ElementTree as ET
+
+    import kvaudit.search.campaign as campaign
+
+    path = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sigs = sorted({f.signature for f in replay.load(path)[2]})
+    assert len(sigs) == 2
+    stats = FuzzStats(executions=3, ops=9)
+    stats.reached.update({"session_turns": 4})
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new={s: path for s in sigs}, stats=stats))
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "default", "--regressions", str(empty), "--corpus",
+               str(tmp_path / "c"), "--out", str(tmp_path / "o"), "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 1, r.output
+    assert "fuzz default: 3 executions, 2 NEW finding(s); reached: session_turns=4" in r.output, r.output
+    assert r.output.count("==ERROR: kvaudit:") == 2, r.output  # the file's report, once
+    out = str(tmp_path / "o" / os.path.basename(path))
+    assert os.path.exists(out) and all(f"NEW {s} -> " in " ".join(r.output.split()) for s in sigs), r.output
+    cases = ET.parse(tmp_path / "j.xml").getroot().findall(".//testcase[failure]")
+    assert sorted(c.get("name") for c in cases) == sigs
+    assert all(f"replay file: {out}" in c.find("failure").text for c in cases)
+    assert "FAILED: 0/0 regressions ok, 2 new finding(s)" in r.output
+
+
+def test_an_interrupted_ci_share_reports_the_seconds_it_ran_not_its_share(tmp_path, monkeypatch):
+    """Interrupted 10 s into a 30 s share, the row said `(30.0s, ...) (interrupted)` and the JUnit time 30.00."""
+    import kvaudit.search.campaign as campaign
+    from kvaudit.search import ci
+
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        stats=FuzzStats(executions=3, ops=9), interrupted=True))
+    run = ci.fuzz_preset("default", 30.0, 1, "random", None, str(tmp_path / "o"))
+    assert run.interrupted and run.seconds < 30.0
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        stats=FuzzStats(executions=3, ops=9)))
+    assert ci.fuzz_preset("default", 30.0, 1, "random", None, str(tmp_path / "o")).seconds == 30.0
+
+
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     """A file whose program yields a leak of the device buffer and of the host pool: both are known,
     so a program that yields the known pair again is not a new crash (it stopped the search again
@@ -532,6 +577,38 @@ def test_ci_bad_presets_is_one_line():
     assert result.exit_code == 2 and "nope" in one_error_line(result)
 
 
+def test_ci_s_first_line_names_the_engine_and_its_release_as_fuzz_does(tmp_path, monkeypatch):
+    """`fuzz` says `target vllm 0.33.0 (Scheduler)`; `ci`'s log said nothing of the engine or its release."""
+    import dataclasses
+
+    from kvaudit.targets import registry
+
+    real_get = registry.get
+    eut = dataclasses.replace(real_get("eut"), describe=lambda config: f"target eut 9.9 ({config.preset})")
+    monkeypatch.setattr(registry, "get", lambda name: eut if name == "eut" else real_get(name))
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0].startswith("kvaudit ci: target eut 9.9 (default); 0 regression file(s)"), r.stderr
+
+
+def test_a_preset_list_takes_default_as_the_kind_s_default_and_refuses_an_empty_name():
+    """`fuzz --target sglang --preset default` runs SGLang's default preset but `ci --target sglang --presets
+    default` refused it; `--presets 'default,,chunked'` was taken silently while `--presets ''` was refused."""
+    from kvaudit.app.configs import presets_arg
+    from kvaudit.app.errors import InputError
+
+    from kvaudit.targets import registry
+
+    sglang = registry.get("sglang")
+    assert presets_arg("--presets", "default", "sglang") == [sglang.default_preset]
+    assert presets_arg("--presets", "default,chunked") == ["default", "chunked"]
+    for value in ("default,,chunked", "", "default,"):
+        with pytest.raises(InputError, match='^--presets: unknown preset "" '):
+            presets_arg("--presets", value)
+
+
 def test_ci_fuzzes_a_preset_named_twice_once(tmp_path, monkeypatch):
     """``ci --presets default,default`` fuzzed default twice: the list keeps the first of each name."""
     from kvaudit.search import ci
@@ -610,6 +687,50 @@ def test_an_interrupt_during_a_findings_registration_waits_for_its_write_and_ann
     finally:
         signal.signal(signal.SIGTERM, old)
         INTERRUPTED.clear()
+
+
+@pytest.mark.parametrize("fuzzer", ["hypothesis", "random"])
+def test_every_search_counts_what_its_programs_reached(fuzzer, tmp_path, monkeypatch):
+    """The random and corpus searches summed Target.reach() for the clean run's `reached:` line; the
+    Hypothesis search did not, so a clean `--fuzzer hypothesis` run said nothing of the paths it reached."""
+    from kvaudit.targets.eut.target import EutTarget
+
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1})
+    r = invoke("fuzz", "--fuzzer", fuzzer, "--max-time", "2", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^reached: probe_paths=[1-9]", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.parametrize("preset, paths", [("streaming-session", ("session_turns", "retractions")),
+                                           ("pd-decode", ("failed_transfers", "aborts"))])
+def test_a_clean_built_in_engine_run_says_what_its_programs_reached(preset, paths, tmp_path):
+    """The built-in engine's target counted nothing: its clean runs had no `reached:` line."""
+    r = invoke("fuzz", "--preset", preset, "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("reached: "))
+    counts = dict(kv.split("=") for kv in line[len("reached: "):].split(", "))
+    assert int(counts[paths[0]]) > 0 and paths[1] in counts, line
+
+
+def test_an_interrupted_clean_run_still_says_what_it_reached(tmp_path, monkeypatch):
+    from kvaudit.audit.runner import INTERRUPTED
+    from kvaudit.search import fuzz
+    from kvaudit.targets.eut.target import EutTarget
+
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1})
+    real, runs = fuzz.run_program, []
+
+    def interrupted_third(*a, **k):
+        runs.append(1)
+        if len(runs) == 3:
+            INTERRUPTED.set()  # as the SIGINT handler does
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(fuzz, "run_program", interrupted_third)
+    r = invoke("fuzz", "--fuzzer", "random", "--max-time", "30", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 130, r.output
+    assert "reached: probe_paths=2" in r.stdout, r.stdout
 
 
 def test_a_campaign_sums_its_workers_path_counters_keeping_a_path_at_zero():

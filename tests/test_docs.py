@@ -113,3 +113,20 @@ def test_the_site_shows_the_readmes_two_set_up_commands():
 def test_the_readme_stays_short():
     with open(os.path.join(ROOT, "README.md")) as fh:
         assert len(fh.read().splitlines()) <= 300
+
+
+def _ends_mid_sentence(text: str) -> bool:
+    """A page whose last line of text ends in a word or a comma was cut off (a split that lost its tail)."""
+    last = [line for line in text.splitlines() if line.strip()][-1].rstrip()
+    return not last.endswith((".", ")", "|", "`", ":", "!", "?"))
+
+
+@pytest.mark.parametrize("page", ["README.md", *[os.path.join("docs", p) for p in _pages()]])
+def test_no_page_ends_mid_sentence(page):
+    with open(os.path.join(ROOT, page)) as fh:
+        assert not _ends_mid_sentence(fh.read())
+
+
+def test_a_page_cut_mid_sentence_is_caught():
+    assert _ends_mid_sentence("`ci` writes its JUnit with a\n\n")
+    assert not _ends_mid_sentence("the end.\n")

@@ -325,7 +325,7 @@ def test_export_bad_input_is_one_line_exit_2(tmp_path):
         assert r.exit_code == 2, (args, r.output)
         line = one_error_line(r)
         if "regressions" in args[1]:  # the built-in engine has no server: its name spelled as JSON
-            assert 'target "eut" has no client export (supported: ' in line, line
+            assert 'target "eut" has no server to export to (the issue and the client reproduce on a real ' in line, line
     assert not (tmp_path / "o.md").exists() and not (tmp_path / "o.py").exists()
 
 

@@ -244,7 +244,8 @@ def test_fuzz_db_errors_are_one_line(redis_server, tmp_path):
     bad = invoke(*["fuzz", *HISPARSE, "--db", "http://example", "--max-time", "2", "--out", str(tmp_path / "o")])
     assert bad.exit_code == 2 and "want a Redis URL" in bad.output
     down = invoke(*["fuzz", *HISPARSE, "--db", "redis://127.0.0.1:1/0", "--max-time", "2", "--out", str(tmp_path / "o")])
-    assert down.exit_code == 69 and "cannot reach Redis" in down.output and "Traceback" not in down.output
+    assert down.exit_code == 69 and "Traceback" not in down.output
+    assert '--db "redis://127.0.0.1:1/0": cannot reach Redis' in down.output, down.output  # the URL as JSON
     # bad input, not an unreachable Redis (a non-numeric port exited 69)
     port = invoke(*["fuzz", *HISPARSE, "--db", "redis://:pw@127.0.0.1:abc/0", "--max-time", "2",
                     "--out", str(tmp_path / "o")])
@@ -534,7 +535,7 @@ def test_a_password_and_tls_url_works_and_a_wrong_password_is_one_masked_line(tm
         wrong = server.url.replace("s3cret-pw", "wrong-pw")
         bad = invoke(*["fuzz", *HISPARSE, "--db", wrong, "--max-time", "2", "--out", str(tmp_path / "o")])
         assert bad.exit_code == 69 and "wrong-pw" not in bad.output, bad.output
-        assert re.search(r"kvaudit: error: --db rediss://:\*\*\*@127\.0\.0\.1:\d+/0\S*: (authentication failed|cannot reach)",
+        assert re.search(r"kvaudit: error: --db \"rediss://:\*\*\*@127\.0\.0\.1:\d+/0[^\"\s]*\": (authentication failed|cannot reach)",
                          bad.output), bad.output
     finally:
         server.stop()

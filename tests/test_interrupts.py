@@ -160,7 +160,8 @@ def test_a_signal_while_minimizing_writes_the_finding_unminimized_and_the_report
     assert "Traceback" not in stderr and "interrupted while minimizing" in stderr
     (path,) = replay_files(out)
     config, program, findings, doc = replay.load(path)
-    assert doc["minimized"] is False and doc["confirmations"] == "interrupted before confirmation"
+    # confirmed 3/3 before the minimizer began (it said "interrupted before confirmation")
+    assert doc["minimized"] is False and doc["confirmations"] == "3/3"
     assert findings[0].signature in execute(config, program).signatures  # a working reproducer
     assert_reports(tmp_path, findings[0].signature)
     assert "program (unminimized)" in stdout
@@ -405,6 +406,26 @@ def test_other_write_errors_stay_input_errors(tmp_path, monkeypatch):
     src = os.path.join(REGRESSIONS, f"{BUG}.json")
     r = invoke("report", src, "--sarif", str(tmp_path / "r.sarif"))
     assert r.exit_code == 2 and "cannot write report" in r.stderr and "disk full" not in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_kvaudit_bench_writes_the_trials_that_finished(tmp_path, launch, monkeypatch, sig):
+    """SIGTERM took the default action (exit 143, no report, a kvaudit-bench-* directory left in the temp
+    dir); Ctrl-C exited 130 with no report, though --help promised the report so far."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    run = launch(["bench", "--trials", "3", "--budget", "30", "--bugs", BUG, "--fuzzers", "random",
+                  "--fp-seconds", "30", "--overhead-presets", "none", "--out", str(tmp_path / "b.md"),
+                  "--json", str(tmp_path / "b.json")])
+    run.wait_for("seed 1:")  # one trial finished; the next is searching
+    code, stdout, stderr = run.finish(sig)
+    assert code == 130 and "Traceback" not in stderr, stderr
+    doc = json.load(open(tmp_path / "b.json"))
+    assert doc["interrupted"] is True and [t["seed"] for t in doc["trials"]][:1] == [1]
+    md = (tmp_path / "b.md").read_text()
+    assert "INTERRUPTED: partial" in md and f"--bugs {BUG} " in md
+    assert os.listdir(tmp) == []
 
 
 # -- SIGTERM in start-up ---------------------------------------------------------------------------------

@@ -505,7 +505,7 @@ def test_ctrl_c_while_minimizing_still_writes_the_reports(tmp_path, monkeypatch)
     r = invoke("fuzz", "--preset", "pd-decode-hisparse", "--bug", "hisparse-prebuilt-skip-finish", "--seed", "1",
                "--max-time", "60", "--out", str(tmp_path / "o"), "--html", str(html), "--json", str(js))
     assert r.exit_code == 1, r.output
-    assert "interrupted while minimizing" in r.stderr
+    assert "interrupted while confirming it" in r.stderr  # (triage's first phase)
     assert "<svg" in html.read_text() and json.load(open(js))["interrupted"] is True
 
 

@@ -10,7 +10,8 @@ import click
 from kvaudit import replay
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.configs import check_available, names_arg, presets_arg
-from kvaudit.app.files import check_outputs
+from kvaudit.app.files import check_paths
+from kvaudit.app.interrupts import ignore_interrupts
 from kvaudit.app.progress import console as make_console
 from kvaudit.history import suite
 from kvaudit.history.catalogue import all_bugs
@@ -48,15 +49,17 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     ov = [] if overhead_presets == "none" else presets_arg("--overhead-presets", overhead_presets)
     for f in fuzzers:
         check_available(f)
-    check_outputs(html=out_md, json=out_json)  # writable, distinct (--out and --json)
+    check_paths(out=out_md, json=out_json)  # writable, distinct
     err = make_console(stderr=True)
     err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
               f"budget {budget:g}s each", soft_wrap=True)
     res = bench.run(bugs, fuzzers, trials, budget, budget if fp_seconds is None else fp_seconds, ov,
                     on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
+    ignore_interrupts(clear=True)  # the report of what ran is written whole
     _write_both(out_json, res.to_json(), out_md, lambda name: bench.markdown(res, name))
-    make_console().print(f"bench done in {res.wall / 60:.1f} min: {out_md}, {out_json}")
-    return EXIT_CLEAN
+    make_console().print(f"bench {'INTERRUPTED ' if res.interrupted else ''}done in {res.wall / 60:.1f} min: "
+                         f"{out_md}, {out_json}")
+    return EXIT_INTERRUPTED if res.interrupted else EXIT_CLEAN
 
 
 def list_zoo() -> int:
@@ -85,7 +88,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
             ok = sorted(n for n, k in fuzzer_kinds.kinds().items() if all(k.takes(e) for e in engines))
             raise InputError(f"--fuzzers: {f} {kind.targets_why or 'cannot search these engines'}; the history suite "
                              f"drives SGLang and vLLM (use {fuzzer_kinds.words(ok, 'and')})")
-    check_outputs(html=out_md, json=out_json)
+    check_paths(out=out_md, json=out_json)
     err = make_console(stderr=True)
     err.print(f"kvaudit bench --suite history: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
               f"budget {budget:g}s each, {jobs} at a time", soft_wrap=True)
@@ -94,6 +97,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
                         on_event=lambda line: err.print(line, soft_wrap=True, highlight=False, markup=False))
     except suite.SuiteError as e:
         raise UnavailableError(str(e)) from None
+    ignore_interrupts(clear=True)
     _write_both(out_json, res.to_json(), out_md, lambda name: suite.markdown(res, name))
     found = sum(suite.rediscovered(res, b) for b in bugs)
     make_console().print(f"bench --suite history {'INTERRUPTED ' if res.interrupted else ''}done in "

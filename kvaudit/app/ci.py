@@ -48,8 +48,10 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     catch_sigint()
     try:
         # NOTE: loaded before the header and the first preset's budget; interrupted here, the JUnit is still written
-        require_target(kind.preset(preset_names[0]).config())
-        err.print(f"kvaudit ci: {len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
+        first = kind.preset(preset_names[0]).config()
+        require_target(first)
+        where = f"{kind.describe(first)}; " if kind.describe is not None else ""  # the engine and its release
+        err.print(f"kvaudit ci: {where}{len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
                      if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
                   + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
@@ -114,9 +116,11 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name)
     result.fuzz.append(run)
     err.print(f"fuzz {preset}: {run.executions} executions, "
-              + (f"{len(run.new)} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
+              + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
                  else "interrupted before its share ended" if run.interrupted else "clean")
-              + (f", {len(run.known)} known" if run.known else ""), soft_wrap=True)
+              + (f", {len(run.known)} known" if run.known else "")
+              + ("; reached: " + ", ".join(f"{k}={v}" for k, v in sorted(run.reached.items())) if run.reached else ""),
+              soft_wrap=True)
     if run.interrupted:
         raise KeyboardInterrupt
 
@@ -130,7 +134,8 @@ def _print_table(console, result) -> None:
     for run in result.fuzz:
         cut = " (interrupted)" if run.interrupted else ""
         t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",
-                  Text(", ".join(f"NEW {f[1][0].signature} -> {f[2]}" for f in run.new), style="bold red")
+                  Text(", ".join(f"NEW {sig} -> {path}" for sig, (_, path) in run.new_signatures().items()),
+                       style="bold red")
                   if run.new else Text("interrupted before its share ended: no new findings so far", style="yellow")
                   if run.interrupted else Text(f"no new findings; {len({f.signature for f in run.known_open})} known "
                                                "still open", style="yellow")

@@ -148,10 +148,10 @@ def _other_kind_hint(kind, preset: str) -> str:
 def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
     """A comma-separated list of names in ``valid`` (``every``: all), each once (the first kept). Raises
     :class:`InputError`."""
-    names = list(valid) if value == every else list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    names = list(valid) if value == every else list(dict.fromkeys(n.strip() for n in value.split(",")))  # "" is bad
     bad = [n for n in names if n not in valid]
-    if bad or not names:
-        raise InputError(f"{what} {json_value(bad[0] if bad else value)} ({hint})")
+    if bad:  # (a list of nothing but commas and blanks: the whole value)
+        raise InputError(f"{what} {json_value(value if not any(names) else bad[0])} ({hint})")
     return names
 
 
@@ -161,6 +161,8 @@ def presets_arg(option: str, value: str, target: str = registry.DEFAULT_KIND) ->
     one that another kind has says to add its ``--target``."""
     kind = registry.get(target)
     presets = kind.presets()
+    # `default` names the kind's default preset, as --preset's default does
+    value = ",".join(kind.default_preset if n.strip() == "default" else n for n in value.split(","))
     try:
         return names_arg(value, presets, f"{option}: unknown preset", f"valid: {', '.join(presets)}, or all")
     except InputError as e:

@@ -168,6 +168,7 @@ class _Single:
             self.found, stats.findings = e.found, 1
         if self.found is None:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
+            print_reached(self.console, stats)
             self.console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
             write_reports(outputs, _run_data(config, [], [], sset, stats, self.seed, interrupted=True), err)
             return EXIT_INTERRUPTED
@@ -177,9 +178,13 @@ class _Single:
         findings = sorted(self.found[1], key=lambda f: f.signature in self.flaky)  # a new one first
         title = "program (unminimized)"
         print_report(self.console, config, program, findings, suppressions=sset, program_title=title)
-        path = write_finding(self.out_dir, config, program, findings, seed=self.seed,
-                             confirmations="interrupted before confirmation", minimized=False)
-        during = "Hypothesis shrank it" if isinstance(e, search_fuzz.SearchInterrupted) else "minimizing"
+        # triage confirms the found program K of K before it minimizes: past "confirming", it was confirmed
+        confirmed = stats.phase not in ("fuzzing", "confirming") and not isinstance(e, search_fuzz.SearchInterrupted)
+        path = write_finding(self.out_dir, config, program, findings, seed=self.seed, minimized=False,
+                             confirmations=f"{CONFIRM_RUNS}/{CONFIRM_RUNS}" if confirmed
+                             else "interrupted before confirmation")
+        during = ("Hypothesis shrank it" if isinstance(e, search_fuzz.SearchInterrupted) else
+                  "confirming it" if not confirmed else "minimizing")
         err.print(f"interrupted while {during}; the unminimized program is in {path}", soft_wrap=True)
         data = _run_data(config, program, findings, sset, stats, self.seed, interrupted=True, program_title=title)
         if outputs.html or outputs.json:  # no confirming replay recorded its timeline

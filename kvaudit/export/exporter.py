@@ -53,8 +53,8 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     try:
         ex = export_for(target)
     except KeyError:
-        raise ExportError(f"{path}: target {json_value(target)} has no client export (supported: {', '.join(apis())})") \
-            from None
+        raise ExportError(f"{path}: target {json_value(target)} has no server to export to (the issue and the client "
+                          f"reproduce on a real server's HTTP API: {', '.join(apis())})") from None
     tr = trace(config, program) if resolve else None
     try:
         plan = make_plan(config, program, tr)

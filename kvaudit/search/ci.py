@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import glob
 import os
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Callable
 
 from kvaudit.targets import registry
 from kvaudit import replay
+from kvaudit.atomic import scratch_dir
 from kvaudit.audit.findings import Finding
 from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
 from kvaudit.reports import ci_outputs
@@ -44,13 +44,24 @@ class RegressionCheck:
 @dataclass
 class FuzzRun:
     preset: str
-    seconds: float
+    seconds: float  # the share of --max-time; an interrupted run: the seconds it ran
     executions: int
-    new: list[tuple[list, list[Finding], str]] = field(default_factory=list)  # (program, findings, replay file)
+    # one per replay file: (program, its findings of new signatures, the file in --out); a file holds every
+    # finding its program raised, so two new signatures can share one
+    new: list[tuple[list, list[Finding], str]] = field(default_factory=list)
     known: list[str] = field(default_factory=list)
     known_open: list[Finding] = field(default_factory=list)  # known findings that still reproduce
     interrupted: bool = False  # Ctrl-C or SIGTERM cut the campaign short (what it found is in ``new``)
     suppression_usage: list = field(default_factory=list)  # the workers' SuppressionSet.usage()
+    reached: dict[str, int] = field(default_factory=dict)  # Target.reach() summed over the programs run
+
+    def new_signatures(self) -> dict[str, tuple[Finding, str]]:
+        """Signature -> (its first finding, its replay file), in signature order."""
+        first: dict[str, tuple[Finding, str]] = {}
+        for _, findings, path in self.new:
+            for f in findings:
+                first.setdefault(f.signature, (f, path))
+        return dict(sorted(first.items()))
 
     @property
     def nothing_searched(self) -> bool:
@@ -119,26 +130,32 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
                 suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                 target: str = "eut", db: str | None = None, campaign: str = "default") -> FuzzRun:
     """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign: over ``corpus/<preset>``
-    (resumable), else over a temporary corpus whose new replay files are copied to ``out_dir``. ``db``: a
+    (resumable), else over a temporary corpus; the new replay files are copied to ``out_dir``. ``db``: a
     Redis URL; the campaign is ``<campaign>/<preset>`` across every host (CI shard) that names it. An
     interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
     from kvaudit.search.campaign import run_campaign
 
     config = registry.get(target).preset(preset).config()
     run = FuzzRun(preset, budget, 0)
-    with tempfile.TemporaryDirectory(prefix=f"kvaudit-ci-{preset}-") as tmp:
+    t0 = time.monotonic()
+    with scratch_dir(f"kvaudit-ci-{preset}-") as tmp:
         where = os.path.join(corpus, preset) if corpus is not None else tmp
         result = run_campaign(config, fuzzer, budget, seed, 1, where, suppress_path, on_progress=on_progress,
                               db=db, campaign=f"{campaign}/{preset}")
         run.executions = result.stats.executions
+        run.reached = dict(result.stats.reached)
         run.suppression_usage = list(result.suppression_usage.values())
         run.known = sorted({**result.known, **result.fleet})
-        for sig, path in sorted(result.new.items()):
+        by_file: dict[str, set[str]] = {}
+        for sig, path in result.new.items():
+            by_file.setdefault(path, set()).add(sig)
+        for path, sigs in sorted(by_file.items()):  # (the corpus keeps its copy; --out is what a job uploads)
             _, program, findings, doc = replay.load(path)
-            if corpus is None:
-                path = replay.write_atomic(os.path.join(out_dir, os.path.basename(path)), doc)
-            run.new.append((program, findings, path))
+            path = replay.write_atomic(os.path.join(out_dir, os.path.basename(path)), doc)
+            run.new.append((program, [f for f in findings if f.signature in sigs], path))
     run.interrupted = result.interrupted
+    if result.interrupted:
+        run.seconds = min(budget, time.monotonic() - t0)
     if not result.interrupted:  # (interrupted: no time for replays; its SARIF lists what was found)
         run.known_open = still_open(result.known, suppress_path)
     return run
@@ -213,8 +230,7 @@ def junit(result: CiResult) -> str:
             if run.nothing_searched:  # nothing was checked: not a pass
                 ET.SubElement(case, "skipped", message="nothing searched: the preset's share of --max-time ended "
                                                        "before one program ran")
-        for program, findings, path in run.new:
-            f = findings[0]
+        for f, path in run.new_signatures().values():  # a case per new signature
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),
                                  time="0")
             fail = ET.SubElement(case, "failure", message=xml_text(f.summary()), type=xml_text(f.kind))

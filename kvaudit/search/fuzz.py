@@ -208,6 +208,7 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
                 if self.ops and not self.dead and time.monotonic() <= rec.deadline:
                     self._record(self.run.finish())  # the sparse schedule's end-of-program check
             finally:
+                rec.stats.reached.update(self.run.target.reach())  # (as the random and corpus searches count)
                 self.run.close()
                 rec.stats.sites |= self.run.auditor.site_keys()
                 rec.stats.suppressed.update(f.signature for f in self.run.suppressed)

@@ -150,11 +150,11 @@ def connect(url: str, timeout: float = 5.0, check: bool = True):
     try:
         client.ping()
     except redis.exceptions.AuthenticationError as e:
-        raise HubError(f"--db {safe_url(url)}: authentication failed: {e}") from None
+        raise HubError(f"--db {json_value(safe_url(url))}: authentication failed: {e}") from None
     except _redis_errors() as e:
-        raise HubError(f"--db {safe_url(url)}: cannot reach Redis: {e}") from None
+        raise HubError(f"--db {json_value(safe_url(url))}: cannot reach Redis: {e}") from None
     except redis.exceptions.ResponseError as e:  # the URL asks what the server refuses (a DB index out of range)
-        raise BadURL(f"--db {safe_url(url)}: {e}") from None
+        raise BadURL(f"--db {json_value(safe_url(url))}: {e}") from None
     return client
 
 

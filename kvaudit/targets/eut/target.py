@@ -109,6 +109,7 @@ class EutTarget(EutObserver):
         self._scheduler_paused = False  # a pause_generation(in_place | retract) was sent, no continue yet
         self._finished: set[str] = set()
         self._seen_outputs = 0
+        self._session_turns = self._failed_transfers = 0  # reach()'s counts
         s = self.engine
         self._pools = [
             PoolSpec("token_to_kv_pool", s.token_to_kv_pool_allocator, "kv", config.page_size,
@@ -204,6 +205,7 @@ class EutTarget(EutObserver):
                 for rid in rids:
                     eng.report_transfer_failure(rid)
                     self.aborted.add(rid)
+                    self._failed_transfers += 1
         elif isinstance(op, Abort):
             live = self.live_rids()
             if op.handle is None:
@@ -230,6 +232,19 @@ class EutTarget(EutObserver):
         rid = self.engine.add_request(**args)
         self.submitted.append(rid)
         self.prompts[rid] = args["input_ids"]
+        self._session_turns += args["session_id"] is not None
+
+    def reach(self) -> dict[str, int]:
+        """Requests retracted (decode retraction, a retract-mode pause), requests aborted (by the client
+        or a failed transfer), successful flush_cache calls; with streaming sessions, turns sent into a
+        session; in PD decode, transfers failed by the test. Cumulative since the target was built
+        (:meth:`Target.reach`)."""
+        out = {"retractions": self.engine.num_retractions, "aborts": len(self.aborted), "flushes": self.flushed()}
+        if self.config.enable_streaming_session:
+            out["session_turns"] = self._session_turns
+        if self.config.is_pd_decode:
+            out["failed_transfers"] = self._failed_transfers
+        return out
 
     def _text(self, rid: str) -> list[int]:
         """The prompt and output so far of submitted request ``rid`` (a session turn: its own input)."""
