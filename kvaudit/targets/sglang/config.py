@@ -194,9 +194,7 @@ class SglangConfig(ConfigBase):
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
                      "seed", "transfer_latency_steps", "deferred_release_timeout_steps", "num_reserved_decode_tokens",
                      "priority_scheduling_preemption_threshold"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {json_value(v)}")
+            self._check_int(name, 0)
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
@@ -221,12 +219,8 @@ class SglangConfig(ConfigBase):
                              f"--disaggregation-mode), got {json_value(self.disaggregation_mode)}")
         for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
                      "request_running_timeout_steps", "kv_checksum_mismatch_every", "fake_bootstrap_every"):
-            t = getattr(self, name)
-            if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-                raise ValueError(f"{name} must be null or a positive integer, got {json_value(t)}")
-        a = self.abort_ack_steps
-        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
-            raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {json_value(a)}")
+            self._check_int(name, 1, null=True)
+        self._check_int("abort_ack_steps", 0, null=True)
         if self.kv_checksum_mismatch_every is not None and self.disaggregation_mode != "decode":
             raise ValueError("kv_checksum_mismatch_every corrupts PD transfers: it needs disaggregation_mode decode "
                              "(preset sglang-pd-decode)")
@@ -260,17 +254,24 @@ class SglangConfig(ConfigBase):
         self._check_mamba()
         self._check_spec()
 
+    def _check_int(self, name: str, lo: int, hi: int | None = None, null: bool = False) -> None:
+        """Raises ValueError (one line) unless field ``name`` is an integer in ``[lo, hi]`` (None allowed when
+        ``null``). Without ``hi``, ``lo`` is 0 (a non-negative integer) or 1 (a positive one)."""
+        v = getattr(self, name)
+        ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v and (hi is None or v <= hi)
+        if ok or (v is None and null):
+            return
+        what = f"an integer in [{lo}, {hi}]" if hi is not None else ("a positive integer" if lo == 1
+                                                                      else "a non-negative integer")
+        raise ValueError(f"{name} must be {'null or ' if null else ''}{what}, got {json_value(v)}")
+
     def _check_prefill(self) -> None:
         for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
-                raise ValueError(f"{name} must be an integer in [1, 4096], got {json_value(v)}")
+            self._check_int(name, 1, 4096)
+        self._check_int("bootstrap_lost_every", 1, null=True)
+        self._check_int("optimistic_prefill_attempts", 0, 64)
         n = self.bootstrap_lost_every
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {json_value(n)}")
         o = self.optimistic_prefill_attempts
-        if not isinstance(o, int) or isinstance(o, bool) or not 0 <= o <= 64:
-            raise ValueError(f"optimistic_prefill_attempts must be an integer in [0, 64], got {json_value(o)}")
         if self.disaggregation_mode != "prefill":
             if o:
                 raise ValueError("optimistic_prefill_attempts lets a prefill server run a request before decode "
@@ -338,11 +339,10 @@ class SglangConfig(ConfigBase):
             return
         if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.context_len:
             raise ValueError(f"sliding_window_size must be null or an integer in [1, context_len), got {json_value(w)}")
-        r, i = self.swa_full_tokens_ratio, self.swa_eviction_interval
+        r = self.swa_full_tokens_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
             raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {json_value(r)}")
-        if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= 1024:
-            raise ValueError(f"swa_eviction_interval must be an integer in [1, 1024], got {json_value(i)}")
+        self._check_int("swa_eviction_interval", 1, 1024)
         if self.swa_num_slots < 4 * self.page_size:
             raise ValueError(f"the SWA pool ({self.swa_num_slots} tokens: swa_full_tokens_ratio x num_slots) must "
                              f"hold at least 4 pages of {self.page_size}")
@@ -370,9 +370,7 @@ class SglangConfig(ConfigBase):
                 raise ValueError("mamba_extra_buffer needs enable_mamba (a hybrid SSM model's mamba state)")
             return
         for name in ("max_mamba_cache_size", "mamba_chunk_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
-                raise ValueError(f"{name} must be an integer in [1, 4096], got {json_value(v)}")
+            self._check_int(name, 1, 4096)
         if self.page_size != 1:
             raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer; "
                              "the extra buffer is driven at page 1 only in this version)")
@@ -406,9 +404,7 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"speculative_algorithm must be null or one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
                              f"got {json_value(a)}")
         for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16:
-                raise ValueError(f"{name} must be an integer in [1, 16], got {json_value(v)}")
+            self._check_int(name, 1, 16)
         if self.speculative_eagle_topk != 1:
             raise ValueError(f"speculative_eagle_topk must be 1 (the tree drafts of topk > 1 are not driven), "
                              f"got {json_value(self.speculative_eagle_topk)}")
@@ -434,9 +430,7 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"hicache_ratio must be a number in (1, 8], got {json_value(r)}")
         for name, top in (("hicache_ack_steps", 64), ("hicache_storage_ack_steps", 64),
                           ("hicache_storage_prefetch_threshold", 65536), ("hicache_storage_prefetch_timeout_steps", 64)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
-                raise ValueError(f"{name} must be an integer in [1, {top}], got {json_value(v)}")
+            self._check_int(name, 1, top)
         self._check_hicache_storage()
         if not self.enable_hierarchical_cache:
             return
@@ -465,9 +459,7 @@ class SglangConfig(ConfigBase):
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {json_value(v)}")
+            self._check_int(name, 0)
         if not self.enable_hisparse:
             if self.bugs & HISPARSE_ONLY_FAULTS:
                 raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} is for --preset sglang-hisparse "
