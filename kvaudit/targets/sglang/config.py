@@ -328,6 +328,16 @@ class SglangConfig(ConfigBase):
         ps = self.page_size
         return int(self.num_slots * self.swa_full_tokens_ratio) // ps * ps
 
+    def _driven_alone(self, feature: str, *also: str) -> None:
+        """``feature`` (SWA, Mamba, speculative decoding) is driven without HiSparse, HiCache or PD
+        disaggregation, nor ``also`` (other clashes, by name): raises ValueError naming the first that is on."""
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
+        clash += also
+        if clash:
+            raise ValueError(f"{feature} is driven without {clash[0]} in this version")
+
     def _check_swa(self) -> None:
         w = self.sliding_window_size
         if w is None:
@@ -346,11 +356,7 @@ class SglangConfig(ConfigBase):
         if self.swa_num_slots < 4 * self.page_size:
             raise ValueError(f"the SWA pool ({self.swa_num_slots} tokens: swa_full_tokens_ratio x num_slots) must "
                              f"hold at least 4 pages of {self.page_size}")
-        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
-        if self.disaggregation_mode != "null":
-            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
-        if clash:
-            raise ValueError(f"sliding_window_size (SWA hybrid) is driven without {clash[0]} in this version")
+        self._driven_alone("sliding_window_size (SWA hybrid)")
         if self.swa_chunk_cache and self.enable_streaming_session:
             raise ValueError("swa_chunk_cache (radix cache off) cannot run with streaming sessions (they keep their KV "
                              "in the radix cache)")
@@ -385,13 +391,8 @@ class SglangConfig(ConfigBase):
                              "_calculate_mamba_ratio with the radix cache on"
                              + (", the extra buffer's track slots included)" if self.mamba_extra_buffer else
                                 ", no extra buffer)"))
-        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
-        if self.disaggregation_mode != "null":
-            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
-        if self.sliding_window_size is not None:
-            clash.append("sliding_window_size (SWA hybrid)")
-        if clash:
-            raise ValueError(f"enable_mamba is driven without {clash[0]} in this version")
+        swa = ["sliding_window_size (SWA hybrid)"] if self.sliding_window_size is not None else []
+        self._driven_alone("enable_mamba", *swa)
 
     def _check_spec(self) -> None:
         a = self.speculative_algorithm
@@ -415,11 +416,7 @@ class SglangConfig(ConfigBase):
         if self.enable_mixed_chunk:  # SGLang's speculative hook turns --enable-mixed-chunk off
             raise ValueError("speculative decoding disables enable_mixed_chunk (SGLang's speculative_hook resolves "
                              "enable_mixed_chunk=False)")
-        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
-        if self.disaggregation_mode != "null":
-            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
-        if clash:
-            raise ValueError(f"speculative_algorithm is driven without {clash[0]} in this version")
+        self._driven_alone("speculative_algorithm")
 
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
