@@ -315,15 +315,12 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
                 req.to_finish = S.FINISH_ABORT()
 
     def _flush_cache(self) -> bool:
-        """``Scheduler.flush_cache`` when ``is_fully_idle``: the tree (a chunk cache), the row pool and the
-        allocator (logical and device) cleared; as in SGLang, not the host pool nor the coordinator."""
-        if not self.is_idle():
+        """``Scheduler.flush_cache`` when ``is_fully_idle`` (the intake's: the tree, a chunk cache, the row pool and
+        the allocator, logical and device, cleared; as in SGLang, not the host pool nor the coordinator), and
+        the scheduler's ``last_batch`` dropped."""
+        if not super()._flush_cache():
             return False
         self.sched.last_batch = None
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.allocator.clear()
-        self._flushes += 1
         return True
 
     def _memory_pressure(self) -> None:
