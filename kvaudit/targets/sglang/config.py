@@ -194,9 +194,7 @@ class SglangConfig(ConfigBase):
         for name in ("num_slots", "page_size", "max_running_requests", "max_req_rows", "context_len", "vocab_size",
                      "seed", "transfer_latency_steps", "deferred_release_timeout_steps", "num_reserved_decode_tokens",
                      "priority_scheduling_preemption_threshold"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {json_value(v)}")
+            self._check_int(name, 0)
         for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
                      "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
                      "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
@@ -221,12 +219,8 @@ class SglangConfig(ConfigBase):
                              f"--disaggregation-mode), got {json_value(self.disaggregation_mode)}")
         for name in ("session_timeout_steps", "max_queued_requests", "request_waiting_timeout_steps",
                      "request_running_timeout_steps", "kv_checksum_mismatch_every", "fake_bootstrap_every"):
-            t = getattr(self, name)
-            if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-                raise ValueError(f"{name} must be null or a positive integer, got {json_value(t)}")
-        a = self.abort_ack_steps
-        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
-            raise ValueError(f"abort_ack_steps must be null or a non-negative integer, got {json_value(a)}")
+            self._check_int(name, 1, null=True)
+        self._check_int("abort_ack_steps", 0, null=True)
         if self.kv_checksum_mismatch_every is not None and self.disaggregation_mode != "decode":
             raise ValueError("kv_checksum_mismatch_every corrupts PD transfers: it needs disaggregation_mode decode "
                              "(preset sglang-pd-decode)")
@@ -260,17 +254,24 @@ class SglangConfig(ConfigBase):
         self._check_mamba()
         self._check_spec()
 
+    def _check_int(self, name: str, lo: int, hi: int | None = None, null: bool = False) -> None:
+        """Raises ValueError (one line) unless field ``name`` is an integer in ``[lo, hi]`` (None allowed when
+        ``null``). Without ``hi``, ``lo`` is 0 (a non-negative integer) or 1 (a positive one)."""
+        v = getattr(self, name)
+        ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v and (hi is None or v <= hi)
+        if ok or (v is None and null):
+            return
+        what = f"an integer in [{lo}, {hi}]" if hi is not None else ("a positive integer" if lo == 1
+                                                                      else "a non-negative integer")
+        raise ValueError(f"{name} must be {'null or ' if null else ''}{what}, got {json_value(v)}")
+
     def _check_prefill(self) -> None:
         for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
-                raise ValueError(f"{name} must be an integer in [1, 4096], got {json_value(v)}")
+            self._check_int(name, 1, 4096)
+        self._check_int("bootstrap_lost_every", 1, null=True)
+        self._check_int("optimistic_prefill_attempts", 0, 64)
         n = self.bootstrap_lost_every
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ValueError(f"bootstrap_lost_every must be null or a positive integer, got {json_value(n)}")
         o = self.optimistic_prefill_attempts
-        if not isinstance(o, int) or isinstance(o, bool) or not 0 <= o <= 64:
-            raise ValueError(f"optimistic_prefill_attempts must be an integer in [0, 64], got {json_value(o)}")
         if self.disaggregation_mode != "prefill":
             if o:
                 raise ValueError("optimistic_prefill_attempts lets a prefill server run a request before decode "
@@ -327,6 +328,16 @@ class SglangConfig(ConfigBase):
         ps = self.page_size
         return int(self.num_slots * self.swa_full_tokens_ratio) // ps * ps
 
+    def _driven_alone(self, feature: str, *also: str) -> None:
+        """``feature`` (SWA, Mamba, speculative decoding) is driven without HiSparse, HiCache or PD
+        disaggregation, nor ``also`` (other clashes, by name): raises ValueError naming the first that is on."""
+        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
+        if self.disaggregation_mode != "null":
+            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
+        clash += also
+        if clash:
+            raise ValueError(f"{feature} is driven without {clash[0]} in this version")
+
     def _check_swa(self) -> None:
         w = self.sliding_window_size
         if w is None:
@@ -338,19 +349,14 @@ class SglangConfig(ConfigBase):
             return
         if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w < self.context_len:
             raise ValueError(f"sliding_window_size must be null or an integer in [1, context_len), got {json_value(w)}")
-        r, i = self.swa_full_tokens_ratio, self.swa_eviction_interval
+        r = self.swa_full_tokens_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
             raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {json_value(r)}")
-        if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= 1024:
-            raise ValueError(f"swa_eviction_interval must be an integer in [1, 1024], got {json_value(i)}")
+        self._check_int("swa_eviction_interval", 1, 1024)
         if self.swa_num_slots < 4 * self.page_size:
             raise ValueError(f"the SWA pool ({self.swa_num_slots} tokens: swa_full_tokens_ratio x num_slots) must "
                              f"hold at least 4 pages of {self.page_size}")
-        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
-        if self.disaggregation_mode != "null":
-            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
-        if clash:
-            raise ValueError(f"sliding_window_size (SWA hybrid) is driven without {clash[0]} in this version")
+        self._driven_alone("sliding_window_size (SWA hybrid)")
         if self.swa_chunk_cache and self.enable_streaming_session:
             raise ValueError("swa_chunk_cache (radix cache off) cannot run with streaming sessions (they keep their KV "
                              "in the radix cache)")
@@ -370,9 +376,7 @@ class SglangConfig(ConfigBase):
                 raise ValueError("mamba_extra_buffer needs enable_mamba (a hybrid SSM model's mamba state)")
             return
         for name in ("max_mamba_cache_size", "mamba_chunk_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
-                raise ValueError(f"{name} must be an integer in [1, 4096], got {json_value(v)}")
+            self._check_int(name, 1, 4096)
         if self.page_size != 1:
             raise ValueError("enable_mamba needs page_size 1 (SGLang's MambaComponent without the extra buffer; "
                              "the extra buffer is driven at page 1 only in this version)")
@@ -387,13 +391,8 @@ class SglangConfig(ConfigBase):
                              "_calculate_mamba_ratio with the radix cache on"
                              + (", the extra buffer's track slots included)" if self.mamba_extra_buffer else
                                 ", no extra buffer)"))
-        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
-        if self.disaggregation_mode != "null":
-            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
-        if self.sliding_window_size is not None:
-            clash.append("sliding_window_size (SWA hybrid)")
-        if clash:
-            raise ValueError(f"enable_mamba is driven without {clash[0]} in this version")
+        swa = ["sliding_window_size (SWA hybrid)"] if self.sliding_window_size is not None else []
+        self._driven_alone("enable_mamba", *swa)
 
     def _check_spec(self) -> None:
         a = self.speculative_algorithm
@@ -406,9 +405,7 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"speculative_algorithm must be null or one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
                              f"got {json_value(a)}")
         for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16:
-                raise ValueError(f"{name} must be an integer in [1, 16], got {json_value(v)}")
+            self._check_int(name, 1, 16)
         if self.speculative_eagle_topk != 1:
             raise ValueError(f"speculative_eagle_topk must be 1 (the tree drafts of topk > 1 are not driven), "
                              f"got {json_value(self.speculative_eagle_topk)}")
@@ -419,11 +416,7 @@ class SglangConfig(ConfigBase):
         if self.enable_mixed_chunk:  # SGLang's speculative hook turns --enable-mixed-chunk off
             raise ValueError("speculative decoding disables enable_mixed_chunk (SGLang's speculative_hook resolves "
                              "enable_mixed_chunk=False)")
-        clash = [n for n in ("enable_hisparse", "enable_hierarchical_cache") if getattr(self, n)]
-        if self.disaggregation_mode != "null":
-            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
-        if clash:
-            raise ValueError(f"speculative_algorithm is driven without {clash[0]} in this version")
+        self._driven_alone("speculative_algorithm")
 
     def _check_hicache(self) -> None:
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
@@ -434,9 +427,7 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"hicache_ratio must be a number in (1, 8], got {json_value(r)}")
         for name, top in (("hicache_ack_steps", 64), ("hicache_storage_ack_steps", 64),
                           ("hicache_storage_prefetch_threshold", 65536), ("hicache_storage_prefetch_timeout_steps", 64)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
-                raise ValueError(f"{name} must be an integer in [1, {top}], got {json_value(v)}")
+            self._check_int(name, 1, top)
         self._check_hicache_storage()
         if not self.enable_hierarchical_cache:
             return
@@ -465,9 +456,7 @@ class SglangConfig(ConfigBase):
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {json_value(v)}")
+            self._check_int(name, 0)
         if not self.enable_hisparse:
             if self.bugs & HISPARSE_ONLY_FAULTS:
                 raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} is for --preset sglang-hisparse "
@@ -487,225 +476,210 @@ class SglangConfig(ConfigBase):
             raise ValueError("hisparse_host_to_device_ratio must be in [1, 8] and hisparse_staging_steps in [0, 64]")
 
 
-def _preset(name: str, description: str, overrides: dict) -> Preset:
-    return Preset(name, description, overrides, config_class=SglangConfig)
+SGLANG_PRESETS: dict[str, Preset] = {}
 
 
-# sglang-hicache-l3's settings, which its -timeout and -fail variants change in one or two fields
-_HICACHE_L3 = {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
-               "hicache_write_policy": "write_through", "hicache_ratio": 1.25, "hicache_ack_steps": 1,
-               "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
-               "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8}
+def _preset(name: str, description: str, overrides: dict, base: str | None = None) -> None:
+    """Add a row to :data:`SGLANG_PRESETS`: ``overrides`` on those of preset ``base`` (None: the defaults)."""
+    inherited = SGLANG_PRESETS[base].overrides if base else {}
+    SGLANG_PRESETS[name] = Preset(name, description, {**inherited, **overrides}, config_class=SglangConfig)
+
 
 # sglang-spec-eagle's speculative settings, shared by its crossings
 _SPEC_EAGLE = {"speculative_algorithm": "eagle", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
                "speculative_num_draft_tokens": 4}
 
-SGLANG_PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in [
-        _preset("sglang", "SGLang's UnifiedRadixCache over TokenToKVPoolAllocator, page 1, 512 slots", {}),
-        _preset("sglang-paged", "PagedTokenToKVPoolAllocator with 16-token pages, 1024 slots",
-                     {"page_size": 16, "num_slots": 1024}),
-        _preset("sglang-pd", "need_sort=True (the allocator flag of PD disaggregation), page 4, 256 slots",
-                     {"need_sort": True, "page_size": 4, "num_slots": 256}),
-        _preset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
-                     {"enable_streaming_session": True, "context_len": 96}),
-        _preset("sglang-session-nonstreaming", "non-streaming sessions (history through the radix cache; turns "
-                                               "branch, replace, drop output or splice with SessionParams), page 1",
-                {"enable_streaming_session": True, "session_streaming": False, "context_len": 96}),
-        _preset("sglang-overlap", "overlap scheduling (event_loop_overlap): each batch's result is processed "
-                                  "one step after the next batch is allocated; page 4",
-                {"enable_overlap": True, "page_size": 4}),
-        _preset("sglang-pd-decode", "PD disaggregation, decode side: DecodePreallocQueue, DecodeTransferQueue "
-                                    "(deferred releases), prebuilt batches, DecodeReqToTokenPool; tree off; page 4",
-                {"disaggregation_mode": "decode", "need_sort": True, "page_size": 4, "num_slots": 256}),
-        _preset("sglang-pd-prefill", "PD disaggregation, prefill side: PrefillBootstrapQueue, the inflight queue "
-                                     "(process_disagg_prefill_inflight_queue) and a decode peer whose bootstrap "
-                                     "takes 1 step, every 7th never comes (16-step bootstrap timeout), transfers "
-                                     "land 2 steps after the last chunk; a bootstrapped request waiting 6 steps "
-                                     "for memory times out (waiting timeout); 128 slots, page 4",
-                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
-                 "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6}),
-        _preset("sglang-pd-prefill-chunked", "PD prefill with chunked prefill (16-token chunks sent as they are "
-                                             "computed, process_prefill_chunk), a tight KV pool (128 slots), "
-                                             "bootstrap in 3 steps, every 5th never; 8-step waiting and bootstrap "
-                                             "timeouts; page 4",
-                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
-                 "chunked_prefill_size": 16, "transfer_latency_steps": 2, "bootstrap_steps": 3,
-                 "bootstrap_lost_every": 5, "bootstrap_timeout_steps": 8, "waiting_timeout_steps": 8}),
-        _preset("sglang-pd-prefill-reads", "sglang-pd-prefill whose transfer worker reads a chunk's source pages "
-                                           "until it lands even after its room failed (a chunk inside its sync "
-                                           "call is finished, as mooncake's transfer_worker does: sglang#38961)",
-                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
-                 "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6,
-                 "prefill_reads_after_failure": True}),
-        _preset("sglang-pd-prefill-optimistic", "PD prefill with optimistic prefill (2 attempts: a request runs "
-                                                "before decode bootstrapped, sits in the inflight queue, and yields "
-                                                "its row back to the waiting queue when rows run out: "
-                                                "optimistic_release_and_requeue); bootstrap in 4 steps, 4 rows, "
-                                                "128 slots, page 4",
-                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
-                 "max_req_rows": 4, "transfer_latency_steps": 2, "bootstrap_steps": 4, "bootstrap_lost_every": 7,
-                 "waiting_timeout_steps": 8, "optimistic_prefill_attempts": 2}),
-        _preset("sglang-pd-prefill-session", "sglang-pd-prefill-optimistic with streaming sessions: a session "
-                                             "turn runs on a prefill server (its record in the session slot from "
-                                             "transfer to transfer) and may be requeued; 2 rows (more "
-                                             "requeues), 6-step waiting timeout",
-                {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
-                 "max_req_rows": 2, "transfer_latency_steps": 2, "bootstrap_steps": 4, "bootstrap_lost_every": 7,
-                 "waiting_timeout_steps": 6, "optimistic_prefill_attempts": 2, "enable_streaming_session": True,
-                 "context_len": 96}),
-        _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
-                                  "scheduling, page 4",
-                {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4}),
-        _preset("sglang-hisparse", "HiSparse (MiniMaxSparseKVPool, HiSparseTokenToKVPoolAllocator, "
-                                   "HiSparseCoordinator) with the radix cache off: 256 device slots, 512 logical, "
-                                   "32-token device buffers, page 1; staging copies in flight for one step",
-                {"enable_hisparse": True, "num_slots": 256, "hisparse_device_buffer_size": 32,
-                 "hisparse_staging_steps": 1}),
-        _preset("sglang-hicache", "HiCache host tier (UnifiedRadixCache.init_hicache, HybridCacheController, "
-                                  "MHATokenToKVPoolHost): 128 device slots, host pool 2x, write_through, page 4; "
-                                  "each write-through / load-back ack one step after submission; no L3 storage; "
-                                  "the host pool's leak check needs --tree-core python",
-                {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
-                 "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1}),
-        _preset("sglang-hicache-l3", "HiCache with the L3 storage tier (--hicache-storage-backend file: HiCacheFile "
-                                     "in a temporary directory per run): 128 device slots, host pool 1.25x (host "
-                                     "eviction is reached, and storage with it), write_through, page 4; "
-                                     "write-through acks back host copies up to storage, a queued request prefetches "
-                                     "what storage holds beyond its device and host match (wait_complete, 8-token "
-                                     "threshold); storage operations run on a step-driven stand-in of the storage "
-                                     "threads one step after they are queued; the host pool's leak check needs "
-                                     "--tree-core python",
-                _HICACHE_L3),
-        _preset("sglang-mixed", "mixed-style chunked prefill (--enable-mixed-chunk: running requests decode inside "
-                                "prefill batches, mix_with_running) with 16-token chunks under overlap scheduling, "
-                                "page 1",
-                {"chunked_prefill_size": 16, "enable_mixed_chunk": True, "enable_overlap": True}),
-        _preset("sglang-priority", "priority scheduling with preemption (SchedulePolicy, preempt_to_schedule), "
-                                   "at most 4 queued requests and 3 running, waiting / running timeout aborts after "
-                                   "12 / 24 steps, page 1",
-                {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
-                 "max_running_requests": 3, "max_queued_requests": 4, "request_waiting_timeout_steps": 12,
-                 "request_running_timeout_steps": 24}),
-        _preset("sglang-evict-tlru", "--radix-eviction-policy tlru (Tail-Optimized LRU: a conversation's tail past its "
-                                     "TTFT budget goes first; threshold 32, next_prompt_estimate 8 tokens) over "
-                                     "non-streaming sessions, 128 slots: allocations evict part of the tree, page 1",
-                {"radix_eviction_policy": "tlru", "num_slots": 128,
-                 "radix_eviction_policy_config": '{"threshold": 32, "next_prompt_estimate": 8}',
-                 "enable_streaming_session": True, "session_streaming": False, "context_len": 96}),
-        _preset("sglang-evict-priority", "--radix-eviction-policy priority (lower-priority requests' prefixes go "
-                                         "first) with priority scheduling, 128 slots: allocations evict part of the "
-                                         "tree, page 1",
-                {"radix_eviction_policy": "priority", "enable_priority_scheduling": True, "num_slots": 128}),
-        _preset("sglang-evict-slru", "--radix-eviction-policy slru (segmented LRU, protected from 2 hits), 128 slots: "
-                                     "allocations evict part of the tree, page 4",
-                {"radix_eviction_policy": "slru", "radix_eviction_policy_config": '{"protected_threshold": 2}',
-                 "num_slots": 128, "page_size": 4}),
-        _preset("sglang-hicache-l3-timeout", "sglang-hicache-l3 with SGLang's default prefetch policy, timeout: a "
-                                             "queued request waits for its storage prefetch at most 2 steps (the "
-                                             "step clock as prefetch_timeout_base), then is admitted with what has "
-                                             "landed; each storage operation takes 3 steps, so deadlines expire",
-                {**_HICACHE_L3, "hicache_storage_ack_steps": 3, "hicache_storage_prefetch_policy": "timeout",
-                 "hicache_storage_prefetch_timeout_steps": 2}),
-        _preset("sglang-hicache-l3-fail", "sglang-hicache-l3 over a failing storage backend: every third storage "
-                                          "read or write fails whole (batch_get answers no page, batch_set False), "
-                                          "so backups stop short and prefetches load nothing",
-                {**_HICACHE_L3, "hicache_storage_fail_every": 3}),
-        _preset("sglang-swa", "SWA hybrid (SWAKVPool, SWATokenToKVPoolAllocator, UnifiedRadixCache with its SWA "
-                              "component): an 8-token sliding window, 256 full slots and 128 SWA slots, window "
-                              "eviction every 4 tokens, page 1",
-                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5}),
-        _preset("sglang-swa-chunked", "SWA hybrid with chunked prefill (16-token chunks) under overlap scheduling: "
-                                      "an 8-token window, 256 full and 128 SWA slots, page 4",
-                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5, "page_size": 4,
-                 "chunked_prefill_size": 16, "enable_overlap": True}),
-        _preset("sglang-swa-small", "SWA hybrid with pools small enough that decode retracts: an 8-token window, "
-                                    "128 full and 48 SWA slots, 16-token chunks (a prompt longer than the SWA pool "
-                                    "is admitted in smaller chunks), at most 6 running, page 1",
-                {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.375,
-                 "chunked_prefill_size": 16, "max_running_requests": 6, "new_token_ratio": 0.2}),
-        _preset("sglang-swa-paged", "SWA hybrid with a page larger than the window: a 6-token window, 16-token "
-                                    "pages, 512 full and 256 SWA slots",
-                {"sliding_window_size": 6, "num_slots": 512, "swa_full_tokens_ratio": 0.5, "page_size": 16}),
-        _preset("sglang-swa-unaligned", "SWA hybrid with a window whole pages do not cover, and one past it not "
-                                        "either (window + 1 = 3 mod the page): a 6-token window, 4-token pages, "
-                                        "256 full and 128 SWA slots",
-                {"sliding_window_size": 6, "num_slots": 256, "swa_full_tokens_ratio": 0.5, "page_size": 4}),
-        _preset("sglang-swa-chunkcache", "SWA hybrid with the radix cache off (SGLang's chunk cache for SWA: "
-                                         "--disable-radix-cache), 16-token chunks under overlap scheduling, an "
-                                         "8-token window, 128 full slots and an SWA pool of 24, under two chunks "
-                                         "(the setting of sglang#36458), page 4",
-                {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.1875, "page_size": 4,
-                 "swa_chunk_cache": True, "chunked_prefill_size": 16, "enable_overlap": True}),
-        _preset("sglang-swa-session", "SWA hybrid with streaming sessions (a session's record keeps its SWA window "
-                                      "across turns): an 8-token window, 256 full and 128 SWA slots, page 1",
-                {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5,
-                 "enable_streaming_session": True, "context_len": 96}),
-        _preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): HybridReqToTokenPool with a "
-                                "24-slot MambaPool (3 per running request, as SGLang sizes it), HybridLinearKVPool, "
-                                "UnifiedRadixCache with its mamba component (copy-on-write at a prefix hit, states "
-                                "copied into the tree at each chunk and donated at finish), 32-token chunks, page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32}),
-        _preset("sglang-mamba-small", "hybrid SSM with small pools: 9 mamba slots (the least SGLang sizes for 3 "
-                                      "running requests), 96 KV slots, 16-token chunks (mamba eviction from the tree "
-                                      "and decode retraction happen), page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 9, "max_running_requests": 3, "num_slots": 96,
-                 "context_len": 64, "chunked_prefill_size": 16}),
-        _preset("sglang-mamba-overlap", "hybrid SSM under overlap scheduling (event_loop_overlap: a finished "
-                                        "request stays in the last batch after its state went to the tree), "
-                                        "8-token chunks, 12 mamba slots, 4 running requests, page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 12, "max_running_requests": 4,
-                 "chunked_prefill_size": 8, "enable_overlap": True}),
-        _preset("sglang-mamba-mixed", "hybrid SSM with the extra buffer (--mamba-radix-cache-strategy "
-                                      "extra_buffer: ping-pong track slots, a checkpoint donates the tracked state) "
-                                      "and --enable-mixed-chunk (running requests decode inside prefill batches), "
-                                      "16-token chunks, 8-token mamba chunks, 24 mamba slots, page 1",
-                {"enable_mamba": True, "mamba_extra_buffer": True, "enable_mixed_chunk": True,
-                 "max_mamba_cache_size": 24, "max_running_requests": 4, "chunked_prefill_size": 16}),
-        _preset("sglang-mamba-session", "hybrid SSM with streaming sessions (a session record keeps its mamba "
-                                        "slot between turns: session_held_mamba_slots; StreamingSession frees it "
-                                        "at close), 24 mamba slots, 32-token chunks, page 1",
-                {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32,
-                 "enable_streaming_session": True, "context_len": 96}),
-        _preset("sglang-spec-eagle", "speculative decoding, spec v2 EAGLE (3 draft steps, topk 1, 4-token verify): "
-                                     "each decode step reserves committed + 8 slots (eagle_prepare_for_decode, "
-                                     "alloc_for_spec_decode), a stand-in verify accepts 0-3 drafts a request, "
-                                     "SGLang's processor commits the run; 256 slots, page 1",
-                {**_SPEC_EAGLE, "num_slots": 256}),
-        _preset("sglang-spec-eagle-paged", "sglang-spec-eagle with 4-token pages (the reservation is page-aligned; "
-                                           "the tail freed at release starts at the page after the owned KV), "
-                                           "256 slots",
-                {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4}),
-        _preset("sglang-spec-ngram", "speculative decoding, spec v2 n-gram (no draft KV: 6-token verify, 6 steps, "
-                                     "topk 1): each decode step reserves committed + 12 slots, the stand-in accepts "
-                                     "0-5 drafts; 256 slots, page 1",
-                {"speculative_algorithm": "ngram", "speculative_num_steps": 6, "speculative_eagle_topk": 1,
-                 "speculative_num_draft_tokens": 6, "num_slots": 256}),
-        _preset("sglang-spec-ngram-deep", "spec v2 n-gram with a verify as deep as a quarter of a short context "
-                                          "(16 draft tokens, 16 steps, context 32): the double-buffered reserve "
-                                          "(2 x 16) outgrows the req_to_token row's headroom (4 + 16) for a "
-                                          "request near its context end; 256 slots, page 1",
-                {"speculative_algorithm": "ngram", "speculative_num_steps": 16, "speculative_eagle_topk": 1,
-                 "speculative_num_draft_tokens": 16, "num_slots": 256, "context_len": 32}),
-        _preset("sglang-spec-overlap", "sglang-spec-eagle under overlap scheduling (spec v2's default loop: a "
-                                       "verify's result is committed after the next step reserved from the lagging "
-                                       "kv_committed_len, the double-buffered reserve), page 4, 256 slots",
-                {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4, "enable_overlap": True}),
-        _preset("sglang-spec-retract", "sglang-spec-eagle with a pool small enough that decode retracts "
-                                       "(check_decode_mem with the spec-v2 estimate, retract_decode releasing "
-                                       "reserved tails): 64 slots, page 1",
-                {**_SPEC_EAGLE, "num_slots": 64, "new_token_ratio": 0.2}),
-        _preset("sglang-spec-session", "sglang-spec-eagle with streaming sessions (a turn's reserved draft tail "
-                                       "on the session's record: the spec-tail leak of sglang#22862), page 1",
-                {**_SPEC_EAGLE, "num_slots": 256, "enable_streaming_session": True, "context_len": 96}),
-        _preset("sglang-spec-swa", "sglang-spec-eagle on an SWA hybrid (eagle_prepare_for_decode's maybe_evict_swa "
-                                   "before each reservation; the tail freed in both pools): an 8-token window, 256 "
-                                   "full and 128 SWA slots, page 1",
-                {**_SPEC_EAGLE, "sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5}),
-        _preset("sglang-spec-mamba", "sglang-spec-eagle on a hybrid SSM model (mamba slots beside the draft "
-                                     "reservation; no extra buffer), 24 mamba slots, 32-token chunks, page 1",
-                {**_SPEC_EAGLE, "enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32}),
-    ]
-}
+_preset("sglang", "SGLang's UnifiedRadixCache over TokenToKVPoolAllocator, page 1, 512 slots", {})
+_preset("sglang-paged", "PagedTokenToKVPoolAllocator with 16-token pages, 1024 slots",
+        {"page_size": 16, "num_slots": 1024})
+_preset("sglang-pd", "need_sort=True (the allocator flag of PD disaggregation), page 4, 256 slots",
+        {"need_sort": True, "page_size": 4, "num_slots": 256})
+_preset("sglang-session", "streaming sessions (StreamingSession, SessionController), page 1",
+        {"enable_streaming_session": True, "context_len": 96})
+_preset("sglang-session-nonstreaming", "non-streaming sessions (history through the radix cache; turns "
+                                       "branch, replace, drop output or splice with SessionParams), page 1",
+        {"enable_streaming_session": True, "session_streaming": False, "context_len": 96})
+_preset("sglang-overlap", "overlap scheduling (event_loop_overlap): each batch's result is processed "
+                          "one step after the next batch is allocated; page 4",
+        {"enable_overlap": True, "page_size": 4})
+_preset("sglang-pd-decode", "PD disaggregation, decode side: DecodePreallocQueue, DecodeTransferQueue "
+                            "(deferred releases), prebuilt batches, DecodeReqToTokenPool; tree off; page 4",
+        {"disaggregation_mode": "decode", "need_sort": True, "page_size": 4, "num_slots": 256})
+_preset("sglang-pd-prefill", "PD disaggregation, prefill side: PrefillBootstrapQueue, the inflight queue "
+                             "(process_disagg_prefill_inflight_queue) and a decode peer whose bootstrap "
+                             "takes 1 step, every 7th never comes (16-step bootstrap timeout), transfers "
+                             "land 2 steps after the last chunk; a bootstrapped request waiting 6 steps "
+                             "for memory times out (waiting timeout); 128 slots, page 4",
+        {"disaggregation_mode": "prefill", "need_sort": True, "page_size": 4, "num_slots": 128,
+         "transfer_latency_steps": 2, "bootstrap_lost_every": 7, "waiting_timeout_steps": 6})
+_preset("sglang-pd-prefill-chunked", "PD prefill with chunked prefill (16-token chunks sent as they are "
+                                     "computed, process_prefill_chunk), a tight KV pool (128 slots), "
+                                     "bootstrap in 3 steps, every 5th never; 8-step waiting and bootstrap "
+                                     "timeouts; page 4",
+        {"chunked_prefill_size": 16, "bootstrap_steps": 3, "bootstrap_lost_every": 5, "bootstrap_timeout_steps": 8,
+         "waiting_timeout_steps": 8}, "sglang-pd-prefill")
+_preset("sglang-pd-prefill-reads", "sglang-pd-prefill whose transfer worker reads a chunk's source pages "
+                                   "until it lands even after its room failed (a chunk inside its sync "
+                                   "call is finished, as mooncake's transfer_worker does: sglang#38961)",
+        {"prefill_reads_after_failure": True}, "sglang-pd-prefill")
+_preset("sglang-pd-prefill-optimistic", "PD prefill with optimistic prefill (2 attempts: a request runs "
+                                        "before decode bootstrapped, sits in the inflight queue, and yields "
+                                        "its row back to the waiting queue when rows run out: "
+                                        "optimistic_release_and_requeue); bootstrap in 4 steps, 4 rows, "
+                                        "128 slots, page 4",
+        {"max_req_rows": 4, "bootstrap_steps": 4, "waiting_timeout_steps": 8, "optimistic_prefill_attempts": 2},
+        "sglang-pd-prefill")
+_preset("sglang-pd-prefill-session", "sglang-pd-prefill-optimistic with streaming sessions: a session "
+                                     "turn runs on a prefill server (its record in the session slot from "
+                                     "transfer to transfer) and may be requeued; 2 rows (more "
+                                     "requeues), 6-step waiting timeout",
+        {"max_req_rows": 2, "waiting_timeout_steps": 6, "enable_streaming_session": True, "context_len": 96},
+        "sglang-pd-prefill-optimistic")
+_preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, chunked_req) under overlap "
+                          "scheduling, page 4",
+        {"chunked_prefill_size": 16, "enable_overlap": True, "page_size": 4})
+_preset("sglang-hisparse", "HiSparse (MiniMaxSparseKVPool, HiSparseTokenToKVPoolAllocator, "
+                           "HiSparseCoordinator) with the radix cache off: 256 device slots, 512 logical, "
+                           "32-token device buffers, page 1; staging copies in flight for one step",
+        {"enable_hisparse": True, "num_slots": 256, "hisparse_device_buffer_size": 32,
+         "hisparse_staging_steps": 1})
+_preset("sglang-hicache", "HiCache host tier (UnifiedRadixCache.init_hicache, HybridCacheController, "
+                          "MHATokenToKVPoolHost): 128 device slots, host pool 2x, write_through, page 4; "
+                          "each write-through / load-back ack one step after submission; no L3 storage; "
+                          "the host pool's leak check needs --tree-core python",
+        {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
+         "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1})
+_preset("sglang-hicache-l3", "HiCache with the L3 storage tier (--hicache-storage-backend file: HiCacheFile "
+                             "in a temporary directory per run): 128 device slots, host pool 1.25x (host "
+                             "eviction is reached, and storage with it), write_through, page 4; "
+                             "write-through acks back host copies up to storage, a queued request prefetches "
+                             "what storage holds beyond its device and host match (wait_complete, 8-token "
+                             "threshold); storage operations run on a step-driven stand-in of the storage "
+                             "threads one step after they are queued; the host pool's leak check needs "
+                             "--tree-core python",
+        {"hicache_ratio": 1.25, "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
+         "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8}, "sglang-hicache")
+_preset("sglang-mixed", "mixed-style chunked prefill (--enable-mixed-chunk: running requests decode inside "
+                        "prefill batches, mix_with_running) with 16-token chunks under overlap scheduling, "
+                        "page 1",
+        {"chunked_prefill_size": 16, "enable_mixed_chunk": True, "enable_overlap": True})
+_preset("sglang-priority", "priority scheduling with preemption (SchedulePolicy, preempt_to_schedule), "
+                           "at most 4 queued requests and 3 running, waiting / running timeout aborts after "
+                           "12 / 24 steps, page 1",
+        {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 1,
+         "max_running_requests": 3, "max_queued_requests": 4, "request_waiting_timeout_steps": 12,
+         "request_running_timeout_steps": 24})
+_preset("sglang-evict-tlru", "--radix-eviction-policy tlru (Tail-Optimized LRU: a conversation's tail past its "
+                             "TTFT budget goes first; threshold 32, next_prompt_estimate 8 tokens) over "
+                             "non-streaming sessions, 128 slots: allocations evict part of the tree, page 1",
+        {"radix_eviction_policy": "tlru", "num_slots": 128,
+         "radix_eviction_policy_config": '{"threshold": 32, "next_prompt_estimate": 8}',
+         "enable_streaming_session": True, "session_streaming": False, "context_len": 96})
+_preset("sglang-evict-priority", "--radix-eviction-policy priority (lower-priority requests' prefixes go "
+                                 "first) with priority scheduling, 128 slots: allocations evict part of the "
+                                 "tree, page 1",
+        {"radix_eviction_policy": "priority", "enable_priority_scheduling": True, "num_slots": 128})
+_preset("sglang-evict-slru", "--radix-eviction-policy slru (segmented LRU, protected from 2 hits), 128 slots: "
+                             "allocations evict part of the tree, page 4",
+        {"radix_eviction_policy": "slru", "radix_eviction_policy_config": '{"protected_threshold": 2}',
+         "num_slots": 128, "page_size": 4})
+_preset("sglang-hicache-l3-timeout", "sglang-hicache-l3 with SGLang's default prefetch policy, timeout: a "
+                                     "queued request waits for its storage prefetch at most 2 steps (the "
+                                     "step clock as prefetch_timeout_base), then is admitted with what has "
+                                     "landed; each storage operation takes 3 steps, so deadlines expire",
+        {"hicache_storage_ack_steps": 3, "hicache_storage_prefetch_policy": "timeout",
+         "hicache_storage_prefetch_timeout_steps": 2}, "sglang-hicache-l3")
+_preset("sglang-hicache-l3-fail", "sglang-hicache-l3 over a failing storage backend: every third storage "
+                                  "read or write fails whole (batch_get answers no page, batch_set False), "
+                                  "so backups stop short and prefetches load nothing",
+        {"hicache_storage_fail_every": 3}, "sglang-hicache-l3")
+_preset("sglang-swa", "SWA hybrid (SWAKVPool, SWATokenToKVPoolAllocator, UnifiedRadixCache with its SWA "
+                      "component): an 8-token sliding window, 256 full slots and 128 SWA slots, window "
+                      "eviction every 4 tokens, page 1",
+        {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5})
+_preset("sglang-swa-chunked", "SWA hybrid with chunked prefill (16-token chunks) under overlap scheduling: "
+                              "an 8-token window, 256 full and 128 SWA slots, page 4",
+        {"page_size": 4, "chunked_prefill_size": 16, "enable_overlap": True}, "sglang-swa")
+_preset("sglang-swa-small", "SWA hybrid with pools small enough that decode retracts: an 8-token window, "
+                            "128 full and 48 SWA slots, 16-token chunks (a prompt longer than the SWA pool "
+                            "is admitted in smaller chunks), at most 6 running, page 1",
+        {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.375,
+         "chunked_prefill_size": 16, "max_running_requests": 6, "new_token_ratio": 0.2})
+_preset("sglang-swa-paged", "SWA hybrid with a page larger than the window: a 6-token window, 16-token "
+                            "pages, 512 full and 256 SWA slots",
+        {"sliding_window_size": 6, "num_slots": 512, "swa_full_tokens_ratio": 0.5, "page_size": 16})
+_preset("sglang-swa-unaligned", "SWA hybrid with a window whole pages do not cover, and one past it not "
+                                "either (window + 1 = 3 mod the page): a 6-token window, 4-token pages, "
+                                "256 full and 128 SWA slots",
+        {"sliding_window_size": 6, "num_slots": 256, "swa_full_tokens_ratio": 0.5, "page_size": 4})
+_preset("sglang-swa-chunkcache", "SWA hybrid with the radix cache off (SGLang's chunk cache for SWA: "
+                                 "--disable-radix-cache), 16-token chunks under overlap scheduling, an "
+                                 "8-token window, 128 full slots and an SWA pool of 24, under two chunks "
+                                 "(the setting of sglang#36458), page 4",
+        {"sliding_window_size": 8, "num_slots": 128, "swa_full_tokens_ratio": 0.1875, "page_size": 4,
+         "swa_chunk_cache": True, "chunked_prefill_size": 16, "enable_overlap": True})
+_preset("sglang-swa-session", "SWA hybrid with streaming sessions (a session's record keeps its SWA window "
+                              "across turns): an 8-token window, 256 full and 128 SWA slots, page 1",
+        {"enable_streaming_session": True, "context_len": 96}, "sglang-swa")
+_preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): HybridReqToTokenPool with a "
+                        "24-slot MambaPool (3 per running request, as SGLang sizes it), HybridLinearKVPool, "
+                        "UnifiedRadixCache with its mamba component (copy-on-write at a prefix hit, states "
+                        "copied into the tree at each chunk and donated at finish), 32-token chunks, page 1",
+        {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32})
+_preset("sglang-mamba-small", "hybrid SSM with small pools: 9 mamba slots (the least SGLang sizes for 3 "
+                              "running requests), 96 KV slots, 16-token chunks (mamba eviction from the tree "
+                              "and decode retraction happen), page 1",
+        {"enable_mamba": True, "max_mamba_cache_size": 9, "max_running_requests": 3, "num_slots": 96,
+         "context_len": 64, "chunked_prefill_size": 16})
+_preset("sglang-mamba-overlap", "hybrid SSM under overlap scheduling (event_loop_overlap: a finished "
+                                "request stays in the last batch after its state went to the tree), "
+                                "8-token chunks, 12 mamba slots, 4 running requests, page 1",
+        {"enable_mamba": True, "max_mamba_cache_size": 12, "max_running_requests": 4,
+         "chunked_prefill_size": 8, "enable_overlap": True})
+_preset("sglang-mamba-mixed", "hybrid SSM with the extra buffer (--mamba-radix-cache-strategy "
+                              "extra_buffer: ping-pong track slots, a checkpoint donates the tracked state) "
+                              "and --enable-mixed-chunk (running requests decode inside prefill batches), "
+                              "16-token chunks, 8-token mamba chunks, 24 mamba slots, page 1",
+        {"enable_mamba": True, "mamba_extra_buffer": True, "enable_mixed_chunk": True,
+         "max_mamba_cache_size": 24, "max_running_requests": 4, "chunked_prefill_size": 16})
+_preset("sglang-mamba-session", "hybrid SSM with streaming sessions (a session record keeps its mamba "
+                                "slot between turns: session_held_mamba_slots; StreamingSession frees it "
+                                "at close), 24 mamba slots, 32-token chunks, page 1",
+        {"enable_streaming_session": True, "context_len": 96}, "sglang-mamba")
+_preset("sglang-spec-eagle", "speculative decoding, spec v2 EAGLE (3 draft steps, topk 1, 4-token verify): "
+                             "each decode step reserves committed + 8 slots (eagle_prepare_for_decode, "
+                             "alloc_for_spec_decode), a stand-in verify accepts 0-3 drafts a request, "
+                             "SGLang's processor commits the run; 256 slots, page 1",
+        {**_SPEC_EAGLE, "num_slots": 256})
+_preset("sglang-spec-eagle-paged", "sglang-spec-eagle with 4-token pages (the reservation is page-aligned; "
+                                   "the tail freed at release starts at the page after the owned KV), "
+                                   "256 slots",
+        {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4})
+_preset("sglang-spec-ngram", "speculative decoding, spec v2 n-gram (no draft KV: 6-token verify, 6 steps, "
+                             "topk 1): each decode step reserves committed + 12 slots, the stand-in accepts "
+                             "0-5 drafts; 256 slots, page 1",
+        {"speculative_algorithm": "ngram", "speculative_num_steps": 6, "speculative_eagle_topk": 1,
+         "speculative_num_draft_tokens": 6, "num_slots": 256})
+_preset("sglang-spec-ngram-deep", "spec v2 n-gram with a verify as deep as a quarter of a short context "
+                                  "(16 draft tokens, 16 steps, context 32): the double-buffered reserve "
+                                  "(2 x 16) outgrows the req_to_token row's headroom (4 + 16) for a "
+                                  "request near its context end; 256 slots, page 1",
+        {"speculative_num_steps": 16, "speculative_num_draft_tokens": 16, "context_len": 32}, "sglang-spec-ngram")
+_preset("sglang-spec-overlap", "sglang-spec-eagle under overlap scheduling (spec v2's default loop: a "
+                               "verify's result is committed after the next step reserved from the lagging "
+                               "kv_committed_len, the double-buffered reserve), page 4, 256 slots",
+        {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4, "enable_overlap": True})
+_preset("sglang-spec-retract", "sglang-spec-eagle with a pool small enough that decode retracts "
+                               "(check_decode_mem with the spec-v2 estimate, retract_decode releasing "
+                               "reserved tails): 64 slots, page 1",
+        {**_SPEC_EAGLE, "num_slots": 64, "new_token_ratio": 0.2})
+_preset("sglang-spec-session", "sglang-spec-eagle with streaming sessions (a turn's reserved draft tail "
+                               "on the session's record: the spec-tail leak of sglang#22862), page 1",
+        {**_SPEC_EAGLE, "num_slots": 256, "enable_streaming_session": True, "context_len": 96})
+_preset("sglang-spec-swa", "sglang-spec-eagle on an SWA hybrid (eagle_prepare_for_decode's maybe_evict_swa "
+                           "before each reservation; the tail freed in both pools): an 8-token window, 256 "
+                           "full and 128 SWA slots, page 1",
+        {**_SPEC_EAGLE, "sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5})
+_preset("sglang-spec-mamba", "sglang-spec-eagle on a hybrid SSM model (mamba slots beside the draft "
+                             "reservation; no extra buffer), 24 mamba slots, 32-token chunks, page 1",
+        {**_SPEC_EAGLE, "enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32})

@@ -145,14 +145,29 @@ class SglangLegacyTarget(SglangDriver):
                          "alloc_paged_token_slots_decode")
     owner_stop_vars = ("reqs", "batch")
 
+    _refusal = staticmethod(refusal)  # why the family cannot drive a config (SglangLegacyPdHiSparseTarget: its own)
+
     def __init__(self, config):
-        S = self.S = load_legacy(probe_version())
-        why = refusal(config)
+        """Both families of the era: ``config`` checked (:meth:`_refusal`), the family's objects
+        (:meth:`_build`), then the scheduler state both drive. Raises :class:`SglangUnavailable`."""
+        self.S = load_legacy(probe_version())
+        why = self._refusal(config)
         if why is not None:
             raise SglangUnavailable(why)
         self.config = config
         self.clock = StepClock()
-        size = config.total_tokens
+        self._build(config)
+        self.model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False,
+                                            hf_eos_token_id=None, is_matryoshka=False, hidden_size=8,
+                                            num_hidden_layers=1)
+        self._init_state(config)
+        self.grammar_manager = None  # (no grammars in this era: flush, idle and _active read it)
+        # the row pool's ledger units: row + 1 before 0.5.11 (every row usable), the row itself from it
+        self._row_base = 0 if compat.has("row-zero-padding", self.S.version) else 1
+
+    def _build(self, config) -> None:
+        """``Scheduler.__init__``'s pools, tree and sessions: one set of core pools, a ``RadixCache``."""
+        S, size = self.S, config.total_tokens
         # Scheduler.__init__'s ServerArgs: page 1; torch_native picks the CPU index writer in this era
         self.server_args = S.ServerArgs(model_path="dummy", page_size=1, attention_backend="torch_native",
                                         max_running_requests=config.max_running_requests)
@@ -170,13 +185,6 @@ class SglangLegacyTarget(SglangDriver):
         self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
         if self.session_controller is not None:
             self.clock.install(S.session_module)  # Session.is_timed_out: one second a step
-        self.model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False,
-                                            hf_eos_token_id=None, is_matryoshka=False, hidden_size=8,
-                                            num_hidden_layers=1)
-        self._init_state(config)
-        self.grammar_manager = None  # (no grammars in this era: flush, idle and _active read it)
-        # the row pool's ledger units: row + 1 before 0.5.11 (every row usable), the row itself from it
-        self._row_base = 0 if compat.has("row-zero-padding", S.version) else 1
         # the row pool first: of two findings of one kind the row's is reported first (a row released under a
         # running turn is the root cause; its KV goes with it)
         self._pools = [PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, config.max_req_rows),

@@ -9,8 +9,9 @@ Why this is not :mod:`~kvaudit.targets.sglang.pd` + :mod:`~kvaudit.targets.sglan
 seam: the 0.5.23 features read ``ReqKvInfo`` (``req.kv``), build 0.5.23's constructors
 (``MiniMaxSparseKVPool``, ``DecodePreallocQueue`` without a gloo group, the coordinator's newer
 arguments) and stage through ``admit_request_into_staging``, not the direct-to-host path; 0.5.23 refuses
-HiSparse under PD. What is shared: the legacy target's intake, bootstrap and row-pool hooks, the host-pool
-hooks (:mod:`~kvaudit.targets.sglang.hooks`) and :func:`~kvaudit.targets.base.slot_pages`.
+HiSparse under PD. What is shared: the legacy target's bootstrap, intake, row-pool hooks and checks, the
+host-pool hooks (:mod:`~kvaudit.targets.sglang.hooks`), the metadata pool's
+(:mod:`~kvaudit.targets.sglang.pd_transfer`) and :func:`~kvaudit.targets.base.slot_pages`.
 
 Design notes: docs/internals/sglang.md ("The legacy era: PD decode with HiSparse")."""
 
@@ -24,10 +25,11 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, probe_version, torch_paged_kernels
-from kvaudit.targets.sglang.hooks import host_units
-from kvaudit.targets.sglang.legacy import SglangLegacyTarget, load_legacy
-from kvaudit.targets.sglang.standins import EOS, StepClock
+from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, torch_paged_kernels
+from kvaudit.targets.sglang.hooks import SglangHooks, host_units
+from kvaudit.targets.sglang.legacy import SglangLegacyTarget
+from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool
+from kvaudit.targets.sglang.standins import EOS
 
 INDEX_HEAD_DIM = 128  # NSATokenToKVPool's indexer buffer is laid out for 128-wide index heads
 KV_LORA_RANK, ROPE_DIM = 8, 8  # the MLA latent and rope widths (kv_cache_dim = their sum)
@@ -158,14 +160,26 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
     request_kv_allocs = SglangLegacyTarget.request_kv_allocs + ("alloc_logical_only", "alloc_device_buffer",
                                                                 "_pre_alloc")
 
+    _refusal = staticmethod(refusal)
+
     def __init__(self, config):
-        S = self.S = load_legacy(probe_version())
-        why = refusal(config)
-        if why is not None:
-            raise SglangUnavailable(why)
+        super().__init__(config)
+        self._build_queues(config)
+        ps, a, host = config.page_size, self.allocator, self.coordinator.mem_pool_host
+        self._pools = [
+            PoolSpec("token_to_kv_pool", a.logical_attn_allocator, "pages", ps, a.logical_attn_allocator.size // ps),
+            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self.req_to_token_pool.size
+                     + self.req_to_token_pool.pre_alloc_size),
+            metadata_pool(self.metadata_allocator),
+            PoolSpec("hisparse_device_pool", a.hisparse_attn_allocator, "pages", ps,
+                     a.hisparse_attn_allocator.size // ps),
+            PoolSpec("hisparse_host_pool", host, "host", 1, host.size)]
+        self.counters = {"health_checks": 0, "prebuilt_finished": 0, "direct_admits": 0, "decode_finished": 0}
+
+    def _build(self, config) -> None:
+        """The decode server's ``ServerArgs``, its pools (:meth:`_build_pools`) and its chunk cache; no sessions."""
+        S = self.S
         P = self.P = load_pd_hisparse(S)
-        self.config = config
-        self.clock = StepClock()
         self.server_args = S.ServerArgs(model_path="dummy", page_size=config.page_size,
                                         attention_backend="torch_native", disaggregation_mode="decode",
                                         disaggregation_transfer_backend="fake", enable_hisparse=True,
@@ -177,23 +191,6 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
             disable=True, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             page_size=config.page_size))
         self.session_controller = None
-        self.model_config = SimpleNamespace(vocab_size=config.vocab_size, is_encoder_decoder=False,
-                                            hf_eos_token_id=None, is_matryoshka=False, hidden_size=8,
-                                            num_hidden_layers=1)
-        self._init_state(config)
-        self.grammar_manager = None
-        self._row_base = 0 if compat.has("row-zero-padding", S.version) else 1
-        self._build_queues(config)
-        ps, a, host = config.page_size, self.allocator, self.coordinator.mem_pool_host
-        self._pools = [
-            PoolSpec("token_to_kv_pool", a.logical_attn_allocator, "pages", ps, a.logical_attn_allocator.size // ps),
-            PoolSpec("req_to_token_pool", self.req_to_token_pool, "rows", 1, self.req_to_token_pool.size
-                     + self.req_to_token_pool.pre_alloc_size),
-            PoolSpec("metadata_buffers", self.metadata_allocator, "meta", 1, self.metadata_allocator.size),
-            PoolSpec("hisparse_device_pool", a.hisparse_attn_allocator, "pages", ps,
-                     a.hisparse_attn_allocator.size // ps),
-            PoolSpec("hisparse_host_pool", host, "host", 1, host.size)]
-        self.counters = {"health_checks": 0, "prebuilt_finished": 0, "direct_admits": 0, "decode_finished": 0}
 
     def _build_pools(self, config) -> None:
         """``ModelRunner``'s HiSparse pools (``HiSparseNSATokenToKVPool``, ``HiSparseTokenToKVPoolAllocator``),
@@ -317,20 +314,13 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
             if req.rid.startswith(rid) and not req.finished():
                 req.to_finish = S.FINISH_ABORT()
 
-    def _request_flush(self, timeout: float) -> None:
-        """``flush_cache`` runs only when idle."""
-        self._flush_cache()
-
     def _flush_cache(self) -> bool:
-        """``Scheduler.flush_cache`` when ``is_fully_idle``: the tree (a chunk cache), the row pool and the
-        allocator (logical and device) cleared; as in SGLang, not the host pool nor the coordinator."""
-        if not self.is_idle():
+        """``Scheduler.flush_cache`` when ``is_fully_idle`` (the intake's: the tree, a chunk cache, the row pool and
+        the allocator, logical and device, cleared; as in SGLang, not the host pool nor the coordinator), and
+        the scheduler's ``last_batch`` dropped."""
+        if not super()._flush_cache():
             return False
         self.sched.last_batch = None
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.allocator.clear()
-        self._flushes += 1
         return True
 
     def _memory_pressure(self) -> None:
@@ -430,26 +420,11 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
         if spec.kind == "rows":
             return super().install_pool(spec, auditor, wrap)
         if spec.kind == "host":
-            from kvaudit.targets.sglang.hooks import SglangHooks
             return SglangHooks._install_host_pool(self, spec, auditor, wrap)
+        if install_metadata_pool(spec, auditor):
+            return
         auditor.wrap_clear(spec)
         obj, pool, capture = spec.obj, spec.name, auditor.capture_site
-        if spec.kind == "meta":
-            take, give = obj.alloc, obj.free
-
-            def meta_alloc(*a, **k):
-                idx = take(*a, **k)
-                if idx is not None:
-                    auditor.on_alloc(pool, [int(idx) + 1], capture())
-                return idx
-
-            def meta_free(idx, *a, **k):
-                give(idx, *a, **k)
-                auditor.on_free(pool, [int(idx) + 1], capture())
-
-            wrap(obj, "alloc", meta_alloc)
-            wrap(obj, "free", meta_free)
-            return
 
         def diffing(name: str, taking: bool):
             orig = getattr(obj, name)
@@ -528,14 +503,6 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
     def engine_check(self) -> list[str]:
         """None: SGLang's idle check is not modelled on this mode (kvaudit's own oracles read the pools)."""
         return []
-
-    def metrics_check(self) -> list[str]:
-        return [f"[req_to_token_pool] req:{r.rid} kv_committed_len={r.kv_committed_len} > "
-                f"kv_allocated_len={r.kv_allocated_len}" for r in self._live()
-                if not 0 <= r.kv_committed_len <= r.kv_allocated_len]
-
-    def stalled(self) -> bool:
-        return False
 
     def progress(self) -> dict[str, int]:
         out = {r.rid: r.kv_committed_len + len(r.output_ids) for r in self.sched.running_batch.reqs}
