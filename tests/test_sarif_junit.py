@@ -15,8 +15,8 @@ from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.audit.findings import KINDS, Finding, Site, source_path
 from kvaudit.reports.junit import to_junit
-from kvaudit.reports.sarif import (FINGERPRINT_KEY, SRCROOT, engine_base_id, engine_path, finding_stacks, primary_stack,
-                                   recorded_release, to_sarif)
+from kvaudit.audit.frames import recorded_release
+from kvaudit.reports.sarif import FINGERPRINT_KEY, SRCROOT, engine_base_id, engine_path, finding_stacks, primary_stack, to_sarif
 from kvaudit.targets import registry
 from kvaudit.targets.sglang.boot import installed_version
 from cli_helpers import invoke
