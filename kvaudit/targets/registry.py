@@ -133,7 +133,9 @@ class TargetKind:
     step; None: the searches' default (:mod:`kvaudit.search.schedule`). ``refused(name)``: for a preset the
     kind knows but the installed release cannot drive (which ``presets()`` leaves out), why, in one line that
     names the releases that can and the installed one; None for any other name (by the engine's metadata: no
-    import).
+    import). ``all_presets()``: every preset of every release the kind drives, for a caller that adds the
+    overrides a release needs and lets ``probe`` judge the result (the history suite's catalogue, a replay
+    file's preset name); None: ``presets()``.
     """
 
     name: str
@@ -162,6 +164,7 @@ class TargetKind:
     warm_up: Callable = _none
     search_per_step_first: int | None = None
     refused: Callable = _none
+    all_presets: Callable[[], Mapping] | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
@@ -169,13 +172,14 @@ class TargetKind:
             return self.from_dict(d)
         return self.config_class.from_dict({k: v for k, v in d.items() if k != "target"})
 
-    def preset(self, name: str):
+    def preset(self, name: str, any_release: bool = False):
         """The preset called ``name`` (``default`` is :attr:`default_preset`). Raises
         :class:`kvaudit.config.UnknownPresetError` listing the valid ones (and naming this kind unless
-        it is :data:`DEFAULT_KIND`), or for a preset the installed release cannot drive, :meth:`refusal`."""
+        it is :data:`DEFAULT_KIND`), or for a preset the installed release cannot drive, :meth:`refusal`;
+        with ``any_release``, a preset of any release the kind drives (:attr:`all_presets`)."""
         from kvaudit.config import UnknownPresetError
 
-        presets = self.presets()
+        presets = (self.all_presets or self.presets)() if any_release else self.presets()
         name = self.default_preset if name == "default" else name
         if name not in presets:
             for_kind = "" if self.name == DEFAULT_KIND else f" for --target {self.name}"
@@ -203,7 +207,7 @@ _noted: set[str] = set()  # KVAUDIT_PLUGINS modules that registered something th
 
 
 _CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes", "refused")
-_OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe", "export")
+_OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe", "export", "all_presets")
 
 
 def check_kind(kind: TargetKind) -> None:

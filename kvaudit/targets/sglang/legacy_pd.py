@@ -25,25 +25,13 @@ import torch
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, probe_version, torch_paged_kernels
+from kvaudit.targets.sglang.config import legacy_pd_refusal
 from kvaudit.targets.sglang.hooks import host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget, load_legacy
 from kvaudit.targets.sglang.standins import EOS, StepClock
 
 INDEX_HEAD_DIM = 128  # NSATokenToKVPool's indexer buffer is laid out for 128-wide index heads
 KV_LORA_RANK, ROPE_DIM = 8, 8  # the MLA latent and rope widths (kv_cache_dim = their sum)
-
-
-def refusal(config) -> str | None:
-    """Why this family cannot drive ``config`` (a PD decode + HiSparse one), or None."""
-    off = [name for name, on in (
-        ("page_size != 64", config.page_size != 64), ("injected faults", bool(config.bugs)),
-        ("a KV checksum mismatch", config.kv_checksum_mismatch_every is not None),
-        ("hisparse_staging_steps", config.hisparse_staging_steps != 0),
-        ("transfer latency", config.transfer_latency_steps != 0)) if on]
-    if off:
-        return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} PD decode with HiSparse is driven with page 64 "
-                f"(NSA pages), SGLang's own fake transfer backend and no faults, not {', '.join(off)}")
-    return None
 
 
 _LOADED: SimpleNamespace | None = None
@@ -160,7 +148,7 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
 
     def __init__(self, config):
         S = self.S = load_legacy(probe_version())
-        why = refusal(config)
+        why = legacy_pd_refusal(config)
         if why is not None:
             raise SglangUnavailable(why)
         P = self.P = load_pd_hisparse(S)
