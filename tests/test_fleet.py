@@ -164,6 +164,18 @@ def test_malformed_entries_in_redis_are_skipped_with_a_warning(redis_server, tmp
     assert len(h.warnings) == 3 and "malformed corpus program" in h.warnings[-1]
 
 
+def test_a_finding_of_an_unknown_kind_in_redis_is_skipped_with_one_warning(redis_server, tmp_path):
+    """The kind check moved into Finding.from_dict: a hub's loader still skips such an entry with one line."""
+    doc = _doc()
+    doc["findings"][0]["kind"] = "bogus"
+    redis_server.client().hset("kvaudit:t:findings", "leak/bogus", json.dumps(doc))
+    h = _hub(redis_server)
+    assert h.pull_findings(str(tmp_path / "f")) == []
+    (line,) = h.warnings
+    assert "skipped a malformed finding in Redis (leak/bogus)" in line and 'unknown kind "bogus"' in line
+    assert "\n" not in line
+
+
 def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_server, tmp_path):
     h = _hub(redis_server)
     assert h.claim(["leak/x"], _doc()) == ["leak/x"]
