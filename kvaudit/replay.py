@@ -124,7 +124,7 @@ def _no_lone_surrogate(x, where: str):
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                raise ReplayFormatError(f"{where}: a string holds an unpaired UTF-16 surrogate ({v!r:.40})") from None
+                raise ReplayFormatError(f"{where}: a string holds an unpaired UTF-16 surrogate ({json_value(v, 40)})") from None
         elif isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())

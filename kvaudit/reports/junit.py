@@ -9,6 +9,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Mapping
 
+from kvaudit.config import json_value
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
@@ -66,7 +67,7 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
-    kind's config) become the suite's ``<properties>``; ``recorded``: a signature -> the engine release its
+    kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells it); ``recorded``: a signature -> the engine release its
     finding was recorded on (:func:`~kvaudit.reports.sarif.engine_of`)."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
@@ -92,8 +93,9 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         d["bugs"] = ",".join(sorted(d.get("bugs", [])))
         head = ("preset", "bugs", "model", "page_size")
         for key in [k for k in head if k in d] + sorted(k for k in d if k not in head):
-            ET.SubElement(props, "property", name=xml_text(key),
-                          value=xml_text("" if d[key] is None else d[key]))
+            v = d[key]  # NOTE: a string as it is; any other value spelled as JSON (false, null, [1, 2])
+            ET.SubElement(props, "property", name=xml_text(key), value=xml_text(v if isinstance(v, str) else
+                                                                                json_value(v)))
     suite.extend(cases)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
