@@ -308,3 +308,19 @@ def test_the_search_stops_once_the_crash_input_is_written_not_after_a_fixed_wait
     assert found is not None
     assert os.listdir(tmp_path / "w" / "crashes") == ["crash-0123abcd"]
     assert time.monotonic() - t0 < 30  # stopped at the artifact, not at the budget
+
+
+def test_a_bad_max_ops_is_one_line_spelled_as_json(monkeypatch, capsys):
+    """``KVAUDIT_MAX_OPS must be an integer, got 'x'``: the value in Python's quotes."""
+    from kvaudit.search import atheris_harness
+
+    monkeypatch.delenv("KVAUDIT_CONFIG", raising=False)
+    monkeypatch.delenv("KVAUDIT_KNOWN", raising=False)
+    monkeypatch.delenv("KVAUDIT_SUPPRESS", raising=False)
+    monkeypatch.setenv("KVAUDIT_MAX_OPS", "x")
+    for name in ("CONFIG", "KNOWN", "SUPPRESSIONS", "FINDINGS_DIR", "STATS_DIR", "MAX_OPS"):  # _setup sets them
+        monkeypatch.setattr(atheris_harness, name, getattr(atheris_harness, name))
+    with pytest.raises(SystemExit) as e:
+        atheris_harness._setup()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == 'fuzz_engine.py: KVAUDIT_MAX_OPS must be an integer, got "x"\n'

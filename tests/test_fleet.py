@@ -164,6 +164,29 @@ def test_malformed_entries_in_redis_are_skipped_with_a_warning(redis_server, tmp
     assert len(h.warnings) == 3 and "malformed corpus program" in h.warnings[-1]
 
 
+def test_a_finding_of_an_unknown_kind_in_redis_is_skipped_with_one_warning(redis_server, tmp_path):
+    """The kind check moved into Finding.from_dict: a hub's loader still skips such an entry with one line."""
+    doc = _doc()
+    doc["findings"][0]["kind"] = "bogus"
+    redis_server.client().hset("kvaudit:t:findings", "leak/bogus", json.dumps(doc))
+    h = _hub(redis_server)
+    assert h.pull_findings(str(tmp_path / "f")) == []
+    (line,) = h.warnings
+    assert "skipped a malformed finding in Redis (leak/bogus)" in line and 'unknown kind "bogus"' in line
+    assert "\n" not in line
+
+
+def test_the_campaign_name_is_spelled_as_json_in_the_fuzz_banner_and_the_pull_line(redis_server, tmp_path):
+    """Both lines named the campaign in Python's quotes ('t')."""
+    r = redis_server.client()
+    r.hset("kvaudit:t:findings", "leak/x", json.dumps(_doc()))
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "t", str(tmp_path / "pulled")])
+    assert pull.exit_code == 0 and 'pulled campaign "t": 1 new replay file(s)' in pull.output, pull.output
+    run = invoke(*["fuzz", *HISPARSE, "--fuzzer", "random", "--db", redis_server.url, "--campaign", "t",
+                   "--max-time", "1", "--corpus", str(tmp_path / "c")])
+    assert f'shared as "t" through {redis_server.url}' in run.output, run.output
+
+
 def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_server, tmp_path):
     h = _hub(redis_server)
     assert h.claim(["leak/x"], _doc()) == ["leak/x"]

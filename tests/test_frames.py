@@ -12,7 +12,7 @@ from cli_helpers import invoke
 
 from kvaudit import replay
 from kvaudit.audit.findings import Site, installed, portable_path, source_path
-from kvaudit.audit.frames import function_ranges, resolve
+from kvaudit.audit.frames import RecordedEngine, function_ranges, resolve
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CORPUS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))) + \
@@ -183,3 +183,29 @@ def test_a_package_in_a_venv_inside_the_checkout_is_recorded_from_its_package(tm
         assert findings._portable(str(tmp_path / "own" / "a.py"), (str(tmp_path), str(site))) == "own/a.py"
     finally:
         findings._portable.cache_clear()
+
+
+def test_a_frame_of_another_release_is_shown_as_recorded_and_never_read_from_the_installed_file(tmp_path):
+    """A frame in the engine's package recorded on another release than the installed one: its line and
+    text are that release's. ``resolve`` read them against the installed file (a "moved" note, or the
+    installed line's text for a frame recorded without one); now it names the release and claims nothing."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "mod.py").write_text(SOURCE)
+    path = str(pkg / "mod.py")
+    other = RecordedEngine("pkg", "2.0", "1.0")
+    fr = resolve(Site(path, 9, "second", "b = y * 2"), other)  # installed: "b = y * 2" is line 10
+    assert (fr.line, fr.source, fr.release) == (9, "b = y * 2", "1.0") and not fr.stale
+    assert fr.note == "pkg 1.0's line, as recorded: not checked against the installed pkg 2.0"
+    fr = resolve(Site(path, 10, "second"), other)  # no recorded text: the installed line's is not shown
+    assert (fr.line, fr.source, fr.release) == (10, "", "1.0")
+    fr = resolve(Site(path, 9, "second", "b = y * 2"), RecordedEngine("pkg", None, "1.0"))
+    assert fr.note == "pkg 1.0's line, as recorded: not checked against no pkg here"
+    # an overlay's path names its release, whatever the file says
+    overlay = Site("/h/.cache/kvaudit/releases/pkg-0.9/pkg/mod.py", 3, "f", "x = 1")
+    assert resolve(overlay, RecordedEngine("pkg", "2.0")).release == "0.9"
+    # the installed release, no release named, or a frame outside the package: checked as before
+    for engine in (RecordedEngine("pkg", "2.0", "2.0"), RecordedEngine("pkg", "2.0"), None,
+                   RecordedEngine("other", "2.0", "1.0")):
+        fr = resolve(Site(path, 9, "second", "b = y * 2"), engine)
+        assert (fr.line, fr.release) == (10, "") and fr.note.startswith("moved: recorded as line 9"), engine

@@ -152,6 +152,20 @@ def test_a_flaky_finding_does_not_end_the_search(tmp_path, monkeypatch):
     assert doc["findings"][0]["signature"] != dropped[0]  # the search went on past the flaky signature
 
 
+def test_a_finding_that_confirms_then_does_not_replay_while_minimizing_is_flaky(monkeypatch):
+    """vLLM 0.16.0's connector hang (``fuzz --target vllm --bug free-under-inflight-step --preset
+    vllm-kv-connector-small --max-time 2``, stop 50's exit 70): replayed 3 of 3, then not in minimize's first
+    run, whose ValueError left the run as "internal error" (5 of 20 runs under load). It is flaky: triage
+    returns None and the search goes on past it (test_a_flaky_finding_does_not_end_the_search)."""
+    from kvaudit.search import minimize
+
+    config = get_preset("pd-decode-hisparse").config(bugs=frozenset({"hisparse-prebuilt-skip-finish"}))
+    program, findings = fuzz.random_search(config, 60, 1, FuzzStats())
+    assert fuzz.confirm(config, program, findings[0].signature) == 3
+    monkeypatch.setattr(minimize, "reproduces", lambda *a, **k: False)  # the 4th replay differs
+    assert fuzz.triage(config, program, findings[0]) is None
+
+
 @pytest.mark.parametrize("caller", ["cli", "pytest"])
 def test_the_search_past_a_flaky_finding_keeps_its_corpus(tmp_path, monkeypatch, caller):
     """Every round after a flaky finding started from an empty corpus (`--step-timeout 0.0001`: every

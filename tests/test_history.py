@@ -342,3 +342,14 @@ def test_the_report_says_what_each_bug_is_a_rediscovery_too():
     section = text.split("## What each bug is, and how a real server reaches it", 1)[1].split("\n## ", 1)[0]
     assert f"- **{bid}**: kvaudit's own finding (" in section
     assert "Reached: see corpora/sglang/README.md" in section
+
+
+def test_a_fuzzer_that_cannot_search_the_bugs_engine_is_named_as_json():
+    """``fuzzer 'atheris' cannot search a sglang engine``: the name in Python's quotes."""
+    bug = BUGS["sglang-22882"]
+    from kvaudit.search import fuzzers
+
+    assert not fuzzers.get("atheris").takes("sglang")
+    config = registry.get("sglang").preset("sglang").config()
+    with pytest.raises(ValueError, match='^fuzzer "atheris" cannot search a sglang engine$'):
+        worker.search_trial(bug, config, "atheris", 0, 1.0)

@@ -54,7 +54,7 @@ def render(config, program, findings, width=100, terminal=True, **kw) -> str:
 def as_recorded(monkeypatch):
     """Frames rendered as recorded, not checked against the current source (tests/test_frames.py
     does that), so that the snapshots do not move when engine code moves."""
-    monkeypatch.setattr("kvaudit.reports.report.resolve", lambda s: Frame(s.line, s.source))
+    monkeypatch.setattr("kvaudit.reports.report.resolve", lambda s, engine=None: Frame(s.line, s.source))
 
 
 @pytest.mark.parametrize("kind", list(SNAPSHOT_CASES))
@@ -531,7 +531,7 @@ def test_lone_surrogates_and_huge_integers_are_input_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(text.replace('"allocated, unreachable', '"\\ud800allocated, unreachable', 1))
     r = invoke("report", str(bad))
-    assert r.exit_code == 2 and "surrogate" in one_error_line(r)
+    assert r.exit_code == 2 and 'surrogate ("\\ud800allocated, unreachable' in one_error_line(r), r.output  # as JSON
     bad.write_text(text.replace('"step": 1', '"step": 1' + "0" * 5000, 1))
     r = invoke("report", str(bad))
     assert r.exit_code == 2 and "not JSON" in one_error_line(r)
@@ -681,3 +681,32 @@ def test_a_long_unknown_kind_is_cut_inside_its_quotes(tmp_path):
     r = invoke("report", str(bad))
     assert r.exit_code == 2, r.output
     assert 'bad findings: unknown kind "' + "x" * 55 + '..." (valid: leak, ' in one_error_line(r)
+
+
+@pytest.mark.parametrize("version, other", [("0.5.10.post1", True), ("0.5.23", False)])
+def test_every_report_names_the_release_of_another_releases_frames(tmp_path, monkeypatch, version, other):
+    """Only SARIF knew a file's engine frames were another release's: the console report, JUnit and HTML
+    checked them against the installed package ("moved: recorded as line 1034; the file changed since", at
+    the installed file's line). Now each shows the recorded file:line with its release named; a file of the
+    installed release is still checked against it."""
+    from kvaudit.targets.sglang import boot
+
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.5.23")
+    doc = json.load(open(os.path.join(os.path.dirname(__file__), "..", "corpora", "sglang",
+                                      "leak-a3-hisparse-buffer-padded-at-finish.json")))
+    site = doc["findings"][0]["alloc_sites"][0]
+    assert site["file"].startswith("sglang/")
+    site["line"] += 3  # that release's line: the text three lines lower than the installed file's
+    doc["engine_version"] = version
+    src, junit, html = tmp_path / "in.json", tmp_path / "out.xml", tmp_path / "out.html"
+    src.write_text(json.dumps(doc))
+    r = invoke("report", str(src), "--junit", str(junit), "--html", str(html))
+    assert r.exit_code == 0, r.output
+    at = f"{site['file']}:{site['line']}"
+    note = f"(sglang {version}'s line, as recorded: not checked against the installed sglang 0.5.23)"
+    moved = f"moved: recorded as line {site['line']}"
+    texts = {"console": r.stdout, "junit": junit.read_text(), "html": html.read_text().replace("&#x27;", "'")}
+    for name, text in texts.items():
+        assert (note in text) is other, name
+        assert (moved in text) is not other, name
+    assert at in r.stdout and at in texts["junit"] if other else at not in r.stdout

@@ -15,8 +15,8 @@ from engine_under_test import EngineConfig
 from kvaudit import replay
 from kvaudit.audit.findings import KINDS, Finding, Site, source_path
 from kvaudit.reports.junit import to_junit
-from kvaudit.reports.sarif import (FINGERPRINT_KEY, SRCROOT, engine_base_id, engine_path, finding_stacks, primary_stack,
-                                   recorded_release, to_sarif)
+from kvaudit.audit.frames import recorded_release
+from kvaudit.reports.sarif import FINGERPRINT_KEY, SRCROOT, engine_base_id, engine_path, finding_stacks, primary_stack, to_sarif
 from kvaudit.targets import registry
 from kvaudit.targets.sglang.boot import installed_version
 from cli_helpers import invoke
@@ -648,6 +648,20 @@ def test_junit_sarif_and_the_pytest_fixture_word_the_lifecycle_and_the_engine_ch
     assert to_sarif([f], config)["runs"][0]["results"][0]["properties"]["lifecycle"] == events
     assert f"engine check_memory(): FAILED: {f.engine_check[0]}" in failure_text(f)
     assert " != total=" in f.engine_check[0]
+
+
+def test_junit_properties_spell_a_config_value_as_json():
+    """The suite's properties read ``False`` and (a list's) ``None`` as Python spells them, and a None as an
+    empty string; every other message spells values as JSON."""
+    from kvaudit.targets import registry
+
+    config = registry.get("eut").preset("default").config()
+    props = {p.get("name"): p.get("value") for p in _suite(to_junit([], config)).find("properties")}
+    d = config.to_dict()
+    assert d["enable_overlap"] is False and d["chunked_prefill_size"] is None
+    assert (props["enable_overlap"], props["chunked_prefill_size"]) == ("false", "null")
+    assert props["preset"] == "default" and props["bugs"] == ""  # strings as they are
+    assert all(props[k] == json.dumps(v) for k, v in d.items() if not isinstance(v, str) and k != "bugs")
 
 
 def test_junit_clean_run():

@@ -1,6 +1,7 @@
 """The real-SGLang target's configuration, probe and CLI errors: these run with or without SGLang."""
 
 import json
+import os
 
 import pytest
 
@@ -191,9 +192,9 @@ def test_an_eviction_policy_sglang_does_not_take_is_refused(kw, says):
 
 
 def test_the_legacy_era_refuses_an_eviction_policy_it_is_not_driven_with():
-    from kvaudit.targets.sglang import legacy
-    assert "a radix eviction policy other than lru" in legacy.refusal(SGLANG_PRESETS["sglang-evict-slru"].config())
-    assert legacy.refusal(SglangConfig()) is None
+    from kvaudit.targets.sglang.config import legacy_refusal
+    assert "a radix eviction policy other than lru" in legacy_refusal(SGLANG_PRESETS["sglang-evict-slru"].config())
+    assert legacy_refusal(SglangConfig()) is None
 
 
 @pytest.mark.parametrize("preset, feature", [
@@ -203,5 +204,51 @@ def test_the_legacy_era_refuses_the_hybrid_and_speculative_paths_it_does_not_dri
     """The cache_finished_req era's driver has no SWA, Mamba or speculative-decoding path: a preset with one
     and nothing else the era refuses (sglang-spec-eagle, sglang-swa-session) ran there as a plain session
     preset, clean, its own path never reached (the tester, on the 0.5.10.post1 overlay)."""
-    from kvaudit.targets.sglang import legacy
-    assert legacy.refusal(SGLANG_PRESETS[preset].config()).endswith(feature)
+    from kvaudit.targets.sglang.config import legacy_refusal
+    assert legacy_refusal(SGLANG_PRESETS[preset].config()).endswith(feature)
+
+
+LEGACY_LISTED = {"sglang", "sglang-session", "sglang-session-nonstreaming"}
+
+
+@pytest.mark.parametrize("version", ["0.5.10.post1", "0.5.11"])
+def test_the_legacy_era_lists_only_the_presets_it_drives_and_says_why_of_the_rest(monkeypatch, tmp_path, version):
+    """``kvaudit presets --target sglang`` listed all of them on the legacy overlays, which refuse SWA, Mamba,
+    speculative and most other presets at a run's start; vLLM's kind lists only what the installed release
+    drives (``refused``). Now SGLang's does too, and ``--preset sglang-mamba`` there says why and where."""
+    from kvaudit.config import UnknownPresetError
+    from kvaudit.history.catalogue import BUGS, target_config
+    from kvaudit.targets import registry
+    from kvaudit.targets.sglang.config import legacy_refusal
+
+    monkeypatch.setattr(boot, "installed_version", lambda: version)
+    kind = registry.get("sglang")
+    assert set(kind.presets()) == LEGACY_LISTED
+    assert all(legacy_refusal(p.config()) is None for p in kind.presets().values())
+    with pytest.raises(UnknownPresetError) as e:
+        kind.preset("sglang-mamba")
+    why = (f'preset "sglang-mamba": SGLang 0.5.10.post1-0.5.11 (the cache_finished_req era) is driven with core pools, '
+           "the radix cache and sessions (and PD decode with HiSparse), not chunked prefill, Mamba (driven on SGLang "
+           f"0.5.22, 0.5.23; installed {version})")
+    assert str(e.value) == why
+    r = invoke("presets", "--target", "sglang")
+    assert r.exit_code == 0 and "sglang-session" in r.output and "sglang-mamba" not in r.output, r.output
+    r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-mamba", "--max-time", "1", "--out", str(tmp_path))
+    assert r.exit_code == 2 and one_error_line(r).endswith(why), r.output
+    # the history suite's PD decode + HiSparse bug: its preset is driven there with the catalogue's overrides
+    # only (the probe judges the config), and its replay file's preset is a preset of a release, not unknown
+    assert target_config(BUGS["sglang-22882"]).enable_hisparse
+    replay.load(os.path.join(os.path.dirname(__file__), "data", "sglang_history", "sglang-22882.json"))
+
+
+@pytest.mark.parametrize("version, listed", [("0.5.20", 10), ("0.5.23", len(SGLANG_PRESETS)), (None, len(SGLANG_PRESETS))])
+def test_the_current_family_lists_what_its_release_drives(monkeypatch, version, listed):
+    """0.5.19-0.5.21 drive the plain and PD-prefill paths only (kind.older_refusal); 0.5.22 on, and with no
+    SGLang installed (nothing to judge by: the probe says it is missing), every preset."""
+    from kvaudit.targets import registry
+
+    monkeypatch.setattr(boot, "installed_version", lambda: version)
+    kind = registry.get("sglang")
+    assert len(kind.presets()) == listed
+    assert (kind.refusal("sglang-mamba") is None) is (listed == len(SGLANG_PRESETS))
+    assert kind.refusal("nope") is None

@@ -317,3 +317,12 @@ def test_sglang_36081_on_sglangs_own_tree_and_allocator(version, grouped, unreac
     assert out["version"] == version
     assert out["unreachable"] == unreachable and out["swa_used"] - out["swa_mapped"] == unreachable, out
     assert out["mapped_but_free"] == 0, out
+
+
+@pytest.mark.releases
+def test_presets_on_a_legacy_overlay_lists_only_what_it_drives():
+    """``kvaudit presets --target sglang`` with SGLang 0.5.11's overlay first listed every preset."""
+    r = run_child(["-m", "kvaudit", "presets", "--target", "sglang"], "0.5.11")
+    assert r.returncode == 0, r.stderr[-2000:]
+    listed = {line.split()[0] for line in r.stdout.splitlines()[1:] if line.startswith("  ")}
+    assert listed == {"sglang", "sglang-session", "sglang-session-nonstreaming"}, r.stdout

@@ -375,3 +375,15 @@ def test_a_planted_leak_is_named_by_its_own_release_in_every_program(name, monke
     config = get_preset("retract").config()
     paths = {f.signature.rsplit("/", 1)[1] for p in VARIANTS[name] for f in execute(config, p).findings}
     assert paths == {"process_batch_result@scheduler.py" if name in FAULTS else "release_req@scheduler_decode_mixin.py"}
+
+
+def test_a_finding_of_an_unknown_kind_is_refused_by_from_dict_as_any_bad_field_is():
+    """Finding.from_dict checked every field but the kind: replay._parse checked that after it, so any other
+    loader of findings took "bogus" and failed later, at a renderer's kind table."""
+    d = Finding("leak", "p", "m").to_dict()
+    d["kind"] = "bogus"
+    with pytest.raises(ValueError, match=r'^unknown kind "bogus" \(valid: leak, use-after-free, '):
+        Finding.from_dict(d)
+    d["kind"] = 5
+    with pytest.raises(ValueError, match="^kind: want a string, got 5$"):
+        Finding.from_dict(d)

@@ -201,7 +201,7 @@ def test_a_plugin_that_fails_to_import_is_one_line_exit_2(command, tmp_path, mon
     r = invoke(*command)
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
-    assert "cannot import 'examples.minivllm.targt' named in KVAUDIT_PLUGINS: ModuleNotFoundError" in line
+    assert 'cannot import "examples.minivllm.targt" named in KVAUDIT_PLUGINS: ModuleNotFoundError' in line
     assert f"looked on sys.path and in the current directory {tmp_path}" in line
     assert str(tmp_path) not in sys.path  # not found there either: the path is left as it was
 
@@ -213,7 +213,7 @@ def test_a_plugin_module_that_registers_no_kind_is_one_warning_line_and_the_comm
     monkeypatch.setenv("KVAUDIT_PLUGINS", "os")
     r = invoke(*command)
     assert r.exit_code == 0, r.output
-    assert r.stderr.splitlines() == ["warning: module 'os' named in KVAUDIT_PLUGINS registered no target kind"]
+    assert r.stderr.splitlines() == ['warning: module "os" named in KVAUDIT_PLUGINS registered no target kind']
     assert r.stdout.strip()
 
 
@@ -363,11 +363,12 @@ def test_make_target_checks_every_kind_and_the_built_ins_pass():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"name": "my target"}, "a target kind's name must be letters, digits, '-' or '_'"),
-    ({"summary": ""}, "target toy2: summary must be one line of text"),
+    ({"name": "my target"}, "a target kind's name must be letters, digits, '-' or '_' (it is what --target takes), "
+                            'got "my target"'),
+    ({"summary": ""}, 'target toy2: summary must be one line of text, got ""'),
     ({"config_class": ToyConfig()}, "target toy2: config_class must be a class"),
-    ({"make": "ToyTarget"}, "target toy2: make must be callable"),
-    ({"header": "kvaudit"}, "target toy2: header must be None or callable"),
+    ({"make": "ToyTarget"}, 'target toy2: make must be callable, got "ToyTarget"'),
+    ({"header": "kvaudit"}, 'target toy2: header must be None or callable, got "kvaudit"'),
 ])
 def test_register_refuses_a_malformed_kind(change, message):
     kind = registry.TargetKind("toy2", "a toy", ToyConfig, presets=dict, make=ToyTarget)

@@ -9,6 +9,7 @@ import time
 
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError
 from kvaudit.app.configs import check_db
+from kvaudit.config import json_value
 from kvaudit.app.progress import console as make_console
 
 COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new", "dup", "flaky", "heartbeat")
@@ -129,7 +130,7 @@ def pull(db: str, campaign: str, directory: str) -> int:
     if not hub.online:
         raise UnavailableError(f"--db {safe_url(db)}: Redis went away during the pull")
     have = sorted(n for n in os.listdir(os.path.join(directory, "findings")) if n.endswith(".json"))
-    make_console().print(f"pulled campaign {campaign!r}: {len(paths)} new replay file(s) ({len(have)} in "
+    make_console().print(f"pulled campaign {json_value(campaign)}: {len(paths)} new replay file(s) ({len(have)} in "
                          f"{os.path.join(directory, 'findings')}), {len(programs)} new corpus program(s) in "
                          f"{store.path}", soft_wrap=True)
     return EXIT_CLEAN

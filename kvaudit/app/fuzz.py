@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvaudit import replay
+from kvaudit.config import json_value
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.configs import (check_available, check_db, check_fuzzer, warn_campaign_without_db,
                                  warn_unreachable_bugs)
@@ -97,7 +98,7 @@ def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir,
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     if checked.campaign:
         dest = f"campaign in {checked.target_dir}, {workers} worker(s)" + (
-            f", shared as {campaign_name!r} through {safe_url(db)}" if db else "")
+            f", shared as {json_value(campaign_name)} through {safe_url(db)}" if db else "")
     else:
         dest = f"out {out_dir}"
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {config.preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, "

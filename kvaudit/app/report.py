@@ -40,9 +40,11 @@ def run(file: str, outputs: Outputs) -> int:
                                                                                 "minimized", "preset")}
                           | {"engine_version": case_doc.get("engine_version")},  # (None: the file names none)
                           config=case_config))
-    # the recorded suppressed counts in the summary table and the SUMMARY line, as the run printed them
-    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], suppressed=suppressed)
     extra = {k: v for k, v in doc.items() if k not in ("format", "config", "program", "findings", "timeline",
                                                            "suppressed", "cases")}
-    write_reports(outputs, ReportData(config, cases, suppressed, extra), make_console(stderr=True))
+    data = ReportData(config, cases, suppressed, extra)
+    # the recorded suppressed counts in the summary table and the SUMMARY line, as the run printed them
+    print_cases(console, config, [(c.program, c.findings, c.program_title) for c in cases], suppressed=suppressed,
+                recorded=data.recorded)
+    write_reports(outputs, data, make_console(stderr=True))
     return EXIT_CLEAN

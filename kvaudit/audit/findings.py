@@ -159,7 +159,7 @@ class Finding:
     @classmethod
     def from_dict(cls, d: dict) -> "Finding":
         """A finding from its JSON form. Raises ``ValueError`` naming the first field whose type or
-        value is wrong (replay files are user input)."""
+        value is wrong (replay files are user input), a kind outside :data:`KINDS` included."""
         d = {k: v for k, v in d.items() if k != "signature"}
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
@@ -168,6 +168,8 @@ class Finding:
             d.pop("traceback", None)
         for key, typ, item, low in _FIELD_TYPES:
             _want(d, key, typ, item=item, low=low, choices=_UNITS if key == "unit" else ())
+        if "kind" in d and d["kind"] not in KINDS:  # (no run yields one; a suppression file refuses the name too)
+            raise ValueError(f"unknown kind {json_value(d['kind'], 60)} (valid: {', '.join(KINDS)})")
         if d.get("unit") in ("page", "block") and d.get("slots") and not d.get("num_units"):
             raise ValueError(f"num_units must be positive for {d['unit']}s")
         for key in _SITE_LISTS:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import ast
 import os
+import posixpath
+import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvaudit.audit.findings import Site, source_path
 
@@ -21,15 +24,68 @@ _CHANGED = "; the file changed since this was recorded"
 class Frame:
     """What to show for a recorded :class:`Site`: ``line`` (1-based; where the recorded text is now
     when it moved), ``source`` (the line's text, "" when neither recorded nor trustworthy) and
-    ``note`` ("" when the frame matches the current source; else one sentence saying why not)."""
+    ``note`` ("" when the frame matches the current source; else one sentence saying why not) and
+    ``release`` (the engine release the frame is of when not the installed one: its line and text are as
+    recorded, not checked against, nor read from, the installed file; "" otherwise)."""
 
     line: int
     source: str
     note: str = ""
+    release: str = ""
 
     @property
     def stale(self) -> bool:
-        return bool(self.note)
+        return bool(self.note) and not self.release
+
+
+class RecordedEngine(NamedTuple):
+    """The engine a finding was recorded on: ``package`` and ``version`` (installed here, None when unknown)
+    as the target kind's :class:`~kvaudit.targets.EngineSource` says, ``recorded`` the release the replay
+    file names (its ``engine_version``; None: not named, the installed one's frames)."""
+
+    package: str
+    version: str | None
+    recorded: str | None = None
+
+
+WINDOWS_ABS = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+def norm_path(path: str) -> str:
+    """``path`` with forward slashes, normalized; a pseudo-file (``<string>``) as it is."""
+    p = path.replace("\\", "/")
+    return posixpath.normpath(p) if p and not p.startswith("<") else p
+
+
+def engine_path(path: str, package: str) -> str | None:
+    """A ``path`` inside ``package``, relative to the directory holding it: as recorded since 2026-12
+    (``sglang/srt/a.py``, :func:`kvaudit.audit.findings.portable_path`), or an absolute one from the last
+    ``/<package>/`` (``/x/site-packages/sglang/srt/a.py`` -> ``sglang/srt/a.py``); else None."""
+    p = norm_path(path)
+    if not (p.startswith("/") or WINDOWS_ABS.match(p)):
+        return p if p.startswith(f"{package}/") else None
+    i = p.rfind(f"/{package}/")
+    return p[i + 1:] if i >= 0 else None
+
+
+def recorded_release(path: str, package: str) -> str | None:
+    """The release of ``package`` whose overlay ``path`` lies in, as the history suite lays one out
+    (``~/.cache/kvaudit/releases/sglang-0.5.22/sglang/srt/a.py`` -> ``0.5.22``); None for another path."""
+    m = re.search(rf"/{re.escape(package)}-([^/]+)/{re.escape(package)}/", norm_path(path))
+    return m[1] if m else None
+
+
+def frame_release(site: Site, engine: RecordedEngine | None) -> str | None:
+    """The release ``site`` was recorded on when it is not the installed one (``engine.version``; unknown
+    counts as other): its line is that release's, not a line of the installed package's file. The release
+    is the overlay directory's in the recorded path, else, for a frame in the engine's package, the one the
+    file was recorded on (``engine.recorded``)."""
+    if engine is None:
+        return None
+    v = recorded_release(site.file, engine.package)
+    if v is None and engine.recorded is not None and engine_path(site.file, engine.package) is not None:
+        v = engine.recorded
+    return v if v is not None and v != engine.version else None
 
 
 _cache: dict[str, tuple[tuple[int, int], list[str], dict[str, list[tuple[int, int]]]]] = {}
@@ -75,9 +131,16 @@ def function_ranges(file: str, function: str) -> list[tuple[int, int]] | None:
     return ranges.get(function.rsplit(".", 1)[-1], [])  # a qualified name (Scheduler.step) by its last part
 
 
-def resolve(site: Site) -> Frame:
+def resolve(site: Site, engine: RecordedEngine | None = None) -> Frame:
     """The line to show for ``site``, checked against the current source file (the rules:
-    docs/internals/audit.md); a file that cannot be read or a function without a ``def`` is not checked."""
+    docs/internals/audit.md); a file that cannot be read or a function without a ``def`` is not checked.
+    A frame of another release of ``engine`` than the installed one (:func:`frame_release`) is shown as
+    recorded, with a note naming its release, and never read from the installed file."""
+    other = frame_release(site, engine)
+    if other is not None:
+        here = f"the installed {engine.package} {engine.version}" if engine.version else f"no {engine.package} here"
+        return Frame(site.line, site.source, f"{engine.package} {other}'s line, as recorded: not checked against "
+                                             f"{here}", other)
     parsed = _parsed(source_path(site.file))
     ranges = function_ranges(site.file, site.function)
     if parsed is None or ranges is None:

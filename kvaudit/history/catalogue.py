@@ -45,7 +45,8 @@ def all_bugs() -> dict[str, HistoryBug]:
 
 def target_config(bug: HistoryBug):
     """The target config the suite searches for ``bug`` (``ValueError`` for a bad override): a
-    rediscovery's replay file's, else its kind's preset with the bug's overrides."""
+    rediscovery's replay file's, else its kind's preset with the bug's overrides (a preset of any release:
+    the overrides can make one the installed release does not drive as it is drivable; the probe judges)."""
     if bug.replay_file:
         return replay.load(data_path(bug.replay_file))[0]
-    return registry.get(bug.engine).preset(bug.preset).config(**bug.config)
+    return registry.get(bug.engine).preset(bug.preset, any_release=True).config(**bug.config)

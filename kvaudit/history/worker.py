@@ -16,6 +16,7 @@ import traceback
 from dataclasses import asdict
 
 from kvaudit.audit import runner
+from kvaudit.config import json_value
 from kvaudit.history.catalogue import all_bugs, target_config
 from kvaudit.history.releases import base_version
 from kvaudit.history.trial import HistoryTrial
@@ -50,7 +51,7 @@ def search_trial(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryT
     ``ValueError`` for a fuzzer that cannot search the config's kind."""
     kind, target = fuzzers.get(fuzzer), registry.kind_of(config).name
     if not kind.takes(target):
-        raise ValueError(f"fuzzer {fuzzer!r} cannot search a {target} engine")
+        raise ValueError(f"fuzzer {json_value(fuzzer)} cannot search a {target} engine")
     trial = HistoryTrial(bug.id, fuzzer, seed, budget, expected_kind=bug.finding)
     stats = FuzzStats()
     others = NotThisBug(bug)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import io
 import re
+from typing import Mapping
 
 import jinja2
 from rich.console import Console
@@ -18,6 +19,7 @@ from kvaudit import __version__
 from kvaudit.audit.findings import Finding, report_order
 from kvaudit.program import format_op
 from kvaudit.reports.report import finding_renderable, summary_rows, suppressions_table
+from kvaudit.reports.sarif import engine_of
 
 # one colour per identity term, in SERIES order; leaked is the one that should catch the eye
 COLOURS = {"available": "#cfd8dc", "evictable": "#81c784", "protected": "#4fc3f7", "session_held": "#ba68c8",
@@ -111,9 +113,11 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
 
 
 def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | None = None, suppressions=None,
-                extra: dict | None = None) -> str:
+                extra: dict | None = None, recorded: Mapping[str, str] | None = None) -> str:
     """The report page for ``cases`` (:class:`kvaudit.reports.outputs.Case`; one without a timeline gets
-    no plot); ``suppressions``: a SuppressionSet or None."""
+    no plot); ``suppressions``: a SuppressionSet or None; ``recorded``: a signature -> the engine release its
+    finding was recorded on (:func:`~kvaudit.reports.sarif.engine_of`)."""
+    on = engine_of(config, recorded)
     findings = [f for c in cases for f in c.findings]
     by_sig: dict[str, dict] = {}
     for case in cases:
@@ -128,7 +132,8 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
                 "signature": f.signature,
                 "duplicates": 0,
                 "preset": (case.config or config).preset,
-                "console": _rich_html(finding_renderable(f, case.program, i, case.program_title)),
+                "console": _rich_html(finding_renderable(f, case.program, i, case.program_title,
+                                                                engine=on(f))),
                 "plot": occupancy_svg(case.timeline, f) if case.timeline else None,
             }
     clean = [c for c in cases if not c.findings]

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from typing import Mapping
 
+from kvaudit.config import json_value
 from kvaudit.audit.findings import Finding, Site
-from kvaudit.audit.frames import resolve
+from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
-from kvaudit.reports.sarif import engine_verdict, finding_stacks, lifecycle
+from kvaudit.reports.sarif import engine_of, engine_verdict, finding_stacks, lifecycle
 
 # NOTE: what XML 1.0 allows nowhere, even as a character reference
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
@@ -22,15 +24,16 @@ def xml_text(text: object) -> str:
     return _ILLEGAL_XML.sub("", str(text))
 
 
-def _frame(s: Site, depth: int) -> str:
-    fr = resolve(s)  # the line's text, checked against the current source
+def _frame(s: Site, depth: int, engine: RecordedEngine | None) -> str:
+    fr = resolve(s, engine)  # the line's text, checked against the current source (unless another release's)
     return (f"    #{depth} {s.file}:{fr.line} in {s.function}" + (f"\n        {fr.source}" if fr.source else "")
             + (f"\n        ({fr.note})" if fr.note else ""))
 
 
-def failure_text(f: Finding, count: int = 1) -> str:
+def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = None) -> str:
     """The body of a finding's ``<failure>``: summary, signature, units, every stack (innermost first),
-    lifecycle and the engine's verdict. ``count``: how many findings share the signature."""
+    lifecycle and the engine's verdict. ``count``: how many findings share the signature; ``engine``: the
+    engine its frames are of (:func:`~kvaudit.audit.frames.resolve`)."""
     lines = [f.summary(), f"signature: {f.signature}"]
     if count > 1:
         lines.append(f"found {count} times with this signature (details of the first)")
@@ -46,7 +49,7 @@ def failure_text(f: Finding, count: int = 1) -> str:
     lines.extend(lookup(f.kind).facts(f))  # (a leak: direct or indirect)
     for label, frames in finding_stacks(f):
         lines.append(f"{label}:")
-        lines.extend(_frame(s, i) for i, s in enumerate(frames))
+        lines.extend(_frame(s, i, engine) for i, s in enumerate(frames))
     if f.owner_history:
         lines.append("lifecycle of the first unit:")
         lines.extend("    " + line for line in lifecycle(f))
@@ -61,10 +64,12 @@ def failure_text(f: Finding, count: int = 1) -> str:
 
 
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
-             clean_case: str | None = None) -> str:
+             clean_case: str | None = None, recorded: Mapping[str, str] | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
-    kind's config) become the suite's ``<properties>``."""
+    kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells it); ``recorded``: a signature -> the engine release its
+    finding was recorded on (:func:`~kvaudit.reports.sarif.engine_of`)."""
+    on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
         groups.setdefault(f.signature, []).append(f)
@@ -74,7 +79,7 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         case = ET.Element("testcase", classname=xml_text(f"kvaudit.{first.kind}"), name=xml_text(signature),
                           time="0")
         failure = ET.SubElement(case, "failure", message=xml_text(first.summary()), type=xml_text(first.kind))
-        failure.text = xml_text(failure_text(first, len(group)))
+        failure.text = xml_text(failure_text(first, len(group), on(first)))
         cases.append(case)
     if not findings and clean_case:
         cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time="0"))
@@ -88,8 +93,9 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         d["bugs"] = ",".join(sorted(d.get("bugs", [])))
         head = ("preset", "bugs", "model", "page_size")
         for key in [k for k in head if k in d] + sorted(k for k in d if k not in head):
-            ET.SubElement(props, "property", name=xml_text(key),
-                          value=xml_text("" if d[key] is None else d[key]))
+            v = d[key]  # NOTE: a string as it is; any other value spelled as JSON (false, null, [1, 2])
+            ET.SubElement(props, "property", name=xml_text(key), value=xml_text(v if isinstance(v, str) else
+                                                                                json_value(v)))
     suite.extend(cases)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

@@ -76,6 +76,13 @@ class ReportData:
         return cls(config, [Case(program, findings, timeline, program_title)], suppressed, extra, suppressions)
 
     @property
+    def recorded(self) -> dict[str, str]:
+        """A signature -> the engine release its finding was recorded on (a case's ``engine_version``; the
+        first case naming the signature wins, as in every renderer's one section per signature)."""
+        return {f.signature: c.doc_extra["engine_version"] for c in reversed(self.cases)
+                if c.doc_extra.get("engine_version") for f in c.findings}
+
+    @property
     def findings(self) -> list[Finding]:
         """Every case's findings, each case's in :func:`~kvaudit.audit.findings.report_order` (the JSON file
         keeps the case's own order: see :meth:`doc`)."""
@@ -99,22 +106,22 @@ def _sarif(data: ReportData) -> str:
     unique: dict[str, Finding] = {}  # NOTE: one result per signature: code scanning tracks alerts by it
     for f in data.findings:
         unique.setdefault(f.signature, f)
-    recorded = {f.signature: c.doc_extra["engine_version"] for c in reversed(data.cases)
-                if c.doc_extra.get("engine_version") for f in c.findings}  # (the first case wins, as in unique)
-    return json.dumps(to_sarif(list(unique.values()), data.config, recorded=recorded), indent=2) + "\n"
+    return json.dumps(to_sarif(list(unique.values()), data.config, recorded=data.recorded), indent=2) + "\n"
 
 
 def _junit(data: ReportData) -> str:
     from kvaudit.reports.junit import to_junit
 
-    return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings")
+    return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
+                    recorded=data.recorded)
 
 
 def _html(data: ReportData) -> str:
     from kvaudit.reports.html_report import render_html
 
     return render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
-                       extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))})
+                       extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))},
+                       recorded=data.recorded)
 
 
 _RENDER = {"json": lambda data: replay.doc_text(data.doc()), "sarif": _sarif, "junit": _junit, "html": _html}

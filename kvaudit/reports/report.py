@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from typing import Mapping
 
 import numpy as np
 
@@ -18,19 +19,20 @@ from rich.text import Text
 
 from kvaudit.config import TargetConfig
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path, report_order
-from kvaudit.audit.frames import resolve
+from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
 from kvaudit.program import Op, format_op
 from kvaudit.audit.suppress import SuppressionSet
-from kvaudit.reports.sarif import lifecycle_events, verdict_text
+from kvaudit.reports.sarif import engine_of, lifecycle_events, verdict_text
 from kvaudit.targets.registry import kind_of
 
 
-def _stack(title: str, sites: list[Site], plain: bool = False) -> Group:
-    """A titled stack, innermost frame first, each frame with its source line as it is now."""
+def _stack(title: str, sites: list[Site], plain: bool = False, engine: RecordedEngine | None = None) -> Group:
+    """A titled stack, innermost frame first, each frame with its source line as it is now (a frame of
+    another release of ``engine``: as recorded, its release named)."""
     parts: list = [Text(title, style="bold")]
     for i, s in enumerate(sites):
-        fr = resolve(s)
+        fr = resolve(s, engine)
         parts.append(Text(f"    #{i} {s.function}  {portable_path(s.file)}:{fr.line}", style="cyan" if i == 0 else ""))
         if fr.source:
             parts.append(Text("        " + fr.source) if plain else
@@ -77,9 +79,11 @@ def print_table(console: Console, table: Table, header: bool = False) -> None:
 
 
 def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
-                       program_title: str = "minimized program", plain: bool = False) -> Panel | Group:
+                       program_title: str = "minimized program", plain: bool = False,
+                       engine: RecordedEngine | None = None) -> Panel | Group:
     """One finding: a red panel, or with ``plain`` the same lines unframed from the ``==ERROR:
-    kvaudit:`` line (print it with ``soft_wrap=True``). Its stacks are its kind's ``console`` sections."""
+    kvaudit:`` line (print it with ``soft_wrap=True``). Its stacks are its kind's ``console`` sections, their
+    frames resolved for ``engine`` (:func:`~kvaudit.audit.frames.resolve`)."""
     parts: list = [
         Text(f"==ERROR: kvaudit: {f.summary()}", style="bold red"),
         Text(f"signature: {f.signature}", style="yellow"),
@@ -90,7 +94,7 @@ def finding_renderable(f: Finding, program: list[Op] | None, index: int = 0,
         shown = ", ".join(map(str, ids[:16])) + (" ..." if len(ids) > 16 else "")
         parts.append(Text(f"{word}: [{shown}]"))
     for part, title, more in lookup(f.kind).console(f):
-        parts.append(_stack(title, more, plain) if part == "stack" else Text(title, style=more))
+        parts.append(_stack(title, more, plain, engine) if part == "stack" else Text(title, style=more))
     if f.owner_history:
         parts.append(lifecycle_table(f, plain))
     if program:
@@ -257,15 +261,19 @@ def header(config) -> str:
 
 def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[Op], list[Finding], str]],
                 suppressed: dict[str, int] | None = None, notes: tuple[str, ...] = (),
-                suppressions: SuppressionSet | None = None, closing: bool = True) -> None:
+                suppressions: SuppressionSet | None = None, closing: bool = True,
+                recorded: Mapping[str, str] | None = None) -> None:
     """:func:`print_report` for several (program, findings, program title) cases of one config (a
     campaign's report): every finding with its own program (a case's findings in
-    :func:`~kvaudit.audit.findings.report_order`), one summary, the ``notes`` lines, the closing line."""
+    :func:`~kvaudit.audit.findings.report_order`), one summary, the ``notes`` lines, the closing line.
+    ``recorded``: a signature -> the engine release its finding was recorded on (a replay file's
+    ``engine_version``, :func:`~kvaudit.reports.sarif.engine_of`)."""
     plain = is_plain(console)
+    on = engine_of(config, recorded)
     _print(console, Text(header(config), style="bold"), plain)
     everything = [(program, f, title) for program, findings, title in cases for f in report_order(findings)]
     for i, (program, f, title) in enumerate(everything):
-        _print(console, finding_renderable(f, program, i, title, plain), plain)
+        _print(console, finding_renderable(f, program, i, title, plain, on(f)), plain)
     findings = [f for _, f, _ in everything]
     _print(console, summary_table(findings, suppressed, plain=plain), plain)
     if suppressions is not None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import inspect
 import os
-import posixpath
 import re
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping
 from urllib.parse import quote
 
 from kvaudit.audit.findings import KINDS, Finding, Site, installed, portable_path, source_path
 from kvaudit.audit.kinds import lookup
-from kvaudit.audit.frames import Frame, resolve
+from kvaudit.audit.frames import (WINDOWS_ABS, Frame, RecordedEngine, engine_path, frame_release, norm_path as _norm,
+                                  resolve)
 from kvaudit.reports.ci_outputs import sarif_log
 from kvaudit.targets import EngineSource, engine_source
 from kvaudit.targets.registry import UnknownTargetError, get, kind_of
@@ -71,22 +71,14 @@ def primary_stack(f: Finding) -> str | None:
     return next((key for key in order if getattr(f, key)), None)
 
 
-_WINDOWS_ABS = re.compile(r"^[A-Za-z]:[\\/]")
-
-
-def _norm(path: str) -> str:
-    p = path.replace("\\", "/")
-    return posixpath.normpath(p) if p and not p.startswith("<") else p
-
-
 def cwd_relative(path: str) -> str | None:
     """An absolute ``path`` under the current directory (a plugin's engine), relative to it; None for a
     relative path, one elsewhere or in an installed package, or when the current directory is a root."""
     p = _norm(path)
-    if not (p.startswith("/") or _WINDOWS_ABS.match(p)) or "/site-packages/" in p or "/dist-packages/" in p:
+    if not (p.startswith("/") or WINDOWS_ABS.match(p)) or "/site-packages/" in p or "/dist-packages/" in p:
         return None
     root = _norm(os.getcwd()).rstrip("/")
-    if not root or _WINDOWS_ABS.match(root) and len(root) <= 2:
+    if not root or WINDOWS_ABS.match(root) and len(root) <= 2:
         return None
     return p[len(root) + 1:] if p.startswith(root + "/") else None
 
@@ -97,52 +89,11 @@ def in_repo(site: Site) -> bool:
     p = _norm(site.file)
     if cwd_relative(p) is not None:
         return True
-    return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or _WINDOWS_ABS.match(p) or installed(p))
+    return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or WINDOWS_ABS.match(p) or installed(p))
 
 
 def engine_base_id(package: str) -> str:
     return f"%{package.upper()}_ROOT%"
-
-
-def engine_path(path: str, package: str) -> str | None:
-    """A ``path`` inside ``package``, relative to the directory holding it: as recorded since 2026-12
-    (``sglang/srt/a.py``, :func:`kvaudit.audit.findings.portable_path`), or an absolute one from the last
-    ``/<package>/`` (``/x/site-packages/sglang/srt/a.py`` -> ``sglang/srt/a.py``); else None."""
-    p = _norm(path)
-    if not (p.startswith("/") or _WINDOWS_ABS.match(p)):
-        return p if p.startswith(f"{package}/") else None
-    i = p.rfind(f"/{package}/")
-    return p[i + 1:] if i >= 0 else None
-
-
-def recorded_release(path: str, package: str) -> str | None:
-    """The release of ``package`` whose overlay ``path`` lies in, as the history suite lays one out
-    (``~/.cache/kvaudit/releases/sglang-0.5.22/sglang/srt/a.py`` -> ``0.5.22``); None for another path."""
-    m = re.search(rf"/{re.escape(package)}-([^/]+)/{re.escape(package)}/", _norm(path))
-    return m[1] if m else None
-
-
-class RecordedEngine(NamedTuple):
-    """The engine a report's findings were recorded on: ``package`` and ``version`` (installed here, None
-    when unknown) as :class:`~kvaudit.targets.EngineSource`, ``recorded`` the release the replay file
-    names (its ``engine_version``; None: not named, the installed one's frames)."""
-
-    package: str
-    version: str | None
-    recorded: str | None = None
-
-
-def other_release(site: Site, engine: RecordedEngine | None) -> str | None:
-    """The release ``site`` was recorded on when it is not the installed one (``engine.version``; unknown
-    counts as other): its line is that release's, not a line of the file ``%<PACKAGE>_ROOT%`` names. The
-    release is the overlay directory's in the recorded path, else, for a frame in the engine's package, the
-    one the file was recorded on (``engine.recorded``)."""
-    if engine is None:
-        return None
-    v = recorded_release(site.file, engine.package)
-    if v is None and engine.recorded is not None and engine_path(site.file, engine.package) is not None:
-        v = engine.recorded
-    return v if v is not None and v != engine.version else None
 
 
 def artifact_location(path: str, engine: EngineSource | None = None) -> dict | None:
@@ -157,7 +108,7 @@ def artifact_location(path: str, engine: EngineSource | None = None) -> dict | N
         return {"uri": quote(here), "uriBaseId": SRCROOT}
     if p.startswith("/"):
         return {"uri": "file://" + quote(p)}
-    if _WINDOWS_ABS.match(p):
+    if WINDOWS_ABS.match(p):
         return {"uri": "file:///" + p[:2] + quote(p[2:])}
     if not p or p.startswith("<"):
         return None
@@ -178,7 +129,7 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
     if loc_id is not None:
         loc["id"] = loc_id
     art = artifact_location(site.file, engine)
-    other = other_release(site, engine)
+    other = frame_release(site, engine)
     if art is not None:
         phys: dict = {"artifactLocation": art}
         if other is not None:  # NOTE: no region: the line is the recorded release's, not the installed file's
@@ -284,7 +235,7 @@ def _primary(stacks: list, key: str | None, target: str, kind: str,
     def fresh(s: Site) -> bool:
         return not resolve(s).note.startswith("stale")
 
-    tests = ([lambda s: engine_path(s.file, engine.package) is not None and other_release(s, engine) is None]
+    tests = ([lambda s: engine_path(s.file, engine.package) is not None and frame_release(s, engine) is None]
              if engine is not None else []) + [in_repo]
     for own in (True, False):
         for test in tests:
@@ -306,7 +257,7 @@ def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngin
             loc_id = len(related) + 1  # ids are unique within the result, as embedded links need
             related.append(_location(s, f"{label} #{depth} {s.function}", loc_id, engine=engine))
             if depth == 0 and k != key:
-                other = other_release(s, engine)
+                other = frame_release(s, engine)
                 on = f" in {engine.package} {other}" if other is not None else ""
                 links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())}{on})")
     return related, links
@@ -369,7 +320,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
     stacks = _labelled_stacks(f)
     key = primary_stack(f)
     primary, primary_label, fallback = _primary(stacks, key, target, f.kind, engine)
-    others = sorted({v for _, _, frames in stacks for s in frames if (v := other_release(s, engine)) is not None})
+    others = sorted({v for _, _, frames in stacks for s in frames if (v := frame_release(s, engine)) is not None})
     recorded_on = f"{engine.package} {', '.join(others)}" if others else ""
     related, links = _related(stacks, primary, key, engine)
     result: dict = {
@@ -401,6 +352,16 @@ def _kind_name(config) -> str:
         return getattr(config, "target", "eut")
 
 
+def engine_of(config, recorded: Mapping[str, str] | None = None) -> Callable[[Finding], RecordedEngine | None]:
+    """For ``config``'s target kind: a finding -> the engine its frames are of, for
+    :func:`~kvaudit.audit.frames.resolve` (None for a kind whose source is this repository); ``recorded`` maps
+    a signature to the release its finding was recorded on (a replay file's ``engine_version``)."""
+    engine = engine_source(_kind_name(config))
+    if engine is None:
+        return lambda f: None
+    return lambda f: RecordedEngine(*engine, (recorded or {}).get(f.signature))
+
+
 def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] | None = None,
              recorded: Mapping[str, str] | None = None) -> dict:
     """A SARIF 2.1.0 log (a JSON-ready ``dict``), one result per finding in order. ``config`` (a target
@@ -412,11 +373,10 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
     rule_list = rules([f.kind for f in findings])
     index = {r["id"]: i for i, r in enumerate(rule_list)}
     target = _kind_name(config)
-    engine = engine_source(target)
+    engine, on = engine_source(target), engine_of(config, recorded)
     results = []
     for f in findings:
-        on = RecordedEngine(*engine, (recorded or {}).get(f.signature)) if engine is not None else None
-        r = _result(f, index[f.kind], lookup(f.kind).level, target, on)
+        r = _result(f, index[f.kind], lookup(f.kind).level, target, on(f))
         state = (baseline or {}).get(f.signature)
         if state is not None:
             if state not in BASELINE_STATES:

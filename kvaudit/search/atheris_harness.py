@@ -67,6 +67,7 @@ CONFIG = KNOWN = SUPPRESSIONS = FINDINGS_DIR = STATS_DIR = MAX_OPS = None  # set
 def _setup() -> None:
     global CONFIG, KNOWN, SUPPRESSIONS, FINDINGS_DIR, STATS_DIR, MAX_OPS
     from kvaudit.audit.suppress import SuppressionError, SuppressionSet
+    from kvaudit.config import json_value
 
     CONFIG = _config()
     known, suppress = os.environ.get("KVAUDIT_KNOWN"), os.environ.get("KVAUDIT_SUPPRESS")
@@ -84,7 +85,7 @@ def _setup() -> None:
     try:
         MAX_OPS = int(os.environ.get("KVAUDIT_MAX_OPS") or 24)
     except ValueError:
-        _die(f"KVAUDIT_MAX_OPS must be an integer, got {os.environ['KVAUDIT_MAX_OPS']!r}")
+        _die(f"KVAUDIT_MAX_OPS must be an integer, got {json_value(os.environ['KVAUDIT_MAX_OPS'], 40)}")
 
 
 _counts = {"executions": 0, "ops": 0}

@@ -261,7 +261,10 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
         if confirm(config, program, sig, suppressions=suppressions) < CONFIRM_RUNS:
             return None
         phase("minimizing")
-        small = minimize(config, program, sig, suppressions)
+        try:
+            small = minimize(config, program, sig, suppressions)
+        except ValueError:  # NOTE: it replayed K of K, then not: flaky after all (was an internal error, exit 70)
+            return None
         phase("confirming the minimized program")
         # full stacks and owners for the report, drained to idle for the engine's verdict there
         found = execute(config, small, suppressions=suppressions, drain=True).findings

@@ -133,7 +133,9 @@ class TargetKind:
     step; None: the searches' default (:mod:`kvaudit.search.schedule`). ``refused(name)``: for a preset the
     kind knows but the installed release cannot drive (which ``presets()`` leaves out), why, in one line that
     names the releases that can and the installed one; None for any other name (by the engine's metadata: no
-    import).
+    import). ``all_presets()``: every preset of every release the kind drives, for a caller that adds the
+    overrides a release needs and lets ``probe`` judge the result (the history suite's catalogue, a replay
+    file's preset name); None: ``presets()``.
     """
 
     name: str
@@ -162,6 +164,7 @@ class TargetKind:
     warm_up: Callable = _none
     search_per_step_first: int | None = None
     refused: Callable = _none
+    all_presets: Callable[[], Mapping] | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""
@@ -169,13 +172,14 @@ class TargetKind:
             return self.from_dict(d)
         return self.config_class.from_dict({k: v for k, v in d.items() if k != "target"})
 
-    def preset(self, name: str):
+    def preset(self, name: str, any_release: bool = False):
         """The preset called ``name`` (``default`` is :attr:`default_preset`). Raises
         :class:`kvaudit.config.UnknownPresetError` listing the valid ones (and naming this kind unless
-        it is :data:`DEFAULT_KIND`), or for a preset the installed release cannot drive, :meth:`refusal`."""
+        it is :data:`DEFAULT_KIND`), or for a preset the installed release cannot drive, :meth:`refusal`;
+        with ``any_release``, a preset of any release the kind drives (:attr:`all_presets`)."""
         from kvaudit.config import UnknownPresetError
 
-        presets = self.presets()
+        presets = (self.all_presets or self.presets)() if any_release else self.presets()
         name = self.default_preset if name == "default" else name
         if name not in presets:
             for_kind = "" if self.name == DEFAULT_KIND else f" for --target {self.name}"
@@ -203,7 +207,7 @@ _noted: set[str] = set()  # KVAUDIT_PLUGINS modules that registered something th
 
 
 _CALLABLES = ("presets", "make", "bugs", "probe", "features", "capabilities", "engine_source", "notes", "refused")
-_OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe", "export")
+_OPTIONAL_CALLABLES = ("from_dict", "header", "anchor", "describe", "export", "all_presets")
 
 
 def check_kind(kind: TargetKind) -> None:
@@ -213,16 +217,17 @@ def check_kind(kind: TargetKind) -> None:
     name = kind.name
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
         raise TargetDefinitionError(f"a target kind's name must be letters, digits, '-' or '_' (it is what --target "
-                                    f"takes), got {name!r}")
+                                    f"takes), got {json_value(name, 60)}")
     bad = None
     if not isinstance(kind.summary, str) or not kind.summary.strip() or "\n" in kind.summary:
-        bad = f"summary must be one line of text, got {kind.summary!r}"
+        bad = f"summary must be one line of text, got {json_value(kind.summary, 60)}"
     elif not isinstance(kind.config_class, type):
-        bad = f"config_class must be a class (a frozen dataclass), got {kind.config_class!r}"
+        bad = f"config_class must be a class (a frozen dataclass), got {json_value(kind.config_class, 60)}"
     else:
-        bad = next((f"{f} must be callable, got {getattr(kind, f)!r}" for f in _CALLABLES
+        bad = next((f"{f} must be callable, got {json_value(getattr(kind, f), 60)}" for f in _CALLABLES
                     if not callable(getattr(kind, f))), None) or next(
-            (f"{f} must be None or callable, got {getattr(kind, f)!r}" for f in _OPTIONAL_CALLABLES
+            (f"{f} must be None or callable, got {json_value(getattr(kind, f), 60)}"
+             for f in _OPTIONAL_CALLABLES
              if getattr(kind, f) is not None and not callable(getattr(kind, f))), None)
     if bad:
         raise TargetDefinitionError(f"target {name}: {bad}")
@@ -317,12 +322,12 @@ def _load() -> None:
             _import_plugin(mod)
         except Exception as e:  # noqa: BLE001 -- a broken plugin is named, never a traceback
             why = " ".join(str(e).split())  # one line, whatever the module raised
-            _plugin_errors.append(f"cannot import {mod!r} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
+            _plugin_errors.append(f"cannot import {json_value(mod)} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
             continue
         finally:
             _importing.pop()
         if not _registered_from(mod):  # (KVAUDIT_PLUGINS=os: imports, and adds nothing)
-            _plugin_warnings.append(f"module {mod!r} named in {PLUGINS_ENV} registered no target kind")
+            _plugin_warnings.append(f"module {json_value(mod)} named in {PLUGINS_ENV} registered no target kind")
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -333,7 +338,7 @@ def _load() -> None:
                 if isinstance(got, TargetKind):
                     register(got)
         except Exception as e:  # noqa: BLE001
-            _entry_point_errors.append(f"cannot load entry point {ep.name!r} ({ep.value}): {type(e).__name__}: {e}")
+            _entry_point_errors.append(f"cannot load entry point {json_value(ep.name)} ({ep.value}): {type(e).__name__}: {e}")
 
 
 def plugin_errors() -> list[str]:
@@ -377,7 +382,7 @@ def get(name: str) -> TargetKind:
     _load()
     if name not in _KINDS:
         why = "; ".join(plugin_errors()) or (f"a target from a plugin needs {PLUGINS_ENV}=<module> or an installed "
-                                            f"'{ENTRY_POINT_GROUP}' entry point")
+                                            f"{json_value(ENTRY_POINT_GROUP)} entry point")
         raise UnknownTargetError(f"unknown target {json_value(name)} (valid: {', '.join(_KINDS)}; {why})")
     return _KINDS[name]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvaudit.config import ConfigBase, Preset, json_value
+from kvaudit.targets.sglang import compat
 
 # Faults the target can inject through its wrappers, to show the oracles see them on SGLang's own
 # code (issue 8's "must show"). Each fires once, on the first chance it gets.
@@ -474,6 +475,47 @@ class SglangConfig(ConfigBase):
                              f"one more page below num_slots={self.num_slots}")
         if not 1 <= self.hisparse_host_to_device_ratio <= 8 or self.hisparse_staging_steps > 64:
             raise ValueError("hisparse_host_to_device_ratio must be in [1, 8] and hisparse_staging_steps in [0, 64]")
+
+
+def legacy_refusal(config) -> str | None:
+    """Why the legacy family cannot drive ``config`` (one line), or None. PD decode is driven with
+    HiSparse only, by :mod:`~kvaudit.targets.sglang.legacy_pd` (:func:`legacy_pd_refusal` checks the rest). Here, not in
+    :mod:`~kvaudit.targets.sglang.legacy`, so that the kind lists and refuses presets without torch."""
+    pd = config.disaggregation_mode == "decode"
+    if pd and config.enable_hisparse:
+        return None
+    off = [name for name, on in (
+        ("PD disaggregation", config.disaggregation_mode != "null"),
+        ("HiSparse", config.enable_hisparse),
+        ("HiCache", config.enable_hierarchical_cache), ("overlap scheduling", config.enable_overlap),
+        ("chunked prefill", config.chunked_prefill_size is not None), ("mixed chunks", config.enable_mixed_chunk),
+        ("priority scheduling", config.enable_priority_scheduling),
+        ("a queue limit", config.max_queued_requests is not None),
+        ("timeout aborts", config.request_waiting_timeout_steps is not None
+         or config.request_running_timeout_steps is not None),
+        ("page_size > 1", config.page_size != 1), ("injected faults", bool(config.bugs)),
+        ("fake bootstrap hosts", config.fake_bootstrap_every is not None),
+        ("a radix eviction policy other than lru", config.radix_eviction_policy != "lru"),
+        ("SWA", config.sliding_window_size is not None), ("Mamba", config.enable_mamba),
+        ("speculative decoding", config.speculative_algorithm is not None)) if on]
+    if off:
+        return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} (the cache_finished_req era) is driven with core "
+                f"pools, the radix cache and sessions (and PD decode with HiSparse), not {', '.join(off)}")
+    return None
+
+
+def legacy_pd_refusal(config) -> str | None:
+    """Why the legacy era's PD decode with HiSparse (:mod:`~kvaudit.targets.sglang.legacy_pd`) cannot
+    drive ``config`` (a PD decode + HiSparse one), or None."""
+    off = [name for name, on in (
+        ("page_size != 64", config.page_size != 64), ("injected faults", bool(config.bugs)),
+        ("a KV checksum mismatch", config.kv_checksum_mismatch_every is not None),
+        ("hisparse_staging_steps", config.hisparse_staging_steps != 0),
+        ("transfer latency", config.transfer_latency_steps != 0)) if on]
+    if off:
+        return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} PD decode with HiSparse is driven with page 64 "
+                f"(NSA pages), SGLang's own fake transfer backend and no faults, not {', '.join(off)}")
+    return None
 
 
 SGLANG_PRESETS: dict[str, Preset] = {}

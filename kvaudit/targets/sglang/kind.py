@@ -6,27 +6,54 @@ from __future__ import annotations
 from kvaudit.targets.registry import (TargetKind, TargetUnavailable, fault_rows, preset_label, register,
                                       server_args_capabilities)
 from kvaudit.targets.sglang.compat import LEGACY, OLDER_CURRENT
-from kvaudit.targets.sglang.config import FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig
+from kvaudit.targets.sglang.config import (FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig, legacy_pd_refusal,
+                                           legacy_refusal)
 
 
 def _presets():
-    return SGLANG_PRESETS
+    """The presets the installed SGLang's era drives (:func:`era_refusal`, by its metadata, no import); all
+    of them with no SGLang, or one this target does not drive, installed (the probe says so)."""
+    from kvaudit.targets.sglang.boot import installed_version
+    v = installed_version()
+    return {n: p for n, p in SGLANG_PRESETS.items() if era_refusal(p.config(), v) is None}
+
+
+def _refused(name: str) -> str | None:
+    """Why the installed SGLang cannot drive the preset ``name`` (:func:`_presets` leaves it out), naming the
+    releases that can; None for a drivable or unknown name (by its metadata: no import)."""
+    from kvaudit.targets.sglang.boot import SUPPORTED_VERSIONS, installed_version
+    if name not in SGLANG_PRESETS:
+        return None
+    config = SGLANG_PRESETS[name].config()
+    why = era_refusal(config, installed_version())
+    if why is None:
+        return None
+    can = [v for v in SUPPORTED_VERSIONS if era_refusal(config, v) is None]
+    return f"{why} (driven on SGLang {', '.join(can) or 'no release'}; installed {installed_version()})"
+
+
+def era_refusal(config, version: str | None) -> str | None:
+    """Why the driver family of SGLang ``version`` cannot drive ``config``, one line, or None (None too for a
+    release this target does not drive, or none: the probe refuses those)."""
+    if version in LEGACY:
+        pd = config.disaggregation_mode == "decode"  # (with HiSparse: legacy_refusal leaves it to legacy_pd's)
+        return legacy_refusal(config) or (legacy_pd_refusal(config) if pd else None)
+    if config.disaggregation_mode == "decode" and config.enable_hisparse:
+        return _CURRENT_PD_HISPARSE
+    return older_refusal(config, version)
 
 
 def _make(config):
     """The target for ``config``'s era (the serving mode is a feature of the composed target)."""
+    from kvaudit.targets.sglang.boot import SglangUnavailable, installed_version
+    why = era_refusal(config, installed_version())
+    if why is not None:
+        raise SglangUnavailable(why)
     if _legacy() and config.disaggregation_mode == "decode":  # the era's PD decode with HiSparse
         from kvaudit.targets.sglang.legacy_pd import SglangLegacyPdHiSparseTarget as cls
-    elif config.disaggregation_mode == "decode" and config.enable_hisparse:
-        from kvaudit.targets.sglang.boot import SglangUnavailable
-        raise SglangUnavailable(_CURRENT_PD_HISPARSE)
     elif _legacy():  # the cache_finished_req era's driver family (kvaudit.targets.sglang.compat)
         from kvaudit.targets.sglang.legacy import SglangLegacyTarget as cls
     else:  # one composed target: its features come from the config (target.features)
-        from kvaudit.targets.sglang.boot import SglangUnavailable, installed_version
-        why = older_refusal(config, installed_version())
-        if why is not None:
-            raise SglangUnavailable(why)
         from kvaudit.targets.sglang.target import SglangTarget as cls
     return cls(config)
 
@@ -63,23 +90,17 @@ def _probe(config) -> None:
     modules for a PD config, cannot be imported, or the legacy era cannot drive ``config``."""
     from kvaudit.targets.sglang.boot import SglangUnavailable, load, probe_version
     try:
-        probe_version()  # not installed, or a release this target does not drive: no import needed
-        if _legacy():
-            from kvaudit.targets.sglang import legacy_pd
-            from kvaudit.targets.sglang.legacy import load_legacy, refusal
-            pd = config.disaggregation_mode == "decode"  # (with HiSparse: refusal passes it to legacy_pd)
-            why = refusal(config) or (legacy_pd.refusal(config) if pd else None)
-            if why is not None:
-                raise TargetUnavailable(why)
-            S = load_legacy(probe_version())
-            if pd:
-                legacy_pd.load_pd_hisparse(S)
-            return
-        if config.disaggregation_mode == "decode" and config.enable_hisparse:
-            raise TargetUnavailable(_CURRENT_PD_HISPARSE)
-        why = older_refusal(config, probe_version())
+        version = probe_version()  # not installed, or a release this target does not drive: no import needed
+        why = era_refusal(config, version)
         if why is not None:
             raise TargetUnavailable(why)
+        if _legacy():
+            from kvaudit.targets.sglang import legacy_pd
+            from kvaudit.targets.sglang.legacy import load_legacy
+            S = load_legacy(version)
+            if config.disaggregation_mode == "decode":
+                legacy_pd.load_pd_hisparse(S)
+            return
         load()
         if config.disaggregation_mode != "null":
             from kvaudit.targets.sglang.pd import load_pd
@@ -140,7 +161,8 @@ KIND = register(TargetKind(
     name="sglang", summary="SGLang's own memory manager on CPU, 0.5.22 and 0.5.23 (0.5.20, 0.5.21: plain and PD "
                            "prefill; 0.5.10.post1, 0.5.11: core pools, radix cache, sessions and PD decode with "
                            "HiSparse) (its presets start with 'sglang')",
-    config_class=SglangConfig, presets=_presets, make=_make, bugs=fault_rows(FAULTS), bugs_title="injected faults (--target sglang)",
+    config_class=SglangConfig, presets=_presets, refused=_refused,
+    all_presets=lambda: SGLANG_PRESETS, make=_make, bugs=fault_rows(FAULTS), bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,
     engine_source=_engine_source, describe=_describe, notes=_notes,

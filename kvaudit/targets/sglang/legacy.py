@@ -19,37 +19,12 @@ from kvaudit.program.schema import pick
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, prepare_import, probe_version, quiet_loggers
+from kvaudit.targets.sglang.config import legacy_refusal
 from kvaudit.targets.sglang.driver import SglangDriver
 from kvaudit.targets.sglang.hooks import SglangHooks
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
 
 LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
-
-
-def refusal(config) -> str | None:
-    """Why the legacy family cannot drive ``config`` (one line), or None. PD decode is driven with
-    HiSparse only, by :mod:`~kvaudit.targets.sglang.legacy_pd` (whose own ``refusal`` checks the rest)."""
-    pd = config.disaggregation_mode == "decode"
-    if pd and config.enable_hisparse:
-        return None
-    off = [name for name, on in (
-        ("PD disaggregation", config.disaggregation_mode != "null"),
-        ("HiSparse", config.enable_hisparse),
-        ("HiCache", config.enable_hierarchical_cache), ("overlap scheduling", config.enable_overlap),
-        ("chunked prefill", config.chunked_prefill_size is not None), ("mixed chunks", config.enable_mixed_chunk),
-        ("priority scheduling", config.enable_priority_scheduling),
-        ("a queue limit", config.max_queued_requests is not None),
-        ("timeout aborts", config.request_waiting_timeout_steps is not None
-         or config.request_running_timeout_steps is not None),
-        ("page_size > 1", config.page_size != 1), ("injected faults", bool(config.bugs)),
-        ("fake bootstrap hosts", config.fake_bootstrap_every is not None),
-        ("a radix eviction policy other than lru", config.radix_eviction_policy != "lru"),
-        ("SWA", config.sliding_window_size is not None), ("Mamba", config.enable_mamba),
-        ("speculative decoding", config.speculative_algorithm is not None)) if on]
-    if off:
-        return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} (the cache_finished_req era) is driven with core "
-                f"pools, the radix cache and sessions (and PD decode with HiSparse), not {', '.join(off)}")
-    return None
 
 
 _LOADED: SimpleNamespace | None = None
@@ -145,7 +120,7 @@ class SglangLegacyTarget(SglangDriver):
                          "alloc_paged_token_slots_decode")
     owner_stop_vars = ("reqs", "batch")
 
-    _refusal = staticmethod(refusal)  # why the family cannot drive a config (SglangLegacyPdHiSparseTarget: its own)
+    _refusal = staticmethod(legacy_refusal)  # why the family cannot drive a config (the PD-decode family: its own)
 
     def __init__(self, config):
         """Both families of the era: ``config`` checked (:meth:`_refusal`), the family's objects

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, torch_paged_kernels
+from kvaudit.targets.sglang.config import legacy_pd_refusal
 from kvaudit.targets.sglang.hooks import SglangHooks, host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget
 from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool
@@ -33,19 +33,6 @@ from kvaudit.targets.sglang.standins import EOS
 
 INDEX_HEAD_DIM = 128  # NSATokenToKVPool's indexer buffer is laid out for 128-wide index heads
 KV_LORA_RANK, ROPE_DIM = 8, 8  # the MLA latent and rope widths (kv_cache_dim = their sum)
-
-
-def refusal(config) -> str | None:
-    """Why this family cannot drive ``config`` (a PD decode + HiSparse one), or None."""
-    off = [name for name, on in (
-        ("page_size != 64", config.page_size != 64), ("injected faults", bool(config.bugs)),
-        ("a KV checksum mismatch", config.kv_checksum_mismatch_every is not None),
-        ("hisparse_staging_steps", config.hisparse_staging_steps != 0),
-        ("transfer latency", config.transfer_latency_steps != 0)) if on]
-    if off:
-        return (f"SGLang {compat.LEGACY[0]}-{compat.LEGACY[-1]} PD decode with HiSparse is driven with page 64 "
-                f"(NSA pages), SGLang's own fake transfer backend and no faults, not {', '.join(off)}")
-    return None
 
 
 _LOADED: SimpleNamespace | None = None
@@ -160,7 +147,7 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
     request_kv_allocs = SglangLegacyTarget.request_kv_allocs + ("alloc_logical_only", "alloc_device_buffer",
                                                                 "_pre_alloc")
 
-    _refusal = staticmethod(refusal)
+    _refusal = staticmethod(legacy_pd_refusal)
 
     def __init__(self, config):
         super().__init__(config)
