@@ -126,6 +126,7 @@ class _NullRun:
     def __init__(self, *a, **kw):
         self.out_of_time, self.suppressed = False, []
         self.auditor = type("A", (), {"site_keys": staticmethod(set)})()
+        self.target = type("T", (), {"reach": staticmethod(dict)})()  # (AuditedRun.target: its counts)
 
     def apply(self, op):
         _NullRun.ops.append(op)
