@@ -86,13 +86,14 @@ def test_prefill_and_decode_allocations_are_the_requests_kv(preset):
 
 def test_a_check_reads_the_live_requests_and_the_counters_once(monkeypatch):
     """Inside ``checking()`` (one oracle check: the engine does not move) the roots, the engine's own check
-    and the metrics walk the live requests once and read the counters once, with the same answers as
-    outside it; after it, every read is fresh again (a step moves the engine). Composed features too: the
-    PD decode loop's ``active`` is a feature hook."""
+    and the metrics walk the live requests once, read the counters once and the queues' place groups once
+    (the roots' places), with the same answers as outside it; after it, every read is fresh again (a step
+    moves the engine). Composed features too: the PD decode loop's ``active`` and ``place_groups`` are
+    feature hooks."""
     from kvaudit.targets.sglang.driver import SglangDriver
     from kvaudit.targets.sglang.observer import SglangObserver
 
-    calls = {"active": 0, "accounting": 0}
+    calls = {"active": 0, "accounting": 0, "places": 0}
 
     def counted(cls, name, key):
         orig = getattr(cls, name)
@@ -104,6 +105,7 @@ def test_a_check_reads_the_live_requests_and_the_counters_once(monkeypatch):
 
     counted(SglangDriver, "_active", "active")
     counted(SglangObserver, "accounting", "accounting")
+    counted(SglangObserver, "_place_groups", "places")
     for preset in ("sglang", "sglang-pd-decode"):
         with AuditedRun(SGLANG_PRESETS[preset].config()) as run:
             run.apply(Submit(0, 14, 6))
@@ -111,19 +113,20 @@ def test_a_check_reads_the_live_requests_and_the_counters_once(monkeypatch):
             t = run.target
 
             def reads():
-                return ([(r.owner, r.units.tolist()) for r in t.roots()], t.engine_check(), t.metrics_check(),
-                        t.accounting(), t.lock_holders())
-            calls.update(active=0, accounting=0)
+                return ([(r.owner, r.units.tolist(), r.where) for r in t.roots()], t.engine_check(),
+                        t.metrics_check(), t.accounting(), t.lock_holders())
+            calls.update(active=0, accounting=0, places=0)
             outside = reads()
-            assert calls["active"] >= 3 and calls["accounting"] == 2, (preset, calls)
-            calls.update(active=0, accounting=0)
+            assert calls["active"] >= 3 and calls["accounting"] == 2 and calls["places"] == 1, (preset, calls)
+            calls.update(active=0, accounting=0, places=0)
             with t.checking():
                 inside = reads()
                 assert t._active() == t._active() and t._active() is not t._active()  # (a copy each)
-            assert calls == {"active": 1, "accounting": 1}, (preset, calls)
-            assert inside == outside and outside[0], preset
-            t._active(), t.accounting()
-            assert calls == {"active": 2, "accounting": 2}, (preset, calls)
+                assert t._place_groups() == t._place_groups()
+            assert calls == {"active": 1, "accounting": 1, "places": 1}, (preset, calls)
+            assert inside == outside and any(where for _, _, where in outside[0]), preset
+            t._active(), t.accounting(), t._place_groups()
+            assert calls == {"active": 2, "accounting": 2, "places": 2}, (preset, calls)
 
 
 # -- injected faults (must show) ------------------------------------------------------------------

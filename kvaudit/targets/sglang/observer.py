@@ -174,8 +174,9 @@ class SglangObserver(SglangHooks):
             if slot.kv.holds_kv:
                 record(slot.kv, f"session:{sid}", "session", "session")
                 held.add(id(slot.kv))
-        places = self._places()
-        for req in self._live():
+        live = self._live()
+        places = self._places() if live else {}  # (a stuck engine's checks often have no live request)
+        for req in live:
             if not aborting and req.to_finish is not None:
                 continue
             if id(req.kv) not in held:  # a turn on its session's record: the session root covers it

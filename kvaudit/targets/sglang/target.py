@@ -148,9 +148,10 @@ class SglangTarget(SglangDriver, SglangObserver):
 
     def checking(self):
         """Within one check the live requests and the counters are read once: ``_active`` (the roots, the
-        engine's own check, the metrics, the lock holders each walk it) and ``accounting`` (the identity
-        and the engine's own check) give the first call's answer (a copy of the list). The engine is not
-        stepped inside a check, so they are the same."""
+        engine's own check, the metrics, the lock holders each walk it), ``_place_groups`` (the roots'
+        places; a loop's ``active`` walks its queues too) and ``accounting`` (the identity and the engine's
+        own check) give the first call's answer (a copy of the list). The engine is not stepped inside a
+        check, so they are the same."""
         return _CheckScope(self)
 
     _memo: dict | None = None  # inside a check (_CheckScope): what was read once
@@ -313,7 +314,8 @@ class SglangTarget(SglangDriver, SglangObserver):
         return list(self._once("active", lambda: self._fold("active", read())))  # (callers extend it)
 
     def _place_groups(self) -> tuple:
-        return self._fold("place_groups", super()._place_groups())
+        read = super()._place_groups
+        return self._once("place_groups", lambda: self._fold("place_groups", read()))
 
     def is_idle(self, ignore_waiting: bool = False) -> bool:
         return self._fold("is_idle", super().is_idle(ignore_waiting), ignore_waiting)
