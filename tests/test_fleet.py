@@ -335,7 +335,7 @@ def test_a_worker_that_stops_says_exited_at_once_and_a_killed_one_ages_out_to_go
     assert _wait(lambda: hubs.campaign_status(r, "t")["workers"]["host/2/0"] is None, 5)
     lines = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "t"]).output.splitlines()
     assert any("worker=host/1/0 state=exited fuzzer=" in line for line in lines), lines
-    assert "campaign t: worker=host/2/0 state=gone" in lines, lines
+    assert 'campaign "t": worker=host/2/0 state=gone' in lines, lines
 
 
 def test_status_of_a_campaign_no_worker_ever_joined_is_one_line_naming_the_ones_there(redis_server):
@@ -343,7 +343,8 @@ def test_status_of_a_campaign_no_worker_ever_joined_is_one_line_naming_the_ones_
     redis_server.client().sadd("kvaudit:nightly/default:workers", "host/1/0")
     typo = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "nightly/defualt"])
     assert typo.exit_code == 2, typo.output
-    assert "no worker ever joined it" in one_error_line(typo) and "campaigns there: nightly/default" in typo.output
+    assert one_error_line(typo).startswith('kvaudit: error: --campaign "nightly/defualt": no worker ever joined it in "redis://')
+    assert 'campaigns there: "nightly/default"' in typo.output
     assert invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "nightly/defualt", "--json"]
                   ).exit_code == 2
     ok = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "nightly/default"])

@@ -38,7 +38,7 @@ def status_table(status: dict, campaign: str):
     totals = (f"{len(status['findings'])} signature(s) with a replay file ({len(status['known'])} known), "
               f"{len(status['pending'])} being triaged, {len(status['flaky'])} flaky, "
               f"{sum(status['duplicates'].values())} duplicate hit(s), {status['programs']} corpus program(s)")
-    t = Table(title=f"campaign {campaign}", title_justify="left", caption=totals)
+    t = Table(title=f"campaign {json_value(campaign)}", title_justify="left", caption=totals)
     for col in COLUMNS:
         t.add_column(col, no_wrap=col != "coverage", overflow="fold")
     for row in _rows(status):
@@ -52,16 +52,17 @@ def status_table(status: dict, campaign: str):
 
 
 def status_lines(status: dict, campaign: str) -> list[str]:
-    """:func:`status_table` as plain ``key=value`` lines (for CI logs)."""
-    out = []
+    """:func:`status_table` as plain ``key=value`` lines (for CI logs); the campaign's name and the coverage
+    spelled as JSON."""
+    out, name = [], json_value(campaign)
     for row in _rows(status):
         if row["state"] == "gone":
-            out.append(f"campaign {campaign}: worker={row['worker']} state=gone")
+            out.append(f"campaign {name}: worker={row['worker']} state=gone")
             continue
-        out.append(f"campaign {campaign}: worker={row['worker']} state={row['state']} fuzzer={row['fuzzer']} "
+        out.append(f"campaign {name}: worker={row['worker']} state={row['state']} fuzzer={row['fuzzer']} "
                    f"executions={row['executions']} exec/s={row['exec/s']:.1f} new={row['new']} dup={row['dup']} "
-                   f"flaky={row['flaky']} heartbeat={row['heartbeat']:.0f}s coverage={row['coverage']!r}")
-    out.append(f"campaign {campaign}: findings={len(status['findings'])} known={len(status['known'])} "
+                   f"flaky={row['flaky']} heartbeat={row['heartbeat']:.0f}s coverage={json_value(row['coverage'])}")
+    out.append(f"campaign {name}: findings={len(status['findings'])} known={len(status['known'])} "
                f"triaging={len(status['pending'])} flaky={len(status['flaky'])} "
                f"duplicates={sum(status['duplicates'].values())} programs={status['programs']}")
     return out
@@ -75,10 +76,12 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
     out = make_console()
     names = campaign_names(client)
     if campaign not in names:  # a typo read as an empty campaign, exit 0; --watch may wait for one to start
-        there = f"campaigns there: {', '.join(names)}" if names else "no campaign there yet"
+        there = f"campaigns there: {', '.join(map(json_value, names))}" if names else "no campaign there yet"
         if watch is None:
-            raise InputError(f"--campaign {campaign}: no worker ever joined it in {safe_url(db)} ({there})")
-        make_console(stderr=True).print(f"warning: --campaign {campaign}: no worker has joined it yet ({there})",
+            raise InputError(f"--campaign {json_value(campaign)}: no worker ever joined it in "
+                             f"{json_value(safe_url(db))} ({there})")
+        make_console(stderr=True).print(f"warning: --campaign {json_value(campaign)}: no worker has joined it yet "
+                                        f"({there})",
                                         soft_wrap=True, markup=False)
     if as_json:
         out.print_json(json.dumps({"campaign": campaign, **campaign_status(client, campaign)}))
