@@ -61,6 +61,19 @@ def test_markdown_shows_the_targets_and_misses():
     assert "0 in 9 programs" in md
 
 
+def test_an_interrupted_runs_headline_counts_the_bugs_that_ran():
+    """Interrupted after 8 of 14 bugs, the headline said `bugs found (at least once) 8/14`: the 6 not run
+    counted as missed."""
+    trials = [_t("hisparse-prebuilt-skip-finish", "random", 1, 1.0, 5)]
+    res = bench.BenchResult(trials=trials, interrupted=True,
+                            settings={"bugs": ["hisparse-prebuilt-skip-finish", "overlap-abort-double-free"],
+                                      "fuzzers": ["random"], "trials": 1, "budget": 60.0, "cpu_count": 2,
+                                      "started": "now"})
+    md = bench.markdown(res)
+    assert "| bugs found (at least once) | 1/1 (1 not run: interrupted) |" in md
+    assert "--bugs hisparse-prebuilt-skip-finish,overlap-abort-double-free " in md and "INTERRUPTED: partial" in md
+
+
 @pytest.mark.slow
 def test_bench_runs_end_to_end_on_one_bug(tmp_path):
     md, js = tmp_path / "b.md", tmp_path / "b.json"

@@ -354,6 +354,21 @@ def test_the_reports_command_names_the_bugs_it_ran_when_not_all():
     assert "--jobs 1` on 2026-12-05" in suite.markdown(res)
 
 
+def test_an_interrupted_suites_report_says_which_bugs_did_not_run():
+    """Interrupted before its second bug, the report said `rediscovered: no` for it, `bugs found 1/2`, and
+    named benchmarks-history.json as the raw data whatever --json was."""
+    a, b = rediscoveries()[0].id, rediscoveries()[1].id
+    res = suite.HistoryResult(settings={"suite": "history", "bugs": [a, b], "fuzzers": ["random"], "trials": 1,
+                                        "budget": 1.0, "jobs": 1, "cpu_count": 2, "started": "2026-12-05 09:00:00"},
+                              interrupted=True)
+    res.trials = [suite.HistoryTrial(a, "random", 1, 1.0, success=True, seconds=0.5, executions=3, min_len=3,
+                                     signature="s", program=[])]
+    text = suite.markdown(res, "h.json")
+    assert f"| {b} |" in text and "| not run (interrupted) |" in text
+    assert "| bugs found (at least once) | 1/1 (1 bug(s) not run: interrupted) |" in text
+    assert "`benchmarks-history.json` has" not in text and "(`h.json` has every trial's)" in text
+
+
 def test_a_workers_temp_files_live_in_its_job_dir_which_the_parent_removes(monkeypatch, tmp_path):
     """An interrupted `bench --suite history` left a kvaudit-history-* dir in the temp dir: the parent
     stops a worker with SIGKILL, so the worker's own TemporaryDirectory was never removed."""

@@ -99,9 +99,11 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
         raise UnavailableError(str(e)) from None
     ignore_interrupts(clear=True)
     _write_both(out_json, res.to_json(), out_md, lambda name: suite.markdown(res, name))
-    found = sum(suite.rediscovered(res, b) for b in bugs)
+    found, ran = sum(suite.rediscovered(res, b) for b in bugs), res.ran(bugs)
     make_console().print(f"bench --suite history {'INTERRUPTED ' if res.interrupted else ''}done in "
-                         f"{res.wall / 60:.1f} min: {found}/{len(bugs)} bug(s) rediscovered; {out_md}, {out_json}",
+                         f"{res.wall / 60:.1f} min: {found}/{len(ran)} bug(s) rediscovered"
+                         + (f" ({len(bugs) - len(ran)} not run)" if len(ran) < len(bugs) else "")
+                         + f"; {out_md}, {out_json}",
                          soft_wrap=True)
     if res.interrupted:
         return EXIT_INTERRUPTED

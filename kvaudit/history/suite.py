@@ -65,6 +65,11 @@ class HistoryResult:
     def found(self, bug_id: str) -> list[HistoryTrial]:
         return [t for t in self.trials if t.bug == bug_id and t.success]
 
+    def ran(self, bug_ids: list[str]) -> list[str]:
+        """The bugs of ``bug_ids`` with a trial (an interrupted suite leaves the rest not run)."""
+        tried = {t.bug for t in self.trials}
+        return [b for b in bug_ids if b in tried]
+
 
 class _Runner:
     """Child processes of one suite run; ``stop()`` (Ctrl-C) kills them, and each then returns the
@@ -227,7 +232,8 @@ def _bugs(res: HistoryResult, ids: list[str], bugs: dict, best: dict) -> list[st
     for bid in ids:
         b, ok, top = bugs[bid], res.found(bid), best[bid]
         fixed = f"{b.fixed} ({b.clean_because})" if b.fixed else "- (a rediscovery)"
-        verdict = ("yes" if rediscovered(res, bid) else
+        verdict = ("not run (interrupted)" if not any(t.bug == bid for t in res.trials) else
+                   "yes" if rediscovered(res, bid) else
                    f"found; not replayed on the fixed release ({b.replay_blocked})" if ok and b.replay_blocked else
                    "found; NOT clean on the fixed release" if ok and b.fixed else "no")
         if ok and b.fixed and not b.replay_blocked:
@@ -250,13 +256,13 @@ def _per_fuzzer(ids: list[str], fuzzers: list[str], by: dict) -> list[str]:
     return lines
 
 
-def _programs(best: dict, bugs: dict) -> list[str]:
+def _programs(best: dict, bugs: dict, raw: str) -> list[str]:
     shown = [(bid, t) for bid, t in best.items() if t is not None]
     if not shown:
         return []
     lines = ["", "## Minimized programs", "",
              "The shortest per bug, confirmed 3/3 on the release that shipped it; `kvaudit replay` runs it "
-             "once saved with its config (`benchmarks-history.json` has every trial's)."]
+             f"once saved with its config (`{raw}` has every trial's)."]
     for bid, t in shown:
         fixed = (f"; on {bugs[bid].fixed}: " + ("clean" if t.fixed_clean else
                                                 ", ".join(t.fixed_signatures) or "not replayed")
@@ -273,6 +279,7 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
     cells = summarize(res.trials)
     by = {(c.bug, c.fuzzer): c for c in cells}
     best = {bid: min(res.found(bid), key=lambda t: t.min_len, default=None) for bid in ids}
+    ran = res.ran(ids)
 
     def hit(bid: str, fuzzer: str) -> bool:
         return bool(by.get((bid, fuzzer)) and by[(bid, fuzzer)].successes)
@@ -304,7 +311,8 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
         "",
         "| | " + " | ".join(fuzzers) + " |",
         "|---|" + "---|" * len(fuzzers),
-        "| bugs found (at least once) | " + " | ".join(f"{sum(hit(b, f) for b in ids)}/{len(ids)}" for f in fuzzers)
+        "| bugs found (at least once) | " + " | ".join(f"{sum(hit(b, f) for b in ids)}/{len(ran)}" for f in fuzzers)
+        + (f" ({len(ids) - len(ran)} bug(s) not run: interrupted)" if len(ran) < len(ids) else "")
         + " |",
         "| geometric mean of median executions-to-bug vs random (target >= 3x fewer) | "
         + " | ".join(geomean_cells(cells, fuzzers)) + " |",
@@ -317,7 +325,7 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
         lines += ["", "**Workers that failed** (an error in kvaudit or the engine, not a finding; the bug's "
                   "trials after it are missing from the tables):", ""]
         lines += [f"- {f}" for f in res.failures]
-    lines += _bugs(res, ids, bugs, best) + _per_fuzzer(ids, fuzzers, by) + _programs(best, bugs)
+    lines += _bugs(res, ids, bugs, best) + _per_fuzzer(ids, fuzzers, by) + _programs(best, bugs, raw)
     lines += ["", "## What each bug is, and how a real server reaches it", ""]
     for b in (bugs[bid] for bid in ids):
         if b.replay_file:  # a rediscovery: its triage is the corpus's, in the README beside the file

@@ -391,7 +391,9 @@ def _headline(res: BenchResult, cells: list[Cell], by: dict) -> list[str]:
     fp = {d["fuzzer"]: d for d in res.false_positives}
     lines = [
         _row("target", *fuzzers), "|---|" + "---|" * len(fuzzers),
-        _row("bugs found (at least once)", *(f"{sum(1 for c in mine[f] if c.successes)}/{len(bugs)}" for f in fuzzers)),
+        _row("bugs found (at least once)", *(f"{sum(1 for c in mine[f] if c.successes)}/{len(mine[f])}"
+                                             + (f" ({len(bugs) - len(mine[f])} not run: interrupted)"
+                                                if len(mine[f]) < len(bugs) else "") for f in fuzzers)),
         _row("success rate over all trials",
              *(f"{sum(c.successes for c in mine[f])}/{sum(c.trials for c in mine[f])}" for f in fuzzers)),
         _row("slowest median time-to-bug (target <= 60 s for every bug)", *worst),
