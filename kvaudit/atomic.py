@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 
 
@@ -39,13 +40,27 @@ def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
     return write_bytes_atomic(path, text.encode("utf-8"), durable)
 
 
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
 @contextlib.contextmanager
 def scratch_dir(prefix: str):
-    """A new directory in the temp dir (its path), removed on the way out, also when Ctrl-C or SIGTERM
-    (a KeyboardInterrupt) lands while it is being removed, which left ``TemporaryDirectory``'s half there:
-    the removal is finished, then the interrupt goes on."""
-    path = tempfile.mkdtemp(prefix=prefix)
+    """A new directory in the temp dir (its path), removed on the way out, also when Ctrl-C or SIGTERM (a
+    KeyboardInterrupt) lands inside ``mkdtemp`` after it made the directory, or while it is being removed:
+    ``TemporaryDirectory`` left the directory there in both cases. The signals are held while the directory
+    is made (delivered as soon as it is, inside the ``try``); a removal cut short is finished, then the
+    interrupt goes on."""
+    hold = hasattr(signal, "pthread_sigmask")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS) if hold else None
     try:
+        path = tempfile.mkdtemp(prefix=prefix)
+    except BaseException:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        raise
+    try:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # NOTE: an interrupt held meanwhile is raised here
         yield path
     finally:
         try:

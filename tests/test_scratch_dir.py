@@ -1,6 +1,7 @@
 """kvaudit.atomic.scratch_dir: a scratch directory an interrupt does not leave in the temp dir."""
 import os
 import shutil
+import signal
 
 import pytest
 
@@ -35,4 +36,25 @@ def test_the_directory_is_removed_after_an_error_too(tmp_path, monkeypatch):
         with atomic.scratch_dir("kvaudit-x-") as d:
             assert os.path.basename(d).startswith("kvaudit-x-") and os.path.dirname(d) == str(tmp_path)
             raise ValueError
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="holds signals with pthread_sigmask")
+def test_an_interrupt_that_lands_while_the_directory_is_made_still_removes_it(tmp_path, monkeypatch):
+    """`bench` interrupted right after a trial's line ("seed 1: found ...") left the next trial's directory:
+    the SIGTERM landed inside mkdtemp, after it made the directory and before its name was returned. The
+    signal is now held until the directory's name is known, then raised inside the ``try``."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(atomic.tempfile, "tempdir", None)
+    real = atomic.tempfile.mkdtemp
+
+    def signalled_mkdtemp(*a, **k):
+        path = real(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once unless held
+        return path
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", signalled_mkdtemp)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.scratch_dir("kvaudit-x-"):
+            pass
     assert os.listdir(tmp_path) == []
