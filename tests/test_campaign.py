@@ -604,6 +604,9 @@ def test_a_preset_list_takes_default_as_the_kind_s_default_and_refuses_an_empty_
     sglang = registry.get("sglang")
     assert presets_arg("--presets", "default", "sglang") == [sglang.default_preset]
     assert presets_arg("--presets", "default,chunked") == ["default", "chunked"]
+    with pytest.raises(InputError, match='^--presets: unknown preset "all" in a list \\("all,default"\\): "all" '
+                                         'stands alone'):
+        presets_arg("--presets", "all,default")
     for value in ("default,,chunked", "", "default,"):
         with pytest.raises(InputError, match='^--presets: unknown preset "" '):
             presets_arg("--presets", value)

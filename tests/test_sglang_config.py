@@ -252,3 +252,13 @@ def test_the_current_family_lists_what_its_release_drives(monkeypatch, version, 
     assert len(kind.presets()) == listed
     assert (kind.refusal("sglang-mamba") is None) is (listed == len(SGLANG_PRESETS))
     assert kind.refusal("nope") is None
+
+
+def test_an_older_current_release_s_refusal_names_a_file_not_a_python_name():
+    """On 0.5.20 `--preset sglang-mamba` said `... Mamba (compat.OLDER_CURRENT)`: a name only kvaudit's own
+    source knows; the line now points at the file that lists what those releases drive."""
+    from kvaudit.targets.sglang.kind import older_refusal
+
+    why = older_refusal(SGLANG_PRESETS["sglang-session"].config(), "0.5.20")
+    assert why.endswith("not driven there: sessions (kvaudit/targets/sglang/compat.py)"), why
+    assert older_refusal(SGLANG_PRESETS["sglang-session"].config(), "0.5.23") is None

@@ -150,6 +150,9 @@ def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all"
     :class:`InputError`."""
     names = list(valid) if value == every else list(dict.fromkeys(n.strip() for n in value.split(",")))  # "" is bad
     bad = [n for n in names if n not in valid]
+    if every is not None and every in bad:
+        raise InputError(f"{what} {json_value(every)} in a list ({json_value(value)}): {json_value(every)} stands "
+                         f"alone ({hint})")
     if bad:  # (a list of nothing but commas and blanks: the whole value)
         raise InputError(f"{what} {json_value(value if not any(names) else bad[0])} ({hint})")
     return names

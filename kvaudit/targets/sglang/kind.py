@@ -76,7 +76,7 @@ def older_refusal(config, version: str | None) -> str | None:
     if not modes:
         return None
     return (f"SGLang {version} is driven by the current family on the plain and PD-prefill paths only; "
-            f"not driven there: {', '.join(modes)} (compat.OLDER_CURRENT)")
+            f"not driven there: {', '.join(modes)} (kvaudit/targets/sglang/compat.py)")
 
 
 def _legacy() -> bool:
