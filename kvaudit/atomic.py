@@ -1,12 +1,13 @@
-"""Atomic file writes, and scratch directories an interrupt does not leave behind. Standard library only: the entry point writes ``kvaudit ci``'s reports with
-them while the rest of kvaudit is still being imported; :mod:`kvaudit.replay` re-exports both."""
+"""Atomic file writes, and scratch directories an interrupt does not leave behind. Standard library only:
+the entry point writes ``kvaudit ci``'s reports with them while the rest of kvaudit is still being
+imported; :mod:`kvaudit.replay` re-exports the writes."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import signal
 import tempfile
 
 
@@ -40,31 +41,28 @@ def write_text_atomic(path: str, text: str, durable: bool = True) -> str:
     return write_bytes_atomic(path, text.encode("utf-8"), durable)
 
 
-_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
-
-
 @contextlib.contextmanager
 def scratch_dir(prefix: str):
     """A new directory in the temp dir (its path), removed on the way out, also when Ctrl-C or SIGTERM (a
-    KeyboardInterrupt) lands inside ``mkdtemp`` after it made the directory, or while it is being removed:
-    ``TemporaryDirectory`` left the directory there in both cases. The signals are held while the directory
-    is made (delivered as soon as it is, inside the ``try``); a removal cut short is finished, then the
-    interrupt goes on."""
-    hold = hasattr(signal, "pthread_sigmask")
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS) if hold else None
+    KeyboardInterrupt) lands right after the directory was made, or while it is being removed: in both cases
+    ``TemporaryDirectory`` left it there (``mkdtemp`` can be interrupted after its mkdir, before it returns
+    the name). Here the name is chosen first, so the ``finally`` knows what to remove; a removal cut short is
+    finished, then the interrupt goes on."""
+    base = tempfile.gettempdir()
+    path = os.path.join(base, prefix + secrets.token_hex(6))
+    while os.path.lexists(path):
+        path = os.path.join(base, prefix + secrets.token_hex(6))
     try:
-        path = tempfile.mkdtemp(prefix=prefix)
-    except BaseException:
-        if hold:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        raise
-    try:
-        if hold:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # NOTE: an interrupt held meanwhile is raised here
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # another process's, made since the check: not ours to remove
+            path = None
+            raise
         yield path
     finally:
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-        except KeyboardInterrupt:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
+        if path is not None:
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            except KeyboardInterrupt:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
