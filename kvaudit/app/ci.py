@@ -51,7 +51,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         first = kind.preset(preset_names[0]).config()
         require_target(first)
         where = f"{kind.describe(first)}; " if kind.describe is not None else ""  # the engine and its release
-        err.print(f"kvaudit ci: {where}{len(files)} regression file(s) in {regressions_dir or '(none for this target)'}; "
+        err.print(f"kvaudit ci: {where}{len(files)} regression file(s) in "
+                  f"{regressions_dir or '(none for this target)'}; "
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
                      if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
                   + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
@@ -116,8 +117,8 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name)
     result.fuzz.append(run)
     err.print(f"fuzz {preset}: {run.executions} executions, "
-              + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else "nothing searched" if run.nothing_searched
-                 else "interrupted before its share ended" if run.interrupted else "clean")
+              + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else "nothing searched"
+                 if run.nothing_searched else "interrupted before its share ended" if run.interrupted else "clean")
               + (f", {len(run.known)} known" if run.known else "")
               + ("; reached: " + ", ".join(f"{k}={v}" for k, v in sorted(run.reached.items())) if run.reached else ""),
               soft_wrap=True)
