@@ -67,8 +67,9 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
-    kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells it); ``recorded``: a signature -> the engine release its
-    finding was recorded on (:func:`~kvaudit.reports.sarif.engine_of`)."""
+    kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
+    it); ``recorded``: a signature -> the engine release its finding was recorded on
+    (:func:`~kvaudit.reports.sarif.engine_of`)."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:

@@ -19,7 +19,6 @@ from kvaudit.program.schema import pick
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, prepare_import, probe_version, quiet_loggers
-from kvaudit.targets.sglang.config import legacy_refusal
 from kvaudit.targets.sglang.driver import SglangDriver
 from kvaudit.targets.sglang.hooks import SglangHooks
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
@@ -120,15 +119,10 @@ class SglangLegacyTarget(SglangDriver):
                          "alloc_paged_token_slots_decode")
     owner_stop_vars = ("reqs", "batch")
 
-    _refusal = staticmethod(legacy_refusal)  # why the family cannot drive a config (the PD-decode family: its own)
-
     def __init__(self, config):
-        """Both families of the era: ``config`` checked (:meth:`_refusal`), the family's objects
-        (:meth:`_build`), then the scheduler state both drive. Raises :class:`SglangUnavailable`."""
+        """Both families of the era: the family's objects (:meth:`_build`), then the scheduler state both
+        drive. ``config`` is one the era drives: the kind's ``_make`` refused any other (``era_refusal``)."""
         self.S = load_legacy(probe_version())
-        why = self._refusal(config)
-        if why is not None:
-            raise SglangUnavailable(why)
         self.config = config
         self.clock = StepClock()
         self._build(config)

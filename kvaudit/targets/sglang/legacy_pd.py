@@ -25,7 +25,6 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, torch_paged_kernels
-from kvaudit.targets.sglang.config import legacy_pd_refusal
 from kvaudit.targets.sglang.hooks import SglangHooks, host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget
 from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool
@@ -146,8 +145,6 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
 
     request_kv_allocs = SglangLegacyTarget.request_kv_allocs + ("alloc_logical_only", "alloc_device_buffer",
                                                                 "_pre_alloc")
-
-    _refusal = staticmethod(legacy_pd_refusal)
 
     def __init__(self, config):
         super().__init__(config)
