@@ -29,9 +29,12 @@ def main() -> None:
 
     args = sys.argv[1:]
     runs_engine = bool(args) and args[0] in HEAVY and not {"-h", "--help"} & set(args)
-    # SIGTERM (timeout, Kubernetes, the Actions runner) as Ctrl-C: the commands take both alike
-    previous = {sig: signal.signal(sig, on_sigint) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
     try:
+        # SIGTERM (timeout, Kubernetes, the Actions runner) as Ctrl-C: the commands take both alike; installed
+        # inside the try, since a signal can land as soon as its handler is in (before the next line)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_sigint)
         from kvaudit.cli import main as cli_main
         if runs_engine:
             for name in _HEAVY_MODULES:

@@ -75,6 +75,42 @@ def test_the_entry_point_hands_the_process_start_to_the_cli(monkeypatch):
     assert not hasattr(entry, "STARTED")
 
 
+def test_a_signal_landing_as_soon_as_the_guard_is_installed_exits_130(monkeypatch, capsys):
+    """The newcomer's README test run: test_ci_interrupted_during_its_imports sent SIGTERM the moment the
+    guard's handler was in; it ran before the guard's ``try`` (while the second handler was installed), so the
+    KeyboardInterrupt escaped with a traceback and the process died of SIGINT (-2), not 130."""
+    import signal
+
+    import kvaudit.cli
+
+    real, saved = signal.signal, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    fired = []
+
+    def landing_at_once(sig, handler):
+        old = real(sig, handler)
+        if sig == signal.SIGTERM and callable(handler) and handler not in saved.values() and not fired:
+            fired.append(sig)
+            handler(sig, None)  # the signal, delivered right after its handler is in (once)
+        return old
+
+    monkeypatch.setattr(kvaudit.cli, "main", lambda **kw: sys.exit(0))
+    monkeypatch.setattr(entry, "_exit", lambda e: None)
+    monkeypatch.setattr(sys, "argv", ["kvaudit", "--version"])
+    monkeypatch.setattr(signal, "signal", landing_at_once)
+    code = None
+    try:
+        entry.main()
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:
+        code = "KeyboardInterrupt escaped the guard"
+    finally:
+        for s, h in saved.items():
+            real(s, h)
+    assert code == 130 and capsys.readouterr().err == "kvaudit: interrupted\n", code
+
+
 def test_a_finished_command_skips_teardown_but_runs_atexit_and_flushes():
     """After `replay` (torch imported), the process leaves by os._exit: objects alive at the end are
     not finalized (that teardown is what took seconds), atexit handlers still run, every line of
