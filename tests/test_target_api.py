@@ -346,6 +346,70 @@ def test_a_root_of_an_undeclared_pool_met_mid_run_is_not_an_engine_crash(badtoy,
     assert "Traceback" not in r.output + r.stderr and "crash" not in r.output
 
 
+class FloatRoots(rowtoy_plugin.RowToyTarget):
+    def roots(self, aborting=True):
+        return [Root("rows", f"req:{r.rid}", r.rows.astype(float)) for r in self.engine.running]
+
+
+class ListUnitRoots(rowtoy_plugin.RowToyTarget):
+    def roots(self, aborting=True):
+        return [Root("rows", f"req:{r.rid}", [int(x) for x in r.rows]) for r in self.engine.running]
+
+
+class PastThePoolRoots(rowtoy_plugin.RowToyTarget):
+    def roots(self, aborting=True):
+        return [Root("rows", f"req:{r.rid}", r.rows + 1000) for r in self.engine.running]
+
+
+MID_RUN = {"float-units": (FloatRoots, "FloatRoots.roots(): req:r1's units must be a [n] integer numpy array, got "
+                                       "ndarray of float64"),
+           "list-units": (ListUnitRoots, "ListUnitRoots.roots(): req:r1's units must be a [n] integer numpy array, "
+                                         "got list"),
+           "past-the-pool": (PastThePoolRoots, "PastThePoolRoots.roots(): req:r1's units of pool 'rows' must be in "
+                                               "[0, 47] (its num_units), got 1001 to")}
+
+
+@pytest.mark.parametrize("preset", list(MID_RUN))
+def test_a_plugin_roots_mistake_met_mid_run_is_the_targets_error_not_an_engine_crash(preset, tmp_path):
+    """The check at build reads the fresh engine's roots, an empty list: float, list and out-of-pool
+    units met with the first live request were 'Engine crash: IndexError ...', exit 1, a replay file."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Idle, Submit
+
+    kind = registry.register(registry.TargetKind(
+        "midtoy", "rowtoy's engine behind roots that go wrong with a request", BadToyConfig,
+        presets=lambda: {n: Preset(n, n, {}, BadToyConfig) for n in MID_RUN},
+        make=lambda c: MID_RUN[c.preset][0](c), default_preset="float-units"))
+    try:
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(MID_RUN[preset][1])):
+            execute(kind.preset(preset).config(), [Submit(prompt_len=4, max_new_tokens=3), Idle()])
+        r = invoke("fuzz", "--target", "midtoy", "--preset", preset, "--fuzzer", "random", "--max-time", "5",
+                   "--out", str(tmp_path))
+    finally:
+        registry._KINDS.pop("midtoy")
+    assert r.exit_code == 2, r.output + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: target midtoy: {MID_RUN[preset][1]}")
+    assert "crash" not in r.output and not any(n.endswith(".json") for n in os.listdir(tmp_path))
+
+
+@dataclass(frozen=True)
+class SubToyConfig(ToyConfig):
+    target: str = "subtoy"
+
+
+def test_a_kind_whose_config_subclasses_another_kinds_runs_itself():
+    """kind_of took the first kind whose class the config is an instance of: --target subtoy ran toy's
+    target (registered first) and the replay file still said subtoy."""
+    toy = registry.register(registry.TargetKind("toy", "a toy", ToyConfig, presets=dict,
+                                                make=lambda c: ToyTarget(n=c.n)))
+    sub = registry.register(registry.TargetKind("subtoy", "a toy's subclass", SubToyConfig, presets=dict,
+                                                make=lambda c: ToyTarget(n=c.n)))
+    try:
+        assert registry.kind_of(SubToyConfig()) is sub and registry.kind_of(ToyConfig()) is toy
+    finally:
+        registry._KINDS.pop("toy"), registry._KINDS.pop("subtoy")
+
+
 def test_make_target_checks_every_kind_and_the_built_ins_pass():
     for name in ("eut", "vllm"):
         kind = registry.get(name)

@@ -27,15 +27,18 @@ def make_target(config):
     (:func:`kvaudit.targets.registry.kind_of`) and checked (:func:`kvaudit.targets.base.check_target`).
     Raises :class:`kvaudit.targets.registry.UnknownTargetError` for a config no kind takes,
     :class:`kvaudit.targets.registry.TargetDefinitionError` for a target that does not keep the target
-    API; a kind may raise its own error when its engine cannot be driven (real SGLang:
+    API (a plugin kind's ``roots()`` on every read: :func:`kvaudit.targets.base.check_roots_always`); a
+    kind may raise its own error when its engine cannot be driven (real SGLang:
     ``SglangUnavailable``)."""
-    from kvaudit.targets.base import check_target
-    from kvaudit.targets.registry import kind_of
+    from kvaudit.targets.base import check_roots_always, check_target
+    from kvaudit.targets.registry import BUILTIN_KINDS, kind_of
 
     kind = kind_of(config)
     target = kind.make(config)
     try:
         check_target(target, kind.name)
+        if kind.name not in BUILTIN_KINDS:
+            check_roots_always(target, kind.name)
     except Exception:
         close = getattr(target, "close", None)
         if callable(close):

@@ -471,6 +471,37 @@ def check_target(target, kind: str) -> None:
     _checked.add(cls)
 
 
+def check_roots_always(target, kind: str) -> None:
+    """For a kind that is not built in (a plugin): check every ``roots()`` the run reads, not only the
+    fresh engine's (which holds no request, so :func:`check_target` sees an empty list): each a
+    :class:`Root` with ``[n]`` integer numpy ``units`` in ``[0, num_units]`` of its declared pool. A
+    mistake met mid-run raises :class:`kvaudit.targets.registry.TargetDefinitionError` naming ``kind``,
+    instead of an ``IndexError`` in the audit's sweep reported as the engine's crash. Replaces the
+    instance's ``roots`` (the built-in kinds, checked by their tests, skip the cost)."""
+    from kvaudit.targets.registry import TargetDefinitionError
+
+    sizes = {s.name: int(s.num_units) for s in target.pools()}
+    name, read = type(target).__name__, target.roots
+
+    def roots(*args, **kwargs):
+        got = read(*args, **kwargs)
+        if not isinstance(got, (list, tuple)) or not all(isinstance(r, Root) for r in got):
+            raise TargetDefinitionError(f"target {kind}: {name}.roots() must return a list of Root, got {got!r:.80}")
+        for r in got:
+            u, top = r.units, sizes.get(r.pool)
+            if not (isinstance(u, np.ndarray) and u.ndim == 1 and u.dtype.kind in "iu"):
+                raise TargetDefinitionError(
+                    f"target {kind}: {name}.roots(): {r.owner}'s units must be a [n] integer numpy array, got "
+                    f"{type(u).__name__}" + (f" of {u.dtype}, shape {u.shape}" if isinstance(u, np.ndarray) else ""))
+            if top is not None and u.size and (u.min() < 0 or u.max() > top):
+                raise TargetDefinitionError(
+                    f"target {kind}: {name}.roots(): {r.owner}'s units of pool {r.pool!r} must be in [0, {top}] "
+                    f"(its num_units), got {int(u.min())} to {int(u.max())}")
+        return got
+
+    target.roots = roots
+
+
 def kv_length_problems(reqs) -> list[str]:
     """SGLang invariant 6 for each live request ``reqs`` (objects with ``rid`` and ``kv``, a
     ``ReqKvInfo``): ``0 <= kv_committed_len <= kv_allocated_len``; one line per violation."""

@@ -94,7 +94,7 @@ class TargetKind:
     ``name``: the ``--target`` choice and a config's ``target`` in replay files. ``summary``: one line
     for ``--target``'s help. ``config_class``: the kind's config (a frozen dataclass with ``preset``
     and ``bugs`` fields and ``to_dict``/``from_dict``/``replace``, e.g. :class:`kvaudit.config.ConfigBase`);
-    a config belongs to the first kind whose class it is an instance of. ``presets()``: name ->
+    a config belongs to the kind whose class is nearest its own (:func:`kind_of`). ``presets()``: name ->
     preset (``.name``, ``.description``, ``.config(**changes)``), in the order ``kvaudit presets``
     lists them; ``default_preset`` is what ``--preset default`` means. ``bugs()``: name -> one-line
     description of what ``--bug NAME`` switches on (a zoo bug or an injected fault); ``bugs_title``
@@ -388,11 +388,16 @@ def get(name: str) -> TargetKind:
 
 
 def kind_of(config) -> TargetKind:
-    """The kind whose config class ``config`` is an instance of. Raises :class:`UnknownTargetError`."""
+    """The kind whose config class ``config`` is an instance of; of several (a kind's config class
+    subclassing another kind's), the one nearest ``config``'s own class, so a plugin that extends
+    another kind's config runs its own kind. Raises :class:`UnknownTargetError`."""
     _load()
+    by_class: dict[type, TargetKind] = {}
     for kind in _KINDS.values():
-        if isinstance(config, kind.config_class):
-            return kind
+        by_class.setdefault(kind.config_class, kind)
+    for cls in type(config).__mro__:
+        if cls in by_class:
+            return by_class[cls]
     raise UnknownTargetError(f"no registered target takes a {type(config).__name__}")
 
 
