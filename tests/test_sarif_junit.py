@@ -337,6 +337,30 @@ def test_a_user_engine_outside_kvaudit_is_located_relative_to_the_current_direct
     assert r["properties"]["locationIsFallback"] is True
 
 
+def test_a_plugin_package_in_the_users_repository_is_located_relative_to_it(validator, tmp_path, monkeypatch):
+    """A plugin that is a package on sys.path (PYTHONPATH, or the current directory) has its frames recorded
+    package-relative (toysched/engine.py), so they read as an installed package's: every result was placed
+    at the plugin's config class with locationIsFallback. Under the current directory it is the user's
+    code: %SRCROOT%-relative, at the recorded line; from elsewhere, the fallback as before."""
+    engine = tmp_path / "toysched" / "engine.py"
+    engine.parent.mkdir()
+    (engine.parent / "__init__.py").write_text("")
+    engine.write_text("class Engine:\n    def step(self):\n        got = self.pool.alloc(4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    site = Site("toysched/engine.py", 3, "step", source="got = self.pool.alloc(4)")
+    leak = Finding(kind="leak", pool="slots", message="unreachable", slots=[3], num_units=1, alloc_sites=[site])
+    monkeypatch.chdir(tmp_path)
+    log = to_sarif([leak])
+    assert _errors(validator, log) == []
+    (r,) = log["runs"][0]["results"]
+    loc = r["locations"][0]["physicalLocation"]
+    assert loc["artifactLocation"] == {"uri": "toysched/engine.py", "uriBaseId": SRCROOT}
+    assert loc["region"]["startLine"] == 3 and "locationIsFallback" not in r["properties"]
+    monkeypatch.chdir(ROOT)
+    (r,) = to_sarif([leak])["runs"][0]["results"]
+    assert r["properties"]["locationIsFallback"] is True
+
+
 def test_a_kind_without_an_anchor_falls_back_to_its_config_class_statement(validator):
     """A finding with no usable frame, of a target kind that registers no anchor, is shown at its config
     class. It was shown at line 1 of that file, which resolve() then flagged as a stale frame."""

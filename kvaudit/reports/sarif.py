@@ -87,9 +87,18 @@ def in_repo(site: Site) -> bool:
     """Whether code scanning can resolve ``site.file`` against the checkout: a repo-relative path (not a
     pseudo-file like ``<string>``, not ``../``) or one under the current directory."""
     p = _norm(site.file)
-    if cwd_relative(p) is not None:
+    if cwd_relative(p) is not None or _package_here(p) is not None:
         return True
     return bool(p) and not (p.startswith(("/", "<", "../")) or p == ".." or WINDOWS_ABS.match(p) or installed(p))
+
+
+def _package_here(p: str) -> str | None:
+    """A package-relative ``p`` (``toysched/engine.py``: how a module of a package on ``sys.path`` is
+    recorded) whose file is under the current directory (a plugin's package in the user's repository, not
+    an installed one), relative to it; else None."""
+    if not p or p.startswith(("/", "<", "../")) or WINDOWS_ABS.match(p) or not installed(p):
+        return None
+    return cwd_relative(source_path(p))
 
 
 def engine_base_id(package: str) -> str:
@@ -103,7 +112,7 @@ def artifact_location(path: str, engine: EngineSource | None = None) -> dict | N
     if rel is not None:
         return {"uri": quote(rel), "uriBaseId": engine_base_id(engine.package)}
     p = _norm(path)
-    here = cwd_relative(p)
+    here = cwd_relative(p) or _package_here(p)
     if here is not None:
         return {"uri": quote(here), "uriBaseId": SRCROOT}
     if p.startswith("/"):
