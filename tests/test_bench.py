@@ -120,3 +120,27 @@ def test_an_unwritable_report_names_its_own_flag(tmp_path, suite):
     r = invoke("bench", "--suite", suite, "--bugs", "sglang-22273" if suite == "history" else "hisparse-prebuilt-skip-finish",
                "--trials", "1", "--out", str(tmp_path / "f" / "b.md"), "--json", str(tmp_path / "b.json"))
     assert r.exit_code == 2 and one_error_line(r).startswith(f"kvaudit: error: --out {tmp_path / 'f' / 'b.md'}: "), r.output
+
+
+def test_a_hit_past_the_budget_is_a_miss_not_a_success(monkeypatch):
+    """--fuzzers atheris --budget 0.1 'found' bugs at 3.1-4.6 s (the child's start-up is counted and
+    libFuzzer takes whole seconds) and counted them as successes under a header saying 'at most 0.1 s
+    each'. A fake search whose first hit lands past the budget: a miss, with its time in the note; the
+    same hit inside the budget is a success."""
+    from types import SimpleNamespace
+
+    from kvaudit.program import Idle, Submit
+
+    def fake(when):
+        def search(fuzzer, config, budget, seed, stats, work_dir, **kw):
+            stats.executions, stats.first_hit = 3, (3, when)
+            return [Submit(prompt_len=4, max_new_tokens=2), Idle()], [SimpleNamespace(signature="leak/x")]
+        return search
+
+    monkeypatch.setattr(bench, "triage", lambda config, program, finding: None)
+    monkeypatch.setattr(bench, "search", fake(3.7))
+    late = bench.run_trial("prefill-finish-leaks-row", "atheris", 1, 0.1)
+    assert not late.success and late.note == "found after 3.7 s, past the 0.1 s budget: counted as not found"
+    monkeypatch.setattr(bench, "search", fake(0.05))
+    on_time = bench.run_trial("prefill-finish-leaks-row", "atheris", 1, 0.1)
+    assert on_time.note.endswith("did not reproduce 3/3")  # it went on to triage: inside the budget
