@@ -588,9 +588,10 @@ def test_ci_s_first_line_names_the_engine_and_its_release_as_fuzz_does(tmp_path,
     monkeypatch.setattr(registry, "get", lambda name: eut if name == "eut" else real_get(name))
     regs = tmp_path / "regs"
     regs.mkdir()
+    shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs)
     r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--out", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
-    assert r.stderr.splitlines()[0].startswith("kvaudit ci: target eut 9.9 (default); 0 regression file(s)"), r.stderr
+    assert r.stderr.splitlines()[0].startswith("kvaudit ci: target eut 9.9 (default); 1 regression file(s)"), r.stderr
 
 
 def test_a_preset_list_takes_default_as_the_kind_s_default_and_refuses_an_empty_name():
@@ -749,3 +750,19 @@ def test_a_campaign_sums_its_workers_path_counters_keeping_a_path_at_zero():
     assert dict(result.stats.reached) == {"preemptions": 5, "failed_transfers": 0}
     assert result.stats.executions == 17
     assert result.suppression_usage == {1: [(2, ["s1"])]}  # (a worker with a suppression file sends its rules' usage)
+
+
+def test_ci_that_would_check_nothing_is_a_usage_error(tmp_path):
+    """`ci --max-time 0 --regressions <empty dir>` printed 'passed: 0/0 regressions ok' and exited 0: a CI job
+    with a wrong regressions path went green having checked nothing. With a fuzz budget an empty directory
+    still means "fuzz only"."""
+    from cli_helpers import one_error_line
+
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "0", "--regressions", str(empty))
+    assert r.exit_code == 2, r.output + r.stderr
+    assert one_error_line(r) == (f"kvaudit: error: --regressions {empty}: no replay file (*.json) in it, and "
+                                 "--max-time 0 fuzzes nothing: the job would check nothing")
+    r = invoke("ci", "--max-time", "0.5", "--regressions", str(empty), "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0 and "0/0 regressions ok" in r.output, r.output + r.stderr
