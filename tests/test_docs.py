@@ -132,3 +132,30 @@ def test_no_page_ends_mid_sentence(page):
 def test_a_page_cut_mid_sentence_is_caught():
     assert _ends_mid_sentence("`ci` writes its JUnit with a\n\n")
     assert not _ends_mid_sentence("the end.\n")
+
+
+def test_the_exit_codes_table_names_every_option_of_every_command():
+    """The table's synopsis of fuzz and replay lacked --paranoid (which has an exit code of its own):
+    every option of every command is on its row (``REPORT FLAGS`` stands for the report options; an
+    option counts when any of its spellings is there: ``-o``, ``--no-resolve``)."""
+    import click
+
+    from kvaudit.cli import main
+
+    with open(os.path.join(DOCS, "reference", "exit-codes.md")) as fh:
+        heads = [line.split(" | ")[0] for line in fh if line.startswith("| `kvaudit ")]
+
+    def commands(group, path=()):
+        for name, cmd in group.commands.items():
+            yield from commands(cmd, path + (name,)) if isinstance(cmd, click.Group) else [(path + (name,), cmd)]
+
+    report_flags = {"--html", "--sarif", "--junit", "--json"}
+    for path, cmd in commands(main):
+        rows = " ".join(h for h in heads if f"`kvaudit {' '.join(path)}" in h)
+        assert rows, f"no row for kvaudit {' '.join(path)}"
+        for p in cmd.params:
+            names = [*p.opts, *p.secondary_opts] if isinstance(p, click.Option) else []
+            if not names or "--help" in names or (set(names) & report_flags and "REPORT FLAGS" in rows):
+                continue
+            assert any(re.search(rf"\[{re.escape(n)}[\] ]|{re.escape(n)}[ \]|`]", rows) for n in names), \
+                f"kvaudit {' '.join(path)}: {names[-1]} is not on its row of exit-codes.md"
