@@ -145,8 +145,11 @@ def parse_doc(doc, where: str) -> tuple[TargetConfig, list[Op], list[Finding], d
 
 def _parse_replay(doc, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        hint = " (a report of several cases: use 'kvaudit report')" if isinstance(doc, dict) and \
-            doc.get("format") == REPORT_FORMAT else ""
+        got = doc.get("format") if isinstance(doc, dict) else None
+        if isinstance(got, str) and got.startswith("kvaudit.replay/"):  # a newer kvaudit's file, say
+            raise ReplayFormatError(f"{path}: replay format {json_value(got)} is not supported by this kvaudit "
+                                    f"(it reads {json_value(FORMAT)})")
+        hint = " (a report of several cases: use 'kvaudit report')" if got == REPORT_FORMAT else ""
         raise ReplayFormatError(f"{path} is not a kvaudit replay file (want \"format\": \"{FORMAT}\"){hint}")
     return _parse(doc, path)
 

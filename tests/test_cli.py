@@ -217,7 +217,10 @@ def _write(tmp_path, name, text):
     ('{"a": 1}', "not a kvaudit replay file"),
     ("[1, 2, 3]", "not a kvaudit replay file"),
     ('"kvaudit.replay/1"', "not a kvaudit replay file"),
-    ('{"format": "kvaudit.replay/0", "config": {}, "program": []}', "not a kvaudit replay file"),
+    ('{"format": "kvaudit.replay/0", "config": {}, "program": []}',
+     'replay format "kvaudit.replay/0" is not supported by this kvaudit (it reads "kvaudit.replay/1")'),
+    ('{"format": "kvaudit.replay/9", "config": {}, "program": []}',
+     'replay format "kvaudit.replay/9" is not supported by this kvaudit (it reads "kvaudit.replay/1")'),
     ("this is not json\n", "not JSON"),
     ("", "not JSON"),
     ('{"format": "kvaudit.replay/1", "program": []}', 'missing key "config"'),
@@ -229,7 +232,7 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/1", "config": {}, "program": {"op": "idle"}}', "bad program"),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": [{"kind": "leak"}]}', "bad findings"),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": "x"}', "bad findings"),
-], ids=["object", "list", "string", "old-format", "text", "empty", "no-config", "no-program", "config-key",
+], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "no-config", "no-program", "config-key",
         "config-list", "config-bug", "unknown-op", "program-object", "finding-fields", "findings-string"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
     """A name the file holds is spelled as JSON spells it (it said ``unknown bug 'nope'``, ``missing key 'program'``)."""
@@ -660,8 +663,8 @@ def test_a_flag_that_does_nothing_here_is_a_warning(flags, warning, tmp_path):
 def test_ci_campaign_without_db_is_a_warning(tmp_path):
     empty = tmp_path / "regs"
     empty.mkdir()
-    r = invoke("ci", "--campaign", "nightly", "--max-time", "0", "--regressions", str(empty),
-               "--junit", str(tmp_path / "ci.xml"))
+    r = invoke("ci", "--campaign", "nightly", "--max-time", "0.3", "--regressions", str(empty),
+               "--junit", str(tmp_path / "ci.xml"), "--out", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
     assert "warning: --campaign nightly names a campaign shared through --db; without --db it is ignored" in r.stderr
 
