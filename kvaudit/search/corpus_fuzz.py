@@ -303,15 +303,9 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     """Search ``config`` for ``max_time`` seconds (or ``max_executions`` programs) from ``seed_value``.
     Returns the first program that yields a finding neither suppressed nor ``known`` (a container of
     signatures) with its findings, or None. ``corpus`` (optional) is filled in place; ``stats.coverage``
-    reports the features and corpus size.
-
-    Fresh programs have ``min_ops..max_ops`` ops; the first ``warmup`` are those of
-    :func:`kvaudit.search.fuzz.random_search` for ``seed_value``; after them ``fresh_share`` of the executions
-    run a fresh program, the rest mutate a corpus one. ``keep_findings``: a known finding's signature is a
-    feature and its op joins the corpus. ``line_coverage``: engine lines are features (:class:`LineTracer`).
-    ``store``: its programs run first and every program that joins is saved there; every ``sync_every``
-    executions other workers' new ones run next. The variants ``schedule`` (:meth:`Corpus.pick`), ``extend_share``
-    (:meth:`Mutator.extend`), ``arg_swarm``, ``op_context``, ``transitions``: docs/internals/fuzzers.md."""
+    reports the features and corpus size. Fresh programs have ``min_ops..max_ops`` ops; the warm-up
+    (``warmup``), ``fresh_share``, ``keep_findings``, ``line_coverage``, the ``store`` and its ``sync_every``
+    and the variants: docs/internals/fuzzers.md, "The corpus search"."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup (at these lengths)
     deadline = time.monotonic() + max_time
     reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
