@@ -38,8 +38,8 @@ def _param_row(ctx, param) -> str:
     metavar = param.make_metavar(ctx) if _takes_ctx(param.make_metavar) else param.make_metavar()
     meta = "" if param.is_flag else f" `{metavar}`"
     help_ = _cell(param.help or "")
-    unset = getattr(getattr(click, "_utils", None), "UNSET", None)  # click 8.2+: "no default given"
-    if param.default is not None and param.default is not unset and not param.is_flag and param.show_default is not False \
+    unset = getattr(click.core, "UNSET", None)  # click 8.3+: what an option declared without a default holds
+    if param.default not in (None, unset) and not param.is_flag and param.show_default is not False \
             and not callable(param.default) and param.default != () and param.default != []:
         help_ += f" (default: `{param.default}`)" if help_ else f"default: `{param.default}`"
     if param.multiple:

@@ -324,3 +324,35 @@ def test_a_bad_max_ops_is_one_line_spelled_as_json(monkeypatch, capsys):
         atheris_harness._setup()
     assert e.value.code == 2
     assert capsys.readouterr().err == 'fuzz_engine.py: KVAUDIT_MAX_OPS must be an integer, got "x"\n'
+
+
+def test_a_run_without_work_dir_leaves_no_directory_when_an_interrupt_cuts_its_removal(monkeypatch, tmp_path):
+    # a second Ctrl-C while the temporary work directory is being removed: the removal is finished, then the
+    # interrupt goes on (kvaudit.atomic.scratch_dir); the run's own rmtree(ignore_errors=True) left it half there
+    import shutil
+    import tempfile
+
+    from kvaudit.search import atheris_fuzz
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    work = []
+
+    def search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path, known, work_dir,
+               *rest):
+        work.append(work_dir)
+        os.makedirs(os.path.join(work_dir, "corpus"))
+        raise KeyboardInterrupt
+
+    real, removals = shutil.rmtree, []
+
+    def cut_once(path, *a, **k):
+        removals.append(path)
+        if len(removals) == 1:
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(atheris_fuzz, "_search", search)
+    monkeypatch.setattr(shutil, "rmtree", cut_once)
+    with pytest.raises(KeyboardInterrupt):
+        atheris_search(None, 1.0, 0, FuzzStats())
+    assert work and work[0].startswith(str(tmp_path)) and os.listdir(tmp_path) == []

@@ -58,8 +58,6 @@ def test_the_command_reference_is_what_the_click_commands_say_now():
     with open(gen_commands.PAGE) as fh:
         committed = fh.read()
     assert committed == gen_commands.render(), "docs/reference/commands.md is stale: run python docs/gen_commands.py"
-    # a default is a value a user could type, never click's "no default" sentinel (click 8.2+)
-    assert not re.search(r"default: `(Sentinel\.|<)", committed), re.search(r".*default: `(Sentinel|<).*", committed)[0]
     # every command and every option of --help is on the page
     from click.testing import CliRunner
 
@@ -70,6 +68,9 @@ def test_the_command_reference_is_what_the_click_commands_say_now():
         assert f"`{flag}`" in committed, flag
     for name in main.list_commands(None):
         assert f"## `kvaudit {name}`" in committed
+    # an option declared without a default has none on the page (click 8.3+ keeps a sentinel there, which
+    # --help never shows: fuzz --bug, campaign status/pull --db)
+    assert "Sentinel" not in committed and "UNSET" not in committed
 
 
 def test_the_generator_tells_a_stale_page(tmp_path):

@@ -19,15 +19,13 @@ from kvaudit.targets.registry import kind_of
 class GenItem:
     """One request of a ``/generate`` call: ``op`` index, ``rid`` (the program's id, e.g. ``r1``),
     ``input_ids`` (``[n]`` token ids), ``max_new_tokens`` (tokens, after the target's clamp or the
-    program's EOS), ``hold`` (it must still run when a later message arrives), ``stop_at`` (output length
-    at which the program's EOS comes, or None)."""
+    program's EOS), ``hold`` (it must still run when a later message arrives)."""
 
     op: int
     rid: str
     input_ids: list[int]
     max_new_tokens: int
     hold: bool = False
-    stop_at: int | None = None
     notes: list[str] = field(default_factory=list)
     remote: str | None = None  # a P/D pair's other side: "prefill" (do_remote_prefill) | "decode" (do_remote_decode)
 
@@ -84,7 +82,7 @@ def _item(config, ex, op: Submit, i: int, rid: str, submitted: list[str], texts:
     """The request of submit op ``i``, with notes on what a client sends differently."""
     req = resolve_submit(op, config.vocab_size, config.context_len // 4, config.context_len // 2, submitted,
                          lambda base: texts.get(base, []))
-    item = GenItem(i, rid, req.input_ids, req.max_new_tokens, stop_at=op.stop_at)
+    item = GenItem(i, rid, req.input_ids, req.max_new_tokens)
     base = pick(op.extends, submitted)
     if base is not None:
         item.notes.append(f"extends {base}: the prompt resends {base}'s prompt only; the program also "

@@ -27,12 +27,9 @@ class OpView(NamedTuple):
 
 
 class Trace(NamedTuple):
-    """Per op an :class:`OpView` (none after a crash); ``stopped_at``: the op the engine raised at, or
-    None; ``finished``: request id -> the first op before which it was no longer live."""
+    """Per op an :class:`OpView`, up to the op the engine raised at (none after it)."""
 
     views: tuple[OpView, ...]
-    stopped_at: int | None
-    finished: dict[str, int]
 
 
 def trace(config, program: list[Op]) -> Trace | None:
@@ -52,16 +49,10 @@ def trace(config, program: list[Op]) -> Trace | None:
         return None
     live_of, answered_of, sessions_of = got
     views: list[OpView] = []
-    finished: dict[str, int] = {}
-    seen: set[str] = set()
     stopped = None
     try:
         for i, op in enumerate(program):
-            live, answered = live_of(), answered_of()
-            for rid in seen - set(live):
-                finished.setdefault(rid, i)
-            seen |= set(live)
-            sessions = sessions_of()
+            live, answered, sessions = live_of(), answered_of(), sessions_of()
             before = len(target.submitted)
             try:
                 if isinstance(op, Step):
@@ -84,4 +75,4 @@ def trace(config, program: list[Op]) -> Trace | None:
                 break
     finally:
         target.close()
-    return Trace(tuple(views), stopped, finished)
+    return Trace(tuple(views))

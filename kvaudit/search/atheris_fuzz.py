@@ -17,13 +17,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
 
 from kvaudit.config import TargetConfig
 from kvaudit import replay
+from kvaudit.atomic import scratch_dir
 from kvaudit.program.bytes_program import V2_MAGIC, max_len
 from kvaudit.data import data_path
 from kvaudit.audit.findings import Finding
@@ -185,27 +185,16 @@ def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: Fuzz
                    work_dir: str | None = None, use_seeds: bool = True, max_ops: int = 24,
                    libfuzzer_args: list[str] = ()) -> tuple[list[Op], list[Finding]] | None:
     """Fuzz ``config`` with atheris for ``max_time`` seconds of libFuzzer time; return the first finding's
-    ``(program, findings)`` (the program ends with the op that found it), or None.
-
-    ``workers > 1``: libFuzzer's ``-fork=workers``. ``corpus_dir`` (default ``work_dir/corpus``) receives new
-    inputs; ``corpora/seeds/<preset>/`` is a second, read-only corpus when ``use_seeds``. Findings that
-    ``known`` or the suppression file ``suppressions_path`` covers are not findings. ``work_dir`` None: a
-    temporary directory, removed afterwards. ``libfuzzer_args`` go last on libFuzzer's command line.
-
-    Updates ``stats`` (``coverage``: ``"345 edges"``, libFuzzer's ``cov:``); calls ``on_progress(stats)`` at most
-    every 0.25 s and once at the end. Stops the harness at ``max_time + GRACE_S``, once the first finding's
-    crash input is written, and on KeyboardInterrupt (or ``INTERRUPTED``), which is re-raised.
-
-    Raises :class:`AtherisError` when the harness fails without writing a finding (it cannot start,
-    libFuzzer reports a timeout or an out-of-memory input)."""
-    own_dir = work_dir is None
-    work_dir = os.path.abspath(work_dir if work_dir is not None else tempfile.mkdtemp(prefix="kvaudit-atheris-"))
-    try:
+    ``(program, findings)`` (the program ends with the op that found it) neither ``known`` nor suppressed
+    (``suppressions_path``), or None. ``work_dir`` None: a :func:`kvaudit.atomic.scratch_dir`; the work
+    directory, the options and when the harness is stopped: docs/internals/fuzzers.md, "The atheris driver".
+    Updates ``stats`` (``coverage``: ``"345 edges"``); ``on_progress(stats)`` at most every 0.25 s and at the end.
+    Re-raises KeyboardInterrupt (or ``INTERRUPTED``) once the harness is stopped. Raises :class:`AtherisError`
+    when the harness fails without writing a finding (it cannot start, libFuzzer reports a timeout or an
+    out-of-memory input)."""
+    with contextlib.nullcontext(work_dir) if work_dir is not None else scratch_dir("kvaudit-atheris-") as work:
         return _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path,
-                       frozenset(known), work_dir, use_seeds, max_ops, list(libfuzzer_args))
-    finally:
-        if own_dir:
-            shutil.rmtree(work_dir, ignore_errors=True)
+                       frozenset(known), os.path.abspath(work), use_seeds, max_ops, list(libfuzzer_args))
 
 
 def _prepare(work_dir: str, corpus_dir: str | None, known: frozenset) -> tuple[str, str]:

@@ -154,9 +154,9 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             path = replay.write_atomic(os.path.join(out_dir, os.path.basename(path)), doc)
             run.new.append((program, [f for f in findings if f.signature in sigs], path))
     run.interrupted = result.interrupted
-    if result.interrupted:
+    if result.interrupted:  # no time for replays: its SARIF lists what was found
         run.seconds = min(budget, time.monotonic() - t0)
-    if not result.interrupted:  # (interrupted: no time for replays; its SARIF lists what was found)
+    else:
         run.known_open = still_open(result.known, suppress_path)
     return run
 

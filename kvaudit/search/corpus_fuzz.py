@@ -25,7 +25,7 @@ from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, 
 from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
 from kvaudit.program.generate import random_op, weighted_kinds
 from kvaudit.program.schema import max_prompt as context_max_prompt
-from kvaudit.search.fuzz import FuzzStats, run_program
+from kvaudit.search.fuzz import FuzzStats, programs_until, run_program
 from kvaudit.targets import program_features
 
 
@@ -303,32 +303,22 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     """Search ``config`` for ``max_time`` seconds (or ``max_executions`` programs) from ``seed_value``.
     Returns the first program that yields a finding neither suppressed nor ``known`` (a container of
     signatures) with its findings, or None. ``corpus`` (optional) is filled in place; ``stats.coverage``
-    reports the features and corpus size.
-
-    Fresh programs have ``min_ops..max_ops`` ops; the first ``warmup`` are those of
-    :func:`kvaudit.search.fuzz.random_search` for ``seed_value``; after them ``fresh_share`` of the executions
-    run a fresh program, the rest mutate a corpus one. ``keep_findings``: a known finding's signature is a
-    feature and its op joins the corpus. ``line_coverage``: engine lines are features (:class:`LineTracer`).
-    ``store``: its programs run first and every program that joins is saved there; every ``sync_every``
-    executions other workers' new ones run next. The variants ``schedule`` (:meth:`Corpus.pick`), ``extend_share``
-    (:meth:`Mutator.extend`), ``arg_swarm``, ``op_context``, ``transitions``: docs/internals/fuzzers.md."""
+    reports the features and corpus size. Fresh programs have ``min_ops..max_ops`` ops; the warm-up
+    (``warmup``), ``fresh_share``, ``keep_findings``, ``line_coverage``, the ``store`` and its ``sync_every``
+    and the variants: docs/internals/fuzzers.md, "The corpus search"."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup (at these lengths)
     deadline = time.monotonic() + max_time
     reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
     mut = Mutator(rng, reach, context_max_prompt(config.context_len), max_ops)
     corpus = corpus if corpus is not None else Corpus()
-    last = time.monotonic()
     tracer = LineTracer() if line_coverage else None
-    executions = 0
     pending: list[list[Op]] = store.load_new() if store is not None else []  # stored programs run first
     programs = _programs(rng, mut, corpus, pending, min_ops, max_ops, warmup, fresh_share, schedule, extend_share,
                          arg_swarm)
-    while time.monotonic() < deadline and (max_executions is None or executions < max_executions):
-        executions += 1
-        if store is not None and executions % sync_every == 0:
+    for n, _ in enumerate(programs_until(deadline, max_executions, stats, on_progress), 1):
+        if store is not None and n % sync_every == 0:
             pending += store.load_new()
         program = next(programs)
-        stats.executions += 1
         steps = _StepFeatures(corpus.features, transitions, op_context)
         hit, kept = _run(config, program, steps, stats, known, keep_findings, suppressions, deadline, tracer)
         if hit is not None:
@@ -344,9 +334,6 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
         if store is not None and (store.skipped or store.write_errors):
             stats.coverage += (f" ({len(store.skipped)} unreadable and {len(store.write_errors)} unwritable "
                                f"files in {store.path})")
-        if on_progress and time.monotonic() - last > 0.5:
-            last = time.monotonic()
-            on_progress(stats)
     return None
 
 

@@ -352,20 +352,28 @@ def random_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     rng = random.Random(seed_value)
     deadline = time.monotonic() + max_time
     max_prompt = context_max_prompt(config.context_len)
-    last = time.monotonic()
-    cap = stats.executions + max_executions if max_executions is not None else None
-    while time.monotonic() < deadline and (cap is None or stats.executions < cap):
+    for _ in programs_until(deadline, max_executions, stats, on_progress):
         program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
                                  features=program_features(config))
-        stats.executions += 1
         ran, found, out_of_time, _ = run_program(config, program, stats, suppressions, deadline)
         if not out_of_time and found and not all(f.signature in known for f in found):
             stats.hit()
             return program[:ran], found
+    return None
+
+
+def programs_until(deadline: float, max_executions: int | None, stats: FuzzStats,
+                   on_progress: Callable[[FuzzStats], None] | None):
+    """A search's budget: yields once per program until ``deadline`` (monotonic seconds) or ``max_executions``
+    programs, each counted in ``stats.executions`` first; then ``on_progress(stats)``, at most twice a second."""
+    cap = None if max_executions is None else stats.executions + max_executions
+    last = time.monotonic()
+    while time.monotonic() < deadline and (cap is None or stats.executions < cap):
+        stats.executions += 1
+        yield
         if on_progress and time.monotonic() - last > 0.5:
             last = time.monotonic()
             on_progress(stats)
-    return None
 
 
 def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppressions, deadline: float,

@@ -161,11 +161,9 @@ def _corpus(config, seconds, seed, stats, run: Search):
     corpus = run.kept.setdefault("corpus", Corpus())  # past a flaky finding, the search goes on from it
     store = None
     if run.corpus_dir is not None:  # a campaign keeps the programs in DIR/programs
-        store = run.kept.get("store") or run.kept.setdefault(
-            "store", CorpusStore(os.path.join(run.corpus_dir, "programs"), mirror=run.hub))
+        store = run.kept.setdefault("store", CorpusStore(os.path.join(run.corpus_dir, "programs"), mirror=run.hub))
     return corpus_search(config, seconds, seed, stats, on_progress=run.on_progress, suppressions=run.suppressions,
-                         known=run.known, corpus=corpus, max_executions=run.max_executions,
-                         **({"store": store} if store is not None else {}))
+                         known=run.known, corpus=corpus, max_executions=run.max_executions, store=store)
 
 
 def _atheris(config, seconds, seed, stats, run: Search):
