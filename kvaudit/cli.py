@@ -42,7 +42,7 @@ class KvauditGroup(click.Group):
             hint = f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
             click.echo(f"kvaudit: error: {e.format_message()}{hint}", err=True)
             return sys.exit(e.exit_code)
-        except TargetDefinitionError as e:  # a plugin target's own mistake, met once it ran
+        except (TargetDefinitionError, fuzzers.FuzzerDefinitionError) as e:  # a plugin's own mistake, met running
             click.echo(f"kvaudit: error: {e}", err=True)
             return sys.exit(EXIT_USAGE)
         except (click.Abort, KeyboardInterrupt):

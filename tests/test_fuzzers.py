@@ -85,3 +85,35 @@ def test_register_refuses_a_kind_that_breaks_the_interface(bad, why, monkeypatch
     fields = dict(name="x", summary="one line", search=lambda *a: None) | bad
     with pytest.raises(fuzzers.FuzzerDefinitionError, match=why):
         fuzzers.register(fuzzers.FuzzerKind(**fields))
+
+
+def _raises(config, seconds, seed, stats, run):
+    stats.executions += 1
+    raise ValueError("fuzzer bug")
+
+
+def _empty(config, seconds, seed, stats, run):
+    stats.executions += 1
+    return [], []
+
+
+def _gives_up(config, seconds, seed, stats, run):
+    return None
+
+
+@pytest.mark.parametrize("search, message", [
+    (_raises, "fuzzer broken: its search raised ValueError: fuzzer bug"),
+    (_empty, 'fuzzer broken: its search must return None or (program, findings), a program and its findings, got '
+             '"([], [])"'),
+    (_gives_up, "fuzzer broken: its search returned None after 0.0 s of its 2.0 s budget with no program counted in "
+                "stats.executions")], ids=["raises", "empty", "gives-up"])
+def test_a_plugin_fuzzers_mistake_is_one_line_naming_it_exit_2(search, message, monkeypatch, tmp_path):
+    """A plugin fuzzer that raised was 'internal error: ValueError: fuzzer bug' (exit 70) with no name; one
+    returning ([], []) 'internal error: StopIteration:'; one returning None at once 'the 2.0s search budget
+    ended before the first program ran'. Each is now the plugin's mistake, named, exit 2."""
+    monkeypatch.setattr(fuzzers, "_FUZZERS", dict(fuzzers._FUZZERS))
+    fuzzers.register(fuzzers.FuzzerKind("broken", "a plugin with one mistake", search, campaign=False))
+    r = invoke("fuzz", "--fuzzer", "broken", "--max-time", "2", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2, r.output + r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"kvaudit: error: {message}"
+    assert fuzzers.get("random").search is fuzzers._FUZZERS["random"].search  # the built-ins are not wrapped

@@ -6,7 +6,8 @@ at the bottom. Design notes: docs/internals/search.md.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kvaudit.config import json_value
@@ -89,9 +90,40 @@ def register(kind: FuzzerKind) -> FuzzerKind:
     bad = next((f for f in ("search", "check", "warm_up") if not callable(getattr(kind, f))), None)
     if bad:
         raise FuzzerDefinitionError(f"fuzzer {name}: {bad} must be callable, got {getattr(kind, bad)!r}")
-    _FUZZERS[name] = kind
+    _FUZZERS[name] = kind if name in BUILTIN_FUZZERS else replace(kind, search=_checked_search(name, kind.search))
     targets.note_plugin_registration()  # a plugin module that registers only fuzzers registered something
     return kind
+
+
+def _checked_search(name: str, search: Callable) -> Callable:
+    """A plugin fuzzer's ``search`` held to its contract, so its mistakes are named as its own (one line,
+    exit 2) rather than as kvaudit's internal error or an empty budget: an exception it raises (but an
+    interrupt, a target's own mistake, a missing package, a full disk; ``KVAUDIT_DEBUG=1`` lets it through
+    as it is), a result that is not None or ``(program, findings)`` with a program and a finding, and
+    None returned before the budget ended without a program counted in ``stats.executions``."""
+    def checked(config, seconds, seed, stats, run):
+        t0 = time.monotonic()
+        try:
+            got = search(config, seconds, seed, stats, run)
+        except (FuzzerUnavailable, FuzzerDefinitionError, targets.TargetDefinitionError, OSError):
+            raise
+        except Exception as e:  # noqa: BLE001 -- named as the plugin's, one line
+            if os.environ.get("KVAUDIT_DEBUG"):
+                raise
+            raise FuzzerDefinitionError(f"fuzzer {name}: its search raised {type(e).__name__}: {e}") from e
+        if got is None:
+            spent = time.monotonic() - t0
+            if stats.executions == 0 and spent < seconds:
+                raise FuzzerDefinitionError(f"fuzzer {name}: its search returned None after {spent:.1f} s of its "
+                                            f"{seconds:.1f} s budget with no program counted in stats.executions")
+            return None
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], list) and got[0]
+                and isinstance(got[1], list) and got[1]):
+            raise FuzzerDefinitionError(f"fuzzer {name}: its search must return None or (program, findings), a "
+                                        f"program and its findings, got {json_value(repr(got), 60)}")
+        return got
+
+    return checked
 
 
 def kinds() -> dict[str, FuzzerKind]:
