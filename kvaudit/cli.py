@@ -92,6 +92,15 @@ def _checked(check):
     return callback
 
 
+def _ignored(option: str, applies_to: str, ignored: bool) -> None:
+    """Warn (one line) when ``option``, given on the command line, is ``ignored`` here: it applies to
+    ``applies_to`` only."""
+    ctx = click.get_current_context()
+    name = next((p.name for p in ctx.command.params if option in p.opts), None)
+    if ignored and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+        click.echo(f"warning: {option} applies to {applies_to}; here it is ignored", err=True)
+
+
 def _seconds(allow_zero: bool = False):
     return _checked(lambda value: check_seconds(value, allow_zero))
 
@@ -252,6 +261,7 @@ def replay_cmd(files, suppress_file, check_determinism, runs, tree_core, update,
     re-record one or more files in place (see --update)."""
     from kvaudit.app import replay as job
 
+    _ignored("--runs", "--check-determinism", not check_determinism)
     return job.run(files, suppress_file=suppress_file, check_determinism=check_determinism, runs=runs,
                    tree_core=tree_core, update=update, outputs=outputs)
 
@@ -373,13 +383,16 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     from kvaudit.app import bench as job
 
     out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
+    for option, applies in (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history")):
+        _ignored(option, f"--suite {applies}", suite != applies)
+    if fuzzers_value is None:  # ("" is a list of no fuzzer: refused, not the default)
+        fuzzers_value = ",".join(job.default_fuzzers(history=suite == "history"))
     if suite == "history":
-        return job.run_history(trials=trials, budget=budget,
-                               fuzzers_value=fuzzers_value or ",".join(job.default_fuzzers(history=True)),
+        return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value,
                                bugs_value=bugs_value, list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json)
     if list_bugs:
         return job.list_zoo()
-    return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value or ",".join(job.default_fuzzers()), bugs_value=bugs_value,
+    return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
                    fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json)
 
 
@@ -397,7 +410,7 @@ def _db_options(f):
 
 @campaign_group.command("status")
 @_db_options
-@click.option("--watch", type=click.FloatRange(min=0.5), default=None, metavar="SECONDS",
+@click.option("--watch", type=click.FloatRange(min=0.5), default=None, metavar="SECONDS", callback=_seconds(),
               help="Refresh every SECONDS until Ctrl-C (a live table on a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of a table.")
 def campaign_status_cmd(db_url, campaign_name, watch, as_json):

@@ -679,3 +679,29 @@ def test_a_bad_preset_list_names_its_option_the_bad_name_and_the_valid_ones(args
     bad = '" , "' if "," in args[-1] and "nope" not in args[-1] else '"nope"'
     assert one_error_line(result) == (f"kvaudit: error: {option}: unknown preset {bad} "
                                       f"(valid: {', '.join(PRESETS)}, or all)")
+
+
+@pytest.mark.parametrize("args, warning", [
+    (["bench", "--suite", "history", "--fp-seconds", "3", "--list"], "--fp-seconds applies to --suite zoo"),
+    (["bench", "--suite", "history", "--overhead-presets", "none", "--list"], "--overhead-presets applies to --suite zoo"),
+    (["bench", "--jobs", "2", "--list"], "--jobs applies to --suite history"),
+    (["replay", "--runs", "5", os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json")],
+     "--runs applies to --check-determinism")])
+def test_an_option_the_command_ignores_here_is_a_warning(args, warning):
+    """These were silently ignored (exit 0, no word), unlike fuzz's --no-seeds with --fuzzer random."""
+    r = invoke(*args)
+    assert r.exit_code in (0, 1), r.output + r.stderr
+    assert f"warning: {warning}; here it is ignored" in r.stderr.splitlines()
+    quiet = invoke(*[a for a in args if a not in ("--fp-seconds", "3", "--overhead-presets", "none", "--jobs", "2",
+                                                  "--runs", "5")])
+    assert "warning:" not in quiet.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--fuzzers", "", "--trials", "1", "--budget", "0.1"], '--fuzzers: unknown fuzzer ""'),
+    (["campaign", "status", "--db", "redis://localhost:1/0", "--watch", "nan"], "must be a finite number of seconds")])
+def test_an_empty_fuzzer_list_and_a_nan_watch_are_refused(args, message):
+    """`bench --fuzzers ''` ran every fuzzer (five minutes); `--watch nan` passed the range check."""
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output + r.stderr
+    assert message in one_error_line(r)
