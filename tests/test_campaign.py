@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
+from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env, reached
 
 from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit import replay
@@ -710,9 +710,8 @@ def test_a_clean_built_in_engine_run_says_what_its_programs_reached(preset, path
     """The built-in engine's target counted nothing: its clean runs had no `reached:` line."""
     r = invoke("fuzz", "--preset", preset, "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
     assert r.exit_code == 0, r.output
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("reached: "))
-    counts = dict(kv.split("=") for kv in line[len("reached: "):].split(", "))
-    assert int(counts[paths[0]]) > 0 and paths[1] in counts, line
+    counts = reached(r.stdout)
+    assert counts[paths[0]] > 0 and paths[1] in counts, counts
 
 
 def test_an_interrupted_clean_run_still_says_what_it_reached(tmp_path, monkeypatch):

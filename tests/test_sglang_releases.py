@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import reached
 from release_helpers import child_env
 
 from kvaudit.targets import config_from_dict
@@ -117,6 +118,16 @@ def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
     assert len(lines) == 1 and "cache_finished_req era" in lines[0] and "PD disaggregation" in lines[0], lines
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.releases
+def test_a_clean_legacy_fuzz_run_says_what_its_programs_reached(tmp_path):
+    """The legacy family's plain target had no reach(): a clean run on 0.5.11 printed no ``reached:`` line."""
+    r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-session", "--fuzzer", "random",
+                   "--max-time", "2", "--seed", "1", "--out", str(tmp_path)], "0.5.11")
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = reached(r.stdout)
+    assert counts["session_turns"] > 0 and "retractions" in counts, counts
 
 
 def test_the_version_adapters_name_the_release_that_made_each_change():

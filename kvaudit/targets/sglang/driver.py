@@ -176,6 +176,7 @@ class SglangDriver(SglangResults):
         if adder.preempt_list:  # released by preempt_to_schedule
             self.running = list(running.reqs)
             self.retractions += len(adder.preempt_list)
+            self.priority_preemptions += len(adder.preempt_list)
             for req in adder.preempt_list:
                 self._add_request_to_queue(req)
         if not admitted:
