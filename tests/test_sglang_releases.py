@@ -41,6 +41,9 @@ print(json.dumps({"version": installed_version(), "match": any(BUGS[sys.argv[2]]
 """
 
 
+SWA_FILE = os.path.join(ROOT, "corpora", "sglang", "liveness-swa-36458-chunked-prefill-pins-swa-pool.json")
+
+
 def run_child(args: list[str], version: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = child_env("sglang", version, ROOT)
     env.pop("SGLANG_USE_CPU_ENGINE", None)
@@ -128,6 +131,28 @@ def test_a_clean_legacy_fuzz_run_says_what_its_programs_reached(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     counts = reached(r.stdout)
     assert counts["session_turns"] > 0 and "retractions" in counts, counts
+
+
+@pytest.mark.releases
+def test_a_replay_the_installed_release_cannot_drive_names_the_releases_that_can(tmp_path):
+    """A preset's refusal named the releases that drive it; a replay file's (the probe's) did not."""
+    r = run_child(["-m", "kvaudit", "replay", SWA_FILE], "0.5.11")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
+    assert len(lines) == 1 and lines[0].endswith("SWA (driven on SGLang 0.5.22, 0.5.23; installed 0.5.11)"), lines
+
+
+def test_the_probes_refusal_names_the_releases_that_drive_the_config(monkeypatch):
+    from kvaudit import replay
+    from kvaudit.targets.registry import TargetUnavailable
+    from kvaudit.targets.sglang import boot, kind
+
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.5.11")
+    config = replay.load(SWA_FILE)[0]
+    for build in (kind._probe, kind._make):
+        with pytest.raises((TargetUnavailable, boot.SglangUnavailable)) as e:
+            build(config)
+        assert str(e.value).endswith("(driven on SGLang 0.5.22, 0.5.23; installed 0.5.11)"), e.value
 
 
 def test_the_version_adapters_name_the_release_that_made_each_change():
