@@ -673,6 +673,21 @@ def test_junit_clean_run():
     assert _suite(to_junit([])).findall("testcase") == []
 
 
+def test_junit_cases_take_the_runs_seconds_and_a_finding_the_seconds_to_its_hit():
+    """Every case said time="0"; kvaudit fuzz --junit now gives the run's seconds, and a finding's case the
+    seconds the search took to hit it (the report's first_hit_seconds)."""
+    from kvaudit.reports.outputs import ReportData, _junit
+
+    config, findings = _load(os.path.join(ROOT, "corpora", "regressions", "chunked-abort-ignored.json"))
+    assert _suite(to_junit([], clean_case="clean", seconds=7.25)).find("testcase").get("time") == "7.25"
+    times = [c.get("time") for c in _suite(to_junit(findings[:2], seconds=7.25, found_after=1.5)).findall("testcase")]
+    assert times == ["1.50", "1.50"]
+    data = ReportData.single(config, [], findings[:1], {}, {"seconds": 9.0, "first_hit_seconds": 3.4})
+    assert _suite(_junit(data)).find("testcase").get("time") == "3.40"
+    data = ReportData.single(config, [], [], {}, {"seconds": 9.0})
+    assert _suite(_junit(data)).find("testcase").get("time") == "9.00"
+
+
 def test_junit_strips_characters_xml_cannot_carry():
     f = Finding(kind="crash", pool="-", message="ValueError: bad \x01byte\x0b <&> \"q\" \ud800end",
                 alloc_sites=[Site("engine_under_test/scheduler.py", 264, "step")], op_index=0, step=0,
