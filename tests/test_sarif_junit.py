@@ -127,6 +127,18 @@ def test_sarif_for_each_regression_is_schema_valid_and_code_scanning_ready(valid
         assert sorted(len(s["frames"]) for s in r.get("stacks", [])) == sorted(len(s) for s in stacks if s)
 
 
+def test_sarif_reads_the_engines_source_once(monkeypatch):
+    """to_sarif asked the target kind where its engine's source lies twice (itself, then engine_of)."""
+    from kvaudit.reports import sarif
+
+    calls = []
+    real = sarif.engine_source
+    monkeypatch.setattr(sarif, "engine_source", lambda target: calls.append(target) or real(target))
+    config, findings = _load(os.path.join(ROOT, "corpora", "regressions", "chunked-abort-ignored.json"))
+    assert len(to_sarif(findings, config)["runs"][0]["results"]) == len(findings)
+    assert calls == ["eut"]
+
+
 def test_sarif_of_no_findings_is_valid(validator):
     log = to_sarif([])
     assert _errors(validator, log) == []
