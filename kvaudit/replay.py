@@ -203,7 +203,7 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
         raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "
                                 f"got {json_value(version, 60)}")
     kind = kind_of(config)
-    presets = (kind.all_presets or kind.presets)()  # NOTE: a preset of any release: the probe judges the config
+    presets = kind.any_release_presets()  # NOTE: a preset of any release: the probe judges the config
     if config.preset not in presets and config.preset != "custom":
         raise ReplayFormatError(f"{path}: bad config: " + (kind.refusal(config.preset) or (
             f"unknown preset {json_value(config.preset)} (valid: {', '.join(presets)}, or custom)")))

@@ -38,6 +38,13 @@ def export_all(files, under, out, root=ROOT):
     return done
 
 
+def reached(stdout: str) -> dict[str, int]:
+    """The path counters of a clean run's ``reached: name=count, ...`` line (fails if it printed none)."""
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("reached: ")), None)
+    assert line is not None, stdout
+    return {k: int(v) for k, v in (kv.split("=") for kv in line[len("reached: "):].split(", "))}
+
+
 def one_error_line(result):
     """The single stderr line of a failed command (fails if there are more, or a traceback)."""
     lines = result.stderr.strip().splitlines()

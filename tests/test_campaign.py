@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
+from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env, reached
 
 from kvaudit.targets.eut.presets import PRESETS, get_preset
 from kvaudit import replay
@@ -531,6 +531,38 @@ def test_ci_fuzzes_every_preset_and_writes_reports(tmp_path):
     assert json.load(open(tmp_path / "ci.sarif"))["runs"][0]["results"] == []
 
 
+def test_ci_gives_a_new_findings_junit_case_the_seconds_its_search_took_to_land_it(tmp_path, monkeypatch):
+    """A new signature's case said time="0" where every other case gives its seconds. A fake clock: the
+    search started at 100 s, the first signature landed at 110 s, the second at 112.5 s."""
+    import types
+    import xml.etree.ElementTree as ET
+
+    import kvaudit.search.campaign as campaign
+    import kvaudit.search.ci as ci
+
+    path = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sigs = sorted({f.signature for f in replay.load(path)[2]})
+    clock = [110.0]
+    monkeypatch.setattr(ci, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def found_two(*a, on_finding, **k):
+        stats = FuzzStats(executions=3, ops=9)
+        stats.started = 100.0
+        on_finding(sigs[0], path)
+        clock[0] = 112.5
+        on_finding(sigs[1], path)
+        return campaign.CampaignResult(new={s: path for s in sigs}, stats=stats)
+
+    monkeypatch.setattr(campaign, "run_campaign", found_two)
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "30", "--presets", "default", "--regressions", str(empty), "--out",
+               str(tmp_path / "o"), "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 1, r.output
+    cases = ET.parse(tmp_path / "j.xml").getroot().findall(".//testcase[failure]")
+    assert {c.get("name"): c.get("time") for c in cases} == {sigs[0]: "10.00", sigs[1]: "12.50"}
+
+
 def test_ci_max_time_0_replays_the_regressions_only_and_makes_no_directory(tmp_path):
     """--max-time 0 ("replay the regressions only") printed 'fuzz corpus over 13 preset(s), 0.0s of search
     each' and made an empty kvaudit-ci-out/, where Hypothesis's home then pointed for the rest of the
@@ -711,9 +743,8 @@ def test_a_clean_built_in_engine_run_says_what_its_programs_reached(preset, path
     """The built-in engine's target counted nothing: its clean runs had no `reached:` line."""
     r = invoke("fuzz", "--preset", preset, "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
     assert r.exit_code == 0, r.output
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("reached: "))
-    counts = dict(kv.split("=") for kv in line[len("reached: "):].split(", "))
-    assert int(counts[paths[0]]) > 0 and paths[1] in counts, line
+    counts = reached(r.stdout)
+    assert counts[paths[0]] > 0 and paths[1] in counts, counts
 
 
 def test_an_interrupted_clean_run_still_says_what_it_reached(tmp_path, monkeypatch):

@@ -176,15 +176,20 @@ def test_a_finding_of_an_unknown_kind_in_redis_is_skipped_with_one_warning(redis
     assert "\n" not in line
 
 
-def test_the_campaign_name_is_spelled_as_json_in_the_fuzz_banner_and_the_pull_line(redis_server, tmp_path):
-    """Both lines named the campaign in Python's quotes ('t')."""
+def test_the_campaign_name_is_printed_as_typed_in_the_fuzz_banner_the_pull_line_and_the_status(redis_server,
+                                                                                                   tmp_path):
+    """The lines named the campaign in Python's quotes ('t'), then as JSON (non-ASCII escaped: "caf\\u00e9");
+    a name is one word (no whitespace or control character), printed as typed, rich markup included."""
+    name = "café-[b]ü"
     r = redis_server.client()
-    r.hset("kvaudit:t:findings", "leak/x", json.dumps(_doc()))
-    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "t", str(tmp_path / "pulled")])
-    assert pull.exit_code == 0 and 'pulled campaign "t": 1 new replay file(s)' in pull.output, pull.output
-    run = invoke(*["fuzz", *HISPARSE, "--fuzzer", "random", "--db", redis_server.url, "--campaign", "t",
+    r.hset(f"kvaudit:{name}:findings", "leak/x", json.dumps(_doc()))
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", name, str(tmp_path / "pulled")])
+    assert pull.exit_code == 0 and f"pulled campaign {name}: 1 new replay file(s)" in pull.output, pull.output
+    run = invoke(*["fuzz", *HISPARSE, "--fuzzer", "random", "--db", redis_server.url, "--campaign", name,
                    "--max-time", "1", "--corpus", str(tmp_path / "c")])
-    assert f'shared as "t" through {redis_server.url}' in run.output, run.output
+    assert f"shared as {name} through {redis_server.url}" in run.output, run.output
+    lines = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", name]).output.splitlines()
+    assert lines and all(line.startswith(f"campaign {name}: ") for line in lines), lines
 
 
 def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_server, tmp_path):
@@ -335,7 +340,7 @@ def test_a_worker_that_stops_says_exited_at_once_and_a_killed_one_ages_out_to_go
     assert _wait(lambda: hubs.campaign_status(r, "t")["workers"]["host/2/0"] is None, 5)
     lines = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "t"]).output.splitlines()
     assert any("worker=host/1/0 state=exited fuzzer=" in line for line in lines), lines
-    assert 'campaign "t": worker=host/2/0 state=gone' in lines, lines
+    assert "campaign t: worker=host/2/0 state=gone" in lines, lines
 
 
 def test_status_of_a_campaign_no_worker_ever_joined_is_one_line_naming_the_ones_there(redis_server):

@@ -78,6 +78,26 @@ def test_a_search_with_a_finding_returns_within_its_budget(monkeypatch):
         assert found[1][0].signature in execute(_config(), found[0], full_stacks=False).signatures
 
 
+def test_a_clean_hypothesis_search_ends_its_batch_at_the_budget(monkeypatch):
+    """Past the deadline with nothing found, the batch's remaining cases ran as no-ops, each building an
+    engine: a 3 s --budget ended after about 4 s. A fake clock for kvaudit.search.fuzz, moved 0.1 s by
+    each engine built (real time stays behind it: the engine's own deadline never cuts a program)."""
+    import types
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(fuzz, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    class SlowBuild(schedule.AuditedRun):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            clock[0] += 0.1
+    monkeypatch.setattr(schedule, "AuditedRun", SlowBuild)
+    deadline = clock[0] + 1.0
+    stats = FuzzStats()
+    assert hypothesis_search(get_preset("default").config(), 1.0, SEED, stats) is None
+    assert stats.executions > 0 and clock[0] - deadline <= 0.35, clock[0] - deadline  # unbounded: about 9 s
+
+
 def test_a_flaky_hypothesis_batch_does_not_end_the_search(monkeypatch):
     """Hypothesis raised FlakyStrategyDefinition once at a budget's end on sglang-session, and the
     search died with exit 70 (an internal error). A flaky batch is dropped; the search goes on to its

@@ -224,7 +224,7 @@ def test_double_free_of_kv_slots_is_a_pending_finding_with_both_sites(make_audit
     assert len(auditor.pending) == 1
     f = auditor.pending[0]
     assert f.kind == "double-free" and f.pool == "token_to_kv_pool"
-    assert f.num_units == 2
+    assert f.num_units == 2 and f.message == "2 units freed while already free"
     assert sorted(f.slots) == sorted(idx.tolist())
     assert f.unit == ("slot" if page_size == 1 else "page")
     assert f.free_sites[0].function == "_second_free"
@@ -242,6 +242,7 @@ def test_duplicate_index_in_one_free_is_a_double_free(make_audited):
     a.free(torch.cat((idx, idx[:1])))
     assert [f.kind for f in auditor.pending] == ["double-free"]
     assert auditor.pending[0].slots == [int(idx[0])]
+    assert auditor.pending[0].message == "1 unit freed while already free"  # (it said "1 unit(s)")
 
 
 def test_double_free_of_a_row_is_a_pending_finding(make_audited):

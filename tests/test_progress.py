@@ -29,6 +29,24 @@ def test_the_plain_status_line_shows_coverage_as_one_readable_field(capsys):
     assert all(re.fullmatch(r"[a-z/]+=\S+", f) for f in fields), fields  # key=value, split on spaces
 
 
+def test_no_plain_status_line_before_the_first_program_ran_unless_forced(capsys):
+    """Every search began with `[   0.0s] fuzzing: executions=0 exec/s=0.0 ops=0 ...` (twice in a campaign):
+    a line that said nothing the start-up line had not."""
+    class Plain:
+        is_terminal = False
+
+    p, stats = Progress(Plain(), 60.0), FuzzStats()
+    p.update(stats)
+    p.update(stats)
+    assert capsys.readouterr().err == ""
+    stats.executions = 1
+    p.update(stats)  # the first program ran: a line at once
+    assert "fuzzing: executions=1 " in capsys.readouterr().err
+    stats.executions, stats.phase = 0, "done"
+    p.update(stats, force=True)  # a forced line (a phase, the end) is printed even with nothing run
+    assert "done: executions=0 " in capsys.readouterr().err
+
+
 def long_program(n: int) -> list:
     return [Submit(prompt_len=4 + i % 7, max_new_tokens=2) if i % 2 == 0 else Step(n=1) for i in range(n)] + [Idle()]
 

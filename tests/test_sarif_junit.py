@@ -127,6 +127,18 @@ def test_sarif_for_each_regression_is_schema_valid_and_code_scanning_ready(valid
         assert sorted(len(s["frames"]) for s in r.get("stacks", [])) == sorted(len(s) for s in stacks if s)
 
 
+def test_sarif_reads_the_engines_source_once(monkeypatch):
+    """to_sarif asked the target kind where its engine's source lies twice (itself, then engine_of)."""
+    from kvaudit.reports import sarif
+
+    calls = []
+    real = sarif.engine_source
+    monkeypatch.setattr(sarif, "engine_source", lambda target: calls.append(target) or real(target))
+    config, findings = _load(os.path.join(ROOT, "corpora", "regressions", "chunked-abort-ignored.json"))
+    assert len(to_sarif(findings, config)["runs"][0]["results"]) == len(findings)
+    assert calls == ["eut"]
+
+
 def test_sarif_of_no_findings_is_valid(validator):
     log = to_sarif([])
     assert _errors(validator, log) == []
@@ -695,6 +707,21 @@ def test_junit_clean_run():
     assert case.find("failure") is None and case.find("error") is None
     assert (suite.get("tests"), suite.get("failures")) == ("1", "0")
     assert _suite(to_junit([])).findall("testcase") == []
+
+
+def test_junit_cases_take_the_runs_seconds_and_a_finding_the_seconds_to_its_hit():
+    """Every case said time="0"; kvaudit fuzz --junit now gives the run's seconds, and a finding's case the
+    seconds the search took to hit it (the report's first_hit_seconds)."""
+    from kvaudit.reports.outputs import ReportData, _junit
+
+    config, findings = _load(os.path.join(ROOT, "corpora", "regressions", "chunked-abort-ignored.json"))
+    assert _suite(to_junit([], clean_case="clean", seconds=7.25)).find("testcase").get("time") == "7.25"
+    times = [c.get("time") for c in _suite(to_junit(findings[:2], seconds=7.25, found_after=1.5)).findall("testcase")]
+    assert times == ["1.50", "1.50"]
+    data = ReportData.single(config, [], findings[:1], {}, {"seconds": 9.0, "first_hit_seconds": 3.4})
+    assert _suite(_junit(data)).find("testcase").get("time") == "3.40"
+    data = ReportData.single(config, [], [], {}, {"seconds": 9.0})
+    assert _suite(_junit(data)).find("testcase").get("time") == "9.00"
 
 
 def test_junit_strips_characters_xml_cannot_carry():

@@ -16,6 +16,7 @@ import pytest
 
 from kvaudit.program import (Abort, ContinueGeneration, FlushCache, HealthCheck, Idle, MemoryPressure,
                              PauseGeneration, Step, Submit)
+from cli_helpers import invoke, reached
 from sglang_helpers import CORES, run_ops
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.targets.sglang.config import SGLANG_PRESETS
@@ -412,3 +413,13 @@ def test_missing_pd_dependency_is_one_line_exit_2(monkeypatch, tmp_path):
                "--out", str(tmp_path / "out"))
     assert r.exit_code == 2
     assert "einops" in one_error_line(r)
+
+
+def test_a_clean_pd_decode_fuzz_run_counts_the_transfers_that_landed(tmp_path):
+    """The preset exists to reach transfers (prealloc -> transfer -> prebuilt): its clean runs' ``reached:``
+    line named retractions and checksums but not one transfer."""
+    r = invoke("fuzz", "--target", "sglang", "--preset", "sglang-pd-decode", "--fuzzer", "random", "--max-time", "2",
+               "--seed", "1", "--out", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    counts = reached(r.stdout)
+    assert counts["pd_transfers_landed"] > 0 and counts["kv_checksums_verified"] > 0, counts

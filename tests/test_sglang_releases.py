@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import reached
 from release_helpers import child_env
 
 from kvaudit.targets import config_from_dict
@@ -38,6 +39,9 @@ ex = execute(config, program)
 print(json.dumps({"version": installed_version(), "match": any(BUGS[sys.argv[2]].matches(f) for f in ex.findings),
                   "findings": [[f.kind, f.signature] for f in ex.findings]}))
 """
+
+
+SWA_FILE = os.path.join(ROOT, "corpora", "sglang", "liveness-swa-36458-chunked-prefill-pins-swa-pool.json")
 
 
 def run_child(args: list[str], version: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -117,6 +121,38 @@ def test_a_mode_the_legacy_family_does_not_drive_is_refused_in_one_line(tmp_path
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
     assert len(lines) == 1 and "cache_finished_req era" in lines[0] and "PD disaggregation" in lines[0], lines
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.releases
+def test_a_clean_legacy_fuzz_run_says_what_its_programs_reached(tmp_path):
+    """The legacy family's plain target had no reach(): a clean run on 0.5.11 printed no ``reached:`` line."""
+    r = run_child(["-m", "kvaudit", "fuzz", "--target", "sglang", "--preset", "sglang-session", "--fuzzer", "random",
+                   "--max-time", "2", "--seed", "1", "--out", str(tmp_path)], "0.5.11")
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = reached(r.stdout)
+    assert counts["session_turns"] > 0 and "retractions" in counts, counts
+
+
+@pytest.mark.releases
+def test_a_replay_the_installed_release_cannot_drive_names_the_releases_that_can(tmp_path):
+    """A preset's refusal named the releases that drive it; a replay file's (the probe's) did not."""
+    r = run_child(["-m", "kvaudit", "replay", SWA_FILE], "0.5.11")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "vllm._C" not in ln]
+    assert len(lines) == 1 and lines[0].endswith("SWA (driven on SGLang 0.5.22, 0.5.23; installed 0.5.11)"), lines
+
+
+def test_the_probes_refusal_names_the_releases_that_drive_the_config(monkeypatch):
+    from kvaudit import replay
+    from kvaudit.targets.registry import TargetUnavailable
+    from kvaudit.targets.sglang import boot, kind
+
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.5.11")
+    config = replay.load(SWA_FILE)[0]
+    for build in (kind._probe, kind._make):
+        with pytest.raises((TargetUnavailable, boot.SglangUnavailable)) as e:
+            build(config)
+        assert str(e.value).endswith("(driven on SGLang 0.5.22, 0.5.23; installed 0.5.11)"), e.value
 
 
 def test_the_version_adapters_name_the_release_that_made_each_change():

@@ -15,7 +15,7 @@ import re
 import pytest
 
 
-from cli_helpers import invoke
+from cli_helpers import invoke, reached
 from kvaudit import replay
 from kvaudit.program import (Abort, CloseSession, ContinueGeneration, FlushCache, HealthCheck, Idle,
                              MemoryPressure, OpenSession, PauseGeneration, Step, Submit)
@@ -982,3 +982,17 @@ def test_sglang_0_5_23_never_checkpoints_an_unresolved_dllm_block():
                                   is_dllm_prefill=lambda: False)
             SchedulerDllmMixin.finish_dllm_forward(sched, req)
     assert [r.rid for r in stashed] == [(True, 0), (False, 4), (False, 0)]
+
+
+def test_a_clean_priority_fuzz_run_counts_its_priority_preemptions(tmp_path):
+    """sglang-priority exists to reach preempt_to_schedule: its preemptions were only inside ``retractions``
+    (with decode retractions), so a run that never preempted read the same. A preset without priority
+    scheduling does not name the path."""
+    counts = {}
+    for preset in ("sglang-priority", "sglang"):
+        r = invoke("fuzz", "--target", "sglang", "--preset", preset, "--fuzzer", "random", "--max-time", "2",
+                   "--seed", "1", "--out", str(tmp_path))
+        assert r.exit_code == 0, r.output
+        counts[preset] = reached(r.stdout)
+    assert 0 < counts["sglang-priority"]["priority_preemptions"] <= counts["sglang-priority"]["retractions"], counts
+    assert "priority_preemptions" not in counts["sglang"], counts

@@ -77,15 +77,15 @@ def test_a_file_without_entries_is_no_rules(tmp_path):
 @pytest.mark.parametrize("text, entry, why", [
     ('[[suppress]]\nkind = "leak"\nfunction = "x"\n', 1, 'unknown key "function"'),
     ('[[suppress]]\nkind = "leak"\n[[suppress]]\npool = "a"\nsites = "b"\n', 2, 'unknown key "sites"'),
-    ('[[suppress]]\nkind = 3\n', 1, "kind must be a string, not an integer"),
-    ('[[suppress]]\npool = ["a", "b"]\n', 1, "pool must be a string, not an array"),
-    ('[[suppress]]\nsite = true\n', 1, "site must be a string, not a boolean"),
-    ('[[suppress]]\nkind = "leak"\nreason = 1\n', 1, "reason must be a string"),
+    ('[[suppress]]\nkind = 3\n', 1, "kind must be a string, got 3"),
+    ('[[suppress]]\npool = ["a", "b"]\n', 1, 'pool must be a string, got ["a", "b"]'),
+    ('[[suppress]]\nsite = true\n', 1, "site must be a string, got true"),
+    ('[[suppress]]\nkind = "leak"\nreason = 1\n', 1, "reason must be a string, got 1"),
     ('[[suppress]]\nkind = "leak"\n[[suppress]]\nkind = "laek"\n', 2, 'unknown kind "laek"'),
     ('[[suppress]]\nreason = "no pattern"\n', 1, "at least one of kind, pool, site"),
     ('[[suppress]]\n', 1, "at least one of kind, pool, site"),
     ('[[suppress]]\nsite = ""\n', 1, "site must not be empty"),
-    ('suppress = [1]\n', 1, "must be a table"),
+    ('suppress = [1]\n', 1, "must be a table, got 1"),
 ], ids=["unknown-key", "unknown-key-entry-2", "kind-int", "pool-array", "site-bool", "reason-int", "unknown-kind",
         "reason-only", "empty-entry", "empty-site", "entry-not-table"])
 def test_a_bad_entry_names_the_file_and_the_entry(tmp_path, text, entry, why):
@@ -103,7 +103,7 @@ def test_a_bad_entry_names_the_file_and_the_entry(tmp_path, text, entry, why):
     ('{"suppress": []}\n', "is not a TOML suppression file"),
     ('kind = "leak"\n', 'unknown top-level key "kind"'),
     ('[[supress]]\nkind = "leak"\n', 'unknown top-level key "supress"'),
-    ('suppress = "leak"\n', "array of tables"),
+    ('suppress = "leak"\n', 'array of tables ([[suppress]]), got "leak"'),
     ('[suppress]\nkind = "leak"\n', "array of tables"),
 ], ids=["bad-header", "no-value", "json", "top-level-key", "typo-table", "suppress-string", "single-table"])
 def test_a_bad_file_names_the_file(tmp_path, text, why):

@@ -4,6 +4,7 @@ until their finished_recving; saves hold a finished request's blocks until their
 aborts racing either leave the pool whole."""
 
 import pytest
+from cli_helpers import invoke, reached
 
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.program import Abort, Idle, MemoryPressure, Step, Submit, TransferFail
@@ -353,3 +354,13 @@ def test_push_mode_loads_complete_and_a_failed_push_is_never_reported():
     assert execute(config, [*submits, Idle()]).signatures == []
     failed = execute(config, [submits[0], TransferFail(handle=0), Idle()])
     assert failed.signatures == ["hang/-/idle/waiting:waiting-for-remote-kvs"]
+
+
+def test_a_clean_connector_fuzz_run_counts_the_loads_and_sends_done(tmp_path):
+    """vllm-kv-connector exists to reach remote KV loads and sends: its clean runs' ``reached:`` line named
+    only failures, held frees and preemptions."""
+    r = invoke("fuzz", "--target", "vllm", "--preset", "vllm-kv-connector", "--fuzzer", "random", "--max-time", "2",
+               "--seed", "1", "--out", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    counts = reached(r.stdout)
+    assert counts["kv_loads_done"] > 0 and counts["kv_sends_done"] > 0 and counts["failed_transfers"] == 0, counts

@@ -34,11 +34,12 @@ def _rows(status: dict) -> list[dict]:
 def status_table(status: dict, campaign: str):
     """``status`` (:func:`kvaudit.search.hub.campaign_status`): a row per worker, the totals as caption."""
     from rich.table import Table
+    from rich.text import Text
 
     totals = (f"{len(status['findings'])} signature(s) with a replay file ({len(status['known'])} known), "
               f"{len(status['pending'])} being triaged, {len(status['flaky'])} flaky, "
               f"{sum(status['duplicates'].values())} duplicate hit(s), {status['programs']} corpus program(s)")
-    t = Table(title=f"campaign {json_value(campaign)}", title_justify="left", caption=totals)
+    t = Table(title=Text(f"campaign {campaign}"), title_justify="left", caption=totals)
     for col in COLUMNS:
         t.add_column(col, no_wrap=col != "coverage", overflow="fold")
     for row in _rows(status):
@@ -52,9 +53,9 @@ def status_table(status: dict, campaign: str):
 
 
 def status_lines(status: dict, campaign: str) -> list[str]:
-    """:func:`status_table` as plain ``key=value`` lines (for CI logs); the campaign's name and the coverage
-    spelled as JSON."""
-    out, name = [], json_value(campaign)
+    """:func:`status_table` as plain ``key=value`` lines (for CI logs); the campaign's name as typed (one word:
+    ``check_campaign_name``), the coverage spelled as JSON."""
+    out, name = [], campaign
     for row in _rows(status):
         if row["state"] == "gone":
             out.append(f"campaign {name}: worker={row['worker']} state=gone")
@@ -92,7 +93,7 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
             out.print(status_table(st, campaign))
         else:
             for line in status_lines(st, campaign):
-                out.print(line, soft_wrap=True)
+                out.print(line, soft_wrap=True, markup=False)
 
     if watch is None:
         show()
@@ -133,7 +134,7 @@ def pull(db: str, campaign: str, directory: str) -> int:
     if not hub.online:
         raise UnavailableError(f"--db {safe_url(db)}: Redis went away during the pull")
     have = sorted(n for n in os.listdir(os.path.join(directory, "findings")) if n.endswith(".json"))
-    make_console().print(f"pulled campaign {json_value(campaign)}: {len(paths)} new replay file(s) ({len(have)} in "
+    make_console().print(f"pulled campaign {campaign}: {len(paths)} new replay file(s) ({len(have)} in "
                          f"{os.path.join(directory, 'findings')}), {len(programs)} new corpus program(s) in "
-                         f"{store.path}", soft_wrap=True)
+                         f"{store.path}", soft_wrap=True, markup=False)
     return EXIT_CLEAN

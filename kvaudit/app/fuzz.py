@@ -13,7 +13,6 @@ from rich.table import Table
 from rich.text import Text
 
 from kvaudit import replay
-from kvaudit.config import json_value
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.configs import (check_available, check_db, check_fuzzer, warn_campaign_without_db,
                                  warn_unreachable_bugs)
@@ -98,12 +97,13 @@ def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir,
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     if checked.campaign:
         dest = f"campaign in {checked.target_dir}, {workers} worker(s)" + (
-            f", shared as {json_value(campaign_name)} through {safe_url(db)}" if db else "")
+            f", shared as {campaign_name} through {safe_url(db)}" if db else "")
     else:
         dest = f"out {out_dir}"
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {config.preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, "
               f"seed {seed}, search budget {duration(max_time)}, step timeout {runner.step_timeout():.3g}s, {dest}"
-              + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True)
+              + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True,
+              markup=False)
     warn_unreachable_bugs(config, err)
     warn_campaign_without_db(campaign_name, db, err)
     if not use_seeds and not fuzzers.get(fuzzer).uses_seeds:

@@ -37,7 +37,7 @@ def coverage_field(coverage: str) -> str:
 
 class Progress:
     """A search's live status on a terminal; off one, a plain line every ``interval`` seconds and at
-    each phase change. ``max_time``: the search budget (seconds)."""
+    each phase change, from the first program run. ``max_time``: the search budget (seconds)."""
 
     def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL):
         self.console, self.max_time, self.interval = console, max_time, interval
@@ -86,8 +86,13 @@ class Progress:
             self.live.__exit__(*exc)
 
     def update(self, s: FuzzStats, force: bool = False) -> None:
+        """Show ``s``: on a terminal at once; off one when ``force``d, at a phase change or after ``interval``
+        seconds, but not before the first program ran (``executions=0`` says nothing the start-up line did
+        not), unless forced."""
         if self.live:
             self.live.update(self.renderable(s), refresh=True)
+        elif not force and not s.executions:
+            return
         elif force or s.phase != self._phase or time.monotonic() - self._last >= self.interval:
             self._last, self._phase = time.monotonic(), s.phase
             print(self.line(s), file=sys.stderr, flush=True)

@@ -109,7 +109,7 @@ class Ledger:
             if fresh.size < expected_new or not units.all():
                 taken = units[held] if fresh.size < expected_new else units[units == 0]
                 self.pending.append(self._unit_finding(
-                    "aliasing", pool, taken, f"allocator handed out {taken.size} unit(s) already allocated "
+                    "aliasing", pool, taken, f"allocator handed out {_units(taken.size)} already allocated "
                     "(or the reserved unit 0)", alloc_sid=sid))
         self._alloc_event(led, pool, fresh, sid)
 
@@ -204,11 +204,11 @@ class Ledger:
                  self._group_users if self._group_users is not None else self._users(pool, bad))
         if users:
             f = self._unit_finding("use-after-free", pool, bad,
-                                   f"{bad.size} unit(s) freed while {', '.join(users[:3])} still referenced them; "
-                                   "its release freed them again")
+                                   f"{_units(bad.size)} freed while {', '.join(users[:3])} still referenced "
+                                   f"{_them(bad.size)}; its release freed {_them(bad.size)} again")
             f.free_sites, f.read_sites, f.used_by = prev_sites, again, users
             return f
-        f = self._unit_finding("double-free", pool, bad, f"{bad.size} unit(s) freed while already free")
+        f = self._unit_finding("double-free", pool, bad, f"{_units(bad.size)} freed while already free")
         f.free_sites, f.prev_free_sites = again, prev_sites
         return f
 
@@ -271,3 +271,11 @@ class Ledger:
         # owners are read at the end of a step, after its allocs and frees (the sort is stable)
         out.sort(key=lambda o: (o.step, o.op_index, o.event == "owner"))
         return out
+
+
+def _units(n: int) -> str:
+    return f"{n} unit" + "s" * (n != 1)
+
+
+def _them(n: int) -> str:
+    return "them" if n != 1 else "it"

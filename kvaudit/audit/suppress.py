@@ -100,20 +100,20 @@ def load_suppressions(path: str) -> list[Suppression]:
     entries = doc.get("suppress", [])
     if not isinstance(entries, list):
         raise SuppressionError(f"{path}: \"suppress\" must be an array of tables ([[suppress]]), "
-                               f"not {_type(entries)}")
+                               f"got {json_value(entries, 60)}")
     return [_entry(path, i, e) for i, e in enumerate(entries, start=1)]
 
 
 def _entry(path: str, index: int, entry) -> Suppression:
     where = f"{path}: [[suppress]] entry {index}"
     if not isinstance(entry, dict):
-        raise SuppressionError(f"{where}: must be a table, not {_type(entry)}")
+        raise SuppressionError(f"{where}: must be a table, got {json_value(entry, 60)}")
     unknown = [k for k in entry if k not in KEYS]
     if unknown:
         raise SuppressionError(f"{where}: unknown key {json_value(unknown[0], 60)} (valid keys: {', '.join(KEYS)})")
     for k, v in entry.items():
         if not isinstance(v, str):
-            raise SuppressionError(f"{where}: {k} must be a string, not {_type(v)}")
+            raise SuppressionError(f"{where}: {k} must be a string, got {json_value(v, 60)}")
         if k != "reason" and not v:
             raise SuppressionError(f"{where}: {k} must not be empty (leave the key out to match any {k})")
     if not any(k in entry for k in _PATTERN_KEYS):
@@ -123,11 +123,6 @@ def _entry(path: str, index: int, entry) -> Suppression:
         raise SuppressionError(f"{where}: unknown kind {json_value(kind, 60)} (valid kinds: {', '.join(KINDS)}, or \"*\")")
     return Suppression(kind=kind, pool=entry.get("pool"), site=entry.get("site"), reason=entry.get("reason", ""),
                        index=index)
-
-
-def _type(v) -> str:
-    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a float"}.get(type(v), type(v).__name__)
 
 
 class SuppressionSet:

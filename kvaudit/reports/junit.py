@@ -64,12 +64,14 @@ def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = Non
 
 
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
-             clean_case: str | None = None, recorded: Mapping[str, str] | None = None) -> str:
+             clean_case: str | None = None, recorded: Mapping[str, str] | None = None, seconds: float = 0.0,
+             found_after: float | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
     it); ``recorded``: a signature -> the engine release its finding was recorded on
-    (:func:`~kvaudit.reports.sarif.engine_of`)."""
+    (:func:`~kvaudit.reports.sarif.engine_of`). A case's ``time``: ``seconds`` (the run's), for a finding
+    ``found_after`` (the seconds the search took to hit it) when known."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -78,12 +80,12 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     for signature, group in groups.items():
         first = group[0]
         case = ET.Element("testcase", classname=xml_text(f"kvaudit.{first.kind}"), name=xml_text(signature),
-                          time="0")
+                          time=f"{seconds if found_after is None else found_after:.2f}")
         failure = ET.SubElement(case, "failure", message=xml_text(first.summary()), type=xml_text(first.kind))
         failure.text = xml_text(failure_text(first, len(group), on(first)))
         cases.append(case)
     if not findings and clean_case:
-        cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time="0"))
+        cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time=f"{seconds:.2f}"))
 
     counts = {"tests": str(len(cases)), "failures": str(len(groups)), "errors": "0"}
     root = ET.Element("testsuites", name=xml_text(suite_name), **counts, time="0")

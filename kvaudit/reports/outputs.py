@@ -113,7 +113,8 @@ def _junit(data: ReportData) -> str:
     from kvaudit.reports.junit import to_junit
 
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
-                    recorded=data.recorded)
+                    recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
+                    found_after=data.extra.get("first_hit_seconds"))
 
 
 def _html(data: ReportData) -> str:

@@ -365,7 +365,10 @@ def engine_of(config, recorded: Mapping[str, str] | None = None) -> Callable[[Fi
     """For ``config``'s target kind: a finding -> the engine its frames are of, for
     :func:`~kvaudit.audit.frames.resolve` (None for a kind whose source is this repository); ``recorded`` maps
     a signature to the release its finding was recorded on (a replay file's ``engine_version``)."""
-    engine = engine_source(_kind_name(config))
+    return _engine_of(engine_source(_kind_name(config)), recorded)
+
+
+def _engine_of(engine, recorded: Mapping[str, str] | None) -> Callable[[Finding], RecordedEngine | None]:
     if engine is None:
         return lambda f: None
     return lambda f: RecordedEngine(*engine, (recorded or {}).get(f.signature))
@@ -382,7 +385,8 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
     rule_list = rules([f.kind for f in findings])
     index = {r["id"]: i for i, r in enumerate(rule_list)}
     target = _kind_name(config)
-    engine, on = engine_source(target), engine_of(config, recorded)
+    engine = engine_source(target)  # (read once: the installed package's metadata)
+    on = _engine_of(engine, recorded)
     results = []
     for f in findings:
         r = _result(f, index[f.kind], lookup(f.kind).level, target, on(f))

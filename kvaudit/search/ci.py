@@ -54,6 +54,7 @@ class FuzzRun:
     interrupted: bool = False  # Ctrl-C or SIGTERM cut the campaign short (what it found is in ``new``)
     suppression_usage: list = field(default_factory=list)  # the workers' SuppressionSet.usage()
     reached: dict[str, int] = field(default_factory=dict)  # Target.reach() summed over the programs run
+    found_after: dict[str, float] = field(default_factory=dict)  # new signature -> seconds of search until it landed
 
     def new_signatures(self) -> dict[str, tuple[Finding, str]]:
         """Signature -> (its first finding, its replay file), in signature order."""
@@ -137,11 +138,14 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
 
     config = registry.get(target).preset(preset).config()
     run = FuzzRun(preset, budget, 0)
-    t0 = time.monotonic()
+    t0, landed = time.monotonic(), {}
     with scratch_dir(f"kvaudit-ci-{preset}-") as tmp:
         where = os.path.join(corpus, preset) if corpus is not None else tmp
         result = run_campaign(config, fuzzer, budget, seed, 1, where, suppress_path, on_progress=on_progress,
+                              on_finding=lambda sig, _: landed.setdefault(sig, time.monotonic()),
                               db=db, campaign=f"{campaign}/{preset}")
+        # (confirmed and minimized by then: the search's clock starts when its first engine is built)
+        run.found_after = {sig: max(0.0, at - result.stats.started) for sig, at in landed.items()}
         run.executions = result.stats.executions
         run.reached = dict(result.stats.reached)
         run.suppression_usage = list(result.suppression_usage.values())
@@ -232,7 +236,7 @@ def junit(result: CiResult) -> str:
                                                        "before one program ran")
         for f, path in run.new_signatures().values():  # a case per new signature
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),
-                                 time="0")
+                                 time=f"{run.found_after.get(f.signature, run.seconds):.2f}")
             fail = ET.SubElement(case, "failure", message=xml_text(f.summary()), type=xml_text(f.kind))
             fail.text = xml_text(f"replay file: {path}\n" + failure_text(f))
     if result.interrupted:

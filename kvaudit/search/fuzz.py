@@ -40,8 +40,9 @@ class FindingFound(AssertionError):
 
 
 class _BudgetSpent(KeyboardInterrupt):
-    """The budget ran out while Hypothesis shrinks (it has no clock). KeyboardInterrupt: the one exception
-    that ends a run mid-case without Hypothesis calling the case flaky. The last failure stands."""
+    """The budget ran out (Hypothesis has no clock: it would run the batch's other cases, or shrink, on).
+    KeyboardInterrupt: the one exception that ends a run mid-case without Hypothesis calling the case
+    flaky. The last failure, if any, stands."""
 
 
 class SearchInterrupted(KeyboardInterrupt):
@@ -177,9 +178,7 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
         def _do(self, op: Op) -> None:
             if self.dead:
                 return
-            if time.monotonic() > rec.deadline:
-                if rec.last_failure is None:
-                    return  # out of time: let the remaining cases finish as no-ops
+            if time.monotonic() > rec.deadline:  # out of time: the batch ends here (each case builds an engine)
                 self.dead = True
                 raise _BudgetSpent
             if not self.ops and not rec.start_program():
@@ -194,8 +193,7 @@ def _machine(config: TargetConfig, rec: _Recorder, max_prompt: int, suppressions
             # and a second one there (a crash leaves state half-updated) would replace this one
             self.dead = self.run.out_of_time or bool(found)
             if self.run.out_of_time:
-                if rec.last_failure is not None:
-                    raise _BudgetSpent
+                raise _BudgetSpent
             elif found and not all(f.signature in rec.known for f in found):
                 rec.stats.hit()
                 rec.last_failure = (list(self.ops), found)

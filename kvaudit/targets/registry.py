@@ -179,13 +179,17 @@ class TargetKind:
         with ``any_release``, a preset of any release the kind drives (:attr:`all_presets`)."""
         from kvaudit.config import UnknownPresetError
 
-        presets = (self.all_presets or self.presets)() if any_release else self.presets()
+        presets = self.any_release_presets() if any_release else self.presets()
         name = self.default_preset if name == "default" else name
         if name not in presets:
             for_kind = "" if self.name == DEFAULT_KIND else f" for --target {self.name}"
             raise UnknownPresetError(self.refusal(name) or f"unknown preset {json_value(name)}{for_kind}; "
                                                            f"valid presets: {', '.join(presets)}")
         return presets[name]
+
+    def any_release_presets(self) -> Mapping:
+        """Every preset of every release the kind drives (:attr:`all_presets`; without it, :attr:`presets`)."""
+        return (self.all_presets or self.presets)()
 
     def refusal(self, name: str) -> str | None:
         """``preset "NAME": why`` for a preset the kind knows but the installed release cannot drive

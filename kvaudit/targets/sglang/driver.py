@@ -175,7 +175,7 @@ class SglangDriver(SglangResults):
         self.waiting = [r for r in self.waiting if not any(r is a for a in admitted)]
         if adder.preempt_list:  # released by preempt_to_schedule
             self.running = list(running.reqs)
-            self.retractions += len(adder.preempt_list)
+            self._preempted(len(adder.preempt_list))
             for req in adder.preempt_list:
                 self._add_request_to_queue(req)
         if not admitted:
@@ -374,3 +374,8 @@ class SglangDriver(SglangResults):
         """Waiting requests (and the grammar queue's), then the in-flight ones."""
         queued = self.waiting + (self.grammar_manager.grammar_queue if self.grammar_manager is not None else [])
         return queued + [r for r in self._inflight() if not any(r is w for w in queued)]
+
+    def _preempted(self, n: int) -> None:
+        # NOTE: here, last in the file, so that no recorded frame's line moves (corpora/*: kvaudit replay --update)
+        self.retractions += n
+        self.priority_preemptions += n  # (reach: priority_preemptions)

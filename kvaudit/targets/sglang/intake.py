@@ -36,7 +36,7 @@ class SglangIntake(Target):
         self._last: tuple[str, list, object] | None = None  # overlap: the batch whose result is still to process
         self.chunked_req = None  # Scheduler.chunked_req: the one request between prefill chunks
         self._pending_chunked_abort = None  # Scheduler._pending_chunked_abort_req
-        self.retractions = 0  # requests retract_decode took out of the running batch
+        self.retractions = self.priority_preemptions = 0  # requests retracted or preempted; preempt_to_schedule's
         self.last_retraction: str | None = None  # what the last retract_decode did (retraction())
         self._intake = None
         self._scheduled = None  # Scheduler.last_batch: the batch the latest step ran, (kind, reqs, chunked)

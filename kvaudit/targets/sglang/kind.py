@@ -21,10 +21,15 @@ def _presets():
 def _refused(name: str) -> str | None:
     """Why the installed SGLang cannot drive the preset ``name`` (:func:`_presets` leaves it out), naming the
     releases that can; None for a drivable or unknown name (by its metadata: no import)."""
-    from kvaudit.targets.sglang.boot import SUPPORTED_VERSIONS, installed_version
     if name not in SGLANG_PRESETS:
         return None
-    config = SGLANG_PRESETS[name].config()
+    return _refusal_here(SGLANG_PRESETS[name].config())
+
+
+def _refusal_here(config) -> str | None:
+    """:func:`era_refusal` on the installed SGLang, naming the releases that drive ``config`` and the installed
+    one (a preset's refusal and a replay file's read the same), or None."""
+    from kvaudit.targets.sglang.boot import SUPPORTED_VERSIONS, installed_version
     why = era_refusal(config, installed_version())
     if why is None:
         return None
@@ -45,8 +50,8 @@ def era_refusal(config, version: str | None) -> str | None:
 
 def _make(config):
     """The target for ``config``'s era (the serving mode is a feature of the composed target)."""
-    from kvaudit.targets.sglang.boot import SglangUnavailable, installed_version
-    why = era_refusal(config, installed_version())
+    from kvaudit.targets.sglang.boot import SglangUnavailable
+    why = _refusal_here(config)
     if why is not None:
         raise SglangUnavailable(why)
     if _legacy() and config.disaggregation_mode == "decode":  # the era's PD decode with HiSparse
@@ -91,7 +96,7 @@ def _probe(config) -> None:
     from kvaudit.targets.sglang.boot import SglangUnavailable, load, probe_version
     try:
         version = probe_version()  # not installed, or a release this target does not drive: no import needed
-        why = era_refusal(config, version)
+        why = _refusal_here(config)
         if why is not None:
             raise TargetUnavailable(why)
         if _legacy():

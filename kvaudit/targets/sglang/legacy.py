@@ -510,6 +510,10 @@ class SglangLegacyTarget(SglangDriver):
     def retraction(self) -> str:
         return self.last_retraction or ""
 
+    def reach(self) -> dict[str, int]:
+        """The path counters: requests ``retract_decode`` took out (or aborted), session turns submitted."""
+        return {"retractions": self.retractions, "session_turns": sum(map(len, self.session_turns.values()))}
+
     def stuck(self) -> str:
         """``running:decode``, ``waiting:memory-locked`` or ``waiting:memory``; ``""`` when idle."""
         if self.running:

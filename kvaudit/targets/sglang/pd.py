@@ -403,8 +403,9 @@ class PdDecode(SglangLoop):
         return out
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
-        """The checksum's verifications and re-verifications (:meth:`ChecksumWatch.reach`), and retractions."""
-        out["pd_decode_retractions"] = self.target.retractions
+        """The checksum's verifications and re-verifications (:meth:`ChecksumWatch.reach`), retractions, and
+        the transfers that landed (``Network.land``)."""
+        out["pd_decode_retractions"], out["pd_transfers_landed"] = self.target.retractions, self.network.landed
         return self.watch.reach(out)
 
     def free_lists(self, out: dict) -> dict:

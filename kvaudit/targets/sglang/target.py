@@ -361,11 +361,12 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("invariant_findings", super().invariant_findings())
 
     def reach(self) -> dict[str, int]:
-        """The shared driver's counters (requests retracted, by decode retraction or priority preemption;
-        allocations that evicted from the tree; SGLang's result processing: ``results_reach``), then each
-        feature's."""
+        """The shared driver's counters (requests retracted, by decode retraction or priority preemption,
+        and with priority scheduling those preempted; allocations that evicted from the tree; SGLang's
+        result processing: ``results_reach``), then each feature's."""
+        prio = {"priority_preemptions": self.priority_preemptions} if self.config.enable_priority_scheduling else {}
         return self._fold("reach", {"retractions": self.retractions, "evictions_for_alloc": self.evictions_for_alloc,
-                                    **self.results_reach()})
+                                    **prio, **self.results_reach()})
 
 
 class _CheckScope:

@@ -137,7 +137,8 @@ class NixlWorkerStandIn(StepClock):
         for r in send:
             del self.sending[r]
             self.to_process.discard(r)
-        self.reached.update(failed_transfers=len(failed), invalid_blocks=len(invalid))
+        self.reached.update(failed_transfers=len(failed), invalid_blocks=len(invalid), kv_loads_done=len(recv - failed),
+                            kv_sends_done=len(send - failed))
         extra = {"failed_recving": failed_recv} if self.failed_field else {}
         return output_cls(finished_sending=send or None, finished_recving=recv or None, invalid_block_ids=invalid,
                           **extra)
@@ -322,7 +323,7 @@ class VllmConnectorTarget(VllmSchedulerTarget):
             self.worker = NixlWorkerStandIn(config.kv_transfer_latency_steps, self.V.has("nixl-awaiting-kvs"),
                                             self.V.has("failed-recving"), self._faults, self.reached,
                                             push=config.kv_connector == "NixlPushConnector")
-            self.reached.update(failed_transfers=0, invalid_blocks=0)
+            self.reached.update(failed_transfers=0, invalid_blocks=0, kv_loads_done=0, kv_sends_done=0)
         elif config.kv_connector == "SimpleCPUOffloadConnector":
             self.worker = OffloadWorkerStandIn(config.kv_transfer_latency_steps)
         elif config.kv_connector in OFFLOADING:
