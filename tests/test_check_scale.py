@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvaudit.audit import oracles
 from kvaudit.audit.oracles import incremental
 from kvaudit.audit.runner import AuditedRun
-from kvaudit.program import Step, Submit
+from kvaudit.program import Idle, Step, Submit
 from kvaudit.targets.eut import observer
 from kvaudit.targets.eut.presets import get_preset
 
@@ -38,6 +38,30 @@ def test_one_check_reads_the_live_requests_once(monkeypatch):
         assert "requests_owning_rows" not in eng.__dict__  # the engine's own method again after the check
         eng.requests_owning_rows()
         assert len(calls) == 2
+    finally:
+        run.__exit__(None, None, None)
+
+
+def test_a_checks_own_readers_share_one_read_of_the_live_requests_at_any_size(monkeypatch):
+    """Below OWNERS_ONCE_FROM (no shadow of the engine's method) the observer's readers in a check (the roots,
+    the metrics, the lock holders) read the live requests once: a busy check reads them twice (that read and
+    the engine's own check_memory), a check at idle once (check_memory reads none there); a read after the
+    check is fresh."""
+    calls = []
+    real = Scheduler.requests_owning_rows
+    monkeypatch.setattr(Scheduler, "requests_owning_rows", lambda self: (calls.append(1), real(self))[1])
+    run = _busy_run(max_new=2)
+    try:
+        target = run.target
+        calls.clear()
+        assert oracles.check(run.auditor, target) == []
+        assert len(calls) == 2 and "requests_owning_rows" not in target.engine.__dict__
+        assert run.apply(Idle()) == []
+        assert target.is_idle()
+        calls.clear()
+        assert oracles.check(run.auditor, target, idle=True) == []
+        assert len(calls) == 1
+        assert target._owners() == [] and len(calls) == 2  # outside a check: read again
     finally:
         run.__exit__(None, None, None)
 

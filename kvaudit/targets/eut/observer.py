@@ -192,8 +192,9 @@ class EutObserver(Target):
             out += [Root("session_records", f"session:{sid}", np.array([u], dtype=np.int64), role="session")
                     for sid, u in units if u is not None]
         held = {id(slot.kv) for _, slot in slots}
-        places = self._places()
-        for req in eng.requests_owning_rows():
+        reqs = self._owners()
+        places = self._places() if reqs else {}
+        for req in reqs:
             if not aborting and req.to_finish is not None:
                 continue
             kv, owner = req.kv, f"req:{req.rid}"
@@ -227,16 +228,28 @@ class EutObserver(Target):
         return kept.deltas(exact)
 
     def checking(self):
-        """Within one check the engine's ``requests_owning_rows()`` is read once: every caller (the deltas,
-        the roots, the engine's own ``check_memory``, the metrics, the lock holders) gets a copy of the
-        first call's list. The engine is not stepped inside a check, so the list is the same one. With
-        fewer than :data:`OWNERS_ONCE_FROM` requests running or waiting, nothing (the walk is cheaper than
-        shadowing the engine's method)."""
+        """Within one check the engine's ``requests_owning_rows()`` is read once for the observer's own
+        readers (the roots, the metrics, the lock holders: :meth:`_owners`). With :data:`OWNERS_ONCE_FROM`
+        requests or more running or waiting, every caller (the deltas, the engine's own ``check_memory`` too)
+        gets a copy of that read (:class:`_OwnersOnce`; below, the walk is cheaper than shadowing the engine's
+        method). The engine is not stepped inside a check, so the list is the same one."""
         eng = self.engine
         return _CheckScope(self, eng if len(eng.running_batch) + len(eng.waiting_queue) >= OWNERS_ONCE_FROM else None)
 
     _in_check = False  # inside a check (_CheckScope)
     _nodes_memo: list | None = None  # inside a check: the tree's nodes, walked once
+    _owners_memo: list | None = None  # inside a check: the live requests, read once
+
+    def _owners(self) -> list:
+        """The engine's ``requests_owning_rows()``. Inside a check (:meth:`checking`) the observer's readers
+        (the roots, the metrics, the lock holders) share one read: the engine does not move within a check
+        (its own ``check_memory`` reads them itself: shadowed only from :data:`OWNERS_ONCE_FROM`)."""
+        memo = self._owners_memo
+        if memo is None:
+            memo = self.engine.requests_owning_rows()
+            if self._in_check:
+                self._owners_memo = memo
+        return memo
 
     def _tree_nodes(self) -> list:
         """The radix tree's nodes, parents before children (``RadixCache.nodes()``). Inside a check
@@ -283,7 +296,7 @@ class EutObserver(Target):
         tree = eng.tree_cache
         if tree.disable:
             return []
-        out = [("device", f"req:{r.rid}", r.lock) for r in eng.requests_owning_rows() if r.lock is not None]
+        out = [("device", f"req:{r.rid}", r.lock) for r in self._owners() if r.lock is not None]
         if eng.session_controller is not None:
             out += [("device", f"session:{sid}", slot.lock) for sid, slot in eng.session_controller.slots()
                     if slot.lock is not None]
@@ -522,8 +535,9 @@ class EutObserver(Target):
 
 
 class _CheckScope:
-    """:meth:`EutObserver.checking`: the tree's node list kept for the check (``_tree_nodes``), and with
-    ``eng`` (many live requests) the owners read once (:class:`_OwnersOnce`); both dropped on exit."""
+    """:meth:`EutObserver.checking`: the tree's node list and the live requests kept for the check
+    (``_tree_nodes``, ``_owners``), and with ``eng`` (many live requests) the engine's method shadowed to
+    read them once (:class:`_OwnersOnce`); all dropped on exit."""
 
     __slots__ = ("obs", "owners", "prev")
 
@@ -532,15 +546,15 @@ class _CheckScope:
 
     def __enter__(self) -> None:
         obs = self.obs
-        self.prev = (obs._in_check, obs._nodes_memo)  # (an outer check's)
-        obs._in_check, obs._nodes_memo = True, None
+        self.prev = (obs._in_check, obs._nodes_memo, obs._owners_memo)  # (an outer check's)
+        obs._in_check, obs._nodes_memo, obs._owners_memo = True, None, None
         if self.owners is not None:
             self.owners.__enter__()
 
     def __exit__(self, *exc) -> None:
         if self.owners is not None:
             self.owners.__exit__(*exc)
-        self.obs._in_check, self.obs._nodes_memo = self.prev
+        self.obs._in_check, self.obs._nodes_memo, self.obs._owners_memo = self.prev
 
 
 class _OwnersOnce:

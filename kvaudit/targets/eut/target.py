@@ -346,7 +346,7 @@ class EutTarget(EutObserver):
         holders = 0 if eng.session_controller is None else len(eng.session_controller.slots())
         if m["num_streaming_sessions"] < holders:
             out.append(f"[sessions] num_streaming_sessions={m['num_streaming_sessions']} but {holders} sessions hold KV")
-        return out + kv_length_problems(eng.requests_owning_rows())
+        return out + kv_length_problems(self._owners())
 
     def step(self) -> None:
         self.steps += 1
