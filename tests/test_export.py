@@ -451,3 +451,18 @@ def test_every_sglang_corpus_finding_has_its_note_from_the_corpus_notes_file():
     assert "Streaming session already has an active request" in note_for(
         "sglang", ["aliasing/token_to_kv_pool/request-kv"]).why
     assert note_for("eut", ["leak/token_to_kv_pool/request-kv"]) is None and notes_of("eut") == {}
+
+
+def test_a_long_finding_message_is_cut_at_a_word_in_the_title():
+    """The title took message[:80], cut mid-word with no mark: '... from 15 to 15 (group 1, block(s) 0) from'."""
+    from kvaudit.audit.findings import Finding, Site
+    from kvaudit.export.issue import title_of
+
+    msg = ("req:req-000001 read KV of 1 position(s) from 15 to 15 (group 1, block(s) 0) from a block freed and "
+           "reused under it")
+    f = Finding(kind="stale-kv", pool="block_pool", message=msg, read_sites=[Site("vllm/a.py", 3, "schedule")])
+    title = title_of([f], None)
+    assert title == ("stale-kv in block_pool at schedule: req:req-000001 read KV of 1 position(s) from 15 to 15 "
+                     "(group 1, block(s) 0)..."), title
+    f.message = "short"
+    assert title_of([f], None) == "stale-kv in block_pool at schedule: short"

@@ -51,7 +51,14 @@ def title_of(findings: list[Finding], note: Note | None) -> str:
         return "kvaudit: a program with no recorded finding"
     f = findings[0]
     fn = next((s.function for _, frames in finding_stacks(f) for s in frames), "?")
-    return f"{f.kind} in {f.pool} at {fn}: {f.message[:80]}"
+    return f"{f.kind} in {f.pool} at {fn}: {_clipped(f.message, 80)}"
+
+
+def _clipped(text: str, width: int) -> str:
+    """``text`` cut at the last word boundary within ``width`` characters, with ``...`` when cut."""
+    if len(text) <= width:
+        return text
+    return text[:width - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
 
 
 # a client call's kind -> the op whose HTTP call it makes
