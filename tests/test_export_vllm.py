@@ -425,3 +425,17 @@ def test_a_history_reproducer_replays_on_the_release_that_ships_the_bug(name, ex
     # its replay line names the release it needs (on the base release it replays clean)
     assert (f"`python -m kvaudit.history.releases vllm=={bug.buggy}` installs it as an overlay, then "
             f"`PYTHONPATH=~/.cache/kvaudit/releases/vllm-{bug.buggy} kvaudit replay corpora/vllm/{name}.json`") in issue
+
+
+def test_a_stale_kv_clients_result_is_not_checked_rather_than_not_reproduced(stand_in, tmp_path):
+    """A stale KV read changes a request's answer, not the pool: the script looked for blocks not coming back
+    and, finding none, printed NOT REPRODUCED (exit 0), and the issue's Expected named a pool line."""
+    src = os.path.join(ROOT, "corpora", "vllm", "findings", "nixl-swa-window-block-skipped.json")
+    r = invoke("export", src, "--issue", str(tmp_path / "s.md"), "--client", str(tmp_path / "s.py"), "--no-resolve")
+    assert r.exit_code == 0, r.output + r.stderr
+    issue = (tmp_path / "s.md").read_text()
+    assert "Expected: a request's answer differs from the same prompt's alone" in issue
+    assert "`NOT CHECKED` (exit 3)" in issue
+    done = run_client(str(tmp_path / "s.py"), stand_in.url)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "RESULT: NOT CHECKED" in done.stdout and "NOT REPRODUCED" not in done.stdout

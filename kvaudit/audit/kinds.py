@@ -20,7 +20,8 @@ looks its kind up here (:func:`lookup`) and branches on no kind's name. A row ho
   ``lifecycle_end``: the last line of the first unit's timeline (a leak's verdict), with its style;
 * ``allocates``: ``alloc_sites`` are where the units were allocated (a crash's are where it raised);
 * ``expect``, ``symptom``: what ``kvaudit export``'s client script watches a server for (``crash``,
-  ``hang``, or ``memory``: the pool gauges) and what a maintainer sees ("": the engine's pool line).
+  ``hang``, or ``memory``: the pool gauges; ``output``: a wrong answer, which the script cannot judge and
+  says so, exit 3) and what a maintainer sees ("": the engine's pool line).
 
 A kind no row describes (a plugin target's own) still renders: :func:`lookup` gives it a generic row.
 """
@@ -222,7 +223,7 @@ class FindingKind(NamedTuple):
     props: Callable[[Any], dict] = lambda f: {}  # extra SARIF result properties
     lifecycle_end: Callable[[Any], tuple[str, str] | None] = lambda f: None  # last timeline line, style
     allocates: bool = True  # alloc_sites are where the units were allocated
-    expect: str = "memory"  # what the exported client script watches for: "crash" | "hang" | "memory"
+    expect: str = "memory"  # what the exported client watches for: "crash" | "hang" | "memory" | "output" (not checked)
     symptom: str = ""  # what a server shows ("": the engine's pool line)
 
     def stack_label(self, key: str) -> str:
@@ -293,7 +294,9 @@ TABLE: tuple[FindingKind, ...] = (
         "error", ("memory-safety", "correctness", "stale-kv"),
         lambda f, what, site: f"Stale KV: {what} in pool {f.pool} read at {_read_at(f)}: {f.message}",
         signature=_sig_stale_kv, console=_con_stale_kv,
-        stacks=("read_sites", "alloc_sites", "free_sites", "prev_free_sites")),
+        stacks=("read_sites", "alloc_sites", "free_sites", "prev_free_sites"), expect="output",
+        symptom="a request's answer differs from the same prompt's alone (it attended to another prefix's KV); "
+                "the pool gauges do not show it"),
     FindingKind(
         "accounting-drift", 6, "identity", "AccountingDrift",
         "A pool's accounting identity or counters disagree with its memory",

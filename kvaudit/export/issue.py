@@ -8,6 +8,7 @@ import json
 import os
 
 from kvaudit.audit.findings import Finding
+from kvaudit.audit.kinds import lookup
 from kvaudit.export.client import curl_lines
 from kvaudit.export.http_api import export_for
 from kvaudit.export.notes import Note
@@ -108,7 +109,7 @@ def _environment(ex, config, version: str, launch: str, env: list[str], unmapped
 
 
 def _reproduce(ex, plan: Plan, note: Note | None, client_name: str | None, version: str,
-               expected: str) -> list[str]:
+               expected: str, judged: bool = True) -> list[str]:
     api, words = ex.api, ex.issue
     out = ["## Reproduce with a client", ""]
     curls = curl_lines(plan)
@@ -118,7 +119,8 @@ def _reproduce(ex, plan: Plan, note: Note | None, client_name: str | None, versi
                 f"2. `python3 {client_name} --url {ex.client.url}` (standard library only){curl_hint}.", "",
                 f"Expected: {note.server if note is not None else expected}. The script prints every call and "
                 "answer, the `/metrics` pool counters before and after, and `RESULT: REPRODUCED` (exit 1) or "
-                "`NOT REPRODUCED` (exit 0).", ""]
+                + ("`NOT REPRODUCED` (exit 0)." if judged else "`NOT CHECKED` (exit 3): a wrong answer is not "
+                   "something the script judges; compare its answers with the same prompts sent alone."), ""]
     else:
         out += ["(Export with `kvaudit export FILE --client OUT.py` for the script.)", ""]
     if curls:
@@ -193,7 +195,8 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
             "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
             "taken modulo the live requests or open sessions" + words.program_note + "):", "", "```"]
     out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
-    out += _reproduce(ex, plan, note, client_name, version, expected)
+    judged = not findings or lookup(findings[0].kind).expect != "output"
+    out += _reproduce(ex, plan, note, client_name, version, expected, judged)
     out += ["", "## kvaudit report", "",
             f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
             f"frames under `kvaudit/` are kvaudit's driver, which calls {api.engine}'s functions in the "
