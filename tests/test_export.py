@@ -466,3 +466,16 @@ def test_a_long_finding_message_is_cut_at_a_word_in_the_title():
                      "(group 1, block(s) 0)..."), title
     f.message = "short"
     assert title_of([f], None) == "stale-kv in block_pool at schedule: short"
+
+
+def test_an_unresolved_export_does_not_call_a_client_exact_that_may_need_a_held_request(tmp_path):
+    """With --no-resolve (or no SGLang installed) the plan cannot tell that r1 must still be decoding when
+    close_session arrives, so it held nothing and still said 'client: exact': against a real server r1
+    would likely finish first and the script print NOT REPRODUCED. Untraced, a message after a request
+    makes the client approximate, and the issue says why."""
+    src = os.path.join(ROOT, "corpora", "sglang", "uaf-deferred-close-after-rejected-turn.json")
+    r = invoke("export", src, "--issue", str(tmp_path / "u.md"), "--client", str(tmp_path / "u.py"), "--no-resolve")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert "client: approximate" in r.output + r.stderr
+    assert "handles not resolved on the target (--no-resolve, or the engine not installed)" in (
+        tmp_path / "u.md").read_text()

@@ -56,13 +56,23 @@ class Plan:
 
     @property
     def exact(self) -> bool:
-        """Every call reproduces its op exactly, and no request is held or needs a prefill server."""
-        return all(c.exact for c in self.calls) and not any(
+        """Every call reproduces its op exactly, no request is held or needs a prefill server, and, untraced,
+        no message follows a request (whether it must still run then is unknown)."""
+        return all(c.exact for c in self.calls) and not self._unknown_holds and not any(
             i.hold or i.remote == "prefill" for c in self.calls for i in c.args.get("items", ()))
 
     @property
+    def _unknown_holds(self) -> bool:
+        # untraced: a generate followed by a message (not a wait) may need its request still running
+        firsts = [k for k, c in enumerate(self.calls) if c.kind == "generate"]
+        return not self.traced and bool(firsts) and any(
+            c.kind not in ("wait", "idle", "no_api", "ignored") for c in self.calls[firsts[0] + 1:])
+
+    @property
     def approximations(self) -> list[str]:
-        out = []
+        out = ["handles not resolved on the target (--no-resolve, or the engine not installed): which request "
+               "must still be decoding when a later message arrives is not known, so none is held "
+               "(--hold-tokens)"] if self._unknown_holds else []
         for c in self.calls:
             if not c.exact:
                 out.append(f"op {', '.join(map(str, c.ops))} ({c.kind}): {c.note}")
