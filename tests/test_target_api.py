@@ -298,13 +298,13 @@ class ListRoots(rowtoy_plugin.RowToyTarget):
         return [Root("rowz", f"req:{r.rid}", r.rows) for r in self.engine.running]
 
 
-BAD = {"kv-kind-on-rows": (KvKindOnRows, "pool 'rows' declares kind 'kv', but its RowPool has no available_size()"),
-       "misspelt-kind": (MisspeltKind, "pool 'rows' declares kind 'row'; the pool kinds are kv, rows, blocks"),
-       "blocks-without-install": (BlocksWithoutInstall, "pool 'rows' is a 'blocks' pool, which has no standard "
+BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but its RowPool has no available_size()'),
+       "misspelt-kind": (MisspeltKind, 'pool "rows" declares kind "row"; the pool kinds are kv, rows, blocks'),
+       "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
                                                         "wrapping: BlocksWithoutInstall.install_pool must call "
                                                         "auditor.wrap_blocks"),
        "no-engine-check": (NoEngineCheck, "NoEngineCheck does not define engine_check(), required of every target"),
-       "undeclared-root-pool": (ListRoots, "a root of req:r1 names pool 'rowz', which its pools() does not declare")}
+       "undeclared-root-pool": (ListRoots, 'a root of req:r1 names pool "rowz", which its pools() does not declare')}
 
 
 @pytest.fixture
@@ -365,7 +365,7 @@ MID_RUN = {"float-units": (FloatRoots, "FloatRoots.roots(): req:r1's units must 
                                        "ndarray of float64"),
            "list-units": (ListUnitRoots, "ListUnitRoots.roots(): req:r1's units must be a [n] integer numpy array, "
                                          "got list"),
-           "past-the-pool": (PastThePoolRoots, "PastThePoolRoots.roots(): req:r1's units of pool 'rows' must be in "
+           "past-the-pool": (PastThePoolRoots, 'PastThePoolRoots.roots(): req:r1\'s units of pool "rows" must be in '
                                                "[0, 47] (its num_units), got 1001 to")}
 
 

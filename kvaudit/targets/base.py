@@ -15,6 +15,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from kvaudit.config import json_value
+
 
 #: the pool kinds kvaudit knows (:class:`PoolSpec`), with the API the default ``install_pool`` wraps
 #: (``None``: none; the target's own ``install_pool`` wraps the pool)
@@ -431,26 +433,26 @@ def check_target(target, kind: str) -> None:
         bad(f"{cls.__name__}.pools() must name each pool once with a non-empty string, got {names}")
     own_install = cls.install_pool is not Target.install_pool
     for s in specs:
-        where = f"pool {s.name!r}"
+        where = f"pool {json_value(s.name)}"
         if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
                    for x in (s.page_size, s.num_units)):
-            bad(f"{where}: page_size and num_units must be positive integers, got {s.page_size!r} and {s.num_units!r}")
+            bad(f"{where}: page_size and num_units must be positive integers, got {json_value(s.page_size)} and {json_value(s.num_units)}")
         if s.kind not in POOL_KINDS and not own_install:
-            bad(f"{where} declares kind {s.kind!r}; the pool kinds are {', '.join(POOL_KINDS)} (a kind of the "
+            bad(f"{where} declares kind {json_value(s.kind)}; the pool kinds are {', '.join(POOL_KINDS)} (a kind of the "
                 "target's own needs its own install_pool)")
         api = POOL_KINDS.get(s.kind)
         if own_install:
             continue
         if api is None:
-            bad(f"{where} is a {s.kind!r} pool, which has no standard wrapping: {cls.__name__}.install_pool must "
+            bad(f"{where} is a {json_value(s.kind)} pool, which has no standard wrapping: {cls.__name__}.install_pool must "
                 "call auditor.wrap_blocks(spec, ids, alloc=..., ref=..., unref=...)")
         lacking = [m for m in api if not callable(getattr(s.obj, m, None))]
         if s.kind == "kv" and not any(callable(getattr(s.obj, m, None)) for m in ("alloc", "alloc_extend",
                                                                                    "alloc_decode")):
             lacking.insert(0, "alloc")
         if lacking:
-            bad(f"{where} declares kind {s.kind!r}, but its {type(s.obj).__name__} has no {', '.join(lacking)}() "
-                f"(a {s.kind!r} pool's API: {', '.join(api)}" + (", alloc" if s.kind == "kv" else "")
+            bad(f"{where} declares kind {json_value(s.kind)}, but its {type(s.obj).__name__} has no {', '.join(lacking)}() "
+                f"(a {json_value(s.kind)} pool's API: {', '.join(api)}" + (", alloc" if s.kind == "kv" else "")
                 + "); declare the kind it is, or wrap it in install_pool")
     if cls in _checked:
         return
@@ -459,7 +461,7 @@ def check_target(target, kind: str) -> None:
         bad(f"{cls.__name__}.roots() must return a list of Root, got {roots!r:.80}")
     for r in roots:
         if r.pool not in names:
-            bad(f"{cls.__name__}.roots(): a root of {r.owner} names pool {r.pool!r}, which pools() does not declare")
+            bad(f"{cls.__name__}.roots(): a root of {r.owner} names pool {json_value(r.pool)}, which pools() does not declare")
         if not (isinstance(r.units, np.ndarray) and r.units.ndim == 1 and r.units.dtype.kind in "iu"):
             bad(f"{cls.__name__}.roots(): {r.owner}'s units must be a [n] integer numpy array, got "
                 f"{type(r.units).__name__}" + (f" of {r.units.dtype}, shape {r.units.shape}"
@@ -495,7 +497,7 @@ def check_roots_always(target, kind: str) -> None:
                     f"{type(u).__name__}" + (f" of {u.dtype}, shape {u.shape}" if isinstance(u, np.ndarray) else ""))
             if top is not None and u.size and (u.min() < 0 or u.max() > top):
                 raise TargetDefinitionError(
-                    f"target {kind}: {name}.roots(): {r.owner}'s units of pool {r.pool!r} must be in [0, {top}] "
+                    f"target {kind}: {name}.roots(): {r.owner}'s units of pool {json_value(r.pool)} must be in [0, {top}] "
                     f"(its num_units), got {int(u.min())} to {int(u.max())}")
         return got
 

@@ -25,6 +25,7 @@ from kvaudit.audit.oracles.lock_balance import lock_balance
 from kvaudit.audit.oracles.outcome import attach_engine_verdict, crash, idle_hang, liveness, quiescence, watchdog_hang
 from kvaudit.audit.oracles.target import target_findings
 from kvaudit.audit.oracles.use_after_free import use_after_free
+from kvaudit.config import json_value
 from kvaudit.targets.registry import TargetDefinitionError, kind_name
 
 
@@ -220,7 +221,7 @@ def _full_check(auditor: Auditor, target, idle: bool, scan_only: bool) -> tuple[
     for root in (target.roots(aborting=False) if scan_only else target.roots()):
         mine = by_pool.get(root.pool)
         if mine is None:  # the target's mistake, not the engine's crash
-            raise TargetDefinitionError(f"target {kind_name(target)}: a root of {root.owner} names pool {root.pool!r}, "
+            raise TargetDefinitionError(f"target {kind_name(target)}: a root of {root.owner} names pool {json_value(root.pool)}, "
                                         f"which its pools() does not declare ({', '.join(by_pool)})")
         mine.append(root)
         if root.where:
