@@ -230,10 +230,14 @@ def _write(tmp_path, name, text):
     ('{"format": "kvaudit.replay/1", "config": {"bugs": ["nope"]}, "program": []}', 'bad config: unknown bug "nope"'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "fork"}]}', 'bad program: unknown op "fork"; valid ops: submit'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": {"op": "idle"}}', "bad program"),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "submit", "prompt_len": -3}]}',
+     'argument "prompt_len" of op "submit" must be in [0, 10000], got -3'),
+    ('{"format": "kvaudit.replay/1", "config": {}, "program": [{"op": "submit", "prompt_len": "x"}]}',
+     'argument "prompt_len" of op "submit" must be an integer or null, got "x"'),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": [{"kind": "leak"}]}', "bad findings"),
     ('{"format": "kvaudit.replay/1", "config": {}, "program": [], "findings": "x"}', "bad findings"),
 ], ids=["object", "list", "string", "old-format", "newer-format", "text", "empty", "no-config", "no-program", "config-key",
-        "config-list", "config-bug", "unknown-op", "program-object", "finding-fields", "findings-string"])
+        "config-list", "config-bug", "unknown-op", "program-object", "arg-range", "arg-type", "finding-fields", "findings-string"])
 def test_replay_of_a_non_replay_file_exits_2_with_one_line(tmp_path, content, why):
     """A name the file holds is spelled as JSON spells it (it said ``unknown bug 'nope'``, ``missing key 'program'``)."""
     result = invoke("replay", _write(tmp_path, "in.json", content))

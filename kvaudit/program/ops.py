@@ -84,12 +84,14 @@ def op_from_dict(d: object) -> Op:
         if k not in fields:
             raise ProgramError(f"op {json_value(d['op'])} has no argument {json_value(k, 60)}")
         if not (v is None or (isinstance(v, int) and not isinstance(v, bool))):
-            raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must be an integer or null")
+            raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must be an integer or null, "
+                               f"got {json_value(v, 40)}")
     op = cls(**args)
     spec = OPS[cls.kind].arg
     for k, v in dataclasses.asdict(op).items():
         if v is not None and not 0 <= v <= spec[k].limit:
-            raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must be in [0, {spec[k].limit}]")
+            raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must be in [0, {spec[k].limit}], "
+                               f"got {v}")
         if v is None and not spec[k].nullable:
             raise ProgramError(f"argument {json_value(k)} of op {json_value(d['op'])} must not be null")
     return op
