@@ -357,8 +357,6 @@ TABLE: tuple[FindingKind, ...] = (
 
 BY_NAME: dict[str, FindingKind] = {k.name: k for k in TABLE}
 KINDS = tuple(k.name for k in TABLE)  # in report order
-ORDER = tuple(sorted(KINDS, key=lambda n: BY_NAME[n].rank))  # root causes first
-NO_SITE_KINDS = {k.name: k.no_site for k in TABLE if k.no_site}
 
 
 def lookup(kind: str) -> FindingKind:

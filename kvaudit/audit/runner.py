@@ -617,19 +617,18 @@ def warm_up(config: TargetConfig) -> None:
     AuditedRun(config, full_stacks=False).close()
 
 
-def execute(config: TargetConfig, program: list[Op], audit: bool = True, stop_on_finding: bool = True,
-            full_stacks: bool = True, suppressions=None, drain: bool = False,
+def execute(config: TargetConfig, program: list[Op], full_stacks: bool = True, suppressions=None, drain: bool = False,
             on_op: Callable[[int, int], None] | None = None) -> Execution:
     """Run ``program`` from a fresh engine; stop at the first op that produced a finding
     ``suppressions`` does not cover. With ``drain``, a run with findings then records the engine's
     verdict at idle in each finding's ``engine_check_at_idle``. ``on_op(ops run, scheduler steps)``
     is called after each op."""
-    with AuditedRun(config, audit=audit, full_stacks=full_stacks, suppressions=suppressions) as run:
+    with AuditedRun(config, full_stacks=full_stacks, suppressions=suppressions) as run:
         for op in program:
             found = run.apply(op)
             if on_op is not None:
                 on_op(run.ops_run, run.target.steps)
-            if found and stop_on_finding:
+            if found:
                 break
         ex = Execution(run.findings, run.ops_run, run.target.steps,
                        run.auditor.digest() if run.auditor is not None else "")
