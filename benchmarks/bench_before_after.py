@@ -2,7 +2,7 @@
 """Time to bug on two checkouts side by side (issue 38: "before this issue" against now).
 
     python benchmarks/bench_before_after.py --before PATH [--after PATH] [--suite history|zoo]
-        [--fuzzer corpus] [--seeds 3] [--budget 20] [--bugs LIST] [--json OUT]
+        [--fuzzer corpus] [--seeds 3] [--budget 20] [--repeat 1] [--bugs LIST] [--json OUT]
 
 The same bugs, fuzzer, seeds and budgets run on both checkouts, interleaved bug by bug (the side that
 goes first alternates per bug), so that a slow phase of a shared machine falls on both. Each (bug,
@@ -19,6 +19,14 @@ after/before; then the geometric means of the per-bug median times, after/before
 sides' medians reach. Bugs only one checkout's catalogue has are listed, not run. Prints a markdown table;
 ``--json`` writes every trial and the load average beside each child (rewritten after every bug);
 ``python benchmarks/bench_before_after.py --table FILE`` prints the table of such a file.
+
+``--repeat N`` runs each bug's children N times per side, the two sides taking turns (before, after;
+after, before; ...), and keeps per (bug, seed) the **minimum** over the N repeats of the CPU and wall
+seconds: executions to the first hit are deterministic, the seconds are what a shared machine's load
+moves, and the minimum is the run the load disturbed least. The repeats of one trial must agree on
+executions and signature (a run that differs stops the benchmark: that is a detection change, not
+noise); a repeat that did not hit within the budget counts as never and the others' minimum stands.
+The JSON keeps every repeat beside the trial's minimum.
 """
 
 from __future__ import annotations
@@ -128,6 +136,60 @@ def child_main(argv: list[str]) -> int:
     return 0
 
 
+# -- repeats: the minimum of N runs of one trial --------------------------------------------------------
+
+REPEATS = "min over repeats: cpu_to_hit, seconds and cpu are each trial's minimum over its repeats"
+
+
+class RepeatMismatch(RuntimeError):
+    """Two repeats of one (bug, side, seed) hit at different executions or with different signatures."""
+
+
+def _repeats_note(n: int) -> str:
+    return f", CPU and wall seconds the minimum of {n} runs per trial" if n > 1 else ""
+
+
+def side_order(index: int, repeat: int) -> tuple[str, str]:
+    """Which side runs first for bug ``index``'s ``repeat`` (0-based): alternating over both, so that
+    N repeats go before, after; after, before; before, after; ..."""
+    return ("before", "after") if (index + repeat) % 2 == 0 else ("after", "before")
+
+
+def combine_repeats(runs: list[dict]) -> dict:
+    """One trial from its repeats (the same bug, side and seed; ``runs`` in the order they ran): the
+    first hitting run with ``seconds``, ``cpu_to_hit`` and ``cpu`` each the minimum over the runs that
+    hit (over all runs for ``cpu``), and the runs under ``repeats``. A run that did not hit counts as
+    never. Raises :class:`RepeatMismatch` when the hitting runs disagree on executions or signature."""
+    hits = [r for r in runs if r.get("success")]
+    keys = {(r.get("executions"), r.get("signature")) for r in hits}
+    if len(keys) > 1:
+        r0 = runs[0]
+        raise RepeatMismatch(f"{r0.get('bug')} {r0.get('side')} seed {r0.get('seed')}: the repeats disagree on "
+                             f"(executions, signature): {sorted(keys, key=str)}")
+    out = dict(hits[0] if hits else runs[0])
+    if hits:
+        for k in ("seconds", "cpu_to_hit"):
+            out[k] = min(r[k] for r in hits)
+    out["cpu"] = min(r["cpu"] for r in runs)
+    out["repeats"] = [{k: r.get(k) for k in ("success", "executions", "seconds", "cpu_to_hit", "cpu")}
+                      for r in runs]
+    return out
+
+
+def run_bug(bug: str, index: int, repeat: int, run_side) -> list[dict]:
+    """Bug ``index``'s trials: ``run_side(side, r)`` (one child: that side's trials of every seed, each a
+    dict with ``seed``) ``repeat`` times per side, the sides in :func:`side_order`; with one repeat the
+    trials as they came, with more each (side, seed)'s :func:`combine_repeats`."""
+    runs: dict = {}
+    for r in range(repeat):
+        for side in side_order(index, r):
+            for t in run_side(side, r):
+                runs.setdefault((side, t["seed"]), []).append({"bug": bug, "side": side, **t})
+    if repeat == 1:
+        return [rs[0] for rs in runs.values()]
+    return [combine_repeats(rs) for rs in runs.values()]
+
+
 # -- the parent ----------------------------------------------------------------------------------------
 
 def _child(root: str, args: list[str], overlay: str | None = None) -> dict:
@@ -231,7 +293,8 @@ def print_table(path: str) -> int:
     with open(path) as f:
         doc = json.load(f)
     done = [b for b in doc["bugs"] if any(t["bug"] == b for t in doc["trials"])]
-    print(f"{doc['suite']}, fuzzer {doc['fuzzer']}, seeds {doc['seeds']}, {doc['budget']:g} s per trial; before "
+    print(f"{doc['suite']}, fuzzer {doc['fuzzer']}, seeds {doc['seeds']}, {doc['budget']:g} s per trial"
+          f"{_repeats_note(doc.get('repeat', 1))}; before "
           f"{doc['before']['rev']}, after {doc['after']['rev']}; {len(done)} of {len(doc['bugs'])} bugs run\n")
     print("\n".join(table(compare(doc["trials"], done))))
     return 0
@@ -246,14 +309,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fuzzer", default="corpus")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per bug and side")
     ap.add_argument("--budget", type=float, default=20.0, help="seconds per trial")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run each (bug, seed) N times per side, the sides taking turns, and keep the minimum "
+                         "CPU and wall seconds (executions must agree)")
     ap.add_argument("--bugs", default="all", help="comma separated, or 'all' (the ones both catalogues have)")
     ap.add_argument("--after-check-every", type=int, default=None, metavar="K",
                     help="a diagnostic: the after's searches check every K steps (kvaudit.search.schedule."
                          "CHECK_EVERY; 1: every step, as before the sparse schedule)")
     ap.add_argument("--json", dest="out_json", default=None, help="write every trial here")
     args = ap.parse_args(argv)
-    if args.seeds < 1 or args.budget <= 0 or (args.after_check_every is not None and args.after_check_every < 1):
-        ap.error("--seeds, --budget and --after-check-every must be positive")
+    if (args.seeds < 1 or args.budget <= 0 or args.repeat < 1
+            or (args.after_check_every is not None and args.after_check_every < 1)):
+        ap.error("--seeds, --budget, --repeat and --after-check-every must be positive")
     args.before, args.after = os.path.abspath(args.before), os.path.abspath(args.after)
     if args.before == args.after:
         ap.error("--before and --after name the same checkout")
@@ -266,6 +333,13 @@ def _overlay(entry: dict) -> str | None:
     from kvaudit.history import releases  # the after's: the cache both sides share
     path = releases.ensure(entry["engine"], entry["version"])
     return str(path) if path else None
+
+
+def _write(path: str | None, doc: dict, t0: float) -> None:
+    if path:
+        doc["wall_seconds"] = round(time.monotonic() - t0, 1)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,11 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"format": FORMAT, "suite": args.suite, "fuzzer": args.fuzzer, "seeds": seeds, "budget": args.budget,
            "after_check_every": args.after_check_every,
            "before": {"root": args.before, "rev": _rev(args.before)}, "after": {"root": args.after, "rev": _rev(args.after)},
+           "repeat": args.repeat, "combine": REPEATS if args.repeat > 1 else None,
            "only_before": only_before, "only_after": only_after, "bugs": bugs, "children": [], "trials": [],
            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     t0 = time.monotonic()
     for i, bug in enumerate(bugs):
-        for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
+        def run_side(side: str, repeat: int, bug=bug) -> list[dict]:
             entry = cats[side][bug]
             job = {"suite": args.suite, "bug": bug, "version": entry.get("version"), "fuzzer": args.fuzzer,
                    "seeds": seeds, "budget": args.budget,
@@ -297,20 +372,26 @@ def main(argv: list[str] | None = None) -> int:
                 results = _child(roots[side], ["run", f.name], _overlay(entry))["results"]
             finally:
                 os.unlink(f.name)
-            doc["children"].append({"bug": bug, "side": side, "load": [round(x, 2) for x in load],
+            doc["children"].append({"bug": bug, "side": side, "repeat": repeat, "load": [round(x, 2) for x in load],
                                     "wall": round(time.monotonic() - c0, 1)})
             for r in results:
-                doc["trials"].append({"side": side, **r})
-                print(f"{bug:60} {side:6} seed {r['seed']}: " + (
+                run = f" run {repeat + 1}" if args.repeat > 1 else ""
+                print(f"{bug:60} {side:6} seed {r['seed']}{run}: " + (
                     f"{r['executions']} execs, {r['seconds']:.2f}s, CPU {r['cpu_to_hit']:.2f}s"
                     if r.get("success") else f"not found ({r.get('note', '')})") + f"  load {load[0]:.2f}",
                     file=sys.stderr, flush=True)
-        if args.out_json:  # rewritten after every bug: an interrupted run keeps what it measured
-            doc["wall_seconds"] = round(time.monotonic() - t0, 1)
-            with open(args.out_json, "w") as f:
-                json.dump(doc, f, indent=1)
+            return results
+
+        try:
+            doc["trials"] += run_bug(bug, i, args.repeat, run_side)
+        except RepeatMismatch as e:
+            doc["mismatch"] = str(e)
+            _write(args.out_json, doc, t0)
+            sys.exit(f"bench_before_after: {e} (a detection change, not noise: the benchmark stops)")
+        _write(args.out_json, doc, t0)  # after every bug: an interrupted run keeps what it measured
     print(f"`{' '.join(['python', 'benchmarks/bench_before_after.py', *(argv or sys.argv[1:])])}`: "
-          f"{args.suite}, fuzzer {args.fuzzer}, seeds 1..{args.seeds}, {args.budget:g} s per trial; "
+          f"{args.suite}, fuzzer {args.fuzzer}, seeds 1..{args.seeds}, {args.budget:g} s per trial"
+          f"{_repeats_note(args.repeat)}; "
           f"before {doc['before']['rev']}, after {doc['after']['rev']}; {(time.monotonic() - t0) / 60:.1f} min\n")
     print("\n".join(table(compare(doc["trials"], bugs))))
     for side, ids in (("before", only_before), ("after", only_after)):

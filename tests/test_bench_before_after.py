@@ -83,3 +83,65 @@ def test_the_table_of_a_partial_json_file_shows_the_bugs_it_holds(ba, tmp_path, 
     out = capsys.readouterr().out
     assert "1 of 2 bugs run" in out and "| x | 1/1 | 1/1 | 3 | 3 | 1.00 | 1.50 | 1.50x | 0.50 | 0.50 | 1.00x |" in out
     assert "not-run" not in out
+
+
+def test_repeats_take_turns_between_the_sides_and_keep_each_trials_minimum(ba):
+    # a fake child: executions fixed per seed, the seconds a function of the run, as a machine's load makes them
+    order = []
+    cpu = {("before", 0): 0.9, ("after", 0): 0.5, ("after", 1): 0.7, ("before", 1): 0.4,
+           ("before", 2): 0.6, ("after", 2): 0.8}
+
+    def run_side(side, r):
+        order.append((side, r))
+        return [{"seed": s, "success": True, "executions": 10 * s, "signature": "sig", "seconds": 2 * cpu[side, r] * s,
+                 "cpu_to_hit": cpu[side, r] * s, "cpu": cpu[side, r] * s + 1} for s in (1, 2)]
+
+    trials = ba.run_bug("x", 0, 3, run_side)
+    assert order == [("before", 0), ("after", 0), ("after", 1), ("before", 1), ("before", 2), ("after", 2)]
+    got = {(t["side"], t["seed"]): t for t in trials}
+    assert {k: (t["cpu_to_hit"], t["seconds"], t["cpu"], t["executions"]) for k, t in got.items()} == {
+        ("before", 1): (0.4, 0.8, 1.4, 10), ("before", 2): (0.8, 1.6, 1.8, 20),
+        ("after", 1): (0.5, 1.0, 1.5, 10), ("after", 2): (1.0, 2.0, 2.0, 20)}
+    assert [r["cpu_to_hit"] for r in got["after", 1]["repeats"]] == [0.5, 0.7, 0.8]  # in the order they ran
+    assert all(t["bug"] == "x" for t in trials)
+    order.clear()
+    ba.run_bug("y", 1, 2, run_side)  # the next bug starts with the other side
+    assert order == [("after", 0), ("before", 0), ("before", 1), ("after", 1)]
+
+
+def test_one_repeat_keeps_the_trials_as_they_came(ba):
+    def run_side(side, r):
+        return [{"seed": 1, "success": True, "executions": 3, "seconds": 1.0, "cpu_to_hit": 0.5, "cpu": 0.6}]
+
+    trials = ba.run_bug("x", 0, 1, run_side)
+    assert [(t["side"], t["cpu_to_hit"]) for t in trials] == [("before", 0.5), ("after", 0.5)]
+    assert "repeats" not in trials[0]
+
+
+def test_a_repeat_that_missed_counts_as_never_and_one_that_hit_elsewhere_stops_the_run(ba):
+    hit = {"bug": "x", "side": "after", "seed": 4, "success": True, "executions": 106, "signature": "s",
+           "seconds": 30.0, "cpu_to_hit": 22.0, "cpu": 23.0}
+    missed = {"bug": "x", "side": "after", "seed": 4, "success": False, "executions": 0, "signature": None,
+              "seconds": None, "cpu_to_hit": None, "cpu": 40.0}
+    t = ba.combine_repeats([missed, hit])
+    assert t["success"] and (t["executions"], t["cpu_to_hit"], t["cpu"]) == (106, 22.0, 23.0)
+    assert [r["success"] for r in t["repeats"]] == [False, True]
+    assert not ba.combine_repeats([missed, missed])["success"]
+    with pytest.raises(ba.RepeatMismatch, match="after seed 4: the repeats disagree"):
+        ba.combine_repeats([hit, dict(hit, executions=107, cpu_to_hit=1.0)])
+    with pytest.raises(ba.RepeatMismatch):
+        ba.combine_repeats([hit, dict(hit, signature="other")])
+
+
+def test_the_repeats_are_positive_and_named_in_the_table_header(ba, tmp_path, capsys):
+    import json
+
+    assert ba.parse_args(["--before", str(tmp_path)]).repeat == 1
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--before", str(tmp_path), "--repeat", "0"])
+    doc = {"suite": "history", "fuzzer": "corpus", "seeds": [1], "budget": 20, "bugs": ["x"], "repeat": 3,
+           "before": {"rev": "aaa"}, "after": {"rev": "bbb"},
+           "trials": [_trial("x", "before", 1, 3, 1.0, 0.5), _trial("x", "after", 1, 3, 1.5, 0.5)]}
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    ba.print_table(str(tmp_path / "run.json"))
+    assert "the minimum of 3 runs per trial" in capsys.readouterr().out
