@@ -401,3 +401,38 @@ def test_a_fuzzer_that_cannot_search_the_bugs_engine_is_named_as_json():
     config = registry.get("sglang").preset("sglang").config()
     with pytest.raises(ValueError, match='^fuzzer "atheris" cannot search a sglang engine$'):
         worker.search_trial(bug, config, "atheris", 0, 1.0)
+
+
+def test_a_trials_work_directory_is_removed_when_an_interrupt_cuts_its_removal(monkeypatch, tmp_path):
+    """A second Ctrl-C while the trial's temporary directory was being removed left it half there
+    (TemporaryDirectory): the worker's trials and the suite's job directories use kvaudit.atomic.scratch_dir,
+    which finishes the removal, then lets the interrupt go on."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from kvaudit.search import fuzzers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    work = []
+
+    def search(config, seconds, seed, stats, run):
+        work.append(run.out_dir)
+        os.makedirs(os.path.join(run.out_dir, "corpus"))
+        raise KeyboardInterrupt
+
+    real, removals = shutil.rmtree, []
+
+    def cut_once(path, *a, **k):
+        removals.append(path)
+        if len(removals) == 1:
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(fuzzers, "_FUZZERS", {**fuzzers._FUZZERS,
+                                              "random": dataclasses.replace(fuzzers._FUZZERS["random"], search=search)})
+    monkeypatch.setattr(shutil, "rmtree", cut_once)
+    bug = next(iter(all_bugs().values()))
+    with pytest.raises(KeyboardInterrupt):
+        worker.search_trial(bug, registry.get("eut").preset("default").config(), "random", 0, 1.0)
+    assert work and work[0].startswith(str(tmp_path)) and os.listdir(tmp_path) == []

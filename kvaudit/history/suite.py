@@ -13,13 +13,13 @@ import os
 import posixpath
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from kvaudit.atomic import scratch_dir
 from kvaudit.history import releases
 from kvaudit.history.catalogue import UNREACHED, all_bugs
 from kvaudit.history.trial import HistoryTrial
@@ -90,7 +90,7 @@ class _Runner:
     def child(self, job: dict, engine: str, version: str, overlay) -> list[dict]:
         """Run one worker job under the release's environment and return its results. Raises
         :class:`SuiteError` when the worker fails (not when stopped: then the results so far)."""
-        with tempfile.TemporaryDirectory(prefix="kvaudit-history-job-") as d:
+        with scratch_dir("kvaudit-history-job-") as d:
             job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
             with open(job_path, "w") as f:
                 json.dump(job, f)

@@ -10,11 +10,11 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict
 
+from kvaudit.atomic import scratch_dir
 from kvaudit.audit import runner
 from kvaudit.config import json_value
 from kvaudit.history.catalogue import all_bugs, target_config
@@ -58,7 +58,7 @@ def search_trial(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryT
     stats = FuzzStats()
     others = NotThisBug(bug)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvaudit-history-") as work:
+    with scratch_dir("kvaudit-history-") as work:
         found = kind.search(config, budget, seed, stats, fuzzers.Search(suppressions=others, out_dir=work))
         trial.others = sorted(others.others)
         hits = [f for f in (found[1] if found else ()) if bug.matches(f)]
