@@ -67,3 +67,20 @@ def plain_env():
            if k not in ("FORCE_COLOR", "CLICOLOR_FORCE", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "NO_COLOR")}
     env["TERM"] = "xterm-256color"
     return env
+
+
+def cut_first_removal(monkeypatch) -> list:
+    """``shutil.rmtree`` raising KeyboardInterrupt on its first call (a second Ctrl-C while a temporary
+    directory is being removed), then removing as usual; returns the paths it was asked to remove."""
+    import shutil
+
+    real, removals = shutil.rmtree, []
+
+    def cut_once(path, *a, **k):
+        removals.append(path)
+        if len(removals) == 1:
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(shutil, "rmtree", cut_once)
+    return removals

@@ -329,9 +329,9 @@ def test_a_bad_max_ops_is_one_line_spelled_as_json(monkeypatch, capsys):
 def test_a_run_without_work_dir_leaves_no_directory_when_an_interrupt_cuts_its_removal(monkeypatch, tmp_path):
     # a second Ctrl-C while the temporary work directory is being removed: the removal is finished, then the
     # interrupt goes on (kvaudit.atomic.scratch_dir); the run's own rmtree(ignore_errors=True) left it half there
-    import shutil
     import tempfile
 
+    from cli_helpers import cut_first_removal
     from kvaudit.search import atheris_fuzz
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -343,16 +343,8 @@ def test_a_run_without_work_dir_leaves_no_directory_when_an_interrupt_cuts_its_r
         os.makedirs(os.path.join(work_dir, "corpus"))
         raise KeyboardInterrupt
 
-    real, removals = shutil.rmtree, []
-
-    def cut_once(path, *a, **k):
-        removals.append(path)
-        if len(removals) == 1:
-            raise KeyboardInterrupt
-        return real(path, *a, **k)
-
     monkeypatch.setattr(atheris_fuzz, "_search", search)
-    monkeypatch.setattr(shutil, "rmtree", cut_once)
+    cut_first_removal(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         atheris_search(None, 1.0, 0, FuzzStats())
     assert work and work[0].startswith(str(tmp_path)) and os.listdir(tmp_path) == []

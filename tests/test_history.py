@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cli_helpers import invoke, one_error_line
+from cli_helpers import cut_first_removal, invoke, one_error_line
 from kvaudit.history import catalogue, releases, suite, worker
 from kvaudit.history.catalogue import BUGS, UNREACHED, HistoryBug, all_bugs, rediscoveries
 from kvaudit.history.trial import HistoryTrial
@@ -408,7 +408,6 @@ def test_a_trials_work_directory_is_removed_when_an_interrupt_cuts_its_removal(m
     (TemporaryDirectory): the worker's trials and the suite's job directories use kvaudit.atomic.scratch_dir,
     which finishes the removal, then lets the interrupt go on."""
     import dataclasses
-    import shutil
     import tempfile
 
     from kvaudit.search import fuzzers
@@ -421,17 +420,9 @@ def test_a_trials_work_directory_is_removed_when_an_interrupt_cuts_its_removal(m
         os.makedirs(os.path.join(run.out_dir, "corpus"))
         raise KeyboardInterrupt
 
-    real, removals = shutil.rmtree, []
-
-    def cut_once(path, *a, **k):
-        removals.append(path)
-        if len(removals) == 1:
-            raise KeyboardInterrupt
-        return real(path, *a, **k)
-
     monkeypatch.setattr(fuzzers, "_FUZZERS", {**fuzzers._FUZZERS,
                                               "random": dataclasses.replace(fuzzers._FUZZERS["random"], search=search)})
-    monkeypatch.setattr(shutil, "rmtree", cut_once)
+    cut_first_removal(monkeypatch)
     bug = next(iter(all_bugs().values()))
     with pytest.raises(KeyboardInterrupt):
         worker.search_trial(bug, registry.get("eut").preset("default").config(), "random", 0, 1.0)
