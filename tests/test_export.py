@@ -466,6 +466,8 @@ def test_a_long_finding_message_is_cut_at_a_word_in_the_title():
                      "(group 1, block(s) 0)..."), title
     f.message = "short"
     assert title_of([f], None) == "stale-kv in block_pool at schedule: short"
+    f.message = "a " + "y" * 100  # one long token: cut inside it, not down to "a..."
+    assert title_of([f], None) == "stale-kv in block_pool at schedule: a " + "y" * 75 + "..."
 
 
 def test_an_unresolved_export_does_not_call_a_client_exact_that_may_need_a_held_request(tmp_path):

@@ -447,3 +447,9 @@ def test_a_stale_kv_clients_result_is_not_checked_rather_than_not_reproduced(sta
     done = run_client(str(tmp_path / "s.py"), stand_in.url)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "RESULT: NOT CHECKED" in done.stdout and "NOT REPRODUCED" not in done.stdout
+    # a planted stale read: the banner and the docstring promise what the script prints, not NOT REPRODUCED
+    planted = os.path.join(ROOT, "corpora", "vllm", "fault-keep-computed-on-preempt.json")
+    r = invoke("export", planted, "--issue", str(tmp_path / "p.md"), "--client", str(tmp_path / "p.py"), "--no-resolve")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert "expected to print `RESULT: NOT CHECKED` against a real server" in (tmp_path / "p.md").read_text()
+    assert "RESULT: NOT CHECKED (exit 3" in (tmp_path / "p.py").read_text().split('"""')[1]

@@ -97,16 +97,34 @@ def _empty(config, seconds, seed, stats, run):
     return [], []
 
 
+def _ints(config, seconds, seed, stats, run):
+    stats.executions += 1
+    return [1, 2], [3]  # its findings were dropped as flaky, exit 0 "no findings"
+
+
+def _exits(config, seconds, seed, stats, run):
+    raise SystemExit(3)
+
+
+def _oserror(config, seconds, seed, stats, run):
+    open("/nonexistent/kvaudit-seeds")
+
+
 def _gives_up(config, seconds, seed, stats, run):
     return None
 
 
 @pytest.mark.parametrize("search, message", [
     (_raises, "fuzzer broken: its search raised ValueError: fuzzer bug"),
-    (_empty, 'fuzzer broken: its search must return None or (program, findings), a program and its findings, got '
-             '"([], [])"'),
+    (_empty, "fuzzer broken: its search must return None or (program, findings): a non-empty list of "
+             "kvaudit.program ops and a non-empty list of Finding, got a tuple of (empty list, empty list)"),
+    (_ints, "fuzzer broken: its search must return None or (program, findings): a non-empty list of "
+            "kvaudit.program ops and a non-empty list of Finding, got a tuple of (list of int, list of int)"),
+    (_exits, "fuzzer broken: its search raised SystemExit: 3"),
+    (_oserror, "fuzzer broken: its search raised FileNotFoundError: [Errno 2] No such file or directory: "
+               "'/nonexistent/kvaudit-seeds'"),
     (_gives_up, "fuzzer broken: its search returned None after 0.0 s of its 2.0 s budget with no program counted in "
-                "stats.executions")], ids=["raises", "empty", "gives-up"])
+                "stats.executions")], ids=["raises", "empty", "ints", "exits", "oserror", "gives-up"])
 def test_a_plugin_fuzzers_mistake_is_one_line_naming_it_exit_2(search, message, monkeypatch, tmp_path):
     """A plugin fuzzer that raised was 'internal error: ValueError: fuzzer bug' (exit 70) with no name; one
     returning ([], []) 'internal error: StopIteration:'; one returning None at once 'the 2.0s search budget

@@ -722,6 +722,9 @@ def test_junit_cases_take_the_runs_seconds_and_a_finding_the_seconds_to_its_hit(
     assert _suite(_junit(data)).find("testcase").get("time") == "3.40"
     data = ReportData.single(config, [], [], {}, {"seconds": 9.0})
     assert _suite(_junit(data)).find("testcase").get("time") == "9.00"
+    # the suite and the file say the run's seconds too (they said time="0")
+    root = ET.fromstring(to_junit([], clean_case="clean", seconds=7.25))
+    assert root.get("time") == "7.25" and root.find("testsuite").get("time") == "7.25"
 
 
 def test_junit_strips_characters_xml_cannot_carry():

@@ -366,7 +366,7 @@ MID_RUN = {"float-units": (FloatRoots, "FloatRoots.roots(): req:r1's units must 
            "list-units": (ListUnitRoots, "ListUnitRoots.roots(): req:r1's units must be a [n] integer numpy array, "
                                          "got list"),
            "past-the-pool": (PastThePoolRoots, 'PastThePoolRoots.roots(): req:r1\'s units of pool "rows" must be in '
-                                               "[0, 47] (its num_units), got 1001 to")}
+                                               "[1, 47] (unit 0 is reserved; 47 its num_units), got 1001 to")}
 
 
 @pytest.mark.parametrize("preset", list(MID_RUN))
@@ -406,6 +406,12 @@ def test_a_kind_whose_config_subclasses_another_kinds_runs_itself():
                                                 make=lambda c: ToyTarget(n=c.n)))
     try:
         assert registry.kind_of(SubToyConfig()) is sub and registry.kind_of(ToyConfig()) is toy
+        # the same class for two kinds: --target loud silently ran toy's target
+        with pytest.raises(registry.TargetDefinitionError, match="^target loud: config_class ToyConfig is target "
+                                                                 "toy's; a kind needs a config class of its own"):
+            registry.register(registry.TargetKind("loud", "toy's config again", ToyConfig, presets=dict,
+                                                  make=lambda c: ToyTarget(n=c.n)))
+        assert "loud" not in registry._KINDS
     finally:
         registry._KINDS.pop("toy"), registry._KINDS.pop("subtoy")
 

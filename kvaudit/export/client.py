@@ -93,7 +93,8 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
         doc += ["PLANTED FAULT, NOT A BUG OF " + api.engine.upper() + ": kvaudit injected it into " + api.engine +
                 "'s own objects", f"to test itself ({planted}).",
                 f"An unmodified {api.engine} server does not have it: against one, this script should print",
-                "RESULT: NOT REPRODUCED. It shows what `kvaudit export` makes of a finding.", ""]
+                ("RESULT: NOT CHECKED (exit 3: a wrong answer is not judged here)" if expect == "output" else
+                 "RESULT: NOT REPRODUCED") + ". It shows what `kvaudit export` makes of a finding.", ""]
     version = api.version if release is None else release
     doc += [f"Reproduces kvaudit's finding in {source} against a real {api.engine} {version} server, "
             f"through its HTTP API only ({how}).", "",

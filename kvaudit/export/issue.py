@@ -56,10 +56,13 @@ def title_of(findings: list[Finding], note: Note | None) -> str:
 
 
 def _clipped(text: str, width: int) -> str:
-    """``text`` cut at the last word boundary within ``width`` characters, with ``...`` when cut."""
+    """``text`` cut at the last word boundary within ``width`` characters (inside a word when that boundary
+    would keep less than half), with ``...`` when cut."""
     if len(text) <= width:
         return text
-    return text[:width - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
+    cut = text[:width - 3]
+    at_word = cut.rsplit(" ", 1)[0].rstrip(" ,;:(")
+    return (at_word if len(at_word) >= width // 2 else cut) + "..."  # (a long unbroken token: cut inside it)
 
 
 # a client call's kind -> the op whose HTTP call it makes
@@ -106,6 +109,11 @@ def _environment(ex, config, version: str, launch: str, env: list[str], unmapped
                    (f" and found the same in {release[0]}'s own sources ({', '.join(f'`{f}`' for f in checked)})."
                     if checked else f"; {release[0]}'s were not checked."))
     return out + words.server_notes(config)
+
+
+def _unjudged(findings: list[Finding]) -> bool:
+    """Whether the client cannot judge the finding's symptom (a wrong answer: ``expect == "output"``)."""
+    return bool(findings) and lookup(findings[0].kind).expect == "output"
 
 
 def _reproduce(ex, plan: Plan, note: Note | None, client_name: str | None, version: str,
@@ -172,8 +180,8 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
     if planted is not None:
         out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "
                 f"own objects through its wrappers to test itself ({planted}). An unmodified {api.engine} "
-                f"{api.version} does not have it, and the client script below is expected to print `RESULT: NOT "
-                "REPRODUCED` against a real server. The report is a demonstration of `kvaudit export` on a "
+                f"{api.version} does not have it, and the client script below is expected to print "
+                f"`RESULT: {'NOT CHECKED' if _unjudged(findings) else 'NOT REPRODUCED'}` against a real server. The report is a demonstration of `kvaudit export` on a "
                 f"{api.engine} finding; do not file it.", ""]
     version = api.version if release is None else release[0]
     found_on = (f"in {api.engine} {api.version}" if release is None else
@@ -195,8 +203,7 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
             "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
             "taken modulo the live requests or open sessions" + words.program_note + "):", "", "```"]
     out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
-    judged = not findings or lookup(findings[0].kind).expect != "output"
-    out += _reproduce(ex, plan, note, client_name, version, expected, judged)
+    out += _reproduce(ex, plan, note, client_name, version, expected, not _unjudged(findings))
     out += ["", "## kvaudit report", "",
             f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
             f"frames under `kvaudit/` are kvaudit's driver, which calls {api.engine}'s functions in the "

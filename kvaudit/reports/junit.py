@@ -71,7 +71,7 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
     it); ``recorded``: a signature -> the engine release its finding was recorded on
     (:func:`~kvaudit.reports.sarif.engine_of`). A case's ``time``: ``seconds`` (the run's), for a finding
-    ``found_after`` (the seconds the search took to hit it) when known."""
+    ``found_after`` (the seconds the search took to hit it) when known; the suite's, ``seconds``."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -88,8 +88,8 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time=f"{seconds:.2f}"))
 
     counts = {"tests": str(len(cases)), "failures": str(len(groups)), "errors": "0"}
-    root = ET.Element("testsuites", name=xml_text(suite_name), **counts, time="0")
-    suite = ET.SubElement(root, "testsuite", name=xml_text(suite_name), **counts, skipped="0", time="0")
+    root = ET.Element("testsuites", name=xml_text(suite_name), **counts, time=f"{seconds:.2f}")
+    suite = ET.SubElement(root, "testsuite", name=xml_text(suite_name), **counts, skipped="0", time=f"{seconds:.2f}")
     if config is not None:
         props = ET.SubElement(suite, "properties")
         d = config.to_dict()

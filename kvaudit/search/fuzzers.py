@@ -5,6 +5,7 @@ at the bottom. Design notes: docs/internals/search.md.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -105,12 +106,15 @@ def _checked_search(name: str, search: Callable) -> Callable:
         t0 = time.monotonic()
         try:
             got = search(config, seconds, seed, stats, run)
-        except (FuzzerUnavailable, FuzzerDefinitionError, targets.TargetDefinitionError, OSError):
+        except (FuzzerUnavailable, FuzzerDefinitionError, targets.TargetDefinitionError):
             raise
-        except Exception as e:  # noqa: BLE001 -- named as the plugin's, one line
-            if os.environ.get("KVAUDIT_DEBUG"):
-                raise
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- named as the plugin's, one line
+            if os.environ.get("KVAUDIT_DEBUG") or getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+                raise  # (a full disk is exit 74, whoever wrote)
             raise FuzzerDefinitionError(f"fuzzer {name}: its search raised {type(e).__name__}: {e}") from e
+        from kvaudit.audit.findings import Finding  # (here: the CLI imports this module before any engine)
+        from kvaudit.program import Op
+
         if got is None:
             spent = time.monotonic() - t0
             if stats.executions == 0 and spent < seconds:
@@ -118,12 +122,27 @@ def _checked_search(name: str, search: Callable) -> Callable:
                                             f"{seconds:.1f} s budget with no program counted in stats.executions")
             return None
         if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], list) and got[0]
-                and isinstance(got[1], list) and got[1]):
-            raise FuzzerDefinitionError(f"fuzzer {name}: its search must return None or (program, findings), a "
-                                        f"program and its findings, got {json_value(repr(got), 60)}")
+                and isinstance(got[1], list) and got[1] and all(isinstance(op, Op) for op in got[0])
+                and all(isinstance(f, Finding) for f in got[1])):
+            raise FuzzerDefinitionError(f"fuzzer {name}: its search must return None or (program, findings): a "
+                                        f"non-empty list of kvaudit.program ops and a non-empty list of Finding, got "
+                                        f"{_shape(got)}")
         return got
 
     return checked
+
+
+def _shape(value) -> str:
+    """What a value is, for an error: its type, and a pair's or list's element types (``a tuple of (list of
+    int, list of Finding)``)."""
+    def inner(v):
+        if isinstance(v, (list, tuple)):
+            kinds = sorted({type(x).__name__ for x in v})
+            return f"{type(v).__name__} of {' and '.join(kinds)}" if kinds else f"empty {type(v).__name__}"
+        return type(v).__name__
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return f"a {type(value).__name__} of ({inner(value[0])}, {inner(value[1])})"
+    return f"a {inner(value)}"
 
 
 def kinds() -> dict[str, FuzzerKind]:

@@ -476,7 +476,7 @@ def check_target(target, kind: str) -> None:
 def check_roots_always(target, kind: str) -> None:
     """For a kind that is not built in (a plugin): check every ``roots()`` the run reads, not only the
     fresh engine's (which holds no request, so :func:`check_target` sees an empty list): each a
-    :class:`Root` with ``[n]`` integer numpy ``units`` in ``[0, num_units]`` of its declared pool. A
+    :class:`Root` with ``[n]`` integer numpy ``units`` in ``[1, num_units]`` of its declared pool (0 is reserved). A
     mistake met mid-run raises :class:`kvaudit.targets.registry.TargetDefinitionError` naming ``kind``,
     instead of an ``IndexError`` in the audit's sweep reported as the engine's crash. Replaces the
     instance's ``roots`` (the built-in kinds, checked by their tests, skip the cost)."""
@@ -495,10 +495,10 @@ def check_roots_always(target, kind: str) -> None:
                 raise TargetDefinitionError(
                     f"target {kind}: {name}.roots(): {r.owner}'s units must be a [n] integer numpy array, got "
                     f"{type(u).__name__}" + (f" of {u.dtype}, shape {u.shape}" if isinstance(u, np.ndarray) else ""))
-            if top is not None and u.size and (u.min() < 0 or u.max() > top):
+            if top is not None and u.size and (u.min() < 1 or u.max() > top):
                 raise TargetDefinitionError(
-                    f"target {kind}: {name}.roots(): {r.owner}'s units of pool {json_value(r.pool)} must be in [0, {top}] "
-                    f"(its num_units), got {int(u.min())} to {int(u.max())}")
+                    f"target {kind}: {name}.roots(): {r.owner}'s units of pool {json_value(r.pool)} must be in [1, {top}] "
+                    f"(unit 0 is reserved; {top} its num_units), got {int(u.min())} to {int(u.max())}")
         return got
 
     target.roots = roots

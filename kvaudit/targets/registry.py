@@ -242,6 +242,10 @@ def register(kind: TargetKind) -> TargetKind:
     :class:`TargetDefinitionError` for a kind :func:`check_kind` refuses (a plugin module that
     registers one fails to load)."""
     check_kind(kind)
+    owner = next((k.name for k in _KINDS.values() if k.config_class is kind.config_class and k.name != kind.name), None)
+    if owner is not None:  # a config names its kind by its class: --target would run the other one's target
+        raise TargetDefinitionError(f"target {kind.name}: config_class {kind.config_class.__name__} is target "
+                                    f"{owner}'s; a kind needs a config class of its own (a subclass will do)")
     _KINDS[kind.name] = kind
     # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
     _origins[kind.name] = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
