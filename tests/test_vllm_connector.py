@@ -356,6 +356,7 @@ def test_push_mode_loads_complete_and_a_failed_push_is_never_reported():
     assert failed.signatures == ["hang/-/idle/waiting:waiting-for-remote-kvs"]
 
 
+@pytest.mark.vllm
 def test_a_clean_connector_fuzz_run_counts_the_loads_and_sends_done(tmp_path):
     """vllm-kv-connector exists to reach remote KV loads and sends: its clean runs' ``reached:`` line named
     only failures, held frees and preemptions."""
