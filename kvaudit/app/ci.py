@@ -38,10 +38,10 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     kind = registry.get(target)  # --target's TargetChoice checked the name
     preset_names = presets_arg("--presets", presets_value, target)
     sset = load_suppressions(suppress_file)
-    given, regressions_dir = regressions_dir, _regressions_dir(regressions_dir, kind)
+    regressions_dir = _regressions_dir(regressions_dir, kind)
     files = ci.regression_files(regressions_dir) if regressions_dir is not None else []
     if not files and budget.seconds <= 0:  # a wrong path in a CI job went green having checked nothing
-        raise InputError(f"--regressions {given or regressions_dir or '(none for this target)'}: no replay file "
+        raise InputError(f"--regressions {regressions_dir or '(none for this target)'}: no replay file "
                          "(*.json) in it, and --max-time 0 fuzzes nothing: the job would check nothing")
     per_preset = budget.seconds / len(preset_names) if budget.seconds > 0 else 0.0
     if per_preset > 0:  # (--max-time 0 replays the regressions only: no directory is made or written)

@@ -55,15 +55,15 @@ def status_table(status: dict, campaign: str):
 def status_lines(status: dict, campaign: str) -> list[str]:
     """:func:`status_table` as plain ``key=value`` lines (for CI logs); the campaign's name as typed (one word:
     ``check_campaign_name``), the coverage spelled as JSON."""
-    out, name = [], campaign
+    out = []
     for row in _rows(status):
         if row["state"] == "gone":
-            out.append(f"campaign {name}: worker={row['worker']} state=gone")
+            out.append(f"campaign {campaign}: worker={row['worker']} state=gone")
             continue
-        out.append(f"campaign {name}: worker={row['worker']} state={row['state']} fuzzer={row['fuzzer']} "
+        out.append(f"campaign {campaign}: worker={row['worker']} state={row['state']} fuzzer={row['fuzzer']} "
                    f"executions={row['executions']} exec/s={row['exec/s']:.1f} new={row['new']} dup={row['dup']} "
                    f"flaky={row['flaky']} heartbeat={row['heartbeat']:.0f}s coverage={json_value(row['coverage'])}")
-    out.append(f"campaign {name}: findings={len(status['findings'])} known={len(status['known'])} "
+    out.append(f"campaign {campaign}: findings={len(status['findings'])} known={len(status['known'])} "
                f"triaging={len(status['pending'])} flaky={len(status['flaky'])} "
                f"duplicates={sum(status['duplicates'].values())} programs={status['programs']}")
     return out

@@ -462,10 +462,9 @@ def check_target(target, kind: str) -> None:
     for r in roots:
         if r.pool not in names:
             bad(f"{cls.__name__}.roots(): a root of {r.owner} names pool {json_value(r.pool)}, which pools() does not declare")
-        if not (isinstance(r.units, np.ndarray) and r.units.ndim == 1 and r.units.dtype.kind in "iu"):
-            bad(f"{cls.__name__}.roots(): {r.owner}'s units must be a [n] integer numpy array, got "
-                f"{type(r.units).__name__}" + (f" of {r.units.dtype}, shape {r.units.shape}"
-                                               if isinstance(r.units, np.ndarray) else ""))
+        wrong = _units_problem(cls.__name__, r)
+        if wrong:
+            bad(wrong)
     if not isinstance(acc, dict) or not all(p in names and isinstance(a, Accounting) for p, a in acc.items()):
         bad(f"{cls.__name__}.accounting() must return {{declared pool: Accounting}}, got {acc!r:.80}")
     if not isinstance(verdict, list) or not all(isinstance(x, str) for x in verdict):
@@ -490,18 +489,25 @@ def check_roots_always(target, kind: str) -> None:
         if not isinstance(got, (list, tuple)) or not all(isinstance(r, Root) for r in got):
             raise TargetDefinitionError(f"target {kind}: {name}.roots() must return a list of Root, got {got!r:.80}")
         for r in got:
-            u, top = r.units, sizes.get(r.pool)
-            if not (isinstance(u, np.ndarray) and u.ndim == 1 and u.dtype.kind in "iu"):
-                raise TargetDefinitionError(
-                    f"target {kind}: {name}.roots(): {r.owner}'s units must be a [n] integer numpy array, got "
-                    f"{type(u).__name__}" + (f" of {u.dtype}, shape {u.shape}" if isinstance(u, np.ndarray) else ""))
-            if top is not None and u.size and (u.min() < 1 or u.max() > top):
-                raise TargetDefinitionError(
-                    f"target {kind}: {name}.roots(): {r.owner}'s units of pool {json_value(r.pool)} must be in [1, {top}] "
-                    f"(unit 0 is reserved; {top} its num_units), got {int(u.min())} to {int(u.max())}")
+            wrong = _units_problem(name, r, sizes.get(r.pool))
+            if wrong:
+                raise TargetDefinitionError(f"target {kind}: {wrong}")
         return got
 
     target.roots = roots
+
+
+def _units_problem(cls_name: str, root: Root, top: int | None = None) -> str | None:
+    """What is wrong with ``root.units`` (of a target of class ``cls_name``): not a ``[n]`` integer numpy
+    array, or, with ``top`` (the pool's ``num_units``), a unit outside ``[1, top]``; None when nothing."""
+    u = root.units
+    if not (isinstance(u, np.ndarray) and u.ndim == 1 and u.dtype.kind in "iu"):
+        return (f"{cls_name}.roots(): {root.owner}'s units must be a [n] integer numpy array, got {type(u).__name__}"
+                + (f" of {u.dtype}, shape {u.shape}" if isinstance(u, np.ndarray) else ""))
+    if top is not None and u.size and (u.min() < 1 or u.max() > top):
+        return (f"{cls_name}.roots(): {root.owner}'s units of pool {json_value(root.pool)} must be in [1, {top}] "
+                f"(unit 0 is reserved; {top} its num_units), got {int(u.min())} to {int(u.max())}")
+    return None
 
 
 def kv_length_problems(reqs) -> list[str]:
