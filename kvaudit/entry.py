@@ -22,6 +22,7 @@ _HEAVY_MODULES = ("kvaudit.search.fuzz", "kvaudit.reports.report")  # and the de
 def main() -> None:
     started = time.monotonic()
     hit = []
+    sys.stdout, sys.stderr = ReaderGone.around(sys.stdout), ReaderGone.around(sys.stderr)
 
     def on_sigint(signum, frame):
         hit.append(signum)
@@ -57,6 +58,41 @@ def main() -> None:
     except SystemExit as e:
         _exit(e)
         raise
+
+
+class ReaderGone:
+    """``sys.stdout`` / ``sys.stderr`` that outlive their reader (``kvaudit ci ... | head -1``): at the first
+    ``BrokenPipeError`` the stream's file descriptor is pointed at ``/dev/null`` and the write goes there, so the
+    run goes on, writes the reports it was asked for and exits with its own code (click's own handling exits 1
+    silently from wherever the print was). Everything else is the wrapped stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    @classmethod
+    def around(cls, stream):
+        return stream if stream is None or isinstance(stream, cls) else cls(stream)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _retry(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+            return call(*args)  # (what the pipe did not take goes to /dev/null with it)
+
+    def write(self, text):
+        return self._retry(self._stream.write, text)
+
+    def writelines(self, lines):
+        return self._retry(self._stream.writelines, lines)
+
+    def flush(self):
+        return self._retry(self._stream.flush)
 
 
 def one_torch_thread() -> None:

@@ -154,3 +154,33 @@ def test_an_engine_command_runs_torch_on_one_thread_unless_the_user_chose(monkey
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2"},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "threads 2" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def _closed_early(args, cwd):
+    """Run ``kvaudit ARGS`` with its stdout a pipe whose reader has already left (``| head -0``; every write
+    meets EPIPE, whatever the timing): ``(returncode, stderr)``."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvaudit", *args], cwd=cwd, env=env, stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("args", [["bugs"], ["presets"]], ids=" ".join)
+def test_a_reader_that_leaves_early_changes_no_exit_code(args, tmp_path):
+    """`kvaudit bugs | head -0`: exit 0 as documented, nothing on stderr (click's own handling of the broken
+    pipe exited 1, silently)."""
+    code, err = _closed_early(args, tmp_path)
+    assert (code, err) == (0, ""), err[-1000:]
+
+
+def test_a_reader_that_leaves_early_still_gets_the_reports_written(tmp_path):
+    """`kvaudit replay F --junit j.xml | head -0`: the JUnit file is written and the exit status is the
+    replay's (1: the finding reproduced); it was exit 1 with no file."""
+    code, err = _closed_early(["replay", REGRESSION, "--junit", str(tmp_path / "j.xml")], tmp_path)
+    assert code == 1 and "Traceback" not in err, err[-1000:]
+    assert "<testsuite" in (tmp_path / "j.xml").read_text()
