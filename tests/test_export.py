@@ -395,6 +395,25 @@ def test_without_the_target_handles_are_resolved_statically(tmp_path):
     assert "## How sure we are" in (tmp_path / "c.md").read_text()
 
 
+@pytest.mark.parametrize("bug", ["skip-release", "lock-leak"])
+def test_a_finding_of_a_planted_sglang_fault_is_exported_as_one_not_as_an_sglang_bug(tmp_path, bug):
+    """A replay file recorded with ``--bug`` (an injected fault): the issue's title and banner and the client's
+    docstring say it is planted, naming the fault as ``kvaudit bugs`` describes it (the SGLang export said
+    "Found by kvaudit ... in SGLang 0.5.23" with no word of the fault, the tester's defect 1)."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "sglang", "crash-a1-checkpoint-into-tree-after-abort.json")))
+    doc["config"]["bugs"] = [bug]
+    src = tmp_path / "planted.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--client", str(tmp_path / "c.py"), "--issue", str(tmp_path / "c.md"),
+               "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue = (tmp_path / "c.md").read_text()
+    assert issue.startswith("# [planted fault, not a SGLang bug]"), issue[:200]
+    assert "This is a planted fault, not a bug of SGLang" in issue.split("## Environment")[0]
+    assert f"--bug {bug}: " in issue
+    assert "PLANTED FAULT, NOT A BUG OF SGLANG" in (tmp_path / "c.py").read_text().split('"""')[1]
+
+
 @pytest.mark.parametrize("recorded", ["0.5.10.post1", "0.5.23", None])
 def test_a_file_recorded_on_another_release_is_exported_as_that_release(tmp_path, recorded):
     """A replay file's ``engine_version`` other than the release the HTTP table was read on (0.5.23) is the

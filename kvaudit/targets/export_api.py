@@ -94,6 +94,16 @@ class IssueParts:
     call_text: Callable[[object], str | None] = _none
 
 
+def planted_faults(faults: Mapping[str, tuple[str, str]]) -> Callable[[object], str | None]:
+    """An :attr:`EngineExport.planted` for a kind whose ``bugs`` are faults it injects (every name a
+    real engine's config takes): ``--bug NAME: what it does`` per name (``faults[name][1]``, as ``kvaudit
+    bugs`` lists it), or None when the config names none (a finding in the engine as shipped)."""
+    def planted(config) -> str | None:
+        bugs = sorted(getattr(config, "bugs", ()) or ())
+        return "; ".join(f"--bug {b}: {faults[b][1]}" if b in faults else f"--bug {b}" for b in bugs) or None
+    return planted
+
+
 def launch_line(command: str, flag_line: Callable) -> Callable:
     """An :attr:`EngineExport.launch`: ``(command flags..., env, unmapped)`` from ``flag_line(config)``'s
     ``(flags, env, unmapped)``."""
@@ -123,7 +133,8 @@ class EngineExport:
 
     Optional: ``launch_env(config, program, finding_kind, env)`` the launch's environment for this
     program and finding (default: ``env``); ``planted(config)`` the injected faults ``config`` names,
-    described as ``kvaudit bugs`` lists them, or None (a finding in the engine as shipped);
+    described as ``kvaudit bugs`` lists them, or None (a finding in the engine as shipped; the default,
+    :func:`planted_faults` without descriptions: any name in ``bugs`` is planted);
     ``client_sizes(config)`` ``(pool_blocks, max_model_len)`` the script checks against (None: not
     used); ``batch_submits``: submits of one scheduler intake with the same session go in one request
     (else one streaming request per submit, ``same_step_note`` saying what a client cannot promise
@@ -145,7 +156,7 @@ class EngineExport:
     launch: Callable[[object], tuple[str, list[str], list[str]]]
     expected_pool: str
     launch_env: Callable = _keep_env
-    planted: Callable[[object], str | None] = _none
+    planted: Callable[[object], str | None] = planted_faults({})
     client_sizes: Callable[[object], tuple[int | None, int | None]] = _no_sizes
     batch_submits: bool = False
     same_step_note: str = ""

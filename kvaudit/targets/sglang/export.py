@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 
-from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line
+from kvaudit.targets.export_api import (ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line,
+                                        planted_faults)
+from kvaudit.targets.sglang.config import FAULTS
 
 STRICT_IDLE_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1"  # the idle memory check raises, not warns
 # MODEL in the launch lines: any model whose vocabulary has the token ids 2..127 (every real one does)
@@ -296,5 +298,5 @@ EXPORT = EngineExport(
     launch=launch_line("python -m sglang.launch_server --model-path MODEL", flag_line), launch_env=launch_env,
     expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
                   "is below its value before the program, or kv_used_tokens > 0), or the server fails",
-    batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views,
+    batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views, planted=planted_faults(FAULTS),
 )

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 
-from kvaudit.targets.export_api import ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line
+from kvaudit.targets.export_api import (ApiCall, ClientParts, EngineApi, EngineExport, IssueParts, launch_line,
+                                        planted_faults)
 from kvaudit.targets.vllm.config import FAULTS, NIXL
 
 API = EngineApi(
@@ -330,13 +331,6 @@ def pool_findings(before, after, flushed):
     return seen
 '''
 
-def planted_fault(config) -> str | None:
-    """The injected faults of a vLLM ``config`` (its ``bugs``), described as ``kvaudit bugs`` lists
-    them, or None when it names none (a finding in vLLM as shipped)."""
-    bugs = sorted(getattr(config, "bugs", ()) or ())
-    return "; ".join(f"--bug {b}: {FAULTS[b][1]}" if b in FAULTS else f"--bug {b}" for b in bugs) or None
-
-
 def remote_of(config, n: int) -> str | None:
     """Which side of a P/D pair the ``n``-th submit (from 0) is on (:func:`kvaudit.targets.vllm.connector.
     transfer_params`): ``"prefill"``, ``"decode"``, or None (also for any connector but NIXL's)."""
@@ -395,7 +389,7 @@ EXPORT = EngineExport(
                  "driver, which calls them as vLLM's engine core does with synthetic model outputs",
         server_notes=_server_notes, call_text=_call_text,
         program_note="; `abort(handle=None)` aborts every request the Scheduler holds"),
-    launch=launch_line("vllm serve MODEL", vllm_flag_line), planted=planted_fault,
+    launch=launch_line("vllm serve MODEL", vllm_flag_line), planted=planted_faults(FAULTS),
     client_sizes=lambda c: (c.num_gpu_blocks - 1, c.max_model_len),
     expected_pool="the pool does not come back (with every stream ended and nothing running, kv_cache_usage_perc > 0 "
                   "or /reset_prefix_cache answers success=false), or the server fails",
