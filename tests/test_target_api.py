@@ -287,6 +287,11 @@ class BlocksWithoutInstall(rowtoy_plugin.RowToyTarget):
         return [PoolSpec("rows", self.engine.pool, "blocks", 1, self.config.size - 1)]
 
 
+class TwoRows(rowtoy_plugin.RowToyTarget):
+    def pools(self):
+        return [PoolSpec("rows", self.engine.pool, "rows", 1, self.config.size - 1)] * 2
+
+
 class NoEngineCheck(rowtoy_plugin.RowToyTarget):
     engine_check = Target.engine_check  # as if the author never wrote it
 
@@ -303,6 +308,9 @@ BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but it
        "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
                                                         "wrapping: BlocksWithoutInstall.install_pool must call "
                                                         "auditor.wrap_blocks"),
+       # (the names spelled as JSON: it said got ['rows', 'rows'])
+       "pool-named-twice": (TwoRows, 'TwoRows.pools() must name each pool once with a non-empty string, got ["rows", '
+                                     '"rows"]'),
        "no-engine-check": (NoEngineCheck, "NoEngineCheck does not define engine_check(), required of every target"),
        "undeclared-root-pool": (ListRoots, 'a root of req:r1 names pool "rowz", which its pools() does not declare')}
 

@@ -16,6 +16,7 @@ from kvaudit.audit.findings import KINDS, Finding, Site, installed, portable_pat
 from kvaudit.audit.kinds import lookup
 from kvaudit.audit.frames import (WINDOWS_ABS, Frame, RecordedEngine, engine_path, frame_release, norm_path as _norm,
                                   resolve)
+from kvaudit.config import json_value
 from kvaudit.reports.ci_outputs import sarif_log
 from kvaudit.targets import EngineSource, engine_source
 from kvaudit.targets.registry import UnknownTargetError, get, kind_of
@@ -393,7 +394,7 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
         state = (baseline or {}).get(f.signature)
         if state is not None:
             if state not in BASELINE_STATES:
-                raise ValueError(f"baselineState {state!r} (valid: {', '.join(BASELINE_STATES)})")
+                raise ValueError(f"baselineState {json_value(state)} (valid: {', '.join(BASELINE_STATES)})")
             r["baselineState"] = state
         results.append(r)
     run: dict = {}
