@@ -711,3 +711,18 @@ def test_an_empty_fuzzer_list_and_a_nan_watch_are_refused(args, message):
     r = invoke(*args)
     assert r.exit_code == 2, r.output + r.stderr
     assert message in one_error_line(r)
+
+
+def test_a_fuzzer_or_bug_named_twice_runs_once_with_a_warning(tmp_path):
+    """`bench --fuzzers random,random` ran random once without a word (the tester read it as accepted twice):
+    a name given twice is kept once, as every name list keeps its first, and the warning says so."""
+    r = invoke("bench", "--fuzzers", "random,random", "--bugs", "hisparse-prebuilt-skip-finish,hisparse-prebuilt-skip-finish",
+               "--trials", "1", "--budget", "0.2", "--fp-seconds", "0", "--overhead-presets", "none",
+               "--out", str(tmp_path / "b.md"), "--json", str(tmp_path / "b.json"))
+    assert r.exit_code == 0, r.output + r.stderr
+    assert r.stderr.splitlines()[:3] == ['warning: --fuzzers names "random" more than once; each runs once',
+                                         'warning: --bugs names "hisparse-prebuilt-skip-finish" more than once; each runs once',
+                                         "kvaudit bench: 1 bug(s) x 1 fuzzer(s) x 1 trial(s), budget 0.2s each"]
+    assert json.loads((tmp_path / "b.json").read_text())["settings"]["fuzzers"] == ["random"]
+    quiet = invoke("bench", "--fuzzers", "random", "--bugs", "nope")
+    assert "warning:" not in quiet.stderr
