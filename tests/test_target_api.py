@@ -424,6 +424,29 @@ def test_a_kind_whose_config_subclasses_another_kinds_runs_itself():
         registry._KINDS.pop("toy"), registry._KINDS.pop("subtoy")
 
 
+def test_kind_of_sees_a_kind_registered_or_removed_after_its_map_was_built():
+    """kind_of builds its map of config classes once (it was built on every call): a kind registered
+    after a call, a nearer subclass's included, or removed, is seen at the next call."""
+    toy = registry.register(registry.TargetKind("toy", "a toy", ToyConfig, presets=dict,
+                                                make=lambda c: ToyTarget(n=c.n)))
+    try:
+        assert registry.kind_of(SubToyConfig()) is toy  # (no subtoy yet: the nearest registered class)
+        sub = registry.register(registry.TargetKind("subtoy", "a toy's subclass", SubToyConfig, presets=dict,
+                                                    make=lambda c: ToyTarget(n=c.n)))
+        assert registry.kind_of(SubToyConfig()) is sub and registry.kind_of(ToyConfig()) is toy
+        registry._KINDS.pop("subtoy")
+        assert registry.kind_of(SubToyConfig()) is toy
+        again = registry.register(registry.TargetKind("toy", "a reloaded toy", SubToyConfig, presets=dict,
+                                                      make=lambda c: ToyTarget(n=c.n)))  # (as many kinds as before)
+        assert registry.kind_of(SubToyConfig()) is again
+        with pytest.raises(registry.UnknownTargetError, match="no registered target takes a ToyConfig"):
+            registry.kind_of(ToyConfig())
+    finally:
+        registry._KINDS.pop("toy"), registry._KINDS.pop("subtoy", None)
+    with pytest.raises(registry.UnknownTargetError, match="no registered target takes a SubToyConfig"):
+        registry.kind_of(SubToyConfig())
+
+
 def test_make_target_checks_every_kind_and_the_built_ins_pass():
     for name in ("eut", "vllm"):
         kind = registry.get(name)
