@@ -428,8 +428,8 @@ def campaign_status_cmd(db_url, campaign_name, watch, as_json):
 @click.argument("directory", type=click.Path(file_okay=False))
 def campaign_pull_cmd(db_url, campaign_name, directory):
     """Write the campaign's replay files into DIRECTORY/findings/ and its corpus programs into
-    DIRECTORY/programs/, for 'kvaudit replay' and the reports. Exit 0, 2 on bad input, 69 when
-    Redis cannot be reached."""
+    DIRECTORY/programs/, for 'kvaudit replay' and the reports. Exit 0, 2 on bad input (a campaign no
+    worker ever joined included), 69 when Redis cannot be reached."""
     from kvaudit.app import fleet
 
     return fleet.pull(db_url, campaign_name, directory)

@@ -4,20 +4,20 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 
 def json_value(v, limit: int | None = None) -> str:
     """``v`` spelled as a user who wrote the config in JSON or TOML wrote it (``true``, ``null``, ``"x"``,
-    ``[1, 2]``), for the ``got ...`` of a config error; ``repr`` for what JSON cannot hold. A spelling
-    longer than ``limit`` characters (at least 8) is cut to ``limit``: a string inside its quotes, so that
-    it still reads as one (``"xxxx..."``), anything else at its end (``[1, 2, ...``)."""
-    try:
-        s = json.dumps(v)
-    except (TypeError, ValueError):
-        s = repr(v)
+    ``[1, 2]``), for the ``got ...`` of a config error; what JSON has no spelling for as TOML spells it
+    (``nan``, ``-inf``, a date ``2024-01-01``), ``repr`` for the rest. A spelling longer than ``limit``
+    characters (at least 8) is cut to ``limit``: a string inside its quotes, so that it still reads as one
+    (``"xxxx..."``), anything else at its end (``[1, 2, ...``)."""
+    s = _spelled(v)
     if limit is None or len(s) <= limit:
         return s
     if not isinstance(v, str):
@@ -31,6 +31,19 @@ def json_value(v, limit: int | None = None) -> str:
         inner.append(e)
         room -= len(e)
     return '"' + "".join(inner) + '..."'
+
+
+def _spelled(v) -> str:
+    if isinstance(v, float) and not math.isfinite(v):  # (json.dumps writes NaN, which JSON does not have)
+        return "nan" if math.isnan(v) else "inf" if v > 0 else "-inf"
+    if isinstance(v, (datetime.date, datetime.time)):  # a TOML date, time or date-time, as written
+        return v.isoformat()
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(map(_spelled, v)) + "]"
+    try:
+        return json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(v)
 
 
 class UnknownPresetError(ValueError):

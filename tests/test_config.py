@@ -45,6 +45,16 @@ def test_json_value_falls_back_to_repr_for_what_json_cannot_hold():
     assert json_value({1, 2}) == repr({1, 2})
 
 
+def test_json_value_spells_what_json_cannot_as_toml_does():
+    """A TOML date said ``got datetime.date(2024, 1, 1)`` and nan ``NaN`` (json.dumps' word, not JSON's)."""
+    import datetime
+
+    values = (datetime.date(2024, 1, 1), datetime.datetime(2024, 1, 1, 7, 32), datetime.time(7, 32),
+              float("nan"), float("inf"), -float("inf"), ["a", float("nan")], ("rows", "rows"))
+    assert [json_value(v) for v in values] == ["2024-01-01", "2024-01-01T07:32:00", "07:32:00", "nan", "inf", "-inf",
+                                               '["a", nan]', '["rows", "rows"]']
+
+
 def test_json_value_cuts_a_long_spelling_inside_its_quotes():
     """``json_value(x)[:60]`` cut off a long string's closing quote; the limit cuts its inside instead and
     never splits an escape."""

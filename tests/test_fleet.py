@@ -183,6 +183,7 @@ def test_the_campaign_name_is_printed_as_typed_in_the_fuzz_banner_the_pull_line_
     name = "café-[b]ü"
     r = redis_server.client()
     r.hset(f"kvaudit:{name}:findings", "leak/x", json.dumps(_doc()))
+    r.sadd(f"kvaudit:{name}:workers", "host/1/0")  # (pull refuses a campaign no worker joined)
     pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", name, str(tmp_path / "pulled")])
     assert pull.exit_code == 0 and f"pulled campaign {name}: 1 new replay file(s)" in pull.output, pull.output
     run = invoke(*["fuzz", *HISPARSE, "--fuzzer", "random", "--db", redis_server.url, "--campaign", name,
@@ -354,6 +355,17 @@ def test_status_of_a_campaign_no_worker_ever_joined_is_one_line_naming_the_ones_
                   ).exit_code == 2
     ok = invoke(*["campaign", "status", "--db", redis_server.url, "--campaign", "nightly/default"])
     assert ok.exit_code == 0 and "state=gone" in ok.output, ok.output
+
+
+def test_pull_of_a_campaign_no_worker_ever_joined_is_refused_as_status_refuses_it(redis_server, tmp_path):
+    """`campaign pull --campaign typo` pulled 0 files with exit 0 (and made DIR/findings/) where status refused."""
+    redis_server.client().sadd("kvaudit:nightly/default:workers", "host/1/0")
+    typo = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "nightly/defualt", str(tmp_path / "d")])
+    assert typo.exit_code == 2, typo.output
+    assert one_error_line(typo).startswith('kvaudit: error: --campaign "nightly/defualt": no worker ever joined it in "redis://')
+    assert 'campaigns there: "nightly/default"' in typo.output and not (tmp_path / "d").exists()
+    ok = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "nightly/default", str(tmp_path / "d")])
+    assert ok.exit_code == 0 and "pulled campaign nightly/default: 0 new replay file(s)" in ok.output, ok.output
 
 
 @pytest.mark.slow  # an end-to-end campaign of several processes: 10-15 s

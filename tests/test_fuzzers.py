@@ -79,7 +79,8 @@ def test_a_fuzzer_that_takes_some_targets_names_the_others():
 
 
 @pytest.mark.parametrize("bad, why", [
-    (dict(name="a b"), "letters, digits"), (dict(summary="two\nlines"), "one line"), (dict(search=None), "search")])
+    (dict(name="a b"), 'letters, digits.*got "a b"$'), (dict(summary="two\nlines"), r'one line of text, got "two\\nlines"$'),
+    (dict(search=None), "search must be callable, got null$")])
 def test_register_refuses_a_kind_that_breaks_the_interface(bad, why, monkeypatch):
     monkeypatch.setattr(fuzzers, "_FUZZERS", dict(fuzzers._FUZZERS))
     fields = dict(name="x", summary="one line", search=lambda *a: None) | bad

@@ -427,3 +427,60 @@ def test_a_trials_work_directory_is_removed_when_an_interrupt_cuts_its_removal(m
     with pytest.raises(KeyboardInterrupt):
         worker.search_trial(bug, registry.get("eut").preset("default").config(), "random", 0, 1.0)
     assert work and work[0].startswith(str(tmp_path)) and os.listdir(tmp_path) == []
+
+
+FAKE_WORKER = """
+import os, sys, time
+print("kvaudit history: sglang-22273 random seed 1: found", file=sys.stderr, flush=True)
+print("kvaudit history: sglang-22273 random seed 2: found", file=sys.stderr, flush=True)
+time.sleep(1.5)  # its next trial
+from kvaudit.atomic import write_text_atomic
+write_text_atomic(sys.argv[2], '{"results": []}')  # (as the worker writes out.json: a missing dir is made)
+"""
+
+
+def test_a_closed_output_pipe_stops_the_worker_before_its_job_dir_is_removed(monkeypatch, tmp_path):
+    """`bench --suite history ... 2>&1 | head -1` left a kvaudit-history-job-* dir in the temp dir: printing
+    the worker's next line raised BrokenPipeError, the parent removed the job dir and left with the worker
+    still running, which made the dir again for its next out.json."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_popen, procs = subprocess.Popen, []
+
+    def popen(argv, **kwargs):  # a real child in the worker's place, under the env the suite gave it
+        procs.append(real_popen([sys.executable, "-c", FAKE_WORKER, *argv[-2:]],
+                                **{**kwargs, "env": {**os.environ, **kwargs["env"]}}))
+        return procs[-1]
+
+    def on_event(line):  # the console's print to a pipe `head` has closed
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(suite.subprocess, "Popen", popen)
+    monkeypatch.setattr(suite.releases, "env", lambda *a: {"PYTHONPATH": os.pathsep.join(sys.path)})
+    with pytest.raises(BrokenPipeError):
+        suite._Runner(on_event).child({}, "sglang", "0.5.10.post1", None)
+    procs[0].wait(timeout=30)  # (without the fix: it goes on, and writes its out.json)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_error_in_one_job_stops_the_others_workers(monkeypatch):
+    """With --jobs 2, a closed pipe met by one job left the other's worker searching on (the suite
+    waited for it to finish) until its own next line: the suite stops every worker on any error."""
+    import threading
+
+    monkeypatch.setattr(suite, "_release", lambda res, engine, version, on_event: None)
+    stopped, searching = [], threading.Event()
+
+    def child(self, job, *a):
+        if job["bug"] == "vllm-45357":
+            searching.wait(10)
+            raise BrokenPipeError(32, "Broken pipe")
+        searching.set()
+        stopped.append(self.stopped.wait(10))  # killed by stop(), as a Ctrl-C does
+        return []
+
+    monkeypatch.setattr(suite._Runner, "child", child)
+    with pytest.raises(BrokenPipeError):
+        suite.run(["vllm-45357", "vllm-47282"], ["random"], 1, 1.0, on_event=lambda line: None, jobs=2)
+    assert stopped == [True]

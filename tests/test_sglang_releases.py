@@ -131,6 +131,28 @@ def test_a_clean_legacy_fuzz_run_says_what_its_programs_reached(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     counts = reached(r.stdout)
     assert counts["session_turns"] > 0 and "retractions" in counts, counts
+    assert "kvaudit fuzz: target sglang 0.5.11 (cache_finished_req era, no tree core), random" in r.stderr  # (rust ...)
+
+
+def test_the_banner_and_the_report_header_name_a_tree_core_in_the_current_era_only(monkeypatch):
+    """On 0.5.11 the banner said "(rust tree core)": that era drives its RadixCache (ChunkCache for PD
+    decode), with no tree core, whatever --tree-core says."""
+    from kvaudit.targets import registry
+    from kvaudit.targets.sglang import boot
+
+    kind, config = registry.get("sglang"), SGLANG_PRESETS["sglang"].config()
+    for version, core in (("0.5.11", "cache_finished_req era, no tree core"), ("0.5.23", "rust tree core")):
+        monkeypatch.setattr(boot, "installed_version", lambda: version)
+        assert kind.describe(config) == f"target sglang {version} ({core})"
+        assert f"preset sglang, {core}, bugs: none" in kind.header(config)
+
+
+def test_the_target_help_names_every_release_the_kind_drives():
+    """--target's help left out 0.5.19, which the history suite runs (sglang-36855's buggy release)."""
+    from kvaudit.targets import registry
+
+    summary = registry.get("sglang").summary
+    assert all(v in summary for v in compat.LEGACY + compat.CURRENT), summary
 
 
 @pytest.mark.releases

@@ -80,13 +80,16 @@ def test_a_file_without_entries_is_no_rules(tmp_path):
     ('[[suppress]]\nkind = 3\n', 1, "kind must be a string, got 3"),
     ('[[suppress]]\npool = ["a", "b"]\n', 1, 'pool must be a string, got ["a", "b"]'),
     ('[[suppress]]\nsite = true\n', 1, "site must be a string, got true"),
+    ('[[suppress]]\nkind = 2024-01-01\n', 1, "kind must be a string, got 2024-01-01"),  # (was datetime.date(...))
+    ('[[suppress]]\npool = [nan, 07:32:00]\n', 1, "pool must be a string, got [nan, 07:32:00]"),
     ('[[suppress]]\nkind = "leak"\nreason = 1\n', 1, "reason must be a string, got 1"),
     ('[[suppress]]\nkind = "leak"\n[[suppress]]\nkind = "laek"\n', 2, 'unknown kind "laek"'),
     ('[[suppress]]\nreason = "no pattern"\n', 1, "at least one of kind, pool, site"),
     ('[[suppress]]\n', 1, "at least one of kind, pool, site"),
     ('[[suppress]]\nsite = ""\n', 1, "site must not be empty"),
     ('suppress = [1]\n', 1, "must be a table, got 1"),
-], ids=["unknown-key", "unknown-key-entry-2", "kind-int", "pool-array", "site-bool", "reason-int", "unknown-kind",
+], ids=["unknown-key", "unknown-key-entry-2", "kind-int", "pool-array", "site-bool", "kind-date",
+        "pool-nan-time", "reason-int", "unknown-kind",
         "reason-only", "empty-entry", "empty-site", "entry-not-table"])
 def test_a_bad_entry_names_the_file_and_the_entry(tmp_path, text, entry, why):
     path = write(tmp_path, text)

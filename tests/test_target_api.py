@@ -287,6 +287,11 @@ class BlocksWithoutInstall(rowtoy_plugin.RowToyTarget):
         return [PoolSpec("rows", self.engine.pool, "blocks", 1, self.config.size - 1)]
 
 
+class TwoRows(rowtoy_plugin.RowToyTarget):
+    def pools(self):
+        return [PoolSpec("rows", self.engine.pool, "rows", 1, self.config.size - 1)] * 2
+
+
 class NoEngineCheck(rowtoy_plugin.RowToyTarget):
     engine_check = Target.engine_check  # as if the author never wrote it
 
@@ -303,6 +308,9 @@ BAD = {"kv-kind-on-rows": (KvKindOnRows, 'pool "rows" declares kind "kv", but it
        "blocks-without-install": (BlocksWithoutInstall, 'pool "rows" is a "blocks" pool, which has no standard '
                                                         "wrapping: BlocksWithoutInstall.install_pool must call "
                                                         "auditor.wrap_blocks"),
+       # (the names spelled as JSON: it said got ['rows', 'rows'])
+       "pool-named-twice": (TwoRows, 'TwoRows.pools() must name each pool once with a non-empty string, got ["rows", '
+                                     '"rows"]'),
        "no-engine-check": (NoEngineCheck, "NoEngineCheck does not define engine_check(), required of every target"),
        "undeclared-root-pool": (ListRoots, 'a root of req:r1 names pool "rowz", which its pools() does not declare')}
 
@@ -414,6 +422,29 @@ def test_a_kind_whose_config_subclasses_another_kinds_runs_itself():
         assert "loud" not in registry._KINDS
     finally:
         registry._KINDS.pop("toy"), registry._KINDS.pop("subtoy")
+
+
+def test_kind_of_sees_a_kind_registered_or_removed_after_its_map_was_built():
+    """kind_of builds its map of config classes once (it was built on every call): a kind registered
+    after a call, a nearer subclass's included, or removed, is seen at the next call."""
+    toy = registry.register(registry.TargetKind("toy", "a toy", ToyConfig, presets=dict,
+                                                make=lambda c: ToyTarget(n=c.n)))
+    try:
+        assert registry.kind_of(SubToyConfig()) is toy  # (no subtoy yet: the nearest registered class)
+        sub = registry.register(registry.TargetKind("subtoy", "a toy's subclass", SubToyConfig, presets=dict,
+                                                    make=lambda c: ToyTarget(n=c.n)))
+        assert registry.kind_of(SubToyConfig()) is sub and registry.kind_of(ToyConfig()) is toy
+        registry._KINDS.pop("subtoy")
+        assert registry.kind_of(SubToyConfig()) is toy
+        again = registry.register(registry.TargetKind("toy", "a reloaded toy", SubToyConfig, presets=dict,
+                                                      make=lambda c: ToyTarget(n=c.n)))  # (as many kinds as before)
+        assert registry.kind_of(SubToyConfig()) is again
+        with pytest.raises(registry.UnknownTargetError, match="no registered target takes a ToyConfig"):
+            registry.kind_of(ToyConfig())
+    finally:
+        registry._KINDS.pop("toy"), registry._KINDS.pop("subtoy", None)
+    with pytest.raises(registry.UnknownTargetError, match="no registered target takes a SubToyConfig"):
+        registry.kind_of(SubToyConfig())
 
 
 def test_make_target_checks_every_kind_and_the_built_ins_pass():

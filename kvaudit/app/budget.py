@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from kvaudit.config import json_value
+
 MAX_SECONDS = 365 * 24 * 3600.0  # a year: past it a budget is a typo (1e308), not a plan; Ctrl-C ends a search early
 
 
@@ -38,11 +40,11 @@ def check_seconds(value: float, allow_zero: bool = False) -> float:
     """``value`` if finite, positive (or 0 with ``allow_zero``) and at most :data:`MAX_SECONDS`. Raises
     ``ValueError`` with the reason, for the CLI to prefix with the option's name."""
     if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"must be a finite number of seconds, not {value}")
+        raise ValueError(f"must be a finite number of seconds, got {json_value(value)}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"must be a number of seconds {'>= 0' if allow_zero else '> 0'}, not {value:g}")
+        raise ValueError(f"must be a number of seconds {'>= 0' if allow_zero else '> 0'}, got {value:g}")
     if value > MAX_SECONDS:
-        raise ValueError(f"must be at most {MAX_SECONDS:.0f} seconds ({duration(MAX_SECONDS)}), not {value:g}; "
+        raise ValueError(f"must be at most {MAX_SECONDS:.0f} seconds ({duration(MAX_SECONDS)}), got {value:g}; "
                          "Ctrl-C or SIGTERM ends a run early and keeps what it found")
     return value
 

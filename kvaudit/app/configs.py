@@ -146,15 +146,21 @@ def _other_kind_hint(kind, preset: str) -> str:
 
 
 def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
-    """A comma-separated list of names in ``valid`` (``every``: all), each once (the first kept). Raises
+    """A comma-separated list of names in ``valid`` (``every``: all), each once (the first kept; a name given
+    twice is one line of warning). ``what`` starts with the option (``--bugs: unknown bug``). Raises
     :class:`InputError`."""
-    names = list(valid) if value == every else list(dict.fromkeys(n.strip() for n in value.split(",")))  # "" is bad
+    given = list(valid) if value == every else [n.strip() for n in value.split(",")]  # "" is bad
+    names = list(dict.fromkeys(given))
     bad = [n for n in names if n not in valid]
     if every is not None and every in bad:
         raise InputError(f"{what} {json_value(every)} in a list ({json_value(value)}): {json_value(every)} stands "
                          f"alone ({hint})")
     if bad:  # (a list of nothing but commas and blanks: the whole value)
         raise InputError(f"{what} {json_value(value if not any(names) else bad[0])} ({hint})")
+    if len(names) < len(given):
+        twice = [n for n in names if given.count(n) > 1]
+        click.echo(f"warning: {what.split(':')[0]} names {', '.join(map(json_value, twice))} more than once; "
+                   "each runs once", err=True)
     return names
 
 

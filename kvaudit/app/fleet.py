@@ -69,18 +69,29 @@ def status_lines(status: dict, campaign: str) -> list[str]:
     return out
 
 
+def _unknown(client, db: str, campaign: str, refuse: bool) -> str | None:
+    """None when a worker ever joined ``campaign`` (a typo read as an empty campaign: exit 0 with nothing);
+    else the campaigns there in words, or with ``refuse`` :class:`InputError` naming them."""
+    from kvaudit.search.hub import campaign_names, safe_url
+
+    names = campaign_names(client)
+    if campaign in names:
+        return None
+    there = f"campaigns there: {', '.join(map(json_value, names))}" if names else "no campaign there yet"
+    if refuse:
+        raise InputError(f"--campaign {json_value(campaign)}: no worker ever joined it in "
+                         f"{json_value(safe_url(db))} ({there})")
+    return there
+
+
 def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
     """``kvaudit campaign status``; returns the exit code."""
-    from kvaudit.search.hub import campaign_names, campaign_status, safe_url
+    from kvaudit.search.hub import campaign_status
 
     client = check_db(db)
     out = make_console()
-    names = campaign_names(client)
-    if campaign not in names:  # a typo read as an empty campaign, exit 0; --watch may wait for one to start
-        there = f"campaigns there: {', '.join(map(json_value, names))}" if names else "no campaign there yet"
-        if watch is None:
-            raise InputError(f"--campaign {json_value(campaign)}: no worker ever joined it in "
-                             f"{json_value(safe_url(db))} ({there})")
+    there = _unknown(client, db, campaign, refuse=watch is None)  # --watch may wait for one to start
+    if there is not None:
         make_console(stderr=True).print(f"warning: --campaign {json_value(campaign)}: no worker has joined it yet "
                                         f"({there})",
                                         soft_wrap=True, markup=False)
@@ -119,6 +130,7 @@ def pull(db: str, campaign: str, directory: str) -> int:
     from kvaudit.search.hub import Hub, safe_url, worker_id
 
     client = check_db(db)
+    _unknown(client, db, campaign, refuse=True)  # (a typo pulled nothing, exit 0)
     err = make_console(stderr=True)
     try:
         os.makedirs(os.path.join(directory, "findings"), exist_ok=True)

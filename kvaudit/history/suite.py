@@ -108,6 +108,7 @@ class _Runner:
                                         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                         start_new_session=True)
                 self.procs.add(proc)
+            rc = None
             try:
                 for line in proc.stderr:
                     line = line.rstrip("\n")
@@ -116,6 +117,9 @@ class _Runner:
                     tail = (tail + [line])[-5:]
                 rc = proc.wait()
             finally:
+                if rc is None:  # left early (on_event raised: our stderr a closed pipe, `2>&1 | head`): the
+                    proc.kill()  # worker must not outlive its dir, which it made again for its next out.json
+                    proc.wait()
                 with self.lock:
                     self.procs.discard(proc)
             results = []
@@ -203,7 +207,7 @@ def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
                     done[bid] = fut.result()
                 except SuiteError:
                     pass
-    except SuiteError:
+    except Exception:  # a SuiteError, or an on_event that failed (a closed pipe): the other workers stop too
         runner.stop()
         raise
     finally:

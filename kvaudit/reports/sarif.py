@@ -12,15 +12,18 @@ import re
 from typing import Callable, Mapping
 from urllib.parse import quote
 
+import kvaudit
 from kvaudit.audit.findings import KINDS, Finding, Site, installed, portable_path, source_path
 from kvaudit.audit.kinds import lookup
 from kvaudit.audit.frames import (WINDOWS_ABS, Frame, RecordedEngine, engine_path, frame_release, norm_path as _norm,
                                   resolve)
+from kvaudit.config import json_value
 from kvaudit.reports.ci_outputs import sarif_log
 from kvaudit.targets import EngineSource, engine_source
 from kvaudit.targets.registry import UnknownTargetError, get, kind_of
 
 SRCROOT = "%SRCROOT%"
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(kvaudit.__file__)))  # what installed() compares with
 FINGERPRINT_KEY = "kvauditSignature/v1"
 MAX_SLOTS = 64  # units (slots, rows or blocks) listed in a result's properties; the rest are counted
 BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec also has updated, absent)
@@ -96,9 +99,17 @@ def _package_here(p: str) -> str | None:
     """A package-relative ``p`` (``toysched/engine.py``: how a module of a package on ``sys.path`` is
     recorded) whose file is under the current directory (a plugin's package in the user's repository, not
     an installed one), relative to it; else None."""
-    if not p or p.startswith(("/", "<", "../")) or WINDOWS_ABS.match(p) or not installed(p):
+    if not p or p.startswith(("/", "<", "../")) or WINDOWS_ABS.match(p):
         return None
-    return cwd_relative(source_path(p))
+    src = _installed_file(p)
+    return cwd_relative(src) if src is not None else None
+
+
+def _installed_file(p: str) -> str | None:
+    """For a relative ``p``: its file when it is an installed package's (:func:`installed`), else None;
+    ``sys.path`` walked once (``installed`` and ``source_path`` walk it each)."""
+    src = source_path(p)
+    return src if src != os.path.join(_CHECKOUT, p) else None
 
 
 def engine_base_id(package: str) -> str:
@@ -121,8 +132,9 @@ def artifact_location(path: str, engine: EngineSource | None = None) -> dict | N
         return {"uri": "file:///" + p[:2] + quote(p[2:])}
     if not p or p.startswith("<"):
         return None
-    if installed(p):  # another installed package's (a library's), recorded from its package: where it is here
-        return {"uri": "file://" + quote(_norm(source_path(p)))}
+    src = _installed_file(p)
+    if src is not None:  # another installed package's (a library's), recorded from its package: where it is here
+        return {"uri": "file://" + quote(_norm(src))}
     return {"uri": quote(p.removeprefix("./")), "uriBaseId": SRCROOT}
 
 
@@ -393,7 +405,7 @@ def to_sarif(findings: list[Finding], config=None, baseline: Mapping[str, str] |
         state = (baseline or {}).get(f.signature)
         if state is not None:
             if state not in BASELINE_STATES:
-                raise ValueError(f"baselineState {state!r} (valid: {', '.join(BASELINE_STATES)})")
+                raise ValueError(f"baselineState {json_value(state)} (valid: {', '.join(BASELINE_STATES)})")
             r["baselineState"] = state
         results.append(r)
     run: dict = {}

@@ -85,12 +85,12 @@ def register(kind: FuzzerKind) -> FuzzerKind:
     name = kind.name
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
         raise FuzzerDefinitionError(f"a fuzzer's name must be letters, digits, '-' or '_' (it is what --fuzzer "
-                                    f"takes), got {name!r}")
+                                    f"takes), got {json_value(name)}")
     if not isinstance(kind.summary, str) or not kind.summary.strip() or "\n" in kind.summary:
-        raise FuzzerDefinitionError(f"fuzzer {name}: summary must be one line of text, got {kind.summary!r}")
+        raise FuzzerDefinitionError(f"fuzzer {name}: summary must be one line of text, got {json_value(kind.summary, 80)}")
     bad = next((f for f in ("search", "check", "warm_up") if not callable(getattr(kind, f))), None)
     if bad:
-        raise FuzzerDefinitionError(f"fuzzer {name}: {bad} must be callable, got {getattr(kind, bad)!r}")
+        raise FuzzerDefinitionError(f"fuzzer {name}: {bad} must be callable, got {json_value(getattr(kind, bad), 80)}")
     _FUZZERS[name] = kind if name in BUILTIN_FUZZERS else replace(kind, search=_checked_search(name, kind.search))
     targets.note_plugin_registration()  # a plugin module that registers only fuzzers registered something
     return kind

@@ -427,10 +427,10 @@ def check_target(target, kind: str) -> None:
             "(kvaudit/targets/base.py Target)")
     specs = target.pools()
     if not isinstance(specs, (list, tuple)) or not all(isinstance(s, PoolSpec) for s in specs):
-        bad(f"{cls.__name__}.pools() must return a list of PoolSpec, got {specs!r:.80}")
+        bad(f"{cls.__name__}.pools() must return a list of PoolSpec, got {json_value(specs, 80)}")
     names = [s.name for s in specs]
     if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
-        bad(f"{cls.__name__}.pools() must name each pool once with a non-empty string, got {names}")
+        bad(f"{cls.__name__}.pools() must name each pool once with a non-empty string, got {json_value(names, 80)}")
     own_install = cls.install_pool is not Target.install_pool
     for s in specs:
         where = f"pool {json_value(s.name)}"
@@ -458,7 +458,7 @@ def check_target(target, kind: str) -> None:
         return
     roots, acc, verdict = target.roots(), target.accounting(), target.engine_check()
     if not isinstance(roots, (list, tuple)) or not all(isinstance(r, Root) for r in roots):
-        bad(f"{cls.__name__}.roots() must return a list of Root, got {roots!r:.80}")
+        bad(f"{cls.__name__}.roots() must return a list of Root, got {json_value(roots, 80)}")
     for r in roots:
         if r.pool not in names:
             bad(f"{cls.__name__}.roots(): a root of {r.owner} names pool {json_value(r.pool)}, which pools() does not declare")
@@ -466,9 +466,9 @@ def check_target(target, kind: str) -> None:
         if wrong:
             bad(wrong)
     if not isinstance(acc, dict) or not all(p in names and isinstance(a, Accounting) for p, a in acc.items()):
-        bad(f"{cls.__name__}.accounting() must return {{declared pool: Accounting}}, got {acc!r:.80}")
+        bad(f"{cls.__name__}.accounting() must return {{declared pool: Accounting}}, got {json_value(acc, 80)}")
     if not isinstance(verdict, list) or not all(isinstance(x, str) for x in verdict):
-        bad(f"{cls.__name__}.engine_check() must return a list of strings, got {verdict!r:.80}")
+        bad(f"{cls.__name__}.engine_check() must return a list of strings, got {json_value(verdict, 80)}")
     _checked.add(cls)
 
 
@@ -487,7 +487,7 @@ def check_roots_always(target, kind: str) -> None:
     def roots(*args, **kwargs):
         got = read(*args, **kwargs)
         if not isinstance(got, (list, tuple)) or not all(isinstance(r, Root) for r in got):
-            raise TargetDefinitionError(f"target {kind}: {name}.roots() must return a list of Root, got {got!r:.80}")
+            raise TargetDefinitionError(f"target {kind}: {name}.roots() must return a list of Root, got {json_value(got, 80)}")
         for r in got:
             wrong = _units_problem(name, r, sizes.get(r.pool))
             if wrong:

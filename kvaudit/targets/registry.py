@@ -241,12 +241,14 @@ def register(kind: TargetKind) -> TargetKind:
     """Add ``kind`` (or replace the kind of the same name: a reloaded plugin). Returns it. Raises
     :class:`TargetDefinitionError` for a kind :func:`check_kind` refuses (a plugin module that
     registers one fails to load)."""
+    global _by_class_of
     check_kind(kind)
     owner = next((k.name for k in _KINDS.values() if k.config_class is kind.config_class and k.name != kind.name), None)
     if owner is not None:  # a config names its kind by its class: --target would run the other one's target
         raise TargetDefinitionError(f"target {kind.name}: config_class {kind.config_class.__name__} is target "
                                     f"{owner}'s; a kind needs a config class of its own (a subclass will do)")
     _KINDS[kind.name] = kind
+    _by_class_of = ()  # (kind_of's map is built again)
     # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
     _origins[kind.name] = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
     return kind
@@ -395,17 +397,22 @@ def get(name: str) -> TargetKind:
     return _KINDS[name]
 
 
+_by_class: dict[type, TargetKind] = {}  # kind_of's map of config classes, built once for the kinds registered
+_by_class_of: tuple = ()
+
+
 def kind_of(config) -> TargetKind:
     """The kind whose config class ``config`` is an instance of; of several (a kind's config class
     subclassing another kind's), the one nearest ``config``'s own class, so a plugin that extends
     another kind's config runs its own kind. Raises :class:`UnknownTargetError`."""
+    global _by_class, _by_class_of
     _load()
-    by_class: dict[type, TargetKind] = {}
-    for kind in _KINDS.values():
-        by_class.setdefault(kind.config_class, kind)
+    state = (id(_KINDS), len(_KINDS))  # (register resets it; a test may swap _KINDS or pop a kind)
+    if state != _by_class_of:
+        _by_class_of, _by_class = state, {k.config_class: k for k in reversed(_KINDS.values())}  # (the first wins)
     for cls in type(config).__mro__:
-        if cls in by_class:
-            return by_class[cls]
+        if cls in _by_class:
+            return _by_class[cls]
     raise UnknownTargetError(f"no registered target takes a {type(config).__name__}")
 
 

@@ -118,7 +118,12 @@ def _header(config) -> str:
     """The tree core, and the fields that differ from the preset."""
     bugs = ", ".join(sorted(config.bugs)) or "none"
     return (f"kvaudit report: target sglang, preset {preset_label(config, SGLANG_PRESETS, ('tree_core',))}, "
-            f"{config.tree_core} tree core, bugs: {bugs}, page_size {config.page_size}")
+            f"{_core(config)}, bugs: {bugs}, page_size {config.page_size}")
+
+
+def _core(config) -> str:
+    """The tree core driven: none in the legacy era (its RadixCache or ChunkCache; --tree-core is not read)."""
+    return "cache_finished_req era, no tree core" if _legacy() else f"{config.tree_core} tree core"
 
 
 def _anchor(kind: str):
@@ -132,7 +137,7 @@ def _anchor(kind: str):
 
 def _describe(config) -> str:
     from kvaudit.targets.sglang.boot import installed_version
-    return f"target sglang {installed_version() or '?'} ({config.tree_core} tree core)"
+    return f"target sglang {installed_version() or '?'} ({_core(config)})"
 
 
 def _notes(config) -> list[str]:
@@ -163,8 +168,8 @@ def _export():
 
 
 KIND = register(TargetKind(
-    name="sglang", summary="SGLang's own memory manager on CPU, 0.5.22 and 0.5.23 (0.5.20, 0.5.21: plain and PD "
-                           "prefill; 0.5.10.post1, 0.5.11: core pools, radix cache, sessions and PD decode with "
+    name="sglang", summary=f"SGLang's own memory manager on CPU, 0.5.22 and 0.5.23 ({', '.join(OLDER_CURRENT)}: plain "
+                           f"and PD prefill; {', '.join(LEGACY)}: core pools, radix cache, sessions and PD decode with "
                            "HiSparse) (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, refused=_refused,
     all_presets=lambda: SGLANG_PRESETS, make=_make, bugs=fault_rows(FAULTS), bugs_title="injected faults (--target sglang)",
