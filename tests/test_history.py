@@ -369,6 +369,25 @@ def test_an_interrupted_suites_report_says_which_bugs_did_not_run():
     assert "`benchmarks-history.json` has" not in text and "(`h.json` has every trial's)" in text
 
 
+@pytest.mark.parametrize("replays", [(None, None), (False, None), (True, None)], ids=str)
+def test_a_program_not_replayed_on_the_fixed_release_is_not_called_not_clean(replays):
+    """Interrupted before the fixed release's replays, the Bugs table said "found; NOT clean on the fixed
+    release (0/2 programs clean)" beside the JSON's fixed_clean null and "on 0.24.0: not replayed" (the tester):
+    only the programs replayed there are counted, and with none the row says not replayed."""
+    bid = next(b.id for b in suite.all_bugs().values() if b.fixed and not b.replay_blocked)
+    res = suite.HistoryResult(settings={"suite": "history", "bugs": [bid], "fuzzers": ["random"], "trials": 2,
+                                        "budget": 1.0, "jobs": 1, "cpu_count": 2, "started": "2026-12-05 09:00:00"},
+                              interrupted=True)
+    res.trials = [suite.HistoryTrial(bid, "random", seed, 1.0, success=True, seconds=0.5, executions=3, min_len=3,
+                                     signature="s", program=[], confirmations=3, fixed_clean=clean)
+                  for seed, clean in enumerate(replays, 1)]
+    row = next(line for line in suite.markdown(res).splitlines() if line.startswith(f"| {bid} |"))
+    verdict = row.split(" | ")[4]
+    assert verdict == {(None, None): "found; not replayed on the fixed release (interrupted)",
+                       (False, None): "found; NOT clean on the fixed release (0/1 programs clean; 1 not replayed)",
+                       (True, None): "yes (1/1 programs clean; 1 not replayed)"}[replays], row
+
+
 def test_a_workers_temp_files_live_in_its_job_dir_which_the_parent_removes(monkeypatch, tmp_path):
     """An interrupted `bench --suite history` left a kvaudit-history-* dir in the temp dir: the parent
     stops a worker with SIGKILL, so the worker's own TemporaryDirectory was never removed."""

@@ -235,13 +235,17 @@ def _bugs(res: HistoryResult, ids: list[str], bugs: dict, best: dict) -> list[st
              "|---|---|---|---|---|---|---|"]
     for bid in ids:
         b, ok, top = bugs[bid], res.found(bid), best[bid]
+        replayed = [t for t in ok if t.fixed_clean is not None] if b.fixed and not b.replay_blocked else []
         fixed = f"{b.fixed} ({b.clean_because})" if b.fixed else "- (a rediscovery)"
         verdict = ("not run (interrupted)" if not any(t.bug == bid for t in res.trials) else
                    "yes" if rediscovered(res, bid) else
                    f"found; not replayed on the fixed release ({b.replay_blocked})" if ok and b.replay_blocked else
-                   "found; NOT clean on the fixed release" if ok and b.fixed else "no")
-        if ok and b.fixed and not b.replay_blocked:
-            verdict += f" ({sum(bool(t.fixed_clean) for t in ok)}/{len(ok)} programs clean)"
+                   "found; NOT clean on the fixed release" if replayed else
+                   f"found; not replayed on the fixed release{' (interrupted)' if res.interrupted else ''}"
+                   if ok and b.fixed else "no")
+        if replayed:  # (a trial whose replay on the fixed release did not run, interrupted, is not counted)
+            verdict += f" ({sum(bool(t.fixed_clean) for t in replayed)}/{len(replayed)} programs clean" + (
+                f"; {len(ok) - len(replayed)} not replayed)" if len(replayed) < len(ok) else ")")
         lines.append(f"| {bid} | {b.engine} | {b.buggy} | {fixed} | {verdict} | "
                      f"{top.min_len if top else '-'} ops | `{top.signature if top else b.signature or b.finding}` |")
     return lines
