@@ -289,6 +289,67 @@ def test_a_client_says_reproduced_when_the_server_stops_answering(stand_in, tmp_
     assert "RESULT: REPRODUCED" in done.stdout and "no longer answers" in done.stdout
 
 
+def _answering(stand_in, answer):
+    """Make the stand-in answer ``answer(self, method, path)`` (True: it answered) before its own handling."""
+    original = stand_in.server.RequestHandlerClass._serve
+
+    def serve(self, method):
+        if not answer(self, method, self.path.split("?")[0]):
+            original(self, method)
+
+    stand_in.server.RequestHandlerClass._serve = serve
+
+
+def _reply(handler, status: int, body: str) -> bool:
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body.encode())
+    return True
+
+
+@pytest.mark.parametrize("case", ["501 to every POST", "400 to the program's calls", "slower than --timeout"])
+def test_a_client_whose_calls_were_not_served_says_not_checked(stand_in, case):
+    """The tester's stand-ins: a server that answers /health but 501 to every POST made the client say
+    REPRODUCED (a 5xx was a failure); one launched without streaming sessions (SGLang's 400 on /open_session and
+    /generate) NOT REPRODUCED; a /generate slower than --timeout, with /health still answering, REPRODUCED. The
+    program did not run as written in any of them: RESULT: NOT CHECKED, exit 3, the refusals named."""
+    if case == "501 to every POST":
+        _answering(stand_in, lambda h, method, path: method == "POST" and _reply(h, 501, '{"detail": "no"}'))
+    elif case == "400 to the program's calls":
+        _answering(stand_in, lambda h, method, path: path in ("/generate", "/open_session") and _reply(
+            h, 400, '{"error": {"message": "session is not enabled"}}'))
+    else:
+        _answering(stand_in, lambda h, method, path: path == "/generate" and time.sleep(3))
+    done = run_client(GOLDEN + ".client.py", stand_in.url, "--timeout", "1.5", "--settle", "0")
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr
+    assert "RESULT: NOT CHECKED" in done.stdout and "REPRODUCED" not in done.stdout.split("RESULT:")[1]
+    if case == "slower than --timeout":
+        assert "still answers GET /health" in done.stdout
+    else:
+        assert "NOTE: the server refused" in done.stdout and ("HTTP 501" if "501" in case else "HTTP 400") in done.stdout
+
+
+def test_a_client_given_an_empty_url_is_one_line_exit_2():
+    done = subprocess.run([sys.executable, GOLDEN + ".client.py", "--url", ""], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, \
+        done.stderr
+
+
+def test_the_issue_names_the_replay_file_without_local_directories(tmp_path, monkeypatch):
+    """`kvaudit export /abs/path/corpora/...` put the exporter's own directories in the issue text, which goes
+    to a public tracker: below the current directory the path is relative, elsewhere the file's name."""
+    src = os.path.join(ROOT, "corpora", "sglang", GOLDEN_NAME + ".json")
+    for cwd, shown in ((ROOT, f"corpora/sglang/{GOLDEN_NAME}.json"), (tmp_path, f"{GOLDEN_NAME}.json")):
+        monkeypatch.chdir(cwd)
+        r = invoke("export", src, "--issue", str(tmp_path / "i.md"), "--no-resolve")
+        assert r.exit_code == 0, r.output
+        issue = (tmp_path / "i.md").read_text()
+        assert f"kvaudit replay {shown}`" in issue and str(tmp_path) not in issue and ROOT not in issue
+
+
 def test_a_client_without_a_server_is_one_line_exit_2(tmp_path):
     base = GOLDEN
     for args in (["--url", "http://127.0.0.1:9", "--timeout", "2"], ["--url", "notaurl"],
@@ -440,7 +501,7 @@ def test_a_file_recorded_on_another_release_is_exported_as_that_release(tmp_path
         assert "0.5.10.post1 (the release the replay file was recorded on) server" in client
         assert "0.5.23" not in issue.split("## Environment")[0]
     else:
-        assert f"- Replay: `kvaudit replay {src}`." in issue
+        assert f"- Replay: `kvaudit replay {os.path.basename(src)}`." in issue  # (not below the test's directory)
 
 
 @pytest.mark.sglang

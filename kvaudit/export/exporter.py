@@ -89,9 +89,17 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
         os.chmod(client_path, 0o755)
     if issue_out is not None:
         text = render_issue(config=config, title=title, program_lines=[format_op(op) for op in program],
-                            findings=findings, doc=doc, plan=plan, note=note, source=path,
+                            findings=findings, doc=doc, plan=plan, note=note, source=_shown(path),
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
                             env=env, unmapped=unmapped, expected=expected_line(kind, server, target),
                             planted=planted, release=release)
         issue_path = write_text_atomic(issue_out, text)
     return Exported(issue_path, client_path, plan.exact, plan.traced)
+
+
+def _shown(path: str) -> str:
+    """``path`` as the issue text names it: relative to the current directory when below it (a corpus file
+    of the checkout: ``corpora/sglang/x.json``), else its name alone (an issue goes to a public tracker: no
+    local directories in it)."""
+    rel = os.path.relpath(path)
+    return os.path.basename(path) if rel.startswith("..") else rel
