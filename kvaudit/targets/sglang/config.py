@@ -3,7 +3,7 @@ no SGLang: the CLI validates flags and replay files with it where SGLang is not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvaudit.config import ConfigBase, Preset, json_value
 from kvaudit.targets.sglang import compat
@@ -204,13 +204,9 @@ class SglangConfig(ConfigBase):
                      "seed", "transfer_latency_steps", "deferred_release_timeout_steps", "num_reserved_decode_tokens",
                      "priority_scheduling_preemption_threshold"):
             self._check_int(name, 0)
-        for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
-                     "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
-                     "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
-                     "enable_hierarchical_cache", "prefill_reads_after_failure",
-                     "swa_chunk_cache", "enable_mamba", "mamba_extra_buffer"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {json_value(getattr(self, name))}")
+        for f in fields(self):  # every bool field
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be true or false, got {json_value(getattr(self, f.name))}")
         if self.target != "sglang":
             raise ValueError(f'target must be "sglang", got {json_value(self.target)}')
         if self.tree_core not in TREE_CORES:
