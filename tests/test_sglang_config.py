@@ -1,7 +1,9 @@
 """The real-SGLang target's configuration, probe and CLI errors: these run with or without SGLang."""
 
+import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -189,6 +191,14 @@ def test_replay_rejects_an_unknown_sglang_preset(tmp_path):
 def test_an_eviction_policy_sglang_does_not_take_is_refused(kw, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
         SglangConfig(**kw)
+
+
+@pytest.mark.parametrize("name", sorted(f.name for f in dataclasses.fields(SglangConfig) if f.type == "bool"))
+def test_every_switch_refuses_a_value_that_is_not_a_bool(name):
+    """A switch given 1 (or "yes") is refused in one line naming it: every bool field, by the field's type."""
+    for value, spelled in ((1, "1"), ("yes", '"yes"')):
+        with pytest.raises(ValueError, match=f"^{name} must be true or false, got {re.escape(spelled)}$"):
+            SglangConfig(**{name: value})
 
 
 def test_the_legacy_era_refuses_an_eviction_policy_it_is_not_driven_with():

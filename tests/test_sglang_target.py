@@ -66,6 +66,19 @@ def test_engine_files_are_the_driver_modules_and_the_hooks_module():
     assert os.path.abspath(observer.__file__) not in files and os.path.abspath(target.__file__) not in files
 
 
+def test_every_seam_row_names_a_feature_hook_and_the_shared_method_it_combines_with():
+    """``target.SEAMS`` makes ``SglangTarget``'s combining methods by one rule: a row naming a hook no
+    feature defines, or a shared method that does not exist, would fail only when the path runs."""
+    from kvaudit.targets.sglang.feature import SglangFeature, SglangLoop
+    from kvaudit.targets.sglang.target import SEAMS, SglangTarget
+    shared = super(SglangTarget, SglangTarget)
+    for method, hook, how in SEAMS:
+        assert callable(getattr(SglangLoop if how == "loop" else SglangFeature, hook, None)), (method, hook)
+        assert getattr(SglangTarget, method).__qualname__ == f"SglangTarget.{method}"
+        assert how == "each" or callable(getattr(shared, method, None)), (method, how)
+    assert len({m for m, _, _ in SEAMS}) == len(SEAMS)
+
+
 @pytest.mark.parametrize("preset", ["sglang", "sglang-paged"])
 def test_prefill_and_decode_allocations_are_the_requests_kv(preset):
     """SGLang's ``alloc_for_extend`` and ``alloc_for_decode`` allocate through ``alloc_req_slots`` and

@@ -3,7 +3,7 @@ no SGLang: the CLI validates flags and replay files with it where SGLang is not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvaudit.config import ConfigBase, Preset, json_value
 from kvaudit.targets.sglang import compat
@@ -49,11 +49,19 @@ FAULTS: dict[str, tuple[str, str]] = {
                                          "skips its free: those slots stay allocated with no owner"),
 }
 
-HISPARSE_ONLY_FAULTS = frozenset({"hisparse-skip-finish"})
-SWA_ONLY_FAULTS = frozenset({"swa-skip-window-free"})
-PREFILL_ONLY_FAULTS = frozenset({"prefill-skip-failed-release"})
-MAMBA_ONLY_FAULTS = frozenset({"mamba-leak-on-release", "mamba-free-donated"})
-SPEC_ONLY_FAULTS = frozenset({"spec-leak-rejected-draft"})
+# The faults planted on one mode's code: (they, whether a config runs the mode, where they are for)
+MODE_FAULTS = (
+    ({"hisparse-skip-finish"}, lambda c: c.enable_hisparse,
+     "--preset sglang-hisparse only (it needs HiSparse: enable_hisparse)"),
+    ({"prefill-skip-failed-release"}, lambda c: c.disaggregation_mode == "prefill",
+     "the sglang-pd-prefill presets only (it needs the PD prefill server: disaggregation_mode prefill)"),
+    ({"swa-skip-window-free"}, lambda c: c.sliding_window_size is not None,
+     "the SWA presets only (--preset sglang-swa...: it needs sliding_window_size)"),
+    ({"mamba-leak-on-release", "mamba-free-donated"}, lambda c: c.enable_mamba,
+     "the sglang-mamba presets only (it needs mamba state: enable_mamba)"),
+    ({"spec-leak-rejected-draft"}, lambda c: c.speculative_algorithm is not None,
+     "the sglang-spec presets only (it needs speculative decoding: speculative_algorithm)"),
+)
 # --speculative-algorithm values driven (spec v2: SGLang 0.5.23's only speculative path)
 SPECULATIVE_ALGORITHMS = ("eagle", "ngram")
 # SGLang 0.5.23 kv_cache_configurator.MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO: mamba slots per running request
@@ -196,13 +204,9 @@ class SglangConfig(ConfigBase):
                      "seed", "transfer_latency_steps", "deferred_release_timeout_steps", "num_reserved_decode_tokens",
                      "priority_scheduling_preemption_threshold"):
             self._check_int(name, 0)
-        for name in ("need_sort", "enable_streaming_session", "enable_overlap", "enable_hisparse",
-                     "deferred_kv_release", "enable_priority_scheduling", "schedule_low_priority_values_first",
-                     "enable_mixed_chunk", "strict_mem_check_during_busy", "session_streaming",
-                     "enable_hierarchical_cache", "prefill_reads_after_failure",
-                     "swa_chunk_cache", "enable_mamba", "mamba_extra_buffer"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {json_value(getattr(self, name))}")
+        for f in fields(self):  # every bool field
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be true or false, got {json_value(getattr(self, f.name))}")
         if self.target != "sglang":
             raise ValueError(f'target must be "sglang", got {json_value(self.target)}')
         if self.tree_core not in TREE_CORES:
@@ -248,6 +252,9 @@ class SglangConfig(ConfigBase):
         if not isinstance(self.preset, str):
             raise ValueError(f"preset must be a string, got {json_value(self.preset)}")
         self._freeze_faults(FAULTS, "sglang")
+        for faults, on, where in MODE_FAULTS:
+            if self.bugs & faults and not on(self):
+                raise ValueError(f"fault {sorted(self.bugs & faults)[0]} is for {where}")
         self._check_hisparse()
         self._check_hicache()
         self._check_prefill()
@@ -280,10 +287,6 @@ class SglangConfig(ConfigBase):
             if self.prefill_reads_after_failure:
                 raise ValueError("prefill_reads_after_failure models a prefill server's transfer worker: it needs "
                                  "disaggregation_mode prefill")
-            if self.bugs & PREFILL_ONLY_FAULTS:
-                fault = sorted(self.bugs & PREFILL_ONLY_FAULTS)[0]
-                raise ValueError(f"fault {fault} is for the sglang-pd-prefill presets only (it needs the PD prefill "
-                                 "server: disaggregation_mode prefill)")
             if n is not None:
                 raise ValueError("bootstrap_lost_every plays the decode peer of a prefill server: it needs "
                                  "disaggregation_mode prefill")
@@ -342,9 +345,6 @@ class SglangConfig(ConfigBase):
     def _check_swa(self) -> None:
         w = self.sliding_window_size
         if w is None:
-            if self.bugs & SWA_ONLY_FAULTS:
-                raise ValueError(f"fault {sorted(self.bugs & SWA_ONLY_FAULTS)[0]} is for the SWA presets only "
-                                 "(--preset sglang-swa...: it needs sliding_window_size)")
             if self.swa_chunk_cache:
                 raise ValueError("swa_chunk_cache needs sliding_window_size (an SWA hybrid model)")
             return
@@ -370,9 +370,6 @@ class SglangConfig(ConfigBase):
 
     def _check_mamba(self) -> None:
         if not self.enable_mamba:
-            if self.bugs & MAMBA_ONLY_FAULTS:
-                raise ValueError(f"fault {sorted(self.bugs & MAMBA_ONLY_FAULTS)[0]} is for the sglang-mamba presets "
-                                 "only (it needs mamba state: enable_mamba)")
             if self.mamba_extra_buffer:
                 raise ValueError("mamba_extra_buffer needs enable_mamba (a hybrid SSM model's mamba state)")
             return
@@ -398,9 +395,6 @@ class SglangConfig(ConfigBase):
     def _check_spec(self) -> None:
         a = self.speculative_algorithm
         if a is None:
-            if self.bugs & SPEC_ONLY_FAULTS:
-                raise ValueError(f"fault {sorted(self.bugs & SPEC_ONLY_FAULTS)[0]} is for the sglang-spec presets only "
-                                 "(it needs speculative decoding: speculative_algorithm)")
             return
         if a not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be null or one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
@@ -459,9 +453,6 @@ class SglangConfig(ConfigBase):
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):
             self._check_int(name, 0)
         if not self.enable_hisparse:
-            if self.bugs & HISPARSE_ONLY_FAULTS:
-                raise ValueError(f"fault {sorted(self.bugs & HISPARSE_ONLY_FAULTS)[0]} is for --preset sglang-hisparse "
-                                 "only (it needs HiSparse: enable_hisparse)")
             return
         if self.enable_streaming_session:
             raise ValueError("enable_hisparse cannot run with enable_streaming_session: HiSparse requires the radix "

@@ -21,6 +21,7 @@ from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, prepare_import, probe_version, quiet_loggers
 from kvaudit.targets.sglang.driver import SglangDriver
 from kvaudit.targets.sglang.hooks import SglangHooks
+from kvaudit.targets.sglang.observer import SglangReads
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
 
 LEGACY_STUBS = {**STUBS, "sgl_kernel": "0.0.0"}
@@ -75,7 +76,7 @@ def _import_legacy(version: str) -> SimpleNamespace:
     quiet_loggers()
     _shim_tp_rank()
     return SimpleNamespace(
-        version=version, family="legacy", stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
+        version=version, stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
         OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams, FINISH_ABORT=FINISH_ABORT, Req=Req,
         ScheduleBatch=ScheduleBatch, AddReqResult=AddReqResult, PrefillAdder=PrefillAdder,
         validate_input_length=validate_input_length, common=common, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
@@ -107,17 +108,12 @@ class _GenerateInput(SimpleNamespace):
         return None
 
 
-class SglangLegacyTarget(SglangDriver):
+class SglangLegacyTarget(SglangDriver, SglangReads):
     """Drives one set of the era's pools and one ``RadixCache`` (wrapped by ``SessionAwareCache`` with
     streaming sessions)."""
 
     name = "sglang"
-    owner_hint_vars = ("req",)
     release_entries = ("release_kv_cache@common.py", "cache_finished_req")  # (the cache_finished_req era's release)
-    # mem_cache/common.py: alloc_for_extend's row and slots, alloc_for_decode's slots (as the observer's)
-    request_kv_allocs = ("alloc_req_slots", "alloc_token_slots", "alloc_paged_token_slots_extend",
-                         "alloc_paged_token_slots_decode")
-    owner_stop_vars = ("reqs", "batch")
 
     def __init__(self, config):
         """Both families of the era: the family's objects (:meth:`_build`), then the scheduler state both
@@ -149,7 +145,6 @@ class SglangLegacyTarget(SglangDriver):
                                                   device=dev, enable_memory_saver=False)
         inner = S.RadixCache(S.CacheInitParams(disable=False, req_to_token_pool=self.req_to_token_pool,
                                                token_to_kv_pool_allocator=self.allocator, page_size=1))
-        self.radix_cache = inner
         self.tree_cache = S.SessionAwareCache(inner) if config.enable_streaming_session else inner
         self.session_controller = S.SessionController(self.tree_cache) if config.enable_streaming_session else None
         if self.session_controller is not None:
@@ -329,9 +324,6 @@ class SglangLegacyTarget(SglangDriver):
         self.running = [r for r in self.running if not r.finished()]
 
     # -- observer ---------------------------------------------------------------------------------
-    def pools(self) -> list[PoolSpec]:
-        return self._pools
-
     def engine_files(self) -> list[str]:
         return [__file__]
 
@@ -339,11 +331,6 @@ class SglangLegacyTarget(SglangDriver):
         import sglang.srt.mem_cache.allocator as allocator
         import sglang.srt.mem_cache.memory_pool as memory_pool
         return [allocator.__file__, memory_pool.__file__]
-
-    @staticmethod
-    def owner_hint(frame_locals: dict) -> str | None:
-        rid = getattr(frame_locals.get("req"), "rid", None)
-        return f"req:{rid}" if isinstance(rid, str) else None
 
     def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
         """The KV pool as on 0.5.23; the row pool by its free list (``alloc(reqs)``, ``free(req)`` and
@@ -493,9 +480,6 @@ class SglangLegacyTarget(SglangDriver):
         rows = {s.req_pool_idx for _, s in self._slots() if s.req_pool_idx is not None}
         return any(r.req_pool_idx in rows for r in self.running)
 
-    def flushed(self) -> int:
-        return self._flushes
-
     def quiescence(self) -> list[tuple[str, str]]:
         return [(name, f"available={a.available} of total={a.total} after a successful flush_cache")
                 for name, a in self.accounting().items() if a.available + a.session_held != a.total]
@@ -506,9 +490,6 @@ class SglangLegacyTarget(SglangDriver):
             if r.to_finish is not None:
                 out[r.rid] = -1
         return out
-
-    def retraction(self) -> str:
-        return self.last_retraction or ""
 
     def reach(self) -> dict[str, int]:
         """The path counters: requests ``retract_decode`` took out (or aborted), session turns submitted."""

@@ -171,7 +171,7 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
                                         num_reserved_decode_tokens=config.num_reserved_decode_tokens)
         S.set_global_server_args_for_scheduler(self.server_args)
         self._build_pools(config)
-        self.tree_cache = self.radix_cache = P.ChunkCache(S.CacheInitParams(
+        self.tree_cache = P.ChunkCache(S.CacheInitParams(
             disable=True, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             page_size=config.page_size))
         self.session_controller = None

@@ -6,22 +6,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvaudit.targets.base import Accounting, PoolSpec, Recount, Root, kv_length_problems, record_roots, slot_pages
+from kvaudit.targets.base import (Accounting, PoolSpec, Recount, Root, Target, kv_length_problems, record_roots,
+                                  slot_pages)
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.hooks import SglangHooks
 
 
-class SglangObserver(SglangHooks):
-    """Reads, never mutates (besides the hooks' bookkeeping), the state the driver keeps under SGLang's
-    names."""
+class SglangReads(Target):
+    """What both eras read alike: the pools, the flush count and the last retraction the driver keeps, a
+    frame's request, the allocations that are a request's own KV."""
 
     owner_hint_vars = ("req",)
     owner_stop_vars = ("reqs", "batch")
-    # SGLang 0.5.23 srt/mem_cache/common.py: release_kv_cache -> tree_cache.free_kv_row ->
-    # free_kv_row_segments (and _release_overallocated_kv_indices); the driver's _release plays the
-    # result processors' finish: a free's path is the frame above them
-    release_entries = ("release_kv_cache@common.py", "free_kv_row", "free_kv_row_segments@common.py",
-                       "_release_overallocated_kv_indices@common.py", "_release@driver.py", "_release@hisparse.py")
     # srt/mem_cache/allocation.py (common.py before 0.5.23): alloc_for_extend's row (alloc_req_slots) and
     # slots, alloc_for_decode's slots (page 1: alloc_token_slots for both; paged: the _extend and
     # _decode helpers), and speculative decoding's draft slots: one role, request-kv, in a signature
@@ -30,6 +26,28 @@ class SglangObserver(SglangHooks):
 
     def pools(self) -> list[PoolSpec]:
         return self._pools
+
+    @staticmethod
+    def owner_hint(frame_locals: dict) -> str | None:
+        rid = getattr(frame_locals.get("req"), "rid", None)
+        return f"req:{rid}" if isinstance(rid, str) else None
+
+    def flushed(self) -> int:
+        return self._flushes
+
+    def retraction(self) -> str:
+        return self.last_retraction or ""
+
+
+class SglangObserver(SglangHooks, SglangReads):
+    """Reads, never mutates (besides the hooks' bookkeeping), the state the driver keeps under SGLang's
+    names."""
+
+    # SGLang 0.5.23 srt/mem_cache/common.py: release_kv_cache -> tree_cache.free_kv_row ->
+    # free_kv_row_segments (and _release_overallocated_kv_indices); the driver's _release plays the
+    # result processors' finish: a free's path is the frame above them
+    release_entries = ("release_kv_cache@common.py", "free_kv_row", "free_kv_row_segments@common.py",
+                       "_release_overallocated_kv_indices@common.py", "_release@driver.py", "_release@hisparse.py")
 
     def framework_files(self) -> list[str]:
         import sglang.srt.mem_cache.allocator.base as base
@@ -63,19 +81,11 @@ class SglangObserver(SglangHooks):
         return {"token_to_kv_pool": {"evictable": Recount(ev, "tree", "its nodes with lock_ref 0"),
                                      "protected": Recount(pr, "tree", "its nodes with lock_ref > 0")}}
 
-    @staticmethod
-    def owner_hint(frame_locals: dict) -> str | None:
-        rid = getattr(frame_locals.get("req"), "rid", None)
-        return f"req:{rid}" if isinstance(rid, str) else None
-
     def stalled(self) -> bool:
         """Only waiting requests are left and memory sessions hold (their KV, or their slot's tree lock)
         keeps them out: SGLang waits too."""
         held = self._session_held_tokens() > 0 or any(s.lock is not None for _, s in self._slots())
         return bool(self.waiting) and not self.running and held
-
-    def flushed(self) -> int:
-        return self._flushes
 
     def quiescence(self) -> list[tuple[str, str]]:
         """After a successful flush: both pools full again and the tree empty."""
@@ -123,9 +133,6 @@ class SglangObserver(SglangHooks):
                 + (f"grammar={grammar} " if grammar else "") + ("chunked=1 " if self.chunked_req is not None else "")
                 + f"available={self.allocator.available_size()} evictable={self.tree_cache.evictable_size()} "
                 f"protected={self.tree_cache.protected_size()} session_held={self._session_held_tokens()}")
-
-    def retraction(self) -> str:
-        return self.last_retraction or ""
 
     def _ceil(self, n: int) -> int:
         ps = self.config.page_size

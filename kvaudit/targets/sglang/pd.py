@@ -16,10 +16,9 @@ from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.pd_checksum import ChecksumWatch
-from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, fake_backend, install_metadata_pool,
-                                                 metadata_accounting, metadata_free_list, metadata_pool, metadata_roots)
+from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, PdServer, fake_backend, install_metadata_pool,
+                                                 metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
-from kvaudit.targets.sglang.feature import SglangLoop
 
 _PD = None
 
@@ -112,15 +111,12 @@ def _result_processor(P, o, metrics, streamer):
         abort_request=None)
 
 
-class PdDecode(SglangLoop):
+class PdDecode(PdServer):
     """The decode server of PD disaggregation, a second driver. A third pool, ``metadata_buffers``: the
     ``ReqToMetadataIdxAllocator`` slots (slot ``i`` is unit ``i + 1``) a request holds from
     pre-allocation until its transfer is committed or its release is done."""
 
     name = "pd-decode"
-
-    def pools(self, pools: list) -> list:
-        return pools + [metadata_pool(self.metadata_allocator)]
 
     def build(self, config: SglangConfig):
         S, P = load(), load_pd()
@@ -393,9 +389,6 @@ class PdDecode(SglangLoop):
         held += [(e[0].req.rid, e[3]) for e in self.transfer_queue._deferred_releases]
         return out + metadata_roots(held)
 
-    def accounting(self, out: dict) -> dict:
-        return metadata_accounting(out, self.metadata_allocator)
-
     def invariant_findings(self, out: list) -> list:
         """A request the KV checksum aborted while its KV was intact (:class:`ChecksumWatch`), since the last
         check (the first of them: one bug per check), reported once."""
@@ -407,9 +400,6 @@ class PdDecode(SglangLoop):
         the transfers that landed (``Network.land``)."""
         out["pd_decode_retractions"], out["pd_transfers_landed"] = self.target.retractions, self.network.landed
         return self.watch.reach(out)
-
-    def free_lists(self, out: dict) -> dict:
-        return metadata_free_list(out, self.metadata_allocator)
 
     def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` on a decode server: every queue empty and no release deferred."""

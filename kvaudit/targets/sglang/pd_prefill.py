@@ -17,10 +17,8 @@ from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, cpu_server_args, load, one_rank_group, \
     override_parallel
 from kvaudit.targets.sglang.config import SglangConfig
-from kvaudit.targets.sglang.feature import SglangLoop
 from kvaudit.targets.sglang.pd import load_pd, publish_scheduler
-from kvaudit.targets.sglang.pd_transfer import (install_metadata_pool, metadata_accounting, metadata_free_list,
-                                                 metadata_pool, metadata_roots)
+from kvaudit.targets.sglang.pd_transfer import PdServer, install_metadata_pool, metadata_roots
 from kvaudit.targets.sglang.standins import EOS
 
 DECODE_HOST = "10.0.0.2"  # the decode peer's bootstrap host (not FAKE_BOOTSTRAP_HOST: its KV enters the tree)
@@ -172,14 +170,11 @@ class _Streamer:
         self.target.finished.update(r.rid for r in reqs)
 
 
-class PdPrefill(SglangLoop):
+class PdPrefill(PdServer):
     """The prefill server of PD disaggregation, a second driver. A third pool, ``metadata_buffers``: the
     ``ReqToMetadataIdxAllocator`` slots a request holds from bootstrap until its transfer concludes."""
 
     name = "pd-prefill"
-
-    def pools(self, pools: list) -> list:
-        return pools + [metadata_pool(self.metadata_allocator)]
 
     def build(self, config: SglangConfig):
         S, Q = load(), load_prefill()
@@ -458,12 +453,6 @@ class PdPrefill(SglangLoop):
         wire = [Root("token_to_kv_pool", f"transfer:room{room}", pages, private=False, role="transfer",
                      where="wire") for room, pages in self.peer.reading()]
         return out + wire + metadata_roots([(r.rid, r.metadata_buffer_index) for r in self.active([])])
-
-    def accounting(self, out: dict) -> dict:
-        return metadata_accounting(out, self.metadata_allocator)
-
-    def free_lists(self, out: dict) -> dict:
-        return metadata_free_list(out, self.metadata_allocator)
 
     def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` on a prefill server: also the inflight and bootstrap queues empty."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.sglang.feature import SglangLoop
 
 
 def page_digest(content: bytes) -> int:
@@ -215,11 +216,18 @@ def metadata_roots(held: list[tuple[str, int | None]]) -> list[Root]:
             for rid, idx in held if idx is not None and idx >= 0]
 
 
-def metadata_accounting(out: dict, allocator) -> dict:
-    out["metadata_buffers"] = Accounting(allocator.available_size(), 0, 0, 0, allocator.size)
-    return out
+class PdServer(SglangLoop):
+    """What both PD servers' loops (decode, prefill) say alike of their third pool, ``metadata_buffers``:
+    ``self.metadata_allocator``, which their ``build`` sets."""
 
+    def pools(self, pools: list) -> list:
+        return pools + [metadata_pool(self.metadata_allocator)]
 
-def metadata_free_list(out: dict, allocator) -> dict:
-    out["metadata_buffers"] = np.asarray(allocator.free_slots, dtype=np.int64) + 1
-    return out
+    def accounting(self, out: dict) -> dict:
+        out["metadata_buffers"] = Accounting(self.metadata_allocator.available_size(), 0, 0, 0,
+                                             self.metadata_allocator.size)
+        return out
+
+    def free_lists(self, out: dict) -> dict:
+        out["metadata_buffers"] = np.asarray(self.metadata_allocator.free_slots, dtype=np.int64) + 1
+        return out

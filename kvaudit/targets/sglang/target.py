@@ -66,7 +66,8 @@ def _flush_reply_sink(version: str) -> dict:
 
 class SglangTarget(SglangDriver, SglangObserver):
     """Drives one set of SGLang pools and one ``UnifiedRadixCache``, with the features ``config`` asks for
-    (``self.features``); a :class:`SglangLoop` among them (``self.loop``) is the scheduler loop."""
+    (``self.features``); a :class:`SglangLoop` among them (``self.loop``) is the scheduler loop. The
+    methods that only combine the features' hooks are made from :data:`SEAMS`."""
 
     name = "sglang"
 
@@ -177,11 +178,6 @@ class SglangTarget(SglangDriver, SglangObserver):
         return [*DRIVER_FILES, hooks.__file__]
 
     # -- the loop: a SglangLoop feature's, else the shared driver's -----------------------------------
-    def step(self) -> None:
-        if self.loop is not None:
-            return self.loop.step()
-        super().step()
-
     def _abort(self, rid: str, message: str | None = None) -> None:
         if self.loop is not None:
             return self.loop.abort(rid, message)
@@ -191,25 +187,12 @@ class SglangTarget(SglangDriver, SglangObserver):
         if self.loop is not None:
             self.loop.transfer_fail(handle)
 
-    def _new_req(self, rid: str, ids, sp):
-        return self.loop.new_req(rid, ids, sp) if self.loop is not None else super()._new_req(rid, ids, sp)
-
-    def _create_session_req(self, session, recv):
-        if self.loop is not None:
-            return self.loop.session_req(session, recv)
-        return super()._create_session_req(session, recv)
-
     def _add_request_to_queue(self, req, is_retracted: bool = False) -> None:
         if self.loop is not None:
             return self.loop.add_request_to_queue(req, is_retracted)
         for f in self.features:
             f.queued(req, is_retracted)
         super()._add_request_to_queue(req, is_retracted)
-
-    def _pause_retract(self) -> None:
-        if self.loop is not None:
-            return self.loop.pause_retract()
-        super()._pause_retract()
 
     def _continue_generation(self) -> None:
         if self.loop is not None:
@@ -231,46 +214,11 @@ class SglangTarget(SglangDriver, SglangObserver):
         for f in self.features:
             f.before_batch()
 
-    def _prefetch_kvcache(self, req) -> None:
-        for f in self.features:
-            f.prefetch(req)
-
     def _prefetch_ready(self, req) -> bool:
         return all(f.prefetch_ready(req) for f in self.features)
 
     def _prefetch_after_device_hit_loss(self, req) -> bool:
         return any(f.prefetch_after_device_hit_loss(req) for f in self.features)
-
-    def _new_batch(self, batch, kind: str) -> None:
-        for f in self.features:
-            f.new_batch(batch, kind)
-
-    def _join_running(self) -> None:
-        if not any([f.join_running() for f in self.features]):
-            super()._join_running()
-
-    def _prefilled(self, req) -> None:
-        if not any([f.prefilled(req) for f in self.features]):
-            super()._prefilled(req)
-
-    def _after_decode_alloc(self, batch) -> None:
-        for f in self.features:
-            f.after_decode_alloc(batch)
-
-    def _after_extend_alloc(self, batch) -> None:
-        for f in self.features:
-            f.after_extend_alloc(batch)
-
-    def _forward(self, batch) -> None:
-        for f in self.features:
-            f.forward(batch)
-
-    def _spec_algorithm(self):
-        return self._fold("spec_algorithm", super()._spec_algorithm())
-
-    def _decode_alloc(self, batch) -> None:
-        if not any([f.decode_alloc(batch) for f in self.features]):
-            super()._decode_alloc(batch)
 
     def _model_result(self, kind: str, batch):
         out = next((r for r in (f.model_result(kind, batch) for f in self.features) if r is not None), None)
@@ -291,23 +239,10 @@ class SglangTarget(SglangDriver, SglangObserver):
         return next((c for c in (f.hisparse_coordinator() for f in self.features) if c is not None), None)
 
     # -- observer ---------------------------------------------------------------------------------
-    def framework_files(self) -> list[str]:
-        return self._fold("framework_files", super().framework_files())
-
-    def framework_classes(self) -> list[type]:
-        return self._fold("framework_classes", super().framework_classes())
-
-    def install_pool(self, spec: PoolSpec, auditor, wrap) -> None:
-        if not any([f.install_pool(spec, auditor, wrap) for f in self.features]):
-            super().install_pool(spec, auditor, wrap)
-
     def install_lock_ledger(self, wrap, record) -> None:
         super().install_lock_ledger(wrap, record)
         for f in self.features:
             f.install_lock_ledger(wrap, record)
-
-    def _inflight(self) -> list:
-        return self._fold("inflight", super()._inflight())
 
     def _active(self) -> list:
         read = super()._active
@@ -320,45 +255,12 @@ class SglangTarget(SglangDriver, SglangObserver):
     def is_idle(self, ignore_waiting: bool = False) -> bool:
         return self._fold("is_idle", super().is_idle(ignore_waiting), ignore_waiting)
 
-    def is_idle_for_health_check(self) -> bool:
-        return self._fold("is_idle_for_health_check", super().is_idle_for_health_check())
-
-    def stalled(self) -> bool:
-        return self._fold("stalled", super().stalled())
-
-    def progress(self) -> dict[str, int]:
-        return self._fold("progress", super().progress())
-
-    def stuck(self) -> str:
-        return self._fold("stuck", super().stuck())
-
-    def describe_busy(self) -> str:
-        return self._fold("describe_busy", super().describe_busy())
-
     def roots(self, aborting: bool = True) -> list:
         return self._fold("roots", super().roots(aborting), aborting)
-
-    def units_of_rows(self, rows) -> dict:
-        return self._fold("units_of_rows", super().units_of_rows(rows), rows)
 
     def accounting(self) -> dict:
         read = super().accounting
         return dict(self._once("accounting", lambda: self._fold("accounting", read())))
-
-    def free_lists(self) -> dict:
-        return self._fold("free_lists", super().free_lists())
-
-    def lock_holders(self) -> list[tuple[str, str, int]]:
-        return self._fold("lock_holders", super().lock_holders())
-
-    def lock_balance(self):
-        return self._fold("lock_balance", super().lock_balance())
-
-    def engine_check(self) -> list[str]:
-        return self._fold("engine_check", super().engine_check())
-
-    def invariant_findings(self) -> list:
-        return self._fold("invariant_findings", super().invariant_findings())
 
     def reach(self) -> dict[str, int]:
         """The shared driver's counters (requests retracted, by decode retraction or priority preemption,
@@ -368,6 +270,55 @@ class SglangTarget(SglangDriver, SglangObserver):
         return self._fold("reach", {"retractions": self.retractions, "evictions_for_alloc": self.evictions_for_alloc,
                                     **prio, **self.results_reach()})
 
+
+
+
+def _seam(name: str, hook: str, combine: str):
+    """``SglangTarget.<name>`` of a :data:`SEAMS` row: the features' ``hook`` combined by ``combine``."""
+    def fold(self, *args):
+        return self._fold(hook, getattr(super(SglangTarget, self), name)(*args), *args)
+
+    def each(self, *args) -> None:
+        for f in self.features:
+            getattr(f, hook)(*args)
+
+    def unless_taken(self, *args) -> None:
+        if not any([getattr(f, hook)(*args) for f in self.features]):
+            getattr(super(SglangTarget, self), name)(*args)
+
+    def loop(self, *args):
+        if self.loop is not None:
+            return getattr(self.loop, hook)(*args)
+        return getattr(super(SglangTarget, self), name)(*args)
+
+    method = {"fold": fold, "each": each, "unless_taken": unless_taken, "loop": loop}[combine]
+    method.__name__, method.__qualname__ = name, f"SglangTarget.{name}"
+    return method
+
+
+# SglangTarget's methods that only combine the features' hooks (SglangFeature / SglangLoop methods):
+# (method, hook, how). fold: the shared driver's or observer's answer through each feature's hook, in
+# order (_fold); each: every feature's hook, in order (the shared method does nothing); unless_taken: every
+# feature's hook, then the shared method unless one took the call (returned true); loop: the SglangLoop
+# feature's hook if there is one, else the shared method. (Every argument positional.)
+SEAMS = (
+    ("step", "step", "loop"), ("_new_req", "new_req", "loop"), ("_create_session_req", "session_req", "loop"),
+    ("_pause_retract", "pause_retract", "loop"),
+    ("_prefetch_kvcache", "prefetch", "each"), ("_new_batch", "new_batch", "each"),
+    ("_after_decode_alloc", "after_decode_alloc", "each"), ("_after_extend_alloc", "after_extend_alloc", "each"),
+    ("_forward", "forward", "each"),
+    ("_join_running", "join_running", "unless_taken"), ("_prefilled", "prefilled", "unless_taken"),
+    ("_decode_alloc", "decode_alloc", "unless_taken"), ("install_pool", "install_pool", "unless_taken"),
+    ("_spec_algorithm", "spec_algorithm", "fold"), ("_inflight", "inflight", "fold"),
+    ("units_of_rows", "units_of_rows", "fold"), ("framework_files", "framework_files", "fold"),
+    ("framework_classes", "framework_classes", "fold"), ("is_idle_for_health_check", "is_idle_for_health_check", "fold"),
+    ("stalled", "stalled", "fold"), ("progress", "progress", "fold"), ("stuck", "stuck", "fold"),
+    ("describe_busy", "describe_busy", "fold"), ("free_lists", "free_lists", "fold"),
+    ("lock_holders", "lock_holders", "fold"), ("lock_balance", "lock_balance", "fold"),
+    ("engine_check", "engine_check", "fold"), ("invariant_findings", "invariant_findings", "fold"),
+)
+for _row in SEAMS:
+    setattr(SglangTarget, _row[0], _seam(*_row))
 
 class _CheckScope:
     """:meth:`SglangTarget.checking`: a fresh memo for the check, the previous one (an outer check's) back
