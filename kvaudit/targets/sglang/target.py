@@ -271,8 +271,6 @@ class SglangTarget(SglangDriver, SglangObserver):
                                     **prio, **self.results_reach()})
 
 
-
-
 def _seam(name: str, hook: str, combine: str):
     """``SglangTarget.<name>`` of a :data:`SEAMS` row: the features' ``hook`` combined by ``combine``."""
     def fold(self, *args):
@@ -319,6 +317,7 @@ SEAMS = (
 )
 for _row in SEAMS:
     setattr(SglangTarget, _row[0], _seam(*_row))
+
 
 class _CheckScope:
     """:meth:`SglangTarget.checking`: a fresh memo for the check, the previous one (an outer check's) back
