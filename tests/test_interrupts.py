@@ -323,6 +323,26 @@ def test_minimize_interrupted_before_the_first_run_has_nothing(monkeypatch):
     assert caught.value.smallest is None
 
 
+@pytest.mark.parametrize("how", ["interrupted before the first run", "does not reproduce"])
+def test_a_minimize_that_writes_nothing_still_ends_stdout_with_its_summary_line(tmp_path, monkeypatch, how):
+    """reports.md: the SUMMARY: line is the last line minimize prints, an interrupted run's too; a minimize that
+    wrote nothing printed none (the tester)."""
+    src = str(tmp_path / "f.json")
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, f"{BUG}.json"))
+    if how == "does not reproduce":
+        config = config.replace(bugs=frozenset())
+    else:
+        import kvaudit.app.minimize as app_minimize
+        monkeypatch.setattr(app_minimize, "minimize", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    replay.write_atomic(src, replay.to_doc(config, program, findings))
+    r = invoke("minimize", src, "-o", str(tmp_path / "out.json"))
+    assert r.exit_code == (130 if how.startswith("interrupted") else 4), r.output
+    want = "SUMMARY: kvaudit: no findings (interrupted)." if how.startswith("interrupted") else \
+        "SUMMARY: kvaudit: no findings."
+    assert r.stdout.rstrip().splitlines()[-1] == want, r.stdout[-500:]
+    assert not (tmp_path / "out.json").exists()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_during_kvaudit_minimize_writes_the_smallest_program_so_far(tmp_path, launch, sig):
     config, padded, findings = padded_program()

@@ -13,7 +13,7 @@ from kvaudit.app.progress import console as make_console
 from kvaudit.app.replay import load_replay
 from kvaudit.audit.runner import execute
 from kvaudit.constants import CONFIRM_RUNS
-from kvaudit.reports.report import print_report
+from kvaudit.reports.report import print_report, summary_line
 from kvaudit.search.fuzz import confirm
 from kvaudit.search.minimize import Interrupted, minimize
 
@@ -45,14 +45,14 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
         confirmations = confirm(config, small, signature, suppressions=fresh())
     except ValueError:
         err.print(f"{file}: {signature} does not reproduce", soft_wrap=True)
-        return EXIT_NOT_REPRODUCED
+        return _nothing(console, EXIT_NOT_REPRODUCED)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
         smallest = small if small is not None else e.smallest if isinstance(e, Interrupted) else None
         return _write_interrupted(config, program, smallest, signature, file, out_file, fresh(), console, err)
     if confirmations < CONFIRM_RUNS:
         err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
                   "nothing written", soft_wrap=True)
-        return EXIT_NOT_REPRODUCED
+        return _nothing(console, EXIT_NOT_REPRODUCED)
     final = execute(config, small, suppressions=fresh(), drain=True)
     findings = sorted(final.findings, key=lambda f: f.signature != signature)  # the file keeps its first
     try:
@@ -71,16 +71,23 @@ def _write_interrupted(config, program, smallest, signature, file, out_file, sup
     ignore_interrupts(clear=True)  # the replay below runs ops
     if smallest is None:
         err.print("interrupted before the program reproduced: nothing written")
-        return EXIT_INTERRUPTED
+        return _nothing(console, EXIT_INTERRUPTED)
     final = execute(config, smallest, suppressions=suppressions, drain=True)
     findings = sorted(final.findings, key=lambda f: f.signature != signature)
     if signature not in final.signatures:
         err.print(f"interrupted; the smallest program so far ({len(smallest)} ops) did not reproduce {signature} "
                   "when replayed: nothing written", soft_wrap=True)
-        return EXIT_INTERRUPTED
+        return _nothing(console, EXIT_INTERRUPTED)
     print_report(console, config, smallest, findings)
     path = write_replay(out_file, config, smallest, findings, minimized=False, minimized_from=file,
                         confirmations="interrupted before confirmation")
     err.print(f"interrupted: the smallest program so far ({len(program)} -> {len(smallest)} ops, not confirmed) "
               f"written to {path}", soft_wrap=True)
     return EXIT_INTERRUPTED
+
+
+def _nothing(console, code: int) -> int:
+    """A run that writes nothing still ends stdout with its ``SUMMARY:`` line (docs/guides/reports.md):
+    no findings, ``(interrupted)`` when it was. Returns ``code``."""
+    console.print(summary_line([], interrupted=code == EXIT_INTERRUPTED), soft_wrap=True)
+    return code
