@@ -193,6 +193,40 @@ def test_the_campaign_name_is_printed_as_typed_in_the_fuzz_banner_the_pull_line_
     assert lines and all(line.startswith(f"campaign {name}: ") for line in lines), lines
 
 
+@pytest.mark.parametrize("full_at", ["a replay file", "a corpus program"])
+def test_a_pull_onto_a_full_disk_says_so_and_names_the_file(redis_server, tmp_path, monkeypatch, full_at):
+    """On a full disk the pull said "Redis went away during the pull" (exit 69; the disk's OSError was caught as
+    Redis's), or, with only the programs unwritable, "3 new corpus program(s)" with exit 0 (the tester): exit 74,
+    naming the file not written and what was kept."""
+    import errno
+
+    r = redis_server.client()
+    r.sadd("kvaudit:t:workers", "host/1/0")
+    for sig in ("leak/x", "leak/y"):
+        r.hset("kvaudit:t:findings", sig, json.dumps(_doc(sig)))
+    h = _hub(redis_server)
+    for i, ops in enumerate(([{"op": "idle"}], [{"op": "submit"}, {"op": "idle"}], [{"op": "flush_cache"}])):
+        h.share_program(f"p{i}.json", ops)
+    h.flush_programs()
+    real = replay.write_text_atomic
+    full = "findings" if full_at == "a replay file" else "programs"
+
+    def write(path, *a, **k):
+        folder = os.path.dirname(path)
+        if os.sep + full + os.sep in path and os.path.isdir(folder) and any(os.scandir(folder)):  # the 2nd file on
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(replay, "write_text_atomic", write)
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "t", str(tmp_path / "d")])
+    assert pull.exit_code == 74, pull.output
+    line = one_error_line(pull)
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {tmp_path / 'd' / full}{os.sep}"), line
+    assert "Redis" not in line and "kept what was written" in line
+    if full_at == "a corpus program":
+        assert "2 of 3 corpus program(s) not written" not in line and "1 of 3 corpus program(s) in" in line
+
+
 def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_server, tmp_path):
     h = _hub(redis_server)
     assert h.claim(["leak/x"], _doc()) == ["leak/x"]

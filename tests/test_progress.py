@@ -15,8 +15,8 @@ from kvaudit.targets.eut.presets import get_preset
 
 def test_the_plain_status_line_shows_coverage_as_one_readable_field(capsys):
     """It printed coverage=93_features,_6_programs."""
-    assert coverage_field("93 features, 6 programs") == "93features/6programs"
-    assert coverage_field("412 edges") == "412edges"
+    assert coverage_field("93 features, 6 programs") == ("93features/6programs", "")
+    assert coverage_field("412 edges") == ("412edges", "")
     stats = FuzzStats()
     stats.coverage = "93 features, 6 programs"
 
@@ -27,6 +27,20 @@ def test_the_plain_status_line_shows_coverage_as_one_readable_field(capsys):
     assert " coverage=93features/6programs remaining=60s" in line
     fields = line.split("] ", 1)[1].split(" ", 1)[1].split(" ")
     assert all(re.fullmatch(r"[a-z/]+=\S+", f) for f in fields), fields  # key=value, split on spaces
+
+
+def test_the_corpus_stores_note_ends_the_status_line_as_written():
+    """A corpus on a full disk: the note in the coverage text came out squashed into the field,
+    `coverage=1414features/265programs(0unreadableand231unwritablefilesin/tmp/C/programs)` (the tester)."""
+    stats = FuzzStats()
+    stats.coverage = "1414 features, 265 programs (0 unreadable and 231 unwritable files in /tmp/C/programs)"
+
+    class Plain:
+        is_terminal = False
+
+    line = Progress(Plain(), 60.0).line(stats)
+    assert line.endswith(" coverage=1414features/265programs remaining=60s (0 unreadable and 231 unwritable files "
+                         "in /tmp/C/programs)"), line
 
 
 def test_no_plain_status_line_before_the_first_program_ran_unless_forced(capsys):

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError
+from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.configs import check_db
 from kvaudit.config import json_value
 from kvaudit.app.progress import console as make_console
@@ -136,13 +136,20 @@ def pull(db: str, campaign: str, directory: str) -> int:
         os.makedirs(os.path.join(directory, "findings"), exist_ok=True)
     except OSError as e:
         raise InputError(f"{directory}: {e.strerror or e}") from None
-    hub = Hub(client, campaign, worker_id(-1))
-    paths = hub.pull_findings(os.path.join(directory, "findings"))
+    hub, paths = Hub(client, campaign, worker_id(-1)), []
+    try:
+        hub.pull_findings(os.path.join(directory, "findings"), written=paths)
+    except OSError as e:  # (a full disk: not Redis going away)
+        raise write_error(e, e.filename, paths) from None
     store = CorpusStore(os.path.join(directory, "programs"), mirror=hub)
     store.seen.update(os.listdir(store.path) if os.path.isdir(store.path) else ())
     programs = store.load_new()
     for w in hub.warnings + [f"skipped a malformed corpus program in Redis ({n})" for n in store.skipped]:
         err.print(f"warning: {w}", soft_wrap=True)
+    if store.write_errors:  # (the store goes on past a file it cannot write; a pull must not say it has it)
+        path, e = store.write_errors[0]
+        kept = f"{len(programs) - len(store.write_errors)} of {len(programs)} corpus program(s) in {store.path}"
+        raise write_error(e, path, [*paths, kept])
     if not hub.online:
         raise UnavailableError(f"--db {safe_url(db)}: Redis went away during the pull")
     have = sorted(n for n in os.listdir(os.path.join(directory, "findings")) if n.endswith(".json"))

@@ -30,9 +30,12 @@ def console(stderr: bool = False) -> Console:
 PROGRESS_INTERVAL = 5.0  # seconds between plain status lines off a terminal (fuzz, replay)
 
 
-def coverage_field(coverage: str) -> str:
-    """``"93 features, 6 programs"`` as one field of a plain status line: ``93features/6programs``."""
-    return "/".join("".join(part.split()) for part in coverage.split(","))
+def coverage_field(coverage: str) -> tuple[str, str]:
+    """``"93 features, 6 programs (2 unreadable ...)"`` as one field of a plain status line,
+    ``93features/6programs``, and the note in parentheses (``""``: none), which the line ends with as
+    written."""
+    head, _, note = coverage.partition(" (")
+    return "/".join("".join(part.split()) for part in head.split(",")), note and f" ({note}"
 
 
 class Progress:
@@ -55,10 +58,10 @@ class Progress:
 
     def line(self, s: FuzzStats) -> str:
         f = dict(self._fields(s, self.max_time))
-        cov = getattr(s, "coverage", None)
+        cov, note = coverage_field(getattr(s, "coverage", None) or "")
         return (f"[{s.elapsed:6.1f}s] {s.phase}: executions={f['executions']} exec/s={f['exec/s']} ops={f['ops']} "
                 f"findings={f['findings']} suppressed={f['suppressed']} sites={len(s.sites)} "
-                + (f"coverage={coverage_field(cov)} " if cov else "") + f"remaining={f['remaining']}")
+                + (f"coverage={cov} " if cov else "") + f"remaining={f['remaining']}{note}")
 
     def renderable(self, s: FuzzStats):
         grid = Table.grid(padding=(0, 2))

@@ -153,8 +153,12 @@ class _Worker:
 
     def sync(self) -> None:
         """Between rounds of a fleet campaign: pull the fleet's files and known signatures; triage orphans."""
-        spec, hub = self.spec, self.hub
-        for path in hub.pull_findings(self.fdir, have=set(known_signatures(spec.corpus))):
+        spec, hub, pulled = self.spec, self.hub, []
+        try:
+            hub.pull_findings(self.fdir, have=set(known_signatures(spec.corpus)), written=pulled)
+        except OSError:  # a full disk: the rest stays in Redis, known below all the same; the search goes on
+            pass
+        for path in pulled:
             try:
                 _, _, findings, _ = replay.load(path)
             except replay.ReplayFormatError:

@@ -143,7 +143,7 @@ class CorpusStore:
         self.mirror = mirror  # a kvaudit.search.hub.Hub: programs shared across hosts (``--db``)
         self.seen: set[str] = set()  # file names loaded or written by this store
         self.skipped: list[str] = []
-        self.write_errors: list[str] = []
+        self.write_errors: list[tuple[str, OSError]] = []  # (path, error) of each file not written
 
     @staticmethod
     def name(program: list[Op], ops: list | None = None) -> str:
@@ -165,7 +165,7 @@ class CorpusStore:
                 write_text_atomic(path, json.dumps({"format": "kvaudit.program/1", "program": ops}) + "\n",
                                   durable=False)
             except OSError as e:
-                self.write_errors.append(f"{name}: {e}")
+                self.write_errors.append((path, e))
             if self.mirror is not None and not shared:
                 self.mirror.share_program(name, ops)
 

@@ -340,25 +340,29 @@ class Hub:
         got = self._call(lambda r: r.smembers(self.key("known")), default=set())
         return set(map(_text, got))
 
-    def pull_findings(self, directory: str, have: set[str] | None = None) -> list[str]:
+    def pull_findings(self, directory: str, have: set[str] | None = None, written: list[str] | None = None) \
+            -> list[str]:
         """Write the fleet's replay files that ``directory`` lacks into it, validated, atomically; ``have``:
-        signatures to skip unread. Returns the paths written."""
+        signatures to skip unread. Returns the paths written, each also appended to ``written`` as it is.
+        Raises ``OSError`` for a file not written (a full disk: the files are written after the reads, so
+        the disk's error is not taken for Redis's)."""
         def go(r):
-            names = list(map(_text, r.hkeys(self.key("findings"))))
             out = []
-            for sig in names:
-                if have is not None and sig in have:
-                    continue
+            for sig in map(_text, r.hkeys(self.key("findings"))):
                 path = os.path.join(directory, replay.file_name(sig))
-                if os.path.exists(path):
-                    continue
-                doc = self._replay_doc(r.hget(self.key("findings"), sig), "findings", sig)
-                if doc is not None:
-                    replay.write_atomic(path, doc)
-                    out.append(path)
+                if (have is None or sig not in have) and not os.path.exists(path):
+                    out.append((path, sig, r.hget(self.key("findings"), sig)))
             return out
 
-        return self._call(go, default=[])
+        written = [] if written is None else written
+        for path, sig, text in self._call(go, default=[]):
+            doc = self._replay_doc(text, "findings", sig)
+            if doc is not None:
+                try:
+                    written.append(replay.write_atomic(path, doc))
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, path) from e  # (naming the file, not its temporary)
+        return written
 
     def new_programs(self) -> list[tuple[str, list]]:
         """``(name, ops JSON)`` of the corpus programs shared since the last call (the caller validates the
