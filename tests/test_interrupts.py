@@ -394,6 +394,7 @@ def test_a_full_disk_while_writing_a_report_is_one_line_and_keeps_what_was_writt
     assert path in line and str(tmp_path / "r.json") in line  # named as kept
     assert json.load(open(tmp_path / "r.json"))["findings"][0]["signature"] == findings[0].signature
     assert not (tmp_path / "r.sarif").exists() and not leftovers(tmp_path) and not leftovers(out)
+    assert "<html" in (tmp_path / "r.html").read_text() and str(tmp_path / "r.html") in line  # (after the SARIF)
 
 
 def test_a_full_disk_for_the_finding_still_prints_its_report(tmp_path, monkeypatch):
@@ -416,6 +417,37 @@ def test_a_full_disk_in_kvaudit_ci_is_one_line(tmp_path, monkeypatch):
     assert r.exit_code == 74, r.output
     assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: disk full: cannot write {tmp_path}")
     assert not (tmp_path / "ci.xml").exists() and not leftovers(tmp_path)
+
+
+def test_a_full_disk_for_the_finding_still_writes_the_reports_asked_for(tmp_path, monkeypatch):
+    """The replay file's disk is full, the JUnit's need not be (another disk): it was not written ("nothing else
+    was written"); now it is, and the error names it as kept (the tester)."""
+    full_disk_for(monkeypatch, ".json")
+    out = tmp_path / "out"
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "60", "--out", str(out),
+               "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 74, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {out}") and "nothing else" not in line
+    assert f"kept what was written: {tmp_path / 'j.xml'}" in line
+    assert "<failure" in (tmp_path / "j.xml").read_text()
+
+
+def test_a_full_disk_for_cis_sarif_keeps_its_verdict_lines_and_its_junit(tmp_path, monkeypatch):
+    """ci's SARIF on a full disk: exit 74 with no SUMMARY: or passed/FAILED line on stdout (the tester); now
+    the job's lines, then the JUnit (written after it), then the one-line error."""
+    full_disk_for(monkeypatch, ".sarif")
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--sarif", str(tmp_path / "ci.sarif"),
+               "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 74, r.output
+    last = r.stdout.strip().splitlines()[-2:]
+    assert last[0].startswith("SUMMARY: kvaudit:") and last[1].startswith("passed: 1/1 regressions ok"), last
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {tmp_path / 'ci.sarif'}"), line
+    assert str(tmp_path / "ci.xml") in line and "<testsuite" in (tmp_path / "ci.xml").read_text()
 
 
 def test_other_write_errors_stay_input_errors(tmp_path, monkeypatch):

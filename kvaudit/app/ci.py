@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import click
 from hypothesis.configuration import set_hypothesis_home_dir
 from rich.table import Table
 from rich.text import Text
@@ -80,7 +81,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         for run in result.fuzz:
             sset.add_usage(run.suppression_usage)
         print_suppressions(console, sset)
-    _write_outputs(outputs, result, kind, preset_names[0], sset, err)
+    failed = _write_outputs(outputs, result, kind, preset_names[0], sset, err)
     # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]
     line = summary_line([f for findings in runs for f in findings], suppressed_by_kind(sset),
@@ -89,6 +90,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
                   + (" (interrupted)" if result.interrupted else ""))
+    if failed is not None:  # after the job's lines: a report not written does not hide its verdict
+        raise failed
     return _exit_code(result, err, per_preset)
 
 
@@ -149,25 +152,34 @@ def _print_table(console, result) -> None:
     print_table(console, t)
 
 
-def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err) -> None:
-    """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones)."""
+def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err):
+    """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can.
+    Returns the error for the first not written (naming every file kept), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
+    failed = None
     for fmt, label, path in (("junit", "JUnit", outputs.junit), ("sarif", "SARIF", outputs.sarif)):
         if path:
             try:
                 replay.write_text_atomic(path, texts[fmt]())
             except OSError as e:
-                raise write_error(e, path, kept) from None
+                failed = failed or (e, path)
+                continue
             err.print(f"{label} written: {path}")
             kept.append(path)
     rest = Outputs(html=outputs.html, json=outputs.json)
     if rest.wanted():
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
-        write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
-                                       {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
+        try:
+            write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
+                                           {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
+        except click.ClickException as e:
+            if failed is None:
+                return e
+            kept += [p for p in getattr(e, "kept", ()) if p not in kept]
+    return None if failed is None else write_error(*failed, kept)
 
 
 def _exit_code(result, err, per_preset: float) -> int:

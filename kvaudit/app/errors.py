@@ -17,7 +17,18 @@ class InputError(click.ClickException):
 
 
 class DiskFull(click.ClickException):
+    """``path`` not written (``why``: the OS's words); ``kept``: what this run wrote, which stays."""
+
     exit_code = EXIT_DISK_FULL
+
+    def __init__(self, path: str, why: str, kept: list[str] | tuple = ()):
+        self.path, self.why, self.kept = path, why, tuple(kept)
+        super().__init__(f"disk full: cannot write {path} ({why}); "
+                         + (f"kept what was written: {', '.join(kept)}" if kept else "nothing else was written"))
+
+    def keeping(self, more: list[str] | tuple) -> "DiskFull":
+        """The same error, naming ``more`` files written after it among those kept."""
+        return DiskFull(self.path, self.why, (*self.kept, *more))
 
 
 class UnavailableError(click.ClickException):
@@ -27,6 +38,5 @@ class UnavailableError(click.ClickException):
 def write_error(e: OSError, path: str, kept: list[str] | tuple = ()) -> click.ClickException:
     """The error for a file not written: :class:`DiskFull` naming the files ``kept``, else :class:`InputError`."""
     if disk_full(e):
-        return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); "
-                        + (f"kept what was written: {', '.join(kept)}" if kept else "nothing else was written"))
+        return DiskFull(path, str(e.strerror or e), kept)
     return InputError(f"cannot write {path}: {e.strerror or e}")

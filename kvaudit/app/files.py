@@ -85,7 +85,9 @@ def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[
         return
     try:
         written = write_outputs(outputs, data)
-    except WriteError as e:
+    except WriteError as e:  # (the others were written: a full disk under one need not be under another)
+        if e.written:
+            err.print("reports written: " + ", ".join(e.written), soft_wrap=True)
         raise write_error(e, f"report {e.filename}", [*kept, *e.written]) from None
     err.print("reports written: " + ", ".join(written), soft_wrap=True)
 

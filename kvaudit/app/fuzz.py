@@ -16,8 +16,8 @@ from kvaudit import replay
 from kvaudit.app.budget import Budget, duration
 from kvaudit.app.configs import (check_available, check_db, check_fuzzer, warn_campaign_without_db,
                                  warn_unreachable_bugs)
-from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
-                                write_error)
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, DiskFull,
+                                InputError, write_error)
 from kvaudit.app.files import check_dir, load_suppressions, replay_hint, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -235,13 +235,25 @@ class _Single:
             path = write_finding(self.out_dir, config, crash.program, crash.findings, seed=self.seed,
                                  fuzzer=self.fuzzer, confirmations=confirmations, minimized=minimized,
                                  timeline=data.cases[0].timeline)
-        except click.ClickException:  # a full disk (write_error): the finding still reaches the log
+        except click.ClickException as e:  # a full disk (write_error): the finding still reaches the log
             print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
-            raise
+            raise _with_reports(e, outputs, data, self.err) from None
         console.print(f"replay file: {path}   ({replay_hint(config, path)})", soft_wrap=True)
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
         write_reports(outputs, data, self.err, kept=(path,))
         return EXIT_FINDINGS
+
+
+def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click.ClickException:
+    """``e`` (the replay file not written) once the reports asked for are written where they can be (on another
+    disk, say), naming those among the files kept."""
+    try:
+        write_reports(outputs, data, err)
+    except click.ClickException as later:
+        written = list(getattr(later, "kept", ()))
+    else:
+        written = [p for p in (outputs.json, outputs.sarif, outputs.junit, outputs.html) if p]
+    return e.keeping(written) if isinstance(e, DiskFull) and written else e
 
 
 def nothing_searched(err, max_time: float) -> int:

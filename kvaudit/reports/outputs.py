@@ -129,14 +129,18 @@ _RENDER = {"json": lambda data: replay.doc_text(data.doc()), "sarif": _sarif, "j
 
 
 def write(outputs: Outputs, data: ReportData) -> list[str]:
-    """Write every file ``outputs`` names, in :data:`_RENDER`'s order; returns the paths written. Raises
-    :class:`WriteError` (an OSError) naming the file that failed; those written before it stay."""
+    """Write every file ``outputs`` names, in :data:`_RENDER`'s order, each it can (a full disk under one need
+    not be under another); returns the paths written. Raises :class:`WriteError` (an OSError) naming the first
+    file that failed, with every file written in ``written``, which stay."""
     written: list[str] = []
+    failed: tuple[OSError, str] | None = None
     for fmt, render in _RENDER.items():
         path = getattr(outputs, fmt)
         if path:
             try:
                 written.append(replay.write_text_atomic(path, render(data)))
             except OSError as e:
-                raise WriteError(e, path, written) from None
+                failed = failed or (e, path)
+    if failed is not None:
+        raise WriteError(*failed, written)
     return written
