@@ -4,6 +4,8 @@ leaves every finding to the full check, and paranoid mode runs both and raises o
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import os
 
 import numpy as np
@@ -150,3 +152,18 @@ def test_idle_roots_leave_a_queued_request_to_the_full_check():
         assert not run.target.is_idle() and run.target.idle_roots() is None
     finally:
         run.close()
+
+
+def test_paranoid_over_the_zoos_regressions_finds_no_disagreement(monkeypatch):
+    """Every corpora/regressions program, bug on and off, per step and on a search's sparse schedule, in paranoid
+    mode: the idle check and the full check agree at every idle check (a disagreement raises), and both
+    verdicts are met (clean and not)."""
+    seen = []
+    real = oracles._idle_agrees
+    monkeypatch.setattr(oracles, "_idle_agrees", lambda a, t, quick, found: (seen.append(quick[0]), real(a, t, quick, found)))
+    for path in sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))):
+        config, program, _, _ = replay.load(path)
+        for cfg in (config, dataclasses.replace(config, bugs=frozenset())):
+            for every in (1, 16):
+                _run(cfg, program, paranoid=True, check_every=every).close()
+    assert True in seen and False in seen
