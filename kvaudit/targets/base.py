@@ -70,6 +70,17 @@ class Accounting:
     total: int
 
 
+class IdleRoots(NamedTuple):
+    """The roots at idle when they are the cache's alone (:meth:`Target.idle_roots`): ``owner`` (a
+    :class:`Root`'s owner, private, role ``"tree"``) references ``units`` (pool -> ``[n] int64`` units; a
+    pool left out: none) and no other root exists; ``locked``: whether :meth:`Target.lock_balance` would
+    name a node now."""
+
+    owner: str
+    units: dict
+    locked: bool
+
+
 class LockImbalance(NamedTuple):
     """A tree node whose lock count differs from its live holders (``lock_balance()``).
 
@@ -325,6 +336,14 @@ class Target:
     def lock_balance(self) -> list[LockImbalance]:
         """Tree nodes whose lock count differs from their live holders (device and host); default none."""
         return []
+
+    def idle_roots(self) -> IdleRoots | None:
+        """At idle, the roots when the only owner left is the cache (no request, session or other record
+        holds a unit), read cheaply, so that the idle check compares them with the ledger in a few numpy
+        calls instead of the full mark and sweep (:mod:`kvaudit.audit.oracles.idle`); it must describe
+        exactly what :meth:`roots` and :meth:`lock_balance` would give. Reads. None (default, or a state it
+        does not cover): the full check runs."""
+        return None
 
     def lock_holders(self) -> list[tuple[str, str, int]] | None:
         """Every live lock receipt as ``(lock, holder, node id)`` (``"req:7"``), paired with the lock

@@ -20,6 +20,7 @@ from kvaudit.audit.kinds import KINDS, lookup
 from kvaudit.audit.oracles.grouping import group_by_site
 from kvaudit.audit.oracles.incremental import Bookkeeping, DeltaDisagreement, WhereByName
 from kvaudit.audit.oracles.identity import engine_disagrees, identity, replay_free_list
+from kvaudit.audit.oracles.idle import commit, idle_check, owners as idle_owners
 from kvaudit.audit.oracles.leaks import leaks
 from kvaudit.audit.oracles.lock_balance import lock_balance
 from kvaudit.audit.oracles.outcome import attach_engine_verdict, crash, idle_hang, liveness, quiescence, watchdog_hang
@@ -181,11 +182,21 @@ def _check(auditor: Auditor, target, idle: bool, scan_only: bool) -> list[Findin
     if auditor.bookkeeping is None:
         auditor.bookkeeping = Bookkeeping(sum(led.allocated.size for led in auditor.ledgers.values()))
     bk = auditor.bookkeeping
+    quick = idle_check(auditor, target) if idle and not bk.big else None
+    if quick is not None and not auditor.paranoid:
+        bk.valid = False  # (as after the full sweep below this size: the next busy check sweeps)
+        if quick[0]:
+            commit(auditor, quick[1])
+            return []
+        return _full_check(auditor, target, idle, False)[0]  # (the findings, by the full check)
     exact = auditor.paranoid or idle or not bk.valid  # (the full sweep rebuilds the kept state below)
     deltas = target.ownership_deltas(exact) if bk.big or auditor.paranoid else None
     if deltas is None:
         bk.valid = False
-        return _full_check(auditor, target, idle, False)[0]
+        found = _full_check(auditor, target, idle, False)[0]
+        if quick is not None:
+            _idle_agrees(auditor, target, quick, found)
+        return found
     clean = bk.apply(auditor, deltas) if bk.valid and (auditor.paranoid or not idle) else None
     if clean and not idle and not auditor.paranoid:
         found = _incremental_check(auditor, target, bk)
@@ -199,6 +210,8 @@ def _check(auditor: Auditor, target, idle: bool, scan_only: bool) -> list[Findin
                 raise DeltaDisagreement(f"target {kind_name(target)}: paranoid check at op {auditor.op_index}, step "
                                         f"{auditor.step}: the ownership deltas disagree with the full sweep: "
                                         f"{wrong.lstrip('; ')}")
+        if quick is not None:
+            _idle_agrees(auditor, target, quick, found)
         bk.resync(auditor, by_pool, where)
         if not exact:
             # an anomaly in a busy check: the target's copy brought up to the roots just swept (a write it
@@ -206,6 +219,19 @@ def _check(auditor: Auditor, target, idle: bool, scan_only: bool) -> list[Findin
             target.ownership_deltas(True)
     bk.valid = not found
     return found
+
+
+def _idle_agrees(auditor: Auditor, target, quick: tuple, found: list[Finding]) -> None:
+    # paranoid: the idle check's verdict and owners (read before the full check ran) against the full check's
+    clean, got = quick
+    wrong = [] if clean == (not found) else [f"the idle check says {'clean' if clean else 'not clean'}, the full "
+                                             f"check found {len(found)} finding(s)"]
+    if clean and not found:
+        wrong += [f"{pool}'s owners differ at units {np.flatnonzero(owner != auditor.ledgers[pool].owner)[:5].tolist()}"
+                  for pool, owner in idle_owners(auditor, got).items() if np.count_nonzero(owner != auditor.ledgers[pool].owner)]
+    if wrong:
+        raise DeltaDisagreement(f"target {kind_name(target)}: paranoid check at op {auditor.op_index}, step "
+                                f"{auditor.step}: the idle check disagrees with the full sweep: {'; '.join(wrong)}")
 
 
 def _differing(kept: dict, swept: dict) -> str:

@@ -32,32 +32,25 @@ def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, reco
     held = (counts[1] if counts else units_count(session_units, n)) * ps
     lines, checks = [], []
     if recount:
-        have = {term: getattr(a, term) for term in recount}
-        wrong = [t for t, r in recount.items() if have[t] != r.tokens]
+        wrong = [t for t, r in recount.items() if getattr(a, t) != r.tokens]
         if wrong:
+            have = {term: getattr(a, term) for term in recount}
             lines += [f"{recount[t].counter} counter {t}={have[t]} but {recount[t].source} hold "
                       f"{recount[t].tokens} tokens" for t in wrong]
             lines += [f"{t}={have[t]} matches {r.source}" for t, r in recount.items() if t not in wrong]
             checks.append("counter:" + ",".join(sorted(wrong)))
-    free_units = (n - 1) - int(np.count_nonzero(led.allocated[1:]))
+    free_units = (n - 1) - int(np.count_nonzero(led.allocated[1:])) if led.spec.kind == "kv" else 0
     if led.spec.kind == "kv" and a.available != free_units * ps:
         lines.append(f"the engine reports available={a.available} but the ledger holds {free_units * ps} slots free")
         checks.append("counter:available")
     if a.session_held != held:
         lines.append(f"the engine reports session_held={a.session_held} but session slots privately hold {held}")
         checks.append("counter:session_held")
-    def term(t: str) -> int:
-        if t == "referenced" and counts:
-            return counts[2] * ps
-        if t == "referenced":
-            return int(np.count_nonzero(referenced[1:])) * ps if referenced is not None else 0
-        return held if t == "session_held" else uncached if t == "uncached" else getattr(a, t)
-
     # (the default identity summed directly: this runs after every step of every program)
     lhs = (a.available + a.evictable + a.protected + held + uncached if terms is DEFAULT_IDENTITY
-           else sum(term(t) for t in terms))
+           else sum(_term(t, a, held, uncached, referenced, counts, ps) for t in terms))
     if lhs != a.total:
-        values = [(t, term(t)) for t in terms]
+        values = [(t, _term(t, a, held, uncached, referenced, counts, ps)) for t in terms]
         lines.append(" + ".join(f"{t}={v}" for t, v in values) + f" = {lhs} != total={a.total}, "
                      "while every allocated unit is reachable")
         checks.append("identity")
@@ -65,6 +58,15 @@ def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, reco
         return []
     return [Finding(kind="accounting-drift", pool=pool, unit="slot", message="; ".join(lines),
                     op_index=auditor.op_index, step=auditor.step, check=checks[0])]
+
+def _term(t: str, a, held: int, uncached: int, referenced: np.ndarray | None, counts, ps: int) -> int:
+    # one identity term's tokens (identity's)
+    if t == "referenced" and counts:
+        return counts[2] * ps
+    if t == "referenced":
+        return int(np.count_nonzero(referenced[1:])) * ps if referenced is not None else 0
+    return held if t == "session_held" else uncached if t == "uncached" else getattr(a, t)
+
 
 def replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list[Finding]:
     """The engine's free list (``[n] int64`` units) against the replay of kvaudit's event log."""

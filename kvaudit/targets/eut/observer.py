@@ -18,7 +18,7 @@ import torch
 
 from kvaudit.targets.eut.deltas import EutDeltas
 from kvaudit.targets.eut.tree_edits import TreeEdits
-from kvaudit.targets.base import (Accounting, LockImbalance, Recount, Root, Target, records_roots,
+from kvaudit.targets.base import (Accounting, IdleRoots, LockImbalance, Recount, Root, Target, records_roots,
                                   slot_pages, wrap_insert)
 
 
@@ -216,6 +216,30 @@ class EutObserver(Target):
         if host:
             out.append(Root("hicache_host", "tree", pages(torch.cat(host)), role="tree"))
         return out
+
+    def idle_roots(self) -> IdleRoots | None:
+        """:meth:`roots` when no structure holds a request (those ``requests_owning_rows()`` reads) and
+        there is no session controller or HiCache host tier (whose records, write-throughs and load-backs
+        hold units and locks at idle): the tree's nodes alone, with ``locked`` set when a node's
+        ``lock_ref`` is not 0 (with no holder left, what :meth:`lock_balance` names). None otherwise."""
+        eng = self.engine
+        hs = eng.hisparse_coordinator
+        # (the structures requests_owning_rows() reads, tested directly: a request in any of them, holding
+        # KV or not, leaves it to the full check)
+        if (eng.session_controller is not None or eng.hicache_host_pool is not None or eng.running_batch
+                or eng.last_batch is not None or eng.waiting_queue or eng.disagg_transfer_queue or eng.chunked_req
+                or (hs is not None and hs.has_ongoing_staging())):
+            return None
+        nodes = self._tree_nodes()
+        values = [n.value for n in nodes if n.value is not None]
+        units = {"token_to_kv_pool": slot_pages(torch.cat(values), self.config.page_size)} if values else {}
+        locked = False
+        if not eng.tree_cache.disable:
+            for n in nodes:
+                if n.lock_ref:
+                    locked = True
+                    break
+        return IdleRoots("tree", units, locked)
 
     def ownership_deltas(self, exact: bool = True):
         """How the roots changed since the previous call (:class:`kvaudit.targets.eut.deltas.EutDeltas`);
