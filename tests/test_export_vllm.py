@@ -453,3 +453,20 @@ def test_a_stale_kv_clients_result_is_not_checked_rather_than_not_reproduced(sta
     assert r.exit_code == 0, r.output + r.stderr
     assert "expected to print `RESULT: NOT CHECKED` against a real server" in (tmp_path / "p.md").read_text()
     assert "RESULT: NOT CHECKED (exit 3" in (tmp_path / "p.py").read_text().split('"""')[1]
+
+
+@pytest.mark.parametrize("recorded", ["0.15.1", "0.33.0"])
+def test_a_known_fixed_bug_found_again_is_exported_as_that_bug(tmp_path, recorded):
+    """A vllm-45357 finding recorded on its 0.23.0 overlay, outside corpora/vllm/history/, exported with no
+    analysis and no word that 0.24.0 fixed it (the tester): a maintainer could file a duplicate of a fixed bug.
+    The catalogued bug its first finding is, on that bug's last buggy release with its preset, is named with its
+    fix; recorded on another release it is not (a new bug there, as far as kvaudit knows)."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "vllm", "history", "vllm-33377.json")))
+    doc["engine_version"] = recorded
+    src = tmp_path / "found-again.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue = (tmp_path / "i.md").read_text()
+    assert ("Fixed upstream in vLLM 0.16.0 (vllm-project/vllm#33377); upgrade." in issue) == (recorded == "0.15.1")
+

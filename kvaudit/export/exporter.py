@@ -31,13 +31,18 @@ class Exported(NamedTuple):
     traced: bool
 
 
-def history_bug(path: str, config):
+def history_bug(path: str, config, findings=(), version: str | None = None):
     """The :class:`kvaudit.history.catalogue.HistoryBug` a replay file under a ``history/`` folder is
-    named after (``corpora/vllm/history/vllm-33377.json``), or None."""
-    if os.path.basename(os.path.dirname(os.path.abspath(path))) != "history":
-        return None
-    bug = BUGS.get(os.path.basename(path)[:-5])
-    return bug if bug is not None and bug.engine == getattr(config, "target", None) else None
+    named after (``corpora/vllm/history/vllm-33377.json``); else the one catalogued bug with a fixing
+    release that the first of ``findings`` is, recorded on that bug's last buggy release (``version``) with
+    its preset (a known bug, already fixed, found again: a maintainer must not get it as new); or None."""
+    engine = getattr(config, "target", None)
+    if os.path.basename(os.path.dirname(os.path.abspath(path))) == "history":
+        bug = BUGS.get(os.path.basename(path)[:-5])
+        return bug if bug is not None and bug.engine == engine else None
+    known = [b for b in BUGS.values() if b.engine == engine and b.fixed and b.buggy == version
+             and b.preset == getattr(config, "preset", None) and findings and b.matches(findings[0])]
+    return known[0] if len(known) == 1 else None
 
 
 def export(path: str, issue_out: str | None = None, client_out: str | None = None, resolve: bool = True) -> Exported:
@@ -65,7 +70,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     kind = findings[0].kind if findings else "leak"
     env = ex.launch_env(config, program, kind, env)
     planted = ex.planted(config)
-    bug = history_bug(path, config)
+    bug = history_bug(path, config, findings, doc.get("engine_version"))
     release = None
     if bug is not None:
         release = (bug.buggy, bug.fixed, bug.sources)
