@@ -450,6 +450,28 @@ def test_a_full_disk_for_cis_sarif_keeps_its_verdict_lines_and_its_junit(tmp_pat
     assert str(tmp_path / "ci.xml") in line and "<testsuite" in (tmp_path / "ci.xml").read_text()
 
 
+def test_a_campaign_whose_corpus_disk_is_full_still_reports_its_run(tmp_path, monkeypatch):
+    """The corpus's disk full at the run record (corpus/campaign.json): the campaign searched on, then exited 74
+    with no JUnit, no SUMMARY: line and the error naming the corpus directory (the tester). Now the run's lines
+    and its reports come first, then the error naming the file."""
+    real = replay.write_atomic
+
+    def write_atomic(path, doc):
+        if path.endswith("campaign.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, doc)
+
+    monkeypatch.setattr(replay, "write_atomic", write_atomic)
+    corpus = tmp_path / "C"
+    r = invoke("fuzz", "--preset", "default", "--fuzzer", "random", "--seed", "1", "--max-time", "1", "--corpus",
+               str(corpus), "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 74, r.output
+    assert r.stdout.strip().splitlines()[-1].startswith("SUMMARY: kvaudit:"), r.stdout[-500:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {corpus / 'campaign.json'}"), line
+    assert str(tmp_path / "j.xml") in line and "<testsuite" in (tmp_path / "j.xml").read_text()
+
+
 def test_other_write_errors_stay_input_errors(tmp_path, monkeypatch):
     def fsync(fd):
         raise OSError(errno.EIO, os.strerror(errno.EIO))

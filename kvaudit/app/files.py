@@ -79,10 +79,10 @@ def _check_writable(flag: str, path: str, where: str) -> None:
         raise InputError(f"--{flag} {path}: cannot write in {where}: {e.strerror or e}") from None
 
 
-def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> None:
-    """``kept``: files this run wrote before (named if the disk is full)."""
+def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> list[str]:
+    """``kept``: files this run wrote before (named if the disk is full). Returns the reports written."""
     if not outputs.wanted():
-        return
+        return []
     try:
         written = write_outputs(outputs, data)
     except WriteError as e:  # (the others were written: a full disk under one need not be under another)
@@ -90,6 +90,7 @@ def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[
             err.print("reports written: " + ", ".join(e.written), soft_wrap=True)
         raise write_error(e, f"report {e.filename}", [*kept, *e.written]) from None
     err.print("reports written: " + ", ".join(written), soft_wrap=True)
+    return written
 
 
 def write_finding(out_dir, config, program, findings, **extra) -> str:

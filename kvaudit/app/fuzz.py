@@ -248,11 +248,9 @@ def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click
     """``e`` (the replay file not written) once the reports asked for are written where they can be (on another
     disk, say), naming those among the files kept."""
     try:
-        write_reports(outputs, data, err)
+        written = write_reports(outputs, data, err)
     except click.ClickException as later:
         written = list(getattr(later, "kept", ()))
-    else:
-        written = [p for p in (outputs.json, outputs.sarif, outputs.junit, outputs.html) if p]
     return e.keeping(written) if isinstance(e, DiskFull) and written else e
 
 
@@ -316,8 +314,16 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
         extra["interrupted"] = True
-    write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset), extra,
-                                      suppressions=sset), err, kept=tuple(sorted(set(result.new.values()))))
+    kept = tuple(sorted(set(result.new.values())))
+    try:
+        kept += tuple(write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset),
+                                                        extra, suppressions=sset), err, kept=kept))
+    except click.ClickException as e:
+        if result.not_written is None:
+            raise
+        kept = getattr(e, "kept", kept)
+    if result.not_written is not None:  # (after the run's lines and reports: a corpus disk full loses none)
+        raise write_error(result.not_written, result.not_written.filename, kept)
     if result.new:
         return EXIT_FINDINGS
     if nothing:

@@ -62,6 +62,7 @@ class CampaignResult:
     warnings: list[str] = field(default_factory=list)  # the workers' (a malformed entry in Redis)
     # worker -> its suppression rules' usage so far (SuppressionSet.usage; the parent's set adds them up)
     suppression_usage: dict[int, list] = field(default_factory=dict)
+    not_written: OSError | None = None  # the run record (corpus/campaign.json) not written: filename names it
 
 
 @dataclass
@@ -346,12 +347,18 @@ def _worker_main(spec: _Spec, q) -> None:
         q.put(("done", spec.index))
 
 
-def _append_run_record(corpus: str, record: dict) -> None:
+def _append_run_record(corpus: str, record: dict) -> OSError | None:
+    """Add ``record`` to ``corpus/campaign.json``; the error (its filename that path) when it cannot be written:
+    the run's result is the caller's to report all the same."""
     path = os.path.join(corpus, "campaign.json")
     runs = []
     with contextlib.suppress(OSError, ValueError, AttributeError), open(path) as fh:
         runs = json.load(fh).get("runs", [])
-    replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
+    try:
+        replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
+    except OSError as e:
+        return OSError(e.errno, e.strerror, path)
+    return None
 
 
 class _Tally:
@@ -482,7 +489,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         if not any(sig in d for d in seen):
             handle(("finding", -1, sig, path))
     stats.phase = "interrupted" if result.interrupted else "done"
-    _append_run_record(corpus, {
+    result.not_written = _append_run_record(corpus, {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started, 1),
         "fuzzer": fuzzer, "workers": workers, "seed": seed, "preset": config.preset, "bugs": sorted(config.bugs),
