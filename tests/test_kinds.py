@@ -18,7 +18,7 @@ from kvaudit.targets.eut.presets import get_preset
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = kinds.FindingKind(
-    "probe-kind", 3, None, "ProbeRule", "A probe kind's short description", "A probe kind's full description.",
+    "probe-kind", 3, "ProbeRule", "A probe kind's short description", "A probe kind's full description.",
     "warning", ("probe",),
     lambda f, what, site: f"Probe headline: {what} in pool {f.pool}",
     signature=lambda f: f"probed:{kinds.where(f.read_sites)}",

@@ -5,7 +5,6 @@ looks its kind up here (:func:`lookup`) and branches on no kind's name. A row ho
 * ``name``: as ``Finding.kind``, suppression rules and reports spell it;
 * ``rank``: findings of one check are sorted root causes first (a use-after-free before the leak
   it leaves behind);
-* ``no_site``: what a site-less signature names (kinds about counters or progress, not one allocation);
 * the SARIF rule: ``rule`` (name), ``short`` and ``full`` descriptions, ``level``, ``tags``,
   ``precision``; memory-safety kinds are errors; accounting drift (memory intact, the counters wrong,
   sometimes the checker itself), liveness and hang (judged against step budgets) are warnings;
@@ -206,7 +205,6 @@ STACK_ORDER = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lo
 class FindingKind(NamedTuple):
     name: str
     rank: int  # sort order within one check: root causes first
-    no_site: str | None  # the signature's third part for a kind with no allocation site
     rule: str  # SARIF rule name
     short: str
     full: str
@@ -241,7 +239,7 @@ def _read_at(f) -> str:
 
 TABLE: tuple[FindingKind, ...] = (
     FindingKind(
-        "leak", 4, None, "Leak",
+        "leak", 4, "Leak",
         "KV-cache memory leaked: allocated units that no live owner references",
         "Token slots, pages, blocks or request rows were allocated from a KV-cache pool and are no longer "
         "reachable from any of the engine's roots (live requests, session slots, the radix tree, "
@@ -255,7 +253,7 @@ TABLE: tuple[FindingKind, ...] = (
         facts=lambda f: ["indirect leak (reachable only from a leaked owner)" if f.indirect else "direct leak"],
         props=lambda f: {"indirect": f.indirect}, lifecycle_end=_leak_end),
     FindingKind(
-        "use-after-free", 0, None, "UseAfterFree",
+        "use-after-free", 0, "UseAfterFree",
         "A live owner references KV-cache units that the pool holds as free",
         "A live request, session slot or radix-tree node references units that have already been "
         "returned to the pool. The allocator can hand them to another request, whose KV then "
@@ -268,7 +266,7 @@ TABLE: tuple[FindingKind, ...] = (
         labels=(("free_sites", "freed (too early) at"), ("read_sites", "used after the free at")),
         stacks=("free_sites", "read_sites", "alloc_sites"), primary=("free_sites", "alloc_sites")),
     FindingKind(
-        "double-free", 1, None, "DoubleFree",
+        "double-free", 1, "DoubleFree",
         "KV-cache units freed while already free",
         "Units were returned to their pool while they were already free. The free list then holds "
         "them twice, so two requests can later be given the same slots, and the pool's available "
@@ -279,14 +277,14 @@ TABLE: tuple[FindingKind, ...] = (
         signature=_sig_double_free, console=_con_double_free, labels=(("free_sites", "freed again at"),),
         stacks=("free_sites", "prev_free_sites", "alloc_sites", "read_sites"), primary=("free_sites", "alloc_sites")),
     FindingKind(
-        "aliasing", 3, None, "Aliasing",
+        "aliasing", 3, "Aliasing",
         "KV-cache units privately owned by two owners at once",
         "The same units are held privately (not shared through the radix tree) by two owners, so one "
         "owner's writes or free corrupt the other's KV.",
         "error", ("memory-safety", "aliasing"),
         lambda f, what, site: f"Aliasing: {what} in pool {f.pool} privately owned twice, allocated at {site}"),
     FindingKind(
-        "stale-kv", 2, None, "StaleKv",
+        "stale-kv", 2, "StaleKv",
         "A request read KV written for another prefix, or never written",
         "A request attended to KV-cache slots whose content was written for a different token prefix, "
         "or was never written at all: the model silently computes with wrong keys and values. Found "
@@ -298,7 +296,7 @@ TABLE: tuple[FindingKind, ...] = (
         symptom="a request's answer differs from the same prompt's alone (it attended to another prefix's KV); "
                 "the pool gauges do not show it"),
     FindingKind(
-        "accounting-drift", 6, "identity", "AccountingDrift",
+        "accounting-drift", 6, "AccountingDrift",
         "A pool's accounting identity or counters disagree with its memory",
         "The target's accounting identity (by default available + evictable + protected + "
         "session_held + uncached == total), one of the engine's counters, or the engine's own "
@@ -308,7 +306,7 @@ TABLE: tuple[FindingKind, ...] = (
         lambda f, what, site: f"Accounting drift in pool {f.pool}: {f.message}",
         signature=_sig_accounting_drift, console=_con_accounting_drift, precision="high"),
     FindingKind(
-        "lock-imbalance", 5, None, "LockImbalance",
+        "lock-imbalance", 5, "LockImbalance",
         "A radix-tree node's lock_ref does not match its live holders",
         "At idle, a radix-tree node's lock_ref differs from the number of live holders (requests, "
         "session slots, in-flight HiCache copies). A leaked lock keeps its tokens protected, and so "
@@ -318,7 +316,7 @@ TABLE: tuple[FindingKind, ...] = (
         signature=_sig_lock_imbalance, console=_con_lock_imbalance,
         labels=(("alloc_sites", "unreleased lock taken at"), ("free_sites", "unmatched release at"))),
     FindingKind(
-        "liveness", 7, "progress", "Liveness",
+        "liveness", 7, "Liveness",
         "A request holding KV, or aborted, made no progress",
         "A request that holds KV memory, or that was aborted, made no progress for the liveness "
         "budget of scheduler steps: a parked request nobody schedules, or an abort that never ends "
@@ -327,7 +325,7 @@ TABLE: tuple[FindingKind, ...] = (
         lambda f, what, site: f"Liveness: {f.message}",
         signature=_sig_liveness),
     FindingKind(
-        "hang", 8, "idle", "Hang",
+        "hang", 8, "Hang",
         "The engine never became idle",
         "idle() did not reach quiescence within its step budget: work stays queued with no way to "
         "finish it. (A wait for memory that open sessions hold is not reported: a serving engine waits too.)",
@@ -336,7 +334,7 @@ TABLE: tuple[FindingKind, ...] = (
         signature=_sig_hang, console=_con_hang, allocates=False,
         expect="hang", symptom="a request never answers while the pool has room"),
     FindingKind(
-        "crash", 9, None, "Crash",
+        "crash", 9, "Crash",
         "The engine raised an exception",
         "The engine raised an exception while running the program; the finding carries the exception "
         "and its traceback.",
@@ -345,7 +343,7 @@ TABLE: tuple[FindingKind, ...] = (
         signature=_sig_crash, console=_con_crash, labels=(("alloc_sites", "raised at"),), allocates=False,
         expect="crash", symptom="the server stops answering (the scheduler raised)"),
     FindingKind(
-        "unmatchable-prefix", 10, None, "UnmatchablePrefix",
+        "unmatchable-prefix", 10, "UnmatchablePrefix",
         "A key the radix tree took over is one its own prefix match refuses",
         "A key was inserted into the radix tree in a state the engine's own prefix match refuses (for "
         "example a sliding-window key that does not end with a whole window of live KV): the match the "
@@ -367,6 +365,6 @@ def lookup(kind: str) -> FindingKind:
     if row is not None:
         return row
     return FindingKind(
-        kind, len(BY_NAME), None, "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+", kind) if w) or "Finding",
+        kind, len(BY_NAME), "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+", kind) if w) or "Finding",
         f"kvaudit finding: {kind}", f"A kvaudit finding of kind {kind}.", "error", (),
         lambda f, what, site: f"{f.kind} in pool {f.pool}: {f.message}")
