@@ -227,6 +227,25 @@ def test_a_pull_onto_a_full_disk_says_so_and_names_the_file(redis_server, tmp_pa
         assert "2 of 3 corpus program(s) not written" not in line and "1 of 3 corpus program(s) in" in line
 
 
+def test_a_workers_first_heartbeat_names_its_fuzzer(redis_server, tmp_path, monkeypatch):
+    """`campaign status` showed `fuzzer=- executions=0` for a live worker until its second heartbeat, ttl/3 s on
+    (the tester): the worker's fields were set after start() had sent the first."""
+    from kvaudit.search import hub as hubs
+
+    first = []
+    real = hubs.Hub.start
+
+    def start(self):
+        first.append(dict(self._beat))
+        return real(self)
+
+    monkeypatch.setattr(hubs.Hub, "start", start)
+    r = invoke(*["fuzz", *HISPARSE, "--fuzzer", "random", "--db", redis_server.url, "--campaign", "beat",
+                 "--max-time", "1", "--corpus", str(tmp_path / "c")])
+    assert r.exit_code in (0, 1), r.output
+    assert first and first[0].get("fuzzer") == "random" and "host" in first[0], first
+
+
 def test_writes_made_while_redis_is_away_are_uploaded_when_it_returns(redis_server, tmp_path):
     h = _hub(redis_server)
     assert h.claim(["leak/x"], _doc()) == ["leak/x"]

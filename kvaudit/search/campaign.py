@@ -104,9 +104,10 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     if spec.db:
         from kvaudit.search import hub as hubs
 
-        hub = hubs.Hub(hubs.connect(spec.db, check=False), spec.campaign, hubs.worker_id(spec.index),
-                       ttl=spec.ttl).start()
+        hub = hubs.Hub(hubs.connect(spec.db, check=False), spec.campaign, hubs.worker_id(spec.index), ttl=spec.ttl)
+        # (before the first heartbeat, which start() sends: `campaign status` showed fuzzer=- until the next one)
         hub.beat(host=hubs.socket.gethostname(), pid=os.getpid(), fuzzer=spec.fuzzer, started=time.time())
+        hub.start()
     worker = _Worker(spec, emit, config, sset, hub, known_signatures(spec.corpus))
     try:
         while (left := deadline - time.time()) > 0:
