@@ -309,24 +309,36 @@ def _reply(handler, status: int, body: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("case", ["501 to every POST", "400 to the program's calls", "slower than --timeout"])
-def test_a_client_whose_calls_were_not_served_says_not_checked(stand_in, case):
+@pytest.mark.parametrize("case", ["501 to every POST", "400 to the program's calls", "slower than --timeout",
+                                  "no /metrics"])
+def test_a_client_whose_calls_were_not_served_says_not_checked(stand_in, case, tmp_path):
     """The tester's stand-ins: a server that answers /health but 501 to every POST made the client say
     REPRODUCED (a 5xx was a failure); one launched without streaming sessions (SGLang's 400 on /open_session and
     /generate) NOT REPRODUCED; a /generate slower than --timeout, with /health still answering, REPRODUCED. The
-    program did not run as written in any of them: RESULT: NOT CHECKED, exit 3, the refusals named."""
+    program did not run as written in any of them: RESULT: NOT CHECKED, exit 3, the refusals named. A memory
+    finding's script against a server whose /metrics does not answer said NOT REPRODUCED without comparing the
+    pool (the second tester): NOT CHECKED too."""
     if case == "501 to every POST":
         _answering(stand_in, lambda h, method, path: method == "POST" and _reply(h, 501, '{"detail": "no"}'))
     elif case == "400 to the program's calls":
         _answering(stand_in, lambda h, method, path: path in ("/generate", "/open_session") and _reply(
             h, 400, '{"error": {"message": "session is not enabled"}}'))
+    elif case == "no /metrics":  # (a memory finding's script: the leak is judged from the pool gauges alone)
+        _answering(stand_in, lambda h, method, path: path == "/metrics" and _reply(h, 404, '{"detail": "no"}'))
     else:
         _answering(stand_in, lambda h, method, path: path == "/generate" and time.sleep(3))
-    done = run_client(GOLDEN + ".client.py", stand_in.url, "--timeout", "1.5", "--settle", "0")
+    script = GOLDEN + ".client.py"
+    if case == "no /metrics":
+        script = str(tmp_path / "leak.client.py")
+        src = os.path.join(ROOT, "corpora", "sglang", "uaf-deferred-close-after-rejected-turn.json")
+        assert invoke("export", src, "--client", script, "--no-resolve").exit_code == 0
+    done = run_client(script, stand_in.url, "--timeout", "1.5", "--settle", "0")
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr
     assert "RESULT: NOT CHECKED" in done.stdout and "REPRODUCED" not in done.stdout.split("RESULT:")[1]
     if case == "slower than --timeout":
         assert "still answers GET /health" in done.stdout
+    elif case == "no /metrics":
+        assert "/metrics did not answer, so the pool was not compared" in done.stdout
     else:
         assert "NOTE: the server refused" in done.stdout and ("HTTP 501" if "501" in case else "HTTP 400") in done.stdout
 

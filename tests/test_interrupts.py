@@ -441,13 +441,14 @@ def test_a_full_disk_for_cis_sarif_keeps_its_verdict_lines_and_its_junit(tmp_pat
     regs.mkdir()
     shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
     r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--sarif", str(tmp_path / "ci.sarif"),
-               "--junit", str(tmp_path / "ci.xml"))
+               "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"))
     assert r.exit_code == 74, r.output
     last = r.stdout.strip().splitlines()[-2:]
     assert last[0].startswith("SUMMARY: kvaudit:") and last[1].startswith("passed: 1/1 regressions ok"), last
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"kvaudit: error: disk full: cannot write {tmp_path / 'ci.sarif'}"), line
     assert str(tmp_path / "ci.xml") in line and "<testsuite" in (tmp_path / "ci.xml").read_text()
+    assert str(tmp_path / "ci.html") in line and (tmp_path / "ci.html").exists()  # (written after the SARIF)
 
 
 def test_a_campaign_whose_corpus_disk_is_full_still_reports_its_run(tmp_path, monkeypatch):

@@ -173,8 +173,8 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         try:
-            write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
-                                           {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
+            kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
+                                                   {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
         except click.ClickException as e:
             if failed is None:
                 return e

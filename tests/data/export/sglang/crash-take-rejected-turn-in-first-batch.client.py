@@ -297,8 +297,8 @@ def main(argv=None):
         value = getattr(args, flag, None)
         parts = urllib.parse.urlsplit("http://-" if value is None else value)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            print("error: --%s %s: want a server URL such as %s" % (flag.replace("_", "-"), value, DEFAULT_URL),
-                  file=sys.stderr)
+            print("error: --%s %s: want a server URL such as %s" % (flag.replace("_", "-"), json.dumps(value),
+                                                                  DEFAULT_URL), file=sys.stderr)
             return 2
     c = Client(args)
     if not c.alive():
@@ -344,10 +344,12 @@ def main(argv=None):
     reproduced = bool(seen) if EXPECT != "hang" else bool(hung)
     for line in c.refused:
         print("NOTE: the server refused " + line)
-    if not reproduced and (c.refused or c.slow):  # the program did not run as written: no verdict
+    blind = EXPECT == "memory" and (before is None or after is None)  # the pool was never compared
+    if not reproduced and (c.refused or c.slow or blind):  # the program did not run as written, or unread
         print("RESULT: NOT CHECKED (%s: launch the server as the top of this file says%s)" % (
             "; ".join(filter(None, ["%d call(s) refused" % len(c.refused) if c.refused else "",
-                                    "%d call(s) not answered in time" % len(c.slow) if c.slow else ""])),
+                                    "%d call(s) not answered in time" % len(c.slow) if c.slow else "",
+                                    "/metrics did not answer, so the pool was not compared" if blind else ""])),
             ", or raise --timeout" if c.slow else ""))
         return 3
     print("RESULT: " + ("REPRODUCED" if reproduced else "NOT REPRODUCED") +
