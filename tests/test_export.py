@@ -487,6 +487,24 @@ def test_a_finding_of_a_planted_sglang_fault_is_exported_as_one_not_as_an_sglang
     assert "PLANTED FAULT, NOT A BUG OF SGLANG" in (tmp_path / "c.py").read_text().split('"""')[1]
 
 
+@pytest.mark.parametrize("change", ["planted", "another preset", "none"])
+def test_a_coarse_signatures_analysis_goes_only_with_its_own_finding(tmp_path, change):
+    """`leak/token_to_kv_pool/request-kv` says little on its own: its analysis (a retracted session turn) was
+    attached to a --bug skip-release leak on preset sglang (the second tester), and to any request-kv leak.
+    It is keyed with its preset now, and a planted fault gets no engine bug's analysis."""
+    doc = json.load(open(os.path.join(ROOT, "corpora", "sglang", "leak-a2-retracted-turn-finishes-session.json")))
+    if change == "planted":
+        doc["config"]["bugs"] = ["skip-release"]
+    elif change == "another preset":
+        doc["config"]["preset"] = "sglang"
+    src = tmp_path / "f.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("export", str(src), "--issue", str(tmp_path / "i.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output
+    issue = (tmp_path / "i.md").read_text()
+    assert ("a retracted streaming-session turn counts as finished" in issue) == (change == "none"), issue[:300]
+
+
 @pytest.mark.parametrize("recorded", ["0.5.10.post1", "0.5.23", None])
 def test_a_file_recorded_on_another_release_is_exported_as_that_release(tmp_path, recorded):
     """A replay file's ``engine_version`` other than the release the HTTP table was read on (0.5.23) is the
@@ -541,7 +559,7 @@ def test_every_sglang_corpus_finding_has_its_note_from_the_corpus_notes_file():
         assert note is not None and note.title and note.why and note.server and note.readme, path
         assert "{" not in note.why + note.fix, path
     assert "Streaming session already has an active request" in note_for(
-        "sglang", ["aliasing/token_to_kv_pool/request-kv"]).why
+        "sglang", ["aliasing/token_to_kv_pool/request-kv"], "sglang-session").why
     assert note_for("eut", ["leak/token_to_kv_pool/request-kv"]) is None and notes_of("eut") == {}
 
 

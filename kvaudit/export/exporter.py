@@ -66,10 +66,11 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     except ValueError as e:  # an op the engine's export has no call for
         raise ExportError(f"{path}: {e}") from None
     launch, env, unmapped = ex.launch(config)
-    note = note_for(target, [f.signature for f in findings], config.preset)
+    planted = ex.planted(config)
+    # (an analysis is of an engine's own bug: none for a planted fault, whose signature may be a real bug's)
+    note = note_for(target, [f.signature for f in findings], config.preset) if planted is None else None
     kind = findings[0].kind if findings else "leak"
     env = ex.launch_env(config, program, kind, env)
-    planted = ex.planted(config)
     bug = history_bug(path, config, findings, doc.get("engine_version"))
     release = None
     if bug is not None:
