@@ -33,6 +33,21 @@ def test_paranoid_finds_no_disagreement_on_the_zoo(path, monkeypatch):
     assert execute(dataclasses.replace(config, bugs=frozenset()), program).findings == []
 
 
+def test_a_record_cut_short_under_its_protected_prefix_is_read_to_its_allocation(monkeypatch):
+    """session-abort-borrows-slot cuts the session's record to kv_allocated_len 1 under cache_protected_len 2: the
+    roots read the row to its allocation, the deltas read the protected prefix whole (paranoid: "ref count differs
+    on 1 unit(s), e.g. unit 2: kept 2, swept 1", the second tester's fuzzed program; the zoo's kept one passes)."""
+    from kvaudit.program import OpenSession, Step
+
+    monkeypatch.setenv("KVAUDIT_PARANOID", "1")
+    config = dataclasses.replace(get_preset("streaming-session").config(),
+                                 bugs=frozenset({"session-abort-borrows-slot"}))
+    program = [OpenSession(), Submit(family=0, prompt_len=1, max_new_tokens=11, session=1), Idle(),
+               Submit(family=0, prompt_len=43, max_new_tokens=11, session=3), Step(1)]
+    found = execute(config, program)  # raised DeltaDisagreement
+    assert found.findings and found.findings[0].kind == "leak", found.findings
+
+
 def _program() -> list:
     return [Submit(family=0, prompt_len=12, max_new_tokens=3), Submit(family=1, prompt_len=9, max_new_tokens=2),
             Idle()]
