@@ -14,7 +14,8 @@ import tempfile
 def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
     """Write ``data`` to ``path`` via a temporary file, fsync and ``os.replace``: a reader sees the old
     file or the whole new one (``durable`` False: no fsync, whole after a process crash only). A missing
-    directory is made. Raises OSError."""
+    directory is made. Raises OSError, naming ``path`` where the failure was the file's (a full disk at the
+    write, fsync or close of the temporary, which names no file or the temporary)."""
     d = os.path.dirname(path) or os.curdir
     os.makedirs(d, exist_ok=True)
     d = os.path.realpath(d)  # NOTE: not abspath: it folds link/.. lexically (mkstemp too)
@@ -29,9 +30,11 @@ def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
             if durable:
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None and e.filename in (None, tmp):
+            raise OSError(e.errno, e.strerror, path) from e  # (callers name the file the user asked for)
         raise
     return path
 

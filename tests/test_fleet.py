@@ -208,16 +208,16 @@ def test_a_pull_onto_a_full_disk_says_so_and_names_the_file(redis_server, tmp_pa
     for i, ops in enumerate(([{"op": "idle"}], [{"op": "submit"}, {"op": "idle"}], [{"op": "flush_cache"}])):
         h.share_program(f"p{i}.json", ops)
     h.flush_programs()
-    real = replay.write_text_atomic
+    real = os.replace
     full = "findings" if full_at == "a replay file" else "programs"
 
-    def write(path, *a, **k):
+    def replace(tmp, path):  # (the atomic writer's last step: a full disk there names no file)
         folder = os.path.dirname(path)
-        if os.sep + full + os.sep in path and os.path.isdir(folder) and any(os.scandir(folder)):  # the 2nd file on
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *a, **k)
+        if os.sep + full + os.sep in path and any(not n.name.startswith(".tmp-") for n in os.scandir(folder)):
+            raise OSError(errno.ENOSPC, "No space left on device")  # the 2nd file on
+        return real(tmp, path)
 
-    monkeypatch.setattr(replay, "write_text_atomic", write)
+    monkeypatch.setattr(os, "replace", replace)
     pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "t", str(tmp_path / "d")])
     assert pull.exit_code == 74, pull.output
     line = one_error_line(pull)

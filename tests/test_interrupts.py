@@ -455,14 +455,14 @@ def test_a_campaign_whose_corpus_disk_is_full_still_reports_its_run(tmp_path, mo
     """The corpus's disk full at the run record (corpus/campaign.json): the campaign searched on, then exited 74
     with no JUnit, no SUMMARY: line and the error naming the corpus directory (the tester). Now the run's lines
     and its reports come first, then the error naming the file."""
-    real = replay.write_atomic
+    real = os.replace
 
-    def write_atomic(path, doc):
+    def replace(tmp, path):  # (the atomic writer's last step: a full disk there names no file)
         if path.endswith("campaign.json"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(path, doc)
+        return real(tmp, path)
 
-    monkeypatch.setattr(replay, "write_atomic", write_atomic)
+    monkeypatch.setattr(os, "replace", replace)
     corpus = tmp_path / "C"
     r = invoke("fuzz", "--preset", "default", "--fuzzer", "random", "--seed", "1", "--max-time", "1", "--corpus",
                str(corpus), "--junit", str(tmp_path / "j.xml"))

@@ -1,4 +1,6 @@
-"""kvaudit.atomic.scratch_dir: a scratch directory an interrupt does not leave in the temp dir."""
+"""kvaudit.atomic: a scratch directory an interrupt does not leave in the temp dir; an atomic write that fails
+names the file asked for."""
+import errno
 import os
 import shutil
 
@@ -75,3 +77,18 @@ def test_a_name_another_process_took_meanwhile_is_not_removed(tmp_path, monkeypa
             pass
     (left,) = os.listdir(tmp_path)
     assert os.listdir(tmp_path / left) == ["theirs"]
+
+
+@pytest.mark.parametrize("step", ["fsync", "replace"])
+def test_a_write_that_fails_names_the_file_asked_for_and_leaves_no_temporary(tmp_path, monkeypatch, step):
+    """A full disk at fsync names no file (at replace, the temporary): the error names the file the caller
+    wrote, so every caller's one-line message does (campaign pull and the run record wrapped it each)."""
+    def full(*a):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), *(() if step == "fsync" else a[:1]))
+
+    monkeypatch.setattr(os, step, full)
+    target = str(tmp_path / "out.json")
+    with pytest.raises(OSError) as caught:
+        atomic.write_text_atomic(target, "{}")
+    assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, target)
+    assert os.listdir(tmp_path) == []

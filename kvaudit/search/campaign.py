@@ -358,7 +358,7 @@ def _append_run_record(corpus: str, record: dict) -> OSError | None:
     try:
         replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
     except OSError as e:
-        return OSError(e.errno, e.strerror, path)
+        return e
     return None
 
 

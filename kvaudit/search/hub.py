@@ -358,10 +358,7 @@ class Hub:
         for path, sig, text in self._call(go, default=[]):
             doc = self._replay_doc(text, "findings", sig)
             if doc is not None:
-                try:
-                    written.append(replay.write_atomic(path, doc))
-                except OSError as e:
-                    raise OSError(e.errno, e.strerror, path) from e  # (naming the file, not its temporary)
+                written.append(replay.write_atomic(path, doc))
         return written
 
     def new_programs(self) -> list[tuple[str, list]]:
