@@ -35,14 +35,19 @@ class PoolCheck(NamedTuple):
 
 
 class SchedulerInvariantCheckerMixin:
+    def live_request_groups(self) -> list[list[Req]]:
+        """The structures that hold live requests, each a list (a request may be in several): the running
+        batch, the last batch's, the waiting queue, the PD transfer queue, the chunked request, HiSparse's
+        staging queue (what SGLang's ``_requests_owning_rows`` reads, with the PD decode queues)."""
+        return [self.running_batch, self.last_batch.reqs if self.last_batch else [], self.waiting_queue,
+                self.disagg_transfer_queue, [self.chunked_req] if self.chunked_req else [],
+                self.hisparse_coordinator.staging_reqs() if self.hisparse_coordinator else []]
+
     def requests_owning_rows(self) -> list[Req]:
         """Every live request that holds a row, deduplicated (SGLang ``_requests_owning_rows``,
         extended with the PD decode queues, which SGLang keeps out of the busy check)."""
         seen, out = set(), []
-        groups = [self.running_batch, self.last_batch.reqs if self.last_batch else [], self.waiting_queue,
-                  self.disagg_transfer_queue, [self.chunked_req] if self.chunked_req else [],
-                  self.hisparse_coordinator.staging_reqs() if self.hisparse_coordinator else []]
-        for group in groups:
+        for group in self.live_request_groups():
             for r in group:
                 if id(r) not in seen and r.kv.holds_kv:
                     seen.add(id(r))

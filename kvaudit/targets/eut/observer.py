@@ -223,12 +223,10 @@ class EutObserver(Target):
         hold units and locks at idle): the tree's nodes alone, with ``locked`` set when a node's
         ``lock_ref`` is not 0 (with no holder left, what :meth:`lock_balance` names). None otherwise."""
         eng = self.engine
-        hs = eng.hisparse_coordinator
-        # (the structures requests_owning_rows() reads, tested directly: a request in any of them, holding
-        # KV or not, leaves it to the full check)
-        if (eng.session_controller is not None or eng.hicache_host_pool is not None or eng.running_batch
-                or eng.last_batch is not None or eng.waiting_queue or eng.disagg_transfer_queue or eng.chunked_req
-                or (hs is not None and hs.has_ongoing_staging())):
+        # (the structures requests_owning_rows() reads: a request in any of them, holding KV or not, leaves it
+        # to the full check)
+        if (eng.session_controller is not None or eng.hicache_host_pool is not None or eng.last_batch is not None
+                or any(eng.live_request_groups())):
             return None
         nodes = self._tree_nodes()
         values = [n.value for n in nodes if n.value is not None]
