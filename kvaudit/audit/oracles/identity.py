@@ -59,6 +59,7 @@ def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, reco
     return [Finding(kind="accounting-drift", pool=pool, unit="slot", message="; ".join(lines),
                     op_index=auditor.op_index, step=auditor.step, check=checks[0])]
 
+
 def _term(t: str, a, held: int, uncached: int, referenced: np.ndarray | None, counts, ps: int) -> int:
     # one identity term's tokens (identity's)
     if t == "referenced" and counts:

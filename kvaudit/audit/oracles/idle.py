@@ -58,16 +58,17 @@ def idle_check(auditor: Auditor, target) -> tuple[bool, IdleRoots] | None:
     return clean, got
 
 
+def _owner_ids(auditor: Auditor, led, got: IdleRoots, units: np.ndarray) -> np.ndarray:
+    # ``[n] int64``: the idle roots' owner id on ``units``, 0 elsewhere (as the full check's sweep numbers owners)
+    owner = np.zeros(led.allocated.size, dtype=np.int64)
+    owner[units] = auditor.owner_id(got.owner)
+    return owner
+
+
 def owners(auditor: Auditor, got: IdleRoots) -> dict:
     """Each pool's owner ids (``[n] int64``) as the full check's sweep leaves them at these idle roots."""
-    out = {}
-    for pool, led in auditor.ledgers.items():
-        owner = np.zeros(led.allocated.size, dtype=np.int64)
-        units = got.units.get(pool)
-        if units is not None and units.size:
-            owner[units] = auditor.owner_id(got.owner)  # (only for units held: as the sweep numbers owners)
-        out[pool] = owner
-    return out
+    return {pool: _owner_ids(auditor, led, got, got.units.get(pool, np.zeros(0, dtype=np.int64)))
+            for pool, led in auditor.ledgers.items()}
 
 
 def commit(auditor: Auditor, got: IdleRoots) -> None:
@@ -77,8 +78,7 @@ def commit(auditor: Auditor, got: IdleRoots) -> None:
     for pool, led in auditor.ledgers.items():
         units = got.units.get(pool)
         if units is not None and units.size:
-            owner = np.zeros(led.allocated.size, dtype=np.int64)
-            owner[units] = auditor.owner_id(got.owner)
+            owner = _owner_ids(auditor, led, got, units)
             changed = (owner != led.owner).nonzero()[0]
             at_check[pool] = [Root(pool, got.owner, units, role="tree")]
         else:  # (most often no owner before either: nothing to record, no array to make)
