@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+import re
 import sys
 
 import click
@@ -39,8 +41,7 @@ class KvauditGroup(click.Group):
             click.echo(e.ctx.get_help())
             return sys.exit(EXIT_CLEAN)
         except click.ClickException as e:  # a UsageError's exit code is 2
-            hint = f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
-            click.echo(f"kvaudit: error: {e.format_message()}{hint}", err=True)
+            click.echo(f"kvaudit: error: {_click_message(e)}", err=True)
             return sys.exit(e.exit_code)
         except (TargetDefinitionError, fuzzers.FuzzerDefinitionError) as e:  # a plugin's own mistake, met running
             click.echo(f"kvaudit: error: {e}", err=True)
@@ -58,6 +59,26 @@ class KvauditGroup(click.Group):
                        err=True)
             return sys.exit(EXIT_INTERNAL)
         return sys.exit(rv or 0)
+
+
+# Other fuzzers' options (libFuzzer's -jobs and -max_total_time, spelled as long options) that kvaudit
+# names otherwise: an unknown option among them suggests kvaudit's own, where the command has it.
+_OTHER_SPELLINGS = {"--jobs": "--workers", "--max-total-time": "--max-time", "--max_total_time": "--max-time"}
+
+
+def _click_message(e: click.ClickException) -> str:
+    """click's own message in kvaudit's spelling: the values it quotes as JSON strings (``"nope"``, not
+    ``'nope'``; a quoted value with a space stays as it is, so an apostrophe never pairs with a quote), an
+    other fuzzer's spelling of an option pointed at kvaudit's, and for a usage error where to read the
+    command's options."""
+    if isinstance(e, click.NoSuchOption) and e.ctx and e.option_name in _OTHER_SPELLINGS:
+        ours = _OTHER_SPELLINGS[e.option_name]
+        if any(ours in p.opts for p in e.ctx.command.params):
+            e.possibilities = [ours]
+    text = re.sub(r"'([^'\s]*)'", lambda m: json.dumps(m.group(1)), e.format_message())
+    if isinstance(e, click.UsageError) and e.ctx:
+        text += f" (see '{e.ctx.command_path} --help')"
+    return text
 
 
 @contextlib.contextmanager

@@ -440,7 +440,7 @@ def test_a_missing_directory_of_a_report_path_is_created_where_the_path_names_it
 
 @pytest.mark.parametrize("doc_change, message", [
     (lambda d: d.update(timeline={"steps": [0, 1], "ops": [0], "pools": {}}), "bad timeline"),
-    (lambda d: d.update(suppressed=["leak"]), "bad 'suppressed'"),
+    (lambda d: d.update(suppressed=["leak"]), 'bad "suppressed"'),
     (lambda d: d.update(format="other"), "not a kvaudit replay file"),
 ])
 def test_report_of_a_malformed_file_is_one_line(tmp_path, doc_change, message):

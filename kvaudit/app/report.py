@@ -23,7 +23,7 @@ def run(file: str, outputs: Outputs) -> int:
         raise InputError(str(e)) from None
     suppressed = doc.get("suppressed") or {}
     if not isinstance(suppressed, dict) or not all(isinstance(v, int) and v >= 0 for v in suppressed.values()):
-        raise InputError(f"{file}: bad 'suppressed': want an object of kind -> count")
+        raise InputError(f'{file}: bad "suppressed": want an object of kind -> count')
     console = make_console()
     cases = []
     for line in dict.fromkeys(replay.other_release(file, c, d) for c, _, _, d in loaded):
