@@ -438,6 +438,9 @@ def check_target(target, kind: str) -> None:
     def bad(msg: str):
         raise TargetDefinitionError(f"target {kind}: {msg}")
 
+    def bad_pool(spec, msg: str):  # (the pool's name spelled only for the error: this runs once per target built)
+        bad(f"pool {json_value(spec.name)}{msg}")
+
     if not isinstance(target, Target):
         bad(f"make(config) returned a {cls.__name__}, not a kvaudit.targets.base.Target (subclass it)")
     missing = [m for m in REQUIRED if getattr(cls, m) is getattr(Target, m)]
@@ -452,25 +455,24 @@ def check_target(target, kind: str) -> None:
         bad(f"{cls.__name__}.pools() must name each pool once with a non-empty string, got {json_value(names, 80)}")
     own_install = cls.install_pool is not Target.install_pool
     for s in specs:
-        where = f"pool {json_value(s.name)}"
         if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
                    for x in (s.page_size, s.num_units)):
-            bad(f"{where}: page_size and num_units must be positive integers, got {json_value(s.page_size)} and {json_value(s.num_units)}")
+            bad_pool(s, f": page_size and num_units must be positive integers, got {json_value(s.page_size)} and {json_value(s.num_units)}")
         if s.kind not in POOL_KINDS and not own_install:
-            bad(f"{where} declares kind {json_value(s.kind)}; the pool kinds are {', '.join(POOL_KINDS)} (a kind of the "
+            bad_pool(s, f" declares kind {json_value(s.kind)}; the pool kinds are {', '.join(POOL_KINDS)} (a kind of the "
                 "target's own needs its own install_pool)")
         api = POOL_KINDS.get(s.kind)
         if own_install:
             continue
         if api is None:
-            bad(f"{where} is a {json_value(s.kind)} pool, which has no standard wrapping: {cls.__name__}.install_pool must "
+            bad_pool(s, f" is a {json_value(s.kind)} pool, which has no standard wrapping: {cls.__name__}.install_pool must "
                 "call auditor.wrap_blocks(spec, ids, alloc=..., ref=..., unref=...)")
         lacking = [m for m in api if not callable(getattr(s.obj, m, None))]
         if s.kind == "kv" and not any(callable(getattr(s.obj, m, None)) for m in ("alloc", "alloc_extend",
                                                                                    "alloc_decode")):
             lacking.insert(0, "alloc")
         if lacking:
-            bad(f"{where} declares kind {json_value(s.kind)}, but its {type(s.obj).__name__} has no {', '.join(lacking)}() "
+            bad_pool(s, f" declares kind {json_value(s.kind)}, but its {type(s.obj).__name__} has no {', '.join(lacking)}() "
                 f"(a {json_value(s.kind)} pool's API: {', '.join(api)}" + (", alloc" if s.kind == "kv" else "")
                 + "); declare the kind it is, or wrap it in install_pool")
     if cls in _checked:
