@@ -478,3 +478,44 @@ def test_register_refuses_a_malformed_kind(change, message):
     with pytest.raises(registry.TargetDefinitionError, match=re.escape(message)):
         registry.register(dataclasses.replace(kind, **change))
     assert "toy2" not in registry._KINDS
+
+
+def test_a_built_in_kinds_pools_are_checked_once_per_shape_and_a_plugins_at_every_build(monkeypatch):
+    """check_target read every pool's kind and API for every target built, in a bare run too: a
+    built-in kind's pools are checked once per target class and pools' shape; a plugin's, whose pool
+    objects may differ build by build, at every build."""
+    from kvaudit.targets import base
+
+    calls = []
+    monkeypatch.setattr(base, "_checked", set())
+    monkeypatch.setattr(base, "POOL_KINDS", _Counting(base.POOL_KINDS, calls))
+    eut = registry.get("eut")
+    for _ in range(3):
+        make_target(eut.preset("default").config()).close()
+    first = len(calls)
+    assert first, "the first target's pools were not checked"
+    make_target(eut.preset("default").config()).close()
+    assert len(calls) == first, calls  # the same shape again: not checked again
+    make_target(eut.preset("default").config(page_size=4)).close()  # another shape: checked
+    assert len(calls) > first, calls
+    calls.clear()
+    rowtoy = registry.get("rowtoy")
+    for _ in range(2):
+        make_target(rowtoy.preset(rowtoy.default_preset).config()).close()
+    assert len(calls) == 2 * (len(calls) // 2) > 0 and calls[:len(calls) // 2] == calls[len(calls) // 2:], calls
+
+
+class _Counting(dict):
+    """A dict that notes each key looked up (check_target's reads of POOL_KINDS)."""
+
+    def __init__(self, d, calls):
+        super().__init__(d)
+        self.calls = calls
+
+    def get(self, key, default=None):
+        self.calls.append(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.calls.append(key)
+        return super().__contains__(key)

@@ -36,7 +36,7 @@ def make_target(config):
     kind = kind_of(config)
     target = kind.make(config)
     try:
-        check_target(target, kind.name)
+        check_target(target, kind.name, once=kind.name in BUILTIN_KINDS)
         if kind.name not in BUILTIN_KINDS:
             check_roots_always(target, kind.name)
     except Exception:

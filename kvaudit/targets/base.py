@@ -418,10 +418,10 @@ class Target:
 
 
 REQUIRED = ("pools", "apply", "step", "is_idle", "roots", "accounting", "engine_check")
-_checked: set[type] = set()  # target classes whose methods and reads passed check_target (once each)
+_checked: set = set()  # target classes whose reads, and (once=True) pools' shapes, passed check_target
 
 
-def check_target(target, kind: str) -> None:
+def check_target(target, kind: str, once: bool = False) -> None:
     """That ``target`` (just built by the kind called ``kind``) keeps the target API, so a mistake in
     the target's own code is named as one instead of surfacing as an engine crash: a :class:`Target`
     that overrides every method of :data:`REQUIRED`; ``pools()`` a list of :class:`PoolSpec` with
@@ -429,7 +429,9 @@ def check_target(target, kind: str) -> None:
     pool object has when the default ``install_pool`` wraps it (``"blocks"`` and a kind of the target's
     own need its own); on the fresh engine, ``roots()`` a list of :class:`Root` of declared pools with
     ``[n]`` integer numpy ``units``, ``accounting()`` a dict of declared pool -> :class:`Accounting` and
-    ``engine_check()`` a list of strings (the reads once per target class). Raises
+    ``engine_check()`` a list of strings (the reads once per target class). ``once`` (the built-in kinds,
+    whose tests check them): the pools too only once per target class and pools' shape (names, kinds,
+    sizes, the pool objects' types), not for every target built. Raises
     :class:`kvaudit.targets.registry.TargetDefinitionError`, one line naming ``kind`` and the problem."""
     from kvaudit.targets.registry import TargetDefinitionError
 
@@ -450,6 +452,9 @@ def check_target(target, kind: str) -> None:
     specs = target.pools()
     if not isinstance(specs, (list, tuple)) or not all(isinstance(s, PoolSpec) for s in specs):
         bad(f"{cls.__name__}.pools() must return a list of PoolSpec, got {json_value(specs, 80)}")
+    shape = (cls, tuple((s.name, s.kind, s.page_size, s.num_units, type(s.obj)) for s in specs)) if once else None
+    if shape in _checked:
+        return
     names = [s.name for s in specs]
     if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
         bad(f"{cls.__name__}.pools() must name each pool once with a non-empty string, got {json_value(names, 80)}")
@@ -475,8 +480,14 @@ def check_target(target, kind: str) -> None:
             bad_pool(s, f" declares kind {json_value(s.kind)}, but its {type(s.obj).__name__} has no {', '.join(lacking)}() "
                 f"(a {json_value(s.kind)} pool's API: {', '.join(api)}" + (", alloc" if s.kind == "kv" else "")
                 + "); declare the kind it is, or wrap it in install_pool")
-    if cls in _checked:
-        return
+    if cls not in _checked:
+        _check_reads(target, cls, names, bad)
+    if once:
+        _checked.add(shape)
+
+
+def _check_reads(target, cls: type, names: list[str], bad) -> None:
+    # check_target's reads of the fresh engine (once per target class)
     roots, acc, verdict = target.roots(), target.accounting(), target.engine_check()
     if not isinstance(roots, (list, tuple)) or not all(isinstance(r, Root) for r in roots):
         bad(f"{cls.__name__}.roots() must return a list of Root, got {json_value(roots, 80)}")
