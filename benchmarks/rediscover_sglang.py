@@ -94,26 +94,13 @@ def cases(files: list[str], vllm: bool, history: list[str] = (), plants: list[st
 
 
 # corpus fuzzer variants measured against random (docs/search/README.md, "Search variants"):
-# corpus_search's arguments. Measured while transitions=True was corpus_search's default, so each
-# names it (the default is now False, as corpus-states).
+# corpus_search's arguments. The variants of its feature set and schedule measured there (corpus-trans,
+# -rare, -ext, -aswarm, -ctx, -keep, -lines) earned no place and left corpus_search after 877df24; run
+# them at that commit.
 VARIANTS = {
-    "corpus-trans": dict(transitions=True),  # the corpus fuzzer before the variants (state transitions)
-    "corpus-rare": dict(transitions=True, schedule="rare"),  # rare-feature power schedule
-    "corpus-ext": dict(transitions=True, extend_share=0.5),  # half the mutations continue a program from its frontier
-    "corpus-rare-ext": dict(transitions=True, schedule="rare", extend_share=0.5),
-    "corpus-w16": dict(transitions=True, warmup=16),
-    "corpus-w16-rare-ext": dict(transitions=True, warmup=16, schedule="rare", extend_share=0.5),
-    "corpus-aswarm": dict(transitions=True, arg_swarm=True),  # swarm programs also swarm over optional arguments
-    "corpus-aswarm-ext": dict(transitions=True, arg_swarm=True, extend_share=0.5),
-    "corpus-w16-aswarm-ext": dict(transitions=True, warmup=16, arg_swarm=True, extend_share=0.5),
-    "corpus-w0-aswarm-ext": dict(transitions=True, warmup=0, arg_swarm=True, extend_share=0.5, fresh_share=0.5),
-    "corpus-ctx": dict(transitions=True, op_context=True),  # features: the op shapes run since the last step, with the state
-    "corpus-ctx-rare": dict(transitions=True, op_context=True, schedule="rare"),
-    "corpus-ctx-rare-ext": dict(transitions=True, op_context=True, schedule="rare", extend_share=0.5),
-    "corpus-states": dict(transitions=False),  # features: abstract states and sites only
-    "corpus-states-ext": dict(transitions=False, extend_share=0.5),
-    "corpus-states-rare": dict(transitions=False, schedule="rare"),
-    "corpus-states-f50": dict(transitions=False, fresh_share=0.5),  # more fresh programs after the warmup
+    "corpus-w16": dict(warmup=16),
+    "corpus-states": dict(),  # features: abstract states and sites only (the default)
+    "corpus-states-f50": dict(fresh_share=0.5),  # more fresh programs after the warmup
     "corpus-48": dict(min_ops=8, max_ops=48),  # longer programs (warmup and fresh: random-48's lengths)
     "corpus-96": dict(min_ops=16, max_ops=96),
     "corpus-96-f70": dict(min_ops=16, max_ops=96, fresh_share=0.7),
@@ -156,16 +143,6 @@ def trial(fuzzer: str, config, wanted: OnlySignature, seed: int, budget: float,
 
         found = random_search(config, budget, seed, stats, known=wanted, max_executions=max_executions,
                               **RANDOM_VARIANTS[fuzzer])
-    elif fuzzer == "corpus-keep":  # a variant: known findings are features (kvaudit.search.corpus_fuzz)
-        from kvaudit.search.corpus_fuzz import corpus_search
-
-        found = corpus_search(config, budget, seed, stats, known=wanted, keep_findings=True,
-                              max_executions=max_executions)
-    elif fuzzer == "corpus-lines":  # a variant: engine line coverage as features too
-        from kvaudit.search.corpus_fuzz import corpus_search
-
-        found = corpus_search(config, budget, seed, stats, known=wanted, line_coverage=True,
-                              max_executions=max_executions)
     else:
         found = search(fuzzer, config, budget, seed, stats, work_dir="/tmp", known=wanted,
                        max_executions=max_executions)

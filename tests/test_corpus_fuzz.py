@@ -9,7 +9,7 @@ import pytest
 from kvaudit.audit.runner import AuditedRun
 from kvaudit.program import Idle, OpenSession, Submit, program_from_json, program_to_json
 from kvaudit.program.schema import CAPABILITIES
-from kvaudit.search.corpus_fuzz import MAX_OPS, MIN_OPS, Corpus, Mutator, abstract_state, corpus_search, op_shape
+from kvaudit.search.corpus_fuzz import MAX_OPS, MIN_OPS, Corpus, Mutator, abstract_state, corpus_search
 from kvaudit.search.fuzz import FuzzStats, OnlySignature
 from kvaudit.targets import program_features
 from kvaudit.targets.eut.presets import get_preset
@@ -161,69 +161,3 @@ def test_the_store_skips_unreadable_files_and_picks_up_other_workers_programs(tm
     a.save([Submit(), Idle()])
     assert b.load_new() == [[Submit(), Idle()]]
     assert len(list(d.iterdir())) == 4
-
-def test_rare_schedule_favours_entries_that_reached_rare_features():
-    corpus = Corpus()
-    assert corpus.add([Idle()], {1, 2})
-    assert corpus.add([Idle()], {3})
-    corpus.count({1, 2})
-    for _ in range(50):
-        corpus.count({1, 2, 4})
-    corpus.count({3})
-    rng = random.Random(0)
-    picks = [corpus.pick(rng, "rare") is corpus.entries[1] for _ in range(200)]
-    assert sum(picks) > 150  # feature 3 was reached once, features 1 and 2 by 51 executions
-    classic = Corpus()
-    classic.add([Idle()], {1, 2})
-    classic.add([Idle()], {3})
-    rng = random.Random(0)
-    assert sum(classic.pick(rng) is classic.entries[1] for _ in range(200)) < 120  # it found fewer features
-
-
-def test_extend_keeps_the_prefix_up_to_the_frontier_and_appends_ops():
-    config = _config()
-    reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
-    mut = Mutator(random.Random(1), reach, 32, max_ops=24)
-    program = mut.fresh(8, 8, swarm=False)
-    body = [op for op in program if not isinstance(op, Idle)]
-    for _ in range(20):
-        for frontier in (0, 3, 6):
-            out = mut.extend(program, frontier)
-            assert isinstance(out[-1], Idle) and out[:frontier] == program[:frontier]
-            assert frontier + 1 <= len(out) - 1 <= frontier + 5  # 1-4 new ops (a frontier idle may go)
-        out = mut.extend(program, None)
-        assert out[:len(body)] == body and 1 <= len(out) - 1 - len(body) <= 4
-        assert program_from_json(program_to_json(out)) == out
-
-
-def test_op_shape_names_the_optional_arguments_set():
-    s, plain = program_from_json([{"op": "submit", "prompt_len": 3, "session": 1},
-                                  {"op": "submit", "prompt_len": 3}])
-    assert op_shape(s) == "submit+session" and op_shape(plain) == "submit"
-
-
-def test_argument_swarm_sets_an_argument_always_or_never():
-    config = _config()
-    reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
-    mut = Mutator(random.Random(2), reach, 32, max_ops=24)
-    for p, want in ((1.0, True), (0.0, False)):
-        ops = [mut.op(("submit",), {("submit", "session"): p}) for _ in range(50)]
-        assert all((op.session is not None) is want for op in ops)
-        assert program_from_json(program_to_json(ops)) == ops
-
-
-@pytest.mark.parametrize("kw", [dict(schedule="rare"), dict(extend_share=0.5), dict(op_context=True),
-                                dict(transitions=True), dict(arg_swarm=True)])
-def test_variants_keep_the_warmup_and_record_frontiers(kw):
-    from kvaudit.search.fuzz import random_search
-
-    config = _config("chunked-abort-ignored", "chunked")
-    rs, cs = FuzzStats(), FuzzStats()
-    r = random_search(config, 60.0, 1, rs, min_ops=MIN_OPS, max_ops=MAX_OPS)
-    c = corpus_search(config, 60.0, 1, cs, warmup=10_000, max_executions=2000, **kw)
-    assert r is not None and c is not None and rs.first_hit[0] == cs.first_hit[0]
-    clean = Corpus()
-    corpus_search(_config(), 60.0, 4, FuzzStats(), corpus=clean, max_executions=60, **kw)
-    assert clean.entries
-    assert all(e.frontier is None or 0 <= e.frontier < len(e.program) for e in clean.entries)
-    assert any(e.frontier is not None for e in clean.entries)

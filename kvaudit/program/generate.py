@@ -16,23 +16,20 @@ def make_op(kind: str, values: dict, reach: frozenset, max_prompt: int) -> Op:
     return op_type(kind)(**resolve(kind, values, reach, max_prompt))
 
 
-def _draw_value(rng, arg, max_prompt: int, p: float):
-    if p < 1.0 and rng.random() >= p:
+def _draw_value(rng, arg, max_prompt: int):
+    if arg.p < 1.0 and rng.random() >= arg.p:
         return arg.unset
     lo, hi = arg_range(arg, max_prompt)
     return rng.randint(lo, hi)
 
 
-def random_op(rng, reach: frozenset, max_prompt: int, table: tuple[str, ...] | None = None,
-              probs: dict | None = None) -> Op:
+def random_op(rng, reach: frozenset, max_prompt: int, table: tuple[str, ...] | None = None) -> Op:
     """One op drawn by ``rng`` (a ``random.Random``): its kind from ``table`` (a weighted list of kinds;
-    default :func:`weighted_kinds`), each argument set with probability ``probs[(kind, name)]`` (default
-    :attr:`Arg.p`), else unset."""
+    default :func:`weighted_kinds`), each argument set with probability :attr:`Arg.p`, else unset."""
     table = table or weighted_kinds(reach)
     kind = table[rng.randrange(len(table))]
-    p = probs or {}
-    values = {a.name: _draw_value(rng, a, max_prompt, p.get((kind, a.name), a.p)) if reachable(a.gate, reach)
-              else a.unset for a in OPS[kind].args}
+    values = {a.name: _draw_value(rng, a, max_prompt) if reachable(a.gate, reach) else a.unset
+              for a in OPS[kind].args}
     return make_op(kind, values, reach, max_prompt)
 
 

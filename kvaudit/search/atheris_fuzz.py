@@ -95,16 +95,16 @@ def libfuzzer_seed(seed: int) -> int:
 
 
 def harness_command(corpus_dir: str, seed_dir: str | None, max_time: float, seed: int, work_dir: str,
-                    workers: int = 1, max_ops: int = 24, extra: list[str] = ()) -> list[str]:
+                    workers: int = 1, max_ops: int = 24) -> list[str]:
     """The harness command line (``argv[0]`` is the harness itself: ``-fork`` re-executes it); inputs may be
-    ``max_ops`` records long from the start (``-len_control=0``). ``extra`` comes last, to override these."""
+    ``max_ops`` records long from the start (``-len_control=0``)."""
     cmd = [HARNESS, corpus_dir] + ([seed_dir] if seed_dir else []) + [
         f"-max_total_time={max(1, math.ceil(max_time))}", f"-seed={libfuzzer_seed(seed)}", "-print_final_stats=1",
         f"-artifact_prefix={os.path.join(work_dir, 'crashes')}{os.sep}", f"-max_len={max_len(max_ops)}",
         "-len_control=0"]
     if workers > 1:
         cmd += [f"-fork={workers}", "-ignore_crashes=0"]
-    return cmd + list(extra)
+    return cmd
 
 
 def harness_env(config: TargetConfig, findings_dir: str, stats_dir: str | None = None,
@@ -182,8 +182,8 @@ def _clear(directory: str) -> None:
 def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: FuzzStats,
                    on_progress: Callable[[FuzzStats], None] | None = None, corpus_dir: str | None = None,
                    workers: int = 1, suppressions_path: str | None = None, known=frozenset(),
-                   work_dir: str | None = None, use_seeds: bool = True, max_ops: int = 24,
-                   libfuzzer_args: list[str] = ()) -> tuple[list[Op], list[Finding]] | None:
+                   work_dir: str | None = None, use_seeds: bool = True,
+                   max_ops: int = 24) -> tuple[list[Op], list[Finding]] | None:
     """Fuzz ``config`` with atheris for ``max_time`` seconds of libFuzzer time; return the first finding's
     ``(program, findings)`` (the program ends with the op that found it) neither ``known`` nor suppressed
     (``suppressions_path``), or None. ``work_dir`` None: a :func:`kvaudit.atomic.scratch_dir`; the work
@@ -194,7 +194,7 @@ def atheris_search(config: TargetConfig, max_time: float, seed: int, stats: Fuzz
     out-of-memory input)."""
     with contextlib.nullcontext(work_dir) if work_dir is not None else scratch_dir("kvaudit-atheris-") as work:
         return _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path,
-                       frozenset(known), os.path.abspath(work), use_seeds, max_ops, list(libfuzzer_args))
+                       frozenset(known), os.path.abspath(work), use_seeds, max_ops)
 
 
 def _prepare(work_dir: str, corpus_dir: str | None, known: frozenset) -> tuple[str, str]:
@@ -238,7 +238,7 @@ def _watch(proc: subprocess.Popen, deadline: float, findings_dir: str, crashes_d
 
 
 def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, suppressions_path, known, work_dir,
-            use_seeds, max_ops, libfuzzer_args):
+            use_seeds, max_ops):
     findings_dir, stats_dir = os.path.join(work_dir, "findings"), os.path.join(work_dir, "stats")
     crashes_dir = os.path.join(work_dir, "crashes")
     corpus_dir, known_path = _prepare(work_dir, corpus_dir, known)
@@ -246,7 +246,7 @@ def _search(config, max_time, seed, stats, on_progress, corpus_dir, workers, sup
     seed_dir = seed_dir if use_seeds and os.path.isdir(seed_dir) and os.listdir(seed_dir) else None
     log_path = os.path.join(work_dir, "libfuzzer.log")
     open(log_path, "w").close()
-    cmd = harness_command(corpus_dir, seed_dir, max_time, seed, work_dir, workers, max_ops, libfuzzer_args)
+    cmd = harness_command(corpus_dir, seed_dir, max_time, seed, work_dir, workers, max_ops)
     env = harness_env(config, findings_dir, stats_dir, suppressions_path, known_path, max_ops)
     env["TMPDIR"] = os.path.join(work_dir, "tmp")
     base_execs, base_ops = stats.executions, stats.ops

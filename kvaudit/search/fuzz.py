@@ -6,7 +6,6 @@ Design notes: docs/internals/fuzzers.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import random
@@ -375,20 +374,16 @@ def programs_until(deadline: float, max_executions: int | None, stats: FuzzStats
 
 
 def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppressions, deadline: float,
-                on_step: Callable | None = None, before: Callable[[int, Op], None] | None = None,
-                tracer=None) -> tuple[int, list[Finding], bool, set]:
+                on_step: Callable | None = None) -> tuple[int, list[Finding], bool, set]:
     """Run ``program`` from a fresh audited engine (fast stacks) up to its first finding or ``deadline``
-    (monotonic seconds), counting into ``stats``. ``before(i, op)`` is called before op ``i``; ``tracer``
-    is a context manager held around the ops. Returns (ops run, the last op's findings, whether the
-    deadline cut the program, the auditor's site keys)."""
+    (monotonic seconds), counting into ``stats``; ``on_step``: the run's, called after each scheduler step.
+    Returns (ops run, the last op's findings, whether the deadline cut the program, the auditor's site keys)."""
     per_step = stats.executions <= schedule.per_step_first(config)  # (the caller counted this program)
-    with schedule.search_run(config, suppressions, deadline, per_step) as run, (tracer or contextlib.nullcontext()):
+    with schedule.search_run(config, suppressions, deadline, per_step) as run:
         if on_step is not None:
             run.on_step = on_step
         ran, found = 0, []
-        for i, op in enumerate(program):
-            if before is not None:
-                before(i, op)
+        for op in program:
             found = run.apply(op)
             ran += 1
             stats.ops += 1
