@@ -797,3 +797,27 @@ def test_ci_that_would_check_nothing_is_a_usage_error(tmp_path):
                                  "--max-time 0 fuzzes nothing: the job would check nothing")
     r = invoke("ci", "--max-time", "0.5", "--regressions", str(empty), "--out", str(tmp_path / "o"))
     assert r.exit_code == 0 and "0/0 regressions ok" in r.output, r.output + r.stderr
+
+
+def test_ci_keeps_each_presets_reproducer_when_two_presets_find_one_signature(tmp_path, monkeypatch):
+    """Two presets finding the same new signature wrote one --out file: the second preset's copy replaced
+    the first's, and both JUnit cases (and timelines) named the survivor, a program of the other config."""
+    import xml.etree.ElementTree as ET
+
+    import kvaudit.search.campaign as campaign
+
+    path = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sigs = sorted({f.signature for f in replay.load(path)[2]})
+    monkeypatch.setattr(campaign, "run_campaign", lambda config, *a, **k: campaign.CampaignResult(
+        new={s: path for s in sigs}, stats=FuzzStats(executions=3, ops=9)))
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "2", "--presets", "default,chunked", "--regressions", str(empty),
+               "--out", str(tmp_path / "o"), "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 1, r.output
+    name = os.path.basename(path)
+    first, second = tmp_path / "o" / name, tmp_path / "o" / name.replace(".json", ".chunked.json")
+    assert sorted(os.listdir(tmp_path / "o")) == sorted([first.name, second.name]), os.listdir(tmp_path / "o")
+    cases = ET.parse(tmp_path / "j.xml").getroot().findall(".//testcase[failure]")
+    named = sorted((c.get("classname"), c.find("failure").text.split("replay file: ")[1].split()[0]) for c in cases)
+    assert {f for _, f in named} == {str(first), str(second)}, named

@@ -120,7 +120,8 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
     """One preset's share, appended to ``result``; raises KeyboardInterrupt once it was interrupted."""
     with Progress(err, per_preset) as progress:
         run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
-                             on_progress=progress.update, target=target, db=db, campaign=campaign_name)
+                             on_progress=progress.update, target=target, db=db, campaign=campaign_name,
+                             taken=frozenset(path for r in result.fuzz for _, _, path in r.new))
     result.fuzz.append(run)
     err.print(f"fuzz {preset}: {run.executions} executions, "
               + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else "nothing searched"

@@ -129,9 +129,12 @@ def regression_files(directory: str) -> list[str]:
 
 def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str | None, out_dir: str,
                 suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
-                target: str = "eut", db: str | None = None, campaign: str = "default") -> FuzzRun:
+                target: str = "eut", db: str | None = None, campaign: str = "default",
+                taken: frozenset[str] = frozenset()) -> FuzzRun:
     """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign: over ``corpus/<preset>``
-    (resumable), else over a temporary corpus; the new replay files are copied to ``out_dir``. ``db``: a
+    (resumable), else over a temporary corpus; the new replay files are copied to ``out_dir``, a name in
+    ``taken`` (another preset of the job wrote it: the same signature found there) as
+    ``<name>.<preset>.json``, so each preset keeps its own reproducer. ``db``: a
     Redis URL; the campaign is ``<campaign>/<preset>`` across every host (CI shard) that names it. An
     interrupted campaign (Ctrl-C, SIGTERM) returns what it found, ``interrupted`` set."""
     from kvaudit.search.campaign import run_campaign
@@ -155,7 +158,10 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             by_file.setdefault(path, set()).add(sig)
         for path, sigs in sorted(by_file.items()):  # (the corpus keeps its copy; --out is what a job uploads)
             _, program, findings, doc = replay.load(path)
-            path = replay.write_atomic(os.path.join(out_dir, os.path.basename(path)), doc)
+            dest = os.path.join(out_dir, os.path.basename(path))
+            if dest in taken:
+                dest = f"{dest[:-len('.json')]}.{preset}.json"
+            path = replay.write_atomic(dest, doc)
             run.new.append((program, [f for f in findings if f.signature in sigs], path))
     run.interrupted = result.interrupted
     if result.interrupted:  # no time for replays: its SARIF lists what was found
