@@ -715,3 +715,27 @@ def test_every_report_names_the_release_of_another_releases_frames(tmp_path, mon
         assert (note in text) is other, name
         assert (moved in text) is not other, name
     assert at in r.stdout and at in texts["junit"] if other else at not in r.stdout
+
+
+@pytest.mark.parametrize("program_ends_idle", [True, False])
+def test_a_timeline_of_a_target_whose_is_idle_raises_ends_at_its_crash(program_ends_idle, monkeypatch):
+    """The search recorded is_idle() raising as the engine's crash, then the triage's timeline called it
+    again, unguarded, in its aftermath: `kvaudit: internal error: TypeError`, exit 70, no replay file
+    written (fuzz and ci alike; tester t54, defect 2)."""
+    import rowtoy_plugin  # noqa: F401  (registers the kind "rowtoy")
+
+    from kvaudit.program import Idle, Step, Submit
+    from kvaudit.reports import timeline
+    from kvaudit.targets import registry
+
+    def boom(self):
+        raise TypeError("idle boom")
+
+    monkeypatch.setattr(rowtoy_plugin.RowToyTarget, "is_idle", boom)
+    config = registry.get("rowtoy").preset("rowtoy").config()
+    program = [Submit(prompt_len=4, max_new_tokens=2), Step(1)] + ([Idle()] if program_ends_idle else [])
+    found = []
+    t = timeline.record(config, program, findings=found)
+    assert timeline.is_valid(t), t
+    if program_ends_idle:
+        assert [f.kind for f in found] == ["crash"], found

@@ -84,7 +84,12 @@ def record(config: TargetConfig, program: list[Op], suppressions=None, drain_ste
         if findings is not None:
             findings.extend(run.findings)
         for _ in range(drain_steps):  # the aftermath: does the engine ever get the memory back?
-            if run.target.is_idle() and run.target.steps > end:
+            if run.crashed:  # (a crashed engine runs no more steps: the plot ends at the crash)
+                break
+            try:
+                if run.target.is_idle() and run.target.steps > end:
+                    break
+            except Exception:  # the target's is_idle raising, met first here: the run's finding is the report's
                 break
             run.apply(Step(1))
         units = {name: ("rows" if led.spec.kind == "rows" else "tokens") for name, led in run.auditor.ledgers.items()}
