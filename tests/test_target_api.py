@@ -519,3 +519,31 @@ class _Counting(dict):
     def __contains__(self, key):
         self.calls.append(key)
         return super().__contains__(key)
+
+
+@pytest.mark.parametrize("taken", ["eut", "rowtoy"])
+def test_a_plugin_cannot_take_another_modules_kind_name(taken, tmp_path, monkeypatch, fresh_registry):
+    """A plugin registering the name "eut" silently replaced the built-in engine (its presets gone, the
+    regression files no longer replaying); a second plugin's "toy" replaced the first's (tester t54)."""
+    (tmp_path / "name_thief.py").write_text(
+        "from dataclasses import dataclass, field\n"
+        "from kvaudit.config import ConfigBase\n"
+        "from kvaudit.targets.registry import TargetKind, register\n"
+        "@dataclass(frozen=True)\n"
+        "class ThiefConfig(ConfigBase):\n"
+        "    bugs: frozenset = field(default_factory=frozenset)\n"
+        f"register(TargetKind({taken!r}, 'a thief', ThiefConfig, presets=dict, make=object))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "name_thief")
+    r = invoke("presets", "--target", taken)
+    assert r.exit_code == 2, r.output
+    assert (f'cannot import "name_thief" named in KVAUDIT_PLUGINS: TargetDefinitionError: target {taken}: the name '
+            "is taken (module ") in one_error_line(r)
+    assert registry.get(taken).config_class.__name__ != "ThiefConfig"
+
+
+def test_a_module_registering_its_kind_again_replaces_it(fresh_registry):
+    """A reloaded plugin registers its kind again from the same module: allowed (the newer wins)."""
+    first = registry.register(registry.TargetKind("toy3", "a toy", ToyConfig, presets=dict, make=ToyTarget))
+    again = registry.register(registry.TargetKind("toy3", "a toy, again", ToyConfig, presets=dict, make=ToyTarget))
+    assert registry.get("toy3") is again is not first

@@ -238,19 +238,24 @@ def check_kind(kind: TargetKind) -> None:
 
 
 def register(kind: TargetKind) -> TargetKind:
-    """Add ``kind`` (or replace the kind of the same name: a reloaded plugin). Returns it. Raises
-    :class:`TargetDefinitionError` for a kind :func:`check_kind` refuses (a plugin module that
-    registers one fails to load)."""
+    """Add ``kind`` (or replace the kind of the same name the same module registered: a reloaded plugin).
+    Returns it. Raises :class:`TargetDefinitionError` for a kind :func:`check_kind` refuses, or whose
+    name another module's kind (a built-in's, another plugin's) has (a plugin module that registers one
+    fails to load)."""
     global _by_class_of
     check_kind(kind)
     owner = next((k.name for k in _KINDS.values() if k.config_class is kind.config_class and k.name != kind.name), None)
     if owner is not None:  # a config names its kind by its class: --target would run the other one's target
         raise TargetDefinitionError(f"target {kind.name}: config_class {kind.config_class.__name__} is target "
                                     f"{owner}'s; a kind needs a config class of its own (a subclass will do)")
+    # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
+    origin = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
+    if kind.name in _KINDS and _origins.get(kind.name) != origin:  # (a built-in, or another plugin's)
+        raise TargetDefinitionError(f"target {kind.name}: the name is taken (module {_origins.get(kind.name)} "
+                                    "registered it); --target names one kind: name yours otherwise")
     _KINDS[kind.name] = kind
     _by_class_of = ()  # (kind_of's map is built again)
-    # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
-    _origins[kind.name] = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
+    _origins[kind.name] = origin
     return kind
 
 
