@@ -547,3 +547,45 @@ def test_a_module_registering_its_kind_again_replaces_it(fresh_registry):
     first = registry.register(registry.TargetKind("toy3", "a toy", ToyConfig, presets=dict, make=ToyTarget))
     again = registry.register(registry.TargetKind("toy3", "a toy, again", ToyConfig, presets=dict, make=ToyTarget))
     assert registry.get("toy3") is again is not first
+
+
+_TABLE_MISTAKES = {
+    "presets-raise": ("presets=lambda: 1 / 0, default_preset='t1'", "presets() raised ZeroDivisionError: division by zero"),
+    "bugs-raise": ("presets=lambda: P, bugs=lambda: 1 / 0, default_preset='t1'", "bugs() raised ZeroDivisionError"),
+    "bugs-list": ("presets=lambda: P, bugs=lambda: ['a'], default_preset='t1'", 'bugs() must return a mapping of name -> one-line '
+                                                           'description, got ["a"]'),
+    "default-missing": ("presets=lambda: P, default_preset='nope'",
+                        'default_preset "nope" is not one of its presets (t1)'),
+    "other-class": ("presets=lambda: {'t1': Preset('t1', 'x', {}, config_class=Other)}, default_preset='t1'",
+                    'preset "t1" must be a Preset of config_class TabConfig (or a subclass), got Other'),
+}
+
+
+@pytest.mark.parametrize("mistake", list(_TABLE_MISTAKES))
+def test_a_plugin_kinds_tables_are_checked_when_it_registers(mistake, tmp_path, monkeypatch, fresh_registry):
+    """presets() or bugs() raising was `internal error`, exit 70, in every command that lists kinds
+    (`kvaudit presets` too); a default_preset not among the presets passed until --preset default (with
+    a hint naming --target eut); a preset of another kind's config class wrote replay files that did not
+    replay (tester t54, defect 4)."""
+    fields, message = _TABLE_MISTAKES[mistake]
+    (tmp_path / "tab_plugin.py").write_text(
+        "from dataclasses import dataclass, field\n"
+        "from kvaudit.config import ConfigBase, Preset\n"
+        "from kvaudit.targets.registry import TargetKind, register\n"
+        "@dataclass(frozen=True)\n"
+        "class TabConfig(ConfigBase):\n"
+        "    bugs: frozenset = field(default_factory=frozenset)\n"
+        "    preset: str = 'custom'\n"
+        "@dataclass(frozen=True)\n"
+        "class Other(ConfigBase):\n"
+        "    bugs: frozenset = field(default_factory=frozenset)\n"
+        "    preset: str = 'custom'\n"
+        "P = {'t1': Preset('t1', 'x', {}, config_class=TabConfig)}\n"
+        f"register(TargetKind('tab', 'a toy', TabConfig, make=object, {fields}))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "tab_plugin")
+    r = invoke("presets")
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert line.startswith('kvaudit: error: cannot import "tab_plugin" named in KVAUDIT_PLUGINS: '
+                           f"TargetDefinitionError: target tab: {message}"), line

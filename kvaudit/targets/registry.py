@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Mapping
 
-from kvaudit.config import json_value
+from kvaudit.config import Preset, json_value
 
 PLUGINS_ENV = "KVAUDIT_PLUGINS"
 DEFAULT_KIND = "eut"  # --target's default, and a replay file's when its config names no target
@@ -237,6 +237,32 @@ def check_kind(kind: TargetKind) -> None:
         raise TargetDefinitionError(f"target {name}: {bad}")
 
 
+def _check_tables(kind: TargetKind) -> None:
+    """A plugin kind's ``presets()`` and ``bugs()`` as every command reads them: each returns a mapping
+    without raising, the presets :class:`~kvaudit.config.Preset` s of the kind's own config class (a
+    subclass will do) that include ``default_preset``. Raises :class:`TargetDefinitionError`."""
+    def bad(msg: str):
+        raise TargetDefinitionError(f"target {kind.name}: {msg}")
+
+    tables = {}
+    for field_name in ("presets", "bugs"):
+        try:
+            tables[field_name] = getattr(kind, field_name)()
+        except Exception as e:
+            bad(f"{field_name}() raised {type(e).__name__}: {e}")
+        if not isinstance(tables[field_name], Mapping):
+            bad(f"{field_name}() must return a mapping of name -> "
+                f"{'Preset' if field_name == 'presets' else 'one-line description'}, got {json_value(tables[field_name], 60)}")
+    presets = tables["presets"]
+    for name, p in presets.items():
+        if not isinstance(p, Preset) or not (isinstance(p.config_class, type)
+                                             and issubclass(p.config_class, kind.config_class)):
+            bad(f"preset {json_value(name)} must be a Preset of config_class {kind.config_class.__name__} (or a "
+                f"subclass), got {json_value(p, 60) if not isinstance(p, Preset) else p.config_class.__name__}")
+    if presets and kind.default_preset not in presets:
+        bad(f"default_preset {json_value(kind.default_preset)} is not one of its presets ({', '.join(presets)})")
+
+
 def register(kind: TargetKind) -> TargetKind:
     """Add ``kind`` (or replace the kind of the same name the same module registered: a reloaded plugin).
     Returns it. Raises :class:`TargetDefinitionError` for a kind :func:`check_kind` refuses, or whose
@@ -244,6 +270,8 @@ def register(kind: TargetKind) -> TargetKind:
     fails to load)."""
     global _by_class_of
     check_kind(kind)
+    if kind.name not in BUILTIN_KINDS:  # (the built-ins' tables are read lazily and checked by their tests)
+        _check_tables(kind)
     owner = next((k.name for k in _KINDS.values() if k.config_class is kind.config_class and k.name != kind.name), None)
     if owner is not None:  # a config names its kind by its class: --target would run the other one's target
         raise TargetDefinitionError(f"target {kind.name}: config_class {kind.config_class.__name__} is target "
