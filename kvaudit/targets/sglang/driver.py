@@ -68,8 +68,8 @@ class SglangDriver(SglangResults):
         """What each running request holds now: if a release elsewhere takes its record away, the next scan
         still sees the request reading it."""
         table = self.req_to_token_pool.req_to_token
-        self._held = {r.rid: (r.kv.req_pool_idx, table[r.kv.req_pool_idx, : r.kv.kv_allocated_len].clone(),
-                              r.kv.cache_protected_len) for r in self.running if r.kv.holds_kv}
+        self._held = {r.rid: (kv.req_pool_idx, table[kv.req_pool_idx, : kv.kv_allocated_len].clone(),
+                      kv.cache_protected_len) for r in self.running if (kv := self._kv(r)).req_pool_idx is not None}
 
     def _join_running(self) -> None:
         """``get_next_batch_to_run``'s merge: under overlap the last prefill batch joins the running batch."""

@@ -232,9 +232,7 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
         batch = self._prefill() or self._decode()
         if batch is not None:
             self._process(*batch)
-        table = self.req_to_token_pool.req_to_token
-        self._held = {r.rid: (r.req_pool_idx, table[r.req_pool_idx, : r.kv_allocated_len].clone(),
-                              r.cache_protected_len) for r in self.running if r.req_pool_idx is not None}
+        self._snapshot_held()
 
     def _allocatable(self, admitted: list) -> int:
         """``get_num_allocatable_reqs``, bounded (kvaudit's) by the free rows plus the admitted that reuse a
@@ -361,6 +359,11 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
         if self.session_controller is not None:
             diffing(self.tree_cache, "release_session", False)
 
+    @staticmethod
+    def _kv(holder):
+        """The KV record's fields sit on ``Req`` and ``SessionSlot`` in this era."""
+        return holder
+
     def _slots(self):
         return list(self.tree_cache.slots.items()) if self.session_controller is not None else []
 
@@ -371,7 +374,7 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
     def _borrowed(self) -> set[int]:
         return {r.req_pool_idx for r in self._live()}
 
-    def _session_held(self) -> int:
+    def _session_held_tokens(self) -> int:
         """kvaudit's count: the KV of slots no live request borrowed."""
         borrowed = self._borrowed()
         return sum(s.kv_allocated_len - s.cache_protected_len for _, s in self._slots()
@@ -391,7 +394,7 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
         borrowed = self._borrowed()
         rows = sum(1 for _, s in self._slots() if s.req_pool_idx is not None and s.req_pool_idx not in borrowed)
         return {"token_to_kv_pool": Accounting(a.available_size(), cache.evictable_size(), cache.protected_size(),
-                                               self._session_held(), a.size),
+                                               self._session_held_tokens(), a.size),
                 "req_to_token_pool": Accounting(rp.available_size(), 0, 0, rows, rp.size)}
 
     def engine_check(self) -> list[str]:
@@ -452,23 +455,13 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
             return "running"
         return "retracted" if getattr(req, "is_retracted", False) else "waiting"
 
-    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
-        table = self.req_to_token_pool.req_to_token
-        slots = table[torch.as_tensor(np.asarray(rows) - self._row_base, dtype=torch.int64)].reshape(-1)
-        return {"token_to_kv_pool": slots[slots > 0].to(torch.int64).cpu().numpy()}
-
-    def free_lists(self) -> dict[str, np.ndarray]:
-        a = self.allocator
-        return {"token_to_kv_pool": torch.cat([a.free_pages, a.release_pages]).cpu().numpy(),
-                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64) + self._row_base}
-
     def metrics_check(self) -> list[str]:
         return [f"[req_to_token_pool] req:{r.rid} kv_committed_len={r.kv_committed_len} > "
                 f"kv_allocated_len={r.kv_allocated_len}" for r in self._live()
                 if not 0 <= r.kv_committed_len <= r.kv_allocated_len]
 
     def stalled(self) -> bool:
-        return bool(self.waiting) and not self.running and self._session_held() > 0
+        return bool(self.waiting) and not self.running and self._session_held_tokens() > 0
 
     def transient(self) -> bool:
         """A turn running on its session slot's row (a borrowed record) while the engine's busy check is on
@@ -479,17 +472,6 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
             return False
         rows = {s.req_pool_idx for _, s in self._slots() if s.req_pool_idx is not None}
         return any(r.req_pool_idx in rows for r in self.running)
-
-    def quiescence(self) -> list[tuple[str, str]]:
-        return [(name, f"available={a.available} of total={a.total} after a successful flush_cache")
-                for name, a in self.accounting().items() if a.available + a.session_held != a.total]
-
-    def progress(self) -> dict[str, int]:
-        out = {r.rid: r.kv_committed_len + len(r.output_ids) for r in self.running}
-        for r in self.running:
-            if r.to_finish is not None:
-                out[r.rid] = -1
-        return out
 
     def reach(self) -> dict[str, int]:
         """The path counters: requests ``retract_decode`` took out (or aborted), session turns submitted."""
@@ -502,9 +484,3 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
         if not self.waiting:
             return ""
         return "waiting:memory-locked" if self.tree_cache.protected_size() else "waiting:memory"
-
-    def describe_busy(self) -> str:
-        return (f"waiting={len(self.waiting)} running={len(self.running)} available={self.allocator.available_size()} "
-                f"evictable={self.tree_cache.evictable_size()} protected={self.tree_cache.protected_size()} "
-                f"session_held={self._session_held()}")
-

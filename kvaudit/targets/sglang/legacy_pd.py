@@ -27,7 +27,7 @@ from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, torch_paged_kernels
 from kvaudit.targets.sglang.hooks import SglangHooks, host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget
-from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool
+from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool, metadata_roots
 from kvaudit.targets.sglang.standins import EOS
 
 INDEX_HEAD_DIM = 128  # NSATokenToKVPool's indexer buffer is laid out for 128-wide index heads
@@ -451,11 +451,8 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
             out.append(Root("req_to_token_pool", owner, np.array([req.req_pool_idx + self._row_base]),
                             where=where))
             out += [Root(pool, owner, units, where=where) for pool, units in self._units(req).items()]
-        for dr in self.prealloc_queue.queue + self.transfer_queue.queue:
-            if dr.metadata_buffer_index is not None and dr.metadata_buffer_index >= 0:
-                out.append(Root("metadata_buffers", f"req:{dr.req.rid}",
-                                np.array([dr.metadata_buffer_index + 1], dtype=np.int64), where="transfer"))
-        return out
+        held = [(dr.req.rid, dr.metadata_buffer_index) for dr in self.prealloc_queue.queue + self.transfer_queue.queue]
+        return out + metadata_roots(held, where="transfer")
 
     def units_of_rows(self, rows) -> dict[str, np.ndarray]:
         co, ps = self.coordinator, self.config.page_size

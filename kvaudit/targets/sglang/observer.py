@@ -23,6 +23,7 @@ class SglangReads(Target):
     # _decode helpers), and speculative decoding's draft slots: one role, request-kv, in a signature
     request_kv_allocs = ("alloc_req_slots", "alloc_token_slots", "alloc_paged_token_slots_extend",
                          "alloc_paged_token_slots_decode")
+    _row_base = 0  # the row pool's ledger unit of row r: r + _row_base (the legacy era's before 0.5.11: 1)
 
     def pools(self) -> list[PoolSpec]:
         return self._pools
@@ -37,6 +38,60 @@ class SglangReads(Target):
 
     def retraction(self) -> str:
         return self.last_retraction or ""
+
+    @staticmethod
+    def _kv(holder):
+        """The per-era accessor of a request's or session slot's KV record (``req_pool_idx``,
+        ``kv_committed_len``, ``kv_allocated_len``, ``cache_protected_len``): its ``ReqKvInfo``,
+        ``holder.kv``. The legacy era keeps those fields on ``Req`` and ``SessionSlot`` themselves."""
+        return holder.kv
+
+    def _pages(self, slots: torch.Tensor) -> np.ndarray:
+        return slot_pages(slots, self.config.page_size)
+
+    def progress(self) -> dict[str, int]:
+        """Per running (or chunked) request a number that grows while it progresses, -1 once aborted;
+        nothing while the scheduler is paused."""
+        if self.scheduler_paused:
+            return {}
+        out = {r.rid: self._kv(r).kv_committed_len + len(r.output_ids) for r in self.running}
+        if self.chunked_req is not None:  # in no batch between chunks; a chunk advances extend_end
+            out[self.chunked_req.rid] = compat.req_span(self.chunked_req, self.S.version)[1]
+        for r in self.running:
+            if r.to_finish is not None:
+                out[r.rid] = -1
+        return out
+
+    def quiescence(self) -> list[tuple[str, str]]:
+        """After a successful flush: both pools full again and the tree empty."""
+        out = []
+        for name, a in self.accounting().items():
+            if a.available + a.session_held != a.total:
+                out.append((name, f"available={a.available} of total={a.total} after a successful flush_cache"))
+        if self.tree_cache.evictable_size() + self.tree_cache.protected_size():
+            out.append(("token_to_kv_pool", "the radix tree still holds tokens after a successful flush_cache"))
+        return out
+
+    def describe_busy(self) -> str:
+        """The queues' counts (``grammar`` and ``chunked`` when they hold a request: what :meth:`stuck` may
+        name while ``waiting`` is 0), then the pools'."""
+        grammar = len(self.grammar_manager.grammar_queue) if self.grammar_manager is not None else 0
+        return (f"waiting={len(self.waiting)} running={len(self.running)} "
+                + (f"grammar={grammar} " if grammar else "") + ("chunked=1 " if self.chunked_req is not None else "")
+                + f"available={self.allocator.available_size()} evictable={self.tree_cache.evictable_size()} "
+                f"protected={self.tree_cache.protected_size()} session_held={self._session_held_tokens()}")
+
+    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
+        """The KV pool's units the row pool's units ``rows`` point at (ledger units: ``row + _row_base``)."""
+        table = self.req_to_token_pool.req_to_token
+        slots = table[torch.as_tensor(np.asarray(rows) - self._row_base, dtype=torch.int64)].reshape(-1)
+        return {"token_to_kv_pool": self._pages(slots[slots > 0])}
+
+    def free_lists(self) -> dict[str, np.ndarray]:
+        """The KV pool's from its ``PoolSpec`` (HiSparse's is the logical allocator), the row pool's."""
+        kv = next(spec.obj for spec in self._pools if spec.name == "token_to_kv_pool")
+        return {"token_to_kv_pool": compat.free_pages(kv, self.S.version).cpu().numpy(),
+                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64) + self._row_base}
 
 
 class SglangObserver(SglangHooks, SglangReads):
@@ -87,29 +142,6 @@ class SglangObserver(SglangHooks, SglangReads):
         held = self._session_held_tokens() > 0 or any(s.lock is not None for _, s in self._slots())
         return bool(self.waiting) and not self.running and held
 
-    def quiescence(self) -> list[tuple[str, str]]:
-        """After a successful flush: both pools full again and the tree empty."""
-        out = []
-        for name, a in self.accounting().items():
-            if a.available + a.session_held != a.total:
-                out.append((name, f"available={a.available} of total={a.total} after a successful flush_cache"))
-        if self.tree_cache.evictable_size() + self.tree_cache.protected_size():
-            out.append(("token_to_kv_pool", "the radix tree still holds tokens after a successful flush_cache"))
-        return out
-
-    def progress(self) -> dict[str, int]:
-        """Per running (or chunked) request a number that grows while it progresses, -1 once aborted;
-        nothing while the scheduler is paused."""
-        if self.scheduler_paused:
-            return {}
-        out = {r.rid: r.kv.kv_committed_len + len(r.output_ids) for r in self.running}
-        if self.chunked_req is not None:  # in no batch between chunks; a chunk advances extend_end
-            out[self.chunked_req.rid] = compat.req_span(self.chunked_req, self.S.version)[1]
-        for r in self.running:
-            if r.to_finish is not None:
-                out[r.rid] = -1
-        return out
-
     def stuck(self) -> str:
         """``running:decode``, ``chunked:prefill``, ``grammar:compile``, or for the waiting queue's head
         ``waiting:rows``, ``waiting:memory-locked`` or ``waiting:memory``; ``""`` when nothing is busy."""
@@ -125,21 +157,9 @@ class SglangObserver(SglangHooks, SglangReads):
             return "waiting:rows"
         return "waiting:memory-locked" if self.tree_cache.protected_size() else "waiting:memory"
 
-    def describe_busy(self) -> str:
-        """The queues' counts (``grammar`` and ``chunked`` when they hold a request: what :meth:`stuck` may
-        name while ``waiting`` is 0), then the pools'."""
-        grammar = len(self.grammar_manager.grammar_queue) if self.grammar_manager is not None else 0
-        return (f"waiting={len(self.waiting)} running={len(self.running)} "
-                + (f"grammar={grammar} " if grammar else "") + ("chunked=1 " if self.chunked_req is not None else "")
-                + f"available={self.allocator.available_size()} evictable={self.tree_cache.evictable_size()} "
-                f"protected={self.tree_cache.protected_size()} session_held={self._session_held_tokens()}")
-
     def _ceil(self, n: int) -> int:
         ps = self.config.page_size
         return -(-n // ps) * ps
-
-    def _pages(self, slots: torch.Tensor) -> np.ndarray:
-        return slot_pages(slots, self.config.page_size)
 
     def _slots(self):
         return [] if self.session_controller is None else list(self.tree_cache.session.slots.items())
@@ -199,11 +219,6 @@ class SglangObserver(SglangHooks, SglangReads):
             out.append(Root("token_to_kv_pool", "tree", self._pages(values), role="tree"))
         return out
 
-    def units_of_rows(self, rows) -> dict[str, np.ndarray]:
-        table = self.req_to_token_pool.req_to_token
-        slots = table[torch.as_tensor(rows, dtype=torch.int64)].reshape(-1)
-        return {"token_to_kv_pool": self._pages(slots[slots > 0])}
-
     def accounting(self) -> dict[str, Accounting]:
         a, cache, rp = self.allocator, self.tree_cache, self.req_to_token_pool
         rows = sum(1 for _, s in self._slots() if s.kv.holds_kv)
@@ -220,11 +235,6 @@ class SglangObserver(SglangHooks, SglangReads):
     def metrics_check(self) -> list[str]:
         """Every live record's ``0 <= kv_committed_len <= kv_allocated_len``."""
         return kv_length_problems(self._live())
-
-    def free_lists(self) -> dict[str, np.ndarray]:
-        """The KV pool's from its ``PoolSpec`` (HiSparse's is the logical allocator), the row pool's."""
-        return {"token_to_kv_pool": compat.free_pages(self._pools[0].obj, self.S.version).cpu().numpy(),
-                "req_to_token_pool": np.asarray(self.req_to_token_pool.free_slots, dtype=np.int64)}
 
     def _path_slots(self, node):
         """``[n]`` KV slots on the path root -> ``node``: ``UnifiedRadixCache.path_device_indices``, which

@@ -210,9 +210,9 @@ def install_metadata_pool(spec: PoolSpec, auditor) -> bool:
     return True
 
 
-def metadata_roots(held: list[tuple[str, int | None]]) -> list[Root]:
+def metadata_roots(held: list[tuple[str, int | None]], where: str = "") -> list[Root]:
     """``(rid, metadata_buffer_index)`` of each holder -> its root (an index None or < 0 holds nothing)."""
-    return [Root("metadata_buffers", f"req:{rid}", np.array([idx + 1], dtype=np.int64))
+    return [Root("metadata_buffers", f"req:{rid}", np.array([idx + 1], dtype=np.int64), where=where)
             for rid, idx in held if idx is not None and idx >= 0]
 
 
