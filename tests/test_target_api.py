@@ -589,3 +589,35 @@ def test_a_plugin_kinds_tables_are_checked_when_it_registers(mistake, tmp_path, 
     line = one_error_line(r)
     assert line.startswith('kvaudit: error: cannot import "tab_plugin" named in KVAUDIT_PLUGINS: '
                            f"TargetDefinitionError: target tab: {message}"), line
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ("page_size = 1\n    num_slots = 47\n", "must give context_len as a positive integer (tokens; a field or a property), "
+                                             "got nothing"),
+    ("page_size = 1\n    num_slots = 47\n    context_len = 0\n", "must give context_len as a positive integer"),
+    ("page_size = 1.0\n    num_slots = 47\n    context_len = 16\n", "must give page_size as a positive integer (tokens; "
+                                                                     "a field or a property), got 1.0"),
+])
+def test_a_plugin_config_without_the_sizes_the_generators_read_is_one_line(sizes, message, tmp_path, monkeypatch,
+                                                                           fresh_registry):
+    """A config without context_len ran the start-up, then `internal error: AttributeError: 'NoCL' object has
+    no attribute 'context_len'`, exit 70 (tester t54, defect 4)."""
+    module = f"size_plugin_{abs(hash(sizes))}"  # (one per case: an imported module is not imported again)
+    (tmp_path / f"{module}.py").write_text(
+        "from dataclasses import dataclass, field\n"
+        "import rowtoy_plugin\n"
+        "from kvaudit.config import ConfigBase, Preset\n"
+        "from kvaudit.targets.registry import TargetKind, register\n"
+        "@dataclass(frozen=True)\n"
+        "class SizeConfig(ConfigBase):\n"
+        "    size: int = 48\n"
+        "    bugs: frozenset = field(default_factory=frozenset)\n"
+        "    preset: str = 'custom'\n"
+        f"    {sizes}"
+        "register(TargetKind('sizes', 'a toy', SizeConfig, make=rowtoy_plugin.RowToyTarget, default_preset='s',\n"
+        "                    presets=lambda: {'s': Preset('s', 'x', {}, config_class=SizeConfig)}))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", module)
+    r = invoke("fuzz", "--target", "sizes", "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2, r.output
+    assert f"kvaudit: error: target sizes: its config (SizeConfig) {message}" in one_error_line(r)

@@ -34,6 +34,8 @@ def make_target(config):
     from kvaudit.targets.registry import BUILTIN_KINDS, kind_of
 
     kind = kind_of(config)
+    if kind.name not in BUILTIN_KINDS:
+        _check_sizes(config, kind.name)
     target = kind.make(config)
     try:
         check_target(target, kind.name, once=kind.name in BUILTIN_KINDS)
@@ -45,6 +47,23 @@ def make_target(config):
             close()
         raise
     return target
+
+
+def _check_sizes(config, kind: str) -> None:
+    """A plugin kind's config gives what the generators and reports read (docs/writing-a-target.md):
+    ``context_len``, ``num_slots`` and ``page_size``, positive integers (tokens). Raises
+    :class:`kvaudit.targets.registry.TargetDefinitionError` naming the first missing or wrong one."""
+    import numbers
+
+    from kvaudit.config import json_value
+    from kvaudit.targets.registry import TargetDefinitionError
+
+    for name in ("context_len", "num_slots", "page_size"):
+        v = getattr(config, name, None)
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+            raise TargetDefinitionError(
+                f"target {kind}: its config ({type(config).__name__}) must give {name} as a positive integer "
+                f"(tokens; a field or a property), got {'nothing' if not hasattr(config, name) else json_value(v, 60)}")
 
 
 def program_features(config) -> frozenset[str]:
