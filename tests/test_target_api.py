@@ -162,6 +162,12 @@ class ToyConfig(ConfigBase):
     bugs: frozenset = field(default_factory=frozenset)
     preset: str = "custom"
     target: str = "toy"
+    page_size = 1
+    context_len = 8
+
+    @property
+    def num_slots(self) -> int:
+        return self.n
 
 
 def test_a_registered_kind_builds_targets_and_configs_from_replay_files():
