@@ -298,6 +298,7 @@ def test_finding_without_any_site_still_has_a_repo_location(validator):
         assert uri.startswith("engine_under_test/") and line >= 1
         assert os.path.isfile(source_path(uri))
         assert r["properties"]["locationIsFallback"] is True
+        assert "(No source frame recorded: shown at " in r["message"]["text"]
 
 
 def test_crash_frames_outside_the_repo_stay_out_of_code_scanning_locations(validator):
@@ -347,6 +348,9 @@ def test_a_user_engine_outside_kvaudit_is_located_relative_to_the_current_direct
     monkeypatch.chdir(ROOT)
     (r,) = to_sarif([leak])["runs"][0]["results"]
     assert r["properties"]["locationIsFallback"] is True
+    # (frames were recorded: the message said "No source frame recorded", tester t54)
+    assert "(No recorded frame is a file of this checkout (run kvaudit from the repository root): shown at " in \
+        r["message"]["text"] and "No source frame recorded" not in r["message"]["text"], r["message"]["text"]
 
 
 def test_a_plugin_package_in_the_users_repository_is_located_relative_to_it(validator, tmp_path, monkeypatch):
@@ -371,6 +375,9 @@ def test_a_plugin_package_in_the_users_repository_is_located_relative_to_it(vali
     monkeypatch.chdir(ROOT)
     (r,) = to_sarif([leak])["runs"][0]["results"]
     assert r["properties"]["locationIsFallback"] is True
+    # (frames were recorded: the message said "No source frame recorded", tester t54)
+    assert "(No recorded frame is a file of this checkout (run kvaudit from the repository root): shown at " in \
+        r["message"]["text"] and "No source frame recorded" not in r["message"]["text"], r["message"]["text"]
 
 
 def test_a_kind_without_an_anchor_falls_back_to_its_config_class_statement(validator):

@@ -285,7 +285,7 @@ def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngin
 
 
 def _message(f: Finding, links: list[str], primary: Site, fallback: bool, recorded_on: str = "",
-             package: str = "") -> str:
+             package: str = "", any_frames: bool = False) -> str:
     summary = f.summary()
     lines = [_escape(summary)]
     detail = f": {f.message}" if f.message and f.message not in summary else ""
@@ -302,8 +302,10 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool, record
                              "are named by path, their recorded lines kept as properties, not claimed as lines of "
                              "the installed files.)"))
     if fallback and not recorded_on:
-        lines.append(_escape(f"(No source frame recorded: shown at {primary.function}, "
-                             "where the engine keeps the state this finding is about.)"))
+        why = ("No recorded frame is a file of this checkout (run kvaudit from the repository root)" if any_frames
+               else "No source frame recorded")
+        lines.append(_escape(f"({why}: shown at {primary.function}, where the engine keeps the state this finding "
+                             "is about.)"))
     if f.engine_check:
         lines.append(_escape(engine_verdict(f)))
     return "\n".join(lines)
@@ -348,7 +350,8 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         "ruleId": f.kind,
         "ruleIndex": rule_index,
         "level": level,
-        "message": {"text": _message(f, links, primary, fallback, recorded_on, engine.package if engine else "")},
+        "message": {"text": _message(f, links, primary, fallback, recorded_on, engine.package if engine else "",
+                                     any_frames=any(frames for _, _, frames in stacks))},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
                                 region_fallback=True, engine=engine)],
         "partialFingerprints": {FINGERPRINT_KEY: f.signature},
