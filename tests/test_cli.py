@@ -391,7 +391,9 @@ def test_replay_on_a_cuda_device_without_one_exits_2(tmp_path):
 @pytest.mark.parametrize("value, words", [
     ("nan", "must be a finite number of seconds, got nan"), ("inf", "must be a finite number of seconds, got inf"),
     ("-inf", "must be a finite number of seconds, got -inf"), ("-5", "must be a number of seconds >"), ("-5", ", got -5 (see"),
-    ("1e308", "must be at most 31536000 seconds (365d), got 1e+308")])
+    ("1e308", "must be at most 31536000 seconds (365d), got 1e+308"),
+    # (one second over the limit read "got 3.1536e+07", as if it were the limit)
+    ("31536001", "must be at most 31536000 seconds (365d), got 31536001;"), ("-0.25", ", got -0.25 (see")])
 def test_an_absurd_budget_exits_2_in_one_line(command, value, words):
     """--max-time 1e308 printed a 300-digit 'remaining'; nan, inf and negatives are refused alike, the value
     spelled as a config error spells it ('got nan', as JSON has no nan: TOML's word)."""

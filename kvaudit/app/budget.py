@@ -42,9 +42,9 @@ def check_seconds(value: float, allow_zero: bool = False) -> float:
     if math.isnan(value) or math.isinf(value):
         raise ValueError(f"must be a finite number of seconds, got {json_value(value)}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"must be a number of seconds {'>= 0' if allow_zero else '> 0'}, got {value:g}")
+        raise ValueError(f"must be a number of seconds {'>= 0' if allow_zero else '> 0'}, got {value:.15g}")
     if value > MAX_SECONDS:
-        raise ValueError(f"must be at most {MAX_SECONDS:.0f} seconds ({duration(MAX_SECONDS)}), got {value:g}; "
+        raise ValueError(f"must be at most {MAX_SECONDS:.0f} seconds ({duration(MAX_SECONDS)}), got {value:.15g}; "
                          "Ctrl-C or SIGTERM ends a run early and keeps what it found")
     return value
 
