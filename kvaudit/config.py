@@ -40,6 +40,8 @@ def _spelled(v) -> str:
         return v.isoformat()
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(map(_spelled, v)) + "]"
+    if isinstance(v, dict):  # (keys and values each spelled: a dict holding objects was all repr)
+        return "{" + ", ".join(f"{_spelled(k)}: {_spelled(x)}" for k, x in v.items()) + "}"
     try:
         return json.dumps(v, allow_nan=False)
     except (TypeError, ValueError):

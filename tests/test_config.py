@@ -121,3 +121,14 @@ def test_replay_messages_name_the_value_as_json(tmp_path, change, said):
     result = invoke("report", str(path))
     assert result.exit_code == 2, result.output
     assert said in one_error_line(result)
+
+
+def test_json_value_spells_a_dicts_keys_and_values_each():
+    """A target's accounting() keyed by an undeclared pool was shown whole as Python's repr,
+    ``{'other': Accounting(...)}`` (tester t54): the keys are JSON, a value JSON cannot hold its repr."""
+    class Obj:
+        def __repr__(self):
+            return "Obj()"
+
+    assert json_value({"other": Obj(), "n": [1, None]}) == '{"other": Obj(), "n": [1, null]}'
+    assert json_value({"a": 1, "b": True}) == '{"a": 1, "b": true}'
