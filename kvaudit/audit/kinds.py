@@ -199,7 +199,7 @@ def _con_crash(f) -> list:
 # what SARIF and JUnit call each recorded stack, unless a kind's ``labels`` say otherwise
 STACK_LABELS = {"alloc_sites": "allocated at", "free_sites": "freed at", "prev_free_sites": "previously freed at",
                 "read_sites": "read at", "lost_sites": "its last owner let go of it at"}
-STACK_ORDER = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
+STACK_ORDER = tuple(STACK_LABELS)  # every stack a Finding records (its site lists), in reading order
 
 
 class FindingKind(NamedTuple):
