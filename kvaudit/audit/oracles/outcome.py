@@ -104,13 +104,13 @@ def crash(run, exc: BaseException) -> list[Finding]:
     return [f]
 
 
-def _kept_frames(stack, engine_files=()) -> list:
+def _kept_frames(stack, engine_files) -> list:
     keep = {os.path.abspath(f) for f in engine_files}
     return [fr for fr in stack if not (path := os.path.abspath(fr.filename)).startswith(_KVAUDIT_DIR + os.sep)
             or path in keep]
 
 
-def _engine_frames(stack, engine_files=()) -> list[Site]:
+def _engine_frames(stack, engine_files) -> list[Site]:
     return [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip())
             for fr in reversed(_kept_frames(stack, engine_files))]
 
@@ -125,7 +125,7 @@ def _display_path(path: str) -> str:
     return os.path.relpath(path, root) if root else path
 
 
-def _engine_traceback(exc: BaseException, engine_files=()) -> str:
+def _engine_traceback(exc: BaseException, engine_files) -> str:
     # NOTE: without kvaudit's frames and with portable paths, so a replay file's text does not change
     # when only kvaudit or the machine does
     te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
