@@ -33,10 +33,6 @@ class Frame:
     note: str = ""
     release: str = ""
 
-    @property
-    def stale(self) -> bool:
-        return bool(self.note) and not self.release
-
 
 class RecordedEngine(NamedTuple):
     """The engine a finding was recorded on: ``package`` and ``version`` (installed here, None when unknown)
