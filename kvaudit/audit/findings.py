@@ -18,6 +18,7 @@ KINDS = _kinds.KINDS  # the finding kinds' one table
 
 # the directory holding the kvaudit package, and the built-in engine and the examples beside it
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KVAUDIT_DIR = os.path.join(_SOURCE_ROOT, "kvaudit")  # kvaudit's own files: never an engine frame
 
 
 def portable_path(path: str) -> str:

@@ -9,15 +9,13 @@ import os
 import sys
 import traceback
 
-import kvaudit
 from kvaudit.audit import memstate
-from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.findings import KVAUDIT_DIR, Finding, Site, portable_path
 from kvaudit.audit.oracles.lock_balance import lock_balance
 
 MAX_IDLE_STEPS = 2000
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
 WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
-_KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
 
 
 def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
@@ -106,7 +104,7 @@ def crash(run, exc: BaseException) -> list[Finding]:
 
 def _kept_frames(stack, engine_files) -> list:
     keep = {os.path.abspath(f) for f in engine_files}
-    return [fr for fr in stack if not (path := os.path.abspath(fr.filename)).startswith(_KVAUDIT_DIR + os.sep)
+    return [fr for fr in stack if not (path := os.path.abspath(fr.filename)).startswith(KVAUDIT_DIR + os.sep)
             or path in keep]
 
 
