@@ -18,6 +18,7 @@ KINDS = _kinds.KINDS  # the finding kinds' one table
 
 # the directory holding the kvaudit package, and the built-in engine and the examples beside it
 _SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KVAUDIT_DIR = os.path.join(_SOURCE_ROOT, "kvaudit")  # kvaudit's own files: never an engine frame
 
 
 def portable_path(path: str) -> str:
@@ -148,7 +149,7 @@ class Finding:
             del d["engine_check_at_idle"]  # not recorded: files written without a drain stay as they were
         if not d["holder"]:
             del d["holder"]  # (only a lock-imbalance names one)
-        for key in _SITE_LISTS:  # a site's flags only where set (most frames are neither)
+        for key in _kinds.STACK_ORDER:  # a site's flags only where set (most frames are neither)
             for site in d[key]:
                 for flag in ("entry", "request_kv"):
                     if not site[flag]:
@@ -172,7 +173,7 @@ class Finding:
             raise ValueError(f"unknown kind {json_value(d['kind'], 60)} (valid: {', '.join(KINDS)})")
         if d.get("unit") in ("page", "block") and d.get("slots") and not d.get("num_units"):
             raise ValueError(f"num_units must be positive for {d['unit']}s")
-        for key in _SITE_LISTS:
+        for key in _kinds.STACK_ORDER:
             d[key] = _records(d, key, Site, _SITE_TYPES, required=3)
         d["owner_history"] = _records(d, "owner_history", OwnerChange, _OWNER_TYPES, required=3)
         return cls(**d)
@@ -214,7 +215,6 @@ _FIELD_TYPES = (("kind", str, None, 0), ("pool", str, None, 0), ("message", str,
                 ("memory_state", list, str, 0), ("engine_check_at_idle", list, str, 0), ("traceback", str, None, 0),
                 ("used_by", list, str, 0), ("lost_from", str, None, 0), ("check", str, None, 0),
                 ("holder", str, None, 0))
-_SITE_LISTS = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
 _SITE_TYPES = (("file", str), ("line", int), ("function", str), ("source", str), ("entry", bool), ("request_kv", bool))
 _OWNER_TYPES = (("op_index", int), ("step", int), ("owner", str), ("event", str))
 

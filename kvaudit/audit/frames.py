@@ -7,6 +7,7 @@ Design notes: docs/internals/audit.md.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import posixpath
 import re
@@ -32,10 +33,6 @@ class Frame:
     source: str
     note: str = ""
     release: str = ""
-
-    @property
-    def stale(self) -> bool:
-        return bool(self.note) and not self.release
 
 
 class RecordedEngine(NamedTuple):
@@ -88,9 +85,6 @@ def frame_release(site: Site, engine: RecordedEngine | None) -> str | None:
     return v if v is not None and v != engine.version else None
 
 
-_cache: dict[str, tuple[tuple[int, int], list[str], dict[str, list[tuple[int, int]]]]] = {}
-
-
 def _parsed(path: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | None:
     # the stripped lines and, per function name, its defs' line ranges (decorators to last line,
     # inclusive); cached per file by mtime and size; None if the file cannot be read or parsed
@@ -98,10 +92,11 @@ def _parsed(path: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | N
         st = os.stat(path)
     except OSError:
         return None
-    key = (st.st_mtime_ns, st.st_size)
-    hit = _cache.get(path)
-    if hit is not None and hit[0] == key:
-        return hit[1], hit[2]
+    return _parse(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(path: str, mtime_ns: int, size: int) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | None:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -113,9 +108,7 @@ def _parsed(path: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | N
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
             ranges.setdefault(node.name, []).append((start, node.end_lineno or node.lineno))
-    lines = [line.strip() for line in text.splitlines()]
-    _cache[path] = (key, lines, ranges)
-    return lines, ranges
+    return [line.strip() for line in text.splitlines()], ranges
 
 
 def function_ranges(file: str, function: str) -> list[tuple[int, int]] | None:

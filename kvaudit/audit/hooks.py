@@ -16,14 +16,12 @@ import sys
 import numpy as np
 import torch
 
-import kvaudit
-from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.findings import KVAUDIT_DIR, Finding, Site, portable_path
 from kvaudit.audit.ledger import Event, Ledger, PoolLedger
 from kvaudit.audit.locks import LockLedger
 from kvaudit.audit.shadow import ShadowKV
 from kvaudit.audit.wrappers import PoolWrappers
 
-_KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -93,7 +91,7 @@ class Auditor(Ledger, PoolWrappers):
         # with engine code (the target's ``framework_classes``), only that class's methods
         by_class = tuple(target.framework_classes())
         self._skip_classes = {(_class_file(c), c.__name__) for c in by_class}
-        self._skip_files = {_KVAUDIT_DIR} | {_class_file(type(s.obj)) for s in target.pools()
+        self._skip_files = {KVAUDIT_DIR} | {_class_file(type(s.obj)) for s in target.pools()
                                              if not isinstance(s.obj, by_class)}
         self._skip_files |= {os.path.abspath(f) for f in target.framework_files()}
         # files of the target that play the engine's part (a driver): sites, though under kvaudit/
@@ -158,7 +156,7 @@ class Auditor(Ledger, PoolWrappers):
         # (is framework, owner lookup: 0, _STOP (batch-level: no single owner) or _READ (from the frame's
         # locals), is one of the target's release_entries, is one of its request_kv_allocs)
         fn = os.path.abspath(code.co_filename)
-        fw = ((fn in self._skip_files or fn.startswith(_KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
+        fw = ((fn in self._skip_files or fn.startswith(KVAUDIT_DIR) or fn.startswith(_TORCH_DIR)
                or (fn, code.co_qualname.split(".")[0]) in self._skip_classes) and fn not in self._engine_files
               # a hook a target's install_* method defines (a driver file among engine_files wraps
               # the engine's methods there): the wrapper is not a site, its caller is

@@ -34,9 +34,9 @@ from typing import Any, Callable, NamedTuple
 # ----------------------------------------------------------------------------- naming sites
 
 
-def where(sites: list, missing: str = "?") -> str:
-    """``function@file`` of the innermost frame of ``sites`` (``missing`` when there is none)."""
-    return f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else missing
+def where(sites: list) -> str:
+    """``function@file`` of the innermost frame of ``sites`` (``?`` when there is none)."""
+    return f"{sites[0].function}@{os.path.basename(sites[0].file)}" if sites else "?"
 
 
 def allocated(sites: list) -> str:
@@ -46,13 +46,11 @@ def allocated(sites: list) -> str:
     return "request-kv" if sites and sites[0].request_kv else where(sites)
 
 
-def release_path(sites: list, missing: str = "?") -> str:
+def release_path(sites: list) -> str:
     """``function@file`` of the release path of a free's ``sites``: the first frame that is not one
     of the target's release entries (``Site.entry``), i.e. the caller that chose the release; the
-    outermost entry frame when every frame is one; ``missing`` when there is none."""
-    if not sites:
-        return missing
-    return where([next((s for s in sites if not s.entry), sites[-1])])
+    outermost entry frame when every frame is one; ``?`` when there is none."""
+    return where([next((s for s in sites if not s.entry), sites[-1])] if sites else [])
 
 
 # ----------------------------------------------------------------------------- signatures
@@ -199,7 +197,7 @@ def _con_crash(f) -> list:
 # what SARIF and JUnit call each recorded stack, unless a kind's ``labels`` say otherwise
 STACK_LABELS = {"alloc_sites": "allocated at", "free_sites": "freed at", "prev_free_sites": "previously freed at",
                 "read_sites": "read at", "lost_sites": "its last owner let go of it at"}
-STACK_ORDER = ("alloc_sites", "free_sites", "prev_free_sites", "read_sites", "lost_sites")
+STACK_ORDER = tuple(STACK_LABELS)  # every stack a Finding records (its site lists), in reading order
 
 
 class FindingKind(NamedTuple):

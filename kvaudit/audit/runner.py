@@ -432,9 +432,7 @@ class AuditedRun:
                 raise
             self.crashed = True
         self._draining = False
-        found = self._answer(found)
-        self.findings.extend(found)
-        return found
+        return self._answer(found)
 
     def _before_ending(self, op: Op) -> list[Finding]:
         # the sparse schedule, before an op that can end a state the oracles see (OpSpec.ends: an abort,
@@ -448,11 +446,12 @@ class AuditedRun:
         return self._sift(self._check())
 
     def _answer(self, found: list[Finding]) -> list[Finding]:
-        # what an op or the end check reports: sifted and merged, or the localizing replay's findings
+        # what an op or the end check reports (and keeps): sifted and merged, or the localizing replay's findings
         if self._replayed is None:
             found = _merge_same_signature(self._sift(found))
         if self._replayed is not None:
             found, self._replayed = self._replayed, None
+        self.findings.extend(found)
         return found
 
     def _sift(self, found: list[Finding]) -> list[Finding]:
@@ -493,9 +492,7 @@ class AuditedRun:
         except Exception:  # (the target's own error: raised where a per-step run raises it)
             self._replay()
             raise
-        found = self._answer(found)
-        self.findings.extend(found)
-        return found
+        return self._answer(found)
 
     def _long_idle(self) -> list[Finding]:
         # NOTE: an idle() that has not drained after LONG_IDLE_STEPS steps is most often a hang, met by

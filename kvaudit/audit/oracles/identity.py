@@ -54,10 +54,13 @@ def identity(auditor: Auditor, pool: str, led, a, req_units, session_units, reco
         lines.append(" + ".join(f"{t}={v}" for t, v in values) + f" = {lhs} != total={a.total}, "
                      "while every allocated unit is reachable")
         checks.append("identity")
-    if not lines:
-        return []
-    return [Finding(kind="accounting-drift", pool=pool, unit="slot", message="; ".join(lines),
-                    op_index=auditor.op_index, step=auditor.step, check=checks[0])]
+    return [_drift(auditor, pool, "; ".join(lines), checks[0])] if lines else []
+
+
+def _drift(auditor: Auditor, pool: str, message: str, check: str) -> Finding:
+    """An ``accounting-drift`` of ``pool`` (counted in slots) failing ``check``, at the auditor's op and step."""
+    return Finding(kind="accounting-drift", pool=pool, unit="slot", message=message, op_index=auditor.op_index,
+                   step=auditor.step, check=check)
 
 
 def _term(t: str, a, held: int, uncached: int, referenced: np.ndarray | None, counts, ps: int) -> int:
@@ -90,18 +93,13 @@ def replay_free_list(auditor: Auditor, pool: str, led, free: np.ndarray) -> list
     twice = np.flatnonzero(listed > 1)
     if not (missing.size or extra.size or twice.size):
         return []
-    return [Finding(kind="accounting-drift", pool=pool, unit="slot",
-                    message=f"the engine's free list disagrees with the replay of the event log: {extra.size} unit(s) "
-                            f"free in the list but allocated in the log, {missing.size} the other way, {twice.size} "
-                            f"listed twice (a path that bypasses kvaudit's wrappers)",
-                    op_index=auditor.op_index, step=auditor.step, check="free_list")]
+    return [_drift(auditor, pool, f"the engine's free list disagrees with the replay of the event log: {extra.size} "
+                   f"unit(s) free in the list but allocated in the log, {missing.size} the other way, {twice.size} "
+                   "listed twice (a path that bypasses kvaudit's wrappers)", "free_list")]
 
 def engine_disagrees(auditor: Auditor, target) -> list[Finding]:
     """The engine's own ``check_memory()`` (and its metrics) fail while every kvaudit oracle is clean."""
-    out = []
-    for line in target.engine_check() + target.metrics_check():
-        pool = line[1:line.index("]")] if line.startswith("[") else "-"
-        out.append(Finding(kind="accounting-drift", pool=pool, unit="slot",
-                           message=f"the engine's own check fails while memory is intact: {line}",
-                           op_index=auditor.op_index, step=auditor.step, check="engine_check"))
-    return out[:1]
+    for line in target.engine_check() + target.metrics_check():  # (the first line that fails)
+        return [_drift(auditor, line[1:line.index("]")] if line.startswith("[") else "-",
+                       f"the engine's own check fails while memory is intact: {line}", "engine_check")]
+    return []

@@ -66,7 +66,7 @@ class PoolCounts:
 class Bookkeeping:
     """The kept state of every pool of one auditor, and the owners' places and roles."""
 
-    def __init__(self, units: int = 0):
+    def __init__(self, units: int):
         self.big = units >= MIN_UNITS  # worth keeping (MIN_UNITS): the pools' units together
         self.pools: dict[str, PoolCounts] = {}
         self.valid = False  # rebuilt by the last full check, and every check since was clean

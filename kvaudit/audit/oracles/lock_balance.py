@@ -11,7 +11,7 @@ from kvaudit.audit.locks import holder_kind
 from kvaudit.targets.base import LockImbalance
 
 
-def lock_balance(auditor: Auditor, target, idle: bool = True) -> list[Finding]:
+def lock_balance(auditor: Auditor, target, idle: bool) -> list[Finding]:
     """``lock-imbalance``: a tree node locked more (or less) than its live holders account for (SGLang
     invariants 13 and 14); one finding per lock kind (device ``lock_ref``, host pins). It blames the
     lock-ref ledger's open inc whose holder is gone (``alloc_sites``, ``holder``, ``lost_sites``), else

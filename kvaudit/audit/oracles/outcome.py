@@ -9,15 +9,13 @@ import os
 import sys
 import traceback
 
-import kvaudit
 from kvaudit.audit import memstate
-from kvaudit.audit.findings import Finding, Site, portable_path
+from kvaudit.audit.findings import KVAUDIT_DIR, Finding, Site, portable_path
 from kvaudit.audit.oracles.lock_balance import lock_balance
 
 MAX_IDLE_STEPS = 2000
 LIVENESS_STEPS = 300  # no request needs this many steps without progress in any preset
 WATCHDOG_HANG = "engine step did not return within"  # the message of a watchdog hang starts so
-_KVAUDIT_DIR = os.path.dirname(os.path.abspath(kvaudit.__file__))
 
 
 def attach_engine_verdict(target, findings: list[Finding]) -> list[Finding]:
@@ -104,13 +102,13 @@ def crash(run, exc: BaseException) -> list[Finding]:
     return [f]
 
 
-def _kept_frames(stack, engine_files=()) -> list:
+def _kept_frames(stack, engine_files) -> list:
     keep = {os.path.abspath(f) for f in engine_files}
-    return [fr for fr in stack if not (path := os.path.abspath(fr.filename)).startswith(_KVAUDIT_DIR + os.sep)
+    return [fr for fr in stack if not (path := os.path.abspath(fr.filename)).startswith(KVAUDIT_DIR + os.sep)
             or path in keep]
 
 
-def _engine_frames(stack, engine_files=()) -> list[Site]:
+def _engine_frames(stack, engine_files) -> list[Site]:
     return [Site(portable_path(fr.filename), fr.lineno or 0, fr.name, (fr.line or "").strip())
             for fr in reversed(_kept_frames(stack, engine_files))]
 
@@ -125,7 +123,7 @@ def _display_path(path: str) -> str:
     return os.path.relpath(path, root) if root else path
 
 
-def _engine_traceback(exc: BaseException, engine_files=()) -> str:
+def _engine_traceback(exc: BaseException, engine_files) -> str:
     # NOTE: without kvaudit's frames and with portable paths, so a replay file's text does not change
     # when only kvaudit or the machine does
     te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
