@@ -5,11 +5,15 @@ Design notes: docs/internals/export.md."""
 from __future__ import annotations
 
 import functools
-import tomllib
 from typing import NamedTuple
 
 from kvaudit.data import data_path
 from kvaudit.export.http_api import export_for
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the tomli backport (pyproject.toml's dependency there)
+    import tomli as tomllib  # type: ignore[no-redef]
 
 
 class Note(NamedTuple):
