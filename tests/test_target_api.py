@@ -627,3 +627,20 @@ def test_a_plugin_config_without_the_sizes_the_generators_read_is_one_line(sizes
     r = invoke("fuzz", "--target", "sizes", "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
     assert r.exit_code == 2, r.output
     assert f"kvaudit: error: target sizes: its config (SizeConfig) {message}" in one_error_line(r)
+
+
+def test_a_hang_stays_a_hang_when_the_targets_describe_busy_raises(monkeypatch):
+    """describe_busy() raising turned the hang into `Engine crash: RuntimeError` at describe_busy, its
+    signature the target's code's (tester t54): the hang is the finding, the error is in its words."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Idle, Submit
+
+    def boom(self):
+        raise RuntimeError("busy boom")
+
+    monkeypatch.setattr(rowtoy_plugin.RowToyTarget, "describe_busy", boom, raising=False)
+    config = registry.get("rowtoy").preset("rowtoy").config(bugs={"stuck"})
+    found = execute(config, [Submit(prompt_len=4, max_new_tokens=3), Idle()]).findings
+    hang = next(f for f in found if f.kind == "hang")
+    assert "(the target's describe_busy() raised RuntimeError: busy boom)" in hang.message, hang.message
+    assert not [f for f in found if f.kind == "crash"], found

@@ -62,11 +62,14 @@ def idle_hang(run) -> list[Finding]:
     """idle() never drained: a ``hang`` naming what the target says is stuck (``Target.stuck()``), its
     ``describe_busy()`` in the message; before it, the locks no live holder accounts for (one hang
     symptom, several causes)."""
-    busy = run.target.describe_busy()  # "" (the base's default): the target does not say
+    try:
+        busy = run.target.describe_busy()  # "" (the base's default): the target does not say
+        said = f": {busy}" if busy else " (the target's describe_busy() names nothing)"
+    except Exception as e:  # only the hang's words: the hang stays the finding, not a crash of describe_busy
+        said = f" (the target's describe_busy() raised {type(e).__name__}: {e})"
     stuck = run.target.stuck()
     f = Finding(kind="hang", pool="-", op_index=run.ops_run - 1, step=run.target.steps, check=stuck,
-                message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle()"
-                + (f": {busy}" if busy else " (the target's describe_busy() names nothing)")
+                message=f"engine not idle after {MAX_IDLE_STEPS} steps of idle()" + said
                 + (f"; stuck: {stuck}" if stuck else ""))
     locks = lock_balance(run.auditor, run.target, idle=True) if run.run_oracles else []
     return attach_engine_verdict(run.target, locks + [f])
