@@ -543,8 +543,9 @@ def test_a_plugin_cannot_take_another_modules_kind_name(taken, tmp_path, monkeyp
     monkeypatch.setenv("KVAUDIT_PLUGINS", "name_thief")
     r = invoke("presets", "--target", taken)
     assert r.exit_code == 2, r.output
+    why = "a kind kvaudit has built in" if taken == "eut" else "module "
     assert (f'cannot import "name_thief" named in KVAUDIT_PLUGINS: TargetDefinitionError: target {taken}: the name '
-            "is taken (module ") in one_error_line(r)
+            f"is taken ({why}") in one_error_line(r)
     assert registry.get(taken).config_class.__name__ != "ThiefConfig"
 
 
@@ -574,7 +575,8 @@ def test_a_plugin_kinds_tables_are_checked_when_it_registers(mistake, tmp_path, 
     a hint naming --target eut); a preset of another kind's config class wrote replay files that did not
     replay (tester t54, defect 4)."""
     fields, message = _TABLE_MISTAKES[mistake]
-    (tmp_path / "tab_plugin.py").write_text(
+    module = f"tab_plugin_{mistake.replace('-', '_')}"  # (one per case: an imported module is not imported again)
+    (tmp_path / f"{module}.py").write_text(
         "from dataclasses import dataclass, field\n"
         "from kvaudit.config import ConfigBase, Preset\n"
         "from kvaudit.targets.registry import TargetKind, register\n"
@@ -589,20 +591,23 @@ def test_a_plugin_kinds_tables_are_checked_when_it_registers(mistake, tmp_path, 
         "P = {'t1': Preset('t1', 'x', {}, config_class=TabConfig)}\n"
         f"register(TargetKind('tab', 'a toy', TabConfig, make=object, {fields}))\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KVAUDIT_PLUGINS", "tab_plugin")
+    monkeypatch.setenv("KVAUDIT_PLUGINS", module)
     r = invoke("presets")
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
-    assert line.startswith('kvaudit: error: cannot import "tab_plugin" named in KVAUDIT_PLUGINS: '
+    assert line.startswith(f'kvaudit: error: cannot import "{module}" named in KVAUDIT_PLUGINS: '
                            f"TargetDefinitionError: target tab: {message}"), line
 
 
 @pytest.mark.parametrize("sizes, message", [
-    ("page_size = 1\n    num_slots = 47\n", "must give context_len as a positive integer (tokens; a field or a property), "
-                                             "got nothing"),
+    ("page_size = 1\n    num_slots = 47\n", "must give context_len as a positive integer (a Python int, tokens; a field "
+                                             "or a property), got nothing"),
     ("page_size = 1\n    num_slots = 47\n    context_len = 0\n", "must give context_len as a positive integer"),
-    ("page_size = 1.0\n    num_slots = 47\n    context_len = 16\n", "must give page_size as a positive integer (tokens; "
-                                                                     "a field or a property), got 1.0"),
+    ("page_size = 1.0\n    num_slots = 47\n    context_len = 16\n", "must give page_size as a positive integer (a "
+                                                                     "Python int, tokens; a field or a property), got 1.0"),
+    # (a numpy int passed, then the finding's replay file could not be written: JSON cannot hold it; exit 70)
+    ("page_size = 1\n    num_slots = 47\n    context_len = np.int64(16)\n", "must give context_len as a positive "
+                                                                            "integer (a Python int"),
 ])
 def test_a_plugin_config_without_the_sizes_the_generators_read_is_one_line(sizes, message, tmp_path, monkeypatch,
                                                                            fresh_registry):
@@ -611,6 +616,7 @@ def test_a_plugin_config_without_the_sizes_the_generators_read_is_one_line(sizes
     module = f"size_plugin_{abs(hash(sizes))}"  # (one per case: an imported module is not imported again)
     (tmp_path / f"{module}.py").write_text(
         "from dataclasses import dataclass, field\n"
+        "import numpy as np\n"
         "import rowtoy_plugin\n"
         "from kvaudit.config import ConfigBase, Preset\n"
         "from kvaudit.targets.registry import TargetKind, register\n"
@@ -644,3 +650,51 @@ def test_a_hang_stays_a_hang_when_the_targets_describe_busy_raises(monkeypatch):
     hang = next(f for f in found if f.kind == "hang")
     assert "(the target's describe_busy() raised RuntimeError: busy boom)" in hang.message, hang.message
     assert not [f for f in found if f.kind == "crash"], found
+
+
+def test_a_built_in_kinds_name_is_refused_before_the_registry_has_loaded(fresh_registry):
+    """A module registering "eut" before anything read the registry got in first: the built-in's own
+    registration was then the one refused, escaping the registry's load, and the fake eut stayed (tester)."""
+    fresh_registry._KINDS.pop("eut")
+    with pytest.raises(registry.TargetDefinitionError, match="target eut: the name is taken .a kind kvaudit has "
+                                                             "built in."):
+        registry.register(registry.TargetKind("eut", "a fake", ToyConfig, presets=dict, make=ToyTarget))
+    assert "eut" not in fresh_registry._KINDS
+
+
+def test_a_plugins_tables_are_read_once_its_module_has_imported(tmp_path, monkeypatch, fresh_registry):
+    """register() read presets() at once: a module registering before the table its presets() returns
+    (defined further down) was refused with NameError; a presets() raising TargetUnavailable (its engine
+    not installed) stopped every command, `kvaudit bugs --target eut` too; a kind with no presets was told
+    that "default" is a preset of --target eut (tester)."""
+    (tmp_path / "lazy_tables.py").write_text(
+        "from dataclasses import dataclass, field\n"
+        "from kvaudit.config import ConfigBase, Preset\n"
+        "from kvaudit.targets.registry import TargetKind, TargetUnavailable, register\n"
+        "@dataclass(frozen=True)\n"
+        "class LazyConfig(ConfigBase):\n"
+        "    bugs: frozenset = field(default_factory=frozenset)\n"
+        "    preset: str = 'custom'\n"
+        "@dataclass(frozen=True)\n"
+        "class GoneConfig(LazyConfig):\n"
+        "    pass\n"
+        "@dataclass(frozen=True)\n"
+        "class NoneConfig(LazyConfig):\n"
+        "    pass\n"
+        "register(TargetKind('lazy', 'a toy', LazyConfig, make=object, presets=lambda: PRESETS, default_preset='l'))\n"
+        "def gone():\n"
+        "    raise TargetUnavailable('engine foo is not installed: pip install foo')\n"
+        "register(TargetKind('gone', 'a toy', GoneConfig, make=object, presets=gone))\n"
+        "register(TargetKind('none', 'a toy', NoneConfig, make=object, presets=dict))\n"
+        "PRESETS = {'l': Preset('l', 'lazy', {}, config_class=LazyConfig)}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "lazy_tables")
+    r = invoke("presets")
+    assert r.exit_code == 0, r.output
+    assert "lazy (--target lazy)" in r.stdout and "unavailable here: engine foo is not installed" in r.stdout, r.stdout
+    assert invoke("bugs", "--target", "eut").exit_code == 0
+    r = invoke("fuzz", "--target", "none", "--max-time", "1", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert 'unknown preset "default" for --target none; --target none has no presets' in line and "--target eut" \
+        not in line, line

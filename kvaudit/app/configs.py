@@ -111,7 +111,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     try:
         chosen = kind.preset(preset)
     except UnknownPresetError as e:
-        raise InputError(str(e) + _other_kind_hint(kind, preset)) from None
+        raise InputError(str(e) + (_other_kind_hint(kind, preset) if preset != "default" else "")) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
     check_bugs(kind, bugs)
@@ -310,7 +310,12 @@ def presets_table(target: str | None = None):
     t.add_column("target", no_wrap=True)
     for kind in (k for k in registry.kinds().values() if target in (None, k.name)):
         label = kind.name if kind.name == registry.DEFAULT_KIND else f"{kind.name} (--target {kind.name})"
-        for p in kind.presets().values():
+        try:
+            presets = kind.presets()
+        except registry.TargetUnavailable as e:  # (a plugin's engine not installed here: the others still list)
+            t.add_row("-", f"unavailable here: {e}", label)
+            continue
+        for p in presets.values():
             t.add_row(p.name, p.description, label)
     return t
 
@@ -323,7 +328,10 @@ def bugs_renderables(target: str | None = None) -> list:
 
     out = []
     for kind in (k for k in registry.kinds().values() if target in (None, k.name)):
-        rows = kind.bugs()
+        try:
+            rows = kind.bugs()
+        except registry.TargetUnavailable:  # (its engine is not installed here: kvaudit presets says why)
+            continue
         if not rows:
             continue
         if all(hasattr(b, "source") for b in rows.values()):

@@ -51,19 +51,18 @@ def make_target(config):
 
 def _check_sizes(config, kind: str) -> None:
     """A plugin kind's config gives what the generators and reports read (docs/writing-a-target.md):
-    ``context_len``, ``num_slots`` and ``page_size``, positive integers (tokens). Raises
+    ``context_len``, ``num_slots`` and ``page_size``, positive Python ints (tokens; a numpy integer ends up
+    in the replay file's ops, which JSON cannot hold). Raises
     :class:`kvaudit.targets.registry.TargetDefinitionError` naming the first missing or wrong one."""
-    import numbers
-
     from kvaudit.config import json_value
     from kvaudit.targets.registry import TargetDefinitionError
 
     for name in ("context_len", "num_slots", "page_size"):
         v = getattr(config, name, None)
-        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:  # (a numpy int is not one: JSON cannot hold it)
             raise TargetDefinitionError(
                 f"target {kind}: its config ({type(config).__name__}) must give {name} as a positive integer "
-                f"(tokens; a field or a property), got {'nothing' if not hasattr(config, name) else json_value(v, 60)}")
+                f"(a Python int, tokens; a field or a property), got {'nothing' if not hasattr(config, name) else json_value(v, 60)}")
 
 
 def program_features(config) -> frozenset[str]:

@@ -184,7 +184,9 @@ class TargetKind:
         if name not in presets:
             for_kind = "" if self.name == DEFAULT_KIND else f" for --target {self.name}"
             raise UnknownPresetError(self.refusal(name) or f"unknown preset {json_value(name)}{for_kind}; "
-                                                           f"valid presets: {', '.join(presets)}")
+                                                           + (f"valid presets: {', '.join(presets)}" if presets else
+                                                              f"--target {self.name} has no presets (its presets() "
+                                                              "is empty)"))
         return presets[name]
 
     def any_release_presets(self) -> Mapping:
@@ -248,6 +250,8 @@ def _check_tables(kind: TargetKind) -> None:
     for field_name in ("presets", "bugs"):
         try:
             tables[field_name] = getattr(kind, field_name)()
+        except TargetUnavailable:  # (its engine is not installed here: the commands that need it say so)
+            return
         except Exception as e:
             bad(f"{field_name}() raised {type(e).__name__}: {e}")
         if not isinstance(tables[field_name], Mapping):
@@ -270,17 +274,20 @@ def register(kind: TargetKind) -> TargetKind:
     fails to load)."""
     global _by_class_of
     check_kind(kind)
-    if kind.name not in BUILTIN_KINDS:  # (the built-ins' tables are read lazily and checked by their tests)
+    # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
+    origin = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
+    builtin = origin.startswith("kvaudit.targets.")  # (their tables are read lazily and checked by their tests)
+    if (kind.name in BUILTIN_KINDS and not builtin) or (kind.name in _KINDS and _origins.get(kind.name) != origin):
+        raise TargetDefinitionError(f"target {kind.name}: the name is taken ("
+                                    + ("a kind kvaudit has built in" if kind.name in BUILTIN_KINDS else
+                                       f"module {_origins.get(kind.name)} registered it")
+                                    + "); --target names one kind: name yours otherwise")
+    if not builtin and not _importing:  # (a KVAUDIT_PLUGINS module's, once it has imported whole: _load)
         _check_tables(kind)
     owner = next((k.name for k in _KINDS.values() if k.config_class is kind.config_class and k.name != kind.name), None)
     if owner is not None:  # a config names its kind by its class: --target would run the other one's target
         raise TargetDefinitionError(f"target {kind.name}: config_class {kind.config_class.__name__} is target "
                                     f"{owner}'s; a kind needs a config class of its own (a subclass will do)")
-    # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
-    origin = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
-    if kind.name in _KINDS and _origins.get(kind.name) != origin:  # (a built-in, or another plugin's)
-        raise TargetDefinitionError(f"target {kind.name}: the name is taken (module {_origins.get(kind.name)} "
-                                    "registered it); --target names one kind: name yours otherwise")
     _KINDS[kind.name] = kind
     _by_class_of = ()  # (kind_of's map is built again)
     _origins[kind.name] = origin
@@ -353,7 +360,7 @@ def _import_plugin(mod: str) -> None:
 
 def _load() -> None:
     """Register the built-ins, then ``KVAUDIT_PLUGINS`` modules, then entry points (once)."""
-    global _loaded
+    global _loaded, _by_class_of
     if _loaded:
         return
     _loaded = True
@@ -363,6 +370,13 @@ def _load() -> None:
         _importing.append(mod)
         try:
             _import_plugin(mod)
+            for name in [n for n, o in _origins.items() if o == mod]:  # its kinds' tables, the module whole
+                try:
+                    _check_tables(_KINDS[name])
+                except TargetDefinitionError:
+                    _KINDS.pop(name), _origins.pop(name)
+                    _by_class_of = ()
+                    raise
         except Exception as e:  # noqa: BLE001 -- a broken plugin is named, never a traceback
             why = " ".join(str(e).split())  # one line, whatever the module raised
             _plugin_errors.append(f"cannot import {json_value(mod)} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
