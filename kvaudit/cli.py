@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
-import re
 import sys
 
 import click
@@ -67,15 +65,14 @@ _OTHER_SPELLINGS = {"--jobs": "--workers", "--max-total-time": "--max-time", "--
 
 
 def _click_message(e: click.ClickException) -> str:
-    """click's own message in kvaudit's spelling: the values it quotes as JSON strings (``"nope"``, not
-    ``'nope'``; a quoted value with a space stays as it is, so an apostrophe never pairs with a quote), an
-    other fuzzer's spelling of an option pointed at kvaudit's, and for a usage error where to read the
-    command's options."""
+    """click's own message, an other fuzzer's spelling of an option pointed at kvaudit's, and for a usage
+    error where to read the command's options. (click quotes values the Python way, ``'nope'``: rewriting
+    its quotes in the finished text also rewrote apostrophes in paths and in kvaudit's own messages.)"""
     if isinstance(e, click.NoSuchOption) and e.ctx and e.option_name in _OTHER_SPELLINGS:
         ours = _OTHER_SPELLINGS[e.option_name]
         if any(ours in p.opts for p in e.ctx.command.params):
             e.possibilities = [ours]
-    text = re.sub(r"'([^'\s]*)'", lambda m: json.dumps(m.group(1)), e.format_message())
+    text = e.format_message()
     if isinstance(e, click.UsageError) and e.ctx:
         text += f" (see '{e.ctx.command_path} --help')"
     return text
