@@ -698,3 +698,20 @@ def test_a_plugins_tables_are_read_once_its_module_has_imported(tmp_path, monkey
     line = one_error_line(r)
     assert 'unknown preset "default" for --target none; --target none has no presets' in line and "--target eut" \
         not in line, line
+
+
+def test_an_entry_points_kind_has_its_tables_checked_too(monkeypatch, fresh_registry):
+    """A kind from an installed ``kvaudit.targets`` entry point is registered from the registry's own
+    module, which register() took for a built-in's: its presets() and bugs() went unchecked."""
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    kind = registry.TargetKind("epk", "a toy", ToyConfig, presets=lambda: 1 / 0, make=ToyTarget)
+    ep = SimpleNamespace(name="epk", value="epk_pkg:kind", load=lambda: (lambda: kind))
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP
+                        else [])
+    r = invoke("presets")
+    assert r.exit_code == 0, r.output  # (an entry point that fails to load is a warning: the others still run)
+    assert ('warning: cannot load entry point "epk" (epk_pkg:kind): TargetDefinitionError: target epk: presets() '
+            "raised ZeroDivisionError") in r.stderr, r.stderr
+    assert "epk" not in registry.kinds()

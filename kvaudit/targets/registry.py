@@ -276,7 +276,9 @@ def register(kind: TargetKind) -> TargetKind:
     check_kind(kind)
     # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
     origin = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
-    builtin = origin.startswith("kvaudit.targets.")  # (their tables are read lazily and checked by their tests)
+    # (the built-ins' tables are read lazily and checked by their tests; an entry point's kind is registered
+    # from this module)
+    builtin = origin.startswith("kvaudit.targets.") and origin != __name__
     if (kind.name in BUILTIN_KINDS and not builtin) or (kind.name in _KINDS and _origins.get(kind.name) != origin):
         raise TargetDefinitionError(f"target {kind.name}: the name is taken ("
                                     + ("a kind kvaudit has built in" if kind.name in BUILTIN_KINDS else
