@@ -715,3 +715,25 @@ def test_an_entry_points_kind_has_its_tables_checked_too(monkeypatch, fresh_regi
     assert ('warning: cannot load entry point "epk" (epk_pkg:kind): TargetDefinitionError: target epk: presets() '
             "raised ZeroDivisionError") in r.stderr, r.stderr
     assert "epk" not in registry.kinds()
+
+
+def test_a_plugin_module_another_plugin_imports_is_credited_with_its_kind(tmp_path, monkeypatch, fresh_registry):
+    """KVAUDIT_PLUGINS=first,second where first imports second: second's kind was credited to first, so
+    second was warned as a module that "registered no target kind" (tester)."""
+    (tmp_path / "second_plug.py").write_text(
+        "from dataclasses import dataclass, field\n"
+        "from kvaudit.config import ConfigBase, Preset\n"
+        "from kvaudit.targets.registry import TargetKind, register\n"
+        "@dataclass(frozen=True)\n"
+        "class SecondConfig(ConfigBase):\n"
+        "    bugs: frozenset = field(default_factory=frozenset)\n"
+        "    preset: str = 'custom'\n"
+        "register(TargetKind('second', 'a toy', SecondConfig, make=object, default_preset='s',\n"
+        "                    presets=lambda: {'s': Preset('s', 'x', {}, config_class=SecondConfig)}))\n")
+    (tmp_path / "first_plug.py").write_text("import second_plug  # noqa: F401\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", "first_plug,second_plug")
+    r = invoke("presets", "--target", "second")
+    assert r.exit_code == 0, r.output
+    assert 'module "second_plug" named in KVAUDIT_PLUGINS registered no target kind' not in r.stderr, r.stderr
+    assert 'module "first_plug" named in KVAUDIT_PLUGINS registered no target kind' in r.stderr, r.stderr

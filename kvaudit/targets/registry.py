@@ -274,8 +274,10 @@ def register(kind: TargetKind) -> TargetKind:
     fails to load)."""
     global _by_class_of
     check_kind(kind)
-    # (a plugin's: its replay hint names KVAUDIT_PLUGINS)
-    origin = _importing[-1] if _importing else sys._getframe(1).f_globals.get("__name__", "")
+    # (a plugin's: its replay hint names KVAUDIT_PLUGINS; a KVAUDIT_PLUGINS module another one imports is its
+    # own kinds' origin, else "registered no target kind" when its own turn comes)
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    origin = caller if caller in _plugin_modules() or not _importing else _importing[-1]
     # (the built-ins' tables are read lazily and checked by their tests; an entry point's kind is registered
     # from this module)
     builtin = origin.startswith("kvaudit.targets.") and origin != __name__
