@@ -527,20 +527,34 @@ class _Counting(dict):
         return super().__contains__(key)
 
 
+# -- plugin modules written by a test: the imports every one uses, a config class, and KVAUDIT_PLUGINS -------
+
+_PLUGIN_HEADER = ("from dataclasses import dataclass, field\n"
+                  "import numpy as np\n"
+                  "import rowtoy_plugin\n"
+                  "from kvaudit.config import ConfigBase, Preset\n"
+                  "from kvaudit.targets.registry import TargetKind, TargetUnavailable, register\n")
+
+
+def _config_source(name: str, base: str = "ConfigBase", extra: str = "") -> str:
+    """A plugin's frozen config class ``name`` with ``bugs`` and ``preset``, then ``extra`` (indented lines)."""
+    return (f"@dataclass(frozen=True)\nclass {name}({base}):\n"
+            "    bugs: frozenset = field(default_factory=frozenset)\n    preset: str = 'custom'\n" + extra)
+
+
+def _use_plugin(tmp_path, monkeypatch, module: str, body: str) -> None:
+    """``module`` (the header, then ``body``) written in ``tmp_path``, run from there, in KVAUDIT_PLUGINS."""
+    (tmp_path / f"{module}.py").write_text(_PLUGIN_HEADER + body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVAUDIT_PLUGINS", module)
+
+
 @pytest.mark.parametrize("taken", ["eut", "rowtoy"])
 def test_a_plugin_cannot_take_another_modules_kind_name(taken, tmp_path, monkeypatch, fresh_registry):
     """A plugin registering the name "eut" silently replaced the built-in engine (its presets gone, the
     regression files no longer replaying); a second plugin's "toy" replaced the first's (tester t54)."""
-    (tmp_path / "name_thief.py").write_text(
-        "from dataclasses import dataclass, field\n"
-        "from kvaudit.config import ConfigBase\n"
-        "from kvaudit.targets.registry import TargetKind, register\n"
-        "@dataclass(frozen=True)\n"
-        "class ThiefConfig(ConfigBase):\n"
-        "    bugs: frozenset = field(default_factory=frozenset)\n"
-        f"register(TargetKind({taken!r}, 'a thief', ThiefConfig, presets=dict, make=object))\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KVAUDIT_PLUGINS", "name_thief")
+    _use_plugin(tmp_path, monkeypatch, "name_thief", _config_source("ThiefConfig")
+                + f"register(TargetKind({taken!r}, 'a thief', ThiefConfig, presets=dict, make=object))\n")
     r = invoke("presets", "--target", taken)
     assert r.exit_code == 2, r.output
     why = "a kind kvaudit has built in" if taken == "eut" else "module "
@@ -557,10 +571,11 @@ def test_a_module_registering_its_kind_again_replaces_it(fresh_registry):
 
 
 _TABLE_MISTAKES = {
-    "presets-raise": ("presets=lambda: 1 / 0, default_preset='t1'", "presets() raised ZeroDivisionError: division by zero"),
+    "presets-raise": ("presets=lambda: 1 / 0, default_preset='t1'",
+                      "presets() raised ZeroDivisionError: division by zero"),
     "bugs-raise": ("presets=lambda: P, bugs=lambda: 1 / 0, default_preset='t1'", "bugs() raised ZeroDivisionError"),
-    "bugs-list": ("presets=lambda: P, bugs=lambda: ['a'], default_preset='t1'", 'bugs() must return a mapping of name -> one-line '
-                                                           'description, got ["a"]'),
+    "bugs-list": ("presets=lambda: P, bugs=lambda: ['a'], default_preset='t1'",
+                  'bugs() must return a mapping of name -> one-line description, got ["a"]'),
     "default-missing": ("presets=lambda: P, default_preset='nope'",
                         'default_preset "nope" is not one of its presets (t1)'),
     "other-class": ("presets=lambda: {'t1': Preset('t1', 'x', {}, config_class=Other)}, default_preset='t1'",
@@ -576,22 +591,9 @@ def test_a_plugin_kinds_tables_are_checked_when_it_registers(mistake, tmp_path, 
     replay (tester t54, defect 4)."""
     fields, message = _TABLE_MISTAKES[mistake]
     module = f"tab_plugin_{mistake.replace('-', '_')}"  # (one per case: an imported module is not imported again)
-    (tmp_path / f"{module}.py").write_text(
-        "from dataclasses import dataclass, field\n"
-        "from kvaudit.config import ConfigBase, Preset\n"
-        "from kvaudit.targets.registry import TargetKind, register\n"
-        "@dataclass(frozen=True)\n"
-        "class TabConfig(ConfigBase):\n"
-        "    bugs: frozenset = field(default_factory=frozenset)\n"
-        "    preset: str = 'custom'\n"
-        "@dataclass(frozen=True)\n"
-        "class Other(ConfigBase):\n"
-        "    bugs: frozenset = field(default_factory=frozenset)\n"
-        "    preset: str = 'custom'\n"
-        "P = {'t1': Preset('t1', 'x', {}, config_class=TabConfig)}\n"
-        f"register(TargetKind('tab', 'a toy', TabConfig, make=object, {fields}))\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KVAUDIT_PLUGINS", module)
+    _use_plugin(tmp_path, monkeypatch, module, _config_source("TabConfig") + _config_source("Other")
+                + "P = {'t1': Preset('t1', 'x', {}, config_class=TabConfig)}\n"
+                + f"register(TargetKind('tab', 'a toy', TabConfig, make=object, {fields}))\n")
     r = invoke("presets")
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
@@ -600,11 +602,11 @@ def test_a_plugin_kinds_tables_are_checked_when_it_registers(mistake, tmp_path, 
 
 
 @pytest.mark.parametrize("sizes, message", [
-    ("page_size = 1\n    num_slots = 47\n", "must give context_len as a positive integer (a Python int, tokens; a field "
-                                             "or a property), got nothing"),
+    ("page_size = 1\n    num_slots = 47\n",
+     "must give context_len as a positive integer (a Python int, tokens; a field or a property), got nothing"),
     ("page_size = 1\n    num_slots = 47\n    context_len = 0\n", "must give context_len as a positive integer"),
-    ("page_size = 1.0\n    num_slots = 47\n    context_len = 16\n", "must give page_size as a positive integer (a "
-                                                                     "Python int, tokens; a field or a property), got 1.0"),
+    ("page_size = 1.0\n    num_slots = 47\n    context_len = 16\n",
+     "must give page_size as a positive integer (a Python int, tokens; a field or a property), got 1.0"),
     # (a numpy int passed, then the finding's replay file could not be written: JSON cannot hold it; exit 70)
     ("page_size = 1\n    num_slots = 47\n    context_len = np.int64(16)\n", "must give context_len as a positive "
                                                                             "integer (a Python int"),
@@ -614,22 +616,10 @@ def test_a_plugin_config_without_the_sizes_the_generators_read_is_one_line(sizes
     """A config without context_len ran the start-up, then `internal error: AttributeError: 'NoCL' object has
     no attribute 'context_len'`, exit 70 (tester t54, defect 4)."""
     module = f"size_plugin_{abs(hash(sizes))}"  # (one per case: an imported module is not imported again)
-    (tmp_path / f"{module}.py").write_text(
-        "from dataclasses import dataclass, field\n"
-        "import numpy as np\n"
-        "import rowtoy_plugin\n"
-        "from kvaudit.config import ConfigBase, Preset\n"
-        "from kvaudit.targets.registry import TargetKind, register\n"
-        "@dataclass(frozen=True)\n"
-        "class SizeConfig(ConfigBase):\n"
-        "    size: int = 48\n"
-        "    bugs: frozenset = field(default_factory=frozenset)\n"
-        "    preset: str = 'custom'\n"
-        f"    {sizes}"
-        "register(TargetKind('sizes', 'a toy', SizeConfig, make=rowtoy_plugin.RowToyTarget, default_preset='s',\n"
-        "                    presets=lambda: {'s': Preset('s', 'x', {}, config_class=SizeConfig)}))\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KVAUDIT_PLUGINS", module)
+    _use_plugin(tmp_path, monkeypatch, module, _config_source("SizeConfig", extra=f"    size: int = 48\n    {sizes}")
+                + "register(TargetKind('sizes', 'a toy', SizeConfig, make=rowtoy_plugin.RowToyTarget,\n"
+                "                    default_preset='s',\n"
+                "                    presets=lambda: {'s': Preset('s', 'x', {}, config_class=SizeConfig)}))\n")
     r = invoke("fuzz", "--target", "sizes", "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
     assert r.exit_code == 2, r.output
     assert f"kvaudit: error: target sizes: its config (SizeConfig) {message}" in one_error_line(r)
@@ -667,28 +657,14 @@ def test_a_plugins_tables_are_read_once_its_module_has_imported(tmp_path, monkey
     (defined further down) was refused with NameError; a presets() raising TargetUnavailable (its engine
     not installed) stopped every command, `kvaudit bugs --target eut` too; a kind with no presets was told
     that "default" is a preset of --target eut (tester)."""
-    (tmp_path / "lazy_tables.py").write_text(
-        "from dataclasses import dataclass, field\n"
-        "from kvaudit.config import ConfigBase, Preset\n"
-        "from kvaudit.targets.registry import TargetKind, TargetUnavailable, register\n"
-        "@dataclass(frozen=True)\n"
-        "class LazyConfig(ConfigBase):\n"
-        "    bugs: frozenset = field(default_factory=frozenset)\n"
-        "    preset: str = 'custom'\n"
-        "@dataclass(frozen=True)\n"
-        "class GoneConfig(LazyConfig):\n"
-        "    pass\n"
-        "@dataclass(frozen=True)\n"
-        "class NoneConfig(LazyConfig):\n"
-        "    pass\n"
+    _use_plugin(tmp_path, monkeypatch, "lazy_tables", _config_source("LazyConfig")
+                + _config_source("GoneConfig", base="LazyConfig") + _config_source("NoneConfig", base="LazyConfig") +
         "register(TargetKind('lazy', 'a toy', LazyConfig, make=object, presets=lambda: PRESETS, default_preset='l'))\n"
         "def gone():\n"
         "    raise TargetUnavailable('engine foo is not installed: pip install foo')\n"
         "register(TargetKind('gone', 'a toy', GoneConfig, make=object, presets=gone))\n"
         "register(TargetKind('none', 'a toy', NoneConfig, make=object, presets=dict))\n"
         "PRESETS = {'l': Preset('l', 'lazy', {}, config_class=LazyConfig)}\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KVAUDIT_PLUGINS", "lazy_tables")
     r = invoke("presets")
     assert r.exit_code == 0, r.output
     assert "lazy (--target lazy)" in r.stdout and "unavailable here: engine foo is not installed" in r.stdout, r.stdout
@@ -720,18 +696,10 @@ def test_an_entry_points_kind_has_its_tables_checked_too(monkeypatch, fresh_regi
 def test_a_plugin_module_another_plugin_imports_is_credited_with_its_kind(tmp_path, monkeypatch, fresh_registry):
     """KVAUDIT_PLUGINS=first,second where first imports second: second's kind was credited to first, so
     second was warned as a module that "registered no target kind" (tester)."""
-    (tmp_path / "second_plug.py").write_text(
-        "from dataclasses import dataclass, field\n"
-        "from kvaudit.config import ConfigBase, Preset\n"
-        "from kvaudit.targets.registry import TargetKind, register\n"
-        "@dataclass(frozen=True)\n"
-        "class SecondConfig(ConfigBase):\n"
-        "    bugs: frozenset = field(default_factory=frozenset)\n"
-        "    preset: str = 'custom'\n"
-        "register(TargetKind('second', 'a toy', SecondConfig, make=object, default_preset='s',\n"
-        "                    presets=lambda: {'s': Preset('s', 'x', {}, config_class=SecondConfig)}))\n")
+    _use_plugin(tmp_path, monkeypatch, "second_plug", _config_source("SecondConfig")
+                + "register(TargetKind('second', 'a toy', SecondConfig, make=object, default_preset='s',\n"
+                "                    presets=lambda: {'s': Preset('s', 'x', {}, config_class=SecondConfig)}))\n")
     (tmp_path / "first_plug.py").write_text("import second_plug  # noqa: F401\n")
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KVAUDIT_PLUGINS", "first_plug,second_plug")
     r = invoke("presets", "--target", "second")
     assert r.exit_code == 0, r.output
