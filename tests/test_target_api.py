@@ -674,6 +674,10 @@ def test_a_plugins_tables_are_read_once_its_module_has_imported(tmp_path, monkey
     line = one_error_line(r)
     assert 'unknown preset "default" for --target none; --target none has no presets' in line and "--target eut" \
         not in line, line
+    r = invoke("ci", "--target", "none", "--presets", "default", "--max-time", "1")  # (ci's --presets: the same)
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert '--presets: unknown preset "default"' in line and "--target eut" not in line, line
 
 
 def test_an_entry_points_kind_has_its_tables_checked_too(monkeypatch, fresh_registry):

@@ -111,7 +111,7 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
     try:
         chosen = kind.preset(preset)
     except UnknownPresetError as e:
-        raise InputError(str(e) + (_other_kind_hint(kind, preset) if preset != "default" else "")) from None
+        raise InputError(str(e) + _other_kind_hint(kind, preset)) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
     check_bugs(kind, bugs)
@@ -140,7 +140,10 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
 
 
 def _other_kind_hint(kind, preset: str) -> str:
-    """`` ("x" is a preset of --target K: add --target K)`` when another kind K (the first) has ``preset``, else ""."""
+    """`` ("x" is a preset of --target K: add --target K)`` when another kind K (the first) has ``preset``, else "";
+    never for ``default`` or the kind's own default preset (the name was not the user's choice of a preset)."""
+    if preset in ("default", kind.default_preset):
+        return ""
     other = next((k.name for k in registry.kinds().values() if k is not kind and preset in k.presets()), None)
     return f" ({json_value(preset)} is a preset of --target {other}: add --target {other})" if other else ""
 
