@@ -121,6 +121,8 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"disaggregation_mode": "decode", "kv_checksum_mismatch_every": True}, "kv_checksum_mismatch_every"),
     ({"kv_checksum_mismatch_every": 3}, "kv_checksum_mismatch_every .*disaggregation_mode decode"),
     ({"hicache_storage_backend": "file"}, "needs enable_hierarchical_cache"),
+    ({"disaggregation_mode": "prefill", "enable_hierarchical_cache": True},
+     "enable_hierarchical_cache is driven without disaggregation_mode prefill "),  # (it said decode)
     ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "hicache_storage_backend"),
     ({"hicache_storage_ack_steps": 0}, "hicache_storage_ack_steps"),
     ({"hicache_storage_prefetch_policy": "deadline"}, "hicache_storage_prefetch_policy must be one of best_effort, "

@@ -428,7 +428,7 @@ class SglangConfig(ConfigBase):
             return
         clash = [n for n in ("enable_hisparse", "enable_streaming_session", "enable_overlap") if getattr(self, n)]
         if self.disaggregation_mode != "null":
-            clash.append("disaggregation_mode decode")
+            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
         if clash:
             raise ValueError(f"enable_hierarchical_cache is driven without {clash[0]} in this version")
 
