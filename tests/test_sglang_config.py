@@ -71,6 +71,16 @@ def test_presets_cover_the_configurations():
     assert SGLANG_PRESETS["sglang"].config(tree_core="python").tree_core == "python"
 
 
+def test_a_preset_restates_no_default():
+    """A preset's overrides (its base preset's included) set only values the defaults do not give: the
+    preset table says what each preset changes, once (the spec, HiCache, SWA and Mamba rows restated
+    defaults, e.g. speculative_num_steps 3, hicache_write_policy write_through, max_mamba_cache_size 24)."""
+    defaults = SglangConfig()
+    restated = [(name, key) for name, p in SGLANG_PRESETS.items() for key, value in p.overrides.items()
+                if getattr(defaults, key) == value]
+    assert not restated, restated
+
+
 def test_config_round_trips_and_dispatches_on_target():
     cfg = SGLANG_PRESETS["sglang-pd"].config(bugs=frozenset({"lock-leak"}), tree_core="python")
     d = json.loads(json.dumps(cfg.to_dict()))
@@ -111,6 +121,8 @@ def test_config_round_trips_and_dispatches_on_target():
     ({"disaggregation_mode": "decode", "kv_checksum_mismatch_every": True}, "kv_checksum_mismatch_every"),
     ({"kv_checksum_mismatch_every": 3}, "kv_checksum_mismatch_every .*disaggregation_mode decode"),
     ({"hicache_storage_backend": "file"}, "needs enable_hierarchical_cache"),
+    ({"disaggregation_mode": "prefill", "enable_hierarchical_cache": True},
+     "enable_hierarchical_cache is driven without disaggregation_mode prefill "),  # (it said decode)
     ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "hicache_storage_backend"),
     ({"hicache_storage_ack_steps": 0}, "hicache_storage_ack_steps"),
     ({"hicache_storage_prefetch_policy": "deadline"}, "hicache_storage_prefetch_policy must be one of best_effort, "

@@ -165,54 +165,12 @@ def load() -> SimpleNamespace:
     probe_log = logging.getLogger("vllm.platforms.interface")
     if probe_log.level == logging.NOTSET:
         probe_log.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject, register_grammar_backend
-            from sglang.srt.constrained.grammar_manager import GrammarManager
-            from sglang.srt.managers.io_struct import CloseSessionReqInput, FlushCacheReqInput, OpenSessionReqInput, \
-                SessionParams, TokenizedGenerateReqInput
-            from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
-            from sglang.srt.disaggregation.utils import prepare_abort
-            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch, retract_all
-            from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
-            if compat.has("cache-request-handle", version):
-                from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
-            else:  # 0.5.18/0.5.19: release_aborted_request(rid) instead (intake._release_aborted_request)
-                CacheRequestOutcome = None
-            from sglang.srt.mem_cache import allocation, common
-            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-            from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-            from sglang.srt.model_executor.forward_batch_info import ForwardMode
-            from sglang.srt.runtime_context import get_parallel
-            from sglang.srt.sampling.sampling_params import SamplingParams
-            from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-            from sglang.srt.session.session_controller import SessionController
-            from sglang.srt.session.streaming_session import StreamingSession
-            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-        except ImportError as exc:
-            raise SglangUnavailable(f"SGLang {version} is installed but its memory manager does not import: {exc} "
-                                    f"(reinstall with: {INSTALL_HINT})") from None
-    _check_api(version, common, allocation, StreamingSession, ReqKvInfo)
+    S = imported(lambda: _import_current(version), lambda exc: f"SGLang {version} is installed but its memory "
+                 f"manager does not import: {exc} (reinstall with: {INSTALL_HINT})")
+    S.stubbed = stubbed
+    _check_api(S)
     quiet_loggers()
-    _LOADED = SimpleNamespace(
-        version=version, stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
-        OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams,
-        TokenizedGenerateReqInput=TokenizedGenerateReqInput, FINISH_ABORT=FINISH_ABORT, Req=Req,
-        ScheduleBatch=ScheduleBatch, allocation=allocation, common=common,
-        PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
-        EvictParams=EvictParams, CacheInitParams=CacheInitParams, MHATokenToKVPool=MHATokenToKVPool,
-        ReqToTokenPool=ReqToTokenPool, TreeCacheBuildContext=TreeCacheBuildContext, create_tree_cache=create_tree_cache,
-        ForwardMode=ForwardMode, get_parallel=get_parallel, SamplingParams=SamplingParams, ServerArgs=ServerArgs,
-        set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
-        SessionController=SessionController, SpeculativeAlgorithm=SpeculativeAlgorithm, PrefillAdder=PrefillAdder,
-        AddReqResult=AddReqResult, prepare_abort=prepare_abort, CacheRequestOutcome=CacheRequestOutcome,
-        retract_all=retract_all, SchedulePolicy=SchedulePolicy, BaseGrammarObject=BaseGrammarObject,
-        register_grammar_backend=register_grammar_backend, GrammarManager=GrammarManager,
-        FlushCacheReqInput=FlushCacheReqInput, SchedulerFlushWrapper=SchedulerFlushWrapper)
+    _LOADED = S
     return _LOADED
 
 
@@ -228,20 +186,63 @@ def override_parallel(S, **fields) -> None:
         _LENT_SCOPES.append(scope)  # kept (never left), as the rank scope
 
 
-def _check_api(version: str, common, allocation, StreamingSession, ReqKvInfo) -> None:
-    """The API probe: raises :class:`SglangUnavailable` naming the 0.5.23 shapes that are missing."""
-    rel = inspect.signature(common.release_kv_cache).parameters
+def imported(importer, fail) -> SimpleNamespace:
+    """What ``importer()`` returns (a function's ``locals()`` after it imported SGLang's symbols) as a
+    namespace, SGLang's import-time warnings silenced. Raises :class:`SglangUnavailable` with ``fail(exc)``
+    for the ``ImportError`` of a symbol that does not import."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return SimpleNamespace(**importer())
+        except ImportError as exc:
+            raise SglangUnavailable(fail(exc)) from None
+
+
+def _import_current(version: str) -> dict:
+    """The symbols of SGLang 0.5.23's memory manager the target uses, by name (``version`` too)."""
+    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject, register_grammar_backend
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+    from sglang.srt.managers.io_struct import CloseSessionReqInput, FlushCacheReqInput, OpenSessionReqInput, \
+        SessionParams, TokenizedGenerateReqInput
+    from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
+    from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ReqKvInfo, ScheduleBatch, retract_all
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+    if compat.has("cache-request-handle", version):
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+    else:  # 0.5.18/0.5.19: release_aborted_request(rid) instead (intake._release_aborted_request)
+        CacheRequestOutcome = None
+    from sglang.srt.mem_cache import allocation, common
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.srt.session.session_controller import SessionController
+    from sglang.srt.session.streaming_session import StreamingSession
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    return locals()
+
+
+def _check_api(S) -> None:
+    """The API probe of the loaded symbols ``S``: raises :class:`SglangUnavailable` naming the 0.5.23 shapes
+    that are missing."""
+    version, rel = S.version, inspect.signature(S.common.release_kv_cache).parameters
     problems = []
     if not compat.has("release-checkpoint", version):  # 0.5.20/0.5.21: the is_insert flag, no session take()
         if "is_insert" not in rel:
             problems.append("release_kv_cache(req, cache, is_insert)")
     elif "checkpoint" not in rel or rel["checkpoint"].kind is not inspect.Parameter.KEYWORD_ONLY:
         problems.append("release_kv_cache(req, cache, *, checkpoint)")
-    elif not hasattr(StreamingSession, "take"):
+    elif not hasattr(S.StreamingSession, "take"):
         problems.append("StreamingSession.take")
-    if not hasattr(ReqKvInfo, "holds_kv"):
+    if not hasattr(S.ReqKvInfo, "holds_kv"):
         problems.append("ReqKvInfo.holds_kv")
-    problems += [name for name in ("alloc_for_extend", "alloc_for_decode") if not hasattr(allocation, name)]
+    problems += [name for name in ("alloc_for_extend", "alloc_for_decode") if not hasattr(S.allocation, name)]
     if problems:
         raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the one this target drives "
                                 f"(missing: {', '.join(problems)})")

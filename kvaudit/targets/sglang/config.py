@@ -428,7 +428,7 @@ class SglangConfig(ConfigBase):
             return
         clash = [n for n in ("enable_hisparse", "enable_streaming_session", "enable_overlap") if getattr(self, n)]
         if self.disaggregation_mode != "null":
-            clash.append("disaggregation_mode decode")
+            clash.append(f"disaggregation_mode {self.disaggregation_mode}")
         if clash:
             raise ValueError(f"enable_hierarchical_cache is driven without {clash[0]} in this version")
 
@@ -518,10 +518,6 @@ def _preset(name: str, description: str, overrides: dict, base: str | None = Non
     SGLANG_PRESETS[name] = Preset(name, description, {**inherited, **overrides}, config_class=SglangConfig)
 
 
-# sglang-spec-eagle's speculative settings, shared by its crossings
-_SPEC_EAGLE = {"speculative_algorithm": "eagle", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
-               "speculative_num_draft_tokens": 4}
-
 _preset("sglang", "SGLang's UnifiedRadixCache over TokenToKVPoolAllocator, page 1, 512 slots", {})
 _preset("sglang-paged", "PagedTokenToKVPoolAllocator with 16-token pages, 1024 slots",
         {"page_size": 16, "num_slots": 1024})
@@ -574,14 +570,12 @@ _preset("sglang-chunked", "chunked prefill (PrefillAdder chunks of 16 tokens, ch
 _preset("sglang-hisparse", "HiSparse (MiniMaxSparseKVPool, HiSparseTokenToKVPoolAllocator, "
                            "HiSparseCoordinator) with the radix cache off: 256 device slots, 512 logical, "
                            "32-token device buffers, page 1; staging copies in flight for one step",
-        {"enable_hisparse": True, "num_slots": 256, "hisparse_device_buffer_size": 32,
-         "hisparse_staging_steps": 1})
+        {"enable_hisparse": True, "num_slots": 256, "hisparse_staging_steps": 1})
 _preset("sglang-hicache", "HiCache host tier (UnifiedRadixCache.init_hicache, HybridCacheController, "
                           "MHATokenToKVPoolHost): 128 device slots, host pool 2x, write_through, page 4; "
                           "each write-through / load-back ack one step after submission; no L3 storage; "
                           "the host pool's leak check needs --tree-core python",
-        {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4,
-         "hicache_write_policy": "write_through", "hicache_ratio": 2.0, "hicache_ack_steps": 1})
+        {"enable_hierarchical_cache": True, "num_slots": 128, "page_size": 4})
 _preset("sglang-hicache-l3", "HiCache with the L3 storage tier (--hicache-storage-backend file: HiCacheFile "
                              "in a temporary directory per run): 128 device slots, host pool 1.25x (host "
                              "eviction is reached, and storage with it), write_through, page 4; "
@@ -590,8 +584,7 @@ _preset("sglang-hicache-l3", "HiCache with the L3 storage tier (--hicache-storag
                              "threshold); storage operations run on a step-driven stand-in of the storage "
                              "threads one step after they are queued; the host pool's leak check needs "
                              "--tree-core python",
-        {"hicache_ratio": 1.25, "hicache_storage_backend": "file", "hicache_storage_ack_steps": 1,
-         "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_prefetch_threshold": 8}, "sglang-hicache")
+        {"hicache_ratio": 1.25, "hicache_storage_backend": "file"}, "sglang-hicache")
 _preset("sglang-mixed", "mixed-style chunked prefill (--enable-mixed-chunk: running requests decode inside "
                         "prefill batches, mix_with_running) with 16-token chunks under overlap scheduling, "
                         "page 1",
@@ -620,8 +613,7 @@ _preset("sglang-hicache-l3-timeout", "sglang-hicache-l3 with SGLang's default pr
                                      "queued request waits for its storage prefetch at most 2 steps (the "
                                      "step clock as prefetch_timeout_base), then is admitted with what has "
                                      "landed; each storage operation takes 3 steps, so deadlines expire",
-        {"hicache_storage_ack_steps": 3, "hicache_storage_prefetch_policy": "timeout",
-         "hicache_storage_prefetch_timeout_steps": 2}, "sglang-hicache-l3")
+        {"hicache_storage_ack_steps": 3, "hicache_storage_prefetch_policy": "timeout"}, "sglang-hicache-l3")
 _preset("sglang-hicache-l3-fail", "sglang-hicache-l3 over a failing storage backend: every third storage "
                                   "read or write fails whole (batch_get answers no page, batch_set False), "
                                   "so backups stop short and prefetches load nothing",
@@ -629,7 +621,7 @@ _preset("sglang-hicache-l3-fail", "sglang-hicache-l3 over a failing storage back
 _preset("sglang-swa", "SWA hybrid (SWAKVPool, SWATokenToKVPoolAllocator, UnifiedRadixCache with its SWA "
                       "component): an 8-token sliding window, 256 full slots and 128 SWA slots, window "
                       "eviction every 4 tokens, page 1",
-        {"sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5})
+        {"sliding_window_size": 8, "num_slots": 256})
 _preset("sglang-swa-chunked", "SWA hybrid with chunked prefill (16-token chunks) under overlap scheduling: "
                               "an 8-token window, 256 full and 128 SWA slots, page 4",
         {"page_size": 4, "chunked_prefill_size": 16, "enable_overlap": True}, "sglang-swa")
@@ -640,11 +632,11 @@ _preset("sglang-swa-small", "SWA hybrid with pools small enough that decode retr
          "chunked_prefill_size": 16, "max_running_requests": 6, "new_token_ratio": 0.2})
 _preset("sglang-swa-paged", "SWA hybrid with a page larger than the window: a 6-token window, 16-token "
                             "pages, 512 full and 256 SWA slots",
-        {"sliding_window_size": 6, "num_slots": 512, "swa_full_tokens_ratio": 0.5, "page_size": 16})
+        {"sliding_window_size": 6, "page_size": 16})
 _preset("sglang-swa-unaligned", "SWA hybrid with a window whole pages do not cover, and one past it not "
                                 "either (window + 1 = 3 mod the page): a 6-token window, 4-token pages, "
                                 "256 full and 128 SWA slots",
-        {"sliding_window_size": 6, "num_slots": 256, "swa_full_tokens_ratio": 0.5, "page_size": 4})
+        {"sliding_window_size": 6, "page_size": 4}, "sglang-swa")
 _preset("sglang-swa-chunkcache", "SWA hybrid with the radix cache off (SGLang's chunk cache for SWA: "
                                  "--disable-radix-cache), 16-token chunks under overlap scheduling, an "
                                  "8-token window, 128 full slots and an SWA pool of 24, under two chunks "
@@ -658,7 +650,7 @@ _preset("sglang-mamba", "hybrid SSM model (Mamba / GDN linear attention): Hybrid
                         "24-slot MambaPool (3 per running request, as SGLang sizes it), HybridLinearKVPool, "
                         "UnifiedRadixCache with its mamba component (copy-on-write at a prefix hit, states "
                         "copied into the tree at each chunk and donated at finish), 32-token chunks, page 1",
-        {"enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32})
+        {"enable_mamba": True, "chunked_prefill_size": 32})
 _preset("sglang-mamba-small", "hybrid SSM with small pools: 9 mamba slots (the least SGLang sizes for 3 "
                               "running requests), 96 KV slots, 16-token chunks (mamba eviction from the tree "
                               "and decode retraction happen), page 1",
@@ -673,8 +665,8 @@ _preset("sglang-mamba-mixed", "hybrid SSM with the extra buffer (--mamba-radix-c
                               "extra_buffer: ping-pong track slots, a checkpoint donates the tracked state) "
                               "and --enable-mixed-chunk (running requests decode inside prefill batches), "
                               "16-token chunks, 8-token mamba chunks, 24 mamba slots, page 1",
-        {"enable_mamba": True, "mamba_extra_buffer": True, "enable_mixed_chunk": True,
-         "max_mamba_cache_size": 24, "max_running_requests": 4, "chunked_prefill_size": 16})
+        {"mamba_extra_buffer": True, "enable_mixed_chunk": True, "max_running_requests": 4,
+         "chunked_prefill_size": 16}, "sglang-mamba")
 _preset("sglang-mamba-session", "hybrid SSM with streaming sessions (a session record keeps its mamba "
                                 "slot between turns: session_held_mamba_slots; StreamingSession frees it "
                                 "at close), 24 mamba slots, 32-token chunks, page 1",
@@ -683,16 +675,16 @@ _preset("sglang-spec-eagle", "speculative decoding, spec v2 EAGLE (3 draft steps
                              "each decode step reserves committed + 8 slots (eagle_prepare_for_decode, "
                              "alloc_for_spec_decode), a stand-in verify accepts 0-3 drafts a request, "
                              "SGLang's processor commits the run; 256 slots, page 1",
-        {**_SPEC_EAGLE, "num_slots": 256})
+        {"speculative_algorithm": "eagle", "num_slots": 256})
 _preset("sglang-spec-eagle-paged", "sglang-spec-eagle with 4-token pages (the reservation is page-aligned; "
                                    "the tail freed at release starts at the page after the owned KV), "
                                    "256 slots",
-        {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4})
+        {"page_size": 4}, "sglang-spec-eagle")
 _preset("sglang-spec-ngram", "speculative decoding, spec v2 n-gram (no draft KV: 6-token verify, 6 steps, "
                              "topk 1): each decode step reserves committed + 12 slots, the stand-in accepts "
                              "0-5 drafts; 256 slots, page 1",
-        {"speculative_algorithm": "ngram", "speculative_num_steps": 6, "speculative_eagle_topk": 1,
-         "speculative_num_draft_tokens": 6, "num_slots": 256})
+        {"speculative_algorithm": "ngram", "speculative_num_steps": 6, "speculative_num_draft_tokens": 6,
+         "num_slots": 256})
 _preset("sglang-spec-ngram-deep", "spec v2 n-gram with a verify as deep as a quarter of a short context "
                                   "(16 draft tokens, 16 steps, context 32): the double-buffered reserve "
                                   "(2 x 16) outgrows the req_to_token row's headroom (4 + 16) for a "
@@ -701,18 +693,18 @@ _preset("sglang-spec-ngram-deep", "spec v2 n-gram with a verify as deep as a qua
 _preset("sglang-spec-overlap", "sglang-spec-eagle under overlap scheduling (spec v2's default loop: a "
                                "verify's result is committed after the next step reserved from the lagging "
                                "kv_committed_len, the double-buffered reserve), page 4, 256 slots",
-        {**_SPEC_EAGLE, "num_slots": 256, "page_size": 4, "enable_overlap": True})
+        {"page_size": 4, "enable_overlap": True}, "sglang-spec-eagle")
 _preset("sglang-spec-retract", "sglang-spec-eagle with a pool small enough that decode retracts "
                                "(check_decode_mem with the spec-v2 estimate, retract_decode releasing "
                                "reserved tails): 64 slots, page 1",
-        {**_SPEC_EAGLE, "num_slots": 64, "new_token_ratio": 0.2})
+        {"num_slots": 64, "new_token_ratio": 0.2}, "sglang-spec-eagle")
 _preset("sglang-spec-session", "sglang-spec-eagle with streaming sessions (a turn's reserved draft tail "
                                "on the session's record: the spec-tail leak of sglang#22862), page 1",
-        {**_SPEC_EAGLE, "num_slots": 256, "enable_streaming_session": True, "context_len": 96})
+        {"enable_streaming_session": True, "context_len": 96}, "sglang-spec-eagle")
 _preset("sglang-spec-swa", "sglang-spec-eagle on an SWA hybrid (eagle_prepare_for_decode's maybe_evict_swa "
                            "before each reservation; the tail freed in both pools): an 8-token window, 256 "
                            "full and 128 SWA slots, page 1",
-        {**_SPEC_EAGLE, "sliding_window_size": 8, "num_slots": 256, "swa_full_tokens_ratio": 0.5})
+        {"sliding_window_size": 8}, "sglang-spec-eagle")
 _preset("sglang-spec-mamba", "sglang-spec-eagle on a hybrid SSM model (mamba slots beside the draft "
                              "reservation; no extra buffer), 24 mamba slots, 32-token chunks, page 1",
-        {**_SPEC_EAGLE, "enable_mamba": True, "max_mamba_cache_size": 24, "chunked_prefill_size": 32})
+        {"speculative_algorithm": "eagle"}, "sglang-mamba")

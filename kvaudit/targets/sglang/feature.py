@@ -211,10 +211,4 @@ class SglangLoop(SglangFeature):
 
     def active(self, reqs: list) -> list:
         """Every request the server holds: each of this loop's ``place_groups``' requests, once."""
-        out, seen = [], set()
-        for _, group in self.place_groups(()):
-            for r in group:
-                if id(r) not in seen:
-                    seen.add(id(r))
-                    out.append(r)
-        return out
+        return list({id(r): r for _, group in self.place_groups(()) for r in group}.values())

@@ -365,15 +365,10 @@ class HiCacheL3(HiCache):
     def _inflight_prefetch_operations(self) -> list:
         """Queued prefetch operations with host buffers, once each, in queue order."""
         cc = self.cache_controller
-        ops, seen = [], set()
         candidates = cc.prefetch_buffer.items()
         candidates += [ack.operation for ack in cc.prefetch_sync_queue.items() + list(cc.ack_prefetch_queue.queue)
                        if ack is not None]
-        for op in candidates:
-            if op is not None and op.host_indices is not None and id(op) not in seen:
-                seen.add(id(op))
-                ops.append(op)
-        return ops
+        return list({id(op): op for op in candidates if op is not None and op.host_indices is not None}.values())
 
     def storage_host_slots(self) -> list[tuple[str, torch.Tensor]]:
         """Host slots storage work holds, as ``(owner, [n] int64 slots)``: in-flight prefetches' buffers, a

@@ -8,7 +8,6 @@ Design notes: docs/internals/sglang.md ("The legacy era")."""
 from __future__ import annotations
 
 import inspect
-import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +17,8 @@ from kvaudit.program import Submit
 from kvaudit.program.schema import pick
 from kvaudit.targets.base import Accounting, PoolSpec, Root
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, prepare_import, probe_version, quiet_loggers
+from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, imported, prepare_import, probe_version, \
+    quiet_loggers
 from kvaudit.targets.sglang.driver import SglangDriver
 from kvaudit.targets.sglang.hooks import SglangHooks
 from kvaudit.targets.sglang.observer import SglangReads
@@ -42,49 +42,41 @@ def load_legacy(version: str) -> SimpleNamespace:
 def _import_legacy(version: str) -> SimpleNamespace:
     STUBS.update(LEGACY_STUBS)  # install_stubs reads the module's table
     stubbed = prepare_import()
-    new_sessions = compat.has("session-package", version)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
-            from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
-            from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-            from sglang.srt.managers.utils import validate_input_length
-            from sglang.srt.mem_cache import common
-            from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-            from sglang.srt.mem_cache.radix_cache import RadixCache
-            from sglang.srt.sampling.sampling_params import SamplingParams
-            from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-            if new_sessions:
-                import sglang.srt.session.session_controller as session_module
-                from sglang.srt.session.streaming_session import StreamingSession as SessionAwareCache
-            else:
-                import sglang.srt.managers.session_controller as session_module
-                from sglang.srt.mem_cache.session_aware_cache import SessionAwareCache
-        except ImportError as exc:
-            raise SglangUnavailable(f"SGLang {version} is installed but its memory manager does not import: {exc} "
-                                    f"(install it with: python -c \"from kvaudit.history import releases; "
-                                    f"releases.ensure('sglang', '{version}', print)\")") from None
-    rel = inspect.signature(common.release_kv_cache).parameters
-    if "is_insert" not in rel or not hasattr(SessionAwareCache, "release_session"):
+    S = imported(lambda: _legacy_symbols(version), lambda exc: (
+        f"SGLang {version} is installed but its memory manager does not import: {exc} (install it with: "
+        f"python -c \"from kvaudit.history import releases; releases.ensure('sglang', '{version}', print)\")"))
+    rel = inspect.signature(S.common.release_kv_cache).parameters
+    if "is_insert" not in rel or not hasattr(S.SessionAwareCache, "release_session"):
         raise SglangUnavailable(f"SGLang {version}'s memory-manager API differs from the cache_finished_req era "
                                 "(release_kv_cache(req, cache, is_insert), SessionAwareCache.release_session)")
+    S.stubbed, S.SessionController = stubbed, S.session_module.SessionController
     quiet_loggers()
     _shim_tp_rank()
-    return SimpleNamespace(
-        version=version, stubbed=stubbed, CloseSessionReqInput=CloseSessionReqInput,
-        OpenSessionReqInput=OpenSessionReqInput, SessionParams=SessionParams, FINISH_ABORT=FINISH_ABORT, Req=Req,
-        ScheduleBatch=ScheduleBatch, AddReqResult=AddReqResult, PrefillAdder=PrefillAdder,
-        validate_input_length=validate_input_length, common=common, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
-        EvictParams=EvictParams, CacheInitParams=CacheInitParams, MHATokenToKVPool=MHATokenToKVPool,
-        ReqToTokenPool=ReqToTokenPool, RadixCache=RadixCache, SamplingParams=SamplingParams, ServerArgs=ServerArgs,
-        set_global_server_args_for_scheduler=set_global_server_args_for_scheduler,
-        SpeculativeAlgorithm=SpeculativeAlgorithm, SessionAwareCache=SessionAwareCache,
-        SessionController=session_module.SessionController, session_module=session_module)
+    return S
+
+
+def _legacy_symbols(version: str) -> dict:
+    """The symbols of the era's memory manager the target uses, by name (``version`` too)."""
+    from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.utils import validate_input_length
+    from sglang.srt.mem_cache import common
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    if compat.has("session-package", version):
+        import sglang.srt.session.session_controller as session_module
+        from sglang.srt.session.streaming_session import StreamingSession as SessionAwareCache
+    else:
+        import sglang.srt.managers.session_controller as session_module
+        from sglang.srt.mem_cache.session_aware_cache import SessionAwareCache
+    return locals()
 
 
 def _shim_tp_rank() -> str:

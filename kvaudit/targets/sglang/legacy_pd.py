@@ -17,14 +17,13 @@ Design notes: docs/internals/sglang.md ("The legacy era: PD decode with HiSparse
 
 from __future__ import annotations
 
-import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
-from kvaudit.targets.sglang.boot import SglangUnavailable, one_rank_group, torch_paged_kernels
+from kvaudit.targets.sglang.boot import SglangUnavailable, imported, one_rank_group, torch_paged_kernels
 from kvaudit.targets.sglang.hooks import SglangHooks, host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget
 from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool, metadata_roots
@@ -43,31 +42,27 @@ def load_pd_hisparse(S) -> SimpleNamespace:
     global _LOADED
     if _LOADED is not None:
         return _LOADED
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            import sglang.srt.disaggregation.decode as decode
-            import sglang.srt.managers.hisparse_coordinator as hc
-            import sglang.srt.mem_cache.memory_pool_host as memory_pool_host
-            from sglang.srt.disaggregation.utils import (FAKE_BOOTSTRAP_HOST, DisaggregationMode, MetadataBuffers,
-                                                         ReqToMetadataIdxAllocator, TransferBackend)
-            from sglang.srt.managers.overlap_utils import FutureMap
-            from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
-            from sglang.srt.mem_cache.chunk_cache import ChunkCache
-            from sglang.srt.mem_cache.hisparse_memory_pool import (HiSparseNSATokenToKVPool,
-                                                                   HiSparseTokenToKVPoolAllocator)
-        except ImportError as exc:
-            raise SglangUnavailable(f"SGLang {S.version}'s PD decode / HiSparse modules do not import: {exc}") from None
-    _shim_host_alloc(memory_pool_host)
+    P = imported(_pd_hisparse_symbols, lambda exc: f"SGLang {S.version}'s PD decode / HiSparse modules do not "
+                 f"import: {exc}")
+    _shim_host_alloc(P.memory_pool_host)
     import sglang.srt.mem_cache.allocator as allocator
     _shim_paged_kernels(allocator)
-    _LOADED = SimpleNamespace(
-        decode=decode, hc=hc, FAKE_BOOTSTRAP_HOST=FAKE_BOOTSTRAP_HOST, DisaggregationMode=DisaggregationMode,
-        MetadataBuffers=MetadataBuffers, ReqToMetadataIdxAllocator=ReqToMetadataIdxAllocator,
-        TransferBackend=TransferBackend, FutureMap=FutureMap, OutputMixin=SchedulerOutputProcessorMixin,
-        ChunkCache=ChunkCache, HiSparseNSATokenToKVPool=HiSparseNSATokenToKVPool,
-        HiSparseTokenToKVPoolAllocator=HiSparseTokenToKVPoolAllocator)
+    _LOADED = P
     return _LOADED
+
+
+def _pd_hisparse_symbols() -> dict:
+    """The era's PD decode and HiSparse symbols the target uses, by name."""
+    import sglang.srt.disaggregation.decode as decode
+    import sglang.srt.managers.hisparse_coordinator as hc
+    import sglang.srt.mem_cache.memory_pool_host as memory_pool_host
+    from sglang.srt.disaggregation.utils import (FAKE_BOOTSTRAP_HOST, DisaggregationMode, MetadataBuffers,
+                                                 ReqToMetadataIdxAllocator, TransferBackend)
+    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin as OutputMixin
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseNSATokenToKVPool, HiSparseTokenToKVPoolAllocator
+    return locals()
 
 
 def _shim_host_alloc(memory_pool_host) -> str:

@@ -269,27 +269,12 @@ class Mamba(SglangFeature):
         return files + [alloc_mamba.__file__]
 
     def install_pool(self, spec, auditor, wrap) -> bool:
-        """The slot allocator: ``_do_alloc`` (a group's pre-allocation included) and ``free`` in slots,
-        ``clear()`` as a free of everything."""
+        """The slot allocator, as a row pool of slots: ``_do_alloc`` (a group's pre-allocation included) and
+        ``free``, ``clear()`` as a free of everything."""
         if spec.kind != "mamba":
             return False
-        obj, pool, capture = spec.obj, spec.name, auditor.capture_site
         auditor.wrap_clear(spec)
-        do_alloc, free = obj._do_alloc, obj.free
-
-        def alloc_wrapper(need_size):
-            out = do_alloc(need_size)
-            if out is not None and out.numel():
-                auditor.on_alloc(pool, out.tolist(), capture())
-            return out
-
-        def free_wrapper(idx):
-            free(idx)
-            if idx.numel():
-                auditor.on_free(pool, idx.reshape(-1).tolist(), capture())
-
-        wrap(obj, "_do_alloc", alloc_wrapper)
-        wrap(obj, "free", free_wrapper)
+        auditor.wrap_rows(spec, alloc="_do_alloc", free="free")
         return True
 
     # -- observer: roots and counters ----------------------------------------------------------
@@ -352,9 +337,8 @@ class Mamba(SglangFeature):
             return out
         n = self.slots.size + 1
         free = np.bincount(self.slots.free_slots.cpu().numpy(), minlength=n)
-        holders = [_slot(r.kv) for r in self._holders()]
-        seen = {id(r.kv) for r in self._holders()}
-        holders += [_slot(s.kv) for _, s in self._session_slots() if id(s.kv) not in seen]
+        records = [r.kv for r in self._holders()] + [s.kv for _, s in self._session_slots()]
+        holders = [_slot(kv) for kv in {id(kv): kv for kv in records}.values()]  # (a record once)
         held = np.bincount(np.concatenate(holders + [np.empty(0, np.int64)]), minlength=n)
         held += np.bincount(self.target.tree_cache.all_mamba_values_flatten().to(torch.int64).cpu().numpy(),
                             minlength=n)

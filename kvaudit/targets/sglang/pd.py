@@ -13,7 +13,7 @@ import torch
 
 from kvaudit.targets.base import PoolSpec
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import SglangUnavailable, build, load, one_rank_group
+from kvaudit.targets.sglang.boot import SglangUnavailable, build, imported, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.pd_checksum import ChecksumWatch
 from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, PdServer, fake_backend, install_metadata_pool,
@@ -30,29 +30,25 @@ def load_pd() -> SimpleNamespace:
     if _PD is not None:
         return _PD
     load()
-    try:
-        import sglang.srt.disaggregation.decode as decode
-        from sglang.srt.arg_groups.pd_disaggregation_hook import handle_pd_disaggregation
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
-        from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
-        from sglang.srt.disaggregation.utils import (FAKE_BOOTSTRAP_HOST, DisaggregationMode, MetadataBuffers,
-                                                     ReqToMetadataIdxAllocator, TransferBackend)
-        from sglang.srt.managers.overlap_utils import FutureMap
-        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
-        from sglang.srt.runtime_context import get_disagg, get_memory, publish
-        from sglang.utils import is_in_ci
-    except ImportError as exc:
-        raise SglangUnavailable(f"SGLang's PD decode path does not import: {exc} "
-                                "(pip install --no-deps -r requirements/sglang-cpu.txt)") from None
-    _PD = SimpleNamespace(
-        decode=decode, handle_pd_disaggregation=handle_pd_disaggregation, KVPoll=KVPoll,
-        CommonKVManager=CommonKVManager, CommonKVReceiver=CommonKVReceiver, FakeKVManager=FakeKVManager,
-        FakeKVReceiver=FakeKVReceiver, FAKE_BOOTSTRAP_HOST=FAKE_BOOTSTRAP_HOST, DisaggregationMode=DisaggregationMode,
-        MetadataBuffers=MetadataBuffers, ReqToMetadataIdxAllocator=ReqToMetadataIdxAllocator,
-        TransferBackend=TransferBackend, FutureMap=FutureMap, SchedulerBatchResultProcessor=SchedulerBatchResultProcessor,
-        get_disagg=get_disagg, get_memory=get_memory, publish=publish, is_in_ci=is_in_ci)
+    _PD = imported(_pd_symbols, lambda exc: f"SGLang's PD decode path does not import: {exc} "
+                   "(pip install --no-deps -r requirements/sglang-cpu.txt)")
     return _PD
+
+
+def _pd_symbols() -> dict:
+    """SGLang's PD decode symbols the target uses, by name."""
+    import sglang.srt.disaggregation.decode as decode
+    from sglang.srt.arg_groups.pd_disaggregation_hook import handle_pd_disaggregation
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVReceiver
+    from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
+    from sglang.srt.disaggregation.utils import (FAKE_BOOTSTRAP_HOST, DisaggregationMode, MetadataBuffers,
+                                                 ReqToMetadataIdxAllocator, TransferBackend)
+    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    from sglang.srt.runtime_context import get_disagg, get_memory, publish
+    from sglang.utils import is_in_ci
+    return locals()
 
 
 def publish_scheduler(P, server_args) -> None:
