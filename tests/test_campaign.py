@@ -821,3 +821,31 @@ def test_ci_keeps_each_presets_reproducer_when_two_presets_find_one_signature(tm
     cases = ET.parse(tmp_path / "j.xml").getroot().findall(".//testcase[failure]")
     named = sorted((c.get("classname"), c.find("failure").text.split("replay file: ")[1].split()[0]) for c in cases)
     assert {f for _, f in named} == {str(first), str(second)}, named
+
+
+def _report_sigint(q):
+    q.put(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+
+
+def test_a_worker_starts_with_sigint_ignored_and_the_parent_keeps_its_handler():
+    # a terminal's Ctrl-C reaches every process of the group: a worker still importing must not take it
+    # (multiprocessing's traceback from its import torch, tester stop 55); the parent's handler is back after
+    import multiprocessing as mp
+
+    from kvaudit.search.campaign import sigint_ignored_at_birth
+
+    ctx = mp.get_context("spawn")
+    before = signal.getsignal(signal.SIGINT)
+    got = []
+    for ignored in (True, False):
+        q = ctx.Queue()
+        p = ctx.Process(target=_report_sigint, args=(q,))
+        if ignored:
+            with sigint_ignored_at_birth():
+                p.start()
+        else:
+            p.start()
+        got.append(q.get(timeout=60))
+        p.join(timeout=30)
+    assert got == [True, False]  # (without the block a spawned Python installs its own SIGINT handler)
+    assert signal.getsignal(signal.SIGINT) is before

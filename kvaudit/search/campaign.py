@@ -417,14 +417,29 @@ class _Tally:
             self.on_progress(stats)
 
 
+@contextlib.contextmanager
+def sigint_ignored_at_birth():
+    """Processes started inside the block begin with SIGINT ignored: a disposition ``exec`` keeps and Python's
+    start-up leaves alone, so a terminal's Ctrl-C (sent to the whole process group) cannot interrupt a spawned
+    worker's imports before :func:`_worker_main` ignores SIGINT itself; it printed multiprocessing's traceback
+    from the worker's ``import torch`` (tester, stop 55). The parent ignores a Ctrl-C during the starts
+    (milliseconds); its handler is back after them."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
     """One spawned process per spec, its messages handed to ``handle`` until each says done or all are gone;
     then they are stopped (SIGTERM: a worker in triage writes its finding first; SIGKILL after 5 s)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, args=(s, q), daemon=True) for s in specs]
-    for p in procs:
-        p.start()
+    with sigint_ignored_at_birth():
+        for p in procs:
+            p.start()
     try:
         running = len(procs)
         while running:
