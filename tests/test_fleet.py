@@ -648,3 +648,31 @@ def test_the_example_database_is_local_and_redis_and_survives_an_outage(redis_se
     time.sleep(hubs.RETRY_EVERY + 0.1)
     h.known()  # any call reconnects and redoes the queued writes
     assert set(other.fetch(b"k")) == {b"v2"}  # (the restarted Redis kept nothing: no persistence)
+
+
+def test_a_host_that_met_a_held_signature_in_its_last_round_ends_with_its_file(redis_server, tmp_path, monkeypatch):
+    """The workers pull the fleet's files between rounds only: a signature met while another host held it,
+    and registered by that host after this one's last round, ended without its file here and was counted
+    nowhere ('0 new, 0 known', tester stop 55). The campaign's end pulls it, as the fleet's."""
+    from kvaudit.search import campaign
+
+    src = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    config, program, findings, _ = replay.load(src)
+    sigs = sorted({f.signature for f in findings})
+    other = _hub(redis_server, "a", campaign="end")
+    assert other.claim(sigs, replay.to_doc(config, program, findings, minimized=False)) == sigs
+
+    def last_round(spec, emit):  # this host meets them while held; the other host registers its file after
+        emit(("ready", spec.index))
+        for s in sigs:
+            emit(("duplicate", spec.index, s))
+        with open(src, encoding="utf-8") as fh:
+            assert other.register(sigs, fh.read()) is not None
+        emit(("done", spec.index))
+
+    monkeypatch.setattr(campaign, "_search_loop", last_round)
+    corpus = tmp_path / "c"
+    result = campaign.run_campaign(config, "random", 5.0, 0, 1, str(corpus), db=redis_server.url, campaign="end")
+    files = os.listdir(corpus / "findings")
+    assert len(files) == 1 and sorted(result.fleet) == sigs, (files, result.fleet)
+    assert not result.new and all(result.duplicates[s] == 1 for s in sigs)

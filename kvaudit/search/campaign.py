@@ -466,6 +466,28 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
                 p.join(timeout=5)
 
 
+def _pull_duplicates(db: str, campaign: str, ttl: float, corpus: str, handle: Callable[[tuple], None]) -> None:
+    """At the end of a fleet campaign, the files of what this host met while another held it (its duplicates):
+    the workers pull the fleet's files between rounds only, so one met in the last round ended without its file
+    here (tester, stop 55). Each pulled file is announced as the fleet's; a full disk leaves the rest in Redis
+    (``kvaudit campaign pull``)."""
+    from kvaudit.search import hub as hubs
+
+    pulled: list[str] = []
+    try:
+        hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl).pull_findings(
+            findings_dir(corpus), have=set(known_signatures(corpus)), written=pulled)
+    except OSError:
+        pass
+    for path in pulled:
+        try:
+            _, _, findings, _ = replay.load(path)
+        except replay.ReplayFormatError:
+            continue
+        for f in findings:
+            handle(("pulled", -1, f.signature, path))
+
+
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
                  suppress_path: str | None = None, on_progress: Callable[[FuzzStats], None] | None = None,
                  on_finding: Callable[[str, str], None] | None = None, use_seeds: bool = True,
@@ -500,6 +522,8 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
             _run_workers(specs, handle)
     except KeyboardInterrupt:
         result.interrupted = True
+    if db is not None and result.duplicates:
+        _pull_duplicates(db, campaign, ttl, corpus, handle)
     seen = (result.new, result.known, result.fleet, result.duplicates)  # duplicates: another host's, saved here
     for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)
         if not any(sig in d for d in seen):
