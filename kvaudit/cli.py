@@ -374,7 +374,7 @@ BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmark
 @click.option("--bugs", "bugs_value", default="all", show_default=True, metavar="LIST",
               help="The suite's bugs: 'all' or a comma-separated list ('kvaudit bugs'; history: "
                    "'kvaudit bench --suite history --list').")
-@click.option("--list", "list_bugs", is_flag=True, help="List the suite's bugs and exit.")
+@click.option("--list", "list_bugs", is_flag=True, help="List the suite's bugs (those --bugs names) and exit.")
 @click.option("--jobs", type=click.IntRange(min=1, max=64), default=1, show_default=True,
               help="History: bugs searched at a time, a child process each (the trials' time budgets are "
                    "wall-clock: more jobs than cores slows each).")
@@ -409,7 +409,7 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
         return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value,
                                bugs_value=bugs_value, list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json)
     if list_bugs:
-        return job.list_zoo()
+        return job.list_zoo(bugs_value)
     return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
                    fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json)
 

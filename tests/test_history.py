@@ -315,6 +315,17 @@ def test_list_names_every_bug_with_its_releases():
                 if line.startswith(b.id + " ")}) == 1
 
 
+def test_list_takes_bugs_as_a_run_does():
+    # --bugs with --list listed every bug and exited 0 on a name the suite lacks (tester, stop 55)
+    ids = sorted(all_bugs())[:2]
+    r = invoke("bench", "--suite", "history", "--list", "--bugs", ",".join(ids))
+    assert r.exit_code == 0 and [line.split()[0] for line in r.output.splitlines()] == ids
+    r = invoke("bench", "--suite", "history", "--list", "--bugs", "nope")
+    assert r.exit_code == 2 and '--bugs: unknown history bug "nope"' in one_error_line(r)
+    r = invoke("bench", "--list", "--bugs", "nope")
+    assert r.exit_code == 2 and '--bugs: unknown bug "nope"' in one_error_line(r)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_end_to_end_vllm_45357_found_in_0_23_0_and_clean_in_0_24_0(tmp_path):

@@ -62,8 +62,10 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     return EXIT_INTERRUPTED if res.interrupted else EXIT_CLEAN
 
 
-def list_zoo() -> int:
-    for name in registry.get("eut").bugs():
+def list_zoo(bugs_value: str = "all") -> int:
+    """``kvaudit bench --list``: the zoo's bugs that ``--bugs`` names, one a line. Raises :class:`InputError`
+    for a name the zoo lacks, as a run does."""
+    for name in names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'"):
         click.echo(name)
     return EXIT_CLEAN
 
@@ -73,14 +75,14 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
     """``kvaudit bench --suite history``; returns the exit code. Raises :class:`InputError` for a bad
     option, :class:`UnavailableError` when a release cannot be installed."""
     bugs_all = all_bugs()
-    if list_bugs:
-        width = max(len(b.id) for b in bugs_all.values())  # the longest id too keeps its column
-        for b in bugs_all.values():
+    bugs = names_arg(bugs_value, bugs_all, "--bugs: unknown history bug", "see 'kvaudit bench --suite history --list'")
+    if list_bugs:  # the bugs --bugs names (all by default)
+        width = max(len(b) for b in bugs)  # the longest id too keeps its column
+        for b in map(bugs_all.get, bugs):
             fixed = f" -> {b.fixed}" if b.fixed else ""
             click.echo(f"{b.id:{width}}  {b.engine} {b.buggy}{fixed}  {b.finding}")
         return EXIT_CLEAN
     fuzzers = _fuzzers_arg(fuzzers_value)
-    bugs = names_arg(bugs_value, bugs_all, "--bugs: unknown history bug", "see 'kvaudit bench --suite history --list'")
     engines = sorted({bugs_all[b].engine for b in bugs})
     for f in fuzzers:
         kind = fuzzer_kinds.get(f)
