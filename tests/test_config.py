@@ -9,7 +9,7 @@ import pytest
 
 from cli_helpers import invoke, one_error_line
 from kvaudit.config import json_value
-from kvaudit.targets import config_from_dict
+from kvaudit.targets import config_from_dict, config_to_dict
 
 
 @pytest.mark.parametrize("config, said", [
@@ -88,6 +88,21 @@ def test_config_messages_name_the_value_as_json(config, said):
     with pytest.raises(ValueError) as e:
         config_from_dict(config)
     assert said in str(e.value) and "'" not in str(e.value).split(";")[0]
+
+
+def test_a_config_of_another_target_is_named_as_such(tmp_path):
+    # a replay file whose "target" was changed by hand read 'unknown config key "chunked_prefill_size"',
+    # naming neither cause (tester, stop 55)
+    from kvaudit.targets.eut.presets import get_preset
+
+    d = config_to_dict(get_preset("default").config())
+    d["target"] = "vllm"
+    with pytest.raises(ValueError) as e:
+        config_from_dict(d)
+    assert str(e.value).endswith('the config\'s keys are those of target eut, its "target" says "vllm"'), str(e.value)
+    with pytest.raises(ValueError) as e:  # a key no kind has: as before
+        config_from_dict({"target": "vllm", "bogus_key": 1})
+    assert str(e.value) == 'unknown config key "bogus_key"'
 
 
 @pytest.mark.parametrize("args, said", [

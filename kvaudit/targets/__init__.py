@@ -80,7 +80,25 @@ def config_from_dict(d: dict):
     from kvaudit.targets.registry import kind_of_dict
     if not isinstance(d, dict):
         raise ValueError(f"config must be an object, got {json_value(d, 60)}")
-    return kind_of_dict(d).config_from_dict(d)
+    kind = kind_of_dict(d)
+    try:
+        return kind.config_from_dict(d)
+    except ValueError as e:
+        other = _kind_whose_keys(d, kind) if str(e).startswith("unknown config key") else None
+        if other is None:
+            raise
+        raise ValueError(f"{e}: the config's keys are those of target {other}, its \"target\" says "
+                         f"{json_value(kind.name)}") from None
+
+
+def _kind_whose_keys(d: dict, kind):
+    # another kind whose config class has every key of ``d``: a file whose "target" was changed by hand
+    import dataclasses
+
+    from kvaudit.targets.registry import kinds
+    keys = set(d) - {"target"}
+    return next((k.name for k in kinds().values() if k is not kind and dataclasses.is_dataclass(k.config_class)
+                 and keys <= {f.name for f in dataclasses.fields(k.config_class)}), None)
 
 
 def config_to_dict(config) -> dict:
