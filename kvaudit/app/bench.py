@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 
 import click
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from kvaudit import replay
+from kvaudit.atomic import scratch_dir
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.configs import check_available, names_arg, presets_arg
 from kvaudit.app.files import check_paths
@@ -53,8 +55,10 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     err = make_console(stderr=True)
     err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
               f"budget {budget:g}s each", soft_wrap=True)
-    res = bench.run(bugs, fuzzers, trials, budget, budget if fp_seconds is None else fp_seconds, ov,
-                    on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
+    with scratch_dir("kvaudit-bench-") as scratch:  # Hypothesis's files: not the user's current directory
+        set_hypothesis_home_dir(os.path.join(scratch, ".hypothesis"))
+        res = bench.run(bugs, fuzzers, trials, budget, budget if fp_seconds is None else fp_seconds, ov,
+                        on_event=lambda line: err.print(line, soft_wrap=True, highlight=False))
     ignore_interrupts(clear=True)  # the report of what ran is written whole
     _write_both(out_json, res.to_json(), out_md, lambda name: bench.markdown(res, name))
     make_console().print(f"bench {'INTERRUPTED ' if res.interrupted else ''}done in {res.wall / 60:.1f} min: "
