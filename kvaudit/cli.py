@@ -200,7 +200,8 @@ _paranoid_option = click.option(
                    "campaign worker's after its own; triage of a finding comes after.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
-              help="Directory for replay files of findings (made when one is written).")
+              help="Directory for replay files of findings (made when one is written; --fuzzer atheris also keeps "
+                   "libFuzzer's work directory and corpus in DIR/.atheris).")
 @click.option("--workers", type=click.IntRange(min=1, max=256), default=1, show_default=True,
               help="Worker processes (atheris: libFuzzer -fork=N). More than 1 runs a campaign.")
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
