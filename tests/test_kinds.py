@@ -104,6 +104,23 @@ def test_an_oracle_left_out_of_the_list_does_not_run(monkeypatch):
         run.auditor.uninstall()
 
 
+def test_the_runners_step_rows_judge_only_a_run_with_oracles(monkeypatch):
+    """A ``"step"`` row (liveness) is asked after the steps of a run with oracles only: a bare run
+    (``audit=False``) or a ledger-only one (``run_oracles=False``) calls neither its condition nor the
+    stage (a throughput baseline pays nothing for the oracles' schedule)."""
+    from kvaudit.audit.runner import AuditedRun
+    from kvaudit.program import Step, Submit
+
+    asked = []
+    probe = oracles.Oracle("probe", "step", lambda run: asked.append(run) is None, lambda run: [], ())
+    monkeypatch.setattr(oracles, "ORACLES", oracles.ORACLES + [probe])
+    config = get_preset("default").config()
+    for audit, run_oracles in ((False, False), (True, False), (True, True)):
+        with AuditedRun(config, audit=audit, run_oracles=run_oracles, full_stacks=False) as run:
+            assert run.apply(Submit(0, 8, 4)) == [] and run.apply(Step(3)) == []
+        assert len(asked) == (3 if run_oracles else 0), (audit, run_oracles)
+
+
 def test_oracle_conditions_scan_only_runs_only_what_a_mid_step_scan_may():
     s = oracles.Scan(None, None, idle=False, scan_only=True, by_pool={}, acc={}, free_lists={}, recounts={})
     p = oracles.PoolScan("pool", type("L", (), {"allocated": np.ones(4, dtype=bool)})(), np.ones(4, dtype=bool),

@@ -364,7 +364,9 @@ class AuditedRun:
         if cut is not None:
             return cut
         found = self._check()
-        if not found and (self.check_every == 1 or not self.unchecked):  # sparse: liveness at each full check
+        # the "step" rows (liveness) judge a run with oracles only: a bare or ledger-only run pays no call
+        # for them (sparse: at each full check)
+        if not found and self.run_oracles and (self.check_every == 1 or not self.unchecked):
             found = self._outcome("step")
         if self.on_step is not None:
             self.on_step(self)
@@ -388,7 +390,9 @@ class AuditedRun:
         self.ops_run += 1
         if self.check_every > 1:
             self.program.append(op)
-        sift = self._sift  # suppressed findings are sifted out as they come: they do not end a step loop either
+        # suppressed findings are sifted out as they come: they do not end a step loop either (a per-step run
+        # without suppressions has nothing to sift: no call of _sift per step)
+        sift = self._sift if self.check_every > 1 or self.suppressions is not None else _as_found
         try:
             found: list[Finding] = []
             if isinstance(op, Step):
@@ -417,7 +421,7 @@ class AuditedRun:
                 else:
                     found = self._outcome("idle")
             else:
-                found = self._before_ending(op)
+                found = self._before_ending(op) if self.check_every > 1 else []
                 if not found:  # only queues a message: no memory moves until a step
                     self.sent += 1
                     found = self._guarded(self.target.apply, op)
@@ -432,23 +436,24 @@ class AuditedRun:
                 raise
             self.crashed = True
         self._draining = False
-        return self._answer(found)
+        return self._answer(found, sift)
 
     def _before_ending(self, op: Op) -> list[Finding]:
-        # the sparse schedule, before an op that can end a state the oracles see (OpSpec.ends: an abort,
-        # a flush, a pause ... releases at the next intake): a full check of what the steps left, which a
-        # per-step run has checked (else a leak a flush wipes, or a use-after-free whose request an abort
-        # releases, is never met)
+        # the sparse schedule (apply() calls it only when check_every > 1), before an op that can end a state
+        # the oracles see (OpSpec.ends: an abort, a flush, a pause ... releases at the next intake): a full
+        # check of what the steps left, which a per-step run has checked (else a leak a flush wipes, or a
+        # use-after-free whose request an abort releases, is never met)
         spec = OPS.get(getattr(op, "kind", ""))
-        if self.check_every == 1 or not self.unchecked or spec is None or not spec.ends:
+        if not self.unchecked or spec is None or not spec.ends:
             return []
         self.unchecked = self.check_every  # due now
         return self._sift(self._check())
 
-    def _answer(self, found: list[Finding]) -> list[Finding]:
-        # what an op or the end check reports (and keeps): sifted and merged, or the localizing replay's findings
+    def _answer(self, found: list[Finding], sift: Callable[[list[Finding]], list[Finding]]) -> list[Finding]:
+        # what an op or the end check reports (and keeps): sifted (by apply's sift) and merged, or the localizing
+        # replay's findings
         if self._replayed is None:
-            found = _merge_same_signature(self._sift(found))
+            found = _merge_same_signature(sift(found))
         if self._replayed is not None:
             found, self._replayed = self._replayed, None
         self.findings.extend(found)
@@ -492,7 +497,7 @@ class AuditedRun:
         except Exception:  # (the target's own error: raised where a per-step run raises it)
             self._replay()
             raise
-        return self._answer(found)
+        return self._answer(found, self._sift)
 
     def _long_idle(self) -> list[Finding]:
         # NOTE: an idle() that has not drained after LONG_IDLE_STEPS steps is most often a hang, met by
@@ -577,6 +582,10 @@ class AuditedRun:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _as_found(found: list[Finding]) -> list[Finding]:
+    return found  # (AuditedRun.apply's sift where nothing is sifted)
 
 
 def _merge_same_signature(found: list[Finding]) -> list[Finding]:
