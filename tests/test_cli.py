@@ -671,7 +671,7 @@ def test_a_flag_that_does_nothing_here_is_a_warning(flags, warning, tmp_path):
 def test_ci_campaign_without_db_is_a_warning(tmp_path):
     empty = tmp_path / "regs"
     empty.mkdir()
-    r = invoke("ci", "--campaign", "nightly", "--max-time", "0.3", "--regressions", str(empty),
+    r = invoke("ci", "--campaign", "nightly", "--max-time", "1", "--presets", "default", "--regressions", str(empty),
                "--junit", str(tmp_path / "ci.xml"), "--out", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
     assert "warning: --campaign nightly names a campaign shared through --db; without --db it is ignored" in r.stderr
