@@ -13,7 +13,7 @@ from cli_helpers import invoke, one_error_line
 from kvaudit import replay
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search, triage
-from kvaudit.program import HealthCheck, Idle, Step, Submit
+from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.audit.suppress import Suppression, SuppressionError, SuppressionSet, load_suppressions
 
@@ -210,6 +210,39 @@ def test_sift_keeps_the_rest_and_counts_a_re_reported_finding_once_per_run():
     assert suppressed == [leak] and sset.suppressions[0].hits == 1
     assert sset.sift([finding("leak", "hisparse_host", alloc=[ADMIT])], []) == []  # another run's list
     assert sset.suppressions[0].hits == 2
+
+
+def test_sift_counts_one_signature_once_per_run_as_the_run_reports_it():
+    """The units of one leak allocated at two lines (a prompt's rows at one step, a decode row at the next) are
+    two findings of one signature when sifted, merged into the one the run reports after: "hits (per run)"
+    counted 2 for one bug in one run (tester). A second rule that covers the same signature counts its own."""
+    sset = SuppressionSet([Suppression(pool="hisparse_*", index=1), Suppression(kind="leak", index=2)])
+    suppressed: list[Finding] = []
+    prompt = finding("leak", "hisparse_device", alloc=[ADMIT])
+    decode = finding("leak", "hisparse_device", alloc=[dataclasses.replace(ADMIT, line=ADMIT.line + 9), COMMIT])
+    assert prompt.signature == decode.signature
+    assert sset.sift([prompt], suppressed) == [] and sset.sift([decode], suppressed) == []
+    assert suppressed == [prompt, decode]  # (both kept: the units of the one finding)
+    assert [r.hits for r in sset] == [1, 0] and sset.suppressions[0].signatures == {prompt.signature}
+    assert sset.sift([prompt, decode], []) == []  # the next run: one more
+    assert [r.hits for r in sset] == [2, 0]
+    row = finding("leak", "token_to_kv_pool", alloc=[ADMIT])
+    assert sset.sift([row, dataclasses.replace(row, alloc_sites=[dataclasses.replace(ADMIT, line=1)])], []) == []
+    assert [r.hits for r in sset] == [2, 1]
+
+
+def test_a_leak_whose_rows_came_from_two_lines_is_one_hit_as_it_is_one_finding(fresh_registry):
+    """tests/rowtoy_plugin.py with abort-leak: the aborted request's prompt rows and its decode row come from two
+    lines of one step, one finding reported ("also allocated at"); suppressed, it counted 2 hits in one run."""
+    import rowtoy_plugin  # noqa: F401  (registers rowtoy, in the registry this test restores)
+
+    config = fresh_registry.get("rowtoy").preset("rowtoy-leaky").config()
+    program = [Submit(family=0, prompt_len=3, max_new_tokens=4), Step(1), Abort(handle=0), Idle()]
+    (leak,) = execute(config, program).findings
+    assert leak.kind == "leak" and "also allocated at" in leak.message, leak.message
+    sset = SuppressionSet([Suppression(kind="leak", index=1)])
+    assert execute(config, program, suppressions=sset).findings == []
+    assert sset.suppressions[0].hits == 1 and sset.suppressions[0].signatures == {leak.signature}
 
 
 def test_only_site_globs_need_full_stacks():
