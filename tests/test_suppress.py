@@ -417,6 +417,37 @@ def test_replay_with_one_finding_suppressed_reports_the_other(tmp_path):
     assert first.rstrip().endswith("  1") and "matched nothing" in second
 
 
+@pytest.mark.parametrize("args, why", [
+    (["ci", "--max-time", "0", "--regressions", "REGS"], "--max-time 0: the regressions only, replayed without "
+                                                          "suppressions"),
+    (["ci", "--presets", "default", "--fuzzer", "random", "--max-time", "1e-9", "--regressions", "REGS", "--out",
+      "OUT"], "each preset's share ended before one program ran"),
+    (["fuzz", "--fuzzer", "random", "--max-time", "1e-9", "--out", "OUT"], None),
+    (["fuzz", "--fuzzer", "random", "--max-time", "1e-9", "--out", "OUT", "--corpus", "CORPUS"],
+     "the budget ended before the first"),
+], ids=["ci-regressions-only", "ci-nothing-searched", "fuzz-nothing-searched", "campaign-nothing-searched"])
+def test_rules_tried_on_no_program_are_not_said_to_match_nothing(tmp_path, args, why):
+    """`kvaudit ci --max-time 0 --suppress FILE` said each rule "matched nothing", in its table and in the HTML,
+    though no program ran: the regressions are replayed without suppressions (tester). Now one line says no
+    program ran (fuzz with nothing searched prints no table, as before), and the HTML has no rules table."""
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    if "0" in args:
+        import shutil
+        shutil.copy(HISPARSE, regs / "a.json")
+    path = write(tmp_path, '[[suppress]]\nkind = "double-free"\n[[suppress]]\npool = "hisparse_*"\n')
+    fill = {"REGS": str(regs), "OUT": str(tmp_path / "o"), "CORPUS": str(tmp_path / "c")}
+    r = invoke(*[fill.get(a, a) for a in args], "--suppress", path, "--html", str(tmp_path / "r.html"))
+    assert r.exit_code == (0 if "0" in args else 5), r.output
+    assert "matched nothing" not in r.stdout and "matched nothing" not in (tmp_path / "r.html").read_text()
+    assert "suppressions used" not in (tmp_path / "r.html").read_text()
+    if why is not None:
+        assert f"suppressions used: none, no program ran ({why}): the 2 rule(s) in {path} were not tried" in \
+            " ".join(r.stdout.split()), r.stdout
+    else:
+        assert "suppressions used" not in r.stdout
+
+
 def test_replay_without_suppress_prints_nothing_extra():
     result = invoke("replay", HISPARSE)
     assert result.exit_code == 1
