@@ -70,6 +70,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
             for preset in preset_names:
                 _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
                              target, db, campaign_name)
+                if result.fuzz[-1].not_written is not None:
+                    break  # a full disk: the next presets' findings could not be written either
     except KeyboardInterrupt:
         result.interrupted = True
     ignore_interrupts(clear=True)  # the summary and reports are written whole
@@ -166,11 +168,13 @@ def _print_table(console, result) -> None:
 
 def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err):
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can.
-    Returns the error for the first not written (naming every file kept), or None."""
+    Returns the error for the first not written, a fuzz campaign's on a full disk first (naming every file
+    kept), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
-    failed = None
+    full = next((run.not_written for run in result.fuzz if run.not_written is not None), None)
+    failed = None if full is None else (full, full.filename or "a file of the fuzz")  # (after the reports below)
     for fmt, label, path in (("junit", "JUnit", outputs.junit), ("sarif", "SARIF", outputs.sarif)):
         if path:
             try:

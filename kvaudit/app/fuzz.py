@@ -325,7 +325,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
             raise
         kept = getattr(e, "kept", kept)
     if result.not_written is not None:  # (after the run's lines and reports: a corpus disk full loses none)
-        raise write_error(result.not_written, result.not_written.filename, kept)
+        raise write_error(result.not_written, result.not_written.filename or f"in {corpus}", kept)
     if result.new:
         return EXIT_FINDINGS
     if nothing:
