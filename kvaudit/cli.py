@@ -26,8 +26,29 @@ from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError
 
 
-class KvauditGroup(click.Group):
+class _NamesItsCommand:
+    """A usage error met parsing this command's options knows its command: click's parser raises an option
+    with no value (``Option '--max-time' requires an argument.``) or a flag given one with no context, so its
+    message lacked the ``(see 'kvaudit fuzz --help')`` the other usage errors end with."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if e.ctx is None:
+                e.ctx = ctx
+            raise
+
+
+class KvauditCommand(_NamesItsCommand, click.Command):
+    """Every ``kvaudit`` command (:class:`_NamesItsCommand`)."""
+
+
+class KvauditGroup(_NamesItsCommand, click.Group):
     """Every error is one line on stderr with a distinct exit code, never a traceback."""
+
+    command_class = KvauditCommand
+    group_class = type  # (a subgroup, ``campaign``: this class again)
 
     def main(self, args=None, prog_name=None, **extra):
         try:

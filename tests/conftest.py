@@ -1,6 +1,7 @@
 """Shared fixtures."""
 
 import os
+from fnmatch import fnmatch
 
 # torch on one thread in this process and in every kvaudit the tests start, as the console script runs
 # it (kvaudit.entry.one_torch_thread): with another process on the second core, torch's two spinning
@@ -24,6 +25,24 @@ def leaves_the_checkout_as_it_found_it():
     new = set(os.listdir(ROOT)) - before - TOOL_FILES
     assert not new, (f"the test left {sorted(new)} in the checkout {ROOT}: give the command an --out (or --corpus) "
                      "under tmp_path, or run it in tmp_path (monkeypatch.chdir)")
+
+
+class NotATestModule(pytest.File):
+    """A helper or plugin module of tests/ named on the command line: no tests, and not imported."""
+
+    def collect(self):
+        return []
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    """A module of tests/ that is not a test file (a plugin, a helper) is collected as no tests, never imported:
+    named on the command line (a glob over tests/), pytest imported it as a test module at collection, and
+    importing toyfuzzer_plugin.py registers its fuzzer "toy" in this process, for every test after: test_fuzzers'
+    fuzzer list in --help and its fuzzers-that-take-a-target failed in such a subset (note-54). The tests import
+    them themselves, under a fixture that restores the registries (fresh_registry)."""
+    if not any(fnmatch(module_path.name, pattern) for pattern in parent.config.getini("python_files")):
+        return NotATestModule.from_parent(parent, path=module_path)
+    return None
 
 
 @pytest.fixture(params=PAGE_SIZES, ids=lambda ps: f"page{ps}")

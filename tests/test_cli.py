@@ -207,6 +207,39 @@ def test_usage_errors_exit_2_with_one_line(args):
     one_error_line(result)
 
 
+def _value_options():
+    """(command path, option) for every option of every command that takes a value (a flag, or an option
+    whose value may be left out, takes none)."""
+    import click
+
+    from kvaudit.cli import main
+
+    out = []
+
+    def walk(cmd, path):
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not (p.is_flag or p.count or p._flag_needs_value):
+                out.append((path, max(p.opts, key=len)))
+        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+            walk(sub, (*path, name))
+
+    walk(main, ())
+    return out
+
+
+@pytest.mark.parametrize("path, option", _value_options(), ids=lambda v: " ".join(v) if isinstance(v, tuple) else v)
+def test_an_option_with_no_value_names_the_commands_help_as_other_usage_errors_do(path, option):
+    """`kvaudit fuzz --max-time` (nothing after it): click's parser raises it with no context, so the line
+    lacked the (see '... --help') suffix that every other usage error has (tester)."""
+    r = invoke(*path, option)
+    assert r.exit_code == 2, r.output
+    line = one_error_line(r)
+    assert f"Option '{option}' requires an argument." in line, line
+    assert line.endswith(f" {' '.join(path)} --help')"), line
+    other = invoke(*path, "--frob")  # (the suffix every other usage error has)
+    assert one_error_line(other).endswith(f" {' '.join(path)} --help')")
+
+
 def _write(tmp_path, name, text):
     p = tmp_path / name
     p.write_text(text)

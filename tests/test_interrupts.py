@@ -15,6 +15,7 @@ import queue
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -471,6 +472,108 @@ def test_a_campaign_whose_corpus_disk_is_full_still_reports_its_run(tmp_path, mo
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"kvaudit: error: disk full: cannot write {corpus / 'campaign.json'}"), line
     assert str(tmp_path / "j.xml") in line and "<testsuite" in (tmp_path / "j.xml").read_text()
+
+
+def _a_worker_fills_the_disk(monkeypatch, corpus):
+    """Stand-in for a campaign's workers (campaign._run_workers): worker 0 lands a finding, then worker 1's
+    next replay file meets a full disk, in the message a real worker sends (campaign.error_message). Returns
+    (the finding's file, the file not written)."""
+    from kvaudit.search import campaign
+
+    src = os.path.join(REGRESSIONS, f"{BUG}.json")
+    signature = replay.load(src)[2][0].signature
+    landed, full = str(corpus / "findings" / "a.json"), str(corpus / "findings" / "b.json")
+
+    def workers(specs, handle):
+        assert len(specs) == 2
+        shutil.copy(src, landed)
+        for msg in [("ready", 0), ("ready", 1), ("finding", 0, signature, landed),
+                    campaign.error_message(1, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), full)), ("done", 1)]:
+            handle(msg)
+        raise AssertionError("the campaign went on past a worker's full disk")
+
+    monkeypatch.setattr(campaign, "_run_workers", workers)
+    return landed, full
+
+
+def test_a_campaign_workers_full_disk_is_one_line_after_the_findings_it_kept(tmp_path, monkeypatch):
+    """A campaign worker whose disk filled: the parent raised the worker's error out of the campaign, so what
+    it had found was not reported, no report or run record was written, and the line named the error twice:
+    "(worker 1: OSError: [Errno 28] No space left on device: '...')" (tester). Now the campaign stops there, its
+    findings are reported and its reports written, then one line names the file, "No space left" and the
+    worker: exit 74."""
+    corpus = tmp_path / "C"
+    landed, full = _a_worker_fills_the_disk(monkeypatch, corpus)
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "5", "--workers", "2", "--corpus", str(corpus),
+               "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 74, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert line == (f"kvaudit: error: disk full: cannot write {full} (No space left on device, in worker 1); kept "
+                    f"what was written: {landed}, {tmp_path / 'j.xml'}"), line
+    assert "Traceback" not in r.output and "<failure" in (tmp_path / "j.xml").read_text()
+    assert r.stdout.strip().splitlines()[-1].startswith("SUMMARY: kvaudit: 2 finding(s)"), r.stdout[-500:]
+    (run,) = json.load(open(corpus / "campaign.json"))["runs"]
+    assert run["new"] == sorted(f.signature for f in replay.load(landed)[2])
+
+
+def test_a_ci_campaigns_full_disk_is_one_line_after_the_jobs_verdict(tmp_path, monkeypatch):
+    """The same in `kvaudit ci`, whose campaigns run one driver in-process: an internal error (exit 70) before;
+    now the job's lines, then the one line, and the next preset is not searched (its findings could not be
+    written either)."""
+    from kvaudit.search import campaign
+
+    src = os.path.join(REGRESSIONS, f"{BUG}.json")
+    signature = replay.load(src)[2][0].signature
+    corpus = tmp_path / "corpus"
+    landed, full = str(corpus / "default" / "findings" / "a.json"), str(corpus / "default" / "findings" / "b.json")
+
+    def search_loop(spec, emit):
+        shutil.copy(src, landed)
+        for msg in [("ready", 0), ("finding", 0, signature, landed)]:
+            emit(msg)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), full)
+
+    monkeypatch.setattr(campaign, "_search_loop", search_loop)
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    r = invoke("ci", "--presets", "default,mixed-chunk", "--fuzzer", "random", "--max-time", "10", "--regressions",
+               str(regs), "--corpus", str(corpus), "--out", str(tmp_path / "o"))
+    assert r.exit_code == 74, r.output
+    assert r.stdout.strip().splitlines()[-1].startswith("FAILED: 0/0 regressions ok, 2 new finding(s)"), r.stdout
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {full} (No space left on device); kept"), line
+    assert "fuzz mixed-chunk" not in r.stderr
+
+
+WORKER_ENDS_THEN_SIGTERM = """
+import os, signal, sys
+from kvaudit.search import campaign
+
+class Queue:
+    def __init__(self):
+        self.got = []
+
+    def put(self, msg):
+        self.got.append(msg)
+
+q = Queue()
+campaign._worker_main(campaign._Spec(0, {"target": "nope"}, "random", 0, 1.0, sys.argv[1], None, 1, 0), q)
+print([msg[0] for msg in q.got], flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # the parent stopping the other workers, as the queue flushes at exit
+print("exited quietly", flush=True)
+"""
+
+
+def test_a_worker_that_said_its_end_takes_the_parents_sigterm_quietly(tmp_path):
+    """On a full tmpfs, the worker whose replay file was not written reported it and ended; the parent then
+    stopped the other worker with SIGTERM, which reached the first in its exit (the queue's flush) and printed
+    "Process SpawnProcess-1: Traceback ... KeyboardInterrupt" into the log, every time. A worker that has said
+    its end ("error", then "done") ignores SIGTERM."""
+    env = {**plain_env(), "PYTHONPATH": os.path.dirname(os.path.abspath(HERE))}
+    r = subprocess.run([sys.executable, "-c", WORKER_ENDS_THEN_SIGTERM, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=LIMIT_S)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["['error', 'done']", "exited quietly"]
 
 
 def test_other_write_errors_stay_input_errors(tmp_path, monkeypatch):

@@ -409,6 +409,63 @@ def test_a_kind_without_an_anchor_falls_back_to_its_config_class_statement(valid
     assert "properties" not in loc and r["properties"]["locationIsFallback"] is True
 
 
+def test_a_plugin_run_from_outside_its_folder_is_located_at_the_findings_own_line(validator, tmp_path,
+                                                                                  monkeypatch):
+    """A plugin's engine and target module both outside the current directory (t54's toy plugin run from
+    another directory): code scanning can show neither its frames nor its config class. The result was
+    anchored at the config class, not the line the finding names, and said that class was "where the engine
+    keeps the state". Now it is at the finding's own frame (the user's code before a library's) by its path,
+    flagged, and says why code scanning cannot show it; a finding with no frame at all is still at the config
+    class, called that."""
+    import inspect
+    import sys
+    from urllib.parse import quote
+
+    from kvaudit.config import Preset
+
+    plug, elsewhere = tmp_path / "plug", tmp_path / "elsewhere"
+    plug.mkdir()
+    elsewhere.mkdir()
+    engine = plug / "engine.py"
+    engine.write_text("class Engine:\n    def step(self):\n        got = self.pool.alloc(4)\n")
+    (plug / "farplug_target.py").write_text(
+        "import dataclasses\nfrom kvaudit.config import ConfigBase\n\n\n@dataclasses.dataclass(frozen=True)\n"
+        "class FarConfig(ConfigBase):\n    bugs: frozenset = dataclasses.field(default_factory=frozenset)\n"
+        "    preset: str = 'custom'\n    target: str = 'farplug'\n")
+    monkeypatch.syspath_prepend(str(plug))
+    monkeypatch.delitem(sys.modules, "farplug_target", raising=False)
+    import farplug_target
+    monkeypatch.setitem(sys.modules, "farplug_target", farplug_target)  # (taken out again afterwards)
+    cls = farplug_target.FarConfig
+    registry.register(registry.TargetKind(
+        "farplug", "a plugin outside the current directory", cls, make=lambda c: None,
+        presets=lambda: {"farplug": Preset("farplug", "one", {}, cls)}, default_preset="farplug"))
+    lib = Site(str(tmp_path / "venv" / "lib" / "site-packages" / "numpy" / "core.py"), 7, "alloc")
+    site = Site(str(engine), 3, "step", source="got = self.pool.alloc(4)")
+    leak = Finding(kind="leak", pool="rows", message="unreachable", slots=[3], num_units=1, unit="row",
+                   alloc_sites=[lib, site])
+    hang = Finding(kind="hang", pool="-", message="engine not idle", op_index=1, step=3)
+    monkeypatch.chdir(elsewhere)
+    try:
+        log = to_sarif([leak, hang], cls())
+    finally:
+        registry._KINDS.pop("farplug")
+    assert _errors(validator, log) == []
+    r, h = log["runs"][0]["results"]
+    loc = r["locations"][0]
+    assert _physical(loc) == ("file://" + quote(str(engine)), 3)
+    assert loc["message"]["text"] == "allocated at step"
+    assert r["properties"]["locationOutsideCheckout"] is True and "locationIsFallback" not in r["properties"]
+    text = r["message"]["text"]
+    assert f"cannot show this result in the repository: it is located at its own frame, {engine}:3" in text, text
+    assert "FarConfig" not in text and "where the engine keeps the state" not in text
+    # no frame at all: the config class, said to be one
+    assert _physical(h["locations"][0]) == ("file://" + quote(str(plug / "farplug_target.py")),
+                                           inspect.getsourcelines(cls)[1])
+    assert h["properties"]["locationIsFallback"] is True and "locationOutsideCheckout" not in h["properties"]
+    assert "shown at FarConfig, the target kind's config class" in h["message"]["text"], h["message"]["text"]
+
+
 # ----------------------------------------------------------------------------- SARIF: real SGLang's frames
 
 SGLANG_FILES = sorted(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))

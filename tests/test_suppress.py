@@ -13,7 +13,7 @@ from cli_helpers import invoke, one_error_line
 from kvaudit import replay
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search, triage
-from kvaudit.program import HealthCheck, Idle, Step, Submit
+from kvaudit.program import Abort, HealthCheck, Idle, Step, Submit
 from kvaudit.audit.runner import AuditedRun, execute
 from kvaudit.audit.suppress import Suppression, SuppressionError, SuppressionSet, load_suppressions
 
@@ -212,6 +212,39 @@ def test_sift_keeps_the_rest_and_counts_a_re_reported_finding_once_per_run():
     assert sset.suppressions[0].hits == 2
 
 
+def test_sift_counts_one_signature_once_per_run_as_the_run_reports_it():
+    """The units of one leak allocated at two lines (a prompt's rows at one step, a decode row at the next) are
+    two findings of one signature when sifted, merged into the one the run reports after: "hits (per run)"
+    counted 2 for one bug in one run (tester). A second rule that covers the same signature counts its own."""
+    sset = SuppressionSet([Suppression(pool="hisparse_*", index=1), Suppression(kind="leak", index=2)])
+    suppressed: list[Finding] = []
+    prompt = finding("leak", "hisparse_device", alloc=[ADMIT])
+    decode = finding("leak", "hisparse_device", alloc=[dataclasses.replace(ADMIT, line=ADMIT.line + 9), COMMIT])
+    assert prompt.signature == decode.signature
+    assert sset.sift([prompt], suppressed) == [] and sset.sift([decode], suppressed) == []
+    assert suppressed == [prompt, decode]  # (both kept: the units of the one finding)
+    assert [r.hits for r in sset] == [1, 0] and sset.suppressions[0].signatures == {prompt.signature}
+    assert sset.sift([prompt, decode], []) == []  # the next run: one more
+    assert [r.hits for r in sset] == [2, 0]
+    row = finding("leak", "token_to_kv_pool", alloc=[ADMIT])
+    assert sset.sift([row, dataclasses.replace(row, alloc_sites=[dataclasses.replace(ADMIT, line=1)])], []) == []
+    assert [r.hits for r in sset] == [2, 1]
+
+
+def test_a_leak_whose_rows_came_from_two_lines_is_one_hit_as_it_is_one_finding(fresh_registry):
+    """tests/rowtoy_plugin.py with abort-leak: the aborted request's prompt rows and its decode row come from two
+    lines of one step, one finding reported ("also allocated at"); suppressed, it counted 2 hits in one run."""
+    import rowtoy_plugin  # noqa: F401  (registers rowtoy, in the registry this test restores)
+
+    config = fresh_registry.get("rowtoy").preset("rowtoy-leaky").config()
+    program = [Submit(family=0, prompt_len=3, max_new_tokens=4), Step(1), Abort(handle=0), Idle()]
+    (leak,) = execute(config, program).findings
+    assert leak.kind == "leak" and "also allocated at" in leak.message, leak.message
+    sset = SuppressionSet([Suppression(kind="leak", index=1)])
+    assert execute(config, program, suppressions=sset).findings == []
+    assert sset.suppressions[0].hits == 1 and sset.suppressions[0].signatures == {leak.signature}
+
+
 def test_only_site_globs_need_full_stacks():
     assert not SuppressionSet([Suppression(kind="leak"), Suppression(pool="x")]).needs_full_stacks
     assert SuppressionSet([Suppression(kind="leak"), Suppression(site="*x*")]).needs_full_stacks
@@ -382,6 +415,37 @@ def test_replay_with_one_finding_suppressed_reports_the_other(tmp_path):
     assert f"signature: {HOST_LEAK}" in result.stdout and f"signature: {DEVICE_LEAK}" not in result.stdout
     first, second = _rows(result.stdout)
     assert first.rstrip().endswith("  1") and "matched nothing" in second
+
+
+@pytest.mark.parametrize("args, why", [
+    (["ci", "--max-time", "0", "--regressions", "REGS"], "--max-time 0: the regressions only, replayed without "
+                                                          "suppressions"),
+    (["ci", "--presets", "default", "--fuzzer", "random", "--max-time", "1e-9", "--regressions", "REGS", "--out",
+      "OUT"], "each preset's share ended before one program ran"),
+    (["fuzz", "--fuzzer", "random", "--max-time", "1e-9", "--out", "OUT"], None),
+    (["fuzz", "--fuzzer", "random", "--max-time", "1e-9", "--out", "OUT", "--corpus", "CORPUS"],
+     "the budget ended before the first"),
+], ids=["ci-regressions-only", "ci-nothing-searched", "fuzz-nothing-searched", "campaign-nothing-searched"])
+def test_rules_tried_on_no_program_are_not_said_to_match_nothing(tmp_path, args, why):
+    """`kvaudit ci --max-time 0 --suppress FILE` said each rule "matched nothing", in its table and in the HTML,
+    though no program ran: the regressions are replayed without suppressions (tester). Now one line says no
+    program ran (fuzz with nothing searched prints no table, as before), and the HTML has no rules table."""
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    if "0" in args:
+        import shutil
+        shutil.copy(HISPARSE, regs / "a.json")
+    path = write(tmp_path, '[[suppress]]\nkind = "double-free"\n[[suppress]]\npool = "hisparse_*"\n')
+    fill = {"REGS": str(regs), "OUT": str(tmp_path / "o"), "CORPUS": str(tmp_path / "c")}
+    r = invoke(*[fill.get(a, a) for a in args], "--suppress", path, "--html", str(tmp_path / "r.html"))
+    assert r.exit_code == (0 if "0" in args else 5), r.output
+    assert "matched nothing" not in r.stdout and "matched nothing" not in (tmp_path / "r.html").read_text()
+    assert "suppressions used" not in (tmp_path / "r.html").read_text()
+    if why is not None:
+        assert f"suppressions used: none, no program ran ({why}): the 2 rule(s) in {path} were not tried" in \
+            " ".join(r.stdout.split()), r.stdout
+    else:
+        assert "suppressions used" not in r.stdout
 
 
 def test_replay_without_suppress_prints_nothing_extra():

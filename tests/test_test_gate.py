@@ -31,3 +31,16 @@ def test_without_the_engine_each_of_its_tests_is_skipped_on_its_own_with_the_rea
     assert ran.returncode == 0, ran.stdout[-2000:]
     assert f"{n} skipped" in ran.stdout
     assert reason in ran.stdout
+
+
+def test_a_plugin_module_named_on_the_command_line_registers_nothing_for_the_tests_after_it():
+    """`pytest tests/test_entry.py ... tests/test_fuzzers.py` failed two of test_fuzzers' tests in some subsets (the
+    fuzzer list in --help, the fuzzers that take a target): a subset that names tests/toyfuzzer_plugin.py (a glob
+    over tests/) made pytest import it as a test module at collection, and its fuzzer "toy" stayed registered for
+    every test. A module of tests/ that is not a test file is now collected as no tests, not imported."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/toyfuzzer_plugin.py",
+                        "tests/rowtoy_plugin.py", "tests/cli_helpers.py", "tests/test_fuzzers.py", "-k",
+                        "built_ins_are_listed or takes_some_targets"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert re.search(r"^2 passed", r.stdout.strip().splitlines()[-1]), r.stdout[-3000:]

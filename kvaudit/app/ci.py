@@ -70,6 +70,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
             for preset in preset_names:
                 _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
                              target, db, campaign_name)
+                if result.fuzz[-1].not_written is not None:
+                    break  # a full disk: the next presets' findings could not be written either
     except KeyboardInterrupt:
         result.interrupted = True
     ignore_interrupts(clear=True)  # the summary and reports are written whole
@@ -77,11 +79,12 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         for program, findings, path in run.new:
             print_report(console, kind.preset(run.preset).config(), program, findings, closing=False)
     _print_table(console, result)
+    ran = any(run.executions for run in result.fuzz)
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
         for run in result.fuzz:
             sset.add_usage(run.suppression_usage)
-        print_suppressions(console, sset)
-    failed = _write_outputs(outputs, result, kind, preset_names[0], sset, err)
+        print_suppressions(console, sset, not_run=None if ran else _why_nothing_ran(result, per_preset))
+    failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err)
     # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]
     line = summary_line([f for findings in runs for f in findings], suppressed_by_kind(sset),
@@ -93,6 +96,16 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed
     return _exit_code(result, err, per_preset)
+
+
+def _why_nothing_ran(result, per_preset: float) -> str:
+    """Why no fuzz program ran in a job (its suppressions were tried on nothing: the regressions are replayed
+    without them)."""
+    if per_preset <= 0:
+        return "--max-time 0: the regressions only, replayed without suppressions"
+    if result.interrupted:
+        return "interrupted before the first"
+    return "each preset's share ended before one program ran"
 
 
 def _regressions_dir(regressions_dir: str | None, kind) -> str | None:
@@ -155,11 +168,13 @@ def _print_table(console, result) -> None:
 
 def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err):
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can.
-    Returns the error for the first not written (naming every file kept), or None."""
+    Returns the error for the first not written, a fuzz campaign's on a full disk first (naming every file
+    kept), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
-    failed = None
+    full = next((run.not_written for run in result.fuzz if run.not_written is not None), None)
+    failed = None if full is None else (full, full.filename or "a file of the fuzz")  # (after the reports below)
     for fmt, label, path in (("junit", "JUnit", outputs.junit), ("sarif", "SARIF", outputs.sarif)):
         if path:
             try:

@@ -294,7 +294,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         print_table(console, _campaign_table(result))
     if sset is not None:
         sset.add_usage(result.suppression_usage.values())  # (the workers matched; the parent's set is the file's)
-        print_suppressions(console, sset)
+        print_suppressions(console, sset, not_run=None if result.stats.executions else
+                           "interrupted before the first" if result.interrupted else "the budget ended before the first")
     s = result.stats
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
@@ -317,13 +318,14 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     kept = tuple(sorted(set(result.new.values())))
     try:
         kept += tuple(write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset),
-                                                        extra, suppressions=sset), err, kept=kept))
+                                                        extra, suppressions=sset if s.executions else None),
+                                    err, kept=kept))
     except click.ClickException as e:
         if result.not_written is None:
             raise
         kept = getattr(e, "kept", kept)
     if result.not_written is not None:  # (after the run's lines and reports: a corpus disk full loses none)
-        raise write_error(result.not_written, result.not_written.filename, kept)
+        raise write_error(result.not_written, result.not_written.filename or f"in {corpus}", kept)
     if result.new:
         return EXIT_FINDINGS
     if nothing:
@@ -370,7 +372,7 @@ def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, see
     if interrupted:
         extra["interrupted"] = True
     return ReportData.single(config, program, findings, suppressed_by_kind(sset), extra, program_title=program_title,
-                             suppressions=sset)
+                             suppressions=sset if stats.executions else None)  # (tried on nothing: no table)
 
 
 def print_reached(console, stats) -> None:

@@ -157,18 +157,28 @@ class SuppressionSet:
         return rule
 
     def sift(self, findings: list[Finding], suppressed: list[Finding]) -> list[Finding]:
-        """The findings no rule covers. Covered ones are appended to ``suppressed`` (one run's list) and
-        counted, unless already there (a leak re-reported on a later step)."""
+        """The findings no rule covers. Covered ones are appended to ``suppressed`` (one run's list), unless
+        already there (a leak re-reported on a later step); a hit is counted once per signature in the run,
+        as the run reports one finding per signature (the units of one bug allocated in two steps are two
+        findings here, merged into one after the sift: they counted two hits)."""
         kept = []
         seen = {_key(g) for g in suppressed} if findings else set()
+        counted = {(self._rule(g), g.signature) for g in suppressed} if findings else set()
         for f in findings:
-            if not any(s.matches(f) for s in self.suppressions):
+            rule = self._rule(f)
+            if rule is None:
                 kept.append(f)
             elif _key(f) not in seen:
-                self.match(f)
+                if (rule, f.signature) not in counted:
+                    self.match(f)
+                    counted.add((rule, f.signature))
                 suppressed.append(f)
                 seen.add(_key(f))
         return kept
+
+    def _rule(self, finding: Finding) -> int | None:
+        """The index of the first rule that covers ``finding`` (no hit counted); None if none does."""
+        return next((i for i, s in enumerate(self.suppressions) if s.matches(finding)), None)
 
     def unused(self) -> list[Suppression]:
         """The rules that have matched nothing so far, in file order."""

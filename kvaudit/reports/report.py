@@ -231,12 +231,18 @@ def suppressions_table(suppressions: SuppressionSet) -> Table:
     return t
 
 
-def print_suppressions(console: Console, suppressions: SuppressionSet) -> None:
-    """The "suppressions used" table, and the rules that matched nothing."""
+def print_suppressions(console: Console, suppressions: SuppressionSet, not_run: str | None = None) -> None:
+    """The "suppressions used" table, and the rules that matched nothing; with ``not_run`` (why no program
+    ran) one line that says so instead: a rule tried on nothing did not "match nothing"."""
     plain = is_plain(console)
     if not len(suppressions):
         _print(console, Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
                            style="dim"), plain, soft_wrap=True)
+        return
+    if not_run is not None:
+        where = f" in {suppressions.path}" if suppressions.path else ""
+        _print(console, Text(f"suppressions used: none, no program ran ({not_run}): the {len(suppressions)} "
+                             f"rule(s){where} were not tried", style="dim"), plain, soft_wrap=True)
         return
     table = suppressions_table(suppressions)
     if plain:  # the file in the title, not a caption line

@@ -27,6 +27,9 @@ _CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(kvaudit.__file__))) 
 FINGERPRINT_KEY = "kvauditSignature/v1"
 MAX_SLOTS = 64  # units (slots, rows or blocks) listed in a result's properties; the rest are counted
 BASELINE_STATES = ("new", "unchanged")  # what ``kvaudit ci`` marks (the spec also has updated, absent)
+# what a result's location is (_primary): a frame code scanning can show; the finding's own frame by a path it
+# cannot (no frame under the current directory); the engine code the target kind names; the kind's config class
+FRAME, FRAME_ELSEWHERE, ANCHOR, CONFIG_ANCHOR = "frame", "frame-elsewhere", "anchor", "config-anchor"
 
 
 def _rule(kind: str) -> dict:
@@ -169,10 +172,10 @@ def _location(site: Site, message: str | None = None, loc_id: int | None = None,
     return loc
 
 
-def _anchor(kind: str, target: str = "eut") -> Site:
-    """Where a finding without a usable frame is shown (code scanning rejects a result without one):
-    the engine code that owns the state, as the target kind's ``anchor`` names it, else the kind's
-    config class."""
+def _anchor(kind: str, target: str = "eut") -> tuple[Site, bool]:
+    """Where a finding without a usable frame is shown (code scanning rejects a result without one), and
+    whether that is engine code: the code that owns the state, as the target kind's ``anchor`` names it,
+    else the kind's config class (False)."""
     try:
         k = get(target)
     except UnknownTargetError:
@@ -183,7 +186,7 @@ def _anchor(kind: str, target: str = "eut") -> Site:
             line = inspect.getsourcelines(fn)[1]
             site = Site(_norm(portable_path(inspect.getsourcefile(fn) or "")), line, label)
             if in_repo(site):
-                return site
+                return site, True
     except (AttributeError, OSError, TypeError, ImportError):
         pass
     cls = k.config_class
@@ -191,7 +194,7 @@ def _anchor(kind: str, target: str = "eut") -> Site:
         line = inspect.getsourcelines(cls)[1]  # the class statement (line 1 is outside it: a stale-frame note)
     except (OSError, TypeError):
         line = 1
-    return Site(_norm(portable_path(inspect.getsourcefile(cls) or "")), line, cls.__name__)
+    return Site(_norm(portable_path(inspect.getsourcefile(cls) or "")), line, cls.__name__), False
 
 
 def _escape(text: str) -> str:
@@ -248,23 +251,43 @@ def _units_line(f: Finding) -> str:
 
 
 def _primary(stacks: list, key: str | None, target: str, kind: str,
-             engine: RecordedEngine | None) -> tuple[Site, str | None, bool]:
-    """The result's location, the label of the stack it comes from (None for the anchor), and whether it is
-    the fallback anchor: the first frame of the primary stack in the engine's package, else in the
-    repository, then the same in the other stacks; a frame the current source calls stale is skipped (its
-    line would point at other code)."""
+             engine: RecordedEngine | None) -> tuple[Site, str | None, str]:
+    """The result's location, the label of the stack it comes from (None for the anchor), and what it is
+    (:data:`FRAME`, :data:`FRAME_ELSEWHERE`, :data:`ANCHOR` or :data:`CONFIG_ANCHOR`): the first frame of
+    the primary stack in the engine's package, else in the repository, then the same in the other stacks;
+    else the kind's anchor where code scanning can show it; else the finding's own frame by its path (a
+    plugin's engine outside the current directory: its line says more than a config class elsewhere, which
+    code scanning cannot show either), the user's code before a library's; else the anchor. A frame the
+    current source calls stale is skipped (its line would point at other code)."""
     def fresh(s: Site) -> bool:
         return not resolve(s).note.startswith("stale")
 
+    def search(tests) -> tuple[Site, str] | None:
+        for own in (True, False):
+            for test in tests:
+                hit = next(((s, label) for k, label, frames in stacks if (k == key) == own for s in frames
+                            if test(s) and fresh(s)), None)
+                if hit is not None:
+                    return hit
+        return None
+
     tests = ([lambda s: engine_path(s.file, engine.package) is not None and frame_release(s, engine) is None]
              if engine is not None else []) + [in_repo]
-    for own in (True, False):
-        for test in tests:
-            hit = next(((label, s) for k, label, frames in stacks if (k == key) == own for s in frames
-                        if test(s) and fresh(s)), None)
-            if hit is not None:
-                return hit[1], hit[0], False
-    return _anchor(kind, target), None, True
+    hit = search(tests)
+    if hit is not None:
+        return hit[0], hit[1], FRAME
+    anchor, engine_code = _anchor(kind, target)
+    if not in_repo(anchor):
+        hit = search([lambda s: _a_file(s) and not installed(s.file) and "/site-packages/" not in _norm(s.file),
+                      _a_file])
+        if hit is not None:
+            return hit[0], hit[1], FRAME_ELSEWHERE
+    return anchor, None, ANCHOR if engine_code else CONFIG_ANCHOR
+
+
+def _a_file(site: Site) -> bool:
+    """A frame of a source file (not ``<string>``), with a known line."""
+    return site.line >= 1 and artifact_location(site.file) is not None
 
 
 def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngine | None) -> tuple[list, list]:
@@ -284,7 +307,7 @@ def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngin
     return related, links
 
 
-def _message(f: Finding, links: list[str], primary: Site, fallback: bool, recorded_on: str = "",
+def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_on: str = "",
              package: str = "", any_frames: bool = False) -> str:
     summary = f.summary()
     lines = [_escape(summary)]
@@ -301,17 +324,23 @@ def _message(f: Finding, links: list[str], primary: Site, fallback: bool, record
         lines.append(_escape(f"(Recorded on {recorded_on}, not the {package} installed here: its {package} frames "
                              "are named by path, their recorded lines kept as properties, not claimed as lines of "
                              "the installed files.)"))
-    if fallback and not recorded_on:
+    if where in (ANCHOR, CONFIG_ANCHOR) and not recorded_on:
         why = ("No recorded frame is a file of this checkout (run kvaudit from the repository root)" if any_frames
                else "No source frame recorded")
-        lines.append(_escape(f"({why}: shown at {primary.function}, where the engine keeps the state this finding "
-                             "is about.)"))
+        what = ("where the engine keeps the state this finding is about" if where == ANCHOR
+                else "the target kind's config class: the kind names no engine code for this state")
+        lines.append(_escape(f"({why}: shown at {primary.function}, {what}.)"))
+    elif where == FRAME_ELSEWHERE:
+        lines.append(_escape(f"(No recorded frame is a file under the current directory, so code scanning cannot "
+                             f"show this result in the repository: it is located at its own frame, "
+                             f"{_norm(primary.file)}:{primary.line}, by that path. Run kvaudit from the root of "
+                             "the repository that holds the engine.)"))
     if f.engine_check:
         lines.append(_escape(engine_verdict(f)))
     return "\n".join(lines)
 
 
-def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict:
+def _properties(f: Finding, where: str, engine: EngineSource | None) -> dict:
     word, ids = f.listed()  # named in the pool's unit: token "slots", "rows", or (vLLM's) "blocks"
     # NOTE: a finding of no units (a hang, pool "-") names no unit: its recorded one is the default, not a pool's
     units = ({"unit": f.unit} if ids or f.num_units else {}) | (
@@ -326,8 +355,10 @@ def _properties(f: Finding, fallback: bool, engine: EngineSource | None) -> dict
     if f.traceback:
         props["traceback"] = f.traceback if engine is None else re.sub(  # the engine's files as its frames are
             r'File "([^"]+)"', lambda m: f'File "{engine_path(m[1], engine.package) or m[1]}"', f.traceback)
-    if fallback:
+    if where in (ANCHOR, CONFIG_ANCHOR):
         props["locationIsFallback"] = True
+    elif where == FRAME_ELSEWHERE:
+        props["locationOutsideCheckout"] = True
     return props | _engine_props(engine)
 
 
@@ -342,7 +373,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
             engine: RecordedEngine | None = None) -> dict:
     stacks = _labelled_stacks(f)
     key = primary_stack(f)
-    primary, primary_label, fallback = _primary(stacks, key, target, f.kind, engine)
+    primary, primary_label, where = _primary(stacks, key, target, f.kind, engine)
     others = sorted({v for _, _, frames in stacks for s in frames if (v := frame_release(s, engine)) is not None})
     recorded_on = f"{engine.package} {', '.join(others)}" if others else ""
     related, links = _related(stacks, primary, key, engine)
@@ -350,7 +381,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         "ruleId": f.kind,
         "ruleIndex": rule_index,
         "level": level,
-        "message": {"text": _message(f, links, primary, fallback, recorded_on, engine.package if engine else "",
+        "message": {"text": _message(f, links, primary, where, recorded_on, engine.package if engine else "",
                                      any_frames=any(frames for _, _, frames in stacks))},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
                                 region_fallback=True, engine=engine)],
@@ -362,7 +393,7 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         result["stacks"] = [{"message": {"text": label},
                              "frames": [{"location": _location(s, engine=engine)} for s in frames]}
                             for _, label, frames in stacks]
-    result["properties"] = _properties(f, fallback, engine) | ({"recordedOn": recorded_on} if recorded_on else {})
+    result["properties"] = _properties(f, where, engine) | ({"recordedOn": recorded_on} if recorded_on else {})
     return result
 
 

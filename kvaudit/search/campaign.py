@@ -22,6 +22,7 @@ from typing import Callable
 from kvaudit.config import TargetConfig
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit import replay
+from kvaudit.reports.outputs import disk_full
 from kvaudit.search import fuzzers
 from kvaudit.search.fuzz import FuzzStats, SearchInterrupted, triage
 
@@ -62,7 +63,9 @@ class CampaignResult:
     warnings: list[str] = field(default_factory=list)  # the workers' (a malformed entry in Redis)
     # worker -> its suppression rules' usage so far (SuppressionSet.usage; the parent's set adds them up)
     suppression_usage: dict[int, list] = field(default_factory=dict)
-    not_written: OSError | None = None  # the run record (corpus/campaign.json) not written: filename names it
+    # a file not written on a full disk (a worker's replay file: the campaign stopped there, keeping what it had
+    # found; or the run record, corpus/campaign.json): filename names it
+    not_written: OSError | None = None
 
 
 @dataclass
@@ -343,9 +346,21 @@ def _worker_main(spec: _Spec, q) -> None:
     except KeyboardInterrupt:  # SIGTERM: what was found is written
         q.put(("done", spec.index))
     except Exception as e:  # report, do not hang the parent
-        oserror = (e.errno, e.filename) if isinstance(e, OSError) else (None, None)
-        q.put(("error", spec.index, f"{type(e).__name__}: {e}", *oserror))
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (see below)
+        q.put(error_message(spec.index, e))
         q.put(("done", spec.index))
+    finally:
+        # NOTE: its end is said: the parent's SIGTERM (it stops the others when one failed) would only interrupt
+        # the queue's flush at exit, a traceback in the log ("Process SpawnProcess-1: ... KeyboardInterrupt")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def error_message(index: int, e: Exception) -> tuple:
+    """What worker ``index`` tells its parent of the error that ended it: ``("error", index, text, errno,
+    filename, strerror)``, the last three None but for an OSError (the parent stops the campaign on a full
+    disk, keeping what it found, :class:`_Tally`)."""
+    oserror = (e.errno, e.filename, e.strerror) if isinstance(e, OSError) else (None, None, None)
+    return ("error", index, f"{type(e).__name__}: {e}", *oserror)
 
 
 def _append_run_record(corpus: str, record: dict) -> OSError | None:
@@ -360,6 +375,10 @@ def _append_run_record(corpus: str, record: dict) -> OSError | None:
     except OSError as e:
         return e
     return None
+
+
+class _DiskFull(Exception):
+    """A worker met a full disk (:attr:`CampaignResult.not_written` holds its error): the campaign stops."""
 
 
 class _Tally:
@@ -410,7 +429,11 @@ class _Tally:
             if msg[2] not in result.warnings:
                 result.warnings.append(msg[2])
         elif kind == "error":
-            if msg[3] is not None:  # an OSError (a full disk): the CLI says so in one line
+            if msg[3] is not None:
+                error = OSError(msg[3], f"{msg[5] or msg[2]}, in worker {index}", msg[4])
+                if disk_full(error):  # the campaign stops with what it found; the CLI says so in one line (exit 74)
+                    result.not_written = result.not_written or error
+                    raise _DiskFull
                 raise OSError(msg[3], f"worker {index}: {msg[2]}", msg[4])
             raise RuntimeError(f"worker {index}: {msg[2]}")
         if self.on_progress:
@@ -522,17 +545,24 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
             _run_workers(specs, handle)
     except KeyboardInterrupt:
         result.interrupted = True
-    if db is not None and result.duplicates:
+    except _DiskFull:  # (a worker's: its error is the result's)
+        pass
+    except OSError as e:  # the one driver's own, in this process
+        if not disk_full(e):
+            raise
+        result.not_written = e
+    if db is not None and result.duplicates and result.not_written is None:
         _pull_duplicates(db, campaign, ttl, corpus, handle)
     seen = (result.new, result.known, result.fleet, result.duplicates)  # duplicates: another host's, saved here
     for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)
         if not any(sig in d for d in seen):
             handle(("finding", -1, sig, path))
     stats.phase = "interrupted" if result.interrupted else "done"
-    result.not_written = _append_run_record(corpus, {
+    not_recorded = _append_run_record(corpus, {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started, 1),
         "fuzzer": fuzzer, "workers": workers, "seed": seed, "preset": config.preset, "bugs": sorted(config.bugs),
         "executions": stats.executions, "ops": stats.ops, "new": sorted(result.new), "known": sorted(result.known),
         "interrupted": result.interrupted})
+    result.not_written = result.not_written or not_recorded
     return result

@@ -55,6 +55,7 @@ class FuzzRun:
     suppression_usage: list = field(default_factory=list)  # the workers' SuppressionSet.usage()
     reached: dict[str, int] = field(default_factory=dict)  # Target.reach() summed over the programs run
     found_after: dict[str, float] = field(default_factory=dict)  # new signature -> seconds of search until it landed
+    not_written: OSError | None = None  # the campaign's file not written on a full disk (CampaignResult.not_written)
 
     def new_signatures(self) -> dict[str, tuple[Finding, str]]:
         """Signature -> (its first finding, its replay file), in signature order."""
@@ -152,6 +153,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
         run.executions = result.stats.executions
         run.reached = dict(result.stats.reached)
         run.suppression_usage = list(result.suppression_usage.values())
+        run.not_written = result.not_written
         run.known = sorted({**result.known, **result.fleet})
         by_file: dict[str, set[str]] = {}
         for sig, path in result.new.items():
