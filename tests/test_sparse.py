@@ -395,8 +395,8 @@ def test_a_lean_ledger_builds_its_events_and_last_event_ids_only_when_read():
     program = random_program(random.Random(7), 40)
     assert any(type(op).__name__ == "FlushCache" for op in program)
 
-    def run(lean: bool):  # (not paranoid: the incremental check beside every check reads every event at once)
-        with AuditedRun(config, full_stacks=False, check_every=16, lean=lean, paranoid=False) as r:
+    def run(lean: bool):
+        with AuditedRun(config, full_stacks=False, check_every=16, lean=lean) as r:
             for op in program:
                 assert r.apply(op) == []
             r.finish()
