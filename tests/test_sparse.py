@@ -379,36 +379,7 @@ def test_a_sparse_runs_events_carry_the_per_step_runs_op_and_step(lean):
             for op in program:
                 assert run.apply(op) == []
             run.finish()
-            run.auditor.materialize()  # (a lean ledger's fast-path events are raw until read)
             return [(e.kind, e.pool, e.units, e.op_index, e.step) for e in run.auditor.events]
 
     got = events(16)
     assert len({(e[3], e[4]) for e in got}) > 10 and got == events(1)
-
-
-def test_a_lean_ledger_builds_its_events_and_last_event_ids_only_when_read():
-    # lean (a search's sparse run): an alloc of fresh units and a free of allocated ones set the flags and
-    # keep the event raw; materialize() (which every reader of an event's fields calls) then gives the
-    # events and each unit's last alloc and free event that the same run records eagerly when not lean,
-    # with the eager events of the slow paths (a flush's clear(), more than SMALL_EVENT units) in order
-    config = get_preset("default").config(model="none")
-    program = random_program(random.Random(7), 40)
-    assert any(type(op).__name__ == "FlushCache" for op in program)
-
-    def run(lean: bool):
-        with AuditedRun(config, full_stacks=False, check_every=16, lean=lean) as r:
-            for op in program:
-                assert r.apply(op) == []
-            r.finish()
-            aud = r.auditor
-            raw = sum(type(e) is tuple for e in aud.events)
-            n = len(aud.events)
-            last = {p: (led.last_alloc.copy(), led.last_free.copy()) for p, led in aud.ledgers.items()}
-            return raw, n, [(e.id, e.kind, e.pool, e.units, e.op_index, e.step) for e in aud.events], last
-
-    raw, n, events, last = run(True)
-    eager_raw, eager_n, eager_events, eager_last = run(False)
-    assert eager_raw == 0 and raw > 10 and n == eager_n > 100  # (a slow-path event materializes those before it)
-    assert events == eager_events
-    for pool, (alloc, free) in eager_last.items():
-        assert (last[pool][0] == alloc).all() and (last[pool][1] == free).all(), pool

@@ -57,9 +57,7 @@ class Auditor(Ledger, PoolWrappers):
         self._lean_keys: set[tuple[int, int]] = set()  # lean: the frame keys site_keys reports
         if self.lean:
             self.capture_site = self._lean_site  # (before the wrappers are installed: they bind it)
-        # (lean: the fast paths' events stay raw until read, see Ledger.materialize)
-        sync = self.materialize if self.lean else None
-        self.ledgers = {spec.name: PoolLedger(spec, sync) for spec in target.pools()}
+        self.ledgers = {spec.name: PoolLedger(spec) for spec in target.pools()}
         self.events: list[Event] = []
         self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
         self.owner_names = ["-"]
@@ -290,7 +288,6 @@ class Auditor(Ledger, PoolWrappers):
     def digest(self) -> str:
         """SHA-256 of the ledger so far (allocs, frees and lock events; what it hashes:
         docs/internals/audit.md): equal for two runs of one program on a deterministic engine."""
-        self.materialize()
         h = hashlib.sha256()
         codes = Auditor._codes
         for ev in self.events:

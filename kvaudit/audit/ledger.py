@@ -38,76 +38,34 @@ def _mark(flags: bytearray, last: np.ndarray, units: list[int], value: int, even
 
 class PoolLedger:
     """Per-unit state of one pool: allocated flag, last alloc and free event, current owner id; for a
-    ``"blocks"`` pool also ``refs`` (``[n] int64`` reference counts; allocated means a count above 0).
-    ``last_alloc`` and ``last_free`` (``[n] int64`` event ids, -1: none) are brought up to date by ``sync``
-    (the ledger's :meth:`Ledger.materialize`) when read: a lean ledger writes them only then."""
+    ``"blocks"`` pool also ``refs`` (``[n] int64`` reference counts; allocated means a count above 0)."""
 
-    def __init__(self, spec: PoolSpec, sync=None):
+    def __init__(self, spec: PoolSpec):
         n = spec.num_units + 1
         self.spec = spec
         self.flags = bytearray(n)  # allocated flags; ``allocated`` is a numpy view of the same bytes
         self.allocated = np.frombuffer(self.flags, dtype=bool)
-        self._last_alloc = np.full(n, -1, dtype=np.int64)
-        self._last_free = np.full(n, -1, dtype=np.int64)
-        self._sync = sync
+        self.last_alloc = np.full(n, -1, dtype=np.int64)
+        self.last_free = np.full(n, -1, dtype=np.int64)
         self.owner = np.zeros(n, dtype=np.int64)  # id into Auditor.owner_names; 0 = nobody
         self.allocated[0] = True  # reserved padding unit: any alloc of it trips the aliasing check
         self.refs = np.zeros(n, dtype=np.int64) if spec.kind == "blocks" else None
 
-    @property
-    def last_alloc(self) -> np.ndarray:
-        if self._sync is not None:
-            self._sync()
-        return self._last_alloc
-
-    @property
-    def last_free(self) -> np.ndarray:
-        if self._sync is not None:
-            self._sync()
-        return self._last_free
-
 
 class Ledger:
     """The recording half of :class:`kvaudit.audit.hooks.Auditor` (``ledgers``, ``events``,
-    ``pending``); sites come from the auditor.
-
-    A lean ledger (``lean``: a search's sparse run, whose hits a per-step replay reports) records an event
-    that detects nothing as it happens (every unit fresh at an alloc, allocated at a free: the fast paths)
-    as a raw ``(kind, pool, units, op_index, step, site)`` tuple and sets only the allocated flags; its
-    :class:`Event` and the pools' ``last_alloc``/``last_free`` are made by :meth:`materialize`, which every
-    reader of an event's fields calls first (``len(events)`` needs no call)."""
-
-    lean = False
-    _raw_from = 0  # lean: events[_raw_from:] are raw tuples (see materialize)
-
-    def materialize(self) -> None:
-        """Turn the raw events of a lean ledger into :class:`Event` objects and write their units' last alloc
-        or free event, in order (a no-op when there are none). Mutates ``events`` and the pool ledgers."""
-        evs, i = self.events, self._raw_from
-        if i == len(evs):
-            return
-        for j in range(i, len(evs)):
-            kind, pool, units, op_index, step, sid = evs[j]
-            evs[j] = Event(j, kind, pool, units, op_index, step, sid)
-            led = self.ledgers[pool]
-            last = led._last_alloc if kind == "alloc" else led._last_free
-            for x in units:
-                last[x] = j
-        self._raw_from = len(evs)
+    ``pending``); sites come from the auditor."""
 
     def _event(self, kind: str, pool: str, units: list[int], sid: int) -> Event:
         # (the auditor's op_index and step as stored: their properties' getters, without the calls)
-        if self._raw_from != len(self.events):
-            self.materialize()  # (in order: this event's last-event writes come after the raw ones')
         ev = Event(len(self.events), kind, pool, units, self._op_index, self._step, sid)
         self.events.append(ev)
-        self._raw_from = len(self.events)
         return ev
 
     def _alloc_event(self, led: PoolLedger, pool: str, units: np.ndarray, sid: int) -> None:
         ev = self._event("alloc", pool, units.tolist(), sid)
         led.allocated[units] = True
-        led._last_alloc[units] = ev.id
+        led.last_alloc[units] = ev.id
 
     def on_alloc(self, pool: str, units, sid: int, expected_new: int | tuple | None = None) -> None:
         """Record an allocation of ``units`` (a list or ``[n] int64`` array); aliasing when fewer than
@@ -120,7 +78,7 @@ class Ledger:
                 ul = sorted(ul)  # fast path: every block fresh, named once (the event lists them sorted)
                 for x in ul:
                     led.refs[x] = 1
-                _mark(flags, led._last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
+                _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
                 return
             u = np.asarray(ul, dtype=np.int64)
             held = led.allocated[u]  # (the reserved block 0 always reads as held)
@@ -137,12 +95,7 @@ class Ledger:
             return
         if len(ul) <= SMALL_EVENT and not any(map(flags.__getitem__, ul)):
             # fast path (the common case): every unit is fresh. Python scalar ops beat numpy here.
-            if self.lean:  # the event raw, the last-event ids left to materialize()
-                for x in ul:
-                    flags[x] = 1
-                self.events.append(("alloc", pool, ul, self._op_index, self._step, sid))
-                return
-            _mark(flags, led._last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
+            _mark(flags, led.last_alloc, ul, 1, self._event("alloc", pool, ul, sid).id)
             return
         units = np.asarray(ul, dtype=np.int64)
         held = led.allocated[units]  # unit 0 always reads as held (see PoolLedger)
@@ -200,7 +153,7 @@ class Ledger:
         if zero.size:
             ev = self._event("free", pool, zero.tolist(), sid)
             led.allocated[zero] = False
-            led._last_free[zero] = ev.id
+            led.last_free[zero] = ev.id
             # NOTE: said here, at the free, so one premature free is one use-after-free whether or not a
             # scan runs before the holder's own release takes the count below zero
             users = self._users(pool, zero)
@@ -222,12 +175,7 @@ class Ledger:
         if (len(ul) <= SMALL_EVENT and all(map(flags.__getitem__, ul)) and 0 not in ul
                 and len(set(ul)) == len(ul)):
             # fast path: every unit allocated, and named once
-            if self.lean:  # as on_alloc's
-                for x in ul:
-                    flags[x] = 0
-                self.events.append(("free", pool, ul, self._op_index, self._step, sid))
-                return
-            _mark(flags, led._last_free, ul, 0, self._event("free", pool, ul, sid).id)
+            _mark(flags, led.last_free, ul, 0, self._event("free", pool, ul, sid).id)
             return
         units = np.asarray(ul, dtype=np.int64)
         bad = units[~led.allocated[units]]
@@ -242,7 +190,7 @@ class Ledger:
         if bad.size:
             self.pending.append(self._double_free(pool, np.unique(bad), sid))
         led.allocated[units] = False
-        led._last_free[units] = ev.id
+        led.last_free[units] = ev.id
         led.allocated[0] = True
 
     def _double_free(self, pool: str, bad: np.ndarray, sid: int) -> Finding:
@@ -307,7 +255,6 @@ class Ledger:
 
     def history(self, pool: str, unit: int):
         """Alloc, owner changes and free of ``unit``, in order, as :class:`OwnerChange` records."""
-        self.materialize()
         out = []
         for ev in self.events:
             if ev.pool == pool and unit in ev.units:

@@ -96,7 +96,6 @@ def _aliasing(s: Scan, p: PoolScan) -> list[Finding]:
     private[cat] = True
     if private[0]:  # a row names the reserved unit 0: positions counted as allocated, never filled
         who = sorted({r.owner for r in roots if r.private and (r.units == 0).any()})
-        auditor.materialize()
         last = next((e for e in reversed(auditor.events) if e.pool == pool and e.kind == "alloc"), None)
         return [auditor._unit_finding(  # located at the pool's latest allocation
             "aliasing", pool, np.zeros(1, dtype=np.int64),

@@ -25,7 +25,6 @@ def group_by_site(auditor: Auditor, kind: str, pool: str, units: np.ndarray, msg
     """One finding per allocation site of ``units`` (``[n] int64``) and, with ``second`` (unit -> (site
     id, where)), per second site too, recorded as the findings' ``into`` stack and ``lost_from``. The
     allocation is each unit's latest, or ``alloc_events`` (``[n]`` event ids, -1 for none)."""
-    auditor.materialize()
     led = auditor.ledgers[pool]
     ev_ids = led.last_alloc[units] if alloc_events is None else alloc_events
     site_of_unit = [auditor.events[e].site if e >= 0 else -1 for e in ev_ids.tolist()]

@@ -196,7 +196,6 @@ def _counts_of(roots: list[Root], n: int) -> PoolCounts:
 def _event_units(auditor) -> dict[str, np.ndarray]:
     # pool -> the units allocated or freed since the last check
     got: dict[str, list] = {}
-    auditor.materialize()
     for ev in auditor.events[auditor.checked_upto:]:
         got.setdefault(ev.pool, []).extend(ev.units)
     return {pool: np.asarray(us, dtype=np.int64) for pool, us in got.items()}

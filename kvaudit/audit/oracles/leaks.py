@@ -50,7 +50,6 @@ def _attribute(auditor: Auditor, target, pool: str, units: np.ndarray,
                prev_owner: dict[str, np.ndarray]) -> dict[int, tuple[int, str]]:
     # by the row that maps the unit; else by its owner at the previous check (a unit allocated since: the
     # owner of its earlier allocation); else, for an owner that freed nothing, the place it was dropped from
-    auditor.materialize()
     frees = [ev for ev in reversed(auditor.events[auditor.checked_upto:]) if ev.kind == "free"]
     had = prev_owner[pool][units]
     out = _by_row(auditor, target, pool, units, prev_owner, frees)

@@ -32,7 +32,6 @@ def _broken_at(auditor: Auditor, pool: str, units: np.ndarray) -> dict[int, tupl
     # index into units -> (alloc event, free event): a unit freed, allocated again and freed again since
     # the check, whose first free came under a request that read it then and still held its row (its row
     # not freed since, or on another release path): that free broke it (docs/internals/audit.md)
-    auditor.materialize()
     led, since, evs = auditor.ledgers[pool], auditor.checked_upto, auditor.events
     again = np.flatnonzero(led.last_alloc[units] >= since)  # allocated since the check, and free now
     if not again.size:
