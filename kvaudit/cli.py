@@ -367,8 +367,8 @@ def ci_cmd(max_time, presets_value, target, fuzzer, seed, regressions_dir, corpu
     presets for --max-time seconds of search in all, write JUnit/SARIF/HTML/JSON as asked. Exits 0 when
     clean, 1 on a failed regression (a malformed file among them: a JUnit error, and the job goes on)
     or a new finding, 2 on bad input (refused before any engine is imported), 5 when a preset's share
-    ended before one program ran (nothing searched there), 130 when interrupted (Ctrl-C or SIGTERM;
-    the reports are written)."""
+    ended before one program ran (nothing searched there), 69 when --db's Redis cannot be reached at the
+    start, 130 when interrupted (Ctrl-C or SIGTERM; the reports are written)."""
     from kvaudit.app import ci as job
 
     budget = Budget.for_command(max_time, click.get_current_context().find_root().obj)
