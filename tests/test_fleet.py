@@ -676,3 +676,9 @@ def test_a_host_that_met_a_held_signature_in_its_last_round_ends_with_its_file(r
     files = os.listdir(corpus / "findings")
     assert len(files) == 1 and sorted(result.fleet) == sigs, (files, result.fleet)
     assert not result.new and all(result.duplicates[s] == 1 for s in sigs)
+    # the host's summary counts them (it read '0 new, 0 known signature(s)')
+    redis_server.client().delete("kvaudit:end:findings", "kvaudit:end:known")
+    assert other.claim(sigs, replay.to_doc(config, program, findings, minimized=False)) == sigs
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "5", "--corpus", str(tmp_path / "c2"),
+               "--db", redis_server.url, "--campaign", "end")
+    assert f"0 new, 0 known signature(s), {len(sigs)} found by another host" in r.output, r.output + r.stderr

@@ -299,7 +299,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     s = result.stats
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
-                  f"{len(result.new)} new, {len(result.known)} known signature(s); corpus {corpus}", soft_wrap=True)
+                  f"{len(result.new)} new, {len(result.known)} known signature(s)"
+                  + (f", {len(result.fleet)} found by another host" if result.fleet else "") + f"; corpus {corpus}",
+                  soft_wrap=True)
     print_reached(console, s)
     # NOTE: a file counts only the new signatures it reports (it can hold known ones the same program raised)
     runs = [[f for f in c.findings if result.new.get(f.signature) == path] for c, path in zip(cases, paths)]
