@@ -158,19 +158,11 @@ class _Worker:
 
     def sync(self) -> None:
         """Between rounds of a fleet campaign: pull the fleet's files and known signatures; triage orphans."""
-        spec, hub, pulled = self.spec, self.hub, []
-        try:
-            hub.pull_findings(self.fdir, have=set(known_signatures(spec.corpus)), written=pulled)
-        except OSError:  # a full disk: the rest stays in Redis, known below all the same; the search goes on
-            pass
-        for path in pulled:
-            try:
-                _, _, findings, _ = replay.load(path)
-            except replay.ReplayFormatError:
-                continue
-            for f in findings:  # announced even when known here (a duplicate): the parent must not count the file
-                self.known.add(f.signature)  # as this host's own when it sweeps DIR/findings/ at the end
-                self.emit(("pulled", spec.index, f.signature, path))
+        spec, hub = self.spec, self.hub
+        for sig, path in pull_files(hub, spec.corpus):  # the rest stays in Redis on a full disk, known below
+            # announced even when known here (a duplicate): the parent must not count the file as this host's
+            self.known.add(sig)  # own when it sweeps DIR/findings/ at the end
+            self.emit(("pulled", spec.index, sig, path))
         self.known |= hub.known()
         orphans = hub.orphans()
         for sig, doc in orphans:
@@ -496,19 +488,26 @@ def _pull_duplicates(db: str, campaign: str, ttl: float, corpus: str, handle: Ca
     (``kvaudit campaign pull``)."""
     from kvaudit.search import hub as hubs
 
+    for sig, path in pull_files(hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl), corpus):
+        handle(("pulled", -1, sig, path))
+
+
+def pull_files(hub, corpus: str) -> list[tuple[str, str]]:
+    """The fleet's replay files that ``corpus`` lacks, written into its findings: ``(signature, path)`` for each
+    finding they record. A full disk ends the pull (what was written is returned; the rest stays in Redis)."""
     pulled: list[str] = []
     try:
-        hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl).pull_findings(
-            findings_dir(corpus), have=set(known_signatures(corpus)), written=pulled)
+        hub.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus)), written=pulled)
     except OSError:
         pass
+    out = []
     for path in pulled:
         try:
             _, _, findings, _ = replay.load(path)
         except replay.ReplayFormatError:
             continue
-        for f in findings:
-            handle(("pulled", -1, f.signature, path))
+        out.extend((f.signature, path) for f in findings)
+    return out
 
 
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
