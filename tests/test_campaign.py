@@ -835,17 +835,20 @@ def test_a_worker_starts_with_sigint_ignored_and_the_parent_keeps_its_handler():
     from kvaudit.search.campaign import sigint_ignored_at_birth
 
     ctx = mp.get_context("spawn")
-    before = signal.getsignal(signal.SIGINT)
-    got = []
-    for ignored in (True, False):
-        q = ctx.Queue()
-        p = ctx.Process(target=_report_sigint, args=(q,))
-        if ignored:
-            with sigint_ignored_at_birth():
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's (a background job ignores it)
+    try:
+        got = []
+        for ignored in (True, False):
+            q = ctx.Queue()
+            p = ctx.Process(target=_report_sigint, args=(q,))
+            if ignored:
+                with sigint_ignored_at_birth():
+                    p.start()
+            else:
                 p.start()
-        else:
-            p.start()
-        got.append(q.get(timeout=60))
-        p.join(timeout=30)
-    assert got == [True, False]  # (without the block a spawned Python installs its own SIGINT handler)
-    assert signal.getsignal(signal.SIGINT) is before
+            got.append(q.get(timeout=60))
+            p.join(timeout=30)
+        assert got == [True, False]  # (without the block a spawned Python installs its own SIGINT handler)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
