@@ -462,8 +462,10 @@ def test_a_plugin_run_from_outside_its_folder_is_located_at_the_findings_own_lin
     # no frame at all: the config class, said to be one
     assert _physical(h["locations"][0]) == ("file://" + quote(str(plug / "farplug_target.py")),
                                            inspect.getsourcelines(cls)[1])
-    assert h["properties"]["locationIsFallback"] is True and "locationOutsideCheckout" not in h["properties"]
+    # ... and flagged as outside the checkout too, with the same advice (second tester, stop 55)
+    assert h["properties"]["locationIsFallback"] is True and h["properties"]["locationOutsideCheckout"] is True
     assert "shown at FarConfig, the target kind's config class" in h["message"]["text"], h["message"]["text"]
+    assert "not a file under the current directory, so code scanning cannot show this result" in h["message"]["text"]
 
 
 # ----------------------------------------------------------------------------- SARIF: real SGLang's frames

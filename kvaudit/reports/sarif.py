@@ -330,6 +330,10 @@ def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_o
         what = ("where the engine keeps the state this finding is about" if where == ANCHOR
                 else "the target kind's config class: the kind names no engine code for this state")
         lines.append(_escape(f"({why}: shown at {primary.function}, {what}.)"))
+        if not in_repo(primary):  # (a plugin's config class, run from outside its folder)
+            lines.append(_escape(f"(That is {_norm(primary.file)}, not a file under the current directory, so "
+                                 "code scanning cannot show this result in the repository. Run kvaudit from the "
+                                 "root of the repository that holds the engine.)"))
     elif where == FRAME_ELSEWHERE:
         lines.append(_escape(f"(No recorded frame is a file under the current directory, so code scanning cannot "
                              f"show this result in the repository: it is located at its own frame, "
@@ -340,7 +344,7 @@ def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_o
     return "\n".join(lines)
 
 
-def _properties(f: Finding, where: str, engine: EngineSource | None) -> dict:
+def _properties(f: Finding, where: str, engine: EngineSource | None, outside: bool = False) -> dict:
     word, ids = f.listed()  # named in the pool's unit: token "slots", "rows", or (vLLM's) "blocks"
     # NOTE: a finding of no units (a hang, pool "-") names no unit: its recorded one is the default, not a pool's
     units = ({"unit": f.unit} if ids or f.num_units else {}) | (
@@ -357,7 +361,7 @@ def _properties(f: Finding, where: str, engine: EngineSource | None) -> dict:
             r'File "([^"]+)"', lambda m: f'File "{engine_path(m[1], engine.package) or m[1]}"', f.traceback)
     if where in (ANCHOR, CONFIG_ANCHOR):
         props["locationIsFallback"] = True
-    elif where == FRAME_ELSEWHERE:
+    if outside:
         props["locationOutsideCheckout"] = True
     return props | _engine_props(engine)
 
@@ -393,7 +397,8 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         result["stacks"] = [{"message": {"text": label},
                              "frames": [{"location": _location(s, engine=engine)} for s in frames]}
                             for _, label, frames in stacks]
-    result["properties"] = _properties(f, where, engine) | ({"recordedOn": recorded_on} if recorded_on else {})
+    outside = where == FRAME_ELSEWHERE or (where in (ANCHOR, CONFIG_ANCHOR) and not in_repo(primary))
+    result["properties"] = _properties(f, where, engine, outside) | ({"recordedOn": recorded_on} if recorded_on else {})
     return result
 
 
