@@ -481,17 +481,6 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
                 p.join(timeout=5)
 
 
-def _pull_duplicates(db: str, campaign: str, ttl: float, corpus: str, handle: Callable[[tuple], None]) -> None:
-    """At the end of a fleet campaign, the files of what this host met while another held it (its duplicates):
-    the workers pull the fleet's files between rounds only, so one met in the last round ended without its file
-    here (tester, stop 55). Each pulled file is announced as the fleet's; a full disk leaves the rest in Redis
-    (``kvaudit campaign pull``)."""
-    from kvaudit.search import hub as hubs
-
-    for sig, path in pull_files(hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl), corpus):
-        handle(("pulled", -1, sig, path))
-
-
 def pull_files(hub, corpus: str) -> list[tuple[str, str]]:
     """The fleet's replay files that ``corpus`` lacks, written into its findings: ``(signature, path)`` for each
     finding they record. A full disk ends the pull (what was written is returned; the rest stays in Redis)."""
@@ -522,10 +511,12 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     Raises OSError if ``corpus`` cannot be written."""
     ttl = float(os.environ.get("KVAUDIT_FLEET_TTL", "30")) if ttl is None else ttl
     os.makedirs(findings_dir(corpus), exist_ok=True)
+    fleet = None
     if db is not None:  # the fleet's findings are known before the first program runs
         from kvaudit.search import hub as hubs
 
-        hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl).pull_findings(findings_dir(corpus))
+        fleet = hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl)
+        fleet.pull_findings(findings_dir(corpus))
     result = CampaignResult(known=known_signatures(corpus), workers=workers)
     stats = result.stats
     handle = _Tally(result, on_progress, on_finding)
@@ -550,8 +541,12 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         if not disk_full(e):
             raise
         result.not_written = e
-    if db is not None and result.duplicates and result.not_written is None:
-        _pull_duplicates(db, campaign, ttl, corpus, handle)
+    if fleet is not None and result.duplicates and result.not_written is None:
+        # what this host met while another held it: the workers pull the fleet's files between rounds only, so
+        # one met in the last round ended without its file here (tester, stop 55). The start's hub: an outage
+        # since then pulls nothing (connect() would raise); a full disk leaves the rest in Redis
+        for sig, path in pull_files(fleet, corpus):
+            handle(("pulled", -1, sig, path))
     seen = (result.new, result.known, result.fleet, result.duplicates)  # duplicates: another host's, saved here
     for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)
         if not any(sig in d for d in seen):
