@@ -308,7 +308,7 @@ def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngin
 
 
 def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_on: str = "",
-             package: str = "", any_frames: bool = False) -> str:
+             package: str = "", any_frames: bool = False, outside: bool = False) -> str:
     summary = f.summary()
     lines = [_escape(summary)]
     detail = f": {f.message}" if f.message and f.message not in summary else ""
@@ -330,7 +330,7 @@ def _message(f: Finding, links: list[str], primary: Site, where: str, recorded_o
         what = ("where the engine keeps the state this finding is about" if where == ANCHOR
                 else "the target kind's config class: the kind names no engine code for this state")
         lines.append(_escape(f"({why}: shown at {primary.function}, {what}.)"))
-        if not in_repo(primary):  # (a plugin's config class, run from outside its folder)
+        if outside:  # (a plugin's config class, run from outside its folder)
             lines.append(_escape(f"(That is {_norm(primary.file)}, not a file under the current directory, so "
                                  "code scanning cannot show this result in the repository. Run kvaudit from the "
                                  "root of the repository that holds the engine.)"))
@@ -381,12 +381,13 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
     others = sorted({v for _, _, frames in stacks for s in frames if (v := frame_release(s, engine)) is not None})
     recorded_on = f"{engine.package} {', '.join(others)}" if others else ""
     related, links = _related(stacks, primary, key, engine)
+    outside = where == FRAME_ELSEWHERE or (where in (ANCHOR, CONFIG_ANCHOR) and not in_repo(primary))
     result: dict = {
         "ruleId": f.kind,
         "ruleIndex": rule_index,
         "level": level,
         "message": {"text": _message(f, links, primary, where, recorded_on, engine.package if engine else "",
-                                     any_frames=any(frames for _, _, frames in stacks))},
+                                     any_frames=any(frames for _, _, frames in stacks), outside=outside)},
         "locations": [_location(primary, (primary_label or "anchored at") + f" {primary.function}",
                                 region_fallback=True, engine=engine)],
         "partialFingerprints": {FINGERPRINT_KEY: f.signature},
@@ -397,7 +398,6 @@ def _result(f: Finding, rule_index: int, level: str, target: str = "eut",
         result["stacks"] = [{"message": {"text": label},
                              "frames": [{"location": _location(s, engine=engine)} for s in frames]}
                             for _, label, frames in stacks]
-    outside = where == FRAME_ELSEWHERE or (where in (ANCHOR, CONFIG_ANCHOR) and not in_repo(primary))
     result["properties"] = _properties(f, where, engine, outside) | ({"recordedOn": recorded_on} if recorded_on else {})
     return result
 
