@@ -27,10 +27,9 @@ class Budget:
         started = obj.get("process_start") if isinstance(obj, dict) else None
         return cls(seconds, process_start=started, command_start=time.monotonic())
 
-    def startup(self, now: float | None = None) -> float:
+    def startup(self) -> float:
         t0 = self.process_start if self.process_start is not None else self.command_start
-        now = time.monotonic() if now is None else now
-        return max(0.0, now - t0) if t0 is not None else 0.0
+        return max(0.0, time.monotonic() - t0) if t0 is not None else 0.0
 
     def deadline(self) -> float:
         return time.monotonic() + self.seconds

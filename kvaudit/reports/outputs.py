@@ -43,9 +43,6 @@ class Outputs:
     def wanted(self) -> bool:
         return any(getattr(self, f) for f in FORMATS)
 
-    def paths(self) -> list[str]:
-        return [p for p in (getattr(self, f) for f in FORMATS) if p]
-
 
 @dataclass
 class Case:

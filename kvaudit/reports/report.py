@@ -266,12 +266,11 @@ def header(config) -> str:
 
 
 def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[Op], list[Finding], str]],
-                suppressed: dict[str, int] | None = None, notes: tuple[str, ...] = (),
-                suppressions: SuppressionSet | None = None, closing: bool = True,
-                recorded: Mapping[str, str] | None = None) -> None:
+                suppressed: dict[str, int] | None = None, suppressions: SuppressionSet | None = None,
+                closing: bool = True, recorded: Mapping[str, str] | None = None) -> None:
     """:func:`print_report` for several (program, findings, program title) cases of one config (a
     campaign's report): every finding with its own program (a case's findings in
-    :func:`~kvaudit.audit.findings.report_order`), one summary, the ``notes`` lines, the closing line.
+    :func:`~kvaudit.audit.findings.report_order`), one summary, the closing line.
     ``recorded``: a signature -> the engine release its finding was recorded on (a replay file's
     ``engine_version``, :func:`~kvaudit.reports.sarif.engine_of`)."""
     plain = is_plain(console)
@@ -284,8 +283,6 @@ def print_cases(console: Console, config: TargetConfig, cases: list[tuple[list[O
     _print(console, summary_table(findings, suppressed, plain=plain), plain)
     if suppressions is not None:
         print_suppressions(console, suppressions)
-    for line in notes:
-        _print(console, Text(line), plain, soft_wrap=True)
     if closing:
         line = summary_line(findings, suppressed, runs=[found for _, found, _ in cases])
         _print(console, Text(line, style="bold"), plain, soft_wrap=True)

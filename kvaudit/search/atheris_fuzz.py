@@ -108,11 +108,10 @@ def harness_command(corpus_dir: str, seed_dir: str | None, max_time: float, seed
 
 
 def harness_env(config: TargetConfig, findings_dir: str, stats_dir: str | None = None,
-                suppressions_path: str | None = None, known_path: str | None = None, max_ops: int = 24,
-                base: dict | None = None) -> dict:
-    """The environment of a harness run (``base``: default ``os.environ``), with this interpreter's directory
-    first on ``PATH``: the harness's ``#!/usr/bin/env python3`` runs the Python that runs kvaudit."""
-    env = dict(os.environ if base is None else base)
+                suppressions_path: str | None = None, known_path: str | None = None, max_ops: int = 24) -> dict:
+    """The environment of a harness run (``os.environ`` with kvaudit's variables), with this interpreter's
+    directory first on ``PATH``: the harness's ``#!/usr/bin/env python3`` runs the Python that runs kvaudit."""
+    env = dict(os.environ)
     env.update(KVAUDIT_CONFIG=json.dumps(config.to_dict()), KVAUDIT_FINDINGS_DIR=os.path.abspath(findings_dir),
                KVAUDIT_MAX_OPS=str(max_ops), PYTHONUNBUFFERED="1")
     env.pop("KVAUDIT_BUGS", None)  # the config is complete
