@@ -70,10 +70,7 @@ def search_trial(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryT
             if crash is None:
                 trial.note = f"{hits[0].signature} did not reproduce 3/3"
             else:
-                trial.success = True
-                trial.seconds, trial.executions = seconds, executions
-                trial.min_len = len(crash.program)
-                trial.first_oracle = crash.finding.kind
+                trial.succeeded(crash, executions, seconds)
                 trial.signature = crash.finding.signature
                 trial.confirmations = crash.confirmations
                 trial.program = program_to_json(crash.program)

@@ -54,11 +54,7 @@ class _Monitor:
 
     def __init__(self, stream, log_path: str):
         self.executions = 0
-        self.coverage = 0
-        self.features = 0
-        self.corpus = 0
-        self.exec_per_sec = 0
-        self.done = False
+        self.coverage = 0  # edges
         self.tail: list[str] = []
         self._stream, self._log_path = stream, log_path
         self.thread = threading.Thread(target=self._read, name="libfuzzer-output", daemon=True)
@@ -79,10 +75,7 @@ class _Monitor:
             self.executions = max(self.executions, int(m.group(1)))
             cov = int(m.group(3))
             if cov or not self.coverage:  # -fork reports cov: 0 before its first merge
-                self.coverage, self.features, self.corpus = cov, int(m.group(4)), int(m.group(5))
-            self.exec_per_sec = int(m.group(6))
-            if m.group(2) == "DONE":
-                self.done = True
+                self.coverage = cov
             return
         m = _EXECUTED.match(line)
         if m:

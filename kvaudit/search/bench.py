@@ -45,6 +45,12 @@ class Trial:
     note: str = ""  # why a trial failed, or another finding it made
     wall: float = 0.0  # the whole trial, triage included
 
+    def succeeded(self, crash, executions: int, seconds: float) -> None:
+        """The trial found its bug: ``crash`` (:class:`kvaudit.search.fuzz.Crash`), first detected after
+        ``executions`` programs and ``seconds``."""
+        self.success, self.executions, self.seconds = True, executions, seconds
+        self.min_len, self.first_oracle = len(crash.program), crash.finding.kind
+
 
 def search(fuzzer: str, config: TargetConfig, budget: float, seed: int, stats: FuzzStats, work_dir: str,
            known=frozenset(), max_executions: int | None = None):
@@ -83,10 +89,7 @@ def run_trial(bug: str, fuzzer: str, seed: int, budget: float) -> Trial:
             elif execute(clean, crash.program, full_stacks=False).findings:
                 trial.note = f"{crash.finding.signature} also fires without the switch: not the bug"
             else:
-                trial.success = True
-                trial.seconds, trial.executions = seconds, executions
-                trial.min_len = len(crash.program)
-                trial.first_oracle = crash.finding.kind
+                trial.succeeded(crash, executions, seconds)
                 trial.engine_idle_check = _eut().engine_check(config, program)[0] is not None
                 if crash.finding.kind != info.finding:
                     trial.note = f"found as {crash.finding.kind} (the table says {info.finding})"
