@@ -738,15 +738,18 @@ def test_every_report_names_the_release_of_another_releases_frames(tmp_path, mon
 
 
 @pytest.mark.parametrize("program_ends_idle", [True, False])
-def test_a_timeline_of_a_target_whose_is_idle_raises_ends_at_its_crash(program_ends_idle, monkeypatch):
+def test_a_timeline_of_a_target_whose_is_idle_raises_ends_at_its_crash(program_ends_idle, monkeypatch, fresh_registry):
     """The search recorded is_idle() raising as the engine's crash, then the triage's timeline called it
     again, unguarded, in its aftermath: `kvaudit: internal error: TypeError`, exit 70, no replay file
     written (fuzz and ci alike; tester t54, defect 2)."""
-    import rowtoy_plugin  # noqa: F401  (registers the kind "rowtoy")
+    import rowtoy_plugin  # (registers the kind "rowtoy" when first imported)
 
     from kvaudit.program import Idle, Step, Submit
     from kvaudit.reports import timeline
-    from kvaudit.targets import registry
+
+    registry = fresh_registry
+    if "rowtoy" not in registry.kinds():  # (test_suppress imported it first, into a registry it restored)
+        registry.register(rowtoy_plugin.KIND)
 
     def boom(self):
         raise TypeError("idle boom")
