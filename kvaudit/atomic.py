@@ -11,14 +11,29 @@ import shutil
 import tempfile
 
 
+def fd_link(path: str) -> str | None:
+    """The link on ``path``'s way to its file that names an open file descriptor (``/dev/stdout``,
+    ``/dev/fd/1``, ``/proc/self/fd/1``, or a link to one of them), else None. Such a path has no file of its own
+    to replace: renaming over it replaced the link itself (``/dev/stdout`` for every process, as root)."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # (the kernel's own limit on a chain of links)
+        if not os.path.islink(p):
+            return None
+        if p.startswith(("/dev/", "/proc/")):
+            return p
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return None
+
+
 def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
     """Write ``data`` to ``path`` via a temporary file, fsync and ``os.replace``: a reader sees the old
     file or the whole new one (``durable`` False: no fsync, whole after a process crash only). A missing
-    directory is made. Raises OSError, naming ``path`` where the failure was the file's (a full disk at the
-    write, fsync or close of the temporary, which names no file or the temporary)."""
-    d = os.path.dirname(path) or os.curdir
+    directory is made. A symbolic link stays one: the file it names is the one replaced (or made). Raises
+    OSError, naming ``path`` where the failure was the file's (a full disk at the write, fsync or close of
+    the temporary, which names no file or the temporary)."""
+    target = os.path.realpath(path)  # NOTE: not abspath: it folds link/.. lexically (mkstemp too)
+    d = os.path.dirname(target)
     os.makedirs(d, exist_ok=True)
-    d = os.path.realpath(d)  # NOTE: not abspath: it folds link/.. lexically (mkstemp too)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=d)
     umask = os.umask(0)
     os.umask(umask)
@@ -29,7 +44,7 @@ def write_bytes_atomic(path: str, data: bytes, durable: bool = True) -> str:
             fh.flush()
             if durable:
                 os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -522,7 +522,7 @@ def test_a_bug_outside_its_preset_is_warned_about(tmp_path):
 
 def test_fuzz_keeps_hypothesis_files_out_of_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = invoke("fuzz", "--fuzzer", "hypothesis", "--max-time", "0.5", "--out", "found")
+    result = invoke("fuzz", "--fuzzer", "hypothesis", "--max-time", "2", "--out", "found")
     assert result.exit_code == 0, result.output
     assert sorted(os.listdir(tmp_path)) in ([], ["found"])  # (found/ is made when something is written there)
 

@@ -492,6 +492,26 @@ def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path)
     assert json.load(open(src))["format"] == replay.FORMAT  # untouched
 
 
+def test_a_report_path_that_is_a_link_writes_the_file_it_names_and_an_fd_link_is_refused(tmp_path):
+    # (tester 56: the rename replaced the link itself: --sarif /dev/stdout, as root, made /dev/stdout a file)
+    src = tmp_path / "in.json"
+    src.write_text(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")).read())
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "real.sarif").write_text("old")
+    os.symlink("reports/real.sarif", tmp_path / "latest.sarif")
+    os.symlink("reports/new.sarif", tmp_path / "dangling.sarif")
+    r = invoke("report", str(src), "--sarif", str(tmp_path / "latest.sarif"), "--html", str(tmp_path / "dangling.sarif"))
+    assert r.exit_code == 0, r.output
+    assert os.path.islink(tmp_path / "latest.sarif") and os.path.islink(tmp_path / "dangling.sarif")
+    assert json.load(open(tmp_path / "reports" / "real.sarif"))["version"] == "2.1.0"
+    assert "<html" in (tmp_path / "reports" / "new.sarif").read_text().lower()
+    os.symlink("/proc/self/fd/1", tmp_path / "mystdout")
+    for path in (str(tmp_path / "mystdout"), "/dev/stdout"):
+        r = invoke("report", str(src), "--sarif", path)
+        assert r.exit_code == 2 and "is a file descriptor's link, not a file" in one_error_line(r), r.output
+    assert os.path.islink(tmp_path / "mystdout") and os.path.islink("/dev/stdout")
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_minimizing_still_writes_the_reports(tmp_path, monkeypatch):
     from kvaudit.search import fuzz
@@ -718,15 +738,18 @@ def test_every_report_names_the_release_of_another_releases_frames(tmp_path, mon
 
 
 @pytest.mark.parametrize("program_ends_idle", [True, False])
-def test_a_timeline_of_a_target_whose_is_idle_raises_ends_at_its_crash(program_ends_idle, monkeypatch):
+def test_a_timeline_of_a_target_whose_is_idle_raises_ends_at_its_crash(program_ends_idle, monkeypatch, fresh_registry):
     """The search recorded is_idle() raising as the engine's crash, then the triage's timeline called it
     again, unguarded, in its aftermath: `kvaudit: internal error: TypeError`, exit 70, no replay file
     written (fuzz and ci alike; tester t54, defect 2)."""
-    import rowtoy_plugin  # noqa: F401  (registers the kind "rowtoy")
+    import rowtoy_plugin  # (registers the kind "rowtoy" when first imported)
 
     from kvaudit.program import Idle, Step, Submit
     from kvaudit.reports import timeline
-    from kvaudit.targets import registry
+
+    registry = fresh_registry
+    if "rowtoy" not in registry.kinds():  # (test_suppress imported it first, into a registry it restored)
+        registry.register(rowtoy_plugin.KIND)
 
     def boom(self):
         raise TypeError("idle boom")

@@ -92,3 +92,18 @@ def test_a_write_that_fails_names_the_file_asked_for_and_leaves_no_temporary(tmp
         atomic.write_text_atomic(target, "{}")
     assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, target)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_atomic_write_through_a_link_replaces_the_file_it_names_and_keeps_the_link(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f.txt").write_text("old")
+    os.symlink("d/f.txt", tmp_path / "link.txt")
+    atomic.write_text_atomic(str(tmp_path / "link.txt"), "new")
+    assert os.path.islink(tmp_path / "link.txt") and (tmp_path / "d" / "f.txt").read_text() == "new"
+    os.symlink("d/g.txt", tmp_path / "dangling.txt")
+    atomic.write_text_atomic(str(tmp_path / "dangling.txt"), "made")
+    assert os.path.islink(tmp_path / "dangling.txt") and (tmp_path / "d" / "g.txt").read_text() == "made"
+    assert atomic.fd_link(str(tmp_path / "link.txt")) is None and atomic.fd_link(str(tmp_path / "nothing")) is None
+    os.symlink("/proc/self/fd/1", tmp_path / "out")
+    assert atomic.fd_link("/dev/stdout") == "/dev/stdout"
+    assert atomic.fd_link(str(tmp_path / "out")) == "/proc/self/fd/1"

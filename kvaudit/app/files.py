@@ -8,7 +8,7 @@ import shlex
 import tempfile
 from typing import TYPE_CHECKING
 
-from kvaudit import replay
+from kvaudit import atomic, replay
 from kvaudit.config import json_value
 from kvaudit.app.errors import InputError, write_error
 from kvaudit.reports.outputs import Outputs, ReportData, WriteError
@@ -45,6 +45,10 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
             continue
         if path in ("", "-"):
             raise InputError(f"--{fmt}: want a file name, not {json_value(path)}")
+        link = atomic.fd_link(path)
+        if link is not None:
+            raise InputError(f"--{fmt} {path}: {link} is a file descriptor's link, not a file (reports are written "
+                             "by renaming a new file over the old one): give a file name")
         real = os.path.realpath(path)
         if real in seen:
             raise InputError(f"--{fmt} and --{seen[real]} both name {path}")

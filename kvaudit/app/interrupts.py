@@ -98,7 +98,7 @@ def write_startup_reports(argv: list[str]) -> list[str]:
     import json
     import os
 
-    from kvaudit.atomic import write_text_atomic
+    from kvaudit.atomic import fd_link, write_text_atomic
     from kvaudit.reports import ci_outputs
 
     paths = ci_report_paths(argv)
@@ -110,7 +110,8 @@ def write_startup_reports(argv: list[str]) -> list[str]:
     with _restored_handlers():
         ignore_interrupts()
         for fmt, path in paths.items():
-            if path in ("", "-") or os.path.isdir(path) or (os.path.exists(path) and not os.path.isfile(path)):
+            if (path in ("", "-") or os.path.isdir(path) or (os.path.exists(path) and not os.path.isfile(path))
+                    or fd_link(path)):
                 continue
             try:
                 write_text_atomic(path, texts[fmt]())

@@ -222,7 +222,7 @@ def suppressions_table(suppressions: SuppressionSet) -> Table:
     t.add_column("signatures", justify="right", no_wrap=True)
     t.add_column("hits (per run)", justify="right", no_wrap=True)
     for s in suppressions:
-        any_ = Text("*", style="dim")
+        any_ = Text("(any)", style="dim")  # (a key the rule leaves out; a glob "*" is shown as given)
         cells = [s.kind or any_, s.pool or any_, s.site or any_, s.reason or Text("-", style="dim")]
         if s.hits:
             t.add_row(str(s.index), *cells, str(len(s.signatures)), str(s.hits))
