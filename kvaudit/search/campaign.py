@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvaudit.config import TargetConfig
+from kvaudit.constants import MINIMIZE_GRACE
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit import replay
 from kvaudit.reports.outputs import disk_full
@@ -111,7 +112,8 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         # (before the first heartbeat, which start() sends: `campaign status` showed fuzzer=- until the next one)
         hub.beat(host=hubs.socket.gethostname(), pid=os.getpid(), fuzzer=spec.fuzzer, started=time.time())
         hub.start()
-    worker = _Worker(spec, emit, config, sset, hub, known_signatures(spec.corpus))
+    worker = _Worker(spec, emit, config, sset, hub, known_signatures(spec.corpus),
+                     ends=time.monotonic() + deadline - time.time())
     try:
         while (left := deadline - time.time()) > 0:
             if hub is not None:
@@ -134,8 +136,10 @@ class _Worker:
     """One worker's rounds of search and what they share: the signatures it knows, those found flaky, its
     counts (for the fleet's heartbeat) and what the fuzzer keeps across rounds."""
 
-    def __init__(self, spec: _Spec, emit: Callable[[tuple], None], config, sset=None, hub=None, known=()):
+    def __init__(self, spec: _Spec, emit: Callable[[tuple], None], config, sset=None, hub=None, known=(),
+                 ends: float | None = None):
         self.spec, self.emit, self.config, self.sset, self.hub = spec, emit, config, sset, hub
+        self.ends = ends  # time.monotonic() at the end of the search budget: minimization stops there (or later)
         self.fdir = findings_dir(spec.corpus)
         self.known, self.flaky = set(known), set()
         self.counts = {"new": 0, "duplicates": 0, "flaky": 0}
@@ -229,7 +233,11 @@ class _Worker:
         try:
             if cut is not None:
                 raise cut
-            crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
+            # NOTE: a replay can cost seconds (an idle() that never drains runs 2,000 steps): minimization ends
+            # with the budget, or MINIMIZE_GRACE s after it starts; the file says so ("minimized": false)
+            until = None if self.ends is None else max(self.ends, time.monotonic() + MINIMIZE_GRACE)
+            crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None,
+                           minimize_until=until)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
             doc = replay.to_doc(config, program, [primary] + [f for f in findings if f is not primary],
                                 fuzzer=spec.fuzzer, seed=seed, minimized=False,
@@ -246,8 +254,8 @@ class _Worker:
                 hub.release(claimed)
             self.emit(("flaky", spec.index, sig))
             return
-        doc = replay.to_doc(config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
-                            confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
+        doc = replay.to_doc(config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed,
+                            minimized=crash.minimized, confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
                             timeline=crash.timeline)
         before = set(self.known)
         with _held_interrupts():  # registered in the fleet, then written and announced here: whole, or not at all
