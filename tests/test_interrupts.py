@@ -516,6 +516,35 @@ def test_a_campaign_workers_full_disk_is_one_line_after_the_findings_it_kept(tmp
     assert run["new"] == sorted(f.signature for f in replay.load(landed)[2])
 
 
+def test_a_finding_a_full_disk_kept_off_the_corpus_is_in_the_summary_and_json_as_not_written(tmp_path, monkeypatch):
+    """A campaign worker found, confirmed and minimized a finding, then met a full disk writing its file: exit 74
+    and the line named the file, but the summary said "no new findings" and --json had no trace of it (tester,
+    stop 55). Now the summary, the table and --json name its signature as found but not written."""
+    from kvaudit.search import campaign
+
+    real = replay.write_atomic
+
+    def write_atomic(path, doc):
+        if os.sep + "findings" + os.sep in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path, doc)
+
+    monkeypatch.setattr(campaign.replay, "write_atomic", write_atomic)
+    corpus = tmp_path / "C"
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "10", "--corpus", str(corpus),
+               "--json", str(tmp_path / "r.json"))
+    assert r.exit_code == 74, r.output
+    summary = r.stdout.strip().splitlines()[-1]
+    # (the bug's program raises two signatures: its device buffer's and its host slots')
+    assert summary.startswith("SUMMARY: kvaudit: 2 new signature(s) found but not written (disk full): "), summary
+    sigs = summary.split("(disk full): ")[1].rstrip(".").split(", ")
+    assert "no new findings" not in r.stdout and r.stdout.count("not written (disk full)") == 1 + 2  # + table rows
+    doc = json.load(open(tmp_path / "r.json"))
+    assert sorted(doc["not_written"]) == sigs and all(p.startswith(str(corpus / "findings"))
+                                                      for p in doc["not_written"].values()), doc
+    assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: disk full: cannot write {corpus}"), r.stderr
+
+
 def test_a_ci_campaigns_full_disk_is_one_line_after_the_jobs_verdict(tmp_path, monkeypatch):
     """The same in `kvaudit ci`, whose campaigns run one driver in-process: an internal error (exit 70) before;
     now the job's lines, then the one line, and the next preset is not searched (its findings could not be

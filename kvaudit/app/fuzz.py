@@ -290,7 +290,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     cases, paths = _campaign_cases(result, config, console, err)
     for w in result.warnings:
         err.print(f"warning: {w}", soft_wrap=True)
-    if result.new or result.known or result.flaky or result.fleet:
+    if result.new or result.known or result.flaky or result.fleet or result.unwritten:
         print_table(console, _campaign_table(result))
     if sset is not None:
         sset.add_usage(result.suppression_usage.values())  # (the workers matched; the parent's set is the file's)
@@ -310,6 +310,11 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
+    if result.unwritten:  # found, confirmed and minimized, but its file is not on disk: not "no new findings"
+        lost = f"{len(result.unwritten)} new signature(s) found but not written (disk full): " + \
+            ", ".join(sorted(result.unwritten))
+        line = (line.replace("no new findings", lost) if "no new findings" in line
+                else line[:-1] + f"; {lost}.")
     nothing = s.executions == 0 and not result.interrupted and not result.new
     if not nothing:
         console.print(line, soft_wrap=True)
@@ -317,6 +322,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
         extra["interrupted"] = True
+    if result.unwritten:
+        extra["not_written"] = dict(sorted(result.unwritten.items()))  # signature -> the file it would have had
     kept = tuple(sorted(set(result.new.values())))
     try:
         kept += tuple(write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset),
@@ -358,6 +365,7 @@ def _campaign_table(result):
     t.add_column("replay file", overflow="fold")
     for paths, status, style in ((result.new, "new", "bold red"), (result.known, "known", "dim"),
                                  (result.fleet, "found by another host", "dim"),
+                                 (result.unwritten, "not written (disk full)", "bold red"),
                                  (dict.fromkeys(result.flaky, "-"), "flaky (not reproduced 3/3)", "yellow")):
         for sig, path in sorted(paths.items()):
             t.add_row(sig, Text(status, style=style), path)

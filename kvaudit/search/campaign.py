@@ -67,6 +67,7 @@ class CampaignResult:
     # a file not written on a full disk (a worker's replay file: the campaign stopped there, keeping what it had
     # found; or the run record, corpus/campaign.json): filename names it
     not_written: OSError | None = None
+    unwritten: dict[str, str] = field(default_factory=dict)  # signature -> its replay file, found but not written
 
 
 @dataclass
@@ -242,7 +243,7 @@ class _Worker:
             doc = replay.to_doc(config, program, [primary] + [f for f in findings if f is not primary],
                                 fuzzer=spec.fuzzer, seed=seed, minimized=False,
                                 confirmations="interrupted before confirmation")
-            new, path = _register_and_write(spec.corpus, self.fdir, None, doc)  # this host's files: it is stopping
+            new, path = self._write(None, doc)  # this host's files: it is stopping
             for s in new:
                 self.emit(("finding", spec.index, s, path))
             raise
@@ -259,7 +260,7 @@ class _Worker:
                             timeline=crash.timeline)
         before = set(self.known)
         with _held_interrupts():  # registered in the fleet, then written and announced here: whole, or not at all
-            new, path = _register_and_write(spec.corpus, self.fdir, hub, doc)
+            new, path = self._write(hub, doc)
             sigs = _signatures(crash.findings)
             if hub is not None:  # those the minimized program no longer raises: for any worker to triage on their own
                 hub.release(claimed)
@@ -271,6 +272,16 @@ class _Worker:
             self.counts["new"] += len(new)
             for s in new:
                 self.emit(("finding", spec.index, s, path))
+
+    def _write(self, hub, doc: dict) -> tuple[list[str], str]:
+        """:func:`_register_and_write`; on an OSError (a full disk) the parent is told first which signatures
+        were found but not written (``("unwritten", i, signatures, file)``): the error alone names a file."""
+        try:
+            return _register_and_write(self.spec.corpus, self.fdir, hub, doc)
+        except OSError as e:
+            sigs = [s for s in dict.fromkeys(f["signature"] for f in doc["findings"]) if s not in self.known]
+            self.emit(("unwritten", self.spec.index, sigs, e.filename or self.fdir))
+            raise
 
 
 def _signatures(findings) -> list[str]:
@@ -418,6 +429,10 @@ class _Tally:
                 stats.findings = len(result.new)
                 if self.on_finding:
                     self.on_finding(sig, path)
+        elif kind == "unwritten":
+            for sig in msg[2]:
+                if sig not in result.new and sig not in result.known:
+                    result.unwritten.setdefault(sig, msg[3])
         elif kind == "flaky":
             result.flaky.add(msg[2])
         elif kind == "pulled":
