@@ -680,5 +680,9 @@ def test_a_host_that_met_a_held_signature_in_its_last_round_ends_with_its_file(r
     redis_server.client().delete("kvaudit:end:findings", "kvaudit:end:known")
     assert other.claim(sigs, replay.to_doc(config, program, findings, minimized=False)) == sigs
     r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "5", "--corpus", str(tmp_path / "c2"),
-               "--db", redis_server.url, "--campaign", "end")
+               "--db", redis_server.url, "--campaign", "end", "--json", str(tmp_path / "r.json"))
     assert f"0 new, 0 known signature(s), {len(sigs)} found by another host" in r.output, r.output + r.stderr
+    # and --json says so too (it had neither key nor signatures: tester, stop 55)
+    doc = json.load(open(tmp_path / "r.json"))
+    assert sorted(doc["found_by_another_host"]) == sigs, doc.keys()
+    assert all(p.startswith(str(tmp_path / "c2" / "findings")) for p in doc["found_by_another_host"].values())

@@ -322,6 +322,8 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
         extra["interrupted"] = True
+    if result.fleet:  # pulled from the fleet during this run: signature -> its file here
+        extra["found_by_another_host"] = dict(sorted(result.fleet.items()))
     if result.unwritten:
         extra["not_written"] = dict(sorted(result.unwritten.items()))  # signature -> the file it would have had
     kept = tuple(sorted(set(result.new.values())))
