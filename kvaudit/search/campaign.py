@@ -272,6 +272,8 @@ class _Worker:
             self.counts["new"] += len(new)
             for s in new:
                 self.emit(("finding", spec.index, s, path))
+        if hub is not None:
+            hub.beat(**self.counts)  # (the next heartbeat carries it, not the next round's first progress)
 
     def _write(self, hub, doc: dict) -> tuple[list[str], str]:
         """:func:`_register_and_write`; on an OSError (a full disk) the parent is told first which signatures
