@@ -111,7 +111,8 @@ def _startup_json() -> str:
 def write_startup_reports(argv: list[str]) -> list[str]:
     """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif`` (and
     ``fuzz``'s ``--json``) that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
-    or that cannot be written, is skipped. Returns the paths written. Standard library only: half-imported modules are not touched."""
+    or that cannot be written, is skipped. Returns the paths written. Standard library only: half-imported
+    modules are not touched."""
     import json
     import os
 

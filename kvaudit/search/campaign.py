@@ -256,8 +256,8 @@ class _Worker:
             self.emit(("flaky", spec.index, sig))
             return
         doc = replay.to_doc(config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed,
-                            minimized=crash.minimized, confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
-                            timeline=crash.timeline)
+                            minimized=crash.minimized, confirmations=f"{crash.confirmations}/{crash.runs}",
+                            original_length=crash.original_length, timeline=crash.timeline)
         before = set(self.known)
         with _held_interrupts():  # registered in the fleet, then written and announced here: whole, or not at all
             new, path = self._write(hub, doc)
