@@ -262,7 +262,7 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
             return None
         phase("minimizing")
         try:
-            small = minimize(config, program, sig, suppressions, until=minimize_until, confirmed=True)
+            small = minimize(config, program, sig, suppressions, until=minimize_until)
         except OutOfTime as e:
             small, minimized = e.smallest, False
         except ValueError:  # NOTE: it replayed K of K, then not: flaky after all (was an internal error, exit 70)
@@ -270,9 +270,7 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
         phase("confirming the minimized program")
         # full stacks and owners for the report, drained to idle for the engine's verdict there
         found = execute(config, small, suppressions=suppressions, drain=True).findings
-        # (a program minimization left as it was is the one just confirmed K of K: a replay of a hang costs seconds)
-        confirmations = CONFIRM_RUNS if small == program else confirm(config, small, sig, suppressions=suppressions)
-        runs = CONFIRM_RUNS
+        confirmations, runs = confirm(config, small, sig, suppressions=suppressions), CONFIRM_RUNS
         # NOTE: the plot's data is kept in the replay file: writing a report never runs the engine
         timeline = record(config, small, suppressions=suppressions)
     primary = next((f for f in found if f.signature == sig), None)

@@ -130,13 +130,12 @@ class OutOfTime(Exception):
 
 
 def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None,
-             until: float | None = None, confirmed: bool = False) -> list[Op]:
+             until: float | None = None) -> list[Op]:
     """The smallest program found that still yields ``signature`` (minimizing it again returns it unchanged),
     every run leaving out what ``suppressions`` covers. ``until`` (``time.monotonic()`` seconds): no candidate
-    starts past it. ``confirmed``: the caller has just seen ``program`` reproduce it (it is not run again).
-    Raises ``ValueError`` if ``program`` does not reproduce it, :class:`OutOfTime` past ``until`` and
-    :class:`Interrupted` when interrupted (both with the smallest program so far)."""
-    cache: dict[tuple, bool] = {tuple(program): True} if confirmed and program else {}
+    starts past it. Raises ``ValueError`` if ``program`` does not reproduce it, :class:`OutOfTime` past ``until``
+    and :class:`Interrupted` when interrupted (both with the smallest program so far)."""
+    cache: dict[tuple, bool] = {}
     smallest: list[Op] | None = None  # NOTE: every pass moves only to programs that fail: the latest is the best
 
     def fails(ops: list[Op]) -> bool:
