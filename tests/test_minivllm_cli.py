@@ -87,5 +87,6 @@ def test_a_campaign_whose_leak_is_suppressed_ends_near_its_budget_though_its_han
     doc = json.load(open(result.new["hang/-/idle"]))
     assert doc["minimized"] is False and doc["confirmations"] == "3/3", doc
     assert len(doc["program"]) <= doc["original_length"]
-    # search 3 s, minimization 1 s past it, then 5 replays to confirm and record the minimized one (~1.4 s each)
-    assert took < 3 + 1 + 5 * 1.4 * 2, took
+    # search 3 s; 3 replays to confirm, minimization 1 s past the budget (its first replay, one candidate started
+    # in time), then 5 to confirm and record the minimized one: 10 replays at ~1.4 s each, x2.5 on a loaded machine
+    assert took < 3 + 1 + 10 * 1.4 * 2.5, took
