@@ -852,3 +852,22 @@ def test_a_worker_starts_with_sigint_ignored_and_the_parent_keeps_its_handler():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, outer)
+
+
+def test_minimize_stops_at_its_until_with_the_smallest_program_that_reproduced(monkeypatch):
+    """A campaign's minimization had no clock: a finding whose replay costs seconds (an idle() hang) kept a
+    campaign running long past its budget. Replays here take 0.05 s; the bug is op 7 of 40."""
+    from kvaudit.search import minimize as mz
+
+    def reproduces(config, ops, signature, suppressions=None):
+        time.sleep(0.05)
+        return any(op.n == 7 for op in ops if isinstance(op, Step))
+
+    monkeypatch.setattr(mz, "reproduces", reproduces)
+    program = [Step(n=i) for i in range(1, 41)]
+    started = time.monotonic()
+    with pytest.raises(mz.OutOfTime) as e:
+        mz.minimize(None, program, "leak/x/y", until=started + 0.3)
+    assert time.monotonic() - started < 0.3 + 0.2
+    assert Step(n=7) in e.value.smallest and len(e.value.smallest) < len(program)
+    assert mz.minimize(None, program, "leak/x/y") == [Step(n=7)]  # no until: to the end

@@ -680,5 +680,25 @@ def test_a_host_that_met_a_held_signature_in_its_last_round_ends_with_its_file(r
     redis_server.client().delete("kvaudit:end:findings", "kvaudit:end:known")
     assert other.claim(sigs, replay.to_doc(config, program, findings, minimized=False)) == sigs
     r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--max-time", "5", "--corpus", str(tmp_path / "c2"),
-               "--db", redis_server.url, "--campaign", "end")
+               "--db", redis_server.url, "--campaign", "end", "--json", str(tmp_path / "r.json"))
     assert f"0 new, 0 known signature(s), {len(sigs)} found by another host" in r.output, r.output + r.stderr
+    # and --json says so too (it had neither key nor signatures: tester, stop 55)
+    doc = json.load(open(tmp_path / "r.json"))
+    assert sorted(doc["found_by_another_host"]) == sigs, doc.keys()
+    assert all(p.startswith(str(tmp_path / "c2" / "findings")) for p in doc["found_by_another_host"].values())
+
+
+def test_status_shows_a_workers_figures_of_two_seconds_ago_not_of_its_last_claim_renewal(redis_server):
+    """`campaign status` read mid-run showed a worker's figures of up to ttl/3 s ago (10 s at the default ttl):
+    the heartbeat that carries them was sent only as often as the claims need renewing (first tester, stop 55).
+    Now every BEAT_EVERY s (2)."""
+    from kvaudit.search import hub as hubs
+
+    w = _hub(redis_server, "w", campaign="fresh").start()
+    try:
+        w.beat(executions=5, ops=50)
+        time.sleep(getattr(hubs, "BEAT_EVERY", 2.0) + 0.8)  # (getattr: the test ran before it)
+        beat = hubs.campaign_status(redis_server.client(), "fresh")["workers"]["w"]
+    finally:
+        w.stop()
+    assert beat["executions"] == 5 and beat["ops"] == 50, beat

@@ -516,6 +516,35 @@ def test_a_campaign_workers_full_disk_is_one_line_after_the_findings_it_kept(tmp
     assert run["new"] == sorted(f.signature for f in replay.load(landed)[2])
 
 
+def test_a_finding_a_full_disk_kept_off_the_corpus_is_in_the_summary_and_json_as_not_written(tmp_path, monkeypatch):
+    """A campaign worker found, confirmed and minimized a finding, then met a full disk writing its file: exit 74
+    and the line named the file, but the summary said "no new findings" and --json had no trace of it (tester,
+    stop 55). Now the summary, the table and --json name its signature as found but not written."""
+    from kvaudit.search import campaign
+
+    real = replay.write_atomic
+
+    def write_atomic(path, doc):
+        if os.sep + "findings" + os.sep in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path, doc)
+
+    monkeypatch.setattr(campaign.replay, "write_atomic", write_atomic)
+    corpus = tmp_path / "C"
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "10", "--corpus", str(corpus),
+               "--json", str(tmp_path / "r.json"))
+    assert r.exit_code == 74, r.output
+    summary = r.stdout.strip().splitlines()[-1]
+    # (the bug's program raises two signatures: its device buffer's and its host slots')
+    assert summary.startswith("SUMMARY: kvaudit: 2 new signature(s) found but not written (disk full): "), summary
+    sigs = summary.split("(disk full): ")[1].rstrip(".").split(", ")
+    assert "no new findings" not in r.stdout and r.stdout.count("not written (disk full)") == 1 + 2  # + table rows
+    doc = json.load(open(tmp_path / "r.json"))
+    assert sorted(doc["not_written"]) == sigs and all(p.startswith(str(corpus / "findings"))
+                                                      for p in doc["not_written"].values()), doc
+    assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: disk full: cannot write {corpus}"), r.stderr
+
+
 def test_a_ci_campaigns_full_disk_is_one_line_after_the_jobs_verdict(tmp_path, monkeypatch):
     """The same in `kvaudit ci`, whose campaigns run one driver in-process: an internal error (exit 70) before;
     now the job's lines, then the one line, and the next preset is not searched (its findings could not be
@@ -673,6 +702,38 @@ def test_ci_interrupted_during_its_imports_writes_its_junit_and_sarif(tmp_path, 
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the guard installed")
+def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_junit(tmp_path):
+    """Ctrl-C in the first seconds of `fuzz --workers 2` (the entry point importing the engine; under load
+    4-5 s) exited 130 with 'kvaudit: interrupted' and wrote none of the reports asked for (tester, stop 55;
+    the single-process run the same). Now they say nothing was checked. SIGINT at its default in the child:
+    the guard catches it whatever this process inherited."""
+    paths = {k: tmp_path / f"r.{k}" for k in ("json", "sarif", "xml")}
+    proc = subprocess.Popen([kvaudit_script(), "fuzz", "--max-time", "60", "--workers", "2", "--no-seeds",
+                             "--corpus", str(tmp_path / "c"), "--json", str(paths["json"]), "--sarif",
+                             str(paths["sarif"]), f"--junit={paths['xml']}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        # (SIGTERM: Python catches SIGINT from its own start; the guard installs SIGINT's handler, then SIGTERM's)
+        while not signal_caught(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
+    doc = json.loads(paths["json"].read_text())
+    assert doc["interrupted"] is True and doc["executions"] == 0 and doc["findings"] == []
+    (run,) = json.loads(paths["sarif"].read_text())["runs"]
+    assert run["results"] == [] and run["invocations"][0]["executionSuccessful"] is False
+    assert 'name="interrupted"' in paths["xml"].read_text()
+
+
 def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_path, monkeypatch):
     """The same between the command line and the job's own interrupt handling (checking its options)."""
     import kvaudit.app.configs as configs
@@ -689,14 +750,18 @@ def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_pat
 
 
 def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
-    from kvaudit.app.interrupts import ci_report_paths, write_startup_reports
+    from kvaudit.app.interrupts import startup_report_paths as ci_report_paths, write_startup_reports
     from kvaudit.reports import ci_outputs
     from kvaudit.search import ci
 
     assert ci_report_paths(["ci", "--junit", "a.xml", "--out", "--sarif", "--sarif=b.sarif"]) == \
         {"junit": "a.xml", "sarif": "b.sarif"}  # --out's value is '--sarif'; the last --sarif wins
     assert ci_report_paths(["ci", "--", "--junit", "a.xml"]) == {}
-    assert ci_report_paths(["fuzz", "--junit", "a.xml"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
+    assert ci_report_paths(["bench", "--json", "a.json"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
+    assert ci_report_paths(["ci", "--json", "a.json"]) == {}  # (ci has no --json)
+    # fuzz's flags take no value: the report after one is still read
+    assert ci_report_paths(["fuzz", "--no-seeds", "--json", "a.json", "--paranoid", "--sarif", "b"]) == \
+        {"json": "a.json", "sarif": "b"}
     # the same document the job writes when interrupted, but for the reason
     assert ci_outputs.interrupted_junit() == ci.junit(ci.CiResult(interrupted=True)).replace(
         ci_outputs.INTERRUPTED, ci_outputs.NOTHING_RAN)

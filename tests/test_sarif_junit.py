@@ -160,6 +160,43 @@ def test_an_interrupted_ci_log_says_its_run_did_not_complete(validator):
     assert "invocations" not in ci.sarif(ci.CiResult(), None)["runs"][0]
 
 
+def test_an_interrupted_fuzz_run_s_sarif_says_its_run_did_not_complete(validator, tmp_path, monkeypatch):
+    """`fuzz` interrupted (a campaign here, stopped after its workers started): the SARIF had no `invocations`,
+    so a clean-looking log with no results read as a clean run's (first tester, stop 55; the docs promised it
+    for `ci` only). Now an unsuccessful invocation with the interruption as its notification, schema-valid;
+    a finished run's log has none."""
+    from cli_helpers import invoke
+
+    from kvaudit.search import campaign
+
+    def stopped(spec, emit):
+        emit(("ready", spec.index))
+        emit(("progress", spec.index, 7, 70, [], [], None, {}, None))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(campaign, "_search_loop", stopped)
+    out = tmp_path / "r.sarif"
+    r = invoke("fuzz", "--fuzzer", "random", "--max-time", "5", "--corpus", str(tmp_path / "c"), "--sarif", str(out))
+    assert r.exit_code == 130, r.output
+    log = json.loads(out.read_text())
+    assert _errors(validator, log) == []
+    (run,) = log["runs"]
+    (inv,) = run["invocations"]
+    assert inv["executionSuccessful"] is False and run["results"] == []
+    (note,) = inv["toolExecutionNotifications"]
+    assert note["message"]["text"].startswith("interrupted (Ctrl-C or SIGTERM) after 7 executions:"), note
+
+    def finished(spec, emit):
+        emit(("ready", spec.index))
+        emit(("progress", spec.index, 7, 70, [], [], None, {}, None))
+        emit(("done", spec.index))
+
+    monkeypatch.setattr(campaign, "_search_loop", finished)
+    r = invoke("fuzz", "--fuzzer", "random", "--max-time", "5", "--corpus", str(tmp_path / "d"), "--sarif", str(out))
+    assert r.exit_code == 0, r.output
+    assert "invocations" not in json.loads(out.read_text())["runs"][0]
+
+
 def test_the_validator_rejects_a_broken_log(validator):
     """The schema check must be able to fail: a bad level, a missing message, a bad line."""
     config, f = _by_kind("leak")

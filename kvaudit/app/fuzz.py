@@ -290,7 +290,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     cases, paths = _campaign_cases(result, config, console, err)
     for w in result.warnings:
         err.print(f"warning: {w}", soft_wrap=True)
-    if result.new or result.known or result.flaky or result.fleet:
+    if result.new or result.known or result.flaky or result.fleet or result.unwritten:
         print_table(console, _campaign_table(result))
     if sset is not None:
         sset.add_usage(result.suppression_usage.values())  # (the workers matched; the parent's set is the file's)
@@ -303,13 +303,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
                   + (f", {len(result.fleet)} found by another host" if result.fleet else "") + f"; corpus {corpus}",
                   soft_wrap=True)
     print_reached(console, s)
-    # NOTE: a file counts only the new signatures it reports (it can hold known ones the same program raised)
-    runs = [[f for f in c.findings if result.new.get(f.signature) == path] for c, path in zip(cases, paths)]
-    line = summary_line([f for found in runs for f in found], suppressed_by_kind(sset),
-                        interrupted=result.interrupted, runs=runs)
-    line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
-    if result.known:
-        line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
+    line = _campaign_summary(result, cases, paths, sset)
     nothing = s.executions == 0 and not result.interrupted and not result.new
     if not nothing:
         console.print(line, soft_wrap=True)
@@ -317,6 +311,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
         extra["interrupted"] = True
+    for key, sigs in (("found_by_another_host", result.fleet), ("not_written", result.unwritten)):
+        if sigs:  # signature -> its file here (pulled from the fleet), or the file it would have had (disk full)
+            extra[key] = dict(sorted(sigs.items()))
     kept = tuple(sorted(set(result.new.values())))
     try:
         kept += tuple(write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset),
@@ -333,6 +330,23 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     if nothing:
         return nothing_searched(err, max_time)
     return EXIT_INTERRUPTED if result.interrupted else EXIT_CLEAN
+
+
+def _campaign_summary(result, cases: list[Case], paths: list[str], sset) -> str:
+    """The campaign's ``SUMMARY:`` line: over its new findings, with its known ones and those found but not
+    written (a full disk) counted."""
+    # NOTE: a file counts only the new signatures it reports (it can hold known ones the same program raised)
+    runs = [[f for f in c.findings if result.new.get(f.signature) == path] for c, path in zip(cases, paths)]
+    line = summary_line([f for found in runs for f in found], suppressed_by_kind(sset),
+                        interrupted=result.interrupted, runs=runs)
+    line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
+    if result.known:
+        line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
+    if result.unwritten:  # found, confirmed and minimized, but its file is not on disk: not "no new findings"
+        lost = (f"{len(result.unwritten)} new signature(s) found but not written (disk full): "
+                + ", ".join(sorted(result.unwritten)))
+        line = line.replace("no new findings", lost) if "no new findings" in line else line[:-1] + f"; {lost}."
+    return line
 
 
 def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]]:
@@ -358,6 +372,7 @@ def _campaign_table(result):
     t.add_column("replay file", overflow="fold")
     for paths, status, style in ((result.new, "new", "bold red"), (result.known, "known", "dim"),
                                  (result.fleet, "found by another host", "dim"),
+                                 (result.unwritten, "not written (disk full)", "bold red"),
                                  (dict.fromkeys(result.flaky, "-"), "flaky (not reproduced 3/3)", "yellow")):
         for sig, path in sorted(paths.items()):
             t.add_row(sig, Text(status, style=style), path)

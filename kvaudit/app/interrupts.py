@@ -71,41 +71,59 @@ def catch_sigint() -> None:
         quiet_unraisable()
 
 
-def ci_report_paths(argv: list[str]) -> dict[str, str]:
-    """``{"junit": PATH, "sarif": PATH}`` that ``argv`` (no program name) asks ``kvaudit ci`` for, read
-    as click reads it (every option of ``ci`` takes a value); empty for another command."""
-    if not argv or argv[0] != "ci" or {"-h", "--help"} & set(argv):
+# the reports each command writes when interrupted during start-up, and its options that take no value
+_STARTUP_REPORTS = {"ci": (("--junit", "--sarif"), ()),
+                    "fuzz": (("--junit", "--sarif", "--json"), ("--seeds", "--no-seeds", "--paranoid"))}
+
+
+def startup_report_paths(argv: list[str]) -> dict[str, str]:
+    """``{"junit": PATH, "sarif": PATH, "json": PATH}`` that ``argv`` (no program name) asks ``kvaudit ci``
+    (no ``json``) or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty
+    for another command."""
+    if not argv or argv[0] not in _STARTUP_REPORTS or {"-h", "--help"} & set(argv):
         return {}
+    wanted, flags = _STARTUP_REPORTS[argv[0]]
     paths: dict[str, str] = {}
     rest = iter(argv[1:])
     for arg in rest:
         if arg == "--":
             break
-        if not arg.startswith("--"):
+        if not arg.startswith("--") or arg in flags:
             continue
         name, eq, value = arg.partition("=")
         if not eq:
             value = next(rest, None)
-        if name in ("--junit", "--sarif") and value is not None:
+        if name in wanted and value is not None:
             paths[name[2:]] = value
     return paths
 
 
+def _startup_json() -> str:
+    """``fuzz --json`` of a run stopped before its search began: no config (it was not built yet)."""
+    import json
+
+    from kvaudit.reports import ci_outputs
+
+    return json.dumps({"format": "kvaudit.replay/1", "program": [], "findings": [], "executions": 0, "ops": 0,
+                       "seconds": 0.0, "interrupted": True, "note": ci_outputs.NOTHING_RAN}, indent=2) + "\n"
+
+
 def write_startup_reports(argv: list[str]) -> list[str]:
-    """``kvaudit ci`` interrupted before its job began: write the ``--junit`` and ``--sarif`` that
-    ``argv`` asks for, as the job would; a path the job would refuse, or that cannot be written, is
-    skipped. Returns the paths written. Standard library only: half-imported modules are not touched."""
+    """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif`` (and
+    ``fuzz``'s ``--json``) that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
+    or that cannot be written, is skipped. Returns the paths written. Standard library only: half-imported
+    modules are not touched."""
     import json
     import os
 
     from kvaudit.atomic import fd_link, write_text_atomic
     from kvaudit.reports import ci_outputs
 
-    paths = ci_report_paths(argv)
+    paths = startup_report_paths(argv)
     if len({os.path.realpath(p) for p in paths.values() if p}) < len(paths):
         return []  # the job refuses two flags naming one file
     texts = {"junit": ci_outputs.interrupted_junit,
-             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n"}
+             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n", "json": _startup_json}
     written = []
     with _restored_handlers():
         ignore_interrupts()
@@ -118,6 +136,6 @@ def write_startup_reports(argv: list[str]) -> list[str]:
             except OSError as e:
                 sys.stderr.write(f"kvaudit: cannot write {path}: {e.strerror or e}\n")
                 continue
-            sys.stderr.write(f"{'JUnit' if fmt == 'junit' else 'SARIF'} written: {path}\n")
+            sys.stderr.write(f"{dict(junit='JUnit', sarif='SARIF', json='JSON')[fmt]} written: {path}\n")
             written.append(path)
     return written

@@ -13,6 +13,7 @@ from kvaudit.config import TargetConfig
 from kvaudit import replay
 from kvaudit.audit.findings import Finding, report_order
 from kvaudit.program import Op
+from kvaudit.reports.ci_outputs import INTERRUPTED, invocation
 
 FORMATS = ("html", "sarif", "junit", "json")
 
@@ -103,7 +104,11 @@ def _sarif(data: ReportData) -> str:
     unique: dict[str, Finding] = {}  # NOTE: one result per signature: code scanning tracks alerts by it
     for f in data.findings:
         unique.setdefault(f.signature, f)
-    return json.dumps(to_sarif(list(unique.values()), data.config, recorded=data.recorded), indent=2) + "\n"
+    log = to_sarif(list(unique.values()), data.config, recorded=data.recorded)
+    if data.extra.get("interrupted"):  # its results are what ran before the stop: not a clean run's verdict
+        ran = f" after {data.extra['executions']} executions" if "executions" in data.extra else ""
+        log["runs"][0]["invocations"] = [invocation(INTERRUPTED.replace(":", f"{ran}:", 1))]
+    return json.dumps(log, indent=2) + "\n"
 
 
 def _junit(data: ReportData) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvaudit.config import TargetConfig
+from kvaudit.constants import MINIMIZE_GRACE
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit import replay
 from kvaudit.reports.outputs import disk_full
@@ -66,6 +67,7 @@ class CampaignResult:
     # a file not written on a full disk (a worker's replay file: the campaign stopped there, keeping what it had
     # found; or the run record, corpus/campaign.json): filename names it
     not_written: OSError | None = None
+    unwritten: dict[str, str] = field(default_factory=dict)  # signature -> its replay file, found but not written
 
 
 @dataclass
@@ -111,7 +113,8 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         # (before the first heartbeat, which start() sends: `campaign status` showed fuzzer=- until the next one)
         hub.beat(host=hubs.socket.gethostname(), pid=os.getpid(), fuzzer=spec.fuzzer, started=time.time())
         hub.start()
-    worker = _Worker(spec, emit, config, sset, hub, known_signatures(spec.corpus))
+    worker = _Worker(spec, emit, config, sset, hub, known_signatures(spec.corpus),
+                     ends=time.monotonic() + deadline - time.time())
     try:
         while (left := deadline - time.time()) > 0:
             if hub is not None:
@@ -134,8 +137,10 @@ class _Worker:
     """One worker's rounds of search and what they share: the signatures it knows, those found flaky, its
     counts (for the fleet's heartbeat) and what the fuzzer keeps across rounds."""
 
-    def __init__(self, spec: _Spec, emit: Callable[[tuple], None], config, sset=None, hub=None, known=()):
+    def __init__(self, spec: _Spec, emit: Callable[[tuple], None], config, sset=None, hub=None, known=(),
+                 ends: float | None = None):
         self.spec, self.emit, self.config, self.sset, self.hub = spec, emit, config, sset, hub
+        self.ends = ends  # time.monotonic() at the end of the search budget: minimization stops there (or later)
         self.fdir = findings_dir(spec.corpus)
         self.known, self.flaky = set(known), set()
         self.counts = {"new": 0, "duplicates": 0, "flaky": 0}
@@ -229,12 +234,16 @@ class _Worker:
         try:
             if cut is not None:
                 raise cut
-            crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None)
+            # NOTE: a replay can cost seconds (an idle() that never drains runs 2,000 steps): minimization ends
+            # with the budget, or MINIMIZE_GRACE s after it starts; the file says so ("minimized": false)
+            until = None if self.ends is None else max(self.ends, time.monotonic() + MINIMIZE_GRACE)
+            crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None,
+                           minimize_until=until)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
             doc = replay.to_doc(config, program, [primary] + [f for f in findings if f is not primary],
                                 fuzzer=spec.fuzzer, seed=seed, minimized=False,
                                 confirmations="interrupted before confirmation")
-            new, path = _register_and_write(spec.corpus, self.fdir, None, doc)  # this host's files: it is stopping
+            new, path = self._write(None, doc)  # this host's files: it is stopping
             for s in new:
                 self.emit(("finding", spec.index, s, path))
             raise
@@ -246,12 +255,12 @@ class _Worker:
                 hub.release(claimed)
             self.emit(("flaky", spec.index, sig))
             return
-        doc = replay.to_doc(config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed, minimized=True,
-                            confirmations=f"{crash.confirmations}/{crash.runs}", original_length=crash.original_length,
-                            timeline=crash.timeline)
+        doc = replay.to_doc(config, crash.program, crash.findings, fuzzer=spec.fuzzer, seed=seed,
+                            minimized=crash.minimized, confirmations=f"{crash.confirmations}/{crash.runs}",
+                            original_length=crash.original_length, timeline=crash.timeline)
         before = set(self.known)
         with _held_interrupts():  # registered in the fleet, then written and announced here: whole, or not at all
-            new, path = _register_and_write(spec.corpus, self.fdir, hub, doc)
+            new, path = self._write(hub, doc)
             sigs = _signatures(crash.findings)
             if hub is not None:  # those the minimized program no longer raises: for any worker to triage on their own
                 hub.release(claimed)
@@ -263,6 +272,18 @@ class _Worker:
             self.counts["new"] += len(new)
             for s in new:
                 self.emit(("finding", spec.index, s, path))
+        if hub is not None:
+            hub.beat(**self.counts)  # (the next heartbeat carries it, not the next round's first progress)
+
+    def _write(self, hub, doc: dict) -> tuple[list[str], str]:
+        """:func:`_register_and_write`; on an OSError (a full disk) the parent is told first which signatures
+        were found but not written (``("unwritten", i, signatures, file)``): the error alone names a file."""
+        try:
+            return _register_and_write(self.spec.corpus, self.fdir, hub, doc)
+        except OSError as e:
+            sigs = [s for s in dict.fromkeys(f["signature"] for f in doc["findings"]) if s not in self.known]
+            self.emit(("unwritten", self.spec.index, sigs, e.filename or self.fdir))
+            raise
 
 
 def _signatures(findings) -> list[str]:
@@ -410,6 +431,10 @@ class _Tally:
                 stats.findings = len(result.new)
                 if self.on_finding:
                     self.on_finding(sig, path)
+        elif kind == "unwritten":
+            for sig in msg[2]:
+                if sig not in result.new and sig not in result.known:
+                    result.unwritten.setdefault(sig, msg[3])
         elif kind == "flaky":
             result.flaky.add(msg[2])
         elif kind == "pulled":

@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvaudit.config import TargetConfig
 from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.audit.findings import Finding
-from kvaudit.search.minimize import minimize, reproduces
+from kvaudit.search.minimize import OutOfTime, minimize, reproduces
 from kvaudit.program import Idle, Op, make_op, random_program
 from kvaudit.program.schema import OPS, kinds, swarm_groups
 from kvaudit.program.schema import max_prompt as context_max_prompt
@@ -94,6 +94,7 @@ class Crash:
     confirmations: int
     runs: int = CONFIRM_RUNS  # replays tried: ``confirmations`` of ``runs`` reproduced the signature
     timeline: dict | None = None  # the pool occupancy of ``program`` (kvaudit.reports.timeline.record)
+    minimized: bool = True  # False: minimization ran out of time (``program``: the smallest that reproduced)
 
     @property
     def finding(self) -> Finding:
@@ -237,16 +238,18 @@ def retry_seed(seed: int, flaky: int) -> int:
 
 
 def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressions=None,
-           on_phase: Callable[[str], None] | None = None) -> Crash | None:
+           on_phase: Callable[[str], None] | None = None, minimize_until: float | None = None) -> Crash | None:
     """Confirm, minimize, confirm again; None for a finding that does not replay K of K. ``suppressions``
     applies to every run. ``on_phase`` is told ``"confirming"``, ``"minimizing"`` and ``"confirming the
-    minimized program"`` as each starts. The crash carries the minimized program's occupancy timeline."""
+    minimized program"`` as each starts. ``minimize_until`` (``time.monotonic()`` seconds): minimization stops
+    there with the smallest program that reproduced (``Crash.minimized`` False). The crash carries the
+    minimized program's occupancy timeline."""
     from kvaudit.reports.timeline import record
 
     sig = finding.signature
     phase = on_phase or (lambda name: None)
     phase("confirming")
-    hang = is_watchdog_hang(finding)
+    hang, minimized = is_watchdog_hang(finding), True
     if hang:
         # NOTE: every replay of a hang costs the watchdog's full step limit: one full-stacks replay confirms it
         # (1 of 1) and records the timeline; no minimization, no drain (the engine is stuck)
@@ -259,7 +262,9 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
             return None
         phase("minimizing")
         try:
-            small = minimize(config, program, sig, suppressions)
+            small = minimize(config, program, sig, suppressions, until=minimize_until)
+        except OutOfTime as e:
+            small, minimized = e.smallest, False
         except ValueError:  # NOTE: it replayed K of K, then not: flaky after all (was an internal error, exit 70)
             return None
         phase("confirming the minimized program")
@@ -272,7 +277,8 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
     if primary is None:
         return None
     others = [f for f in found if f is not primary and (not hang or f.op_index == primary.op_index)]
-    return Crash(config, small, [primary] + others, len(program), confirmations, runs=runs, timeline=timeline)
+    return Crash(config, small, [primary] + others, len(program), confirmations, runs=runs, timeline=timeline,
+                 minimized=minimized)
 
 
 def warm_up_hypothesis() -> None:

@@ -21,6 +21,7 @@ from kvaudit.config import json_value
 
 RETRY_EVERY = 2.0  # seconds between reconnection attempts while Redis is away
 DEFAULT_TTL = 30.0  # seconds a claim and a heartbeat live without renewal
+BEAT_EVERY = 2.0  # at most this many seconds between heartbeats (ttl/3 when shorter): `campaign status`'s figures
 
 # NOTE: the claim and the registration are Lua scripts so that each is one atomic step in Redis: two
 # workers that find one bug's signatures at once (or in another order) cannot split them between them.
@@ -433,10 +434,15 @@ class Hub:
         self.flush_programs()
 
     def start(self) -> "Hub":
-        """Start the heartbeat thread: every ``ttl``/3 s it sends the heartbeat, renews this worker's claims
-        and sends the shared programs. A daemon: it dies with the process, and so do the claims."""
+        """Start the heartbeat thread: every ``ttl``/3 s, at most :data:`BEAT_EVERY`, it sends the heartbeat
+        (the figures ``campaign status`` shows: those of the worker's latest progress), renews this worker's
+        claims and sends the shared programs. A daemon: it dies with the process, and so do the claims."""
+        # NOTE: the claims' renewal needs ttl/3 only; status figures a heartbeat (10 s at the default ttl) old
+        # read as stale mid-run (tester, stop 55)
+        every = max(0.2, min(self.ttl / 3, BEAT_EVERY))
+
         def loop():
-            while not self._stop.wait(max(0.2, self.ttl / 3)):
+            while not self._stop.wait(every):
                 self._send_beat()
 
         self._send_beat()

@@ -5,6 +5,7 @@ op arguments, to a fixpoint. Design notes: docs/internals/fuzzers.md.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 from kvaudit.config import TargetConfig
@@ -119,10 +120,21 @@ class Interrupted(KeyboardInterrupt):
         self.smallest = smallest
 
 
-def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None) -> list[Op]:
+class OutOfTime(Exception):
+    """:func:`minimize` reached its ``until``. ``smallest``: the smallest program that reproduced the signature
+    (it always has one: the input runs first whatever the time)."""
+
+    def __init__(self, smallest: list[Op]):
+        super().__init__()
+        self.smallest = smallest
+
+
+def minimize(config: TargetConfig, program: list[Op], signature: str, suppressions=None,
+             until: float | None = None) -> list[Op]:
     """The smallest program found that still yields ``signature`` (minimizing it again returns it unchanged),
-    every run leaving out what ``suppressions`` covers. Raises ``ValueError`` if ``program`` does not
-    reproduce it, and :class:`Interrupted` (the smallest program so far) when interrupted."""
+    every run leaving out what ``suppressions`` covers. ``until`` (``time.monotonic()`` seconds): no candidate
+    starts past it. Raises ``ValueError`` if ``program`` does not reproduce it, :class:`OutOfTime` past ``until``
+    and :class:`Interrupted` when interrupted (both with the smallest program so far)."""
     cache: dict[tuple, bool] = {}
     smallest: list[Op] | None = None  # NOTE: every pass moves only to programs that fail: the latest is the best
 
@@ -130,6 +142,8 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
         nonlocal smallest
         key = tuple(ops)
         if key not in cache:
+            if smallest is not None and until is not None and time.monotonic() > until:
+                raise OutOfTime(smallest)
             cache[key] = bool(ops) and reproduces(config, ops, signature, suppressions)
         if cache[key] and (smallest is None or len(ops) <= len(smallest)):
             smallest = list(ops)
@@ -144,7 +158,7 @@ def minimize(config: TargetConfig, program: list[Op], signature: str, suppressio
             ops = merge_steps(ddmin(simplify_round(reset_defaults(ops, fails), fails), fails), fails)
             if ops == before:
                 return ops
-    except Interrupted:
+    except (Interrupted, OutOfTime):
         raise
     except KeyboardInterrupt:
         raise Interrupted(smallest) from None
