@@ -254,6 +254,13 @@ class Auditor(Ledger, PoolWrappers):
             f = f.f_back
         return -1
 
+    def uninstall(self) -> None:
+        """Remove every wrapper (:meth:`~kvaudit.audit.wrappers.PoolWrappers.uninstall`), and lean mode's
+        ``capture_site`` kept on the instance: a bound method of itself, a reference cycle that would leave the
+        closed run's ledger to the cycle collector (measured: docs/internals/performance.md, stop 56). Mutates."""
+        super().uninstall()
+        self.__dict__.pop("capture_site", None)
+
     def _lean_line(self, f, key: tuple[int, int]) -> int:
         # a frame key's entry in _lean_lines, made once per process: 0 for a framework frame, else its line,
         # negated for a release entry

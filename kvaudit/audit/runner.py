@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -240,7 +241,7 @@ class AuditedRun:
         if self.auditor is not None and check_every > 1:
             self.auditor.pair_locks = False  # only a report needs the lock ledger's pairing: the replay's
         if self.run_oracles:
-            self.target.on_intake(self._intake_scan)
+            self.target.on_intake(_weakly(self._intake_scan))  # (the target's hook must not keep a closed run)
         self.findings: list[Finding] = []
         self.last_progress: dict[str, tuple[int, int]] = {}  # rid -> (progress value, step it last changed)
         self.flushes_checked = 0  # successful flush_cache requests already checked for quiescence
@@ -582,6 +583,19 @@ class AuditedRun:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """A call of ``method`` (a bound method) that holds its object weakly and does nothing once it is gone: a
+    hook installed on the engine then keeps no run alive, so a closed run and its ledger are freed by reference
+    counts, not by the cycle collector (measured: docs/internals/performance.md, stop 56)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+    return call
 
 
 def _as_found(found: list[Finding]) -> list[Finding]:
