@@ -434,6 +434,27 @@ def test_a_full_disk_for_the_finding_still_writes_the_reports_asked_for(tmp_path
     assert "<failure" in (tmp_path / "j.xml").read_text()
 
 
+def test_a_full_disk_names_every_file_it_refused(tmp_path, monkeypatch):
+    """The replay file, the --json and the --html all on the full disk: the line named the replay file only (and,
+    with the replay file written, the first report only: tester 56); now each, and the JUnit kept."""
+    full_disk_for(monkeypatch, ".json", ".html")
+    out = tmp_path / "out"
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "60", "--out", str(out),
+               "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"), "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 74, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    refused, kept = line.split("; kept what was written: ")
+    assert refused.startswith(f"kvaudit: error: disk full: cannot write {out}") and "No space left" in refused
+    assert str(tmp_path / "r.json") in refused and str(tmp_path / "r.html") in refused, line
+    assert kept == str(tmp_path / "j.xml") and "<failure" in (tmp_path / "j.xml").read_text()
+    full_disk_for(monkeypatch, ".sarif")  # (and still .json, .html: the reports' own list, in order)
+    r = invoke("fuzz", *HISPARSE, "--fuzzer", "random", "--seed", "1", "--max-time", "60", "--out", str(out),
+               "--sarif", str(tmp_path / "r.sarif"), "--html", str(tmp_path / "r.html"))
+    assert r.exit_code == 74, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert f".json, report {tmp_path / 'r.sarif'}, {tmp_path / 'r.html'} (No space left" in line, line
+
+
 def test_a_full_disk_for_cis_sarif_keeps_its_verdict_lines_and_its_junit(tmp_path, monkeypatch):
     """ci's SARIF on a full disk: exit 74 with no SUMMARY: or passed/FAILED line on stdout (the tester); now
     the job's lines, then the JUnit (written after it), then the one-line error."""
@@ -450,6 +471,20 @@ def test_a_full_disk_for_cis_sarif_keeps_its_verdict_lines_and_its_junit(tmp_pat
     assert line.startswith(f"kvaudit: error: disk full: cannot write {tmp_path / 'ci.sarif'}"), line
     assert str(tmp_path / "ci.xml") in line and "<testsuite" in (tmp_path / "ci.xml").read_text()
     assert str(tmp_path / "ci.html") in line and (tmp_path / "ci.html").exists()  # (written after the SARIF)
+
+
+def test_a_full_disk_in_ci_names_every_report_it_refused(tmp_path, monkeypatch):
+    full_disk_for(monkeypatch, ".sarif", ".html")
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--sarif", str(tmp_path / "ci.sarif"),
+               "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"))
+    assert r.exit_code == 74, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {tmp_path / 'ci.sarif'}, report "
+                           f"{tmp_path / 'ci.html'} (No space left"), line
+    assert line.endswith(f"kept what was written: {tmp_path / 'ci.xml'}") and not (tmp_path / "ci.html").exists()
 
 
 def test_a_campaign_whose_corpus_disk_is_full_still_reports_its_run(tmp_path, monkeypatch):

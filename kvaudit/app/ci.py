@@ -13,8 +13,8 @@ from rich.text import Text
 
 from kvaudit import replay
 from kvaudit.app.budget import Budget, duration
-from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
-                                write_error)
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, DiskFull,
+                                InputError, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, load_suppressions, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
@@ -169,18 +169,19 @@ def _print_table(console, result) -> None:
 def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err):
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can.
     Returns the error for the first not written, a fuzz campaign's on a full disk first (naming every file
-    kept), or None."""
+    kept and every other not written), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
     full = next((run.not_written for run in result.fuzz if run.not_written is not None), None)
-    failed = None if full is None else (full, full.filename or "a file of the fuzz")  # (after the reports below)
+    failed = [] if full is None else [(full, full.filename or "a file of the fuzz")]  # (after the reports below)
+    also: list[str] = []  # (the HTML's and JSON's not written: named after the first)
     for fmt, label, path in (("junit", "JUnit", outputs.junit), ("sarif", "SARIF", outputs.sarif)):
         if path:
             try:
                 replay.write_text_atomic(path, texts[fmt]())
             except OSError as e:
-                failed = failed or (e, path)
+                failed.append((e, path))
                 continue
             err.print(f"{label} written: {path}")
             kept.append(path)
@@ -192,10 +193,11 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
         except click.ClickException as e:
-            if failed is None:
+            if not failed:
                 return e
             kept += [p for p in getattr(e, "kept", ()) if p not in kept]
-    return None if failed is None else write_error(*failed, kept)
+            also = [e.path, *e.also] if isinstance(e, DiskFull) else []
+    return None if not failed else write_error(*failed[0], kept, also=[p for _, p in failed[1:]] + also)
 
 
 def _exit_code(result, err, per_preset: float) -> int:

@@ -17,26 +17,30 @@ class InputError(click.ClickException):
 
 
 class DiskFull(click.ClickException):
-    """``path`` not written (``why``: the OS's words); ``kept``: what this run wrote, which stays."""
+    """``path`` not written (``why``: the OS's words), nor the files ``also`` names; ``kept``: what this run
+    wrote, which stays."""
 
     exit_code = EXIT_DISK_FULL
 
-    def __init__(self, path: str, why: str, kept: list[str] | tuple = ()):
-        self.path, self.why, self.kept = path, why, tuple(kept)
-        super().__init__(f"disk full: cannot write {path} ({why}); "
+    def __init__(self, path: str, why: str, kept: list[str] | tuple = (), also: list[str] | tuple = ()):
+        self.path, self.why, self.kept, self.also = path, why, tuple(kept), tuple(also)
+        super().__init__(f"disk full: cannot write {', '.join((path, *also))} ({why}); "
                          + (f"kept what was written: {', '.join(kept)}" if kept else "nothing else was written"))
 
-    def keeping(self, more: list[str] | tuple) -> "DiskFull":
-        """The same error, naming ``more`` files written after it among those kept."""
-        return DiskFull(self.path, self.why, (*self.kept, *more))
+    def keeping(self, more: list[str] | tuple, also: list[str] | tuple = ()) -> "DiskFull":
+        """The same error, naming ``more`` files written after it among those kept, and ``also`` among those not
+        written."""
+        return DiskFull(self.path, self.why, (*self.kept, *more), (*self.also, *also))
 
 
 class UnavailableError(click.ClickException):
     exit_code = EXIT_UNAVAILABLE
 
 
-def write_error(e: OSError, path: str, kept: list[str] | tuple = ()) -> click.ClickException:
-    """The error for a file not written: :class:`DiskFull` naming the files ``kept``, else :class:`InputError`."""
+def write_error(e: OSError, path: str, kept: list[str] | tuple = (),
+                also: list[str] | tuple = ()) -> click.ClickException:
+    """The error for a file not written: :class:`DiskFull` naming the files ``kept`` (and ``also``, other files
+    not written), else :class:`InputError`."""
     if disk_full(e):
-        return DiskFull(path, str(e.strerror or e), kept)
+        return DiskFull(path, str(e.strerror or e), kept, also)
     return InputError(f"cannot write {path}: {e.strerror or e}")

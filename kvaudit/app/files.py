@@ -92,7 +92,7 @@ def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[
     except WriteError as e:  # (the others were written: a full disk under one need not be under another)
         if e.written:
             err.print("reports written: " + ", ".join(e.written), soft_wrap=True)
-        raise write_error(e, f"report {e.filename}", [*kept, *e.written]) from None
+        raise write_error(e, f"report {e.filename}", [*kept, *e.written], also=e.also) from None
     err.print("reports written: " + ", ".join(written), soft_wrap=True)
     return written
 

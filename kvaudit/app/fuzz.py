@@ -246,12 +246,14 @@ class _Single:
 
 def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click.ClickException:
     """``e`` (the replay file not written) once the reports asked for are written where they can be (on another
-    disk, say), naming those among the files kept."""
+    disk, say), naming those among the files kept and the ones a full disk refused too."""
+    unwritten: tuple[str, ...] = ()
     try:
         written = write_reports(outputs, data, err)
     except click.ClickException as later:
         written = list(getattr(later, "kept", ()))
-    return e.keeping(written) if isinstance(e, DiskFull) and written else e
+        unwritten = (later.path, *later.also) if isinstance(later, DiskFull) else ()
+    return e.keeping(written, also=unwritten) if isinstance(e, DiskFull) else e
 
 
 def nothing_searched(err, max_time: float) -> int:

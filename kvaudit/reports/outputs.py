@@ -24,12 +24,12 @@ def disk_full(error: OSError) -> bool:
 
 
 class WriteError(OSError):
-    """A report file could not be written: ``filename`` is its path, ``written`` the files written
-    before it, which are kept (a failed one leaves no part behind)."""
+    """A report file could not be written: ``filename`` is its path, ``also`` the other files that failed after
+    it, ``written`` the files written, which are kept (a failed one leaves no part behind)."""
 
-    def __init__(self, error: OSError, path: str, written: list[str]):
+    def __init__(self, error: OSError, path: str, written: list[str], also: list[str] | tuple = ()):
         super().__init__(error.errno, error.strerror or str(error), path)
-        self.written = written
+        self.written, self.also = written, tuple(also)
 
 
 @dataclass
@@ -133,16 +133,16 @@ _RENDER = {"json": lambda data: replay.doc_text(data.doc()), "sarif": _sarif, "j
 def write(outputs: Outputs, data: ReportData) -> list[str]:
     """Write every file ``outputs`` names, in :data:`_RENDER`'s order, each it can (a full disk under one need
     not be under another); returns the paths written. Raises :class:`WriteError` (an OSError) naming the first
-    file that failed, with every file written in ``written``, which stay."""
+    file that failed (the others that failed in ``also``), with every file written in ``written``, which stay."""
     written: list[str] = []
-    failed: tuple[OSError, str] | None = None
+    failed: list[tuple[OSError, str]] = []
     for fmt, render in _RENDER.items():
         path = getattr(outputs, fmt)
         if path:
             try:
                 written.append(replay.write_text_atomic(path, render(data)))
             except OSError as e:
-                failed = failed or (e, path)
-    if failed is not None:
-        raise WriteError(*failed, written)
+                failed.append((e, path))
+    if failed:
+        raise WriteError(*failed[0], written, also=[path for _, path in failed[1:]])
     return written
