@@ -127,6 +127,25 @@ def test_campaign_resumes_and_does_not_report_known_findings_again(tmp_path):
     assert [sorted(r["new"]) for r in runs][0] == sorted(first.new) and len(runs) == 2
 
 
+def test_unreadable_campaign_files_are_named_and_the_run_record_is_moved_aside_not_overwritten(tmp_path):
+    """tester 56: a garbage file in DIR/findings/ was skipped with no word, and a garbage DIR/campaign.json was
+    replaced by a new record (its history gone)."""
+    corpus = tmp_path / "c"
+    (corpus / "findings").mkdir(parents=True)
+    (corpus / "findings" / "junk.json").write_text("{not json")
+    (corpus / "campaign.json").write_text("\x00garbage")
+    (corpus / "campaign.json.unreadable").write_text("an older one")
+    r = invoke("fuzz", "--preset", "default", "--fuzzer", "random", "--seed", "1", "--corpus", str(corpus),
+               "--max-time", "1")
+    assert r.exit_code in (0, 1), r.output
+    assert f"warning: 1 file(s) in {corpus / 'findings'} are not replay files, skipped: junk.json" in r.stderr
+    assert f"{corpus / 'campaign.json'} was not a run record" in r.stderr and "campaign.json.unreadable-1" in r.stderr
+    assert (corpus / "campaign.json.unreadable-1").read_text() == "\x00garbage"
+    assert (corpus / "campaign.json.unreadable").read_text() == "an older one"
+    assert len(json.load(open(corpus / "campaign.json"))["runs"]) == 1
+    assert (corpus / "findings" / "junk.json").read_text() == "{not json"
+
+
 @pytest.mark.parametrize("known", [False, True])
 def test_a_file_with_two_new_signatures_is_reported_once_and_summed_over_new_ones(known, tmp_path, monkeypatch):
     """One program raised two new signatures, both landing in one file: the campaign printed that file's

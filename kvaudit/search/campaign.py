@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -34,9 +35,9 @@ def findings_dir(corpus: str) -> str:
     return os.path.join(corpus, "findings")
 
 
-def known_signatures(corpus: str) -> dict[str, str]:
+def known_signatures(corpus: str, unreadable: list[str] | None = None) -> dict[str, str]:
     """Signature -> replay file, for every signature a file in ``corpus`` records (its secondary ones
-    too); unreadable files are skipped."""
+    too); unreadable files are skipped (and their paths appended to ``unreadable``)."""
     out: dict[str, str] = {}
     d = findings_dir(corpus)
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
@@ -45,6 +46,8 @@ def known_signatures(corpus: str) -> dict[str, str]:
         try:
             _, _, findings, _ = replay.load(os.path.join(d, name))
         except replay.ReplayFormatError:
+            if unreadable is not None:
+                unreadable.append(os.path.join(d, name))
             continue
         for f in findings:
             out.setdefault(f.signature, os.path.join(d, name))
@@ -376,13 +379,30 @@ def error_message(index: int, e: Exception) -> tuple:
     return ("error", index, f"{type(e).__name__}: {e}", *oserror)
 
 
-def _append_run_record(corpus: str, record: dict) -> OSError | None:
+def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSError | None:
     """Add ``record`` to ``corpus/campaign.json``; the error (its filename that path) when it cannot be written:
-    the run's result is the caller's to report all the same."""
+    the run's result is the caller's to report all the same. A file there that is not a run record is moved
+    aside to ``campaign.json.unreadable`` (``-1``, ``-2`` ... when taken), not overwritten, and ``warnings``
+    says so."""
     path = os.path.join(corpus, "campaign.json")
     runs = []
-    with contextlib.suppress(OSError, ValueError, AttributeError), open(path) as fh:
-        runs = json.load(fh).get("runs", [])
+    try:
+        with open(path) as fh:
+            runs = json.load(fh)["runs"]
+        if not isinstance(runs, list):
+            raise ValueError("runs is not a list")
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        runs, aside = [], path + ".unreadable"
+        for n in itertools.count(1):
+            if not os.path.lexists(aside):
+                break
+            aside = f"{path}.unreadable-{n}"
+        with contextlib.suppress(OSError):
+            os.replace(path, aside)
+            warnings.append(f"{path} was not a run record ({type(e).__name__}: {e}): moved to {aside}, and a new "
+                            "one started")
     try:
         replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
     except OSError as e:
@@ -582,6 +602,6 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         "seconds": round(time.time() - started, 1),
         "fuzzer": fuzzer, "workers": workers, "seed": seed, "preset": config.preset, "bugs": sorted(config.bugs),
         "executions": stats.executions, "ops": stats.ops, "new": sorted(result.new), "known": sorted(result.known),
-        "interrupted": result.interrupted})
+        "interrupted": result.interrupted}, result.warnings)
     result.not_written = result.not_written or not_recorded
     return result
