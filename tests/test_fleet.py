@@ -538,6 +538,19 @@ def test_a_host_killed_mid_triage_has_its_signature_reclaimed_and_reported_by_an
     assert table.exit_code == 0 and "gone" in table.output, table.output
 
 
+def test_a_worker_that_loses_redis_says_so_and_at_its_end_what_it_could_not_send(redis_server):
+    """tester 56: Redis killed mid-campaign, and the summary read like a fully shared run."""
+    a = _hub(redis_server, "a")
+    assert a.register(["leak/x"], json.dumps(_doc())) == ["leak/x"] and not a.warnings
+    redis_server.stop()
+    assert a.register(["leak/y"], json.dumps(_doc())) is None  # offline: queued
+    assert len(a.warnings) == 1 and a.warnings[0].startswith("Redis unreachable from "), a.warnings
+    a.register(["leak/z"], json.dumps(_doc()))
+    assert len(a.warnings) == 1  # (once per outage)
+    a.stop()
+    assert a.warnings[1].startswith("Redis still unreachable at the end: ") and "not sent" in a.warnings[1]
+
+
 @pytest.mark.slow  # an end-to-end campaign of several processes: 10-15 s
 def test_redis_stopped_for_10_s_mid_campaign_loses_no_finding(redis_server, tmp_path):
     a, mark, home = _host(tmp_path, "a", redis_server.url, [*HISPARSE, "--fuzzer", "random", "--max-time", "300"],
@@ -554,6 +567,7 @@ def test_redis_stopped_for_10_s_mid_campaign_loses_no_finding(redis_server, tmp_
     assert reported and reported <= local  # each host keeps its local files
     uploaded = {k.decode() for k in r.smembers("kvaudit:faults:known")}
     assert reported <= uploaded, (reported, uploaded)  # and uploads them after reconnecting
+    assert "warning: Redis unreachable from " in err  # (and says it was away)
 
 
 def test_a_malformed_entry_planted_in_redis_is_rejected_with_a_warning_and_the_campaign_goes_on(redis_server, tmp_path):

@@ -211,7 +211,10 @@ class Hub:
                         self.online = True
                         self._flush()
                     return fn(self.r)
-                except _redis_errors():
+                except _redis_errors() as e:
+                    if self.online:  # (once per outage: the summary says the run was not all shared)
+                        self._warn(f"Redis unreachable from {time.strftime('%H:%M:%S')} ({type(e).__name__}): this "
+                                   "worker searched on alone, queueing what it shares")
                     self.online = False
                     self._retry_at = time.monotonic() + RETRY_EVERY
             if redo is not None:
@@ -456,6 +459,10 @@ class Hub:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._send_beat(final=True)
+        with self._lock:
+            if not self.online and self._outbox:
+                self._warn(f"Redis still unreachable at the end: {len(self._outbox)} write(s) for the fleet not "
+                           "sent (this worker's findings are in the local corpus only)")
 
 
 class _ResilientDatabase(ExampleDatabase):
