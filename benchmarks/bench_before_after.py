@@ -2,7 +2,7 @@
 """Time to bug on two checkouts side by side (issue 38: "before this issue" against now).
 
     python benchmarks/bench_before_after.py --before PATH [--after PATH] [--suite history|zoo]
-        [--fuzzer corpus] [--seeds 3] [--budget 20] [--repeat 1] [--bugs LIST] [--json OUT]
+        [--fuzzer corpus] [--seeds 3] [--budget 20] [--repeat 1] [--bugs LIST] [--pycache DIR] [--json OUT]
 
 The same bugs, fuzzer, seeds and budgets run on both checkouts, interleaved bug by bug (the side that
 goes first alternates per bug), so that a slow phase of a shared machine falls on both. Each (bug,
@@ -12,6 +12,11 @@ root, nothing else: the child runs that checkout's own trial code, unchanged (hi
 ``kvaudit.search.bench.run_trial``). The child adds the process CPU time to the first hit and of the whole
 trial (search and triage) by wrapping ``FuzzStats.hit``; wall seconds and executions to the first hit are
 the trial's own. One thread per child (``OMP_NUM_THREADS=1``).
+
+A child's first trial pays the modules imported inside it (a target's own, at its first build); where
+``PYTHONDONTWRITEBYTECODE`` is set, also their compilation from source, which an installed kvaudit does not
+pay and which grows with the source's length (stop 56: 4-5 ms of vllm-49684's first trial).
+``--pycache DIR`` gives the children a bytecode cache in ``DIR`` instead.
 
 Per bug: hits, and the medians over the seeds of executions, wall seconds and CPU seconds to the first
 hit (a failed trial counts as never: '-' when half or more failed) for before and after, and the ratio
@@ -192,10 +197,22 @@ def run_bug(bug: str, index: int, repeat: int, run_side) -> list[dict]:
 
 # -- the parent ----------------------------------------------------------------------------------------
 
-def _child(root: str, args: list[str], overlay: str | None = None) -> dict:
-    """Run this script's child mode under ``root`` (and ``overlay``) and return what it wrote."""
+def child_env(root: str, overlay: str | None = None, pycache: str | None = None) -> dict:
+    """A child's environment: this one's, with ``PYTHONPATH`` the overlay and ``root``, one thread, and with
+    ``pycache`` (``--pycache``) a bytecode cache there (``PYTHONPYCACHEPREFIX``; ``PYTHONDONTWRITEBYTECODE``
+    dropped), so that a module imported inside a trial is not compiled from source in it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [overlay, root])), OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if pycache:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = os.path.abspath(pycache)
+    return env
+
+
+def _child(root: str, args: list[str], overlay: str | None = None, pycache: str | None = None) -> dict:
+    """Run this script's child mode under ``root`` (and ``overlay``, and ``pycache``: :func:`child_env`) and
+    return what it wrote."""
+    env = child_env(root, overlay, pycache)
     with tempfile.TemporaryDirectory(prefix="kvaudit-ba-") as d:
         out = os.path.join(d, "out.json")
         r = subprocess.run([sys.executable, HERE, "--child", *args, out], env=env, cwd=root,
@@ -316,6 +333,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--after-check-every", type=int, default=None, metavar="K",
                     help="a diagnostic: the after's searches check every K steps (kvaudit.search.schedule."
                          "CHECK_EVERY; 1: every step, as before the sparse schedule)")
+    ap.add_argument("--pycache", default=None, metavar="DIR",
+                    help="the children keep compiled bytecode in DIR (PYTHONPYCACHEPREFIX), as an installed "
+                         "kvaudit and engine do, even where PYTHONDONTWRITEBYTECODE is set: a module imported "
+                         "inside a trial (a target's, at its first build) is then not compiled in its time; "
+                         "the first child of each side fills DIR, so use --repeat 2 or more, or a DIR kept")
     ap.add_argument("--json", dest="out_json", default=None, help="write every trial here")
     args = ap.parse_args(argv)
     if (args.seeds < 1 or args.budget <= 0 or args.repeat < 1
@@ -345,7 +367,8 @@ def _write(path: str | None, doc: dict, t0: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     roots = {"before": args.before, "after": args.after}
-    cats = {side: {d["id"]: d for d in _child(root, ["list", args.suite])["bugs"]} for side, root in roots.items()}
+    cats = {side: {d["id"]: d for d in _child(root, ["list", args.suite], None, args.pycache)["bugs"]}
+            for side, root in roots.items()}
     both, only_before, only_after = catalogues(list(cats["before"].values()), list(cats["after"].values()))
     bugs = both if args.bugs == "all" else [b.strip() for b in args.bugs.split(",")]
     bad = [b for b in bugs if b not in both]
@@ -369,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(job, f)
             load, c0 = os.getloadavg(), time.monotonic()
             try:
-                results = _child(roots[side], ["run", f.name], _overlay(entry))["results"]
+                results = _child(roots[side], ["run", f.name], _overlay(entry), args.pycache)["results"]
             finally:
                 os.unlink(f.name)
             doc["children"].append({"bug": bug, "side": side, "repeat": repeat, "load": [round(x, 2) for x in load],

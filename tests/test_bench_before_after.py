@@ -145,3 +145,15 @@ def test_the_repeats_are_positive_and_named_in_the_table_header(ba, tmp_path, ca
     (tmp_path / "run.json").write_text(json.dumps(doc))
     ba.print_table(str(tmp_path / "run.json"))
     assert "the minimum of 3 runs per trial" in capsys.readouterr().out
+
+
+def test_pycache_gives_the_children_a_bytecode_cache_even_where_the_environment_writes_none(ba, monkeypatch, tmp_path):
+    # PYTHONDONTWRITEBYTECODE put the compilation of the vLLM target's source into vllm-49684's first trial
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    plain = ba.child_env("/root", "/overlay")
+    assert plain["PYTHONPATH"] == os.pathsep.join(["/overlay", "/root"]) and plain["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert "PYTHONPYCACHEPREFIX" not in plain
+    cached = ba.child_env("/root", None, str(tmp_path / "pyc"))
+    assert "PYTHONDONTWRITEBYTECODE" not in cached and cached["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pyc")
+    assert ba.parse_args(["--before", str(tmp_path), "--pycache", "d"]).pycache == "d"

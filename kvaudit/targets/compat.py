@@ -35,8 +35,21 @@ def _at_least(version: str, release: str) -> bool:
 def installed(distribution: str) -> str | None:
     """The version of the first ``distribution`` on ``sys.path`` (a release overlay in front wins), or None
     when none is installed. Read from the metadata once per ``sys.path``: a target's boot asks it (a
-    metadata read costs about 3 ms, which a search used to pay three times per program it ran)."""
-    return _installed(distribution, tuple(sys.path))
+    metadata read costs about 3 ms, which a search used to pay three times per program it ran). A version
+    found stays the answer while ``sys.path`` only grows at its end (the first distribution found is still
+    first): importing vLLM appends setuptools' ``_vendor`` folder, and the first build after the probe read
+    the metadata again (0.75 ms of it; docs/internals/performance.md, stop 56)."""
+    path = tuple(sys.path)
+    found = _found.get(distribution)
+    if found is not None and path[:len(found[0])] == found[0]:
+        return found[1]
+    version = _installed(distribution, path)
+    if version is not None:
+        _found[distribution] = (path, version)
+    return version
+
+
+_found: dict[str, tuple[tuple[str, ...], str]] = {}  # distribution -> (the sys.path it was found on, version)
 
 
 @functools.cache
