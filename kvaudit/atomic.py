@@ -17,6 +17,7 @@ def fd_link(path: str) -> str | None:
     to replace: renaming over it replaced the link itself (``/dev/stdout`` for every process, as root)."""
     p = os.path.abspath(path)
     for _ in range(40):  # (the kernel's own limit on a chain of links)
+        p = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))  # (a link to /proc/self/fd/)
         if not os.path.islink(p):
             return None
         if p.startswith(("/dev/", "/proc/")):

@@ -691,6 +691,19 @@ def test_replay_update_usage_errors(tmp_path, args):
     one_error_line(result)
 
 
+def test_replay_update_refuses_a_file_descriptor_s_link_before_replaying_any(tmp_path):
+    """tester2 56: `cat f | kvaudit replay --update /dev/stdin` read the pipe twice (exit 70), and
+    `--update /dev/fd/3 3<f` rewrote the file behind the descriptor though report paths refuse such links."""
+    good = tmp_path / "a.json"
+    good.write_text(open(os.path.join(REGRESSIONS, "overlap-abort-double-free.json")).read())
+    before = good.read_text()
+    os.symlink("/proc/self/fd/0", tmp_path / "in.json")
+    result = invoke("replay", "--update", str(good), str(tmp_path / "in.json"))
+    assert result.exit_code == 2, result.output
+    assert "is a file descriptor's link, not a file: --update rewrites files in place" in one_error_line(result)
+    assert good.read_text() == before  # (refused before the first was replayed)
+
+
 @pytest.mark.parametrize("flags, warning", [
     (["--campaign", "nightly"], "warning: --campaign nightly names a campaign shared through --db"),
     (["--no-seeds"], "warning: --no-seeds applies to --fuzzer atheris"),

@@ -487,6 +487,28 @@ def test_a_full_disk_in_ci_names_every_report_it_refused(tmp_path, monkeypatch):
     assert line.endswith(f"kept what was written: {tmp_path / 'ci.xml'}") and not (tmp_path / "ci.html").exists()
 
 
+def test_a_campaign_s_full_disk_line_names_its_run_record_and_every_report_refused(tmp_path, monkeypatch):
+    """tester2 56: a campaign's line named the first file refused only (ci named them all)."""
+    real = os.replace
+
+    def replace(tmp, path):  # (the atomic writer's last step)
+        if path.endswith(("campaign.json", "r.json", "s.sarif")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(tmp, path)
+
+    monkeypatch.setattr(os, "replace", replace)
+    corpus = tmp_path / "C"
+    r = invoke("fuzz", "--preset", "default", "--fuzzer", "random", "--seed", "1", "--max-time", "1", "--corpus",
+               str(corpus), "--json", str(tmp_path / "r.json"), "--sarif", str(tmp_path / "s.sarif"),
+               "--junit", str(tmp_path / "j.xml"))
+    assert r.exit_code == 74, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    refused, kept = line.split("; kept what was written: ")
+    assert refused.startswith(f"kvaudit: error: disk full: cannot write {corpus / 'campaign.json'}, "), line
+    assert str(tmp_path / "r.json") in refused and str(tmp_path / "s.sarif") in refused, line
+    assert kept.endswith(str(tmp_path / "j.xml")), line
+
+
 def test_a_campaign_whose_corpus_disk_is_full_still_reports_its_run(tmp_path, monkeypatch):
     """The corpus's disk full at the run record (corpus/campaign.json): the campaign searched on, then exited 74
     with no JUnit, no SUMMARY: line and the error naming the corpus directory (the tester). Now the run's lines

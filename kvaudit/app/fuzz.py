@@ -320,7 +320,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     for key, sigs in (("found_by_another_host", result.fleet), ("not_written", result.unwritten)):
         if sigs:  # signature -> its file here (pulled from the fleet), or the file it would have had (disk full)
             extra[key] = dict(sorted(sigs.items()))
-    kept = tuple(sorted(set(result.new.values())))
+    kept, also = tuple(sorted(set(result.new.values()))), list(result.also_not_written)
     try:
         kept += tuple(write_reports(outputs, ReportData(config, cases or [Case([], [])], suppressed_by_kind(sset),
                                                         extra, suppressions=sset if s.executions else None),
@@ -329,8 +329,9 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         if result.not_written is None:
             raise
         kept = getattr(e, "kept", kept)
+        also += [e.path, *e.also] if isinstance(e, DiskFull) else []
     if result.not_written is not None:  # (after the run's lines and reports: a corpus disk full loses none)
-        raise write_error(result.not_written, result.not_written.filename or f"in {corpus}", kept)
+        raise write_error(result.not_written, result.not_written.filename or f"in {corpus}", kept, also=also)
     if result.new:
         return EXIT_FINDINGS
     if nothing:

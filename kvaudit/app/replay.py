@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvaudit import replay
+from kvaudit import atomic, replay
 from kvaudit.app.configs import check_device, require_target, with_tree_core
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, InputError,
                                 write_error)
@@ -84,6 +84,9 @@ def record_timeline(config, program, sset, err: Console) -> dict | None:
 
 def update_replays(files: tuple[str, ...]) -> int:
     """``replay --update`` (:func:`kvaudit.replay.rerecord`), one line per file; exit 4 if a finding was lost."""
+    for file in files:  # (each before any is replayed: a pipe reads once, and a descriptor is no file to rewrite)
+        if (link := atomic.fd_link(file)) is not None:
+            raise InputError(f"{file}: {link} is a file descriptor's link, not a file: --update rewrites files in place")
     console = make_console()
     lost = 0
     for file in files:

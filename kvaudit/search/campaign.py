@@ -70,6 +70,7 @@ class CampaignResult:
     # a file not written on a full disk (a worker's replay file: the campaign stopped there, keeping what it had
     # found; or the run record, corpus/campaign.json): filename names it
     not_written: OSError | None = None
+    also_not_written: list[str] = field(default_factory=list)  # files a full disk refused after not_written's
     unwritten: dict[str, str] = field(default_factory=dict)  # signature -> its replay file, found but not written
 
 
@@ -463,8 +464,10 @@ class _Tally:
         elif kind == "duplicate":
             result.duplicates[msg[2]] = result.duplicates.get(msg[2], 0) + 1
         elif kind == "warning":
-            if msg[2] not in result.warnings:
-                result.warnings.append(msg[2])
+            # (a worker's own state, as the hub's "this worker ...": named, so two workers' are not one line)
+            text = msg[2].replace("this worker", f"worker {index}") if index >= 0 else msg[2]
+            if text not in result.warnings:
+                result.warnings.append(text)
         elif kind == "error":
             if msg[3] is not None:
                 error = OSError(msg[3], f"{msg[5] or msg[2]}, in worker {index}", msg[4])
@@ -603,5 +606,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         "fuzzer": fuzzer, "workers": workers, "seed": seed, "preset": config.preset, "bugs": sorted(config.bugs),
         "executions": stats.executions, "ops": stats.ops, "new": sorted(result.new), "known": sorted(result.known),
         "interrupted": result.interrupted}, result.warnings)
+    if result.not_written is not None and not_recorded is not None:
+        result.also_not_written.append(not_recorded.filename)
     result.not_written = result.not_written or not_recorded
     return result
