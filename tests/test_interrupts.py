@@ -631,6 +631,31 @@ def test_a_ci_campaigns_full_disk_is_one_line_after_the_jobs_verdict(tmp_path, m
     assert "fuzz mixed-chunk" not in r.stderr
 
 
+def test_a_ci_campaigns_finding_a_full_disk_kept_off_the_corpus_is_in_its_summary_and_verdict(tmp_path, monkeypatch):
+    """stop 56: `fuzz` named a finding found but not written (disk full) in its SUMMARY: line; `ci` said "no new
+    findings" and "passed"-style counts of 0 for it. Now both lines name it, and the job fails."""
+    from kvaudit.search import campaign
+
+    signature = replay.load(os.path.join(REGRESSIONS, f"{BUG}.json"))[2][0].signature
+    corpus = tmp_path / "corpus"
+    full = str(corpus / "default" / "findings" / "b.json")
+
+    def search_loop(spec, emit):
+        for msg in [("ready", 0), ("unwritten", 0, [signature], full)]:
+            emit(msg)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), full)
+
+    monkeypatch.setattr(campaign, "_search_loop", search_loop)
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    r = invoke("ci", "--presets", "default", "--fuzzer", "random", "--max-time", "10", "--regressions", str(regs),
+               "--corpus", str(corpus), "--out", str(tmp_path / "o"))
+    assert r.exit_code == 74, r.output
+    summary, verdict = r.stdout.strip().splitlines()[-2:]
+    assert summary == f"SUMMARY: kvaudit: 1 new signature(s) found but not written (disk full): {signature}.", summary
+    assert verdict == "FAILED: 0/0 regressions ok, 0 new finding(s), 1 found but not written (disk full)", verdict
+
+
 WORKER_ENDS_THEN_SIGTERM = """
 import os, signal, sys
 from kvaudit.search import campaign

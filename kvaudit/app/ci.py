@@ -21,7 +21,8 @@ from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.data import data_path
 from kvaudit.reports.outputs import Case, Outputs, ReportData
-from kvaudit.reports.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+from kvaudit.reports.report import (print_report, print_suppressions, print_table, summary_line, suppressed_by_kind,
+                                    with_not_written)
 from kvaudit.search import ci
 from kvaudit.targets import registry
 
@@ -89,9 +90,12 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     runs = [findings for run in result.fuzz for _, findings, _ in run.new]
     line = summary_line([f for findings in runs for f in findings], suppressed_by_kind(sset),
                         interrupted=result.interrupted, runs=runs)
-    console.print(line.replace("kvaudit: no findings", "kvaudit: no new findings"), soft_wrap=True)
+    unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
+    console.print(with_not_written(line.replace("kvaudit: no findings", "kvaudit: no new findings"), unwritten),
+                  soft_wrap=True)
     console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
+                  + (f", {len(unwritten)} found but not written (disk full)" if unwritten else "")
                   + (" (interrupted)" if result.interrupted else ""))
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed

@@ -26,7 +26,8 @@ from kvaudit.audit import runner
 from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
-from kvaudit.reports.report import print_report, print_suppressions, print_table, summary_line, suppressed_by_kind
+from kvaudit.reports.report import (print_report, print_suppressions, print_table, summary_line, suppressed_by_kind,
+                                    with_not_written)
 from kvaudit.search import campaign, fuzzers
 # NOTE: names of the search read through their modules when called (tests patch them)
 from kvaudit.search import fuzz as search_fuzz
@@ -349,11 +350,7 @@ def _campaign_summary(result, cases: list[Case], paths: list[str], sset) -> str:
     line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
     if result.known:
         line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
-    if result.unwritten:  # found, confirmed and minimized, but its file is not on disk: not "no new findings"
-        lost = (f"{len(result.unwritten)} new signature(s) found but not written (disk full): "
-                + ", ".join(sorted(result.unwritten)))
-        line = line.replace("no new findings", lost) if "no new findings" in line else line[:-1] + f"; {lost}."
-    return line
+    return with_not_written(line, result.unwritten)  # (found, confirmed and minimized, but its file is not on disk)
 
 
 def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]]:

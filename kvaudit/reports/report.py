@@ -185,6 +185,16 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
             f"signature(s){f'; {involved} involved' if involved else ''}{tail}.")
 
 
+def with_not_written(line: str, unwritten: dict[str, str]) -> str:
+    """A campaign's ``SUMMARY:`` line (``no new findings`` already said for "no findings") with the signatures
+    ``unwritten`` names (signature -> the file a full disk refused) said to be found but not written: not
+    "no new findings"."""
+    if not unwritten:
+        return line
+    lost = f"{len(unwritten)} new signature(s) found but not written (disk full): " + ", ".join(sorted(unwritten))
+    return line.replace("no new findings", lost) if "no new findings" in line else line[:-1] + f"; {lost}."
+
+
 def suppressed_by_kind(suppressions: SuppressionSet | None) -> dict[str, int]:
     """Distinct signatures the rules suppressed, per finding kind."""
     sigs = suppressions.suppressed_signatures() if suppressions is not None else ()

@@ -56,6 +56,7 @@ class FuzzRun:
     reached: dict[str, int] = field(default_factory=dict)  # Target.reach() summed over the programs run
     found_after: dict[str, float] = field(default_factory=dict)  # new signature -> seconds of search until it landed
     not_written: OSError | None = None  # the campaign's file not written on a full disk (CampaignResult.not_written)
+    unwritten: dict[str, str] = field(default_factory=dict)  # signature -> its replay file, found but not written
 
     def new_signatures(self) -> dict[str, tuple[Finding, str]]:
         """Signature -> (its first finding, its replay file), in signature order."""
@@ -79,7 +80,7 @@ class CiResult:
 
     @property
     def failed(self) -> bool:
-        return any(not r.ok for r in self.regressions) or any(run.new for run in self.fuzz)
+        return any(not r.ok for r in self.regressions) or any(run.new or run.unwritten for run in self.fuzz)
 
     def new_findings(self) -> list[Finding]:
         return [f for run in self.fuzz for _, findings, _ in run.new for f in findings]
@@ -153,7 +154,7 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
         run.executions = result.stats.executions
         run.reached = dict(result.stats.reached)
         run.suppression_usage = list(result.suppression_usage.values())
-        run.not_written = result.not_written
+        run.not_written, run.unwritten = result.not_written, dict(result.unwritten)
         run.known = sorted({**result.known, **result.fleet})
         by_file: dict[str, set[str]] = {}
         for sig, path in result.new.items():
