@@ -146,6 +146,27 @@ def test_unreadable_campaign_files_are_named_and_the_run_record_is_moved_aside_n
     assert (corpus / "findings" / "junk.json").read_text() == "{not json"
 
 
+def test_the_progress_line_says_which_worker_is_confirming_or_minimizing_which_finding():
+    """stop 55/56: while a worker triaged (seconds, a hang's replays 1.4 s each) no progress line came, and the run
+    looked stuck; the workers now say each triage phase, and the campaign's phase names it until that worker's
+    next progress, finding or flaky message."""
+    from kvaudit.search.campaign import CampaignResult, _Tally
+
+    seen = []
+    result = CampaignResult()
+    tally = _Tally(result, lambda s: seen.append(s.phase), None)
+    tally(("ready", 1))
+    tally(("phase", 1, "confirming", "leak/x"))
+    tally(("phase", 2, "minimizing", "hang/y"))
+    assert seen[-1] == "fuzzing; worker 1 confirming leak/x; worker 2 minimizing hang/y"
+    tally(("phase", 1, "minimizing", "leak/x"))
+    assert seen[-1] == "fuzzing; worker 1 minimizing leak/x; worker 2 minimizing hang/y"
+    tally(("finding", 1, "leak/x", "/c/findings/x.json"))
+    assert seen[-1] == "fuzzing; worker 2 minimizing hang/y" and result.new == {"leak/x": "/c/findings/x.json"}
+    tally(("flaky", 2, "hang/y"))
+    assert seen[-1] == "fuzzing"
+
+
 @pytest.mark.parametrize("known", [False, True])
 def test_a_file_with_two_new_signatures_is_reported_once_and_summed_over_new_ones(known, tmp_path, monkeypatch):
     """One program raised two new signatures, both landing in one file: the campaign printed that file's

@@ -242,7 +242,7 @@ class _Worker:
             # with the budget, or MINIMIZE_GRACE s after it starts; the file says so ("minimized": false)
             until = None if self.ends is None else max(self.ends, time.monotonic() + MINIMIZE_GRACE)
             crash = triage(config, program, primary, suppressions=sset.fresh() if sset is not None else None,
-                           minimize_until=until)
+                           minimize_until=until, on_phase=lambda name: self.emit(("phase", spec.index, name, sig)))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM while confirming or minimizing: keep it, unminimized
             doc = replay.to_doc(config, program, [primary] + [f for f in findings if f is not primary],
                                 fuzzer=spec.fuzzer, seed=seed, minimized=False,
@@ -423,6 +423,12 @@ class _Tally:
         self.ready: set[int] = set()
         self.per_worker: dict[int, tuple] = {}
         self.reached: dict[int, dict] = {}  # worker -> its Target.reach() sums so far
+        self.triaging: dict[int, str] = {}  # worker -> what it is doing to a finding (seconds with no progress)
+
+    def _triaged(self, index: int | None) -> None:
+        """Worker ``index`` is done with its finding (None: none is); the phase names those still at theirs."""
+        self.triaging.pop(index, None)
+        self.result.stats.phase = "; ".join(["fuzzing", *self.triaging.values()])
 
     def __call__(self, msg: tuple) -> None:
         kind, index = msg[0], msg[1]
@@ -431,7 +437,11 @@ class _Tally:
             if not self.ready:
                 stats.started = time.monotonic()
             self.ready.add(index)
+        elif kind == "phase":  # a worker confirming or minimizing a finding: the progress line says which
+            self.triaging[index] = f"worker {index} {msg[2]} {msg[3]}"
+            self._triaged(None)
         elif kind == "progress":
+            self._triaged(index)
             self.per_worker[index] = msg[2:4]
             stats.sites.update(map(tuple, msg[4]))
             stats.suppressed.update(msg[5])
@@ -447,6 +457,7 @@ class _Tally:
                 stats.reached.update(counts)  # (update keeps a 0: a path no program reached)
         elif kind == "finding":
             sig, path = msg[2], msg[3]
+            self._triaged(index)
             if sig not in result.new and sig not in result.known:
                 result.new[sig] = path
                 stats.findings = len(result.new)
@@ -458,6 +469,7 @@ class _Tally:
                     result.unwritten.setdefault(sig, msg[3])
         elif kind == "flaky":
             result.flaky.add(msg[2])
+            self._triaged(index)
         elif kind == "pulled":
             if msg[2] not in result.new and msg[2] not in result.known:
                 result.fleet.setdefault(msg[2], msg[3])
