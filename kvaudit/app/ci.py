@@ -13,8 +13,8 @@ from rich.text import Text
 
 from kvaudit import replay
 from kvaudit.app.budget import Budget, duration
-from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, DiskFull,
-                                InputError, write_error)
+from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
+                                refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, load_suppressions, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
@@ -200,7 +200,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
             if not failed:
                 return e
             kept += [p for p in getattr(e, "kept", ()) if p not in kept]
-            also = [e.path, *e.also] if isinstance(e, DiskFull) else []
+            also = list(refused(e))
     return None if not failed else write_error(*failed[0], kept, also=[p for _, p in failed[1:]] + also)
 
 

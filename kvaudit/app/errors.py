@@ -33,6 +33,12 @@ class DiskFull(click.ClickException):
         return DiskFull(self.path, self.why, (*self.kept, *more), (*self.also, *also))
 
 
+def refused(e: click.ClickException) -> tuple[str, ...]:
+    """The files ``e`` says a full disk refused (its path and ``also``), to name after an earlier one; none for
+    another error."""
+    return (e.path, *e.also) if isinstance(e, DiskFull) else ()
+
+
 class UnavailableError(click.ClickException):
     exit_code = EXIT_UNAVAILABLE
 

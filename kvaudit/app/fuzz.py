@@ -17,7 +17,7 @@ from kvaudit.app.budget import Budget, duration
 from kvaudit.app.configs import (check_available, check_db, check_fuzzer, warn_campaign_without_db,
                                  warn_unreachable_bugs)
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, DiskFull,
-                                InputError, write_error)
+                                InputError, refused, write_error)
 from kvaudit.app.files import check_dir, load_suppressions, replay_hint, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -253,7 +253,7 @@ def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click
         written = write_reports(outputs, data, err)
     except click.ClickException as later:
         written = list(getattr(later, "kept", ()))
-        unwritten = (later.path, *later.also) if isinstance(later, DiskFull) else ()
+        unwritten = refused(later)
     return e.keeping(written, also=unwritten) if isinstance(e, DiskFull) else e
 
 
@@ -330,7 +330,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         if result.not_written is None:
             raise
         kept = getattr(e, "kept", kept)
-        also += [e.path, *e.also] if isinstance(e, DiskFull) else []
+        also += refused(e)
     if result.not_written is not None:  # (after the run's lines and reports: a corpus disk full loses none)
         raise write_error(result.not_written, result.not_written.filename or f"in {corpus}", kept, also=also)
     if result.new:
