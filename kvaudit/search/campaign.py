@@ -113,7 +113,8 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     if spec.db:
         from kvaudit.search import hub as hubs
 
-        hub = hubs.Hub(hubs.connect(spec.db, check=False), spec.campaign, hubs.worker_id(spec.index), ttl=spec.ttl)
+        hub = hubs.Hub(hubs.connect(spec.db, check=False), spec.campaign, hubs.worker_id(spec.index), ttl=spec.ttl,
+                       who=f"worker {spec.index}")
         # (before the first heartbeat, which start() sends: `campaign status` showed fuzzer=- until the next one)
         hub.beat(host=hubs.socket.gethostname(), pid=os.getpid(), fuzzer=spec.fuzzer, started=time.time())
         hub.start()
@@ -475,11 +476,9 @@ class _Tally:
                 result.fleet.setdefault(msg[2], msg[3])
         elif kind == "duplicate":
             result.duplicates[msg[2]] = result.duplicates.get(msg[2], 0) + 1
-        elif kind == "warning":
-            # (a worker's own state, as the hub's "this worker ...": named, so two workers' are not one line)
-            text = msg[2].replace("this worker", f"worker {index}") if index >= 0 else msg[2]
-            if text not in result.warnings:
-                result.warnings.append(text)
+        elif kind == "warning":  # (one line for a text several workers sent: a malformed entry in Redis)
+            if msg[2] not in result.warnings:
+                result.warnings.append(msg[2])
         elif kind == "error":
             if msg[3] is not None:
                 error = OSError(msg[3], f"{msg[5] or msg[2]}, in worker {index}", msg[4])

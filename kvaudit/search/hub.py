@@ -175,13 +175,15 @@ def safe_url(url: str) -> str:
 
 class Hub:
     """One worker's view of campaign ``campaign`` in Redis. ``client``: from :func:`connect`; ``worker``:
-    its id (``host/pid/index``); ``ttl``: seconds a claim or heartbeat lives unrenewed. Every method returns
+    its id (``host/pid/index``); ``ttl``: seconds a claim or heartbeat lives unrenewed; ``who``: the worker as
+    its warnings name it (``worker 1``). Every method returns
     normally while Redis is away (:attr:`online` False): reads give their empty default, writes are queued."""
 
-    def __init__(self, client, campaign: str, worker: str, ttl: float = DEFAULT_TTL):
+    def __init__(self, client, campaign: str, worker: str, ttl: float = DEFAULT_TTL, who: str = "this worker"):
         self.r = client
         self.prefix = f"kvaudit:{campaign}:"
         self.worker = worker
+        self.who = who  # what its warnings call the worker ("worker 1": each of a campaign's says which)
         self.ttl = ttl
         self.online = True
         self._retry_at = 0.0
@@ -213,8 +215,8 @@ class Hub:
                     return fn(self.r)
                 except _redis_errors() as e:
                     if self.online:  # (once per outage: the summary says the run was not all shared)
-                        self._warn(f"Redis unreachable from {time.strftime('%H:%M:%S')} ({type(e).__name__}): this "
-                                   "worker searched on alone, queueing what it shares")
+                        self._warn(f"Redis unreachable from {time.strftime('%H:%M:%S')} ({type(e).__name__}): "
+                                   f"{self.who} searched on alone, queueing what it shares")
                     self.online = False
                     self._retry_at = time.monotonic() + RETRY_EVERY
             if redo is not None:
@@ -462,7 +464,7 @@ class Hub:
         with self._lock:
             if not self.online and self._outbox:
                 self._warn(f"Redis still unreachable at the end: {len(self._outbox)} write(s) for the fleet not "
-                           "sent (this worker's findings are in the local corpus only)")
+                           f"sent ({self.who}'s findings are in the local corpus only)")
 
 
 class _ResilientDatabase(ExampleDatabase):
