@@ -409,12 +409,17 @@ def test_a_full_disk_for_the_finding_still_prints_its_report(tmp_path, monkeypat
     assert not replay_files(out) and not leftovers(out)
 
 
-def test_a_full_disk_in_kvaudit_ci_is_one_line(tmp_path, monkeypatch):
-    full_disk_for(monkeypatch, ".xml")
+def ci_over_one_regression(tmp_path, *flags):
+    """``kvaudit ci --max-time 0`` over one regression file (tmp_path/regs/a.json), with ``flags``."""
     regs = tmp_path / "regs"
     regs.mkdir()
     shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
-    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--junit", str(tmp_path / "ci.xml"))
+    return invoke("ci", "--max-time", "0", "--regressions", str(regs), *flags)
+
+
+def test_a_full_disk_in_kvaudit_ci_is_one_line(tmp_path, monkeypatch):
+    full_disk_for(monkeypatch, ".xml")
+    r = ci_over_one_regression(tmp_path, "--junit", str(tmp_path / "ci.xml"))
     assert r.exit_code == 74, r.output
     assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: disk full: cannot write {tmp_path}")
     assert not (tmp_path / "ci.xml").exists() and not leftovers(tmp_path)
@@ -459,11 +464,8 @@ def test_a_full_disk_for_cis_sarif_keeps_its_verdict_lines_and_its_junit(tmp_pat
     """ci's SARIF on a full disk: exit 74 with no SUMMARY: or passed/FAILED line on stdout (the tester); now
     the job's lines, then the JUnit (written after it), then the one-line error."""
     full_disk_for(monkeypatch, ".sarif")
-    regs = tmp_path / "regs"
-    regs.mkdir()
-    shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
-    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--sarif", str(tmp_path / "ci.sarif"),
-               "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"))
+    r = ci_over_one_regression(tmp_path, "--sarif", str(tmp_path / "ci.sarif"),
+                               "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"))
     assert r.exit_code == 74, r.output
     last = r.stdout.strip().splitlines()[-2:]
     assert last[0].startswith("SUMMARY: kvaudit:") and last[1].startswith("passed: 1/1 regressions ok"), last
@@ -475,11 +477,8 @@ def test_a_full_disk_for_cis_sarif_keeps_its_verdict_lines_and_its_junit(tmp_pat
 
 def test_a_full_disk_in_ci_names_every_report_it_refused(tmp_path, monkeypatch):
     full_disk_for(monkeypatch, ".sarif", ".html")
-    regs = tmp_path / "regs"
-    regs.mkdir()
-    shutil.copy(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), regs / "a.json")
-    r = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--sarif", str(tmp_path / "ci.sarif"),
-               "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"))
+    r = ci_over_one_regression(tmp_path, "--sarif", str(tmp_path / "ci.sarif"),
+                               "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"))
     assert r.exit_code == 74, r.output
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"kvaudit: error: disk full: cannot write {tmp_path / 'ci.sarif'}, report "
@@ -753,6 +752,25 @@ def signal_caught(pid: int, sig: int) -> bool:
     return bool(int(mask, 16) >> (sig - 1) & 1)
 
 
+def interrupted_at_start_up(args: list[str], sig) -> tuple[int, str]:
+    """``kvaudit ARGS`` sent ``sig`` as soon as the entry point's guard is in (it catches SIGTERM, which Python
+    alone does not; it installs SIGINT's handler first), whatever the load: (exit code, stderr)."""
+    proc = subprocess.Popen([kvaudit_script(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=plain_env())
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while not signal_caught(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.001)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc to see the guard installed")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_ci_interrupted_during_its_imports_writes_its_junit_and_sarif(tmp_path, sig):
@@ -760,21 +778,9 @@ def test_ci_interrupted_during_its_imports_writes_its_junit_and_sarif(tmp_path, 
     'kvaudit: interrupted' and wrote no --junit; from about 1.6 s on it did. The signal is sent as soon
     as the entry point's guard is installed (it catches SIGTERM; Python alone does not), whatever the load."""
     junit, sarif = tmp_path / "ci.xml", tmp_path / "ci.sarif"
-    proc = subprocess.Popen([kvaudit_script(), "ci", "--max-time", "60", "--out", str(tmp_path / "out"),
-                             f"--junit={junit}", "--sarif", str(sarif)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
-    try:
-        deadline = time.monotonic() + LIMIT_S
-        while not signal_caught(proc.pid, signal.SIGTERM):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.001)
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=LIMIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
+    returncode, err = interrupted_at_start_up(["ci", "--max-time", "60", "--out", str(tmp_path / "out"),
+                                               f"--junit={junit}", "--sarif", str(sarif)], sig)
+    assert returncode == 130, err
     assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
     assert "kvaudit ci:" not in err  # stopped before the job began: start-up's own path wrote the files
     xml = junit.read_text()
@@ -791,23 +797,10 @@ def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_jun
     the single-process run the same). Now they say nothing was checked. SIGINT at its default in the child:
     the guard catches it whatever this process inherited."""
     paths = {k: tmp_path / f"r.{k}" for k in ("json", "sarif", "xml")}
-    proc = subprocess.Popen([kvaudit_script(), "fuzz", "--max-time", "60", "--workers", "2", "--no-seeds",
-                             "--corpus", str(tmp_path / "c"), "--json", str(paths["json"]), "--sarif",
-                             str(paths["sarif"]), f"--junit={paths['xml']}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=plain_env())
-    try:
-        deadline = time.monotonic() + LIMIT_S
-        # (SIGTERM: Python catches SIGINT from its own start; the guard installs SIGINT's handler, then SIGTERM's)
-        while not signal_caught(proc.pid, signal.SIGTERM):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.001)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=LIMIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
+    returncode, err = interrupted_at_start_up(["fuzz", "--max-time", "60", "--workers", "2", "--no-seeds", "--corpus",
+                                               str(tmp_path / "c"), "--json", str(paths["json"]), "--sarif",
+                                               str(paths["sarif"]), f"--junit={paths['xml']}"], signal.SIGINT)
+    assert returncode == 130, err
     assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
     doc = json.loads(paths["json"].read_text())
     assert doc["interrupted"] is True and doc["executions"] == 0 and doc["findings"] == []
