@@ -8,7 +8,6 @@ Design notes (the method, the statistics, the report): docs/internals/history.md
 from __future__ import annotations
 
 import json
-import math
 import os
 import posixpath
 import subprocess
@@ -24,7 +23,7 @@ from kvaudit.history import releases
 from kvaudit.history.catalogue import UNREACHED, all_bugs
 from kvaudit.history.trial import HistoryTrial
 from kvaudit.program import format_program, program_from_json
-from kvaudit.search.bench import _fmt_q, geomean_cells, summarize
+from kvaudit.search.bench import geomean_cells, summarize, table, trial_cells, vs_random_cells
 
 
 class SuiteError(RuntimeError):
@@ -230,9 +229,7 @@ def rediscovered(res: HistoryResult, bug_id: str) -> bool:
 # -- the markdown report ---------------------------------------------------------------------------
 
 def _bugs(res: HistoryResult, ids: list[str], bugs: dict, best: dict) -> list[str]:
-    lines = ["", "## Bugs", "",
-             "| bug | engine | shipped in | fixed in (why clean) | rediscovered | minimized program | signature |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     for bid in ids:
         b, ok, top = bugs[bid], res.found(bid), best[bid]
         replayed = [t for t in ok if t.fixed_clean is not None] if b.fixed and not b.replay_blocked else []
@@ -246,22 +243,17 @@ def _bugs(res: HistoryResult, ids: list[str], bugs: dict, best: dict) -> list[st
         if replayed:  # (a trial whose replay on the fixed release did not run, interrupted, is not counted)
             verdict += f" ({sum(bool(t.fixed_clean) for t in replayed)}/{len(replayed)} programs clean" + (
                 f"; {len(ok) - len(replayed)} not replayed)" if len(replayed) < len(ok) else ")")
-        lines.append(f"| {bid} | {b.engine} | {b.buggy} | {fixed} | {verdict} | "
-                     f"{top.min_len if top else '-'} ops | `{top.signature if top else b.signature or b.finding}` |")
-    return lines
+        rows.append((bid, b.engine, b.buggy, fixed, verdict, f"{top.min_len if top else '-'} ops",
+                     f"`{top.signature if top else b.signature or b.finding}`"))
+    return ["", "## Bugs", ""] + table(("bug", "engine", "shipped in", "fixed in (why clean)", "rediscovered",
+                                        "minimized program", "signature"), rows)
 
 
 def _per_fuzzer(ids: list[str], fuzzers: list[str], by: dict) -> list[str]:
-    lines = ["", "## Per bug and fuzzer", "",
-             "| bug | fuzzer | found | time to bug (s) | executions to bug | min ops | p vs random | A12 vs random |",
-             "|---|---|---|---|---|---|---|---|"]
-    for c in filter(None, (by.get((bid, f)) for bid in ids for f in fuzzers)):
-        lines.append(f"| {c.bug} | {c.fuzzer} | {c.successes}/{c.trials} | {_fmt_q(c.time_q)} | "
-                     f"{_fmt_q(c.execs_q, digits=0)} | "
-                     f"{c.min_len_median if c.min_len_median is not None else '-'} | "
-                     f"{'-' if math.isnan(c.p_vs_random) else f'{c.p_vs_random:.3f}'} | "
-                     f"{'-' if math.isnan(c.a12_vs_random) else f'{c.a12_vs_random:.2f}'} |")
-    return lines
+    return ["", "## Per bug and fuzzer", ""] + table(
+        ("bug", "fuzzer", "found", "time to bug (s)", "executions to bug", "min ops", "p vs random", "A12 vs random"),
+        ((c.bug, c.fuzzer, *trial_cells(c), *vs_random_cells(c))
+         for c in filter(None, (by.get((bid, f)) for bid in ids for f in fuzzers))))
 
 
 def _programs(best: dict, bugs: dict, raw: str) -> list[str]:
@@ -343,14 +335,14 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
         lines.append(f"- **{b.id}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
                      + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
                      + f". Reached: {b.reach}")
-    lines += ["", "## Known bugs not in the suite", "", "| bug | sources | releases | why not |", "|---|---|---|---|"]
-    lines += [f"| {u.id} | {', '.join(u.sources)} | {u.releases} | {u.reason} |" for u in UNREACHED]
+    lines += ["", "## Known bugs not in the suite", ""] + table(
+        ("bug", "sources", "releases", "why not"), ((u.id, ", ".join(u.sources), u.releases, u.reason) for u in UNREACHED))
     if res.releases:
-        lines += ["", "## Releases used", "",
-                  "| engine | version | overlay | size on disk | install or cache check (s) |", "|---|---|---|---|---|"]
-        for r in sorted(res.releases, key=lambda r: (r.engine, r.version)):
-            lines.append(f"| {r.engine} | {r.version} | {'base environment' if not r.overlay else 'cached overlay'} | "
-                         f"{r.bytes / 2**20:.0f} MiB | {r.install_seconds:g} |")
+        lines += ["", "## Releases used", ""] + table(
+            ("engine", "version", "overlay", "size on disk", "install or cache check (s)"),
+            ((r.engine, r.version, "base environment" if not r.overlay else "cached overlay",
+              f"{r.bytes / 2**20:.0f} MiB", f"{r.install_seconds:g}")
+             for r in sorted(res.releases, key=lambda r: (r.engine, r.version))))
         total = sum(r.bytes for r in {(r.engine, r.version): r for r in res.releases}.values())
         lines.append(f"\nOverlays in all: {total / 2**30:.2f} GiB.")
     notes = [t for t in res.trials if t.note or t.others]

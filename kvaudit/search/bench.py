@@ -350,6 +350,22 @@ def _row(*cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def table(header, rows) -> list[str]:
+    """A markdown table's lines: ``header``'s row, its rule, a row per item of ``rows``."""
+    return [_row(*header), "|" + "---|" * len(header), *(_row(*r) for r in rows)]
+
+
+def trial_cells(c: Cell) -> tuple:
+    """found, time to bug, executions to bug, min ops: as both suites' tables show a bug x fuzzer."""
+    return (f"{c.successes}/{c.trials}", _fmt_q(c.time_q), _fmt_q(c.execs_q, digits=0),
+            "-" if c.min_len_median is None else c.min_len_median)
+
+
+def vs_random_cells(c: Cell) -> tuple[str, str]:
+    return ("-" if math.isnan(c.p_vs_random) else f"{c.p_vs_random:.3f}",
+            "-" if math.isnan(c.a12_vs_random) else f"{c.a12_vs_random:.2f}")
+
+
 def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
     """The zoo report; ``raw``: the name of the raw-data file written beside it."""
     cells = summarize(res.trials)
@@ -377,17 +393,12 @@ def markdown(res: BenchResult, raw: str = "benchmarks.json") -> str:
     ]
     by = {(c.bug, c.fuzzer): c for c in cells}
     lines += _headline(res, cells, by)
-    lines += ["", "## Per bug", "",
-              _row("bug", "expected", "fuzzer", "found", "time to bug (s)", "executions to bug", "min ops", "oracle",
-                   "SGLang idle check", "p vs random", "A12 vs random"),
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in (by[(b, f)] for b in s["bugs"] for f in fuzzers if (b, f) in by):
-        lines.append(_row(
-            c.bug, _eut().bugs()[c.bug].finding, c.fuzzer, f"{c.successes}/{c.trials}", _fmt_q(c.time_q),
-            _fmt_q(c.execs_q, digits=0), "-" if c.min_len_median is None else c.min_len_median,
-            ", ".join(c.first_oracles) or "-", c.engine_idle_check,
-            "-" if math.isnan(c.p_vs_random) else f"{c.p_vs_random:.3f}",
-            "-" if math.isnan(c.a12_vs_random) else f"{c.a12_vs_random:.2f}"))
+    lines += ["", "## Per bug", ""] + table(
+        ("bug", "expected", "fuzzer", "found", "time to bug (s)", "executions to bug", "min ops", "oracle",
+         "SGLang idle check", "p vs random", "A12 vs random"),
+        ((c.bug, _eut().bugs()[c.bug].finding, c.fuzzer, *trial_cells(c), ", ".join(c.first_oracles) or "-",
+          c.engine_idle_check, *vs_random_cells(c)) for c in (by[(b, f)] for b in s["bugs"] for f in fuzzers
+                                                               if (b, f) in by)))
     lines += _trials_and_runs(res)
     return "\n".join(lines) + "\n"
 
@@ -400,19 +411,17 @@ def _headline(res: BenchResult, cells: list[Cell], by: dict) -> list[str]:
         meds = [c.median_time for c in mine[f]]
         worst.append("-" if any(m is None for m in meds) or not meds else f"{max(meds):.1f} s")
     fp = {d["fuzzer"]: d for d in res.false_positives}
-    lines = [
-        _row("target", *fuzzers), "|---|" + "---|" * len(fuzzers),
-        _row("bugs found (at least once)", *(f"{sum(1 for c in mine[f] if c.successes)}/{len(mine[f])}"
-                                             + (f" ({len(bugs) - len(mine[f])} not run: interrupted)"
-                                                if len(mine[f]) < len(bugs) else "") for f in fuzzers)),
-        _row("success rate over all trials",
-             *(f"{sum(c.successes for c in mine[f])}/{sum(c.trials for c in mine[f])}" for f in fuzzers)),
-        _row("slowest median time-to-bug (target <= 60 s for every bug)", *worst),
-        _row("geometric mean of median executions-to-bug vs random (target >= 5x fewer)",
-             *geomean_cells(cells, fuzzers)),
-        _row("false positives on the clean engine (target 0)",
-             *(f"{len(fp[f]['findings'])} in {fp[f]['executions']} programs" if f in fp else "-" for f in fuzzers)),
-    ]
+    lines = table(("target", *fuzzers), [
+        ("bugs found (at least once)", *(f"{sum(1 for c in mine[f] if c.successes)}/{len(mine[f])}"
+                                         + (f" ({len(bugs) - len(mine[f])} not run: interrupted)"
+                                            if len(mine[f]) < len(bugs) else "") for f in fuzzers)),
+        ("success rate over all trials",
+         *(f"{sum(c.successes for c in mine[f])}/{sum(c.trials for c in mine[f])}" for f in fuzzers)),
+        ("slowest median time-to-bug (target <= 60 s for every bug)", *worst),
+        ("geometric mean of median executions-to-bug vs random (target >= 5x fewer)", *geomean_cells(cells, fuzzers)),
+        ("false positives on the clean engine (target 0)",
+         *(f"{len(fp[f]['findings'])} in {fp[f]['executions']} programs" if f in fp else "-" for f in fuzzers)),
+    ])
     if res.overhead:
         ov = [r for r in res.overhead if r["model"] == "none"]
         worst_ov = max(r["hooks off"] / r["full oracles"] for r in ov) if ov else math.nan
@@ -428,20 +437,16 @@ def _trials_and_runs(res: BenchResult) -> list[str]:
     if notes or fails:
         lines += ["", "## Trial notes", ""]
         lines += [f"- {t.bug}, {t.fuzzer}, seed {t.seed}: {t.note}" for t in fails + notes]
-    lines += ["", "## False-positive run", "",
-              "| fuzzer | seconds | programs | findings |", "|---|---|---|---|"]
-    for d in res.false_positives:
-        lines.append(_row(d["fuzzer"], f"{d['seconds']:g}", d["executions"],
-                          ", ".join(x["preset"] + ": " + x["signature"] for x in d["findings"]) or "none"))
+    lines += ["", "## False-positive run", ""] + table(
+        ("fuzzer", "seconds", "programs", "findings"),
+        ((d["fuzzer"], f"{d['seconds']:g}", d["executions"],
+          ", ".join(x["preset"] + ": " + x["signature"] for x in d["findings"]) or "none") for d in res.false_positives))
     if res.overhead:
         lines += ["", "## Instrumentation overhead and throughput", "",
                   "Programs/s on one core (100 random programs of 20 ops, best of 3 rounds, the modes taking "
                   "turns, process CPU time). 'hooks on' is the fuzzers' search mode (ledger + shadow KV tags); "
-                  "'full oracles' adds reachability, the identities and liveness after every step.", "",
-                  "| preset | model | hooks off | hooks on | full oracles | hooks on cost | full oracles cost |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in res.overhead:
-            off, on, full = r["hooks off"], r["hooks on"], r["full oracles"]
-            lines.append(_row(r["preset"], r["model"], f"{off:.1f}", f"{on:.1f}", f"{full:.1f}", f"{off / on:.2f}x",
-                              f"{off / full:.2f}x"))
+                  "'full oracles' adds reachability, the identities and liveness after every step.", ""] + table(
+            ("preset", "model", "hooks off", "hooks on", "full oracles", "hooks on cost", "full oracles cost"),
+            ((r["preset"], r["model"], f"{off:.1f}", f"{on:.1f}", f"{full:.1f}", f"{off / on:.2f}x", f"{off / full:.2f}x")
+             for r in res.overhead for off, on, full in [(r["hooks off"], r["hooks on"], r["full oracles"])]))
     return lines
