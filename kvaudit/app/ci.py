@@ -21,8 +21,8 @@ from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.data import data_path
 from kvaudit.reports.outputs import Case, Outputs, ReportData
-from kvaudit.reports.report import (print_report, print_suppressions, print_table, summary_line, suppressed_by_kind,
-                                    with_not_written)
+from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table,
+                                    suppressed_by_kind)
 from kvaudit.search import ci
 from kvaudit.targets import registry
 
@@ -82,17 +82,13 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     _print_table(console, result)
     ran = any(run.executions for run in result.fuzz)
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
-        for run in result.fuzz:
-            sset.add_usage(run.suppression_usage)
+        sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
         print_suppressions(console, sset, not_run=None if ran else _why_nothing_ran(result, per_preset))
     failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err)
     # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
-    runs = [findings for run in result.fuzz for _, findings, _ in run.new]
-    line = summary_line([f for findings in runs for f in findings], suppressed_by_kind(sset),
-                        interrupted=result.interrupted, runs=runs)
     unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
-    console.print(with_not_written(line.replace("kvaudit: no findings", "kvaudit: no new findings"), unwritten),
-                  soft_wrap=True)
+    console.print(new_findings_line([findings for run in result.fuzz for _, findings, _ in run.new],
+                                    suppressed_by_kind(sset), result.interrupted, unwritten), soft_wrap=True)
     console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
                   + (f", {len(unwritten)} found but not written (disk full)" if unwritten else "")

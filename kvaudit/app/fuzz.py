@@ -26,8 +26,8 @@ from kvaudit.audit import runner
 from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
-from kvaudit.reports.report import (print_report, print_suppressions, print_table, summary_line, suppressed_by_kind,
-                                    with_not_written)
+from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table, summary_line,
+                                    suppressed_by_kind)
 from kvaudit.search import campaign, fuzzers
 # NOTE: names of the search read through their modules when called (tests patch them)
 from kvaudit.search import fuzz as search_fuzz
@@ -345,12 +345,7 @@ def _campaign_summary(result, cases: list[Case], paths: list[str], sset) -> str:
     written (a full disk) counted."""
     # NOTE: a file counts only the new signatures it reports (it can hold known ones the same program raised)
     runs = [[f for f in c.findings if result.new.get(f.signature) == path] for c, path in zip(cases, paths)]
-    line = summary_line([f for found in runs for f in found], suppressed_by_kind(sset),
-                        interrupted=result.interrupted, runs=runs)
-    line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
-    if result.known:
-        line = line[:-1] + f"; {len(result.known)} known signature(s) not reported again."
-    return with_not_written(line, result.unwritten)  # (found, confirmed and minimized, but its file is not on disk)
+    return new_findings_line(runs, suppressed_by_kind(sset), result.interrupted, result.unwritten, len(result.known))
 
 
 def _campaign_cases(result, config, console, err) -> tuple[list[Case], list[str]]:

@@ -185,10 +185,16 @@ def summary_line(findings: list[Finding], suppressed: dict[str, int] | None = No
             f"signature(s){f'; {involved} involved' if involved else ''}{tail}.")
 
 
-def with_not_written(line: str, unwritten: dict[str, str]) -> str:
-    """A campaign's ``SUMMARY:`` line (``no new findings`` already said for "no findings") with the signatures
-    ``unwritten`` names (signature -> the file a full disk refused) said to be found but not written: not
-    "no new findings"."""
+def new_findings_line(runs: list[list[Finding]], suppressed: dict[str, int] | None = None, interrupted: bool = False,
+                      unwritten: dict[str, str] | None = None, known: int = 0) -> str:
+    """A campaign's or a ``kvaudit ci`` job's ``SUMMARY:`` line, over its new findings (``runs``: those of
+    each replay file): :func:`summary_line` saying ``no new findings`` for none, ``; N known signature(s) not
+    reported again`` for ``known`` > 0, and the signatures ``unwritten`` names (signature -> the file a full
+    disk refused) said to be found but not written (then not "no new findings")."""
+    line = summary_line([f for found in runs for f in found], suppressed, interrupted=interrupted, runs=runs)
+    line = line.replace("kvaudit: no findings", "kvaudit: no new findings")
+    if known:
+        line = line[:-1] + f"; {known} known signature(s) not reported again."
     if not unwritten:
         return line
     lost = f"{len(unwritten)} new signature(s) found but not written (disk full): " + ", ".join(sorted(unwritten))
