@@ -336,7 +336,8 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
                      + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
                      + f". Reached: {b.reach}")
     lines += ["", "## Known bugs not in the suite", ""] + table(
-        ("bug", "sources", "releases", "why not"), ((u.id, ", ".join(u.sources), u.releases, u.reason) for u in UNREACHED))
+        ("bug", "sources", "releases", "why not"),
+        ((u.id, ", ".join(u.sources), u.releases, u.reason) for u in UNREACHED))
     if res.releases:
         lines += ["", "## Releases used", ""] + table(
             ("engine", "version", "overlay", "size on disk", "install or cache check (s)"),

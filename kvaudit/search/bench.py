@@ -440,13 +440,15 @@ def _trials_and_runs(res: BenchResult) -> list[str]:
     lines += ["", "## False-positive run", ""] + table(
         ("fuzzer", "seconds", "programs", "findings"),
         ((d["fuzzer"], f"{d['seconds']:g}", d["executions"],
-          ", ".join(x["preset"] + ": " + x["signature"] for x in d["findings"]) or "none") for d in res.false_positives))
+          ", ".join(x["preset"] + ": " + x["signature"] for x in d["findings"]) or "none")
+         for d in res.false_positives))
     if res.overhead:
         lines += ["", "## Instrumentation overhead and throughput", "",
                   "Programs/s on one core (100 random programs of 20 ops, best of 3 rounds, the modes taking "
                   "turns, process CPU time). 'hooks on' is the fuzzers' search mode (ledger + shadow KV tags); "
                   "'full oracles' adds reachability, the identities and liveness after every step.", ""] + table(
             ("preset", "model", "hooks off", "hooks on", "full oracles", "hooks on cost", "full oracles cost"),
-            ((r["preset"], r["model"], f"{off:.1f}", f"{on:.1f}", f"{full:.1f}", f"{off / on:.2f}x", f"{off / full:.2f}x")
+            ((r["preset"], r["model"], f"{off:.1f}", f"{on:.1f}", f"{full:.1f}", f"{off / on:.2f}x",
+              f"{off / full:.2f}x")
              for r in res.overhead for off, on, full in [(r["hooks off"], r["hooks on"], r["full oracles"])]))
     return lines

@@ -38,19 +38,25 @@ def findings_dir(corpus: str) -> str:
 def known_signatures(corpus: str, unreadable: list[str] | None = None) -> dict[str, str]:
     """Signature -> replay file, for every signature a file in ``corpus`` records (its secondary ones
     too); unreadable files are skipped (and their paths appended to ``unreadable``)."""
-    out: dict[str, str] = {}
     d = findings_dir(corpus)
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-        if not name.endswith(".json") or name.startswith("."):
-            continue
+    names = sorted(os.listdir(d)) if os.path.isdir(d) else []
+    out: dict[str, str] = {}
+    for sig, path in _recorded([os.path.join(d, n) for n in names if n.endswith(".json") and not n.startswith(".")],
+                               unreadable):
+        out.setdefault(sig, path)
+    return out
+
+
+def _recorded(paths: list[str], unreadable: list[str] | None = None) -> list[tuple[str, str]]:
+    """``(signature, file)`` for each finding the replay files record, in order; a file that does not load is
+    skipped (its path appended to ``unreadable``)."""
+    out = []
+    for path in paths:
         try:
-            _, _, findings, _ = replay.load(os.path.join(d, name))
+            out.extend((f.signature, path) for f in replay.load(path)[2])
         except replay.ReplayFormatError:
             if unreadable is not None:
-                unreadable.append(os.path.join(d, name))
-            continue
-        for f in findings:
-            out.setdefault(f.signature, os.path.join(d, name))
+                unreadable.append(path)
     return out
 
 
@@ -548,14 +554,7 @@ def pull_files(hub, corpus: str) -> list[tuple[str, str]]:
         hub.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus)), written=pulled)
     except OSError:
         pass
-    out = []
-    for path in pulled:
-        try:
-            _, _, findings, _ = replay.load(path)
-        except replay.ReplayFormatError:
-            continue
-        out.extend((f.signature, path) for f in findings)
-    return out
+    return _recorded(pulled)
 
 
 def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, workers: int, corpus: str,
