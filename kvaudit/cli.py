@@ -211,6 +211,20 @@ _paranoid_option = click.option(
          "never reported as a finding). Slower; for checking a target's ownership deltas.")
 
 
+def parses(args: list[str]) -> bool:
+    """Whether :data:`main` accepts the command line ``args`` (``sys.argv[1:]``): parsed and checked as the
+    command will be (an unknown option, a missing or wrong value: ``False``), nothing run. The entry point
+    asks before it imports the engine and the search for a command that runs them, so that a mistyped flag
+    is refused in a fraction of a second (docs/internals/app.md). Raises only what an interrupt raises."""
+    try:
+        with main.make_context("kvaudit", list(args)) as ctx:
+            name, command, rest = main.resolve_command(ctx, [*ctx.protected_args, *ctx.args])
+            command.make_context(name, rest, parent=ctx).close()
+    except Exception:  # click's usage errors, its --help/--version exits, a callback's own error: the
+        return False   # command says which, the same way, when it runs
+    return True
+
+
 @main.command()
 @common_options
 @click.option("--fuzzer", type=FuzzerChoice(), default=DEFAULT_FUZZER, show_default=True,
