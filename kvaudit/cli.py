@@ -497,7 +497,8 @@ def report_cmd(file, outputs):
     """Render the findings recorded in a replay or report JSON FILE: the console report, and the
     files that --html/--sarif/--junit/--json ask for. Runs no search and no engine: the occupancy
     plot (--html, --json) is the timeline FILE records (a file without one gets no plot). Exits 0
-    once the report is rendered, findings or not."""
+    once the report is rendered, findings or not; 2 for a bad FILE; 5 for the --json of a run
+    interrupted during start-up (nothing recorded: no report is written)."""
     from kvaudit.app import report as job
 
     return job.run(file, outputs)

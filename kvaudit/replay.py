@@ -25,6 +25,11 @@ class ReplayFormatError(ValueError):
     """A file that is not a valid kvaudit replay file (message is one line)."""
 
 
+class NothingRecordedError(ReplayFormatError):
+    """The ``fuzz --json`` of a run interrupted during start-up (``"interrupted": true``, ``"executions": 0``,
+    no ``config``: it was not built yet): a valid file that records no program to replay or report."""
+
+
 def engine_version(config: TargetConfig) -> str | None:
     """The release of the engine whose frames a run of ``config`` records, as its target kind's
     ``engine_source()`` says (a release overlay's when one is in front of ``sys.path``); None for an engine
@@ -177,6 +182,9 @@ def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[O
 
 
 def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
+    if "config" not in doc and doc.get("interrupted") is True and doc.get("executions") == 0:
+        raise NothingRecordedError(f"{path}: nothing recorded: the run was interrupted (Ctrl-C or SIGTERM) during "
+                                   "start-up, before it checked anything (no config, no program)")
     for key in ("config", "program"):
         if key not in doc:
             raise ReplayFormatError(f"{path}: missing key {json_value(key)}")

@@ -39,6 +39,12 @@ def refused(e: click.ClickException) -> tuple[str, ...]:
     return (e.path, *e.also) if isinstance(e, DiskFull) else ()
 
 
+class NothingChecked(click.ClickException):
+    """A run, or the file a run left, in which nothing was checked: not clean (exit 5)."""
+
+    exit_code = EXIT_NOTHING_SEARCHED
+
+
 class UnavailableError(click.ClickException):
     exit_code = EXIT_UNAVAILABLE
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from kvaudit import replay
-from kvaudit.app.errors import EXIT_CLEAN, InputError
+from kvaudit.app.errors import EXIT_CLEAN, InputError, NothingChecked
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
@@ -15,10 +15,13 @@ from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
 
 def run(file: str, outputs: Outputs) -> int:
-    """``kvaudit report FILE``; returns 0. Raises :class:`InputError` for a bad file."""
+    """``kvaudit report FILE``; returns 0. Raises :class:`InputError` for a bad file, :class:`NothingChecked`
+    (exit 5, no report written) for the ``--json`` of a run interrupted during start-up."""
     check_outputs((file,), **vars(outputs))
     try:
         config, loaded, doc = replay.load_cases(file)
+    except replay.NothingRecordedError as e:
+        raise NothingChecked(str(e)) from None
     except replay.ReplayFormatError as e:
         raise InputError(str(e)) from None
     suppressed = doc.get("suppressed") or {}
