@@ -498,7 +498,8 @@ def report_cmd(file, outputs):
     files that --html/--sarif/--junit/--json ask for. Runs no search and no engine: the occupancy
     plot (--html, --json) is the timeline FILE records (a file without one gets no plot). Exits 0
     once the report is rendered, findings or not; 2 for a bad FILE; 5 for the --json of a run
-    interrupted during start-up (nothing recorded: no report is written)."""
+    interrupted during start-up (nothing recorded: no report is written); 69 when FILE's target is a
+    plugin's kind not loaded here (KVAUDIT_PLUGINS)."""
     from kvaudit.app import report as job
 
     return job.run(file, outputs)
@@ -518,7 +519,7 @@ def report_cmd(file, outputs):
 @needs_targets
 def export_cmd(file, issue_out, client_out, resolve):
     """Export a replay FILE (an SGLang or vLLM finding) as an issue report and/or a client-level reproducer.
-    Exit 0 once written, 2 on a bad file or flag."""
+    Exit 0 once written, 2 on a bad file or flag, 69 when FILE's target is a plugin's kind not loaded here."""
     from kvaudit.app import export as job
 
     return job.run(file, issue_out, client_out, resolve)

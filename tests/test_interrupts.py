@@ -826,7 +826,7 @@ def test_the_json_of_a_run_interrupted_at_start_up_reports_as_nothing_checked(tm
                                      "SIGTERM) during start-up, before it checked anything (no config, no program)"]
     assert not (tmp_path / "r.html").exists()
     r = invoke("replay", doc)
-    assert r.exit_code == 2 and "interrupted (Ctrl-C or SIGTERM) during start-up" in r.stderr, r.output
+    assert r.exit_code == 5 and "interrupted (Ctrl-C or SIGTERM) during start-up" in r.stderr, r.output
 
 
 def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_path, monkeypatch):

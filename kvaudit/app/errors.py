@@ -49,6 +49,18 @@ class UnavailableError(click.ClickException):
     exit_code = EXIT_UNAVAILABLE
 
 
+def unreadable(e: ValueError) -> click.ClickException:
+    """The error for a replay or report file ``kvaudit.replay`` could not read (``e``, a ``ReplayFormatError``,
+    its message one line naming the file): :class:`UnavailableError` (69) when it names a target kind not
+    registered here (a plugin not loaded), :class:`NothingChecked` (5) for the ``--json`` of a run interrupted
+    during start-up, else :class:`InputError` (2)."""
+    from kvaudit import replay
+
+    if isinstance(e, replay.TargetNotLoadedError):
+        return UnavailableError(str(e))
+    return (NothingChecked if isinstance(e, replay.NothingRecordedError) else InputError)(str(e))
+
+
 def write_error(e: OSError, path: str, kept: list[str] | tuple = (),
                 also: list[str] | tuple = ()) -> click.ClickException:
     """The error for a file not written: :class:`DiskFull` naming the files ``kept`` (and ``also``, other files
