@@ -211,6 +211,20 @@ _paranoid_option = click.option(
          "never reported as a finding). Slower; for checking a target's ownership deltas.")
 
 
+def parses(args: list[str]) -> bool:
+    """Whether :data:`main` accepts the command line ``args`` (``sys.argv[1:]``): parsed and checked as the
+    command will be (an unknown option, a missing or wrong value: ``False``), nothing run. The entry point
+    asks before it imports the engine and the search for a command that runs them, so that a mistyped flag
+    is refused in a fraction of a second (docs/internals/app.md). Raises only what an interrupt raises."""
+    try:
+        with main.make_context("kvaudit", list(args)) as ctx:
+            name, command, rest = main.resolve_command(ctx, [*ctx.protected_args, *ctx.args])
+            command.make_context(name, rest, parent=ctx).close()
+    except Exception:  # click's usage errors, its --help/--version exits, a callback's own error: the
+        return False   # command says which, the same way, when it runs
+    return True
+
+
 @main.command()
 @common_options
 @click.option("--fuzzer", type=FuzzerChoice(), default=DEFAULT_FUZZER, show_default=True,
@@ -483,7 +497,9 @@ def report_cmd(file, outputs):
     """Render the findings recorded in a replay or report JSON FILE: the console report, and the
     files that --html/--sarif/--junit/--json ask for. Runs no search and no engine: the occupancy
     plot (--html, --json) is the timeline FILE records (a file without one gets no plot). Exits 0
-    once the report is rendered, findings or not."""
+    once the report is rendered, findings or not; 2 for a bad FILE; 5 for the --json of a run
+    interrupted during start-up (nothing recorded: no report is written); 69 when FILE's target is a
+    plugin's kind not loaded here (KVAUDIT_PLUGINS)."""
     from kvaudit.app import report as job
 
     return job.run(file, outputs)
@@ -503,7 +519,7 @@ def report_cmd(file, outputs):
 @needs_targets
 def export_cmd(file, issue_out, client_out, resolve):
     """Export a replay FILE (an SGLang or vLLM finding) as an issue report and/or a client-level reproducer.
-    Exit 0 once written, 2 on a bad file or flag."""
+    Exit 0 once written, 2 on a bad file or flag, 69 when FILE's target is a plugin's kind not loaded here."""
     from kvaudit.app import export as job
 
     return job.run(file, issue_out, client_out, resolve)

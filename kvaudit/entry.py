@@ -36,7 +36,8 @@ def main() -> None:
         # inside the try, since a signal can land as soon as its handler is in (before the next line)
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_sigint)
-        from kvaudit.cli import main as cli_main
+        from kvaudit.cli import main as cli_main, parses
+        runs_engine = runs_engine and parses(args)  # bad input is refused before the engine is imported
         if runs_engine:
             for name in _HEAVY_MODULES:
                 importlib.import_module(name)

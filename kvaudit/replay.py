@@ -10,7 +10,7 @@ from typing import Callable
 from kvaudit import atomic
 from kvaudit.config import TargetConfig, json_value
 from kvaudit.targets import config_from_dict, config_to_dict
-from kvaudit.targets.registry import kind_of
+from kvaudit.targets.registry import UnknownTargetError, kind_of
 from kvaudit.audit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
@@ -23,6 +23,26 @@ write_bytes_atomic, write_text_atomic = atomic.write_bytes_atomic, atomic.write_
 
 class ReplayFormatError(ValueError):
     """A file that is not a valid kvaudit replay file (message is one line)."""
+
+
+class NothingRecordedError(ReplayFormatError):
+    """The ``fuzz --json`` of a run interrupted during start-up (``"interrupted": true``, ``"executions": 0``,
+    no ``config``: it was not built yet): a valid file that records no program to replay or report."""
+
+
+class TargetNotLoadedError(ReplayFormatError):
+    """A replay file whose ``config.target`` names a kind not registered in this process: a plugin's target
+    whose plugin is not loaded (``KVAUDIT_PLUGINS``, an entry point). The message names the kind and how to
+    load it."""
+
+
+def _config(d, path: str) -> TargetConfig:
+    try:
+        return config_from_dict(d)
+    except UnknownTargetError as e:
+        raise TargetNotLoadedError(f"{path}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ReplayFormatError(f"{path}: bad config: {e}") from None
 
 
 def engine_version(config: TargetConfig) -> str | None:
@@ -167,25 +187,22 @@ def load_cases(path: str) -> tuple[TargetConfig, list[tuple[TargetConfig, list[O
             if not isinstance(case, dict) or case.get("format") != FORMAT:
                 raise ReplayFormatError(f"{path}: case {i} is not a replay document")
             out.append(_parse(case, f"{path} case {i}"))
-        try:
-            top = config_from_dict(doc["config"]) if isinstance(doc.get("config"), dict) else out[0][0]
-        except (TypeError, ValueError) as e:
-            raise ReplayFormatError(f"{path}: bad config: {e}") from None
+        top = _config(doc["config"], path) if isinstance(doc.get("config"), dict) else out[0][0]
         return top, out, doc
     case = _parse_replay(doc, path)  # the file is read once
     return case[0], [case], doc
 
 
 def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding], dict]:
+    if "config" not in doc and doc.get("interrupted") is True and doc.get("executions") == 0:
+        raise NothingRecordedError(f"{path}: nothing recorded: the run was interrupted (Ctrl-C or SIGTERM) during "
+                                   "start-up, before it checked anything (no config, no program)")
     for key in ("config", "program"):
         if key not in doc:
             raise ReplayFormatError(f"{path}: missing key {json_value(key)}")
-    try:
-        if not isinstance(doc["config"], dict):
-            raise ValueError("config must be an object")
-        config = config_from_dict(doc["config"])
-    except (TypeError, ValueError) as e:
-        raise ReplayFormatError(f"{path}: bad config: {e}") from None
+    if not isinstance(doc["config"], dict):
+        raise ReplayFormatError(f"{path}: bad config: config must be an object")
+    config = _config(doc["config"], path)
     try:
         program = program_from_json(doc["program"])
     except ProgramError as e:

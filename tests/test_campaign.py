@@ -146,6 +146,29 @@ def test_unreadable_campaign_files_are_named_and_the_run_record_is_moved_aside_n
     assert (corpus / "findings" / "junk.json").read_text() == "{not json"
 
 
+def test_the_run_record_keeps_the_users_keys_and_sets_aside_entries_that_are_not_runs(tmp_path):
+    """stop 56: a campaign.json whose "runs" held entries that are not run records kept them in "runs" on every
+    rewrite, and a top-level key of the user's was dropped. The key stays; the junk is left out of "runs", with
+    a warning, and the file as it was is copied aside first (nothing of the user's is lost)."""
+    from kvaudit.search.campaign import _append_run_record
+
+    path = tmp_path / "campaign.json"
+    run = {"started": "2026-12-01T00:00:00Z", "executions": 3}
+    before = json.dumps({"format": "kvaudit.campaign/1", "owner": "team-kv", "runs": [run, 42, "junk", {"x": 1}]})
+    path.write_text(before)
+    warnings = []
+    assert _append_run_record(str(tmp_path), {"started": "2026-12-02T00:00:00Z"}, warnings) is None
+    doc = json.loads(path.read_text())
+    assert doc["owner"] == "team-kv" and doc["format"] == "kvaudit.campaign/1"
+    assert doc["runs"] == [run, {"started": "2026-12-02T00:00:00Z"}]
+    assert warnings == [f"{path}: 3 of its 4 runs are not run records (the first: 42): left out, the file as it was "
+                        f"copied to {path}.unreadable"]
+    assert (tmp_path / "campaign.json.unreadable").read_text() == before
+    warnings.clear()  # a clean file: no warning, nothing set aside
+    assert _append_run_record(str(tmp_path), {"started": "2026-12-03T00:00:00Z"}, warnings) is None
+    assert not warnings and len(json.loads(path.read_text())["runs"]) == 3 and not os.path.exists(f"{path}.unreadable-1")
+
+
 def test_the_progress_line_says_which_worker_is_confirming_or_minimizing_which_finding():
     """stop 55/56: while a worker triaged (seconds, a hang's replays 1.4 s each) no progress line came, and the run
     looked stuck; the workers now say each triage phase, and the campaign's phase names it until that worker's

@@ -36,6 +36,31 @@ def test_help_imports_neither_torch_nor_hypothesis_nor_rich(args):
     assert not heavy, f"`kvaudit {' '.join(args)}` imports {heavy[:10]}"
 
 
+@pytest.mark.parametrize("args", [["fuzz", "--max-tme", "3"], ["fuzz", "--max-time"], ["fuzz", "--max-time", "-1"],
+                                  ["ci", "--bogus"], ["replay"], ["bench", "--budget", "x"],
+                                  ["fuzz", "--target", "nope"]], ids=" ".join)
+def test_bad_input_is_refused_before_the_engine_is_imported(args):
+    """A mistyped flag on a command that runs the engine is a one-line usage error (exit 2) from click's
+    parse, which the entry point asks for before it imports torch, Hypothesis and the engine (the mistyped
+    ``fuzz --max-tme 3`` took 1.4 s, all of it imports)."""
+    r = _python("-X", "importtime", "-m", "kvaudit", *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(errors) == 1 and errors[0].startswith("kvaudit: error: "), errors
+    imported = [m.group(1).strip() for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \| (.+)$", r.stderr, re.M)]
+    assert "kvaudit.cli" in imported
+    heavy = sorted({name for name in imported if HEAVY.match(name)})
+    assert not heavy, f"`kvaudit {' '.join(args)}` imports {heavy[:10]}"
+
+
+def test_a_good_command_line_parses():
+    """The check the entry point makes says yes to what the command accepts (and runs none of it)."""
+    from kvaudit.cli import parses
+
+    assert parses(["fuzz", "--max-time", "3", "--fuzzer", "random"]) and parses(["replay", "x.json"])
+    assert not parses(["fuzz", "--max-tme", "3"]) and not parses(["--version"]) and not parses(["nope"])
+
+
 def test_start_up_is_not_part_of_the_search_budget(tmp_path):
     """A process that took 100 s to start still searches its whole --max-time (issue 34: --max-time 20
     on SGLang searched 1.3 s, or nothing under load); the run's first lines say what start-up took."""
@@ -143,7 +168,7 @@ def test_an_engine_command_runs_torch_on_one_thread_unless_the_user_chose(monkey
     leaves a number the user gave in OMP_NUM_THREADS alone."""
     code = ("import sys, kvaudit.cli\n"
             "def fake(**kw):\n    import torch; print('threads', torch.get_num_threads()); sys.exit(0)\n"
-            "kvaudit.cli.main = fake\n"
+            "kvaudit.cli.main, kvaudit.cli.parses = fake, lambda args: True\n"
             f"sys.argv = ['kvaudit', 'replay', {REGRESSION!r}]\n"
             "import torch; torch.set_num_threads(2)\n"
             "from kvaudit.entry import main\nmain()\n")

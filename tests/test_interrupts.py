@@ -796,10 +796,11 @@ def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_jun
     4-5 s) exited 130 with 'kvaudit: interrupted' and wrote none of the reports asked for (tester, stop 55;
     the single-process run the same). Now they say nothing was checked. SIGINT at its default in the child:
     the guard catches it whatever this process inherited."""
-    paths = {k: tmp_path / f"r.{k}" for k in ("json", "sarif", "xml")}
+    paths = {k: tmp_path / f"r.{k}" for k in ("json", "sarif", "xml", "html")}
     returncode, err = interrupted_at_start_up(["fuzz", "--max-time", "60", "--workers", "2", "--no-seeds", "--corpus",
                                                str(tmp_path / "c"), "--json", str(paths["json"]), "--sarif",
-                                               str(paths["sarif"]), f"--junit={paths['xml']}"], signal.SIGINT)
+                                               str(paths["sarif"]), f"--junit={paths['xml']}", "--html",
+                                               str(paths["html"])], signal.SIGINT)
     assert returncode == 130, err
     assert err.strip().splitlines()[-1] == "kvaudit: interrupted" and "Traceback" not in err
     doc = json.loads(paths["json"].read_text())
@@ -807,6 +808,25 @@ def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_jun
     (run,) = json.loads(paths["sarif"].read_text())["runs"]
     assert run["results"] == [] and run["invocations"][0]["executionSuccessful"] is False
     assert 'name="interrupted"' in paths["xml"].read_text()
+    assert "nothing was checked" in paths["html"].read_text()
+
+
+def test_the_json_of_a_run_interrupted_at_start_up_reports_as_nothing_checked(tmp_path):
+    """`kvaudit report` on the --json a start-up interrupt wrote said 'missing key "config"' (exit 2), as if the
+    file were broken: it says in one line that the run checked nothing (exit 5, as a search that ran nothing),
+    and writes no report. The --html asked for at start-up is a page that says the same."""
+    from kvaudit.app.interrupts import write_startup_reports
+
+    doc, page = str(tmp_path / "s.json"), str(tmp_path / "s.html")
+    assert write_startup_reports(["fuzz", "--json", doc, "--html", page]) == [doc, page]
+    assert "nothing was checked" in open(page).read() and "<!DOCTYPE html>" in open(page).read()
+    r = invoke("report", doc, "--html", str(tmp_path / "r.html"))
+    assert r.exit_code == 5, r.output
+    assert r.stderr.splitlines() == [f"kvaudit: error: {doc}: nothing recorded: the run was interrupted (Ctrl-C or "
+                                     "SIGTERM) during start-up, before it checked anything (no config, no program)"]
+    assert not (tmp_path / "r.html").exists()
+    r = invoke("replay", doc)
+    assert r.exit_code == 5 and "interrupted (Ctrl-C or SIGTERM) during start-up" in r.stderr, r.output
 
 
 def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_path, monkeypatch):
@@ -834,6 +854,7 @@ def test_the_start_up_reports_read_the_command_line_as_click_does(tmp_path):
     assert ci_report_paths(["ci", "--", "--junit", "a.xml"]) == {}
     assert ci_report_paths(["bench", "--json", "a.json"]) == ci_report_paths(["ci", "--help", "--junit", "a"]) == {}
     assert ci_report_paths(["ci", "--json", "a.json"]) == {}  # (ci has no --json)
+    assert ci_report_paths(["ci", "--html", "a.html"]) == {"html": "a.html"}
     # fuzz's flags take no value: the report after one is still read
     assert ci_report_paths(["fuzz", "--no-seeds", "--json", "a.json", "--paranoid", "--sarif", "b"]) == \
         {"json": "a.json", "sarif": "b"}

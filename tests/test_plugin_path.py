@@ -6,6 +6,8 @@ import glob
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -103,6 +105,25 @@ def test_a_plugin_replay_file_names_its_kind_and_replays(tmp_path):
     assert "leak" in r.output
 
 
+@pytest.mark.parametrize("command", [["report"], ["replay"], ["minimize"], ["export", "--issue", "i.md"]],
+                         ids=lambda c: c[0])
+def test_a_plugin_replay_file_without_its_plugin_says_how_to_load_it(tmp_path, command):
+    """Read in a shell without KVAUDIT_PLUGINS, a plugin kind's file was 'bad config: unknown target', exit 2,
+    as if the file were broken: one line naming the kind and how to load a plugin, and exit 69 (what this
+    host lacks, as for atheris), whatever the command."""
+    path = tmp_path / "rowtoy.json"
+    config = registry.get("rowtoy").preset("rowtoy-leaky").config()
+    replay.write_atomic(str(path), replay.to_doc(config, [Submit()], []))
+    env = {k: v for k, v in os.environ.items() if k != "KVAUDIT_PLUGINS"} | {"PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "kvaudit", command[0], str(path), *command[1:]], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 69, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [f'kvaudit: error: {path}: unknown target "rowtoy" (valid: eut, sglang, vllm; a '
+                                     'target from a plugin needs KVAUDIT_PLUGINS=<module> or an installed '
+                                     '"kvaudit.targets" entry point)'], r.stderr
+    assert not (tmp_path / "i.md").exists()
+
+
 def test_every_kind_writes_its_name_and_reads_it_back():
     from kvaudit.targets import config_from_dict, config_to_dict
     for name, kind in registry.kinds().items():
@@ -174,7 +195,7 @@ def test_the_installed_console_script_loads_a_plugin_module_from_the_current_dir
     assert "cannot import" not in r.stderr
     doc = json.load(open(found(tmp_path / "out")))
     assert doc["config"]["target"] == "cwdrowtoy" and doc["findings"][0]["pool"] == "rows"
-    # the replay hint runs as printed, in a shell without KVAUDIT_PLUGINS ('kvaudit replay FILE' alone: exit 2,
+    # the replay hint runs as printed, in a shell without KVAUDIT_PLUGINS ('kvaudit replay FILE' alone: exit 69,
     # 'unknown target "cwdrowtoy"')
     (hint,) = [line.split("   (", 1)[1][:-1] for line in r.stdout.splitlines() if line.startswith("replay file: ")]
     assert hint.startswith("KVAUDIT_PLUGINS=cwd_rowtoy kvaudit replay "), hint

@@ -5,6 +5,7 @@ is the per-step run's either way (kvaudit.audit.runner.AuditedRun._long_idle, _r
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -56,3 +57,26 @@ def test_a_covered_hang_is_replayed_once_within_its_op(monkeypatch):
     assert run.target.steps >= MAX_IDLE_STEPS > LONG_IDLE_STEPS
     assert asked.count(hang.op_index + 1) == 2
     assert built == 1 and applied == max(asked)
+
+
+def test_the_localizing_replay_ends_with_the_search_budget(monkeypatch):
+    """A campaign with every finding suppressed, the hang included, overran its --max-time by 1.5-2.3 s at a
+    5 s budget (stop 56): the sparse run's replay of an idle() that never drains (2,000 steps, ~1.4 s on the
+    minivllm plugin) had no deadline. The budget ends as that replay starts: it stops at once, and the run is
+    out of time with no finding, as for a step the deadline cuts short."""
+    config, program, _, _ = replay.load(HANG)
+    localize, replays = AuditedRun._replay, []
+
+    def budget_ends_now(self):
+        self.deadline = time.monotonic() - 1.0
+        replays.append(localize(self))
+        return replays[-1]
+
+    monkeypatch.setattr(AuditedRun, "_replay", budget_ends_now)
+    with AuditedRun(config, full_stacks=False, check_every=16, lean=True, suppressions=CoverAll(),
+                    deadline=time.monotonic() + 600) as run:
+        for op in program:
+            if run.apply(op):
+                break
+        assert replays and all(r.out_of_time and r.target.steps < LONG_IDLE_STEPS for r in replays)
+        assert run.out_of_time and run.findings == [] and run.target.steps < MAX_IDLE_STEPS

@@ -39,8 +39,26 @@ def refused(e: click.ClickException) -> tuple[str, ...]:
     return (e.path, *e.also) if isinstance(e, DiskFull) else ()
 
 
+class NothingChecked(click.ClickException):
+    """A run, or the file a run left, in which nothing was checked: not clean (exit 5)."""
+
+    exit_code = EXIT_NOTHING_SEARCHED
+
+
 class UnavailableError(click.ClickException):
     exit_code = EXIT_UNAVAILABLE
+
+
+def unreadable(e: ValueError) -> click.ClickException:
+    """The error for a replay or report file ``kvaudit.replay`` could not read (``e``, a ``ReplayFormatError``,
+    its message one line naming the file): :class:`UnavailableError` (69) when it names a target kind not
+    registered here (a plugin not loaded), :class:`NothingChecked` (5) for the ``--json`` of a run interrupted
+    during start-up, else :class:`InputError` (2)."""
+    from kvaudit import replay
+
+    if isinstance(e, replay.TargetNotLoadedError):
+        return UnavailableError(str(e))
+    return (NothingChecked if isinstance(e, replay.NothingRecordedError) else InputError)(str(e))
 
 
 def write_error(e: OSError, path: str, kept: list[str] | tuple = (),

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import click
 
-from kvaudit.app.errors import EXIT_CLEAN, InputError, write_error
+from kvaudit.app.errors import EXIT_CLEAN, InputError, unreadable, write_error
 from kvaudit.app.files import check_paths
 
 
 def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool) -> int:
-    """Returns 0 once written. Raises :class:`InputError` for a bad file or flag, :class:`DiskFull`."""
+    """Returns 0 once written. Raises :class:`InputError` for a bad file or flag, :class:`DiskFull`,
+    :class:`UnavailableError` for a file whose target is a plugin's not loaded here."""
     from kvaudit.export.exporter import ExportError, export
+    from kvaudit.replay import TargetNotLoadedError
 
     if issue_out is None and client_out is None:
         raise InputError("nothing to export: give --issue OUT.md and/or --client OUT.py")
@@ -19,6 +21,8 @@ def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool)
         done = export(file, issue_out, client_out, resolve=resolve)
     except ExportError as e:
         raise InputError(str(e)) from None
+    except TargetNotLoadedError as e:
+        raise unreadable(e) from None
     except OSError as e:
         raise write_error(e, e.filename or issue_out or client_out) from None
     for path in (done.issue, done.client):

@@ -72,13 +72,13 @@ def catch_sigint() -> None:
 
 
 # the reports each command writes when interrupted during start-up, and its options that take no value
-_STARTUP_REPORTS = {"ci": (("--junit", "--sarif"), ()),
-                    "fuzz": (("--junit", "--sarif", "--json"), ("--seeds", "--no-seeds", "--paranoid"))}
+_STARTUP_REPORTS = {"ci": (("--junit", "--sarif", "--html"), ()),
+                    "fuzz": (("--junit", "--sarif", "--json", "--html"), ("--seeds", "--no-seeds", "--paranoid"))}
 
 
 def startup_report_paths(argv: list[str]) -> dict[str, str]:
-    """``{"junit": PATH, "sarif": PATH, "json": PATH}`` that ``argv`` (no program name) asks ``kvaudit ci``
-    (no ``json``) or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty
+    """``{"junit": PATH, "sarif": PATH, "json": PATH, "html": PATH}`` that ``argv`` (no program name) asks
+    ``kvaudit ci`` (no ``json``) or ``kvaudit fuzz`` for, read as click reads it (every other option takes a value); empty
     for another command."""
     if not argv or argv[0] not in _STARTUP_REPORTS or {"-h", "--help"} & set(argv):
         return {}
@@ -109,8 +109,8 @@ def _startup_json() -> str:
 
 
 def write_startup_reports(argv: list[str]) -> list[str]:
-    """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif`` (and
-    ``fuzz``'s ``--json``) that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
+    """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif``, ``--html``
+    (and ``fuzz``'s ``--json``) that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
     or that cannot be written, is skipped. Returns the paths written. Standard library only: half-imported
     modules are not touched."""
     import json
@@ -123,7 +123,8 @@ def write_startup_reports(argv: list[str]) -> list[str]:
     if len({os.path.realpath(p) for p in paths.values() if p}) < len(paths):
         return []  # the job refuses two flags naming one file
     texts = {"junit": ci_outputs.interrupted_junit,
-             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n", "json": _startup_json}
+             "sarif": lambda: json.dumps(ci_outputs.interrupted_sarif(), indent=2) + "\n", "json": _startup_json,
+             "html": ci_outputs.interrupted_html}
     written = []
     with _restored_handlers():
         ignore_interrupts()
@@ -136,6 +137,6 @@ def write_startup_reports(argv: list[str]) -> list[str]:
             except OSError as e:
                 sys.stderr.write(f"kvaudit: cannot write {path}: {e.strerror or e}\n")
                 continue
-            sys.stderr.write(f"{dict(junit='JUnit', sarif='SARIF', json='JSON')[fmt]} written: {path}\n")
+            sys.stderr.write(f"{dict(junit='JUnit', sarif='SARIF', json='JSON', html='HTML')[fmt]} written: {path}\n")
             written.append(path)
     return written

@@ -11,7 +11,7 @@ from rich.text import Text
 from kvaudit import atomic, replay
 from kvaudit.app.configs import check_device, require_target, with_tree_core
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC, EXIT_NOT_REPRODUCED, InputError,
-                                write_error)
+                                unreadable, write_error)
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import OpProgress, console as make_console
 from kvaudit.audit.runner import execute
@@ -22,11 +22,12 @@ from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
 
 def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None, probe: bool = True):
     """(config, program, recorded findings, suppressions) of a replay file. ``probe`` False: the caller
-    calls :func:`require_target` (seconds) after its own checks. Raises :class:`InputError`."""
+    calls :func:`require_target` (seconds) after its own checks. Raises :class:`InputError`, or what
+    :func:`~kvaudit.app.errors.unreadable` says for a file that cannot be read here."""
     try:
         config, program, recorded, doc = replay.load(file)
     except replay.ReplayFormatError as e:
-        raise InputError(str(e)) from None
+        raise unreadable(e) from None
     other = replay.other_release(file, config, doc)
     if other is not None:
         click.echo(f"warning: {other}", err=True)

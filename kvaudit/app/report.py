@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from kvaudit import replay
-from kvaudit.app.errors import EXIT_CLEAN, InputError
+from kvaudit.app.errors import EXIT_CLEAN, InputError, unreadable
 from kvaudit.app.files import check_outputs, write_reports
 from kvaudit.app.progress import console as make_console
 from kvaudit.reports.outputs import Case, Outputs, ReportData
@@ -15,12 +15,14 @@ from kvaudit.reports.timeline import is_valid as timeline_is_valid
 
 
 def run(file: str, outputs: Outputs) -> int:
-    """``kvaudit report FILE``; returns 0. Raises :class:`InputError` for a bad file."""
+    """``kvaudit report FILE``; returns 0. Raises :class:`InputError` for a bad file, and for a file it cannot
+    render, no report written, what :func:`~kvaudit.app.errors.unreadable` says (a plugin not loaded: exit 69;
+    the ``--json`` of a run interrupted during start-up: 5)."""
     check_outputs((file,), **vars(outputs))
     try:
         config, loaded, doc = replay.load_cases(file)
     except replay.ReplayFormatError as e:
-        raise InputError(str(e)) from None
+        raise unreadable(e) from None
     suppressed = doc.get("suppressed") or {}
     if not isinstance(suppressed, dict) or not all(isinstance(v, int) and v >= 0 for v in suppressed.values()):
         raise InputError(f'{file}: bad "suppressed": want an object of kind -> count')

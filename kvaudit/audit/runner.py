@@ -467,7 +467,8 @@ class AuditedRun:
         (its covered ones become this run's ``suppressed``). So a covered finding the full check met
         late cannot hide an uncovered one the per-step run meets first (a use-after-free that a later
         check sees only as the aliasing it led to), and a report never depends on where the sparse
-        checks fell. A hit the replay meets nothing of is kept, saying so."""
+        checks fell. A hit the replay meets nothing of is kept, saying so; one whose replay the ``deadline``
+        cut short is no finding (``out_of_time``)."""
         sets = self.suppressions
         if self.check_every == 1 or not found:
             return found if sets is None else sets.sift(found, self.suppressed)
@@ -476,6 +477,9 @@ class AuditedRun:
             return []
         self._passed_over |= new
         replay = self._replay()
+        if replay.out_of_time:  # the search's budget ended inside the replay: no finding, as for a step cut short
+            self.out_of_time = True
+            return []
         if replay.findings or replay.suppressed:
             self.suppressed[:] = replay.suppressed
             kept = list(replay.findings)
@@ -517,7 +521,8 @@ class AuditedRun:
 
     def _replay(self) -> "AuditedRun":
         """The ops applied so far, from a fresh engine with a check after every step, up to its first
-        finding (what it raises, it raises). Runs are deterministic, so the replay is kept open (closed
+        finding (what it raises, it raises) or this run's ``deadline`` (``out_of_time``: a sparse search's
+        localizing replay of an idle() that never drains, 2,000 steps, ran on past the budget by seconds). Runs are deterministic, so the replay is kept open (closed
         with this run) and a later localization in this program only applies the ops since: the same
         calls on the same run as a fresh replay of the longer prefix; one that stopped at a finding
         stays the answer (a fresh replay stops there too)."""
@@ -525,10 +530,11 @@ class AuditedRun:
             self._replay_memo = (0, AuditedRun(
                 self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
                 full_stacks=self.full_stacks, suppressions=self.suppressions, shadow=self.shadow,
-                step_limit=self.step_limit, paranoid=self.auditor.paranoid if self.auditor else None))
+                deadline=self.deadline, step_limit=self.step_limit,
+                paranoid=self.auditor.paranoid if self.auditor else None))
         done, replay = self._replay_memo
         try:
-            while done < len(self.program) and not replay.findings:
+            while done < len(self.program) and not replay.findings and not replay.out_of_time:
                 done += 1
                 replay.apply(self.program[done - 1])
         except BaseException:  # (half-applied: never reused)

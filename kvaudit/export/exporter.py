@@ -14,7 +14,7 @@ from kvaudit.export.plan import plan as make_plan
 from kvaudit.export.trace import trace
 from kvaudit.history.catalogue import BUGS
 from kvaudit.program import format_op
-from kvaudit.replay import ReplayFormatError, load, write_text_atomic
+from kvaudit.replay import ReplayFormatError, TargetNotLoadedError, load, write_text_atomic
 from kvaudit.targets.registry import kind_of
 
 
@@ -48,10 +48,13 @@ def history_bug(path: str, config, findings=(), version: str | None = None):
 def export(path: str, issue_out: str | None = None, client_out: str | None = None, resolve: bool = True) -> Exported:
     """Read replay file ``path`` and write the Markdown report to ``issue_out`` and the client script to
     ``client_out`` (either may be None). ``resolve``: trace the program on the target to name its handles.
-    Raises :class:`ExportError` for a file that is not a replay file, whose engine has no HTTP API or
+    Raises :class:`ExportError` for a file that is not a replay file (:class:`TargetNotLoadedError` for one whose
+    target is a plugin's not loaded here), whose engine has no HTTP API or
     whose program holds an op that API has no call for; OSError when an output cannot be written."""
     try:
         config, program, findings, doc = load(path)
+    except TargetNotLoadedError:  # (not the file's fault: the caller says how to load the plugin)
+        raise
     except ReplayFormatError as e:
         raise ExportError(str(e)) from None
     target = kind_of(config).name  # (a plugin's config need not have a ``target`` field)

@@ -1,9 +1,10 @@
-"""The parts of ``kvaudit ci``'s JUnit and SARIF that hold no finding, and both files whole for a job
-stopped before it began. Standard library only (the entry point writes them while the rest is still
+"""The parts of ``kvaudit ci``'s JUnit and SARIF that hold no finding, and both files whole (and the HTML
+page) for a job stopped before it began. Standard library only (the entry point writes them while the rest is still
 being imported). Design notes: docs/internals/reports.md."""
 
 from __future__ import annotations
 
+import html
 import xml.etree.ElementTree as ET
 
 import kvaudit
@@ -48,6 +49,14 @@ def interrupted_junit() -> str:
     root, _, fuzz = suites()
     add_interrupted(fuzz, NOTHING_RAN)
     return document(root)
+
+
+def interrupted_html() -> str:
+    """The ``--html`` of a job stopped before it began: a self-contained page that says nothing was checked
+    (no program, findings or occupancy plot: nothing ran to draw)."""
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>kvaudit: interrupted</title>"
+            f"</head>\n<body>\n<h1>kvaudit: interrupted</h1>\n<p>{html.escape(NOTHING_RAN)}.</p>\n"
+            f"<p>kvaudit {html.escape(kvaudit.__version__)}</p>\n</body></html>\n")
 
 
 def invocation(message: str) -> dict:

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvaudit.config import TargetConfig
+from kvaudit.config import TargetConfig, json_value
 from kvaudit.constants import MINIMIZE_GRACE
 from kvaudit.targets import config_from_dict, config_to_dict
 from kvaudit import replay
@@ -387,35 +387,60 @@ def error_message(index: int, e: Exception) -> tuple:
     return ("error", index, f"{type(e).__name__}: {e}", *oserror)
 
 
+CAMPAIGN_FORMAT = "kvaudit.campaign/1"  # corpus/campaign.json: {"format", "runs": [run record, ...], ...}
+
+
 def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSError | None:
-    """Add ``record`` to ``corpus/campaign.json``; the error (its filename that path) when it cannot be written:
-    the run's result is the caller's to report all the same. A file there that is not a run record is moved
-    aside to ``campaign.json.unreadable`` (``-1``, ``-2`` ... when taken), not overwritten, and ``warnings``
-    says so."""
+    """Add ``record`` to ``corpus/campaign.json``, keeping the file's other top-level keys; the error (its filename
+    that path) when it cannot be written: the run's result is the caller's to report all the same. Nothing the
+    user had is lost: a file there that is not a run record is moved aside to ``campaign.json.unreadable``
+    (``-1``, ``-2`` ... when taken) and a new one started; entries of ``runs`` that are not run records (an object
+    with a ``"started"`` time) are left out of the new file, the file as it was copied aside first. ``warnings``
+    says which."""
     path = os.path.join(corpus, "campaign.json")
-    runs = []
+    doc: dict = {"format": CAMPAIGN_FORMAT, "runs": []}
     try:
         with open(path) as fh:
-            runs = json.load(fh)["runs"]
-        if not isinstance(runs, list):
+            text = fh.read()
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
             raise ValueError("runs is not a list")
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        runs, aside = [], path + ".unreadable"
-        for n in itertools.count(1):
-            if not os.path.lexists(aside):
-                break
-            aside = f"{path}.unreadable-{n}"
+    except (OSError, ValueError, TypeError) as e:
+        doc, aside = {"format": CAMPAIGN_FORMAT, "runs": []}, _aside(path)
         with contextlib.suppress(OSError):
             os.replace(path, aside)
             warnings.append(f"{path} was not a run record ({type(e).__name__}: {e}): moved to {aside}, and a new "
                             "one started")
+    runs = [r for r in doc["runs"] if _is_run_record(r)]
+    junk = [r for r in doc["runs"] if not _is_run_record(r)]
+    if junk:
+        aside = _aside(path)
+        try:
+            replay.write_text_atomic(aside, text)
+        except OSError as e:  # (the file is left as it was, and this run's record not added: say that one)
+            return OSError(e.errno, e.strerror, path)
+        warnings.append(f"{path}: {len(junk)} of its {len(doc['runs'])} runs are not run records (the first: "
+                        f"{json_value(junk[0], 40)}): left out, the file as it was copied to {aside}")
     try:
-        replay.write_atomic(path, {"format": "kvaudit.campaign/1", "runs": runs + [record]})
+        replay.write_atomic(path, {**doc, "format": CAMPAIGN_FORMAT, "runs": runs + [record]})
     except OSError as e:
         return e
     return None
+
+
+def _is_run_record(entry) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("started"), str)
+
+
+def _aside(path: str) -> str:
+    """``path.unreadable``, else the first of ``path.unreadable-1``, ``-2`` ... that is not taken."""
+    aside = path + ".unreadable"
+    for n in itertools.count(1):
+        if not os.path.lexists(aside):
+            return aside
+        aside = f"{path}.unreadable-{n}"
 
 
 class _DiskFull(Exception):
