@@ -26,7 +26,8 @@ from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, imported, one_rank_group, torch_paged_kernels
 from kvaudit.targets.sglang.hooks import SglangHooks, host_units
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget
-from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool, metadata_roots
+from kvaudit.targets.sglang.pd_transfer import (abort_decode_queues, decode_groups, decode_stuck, install_metadata_pool,
+                                                 metadata_pool, metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
 
 INDEX_HEAD_DIM = 128  # NSATokenToKVPool's indexer buffer is laid out for 128-wide index heads
@@ -277,21 +278,14 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
             self.finished.add(req.rid)
             self.coordinator.request_finished(req)
             S.common.release_kv_cache(req, self.tree_cache)
-        for dr in self.prealloc_queue.queue + self.transfer_queue.queue:
-            if dr.req.rid.startswith(rid):
-                dr.kv_receiver.abort()
-        kept = []
-        for req in self.prealloc_queue.retracted_queue:
-            if req.rid.startswith(rid):
-                if hasattr(req, "kv_cache_cpu"):
-                    del req.kv_cache_cpu
-                self.finished.add(req.rid)
-            else:
-                kept.append(req)
-        self.prealloc_queue.retracted_queue = kept
-        for req in sched.running_batch.reqs:
-            if req.rid.startswith(rid) and not req.finished():
-                req.to_finish = S.FINISH_ABORT()
+
+        def drop_backup(req):
+            if hasattr(req, "kv_cache_cpu"):
+                del req.kv_cache_cpu
+            self.finished.add(req.rid)
+
+        abort_decode_queues(self.prealloc_queue, self.transfer_queue, sched.running_batch.reqs, rid, drop_backup,
+                            S.FINISH_ABORT)
 
     def _flush_cache(self) -> bool:
         """``Scheduler.flush_cache`` when ``is_fully_idle`` (the intake's: the tree, a chunk cache, the row pool and
@@ -363,11 +357,9 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
 
     # -- observer: requests ---------------------------------------------------------------------------
     def _groups(self) -> tuple:
-        """``(place, requests)`` of the decode server, from the front of the pipeline."""
-        pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
-        return (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
-                ("waiting", list(s.waiting_queue)), ("running", list(s.running_batch.reqs)),
-                ("retracted", list(pq.retracted_queue)))
+        """``(place, requests)`` of the decode server, from the front of the pipeline (no deferred releases in
+        this era)."""
+        return decode_groups(self.prealloc_queue, self.transfer_queue, self.sched)
 
     def _active(self) -> list:
         out: list = []
@@ -488,16 +480,8 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
         return out
 
     def stuck(self) -> str:
-        """From the end of the pipeline back: ``running:decode``, ``waiting:memory``, ``transfer:kv-transfer``,
-        ``prealloc:retracted``, ``prealloc:rows`` or ``prealloc:memory``."""
-        pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
-        for place, on in (("running:decode", s.running_batch.reqs), ("waiting:memory", s.waiting_queue),
-                          ("transfer:kv-transfer", tq.queue), ("prealloc:retracted", pq.retracted_queue)):
-            if on:
-                return place
-        if pq.queue:
-            return "prealloc:rows" if not self.req_to_token_pool.available_size() else "prealloc:memory"
-        return ""
+        return decode_stuck(self.prealloc_queue, self.transfer_queue, self.sched,
+                            self.req_to_token_pool.available_size())
 
     def describe_busy(self) -> str:
         pq, tq, s, co = self.prealloc_queue, self.transfer_queue, self.sched, self.coordinator
