@@ -10,12 +10,11 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from kvaudit.program import Submit
 from kvaudit.program.schema import pick
-from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.base import Accounting, PoolSpec, Root, records_roots
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, imported, prepare_import, probe_version, \
     quiet_loggers
@@ -408,28 +407,13 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
     def roots(self, aborting: bool = True) -> list[Root]:
         """The tree's values; each live request's row and KV; each session slot no live request
         borrowed."""
-        table = self.req_to_token_pool.req_to_token
-        out: list[Root] = []
-
-        def record(row, protected, allocated, owner, role, where):
-            slots = table[row, :allocated].to(torch.int64).cpu().numpy()
-            out.append(Root("req_to_token_pool", owner, np.array([row + self._row_base], dtype=np.int64), role=role,
-                            where=where))
-            out.append(Root("token_to_kv_pool", owner, slots[protected:], role=role, where=where))
-            if protected:
-                out.append(Root("token_to_kv_pool", owner, slots[:protected], private=False, role=role))
-
         borrowed = self._borrowed()
-        for sid, s in self._slots():
-            if s.req_pool_idx is not None and s.req_pool_idx not in borrowed:
-                record(s.req_pool_idx, s.cache_protected_len, s.kv_allocated_len, f"session:{sid}", "session",
-                       "session")
+        records = [(s, f"session:{sid}", "session", "session") for sid, s in self._slots()
+                   if s.req_pool_idx is not None and s.req_pool_idx not in borrowed]
         running = {id(r) for r in self.running}
-        for req in self._live():
-            if not aborting and req.to_finish is not None:
-                continue
-            record(req.req_pool_idx, req.cache_protected_len, req.kv_allocated_len, f"req:{req.rid}", "req",
-                   self._place(req, running))
+        records += [(req, f"req:{req.rid}", "req", self._place(req, running)) for req in self._live()
+                    if aborting or req.to_finish is None]
+        out = records_roots(self.req_to_token_pool.req_to_token, records, 1, self._row_base)
         # (RadixCache.all_values_flatten of this era fails on an empty tree: torch.cat of no tensors)
         empty = self.tree_cache.evictable_size() + self.tree_cache.protected_size() == 0
         values = torch.empty(0, dtype=torch.int64) if empty else self.tree_cache.all_values_flatten()
