@@ -19,7 +19,7 @@ from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, imported, prepare_import, probe_version, \
     quiet_loggers
 from kvaudit.targets.sglang.driver import SglangDriver
-from kvaudit.targets.sglang.hooks import SglangHooks
+from kvaudit.targets.sglang.hooks import SglangHooks, install_free_set
 from kvaudit.targets.sglang.observer import SglangReads
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
 
@@ -325,30 +325,25 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
         """The KV pool as on 0.5.23; the row pool by its free list (``alloc(reqs)``, ``free(req)`` and
         ``SessionAwareCache.release_session``). Rows are units ``row + 1`` before 0.5.11
         (``row-zero-padding``), the row from it."""
-        pool, obj, capture, base = spec.name, spec.obj, auditor.capture_site, self._row_base
+        obj, base = spec.obj, self._row_base
         auditor.wrap_clear(spec)
         if spec.kind != "rows":  # the era's free group: is_not_in_free_group (free_group stays a list)
             return SglangHooks.install_kv(spec, auditor, wrap, False, lambda: not obj.is_not_in_free_group)
 
-        def diffing(target, name, taking: bool):
-            orig = getattr(target, name)
+        def taken(before, after):
+            return [r + base for r in sorted(set(before) - set(after))]
 
-            def wrapper(*a, **k):
-                before = list(obj.free_slots)
-                out = orig(*a, **k)
-                after = obj.free_slots
-                rows = sorted(set(before) - set(after)) if taking else after[len(before):] \
-                    if after[: len(before)] == before else sorted(set(after) - set(before))
-                if rows:
-                    (auditor.on_alloc if taking else auditor.on_free)(pool, [r + base for r in rows], capture())
-                return out
+        def given(before, after):  # in the order the free list got them
+            rows = after[len(before):] if after[: len(before)] == before else sorted(set(after) - set(before))
+            return [r + base for r in rows]
 
-            wrap(target, name, wrapper)
+        def rows():
+            return list(obj.free_slots)
 
-        diffing(obj, "alloc", True)
-        diffing(obj, "free", False)
+        install_free_set(auditor, wrap, spec.name, obj, "alloc", True, rows, taken)
+        install_free_set(auditor, wrap, spec.name, obj, "free", False, rows, given)
         if self.session_controller is not None:
-            diffing(self.tree_cache, "release_session", False)
+            install_free_set(auditor, wrap, spec.name, self.tree_cache, "release_session", False, rows, given)
 
     @staticmethod
     def _kv(holder):

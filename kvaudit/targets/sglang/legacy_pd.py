@@ -10,8 +10,9 @@ seam: the 0.5.23 features read ``ReqKvInfo`` (``req.kv``), build 0.5.23's constr
 (``MiniMaxSparseKVPool``, ``DecodePreallocQueue`` without a gloo group, the coordinator's newer
 arguments) and stage through ``admit_request_into_staging``, not the direct-to-host path; 0.5.23 refuses
 HiSparse under PD. What is shared: the legacy target's bootstrap, intake, row-pool hooks and checks, the
-host-pool hooks (:mod:`~kvaudit.targets.sglang.hooks`), the metadata pool's
-(:mod:`~kvaudit.targets.sglang.pd_transfer`) and :func:`~kvaudit.targets.base.slot_pages`.
+host-pool hooks and the free-set wrapper (:mod:`~kvaudit.targets.sglang.hooks`), the metadata pool's and
+the decode queues' reads and abort (:mod:`~kvaudit.targets.sglang.pd_transfer`, as 0.5.23's PD decode) and
+:func:`~kvaudit.targets.base.slot_pages`.
 
 Design notes: docs/internals/sglang.md ("The legacy era: PD decode with HiSparse")."""
 
@@ -24,7 +25,7 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, imported, one_rank_group, torch_paged_kernels
-from kvaudit.targets.sglang.hooks import SglangHooks, host_units
+from kvaudit.targets.sglang.hooks import SglangHooks, host_units, install_free_set
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget
 from kvaudit.targets.sglang.pd_transfer import (abort_decode_queues, decode_groups, decode_stuck, install_metadata_pool,
                                                  metadata_pool, metadata_roots)
@@ -395,25 +396,11 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
         if install_metadata_pool(spec, auditor):
             return
         auditor.wrap_clear(spec)
-        obj, pool, capture = spec.obj, spec.name, auditor.capture_site
-
-        def diffing(name: str, taking: bool):
-            orig = getattr(obj, name)
-
-            def wrapper(*a, **k):
-                before = _free_pages(obj)
-                out = orig(*a, **k)
-                after = _free_pages(obj)
-                units = np.setdiff1d(before, after) if taking else np.setdiff1d(after, before)
-                if units.size:
-                    (auditor.on_alloc if taking else auditor.on_free)(pool, units.tolist(), capture())
-                return out
-
-            wrap(obj, name, wrapper)
-
-        for name in ("alloc", "alloc_extend", "alloc_decode"):
-            diffing(name, True)
-        diffing("free", False)
+        obj = spec.obj
+        for name in ("alloc", "alloc_extend", "alloc_decode", "free"):
+            taking = name != "free"
+            install_free_set(auditor, wrap, spec.name, obj, name, taking, lambda: _free_pages(obj),
+                             lambda b, a, t=taking: (np.setdiff1d(b, a) if t else np.setdiff1d(a, b)).tolist())
 
     def _units(self, req) -> dict[str, np.ndarray]:
         """What ``req``'s row owns: logical pages, HiSparse device pages (its device buffer and what its
