@@ -567,10 +567,10 @@ def record_roots(table: torch.Tensor, kv, owner: str, role: str, page_size: int,
     return records_roots(table, [(kv, owner, role, where)], page_size)
 
 
-def records_roots(table: torch.Tensor, records: list[tuple], page_size: int) -> list[Root]:
+def records_roots(table: torch.Tensor, records: list[tuple], page_size: int, row_base: int = 0) -> list[Root]:
     """:func:`record_roots` of every ``(kv, owner, role, where)`` of ``records``, in their order, from one
     gather of their rows of ``table`` (``[rows, context] int`` tensor on any device). Each root's units
-    are its own (a view of the gathered copy, never of the live table)."""
+    are its own (a view of the gathered copy, never of the live table); row ``r``'s unit is ``r + row_base``."""
     if not records:
         return []
     kvs = [r[0] for r in records]
@@ -582,13 +582,13 @@ def records_roots(table: torch.Tensor, records: list[tuple], page_size: int) -> 
         rows = table[torch.from_numpy(idx).to(table.device), :max(alloc)].to(torch.int64).cpu().numpy()
     if page_size > 1:
         rows = rows // page_size  # (np.unique below: each root's sorted distinct pages)
-    out = []
+    out, units = [], idx + row_base if row_base else idx
     for i, (kv, owner, role, where) in enumerate(records):
         protected, row = kv.cache_protected_len, rows[i, : alloc[i]]
         own, shared = row[protected:], row[:protected]
         if page_size > 1:
             own, shared = np.unique(own), np.unique(shared)
-        out += [Root("req_to_token_pool", owner, idx[i:i + 1], role=role, where=where),
+        out += [Root("req_to_token_pool", owner, units[i:i + 1], role=role, where=where),
                 Root("token_to_kv_pool", owner, own, role=role, where=where)]
         if protected:
             out.append(Root("token_to_kv_pool", owner, shared, private=False, role=role))

@@ -209,8 +209,7 @@ class SglangConfig(ConfigBase):
                 raise ValueError(f"{f.name} must be true or false, got {json_value(getattr(self, f.name))}")
         if self.target != "sglang":
             raise ValueError(f'target must be "sglang", got {json_value(self.target)}')
-        if self.tree_core not in TREE_CORES:
-            raise ValueError(f"tree_core must be one of {', '.join(TREE_CORES)}, got {json_value(self.tree_core)}")
+        self._check_choice("tree_core", TREE_CORES)
         self._check_eviction_policy()
         if self.page_size < 1 or self.num_slots < 4 * self.page_size or self.num_slots > 1 << 20:
             raise ValueError(f"num_slots must hold at least 4 pages of page_size={self.page_size} tokens "
@@ -273,6 +272,13 @@ class SglangConfig(ConfigBase):
                                                                       else "a non-negative integer")
         raise ValueError(f"{name} must be {'null or ' if null else ''}{what}, got {json_value(v)}")
 
+    def _check_choice(self, name: str, choices: tuple, null: bool = False) -> None:
+        """Raises ValueError (one line) unless field ``name`` is one of ``choices`` (None allowed when ``null``)."""
+        v = getattr(self, name)
+        if v not in choices and not (v is None and null):
+            raise ValueError(f"{name} must be {'null or ' if null else ''}one of {', '.join(choices)}, "
+                             f"got {json_value(v)}")
+
     def _check_prefill(self) -> None:
         for name in ("bootstrap_steps", "bootstrap_timeout_steps", "waiting_timeout_steps"):
             self._check_int(name, 1, 4096)
@@ -313,9 +319,7 @@ class SglangConfig(ConfigBase):
         return None if text is None else json.loads(text)
 
     def _check_eviction_policy(self) -> None:
-        if self.radix_eviction_policy not in RADIX_EVICTION_POLICIES:
-            raise ValueError(f"radix_eviction_policy must be one of {', '.join(RADIX_EVICTION_POLICIES)}, "
-                             f"got {json_value(self.radix_eviction_policy)}")
+        self._check_choice("radix_eviction_policy", RADIX_EVICTION_POLICIES)
         text = self.radix_eviction_policy_config
         if text is not None:
             import json
@@ -396,9 +400,7 @@ class SglangConfig(ConfigBase):
         a = self.speculative_algorithm
         if a is None:
             return
-        if a not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be null or one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
-                             f"got {json_value(a)}")
+        self._check_choice("speculative_algorithm", SPECULATIVE_ALGORITHMS, null=True)
         for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
             self._check_int(name, 1, 16)
         if self.speculative_eagle_topk != 1:
@@ -414,9 +416,7 @@ class SglangConfig(ConfigBase):
         self._driven_alone("speculative_algorithm")
 
     def _check_hicache(self) -> None:
-        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-            raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
-                             f"got {json_value(self.hicache_write_policy)}")
+        self._check_choice("hicache_write_policy", HICACHE_WRITE_POLICIES)
         r = self.hicache_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 1 < r <= 8:
             raise ValueError(f"hicache_ratio must be a number in (1, 8], got {json_value(r)}")
@@ -433,10 +433,8 @@ class SglangConfig(ConfigBase):
             raise ValueError(f"enable_hierarchical_cache is driven without {clash[0]} in this version")
 
     def _check_hicache_storage(self) -> None:
+        self._check_choice("hicache_storage_backend", HICACHE_STORAGE_BACKENDS, null=True)
         b = self.hicache_storage_backend
-        if b is not None and b not in HICACHE_STORAGE_BACKENDS:
-            raise ValueError(f"hicache_storage_backend must be null or one of {', '.join(HICACHE_STORAGE_BACKENDS)}, "
-                             f"got {json_value(b)}")
         f = self.hicache_storage_fail_every
         if f is not None and (not isinstance(f, int) or isinstance(f, bool) or f < 1 or b is None):
             raise ValueError(f"hicache_storage_fail_every must be null or a positive integer, with a "
@@ -444,10 +442,7 @@ class SglangConfig(ConfigBase):
         if b is not None and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_backend needs enable_hierarchical_cache (SGLang's L3 tier sits under "
                              "the host tier)")
-        p = self.hicache_storage_prefetch_policy
-        if p not in HICACHE_PREFETCH_POLICIES:
-            raise ValueError(f"hicache_storage_prefetch_policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
-                             f"got {json_value(p)}")
+        self._check_choice("hicache_storage_prefetch_policy", HICACHE_PREFETCH_POLICIES)
 
     def _check_hisparse(self) -> None:
         for name in ("hisparse_device_buffer_size", "hisparse_host_to_device_ratio", "hisparse_staging_steps"):

@@ -26,6 +26,23 @@ def host_free_units(host_pool, page_size: int) -> np.ndarray:
     return (slots // page_size + 1).cpu().numpy()
 
 
+def install_free_set(auditor, wrap, pool: str, obj, name: str, taking: bool, read, changed) -> None:
+    """Wrap ``obj.<name>`` of an allocator the ledger reads by its free set: ``changed(before, after)`` of
+    ``read()`` around the call are the units (a list) it took (``taking``) or gave back. (An ``install_``
+    function: its wrapper is a hook, never a site.)"""
+    orig = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        before = read()
+        out = orig(*a, **k)
+        units = changed(before, read())
+        if units:
+            (auditor.on_alloc if taking else auditor.on_free)(pool, units, auditor.capture_site())
+        return out
+
+    wrap(obj, name, wrapper)
+
+
 class SglangHooks(Target):
     """The ``install_*`` hooks; they read ``self.tree_cache`` and keep ``self.lock_net`` (node id -> incs - decs)."""
 

@@ -10,17 +10,16 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from kvaudit.program import Submit
 from kvaudit.program.schema import pick
-from kvaudit.targets.base import Accounting, PoolSpec, Root
+from kvaudit.targets.base import Accounting, PoolSpec, Root, records_roots
 from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import STUBS, SglangUnavailable, imported, prepare_import, probe_version, \
     quiet_loggers
 from kvaudit.targets.sglang.driver import SglangDriver
-from kvaudit.targets.sglang.hooks import SglangHooks
+from kvaudit.targets.sglang.hooks import SglangHooks, install_free_set
 from kvaudit.targets.sglang.observer import SglangReads
 from kvaudit.targets.sglang.standins import EOS, MAX_PREFILL_TOKENS, NoSampling, StepClock
 
@@ -326,30 +325,25 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
         """The KV pool as on 0.5.23; the row pool by its free list (``alloc(reqs)``, ``free(req)`` and
         ``SessionAwareCache.release_session``). Rows are units ``row + 1`` before 0.5.11
         (``row-zero-padding``), the row from it."""
-        pool, obj, capture, base = spec.name, spec.obj, auditor.capture_site, self._row_base
+        obj, base = spec.obj, self._row_base
         auditor.wrap_clear(spec)
         if spec.kind != "rows":  # the era's free group: is_not_in_free_group (free_group stays a list)
             return SglangHooks.install_kv(spec, auditor, wrap, False, lambda: not obj.is_not_in_free_group)
 
-        def diffing(target, name, taking: bool):
-            orig = getattr(target, name)
+        def taken(before, after):
+            return [r + base for r in sorted(set(before) - set(after))]
 
-            def wrapper(*a, **k):
-                before = list(obj.free_slots)
-                out = orig(*a, **k)
-                after = obj.free_slots
-                rows = sorted(set(before) - set(after)) if taking else after[len(before):] \
-                    if after[: len(before)] == before else sorted(set(after) - set(before))
-                if rows:
-                    (auditor.on_alloc if taking else auditor.on_free)(pool, [r + base for r in rows], capture())
-                return out
+        def given(before, after):  # in the order the free list got them
+            rows = after[len(before):] if after[: len(before)] == before else sorted(set(after) - set(before))
+            return [r + base for r in rows]
 
-            wrap(target, name, wrapper)
+        def rows():
+            return list(obj.free_slots)
 
-        diffing(obj, "alloc", True)
-        diffing(obj, "free", False)
+        install_free_set(auditor, wrap, spec.name, obj, "alloc", True, rows, taken)
+        install_free_set(auditor, wrap, spec.name, obj, "free", False, rows, given)
         if self.session_controller is not None:
-            diffing(self.tree_cache, "release_session", False)
+            install_free_set(auditor, wrap, spec.name, self.tree_cache, "release_session", False, rows, given)
 
     @staticmethod
     def _kv(holder):
@@ -408,28 +402,13 @@ class SglangLegacyTarget(SglangDriver, SglangReads):
     def roots(self, aborting: bool = True) -> list[Root]:
         """The tree's values; each live request's row and KV; each session slot no live request
         borrowed."""
-        table = self.req_to_token_pool.req_to_token
-        out: list[Root] = []
-
-        def record(row, protected, allocated, owner, role, where):
-            slots = table[row, :allocated].to(torch.int64).cpu().numpy()
-            out.append(Root("req_to_token_pool", owner, np.array([row + self._row_base], dtype=np.int64), role=role,
-                            where=where))
-            out.append(Root("token_to_kv_pool", owner, slots[protected:], role=role, where=where))
-            if protected:
-                out.append(Root("token_to_kv_pool", owner, slots[:protected], private=False, role=role))
-
         borrowed = self._borrowed()
-        for sid, s in self._slots():
-            if s.req_pool_idx is not None and s.req_pool_idx not in borrowed:
-                record(s.req_pool_idx, s.cache_protected_len, s.kv_allocated_len, f"session:{sid}", "session",
-                       "session")
+        records = [(s, f"session:{sid}", "session", "session") for sid, s in self._slots()
+                   if s.req_pool_idx is not None and s.req_pool_idx not in borrowed]
         running = {id(r) for r in self.running}
-        for req in self._live():
-            if not aborting and req.to_finish is not None:
-                continue
-            record(req.req_pool_idx, req.cache_protected_len, req.kv_allocated_len, f"req:{req.rid}", "req",
-                   self._place(req, running))
+        records += [(req, f"req:{req.rid}", "req", self._place(req, running)) for req in self._live()
+                    if aborting or req.to_finish is None]
+        out = records_roots(self.req_to_token_pool.req_to_token, records, 1, self._row_base)
         # (RadixCache.all_values_flatten of this era fails on an empty tree: torch.cat of no tensors)
         empty = self.tree_cache.evictable_size() + self.tree_cache.protected_size() == 0
         values = torch.empty(0, dtype=torch.int64) if empty else self.tree_cache.all_values_flatten()

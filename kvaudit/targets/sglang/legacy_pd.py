@@ -10,8 +10,9 @@ seam: the 0.5.23 features read ``ReqKvInfo`` (``req.kv``), build 0.5.23's constr
 (``MiniMaxSparseKVPool``, ``DecodePreallocQueue`` without a gloo group, the coordinator's newer
 arguments) and stage through ``admit_request_into_staging``, not the direct-to-host path; 0.5.23 refuses
 HiSparse under PD. What is shared: the legacy target's bootstrap, intake, row-pool hooks and checks, the
-host-pool hooks (:mod:`~kvaudit.targets.sglang.hooks`), the metadata pool's
-(:mod:`~kvaudit.targets.sglang.pd_transfer`) and :func:`~kvaudit.targets.base.slot_pages`.
+host-pool hooks and the free-set wrapper (:mod:`~kvaudit.targets.sglang.hooks`), the metadata pool's and
+the decode queues' reads and abort (:mod:`~kvaudit.targets.sglang.pd_transfer`, as 0.5.23's PD decode) and
+:func:`~kvaudit.targets.base.slot_pages`.
 
 Design notes: docs/internals/sglang.md ("The legacy era: PD decode with HiSparse")."""
 
@@ -24,9 +25,10 @@ import torch
 
 from kvaudit.targets.base import Accounting, PoolSpec, Root, slot_pages
 from kvaudit.targets.sglang.boot import SglangUnavailable, imported, one_rank_group, torch_paged_kernels
-from kvaudit.targets.sglang.hooks import SglangHooks, host_units
+from kvaudit.targets.sglang.hooks import SglangHooks, host_units, install_free_set
 from kvaudit.targets.sglang.legacy import SglangLegacyTarget
-from kvaudit.targets.sglang.pd_transfer import install_metadata_pool, metadata_pool, metadata_roots
+from kvaudit.targets.sglang.pd_transfer import (abort_decode_queues, decode_groups, decode_stuck, install_metadata_pool,
+                                                 metadata_pool, metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
 
 INDEX_HEAD_DIM = 128  # NSATokenToKVPool's indexer buffer is laid out for 128-wide index heads
@@ -277,21 +279,14 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
             self.finished.add(req.rid)
             self.coordinator.request_finished(req)
             S.common.release_kv_cache(req, self.tree_cache)
-        for dr in self.prealloc_queue.queue + self.transfer_queue.queue:
-            if dr.req.rid.startswith(rid):
-                dr.kv_receiver.abort()
-        kept = []
-        for req in self.prealloc_queue.retracted_queue:
-            if req.rid.startswith(rid):
-                if hasattr(req, "kv_cache_cpu"):
-                    del req.kv_cache_cpu
-                self.finished.add(req.rid)
-            else:
-                kept.append(req)
-        self.prealloc_queue.retracted_queue = kept
-        for req in sched.running_batch.reqs:
-            if req.rid.startswith(rid) and not req.finished():
-                req.to_finish = S.FINISH_ABORT()
+
+        def drop_backup(req):
+            if hasattr(req, "kv_cache_cpu"):
+                del req.kv_cache_cpu
+            self.finished.add(req.rid)
+
+        abort_decode_queues(self.prealloc_queue, self.transfer_queue, sched.running_batch.reqs, rid, drop_backup,
+                            S.FINISH_ABORT)
 
     def _flush_cache(self) -> bool:
         """``Scheduler.flush_cache`` when ``is_fully_idle`` (the intake's: the tree, a chunk cache, the row pool and
@@ -363,11 +358,9 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
 
     # -- observer: requests ---------------------------------------------------------------------------
     def _groups(self) -> tuple:
-        """``(place, requests)`` of the decode server, from the front of the pipeline."""
-        pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
-        return (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
-                ("waiting", list(s.waiting_queue)), ("running", list(s.running_batch.reqs)),
-                ("retracted", list(pq.retracted_queue)))
+        """``(place, requests)`` of the decode server, from the front of the pipeline (no deferred releases in
+        this era)."""
+        return decode_groups(self.prealloc_queue, self.transfer_queue, self.sched)
 
     def _active(self) -> list:
         out: list = []
@@ -403,25 +396,11 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
         if install_metadata_pool(spec, auditor):
             return
         auditor.wrap_clear(spec)
-        obj, pool, capture = spec.obj, spec.name, auditor.capture_site
-
-        def diffing(name: str, taking: bool):
-            orig = getattr(obj, name)
-
-            def wrapper(*a, **k):
-                before = _free_pages(obj)
-                out = orig(*a, **k)
-                after = _free_pages(obj)
-                units = np.setdiff1d(before, after) if taking else np.setdiff1d(after, before)
-                if units.size:
-                    (auditor.on_alloc if taking else auditor.on_free)(pool, units.tolist(), capture())
-                return out
-
-            wrap(obj, name, wrapper)
-
-        for name in ("alloc", "alloc_extend", "alloc_decode"):
-            diffing(name, True)
-        diffing("free", False)
+        obj = spec.obj
+        for name in ("alloc", "alloc_extend", "alloc_decode", "free"):
+            taking = name != "free"
+            install_free_set(auditor, wrap, spec.name, obj, name, taking, lambda: _free_pages(obj),
+                             lambda b, a, t=taking: (np.setdiff1d(b, a) if t else np.setdiff1d(a, b)).tolist())
 
     def _units(self, req) -> dict[str, np.ndarray]:
         """What ``req``'s row owns: logical pages, HiSparse device pages (its device buffer and what its
@@ -488,16 +467,8 @@ class SglangLegacyPdHiSparseTarget(SglangLegacyTarget):
         return out
 
     def stuck(self) -> str:
-        """From the end of the pipeline back: ``running:decode``, ``waiting:memory``, ``transfer:kv-transfer``,
-        ``prealloc:retracted``, ``prealloc:rows`` or ``prealloc:memory``."""
-        pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
-        for place, on in (("running:decode", s.running_batch.reqs), ("waiting:memory", s.waiting_queue),
-                          ("transfer:kv-transfer", tq.queue), ("prealloc:retracted", pq.retracted_queue)):
-            if on:
-                return place
-        if pq.queue:
-            return "prealloc:rows" if not self.req_to_token_pool.available_size() else "prealloc:memory"
-        return ""
+        return decode_stuck(self.prealloc_queue, self.transfer_queue, self.sched,
+                            self.req_to_token_pool.available_size())
 
     def describe_busy(self) -> str:
         pq, tq, s, co = self.prealloc_queue, self.transfer_queue, self.sched, self.coordinator

@@ -16,8 +16,8 @@ from kvaudit.targets.sglang import compat
 from kvaudit.targets.sglang.boot import SglangUnavailable, build, imported, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.pd_checksum import ChecksumWatch
-from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, PdServer, fake_backend, install_metadata_pool,
-                                                 metadata_roots)
+from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, PdServer, abort_decode_queues, decode_groups,
+                                                 decode_stuck, fake_backend, install_metadata_pool, metadata_roots)
 from kvaudit.targets.sglang.standins import EOS
 
 _PD = None
@@ -269,20 +269,13 @@ class PdDecode(PdServer):
             if req.finished_reason is None:
                 req.finished_reason = S.FINISH_ABORT()
             t._release(req, checkpoint=True)
-        for dr in self.prealloc_queue.queue + self.transfer_queue.queue:
-            if dr.req.rid.startswith(rid):
-                dr.kv_receiver.abort()
-        kept = []
-        for req in self.prealloc_queue.retracted_queue:
-            if req.rid.startswith(rid):
-                S.common.discard_kv_cache_backup(req, t.tree_cache, "cpu_tensor")
-                t.finished.add(req.rid)
-            else:
-                kept.append(req)
-        self.prealloc_queue.retracted_queue = kept
-        for req in sched.running_batch.reqs:
-            if req.rid.startswith(rid) and not req.finished():
-                req.to_finish = S.FINISH_ABORT()
+
+        def drop_backup(req):
+            S.common.discard_kv_cache_backup(req, t.tree_cache, "cpu_tensor")
+            t.finished.add(req.rid)
+
+        abort_decode_queues(self.prealloc_queue, self.transfer_queue, sched.running_batch.reqs, rid, drop_backup,
+                            S.FINISH_ABORT)
 
     def transfer_fail(self, handle: int | None) -> None:
         """:class:`TransferFail` on the live requests not yet running: a queued receiver concludes
@@ -373,11 +366,8 @@ class PdDecode(PdServer):
         return [r for r in self.sched.running_batch.reqs]
 
     def place_groups(self, groups: tuple) -> tuple:
-        pq, tq = self.prealloc_queue, self.transfer_queue
-        return (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
-                ("deferred_release", [entry[0].req for entry in tq._deferred_releases]),
-                ("waiting", self.sched.waiting_queue), ("running", self.sched.running_batch.reqs),
-                ("retracted", pq.retracted_queue))
+        tq = self.transfer_queue
+        return decode_groups(self.prealloc_queue, tq, self.sched, tq._deferred_releases)
 
     def roots(self, out: list, aborting: bool) -> list:
         """Also each metadata slot's holder (a decode request before its commit, or a deferred release)."""
@@ -399,9 +389,7 @@ class PdDecode(PdServer):
 
     def is_idle(self, idle: bool, ignore_waiting: bool) -> bool:
         """``is_fully_idle`` on a decode server: every queue empty and no release deferred."""
-        pq, tq = self.prealloc_queue, self.transfer_queue
-        return not (pq.queue or pq.retracted_queue or tq.queue or tq._deferred_releases or self.sched.waiting_queue
-                    or self.sched.running_batch.reqs)
+        return not any(group for _, group in self.place_groups(()))
 
     def is_idle_for_health_check(self, idle: bool) -> bool:
         """``is_fully_idle(for_health_check=True)``: the prealloc and transfer queues and deferred releases
@@ -414,22 +402,10 @@ class PdDecode(PdServer):
         return False
 
     def stuck(self, out: str) -> str:
-        """From the end of the pipeline back: ``running:decode``, ``waiting:memory``, ``transfer:kv-transfer``,
-        ``transfer:deferred-release``, ``prealloc:retracted``, ``prealloc:rows`` or ``prealloc:memory``."""
-        pq, tq, s = self.prealloc_queue, self.transfer_queue, self.sched
-        if s.running_batch.reqs:
-            return "running:decode"
-        if s.waiting_queue:
-            return "waiting:memory"
-        if tq.queue:
-            return "transfer:kv-transfer"
-        if tq._deferred_releases:
-            return "transfer:deferred-release"
-        if pq.retracted_queue:
-            return "prealloc:retracted"
-        if pq.queue:
-            return "prealloc:rows" if not self.target.req_to_token_pool.available_size() else "prealloc:memory"
-        return ""
+        """:func:`~kvaudit.targets.sglang.pd_transfer.decode_stuck`, deferred releases included."""
+        tq = self.transfer_queue
+        return decode_stuck(self.prealloc_queue, tq, self.sched, self.target.req_to_token_pool.available_size(),
+                            tq._deferred_releases)
 
     def describe_busy(self, out: str) -> str:
         pq, tq = self.prealloc_queue, self.transfer_queue

@@ -1,7 +1,9 @@
 """PD's stand-ins for what is not on this machine: for the decode side (:mod:`kvaudit.targets.sglang.pd`) the
 prefill server and the wire (:class:`Network`), the transfer backend built on SGLang's ``fake`` one
 (:func:`fake_backend`), and the KV checksum over pages that hold no KV data (:class:`KvChecksums`); for both
-sides the ``metadata_buffers`` pool (SGLang's ``ReqToMetadataIdxAllocator``) as kvaudit audits it.
+sides the ``metadata_buffers`` pool (SGLang's ``ReqToMetadataIdxAllocator``) as kvaudit audits it; and what
+a PD decode server's queues read alike in both API eras (:func:`decode_groups`, :func:`decode_stuck`,
+:func:`abort_decode_queues`; their servers: ``pd.PdDecode``, ``legacy_pd``).
 """
 
 from __future__ import annotations
@@ -214,6 +216,45 @@ def metadata_roots(held: list[tuple[str, int | None]], where: str = "") -> list[
     """``(rid, metadata_buffer_index)`` of each holder -> its root (an index None or < 0 holds nothing)."""
     return [Root("metadata_buffers", f"req:{rid}", np.array([idx + 1], dtype=np.int64), where=where)
             for rid, idx in held if idx is not None and idx >= 0]
+
+
+# -- a PD decode server's queues, in both API eras -------------------------------------------------------------
+def decode_groups(prealloc_queue, transfer_queue, sched, deferred=()) -> tuple:
+    """``(place, requests)`` of a PD decode server's queues, from the front of its pipeline (``deferred``:
+    ``DecodeTransferQueue._deferred_releases``' entries, none before the era has them)."""
+    pq, tq = prealloc_queue, transfer_queue
+    return (("prealloc", [dr.req for dr in pq.queue]), ("transfer", [dr.req for dr in tq.queue]),
+            ("deferred_release", [entry[0].req for entry in deferred]), ("waiting", sched.waiting_queue),
+            ("running", sched.running_batch.reqs), ("retracted", pq.retracted_queue))
+
+
+def decode_stuck(prealloc_queue, transfer_queue, sched, rows_left: int, deferred=()) -> str:
+    """What keeps a PD decode server busy, from the end of its pipeline back: ``running:decode``,
+    ``waiting:memory``, ``transfer:kv-transfer``, ``transfer:deferred-release``, ``prealloc:retracted``,
+    ``prealloc:rows`` (no row left: ``rows_left`` 0) or ``prealloc:memory``; ``""`` when nothing waits."""
+    for place, on in (("running:decode", sched.running_batch.reqs), ("waiting:memory", sched.waiting_queue),
+                      ("transfer:kv-transfer", transfer_queue.queue), ("transfer:deferred-release", deferred),
+                      ("prealloc:retracted", prealloc_queue.retracted_queue)):
+        if on:
+            return place
+    if prealloc_queue.queue:
+        return "prealloc:memory" if rows_left else "prealloc:rows"
+    return ""
+
+
+def abort_decode_queues(prealloc_queue, transfer_queue, running: list, rid: str, drop_backup, finish_abort) -> None:
+    """``Scheduler.abort_request``'s decode branch past the waiting queue (rids match by prefix): a queued
+    request's receiver is aborted, a retracted one leaves the retracted queue through ``drop_backup(req)``,
+    a running one gets ``to_finish = finish_abort()``."""
+    for dr in prealloc_queue.queue + transfer_queue.queue:
+        if dr.req.rid.startswith(rid):
+            dr.kv_receiver.abort()
+    for req in [r for r in prealloc_queue.retracted_queue if r.rid.startswith(rid)]:
+        drop_backup(req)
+    prealloc_queue.retracted_queue = [r for r in prealloc_queue.retracted_queue if not r.rid.startswith(rid)]
+    for req in running:
+        if req.rid.startswith(rid) and not req.finished():
+            req.to_finish = finish_abort()
 
 
 class PdServer(SglangLoop):
