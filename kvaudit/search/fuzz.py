@@ -385,7 +385,8 @@ def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppr
     (monotonic seconds), counting into ``stats``; ``on_step``: the run's, called after each scheduler step.
     Returns (ops run, the last op's findings, whether the deadline cut the program, the auditor's site keys)."""
     per_step = stats.executions <= schedule.per_step_first(config)  # (the caller counted this program)
-    with schedule.search_run(config, suppressions, deadline, per_step) as run:
+    site_keys = schedule.site_keys_due(stats.executions)
+    with schedule.search_run(config, suppressions, deadline, per_step, site_keys) as run:
         if on_step is not None:
             run.on_step = on_step
         ran, found = 0, []
