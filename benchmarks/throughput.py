@@ -11,9 +11,10 @@ with the innermost engine frame, double free checked); "hooks" adds the shadow K
 (stale-KV reads), the fuzzers' search mode; "hooks-full" records full stacks and owners, as a
 replay for a report does; "audit" and "audit-full" add the per-step oracles (reachability,
 accounting, liveness); "audit-sparse" is the fuzzers' full audit: the same oracles on the searches'
-sparse schedule (every ``kvaudit.search.schedule.CHECK_EVERY`` steps, where idle() drains, and at the
-program's end; a hit replayed per step), with the searches' lean hooks (no call sites, no lock-event
-records). The same seeded programs run in every mode.
+sparse schedule (every ``kvaudit.search.schedule.CHECK_EVERY`` steps, before an op that ends a state,
+and at the program's end; a hit replayed per step), with the searches' lean hooks (no call sites, no
+lock-event records; the site keys in the programs a search collects them in,
+``kvaudit.search.schedule.site_keys_due``). The same seeded programs run in every mode.
 """
 
 from __future__ import annotations

@@ -136,11 +136,12 @@ def test_the_store_saves_every_program_that_joins_and_a_second_search_runs_them_
     assert len(files) == len(corpus.entries) > 1
     assert set(files) == {CorpusStore.name(e.program) for e in corpus.entries}
     # a fresh worker (another seed) replays the stored programs before anything else: its corpus
-    # after exactly that many executions reaches every feature the first one had
+    # after exactly that many executions reaches every feature the first one had (and, since a stored
+    # program collects its site keys where the first search sampled them, stop 57, maybe more sites)
     again, stats = Corpus(), FuzzStats()
     corpus_search(_config(), 60.0, 99, stats, corpus=again, store=CorpusStore(str(tmp_path / "programs")),
                   max_executions=len(files))
-    assert again.features == corpus.features
+    assert again.features >= corpus.features
     assert {CorpusStore.name(e.program) for e in again.entries} <= set(files)  # name order: some add nothing new
 
 

@@ -115,8 +115,8 @@ def test_the_search_reports_every_zoo_bug_as_a_per_step_run_of_its_program(bug):
     assert _key(findings) == _key(execute(config, program, full_stacks=False).findings)
 
 
-def _sites_and_locks(config, program, lean: bool):
-    with AuditedRun(config, full_stacks=False, check_every=16, lean=lean) as run:
+def _sites_and_locks(config, program, lean: bool, site_keys: bool = True):
+    with AuditedRun(config, full_stacks=False, check_every=16, lean=lean, site_keys=site_keys) as run:
         for op in program:
             if run.apply(op):
                 break
@@ -288,14 +288,16 @@ def _checks_at_finish(program, paranoid: bool = False) -> int:
 
 
 def test_a_check_at_idle_that_would_sweep_what_the_last_swept_is_skipped():
-    # the drain's check swept the idle engine; only its idle iteration ran since: finish() has nothing new
-    # to sweep. A message since (an abort of no request: no ledger event) or a paranoid run: it sweeps
+    # the drain forced no check (stop 57): finish() sweeps what it left. After 40 idle steps the every-K
+    # check has swept the idle engine; only idle iterations ran since: finish() has nothing new to sweep.
+    # A message since (an abort of no request: no ledger event) or a paranoid run: it sweeps
     from kvaudit.program import Abort, Idle, Step, Submit
 
     drained = [Submit(prompt_len=9, max_new_tokens=2), Idle()]
-    assert _checks_at_finish(drained) == 0
-    assert _checks_at_finish(drained, paranoid=True) == 1
-    assert _checks_at_finish(drained + [Abort(None), Step(1)]) == 1
+    assert _checks_at_finish(drained) == 1
+    assert _checks_at_finish(drained + [Step(40)]) == 0
+    assert _checks_at_finish(drained + [Step(40)], paranoid=True) == 1
+    assert _checks_at_finish(drained + [Step(40), Abort(None), Step(1)]) == 1
 
 
 def test_a_search_checks_per_step_only_in_its_kinds_first_programs(monkeypatch):
@@ -355,7 +357,8 @@ def test_an_idle_ops_loop_reads_is_idle_once_a_step_on_the_sparse_schedule():
     from kvaudit.program import Idle, Submit
 
     config = get_preset("default").config(model="none")
-    for every, audit, want in ((16, True, lambda steps: steps + 1), (1, True, lambda steps: 2 * steps),
+    # (sparse: the drain forces no check since stop 57, so the loop reads it once a step, as the bare engine)
+    for every, audit, want in ((16, True, lambda steps: steps), (1, True, lambda steps: 2 * steps),
                                (16, False, lambda steps: steps)):
         with AuditedRun(config, audit=audit, full_stacks=False, check_every=every) as run:
             run.apply(Submit(prompt_len=9, max_new_tokens=6))
@@ -409,3 +412,84 @@ def test_a_closed_run_and_its_ledger_are_freed_by_reference_counts(check_every, 
         assert auditor() is None and ledger() is None, "the closed run's auditor is still referenced"
     finally:
         gc.enable()
+
+
+def test_an_idle_ops_drain_forces_no_check_on_the_sparse_schedule():
+    # stop 57: an Idle op's drain is swept by the next forced check (every K steps, before an ending op, at
+    # finish()), not by one of its own; a per-step run checks after every step as before
+    import kvaudit.audit.runner as runner
+    from kvaudit.program import Idle, Submit
+
+    config = get_preset("default").config(model="none")
+    program = [Submit(prompt_len=9, max_new_tokens=2), Idle(), Submit(prompt_len=12, max_new_tokens=3), Idle()]
+    real = runner.oracles.check
+    for every, lean in ((16, True), (16, False)):
+        calls = []
+        runner.oracles.check = lambda *a, **k: calls.append(k) or real(*a, **k)
+        try:
+            with AuditedRun(config, full_stacks=False, check_every=every, lean=lean) as run:
+                for op in program:
+                    assert run.apply(op) == []
+                steps = run.target.steps
+                assert steps < every and calls == []  # (two drains, no check)
+                assert run.finish() == [] and [k.get("idle") for k in calls] == [True]
+        finally:
+            runner.oracles.check = real
+
+
+@pytest.mark.parametrize("name", ["radix-lock-skips-matched-node", "prefill-finish-leaks-row",
+                                  "retract-unaligned-page", "hisparse-prebuilt-skip-finish"])
+def test_a_bug_met_at_a_drain_no_check_swept_is_reported_at_its_first_step(name):
+    # the per-step run meets the bug at an Idle op's drain (the lock imbalance, a leak at idle); on the sparse
+    # schedule that drain is not checked and the program goes on: the hit comes later (at the latest at
+    # finish()), and its localizing replay reports the per-step run's signature, first op and step
+    from kvaudit.program import Idle, Submit
+
+    config, program, _, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", f"{name}.json"))
+    want = execute(config, program, full_stacks=False).findings
+    first = want[0].op_index
+    assert isinstance(program[first], Idle)
+    longer = program[:first + 1] + [Submit(prompt_len=10, max_new_tokens=2), Idle()]
+    want = _key(execute(config, longer, full_stacks=False).findings)
+    assert want and want[0][1] == first
+    with AuditedRun(config, full_stacks=False, check_every=16, lean=True) as run:
+        hit_at = next((i for i, op in enumerate(longer) if run.apply(op)), None)
+        if hit_at is None:
+            assert run.finish()
+        assert hit_at is None or hit_at > first  # (the drain at `first` swept nothing)
+        assert _key(run.findings) == want
+
+
+@pytest.mark.parametrize("path", ZOO, ids=[os.path.basename(p) for p in ZOO])
+def test_a_lean_run_without_site_keys_detects_the_same(path):
+    """A search's program that collects no site keys (schedule.site_keys_due): the same findings (the
+    replay's), ledger events and lock-event count as one that does, and no site keys."""
+    config, program, _, _ = replay.load(path)
+    found, keys, _, _, lock_count, n_events = _sites_and_locks(config, program, lean=True, site_keys=False)
+    want, want_keys, _, _, want_count, want_events = _sites_and_locks(config, program, lean=True)
+    assert _key(found) == _key(want) and want
+    assert (lock_count, n_events) == (want_count, want_events)
+    assert keys == set() and want_keys
+
+
+def test_a_search_collects_the_site_keys_in_one_program_of_every_16():
+    # stop 57: the 1st, 17th, 33rd ... program of a search collect the site keys (the corpus fuzzer's site
+    # features, the progress line's count); the others none, with the same detection
+    import time
+
+    from kvaudit.search import fuzz, schedule
+    from kvaudit.search.fuzz import FuzzStats
+
+    assert schedule.SITE_KEYS_EVERY == 16
+    assert [n for n in range(1, 50) if schedule.site_keys_due(n)] == [1, 17, 33, 49]
+    config = get_preset("default").config(model="none")
+    program = random_program(random.Random(3), 30)
+    got = {}
+    for n in (1, 2, 17):
+        stats = FuzzStats()
+        stats.executions = n
+        ran, found, _, sites = fuzz.run_program(config, program, stats, None, time.monotonic() + 120)
+        got[n] = (ran, _key(found), sites, stats.sites)
+    assert got[1][2] and got[17][2] == got[1][2] == got[1][3]
+    assert got[2][2] == set() == got[2][3]
+    assert got[1][:2] == got[2][:2] == got[17][:2]

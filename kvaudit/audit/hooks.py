@@ -41,22 +41,29 @@ def _is_install_closure(qualname: str) -> bool:
     return bool(sep) and head.rpartition(".")[2].startswith("install_")
 
 
+def _no_site() -> int:
+    return -1  # a lean run's capture_site where it collects no site keys (no frame read)
+
+
 class Auditor(Ledger, PoolWrappers):
     """Installs the hooks on ``target``'s pools and keeps the ledger. ``full_stacks=False`` (the
     fuzzers' fast mode) records only the innermost engine frame of each site, with no owner hint;
     signatures are the same in both modes. ``op_index`` and ``step`` are set by the runner;
     ``pending`` collects findings raised inside hooks until the runner takes them."""
 
-    def __init__(self, target, full_stacks: bool = True, shadow: bool = True, lean: bool = False):
+    def __init__(self, target, full_stacks: bool = True, shadow: bool = True, lean: bool = False,
+                 site_keys: bool = True):
         self.target = target
         self.full_stacks = full_stacks
         # lean (a search run whose hits a per-step replay reports): no sites and no lock-event records, only
-        # what detects (the ledger's flags and events, the shadow tags, the checks) and the site keys
+        # what detects (the ledger's flags and events, the shadow tags, the checks) and the site keys; lean
+        # and not site_keys: no site keys either (a search's program that does not collect them: site_keys())
         self.lean = lean and not full_stacks
         self.lock_count = 0  # lock events so far (lean or not)
         self._lean_keys: set[tuple[int, int]] = set()  # lean: the frame keys site_keys reports
         if self.lean:
-            self.capture_site = self._lean_site  # (before the wrappers are installed: they bind it)
+            # (before the wrappers are installed: they bind it)
+            self.capture_site = self._lean_site if site_keys else _no_site
         self.ledgers = {spec.name: PoolLedger(spec) for spec in target.pools()}
         self.events: list[Event] = []
         self.owner_changes: list[tuple[int, int, str, np.ndarray, np.ndarray]] = []
@@ -111,7 +118,8 @@ class Auditor(Ledger, PoolWrappers):
             target.install_pool(spec, self, self._wrap)  # default: install_standard(spec)
         # (node id, +1/-1, site, op, step, lock): lock is "device" (inc/dec_lock_ref) or "host" (host pins)
         self.lock_events: list[tuple[int, int, int, int, int, str]] = []
-        target.install_lock_ledger(self._wrap, self._lock_event)
+        # lean and no site keys: a lock event is only counted (the sparse schedule's marks read the count)
+        target.install_lock_ledger(self._wrap, self._lock_event if not self.lean or site_keys else self._count_lock)
         target.install_insert_check(self._wrap, self._over_insert)
         self.shadow: ShadowKV | None = None
         kv = target.kv_pools() if shadow else {}
@@ -318,6 +326,9 @@ class Auditor(Ledger, PoolWrappers):
             oid = self._owner_ids[name] = len(self.owner_names)
             self.owner_names.append(name)
         return oid
+
+    def _count_lock(self, node_id: int, delta: int, lock: str = "device") -> None:
+        self.lock_count += 1  # (a lean run that collects no site keys: the lock event's whole record)
 
     def _lock_event(self, node_id: int, delta: int, lock: str = "device") -> None:
         self.lock_count += 1

@@ -201,7 +201,9 @@ class AuditedRun:
     ``lean`` (a search's run; only with ``check_every > 1`` and no ``suppressions``, else ignored): the hooks
     record what detects and leave what reports to the replay: no call sites (their innermost engine lines
     are kept, :meth:`kvaudit.audit.hooks.Auditor.site_keys`) and no lock-event records (a count). A hit the
-    replay does not reproduce then has no sites.
+    replay does not reproduce then has no sites. ``site_keys=False`` (lean only): not those lines either
+    (``site_keys()`` is empty; a search collects them in one program of every
+    :data:`kvaudit.search.schedule.SITE_KEYS_EVERY`).
 
     Every engine call runs under the watchdog: one past ``step_limit`` seconds (default
     :func:`step_timeout`) is a ``hang``. ``deadline`` (``time.monotonic()`` seconds; a search's budget)
@@ -212,7 +214,7 @@ class AuditedRun:
     def __init__(self, config: TargetConfig, audit: bool = True, run_oracles: bool = True,
                  full_stacks: bool = True, suppressions=None, shadow: bool = True,
                  deadline: float | None = None, step_limit: float | None = None, paranoid: bool | None = None,
-                 check_every: int = 1, lean: bool = False):
+                 check_every: int = 1, lean: bool = False, site_keys: bool = True):
         if check_every < 1:
             raise ValueError(f"check_every must be at least 1 (steps between full checks), not {check_every!r}")
         self.config, self.check_every = config, check_every
@@ -221,7 +223,6 @@ class AuditedRun:
         self._replayed: list[Finding] | None = None  # sparse: what that localization found, not yet returned
         self._replay_memo: tuple[int, AuditedRun] | None = None  # sparse: (ops applied, the open replay) (_replay)
         self.unchecked = 0  # scheduler steps since the last full oracle scan
-        self._draining = False  # inside an Idle op (the sparse schedule checks where it drained)
         self._idle_after: bool | None = None  # sparse: target.is_idle() read by this step's check after the step
         self._checked_mark: tuple | None = None  # (idle, ledger events, lock events, sent) at the last sparse check
         self.sent = 0  # ops other than steps and idle() handed to the target (each queues a message)
@@ -233,10 +234,12 @@ class AuditedRun:
         self.target = make_target(config)
         # (suppressions sift a run's own findings by their signatures: those need the sites)
         lean = lean and check_every > 1 and suppressions is None
-        self.auditor = Auditor(self.target, full_stacks=full_stacks, shadow=shadow, lean=lean) if audit else None
+        self.auditor = (Auditor(self.target, full_stacks=full_stacks, shadow=shadow, lean=lean, site_keys=site_keys)
+                        if audit else None)
         if self.auditor is not None:  # None: the process default (--paranoid sets it for every run)
             self.auditor.paranoid = oracles.paranoid_default() if paranoid is None else paranoid
         self.run_oracles = audit and run_oracles
+        self._sparse = self.run_oracles and check_every > 1  # (_step's test for the not-due steps)
         self.full_stacks, self.shadow = full_stacks, shadow  # (a sparse run's replay takes the same)
         if self.auditor is not None and check_every > 1:
             self.auditor.pair_locks = False  # only a report needs the lock ledger's pairing: the replay's
@@ -249,7 +252,8 @@ class AuditedRun:
         self.crashed = False  # an op raised: the run ends there (apply() is a no-op from then on)
         self.on_step = None  # called as on_step(self) after every scheduler step (kvaudit.reports.timeline)
 
-    def _check(self, scan: bool = True) -> list[Finding]:
+    def _check(self, scan: bool = True, transient: bool | None = None) -> list[Finding]:
+        # transient: the target's answer this step, when the caller has asked it (it is asked once a step)
         if self.auditor is None:
             return []
         aud = self.auditor
@@ -267,9 +271,10 @@ class AuditedRun:
             return []
         if self.check_every > 1:
             # (asked once a step: a target's answer may note what it has seen, vLLM's newly idle engine)
-            transient = self.target.transient()
-            if self.unchecked < self.check_every and not self._draining and not transient:
-                return []  # the sparse schedule: not due yet (_due's first tests, before is_idle)
+            if transient is None:
+                transient = self.target.transient()
+            if self.unchecked < self.check_every and not transient:
+                return []  # the sparse schedule: not due yet (before is_idle)
             idle = self._idle_after = self.target.is_idle()  # (the Idle op's loop reads it)
             if not self._due(idle, transient):
                 return []  # the sparse schedule: not due yet
@@ -279,26 +284,18 @@ class AuditedRun:
         return oracles.check(aud, self.target, idle=idle)
 
     def _due(self, idle: bool, transient: bool) -> bool:
-        # the sparse schedule: every check_every steps; when the program's idle() drained the engine
-        # unless the last check was at idle and the ledger has seen no alloc, free or lock event since; and
-        # after every step while the target is in a state its checks see only while it lasts (transient).
-        # A check at idle that would sweep what the last one swept (it was at idle too, and since then no
-        # ledger or lock event and no op's message: only idle iterations ran) is not due even when forced
-        # (every K steps, before an ending op, at finish()); a paranoid run sweeps anyway. (The drain's own
-        # test leaves the messages out, as before: a message that moved nothing the ledger sees is then
-        # swept by the next forced check, at the latest at finish())
-        if not idle:  # (most calls: an Idle op's steps before it drains; no mark to compare)
-            if self.unchecked < self.check_every and not transient:
-                return False
+        # the sparse schedule (_check has already found the check forced: every check_every steps, before an
+        # ending op, at finish(); or the target transient). An Idle op's drain forces none: what it leaves is
+        # swept by the next forced check, at the latest finish()'s at the program's end (measured, stop 57 of
+        # docs/internals/performance.md). A check at idle that would sweep what the last one swept (it was at
+        # idle too, and since then no ledger or lock event and no op's message: only idle iterations ran) is
+        # not due even when forced; a paranoid run sweeps anyway.
+        if not idle:
             self._checked_mark = (False, len(self.auditor.events), self.auditor.lock_count, self.sent)
             return True
         mark = (idle, len(self.auditor.events), self.auditor.lock_count, self.sent)
         if not transient and mark == self._checked_mark and not self.auditor.paranoid:
             self.unchecked = 0  # (what the last check swept is what is there)
-            return False
-        if (self.unchecked < self.check_every and (not self._draining or
-                                                    mark[:3] == (self._checked_mark or ())[:3])
-                and not transient):
             return False
         self._checked_mark = mark
         return True
@@ -354,8 +351,9 @@ class AuditedRun:
         return self._outcome("timeout", stack[below:])
 
     def _step(self) -> list[Finding]:
-        if self.auditor is not None:
-            aud, self._idle_after = self.auditor, None
+        aud = self.auditor
+        if aud is not None:
+            self._idle_after = None
             if aud.pair_locks:
                 aud.step = self.target.steps + 1
             else:  # (the setter would only store it: see _check)
@@ -364,7 +362,18 @@ class AuditedRun:
         cut = self._guarded(self.target.step)
         if cut is not None:
             return cut
-        found = self._check()
+        if self._sparse and not aud.pending:
+            # NOTE: most steps of a sparse run end here: _check's not-due answer without its call (transient()
+            # asked once a step, as there)
+            aud._step = self.target.steps
+            transient = self.target.transient()
+            if self.unchecked < self.check_every and not transient:
+                if self.on_step is not None:
+                    self.on_step(self)
+                return []
+            found = self._check(transient=transient)
+        else:
+            found = self._check()
         # the "step" rows (liveness) judge a run with oracles only: a bare or ledger-only run pays no call
         # for them (sparse: at each full check)
         if not found and self.run_oracles and (self.check_every == 1 or not self.unchecked):
@@ -398,20 +407,24 @@ class AuditedRun:
             found: list[Finding] = []
             if isinstance(op, Step):
                 for _ in range(max(1, op.n)):
-                    found = sift(self._step())
+                    found = self._step()
+                    if found:  # (sift([]) is []: no call per step)
+                        found = sift(found)
                     if found or self._out_of_time():
                         break
             elif isinstance(op, Idle):
                 if self.target.paused:
                     self.target.apply(ContinueGeneration())  # a paused engine never drains
-                stalled, self._draining, self._idle_after = 0, True, None
+                stalled, self._idle_after = 0, None
                 reuse = self.check_every > 1 and self.run_oracles  # (sparse: _check reads is_idle() after each step)
                 for n in range(MAX_IDLE_STEPS):
                     if reuse and self._idle_after is not None:
                         idle = self._idle_after  # what the last step's check read after it: nothing ran since
                     else:
                         idle = self.target.is_idle()
-                    found = sift(self._step())  # when idle, this iteration runs the engine's on_idle
+                    found = self._step()  # when idle, this iteration runs the engine's on_idle
+                    if found:
+                        found = sift(found)
                     stalled = stalled + 1 if self.target.stalled() else 0
                     if found or idle or stalled > STALL_STEPS or self._out_of_time():
                         break  # out of time: no hang finding, the budget ran out, not the engine
@@ -426,17 +439,15 @@ class AuditedRun:
                 if not found:  # only queues a message: no memory moves until a step
                     self.sent += 1
                     found = self._guarded(self.target.apply, op)
-                    if found is None:
-                        found = self._check(scan=False)
+                    if found is None:  # (sparse: only what a hook raised; the step stored is the target's)
+                        found = self._check(scan=False) if not self._sparse or self.auditor.pending else []
         except Exception as exc:  # the engine crashed: that is a finding, not our error
             found = self._outcome("raise", exc)
-            self._draining = False
             if not found:
                 if self.check_every > 1:
                     self._replay()  # the target's own error: raised as a per-step run raises it, where it does
                 raise
             self.crashed = True
-        self._draining = False
         return self._answer(found, sift)
 
     def _before_ending(self, op: Op) -> list[Finding]:

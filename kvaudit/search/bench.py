@@ -20,7 +20,7 @@ import numpy as np
 from kvaudit.atomic import scratch_dir
 from kvaudit.config import TargetConfig
 from kvaudit.targets import registry
-from kvaudit.search import fuzzers
+from kvaudit.search import fuzzers, schedule
 from kvaudit.search.fuzz import FuzzStats, triage
 from kvaudit.audit.runner import AuditedRun, execute
 
@@ -233,12 +233,14 @@ def run_programs(config: TargetConfig, programs: list, audit: bool, oracles: boo
                  shadow: bool, check_every: int = 1, lean: bool | None = None) -> tuple[float, int, int]:
     """Run every program from a fresh engine in one mode (``check_every``: the oracles' schedule; ``lean``:
     the hooks' lean mode, None: as a search runs them, lean on a sparse schedule;
-    :class:`kvaudit.audit.runner.AuditedRun`); (process CPU seconds, ops, steps)."""
+    :class:`kvaudit.audit.runner.AuditedRun`; a lean run collects the site keys in the programs a search
+    would, :func:`kvaudit.search.schedule.site_keys_due`); (process CPU seconds, ops, steps)."""
     ops = steps = 0
+    lean = check_every > 1 if lean is None else lean
     t0 = time.process_time()
-    for prog in programs:
+    for i, prog in enumerate(programs):
         with AuditedRun(config, audit=audit, run_oracles=oracles, full_stacks=full_stacks, shadow=shadow,
-                        check_every=check_every, lean=check_every > 1 if lean is None else lean) as r:
+                        check_every=check_every, lean=lean, site_keys=schedule.site_keys_due(i + 1)) as r:
             for op in prog:
                 r.apply(op)
             r.finish()

@@ -241,8 +241,9 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     for n, _ in enumerate(programs_until(deadline, max_executions, stats, on_progress), 1):
         if store is not None and n % sync_every == 0:
             pending += store.load_new()
+        stored = bool(pending)  # (a stored program, another search's corpus entry: it collects its site keys)
         program = next(programs)
-        hit, kept, features = _run(config, program, stats, known, suppressions, deadline)
+        hit, kept, features = _run(config, program, stats, known, suppressions, deadline, stored or None)
         if hit is not None:
             return hit
         if kept is not None:
@@ -256,13 +257,16 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     return None
 
 
-def _run(config: TargetConfig, program: list[Op], stats: FuzzStats, known, suppressions, deadline: float):
+def _run(config: TargetConfig, program: list[Op], stats: FuzzStats, known, suppressions, deadline: float,
+         site_keys: bool | None = None):
     """``(hit, kept, features)``: the program up to a new finding and its findings, else None; the ops that
     may join the corpus, None when the deadline cut the program; the features reached (the abstract state
-    after each scheduler step, the alloc/free/lock sites)."""
+    after each scheduler step, the alloc/free/lock sites where it collects them: ``site_keys``, None: by
+    :func:`kvaudit.search.schedule.site_keys_due`)."""
     features: set = set()
     ran, found, out_of_time, sites = run_program(config, program, stats, suppressions, deadline,
-                                                 on_step=lambda r: features.add(hash(abstract_state(r.target))))
+                                                 on_step=lambda r: features.add(hash(abstract_state(r.target))),
+                                                 site_keys=site_keys)
     if out_of_time:
         return None, None, features
     if found and not all(f.signature in known for f in found):

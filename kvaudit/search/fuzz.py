@@ -380,12 +380,16 @@ def programs_until(deadline: float, max_executions: int | None, stats: FuzzStats
 
 
 def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppressions, deadline: float,
-                on_step: Callable | None = None) -> tuple[int, list[Finding], bool, set]:
+                on_step: Callable | None = None, site_keys: bool | None = None) -> tuple[int, list[Finding], bool, set]:
     """Run ``program`` from a fresh audited engine (fast stacks) up to its first finding or ``deadline``
-    (monotonic seconds), counting into ``stats``; ``on_step``: the run's, called after each scheduler step.
-    Returns (ops run, the last op's findings, whether the deadline cut the program, the auditor's site keys)."""
+    (monotonic seconds), counting into ``stats``; ``on_step``: the run's, called after each scheduler step;
+    ``site_keys``: whether it collects them (None: :func:`kvaudit.search.schedule.site_keys_due`).
+    Returns (ops run, up to the first finding's op: a sparse check that met a hit after it, the replay named
+    it; the last op's findings, whether the deadline cut the program, the auditor's site keys: empty in a
+    program that collects none, :func:`kvaudit.search.schedule.site_keys_due`)."""
     per_step = stats.executions <= schedule.per_step_first(config)  # (the caller counted this program)
-    with schedule.search_run(config, suppressions, deadline, per_step) as run:
+    site_keys = schedule.site_keys_due(stats.executions) if site_keys is None else site_keys
+    with schedule.search_run(config, suppressions, deadline, per_step, site_keys) as run:
         if on_step is not None:
             run.on_step = on_step
         ran, found = 0, []
@@ -401,4 +405,6 @@ def run_program(config: TargetConfig, program: list[Op], stats: FuzzStats, suppr
         stats.reached.update(run.target.reach())
         stats.sites |= sites
         stats.suppressed.update(f.signature for f in run.suppressed)
+    if found:  # (runs are deterministic: the program up to that op reproduces the report)
+        ran = min(ran, 1 + min((f.op_index for f in found if f.op_index >= 0), default=ran - 1))
     return ran, found, run.out_of_time, sites
