@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 
 import click
 
@@ -157,6 +158,8 @@ _suppress_option = click.option(
 
 def _set_step_timeout(ctx, param, value):
     value = _seconds()(ctx, param, value)
+    if isinstance(ctx.obj, dict) and ctx.obj.get(CHECK_ONLY):
+        return value  # parses(), or a command line it refused: the value checked, the runner (torch) not imported
     from kvaudit.audit.runner import set_step_timeout
 
     set_step_timeout(DEFAULT_STEP_TIMEOUT if value is None else value)  # process-wide: reset every command
@@ -211,17 +214,28 @@ _paranoid_option = click.option(
          "never reported as a finding). Slower; for checking a target's ownership deltas.")
 
 
+CHECK_ONLY = "check_only"  # ctx.obj key: the options' callbacks check their values and set nothing process-wide
+
+
 def parses(args: list[str]) -> bool:
     """Whether :data:`main` accepts the command line ``args`` (``sys.argv[1:]``): parsed and checked as the
     command will be (an unknown option, a missing or wrong value: ``False``), nothing run. The entry point
     asks before it imports the engine and the search for a command that runs them, so that a mistyped flag
-    is refused in a fraction of a second (docs/internals/app.md). Raises only what an interrupt raises."""
+    is refused in a fraction of a second (docs/internals/app.md). Only click's own refusals (and its
+    --help/--version exits) are ``False``: anything else the check meets (a click that deprecated what it
+    reads, under ``-W error``) is ``True``, so that the command runs with its set-up and says what is wrong
+    itself. Raises only what an interrupt raises."""
     try:
-        with main.make_context("kvaudit", list(args)) as ctx:
-            name, command, rest = main.resolve_command(ctx, [*ctx.protected_args, *ctx.args])
+        with main.make_context("kvaudit", list(args), obj={CHECK_ONLY: True}) as ctx:
+            with warnings.catch_warnings():  # click 8.2+ deprecates protected_args (9.0: gone, args has all)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                lead = list(getattr(ctx, "protected_args", ()))
+            name, command, rest = main.resolve_command(ctx, [*lead, *ctx.args])
             command.make_context(name, rest, parent=ctx).close()
-    except Exception:  # click's usage errors, its --help/--version exits, a callback's own error: the
-        return False   # command says which, the same way, when it runs
+    except (click.ClickException, click.exceptions.Exit, click.Abort):  # the command says which, the same
+        return False                                                     # way, when it runs
+    except Exception:
+        return True
     return True
 
 
@@ -519,7 +533,8 @@ def report_cmd(file, outputs):
 @needs_targets
 def export_cmd(file, issue_out, client_out, resolve):
     """Export a replay FILE (an SGLang or vLLM finding) as an issue report and/or a client-level reproducer.
-    Exit 0 once written, 2 on a bad file or flag, 69 when FILE's target is a plugin's kind not loaded here."""
+    Exit 0 once written, 2 on a bad file or flag, 5 when FILE is the --json of a run interrupted at start-up
+    (nothing recorded), 69 when FILE's target is a plugin's kind not loaded here."""
     from kvaudit.app import export as job
 
     return job.run(file, issue_out, client_out, resolve)

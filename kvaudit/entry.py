@@ -36,8 +36,9 @@ def main() -> None:
         # inside the try, since a signal can land as soon as its handler is in (before the next line)
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_sigint)
-        from kvaudit.cli import main as cli_main, parses
-        runs_engine = runs_engine and parses(args)  # bad input is refused before the engine is imported
+        from kvaudit.cli import CHECK_ONLY, main as cli_main, parses
+        refused = runs_engine and not parses(args)  # bad input is refused before the engine is imported
+        runs_engine = runs_engine and not refused
         if runs_engine:
             for name in _HEAVY_MODULES:
                 importlib.import_module(name)
@@ -55,7 +56,7 @@ def main() -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     try:
-        cli_main(obj={"process_start": started})
+        cli_main(obj={"process_start": started, CHECK_ONLY: refused})  # (refused: no callback imports the engine)
     except SystemExit as e:
         _exit(e)
         raise

@@ -169,6 +169,31 @@ def test_the_run_record_keeps_the_users_keys_and_sets_aside_entries_that_are_not
     assert not warnings and len(json.loads(path.read_text())["runs"]) == 3 and not os.path.exists(f"{path}.unreadable-1")
 
 
+def test_a_run_record_whose_runs_is_not_a_list_keeps_the_users_other_keys(tmp_path):
+    """tester 57: {"runs": {...}, "owner": ...} was moved aside whole and the new file lost "owner"; a top-level
+    array was called "runs is not a list". The keys stay, the runs value is copied aside with the file; a file
+    with no runs at all is a record to add to."""
+    from kvaudit.search.campaign import _append_run_record
+
+    path, new = tmp_path / "campaign.json", {"started": "2026-12-02T00:00:00Z"}
+    before = json.dumps({"format": "kvaudit.campaign/1", "runs": {"a": 1}, "owner": "me"})
+    path.write_text(before)
+    warnings = []
+    assert _append_run_record(str(tmp_path), new, warnings) is None
+    assert json.loads(path.read_text()) == {"format": "kvaudit.campaign/1", "runs": [new], "owner": "me"}
+    assert warnings == [f"{path}: its runs is a JSON dict, not a list of run records: left out, the file as it was "
+                        f"copied to {path}.unreadable"]
+    assert (tmp_path / "campaign.json.unreadable").read_text() == before
+    path.write_text('{"owner": "me"}')
+    warnings.clear()
+    assert _append_run_record(str(tmp_path), new, warnings) is None and not warnings
+    assert json.loads(path.read_text()) == {"owner": "me", "format": "kvaudit.campaign/1", "runs": [new]}
+    path.write_text("[1, 2]")
+    assert _append_run_record(str(tmp_path), new, warnings) is None
+    assert "(ValueError: a JSON list, not an object)" in warnings[0]
+    assert (tmp_path / "campaign.json.unreadable-1").read_text() == "[1, 2]"
+
+
 def test_the_progress_line_says_which_worker_is_confirming_or_minimizing_which_finding():
     """stop 55/56: while a worker triaged (seconds, a hang's replays 1.4 s each) no progress line came, and the run
     looked stuck; the workers now say each triage phase, and the campaign's phase names it until that worker's

@@ -827,6 +827,9 @@ def test_the_json_of_a_run_interrupted_at_start_up_reports_as_nothing_checked(tm
     assert not (tmp_path / "r.html").exists()
     r = invoke("replay", doc)
     assert r.exit_code == 5 and "interrupted (Ctrl-C or SIGTERM) during start-up" in r.stderr, r.output
+    r = invoke("export", doc, "--issue", str(tmp_path / "i.md"))  # (was exit 2, as if the file were broken)
+    assert r.exit_code == 5 and "interrupted (Ctrl-C or SIGTERM) during start-up" in r.stderr, r.output
+    assert not (tmp_path / "i.md").exists()
 
 
 def test_ci_interrupted_before_its_job_began_in_process_writes_its_junit(tmp_path, monkeypatch):

@@ -124,6 +124,22 @@ def test_a_plugin_replay_file_without_its_plugin_says_how_to_load_it(tmp_path, c
     assert not (tmp_path / "i.md").exists()
 
 
+def test_ci_labels_a_plugin_replay_file_without_its_plugin_unavailable_not_malformed(tmp_path):
+    """tester 57: in `kvaudit ci`'s JUnit such a file was an error of type "malformed" and its line said
+    "FAILED: malformed: ...": the file is fine, the plugin is missing. Still a failed check (exit 1)."""
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    config = registry.get("rowtoy").preset("rowtoy-leaky").config()
+    replay.write_atomic(str(regs / "rowtoy.json"), replay.to_doc(config, [Submit()], []))
+    env = {k: v for k, v in os.environ.items() if k != "KVAUDIT_PLUGINS"} | {"PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "kvaudit", "ci", "--max-time", "0", "--regressions", str(regs),
+                        "--junit", "ci.xml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert 'regression rowtoy: FAILED: unavailable: ' in r.stderr and "malformed" not in r.stderr, r.stderr
+    xml = (tmp_path / "ci.xml").read_text()
+    assert 'type="unavailable"' in xml and 'type="malformed"' not in xml
+
+
 def test_every_kind_writes_its_name_and_reads_it_back():
     from kvaudit.targets import config_from_dict, config_to_dict
     for name, kind in registry.kinds().items():

@@ -10,9 +10,10 @@ from kvaudit.app.files import check_paths
 
 def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool) -> int:
     """Returns 0 once written. Raises :class:`InputError` for a bad file or flag, :class:`DiskFull`,
-    :class:`UnavailableError` for a file whose target is a plugin's not loaded here."""
+    :class:`UnavailableError` for a file whose target is a plugin's not loaded here, :class:`NothingChecked` for
+    the ``--json`` of a run interrupted at start-up."""
     from kvaudit.export.exporter import ExportError, export
-    from kvaudit.replay import TargetNotLoadedError
+    from kvaudit.replay import NothingRecordedError, TargetNotLoadedError
 
     if issue_out is None and client_out is None:
         raise InputError("nothing to export: give --issue OUT.md and/or --client OUT.py")
@@ -21,7 +22,7 @@ def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool)
         done = export(file, issue_out, client_out, resolve=resolve)
     except ExportError as e:
         raise InputError(str(e)) from None
-    except TargetNotLoadedError as e:
+    except (TargetNotLoadedError, NothingRecordedError) as e:
         raise unreadable(e) from None
     except OSError as e:
         raise write_error(e, e.filename or issue_out or client_out) from None

@@ -14,7 +14,7 @@ from kvaudit.export.plan import plan as make_plan
 from kvaudit.export.trace import trace
 from kvaudit.history.catalogue import BUGS
 from kvaudit.program import format_op
-from kvaudit.replay import ReplayFormatError, TargetNotLoadedError, load, write_text_atomic
+from kvaudit.replay import NothingRecordedError, ReplayFormatError, TargetNotLoadedError, load, write_text_atomic
 from kvaudit.targets.registry import kind_of
 
 
@@ -49,12 +49,13 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     """Read replay file ``path`` and write the Markdown report to ``issue_out`` and the client script to
     ``client_out`` (either may be None). ``resolve``: trace the program on the target to name its handles.
     Raises :class:`ExportError` for a file that is not a replay file (:class:`TargetNotLoadedError` for one whose
-    target is a plugin's not loaded here), whose engine has no HTTP API or
+    target is a plugin's not loaded here, :class:`NothingRecordedError` for a run's ``--json`` written at a
+    start-up interrupt), whose engine has no HTTP API or
     whose program holds an op that API has no call for; OSError when an output cannot be written."""
     try:
         config, program, findings, doc = load(path)
-    except TargetNotLoadedError:  # (not the file's fault: the caller says how to load the plugin)
-        raise
+    except (TargetNotLoadedError, NothingRecordedError):  # (not a broken file: the caller says which, as the
+        raise                                             # other readers of replay files do)
     except ReplayFormatError as e:
         raise ExportError(str(e)) from None
     target = kind_of(config).name  # (a plugin's config need not have a ``target`` field)

@@ -393,9 +393,10 @@ CAMPAIGN_FORMAT = "kvaudit.campaign/1"  # corpus/campaign.json: {"format", "runs
 def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSError | None:
     """Add ``record`` to ``corpus/campaign.json``, keeping the file's other top-level keys; the error (its filename
     that path) when it cannot be written: the run's result is the caller's to report all the same. Nothing the
-    user had is lost: a file there that is not a run record is moved aside to ``campaign.json.unreadable``
-    (``-1``, ``-2`` ... when taken) and a new one started; entries of ``runs`` that are not run records (an object
-    with a ``"started"`` time) are left out of the new file, the file as it was copied aside first. ``warnings``
+    user had is lost: a file there that is not a JSON object is moved aside to ``campaign.json.unreadable``
+    (``-1``, ``-2`` ... when taken) and a new one started; a ``runs`` that is not a list, and entries of ``runs``
+    that are not run records (an object with a ``"started"`` time), are left out of the new file, the file as it
+    was copied aside first. ``warnings``
     says which."""
     path = os.path.join(corpus, "campaign.json")
     doc: dict = {"format": CAMPAIGN_FORMAT, "runs": []}
@@ -403,8 +404,8 @@ def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSErro
         with open(path) as fh:
             text = fh.read()
         doc = json.loads(text)
-        if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-            raise ValueError("runs is not a list")
+        if not isinstance(doc, dict):
+            raise ValueError(f"a JSON {type(doc).__name__}, not an object")
     except FileNotFoundError:
         pass
     except (OSError, ValueError, TypeError) as e:
@@ -413,9 +414,18 @@ def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSErro
             os.replace(path, aside)
             warnings.append(f"{path} was not a run record ({type(e).__name__}: {e}): moved to {aside}, and a new "
                             "one started")
-    runs = [r for r in doc["runs"] if _is_run_record(r)]
-    junk = [r for r in doc["runs"] if not _is_run_record(r)]
-    if junk:
+    entries = doc.get("runs", [])
+    runs = [r for r in entries if _is_run_record(r)] if isinstance(entries, list) else []
+    junk = [r for r in entries if not _is_run_record(r)] if isinstance(entries, list) else None
+    if junk is None:  # (its other keys kept, as below)
+        aside = _aside(path)
+        try:
+            replay.write_text_atomic(aside, text)
+        except OSError as e:
+            return OSError(e.errno, e.strerror, path)
+        warnings.append(f"{path}: its runs is a JSON {type(entries).__name__}, not a list of run records: left "
+                        f"out, the file as it was copied to {aside}")
+    elif junk:
         aside = _aside(path)
         try:
             replay.write_text_atomic(aside, text)

@@ -34,7 +34,8 @@ class RegressionCheck:
     clean_without_switch: bool = False
     problem: str = ""
     seconds: float = 0.0
-    malformed: bool = False  # not a readable replay file
+    malformed: bool = False  # could not run as a replay file (unreadable, a plugin not loaded, nothing recorded)
+    error: str = "malformed"  # then which: the JUnit error's type and the problem's first word
 
     @property
     def ok(self) -> bool:
@@ -93,8 +94,10 @@ def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
     name = os.path.splitext(os.path.basename(path))[0]
     try:
         config, program, recorded, _ = replay.load(path)
-    except replay.ReplayFormatError as e:
-        return RegressionCheck(name, path, "", problem=f"malformed: {e}", malformed=True,
+    except replay.ReplayFormatError as e:  # (a plugin's file or a start-up interrupt's --json is not broken)
+        error = ("unavailable" if isinstance(e, replay.TargetNotLoadedError) else
+                 "nothing-recorded" if isinstance(e, replay.NothingRecordedError) else "malformed")
+        return RegressionCheck(name, path, "", problem=f"{error}: {e}", malformed=True, error=error,
                                seconds=time.monotonic() - t0)
     check = RegressionCheck(name, path, recorded[0].signature if recorded else "")
     try:  # a real engine's file where that engine is missing: a failed check, in one line
@@ -226,7 +229,7 @@ def junit(result: CiResult) -> str:
         case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions", name=xml_text(r.name),
                              time=f"{r.seconds:.2f}")
         if r.malformed:  # the case could not run: an error, not a failure
-            ET.SubElement(case, "error", message=xml_text(r.problem), type="malformed").text = xml_text(
+            ET.SubElement(case, "error", message=xml_text(r.problem), type=r.error).text = xml_text(
                 f"{r.path}\n{r.problem}\n")
         elif not r.ok:
             fail = ET.SubElement(case, "failure", message=xml_text(r.problem), type="regression")
