@@ -92,7 +92,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
                   + (f", {len(unwritten)} found but not written (disk full)" if unwritten else "")
-                  + (" (interrupted)" if result.interrupted else ""))
+                  + (" (interrupted)" if result.interrupted else ""), soft_wrap=True)
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed
     return _exit_code(result, err, per_preset)
