@@ -190,8 +190,10 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         try:
+            ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
-                                                   {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
+                                                   {"job": "kvaudit ci"}, suppressions=sset, ran=ran), err,
+                                  kept=tuple(kept))
         except click.ClickException as e:
             if not failed:
                 return e
