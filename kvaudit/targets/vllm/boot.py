@@ -18,7 +18,7 @@ import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
-from kvaudit.targets.compat import installed
+from kvaudit.targets.compat import engine_import, installed
 from kvaudit.targets.vllm import compat
 
 SUPPORTED_VERSIONS = compat.TESTED  # every release of compat.MIN_VERSION..MAX_VERSION
@@ -123,7 +123,7 @@ def load() -> SimpleNamespace:
     _prepare_environment()
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), engine_import():
             warnings.simplefilter("ignore")
             names = {a: _import(mod, a) for mod, attrs in _NAMES for a in attrs.split()}
     except Exception as e:  # a broken or partial install: one line, with the hint
