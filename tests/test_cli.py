@@ -820,3 +820,13 @@ def test_a_narrow_columns_does_not_fold_or_cut_plain_output_to_a_pipe(tmp_path):
     r = invoke("ci", "--max-time", "0", "--regressions", str(regressions), "--out", str(tmp_path / "out"), env=env)
     assert r.exit_code == 0, r.output + r.stderr
     assert r.stdout.splitlines()[-1] == "passed: 1/1 regressions ok, 0 new finding(s)", r.stdout
+
+
+def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path):
+    """It said 'kvaudit ci: 0 regression file(s) in (none for this target)'."""
+    import rowtoy_plugin  # noqa: F401  (registers the kind "rowtoy", which ships no regressions)
+
+    r = invoke("ci", "--target", "rowtoy", "--presets", "rowtoy", "--max-time", "1", "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output + r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("kvaudit ci: no regression files (none for this target); fuzz "), first

@@ -56,8 +56,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         first = kind.preset(preset_names[0]).config()
         require_target(first)
         where = f"{kind.describe(first)}; " if kind.describe is not None else ""  # the engine and its release
-        err.print(f"kvaudit ci: {where}{len(files)} regression file(s) in "
-                  f"{regressions_dir or '(none for this target)'}; "
+        err.print(f"kvaudit ci: {where}"
+                  + (f"{len(files)} regression file(s) in {regressions_dir}; " if regressions_dir else
+                     "no regression files (none for this target); ")
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
                      if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
                   + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
