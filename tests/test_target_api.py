@@ -375,12 +375,21 @@ class PastThePoolRoots(rowtoy_plugin.RowToyTarget):
         return [Root("rows", f"req:{r.rid}", r.rows + 1000) for r in self.engine.running]
 
 
+class StillSteps(rowtoy_plugin.RowToyTarget):
+    def step(self):
+        self.engine.step()  # as if the author never counted its steps
+
+
 MID_RUN = {"float-units": (FloatRoots, "FloatRoots.roots(): req:r1's units must be a [n] integer numpy array, got "
                                        "ndarray of float64"),
            "list-units": (ListUnitRoots, "ListUnitRoots.roots(): req:r1's units must be a [n] integer numpy array, "
                                          "got list"),
            "past-the-pool": (PastThePoolRoots, 'PastThePoolRoots.roots(): req:r1\'s units of pool "rows" must be in '
-                                               "[1, 47] (unit 0 is reserved; 47 its num_units), got 1001 to")}
+                                               "[1, 47] (unit 0 is reserved; 47 its num_units), got 1001 to"),
+           # (it was silently 'detected after op #3 at scheduler step 0', owned/dropped at step 0 before 'alloc
+           # ... step 1')
+           "steps-not-counted": (StillSteps, "StillSteps.step() left self.steps at 0: a target's step() must add 1 "
+                                             "to self.steps")}
 
 
 @pytest.mark.parametrize("preset", list(MID_RUN))

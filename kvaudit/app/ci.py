@@ -56,8 +56,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         first = kind.preset(preset_names[0]).config()
         require_target(first)
         where = f"{kind.describe(first)}; " if kind.describe is not None else ""  # the engine and its release
-        err.print(f"kvaudit ci: {where}{len(files)} regression file(s) in "
-                  f"{regressions_dir or '(none for this target)'}; "
+        err.print(f"kvaudit ci: {where}"
+                  + (f"{len(files)} regression file(s) in {regressions_dir}; " if regressions_dir else
+                     "no regression files (none for this target); ")
                   + (f"fuzz {fuzzer} over {len(preset_names)} preset(s), {duration(per_preset)} of search each"
                      if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
                   + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
@@ -92,7 +93,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
                   + (f", {len(unwritten)} found but not written (disk full)" if unwritten else "")
-                  + (" (interrupted)" if result.interrupted else ""))
+                  + (" (interrupted)" if result.interrupted else ""), soft_wrap=True)
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed
     return _exit_code(result, err, per_preset)
@@ -190,8 +191,10 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         try:
+            ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
-                                                   {"job": "kvaudit ci"}, suppressions=sset), err, kept=tuple(kept))
+                                                   {"job": "kvaudit ci"}, suppressions=sset, ran=ran), err,
+                                  kept=tuple(kept))
         except click.ClickException as e:
             if not failed:
                 return e

@@ -28,6 +28,7 @@ from kvaudit.audit.oracles.outcome import LIVENESS_STEPS, MAX_IDLE_STEPS, WATCHD
 from kvaudit.program import ContinueGeneration, Idle, Op, Step
 from kvaudit.program.schema import OPS
 from kvaudit.targets import make_target
+from kvaudit.targets.registry import TargetDefinitionError, kind_name
 
 # NOTE: set by the CLI's SIGINT handler and checked by every op: a KeyboardInterrupt raised inside a
 # garbage-collector callback is swallowed by Python ("Exception ignored in ..."), this flag is not
@@ -359,9 +360,13 @@ class AuditedRun:
             else:  # (the setter would only store it: see _check)
                 aud._step = self.target.steps + 1
         self.unchecked += 1
+        before = self.target.steps
         cut = self._guarded(self.target.step)
         if cut is not None:
             return cut
+        if self.target.steps != before + 1:  # (else a finding's step, lifecycle and liveness rows read wrong)
+            raise TargetDefinitionError(f"target {kind_name(self.target)}: {type(self.target).__name__}.step() left "
+                                        f"self.steps at {self.target.steps}: a target's step() must add 1 to self.steps")
         if self._sparse and not aud.pending:
             # NOTE: most steps of a sparse run end here: _check's not-due answer without its call (transient()
             # asked once a step, as there)

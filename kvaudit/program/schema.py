@@ -137,11 +137,15 @@ def reachable(gate: str | None, reach: frozenset) -> bool:
     return gate is None or gate in reach
 
 
+def capabilities(config) -> frozenset[str]:
+    """Which of :data:`CAPABILITIES` the target of ``config`` has (its kind's ``capabilities``)."""
+    return frozenset(kind_of(config).capabilities(config)) & frozenset(CAPABILITIES)
+
+
 def reach(config) -> frozenset[str]:
-    """What of :data:`FEATURES` (``program_features``) and :data:`CAPABILITIES` (its kind's
-    ``capabilities``) the target of ``config`` models: what the Hypothesis search and the byte decoder draw."""
-    capabilities = frozenset(kind_of(config).capabilities(config)) & frozenset(CAPABILITIES)
-    return frozenset(program_features(config)) | capabilities
+    """What of :data:`FEATURES` (``program_features``) and :data:`CAPABILITIES` (:func:`capabilities`)
+    the target of ``config`` models: what every search (random, corpus, Hypothesis) and the byte decoder draw."""
+    return frozenset(program_features(config)) | capabilities(config)
 
 
 def kinds(reach: frozenset) -> tuple[str, ...]:

@@ -112,11 +112,25 @@ def occupancy_svg(timeline: dict, finding: Finding | None = None) -> str:
     return svg
 
 
+def ran_label(config: TargetConfig, cases: list, ran: tuple = ()) -> tuple[str, str, str]:
+    """``(title, presets, bugs)`` of a report's header: the presets that ran (``ran``, a job's configs;
+    else those of the cases with findings; else ``config``), the title naming them (``"13 presets"`` past
+    three) and each preset's bugs (``"none"``; several presets: ``"mine-leaky: abort-leak"`` per preset with any)."""
+    configs = list({c.preset: c for c in (ran or [c.config for c in cases if c.findings and c.config]
+                                          or [config])}.values())
+    names = [c.preset for c in configs]
+    if len(configs) == 1:
+        return names[0], names[0], ", ".join(sorted(configs[0].bugs)) or "none"
+    bugs = "; ".join(f"{c.preset}: {', '.join(sorted(c.bugs))}" for c in configs if c.bugs) or "none"
+    return (", ".join(names) if len(names) <= 3 else f"{len(names)} presets"), ", ".join(names), bugs
+
+
 def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | None = None, suppressions=None,
-                extra: dict | None = None, recorded: Mapping[str, str] | None = None) -> str:
+                extra: dict | None = None, recorded: Mapping[str, str] | None = None, ran: tuple = ()) -> str:
     """The report page for ``cases`` (:class:`kvaudit.reports.outputs.Case`; one without a timeline gets
     no plot); ``suppressions``: a SuppressionSet or None; ``recorded``: a signature -> the engine release its
-    finding was recorded on (:func:`~kvaudit.reports.sarif.engine_of`)."""
+    finding was recorded on (:func:`~kvaudit.reports.sarif.engine_of`); ``ran``: the configs a job ran, which
+    the header names (:func:`ran_label`)."""
     on = engine_of(config, recorded)
     findings = [f for c in cases for f in c.findings]
     by_sig: dict[str, dict] = {}
@@ -137,11 +151,11 @@ def render_html(config: TargetConfig, cases: list, suppressed: dict[str, int] | 
                 "plot": occupancy_svg(case.timeline, f) if case.timeline else None,
             }
     clean = [c for c in cases if not c.findings]
+    title, presets, bugs = ran_label(config, cases, ran)
     return _env.get_template("report.html").render(
         version=__version__,
         generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        config=config,
-        bugs=", ".join(sorted(config.bugs)) or "none",
+        config=config, title=title, presets=presets, several="," in presets, bugs=bugs,
         program=[format_op(op) for op in clean[0].program] if clean else [],
         summary=summary_rows(findings, suppressed or {}),
         sections=list(by_sig.values()),

@@ -66,6 +66,7 @@ class ReportData:
     suppressed: dict[str, int]  # distinct suppressed signatures per kind
     extra: dict  # run facts (seed, executions, ...), shown in the HTML header and kept in the JSON
     suppressions: object | None = None  # a live SuppressionSet, for the HTML's rules table
+    ran: tuple = ()  # every config the job ran (kvaudit ci: one per preset), for the HTML's header; (): ``config``
 
     @classmethod
     def single(cls, config: TargetConfig, program: list[Op], findings: list[Finding], suppressed: dict[str, int],
@@ -124,7 +125,7 @@ def _html(data: ReportData) -> str:
 
     return render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
                        extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))},
-                       recorded=data.recorded)
+                       recorded=data.recorded, ran=data.ran)
 
 
 _RENDER = {"json": lambda data: replay.doc_text(data.doc()), "sarif": _sarif, "junit": _junit, "html": _html}

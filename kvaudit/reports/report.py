@@ -13,6 +13,7 @@ from rich import box
 from rich.console import Console, Group
 from rich.padding import Padding
 from rich.panel import Panel
+from rich.measure import Measurement
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
@@ -48,11 +49,13 @@ def _stack(title: str, sites: list[Site], plain: bool = False, engine: RecordedE
 
 def _print(console: Console, renderable, plain: bool, soft_wrap: bool = False) -> None:
     """Print ``renderable``; with ``plain``, with no control codes (``NO_COLOR`` keeps bold), no broken
-    lines and no trailing blanks."""
+    lines, no cut table cells (drawn as wide as its widest row needs, whatever the console's width) and no
+    trailing blanks."""
     if not plain:
         console.print(renderable, soft_wrap=soft_wrap)
         return
     buf = Console(file=io.StringIO(), width=console.width, color_system=None, highlight=False)
+    buf.width = max(console.width, Measurement.get(buf, buf.options.update_width(1 << 20), renderable).maximum)
     buf.print(renderable, soft_wrap=True)
     text = buf.file.getvalue().removesuffix("\n")
     console.out("\n".join(line.rstrip() for line in text.split("\n")), highlight=False)

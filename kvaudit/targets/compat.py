@@ -4,6 +4,7 @@ Each engine lists its own changes (``kvaudit/targets/sglang/compat.py``, ``kvaud
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import sys
@@ -58,3 +59,12 @@ def _installed(distribution: str, syspath: tuple[str, ...]) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+@contextlib.contextmanager
+def engine_import():
+    """While an engine imports: its stdout goes to stderr, so that a log handler it sets up then (vLLM's
+    writes to the ``sys.stdout`` of that moment) writes to stderr for the rest of the process, and
+    kvaudit's stdout stays its own (a report, a ``SUMMARY:`` line) for a pipe to read."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield

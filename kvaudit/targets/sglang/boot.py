@@ -15,11 +15,12 @@ import types
 import warnings
 from types import SimpleNamespace
 
-from kvaudit.targets.compat import installed
+from kvaudit.data import install_hint
+from kvaudit.targets.compat import engine_import, installed
 from kvaudit.targets.sglang import compat
 
 SUPPORTED_VERSIONS = compat.LEGACY + compat.CURRENT  # two driver families (compat.family)
-INSTALL_HINT = "pip install --no-deps -r requirements/sglang-cpu.txt"
+INSTALL_HINT = install_hint("sglang-cpu.txt")  # (a wheel's: its shipped copy's path)
 
 
 class SglangUnavailable(RuntimeError):
@@ -133,6 +134,12 @@ def prepare_import() -> list[str]:
     if os.environ.get("SGLANG_USE_CPU_ENGINE"):
         raise SglangUnavailable("unset SGLANG_USE_CPU_ENGINE: it makes SGLang import sgl_kernel's CPU ops, which "
                                 "this target does not need")
+    # SGLang imports vLLM, whose platform probe logs "Failed to import from vllm._C" on every CPU-only
+    # start: expected here (no kernel runs), and noise on every run's stderr (the legacy era's too). A
+    # level the user set stays.
+    probe_log = logging.getLogger("vllm.platforms.interface")
+    if probe_log.level == logging.NOTSET:
+        probe_log.setLevel(logging.ERROR)
     return install_stubs()
 
 
@@ -160,11 +167,6 @@ def load() -> SimpleNamespace:
         raise SglangUnavailable(f"SGLang {version} is of the legacy family: its memory manager is loaded by "
                                 "kvaudit.targets.sglang.legacy.load_legacy, not boot.load")
     stubbed = prepare_import()
-    # SGLang imports vLLM, whose platform probe logs "Failed to import from vllm._C" on every CPU-only
-    # start: expected here (no kernel runs), and noise on every run's stderr. A level the user set stays.
-    probe_log = logging.getLogger("vllm.platforms.interface")
-    if probe_log.level == logging.NOTSET:
-        probe_log.setLevel(logging.ERROR)
     S = imported(lambda: _import_current(version), lambda exc: f"SGLang {version} is installed but its memory "
                  f"manager does not import: {exc} (reinstall with: {INSTALL_HINT})")
     S.stubbed = stubbed
@@ -190,7 +192,7 @@ def imported(importer, fail) -> SimpleNamespace:
     """What ``importer()`` returns (a function's ``locals()`` after it imported SGLang's symbols) as a
     namespace, SGLang's import-time warnings silenced. Raises :class:`SglangUnavailable` with ``fail(exc)``
     for the ``ImportError`` of a symbol that does not import."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), engine_import():
         warnings.simplefilter("ignore")
         try:
             return SimpleNamespace(**importer())

@@ -13,7 +13,7 @@ import torch
 
 from kvaudit.targets.base import PoolSpec
 from kvaudit.targets.sglang import compat
-from kvaudit.targets.sglang.boot import SglangUnavailable, build, imported, load, one_rank_group
+from kvaudit.targets.sglang.boot import INSTALL_HINT, SglangUnavailable, build, imported, load, one_rank_group
 from kvaudit.targets.sglang.config import SglangConfig
 from kvaudit.targets.sglang.pd_checksum import ChecksumWatch
 from kvaudit.targets.sglang.pd_transfer import (KvChecksums, Network, PdServer, abort_decode_queues, decode_groups,
@@ -31,7 +31,7 @@ def load_pd() -> SimpleNamespace:
         return _PD
     load()
     _PD = imported(_pd_symbols, lambda exc: f"SGLang's PD decode path does not import: {exc} "
-                   "(pip install --no-deps -r requirements/sglang-cpu.txt)")
+                   f"({INSTALL_HINT})")
     return _PD
 
 

