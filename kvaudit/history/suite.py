@@ -272,6 +272,15 @@ def _programs(best: dict, bugs: dict, raw: str) -> list[str]:
     return lines
 
 
+def _reached(b) -> str:
+    if b.replay_file:  # a rediscovery: its triage is the corpus's, in the README beside the file
+        return (f"- **{b.id}**: {b.title}, searched with that file's config (preset `{b.preset}`). "
+                f"Reached: see {posixpath.dirname(b.replay_file)}/README.md")
+    return (f"- **{b.id}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
+            + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
+            + f". Reached: {b.reach}")
+
+
 def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
     """The history-suite report; ``raw``: the name of the raw-data file written beside it."""
     s, bugs = res.settings, all_bugs()
@@ -326,15 +335,7 @@ def markdown(res: HistoryResult, raw: str = "benchmarks-history.json") -> str:
                   "trials after it are missing from the tables):", ""]
         lines += [f"- {f}" for f in res.failures]
     lines += _bugs(res, ids, bugs, best) + _per_fuzzer(ids, fuzzers, by) + _programs(best, bugs, raw)
-    lines += ["", "## What each bug is, and how a real server reaches it", ""]
-    for b in (bugs[bid] for bid in ids):
-        if b.replay_file:  # a rediscovery: its triage is the corpus's, in the README beside the file
-            lines.append(f"- **{b.id}**: {b.title}, searched with that file's config (preset `{b.preset}`). "
-                         f"Reached: see {posixpath.dirname(b.replay_file)}/README.md")
-            continue
-        lines.append(f"- **{b.id}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
-                     + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
-                     + f". Reached: {b.reach}")
+    lines += ["", "## What each bug is, and how a real server reaches it", ""] + [_reached(bugs[bid]) for bid in ids]
     lines += ["", "## Known bugs not in the suite", ""] + table(
         ("bug", "sources", "releases", "why not"),
         ((u.id, ", ".join(u.sources), u.releases, u.reason) for u in UNREACHED))
