@@ -617,3 +617,23 @@ def test_a_stale_read_names_every_block_its_headline_counts():
     word, ids = f.listed()
     assert word == "blocks" and len(ids) == f.num_units == 5 and f.summary().startswith("Stale KV: 5 blocks")
     assert f"block(s) {', '.join(map(str, ids))})" in f.message, f.message
+
+
+@pytest.mark.parametrize("preset", ["vllm", "vllm-manager"])
+def test_a_target_without_faults_does_not_import_the_faults_module(preset):
+    """The faults' wrappers (``targets/vllm/faults.py``) are imported by a target that has some (``--bug``)
+    and only then: a child's first build compiles less of kvaudit's source (stop 57: the history suite's
+    first vLLM trial). With a fault the module is there and the fault is installed."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvaudit.targets import make_target, registry\n"
+            f"p = registry.get('vllm').preset({preset!r})\n"
+            "t = make_target(p.config())\nprint('faults' if 'kvaudit.targets.vllm.faults' in sys.modules else 'none')\n"
+            "t = make_target(p.config(bugs={'skip-free'}))\n"
+            "print('faults' if 'kvaudit.targets.vllm.faults' in sys.modules else 'none')\n"
+            "print(getattr(t.manager.free, '__name__', ''))\n")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["none", "faults", "free_with_faults"]

@@ -21,7 +21,6 @@ import numpy as np
 
 from kvaudit.program import Abort, CloseSession, FlushCache, MemoryPressure, OpenSession, Submit, pick, resolve_submit
 from kvaudit.targets.base import Target, TargetFinding
-from kvaudit.targets.vllm import faults
 from kvaudit.targets.vllm.boot import build_manager, build_scheduler, load
 from kvaudit.targets.vllm.config import VllmConfig
 from kvaudit.targets.vllm.observer import POOL, VllmObserver, after_call, block_ids
@@ -49,7 +48,9 @@ class _VllmBase(VllmObserver, Target):
         self._faults = set(config.bugs)  # each fires once
         self.reached: Counter = Counter()  # path counters (reach()); a path's preset sets its keys to 0 first
         self._init_observer()
-        faults.inject(self.manager, self._faults)  # the configured faults (config.FAULTS)
+        if self._faults:  # the configured faults (config.FAULTS); their module only where a run has some
+            from kvaudit.targets.vllm import faults
+            faults.inject(self.manager, self._faults)
 
     # -- intake --------------------------------------------------------------------------------------
     def _new_request(self, op: Submit, resumable: bool = False):
@@ -151,7 +152,9 @@ class VllmSchedulerTarget(_VllmBase):
         self.guard_inflight = self.max_in_flight > 1 and kv is not None and kv.is_kv_consumer
         self._count_preemptions()
         self._init_sessions()
-        faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus)
+        if self._faults:
+            from kvaudit.targets.vllm import faults
+            faults.inject_scheduler(self.scheduler, self._faults, self.V.RequestStatus)
         if config.num_spec_tokens:
             self.reached.update(accepted_draft_tokens=0, rejected_draft_tokens=0)
         if config.mamba:
@@ -159,6 +162,7 @@ class VllmSchedulerTarget(_VllmBase):
         if "free-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
             self.scheduler.defer_block_free = False  # the fault (config.FAULTS): for the whole run
         if "free-preempted-under-inflight-step" in self._faults and self.V.has("deferred-frees"):
+            from kvaudit.targets.vllm import faults
             faults.free_preempted_at_once(self.scheduler)
 
     def _count_preemptions(self) -> None:
