@@ -74,6 +74,7 @@ def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out
     catch_sigint()
     runner.warm_up(config)  # the first engine is start-up too: the search's clock starts after it
     fuzzers.get(fuzzer).warm_up()  # and the fuzzer's own first-run set-up (Hypothesis's)
+    fuzzers.settle_heap()  # (the per-program targets' cycles are collected every few hundred programs)
     err.print(f"start-up {duration(budget.startup())} (imports, the first engine; not counted): searching for "
               f"{duration(max_time)}" + (" per worker, each from its own start-up" if checked.campaign and workers > 1
                                          else ""), soft_wrap=True)

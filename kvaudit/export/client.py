@@ -64,53 +64,75 @@ def _call_line(c: Call, plan: Plan) -> list[str]:
     raise ValueError(f"unknown call kind {c.kind!r}")
 
 
-def expected_line(kind: str, server: str, engine: str) -> str:
+def expected_line(kind: str, server: str, engine: str, unseen: str | None = None) -> str:
     """What a maintainer should see, for the finding ``kind`` on ``engine`` (a kind's name), in one line:
-    the kind's ``symptom`` (:mod:`kvaudit.audit.kinds`), else the engine's pool line. Raises ``KeyError``
-    for an engine with no HTTP table."""
+    the kind's ``symptom`` (:mod:`kvaudit.audit.kinds`), else the engine's pool line; for a memory kind
+    whose pool the gauges do not count (``unseen``: ``EngineExport.unseen_pool``'s sentence), that the
+    script cannot see it. Raises ``KeyError`` for an engine with no HTTP table."""
     pool = export_for(engine).expected_pool
-    return (lookup(kind).symptom or pool) + (f" -- {server}" if server else "")
+    row = lookup(kind)
+    if unseen is not None and row.expect == "memory":
+        return (f"{server or 'units lost from a pool'} -- which this script cannot see ({unseen}), so it ends "
+                "RESULT: NOT CHECKED (exit 3)")
+    return (row.symptom or pool) + (f" -- {server}" if server else "")
+
+
+def results_lines(expect: str, unseen: str | None = None) -> list[str]:
+    """The script's RESULT lines and exit codes, as its docstring (and ``--help``) lists them, for a finding
+    whose client ``expect`` s (``crash``, ``hang``, ``memory``, ``output``) in a pool the gauges count
+    (``unseen`` None) or not."""
+    blind = expect == "output" or (expect == "memory" and unseen is not None)
+    why = ("a wrong answer, which this script does not judge" if expect == "output" else
+           "the finding's pool is not in /metrics" if blind else "")
+    return ["RESULT lines and exit codes:",
+            "  REPRODUCED      exit 1: the symptom was seen (or the server failed)",
+            "  NOT REPRODUCED  exit 0: the program ran as written and nothing abnormal was seen" +
+            (" (never printed here: see NOT CHECKED)" if blind else ""),
+            "  NOT CHECKED     exit 3: the server refused a call or did not answer in time, or /metrics did not",
+            "                  answer, so the program did not run as written or was not judged" +
+            (f"; and always when nothing else is seen: {why}" if blind else ""),
+            "  (no RESULT)     exit 2: no server answers, or bad arguments"]
 
 
 def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str, server: str,
                   env: list[str], hold_tokens: int = 256, planted: str | None = None,
                   pool_blocks: int | None = None, max_model_len: int | None = None,
-                  release: str | None = None) -> str:
+                  release: str | None = None, unseen: str | None = None) -> str:
     """The script's text for ``plan``: ``source`` (the replay file), ``launch`` (the server command),
     ``kind`` (the first finding's), ``server`` (what a server shows), ``env`` (variables the launch
     needs), ``planted`` (kvaudit's planted fault, or None), ``pool_blocks`` (vLLM: the pool's usable
     blocks), ``max_model_len`` (vLLM: tokens, prompt + output), ``release`` (the release, with why it
-    is named, e.g. "0.16.0 (the release that ships the bug)", when not the one the routes were read on).
-    Raises ``KeyError`` for an engine with no HTTP table."""
+    is named, e.g. "0.16.0 (the release that ships the bug)", when not the one the routes were read on),
+    ``unseen`` (``EngineExport.unseen_pool``'s sentence for the finding's pool, or None). Raises
+    ``KeyError`` for an engine with no HTTP table."""
     ex = export_for(plan.engine)
     api, part = ex.api, ex.client
     expect = lookup(kind).expect
     approx = plan.approximations
     how = "exactly" if plan.exact else "approximately (see the NOTE lines it prints)"
-    expected = expected_line(kind, server, plan.engine)
+    expected = expected_line(kind, server, plan.engine, unseen)
+    unjudged = expect == "output" or (expect == "memory" and unseen is not None)
     doc = [f'"""{title}', ""]
     if planted is not None:
         doc += ["PLANTED FAULT, NOT A BUG OF " + api.engine.upper() + ": kvaudit injected it into " + api.engine +
                 "'s own objects", f"to test itself ({planted}).",
                 f"An unmodified {api.engine} server does not have it: against one, this script should print",
                 ("RESULT: NOT CHECKED (exit 3: a wrong answer is not judged here)" if expect == "output" else
+                 "RESULT: NOT CHECKED (exit 3: the pool is not in /metrics)" if unjudged else
                  "RESULT: NOT REPRODUCED") + ". It shows what `kvaudit export` makes of a finding.", ""]
     version = api.version if release is None else release
     doc += [f"Reproduces kvaudit's finding in {source} against a real {api.engine} {version} server, "
             f"through its HTTP API only ({how}).", "",
             "1. Launch the server:", "", f"       {' '.join(env + [launch])}", "",
             f"2. Run:  python3 THIS_FILE --url {part.url}", "",
-            f"Expected: {expected}.",
-            "Exit code: 1 the symptom was seen (REPRODUCED), 0 it was not, 2 no server or bad arguments, 3 not",
-            "checked (the server refused a call or did not answer in time, so the program did not run as written"
-            + ("; or a wrong answer, which this script does not judge)." if expect == "output" else ")."),
+            f"Expected: {expected}.", "", *results_lines(expect, unseen), "",
             "Standard library only; generated by `kvaudit export` (do not edit: regenerate).", '"""']
     consts = [f"EXPECT = {expect!r}", f"EXPECTED = {expected!r}", f"EXACT = {plan.exact!r}",
               f"HOLD_TOKENS = {hold_tokens}", f"OPEN_AT_END = {plan.open_at_end!r}",
               f"METRICS = {list(api.metrics)!r}", f"BUSY = {list(part.busy)!r}",
               f"SETTLE_GAUGE = {part.settle_gauge!r}", f"SETTLE_WHY = {part.settle_why!r}",
               f"SETTLE_S = {part.settle!r}", f"METRICS_HINT = {part.metrics_hint!r}",
-              f"DEFAULT_URL = {part.url!r}"]
+              f"DEFAULT_URL = {part.url!r}", f"UNSEEN = {unseen!r}"]
     if part.server_keys:
         consts.append(part.server_keys)
     consts += list(part.consts)

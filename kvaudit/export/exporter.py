@@ -74,6 +74,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     # (an analysis is of an engine's own bug: none for a planted fault, whose signature may be a real bug's)
     note = note_for(target, [f.signature for f in findings], config.preset) if planted is None else None
     kind = findings[0].kind if findings else "leak"
+    unseen = unseen_pool(ex, findings)
     env = ex.launch_env(config, program, kind, env)
     bug = history_bug(path, config, findings, doc.get("engine_version"))
     release = None
@@ -95,16 +96,26 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
             plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env,
             planted=planted, pool_blocks=pool_blocks,
             release=None if release is None else f"{release[0]} (the release {why})",
-            max_model_len=max_model_len))
+            max_model_len=max_model_len, unseen=unseen))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
         text = render_issue(config=config, title=title, program_lines=[format_op(op) for op in program],
                             findings=findings, doc=doc, plan=plan, note=note, source=_shown(path),
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
-                            env=env, unmapped=unmapped, expected=expected_line(kind, server, target),
-                            planted=planted, release=release)
+                            env=env, unmapped=unmapped, expected=expected_line(kind, server, target, unseen),
+                            planted=planted, release=release, unseen=unseen)
         issue_path = write_text_atomic(issue_out, text)
     return Exported(issue_path, client_path, plan.exact, plan.traced)
+
+
+def unseen_pool(ex, findings) -> str | None:
+    """``ex.unseen_pool``'s sentence for the first finding's pool when no finding is in a pool the script's
+    gauges count (a use-after-free in the request rows that leaves a KV leak behind is seen by the KV
+    gauges); None otherwise, and with no findings."""
+    pools = [f.pool for f in findings if f.pool != "-"]
+    if not pools or any(ex.unseen_pool(p) is None for p in pools):
+        return None
+    return ex.unseen_pool(pools[0])
 
 
 def _shown(path: str) -> str:

@@ -116,26 +116,30 @@ def _unjudged(findings: list[Finding]) -> bool:
     return bool(findings) and lookup(findings[0].kind).expect == "output"
 
 
-def _reproduce(ex, plan: Plan, note: Note | None, client_name: str | None, version: str,
-               expected: str, judged: bool = True) -> list[str]:
+def _reproduce(ex, config, plan: Plan, note: Note | None, client_name: str | None, version: str,
+               expected: str, judged: bool = True, unseen: str | None = None) -> list[str]:
     api, words = ex.api, ex.issue
     out = ["## Reproduce with a client", ""]
+    why = ("the finding's pool is not among the `/metrics` gauges (see Expected)." if unseen is not None else
+           "a wrong answer is not something the script judges; compare its answers with the same prompts sent alone.")
+    judged = judged and unseen is None
     curls = curl_lines(plan)
     curl_hint = "; or the curl lines below" if curls else ""
     if client_name is not None:
-        out += [f"1. Launch the server as above (any model; {api.engine} {version}).",
+        out += [f"1. Launch the server as above ({words.model(config)}; {api.engine} {version}).",
                 f"2. `python3 {client_name} --url {ex.client.url}` (standard library only){curl_hint}.", "",
-                f"Expected: {note.server if note is not None else expected}. The script prints every call and "
-                "answer, the `/metrics` pool counters before and after, and `RESULT: REPRODUCED` (exit 1) or "
-                + ("`NOT REPRODUCED` (exit 0)." if judged else "`NOT CHECKED` (exit 3): a wrong answer is not "
-                   "something the script judges; compare its answers with the same prompts sent alone."), ""]
+                f"Expected: {note.server if note is not None and unseen is None else expected}. The script prints "
+                "every call and answer, the `/metrics` pool counters before and after, and `RESULT: REPRODUCED` "
+                "(exit 1), " + ("`NOT REPRODUCED` (exit 0) or `NOT CHECKED` (exit 3: a call was refused or not "
+                                "answered in time, or `/metrics` did not answer)." if judged else
+                                f"or else `NOT CHECKED` (exit 3): {why}"), ""]
     else:
         out += ["(Export with `kvaudit export FILE --client OUT.py` for the script.)", ""]
     if curls:
         out += ["The same by hand (each call waits for its answer; the last one never gets a normal answer if the "
                 "bug fires):", "", "```sh"] + curls + ["```", ""]
     if plan.exact:
-        out += [words.exact, ""]
+        out += [words.exact + (" It cannot see this finding's pool, though (see Expected)." if unseen else ""), ""]
     else:
         out += ["The client only approximates the program (a client cannot pace the scheduler step by step" +
                 words.approximates + "):", ""] + [f"- {a}" for a in plan.approximations] + [""]
@@ -167,13 +171,14 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
 def render_issue(*, config, title: str, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
                  note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
                  unmapped: list[str], expected: str, planted: str | None = None,
-                 release: tuple | None = None) -> str:
+                 release: tuple | None = None, unseen: str | None = None) -> str:
     """The Markdown text (:data:`SECTIONS`). ``title``: :func:`title_of`, marked when planted; ``source``:
     the replay file's path; ``client_name``: the script's file name (None: not exported);
     ``launch``/``env``/``unmapped``: from ``EngineExport.launch``; ``expected``: the client's symptom line;
     ``planted``: kvaudit's planted fault, or None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
     older release (the history suite's), ``(recorded, None, ())`` for a file recorded on another release than
-    the one the HTTP table was read on (its ``engine_version``), else None."""
+    the one the HTTP table was read on (its ``engine_version``), else None; ``unseen``: the sentence for a
+    finding pool the script's gauges do not count (``EngineExport.unseen_pool``), or None."""
     ex = export_for(kind_of(config).name)
     api, package, words = ex.api, ex.package, ex.issue
     out = [f"# {title}", ""]
@@ -181,7 +186,7 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
         out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "
                 f"own objects through its wrappers to test itself ({planted}). An unmodified {api.engine} "
                 f"{api.version} does not have it, and the client script below is expected to print "
-                f"`RESULT: {'NOT CHECKED' if _unjudged(findings) else 'NOT REPRODUCED'}` against a real server. The report is a demonstration of `kvaudit export` on a "
+                f"`RESULT: {'NOT CHECKED' if _unjudged(findings) or unseen else 'NOT REPRODUCED'}` against a real server. The report is a demonstration of `kvaudit export` on a "
                 f"{api.engine} finding; do not file it.", ""]
     version = api.version if release is None else release[0]
     found_on = (f"in {api.engine} {api.version}" if release is None else
@@ -203,7 +208,7 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
             "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
             "taken modulo the live requests or open sessions" + words.program_note + "):", "", "```"]
     out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
-    out += _reproduce(ex, plan, note, client_name, version, expected, not _unjudged(findings))
+    out += _reproduce(ex, config, plan, note, client_name, version, expected, not _unjudged(findings), unseen)
     out += ["", "## kvaudit report", "",
             f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
             f"frames under `kvaudit/` are kvaudit's driver, which calls {api.engine}'s functions in the "

@@ -111,6 +111,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     config = config_from_dict(spec.config)
     warm_up(config)  # a spawned worker imports the engine again: its start-up is not search time
     fuzzers.get(spec.fuzzer).warm_up()  # (Hypothesis's first-run set-up)
+    fuzzers.settle_heap()  # (a spawned worker's start-up objects: frozen, so full collections stay frequent)
     deadline = time.time() + spec.budget
     emit(("ready", spec.index))
     sset = SuppressionSet.load(spec.suppress_path) if spec.suppress_path else None

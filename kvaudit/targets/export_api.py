@@ -81,7 +81,8 @@ class IssueParts:
     client that maps every op one to one; ``approximates``: what else a client cannot do, after "pace
     the scheduler step by step". ``call_text(call)``: the line for a call the engine says its own way,
     None: the table's. ``driver``: whose order kvaudit's driver calls the engine in; ``seen_how``: what
-    kvaudit drove, after "own memory manager and scheduler objects"."""
+    kvaudit drove, after "own memory manager and scheduler objects". ``model(config)``: the model the
+    launch needs, after "Launch the server as above (" (default: any model)."""
 
     environment: Callable[[object], str]
     exact: str
@@ -92,6 +93,7 @@ class IssueParts:
     server_notes: Callable[[object], list[str]] = _no_lines
     program_note: str = ""
     call_text: Callable[[object], str | None] = _none
+    model: Callable[[object], str] = lambda _config: "any model"
 
 
 def planted_faults(faults: Mapping[str, tuple[str, str]]) -> Callable[[object], str | None]:
@@ -146,7 +148,10 @@ class EngineExport:
     reproducer); ``routes_also_checked``: release -> the engine files of that older release read for
     the routes the client uses; ``trace_views(target)``: ``(live, answered, sessions)``, three
     callables reading a built target's request ids and open sessions for
-    :func:`kvaudit.export.trace.trace`, or None when the target does not expose them.
+    :func:`kvaudit.export.trace.trace`, or None when the target does not expose them;
+    ``unseen_pool(pool)``: for a finding pool (``Finding.pool``) whose units the script's ``/metrics``
+    gauges do not count, one sentence naming the pool and what a maintainer can do instead (a memory
+    finding there ends NOT CHECKED, exit 3); None for a pool the gauges count (default: every pool).
     """
 
     api: EngineApi
@@ -167,3 +172,4 @@ class EngineExport:
     curl: Callable | None = None
     routes_also_checked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     trace_views: Callable = _none
+    unseen_pool: Callable[[str], str | None] = _none

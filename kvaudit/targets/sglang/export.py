@@ -232,6 +232,39 @@ def _server_notes(config) -> list[str]:
     return out
 
 
+# the finding pools (``Finding.pool``) the client script's gauges (kv_available_tokens, kv_used_tokens) do
+# not count -> the pool in words, and what a maintainer can do instead; token_to_kv_pool is counted
+UNSEEN_POOLS = {
+    "hisparse_device_pool": "HiSparse's device buffer slots (hisparse_device_pool), which SGLang's /metrics does "
+                            "not report and whose memory check is off under HiSparse: count the coordinator's free "
+                            "device slots in the server process before and after the program, or run "
+                            "`kvaudit replay` on the replay file, which does",
+    "hisparse_host_pool": "HiSparse's host pool (hisparse_host_pool), which SGLang's /metrics does not report: count "
+                          "its free slots in the server process before and after the program, or run `kvaudit "
+                          "replay` on the replay file, which does",
+    "req_to_token_pool": "the request rows (req_to_token_pool), which SGLang's /metrics does not report: compare "
+                         "the scheduler's free rows in the server process before and after the program, or run "
+                         "`kvaudit replay` on the replay file",
+    "swa_token_to_kv_pool": "the sliding-window pool (swa_token_to_kv_pool), which /metrics reports as "
+                            "sglang:swa_available_tokens / swa_used_tokens but this script does not compare: read "
+                            "them from /metrics before and after by hand",
+    "mamba_pool": "the Mamba state pool (mamba_pool), which /metrics reports as sglang:mamba_available_tokens / "
+                  "mamba_used_tokens but this script does not compare: read them from /metrics before and after "
+                  "by hand",
+    "hicache_host_pool": "the hierarchical cache's host pool (hicache_host_pool), which /metrics reports as "
+                         "sglang:hicache_host_used_tokens but this script does not compare: read it from /metrics "
+                         "before and after by hand",
+}
+
+
+def unseen_pool(pool: str) -> str | None:
+    """:attr:`EngineExport.unseen_pool` for SGLang: None for the token pool the script compares."""
+    if pool == "token_to_kv_pool":
+        return None
+    return UNSEEN_POOLS.get(pool, f"{pool}, which this script's /metrics gauges do not count: run `kvaudit replay` "
+                                  "on the replay file")
+
+
 def curl_lines(plan, url: str) -> list[str]:
     """The calls of ``plan`` (a :class:`kvaudit.export.plan.Plan` that a client runs one call at a time)
     as ``curl`` commands against ``url``."""
@@ -281,7 +314,7 @@ EXPORT = EngineExport(
     client=ClientParts(
         api=SGLANG_API, funcs=SGLANG_FUNCS, url="http://127.0.0.1:30000", settle=35.0,
         busy=("sglang:num_running_reqs", "sglang:num_queue_reqs"), settle_gauge="sglang:kv_used_tokens",
-        settle_why="SGLang refreshes its idle /metrics at most every 30 s",
+        settle_why="SGLang refreshes its idle /metrics at most every 30 s (35 s: that and a margin)",
         metrics_hint="launch the server with --enable-metrics",
         server_keys="SERVER_KEYS = ['enable_streaming_session', 'page_size', 'max_total_tokens', "
                     "'disable_overlap_schedule', 'chunked_prefill_size', 'enable_hisparse', "
@@ -294,9 +327,11 @@ EXPORT = EngineExport(
         approximates=" or force memory pressure", driver="scheduler",
         seen_how="(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, "
                  "which plays the scheduler loop in SGLang's call order with a stand-in model",
-        launch_notes=_launch_notes, server_notes=_server_notes),
+        launch_notes=_launch_notes, server_notes=_server_notes,
+        model=lambda c: "a DSA model, as said above" if c.enable_hisparse else "any model"),
     launch=launch_line("python -m sglang.launch_server --model-path MODEL", flag_line), launch_env=launch_env,
     expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
                   "is below its value before the program, or kv_used_tokens > 0), or the server fails",
     batch_submits=True, deferred_flush=True, curl=curl_lines, trace_views=trace_views, planted=planted_faults(FAULTS),
+    unseen_pool=unseen_pool,
 )

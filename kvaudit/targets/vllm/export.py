@@ -355,6 +355,14 @@ def _server_notes(config) -> list[str]:
     return out
 
 
+def unseen_pool(pool: str) -> str | None:
+    """:attr:`EngineExport.unseen_pool` for vLLM: None for the BlockPool (``kv_cache_usage_perc`` counts
+    every group's blocks, sliding-window and Mamba ones included); any other pool is not counted."""
+    if pool == "block_pool":
+        return None
+    return f"{pool}, which vLLM's kv_cache_usage_perc does not count: run `kvaudit replay` on the replay file"
+
+
 def _call_text(c) -> str | None:
     whose = "every open stream" if c.args.get("rid") is None else f"{c.args['rid']}'s stream"
     return f"close the connection of {whose} (vLLM aborts on disconnect)" if c.kind == "abort" else None
@@ -373,7 +381,8 @@ EXPORT = EngineExport(
     client=ClientParts(
         api=VLLM_API, funcs=VLLM_FUNCS, url="http://127.0.0.1:8000", settle=10.0,
         busy=("vllm:num_requests_running", "vllm:num_requests_waiting"), settle_gauge="vllm:kv_cache_usage_perc",
-        settle_why="vLLM publishes the gauges after an engine step",
+        settle_why="vLLM publishes the gauges after an engine step, and the script makes one (a 1-token request) "
+                   "before it reads them: 10 s is a margin, not a refresh period",
         metrics_hint="vLLM serves /metrics unless launched with --disable-log-stats",
         imports=VLLM_IMPORTS, init="        self.streams, self.model = {}, args.model\n",
         consts=("LEASE_WAIT = 40.0  # s: NIXL's default kv_lease_duration (30 s) and a margin",)),
@@ -405,5 +414,5 @@ EXPORT = EngineExport(
         "decode": "the KV-connector preset has a remote decode instance read this request's KV when it ends "
                   "(do_remote_decode): its blocks are held until then (on a server with no decode instance, "
                   "until NIXL's abort timeout)"},
-    routes_also_checked=ROUTES_ALSO_CHECKED, trace_views=trace_views,
+    routes_also_checked=ROUTES_ALSO_CHECKED, trace_views=trace_views, unseen_pool=unseen_pool,
 )
