@@ -30,12 +30,12 @@ def assert_names_both_tree_counters(f) -> None:
     assert "tree counter protected=" in f.message and "its nodes with lock_ref > 0 hold" in f.message
 
 
-def fuzz_fault(tmp_path, target: str, preset: str, bug: str, max_time: str = "60", seed: str = "1"):
-    """``kvaudit fuzz --fuzzer random --seed SEED`` (default 1) with ``bug`` planted: asserts it exits 1 (a finding) and
+def fuzz_fault(tmp_path, target: str, preset: str, bug: str, max_time: str = "60"):
+    """``kvaudit fuzz --fuzzer random --seed 1`` with ``bug`` planted: asserts it exits 1 (a finding) and
     writes one reproducer; returns ``(doc, path)``, the reproducer's JSON and its file."""
     out = tmp_path / "out"
     r = invoke("fuzz", "--target", target, "--preset", preset, "--bug", bug, "--fuzzer", "random",
-               "--max-time", max_time, "--seed", seed, "--out", str(out))
+               "--max-time", max_time, "--seed", "1", "--out", str(out))
     assert r.exit_code == 1, r.output
     (path,) = out.glob("*.json")
     return json.loads(path.read_text()), path
