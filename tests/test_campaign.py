@@ -194,6 +194,23 @@ def test_a_run_record_whose_runs_is_not_a_list_keeps_the_users_other_keys(tmp_pa
     assert (tmp_path / "campaign.json.unreadable-1").read_text() == "[1, 2]"
 
 
+def test_a_workers_plugin_mistake_is_raised_again_as_the_same_usage_error():
+    """tester 57c: a plugin target whose step() does not count its steps, under --workers 2, was 'internal error:
+    RuntimeError: worker 0: TargetDefinitionError: ...' (exit 70) where one process says the line (exit 2)."""
+    from kvaudit.search.campaign import CampaignResult, _Tally, error_message
+    from kvaudit.search.fuzzers import FuzzerDefinitionError
+    from kvaudit.targets.registry import TargetDefinitionError
+
+    tally = _Tally(CampaignResult(), lambda s: None, None)
+    tally(("ready", 1))
+    for cls in (TargetDefinitionError, FuzzerDefinitionError):
+        with pytest.raises(cls) as e:
+            tally(error_message(1, cls("target x: X.step() left self.steps at 0")))
+        assert str(e.value) == "target x: X.step() left self.steps at 0"
+    with pytest.raises(RuntimeError, match=r"^worker 1: ValueError: other$"):  # anything else: kvaudit's own
+        tally(error_message(1, ValueError("other")))
+
+
 def test_the_progress_line_says_which_worker_is_confirming_or_minimizing_which_finding():
     """stop 55/56: while a worker triaged (seconds, a hang's replays 1.4 s each) no progress line came, and the run
     looked stuck; the workers now say each triage phase, and the campaign's phase names it until that worker's

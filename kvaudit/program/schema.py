@@ -144,7 +144,8 @@ def capabilities(config) -> frozenset[str]:
 
 def reach(config) -> frozenset[str]:
     """What of :data:`FEATURES` (``program_features``) and :data:`CAPABILITIES` (:func:`capabilities`)
-    the target of ``config`` models: what every search (random, corpus, Hypothesis) and the byte decoder draw."""
+    the target of ``config`` models: what the Hypothesis search and the byte decoder draw (the random and
+    corpus searches draw every capability)."""
     return frozenset(program_features(config)) | capabilities(config)
 
 

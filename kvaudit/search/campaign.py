@@ -23,6 +23,7 @@ from typing import Callable
 from kvaudit.config import TargetConfig, json_value
 from kvaudit.constants import MINIMIZE_GRACE
 from kvaudit.targets import config_from_dict, config_to_dict
+from kvaudit.targets.registry import TargetDefinitionError
 from kvaudit import replay
 from kvaudit.reports.outputs import disk_full
 from kvaudit.search import fuzzers
@@ -380,12 +381,17 @@ def _worker_main(spec: _Spec, q) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+_MISTAKES = {c.__name__: c for c in (TargetDefinitionError, fuzzers.FuzzerDefinitionError)}  # a plugin's own
+
+
 def error_message(index: int, e: Exception) -> tuple:
     """What worker ``index`` tells its parent of the error that ended it: ``("error", index, text, errno,
-    filename, strerror)``, the last three None but for an OSError (the parent stops the campaign on a full
-    disk, keeping what it found, :class:`_Tally`)."""
+    filename, strerror, mistake)``, errno, filename and strerror None but for an OSError (the parent stops the
+    campaign on a full disk, keeping what it found, :class:`_Tally`); ``mistake``: the class name of a plugin
+    target's or fuzzer's own mistake (the parent raises it again, a usage error as in one process), else None."""
     oserror = (e.errno, e.filename, e.strerror) if isinstance(e, OSError) else (None, None, None)
-    return ("error", index, f"{type(e).__name__}: {e}", *oserror)
+    mistake = next((name for name, cls in _MISTAKES.items() if isinstance(e, cls)), None)
+    return ("error", index, f"{type(e).__name__}: {e}", *oserror, mistake)
 
 
 CAMPAIGN_FORMAT = "kvaudit.campaign/1"  # corpus/campaign.json: {"format", "runs": [run record, ...], ...}
@@ -528,6 +534,8 @@ class _Tally:
                     result.not_written = result.not_written or error
                     raise _DiskFull
                 raise OSError(msg[3], f"worker {index}: {msg[2]}", msg[4])
+            if msg[6] is not None:  # (the same mistake in every worker: said once, as one process says it)
+                raise _MISTAKES[msg[6]](msg[2].split(": ", 1)[1])
             raise RuntimeError(f"worker {index}: {msg[2]}")
         if self.on_progress:
             self.on_progress(stats)

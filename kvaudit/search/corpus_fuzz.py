@@ -20,11 +20,11 @@ from typing import Callable
 from kvaudit.audit.findings import Finding
 from kvaudit.config import TargetConfig
 from kvaudit.program import Idle, Op, ProgramError, make_op, program_from_json, program_to_json
-from kvaudit.program.schema import OPS, arg_range, reachable
+from kvaudit.program.schema import CAPABILITIES, OPS, arg_range, reachable
 from kvaudit.program.generate import random_op, weighted_kinds
 from kvaudit.program.schema import max_prompt as context_max_prompt
-from kvaudit.program.schema import reach as program_reach
 from kvaudit.search.fuzz import FuzzStats, programs_until, run_program
+from kvaudit.targets import program_features
 
 
 MIN_OPS, MAX_OPS = 16, 96  # the fresh programs' lengths (ops, with the final idle): four times random's
@@ -233,7 +233,9 @@ def corpus_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     corpus search"."""
     rng = random.Random(seed_value)  # drawn in random_search's order during the warmup (at these lengths)
     deadline = time.monotonic() + max_time
-    reach = program_reach(config)
+    # every capability: a target without sessions refuses their ops (not gated on capabilities(config): the
+    # gate changed the programs, and the executions to the first hit, of most presets; not measured enough)
+    reach = frozenset(program_features(config)) | frozenset(CAPABILITIES)
     mut = Mutator(rng, reach, context_max_prompt(config.context_len), max_ops)
     corpus = corpus if corpus is not None else Corpus()
     pending: list[list[Op]] = store.load_new() if store is not None else []  # stored programs run first

@@ -27,7 +27,6 @@ from kvaudit.search.minimize import OutOfTime, minimize, reproduces
 from kvaudit.program import Idle, Op, make_op, random_program
 from kvaudit.program.schema import OPS, kinds, swarm_groups
 from kvaudit.program.schema import max_prompt as context_max_prompt
-from kvaudit.program.schema import capabilities as target_capabilities
 from kvaudit.program.schema import reach as program_reach
 from kvaudit.program.strategies import arg_strategies
 from kvaudit.audit.runner import execute, is_watchdog_hang
@@ -356,10 +355,9 @@ def random_search(config: TargetConfig, max_time: float, seed_value: int, stats:
     rng = random.Random(seed_value)
     deadline = time.monotonic() + max_time
     max_prompt = context_max_prompt(config.context_len)
-    features, capabilities = program_features(config), target_capabilities(config)
+    features = program_features(config)  # (and every capability: see corpus_fuzz.corpus_search)
     for _ in programs_until(deadline, max_executions, stats, on_progress):
-        program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt,
-                                 features=features, capabilities=capabilities)
+        program = random_program(rng, rng.randint(min_ops, max_ops), max_prompt=max_prompt, features=features)
         ran, found, out_of_time, _ = run_program(config, program, stats, suppressions, deadline)
         if not out_of_time and found and not all(f.signature in known for f in found):
             stats.hit()
