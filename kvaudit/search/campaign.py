@@ -423,23 +423,21 @@ def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSErro
                             "one started")
     entries = doc.get("runs", [])
     runs = [r for r in entries if _is_run_record(r)] if isinstance(entries, list) else []
-    junk = [r for r in entries if not _is_run_record(r)] if isinstance(entries, list) else None
-    if junk is None:  # (its other keys kept, as below)
-        aside = _aside(path)
-        try:
-            replay.write_text_atomic(aside, text)
-        except OSError as e:
-            return OSError(e.errno, e.strerror, path)
-        warnings.append(f"{path}: its runs is a JSON {type(entries).__name__}, not a list of run records: left "
-                        f"out, the file as it was copied to {aside}")
-    elif junk:
+    if not isinstance(entries, list):  # (its other keys kept, as below)
+        left_out = f"its runs is a JSON {type(entries).__name__}, not a list of run records"
+    elif len(runs) < len(entries):
+        junk = [r for r in entries if not _is_run_record(r)]
+        left_out = (f"{len(junk)} of its {len(entries)} runs are not run records (the first: "
+                    f"{json_value(junk[0], 40)})")
+    else:
+        left_out = None
+    if left_out is not None:
         aside = _aside(path)
         try:
             replay.write_text_atomic(aside, text)
         except OSError as e:  # (the file is left as it was, and this run's record not added: say that one)
             return OSError(e.errno, e.strerror, path)
-        warnings.append(f"{path}: {len(junk)} of its {len(doc['runs'])} runs are not run records (the first: "
-                        f"{json_value(junk[0], 40)}): left out, the file as it was copied to {aside}")
+        warnings.append(f"{path}: {left_out}: left out, the file as it was copied to {aside}")
     try:
         replay.write_atomic(path, {**doc, "format": CAMPAIGN_FORMAT, "runs": runs + [record]})
     except OSError as e:
