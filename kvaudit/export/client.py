@@ -77,11 +77,17 @@ def expected_line(kind: str, server: str, engine: str, unseen: str | None = None
     return (row.symptom or pool) + (f" -- {server}" if server else "")
 
 
+def unjudged(expect: str, unseen: str | None = None) -> bool:
+    """Whether the client never judges its symptom: a wrong answer (``expect == "output"``), or a memory finding
+    in a pool the gauges do not count (``unseen``: ``EngineExport.unseen_pool``'s sentence)."""
+    return expect == "output" or (expect == "memory" and unseen is not None)
+
+
 def results_lines(expect: str, unseen: str | None = None) -> list[str]:
     """The script's RESULT lines and exit codes, as its docstring (and ``--help``) lists them, for a finding
     whose client ``expect`` s (``crash``, ``hang``, ``memory``, ``output``) in a pool the gauges count
     (``unseen`` None) or not."""
-    blind = expect == "output" or (expect == "memory" and unseen is not None)
+    blind = unjudged(expect, unseen)
     why = ("a wrong answer, which this script does not judge" if expect == "output" else
            "the finding's pool is not in /metrics" if blind else "")
     return ["RESULT lines and exit codes:",
@@ -111,14 +117,13 @@ def render_client(plan: Plan, *, title: str, source: str, launch: str, kind: str
     approx = plan.approximations
     how = "exactly" if plan.exact else "approximately (see the NOTE lines it prints)"
     expected = expected_line(kind, server, plan.engine, unseen)
-    unjudged = expect == "output" or (expect == "memory" and unseen is not None)
     doc = [f'"""{title}', ""]
     if planted is not None:
         doc += ["PLANTED FAULT, NOT A BUG OF " + api.engine.upper() + ": kvaudit injected it into " + api.engine +
                 "'s own objects", f"to test itself ({planted}).",
                 f"An unmodified {api.engine} server does not have it: against one, this script should print",
                 ("RESULT: NOT CHECKED (exit 3: a wrong answer is not judged here)" if expect == "output" else
-                 "RESULT: NOT CHECKED (exit 3: the pool is not in /metrics)" if unjudged else
+                 "RESULT: NOT CHECKED (exit 3: the pool is not in /metrics)" if unjudged(expect, unseen) else
                  "RESULT: NOT REPRODUCED") + ". It shows what `kvaudit export` makes of a finding.", ""]
     version = api.version if release is None else release
     doc += [f"Reproduces kvaudit's finding in {source} against a real {api.engine} {version} server, "
