@@ -188,3 +188,15 @@ def test_minimized_programs_keep_no_argument_a_simpler_value_would_do_and_minimi
         for simpler in _simpler(op):
             assert not reproduces(config, small[:i] + [simpler] + small[i + 1:], sig), (small, simpler)
     assert minimize(config, small, sig) == small
+
+
+def test_a_session_handle_is_lowered_to_the_one_open_session():
+    """``session=3`` with one open session names session 0 (handles pick modulo the open ones): the minimized
+    program says ``session=0`` (it used to keep 3, whose only simpler form, None, loses the finding)."""
+    from kvaudit.program import OpenSession
+
+    config = get_preset("streaming-session").config(bugs={"session-tail-not-trimmed"})
+    program = [OpenSession(), Submit(0, 1, 3, 1, session=3), Idle()]
+    sig = execute(config, program).signatures[0]
+    small = minimize(config, program, sig)
+    assert [op.session for op in small if isinstance(op, Submit)] == [0], small
