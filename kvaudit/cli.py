@@ -420,7 +420,8 @@ BENCH_OUT = {"zoo": ("benchmarks.md", "benchmarks.json"), "history": ("benchmark
               metavar="SECONDS", help="Time budget of one trial.")
 @click.option("--fuzzers", "fuzzers_value", default=None, metavar="LIST",
               help=f"Fuzzers to compare  [default: zoo: {','.join(fuzzers.BUILTIN_FUZZERS)}; history: the same but atheris, "
-                   "which instruments the built-in engine only]")
+                   "which instruments the built-in engine only; either: less any that cannot run here, as atheris "
+                   "where it is not installed]")
 @click.option("--bugs", "bugs_value", default="all", show_default=True, metavar="LIST",
               help="The suite's bugs: 'all' or a comma-separated list ('kvaudit bugs'; history: "
                    "'kvaudit bench --suite history --list').")
@@ -453,8 +454,12 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
     for option, applies in (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history")):
         _ignored(option, f"--suite {applies}", suite != applies)
-    if fuzzers_value is None:  # ("" is a list of no fuzzer: refused, not the default)
-        fuzzers_value = ",".join(job.default_fuzzers(history=suite == "history"))
+    if fuzzers_value is None and not list_bugs:  # ("" is a list of no fuzzer: refused, not the default)
+        names, missing = job.default_fuzzers(history=suite == "history")
+        fuzzers_value = ",".join(names)
+        if missing:  # (a fuzzer named in --fuzzers that cannot run here is refused: exit 69)
+            click.echo(f"kvaudit bench: {', '.join(missing)} cannot run here (see 'kvaudit fuzz --fuzzer "
+                       f"{missing[0]}'): left out of the default --fuzzers", err=True)
     if suite == "history":
         return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value,
                                bugs_value=bugs_value, list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json)
@@ -484,8 +489,8 @@ def _db_options(f):
 def campaign_status_cmd(db_url, campaign_name, watch, as_json):
     """The campaign's workers across hosts (executions, exec/s, coverage, new/duplicate/flaky
     signatures, last heartbeat; 'exited' once a worker stopped, 'gone' once a heartbeat expired: a
-    killed worker) and its totals. Exit 0, 2 on a bad
-    URL, 69 when Redis cannot be reached."""
+    killed worker) and its totals. Exit 0, 2 on a bad URL or a campaign no worker ever joined (--watch
+    waits for one, with a warning), 69 when Redis cannot be reached."""
     from kvaudit.app import fleet
 
     return fleet.status(db_url, campaign_name, watch, as_json)

@@ -822,9 +822,12 @@ def test_a_narrow_columns_does_not_fold_or_cut_plain_output_to_a_pipe(tmp_path):
     assert r.stdout.splitlines()[-1] == "passed: 1/1 regressions ok, 0 new finding(s)", r.stdout
 
 
-def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path):
+def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path, fresh_registry):
     """It said 'kvaudit ci: 0 regression file(s) in (none for this target)'."""
-    import rowtoy_plugin  # noqa: F401  (registers the kind "rowtoy", which ships no regressions)
+    import rowtoy_plugin  # (registers the kind "rowtoy", which ships no regressions, when first imported)
+
+    if "rowtoy" not in fresh_registry.kinds():  # (test_suppress imported it first, into a registry it restored)
+        fresh_registry.register(rowtoy_plugin.KIND)
 
     r = invoke("ci", "--target", "rowtoy", "--presets", "rowtoy", "--max-time", "1", "--out", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output + r.stderr

@@ -11,7 +11,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from kvaudit import replay
 from kvaudit.atomic import scratch_dir
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
-from kvaudit.app.configs import check_available, names_arg, presets_arg
+from kvaudit.app.configs import names_arg, presets_arg
 from kvaudit.app.files import check_paths
 from kvaudit.app.interrupts import ignore_interrupts
 from kvaudit.app.progress import console as make_console
@@ -22,10 +22,30 @@ from kvaudit.search import fuzzers as fuzzer_kinds
 from kvaudit.targets import registry
 
 
-def default_fuzzers(history: bool = False) -> list[str]:
-    """``--fuzzers``' default: the ``bench`` fuzzers (history: those that can search every engine)."""
+def default_fuzzers(history: bool = False) -> tuple[list[str], list[str]]:
+    """``--fuzzers``' default: the ``bench`` fuzzers (history: those that can search every engine) that can run
+    here, and those left out because they cannot (atheris where it is not installed)."""
     engines = {b.engine for b in all_bugs().values()} if history else ()
-    return [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
+    names = [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
+    missing = [n for n in names if not _runs_here(n)]
+    return [n for n in names if n not in missing], missing
+
+
+def _runs_here(name: str) -> bool:
+    try:
+        fuzzer_kinds.get(name).check()
+    except fuzzer_kinds.FuzzerUnavailable:
+        return False
+    return True
+
+
+def check_fuzzers(names: list[str]) -> None:
+    """Raises :class:`UnavailableError` (exit 69) naming ``--fuzzers`` when one of ``names`` cannot run here."""
+    for name in names:
+        try:
+            fuzzer_kinds.get(name).check()
+        except fuzzer_kinds.FuzzerUnavailable as e:
+            raise UnavailableError(f"--fuzzers: {name} cannot run here: {e.reason}; leave it out of --fuzzers") from None
 
 
 def _fuzzers_arg(value: str) -> list[str]:
@@ -49,8 +69,7 @@ def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_s
     fuzzers = _fuzzers_arg(fuzzers_value)
     bugs = names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
     ov = [] if overhead_presets == "none" else presets_arg("--overhead-presets", overhead_presets)
-    for f in fuzzers:
-        check_available(f)
+    check_fuzzers(fuzzers)
     check_paths(out=out_md, json=out_json)  # writable, distinct
     err = make_console(stderr=True)
     err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
@@ -94,6 +113,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
             ok = sorted(n for n, k in fuzzer_kinds.kinds().items() if all(k.takes(e) for e in engines))
             raise InputError(f"--fuzzers: {f} {kind.targets_why or 'cannot search these engines'}; the history suite "
                              f"drives SGLang and vLLM (use {fuzzer_kinds.words(ok, 'and')})")
+    check_fuzzers(fuzzers)
     check_paths(out=out_md, json=out_json)
     err = make_console(stderr=True)
     err.print(f"kvaudit bench --suite history: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "

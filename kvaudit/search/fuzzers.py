@@ -21,7 +21,12 @@ class UnknownFuzzerError(ValueError):
 
 class FuzzerUnavailable(RuntimeError):
     """A fuzzer cannot run here (a package or program it needs is missing): one line with the fix (the
-    CLI: exit 69)."""
+    CLI: exit 69). ``reason``: what is missing and how to get it, without the message's option words
+    (``bench`` names its own ``--fuzzers``); the message when not given."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 class FuzzerDefinitionError(ValueError):
@@ -262,11 +267,11 @@ def _check_atheris() -> None:
         import atheris
     except ImportError:
         raise FuzzerUnavailable(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer corpus, hypothesis or "
-                                "random") from None
+                                "random", MISSING_ATHERIS) from None
     del atheris
     if not os.access(HARNESS, os.X_OK):
-        raise FuzzerUnavailable(f"--fuzzer atheris: the harness {HARNESS} is missing or not executable (reinstall "
-                                "kvaudit: the wheel ships it)")
+        why = f"the harness {HARNESS} is missing or not executable (reinstall kvaudit: the wheel ships it)"
+        raise FuzzerUnavailable(f"--fuzzer atheris: {why}", why)
 
 
 register(FuzzerKind(
