@@ -454,19 +454,18 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
     for option, applies in (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history")):
         _ignored(option, f"--suite {applies}", suite != applies)
+    missing: tuple[str, ...] = ()
     if fuzzers_value is None and not list_bugs:  # ("" is a list of no fuzzer: refused, not the default)
         names, missing = job.default_fuzzers(history=suite == "history")
         fuzzers_value = ",".join(names)
-        if missing:  # (a fuzzer named in --fuzzers that cannot run here is refused: exit 69)
-            click.echo(f"kvaudit bench: {', '.join(missing)} cannot run here (see 'kvaudit fuzz --fuzzer "
-                       f"{missing[0]}'): left out of the default --fuzzers", err=True)
     if suite == "history":
-        return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value,
-                               bugs_value=bugs_value, list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json)
+        return job.run_history(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
+                               list_bugs=list_bugs, jobs=jobs, out_md=out_md, out_json=out_json, left_out=tuple(missing))
     if list_bugs:
         return job.list_zoo(bugs_value)
     return job.run(trials=trials, budget=budget, fuzzers_value=fuzzers_value, bugs_value=bugs_value,
-                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json)
+                   fp_seconds=fp_seconds, overhead_presets=overhead_presets, out_md=out_md, out_json=out_json,
+                   left_out=tuple(missing))
 
 
 @main.group("campaign")

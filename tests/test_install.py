@@ -140,7 +140,8 @@ def test_fuzzer_atheris_without_atheris_says_how_to_get_it_in_one_line(monkeypat
     line = one_error_line(result)
     assert all(m in line for m in MISSING), line
     if args[0] == "bench":  # bench takes --fuzzers: the way out is to leave atheris out of the list
-        assert "--fuzzers: atheris cannot run here" in line and "leave it out of --fuzzers" in line, line
+        assert line.startswith("kvaudit: error: --fuzzers: atheris: atheris is not installed here (")
+        assert "leave it out of --fuzzers" in line, line
         assert "--fuzzer corpus" not in line, line
     else:
         assert "--fuzzer corpus, hypothesis or random" in line, line
@@ -159,6 +160,8 @@ def test_bench_without_atheris_leaves_it_out_of_its_default_fuzzers(monkeypatch,
     assert result.exit_code == 0, result.output
     assert "atheris cannot run here" in result.output and "left out of the default --fuzzers" in result.output
     assert "x 3 fuzzer(s)" in result.output, result.output
+    wrong = invoke("bench", "--bugs", "nosuch")  # a bad option: its one error line, no notice before it
+    assert wrong.exit_code == 2 and "left out" not in wrong.output, wrong.output
 
 
 def _without_atheris(code):

@@ -45,7 +45,13 @@ def check_fuzzers(names: list[str]) -> None:
         try:
             fuzzer_kinds.get(name).check()
         except fuzzer_kinds.FuzzerUnavailable as e:
-            raise UnavailableError(f"--fuzzers: {name} cannot run here: {e.reason}; leave it out of --fuzzers") from None
+            raise UnavailableError(f"--fuzzers: {name}: {e.reason}; leave it out of --fuzzers") from None
+
+
+def _say_left_out(err, left_out: tuple[str, ...]) -> None:
+    if left_out:  # (a fuzzer named in --fuzzers that cannot run here is refused: exit 69)
+        err.print(f"kvaudit bench: {', '.join(left_out)} cannot run here (see 'kvaudit fuzz --fuzzer {left_out[0]}'): "
+                  "left out of the default --fuzzers", soft_wrap=True, highlight=False, markup=False)
 
 
 def _fuzzers_arg(value: str) -> list[str]:
@@ -64,14 +70,16 @@ def _write_both(out_json: str, doc: dict, out_md: str, markdown) -> None:
 
 
 def run(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, fp_seconds: float | None,
-        overhead_presets: str, out_md: str, out_json: str) -> int:
-    """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for a bad option."""
+        overhead_presets: str, out_md: str, out_json: str, left_out: tuple[str, ...] = ()) -> int:
+    """``kvaudit bench``; returns the exit code. Raises :class:`InputError` for a bad option. ``left_out``: the
+    default ``--fuzzers`` that cannot run here (said once the options are checked)."""
     fuzzers = _fuzzers_arg(fuzzers_value)
     bugs = names_arg(bugs_value, registry.get("eut").bugs(), "--bugs: unknown bug", "see 'kvaudit bugs'")
     ov = [] if overhead_presets == "none" else presets_arg("--overhead-presets", overhead_presets)
     check_fuzzers(fuzzers)
     check_paths(out=out_md, json=out_json)  # writable, distinct
     err = make_console(stderr=True)
+    _say_left_out(err, left_out)
     err.print(f"kvaudit bench: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
               f"budget {budget:g}s each", soft_wrap=True)
     with scratch_dir("kvaudit-bench-") as scratch:  # Hypothesis's files: not the user's current directory
@@ -94,7 +102,7 @@ def list_zoo(bugs_value: str = "all") -> int:
 
 
 def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: str, list_bugs: bool,
-                out_md: str, out_json: str, jobs: int = 1) -> int:
+                out_md: str, out_json: str, jobs: int = 1, left_out: tuple[str, ...] = ()) -> int:
     """``kvaudit bench --suite history``; returns the exit code. Raises :class:`InputError` for a bad
     option, :class:`UnavailableError` when a release cannot be installed."""
     bugs_all = all_bugs()
@@ -116,6 +124,7 @@ def run_history(*, trials: int, budget: float, fuzzers_value: str, bugs_value: s
     check_fuzzers(fuzzers)
     check_paths(out=out_md, json=out_json)
     err = make_console(stderr=True)
+    _say_left_out(err, left_out)
     err.print(f"kvaudit bench --suite history: {len(bugs)} bug(s) x {len(fuzzers)} fuzzer(s) x {trials} trial(s), "
               f"budget {budget:g}s each, {jobs} at a time", soft_wrap=True)
     try:

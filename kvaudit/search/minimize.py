@@ -52,16 +52,17 @@ def ddmin(ops: list[Op], fails: Callable[[list[Op]], bool]) -> list[Op]:
 
 def _simpler(op: Op) -> list[Op]:
     """Simpler forms of one op, simplest first, from the schema: an argument always drawn to the low end of
-    its range and to half its value, any other set argument to :attr:`Arg.toward` and then (a nullable handle:
-    ``session``, ``parent``) to the low end and half its value; None stays None."""
+    its range and to half its value, any other set argument to :attr:`Arg.toward` and then (a nullable one: a
+    submit's ``session``, ``stop_at``, ``priority`` ..., an abort's ``handle``) to the low end and half its value;
+    None stays None."""
     out: list[Op] = []
     for a in OPS[op.kind].args:
         v = getattr(op, a.name)
         if v is None:
             continue
         lower = sorted(c for c in {a.lo, max(a.lo, v // 2)} if c < v)
-        if a.p < 1.0 or a.simplest != "default":  # (then a lower handle: session=3 names one open session too)
-            cands = ([a.toward] if v != a.toward else []) + (lower if a.nullable else [])
+        if a.p < 1.0 or a.simplest != "default":  # (a nullable one then lower: session=3 names the one open too)
+            cands = ([a.toward] if v != a.toward else []) + [c for c in lower if a.nullable and c != a.toward]
         else:
             cands = lower
         out += [dataclasses.replace(op, **{a.name: c}) for c in cands]
