@@ -38,13 +38,11 @@ def weighted_kinds(reach: frozenset) -> tuple[str, ...]:
     return tuple(k for k in kinds(reach) for _ in range(OPS[k].weight))
 
 
-def random_program(rng, length: int, max_prompt: int = 32, features: frozenset = frozenset(),
-                   capabilities: frozenset = frozenset(CAPABILITIES)) -> list[Op]:
+def random_program(rng, length: int, max_prompt: int = 32, features: frozenset = frozenset()) -> list[Op]:
     """A random program of ``length`` ops from ``rng`` (a ``random.Random``), ending in ``idle``: the
     plain random baseline (a fixed op mix). It draws every op and argument whose gate is in ``features``
-    (a config's ``program_features``) or in ``capabilities`` (the target's,
-    :func:`kvaudit.program.schema.capabilities`; default all of them, for a program any target runs)."""
-    reach = frozenset(features) | frozenset(capabilities)
+    (a config's ``program_features``) or is a capability (a target without them ignores them)."""
+    reach = frozenset(features) | frozenset(CAPABILITIES)
     table = weighted_kinds(reach)
     ops: list[Op] = [random_op(rng, reach, max_prompt, table) for _ in range(max(0, length - 1))]
     ops.append(Idle())
