@@ -387,10 +387,11 @@ _MISTAKES = {c.__name__: c for c in (TargetDefinitionError, fuzzers.FuzzerDefini
 def error_message(index: int, e: Exception) -> tuple:
     """What worker ``index`` tells its parent of the error that ended it: ``("error", index, text, errno,
     filename, strerror, mistake)``, errno, filename and strerror None but for an OSError (the parent stops the
-    campaign on a full disk, keeping what it found, :class:`_Tally`); ``mistake``: the class name of a plugin
-    target's or fuzzer's own mistake (the parent raises it again, a usage error as in one process), else None."""
+    campaign on a full disk, keeping what it found, :class:`_Tally`); ``mistake``: ``(class name, message)`` of a
+    plugin target's or fuzzer's own mistake (the parent raises it again, a usage error as in one process), else
+    None."""
     oserror = (e.errno, e.filename, e.strerror) if isinstance(e, OSError) else (None, None, None)
-    mistake = next((name for name, cls in _MISTAKES.items() if isinstance(e, cls)), None)
+    mistake = next(((name, str(e)) for name, cls in _MISTAKES.items() if isinstance(e, cls)), None)
     return ("error", index, f"{type(e).__name__}: {e}", *oserror, mistake)
 
 
@@ -533,7 +534,8 @@ class _Tally:
                     raise _DiskFull
                 raise OSError(msg[3], f"worker {index}: {msg[2]}", msg[4])
             if msg[6] is not None:  # (the same mistake in every worker: said once, as one process says it)
-                raise _MISTAKES[msg[6]](msg[2].split(": ", 1)[1])
+                name, text = msg[6]
+                raise _MISTAKES[name](text)
             raise RuntimeError(f"worker {index}: {msg[2]}")
         if self.on_progress:
             self.on_progress(stats)
