@@ -21,7 +21,7 @@ from kvaudit.app.configs import (FuzzerChoice, TargetChoice, bugs_renderables, c
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
 from kvaudit.app.files import check_outputs
 from kvaudit.app.interrupts import restoring_sigint, write_startup_reports
-from kvaudit.constants import CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT
+from kvaudit.constants import CAMPAIGN_FUZZER, CONFIRM_RUNS, DEFAULT_FUZZER, DEFAULT_STEP_TIMEOUT
 from kvaudit.search import fuzzers
 from kvaudit.reports.outputs import FORMATS
 from kvaudit.targets.registry import TargetDefinitionError
@@ -241,8 +241,9 @@ def parses(args: list[str]) -> bool:
 
 @main.command()
 @common_options
-@click.option("--fuzzer", type=FuzzerChoice(), default=DEFAULT_FUZZER, show_default=True,
-              help=fuzzers.help_text(default=DEFAULT_FUZZER))
+@click.option("--fuzzer", type=FuzzerChoice(), default=None,
+              help=fuzzers.help_text(default=DEFAULT_FUZZER) + f"  [default: {DEFAULT_FUZZER}; a campaign (--corpus, "
+                   f"--workers > 1, --db): {CAMPAIGN_FUZZER}]")
 @click.option("--max-time", type=float, default=60.0, show_default=True, callback=_seconds(), metavar="SECONDS",
               help="Search budget, in seconds. Start-up is not counted: the clock starts after the imports and "
                    "the first engine build (SGLang or vLLM: 5-25 s; the run's second line says how long), each "
@@ -297,7 +298,7 @@ def fuzz(preset, bugs, model, device, page_size, target, tree_core, fuzzer, max_
     checked = job.check_options(target=target, fuzzer=fuzzer, out_dir=out_dir, corpus_dir=corpus_dir, workers=workers,
                                 db=db_url, suppress_file=suppress_file)
     config = select_config(preset, bugs, model, device, page_size, target, tree_core)  # imports the engine
-    return job.run(config, checked, fuzzer=fuzzer, budget=budget, seed=seed, out_dir=out_dir,
+    return job.run(config, checked, fuzzer=checked.fuzzer, budget=budget, seed=seed, out_dir=out_dir,
                    workers=workers, corpus_dir=corpus_dir, use_seeds=use_seeds, suppress_file=suppress_file,
                    step_timeout=step_timeout, outputs=outputs, db=db_url, campaign_name=campaign_name)
 
@@ -367,7 +368,8 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               help="Presets to fuzz: 'all' or a comma-separated list (of --target's presets).")
 @click.option("--target", type=TargetChoice(), default="eut", show_default=True,
               help="The target kind whose presets are fuzzed (see 'kvaudit presets').")
-@click.option("--fuzzer", type=FuzzerChoice(), default=DEFAULT_FUZZER, show_default=True)
+@click.option("--fuzzer", type=FuzzerChoice(), default=CAMPAIGN_FUZZER, show_default=True,
+              help="The fuzzer of each preset's campaign (the default keeps its programs in --corpus DIR/<preset>).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "

@@ -1,7 +1,12 @@
 """Values ``kvaudit --help`` needs, kept apart from the modules that use them (those import torch and
 Hypothesis). Imports nothing: the atheris harness reads it before instrumenting the engine."""
 
-DEFAULT_FUZZER = "corpus"  # NOTE: fewest executions to each bug, misses none random finds (docs/benchmarks-history.md)
+# --fuzzer's defaults (docs/search/README.md, "The guided phase past 1,024 executions"): a search that stops at
+# its first finding runs random 16-96-op programs (on the bugs needing more than 1,024 executions corpus's guided
+# phase found them no sooner, 9 hits of 15 against 8, at more CPU per seed); a campaign keeps corpus, the one
+# fuzzer that keeps its programs in DIR/programs and resumes from them
+DEFAULT_FUZZER = "random-96"
+CAMPAIGN_FUZZER = "corpus"  # --corpus, --workers > 1, --db; kvaudit ci (a campaign per preset)
 MINIMIZE_GRACE = 5.0  # kvaudit.search.campaign: seconds a finding's minimization may always take (past the budget)
 CONFIRM_RUNS = 3  # kvaudit.search.fuzz: replays that must all reproduce a finding before it is reported
 DEFAULT_STEP_TIMEOUT = 10.0  # kvaudit.audit.runner: seconds an engine step may take before the watchdog calls a hang
@@ -9,3 +14,8 @@ EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: a program kvaudit needs (athe
 MISSING_ATHERIS = ("atheris is not installed here ('pip install atheris': it has wheels for Linux x86-64 only; "
                    "elsewhere it builds from source and needs clang with libFuzzer, "
                    "https://github.com/google/atheris#installation)")
+
+
+def default_fuzzer(campaign: bool) -> str:
+    """``--fuzzer``'s default: :data:`CAMPAIGN_FUZZER` for a campaign, else :data:`DEFAULT_FUZZER`."""
+    return CAMPAIGN_FUZZER if campaign else DEFAULT_FUZZER

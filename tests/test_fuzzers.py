@@ -51,7 +51,7 @@ def test_an_unknown_fuzzer_is_one_line_listing_the_valid_ones(toy):
     r = invoke("fuzz", "--fuzzer", "afl", "--max-time", "1")
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
-    assert "'afl' is not one of 'hypothesis', 'atheris', 'random', 'corpus', 'toy'" in line, line  # (click's)
+    assert "'afl' is not one of 'hypothesis', 'atheris', 'random', 'random-96', 'corpus', 'toy'" in line, line  # (click's)
 
 
 def test_an_unknown_fuzzer_by_name_is_spelled_as_json():
@@ -68,14 +68,14 @@ def test_the_built_ins_are_listed_in_help():
     out = invoke("fuzz", "--help").stdout
     for name in fuzzers.BUILTIN_FUZZERS:
         assert f"{name}: {fuzzers.kinds()[name].summary.split()[0]}" in " ".join(out.split()), name
-    assert "[hypothesis|atheris|random|corpus]" in out
+    assert "[hypothesis|atheris|random|random-96|corpus]" in out
 
 
 def test_a_fuzzer_that_takes_some_targets_names_the_others():
     """atheris searches the built-in engine only: the error names the fuzzers that take the target."""
     kind = fuzzers.get("atheris")
     assert kind.takes("eut") and not kind.takes("vllm")
-    assert fuzzers.alternatives("vllm", "atheris") == ["corpus", "hypothesis", "random"]
+    assert fuzzers.alternatives("vllm", "atheris") == ["corpus", "hypothesis", "random", "random-96"]
 
 
 @pytest.mark.parametrize("bad, why", [
@@ -162,3 +162,25 @@ def test_after_start_up_full_collections_keep_up_with_the_programs_targets():
         assert len(gc.get_objects()) - tracked < 15_000
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("bug", [None, "chunked-abort-ignored"])
+def test_random_96_draws_the_corpus_fuzzers_first_programs(bug):
+    """``random-96`` (the default of a search that stops at its first finding) is the corpus fuzzer's
+    warm-up: for a seed, the same programs (the same ops in all, on the clean engine), and the same
+    program found at the same execution; what the corpus fuzzer adds starts after its 1,024th
+    execution (docs/search/README.md)."""
+    from kvaudit.search.fuzz import FuzzStats
+    from kvaudit.targets import registry
+
+    eut = registry.get("eut")
+    config = eut.preset(eut.bugs()[bug].preset).config(bugs=frozenset([bug])) if bug else eut.preset("default").config()
+    got = {}
+    for name in ("random-96", "corpus", "random"):
+        stats = FuzzStats()
+        found = fuzzers.get(name).search(config, 60, 3, stats, fuzzers.Search(max_executions=30))
+        assert (found is None) == (bug is None), f"{name}: {bug} not found in 30 executions"
+        got[name] = (found and found[0], stats.executions, stats.ops)
+    assert got["random-96"] == got["corpus"]
+    if bug is None:  # 30 programs of 16-96 ops against random's own 4-24
+        assert got["random"][2] < got["random-96"][2] and got["random-96"][2] >= 30 * 16

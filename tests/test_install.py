@@ -142,9 +142,9 @@ def test_fuzzer_atheris_without_atheris_says_how_to_get_it_in_one_line(monkeypat
     if args[0] == "bench":  # bench takes --fuzzers: the way out is to leave atheris out of the list
         assert line.startswith("kvaudit: error: --fuzzers: atheris: atheris is not installed here (")
         assert "leave it out of --fuzzers" in line, line
-        assert "--fuzzer corpus" not in line, line
+        assert "or use --fuzzer" not in line, line
     else:
-        assert "--fuzzer corpus, hypothesis or random" in line, line
+        assert "--fuzzer random-96, corpus, hypothesis or random" in line, line
 
 
 def test_bench_without_atheris_leaves_it_out_of_its_default_fuzzers(monkeypatch, tmp_path):
@@ -153,13 +153,13 @@ def test_bench_without_atheris_leaves_it_out_of_its_default_fuzzers(monkeypatch,
     from kvaudit.app import bench as job
 
     monkeypatch.setitem(sys.modules, "atheris", None)
-    assert job.default_fuzzers() == (["hypothesis", "random", "corpus"], ["atheris"])
+    assert job.default_fuzzers() == (["hypothesis", "random", "random-96", "corpus"], ["atheris"])
     monkeypatch.chdir(tmp_path)
     result = invoke("bench", "--bugs", "chunked-abort-ignored", "--trials", "1", "--budget", "0.5",
                     "--fp-seconds", "0", "--overhead-presets", "none")
     assert result.exit_code == 0, result.output
     assert "atheris cannot run here" in result.output and "left out of the default --fuzzers" in result.output
-    assert "x 3 fuzzer(s)" in result.output, result.output
+    assert "x 4 fuzzer(s)" in result.output, result.output
     wrong = invoke("bench", "--bugs", "nosuch")  # a bad option: its one error line, no notice before it
     assert wrong.exit_code == 2 and "left out" not in wrong.output, wrong.output
 

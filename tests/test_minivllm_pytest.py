@@ -11,7 +11,7 @@ from cli_helpers import invoke
 
 from examples.minivllm.target import PRESETS
 from kvaudit import testing
-from kvaudit.constants import DEFAULT_FUZZER
+from kvaudit.constants import CAMPAIGN_FUZZER, DEFAULT_FUZZER
 from kvaudit.testing import KvauditFailure
 
 TIGHT = PRESETS["minivllm-tight"]
@@ -32,12 +32,24 @@ def test_a_planted_bug_fails_with_a_readable_finding(kvaudit, bug, kind):
     assert "examples/minivllm/engine.py" in report  # the engine's own line, not kvaudit's
 
 
-def test_the_fixture_fuzzes_with_the_clis_default_fuzzer():
-    """It fuzzed with random while the CLI's default is corpus."""
+def test_the_fixture_fuzzes_with_the_clis_default_fuzzer(tmp_path):
+    """It fuzzed with random while the CLI's default was corpus. The fixture's search is a single one
+    (it stops at the first finding): the CLI's default for that, not a campaign's."""
+    from kvaudit.app.fuzz import check_options
     from kvaudit.cli import fuzz as fuzz_cmd
 
     assert inspect.signature(testing.fuzz).parameters["fuzzer"].default == DEFAULT_FUZZER
-    assert next(p.default for p in fuzz_cmd.params if p.name == "fuzzer") == DEFAULT_FUZZER
+    assert next(p.default for p in fuzz_cmd.params if p.name == "fuzzer") is None  # resolved by check_options
+    single = check_options(target="eut", fuzzer=None, out_dir=str(tmp_path / "o"), corpus_dir=None, workers=1,
+                           db=None, suppress_file=None)
+    assert single.fuzzer == DEFAULT_FUZZER != CAMPAIGN_FUZZER and not single.campaign
+    for corpus_dir, workers in ((str(tmp_path / "c"), 1), (None, 2)):  # a campaign keeps its programs: corpus
+        campaign = check_options(target="eut", fuzzer=None, out_dir=str(tmp_path / "o"), corpus_dir=corpus_dir,
+                                 workers=workers, db=None, suppress_file=None)
+        assert campaign.fuzzer == CAMPAIGN_FUZZER and campaign.campaign
+    chosen = check_options(target="eut", fuzzer="random", out_dir=str(tmp_path / "o"), corpus_dir=str(tmp_path / "c"),
+                           workers=1, db=None, suppress_file=None)
+    assert chosen.fuzzer == "random"  # --fuzzer given: kept, campaign or not
 
 
 def test_a_failing_test_shows_the_program_the_cli_minimized(kvaudit, tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.app.replay import record_timeline
 from kvaudit.audit import runner
 from kvaudit.audit.suppress import SuppressionSet
-from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT
+from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, default_fuzzer
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
 from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table, summary_line,
                                     suppressed_by_kind)
@@ -40,15 +40,18 @@ class Checked:
     sset: SuppressionSet | None
     target_dir: str
     campaign: bool
+    fuzzer: str  # --fuzzer, or its default for this kind of run (kvaudit.constants.default_fuzzer)
 
 
-def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | None, workers: int,
+def check_options(*, target: str, fuzzer: str | None, out_dir: str, corpus_dir: str | None, workers: int,
                   db: str | None, suppress_file: str | None) -> Checked:
     """The checks of ``fuzz``'s options that need no engine (run before one is imported). Raises
-    :class:`InputError` (exit 2), :class:`UnavailableError` (atheris or Redis missing, exit 69)."""
+    :class:`InputError` (exit 2), :class:`UnavailableError` (atheris or Redis missing, exit 69). ``fuzzer``
+    None: the default for a campaign or a single search (:func:`kvaudit.constants.default_fuzzer`)."""
+    campaign = corpus_dir is not None or workers > 1 or db is not None
+    fuzzer = fuzzer or default_fuzzer(campaign)
     check_fuzzer(fuzzer, target)
     sset = load_suppressions(suppress_file)
-    campaign = corpus_dir is not None or workers > 1 or db is not None
     if campaign and not fuzzers.get(fuzzer).campaign:
         raise InputError(f"--fuzzer {fuzzer} cannot run a campaign (--corpus, --workers > 1, --db)")
     if db is not None:
@@ -56,7 +59,7 @@ def check_options(*, target: str, fuzzer: str, out_dir: str, corpus_dir: str | N
     target_dir = corpus_dir if corpus_dir is not None else out_dir
     check_dir(target_dir, "corpus" if corpus_dir is not None else "out")
     check_available(fuzzer)
-    return Checked(sset, target_dir, campaign)
+    return Checked(sset, target_dir, campaign, fuzzer)
 
 
 def run(config, checked: Checked, *, fuzzer: str, budget: Budget, seed: int, out_dir: str,

@@ -81,7 +81,7 @@ class FuzzerKind:
 
 
 _FUZZERS: dict[str, FuzzerKind] = {}
-BUILTIN_FUZZERS = ("hypothesis", "atheris", "random", "corpus")  # the order ``--fuzzer`` lists them
+BUILTIN_FUZZERS = ("hypothesis", "atheris", "random", "random-96", "corpus")  # the order ``--fuzzer`` lists them
 
 
 def register(kind: FuzzerKind) -> FuzzerKind:
@@ -223,11 +223,19 @@ def _warm_up_hypothesis() -> None:
     warm_up_hypothesis()
 
 
-def _random(config, seconds, seed, stats, run: Search):
+def _random(config, seconds, seed, stats, run: Search, lengths: dict | None = None):
     from kvaudit.search.fuzz import random_search
 
     return random_search(config, seconds, seed, stats, on_progress=run.on_progress, suppressions=run.suppressions,
-                         known=run.known, max_executions=run.max_executions)
+                         known=run.known, max_executions=run.max_executions, **(lengths or {}))
+
+
+def _random_96(config, seconds, seed, stats, run: Search):
+    """``random`` at the corpus fuzzer's fresh lengths: for a seed, the programs of its first 1,024
+    executions (:data:`kvaudit.search.corpus_fuzz.WARMUP`), and of every execution after."""
+    from kvaudit.search.corpus_fuzz import MAX_OPS, MIN_OPS
+
+    return _random(config, seconds, seed, stats, run, dict(min_ops=MIN_OPS, max_ops=MAX_OPS))
 
 
 def _corpus(config, seconds, seed, stats, run: Search):
@@ -266,8 +274,8 @@ def _check_atheris() -> None:
     try:
         import atheris
     except ImportError:
-        raise FuzzerUnavailable(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer corpus, hypothesis or "
-                                "random", MISSING_ATHERIS) from None
+        raise FuzzerUnavailable(f"--fuzzer atheris: {MISSING_ATHERIS}; or use --fuzzer random-96, corpus, "
+                                "hypothesis or random", MISSING_ATHERIS) from None
     del atheris
     if not os.access(HARNESS, os.X_OK):
         why = f"the harness {HARNESS} is missing or not executable (reinstall kvaudit: the wheel ships it)"
@@ -281,6 +289,9 @@ register(FuzzerKind(
     check=_check_atheris, targets=("eut",), targets_why="instruments the built-in engine only", one_driver=True,
     uses_seeds=True, in_process=False))
 register(FuzzerKind("random", "the plain random baseline (4-24-op programs)", _random))
+register(FuzzerKind(
+    "random-96", "fresh random 16-96-op programs, no feedback (corpus's first 1,024 programs for a seed, and every "
+                 "one after)", _random_96))
 register(FuzzerKind(
     "corpus", "fresh 16-96-op random programs, then a mutated program corpus guided by the scheduler states "
               "reached (a campaign keeps it in DIR/programs)", _corpus))
