@@ -2,9 +2,10 @@
 """Time to bug on two checkouts side by side (issue 38: "before this issue" against now).
 
     python benchmarks/bench_before_after.py --before PATH [--after PATH] [--suite history|zoo]
-        [--fuzzer corpus] [--seeds 3] [--budget 20] [--repeat 1] [--bugs LIST] [--pycache DIR] [--json OUT]
+        [--fuzzer corpus] [--after-fuzzer F] [--seeds 3] [--budget 20] [--repeat 1] [--bugs LIST] [--pycache DIR] [--json OUT]
 
-The same bugs, fuzzer, seeds and budgets run on both checkouts, interleaved bug by bug (the side that
+The same bugs, fuzzer, seeds and budgets run on both checkouts (``--after-fuzzer F``: the after runs F, as
+when the default fuzzer changed between them), interleaved bug by bug (the side that
 goes first alternates per bug), so that a slow phase of a shared machine falls on both. Each (bug,
 side) is one child process whose ``PYTHONPATH`` is the release's overlay (history) and that checkout's
 root, nothing else: the child runs that checkout's own trial code, unchanged (history: its
@@ -305,12 +306,16 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _fuzzers(before: str, after: str | None) -> str:
+    return before if after in (None, before) else f"{before} (before) / {after} (after)"
+
+
 def print_table(path: str) -> int:
     """``--table FILE``: the table of a run's ``--json`` file (a partial one too: the bugs it holds)."""
     with open(path) as f:
         doc = json.load(f)
     done = [b for b in doc["bugs"] if any(t["bug"] == b for t in doc["trials"])]
-    print(f"{doc['suite']}, fuzzer {doc['fuzzer']}, seeds {doc['seeds']}, {doc['budget']:g} s per trial"
+    print(f"{doc['suite']}, fuzzer {_fuzzers(doc['fuzzer'], doc.get('after_fuzzer'))}, seeds {doc['seeds']}, {doc['budget']:g} s per trial"
           f"{_repeats_note(doc.get('repeat', 1))}; before "
           f"{doc['before']['rev']}, after {doc['after']['rev']}; {len(done)} of {len(doc['bugs'])} bugs run\n")
     print("\n".join(table(compare(doc["trials"], done))))
@@ -324,6 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the checkout measured against it  [default: this script's]")
     ap.add_argument("--suite", choices=("history", "zoo"), default="history")
     ap.add_argument("--fuzzer", default="corpus")
+    ap.add_argument("--after-fuzzer", default=None, metavar="F",
+                    help="the after's fuzzer, where it differs (the default fuzzer of each checkout, when it changed "
+                         "between them)  [default: --fuzzer]")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N per bug and side")
     ap.add_argument("--budget", type=float, default=20.0, help="seconds per trial")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
@@ -344,6 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             or (args.after_check_every is not None and args.after_check_every < 1)):
         ap.error("--seeds, --budget, --repeat and --after-check-every must be positive")
     args.before, args.after = os.path.abspath(args.before), os.path.abspath(args.after)
+    args.after_fuzzer = args.after_fuzzer or args.fuzzer
     if args.before == args.after:
         ap.error("--before and --after name the same checkout")
     return args
@@ -375,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         sys.exit(f"--bugs: not in both catalogues: {', '.join(bad)}")
     seeds = list(range(1, args.seeds + 1))
-    doc = {"format": FORMAT, "suite": args.suite, "fuzzer": args.fuzzer, "seeds": seeds, "budget": args.budget,
+    doc = {"format": FORMAT, "suite": args.suite, "fuzzer": args.fuzzer, "after_fuzzer": args.after_fuzzer, "seeds": seeds, "budget": args.budget,
            "after_check_every": args.after_check_every,
            "before": {"root": args.before, "rev": _rev(args.before)}, "after": {"root": args.after, "rev": _rev(args.after)},
            "repeat": args.repeat, "combine": REPEATS if args.repeat > 1 else None,
@@ -385,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, bug in enumerate(bugs):
         def run_side(side: str, repeat: int, bug=bug) -> list[dict]:
             entry = cats[side][bug]
-            job = {"suite": args.suite, "bug": bug, "version": entry.get("version"), "fuzzer": args.fuzzer,
+            job = {"suite": args.suite, "bug": bug, "version": entry.get("version"),
+                   "fuzzer": args.after_fuzzer if side == "after" else args.fuzzer,
                    "seeds": seeds, "budget": args.budget,
                    "check_every": args.after_check_every if side == "after" else None}
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -413,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"bench_before_after: {e} (a detection change, not noise: the benchmark stops)")
         _write(args.out_json, doc, t0)  # after every bug: an interrupted run keeps what it measured
     print(f"`{' '.join(['python', 'benchmarks/bench_before_after.py', *(argv or sys.argv[1:])])}`: "
-          f"{args.suite}, fuzzer {args.fuzzer}, seeds 1..{args.seeds}, {args.budget:g} s per trial"
+          f"{args.suite}, fuzzer {_fuzzers(args.fuzzer, args.after_fuzzer)}, seeds 1..{args.seeds}, {args.budget:g} s per trial"
           f"{_repeats_note(args.repeat)}; "
           f"before {doc['before']['rev']}, after {doc['after']['rev']}; {(time.monotonic() - t0) / 60:.1f} min\n")
     print("\n".join(table(compare(doc["trials"], bugs))))

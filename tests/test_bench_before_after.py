@@ -157,3 +157,18 @@ def test_pycache_gives_the_children_a_bytecode_cache_even_where_the_environment_
     cached = ba.child_env("/root", None, str(tmp_path / "pyc"))
     assert "PYTHONDONTWRITEBYTECODE" not in cached and cached["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pyc")
     assert ba.parse_args(["--before", str(tmp_path), "--pycache", "d"]).pycache == "d"
+
+
+def test_the_after_may_run_another_fuzzer_and_the_header_names_both(ba, tmp_path, capsys):
+    """Issue 38 measures time to bug with each checkout's default fuzzer: corpus before, random-96 after."""
+    import json
+
+    assert ba.parse_args(["--before", str(tmp_path)]).after_fuzzer == "corpus"  # the same unless told
+    args = ba.parse_args(["--before", str(tmp_path), "--fuzzer", "corpus", "--after-fuzzer", "random-96"])
+    assert (args.fuzzer, args.after_fuzzer) == ("corpus", "random-96")
+    doc = {"suite": "history", "fuzzer": "corpus", "after_fuzzer": "random-96", "seeds": [1], "budget": 20,
+           "bugs": ["x"], "before": {"rev": "aaa"}, "after": {"rev": "bbb"},
+           "trials": [_trial("x", "before", 1, 3, 1.0, 0.5), _trial("x", "after", 1, 3, 1.5, 0.5)]}
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    ba.print_table(str(tmp_path / "run.json"))
+    assert "history, fuzzer corpus (before) / random-96 (after), seeds [1]" in capsys.readouterr().out
