@@ -493,3 +493,31 @@ def test_a_search_collects_the_site_keys_in_one_program_of_every_16():
     assert got[1][2] and got[17][2] == got[1][2] == got[1][3]
     assert got[2][2] == set() == got[2][3]
     assert got[1][:2] == got[2][:2] == got[17][:2]
+
+
+def test_ending_ops_in_a_row_and_the_end_check_sweep_only_after_a_step():
+    # the forced checks (before an ending op, at finish()) sweep only when a step ran since the last check:
+    # an ending op right after another, and finish() right after them, have nothing new to sweep (stop 59
+    # counted 354 of 747 ending ops so skipped, 147 of them right after another ending op). A leak planted
+    # in the step right before an ending op is still met there, at the per-step run's step and op
+    import kvaudit.audit.runner as runner
+    from kvaudit.program import Abort, FlushCache, Step, Submit
+
+    real = runner.oracles.check
+    calls = []
+    runner.oracles.check = lambda *a, **k: calls.append(k) or real(*a, **k)
+    try:
+        config = get_preset("default").config(model="none")
+        with AuditedRun(config, full_stacks=False, check_every=16, lean=True) as run:
+            assert run.apply(Submit(prompt_len=9, max_new_tokens=4)) == [] and run.apply(Step(1)) == []
+            assert calls == []
+            for op, swept in ((Abort(0), 1), (FlushCache(0), 1), (Abort(None), 1)):
+                assert run.apply(op) == [] and len(calls) == swept
+            assert run.finish() == [] and len(calls) == 1
+    finally:
+        runner.oracles.check = real
+    preset, bug, program = _ending_cases()[0]  # (a leak a flush wipes)
+    program = program[:2] + [Abort(None)] + program[2:]
+    config = get_preset(preset).config(model="none", bugs=frozenset([bug]))
+    want = _key(execute(config, program, full_stacks=False).findings)
+    assert want and _key(_run(config, program, 16).findings) == want
