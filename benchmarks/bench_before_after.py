@@ -127,6 +127,21 @@ def child_run(job: dict) -> list[dict]:
     return out
 
 
+def child_fuzzers() -> list[str] | None:
+    """The fuzzer names this checkout's searches take: its registry's, or (a checkout from before the registry)
+    ``kvaudit.constants.FUZZERS``; None when neither is there."""
+    try:
+        from kvaudit.search import fuzzers
+        return sorted(fuzzers.kinds())
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from kvaudit.constants import FUZZERS
+        return sorted(FUZZERS)
+    except ImportError:
+        return None
+
+
 def child_main(argv: list[str]) -> int:
     mode, arg, out_path = argv
     import kvaudit
@@ -134,6 +149,7 @@ def child_main(argv: list[str]) -> int:
     result = {"kvaudit": os.path.dirname(os.path.dirname(os.path.abspath(kvaudit.__file__)))}
     if mode == "list":
         result["bugs"] = child_list(arg)
+        result["fuzzers"] = child_fuzzers()
     else:
         with open(arg) as f:
             result["results"] = child_run(json.load(f))
@@ -358,6 +374,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _refuse(message: str) -> None:
+    """A bad option met once the checkouts are read: one line, exit 2 (argparse's), before any trial."""
+    print(f"bench_before_after: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def _overlay(entry: dict) -> str | None:
     if "engine" not in entry:
         return None
@@ -376,13 +398,18 @@ def _write(path: str | None, doc: dict, t0: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     roots = {"before": args.before, "after": args.after}
-    cats = {side: {d["id"]: d for d in _child(root, ["list", args.suite], None, args.pycache)["bugs"]}
-            for side, root in roots.items()}
+    listed = {side: _child(root, ["list", args.suite], None, args.pycache) for side, root in roots.items()}
+    for side, fuzzer in (("before", args.fuzzer), ("after", args.after_fuzzer)):
+        takes = listed[side].get("fuzzers")
+        if takes is not None and fuzzer not in takes:  # (before any trial: a run of hours would end at its first)
+            flag = "--after-fuzzer" if side == "after" and args.after_fuzzer != args.fuzzer else "--fuzzer"
+            _refuse(f"{flag} {fuzzer}: the {side} ({roots[side]}) has no such fuzzer (it has: {', '.join(takes)})")
+    cats = {side: {d["id"]: d for d in listed[side]["bugs"]} for side in roots}
     both, only_before, only_after = catalogues(list(cats["before"].values()), list(cats["after"].values()))
     bugs = both if args.bugs == "all" else [b.strip() for b in args.bugs.split(",")]
     bad = [b for b in bugs if b not in both]
     if bad:
-        sys.exit(f"--bugs: not in both catalogues: {', '.join(bad)}")
+        _refuse(f"--bugs: not in both catalogues: {', '.join(bad)}")
     seeds = list(range(1, args.seeds + 1))
     doc = {"format": FORMAT, "suite": args.suite, "fuzzer": args.fuzzer, "after_fuzzer": args.after_fuzzer, "seeds": seeds, "budget": args.budget,
            "after_check_every": args.after_check_every,

@@ -456,6 +456,8 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
     for option, applies in (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history")):
         _ignored(option, f"--suite {applies}", suite != applies)
+    for option in ("--fuzzers", "--trials", "--budget"):  # (--bugs: --list lists the ones it names)
+        _ignored(option, "a benchmark run, not --list", list_bugs)
     missing: tuple[str, ...] = ()
     if fuzzers_value is None and not list_bugs:  # ("" is a list of no fuzzer: refused, not the default)
         names, missing = job.default_fuzzers(history=suite == "history")

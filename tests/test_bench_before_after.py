@@ -172,3 +172,23 @@ def test_the_after_may_run_another_fuzzer_and_the_header_names_both(ba, tmp_path
     (tmp_path / "run.json").write_text(json.dumps(doc))
     ba.print_table(str(tmp_path / "run.json"))
     assert "history, fuzzer corpus (before) / random-96 (after), seeds [1]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, side", [(["--after-fuzzer", "random96"], "after"),
+                                         (["--fuzzer", "random-96"], "before")])
+def test_a_fuzzer_a_checkout_lacks_is_refused_before_any_trial(ba, tmp_path, monkeypatch, capsys, flags, side):
+    """It failed with a child's traceback after the first bug's trials ran (tester 59)."""
+    ran = []
+
+    def child(root, args, overlay, pycache):
+        ran.append(args[0])
+        has = ["corpus", "random"] + (["random-96"] if root != str(tmp_path) else [])  # the before predates it
+        return {"bugs": [{"id": "x"}], "fuzzers": has}
+
+    monkeypatch.setattr(ba, "_child", child)
+    monkeypatch.setattr(ba, "_rev", lambda root: "rev")
+    with pytest.raises(SystemExit) as e:
+        ba.main(["--before", str(tmp_path), "--suite", "zoo", "--bugs", "x", *flags])
+    assert e.value.code == 2 and ran == ["list", "list"]  # no "run"
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"bench_before_after: {flags[0]} {flags[1]}: the {side} (") and "\n" not in line, line

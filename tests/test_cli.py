@@ -740,6 +740,8 @@ def test_a_bad_preset_list_names_its_option_the_bad_name_and_the_valid_ones(args
     (["bench", "--suite", "history", "--fp-seconds", "3", "--list"], "--fp-seconds applies to --suite zoo"),
     (["bench", "--suite", "history", "--overhead-presets", "none", "--list"], "--overhead-presets applies to --suite zoo"),
     (["bench", "--jobs", "2", "--list"], "--jobs applies to --suite history"),
+    (["bench", "--fuzzers", "bogus", "--list"], "--fuzzers applies to a benchmark run, not --list"),  # (tester 59)
+    (["bench", "--suite", "history", "--trials", "2", "--list"], "--trials applies to a benchmark run, not --list"),
     (["replay", "--runs", "5", os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json")],
      "--runs applies to --check-determinism")])
 def test_an_option_the_command_ignores_here_is_a_warning(args, warning):
@@ -748,7 +750,7 @@ def test_an_option_the_command_ignores_here_is_a_warning(args, warning):
     assert r.exit_code in (0, 1), r.output + r.stderr
     assert f"warning: {warning}; here it is ignored" in r.stderr.splitlines()
     quiet = invoke(*[a for a in args if a not in ("--fp-seconds", "3", "--overhead-presets", "none", "--jobs", "2",
-                                                  "--runs", "5")])
+                                                  "--runs", "5", "--fuzzers", "bogus", "--trials")])
     assert "warning:" not in quiet.stderr
 
 

@@ -184,3 +184,20 @@ def test_random_96_draws_the_corpus_fuzzers_first_programs(bug):
     assert got["random-96"] == got["corpus"]
     if bug is None:  # 30 programs of 16-96 ops against random's own 4-24
         assert got["random"][2] < got["random-96"][2] and got["random-96"][2] >= 30 * 16
+
+
+@pytest.mark.parametrize("fuzzer, noted", [("random-96", True), ("random", True), ("corpus", False), (None, False)])
+def test_a_campaign_of_a_fuzzer_that_keeps_no_programs_says_a_rerun_resumes_only_its_findings(fuzzer, noted, tmp_path):
+    """`--corpus DIR --fuzzer random-96` kept no programs and said nothing, and its rerun under the same --seed
+    ran the same programs again (tester 59); kvaudit ci with such a fuzzer the same. A single search keeps
+    nothing anyway: no note."""
+    chosen = ["--fuzzer", fuzzer] if fuzzer else []
+    r = invoke("fuzz", "--preset", "chunked", "--max-time", "0.5", "--corpus", str(tmp_path / "c"), *chosen)
+    assert r.exit_code in (0, 5), r.output + r.stderr
+    note = "keeps no programs: a rerun of this campaign resumes its findings only and, with the same --seed, runs"
+    assert (note in " ".join(r.stderr.split())) == noted, r.stderr
+    if fuzzer:
+        single = invoke("fuzz", "--preset", "chunked", "--max-time", "0.5", "--out", str(tmp_path / "o"), *chosen)
+        assert "keeps no programs" not in single.stderr, single.stderr
+        ci = invoke("ci", "--presets", "chunked", "--max-time", "0.5", "--out", str(tmp_path / "ci"), *chosen)
+        assert ("keeps no programs" in ci.stderr) == noted, ci.stderr

@@ -412,11 +412,18 @@ def test_fuzz_writes_reports_for_a_finding_and_for_a_clean_run(tmp_path):
     assert "<svg" in page and "leak/hisparse_device/" in page
     (replay_file,) = [p for p in os.listdir(tmp_path / "o") if p.endswith(".json")]
     assert "timeline" in json.load(open(tmp_path / "o" / replay_file))  # the replay file keeps the plot data
-    clean = invoke("fuzz", "--preset", "default", "--max-time", "2", "--out", str(tmp_path / "o2"),
+    # which search ran (the default depends on the kind of run: tester 59): the JSON as the replay file says it
+    assert json.load(open(tmp_path / "f.json"))["fuzzer"] == "random-96" == json.load(open(tmp_path / "o" / replay_file))["fuzzer"]
+    assert "random-96" in page
+    clean = invoke("fuzz", "--preset", "default", "--max-time", "2", "--out", str(tmp_path / "o2"), "--seed", "7",
                    "--junit", str(tmp_path / "c.xml"), "--sarif", str(tmp_path / "c.sarif"))
     assert clean.exit_code == 0, clean.output
-    assert 'failures="0"' in open(tmp_path / "c.xml").read()
-    assert json.load(open(tmp_path / "c.sarif"))["runs"][0]["results"] == []
+    junit = open(tmp_path / "c.xml").read()
+    assert 'failures="0"' in junit
+    assert '<property name="search_fuzzer" value="random-96" />' in junit
+    assert '<property name="search_seed" value="7" />' in junit
+    run = json.load(open(tmp_path / "c.sarif"))["runs"][0]
+    assert run["results"] == [] and run["properties"]["search"] == {"fuzzer": "random-96", "seed": 7}
 
 
 def test_report_flags_are_checked_before_anything_runs(tmp_path):

@@ -32,7 +32,9 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         db: str | None = None, campaign_name: str = "default") -> int:
     """``kvaudit ci``; returns the exit code. ``budget.seconds``: search time in all, split evenly over
     the presets. Raises :class:`InputError` for a bad option (before any engine is imported)."""
-    from kvaudit.app.configs import check_fuzzer, require_target, warn_campaign_without_db  # (a test patches them)
+    # (a test patches some of them)
+    from kvaudit.app.configs import (check_fuzzer, note_campaign_keeps_nothing, require_target,
+                                     warn_campaign_without_db)
 
     check_fuzzer(fuzzer, target)
     if db is not None:
@@ -63,6 +65,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                      if per_preset > 0 else "no fuzz (--max-time 0: the regressions only)")
                   + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
         warn_campaign_without_db(campaign_name, db, err)
+        if per_preset > 0:
+            note_campaign_keeps_nothing(fuzzer, err)
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)

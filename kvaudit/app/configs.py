@@ -294,6 +294,16 @@ def warn_campaign_without_db(campaign_name: str, db: str | None, err: Console) -
                   "ignored", soft_wrap=True, markup=False)
 
 
+def note_campaign_keeps_nothing(fuzzer: str, err: Console) -> None:
+    """A campaign of a fuzzer that keeps no programs (``FuzzerKind.resumes`` False: random, random-96): its rerun
+    resumes the findings only, and under the same ``--seed`` draws the same programs again (tester 59)."""
+    if fuzzers.get(fuzzer).resumes is False:
+        others = fuzzers.words(sorted(n for n, k in fuzzers.kinds().items() if k.resumes), "or")
+        err.print(f"note: --fuzzer {fuzzer} keeps no programs: a rerun of this campaign resumes its findings only and, "
+                  f"with the same --seed, runs the same programs again (vary --seed, or use --fuzzer {others})",
+                  soft_wrap=True, markup=False)
+
+
 def warn_unreachable_bugs(config, err: Console) -> None:
     rows = registry.kind_of(config).bugs()
     for name in sorted(config.bugs):

@@ -14,8 +14,8 @@ from rich.text import Text
 
 from kvaudit import replay
 from kvaudit.app.budget import Budget, duration
-from kvaudit.app.configs import (check_available, check_db, check_fuzzer, warn_campaign_without_db,
-                                 warn_unreachable_bugs)
+from kvaudit.app.configs import (check_available, check_db, check_fuzzer, note_campaign_keeps_nothing,
+                                 warn_campaign_without_db, warn_unreachable_bugs)
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, DiskFull,
                                 InputError, refused, write_error)
 from kvaudit.app.files import check_dir, load_suppressions, replay_hint, write_finding, write_reports
@@ -111,6 +111,8 @@ def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir,
               markup=False)
     warn_unreachable_bugs(config, err)
     warn_campaign_without_db(campaign_name, db, err)
+    if checked.campaign:
+        note_campaign_keeps_nothing(fuzzer, err)
     if not use_seeds and not fuzzers.get(fuzzer).uses_seeds:
         seeded = " or ".join(f"--fuzzer {n}" for n, k in fuzzers.kinds().items() if k.uses_seeds)
         err.print(f"warning: --no-seeds applies to {seeded} (its seed corpus); with --fuzzer {fuzzer} it is "
@@ -176,7 +178,7 @@ class _Single:
             err.print(f"interrupted after {stats.elapsed:.1f}s: {stats.executions} executions, no finding")
             print_reached(self.console, stats)
             self.console.print(summary_line([], suppressed_by_kind(sset), interrupted=True), soft_wrap=True)
-            write_reports(outputs, _run_data(config, [], [], sset, stats, self.seed, interrupted=True), err)
+            write_reports(outputs, _run_data(config, [], [], sset, stats, self.seed, self.fuzzer, interrupted=True), err)
             return EXIT_INTERRUPTED
         if self.crash is not None:
             return None
@@ -186,13 +188,15 @@ class _Single:
         print_report(self.console, config, program, findings, suppressions=sset, program_title=title)
         # triage confirms the found program K of K before it minimizes: past "confirming", it was confirmed
         confirmed = stats.phase not in ("fuzzing", "confirming") and not isinstance(e, search_fuzz.SearchInterrupted)
-        path = write_finding(self.out_dir, config, program, findings, seed=self.seed, minimized=False,
+        path = write_finding(self.out_dir, config, program, findings, seed=self.seed, fuzzer=self.fuzzer,
+                             minimized=False,
                              confirmations=f"{CONFIRM_RUNS}/{CONFIRM_RUNS}" if confirmed
                              else "interrupted before confirmation")
         during = ("Hypothesis shrank it" if isinstance(e, search_fuzz.SearchInterrupted) else
                   "confirming it" if not confirmed else "minimizing")
         err.print(f"interrupted while {during}; the unminimized program is in {path}", soft_wrap=True)
-        data = _run_data(config, program, findings, sset, stats, self.seed, interrupted=True, program_title=title)
+        data = _run_data(config, program, findings, sset, stats, self.seed, self.fuzzer, interrupted=True,
+                         program_title=title)
         if outputs.html or outputs.json:  # no confirming replay recorded its timeline
             data.cases[0].timeline = record_timeline(config, program, sset, err)
         write_reports(outputs, data, err, kept=(path,))
@@ -200,7 +204,7 @@ class _Single:
 
     def clean(self, outputs: Outputs, max_time: float) -> int:
         stats, sset, console, flaky = self.stats, self.sset, self.console, self.flaky
-        write = lambda: write_reports(outputs, _run_data(self.config, [], [], sset, stats, self.seed), self.err)  # noqa: E731
+        write = lambda: write_reports(outputs, _run_data(self.config, [], [], sset, stats, self.seed, self.fuzzer), self.err)  # noqa: E731
         if stats.executions == 0:
             write()
             return nothing_searched(self.err, max_time)
@@ -221,7 +225,8 @@ class _Single:
         ignore_interrupts()  # the finding is complete: write and report it whole
         minimized = crash.runs == CONFIRM_RUNS  # a watchdog hang is confirmed once and not minimized
         title = "minimized program" if minimized else "program (not minimized)"
-        data = _run_data(config, crash.program, crash.findings, sset, stats, self.seed, program_title=title)
+        data = _run_data(config, crash.program, crash.findings, sset, stats, self.seed, self.fuzzer,
+                         program_title=title)
         data.cases[0].timeline = crash.timeline  # triage's confirming replay recorded it
         confirmations = f"{crash.confirmations}/{crash.runs}"
         data.extra.update(confirmations=confirmations, minimized=minimized)
@@ -382,9 +387,9 @@ def _campaign_table(result):
     return t
 
 
-def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, seed: int,
+def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, seed: int, fuzzer: str,
               interrupted: bool = False, program_title: str = "minimized program") -> ReportData:
-    extra = {"seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
+    extra = {"fuzzer": fuzzer, "seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
     if stats.shrink_executions:
         extra["shrink_executions"] = stats.shrink_executions
     if stats.first_hit is not None:

@@ -66,13 +66,15 @@ def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = Non
 
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None, seconds: float = 0.0,
-             found_after: float | None = None) -> str:
+             found_after: float | None = None, search: Mapping | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
     it); ``recorded``: a signature -> the engine release its finding was recorded on
     (:func:`~kvaudit.reports.sarif.engine_of`). A case's ``time``: ``seconds`` (the run's), for a finding
-    ``found_after`` (the seconds the search took to hit it) when known; the suite's, ``seconds``."""
+    ``found_after`` (the seconds the search took to hit it) when known; the suite's, ``seconds``. ``search``:
+    which search ran (``fuzzer``, ``seed``: ``--seed``), the first properties, named ``search_fuzzer`` and
+    ``search_seed`` (the config's own ``seed`` is the engine's)."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -91,8 +93,11 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     counts = dict.fromkeys(("tests", "failures", "errors"), "0")  # (placed here; document() counts the cases)
     root = ET.Element("testsuites", name=xml_text(suite_name), **counts, time=f"{seconds:.2f}")
     suite = ET.SubElement(root, "testsuite", name=xml_text(suite_name), **counts, skipped="0", time=f"{seconds:.2f}")
-    if config is not None:
+    if config is not None or search:
         props = ET.SubElement(suite, "properties")
+        for key, v in (search or {}).items():
+            ET.SubElement(props, "property", name=xml_text(f"search_{key}"), value=xml_text(str(v)))
+    if config is not None:
         d = config.to_dict()
         d["bugs"] = ",".join(sorted(d.get("bugs", [])))
         head = ("preset", "bugs", "model", "page_size")

@@ -99,6 +99,9 @@ class ReportData:
         return {"format": replay.REPORT_FORMAT, "config": config_to_dict(self.config), "cases": docs, **top}
 
 
+SEARCH_FACTS = ("fuzzer", "seed")  # run facts that say which search ran (SARIF's run properties, JUnit's)
+
+
 def _sarif(data: ReportData) -> str:
     from kvaudit.reports.sarif import to_sarif
 
@@ -106,6 +109,9 @@ def _sarif(data: ReportData) -> str:
     for f in data.findings:
         unique.setdefault(f.signature, f)
     log = to_sarif(list(unique.values()), data.config, recorded=data.recorded)
+    search = {k: data.extra[k] for k in SEARCH_FACTS if k in data.extra}
+    if search:  # which search ran: the fuzzer's name and its --seed (the engine config's seed is engineConfig's)
+        log["runs"][0].setdefault("properties", {})["search"] = search
     if data.extra.get("interrupted"):  # its results are what ran before the stop: not a clean run's verdict
         ran = f" after {data.extra['executions']} executions" if "executions" in data.extra else ""
         log["runs"][0]["invocations"] = [invocation(INTERRUPTED.replace(":", f"{ran}:", 1))]
@@ -117,7 +123,8 @@ def _junit(data: ReportData) -> str:
 
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
-                    found_after=data.extra.get("first_hit_seconds"))
+                    found_after=data.extra.get("first_hit_seconds"),
+                    search={k: data.extra[k] for k in SEARCH_FACTS if k in data.extra})
 
 
 def _html(data: ReportData) -> str:

@@ -74,6 +74,9 @@ class FuzzerKind:
     one_driver: bool = False  # it parallelizes inside itself: a campaign runs one driver, handed ``workers``
     uses_seeds: bool = False  # --seeds/--no-seeds applies
     in_process: bool = True  # it runs in the calling process (kvaudit.testing.fuzz takes only those)
+    # a campaign's rerun resumes from what this fuzzer kept (programs, an example database), not only from the
+    # findings; False: it keeps nothing, and the same --seed draws the same programs again; None: not said
+    resumes: bool | None = None
 
     def takes(self, target: str) -> bool:
         """Whether it can search target kind ``target``."""
@@ -283,15 +286,16 @@ def _check_atheris() -> None:
 
 
 register(FuzzerKind(
-    "hypothesis", "stateful generation with shrinking and swarm testing", _hypothesis, warm_up=_warm_up_hypothesis))
+    "hypothesis", "stateful generation with shrinking and swarm testing", _hypothesis, warm_up=_warm_up_hypothesis,
+    resumes=True))
 register(FuzzerKind(
     "atheris", "coverage-guided libFuzzer over a byte encoding of programs (the built-in engine only)", _atheris,
     check=_check_atheris, targets=("eut",), targets_why="instruments the built-in engine only", one_driver=True,
-    uses_seeds=True, in_process=False))
-register(FuzzerKind("random", "the plain random baseline (4-24-op programs)", _random))
+    uses_seeds=True, in_process=False, resumes=True))
+register(FuzzerKind("random", "the plain random baseline (4-24-op programs)", _random, resumes=False))
 register(FuzzerKind(
-    "random-96", "fresh random 16-96-op programs, no feedback (corpus's first 1,024 programs for a seed, and every "
-                 "one after)", _random_96))
+    "random-96", "fresh random 16-96-op programs, no feedback (corpus's first 1,024 programs for a seed, then more "
+                 "fresh ones)", _random_96, resumes=False))
 register(FuzzerKind(
     "corpus", "fresh 16-96-op random programs, then a mutated program corpus guided by the scheduler states "
-              "reached (a campaign keeps it in DIR/programs)", _corpus))
+              "reached (a campaign keeps it in DIR/programs)", _corpus, resumes=True))
