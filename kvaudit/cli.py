@@ -454,9 +454,12 @@ def bench_cmd(suite, trials, budget, fuzzers_value, bugs_value, list_bugs, jobs,
     from kvaudit.app import bench as job
 
     out_md, out_json = out_md or BENCH_OUT[suite][0], out_json or BENCH_OUT[suite][1]
-    for option, applies in (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history")):
+    suite_only = (("--fp-seconds", "zoo"), ("--overhead-presets", "zoo"), ("--jobs", "history"))
+    for option, applies in suite_only:
         _ignored(option, f"--suite {applies}", suite != applies)
-    for option in ("--fuzzers", "--trials", "--budget"):  # (--bugs: --list lists the ones it names)
+    runs_only = ["--fuzzers", "--trials", "--budget", "--out", "--json"]  # (--bugs: --list lists the ones it names)
+    runs_only += [option for option, applies in suite_only if suite == applies]  # (else warned above)
+    for option in runs_only:
         _ignored(option, "a benchmark run, not --list", list_bugs)
     missing: tuple[str, ...] = ()
     if fuzzers_value is None and not list_bugs:  # ("" is a list of no fuzzer: refused, not the default)

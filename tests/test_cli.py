@@ -742,6 +742,8 @@ def test_a_bad_preset_list_names_its_option_the_bad_name_and_the_valid_ones(args
     (["bench", "--jobs", "2", "--list"], "--jobs applies to --suite history"),
     (["bench", "--fuzzers", "bogus", "--list"], "--fuzzers applies to a benchmark run, not --list"),  # (tester 59)
     (["bench", "--suite", "history", "--trials", "2", "--list"], "--trials applies to a benchmark run, not --list"),
+    (["bench", "--suite", "history", "--jobs", "2", "--list"], "--jobs applies to a benchmark run, not --list"),
+    (["bench", "--json", "x.json", "--list"], "--json applies to a benchmark run, not --list"),  # (tester 59b)
     (["replay", "--runs", "5", os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json")],
      "--runs applies to --check-determinism")])
 def test_an_option_the_command_ignores_here_is_a_warning(args, warning):
@@ -750,7 +752,8 @@ def test_an_option_the_command_ignores_here_is_a_warning(args, warning):
     assert r.exit_code in (0, 1), r.output + r.stderr
     assert f"warning: {warning}; here it is ignored" in r.stderr.splitlines()
     quiet = invoke(*[a for a in args if a not in ("--fp-seconds", "3", "--overhead-presets", "none", "--jobs", "2",
-                                                  "--runs", "5", "--fuzzers", "bogus", "--trials")])
+                                                  "--runs", "5", "--fuzzers", "bogus", "--trials", "--json",
+                                                  "x.json")])
     assert "warning:" not in quiet.stderr
 
 

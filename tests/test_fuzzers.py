@@ -196,8 +196,26 @@ def test_a_campaign_of_a_fuzzer_that_keeps_no_programs_says_a_rerun_resumes_only
     assert r.exit_code in (0, 5), r.output + r.stderr
     note = "keeps no programs: a rerun of this campaign resumes its findings only and, with the same --seed, runs"
     assert (note in " ".join(r.stderr.split())) == noted, r.stderr
+    if noted:  # the fuzzers named instead resume and take the target (atheris: the built-in engine only)
+        assert "(vary --seed, or use --fuzzer atheris or corpus)" in " ".join(r.stderr.split()), r.stderr
     if fuzzer:
         single = invoke("fuzz", "--preset", "chunked", "--max-time", "0.5", "--out", str(tmp_path / "o"), *chosen)
         assert "keeps no programs" not in single.stderr, single.stderr
         ci = invoke("ci", "--presets", "chunked", "--max-time", "0.5", "--out", str(tmp_path / "ci"), *chosen)
         assert ("keeps no programs" in ci.stderr) == noted, ci.stderr
+
+
+def test_the_keeps_no_programs_note_names_only_fuzzers_that_take_the_target(capsys):
+    """On a plugin's target the note offered atheris, which searches the built-in engine only (tester 59b)."""
+    from rich.console import Console
+
+    from kvaudit.app.configs import note_campaign_keeps_nothing
+
+    err = Console(stderr=True, width=400)
+    note_campaign_keeps_nothing("random-96", "minivllm", err)
+    note_campaign_keeps_nothing("random-96", "eut", err)
+    note_campaign_keeps_nothing("corpus", "eut", err)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].endswith("(vary --seed, or use --fuzzer corpus)") and "atheris" not in lines[0], lines
+    assert lines[1].endswith("(vary --seed, or use --fuzzer atheris or corpus)"), lines

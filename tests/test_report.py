@@ -571,6 +571,38 @@ def test_findings_with_wrong_types_are_input_errors(tmp_path, field, value):
         assert r.exit_code == 2 and field in one_error_line(r), (cmd, r.output)
 
 
+@pytest.mark.parametrize("key, value", [("fuzzer", None), ("fuzzer", ""), ("fuzzer", 3), ("seed", "x"),
+                                        ("seed", True), ("seed", 1.5)])
+def test_a_replay_files_search_facts_of_wrong_types_are_input_errors(tmp_path, key, value):
+    """`"fuzzer": null` reached SARIF and JUnit as 'None' (tester 59b): the file is refused, one line, exit 2."""
+    doc = json.load(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")))
+    doc[key] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    r = invoke("report", str(bad), "--sarif", str(tmp_path / "o.sarif"))
+    assert r.exit_code == 2 and f"bad {key}: want " in one_error_line(r), r.output
+    del doc[key]  # absent (a file from before: none has "fuzzer") is fine
+    bad.write_text(json.dumps(doc))
+    assert invoke("report", str(bad)).exit_code == 0
+
+
+def test_minimize_and_replay_keep_the_search_that_found_the_program(tmp_path):
+    """`kvaudit minimize` wrote a file without the input's fuzzer and seed, and `replay --json/--sarif` named no
+    search although the file records one (tester 59b)."""
+    doc = json.load(open(os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json")))
+    doc.update(fuzzer="random-96", seed=4)
+    src = tmp_path / "found.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("minimize", str(src), "-o", str(tmp_path / "min.json"))
+    assert r.exit_code == 0, r.output + r.stderr
+    small = json.load(open(tmp_path / "min.json"))
+    assert (small["fuzzer"], small["seed"], small["minimized_from"]) == ("random-96", 4, str(src))
+    r = invoke("replay", str(src), "--json", str(tmp_path / "r.json"), "--sarif", str(tmp_path / "r.sarif"))
+    assert r.exit_code == 1, r.output + r.stderr
+    assert {k: json.load(open(tmp_path / "r.json"))[k] for k in ("fuzzer", "seed")} == {"fuzzer": "random-96", "seed": 4}
+    assert json.load(open(tmp_path / "r.sarif"))["runs"][0]["properties"]["search"] == {"fuzzer": "random-96", "seed": 4}
+
+
 def test_lone_surrogates_and_huge_integers_are_input_errors(tmp_path):
     text = open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")).read()
     bad = tmp_path / "bad.json"

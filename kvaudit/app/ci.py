@@ -66,7 +66,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                   + f"; start-up {duration(budget.startup())} (not counted)", soft_wrap=True)
         warn_campaign_without_db(campaign_name, db, err)
         if per_preset > 0:
-            note_campaign_keeps_nothing(fuzzer, err)
+            note_campaign_keeps_nothing(fuzzer, target, err)
         for path in files:
             check = ci.check_regression(path)  # a malformed file is a failed check, not the end of the job
             result.regressions.append(check)

@@ -294,13 +294,15 @@ def warn_campaign_without_db(campaign_name: str, db: str | None, err: Console) -
                   "ignored", soft_wrap=True, markup=False)
 
 
-def note_campaign_keeps_nothing(fuzzer: str, err: Console) -> None:
+def note_campaign_keeps_nothing(fuzzer: str, target: str, err: Console) -> None:
     """A campaign of a fuzzer that keeps no programs (``FuzzerKind.resumes`` False: random, random-96): its rerun
-    resumes the findings only, and under the same ``--seed`` draws the same programs again (tester 59)."""
+    resumes the findings only, and under the same ``--seed`` draws the same programs again (tester 59). Names
+    the fuzzers that resume and can search ``target``."""
     if fuzzers.get(fuzzer).resumes is False:
-        others = fuzzers.words(sorted(n for n, k in fuzzers.kinds().items() if k.resumes), "or")
+        others = sorted(n for n, k in fuzzers.kinds().items() if k.resumes and k.takes(target))
         err.print(f"note: --fuzzer {fuzzer} keeps no programs: a rerun of this campaign resumes its findings only and, "
-                  f"with the same --seed, runs the same programs again (vary --seed, or use --fuzzer {others})",
+                  f"with the same --seed, runs the same programs again (vary --seed"
+                  + (f", or use --fuzzer {fuzzers.words(others)})" if others else ")"),
                   soft_wrap=True, markup=False)
 
 

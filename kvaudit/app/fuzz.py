@@ -112,7 +112,7 @@ def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir,
     warn_unreachable_bugs(config, err)
     warn_campaign_without_db(campaign_name, db, err)
     if checked.campaign:
-        note_campaign_keeps_nothing(fuzzer, err)
+        note_campaign_keeps_nothing(fuzzer, kind.name, err)
     if not use_seeds and not fuzzers.get(fuzzer).uses_seeds:
         seeded = " or ".join(f"--fuzzer {n}" for n, k in fuzzers.kinds().items() if k.uses_seeds)
         err.print(f"warning: --no-seeds applies to {seeded} (its seed corpus); with --fuzzer {fuzzer} it is "

@@ -20,7 +20,7 @@ from kvaudit.search.minimize import Interrupted, minimize
 
 def run(file: str, *, out_file: str | None, signature: str | None, suppress_file: str | None) -> int:
     """``kvaudit minimize FILE``; returns the exit code."""
-    config, program, recorded, sset = load_replay(file, suppress_file, probe=False)
+    config, program, recorded, sset, found_by = load_replay(file, suppress_file, probe=False)
     if signature is None:
         if not recorded:
             raise InputError(f"{file} records no finding: name one with --signature")
@@ -48,7 +48,8 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
         return _nothing(console, EXIT_NOT_REPRODUCED)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
         smallest = small if small is not None else e.smallest if isinstance(e, Interrupted) else None
-        return _write_interrupted(config, program, smallest, signature, file, out_file, fresh(), console, err)
+        return _write_interrupted(config, program, smallest, signature, file, out_file, fresh(), console, err,
+                                  found_by)
     if confirmations < CONFIRM_RUNS:
         err.print(f"the minimized program reproduces {signature} only {confirmations}/{CONFIRM_RUNS} times; "
                   "nothing written", soft_wrap=True)
@@ -56,7 +57,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     final = execute(config, small, suppressions=fresh(), drain=True)
     findings = sorted(final.findings, key=lambda f: f.signature != signature)  # the file keeps its first
     try:
-        path = write_replay(out_file, config, small, findings, minimized=True, minimized_from=file,
+        path = write_replay(out_file, config, small, findings, **found_by, minimized=True, minimized_from=file,
                             confirmations=f"{confirmations}/{CONFIRM_RUNS}")
     except click.ClickException:  # a full disk (write_error): the minimized program still reaches the log
         print_report(console, config, small, findings)
@@ -67,7 +68,8 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     return EXIT_CLEAN
 
 
-def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err) -> int:
+def _write_interrupted(config, program, smallest, signature, file, out_file, suppressions, console, err,
+                       found_by: dict) -> int:
     ignore_interrupts(clear=True)  # the replay below runs ops
     if smallest is None:
         err.print("interrupted before the program reproduced: nothing written")
@@ -79,7 +81,7 @@ def _write_interrupted(config, program, smallest, signature, file, out_file, sup
                   "when replayed: nothing written", soft_wrap=True)
         return _nothing(console, EXIT_INTERRUPTED)
     print_report(console, config, smallest, findings)
-    path = write_replay(out_file, config, smallest, findings, minimized=False, minimized_from=file,
+    path = write_replay(out_file, config, smallest, findings, **found_by, minimized=False, minimized_from=file,
                         confirmations="interrupted before confirmation")
     err.print(f"interrupted: the smallest program so far ({len(program)} -> {len(smallest)} ops, not confirmed) "
               f"written to {path}", soft_wrap=True)

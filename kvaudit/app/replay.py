@@ -21,9 +21,10 @@ from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
 
 
 def load_replay(file: str, suppress_file: str | None, tree_core: str | None = None, probe: bool = True):
-    """(config, program, recorded findings, suppressions) of a replay file. ``probe`` False: the caller
-    calls :func:`require_target` (seconds) after its own checks. Raises :class:`InputError`, or what
-    :func:`~kvaudit.app.errors.unreadable` says for a file that cannot be read here."""
+    """(config, program, recorded findings, suppressions, found by) of a replay file; found by: the search
+    that found it, as the file records it (``fuzzer``, ``seed``; ``{}`` for a file that records none).
+    ``probe`` False: the caller calls :func:`require_target` (seconds) after its own checks. Raises
+    :class:`InputError`, or what :func:`~kvaudit.app.errors.unreadable` says for a file that cannot be read here."""
     try:
         config, program, recorded, doc = replay.load(file)
     except replay.ReplayFormatError as e:
@@ -36,7 +37,7 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
     check_device(config.device)
     if probe:
         require_target(config)
-    return config, program, recorded, sset
+    return config, program, recorded, sset, {k: doc[k] for k in ("fuzzer", "seed") if k in doc}
 
 
 def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism: bool, runs: int,
@@ -51,7 +52,7 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
         raise InputError(f"one FILE at a time ({len(files)} given); several only with --update")
     file = files[0]
     check_outputs((file, suppress_file), **vars(outputs))
-    config, program, recorded, sset = load_replay(file, suppress_file, tree_core)
+    config, program, recorded, sset, found_by = load_replay(file, suppress_file, tree_core)
     err = make_console(stderr=True)
     with OpProgress(err, f"replaying {file}", len(program)) as progress:
         ex = execute(config, program, suppressions=sset, drain=True, on_op=progress)
@@ -65,7 +66,7 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
     occupancy = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
     write_reports(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
-                                             {"replayed": file}, timeline=occupancy, program_title="program",
+                                             {**found_by, "replayed": file}, timeline=occupancy, program_title="program",
                                              suppressions=sset), err)
     if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
         return EXIT_NONDETERMINISTIC
@@ -91,7 +92,7 @@ def update_replays(files: tuple[str, ...]) -> int:
     console = make_console()
     lost = 0
     for file in files:
-        config, program, recorded, _ = load_replay(file, None)
+        config, program, recorded, *_ = load_replay(file, None)
         try:
             drain = any(f.engine_check_at_idle for f in recorded)
             with OpProgress(make_console(stderr=True), f"replaying {file}", len(program)) as progress:

@@ -286,8 +286,7 @@ def _check_atheris() -> None:
 
 
 register(FuzzerKind(
-    "hypothesis", "stateful generation with shrinking and swarm testing", _hypothesis, warm_up=_warm_up_hypothesis,
-    resumes=True))
+    "hypothesis", "stateful generation with shrinking and swarm testing", _hypothesis, warm_up=_warm_up_hypothesis))
 register(FuzzerKind(
     "atheris", "coverage-guided libFuzzer over a byte encoding of programs (the built-in engine only)", _atheris,
     check=_check_atheris, targets=("eut",), targets_why="instruments the built-in engine only", one_driver=True,
