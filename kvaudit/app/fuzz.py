@@ -204,7 +204,8 @@ class _Single:
 
     def clean(self, outputs: Outputs, max_time: float) -> int:
         stats, sset, console, flaky = self.stats, self.sset, self.console, self.flaky
-        write = lambda: write_reports(outputs, _run_data(self.config, [], [], sset, stats, self.seed, self.fuzzer), self.err)  # noqa: E731
+        data = lambda: _run_data(self.config, [], [], sset, stats, self.seed, self.fuzzer)  # noqa: E731
+        write = lambda: write_reports(outputs, data(), self.err)  # noqa: E731
         if stats.executions == 0:
             write()
             return nothing_searched(self.err, max_time)
@@ -389,7 +390,8 @@ def _campaign_table(result):
 
 def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, seed: int, fuzzer: str,
               interrupted: bool = False, program_title: str = "minimized program") -> ReportData:
-    extra = {"fuzzer": fuzzer, "seed": seed, "executions": stats.executions, "ops": stats.ops, "seconds": round(stats.elapsed, 1)}
+    extra = {"fuzzer": fuzzer, "seed": seed, "executions": stats.executions, "ops": stats.ops,
+             "seconds": round(stats.elapsed, 1)}
     if stats.shrink_executions:
         extra["shrink_executions"] = stats.shrink_executions
     if stats.first_hit is not None:

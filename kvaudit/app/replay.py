@@ -66,8 +66,8 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
     occupancy = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
     write_reports(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
-                                             {**found_by, "replayed": file}, timeline=occupancy, program_title="program",
-                                             suppressions=sset), err)
+                                             {**found_by, "replayed": file}, timeline=occupancy,
+                                             program_title="program", suppressions=sset), err)
     if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
         return EXIT_NONDETERMINISTIC
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
