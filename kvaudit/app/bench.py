@@ -27,25 +27,16 @@ def default_fuzzers(history: bool = False) -> tuple[list[str], list[str]]:
     here, and those left out because they cannot (atheris where it is not installed)."""
     engines = {b.engine for b in all_bugs().values()} if history else ()
     names = [n for n, k in fuzzer_kinds.kinds().items() if k.bench and all(k.takes(e) for e in engines)]
-    missing = [n for n in names if _unavailable(n) is not None]
+    missing = [n for n in names if fuzzer_kinds.unavailable(n) is not None]
     return [n for n in names if n not in missing], missing
-
-
-def _unavailable(name: str) -> str | None:
-    """Why fuzzer ``name`` cannot run here (its ``check()``'s :attr:`FuzzerUnavailable.reason`), else None."""
-    try:
-        fuzzer_kinds.get(name).check()
-    except fuzzer_kinds.FuzzerUnavailable as e:
-        return e.reason
-    return None
 
 
 def check_fuzzers(names: list[str]) -> None:
     """Raises :class:`UnavailableError` (exit 69) naming ``--fuzzers`` when one of ``names`` cannot run here."""
     for name in names:
-        why = _unavailable(name)
+        why = fuzzer_kinds.unavailable(name)
         if why is not None:
-            raise UnavailableError(f"--fuzzers: {name}: {why}; leave it out of --fuzzers")
+            raise UnavailableError(f"--fuzzers: {name}: {why.reason}; leave it out of --fuzzers")
 
 
 def _say_left_out(err, left_out: tuple[str, ...]) -> None:

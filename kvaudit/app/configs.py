@@ -233,10 +233,9 @@ def check_fuzzer(fuzzer: str, target: str) -> None:
 
 def check_available(fuzzer: str) -> None:
     """Raises :class:`UnavailableError` (exit 69) when what ``fuzzer`` needs is not installed here."""
-    try:
-        fuzzers.get(fuzzer).check()
-    except fuzzers.FuzzerUnavailable as e:
-        raise UnavailableError(str(e)) from None
+    why = fuzzers.unavailable(fuzzer)
+    if why is not None:
+        raise UnavailableError(str(why))
 
 
 def check_db(url: str):

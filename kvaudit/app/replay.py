@@ -16,7 +16,7 @@ from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import OpProgress, console as make_console
 from kvaudit.audit.runner import execute
 from kvaudit.reports import timeline
-from kvaudit.reports.outputs import Outputs, ReportData
+from kvaudit.reports.outputs import Outputs, ReportData, search_facts
 from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
 
 
@@ -37,7 +37,7 @@ def load_replay(file: str, suppress_file: str | None, tree_core: str | None = No
     check_device(config.device)
     if probe:
         require_target(config)
-    return config, program, recorded, sset, {k: doc[k] for k in ("fuzzer", "seed") if k in doc}
+    return config, program, recorded, sset, search_facts(doc)
 
 
 def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism: bool, runs: int,

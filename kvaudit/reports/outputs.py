@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvaudit.config import TargetConfig
@@ -99,7 +100,10 @@ class ReportData:
         return {"format": replay.REPORT_FORMAT, "config": config_to_dict(self.config), "cases": docs, **top}
 
 
-SEARCH_FACTS = ("fuzzer", "seed")  # run facts that say which search ran (SARIF's run properties, JUnit's)
+def search_facts(facts: Mapping) -> dict:
+    """Of a run's facts or a replay document, those that say which search ran (``fuzzer``, ``seed``: ``--seed``;
+    SARIF's run properties, JUnit's), in that order; ``{}`` when it names none."""
+    return {k: facts[k] for k in ("fuzzer", "seed") if k in facts}
 
 
 def _sarif(data: ReportData) -> str:
@@ -109,7 +113,7 @@ def _sarif(data: ReportData) -> str:
     for f in data.findings:
         unique.setdefault(f.signature, f)
     log = to_sarif(list(unique.values()), data.config, recorded=data.recorded)
-    search = {k: data.extra[k] for k in SEARCH_FACTS if k in data.extra}
+    search = search_facts(data.extra)
     if search:  # which search ran: the fuzzer's name and its --seed (the engine config's seed is engineConfig's)
         log["runs"][0].setdefault("properties", {})["search"] = search
     if data.extra.get("interrupted"):  # its results are what ran before the stop: not a clean run's verdict
@@ -124,7 +128,7 @@ def _junit(data: ReportData) -> str:
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"),
-                    search={k: data.extra[k] for k in SEARCH_FACTS if k in data.extra})
+                    search=search_facts(data.extra))
 
 
 def _html(data: ReportData) -> str:

@@ -169,6 +169,15 @@ def get(name: str) -> FuzzerKind:
     return all_[name]
 
 
+def unavailable(name: str) -> FuzzerUnavailable | None:
+    """Why fuzzer ``name`` cannot run here (its ``check()``'s :class:`FuzzerUnavailable`), else None."""
+    try:
+        get(name).check()
+    except FuzzerUnavailable as e:
+        return e
+    return None
+
+
 def help_text(names=BUILTIN_FUZZERS, default: str | None = None) -> str:
     """``--fuzzer``'s help: ``name: summary`` per fuzzer in ``names``, ``default`` first (the built-ins
     only by default: the CLI builds it at import, before any plugin loads)."""
