@@ -225,9 +225,13 @@ def test_each_vllm_file_exports_its_report_and_client(name, exported):
 
 def _healthy_result(name: str) -> tuple[int, str]:
     """What a file's client says against a healthy server: NOT REPRODUCED (exit 0), or for a stale KV read,
-    whose symptom is a wrong answer the script does not judge, NOT CHECKED (exit 3)."""
-    stale = replay.load(os.path.join(ROOT, "corpora", "vllm", name + ".json"))[2][0].kind == "stale-kv"
-    return (3, "NOT CHECKED") if stale else (0, "NOT REPRODUCED")
+    whose symptom is a wrong answer the script does not judge, or a program with a streaming-input session,
+    which no client sends as written, NOT CHECKED (exit 3)."""
+    from kvaudit.targets.vllm.export import unsent
+
+    config, program, findings, _ = replay.load(os.path.join(ROOT, "corpora", "vllm", name + ".json"))
+    blind = findings[0].kind == "stale-kv" or unsent(config, program) is not None
+    return (3, "NOT CHECKED") if blind else (0, "NOT REPRODUCED")
 
 
 @pytest.mark.vllm
@@ -453,6 +457,28 @@ def test_a_stale_kv_clients_result_is_not_checked_rather_than_not_reproduced(sta
     assert r.exit_code == 0, r.output + r.stderr
     assert "expected to print `RESULT: NOT CHECKED` against a real server" in (tmp_path / "p.md").read_text()
     assert "RESULT: NOT CHECKED (exit 3" in (tmp_path / "p.py").read_text().split('"""')[1]
+
+
+def test_a_streaming_session_clients_result_is_not_checked_rather_than_not_reproduced(stand_in, tmp_path):
+    """On a streaming_sessions preset the script sends a session's chunks as separate plain requests, which
+    cannot add up past max_model_len: against a healthy server it printed NOT REPRODUCED (exit 0) for a bug
+    vLLM 0.33.0 has (tester 60b). Now NOT CHECKED (exit 3) with a NOTE, and the issue and export say so."""
+    src = os.path.join(ROOT, "corpora", "vllm", "open", "session-past-max-model-len.json")
+    r = invoke("export", src, "--issue", str(tmp_path / "s.md"), "--client", str(tmp_path / "s.py"), "--no-resolve")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert "ends NOT CHECKED (exit 3), never NOT REPRODUCED: the program's streaming-input sessions" in r.stderr
+    issue = (tmp_path / "s.md").read_text()
+    assert "or else `NOT CHECKED` (exit 3): the program's streaming-input sessions" in issue
+    done = run_client(str(tmp_path / "s.py"), stand_in.url)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "NOTE: not sent: the program's streaming-input sessions" in done.stdout
+    assert "RESULT: NOT CHECKED (the program was not sent as written" in done.stdout
+    assert "NOT REPRODUCED" not in done.stdout.split("RESULT:")[1]
+    # a program without a session on the same preset is sent as before
+    from kvaudit.targets.vllm.export import unsent
+    config, program = replay.load(src)[:2]
+    assert unsent(config, [op for op in program if "session" not in op.kind]) is None
+    assert unsent(config.replace(streaming_sessions=False), program) is None
 
 
 @pytest.mark.parametrize("recorded", ["0.15.1", "0.33.0"])

@@ -32,4 +32,7 @@ def run(file: str, issue_out: str | None, client_out: str | None, resolve: bool)
     how = "on the target" if done.traced else "statically (--no-resolve)" if not resolve else \
         "statically (engine not installed here)"
     click.echo(f"client: {'exact' if done.exact else 'approximate'}; handles resolved {how}")
+    if done.unsent is not None and done.client is not None:
+        click.echo(f"note: the client cannot send this program as written, so it ends NOT CHECKED (exit 3), never "
+                   f"NOT REPRODUCED: {done.unsent}", err=True)
     return EXIT_CLEAN

@@ -23,12 +23,14 @@ class ExportError(ValueError):
 
 
 class Exported(NamedTuple):
-    """What :func:`export` wrote (None: not asked for), whether the client is exact and handles traced."""
+    """What :func:`export` wrote (None: not asked for), whether the client is exact and handles traced, and
+    what of the program no client can send (``EngineExport.unsent``'s sentence, or None)."""
 
     issue: str | None
     client: str | None
     exact: bool
     traced: bool
+    unsent: str | None = None
 
 
 def history_bug(path: str, config, findings=(), version: str | None = None):
@@ -75,6 +77,7 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
     note = note_for(target, [f.signature for f in findings], config.preset) if planted is None else None
     kind = findings[0].kind if findings else "leak"
     unseen = unseen_pool(ex, findings)
+    unsent = ex.unsent(config, program)
     env = ex.launch_env(config, program, kind, env)
     bug = history_bug(path, config, findings, doc.get("engine_version"))
     release = None
@@ -96,16 +99,16 @@ def export(path: str, issue_out: str | None = None, client_out: str | None = Non
             plan, title=title, source=os.path.basename(path), launch=launch, kind=kind, server=server, env=env,
             planted=planted, pool_blocks=pool_blocks,
             release=None if release is None else f"{release[0]} (the release {why})",
-            max_model_len=max_model_len, unseen=unseen))
+            max_model_len=max_model_len, unseen=unseen, unsent=unsent))
         os.chmod(client_path, 0o755)
     if issue_out is not None:
         text = render_issue(config=config, title=title, program_lines=[format_op(op) for op in program],
                             findings=findings, doc=doc, plan=plan, note=note, source=_shown(path),
                             client_name=os.path.basename(client_out) if client_out else None, launch=launch,
                             env=env, unmapped=unmapped, expected=expected_line(kind, server, target, unseen),
-                            planted=planted, release=release, unseen=unseen)
+                            planted=planted, release=release, unseen=unseen, unsent=unsent)
         issue_path = write_text_atomic(issue_out, text)
-    return Exported(issue_path, client_path, plan.exact, plan.traced)
+    return Exported(issue_path, client_path, plan.exact, plan.traced, unsent)
 
 
 def unseen_pool(ex, findings) -> str | None:

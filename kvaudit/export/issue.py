@@ -117,12 +117,14 @@ def _unjudged(findings: list[Finding]) -> bool:
 
 
 def _reproduce(ex, config, plan: Plan, note: Note | None, client_name: str | None, version: str,
-               expected: str, judged: bool = True, unseen: str | None = None) -> list[str]:
+               expected: str, judged: bool = True, unseen: str | None = None,
+               unsent: str | None = None) -> list[str]:
     api, words = ex.api, ex.issue
     out = ["## Reproduce with a client", ""]
     why = ("the finding's pool is not among the `/metrics` gauges (see Expected)." if unseen is not None else
-           "a wrong answer is not something the script judges; compare its answers with the same prompts sent alone.")
-    judged = judged and unseen is None
+           "a wrong answer is not something the script judges; compare its answers with the same prompts sent alone."
+           if not judged else f"{unsent}.")
+    judged = judged and unseen is None and unsent is None
     curls = curl_lines(plan)
     curl_hint = "; or the curl lines below" if curls else ""
     if client_name is not None:
@@ -171,14 +173,15 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
 def render_issue(*, config, title: str, program_lines: list[str], findings: list[Finding], doc: dict, plan: Plan,
                  note: Note | None, source: str, client_name: str | None, launch: str, env: list[str],
                  unmapped: list[str], expected: str, planted: str | None = None,
-                 release: tuple | None = None, unseen: str | None = None) -> str:
+                 release: tuple | None = None, unseen: str | None = None, unsent: str | None = None) -> str:
     """The Markdown text (:data:`SECTIONS`). ``title``: :func:`title_of`, marked when planted; ``source``:
     the replay file's path; ``client_name``: the script's file name (None: not exported);
     ``launch``/``env``/``unmapped``: from ``EngineExport.launch``; ``expected``: the client's symptom line;
     ``planted``: kvaudit's planted fault, or None; ``release``: ``(buggy, fixed, sources)`` for a bug of an
     older release (the history suite's), ``(recorded, None, ())`` for a file recorded on another release than
     the one the HTTP table was read on (its ``engine_version``), else None; ``unseen``: the sentence for a
-    finding pool the script's gauges do not count (``EngineExport.unseen_pool``), or None."""
+    finding pool the script's gauges do not count (``EngineExport.unseen_pool``), or None; ``unsent``: what of
+    the program no client can send (``EngineExport.unsent``), or None."""
     ex = export_for(kind_of(config).name)
     api, package, words = ex.api, ex.package, ex.issue
     out = [f"# {title}", ""]
@@ -186,7 +189,7 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
         out += [f"> **This is a planted fault, not a bug of {api.engine}.** kvaudit injected it into {api.engine}'s "
                 f"own objects through its wrappers to test itself ({planted}). An unmodified {api.engine} "
                 f"{api.version} does not have it, and the client script below is expected to print "
-                f"`RESULT: {'NOT CHECKED' if _unjudged(findings) or unseen else 'NOT REPRODUCED'}` against a real server. The report is a demonstration of `kvaudit export` on a "
+                f"`RESULT: {'NOT CHECKED' if _unjudged(findings) or unseen or unsent else 'NOT REPRODUCED'}` against a real server. The report is a demonstration of `kvaudit export` on a "
                 f"{api.engine} finding; do not file it.", ""]
     version = api.version if release is None else release[0]
     found_on = (f"in {api.engine} {api.version}" if release is None else
@@ -208,7 +211,8 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
             "`step(n=1)` is one scheduler iteration; `idle()` runs the scheduler until it is idle; handles are "
             "taken modulo the live requests or open sessions" + words.program_note + "):", "", "```"]
     out += [f"{i:>3}  {line}" for i, line in enumerate(program_lines)] + ["```", ""]
-    out += _reproduce(ex, config, plan, note, client_name, version, expected, not _unjudged(findings), unseen)
+    out += _reproduce(ex, config, plan, note, client_name, version, expected, not _unjudged(findings), unseen,
+                      unsent)
     out += ["", "## kvaudit report", "",
             f"Frames are the engine's own, relative to the installed package (`{package}/...`), innermost first; "
             f"frames under `kvaudit/` are kvaudit's driver, which calls {api.engine}'s functions in the "

@@ -151,7 +151,10 @@ class EngineExport:
     :func:`kvaudit.export.trace.trace`, or None when the target does not expose them;
     ``unseen_pool(pool)``: for a finding pool (``Finding.pool``) whose units the script's ``/metrics``
     gauges do not count, one sentence naming the pool and what a maintainer can do instead (a memory
-    finding there ends NOT CHECKED, exit 3); None for a pool the gauges count (default: every pool).
+    finding there ends NOT CHECKED, exit 3); None for a pool the gauges count (default: every pool);
+    ``unsent(config, program)``: one sentence naming what of ``program`` (a list of ops) no client can send
+    on ``config``, though the finding may need it (a vLLM streaming-input session), or None (default): the
+    script then never says NOT REPRODUCED, it ends NOT CHECKED (exit 3).
     """
 
     api: EngineApi
@@ -173,3 +176,4 @@ class EngineExport:
     routes_also_checked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     trace_views: Callable = _none
     unseen_pool: Callable[[str], str | None] = _none
+    unsent: Callable[[object, list], str | None] = _none

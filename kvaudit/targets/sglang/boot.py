@@ -35,8 +35,8 @@ def probe_version() -> str:
     """The installed SGLang version, if supported. Raises :class:`SglangUnavailable`."""
     v = installed_version()
     if v is None:
-        raise SglangUnavailable(f"--target sglang needs SGLang {compat.CURRENT[-1]}, which is not installed "
-                                f"(install it with: {INSTALL_HINT})")
+        raise SglangUnavailable(f"--target sglang needs SGLang (it drives {compat.supported()}), which is not "
+                                f"installed (install {compat.CURRENT[-1]} with: {INSTALL_HINT})")
     if v not in SUPPORTED_VERSIONS:
         raise SglangUnavailable(compat.refusal(v))
     return v

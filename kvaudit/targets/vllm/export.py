@@ -355,6 +355,17 @@ def _server_notes(config) -> list[str]:
     return out
 
 
+def unsent(config, program) -> str | None:
+    """:attr:`EngineExport.unsent` for vLLM: on a ``streaming_sessions`` preset, a program that opens a session
+    (a streaming-input request, ``AsyncLLM.generate`` with an input stream) cannot be sent over HTTP: the
+    script sends its chunks as separate plain requests, which is not the program; None otherwise."""
+    if not config.streaming_sessions or not any(op.kind == "open_session" for op in program):
+        return None
+    return ("the program's streaming-input sessions (AsyncLLM.generate with an input stream, as the realtime API "
+            "uses) have no HTTP request here: the script sends each session's chunks as separate plain requests, "
+            "which is not the program; replay the file with kvaudit instead")
+
+
 def unseen_pool(pool: str) -> str | None:
     """:attr:`EngineExport.unseen_pool` for vLLM: None for the BlockPool (``kv_cache_usage_perc`` counts
     every group's blocks, sliding-window and Mamba ones included); any other pool is not counted."""
@@ -414,5 +425,5 @@ EXPORT = EngineExport(
         "decode": "the KV-connector preset has a remote decode instance read this request's KV when it ends "
                   "(do_remote_decode): its blocks are held until then (on a server with no decode instance, "
                   "until NIXL's abort timeout)"},
-    routes_also_checked=ROUTES_ALSO_CHECKED, trace_views=trace_views, unseen_pool=unseen_pool,
+    routes_also_checked=ROUTES_ALSO_CHECKED, trace_views=trace_views, unseen_pool=unseen_pool, unsent=unsent,
 )

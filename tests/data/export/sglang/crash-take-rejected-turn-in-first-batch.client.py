@@ -45,6 +45,7 @@ SETTLE_S = 35.0
 METRICS_HINT = 'launch the server with --enable-metrics'
 DEFAULT_URL = 'http://127.0.0.1:30000'
 UNSEEN = None
+UNSENT = None
 SERVER_KEYS = ['enable_streaming_session', 'page_size', 'max_total_tokens', 'disable_overlap_schedule', 'chunked_prefill_size', 'enable_hisparse', 'disaggregation_mode']
 APPROXIMATIONS = []
 
@@ -357,12 +358,15 @@ def main(argv=None):
     unseen = EXPECT == "memory" and UNSEEN  # the finding's pool is not among the gauges: never compared
     if not reproduced and unseen:
         print("NOTE: the finding's pool is not in /metrics: " + UNSEEN)
-    if not reproduced and (c.refused or c.slow or blind or unseen):  # the program did not run as written, or unread
+    if not reproduced and UNSENT:  # a part of the program no client can send: it did not run as written
+        print("NOTE: not sent: " + UNSENT)
+    if not reproduced and (c.refused or c.slow or blind or unseen or UNSENT):  # not run as written, or unread
         print("RESULT: NOT CHECKED (%s%s)" % (
             "; ".join(filter(None, ["%d call(s) refused" % len(c.refused) if c.refused else "",
                                     "%d call(s) not answered in time" % len(c.slow) if c.slow else "",
                                     "/metrics did not answer, so the pool was not compared" if blind else "",
-                                    "the finding's pool is not in /metrics (see the NOTE above)" if unseen else ""])),
+                                    "the finding's pool is not in /metrics (see the NOTE above)" if unseen else "",
+                                    "the program was not sent as written (see the NOTE above)" if UNSENT else ""])),
             "" if not (c.refused or c.slow or blind) else
             ": launch the server as the top of this file says" + (", or raise --timeout" if c.slow else "")))
         return 3
