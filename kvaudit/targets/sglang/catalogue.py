@@ -176,3 +176,62 @@ UNREACHED: tuple[Unreached, ...] = (
               "0.5.1's HiCache controller creates torch.cuda.Stream() at construction: needs a GPU or CUDA "
               "shims, and the 0.5.1 driver family"),
 )
+
+# How a real server reaches each SGLang 0.5.23 finding of corpora/sglang (the history suite's rediscovery rows,
+# kvaudit.history.catalogue.rediscoveries): corpus file -> (one line, the anchor of the README section it comes
+# from, corpora/sglang/README.md#<anchor>, whose "How a real server reaches it" has the whole story). Data only:
+# the rediscovery rows do not read it yet (their reach is empty; the report prints the README's path).
+REDISCOVERY_REACH: dict[str, tuple[str, str]] = {
+    "crash-take-rejected-turn-in-first-batch.json": (
+        "a streaming session's first two turns in one batched /generate (or two calls in one scheduler receive): "
+        "the second is rejected, both are admitted in one prefill batch and StreamingSession.take asserts",
+        "finding-1"),
+    "aliasing-a1-rejected-turn-clears-inflight.json": (
+        "a streaming-session turn sent while the previous one decodes (rejected), then another while it still "
+        "decodes: the rejection clears _inflight and the third turn shares the running turn's record", "finding-2"),
+    "leak-a2-retracted-turn-finishes-session.json": (
+        "a streaming-session turn retracted by decode under KV pressure, and the client's next turn sent while it "
+        "waits to run again: both are admitted on the slot's record and its tail leaks", "finding-3"),
+    "uaf-deferred-close-after-rejected-turn.json": (
+        "a rejected streaming-session turn admitted beside the running one, then /close_session while that turn "
+        "still decodes at the next reap (about a second): the deferred close frees its record under it",
+        "finding-4"),
+    "crash-a1-try-match-prefix-prefix-shrank.json": (
+        "as finding 2, with any third turn: built with no history, its key is shorter than the shared record's "
+        "protected prefix and try_match_prefix asserts at its admission", "finding-5"),
+    "crash-a1-checkpoint-into-tree-after-abort.json": (
+        "as finding 2, then /abort_request (or a disconnect) for the first turn while a longer third turn shares "
+        "its record: checkpoint_into_tree asserts at the aborted turn's release", "finding-6"),
+    "leak-a3-hisparse-buffer-padded-at-finish.json": (
+        "a HiSparse server at page size 1: a request whose prompt is under the device buffer (2 x top_k) and "
+        "which stops on the step its length reaches the buffer size loses one physical slot", "finding-7"),
+    "leak-a3b-hisparse-buffer-padded-at-finish-released.json": (
+        "as finding 7, with many requests: the lost slot is signed with request_finished when a live row's "
+        "buffer still names it", "finding-7b"),
+    "crash-hisparse-buffer-growth-unreserved.json": (
+        "a HiSparse server without speculative decoding whose physical pool is nearly full of device buffers "
+        "while several short requests grow theirs in one decode step: _grow_device_buffers raises",
+        "finding-8"),
+    "hang-pd-prealloc-never-fits.json": (
+        "a PD decode server sent a prompt within --num-reserved-decode-tokens (512 by default) of its KV pool "
+        "size: accepted at intake, never pre-allocated, it waits in the prealloc queue for ever", "finding-9"),
+    "crash-session-replace-without-rid.json": (
+        "any server: /open_session (non-streaming, the default), one turn, then a /generate whose "
+        "session_params has replace true and no rid: Session.create_req raises and the scheduler dies",
+        "finding-10"),
+    "uaf-pd-prefill-failed-transfer-frees-source-page.json": (
+        "a PD prefill server whose transfer fails or is aborted while mooncake's transfer worker is inside a "
+        "chunk's transfer call: the failure's release frees the source page under the read (sglang#38961)",
+        "finding-11"),
+    "liveness-swa-36458-chunked-prefill-pins-swa-pool.json": (
+        "an SWA model served with --disable-radix-cache, chunked prefill under overlap and a small SWA pool: a "
+        "long prompt's first chunks pin the SWA pool and it never finishes (sglang#36458)", "finding-12"),
+    "crash-pd-prefill-requeued-first-turn-prefix-shrank.json": (
+        "a PD prefill server with --optimistic-prefill-attempts and streaming sessions: a session's first turn "
+        "prefilled before its decode peer bootstraps is requeued when the rows run out, and its retry asserts "
+        "in try_match_prefix", "finding-13"),
+    "aliasing-spec-row-overflow-ngram-deep.json": (
+        "page size 1, spec v2 n-gram (12-token verify) or EAGLE with topk > 1 and many draft tokens, and a "
+        "request that runs to near its context end: the decode reservation writes past its req_to_token row",
+        "finding-14"),
+}
