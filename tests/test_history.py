@@ -4,6 +4,7 @@ marked slow."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from kvaudit.targets import registry
 from kvaudit.targets.sglang import catalogue as sglang_catalogue
 from kvaudit.targets.vllm import catalogue as vllm_catalogue
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -- the catalogue -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bug", list(BUGS.values()), ids=list(BUGS))
@@ -352,7 +354,21 @@ def test_the_report_says_what_each_bug_is_a_rediscovery_too():
     text = suite.markdown(res)
     section = text.split("## What each bug is, and how a real server reaches it", 1)[1].split("\n## ", 1)[0]
     assert f"- **{bid}**: kvaudit's own finding (" in section
-    assert "Reached: see corpora/sglang/README.md" in section
+    # how a real server reaches it (tester 60b: every rediscovery row pointed at the whole README), and where
+    assert "Reached: a streaming-session turn sent while the previous one decodes (rejected)" in section
+    assert "(corpora/sglang/README.md#finding-2)" in section
+
+
+def test_every_rediscovery_says_how_a_server_reaches_it_and_its_readme_section_exists():
+    """Each SGLang 0.5.23 rediscovery's reach comes from its analysis (corpora/sglang/notes.toml) with an
+    anchor of corpora/sglang/README.md that the README has."""
+    readme = open(os.path.join(ROOT, "corpora", "sglang", "README.md")).read()
+    bugs = rediscoveries()
+    assert len(bugs) == len(glob.glob(os.path.join(ROOT, "corpora", "sglang", "*.json")))
+    for b in bugs:
+        assert b.reach and "(corpora/sglang/README.md#finding-" in b.reach, b.id
+        anchor = b.reach.rsplit("#", 1)[1].rstrip(")")
+        assert f'id="{anchor}"' in readme or f"{{#{anchor}}}" in readme, (b.id, anchor)
 
 
 def test_the_reports_command_names_the_bugs_it_ran_when_not_all():

@@ -10,6 +10,7 @@ import os
 
 from kvaudit import replay
 from kvaudit.data import data_path
+from kvaudit.history.notes import note_for
 from kvaudit.targets import registry
 from kvaudit.targets.catalogue import HistoryBug, Unreached
 
@@ -23,18 +24,21 @@ PINS = {(engine, v): reqs for engine, (_, _, pins) in _HISTORIES.items() for v, 
 
 def rediscoveries() -> tuple[HistoryBug, ...]:
     """The findings kvaudit made in SGLang 0.5.23 (``corpora/sglang/*.json``) as bugs to rediscover from
-    scratch: the file's config, its first finding's exact signature; no fixing release."""
+    scratch: the file's config, its first finding's exact signature; no fixing release; ``reach``: the
+    analysis's (``corpora/sglang/notes.toml``) with its README section, or "" where none is written."""
     root = data_path("corpora/sglang")
     out = []
     for name in sorted(n for n in os.listdir(root) if n.endswith(".json")):
         with open(os.path.join(root, name)) as f:
             doc = json.load(f)
         first = doc["findings"][0]
+        note = note_for("sglang", [first["signature"]], doc["config"].get("preset", ""))
+        reach = f"{note.reach} (corpora/sglang/README.md#finding-{note.readme})" if note and note.reach else ""
         out.append(HistoryBug(
             id=f"sglang-0.5.23/{name[:-5]}", engine="sglang", title=f"kvaudit's own finding ({name})",
             sources=(f"corpora/sglang/{name}",), buggy="0.5.23", fixed=None, clean_because="",
             preset=doc["config"].get("preset", ""), finding=first["kind"], signature=first["signature"],
-            replay_file=f"corpora/sglang/{name}"))
+            replay_file=f"corpora/sglang/{name}", reach=reach))
     return tuple(out)
 
 

@@ -275,7 +275,7 @@ def _programs(best: dict, bugs: dict, raw: str) -> list[str]:
 def _reached(b) -> str:
     if b.replay_file:  # a rediscovery: its triage is the corpus's, in the README beside the file
         return (f"- **{b.id}**: {b.title}, searched with that file's config (preset `{b.preset}`). "
-                f"Reached: see {posixpath.dirname(b.replay_file)}/README.md")
+                f"Reached: {b.reach or f'see {posixpath.dirname(b.replay_file)}/README.md'}")
     return (f"- **{b.id}** ({', '.join(b.sources)}): {b.title}. Preset `{b.preset}`"
             + (f" with {', '.join(f'{k}={v}' for k, v in b.config.items())}" if b.config else "")
             + f". Reached: {b.reach}")
