@@ -54,12 +54,17 @@ def main() -> None:
         sys.exit(130)
     if not (runs_engine and args[0] in GUARDED):  # those keep the guard until they take both themselves
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # SIGTERM stays Ctrl-C's (replay, report, export: `kvaudit: interrupted`, 130), not a kill
+            signal.signal(sig, _sigterm_as_ctrl_c if sig == signal.SIGTERM and handler == signal.SIG_DFL else handler)
     try:
         cli_main(obj={"process_start": started, CHECK_ONLY: refused})  # (refused: no callback imports the engine)
     except SystemExit as e:
         _exit(e)
         raise
+
+
+def _sigterm_as_ctrl_c(signum, frame):
+    raise KeyboardInterrupt
 
 
 class ReaderGone:

@@ -538,8 +538,11 @@ def test_check_determinism_catches_a_nondeterministic_engine(monkeypatch):
     counter = itertools.count()
     real = hooks.Auditor.digest
     monkeypatch.setattr(hooks.Auditor, "digest", lambda self: real(self) + str(next(counter)))
-    result = invoke("replay", os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), "--check-determinism")
+    result = invoke("replay", os.path.join(REGRESSIONS, "prefill-finish-leaks-row.json"), "--check-determinism",
+                    env={"COLUMNS": "20"})
     assert result.exit_code == 3 and "NOT deterministic" in result.stdout
+    # off a terminal the verdict is one line whatever COLUMNS says (tester 60a: folded at 20 columns)
+    assert "NOT deterministic: the runs differ\n" in result.stdout, result.stdout[-300:]
 
 
 def test_minimize_shrinks_a_padded_program_and_keeps_the_signature(tmp_path):

@@ -148,6 +148,20 @@ def assert_reports(tmp_path, signature, interrupted=True):
 
 # -- SIGTERM in kvaudit fuzz ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_kvaudit_replay_exits_130_in_one_line(tmp_path, launch, sig):
+    """SIGTERM killed `kvaudit replay` outright once past start-up (exit -15, no line; Ctrl-C: 130): the commands
+    that do not take the signals themselves keep SIGTERM as Ctrl-C (tester 60a)."""
+    hold = ("import sys, time\nimport kvaudit.app.replay as r\n\n\ndef held(*a, **k):\n"
+            "    print('TEST-HOLD: replay held', file=sys.stderr, flush=True)\n    while True:\n"
+            "        time.sleep(3600)\n\n\nr._check_determinism = held\n")  # (after the first run: past start-up)
+    run = launch(["replay", os.path.join(REGRESSIONS, f"{BUG}.json"), "--check-determinism"], hold=hold)
+    run.wait_for("TEST-HOLD: replay held")
+    code, _, err = run.finish(sig)
+    assert code == 130, err[-2000:]
+    assert err.rstrip().endswith("kvaudit: interrupted") and "Traceback" not in err, err[-2000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_minimizing_writes_the_finding_unminimized_and_the_reports(tmp_path, launch, sig):
     out = tmp_path / "out"
@@ -599,6 +613,45 @@ def test_a_finding_a_full_disk_kept_off_the_corpus_is_in_the_summary_and_json_as
     assert sorted(doc["not_written"]) == sigs and all(p.startswith(str(corpus / "findings"))
                                                       for p in doc["not_written"].values()), doc
     assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: disk full: cannot write {corpus}"), r.stderr
+
+
+def test_a_full_disk_behind_cis_out_is_one_line_after_the_jobs_verdict_and_keeps_the_junit(tmp_path, monkeypatch):
+    """The campaign wrote its finding; the copy to --out met a full disk: an internal error (exit 70), no SUMMARY:
+    or FAILED line and no JUnit (tester 60a). Now the job's lines, the JUnit, then the one line naming the file."""
+    from kvaudit.search import campaign
+    from kvaudit.search import ci as search_ci
+
+    src = os.path.join(REGRESSIONS, f"{BUG}.json")
+    signature = replay.load(src)[2][0].signature
+
+    def search_loop(spec, emit):  # the campaign finds the bug and writes its file (in ci's scratch corpus)
+        landed = os.path.join(spec.corpus, "findings", "a.json")
+        os.makedirs(os.path.dirname(landed), exist_ok=True)
+        shutil.copy(src, landed)
+        for msg in [("ready", 0), ("finding", 0, signature, landed)]:
+            emit(msg)
+
+    monkeypatch.setattr(campaign, "_search_loop", search_loop)
+    out = tmp_path / "o"
+    real = search_ci.replay.write_atomic
+
+    def write_atomic(path, doc):
+        if path.startswith(str(out)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, doc)
+
+    monkeypatch.setattr(search_ci.replay, "write_atomic", write_atomic)
+    regs = tmp_path / "regs"
+    regs.mkdir()
+    r = invoke("ci", "--presets", "default", "--fuzzer", "random", "--max-time", "5", "--regressions", str(regs),
+               "--out", str(out), "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 74, r.output
+    last = r.stdout.strip().splitlines()[-2:]
+    assert last[0].startswith("SUMMARY: kvaudit:") and "found but not written (disk full)" in last[0], last
+    assert last[1].startswith("FAILED: 0/0 regressions ok") and "found but not written (disk full)" in last[1], last
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvaudit: error: disk full: cannot write {out}"), line
+    assert "<testsuite" in (tmp_path / "ci.xml").read_text() and str(tmp_path / "ci.xml") in line
 
 
 def test_a_ci_campaigns_full_disk_is_one_line_after_the_jobs_verdict(tmp_path, monkeypatch):

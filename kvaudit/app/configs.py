@@ -112,6 +112,8 @@ def select_config(preset: str, bugs: tuple[str, ...], model: str, device: str, p
         chosen = kind.preset(preset)
     except UnknownPresetError as e:
         raise InputError(str(e) + _other_kind_hint(kind, preset)) from None
+    except registry.TargetUnavailable as e:  # a plugin's presets() that needs its engine (as require_target says)
+        raise InputError(str(e)) from None
     if model not in kind.model_choices:
         raise InputError(f"--model {model} is for the built-in engine: --target {kind.name} computes no KV")
     check_bugs(kind, bugs)
@@ -144,8 +146,16 @@ def _other_kind_hint(kind, preset: str) -> str:
     never for ``default`` or the kind's own default preset (the name was not the user's choice of a preset)."""
     if preset in ("default", kind.default_preset):
         return ""
-    other = next((k.name for k in registry.kinds().values() if k is not kind and preset in k.presets()), None)
+    other = next((k.name for k in registry.kinds().values() if k is not kind and preset in _presets_here(k)), None)
     return f" ({json_value(preset)} is a preset of --target {other}: add --target {other})" if other else ""
+
+
+def _presets_here(kind):
+    """``kind.presets()``, or nothing where its engine is not installed (a plugin's that raises TargetUnavailable)."""
+    try:
+        return kind.presets()
+    except registry.TargetUnavailable:
+        return {}
 
 
 def names_arg(value: str, valid, what: str, hint: str, every: str | None = "all") -> list[str]:
@@ -172,7 +182,10 @@ def presets_arg(option: str, value: str, target: str = registry.DEFAULT_KIND) ->
     preset the kind knows but the installed release cannot drive says which release can (``kind.refusal``),
     one that another kind has says to add its ``--target``."""
     kind = registry.get(target)
-    presets = kind.presets()
+    try:
+        presets = kind.presets()
+    except registry.TargetUnavailable as e:  # (as select_config says it)
+        raise InputError(str(e)) from None
     # `default` names the kind's default preset, as --preset's default does
     value = ",".join(kind.default_preset if n.strip() == "default" else n for n in value.split(","))
     try:

@@ -126,5 +126,5 @@ def _check_determinism(console: Console, config, program, sset, first, runs: int
     print_table(console, t, header=True)
     differ = any(key(ex) != key(execs[0]) for ex in execs)
     console.print(Text("NOT deterministic: the runs differ" if differ else f"deterministic: {runs} identical runs",
-                       style="bold red" if differ else "green"))
+                       style="bold red" if differ else "green"), soft_wrap=True)  # (never folded: grep reads it)
     return differ

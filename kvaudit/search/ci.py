@@ -167,7 +167,14 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             dest = os.path.join(out_dir, os.path.basename(path))
             if dest in taken:
                 dest = f"{dest[:-len('.json')]}.{preset}.json"
-            path = replay.write_atomic(dest, doc)
+            try:
+                path = replay.write_atomic(dest, doc)
+            except OSError as e:  # --out's disk full: found but not written, as a campaign's own (the job goes on)
+                if e.filename is None:
+                    e.filename = dest
+                run.not_written = run.not_written or e
+                run.unwritten.update({sig: dest for sig in sorted(sigs)})
+                continue
             run.new.append((program, [f for f in findings if f.signature in sigs], path))
     run.interrupted = result.interrupted
     if result.interrupted:  # no time for replays: its SARIF lists what was found
