@@ -567,8 +567,8 @@ def test_a_plugin_cannot_take_another_modules_kind_name(taken, tmp_path, monkeyp
     r = invoke("presets", "--target", taken)
     assert r.exit_code == 2, r.output
     why = "a kind kvaudit has built in" if taken == "eut" else "module "
-    assert (f'cannot import "name_thief" named in KVAUDIT_PLUGINS: TargetDefinitionError: target {taken}: the name '
-            f"is taken ({why}") in one_error_line(r)
+    assert (f'cannot load the target kind of "name_thief" named in KVAUDIT_PLUGINS: TargetDefinitionError: '
+            f"target {taken}: the name is taken ({why}") in one_error_line(r)
     assert registry.get(taken).config_class.__name__ != "ThiefConfig"
 
 
@@ -606,7 +606,7 @@ def test_a_plugin_kinds_tables_are_checked_when_it_registers(mistake, tmp_path, 
     r = invoke("presets")
     assert r.exit_code == 2, r.output
     line = one_error_line(r)
-    assert line.startswith(f'kvaudit: error: cannot import "{module}" named in KVAUDIT_PLUGINS: '
+    assert line.startswith(f'kvaudit: error: cannot load the target kind of "{module}" named in KVAUDIT_PLUGINS: '
                            f"TargetDefinitionError: target tab: {message}"), line
 
 

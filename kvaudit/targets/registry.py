@@ -383,7 +383,9 @@ def _load() -> None:
                     raise
         except Exception as e:  # noqa: BLE001 -- a broken plugin is named, never a traceback
             why = " ".join(str(e).split())  # one line, whatever the module raised
-            _plugin_errors.append(f"cannot import {json_value(mod)} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
+            # (a kind it registered that register() refuses: the module imported, its kind did not load)
+            verb = "cannot load the target kind of" if isinstance(e, TargetDefinitionError) else "cannot import"
+            _plugin_errors.append(f"{verb} {json_value(mod)} named in {PLUGINS_ENV}: {type(e).__name__}: {why}")
             continue
         finally:
             _importing.pop()
