@@ -192,7 +192,11 @@ def test_sigterm_during_the_search_exits_130_with_the_reports(tmp_path, launch):
     assert "Traceback" not in stderr and "no finding" in stderr
     assert stdout.strip().splitlines()[-1] == "SUMMARY: kvaudit: no findings (interrupted)."  # the last line
     assert json.load(open(tmp_path / "r.json"))["interrupted"] is True
-    assert 'failures="0"' in open(tmp_path / "r.xml").read()
+    xml = open(tmp_path / "r.xml").read()
+    assert 'failures="0"' in xml
+    # not a pass: a skipped case says it was cut short, no "no findings" case (tester 60a: green on a dashboard)
+    assert 'name="interrupted"' in xml and '<skipped message="interrupted (Ctrl-C or SIGTERM) after ' in xml, xml
+    assert "no findings" not in xml and 'skipped="1"' in xml, xml
 
 
 def test_sigterm_during_a_campaigns_search_keeps_its_findings_and_writes_the_reports(tmp_path, launch):

@@ -13,7 +13,7 @@ from kvaudit.config import json_value
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
-from kvaudit.reports.ci_outputs import document
+from kvaudit.reports.ci_outputs import add_interrupted, document
 from kvaudit.reports.sarif import engine_of, engine_verdict, finding_stacks, lifecycle
 
 # NOTE: what XML 1.0 allows nowhere, even as a character reference
@@ -66,7 +66,7 @@ def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = Non
 
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None, seconds: float = 0.0,
-             found_after: float | None = None, search: Mapping | None = None) -> str:
+             found_after: float | None = None, search: Mapping | None = None, interrupted: str | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
@@ -74,7 +74,8 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     (:func:`~kvaudit.reports.sarif.engine_of`). A case's ``time``: ``seconds`` (the run's), for a finding
     ``found_after`` (the seconds the search took to hit it) when known; the suite's, ``seconds``. ``search``:
     which search ran (``fuzzer``, ``seed``: ``--seed``), the first properties, named ``search_fuzzer`` and
-    ``search_seed`` (the config's own ``seed`` is the engine's)."""
+    ``search_seed`` (the config's own ``seed`` is the engine's). ``interrupted``: the message of a skipped case
+    ``interrupted`` for a run Ctrl-C or SIGTERM cut short, which then has no passing ``clean_case``."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -87,7 +88,7 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         failure = ET.SubElement(case, "failure", message=xml_text(first.summary()), type=xml_text(first.kind))
         failure.text = xml_text(failure_text(first, len(group), on(first)))
         cases.append(case)
-    if not findings and clean_case:
+    if interrupted is None and not findings and clean_case:
         cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time=f"{seconds:.2f}"))
 
     counts = dict.fromkeys(("tests", "failures", "errors"), "0")  # (placed here; document() counts the cases)
@@ -106,4 +107,6 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
             ET.SubElement(props, "property", name=xml_text(key), value=xml_text(v if isinstance(v, str) else
                                                                                 json_value(v)))
     suite.extend(cases)
+    if interrupted is not None:  # what did not run is not a pass
+        add_interrupted(suite, interrupted)
     return document(root)

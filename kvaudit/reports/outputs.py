@@ -125,10 +125,11 @@ def _sarif(data: ReportData) -> str:
 def _junit(data: ReportData) -> str:
     from kvaudit.reports.junit import to_junit
 
+    ran = f" after {data.extra['executions']} executions" if "executions" in data.extra else ""
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
-                    found_after=data.extra.get("first_hit_seconds"),
-                    search=search_facts(data.extra))
+                    found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
+                    interrupted=INTERRUPTED.replace(":", f"{ran}:", 1) if data.extra.get("interrupted") else None)
 
 
 def _html(data: ReportData) -> str:
