@@ -329,6 +329,9 @@ def test_a_run_that_searched_nothing_says_so_and_exits_5(tmp_path, extra):
     assert lines == ["kvaudit: nothing searched: the 1e-09s search budget ended before the first program ran; "
                      "raise --max-time"], res.stderr
     assert "SUMMARY: kvaudit: no findings" not in res.stdout and "no findings:" not in res.stdout
+    # stdout still ends with its SUMMARY: line (tester 60a: a single search printed nothing on stdout)
+    assert res.stdout.strip().splitlines()[-1] == ("SUMMARY: kvaudit: nothing searched (the budget ended before "
+                                                   "the first program ran)."), res.stdout
     assert json.loads((tmp_path / "run.json").read_text())["executions"] == 0
 
 

@@ -207,6 +207,9 @@ class _Single:
         data = lambda: _run_data(self.config, [], [], sset, stats, self.seed, self.fuzzer)  # noqa: E731
         write = lambda: write_reports(outputs, data(), self.err)  # noqa: E731
         if stats.executions == 0:
+            if sset is not None:
+                print_suppressions(console, sset, not_run="the budget ended before the first")
+            console.print(NOTHING_SEARCHED_SUMMARY, soft_wrap=True)
             write()
             return nothing_searched(self.err, max_time)
         if sset is not None:
@@ -267,6 +270,10 @@ def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click
     return e.keeping(written, also=unwritten) if isinstance(e, DiskFull) else e
 
 
+# stdout's last line for a run that checked nothing (exit 5), for grep '^SUMMARY:' as every run's
+NOTHING_SEARCHED_SUMMARY = "SUMMARY: kvaudit: nothing searched (the budget ended before the first program ran)."
+
+
 def nothing_searched(err, max_time: float) -> int:
     """The budget ended before the first program ran: nothing was checked, so not clean (exit 5)."""
     err.print(f"kvaudit: nothing searched: the {duration(max_time)} search budget ended before the first program "
@@ -322,8 +329,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     print_reached(console, s)
     line = _campaign_summary(result, cases, paths, sset)
     nothing = s.executions == 0 and not result.interrupted and not result.new
-    if not nothing:
-        console.print(line, soft_wrap=True)
+    console.print(NOTHING_SEARCHED_SUMMARY if nothing else line, soft_wrap=True)
     extra = {"fuzzer": fuzzer, "seed": seed, "workers": workers, "executions": s.executions, "ops": s.ops,
              "seconds": round(s.elapsed, 1), "corpus": corpus}
     if result.interrupted:
