@@ -734,6 +734,35 @@ def test_ci_sarif_lists_an_unfixed_bug_every_night_with_the_same_fingerprint_and
     assert "clean" in third.output and "known still open" not in third.output
 
 
+@pytest.mark.slow
+def test_a_ci_shard_without_a_corpus_lists_the_finding_another_shard_found(tmp_path, monkeypatch, validator,
+                                                                           redis_server):
+    """`kvaudit ci --db` without --corpus (the fuzzing guide's matrix job): a shard that knew a finding another
+    shard had triaged said "clean" and its SARIF had no result, since the known file was replayed after its
+    scratch corpus was gone (tester 60a). Now the row says it is known and open, and the SARIF lists it."""
+    from cli_helpers import invoke
+
+    regressions = tmp_path / "regressions"
+    regressions.mkdir()
+
+    def shard(n: int, budget: str):
+        out = tmp_path / f"shard{n}.sarif"
+        result = invoke("ci", "--max-time", budget, "--presets", "default", "--fuzzer", "random", "--seed", str(n),
+                        "--regressions", str(regressions), "--db", redis_server.url, "--campaign", "nightly",
+                        "--out", str(tmp_path / f"out{n}"), "--sarif", str(out))
+        log = json.load(open(out))
+        assert _errors(validator, log) == []
+        return result, {r["partialFingerprints"][FINGERPRINT_KEY]: r for r in log["runs"][0]["results"]}
+
+    _plant_lock_leak(monkeypatch)
+    first, found = shard(1, "10")
+    assert first.exit_code == 1 and found, first.output
+    second, known = shard(2, "3")
+    assert second.exit_code == 0, second.output  # triaged by the first shard: not this one's to fail
+    assert f"{len(found)} known still open" in second.output, second.output
+    assert set(known) == set(found) and all(r["baselineState"] == "unchanged" for r in known.values())
+
+
 # ----------------------------------------------------------------------------- JUnit
 
 def _suite(xml: str) -> ET.Element:

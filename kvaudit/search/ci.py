@@ -176,18 +176,18 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
                 run.unwritten.update({sig: dest for sig in sorted(sigs)})
                 continue
             run.new.append((program, [f for f in findings if f.signature in sigs], path))
+        if not result.interrupted:  # (in the scratch corpus's life: another shard's files are pulled into it)
+            run.known_open = still_open({**result.fleet, **result.known}, suppress_path)
     run.interrupted = result.interrupted
     if result.interrupted:  # no time for replays: its SARIF lists what was found
         run.seconds = min(budget, time.monotonic() - t0)
-    else:
-        run.known_open = still_open(result.known, suppress_path)
     return run
 
 
 def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[Finding]:
-    """The known findings (signature -> corpus file) not fixed yet: each file is replayed once, and its
-    recorded findings whose signatures come back are returned as recorded (so their SARIF locations are
-    the file's). Files that no longer load are left out."""
+    """The known findings (signature -> corpus file; another CI shard's, pulled from ``--db``, too) not fixed
+    yet: each file is replayed once, and its recorded findings whose signatures come back are returned as
+    recorded (so their SARIF locations are the file's). Files that no longer load are left out."""
     from kvaudit.audit.suppress import SuppressionSet
 
     sset = SuppressionSet.load(suppress_path) if suppress_path else None
