@@ -263,7 +263,8 @@ def test_the_legacy_era_lists_only_the_presets_it_drives_and_says_why_of_the_res
     replay.load(os.path.join(os.path.dirname(__file__), "data", "sglang_history", "sglang-22882.json"))
 
 
-@pytest.mark.parametrize("version, listed", [("0.5.20", 10), ("0.5.23", len(SGLANG_PRESETS)), (None, len(SGLANG_PRESETS))])
+@pytest.mark.parametrize("version, listed", [("0.5.19", 9), ("0.5.20", 10), ("0.5.23", len(SGLANG_PRESETS)),
+                                             (None, len(SGLANG_PRESETS))])
 def test_the_current_family_lists_what_its_release_drives(monkeypatch, version, listed):
     """0.5.19-0.5.21 drive the plain and PD-prefill paths only (kind.older_refusal); 0.5.22 on, and with no
     SGLang installed (nothing to judge by: the probe says it is missing), every preset."""
@@ -284,3 +285,15 @@ def test_an_older_current_release_s_refusal_names_a_file_not_a_python_name():
     why = older_refusal(SGLANG_PRESETS["sglang-session"].config(), "0.5.20")
     assert why.endswith("not driven there: sessions (kvaudit/targets/sglang/compat.py)"), why
     assert older_refusal(SGLANG_PRESETS["sglang-session"].config(), "0.5.23") is None
+
+
+def test_0_5_19_refuses_an_eviction_policy_config_it_would_drop():
+    """0.5.19's CacheInitParams has no eviction_policy_config (0.5.20 added it): the driver left it out, so
+    `sglang-evict-slru` ran SLRU with the release's defaults, not its preset's (docs60's reading)."""
+    from kvaudit.targets.sglang.kind import older_refusal
+
+    config = SGLANG_PRESETS["sglang-evict-slru"].config()
+    assert config.radix_eviction_policy_config is not None
+    assert "takes no --radix-eviction-policy-config" in older_refusal(config, "0.5.19")
+    assert older_refusal(config, "0.5.20") is None
+    assert older_refusal(SGLANG_PRESETS["sglang-evict-priority"].config(), "0.5.19") is None

@@ -410,7 +410,7 @@ def build(config, *, server_args=None, make_rows=None, make_kv=None, disable_rad
         hybrid["tree_core_backend"] = config.tree_core
     else:  # UnifiedRadixCache.__init__ reads the core from the environment
         os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = config.tree_core
-    if compat.has("eviction-policy-config", S.version):  # (0.5.18/0.5.19: kind.older_refusal refuses a config)
+    if compat.has("eviction-policy-config", S.version):  # (0.5.19: kind.older_refusal refuses a config)
         hybrid["eviction_policy_config"] = policy_config
     params = S.CacheInitParams(disable=disable_radix_cache, req_to_token_pool=req_to_token_pool,
                                token_to_kv_pool_allocator=allocator, page_size=ps, eviction_policy=policy, **hybrid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvaudit.targets.registry import (TargetKind, TargetUnavailable, fault_rows, preset_label, register,
                                       server_args_capabilities)
-from kvaudit.targets.sglang.compat import LEGACY, OLDER_CURRENT
+from kvaudit.targets.sglang.compat import LEGACY, OLDER_CURRENT, has
 from kvaudit.targets.sglang.config import (FAULTS, SGLANG_PRESETS, TREE_CORES, SglangConfig, legacy_pd_refusal,
                                            legacy_refusal)
 
@@ -68,11 +68,15 @@ _CURRENT_PD_HISPARSE = (f"PD decode with HiSparse (the direct-to-host path) is d
 
 
 def older_refusal(config, version: str | None) -> str | None:
-    """Why the current family cannot drive ``config`` on ``version``, one of ``compat.OLDER_CURRENT`` (0.5.20,
+    """Why the current family cannot drive ``config`` on ``version``, one of ``compat.OLDER_CURRENT`` (0.5.19-
     0.5.21: release_kv_cache's is_insert, the lock on req.last_node, a StreamingSession that wraps the tree),
-    or None: their Change rows cover the plain and PD-prefill paths only."""
+    or None: their Change rows cover the plain and PD-prefill paths only (and 0.5.19 takes no eviction policy
+    config: ``--radix-eviction-policy-config`` came in 0.5.20)."""
     if version not in OLDER_CURRENT:
         return None
+    if config.radix_eviction_policy_config is not None and not has("eviction-policy-config", version):
+        return (f"SGLang {version} takes no --radix-eviction-policy-config (CacheInitParams.eviction_policy_config "
+                "came in 0.5.20): this config's would be dropped")
     modes = [name for name, on in (
         ("sessions", config.enable_streaming_session), ("HiSparse", config.enable_hisparse),
         ("HiCache", config.enable_hierarchical_cache), ("SWA", config.sliding_window_size is not None),
