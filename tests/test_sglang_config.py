@@ -147,7 +147,8 @@ def test_unknown_fault_names_the_valid_ones():
 
 def test_version_probe_refuses_missing_and_other_versions(monkeypatch):
     monkeypatch.setattr(boot, "installed_version", lambda: None)
-    with pytest.raises(boot.SglangUnavailable, match="drives 0.5.10.post1, 0.5.11 .* and 0.5.19, .*0.5.23\), which is not installed.*requirements/sglang-cpu.txt"):
+    with pytest.raises(boot.SglangUnavailable, match=r"drives 0.5.10.post1, 0.5.11 .* and 0.5.19, .*0.5.23\), "
+                                                     r"which is not installed.*requirements/sglang-cpu.txt"):
         boot.probe_version()
     monkeypatch.setattr(boot, "installed_version", lambda: "0.4.9")
     with pytest.raises(boot.SglangUnavailable, match="SGLang 0.4.9 is installed.*drives only 0.5.10.post1, 0.5.11 .* and 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23"):
