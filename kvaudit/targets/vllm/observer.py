@@ -26,12 +26,14 @@ Private names read here are those of vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0 (w
 from __future__ import annotations
 
 from collections import Counter
+from operator import attrgetter
 
 import numpy as np
 
 from kvaudit.targets.base import Accounting, PoolSpec, ReadOnce, Root, TargetFinding
 
 POOL = "block_pool"
+_BLOCK_HASH, _REF_CNT = attrgetter("block_hash"), attrgetter("ref_cnt")  # (a KVCacheBlock's, read in C)
 
 
 def after_call(obj, name: str, hook, wrap=setattr) -> None:
@@ -304,7 +306,7 @@ class VllmObserver:
 
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
-        return np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
+        return np.fromiter(map(_REF_CNT, self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
 
     def users_of(self, pool: str, units) -> list[str]:
         """The owners of :meth:`roots` that list any of ``units``, the tables read as they are (every holder
@@ -443,13 +445,17 @@ class VllmObserver:
                 add("accounting-drift", [b.block_id], f"the prefix-cache map holds block {b.block_id} under a hash "
                                                       "the block does not carry", "hash-map")
                 break
+        # each block's own hash, then its other ones (a hashed null block is the null-block check's finding,
+        # said once); the first block in the pool's order that carries one the map does not hold
+        blocks = self.pool.blocks
         extra = getattr(self.pool, "cached_block_hashes_by_block", {})
-        for b in self.pool.blocks:  # (a hashed null block is the null-block check's finding, said once)
-            keys = [k for k in (b.block_hash, *extra.get(b.block_id, ())) if k is not None]
-            if not b.is_null and any((k, b.block_id) not in seen for k in keys):
-                add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
-                                                      "not hold", "hash-map")
-                break
+        bad = {b.block_id for b, h in zip(blocks, map(_BLOCK_HASH, blocks)) if h is not None
+               and (h, b.block_id) not in seen and not b.is_null}
+        bad.update(i for i, keys in extra.items() if any(k is not None and (k, i) not in seen for k in keys))
+        b = next((b for b in blocks if b.block_id in bad and not b.is_null), None) if bad else None
+        if b is not None:
+            add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
+                                                  "not hold", "hash-map")
 
     def _check_requests(self, known, add) -> None:
         """Each live request's (``known``) cached blocks carry its own hash chain, its ``num_computed_tokens``
@@ -493,15 +499,16 @@ class VllmObserver:
                 b = int(drift[0])
                 add("accounting-drift", drift, f"block {b}: ref_cnt={counts[b]} but the pool's own calls account for "
                                                f"{led[b]} (changed outside BlockPool's API)", "ref-shadow")
-        real, replayed, named = Counter(), self._replayed(), self._event_keys
+        replayed, named = self._replayed(), self._event_keys
         u, grouped = self.V.kv_cache_utils, self.V.has("kv-event-group")
-        for key, _ in entries:
-            k = named.get(key)
-            if k is None:  # (converted once per key: vLLM's conversion reads an env var per call)
-                k = named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),
-                                  u.get_group_id(key) if grouped else None)
-            real[k] += 1
-        if real != replayed:
+        keys = [key for key, _ in entries]
+        for key in keys:
+            if key not in named:  # (converted once per key: vLLM's conversion reads an env var per call)
+                named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),
+                              u.get_group_id(key) if grouped else None)
+        real = Counter(map(named.__getitem__, keys))
+        # (neither holds a zero count: equal as dicts is equal as Counters, and a dict compares in C)
+        if not dict.__eq__(real, replayed) and real != replayed:
             diff = (real - replayed) or (replayed - real)
             add("accounting-drift", [1], f"vLLM's KV-cache events replayed give a prefix-cache map of "
                                          f"{sum(replayed.values())} entries, the real map has "
