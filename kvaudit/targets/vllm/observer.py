@@ -33,7 +33,8 @@ import numpy as np
 from kvaudit.targets.base import Accounting, PoolSpec, ReadOnce, Root, TargetFinding
 
 POOL = "block_pool"
-_BLOCK_HASH, _REF_CNT = attrgetter("block_hash"), attrgetter("ref_cnt")  # (a KVCacheBlock's, read in C)
+# a KVCacheBlock's fields, read in C (map over the pool's blocks)
+_BLOCK_HASH, _BLOCK_ID, _REF_CNT = attrgetter("block_hash"), attrgetter("block_id"), attrgetter("ref_cnt")
 
 
 def after_call(obj, name: str, hook, wrap=setattr) -> None:
@@ -72,7 +73,8 @@ class VllmObserver:
     """Mixed into a vLLM target; needs ``self.config`` (:class:`~kvaudit.targets.vllm.config.VllmConfig`),
     ``self.manager`` (the ``KVCacheManager``), ``self.V`` (:func:`~kvaudit.targets.vllm.boot.load`),
     ``self.known()`` (request id -> ``(Request, where)`` for every request the scheduler knows, ``where``
-    naming its queue) and ``self.deferred()`` (the block lists of deferred frees)."""
+    naming its queue; ``self.requests``, the same ids to their ``Request``) and ``self.deferred()`` (the
+    block lists of deferred frees)."""
 
     owner_hint_vars = ("request",)
     owner_stop_vars = ()
@@ -114,13 +116,14 @@ class VllmObserver:
             ids = block_ids(blocks)
             if not ids:
                 return free(blocks, *a, **k)
-            u = np.asarray(ids, dtype=np.int64)
-            self.unref_sites[u, 0] = self.unref_sites[u, 1]
-            self.unref_sites[u, 1] = auditor.capture_site()
+            once, sites, site = set(ids), self.unref_sites, auditor.capture_site()
+            for b in once:  # (a few blocks a call: item by item beats numpy's fancy indexing)
+                sites[b, 0] = sites[b, 1]
+                sites[b, 1] = site
             before = queue.num_free_blocks
             out = free(blocks, *a, **k)
-            if len(ids) > len(set(ids)):
-                self._check_queued_once(u, queue.num_free_blocks - before)
+            if len(ids) > len(once):
+                self._check_queued_once(np.asarray(ids, dtype=np.int64), queue.num_free_blocks - before)
             return out
 
         wrap(pool, "free_blocks", free_wrapper)
@@ -260,13 +263,20 @@ class VllmObserver:
                 blocks = tables.get(rid)
                 if blocks:
                     out.append((f"req:{rid}", where, np.array(block_ids(blocks), dtype=np.int64)))
-            for i, pair in enumerate(mgr._pending_cow_copies if self.V.has("pending-cow") else ()):
-                out.append((f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64)))
-        for i, blocks in enumerate(self.deferred()):
-            out.append((f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64)))
-        out += self.connector_holders()
+            out += self._cow_holders(g, mgr)
+        out += self._other_holders()
         held = np.concatenate([units for _, _, units in out]) if out else np.zeros(0, dtype=np.int64)
         return out, np.bincount(held, minlength=self.config.num_gpu_blocks).astype(np.int64)
+
+    def _cow_holders(self, g: int, mgr) -> list[tuple[str, str, np.ndarray]]:
+        """:meth:`_holders` of group ``g``'s (``mgr``'s) pending copy-on-write pairs."""
+        return [(f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64))
+                for i, pair in enumerate(mgr._pending_cow_copies if self.V.has("pending-cow") else ())]
+
+    def _other_holders(self) -> list[tuple[str, str, np.ndarray]]:
+        """:meth:`_holders` of each deferred free, then :meth:`connector_holders`."""
+        return [(f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64))
+                for i, blocks in enumerate(self.deferred())] + self.connector_holders()
 
     def copy_findings(self, copies) -> list[TargetFinding]:
         """Each endpoint of a copy-on-write a step in flight still runs (``copies``: vLLM's
@@ -311,10 +321,11 @@ class VllmObserver:
     def users_of(self, pool: str, units) -> list[str]:
         """The owners of :meth:`roots` that list any of ``units``, the tables read as they are (every holder
         built as an array costs ten times more; the ledger asks at every free of a last reference)."""
-        want, known = set(units.tolist()), self.known()
-        out = {f"req:{rid}" for mgr in self.groups for rid in known
-               if any(b.block_id in want for b in mgr.req_to_blocks.get(rid, ()))}
-        return sorted(out | {o for o, _, ids in self._holders({})[0] if want.intersection(ids.tolist())})
+        want = set(units.tolist())
+        out = {f"req:{rid}" for mgr in self.groups for rid in self.requests  # (the keys of known())
+               if not want.isdisjoint(map(_BLOCK_ID, mgr.req_to_blocks.get(rid, ())))}
+        others = [h for g, mgr in enumerate(self.groups) for h in self._cow_holders(g, mgr)] + self._other_holders()
+        return sorted(out | {o for o, _, ids in others if want.intersection(ids.tolist())})
 
     def _mark(self) -> tuple:
         return (self.steps, *((len(self._auditor.events), self._auditor.op_index) if self._auditor else ()))

@@ -353,9 +353,19 @@ class VllmSchedulerTarget(_VllmBase):
         self._shadow = (shadow, report)
         self._cow = self.V.has("pending-cow")
         self._lane = np.arange(self.config.block_size, dtype=np.int64)  # a block's slot offsets
+        # [num_gpu_blocks, block_size] int64: each block's token slots, a row a block
+        self._block_slots = np.arange(self.config.num_gpu_blocks * self.config.block_size,
+                                      dtype=np.int64).reshape(-1, self.config.block_size)
         self._drafts: dict = {}  # (rid, group) -> ([n] positions, [n] slots) written before their tokens were known
-        # where schedule() advances num_computed_tokens
-        after_call(self.scheduler, "_update_after_schedule", lambda _, out, *a, **k: self._shadow_step(out), wrap)
+        # where schedule() advances num_computed_tokens (after_call's hook, without its lambda: once a step)
+        update, shadow_step = self.scheduler._update_after_schedule, self._shadow_step
+
+        def update_after_schedule(out, *a, **k):
+            result = update(out, *a, **k)
+            shadow_step(out)
+            return result
+
+        wrap(self.scheduler, "_update_after_schedule", update_after_schedule)
         attention = {"SlidingWindowManager", "FullAttentionManager"}  # _attention: (group, window in tokens or None)
         self._attention = [(g, getattr(mgr, "sliding_window", None)) for g, mgr in enumerate(self.groups)
                            if attention & {c.__name__ for c in type(mgr).__mro__}]
@@ -376,13 +386,14 @@ class VllmSchedulerTarget(_VllmBase):
         bs = self.config.block_size
         return table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
 
-    def _span_slots(self, table: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """``[hi - lo] int64``: :meth:`_slots` of the positions ``[lo, hi)``, the blocks they cover expanded to
-        their slots at once (a forward's positions are a span: one broadcast, no per-position arithmetic)."""
-        bs = self.config.block_size
-        if hi > table.size * bs:  # (past the null block's own span: clamped to it, as _slots does)
-            return self._slots(table, np.arange(lo, hi))
-        rows = table[lo // bs:(hi + bs - 1) // bs, None] * bs + self._lane
+    def _span_slots(self, g: int, rid: str, lo: int, hi: int) -> np.ndarray:
+        """``[hi - lo] int64``: the token slots of the positions ``[lo, hi)`` in ``rid``'s table in group ``g``
+        (:meth:`_slots` of :meth:`_table`), the blocks they cover expanded to their slots by one ``take`` of the
+        pool's slot rows (a forward's positions are a span: no per-position arithmetic)."""
+        bs, blocks = self.config.block_size, self.groups[g].req_to_blocks.get(rid, ())
+        if hi > len(blocks) * bs:  # (positions past the table: the null block's, clamped as _slots does)
+            return self._slots(self._table(g, rid), np.arange(lo, hi))
+        rows = self._block_slots.take([b.block_id for b in blocks[lo // bs:(hi + bs - 1) // bs]], axis=0)
         return rows.ravel()[lo % bs:lo % bs + hi - lo]
 
     def _shadow_step(self, out) -> None:
@@ -392,35 +403,37 @@ class VllmSchedulerTarget(_VllmBase):
         past the known tokens are tagged once known (:meth:`_tag_drafts`, or the request's next step). The
         slots of a request's reads and writes are one span (:meth:`_span_slots`); every read of the step is
         compared at once, and only a step that reads a wrong tag looks at each request's reads apart."""
-        shadow, report = self._shadow
+        shadow = self._shadow[0]
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
         copies = out.kv_cache_block_copies if self._cow else None
         if copies:  # the worker copies each copy-on-write block before the forward (copy_kv_cache_blocks_inplace)
             src, dst = (np.array(copies, dtype=np.int64)[:, :, None] * bs + self._lane).transpose(1, 0, 2)
             tags_of[dst.ravel()] = tags_of[src.ravel()]
-        spans = []
+        null = tags_of[:bs].copy()  # NOTE: every write goes in whole, then the null block's tags are put back:
+        spans = []  # the same as leaving its slots out of each write, in one call a step instead of two a write
         for rid, n in out.num_scheduled_tokens.items():
             request = reqs[rid]
             tags, done = self._tags(request), request.num_computed_tokens
             end, start = min(done, tags.size), max(done - n, 0)
             for g, window in self._attention:
-                table = self._table(g, rid)
                 if self._drafts and (rid, g) in self._drafts:
                     pos, slots = self._drafts.pop((rid, g))
-                    keep = (self._slots(table, pos) == slots) & (pos < tags.size)
+                    keep = (self._slots(self._table(g, rid), pos) == slots) & (pos < tags.size)
                     tags_of[slots[keep]] = tags[pos[keep]]
                 first = _first(start, window)
-                slots = self._span_slots(table, first, done)  # reads [first, start), then writes [start, done)
+                slots = self._span_slots(g, rid, first, done)  # reads [first, start), then writes [start, done)
                 written = slots[start - first:]
-                keep = written >= bs  # not the null block's
                 if end < done:  # (speculative drafts: tagged once known)
                     pos = np.arange(start, done)
+                    keep = written >= bs  # (not the null block's: a draft's slot is tagged later)
                     late, keep = keep & (pos >= end), keep & (pos < end)
                     self._drafts[(rid, g)] = (pos[late], written[late])
-                known = max(end - start, 0)  # written positions with a tag (the rest: drafts, kept above)
-                tags_of[written[:known][keep[:known]]] = tags[start:end][keep[:known]]
+                    tags_of[written[keep]] = tags[pos[keep]]
+                else:
+                    tags_of[written] = tags[start:done]
                 read = min(start, end)
                 spans.append((rid, g, first, read, slots[:max(read - first, 0)], tags))
+        tags_of[:bs] = null
         self._check_reads(spans, tags_of)
 
     def _check_reads(self, spans: list, tags_of: np.ndarray) -> None:
