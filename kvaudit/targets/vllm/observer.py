@@ -26,12 +26,15 @@ Private names read here are those of vLLM 0.15.1, 0.16.0 and 0.20.0 to 0.33.0 (w
 from __future__ import annotations
 
 from collections import Counter
+from operator import attrgetter
 
 import numpy as np
 
 from kvaudit.targets.base import Accounting, PoolSpec, ReadOnce, Root, TargetFinding
 
 POOL = "block_pool"
+# a KVCacheBlock's fields, read in C (map over the pool's blocks)
+_BLOCK_HASH, _BLOCK_ID, _REF_CNT = attrgetter("block_hash"), attrgetter("block_id"), attrgetter("ref_cnt")
 
 
 def after_call(obj, name: str, hook, wrap=setattr) -> None:
@@ -70,7 +73,8 @@ class VllmObserver:
     """Mixed into a vLLM target; needs ``self.config`` (:class:`~kvaudit.targets.vllm.config.VllmConfig`),
     ``self.manager`` (the ``KVCacheManager``), ``self.V`` (:func:`~kvaudit.targets.vllm.boot.load`),
     ``self.known()`` (request id -> ``(Request, where)`` for every request the scheduler knows, ``where``
-    naming its queue) and ``self.deferred()`` (the block lists of deferred frees)."""
+    naming its queue; ``self.requests``, the same ids to their ``Request``) and ``self.deferred()`` (the
+    block lists of deferred frees)."""
 
     owner_hint_vars = ("request",)
     owner_stop_vars = ()
@@ -112,13 +116,14 @@ class VllmObserver:
             ids = block_ids(blocks)
             if not ids:
                 return free(blocks, *a, **k)
-            u = np.asarray(ids, dtype=np.int64)
-            self.unref_sites[u, 0] = self.unref_sites[u, 1]
-            self.unref_sites[u, 1] = auditor.capture_site()
+            once, sites, site = set(ids), self.unref_sites, auditor.capture_site()
+            for b in once:  # (a few blocks a call: item by item beats numpy's fancy indexing)
+                sites[b, 0] = sites[b, 1]
+                sites[b, 1] = site
             before = queue.num_free_blocks
             out = free(blocks, *a, **k)
-            if len(ids) > len(set(ids)):
-                self._check_queued_once(u, queue.num_free_blocks - before)
+            if len(ids) > len(once):
+                self._check_queued_once(np.asarray(ids, dtype=np.int64), queue.num_free_blocks - before)
             return out
 
         wrap(pool, "free_blocks", free_wrapper)
@@ -258,13 +263,20 @@ class VllmObserver:
                 blocks = tables.get(rid)
                 if blocks:
                     out.append((f"req:{rid}", where, np.array(block_ids(blocks), dtype=np.int64)))
-            for i, pair in enumerate(mgr._pending_cow_copies if self.V.has("pending-cow") else ()):
-                out.append((f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64)))
-        for i, blocks in enumerate(self.deferred()):
-            out.append((f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64)))
-        out += self.connector_holders()
+            out += self._cow_holders(g, mgr)
+        out += self._other_holders()
         held = np.concatenate([units for _, _, units in out]) if out else np.zeros(0, dtype=np.int64)
         return out, np.bincount(held, minlength=self.config.num_gpu_blocks).astype(np.int64)
+
+    def _cow_holders(self, g: int, mgr) -> list[tuple[str, str, np.ndarray]]:
+        """:meth:`_holders` of group ``g``'s (``mgr``'s) pending copy-on-write pairs."""
+        return [(f"cow:{g}.{i}", "cow", np.array(block_ids(pair), dtype=np.int64))
+                for i, pair in enumerate(mgr._pending_cow_copies if self.V.has("pending-cow") else ())]
+
+    def _other_holders(self) -> list[tuple[str, str, np.ndarray]]:
+        """:meth:`_holders` of each deferred free, then :meth:`connector_holders`."""
+        return [(f"deferred:{i}", "deferred", np.array(block_ids(blocks), dtype=np.int64))
+                for i, blocks in enumerate(self.deferred())] + self.connector_holders()
 
     def copy_findings(self, copies) -> list[TargetFinding]:
         """Each endpoint of a copy-on-write a step in flight still runs (``copies``: vLLM's
@@ -304,15 +316,16 @@ class VllmObserver:
 
     def _ref_counts(self) -> np.ndarray:
         """vLLM's ``ref_cnt`` of every block, ``[num_gpu_blocks] int64``."""
-        return np.fromiter((b.ref_cnt for b in self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
+        return np.fromiter(map(_REF_CNT, self.pool.blocks), dtype=np.int64, count=len(self.pool.blocks))
 
     def users_of(self, pool: str, units) -> list[str]:
         """The owners of :meth:`roots` that list any of ``units``, the tables read as they are (every holder
         built as an array costs ten times more; the ledger asks at every free of a last reference)."""
-        want, known = set(units.tolist()), self.known()
-        out = {f"req:{rid}" for mgr in self.groups for rid in known
-               if any(b.block_id in want for b in mgr.req_to_blocks.get(rid, ()))}
-        return sorted(out | {o for o, _, ids in self._holders({})[0] if want.intersection(ids.tolist())})
+        want = set(units.tolist())
+        out = {f"req:{rid}" for mgr in self.groups for rid in self.requests  # (the keys of known())
+               if not want.isdisjoint(map(_BLOCK_ID, mgr.req_to_blocks.get(rid, ())))}
+        others = [h for g, mgr in enumerate(self.groups) for h in self._cow_holders(g, mgr)] + self._other_holders()
+        return sorted(out | {o for o, _, ids in others if want.intersection(ids.tolist())})
 
     def _mark(self) -> tuple:
         return (self.steps, *((len(self._auditor.events), self._auditor.op_index) if self._auditor else ()))
@@ -390,6 +403,8 @@ class VllmObserver:
         with holders are the use-after-free oracle's when the pool's own calls freed the block (the ledger has
         it free); counts with no holder at all are the leak oracle's."""
         n = self.config.num_gpu_blocks
+        if (counts[1:] == refs[1:]).all():  # the usual answer: no count off its holders' (refs are never < 0)
+            return
         over = ((counts > refs) & (refs > 0))[1:].nonzero()[0] + 1  # (the null block left out)
         if over.size:
             b = int(over[0])
@@ -443,13 +458,17 @@ class VllmObserver:
                 add("accounting-drift", [b.block_id], f"the prefix-cache map holds block {b.block_id} under a hash "
                                                       "the block does not carry", "hash-map")
                 break
+        # each block's own hash, then its other ones (a hashed null block is the null-block check's finding,
+        # said once); the first block in the pool's order that carries one the map does not hold
+        blocks = self.pool.blocks
         extra = getattr(self.pool, "cached_block_hashes_by_block", {})
-        for b in self.pool.blocks:  # (a hashed null block is the null-block check's finding, said once)
-            keys = [k for k in (b.block_hash, *extra.get(b.block_id, ())) if k is not None]
-            if not b.is_null and any((k, b.block_id) not in seen for k in keys):
-                add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
-                                                      "not hold", "hash-map")
-                break
+        bad = {b.block_id for b, h in zip(blocks, map(_BLOCK_HASH, blocks)) if h is not None
+               and (h, b.block_id) not in seen and not b.is_null}
+        bad.update(i for i, keys in extra.items() if any(k is not None and (k, i) not in seen for k in keys))
+        b = next((b for b in blocks if b.block_id in bad and not b.is_null), None) if bad else None
+        if b is not None:
+            add("accounting-drift", [b.block_id], f"block {b.block_id} carries a hash the prefix-cache map does "
+                                                  "not hold", "hash-map")
 
     def _check_requests(self, known, add) -> None:
         """Each live request's (``known``) cached blocks carry its own hash chain, its ``num_computed_tokens``
@@ -493,15 +512,16 @@ class VllmObserver:
                 b = int(drift[0])
                 add("accounting-drift", drift, f"block {b}: ref_cnt={counts[b]} but the pool's own calls account for "
                                                f"{led[b]} (changed outside BlockPool's API)", "ref-shadow")
-        real, replayed, named = Counter(), self._replayed(), self._event_keys
+        replayed, named = self._replayed(), self._event_keys
         u, grouped = self.V.kv_cache_utils, self.V.has("kv-event-group")
-        for key, _ in entries:
-            k = named.get(key)
-            if k is None:  # (converted once per key: vLLM's conversion reads an env var per call)
-                k = named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),
-                                  u.get_group_id(key) if grouped else None)
-            real[k] += 1
-        if real != replayed:
+        keys = [key for key, _ in entries]
+        for key in keys:
+            if key not in named:  # (converted once per key: vLLM's conversion reads an env var per call)
+                named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),
+                              u.get_group_id(key) if grouped else None)
+        real = Counter(map(named.__getitem__, keys))
+        # (neither holds a zero count: equal as dicts is equal as Counters, and a dict compares in C)
+        if not dict.__eq__(real, replayed) and real != replayed:
             diff = (real - replayed) or (replayed - real)
             add("accounting-drift", [1], f"vLLM's KV-cache events replayed give a prefix-cache map of "
                                          f"{sum(replayed.values())} entries, the real map has "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter, deque
+from operator import itemgetter
 
 import numpy as np
 
@@ -350,9 +351,21 @@ class VllmSchedulerTarget(_VllmBase):
         if self.config.num_spec_tokens and self.max_in_flight > 1:
             return
         self._shadow = (shadow, report)
+        self._cow = self.V.has("pending-cow")
+        self._lane = np.arange(self.config.block_size, dtype=np.int64)  # a block's slot offsets
+        # [num_gpu_blocks, block_size] int64: each block's token slots, a row a block
+        self._block_slots = np.arange(self.config.num_gpu_blocks * self.config.block_size,
+                                      dtype=np.int64).reshape(-1, self.config.block_size)
         self._drafts: dict = {}  # (rid, group) -> ([n] positions, [n] slots) written before their tokens were known
-        # where schedule() advances num_computed_tokens
-        after_call(self.scheduler, "_update_after_schedule", lambda _, out, *a, **k: self._shadow_step(out), wrap)
+        # where schedule() advances num_computed_tokens (after_call's hook, without its lambda: once a step)
+        update, shadow_step = self.scheduler._update_after_schedule, self._shadow_step
+
+        def update_after_schedule(out, *a, **k):
+            result = update(out, *a, **k)
+            shadow_step(out)
+            return result
+
+        wrap(self.scheduler, "_update_after_schedule", update_after_schedule)
         attention = {"SlidingWindowManager", "FullAttentionManager"}  # _attention: (group, window in tokens or None)
         self._attention = [(g, getattr(mgr, "sliding_window", None)) for g, mgr in enumerate(self.groups)
                            if attention & {c.__name__ for c in type(mgr).__mro__}]
@@ -373,43 +386,73 @@ class VllmSchedulerTarget(_VllmBase):
         bs = self.config.block_size
         return table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
 
+    def _span_slots(self, g: int, rid: str, lo: int, hi: int) -> np.ndarray:
+        """``[hi - lo] int64``: the token slots of the positions ``[lo, hi)`` in ``rid``'s table in group ``g``
+        (:meth:`_slots` of :meth:`_table`), the blocks they cover expanded to their slots by one ``take`` of the
+        pool's slot rows (a forward's positions are a span: no per-position arithmetic)."""
+        bs, blocks = self.config.block_size, self.groups[g].req_to_blocks.get(rid, ())
+        if hi > len(blocks) * bs:  # (positions past the table: the null block's, clamped as _slots does)
+            return self._slots(self._table(g, rid), np.arange(lo, hi))
+        rows = self._block_slots.take([b.block_id for b in blocks[lo // bs:(hi + bs - 1) // bs]], axis=0)
+        return rows.ravel()[lo % bs:lo % bs + hi - lo]
+
     def _shadow_step(self, out) -> None:
         """The KV of the step ``out`` as a forward moves it: its copy-on-writes first, then every request's
         positions ``[start, end)`` written with its tags, then each one's reads (:func:`_first` to ``start``)
         checked: a slot never written, or written for another prefix, is stale KV (``report``). Draft positions
-        past the known tokens are tagged once known (:meth:`_tag_drafts`, or the request's next step)."""
-        shadow, report = self._shadow
+        past the known tokens are tagged once known (:meth:`_tag_drafts`, or the request's next step). The
+        slots of a request's reads and writes are one span (:meth:`_span_slots`); every read of the step is
+        compared at once, and only a step that reads a wrong tag looks at each request's reads apart."""
+        shadow = self._shadow[0]
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
-        copies = out.kv_cache_block_copies if self.V.has("pending-cow") else None
+        copies = out.kv_cache_block_copies if self._cow else None
         if copies:  # the worker copies each copy-on-write block before the forward (copy_kv_cache_blocks_inplace)
-            src, dst = (np.array(copies, dtype=np.int64)[:, :, None] * bs + np.arange(bs)).transpose(1, 0, 2)
+            src, dst = (np.array(copies, dtype=np.int64)[:, :, None] * bs + self._lane).transpose(1, 0, 2)
             tags_of[dst.ravel()] = tags_of[src.ravel()]
-        spans = []
+        null = tags_of[:bs].copy()  # NOTE: every write goes in whole, then the null block's tags are put back:
+        spans = []  # the same as leaving its slots out of each write, in one call a step instead of two a write
         for rid, n in out.num_scheduled_tokens.items():
             request = reqs[rid]
-            tags = self._tags(request)
-            end = min(request.num_computed_tokens, tags.size)
-            start = max(request.num_computed_tokens - n, 0)
+            tags, done = self._tags(request), request.num_computed_tokens
+            end, start = min(done, tags.size), max(done - n, 0)
             for g, window in self._attention:
-                table = self._table(g, rid)
                 if self._drafts and (rid, g) in self._drafts:
                     pos, slots = self._drafts.pop((rid, g))
-                    keep = (self._slots(table, pos) == slots) & (pos < tags.size)
+                    keep = (self._slots(self._table(g, rid), pos) == slots) & (pos < tags.size)
                     tags_of[slots[keep]] = tags[pos[keep]]
-                pos = np.arange(start, request.num_computed_tokens)
-                slots = self._slots(table, pos)
-                keep = slots >= bs  # not the null block's
-                if end < request.num_computed_tokens:  # (speculative drafts: tagged once known)
+                first = _first(start, window)
+                slots = self._span_slots(g, rid, first, done)  # reads [first, start), then writes [start, done)
+                written = slots[start - first:]
+                if end < done:  # (speculative drafts: tagged once known)
+                    pos = np.arange(start, done)
+                    keep = written >= bs  # (not the null block's: a draft's slot is tagged later)
                     late, keep = keep & (pos >= end), keep & (pos < end)
-                    self._drafts[(rid, g)] = (pos[late], slots[late])
-                tags_of[slots[keep]] = tags[pos[keep]]
-                spans.append((rid, g, _first(start, window), min(start, end), table, tags))
-        for rid, g, first, start, table, tags in spans:
-            pos = np.arange(first, start)
-            slots = self._slots(table, pos)
-            self.reached["stale_reads_checked"] += slots.size
+                    self._drafts[(rid, g)] = (pos[late], written[late])
+                    tags_of[written[keep]] = tags[pos[keep]]
+                else:
+                    tags_of[written] = tags[start:done]
+                read = min(start, end)
+                spans.append((rid, g, first, read, slots[:max(read - first, 0)], tags))
+        tags_of[:bs] = null
+        self._check_reads(spans, tags_of)
+
+    def _check_reads(self, spans: list, tags_of: np.ndarray) -> None:
+        """Each span ``(rid, group, first, start, [start - first] slots, tags)`` of a step reads the tags
+        ``tags[first:start]`` from ``slots``; a slot holding another tag is reported (``ShadowKV.read``), in
+        the spans' order. One comparison of all spans first: a step without a stale read ends there."""
+        shadow, report = self._shadow
+        if not spans:
+            return
+        slots = np.concatenate([s[4] for s in spans]) if len(spans) > 1 else spans[0][4]
+        self.reached["stale_reads_checked"] += slots.size
+        want = b"".join([tags[first:start].tobytes() for _, _, first, start, _, tags in spans])
+        if tags_of.take(slots).tobytes() == want:
+            return
+        bs = self.config.block_size
+        for rid, g, first, start, slots, tags in spans:
             if tags_of.take(slots).tobytes() != tags[first:start].tobytes():
                 bad, what = shadow.read(POOL, slots, tags[first:start])
+                pos = np.arange(first, start)
                 ids = np.unique(slots[bad] // bs)  # every block the finding lists, as its headline counts them
                 blocks = ", ".join(map(str, ids[:8])) + (f", ... ({ids.size} in all)" if ids.size > 8 else "")
                 report(POOL, slots[bad], f"req:{rid} read KV of {bad.size} position(s) from {pos[bad[0]]} to "
@@ -455,14 +498,14 @@ class VllmSchedulerTarget(_VllmBase):
         if not self.is_idle():
             return []
         known = self.scheduler.requests
-        for name, table in sorted(vars(self.scheduler).items()):
-            if isinstance(table, dict) and table:
-                dead = [k for k in table if isinstance(k, str) and k in self.texts and k not in known]
-                if dead:
-                    return [TargetFinding("leak", POOL, np.array([1], dtype=np.int64),
-                                          f"Scheduler.{name} still holds {len(dead)} entry(ies) of request(s) it "
-                                          f"no longer knows (first req:{dead[0]}) once idle",
-                                          check=f"dead-table:{name}")]
+        tables = [(name, table) for name, table in vars(self.scheduler).items() if isinstance(table, dict) and table]
+        for name, table in sorted(tables, key=itemgetter(0)):  # (the attributes' names: the first one said)
+            dead = [k for k in table if isinstance(k, str) and k in self.texts and k not in known]
+            if dead:
+                return [TargetFinding("leak", POOL, np.array([1], dtype=np.int64),
+                                      f"Scheduler.{name} still holds {len(dead)} entry(ies) of request(s) it "
+                                      f"no longer knows (first req:{dead[0]}) once idle",
+                                      check=f"dead-table:{name}")]
         return []
 
     def _inflight_findings(self) -> list:
