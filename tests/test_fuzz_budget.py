@@ -323,8 +323,14 @@ def test_a_run_that_searched_nothing_says_so_and_exits_5(tmp_path, extra):
     """A budget that ends before the first program runs is not a clean run (it exited 0 'no findings')."""
     extra = [str(tmp_path / "c") if a == "CORPUS" else a for a in extra]
     res = invoke("fuzz", "--fuzzer", "random", "--max-time", "1e-9", "--out", str(tmp_path),
-                 "--json", str(tmp_path / "run.json"), *extra)
+                 "--json", str(tmp_path / "run.json"), "--junit", str(tmp_path / "run.xml"),
+                 "--sarif", str(tmp_path / "run.sarif"), *extra)
     assert res.exit_code == 5, res.output
+    # its JUnit and SARIF do not read as a clean run (tester 60c: a passing "no findings" case, no invocation)
+    xml = (tmp_path / "run.xml").read_text()
+    assert 'name="nothing searched"' in xml and 'skipped="1"' in xml and "no findings" not in xml, xml
+    (inv,) = json.loads((tmp_path / "run.sarif").read_text())["runs"][0]["invocations"]
+    assert inv["executionSuccessful"] is False and "nothing searched" in json.dumps(inv)
     lines = [line for line in res.stderr.splitlines() if line.startswith("kvaudit: ")]
     assert lines == ["kvaudit: nothing searched: the 1e-09s search budget ended before the first program ran; "
                      "raise --max-time"], res.stderr

@@ -648,14 +648,25 @@ def test_a_full_disk_behind_cis_out_is_one_line_after_the_jobs_verdict_and_keeps
     regs = tmp_path / "regs"
     regs.mkdir()
     r = invoke("ci", "--presets", "default", "--fuzzer", "random", "--max-time", "5", "--regressions", str(regs),
-               "--out", str(out), "--junit", str(tmp_path / "ci.xml"))
+               "--out", str(out), "--junit", str(tmp_path / "ci.xml"), "--sarif", str(tmp_path / "ci.sarif"),
+               "--json", str(tmp_path / "ci.json"))
     assert r.exit_code == 74, r.output
     last = r.stdout.strip().splitlines()[-2:]
     assert last[0].startswith("SUMMARY: kvaudit:") and "found but not written (disk full)" in last[0], last
     assert last[1].startswith("FAILED: 0/0 regressions ok") and "found but not written (disk full)" in last[1], last
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith(f"kvaudit: error: disk full: cannot write {out}"), line
-    assert "<testsuite" in (tmp_path / "ci.xml").read_text() and str(tmp_path / "ci.xml") in line
+    assert str(tmp_path / "ci.xml") in line and str(out) not in line.split("kept what was written: ")[1]
+    # every report names the finding, none reads as a pass (tester 60c: green JUnit, SARIF and JSON, a "clean" row)
+    xml = (tmp_path / "ci.xml").read_text()
+    import re
+    assert re.search(r'<testsuites [^>]*failures="[1-9]', xml) and f'name="{signature}"' in xml, xml
+    assert "NOT WRITTEN: disk full" in xml, xml
+    sarif = json.load(open(tmp_path / "ci.sarif"))
+    assert signature in {r["partialFingerprints"]["kvauditSignature/v1"] for r in sarif["runs"][0]["results"]}
+    doc = json.load(open(tmp_path / "ci.json"))
+    assert signature in doc["not_written"] and signature in json.dumps(doc.get("cases", doc)), doc.keys()
+    assert "clean" not in r.stdout.split("kvaudit ci", 1)[1], r.stdout
 
 
 def test_a_ci_campaigns_full_disk_is_one_line_after_the_jobs_verdict(tmp_path, monkeypatch):

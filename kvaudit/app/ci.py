@@ -142,7 +142,8 @@ def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_
                              taken=frozenset(path for r in result.fuzz for _, _, path in r.new))
     result.fuzz.append(run)
     err.print(f"fuzz {preset}: {run.executions} executions, "
-              + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else "nothing searched"
+              + (f"{len(run.new_signatures())} NEW finding(s)" if run.new else
+                 f"{len(run.unwritten)} NEW finding(s) not written (disk full)" if run.unwritten else "nothing searched"
                  if run.nothing_searched else "interrupted before its share ended" if run.interrupted else "clean")
               + (f", {len(run.known)} known" if run.known else "")
               + ("; reached: " + ", ".join(f"{k}={v}" for k, v in sorted(run.reached.items())) if run.reached else ""),
@@ -160,9 +161,11 @@ def _print_table(console, result) -> None:
     for run in result.fuzz:
         cut = " (interrupted)" if run.interrupted else ""
         t.add_row(f"fuzz {run.preset} ({run.seconds:.1f}s, {run.executions} executions){cut}",
-                  Text(", ".join(f"NEW {sig} -> {path}" for sig, (_, path) in run.new_signatures().items()),
-                       style="bold red")
-                  if run.new else Text("interrupted before its share ended: no new findings so far", style="yellow")
+                  Text(", ".join(f"NEW {sig} -> {path}" + (" (not written: disk full)" if sig in run.unwritten else "")
+                                 for sig, (_, path) in run.new_signatures().items()), style="bold red")
+                  if run.new else Text(", ".join(f"NEW {sig} (not written: disk full)" for sig in sorted(run.unwritten)),
+                                       style="bold red")
+                  if run.unwritten else Text("interrupted before its share ended: no new findings so far", style="yellow")
                   if run.interrupted else Text(f"no new findings; {len({f.signature for f in run.known_open})} known "
                                                "still open", style="yellow")
                   if run.known_open else Text("clean", style="green") if not run.nothing_searched
@@ -175,7 +178,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
     """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can.
     Returns the error for the first not written, a fuzz campaign's on a full disk first (naming every file
     kept and every other not written), or None."""
-    kept = [path for run in result.fuzz for _, _, path in run.new]
+    kept = [path for run in result.fuzz for _, _, path in run.new if path not in run.unwritten.values()]
     base = kind.preset(first_preset).config()
     texts = {"junit": lambda: ci.junit(result), "sarif": lambda: json.dumps(ci.sarif(result, base), indent=2) + "\n"}
     full = next((run.not_written for run in result.fuzz if run.not_written is not None), None)
@@ -196,8 +199,10 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         try:
             ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
+            lost = {sig: path for run in result.fuzz for sig, path in sorted(run.unwritten.items())}
+            extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {})}  # (as a campaign's --json)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
-                                                   {"job": "kvaudit ci"}, suppressions=sset, ran=ran), err,
+                                                   extra, suppressions=sset, ran=ran), err,
                                   kept=tuple(kept))
         except click.ClickException as e:
             if not failed:

@@ -66,7 +66,8 @@ def failure_text(f: Finding, count: int = 1, engine: RecordedEngine | None = Non
 
 def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
              clean_case: str | None = None, recorded: Mapping[str, str] | None = None, seconds: float = 0.0,
-             found_after: float | None = None, search: Mapping | None = None, interrupted: str | None = None) -> str:
+             found_after: float | None = None, search: Mapping | None = None,
+             skipped: tuple[str, str] | None = None) -> str:
     """JUnit XML text for ``findings``: one failing case per signature (classname ``kvaudit.<kind>``,
     name the signature); with none, a passing ``clean_case`` when named. ``config``'s fields (a target
     kind's config) become the suite's ``<properties>`` (a string as it is, any other value as JSON spells
@@ -74,8 +75,9 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
     (:func:`~kvaudit.reports.sarif.engine_of`). A case's ``time``: ``seconds`` (the run's), for a finding
     ``found_after`` (the seconds the search took to hit it) when known; the suite's, ``seconds``. ``search``:
     which search ran (``fuzzer``, ``seed``: ``--seed``), the first properties, named ``search_fuzzer`` and
-    ``search_seed`` (the config's own ``seed`` is the engine's). ``interrupted``: the message of a skipped case
-    ``interrupted`` for a run Ctrl-C or SIGTERM cut short, which then has no passing ``clean_case``."""
+    ``search_seed`` (the config's own ``seed`` is the engine's). ``skipped``: ``(name, message)`` of a skipped
+    case for a run that did not check all it was asked to (``interrupted``: Ctrl-C or SIGTERM cut it short;
+    ``nothing searched``: its budget ended before one program ran), which then has no passing ``clean_case``."""
     on = engine_of(config, recorded)
     groups: dict[str, list[Finding]] = {}
     for f in findings:
@@ -88,7 +90,7 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
         failure = ET.SubElement(case, "failure", message=xml_text(first.summary()), type=xml_text(first.kind))
         failure.text = xml_text(failure_text(first, len(group), on(first)))
         cases.append(case)
-    if interrupted is None and not findings and clean_case:
+    if skipped is None and not findings and clean_case:
         cases.append(ET.Element("testcase", classname="kvaudit", name=xml_text(clean_case), time=f"{seconds:.2f}"))
 
     counts = dict.fromkeys(("tests", "failures", "errors"), "0")  # (placed here; document() counts the cases)
@@ -107,6 +109,6 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
             ET.SubElement(props, "property", name=xml_text(key), value=xml_text(v if isinstance(v, str) else
                                                                                 json_value(v)))
     suite.extend(cases)
-    if interrupted is not None:  # what did not run is not a pass
-        add_interrupted(suite, interrupted)
+    if skipped is not None:  # what did not run is not a pass
+        add_interrupted(suite, skipped[1], name=skipped[0])
     return document(root)

@@ -16,6 +16,8 @@ from kvaudit.audit.findings import Finding, report_order
 from kvaudit.program import Op
 from kvaudit.reports.ci_outputs import INTERRUPTED, invocation
 
+NOTHING_SEARCHED = "nothing searched: the search budget ended before the first program ran"
+
 FORMATS = ("html", "sarif", "junit", "json")
 
 
@@ -116,20 +118,30 @@ def _sarif(data: ReportData) -> str:
     search = search_facts(data.extra)
     if search:  # which search ran: the fuzzer's name and its --seed (the engine config's seed is engineConfig's)
         log["runs"][0].setdefault("properties", {})["search"] = search
-    if data.extra.get("interrupted"):  # its results are what ran before the stop: not a clean run's verdict
-        ran = f" after {data.extra['executions']} executions" if "executions" in data.extra else ""
-        log["runs"][0]["invocations"] = [invocation(INTERRUPTED.replace(":", f"{ran}:", 1))]
+    short = _not_all_checked(data)
+    if short is not None:  # its results are what ran before the stop: not a clean run's verdict
+        log["runs"][0]["invocations"] = [invocation(short[1])]
     return json.dumps(log, indent=2) + "\n"
 
 
 def _junit(data: ReportData) -> str:
     from kvaudit.reports.junit import to_junit
 
-    ran = f" after {data.extra['executions']} executions" if "executions" in data.extra else ""
     return to_junit(data.findings, data.config, clean_case=f"kvaudit {data.config.preset}: no findings",
                     recorded=data.recorded, seconds=data.extra.get("seconds", 0.0),
                     found_after=data.extra.get("first_hit_seconds"), search=search_facts(data.extra),
-                    interrupted=INTERRUPTED.replace(":", f"{ran}:", 1) if data.extra.get("interrupted") else None)
+                    skipped=_not_all_checked(data))
+
+
+def _not_all_checked(data: ReportData) -> tuple[str, str] | None:
+    """``(name, message)`` of a run that did not check all it was asked to (a search Ctrl-C or SIGTERM cut short,
+    or whose budget ended before its first program), for its JUnit's skipped case and SARIF's invocation."""
+    if data.extra.get("interrupted"):
+        ran = f" after {data.extra['executions']} executions" if "executions" in data.extra else ""
+        return "interrupted", INTERRUPTED.replace(":", f"{ran}:", 1)
+    if data.extra.get("executions") == 0 and not data.findings and "replayed" not in data.extra:
+        return "nothing searched", NOTHING_SEARCHED
+    return None
 
 
 def _html(data: ReportData) -> str:

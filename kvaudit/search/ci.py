@@ -169,12 +169,11 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
                 dest = f"{dest[:-len('.json')]}.{preset}.json"
             try:
                 path = replay.write_atomic(dest, doc)
-            except OSError as e:  # --out's disk full: found but not written, as a campaign's own (the job goes on)
+            except OSError as e:  # --out's disk full: found but not written, as a campaign's own; still reported
                 if e.filename is None:
                     e.filename = dest
-                run.not_written = run.not_written or e
+                run.not_written, path = run.not_written or e, dest
                 run.unwritten.update({sig: dest for sig in sorted(sigs)})
-                continue
             run.new.append((program, [f for f in findings if f.signature in sigs], path))
         if not result.interrupted:  # (in the scratch corpus's life: another shard's files are pulled into it)
             run.known_open = still_open({**result.fleet, **result.known}, suppress_path)
@@ -222,8 +221,12 @@ def sarif(result: CiResult, config) -> dict:
                    baseline={s: "unchanged" if s in known else "new" for s in sigs})
     for s, r in zip(sigs, log["runs"][0]["results"]):
         r["properties"]["preset"] = first[s][1]
+    lost = sorted({sig for run in result.fuzz for sig in run.unwritten})
     if result.interrupted:  # its results are what ran: say the run did not complete
         log["runs"][0]["invocations"] = [ci_outputs.invocation(ci_outputs.INTERRUPTED)]
+    elif lost:  # a full disk: what a worker found but could not write has no result here (nothing to locate)
+        log["runs"][0]["invocations"] = [ci_outputs.invocation(
+            f"{len(lost)} new signature(s) found but not written (disk full): {', '.join(lost)}")]
     return log
 
 
@@ -242,7 +245,7 @@ def junit(result: CiResult) -> str:
             fail = ET.SubElement(case, "failure", message=xml_text(r.problem), type="regression")
             fail.text = xml_text(f"{r.path}\nsignature: {r.signature}\n{r.problem}\n")
     for run in result.fuzz:
-        if not run.new:  # known findings (the corpus's, still open) pass: they are listed, not hidden
+        if not run.new and not run.unwritten:  # known findings (the corpus's, still open) pass: listed, not hidden
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}",
                                  name=f"{run.preset}: no new findings", time=f"{run.seconds:.2f}")
             still = sorted({f.signature for f in run.known_open})
@@ -257,7 +260,15 @@ def junit(result: CiResult) -> str:
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),
                                  time=f"{run.found_after.get(f.signature, run.seconds):.2f}")
             fail = ET.SubElement(case, "failure", message=xml_text(f.summary()), type=xml_text(f.kind))
-            fail.text = xml_text(f"replay file: {path}\n" + failure_text(f))
+            lost = " (NOT WRITTEN: disk full)" if f.signature in run.unwritten else ""
+            fail.text = xml_text(f"replay file: {path}{lost}\n" + failure_text(f))
+        reported = set(run.new_signatures())
+        for sig, path in sorted(run.unwritten.items()):  # a worker's finding a full disk refused: still a failure
+            if sig not in reported:
+                case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(sig),
+                                     time=f"{run.seconds:.2f}")
+                ET.SubElement(case, "failure", message="found but not written (disk full)",
+                              type=xml_text(sig.split("/", 1)[0])).text = xml_text(f"replay file not written: {path}\n")
     if result.interrupted:
         ci_outputs.add_interrupted(fz)
     return ci_outputs.document(root)
