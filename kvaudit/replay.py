@@ -10,7 +10,7 @@ from typing import Callable
 from kvaudit import atomic
 from kvaudit.config import TargetConfig, json_value
 from kvaudit.targets import config_from_dict, config_to_dict
-from kvaudit.targets.registry import UnknownTargetError, kind_of
+from kvaudit.targets.registry import TargetUnavailable, UnknownTargetError, kind_of
 from kvaudit.audit.findings import Finding, source_path
 from kvaudit.program import Op, ProgramError, program_from_json, program_to_json
 
@@ -224,7 +224,10 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
         if key in doc and not ok(doc[key]):  # (what reports name as the search that found it: tester 59b)
             raise ReplayFormatError(f"{path}: bad {key}: want {want}, got {json_value(doc[key], 60)}")
     kind = kind_of(config)
-    presets = kind.any_release_presets()  # NOTE: a preset of any release: the probe judges the config
+    try:
+        presets = kind.any_release_presets()  # NOTE: a preset of any release: the probe judges the config
+    except TargetUnavailable as e:  # the kind is loaded, its engine not installed here: what this host lacks
+        raise TargetNotLoadedError(f"{path}: {e}") from None
     if config.preset not in presets and config.preset != "custom":
         raise ReplayFormatError(f"{path}: bad config: " + (kind.refusal(config.preset) or (
             f"unknown preset {json_value(config.preset)} (valid: {', '.join(presets)}, or custom)")))

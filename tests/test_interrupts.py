@@ -155,11 +155,13 @@ def test_a_signal_during_kvaudit_replay_exits_130_in_one_line(tmp_path, launch, 
     hold = ("import sys, time\nimport kvaudit.app.replay as r\n\n\ndef held(*a, **k):\n"
             "    print('TEST-HOLD: replay held', file=sys.stderr, flush=True)\n    while True:\n"
             "        time.sleep(3600)\n\n\nr._check_determinism = held\n")  # (after the first run: past start-up)
-    run = launch(["replay", os.path.join(REGRESSIONS, f"{BUG}.json"), "--check-determinism"], hold=hold)
+    run = launch(["replay", os.path.join(REGRESSIONS, f"{BUG}.json"), "--check-determinism",
+                  "--junit", str(tmp_path / "r.xml")], hold=hold)
     run.wait_for("TEST-HOLD: replay held")
     code, _, err = run.finish(sig)
     assert code == 130, err[-2000:]
     assert err.rstrip().endswith("kvaudit: interrupted") and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "r.xml").exists()  # no report written (tester 60c: a JUnit of the first run, then 130)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from cli_helpers import invoke, one_error_line
 
+from kvaudit import replay
 from kvaudit.audit import oracles
 from kvaudit.config import ConfigBase, Preset
 from kvaudit.audit.hooks import Auditor
@@ -696,6 +697,16 @@ def test_a_plugins_tables_are_read_once_its_module_has_imported(tmp_path, monkey
         assert r.exit_code == 2, (args, r.output)
         line = one_error_line(r)
         assert ("engine foo is not installed: pip install foo" in line) == ("gone" in args), (args, line)
+    # a replay file of its kind: one line, exit 69 (this host lacks the engine), and ci's JUnit error (tester 60c)
+    gone = registry.get("gone")
+    src = tmp_path / "regs" / "gone.json"
+    src.parent.mkdir()
+    replay.write_atomic(str(src), replay.to_doc(gone.config_class(), [], []))
+    for args in (("replay", str(src)), ("report", str(src)), ("minimize", str(src), "-o", str(tmp_path / "m.json"))):
+        r = invoke(*args)
+        assert r.exit_code == 69 and "engine foo is not installed" in one_error_line(r), (args, r.output)
+    r = invoke("ci", "--regressions", str(src.parent), "--max-time", "0", "--junit", str(tmp_path / "ci.xml"))
+    assert r.exit_code == 1 and "engine foo is not installed" in (tmp_path / "ci.xml").read_text(), r.output
 
 
 def test_an_entry_points_kind_has_its_tables_checked_too(monkeypatch, fresh_registry):

@@ -65,10 +65,12 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
         console.print(f"recorded signature(s) reproduced: {same}"
                       + (f" (suppressed: {', '.join(hidden)})" if hidden else ""), soft_wrap=True)
     occupancy = record_timeline(config, program, sset, err) if outputs.html or outputs.json else None
+    # (the runs before the reports: an interrupt among them writes none, as exit-codes.md says)
+    differ = check_determinism and _check_determinism(console, config, program, sset, ex, runs)
     write_reports(outputs, ReportData.single(config, program, ex.findings, suppressed_by_kind(sset),
                                              {**found_by, "replayed": file}, timeline=occupancy,
                                              program_title="program", suppressions=sset), err)
-    if check_determinism and _check_determinism(console, config, program, sset, ex, runs):
+    if differ:
         return EXIT_NONDETERMINISTIC
     return EXIT_FINDINGS if ex.findings else EXIT_CLEAN
 
