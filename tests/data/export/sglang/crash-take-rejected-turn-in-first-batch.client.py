@@ -366,7 +366,7 @@ def main(argv=None):
                                     "%d call(s) not answered in time" % len(c.slow) if c.slow else "",
                                     "/metrics did not answer, so the pool was not compared" if blind else "",
                                     "the finding's pool is not in /metrics (see the NOTE above)" if unseen else "",
-                                    "the program was not sent as written (see the NOTE above)" if UNSENT else ""])),
+                                    "the program was not sent as written, see the NOTE above" if UNSENT else ""])),
             "" if not (c.refused or c.slow or blind) else
             ": launch the server as the top of this file says" + (", or raise --timeout" if c.slow else "")))
         return 3
