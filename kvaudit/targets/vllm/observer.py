@@ -515,10 +515,9 @@ class VllmObserver:
         replayed, named = self._replayed(), self._event_keys
         u, grouped = self.V.kv_cache_utils, self.V.has("kv-event-group")
         keys = [key for key, _ in entries]
-        for key in keys:
-            if key not in named:  # (converted once per key: vLLM's conversion reads an env var per call)
-                named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),
-                              u.get_group_id(key) if grouped else None)
+        for key in set(keys).difference(named):  # (converted once per key, the new ones found in C: vLLM's
+            named[key] = (u.maybe_convert_block_hash(u.get_block_hash(key)),  # conversion reads an env var a call)
+                          u.get_group_id(key) if grouped else None)
         real = Counter(map(named.__getitem__, keys))
         # (neither holds a zero count: equal as dicts is equal as Counters, and a dict compares in C)
         if not dict.__eq__(real, replayed) and real != replayed:

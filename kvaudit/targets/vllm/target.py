@@ -386,25 +386,19 @@ class VllmSchedulerTarget(_VllmBase):
         bs = self.config.block_size
         return table[np.minimum(pos // bs, table.size - 1)] * bs + pos % bs
 
-    def _span_slots(self, g: int, rid: str, lo: int, hi: int) -> np.ndarray:
-        """``[hi - lo] int64``: the token slots of the positions ``[lo, hi)`` in ``rid``'s table in group ``g``
-        (:meth:`_slots` of :meth:`_table`), the blocks they cover expanded to their slots by one ``take`` of the
-        pool's slot rows (a forward's positions are a span: no per-position arithmetic)."""
-        bs, blocks = self.config.block_size, self.groups[g].req_to_blocks.get(rid, ())
-        if hi > len(blocks) * bs:  # (positions past the table: the null block's, clamped as _slots does)
-            return self._slots(self._table(g, rid), np.arange(lo, hi))
-        rows = self._block_slots.take([b.block_id for b in blocks[lo // bs:(hi + bs - 1) // bs]], axis=0)
-        return rows.ravel()[lo % bs:lo % bs + hi - lo]
-
     def _shadow_step(self, out) -> None:
         """The KV of the step ``out`` as a forward moves it: its copy-on-writes first, then every request's
         positions ``[start, end)`` written with its tags, then each one's reads (:func:`_first` to ``start``)
         checked: a slot never written, or written for another prefix, is stale KV (``report``). Draft positions
         past the known tokens are tagged once known (:meth:`_tag_drafts`, or the request's next step). The
-        slots of a request's reads and writes are one span (:meth:`_span_slots`); every read of the step is
-        compared at once, and only a step that reads a wrong tag looks at each request's reads apart."""
+        slots of a request's reads and writes are one span: the blocks it covers expanded to their slots by one
+        ``take`` of the pool's slot rows (``[num_gpu_blocks, block_size]``; positions past the table read the
+        null block's, :meth:`_slots`), inline with :meth:`_tags` and :func:`_first` (no call a request). Every
+        read of the step is compared at once, and only a step that reads a wrong tag looks at each request's
+        reads apart."""
         shadow = self._shadow[0]
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
+        request_tags, texts, rows, groups = shadow.request_tags, self.texts, self._block_slots, self.groups
         copies = out.kv_cache_block_copies if self._cow else None
         if copies:  # the worker copies each copy-on-write block before the forward (copy_kv_cache_blocks_inplace)
             src, dst = (np.array(copies, dtype=np.int64)[:, :, None] * bs + self._lane).transpose(1, 0, 2)
@@ -412,16 +406,24 @@ class VllmSchedulerTarget(_VllmBase):
         null = tags_of[:bs].copy()  # NOTE: every write goes in whole, then the null block's tags are put back:
         spans = []  # the same as leaving its slots out of each write, in one call a step instead of two a write
         for rid, n in out.num_scheduled_tokens.items():
-            request = reqs[rid]
-            tags, done = self._tags(request), request.num_computed_tokens
+            request = reqs[rid]  # (its tags: _tags)
+            tags = request_tags(request, request.prompt_token_ids, request.output_token_ids,
+                                texts[rid][request.num_tokens:])
+            done = request.num_computed_tokens
             end, start = min(done, tags.size), max(done - n, 0)
             for g, window in self._attention:
                 if self._drafts and (rid, g) in self._drafts:
                     pos, slots = self._drafts.pop((rid, g))
                     keep = (self._slots(self._table(g, rid), pos) == slots) & (pos < tags.size)
                     tags_of[slots[keep]] = tags[pos[keep]]
-                first = _first(start, window)
-                slots = self._span_slots(g, rid, first, done)  # reads [first, start), then writes [start, done)
+                first = 0 if window is None else max(start - window + 1, 0)  # (_first)
+                blocks = groups[g].req_to_blocks.get(rid, ())  # reads [first, start), then writes [start, done)
+                if done > len(blocks) * bs:  # (positions past the table: the null block's, clamped)
+                    slots = self._slots(self._table(g, rid), np.arange(first, done))
+                else:
+                    lo = first % bs
+                    slots = rows.take([b.block_id for b in blocks[first // bs:(done + bs - 1) // bs]],
+                                      axis=0).ravel()[lo:lo + done - first]
                 written = slots[start - first:]
                 if end < done:  # (speculative drafts: tagged once known)
                     pos = np.arange(start, done)
@@ -497,8 +499,10 @@ class VllmSchedulerTarget(_VllmBase):
         ``_re_block_ids``, vLLM #49684). Sets are left out: ``finished_req_ids`` and the like hold ids a step."""
         if not self.is_idle():
             return []
-        known = self.scheduler.requests
-        tables = [(name, table) for name, table in vars(self.scheduler).items() if isinstance(table, dict) and table]
+        known, texts = self.scheduler.requests, self.texts.keys()  # (texts' keys: request ids, all str)
+        # only the dicts holding a request id the Scheduler no longer knows (found by set operations in C)
+        tables = [(name, table) for name, table in vars(self.scheduler).items()
+                  if isinstance(table, dict) and table and not (texts & table.keys()) <= known.keys()]
         for name, table in sorted(tables, key=itemgetter(0)):  # (the attributes' names: the first one said)
             dead = [k for k in table if isinstance(k, str) and k in self.texts and k not in known]
             if dead:
@@ -581,10 +585,12 @@ class VllmSchedulerTarget(_VllmBase):
 
     def is_idle(self) -> bool:
         """The engine core's test (``has_requests()``, no batch in flight), and no unfinished request it no longer
-        counts (not a waiting session): never scheduled again, a hang (vLLM #52693 on 0.27.0 to 0.30.0)."""
+        counts (not a waiting session): never scheduled again, a hang (vLLM #52693 on 0.27.0 to 0.30.0). The
+        three reads are pure, so asked cheapest-to-refute first: a busy engine's first request is unfinished
+        (no call into the Scheduler's counts), an idle one's table is empty."""
         s, W = self.scheduler, self.V.RequestStatus.WAITING_FOR_STREAMING_REQ
-        return not (s.has_requests() or self.batch_queue) and not any(
-            not r.is_finished() and r.status != W for r in s.requests.values())
+        return not self.batch_queue and not any(
+            not r.is_finished() and r.status != W for r in s.requests.values()) and not s.has_requests()
 
     def progress(self) -> dict[str, int]:
         return {r.request_id: r.num_computed_tokens + r.num_output_tokens + 1000 * r.num_preemptions
