@@ -22,8 +22,8 @@ def suites() -> tuple[ET.Element, ET.Element, ET.Element]:
         root, "testsuite", name="kvaudit.fuzz")
 
 
-def add_interrupted(suite: ET.Element, message: str = INTERRUPTED, name: str = "interrupted") -> None:
-    """The skipped case ``name`` (``interrupted``): what did not run is not a pass."""
+def add_skipped(suite: ET.Element, message: str = INTERRUPTED, name: str = "interrupted") -> None:
+    """A skipped case ``name`` (``interrupted``, ``nothing searched``): what did not run is not a pass."""
     case = ET.SubElement(suite, "testcase", classname="kvaudit.fuzz", name=name, time="0")
     ET.SubElement(case, "skipped", message=message)
 
@@ -47,7 +47,7 @@ def document(root: ET.Element) -> str:
 def interrupted_junit() -> str:
     """The JUnit of a job stopped before it began: no regression case, the skipped ``interrupted`` case."""
     root, _, fuzz = suites()
-    add_interrupted(fuzz, NOTHING_RAN)
+    add_skipped(fuzz, NOTHING_RAN)
     return document(root)
 
 

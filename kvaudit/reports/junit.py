@@ -13,7 +13,7 @@ from kvaudit.config import json_value
 from kvaudit.audit.findings import Finding, Site
 from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
-from kvaudit.reports.ci_outputs import add_interrupted, document
+from kvaudit.reports.ci_outputs import add_skipped, document
 from kvaudit.reports.sarif import engine_of, engine_verdict, finding_stacks, lifecycle
 
 # NOTE: what XML 1.0 allows nowhere, even as a character reference
@@ -110,5 +110,5 @@ def to_junit(findings: list[Finding], config=None, suite_name: str = "kvaudit",
                                                                                 json_value(v)))
     suite.extend(cases)
     if skipped is not None:  # what did not run is not a pass
-        add_interrupted(suite, skipped[1], name=skipped[0])
+        add_skipped(suite, skipped[1], name=skipped[0])
     return document(root)

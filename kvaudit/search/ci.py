@@ -270,6 +270,6 @@ def junit(result: CiResult) -> str:
                 ET.SubElement(case, "failure", message="found but not written (disk full)",
                               type=xml_text(sig.split("/", 1)[0])).text = xml_text(f"replay file not written: {path}\n")
     if result.interrupted:
-        ci_outputs.add_interrupted(fz)
+        ci_outputs.add_skipped(fz)
     return ci_outputs.document(root)
 

@@ -393,12 +393,11 @@ class VllmSchedulerTarget(_VllmBase):
         past the known tokens are tagged once known (:meth:`_tag_drafts`, or the request's next step). The
         slots of a request's reads and writes are one span: the blocks it covers expanded to their slots by one
         ``take`` of the pool's slot rows (``[num_gpu_blocks, block_size]``; positions past the table read the
-        null block's, :meth:`_slots`), inline with :meth:`_tags` and :func:`_first` (no call a request). Every
-        read of the step is compared at once, and only a step that reads a wrong tag looks at each request's
-        reads apart."""
+        null block's, :meth:`_slots`). Every read of the step is compared at once, and only a step that reads a
+        wrong tag looks at each request's reads apart."""
         shadow = self._shadow[0]
         bs, reqs, tags_of = self.config.block_size, self.scheduler.requests, shadow.tags[POOL]
-        request_tags, texts, rows, groups = shadow.request_tags, self.texts, self._block_slots, self.groups
+        rows, groups = self._block_slots, self.groups
         copies = out.kv_cache_block_copies if self._cow else None
         if copies:  # the worker copies each copy-on-write block before the forward (copy_kv_cache_blocks_inplace)
             src, dst = (np.array(copies, dtype=np.int64)[:, :, None] * bs + self._lane).transpose(1, 0, 2)
@@ -406,9 +405,8 @@ class VllmSchedulerTarget(_VllmBase):
         null = tags_of[:bs].copy()  # NOTE: every write goes in whole, then the null block's tags are put back:
         spans = []  # the same as leaving its slots out of each write, in one call a step instead of two a write
         for rid, n in out.num_scheduled_tokens.items():
-            request = reqs[rid]  # (its tags: _tags)
-            tags = request_tags(request, request.prompt_token_ids, request.output_token_ids,
-                                texts[rid][request.num_tokens:])
+            request = reqs[rid]
+            tags = self._tags(request)
             done = request.num_computed_tokens
             end, start = min(done, tags.size), max(done - n, 0)
             for g, window in self._attention:
@@ -416,7 +414,7 @@ class VllmSchedulerTarget(_VllmBase):
                     pos, slots = self._drafts.pop((rid, g))
                     keep = (self._slots(self._table(g, rid), pos) == slots) & (pos < tags.size)
                     tags_of[slots[keep]] = tags[pos[keep]]
-                first = 0 if window is None else max(start - window + 1, 0)  # (_first)
+                first = _first(start, window)
                 blocks = groups[g].req_to_blocks.get(rid, ())  # reads [first, start), then writes [start, done)
                 if done > len(blocks) * bs:  # (positions past the table: the null block's, clamped)
                     slots = self._slots(self._table(g, rid), np.arange(first, done))
