@@ -644,3 +644,17 @@ def test_an_unresolved_export_does_not_call_a_client_exact_that_may_need_a_held_
     assert "client: approximate" in r.output + r.stderr
     assert "handles not resolved on the target (--no-resolve, or the engine not installed)" in (
         tmp_path / "u.md").read_text()
+
+
+@pytest.mark.parametrize("engine,name,model", [
+    ("vllm", "findings/nixl-swa-window-block-skipped", "(a model with a 32-token sliding window beside full attention"),
+    ("sglang", "liveness-swa-36458-chunked-prefill-pins-swa-pool", "(a hybrid-SWA model, as said above;")])
+def test_a_sliding_window_finding_is_not_launched_on_any_model(tmp_path, engine, name, model):
+    """Tester 61b: a sliding-window finding's Reproduce step said "Launch the server as above (any model; ...)",
+    against its own environment bullet: the window is the model's, so the launch names that kind of model."""
+    src = os.path.join(ROOT, "corpora", engine, name + ".json")
+    issue = tmp_path / "swa.md"
+    assert invoke("export", src, "--issue", str(issue), "--client", str(tmp_path / "swa.py"),
+                  "--no-resolve").exit_code == 0
+    text = issue.read_text()
+    assert "(any model;" not in text and "Launch the server as above " + model in text

@@ -194,6 +194,15 @@ def pool_findings(before, after, flushed):
     return seen
 '''
 
+def _model(config) -> str:
+    # the model the launch needs (IssueParts.model): HiSparse's DSA model, a hybrid-SWA model, else any
+    if config.enable_hisparse:
+        return "a DSA model, as said above"
+    if config.sliding_window_size is not None:
+        return "a hybrid-SWA model, as said above"
+    return "any model"
+
+
 def launch_env(config, program, finding_kind: str, env: list[str]) -> list[str]:
     """``env`` with ``SGLANG_TEST_RETRACT=1`` first when the program applies memory pressure (decode then
     retracts periodically), and :data:`STRICT_IDLE_CHECK` last unless the finding is a crash or a hang or
@@ -328,7 +337,7 @@ EXPORT = EngineExport(
         seen_how="(allocators, radix cache, sessions, batch preparation) on CPU, through its driver, "
                  "which plays the scheduler loop in SGLang's call order with a stand-in model",
         launch_notes=_launch_notes, server_notes=_server_notes,
-        model=lambda c: "a DSA model, as said above" if c.enable_hisparse else "any model"),
+        model=_model),
     launch=launch_line("python -m sglang.launch_server --model-path MODEL", flag_line), launch_env=launch_env,
     expected_pool="the pool does not come back (after closing every session and flushing, kv_available_tokens "
                   "is below its value before the program, or kv_used_tokens > 0), or the server fails",

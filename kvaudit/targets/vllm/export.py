@@ -408,7 +408,9 @@ EXPORT = EngineExport(
         seen_how="(Scheduler or AsyncScheduler, KVCacheManager, BlockPool, prefix-cache map) on CPU, through its "
                  "driver, which calls them as vLLM's engine core does with synthetic model outputs",
         server_notes=_server_notes, call_text=_call_text,
-        program_note="; `abort(handle=None)` aborts every request the Scheduler holds"),
+        program_note="; `abort(handle=None)` aborts every request the Scheduler holds",
+        model=lambda c: "any model" if c.sliding_window is None else
+        f"a model with a {c.sliding_window}-token sliding window beside full attention, as said above"),
     launch=launch_line("vllm serve MODEL", vllm_flag_line), planted=planted_faults(FAULTS),
     client_sizes=lambda c: (c.num_gpu_blocks - 1, c.max_model_len),
     expected_pool="the pool does not come back (with every stream ended and nothing running, kv_cache_usage_perc > 0 "
