@@ -248,7 +248,8 @@ def parses(args: list[str]) -> bool:
               help="Search budget, in seconds. Start-up is not counted: the clock starts after the imports and "
                    "the first engine build (SGLang or vLLM: 5-25 s; the run's second line says how long), each "
                    "campaign worker's after its own; triage of a finding comes after.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same search.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed (0 or more); the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
               help="Directory for replay files of findings (made when one is written; --fuzzer atheris also keeps "
                    "libFuzzer's work directory and corpus in DIR/.atheris).")
@@ -370,7 +371,7 @@ def minimize_cmd(file, out_file, signature, suppress_file, step_timeout):
               help="The target kind whose presets are fuzzed (see 'kvaudit presets').")
 @click.option("--fuzzer", type=FuzzerChoice(), default=CAMPAIGN_FUZZER, show_default=True,
               help="The fuzzer of each preset's campaign (the default keeps its programs in --corpus DIR/<preset>).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--regressions", "regressions_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Replay files that must still reproduce (and be clean when their switches are off) "
                    "[default: ./corpora/regressions, else the one kvaudit ships].")

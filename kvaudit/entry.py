@@ -5,6 +5,7 @@ Design notes: docs/internals/app.md."""
 from __future__ import annotations
 
 import atexit
+import errno
 import importlib
 import os
 import signal
@@ -59,8 +60,23 @@ def main() -> None:
     try:
         cli_main(obj={"process_start": started, CHECK_ONLY: refused})  # (refused: no callback imports the engine)
     except SystemExit as e:
+        e = _disk_full(e)
         _exit(e)
-        raise
+        raise e from None
+
+
+def _disk_full(e: SystemExit) -> SystemExit:
+    # standard output (or error) on a full disk: the rest of the output went to /dev/null and the reports
+    # were written; the run still ends 74, as a report the disk refused does (bad input and errors keep theirs)
+    if ReaderGone.full is None or e.code not in (None, 0, 1, 3, 4, 5):
+        return e
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    sys.stderr.write(f"kvaudit: disk full: cannot write {ReaderGone.full}; the rest of its output was dropped\n")
+    return SystemExit(74)
 
 
 def _sigterm_as_ctrl_c(signum, frame):
@@ -83,10 +99,16 @@ class ReaderGone:
     def __getattr__(self, name):
         return getattr(self._stream, name)
 
+    full: str | None = None  # the reason a stream's disk refused a write (``> /dev/full``): exit 74 at the end
+
     def _retry(self, call, *args):
         try:
             return call(*args)
-        except BrokenPipeError:
+        except OSError as e:
+            if not isinstance(e, BrokenPipeError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not isinstance(e, BrokenPipeError):
+                ReaderGone.full = ReaderGone.full or f"{self._stream.name} ({e.strerror})"
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
@@ -125,6 +147,6 @@ def _exit(e: SystemExit) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe (| head): nothing more can be said
+        except (OSError, ValueError, AttributeError):  # a closed pipe (| head), a closed descriptor (None)
             pass
     os._exit(code)

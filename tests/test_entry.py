@@ -2,6 +2,7 @@
 nor Hypothesis nor rich, `fuzz --max-time` is search time (start-up is paid before its clock starts,
 issue 34), and a finished command does not wait for torch's teardown. Asserts on what is imported and run, never on timings."""
 
+import json
 import os
 import re
 import subprocess
@@ -235,3 +236,60 @@ def test_a_reader_that_leaves_early_still_gets_the_reports_written(tmp_path):
     code, err = _closed_early(["replay", REGRESSION, "--junit", str(tmp_path / "j.xml")], tmp_path)
     assert code == 1 and "Traceback" not in err, err[-1000:]
     assert "<testsuite" in (tmp_path / "j.xml").read_text()
+
+
+def _clean_replay(tmp_path) -> str:
+    # REGRESSION's program with its bug switched off: a replay that exits 0
+    doc = json.load(open(REGRESSION))
+    doc["config"]["bugs"] = []
+    doc.pop("findings", None)
+    path = tmp_path / "clean.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_closed_stdout_or_stderr_changes_no_exit_code(closed, tmp_path):
+    """Tester 61a: `kvaudit replay clean.json >&-` exited 1 (the finding code) with `'NoneType' object has no
+    attribute 'flush'` (Python sets a closed descriptor's stream to None); bad input exited 1, not 2."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    redirect = ">&- 2>/dev/null" if closed == "stdout" else "2>&- >/dev/null"
+
+    def code(replay: str) -> int:
+        # the shell closes the descriptor before Python starts, as `>&-` does (sys.stdout is then None)
+        return subprocess.run(["sh", "-c", f'exec "$0" -m kvaudit replay "$1" {redirect}', sys.executable, replay],
+                              cwd=tmp_path, env=env, timeout=120).returncode
+
+    assert (code(_clean_replay(tmp_path)), code(str(tmp_path / "missing.json"))) == (0, 2)
+
+
+@pytest.mark.parametrize("args", [["bugs"], ["report", REGRESSION]], ids=" ".join)
+def test_stdout_on_a_full_disk_is_one_line_exit_74(args, tmp_path):
+    """Tester 61a: `kvaudit report F > /dev/full` was `internal error: OSError: [Errno 28]`, exit 70; the docs
+    say 74 for a full disk. The rest of the output is dropped, the reports asked for are written."""
+    html = tmp_path / "r.html"
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "kvaudit", *args] + (["--html", str(html)] if args[0] == "report"
+                                                                       else []),
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}, stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    assert r.returncode == 74, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        "kvaudit: disk full: cannot write <stdout> (No space left on device); the rest of its output was dropped")
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+    assert args[0] == "bugs" or "<html" in html.read_text()
+
+
+@pytest.mark.parametrize("columns", ["abc", "80.5", "-3", "0"])
+def test_a_columns_that_is_not_a_positive_number_is_ignored_off_a_terminal(columns, tmp_path):
+    """Tester 61a: `COLUMNS=abc kvaudit bugs > file` was `internal error: ValueError`, exit 70."""
+    r = subprocess.run([sys.executable, "-m", "kvaudit", "bugs"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": columns}, timeout=120)
+    assert r.returncode == 0 and "bug zoo:" in r.stdout and not r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", ["fuzz", "ci"])
+def test_a_negative_seed_is_refused(command):
+    """Tester 61a: `--seed -1` searched exactly as `--seed 1` (Python's random takes the seed's absolute value)."""
+    r = _python("-m", "kvaudit", command, "--seed", "-1", "--max-time", "0")
+    assert r.returncode == 2 and "'--seed': -1 is not in the range x>=0" in r.stderr, r.stderr[-2000:]

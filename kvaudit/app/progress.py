@@ -23,8 +23,14 @@ if TYPE_CHECKING:
 def console(stderr: bool = False) -> Console:
     """A rich console; off a terminal it is wide, so that paths in reports are not broken up."""
     probe = Console(stderr=stderr)
-    width = None if probe.is_terminal else int(os.environ.get("COLUMNS", 0) or 120)
+    width = None if probe.is_terminal else _columns()
     return Console(stderr=stderr, highlight=False, width=width)
+
+
+def _columns() -> int:
+    # COLUMNS off a terminal: a positive whole number, else 120 (a shell's `COLUMNS=abc` is not an error)
+    text = os.environ.get("COLUMNS", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else 120
 
 
 PROGRESS_INTERVAL = 5.0  # seconds between plain status lines off a terminal (fuzz, replay)
