@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Callable
 
 from kvaudit import atomic
@@ -129,7 +130,11 @@ def _read(path: str) -> dict:
     except OSError as e:
         raise ReplayFormatError(f"cannot read {path}: {e.strerror}") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints past Python's digit limit
-        raise ReplayFormatError(f"{path} is not JSON: {str(e).splitlines()[0]}") from None
+        why = str(e).splitlines()[0]
+        if "integer string conversion" in why:  # (Python's own hint names sys.set_int_max_str_digits)
+            raise ReplayFormatError(f"{path} is not a kvaudit replay file (a number of more than "
+                                    f"{sys.get_int_max_str_digits()} digits)") from None
+        raise ReplayFormatError(f"{path} is not JSON: {why}") from None
     except RecursionError:
         raise ReplayFormatError(f"{path} is not a kvaudit replay file (nested too deeply)") from None
     return _no_lone_surrogate(doc, path)

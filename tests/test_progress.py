@@ -82,3 +82,22 @@ def test_a_long_replay_shows_its_progress_off_a_terminal(tmp_path, monkeypatch):
     monkeypatch.setattr(progress, "PROGRESS_INTERVAL", 5.0)  # the default: a short replay says nothing
     r = invoke("replay", str(path))
     assert r.exit_code == 0 and "ops=" not in r.stderr, r.stderr
+
+
+def test_a_dumb_terminal_gets_the_plain_status_lines(capsys, monkeypatch):
+    """Tester 61a: `TERM=dumb` on a terminal showed no status at all (rich's live display cannot move a dumb
+    terminal's cursor, and the plain lines were only printed off a terminal)."""
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.setenv("TERM", "dumb")
+    console = Console(file=io.StringIO(), force_terminal=True)
+    assert console.is_terminal and not progress.live_terminal(console)
+    p, stats = Progress(console, 60.0), FuzzStats()
+    assert p.live is None
+    stats.executions = 1
+    p.update(stats)
+    assert "fuzzing: executions=1 " in capsys.readouterr().err
+    monkeypatch.setenv("TERM", "xterm")
+    assert progress.live_terminal(console) and Progress(console, 60.0).live is not None

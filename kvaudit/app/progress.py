@@ -33,6 +33,12 @@ def _columns() -> int:
     return int(text) if text.isdigit() and int(text) > 0 else 120
 
 
+def live_terminal(console: Console) -> bool:
+    """Whether ``console`` can redraw a live status: a terminal, not ``TERM=dumb`` (which cannot move the
+    cursor: there the plain lines are printed, as in a CI log)."""
+    return console.is_terminal and not console.is_dumb_terminal
+
+
 PROGRESS_INTERVAL = 5.0  # seconds between plain status lines off a terminal (fuzz, replay)
 
 
@@ -50,7 +56,7 @@ class Progress:
 
     def __init__(self, console: Console, max_time: float, interval: float = PROGRESS_INTERVAL):
         self.console, self.max_time, self.interval = console, max_time, interval
-        self.live = Live(console=console, transient=True, auto_refresh=False) if console.is_terminal else None
+        self.live = Live(console=console, transient=True, auto_refresh=False) if live_terminal(console) else None
         self._last = 0.0
         self._phase = None
 
@@ -115,7 +121,7 @@ class OpProgress:
         self.console, self.label, self.total = console, label, total
         self.interval = PROGRESS_INTERVAL if interval is None else interval
         self.start = time.monotonic()
-        self._next = self.start + (min(1.0, self.interval) if console.is_terminal else self.interval)
+        self._next = self.start + (min(1.0, self.interval) if live_terminal(console) else self.interval)
         self.live = None
         self.printed = False
         self.ops = self.steps = 0
@@ -132,7 +138,7 @@ class OpProgress:
         now = time.monotonic()
         if now < self._next:
             return
-        if self.console.is_terminal:
+        if live_terminal(self.console):
             if self.live is None:
                 self.live = Live(console=self.console, transient=True, auto_refresh=False)
                 self.live.__enter__()
