@@ -38,8 +38,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                                      warn_campaign_without_db)
 
     check_fuzzer(fuzzer, target)
-    if db is not None:
-        check_db(db)
+    if db is not None:  # (only the campaigns use it: --max-time 0 replays the regressions without Redis)
+        check_db(db, reach=budget.seconds > 0)
     kind = registry.get(target)  # --target's TargetChoice checked the name
     preset_names = presets_arg("--presets", presets_value, target)
     sset = load_suppressions(suppress_file)
