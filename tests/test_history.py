@@ -396,6 +396,26 @@ def test_an_interrupted_suites_report_says_which_bugs_did_not_run():
     assert "`benchmarks-history.json` has" not in text and "(`h.json` has every trial's)" in text
 
 
+def test_an_interrupted_suites_headline_counts_a_fuzzers_trials_not_run_apart_not_as_missed():
+    """Tester 61b: --fuzzers random,hypothesis interrupted before any hypothesis trial: the headline said
+    hypothesis `0/2` and listed both bugs as 'random finds and this fuzzer misses' (the zoo: '0/0 (N not run)')."""
+    a, b = rediscoveries()[0].id, rediscoveries()[1].id
+    res = suite.HistoryResult(settings={"suite": "history", "bugs": [a, b], "fuzzers": ["random", "hypothesis"],
+                                        "trials": 1, "budget": 1.0, "jobs": 2, "cpu_count": 2,
+                                        "started": "2026-12-05 09:00:00"}, interrupted=True)
+    res.trials = [suite.HistoryTrial(bug, "random", 1, 1.0, success=True, seconds=0.5, executions=3, min_len=3,
+                                     signature="s", program=[]) for bug in (a, b)]
+    text = suite.markdown(res, "h.json")
+    assert "| bugs found (at least once) | 2/2 | 0/0 (2 bug(s) not run: interrupted) |" in text, text
+    assert "| bugs random finds and this fuzzer misses (target: none) | - | none (2 bug(s) not run: interrupted) |" \
+        in text, text
+    res.trials.append(suite.HistoryTrial(a, "hypothesis", 1, 1.0, success=False, seconds=1.0, executions=9,
+                                         min_len=0, signature="", program=[]))
+    text = suite.markdown(res, "h.json")
+    assert "| bugs found (at least once) | 2/2 | 0/1 (1 bug(s) not run: interrupted) |" in text, text
+    assert f"| - | {a} (1 bug(s) not run: interrupted) |" in text, text
+
+
 @pytest.mark.parametrize("replays", [(None, None), (False, None), (True, None)], ids=str)
 def test_a_program_not_replayed_on_the_fixed_release_is_not_called_not_clean(replays):
     """Interrupted before the fixed release's replays, the Bugs table said "found; NOT clean on the fixed
