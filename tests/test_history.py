@@ -297,6 +297,21 @@ def test_a_worker_that_refuses_its_release_still_stops_the_suite(monkeypatch, tm
     assert "imports vllm 0.33.0" in r.output.strip().splitlines()[-1] and "Traceback" not in r.output
 
 
+def test_a_release_cache_under_a_file_is_one_line_and_exit_69(monkeypatch, tmp_path):
+    """Tester 61b: KVAUDIT_RELEASE_CACHE=/some/file/x ended `bench --suite history` with 'internal error:
+    NotADirectoryError' (exit 70); the release cannot be installed there: one line naming the cache, exit 69."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path / "file" / "x"))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)  # (every release needs an overlay)
+    monkeypatch.setattr(releases.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
+               "--out", str(tmp_path / "h.md"), "--json", str(tmp_path / "h.json"))
+    assert r.exit_code == 69, r.output
+    line = r.stderr.strip().splitlines()[-1]  # (after the suite's header line)
+    assert line.startswith("kvaudit: error: could not install vllm ") and "the release cache" in line and str(tmp_path / "file" / "x") in line and "Not a directory" in line, line
+    assert "Traceback" not in r.output and "internal error" not in r.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bugs", "vllm-1"], '--bugs: unknown history bug "vllm-1"'),
     (["--fuzzers", "afl"], '--fuzzers: unknown fuzzer "afl"'),
