@@ -986,7 +986,7 @@ def test_ci_interrupted_in_a_clean_fuzz_does_not_call_it_clean(tmp_path, monkeyp
 def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_json_say_interrupted(tmp_path,
                                                                                                  monkeypatch):
     """Tester 61b: an interrupted ci wrote a passing 'default: no new findings' JUnit case beside the skipped
-    'interrupted' one, an HTML page that said 'clean' and 'No findings.', and a --json with no 'interrupted'."""
+    'interrupted' one, a verdict line 'passed: ... (interrupted)', an HTML page that said 'clean' and 'No findings.', and a --json with no 'interrupted'."""
     from kvaudit.search import campaign
 
     monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(interrupted=True))
@@ -996,6 +996,7 @@ def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_jso
                "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"),
                "--json", str(tmp_path / "ci.json"))
     assert r.exit_code == 130, r.output
+    assert r.stdout.strip().splitlines()[-1] == "INTERRUPTED: 0/0 regressions ok, 0 new finding(s)", r.stdout
     import xml.etree.ElementTree as ET
 
     cases = list(ET.parse(tmp_path / "ci.xml").getroot().iter("testcase"))

@@ -108,11 +108,12 @@ def _print_verdict(console, result, sset) -> None:
                   NOTHING_SEARCHED_SUMMARY if len(idle) == len(result.fuzz) else
                   f"SUMMARY: kvaudit: nothing searched {where}: its share ended before the first program ran; "
                   "no new findings in the rest.", soft_wrap=True)
-    console.print(("FAILED" if result.failed else f"NOTHING SEARCHED {where}" if idle else "passed")
+    console.print(("FAILED" if result.failed else "INTERRUPTED" if result.interrupted else
+                   f"NOTHING SEARCHED {where}" if idle else "passed")
                   + f": {sum(r.ok for r in result.regressions)}/"
                   f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
                   + (f", {len(unwritten)} found but not written (disk full)" if unwritten else "")
-                  + (" (interrupted)" if result.interrupted else ""), soft_wrap=True)
+                  + (" (interrupted)" if result.interrupted and result.failed else ""), soft_wrap=True)
 
 
 def _why_nothing_ran(result, per_preset: float) -> str:
