@@ -372,6 +372,22 @@ def test_ci_that_searched_nothing_says_so_in_its_summary_junit_and_sarif(tmp_pat
     assert inv["executionSuccessful"] is False and "nothing searched" in json.dumps(inv), inv
 
 
+def test_ci_where_one_preset_of_two_searched_nothing_says_which_in_its_summary_and_verdict():
+    """The partial case of the above: the preset that ran is not hidden, the one that did not is named."""
+    from rich.console import Console
+
+    from kvaudit.app.ci import _print_verdict
+    from kvaudit.search import ci as search_ci
+
+    result = search_ci.CiResult(fuzz=[search_ci.FuzzRun("default", 1.0, 40), search_ci.FuzzRun("chunked", 1e-9, 0)])
+    console = Console(record=True, width=300)
+    _print_verdict(console, result, None)
+    assert console.export_text().splitlines() == [
+        "SUMMARY: kvaudit: nothing searched in 1 of 2 preset(s) (chunked): its share ended before the first program "
+        "ran; no new findings in the rest.", "NOTHING SEARCHED in 1 of 2 preset(s) (chunked): 0/0 regressions ok, "
+        "0 new finding(s)"]
+
+
 def test_hypothesis_first_run_set_up_is_paid_before_the_search_clock():
     """Hypothesis's first run in a process registers numpy's PRNG with a full gc.collect() (0.45 s with a
     test suite's objects alive): paid inside the budget, a 0.5 s search after tests/test_frames.py ran
