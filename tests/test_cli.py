@@ -831,6 +831,21 @@ def test_a_narrow_columns_does_not_fold_or_cut_plain_output_to_a_pipe(tmp_path):
     assert r.stdout.splitlines()[-1] == "passed: 1/1 regressions ok, 0 new finding(s)", r.stdout
 
 
+def test_ci_with_max_time_0_replays_the_regressions_without_reaching_db(tmp_path):
+    """Tester 61b: `ci --max-time 0 --db redis://localhost:1/0` exited 69 (Redis unreachable), though only the
+    campaigns use --db and --max-time 0 runs none (exit-codes.md: 69 'with a fuzzing budget'). A URL that is no
+    Redis URL is still refused (2)."""
+    regressions = tmp_path / "regressions"
+    regressions.mkdir()
+    shutil.copy(os.path.join(ROOT, "corpora/regressions/session-close-while-running.json"), regressions)
+    r = invoke("ci", "--max-time", "0", "--regressions", str(regressions), "--db", "redis://127.0.0.1:1/0",
+               "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output + r.stderr
+    assert r.stdout.splitlines()[-1] == "passed: 1/1 regressions ok, 0 new finding(s)", r.stdout
+    bad = invoke("ci", "--max-time", "0", "--regressions", str(regressions), "--db", "http://x/0")
+    assert bad.exit_code == 2 and "want a Redis URL" in bad.stderr, bad.output + bad.stderr
+
+
 def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path, fresh_registry):
     """It said 'kvaudit ci: 0 regression file(s) in (none for this target)'."""
     import rowtoy_plugin  # (registers the kind "rowtoy", which ships no regressions, when first imported)

@@ -352,6 +352,42 @@ def test_ci_with_a_preset_that_searched_nothing_exits_5_and_its_junit_case_is_sk
     assert 'skipped="1"' in xml and "nothing searched" in xml
 
 
+def test_ci_that_searched_nothing_says_so_in_its_summary_junit_and_sarif(tmp_path):
+    """Tester 61b: exit 5, yet 'SUMMARY: kvaudit: no new findings.' and 'passed: 0/0 ...'; the JUnit cases were
+    named 'default: no new findings' (skipped) and the SARIF's invocation said nothing. As fuzz --max-time 1e-9."""
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    res = invoke("ci", "--presets", "default,chunked", "--fuzzer", "random", "--max-time", "2e-9", "--regressions",
+                 str(empty), "--out", str(tmp_path / "o"), "--junit", str(tmp_path / "ci.xml"),
+                 "--sarif", str(tmp_path / "ci.sarif"))
+    assert res.exit_code == 5, res.output
+    lines = res.stdout.strip().splitlines()
+    assert lines[-2] == ("SUMMARY: kvaudit: nothing searched (the budget ended before the first program ran)."), lines
+    assert lines[-1].startswith("NOTHING SEARCHED in 2 of 2 preset(s) (default, chunked): 0/0 regressions ok"), lines
+    assert "no new findings" not in res.stdout and "passed" not in res.stdout, res.stdout
+    xml = (tmp_path / "ci.xml").read_text()
+    assert 'name="default: nothing searched"' in xml and 'name="chunked: nothing searched"' in xml, xml
+    assert 'skipped="2"' in xml and "no new findings" not in xml, xml
+    (inv,) = json.loads((tmp_path / "ci.sarif").read_text())["runs"][0]["invocations"]
+    assert inv["executionSuccessful"] is False and "nothing searched" in json.dumps(inv), inv
+
+
+def test_ci_where_one_preset_of_two_searched_nothing_says_which_in_its_summary_and_verdict():
+    """The partial case of the above: the preset that ran is not hidden, the one that did not is named."""
+    from rich.console import Console
+
+    from kvaudit.app.ci import _print_verdict
+    from kvaudit.search import ci as search_ci
+
+    result = search_ci.CiResult(fuzz=[search_ci.FuzzRun("default", 1.0, 40), search_ci.FuzzRun("chunked", 1e-9, 0)])
+    console = Console(record=True, width=300)
+    _print_verdict(console, result, None)
+    assert console.export_text().splitlines() == [
+        "SUMMARY: kvaudit: nothing searched in 1 of 2 preset(s) (chunked): its share ended before the first program "
+        "ran; no new findings in the rest.", "NOTHING SEARCHED in 1 of 2 preset(s) (chunked): 0/0 regressions ok, "
+        "0 new finding(s)"]
+
+
 def test_hypothesis_first_run_set_up_is_paid_before_the_search_clock():
     """Hypothesis's first run in a process registers numpy's PRNG with a full gc.collect() (0.45 s with a
     test suite's objects alive): paid inside the budget, a 0.5 s search after tests/test_frames.py ran

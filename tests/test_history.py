@@ -297,6 +297,21 @@ def test_a_worker_that_refuses_its_release_still_stops_the_suite(monkeypatch, tm
     assert "imports vllm 0.33.0" in r.output.strip().splitlines()[-1] and "Traceback" not in r.output
 
 
+def test_a_release_cache_under_a_file_is_one_line_and_exit_69(monkeypatch, tmp_path):
+    """Tester 61b: KVAUDIT_RELEASE_CACHE=/some/file/x ended `bench --suite history` with 'internal error:
+    NotADirectoryError' (exit 70); the release cannot be installed there: one line naming the cache, exit 69."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path / "file" / "x"))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)  # (every release needs an overlay)
+    monkeypatch.setattr(releases.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
+               "--out", str(tmp_path / "h.md"), "--json", str(tmp_path / "h.json"))
+    assert r.exit_code == 69, r.output
+    line = r.stderr.strip().splitlines()[-1]  # (after the suite's header line)
+    assert line.startswith("kvaudit: error: could not install vllm ") and "the release cache" in line and str(tmp_path / "file" / "x") in line and "Not a directory" in line, line
+    assert "Traceback" not in r.output and "internal error" not in r.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bugs", "vllm-1"], '--bugs: unknown history bug "vllm-1"'),
     (["--fuzzers", "afl"], '--fuzzers: unknown fuzzer "afl"'),
@@ -394,6 +409,26 @@ def test_an_interrupted_suites_report_says_which_bugs_did_not_run():
     assert f"| {b} |" in text and "| not run (interrupted) |" in text
     assert "| bugs found (at least once) | 1/1 (1 bug(s) not run: interrupted) |" in text
     assert "`benchmarks-history.json` has" not in text and "(`h.json` has every trial's)" in text
+
+
+def test_an_interrupted_suites_headline_counts_a_fuzzers_trials_not_run_apart_not_as_missed():
+    """Tester 61b: --fuzzers random,hypothesis interrupted before any hypothesis trial: the headline said
+    hypothesis `0/2` and listed both bugs as 'random finds and this fuzzer misses' (the zoo: '0/0 (N not run)')."""
+    a, b = rediscoveries()[0].id, rediscoveries()[1].id
+    res = suite.HistoryResult(settings={"suite": "history", "bugs": [a, b], "fuzzers": ["random", "hypothesis"],
+                                        "trials": 1, "budget": 1.0, "jobs": 2, "cpu_count": 2,
+                                        "started": "2026-12-05 09:00:00"}, interrupted=True)
+    res.trials = [suite.HistoryTrial(bug, "random", 1, 1.0, success=True, seconds=0.5, executions=3, min_len=3,
+                                     signature="s", program=[]) for bug in (a, b)]
+    text = suite.markdown(res, "h.json")
+    assert "| bugs found (at least once) | 2/2 | 0/0 (2 bug(s) not run: interrupted) |" in text, text
+    assert "| bugs random finds and this fuzzer misses (target: none) | - | none (2 bug(s) not run: interrupted) |" \
+        in text, text
+    res.trials.append(suite.HistoryTrial(a, "hypothesis", 1, 1.0, success=False, seconds=1.0, executions=9,
+                                         min_len=0, signature="", program=[]))
+    text = suite.markdown(res, "h.json")
+    assert "| bugs found (at least once) | 2/2 | 0/1 (1 bug(s) not run: interrupted) |" in text, text
+    assert f"| - | {a} (1 bug(s) not run: interrupted) |" in text, text
 
 
 @pytest.mark.parametrize("replays", [(None, None), (False, None), (True, None)], ids=str)

@@ -981,3 +981,29 @@ def test_ci_interrupted_in_a_clean_fuzz_does_not_call_it_clean(tmp_path, monkeyp
     row = next(line for line in r.stdout.splitlines() if line.startswith("  fuzz default"))
     assert "(interrupted)" in row and "interrupted before its share ended" in row and "clean" not in row
     assert not (tmp_path / "out").exists()  # nothing was written there
+
+
+def test_ci_interrupted_in_a_clean_fuzz_has_no_passing_case_and_its_html_and_json_say_interrupted(tmp_path,
+                                                                                                 monkeypatch):
+    """Tester 61b: an interrupted ci wrote a passing 'default: no new findings' JUnit case beside the skipped
+    'interrupted' one, a verdict line 'passed: ... (interrupted)', an HTML page that said 'clean' and 'No findings.', and a --json with no 'interrupted'."""
+    from kvaudit.search import campaign
+
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(interrupted=True))
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "10", "--presets", "default,chunked", "--regressions", str(empty),
+               "--out", str(tmp_path / "out"), "--junit", str(tmp_path / "ci.xml"), "--html", str(tmp_path / "ci.html"),
+               "--json", str(tmp_path / "ci.json"))
+    assert r.exit_code == 130, r.output
+    assert r.stdout.strip().splitlines()[-1] == "INTERRUPTED: 0/0 regressions ok, 0 new finding(s)", r.stdout
+    import xml.etree.ElementTree as ET
+
+    cases = list(ET.parse(tmp_path / "ci.xml").getroot().iter("testcase"))
+    assert [c.get("name") for c in cases] == ["default: interrupted", "interrupted"]
+    assert all(c.find("skipped") is not None for c in cases), (tmp_path / "ci.xml").read_text()
+    assert "no new findings" not in (tmp_path / "ci.xml").read_text()
+    page = (tmp_path / "ci.html").read_text()
+    assert "Interrupted: no findings in the part that ran." in page and "No findings." not in page
+    assert ", clean</title>" not in page and ", interrupted</title>" in page
+    assert json.loads((tmp_path / "ci.json").read_text())["interrupted"] is True

@@ -17,6 +17,7 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXI
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
 from kvaudit.app.files import check_dir, load_suppressions, write_reports
+from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.data import data_path
@@ -37,8 +38,8 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
                                      warn_campaign_without_db)
 
     check_fuzzer(fuzzer, target)
-    if db is not None:
-        check_db(db)
+    if db is not None:  # (only the campaigns use it: --max-time 0 replays the regressions without Redis)
+        check_db(db, reach=budget.seconds > 0)
     kind = registry.get(target)  # --target's TargetChoice checked the name
     preset_names = presets_arg("--presets", presets_value, target)
     sset = load_suppressions(suppress_file)
@@ -90,17 +91,29 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
         sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
         print_suppressions(console, sset, not_run=None if ran else _why_nothing_ran(result, per_preset))
     failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err)
-    # one SUMMARY: line for the job, over its new findings (the sections above have none of their own)
-    unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
-    console.print(new_findings_line([findings for run in result.fuzz for _, findings, _ in run.new],
-                                    suppressed_by_kind(sset), result.interrupted, unwritten), soft_wrap=True)
-    console.print(("FAILED" if result.failed else "passed") + f": {sum(r.ok for r in result.regressions)}/"
-                  f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
-                  + (f", {len(unwritten)} found but not written (disk full)" if unwritten else "")
-                  + (" (interrupted)" if result.interrupted else ""), soft_wrap=True)
+    _print_verdict(console, result, sset)
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed
     return _exit_code(result, err, per_preset)
+
+
+def _print_verdict(console, result, sset) -> None:
+    """The job's ``SUMMARY:`` line, over its new findings (the sections above have none of their own), then its
+    verdict line; a job that searched nothing in some preset (exit 5) says so in both, as ``fuzz`` does."""
+    unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
+    idle = [] if result.failed or result.interrupted else [run.preset for run in result.fuzz if run.nothing_searched]
+    where = f"in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)})"
+    console.print(new_findings_line([findings for run in result.fuzz for _, findings, _ in run.new],
+                                    suppressed_by_kind(sset), result.interrupted, unwritten) if not idle else
+                  NOTHING_SEARCHED_SUMMARY if len(idle) == len(result.fuzz) else
+                  f"SUMMARY: kvaudit: nothing searched {where}: its share ended before the first program ran; "
+                  "no new findings in the rest.", soft_wrap=True)
+    console.print(("FAILED" if result.failed else "INTERRUPTED" if result.interrupted else
+                   f"NOTHING SEARCHED {where}" if idle else "passed")
+                  + f": {sum(r.ok for r in result.regressions)}/"
+                  f"{len(result.regressions)} regressions ok, {len(result.new_findings())} new finding(s)"
+                  + (f", {len(unwritten)} found but not written (disk full)" if unwritten else "")
+                  + (" (interrupted)" if result.interrupted and result.failed else ""), soft_wrap=True)
 
 
 def _why_nothing_ran(result, per_preset: float) -> str:
@@ -200,7 +213,8 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
         try:
             ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             lost = {sig: path for run in result.fuzz for sig, path in sorted(run.unwritten.items())}
-            extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {})}  # (as a campaign's --json)
+            extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {}),  # (as a campaign's --json)
+                     **({"interrupted": True} if result.interrupted else {})}  # (the HTML's verdict says so)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,
                                   kept=tuple(kept))

@@ -251,13 +251,16 @@ def check_available(fuzzer: str) -> None:
         raise UnavailableError(str(why))
 
 
-def check_db(url: str):
-    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING. Raises
-    :class:`InputError` for a bad URL, :class:`UnavailableError` when nothing answers there."""
+def check_db(url: str, reach: bool = True):
+    """The ``redis.Redis`` client of ``--db`` ``url``, which answered a PING (``reach`` False: the URL's form
+    only, and None, for a run that will not use it). Raises :class:`InputError` for a bad URL,
+    :class:`UnavailableError` when nothing answers there."""
     from kvaudit.search.hub import BadURL, HubError, connect, safe_url
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise InputError(f"--db {json_value(safe_url(url))}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
+    if not reach:
+        return None
     try:
         return connect(url)
     except BadURL as e:  # redis-py could not parse it (a non-numeric port)

@@ -38,7 +38,8 @@ def overlay_path(engine: str, version: str) -> Path:
 def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None:
     """The overlay folder of ``engine==version``, installed into the cache if missing (with the kind's
     :data:`kvaudit.history.catalogue.PINS`); None when the base has that version. Raises
-    :class:`ReleaseError` when pip fails (the registry has no such release, no disk)."""
+    :class:`ReleaseError` when pip fails (the registry has no such release, no disk) or the cache folder
+    cannot be made (under a file, read-only)."""
     if engine not in ENGINES:
         raise ReleaseError(f"unknown engine {json_value(engine, 60)} (valid: {', '.join(ENGINES)})")
     if base_version(engine) == version:
@@ -46,10 +47,14 @@ def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None
     dest = overlay_path(engine, version)
     if dest.is_dir():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
     # NOTE: installed into a temporary folder renamed into place when pip succeeds: an interrupted
     # install leaves nothing that looks complete
-    tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-{version}-", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-{version}-", dir=dest.parent))
+    except OSError as e:  # the cache is under a file, read-only, on a full disk
+        raise ReleaseError(f"could not install {engine} {version}: the release cache {dest.parent} "
+                           f"(${CACHE_ENV}, else ~/.cache/kvaudit/releases) is unusable: {e.strerror or e}") from None
     reqs = [f"{engine}=={version}", *PINS.get((engine, version), ())]
     on_event(f"installing {' '.join(reqs)} into {dest} (--no-deps --target)")
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",

@@ -19,6 +19,9 @@ from kvaudit.audit.findings import Finding
 from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
 from kvaudit.reports import ci_outputs
 from kvaudit.reports.junit import failure_text, xml_text
+
+# a preset's JUnit case and the SARIF's invocation when its share ran no program (exit 5)
+NOTHING_SEARCHED = "nothing searched: the preset's share of --max-time ended before one program ran"
 from kvaudit.audit.runner import execute
 
 
@@ -207,8 +210,8 @@ def still_open(known: dict[str, str], suppress_path: str | None = None) -> list[
 def sarif(result: CiResult, config) -> dict:
     """The SARIF log of every open finding of the fuzz, one result per signature in signature order:
     ``baselineState`` ``"unchanged"`` for a signature some preset's corpus knew, else ``"new"``;
-    ``properties.preset``: the first preset (in run order) that has it. An interrupted job's run has an
-    unsuccessful ``invocation``."""
+    ``properties.preset``: the first preset (in run order) that has it. An interrupted job's run, or one with a
+    preset that searched nothing, has an unsuccessful ``invocation``."""
     from kvaudit.reports.sarif import to_sarif
 
     first: dict[str, tuple[Finding, str]] = {}
@@ -224,6 +227,10 @@ def sarif(result: CiResult, config) -> dict:
     lost = sorted({sig for run in result.fuzz for sig in run.unwritten})
     if result.interrupted:  # its results are what ran: say the run did not complete
         log["runs"][0]["invocations"] = [ci_outputs.invocation(ci_outputs.INTERRUPTED)]
+    elif any(run.nothing_searched for run in result.fuzz):  # (exit 5) a preset checked nothing: not a clean run
+        idle = [run.preset for run in result.fuzz if run.nothing_searched]
+        log["runs"][0]["invocations"] = [ci_outputs.invocation(
+            f"{NOTHING_SEARCHED} (in {len(idle)} of {len(result.fuzz)} preset(s): {', '.join(idle)})")]
     elif lost:  # a full disk: what a worker found but could not write has no result here (nothing to locate)
         log["runs"][0]["invocations"] = [ci_outputs.invocation(
             f"{len(lost)} new signature(s) found but not written (disk full): {', '.join(lost)}")]
@@ -232,8 +239,9 @@ def sarif(result: CiResult, config) -> dict:
 
 def junit(result: CiResult) -> str:
     """Two suites: ``kvaudit.regressions`` (a case per regression file) and ``kvaudit.fuzz`` (per preset, a
-    case that passes with no new finding, listing the known ones still open, or is skipped when nothing was
-    searched; a failing case per new signature; a skipped case ``interrupted`` when the job was stopped)."""
+    case ``PRESET: no new findings`` that passes, listing the known ones still open, or is skipped as
+    ``PRESET: nothing searched`` or ``PRESET: interrupted``; a failing case per new signature; a skipped case
+    ``interrupted`` when the job was stopped)."""
     root, reg, fz = ci_outputs.suites()
     for r in result.regressions:
         case = ET.SubElement(reg, "testcase", classname="kvaudit.regressions", name=xml_text(r.name),
@@ -246,16 +254,19 @@ def junit(result: CiResult) -> str:
             fail.text = xml_text(f"{r.path}\nsignature: {r.signature}\n{r.problem}\n")
     for run in result.fuzz:
         if not run.new and not run.unwritten:  # known findings (the corpus's, still open) pass: listed, not hidden
+            what = ("nothing searched" if run.nothing_searched else "interrupted" if run.interrupted else
+                    "no new findings")  # (the first two are skipped: not a pass)
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}",
-                                 name=f"{run.preset}: no new findings", time=f"{run.seconds:.2f}")
+                                 name=f"{run.preset}: {what}", time=f"{run.seconds:.2f}")
             still = sorted({f.signature for f in run.known_open})
             notes = ([f"{len(still)} known finding(s) still open: " + ", ".join(still)] if still else []) + (
                 ["interrupted before its budget was spent"] if run.interrupted else [])
             if notes:
                 ET.SubElement(case, "system-out").text = xml_text("\n".join(notes) + "\n")
             if run.nothing_searched:  # nothing was checked: not a pass
-                ET.SubElement(case, "skipped", message="nothing searched: the preset's share of --max-time ended "
-                                                       "before one program ran")
+                ET.SubElement(case, "skipped", message=NOTHING_SEARCHED)
+            elif run.interrupted:  # its share was cut short: what ran found nothing new, which is not a pass
+                ET.SubElement(case, "skipped", message="interrupted before the preset's share of --max-time ended")
         for f, path in run.new_signatures().values():  # a case per new signature
             case = ET.SubElement(fz, "testcase", classname=f"kvaudit.fuzz.{run.preset}", name=xml_text(f.signature),
                                  time=f"{run.found_after.get(f.signature, run.seconds):.2f}")
