@@ -210,6 +210,29 @@ def test_ci_does_not_count_another_target_kinds_files_as_known_still_open(tmp_pa
     assert json.load(open(tmp_path / "s.sarif"))["runs"][0]["results"] == []
 
 
+def test_a_signature_another_process_sharing_the_corpus_wrote_meanwhile_is_known(tmp_path, monkeypatch):
+    """tester 61b: of two `fuzz --corpus DIR` sharing DIR, the slower confirmed and minimized the signatures the
+    other wrote meanwhile, then said '0 new, 0 known signature(s)' and recorded neither."""
+    from kvaudit.search import campaign
+
+    src = os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json")
+    sigs = sorted({f.signature for f in replay.load(src)[2]})
+    corpus = tmp_path / "c"
+
+    def lost_the_race(spec, emit):  # the other process's file lands first; this one's write finds it there
+        emit(("ready", spec.index))
+        shutil.copy(src, corpus / "findings" / replay.file_name(sigs[0]))
+        for s in sigs:
+            emit(("duplicate", spec.index, s))
+        emit(("done", spec.index))
+
+    monkeypatch.setattr(campaign, "_search_loop", lost_the_race)
+    result = campaign.run_campaign(hisparse_config(), "random", 5.0, 0, 1, str(corpus))
+    assert not result.new and sorted(result.known) == sigs, (result.new, result.known)
+    run = json.load(open(corpus / "campaign.json"))["runs"][0]
+    assert run["new"] == [] and run["known"] == sigs
+
+
 def test_the_run_record_keeps_the_users_keys_and_sets_aside_entries_that_are_not_runs(tmp_path):
     """stop 56: a campaign.json whose "runs" held entries that are not run records kept them in "runs" on every
     rewrite, and a top-level key of the user's was dropped. The key stays; the junk is left out of "runs", with

@@ -700,9 +700,12 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         # since then pulls nothing (connect() would raise); a full disk leaves the rest in Redis
         for sig, path in pull_files(fleet, corpus, target):
             handle(("pulled", -1, sig, path))
-    seen = (result.new, result.known, result.fleet, result.duplicates)  # duplicates: another host's, saved here
-    for sig, path in known_signatures(corpus, target=target).items():  # landed while the workers stopped
-        if not any(sig in d for d in seen):  # (not announced)
+    for sig, path in known_signatures(corpus, target=target).items():
+        if any(sig in d for d in (result.new, result.known, result.fleet)):
+            continue
+        if sig in result.duplicates:  # met while another process sharing DIR triaged it: its file, known here
+            result.known[sig] = path
+        else:  # landed while the workers stopped (not announced)
             handle(("finding", -1, sig, path))
     stats.phase = "interrupted" if result.interrupted else "done"
     not_recorded = _append_run_record(corpus, {
