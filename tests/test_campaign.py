@@ -146,6 +146,93 @@ def test_unreadable_campaign_files_are_named_and_the_run_record_is_moved_aside_n
     assert (corpus / "findings" / "junk.json").read_text() == "{not json"
 
 
+SGLANG_FILE = os.path.join(HERE, "..", "corpora", "sglang", "aliasing-a1-rejected-turn-clears-inflight.json")
+
+
+def test_another_target_kinds_replay_files_and_stray_entries_are_named_and_not_known(tmp_path):
+    """tester 61b: SGLang's replay files in an eut campaign's DIR/findings/ made their signatures (which name
+    engine parts eut shares, leak/token_to_kv_pool/...) known, hiding eut's own findings of them; a stray file
+    or directory there was skipped with no word. Both are named now; kvaudit's own temporaries are not."""
+    corpus = tmp_path / "c"
+    found = corpus / "findings"
+    (found / "old").mkdir(parents=True)
+    shutil.copy(SGLANG_FILE, found)
+    shutil.copy(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"), found)
+    (found / "notes.txt").write_text("mine")
+    (found / ".tmp-abc123.json").write_text("{half a fi")  # an atomic write cut short: kvaudit's own
+    r = invoke("fuzz", "--preset", "default", "--fuzzer", "random", "--seed", "1", "--corpus", str(corpus),
+               "--max-time", "1")
+    assert r.exit_code in (0, 1), r.output
+    err = " ".join(r.stderr.split())
+    assert f"warning: 2 file(s) in {found} are not replay files, skipped: notes.txt, old" in err, err
+    assert (f"warning: 1 replay file(s) in {found} are another target kind's, not this campaign's (eut): their "
+            f"signatures are not known here, skipped: {os.path.basename(SGLANG_FILE)} (sglang)") in err, err
+    assert f"resuming: 2 signature(s) recorded in 1 file(s) in {found} are known" in err, err
+    sglang_sigs = {f.signature for f in replay.load(SGLANG_FILE)[2]}
+    run = json.load(open(corpus / "campaign.json"))["runs"][0]
+    assert len(run["known"]) == 2 and not sglang_sigs & set(run["known"]), run
+    assert (found / os.path.basename(SGLANG_FILE)).read_bytes() == open(SGLANG_FILE, "rb").read()
+
+
+def test_a_finding_is_never_written_over_another_target_kinds_file_of_its_name(tmp_path):
+    """Skipped as another kind's, a replay file under the name of one of this campaign's signatures (copied in
+    from that kind's corpus) was written over when the campaign found that signature."""
+    from kvaudit.search.campaign import _register_and_write, findings_dir
+
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    doc = replay.to_doc(config, program, findings, minimized=False)
+    corpus = str(tmp_path / "c")
+    name = replay.file_name(findings[0].signature)
+    os.makedirs(findings_dir(corpus))
+    shutil.copy(SGLANG_FILE, os.path.join(findings_dir(corpus), name))
+    new, path = _register_and_write(corpus, findings_dir(corpus), None, doc)
+    assert sorted(new) == sorted({f.signature for f in findings})
+    assert os.path.basename(path) == name[:-len(".json")] + ".2.json"
+    assert open(os.path.join(findings_dir(corpus), name), "rb").read() == open(SGLANG_FILE, "rb").read()
+    assert set(known_signatures(corpus, target="eut")) == set(new)
+    assert _register_and_write(corpus, findings_dir(corpus), None, doc) == ([], "")  # known now
+
+
+def test_ci_does_not_count_another_target_kinds_files_as_known_still_open(tmp_path):
+    """tester 61b: `ci --corpus` listed the SGLang files in an eut preset's DIR/<preset>/findings/ as 'known still
+    open' (replayed on SGLang) and the SARIF placed them at SGLang's files."""
+    corpus = tmp_path / "c"
+    (corpus / "default" / "findings").mkdir(parents=True)
+    shutil.copy(SGLANG_FILE, corpus / "default" / "findings")
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    r = invoke("ci", "--max-time", "1", "--presets", "default", "--regressions", str(empty), "--corpus",
+               str(corpus), "--out", str(tmp_path / "o"), "--sarif", str(tmp_path / "s.sarif"))
+    assert r.exit_code in (0, 5), r.output
+    out = " ".join(r.output.split())
+    assert "known still open" not in out and ", 1 known" not in out, out
+    assert f"skipped: {os.path.basename(SGLANG_FILE)} (sglang)" in out, out
+    assert json.load(open(tmp_path / "s.sarif"))["runs"][0]["results"] == []
+
+
+def test_a_signature_another_process_sharing_the_corpus_wrote_meanwhile_is_known(tmp_path, monkeypatch):
+    """tester 61b: of two `fuzz --corpus DIR` sharing DIR, the slower confirmed and minimized the signatures the
+    other wrote meanwhile, then said '0 new, 0 known signature(s)' and recorded neither."""
+    from kvaudit.search import campaign
+
+    src = os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json")
+    sigs = sorted({f.signature for f in replay.load(src)[2]})
+    corpus = tmp_path / "c"
+
+    def lost_the_race(spec, emit):  # the other process's file lands first; this one's write finds it there
+        emit(("ready", spec.index))
+        shutil.copy(src, corpus / "findings" / replay.file_name(sigs[0]))
+        for s in sigs:
+            emit(("duplicate", spec.index, s))
+        emit(("done", spec.index))
+
+    monkeypatch.setattr(campaign, "_search_loop", lost_the_race)
+    result = campaign.run_campaign(hisparse_config(), "random", 5.0, 0, 1, str(corpus))
+    assert not result.new and sorted(result.known) == sigs, (result.new, result.known)
+    run = json.load(open(corpus / "campaign.json"))["runs"][0]
+    assert run["new"] == [] and run["known"] == sigs
+
+
 def test_the_run_record_keeps_the_users_keys_and_sets_aside_entries_that_are_not_runs(tmp_path):
     """stop 56: a campaign.json whose "runs" held entries that are not run records kept them in "runs" on every
     rewrite, and a top-level key of the user's was dropped. The key stays; the junk is left out of "runs", with

@@ -149,6 +149,11 @@ def _prepare_fuzz(out_dir: str, corpus_dir: str | None, fuzzer: str) -> None:
 def _fuzz_preset(result, err, preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file, target, db,
                  campaign_name) -> None:
     """One preset's share, appended to ``result``; raises KeyboardInterrupt once it was interrupted."""
+    if corpus_dir is not None:  # (its known signatures: those of its own kind's replay files)
+        from kvaudit.search.campaign import skipped_lines
+
+        for line in skipped_lines(os.path.join(corpus_dir, preset), target)[1]:
+            err.print(f"warning: {line}", soft_wrap=True)
     with Progress(err, per_preset) as progress:
         run = ci.fuzz_preset(preset, per_preset, seed, fuzzer, corpus_dir, out_dir, suppress_file,
                              on_progress=progress.update, target=target, db=db, campaign=campaign_name,

@@ -284,11 +284,9 @@ def nothing_searched(err, max_time: float) -> int:
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
               use_seeds: bool = True, db: str | None = None, campaign_name: str = "default") -> int:
     progress = Progress(err, max_time)
-    unreadable: list[str] = []
-    before = campaign.known_signatures(corpus, unreadable)
-    if unreadable:  # (left as they are; a finding of the same signature found again is written over one)
-        err.print(f"warning: {len(unreadable)} file(s) in {campaign.findings_dir(corpus)} are not replay files, "
-                  f"skipped: {', '.join(os.path.basename(p) for p in unreadable)}", soft_wrap=True)
+    before, skipped = campaign.skipped_lines(corpus, campaign.kind_of(config))
+    for line in skipped:
+        err.print(f"warning: {line}", soft_wrap=True)
     if before:
         err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
                   f"{campaign.findings_dir(corpus)} are known, not new", soft_wrap=True)

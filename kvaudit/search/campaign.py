@@ -36,28 +36,64 @@ def findings_dir(corpus: str) -> str:
     return os.path.join(corpus, "findings")
 
 
-def known_signatures(corpus: str, unreadable: list[str] | None = None) -> dict[str, str]:
+def known_signatures(corpus: str, unreadable: list[str] | None = None, target: str | None = None,
+                     others: list[tuple[str, str]] | None = None) -> dict[str, str]:
     """Signature -> replay file, for every signature a file in ``corpus`` records (its secondary ones
-    too); unreadable files are skipped (and their paths appended to ``unreadable``)."""
+    too); an entry that is not a replay file (unreadable, a file not named ``*.json``, a directory) is
+    skipped, its path appended to ``unreadable``; dot files (kvaudit's temporaries) are skipped unnamed.
+    ``target``: the campaign's kind (:func:`kind_of`); a replay file recorded on another kind is skipped
+    too, appended to ``others`` as ``(path, its kind)``: its signatures name another engine's parts."""
     d = findings_dir(corpus)
-    names = sorted(os.listdir(d)) if os.path.isdir(d) else []
+    names = sorted(n for n in os.listdir(d) if not n.startswith(".")) if os.path.isdir(d) else []
+    if unreadable is not None:
+        unreadable.extend(os.path.join(d, n) for n in names if not n.endswith(".json"))
     out: dict[str, str] = {}
-    for sig, path in _recorded([os.path.join(d, n) for n in names if n.endswith(".json") and not n.startswith(".")],
-                               unreadable):
+    for sig, path in _recorded([os.path.join(d, n) for n in names if n.endswith(".json")], unreadable, target,
+                               others):
         out.setdefault(sig, path)
     return out
 
 
-def _recorded(paths: list[str], unreadable: list[str] | None = None) -> list[tuple[str, str]]:
+def kind_of(config) -> str:
+    """The name of ``config``'s target kind, as its replay files record it (``config.target``)."""
+    return config_to_dict(config)["target"]
+
+
+def skipped_lines(corpus: str, target: str) -> tuple[dict[str, str], list[str]]:
+    """:func:`known_signatures` of a campaign of kind ``target`` over ``corpus``, and one warning line
+    each for what it skips: the entries that are not replay files, the replay files of another kind."""
+    unreadable: list[str] = []
+    others: list[tuple[str, str]] = []
+    known = known_signatures(corpus, unreadable, target, others)
+    lines = []
+    if unreadable:  # (left as they are; a finding of the same signature found again is written over one)
+        lines.append(f"{len(unreadable)} file(s) in {findings_dir(corpus)} are not replay files, skipped: "
+                     + ", ".join(os.path.basename(p) for p in unreadable))
+    if others:  # (left as they are, and never written over: a finding of this kind gets a name of its own)
+        lines.append(f"{len(others)} replay file(s) in {findings_dir(corpus)} are another target kind's, not "
+                     f"this campaign's ({target}): their signatures are not known here, skipped: "
+                     + ", ".join(f"{os.path.basename(p)} ({kind})" for p, kind in others))
+    return known, lines
+
+
+def _recorded(paths: list[str], unreadable: list[str] | None = None, target: str | None = None,
+              others: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
     """``(signature, file)`` for each finding the replay files record, in order; a file that does not load is
-    skipped (its path appended to ``unreadable``)."""
+    skipped (its path appended to ``unreadable``), and so is one recorded on a kind other than ``target``
+    (``(path, its kind)`` appended to ``others``)."""
     out = []
     for path in paths:
         try:
-            out.extend((f.signature, path) for f in replay.load(path)[2])
+            config, _, findings, _ = replay.load(path)
         except replay.ReplayFormatError:
             if unreadable is not None:
                 unreadable.append(path)
+            continue
+        if target is not None and (kind := kind_of(config)) != target:
+            if others is not None:
+                others.append((path, kind))
+            continue
+        out.extend((f.signature, path) for f in findings)
     return out
 
 
@@ -100,6 +136,11 @@ class _Spec:
     campaign: str = "default"  # its name in Redis
     ttl: float = 30.0  # seconds a claim or heartbeat lives unrenewed
 
+    @property
+    def target(self) -> str:
+        """The campaign's kind (:func:`kind_of`): the replay files of another are not its own."""
+        return self.config["target"]
+
 
 def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
     """Build the first engine, then search for ``spec.budget`` seconds, triaging and writing every new
@@ -126,7 +167,7 @@ def _search_loop(spec: _Spec, emit: Callable[[tuple], None]) -> None:
         # (before the first heartbeat, which start() sends: `campaign status` showed fuzzer=- until the next one)
         hub.beat(host=hubs.socket.gethostname(), pid=os.getpid(), fuzzer=spec.fuzzer, started=time.time())
         hub.start()
-    worker = _Worker(spec, emit, config, sset, hub, known_signatures(spec.corpus),
+    worker = _Worker(spec, emit, config, sset, hub, known_signatures(spec.corpus, target=spec.target),
                      ends=time.monotonic() + deadline - time.time())
     try:
         while (left := deadline - time.time()) > 0:
@@ -177,7 +218,8 @@ class _Worker:
     def sync(self) -> None:
         """Between rounds of a fleet campaign: pull the fleet's files and known signatures; triage orphans."""
         spec, hub = self.spec, self.hub
-        for sig, path in pull_files(hub, spec.corpus):  # the rest stays in Redis on a full disk, known below
+        # (the rest stays in Redis on a full disk, known below)
+        for sig, path in pull_files(hub, spec.corpus, spec.target):
             # announced even when known here (a duplicate): the parent must not count the file as this host's
             self.known.add(sig)  # own when it sweeps DIR/findings/ at the end
             self.emit(("pulled", spec.index, sig, path))
@@ -185,7 +227,7 @@ class _Worker:
         orphans = hub.orphans()
         for sig, doc in orphans:
             # (one this worker met while another held it is in known, but it has no file: triage it now)
-            if sig in self.flaky or sig in known_signatures(spec.corpus):
+            if sig in self.flaky or sig in known_signatures(spec.corpus, target=spec.target):
                 continue
             found_in, program, findings, _ = replay.parse_doc(doc, f"pending {sig}")  # the config it was found in
             # with the program's other orphaned signatures: one bug is one worker's
@@ -200,7 +242,7 @@ class _Worker:
         """One search of at most ``left`` seconds and the triage of what it found. Returns False when the
         search found nothing (its budget is spent)."""
         spec, hub = self.spec, self.hub
-        self.known |= set(known_signatures(spec.corpus))  # other workers' findings
+        self.known |= set(known_signatures(spec.corpus, target=spec.target))  # other workers' findings
         skip = frozenset(self.known | self.flaky)
         seed = spec.seed * 1_000_003 + spec.index * 7919 + self.rounds
         self.rounds += 1
@@ -216,7 +258,7 @@ class _Worker:
             return False
         program, findings = found
         # the findings the campaign does not know yet (a known one may come first in the same op)
-        on_disk = known_signatures(spec.corpus)
+        on_disk = known_signatures(spec.corpus, target=spec.target)
         sigs = [s for s in _signatures(findings) if s not in skip]
         self.known.update(s for s in sigs if s in on_disk)
         sigs = mine = [s for s in sigs if s not in on_disk]
@@ -305,18 +347,25 @@ def _signatures(findings) -> list[str]:
 
 def _register_and_write(corpus: str, fdir: str, hub, doc: dict) -> tuple[list[str], str]:
     """Write ``doc`` for the signatures no file of this host (nor, with ``hub``, of the fleet) records yet.
-    Returns (those signatures, the file written), or ([], "") when there are none."""
+    Returns (those signatures, the file written), or ([], "") when there are none. Another target kind's
+    replay file is never written over: the file takes the next free ``<name>.<n>.json``."""
     sigs = list(dict.fromkeys(f["signature"] for f in doc["findings"]))
     with open(os.path.join(corpus, ".findings.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one worker of this host at a time; released when the file closes
-        on_disk = known_signatures(corpus)
+        others: list[tuple[str, str]] = []
+        on_disk = known_signatures(corpus, target=doc["config"]["target"], others=others)
         new = [s for s in sigs if s not in on_disk]
         if new and hub is not None:
             got = hub.register(new, replay.doc_text(doc))
             new = new if got is None else got
         if not new:
             return [], ""
-        path = os.path.join(fdir, replay.file_name(sigs[0] if sigs[0] in new else new[0]))
+        name = stem = replay.file_name(sigs[0] if sigs[0] in new else new[0])[:-len(".json")]
+        theirs, n = {os.path.basename(p)[:-len(".json")] for p, _ in others}, 1
+        while name in theirs:  # (another kind's file under this signature's name: copied in from its corpus)
+            n += 1
+            name = f"{stem}.{n}"
+        path = os.path.join(fdir, name + ".json")
         replay.write_atomic(path, doc)
     return new, path
 
@@ -590,12 +639,13 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
                 p.join(timeout=5)
 
 
-def pull_files(hub, corpus: str) -> list[tuple[str, str]]:
-    """The fleet's replay files that ``corpus`` lacks, written into its findings: ``(signature, path)`` for each
-    finding they record. A full disk ends the pull (what was written is returned; the rest stays in Redis)."""
+def pull_files(hub, corpus: str, target: str | None = None) -> list[tuple[str, str]]:
+    """The fleet's replay files that ``corpus`` lacks (a campaign of kind ``target``: its own kind's files), written
+    into its findings: ``(signature, path)`` for each finding they record. A full disk ends the pull (what was
+    written is returned; the rest stays in Redis)."""
     pulled: list[str] = []
     try:
-        hub.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus)), written=pulled)
+        hub.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus, target=target)), written=pulled)
     except OSError:
         pass
     return _recorded(pulled)
@@ -619,7 +669,8 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
 
         fleet = hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl)
         fleet.pull_findings(findings_dir(corpus))
-    result = CampaignResult(known=known_signatures(corpus), workers=workers)
+    target = kind_of(config)
+    result = CampaignResult(known=known_signatures(corpus, target=target), workers=workers)
     stats = result.stats
     handle = _Tally(result, on_progress, on_finding)
     # a fuzzer that parallelizes inside itself (atheris: libFuzzer -fork=N re-executes the harness) has one driver
@@ -647,11 +698,14 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
         # what this host met while another held it: the workers pull the fleet's files between rounds only, so
         # one met in the last round ended without its file here (tester, stop 55). The start's hub: an outage
         # since then pulls nothing (connect() would raise); a full disk leaves the rest in Redis
-        for sig, path in pull_files(fleet, corpus):
+        for sig, path in pull_files(fleet, corpus, target):
             handle(("pulled", -1, sig, path))
-    seen = (result.new, result.known, result.fleet, result.duplicates)  # duplicates: another host's, saved here
-    for sig, path in known_signatures(corpus).items():  # landed while the workers stopped (not announced)
-        if not any(sig in d for d in seen):
+    for sig, path in known_signatures(corpus, target=target).items():
+        if any(sig in d for d in (result.new, result.known, result.fleet)):
+            continue
+        if sig in result.duplicates:  # met while another process sharing DIR triaged it: its file, known here
+            result.known[sig] = path
+        else:  # landed while the workers stopped (not announced)
             handle(("finding", -1, sig, path))
     stats.phase = "interrupted" if result.interrupted else "done"
     not_recorded = _append_run_record(corpus, {
