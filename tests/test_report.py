@@ -611,7 +611,8 @@ def test_lone_surrogates_and_huge_integers_are_input_errors(tmp_path):
     assert r.exit_code == 2 and 'surrogate ("\\ud800allocated, unreachable' in one_error_line(r), r.output  # as JSON
     bad.write_text(text.replace('"step": 1', '"step": 1' + "0" * 5000, 1))
     r = invoke("report", str(bad))
-    assert r.exit_code == 2 and "not JSON" in one_error_line(r)
+    assert r.exit_code == 2 and "not a kvaudit replay file (a number of more than 4300 digits)" in one_error_line(r)
+    assert "set_int_max_str_digits" not in r.output
 
 
 def test_timelines_are_thinned_to_a_bounded_size(monkeypatch):
