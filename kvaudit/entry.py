@@ -24,6 +24,9 @@ def main() -> None:
     started = time.monotonic()
     hit = []
     sys.stdout, sys.stderr = ReaderGone.around(sys.stdout), ReaderGone.around(sys.stderr)
+    for name in ("COLUMNS", "LINES"):  # rich reads both with int() after str.isdigit(), which "²" passes
+        if not os.environ.get(name, "0").isascii():
+            del os.environ[name]
 
     def on_sigint(signum, frame):
         hit.append(signum)
@@ -75,7 +78,10 @@ def _disk_full(e: SystemExit) -> SystemExit:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    sys.stderr.write(f"kvaudit: disk full: cannot write {ReaderGone.full}; the rest of its output was dropped\n")
+    try:
+        sys.stderr.write(f"kvaudit: disk full: cannot write {ReaderGone.full}; the rest of its output was dropped\n")
+    except (OSError, ValueError, AttributeError):  # standard error closed (None) or gone as well
+        pass
     return SystemExit(74)
 
 
@@ -105,9 +111,10 @@ class ReaderGone:
         try:
             return call(*args)
         except OSError as e:
-            if not isinstance(e, BrokenPipeError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            # a reader gone (EPIPE), a descriptor opened read-only (`1</dev/null`: EBADF), a full disk
+            if not isinstance(e, BrokenPipeError) and e.errno not in (errno.EBADF, errno.ENOSPC, errno.EDQUOT):
                 raise
-            if not isinstance(e, BrokenPipeError):
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) and sys.stdout is self:  # (a full stderr: nothing to say it on)
                 ReaderGone.full = ReaderGone.full or f"{self._stream.name} ({e.strerror})"
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())

@@ -844,6 +844,11 @@ def test_ci_with_max_time_0_replays_the_regressions_without_reaching_db(tmp_path
     assert r.stdout.splitlines()[-1] == "passed: 1/1 regressions ok, 0 new finding(s)", r.stdout
     bad = invoke("ci", "--max-time", "0", "--regressions", str(regressions), "--db", "http://x/0")
     assert bad.exit_code == 2 and "want a Redis URL" in bad.stderr, bad.output + bad.stderr
+    # (tester 61c: a Redis URL redis-py cannot parse was accepted with --max-time 0; with a budget it exits 2)
+    for url, why in (("redis://h:notaport", "Port could not be cast"), ("redis://localhost:99999/0", "Port out of range"),
+                     ("redis://localhost/abc", 'the database index "abc" is not a number')):
+        bad = invoke("ci", "--max-time", "0", "--regressions", str(regressions), "--db", url)
+        assert bad.exit_code == 2 and why in bad.stderr, bad.output + bad.stderr
 
 
 def test_ci_over_a_kind_without_regressions_says_so_in_words(tmp_path, fresh_registry):

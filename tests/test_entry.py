@@ -293,3 +293,28 @@ def test_a_negative_seed_is_refused(command):
     """Tester 61a: `--seed -1` searched exactly as `--seed 1` (Python's random takes the seed's absolute value)."""
     r = _python("-m", "kvaudit", command, "--seed", "-1", "--max-time", "0")
     assert r.returncode == 2 and "'--seed': -1 is not in the range x>=0" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("redirect, code", [
+    (">/dev/full 2>&-", 74),  # tester 61c: the disk-full line met a closed stderr: exit 1
+    ("2>/dev/full", 0),  # a full stderr: nothing can say so, the command's own code
+    ("1</dev/null", 0),  # stdout opened read-only (EBADF): internal error 70 before
+    ("2</dev/null >/dev/null", 0),
+])
+def test_odd_standard_streams_keep_the_exit_code_or_end_74_on_a_full_stdout(redirect, code, tmp_path):
+    """Tester 61c's streams: each as a shell sets it up before Python starts."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for args in (["presets", "--target", "eut"], ["replay", _clean_replay(tmp_path), "--json", str(tmp_path / "r.json")]):
+        r = subprocess.run(["sh", "-c", f'exec "$0" -m kvaudit "$@" {redirect}', sys.executable, *args], cwd=tmp_path,
+                           env=env, timeout=120, stdout=subprocess.DEVNULL if "1<" in redirect else None)
+        assert r.returncode == code, (args, r.returncode)
+
+
+@pytest.mark.parametrize("columns", ["\u00b2", "\u0663"])
+def test_a_columns_of_non_ascii_digits_is_ignored(columns, tmp_path):
+    """Tester 61c: `COLUMNS=²` was internal error 70 (rich reads it with int() after str.isdigit())."""
+    for env_name in ("COLUMNS", "LINES"):
+        r = subprocess.run([sys.executable, "-m", "kvaudit", "presets", "--target", "eut"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": ROOT, env_name: columns})
+        assert r.returncode == 0 and "presets:" in r.stdout and not r.stderr, r.stderr[-2000:]

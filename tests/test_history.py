@@ -312,6 +312,17 @@ def test_a_release_cache_under_a_file_is_one_line_and_exit_69(monkeypatch, tmp_p
     assert "Traceback" not in r.output and "internal error" not in r.output
 
 
+def test_a_release_cache_whose_name_is_too_long_is_one_line_and_exit_69(monkeypatch, tmp_path):
+    """Tester 61c: a cache path with a 300-character name was 'internal error: OSError: [Errno 36] File name
+    too long' (the check for an installed overlay ran before the guarded part)."""
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path / ("x" * 300)))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)
+    monkeypatch.setattr(releases.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
+               "--out", str(tmp_path / "h.md"), "--json", str(tmp_path / "h.json"))
+    assert r.exit_code == 69 and "File name too long" in r.stderr.strip().splitlines()[-1], r.output + r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bugs", "vllm-1"], '--bugs: unknown history bug "vllm-1"'),
     (["--fuzzers", "afl"], '--fuzzers: unknown fuzzer "afl"'),

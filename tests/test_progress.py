@@ -101,3 +101,33 @@ def test_a_dumb_terminal_gets_the_plain_status_lines(capsys, monkeypatch):
     assert "fuzzing: executions=1 " in capsys.readouterr().err
     monkeypatch.setenv("TERM", "xterm")
     assert progress.live_terminal(console) and Progress(console, 60.0).live is not None
+
+
+def test_campaign_status_watch_on_a_dumb_terminal_prints_plain_lines_as_it_watches(monkeypatch):
+    """Tester 61c: `TERM=dumb ... campaign status --watch 1` printed nothing while it watched (rich's live
+    table cannot redraw there), then one table when stopped."""
+    import io
+
+    from rich.console import Console
+
+    from kvaudit.app import fleet
+    from kvaudit.search import hub
+
+    monkeypatch.setenv("TERM", "dumb")
+    buf = io.StringIO()
+    monkeypatch.setattr(fleet, "make_console", lambda stderr=False: Console(file=buf, force_terminal=True))
+    monkeypatch.setattr(fleet, "check_db", lambda db: object())
+    monkeypatch.setattr(hub, "campaign_names", lambda client: ["c1"])
+    monkeypatch.setattr(hub, "campaign_status", lambda client, campaign: {
+        "workers": [], "findings": {}, "known": {}, "pending": {}, "flaky": {}, "duplicates": {}, "programs": 3})
+    monkeypatch.setattr(fleet, "status_lines", lambda st, campaign: [f"campaign {campaign}: programs={st['programs']}"])
+    seen = []
+
+    def sleep(_seconds):  # what the watcher has shown before each wait; stopped at the second
+        seen.append(buf.getvalue())
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(fleet.time, "sleep", sleep)
+    assert fleet.status("redis://localhost:6379/0", "c1", 1.0, False) == fleet.EXIT_INTERRUPTED
+    assert seen[0] == "campaign c1: programs=3\n" and seen[1].count("programs=3") == 2, seen

@@ -259,14 +259,15 @@ def check_db(url: str, reach: bool = True):
 
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise InputError(f"--db {json_value(safe_url(url))}: want a Redis URL (redis://HOST:PORT/N, rediss://... or unix://...)")
-    if not reach:
-        return None
     try:
-        return connect(url)
+        client = connect(url, check=reach)  # (not reached: the URL parsed as redis-py parses it, nothing sent)
     except BadURL as e:  # redis-py could not parse it (a non-numeric port)
         raise InputError(str(e)) from None
     except HubError as e:
+        if not reach:  # (no redis-py: a run that will not use --db does not need it)
+            return None
         raise UnavailableError(str(e)) from None
+    return client if reach else None
 
 
 class FuzzerChoice(click.Choice):

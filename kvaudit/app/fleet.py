@@ -10,7 +10,7 @@ import time
 from kvaudit.app.errors import EXIT_CLEAN, EXIT_INTERRUPTED, InputError, UnavailableError, write_error
 from kvaudit.app.configs import check_db
 from kvaudit.config import json_value
-from kvaudit.app.progress import console as make_console
+from kvaudit.app.progress import console as make_console, live_terminal
 
 COLUMNS = ("worker", "state", "fuzzer", "executions", "exec/s", "coverage", "new", "dup", "flaky", "heartbeat")
 
@@ -100,7 +100,7 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
         return EXIT_CLEAN
     def show():
         st = campaign_status(client, campaign)
-        if out.is_terminal:
+        if live_terminal(out):
             out.print(status_table(st, campaign))
         else:
             for line in status_lines(st, campaign):
@@ -112,7 +112,7 @@ def status(db: str, campaign: str, watch: float | None, as_json: bool) -> int:
     from rich.live import Live
 
     try:
-        if out.is_terminal:
+        if live_terminal(out):
             with Live(console=out, auto_refresh=False) as live:
                 while True:
                     live.update(status_table(campaign_status(client, campaign), campaign), refresh=True)

@@ -30,7 +30,7 @@ def console(stderr: bool = False) -> Console:
 def _columns() -> int:
     # COLUMNS off a terminal: a positive whole number, else 120 (a shell's `COLUMNS=abc` is not an error)
     text = os.environ.get("COLUMNS", "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else 120
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else 120
 
 
 def live_terminal(console: Console) -> bool:

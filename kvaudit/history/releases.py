@@ -45,11 +45,11 @@ def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None
     if base_version(engine) == version:
         return None
     dest = overlay_path(engine, version)
-    if dest.is_dir():
-        return dest
     # NOTE: installed into a temporary folder renamed into place when pip succeeds: an interrupted
     # install leaves nothing that looks complete
     try:
+        if dest.is_dir():  # (is_dir raises for a name too long or a folder that cannot be searched)
+            return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{engine}-{version}-", dir=dest.parent))
     except OSError as e:  # the cache is under a file, read-only, on a full disk
