@@ -517,8 +517,8 @@ def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path)
 
 
 @pytest.mark.parametrize("args", [
-    ("report", "{src}", "--html", "{out}"), ("replay", "{src}", "--sarif", "{out}"), ("minimize", "{src}", "-o", "{out}"),
-    ("export", "{src}", "--issue", "{out}"), ("fuzz", "--json", "{out}", "--max-time", "1"),
+    ("report", "{src}", "--html", "{out}"), ("replay", "{src}", "--sarif", "{out}"),
+    ("minimize", "{src}", "-o", "{out}"), ("export", "{src}", "--issue", "{out}"), ("fuzz", "--json", "{out}", "--max-time", "1"),
     ("bench", "--out", "{out}", "--trials", "1")])
 @pytest.mark.parametrize("existing", [True, False])
 def test_an_output_path_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, args, existing):
