@@ -22,10 +22,8 @@ from engine_under_test.memory import INDEX_DTYPE, PoolIntegrityError, TokenToKVP
 
 
 class TreeNode:
-    _ids = itertools.count()
-
-    def __init__(self, parent: "TreeNode | None" = None):
-        self.id = next(TreeNode._ids)
+    def __init__(self, node_id: int, parent: "TreeNode | None" = None):
+        self.id = node_id  # from its tree's counter: the same program numbers its nodes the same in any run
         self.parent = parent
         self.children: dict[tuple, TreeNode] = {}
         self.key: tuple[int, ...] = ()
@@ -65,11 +63,12 @@ class RadixCache:
         self.disable = disable
         self.bugs = bugs
         self.device = allocator.device
+        self._node_ids = itertools.count()  # NOTE: per tree, not per process (SGLang's is a class counter)
         self.reset()
 
     def reset(self) -> None:
         """Drop every node (SGLang ``reset``; the caller clears the allocator)."""
-        self.root_node = TreeNode()
+        self.root_node = TreeNode(next(self._node_ids))
         self.root_node.lock_ref = 1
         self.evictable_size_ = 0
         self.protected_size_ = 0
@@ -150,7 +149,7 @@ class RadixCache:
             key, value = key[n:], value[n:]
             path.append(node)
         if key:
-            leaf = TreeNode(node)
+            leaf = TreeNode(next(self._node_ids), node)
             leaf.key, leaf.value, leaf.last_access_time = tuple(key), value.clone(), now
             node.children[self._child_key(key)] = leaf
             if "evictable-size-uses-key-len" in self.bugs:
@@ -170,7 +169,7 @@ class RadixCache:
 
     def _split_node(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child`` after ``n`` tokens; returns the new parent holding the first ``n``."""
-        new = TreeNode(child.parent)
+        new = TreeNode(next(self._node_ids), child.parent)
         new.key, new.value, new.host_value = child.key[:n], _head(child.value, n), _head(child.host_value, n)
         new.lock_ref, new.host_ref, new.hit_count = child.lock_ref, child.host_ref, child.hit_count
         new.last_access_time = child.last_access_time

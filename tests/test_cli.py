@@ -99,6 +99,23 @@ def test_replay_reproduces_the_recorded_signature(replay_doc):
 
 
 @pytest.mark.slow
+def test_replay_prints_the_messages_fuzz_printed(tmp_path):
+    # (tester 61a A9: a process-wide radix node counter made fuzz say "host pin on node 986" and replay "node 3";
+    # here replay runs in the same process after fuzz, as its counter would have run on)
+    r = invoke("fuzz", "--preset", "hicache", "--bug", "hicache-abort-loadback-leak", "--seed", "1", "--max-time",
+               "60", "--out", str(tmp_path))
+    assert r.exit_code == 1, r.output
+    (path,) = replay_files(tmp_path)
+    again = invoke("replay", str(tmp_path / path))
+    assert again.exit_code == 1, again.output
+
+    def errors(out):
+        return [line for line in out.splitlines() if line.startswith("==ERROR:")]
+    assert errors(r.stdout) and errors(again.stdout) == errors(r.stdout)
+    assert "node" in errors(r.stdout)[0]
+
+
+@pytest.mark.slow
 def test_replay_with_the_bug_switched_off_is_clean(replay_doc, tmp_path):
     _, doc = replay_doc
     doc = dict(doc, config=dict(doc["config"], bugs=[]))

@@ -4,15 +4,18 @@ names and carries that line's text. When engine code moves, refresh the corpus w
 ``kvaudit replay --update corpora/regressions/*.json corpora/sglang/*.json corpora/vllm/*.json tests/data/report/*.json``."""
 
 import glob
+import json
 import os
 import re
+import resource
+import subprocess
 
 import pytest
-from cli_helpers import invoke
+from cli_helpers import invoke, kvaudit_script, plain_env
 
 from kvaudit import replay
 from kvaudit.audit.findings import Site, installed, portable_path, source_path
-from kvaudit.audit.frames import RecordedEngine, function_ranges, resolve
+from kvaudit.audit.frames import Frame, RecordedEngine, function_ranges, resolve
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CORPUS = sorted(glob.glob(os.path.join(ROOT, "corpora", "regressions", "*.json"))) + \
@@ -68,6 +71,35 @@ def test_unreadable_files_and_anonymous_code_are_shown_as_recorded(mod):
     fr = resolve(Site("/nowhere/x.py", 3, "f", "text"))
     assert (fr.line, fr.source, fr.note) == (3, "text", "")
     assert resolve(Site(mod, 10, "<lambda>", "b = y * 2")).note == ""
+
+
+def _bounded(limit_bytes):
+    def cap():  # (an unbounded read of /dev/zero would take the machine's memory: here it fails instead)
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+    return cap
+
+
+def test_a_frame_naming_a_fifo_a_device_or_a_huge_file_is_not_read(tmp_path):
+    # (tester 61a A6: a replay file's frame naming /dev/zero made `kvaudit report --html` read 23.8 GB, and
+    # a FIFO blocks its open forever): only a regular file up to MAX_SOURCE_BYTES is read, never waited on
+    fifo, sparse = tmp_path / "fifo", tmp_path / "sparse.py"
+    os.mkfifo(fifo)
+    with open(sparse, "wb") as fh:
+        fh.truncate(8 << 30)  # 8 GiB of holes: no disk used
+    doc = json.load(open(os.path.join(ROOT, "tests", "data", "report", "hisparse-prebuilt-skip-finish.json")))
+    site = doc["findings"][0]["alloc_sites"][0]
+    doc["findings"][0]["alloc_sites"] = [dict(site, file=p) for p in (str(fifo), "/dev/zero", str(sparse))]
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(doc))
+    proc = subprocess.run([kvaudit_script(), "report", str(src), "--html", str(tmp_path / "x.html")],
+                          capture_output=True, text=True, env=plain_env(), timeout=120,
+                          preexec_fn=_bounded(4 << 30))
+    assert proc.returncode == 0, proc.stderr  # rendered
+    for p in (fifo, "/dev/zero", sparse):  # shown as recorded, unchecked
+        assert re.search(rf"{re.escape(str(p))}:183\n +{re.escape(site['source'])}\n", proc.stdout), proc.stdout
+    assert "<html" in (tmp_path / "x.html").read_text().lower()
+    assert all(resolve(Site(p, 183, site["function"], "x")) == Frame(183, "x")
+               for p in (str(fifo), "/dev/zero", str(sparse)))
 
 
 def test_ranges_are_reread_when_the_file_changes(mod):

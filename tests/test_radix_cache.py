@@ -100,6 +100,18 @@ def test_insert_a_prefix_of_a_cached_key_splits(make_tree):
     check_counters(tree)
 
 
+def test_node_ids_are_numbered_per_tree_so_a_replay_names_the_same_nodes(make_tree):
+    # (tester 61a A9: ids came from one process-wide counter, so `fuzz` reported "node 986" where `replay`
+    # of its file said "node 3")
+    ids = []
+    for _ in range(2):
+        tree, alloc = make_tree()
+        put(tree, alloc, [1, 2, 3, 4])
+        put(tree, alloc, [1, 2, 9])  # splits [1, 2, 3, 4]: a new parent and a leaf
+        ids.append(sorted(n.id for n in tree.nodes()))
+    assert ids[0] == ids[1] == [1, 2, 3]  # (the root is 0)
+
+
 # -- pages ---------------------------------------------------------------------------------------
 
 def test_page_aligned_match(make_tree):

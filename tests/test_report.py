@@ -516,6 +516,24 @@ def test_report_paths_never_overwrite_the_input_a_device_or_each_other(tmp_path)
     assert json.load(open(src))["format"] == replay.FORMAT  # untouched
 
 
+@pytest.mark.parametrize("args", [
+    ("report", "{src}", "--html", "{out}"), ("replay", "{src}", "--sarif", "{out}"),
+    ("minimize", "{src}", "-o", "{out}"), ("export", "{src}", "--issue", "{out}"), ("fuzz", "--json", "{out}", "--max-time", "1"),
+    ("bench", "--out", "{out}", "--trials", "1")])
+@pytest.mark.parametrize("existing", [True, False])
+def test_an_output_path_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path, args, existing):
+    # (tester 61a A2: `--html results/` replaced the user's file `results`, or made a file `newdir`)
+    src = tmp_path / "in.json"
+    src.write_text(open(os.path.join(DATA, "hisparse-prebuilt-skip-finish.json")).read())
+    out = tmp_path / "results"
+    if existing:
+        out.write_text("MY NOTES")
+    r = invoke(*(a.format(src=src, out=f"{out}{os.sep}") for a in args))
+    assert r.exit_code == 2 and one_error_line(r).endswith(f"{out}{os.sep}: names a directory (want a file name)"), \
+        r.output
+    assert (out.read_text() == "MY NOTES") if existing else not os.path.lexists(out)
+
+
 def test_a_report_path_that_is_a_link_writes_the_file_it_names_and_an_fd_link_is_refused(tmp_path):
     # (tester 56: the rename replaced the link itself: --sarif /dev/stdout, as root, made /dev/stdout a file)
     src = tmp_path / "in.json"

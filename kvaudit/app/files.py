@@ -45,6 +45,8 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
             continue
         if path in ("", "-"):
             raise InputError(f"--{fmt}: want a file name, not {json_value(path)}")
+        if path.endswith((os.sep, os.altsep or os.sep)):  # (a directory's name: realpath drops the slash)
+            raise InputError(f"--{fmt} {path}: names a directory (want a file name)")
         link = atomic.fd_link(path)
         if link is not None:
             raise InputError(f"--{fmt} {path}: {link} is a file descriptor's link, not a file (reports are written "

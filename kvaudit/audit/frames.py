@@ -11,6 +11,7 @@ import functools
 import os
 import posixpath
 import re
+import stat
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -85,21 +86,39 @@ def frame_release(site: Site, engine: RecordedEngine | None) -> str | None:
     return v if v is not None and v != engine.version else None
 
 
+# NOTE: a replay file names any path as a frame's file: only a regular file this size or smaller is read
+# (the largest source file in torch, SGLang and vLLM is 1.4 MB); a device, a FIFO or a bigger file is not checked
+MAX_SOURCE_BYTES = 4 << 20
+
+
 def _parsed(path: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | None:
     # the stripped lines and, per function name, its defs' line ranges (decorators to last line,
     # inclusive); cached per file by mtime and size; None if the file cannot be read or parsed
     try:
         st = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:
         return None
     return _parse(path, st.st_mtime_ns, st.st_size)
+
+
+def _read_source(path: str) -> str | None:
+    # non-blocking open and a bounded read: the file may have become a FIFO, or grown, since it was stat'ed
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = fh.read(MAX_SOURCE_BYTES + 1)
+    return data.decode("utf-8") if len(data) <= MAX_SOURCE_BYTES else None
 
 
 @functools.lru_cache(maxsize=256)
 def _parse(path: str, mtime_ns: int, size: int) -> tuple[list[str], dict[str, list[tuple[int, int]]]] | None:
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        text = _read_source(path)
+        if text is None:
+            return None
         tree = ast.parse(text)
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
         return None

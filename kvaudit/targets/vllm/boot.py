@@ -247,23 +247,22 @@ def refusal(config, version: str | None) -> str | None:
     release lists, and ``kind._refused``)."""
     def has(change):
         return compat.in_range(version or "") and compat.has(change, version)
-    v = version or "none installed"
+    v = f", not {version}" if version else "; vLLM is not installed"
     gates = (
         (config.kv_connector == "SimpleCPUOffloadConnector" and not has("simple-cpu-offload"),
-         f"SimpleCPUOffloadConnector needs vLLM >= {compat.CHANGES['simple-cpu-offload'].release}, not {v}"),
+         f"SimpleCPUOffloadConnector needs vLLM >= {compat.CHANGES['simple-cpu-offload'].release}{v}"),
         (config.num_spec_tokens and config.spec_method == "ngram"
          and not compat.spec_method(version, config.async_scheduling),
          f"speculative decoding with async scheduling needs vLLM >= 0.21.0 (a model-free method it accepts, "
-         f"ngram_gpu), not {v}"),
+         f"ngram_gpu){v}"),
         (config.kv_connector in NEW_CONNECTORS and not has("offloading-jobs"),
-         f"{config.kv_connector} is driven on vLLM 0.30.0 and later, not {v}"),
+         f"{config.kv_connector} is driven on vLLM 0.30.0 and later{v}"),
         (config.kv_connector == "NixlPushConnector" and not has("nixl-push"),
-         f"NixlPushConnector needs vLLM >= 0.24.0, not {v}"),
+         f"NixlPushConnector needs vLLM >= 0.24.0{v}"),
         (config.mamba and not has("mamba-align-cow"),
-         f'mamba presets are driven on vLLM >= 0.33.0 (compat "mamba-align-cow"), not {v}'),
+         f'mamba presets are driven on vLLM >= 0.33.0 (compat "mamba-align-cow"){v}'),
         (config.return_routed_experts and not compat.routed_experts_supported(version),
-         f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 (ModelConfig.enable_return_routed_experts), "
-         f"not {v}"))
+         f"return_routed_experts needs vLLM 0.22.0 to 0.30.0 (ModelConfig.enable_return_routed_experts){v}"))
     return next((why for refused, why in gates if refused), None)
 
 

@@ -121,7 +121,7 @@ def _export():
 
 KIND = register(TargetKind(
     name="vllm", summary="vLLM's own v1 Scheduler and KV-cache manager on CPU, 0.15.1 to 0.33.0 (presets 'vllm...')",
-    config_class=VllmConfig, presets=_presets, make=_make, bugs=fault_rows(FAULTS),
+    config_class=VllmConfig, presets=_presets, all_presets=lambda: VLLM_PRESETS, make=_make, bugs=fault_rows(FAULTS),
     bugs_title="injected faults (--target vllm)", default_preset="vllm", probe=_probe, header=_header,
     anchor=_anchor, features=_features, capabilities=_capabilities, engine_source=_engine_source, describe=_describe,
     notes=_notes, refused=_refused, regressions="corpora/vllm", history=_history, export=_export,
