@@ -251,8 +251,10 @@ def parses(args: list[str]) -> bool:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed (0 or more); the same seed gives the same search.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvaudit-out", show_default=True,
-              help="Directory for replay files of findings (made when one is written; a file of the same "
-                   "signature already there is replaced by the new one; --fuzzer atheris also keeps "
+              help="Directory for replay files of findings (made when one is written; a replay file of the "
+                   "same target kind and signature already there is replaced by the new one, any other file "
+                   "of its name is left as it is and the new one takes the next free <name>.<n>.json; "
+                   "--fuzzer atheris also keeps "
                    "libFuzzer's work directory and corpus in DIR/.atheris).")
 @click.option("--workers", type=click.IntRange(min=1, max=256), default=1, show_default=True,
               help="Worker processes (atheris: libFuzzer -fork=N). More than 1 runs a campaign.")

@@ -4,6 +4,7 @@ atomically. Format: docs/internals/app.md."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from typing import Callable
@@ -121,6 +122,33 @@ def rerecord(path: str, findings: list[Finding], timeline: Callable | None = Non
 
 def file_name(signature: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", signature).strip("_") + ".json"
+
+
+def target_of(doc: dict) -> str:
+    """The name of the target kind a valid replay document was recorded on (its config's ``target``, ``eut``
+    when it names none). Raises :class:`ReplayFormatError` for a config this process cannot read."""
+    return config_to_dict(_config(doc["config"], "the replay document"))["target"]
+
+
+def home(directory: str, signature: str, target: str) -> tuple[str, bool]:
+    """Where a replay file of kind ``target`` named for ``signature`` goes in ``directory``: ``(path, has_it)``.
+    ``<name>.json`` (:func:`file_name`) unless that file is something else (another kind's replay file, which
+    may record the same signature; a note; one that does not load): never written over, the next
+    ``<name>.<n>.json`` (n = 2, 3, ...) that is free or is such a file is taken. ``has_it``: ``path`` already
+    holds a replay file of kind ``target`` that records ``signature`` (to replace, or to leave as it is)."""
+    stem = file_name(signature)[:-len(".json")]
+    n = 1
+    while True:
+        path = os.path.join(directory, (f"{stem}.{n}" if n > 1 else stem) + ".json")
+        if not os.path.lexists(path):
+            return path, False
+        try:
+            config, _, findings, _ = load(path)
+            if config_to_dict(config)["target"] == target and any(f.signature == signature for f in findings):
+                return path, True
+        except ReplayFormatError:
+            pass
+        n += 1
 
 
 def _read(path: str) -> dict:

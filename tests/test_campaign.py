@@ -193,6 +193,42 @@ def test_a_finding_is_never_written_over_another_target_kinds_file_of_its_name(t
     assert _register_and_write(corpus, findings_dir(corpus), None, doc) == ([], "")  # known now
 
 
+def test_a_campaign_never_writes_over_a_file_of_its_name_that_is_not_a_replay_file(tmp_path):
+    """tester 61c C5: a note under a finding's name in findings/ was warned 'skipped', then written over."""
+    from kvaudit.search.campaign import _register_and_write, findings_dir
+
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    corpus = str(tmp_path / "c")
+    os.makedirs(findings_dir(corpus))
+    name = replay.file_name(findings[0].signature)
+    with open(os.path.join(findings_dir(corpus), name), "w") as f:
+        f.write("my notes")
+    _, path = _register_and_write(corpus, findings_dir(corpus), None,
+                                  replay.to_doc(config, program, findings, minimized=False))
+    assert os.path.basename(path) == name[:-len(".json")] + ".2.json"
+    assert open(os.path.join(findings_dir(corpus), name)).read() == "my notes"
+
+
+def test_fuzz_out_replaces_only_its_own_kinds_replay_file_of_the_signature(tmp_path):
+    """tester 61c C5: plain `fuzz --out DIR` (every kind's default is kvaudit-out) wrote over another kind's
+    replay file, or a note, of the finding's name. It takes <name>.<n>.json beside them; a file of its own
+    kind and signature is replaced in place, as before."""
+    from kvaudit.app.files import write_finding
+
+    config, program, findings, _ = replay.load(os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json"))
+    out = tmp_path / "kvaudit-out"
+    out.mkdir()
+    name = replay.file_name(findings[0].signature)[:-len(".json")]
+    shutil.copy(SGLANG_FILE, out / f"{name}.json")
+    (out / f"{name}.2.json").write_text("my notes")
+    path = write_finding(str(out), config, program, findings, minimized=False)
+    assert os.path.basename(path) == f"{name}.3.json" and replay.load(path)[2][0].signature == findings[0].signature
+    assert (out / f"{name}.json").read_bytes() == open(SGLANG_FILE, "rb").read()
+    assert (out / f"{name}.2.json").read_text() == "my notes"
+    assert write_finding(str(out), config, program, findings, minimized=True) == path  # its own: replaced
+    assert json.load(open(path))["minimized"] is True and len(os.listdir(out)) == 3
+
+
 def test_ci_does_not_count_another_target_kinds_files_as_known_still_open(tmp_path):
     """tester 61b: `ci --corpus` listed the SGLang files in an eut preset's DIR/<preset>/findings/ as 'known still
     open' (replayed on SGLang) and the SARIF placed them at SGLang's files."""

@@ -716,3 +716,32 @@ def test_status_shows_a_workers_figures_of_two_seconds_ago_not_of_its_last_claim
     finally:
         w.stop()
     assert beat["executions"] == 5 and beat["ops"] == 50, beat
+
+
+def test_a_pull_never_skips_a_fleet_file_for_another_target_kinds_file_of_its_name(redis_server, tmp_path):
+    """tester 61c C2: SGLang's replay file under the name of an eut finding in DIR/findings/ made the pull skip
+    the fleet's file (the path existed), and `fuzz --corpus DIR` then never knew the finding. It is pulled beside
+    it as <name>.2.json now, once; the other kind's file and a note of the next name are left as they are."""
+    from kvaudit.search.campaign import known_signatures
+
+    here = os.path.dirname(__file__)
+    eut = os.path.join(here, "..", "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    sglang = os.path.join(here, "..", "corpora", "sglang", "aliasing-a1-rejected-turn-clears-inflight.json")
+    config, program, findings, doc = replay.load(eut)
+    sig = findings[0].signature
+    r = redis_server.client()
+    r.hset("kvaudit:k:findings", sig, json.dumps(doc))
+    r.sadd("kvaudit:k:workers", "host/1/0")
+    found = tmp_path / "B" / "findings"
+    found.mkdir(parents=True)
+    name = replay.file_name(sig)[:-len(".json")]
+    (found / f"{name}.json").write_bytes(open(sglang, "rb").read())
+    (found / f"{name}.2.json").write_text("my notes")
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
+    assert pull.exit_code == 0 and "pulled campaign k: 1 new replay file(s)" in pull.output, pull.output
+    assert json.load(open(found / f"{name}.3.json")) == doc
+    assert (found / f"{name}.json").read_bytes() == open(sglang, "rb").read()
+    assert (found / f"{name}.2.json").read_text() == "my notes"
+    assert known_signatures(str(tmp_path / "B"), target="eut")[sig] == str(found / f"{name}.3.json")
+    again = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
+    assert again.exit_code == 0 and "pulled campaign k: 0 new replay file(s)" in again.output, again.output

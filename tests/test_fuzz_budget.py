@@ -324,8 +324,12 @@ def test_a_run_that_searched_nothing_says_so_and_exits_5(tmp_path, extra):
     extra = [str(tmp_path / "c") if a == "CORPUS" else a for a in extra]
     res = invoke("fuzz", "--fuzzer", "random", "--max-time", "1e-9", "--out", str(tmp_path),
                  "--json", str(tmp_path / "run.json"), "--junit", str(tmp_path / "run.xml"),
-                 "--sarif", str(tmp_path / "run.sarif"), *extra)
+                 "--sarif", str(tmp_path / "run.sarif"), "--html", str(tmp_path / "run.html"), *extra)
     assert res.exit_code == 5, res.output
+    # tester 61c C6: its HTML was titled '..., clean' and said 'No findings.'
+    page = (tmp_path / "run.html").read_text()
+    assert ", nothing searched</title>" in page and "Nothing searched:" in page, page[:2000]
+    assert "No findings." not in page and ", clean</title>" not in page
     # its JUnit and SARIF do not read as a clean run (tester 60c: a passing "no findings" case, no invocation)
     xml = (tmp_path / "run.xml").read_text()
     assert 'name="nothing searched"' in xml and 'skipped="1"' in xml and "no findings" not in xml, xml
@@ -359,8 +363,14 @@ def test_ci_that_searched_nothing_says_so_in_its_summary_junit_and_sarif(tmp_pat
     empty.mkdir()
     res = invoke("ci", "--presets", "default,chunked", "--fuzzer", "random", "--max-time", "2e-9", "--regressions",
                  str(empty), "--out", str(tmp_path / "o"), "--junit", str(tmp_path / "ci.xml"),
-                 "--sarif", str(tmp_path / "ci.sarif"))
+                 "--sarif", str(tmp_path / "ci.sarif"), "--html", str(tmp_path / "cn.html"),
+                 "--json", str(tmp_path / "cn.json"))
     assert res.exit_code == 5, res.output
+    # tester 61c C6: its HTML read '..., clean' / 'No findings.'; its JSON did not say nothing was searched
+    page = (tmp_path / "cn.html").read_text()
+    assert "<title>kvaudit report: default, chunked, nothing searched</title>" in page, page[:2000]
+    assert "Nothing searched in default, chunked:" in page and "No findings." not in page
+    assert json.loads((tmp_path / "cn.json").read_text())["nothing_searched"] == ["default", "chunked"]
     lines = res.stdout.strip().splitlines()
     assert lines[-2] == ("SUMMARY: kvaudit: nothing searched (the budget ended before the first program ran)."), lines
     assert lines[-1].startswith("NOTHING SEARCHED in 2 of 2 preset(s) (default, chunked): 0/0 regressions ok"), lines
@@ -386,6 +396,18 @@ def test_ci_where_one_preset_of_two_searched_nothing_says_which_in_its_summary_a
         "SUMMARY: kvaudit: nothing searched in 1 of 2 preset(s) (chunked): its share ended before the first program "
         "ran; no new findings in the rest.", "NOTHING SEARCHED in 1 of 2 preset(s) (chunked): 0/0 regressions ok, "
         "0 new finding(s)"]
+
+
+def test_the_html_of_a_ci_where_one_preset_of_two_searched_nothing_names_it():
+    from kvaudit.reports.html_report import render_html
+    from kvaudit.reports.outputs import Case
+
+    ran = (get_preset("default").config(), get_preset("chunked").config())
+    page = " ".join(render_html(ran[0], [Case([], [])], extra={"job": "kvaudit ci", "nothing_searched": "chunked"},
+                                ran=ran).split())
+    assert "default, chunked, nothing searched</title>" in page
+    assert ("Nothing searched in chunked: the budget ended before the first program ran; no findings in the other "
+            "presets.") in page
 
 
 def test_hypothesis_first_run_set_up_is_paid_before_the_search_clock():

@@ -201,6 +201,54 @@ def test_ctrl_c_writes_the_trials_so_far_and_exits_130(monkeypatch, tmp_path):
     assert "INTERRUPTED: partial" in md.read_text() and "vllm-45357 (random, seed 1; 3/3 confirmations" in md.read_text()
 
 
+def test_a_second_ctrl_c_while_waiting_for_a_worker_still_writes_the_report(monkeypatch, tmp_path):
+    """Ctrl-C twice (or ``timeout -s INT``, which signals the whole group): the second one, while the parent
+    waits for a worker slow to stop, ends the wait; the finished bug's trials are reported, the other bug not
+    run, exit 130. (Simulated: the first interrupt in as_completed, the second in the slow bug's result().)"""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    trial = HistoryTrial("vllm-45357", "random", 1, 5.0, success=False, seconds=0.1, executions=3)
+    monkeypatch.setattr(suite, "_release", lambda res, engine, version, on_event: None)
+    started, release = threading.Event(), threading.Event()
+
+    def child(self, job, *a):
+        if job["bug"] == "vllm-45357":
+            return [trial.__dict__]
+        started.set()
+        release.wait(5)  # a worker slow to stop (a release being installed)
+        return []
+
+    class Pool(ThreadPoolExecutor):
+        def submit(self, fn, *args, **kw):
+            fut = super().submit(fn, *args, **kw)
+            if args[2] != "vllm-45357":
+                def second_interrupt(timeout=None):
+                    raise KeyboardInterrupt
+                fut.result = second_interrupt
+            return fut
+
+    def interrupted(futures):
+        first = next(f for f, bid in futures.items() if bid == "vllm-45357")
+        first.result(5), started.wait(5)
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(suite._Runner, "child", child)
+    monkeypatch.setattr(suite, "ThreadPoolExecutor", Pool)
+    monkeypatch.setattr(suite, "as_completed", interrupted)
+    md, js = tmp_path / "h.md", tmp_path / "h.json"
+    try:
+        r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357,vllm-47282", "--fuzzers", "random",
+                   "--trials", "1", "--jobs", "2", "--out", str(md), "--json", str(js))
+    finally:
+        release.set()
+    assert r.exit_code == 130, r.output
+    doc = json.loads(js.read_text())
+    assert doc["interrupted"] and [t["bug"] for t in doc["trials"]] == ["vllm-45357"]
+    assert "not run (interrupted)" in md.read_text()
+
+
 def test_a_failed_worker_costs_its_bug_only_the_report_lists_it_exit_70(monkeypatch, tmp_path):
     """A worker that dies (here: after one trial of vllm-45357) is listed in the report and the JSON;
     its trial so far and the other bug's trials are kept, the other bug is still replayed."""

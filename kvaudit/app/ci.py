@@ -218,8 +218,10 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
         try:
             ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             lost = {sig: path for run in result.fuzz for sig, path in sorted(run.unwritten.items())}
+            idle = [run.preset for run in result.fuzz if run.nothing_searched]
             extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {}),  # (as a campaign's --json)
-                     **({"interrupted": True} if result.interrupted else {})}  # (the HTML's verdict says so)
+                     **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
+                     **({"nothing_searched": idle} if idle else {})}  # (exit 5: the presets that ran no program)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,
                                   kept=tuple(kept))

@@ -14,7 +14,7 @@ from kvaudit.app.errors import InputError, write_error
 from kvaudit.reports.outputs import Outputs, ReportData, WriteError
 from kvaudit.reports.outputs import write as write_outputs
 from kvaudit.audit.suppress import SuppressionError, SuppressionSet
-from kvaudit.targets import registry
+from kvaudit.targets import config_to_dict, registry
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -100,8 +100,11 @@ def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[
 
 
 def write_finding(out_dir, config, program, findings, **extra) -> str:
-    return write_replay(os.path.join(out_dir, replay.file_name(findings[0].signature)), config, program, findings,
-                        **extra)
+    """The replay file of ``findings[0]``'s signature in ``out_dir``: it replaces one of the same target kind and
+    signature only; another file of that name (another kind's, a note) is left as it is and this one takes
+    the next free ``<name>.<n>.json`` (:func:`kvaudit.replay.home`). Returns its path."""
+    path, _ = replay.home(out_dir, findings[0].signature, config_to_dict(config)["target"])
+    return write_replay(path, config, program, findings, **extra)
 
 
 def replay_hint(config, path: str) -> str:

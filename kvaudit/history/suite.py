@@ -180,10 +180,30 @@ def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], 
     return found
 
 
+def _collect(futures: dict, done: dict[str, list[HistoryTrial]]) -> bool:
+    """After a Ctrl-C (the children being stopped): each bug's trials into ``done``, waiting for the
+    workers still running. A second Ctrl-C (or SIGTERM) stops the wait: the bugs not finished by then count
+    as not run. Returns whether the wait was stopped so."""
+    try:
+        for fut, bid in futures.items():
+            if not fut.cancel():
+                try:
+                    done[bid] = fut.result()
+                except SuiteError:
+                    pass
+        return False
+    except KeyboardInterrupt:
+        for fut, bid in futures.items():
+            if bid not in done and fut.done() and not fut.cancelled() and fut.exception() is None:
+                done[bid] = fut.result()
+        return True
+
+
 def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
         on_event: Callable[[str], None] = print, jobs: int = 1) -> HistoryResult:
     """The suite, ``jobs`` bugs at a time (a child process each). On Ctrl-C the children are stopped and
-    the result holds every trial they finished, with ``interrupted`` set. A worker that fails (an error,
+    the result holds every trial they finished, with ``interrupted`` set (a second Ctrl-C while waiting
+    for them: the bugs still running count as not run). A worker that fails (an error,
     not a finding) costs its bug's remaining trials only: it is listed in ``failures`` and the suite goes
     on. Raises :class:`SuiteError` when a release cannot be installed or a worker cannot start on it."""
     res = HistoryResult(settings={"suite": "history", "bugs": bug_ids, "fuzzers": fuzzers, "trials": trials,
@@ -192,6 +212,7 @@ def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
     t0 = time.monotonic()
     runner = _Runner(on_event)
     done: dict[str, list[HistoryTrial]] = {}
+    abandoned = False
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
     futures = {pool.submit(_one_bug, runner, res, bid, fuzzers, trials, budget): bid for bid in bug_ids}
     try:
@@ -200,17 +221,12 @@ def run(bug_ids: list[str], fuzzers: list[str], trials: int, budget: float,
     except KeyboardInterrupt:
         res.interrupted = True
         runner.stop()
-        for fut, bid in futures.items():
-            if not fut.cancel():
-                try:
-                    done[bid] = fut.result()
-                except SuiteError:
-                    pass
+        abandoned = _collect(futures, done)
     except Exception:  # a SuiteError, or an on_event that failed (a closed pipe): the other workers stop too
         runner.stop()
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=not abandoned, cancel_futures=True)
     for bid in bug_ids:  # in the order asked, whatever order they finished in
         res.trials += done.get(bid, [])
     res.wall = time.monotonic() - t0

@@ -148,7 +148,8 @@ def _html(data: ReportData) -> str:
     from kvaudit.reports.html_report import render_html
 
     return render_html(data.config, data.cases, suppressed=data.suppressed, suppressions=data.suppressions,
-                       extra={k: v for k, v in data.extra.items() if isinstance(v, (str, int, float))},
+                       extra={k: ", ".join(v) if k == "nothing_searched" else v for k, v in data.extra.items()
+                              if isinstance(v, (str, int, float)) or k == "nothing_searched"},  # (ci's presets)
                        recorded=data.recorded, ran=data.ran)
 
 

@@ -66,7 +66,7 @@ def skipped_lines(corpus: str, target: str) -> tuple[dict[str, str], list[str]]:
     others: list[tuple[str, str]] = []
     known = known_signatures(corpus, unreadable, target, others)
     lines = []
-    if unreadable:  # (left as they are; a finding of the same signature found again is written over one)
+    if unreadable:  # (left as they are, and never written over: a finding of that name gets the next free one)
         lines.append(f"{len(unreadable)} file(s) in {findings_dir(corpus)} are not replay files, skipped: "
                      + ", ".join(os.path.basename(p) for p in unreadable))
     if others:  # (left as they are, and never written over: a finding of this kind gets a name of its own)
@@ -348,24 +348,20 @@ def _signatures(findings) -> list[str]:
 def _register_and_write(corpus: str, fdir: str, hub, doc: dict) -> tuple[list[str], str]:
     """Write ``doc`` for the signatures no file of this host (nor, with ``hub``, of the fleet) records yet.
     Returns (those signatures, the file written), or ([], "") when there are none. Another target kind's
-    replay file is never written over: the file takes the next free ``<name>.<n>.json``."""
+    replay file, or a file that is not a replay file, is never written over: the file takes the next free
+    ``<name>.<n>.json`` (:func:`kvaudit.replay.home`)."""
     sigs = list(dict.fromkeys(f["signature"] for f in doc["findings"]))
     with open(os.path.join(corpus, ".findings.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one worker of this host at a time; released when the file closes
-        others: list[tuple[str, str]] = []
-        on_disk = known_signatures(corpus, target=doc["config"]["target"], others=others)
+        target = doc["config"]["target"]
+        on_disk = known_signatures(corpus, target=target)
         new = [s for s in sigs if s not in on_disk]
         if new and hub is not None:
             got = hub.register(new, replay.doc_text(doc))
             new = new if got is None else got
         if not new:
             return [], ""
-        name = stem = replay.file_name(sigs[0] if sigs[0] in new else new[0])[:-len(".json")]
-        theirs, n = {os.path.basename(p)[:-len(".json")] for p, _ in others}, 1
-        while name in theirs:  # (another kind's file under this signature's name: copied in from its corpus)
-            n += 1
-            name = f"{stem}.{n}"
-        path = os.path.join(fdir, name + ".json")
+        path, _ = replay.home(fdir, sigs[0] if sigs[0] in new else new[0], target)
         replay.write_atomic(path, doc)
     return new, path
 

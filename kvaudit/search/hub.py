@@ -349,21 +349,22 @@ class Hub:
     def pull_findings(self, directory: str, have: set[str] | None = None, written: list[str] | None = None) \
             -> list[str]:
         """Write the fleet's replay files that ``directory`` lacks into it, validated, atomically; ``have``:
-        signatures to skip unread. Returns the paths written, each also appended to ``written`` as it is.
-        Raises ``OSError`` for a file not written (a full disk: the files are written after the reads, so
-        the disk's error is not taken for Redis's)."""
+        signatures to skip unread. A file of the same name that is not a replay file of the same target kind
+        and signature (another kind's, a note) is left as it is: the fleet's takes the next free
+        ``<name>.<n>.json`` (:func:`kvaudit.replay.home`). Returns the paths written, each also appended to
+        ``written`` as it is. Raises ``OSError`` for a file not written (a full disk: the files are written
+        after the reads, so the disk's error is not taken for Redis's)."""
         def go(r):
-            out = []
-            for sig in map(_text, r.hkeys(self.key("findings"))):
-                path = os.path.join(directory, replay.file_name(sig))
-                if (have is None or sig not in have) and not os.path.exists(path):
-                    out.append((path, sig, r.hget(self.key("findings"), sig)))
-            return out
+            sigs = [s for s in map(_text, r.hkeys(self.key("findings"))) if have is None or s not in have]
+            return [(sig, r.hget(self.key("findings"), sig)) for sig in sigs]
 
         written = [] if written is None else written
-        for path, sig, text in self._call(go, default=[]):
+        for sig, text in self._call(go, default=[]):
             doc = self._replay_doc(text, "findings", sig)
-            if doc is not None:
+            if doc is None:
+                continue
+            path, has_it = replay.home(directory, sig, replay.target_of(doc))
+            if not has_it:
                 written.append(replay.write_atomic(path, doc))
         return written
 
