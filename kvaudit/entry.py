@@ -69,15 +69,17 @@ def main() -> None:
 
 
 def _disk_full(e: SystemExit) -> SystemExit:
-    # standard output (or error) on a full disk: the rest of the output went to /dev/null and the reports
-    # were written; the run still ends 74, as a report the disk refused does (bad input and errors keep theirs)
-    if ReaderGone.full is None or e.code not in (None, 0, 1, 3, 4, 5):
+    # standard output on a full disk: the rest of the output went to /dev/null and the reports were written;
+    # the run still ends 74, as a report the disk refused does (bad input and errors keep theirs)
+    if e.code not in (None, 0, 1, 3, 4, 5):
         return e
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr):  # first: what is still buffered meets the full disk here, not after
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
+    if ReaderGone.full is None:
+        return e
     try:
         sys.stderr.write(f"kvaudit: disk full: cannot write {ReaderGone.full}; the rest of its output was dropped\n")
     except (OSError, ValueError, AttributeError):  # standard error closed (None) or gone as well

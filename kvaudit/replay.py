@@ -124,10 +124,15 @@ def file_name(signature: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", signature).strip("_") + ".json"
 
 
+def target_name(config) -> str:
+    """The name of ``config``'s target kind as its replay files record it (``config.target``)."""
+    return config_to_dict(config)["target"]
+
+
 def target_of(doc: dict) -> str:
     """The name of the target kind a valid replay document was recorded on (its config's ``target``, ``eut``
     when it names none). Raises :class:`ReplayFormatError` for a config this process cannot read."""
-    return config_to_dict(_config(doc["config"], "the replay document"))["target"]
+    return target_name(_config(doc["config"], "the replay document"))
 
 
 def home(directory: str, signature: str, target: str) -> tuple[str, bool]:
@@ -144,7 +149,7 @@ def home(directory: str, signature: str, target: str) -> tuple[str, bool]:
             return path, False
         try:
             config, _, findings, _ = load(path)
-            if config_to_dict(config)["target"] == target and any(f.signature == signature for f in findings):
+            if target_name(config) == target and any(f.signature == signature for f in findings):
                 return path, True
         except ReplayFormatError:
             pass

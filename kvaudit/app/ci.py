@@ -101,7 +101,7 @@ def _print_verdict(console, result, sset) -> None:
     """The job's ``SUMMARY:`` line, over its new findings (the sections above have none of their own), then its
     verdict line; a job that searched nothing in some preset (exit 5) says so in both, as ``fuzz`` does."""
     unwritten = {sig: path for run in result.fuzz for sig, path in run.unwritten.items()}
-    idle = [] if result.failed or result.interrupted else [run.preset for run in result.fuzz if run.nothing_searched]
+    idle = [] if result.failed or result.interrupted else result.nothing_searched
     where = f"in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)})"
     console.print(new_findings_line([findings for run in result.fuzz for _, findings, _ in run.new],
                                     suppressed_by_kind(sset), result.interrupted, unwritten) if not idle else
@@ -218,7 +218,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
         try:
             ran = tuple(kind.preset(run.preset).config() for run in result.fuzz)  # (the HTML header names them)
             lost = {sig: path for run in result.fuzz for sig, path in sorted(run.unwritten.items())}
-            idle = [run.preset for run in result.fuzz if run.nothing_searched]
+            idle = result.nothing_searched
             extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {}),  # (as a campaign's --json)
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
                      **({"nothing_searched": idle} if idle else {})}  # (exit 5: the presets that ran no program)
@@ -238,7 +238,7 @@ def _exit_code(result, err, per_preset: float) -> int:
         return EXIT_FINDINGS
     if result.interrupted:
         return EXIT_INTERRUPTED
-    idle = [run.preset for run in result.fuzz if run.nothing_searched]
+    idle = result.nothing_searched
     if idle:
         err.print(f"kvaudit: nothing searched in {len(idle)} of {len(result.fuzz)} preset(s) ({', '.join(idle)}): "
                   f"each share ({duration(per_preset)}) ended before one program ran; raise --max-time",

@@ -14,7 +14,7 @@ from kvaudit.app.errors import InputError, write_error
 from kvaudit.reports.outputs import Outputs, ReportData, WriteError
 from kvaudit.reports.outputs import write as write_outputs
 from kvaudit.audit.suppress import SuppressionError, SuppressionSet
-from kvaudit.targets import config_to_dict, registry
+from kvaudit.targets import registry
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -103,7 +103,7 @@ def write_finding(out_dir, config, program, findings, **extra) -> str:
     """The replay file of ``findings[0]``'s signature in ``out_dir``: it replaces one of the same target kind and
     signature only; another file of that name (another kind's, a note) is left as it is and this one takes
     the next free ``<name>.<n>.json`` (:func:`kvaudit.replay.home`). Returns its path."""
-    path, _ = replay.home(out_dir, findings[0].signature, config_to_dict(config)["target"])
+    path, _ = replay.home(out_dir, findings[0].signature, replay.target_name(config))
     return write_replay(path, config, program, findings, **extra)
 
 

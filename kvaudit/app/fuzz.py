@@ -284,7 +284,7 @@ def nothing_searched(err, max_time: float) -> int:
 def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, sset, outputs, console, err,
               use_seeds: bool = True, db: str | None = None, campaign_name: str = "default") -> int:
     progress = Progress(err, max_time)
-    before, skipped = campaign.skipped_lines(corpus, campaign.kind_of(config))
+    before, skipped = campaign.skipped_lines(corpus, replay.target_name(config))
     for line in skipped:
         err.print(f"warning: {line}", soft_wrap=True)
     if before:

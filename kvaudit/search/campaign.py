@@ -41,8 +41,9 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     """Signature -> replay file, for every signature a file in ``corpus`` records (its secondary ones
     too); an entry that is not a replay file (unreadable, a file not named ``*.json``, a directory) is
     skipped, its path appended to ``unreadable``; dot files (kvaudit's temporaries) are skipped unnamed.
-    ``target``: the campaign's kind (:func:`kind_of`); a replay file recorded on another kind is skipped
-    too, appended to ``others`` as ``(path, its kind)``: its signatures name another engine's parts."""
+    ``target``: the campaign's kind (:func:`kvaudit.replay.target_name`); a replay file recorded on another
+    kind is skipped too, appended to ``others`` as ``(path, its kind)``: its signatures name another engine's
+    parts."""
     d = findings_dir(corpus)
     names = sorted(n for n in os.listdir(d) if not n.startswith(".")) if os.path.isdir(d) else []
     if unreadable is not None:
@@ -52,11 +53,6 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
                                others):
         out.setdefault(sig, path)
     return out
-
-
-def kind_of(config) -> str:
-    """The name of ``config``'s target kind, as its replay files record it (``config.target``)."""
-    return config_to_dict(config)["target"]
 
 
 def skipped_lines(corpus: str, target: str) -> tuple[dict[str, str], list[str]]:
@@ -89,7 +85,7 @@ def _recorded(paths: list[str], unreadable: list[str] | None = None, target: str
             if unreadable is not None:
                 unreadable.append(path)
             continue
-        if target is not None and (kind := kind_of(config)) != target:
+        if target is not None and (kind := replay.target_name(config)) != target:
             if others is not None:
                 others.append((path, kind))
             continue
@@ -138,7 +134,7 @@ class _Spec:
 
     @property
     def target(self) -> str:
-        """The campaign's kind (:func:`kind_of`): the replay files of another are not its own."""
+        """The campaign's kind (:func:`kvaudit.replay.target_name`): the replay files of another are not its own."""
         return self.config["target"]
 
 
@@ -665,7 +661,7 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
 
         fleet = hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl)
         fleet.pull_findings(findings_dir(corpus))
-    target = kind_of(config)
+    target = replay.target_name(config)
     result = CampaignResult(known=known_signatures(corpus, target=target), workers=workers)
     stats = result.stats
     handle = _Tally(result, on_progress, on_finding)

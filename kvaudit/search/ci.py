@@ -19,10 +19,10 @@ from kvaudit.audit.findings import Finding
 from kvaudit.search.fuzz import CONFIRM_RUNS, FuzzStats
 from kvaudit.reports import ci_outputs
 from kvaudit.reports.junit import failure_text, xml_text
+from kvaudit.audit.runner import execute
 
 # a preset's JUnit case and the SARIF's invocation when its share ran no program (exit 5)
 NOTHING_SEARCHED = "nothing searched: the preset's share of --max-time ended before one program ran"
-from kvaudit.audit.runner import execute
 
 
 @dataclass
@@ -88,6 +88,11 @@ class CiResult:
 
     def new_findings(self) -> list[Finding]:
         return [f for run in self.fuzz for _, findings, _ in run.new for f in findings]
+
+    @property
+    def nothing_searched(self) -> list[str]:
+        """The presets whose share of the budget ended before one program ran (exit 5), in run order."""
+        return [run.preset for run in self.fuzz if run.nothing_searched]
 
 
 def check_regression(path: str, runs: int = CONFIRM_RUNS) -> RegressionCheck:
@@ -227,8 +232,7 @@ def sarif(result: CiResult, config) -> dict:
     lost = sorted({sig for run in result.fuzz for sig in run.unwritten})
     if result.interrupted:  # its results are what ran: say the run did not complete
         log["runs"][0]["invocations"] = [ci_outputs.invocation(ci_outputs.INTERRUPTED)]
-    elif any(run.nothing_searched for run in result.fuzz):  # (exit 5) a preset checked nothing: not a clean run
-        idle = [run.preset for run in result.fuzz if run.nothing_searched]
+    elif idle := result.nothing_searched:  # (exit 5) a preset checked nothing: not a clean run
         log["runs"][0]["invocations"] = [ci_outputs.invocation(
             f"{NOTHING_SEARCHED} (in {len(idle)} of {len(result.fuzz)} preset(s): {', '.join(idle)})")]
     elif lost:  # a full disk: what a worker found but could not write has no result here (nothing to locate)
