@@ -269,6 +269,41 @@ def test_a_signature_another_process_sharing_the_corpus_wrote_meanwhile_is_known
     assert run["new"] == [] and run["known"] == sigs
 
 
+def test_a_file_another_process_wrote_for_a_signature_this_run_never_met_is_known_not_new(tmp_path, monkeypatch):
+    """stop 61's note (B9's other half): of two runs sharing DIR, a file the other wrote for a signature this run
+    never met was counted new at this run's end sweep (and recorded as this run's in campaign.json)."""
+    from kvaudit.search import campaign
+
+    src = os.path.join(REGRESSIONS, "hisparse-prebuilt-skip-finish.json")
+    sigs = sorted({f.signature for f in replay.load(src)[2]})
+    corpus = tmp_path / "c"
+
+    def other_run_wrote(spec, emit):  # this run meets nothing; the other run's file lands meanwhile
+        emit(("ready", spec.index))
+        shutil.copy(src, corpus / "findings" / replay.file_name(sigs[0]))
+        emit(("done", spec.index))
+
+    monkeypatch.setattr(campaign, "_search_loop", other_run_wrote)
+    result = campaign.run_campaign(hisparse_config(), "random", 5.0, 0, 1, str(corpus))
+    assert not result.new and sorted(result.known) == sigs, (result.new, result.known)
+    assert json.load(open(corpus / "campaign.json"))["runs"][0]["new"] == []
+
+
+def test_the_findings_news_stopped_workers_left_in_the_queue_is_handled():
+    """What lets the end sweep count an unannounced file as another process's: a worker stopped in triage writes
+    its finding and says so after the parent stopped reading; that news is read after the workers stop."""
+    import multiprocessing as mp
+    from kvaudit.search import campaign
+
+    q = mp.get_context("spawn").Queue()
+    for msg in [("progress", 0, 5, 50), ("finding", 0, "leak/x", "/d/x.json"), ("done", 0), ("duplicate", 1, "leak/y")]:
+        q.put(msg)
+    time.sleep(0.2)  # (the queue's feeder thread)
+    seen = []
+    campaign._drain(q, seen.append)
+    assert seen == [("finding", 0, "leak/x", "/d/x.json"), ("duplicate", 1, "leak/y")]
+
+
 def test_the_run_record_keeps_the_users_keys_and_sets_aside_entries_that_are_not_runs(tmp_path):
     """stop 56: a campaign.json whose "runs" held entries that are not run records kept them in "runs" on every
     rewrite, and a top-level key of the user's was dropped. The key stays; the junk is left out of "runs", with

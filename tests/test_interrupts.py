@@ -557,13 +557,14 @@ def _a_worker_fills_the_disk(monkeypatch, corpus):
     from kvaudit.search import campaign
 
     src = os.path.join(REGRESSIONS, f"{BUG}.json")
-    signature = replay.load(src)[2][0].signature
+    signatures = list(dict.fromkeys(f.signature for f in replay.load(src)[2]))
     landed, full = str(corpus / "findings" / "a.json"), str(corpus / "findings" / "b.json")
 
     def workers(specs, handle):
         assert len(specs) == 2
         shutil.copy(src, landed)
-        for msg in [("ready", 0), ("ready", 1), ("finding", 0, signature, landed),
+        # (a worker announces each signature its file records: CampaignWorker.triage_and_write)
+        for msg in [("ready", 0), ("ready", 1), *[("finding", 0, s, landed) for s in signatures],
                     campaign.error_message(1, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), full)), ("done", 1)]:
             handle(msg)
         raise AssertionError("the campaign went on past a worker's full disk")
@@ -678,13 +679,13 @@ def test_a_ci_campaigns_full_disk_is_one_line_after_the_jobs_verdict(tmp_path, m
     from kvaudit.search import campaign
 
     src = os.path.join(REGRESSIONS, f"{BUG}.json")
-    signature = replay.load(src)[2][0].signature
+    signatures = list(dict.fromkeys(f.signature for f in replay.load(src)[2]))
     corpus = tmp_path / "corpus"
     landed, full = str(corpus / "default" / "findings" / "a.json"), str(corpus / "default" / "findings" / "b.json")
 
     def search_loop(spec, emit):
         shutil.copy(src, landed)
-        for msg in [("ready", 0), ("finding", 0, signature, landed)]:
+        for msg in [("ready", 0), *[("finding", 0, s, landed) for s in signatures]]:  # (one a signature, as a worker)
             emit(msg)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), full)
 

@@ -629,6 +629,24 @@ def _run_workers(specs: list[_Spec], handle: Callable[[tuple], None]) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        _drain(q, handle)
+
+
+# what a worker says of its findings, read after the workers stopped (what else they said then is moot)
+_FINDING_NEWS = ("finding", "unwritten", "duplicate", "flaky", "pulled")
+
+
+def _drain(q, handle: Callable[[tuple], None]) -> None:
+    """The findings news the stopped workers left in ``q``: a worker stopped in triage writes its finding and
+    then says so, after the parent stopped reading (Ctrl-C, a worker's error). Handled, so that every file this
+    run's workers wrote is announced, and the end's sweep counts any other file as another process's."""
+    while True:
+        try:
+            msg = q.get_nowait()
+        except (queue_mod.Empty, OSError, ValueError, EOFError):
+            return
+        if msg[0] in _FINDING_NEWS:
+            handle(msg)
 
 
 def pull_files(hub, corpus: str, target: str | None = None) -> list[tuple[str, str]]:
@@ -695,10 +713,9 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     for sig, path in known_signatures(corpus, target=target).items():
         if any(sig in d for d in (result.new, result.known, result.fleet)):
             continue
-        if sig in result.duplicates:  # met while another process sharing DIR triaged it: its file, known here
-            result.known[sig] = path
-        else:  # landed while the workers stopped (not announced)
-            handle(("finding", -1, sig, path))
+        # every file this run's workers wrote was announced (those written as they stopped: _drain); this one another
+        # process sharing DIR wrote while this run searched: known here, as it would be had it been there at the start
+        result.known[sig] = path
     stats.phase = "interrupted" if result.interrupted else "done"
     not_recorded = _append_run_record(corpus, {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
