@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -150,6 +151,41 @@ def test_an_interrupted_install_leaves_nothing_in_the_cache(monkeypatch, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         releases.ensure("vllm", "0.0.1")
     assert os.listdir(tmp_path) == []
+
+
+def test_the_suites_stop_kills_a_release_install_in_progress(monkeypatch, tmp_path):
+    """Stop 61's note: a second Ctrl-C wrote the history bench's report, but a worker thread still in a release's
+    pip install kept the process alive until pip ended. The suite's stop() kills pip as it kills its workers;
+    the cache keeps nothing of it, and an install asked after the stop does not start."""
+    import sys
+    import threading
+
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)
+    slow_pip = tmp_path / "slow-pip"
+    slow_pip.write_text("#!/bin/sh\nsleep 60\n")
+    slow_pip.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow_pip))  # [sys.executable, "-m", "pip", ...]: sleeps 60 s
+    runner, res, raised = suite._Runner(lambda line: None), suite.HistoryResult(settings={}), []
+
+    def install():
+        try:
+            suite._release(res, "vllm", "0.0.1", runner)
+        except suite.SuiteError as e:
+            raised.append(str(e))
+
+    t = threading.Thread(target=install)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not runner.procs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runner.procs, "pip never started"
+    runner.stop()
+    t.join(10)
+    assert not t.is_alive(), "the install outlived the suite's stop"
+    assert raised and "could not install vllm 0.0.1" in raised[0]
+    assert os.listdir(tmp_path / "cache") == []
+    assert runner.tool(["true"]) == (-1, "stopped")
 
 
 def test_the_install_command_takes_all_or_pinned_releases(monkeypatch, capsys):

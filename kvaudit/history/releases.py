@@ -35,11 +35,17 @@ def overlay_path(engine: str, version: str) -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvaudit" / "releases") / f"{engine}-{version}"
 
 
-def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None:
+def _pip(cmd: list[str]) -> tuple[int, str]:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return r.returncode, r.stderr
+
+
+def ensure(engine: str, version: str, on_event=lambda line: None, run=None) -> Path | None:
     """The overlay folder of ``engine==version``, installed into the cache if missing (with the kind's
-    :data:`kvaudit.history.catalogue.PINS`); None when the base has that version. Raises
-    :class:`ReleaseError` when pip fails (the registry has no such release, no disk) or the cache folder
-    cannot be made (under a file, read-only)."""
+    :data:`kvaudit.history.catalogue.PINS`); None when the base has that version. ``run(cmd) -> (exit code,
+    stderr)`` runs pip (default: :func:`subprocess.run`; the history suite's runs it where a Ctrl-C can stop
+    it). Raises :class:`ReleaseError` when pip fails (the registry has no such release, no disk; stopped) or
+    the cache folder cannot be made (under a file, read-only)."""
     if engine not in ENGINES:
         raise ReleaseError(f"unknown engine {json_value(engine, 60)} (valid: {', '.join(ENGINES)})")
     if base_version(engine) == version:
@@ -60,13 +66,13 @@ def ensure(engine: str, version: str, on_event=lambda line: None) -> Path | None
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
            "--disable-pip-version-check", "--target", str(tmp), *reqs]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        returncode, stderr = (run or _pip)(cmd)
     except BaseException:  # Ctrl-C, SIGTERM: no half-installed folder left in the cache
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if r.returncode != 0:
+    if returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+        last = (stderr.strip().splitlines() or ["pip failed"])[-1]
         raise ReleaseError(f"could not install {engine} {version}: {last}")
     try:
         tmp.rename(dest)

@@ -7,9 +7,11 @@ Design notes (the method, the statistics, the report): docs/internals/history.md
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
+import signal
 import subprocess
 import sys
 import threading
@@ -70,6 +72,18 @@ class HistoryResult:
         return [b for b in bug_ids if b in tried]
 
 
+def _kill_group(proc) -> None:
+    """SIGKILL ``proc``'s process group (each child runs in its own session): what it started dies with it and
+    lets go of the pipe the parent reads (pip's build steps, a shell's ``sleep``)."""
+    if proc.returncode is not None:  # reaped: its pid may be another's now
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:  # gone already (or not a group leader: the process alone)
+        with contextlib.suppress(OSError):
+            proc.kill()
+
+
 class _Runner:
     """Child processes of one suite run; ``stop()`` (Ctrl-C) kills them, and each then returns the
     results its worker wrote so far."""
@@ -84,7 +98,27 @@ class _Runner:
         self.stopped.set()
         with self.lock:
             for p in self.procs:
-                p.kill()
+                _kill_group(p)
+
+    def tool(self, cmd: list[str]) -> tuple[int, str]:
+        """``cmd`` (a release's pip install) as one of the children: ``stop()`` kills it too, so a second
+        Ctrl-C does not leave the process waiting for pip (stop 61). Returns (exit code, stderr); (-1,
+        "stopped") once stopped, without starting it."""
+        with self.lock:
+            if self.stopped.is_set():
+                return -1, "stopped"
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            self.procs.add(proc)
+        try:
+            _, stderr = proc.communicate()
+        finally:
+            if proc.returncode is None:
+                _kill_group(proc)
+                proc.wait()
+            with self.lock:
+                self.procs.discard(proc)
+        return proc.returncode, stderr
 
     def child(self, job: dict, engine: str, version: str, overlay) -> list[dict]:
         """Run one worker job under the release's environment and return its results. Raises
@@ -136,11 +170,11 @@ class _Runner:
 _INSTALL_LOCK = threading.Lock()
 
 
-def _release(res: HistoryResult, engine: str, version: str, on_event) -> object:
+def _release(res: HistoryResult, engine: str, version: str, runner: _Runner) -> object:
     with _INSTALL_LOCK:  # one pip at a time; a release asked twice is installed once
         t0 = time.monotonic()
         try:
-            overlay = releases.ensure(engine, version, on_event)
+            overlay = releases.ensure(engine, version, runner.on_event, run=runner.tool)
         except releases.ReleaseError as e:
             raise SuiteError(str(e)) from None
         if not any(r.engine == engine and r.version == version for r in res.releases):
@@ -152,7 +186,7 @@ def _release(res: HistoryResult, engine: str, version: str, on_event) -> object:
 def _job(runner: _Runner, res: HistoryResult, job: dict, engine: str, failure: str, goes_on: str) -> list[dict]:
     """``job``'s results on ``engine`` at ``job["version"]``. A worker that fails costs this job's remaining
     results only: listed in ``res.failures`` as ``failure: error``, its results so far returned."""
-    overlay = _release(res, engine, job["version"], runner.on_event)
+    overlay = _release(res, engine, job["version"], runner)
     try:
         return runner.child(job, engine, job["version"], overlay)
     except WorkerFailed as e:
