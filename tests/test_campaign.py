@@ -474,6 +474,29 @@ def test_an_interrupted_ci_share_reports_the_seconds_it_ran_not_its_share(tmp_pa
     assert ci.fuzz_preset("default", 30.0, 1, "random", None, str(tmp_path / "o")).seconds == 30.0
 
 
+def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_path, monkeypatch):
+    """Stop 61's note: `ci --out` copied a new finding's replay file over a file of its name there (a user's note,
+    another kind's replay file). It takes the next free name (kvaudit.replay.home); its own kind's file of that
+    signature (a former job's) is replaced."""
+    import kvaudit.search.campaign as campaign
+    from kvaudit.search import ci
+
+    found = str(tmp_path / "corpus.json")
+    shutil.copy(os.path.join(REGRESSIONS, "session-close-while-running.json"), found)
+    sig = replay.load(found)[2][0].signature
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new={sig: found}, stats=FuzzStats(executions=3, ops=9)))
+    out = tmp_path / "o"
+    out.mkdir()
+    name = replay.file_name(sig)[:-len(".json")]
+    (out / f"{name}.json").write_text("my notes")
+    for _ in range(2):
+        run = ci.fuzz_preset("default", 1.0, 1, "random", None, str(out))
+        assert [path for _, _, path in run.new] == [str(out / f"{name}.2.json")]
+    assert (out / f"{name}.json").read_text() == "my notes"
+    assert sorted(os.listdir(out)) == [f"{name}.2.json", f"{name}.json"]
+
+
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     """A file whose program yields a leak of the device buffer and of the host pool: both are known,
     so a program that yields the known pair again is not a new crash (it stopped the search again
