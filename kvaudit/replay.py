@@ -258,7 +258,8 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
         raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "
                                 f"got {json_value(version, 60)}")
     for key, ok, want in (("fuzzer", lambda v: isinstance(v, str) and v, "the fuzzer's name as a string"),
-                          ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")):
+                          ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                           "an integer >= 0 (--seed)")):
         if key in doc and not ok(doc[key]):  # (what reports name as the search that found it: tester 59b)
             raise ReplayFormatError(f"{path}: bad {key}: want {want}, got {json_value(doc[key], 60)}")
     kind = kind_of(config)

@@ -126,7 +126,11 @@ def test_unknown_names_are_quoted_as_json_strings(args, said):
     (lambda d: d["findings"][0].update(bogus=1), 'unknown field "bogus"'),
     (lambda d: d["findings"][0]["alloc_sites"][0].update(line=None), "alloc_sites[0].line: want an integer >= 0, "
                                                                      "got null"),
-], ids=["preset", "slots-true", "slots-negative", "unit", "op-index", "unknown-field", "site-line"])
+    # stop 61's note: --seed takes 0 or more, and the vLLM and SGLang targets' config seeds too; these were taken
+    (lambda d: d.update(seed=-3), "bad seed: want an integer >= 0 (--seed), got -3"),
+    (lambda d: d["config"].update(seed=-3), "bad config: seed must be in [0, 9223372036854775807], got -3"),
+], ids=["preset", "slots-true", "slots-negative", "unit", "op-index", "unknown-field", "site-line", "seed-negative",
+        "config-seed-negative"])
 def test_replay_messages_name_the_value_as_json(tmp_path, change, said):
     """The findings section said ``slots: want list, not True`` (Python's type name and repr)."""
     doc = json.load(open(os.path.join(os.path.dirname(__file__), "data", "report", "hisparse-prebuilt-skip-finish.json")))
