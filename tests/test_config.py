@@ -151,3 +151,12 @@ def test_json_value_spells_a_dicts_keys_and_values_each():
 
     assert json_value({"other": Obj(), "n": [1, None]}) == '{"other": Obj(), "n": [1, null]}'
     assert json_value({"a": 1, "b": True}) == '{"a": 1, "b": true}'
+
+
+def test_shown_path_escapes_what_is_not_utf8_or_not_printable_and_keeps_the_rest():
+    from kvaudit.config import shown_path
+
+    assert shown_path(os.fsdecode(b"camp\xff/x.json")) == "camp\\xff/x.json"
+    assert shown_path(b"a\xfe") == "a\\xfe" and shown_path("new\nline") == "new\\nline"
+    assert shown_path("\ud800x") == "\\ud800x"  # (a surrogate os.fsdecode never makes)
+    assert shown_path("d/é ok.json") == "d/é ok.json"
