@@ -135,13 +135,14 @@ def target_of(doc: dict) -> str:
     return target_name(_config(doc["config"], "the replay document"))
 
 
-def home(directory: str, signature: str, target: str) -> tuple[str, bool]:
+def home(directory: str, signature: str, target: str, name: str | None = None) -> tuple[str, bool]:
     """Where a replay file of kind ``target`` named for ``signature`` goes in ``directory``: ``(path, has_it)``.
-    ``<name>.json`` (:func:`file_name`) unless that file is something else (another kind's replay file, which
-    may record the same signature; a note; one that does not load): never written over, the next
-    ``<name>.<n>.json`` (n = 2, 3, ...) that is free or is such a file is taken. ``has_it``: ``path`` already
-    holds a replay file of kind ``target`` that records ``signature`` (to replace, or to leave as it is)."""
-    stem = file_name(signature)[:-len(".json")]
+    ``<name>.json`` (``name``: that file name, ``file_name(signature)`` by default; a copy passes its own)
+    unless that file is something else (another kind's replay file, which may record the same signature; a
+    note; one that does not load): never written over, the next ``<name>.<n>.json`` (n = 2, 3, ...) that is
+    free or is such a file is taken. ``has_it``: ``path`` already holds a replay file of kind ``target`` that
+    records ``signature`` (to replace, or to leave as it is)."""
+    stem = os.path.splitext(name or file_name(signature))[0]
     n = 1
     while True:
         path = os.path.join(directory, (f"{stem}.{n}" if n > 1 else stem) + ".json")

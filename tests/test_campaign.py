@@ -481,9 +481,10 @@ def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_pat
     import kvaudit.search.campaign as campaign
     from kvaudit.search import ci
 
-    found = str(tmp_path / "corpus.json")
-    shutil.copy(os.path.join(REGRESSIONS, "session-close-while-running.json"), found)
-    sig = replay.load(found)[2][0].signature
+    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sig = replay.load(src)[2][0].signature
+    found = str(tmp_path / replay.file_name(sig))  # (the campaign's own file: named for its signature)
+    shutil.copy(src, found)
     monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
         new={sig: found}, stats=FuzzStats(executions=3, ops=9)))
     out = tmp_path / "o"
