@@ -37,7 +37,7 @@ _INT_RANGES = {
     "hicache_ratio": (1, 16),
     "host_ack_latency_steps": (0, 1000),
     "priority_scheduling_preemption_threshold": (0, 1 << 20),
-    "seed": (-(1 << 63), (1 << 63) - 1),
+    "seed": (0, (1 << 63) - 1),  # (as SGLang's and vLLM's targets take it)
 }
 
 

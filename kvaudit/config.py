@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +32,20 @@ def json_value(v, limit: int | None = None) -> str:
         inner.append(e)
         room -= len(e)
     return '"' + "".join(inner) + '..."'
+
+
+def shown_path(path) -> str:
+    """``path`` (str, bytes or path-like) as one printable line for a console or report: the bytes of a file name
+    that are not UTF-8 (which ``os.fsdecode`` holds as lone surrogates: a strict UTF-8 stream refuses them, a lenient
+    one writes them raw) as ``\\xNN``, and a control character (a newline) as Python escapes it; any other path as
+    it is."""
+    path = os.fspath(path)
+    try:
+        raw = path if isinstance(path, bytes) else os.fsencode(path)
+    except UnicodeEncodeError:  # (a surrogate os.fsdecode never makes: from JSON's "\ud800", say)
+        raw = path.encode("utf-8", "backslashreplace")
+    text = raw.decode("utf-8", "backslashreplace")
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _spelled(v) -> str:

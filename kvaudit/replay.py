@@ -135,13 +135,14 @@ def target_of(doc: dict) -> str:
     return target_name(_config(doc["config"], "the replay document"))
 
 
-def home(directory: str, signature: str, target: str) -> tuple[str, bool]:
+def home(directory: str, signature: str, target: str, name: str | None = None) -> tuple[str, bool]:
     """Where a replay file of kind ``target`` named for ``signature`` goes in ``directory``: ``(path, has_it)``.
-    ``<name>.json`` (:func:`file_name`) unless that file is something else (another kind's replay file, which
-    may record the same signature; a note; one that does not load): never written over, the next
-    ``<name>.<n>.json`` (n = 2, 3, ...) that is free or is such a file is taken. ``has_it``: ``path`` already
-    holds a replay file of kind ``target`` that records ``signature`` (to replace, or to leave as it is)."""
-    stem = file_name(signature)[:-len(".json")]
+    ``<name>.json`` (``name``: that file name, ``file_name(signature)`` by default; a copy passes its own)
+    unless that file is something else (another kind's replay file, which may record the same signature; a
+    note; one that does not load): never written over, the next ``<name>.<n>.json`` (n = 2, 3, ...) that is
+    free or is such a file is taken. ``has_it``: ``path`` already holds a replay file of kind ``target`` that
+    records ``signature`` (to replace, or to leave as it is)."""
+    stem = os.path.splitext(name or file_name(signature))[0]
     n = 1
     while True:
         path = os.path.join(directory, (f"{stem}.{n}" if n > 1 else stem) + ".json")
@@ -258,7 +259,8 @@ def _parse(doc: dict, path: str) -> tuple[TargetConfig, list[Op], list[Finding],
         raise ReplayFormatError(f"{path}: bad engine_version: want the engine's release as a string, "
                                 f"got {json_value(version, 60)}")
     for key, ok, want in (("fuzzer", lambda v: isinstance(v, str) and v, "the fuzzer's name as a string"),
-                          ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")):
+                          ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                           "an integer >= 0 (--seed)")):
         if key in doc and not ok(doc[key]):  # (what reports name as the search that found it: tester 59b)
             raise ReplayFormatError(f"{path}: bad {key}: want {want}, got {json_value(doc[key], 60)}")
     kind = kind_of(config)

@@ -207,6 +207,29 @@ def test_harness_crash_writes_a_replay_file(tmp_path):
     assert not os.listdir(tmp_path / "findings")
 
 
+def test_the_harness_never_writes_over_another_file_of_its_findings_name(monkeypatch, tmp_path):
+    """Stop 61's note: the harness wrote ``file_name(sig)`` in its findings folder over whatever was there (a
+    user's note, another kind's replay file). It takes the next free name (kvaudit.replay.home) now, and
+    replaces only its own kind's file of that signature (when the new reproducer is smaller)."""
+    from kvaudit.search import atheris_harness as h
+
+    config = _hisparse_config()
+    for name, value in (("CONFIG", config), ("KNOWN", frozenset()), ("SUPPRESSIONS", None),
+                        ("FINDINGS_DIR", str(tmp_path)), ("STATS_DIR", None), ("MAX_OPS", 24)):
+        monkeypatch.setattr(h, name, value)
+    sig = ("leak/hisparse_device/admit_request_direct@hisparse.py/"
+           "process_batch_result_prebuilt@scheduler_disagg_decode_mixin.py")
+    name = replay.file_name(sig)[:-len(".json")]
+    (tmp_path / f"{name}.json").write_text("my notes")
+    data = bytes([op_kinds(config).index("health_check")])
+    for _ in range(2):  # (the second: its own file of that signature, kept as it is; no third file)
+        with pytest.raises(h.KvauditFinding, match=sig):
+            h.TestOneInput(data)
+    assert (tmp_path / f"{name}.json").read_text() == "my notes"
+    assert sorted(os.listdir(tmp_path)) == [f"{name}.2.json", f"{name}.json"]
+    assert replay.load(str(tmp_path / f"{name}.2.json"))[2][0].signature == sig
+
+
 # --- the driver -----------------------------------------------------------------------------------
 
 def test_libfuzzer_status_lines():

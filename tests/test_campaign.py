@@ -509,6 +509,54 @@ def test_an_interrupted_ci_share_reports_the_seconds_it_ran_not_its_share(tmp_pa
     assert ci.fuzz_preset("default", 30.0, 1, "random", None, str(tmp_path / "o")).seconds == 30.0
 
 
+def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_path, monkeypatch):
+    """Stop 61's note: `ci --out` copied a new finding's replay file over a file of its name there (a user's note,
+    another kind's replay file). It takes the next free name (kvaudit.replay.home); its own kind's file of that
+    signature (a former job's) is replaced."""
+    import kvaudit.search.campaign as campaign
+    from kvaudit.search import ci
+
+    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sig = replay.load(src)[2][0].signature
+    found = str(tmp_path / replay.file_name(sig))  # (the campaign's own file: named for its signature)
+    shutil.copy(src, found)
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new={sig: found}, stats=FuzzStats(executions=3, ops=9)))
+    out = tmp_path / "o"
+    out.mkdir()
+    name = replay.file_name(sig)[:-len(".json")]
+    (out / f"{name}.json").write_text("my notes")
+    for _ in range(2):
+        run = ci.fuzz_preset("default", 1.0, 1, "random", None, str(out))
+        assert [path for _, _, path in run.new] == [str(out / f"{name}.2.json")]
+    assert (out / f"{name}.json").read_text() == "my notes"
+    assert sorted(os.listdir(out)) == [f"{name}.2.json", f"{name}.json"]
+
+
+def test_a_campaigns_lines_show_a_non_utf8_path_escaped_on_one_line(tmp_path):
+    """Stop 61's note: a corpus folder's or suppressions file's name that is not UTF-8 reached the campaign's lines
+    and the suppressions header as lone surrogates: written raw on a lenient stream, internal error 70 on a strict
+    one (a UTF-8 locale's standard output). Shown escaped now, as ``\\xff``; the replay files' rows too."""
+    from rich.console import Console
+
+    from kvaudit.app.fuzz import _campaign_table
+    from kvaudit.search.campaign import CampaignResult
+
+    corpus, rules = os.fsdecode(bytes(tmp_path) + b"/camp\xff"), os.fsdecode(bytes(tmp_path) + b"/sup\xfe.toml")
+    with open(rules, "w") as fh:
+        fh.write('[[suppress]]\nkind = "leak"\n')
+    r = invoke("fuzz", "--max-time", "0.3", "--fuzzer", "random", "--corpus", corpus, "--suppress", rules)
+    assert r.exit_code == 0, r.output
+    assert not re.search("[\udc80-\udcff]", r.output), r.output
+    assert f"; corpus {tmp_path}/camp\\xff\n" in r.stdout, r.stdout
+    assert f"suppressions used ({tmp_path}/sup\\xfe.toml):" in r.stdout, r.stdout
+    assert f"campaign in {tmp_path}/camp\\xff, " in r.stderr and f"suppressions {tmp_path}/sup\\xfe.toml (1 rule" \
+        in r.stderr, r.stderr
+    console = Console(record=True, width=300, force_terminal=True)
+    console.print(_campaign_table(CampaignResult(new={"leak/x": os.path.join(corpus, "findings", "leak_x.json")})))
+    assert f"{tmp_path}/camp\\xff/findings/leak_x.json" in console.export_text(), console.export_text()
+
+
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     """A file whose program yields a leak of the device buffer and of the host pool: both are known,
     so a program that yields the known pair again is not a new crash (it stopped the search again

@@ -126,7 +126,11 @@ def test_unknown_names_are_quoted_as_json_strings(args, said):
     (lambda d: d["findings"][0].update(bogus=1), 'unknown field "bogus"'),
     (lambda d: d["findings"][0]["alloc_sites"][0].update(line=None), "alloc_sites[0].line: want an integer >= 0, "
                                                                      "got null"),
-], ids=["preset", "slots-true", "slots-negative", "unit", "op-index", "unknown-field", "site-line"])
+    # stop 61's note: --seed takes 0 or more, and the vLLM and SGLang targets' config seeds too; these were taken
+    (lambda d: d.update(seed=-3), "bad seed: want an integer >= 0 (--seed), got -3"),
+    (lambda d: d["config"].update(seed=-3), "bad config: seed must be in [0, 9223372036854775807], got -3"),
+], ids=["preset", "slots-true", "slots-negative", "unit", "op-index", "unknown-field", "site-line", "seed-negative",
+        "config-seed-negative"])
 def test_replay_messages_name_the_value_as_json(tmp_path, change, said):
     """The findings section said ``slots: want list, not True`` (Python's type name and repr)."""
     doc = json.load(open(os.path.join(os.path.dirname(__file__), "data", "report", "hisparse-prebuilt-skip-finish.json")))
@@ -147,3 +151,12 @@ def test_json_value_spells_a_dicts_keys_and_values_each():
 
     assert json_value({"other": Obj(), "n": [1, None]}) == '{"other": Obj(), "n": [1, null]}'
     assert json_value({"a": 1, "b": True}) == '{"a": 1, "b": true}'
+
+
+def test_shown_path_escapes_what_is_not_utf8_or_not_printable_and_keeps_the_rest():
+    from kvaudit.config import shown_path
+
+    assert shown_path(os.fsdecode(b"camp\xff/x.json")) == "camp\\xff/x.json"
+    assert shown_path(b"a\xfe") == "a\\xfe" and shown_path("new\nline") == "new\\nline"
+    assert shown_path("\ud800x") == "\\ud800x"  # (a surrogate os.fsdecode never makes)
+    assert shown_path("d/é ok.json") == "d/é ok.json"

@@ -739,9 +739,12 @@ def test_a_pull_never_skips_a_fleet_file_for_another_target_kinds_file_of_its_na
     (found / f"{name}.2.json").write_text("my notes")
     pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
     assert pull.exit_code == 0 and "pulled campaign k: 1 new replay file(s)" in pull.output, pull.output
+    # (stop 61's note: it said "(3 in DIR/findings)", counting the files the campaign skips)
+    assert (f"(1 in {found}; 2 other file(s) there, not counted: another target kind's or not replay files)"
+            in pull.output), pull.output
     assert json.load(open(found / f"{name}.3.json")) == doc
     assert (found / f"{name}.json").read_bytes() == open(sglang, "rb").read()
     assert (found / f"{name}.2.json").read_text() == "my notes"
     assert known_signatures(str(tmp_path / "B"), target="eut")[sig] == str(found / f"{name}.3.json")
     again = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
-    assert again.exit_code == 0 and "pulled campaign k: 0 new replay file(s)" in again.output, again.output
+    assert again.exit_code == 0 and "pulled campaign k: 0 new replay file(s) (1 in" in again.output, again.output

@@ -15,7 +15,7 @@ from kvaudit.audit import runner
 from kvaudit.search.fuzz import FuzzStats, hypothesis_search
 from kvaudit.audit.runner import execute
 
-from cli_helpers import invoke
+from cli_helpers import ROOT, invoke
 
 BUG, PRESET, SEED = "session-borrow-double-count", "streaming-session", 1  # found in about 1 s, long to shrink
 
@@ -370,7 +370,8 @@ def test_ci_that_searched_nothing_says_so_in_its_summary_junit_and_sarif(tmp_pat
     page = (tmp_path / "cn.html").read_text()
     assert "<title>kvaudit report: default, chunked, nothing searched</title>" in page, page[:2000]
     assert "Nothing searched in default, chunked:" in page and "No findings." not in page
-    assert json.loads((tmp_path / "cn.json").read_text())["nothing_searched"] == ["default", "chunked"]
+    doc = json.loads((tmp_path / "cn.json").read_text())
+    assert doc["nothing_searched"] == ["default", "chunked"] and doc["executions"] == 0, doc
     lines = res.stdout.strip().splitlines()
     assert lines[-2] == ("SUMMARY: kvaudit: nothing searched (the budget ended before the first program ran)."), lines
     assert lines[-1].startswith("NOTHING SEARCHED in 2 of 2 preset(s) (default, chunked): 0/0 regressions ok"), lines
@@ -380,6 +381,28 @@ def test_ci_that_searched_nothing_says_so_in_its_summary_junit_and_sarif(tmp_pat
     assert 'skipped="2"' in xml and "no new findings" not in xml, xml
     (inv,) = json.loads((tmp_path / "ci.sarif").read_text())["runs"][0]["invocations"]
     assert inv["executionSuccessful"] is False and "nothing searched" in json.dumps(inv), inv
+
+
+def test_ci_json_gives_the_executions_of_its_search_as_fuzz_json_does(tmp_path):
+    """Stop 61's note: a CI dashboard read ``nothing_searched`` from ``kvaudit ci --json`` but no executions
+    count beside it (``fuzz --json`` has one). The presets' sum; none for --max-time 0, which searches nothing
+    (so its HTML still reads clean, not nothing searched)."""
+    empty = tmp_path / "regs"
+    empty.mkdir()
+    res = invoke("ci", "--presets", "default", "--fuzzer", "random", "--max-time", "0.5", "--regressions",
+                 str(empty), "--out", str(tmp_path / "o"), "--json", str(tmp_path / "ci.json"))
+    assert res.exit_code == 0, res.output
+    ran = int(re.search(r"fuzz default: (\d+) executions", res.stderr).group(1))
+    doc = json.loads((tmp_path / "ci.json").read_text())
+    assert doc["executions"] == ran > 0 and "nothing_searched" not in doc, (doc, res.stderr)
+    regs = tmp_path / "one"
+    regs.mkdir()
+    (regs / "a.json").write_text(open(f"{ROOT}/corpora/regressions/session-close-while-running.json").read())
+    res = invoke("ci", "--max-time", "0", "--regressions", str(regs), "--json", str(tmp_path / "r.json"),
+                 "--html", str(tmp_path / "r.html"))
+    assert res.exit_code == 0, res.output
+    assert "executions" not in json.loads((tmp_path / "r.json").read_text())
+    assert ", clean</title>" in (tmp_path / "r.html").read_text()
 
 
 def test_ci_where_one_preset_of_two_searched_nothing_says_which_in_its_summary_and_verdict():

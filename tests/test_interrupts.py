@@ -882,7 +882,7 @@ def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_jun
     assert "nothing was checked" in paths["html"].read_text()
 
 
-def test_the_json_of_a_run_interrupted_at_start_up_reports_as_nothing_checked(tmp_path):
+def test_the_json_of_a_run_interrupted_at_start_up_reports_as_nothing_checked(tmp_path, capsys):
     """`kvaudit report` on the --json a start-up interrupt wrote said 'missing key "config"' (exit 2), as if the
     file were broken: it says in one line that the run checked nothing (exit 5, as a search that ran nothing),
     and writes no report. The --html asked for at start-up is a page that says the same."""
@@ -890,6 +890,9 @@ def test_the_json_of_a_run_interrupted_at_start_up_reports_as_nothing_checked(tm
 
     doc, page = str(tmp_path / "s.json"), str(tmp_path / "s.html")
     assert write_startup_reports(["fuzz", "--json", doc, "--html", page]) == [doc, page]
+    # (stop 61's note: it printed "JSON written: ..." and "HTML written: ...", where a run says "reports written")
+    assert capsys.readouterr().err == (f"reports written, each saying nothing was checked (interrupted during "
+                                       f"start-up): {doc}, {page}\n")
     assert "nothing was checked" in open(page).read() and "<!DOCTYPE html>" in open(page).read()
     r = invoke("report", doc, "--html", str(tmp_path / "r.html"))
     assert r.exit_code == 5, r.output

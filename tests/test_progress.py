@@ -103,6 +103,33 @@ def test_a_dumb_terminal_gets_the_plain_status_lines(capsys, monkeypatch):
     assert progress.live_terminal(console) and Progress(console, 60.0).live is not None
 
 
+def test_no_color_on_a_terminal_keeps_the_live_status_and_drops_its_styles_too(monkeypatch):
+    """Stop 61's note: with NO_COLOR the live status still sent bold and dim (rich drops colours only; no-color.org
+    asks no more). kvaudit's reports print no control codes under NO_COLOR (reports.md), so neither does the live
+    status's text now: the same redraws, no SGR codes (``ESC [ ... m``)."""
+    import io
+
+    from rich.console import Console
+
+    def shown(no_color: bool) -> str:
+        if no_color:
+            monkeypatch.setenv("NO_COLOR", "1")
+        else:
+            monkeypatch.delenv("NO_COLOR", raising=False)
+        console = Console(file=io.StringIO(), force_terminal=True, width=160)
+        stats = FuzzStats()
+        stats.executions, stats.findings = 7, 1
+        with Progress(console, 60.0) as p:
+            assert p.live is not None  # (still a live display: NO_COLOR is no dumb terminal)
+            p.update(stats)
+        return console.file.getvalue()
+
+    sgr = re.compile("\x1b\\[[0-9;]*m")
+    assert sgr.search(shown(False))  # (the test can see them)
+    out = shown(True)
+    assert "executions" in out and not sgr.search(out), repr(out)
+
+
 def test_campaign_status_watch_on_a_dumb_terminal_prints_plain_lines_as_it_watches(monkeypatch):
     """Tester 61c: `TERM=dumb ... campaign status --watch 1` printed nothing while it watched (rich's live
     table cannot redraw there), then one table when stopped."""

@@ -90,7 +90,7 @@ def run(*, budget: Budget, presets_value: str, fuzzer: str, seed: int, regressio
     if sset is not None:  # the presets' campaigns matched; the job's set is the file's
         sset.add_usage(usage for run in result.fuzz for usage in run.suppression_usage)
         print_suppressions(console, sset, not_run=None if ran else _why_nothing_ran(result, per_preset))
-    failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err)
+    failed = _write_outputs(outputs, result, kind, preset_names[0], sset if ran else None, err, per_preset > 0)
     _print_verdict(console, result, sset)
     if failed is not None:  # after the job's lines: a report not written does not hide its verdict
         raise failed
@@ -192,8 +192,9 @@ def _print_table(console, result) -> None:
     print_table(console, t)
 
 
-def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err):
-    """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can.
+def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err, fuzzed: bool):
+    """JUnit and SARIF (every open finding, new and known), then HTML and JSON (the new ones): each it can;
+    ``fuzzed``: the job searched (not --max-time 0), so they give its executions, the presets' sum, as ``fuzz``'s.
     Returns the error for the first not written, a fuzz campaign's on a full disk first (naming every file
     kept and every other not written), or None."""
     kept = [path for run in result.fuzz for _, _, path in run.new if path not in run.unwritten.values()]
@@ -221,6 +222,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err)
             idle = result.nothing_searched
             extra = {"job": "kvaudit ci", **({"not_written": lost} if lost else {}),  # (as a campaign's --json)
                      **({"interrupted": True} if result.interrupted else {}),  # (the HTML's verdict says so)
+                     **({"executions": sum(run.executions for run in result.fuzz)} if fuzzed else {}),
                      **({"nothing_searched": idle} if idle else {})}  # (exit 5: the presets that ran no program)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,

@@ -136,9 +136,9 @@ def pull(db: str, campaign: str, directory: str) -> int:
         os.makedirs(os.path.join(directory, "findings"), exist_ok=True)
     except OSError as e:
         raise InputError(f"{directory}: {e.strerror or e}") from None
-    hub, paths = Hub(client, campaign, worker_id(-1)), []
+    hub, paths, kinds = Hub(client, campaign, worker_id(-1)), [], set()
     try:
-        hub.pull_findings(os.path.join(directory, "findings"), written=paths)
+        hub.pull_findings(os.path.join(directory, "findings"), written=paths, kinds=kinds)
     except OSError as e:  # (a full disk: not Redis going away)
         raise write_error(e, e.filename, paths) from None
     store = CorpusStore(os.path.join(directory, "programs"), mirror=hub)
@@ -152,8 +152,27 @@ def pull(db: str, campaign: str, directory: str) -> int:
         raise write_error(e, path, [*paths, kept])
     if not hub.online:
         raise UnavailableError(f"--db {safe_url(db)}: Redis went away during the pull")
-    have = sorted(n for n in os.listdir(os.path.join(directory, "findings")) if n.endswith(".json"))
-    make_console().print(f"pulled campaign {campaign}: {len(paths)} new replay file(s) ({len(have)} in "
-                         f"{os.path.join(directory, 'findings')}), {len(programs)} new corpus program(s) in "
-                         f"{store.path}", soft_wrap=True, markup=False)
+    have, other = _findings_here(os.path.join(directory, "findings"), kinds)
+    make_console().print(f"pulled campaign {campaign}: {len(paths)} new replay file(s) ({have} in "
+                         f"{os.path.join(directory, 'findings')}"
+                         + (f"; {other} other file(s) there, not counted: another target kind's or not replay files"
+                            if other else "") + f"), {len(programs)} new corpus program(s) in {store.path}",
+                         soft_wrap=True, markup=False)
     return EXIT_CLEAN
+
+
+def _findings_here(directory: str, kinds: set[str]) -> tuple[int, int]:
+    """``(replay files, other entries)`` in ``directory``: the replay files recorded on one of ``kinds`` (the
+    fleet's; every kind when it holds none), which a campaign of that kind reads; the other entries (another kind's
+    replay files, notes, folders) it skips. Dot files (atomic writes' temporaries) are neither."""
+    from kvaudit import replay
+
+    names = sorted(n for n in os.listdir(directory) if not n.startswith("."))
+    used = 0
+    for name in names:
+        try:
+            config = replay.load(os.path.join(directory, name))[0] if name.endswith(".json") else None
+        except replay.ReplayFormatError:
+            config = None
+        used += config is not None and (not kinds or replay.target_name(config) in kinds)
+    return used, len(names) - used

@@ -24,6 +24,7 @@ from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.app.replay import record_timeline
 from kvaudit.audit import runner
 from kvaudit.audit.suppress import SuppressionSet
+from kvaudit.config import shown_path
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, default_fuzzer
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
 from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table, summary_line,
@@ -101,14 +102,14 @@ def _announce(config, checked: Checked, err, *, fuzzer, max_time, seed, out_dir,
     sset, kind = checked.sset, registry.kind_of(config)
     where = kind.describe(config) + ", " if kind.describe is not None else ""
     if checked.campaign:
-        dest = f"campaign in {checked.target_dir}, {workers} worker(s)" + (
+        dest = f"campaign in {shown_path(checked.target_dir)}, {workers} worker(s)" + (
             f", shared as {campaign_name} through {safe_url(db)}" if db else "")
     else:
-        dest = f"out {out_dir}"
+        dest = f"out {shown_path(out_dir)}"
     err.print(f"kvaudit fuzz: {where}{fuzzer}, preset {config.preset}, bugs: {', '.join(sorted(config.bugs)) or 'none'}, "
               f"seed {seed}, search budget {duration(max_time)}, step timeout {runner.step_timeout():.3g}s, {dest}"
-              + (f", suppressions {suppress_file} ({len(sset)} rule(s))" if sset is not None else ""), soft_wrap=True,
-              markup=False)
+              + (f", suppressions {shown_path(suppress_file)} ({len(sset)} rule(s))" if sset is not None else ""),
+              soft_wrap=True, markup=False)
     warn_unreachable_bugs(config, err)
     warn_campaign_without_db(campaign_name, db, err)
     if checked.campaign:
@@ -322,7 +323,7 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
     console.print(f"{'interrupted' if result.interrupted else 'campaign done'}: {s.executions} executions, {s.ops} ops "
                   f"in {s.elapsed:.1f}s ({s.executions / max(s.elapsed, 1e-9):.1f} exec/s, {result.workers} worker(s)); "
                   f"{len(result.new)} new, {len(result.known)} known signature(s)"
-                  + (f", {len(result.fleet)} found by another host" if result.fleet else "") + f"; corpus {corpus}",
+                  + (f", {len(result.fleet)} found by another host" if result.fleet else "") + f"; corpus {shown_path(corpus)}",
                   soft_wrap=True)
     print_reached(console, s)
     line = _campaign_summary(result, cases, paths, sset)
@@ -388,7 +389,7 @@ def _campaign_table(result):
                                  (result.unwritten, "not written (disk full)", "bold red"),
                                  (dict.fromkeys(result.flaky, "-"), "flaky (not reproduced 3/3)", "yellow")):
         for sig, path in sorted(paths.items()):
-            t.add_row(sig, Text(status, style=style), path)
+            t.add_row(sig, Text(status, style=style), Text(shown_path(path)))
     return t
 
 

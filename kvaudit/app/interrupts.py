@@ -111,8 +111,8 @@ def _startup_json() -> str:
 def write_startup_reports(argv: list[str]) -> list[str]:
     """``kvaudit ci`` or ``fuzz`` interrupted before its job began: write the ``--junit``, ``--sarif``, ``--html``
     (and ``fuzz``'s ``--json``) that ``argv`` asks for, each saying nothing was checked; a path the job would refuse,
-    or that cannot be written, is skipped. Returns the paths written. Standard library only: half-imported
-    modules are not touched."""
+    or that cannot be written, is skipped. Returns the paths written, named on stderr in one ``reports written``
+    line, as a run's, that says what they hold. Standard library only: half-imported modules are not touched."""
     import json
     import os
 
@@ -137,6 +137,8 @@ def write_startup_reports(argv: list[str]) -> list[str]:
             except OSError as e:
                 sys.stderr.write(f"kvaudit: cannot write {path}: {e.strerror or e}\n")
                 continue
-            sys.stderr.write(f"{dict(junit='JUnit', sarif='SARIF', json='JSON', html='HTML')[fmt]} written: {path}\n")
             written.append(path)
+    if written:  # (not "JSON written: PATH": a run's line is "reports written: ...", and these hold no results)
+        sys.stderr.write(f"reports written, each saying nothing was checked (interrupted during start-up): "
+                         f"{', '.join(written)}\n")
     return written

@@ -18,7 +18,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from kvaudit.config import TargetConfig
+from kvaudit.config import TargetConfig, shown_path
 from kvaudit.audit.findings import KINDS, Finding, Site, portable_path, report_order
 from kvaudit.audit.frames import RecordedEngine, resolve
 from kvaudit.audit.kinds import lookup
@@ -233,7 +233,8 @@ def suppressions_table(suppressions: SuppressionSet) -> Table:
     once per program run it appeared in: a search counts it again in every program). A rule that matched
     nothing is flagged."""
     t = Table(title="suppressions used", title_justify="left",
-              caption=f"rules from {suppressions.path}" if suppressions.path else None, caption_justify="left")
+              caption=f"rules from {shown_path(suppressions.path)}" if suppressions.path else None,
+              caption_justify="left")
     t.add_column("#", justify="right")
     t.add_column("kind", no_wrap=True)
     for col in ("pool", "site", "reason"):
@@ -255,17 +256,18 @@ def print_suppressions(console: Console, suppressions: SuppressionSet, not_run: 
     ran) one line that says so instead: a rule tried on nothing did not "match nothing"."""
     plain = is_plain(console)
     if not len(suppressions):
-        _print(console, Text(f"suppressions used: none ({suppressions.path or 'no rules'} has no [[suppress]] entries)",
+        where = shown_path(suppressions.path) if suppressions.path else "no rules"
+        _print(console, Text(f"suppressions used: none ({where} has no [[suppress]] entries)",
                            style="dim"), plain, soft_wrap=True)
         return
     if not_run is not None:
-        where = f" in {suppressions.path}" if suppressions.path else ""
+        where = f" in {shown_path(suppressions.path)}" if suppressions.path else ""
         _print(console, Text(f"suppressions used: none, no program ran ({not_run}): the {len(suppressions)} "
                              f"rule(s){where} were not tried", style="dim"), plain, soft_wrap=True)
         return
     table = suppressions_table(suppressions)
     if plain:  # the file in the title, not a caption line
-        table.title = f"suppressions used ({suppressions.path})" if suppressions.path else table.title
+        table.title = f"suppressions used ({shown_path(suppressions.path)})" if suppressions.path else table.title
         table.caption = None
     print_table(console, table, header=True)
     unused = suppressions.unused()

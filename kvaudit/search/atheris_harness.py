@@ -143,8 +143,9 @@ def TestOneInput(data: bytes) -> None:
         return
     primary = new[0]
     findings = [primary] + [f for f in found if f is not primary]
-    path = os.path.join(FINDINGS_DIR, replay.file_name(primary.signature))
-    if not _keep_existing(path, len(ran), len(data)):
+    # NOTE: another file of its name (a note, another kind's replay file) is left as it is (replay.home)
+    path, has_it = replay.home(FINDINGS_DIR, primary.signature, replay.target_name(CONFIG))
+    if not (has_it and _keep_existing(path, len(ran), len(data))):
         replay.write_atomic(path, replay.to_doc(CONFIG, ran, findings, fuzzer="atheris",
                                                 input_sha1=hashlib.sha1(data).hexdigest(), input_size=len(data)))
     _write_stats(force=True)

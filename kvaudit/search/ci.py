@@ -145,7 +145,8 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
                 target: str = "eut", db: str | None = None, campaign: str = "default",
                 taken: frozenset[str] = frozenset()) -> FuzzRun:
     """Fuzz the clean engine of ``preset`` for ``budget`` seconds as a campaign: over ``corpus/<preset>``
-    (resumable), else over a temporary corpus; the new replay files are copied to ``out_dir``, a name in
+    (resumable), else over a temporary corpus; the new replay files are copied to ``out_dir`` (named as
+    :func:`kvaudit.replay.home` says: another file of the name, a note or another kind's, is kept), a name in
     ``taken`` (another preset of the job wrote it: the same signature found there) as
     ``<name>.<preset>.json``, so each preset keeps its own reproducer. ``db``: a
     Redis URL; the campaign is ``<campaign>/<preset>`` across every host (CI shard) that names it. An
@@ -172,7 +173,9 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             by_file.setdefault(path, set()).add(sig)
         for path, sigs in sorted(by_file.items()):  # (the corpus keeps its copy; --out is what a job uploads)
             _, program, findings, doc = replay.load(path)
-            dest = os.path.join(out_dir, os.path.basename(path))
+            # (a file of its name that is not its kind's replay file of that signature is left as it is)
+            dest, _ = replay.home(out_dir, next(f.signature for f in findings if f.signature in sigs), target,
+                                  name=os.path.basename(path))
             if dest in taken:
                 dest = f"{dest[:-len('.json')]}.{preset}.json"
             try:

@@ -346,13 +346,14 @@ class Hub:
         got = self._call(lambda r: r.smembers(self.key("known")), default=set())
         return set(map(_text, got))
 
-    def pull_findings(self, directory: str, have: set[str] | None = None, written: list[str] | None = None) \
-            -> list[str]:
+    def pull_findings(self, directory: str, have: set[str] | None = None, written: list[str] | None = None,
+                      kinds: set[str] | None = None) -> list[str]:
         """Write the fleet's replay files that ``directory`` lacks into it, validated, atomically; ``have``:
         signatures to skip unread. A file of the same name that is not a replay file of the same target kind
         and signature (another kind's, a note) is left as it is: the fleet's takes the next free
         ``<name>.<n>.json`` (:func:`kvaudit.replay.home`). Returns the paths written, each also appended to
-        ``written`` as it is. Raises ``OSError`` for a file not written (a full disk: the files are written
+        ``written`` as it is; ``kinds``: the target kind of each valid replay file read is added to it. Raises
+        ``OSError`` for a file not written (a full disk: the files are written
         after the reads, so the disk's error is not taken for Redis's)."""
         def go(r):
             sigs = [s for s in map(_text, r.hkeys(self.key("findings"))) if have is None or s not in have]
@@ -363,7 +364,10 @@ class Hub:
             doc = self._replay_doc(text, "findings", sig)
             if doc is None:
                 continue
-            path, has_it = replay.home(directory, sig, replay.target_of(doc))
+            kind = replay.target_of(doc)
+            if kinds is not None:
+                kinds.add(kind)
+            path, has_it = replay.home(directory, sig, kind)
             if not has_it:
                 written.append(replay.write_atomic(path, doc))
         return written
