@@ -109,14 +109,20 @@ def test_no_color_on_a_terminal_keeps_the_live_status_and_drops_its_styles_too(m
     status's text now: the same redraws, no SGR codes (``ESC [ ... m``)."""
     import io
 
-    from rich.console import Console
+    from rich.table import Table
+
+    from kvaudit.app.progress import console as make_console
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # (rich: a terminal, as on one)
 
     def shown(no_color: bool) -> str:
         if no_color:
             monkeypatch.setenv("NO_COLOR", "1")
         else:
             monkeypatch.delenv("NO_COLOR", raising=False)
-        console = Console(file=io.StringIO(), force_terminal=True, width=160)
+        console = make_console()  # (the console every command prints with: campaign status --watch's too)
+        assert console.is_terminal
+        console.file, console.width = io.StringIO(), 160
         stats = FuzzStats()
         stats.executions, stats.findings = 7, 1
         with Progress(console, 60.0) as p:
@@ -128,6 +134,13 @@ def test_no_color_on_a_terminal_keeps_the_live_status_and_drops_its_styles_too(m
     assert sgr.search(shown(False))  # (the test can see them)
     out = shown(True)
     assert "executions" in out and not sgr.search(out), repr(out)
+    # campaign status --watch's live table: rich's header is bold by default
+    console = make_console()
+    console.file = io.StringIO()
+    table = Table("worker", "state")
+    table.add_row("0", "running")
+    console.print(table)
+    assert "worker" in console.file.getvalue() and not sgr.search(console.file.getvalue())
 
 
 def test_campaign_status_watch_on_a_dumb_terminal_prints_plain_lines_as_it_watches(monkeypatch):

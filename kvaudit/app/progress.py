@@ -21,10 +21,12 @@ if TYPE_CHECKING:
 
 
 def console(stderr: bool = False) -> Console:
-    """A rich console; off a terminal it is wide, so that paths in reports are not broken up."""
+    """A rich console; off a terminal it is wide, so that paths in reports are not broken up. Under ``NO_COLOR``
+    it sends no styles at all (rich drops the colours only, keeping bold and dim): what it redraws live (fuzz's
+    status, ``campaign status --watch``) is as plain as the reports, which print no control codes then."""
     probe = Console(stderr=stderr)
     width = None if probe.is_terminal else _columns()
-    return Console(stderr=stderr, highlight=False, width=width)
+    return Console(stderr=stderr, highlight=False, width=width, color_system=None if probe.no_color else "auto")
 
 
 def _columns() -> int:
@@ -76,18 +78,16 @@ class Progress:
                 + (f"coverage={cov} " if cov else "") + f"remaining={f['remaining']}{note}")
 
     def renderable(self, s: FuzzStats):
-        # NOTE: NO_COLOR drops bold and dim too: kvaudit's reports print no control codes under it (is_plain)
-        style = (lambda _: "") if self.console.no_color else (lambda name: name)
         grid = Table.grid(padding=(0, 2))
-        grid.add_row(Text(f"kvaudit fuzz: {s.phase}", style=style("bold blue")),
+        grid.add_row(Text(f"kvaudit fuzz: {s.phase}", style="bold blue"),
                      ProgressBar(total=self.max_time, completed=min(s.elapsed, self.max_time), width=40),
                      Text(f"{duration(min(s.elapsed, self.max_time))}/{duration(self.max_time)}"))
         stats = Table.grid(padding=(0, 3))
         fields = self._fields(s, self.max_time)
         for _ in fields:
             stats.add_column(justify="right")
-        stats.add_row(*[Text(k, style=style("dim")) for k, _ in fields])
-        stats.add_row(*[Text(v, style=style("bold red" if k == "findings" and v != "0" else "bold")) for k, v in fields])
+        stats.add_row(*[Text(k, style="dim") for k, _ in fields])
+        stats.add_row(*[Text(v, style="bold red" if k == "findings" and v != "0" else "bold") for k, v in fields])
         outer = Table.grid()
         outer.add_row(grid)
         outer.add_row(stats)
