@@ -27,10 +27,10 @@ def make_target(config):
     (:func:`kvaudit.targets.registry.kind_of`) and checked (:func:`kvaudit.targets.base.check_target`).
     Raises :class:`kvaudit.targets.registry.UnknownTargetError` for a config no kind takes,
     :class:`kvaudit.targets.registry.TargetDefinitionError` for a target that does not keep the target
-    API (a plugin kind's ``roots()`` on every read: :func:`kvaudit.targets.base.check_roots_always`); a
+    API (a plugin kind's ``roots()`` and other reads at every call: :func:`kvaudit.targets.base.check_reads_always`); a
     kind may raise its own error when its engine cannot be driven (real SGLang:
     ``SglangUnavailable``)."""
-    from kvaudit.targets.base import check_roots_always, check_target
+    from kvaudit.targets.base import check_reads_always, check_target
     from kvaudit.targets.registry import BUILTIN_KINDS, kind_of
 
     kind = kind_of(config)
@@ -40,7 +40,7 @@ def make_target(config):
     try:
         check_target(target, kind.name, once=kind.name in BUILTIN_KINDS)
         if kind.name not in BUILTIN_KINDS:
-            check_roots_always(target, kind.name)
+            check_reads_always(target, kind.name)
     except Exception:
         close = getattr(target, "close", None)
         if callable(close):
