@@ -548,7 +548,24 @@ def test_make_target_checks_every_kind_and_the_built_ins_pass():
         check_target(SimpleNamespace(), "rowtoy")
 
 
+@dataclass(frozen=True)
+class NoPresetConfig(ConfigBase):
+    n: int = 8
+    bugs: frozenset = field(default_factory=frozenset)
+
+
+class PlainConfig(ConfigBase):
+    preset = "custom"
+    bugs = frozenset()
+
+
 @pytest.mark.parametrize("change, message", [
+    # (a config class without a preset field registered, and 'kvaudit fuzz --target' exited 70: "internal error:
+    # TypeError: NoPresetConfig.__init__() got an unexpected keyword argument 'preset'")
+    ({"config_class": NoPresetConfig}, "target toy2: config_class NoPresetConfig must be a dataclass with the fields "
+                                       "preset and bugs (docs/writing-a-target.md); it has no preset"),
+    ({"config_class": PlainConfig}, "target toy2: config_class PlainConfig must be a dataclass with the fields "
+                                    "preset and bugs (docs/writing-a-target.md); it is not a dataclass"),
     ({"name": "my target"}, "a target kind's name must be letters, digits, '-' or '_' (it is what --target takes), "
                             'got "my target"'),
     ({"summary": ""}, 'target toy2: summary must be one line of text, got ""'),
@@ -560,9 +577,12 @@ def test_register_refuses_a_malformed_kind(change, message):
     kind = registry.TargetKind("toy2", "a toy", ToyConfig, presets=dict, make=ToyTarget)
     import dataclasses
 
-    with pytest.raises(registry.TargetDefinitionError, match=re.escape(message)):
-        registry.register(dataclasses.replace(kind, **change))
-    assert "toy2" not in registry._KINDS
+    try:
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(message)):
+            registry.register(dataclasses.replace(kind, **change))
+        assert "toy2" not in registry._KINDS
+    finally:  # (a kind registered by mistake would fail every case after it)
+        registry._KINDS.pop("toy2", None)
 
 
 def test_a_built_in_kinds_pools_are_checked_once_per_shape_and_a_plugins_at_every_build(monkeypatch):
