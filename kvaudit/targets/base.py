@@ -526,8 +526,14 @@ def _read_rules(pools: dict) -> dict:
     def by_name(v):
         return isinstance(v, dict) and all(isinstance(k, str) and _int(x) for k, x in v.items())
 
-    def finding(t):
-        return isinstance(t, TargetFinding) and t.pool in pools and np.asarray(t.units).dtype.kind in "iu"
+    def finding(t):  # (units: any integer array-like, or none: the oracle reads them with np.asarray)
+        if not (isinstance(t, TargetFinding) and t.pool in pools):
+            return False
+        try:
+            units = np.asarray(t.units)
+        except (TypeError, ValueError):  # (a ragged list)
+            return False
+        return units.size == 0 or units.dtype.kind in "iu"
 
     return {
         "is_idle": (lambda v: isinstance(v, (bool, np.bool_)), "a bool"),
