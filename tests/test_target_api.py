@@ -827,3 +827,27 @@ def test_a_plugin_module_another_plugin_imports_is_credited_with_its_kind(tmp_pa
     assert r.exit_code == 0, r.output
     assert 'module "second_plug" named in KVAUDIT_PLUGINS registered no target kind' not in r.stderr, r.stderr
     assert 'module "first_plug" named in KVAUDIT_PLUGINS registered no target kind' in r.stderr, r.stderr
+
+
+def test_a_plugins_checked_reads_pass_what_the_oracles_take():
+    """check_reads_always refuses wrong shapes only: a finding with no units or with a list of ints, numpy
+    integers in progress() and reach(), a numpy bool from is_idle() all pass through unchanged."""
+    from kvaudit.targets.base import check_reads_always
+
+    class Lenient(rowtoy_plugin.RowToyTarget):
+        def invariant_findings(self):
+            return [TargetFinding("leak", "rows", [], "none"), TargetFinding("leak", "rows", [1, 2], "two")]
+
+        def progress(self):
+            return {"r1": np.int64(3)}
+
+        def reach(self):
+            return {"admitted": np.int64(2)}
+
+        def is_idle(self):
+            return np.bool_(True)
+
+    target = Lenient(rowtoy_plugin.PRESETS["rowtoy"].config())
+    check_reads_always(target, "lenient")
+    assert [f.message for f in target.invariant_findings()] == ["none", "two"]
+    assert target.progress() == {"r1": 3} and target.reach() == {"admitted": 2} and target.is_idle()
