@@ -851,3 +851,42 @@ def test_a_plugins_checked_reads_pass_what_the_oracles_take():
     check_reads_always(target, "lenient")
     assert [f.message for f in target.invariant_findings()] == ["none", "two"]
     assert target.progress() == {"r1": 3} and target.reach() == {"admitted": 2} and target.is_idle()
+
+
+class _Unbuildable(rowtoy_plugin.RowToyTarget):
+    built = 0
+
+    def __init__(self, config):
+        type(self).built += 1
+        if config.preset == "always" or type(self).built > 3:
+            raise RuntimeError("no device left")  # (the target's own code, as a constructor that opens one)
+        super().__init__(config)
+
+
+@pytest.mark.parametrize("preset", ["always", "later"])
+def test_a_plugin_target_whose_constructor_raises_is_one_line_exit_2_its_traceback_behind_kvaudit_debug(
+        preset, tmp_path):
+    """A constructor that raised at the first build was one line (require_target); one that raised at a later
+    build, as the search builds a target per program, was 'kvaudit: internal error: RuntimeError: no device
+    left', exit 70, blaming kvaudit. Both are the target's line, exit 2, and KVAUDIT_DEBUG=1 (which showed
+    nothing more) prints the constructor's traceback above it."""
+    _Unbuildable.built = 0
+    kind = registry.register(registry.TargetKind(
+        "unbuildable", "rowtoy's engine behind a constructor that fails", BadToyConfig,
+        presets=lambda: {n: Preset(n, n, {}, BadToyConfig) for n in ("always", "later")},
+        make=_Unbuildable, default_preset="always"))
+    try:
+        runs = []
+        for env in ({}, {"KVAUDIT_DEBUG": "1"}):
+            _Unbuildable.built = 0
+            runs.append(invoke("fuzz", "--target", "unbuildable", "--preset", preset, "--fuzzer", "random",
+                               "--max-time", "3", "--out", str(tmp_path), env=env))
+    finally:
+        registry._KINDS.pop("unbuildable")
+    line = ("kvaudit: error: target unbuildable: building its target failed: RuntimeError: no device left "
+            "(KVAUDIT_DEBUG=1 shows its traceback)")
+    for r in runs:
+        assert r.exit_code == 2, r.output + r.stderr
+        assert r.stderr.strip().splitlines()[-1] == line
+    assert "Traceback" not in runs[0].stderr
+    assert "Traceback" in runs[1].stderr and "in __init__" in runs[1].stderr and "no device left" in runs[1].stderr
