@@ -890,3 +890,39 @@ def test_a_plugin_target_whose_constructor_raises_is_one_line_exit_2_its_traceba
         assert r.stderr.strip().splitlines()[-1] == line
     assert "Traceback" not in runs[0].stderr
     assert "Traceback" in runs[1].stderr and "in __init__" in runs[1].stderr and "no device left" in runs[1].stderr
+
+
+class _WrongWhenShort(rowtoy_plugin.RowToyTarget):
+    def is_idle(self):  # a mistake only a program with one submit meets: one a minimization tries
+        idle = super().is_idle()
+        return None if self.n < 2 and self.steps else idle
+
+
+def test_a_target_mistake_met_while_minimizing_is_the_targets_error_not_a_program_that_does_not_reproduce(tmp_path):
+    """minimize and fuzz's triage took every ValueError from the minimizer as "does not reproduce"
+    (minimize exited 4; fuzz passed the finding over as flaky), a TargetDefinitionError (a ValueError)
+    included: the mistake a smaller program met is the target's one line, exit 2."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Abort, Idle, Step, Submit
+    from kvaudit.search.fuzz import triage
+
+    kind = registry.register(registry.TargetKind(
+        "shortwrong", "rowtoy's engine whose is_idle() goes wrong on a program with one submit", BadToyConfig,
+        presets=lambda: {"leaky": Preset("leaky", "abort leaks", {"bugs": {"abort-leak"}}, BadToyConfig)},
+        make=_WrongWhenShort, bugs=lambda: {"abort-leak": "abort leaks"}, default_preset="leaky"))
+    try:
+        config = kind.preset("leaky").config()
+        program = [Submit(prompt_len=4, max_new_tokens=8), Submit(prompt_len=4, max_new_tokens=8), Step(n=1),
+                   Abort(handle=0), Idle()]
+        found = execute(config, program).findings
+        assert [f.kind for f in found][:1] == ["leak"]
+        with pytest.raises(registry.TargetDefinitionError, match=r"_WrongWhenShort\.is_idle\(\) must return a bool"):
+            triage(config, program, found[0])
+        path = tmp_path / "leak.json"
+        path.write_text(replay.doc_text(replay.to_doc(config, program, found)))
+        r = invoke("minimize", str(path), "-o", str(tmp_path / "small.json"))
+    finally:
+        registry._KINDS.pop("shortwrong")
+    assert r.exit_code == 2, r.output + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "kvaudit: error: target shortwrong: _WrongWhenShort.is_idle() must return a bool, got null")
