@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import sys
+import traceback
 import warnings
 
 import click
@@ -64,6 +65,8 @@ class KvauditGroup(_NamesItsCommand, click.Group):
             click.echo(f"kvaudit: error: {_click_message(e)}", err=True)
             return sys.exit(e.exit_code)
         except (TargetDefinitionError, fuzzers.FuzzerDefinitionError) as e:  # a plugin's own mistake, met running
+            if os.environ.get("KVAUDIT_DEBUG") and e.__cause__ is not None:  # (its own exception: a constructor's)
+                traceback.print_exception(e.__cause__, file=sys.stderr)
             click.echo(f"kvaudit: error: {e}", err=True)
             return sys.exit(EXIT_USAGE)
         except (click.Abort, KeyboardInterrupt):

@@ -163,6 +163,33 @@ def test_the_exit_codes_table_names_every_option_of_every_command():
                 f"kvaudit {' '.join(path)}: {names[-1]} is not on its row of exit-codes.md"
 
 
+def test_the_exit_codes_table_has_every_code_a_commands_help_names():
+    """ci's --help said "2 on bad input" (a bad --presets, a target's own mistake met running: tc62) while its
+    row of exit-codes.md listed 0, 1, 5, 69 and 130: every code a command's help names ("Exits 0 when ..., 2 on
+    ...") is on its row's exit codes."""
+    import click
+
+    from kvaudit.cli import main
+
+    with open(os.path.join(DOCS, "reference", "exit-codes.md")) as fh:
+        rows = [line.split(" | ") for line in fh if line.startswith("| `kvaudit ")]
+
+    def commands(group, path=()):
+        for name, cmd in group.commands.items():
+            yield from commands(cmd, path + (name,)) if isinstance(cmd, click.Group) else [(path + (name,), cmd)]
+
+    for path, cmd in commands(main):
+        said = re.search(r"Exits? (.*)", " ".join((cmd.help or "").split()))
+        if said is None:
+            continue
+        codes = re.findall(r"(?:^|[,;] |\band )(\d{1,3})(?= (?:if|when|on|for|once|clean|a |bad|nothing|atheris|"
+                           r"interrupted))", said.group(1))
+        codes_cell = " ".join(r[-1] for r in rows if f"`kvaudit {' '.join(path)}" in r[0])
+        missing = [c for c in codes if not re.search(rf"(?<![\w.]){c} ", codes_cell)]
+        assert codes and not missing, f"kvaudit {' '.join(path)}: exit code(s) {missing or codes} of its --help " \
+                                      "not on its row of exit-codes.md"
+
+
 def test_the_command_reference_leaves_out_an_installed_plugin_packages_kind(tmp_path):
     """With a package registering a kvaudit.targets entry point installed, --check failed: the page's
     --target choices read [eut|sglang|vllm|mine]."""

@@ -381,7 +381,74 @@ class StillSteps(rowtoy_plugin.RowToyTarget):
         self.engine.step()  # as if the author never counted its steps
 
 
-MID_RUN = {"float-units": (FloatRoots, "FloatRoots.roots(): req:r1's units must be a [n] integer numpy array, got "
+class PyListFreeLists(rowtoy_plugin.RowToyTarget):
+    def free_lists(self):
+        return {"rows": [int(x) for x in self.engine.pool.free_rows]}  # a list, not a numpy array
+
+
+class MisspeltIdentity(rowtoy_plugin.RowToyTarget):
+    def identity_terms(self, pool):
+        return ("available", "refrenced")
+
+
+class TupleFindings(rowtoy_plugin.RowToyTarget):
+    def invariant_findings(self):
+        return [("leak", "rows", r.rows, "x") for r in self.engine.running]
+
+
+class UnknownKindFindings(rowtoy_plugin.RowToyTarget):
+    def invariant_findings(self):
+        return [TargetFinding("ref-mismatch", "rows", r.rows, "x") for r in self.engine.running]
+
+
+class ListProgress(rowtoy_plugin.RowToyTarget):
+    def progress(self):
+        return [r.out for r in self.engine.running]
+
+
+class TextReach(rowtoy_plugin.RowToyTarget):
+    def reach(self):
+        return {"admitted": "some"}
+
+
+class NoneIdle(rowtoy_plugin.RowToyTarget):
+    def is_idle(self):
+        super().is_idle()  # the author forgot the return
+
+
+class LateAccounting(rowtoy_plugin.RowToyTarget):
+    def accounting(self):
+        got = super().accounting()
+        return {p: (a.available, a.total) for p, a in got.items()} if self.steps else got
+
+
+class LateEngineCheck(rowtoy_plugin.RowToyTarget):
+    def engine_check(self):
+        return None if self.steps else []
+
+
+#: a plugin's read that goes wrong only once a request runs (the build's check reads the fresh engine) was an
+#: "Engine crash: AttributeError ... crash/-/AttributeError@?" (exit 1, a replay file), or no error at all (a
+#: hang of an idle engine; reach's text summed into "admitted=somesome...")
+READS = {"free-lists-pylist": (PyListFreeLists, 'PyListFreeLists.free_lists() must return {declared pool: [n] '
+                                                'integer numpy array}, got {"rows": ['),
+         "identity-misspelt": (MisspeltIdentity, 'MisspeltIdentity.identity_terms("rows") must return a tuple of '
+                                                 "available, evictable, protected, session_held, uncached, "
+                                                 'referenced, got ["available", "refrenced"]'),
+         "findings-tuples": (TupleFindings, "TupleFindings.invariant_findings() must return a list of TargetFinding "
+                                            "of declared pools with integer units, got [["),
+         "findings-unknown-kind": (UnknownKindFindings, 'UnknownKindFindings.invariant_findings(): finding kind '
+                                                        '"ref-mismatch" is not one of leak, '),
+         "progress-list": (ListProgress, "ListProgress.progress() must return {request: int}, got ["),
+         "reach-text": (TextReach, 'TextReach.reach() must return {name: int}, got {"admitted": "some"}'),
+         "idle-none": (NoneIdle, "NoneIdle.is_idle() must return a bool, got null"),
+         "accounting-late": (LateAccounting, 'LateAccounting.accounting() must return {declared pool: Accounting}, '
+                                             'got {"rows": ['),
+         "engine-check-late": (LateEngineCheck, "LateEngineCheck.engine_check() must return a list of strings, got "
+                                                "null")}
+
+
+MID_RUN = {**READS, "float-units": (FloatRoots, "FloatRoots.roots(): req:r1's units must be a [n] integer numpy array, got "
                                        "ndarray of float64"),
            "list-units": (ListUnitRoots, "ListUnitRoots.roots(): req:r1's units must be a [n] integer numpy array, "
                                          "got list"),
@@ -405,15 +472,17 @@ def test_a_plugin_roots_mistake_met_mid_run_is_the_targets_error_not_an_engine_c
         presets=lambda: {n: Preset(n, n, {}, BadToyConfig) for n in MID_RUN},
         make=lambda c: MID_RUN[c.preset][0](c), default_preset="float-units"))
     try:
-        with pytest.raises(registry.TargetDefinitionError, match=re.escape(MID_RUN[preset][1])):
-            execute(kind.preset(preset).config(), [Submit(prompt_len=4, max_new_tokens=3), Idle()])
+        if preset != "reach-text":  # (a search reads reach(), a single run does not)
+            with pytest.raises(registry.TargetDefinitionError, match=re.escape(MID_RUN[preset][1])):
+                execute(kind.preset(preset).config(), [Submit(prompt_len=4, max_new_tokens=3), Idle()])
         r = invoke("fuzz", "--target", "midtoy", "--preset", preset, "--fuzzer", "random", "--max-time", "5",
                    "--out", str(tmp_path))
     finally:
         registry._KINDS.pop("midtoy")
     assert r.exit_code == 2, r.output + r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"kvaudit: error: target midtoy: {MID_RUN[preset][1]}")
-    assert "crash" not in r.output and not any(n.endswith(".json") for n in os.listdir(tmp_path))
+    assert "Engine crash" not in r.output and "crash/-/" not in r.output  # (an error may list the kind "crash")
+    assert not any(n.endswith(".json") for n in os.listdir(tmp_path))
 
 
 @dataclass(frozen=True)
@@ -479,7 +548,24 @@ def test_make_target_checks_every_kind_and_the_built_ins_pass():
         check_target(SimpleNamespace(), "rowtoy")
 
 
+@dataclass(frozen=True)
+class NoPresetConfig(ConfigBase):
+    n: int = 8
+    bugs: frozenset = field(default_factory=frozenset)
+
+
+class PlainConfig(ConfigBase):
+    preset = "custom"
+    bugs = frozenset()
+
+
 @pytest.mark.parametrize("change, message", [
+    # (a config class without a preset field registered, and 'kvaudit fuzz --target' exited 70: "internal error:
+    # TypeError: NoPresetConfig.__init__() got an unexpected keyword argument 'preset'")
+    ({"config_class": NoPresetConfig}, "target toy2: config_class NoPresetConfig must be a dataclass with the fields "
+                                       "preset and bugs (docs/writing-a-target.md); it has no preset"),
+    ({"config_class": PlainConfig}, "target toy2: config_class PlainConfig must be a dataclass with the fields "
+                                    "preset and bugs (docs/writing-a-target.md); it is not a dataclass"),
     ({"name": "my target"}, "a target kind's name must be letters, digits, '-' or '_' (it is what --target takes), "
                             'got "my target"'),
     ({"summary": ""}, 'target toy2: summary must be one line of text, got ""'),
@@ -491,9 +577,12 @@ def test_register_refuses_a_malformed_kind(change, message):
     kind = registry.TargetKind("toy2", "a toy", ToyConfig, presets=dict, make=ToyTarget)
     import dataclasses
 
-    with pytest.raises(registry.TargetDefinitionError, match=re.escape(message)):
-        registry.register(dataclasses.replace(kind, **change))
-    assert "toy2" not in registry._KINDS
+    try:
+        with pytest.raises(registry.TargetDefinitionError, match=re.escape(message)):
+            registry.register(dataclasses.replace(kind, **change))
+        assert "toy2" not in registry._KINDS
+    finally:  # (a kind registered by mistake would fail every case after it)
+        registry._KINDS.pop("toy2", None)
 
 
 def test_a_built_in_kinds_pools_are_checked_once_per_shape_and_a_plugins_at_every_build(monkeypatch):
@@ -738,3 +827,102 @@ def test_a_plugin_module_another_plugin_imports_is_credited_with_its_kind(tmp_pa
     assert r.exit_code == 0, r.output
     assert 'module "second_plug" named in KVAUDIT_PLUGINS registered no target kind' not in r.stderr, r.stderr
     assert 'module "first_plug" named in KVAUDIT_PLUGINS registered no target kind' in r.stderr, r.stderr
+
+
+def test_a_plugins_checked_reads_pass_what_the_oracles_take():
+    """check_reads_always refuses wrong shapes only: a finding with no units or with a list of ints, numpy
+    integers in progress() and reach(), a numpy bool from is_idle() all pass through unchanged."""
+    from kvaudit.targets.base import check_reads_always
+
+    class Lenient(rowtoy_plugin.RowToyTarget):
+        def invariant_findings(self):
+            return [TargetFinding("leak", "rows", [], "none"), TargetFinding("leak", "rows", [1, 2], "two")]
+
+        def progress(self):
+            return {"r1": np.int64(3)}
+
+        def reach(self):
+            return {"admitted": np.int64(2)}
+
+        def is_idle(self):
+            return np.bool_(True)
+
+    target = Lenient(rowtoy_plugin.PRESETS["rowtoy"].config())
+    check_reads_always(target, "lenient")
+    assert [f.message for f in target.invariant_findings()] == ["none", "two"]
+    assert target.progress() == {"r1": 3} and target.reach() == {"admitted": 2} and target.is_idle()
+
+
+class _Unbuildable(rowtoy_plugin.RowToyTarget):
+    built = 0
+
+    def __init__(self, config):
+        type(self).built += 1
+        if config.preset == "always" or type(self).built > 3:
+            raise RuntimeError("no device left")  # (the target's own code, as a constructor that opens one)
+        super().__init__(config)
+
+
+@pytest.mark.parametrize("preset", ["always", "later"])
+def test_a_plugin_target_whose_constructor_raises_is_one_line_exit_2_its_traceback_behind_kvaudit_debug(
+        preset, tmp_path):
+    """A constructor that raised at the first build was one line (require_target); one that raised at a later
+    build, as the search builds a target per program, was 'kvaudit: internal error: RuntimeError: no device
+    left', exit 70, blaming kvaudit. Both are the target's line, exit 2, and KVAUDIT_DEBUG=1 (which showed
+    nothing more) prints the constructor's traceback above it."""
+    _Unbuildable.built = 0
+    kind = registry.register(registry.TargetKind(
+        "unbuildable", "rowtoy's engine behind a constructor that fails", BadToyConfig,
+        presets=lambda: {n: Preset(n, n, {}, BadToyConfig) for n in ("always", "later")},
+        make=_Unbuildable, default_preset="always"))
+    try:
+        runs = []
+        for env in ({}, {"KVAUDIT_DEBUG": "1"}):
+            _Unbuildable.built = 0
+            runs.append(invoke("fuzz", "--target", "unbuildable", "--preset", preset, "--fuzzer", "random",
+                               "--max-time", "3", "--out", str(tmp_path), env=env))
+    finally:
+        registry._KINDS.pop("unbuildable")
+    line = ("kvaudit: error: target unbuildable: building its target failed: RuntimeError: no device left "
+            "(KVAUDIT_DEBUG=1 shows its traceback)")
+    for r in runs:
+        assert r.exit_code == 2, r.output + r.stderr
+        assert r.stderr.strip().splitlines()[-1] == line
+    assert "Traceback" not in runs[0].stderr
+    assert "Traceback" in runs[1].stderr and "in __init__" in runs[1].stderr and "no device left" in runs[1].stderr
+
+
+class _WrongWhenShort(rowtoy_plugin.RowToyTarget):
+    def is_idle(self):  # a mistake only a program with one submit meets: one a minimization tries
+        idle = super().is_idle()
+        return None if self.n < 2 and self.steps else idle
+
+
+def test_a_target_mistake_met_while_minimizing_is_the_targets_error_not_a_program_that_does_not_reproduce(tmp_path):
+    """minimize and fuzz's triage took every ValueError from the minimizer as "does not reproduce"
+    (minimize exited 4; fuzz passed the finding over as flaky), a TargetDefinitionError (a ValueError)
+    included: the mistake a smaller program met is the target's one line, exit 2."""
+    from kvaudit.audit.runner import execute
+    from kvaudit.program import Abort, Idle, Step, Submit
+    from kvaudit.search.fuzz import triage
+
+    kind = registry.register(registry.TargetKind(
+        "shortwrong", "rowtoy's engine whose is_idle() goes wrong on a program with one submit", BadToyConfig,
+        presets=lambda: {"leaky": Preset("leaky", "abort leaks", {"bugs": {"abort-leak"}}, BadToyConfig)},
+        make=_WrongWhenShort, bugs=lambda: {"abort-leak": "abort leaks"}, default_preset="leaky"))
+    try:
+        config = kind.preset("leaky").config()
+        program = [Submit(prompt_len=4, max_new_tokens=8), Submit(prompt_len=4, max_new_tokens=8), Step(n=1),
+                   Abort(handle=0), Idle()]
+        found = execute(config, program).findings
+        assert [f.kind for f in found][:1] == ["leak"]
+        with pytest.raises(registry.TargetDefinitionError, match=r"_WrongWhenShort\.is_idle\(\) must return a bool"):
+            triage(config, program, found[0])
+        path = tmp_path / "leak.json"
+        path.write_text(replay.doc_text(replay.to_doc(config, program, found)))
+        r = invoke("minimize", str(path), "-o", str(tmp_path / "small.json"))
+    finally:
+        registry._KINDS.pop("shortwrong")
+    assert r.exit_code == 2, r.output + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "kvaudit: error: target shortwrong: _WrongWhenShort.is_idle() must return a bool, got null")

@@ -83,8 +83,9 @@ def common_options(f):
 
 
 def require_target(config) -> None:
-    """Raises :class:`InputError` unless the config's engine can run here (its kind's ``probe``) and a
-    plugin kind's target, built once now, keeps the target API (the built-in kinds' tests hold theirs)."""
+    """Raises :class:`InputError` unless the config's engine can run here (its kind's ``probe``), and
+    :class:`kvaudit.targets.registry.TargetDefinitionError` unless a plugin kind's target, built once now,
+    keeps the target API (the built-in kinds' tests hold theirs): each a one-line error."""
     try:
         kind = registry.kind_of(config)
         kind.probe(config)
@@ -92,12 +93,11 @@ def require_target(config) -> None:
         raise InputError(str(e)) from None
     if kind.name in registry.BUILTIN_KINDS:
         return
+    target = make_target(config)  # (TargetDefinitionError: one line, exit 2, a constructor's error among them)
     try:
-        make_target(config).close()
-    except registry.TargetDefinitionError as e:
-        raise InputError(str(e)) from None
+        target.close()
     except Exception as e:  # noqa: BLE001 -- the plugin's own code: named in one line, not a kvaudit bug
-        raise InputError(f"target {kind.name}: building its target failed: {type(e).__name__}: "
+        raise InputError(f"target {kind.name}: its close() failed: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
 
 

@@ -16,6 +16,7 @@ from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.reports.report import print_report, summary_line
 from kvaudit.search.fuzz import confirm
 from kvaudit.search.minimize import Interrupted, minimize
+from kvaudit.targets.registry import TargetDefinitionError
 
 
 def run(file: str, *, out_file: str | None, signature: str | None, suppress_file: str | None) -> int:
@@ -43,6 +44,8 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     try:
         small = minimize(config, program, signature, fresh())
         confirmations = confirm(config, small, signature, suppressions=fresh())
+    except TargetDefinitionError:  # (a ValueError: the target's mistake a smaller program met, exit 2)
+        raise
     except ValueError:
         err.print(f"{file}: {signature} does not reproduce", soft_wrap=True)
         return _nothing(console, EXIT_NOT_REPRODUCED)

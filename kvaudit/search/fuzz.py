@@ -32,6 +32,7 @@ from kvaudit.program.strategies import arg_strategies
 from kvaudit.audit.runner import execute, is_watchdog_hang
 from kvaudit.search import schedule
 from kvaudit.targets import program_features
+from kvaudit.targets.registry import TargetDefinitionError
 
 
 class FindingFound(AssertionError):
@@ -265,6 +266,8 @@ def triage(config: TargetConfig, program: list[Op], finding: Finding, suppressio
             small = minimize(config, program, sig, suppressions, until=minimize_until)
         except OutOfTime as e:
             small, minimized = e.smallest, False
+        except TargetDefinitionError:  # (a ValueError: the target's mistake a smaller program met, not flakiness)
+            raise
         except ValueError:  # NOTE: it replayed K of K, then not: flaky after all (was an internal error, exit 70)
             return None
         phase("confirming the minimized program")

@@ -26,21 +26,28 @@ def make_target(config):
     """The target for ``config``, built by the registered kind it belongs to
     (:func:`kvaudit.targets.registry.kind_of`) and checked (:func:`kvaudit.targets.base.check_target`).
     Raises :class:`kvaudit.targets.registry.UnknownTargetError` for a config no kind takes,
-    :class:`kvaudit.targets.registry.TargetDefinitionError` for a target that does not keep the target
-    API (a plugin kind's ``roots()`` on every read: :func:`kvaudit.targets.base.check_roots_always`); a
+    :class:`kvaudit.targets.registry.TargetDefinitionError` for a plugin kind's ``make`` that raises (the
+    error its cause) or a target that does not keep the target
+    API (a plugin kind's ``roots()`` and other reads at every call: :func:`kvaudit.targets.base.check_reads_always`); a
     kind may raise its own error when its engine cannot be driven (real SGLang:
     ``SglangUnavailable``)."""
-    from kvaudit.targets.base import check_roots_always, check_target
-    from kvaudit.targets.registry import BUILTIN_KINDS, kind_of
+    from kvaudit.targets.base import check_reads_always, check_target
+    from kvaudit.targets.registry import BUILTIN_KINDS, TargetDefinitionError, TargetUnavailable, kind_of
 
     kind = kind_of(config)
     if kind.name not in BUILTIN_KINDS:
         _check_sizes(config, kind.name)
-    target = kind.make(config)
+    try:
+        target = kind.make(config)
+    except Exception as e:  # noqa: BLE001 -- a plugin's constructor: its own code, at any build (a search builds many)
+        if kind.name in BUILTIN_KINDS or isinstance(e, (TargetDefinitionError, TargetUnavailable)):
+            raise
+        raise TargetDefinitionError(f"target {kind.name}: building its target failed: {type(e).__name__}: "
+                                    f"{' '.join(str(e).split())} (KVAUDIT_DEBUG=1 shows its traceback)") from e
     try:
         check_target(target, kind.name, once=kind.name in BUILTIN_KINDS)
         if kind.name not in BUILTIN_KINDS:
-            check_roots_always(target, kind.name)
+            check_reads_always(target, kind.name)
     except Exception:
         close = getattr(target, "close", None)
         if callable(close):

@@ -505,17 +505,67 @@ def _check_reads(target, cls: type, names: list[str], bad) -> None:
     _checked.add(cls)
 
 
-def check_roots_always(target, kind: str) -> None:
-    """For a kind that is not built in (a plugin): check every ``roots()`` the run reads, not only the
-    fresh engine's (which holds no request, so :func:`check_target` sees an empty list): each a
-    :class:`Root` with ``[n]`` integer numpy ``units`` in ``[1, num_units]`` of its declared pool (0 is reserved). A
-    mistake met mid-run raises :class:`kvaudit.targets.registry.TargetDefinitionError` naming ``kind``,
-    instead of an ``IndexError`` in the audit's sweep reported as the engine's crash. Replaces the
-    instance's ``roots`` (the built-in kinds, checked by their tests, skip the cost)."""
+#: every term an identity may name (:meth:`Target.identity_terms`)
+IDENTITY_TERMS = ("available", "evictable", "protected", "session_held", "uncached", "referenced")
+
+
+def _int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _int_units(u) -> bool:
+    return isinstance(u, np.ndarray) and u.ndim == 1 and u.dtype.kind in "iu"
+
+
+def _read_rules(pools: dict) -> dict:
+    """A plugin target's reads past ``roots()`` that :func:`check_reads_always` checks at every call: method ->
+    (does the value keep the API?, what the method must return). ``pools``: the declared pools' names."""
+    def by_pool(v, fits):
+        return isinstance(v, dict) and all(p in pools and fits(x) for p, x in v.items())
+
+    def by_name(v):
+        return isinstance(v, dict) and all(isinstance(k, str) and _int(x) for k, x in v.items())
+
+    def finding(t):  # (units: any integer array-like, or none: the oracle reads them with np.asarray)
+        if not (isinstance(t, TargetFinding) and t.pool in pools):
+            return False
+        try:
+            units = np.asarray(t.units)
+        except (TypeError, ValueError):  # (a ragged list)
+            return False
+        return units.size == 0 or units.dtype.kind in "iu"
+
+    return {
+        "is_idle": (lambda v: isinstance(v, (bool, np.bool_)), "a bool"),
+        "accounting": (lambda v: by_pool(v, lambda a: isinstance(a, Accounting)), "{declared pool: Accounting}"),
+        "engine_check": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+        "free_lists": (lambda v: by_pool(v, _int_units), "{declared pool: [n] integer numpy array}"),
+        "identity_terms": (lambda v: isinstance(v, (tuple, list)) and bool(v) and all(t in IDENTITY_TERMS for t in v),
+                           f"a tuple of {', '.join(IDENTITY_TERMS)}"),
+        "invariant_findings": (lambda v: isinstance(v, list) and all(finding(t) for t in v),
+                               "a list of TargetFinding of declared pools with integer units"),
+        "progress": (by_name, "{request: int}"),
+        "reach": (by_name, "{name: int}"),
+        "describe_busy": (lambda v: isinstance(v, str), "a string"),
+        "stuck": (lambda v: isinstance(v, str), "a string"),
+    }
+
+
+def check_reads_always(target, kind: str) -> None:
+    """For a kind that is not built in (a plugin): check every read the run makes, not only the fresh
+    engine's (which holds no request, so :func:`check_target` sees empty roots and the first counters):
+    each ``roots()`` a list of :class:`Root` with ``[n]`` integer numpy ``units`` in ``[1, num_units]`` of
+    its declared pool (0 is reserved), and each of :func:`_read_rules`' methods the class overrides (a
+    default keeps the API) what its rule says. A mistake met mid-run raises
+    :class:`kvaudit.targets.registry.TargetDefinitionError` naming ``kind``, the method and the value,
+    instead of an ``AttributeError`` in an oracle reported as the engine's crash (or, for ``is_idle()``
+    returning None, a hang of an idle engine). Replaces the instance's methods (the built-in kinds,
+    checked by their tests, skip the cost)."""
     from kvaudit.targets.registry import TargetDefinitionError
 
     sizes = {s.name: int(s.num_units) for s in target.pools()}
-    name, read = type(target).__name__, target.roots
+    cls = type(target)
+    name, read = cls.__name__, target.roots
 
     def roots(*args, **kwargs):
         got = read(*args, **kwargs)
@@ -527,7 +577,22 @@ def check_roots_always(target, kind: str) -> None:
                 raise TargetDefinitionError(f"target {kind}: {wrong}")
         return got
 
+    def checked(method: str, fits, what: str):
+        call = getattr(target, method)
+
+        def read_checked(*args):
+            got = call(*args)
+            if not fits(got):
+                spelled = ", ".join(json_value(a) for a in args)
+                raise TargetDefinitionError(f"target {kind}: {name}.{method}({spelled}) must return {what}, "
+                                            f"got {json_value(got, 80)}")
+            return got
+        return read_checked
+
     target.roots = roots
+    for method, (fits, what) in _read_rules(set(sizes)).items():
+        if getattr(cls, method) is not getattr(Target, method):
+            setattr(target, method, checked(method, fits, what))
 
 
 def _units_problem(cls_name: str, root: Root, top: int | None = None) -> str | None:

@@ -18,6 +18,7 @@ Nothing here imports torch or an engine: a kind's callables import what they nee
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -229,6 +230,9 @@ def check_kind(kind: TargetKind) -> None:
         bad = f"summary must be one line of text, got {json_value(kind.summary, 60)}"
     elif not isinstance(kind.config_class, type):
         bad = f"config_class must be a class (a frozen dataclass), got {json_value(kind.config_class, 60)}"
+    elif _config_fields_problem(kind.config_class):
+        bad = (f"config_class {kind.config_class.__name__} must be a dataclass with the fields preset and bugs "
+               f"(docs/writing-a-target.md); {_config_fields_problem(kind.config_class)}")
     else:
         bad = next((f"{f} must be callable, got {json_value(getattr(kind, f), 60)}" for f in _CALLABLES
                     if not callable(getattr(kind, f))), None) or next(
@@ -237,6 +241,16 @@ def check_kind(kind: TargetKind) -> None:
              if getattr(kind, f) is not None and not callable(getattr(kind, f))), None)
     if bad:
         raise TargetDefinitionError(f"target {name}: {bad}")
+
+
+def _config_fields_problem(cls: type) -> str | None:
+    """What keeps ``cls`` from being a kind's config class (a preset builds it with ``preset=``, ``--bug`` sets
+    ``bugs``): not a dataclass, or a dataclass without one of those fields; None when nothing."""
+    if not dataclasses.is_dataclass(cls):
+        return "it is not a dataclass"
+    names = {f.name for f in dataclasses.fields(cls)}
+    lacking = [f for f in ("preset", "bugs") if f not in names]
+    return f"it has no {' and no '.join(lacking)}" if lacking else None
 
 
 def _check_tables(kind: TargetKind) -> None:
