@@ -76,7 +76,8 @@ def _sig_leak(f) -> str:
 
 
 def _sig_use_after_free(f) -> str:
-    return _checked(f, [allocated(f.alloc_sites)] + [where(f.free_sites)] * bool(f.free_sites))
+    """Allocated at; the path of the premature free (its caller above the release plumbing, as a leak's)."""
+    return _checked(f, [allocated(f.alloc_sites)] + [release_path(f.free_sites)] * bool(f.free_sites))
 
 
 def _sig_double_free(f) -> str:
