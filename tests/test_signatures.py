@@ -352,6 +352,22 @@ def test_a_premature_free_is_named_by_its_release_path_not_the_release_plumbing(
     assert dataclasses.replace(uaf, free_sites=[handle_abort]).signature.endswith("/handle_abort@scheduler.py")
 
 
+def test_a_double_free_and_a_stale_reads_free_are_named_by_their_release_paths():
+    """The same for the frees a double free and a stale read name: SGLang's double frees all read
+    ``double-free/token_to_kv_pool/free_kv_row_segments@common.py/free_kv_row_segments@common.py`` (the history
+    suite's campaigns met it beside ``double-free/token_to_kv_pool/?/free_kv_row_segments@common.py``)."""
+    plumbing = [Site("sglang/srt/mem_cache/common.py", 190, "free_kv_row_segments", entry=True),
+                Site("sglang/srt/mem_cache/common.py", 120, "release_kv_cache", entry=True)]
+    close = Site("sglang/srt/session/streaming_session.py", 300, "release_session")
+    finish = Site("sglang/srt/managers/scheduler_output_processor_mixin.py", 90, "process_batch_result_decode")
+    df = Finding("double-free", "token_to_kv_pool", "m", prev_free_sites=plumbing + [close],
+                 free_sites=plumbing + [finish])
+    assert df.signature == ("double-free/token_to_kv_pool/release_session@streaming_session.py/"
+                            "process_batch_result_decode@scheduler_output_processor_mixin.py")
+    stale = Finding("stale-kv", "token_to_kv_pool", "m", check="freed", free_sites=plumbing + [close])
+    assert stale.signature == "stale-kv/token_to_kv_pool/freed:release_session@streaming_session.py"
+
+
 def test_the_two_sglang_premature_frees_of_kv_are_two_signatures():
     """The corpus's findings 4 and 11 (corpora/sglang/README.md), read back: two root causes, two
     signatures, each the one its file records."""
