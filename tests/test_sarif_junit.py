@@ -234,6 +234,19 @@ def test_one_rule_per_kind_and_rule_index_points_at_it():
     assert to_sarif(findings[:1])["runs"][0]["tool"]["driver"]["rules"] == rules
 
 
+def test_a_leaks_lost_release_is_linked_at_the_path_its_signature_names():
+    """(Tester 62: the link read "its last owner let go of it at release_kv_cache (scheduler.py:395)", the
+    row free of the plumbing every release path shares, where the signature names ``release_req``.)"""
+    config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "regressions", "retract-unaligned-page.json"))
+    (f,) = findings
+    assert f.signature.endswith("/release_req@scheduler_decode_mixin.py") and f.lost_sites[0].entry
+    (r,) = to_sarif([f], config)["runs"][0]["results"]
+    text = r["message"]["text"]
+    assert re.search(r"let go of it at \[release_req\]\(\d+\) \(scheduler_decode_mixin\.py:\d+ in release_req\)",
+                     text), text
+    assert "[release_kv_cache]" not in text
+
+
 def test_double_free_is_located_at_its_second_free():
     config, f = _by_kind("double-free")
     assert f.free_sites and f.alloc_sites and f.free_sites[0] != f.alloc_sites[0]

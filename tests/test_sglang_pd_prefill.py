@@ -186,6 +186,6 @@ def test_a_failed_rooms_chunk_read_to_its_end_finds_its_source_page_freed(fail):
     ops = [Submit(0, 1, 1), Step(1), fail, Step(1)]
     assert execute(cfg(), ops).findings == []
     (f, *_) = execute(cfg("sglang-pd-prefill-reads"), ops).findings
-    assert f.signature == "use-after-free/token_to_kv_pool/request-kv/free_kv_row_segments@common.py"
+    assert f.signature == "use-after-free/token_to_kv_pool/request-kv/handle_inflight_transfer_failure@prefill.py"
     assert f.used_by == ["transfer:room1000"]
     assert execute(cfg("sglang-pd-prefill-reads"), [Submit(0, 1, 1), Idle()]).findings == []  # success: clean

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import glob
 import inspect
+import json
 import os
 import random
 import sys
@@ -331,6 +332,52 @@ def test_request_kv_names_allocation_sites_only():
     d["alloc_sites"][0]["request_kv"] = "yes"
     with pytest.raises(ValueError, match="request_kv"):
         Finding.from_dict(d)
+
+
+def test_a_premature_free_is_named_by_its_release_path_not_the_release_plumbing():
+    """A use-after-free's free site, as a leak's lost release, is the first frame above a target's release
+    entries (``Site.entry``): the caller that chose to free. (Tester 62: SGLang frees a row's KV through
+    ``free_kv_row_segments``, an entry, so a deferred session close and a PD prefill's failed transfer, two
+    root causes, both read ``.../free_kv_row_segments@common.py``: one JUnit case, one SARIF alert.)"""
+    grow = Site("sglang/srt/mem_cache/allocation.py", 159, "alloc_token_slots", request_kv=True)
+    plumbing = [Site("sglang/srt/mem_cache/common.py", 190, "free_kv_row_segments", entry=True),
+                Site("sglang/srt/mem_cache/base_prefix_cache.py", 80, "free_kv_row", entry=True)]
+    close = Site("sglang/srt/session/streaming_session.py", 300, "release_session")
+    failed = Site("sglang/srt/disaggregation/prefill.py", 700, "handle_inflight_transfer_failure")
+    uaf = Finding("use-after-free", "token_to_kv_pool", "m", alloc_sites=[grow], free_sites=plumbing + [close])
+    assert uaf.signature == "use-after-free/token_to_kv_pool/request-kv/release_session@streaming_session.py"
+    assert dataclasses.replace(uaf, free_sites=plumbing + [failed]).signature == \
+        "use-after-free/token_to_kv_pool/request-kv/handle_inflight_transfer_failure@prefill.py"
+    handle_abort = Site("engine_under_test/scheduler.py", 265, "handle_abort")  # no entry: its own frame
+    assert dataclasses.replace(uaf, free_sites=[handle_abort]).signature.endswith("/handle_abort@scheduler.py")
+
+
+def test_a_double_free_and_a_stale_reads_free_are_named_by_their_release_paths():
+    """The same for the frees a double free and a stale read name: SGLang's double frees all read
+    ``double-free/token_to_kv_pool/free_kv_row_segments@common.py/free_kv_row_segments@common.py`` (the history
+    suite's campaigns met it beside ``double-free/token_to_kv_pool/?/free_kv_row_segments@common.py``)."""
+    plumbing = [Site("sglang/srt/mem_cache/common.py", 190, "free_kv_row_segments", entry=True),
+                Site("sglang/srt/mem_cache/common.py", 120, "release_kv_cache", entry=True)]
+    close = Site("sglang/srt/session/streaming_session.py", 300, "release_session")
+    finish = Site("sglang/srt/managers/scheduler_output_processor_mixin.py", 90, "process_batch_result_decode")
+    df = Finding("double-free", "token_to_kv_pool", "m", prev_free_sites=plumbing + [close],
+                 free_sites=plumbing + [finish])
+    assert df.signature == ("double-free/token_to_kv_pool/release_session@streaming_session.py/"
+                            "process_batch_result_decode@scheduler_output_processor_mixin.py")
+    stale = Finding("stale-kv", "token_to_kv_pool", "m", check="freed", free_sites=plumbing + [close])
+    assert stale.signature == "stale-kv/token_to_kv_pool/freed:release_session@streaming_session.py"
+
+
+def test_the_two_sglang_premature_frees_of_kv_are_two_signatures():
+    """The corpus's findings 4 and 11 (corpora/sglang/README.md), read back: two root causes, two
+    signatures, each the one its file records."""
+    sigs = []
+    for name in ("uaf-deferred-close-after-rejected-turn", "uaf-pd-prefill-failed-transfer-frees-source-page"):
+        doc = json.load(open(os.path.join(ROOT, "corpora", "sglang", f"{name}.json")))
+        (uaf,) = [d for d in doc["findings"] if d["kind"] == "use-after-free" and d["pool"] == "token_to_kv_pool"]
+        assert Finding.from_dict(uaf).signature == uaf["signature"], name
+        sigs.append(uaf["signature"])
+    assert sigs[0] != sigs[1], sigs
 
 
 @pytest.mark.slow

@@ -76,16 +76,18 @@ def _sig_leak(f) -> str:
 
 
 def _sig_use_after_free(f) -> str:
-    return _checked(f, [allocated(f.alloc_sites)] + [where(f.free_sites)] * bool(f.free_sites))
+    """Allocated at; the path of the premature free (its caller above the release plumbing, as a leak's)."""
+    return _checked(f, [allocated(f.alloc_sites)] + [release_path(f.free_sites)] * bool(f.free_sites))
 
 
 def _sig_double_free(f) -> str:
-    return _checked(f, [where(f.prev_free_sites)] + [where(f.free_sites)] * bool(f.free_sites))
+    """Freed first at; freed again at: each free's path (a target's release plumbing names no bug)."""
+    return _checked(f, [release_path(f.prev_free_sites)] + [release_path(f.free_sites)] * bool(f.free_sites))
 
 
 def _sig_stale_kv(f) -> str:
     if f.check == "freed" and f.free_sites:
-        return f"freed:{where(f.free_sites)}"
+        return f"freed:{release_path(f.free_sites)}"
     if f.check:
         return f"{allocated(f.alloc_sites)}/{f.check}"
     return _sig_sites(f)

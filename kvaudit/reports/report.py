@@ -235,15 +235,17 @@ def suppressions_table(suppressions: SuppressionSet) -> Table:
     t = Table(title="suppressions used", title_justify="left",
               caption=f"rules from {shown_path(suppressions.path)}" if suppressions.path else None,
               caption_justify="left")
+    by_signature = any(s.signature is not None for s in suppressions)  # (a column only when a rule has one)
     t.add_column("#", justify="right")
     t.add_column("kind", no_wrap=True)
-    for col in ("pool", "site", "reason"):
+    for col in ("pool", "site") + ("signature",) * by_signature + ("reason",):
         t.add_column(col, overflow="fold")
     t.add_column("signatures", justify="right", no_wrap=True)
     t.add_column("hits (per run)", justify="right", no_wrap=True)
     for s in suppressions:
         any_ = Text("(any)", style="dim")  # (a key the rule leaves out; a glob "*" is shown as given)
-        cells = [s.kind or any_, s.pool or any_, s.site or any_, s.reason or Text("-", style="dim")]
+        cells = [s.kind or any_, s.pool or any_, s.site or any_] + [s.signature or any_] * by_signature
+        cells.append(s.reason or Text("-", style="dim"))
         if s.hits:
             t.add_row(str(s.index), *cells, str(len(s.signatures)), str(s.hits))
         else:

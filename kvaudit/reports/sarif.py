@@ -295,12 +295,15 @@ def _related(stacks: list, primary: Site, key: str | None, engine: RecordedEngin
     related: list[dict] = []
     links: list[str] = []
     for k, label, frames in stacks:
+        # NOTE: a release's stack is linked at its path, the first frame past the release plumbing, as the
+        # signature names it (the plumbing's own line is every release path's)
+        lead = next((i for i, s in enumerate(frames) if not s.entry), 0)
         for depth, s in enumerate(frames):
             if s is primary or not _addressable(s, engine):
                 continue
             loc_id = len(related) + 1  # ids are unique within the result, as embedded links need
             related.append(_location(s, f"{label} #{depth} {s.function}", loc_id, engine=engine))
-            if depth == 0 and k != key:
+            if depth == lead and k != key:
                 other = frame_release(s, engine)
                 on = f" in {engine.package} {other}" if other is not None else ""
                 links.append(f"{label} [{_escape(s.function)}]({loc_id}) ({_escape(s.short())}{on})")
