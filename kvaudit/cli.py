@@ -46,11 +46,23 @@ class KvauditCommand(_NamesItsCommand, click.Command):
     """Every ``kvaudit`` command (:class:`_NamesItsCommand`)."""
 
 
+class _Interrupted(Exception):
+    """A Ctrl-C or SIGTERM met inside a command, carried past click's ``main``, which answers a
+    ``KeyboardInterrupt`` with an empty line on stderr before its ``Abort`` (a blank line above ``kvaudit:
+    interrupted`` in a log)."""
+
+
 class KvauditGroup(_NamesItsCommand, click.Group):
     """Every error is one line on stderr with a distinct exit code, never a traceback."""
 
     command_class = KvauditCommand
     group_class = type  # (a subgroup, ``campaign``: this class again)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted from None
 
     def main(self, args=None, prog_name=None, **extra):
         try:
@@ -69,7 +81,7 @@ class KvauditGroup(_NamesItsCommand, click.Group):
                 traceback.print_exception(e.__cause__, file=sys.stderr)
             click.echo(f"kvaudit: error: {e}", err=True)
             return sys.exit(EXIT_USAGE)
-        except (click.Abort, KeyboardInterrupt):
+        except (click.Abort, KeyboardInterrupt, _Interrupted):
             # only before a job began does an interrupt get here (a job writes its own reports, then
             # returns): `ci` still writes the JUnit and SARIF asked for
             write_startup_reports(sys.argv[1:] if args is None else list(args))

@@ -64,9 +64,11 @@ def other_release(path: str, config: TargetConfig, doc: dict) -> str | None:
     if recorded is None or recorded == installed or engine is None:
         return None
     pkg = engine.package
+    # NOTE: the cache kvaudit.history.releases installs into (read here: history is above this layer)
+    cache = os.environ.get("KVAUDIT_RELEASE_CACHE") or "~/.cache/kvaudit/releases"
     return (f"{path} was recorded on {pkg} {recorded}, not the installed {installed or 'none'}: its engine "
             f"frames' lines are {recorded}'s, and a run here can differ (on {recorded}: python -m "
-            f"kvaudit.history.releases {pkg}=={recorded}, then PYTHONPATH=~/.cache/kvaudit/releases/{pkg}-{recorded})")
+            f"kvaudit.history.releases {pkg}=={recorded}, then PYTHONPATH={os.path.join(cache, f'{pkg}-{recorded}')})")
 
 
 def to_doc(config: TargetConfig, program: list[Op], findings: list[Finding], **extra) -> dict:

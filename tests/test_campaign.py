@@ -1061,6 +1061,22 @@ def test_a_clean_built_in_engine_run_says_what_its_programs_reached(preset, path
     assert counts[paths[0]] > 0 and paths[1] in counts, counts
 
 
+def test_a_path_no_program_reached_is_named_as_not_searched(tmp_path, monkeypatch):
+    """sglang-paged's clean run said ``evictions_for_alloc=0`` inside its ``reached:`` line with nothing to set
+    it apart: a path at 0 was not searched, and the run now says so on a line of its own."""
+    from kvaudit.targets.eut.target import EutTarget
+
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1, "evictions": 0, "aborts": 0})
+    r = invoke("fuzz", "--fuzzer", "random", "--max-time", "2", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    assert reached(r.stdout)["evictions"] == 0
+    assert re.search(r"^not reached: aborts, evictions \(no program of the [1-9]\d* took these paths: not searched\)$",
+                     r.stdout, re.M), r.stdout
+    monkeypatch.setattr(EutTarget, "reach", lambda self: {"probe_paths": 1})
+    r = invoke("fuzz", "--fuzzer", "random", "--max-time", "1", "--out", str(tmp_path / "p"))
+    assert r.exit_code == 0 and "not reached" not in r.stdout, r.output
+
+
 def test_an_interrupted_clean_run_still_says_what_it_reached(tmp_path, monkeypatch):
     from kvaudit.audit.runner import INTERRUPTED
     from kvaudit.search import fuzz

@@ -459,6 +459,20 @@ def test_a_stale_kv_clients_result_is_not_checked_rather_than_not_reproduced(sta
     assert "RESULT: NOT CHECKED (exit 3" in (tmp_path / "p.py").read_text().split('"""')[1]
 
 
+def test_a_finding_with_no_recorded_analysis_says_it_is_not_triaged(tmp_path):
+    """findings/nixl-swa-window-block-skipped.json has no note: its issue said "(no analysis recorded)" yet
+    "How sure we are" claimed it as vLLM's like a triaged one; a finding in a real engine is a claim about
+    that engine, so the report says it is not yet shown to be vLLM's."""
+    src = os.path.join(ROOT, "corpora", "vllm", "findings", "nixl-swa-window-block-skipped.json")
+    r = invoke("export", src, "--issue", str(tmp_path / "s.md"), "--no-resolve")
+    assert r.exit_code == 0, r.output + r.stderr
+    sure = (tmp_path / "s.md").read_text().split("## How sure we are")[1]
+    assert "- Not triaged: no analysis of this signature is recorded (`corpora/vllm/notes.toml`)" in sure
+    own = os.path.join(ROOT, "corpora", "vllm", "own", "vllm-46283.json")  # triaged: no such line
+    r = invoke("export", own, "--issue", str(tmp_path / "o.md"), "--no-resolve")
+    assert r.exit_code == 0 and "Not triaged" not in (tmp_path / "o.md").read_text(), r.output + r.stderr
+
+
 def test_a_streaming_session_clients_result_is_not_checked_rather_than_not_reproduced(stand_in, tmp_path):
     """On a streaming_sessions preset the script sends a session's chunks as separate plain requests, which
     cannot add up past max_model_len: against a healthy server it printed NOT REPRODUCED (exit 0) for a bug

@@ -711,6 +711,7 @@ def test_a_file_of_another_release_says_so_before_its_report(tmp_path, monkeypat
     from kvaudit.targets.sglang import boot
 
     monkeypatch.setattr(boot, "installed_version", lambda: "0.5.23")
+    monkeypatch.delenv("KVAUDIT_RELEASE_CACHE", raising=False)  # (the hint names the cache in use)
     doc = json.load(open(os.path.join(os.path.dirname(__file__), "..", "corpora", "sglang",
                                       "leak-a3-hisparse-buffer-padded-at-finish.json")))
     if version is not None:
@@ -725,6 +726,23 @@ def test_a_file_of_another_release_says_so_before_its_report(tmp_path, monkeypat
             "sglang-0.5.10.post1)")
     assert (line in r.stderr.splitlines()) is warned, r.stderr
     assert "was recorded on" not in r.stdout
+
+
+def test_the_other_release_hint_names_the_release_cache_in_use(tmp_path, monkeypatch):
+    """With ``$KVAUDIT_RELEASE_CACHE`` set, ``python -m kvaudit.history.releases`` installs there: the hint's
+    ``PYTHONPATH`` named ``~/.cache/kvaudit/releases`` all the same, where no overlay is."""
+    from kvaudit.targets.sglang import boot
+
+    monkeypatch.setattr(boot, "installed_version", lambda: "0.5.23")
+    monkeypatch.setenv("KVAUDIT_RELEASE_CACHE", str(tmp_path / "cache"))
+    doc = json.load(open(os.path.join(os.path.dirname(__file__), "..", "corpora", "sglang",
+                                      "leak-a3-hisparse-buffer-padded-at-finish.json")))
+    doc["engine_version"] = "0.5.10.post1"
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(doc))
+    r = invoke("report", str(src))
+    assert r.exit_code == 0, r.output
+    assert f"then PYTHONPATH={tmp_path / 'cache' / 'sglang-0.5.10.post1'})" in r.stderr, r.stderr
 
 
 def test_a_report_keeps_the_recorded_release_and_never_stamps_the_installed_one(tmp_path, monkeypatch):

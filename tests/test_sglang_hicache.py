@@ -168,6 +168,20 @@ def test_demote_to_host_then_load_back_and_its_ack(core, page):
     run.close()
 
 
+def test_a_run_says_how_many_write_throughs_and_load_backs_it_reached():
+    """A clean ``sglang-hicache`` run's ``reached:`` line named only the shared driver's counters, none of the
+    host tier the preset exists for: now one write-through (the first request's backup) and one load-back (a
+    host hit after device eviction) are counted."""
+    run = AuditedRun(cfg())
+    t, c = run.target, run.target.tree_cache
+    assert run.apply(Submit(0, 40, 1)) == [] and run.apply(Idle()) == []
+    c.evict(t.S.EvictParams(num_tokens=c.evictable_size()))  # demote to host-only
+    assert t.reach()["hicache_write_throughs"] == 1 and t.reach()["hicache_load_backs"] == 0
+    assert run.apply(Submit(0, 48, 1)) == [] and run.apply(Idle()) == []  # the same family: a host hit
+    assert (t.reach()["hicache_write_throughs"], t.reach()["hicache_load_backs"]) >= (1, 1)
+    run.close()
+
+
 @pytest.mark.parametrize("core", CORES)
 def test_host_eviction_pressure(core):
     """Distinct 60-token prompts, device evicted after each (write-through: demoted to host): the

@@ -121,6 +121,8 @@ def test_sequences_take_the_hisparse_paths():
     assert free_counts(t)[1] == 256 - 33 - 11
     run.apply(Idle())
     assert run.findings == [] and free_counts(t) == full_counts(t)
+    # a clean sglang-hisparse run's reached: line named no HiSparse path: both staged, decoded over device buffers
+    assert t.reach()["hisparse_staged"] == 2 and t.reach()["hisparse_decode_steps"] >= 5, t.reach()
     run.close()
     # memory pressure: retract_decode -> release_req -> retract_req -> request_finished on a running request
     seen = []

@@ -51,8 +51,25 @@ def test_a_hit_inside_a_block_copies_it_and_the_oracles_stay_clean(preset, promp
         for op in [Submit(0, prompt, 2, stop_at=2), Step(8), Submit(0, 60, 2, stop_at=2), Step(8), Idle()]:
             assert run.apply(op) == []
     reach = t.reach()
-    assert reach["mamba_cow_hits"] >= 1 and reach["mamba_boundary_offloads"] > 0 and reach["stale_reads_checked"] > 0
-    assert (reach["cow_frees_deferred"] > 0) == config.async_scheduling
+    assert reach["mamba_cow_hits"] >= 1 and reach["stale_reads_checked"] > 0
+    assert reach.get("mamba_boundary_offloads", 0) > 0 and reach.get("cow_frees_deferred", 0) > 0 \
+        or preset != "vllm-mamba-async"
+    assert reach.get("mamba_boundary_offloads", 0) > 0 or preset != "vllm-mamba-cpu-offload"
+
+
+@pytest.mark.parametrize("preset", ["vllm-mamba", "vllm-mamba-small"])
+def test_a_preset_with_no_connector_counts_no_offload_and_no_fence(preset):
+    """vllm-mamba-small (the AsyncScheduler, no KV connector) said ``cow_frees_deferred=0`` and
+    ``mamba_boundary_offloads=30673``: the first a path its scheduler cannot take (no ``defer_block_free``
+    without a KV consumer), the second states ``schedule()`` drops with no connector to offer them to. Neither
+    is counted now; the copy-on-write hits are."""
+    with AuditedRun(cfg(preset), full_stacks=False) as run:
+        t = run.target
+        for op in [Submit(0, 41, 2, stop_at=2), Step(8), Submit(0, 60, 2, stop_at=2), Step(8), Idle()]:
+            assert run.apply(op) == []
+    reach = t.reach()
+    assert "mamba_boundary_offloads" not in reach and "cow_frees_deferred" not in reach, reach
+    assert reach["mamba_cow_hits"] >= 1 or preset != "vllm-mamba", reach
 
 
 def test_planted_early_cow_free_is_found_minimized_and_clean_without_the_fault(tmp_path):

@@ -409,6 +409,10 @@ def _run_data(config, program, findings, sset, stats: search_fuzz.FuzzStats, see
 
 def print_reached(console, stats) -> None:
     """``reached: name=count, ...``: what the programs reached (``Target.reach()`` summed), where the target
-    counts paths; a path at 0 was not searched."""
+    counts paths; then, where some are at 0, ``not reached: name, ...``: paths no program took (not searched)."""
     if stats.reached:
         console.print("reached: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.reached.items())), soft_wrap=True)
+        zero = sorted(k for k, v in stats.reached.items() if not v)
+        if zero and stats.executions:
+            console.print(f"not reached: {', '.join(zero)} (no program of the {stats.executions} took these paths: "
+                          "not searched)", soft_wrap=True)

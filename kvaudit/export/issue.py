@@ -149,7 +149,9 @@ def _reproduce(ex, config, plan: Plan, note: Note | None, client_name: str | Non
 
 
 def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str | None,
-              release: tuple | None) -> list[str]:
+              release: tuple | None, triaged: bool = True) -> list[str]:
+    """The "How sure we are" lines; ``triaged``: a note of the signature is recorded (else a line says the
+    finding is not yet shown to be the engine's rather than kvaudit's driver's, and to triage it first)."""
     api, package = ex.api, ex.package
     return ["## How sure we are", "",
             f"- Seen: kvaudit drove {api.engine} {version}'s own memory manager and scheduler objects "
@@ -162,6 +164,9 @@ def _how_sure(ex, doc: dict, plan: Plan, version: str, source: str, planted: str
                                "run may need a few tries or tuning (--step-delay, --hold-tokens)."),
             *(["- Planted: the fault exists only under kvaudit's `--bug` switch; a real server should not show it."]
               if planted is not None else []),
+            *([f"- Not triaged: no analysis of this signature is recorded (`corpora/{package}/notes.toml`), so it "
+               f"is not yet shown to be {api.engine}'s defect rather than one of kvaudit's driver or stand-ins; "
+               "triage it before filing."] if not triaged and planted is None else []),
             f"- Replay: `kvaudit replay {source}`." if release is None else
             f"- Replay on {api.engine} {release[0]} (" + ("the release the file was recorded on" if release[1] is None
                                                           else f"the file does not name the release; on {release[1]} "
@@ -226,5 +231,5 @@ def render_issue(*, config, title: str, program_lines: list[str], findings: list
     if note is not None:
         out += [f"(Full analysis: kvaudit's `corpora/{package}/README.md`, "
                 f"{'section' if release is not None and release[1] is not None else 'finding'} {note.readme}.)", ""]
-    out += _how_sure(ex, doc, plan, version, source, planted, release)
+    out += _how_sure(ex, doc, plan, version, source, planted, release, triaged=note is not None)
     return "\n".join(out) + "\n"

@@ -179,6 +179,16 @@ class HiCache(SglangFeature):
         return (out + f" write_through_inflight={len(cache.ongoing_write_through)} "
                 f"load_back_inflight={len(cache.ongoing_load_back)} host_available={self.host_group.available_size()}")
 
+    def reach(self, out: dict[str, int]) -> dict[str, int]:
+        """``hicache_write_throughs``: device-to-host copies submitted (write-through backups);
+        ``hicache_load_backs``: host-to-device copies submitted (a host hit loaded back). Both counted per
+        ``l2_transfer_engine`` submission since the target was built; at 0 the host tier was not searched. On
+        CUDA (no H2 shim to count them) neither is given."""
+        if not self._cpu:
+            return out
+        kinds = [e[0] for e in self.hicache_log]
+        return {**out, "hicache_write_throughs": kinds.count("d2h"), "hicache_load_backs": kinds.count("h2d")}
+
     # -- observer: roots and counters ---------------------------------------------------------
     def tree_host_values(self) -> torch.Tensor | None:
         """Host slots held by tree nodes (FULL ``host_value``); None on the Rust core."""

@@ -196,11 +196,11 @@ class HiCacheL3(HiCache):
         backend.batch_set = lambda keys, *a, **k: False if fails() else put(keys, *a, **k)
 
     def reach(self, out: dict[str, int]) -> dict[str, int]:
-        """``storage_loads``: admissions that took KV prefetched from storage; ``prefetch_deadlines`` (timeout
+        """:meth:`HiCache.reach`'s, then ``storage_loads``: admissions that took KV prefetched from storage; ``prefetch_deadlines`` (timeout
         policy only): prefetches it ended; ``storage_failures`` (with ``hicache_storage_fail_every``): failed
         storage reads and writes."""
         cfg = self.target.config
-        out = {**out, "storage_loads": sum(1 for e in self.storage_log if e[0] == "loaded" and e[3] > 0)}
+        out = {**super().reach(out), "storage_loads": sum(1 for e in self.storage_log if e[0] == "loaded" and e[3] > 0)}
         if cfg.hicache_storage_prefetch_policy == "timeout":  # the only policy with a deadline
             out["prefetch_deadlines"] = self.deadlines_expired
         if cfg.hicache_storage_fail_every is not None:

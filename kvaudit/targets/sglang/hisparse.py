@@ -69,6 +69,10 @@ class HiSparse(SglangFeature):
 
     name = "hisparse"
 
+    def __init__(self, target):
+        super().__init__(target)
+        self.staged_joins = self.decode_maps = 0  # reach(): requests out of staging; map_last_loc_to_buffer calls
+
     def pools(self, pools: list) -> list:
         """The logical pool in place of the allocator, and the physical device and host pools."""
         t = self.target
@@ -159,6 +163,7 @@ class HiSparse(SglangFeature):
         for req in self.coordinator.collect_ready_reqs():
             req.kvaudit_seq_len = len(req.origin_input_ids) + len(req.output_ids) - 1
             self.target.running.append(req)
+            self.staged_joins += 1
         return True
 
     def prefilled(self, req) -> bool:
@@ -171,6 +176,13 @@ class HiSparse(SglangFeature):
         seq_lens = torch.tensor([r.kvaudit_seq_len for r in batch.reqs], dtype=torch.int64)
         self.coordinator.map_last_loc_to_buffer(seq_lens.to(batch.device), batch.out_cache_loc, rows.to(batch.device),
                                                 seq_lens, rows)
+        self.decode_maps += 1
+
+    def reach(self, out: dict[str, int]) -> dict[str, int]:
+        """``hisparse_staged``: requests whose host staging finished and that joined decode
+        (``collect_ready_reqs``); ``hisparse_decode_steps``: decode batches mapped to device buffers
+        (``map_last_loc_to_buffer``), since the target was built."""
+        return {**out, "hisparse_staged": self.staged_joins, "hisparse_decode_steps": self.decode_maps}
 
     @property
     def _last_batch(self) -> list:

@@ -184,10 +184,15 @@ class VllmSchedulerTarget(_VllmBase):
     def _count_mamba(self) -> None:
         """Count ``mamba_cow_hits`` (a partial hit's block copied into the hit's table) and ``mamba_tail_copies``
         (a cached prompt tail moved out) of ``take_pending_cow_copies``; ``cow_frees_deferred`` (copies parked
-        behind a fence), ``mamba_boundary_offloads`` (states offered to a KV connector), by wrapping instances."""
+        behind a fence), ``mamba_boundary_offloads`` (states offered to a KV connector), by wrapping instances.
+        The last two only where the scheduler can reach them (``defer_block_free``: a KV consumer with a step in
+        flight; a connector: without one ``schedule()`` drops the states), so a 0 means a path not searched."""
         s, manager = self.scheduler, self.manager
         mgr = next(m for m in self.groups if isinstance(m.kv_cache_spec, self.V.MambaSpec))
-        self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0, cow_frees_deferred=0, mamba_boundary_offloads=0)
+        self.reached.update(mamba_cow_hits=0, mamba_tail_copies=0)
+        deferring, offered = getattr(s, "defer_block_free", False), getattr(s, "connector", None) is not None
+        self.reached.update(**({"cow_frees_deferred": 0} if deferring else {}),
+                            **({"mamba_boundary_offloads": 0} if offered else {}))
         retain = s._free_cow_retained_blocks
 
         def count_copies(pairs):
@@ -200,10 +205,12 @@ class VllmSchedulerTarget(_VllmBase):
             retain(blocks, fence_seq)
             self.reached["cow_frees_deferred"] += len(s.deferred_frees) > n
 
-        s._free_cow_retained_blocks = retain_counted
+        if deferring:
+            s._free_cow_retained_blocks = retain_counted
         after_call(mgr, "take_pending_cow_copies", count_copies)
-        after_call(manager, "take_boundary_state_offloads",
-                   lambda out: self.reached.update(mamba_boundary_offloads=sum(map(len, out.values()))))
+        if offered:
+            after_call(manager, "take_boundary_state_offloads",
+                       lambda out: self.reached.update(mamba_boundary_offloads=sum(map(len, out.values()))))
 
     def deferred(self) -> list:
         """The block lists of ``Scheduler.deferred_frees`` (vLLM >= 0.24.0, ``compat`` "deferred-frees")."""
