@@ -285,6 +285,41 @@ def test_a_second_ctrl_c_while_waiting_for_a_worker_still_writes_the_report(monk
     assert "not run (interrupted)" in md.read_text()
 
 
+def test_a_ctrl_c_during_the_fixed_releases_install_keeps_the_trials_found(monkeypatch, tmp_path):
+    """A Ctrl-C while the fixed release installs (its trials done on the shipped one): stop() kills pip, whose
+    install then fails; the bug's trials stand in the report, found and not replayed, not lost as 'not run'."""
+    import threading
+
+    bug = all_bugs()["vllm-45357"]
+    done = HistoryTrial("vllm-45357", "random", 1, 5.0, success=True, seconds=0.1, executions=3, min_len=2,
+                        first_oracle="use-after-free", signature="use-after-free/x", confirmations=3,
+                        program=[{"op": "submit", "family": 0, "prompt_len": 1, "max_new_tokens": 5, "stop_at": 3}])
+    installing = threading.Event()
+
+    def release(res, engine, version, runner):
+        if version == bug.fixed:  # pip of the fixed release, killed by stop(): its install fails
+            installing.set()
+            runner.stopped.wait(10)
+            raise suite.SuiteError(f"could not install {engine} {version}: killed")
+        return None
+
+    def interrupted(futures):
+        installing.wait(10)
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(suite, "_release", release)
+    monkeypatch.setattr(suite._Runner, "child", lambda self, job, *a: [done.__dict__])
+    monkeypatch.setattr(suite, "as_completed", interrupted)
+    md, js = tmp_path / "h.md", tmp_path / "h.json"
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
+               "--out", str(md), "--json", str(js))
+    assert r.exit_code == 130, r.output
+    doc = json.loads(js.read_text())
+    assert doc["interrupted"] and [t["executions"] for t in doc["trials"]] == [3]
+    assert "found; not replayed on the fixed release (interrupted)" in md.read_text()
+
+
 def test_a_failed_worker_costs_its_bug_only_the_report_lists_it_exit_70(monkeypatch, tmp_path):
     """A worker that dies (here: after one trial of vllm-45357) is listed in the report and the JSON;
     its trial so far and the other bug's trials are kept, the other bug is still replayed."""
