@@ -557,6 +557,32 @@ def test_a_campaigns_lines_show_a_non_utf8_path_escaped_on_one_line(tmp_path):
     assert f"{tmp_path}/camp\\xff/findings/leak_x.json" in console.export_text(), console.export_text()
 
 
+def test_a_findings_lines_show_a_non_utf8_or_newline_path_escaped_and_its_replay_command_still_pastes(tmp_path):
+    """Stop 62: the lines naming a finding's file (``new finding:``, ``resuming:``, ``replay file:``, ``reports
+    written:``) still wrote the path raw: a newline split the line, and a byte that is not UTF-8 was internal error
+    70 on a strict UTF-8 stream. Shown escaped now; ``kvaudit replay $'...'`` names the file itself."""
+    corpus = os.fsdecode(bytes(tmp_path) + b"/c\xff\nd")
+    bug = ("--preset", "retract", "--bug", "retract-unaligned-page", "--max-time", "3", "--seed", "1")
+    for first in (True, False):  # the second resumes: its file is known
+        r = invoke("fuzz", *bug, "--corpus", corpus, "--workers", "2", "--json", os.path.join(corpus, "r.json"))
+        assert r.exit_code == int(first), r.output
+        assert not re.search("[\udc80-\udcff]", r.output), r.output
+        assert first <= (f"new finding: leak/token_to_kv_pool/request-kv/release_req@scheduler_decode_mixin.py -> "
+                         f"{tmp_path}/c\\xff\\nd/findings/" in r.stderr), r.stderr
+        for line in r.output.splitlines():
+            assert line.startswith(("new finding: ", "resuming: ", "reports written: ")) <= ("c\\xff\\nd" in line), line
+    assert f"resuming: 1 signature(s) recorded in 1 file(s) in {tmp_path}/c\\xff\\nd/findings" in r.stderr, r.stderr
+    assert f"reports written: {tmp_path}/c\\xff\\nd/r.json" in r.stderr, r.stderr
+    r = invoke("fuzz", *bug, "--out", corpus)
+    assert r.exit_code == 1, r.output
+    assert not re.search("[\udc80-\udcff]", r.output), r.output
+    line = next(x for x in r.stdout.splitlines() if x.startswith("replay file: "))
+    path, hint = re.fullmatch(r"replay file: (\S+) +\(kvaudit replay (\S+)\)", line).groups()
+    assert path.startswith(f"{tmp_path}/c\\xff\\nd/") and hint.startswith(f"$'{tmp_path}/c\\xff\\x0ad/")
+    out = subprocess.run(["bash", "-c", f"printf %s {hint}"], capture_output=True).stdout
+    assert os.path.exists(os.fsdecode(out)), out
+
+
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
     """A file whose program yields a leak of the device buffer and of the host pool: both are known,
     so a program that yields the known pair again is not a new crash (it stopped the search again
