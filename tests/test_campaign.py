@@ -533,6 +533,30 @@ def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_pat
     assert sorted(os.listdir(out)) == [f"{name}.2.json", f"{name}.json"]
 
 
+def test_ci_out_never_writes_the_second_presets_copy_over_a_note_of_its_name(tmp_path, monkeypatch):
+    """Stop 62: a signature two presets of one job found is kept twice, the second copy as ``<name>.<preset>.json``;
+    that name was written over whatever held it (a note). It goes where kvaudit.replay.home says too."""
+    import kvaudit.search.campaign as campaign
+    from kvaudit.search import ci
+
+    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sig = replay.load(src)[2][0].signature
+    found = str(tmp_path / replay.file_name(sig))
+    shutil.copy(src, found)
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new={sig: found}, stats=FuzzStats(executions=3, ops=9)))
+    out = tmp_path / "o"
+    out.mkdir()
+    name = replay.file_name(sig)[:-len(".json")]
+    (out / f"{name}.retract.json").write_text("my notes")
+    first = ci.fuzz_preset("default", 1.0, 1, "random", None, str(out))
+    taken = frozenset(path for _, _, path in first.new)
+    second = ci.fuzz_preset("retract", 1.0, 1, "random", None, str(out), taken=taken)
+    assert [path for _, _, path in second.new] == [str(out / f"{name}.retract.2.json")]
+    assert (out / f"{name}.retract.json").read_text() == "my notes"
+    assert replay.load(str(out / f"{name}.retract.2.json"))[2][0].signature == sig
+
+
 def test_a_campaigns_lines_show_a_non_utf8_path_escaped_on_one_line(tmp_path):
     """Stop 61's note: a corpus folder's or suppressions file's name that is not UTF-8 reached the campaign's lines
     and the suppressions header as lone surrogates: written raw on a lenient stream, internal error 70 on a strict
