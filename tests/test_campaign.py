@@ -968,6 +968,22 @@ def test_a_refused_fuzz_or_ci_makes_no_directory(tmp_path):
                                                           f"write in {tmp_path / 'file'} (not a directory)")
 
 
+def test_a_name_too_long_for_the_file_system_is_refused_before_the_run(tmp_path):
+    """Stop 62: a --corpus whose name is over the file system's 255 bytes passed the checks (they tried a file in
+    the folder above) and the campaign died after its start-up as internal error 70; a --json of such a name was
+    refused only once the search was over. Both are bad input now, one line, exit 2, before any engine is built."""
+    long = "L" * 300
+    for args in (["fuzz", "--corpus", str(tmp_path / long)], ["fuzz", "--out", str(tmp_path / "a" / long / "b")],
+                 ["fuzz", "--json", str(tmp_path / f"{long}.json")],
+                 ["ci", "--html", str(tmp_path / f"{long}.html")]):
+        r = invoke(*args, "--max-time", "1")
+        assert r.exit_code == 2, r.output
+        assert re.search(r": a name of 30[05] bytes \(L{40}\.\.\.\): the file system of .* takes 255 at most$",
+                         one_error_line(r)), r.output
+        assert "start-up" not in r.output, r.output
+    assert os.listdir(tmp_path) == []
+
+
 def test_ci_bad_presets_is_one_line():
     result = invoke("ci", "--presets", "default,nope")
     assert result.exit_code == 2 and "nope" in one_error_line(result)

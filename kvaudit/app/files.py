@@ -62,7 +62,7 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
         if os.path.exists(real) and not os.path.isfile(real):
             raise InputError(f"--{fmt} {path}: not a regular file (reports are written by renaming a new file "
                              "over the old one)")
-        _check_writable(fmt, path, os.path.dirname(real))
+        _check_writable(fmt, path, os.path.dirname(real), os.path.basename(real))
 
 
 def check_dir(path: str, flag: str) -> None:
@@ -74,11 +74,21 @@ def check_dir(path: str, flag: str) -> None:
     _check_writable(flag, path, real)
 
 
-def _check_writable(flag: str, path: str, where: str) -> None:
+def _check_writable(flag: str, path: str, where: str, file: str | None = None) -> None:
+    made = [file] if file else []  # the names this run would make below ``where``: each must fit the name limit
     while not os.path.exists(where):
-        where = os.path.dirname(where)
+        where, name = os.path.split(where)
+        made.append(name)
     if not os.path.isdir(where):
         raise InputError(f"--{flag} {path}: cannot write in {where} (not a directory)")
+    try:
+        limit = os.pathconf(where, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    too_long = next((name for name in made if len(os.fsencode(name)) > limit), None)
+    if too_long is not None:  # (else an error only once the search is over: a campaign's internal error 70)
+        raise InputError(f"--{flag} {path}: a name of {len(os.fsencode(too_long))} bytes ({too_long[:40]}...): "
+                         f"the file system of {where} takes {limit} at most")
     try:  # NOTE: os.access says yes to root on read-only mounts and /sys
         tempfile.TemporaryFile(dir=where).close()
     except OSError as e:
