@@ -1251,3 +1251,18 @@ def test_minimize_stops_at_its_until_with_the_smallest_program_that_reproduced(m
     assert time.monotonic() - started < 0.3 + 0.2
     assert Step(n=7) in e.value.smallest and len(e.value.smallest) < len(program)
     assert mz.minimize(None, program, "leak/x/y") == [Step(n=7)]  # no until: to the end
+
+
+def test_minimize_and_replay_update_show_a_non_utf8_or_newline_file_name_escaped(tmp_path):
+    """Stop 62: ``minimize``'s ``written to PATH`` and ``replay --update``'s ``PATH: outcome`` wrote a replay
+    file's name raw: a newline split the line, and a byte that is not UTF-8 was internal error 70 on a strict
+    UTF-8 stream (after the file was written). Shown escaped, as the campaign's lines show it."""
+    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    name = os.fsdecode(bytes(tmp_path) + b"/r\xff\nz.json")
+    shutil.copy(src, name)
+    for args, line in ((("minimize", name), f"written to {tmp_path}/r\\xff\\nz.min.json"),
+                       (("replay", "--update", name), f"{tmp_path}/r\\xff\\nz.json: ")):
+        r = invoke(*args)
+        assert r.exit_code == 0, r.output
+        assert not re.search("[\udc80-\udcff]", r.output), r.output
+        assert line in r.output, r.output

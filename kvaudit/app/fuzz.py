@@ -195,7 +195,7 @@ class _Single:
                              else "interrupted before confirmation")
         during = ("Hypothesis shrank it" if isinstance(e, search_fuzz.SearchInterrupted) else
                   "confirming it" if not confirmed else "minimizing")
-        err.print(f"interrupted while {during}; the unminimized program is in {path}", soft_wrap=True)
+        err.print(f"interrupted while {during}; the unminimized program is in {shown_path(path)}", soft_wrap=True)
         data = _run_data(config, program, findings, sset, stats, self.seed, self.fuzzer, interrupted=True,
                          program_title=title)
         if outputs.html or outputs.json:  # no confirming replay recorded its timeline
