@@ -188,6 +188,19 @@ def test_the_suites_stop_kills_a_release_install_in_progress(monkeypatch, tmp_pa
     assert runner.tool(["true"]) == (-1, "stopped")
 
 
+def test_a_release_asked_after_the_suites_stop_is_neither_announced_nor_installed(monkeypatch, tmp_path):
+    """Stop 62: with --jobs 2, a Ctrl-C while one job's pip ran let the other job, waiting for the install lock,
+    print "installing sglang==... into ..." after the stop (its pip then refused to start)."""
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)
+    events = []
+    runner, res = suite._Runner(events.append), suite.HistoryResult(settings={})
+    runner.stop()
+    with pytest.raises(suite.SuiteError, match="not installed, the suite was stopped"):
+        suite._release(res, "vllm", "0.0.1", runner)
+    assert events == [] and res.releases == [] and not (tmp_path / "cache").exists()
+
+
 def test_the_install_command_takes_all_or_pinned_releases(monkeypatch, capsys):
     assert releases.main(["vllm-0.23.0"]) == 2
     assert 'want ENGINE==VERSION or "all", not "vllm-0.23.0"' in capsys.readouterr().err

@@ -172,6 +172,8 @@ _INSTALL_LOCK = threading.Lock()
 
 def _release(res: HistoryResult, engine: str, version: str, runner: _Runner) -> object:
     with _INSTALL_LOCK:  # one pip at a time; a release asked twice is installed once
+        if runner.stopped.is_set():  # (Ctrl-C while it waited for another job's pip: no "installing" line, no pip)
+            raise SuiteError(f"{engine} {version}: not installed, the suite was stopped")
         t0 = time.monotonic()
         try:
             overlay = releases.ensure(engine, version, runner.on_event, run=runner.tool)
