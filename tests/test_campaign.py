@@ -1266,3 +1266,29 @@ def test_minimize_and_replay_update_show_a_non_utf8_or_newline_file_name_escaped
         assert r.exit_code == 0, r.output
         assert not re.search("[\udc80-\udcff]", r.output), r.output
         assert line in r.output, r.output
+
+
+def test_draining_the_stopped_workers_news_never_waits_on_a_message_a_killed_worker_cut_short():
+    """Stop 62: _drain (40b1908) reads the queue after the workers stopped; a worker SIGKILLed while its queue
+    thread wrote a message over the pipe's atomic size into a full pipe (the parent had stopped reading) leaves
+    part of it, and reading that blocked for ever: a Ctrl-C that never ended. The whole messages before it are
+    still handled; the cut one ends the drain."""
+    import multiprocessing as mp
+    import pickle
+    import struct
+    import threading
+
+    from kvaudit.search import campaign
+
+    q = mp.get_context("spawn").Queue()
+    news = ("finding", 0, "leak/x", "/c/findings/leak_x.json")
+    for _ in range(2):  # (as put() does for each)
+        q._sem.acquire()
+    q._writer.send_bytes(pickle.dumps(news))
+    q._writer._send(struct.pack("!i", 100_000) + b"x" * 5000)  # the header and the first 5000 of 100000 bytes
+    handled = []
+    t = threading.Thread(target=campaign._drain, args=(q, handled.append), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the drain waits for the rest of a message no worker will send"
+    assert handled == [news]

@@ -639,11 +639,15 @@ _FINDING_NEWS = ("finding", "unwritten", "duplicate", "flaky", "pulled")
 def _drain(q, handle: Callable[[tuple], None]) -> None:
     """The findings news the stopped workers left in ``q``: a worker stopped in triage writes its finding and
     then says so, after the parent stopped reading (Ctrl-C, a worker's error). Handled, so that every file this
-    run's workers wrote is announced, and the end's sweep counts any other file as another process's."""
+    run's workers wrote is announced, and the end's sweep counts any other file as another process's. The pipe
+    is read without waiting: a worker killed mid-write (a message over the pipe's atomic size, into a pipe full
+    since the parent stopped reading) left part of one, whose rest never comes; that ends the drain."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # (NOTE: the queue's private end)
+        os.set_blocking(q._reader.fileno(), False)
     while True:
         try:
             msg = q.get_nowait()
-        except (queue_mod.Empty, OSError, ValueError, EOFError):
+        except (queue_mod.Empty, OSError, ValueError, EOFError):  # (BlockingIOError: the cut message)
             return
         if msg[0] in _FINDING_NEWS:
             handle(msg)
