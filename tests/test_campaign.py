@@ -1292,3 +1292,34 @@ def test_draining_the_stopped_workers_news_never_waits_on_a_message_a_killed_wor
     t.join(10)
     assert not t.is_alive(), "the drain waits for the rest of a message no worker will send"
     assert handled == [news]
+
+
+def test_a_replay_files_home_skips_a_fifo_folder_or_dangling_link_of_its_name(tmp_path):
+    """Stop 62: replay.home (where fuzz --out, a campaign's pull, ci --out and the atheris harness put a finding's
+    file) read any entry of the finding's name to see whether it was a replay file: a FIFO of that name made it
+    wait for ever for a writer (fuzz --out DIR hung, deaf to SIGTERM). Only a regular file is read; any other
+    entry is something else, left as it is: the next free name is taken."""
+    import threading
+
+    sig = "leak/token_to_kv_pool/request-kv/release_req@x.py"
+    stem = replay.file_name(sig)[:-len(".json")]
+    os.mkfifo(tmp_path / f"{stem}.json")
+    (tmp_path / f"{stem}.2.json").mkdir()
+    os.symlink(tmp_path / "nowhere", tmp_path / f"{stem}.3.json")
+    got = []
+    t = threading.Thread(target=lambda: got.append(replay.home(str(tmp_path), sig, "eut")), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # (let the blocked open go)
+        os.close(os.open(tmp_path / f"{stem}.json", os.O_WRONLY | os.O_NONBLOCK))
+    assert got == [(str(tmp_path / f"{stem}.4.json"), False)]
+    from kvaudit.search import campaign  # a campaign's corpus: read at its start, and at its end
+
+    (tmp_path / "findings").mkdir()
+    os.mkfifo(tmp_path / "findings" / "a.json")
+    t = threading.Thread(target=lambda: got.append(campaign.skipped_lines(str(tmp_path), "eut")), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        os.close(os.open(tmp_path / "findings" / "a.json", os.O_WRONLY | os.O_NONBLOCK))
+    assert got[1:] == [({}, [f"1 file(s) in {tmp_path}/findings are not replay files, skipped: a.json"])]

@@ -46,11 +46,12 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     parts."""
     d = findings_dir(corpus)
     names = sorted(n for n in os.listdir(d) if not n.startswith(".")) if os.path.isdir(d) else []
+    # (only regular files are read: a FIFO waits for a writer for ever)
+    files = [n for n in names if n.endswith(".json") and os.path.isfile(os.path.join(d, n))]
     if unreadable is not None:
-        unreadable.extend(os.path.join(d, n) for n in names if not n.endswith(".json"))
+        unreadable.extend(os.path.join(d, n) for n in names if n not in files)
     out: dict[str, str] = {}
-    for sig, path in _recorded([os.path.join(d, n) for n in names if n.endswith(".json")], unreadable, target,
-                               others):
+    for sig, path in _recorded([os.path.join(d, n) for n in files], unreadable, target, others):
         out.setdefault(sig, path)
     return out
 
