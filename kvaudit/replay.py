@@ -150,6 +150,9 @@ def home(directory: str, signature: str, target: str, name: str | None = None) -
         path = os.path.join(directory, (f"{stem}.{n}" if n > 1 else stem) + ".json")
         if not os.path.lexists(path):
             return path, False
+        if not os.path.isfile(path):  # a folder, a FIFO (reading one waits for a writer for ever), a dangling link
+            n += 1
+            continue
         try:
             config, _, findings, _ = load(path)
             if target_name(config) == target and any(f.signature == signature for f in findings):

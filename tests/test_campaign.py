@@ -533,6 +533,30 @@ def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_pat
     assert sorted(os.listdir(out)) == [f"{name}.2.json", f"{name}.json"]
 
 
+def test_ci_out_never_writes_the_second_presets_copy_over_a_note_of_its_name(tmp_path, monkeypatch):
+    """Stop 62: a signature two presets of one job found is kept twice, the second copy as ``<name>.<preset>.json``;
+    that name was written over whatever held it (a note). It goes where kvaudit.replay.home says too."""
+    import kvaudit.search.campaign as campaign
+    from kvaudit.search import ci
+
+    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    sig = replay.load(src)[2][0].signature
+    found = str(tmp_path / replay.file_name(sig))
+    shutil.copy(src, found)
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
+        new={sig: found}, stats=FuzzStats(executions=3, ops=9)))
+    out = tmp_path / "o"
+    out.mkdir()
+    name = replay.file_name(sig)[:-len(".json")]
+    (out / f"{name}.retract.json").write_text("my notes")
+    first = ci.fuzz_preset("default", 1.0, 1, "random", None, str(out))
+    taken = frozenset(path for _, _, path in first.new)
+    second = ci.fuzz_preset("retract", 1.0, 1, "random", None, str(out), taken=taken)
+    assert [path for _, _, path in second.new] == [str(out / f"{name}.retract.2.json")]
+    assert (out / f"{name}.retract.json").read_text() == "my notes"
+    assert replay.load(str(out / f"{name}.retract.2.json"))[2][0].signature == sig
+
+
 def test_a_campaigns_lines_show_a_non_utf8_path_escaped_on_one_line(tmp_path):
     """Stop 61's note: a corpus folder's or suppressions file's name that is not UTF-8 reached the campaign's lines
     and the suppressions header as lone surrogates: written raw on a lenient stream, internal error 70 on a strict
@@ -555,6 +579,32 @@ def test_a_campaigns_lines_show_a_non_utf8_path_escaped_on_one_line(tmp_path):
     console = Console(record=True, width=300, force_terminal=True)
     console.print(_campaign_table(CampaignResult(new={"leak/x": os.path.join(corpus, "findings", "leak_x.json")})))
     assert f"{tmp_path}/camp\\xff/findings/leak_x.json" in console.export_text(), console.export_text()
+
+
+def test_a_findings_lines_show_a_non_utf8_or_newline_path_escaped_and_its_replay_command_still_pastes(tmp_path):
+    """Stop 62: the lines naming a finding's file (``new finding:``, ``resuming:``, ``replay file:``, ``reports
+    written:``) still wrote the path raw: a newline split the line, and a byte that is not UTF-8 was internal error
+    70 on a strict UTF-8 stream. Shown escaped now; ``kvaudit replay $'...'`` names the file itself."""
+    corpus = os.fsdecode(bytes(tmp_path) + b"/c\xff\nd")
+    bug = ("--preset", "retract", "--bug", "retract-unaligned-page", "--max-time", "3", "--seed", "1")
+    for first in (True, False):  # the second resumes: its file is known
+        r = invoke("fuzz", *bug, "--corpus", corpus, "--workers", "2", "--json", os.path.join(corpus, "r.json"))
+        assert r.exit_code == int(first), r.output
+        assert not re.search("[\udc80-\udcff]", r.output), r.output
+        assert first <= (f"new finding: leak/token_to_kv_pool/request-kv/release_req@scheduler_decode_mixin.py -> "
+                         f"{tmp_path}/c\\xff\\nd/findings/" in r.stderr), r.stderr
+        for line in r.output.splitlines():
+            assert line.startswith(("new finding: ", "resuming: ", "reports written: ")) <= ("c\\xff\\nd" in line), line
+    assert f"resuming: 1 signature(s) recorded in 1 file(s) in {tmp_path}/c\\xff\\nd/findings" in r.stderr, r.stderr
+    assert f"reports written: {tmp_path}/c\\xff\\nd/r.json" in r.stderr, r.stderr
+    r = invoke("fuzz", *bug, "--out", corpus)
+    assert r.exit_code == 1, r.output
+    assert not re.search("[\udc80-\udcff]", r.output), r.output
+    line = next(x for x in r.stdout.splitlines() if x.startswith("replay file: "))
+    path, hint = re.fullmatch(r"replay file: (\S+) +\(kvaudit replay (\S+)\)", line).groups()
+    assert path.startswith(f"{tmp_path}/c\\xff\\nd/") and hint.startswith(f"$'{tmp_path}/c\\xff\\x0ad/")
+    out = subprocess.run(["bash", "-c", f"printf %s {hint}"], capture_output=True).stdout
+    assert os.path.exists(os.fsdecode(out)), out
 
 
 def test_known_signatures_remembers_every_finding_of_every_file(tmp_path):
@@ -918,6 +968,22 @@ def test_a_refused_fuzz_or_ci_makes_no_directory(tmp_path):
                                                           f"write in {tmp_path / 'file'} (not a directory)")
 
 
+def test_a_name_too_long_for_the_file_system_is_refused_before_the_run(tmp_path):
+    """Stop 62: a --corpus whose name is over the file system's 255 bytes passed the checks (they tried a file in
+    the folder above) and the campaign died after its start-up as internal error 70; a --json of such a name was
+    refused only once the search was over. Both are bad input now, one line, exit 2, before any engine is built."""
+    long = "L" * 300
+    for args in (["fuzz", "--corpus", str(tmp_path / long)], ["fuzz", "--out", str(tmp_path / "a" / long / "b")],
+                 ["fuzz", "--json", str(tmp_path / f"{long}.json")],
+                 ["ci", "--html", str(tmp_path / f"{long}.html")]):
+        r = invoke(*args, "--max-time", "1")
+        assert r.exit_code == 2, r.output
+        assert re.search(r": a name of 30[05] bytes \(L{40}\.\.\.\): the file system of .* takes 255 at most$",
+                         one_error_line(r)), r.output
+        assert "start-up" not in r.output, r.output
+    assert os.listdir(tmp_path) == []
+
+
 def test_ci_bad_presets_is_one_line():
     result = invoke("ci", "--presets", "default,nope")
     assert result.exit_code == 2 and "nope" in one_error_line(result)
@@ -1201,3 +1267,75 @@ def test_minimize_stops_at_its_until_with_the_smallest_program_that_reproduced(m
     assert time.monotonic() - started < 0.3 + 0.2
     assert Step(n=7) in e.value.smallest and len(e.value.smallest) < len(program)
     assert mz.minimize(None, program, "leak/x/y") == [Step(n=7)]  # no until: to the end
+
+
+def test_minimize_and_replay_update_show_a_non_utf8_or_newline_file_name_escaped(tmp_path):
+    """Stop 62: ``minimize``'s ``written to PATH`` and ``replay --update``'s ``PATH: outcome`` wrote a replay
+    file's name raw: a newline split the line, and a byte that is not UTF-8 was internal error 70 on a strict
+    UTF-8 stream (after the file was written). Shown escaped, as the campaign's lines show it."""
+    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    name = os.fsdecode(bytes(tmp_path) + b"/r\xff\nz.json")
+    shutil.copy(src, name)
+    for args, line in ((("minimize", name), f"written to {tmp_path}/r\\xff\\nz.min.json"),
+                       (("replay", "--update", name), f"{tmp_path}/r\\xff\\nz.json: ")):
+        r = invoke(*args)
+        assert r.exit_code == 0, r.output
+        assert not re.search("[\udc80-\udcff]", r.output), r.output
+        assert line in r.output, r.output
+
+
+def test_draining_the_stopped_workers_news_never_waits_on_a_message_a_killed_worker_cut_short():
+    """Stop 62: _drain (40b1908) reads the queue after the workers stopped; a worker SIGKILLed while its queue
+    thread wrote a message over the pipe's atomic size into a full pipe (the parent had stopped reading) leaves
+    part of it, and reading that blocked for ever: a Ctrl-C that never ended. The whole messages before it are
+    still handled; the cut one ends the drain."""
+    import multiprocessing as mp
+    import pickle
+    import struct
+    import threading
+
+    from kvaudit.search import campaign
+
+    q = mp.get_context("spawn").Queue()
+    news = ("finding", 0, "leak/x", "/c/findings/leak_x.json")
+    for _ in range(2):  # (as put() does for each)
+        q._sem.acquire()
+    q._writer.send_bytes(pickle.dumps(news))
+    q._writer._send(struct.pack("!i", 100_000) + b"x" * 5000)  # the header and the first 5000 of 100000 bytes
+    handled = []
+    t = threading.Thread(target=campaign._drain, args=(q, handled.append), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the drain waits for the rest of a message no worker will send"
+    assert handled == [news]
+
+
+def test_a_replay_files_home_skips_a_fifo_folder_or_dangling_link_of_its_name(tmp_path):
+    """Stop 62: replay.home (where fuzz --out, a campaign's pull, ci --out and the atheris harness put a finding's
+    file) read any entry of the finding's name to see whether it was a replay file: a FIFO of that name made it
+    wait for ever for a writer (fuzz --out DIR hung, deaf to SIGTERM). Only a regular file is read; any other
+    entry is something else, left as it is: the next free name is taken."""
+    import threading
+
+    sig = "leak/token_to_kv_pool/request-kv/release_req@x.py"
+    stem = replay.file_name(sig)[:-len(".json")]
+    os.mkfifo(tmp_path / f"{stem}.json")
+    (tmp_path / f"{stem}.2.json").mkdir()
+    os.symlink(tmp_path / "nowhere", tmp_path / f"{stem}.3.json")
+    got = []
+    t = threading.Thread(target=lambda: got.append(replay.home(str(tmp_path), sig, "eut")), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # (let the blocked open go)
+        os.close(os.open(tmp_path / f"{stem}.json", os.O_WRONLY | os.O_NONBLOCK))
+    assert got == [(str(tmp_path / f"{stem}.4.json"), False)]
+    from kvaudit.search import campaign  # a campaign's corpus: read at its start, and at its end
+
+    (tmp_path / "findings").mkdir()
+    os.mkfifo(tmp_path / "findings" / "a.json")
+    t = threading.Thread(target=lambda: got.append(campaign.skipped_lines(str(tmp_path), "eut")), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        os.close(os.open(tmp_path / "findings" / "a.json", os.O_WRONLY | os.O_NONBLOCK))
+    assert got[1:] == [({}, [f"1 file(s) in {tmp_path}/findings are not replay files, skipped: a.json"])]

@@ -188,6 +188,19 @@ def test_the_suites_stop_kills_a_release_install_in_progress(monkeypatch, tmp_pa
     assert runner.tool(["true"]) == (-1, "stopped")
 
 
+def test_a_release_asked_after_the_suites_stop_is_neither_announced_nor_installed(monkeypatch, tmp_path):
+    """Stop 62: with --jobs 2, a Ctrl-C while one job's pip ran let the other job, waiting for the install lock,
+    print "installing sglang==... into ..." after the stop (its pip then refused to start)."""
+    monkeypatch.setenv(releases.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(releases, "base_version", lambda engine: None)
+    events = []
+    runner, res = suite._Runner(events.append), suite.HistoryResult(settings={})
+    runner.stop()
+    with pytest.raises(suite.SuiteError, match="not installed, the suite was stopped"):
+        suite._release(res, "vllm", "0.0.1", runner)
+    assert events == [] and res.releases == [] and not (tmp_path / "cache").exists()
+
+
 def test_the_install_command_takes_all_or_pinned_releases(monkeypatch, capsys):
     assert releases.main(["vllm-0.23.0"]) == 2
     assert 'want ENGINE==VERSION or "all", not "vllm-0.23.0"' in capsys.readouterr().err
@@ -283,6 +296,41 @@ def test_a_second_ctrl_c_while_waiting_for_a_worker_still_writes_the_report(monk
     doc = json.loads(js.read_text())
     assert doc["interrupted"] and [t["bug"] for t in doc["trials"]] == ["vllm-45357"]
     assert "not run (interrupted)" in md.read_text()
+
+
+def test_a_ctrl_c_during_the_fixed_releases_install_keeps_the_trials_found(monkeypatch, tmp_path):
+    """A Ctrl-C while the fixed release installs (its trials done on the shipped one): stop() kills pip, whose
+    install then fails; the bug's trials stand in the report, found and not replayed, not lost as 'not run'."""
+    import threading
+
+    bug = all_bugs()["vllm-45357"]
+    done = HistoryTrial("vllm-45357", "random", 1, 5.0, success=True, seconds=0.1, executions=3, min_len=2,
+                        first_oracle="use-after-free", signature="use-after-free/x", confirmations=3,
+                        program=[{"op": "submit", "family": 0, "prompt_len": 1, "max_new_tokens": 5, "stop_at": 3}])
+    installing = threading.Event()
+
+    def release(res, engine, version, runner):
+        if version == bug.fixed:  # pip of the fixed release, killed by stop(): its install fails
+            installing.set()
+            runner.stopped.wait(10)
+            raise suite.SuiteError(f"could not install {engine} {version}: killed")
+        return None
+
+    def interrupted(futures):
+        installing.wait(10)
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(suite, "_release", release)
+    monkeypatch.setattr(suite._Runner, "child", lambda self, job, *a: [done.__dict__])
+    monkeypatch.setattr(suite, "as_completed", interrupted)
+    md, js = tmp_path / "h.md", tmp_path / "h.json"
+    r = invoke("bench", "--suite", "history", "--bugs", "vllm-45357", "--fuzzers", "random", "--trials", "1",
+               "--out", str(md), "--json", str(js))
+    assert r.exit_code == 130, r.output
+    doc = json.loads(js.read_text())
+    assert doc["interrupted"] and [t["executions"] for t in doc["trials"]] == [3]
+    assert "found; not replayed on the fixed release (interrupted)" in md.read_text()
 
 
 def test_a_failed_worker_costs_its_bug_only_the_report_lists_it_exit_70(monkeypatch, tmp_path):

@@ -882,6 +882,17 @@ def test_a_campaign_interrupted_during_its_imports_writes_its_json_sarif_and_jun
     assert "nothing was checked" in paths["html"].read_text()
 
 
+def test_the_start_up_interrupts_line_shows_a_newline_or_non_utf8_name_escaped(tmp_path, capsys):
+    """Stop 62: the start-up interrupt's one line wrote each report's name raw: a newline in it split the line (a
+    byte that is not UTF-8 went out as a lone surrogate). Escaped, as a run's ``reports written:`` shows it."""
+    from kvaudit.app.interrupts import write_startup_reports
+
+    doc = os.fsdecode(bytes(tmp_path) + b"/s\xff\n.json")
+    assert write_startup_reports(["fuzz", "--json", doc]) == [doc]
+    assert capsys.readouterr().err == (f"reports written, each saying nothing was checked (interrupted during "
+                                       f"start-up): {tmp_path}/s\\xff\\n.json\n")
+
+
 def test_the_json_of_a_run_interrupted_at_start_up_reports_as_nothing_checked(tmp_path, capsys):
     """`kvaudit report` on the --json a start-up interrupt wrote said 'missing key "config"' (exit 2), as if the
     file were broken: it says in one line that the run checked nothing (exit 5, as a search that ran nothing),

@@ -20,6 +20,7 @@ from kvaudit.app.files import check_dir, load_suppressions, write_reports
 from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
+from kvaudit.config import shown_path
 from kvaudit.data import data_path
 from kvaudit.reports.outputs import Case, Outputs, ReportData
 from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table,
@@ -210,7 +211,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
             except OSError as e:
                 failed.append((e, path))
                 continue
-            err.print(f"{label} written: {path}")
+            err.print(f"{label} written: {shown_path(path)}")
             kept.append(path)
     rest = Outputs(html=outputs.html, json=outputs.json)
     if rest.wanted():

@@ -9,7 +9,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from kvaudit import atomic, replay
-from kvaudit.config import json_value
+from kvaudit.config import json_value, shown_path
 from kvaudit.app.errors import InputError, write_error
 from kvaudit.reports.outputs import Outputs, ReportData, WriteError
 from kvaudit.reports.outputs import write as write_outputs
@@ -62,7 +62,7 @@ def check_paths(inputs: tuple[str, ...] = (), **paths) -> None:
         if os.path.exists(real) and not os.path.isfile(real):
             raise InputError(f"--{fmt} {path}: not a regular file (reports are written by renaming a new file "
                              "over the old one)")
-        _check_writable(fmt, path, os.path.dirname(real))
+        _check_writable(fmt, path, os.path.dirname(real), os.path.basename(real))
 
 
 def check_dir(path: str, flag: str) -> None:
@@ -74,11 +74,21 @@ def check_dir(path: str, flag: str) -> None:
     _check_writable(flag, path, real)
 
 
-def _check_writable(flag: str, path: str, where: str) -> None:
+def _check_writable(flag: str, path: str, where: str, file: str | None = None) -> None:
+    made = [file] if file else []  # the names this run would make below ``where``: each must fit the name limit
     while not os.path.exists(where):
-        where = os.path.dirname(where)
+        where, name = os.path.split(where)
+        made.append(name)
     if not os.path.isdir(where):
         raise InputError(f"--{flag} {path}: cannot write in {where} (not a directory)")
+    try:
+        limit = os.pathconf(where, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    too_long = next((name for name in made if len(os.fsencode(name)) > limit), None)
+    if too_long is not None:  # (else an error only once the search is over: a campaign's internal error 70)
+        raise InputError(f"--{flag} {path}: a name of {len(os.fsencode(too_long))} bytes ({too_long[:40]}...): "
+                         f"the file system of {where} takes {limit} at most")
     try:  # NOTE: os.access says yes to root on read-only mounts and /sys
         tempfile.TemporaryFile(dir=where).close()
     except OSError as e:
@@ -93,9 +103,9 @@ def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[
         written = write_outputs(outputs, data)
     except WriteError as e:  # (the others were written: a full disk under one need not be under another)
         if e.written:
-            err.print("reports written: " + ", ".join(e.written), soft_wrap=True)
+            err.print("reports written: " + ", ".join(map(shown_path, e.written)), soft_wrap=True)
         raise write_error(e, f"report {e.filename}", [*kept, *e.written], also=e.also) from None
-    err.print("reports written: " + ", ".join(written), soft_wrap=True)
+    err.print("reports written: " + ", ".join(map(shown_path, written)), soft_wrap=True)
     return written
 
 
@@ -110,7 +120,17 @@ def write_finding(out_dir, config, program, findings, **extra) -> str:
 def replay_hint(config, path: str) -> str:
     """``kvaudit replay PATH`` as a shell line, after this run's ``KVAUDIT_PLUGINS=...`` for a plugin kind."""
     env = registry.plugins_env(registry.kind_of(config).name)
-    return (f"{env} " if env else "") + f"kvaudit replay {shlex.quote(path)}"
+    return (f"{env} " if env else "") + f"kvaudit replay {shell_quoted(path)}"
+
+
+def shell_quoted(path: str) -> str:
+    """``path`` quoted for a POSIX shell, on one printable line: as :func:`shlex.quote` does, or, for a name with
+    bytes that are not UTF-8 or a control character (a newline), bash's ``$'...'`` with those bytes as ``\\xNN``
+    (the name, which a console shows escaped, still pastes)."""
+    if shown_path(path) == path:
+        return shlex.quote(path)
+    raw = path.encode("utf-8", "surrogateescape")
+    return "$'" + "".join(chr(b) if 32 <= b < 127 and b not in b"'\\" else f"\\x{b:02x}" for b in raw) + "'"
 
 
 def write_replay(path, config, program, findings, **extra) -> str:

@@ -171,7 +171,8 @@ def _findings_here(directory: str, kinds: set[str]) -> tuple[int, int]:
     used = 0
     for name in names:
         try:
-            config = replay.load(os.path.join(directory, name))[0] if name.endswith(".json") else None
+            path = os.path.join(directory, name)  # (a regular file: a FIFO waits for a writer for ever)
+            config = replay.load(path)[0] if name.endswith(".json") and os.path.isfile(path) else None
         except replay.ReplayFormatError:
             config = None
         used += config is not None and (not kinds or replay.target_name(config) in kinds)

@@ -195,7 +195,7 @@ class _Single:
                              else "interrupted before confirmation")
         during = ("Hypothesis shrank it" if isinstance(e, search_fuzz.SearchInterrupted) else
                   "confirming it" if not confirmed else "minimizing")
-        err.print(f"interrupted while {during}; the unminimized program is in {path}", soft_wrap=True)
+        err.print(f"interrupted while {during}; the unminimized program is in {shown_path(path)}", soft_wrap=True)
         data = _run_data(config, program, findings, sset, stats, self.seed, self.fuzzer, interrupted=True,
                          program_title=title)
         if outputs.html or outputs.json:  # no confirming replay recorded its timeline
@@ -253,7 +253,7 @@ class _Single:
         except click.ClickException as e:  # a full disk (write_error): the finding still reaches the log
             print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
             raise _with_reports(e, outputs, data, self.err) from None
-        console.print(f"replay file: {path}   ({replay_hint(config, path)})", soft_wrap=True)
+        console.print(f"replay file: {shown_path(path)}   ({replay_hint(config, path)})", soft_wrap=True)
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
         write_reports(outputs, data, self.err, kept=(path,))
         return EXIT_FINDINGS
@@ -290,10 +290,11 @@ def _campaign(config, fuzzer, max_time, seed, workers, corpus, suppress_file, ss
         err.print(f"warning: {line}", soft_wrap=True)
     if before:
         err.print(f"resuming: {len(before)} signature(s) recorded in {len(set(before.values()))} file(s) in "
-                  f"{campaign.findings_dir(corpus)} are known, not new", soft_wrap=True)
+                  f"{shown_path(campaign.findings_dir(corpus))} are known, not new", soft_wrap=True)
 
     def landed(sig: str, path: str) -> None:
-        (progress.live.console if progress.live else err).print(f"new finding: {sig} -> {path}", soft_wrap=True)
+        (progress.live.console if progress.live else err).print(f"new finding: {sig} -> {shown_path(path)}",
+                                                                 soft_wrap=True)
 
     catch_sigint()
     try:

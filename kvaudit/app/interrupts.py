@@ -135,10 +135,19 @@ def write_startup_reports(argv: list[str]) -> list[str]:
             try:
                 write_text_atomic(path, texts[fmt]())
             except OSError as e:
-                sys.stderr.write(f"kvaudit: cannot write {path}: {e.strerror or e}\n")
+                sys.stderr.write(f"kvaudit: cannot write {_shown(path)}: {e.strerror or e}\n")
                 continue
             written.append(path)
     if written:  # (not "JSON written: PATH": a run's line is "reports written: ...", and these hold no results)
         sys.stderr.write(f"reports written, each saying nothing was checked (interrupted during start-up): "
-                         f"{', '.join(written)}\n")
+                         f"{', '.join(map(_shown, written))}\n")
     return written
+
+
+def _shown(path: str) -> str:
+    """``path`` on one printable line, as :func:`kvaudit.config.shown_path` shows it (not imported: it may be
+    half-imported when the interrupt lands): bytes that are not UTF-8 as ``\\xNN``, a newline as ``\\n``."""
+    import os
+
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

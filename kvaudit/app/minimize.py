@@ -11,6 +11,7 @@ from kvaudit.app.files import check_paths, write_replay
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import console as make_console
 from kvaudit.app.replay import load_replay
+from kvaudit.config import shown_path
 from kvaudit.audit.runner import execute
 from kvaudit.constants import CONFIRM_RUNS
 from kvaudit.reports.report import print_report, summary_line
@@ -38,7 +39,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     require_target(config)  # last: a real engine's probe imports it (seconds)
     console, err = make_console(), make_console(stderr=True)
     fresh = (lambda: sset.fresh()) if sset is not None else (lambda: None)
-    err.print(f"minimizing {len(program)} ops of {file}, keeping {signature}", soft_wrap=True)
+    err.print(f"minimizing {len(program)} ops of {shown_path(file)}, keeping {signature}", soft_wrap=True)
     catch_sigint()
     small = None
     try:
@@ -47,7 +48,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
     except TargetDefinitionError:  # (a ValueError: the target's mistake a smaller program met, exit 2)
         raise
     except ValueError:
-        err.print(f"{file}: {signature} does not reproduce", soft_wrap=True)
+        err.print(f"{shown_path(file)}: {signature} does not reproduce", soft_wrap=True)
         return _nothing(console, EXIT_NOT_REPRODUCED)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
         smallest = small if small is not None else e.smallest if isinstance(e, Interrupted) else None
@@ -66,7 +67,7 @@ def run(file: str, *, out_file: str | None, signature: str | None, suppress_file
         print_report(console, config, small, findings)
         raise
     console.print(f"minimized {len(program)} -> {len(small)} ops; reproduced {confirmations}/{CONFIRM_RUNS}; "
-                  f"written to {path}", soft_wrap=True)
+                  f"written to {shown_path(path)}", soft_wrap=True)
     print_report(console, config, small, findings)  # last: its SUMMARY: line closes stdout
     return EXIT_CLEAN
 
@@ -87,7 +88,7 @@ def _write_interrupted(config, program, smallest, signature, file, out_file, sup
     path = write_replay(out_file, config, smallest, findings, **found_by, minimized=False, minimized_from=file,
                         confirmations="interrupted before confirmation")
     err.print(f"interrupted: the smallest program so far ({len(program)} -> {len(smallest)} ops, not confirmed) "
-              f"written to {path}", soft_wrap=True)
+              f"written to {shown_path(path)}", soft_wrap=True)
     return EXIT_INTERRUPTED
 
 

@@ -15,6 +15,7 @@ from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_NONDETERMINISTIC
 from kvaudit.app.files import check_outputs, load_suppressions, write_reports
 from kvaudit.app.progress import OpProgress, console as make_console
 from kvaudit.audit.runner import execute
+from kvaudit.config import shown_path
 from kvaudit.reports import timeline
 from kvaudit.reports.outputs import Outputs, ReportData, search_facts
 from kvaudit.reports.report import print_report, print_table, suppressed_by_kind
@@ -54,7 +55,7 @@ def run(files: tuple[str, ...], *, suppress_file: str | None, check_determinism:
     check_outputs((file, suppress_file), **vars(outputs))
     config, program, recorded, sset, found_by = load_replay(file, suppress_file, tree_core)
     err = make_console(stderr=True)
-    with OpProgress(err, f"replaying {file}", len(program)) as progress:
+    with OpProgress(err, f"replaying {shown_path(file)}", len(program)) as progress:
         ex = execute(config, program, suppressions=sset, drain=True, on_op=progress)
     console = make_console()
     print_report(console, config, program, ex.findings, program_title="program", suppressions=sset)
@@ -97,13 +98,13 @@ def update_replays(files: tuple[str, ...]) -> int:
         config, program, recorded, *_ = load_replay(file, None)
         try:
             drain = any(f.engine_check_at_idle for f in recorded)
-            with OpProgress(make_console(stderr=True), f"replaying {file}", len(program)) as progress:
+            with OpProgress(make_console(stderr=True), f"replaying {shown_path(file)}", len(program)) as progress:
                 findings = execute(config, program, drain=drain, on_op=progress).findings
             outcome = replay.rerecord(file, findings, timeline=timeline.record)
         except OSError as e:
             raise write_error(e, file) from None
         lost += outcome.startswith("not updated")
-        console.print(f"{file}: {outcome}", soft_wrap=True)
+        console.print(f"{shown_path(file)}: {outcome}", soft_wrap=True)
     return EXIT_NOT_REPRODUCED if lost else EXIT_CLEAN
 
 

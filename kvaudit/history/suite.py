@@ -172,6 +172,8 @@ _INSTALL_LOCK = threading.Lock()
 
 def _release(res: HistoryResult, engine: str, version: str, runner: _Runner) -> object:
     with _INSTALL_LOCK:  # one pip at a time; a release asked twice is installed once
+        if runner.stopped.is_set():  # (Ctrl-C while it waited for another job's pip: no "installing" line, no pip)
+            raise SuiteError(f"{engine} {version}: not installed, the suite was stopped")
         t0 = time.monotonic()
         try:
             overlay = releases.ensure(engine, version, runner.on_event, run=runner.tool)
@@ -206,7 +208,13 @@ def _one_bug(runner: _Runner, res: HistoryResult, bid: str, fuzzers: list[str], 
     if bug.fixed is None or bug.replay_blocked or not ok or runner.stopped.is_set():
         return found
     job = {"mode": "replay", "bug": bid, "version": bug.fixed, "programs": [t.program for t in ok]}
-    for t, r in zip(ok, _job(runner, res, job, bug.engine, f"{bid} (replay)", "the suite goes on")):
+    try:
+        replays = _job(runner, res, job, bug.engine, f"{bid} (replay)", "the suite goes on")
+    except SuiteError:
+        if runner.stopped.is_set():  # Ctrl-C killed the fixed release's pip: the trials found stand, not replayed
+            return found
+        raise
+    for t, r in zip(ok, replays):
         t.fixed_clean, t.fixed_signatures = r["clean"], r["signatures"]
     if not runner.stopped.is_set():
         clean = sum(bool(t.fixed_clean) for t in ok)

@@ -46,11 +46,12 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     parts."""
     d = findings_dir(corpus)
     names = sorted(n for n in os.listdir(d) if not n.startswith(".")) if os.path.isdir(d) else []
+    # (only regular files are read: a FIFO waits for a writer for ever)
+    files = [n for n in names if n.endswith(".json") and os.path.isfile(os.path.join(d, n))]
     if unreadable is not None:
-        unreadable.extend(os.path.join(d, n) for n in names if not n.endswith(".json"))
+        unreadable.extend(os.path.join(d, n) for n in names if n not in files)
     out: dict[str, str] = {}
-    for sig, path in _recorded([os.path.join(d, n) for n in names if n.endswith(".json")], unreadable, target,
-                               others):
+    for sig, path in _recorded([os.path.join(d, n) for n in files], unreadable, target, others):
         out.setdefault(sig, path)
     return out
 
@@ -639,11 +640,15 @@ _FINDING_NEWS = ("finding", "unwritten", "duplicate", "flaky", "pulled")
 def _drain(q, handle: Callable[[tuple], None]) -> None:
     """The findings news the stopped workers left in ``q``: a worker stopped in triage writes its finding and
     then says so, after the parent stopped reading (Ctrl-C, a worker's error). Handled, so that every file this
-    run's workers wrote is announced, and the end's sweep counts any other file as another process's."""
+    run's workers wrote is announced, and the end's sweep counts any other file as another process's. The pipe
+    is read without waiting: a worker killed mid-write (a message over the pipe's atomic size, into a pipe full
+    since the parent stopped reading) left part of one, whose rest never comes; that ends the drain."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # (NOTE: the queue's private end)
+        os.set_blocking(q._reader.fileno(), False)
     while True:
         try:
             msg = q.get_nowait()
-        except (queue_mod.Empty, OSError, ValueError, EOFError):
+        except (queue_mod.Empty, OSError, ValueError, EOFError):  # (BlockingIOError: the cut message)
             return
         if msg[0] in _FINDING_NEWS:
             handle(msg)

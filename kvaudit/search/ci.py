@@ -174,10 +174,10 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
         for path, sigs in sorted(by_file.items()):  # (the corpus keeps its copy; --out is what a job uploads)
             _, program, findings, doc = replay.load(path)
             # (a file of its name that is not its kind's replay file of that signature is left as it is)
-            dest, _ = replay.home(out_dir, next(f.signature for f in findings if f.signature in sigs), target,
-                                  name=os.path.basename(path))
-            if dest in taken:
-                dest = f"{dest[:-len('.json')]}.{preset}.json"
+            sig = next(f.signature for f in findings if f.signature in sigs)
+            dest, _ = replay.home(out_dir, sig, target, name=os.path.basename(path))
+            if dest in taken:  # (its <name>.<preset>.json as home says too: a note of that name is kept)
+                dest, _ = replay.home(out_dir, sig, target, name=f"{dest[:-len('.json')]}.{preset}.json")
             try:
                 path = replay.write_atomic(dest, doc)
             except OSError as e:  # --out's disk full: found but not written, as a campaign's own; still reported
