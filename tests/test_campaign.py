@@ -509,22 +509,29 @@ def test_an_interrupted_ci_share_reports_the_seconds_it_ran_not_its_share(tmp_pa
     assert ci.fuzz_preset("default", 30.0, 1, "random", None, str(tmp_path / "o")).seconds == 30.0
 
 
-def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_path, monkeypatch):
-    """Stop 61's note: `ci --out` copied a new finding's replay file over a file of its name there (a user's note,
-    another kind's replay file). It takes the next free name (kvaudit.replay.home); its own kind's file of that
-    signature (a former job's) is replaced."""
+def _a_ci_campaign_finds(tmp_path, monkeypatch, regression: str) -> tuple[str, str]:
+    """Stand-in for ci's campaigns: each finds ``regression``'s first signature, its file named as a campaign names
+    it. Returns (that signature, the file name's stem)."""
     import kvaudit.search.campaign as campaign
-    from kvaudit.search import ci
 
-    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
+    src = os.path.join(REGRESSIONS, regression)
     sig = replay.load(src)[2][0].signature
     found = str(tmp_path / replay.file_name(sig))  # (the campaign's own file: named for its signature)
     shutil.copy(src, found)
     monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
         new={sig: found}, stats=FuzzStats(executions=3, ops=9)))
+    return sig, replay.file_name(sig)[:-len(".json")]
+
+
+def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_path, monkeypatch):
+    """Stop 61's note: `ci --out` copied a new finding's replay file over a file of its name there (a user's note,
+    another kind's replay file). It takes the next free name (kvaudit.replay.home); its own kind's file of that
+    signature (a former job's) is replaced."""
+    from kvaudit.search import ci
+
+    _, name = _a_ci_campaign_finds(tmp_path, monkeypatch, "session-close-while-running.json")
     out = tmp_path / "o"
     out.mkdir()
-    name = replay.file_name(sig)[:-len(".json")]
     (out / f"{name}.json").write_text("my notes")
     for _ in range(2):
         run = ci.fuzz_preset("default", 1.0, 1, "random", None, str(out))
@@ -536,18 +543,11 @@ def test_ci_out_never_writes_a_new_finding_over_another_file_of_its_name(tmp_pat
 def test_ci_out_never_writes_the_second_presets_copy_over_a_note_of_its_name(tmp_path, monkeypatch):
     """Stop 62: a signature two presets of one job found is kept twice, the second copy as ``<name>.<preset>.json``;
     that name was written over whatever held it (a note). It goes where kvaudit.replay.home says too."""
-    import kvaudit.search.campaign as campaign
     from kvaudit.search import ci
 
-    src = os.path.join(REGRESSIONS, "session-close-while-running.json")
-    sig = replay.load(src)[2][0].signature
-    found = str(tmp_path / replay.file_name(sig))
-    shutil.copy(src, found)
-    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: campaign.CampaignResult(
-        new={sig: found}, stats=FuzzStats(executions=3, ops=9)))
+    sig, name = _a_ci_campaign_finds(tmp_path, monkeypatch, "session-close-while-running.json")
     out = tmp_path / "o"
     out.mkdir()
-    name = replay.file_name(sig)[:-len(".json")]
     (out / f"{name}.retract.json").write_text("my notes")
     first = ci.fuzz_preset("default", 1.0, 1, "random", None, str(out))
     taken = frozenset(path for _, _, path in first.new)
