@@ -152,7 +152,7 @@ def pull(db: str, campaign: str, directory: str) -> int:
         raise write_error(e, path, [*paths, kept])
     if not hub.online:
         raise UnavailableError(f"--db {safe_url(db)}: Redis went away during the pull")
-    have, other = _findings_here(os.path.join(directory, "findings"), kinds)
+    have, other = _findings_here(directory, kinds)
     make_console().print(f"pulled campaign {campaign}: {len(paths)} new replay file(s) ({have} in "
                          f"{os.path.join(directory, 'findings')}"
                          + (f"; {other} other file(s) there, not counted: another target kind's or not replay files"
@@ -161,19 +161,20 @@ def pull(db: str, campaign: str, directory: str) -> int:
     return EXIT_CLEAN
 
 
-def _findings_here(directory: str, kinds: set[str]) -> tuple[int, int]:
-    """``(replay files, other entries)`` in ``directory``: the replay files recorded on one of ``kinds`` (the
-    fleet's; every kind when it holds none), which a campaign of that kind reads; the other entries (another kind's
-    replay files, notes, folders) it skips. Dot files (atomic writes' temporaries) are neither."""
+def _findings_here(corpus: str, kinds: set[str]) -> tuple[int, int]:
+    """``(replay files, other entries)`` in ``corpus``'s findings folder (listed as a campaign lists them,
+    :func:`kvaudit.search.campaign.findings_files`): the replay files recorded on one of ``kinds`` (the fleet's;
+    every kind when it holds none), which a campaign of that kind reads; the other entries (another kind's
+    replay files, notes, folders) it skips."""
     from kvaudit import replay
+    from kvaudit.search.campaign import findings_files
 
-    names = sorted(n for n in os.listdir(directory) if not n.startswith("."))
+    files, rest = findings_files(corpus)
     used = 0
-    for name in names:
+    for path in files:
         try:
-            path = os.path.join(directory, name)  # (a regular file: a FIFO waits for a writer for ever)
-            config = replay.load(path)[0] if name.endswith(".json") and os.path.isfile(path) else None
+            config = replay.load(path)[0]
         except replay.ReplayFormatError:
-            config = None
-        used += config is not None and (not kinds or replay.target_name(config) in kinds)
-    return used, len(names) - used
+            continue
+        used += not kinds or replay.target_name(config) in kinds
+    return used, len(files) + len(rest) - used

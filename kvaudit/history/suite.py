@@ -151,7 +151,7 @@ class _Runner:
                 rc = proc.wait()
             finally:
                 if rc is None:  # left early (on_event raised: our stderr a closed pipe, `2>&1 | head`): the
-                    proc.kill()  # worker must not outlive its dir, which it made again for its next out.json
+                    _kill_group(proc)  # worker must not outlive its dir, which it made again for its next out.json
                     proc.wait()
                 with self.lock:
                     self.procs.discard(proc)

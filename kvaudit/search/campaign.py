@@ -44,16 +44,25 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     ``target``: the campaign's kind (:func:`kvaudit.replay.target_name`); a replay file recorded on another
     kind is skipped too, appended to ``others`` as ``(path, its kind)``: its signatures name another engine's
     parts."""
-    d = findings_dir(corpus)
-    names = sorted(n for n in os.listdir(d) if not n.startswith(".")) if os.path.isdir(d) else []
-    # (only regular files are read: a FIFO waits for a writer for ever)
-    files = [n for n in names if n.endswith(".json") and os.path.isfile(os.path.join(d, n))]
+    files, rest = findings_files(corpus)
     if unreadable is not None:
-        unreadable.extend(os.path.join(d, n) for n in names if n not in files)
+        unreadable.extend(rest)
     out: dict[str, str] = {}
-    for sig, path in _recorded([os.path.join(d, n) for n in files], unreadable, target, others):
+    for sig, path in _recorded(files, unreadable, target, others):
         out.setdefault(sig, path)
     return out
+
+
+def findings_files(corpus: str) -> tuple[list[str], list[str]]:
+    """The entries of ``corpus``'s findings folder, sorted: ``(the regular files named *.json, the others)``
+    (paths); dot files (kvaudit's temporaries) are neither. Only the first are ever opened: a FIFO waits for a
+    writer for ever."""
+    d = findings_dir(corpus)
+    names = sorted(n for n in os.listdir(d) if not n.startswith(".")) if os.path.isdir(d) else []
+    paths = [os.path.join(d, n) for n in names]
+    files = [p for p in paths if p.endswith(".json") and os.path.isfile(p)]
+    regular = set(files)
+    return files, [p for p in paths if p not in regular]
 
 
 def skipped_lines(corpus: str, target: str) -> tuple[dict[str, str], list[str]]:

@@ -177,7 +177,8 @@ def fuzz_preset(preset: str, budget: float, seed: int, fuzzer: str, corpus: str 
             sig = next(f.signature for f in findings if f.signature in sigs)
             dest, _ = replay.home(out_dir, sig, target, name=os.path.basename(path))
             if dest in taken:  # (its <name>.<preset>.json as home says too: a note of that name is kept)
-                dest, _ = replay.home(out_dir, sig, target, name=f"{dest[:-len('.json')]}.{preset}.json")
+                stem = os.path.basename(dest)[:-len(".json")]
+                dest, _ = replay.home(out_dir, sig, target, name=f"{stem}.{preset}.json")
             try:
                 path = replay.write_atomic(dest, doc)
             except OSError as e:  # --out's disk full: found but not written, as a campaign's own; still reported
