@@ -882,6 +882,10 @@ def test_ci_fails_a_malformed_regression_file_and_goes_on_with_the_rest(tmp_path
     (broken,) = [c for c in suite.findall("testcase") if c.find("error") is not None]
     assert broken.get("name") == "broken" and "broken.json" in broken.find("error").text
     assert json.load(open(tmp_path / "ci.sarif"))["runs"] and json.load(open(tmp_path / "ci.json"))
+    # one line names every report, as fuzz's (it printed `JUnit written:`, `SARIF written:`, `reports written:`)
+    written = [line for line in result.stderr.splitlines() if "written" in line]
+    assert written == [f"reports written: {tmp_path / 'ci.xml'}, {tmp_path / 'ci.sarif'}, {tmp_path / 'ci.json'}"], \
+        result.stderr
 
 
 @pytest.mark.slow

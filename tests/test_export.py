@@ -658,3 +658,21 @@ def test_a_sliding_window_finding_is_not_launched_on_any_model(tmp_path, engine,
                   "--no-resolve").exit_code == 0
     text = issue.read_text()
     assert "(any model;" not in text and "Launch the server as above " + model in text
+
+
+def test_fuzz_says_when_kvaudit_ships_an_analysis_of_the_finding():
+    """A fuzz run on a real engine that re-finds a finding kvaudit already analysed (corpora/<kind>/notes.toml)
+    says so on one line, naming the README section and the export command; a finding with no analysis (the
+    built-in engine's zoo) gets no such line."""
+    from kvaudit.app.fuzz import shipped_analysis
+
+    config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "sglang",
+                                                      "leak-a3-hisparse-buffer-padded-at-finish.json"))
+    line = shipped_analysis(config, findings, "/tmp/a b.json")
+    assert line.startswith("known: kvaudit ships an analysis of leak/hisparse_device_pool/")
+    assert "(corpora/sglang/README.md, finding 7): HiSparse device-buffer slot leak" in line
+    assert line.endswith("kvaudit export --issue ISSUE.md '/tmp/a b.json' writes it as an issue text")
+    assert "\n" not in line
+    config, _, findings, _ = replay.load(os.path.join(ROOT, "corpora", "regressions",
+                                                      sorted(os.listdir(os.path.join(ROOT, "corpora", "regressions")))[0]))
+    assert shipped_analysis(config, findings, "x.json") == ""

@@ -123,12 +123,15 @@ class MiniVllmTarget(Target):
         blocks = self.engine.kv_cache_manager.req_to_blocks
         counts = self.pool.ref_counts()
         out = []
-        for rid in self.engine.requests:
+        for rid, req in self.engine.requests.items():
             units = np.fromiter((b.block_id for b in blocks.get(rid, ())), dtype=np.int64)
             shared = counts[units] > 1
-            out.append(Root(POOL, f"req:{rid}", units[~shared]))
+            # where: the engine's queue holding the request (its status' value: "running", "waiting",
+            # "preempted"); a leak whose request was dropped without a release names it (``from:running``)
+            where = req.status.value
+            out.append(Root(POOL, f"req:{rid}", units[~shared], where=where))
             if shared.any():
-                out.append(Root(POOL, f"req:{rid}", units[shared], private=False))
+                out.append(Root(POOL, f"req:{rid}", units[shared], private=False, where=where))
         return out
 
     def identity_terms(self, pool: str) -> tuple[str, ...]:

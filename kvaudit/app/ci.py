@@ -16,7 +16,7 @@ from kvaudit.app.budget import Budget, duration
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, InputError,
                                 refused, write_error)
 from kvaudit.app.configs import check_available, check_db, presets_arg
-from kvaudit.app.files import check_dir, load_suppressions, write_reports
+from kvaudit.app.files import check_dir, load_suppressions, reports_written, write_reports
 from kvaudit.app.fuzz import NOTHING_SEARCHED_SUMMARY
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
@@ -204,17 +204,20 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
     full = next((run.not_written for run in result.fuzz if run.not_written is not None), None)
     failed = [] if full is None else [(full, full.filename or "a file of the fuzz")]  # (after the reports below)
     also: list[str] = []  # (the HTML's and JSON's not written: named after the first)
-    for fmt, label, path in (("junit", "JUnit", outputs.junit), ("sarif", "SARIF", outputs.sarif)):
+    written: list[str] = []  # (JUnit, SARIF: named first on write_reports' one line)
+    for fmt, path in (("junit", outputs.junit), ("sarif", outputs.sarif)):
         if path:
             try:
                 replay.write_text_atomic(path, texts[fmt]())
             except OSError as e:
                 failed.append((e, path))
                 continue
-            err.print(f"{label} written: {shown_path(path)}")
-            kept.append(path)
+            written.append(path)
+    kept += written
     rest = Outputs(html=outputs.html, json=outputs.json)
-    if rest.wanted():
+    if not rest.wanted():
+        reports_written(err, written)
+    else:
         cases = [Case(p, f, _timeline(path), doc_extra={"preset": run.preset},
                       config=kind.preset(run.preset).config()) for run in result.fuzz for p, f, path in run.new]
         try:
@@ -227,7 +230,7 @@ def _write_outputs(outputs: Outputs, result, kind, first_preset: str, sset, err,
                      **({"nothing_searched": idle} if idle else {})}  # (exit 5: the presets that ran no program)
             kept += write_reports(rest, ReportData(base, cases or [Case([], [])], suppressed_by_kind(sset),
                                                    extra, suppressions=sset, ran=ran), err,
-                                  kept=tuple(kept))
+                                  kept=tuple(kept), before=tuple(written))
         except click.ClickException as e:
             if not failed:
                 return e

@@ -95,18 +95,27 @@ def _check_writable(flag: str, path: str, where: str, file: str | None = None) -
         raise InputError(f"--{flag} {path}: cannot write in {where}: {e.strerror or e}") from None
 
 
-def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = ()) -> list[str]:
-    """``kept``: files this run wrote before (named if the disk is full). Returns the reports written."""
+def write_reports(outputs: Outputs, data: ReportData, err: Console, kept: tuple[str, ...] = (),
+                  before: tuple[str, ...] = ()) -> list[str]:
+    """``kept``: files this run wrote before (named if the disk is full); ``before``: reports it wrote before
+    (``ci``'s JUnit and SARIF), named first on the one ``reports written:`` line. Returns the reports written
+    here."""
     if not outputs.wanted():
+        reports_written(err, list(before))
         return []
     try:
         written = write_outputs(outputs, data)
     except WriteError as e:  # (the others were written: a full disk under one need not be under another)
-        if e.written:
-            err.print("reports written: " + ", ".join(map(shown_path, e.written)), soft_wrap=True)
+        reports_written(err, [*before, *e.written])
         raise write_error(e, f"report {e.filename}", [*kept, *e.written], also=e.also) from None
-    err.print("reports written: " + ", ".join(map(shown_path, written)), soft_wrap=True)
+    reports_written(err, [*before, *written])
     return written
+
+
+def reports_written(err: Console, paths: list[str]) -> None:
+    """The one ``reports written: A, B`` line on ``err`` (nothing when ``paths`` is empty)."""
+    if paths:
+        err.print("reports written: " + ", ".join(map(shown_path, paths)), soft_wrap=True)
 
 
 def write_finding(out_dir, config, program, findings, **extra) -> str:

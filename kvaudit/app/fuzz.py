@@ -18,13 +18,14 @@ from kvaudit.app.configs import (check_available, check_db, check_fuzzer, note_c
                                  warn_campaign_without_db, warn_unreachable_bugs)
 from kvaudit.app.errors import (EXIT_CLEAN, EXIT_FINDINGS, EXIT_INTERRUPTED, EXIT_NOTHING_SEARCHED, DiskFull,
                                 InputError, refused, write_error)
-from kvaudit.app.files import check_dir, load_suppressions, replay_hint, write_finding, write_reports
+from kvaudit.app.files import check_dir, load_suppressions, replay_hint, shell_quoted, write_finding, write_reports
 from kvaudit.app.interrupts import catch_sigint, ignore_interrupts
 from kvaudit.app.progress import Progress, console as make_console
 from kvaudit.app.replay import record_timeline
 from kvaudit.audit import runner
 from kvaudit.audit.suppress import SuppressionSet
 from kvaudit.config import shown_path
+from kvaudit.history.notes import note_for
 from kvaudit.constants import CONFIRM_RUNS, DEFAULT_STEP_TIMEOUT, default_fuzzer
 from kvaudit.reports.outputs import Case, Outputs, ReportData, disk_full
 from kvaudit.reports.report import (new_findings_line, print_report, print_suppressions, print_table, summary_line,
@@ -254,9 +255,27 @@ class _Single:
             print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
             raise _with_reports(e, outputs, data, self.err) from None
         console.print(f"replay file: {shown_path(path)}   ({replay_hint(config, path)})", soft_wrap=True)
+        known = shipped_analysis(config, crash.findings, path)
+        if known:
+            console.print(known, soft_wrap=True, markup=False, highlight=False)
         print_report(console, config, crash.program, crash.findings, suppressions=sset, program_title=title)
         write_reports(outputs, data, self.err, kept=(path,))
         return EXIT_FINDINGS
+
+
+def shipped_analysis(config, findings, path: str) -> str:
+    """One line when kvaudit ships an analysis of one of ``findings``' signatures for ``config``'s target kind
+    (``corpora/<kind>/notes.toml``, keyed ``signature|preset`` or ``signature``: a finding kvaudit already
+    reported in that engine), naming it, its section of ``corpora/<kind>/README.md`` and how to see the whole
+    text (the replay file ``path``'s export); "" when none is (a new finding, or a kind with no notes)."""
+    kind = replay.target_name(config)
+    for f in findings:
+        note = note_for(kind, [f.signature], getattr(config, "preset", ""))
+        if note is not None:
+            where = f"corpora/{kind}/README.md" + (f", finding {note.readme}" if note.readme else "")
+            return (f"known: kvaudit ships an analysis of {f.signature} ({where}): {note.title}; "
+                    f"kvaudit export --issue ISSUE.md {shell_quoted(path)} writes it as an issue text")
+    return ""
 
 
 def _with_reports(e: click.ClickException, outputs: Outputs, data, err) -> click.ClickException:
