@@ -189,15 +189,11 @@ class AuditedRun:
     ``paranoid`` runs the full mark and sweep beside the incremental check at every step and raises on
     any disagreement (:mod:`kvaudit.audit.oracles.incremental`); None: ``KVAUDIT_PARANOID`` (``--paranoid``).
 
-    ``check_every=K`` is the search's sparse schedule: the full oracle scan runs every K scheduler steps,
-    whenever the engine is idle, after every step while the target's state is one its checks see only
-    while it lasts (:meth:`~kvaudit.targets.base.Target.transient`), before an op that can end such a
-    state (``OpSpec.ends``: an abort, a flush ...), and at :meth:`finish`; what the
-    hooks raise at event time (a double free, a stale read, a crash) stays immediate. A hit is then
-    localized by replay: the ops applied so far run again from a fresh engine with a check after every
-    step (runs are deterministic), and ``apply`` returns that run's findings, so signatures, first step,
-    op and stacks are the per-step run's. A hit the replay does not reproduce is returned as found, its
-    message saying so. K=1 (the default) is the per-step audit, with no replay.
+    ``check_every=K`` is the search's sparse schedule (docs/internals/audit.md, "The sparse schedule"): the
+    full oracle scan runs every K scheduler steps and where a state could end unseen; what the hooks raise
+    at event time stays immediate. A hit is localized by replay with a check after every step, and ``apply``
+    returns that run's findings (one it does not reproduce is returned as found, its message saying so).
+    K=1 (the default) is the per-step audit, with no replay.
 
     ``lean`` (a search's run; only with ``check_every > 1`` and no ``suppressions``, else ignored): the hooks
     record what detects and leave what reports to the replay: no call sites (their innermost engine lines
@@ -478,13 +474,10 @@ class AuditedRun:
 
     def _sift(self, found: list[Finding]) -> list[Finding]:
         """The findings no suppression covers (the covered ones go to ``suppressed``). A sparse run
-        localizes a hit here, covered or not, the first time this run meets its signature: the ops so
-        far are replayed with a check after every step, and the per-step run's findings are the answer
-        (its covered ones become this run's ``suppressed``). So a covered finding the full check met
-        late cannot hide an uncovered one the per-step run meets first (a use-after-free that a later
-        check sees only as the aliasing it led to), and a report never depends on where the sparse
-        checks fell. A hit the replay meets nothing of is kept, saying so; one whose replay the ``deadline``
-        cut short is no finding (``out_of_time``)."""
+        localizes a hit here, covered or not, the first time this run meets its signature: the per-step
+        replay's findings are the answer (docs/internals/audit.md, "The sparse schedule"). A hit the replay
+        meets nothing of is kept, saying so; one whose replay the ``deadline`` cut short is no finding
+        (``out_of_time``)."""
         sets = self.suppressions
         if self.check_every == 1 or not found:
             return found if sets is None else sets.sift(found, self.suppressed)
