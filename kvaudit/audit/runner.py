@@ -281,12 +281,9 @@ class AuditedRun:
         return oracles.check(aud, self.target, idle=idle)
 
     def _due(self, idle: bool, transient: bool) -> bool:
-        # the sparse schedule (_check has already found the check forced: every check_every steps, before an
-        # ending op, at finish(); or the target transient). An Idle op's drain forces none: what it leaves is
-        # swept by the next forced check, at the latest finish()'s at the program's end (measured, stop 57 of
-        # docs/internals/performance.md). A check at idle that would sweep what the last one swept (it was at
-        # idle too, and since then no ledger or lock event and no op's message: only idle iterations ran) is
-        # not due even when forced; a paranoid run sweeps anyway.
+        # the sparse schedule, past a forced check (docs/internals/audit.md): a check at idle that would sweep
+        # what the last one at idle swept (no ledger or lock event, no op's message since) is not due; a
+        # paranoid run sweeps anyway.
         if not idle:
             self._checked_mark = (False, len(self.auditor.events), self.auditor.lock_count, self.sent)
             return True
@@ -530,11 +527,9 @@ class AuditedRun:
 
     def _replay(self) -> "AuditedRun":
         """The ops applied so far, from a fresh engine with a check after every step, up to its first
-        finding (what it raises, it raises) or this run's ``deadline`` (``out_of_time``: a sparse search's
-        localizing replay of an idle() that never drains, 2,000 steps, ran on past the budget by seconds). Runs are deterministic, so the replay is kept open (closed
-        with this run) and a later localization in this program only applies the ops since: the same
-        calls on the same run as a fresh replay of the longer prefix; one that stopped at a finding
-        stays the answer (a fresh replay stops there too)."""
+        finding (what it raises, it raises) or this run's ``deadline`` (``out_of_time``). Runs are
+        deterministic, so the replay is kept open (closed with this run) and a later localization in this
+        program only applies the ops since; one that stopped at a finding stays the answer."""
         if self._replay_memo is None:
             self._replay_memo = (0, AuditedRun(
                 self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,
