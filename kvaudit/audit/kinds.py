@@ -1,8 +1,8 @@
 """Finding kinds: one self-describing table. Adding a kind is one row here (and the oracle or hook
 that raises it); every writer (the console report, SARIF, JUnit, the signature, the oracles' sort)
 looks its kind up here (:func:`lookup`) and branches on no kind's name. A row's fields are
-:class:`FindingKind`'s (docs/architecture.md, "finding kind"); the signature's parts are documented in
-:mod:`kvaudit.audit.findings`. A kind no row describes (a plugin target's own) still renders:
+:class:`FindingKind`'s (docs/architecture.md); each kind's signature parts: docs/internals/audit.md's
+signature table. A kind no row describes (a plugin target's own) still renders:
 :func:`lookup` gives it a generic row.
 """
 
