@@ -34,10 +34,10 @@ class PoolCounts:
     """One pool's kept state: ``[n] int64`` counts per unit, and the units with a count (unit 0 out of
     ``n_ref``, as the identity's ``referenced`` term leaves it out)."""
 
-    ref: np.ndarray
-    priv: np.ndarray
-    req: np.ndarray
-    sess: np.ndarray
+    ref: np.ndarray  # root entries that reference the unit
+    priv: np.ndarray  # of those, private ones (more than one: aliasing)
+    req: np.ndarray  # private ones a live request holds (the identity's uncached)
+    sess: np.ndarray  # private ones a session holds (the identity's session_held)
     n_ref: int = 0
     n_req: int = 0
     n_sess: int = 0
