@@ -1,28 +1,9 @@
 """Finding kinds: one self-describing table. Adding a kind is one row here (and the oracle or hook
 that raises it); every writer (the console report, SARIF, JUnit, the signature, the oracles' sort)
-looks its kind up here (:func:`lookup`) and branches on no kind's name. A row holds:
-
-* ``name``: as ``Finding.kind``, suppression rules and reports spell it;
-* ``rank``: findings of one check are sorted root causes first (a use-after-free before the leak
-  it leaves behind);
-* the SARIF rule: ``rule`` (name), ``short`` and ``full`` descriptions, ``level``, ``tags``,
-  ``precision``; memory-safety kinds are errors; accounting drift (memory intact, the counters wrong,
-  sometimes the checker itself), liveness and hang (judged against step budgets) are warnings;
-* ``signature``: the signature's parts after ``kind/pool/`` (see :mod:`kvaudit.audit.findings`);
-* ``headline``: the one-line summary (``Finding.summary``), given the units (``what``) and the
-  first allocation site (``site``);
-* ``console``: the console report's stack sections, as data: ``("stack", title, sites)`` and
-  ``("text", line, rich style)``;
-* ``labels``, ``stacks``, ``primary``: what SARIF and JUnit call each recorded stack (over
-  :data:`STACK_LABELS`), the order they are read in, and which stack anchors a SARIF result;
-* ``facts``: extra lines of the JUnit failure text; ``props``: extra SARIF result properties;
-  ``lifecycle_end``: the last line of the first unit's timeline (a leak's verdict), with its style;
-* ``allocates``: ``alloc_sites`` are where the units were allocated (a crash's are where it raised);
-* ``expect``, ``symptom``: what ``kvaudit export``'s client script watches a server for (``crash``,
-  ``hang``, or ``memory``: the pool gauges; ``output``: a wrong answer, which the script cannot judge and
-  says so, exit 3) and what a maintainer sees ("": the engine's pool line).
-
-A kind no row describes (a plugin target's own) still renders: :func:`lookup` gives it a generic row.
+looks its kind up here (:func:`lookup`) and branches on no kind's name. A row's fields are
+:class:`FindingKind`'s (docs/architecture.md); each kind's signature parts: docs/internals/audit.md's
+signature table. A kind no row describes (a plugin target's own) still renders:
+:func:`lookup` gives it a generic row.
 """
 
 from __future__ import annotations
@@ -208,7 +189,7 @@ class FindingKind(NamedTuple):
     rule: str  # SARIF rule name
     short: str
     full: str
-    level: str  # SARIF level: "error" | "warning"
+    level: str  # SARIF level: "error" (memory safety) | "warning" (accounting drift, liveness, hang)
     tags: tuple[str, ...]
     headline: Callable[[Any, str, str], str]  # (finding, units, first allocation site) -> summary line
     signature: Callable[[Any], str] = _sig_sites  # the signature's parts after kind/pool/
@@ -221,8 +202,10 @@ class FindingKind(NamedTuple):
     props: Callable[[Any], dict] = lambda f: {}  # extra SARIF result properties
     lifecycle_end: Callable[[Any], tuple[str, str] | None] = lambda f: None  # last timeline line, style
     allocates: bool = True  # alloc_sites are where the units were allocated
-    expect: str = "memory"  # what the exported client watches for: "crash" | "hang" | "memory" | "output" (not checked)
-    symptom: str = ""  # what a server shows ("": the engine's pool line)
+    # what the exported client watches for: "crash" | "hang" | "memory" (the pool gauges) | "output" (a wrong
+    # answer: the script cannot judge it and says so, exit 3)
+    expect: str = "memory"
+    symptom: str = ""  # what a maintainer sees on a server ("": the engine's pool line)
 
     def stack_label(self, key: str) -> str:
         return dict(self.labels).get(key, STACK_LABELS[key])

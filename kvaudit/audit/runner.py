@@ -189,15 +189,11 @@ class AuditedRun:
     ``paranoid`` runs the full mark and sweep beside the incremental check at every step and raises on
     any disagreement (:mod:`kvaudit.audit.oracles.incremental`); None: ``KVAUDIT_PARANOID`` (``--paranoid``).
 
-    ``check_every=K`` is the search's sparse schedule: the full oracle scan runs every K scheduler steps,
-    whenever the engine is idle, after every step while the target's state is one its checks see only
-    while it lasts (:meth:`~kvaudit.targets.base.Target.transient`), before an op that can end such a
-    state (``OpSpec.ends``: an abort, a flush ...), and at :meth:`finish`; what the
-    hooks raise at event time (a double free, a stale read, a crash) stays immediate. A hit is then
-    localized by replay: the ops applied so far run again from a fresh engine with a check after every
-    step (runs are deterministic), and ``apply`` returns that run's findings, so signatures, first step,
-    op and stacks are the per-step run's. A hit the replay does not reproduce is returned as found, its
-    message saying so. K=1 (the default) is the per-step audit, with no replay.
+    ``check_every=K`` is the search's sparse schedule (docs/internals/audit.md, "The sparse schedule"): the
+    full oracle scan runs every K scheduler steps and where a state could end unseen; what the hooks raise
+    at event time stays immediate. A hit is localized by replay with a check after every step, and ``apply``
+    returns that run's findings (one it does not reproduce is returned as found, its message saying so).
+    K=1 (the default) is the per-step audit, with no replay.
 
     ``lean`` (a search's run; only with ``check_every > 1`` and no ``suppressions``, else ignored): the hooks
     record what detects and leave what reports to the replay: no call sites (their innermost engine lines
@@ -285,12 +281,9 @@ class AuditedRun:
         return oracles.check(aud, self.target, idle=idle)
 
     def _due(self, idle: bool, transient: bool) -> bool:
-        # the sparse schedule (_check has already found the check forced: every check_every steps, before an
-        # ending op, at finish(); or the target transient). An Idle op's drain forces none: what it leaves is
-        # swept by the next forced check, at the latest finish()'s at the program's end (measured, stop 57 of
-        # docs/internals/performance.md). A check at idle that would sweep what the last one swept (it was at
-        # idle too, and since then no ledger or lock event and no op's message: only idle iterations ran) is
-        # not due even when forced; a paranoid run sweeps anyway.
+        # the sparse schedule, past a forced check (docs/internals/audit.md): a check at idle that would sweep
+        # what the last one at idle swept (no ledger or lock event, no op's message since) is not due; a
+        # paranoid run sweeps anyway.
         if not idle:
             self._checked_mark = (False, len(self.auditor.events), self.auditor.lock_count, self.sent)
             return True
@@ -478,13 +471,10 @@ class AuditedRun:
 
     def _sift(self, found: list[Finding]) -> list[Finding]:
         """The findings no suppression covers (the covered ones go to ``suppressed``). A sparse run
-        localizes a hit here, covered or not, the first time this run meets its signature: the ops so
-        far are replayed with a check after every step, and the per-step run's findings are the answer
-        (its covered ones become this run's ``suppressed``). So a covered finding the full check met
-        late cannot hide an uncovered one the per-step run meets first (a use-after-free that a later
-        check sees only as the aliasing it led to), and a report never depends on where the sparse
-        checks fell. A hit the replay meets nothing of is kept, saying so; one whose replay the ``deadline``
-        cut short is no finding (``out_of_time``)."""
+        localizes a hit here, covered or not, the first time this run meets its signature: the per-step
+        replay's findings are the answer (docs/internals/audit.md, "The sparse schedule"). A hit the replay
+        meets nothing of is kept, saying so; one whose replay the ``deadline`` cut short is no finding
+        (``out_of_time``)."""
         sets = self.suppressions
         if self.check_every == 1 or not found:
             return found if sets is None else sets.sift(found, self.suppressed)
@@ -537,11 +527,9 @@ class AuditedRun:
 
     def _replay(self) -> "AuditedRun":
         """The ops applied so far, from a fresh engine with a check after every step, up to its first
-        finding (what it raises, it raises) or this run's ``deadline`` (``out_of_time``: a sparse search's
-        localizing replay of an idle() that never drains, 2,000 steps, ran on past the budget by seconds). Runs are deterministic, so the replay is kept open (closed
-        with this run) and a later localization in this program only applies the ops since: the same
-        calls on the same run as a fresh replay of the longer prefix; one that stopped at a finding
-        stays the answer (a fresh replay stops there too)."""
+        finding (what it raises, it raises) or this run's ``deadline`` (``out_of_time``). Runs are
+        deterministic, so the replay is kept open (closed with this run) and a later localization in this
+        program only applies the ops since; one that stopped at a finding stays the answer."""
         if self._replay_memo is None:
             self._replay_memo = (0, AuditedRun(
                 self.config, audit=self.auditor is not None, run_oracles=self.run_oracles,

@@ -97,10 +97,8 @@ def _contained(bug, config, fuzzer: str, seed: int, budget: float) -> HistoryTri
 def freeze_heap() -> None:
     """Move everything the process holds now (the engine's modules, imported by the probe: torch, the
     engine, transformers) out of the cyclic collector's reach (``gc.freeze``), so that a full
-    collection during a trial scans what the trials allocated, not those. Without it a generation-2
-    collection lands every so often inside a trial's clock and costs ~0.3 s with SGLang 0.5.23 imported,
-    more than most trials' time to the bug (docs/internals/performance.md, stop 50). What is frozen is
-    never collected: the modules live as long as the process anyway."""
+    collection during a trial scans what the trials allocated, not those (docs/internals/history.md;
+    measured: docs/internals/performance.md, stop 50)."""
     gc.freeze()
 
 

@@ -253,12 +253,9 @@ def _units_line(f: Finding) -> str:
 def _primary(stacks: list, key: str | None, target: str, kind: str,
              engine: RecordedEngine | None) -> tuple[Site, str | None, str]:
     """The result's location, the label of the stack it comes from (None for the anchor), and what it is
-    (:data:`FRAME`, :data:`FRAME_ELSEWHERE`, :data:`ANCHOR` or :data:`CONFIG_ANCHOR`): the first frame of
-    the primary stack in the engine's package, else in the repository, then the same in the other stacks;
-    else the kind's anchor where code scanning can show it; else the finding's own frame by its path (a
-    plugin's engine outside the current directory: its line says more than a config class elsewhere, which
-    code scanning cannot show either), the user's code before a library's; else the anchor. A frame the
-    current source calls stale is skipped (its line would point at other code)."""
+    (:data:`FRAME`, :data:`FRAME_ELSEWHERE`, :data:`ANCHOR` or :data:`CONFIG_ANCHOR`), in the order
+    docs/internals/reports.md gives ("Where a result is located"). A frame the current source calls stale
+    is skipped (its line would point at other code)."""
     def fresh(s: Site) -> bool:
         return not resolve(s).note.startswith("stale")
 

@@ -455,8 +455,7 @@ def _append_run_record(corpus: str, record: dict, warnings: list[str]) -> OSErro
     user had is lost: a file there that is not a JSON object is moved aside to ``campaign.json.unreadable``
     (``-1``, ``-2`` ... when taken) and a new one started; a ``runs`` that is not a list, and entries of ``runs``
     that are not run records (an object with a ``"started"`` time), are left out of the new file, the file as it
-    was copied aside first. ``warnings``
-    says which."""
+    was copied aside first. ``warnings`` says which."""
     path = os.path.join(corpus, "campaign.json")
     doc: dict = {"format": CAMPAIGN_FORMAT, "runs": []}
     try:

@@ -214,13 +214,8 @@ def settle_heap() -> int:
     """After start-up (the engine imported, the first engine built): collect, then move every object left
     to the collector's permanent generation (``gc.freeze``). Returns the objects frozen.
 
-    NOTE: a search builds a target per program, and each leaves reference cycles (the target, its
-    observer, the wrappers' closures) that only a full collection frees; Python runs one when the objects
-    promoted since the last exceed a quarter of those already in the oldest generation, and with vLLM and
-    torch imported that is ~650,000 objects, so the cycles piled up for ~17,000 programs: RSS grew ~3-6 KB
-    a program, linearly (a tester's vllm-manager campaign, 564 -> 584 MB in 140 s). With the start-up's
-    objects frozen (and the oldest generation's count taken afresh), a full collection comes every few
-    hundred programs and RSS levels off (docs/internals/fuzzers.md, "Memory")."""
+    NOTE: so that the full collections that free each program's target cycles come every few hundred
+    programs, not after the ~650,000 objects vLLM and torch bring (docs/internals/fuzzers.md, "Memory")."""
     import gc
 
     gc.collect()

@@ -1,9 +1,7 @@
 """How a search checks a program: the one place every in-process fuzzer (and the atheris harness) opens
-its audited run. The full oracle scan runs on the sparse schedule (every :data:`CHECK_EVERY` scheduler
-steps, before an op that ends a state, and at the program's end: an idle() drain forces none, what it
-leaves is swept by the next of those); a hit is localized by a per-step
-replay (:class:`kvaudit.audit.runner.AuditedRun`), so what a search reports is what a per-step run of the
-same program reports. Measured choice of K: docs/internals/performance.md.
+its audited run, on the sparse schedule (every :data:`CHECK_EVERY` scheduler steps, ...: docs/internals/audit.md),
+its hits localized by a per-step replay (:class:`kvaudit.audit.runner.AuditedRun`), so what a search reports
+is what a per-step run of the same program reports. Measured choice of K: docs/internals/performance.md.
 """
 
 from __future__ import annotations

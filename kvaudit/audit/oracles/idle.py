@@ -1,15 +1,8 @@
 """The idle check in a few numpy calls per pool, where the target's roots are the cache's alone
-(:meth:`kvaudit.targets.base.Target.idle_roots`): no request is live, so the mark and sweep reduces to
-facts read from the ledger's arrays. Each pool's units the cache holds are distinct, unit 0 not among them
-(no aliasing), and exactly the units the ledger has allocated (no leak, no use-after-free); the identity,
-the free list, the target's own invariants and the engine's own check are the full check's calls; every
-node's lock count is what its holders (none) account for (lock balance).
-
-It only certifies a clean state: when any fact fails, the full check runs and reports (so a finding and
-its text are the full check's). A clean verdict leaves what the full check leaves: the ledger's owners
-(and their change record), ``checked_upto``, ``owner_where`` and ``roots_at_check``. Paranoid mode runs
-both and raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any difference
-(:func:`kvaudit.audit.oracles.check`). Measured: docs/internals/performance.md (stop 53).
+(:meth:`kvaudit.targets.base.Target.idle_roots`): the mark and sweep reduced to facts read from the
+ledger's arrays. It only certifies a clean state: when any fact fails, the full check runs and reports.
+Paranoid mode runs both and raises :class:`~kvaudit.audit.oracles.incremental.DeltaDisagreement` on any
+difference. Design notes: docs/internals/audit.md, "The idle check"; measured: docs/internals/performance.md.
 """
 
 from __future__ import annotations

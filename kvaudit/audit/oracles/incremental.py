@@ -1,28 +1,12 @@
 """Incremental ownership bookkeeping: a reference count and an owner per unit, kept from the target's
 ownership deltas (:meth:`kvaudit.targets.base.Target.ownership_deltas`), so that a busy step's check
-costs what the step changed, not the pool's size.
+costs what the step changed, not the pool's size. A unit the deltas leave allocated and unreferenced,
+referenced while free, or privately held twice is an *anomaly*: the full mark and sweep then runs and
+reports it. Paranoid mode (``Auditor.paranoid``) sweeps at every step as well and raises
+:class:`DeltaDisagreement` on any difference (a mistake in the deltas, never a finding).
 
-Per pool it keeps, for every unit, how many root entries reference it (``ref``), how many privately
-(``priv``; more than one is aliasing), how many a live request or a session holds privately (``req``,
-``sess``: the identity's ``uncached`` and ``session_held``), and the private owner (the ledger's ``owner``
-array, updated in place). A step's check applies the deltas and looks only at the units they and the
-step's allocs and frees touched: a unit allocated with no reference (a leak), referenced while free (a
-use-after-free) or privately held twice (aliasing) is an *anomaly*, and the full mark and sweep then
-runs and reports it, with today's attribution. The state is trusted only after a clean check: it is
-rebuilt from the full sweep (:meth:`Bookkeeping.resync`) at idle, at the first check, after any
-finding, and whenever the target gives no deltas.
-
-Paranoid mode (``Auditor.paranoid``) runs the full sweep at every step as well and raises
-:class:`DeltaDisagreement` when the kept counts, owners or verdict differ from it: a disagreement is a
-mistake in the target's deltas (or here), never the engine's, so it is an error that stops the run, not
-a finding a search would minimize and report as an engine bug.
-
-Below :data:`MIN_UNITS` units (all pools together) the busy check sweeps: the deltas' numpy calls cost
-more than the sweep's there. After an incremental check, ``Auditor.roots_at_check`` (read only by the
-use-after-free attribution of a unit freed, allocated again and freed again since the check) holds the
-*private* roots only (:class:`LazyRoots`); a request's shared tree prefix is not among them.
-
-Design notes: docs/internals/performance.md.
+Design notes (what is kept per pool, when it is rebuilt, :data:`MIN_UNITS`, :class:`LazyRoots`):
+docs/internals/performance.md, "Incremental ownership bookkeeping".
 """
 
 from __future__ import annotations
@@ -50,10 +34,10 @@ class PoolCounts:
     """One pool's kept state: ``[n] int64`` counts per unit, and the units with a count (unit 0 out of
     ``n_ref``, as the identity's ``referenced`` term leaves it out)."""
 
-    ref: np.ndarray
-    priv: np.ndarray
-    req: np.ndarray
-    sess: np.ndarray
+    ref: np.ndarray  # root entries that reference the unit
+    priv: np.ndarray  # of those, private ones (more than one: aliasing)
+    req: np.ndarray  # private ones a live request holds (the identity's uncached)
+    sess: np.ndarray  # private ones a session holds (the identity's session_held)
     n_ref: int = 0
     n_req: int = 0
     n_sess: int = 0
