@@ -173,17 +173,22 @@ def test_a_relative_import_between_peers_is_caught(copy):
                    for m in ("", ".config")]  # the package, then the module imported from it
 
 
-def _names_a_kind(node) -> bool:
-    """A string constant naming a built-in target kind, or a tuple/list/set literal holding one."""
+def _names_a_kind(node, kinds=KINDS) -> bool:
+    """A string constant naming one of ``kinds``, or a tuple/list/set literal holding one."""
     if isinstance(node, ast.Constant):
-        return node.value in KINDS
-    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_a_kind(e) for e in node.elts)
+        return node.value in kinds
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_a_kind(e, kinds) for e in node.elts)
+
+
+ENGINES = ("sglang", "vllm")  # the real engines' kinds (the built-in one, eut, is the zoo's and atheris')
 
 
 def engine_knowledge_outside_targets(root: str) -> list[str]:
     """Every module outside kvaudit/targets/ that imports a target kind (its import graph, function-level
     imports included), compares a value to a target kind's name (``x == "vllm"``, ``x != "eut"``,
-    ``x in ("sglang", ...)``) or keys a dict literal by one (``{"vllm": ...}``): engine knowledge lives
+    ``x in ("sglang", ...)``), keys a dict literal by one (``{"vllm": ...}``), passes a real engine's to a
+    call (``note_for("sglang", ...)``) or names its corpus in a string (``"corpora/sglang"``; docstrings
+    aside): engine knowledge lives
     under ``kvaudit/targets/<kind>/``, reached through the kind's registry entry (docs/architecture.md)."""
     bad = [f"{a} imports {b}" for a, targets in sorted(import_graph(root).items()) if not room(a).startswith("targets")
            for b in sorted(targets) if room(b).startswith("targets.")]
@@ -197,11 +202,20 @@ def engine_knowledge_outside_targets(root: str) -> list[str]:
             rel = os.path.relpath(path, root)
             with open(path) as f:
                 tree = ast.parse(f.read(), path)
+            docs = {id(n.body[0].value) for n in ast.walk(tree)
+                    if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
             for node in ast.walk(tree):
                 if isinstance(node, ast.Compare) and any(_names_a_kind(x) for x in [node.left, *node.comparators]):
                     bad.append(f"{rel}:{node.lineno} compares to an engine name")
                 elif isinstance(node, ast.Dict) and any(k is not None and _names_a_kind(k) for k in node.keys):
                     bad.append(f"{rel}:{node.lineno} keys a dict by engine name")
+                elif isinstance(node, ast.Call) and any(_names_a_kind(a, ENGINES) for a in
+                                                        [*node.args, *(k.value for k in node.keywords)]):
+                    bad.append(f"{rel}:{node.lineno} passes an engine name")
+                elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+                      and re.search(r"corpora/(%s)\b" % "|".join(ENGINES), node.value)):
+                    bad.append(f"{rel}:{node.lineno} names an engine's corpus")
     return bad
 
 
@@ -213,8 +227,10 @@ def test_a_planted_engine_branch_and_kind_import_are_caught(copy):
     _plant(copy, "export/plan.py", "from kvaudit.targets.vllm import config  # noqa")
     _plant(copy, "app/configs.py", "return 1 if registry.DEFAULT_KIND in ('eut', 'x') else {'sglang': 2}")
     _plant(copy, "reports/sarif.py", "return getattr(object, 'target', '') != \"vllm\"")
+    _plant(copy, "history/suite.py", "return note_for('sglang', [], preset=''), f'corpora/vllm/{x}'")
     bad = [re.sub(r":\d+ ", " ", b) for b in engine_knowledge_outside_targets(str(copy))]
     assert bad == ["kvaudit.export.plan imports kvaudit.targets.vllm",
                    "kvaudit.export.plan imports kvaudit.targets.vllm.config",
                    "kvaudit/app/configs.py compares to an engine name", "kvaudit/app/configs.py keys a dict by engine name",
+                   "kvaudit/history/suite.py passes an engine name", "kvaudit/history/suite.py names an engine's corpus",
                    "kvaudit/reports/sarif.py compares to an engine name"]

@@ -1,6 +1,7 @@
 """The history suite's catalogue: every registered kind's known public KV-lifecycle bugs (its
-``TargetKind.history`` rows: the last release that ships each and the first that does not) and the
-SGLang 0.5.23 findings of ``corpora/sglang`` as rediscoveries. Design notes: docs/internals/history.md.
+``TargetKind.history`` rows: the last release that ships each and the first that does not) and each
+kind's own findings (``TargetKind.own_findings``: ``corpora/<kind>/*.json``) as rediscoveries. Design
+notes: docs/internals/history.md.
 """
 
 from __future__ import annotations
@@ -23,27 +24,36 @@ PINS = {(engine, v): reqs for engine, (_, _, pins) in _HISTORIES.items() for v, 
 
 
 def rediscoveries() -> tuple[HistoryBug, ...]:
-    """The findings kvaudit made in SGLang 0.5.23 (``corpora/sglang/*.json``) as bugs to rediscover from
-    scratch: the file's config, its first finding's exact signature; no fixing release; ``reach``: the
-    analysis's (``corpora/sglang/notes.toml``) with its README section, or "" where none is written."""
-    root = data_path("corpora/sglang")
+    """The findings kvaudit made in an engine (each kind's ``own_findings`` release: the replay files of
+    ``corpora/<kind>/``) as bugs to rediscover from scratch: the file's config, its first finding's exact
+    signature; no fixing release; ``reach``: the analysis's (``corpora/<kind>/notes.toml``) with its README
+    section, or "" where none is written."""
     out = []
-    for name in sorted(n for n in os.listdir(root) if n.endswith(".json")):
-        with open(os.path.join(root, name)) as f:
-            doc = json.load(f)
-        first = doc["findings"][0]
-        note = note_for("sglang", [first["signature"]], doc["config"].get("preset", ""))
-        reach = f"{note.reach} (corpora/sglang/README.md#finding-{note.readme})" if note and note.reach else ""
-        out.append(HistoryBug(
-            id=f"sglang-0.5.23/{name[:-5]}", engine="sglang", title=f"kvaudit's own finding ({name})",
-            sources=(f"corpora/sglang/{name}",), buggy="0.5.23", fixed=None, clean_because="",
-            preset=doc["config"].get("preset", ""), finding=first["kind"], signature=first["signature"],
-            replay_file=f"corpora/sglang/{name}", reach=reach))
+    for kind in registry.kinds().values():
+        if kind.own_findings:
+            out += _own_findings(kind.name, kind.own_findings)
     return tuple(out)
 
 
+def _own_findings(engine: str, release: str) -> list[HistoryBug]:
+    root = data_path("corpora", engine)
+    out = []
+    for name in sorted(n for n in os.listdir(root) if n.endswith(".json")) if os.path.isdir(root) else ():
+        with open(os.path.join(root, name)) as f:
+            doc = json.load(f)
+        first = doc["findings"][0]
+        note = note_for(engine, [first["signature"]], doc["config"].get("preset", ""))
+        reach = f"{note.reach} (corpora/{engine}/README.md#finding-{note.readme})" if note and note.reach else ""
+        out.append(HistoryBug(
+            id=f"{engine}-{release}/{name[:-5]}", engine=engine, title=f"kvaudit's own finding ({name})",
+            sources=(f"corpora/{engine}/{name}",), buggy=release, fixed=None, clean_because="",
+            preset=doc["config"].get("preset", ""), finding=first["kind"], signature=first["signature"],
+            replay_file=f"corpora/{engine}/{name}", reach=reach))
+    return out
+
+
 def all_bugs() -> dict[str, HistoryBug]:
-    """The catalogue's bugs and the SGLang 0.5.23 rediscoveries, by id."""
+    """The catalogue's bugs and the kinds' own findings to rediscover, by id."""
     return {**BUGS, **{b.id: b for b in rediscoveries()}}
 
 

@@ -136,7 +136,9 @@ class TargetKind:
     names the releases that can and the installed one; None for any other name (by the engine's metadata: no
     import). ``all_presets()``: every preset of every release the kind drives, for a caller that adds the
     overrides a release needs and lets ``probe`` judge the result (the history suite's catalogue, a replay
-    file's preset name); None: ``presets()``.
+    file's preset name); None: ``presets()``. ``own_findings``: the engine release the kind's own findings
+    (the replay files of ``corpora/<name>/``, analysed in its ``notes.toml``) were made on: the history suite
+    rediscovers each from scratch on that release; None: the kind has none.
     """
 
     name: str
@@ -166,6 +168,7 @@ class TargetKind:
     search_per_step_first: int | None = None
     refused: Callable = _none
     all_presets: Callable[[], Mapping] | None = None
+    own_findings: str | None = None
 
     def config_from_dict(self, d: dict):
         """The config of a replay file's ``config`` object. Raises ``ValueError``/``TypeError``."""

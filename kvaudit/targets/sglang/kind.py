@@ -176,7 +176,8 @@ KIND = register(TargetKind(
                            f"and PD prefill; {', '.join(LEGACY)}: core pools, radix cache, sessions and PD decode with "
                            "HiSparse) (its presets start with 'sglang')",
     config_class=SglangConfig, presets=_presets, refused=_refused,
-    all_presets=lambda: SGLANG_PRESETS, make=_make, bugs=fault_rows(FAULTS), bugs_title="injected faults (--target sglang)",
+    all_presets=lambda: SGLANG_PRESETS, own_findings="0.5.23", make=_make, bugs=fault_rows(FAULTS),
+    bugs_title="injected faults (--target sglang)",
     default_preset="sglang", from_dict=SglangConfig.from_dict, probe=_probe, header=_header, anchor=_anchor,
     features=lambda config: config.program_features, capabilities=server_args_capabilities,
     engine_source=_engine_source, describe=_describe, notes=_notes,

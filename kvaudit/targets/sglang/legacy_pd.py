@@ -6,15 +6,7 @@ era's HiSparse allocator, device pool and ``HiSparseCoordinator`` on its direct-
 plays the prefill server through SGLang's own ``fake`` transfer backend (every transfer lands at once).
 
 Why this is not :mod:`~kvaudit.targets.sglang.pd` + :mod:`~kvaudit.targets.sglang.hisparse` through the
-seam: the 0.5.23 features read ``ReqKvInfo`` (``req.kv``), build 0.5.23's constructors
-(``MiniMaxSparseKVPool``, ``DecodePreallocQueue`` without a gloo group, the coordinator's newer
-arguments) and stage through ``admit_request_into_staging``, not the direct-to-host path; 0.5.23 refuses
-HiSparse under PD. What is shared: the legacy target's bootstrap, intake, row-pool hooks and checks, the
-host-pool hooks and the free-set wrapper (:mod:`~kvaudit.targets.sglang.hooks`), the metadata pool's and
-the decode queues' reads and abort (:mod:`~kvaudit.targets.sglang.pd_transfer`, as 0.5.23's PD decode) and
-:func:`~kvaudit.targets.base.slot_pages`.
-
-Design notes: docs/internals/sglang.md ("The legacy era: PD decode with HiSparse")."""
+seam, and what it shares: docs/internals/sglang.md ("The legacy era: PD decode with HiSparse")."""
 
 from __future__ import annotations
 

@@ -3,13 +3,8 @@ hybrid SSM model (``HybridReqToTokenPool`` with its ``MambaPool`` and ``MambaSlo
 ``UnifiedRadixCache`` with its ``MAMBA`` component, built as ``kv_cache_configurator`` and
 ``registry.create_tree_cache`` build them for a model whose config carries mamba state (``is_hybrid_ssm``).
 
-The model is a stand-in: one mamba layer with a tiny Mamba2 state (conv 8x1, temporal 2x2x2, float32) and
-one full-attention layer; SGLang's mamba chunk size is ``config.mamba_chunk_size`` (what a model's
-``mamba_chunk_size`` sets). No kernel runs: a request's state slot is allocated, copied (copy-on-write from
-the tree at a prefix hit, ``MambaPool.copy_from`` into the tree at a checkpoint), donated to the tree at
-finish and freed by SGLang's own code; the driver plays only the scheduler's calls around them.
-
-Design notes: docs/internals/sglang.md ("Mamba")."""
+The model is a stand-in (no kernel runs; SGLang's own code allocates, copies, donates and frees the state
+slots): docs/internals/sglang.md ("Mamba")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """The PD decode server's KV checksum, watched (:class:`ChecksumWatch`): the oracle for a request that SGLang's
 own integrity check aborts while the KV kvaudit wrote for it is intact (``spurious-abort``).
 
-kvaudit knows what each slot should hold: the transfer stand-in and the decode forward write a tag per token
-into SGLang's KV pool (:func:`~kvaudit.targets.sglang.pd_transfer.write_kv`), and SGLang's own copies move
-it (a retraction's ``cpu_tensor`` backup). A mismatch is blamed on the check only when the request's prompt
-slots hold exactly what prefill sent, the digest it expected is the one prefill sent for that transfer, and
-that transfer's digest had already been verified clean once: the check ran again over the same transfer
-(SGLang 0.5.22's ``_verify_kv_checksums`` at every join; 0.5.23 verifies once). A first verification of a
-new transfer that fails (a re-bootstrap's replay reaching a new page: corpora/sglang/README.md, "Seen by
-reading") is left unreported here.
-
-Design notes: docs/internals/sglang.md ("PD decode: the checksum re-verified after a retraction")."""
+It watches SGLang's ``_verify_kv_checksums`` and ``_handle_kv_checksum_mismatch`` (``disaggregation/decode.py``)
+over the tags kvaudit writes per token (:func:`~kvaudit.targets.sglang.pd_transfer.write_kv`); when a mismatch
+is blamed on the check: docs/internals/sglang.md ("PD decode: the checksum re-verified after a retraction")."""
 
 from __future__ import annotations
 

@@ -9,20 +9,9 @@ batch result through ``SchedulerBatchResultProcessor.process_batch_result_decode
 the spec estimate (``_new_tokens_required_next_decode_spec_v2``); ``release_kv_cache``, whose
 ``_release_overallocated_kv_indices`` frees the reserved-but-uncommitted tail ``[ceil(owned), kv_allocated_len)``.
 
-The stand-in's: the draft and target forwards. A verify of ``speculative_num_draft_tokens`` tokens accepts a
-number of drafts per request that is a function of the seed, the request and its output length
-(:func:`accepted_drafts`), so a program replays exactly; its tokens are the stand-in sampler's. The GPU kernel that
-writes the new slots into ``req_to_token`` (``assign_req_to_token_pool``) is :func:`assign_rows`.
-
-The ``spec-row-width`` check: a live request's ``kv_allocated_len`` past its ``req_to_token`` row (SGLang's own
-``SchedulerInvariantChecker`` asserts ``kv_allocated_len <= row_width``; the row write spilled into the next row).
-
-The ``spec-draft-kv`` oracle: after every step, each live request's reserved tail ``[kv_committed_len,
-kv_allocated_len)`` is still allocated (a slot freed while its row reserves it is a use-after-free), and every
-tail ``_release_overallocated_kv_indices`` was given at a release is free, in the tree or held by a live request or
-session by the next check (else a leak: which request, how many slots, which step).
-
-Design notes: docs/internals/sglang.md ("Speculative decoding (spec v2)")."""
+The stand-in plays the draft and target forwards (:func:`accepted_drafts`, :func:`assign_rows`); the
+``spec-row-width`` check and the ``spec-draft-kv`` oracle: docs/internals/sglang.md ("Speculative decoding
+(spec v2)")."""
 
 from __future__ import annotations
 
