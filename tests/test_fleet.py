@@ -748,3 +748,23 @@ def test_a_pull_never_skips_a_fleet_file_for_another_target_kinds_file_of_its_na
     assert known_signatures(str(tmp_path / "B"), target="eut")[sig] == str(found / f"{name}.3.json")
     again = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
     assert again.exit_code == 0 and "pulled campaign k: 0 new replay file(s) (1 in" in again.output, again.output
+
+
+def test_a_workers_later_pulls_read_no_fleet_file_it_already_has_an_other_kinds_included(redis_server, tmp_path):
+    """stop 62's note: each round's pull (campaign.pull_files) fetched and parsed again every fleet file the worker's
+    kind does not record (another kind's, already pulled beside it): one HGET per such file per round. A worker's
+    hub reads each fleet file once; the campaign's start pulls only what its kind lacks, as the rounds do."""
+    from kvaudit.search.campaign import pull_files
+
+    here = os.path.join(os.path.dirname(__file__), "..", "corpora")
+    r = redis_server.client()
+    for path in (os.path.join(here, "regressions", "hisparse-prebuilt-skip-finish.json"),
+                 os.path.join(here, "sglang", "aliasing-a1-rejected-turn-clears-inflight.json")):
+        _, _, findings, doc = replay.load(path)
+        r.hset("kvaudit:t:findings", findings[0].signature, json.dumps(doc))
+    hub = _hub(redis_server)
+    first = pull_files(hub, str(tmp_path / "C"), "eut")
+    assert len(os.listdir(tmp_path / "C" / "findings")) == 2 and first, first
+    r.config_resetstat()
+    assert pull_files(hub, str(tmp_path / "C"), "eut") == []
+    assert r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0) == 0  # (2 files, 1 HGET each round before)
