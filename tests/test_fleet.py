@@ -768,3 +768,20 @@ def test_a_workers_later_pulls_read_no_fleet_file_it_already_has_an_other_kinds_
     r.config_resetstat()
     assert pull_files(hub, str(tmp_path / "C"), "eut") == []
     assert r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0) == 0  # (2 files, 1 HGET each round before)
+
+
+def test_a_campaigns_start_pulls_only_the_fleet_files_its_kind_lacks(redis_server, tmp_path, monkeypatch):
+    """The start's pull fetched every fleet file at each start, the ones DIR/findings/ holds included."""
+    from kvaudit.search import campaign
+
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    config, _, findings, doc = replay.load(path)
+    r = redis_server.client()
+    r.hset("kvaudit:t:findings", findings[0].signature, json.dumps(doc))
+    (tmp_path / "C" / "findings").mkdir(parents=True)
+    replay.write_atomic(str(tmp_path / "C" / "findings" / "mine.json"), doc)
+    monkeypatch.setattr(campaign, "_search_loop", lambda spec, handle: None)  # (the start's pull only)
+    r.config_resetstat()
+    result = campaign.run_campaign(config, "random", 1, 0, 1, str(tmp_path / "C"), db=redis_server.url, campaign="t")
+    assert findings[0].signature in result.known and os.listdir(tmp_path / "C" / "findings") == ["mine.json"]
+    assert r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0) == 0  # (1 before)

@@ -687,13 +687,12 @@ def run_campaign(config: TargetConfig, fuzzer: str, max_time: float, seed: int, 
     Raises OSError if ``corpus`` cannot be written."""
     ttl = float(os.environ.get("KVAUDIT_FLEET_TTL", "30")) if ttl is None else ttl
     os.makedirs(findings_dir(corpus), exist_ok=True)
-    fleet = None
-    if db is not None:  # the fleet's findings are known before the first program runs
+    fleet, target = None, replay.target_name(config)
+    if db is not None:  # the fleet's findings are known before the first program runs (those its kind lacks)
         from kvaudit.search import hub as hubs
 
         fleet = hubs.Hub(hubs.connect(db), campaign, hubs.worker_id(-1), ttl=ttl)
-        fleet.pull_findings(findings_dir(corpus))
-    target = replay.target_name(config)
+        fleet.pull_findings(findings_dir(corpus), have=set(known_signatures(corpus, target=target)))
     result = CampaignResult(known=known_signatures(corpus, target=target), workers=workers)
     stats = result.stats
     handle = _Tally(result, on_progress, on_finding)
