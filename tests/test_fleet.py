@@ -785,3 +785,18 @@ def test_a_campaigns_start_pulls_only_the_fleet_files_its_kind_lacks(redis_serve
     result = campaign.run_campaign(config, "random", 1, 0, 1, str(tmp_path / "C"), db=redis_server.url, campaign="t")
     assert findings[0].signature in result.known and os.listdir(tmp_path / "C" / "findings") == ["mine.json"]
     assert r.info("commandstats").get("cmdstat_hget", {}).get("calls", 0) == 0  # (1 before)
+
+
+def test_a_pull_writes_no_second_copy_of_a_finding_the_folder_holds_under_another_name(redis_server, tmp_path):
+    """`campaign pull` looked for the fleet's file under its own name only: a finding kept as DIR/findings/mine.json
+    was pulled again beside it, and a campaign over DIR then held two files for one bug."""
+    path = os.path.join(os.path.dirname(__file__), "..", "corpora", "regressions", "hisparse-prebuilt-skip-finish.json")
+    _, _, findings, doc = replay.load(path)
+    r = redis_server.client()
+    r.hset("kvaudit:k:findings", findings[0].signature, json.dumps(doc))
+    r.sadd("kvaudit:k:workers", "host/1/0")
+    (tmp_path / "B" / "findings").mkdir(parents=True)
+    replay.write_atomic(str(tmp_path / "B" / "findings" / "mine.json"), doc)
+    pull = invoke(*["campaign", "pull", "--db", redis_server.url, "--campaign", "k", str(tmp_path / "B")])
+    assert pull.exit_code == 0 and "pulled campaign k: 0 new replay file(s) (1 in" in pull.output, pull.output
+    assert os.listdir(tmp_path / "B" / "findings") == ["mine.json"]

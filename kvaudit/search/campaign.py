@@ -53,6 +53,19 @@ def known_signatures(corpus: str, unreadable: list[str] | None = None, target: s
     return out
 
 
+def recorded_kinds(corpus: str) -> dict[str, set[str]]:
+    """Target kind -> the signatures the replay files in ``corpus``'s findings folder record on it (a file that
+    does not load is skipped)."""
+    out: dict[str, set[str]] = {}
+    for path in findings_files(corpus)[0]:
+        try:
+            config, _, findings, _ = replay.load(path)
+        except replay.ReplayFormatError:
+            continue
+        out.setdefault(replay.target_name(config), set()).update(f.signature for f in findings)
+    return out
+
+
 def findings_files(corpus: str) -> tuple[list[str], list[str]]:
     """The entries of ``corpus``'s findings folder, sorted: ``(the regular files named *.json, the others)``
     (paths); dot files (kvaudit's temporaries) are neither. Only the first are ever opened: a FIFO waits for a

@@ -348,13 +348,15 @@ class Hub:
         return set(map(_text, got))
 
     def pull_findings(self, directory: str, have: set[str] | None = None, written: list[str] | None = None,
-                      kinds: set[str] | None = None) -> list[str]:
+                      kinds: set[str] | None = None, recorded: dict[str, set[str]] | None = None) -> list[str]:
         """Write the fleet's replay files that ``directory`` lacks into it, validated, atomically; ``have``:
         signatures to skip unread (so is a file this hub found there or wrote at an earlier pull: another kind's
         included, which ``have`` lacks). A file of the same name that is not a replay file of the same target kind
         and signature (another kind's, a note) is left as it is: the fleet's takes the next free
         ``<name>.<n>.json`` (:func:`kvaudit.replay.home`). Returns the paths written, each also appended to
-        ``written`` as it is; ``kinds``: the target kind of each valid replay file read is added to it. Raises
+        ``written`` as it is; ``kinds``: the target kind of each valid replay file read is added to it;
+        ``recorded``: target kind -> the signatures ``directory``'s files record on it (whatever their names): a
+        fleet file whose kind records its signature there is read but not written. Raises
         ``OSError`` for a file not written (a full disk: the files are written
         after the reads, so the disk's error is not taken for Redis's)."""
         def go(r):
@@ -371,7 +373,7 @@ class Hub:
             if kinds is not None:
                 kinds.add(kind)
             path, has_it = replay.home(directory, sig, kind)
-            if not has_it:
+            if not has_it and sig not in (recorded or {}).get(kind, ()):
                 written.append(replay.write_atomic(path, doc))
             self._pulled.add(sig)
         return written
